@@ -1,0 +1,262 @@
+"""A pipeline stage: the IRs of a layer range fused into ONE stateful OpenVINO model, and its sessions.
+
+Fusion wires each unit's outputs to the next unit's inputs in one graph (rope -> [embed] -> layers ->
+[head]), so a stage costs one infer call and a re-plan moves layer files instead of re-exporting. The
+fused graph is then made stateful: every layer's past key/value Parameter and present Result become a
+ReadValue/Assign pair (OpenVINO's MakeStateful), each cache read goes through Gather(beam_idx) so a
+micro-batch can add, drop and reorder rows, and the initial state is zero-length with the input's batch.
+
+Stage inputs (B rows, T new tokens, S = slots after this call):
+    input_ids [B,T] i64 (first stage) or hidden_states [B,T,H] f32; attention_mask [B,S] i64;
+    position_ids [B,T] i64; beam_idx [B] i32
+Outputs: hidden_states [B,T,H], or (last stage) logits [B,T,V] and next_tokens [B,T] i64.
+
+No torch here: this runs on every employee PC.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+from openvino import passes
+
+from deskfleet.common.model_spec import Manifest, TensorNames, verify_files
+
+log = logging.getLogger(__name__)
+
+
+class Precision(str, Enum):
+    F32 = "f32"  # exact: f32 compute AND an f32 KV cache (the CPU plugin's default cache is u8)
+    FAST = "fast"  # the device's default fast precision
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    device: str = "CPU"
+    precision: Precision = Precision.FAST
+    num_threads: int | None = None
+
+    def properties(self, core: ov.Core) -> dict[str, str]:
+        """OpenVINO properties for this device, dropping those the device does not support."""
+        wanted: dict[str, str] = {"PERFORMANCE_HINT": "LATENCY"}
+        if self.precision is Precision.F32:
+            wanted["INFERENCE_PRECISION_HINT"] = "f32"
+            wanted["KV_CACHE_PRECISION"] = "f32"
+        if self.num_threads:
+            wanted["INFERENCE_NUM_THREADS"] = str(self.num_threads)
+        device = self.device.split(":")[0].split(".")[0]
+        if device in {"AUTO", "MULTI", "HETERO"}:
+            return wanted
+        supported = set(core.get_property(self.device, "SUPPORTED_PROPERTIES"))
+        for name in sorted(set(wanted) - supported):
+            if name in {"INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION"} and self.precision is Precision.F32:
+                raise ValueError(f"device {self.device} does not support {name}: it cannot run --precision f32")
+            log.warning("device %s does not support %s; left at its default", self.device, name)
+            del wanted[name]
+        return wanted
+
+
+@dataclass(frozen=True)
+class LayerRange:
+    start: int
+    stop: int
+    num_layers: int  # of the whole model
+
+    @property
+    def is_first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stop == self.num_layers
+
+
+@dataclass(frozen=True)
+class StageOutput:
+    """hidden: [B,T,H] (a copy, safe to hand to another thread), or next_tokens [B,T] and logits [B,T,V]."""
+
+    hidden: np.ndarray | None = None
+    next_tokens: np.ndarray | None = None
+    logits: np.ndarray | None = None
+
+
+# Public methods
+
+def build_stage_model(model_dir: Path, manifest: Manifest, layers: LayerRange, verify: bool = True) -> ov.Model:
+    """Fuse the IRs of `layers` into one stateful ov.Model. Verifies every file's sha256 first."""
+    stems = manifest.stage_ir_stems(layers.start, layers.stop)
+    if verify:
+        verify_files(model_dir, manifest, [name for stem in stems for name in manifest.ir_files(stem)])
+    core = ov.Core()
+    units = {stem: core.read_model(model_dir / f"{stem}.xml") for stem in stems}
+    spec = manifest.spec
+
+    attention_mask = _parameter(TensorNames.ATTENTION_MASK, [-1, -1], ov.Type.i64)
+    position_ids = _parameter(TensorNames.POSITION_IDS, [-1, -1], ov.Type.i64)
+    beam_idx = _parameter(TensorNames.BEAM_IDX, [-1], ov.Type.i32)
+
+    rope = units[Manifest.ROPE_IR]
+    _rewire(rope, TensorNames.POSITION_IDS, position_ids.output(0))
+    _rewire(rope, TensorNames.ATTENTION_MASK, attention_mask.output(0))
+    cos, sin, bias = (_produced(rope, name) for name in (TensorNames.COS, TensorNames.SIN,
+                                                          TensorNames.ATTENTION_BIAS))
+    if layers.is_first:
+        stage_input = _parameter(TensorNames.INPUT_IDS, [-1, -1], ov.Type.i64)
+        embed = units[Manifest.EMBED_IR]
+        _rewire(embed, TensorNames.INPUT_IDS, stage_input.output(0))
+        hidden = _produced(embed, TensorNames.EMBED_OUT)
+    else:
+        stage_input = _parameter(TensorNames.HIDDEN_STATES, [-1, -1, spec.hidden_size], ov.Type.f32)
+        hidden = stage_input.output(0)
+
+    kv_pairs: list[tuple[ov.Node, ov.Node]] = []
+    for index in range(layers.start, layers.stop):
+        layer = units[Manifest.layer_ir(index)]
+        _rewire(layer, TensorNames.layer_hidden_in(index), hidden)
+        _rewire(layer, TensorNames.ATTENTION_BIAS, bias)
+        _rewire(layer, TensorNames.COS, cos)
+        _rewire(layer, TensorNames.SIN, sin)
+        for kind in ("key", "value"):
+            past = _input_node(layer, TensorNames.past(kind, index))
+            _insert_beam_gather(past, beam_idx)
+            kv_pairs.append((past, _result_node(layer, TensorNames.present(kind, index))))
+        hidden = _produced(layer, TensorNames.layer_hidden_out(index))
+
+    if layers.is_last:
+        head = units[Manifest.HEAD_IR]
+        _rewire(head, TensorNames.HEAD_IN, hidden)
+        outputs = [_result_node(head, TensorNames.LOGITS), _result_node(head, TensorNames.NEXT_TOKENS)]
+    else:
+        result = ops.result(hidden)
+        result.output(0).get_tensor().set_names({TensorNames.HIDDEN_STATES})
+        outputs = [result]
+
+    parameters = [stage_input, attention_mask, position_ids, beam_idx] + [past for past, _ in kv_pairs]
+    model = ov.Model(outputs + [present for _, present in kv_pairs], parameters,
+                     f"{manifest.model_name}-layers-{layers.start}-{layers.stop}")
+    manager = passes.Manager()
+    manager.register_pass(passes.MakeStateful(kv_pairs))
+    manager.run_passes(model)
+    _zero_length_initial_state(model, stage_input)
+    stateful = sum(op.get_type_name() == "ReadValue" for op in model.get_ops())
+    if stateful != len(kv_pairs):
+        raise RuntimeError(f"only {stateful} of {len(kv_pairs)} KV pairs became stateful")
+    return model
+
+
+class Stage:
+    """A compiled stage. Each session (one InferRequest) holds the KV state of one micro-batch."""
+
+    def __init__(self, model_dir: Path, manifest: Manifest, layers: LayerRange,
+                 settings: CompileSettings = CompileSettings(), core: ov.Core | None = None) -> None:
+        self.layers = layers
+        self.settings = settings
+        core = core or ov.Core()
+        model = build_stage_model(model_dir, manifest, layers)
+        self.compiled = core.compile_model(model, settings.device, settings.properties(core))
+        log.info("compiled layers [%d, %d) on %s (%s)", layers.start, layers.stop, settings.device,
+                 settings.precision.value)
+
+    def open_session(self) -> StageSession:
+        return StageSession(self)
+
+
+class StageSession:
+    """One micro-batch's KV state on a stage, and the calls that advance it."""
+
+    def __init__(self, stage: Stage) -> None:
+        self.stage = stage
+        self.request = stage.compiled.create_infer_request()
+
+    def forward(self, payload: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                beam_idx: np.ndarray, want_logits: bool = False) -> StageOutput:
+        """Append T slots for every row and run the stage.
+
+        payload: input_ids [B,T] i64 (first stage) or hidden_states [B,T,H] f32; attention_mask [B,S] over
+        all slots after this call; position_ids [B,T] logical; beam_idx [B] rows of the previous state.
+        """
+        name = TensorNames.INPUT_IDS if self.stage.layers.is_first else TensorNames.HIDDEN_STATES
+        self.request.infer({
+            name: payload,
+            TensorNames.ATTENTION_MASK: attention_mask,
+            TensorNames.POSITION_IDS: position_ids,
+            TensorNames.BEAM_IDX: beam_idx.astype(np.int32, copy=False),
+        })
+        if not self.stage.layers.is_last:
+            return StageOutput(hidden=self.request.get_tensor(TensorNames.HIDDEN_STATES).data.copy())
+        logits = self.request.get_tensor(TensorNames.LOGITS).data.copy() if want_logits else None
+        return StageOutput(next_tokens=self.request.get_tensor(TensorNames.NEXT_TOKENS).data.copy(),
+                           logits=logits)
+
+    def reset(self) -> None:
+        """Forget every row's KV state (the next forward starts from zero slots)."""
+        self.request.reset_state()
+
+    def query_state(self) -> dict[str, np.ndarray]:
+        return {state.name: state.state.data.copy() for state in self.request.query_state()}
+
+    def set_state(self, values: dict[str, np.ndarray]) -> None:
+        for state in self.request.query_state():
+            state.state = ov.Tensor(np.ascontiguousarray(values[state.name]))
+
+
+# Private methods
+
+def _parameter(name: str, shape: list[int], element_type: ov.Type) -> ov.Node:
+    parameter = ops.parameter(ov.PartialShape(shape), element_type, name=name)
+    parameter.output(0).get_tensor().set_names({name})
+    return parameter
+
+
+def _input_node(model: ov.Model, name: str) -> ov.Node:
+    for parameter in model.get_parameters():
+        if name in parameter.output(0).get_names():
+            return parameter
+    raise KeyError(f"IR {model.get_friendly_name()} has no input {name!r}")
+
+
+def _result_node(model: ov.Model, name: str) -> ov.Node:
+    for result in model.get_results():
+        if name in result.output(0).get_names() or name in result.input_value(0).get_names():
+            return result
+    raise KeyError(f"IR {model.get_friendly_name()} has no output {name!r}")
+
+
+def _produced(model: ov.Model, name: str) -> ov.Output:
+    """The port that computes output `name` (not the Result node itself)."""
+    return _result_node(model, name).input_value(0)
+
+
+def _rewire(model: ov.Model, input_name: str, source: ov.Output) -> None:
+    """Feed every consumer of the model's input `input_name` from `source` instead."""
+    parameter = _input_node(model, input_name)
+    for target in list(parameter.output(0).get_target_inputs()):
+        target.replace_source_output(source)
+
+
+def _insert_beam_gather(past: ov.Node, beam_idx: ov.Node) -> None:
+    consumers = list(past.output(0).get_target_inputs())
+    gathered = ops.gather(past, beam_idx, ops.constant(np.int64(0)))
+    for target in consumers:
+        target.replace_source_output(gathered.output(0))
+
+
+def _zero_length_initial_state(model: ov.Model, stage_input: ov.Node) -> None:
+    """Initial KV state [B, KV, 0, D], B taken from the stage input: a fresh state has no slots."""
+    batch = ops.gather(ops.shape_of(stage_input, output_type="i64"), ops.constant(np.array([0], np.int64)),
+                       ops.constant(np.int64(0)))
+    for op in model.get_ops():
+        if op.get_type_name() != "ReadValue":
+            continue
+        shape = op.get_output_partial_shape(0)
+        dims = [batch] + [ops.constant(np.array([shape[i].get_length() if i != 2 else 0], np.int64))
+                          for i in range(1, 4)]
+        zeros = ops.broadcast(ops.constant(np.float32(0)), ops.concat(dims, axis=0))
+        op.set_arguments([zeros])
+    model.validate_nodes_and_infer_types()

@@ -1,0 +1,224 @@
+"""The model spec and export manifest: what an exported model folder contains.
+
+An export folder holds one IR per decoder layer plus `embed`, `head` and `rope` (the RoPE table and the
+attention-bias prologue every stage runs once), the tokenizer files, and `manifest.json`. The manifest is
+the only file a reader trusts: it names every other file with its sha256 and size, so an agent can verify
+what it was sent before it compiles anything.
+
+Pure code: json and hashlib only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = 1
+
+
+class ManifestError(ValueError):
+    """The manifest or a file it names is missing, malformed or does not match its checksum."""
+
+
+class WeightFormat(str, Enum):
+    INT4 = "int4"
+    F16 = "f16"
+    F32 = "f32"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a decoder-only transformer, as far as the runtime needs to know it."""
+
+    architecture: str  # "llama", "mistral" or "qwen2"
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_context: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    rope_type: str
+    tie_word_embeddings: bool
+
+    def kv_bytes_per_token_per_layer(self, bytes_per_element: int = 4) -> int:
+        """KV-cache bytes one token costs in one layer (keys and values)."""
+        return 2 * self.num_kv_heads * self.head_dim * bytes_per_element
+
+    def validate(self) -> None:
+        """Raise ManifestError naming the first field that cannot describe a real model."""
+        positive = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                    "intermediate_size", "vocab_size", "max_context")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ManifestError(f"model spec field {name!r} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ManifestError(
+                f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})")
+        for token in self.eos_token_ids:
+            if not 0 <= token < self.vocab_size:
+                raise ManifestError(f"eos token id {token} is outside the vocabulary (size {self.vocab_size})")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything an export folder holds. IR names are stems: `layer_003` means layer_003.xml/.bin."""
+
+    model_name: str
+    spec: ModelSpec
+    weight_format: WeightFormat
+    files: dict[str, FileEntry]
+    tokenizer_files: tuple[str, ...]
+    layer_bytes: tuple[int, ...]  # weight bytes (.bin) of each decoder layer
+    embed_bytes: int
+    head_bytes: int
+    format_version: int = MANIFEST_FORMAT
+    extra: dict[str, str] = field(default_factory=dict)
+
+    # IR stems, by role.
+    @staticmethod
+    def layer_ir(index: int) -> str:
+        return f"layer_{index:03d}"
+
+    EMBED_IR = "embed"
+    HEAD_IR = "head"
+    ROPE_IR = "rope"
+
+    def ir_files(self, stem: str) -> tuple[str, str]:
+        return f"{stem}.xml", f"{stem}.bin"
+
+    def stage_ir_stems(self, start: int, stop: int) -> list[str]:
+        """The IR stems a stage holding layers [start, stop) needs, in graph order."""
+        if not 0 <= start < stop <= self.spec.num_layers:
+            raise ManifestError(
+                f"layer range [{start}, {stop}) is outside the model's {self.spec.num_layers} layers")
+        stems = [self.ROPE_IR]
+        if start == 0:
+            stems.append(self.EMBED_IR)
+        stems += [self.layer_ir(i) for i in range(start, stop)]
+        if stop == self.spec.num_layers:
+            stems.append(self.HEAD_IR)
+        return stems
+
+    # Serialization
+    def to_json(self) -> str:
+        body = asdict(self)
+        body["weight_format"] = self.weight_format.value
+        return json.dumps(body, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        try:
+            body = json.loads(text)
+            if body.get("format_version") != MANIFEST_FORMAT:
+                raise ManifestError(
+                    f"manifest format_version {body.get('format_version')!r} is not {MANIFEST_FORMAT}")
+            spec_body = dict(body["spec"])
+            spec_body["eos_token_ids"] = tuple(spec_body["eos_token_ids"])
+            spec = ModelSpec(**spec_body)
+            manifest = cls(
+                model_name=str(body["model_name"]),
+                spec=spec,
+                weight_format=WeightFormat(body["weight_format"]),
+                files={name: FileEntry(**entry) for name, entry in body["files"].items()},
+                tokenizer_files=tuple(body["tokenizer_files"]),
+                layer_bytes=tuple(body["layer_bytes"]),
+                embed_bytes=int(body["embed_bytes"]),
+                head_bytes=int(body["head_bytes"]),
+                extra=dict(body.get("extra", {})),
+            )
+        except ManifestError:
+            raise
+        except (KeyError, TypeError, ValueError) as error:
+            raise ManifestError(f"malformed manifest: {error!r}") from error
+        spec.validate()
+        if len(manifest.layer_bytes) != spec.num_layers:
+            raise ManifestError(
+                f"manifest lists {len(manifest.layer_bytes)} layer sizes for {spec.num_layers} layers")
+        return manifest
+
+
+def sha256_of(path: Path, chunk_bytes: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        while chunk := stream.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_manifest(model_dir: Path) -> Manifest:
+    """Read `model_dir/manifest.json`, with a clear error when the folder is not an export."""
+    path = model_dir / MANIFEST_NAME
+    if not model_dir.is_dir():
+        raise ManifestError(f"{model_dir} is not a folder")
+    if not path.is_file():
+        raise ManifestError(
+            f"{model_dir} has no {MANIFEST_NAME}: it is not a deskfleet export (run `deskfleet export` first)")
+    return Manifest.from_json(path.read_text(encoding="utf-8"))
+
+
+def verify_files(model_dir: Path, manifest: Manifest, names: list[str] | None = None) -> None:
+    """Check that each named file (default: all) exists with the size and sha256 the manifest says."""
+    for name in names if names is not None else sorted(manifest.files):
+        entry = manifest.files.get(name)
+        if entry is None:
+            raise ManifestError(f"{name} is not listed in the manifest of {model_dir}")
+        path = model_dir / name
+        if not path.is_file():
+            raise ManifestError(f"{path} is missing")
+        size = path.stat().st_size
+        if size != entry.size:
+            raise ManifestError(f"{path} has {size} bytes, the manifest says {entry.size}")
+        digest = sha256_of(path)
+        if digest != entry.sha256:
+            raise ManifestError(f"{path} is corrupted: sha256 {digest[:12]}…, the manifest says {entry.sha256[:12]}…")
+
+
+class TensorNames:
+    """Input and output tensor names of the export units and of a fused stage.
+
+    Layer tensors carry the layer index: fused stages need every KV tensor name unique, or MakeStateful
+    pairs only some of them.
+    """
+
+    INPUT_IDS = "input_ids"
+    HIDDEN_STATES = "hidden_states"
+    ATTENTION_MASK = "attention_mask"
+    POSITION_IDS = "position_ids"
+    BEAM_IDX = "beam_idx"
+    COS = "rope_cos"
+    SIN = "rope_sin"
+    ATTENTION_BIAS = "attention_bias"
+    EMBED_OUT = "embed.hidden_out"
+    HEAD_IN = "head.hidden_in"
+    LOGITS = "logits"
+    NEXT_TOKENS = "next_tokens"
+
+    @staticmethod
+    def layer_hidden_in(index: int) -> str:
+        return f"layer_{index:03d}.hidden_in"
+
+    @staticmethod
+    def layer_hidden_out(index: int) -> str:
+        return f"layer_{index:03d}.hidden_out"
+
+    @staticmethod
+    def past(kind: str, index: int) -> str:
+        return f"past_{kind}.{index:03d}"
+
+    @staticmethod
+    def present(kind: str, index: int) -> str:
+        return f"present_{kind}.{index:03d}"

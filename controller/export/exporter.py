@@ -1,0 +1,228 @@
+"""`deskfleet export`: a Hugging Face checkpoint -> one OpenVINO IR per layer plus embed, head and rope.
+
+The export is plan-independent: any split of the layers into stages is fused from these files on the
+agents. Weights are compressed with ONE policy for every decoder layer (INT4 on every MatMul, the
+down_proj included), so every plan computes the same model; a per-stage default of NNCF would keep each
+stage's last MatMul at 8 bits and make the weights depend on where the split falls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import openvino as ov
+import torch
+
+from deskfleet.common.model_spec import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    TensorNames,
+    WeightFormat,
+    sha256_of,
+)
+
+from .hf_config import CheckpointConfig, read_checkpoint_config
+from .modules import DecoderLayer, Embed, Head, RopeAndMask
+from .rope import rope_tables
+from .weights import CheckpointWeights
+
+log = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[int, int, str], None]
+
+
+class ExportError(RuntimeError):
+    """The export could not be written; nothing at the destination was changed."""
+
+
+# Public methods
+
+def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightFormat = WeightFormat.INT4,
+                      max_context: int | None = None, overwrite: bool = False,
+                      progress: ProgressCallback | None = None) -> Manifest:
+    """Export `model_dir` into `out_dir` and return the manifest written there.
+
+    Writes into a hidden sibling folder and renames it into place at the end, so an interrupted export
+    never leaves `out_dir` looking complete. An existing `out_dir` is replaced only with `overwrite`.
+    """
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if not model_dir.is_dir():
+        raise ExportError(f"{model_dir} is not a folder")
+    if out_dir.exists() and not overwrite:
+        raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it")
+    config = read_checkpoint_config(model_dir, max_context)
+    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        manifest = _export_into(model_dir, staging, config, weight_format, progress)
+        _replace_folder(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log.info("exported %s (%d layers, %s) to %s", model_dir.name, config.spec.num_layers,
+             weight_format.value, out_dir)
+    return manifest
+
+
+# Private methods
+
+def _export_into(model_dir: Path, staging: Path, config: CheckpointConfig, weight_format: WeightFormat,
+                 progress: ProgressCallback | None) -> Manifest:
+    spec = config.spec
+    total = spec.num_layers + 4  # rope, embed, layers, head, tokenizer
+    step = 0
+
+    def report(name: str) -> None:
+        nonlocal step
+        step += 1
+        if progress is not None:
+            progress(step, total, name)
+
+    torch.manual_seed(0)
+    with CheckpointWeights(model_dir) as weights:
+        cos, sin = rope_tables(config)
+        rope = _convert(RopeAndMask(cos, sin), _rope_example(spec.max_context), [[-1, -1], [-1, -1]],
+                        [TensorNames.POSITION_IDS, TensorNames.ATTENTION_MASK],
+                        [TensorNames.COS, TensorNames.SIN, TensorNames.ATTENTION_BIAS])
+        # The RoPE table stays f32 and out of weight compression (NNCF would take it for an embedding).
+        ov.save_model(rope, staging / f"{Manifest.ROPE_IR}.xml", compress_to_fp16=False)
+        report(Manifest.ROPE_IR)
+
+        embed = _convert(Embed(weights.get("model.embed_tokens.weight")),
+                         (torch.zeros(1, 2, dtype=torch.int64),), [[-1, -1]],
+                         [TensorNames.INPUT_IDS], [TensorNames.EMBED_OUT])
+        _save(embed, staging / f"{Manifest.EMBED_IR}.xml", weight_format, is_decoder_layer=False)
+        report(Manifest.EMBED_IR)
+
+        hidden, kv_heads, head_dim = spec.hidden_size, spec.num_kv_heads, spec.head_dim
+        layer_shapes = [[-1, -1, hidden], [-1, 1, -1, -1], [-1, -1, head_dim], [-1, -1, head_dim],
+                        [-1, kv_heads, -1, head_dim], [-1, kv_heads, -1, head_dim]]
+        for index in range(spec.num_layers):
+            layer = _convert(DecoderLayer(config, weights, index), _layer_example(config), layer_shapes,
+                             [TensorNames.layer_hidden_in(index), TensorNames.ATTENTION_BIAS,
+                              TensorNames.COS, TensorNames.SIN,
+                              TensorNames.past("key", index), TensorNames.past("value", index)],
+                             [TensorNames.layer_hidden_out(index),
+                              TensorNames.present("key", index), TensorNames.present("value", index)])
+            _save(layer, staging / f"{Manifest.layer_ir(index)}.xml", weight_format, is_decoder_layer=True)
+            report(Manifest.layer_ir(index))
+
+        head = _convert(Head(config, weights), (torch.zeros(1, 2, spec.hidden_size),), [[-1, -1, hidden]],
+                        [TensorNames.HEAD_IN],
+                        [TensorNames.LOGITS, TensorNames.NEXT_TOKENS])
+        _save(head, staging / f"{Manifest.HEAD_IR}.xml", weight_format, is_decoder_layer=False)
+        report(Manifest.HEAD_IR)
+
+    tokenizer_files = _save_tokenizer(model_dir, staging)
+    report("tokenizer")
+    files = {path.name: FileEntry(sha256=sha256_of(path), size=path.stat().st_size)
+             for path in sorted(staging.iterdir()) if path.name != MANIFEST_NAME}
+    manifest = Manifest(
+        model_name=model_dir.resolve().name,
+        spec=spec,
+        weight_format=weight_format,
+        files=files,
+        tokenizer_files=tokenizer_files,
+        layer_bytes=tuple(files[f"{Manifest.layer_ir(i)}.bin"].size for i in range(spec.num_layers)),
+        embed_bytes=files[f"{Manifest.EMBED_IR}.bin"].size,
+        head_bytes=files[f"{Manifest.HEAD_IR}.bin"].size,
+    )
+    (staging / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
+    return manifest
+
+
+def _rope_example(max_context: int) -> tuple[torch.Tensor, ...]:
+    positions = torch.tensor([[3, 4]], dtype=torch.int64) % max_context
+    return positions, torch.ones(1, 5, dtype=torch.int64)
+
+
+def _layer_example(config: CheckpointConfig) -> tuple[torch.Tensor, ...]:
+    spec = config.spec
+    batch, tokens, past = 1, 2, 3
+    return (
+        torch.zeros(batch, tokens, spec.hidden_size),
+        torch.zeros(batch, 1, tokens, past + tokens),
+        torch.ones(batch, tokens, spec.head_dim),
+        torch.zeros(batch, tokens, spec.head_dim),
+        torch.zeros(batch, spec.num_kv_heads, past, spec.head_dim),
+        torch.zeros(batch, spec.num_kv_heads, past, spec.head_dim),
+    )
+
+
+def _convert(module: torch.nn.Module, example: tuple[torch.Tensor, ...], shapes: list[list[int]],
+             input_names: list[str], output_names: list[str]) -> ov.Model:
+    """Trace `module` with the given input shapes (-1 = dynamic) and name its inputs and outputs."""
+    module.eval()
+    with torch.no_grad():
+        model = ov.convert_model(module, example_input=example,
+                                 input=[ov.PartialShape(shape) for shape in shapes])
+    for port, name in zip(model.inputs, input_names, strict=True):
+        port.get_tensor().set_names({name})
+        port.get_node().set_friendly_name(name)
+    for port, name in zip(model.outputs, output_names, strict=True):
+        port.get_tensor().set_names({name})
+    return model
+
+
+def _save(model: ov.Model, path: Path, weight_format: WeightFormat, is_decoder_layer: bool) -> None:
+    if weight_format is WeightFormat.INT4:
+        model = _compress_int4(model, is_decoder_layer)
+    ov.save_model(model, path, compress_to_fp16=weight_format is WeightFormat.F16)
+
+
+def _compress_int4(model: ov.Model, is_decoder_layer: bool) -> ov.Model:
+    import nncf
+
+    if not is_decoder_layer:
+        # embed and head: 8-bit per channel, the usual backup precision for the vocabulary matrices.
+        return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+    return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT4_ASYM, ratio=1.0,
+                                 group_size=_group_size(model), all_layers=True)
+
+
+def _group_size(model: ov.Model) -> int:
+    """The largest of 128/64/32 that divides every MatMul's input channels; -1 (per channel) otherwise."""
+    channels = set()
+    for op in model.get_ops():
+        if op.get_type_name() == "MatMul":
+            weight = op.input_value(1).get_partial_shape()
+            if weight.rank.is_static and weight[-1].is_static:
+                channels.add(weight[-1].get_length())
+    for size in (128, 64, 32):
+        if all(count % size == 0 for count in channels):
+            return size
+    return -1
+
+
+def _save_tokenizer(model_dir: Path, staging: Path) -> tuple[str, ...]:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ExportError(f"cannot load the tokenizer of {model_dir}: {error}") from error
+    before = {path.name for path in staging.iterdir()}
+    tokenizer.save_pretrained(staging)
+    written = sorted({path.name for path in staging.iterdir()} - before)
+    if "tokenizer.json" not in written:
+        raise ExportError(f"the tokenizer of {model_dir} has no fast (tokenizer.json) form")
+    for name in ("generation_config.json", "config.json"):
+        if (model_dir / name).is_file():
+            shutil.copyfile(model_dir / name, staging / name)
+            written.append(name)
+    return tuple(sorted(written))
+
+
+def _replace_folder(staging: Path, out_dir: Path) -> None:
+    """Move the finished export into place; an old export there is removed only after the move."""
+    retired = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    if out_dir.exists():
+        out_dir.rename(retired)
+    staging.rename(out_dir)
+    shutil.rmtree(retired, ignore_errors=True)

@@ -1,0 +1,117 @@
+"""Read a Hugging Face checkpoint's config and decide whether deskfleet can export it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from deskfleet.common.model_spec import ModelSpec
+
+SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
+# RoPE types whose tables do not depend on the sequence length, so they can be precomputed exactly.
+STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+DEFAULT_MAX_CONTEXT_CAP = 8192
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint uses a feature deskfleet cannot export; the message names the config field."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """The validated config of a checkpoint, and the transformers config object behind it."""
+
+    spec: ModelSpec
+    attention_bias: bool  # bias on q/k/v projections (Qwen2, or Llama's attention_bias)
+    output_bias: bool  # bias on o_proj (Llama's attention_bias only)
+    mlp_bias: bool
+    rms_norm_eps: float
+    hf_config: object  # transformers.PretrainedConfig
+
+
+def _rope_type(hf_config: object) -> str:
+    parameters = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = parameters.get("rope_type", parameters.get("type", "default")) if parameters else "default"
+    return str(rope_type)
+
+
+def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> CheckpointConfig:
+    """Load config.json (and generation_config.json for eos ids) and validate it for export.
+
+    Raises UnsupportedModelError naming the field when the model is outside what deskfleet supports.
+    """
+    from transformers import AutoConfig
+
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{model_dir} has no config.json: it is not a Hugging Face checkpoint folder")
+    raw = json.loads(config_path.read_text(encoding="utf-8"))
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"config field model_type={model_type!r} is not supported "
+            f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+
+    hidden_act = getattr(hf_config, "hidden_act", "silu")
+    if hidden_act != "silu":
+        raise UnsupportedModelError(f"config field hidden_act={hidden_act!r} is not supported (only 'silu')")
+    rope_type = _rope_type(hf_config)
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"config field rope_scaling.rope_type={rope_type!r} is not supported "
+            f"(supported: {', '.join(sorted(STATIC_ROPE_TYPES))}; its table depends on the sequence length)")
+
+    config_max = int(getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_CONTEXT_CAP))
+    context = max_context if max_context is not None else min(config_max, DEFAULT_MAX_CONTEXT_CAP)
+    if context <= 0:
+        raise ValueError(f"--max-context must be positive, got {context}")
+    sliding_window = getattr(hf_config, "sliding_window", None)
+    uses_sliding = model_type == "mistral" or bool(getattr(hf_config, "use_sliding_window", False))
+    if uses_sliding and sliding_window and context > sliding_window:
+        raise UnsupportedModelError(
+            f"config field sliding_window={sliding_window} is smaller than the max context {context}: "
+            f"sliding-window attention is not supported; export with --max-context {sliding_window}")
+
+    num_heads = int(hf_config.num_attention_heads)
+    num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
+    spec = ModelSpec(
+        architecture=model_type,
+        num_layers=int(hf_config.num_hidden_layers),
+        hidden_size=int(hf_config.hidden_size),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=int(hf_config.intermediate_size),
+        vocab_size=int(hf_config.vocab_size),
+        max_context=context,
+        bos_token_id=getattr(hf_config, "bos_token_id", None),
+        eos_token_ids=_eos_token_ids(model_dir, hf_config),
+        rope_type=rope_type,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+    )
+    spec.validate()
+    is_qwen2 = model_type == "qwen2"
+    llama_bias = bool(getattr(hf_config, "attention_bias", False))
+    return CheckpointConfig(
+        spec=spec,
+        attention_bias=is_qwen2 or llama_bias,
+        output_bias=llama_bias and not is_qwen2,
+        mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+        rms_norm_eps=float(hf_config.rms_norm_eps),
+        hf_config=hf_config,
+    )
+
+
+def _eos_token_ids(model_dir: Path, hf_config: object) -> tuple[int, ...]:
+    ids: list[int] = []
+    generation_path = model_dir / "generation_config.json"
+    sources: list[object] = [getattr(hf_config, "eos_token_id", None)]
+    if generation_path.is_file():
+        sources.insert(0, json.loads(generation_path.read_text(encoding="utf-8")).get("eos_token_id"))
+    for source in sources:
+        values = source if isinstance(source, list) else [source]
+        ids += [int(value) for value in values if isinstance(value, int) and int(value) not in ids]
+    return tuple(ids)
