@@ -1,0 +1,351 @@
+"""The planner: which agent hosts which contiguous layers, and why the others were left out.
+
+Pure code over numbers the caller measured: a model's byte footprint (from an export manifest, or typed
+in for a model we do not have) and each candidate agent's state, free memory and relative speed. Stage 0
+also holds `embed`, the last stage also holds `head`. Every stage reserves KV memory for the full context
+of `streams` rows, a fixed runtime overhead, and leaves a safety margin of the agent's free memory.
+
+The split minimises the slowest stage's estimated time (bytes read per token / speed: decoding is
+memory-bound, so a stage's share of the work is proportional to its weights), which makes layer counts
+proportional to speed wherever memory allows, by dynamic programming over contiguous ranges.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from deskfleet.common.agent_state import AgentState, UnavailableReason
+
+GB = 1_000_000_000
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ModelFootprint:
+    """Bytes a model needs, per export unit. `layer_bytes[i]` is decoder layer i's weights."""
+
+    name: str
+    layer_bytes: tuple[int, ...]
+    embed_bytes: int
+    head_bytes: int
+    kv_bytes_per_token_per_layer: int
+    context: int
+
+    @classmethod
+    def uniform(cls, name: str, num_layers: int, layer_bytes: int, embed_bytes: int, head_bytes: int,
+                kv_bytes_per_token_per_layer: int, context: int) -> ModelFootprint:
+        """A model of identical layers: how to plan on paper (e.g. 80 layers of a 70B INT4)."""
+        return cls(name, (layer_bytes,) * num_layers, embed_bytes, head_bytes, kv_bytes_per_token_per_layer,
+                   context)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_bytes)
+
+    def kv_bytes_per_layer(self, streams: int) -> int:
+        return self.kv_bytes_per_token_per_layer * self.context * streams
+
+
+@dataclass(frozen=True)
+class AgentCandidate:
+    """One agent as the registry sees it. `speed` is relative (higher is faster); 0 means unmeasured."""
+
+    agent_id: str
+    state: AgentState
+    free_memory_bytes: int
+    speed: float
+    reason: UnavailableReason | None = None  # set when state is UNAVAILABLE
+    detail: str = ""  # the monitor's numbers, e.g. "battery 41%, unplugged" or "CPU 97 °C"
+
+
+class PlanPolicy(str, Enum):
+    FEWEST_AGENTS = "fewest_agents"  # the fewest agents that fit; among those, the fastest split
+    ALL_BY_SPEED = "all_by_speed"  # every eligible agent that shortens the slowest stage
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    policy: PlanPolicy = PlanPolicy.FEWEST_AGENTS
+    margin_fraction: float = 0.10  # of each agent's free memory, left to its user
+    margin_min_bytes: int = 512 * MIB  # ... and never less than this
+    stage_overhead_bytes: int = 256 * MIB  # runtime, compiled graph and activations per stage
+    streams: int = 1  # rows whose KV is reserved at full context
+    use_serving: bool = True  # SERVING agents may take more stages (their free memory is what is left)
+    max_subsets: int = 2000  # FEWEST_AGENTS: agent subsets tried per size before taking the best found
+
+
+class ExclusionReason(str, Enum):
+    PAUSED = "paused"
+    UNAVAILABLE = "unavailable"
+    SERVING = "serving"
+    SPEED_UNKNOWN = "speed_unknown"
+    TOO_LITTLE_MEMORY = "too_little_memory"
+    NOT_NEEDED = "not_needed"
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    agent_id: str
+    reason: ExclusionReason
+    message: str  # for humans, with the numbers behind the decision
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Agent `agent_id` hosts decoder layers [first_layer, stop_layer) (+ embed / head where set)."""
+
+    agent_id: str
+    first_layer: int
+    stop_layer: int
+    has_embed: bool
+    has_head: bool
+    weight_bytes: int
+    kv_bytes: int
+    memory_bytes: int  # weights + KV + runtime overhead
+    usable_bytes: int  # the agent's free memory less its safety margin
+    relative_time: float  # bytes read per token / speed: the slowest stage sets the pace
+
+    @property
+    def num_layers(self) -> int:
+        return self.stop_layer - self.first_layer
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Stages in chain order, every candidate not used, and why the plan fails when it does."""
+
+    model: ModelFootprint
+    policy: PlanPolicy
+    stages: tuple[Stage, ...]
+    exclusions: tuple[Exclusion, ...]
+    problems: tuple[str, ...]  # empty when the plan is feasible
+    usable: tuple[tuple[str, int], ...] = ()  # (agent id, usable bytes) of every agent that could work
+
+    @property
+    def feasible(self) -> bool:
+        return bool(self.stages) and not self.problems
+
+
+# Public functions
+
+
+def usable_bytes(agent: AgentCandidate, options: PlanOptions) -> int:
+    """Free memory less the safety margin (never negative)."""
+    margin = max(options.margin_min_bytes, int(agent.free_memory_bytes * options.margin_fraction))
+    return max(0, agent.free_memory_bytes - margin)
+
+
+def plan(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandidate, ...],
+         options: PlanOptions | None = None) -> Plan:
+    """Split `model` over `agents`. Never raises for a fleet that cannot hold it: read `problems`."""
+    options = options or PlanOptions()
+    if model.num_layers < 1:
+        raise ValueError(f"model {model.name!r} has no decoder layers")
+    if options.streams < 1:
+        raise ValueError(f"streams must be at least 1, got {options.streams}")
+    exclusions: list[Exclusion] = []
+    eligible: list[AgentCandidate] = []
+    smallest = _smallest_stage_bytes(model, options)
+    for agent in agents:
+        excluded = _screen(agent, options, smallest)
+        if excluded is None:
+            eligible.append(agent)
+        else:
+            exclusions.append(excluded)
+    eligible.sort(key=lambda a: (-a.speed, a.agent_id))
+
+    best: list[Stage] | None = None
+    if options.policy is PlanPolicy.ALL_BY_SPEED:
+        best = _split(model, eligible, options)
+    else:
+        for size in range(1, len(eligible) + 1):
+            best = _fewest(model, eligible, size, options)
+            if best is not None:
+                break
+    used = {stage.agent_id for stage in best or ()}
+    for agent in eligible:
+        if agent.agent_id not in used and best is not None:
+            exclusions.append(_not_needed(agent, best, options))
+    problems = () if best is not None else _diagnose(model, agents, eligible, options)
+    usable = tuple((agent.agent_id, usable_bytes(agent, options)) for agent in eligible)
+    return Plan(model, options.policy, tuple(best or ()), tuple(exclusions), problems, usable)
+
+
+def render_plan(result: Plan) -> str:
+    """The plan as text for `deskfleet fleet plan` and the controller window."""
+    model = result.model
+    lines = [f"Model {model.name}: {model.num_layers} layers, "
+             f"{_gb(sum(model.layer_bytes) + model.embed_bytes + model.head_bytes)} of weights, "
+             f"context {model.context} (policy: {result.policy.value.replace('_', ' ')})"]
+    if result.feasible:
+        lines.append(f"{len(result.stages)} stage(s):")
+        lines.append(f"  {'#':>2}  {'agent':<20} {'layers':<9} {'extras':<11} {'weights':>9} {'KV':>9} "
+                     f"{'total':>9} {'usable':>9} {'rel.time':>9}")
+        slowest = max(stage.relative_time for stage in result.stages)
+        for index, stage in enumerate(result.stages):
+            parts = (("embed", stage.has_embed), ("head", stage.has_head))
+            extras = "+".join(name for name, on in parts if on)
+            layers = f"{stage.first_layer}-{stage.stop_layer - 1}"
+            lines.append(f"  {index:>2}  {stage.agent_id:<20} {layers:<9} {extras or '-':<11} "
+                         f"{_gb(stage.weight_bytes):>9} {_gb(stage.kv_bytes):>9} "
+                         f"{_gb(stage.memory_bytes):>9} {_gb(stage.usable_bytes):>9} "
+                         f"{stage.relative_time / slowest:>9.2f}")
+    else:
+        lines.append("Infeasible:")
+        lines.extend(f"  - {problem}" for problem in result.problems)
+        if result.usable:
+            lines.append("Usable: " + ", ".join(f"{agent} {_gb(size)}" for agent, size in result.usable))
+    if result.exclusions:
+        lines.append("Left out:")
+        lines.extend(f"  {e.agent_id:<20} {e.message}" for e in result.exclusions)
+    return "\n".join(lines)
+
+
+# Private functions
+
+
+def _gb(size: float) -> str:
+    return f"{size / GB:.2f} GB"
+
+
+def _smallest_stage_bytes(model: ModelFootprint, options: PlanOptions) -> int:
+    return min(model.layer_bytes) + model.kv_bytes_per_layer(options.streams) + options.stage_overhead_bytes
+
+
+def _screen(agent: AgentCandidate, options: PlanOptions, smallest: int) -> Exclusion | None:
+    if agent.state is AgentState.PAUSED:
+        return Exclusion(agent.agent_id, ExclusionReason.PAUSED, "paused by its user")
+    if agent.state is AgentState.UNAVAILABLE:
+        why = agent.reason.describe() if agent.reason is not None else "reason not reported"
+        detail = f" ({agent.detail})" if agent.detail else ""
+        return Exclusion(agent.agent_id, ExclusionReason.UNAVAILABLE, f"unavailable: {why}{detail}")
+    if agent.state is AgentState.SERVING and not options.use_serving:
+        return Exclusion(agent.agent_id, ExclusionReason.SERVING, "already serving (serving agents not used)")
+    if not agent.speed > 0:
+        return Exclusion(agent.agent_id, ExclusionReason.SPEED_UNKNOWN, "speed not measured yet")
+    usable = usable_bytes(agent, options)
+    if usable < smallest:
+        return Exclusion(agent.agent_id, ExclusionReason.TOO_LITTLE_MEMORY,
+                         f"too little memory: {_gb(agent.free_memory_bytes)} free, "
+                         f"{_gb(usable)} usable after the safety margin, "
+                         f"the smallest stage (one layer + KV + runtime) needs {_gb(smallest)}")
+    return None
+
+
+def _fewest(model: ModelFootprint, eligible: list[AgentCandidate], size: int,
+            options: PlanOptions) -> list[Stage] | None:
+    """The fastest split over exactly `size` agents, trying subsets with the most usable memory first."""
+    need = sum(model.layer_bytes) + model.embed_bytes + model.head_bytes
+    need += model.num_layers * model.kv_bytes_per_layer(options.streams) + size * options.stage_overhead_bytes
+    by_memory = sorted(eligible, key=lambda a: -usable_bytes(a, options))
+    if sum(usable_bytes(a, options) for a in by_memory[:size]) < need:
+        return None  # no subset of this size has the memory
+    best: list[Stage] | None = None
+    for tried, subset in enumerate(itertools.combinations(by_memory, size)):
+        if tried >= options.max_subsets:
+            break
+        if sum(usable_bytes(a, options) for a in subset) < need:
+            continue
+        ordered = sorted(subset, key=lambda a: (-a.speed, a.agent_id))
+        stages = _split(model, ordered, options)
+        if stages is not None and (best is None or _pace(stages) < _pace(best)):
+            best = stages
+    return best
+
+
+def _pace(stages: list[Stage]) -> tuple[float, int]:
+    return (max(stage.relative_time for stage in stages), len(stages))
+
+
+def _split(model: ModelFootprint, agents: list[AgentCandidate], options: PlanOptions) -> list[Stage] | None:
+    """Contiguous ranges over `agents` in chain order (an agent may get none): minimise the slowest stage.
+
+    best[i][j]: the best (slowest stage time, stages) covering layers [0, j) with the first i agents.
+    """
+    layers = model.num_layers
+    prefix = [0, *itertools.accumulate(model.layer_bytes)]
+    kv_per_layer = model.kv_bytes_per_layer(options.streams)
+    best: list[list[tuple[float, int] | None]] = [[None] * (layers + 1) for _ in range(len(agents) + 1)]
+    back: dict[tuple[int, int], int] = {}  # (agents used, stop layer) -> start layer of that agent's stage
+    best[0][0] = (0.0, 0)
+    for i, agent in enumerate(agents):
+        usable = usable_bytes(agent, options)
+        for j in range(layers + 1):
+            here = best[i][j]
+            if here is None:
+                continue
+            if best[i + 1][j] is None or here < _or_inf(best[i + 1][j]):
+                best[i + 1][j] = here
+                back.pop((i + 1, j), None)
+            for k in range(j + 1, layers + 1):
+                weights = _weights(model, prefix, j, k)
+                if weights + (k - j) * kv_per_layer + options.stage_overhead_bytes > usable:
+                    if k < layers:
+                        break  # more layers only need more memory
+                    continue
+                time = (weights - (model.embed_bytes if j == 0 else 0)) / agent.speed  # embed is a lookup
+                candidate = (max(here[0], time), here[1] + 1)
+                if candidate < _or_inf(best[i + 1][k]):
+                    best[i + 1][k] = candidate
+                    back[(i + 1, k)] = j
+    if best[len(agents)][layers] is None:
+        return None
+    stages: list[Stage] = []
+    i, k = len(agents), layers
+    while k > 0:
+        if (i, k) in back:
+            j = back[(i, k)]
+            stages.append(_stage(model, prefix, agents[i - 1], j, k, options))
+            k = j
+        i -= 1
+    return stages[::-1]
+
+
+def _or_inf(value: tuple[float, int] | None) -> tuple[float, int]:
+    return value if value is not None else (math.inf, 0)
+
+
+def _weights(model: ModelFootprint, prefix: list[int], start: int, stop: int) -> int:
+    extras = (model.embed_bytes if start == 0 else 0) + (model.head_bytes if stop == model.num_layers else 0)
+    return prefix[stop] - prefix[start] + extras
+
+
+def _stage(model: ModelFootprint, prefix: list[int], agent: AgentCandidate, start: int, stop: int,
+           options: PlanOptions) -> Stage:
+    weights = _weights(model, prefix, start, stop)
+    kv = (stop - start) * model.kv_bytes_per_layer(options.streams)
+    time = (weights - (model.embed_bytes if start == 0 else 0)) / agent.speed
+    return Stage(agent.agent_id, start, stop, start == 0, stop == model.num_layers, weights, kv,
+                 weights + kv + options.stage_overhead_bytes, usable_bytes(agent, options), time)
+
+
+def _not_needed(agent: AgentCandidate, stages: list[Stage], options: PlanOptions) -> Exclusion:
+    if options.policy is PlanPolicy.FEWEST_AGENTS:
+        message = f"not needed: {len(stages)} agent(s) hold the model"
+    else:
+        message = (f"not used: with speed {agent.speed:g} and {_gb(usable_bytes(agent, options))} usable, "
+                   "a share of the layers would not shorten the slowest stage")
+    return Exclusion(agent.agent_id, ExclusionReason.NOT_NEEDED, message)
+
+
+def _diagnose(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandidate, ...],
+              eligible: list[AgentCandidate], options: PlanOptions) -> tuple[str, ...]:
+    if not agents:
+        return ("no agents in the fleet",)
+    if not eligible:
+        return (f"none of the {len(agents)} agent(s) can take work (see below)",)
+    kv_total = model.num_layers * model.kv_bytes_per_layer(options.streams)
+    weights = sum(model.layer_bytes) + model.embed_bytes + model.head_bytes
+    need = weights + kv_total + len(eligible) * options.stage_overhead_bytes
+    have = sum(usable_bytes(agent, options) for agent in eligible)
+    if have < need:
+        return (f"memory short by {_gb(need - have)}: the model needs {_gb(need)} "
+                f"({_gb(weights)} weights + {_gb(kv_total)} KV for {options.streams} stream(s) at context "
+                f"{model.context} + runtime {_gb(options.stage_overhead_bytes)} per stage) and the "
+                f"{len(eligible)} usable agent(s) have {_gb(have)} after safety margins",)
+    return (f"the {len(eligible)} usable agent(s) have {_gb(have)} for {_gb(need)} in all, but no split into "
+            "contiguous layer ranges fits each agent (the embed/head or the largest layers do not fit "
+            "beside their neighbours); free memory on the largest agents would help",)
