@@ -1,0 +1,297 @@
+"""The fleet's public-key infrastructure: the controller is the CA, every agent holds a signed cert.
+
+Identities:
+- agent id: unpadded lowercase base32 of sha256(SubjectPublicKeyInfo DER) of the agent's key. It is
+  known before the certificate exists, survives renewal, and fits one DNS label, so the certificate
+  carries it as its DNS subjectAltName and TLS hostname checks can pin a peer by agent id.
+- certificate fingerprint: sha256 hex of a certificate's DER; the join token pins the CA by it.
+- fleet id: the first 16 hex characters of the CA fingerprint.
+
+Everything takes `now` from the caller; nothing here reads a clock. Key generation uses the OS
+random source through `cryptography`.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import hashlib
+import ipaddress
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from deskfleet.common.wire_messages import Role
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+_CLOCK_SKEW = datetime.timedelta(minutes=5)
+
+
+class PkiError(ValueError):
+    """A certificate, request or key is not acceptable; the message says which check failed."""
+
+
+@dataclass(frozen=True)
+class FleetCa:
+    """The fleet CA: keep `private_key` on the controller only (write it with write_private_key)."""
+
+    certificate: x509.Certificate
+    private_key: ec.EllipticCurvePrivateKey
+
+
+@dataclass(frozen=True)
+class PeerIdentity:
+    """Who a verified certificate belongs to."""
+
+    agent_id: str
+    role: Role
+    certificate_fingerprint: str
+
+
+@dataclass(frozen=True)
+class RevocationSet:
+    """Agent ids the controller has removed; a peer in it is refused even with a valid certificate."""
+
+    agent_ids: frozenset[str] = frozenset()
+
+    def with_revoked(self, agent_id: str) -> RevocationSet:
+        return RevocationSet(self.agent_ids | {agent_id})
+
+    def is_revoked(self, agent_id: str) -> bool:
+        return agent_id in self.agent_ids
+
+    def check(self, agent_id: str) -> None:
+        """Raise PkiError if `agent_id` is revoked; the caller must then close the connection."""
+        if agent_id in self.agent_ids:
+            raise PkiError(f"agent {agent_id} has been removed from the fleet")
+
+
+# Public functions: identities
+
+def certificate_fingerprint(certificate: x509.Certificate) -> str:
+    """sha256 hex of the certificate's DER encoding."""
+    return certificate.fingerprint(hashes.SHA256()).hex()
+
+
+def fleet_id(ca_certificate: x509.Certificate) -> str:
+    """The fleet id derived from the CA certificate (16 hex characters)."""
+    return certificate_fingerprint(ca_certificate)[:16]
+
+
+def agent_id_for_key(public_key: ec.EllipticCurvePublicKey) -> str:
+    """The agent id of a public key: base32(sha256(SubjectPublicKeyInfo DER)), lowercase, no padding."""
+    spki = public_key.public_bytes(serialization.Encoding.DER,
+                                   serialization.PublicFormat.SubjectPublicKeyInfo)
+    return base64.b32encode(hashlib.sha256(spki).digest()).decode("ascii").rstrip("=").lower()
+
+
+# Public functions: creating keys and certificates
+
+def create_fleet_ca(fleet_name: str, now: datetime.datetime, valid_days: int = 3650) -> FleetCa:
+    """Make a new fleet CA (ECDSA P-256, self-signed, may sign leaf certificates only)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "deskfleet fleet CA"),
+                      x509.NameAttribute(NameOID.ORGANIZATION_NAME, fleet_name)])
+    public = key.public_key()
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name).issuer_name(name).public_key(public)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _CLOCK_SKEW)
+        .not_valid_after(now + datetime.timedelta(days=valid_days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False,
+                                     key_encipherment=False, data_encipherment=False,
+                                     key_agreement=False, key_cert_sign=True, crl_sign=True,
+                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return FleetCa(certificate, key)
+
+
+def create_private_key() -> ec.EllipticCurvePrivateKey:
+    """A new ECDSA P-256 key for an agent or the controller; it never leaves the machine."""
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def create_csr(private_key: ec.EllipticCurvePrivateKey, hostname: str) -> x509.CertificateSigningRequest:
+    """A certificate signing request for `private_key`; the CA decides every field it signs."""
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hostname or "deskfleet-agent")])
+    return x509.CertificateSigningRequestBuilder().subject_name(subject).sign(private_key, hashes.SHA256())
+
+
+def check_csr(csr: x509.CertificateSigningRequest) -> str:
+    """Check the request's signature and key type; return the agent id it would get.
+
+    The controller calls this before redeeming a join secret, so a bad request costs no token use.
+    """
+    if not csr.is_signature_valid:
+        raise PkiError("certificate request signature is invalid")
+    key = csr.public_key()
+    if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP256R1):
+        raise PkiError("certificate request key must be ECDSA P-256")
+    return agent_id_for_key(key)
+
+
+def sign_csr(ca: FleetCa, csr: x509.CertificateSigningRequest, now: datetime.datetime, *,
+             role: Role = Role.AGENT, ip_addresses: Iterable[IPAddress] = (),
+             valid_days: int = 825) -> x509.Certificate:
+    """Sign `csr` into a TLS client+server certificate whose DNS SAN is the agent id."""
+    agent_id = check_csr(csr)
+    public = csr.public_key()
+    assert isinstance(public, ec.EllipticCurvePublicKey)  # check_csr proved it
+    ca_ski = ca.certificate.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+    alt_names: list[x509.GeneralName] = [x509.DNSName(agent_id)]
+    alt_names += [x509.IPAddress(address) for address in ip_addresses]
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, agent_id),
+                         x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role.value)])
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject).issuer_name(ca.certificate.subject).public_key(public)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _CLOCK_SKEW)
+        .not_valid_after(now + datetime.timedelta(days=valid_days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False,
+                                     key_encipherment=False, data_encipherment=False,
+                                     key_agreement=False, key_cert_sign=False, crl_sign=False,
+                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                              ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
+                       critical=False)
+        .sign(ca.private_key, hashes.SHA256())
+    )
+
+
+# Public functions: verifying
+
+def verify_certificate(certificate: x509.Certificate, ca_certificate: x509.Certificate,
+                       now: datetime.datetime,
+                       revoked: RevocationSet | None = None) -> PeerIdentity:
+    """Check that `certificate` was signed by the fleet CA, is valid at `now`, is a leaf whose DNS
+    SAN matches its key, and is not revoked. Return its identity; PkiError names the failed check.
+    """
+    try:
+        certificate.verify_directly_issued_by(ca_certificate)
+    except (ValueError, TypeError, InvalidSignature):
+        raise PkiError("certificate was not issued by this fleet's CA") from None
+    if not certificate.not_valid_before_utc <= now <= certificate.not_valid_after_utc:
+        raise PkiError(f"certificate is not valid at {now.isoformat()} (valid "
+                       f"{certificate.not_valid_before_utc.isoformat()} to "
+                       f"{certificate.not_valid_after_utc.isoformat()})")
+    identity = certificate_identity(certificate)
+    if revoked is not None:
+        revoked.check(identity.agent_id)
+    return identity
+
+
+def certificate_identity(certificate: x509.Certificate) -> PeerIdentity:
+    """Read the identity of a fleet leaf certificate WITHOUT checking who signed it.
+
+    Use on a certificate the TLS layer has already verified against the fleet CA.
+    """
+    try:
+        constraints = certificate.extensions.get_extension_for_class(x509.BasicConstraints).value
+    except (x509.ExtensionNotFound, ValueError):
+        raise PkiError("certificate lacks basicConstraints") from None
+    if constraints.ca:
+        raise PkiError("certificate is a CA, not an agent certificate")
+    try:
+        alt_names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (x509.ExtensionNotFound, ValueError):
+        raise PkiError("certificate lacks subjectAltName") from None
+    key = certificate.public_key()
+    if not isinstance(key, ec.EllipticCurvePublicKey):
+        raise PkiError("certificate key is not ECDSA")
+    agent_id = agent_id_for_key(key)
+    if agent_id not in alt_names.get_values_for_type(x509.DNSName):
+        raise PkiError("certificate subjectAltName does not name the agent id of its key")
+    units = certificate.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+    roles = {role.value: role for role in Role}
+    if len(units) != 1 or units[0].value not in roles:
+        raise PkiError("certificate names no deskfleet role")
+    return PeerIdentity(agent_id, roles[str(units[0].value)], certificate_fingerprint(certificate))
+
+
+def verify_enrollment_peer(peer_certificate_der: bytes, offered_ca_pem: str, pinned_ca_fingerprint: str,
+                           now: datetime.datetime) -> x509.Certificate:
+    """During `join`: check the CA the controller offered against the token's fingerprint, and that
+    the TLS peer is the controller of that CA. Return the CA certificate; only then send the secret.
+    """
+    ca_certificate = load_certificate_pem(offered_ca_pem.encode("ascii", "replace"))
+    if certificate_fingerprint(ca_certificate) != pinned_ca_fingerprint:
+        raise PkiError("the controller offered a CA whose fingerprint differs from the join token's")
+    peer = verify_certificate(load_certificate_der(peer_certificate_der), ca_certificate, now)
+    if peer.role is not Role.CONTROLLER:
+        raise PkiError("the enrollment peer's certificate is not the controller's")
+    return ca_certificate
+
+
+# Public functions: serialization
+
+def certificate_pem(certificate: x509.Certificate) -> bytes:
+    return certificate.public_bytes(serialization.Encoding.PEM)
+
+
+def csr_pem(csr: x509.CertificateSigningRequest) -> bytes:
+    return csr.public_bytes(serialization.Encoding.PEM)
+
+
+def load_certificate_pem(data: bytes) -> x509.Certificate:
+    try:
+        return x509.load_pem_x509_certificate(data)
+    except ValueError as error:
+        raise PkiError(f"not a PEM certificate: {error}") from None
+
+
+def load_certificate_der(data: bytes) -> x509.Certificate:
+    try:
+        return x509.load_der_x509_certificate(data)
+    except ValueError as error:
+        raise PkiError(f"not a DER certificate: {error}") from None
+
+
+def load_csr_pem(data: bytes) -> x509.CertificateSigningRequest:
+    try:
+        return x509.load_pem_x509_csr(data)
+    except ValueError as error:
+        raise PkiError(f"not a PEM certificate request: {error}") from None
+
+
+def load_private_key_pem(data: bytes) -> ec.EllipticCurvePrivateKey:
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as error:
+        raise PkiError(f"not an unencrypted PEM private key: {error}") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise PkiError("private key is not ECDSA")
+    return key
+
+
+def write_private_key(path: Path, private_key: ec.EllipticCurvePrivateKey) -> None:
+    """Write `private_key` as PEM, readable by the owner only (mode 0600 on POSIX; on Windows the
+    caller must keep it in the user's profile). The file appears whole or not at all.
+    """
+    data = private_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                     serialization.NoEncryption())
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
+    try:
+        with os.fdopen(descriptor, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,408 @@
+"""The closed set of messages that travel between the controller and the agents.
+
+Every message is a frozen dataclass. Constructing one checks what the fields must satisfy together
+(row counts agree, ranges are ordered, hashes look like sha256) and raises ProtocolError naming the
+field, so a message that exists is a message the receiver can act on. Encoding and decoding live in
+`wire_codec`; this module knows nothing about bytes on the wire.
+
+Tensors are numpy arrays; decoded ones are read-only views over the received frame, so a receiver
+that wants to write into one must copy it first.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+from deskfleet.common.agent_state import AgentState
+from deskfleet.common.kv_ledger import SlotDelta
+from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, check_tensor
+
+PROTOCOL_VERSION = 1
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+# An agent id is the unpadded lowercase base32 of sha256(SubjectPublicKeyInfo DER): 52 characters,
+# short enough to be one DNS label, so it can sit in a certificate's subjectAltName.
+_AGENT_ID = re.compile(r"[a-z2-7]{52}")
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
+_HOST = re.compile(r"[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
+
+
+# Public helpers shared by the message checks and by pki
+
+def is_agent_id(text: str) -> bool:
+    """True when `text` has the agent id form (52 lowercase base32 characters)."""
+    return _AGENT_ID.fullmatch(text) is not None
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """Split "host:port" (IPv6 hosts in brackets) into (host, port); ProtocolError if malformed."""
+    host, separator, port_text = text.rpartition(":")
+    if not separator or _HOST.fullmatch(host) is None:
+        raise ProtocolError(f"address {text!r} is not host:port")
+    if not port_text.isascii() or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ProtocolError(f"address {text!r} has no port between 1 and 65535")
+    return host.strip("[]"), int(port_text)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ProtocolError(message)
+
+
+def _non_negative(name: str, value: int) -> None:
+    _require(value >= 0, f"{name} must be >= 0, got {value}")
+
+
+def _sha256(name: str, value: str) -> None:
+    _require(_SHA256.fullmatch(value) is not None, f"{name} must be 64 lowercase hex characters")
+
+
+def _fraction(name: str, value: float | None) -> None:
+    _require(value is None or 0.0 <= value <= 1.0, f"{name} must be within [0, 1], got {value}")
+
+
+# Enums
+
+class Role(str, Enum):
+    CONTROLLER = "controller"
+    AGENT = "agent"
+
+
+class ErrorCode(str, Enum):
+    BAD_MESSAGE = "bad_message"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    UNAUTHORIZED = "unauthorized"
+    NOT_ASSIGNED = "not_assigned"
+    BUSY = "busy"
+    OUT_OF_MEMORY = "out_of_memory"
+    SHARD_MISMATCH = "shard_mismatch"
+    JOIN_REFUSED = "join_refused"
+    INTERNAL = "internal"
+
+
+class Precision(str, Enum):
+    DEVICE_DEFAULT = "device_default"  # the device's fast precision
+    F16 = "f16"
+    F32 = "f32"  # INFERENCE_PRECISION_HINT=f32 and KV_CACHE_PRECISION=f32
+
+
+# Shared parts
+
+@dataclass(frozen=True)
+class StageRef:
+    """A contiguous layer range [layer_start, layer_end) of one model."""
+
+    model_id: str
+    layer_start: int
+    layer_end: int
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model_id), "stage model_id must not be empty")
+        _non_negative("stage layer_start", self.layer_start)
+        _require(self.layer_end > self.layer_start,
+                 f"stage layer_end ({self.layer_end}) must exceed layer_start ({self.layer_start})")
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    """One file a stage needs: a plain name (no folders), its sha256 and its size in bytes."""
+
+    file_name: str
+    sha256: str
+    size: int
+
+    def __post_init__(self) -> None:
+        _require(_FILE_NAME.fullmatch(self.file_name) is not None,
+                 f"manifest file_name {self.file_name!r} must be a plain file name")
+        _sha256("manifest sha256", self.sha256)
+        _non_negative("manifest size", self.size)
+
+
+@dataclass(frozen=True)
+class NextHop:
+    """Where a stage sends its output: the address, and the agent id its certificate must carry."""
+
+    address: str
+    agent_id: str
+
+    def __post_init__(self) -> None:
+        parse_address(self.address)
+        _require(is_agent_id(self.agent_id), "next hop agent_id is not an agent id")
+
+
+@dataclass(frozen=True)
+class ShardOffset:
+    """A partially received shard and how many of its bytes the agent already holds."""
+
+    sha256: str
+    offset: int
+
+    def __post_init__(self) -> None:
+        _sha256("partial shard sha256", self.sha256)
+        _non_negative("partial shard offset", self.offset)
+
+
+@dataclass(frozen=True, eq=False)
+class DraftInfo:
+    """Draft tokens the last stage verifies: row r proposes draft_token_ids[r, :counts[r]]."""
+
+    counts: tuple[int, ...]
+    draft_token_ids: Tensor  # [B, K] int64
+
+    def __post_init__(self) -> None:
+        check_tensor("draft_token_ids", self.draft_token_ids, TensorSpec(("int64",), ("B", "K")))
+        rows, width = self.draft_token_ids.shape
+        _require(len(self.counts) == rows, f"draft counts has {len(self.counts)} rows, ids {rows}")
+        for count in self.counts:
+            _require(0 <= count <= width, f"draft count {count} outside [0, {width}]")
+
+
+# Messages
+
+@dataclass(frozen=True)
+class Hello:
+    """First message on every connection, both directions."""
+
+    protocol_version: int
+    agent_id: str
+    software_version: str
+    role: Role
+
+    def __post_init__(self) -> None:
+        _require(is_agent_id(self.agent_id), "hello agent_id is not an agent id")
+
+
+@dataclass(frozen=True)
+class Error:
+    code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True)
+class StatusRequest:
+    """Asks the agent for a StatusReport."""
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    """An agent's typed status snapshot; None means the sensor is unknown, never a guess."""
+
+    state: AgentState
+    free_memory_bytes: int
+    cpu_load: float  # fraction of all cores, [0, 1]
+    battery_percent: float | None
+    on_ac_power: bool | None
+    temperature_c: float | None
+    igpu_busy: float | None  # fraction, [0, 1]
+    stages: tuple[StageRef, ...]
+    last_error: str | None
+
+    def __post_init__(self) -> None:
+        _non_negative("free_memory_bytes", self.free_memory_bytes)
+        _fraction("cpu_load", self.cpu_load)
+        _fraction("igpu_busy", self.igpu_busy)
+        _require(self.battery_percent is None or 0.0 <= self.battery_percent <= 100.0,
+                 f"battery_percent must be within [0, 100], got {self.battery_percent}")
+        _require(self.temperature_c is None or -50.0 <= self.temperature_c <= 200.0,
+                 f"temperature_c {self.temperature_c} is not a plausible temperature")
+
+
+@dataclass(frozen=True)
+class AssignStage:
+    """Host `stage`: fetch what `manifest` lists, fuse and compile, then answer StageReady."""
+
+    stage: StageRef
+    is_first: bool
+    is_last: bool
+    device: str
+    precision: Precision
+    next_hop: NextHop | None  # None: send results back to the controller
+    manifest: tuple[ManifestEntry, ...]
+
+    def __post_init__(self) -> None:
+        _require(bool(self.device), "device must not be empty")
+        names = [entry.file_name for entry in self.manifest]
+        _require(len(set(names)) == len(names), "manifest lists a file name twice")
+
+
+@dataclass(frozen=True)
+class StageReady:
+    stage: StageRef
+
+
+@dataclass(frozen=True)
+class ReleaseStage:
+    stage: StageRef
+
+
+@dataclass(frozen=True)
+class ShardQuery:
+    """Which of these shards do you hold? The agent answers ShardHave."""
+
+    sha256s: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        for digest in self.sha256s:
+            _sha256("shard query sha256", digest)
+
+
+@dataclass(frozen=True)
+class ShardHave:
+    """Shards held whole, and shards held in part; any other queried shard is absent."""
+
+    complete: tuple[str, ...]
+    partial: tuple[ShardOffset, ...]
+
+    def __post_init__(self) -> None:
+        for digest in self.complete:
+            _sha256("complete shard sha256", digest)
+
+
+@dataclass(frozen=True)
+class ShardChunk:
+    """Bytes [offset, offset + len(data)) of the shard `sha256`, whose full size is total_size."""
+
+    sha256: str
+    offset: int
+    total_size: int
+    data: bytes
+
+    def __post_init__(self) -> None:
+        _sha256("chunk sha256", self.sha256)
+        _non_negative("chunk offset", self.offset)
+        _require(self.offset + len(self.data) <= self.total_size,
+                 f"chunk ends at {self.offset + len(self.data)}, past total_size {self.total_size}")
+
+
+@dataclass(frozen=True)
+class ShardComplete:
+    """The sender has sent every byte; the receiver verifies the sha256 before using the shard."""
+
+    sha256: str
+
+    def __post_init__(self) -> None:
+        _sha256("complete sha256", self.sha256)
+
+
+@dataclass(frozen=True, eq=False)
+class Forward:
+    """One pipeline step of one micro-batch; exactly one of input_ids and hidden_states is set.
+
+    Rows are streams: stream_ids[r] names row r, after the deltas apply. The receiver applies
+    slot_deltas, in order, to its kv_ledger.Mirror (which raises LedgerError on a desync), checks
+    that beam_idx and position_ids agree with it, then runs its stage.
+    Compare decoded instances with `wire_codec.same_message`.
+    """
+
+    micro_batch_id: int
+    step_id: int
+    stream_ids: tuple[int, ...]
+    slot_deltas: tuple[SlotDelta, ...]  # since the previous Forward of this micro-batch
+    beam_idx: Tensor  # [B] int64 or int32
+    position_ids: Tensor  # [B, T] int64
+    input_ids: Tensor | None  # [B, T] int64, first stage
+    hidden_states: Tensor | None  # [B, T, H] float32 or float16
+    draft: DraftInfo | None
+
+    def __post_init__(self) -> None:
+        _non_negative("micro_batch_id", self.micro_batch_id)
+        _non_negative("step_id", self.step_id)
+        rows = len(self.stream_ids)
+        _require(len(set(self.stream_ids)) == rows, "stream_ids repeats a stream")
+        check_tensor("beam_idx", self.beam_idx, TensorSpec(("int64", "int32"), ("B",)), {"B": rows})
+        sizes = check_tensor("position_ids", self.position_ids, TensorSpec(("int64",), ("B", "T")),
+                             {"B": rows})
+        if (self.input_ids is None) == (self.hidden_states is None):
+            raise ProtocolError("forward needs exactly one of input_ids and hidden_states")
+        if self.input_ids is not None:
+            check_tensor("input_ids", self.input_ids, TensorSpec(("int64",), ("B", "T")), sizes)
+        if self.hidden_states is not None:
+            check_tensor("hidden_states", self.hidden_states,
+                         TensorSpec(("float32", "float16"), ("B", "T", "H")), sizes)
+        if self.draft is not None:
+            _require(len(self.draft.counts) == rows, "draft rows differ from stream_ids")
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardResult:
+    """What the last stage returns to the controller for one step of one micro-batch."""
+
+    micro_batch_id: int
+    step_id: int
+    next_token_ids: tuple[int, ...]  # one per row
+    accepted_counts: tuple[int, ...] | None  # draft tokens accepted per row, when verifying
+    logits: Tensor | None  # [B, T, V] float32 or float16, only when asked for
+
+    def __post_init__(self) -> None:
+        _non_negative("micro_batch_id", self.micro_batch_id)
+        _non_negative("step_id", self.step_id)
+        rows = len(self.next_token_ids)
+        if self.accepted_counts is not None:
+            _require(len(self.accepted_counts) == rows, "accepted_counts rows differ from next_token_ids")
+            for count in self.accepted_counts:
+                _non_negative("accepted count", count)
+        if self.logits is not None:
+            check_tensor("logits", self.logits, TensorSpec(("float32", "float16"), ("B", "T", "V")),
+                         {"B": rows})
+
+
+@dataclass(frozen=True)
+class JoinOffer:
+    """First message the controller sends on its enrollment port, before the agent says anything.
+
+    The agent checks the CA against the fingerprint in its join token and checks that the TLS peer's
+    certificate chains to it (`pki.verify_enrollment_peer`); only then does it send JoinRequest.
+    """
+
+    ca_certificate_pem: str
+    fleet_id: str
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """Sent by an agent that is not enrolled yet, only after it has pinned the controller's CA."""
+
+    secret: str  # the token's one-time secret, as join_tokens.secret_to_text gives it
+    csr_pem: str
+    hostname: str
+
+
+@dataclass(frozen=True)
+class JoinResponse:
+    certificate_pem: str
+    ca_certificate_pem: str
+    fleet_id: str
+
+
+@dataclass(frozen=True)
+class Register:
+    """An enrolled agent tells the controller where it listens (multicast may be blocked)."""
+
+    agent_id: str
+    listen_addresses: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        _require(is_agent_id(self.agent_id), "register agent_id is not an agent id")
+        for address in self.listen_addresses:
+            parse_address(address)
+
+
+Message = (Hello | Error | StatusRequest | StatusReport | AssignStage | StageReady | ReleaseStage
+           | ShardQuery | ShardHave | ShardChunk | ShardComplete | Forward | ForwardResult
+           | JoinOffer | JoinRequest | JoinResponse | Register)
+
+MESSAGE_TYPES: tuple[type[Message], ...] = (
+    Hello, Error, StatusRequest, StatusReport, AssignStage, StageReady, ReleaseStage, ShardQuery,
+    ShardHave, ShardChunk, ShardComplete, Forward, ForwardResult, JoinOffer, JoinRequest, JoinResponse,
+    Register,
+)
+
+__all__ = [
+    "MESSAGE_TYPES", "PROTOCOL_VERSION", "AgentState", "AssignStage", "DraftInfo", "Error", "ErrorCode",
+    "Forward", "ForwardResult", "Hello", "JoinOffer", "JoinRequest", "JoinResponse", "ManifestEntry",
+    "Message", "NextHop", "Precision", "ProtocolError", "Register",
+    "ReleaseStage", "Role", "ShardChunk", "ShardComplete", "ShardHave", "ShardOffset", "ShardQuery",
+    "StageReady", "StageRef", "StatusReport", "StatusRequest", "is_agent_id", "parse_address",
+]

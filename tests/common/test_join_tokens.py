@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import base64
+import datetime
+
+import pytest
+from deskfleet.common import join_tokens as jt
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+NOW = datetime.datetime(2026, 3, 1, 12, 0, tzinfo=datetime.timezone.utc)
+SECRET = bytes(range(32))
+TOKEN = jt.JoinToken(("192.168.1.10:7443", "[fe80::2]:7443", "controller.office.lan:7443"),
+                     "ab" * 32, SECRET, NOW + datetime.timedelta(hours=24))
+
+
+def test_token_round_trip_is_compact_and_url_safe() -> None:
+    text = jt.encode_join_token(TOKEN)
+    assert text.startswith("dfj.") and len(text) < 200
+    assert set(text[4:]) <= set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+    assert jt.decode_join_token(f"  {text}\n") == TOKEN
+    assert not TOKEN.is_expired(NOW) and TOKEN.is_expired(NOW + datetime.timedelta(days=1))
+
+
+def body(token: jt.JoinToken = TOKEN) -> bytes:
+    text = jt.encode_join_token(token)[4:]
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def reencode(raw: bytes, fix_checksum: bool = True) -> str:
+    import hashlib
+    if fix_checksum:
+        raw = raw[:-4] + hashlib.sha256(raw[:-4]).digest()[:4]
+    return "dfj." + base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "starts with"),
+    ("dfj.abc+def", "outside base64url"),
+    ("dfj.é", "outside base64url"),
+    ("dfj.a", "not base64url"),
+    ("dfj.AAAA", "too short"),
+    (jt.encode_join_token(TOKEN)[:-6], "damaged|not base64url"),
+    (reencode(body()[:1].replace(b"\x01", b"\x02") + body()[1:]), "version 2"),
+    (reencode(body()[:-10] + body()[-4:]), "truncated|trailing"),
+    (reencode(body()[:-4] + b"zz" + body()[-4:]), "trailing bytes"),
+    (reencode(body(), fix_checksum=False)[:-2] + "AA", "damaged"),
+])
+def test_bad_tokens_say_what_is_wrong(text: str, message: str) -> None:
+    with pytest.raises(jt.JoinTokenError, match=message):
+        jt.decode_join_token(text)
+
+
+def test_encoding_refuses_bad_fields() -> None:
+    from dataclasses import replace
+    for changes, message in [({"secret": b"short"}, "secret"), ({"ca_fingerprint": "xyz"}, "fingerprint"),
+                             ({"controller_addresses": ()}, "1 to 8"),
+                             ({"controller_addresses": ("nohost",)}, "host:port"),
+                             ({"expires_at": datetime.datetime(1960, 1, 1, tzinfo=datetime.timezone.utc)},
+                              "1970")]:
+        with pytest.raises(jt.JoinTokenError, match=message):
+            jt.encode_join_token(replace(TOKEN, **changes))  # type: ignore[arg-type]
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.text(max_size=200))
+def test_fuzz_decode_gives_a_token_or_a_clear_error(text: str) -> None:
+    try:
+        jt.decode_join_token("dfj." + text)
+    except jt.JoinTokenError:
+        pass
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.binary(min_size=1, max_size=160))
+def test_fuzz_well_checksummed_bodies(raw: bytes) -> None:
+    try:
+        jt.decode_join_token(reencode(raw + bytes(4)))
+    except jt.JoinTokenError:
+        pass
+
+
+def test_secret_text_round_trip() -> None:
+    assert jt.secret_from_text(jt.secret_to_text(SECRET)) == SECRET
+    assert len(jt.new_secret()) == 32 and jt.new_secret() != jt.new_secret()
+    with pytest.raises(jt.JoinTokenError, match="32 bytes"):
+        jt.secret_from_text("AAAA")
+
+
+def test_ledger_spends_uses_and_honours_expiry() -> None:
+    ledger = jt.TokenLedger()
+    ledger.issue(SECRET, NOW + datetime.timedelta(hours=1), uses=2)
+    other = b"\x01" * 32
+    ledger.issue(other, NOW + datetime.timedelta(minutes=1))
+    assert all(SECRET.hex() not in repr(record) for record in ledger.records)
+    ledger.redeem(SECRET, NOW)
+    ledger.redeem(SECRET, NOW)
+    with pytest.raises(jt.TokenRejected) as used_up:
+        ledger.redeem(SECRET, NOW)
+    assert used_up.value.reason is jt.Rejection.USED_UP
+    with pytest.raises(jt.TokenRejected) as unknown:
+        ledger.redeem(b"\x02" * 32, NOW)
+    assert unknown.value.reason is jt.Rejection.UNKNOWN
+    before = ledger.records
+    with pytest.raises(jt.TokenRejected) as expired:
+        ledger.redeem(other, NOW + datetime.timedelta(minutes=1))
+    assert expired.value.reason is jt.Rejection.EXPIRED and ledger.records == before
+    restored = jt.TokenLedger(ledger.records)
+    assert restored.prune(NOW + datetime.timedelta(minutes=5)) == 2 and restored.records == ()
+    assert ledger.revoke(other) and not ledger.revoke(other)
+    with pytest.raises(ValueError, match="uses"):
+        ledger.issue(SECRET, NOW, uses=0)

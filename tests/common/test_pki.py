@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import stat
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID
+from deskfleet.common import pki
+from deskfleet.common.wire import Role, is_agent_id
+
+NOW = datetime.datetime(2026, 3, 1, 12, 0, tzinfo=datetime.timezone.utc)
+
+
+@pytest.fixture(scope="module")
+def ca() -> pki.FleetCa:
+    return pki.create_fleet_ca("ACME office", NOW)
+
+
+def enroll(ca: pki.FleetCa, role: Role = Role.AGENT) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    key = pki.create_private_key()
+    csr = pki.load_csr_pem(pki.csr_pem(pki.create_csr(key, "desk-42")))
+    return key, pki.sign_csr(ca, csr, NOW, role=role, ip_addresses=[ipaddress.ip_address("10.0.0.7")])
+
+
+def test_ca_is_a_p256_ca_that_signs_leaves_only(ca: pki.FleetCa) -> None:
+    constraints = ca.certificate.extensions.get_extension_for_class(x509.BasicConstraints).value
+    assert constraints.ca and constraints.path_length == 0
+    assert isinstance(ca.private_key.curve, ec.SECP256R1)
+    fingerprint = pki.certificate_fingerprint(ca.certificate)
+    assert len(fingerprint) == 64 and pki.fleet_id(ca.certificate) == fingerprint[:16]
+
+
+def test_signed_certificate_carries_the_agent_id(ca: pki.FleetCa) -> None:
+    key, certificate = enroll(ca)
+    agent_id = pki.agent_id_for_key(key.public_key())
+    assert is_agent_id(agent_id)
+    alt_names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert alt_names.get_values_for_type(x509.DNSName) == [agent_id]
+    assert alt_names.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.0.0.7")]
+    usages = certificate.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert set(usages) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
+    identity = pki.verify_certificate(certificate, ca.certificate, NOW)
+    assert identity == pki.PeerIdentity(agent_id, Role.AGENT, pki.certificate_fingerprint(certificate))
+    assert pki.load_certificate_pem(pki.certificate_pem(certificate)) == certificate
+
+
+def test_verify_refuses_strangers_expired_and_revoked(ca: pki.FleetCa) -> None:
+    other_ca = pki.create_fleet_ca("someone else", NOW)
+    _, stranger = enroll(other_ca)
+    with pytest.raises(pki.PkiError, match="not issued by this fleet's CA"):
+        pki.verify_certificate(stranger, ca.certificate, NOW)
+    _, certificate = enroll(ca)
+    with pytest.raises(pki.PkiError, match="not valid at"):
+        pki.verify_certificate(certificate, ca.certificate, NOW + datetime.timedelta(days=900))
+    with pytest.raises(pki.PkiError, match="not valid at"):
+        pki.verify_certificate(certificate, ca.certificate, NOW - datetime.timedelta(hours=1))
+    with pytest.raises(pki.PkiError, match="is a CA"):
+        pki.verify_certificate(ca.certificate, ca.certificate, NOW)
+    identity = pki.verify_certificate(certificate, ca.certificate, NOW)
+    revoked = pki.RevocationSet().with_revoked(identity.agent_id)
+    assert revoked.is_revoked(identity.agent_id) and not pki.RevocationSet().is_revoked(identity.agent_id)
+    with pytest.raises(pki.PkiError, match="removed from the fleet"):
+        pki.verify_certificate(certificate, ca.certificate, NOW, revoked)
+
+
+def test_csr_checks(ca: pki.FleetCa) -> None:
+    rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    builder = x509.CertificateSigningRequestBuilder().subject_name(x509.Name([]))
+    rsa_csr = builder.sign(rsa_key, hashes.SHA256())
+    with pytest.raises(pki.PkiError, match="P-256"):
+        pki.sign_csr(ca, rsa_csr, NOW)
+    with pytest.raises(pki.PkiError, match="not a PEM certificate request"):
+        pki.load_csr_pem(b"-----BEGIN CERTIFICATE REQUEST-----\nAAAA\n-----END CERTIFICATE REQUEST-----\n")
+    with pytest.raises(pki.PkiError, match="not a DER certificate"):
+        pki.load_certificate_der(b"\x30\x03junk")
+
+
+def test_enrollment_peer_pinning(ca: pki.FleetCa) -> None:
+    _, controller = enroll(ca, Role.CONTROLLER)
+    _, agent = enroll(ca)
+    ca_pem = pki.certificate_pem(ca.certificate).decode()
+    fingerprint = pki.certificate_fingerprint(ca.certificate)
+    controller_der = controller.public_bytes(serialization.Encoding.DER)
+    assert pki.verify_enrollment_peer(controller_der, ca_pem, fingerprint, NOW) == ca.certificate
+    with pytest.raises(pki.PkiError, match="fingerprint differs"):
+        pki.verify_enrollment_peer(controller_der, ca_pem, "0" * 64, NOW)
+    with pytest.raises(pki.PkiError, match="not the controller's"):
+        pki.verify_enrollment_peer(agent.public_bytes(serialization.Encoding.DER), ca_pem, fingerprint, NOW)
+    impostor_ca = pki.create_fleet_ca("ACME office", NOW)
+    _, impostor = enroll(impostor_ca, Role.CONTROLLER)
+    with pytest.raises(pki.PkiError, match="not issued by this fleet's CA"):
+        pki.verify_enrollment_peer(impostor.public_bytes(serialization.Encoding.DER), ca_pem,
+                                   fingerprint, NOW)
+
+
+def test_private_key_file_is_owner_only(tmp_path: Path) -> None:
+    key = pki.create_private_key()
+    path = tmp_path / "agent.key"
+    path.write_text("old, world readable")
+    path.chmod(0o644)
+    pki.write_private_key(path, key)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    loaded = pki.load_private_key_pem(path.read_bytes())
+    assert pki.agent_id_for_key(loaded.public_key()) == pki.agent_id_for_key(key.public_key())
+    assert [p.name for p in tmp_path.iterdir()] == ["agent.key"]
+    with pytest.raises(pki.PkiError, match="private key"):
+        pki.load_private_key_pem(b"nope")

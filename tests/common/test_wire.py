@@ -1,0 +1,405 @@
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+from deskfleet.common import wire
+from deskfleet.common.wire import (
+    MESSAGE_TYPES,
+    AdmitRow,
+    AgentState,
+    AppendSlots,
+    AssignStage,
+    Compact,
+    DraftInfo,
+    Error,
+    ErrorCode,
+    Forward,
+    ForwardResult,
+    Hello,
+    InvalidateSlots,
+    JoinOffer,
+    JoinRequest,
+    JoinResponse,
+    Limits,
+    ManifestEntry,
+    NextHop,
+    Precision,
+    ProtocolError,
+    Register,
+    ReleaseStage,
+    ReorderRows,
+    Role,
+    ShardChunk,
+    ShardComplete,
+    ShardHave,
+    ShardOffset,
+    ShardQuery,
+    StageReady,
+    StageRef,
+    StatusReport,
+    StatusRequest,
+    TensorSpec,
+    check_tensor,
+    decode,
+    encode,
+    same_message,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+AGENT = "a" * 40 + "bcdefg234567"
+SHA = "0123456789abcdef" * 4
+STAGE = StageRef("llama-3.2-1b", 4, 9)
+RNG = np.random.default_rng(1234)
+
+
+def forward(rows: int = 2, tokens: int = 3, hidden: int | None = None, **changes: object) -> Forward:
+    fields: dict[str, object] = dict(
+        micro_batch_id=7, step_id=42, stream_ids=tuple(range(100, 100 + rows)),
+        slot_deltas=(ReorderRows((1, 0)), InvalidateSlots(0, 5, 7),
+                     Compact(3, (((0, 2), (4, 5)), ((1, 4),))), AdmitRow(6),
+                     AppendSlots(tokens, (tokens,) * rows, (9,) * rows)),
+        beam_idx=np.arange(rows, dtype=np.int64),
+        position_ids=RNG.integers(0, 4096, (rows, tokens), dtype=np.int64),
+        input_ids=None if hidden else RNG.integers(0, 32000, (rows, tokens), dtype=np.int64),
+        hidden_states=(RNG.standard_normal((rows, tokens, hidden), dtype=np.float32) if hidden else None),
+        draft=None,
+    )
+    fields.update(changes)
+    return Forward(**fields)
+
+
+def all_messages() -> list[wire.Message]:
+    return [
+        Hello(1, AGENT, "0.1.0", Role.AGENT),
+        Error(ErrorCode.SHARD_MISMATCH, "layer_003.bin: sha256 differs ✗"),
+        StatusRequest(),
+        StatusReport(AgentState.SERVING, 8 << 30, 0.25, 80.0, False, 61.5, None, (STAGE,), None),
+        StatusReport(AgentState.PAUSED, 0, 1.0, None, None, None, 0.5, (), "compile failed"),
+        AssignStage(STAGE, False, True, "GPU", Precision.F32, NextHop("[fe80::1]:7443", AGENT),
+                    (ManifestEntry("layer_004.xml", SHA, 1234), ManifestEntry("layer_004.bin", SHA, 0))),
+        AssignStage(STAGE, True, False, "CPU", Precision.DEVICE_DEFAULT, None, ()),
+        StageReady(STAGE),
+        ReleaseStage(STAGE),
+        ShardQuery((SHA, "f" * 64)),
+        ShardHave((SHA,), (ShardOffset("e" * 64, 1 << 40),)),
+        ShardChunk(SHA, 16, 1 << 33, bytes(range(256)) * 3),
+        ShardChunk(SHA, 0, 0, b""),
+        ShardComplete(SHA),
+        forward(),
+        forward(rows=3, tokens=1, hidden=16),
+        forward(hidden=8, hidden_states=np.ones((2, 3, 8), np.float16),
+                draft=DraftInfo((2, 0), np.array([[5, 6, 0], [0, 0, 0]], np.int64))),
+        forward(rows=0, tokens=0, slot_deltas=()),
+        ForwardResult(7, 42, (11, 12), None, None),
+        ForwardResult(7, 43, (11, 12), (3, 0), RNG.standard_normal((2, 1, 50)).astype(np.float16)),
+        JoinOffer("-----BEGIN CERTIFICATE-----\n...", "0011223344556677"),
+        JoinRequest("c2VjcmV0", "-----BEGIN CERTIFICATE REQUEST-----\n...", "desk-42.office"),
+        JoinResponse("cert", "ca", "0011223344556677"),
+        Register(AGENT, ("192.168.1.20:7443", "desk-42.local:7443")),
+    ]
+
+
+def raw_frame(header: object, payload: bytes = b"", version: int = 1, magic: bytes = b"DSKF") -> bytes:
+    body = header if isinstance(header, bytes) else json.dumps(header).encode()
+    body += b" " * (-(10 + len(body)) % 8)
+    return struct.pack("<4sHI", magic, version, len(body)) + body + payload
+
+
+def header_of(frame: bytes) -> dict[str, object]:
+    (length,) = struct.unpack_from("<I", frame, 6)
+    result: dict[str, object] = json.loads(frame[10:10 + length])
+    return result
+
+
+# Round trips
+
+@pytest.mark.parametrize("message", all_messages(), ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(message: wire.Message) -> None:
+    frame = encode(message)
+    decoded = decode(frame)
+    assert same_message(decoded, message)
+    assert encode(decoded) == frame  # the encoding is canonical
+
+
+def test_every_message_type_is_covered() -> None:
+    assert {type(m) for m in all_messages()} == set(MESSAGE_TYPES)
+
+
+def test_tensors_decode_read_only_little_endian_and_aligned() -> None:
+    message = forward(hidden=4, hidden_states=np.ones((2, 3, 4), dtype=">f4"))
+    frame = encode(message)
+    decoded = decode(frame)
+    assert isinstance(decoded, Forward) and decoded.hidden_states is not None
+    assert decoded.hidden_states.dtype == np.dtype("<f4")
+    assert not decoded.hidden_states.flags.writeable
+    assert np.array_equal(decoded.hidden_states, np.ones((2, 3, 4)))
+    assert decoded.hidden_states.ctypes.data % 8 == np.frombuffer(frame, np.uint8).ctypes.data % 8
+    assert decode(bytearray(frame)) is not None and decode(memoryview(frame)) is not None
+
+
+def test_same_message_tells_tensors_apart() -> None:
+    first = forward()
+    assert same_message(first, first)
+    other = forward(position_ids=first.position_ids + 1, input_ids=first.input_ids)
+    assert not same_message(first, other)
+    assert not same_message(first, StatusRequest())
+
+
+# Message construction checks
+
+@pytest.mark.parametrize("build, field", [
+    (lambda: forward(beam_idx=np.arange(3)), "beam_idx"),
+    (lambda: forward(position_ids=np.zeros((2, 3), np.int32)), "position_ids"),
+    (lambda: forward(input_ids=np.zeros((2, 4), np.int64)), "input_ids"),
+    (lambda: forward(hidden=4, hidden_states=np.zeros((2, 3, 4), np.float64)), "float64"),
+    (lambda: forward(hidden=4, input_ids=np.zeros((2, 3), np.int64)), "exactly one"),
+    (lambda: forward(input_ids=None), "exactly one"),
+    (lambda: forward(stream_ids=(1, 1)), "stream_ids"),
+    (lambda: forward(draft=DraftInfo((4, 0), np.zeros((2, 3), np.int64))), "draft count"),
+    (lambda: forward(draft=DraftInfo((1,), np.zeros((1, 3), np.int64))), "draft rows"),
+    (lambda: ForwardResult(1, 1, (1, 2), (1,), None), "accepted_counts"),
+    (lambda: ForwardResult(1, 1, (1,), None, np.zeros((2, 1, 4), np.float32)), "logits"),
+    (lambda: StageRef("m", 3, 3), "layer_end"),
+    (lambda: ManifestEntry("../etc/passwd", SHA, 1), "file_name"),
+    (lambda: ManifestEntry("a.bin", SHA.upper(), 1), "sha256"),
+    (lambda: AssignStage(STAGE, True, True, "CPU", Precision.F16, None,
+                         (ManifestEntry("a", SHA, 1), ManifestEntry("a", SHA, 2))), "twice"),
+    (lambda: NextHop("host", AGENT), "host:port"),
+    (lambda: NextHop("host:0", AGENT), "port"),
+    (lambda: NextHop("host:1", "X" * 52), "agent_id"),
+    (lambda: Hello(1, "short", "0.1", Role.AGENT), "agent_id"),
+    (lambda: ShardChunk(SHA, 10, 12, b"abc"), "total_size"),
+    (lambda: StatusReport(AgentState.AVAILABLE, 1, 1.5, None, None, None, None, (), None), "cpu_load"),
+    (lambda: StatusReport(AgentState.AVAILABLE, 1, 0.5, 101.0, None, None, None, (), None), "battery"),
+])
+def test_inconsistent_messages_are_refused_by_name(build: object, field: str) -> None:
+    with pytest.raises(ProtocolError, match=field):
+        build()  # type: ignore[operator]
+
+
+def test_check_tensor_binds_named_dims() -> None:
+    spec = TensorSpec(("float32", "float16"), ("B", "T", 64))
+    sizes = check_tensor("hidden_states", np.zeros((2, 5, 64), np.float16), spec)
+    assert sizes == {"B": 2, "T": 5}
+    with pytest.raises(ProtocolError, match=r"hidden_states dim 1 \(T\) is 4, expected 5"):
+        check_tensor("hidden_states", np.zeros((2, 4, 64), np.float32), spec, sizes)
+    with pytest.raises(ProtocolError, match="dim 2"):
+        check_tensor("hidden_states", np.zeros((2, 5, 32), np.float32), spec)
+    with pytest.raises(ProtocolError, match="rank 3"):
+        check_tensor("hidden_states", np.zeros((2, 5), np.float32), spec)
+    with pytest.raises(ProtocolError, match="dtype int64"):
+        check_tensor("hidden_states", np.zeros((2, 5, 64), np.int64), spec)
+    with pytest.raises(ProtocolError, match="must be a tensor"):
+        check_tensor("hidden_states", [1, 2], spec)
+    with pytest.raises(ValueError):
+        TensorSpec(("float64",), ("B",))
+
+
+# Limits
+
+def test_limits_are_enforced_on_both_sides() -> None:
+    big = forward(hidden=1024)  # 2 * 3 * 1024 * 4 = 24 KiB of hidden states
+    frame = encode(big)
+    for limits, message in [
+        (Limits(max_tensor_bytes=16 * 1024), "tensor 0 has 24576 bytes|tensor . has 24576 bytes"),
+        (Limits(max_frame_bytes=20 * 1024), "exceeds limit"),
+        (Limits(max_tensors=2), "3 tensors exceed limit 2"),
+        (Limits(max_header_bytes=64), "header of .* bytes exceeds limit 64"),
+        (Limits(max_rank=2), "at most 2 dims"),
+    ]:
+        with pytest.raises(ProtocolError, match=message):
+            encode(big, limits)
+        with pytest.raises(ProtocolError, match=message):
+            decode(frame, limits)
+
+
+def test_shape_product_is_checked_before_any_allocation() -> None:
+    huge = raw_frame({"type": "ShardChunk", "tensors": [{"dtype": "float32", "shape": [1 << 28] * 4}],
+                      "fields": {"sha256": SHA, "offset": 0, "total_size": 0, "data": 0}})
+    with pytest.raises(ProtocolError, match="limit"):
+        decode(huge)
+
+
+# Malformed frames
+
+def test_every_truncation_is_a_protocol_error() -> None:
+    frame = encode(forward(hidden=4))
+    for end in range(len(frame)):
+        with pytest.raises(ProtocolError):
+            decode(frame[:end])
+    with pytest.raises(ProtocolError, match="after its last part"):
+        decode(frame + b"\0")
+
+
+def test_bad_prefixes() -> None:
+    frame = encode(StatusRequest())
+    with pytest.raises(ProtocolError, match="magic"):
+        decode(b"XXXX" + frame[4:])
+    with pytest.raises(ProtocolError, match="version 2 is not supported"):
+        decode(frame[:4] + b"\x02\x00" + frame[6:])
+    with pytest.raises(ProtocolError, match="runs past the frame end"):
+        decode(frame[:6] + struct.pack("<I", 4096) + frame[10:])
+
+
+def chunk_header(**changes: object) -> dict[str, object]:
+    header: dict[str, object] = {
+        "type": "ShardChunk", "tensors": [{"dtype": "uint8", "shape": [3]}],
+        "fields": {"sha256": SHA, "offset": 0, "total_size": 3, "data": 0}}
+    header.update(changes)
+    return header
+
+
+def chunk_fields(**changes: object) -> dict[str, object]:
+    fields: dict[str, object] = {"sha256": SHA, "offset": 0, "total_size": 3, "data": 0}
+    fields.update(changes)
+    return chunk_header(fields=fields)
+
+
+PAYLOAD = b"abc"
+
+
+@pytest.mark.parametrize("frame, message", [
+    (raw_frame(chunk_header(), PAYLOAD), None),
+    (raw_frame(b"{not json", PAYLOAD), "not valid JSON"),
+    (raw_frame(b"\xff\xfe", PAYLOAD), "not valid JSON"),
+    (raw_frame(b"[" * 100_000, PAYLOAD), "not valid JSON"),
+    (raw_frame(b'{"type": 1e999999999}', PAYLOAD), "type"),
+    (raw_frame(json.dumps(chunk_fields()).replace('"offset": 0', '"offset": ' + "9" * 5000).encode(),
+               PAYLOAD), "not valid JSON"),
+    (raw_frame(b'{"type": "ShardChunk", "type": "Error", "fields": {}, "tensors": []}'), "repeats a key"),
+    (raw_frame(chunk_header(extra=1), PAYLOAD), "exactly type, fields and tensors"),
+    (raw_frame(chunk_header(type="Pickle"), PAYLOAD), "not a known message type"),
+    (raw_frame(chunk_header(type="MessageTypes"), PAYLOAD), "not a known message type"),
+    (raw_frame(chunk_header(tensors={}), PAYLOAD), "tensors must be a list"),
+    (raw_frame(chunk_header(tensors=[{"dtype": "object", "shape": [3]}]), PAYLOAD), "dtype 'object'"),
+    (raw_frame(chunk_header(tensors=[{"dtype": "float64", "shape": [3]}]), PAYLOAD), "dtype 'float64'"),
+    (raw_frame(chunk_header(tensors=[{"dtype": "uint8", "shape": [-3]}]), PAYLOAD), "bad dim"),
+    (raw_frame(chunk_header(tensors=[{"dtype": "uint8", "shape": [True]}]), PAYLOAD), "bad dim"),
+    (raw_frame(chunk_header(tensors=[{"dtype": "uint8", "shape": "3"}]), PAYLOAD), "shape must be a list"),
+    (raw_frame(chunk_header(tensors=[{"dtype": "uint8"}]), PAYLOAD), "exactly dtype and shape"),
+    (raw_frame(chunk_header(tensors=[{"dtype": "uint8", "shape": [1, 3]}]), PAYLOAD), "1-D uint8"),
+    (raw_frame(chunk_header(tensors=[{"dtype": "bool", "shape": [3]}]), b"\0\1\2"), "bool"),
+    (raw_frame(chunk_header(tensors=[]), b""), "tensor index below 0"),
+    (raw_frame(chunk_header(tensors=[{"dtype": "uint8", "shape": [3]}] * 2), PAYLOAD + bytes(5) + PAYLOAD),
+     r"tensors \[1\] are not referenced"),
+    (raw_frame(chunk_fields(offset=True), PAYLOAD), "offset must be int"),
+    (raw_frame(chunk_fields(offset=1.0), PAYLOAD), "offset must be int"),
+    (raw_frame(chunk_fields(offset=1 << 64), PAYLOAD), "int64 range"),
+    (raw_frame(chunk_fields(offset=-1), PAYLOAD), "offset must be >= 0"),
+    (raw_frame(chunk_fields(sha256=None), PAYLOAD), "sha256 must be str"),
+    (raw_frame(chunk_fields(sha256="\ud800"), PAYLOAD), "surrogate"),
+    (raw_frame(chunk_fields(data="YWJj"), PAYLOAD), "tensor index"),
+    (raw_frame(chunk_header(fields={"sha256": SHA, "offset": 0, "data": 0}), PAYLOAD),
+     r"missing fields \['total_size'\]"),
+    (raw_frame(chunk_header(fields=[]), PAYLOAD), "must be an object"),
+    (raw_frame(chunk_fields(__class__=0), PAYLOAD), r"unknown fields \['__class__'\]"),
+])
+def test_malformed_headers_are_named(frame: bytes, message: str | None) -> None:
+    if message is None:
+        assert decode(frame) == ShardChunk(SHA, 0, 3, PAYLOAD)
+        return
+    with pytest.raises(ProtocolError, match=message):
+        decode(frame)
+
+
+def split(frame: bytes) -> tuple[dict[str, object], bytes]:
+    """A frame's header and the bytes after the header (padding and tensors)."""
+    (length,) = struct.unpack_from("<I", frame, 6)
+    return header_of(frame), frame[10 + length:]
+
+
+def test_json_constants_are_refused() -> None:
+    status = header_of(encode(all_messages()[3]))
+    for value, message in [("NaN", "NaN"), ("Infinity", "Infinity"), ("1e999", "finite")]:
+        text = json.dumps(status, separators=(",", ":")).replace('"cpu_load":0.25', f'"cpu_load":{value}')
+        with pytest.raises(ProtocolError, match=message):
+            decode(raw_frame(text.encode()))
+
+
+@pytest.mark.parametrize("delta, error", [
+    ({"kind": "Exec", "fields": {}}, "kind 'Exec'"),
+    ({"kind": "Forward", "fields": {}}, "kind 'Forward'"),
+    ({"kind": "AdmitRow"}, "exactly kind and fields"),
+    ({"kind": "AdmitRow", "fields": {"live_slots": "1"}}, "live_slots must be int"),
+    ({"kind": "Compact", "fields": {"new_slots": 1, "keep": [[[0, 1, 2]]]}}, "exactly 2 items"),
+])
+def test_slot_deltas_are_a_closed_set(delta: dict[str, object], error: str) -> None:
+    header, payload = split(encode(forward(rows=1, tokens=1, slot_deltas=(AdmitRow(1),))))
+    fields = header["fields"]
+    assert isinstance(fields, dict)
+    fields["slot_deltas"] = [delta]
+    with pytest.raises(ProtocolError, match=error):
+        decode(raw_frame(header, payload))
+
+
+def test_nonzero_padding_is_refused() -> None:
+    two = chunk_header(tensors=[{"dtype": "uint8", "shape": [3]}] * 2,
+                       fields={"sha256": SHA, "offset": 0, "total_size": 3, "data": 1})
+    with pytest.raises(ProtocolError, match="tensors \\[0\\] are not referenced"):
+        decode(raw_frame(two, PAYLOAD + bytes(5) + PAYLOAD))
+    with pytest.raises(ProtocolError, match="padding before tensor 1"):
+        decode(raw_frame(two, PAYLOAD + b"\0\0\1\0\0" + PAYLOAD))
+
+
+def test_encode_refuses_what_the_receiver_would_refuse() -> None:
+    with pytest.raises(ProtocolError, match="not a wire message"):
+        encode(STAGE)
+    with pytest.raises(ProtocolError, match="temperature_c nan"):
+        StatusReport(AgentState.AVAILABLE, 1, 0.5, None, None, float("nan"), None, (), None)
+    with pytest.raises(ProtocolError, match="data does not hold"):
+        encode(ShardChunk(SHA, 0, 3, bytearray(b"abc")))
+
+
+# Fuzzing: any bytes give a message or ProtocolError
+
+VALID_FRAMES = [encode(m) for m in all_messages()]
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(st.binary(max_size=512))
+def test_fuzz_random_bytes(data: bytes) -> None:
+    try:
+        decode(data)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=600, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(VALID_FRAMES), st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)),
+                                               min_size=1, max_size=6), st.integers(0, 1 << 16))
+def test_fuzz_mutated_frames(frame: bytes, flips: list[tuple[int, int]], cut: int) -> None:
+    mutated = bytearray(frame)
+    for position, value in flips:
+        mutated[position % len(mutated)] = value
+    try:
+        decode(bytes(mutated[:max(cut, len(mutated) // 2)]))
+    except ProtocolError:
+        pass
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+                    | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                 max_size=4),
+                    max_leaves=12)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(st.sampled_from(VALID_FRAMES), st.sampled_from(["fields", "tensors", "type"]), JSON,
+       st.binary(max_size=64))
+def test_fuzz_structured_headers(frame: bytes, key: str, value: object, payload: bytes) -> None:
+    header = header_of(frame)
+    fields = header["fields"]
+    if key == "fields" and isinstance(fields, dict) and fields and isinstance(value, dict | list):
+        fields[sorted(fields)[0]] = value
+    else:
+        header[key] = value
+    try:
+        decode(raw_frame(header, payload))
+    except ProtocolError:
+        pass
