@@ -277,6 +277,8 @@ class SlotTable:
     def _compact(self, delta: Compact) -> None:
         if len(delta.keep) != self.rows:
             raise LedgerError(f"compaction plan for {len(delta.keep)} rows, the micro-batch has {self.rows}")
+        if not 0 <= delta.new_slots <= self.slots:
+            raise LedgerError(f"compaction to {delta.new_slots} slots; the micro-batch has {self.slots}")
         mask = np.zeros((self.rows, delta.new_slots), dtype=bool)
         for row, runs in enumerate(delta.keep):
             kept = _expand_runs(runs)

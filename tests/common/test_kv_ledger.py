@@ -176,6 +176,7 @@ def test_invalidating_a_slot_before_live_ones_is_refused_and_changes_nothing() -
         (Compact(new_slots=1, keep=(((0, 2),),)), "more than"),
         (Compact(new_slots=2, keep=(((1, 2), (0, 1)),)), "ascending"),
         (Compact(new_slots=1, keep=(((0, 1),),)), "drop live"),
+        (Compact(new_slots=3, keep=(((0, 2),),)), "compaction to 3"),
     ],
 )
 def test_bad_deltas_name_the_problem(delta: SlotDelta, message: str) -> None:

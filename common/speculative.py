@@ -1,0 +1,234 @@
+"""Speculative decoding rules: what the last stage accepts, and how many tokens the draft should propose.
+
+Each round the draft proposes K tokens; the target scores K+1 positions in one pass (the last accepted
+token and the K drafts); the last stage keeps the longest acceptable prefix and adds one token of its own,
+so a round always yields between 1 and K+1 tokens.
+- Greedy: accept while the draft token equals the target argmax: output identical to plain greedy.
+- Sampling: exact speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023): accept draft
+  token x with probability min(1, p(x)/q(x)); at the first rejection sample from norm(max(0, p - q));
+  when all K are accepted sample a bonus token from p's last row. The output is distributed exactly as
+  sampling from p, provided the draft sampled its tokens from q, with the SAME temperature / top-k /
+  top-p transform (`sampling_probs`) applied to both models' logits.
+- `AdaptiveK` picks K from the measured acceptance and the measured cost of a round.
+
+Pure code: numpy only; randomness only from the numpy Generator the caller passes (seeded per request).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A verified round: the first `accepted` draft tokens stand, then `next_token` follows them."""
+
+    accepted: int
+    next_token: int
+
+    def tokens(self, draft_tokens: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+        """The tokens this round adds to the stream (1 to K+1 of them)."""
+        return (*(int(t) for t in draft_tokens[: self.accepted]), self.next_token)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean off. Applied in that order."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# Public functions
+
+
+def greedy_accept(draft_tokens: npt.ArrayLike, target_argmax: npt.ArrayLike) -> Verdict:
+    """Longest prefix of draft_tokens: [K] equal to target_argmax: [K+1], then the target's token."""
+    draft = np.asarray(draft_tokens, dtype=np.int64).reshape(-1)
+    target = np.asarray(target_argmax, dtype=np.int64).reshape(-1)
+    if target.size != draft.size + 1:
+        raise ValueError(f"target argmax has {target.size} positions for {draft.size} draft tokens; "
+                         "it must score the last accepted token and every draft token (K+1)")
+    mismatch = np.flatnonzero(draft != target[:-1])
+    accepted = int(mismatch[0]) if mismatch.size else int(draft.size)
+    return Verdict(accepted=accepted, next_token=int(target[accepted]))
+
+
+def sampling_probs(logits: npt.ArrayLike, params: SamplingParams) -> FloatArray:
+    """probs: [..., V] float64 from logits: [..., V] after temperature, top-k and top-p.
+
+    Greedy (temperature 0) gives a one-hot row at the argmax. Top-k keeps ties with the k-th value.
+    """
+    x = np.asarray(logits, dtype=np.float64)
+    if params.greedy:
+        return np.eye(x.shape[-1], dtype=np.float64)[np.argmax(x, axis=-1)]
+    x = x / params.temperature
+    if 0 < params.top_k < x.shape[-1]:
+        kth = np.sort(x, axis=-1)[..., -params.top_k, None]
+        x = np.where(x >= kth, x, -np.inf)
+    probs = np.exp(x - x.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        ranked = np.take_along_axis(probs, order, axis=-1)
+        before = np.cumsum(ranked, axis=-1) - ranked  # mass strictly ahead of each token
+        keep_ranked = before < params.top_p  # the smallest prefix reaching top_p (never empty)
+        keep = np.zeros_like(keep_ranked)
+        np.put_along_axis(keep, order, keep_ranked, axis=-1)
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def sample(probs: FloatArray, rng: np.random.Generator) -> int:
+    """One token from probs: [V] (need not be normalised)."""
+    cumulative = np.cumsum(probs)
+    return int(min(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"), probs.size - 1))
+
+
+def speculative_accept(draft_tokens: npt.ArrayLike, draft_probs: FloatArray, target_probs: FloatArray,
+                       rng: np.random.Generator) -> Verdict:
+    """Exact rejection sampling over draft_tokens: [K], draft_probs q: [K, V], target_probs p: [K+1, V].
+
+    The caller must have sampled draft token i from q[i] and transformed both models' logits with the same
+    SamplingParams. Only q[i, x_i] is read for accepted tokens; the full q row only at the rejection.
+    """
+    draft = np.asarray(draft_tokens, dtype=np.int64).reshape(-1)
+    k = draft.size
+    if draft_probs.shape[0] != k or target_probs.shape[0] != k + 1:
+        raise ValueError(f"{k} draft tokens need draft probs [K, V] and target probs [K+1, V], got "
+                         f"{draft_probs.shape} and {target_probs.shape}")
+    for i, token in enumerate(draft.tolist()):
+        q_x, p_x = float(draft_probs[i, token]), float(target_probs[i, token])
+        if q_x <= 0.0:
+            raise ValueError(f"draft token {token} at position {i} has draft probability 0: "
+                             "draft tokens must be sampled from the draft probs given")
+        if p_x >= q_x or rng.random() * q_x < p_x:
+            continue
+        residual = np.maximum(target_probs[i] - draft_probs[i], 0.0)
+        if residual.sum() <= 0.0:  # only by rounding: p == q almost everywhere
+            residual = target_probs[i]
+        return Verdict(accepted=i, next_token=sample(residual, rng))
+    return Verdict(accepted=k, next_token=sample(target_probs[k], rng))
+
+
+# Adaptive K
+
+
+@dataclass(frozen=True)
+class RoundCost:
+    """Seconds one round costs: fixed + K * draft_per_token + (K+1) * verify_per_token."""
+
+    fixed_seconds: float  # the chain's round trip + one target pass, whatever K is
+    draft_seconds_per_token: float  # one draft model step
+    verify_seconds_per_token: float = 0.0  # what each extra verified position adds to the target pass
+
+    def seconds(self, k: int) -> float:
+        return self.fixed_seconds + k * self.draft_seconds_per_token + (k + 1) * self.verify_seconds_per_token
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a round yields on average when each draft token is accepted with probability alpha."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def best_k(alpha: float, cost: RoundCost, k_min: int, k_max: int) -> int:
+    """The K in [k_min, k_max] with the most expected tokens per second (the smaller K on a tie)."""
+    rates = [expected_tokens(alpha, k) / cost.seconds(k) for k in range(k_min, k_max + 1)]
+    return k_min + int(np.argmax(rates))
+
+
+class AdaptiveK:
+    """Chooses K from what rounds measured. Pure: the caller measures time and reports it.
+
+    The caller must, each round: propose `k` tokens, then `record_round(proposed, accepted)` and, when it
+    measured one, `record_cost(RoundCost(...))`. Acceptance and costs are exponentially weighted
+    (`decay` per round) so K follows a change of prompt or network. k_min == k_max fixes K (`--k K`).
+    """
+
+    def __init__(self, k_min: int = 1, k_max: int = 8, *, initial_cost: RoundCost | None = None,
+                 decay: float = 0.9, prior_alpha: float = 0.6, prior_weight: float = 2.0) -> None:
+        if not 0 <= k_min <= k_max:
+            raise ValueError(f"K bounds must satisfy 0 <= k_min <= k_max, got [{k_min}, {k_max}]")
+        if not 0.0 < decay <= 1.0 or not 0.0 <= prior_alpha <= 1.0 or prior_weight <= 0:
+            raise ValueError("decay must be in (0, 1], prior_alpha in [0, 1], prior_weight > 0")
+        self.k_min, self.k_max = k_min, k_max
+        self._decay = decay
+        self._prior_alpha, self._prior_weight = prior_alpha, prior_weight
+        self._accepted = 0.0  # decayed count of accepted draft tokens
+        self._rejected = 0.0  # decayed count of rejections (at most one per round)
+        self._cost = initial_cost or RoundCost(fixed_seconds=1.0, draft_seconds_per_token=0.1)
+        self._cost_known = initial_cost is not None  # the first measurement replaces a guessed default
+        self._histogram: Counter[int] = Counter()
+
+    # Public methods
+
+    @classmethod
+    def fixed(cls, k: int) -> AdaptiveK:
+        return cls(k, k)
+
+    @property
+    def alpha(self) -> float:
+        """The estimated probability that a draft token is accepted."""
+        weight = self._prior_weight
+        return (self._accepted + self._prior_alpha * weight) / (self._accepted + self._rejected + weight)
+
+    @property
+    def cost(self) -> RoundCost:
+        return self._cost
+
+    @property
+    def k(self) -> int:
+        """The K to propose next round."""
+        return best_k(self.alpha, self._cost, self.k_min, self.k_max)
+
+    def record_round(self, proposed: int, accepted: int) -> None:
+        if not 0 <= accepted <= proposed:
+            raise ValueError(f"accepted {accepted} of {proposed} proposed draft tokens")
+        self._histogram[accepted] += 1
+        if proposed == 0:
+            return
+        self._accepted = self._accepted * self._decay + accepted
+        self._rejected = self._rejected * self._decay + (1 if accepted < proposed else 0)
+
+    def record_cost(self, measured: RoundCost) -> None:
+        if not self._cost_known:
+            self._cost, self._cost_known = measured, True
+            return
+
+        def blend(old: float, new: float) -> float:
+            return old * self._decay + new * (1.0 - self._decay)
+
+        self._cost = RoundCost(
+            blend(self._cost.fixed_seconds, measured.fixed_seconds),
+            blend(self._cost.draft_seconds_per_token, measured.draft_seconds_per_token),
+            blend(self._cost.verify_seconds_per_token, measured.verify_seconds_per_token))
+
+    def accepted_histogram(self) -> dict[int, int]:
+        """Rounds by number of accepted draft tokens, for the run's metrics."""
+        return dict(sorted(self._histogram.items()))
+
+    def mean_accepted(self) -> float:
+        rounds = sum(self._histogram.values())
+        return sum(a * n for a, n in self._histogram.items()) / rounds if rounds else 0.0

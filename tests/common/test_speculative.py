@@ -1,0 +1,280 @@
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from deskfleet.common.speculative import (
+    AdaptiveK,
+    RoundCost,
+    SamplingParams,
+    Verdict,
+    best_k,
+    expected_tokens,
+    greedy_accept,
+    sample,
+    sampling_probs,
+    speculative_accept,
+)
+
+FloatArray = npt.NDArray[np.float64]
+Rule = Callable[[npt.NDArray[np.int64], FloatArray, FloatArray, np.random.Generator], Verdict]
+
+# Toy "models": Markov chains over a tiny vocabulary, row = previous token. Q is deliberately unlike P.
+P = np.array([[0.50, 0.20, 0.20, 0.10],
+              [0.10, 0.60, 0.20, 0.10],
+              [0.25, 0.25, 0.25, 0.25],
+              [0.05, 0.15, 0.30, 0.50]])
+Q = np.array([[0.10, 0.40, 0.30, 0.20],
+              [0.40, 0.30, 0.10, 0.20],
+              [0.70, 0.10, 0.10, 0.10],
+              [0.25, 0.25, 0.25, 0.25]])
+
+
+# Greedy
+
+
+@pytest.mark.parametrize(
+    ("draft", "target", "verdict"),
+    [
+        ([5, 6, 7], [5, 6, 7, 8], Verdict(3, 8)),  # all accepted, plus the bonus token
+        ([5, 6, 7], [9, 6, 7, 8], Verdict(0, 9)),  # first token wrong: the target's token replaces it
+        ([5, 6, 7], [5, 1, 7, 8], Verdict(1, 1)),  # a later match after a mismatch does not count
+        ([5, 6, 7], [5, 6, 2, 8], Verdict(2, 2)),
+        ([], [4], Verdict(0, 4)),  # K = 0 is plain decoding
+    ],
+)
+def test_greedy_accept(draft: list[int], target: list[int], verdict: Verdict) -> None:
+    assert greedy_accept(draft, target) == verdict
+
+
+def test_greedy_accept_needs_k_plus_one_target_positions() -> None:
+    with pytest.raises(ValueError, match="K\\+1"):
+        greedy_accept([1, 2], [1, 2])
+
+
+def test_verdict_tokens() -> None:
+    assert Verdict(2, 9).tokens([4, 5, 6]) == (4, 5, 9)
+    assert Verdict(0, 9).tokens([4, 5, 6]) == (9,)
+
+
+def test_greedy_speculative_stream_is_token_identical_to_plain_greedy() -> None:
+    rng = np.random.default_rng(7)
+    logits = rng.normal(size=(50, 50))  # next token = argmax(logits[previous])
+    plain = [0]
+    for _ in range(200):
+        plain.append(int(np.argmax(logits[plain[-1]])))
+    stream = [0]
+    while len(stream) < len(plain):
+        k = int(rng.integers(0, 6))
+        draft = [int(np.argmax(logits[stream[-1]])) if rng.random() < 0.7 else int(rng.integers(50))]
+        draft = draft[:k]
+        for _ in range(1, k):
+            draft.append(int(np.argmax(logits[draft[-1]])) if rng.random() < 0.7 else int(rng.integers(50)))
+        context = [stream[-1], *draft]
+        verdict = greedy_accept(draft, [int(np.argmax(logits[t])) for t in context])
+        stream.extend(verdict.tokens(draft))
+    assert stream[: len(plain)] == plain
+
+
+def test_rejection_sampling_at_temperature_zero_is_greedy() -> None:
+    rng = np.random.default_rng(3)
+    greedy = SamplingParams(temperature=0)
+    for _ in range(200):
+        k = int(rng.integers(0, 5))
+        draft_logits, target_logits = rng.normal(size=(k, 6)), rng.normal(size=(k + 1, 6))
+        agree = rng.random(k) < 0.6  # make the draft agree with the target often
+        draft_logits[agree] = target_logits[:k][agree]
+        q = sampling_probs(draft_logits, greedy)
+        draft = np.argmax(q, axis=-1)
+        verdict = speculative_accept(draft, q, sampling_probs(target_logits, greedy), rng)
+        assert verdict == greedy_accept(draft, np.argmax(target_logits, axis=-1))
+
+
+# Sampling transforms
+
+
+def test_sampling_probs_transforms() -> None:
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    assert np.allclose(sampling_probs(logits, SamplingParams()), [0.5, 0.3, 0.15, 0.05])
+    assert sampling_probs(logits, SamplingParams(temperature=0)).tolist() == [1.0, 0.0, 0.0, 0.0]
+    hot = sampling_probs(logits, SamplingParams(temperature=2.0))
+    assert np.allclose(hot, np.sqrt([0.5, 0.3, 0.15, 0.05]) / np.sqrt([0.5, 0.3, 0.15, 0.05]).sum())
+    assert np.allclose(sampling_probs(logits, SamplingParams(top_k=2)), [0.625, 0.375, 0, 0])
+    assert np.allclose(sampling_probs(logits, SamplingParams(top_p=0.75)), [0.625, 0.375, 0, 0])
+    top_p = sampling_probs(logits, SamplingParams(top_p=0.85))
+    assert np.allclose(top_p, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0])
+    assert np.allclose(sampling_probs(logits, SamplingParams(top_p=0.1)), [1, 0, 0, 0])
+    batch = sampling_probs(np.stack([logits, logits[::-1]]), SamplingParams(top_k=1))
+    assert batch.tolist() == [[1, 0, 0, 0], [0, 0, 0, 1]]
+
+
+@pytest.mark.parametrize("params", [{"temperature": -1}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}])
+def test_bad_sampling_params_are_refused(params: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**params)
+
+
+def test_speculative_accept_checks_its_inputs() -> None:
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="K\\+1"):
+        speculative_accept([1], Q[:1], P[:1], rng)
+    q = np.array([[0.0, 1.0, 0.0, 0.0]])
+    with pytest.raises(ValueError, match="draft probability 0"):
+        speculative_accept([0], q, P[:2], rng)
+
+
+# Statistical exactness: the output of speculative sampling is distributed as sampling from p
+
+
+def exact_rule(draft: npt.NDArray[np.int64], q: FloatArray, p: FloatArray,
+               rng: np.random.Generator) -> Verdict:
+    return speculative_accept(draft, q, p, rng)
+
+
+def resample_from_p(draft: npt.NDArray[np.int64], q: FloatArray, p: FloatArray,
+                    rng: np.random.Generator) -> Verdict:
+    """A classic bug: on rejection, sample from p instead of the residual max(0, p - q)."""
+    for i, token in enumerate(draft.tolist()):
+        if rng.random() * q[i, token] >= p[i, token]:
+            return Verdict(i, sample(p[i], rng))
+    return Verdict(len(draft), sample(p[-1], rng))
+
+
+def accept_always(draft: npt.NDArray[np.int64], q: FloatArray, p: FloatArray,
+                  rng: np.random.Generator) -> Verdict:
+    """Another bug: trust the draft (its tokens then follow q, not p)."""
+    return Verdict(len(draft), sample(p[-1], rng))
+
+
+def generate(target: FloatArray, draft_model: FloatArray, start: int, count: int, k: int,
+             rule: Rule, rng: np.random.Generator) -> list[int]:
+    """`count` tokens after `start` by speculative rounds; the models are Markov chains (row = last token)."""
+    stream = [start]
+    while len(stream) <= count:
+        draft: list[int] = []
+        for _ in range(k):
+            draft.append(sample(draft_model[draft[-1] if draft else stream[-1]], rng))
+        tokens = np.array(draft, dtype=np.int64)
+        q = draft_model[[stream[-1], *draft[:-1]]] if k else np.zeros((0, target.shape[1]))
+        p = target[[stream[-1], *draft]]
+        stream.extend(rule(tokens, q, p, rng).tokens(draft))
+    return stream[1 : count + 1]
+
+
+def chi_square(observed: FloatArray, expected_probs: FloatArray) -> tuple[float, float]:
+    """Pearson's statistic and its critical value at p = 1e-4 (Wilson-Hilferty), over non-empty cells."""
+    assert observed[expected_probs == 0].sum() == 0, "a token the target can never produce was emitted"
+    cells = expected_probs > 0
+    expected = expected_probs[cells] * observed.sum()
+    assert expected.min() >= 5
+    statistic = float(((observed[cells] - expected) ** 2 / expected).sum())
+    df = int(cells.sum()) - 1
+    z = 3.719  # upper 1e-4 normal quantile: a correct rule fails by chance once in 10,000 seeds
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return statistic, critical
+
+
+def pair_counts(rule: Rule, k: int, trials: int, seed: int) -> FloatArray:
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((4, 4))
+    for _ in range(trials):
+        first, second = generate(P, Q, 2, 2, k, rule, rng)
+        counts[first, second] += 1
+    return counts
+
+
+PAIR_EXPECTED = P[2][:, None] * P  # P(first = a, second = b | start 2) = P[2, a] * P[a, b]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_sampling_matches_the_target_distribution(k: int) -> None:
+    statistic, critical = chi_square(pair_counts(exact_rule, k, 20_000, seed=11), PAIR_EXPECTED)
+    assert statistic < critical
+
+
+@pytest.mark.parametrize("wrong_rule", [resample_from_p, accept_always])
+def test_negative_control_a_wrong_rule_fails_the_same_test(wrong_rule: Rule) -> None:
+    statistic, critical = chi_square(pair_counts(wrong_rule, 3, 20_000, seed=11), PAIR_EXPECTED)
+    assert statistic > 3 * critical
+
+
+def test_exactness_holds_with_temperature_top_k_and_top_p() -> None:
+    rng = np.random.default_rng(5)
+    params = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
+    target = sampling_probs(rng.normal(size=(6, 6)) * 1.5, params)
+    draft_model = sampling_probs(rng.normal(size=(6, 6)) * 1.5, params)
+    counts = np.zeros(6)
+    for _ in range(20_000):
+        counts[generate(target, draft_model, 0, 2, 2, exact_rule, rng)[1]] += 1
+    marginal = target[0] @ target  # the second token's distribution
+    statistic, critical = chi_square(counts, marginal)
+    assert statistic < critical
+
+
+# Adaptive K
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens(0.5, 3) == pytest.approx(1.875)
+    assert expected_tokens(1.0, 4) == 5
+    assert expected_tokens(0.0, 4) == 1
+    assert expected_tokens(0.8, 0) == 1
+
+
+def test_best_k_grows_with_acceptance_and_with_the_round_trip() -> None:
+    cheap = RoundCost(fixed_seconds=0.02, draft_seconds_per_token=0.01)
+    dear = RoundCost(fixed_seconds=0.5, draft_seconds_per_token=0.01)
+    assert best_k(0.1, cheap, 1, 8) == 1
+    assert best_k(0.95, dear, 1, 8) == 8
+    assert best_k(0.0, dear, 0, 8) == 0
+    for alpha in np.linspace(0.05, 0.95, 10):
+        ks = [best_k(alpha, RoundCost(fixed, 0.01), 1, 16) for fixed in (0.01, 0.05, 0.2, 1.0)]
+        assert ks == sorted(ks)
+    for fixed in (0.01, 0.1, 1.0):
+        ks = [best_k(alpha, RoundCost(fixed, 0.01), 1, 16) for alpha in np.linspace(0.05, 0.95, 10)]
+        assert ks == sorted(ks)
+
+
+def test_adaptive_k_follows_measured_acceptance_and_cost() -> None:
+    controller = AdaptiveK(2, 10, initial_cost=RoundCost(fixed_seconds=0.2, draft_seconds_per_token=0.01))
+    start = controller.k
+    for _ in range(30):
+        controller.record_round(controller.k, controller.k)  # every draft token accepted
+    assert controller.alpha > 0.9 and controller.k == 10 > start
+    for _ in range(30):
+        controller.record_round(controller.k, 0)  # the draft stopped guessing right
+    assert controller.alpha < 0.4 and controller.k == 2
+    for _ in range(30):
+        controller.record_round(4, 3)
+    mid = controller.k
+    for _ in range(40):
+        controller.record_cost(RoundCost(fixed_seconds=0.01, draft_seconds_per_token=0.01))
+    assert controller.k < mid  # a fast network makes short rounds pay
+
+
+def test_adaptive_k_first_cost_measurement_replaces_the_default() -> None:
+    controller = AdaptiveK(1, 8)
+    controller.record_cost(RoundCost(0.3, 0.02, 0.001))
+    assert controller.cost == RoundCost(0.3, 0.02, 0.001)
+    controller.record_cost(RoundCost(0.1, 0.02, 0.001))
+    assert controller.cost.fixed_seconds == pytest.approx(0.28)
+
+
+def test_fixed_k_and_metrics() -> None:
+    controller = AdaptiveK.fixed(4)
+    for accepted in (4, 4, 0, 2):
+        controller.record_round(4, accepted)
+        assert controller.k == 4
+    assert controller.accepted_histogram() == {0: 1, 2: 1, 4: 2}
+    assert controller.mean_accepted() == 2.5
+    assert AdaptiveK().mean_accepted() == 0.0
+
+
+def test_adaptive_k_refuses_bad_input() -> None:
+    with pytest.raises(ValueError, match="k_min"):
+        AdaptiveK(5, 2)
+    with pytest.raises(ValueError, match="accepted 3 of 2"):
+        AdaptiveK().record_round(2, 3)
