@@ -9,7 +9,7 @@ micro-batch can add, drop and reorder rows, and the initial state is zero-length
 Stage inputs (B rows, T new tokens, S = slots after this call):
     input_ids [B,T] i64 (first stage) or hidden_states [B,T,H] f32; attention_mask [B,S] i64;
     position_ids [B,T] i64; beam_idx [B] i32
-Outputs: hidden_states [B,T,H], or (last stage) logits [B,T,V] and next_tokens [B,T] i64.
+Outputs: stage_hidden_out [B,T,H], or (last stage) logits [B,T,V] and next_tokens [B,T] i64.
 
 No torch here: this runs on every employee PC.
 """
@@ -24,9 +24,8 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
-from openvino import passes
-
 from deskfleet.common.model_spec import Manifest, TensorNames, verify_files
+from openvino import passes
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +133,7 @@ def build_stage_model(model_dir: Path, manifest: Manifest, layers: LayerRange, v
         outputs = [_result_node(head, TensorNames.LOGITS), _result_node(head, TensorNames.NEXT_TOKENS)]
     else:
         result = ops.result(hidden)
-        result.output(0).get_tensor().set_names({TensorNames.HIDDEN_STATES})
+        result.output(0).get_tensor().set_names({TensorNames.STAGE_HIDDEN_OUT})
         outputs = [result]
 
     parameters = [stage_input, attention_mask, position_ids, beam_idx] + [past for past, _ in kv_pairs]
@@ -154,9 +153,9 @@ class Stage:
     """A compiled stage. Each session (one InferRequest) holds the KV state of one micro-batch."""
 
     def __init__(self, model_dir: Path, manifest: Manifest, layers: LayerRange,
-                 settings: CompileSettings = CompileSettings(), core: ov.Core | None = None) -> None:
+                 settings: CompileSettings | None = None, core: ov.Core | None = None) -> None:
         self.layers = layers
-        self.settings = settings
+        self.settings = settings = settings or CompileSettings()
         core = core or ov.Core()
         model = build_stage_model(model_dir, manifest, layers)
         self.compiled = core.compile_model(model, settings.device, settings.properties(core))
@@ -189,7 +188,7 @@ class StageSession:
             TensorNames.BEAM_IDX: beam_idx.astype(np.int32, copy=False),
         })
         if not self.stage.layers.is_last:
-            return StageOutput(hidden=self.request.get_tensor(TensorNames.HIDDEN_STATES).data.copy())
+            return StageOutput(hidden=self.request.get_tensor(TensorNames.STAGE_HIDDEN_OUT).data.copy())
         logits = self.request.get_tensor(TensorNames.LOGITS).data.copy() if want_logits else None
         return StageOutput(next_tokens=self.request.get_tensor(TensorNames.NEXT_TOKENS).data.copy(),
                            logits=logits)

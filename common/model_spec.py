@@ -195,7 +195,8 @@ class TensorNames:
     """
 
     INPUT_IDS = "input_ids"
-    HIDDEN_STATES = "hidden_states"
+    HIDDEN_STATES = "hidden_states"  # a middle or last stage's input
+    STAGE_HIDDEN_OUT = "stage_hidden_out"  # a first or middle stage's output (must differ from the input)
     ATTENTION_MASK = "attention_mask"
     POSITION_IDS = "position_ids"
     BEAM_IDX = "beam_idx"

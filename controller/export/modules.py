@@ -61,6 +61,8 @@ class RopeAndMask(nn.Module):
 
     def __init__(self, cos_table: torch.Tensor, sin_table: torch.Tensor) -> None:
         super().__init__()
+        self.cos_table: torch.Tensor
+        self.sin_table: torch.Tensor
         self.register_buffer("cos_table", cos_table)  # [max_context, D]
         self.register_buffer("sin_table", sin_table)
 

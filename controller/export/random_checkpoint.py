@@ -16,7 +16,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
 
 
 def make_random_checkpoint(out_dir: Path, architecture: str = "llama", seed: int = 0,
-                           weight_std: float = 0.08, dtype: torch.dtype = torch.float32,
+                           weight_std: float = 0.15, dtype: torch.dtype = torch.float32,
                            **config_fields: Any) -> Path:
     """Write config.json, model.safetensors, generation_config.json and a byte-level tokenizer.
 

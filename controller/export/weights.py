@@ -31,7 +31,7 @@ class CheckpointWeights:
         self._handles = {name: safe_open(str(model_dir / name), framework="pt") for name in shard_names}
         if not weight_map:
             handle = self._handles["model.safetensors"]
-            weight_map = {key: "model.safetensors" for key in handle.keys()}  # noqa: SIM118 (not a dict)
+            weight_map = {key: "model.safetensors" for key in handle.keys()}
         self._weight_map = weight_map
 
     def __contains__(self, name: str) -> bool:

@@ -1,0 +1,181 @@
+"""A k-stage pipeline in one process: each stage on its own worker thread, connected by queues.
+
+The queues stand where the network will stand: a worker takes a step request, runs its stage and hands
+the hidden states to the next worker; the last worker returns the next tokens to the driver. Several
+micro-batches may be in flight at once; each has its own KV state (session) on every stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from deskfleet.agent.stage import CompileSettings, LayerRange, Stage, StageSession
+from deskfleet.common.model_spec import Manifest, load_manifest
+
+log = logging.getLogger(__name__)
+
+
+class PipelineError(RuntimeError):
+    """A stage failed; the message names the stage and the micro-batch."""
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One call through every stage for one micro-batch of B rows and T new tokens per row."""
+
+    batch_id: int
+    payload: np.ndarray  # input_ids [B,T] i64 at the first stage, hidden [B,T,H] f32 after it
+    attention_mask: np.ndarray  # [B, S] over the physical slots after this call
+    position_ids: np.ndarray  # [B, T] logical positions
+    beam_idx: np.ndarray  # [B] rows of the previous state
+    want_logits: bool = False
+    reset: bool = False  # drop this micro-batch's KV state before the call
+
+
+@dataclass(frozen=True)
+class StepResult:
+    batch_id: int
+    next_tokens: np.ndarray  # [B, T]
+    logits: np.ndarray | None  # [B, T, V] when asked for
+
+
+@dataclass(frozen=True)
+class _Failure:
+    batch_id: int
+    stage_index: int
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class _Release:
+    batch_id: int
+
+
+_STOP = object()
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[LayerRange]:
+    """Contiguous ranges whose sizes differ by at most one."""
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages "
+                         f"(stages must be between 1 and the number of layers)")
+    base, extra = divmod(num_layers, num_stages)
+    ranges, start = [], 0
+    for index in range(num_stages):
+        stop = start + base + (1 if index < extra else 0)
+        ranges.append(LayerRange(start, stop, num_layers))
+        start = stop
+    return ranges
+
+
+class _StageWorker(threading.Thread):
+    def __init__(self, index: int, stage: Stage, inbox: queue.Queue[object], outbox: queue.Queue[object],
+                 results: queue.Queue[object]) -> None:
+        super().__init__(name=f"stage-{index}", daemon=True)
+        self.index = index
+        self.stage = stage
+        self.inbox = inbox
+        self.outbox = outbox
+        self.results = results
+        self.sessions: dict[int, StageSession] = {}
+
+    def run(self) -> None:
+        while (message := self.inbox.get()) is not _STOP:
+            if isinstance(message, _Release):
+                self.sessions.pop(message.batch_id, None)
+                self.outbox.put(message)
+            elif isinstance(message, _Failure):
+                self.outbox.put(message)
+            elif isinstance(message, StepRequest):
+                self._step(message)
+        self.outbox.put(_STOP)
+
+    def _step(self, request: StepRequest) -> None:
+        try:
+            session = self.sessions.get(request.batch_id)
+            if session is None:
+                session = self.sessions[request.batch_id] = self.stage.open_session()
+            elif request.reset:
+                session.reset()
+            output = session.forward(request.payload, request.attention_mask, request.position_ids,
+                                     request.beam_idx, want_logits=request.want_logits)
+        except Exception as error:  # handed to the driver, which raises it with the stage named
+            log.exception("stage %d failed on micro-batch %d", self.index, request.batch_id)
+            self.outbox.put(_Failure(request.batch_id, self.index, error))
+            return
+        if output.hidden is not None:
+            self.outbox.put(replace(request, payload=output.hidden))
+        else:
+            assert output.next_tokens is not None
+            self.outbox.put(StepResult(request.batch_id, output.next_tokens, output.logits))
+
+
+class LocalPipeline:
+    """k stages of an exported model in this process. Use as a context manager or call close()."""
+
+    def __init__(self, model_dir: Path, num_stages: int = 1, settings: CompileSettings | None = None,
+                 manifest: Manifest | None = None) -> None:
+        self.model_dir = Path(model_dir)
+        self.manifest = manifest or load_manifest(self.model_dir)
+        self.ranges = split_layers(self.manifest.spec.num_layers, num_stages)
+        settings = settings or CompileSettings()
+        stages = [Stage(self.model_dir, self.manifest, layers, settings) for layers in self.ranges]
+        self._queues: list[queue.Queue[object]] = [queue.Queue() for _ in range(len(stages) + 1)]
+        self._workers = [
+            _StageWorker(index, stage, self._queues[index], self._queues[index + 1], self._queues[-1])
+            for index, stage in enumerate(stages)]
+        for worker in self._workers:
+            worker.start()
+        self._closed = False
+
+    @property
+    def num_stages(self) -> int:
+        return len(self._workers)
+
+    # Public methods
+
+    def submit(self, request: StepRequest) -> None:
+        """Queue a step; its result comes out of collect() in submission order per micro-batch."""
+        if self._closed:
+            raise PipelineError("the pipeline is closed")
+        self._queues[0].put(request)
+
+    def collect(self, timeout: float | None = None) -> StepResult:
+        """The next finished step. Raises PipelineError if a stage failed on it."""
+        while True:
+            message = self._queues[-1].get(timeout=timeout)
+            if isinstance(message, StepResult):
+                return message
+            if isinstance(message, _Failure):
+                raise PipelineError(f"stage {message.stage_index} ({self.ranges[message.stage_index]}) failed "
+                                    f"on micro-batch {message.batch_id}: {message.error}") from message.error
+            if message is _STOP:
+                raise PipelineError("the pipeline stopped")
+
+    def step(self, request: StepRequest) -> StepResult:
+        """submit() then collect(); only for callers with one step in flight."""
+        self.submit(request)
+        return self.collect()
+
+    def release(self, batch_id: int) -> None:
+        """Drop a micro-batch's KV state on every stage."""
+        self._queues[0].put(_Release(batch_id))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queues[0].put(_STOP)
+        for worker in self._workers:
+            worker.join()
+
+    def __enter__(self) -> LocalPipeline:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

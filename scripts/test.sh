@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The test command: set-up, lint, type check, then every test (slow and integration ones included).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/bootstrap.sh
+venv="${DESKFLEET_VENV:-.venv}"
+echo "== ruff"
+"$venv/bin/ruff" check common agent controller tests
+echo "== mypy"
+MYPYPATH=.typecheck "$venv/bin/mypy" -p deskfleet
+echo "== pytest"
+"$venv/bin/python" -m pytest -p no:cacheprovider "$@"
