@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from deskfleet.common.agent_state import AgentState
-from deskfleet.common.kv_ledger import SlotDelta
+from deskfleet.common.kv_ledger import AdmitRow, SlotDelta
 from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, check_tensor
 
 PROTOCOL_VERSION = 1
@@ -150,6 +150,8 @@ class DraftInfo:
 
     counts: tuple[int, ...]
     draft_token_ids: Tensor  # [B, K] int64
+    # q: [B, K, V] the draft's (transformed) distributions, needed only by sampled rows' verification
+    draft_probs: Tensor | None = None
 
     def __post_init__(self) -> None:
         check_tensor("draft_token_ids", self.draft_token_ids, TensorSpec(("int64",), ("B", "K")))
@@ -157,6 +159,36 @@ class DraftInfo:
         _require(len(self.counts) == rows, f"draft counts has {len(self.counts)} rows, ids {rows}")
         for count in self.counts:
             _require(0 <= count <= width, f"draft count {count} outside [0, {width}]")
+        if self.draft_probs is not None:
+            check_tensor("draft_probs", self.draft_probs, TensorSpec(("float32",), ("B", "K", "V")),
+                         {"B": rows, "K": width})
+
+
+@dataclass(frozen=True)
+class SamplingInfo:
+    """Per-row sampling done at the last stage; a temperature of 0 means greedy for that row.
+
+    seeds[r] seeds row r's random draws of this step only: the driver derives it from the stream's seed
+    and the row's position, so a stream's draws do not depend on which rows share its micro-batch.
+    """
+
+    temperatures: tuple[float, ...]
+    top_ks: tuple[int, ...]  # 0 = no top-k
+    top_ps: tuple[float, ...]  # 1.0 = no top-p
+    seeds: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        rows = len(self.temperatures)
+        _require(len(self.top_ks) == len(self.top_ps) == len(self.seeds) == rows,
+                 "sampling fields have different row counts")
+        for value in self.temperatures:
+            _require(0.0 <= value <= 100.0, f"temperature {value} outside [0, 100]")
+        for value in self.top_ps:
+            _require(0.0 < value <= 1.0, f"top_p {value} outside (0, 1]")
+        for count in self.top_ks:
+            _non_negative("top_k", count)
+        for seed in self.seeds:
+            _non_negative("seed", seed)
 
 
 # Messages
@@ -305,6 +337,9 @@ class Forward:
     input_ids: Tensor | None  # [B, T] int64, first stage
     hidden_states: Tensor | None  # [B, T, H] float32 or float16
     draft: DraftInfo | None
+    # micro-batch ids whose one-row state becomes the new last row, one per AdmitRow delta, in order
+    admit_from: tuple[int, ...] = ()
+    sampling: SamplingInfo | None = None
 
     def __post_init__(self) -> None:
         _non_negative("micro_batch_id", self.micro_batch_id)
@@ -323,6 +358,12 @@ class Forward:
                          TensorSpec(("float32", "float16"), ("B", "T", "H")), sizes)
         if self.draft is not None:
             _require(len(self.draft.counts) == rows, "draft rows differ from stream_ids")
+        if self.sampling is not None:
+            _require(len(self.sampling.seeds) == rows, "sampling rows differ from stream_ids")
+        admits = sum(isinstance(delta, AdmitRow) for delta in self.slot_deltas)
+        _require(len(self.admit_from) == admits, f"{admits} AdmitRow deltas but {len(self.admit_from)} sources")
+        for source in self.admit_from:
+            _non_negative("admit_from", source)
 
 
 @dataclass(frozen=True, eq=False)
@@ -400,9 +441,37 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
 )
 
 __all__ = [
-    "MESSAGE_TYPES", "PROTOCOL_VERSION", "AgentState", "AssignStage", "DraftInfo", "Error", "ErrorCode",
-    "Forward", "ForwardResult", "Hello", "JoinOffer", "JoinRequest", "JoinResponse", "ManifestEntry",
-    "Message", "NextHop", "Precision", "ProtocolError", "Register",
-    "ReleaseStage", "Role", "ShardChunk", "ShardComplete", "ShardHave", "ShardOffset", "ShardQuery",
-    "StageReady", "StageRef", "StatusReport", "StatusRequest", "is_agent_id", "parse_address",
+    "MESSAGE_TYPES",
+    "PROTOCOL_VERSION",
+    "AgentState",
+    "AssignStage",
+    "DraftInfo",
+    "Error",
+    "ErrorCode",
+    "Forward",
+    "ForwardResult",
+    "Hello",
+    "JoinOffer",
+    "JoinRequest",
+    "JoinResponse",
+    "ManifestEntry",
+    "Message",
+    "NextHop",
+    "Precision",
+    "ProtocolError",
+    "Register",
+    "ReleaseStage",
+    "Role",
+    "SamplingInfo",
+    "ShardChunk",
+    "ShardComplete",
+    "ShardHave",
+    "ShardOffset",
+    "ShardQuery",
+    "StageReady",
+    "StageRef",
+    "StatusReport",
+    "StatusRequest",
+    "is_agent_id",
+    "parse_address",
 ]

@@ -32,6 +32,7 @@ from deskfleet.common.wire import (
     ReleaseStage,
     ReorderRows,
     Role,
+    SamplingInfo,
     ShardChunk,
     ShardComplete,
     ShardHave,
@@ -69,6 +70,10 @@ def forward(rows: int = 2, tokens: int = 3, hidden: int | None = None, **changes
         draft=None,
     )
     fields.update(changes)
+    if "admit_from" not in changes:
+        deltas = fields["slot_deltas"]
+        assert isinstance(deltas, tuple)
+        fields["admit_from"] = tuple(3 for delta in deltas if isinstance(delta, AdmitRow))
     return Forward(**fields)
 
 
@@ -328,7 +333,7 @@ def test_json_constants_are_refused() -> None:
     ({"kind": "Compact", "fields": {"new_slots": 1, "keep": [[[0, 1, 2]]]}}, "exactly 2 items"),
 ])
 def test_slot_deltas_are_a_closed_set(delta: dict[str, object], error: str) -> None:
-    header, payload = split(encode(forward(rows=1, tokens=1, slot_deltas=(AdmitRow(1),))))
+    header, payload = split(encode(forward(rows=1, tokens=1, slot_deltas=(AdmitRow(1),), admit_from=(2,))))
     fields = header["fields"]
     assert isinstance(fields, dict)
     fields["slot_deltas"] = [delta]
@@ -403,3 +408,21 @@ def test_fuzz_structured_headers(frame: bytes, key: str, value: object, payload:
         decode(raw_frame(header, payload))
     except ProtocolError:
         pass
+
+
+def test_forward_with_sampled_draft_round_trips() -> None:
+    draft = DraftInfo((2, 0), np.array([[5, 6], [0, 0]], dtype=np.int64),
+                      RNG.random((2, 2, 11), dtype=np.float32))
+    sampling = SamplingInfo((0.7, 0.0), (0, 5), (0.9, 1.0), (12345, 7))
+    message = forward(draft=draft, sampling=sampling)
+    assert same_message(decode(encode(message)), message)
+
+
+def test_admit_rows_need_one_source_each() -> None:
+    with pytest.raises(ProtocolError, match="AdmitRow deltas but 0 sources"):
+        forward(admit_from=())
+
+
+def test_sampling_rows_must_match_the_stream_count() -> None:
+    with pytest.raises(ProtocolError, match="sampling rows differ"):
+        forward(sampling=SamplingInfo((0.7,), (0,), (1.0,), (1,)))
