@@ -1,0 +1,318 @@
+"""The agent's system monitor: CPU, memory, battery, temperatures and iGPU busy, each None when unknown.
+
+`SystemMonitor` is the interface the agent core depends on; tests give it a fake. `HostMonitor` reads
+the real machine:
+- CPU load, memory, battery and AC: psutil (battery None on a PC without one).
+- Temperatures: on Linux the hwmon sysfs tree (thermal zones when hwmon has none); elsewhere
+  psutil.sensors_temperatures where psutil has it. Windows exposes none without admin rights: empty.
+- iGPU busy: on Linux `class/drm/card*/device/gpu_busy_percent` where the driver exposes it (amdgpu),
+  otherwise the per-client engine counters that i915 and xe publish in /proc/*/fdinfo (a rate, so the
+  first read after start is None). On Windows the "GPU Engine" performance counters through `typeperf`.
+A sensor that cannot be read is None (or absent from `temperatures`), never a guess.
+
+`read()` blocks (sysfs reads, typeperf takes about a second): call it from a worker thread
+(asyncio.to_thread), every few seconds, from one thread at a time.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import psutil
+from deskfleet.common.availability import (
+    Availability,
+    AvailabilityPolicy,
+    MonitorReading,
+    TemperatureReading,
+    decide_availability,
+)
+
+__all__ = [
+    "Availability", "AvailabilityPolicy", "DrmFdinfoSampler", "HostMonitor", "HostProbes", "MonitorReading",
+    "SystemMonitor", "TemperatureReading", "decide_availability", "parse_typeperf_gpu", "read_drm_busy_percent",
+    "read_hwmon_temperatures",
+]
+
+logger = logging.getLogger(__name__)
+
+_PLAUSIBLE_C = (-50.0, 200.0)  # broken sensors read -128 or 255; those are unknown, not hot
+_FDINFO_DRIVERS = ("i915", "xe")
+_TYPEPERF_COUNTER = r"\GPU Engine(*engtype_3D)\Utilization Percentage"
+
+
+class SystemMonitor(Protocol):
+    """Anything that can say how the host is doing right now."""
+
+    def read(self) -> MonitorReading: ...
+
+
+def _psutil_cpu_load() -> float:
+    return min(1.0, max(0.0, psutil.cpu_percent(interval=None) / 100.0))
+
+
+def _psutil_memory() -> tuple[int, int]:
+    memory = psutil.virtual_memory()
+    return int(memory.available), int(memory.total)
+
+
+def _psutil_battery() -> tuple[float | None, bool | None] | None:
+    battery = psutil.sensors_battery() if hasattr(psutil, "sensors_battery") else None
+    if battery is None:
+        return None
+    return float(battery.percent), battery.power_plugged
+
+
+def _psutil_temperatures() -> tuple[TemperatureReading, ...]:
+    sensors = getattr(psutil, "sensors_temperatures", None)
+    if sensors is None:
+        return ()
+    found = []
+    for chip, entries in sensors().items():
+        for index, entry in enumerate(entries):
+            found.append(TemperatureReading(f"{chip}/{entry.label or f'temp{index + 1}'}", float(entry.current)))
+    return tuple(sensor for sensor in found if _plausible(sensor.celsius))
+
+
+@dataclass(frozen=True)
+class HostProbes:
+    """The psutil calls HostMonitor makes; a test replaces the ones it needs to control."""
+
+    cpu_load: Callable[[], float] = _psutil_cpu_load
+    memory: Callable[[], tuple[int, int]] = _psutil_memory  # (free, total)
+    battery: Callable[[], tuple[float | None, bool | None] | None] = _psutil_battery  # (percent, on AC)
+    temperatures: Callable[[], tuple[TemperatureReading, ...]] = _psutil_temperatures  # non-Linux only
+
+
+@dataclass
+class HostMonitor:
+    """Reads the real host. `sysfs_root`/`proc_root` let a test point the Linux readers at a fake tree."""
+
+    sysfs_root: Path = Path("/sys")
+    proc_root: Path = Path("/proc")
+    platform: str = sys.platform
+    probes: HostProbes = field(default_factory=HostProbes)
+    clock: Callable[[], float] = time.monotonic
+    _fdinfo: DrmFdinfoSampler | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.probes.cpu_load()  # psutil measures load since the previous call: prime it
+        if self.platform.startswith("linux"):
+            self._fdinfo = DrmFdinfoSampler(self.proc_root, self.clock)
+
+    def read(self) -> MonitorReading:
+        """One reading of every sensor; a sensor that fails to read is logged at debug and is None."""
+        free, total = self.probes.memory()
+        battery = self.probes.battery()
+        return MonitorReading(
+            cpu_load=self.probes.cpu_load(),
+            memory_free_bytes=free,
+            memory_total_bytes=total,
+            battery_percent=battery[0] if battery else None,
+            on_ac_power=battery[1] if battery else None,
+            temperatures=self._temperatures(),
+            igpu_busy=self._igpu_busy(),
+        )
+
+    def _temperatures(self) -> tuple[TemperatureReading, ...]:
+        if self.platform.startswith("linux"):
+            return read_hwmon_temperatures(self.sysfs_root)
+        try:
+            return self.probes.temperatures()
+        except (OSError, RuntimeError) as error:
+            logger.debug("temperatures unavailable: %s", error)
+            return ()
+
+    def _igpu_busy(self) -> float | None:
+        if self.platform.startswith("linux"):
+            percent = read_drm_busy_percent(self.sysfs_root)
+            if percent is not None:
+                return percent / 100.0
+            return self._fdinfo.sample() if self._fdinfo is not None else None
+        if self.platform == "win32":
+            return _windows_gpu_busy()
+        return None
+
+
+# Linux: hwmon and drm sysfs
+
+def read_hwmon_temperatures(sysfs_root: Path) -> tuple[TemperatureReading, ...]:
+    """Every plausible `temp*_input` under class/hwmon (thermal zones if hwmon has none), in °C."""
+    found: list[TemperatureReading] = []
+    for chip in sorted((sysfs_root / "class" / "hwmon").glob("hwmon*")):
+        chip_name = _read_text(chip / "name") or chip.name
+        for sensor in sorted(chip.glob("temp*_input")):
+            label = _read_text(sensor.with_name(sensor.name.replace("_input", "_label"))) or sensor.name[:-6]
+            millidegrees = _read_int(sensor)
+            if millidegrees is not None and _plausible(millidegrees / 1000.0):
+                found.append(TemperatureReading(f"{chip_name}/{label}", millidegrees / 1000.0))
+    if found:
+        return tuple(found)
+    for zone in sorted((sysfs_root / "class" / "thermal").glob("thermal_zone*")):
+        millidegrees = _read_int(zone / "temp")
+        if millidegrees is not None and _plausible(millidegrees / 1000.0):
+            found.append(TemperatureReading(_read_text(zone / "type") or zone.name, millidegrees / 1000.0))
+    return tuple(found)
+
+
+def read_drm_busy_percent(sysfs_root: Path) -> float | None:
+    """The busiest `class/drm/card<N>/device/gpu_busy_percent`, or None where no driver exposes it."""
+    values = []
+    for card in (sysfs_root / "class" / "drm").glob("card*"):
+        if not card.name[4:].isdigit():
+            continue  # connectors such as card0-eDP-1
+        value = _read_int(card / "device" / "gpu_busy_percent")
+        if value is not None and 0 <= value <= 100:
+            values.append(float(value))
+    return max(values, default=None)
+
+
+class DrmFdinfoSampler:
+    """iGPU busy from the engine counters i915 and xe publish per DRM client in /proc/<pid>/fdinfo.
+
+    i915 gives `drm-engine-<class>: <ns> ns` (busy time); xe gives `drm-cycles-<class>` and
+    `drm-total-cycles-<class>`. `sample()` returns the busiest engine class's busy fraction since the
+    previous sample, or None on the first call or when no i915/xe client is visible (a GPU nobody uses
+    reads None, not 0: we cannot see it). Clients that exit between samples are not counted, so the value
+    may be low, never high. Reading other users' fdinfo needs the rights to do so (root, or same user).
+    """
+
+    def __init__(self, proc_root: Path, clock: Callable[[], float]) -> None:
+        self._proc_root = proc_root
+        self._clock = clock
+        self._previous: tuple[float, dict[tuple[str, str], dict[str, tuple[int, int | None]]]] | None = None
+
+    def sample(self) -> float | None:
+        now = self._clock()
+        clients = self._read_clients()
+        previous, self._previous = self._previous, (now, clients)
+        if previous is None or not clients:
+            return None
+        then, old_clients = previous
+        busy: dict[str, int] = {}
+        cycles_total: dict[str, int] = {}  # xe engines: the GPU's own clock over the interval
+        for key, engines in clients.items():
+            old = old_clients.get(key, {})
+            for engine, (value, total) in engines.items():
+                old_value, old_total = old.get(engine, (0, None))
+                busy[engine] = busy.get(engine, 0) + max(0, value - old_value)
+                if total is not None:
+                    delta = total - old_total if old_total is not None else 0
+                    cycles_total[engine] = max(cycles_total.get(engine, 0), delta)
+        fractions = []
+        wall_ns = (now - then) * 1e9
+        for engine, value in busy.items():
+            if engine in cycles_total:
+                if cycles_total[engine] > 0:
+                    fractions.append(value / cycles_total[engine])
+            elif wall_ns > 0:
+                fractions.append(value / wall_ns)
+        return min(1.0, max(fractions)) if fractions else None
+
+    def _read_clients(self) -> dict[tuple[str, str], dict[str, tuple[int, int | None]]]:
+        """{(pdev, client id): {engine: (busy ns or cycles, total cycles or None)}} over every process."""
+        clients: dict[tuple[str, str], dict[str, tuple[int, int | None]]] = {}
+        for fd_dir in self._proc_root.glob("[0-9]*/fd"):
+            try:
+                fds = [entry for entry in os.scandir(fd_dir) if os.readlink(entry.path).startswith("/dev/dri/")]
+            except OSError:
+                continue  # the process exited, or it is not ours to read
+            for entry in fds:
+                fields = _parse_fdinfo(_read_text(fd_dir.parent / "fdinfo" / entry.name, strip=False))
+                if fields.get("drm-driver") not in _FDINFO_DRIVERS or "drm-client-id" not in fields:
+                    continue
+                key = (fields.get("drm-pdev", ""), fields["drm-client-id"])
+                clients[key] = _engine_counters(fields)
+        return clients
+
+
+def _parse_fdinfo(text: str) -> dict[str, str]:
+    fields = {}
+    for line in text.splitlines():
+        name, separator, value = line.partition(":")
+        if separator:
+            fields[name.strip()] = value.strip()
+    return fields
+
+
+def _engine_counters(fields: dict[str, str]) -> dict[str, tuple[int, int | None]]:
+    counters: dict[str, tuple[int, int | None]] = {}
+    for name, value in fields.items():
+        number = re.match(r"\d+", value)
+        if number is None:
+            continue
+        if name.startswith("drm-engine-") and not name.startswith("drm-engine-capacity-"):
+            counters[name[len("drm-engine-"):]] = (int(number.group()), None)
+        elif name.startswith("drm-cycles-"):
+            engine = name[len("drm-cycles-"):]
+            total = re.match(r"\d+", fields.get(f"drm-total-cycles-{engine}", ""))
+            counters[engine] = (int(number.group()), int(total.group()) if total else None)
+    return counters
+
+
+# Windows: GPU Engine performance counters
+
+def parse_typeperf_gpu(csv_text: str) -> float | None:
+    """The busiest GPU's 3D utilisation, as a fraction, from one `typeperf -sc 1` sample of the counter
+    `\\GPU Engine(*engtype_3D)\\Utilization Percentage`. Instances are per process and engine; those of
+    one adapter (luid) add up. None when the output holds no sample."""
+    rows = [row for row in csv.reader(io.StringIO(csv_text)) if len(row) > 1]
+    if len(rows) < 2:
+        return None
+    header, values = rows[0], rows[-1]
+    per_adapter: dict[str, float] = {}
+    for name, value in zip(header[1:], values[1:], strict=False):
+        adapter = re.search(r"luid_0x[0-9A-Fa-f]+_0x[0-9A-Fa-f]+", name)
+        try:
+            percent = float(value)
+        except ValueError:
+            continue  # typeperf writes " " for an instance that vanished mid-sample
+        key = adapter.group() if adapter else name
+        per_adapter[key] = per_adapter.get(key, 0.0) + percent
+    if not per_adapter:
+        return None
+    return min(1.0, max(0.0, max(per_adapter.values()) / 100.0))
+
+
+def _windows_gpu_busy() -> float | None:  # pragma: no cover - needs Windows
+    try:
+        result = subprocess.run(["typeperf", _TYPEPERF_COUNTER, "-sc", "1"], capture_output=True, text=True,
+                                timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        logger.debug("typeperf failed: %s", error)
+        return None
+    return parse_typeperf_gpu(result.stdout) if result.returncode == 0 else None
+
+
+# Private helpers
+
+def _plausible(celsius: float) -> bool:
+    return _PLAUSIBLE_C[0] <= celsius <= _PLAUSIBLE_C[1]
+
+
+def _read_text(path: Path, strip: bool = True) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    return text.strip() if strip else text
+
+
+def _read_int(path: Path) -> int | None:
+    text = _read_text(path)
+    try:
+        return int(text)
+    except ValueError:
+        if text:
+            logger.debug("%s holds %r, not an integer", path, text)
+        return None

@@ -1,0 +1,182 @@
+"""Where the agent keeps things, and its settings file.
+
+Three places, kept apart (maestral's habit): settings the employee or admin edits, machine state the
+agent writes (its key, certificate, fleet CA), and the shard cache (large, disposable). By default they
+are the platform's dirs for app "deskfleet" (platformdirs); `--data-dir D` puts all three under D
+(D/settings, D/state, D/cache), which is what tests and portable installs use.
+
+The settings file is versioned JSON. `load_settings` rejects a bad file with a SettingsError that names
+the file and the field, and never rewrites it; `save_settings` writes a temp file and renames it over
+the old one, so a crash mid-write leaves the old file whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+from deskfleet.common.availability import GIB, AvailabilityPolicy
+from deskfleet.common.wire import ProtocolError, parse_address
+
+APP_NAME = "deskfleet"
+SETTINGS_FORMAT = 1
+SETTINGS_FILE = "agent-settings.json"
+DEFAULT_AGENT_PORT = 7431
+DEFAULT_CACHE_LIMIT_BYTES = 50 * GIB
+
+
+class SettingsError(ValueError):
+    """The settings file is unreadable or malformed; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class AgentPaths:
+    """The agent's three dirs. Call `create()` before writing into them."""
+
+    settings_dir: Path
+    state_dir: Path
+    cache_dir: Path
+
+    @classmethod
+    def resolve(cls, data_dir: Path | None = None) -> AgentPaths:
+        """The dirs under `data_dir` when given (the `--data-dir` option), else the platform's."""
+        if data_dir is not None:
+            root = data_dir.expanduser().resolve()
+            return cls(root / "settings", root / "state", root / "cache")
+        return cls(
+            Path(platformdirs.user_config_dir(APP_NAME, appauthor=False)),
+            Path(platformdirs.user_state_dir(APP_NAME, appauthor=False)),
+            Path(platformdirs.user_cache_dir(APP_NAME, appauthor=False)),
+        )
+
+    @property
+    def settings_file(self) -> Path:
+        return self.settings_dir / SETTINGS_FILE
+
+    @property
+    def shard_dir(self) -> Path:
+        """The shard cache's root (give it to ShardCache)."""
+        return self.cache_dir / "shards"
+
+    def create(self) -> None:
+        """Make the dirs; state (keys) readable by the owner only."""
+        self.settings_dir.mkdir(parents=True, exist_ok=True)
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The limits past which the agent says it is unavailable (see AvailabilityPolicy)."""
+
+    require_ac_power: bool = True
+    min_battery_percent: float | None = 50.0
+    max_temperature_c: float | None = 90.0
+    min_free_memory_bytes: int | None = 2 * GIB
+    max_cpu_load: float | None = None
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """What the employee or the admin chose. Construct with keywords; every field has a default."""
+
+    listen_address: str = f"0.0.0.0:{DEFAULT_AGENT_PORT}"
+    device: str = "CPU"  # OpenVINO device for stages: "CPU", "GPU", "NPU", "AUTO"...
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    paused: bool = False
+    cache_limit_bytes: int = DEFAULT_CACHE_LIMIT_BYTES
+
+    def policy(self) -> AvailabilityPolicy:
+        """The availability policy these settings describe (raises ValueError on an out-of-range limit)."""
+        return AvailabilityPolicy(paused=self.paused, **asdict(self.thresholds))
+
+    def to_json(self) -> str:
+        body = {"format_version": SETTINGS_FORMAT, **asdict(self)}
+        return json.dumps(body, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "settings") -> AgentSettings:
+        """Parse and check; SettingsError naming `source` and the field on anything wrong."""
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise SettingsError(f"{source} is not valid JSON: {error}") from error
+        if not isinstance(body, dict):
+            raise SettingsError(f"{source} must hold a JSON object")
+        version = body.pop("format_version", None)
+        if version != SETTINGS_FORMAT:
+            raise SettingsError(f"{source} has format_version {version!r}; this agent reads {SETTINGS_FORMAT}")
+        thresholds = Thresholds(**_checked(Thresholds, body.pop("thresholds", {}), f"{source}: thresholds"))
+        settings = cls(thresholds=thresholds, **_checked(cls, body, source, skip=("thresholds",)))
+        try:
+            settings.policy()
+        except ValueError as error:
+            raise SettingsError(f"{source}: {error}") from error
+        if settings.cache_limit_bytes <= 0:
+            raise SettingsError(f"{source}: cache_limit_bytes must be positive")
+        _check_address(settings.listen_address, source)
+        return settings
+
+
+# Public functions
+
+def load_settings(path: Path) -> AgentSettings:
+    """The settings in `path`, or the defaults when the file does not exist yet. Never writes."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return AgentSettings()
+    except (OSError, UnicodeDecodeError) as error:
+        raise SettingsError(f"cannot read settings file {path}: {error}") from error
+    return AgentSettings.from_json(text, source=f"settings file {path}")
+
+
+def save_settings(path: Path, settings: AgentSettings) -> None:
+    """Write `settings` to `path` atomically: a temp file in the same dir, fsynced, renamed over."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
+            stream.write(settings.to_json())
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+# Private functions
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "bool": (bool,), "str": (str,), "int": (int,), "float": (int, float),
+    "float | None": (int, float, type(None)), "int | None": (int, type(None)),
+}
+
+
+def _checked(kind: type, body: Any, source: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`body`'s fields for the dataclass `kind`, each type-checked; unknown fields are errors."""
+    if not isinstance(body, dict):
+        raise SettingsError(f"{source} must be a JSON object")
+    known = {item.name: str(item.type) for item in fields(kind) if item.name not in skip}
+    unknown = sorted(set(body) - set(known))
+    if unknown:
+        raise SettingsError(f"{source} has unknown field(s) {', '.join(unknown)}")
+    for name, value in body.items():
+        allowed = _TYPES[known[name]]
+        is_bool = isinstance(value, bool)
+        if not isinstance(value, allowed) or (is_bool and bool not in allowed):
+            raise SettingsError(f"{source}: field {name!r} must be {known[name]}, got {value!r}")
+    return dict(body)
+
+
+def _check_address(address: str, source: str) -> None:
+    try:
+        parse_address(address)
+    except ProtocolError as error:
+        raise SettingsError(f"{source}: listen_address: {error}") from error

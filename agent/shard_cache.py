@@ -1,0 +1,363 @@
+"""The agent's shard cache: files stored by sha256, received in resumable chunks, verified before use.
+
+Layout under the cache root (AgentPaths.shard_dir):
+    blobs/<sha256>                 complete, verified shards (read-only to everyone else)
+    partial/<sha256>-<size>.part   shards being received; their length is the resume offset
+    views/<name>/                  a model folder for agent/stage.py: the files a stage needs, named as
+                                   the manifest names them (hard links to blobs, copies where links
+                                   fail), plus manifest.json and .view.json (name -> sha256)
+
+How the agent core drives it, for one shard the controller pushes:
+    have(sha256s)            -> ShardHave: what the controller may skip, and where to resume the rest
+    receive(chunk) ...       -> bytes held so far; chunks must arrive in order, starting at that offset
+    complete(sha256)         -> verifies the sha256 and publishes the blob (atomic rename)
+then `materialize(...)` for the stage's files and `pin(owner, ...)` while a stage uses them.
+
+Disk use is bounded by `limit_bytes`: before a shard is received, least recently used unpinned shards
+(and stale partial files) are evicted to make room; when pinned shards alone leave no room, CacheFull.
+Not thread-safe: call from one thread (or one asyncio task). `complete` and `materialize` hash or
+copy whole files; call them in a worker thread (asyncio.to_thread) for large shards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, sha256_of
+from deskfleet.common.wire import ShardChunk, ShardHave, ShardOffset
+
+logger = logging.getLogger(__name__)
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
+_VIEW_INDEX = ".view.json"
+
+
+class ShardCacheError(Exception):
+    """A request the cache cannot honour; the message says which shard and why."""
+
+
+class ShardMismatch(ShardCacheError):
+    """A received shard's bytes do not hash to its sha256; the partial file was deleted (resend from 0)."""
+
+
+class CacheFull(ShardCacheError):
+    """Pinned shards leave no room for this one under the cache limit."""
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    """Disk the cache uses now, in bytes (complete shards + partial files + view copies)."""
+
+    used_bytes: int
+    limit_bytes: int
+    shard_count: int
+    partial_count: int
+    pinned_bytes: int
+
+
+class ShardCache:
+    """Content-addressed shard store in `root`. `clock` (wall seconds) orders the LRU; tests inject one."""
+
+    def __init__(self, root: Path, limit_bytes: int, clock: Callable[[], float] = time.time) -> None:
+        if limit_bytes <= 0:
+            raise ValueError(f"cache limit must be positive, got {limit_bytes}")
+        self.root = root
+        self.limit_bytes = limit_bytes
+        self._clock = clock
+        self._pins: dict[str, frozenset[str]] = {}
+        for folder in (self._blobs, self._partials, self._views):
+            folder.mkdir(parents=True, exist_ok=True)
+
+    # Public methods: queries
+
+    def has(self, sha256: str) -> bool:
+        """True when the shard is held whole and verified."""
+        return (self._blobs / _checked_sha(sha256)).is_file()
+
+    def path(self, sha256: str) -> Path:
+        """The verified blob's path (do not write to it); marks it used. ShardCacheError if absent."""
+        blob = self._blobs / _checked_sha(sha256)
+        if not blob.is_file():
+            raise ShardCacheError(f"shard {sha256[:12]}… is not in the cache")
+        self._touch(blob)
+        return blob
+
+    def partial_offset(self, sha256: str) -> int | None:
+        """Bytes held of a shard being received, or None when none are."""
+        part = self._find_partial(_checked_sha(sha256))
+        return part.stat().st_size if part is not None else None
+
+    def have(self, sha256s: Iterable[str]) -> ShardHave:
+        """The answer to a ShardQuery: which shards are complete, and resume offsets of partial ones."""
+        complete, partial = [], []
+        for sha256 in sha256s:
+            if self.has(sha256):
+                complete.append(sha256)
+            elif (offset := self.partial_offset(sha256)) is not None:
+                partial.append(ShardOffset(sha256, offset))
+        return ShardHave(tuple(complete), tuple(partial))
+
+    def usage(self) -> CacheUsage:
+        pinned = set().union(*self._pins.values()) if self._pins else set()
+        blobs = [(entry.name, entry.stat().st_size) for entry in os.scandir(self._blobs)]
+        partials = [entry.stat().st_size for entry in os.scandir(self._partials)]
+        return CacheUsage(
+            used_bytes=sum(size for _, size in blobs) + sum(partials) + self._view_copy_bytes(),
+            limit_bytes=self.limit_bytes,
+            shard_count=len(blobs),
+            partial_count=len(partials),
+            pinned_bytes=sum(size for name, size in blobs if name in pinned),
+        )
+
+    # Public methods: receiving
+
+    def begin(self, sha256: str, total_size: int) -> int:
+        """Start or resume receiving a shard; returns the offset the sender must send from.
+
+        Makes room for the rest of the shard first (evicting LRU unpinned shards), or raises CacheFull.
+        """
+        _checked_sha(sha256)
+        if total_size < 0:
+            raise ShardCacheError(f"shard {sha256[:12]}…: negative size {total_size}")
+        if self.has(sha256):
+            return total_size
+        part = self._find_partial(sha256)
+        if part is not None and not part.name.endswith(f"-{total_size}.part"):
+            logger.warning("shard %s… restarted with a new size %d; dropping %s", sha256[:12], total_size, part)
+            part.unlink()
+            part = None
+        offset = part.stat().st_size if part is not None else 0
+        self._make_room(total_size - offset, keep=sha256)
+        if part is None:
+            part = self._partials / f"{sha256}-{total_size}.part"
+            part.touch()
+        self._touch(part)
+        return offset
+
+    def write(self, sha256: str, offset: int, data: bytes) -> int:
+        """Append `data` at `offset` to a shard begun with `begin`; returns the bytes now held.
+
+        `offset` must equal the bytes already held (chunks in order, no gaps, no resends), and the chunk
+        must not run past the size given to `begin`; otherwise ShardCacheError and nothing is written.
+        """
+        part = self._find_partial(_checked_sha(sha256))
+        if part is None:
+            raise ShardCacheError(f"shard {sha256[:12]}… was not begun (call begin first)")
+        held = part.stat().st_size
+        total = _partial_size(part)
+        if offset != held:
+            raise ShardCacheError(f"shard {sha256[:12]}…: chunk at offset {offset} is out of order; "
+                                  f"{held} bytes are held, send from there")
+        if offset + len(data) > total:
+            raise ShardCacheError(f"shard {sha256[:12]}…: chunk ends at {offset + len(data)}, "
+                                  f"past the shard's size {total}")
+        with part.open("r+b") as stream:
+            stream.seek(offset)
+            stream.write(data)
+        self._touch(part)
+        return held + len(data)
+
+    def receive(self, chunk: ShardChunk) -> int:
+        """`begin` (if needed) then `write` one wire chunk; returns the bytes now held."""
+        if self.has(chunk.sha256):
+            return chunk.total_size
+        part = self._find_partial(chunk.sha256)
+        if part is None or _partial_size(part) != chunk.total_size:
+            self.begin(chunk.sha256, chunk.total_size)
+        return self.write(chunk.sha256, chunk.offset, chunk.data)
+
+    def complete(self, sha256: str) -> Path:
+        """Verify a fully received shard and publish it; returns the blob's path.
+
+        ShardCacheError if bytes are missing; ShardMismatch (partial deleted) if the hash differs.
+        """
+        if self.has(sha256):
+            return self.path(sha256)
+        part = self._find_partial(sha256)
+        if part is None:
+            raise ShardCacheError(f"shard {sha256[:12]}… was never begun")
+        held, total = part.stat().st_size, _partial_size(part)
+        if held != total:
+            raise ShardCacheError(f"shard {sha256[:12]}… is incomplete: {held} of {total} bytes held")
+        with part.open("rb") as stream:
+            os.fsync(stream.fileno())
+        digest = sha256_of(part)
+        if digest != sha256:
+            part.unlink()
+            raise ShardMismatch(f"shard {sha256[:12]}… arrived corrupted (its bytes hash to {digest[:12]}…); "
+                                "it was discarded, send it again from offset 0")
+        blob = self._blobs / sha256
+        os.replace(part, blob)
+        blob.chmod(0o444)
+        self._touch(blob)
+        logger.info("shard %s… verified (%d bytes)", sha256[:12], total)
+        return blob
+
+    def import_file(self, source: Path) -> str:
+        """Copy a local file into the cache (hashing it); returns its sha256."""
+        digest = sha256_of(source)
+        if not self.has(digest):
+            size = source.stat().st_size
+            self.begin(digest, size)
+            part = self._find_partial(digest)
+            assert part is not None  # begin made it
+            shutil.copyfile(source, part)
+            self.complete(digest)
+        return digest
+
+    # Public methods: using
+
+    def pin(self, owner: str, sha256s: Iterable[str]) -> None:
+        """Protect these shards from eviction for `owner` (e.g. a stage id), replacing owner's pins."""
+        self._pins[owner] = frozenset(_checked_sha(sha256) for sha256 in sha256s)
+
+    def unpin(self, owner: str) -> None:
+        self._pins.pop(owner, None)
+
+    def materialize(self, view_name: str, files: Mapping[str, str], manifest: Manifest | None = None) -> Path:
+        """A folder named `view_name` holding `files` (file name -> sha256), for agent/stage.py.
+
+        Every shard must be complete (ShardCacheError names the first missing one). With `manifest`, its
+        manifest.json is written too. The folder is rebuilt from scratch each call; call `pin` first so
+        eviction cannot remove the shards under a stage that is compiling them.
+        """
+        _check_plain_name("view name", view_name)
+        blobs = {}
+        for name, sha256 in sorted(files.items()):
+            _check_plain_name("file name", name)
+            if name in (MANIFEST_NAME, _VIEW_INDEX):
+                raise ShardCacheError(f"file name {name!r} is reserved in a model view")
+            blobs[name] = self.path(sha256)
+        staging = Path(tempfile.mkdtemp(prefix=f".{view_name}.", dir=self._views))
+        try:
+            for name, blob in blobs.items():
+                try:
+                    os.link(blob, staging / name)
+                except OSError:
+                    logger.warning("cannot hard-link %s into a view; copying it", blob)
+                    shutil.copyfile(blob, staging / name)
+            if manifest is not None:
+                (staging / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
+            (staging / _VIEW_INDEX).write_text(json.dumps(dict(files), sort_keys=True), encoding="utf-8")
+            target = self._views / view_name
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return target
+
+    def materialize_manifest(self, view_name: str, manifest: Manifest, names: Iterable[str]) -> Path:
+        """`materialize` the manifest's files `names` (e.g. a stage's xml+bin pairs) with its manifest.json."""
+        files = {}
+        for name in names:
+            entry = manifest.files.get(name)
+            if entry is None:
+                raise ShardCacheError(f"{name} is not listed in the manifest of {manifest.model_name}")
+            files[name] = entry.sha256
+        return self.materialize(view_name, files, manifest)
+
+    def remove_view(self, view_name: str) -> None:
+        shutil.rmtree(self._views / view_name, ignore_errors=True)
+
+    def evict(self, target_bytes: int) -> list[str]:
+        """Evict LRU unpinned shards until usage <= target_bytes (or nothing evictable is left).
+
+        Returns the evicted shards' sha256s; views that used them are removed.
+        """
+        pinned = set().union(*self._pins.values()) if self._pins else set()
+        candidates = [entry for entry in (*self._blobs.iterdir(), *self._partials.iterdir())
+                      if entry.name[:64] not in pinned]
+        candidates.sort(key=lambda entry: entry.stat().st_mtime)
+        used = self.usage().used_bytes
+        evicted = []
+        for entry in candidates:
+            if used <= target_bytes:
+                break
+            used -= entry.stat().st_size
+            entry.unlink()
+            evicted.append(entry.name[:64])
+            logger.info("evicted shard %s… from the cache", entry.name[:12])
+        self._remove_views_using(set(evicted))
+        return evicted
+
+    # Private methods
+
+    @property
+    def _blobs(self) -> Path:
+        return self.root / "blobs"
+
+    @property
+    def _partials(self) -> Path:
+        return self.root / "partial"
+
+    @property
+    def _views(self) -> Path:
+        return self.root / "views"
+
+    def _find_partial(self, sha256: str) -> Path | None:
+        return next(self._partials.glob(f"{sha256}-*.part"), None)
+
+    def _touch(self, path: Path) -> None:
+        now = self._clock()
+        os.utime(path, (now, now))
+
+    def _make_room(self, needed: int, keep: str) -> None:
+        if self.usage().used_bytes + needed <= self.limit_bytes:
+            return
+        self.pin("\0receiving", (keep,))
+        try:
+            self.evict(self.limit_bytes - needed)
+        finally:
+            self.unpin("\0receiving")
+        usage = self.usage()
+        if usage.used_bytes + needed > self.limit_bytes:
+            raise CacheFull(f"shard {keep[:12]}… needs {needed} more bytes; the cache limit is {self.limit_bytes} "
+                            f"and {usage.used_bytes} are held ({usage.pinned_bytes} pinned by assigned stages)")
+
+    def _remove_views_using(self, evicted: set[str]) -> None:
+        if not evicted:
+            return
+        for view in self._views.iterdir():
+            try:
+                index = json.loads((view / _VIEW_INDEX).read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                index = {}
+            if not index or evicted.intersection(index.values()):
+                shutil.rmtree(view, ignore_errors=True)
+
+    def _view_copy_bytes(self) -> int:
+        """Bytes of view files that are copies, not links (links cost nothing beyond their blob)."""
+        total = 0
+        for view in self._views.iterdir():
+            for entry in view.iterdir() if view.is_dir() else ():
+                status = entry.stat()
+                if status.st_nlink == 1 and entry.name not in (MANIFEST_NAME, _VIEW_INDEX):
+                    total += status.st_size
+        return total
+
+
+def _checked_sha(sha256: str) -> str:
+    if _SHA256.fullmatch(sha256) is None:
+        raise ShardCacheError(f"{sha256!r} is not a sha256 (64 lowercase hex characters)")
+    return sha256
+
+
+def _check_plain_name(what: str, name: str) -> None:
+    if _PLAIN_NAME.fullmatch(name) is None or ".." in name:
+        raise ShardCacheError(f"{what} {name!r} must be a plain file name (letters, digits, . _ -)")
+
+
+def _partial_size(part: Path) -> int:
+    return int(part.name[65:-len(".part")])

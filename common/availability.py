@@ -1,0 +1,126 @@
+"""Whether an agent may take work: one monitor reading + the employee's policy -> a state and reasons.
+
+Pure code (no psutil, no clock): the agent's monitor produces `MonitorReading`s, `decide_availability`
+turns one into an `Availability`, and the status snapshot, discovery TXT record and planner carry the
+result. A sensor the OS does not expose is None (unknown); an unknown sensor never makes an agent
+unavailable, because we only act on evidence. Reasons are listed in a fixed order so two identical
+readings always give identical results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deskfleet.common.agent_state import AgentState, UnavailableReason
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class TemperatureReading:
+    """One temperature sensor: `label` names it as the OS does ("coretemp/Package id 0")."""
+
+    label: str
+    celsius: float
+
+
+@dataclass(frozen=True)
+class MonitorReading:
+    """What the host looks like now. None / empty means the OS does not tell us (unknown, not zero)."""
+
+    cpu_load: float  # fraction of all cores busy, [0, 1]
+    memory_free_bytes: int  # available to new allocations without swapping
+    memory_total_bytes: int
+    battery_percent: float | None  # None: no battery, or not exposed
+    on_ac_power: bool | None  # None: unknown (a desktop without a battery reads None)
+    temperatures: tuple[TemperatureReading, ...]  # empty: no sensor exposed
+    igpu_busy: float | None  # fraction of the integrated GPU's busiest engine, [0, 1]
+
+    @property
+    def max_temperature_c(self) -> float | None:
+        """The hottest sensor, or None when no sensor is exposed."""
+        return max((sensor.celsius for sensor in self.temperatures), default=None)
+
+
+@dataclass(frozen=True)
+class AvailabilityPolicy:
+    """The employee's limits. Each threshold set to None is not checked."""
+
+    require_ac_power: bool = True  # unplugged -> unavailable, whatever the charge
+    min_battery_percent: float | None = 50.0  # on battery below this -> unavailable
+    max_temperature_c: float | None = 90.0  # hottest sensor above this -> unavailable
+    min_free_memory_bytes: int | None = 2 * GIB  # less free memory than this -> unavailable
+    max_cpu_load: float | None = None  # the employee's own work above this -> unavailable (user busy)
+    paused: bool = False  # the employee's opt-out from the tray
+
+    def __post_init__(self) -> None:
+        if self.min_battery_percent is not None and not 0.0 <= self.min_battery_percent <= 100.0:
+            raise ValueError(f"min_battery_percent must be within [0, 100], got {self.min_battery_percent}")
+        if self.max_cpu_load is not None and not 0.0 < self.max_cpu_load <= 1.0:
+            raise ValueError(f"max_cpu_load must be within (0, 1], got {self.max_cpu_load}")
+        if self.min_free_memory_bytes is not None and self.min_free_memory_bytes < 0:
+            raise ValueError(f"min_free_memory_bytes must be >= 0, got {self.min_free_memory_bytes}")
+
+
+@dataclass(frozen=True)
+class Availability:
+    """The decision: `state`, every reason that applies (even when paused), and the numbers behind them."""
+
+    state: AgentState
+    reasons: tuple[UnavailableReason, ...]
+    detail: str  # for humans: "battery 41%, unplugged; CPU 97 °C"; empty when nothing is wrong
+
+    @property
+    def reason(self) -> UnavailableReason | None:
+        """The first reason, or None (what the planner's AgentCandidate.reason takes)."""
+        return self.reasons[0] if self.reasons else None
+
+
+# Public functions
+
+def decide_availability(reading: MonitorReading, policy: AvailabilityPolicy, serving: bool) -> Availability:
+    """Decide the agent's state from one reading.
+
+    Precedence: PAUSED (the employee said so) > UNAVAILABLE (a limit is crossed) > SERVING (`serving`:
+    the agent hosts stages now) > AVAILABLE. A SERVING agent that crosses a limit becomes UNAVAILABLE;
+    the controller must then drain or re-plan its stages.
+    """
+    found: list[tuple[UnavailableReason, str]] = []
+    power = _power_problem(reading, policy)
+    if power:
+        found.append((UnavailableReason.ON_BATTERY, power))
+    hottest = reading.max_temperature_c
+    if policy.max_temperature_c is not None and hottest is not None and hottest > policy.max_temperature_c:
+        found.append((UnavailableReason.TOO_HOT, f"{_hottest_label(reading)} {hottest:.0f} °C"))
+    if (policy.min_free_memory_bytes is not None
+            and reading.memory_free_bytes < policy.min_free_memory_bytes):
+        found.append((UnavailableReason.LOW_MEMORY,
+                      f"{reading.memory_free_bytes / GIB:.1f} GiB free of {reading.memory_total_bytes / GIB:.1f}"))
+    if policy.max_cpu_load is not None and reading.cpu_load > policy.max_cpu_load:
+        found.append((UnavailableReason.USER_BUSY, f"CPU {reading.cpu_load:.0%} busy"))
+    reasons = tuple(reason for reason, _ in found)
+    detail = "; ".join(text for _, text in found)
+    if policy.paused:
+        return Availability(AgentState.PAUSED, reasons, detail)
+    if reasons:
+        return Availability(AgentState.UNAVAILABLE, reasons, detail)
+    return Availability(AgentState.SERVING if serving else AgentState.AVAILABLE, (), "")
+
+
+# Private functions
+
+def _power_problem(reading: MonitorReading, policy: AvailabilityPolicy) -> str:
+    """A description of the power problem, or "" when there is none or the sensors do not tell."""
+    percent = reading.battery_percent
+    unplugged = reading.on_ac_power is False
+    if unplugged and policy.require_ac_power:
+        return f"battery {percent:.0f}%, unplugged" if percent is not None else "unplugged"
+    low = policy.min_battery_percent is not None and percent is not None and percent < policy.min_battery_percent
+    # Unknown AC with a low battery: low charge alone is evidence enough not to drain it further.
+    if low and reading.on_ac_power is not True:
+        return f"battery {percent:.0f}%, {'unplugged' if unplugged else 'power source unknown'}"
+    return ""
+
+
+def _hottest_label(reading: MonitorReading) -> str:
+    return max(reading.temperatures, key=lambda sensor: sensor.celsius).label

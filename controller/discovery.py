@@ -1,0 +1,135 @@
+"""How the controller finds agents: interchangeable sources feeding one Registry.
+
+- ZeroconfDiscovery: browses `_deskfleet._tcp.local.` on the given interfaces, keeps agents of our
+  fleet only.
+- RegistrationDiscovery: agents that called in with a Register message (multicast is often blocked).
+- ManualPeers: `--peer HOST:PORT` addresses, handed to the registry as dial targets.
+
+Each source's `run()` works until cancelled (run them in the controller's TaskGroup) and closes what it
+opened on the way out. Nothing a source reports is trusted beyond "something claims to be there": the
+connection layer pins the agent id in the peer's TLS certificate before it uses an agent, and its pings
+(`Registry.confirm`) are what keep an entry alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord, RecordError, agent_id_of_instance
+from deskfleet.common.wire import ProtocolError, Register, parse_address
+from deskfleet.controller.registry import DiscoverySource, Registry, Sighting
+from zeroconf import IPVersion, ServiceStateChange, Zeroconf
+from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
+
+logger = logging.getLogger(__name__)
+
+
+class Discovery(Protocol):
+    """A source of agents. `run()` reports into the registry it was given, until cancelled."""
+
+    async def run(self) -> None: ...
+
+
+class ZeroconfDiscovery:
+    """mDNS browser bound to `interfaces` (IP addresses of this host); keeps agents of `fleet_id` only."""
+
+    def __init__(self, registry: Registry, fleet_id: str, interfaces: Sequence[str],
+                 resolve_timeout_ms: int = 3000) -> None:
+        if not interfaces:
+            raise ValueError("browse on at least one interface address")
+        self._registry = registry
+        self._fleet_id = fleet_id
+        self._interfaces = list(interfaces)
+        self._resolve_timeout_ms = resolve_timeout_ms
+        versions = {ipaddress.ip_address(address).version for address in interfaces}
+        self._ip_version = {frozenset({4}): IPVersion.V4Only, frozenset({6}): IPVersion.V6Only}.get(
+            frozenset(versions), IPVersion.All)
+
+    async def run(self) -> None:
+        changes: asyncio.Queue[tuple[str, ServiceStateChange]] = asyncio.Queue()
+
+        def on_change(zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
+            changes.put_nowait((name, state_change))  # zeroconf calls this on our loop: no thread hop
+
+        zeroconf = AsyncZeroconf(interfaces=self._interfaces, ip_version=self._ip_version)
+        browser = AsyncServiceBrowser(zeroconf.zeroconf, SERVICE_TYPE, handlers=[on_change])
+        logger.info("browsing %s on %s", SERVICE_TYPE, self._interfaces)
+        try:
+            while True:
+                name, change = await changes.get()
+                await self._handle(zeroconf, name, change)
+        finally:
+            await browser.async_cancel()
+            await zeroconf.async_close()
+
+    async def _handle(self, zeroconf: AsyncZeroconf, name: str, change: ServiceStateChange) -> None:
+        agent_id = agent_id_of_instance(name)
+        if agent_id is None:
+            logger.debug("ignoring mDNS instance %r: not an agent id", name)
+            return
+        if change is ServiceStateChange.Removed:
+            self._registry.withdraw(agent_id, DiscoverySource.MDNS)
+            return
+        info = AsyncServiceInfo(SERVICE_TYPE, name)
+        if not await info.async_request(zeroconf.zeroconf, self._resolve_timeout_ms) or info.port is None:
+            logger.debug("mDNS instance %s… did not resolve", agent_id[:12])
+            return
+        try:
+            record = AgentRecord.from_txt(info.properties)
+        except RecordError as error:
+            logger.warning("ignoring mDNS instance %s…: %s", agent_id[:12], error)
+            return
+        if record.agent_id != agent_id or record.fleet_id != self._fleet_id:
+            logger.debug("ignoring mDNS instance %s…: another fleet or a mismatched id", agent_id[:12])
+            return
+        addresses = tuple(_host_port(address, info.port) for address in info.parsed_addresses()
+                          if not ipaddress.ip_address(address).is_link_local)  # needs a scope we cannot pin
+        if addresses:
+            self._registry.observe(Sighting(agent_id, addresses, DiscoverySource.MDNS, record))
+
+
+class RegistrationDiscovery:
+    """Agents that call in. The controller's server calls `accept` for each Register it receives."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    def accept(self, register: Register, peer_agent_id: str) -> None:
+        """Record a Register from a TLS peer whose certificate says `peer_agent_id`.
+
+        Raises PermissionError when the message claims another agent's id; the caller must answer
+        Error(UNAUTHORIZED) and close the connection.
+        """
+        if register.agent_id != peer_agent_id:
+            raise PermissionError(f"agent {peer_agent_id[:12]}… registered as {register.agent_id[:12]}…")
+        self._registry.observe(Sighting(register.agent_id, register.listen_addresses, DiscoverySource.REGISTRATION))
+
+    async def run(self) -> None:
+        """Nothing to poll: registrations arrive through `accept`."""
+        await asyncio.Event().wait()
+
+
+class ManualPeers:
+    """`--peer HOST:PORT` addresses. ValueError at construction names a malformed one."""
+
+    def __init__(self, registry: Registry, peers: Iterable[str]) -> None:
+        self._registry = registry
+        self.peers = tuple(peers)
+        for peer in self.peers:
+            try:
+                parse_address(peer)
+            except ProtocolError as error:
+                raise ValueError(f"--peer {peer!r}: {error}") from error
+
+    async def run(self) -> None:
+        """Hand the addresses to the registry as dial targets; the connection layer reports who answers."""
+        self._registry.add_dial_targets(self.peers)
+        await asyncio.Event().wait()
+
+
+def _host_port(address: str, port: int) -> str:
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"

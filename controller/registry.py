@@ -1,0 +1,142 @@
+"""The controller's registry of agents: every discovery source merged, with liveness.
+
+Sources (controller/discovery.py) report `Sighting`s: mDNS, an agent's Register message, or a manual
+`--peer` the controller reached. The connection layer pings every known agent over its websocket and
+calls `confirm(agent_id)` on each answer. An entry that is neither sighted nor confirmed for `ttl_s`
+seconds disappears (a closed laptop is gone within ttl_s), and comes back with the next sighting.
+
+Manual peers have no agent id until the controller connects and reads it from the TLS certificate, so
+they are kept apart as `dial_targets()`: addresses the connection layer must keep trying; once it
+knows the id it reports a Sighting with source MANUAL.
+
+No clock is read except through `clock`; not thread-safe (use from the controller's event loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from deskfleet.common.discovery_record import AgentRecord
+from deskfleet.common.wire import parse_address
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TTL_S = 10.0
+
+
+class DiscoverySource(str, Enum):
+    MDNS = "mdns"
+    REGISTRATION = "registration"  # the agent called in with its token's controller address
+    MANUAL = "manual"  # `--peer HOST:PORT`
+
+
+@dataclass(frozen=True)
+class Sighting:
+    """A source saw agent `agent_id` at `addresses` ("host:port"); `record` when mDNS carried one."""
+
+    agent_id: str
+    addresses: tuple[str, ...]
+    source: DiscoverySource
+    record: AgentRecord | None = None
+
+    def __post_init__(self) -> None:
+        for address in self.addresses:
+            parse_address(address)  # ProtocolError on a malformed address
+
+
+@dataclass(frozen=True)
+class FleetEntry:
+    """One live agent. `addresses` newest first; `record` is the last mDNS TXT seen (may be None)."""
+
+    agent_id: str
+    addresses: tuple[str, ...]
+    sources: frozenset[DiscoverySource]
+    record: AgentRecord | None
+    first_seen: float
+    last_seen: float  # last sighting or confirmed ping
+
+
+class Registry:
+    """Live agents by id, plus the manual addresses to dial. Call `expire()` (or read `entries()`) often."""
+
+    def __init__(self, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._entries: dict[str, FleetEntry] = {}
+        self._dial_targets: dict[str, None] = {}  # ordered set
+
+    # Public methods: sources report
+
+    def observe(self, sighting: Sighting) -> FleetEntry:
+        """Record a sighting: adds the agent or refreshes it (addresses merged, newest first)."""
+        now = self._clock()
+        old = self._entries.get(sighting.agent_id)
+        if old is None:
+            entry = FleetEntry(sighting.agent_id, sighting.addresses, frozenset({sighting.source}), sighting.record,
+                               first_seen=now, last_seen=now)
+            logger.info("agent %s… found via %s at %s", sighting.agent_id[:12], sighting.source.value,
+                        ", ".join(sighting.addresses))
+        else:
+            addresses = tuple(dict.fromkeys((*sighting.addresses, *old.addresses)))
+            entry = replace(old, addresses=addresses, sources=old.sources | {sighting.source},
+                            record=sighting.record or old.record, last_seen=now)
+        self._entries[sighting.agent_id] = entry
+        return entry
+
+    def confirm(self, agent_id: str) -> bool:
+        """The agent answered a ping: keep it alive. False if it is not (or no longer) registered."""
+        entry = self._entries.get(agent_id)
+        if entry is None:
+            return False
+        self._entries[agent_id] = replace(entry, last_seen=self._clock())
+        return True
+
+    def withdraw(self, agent_id: str, source: DiscoverySource) -> None:
+        """A source says the agent left (mDNS goodbye); the entry goes when no source vouches for it."""
+        entry = self._entries.get(agent_id)
+        if entry is None:
+            return
+        sources = entry.sources - {source}
+        if sources:
+            self._entries[agent_id] = replace(entry, sources=sources)
+        else:
+            del self._entries[agent_id]
+            logger.info("agent %s… withdrawn by %s", agent_id[:12], source.value)
+
+    def add_dial_targets(self, addresses: Iterable[str]) -> None:
+        """Addresses ("host:port") the connection layer must dial to learn who is there (manual peers)."""
+        for address in addresses:
+            parse_address(address)
+            self._dial_targets[address] = None
+
+    # Public methods: readers
+
+    def expire(self) -> list[str]:
+        """Drop entries not refreshed for ttl_s seconds; returns their agent ids."""
+        deadline = self._clock() - self.ttl_s
+        gone = [agent_id for agent_id, entry in self._entries.items() if entry.last_seen < deadline]
+        for agent_id in gone:
+            del self._entries[agent_id]
+            logger.info("agent %s… lost: no sighting or ping answer for %.0f s", agent_id[:12], self.ttl_s)
+        return gone
+
+    def entries(self) -> tuple[FleetEntry, ...]:
+        """Live agents, sorted by agent id (expires stale ones first)."""
+        self.expire()
+        return tuple(self._entries[agent_id] for agent_id in sorted(self._entries))
+
+    def get(self, agent_id: str) -> FleetEntry | None:
+        self.expire()
+        return self._entries.get(agent_id)
+
+    def dial_targets(self) -> tuple[str, ...]:
+        """Manual addresses, in the order given, that no live entry lists yet: dial these."""
+        self.expire()
+        known = {address for entry in self._entries.values() for address in entry.addresses}
+        return tuple(address for address in self._dial_targets if address not in known)
