@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from types import TracebackType
 
 import psutil
-from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord
 from zeroconf import IPVersion
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
+
+from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class Advertiser:
             raise RuntimeError("advertiser already started")
         self._zeroconf = AsyncZeroconf(interfaces=self._interfaces, ip_version=self._ip_version)
         self._info = self._service_info()
-        await self._zeroconf.async_register_service(self._info)
+        await (await self._zeroconf.async_register_service(self._info))  # the inner task: probing done
         logger.info("advertising agent %s… on %s port %d", self._record.agent_id[:12], self._interfaces, self._port)
 
     async def update(self, record: AgentRecord) -> bool:
@@ -91,7 +92,7 @@ class Advertiser:
         if self._zeroconf is None:
             return False  # not started: start() will announce the new record
         self._info = self._service_info()
-        await self._zeroconf.async_update_service(self._info)
+        await (await self._zeroconf.async_update_service(self._info))
         logger.debug("advertisement updated: %s", coarse.to_txt())
         return True
 
@@ -102,7 +103,7 @@ class Advertiser:
             return
         try:
             if self._info is not None:
-                await zeroconf.async_unregister_service(self._info)
+                await (await zeroconf.async_unregister_service(self._info))  # goodbyes sent
         finally:
             await zeroconf.async_close()
 

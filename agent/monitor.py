@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Protocol
 
 import psutil
+
 from deskfleet.common.availability import (
     Availability,
     AvailabilityPolicy,
@@ -266,10 +267,12 @@ def parse_typeperf_gpu(csv_text: str) -> float | None:
     """The busiest GPU's 3D utilisation, as a fraction, from one `typeperf -sc 1` sample of the counter
     `\\GPU Engine(*engtype_3D)\\Utilization Percentage`. Instances are per process and engine; those of
     one adapter (luid) add up. None when the output holds no sample."""
-    rows = [row for row in csv.reader(io.StringIO(csv_text)) if len(row) > 1]
-    if len(rows) < 2:
+    rows = list(csv.reader(io.StringIO(csv_text)))
+    header = next((row for row in rows if row and row[0].startswith("(PDH-CSV")), None)
+    samples = [row for row in rows if header is not None and row is not header and len(row) == len(header)]
+    if header is None or not samples:
         return None
-    header, values = rows[0], rows[-1]
+    values = samples[-1]
     per_adapter: dict[str, float] = {}
     for name, value in zip(header[1:], values[1:], strict=False):
         adapter = re.search(r"luid_0x[0-9A-Fa-f]+_0x[0-9A-Fa-f]+", name)

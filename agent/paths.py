@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import platformdirs
+
 from deskfleet.common.availability import GIB, AvailabilityPolicy
 from deskfleet.common.wire import ProtocolError, parse_address
 

@@ -19,11 +19,12 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+from zeroconf import IPVersion, ServiceStateChange, Zeroconf
+from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
+
 from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord, RecordError, agent_id_of_instance
 from deskfleet.common.wire import ProtocolError, Register, parse_address
 from deskfleet.controller.registry import DiscoverySource, Registry, Sighting
-from zeroconf import IPVersion, ServiceStateChange, Zeroconf
-from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_TTL_S = 10.0
 
 
-class DiscoverySource(str, Enum):
+class DiscoverySource(Enum):
     MDNS = "mdns"
     REGISTRATION = "registration"  # the agent called in with its token's controller address
     MANUAL = "manual"  # `--peer HOST:PORT`

@@ -1,0 +1,112 @@
+"""Advertiser: argument checks, TXT updates only on change, and mDNS that stays on its interface.
+
+Multicast on loopback works in this sandbox although `lo` lacks the MULTICAST flag: zeroconf sets
+IP_MULTICAST_IF to 127.0.0.1, and Linux delivers looped-back multicast to the group members on lo.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import threading
+
+import psutil
+import pytest
+from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
+
+from deskfleet.agent.advertise import Advertiser, interface_addresses
+from deskfleet.common.agent_state import AgentState
+from deskfleet.common.discovery_record import MEMORY_STEP_BYTES, SERVICE_TYPE, AgentRecord
+
+LOOPBACK = "127.0.0.1"
+
+
+def make_record(seed: int, **overrides: object) -> AgentRecord:
+    generator = random.Random(seed)
+    fields: dict[str, object] = dict(
+        agent_id="".join(generator.choice("abcdefghijklmnopqrstuvwxyz234567") for _ in range(52)),
+        fleet_id="".join(generator.choice("0123456789abcdef") for _ in range(16)), version="0.1.0",
+        devices=("CPU", "GPU"), free_memory_bytes=4 * MEMORY_STEP_BYTES, state=AgentState.AVAILABLE)
+    fields.update(overrides)
+    return AgentRecord(**fields)  # type: ignore[arg-type]
+
+
+def test_rejects_unspecified_addresses_and_bad_ports() -> None:
+    record = make_record(1)
+    with pytest.raises(ValueError, match="concrete addresses"):
+        Advertiser(record, 7431, ["0.0.0.0"])
+    with pytest.raises(ValueError, match="at least one"):
+        Advertiser(record, 7431, [])
+    with pytest.raises(ValueError, match="port"):
+        Advertiser(record, 0, [LOOPBACK])
+
+
+def test_interface_addresses() -> None:
+    assert LOOPBACK in interface_addresses(include_loopback=True)
+    assert LOOPBACK not in interface_addresses()
+
+
+def test_update_only_on_a_real_change_before_start() -> None:
+    record = make_record(2)
+    advertiser = Advertiser(record, 7431, [LOOPBACK])
+
+    async def scenario() -> None:
+        assert not await advertiser.update(make_record(2, free_memory_bytes=4 * MEMORY_STEP_BYTES + 5))
+        assert not await advertiser.update(make_record(2, state=AgentState.SERVING))  # not started: no send
+        assert advertiser.record.state is AgentState.SERVING
+        with pytest.raises(ValueError, match="one agent"):
+            await advertiser.update(make_record(3))
+        await advertiser.close()  # never started: nothing to do
+
+    asyncio.run(scenario())
+
+
+def _other_interfaces() -> list[str]:
+    return [name for name, stats in psutil.net_if_stats().items() if stats.isup and name != "lo"]
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="sniffing needs root")
+def test_announces_on_loopback_and_sends_nothing_elsewhere() -> None:
+    record = make_record(4)
+    marker = record.agent_id.encode()
+    sniffers = []
+    for name in _other_interfaces():
+        sniffer = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+        sniffer.bind((name, 0))
+        sniffer.settimeout(0.1)
+        sniffers.append(sniffer)
+    leaked: list[int] = []
+    done = threading.Event()
+
+    def sniff() -> None:
+        while not done.is_set():
+            for sniffer in sniffers:
+                try:
+                    if marker in sniffer.recv(65535):
+                        leaked.append(1)
+                except TimeoutError:
+                    pass
+
+    async def scenario() -> None:
+        async with Advertiser(record, 7431, [LOOPBACK]) as advertiser:
+            browser = AsyncZeroconf(interfaces=[LOOPBACK])
+            try:
+                info = AsyncServiceInfo(SERVICE_TYPE, record.instance_name)
+                assert await info.async_request(browser.zeroconf, 3000)
+                assert AgentRecord.from_txt(info.properties) == record and info.port == 7431
+                assert await advertiser.update(make_record(4, state=AgentState.SERVING))
+            finally:
+                await browser.async_close()
+
+    thread = threading.Thread(target=sniff)
+    thread.start()
+    try:
+        asyncio.run(scenario())
+    finally:
+        done.set()
+        thread.join()
+        for sniffer in sniffers:
+            sniffer.close()
+    assert not leaked, "mDNS for a loopback-bound advertiser left on another interface"

@@ -1,0 +1,145 @@
+"""HostMonitor over fake sysfs/proc trees and fake psutil probes; typeperf output parsing."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from deskfleet.agent.monitor import (
+    DrmFdinfoSampler,
+    HostMonitor,
+    HostProbes,
+    SystemMonitor,
+    TemperatureReading,
+    parse_typeperf_gpu,
+    read_drm_busy_percent,
+    read_hwmon_temperatures,
+)
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fake_probes(battery: tuple[float | None, bool | None] | None = (80.0, True)) -> HostProbes:
+    return HostProbes(cpu_load=lambda: 0.25, memory=lambda: (3, 10), battery=lambda: battery,
+                      temperatures=lambda: (TemperatureReading("psutil/x", 40.0),))
+
+
+def test_hwmon_temperatures_labels_and_implausible_values(tmp_path: Path) -> None:
+    chip = tmp_path / "class/hwmon/hwmon0"
+    write(chip / "name", "coretemp\n")
+    write(chip / "temp1_input", "45000\n")
+    write(chip / "temp1_label", "Package id 0\n")
+    write(chip / "temp2_input", "-128000\n")  # a broken sensor: unknown, not cold
+    write(chip / "temp3_input", "garbage\n")
+    write(tmp_path / "class/hwmon/hwmon1/temp1_input", "51500")  # no name file
+    assert read_hwmon_temperatures(tmp_path) == (TemperatureReading("coretemp/Package id 0", 45.0),
+                                                 TemperatureReading("hwmon1/temp1", 51.5))
+
+
+def test_thermal_zones_only_when_hwmon_is_empty(tmp_path: Path) -> None:
+    write(tmp_path / "class/thermal/thermal_zone0/temp", "60000")
+    write(tmp_path / "class/thermal/thermal_zone0/type", "x86_pkg_temp")
+    assert read_hwmon_temperatures(tmp_path) == (TemperatureReading("x86_pkg_temp", 60.0),)
+    assert read_hwmon_temperatures(tmp_path / "missing") == ()
+
+
+def test_drm_gpu_busy_percent_skips_connectors(tmp_path: Path) -> None:
+    assert read_drm_busy_percent(tmp_path) is None
+    write(tmp_path / "class/drm/card0/device/gpu_busy_percent", "12")
+    write(tmp_path / "class/drm/card1/device/gpu_busy_percent", "40")
+    write(tmp_path / "class/drm/card0-eDP-1/device/gpu_busy_percent", "99")
+    assert read_drm_busy_percent(tmp_path) == 40.0
+
+
+def add_client(proc: Path, pid: int, fd: int, fdinfo: str) -> None:
+    (proc / str(pid) / "fd").mkdir(parents=True, exist_ok=True)
+    link = proc / str(pid) / "fd" / str(fd)
+    if not link.is_symlink():
+        os.symlink("/dev/dri/renderD128", link)
+    write(proc / str(pid) / "fdinfo" / str(fd), fdinfo)
+
+
+def test_fdinfo_i915_engine_busy_rate(tmp_path: Path) -> None:
+    clock = FakeClock()
+    sampler = DrmFdinfoSampler(tmp_path, clock)
+    assert sampler.sample() is None  # nothing visible
+    (tmp_path / "77" / "fd").mkdir(parents=True)
+    os.symlink("/dev/null", tmp_path / "77" / "fd" / "0")  # not a DRM fd: ignored
+    client = "drm-driver:\ti915\ndrm-pdev:\t0000:00:02.0\ndrm-client-id:\t7\ndrm-engine-render:\t{r} ns\n" \
+             "drm-engine-video:\t{v} ns\ndrm-engine-capacity-video:\t2\n"
+    add_client(tmp_path, 10, 4, client.format(r=1_000_000_000, v=0))
+    add_client(tmp_path, 10, 5, client.format(r=1_000_000_000, v=0))  # same client via a second fd
+    assert sampler.sample() is None  # first sample: a rate needs two
+    clock.now += 2.0
+    add_client(tmp_path, 10, 4, client.format(r=1_500_000_000, v=200_000_000))
+    add_client(tmp_path, 10, 5, client.format(r=1_500_000_000, v=200_000_000))
+    assert sampler.sample() == 0.25  # render: 0.5 s busy of 2 s
+
+
+def test_fdinfo_xe_cycles_rate(tmp_path: Path) -> None:
+    clock = FakeClock()
+    sampler = DrmFdinfoSampler(tmp_path, clock)
+    client = "drm-driver: xe\ndrm-client-id: 3\ndrm-cycles-rcs: {c}\ndrm-total-cycles-rcs: {t}\n"
+    add_client(tmp_path, 20, 3, client.format(c=100, t=1000))
+    assert sampler.sample() is None
+    clock.now += 1.0
+    add_client(tmp_path, 20, 3, client.format(c=400, t=2000))
+    assert sampler.sample() == 0.3
+
+
+def test_host_monitor_on_linux_reads_the_fake_tree(tmp_path: Path) -> None:
+    write(tmp_path / "sys/class/hwmon/hwmon0/temp1_input", "70000")
+    write(tmp_path / "sys/class/drm/card0/device/gpu_busy_percent", "55")
+    monitor: SystemMonitor = HostMonitor(sysfs_root=tmp_path / "sys", proc_root=tmp_path / "proc",
+                                         platform="linux", probes=fake_probes(), clock=FakeClock())
+    reading = monitor.read()
+    assert (reading.cpu_load, reading.memory_free_bytes, reading.memory_total_bytes) == (0.25, 3, 10)
+    assert (reading.battery_percent, reading.on_ac_power) == (80.0, True)
+    assert reading.temperatures == (TemperatureReading("hwmon0/temp1", 70.0),)
+    assert reading.igpu_busy == 0.55
+
+
+def test_missing_sensors_are_unknown(tmp_path: Path) -> None:
+    monitor = HostMonitor(sysfs_root=tmp_path, proc_root=tmp_path, platform="linux",
+                          probes=fake_probes(battery=None), clock=FakeClock())
+    reading = monitor.read()
+    assert (reading.battery_percent, reading.on_ac_power, reading.igpu_busy) == (None, None, None)
+    assert reading.temperatures == () and reading.max_temperature_c is None
+
+
+def test_other_platforms_use_psutil_temperatures(tmp_path: Path) -> None:
+    monitor = HostMonitor(sysfs_root=tmp_path, platform="darwin", probes=fake_probes(), clock=FakeClock())
+    reading = monitor.read()
+    assert reading.temperatures == (TemperatureReading("psutil/x", 40.0),) and reading.igpu_busy is None
+
+
+def test_real_host_reading_is_plausible() -> None:
+    reading = HostMonitor().read()
+    assert 0.0 <= reading.cpu_load <= 1.0
+    assert 0 < reading.memory_free_bytes <= reading.memory_total_bytes
+
+
+TYPEPERF = (
+    '\r\n"(PDH-CSV 4.0)","\\\\PC\\GPU Engine(pid_1_luid_0x00000000_0x0000D1A2_phys_0_eng_0_engtype_3D)'
+    '\\Utilization Percentage","\\\\PC\\GPU Engine(pid_2_luid_0x00000000_0x0000D1A2_phys_0_eng_0_engtype_3D)'
+    '\\Utilization Percentage","\\\\PC\\GPU Engine(pid_3_luid_0x00000000_0x0000BEEF_phys_0_eng_0_engtype_3D)'
+    '\\Utilization Percentage"\r\n"11/29/2025 22:00:00.000","30.5","12.0"," "\r\n'
+    "Exiting, please wait...\r\nThe command completed successfully.\r\n"
+)
+
+
+def test_parse_typeperf_sums_instances_per_adapter() -> None:
+    assert parse_typeperf_gpu(TYPEPERF) == 0.425
+    assert parse_typeperf_gpu("") is None
+    assert parse_typeperf_gpu("Error: no such counter\r\n") is None

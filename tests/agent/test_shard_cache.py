@@ -1,0 +1,162 @@
+"""ShardCache: resumable in-order chunks, verification, views for stages, LRU eviction under a limit."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent.shard_cache import CacheFull, ShardCache, ShardCacheError, ShardMismatch
+from deskfleet.common.model_spec import Manifest, load_manifest
+from deskfleet.common.wire import ShardChunk, ShardOffset
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def blob(seed: int, size: int) -> tuple[bytes, str]:
+    data = random.Random(seed).randbytes(size)
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def fill(cache: ShardCache, data: bytes, sha: str, chunk: int = 100) -> None:
+    for offset in range(0, len(data), chunk):
+        cache.receive(ShardChunk(sha, offset, len(data), data[offset:offset + chunk]))
+    cache.complete(sha)
+
+
+def test_chunks_resume_and_verify(tmp_path: Path) -> None:
+    cache = ShardCache(tmp_path, 10_000, FakeClock())
+    data, sha = blob(1, 1000)
+    assert cache.begin(sha, 1000) == 0
+    assert cache.write(sha, 0, data[:300]) == 300
+    assert cache.have([sha]).partial == (ShardOffset(sha, 300),)
+    # A new cache over the same dir (agent restart) resumes at the same offset.
+    cache = ShardCache(tmp_path, 10_000, FakeClock())
+    assert cache.partial_offset(sha) == 300 and cache.begin(sha, 1000) == 300
+    assert cache.write(sha, 300, data[300:]) == 1000
+    path = cache.complete(sha)
+    assert path.read_bytes() == data and cache.has(sha) and cache.path(sha) == path
+    assert cache.have([sha]).complete == (sha,) and cache.partial_offset(sha) is None
+    assert cache.begin(sha, 1000) == 1000  # held: nothing to send
+
+
+def test_out_of_order_overflow_and_unbegun_chunks_are_rejected(tmp_path: Path) -> None:
+    cache = ShardCache(tmp_path, 10_000, FakeClock())
+    data, sha = blob(2, 500)
+    with pytest.raises(ShardCacheError, match="not begun"):
+        cache.write(sha, 0, data)
+    cache.begin(sha, 500)
+    cache.write(sha, 0, data[:100])
+    with pytest.raises(ShardCacheError, match="out of order; 100 bytes are held"):
+        cache.write(sha, 200, data[200:300])
+    with pytest.raises(ShardCacheError, match="out of order"):
+        cache.write(sha, 0, data[:100])  # a resend
+    with pytest.raises(ShardCacheError, match="past the shard's size 500"):
+        cache.write(sha, 100, data[100:] + b"extra")
+    with pytest.raises(ShardCacheError, match="incomplete: 100 of 500"):
+        cache.complete(sha)
+    assert cache.partial_offset(sha) == 100  # nothing rejected was written
+    with pytest.raises(ShardCacheError, match="not a sha256"):
+        cache.has("../etc/passwd")
+
+
+def test_corrupted_shard_is_discarded(tmp_path: Path) -> None:
+    cache = ShardCache(tmp_path, 10_000, FakeClock())
+    data, sha = blob(3, 200)
+    cache.begin(sha, 200)
+    cache.write(sha, 0, bytes(200))
+    with pytest.raises(ShardMismatch, match="corrupted"):
+        cache.complete(sha)
+    assert not cache.has(sha) and cache.partial_offset(sha) is None
+    fill(cache, data, sha)
+    assert cache.has(sha)
+
+
+def test_size_change_restarts_the_partial(tmp_path: Path) -> None:
+    cache = ShardCache(tmp_path, 10_000, FakeClock())
+    _, sha = blob(4, 100)
+    cache.begin(sha, 100)
+    cache.write(sha, 0, b"x" * 50)
+    assert cache.receive(ShardChunk(sha, 0, 80, b"y" * 10)) == 10
+
+
+def test_lru_eviction_skips_pinned_and_recently_used(tmp_path: Path) -> None:
+    cache = ShardCache(tmp_path, 3000, FakeClock())
+    shards = [blob(10 + index, 1000) for index in range(3)]
+    for data, sha in shards:
+        fill(cache, data, sha)
+    assert cache.usage().used_bytes == 3000 and cache.usage().shard_count == 3
+    cache.pin("stage-a", [shards[0][1]])
+    view = cache.materialize("uses-2", {"w.bin": shards[2][1]})  # a use: shard 2 is now the newest...
+    cache.path(shards[1][1])  # ...until shard 1 is used after it
+    data, sha = blob(20, 1000)
+    fill(cache, data, sha)
+    assert not cache.has(shards[2][1]) and cache.has(shards[0][1]) and cache.has(shards[1][1])
+    assert not view.exists()  # a view over an evicted shard goes with it
+    assert cache.usage().pinned_bytes == 1000
+    cache.pin("stage-a", [shards[0][1], shards[1][1], sha])
+    with pytest.raises(CacheFull, match="3000 pinned"):
+        cache.begin(blob(21, 10)[1], 10)
+    cache.unpin("stage-a")
+    assert cache.begin(blob(21, 10)[1], 10) == 0
+
+
+def test_limit_smaller_than_a_shard(tmp_path: Path) -> None:
+    cache = ShardCache(tmp_path, 100, FakeClock())
+    with pytest.raises(CacheFull, match="limit is 100"):
+        cache.begin(blob(5, 101)[1], 101)
+
+
+def test_materialize_names_files_as_the_manifest_does(tmp_path: Path) -> None:
+    cache = ShardCache(tmp_path / "cache", 10_000, FakeClock())
+    xml, xml_sha = blob(30, 300)
+    weights, bin_sha = blob(31, 400)
+    fill(cache, xml, xml_sha)
+    fill(cache, weights, bin_sha)
+    view = cache.materialize("tiny-0-2", {"layer_000.xml": xml_sha, "layer_000.bin": bin_sha})
+    assert (view / "layer_000.xml").read_bytes() == xml and (view / "layer_000.bin").read_bytes() == weights
+    assert (view / "layer_000.bin").stat().st_ino == cache.path(bin_sha).stat().st_ino  # a link, no copy
+    assert cache.usage().used_bytes == 700
+    view = cache.materialize("tiny-0-2", {"layer_000.xml": xml_sha})  # rebuilt from scratch
+    assert not (view / "layer_000.bin").exists()
+    with pytest.raises(ShardCacheError, match="plain file name"):
+        cache.materialize("v", {"../x": xml_sha})
+    with pytest.raises(ShardCacheError, match="not in the cache"):
+        cache.materialize("v", {"a": blob(32, 1)[1]})
+    cache.remove_view("tiny-0-2")
+    assert not view.exists()
+
+
+def test_materialize_manifest_gives_a_folder_the_stage_can_load(tmp_path: Path) -> None:
+    from deskfleet.common.model_spec import FileEntry, ModelSpec, WeightFormat
+
+    cache = ShardCache(tmp_path / "cache", 10_000, FakeClock())
+    files = {}
+    for index, name in enumerate(("rope.xml", "rope.bin", "embed.xml", "embed.bin")):
+        data, sha = blob(40 + index, 50)
+        fill(cache, data, sha)
+        files[name] = FileEntry(sha, 50)
+    spec = ModelSpec("llama", 1, 8, 2, 1, 4, 16, 32, 64, None, (1,), "default", False)
+    manifest = Manifest("toy", spec, WeightFormat.F32, files, (), (0,), 0, 0)
+    view = cache.materialize_manifest("toy-0-1", manifest, ["rope.xml", "rope.bin"])
+    assert load_manifest(view) == manifest
+    assert sorted(path.name for path in view.iterdir()) == [".view.json", "manifest.json", "rope.bin", "rope.xml"]
+    with pytest.raises(ShardCacheError, match=r"head\.xml is not listed"):
+        cache.materialize_manifest("toy-0-1", manifest, ["head.xml"])
+
+
+def test_import_file(tmp_path: Path) -> None:
+    cache = ShardCache(tmp_path / "cache", 10_000, FakeClock())
+    source = tmp_path / "f.bin"
+    data, sha = blob(50, 123)
+    source.write_bytes(data)
+    assert cache.import_file(source) == sha and cache.path(sha).read_bytes() == data

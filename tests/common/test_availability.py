@@ -1,0 +1,108 @@
+"""decide_availability: precedence, each limit, and unknown sensors never counting against an agent."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from deskfleet.common.agent_state import AgentState, UnavailableReason
+from deskfleet.common.availability import (
+    GIB,
+    AvailabilityPolicy,
+    MonitorReading,
+    TemperatureReading,
+    decide_availability,
+)
+
+
+def reading(**overrides: object) -> MonitorReading:
+    fields: dict[str, object] = dict(cpu_load=0.1, memory_free_bytes=8 * GIB, memory_total_bytes=16 * GIB,
+                                     battery_percent=None, on_ac_power=None, temperatures=(), igpu_busy=None)
+    fields.update(overrides)
+    return MonitorReading(**fields)  # type: ignore[arg-type]
+
+
+def test_desktop_with_unknown_sensors_is_available() -> None:
+    result = decide_availability(reading(), AvailabilityPolicy(), serving=False)
+    assert (result.state, result.reasons, result.detail, result.reason) == (AgentState.AVAILABLE, (), "", None)
+
+
+def test_serving_when_stages_are_hosted() -> None:
+    assert decide_availability(reading(), AvailabilityPolicy(), serving=True).state is AgentState.SERVING
+
+
+def test_unplugged_laptop_is_on_battery_when_ac_required() -> None:
+    result = decide_availability(reading(battery_percent=95.0, on_ac_power=False), AvailabilityPolicy(), False)
+    assert result.state is AgentState.UNAVAILABLE
+    assert result.reasons == (UnavailableReason.ON_BATTERY,)
+    assert result.detail == "battery 95%, unplugged"
+
+
+def test_battery_threshold_when_ac_not_required() -> None:
+    policy = AvailabilityPolicy(require_ac_power=False, min_battery_percent=40.0)
+    assert decide_availability(reading(battery_percent=60.0, on_ac_power=False), policy, False).reasons == ()
+    low = decide_availability(reading(battery_percent=30.0, on_ac_power=False), policy, False)
+    assert low.reasons == (UnavailableReason.ON_BATTERY,)
+    # Plugged in: a low charge is charging, not draining.
+    assert decide_availability(reading(battery_percent=10.0, on_ac_power=True), policy, False).reasons == ()
+    # Power source unknown but charge low: the low charge is the evidence.
+    unknown = decide_availability(reading(battery_percent=10.0, on_ac_power=None), policy, False)
+    assert unknown.reasons == (UnavailableReason.ON_BATTERY,) and "unknown" in unknown.detail
+
+
+def test_too_hot_names_the_hottest_sensor() -> None:
+    sensors = (TemperatureReading("acpitz/temp1", 50.0), TemperatureReading("coretemp/Package id 0", 97.4))
+    result = decide_availability(reading(temperatures=sensors), AvailabilityPolicy(max_temperature_c=90.0), False)
+    assert result.reasons == (UnavailableReason.TOO_HOT,)
+    assert result.detail == "coretemp/Package id 0 97 °C"
+
+
+def test_low_memory_and_user_busy_and_all_reasons_in_fixed_order() -> None:
+    policy = AvailabilityPolicy(max_cpu_load=0.5)
+    hot = (TemperatureReading("cpu", 120.0),)
+    result = decide_availability(
+        reading(memory_free_bytes=GIB, on_ac_power=False, battery_percent=20.0, temperatures=hot, cpu_load=0.9),
+        policy, serving=True)
+    assert result.state is AgentState.UNAVAILABLE
+    assert result.reasons == (UnavailableReason.ON_BATTERY, UnavailableReason.TOO_HOT,
+                              UnavailableReason.LOW_MEMORY, UnavailableReason.USER_BUSY)
+    assert result.detail.count(";") == 3
+
+
+def test_paused_wins_and_still_lists_reasons() -> None:
+    result = decide_availability(reading(memory_free_bytes=0), AvailabilityPolicy(paused=True), serving=True)
+    assert result.state is AgentState.PAUSED
+    assert result.reasons == (UnavailableReason.LOW_MEMORY,)
+
+
+def test_disabled_thresholds_are_not_checked() -> None:
+    policy = AvailabilityPolicy(require_ac_power=False, min_battery_percent=None, max_temperature_c=None,
+                                min_free_memory_bytes=None)
+    result = decide_availability(reading(on_ac_power=False, battery_percent=1.0, memory_free_bytes=0,
+                                         temperatures=(TemperatureReading("x", 150.0),)), policy, False)
+    assert result.state is AgentState.AVAILABLE
+
+
+@pytest.mark.parametrize("bad", [dict(min_battery_percent=120.0), dict(max_cpu_load=0.0),
+                                 dict(min_free_memory_bytes=-1)])
+def test_policy_rejects_out_of_range_limits(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        AvailabilityPolicy(**bad)  # type: ignore[arg-type]
+
+
+def test_random_readings_are_deterministic_and_consistent() -> None:
+    generator = random.Random(5)
+    policy = AvailabilityPolicy(max_cpu_load=0.8)
+    for _ in range(500):
+        sample = reading(
+            cpu_load=generator.random(), memory_free_bytes=generator.randrange(0, 8 * GIB),
+            battery_percent=generator.choice([None, generator.uniform(0, 100)]),
+            on_ac_power=generator.choice([None, True, False]),
+            temperatures=tuple(TemperatureReading(f"t{i}", generator.uniform(20, 110))
+                               for i in range(generator.randrange(3))))
+        serving = generator.random() < 0.5
+        first = decide_availability(sample, policy, serving)
+        assert first == decide_availability(sample, policy, serving)
+        assert (first.state is AgentState.UNAVAILABLE) == bool(first.reasons)
+        assert first.state in ((AgentState.SERVING,) if serving else (AgentState.AVAILABLE,)) or first.reasons

@@ -1,0 +1,92 @@
+"""Discovery sources into a Registry: registrations, manual peers, and a real mDNS browse on loopback.
+
+The mDNS test binds zeroconf to 127.0.0.1 only (nothing is sent on other interfaces; see
+test_advertise.py, which checks that as root). Each test uses a fresh random fleet id, so other
+processes advertising on the same loopback are ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+
+import pytest
+
+from deskfleet.agent.advertise import Advertiser
+from deskfleet.common.agent_state import AgentState
+from deskfleet.common.discovery_record import AgentRecord
+from deskfleet.common.wire import Register
+from deskfleet.controller.discovery import ManualPeers, RegistrationDiscovery, ZeroconfDiscovery
+from deskfleet.controller.registry import DiscoverySource, Registry
+
+LOOPBACK = "127.0.0.1"
+
+
+def agent_id(generator: random.Random) -> str:
+    return "".join(generator.choice("abcdefghijklmnopqrstuvwxyz234567") for _ in range(52))
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Real network events: poll (this is the one place a clock cannot be injected)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("timed out waiting for mDNS")
+        await asyncio.sleep(0.05)
+
+
+def test_registration_checks_the_tls_identity() -> None:
+    registry = Registry()
+    source = RegistrationDiscovery(registry)
+    generator = random.Random(1)
+    me, other = agent_id(generator), agent_id(generator)
+    source.accept(Register(me, ("10.1.1.1:7431",)), peer_agent_id=me)
+    entry = registry.get(me)
+    assert entry is not None and entry.sources == {DiscoverySource.REGISTRATION}
+    with pytest.raises(PermissionError):
+        source.accept(Register(other, ("10.1.1.2:7431",)), peer_agent_id=me)
+    assert registry.get(other) is None
+
+
+def test_manual_peers_become_dial_targets() -> None:
+    registry = Registry()
+    with pytest.raises(ValueError, match="--peer 'pc-1'"):
+        ManualPeers(registry, ["pc-1"])
+    peers = ManualPeers(registry, ["pc-1:7431", "[fd00::5]:7431"])
+
+    async def scenario() -> None:
+        task = asyncio.create_task(peers.run())
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    assert registry.dial_targets() == ("pc-1:7431", "[fd00::5]:7431")
+
+
+def test_mdns_advertise_browse_update_and_goodbye_on_loopback() -> None:
+    generator = random.Random(2)
+    fleet = "".join(generator.choice("0123456789abcdef") for _ in range(16))
+    me, stranger = agent_id(generator), agent_id(generator)
+    registry = Registry(ttl_s=60.0)
+    mine = AgentRecord(me, fleet, "0.1.0", ("CPU",), 8 << 30, AgentState.AVAILABLE)
+    other_fleet = AgentRecord(stranger, "f" * 16, "0.1.0", ("CPU",), 8 << 30, AgentState.AVAILABLE)
+
+    async def scenario() -> None:
+        async with asyncio.TaskGroup() as group:
+            browse = group.create_task(ZeroconfDiscovery(registry, fleet, [LOOPBACK]).run())
+            async with Advertiser(other_fleet, 7432, [LOOPBACK]), Advertiser(mine, 7431, [LOOPBACK]) as advertiser:
+                await wait_for(lambda: registry.get(me) is not None)
+                entry = registry.get(me)
+                assert entry is not None and entry.addresses == ("127.0.0.1:7431",)
+                assert entry.record == mine and entry.sources == {DiscoverySource.MDNS}
+                await advertiser.update(AgentRecord(me, fleet, "0.1.0", ("CPU",), 8 << 30, AgentState.PAUSED))
+                await wait_for(lambda: (e := registry.get(me)) is not None and e.record is not None
+                               and e.record.state is AgentState.PAUSED)
+            await wait_for(lambda: registry.get(me) is None)  # goodbye packet withdrew it
+            assert registry.get(stranger) is None  # another fleet's agent never entered
+            browse.cancel()
+
+    asyncio.run(scenario())
