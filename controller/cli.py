@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deskfleet.common.model_spec import ManifestError, WeightFormat
+from deskfleet.controller.fleet_cli import add_fleet_commands
 
 if TYPE_CHECKING:
     from deskfleet.agent.stage import CompileSettings
-    from deskfleet.controller.tokenizer import ModelTokenizer
 
 log = logging.getLogger("deskfleet")
 
@@ -59,11 +59,22 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--model", type=Path, required=True, help="export folder")
     generate.add_argument("--stages", type=int, default=1, help="in-process pipeline stages")
     prompt = generate.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (a completion; see --chat)")
-    prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
-    generate.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template")
+    prompt.add_argument("--prompt", action="append", help="prompt text; repeat for concurrent streams")
+    prompt.add_argument("--prompts-file", type=Path, help="one prompt per line, run as concurrent streams")
+    prompt.add_argument("--prompt-ids", action="append", help="comma-separated token ids, e.g. 1,2,3; repeatable")
+    generate.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     generate.add_argument("--max-new-tokens", type=int, default=64)
     generate.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
+    generate.add_argument("--draft", type=Path, default=None, help="export folder of a draft model (speculative)")
+    generate.add_argument("--k", type=int, default=None, help="fixed number of draft tokens (default: adaptive)")
+    generate.add_argument("--k-max", type=int, default=8, help="upper bound of adaptive K")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--max-rows", type=int, default=8, help="streams per micro-batch")
+    generate.add_argument("--micro-batches", type=int, default=None,
+                          help="micro-batches in flight (default: the number of stages)")
     _add_compile_options(generate)
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     generate.set_defaults(handler=_generate)
@@ -79,9 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--prompt-tokens", type=int, default=32)
     parity.add_argument("--new-tokens", type=int, default=64)
     parity.add_argument("--rounds", type=int, default=3)
+    parity.add_argument("--genai-backends", nargs="+", choices=["default", "SDPA", "PA"],
+                        default=["default", "SDPA"],
+                        help="LLMPipeline ATTENTION_BACKEND per GenAI run (default: GenAI's own choice)")
     parity.add_argument("--stages", type=int, nargs="*", default=[2, 3, 4])
     _add_compile_options(parity)
     parity.set_defaults(handler=_bench_parity)
+    add_fleet_commands(commands)
     return parser
 
 
@@ -123,54 +138,23 @@ def _parse_prompt_ids(text: str) -> list[int]:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from deskfleet.common.model_spec import load_manifest
-    from deskfleet.controller.generation import generate_greedy
-    from deskfleet.controller.pipeline import LocalPipeline
-    from deskfleet.controller.tokenizer import ChatMessage, ModelTokenizer
+    from deskfleet.controller.run import GenerateOptions, run_generate
 
-    manifest = load_manifest(args.model)
-    tokenizer = ModelTokenizer(args.model)
-    if args.prompt_ids is not None:
-        prompt_ids = _parse_prompt_ids(args.prompt_ids)
-    elif args.chat:
-        prompt_ids = tokenizer.encode_chat([ChatMessage("user", args.prompt)])
-    else:
-        prompt_ids = tokenizer.encode(args.prompt)
-    streamed = _TextStream(tokenizer, enabled=not args.json)
-    with LocalPipeline(args.model, args.stages, _compile_settings(args), manifest) as pipeline:
-        result = generate_greedy(pipeline, prompt_ids, args.max_new_tokens, ignore_eos=args.ignore_eos,
-                                 on_token=streamed.push)
-    text = tokenizer.decode(result.tokens)
+    report = run_generate(GenerateOptions(
+        model=args.model, stages=args.stages, prompts=args.prompt, prompts_file=args.prompts_file,
+        prompt_ids=[_parse_prompt_ids(text) for text in args.prompt_ids] if args.prompt_ids else None,
+        chat=args.chat, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, draft=args.draft,
+        k=args.k, k_max=args.k_max, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, max_rows=args.max_rows, micro_batches=args.micro_batches,
+        settings=_compile_settings(args)), stream_text=not args.json)
     if args.json:
-        print(json.dumps({"tokens": result.tokens, "text": text, "tok_s": round(result.decode_tok_s, 3),
-                          "stages": args.stages, "prompt_tokens": result.prompt_tokens,
-                          "prefill_s": round(result.prefill_s, 4), "stopped_by_eos": result.stopped_by_eos}))
+        print(json.dumps(report))
     else:
         print()
-        print(f"[{len(result.tokens)} tokens, {result.decode_tok_s:.1f} tok/s, {args.stages} stage(s)]",
+        print(f"[{report['generated_tokens']} tokens, {report['tok_s']:.1f} tok/s, {args.stages} stage(s)"
+              + (f", mean accepted {report['mean_accepted']:.2f}" if "mean_accepted" in report else "") + "]",
               file=sys.stderr)
     return 0
-
-
-class _TextStream:
-    """Prints decoded text as tokens arrive (decoding the whole tail keeps multi-byte characters whole)."""
-
-    def __init__(self, tokenizer: ModelTokenizer, enabled: bool) -> None:
-        self.tokenizer = tokenizer
-        self.enabled = enabled
-        self.tokens: list[int] = []
-        self.printed = ""
-
-    def push(self, token: int) -> None:
-        if not self.enabled:
-            return
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
-        if text.endswith("\ufffd"):
-            return  # an incomplete UTF-8 sequence: wait for the next token
-        sys.stdout.write(text[len(self.printed):])
-        sys.stdout.flush()
-        self.printed = text
 
 
 def _bench_parity(args: argparse.Namespace) -> int:
@@ -179,7 +163,7 @@ def _bench_parity(args: argparse.Namespace) -> int:
     report = run_parity_bench(args.model, genai_model=args.genai_model, genai_python=args.genai_python,
                               prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                               rounds=args.rounds, stage_counts=args.stages,
-                              settings=_compile_settings(args))
+                              settings=_compile_settings(args), genai_backends=args.genai_backends)
     print(json.dumps(report, indent=2))
     return 0
 

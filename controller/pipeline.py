@@ -1,8 +1,9 @@
 """A k-stage pipeline in one process: each stage on its own worker thread, connected by queues.
 
-The queues stand where the network will stand: a worker takes a step request, runs its stage and hands
-the hidden states to the next worker; the last worker returns the next tokens to the driver. Several
-micro-batches may be in flight at once; each has its own KV state (session) on every stage.
+The queues stand where the network will stand: a worker takes a Forward message (the same message the
+agents exchange), runs it on its stage executor and hands the Forward with hidden states to the next
+worker; the last worker returns the ForwardResult to the driver. Several micro-batches may be in flight
+at once; each has its own KV state (session) on every stage.
 """
 
 from __future__ import annotations
@@ -10,38 +11,19 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-from deskfleet.agent.stage import CompileSettings, LayerRange, Stage, StageSession
+from deskfleet.agent.stage import CompileSettings, LayerRange, Stage
+from deskfleet.agent.stage_executor import StageExecutor
 from deskfleet.common.model_spec import Manifest, load_manifest
+from deskfleet.common.wire import Forward, ForwardResult
 
 log = logging.getLogger(__name__)
 
 
 class PipelineError(RuntimeError):
     """A stage failed; the message names the stage and the micro-batch."""
-
-
-@dataclass(frozen=True)
-class StepRequest:
-    """One call through every stage for one micro-batch of B rows and T new tokens per row."""
-
-    batch_id: int
-    payload: np.ndarray  # input_ids [B,T] i64 at the first stage, hidden [B,T,H] f32 after it
-    attention_mask: np.ndarray  # [B, S] over the physical slots after this call
-    position_ids: np.ndarray  # [B, T] logical positions
-    beam_idx: np.ndarray  # [B] rows of the previous state
-    want_logits: bool = False
-    reset: bool = False  # drop this micro-batch's KV state before the call
-
-
-@dataclass(frozen=True)
-class StepResult:
-    batch_id: int
-    next_tokens: np.ndarray  # [B, T]
-    logits: np.ndarray | None  # [B, T, V] when asked for
 
 
 @dataclass(frozen=True)
@@ -74,45 +56,31 @@ def split_layers(num_layers: int, num_stages: int) -> list[LayerRange]:
 
 
 class _StageWorker(threading.Thread):
-    def __init__(self, index: int, stage: Stage, inbox: queue.Queue[object], outbox: queue.Queue[object],
-                 results: queue.Queue[object]) -> None:
+    def __init__(self, index: int, executor: StageExecutor, inbox: queue.Queue[object],
+                 outbox: queue.Queue[object]) -> None:
         super().__init__(name=f"stage-{index}", daemon=True)
         self.index = index
-        self.stage = stage
+        self.executor = executor
         self.inbox = inbox
         self.outbox = outbox
-        self.results = results
-        self.sessions: dict[int, StageSession] = {}
 
     def run(self) -> None:
         while (message := self.inbox.get()) is not _STOP:
             if isinstance(message, _Release):
-                self.sessions.pop(message.batch_id, None)
+                self.executor.release(message.batch_id)
                 self.outbox.put(message)
             elif isinstance(message, _Failure):
                 self.outbox.put(message)
-            elif isinstance(message, StepRequest):
+            elif isinstance(message, Forward):
                 self._step(message)
         self.outbox.put(_STOP)
 
-    def _step(self, request: StepRequest) -> None:
+    def _step(self, message: Forward) -> None:
         try:
-            session = self.sessions.get(request.batch_id)
-            if session is None:
-                session = self.sessions[request.batch_id] = self.stage.open_session()
-            elif request.reset:
-                session.reset()
-            output = session.forward(request.payload, request.attention_mask, request.position_ids,
-                                     request.beam_idx, want_logits=request.want_logits)
+            self.outbox.put(self.executor.run(message))
         except Exception as error:  # handed to the driver, which raises it with the stage named
-            log.exception("stage %d failed on micro-batch %d", self.index, request.batch_id)
-            self.outbox.put(_Failure(request.batch_id, self.index, error))
-            return
-        if output.hidden is not None:
-            self.outbox.put(replace(request, payload=output.hidden))
-        else:
-            assert output.next_tokens is not None
-            self.outbox.put(StepResult(request.batch_id, output.next_tokens, output.logits))
+            log.exception("stage %d failed on micro-batch %d", self.index, message.micro_batch_id)
+            self.outbox.put(_Failure(message.micro_batch_id, self.index, error))
 
 
 class LocalPipeline:
@@ -124,11 +92,12 @@ class LocalPipeline:
         self.manifest = manifest or load_manifest(self.model_dir)
         self.ranges = split_layers(self.manifest.spec.num_layers, num_stages)
         settings = settings or CompileSettings()
-        stages = [Stage(self.model_dir, self.manifest, layers, settings) for layers in self.ranges]
-        self._queues: list[queue.Queue[object]] = [queue.Queue() for _ in range(len(stages) + 1)]
-        self._workers = [
-            _StageWorker(index, stage, self._queues[index], self._queues[index + 1], self._queues[-1])
-            for index, stage in enumerate(stages)]
+        context = self.manifest.spec.max_context
+        executors = [StageExecutor(Stage(self.model_dir, self.manifest, layers, settings), context)
+                     for layers in self.ranges]
+        self._queues: list[queue.Queue[object]] = [queue.Queue() for _ in range(len(executors) + 1)]
+        self._workers = [_StageWorker(index, executor, self._queues[index], self._queues[index + 1])
+                         for index, executor in enumerate(executors)]
         for worker in self._workers:
             worker.start()
         self._closed = False
@@ -139,17 +108,17 @@ class LocalPipeline:
 
     # Public methods
 
-    def submit(self, request: StepRequest) -> None:
+    def submit(self, message: Forward) -> None:
         """Queue a step; its result comes out of collect() in submission order per micro-batch."""
         if self._closed:
             raise PipelineError("the pipeline is closed")
-        self._queues[0].put(request)
+        self._queues[0].put(message)
 
-    def collect(self, timeout: float | None = None) -> StepResult:
+    def collect(self, timeout: float | None = None) -> ForwardResult:
         """The next finished step. Raises PipelineError if a stage failed on it."""
         while True:
             message = self._queues[-1].get(timeout=timeout)
-            if isinstance(message, StepResult):
+            if isinstance(message, ForwardResult):
                 return message
             if isinstance(message, _Failure):
                 raise PipelineError(f"stage {message.stage_index} ({self.ranges[message.stage_index]}) failed "
@@ -157,9 +126,9 @@ class LocalPipeline:
             if message is _STOP:
                 raise PipelineError("the pipeline stopped")
 
-    def step(self, request: StepRequest) -> StepResult:
+    def step(self, message: Forward) -> ForwardResult:
         """submit() then collect(); only for callers with one step in flight."""
-        self.submit(request)
+        self.submit(message)
         return self.collect()
 
     def release(self, batch_id: int) -> None:

@@ -1,0 +1,256 @@
+"""Runs Forward messages on a stage: per micro-batch a KV-slot Mirror and a session of the stage.
+
+The driver never sends a mask. Each Forward carries the ledger deltas since the micro-batch's previous
+step, ending with the AppendSlots of this call; the executor replays them on its Mirror (editing the KV
+state on the host where a delta needs it: admitting a prefilled stream, compacting dead slots), then runs
+the stage with the mask, positions and beam_idx the mirror gives. The last stage verifies draft tokens
+(greedy or exact rejection sampling) and returns only the next token and the accepted count per row.
+
+No torch here: this runs on every employee PC and, in-process, in the controller's local pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import numpy.typing as npt
+
+from deskfleet.common.kv_ledger import (
+    AdmitRow,
+    AppendSlots,
+    Compact,
+    InvalidateSlots,
+    LedgerError,
+    Mirror,
+    ReorderRows,
+    SlotDelta,
+    position_ids,
+)
+from deskfleet.common.speculative import (
+    SamplingParams,
+    greedy_accept,
+    sample,
+    sampling_probs,
+    speculative_accept,
+)
+from deskfleet.common.wire import DraftInfo, Forward, ForwardResult, SamplingInfo
+
+from .stage import Stage, StageSession
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What the mirror says the stage must be fed for one call."""
+
+    append: AppendSlots
+    beam_idx: npt.NDArray[np.int64]  # [B]
+    attention_mask: npt.NDArray[np.int64]  # [B, S]
+    position_ids: npt.NDArray[np.int64]  # [B, T]
+
+
+def replay_deltas(mirror: Mirror, deltas: tuple[SlotDelta, ...],
+                  gather_rows: Callable[[npt.NDArray[np.int64]], None] | None = None,
+                  admit: Callable[[AdmitRow, int], None] | None = None,
+                  compact: Callable[[Compact], None] | None = None) -> StepInputs:
+    """Apply one step's deltas to `mirror` in order and return what to feed the stage.
+
+    The callbacks edit the KV state on the host where the mirror's contract asks for it: `gather_rows`
+    with a pending beam_idx before an AdmitRow or Compact, `admit(delta, ordinal)` and `compact(delta)`
+    right after the mirror took those deltas. The driver calls this without callbacks to learn the
+    same beam_idx, mask and positions it sends as a desync check.
+    """
+    if not deltas or not isinstance(deltas[-1], AppendSlots):
+        raise LedgerError("a step's deltas must end with the AppendSlots of its call")
+    admitted = 0
+    for delta in deltas:
+        if isinstance(delta, AdmitRow | Compact) and mirror.rows_pending():
+            pending = mirror.take_beam_idx()
+            if gather_rows is not None:
+                gather_rows(pending)
+        mirror.apply(delta)
+        if isinstance(delta, AdmitRow):
+            if admit is not None:
+                admit(delta, admitted)
+            admitted += 1
+        elif isinstance(delta, Compact) and compact is not None:
+            compact(delta)
+        elif isinstance(delta, AppendSlots) and delta is not deltas[-1]:
+            raise LedgerError("AppendSlots must be the last delta of a step")
+        elif not isinstance(delta, AppendSlots | ReorderRows | InvalidateSlots | AdmitRow | Compact):
+            raise LedgerError(f"unknown slot delta {type(delta).__name__}")
+    append = deltas[-1]
+    assert isinstance(append, AppendSlots)
+    return StepInputs(append=append, beam_idx=mirror.take_beam_idx(), attention_mask=mirror.attention_mask(),
+                      position_ids=position_ids(append))
+
+
+@dataclass
+class _MicroBatch:
+    mirror: Mirror
+    session: StageSession
+    steps: int = field(default=0)
+
+
+class StageExecutor:
+    """One stage's micro-batches. Not thread-safe: one worker calls run() and release()."""
+
+    def __init__(self, stage: Stage, max_positions: int) -> None:
+        self.stage = stage
+        self.max_positions = max_positions
+        self._batches: dict[int, _MicroBatch] = {}
+
+    @property
+    def micro_batches(self) -> int:
+        return len(self._batches)
+
+    # Public methods
+
+    def run(self, message: Forward, return_logits: bool = False) -> Forward | ForwardResult:
+        """Advance one micro-batch by one call; returns the Forward for the next stage, or the result.
+
+        return_logits (last stage, in-process callers such as the draft model): also return the logits
+        [B, T, V]; over the network no logits travel.
+        """
+        batch = self._batches.get(message.micro_batch_id)
+        if batch is None:
+            batch = _MicroBatch(Mirror(self.max_positions), self.stage.open_session())
+            self._batches[message.micro_batch_id] = batch
+        sources = [self._take_source(source) for source in message.admit_from]
+        inputs = replay_deltas(
+            batch.mirror, message.slot_deltas,
+            gather_rows=lambda rows: _edit_state(batch.session, lambda state: state[rows]),
+            admit=lambda delta, ordinal: self._admit(batch, sources[ordinal], delta),
+            compact=lambda delta: _edit_state(batch.session, lambda state: _gather_slots(state, delta)))
+        _check_agrees(message, inputs)
+        payload = message.input_ids if message.input_ids is not None else message.hidden_states
+        assert payload is not None
+        if self.stage.layers.is_first != (message.input_ids is not None):
+            raise LedgerError("the first stage takes input_ids, later stages hidden_states")
+        sampled = message.sampling is not None and any(t > 0 for t in message.sampling.temperatures)
+        output = batch.session.forward(np.asarray(payload), inputs.attention_mask, inputs.position_ids,
+                                       inputs.beam_idx, want_logits=sampled or return_logits)
+        batch.steps += 1
+        if output.hidden is not None:
+            return replace(message, input_ids=None, hidden_states=output.hidden)
+        assert output.next_tokens is not None
+        next_tokens, accepted = verify(inputs.append, output.next_tokens, output.logits, message.draft,
+                                       message.sampling)
+        return ForwardResult(micro_batch_id=message.micro_batch_id, step_id=message.step_id,
+                             next_token_ids=next_tokens, accepted_counts=accepted,
+                             logits=output.logits if return_logits else None)
+
+    def release(self, micro_batch_id: int) -> None:
+        self._batches.pop(micro_batch_id, None)
+
+    # Private methods
+
+    def _take_source(self, micro_batch_id: int) -> _MicroBatch:
+        source = self._batches.pop(micro_batch_id, None)
+        if source is None:
+            raise LedgerError(f"admission from micro-batch {micro_batch_id}, which this stage does not hold")
+        if source.mirror.rows != 1:
+            raise LedgerError(f"admission from micro-batch {micro_batch_id} of {source.mirror.rows} rows (needs 1)")
+        return source
+
+    def _admit(self, batch: _MicroBatch, source: _MicroBatch, delta: AdmitRow) -> None:
+        """Append the source's single row to the batch state (the mirror already holds the new row)."""
+        if batch.steps == 0 and batch.mirror.rows == 1:
+            batch.session = source.session  # an empty batch simply adopts the prefilled session
+            batch.steps = source.steps
+            return
+        incoming = source.session.query_state()
+        current = batch.session.query_state()
+        merged = {}
+        for name, state in current.items():
+            row = incoming[name]  # [1, KV, L, D]
+            slots = max(state.shape[2], delta.live_slots)
+            grown = np.zeros((state.shape[0] + 1, state.shape[1], slots, state.shape[3]), dtype=state.dtype)
+            grown[:-1, :, : state.shape[2]] = state
+            grown[-1, :, : delta.live_slots] = row[0, :, : delta.live_slots]
+            merged[name] = grown
+        batch.session.set_state(merged)
+
+
+def verify(append: AppendSlots, next_tokens: npt.NDArray[np.int64], logits: npt.NDArray[np.float32] | None,
+           draft: DraftInfo | None, sampling: SamplingInfo | None
+           ) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """The next token of every row and, when drafting, how many draft tokens each row accepted.
+
+    A drafting row fed live_counts[r] = k+1 tokens: its last accepted token and k draft tokens; any other
+    row fed its prompt or last token, and its next token follows its last live position. next_tokens
+    [B, T] is the in-graph argmax; logits [B, T, V] are only needed by sampled rows.
+    """
+    rows = len(append.live_counts)
+    chosen: list[int] = []
+    accepted: list[int] = []
+    for row in range(rows):
+        live = append.live_counts[row]
+        k = draft.counts[row] if draft is not None else 0
+        if live == 0:  # an idle row this step
+            chosen.append(0)
+            accepted.append(0)
+            continue
+        if k and k + 1 != live:
+            raise LedgerError(f"row {row} fed {live} tokens for {k} draft tokens (needs {k + 1})")
+        params = _row_params(sampling, row)
+        if params is None:
+            if k:
+                assert draft is not None
+                verdict = greedy_accept(draft.draft_token_ids[row, :k], next_tokens[row, : k + 1])
+                chosen.append(verdict.next_token)
+                accepted.append(verdict.accepted)
+            else:
+                chosen.append(int(next_tokens[row, live - 1]))
+                accepted.append(0)
+            continue
+        if logits is None:
+            raise LedgerError("sampled rows need the stage's logits")
+        assert sampling is not None
+        rng = np.random.default_rng(sampling.seeds[row])
+        target = sampling_probs(logits[row, : k + 1], params)  # [k+1, V]
+        if k:
+            assert draft is not None
+            if draft.draft_probs is None:
+                raise LedgerError(f"row {row} samples with draft tokens but no draft probabilities")
+            q = np.asarray(draft.draft_probs[row, :k], dtype=np.float64)  # [k, V]
+            verdict = speculative_accept(draft.draft_token_ids[row, :k], q, target, rng)
+            chosen.append(verdict.next_token)
+            accepted.append(verdict.accepted)
+        else:
+            chosen.append(sample(target[live - 1], rng))
+            accepted.append(0)
+    return tuple(chosen), (tuple(accepted) if draft is not None else None)
+
+
+# Private functions
+
+def _row_params(sampling: SamplingInfo | None, row: int) -> SamplingParams | None:
+    if sampling is None or sampling.temperatures[row] == 0.0:
+        return None
+    return SamplingParams(temperature=sampling.temperatures[row], top_k=sampling.top_ks[row],
+                          top_p=sampling.top_ps[row])
+
+
+def _check_agrees(message: Forward, inputs: StepInputs) -> None:
+    if not np.array_equal(np.asarray(message.beam_idx), inputs.beam_idx) or not np.array_equal(
+            np.asarray(message.position_ids), inputs.position_ids):
+        raise LedgerError(f"micro-batch {message.micro_batch_id} step {message.step_id}: the driver's beam_idx "
+                          "or position_ids disagree with this stage's mirror (desync)")
+
+
+def _edit_state(session: StageSession, edit: Callable[[np.ndarray], np.ndarray]) -> None:
+    session.set_state({name: np.ascontiguousarray(edit(state)) for name, state in session.query_state().items()})
+
+
+def _gather_slots(state: np.ndarray, delta: Compact) -> np.ndarray:
+    # state: [B, KV, S, D] -> [B, KV, new_slots, D]
+    columns = delta.shared_columns()
+    if columns is not None:
+        return np.take(state, columns, axis=2)
+    index = delta.gather_index()  # [B, new_slots]
+    return np.take_along_axis(state, index[:, None, :, None], axis=2)

@@ -1,0 +1,92 @@
+"""The driver's view of one micro-batch: its ledger, its rows, and the deltas not yet sent.
+
+The same bookkeeping serves the target chain and the draft model: rows are streams, every change to
+rows or slots is a ledger delta queued until the micro-batch's next step, and a step is a Forward whose
+beam_idx and position_ids the driver computes with its own mirror (the stages check them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from deskfleet.agent.stage_executor import replay_deltas
+from deskfleet.common.kv_ledger import CompactionPolicy, Ledger, Mirror, SlotDelta
+from deskfleet.common.wire import DraftInfo, Forward, SamplingInfo
+
+
+@dataclass
+class BatchTrack:
+    micro_batch_id: int
+    max_positions: int
+    ledger: Ledger = field(init=False)
+    mirror: Mirror = field(init=False)
+    stream_ids: list[int] = field(default_factory=list)
+    pending: list[SlotDelta] = field(default_factory=list)
+    admit_from: list[int] = field(default_factory=list)
+    steps: int = 0
+    in_flight: bool = False
+
+    def __post_init__(self) -> None:
+        self.ledger = Ledger(self.max_positions)
+        self.mirror = Mirror(self.max_positions)
+
+    @property
+    def rows(self) -> int:
+        return len(self.stream_ids)
+
+    # Public methods
+
+    def add_row(self, stream_id: int) -> None:
+        """A new empty row for a stream that will be prefilled inside this micro-batch."""
+        self.pending.append(self.ledger.add_rows(1))
+        self.stream_ids.append(stream_id)
+
+    def admit(self, stream_id: int, source_batch: int, live_slots: int) -> None:
+        """Queue the merge of a stream prefilled alone in `source_batch` as the new last row."""
+        self.pending.append(self.ledger.admit(live_slots))
+        self.admit_from.append(source_batch)
+        self.stream_ids.append(stream_id)
+
+    def drop(self, stream_ids: set[int]) -> None:
+        rows = [row for row, stream in enumerate(self.stream_ids) if stream in stream_ids]
+        if rows:
+            self.pending.append(self.ledger.drop_rows(rows))
+            self.stream_ids = [stream for stream in self.stream_ids if stream not in stream_ids]
+
+    def reject(self, stream_id: int, count: int) -> None:
+        delta = self.ledger.reject(self.stream_ids.index(stream_id), count)
+        if delta is not None:
+            self.pending.append(delta)
+
+    def compact(self, policy: CompactionPolicy) -> None:
+        delta = self.ledger.compact(policy)
+        if delta is not None:
+            self.pending.append(delta)
+
+    def next_position(self, stream_id: int) -> int:
+        return int(self.ledger.next_positions[self.stream_ids.index(stream_id)])
+
+    def step(self, tokens: list[list[int]], draft: DraftInfo | None = None,
+             sampling: SamplingInfo | None = None) -> Forward:
+        """The Forward that feeds row r the tokens[r] (possibly none) and takes every queued delta."""
+        if len(tokens) != self.rows:
+            raise ValueError(f"{len(tokens)} token rows for a micro-batch of {self.rows}")
+        width = max((len(row) for row in tokens), default=0)
+        input_ids = np.zeros((self.rows, width), dtype=np.int64)  # [B, T]
+        for row, row_tokens in enumerate(tokens):
+            input_ids[row, : len(row_tokens)] = row_tokens
+            if row_tokens:
+                input_ids[row, len(row_tokens):] = row_tokens[-1]
+        self.pending.append(self.ledger.append([len(row) for row in tokens], width))
+        deltas = tuple(self.pending)
+        inputs = replay_deltas(self.mirror, deltas)
+        message = Forward(micro_batch_id=self.micro_batch_id, step_id=self.steps, stream_ids=tuple(self.stream_ids),
+                          slot_deltas=deltas, beam_idx=inputs.beam_idx, position_ids=inputs.position_ids,
+                          input_ids=input_ids, hidden_states=None, draft=draft, admit_from=tuple(self.admit_from),
+                          sampling=sampling)
+        self.pending.clear()
+        self.admit_from.clear()
+        self.steps += 1
+        return message

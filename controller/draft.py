@@ -1,0 +1,154 @@
+"""The draft model beside the driver: proposes K tokens per speculative row of a micro-batch.
+
+Its micro-batches mirror the target's by stream id (only speculative streams have a draft row). Per
+stream it remembers how many confirmed tokens its KV cache holds; each round feeds the confirmed tokens
+it has not seen (one, or two after a fully accepted round), then its own proposals one at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from deskfleet.agent.stage import CompileSettings, LayerRange, Stage
+from deskfleet.agent.stage_executor import StageExecutor
+from deskfleet.common.kv_ledger import CompactionPolicy
+from deskfleet.common.model_spec import load_manifest
+from deskfleet.common.speculative import SamplingParams, sample, sampling_probs
+from deskfleet.common.wire import ForwardResult
+
+from .batch_track import BatchTrack
+
+
+@dataclass(frozen=True)
+class DraftRow:
+    stream_id: int
+    confirmed: list[int]  # prompt + generated so far; its last token is not in any cache yet
+    k: int
+    sampling: SamplingParams | None  # None: greedy
+    seed: int
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: dict[int, list[int]]  # by stream id: its k draft tokens
+    probs: dict[int, npt.NDArray[np.float32]]  # by stream id, sampled rows only: q [k, V]
+    seconds: float
+
+
+def mix_seed(seed: int, position: int, salt: int) -> int:
+    """A per-(stream, position) seed, so a stream's draws do not depend on its micro-batch."""
+    return int(np.random.SeedSequence([seed, position, salt]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+class DraftModel:
+    """A one-stage model run in this process. Not thread-safe: the driver's thread calls it."""
+
+    def __init__(self, model_dir: Path, settings: CompileSettings | None = None) -> None:
+        manifest = load_manifest(Path(model_dir))
+        self.spec = manifest.spec
+        stage = Stage(Path(model_dir), manifest, LayerRange(0, self.spec.num_layers, self.spec.num_layers), settings)
+        self._executor = StageExecutor(stage, self.spec.max_context)
+        self._tracks: dict[int, BatchTrack] = {}
+        self._seen: dict[int, int] = {}
+
+    def check_compatible(self, vocab_size: int) -> None:
+        if self.spec.vocab_size != vocab_size:
+            raise ValueError(f"the draft's vocabulary ({self.spec.vocab_size}) differs from the target's "
+                             f"({vocab_size}): they must share a tokenizer")
+
+    # Public methods
+
+    def prefill(self, micro_batch_id: int, stream_id: int, prompt: list[int]) -> None:
+        """Fill a new one-row micro-batch with the prompt (its output token is not needed)."""
+        track = self._tracks[micro_batch_id] = BatchTrack(micro_batch_id, self.spec.max_context)
+        track.add_row(stream_id)
+        self._executor.run(track.step([prompt]))
+        self._seen[stream_id] = len(prompt)
+
+    def merge(self, target_batch: int, stream_id: int, source_batch: int) -> None:
+        """Queue the admission of a prefilled one-row micro-batch into `target_batch`."""
+        source = self._tracks.pop(source_batch)
+        track = self._tracks.get(target_batch)
+        if track is None:
+            track = self._tracks[target_batch] = BatchTrack(target_batch, self.spec.max_context)
+        track.admit(stream_id, source_batch, int(source.ledger.next_positions[0]))
+
+    def has_batch(self, micro_batch_id: int) -> bool:
+        return micro_batch_id in self._tracks
+
+    def propose(self, micro_batch_id: int, rows: list[DraftRow]) -> Proposal:
+        """k draft tokens for each row (rows in the draft track's order, a subset of the target's)."""
+        started = time.perf_counter()
+        track = self._tracks[micro_batch_id]
+        by_stream = {row.stream_id: row for row in rows}
+        if set(by_stream) != set(track.stream_ids):
+            raise ValueError("draft rows differ from the draft micro-batch's streams")
+        ordered = [by_stream[stream] for stream in track.stream_ids]
+        width = max((row.k for row in ordered), default=0)
+        tokens: list[list[int]] = [[] for _ in ordered]
+        probs = np.zeros((len(ordered), width, self.spec.vocab_size), dtype=np.float32) if any(
+            row.sampling is not None for row in ordered) else None
+        for step in range(width):
+            feed: list[list[int]] = []
+            for index, row in enumerate(ordered):
+                if step >= row.k:
+                    feed.append([])
+                elif step == 0:
+                    feed.append(row.confirmed[self._seen[row.stream_id]:])
+                else:
+                    feed.append([tokens[index][-1]])
+            result = self._executor.run(track.step(feed), return_logits=probs is not None)
+            if not isinstance(result, ForwardResult):
+                raise TypeError("the draft model's single stage must return a ForwardResult")
+            self._take(result, ordered, feed, tokens, probs, step, track)
+        sampled = {row.stream_id: probs[index, : row.k] for index, row in enumerate(ordered)
+                   if probs is not None and row.sampling is not None}
+        return Proposal(tokens={row.stream_id: tokens[index] for index, row in enumerate(ordered)},
+                        probs=sampled, seconds=time.perf_counter() - started)
+
+    def after_verify(self, micro_batch_id: int, stream_id: int, confirmed_before: int, k: int, accepted: int) -> None:
+        """Roll back the draft tokens the target rejected (the draft fed its first k-1 proposals)."""
+        kept = min(accepted, k - 1)
+        self._tracks[micro_batch_id].reject(stream_id, (k - 1) - kept)
+        self._seen[stream_id] = confirmed_before + kept
+
+    def drop(self, micro_batch_id: int, stream_ids: set[int]) -> None:
+        track = self._tracks.get(micro_batch_id)
+        if track is None:
+            return
+        track.drop(stream_ids)
+        for stream in stream_ids:
+            self._seen.pop(stream, None)
+        if track.rows == 0:
+            self.release(micro_batch_id)
+
+    def release(self, micro_batch_id: int) -> None:
+        self._tracks.pop(micro_batch_id, None)
+        self._executor.release(micro_batch_id)
+
+    def compact(self, micro_batch_id: int, policy: CompactionPolicy) -> None:
+        track = self._tracks.get(micro_batch_id)
+        if track is not None:
+            track.compact(policy)
+
+    # Private methods
+
+    def _take(self, result: ForwardResult, ordered: list[DraftRow], feed: list[list[int]],
+              tokens: list[list[int]], probs: npt.NDArray[np.float32] | None, step: int, track: BatchTrack) -> None:
+        for index, row in enumerate(ordered):
+            if not feed[index]:
+                continue
+            if row.sampling is None:
+                tokens[index].append(int(result.next_token_ids[index]))
+                continue
+            assert probs is not None and result.logits is not None
+            logits = np.asarray(result.logits)[index, len(feed[index]) - 1]
+            q = sampling_probs(logits[None, :], row.sampling)[0]
+            position = track.next_position(row.stream_id)
+            tokens[index].append(sample(q, np.random.default_rng(mix_seed(row.seed, position, 1))))
+            probs[index, step] = q

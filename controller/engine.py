@@ -1,0 +1,333 @@
+"""The generation engine: streams as rows of micro-batches, driven through a chain of stages.
+
+- A newcomer is prefilled alone (a one-row micro-batch), then merged into a running micro-batch with an
+  AdmitRow delta, so nobody stalls for its prompt; with fewer micro-batches than wanted it becomes one.
+- Every running micro-batch that is not in flight gets its next step at once, so with several
+  micro-batches every stage stays busy.
+- Speculative rows feed their last token plus K draft tokens; the last stage verifies and returns the
+  accepted count and the next token; the rejected slots die by mask (a ledger delta on the next step).
+- Finished rows are dropped (beam_idx), dead slots compacted when the policy says it pays.
+
+The chain is anything with submit/collect/release of Forward messages: the local threaded pipeline or
+the fleet over TLS websockets.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from deskfleet.common.kv_ledger import CompactionPolicy
+from deskfleet.common.model_spec import ModelSpec
+from deskfleet.common.speculative import AdaptiveK, RoundCost, SamplingParams
+from deskfleet.common.wire import DraftInfo, Forward, ForwardResult, SamplingInfo
+
+from .batch_track import BatchTrack
+from .draft import DraftModel, DraftRow, Proposal, mix_seed
+from .generation import GenerationError, check_request
+
+log = logging.getLogger(__name__)
+
+TokenCallback = Callable[[int, int], None]  # (stream id, token)
+
+
+class StageChain(Protocol):
+    def submit(self, message: Forward) -> None: ...
+
+    def collect(self, timeout: float | None = None) -> ForwardResult: ...
+
+    def release(self, batch_id: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class StreamRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int = 64
+    ignore_eos: bool = False
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    seed: int = 0
+    speculative: bool = True  # draft this stream when the engine has a draft model
+    arrival_step: int = 0  # admitted once the engine has collected this many steps (tests, benches)
+
+
+@dataclass(frozen=True)
+class StreamResult:
+    stream_id: int
+    tokens: list[int]
+    prompt_tokens: int
+    first_token_s: float  # from the engine's start
+    finished_s: float
+    stopped_by_eos: bool
+
+    @property
+    def decode_tok_s(self) -> float:
+        decoded = len(self.tokens) - 1
+        span = self.finished_s - self.first_token_s
+        return decoded / span if decoded > 0 and span > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    max_rows: int = 8  # streams per micro-batch
+    micro_batches: int = 1  # in flight at once; the number of stages keeps every stage busy
+    k_min: int = 1
+    k_max: int = 8
+    fixed_k: int | None = None
+    compaction: CompactionPolicy = field(default_factory=CompactionPolicy)
+
+
+@dataclass
+class _Stream:
+    stream_id: int
+    request: StreamRequest
+    tokens: list[int] = field(default_factory=list)
+    batch: int | None = None
+    first_token_s: float = 0.0
+    finished_s: float = 0.0
+    done: bool = False
+    stopped_by_eos: bool = False
+    started: bool = False
+
+    @property
+    def confirmed(self) -> list[int]:
+        return self.request.prompt_ids + self.tokens
+
+
+@dataclass
+class _InFlight:
+    message: Forward
+    drafts: list[list[int]]  # per row of the message
+    sent_at: float
+    draft_seconds: float
+    prefill: bool
+
+
+class Engine:
+    """Runs streams to completion through `chain`. Call add() for each request, then run()."""
+
+    def __init__(self, chain: StageChain, spec: ModelSpec, draft: DraftModel | None = None,
+                 options: EngineOptions | None = None) -> None:
+        self.chain = chain
+        self.spec = spec
+        self.draft = draft
+        self.options = options = options or EngineOptions()
+        if draft is not None:
+            draft.check_compatible(spec.vocab_size)
+        fixed = options.fixed_k
+        self.k_policy = AdaptiveK.fixed(fixed) if fixed is not None else AdaptiveK(options.k_min, options.k_max)
+        self._streams: dict[int, _Stream] = {}
+        self._tracks: dict[int, BatchTrack] = {}  # running micro-batches
+        self._prefills: dict[int, BatchTrack] = {}  # one-row micro-batches being prefilled or waiting
+        self._in_flight: dict[int, _InFlight] = {}
+        self._next_batch = 0
+        self._collected = 0
+        self._started = 0.0
+        self._on_token: TokenCallback | None = None
+
+    # Public methods
+
+    def add(self, request: StreamRequest) -> int:
+        """Queue a stream; raises GenerationError naming what is wrong with it."""
+        check_request(self.spec, request.prompt_ids, request.max_new_tokens)
+        stream_id = len(self._streams)
+        self._streams[stream_id] = _Stream(stream_id, request)
+        return stream_id
+
+    def run(self, on_token: TokenCallback | None = None) -> dict[int, StreamResult]:
+        """Generate every queued stream to its end; results by stream id."""
+        self._on_token = on_token
+        self._started = time.perf_counter()
+        while not all(stream.done for stream in self._streams.values()):
+            self._start_arrived()
+            self._merge_prefilled()
+            self._launch_idle()
+            if not self._in_flight:
+                if any(not s.started and s.request.arrival_step > self._collected for s in self._streams.values()):
+                    self._collected += 1  # nothing runs until the next arrival: let time pass
+                    continue
+                raise GenerationError("the engine has nothing in flight but streams are not done")
+            self._on_result(self.chain.collect())
+        return {stream.stream_id: StreamResult(stream.stream_id, stream.tokens, len(stream.request.prompt_ids),
+                                               stream.first_token_s, stream.finished_s, stream.stopped_by_eos)
+                for stream in self._streams.values()}
+
+    def accepted_histogram(self) -> dict[int, int]:
+        return self.k_policy.accepted_histogram()
+
+    def mean_accepted(self) -> float:
+        return self.k_policy.mean_accepted()
+
+    # Private methods: scheduling
+
+    def _new_batch_id(self) -> int:
+        self._next_batch += 1
+        return self._next_batch
+
+    def _uses_draft(self, stream: _Stream) -> bool:
+        return self.draft is not None and stream.request.speculative
+
+    def _start_arrived(self) -> None:
+        for stream in self._streams.values():
+            if stream.started or stream.request.arrival_step > self._collected:
+                continue
+            stream.started = True
+            track = BatchTrack(self._new_batch_id(), self.spec.max_context)
+            track.add_row(stream.stream_id)
+            self._prefills[track.micro_batch_id] = track
+            if self._uses_draft(stream):
+                assert self.draft is not None
+                self.draft.prefill(track.micro_batch_id, stream.stream_id, stream.request.prompt_ids)
+            self._send(track, [stream.request.prompt_ids], prefill=True)
+
+    def _merge_prefilled(self) -> None:
+        """Move prefilled one-row micro-batches into running ones (or run them as their own)."""
+        for batch_id, track in list(self._prefills.items()):
+            if track.micro_batch_id in self._in_flight:
+                continue
+            stream = self._streams[track.stream_ids[0]]
+            target = self._pick_target()
+            if target is None and len(self._tracks) < self.options.micro_batches:
+                del self._prefills[batch_id]
+                self._tracks[batch_id] = track
+                stream.batch = batch_id
+                continue
+            if target is None:
+                continue  # every micro-batch is full: wait for a row to free up
+            del self._prefills[batch_id]
+            target.admit(stream.stream_id, batch_id, track.next_position(stream.stream_id))
+            stream.batch = target.micro_batch_id
+            if self._uses_draft(stream):
+                assert self.draft is not None
+                self.draft.merge(target.micro_batch_id, stream.stream_id, batch_id)
+
+    def _pick_target(self) -> BatchTrack | None:
+        open_tracks = [track for track in self._tracks.values() if track.rows < self.options.max_rows]
+        if len(self._tracks) < self.options.micro_batches:
+            return None  # better: start another micro-batch to keep the stages busy
+        return min(open_tracks, key=lambda track: track.rows, default=None)
+
+    def _launch_idle(self) -> None:
+        for track in self._tracks.values():
+            if track.micro_batch_id in self._in_flight or track.rows == 0:
+                continue
+            streams = [self._streams[stream_id] for stream_id in track.stream_ids]
+            self._send_decode(track, streams)
+
+    def _send_decode(self, track: BatchTrack, streams: list[_Stream]) -> None:
+        proposal = self._propose(track, streams)
+        drafts = [proposal.tokens.get(stream.stream_id, []) if proposal else [] for stream in streams]
+        feed = [[stream.tokens[-1], *drafts[index]] for index, stream in enumerate(streams)]
+        draft_info = None
+        if proposal is not None:
+            width = max(len(tokens) for tokens in drafts)
+            ids = np.zeros((len(streams), width), dtype=np.int64)  # [B, K]
+            for row, tokens in enumerate(drafts):
+                ids[row, : len(tokens)] = tokens
+            probs = None
+            if proposal.probs:
+                probs = np.zeros((len(streams), width, self.spec.vocab_size), dtype=np.float32)  # [B, K, V]
+                for row, stream in enumerate(streams):
+                    if stream.stream_id in proposal.probs:
+                        q = proposal.probs[stream.stream_id]
+                        probs[row, : q.shape[0]] = q
+            draft_info = DraftInfo(tuple(len(tokens) for tokens in drafts), ids, probs)
+        self._send(track, feed, prefill=False, draft=draft_info, drafts=drafts,
+                   draft_seconds=proposal.seconds if proposal else 0.0)
+
+    def _propose(self, track: BatchTrack, streams: list[_Stream]) -> Proposal | None:
+        if self.draft is None or not self.draft.has_batch(track.micro_batch_id):
+            return None
+        k = self.k_policy.k
+        rows = [DraftRow(stream.stream_id, stream.confirmed, min(k, self._room(stream)),
+                         None if stream.request.sampling.greedy else stream.request.sampling, stream.request.seed)
+                for stream in streams if self._uses_draft(stream)]
+        if not any(row.k for row in rows):
+            return None
+        return self.draft.propose(track.micro_batch_id, rows)
+
+    def _room(self, stream: _Stream) -> int:
+        """Draft tokens this stream can still use: never past max_new_tokens or the context."""
+        left = stream.request.max_new_tokens - len(stream.tokens) - 1
+        context_left = self.spec.max_context - len(stream.confirmed) - 1
+        return max(0, min(left, context_left))
+
+    def _send(self, track: BatchTrack, feed: list[list[int]], prefill: bool, draft: DraftInfo | None = None,
+              drafts: list[list[int]] | None = None, draft_seconds: float = 0.0) -> None:
+        streams = [self._streams[stream_id] for stream_id in track.stream_ids]
+        message = track.step(feed, draft=draft, sampling=self._sampling(track, streams))
+        self._in_flight[track.micro_batch_id] = _InFlight(message, drafts or [[] for _ in feed],
+                                                          time.perf_counter(), draft_seconds, prefill)
+        self.chain.submit(message)
+
+    def _sampling(self, track: BatchTrack, streams: list[_Stream]) -> SamplingInfo | None:
+        if all(stream.request.sampling.greedy for stream in streams):
+            return None
+        seeds = tuple(mix_seed(stream.request.seed, track.next_position(stream.stream_id), 0) for stream in streams)
+        return SamplingInfo(temperatures=tuple(s.request.sampling.temperature for s in streams),
+                            top_ks=tuple(s.request.sampling.top_k for s in streams),
+                            top_ps=tuple(s.request.sampling.top_p for s in streams), seeds=seeds)
+
+    # Private methods: results
+
+    def _on_result(self, result: ForwardResult) -> None:
+        flight = self._in_flight.pop(result.micro_batch_id)
+        self._collected += 1
+        now = time.perf_counter() - self._started
+        track = self._tracks.get(result.micro_batch_id) or self._prefills[result.micro_batch_id]
+        finished: set[int] = set()
+        for row, stream_id in enumerate(flight.message.stream_ids):
+            stream = self._streams[stream_id]
+            proposed = flight.drafts[row]
+            accepted = result.accepted_counts[row] if result.accepted_counts is not None else 0
+            confirmed_before = len(stream.confirmed)
+            if proposed:
+                track.reject(stream_id, len(proposed) - accepted)
+                assert self.draft is not None
+                self.draft.after_verify(result.micro_batch_id, stream_id, confirmed_before, len(proposed), accepted)
+                self.k_policy.record_round(len(proposed), accepted)
+            if not stream.tokens:
+                stream.first_token_s = now
+            if self._extend(stream, [*proposed[:accepted], result.next_token_ids[row]], now):
+                finished.add(stream_id)
+        if any(flight.drafts) and not flight.prefill:
+            self._record_cost(flight)
+        self._retire(track, finished)
+
+    def _extend(self, stream: _Stream, tokens: list[int], now: float) -> bool:
+        """Append tokens up to EOS or max_new_tokens; True when the stream is done."""
+        eos = set(self.spec.eos_token_ids)
+        for token in tokens:
+            stream.tokens.append(int(token))
+            if self._on_token is not None:
+                self._on_token(stream.stream_id, int(token))
+            hit_eos = int(token) in eos and not stream.request.ignore_eos
+            if hit_eos or len(stream.tokens) >= stream.request.max_new_tokens:
+                stream.done, stream.stopped_by_eos, stream.finished_s = True, hit_eos, now
+                return True
+        return False
+
+    def _retire(self, track: BatchTrack, finished: set[int]) -> None:
+        batch_id = track.micro_batch_id
+        if finished:
+            track.drop(finished)
+            if self.draft is not None:
+                self.draft.drop(batch_id, finished)
+        if track.rows == 0:
+            self._tracks.pop(batch_id, None)
+            self._prefills.pop(batch_id, None)
+            self.chain.release(batch_id)
+            return
+        track.compact(self.options.compaction)
+        if self.draft is not None:
+            self.draft.compact(batch_id, self.options.compaction)
+
+    def _record_cost(self, flight: _InFlight) -> None:
+        proposed = max(len(tokens) for tokens in flight.drafts)
+        round_trip = time.perf_counter() - flight.sent_at
+        self.k_policy.record_cost(RoundCost(fixed_seconds=round_trip,
+                                            draft_seconds_per_token=flight.draft_seconds / max(proposed, 1)))

@@ -1,0 +1,110 @@
+"""`deskfleet generate`: prompts in, streams through a local k-stage pipeline, a JSON-able report out."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deskfleet.agent.stage import CompileSettings
+from deskfleet.common.model_spec import load_manifest
+from deskfleet.common.speculative import SamplingParams
+
+from .draft import DraftModel
+from .engine import Engine, EngineOptions, StreamRequest
+from .generation import GenerationError
+from .pipeline import LocalPipeline
+from .tokenizer import ChatMessage, ModelTokenizer
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    model: Path
+    stages: int = 1
+    prompts: list[str] | None = None
+    prompts_file: Path | None = None
+    prompt_ids: list[list[int]] | None = None
+    chat: bool = False
+    max_new_tokens: int = 64
+    ignore_eos: bool = False
+    draft: Path | None = None
+    k: int | None = None
+    k_max: int = 8
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    max_rows: int = 8
+    micro_batches: int | None = None
+    settings: CompileSettings = field(default_factory=CompileSettings)
+
+
+def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[list[int]]:
+    if options.prompt_ids is not None:
+        return options.prompt_ids
+    texts = list(options.prompts or [])
+    if options.prompts_file is not None:
+        lines = options.prompts_file.read_text(encoding="utf-8").splitlines()
+        texts += [line.replace("\\n", "\n") for line in lines if line.strip()]
+    if not texts:
+        raise GenerationError("no prompt given")
+    if options.chat:
+        return [tokenizer.encode_chat([ChatMessage("user", text)]) for text in texts]
+    return [tokenizer.encode(text) for text in texts]
+
+
+def run_generate(options: GenerateOptions, stream_text: bool = False) -> dict[str, object]:
+    """Run every prompt as a concurrent stream; returns the report `deskfleet generate --json` prints."""
+    manifest = load_manifest(options.model)
+    tokenizer = ModelTokenizer(options.model)
+    prompts = encode_prompts(options, tokenizer)
+    sampling = SamplingParams(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
+    draft = DraftModel(options.draft, options.settings) if options.draft is not None else None
+    engine_options = EngineOptions(max_rows=options.max_rows, micro_batches=options.micro_batches or options.stages,
+                                   k_max=max(options.k_max, 1), fixed_k=options.k)
+    printer = _TextStream(tokenizer) if stream_text and len(prompts) == 1 else None
+    with LocalPipeline(options.model, options.stages, options.settings, manifest) as pipeline:
+        engine = Engine(pipeline, manifest.spec, draft, engine_options)
+        for index, prompt in enumerate(prompts):
+            engine.add(StreamRequest(prompt_ids=prompt, max_new_tokens=options.max_new_tokens,
+                                     ignore_eos=options.ignore_eos, sampling=sampling, seed=options.seed + index))
+        started = time.perf_counter()
+        results = engine.run(on_token=printer.push if printer else None)
+        wall = time.perf_counter() - started
+    streams = [{"tokens": result.tokens, "text": tokenizer.decode(result.tokens),
+                "tok_s": round(result.decode_tok_s, 3), "prompt_tokens": result.prompt_tokens,
+                "first_token_s": round(result.first_token_s, 4), "stopped_by_eos": result.stopped_by_eos}
+               for result in results.values()]
+    generated = sum(len(result.tokens) for result in results.values())
+    report: dict[str, object] = {"stages": options.stages, "generated_tokens": generated,
+                                 "wall_s": round(wall, 4), "streams": streams}
+    if len(streams) == 1:
+        report.update({key: streams[0][key] for key in ("tokens", "text", "tok_s")})
+    else:
+        report["tok_s"] = round(generated / wall, 3) if wall > 0 else 0.0
+        if stream_text:
+            for index, stream in enumerate(streams):
+                print(f"--- stream {index}\n{stream['text']}")
+    if draft is not None:
+        report["accepted_histogram"] = {str(k): v for k, v in engine.accepted_histogram().items()}
+        report["mean_accepted"] = round(engine.mean_accepted(), 4)
+    return report
+
+
+class _TextStream:
+    """Prints decoded text as tokens arrive (decoding the whole tail keeps multi-byte characters whole)."""
+
+    def __init__(self, tokenizer: ModelTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.printed = ""
+
+    def push(self, stream_id: int, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens)
+        if text.endswith("\ufffd"):
+            return  # an incomplete UTF-8 sequence: wait for the next token
+        sys.stdout.write(text[len(self.printed):])
+        sys.stdout.flush()
+        self.printed = text
