@@ -1,0 +1,94 @@
+"""`deskfleet-agent`: join a fleet, or run the agent core headless. Parsing and dispatch only.
+
+    deskfleet-agent join TOKEN [--data-dir D]
+    deskfleet-agent --headless [--data-dir D] [--listen HOST:PORT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+log = logging.getLogger("deskfleet.agent")
+
+
+# Public methods
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from deskfleet.agent.enroll import EnrollmentError
+    from deskfleet.agent.paths import SettingsError
+    from deskfleet.common.join_tokens import JoinTokenError
+    from deskfleet.common.pki import PkiError
+    from deskfleet.common.wire import ProtocolError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "join":
+            return _join(args)
+        if args.headless:
+            return _headless(args)
+        parser.error("give a command (join) or --headless (the tray is not part of this build)")
+    except KeyboardInterrupt:
+        return 130
+    except (EnrollmentError, SettingsError, JoinTokenError, PkiError, ProtocolError, OSError) as error:
+        if args.verbose:
+            raise
+        print(f"deskfleet-agent: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deskfleet-agent", description="The deskfleet agent of this PC.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
+    parser.add_argument("--headless", action="store_true", help="run the agent core without a tray")
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="keep settings, state (key, certificate) and shard cache under this folder")
+    parser.add_argument("--listen", default=None, metavar="HOST:PORT",
+                        help="address to accept fleet links on (default: the settings file's)")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    join = commands.add_parser("join", help="enroll this PC with a join token from the fleet's admin")
+    join.add_argument("token", help="the token printed by `deskfleet fleet token`")
+    join.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS, help="as above")
+    join.add_argument("--hostname", default=None, help="name to show the admin (default: this PC's)")
+    return parser
+
+
+# Private methods
+
+def _join(args: argparse.Namespace) -> int:
+    from deskfleet.agent.enroll import join
+    from deskfleet.agent.paths import AgentPaths
+
+    paths = AgentPaths.resolve(args.data_dir)
+    paths.create()
+    membership = asyncio.run(join(args.token, paths.state_dir, args.hostname))
+    print(f"joined fleet {membership.fleet_id} as agent {membership.agent_id}")
+    print(f"start it with: deskfleet-agent --headless{_data_dir_flag(args.data_dir)}")
+    return 0
+
+
+def _headless(args: argparse.Namespace) -> int:
+    from deskfleet.agent.service import AgentOptions, AgentService
+
+    async def run() -> None:
+        service = AgentService(AgentOptions(args.data_dir, args.listen))
+        await service.run()
+
+    asyncio.run(run())
+    return 0
+
+
+def _data_dir_flag(data_dir: Path | None) -> str:
+    return f" --data-dir {data_dir}" if data_dir is not None else ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

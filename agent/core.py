@@ -1,0 +1,287 @@
+"""The agent core: what one enrolled PC does with the messages its fleet links carry.
+
+One `AgentCore` per process. Every link (from the controller, from the previous stage's agent, and the
+agent's own registration link to the controller) is served by `serve_link`, which reads messages in
+order and acts on them:
+- StatusRequest -> StatusReport (monitor reading + availability + hosted stages + cache use);
+- ShardQuery -> ShardHave; ShardChunk / ShardComplete -> the shard cache (a bad shard -> Error);
+- AssignStage -> materialize the stage's files from the cache, build and compile the Stage in a worker
+  thread, StageReady; ReleaseStage -> drop it;
+- Forward -> the stage's executor in a worker thread (KV mirror deltas, one infer call), then the
+  hidden states go to the next hop over an agent-to-agent link, or the ForwardResult to the controller.
+Only a peer with the controller role may command; an agent peer may only send Forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from deskfleet.agent.link import Link, LinkError, TlsFiles, open_link
+from deskfleet.agent.monitor import SystemMonitor
+from deskfleet.agent.paths import AgentSettings
+from deskfleet.agent.shard_cache import ShardCache, ShardCacheError
+from deskfleet.agent.stage import CompileSettings, LayerRange, Stage
+from deskfleet.agent.stage import Precision as StagePrecision
+from deskfleet.agent.stage_executor import StageExecutor
+from deskfleet.agent.status import make_status
+from deskfleet.common.kv_ledger import LedgerError
+from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, ManifestError
+from deskfleet.common.wire import (
+    AssignStage,
+    Error,
+    ErrorCode,
+    Forward,
+    ForwardResult,
+    Message,
+    NextHop,
+    Precision,
+    ProtocolError,
+    ReleaseStage,
+    Role,
+    ShardChunk,
+    ShardComplete,
+    ShardQuery,
+    StageReady,
+    StageRef,
+    StatusReport,
+    StatusRequest,
+)
+
+log = logging.getLogger(__name__)
+
+
+class CommandError(Exception):
+    """A command cannot be carried out; answered to the sender as Error(code, message)."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class HostedStage:
+    assignment: AssignStage
+    executor: StageExecutor
+    lock: asyncio.Lock  # one infer at a time per stage: the executor is not thread-safe
+
+
+class AgentCore:
+    """The agent's state and message handling; owns no sockets of its own except next-hop links."""
+
+    def __init__(self, files: TlsFiles, settings: AgentSettings, cache: ShardCache,
+                 monitor: SystemMonitor) -> None:
+        self.files = files
+        self.settings = settings
+        self.cache = cache
+        self.monitor = monitor
+        self.agent_id = files.own_identity().agent_id
+        self.stages: dict[StageRef, HostedStage] = {}
+        self.last_error: str | None = None
+        self._controller_links: list[Link] = []
+        self._next_hops: dict[str, Link] = {}
+        self._assign_lock = asyncio.Lock()
+
+    # Public methods
+
+    async def serve_link(self, link: Link) -> None:
+        """Read and act on `link`'s messages until it closes. Never raises for the peer's faults."""
+        if link.peer.role is Role.CONTROLLER:
+            self._controller_links.append(link)
+        try:
+            while True:
+                try:
+                    message = await link.receive()
+                except LinkError as error:
+                    log.info("%s", error)
+                    return
+                if link in self._controller_links:  # results go to the controller that spoke last
+                    self._controller_links.remove(link)
+                    self._controller_links.append(link)
+                try:
+                    reply = await self.handle(link, message)
+                except CommandError as error:
+                    self._note_error(f"{type(message).__name__} from {link.describe()}: {error}")
+                    reply = Error(error.code, str(error))
+                if reply is not None:
+                    try:
+                        await link.send(reply)
+                    except LinkError as error:
+                        log.info("%s", error)
+                        return
+        finally:
+            if link in self._controller_links:
+                self._controller_links.remove(link)
+
+    async def handle(self, link: Link, message: Message) -> Message | None:
+        """Act on one message; return the reply (if any). CommandError for a refusal."""
+        if isinstance(message, Forward):
+            await self._forward(message)
+            return None
+        if link.peer.role is not Role.CONTROLLER:
+            raise CommandError(ErrorCode.UNAUTHORIZED,
+                               f"only the controller may send {type(message).__name__}; agents send Forward")
+        if isinstance(message, StatusRequest):
+            return await self.status()
+        if isinstance(message, ShardQuery):
+            return self.cache.have(message.sha256s)
+        if isinstance(message, ShardChunk):
+            self._receive_chunk(message)
+            return None
+        if isinstance(message, ShardComplete):
+            try:
+                await asyncio.to_thread(self.cache.complete, message.sha256)
+            except ShardCacheError as error:
+                raise CommandError(ErrorCode.SHARD_MISMATCH, str(error)) from None
+            return None
+        if isinstance(message, AssignStage):
+            return await self._assign(message)
+        if isinstance(message, ReleaseStage):
+            self._release(message.stage)
+            return None
+        if isinstance(message, Error):
+            log.warning("%s reported %s: %s", link.describe(), message.code.value, message.message)
+            return None
+        raise CommandError(ErrorCode.BAD_MESSAGE, f"an agent does not act on {type(message).__name__}")
+
+    async def status(self) -> StatusReport:
+        reading = await asyncio.to_thread(self.monitor.read)
+        snapshot = make_status(reading, self.settings.policy(), tuple(self.stages), self.cache.usage(),
+                               self.last_error, time.time())
+        return snapshot.to_wire()
+
+    async def close(self) -> None:
+        for link in list(self._next_hops.values()):
+            await link.close()
+        self._next_hops.clear()
+
+    # Private methods: shards and stages
+
+    def _receive_chunk(self, chunk: ShardChunk) -> None:
+        try:
+            self.cache.receive(chunk)
+        except ShardCacheError as error:
+            raise CommandError(ErrorCode.SHARD_MISMATCH, str(error)) from None
+
+    async def _assign(self, message: AssignStage) -> StageReady:
+        async with self._assign_lock:
+            hosted = self.stages.get(message.stage)
+            if hosted is not None and hosted.assignment.manifest == message.manifest:
+                self.stages[message.stage] = HostedStage(message, hosted.executor, hosted.lock)  # new next hop
+                return StageReady(message.stage)
+            manifest, names = self._check_assignment(message)
+            owner = _stage_key(message.stage)
+            self.cache.pin(owner, [entry.sha256 for entry in message.manifest])
+            try:
+                view = await asyncio.to_thread(self.cache.materialize_manifest, owner, manifest, names)
+                layers = LayerRange(message.stage.layer_start, message.stage.layer_end, manifest.spec.num_layers)
+                precision = StagePrecision.F32 if message.precision is Precision.F32 else StagePrecision.FAST
+                settings = CompileSettings(device=message.device, precision=precision)
+                stage = await asyncio.to_thread(Stage, view, manifest, layers, settings)
+            except (ShardCacheError, ManifestError, ValueError, RuntimeError, KeyError) as error:
+                self.cache.unpin(owner)
+                raise CommandError(ErrorCode.SHARD_MISMATCH if isinstance(error, ShardCacheError | ManifestError)
+                                   else ErrorCode.INTERNAL, f"cannot host {owner}: {error}") from None
+            for other in [ref for ref in self.stages if ref.model_id == message.stage.model_id]:
+                self._release(other)  # a re-plan of the same model replaces what this agent held
+            self.stages[message.stage] = HostedStage(message, StageExecutor(stage, manifest.spec.max_context),
+                                                     asyncio.Lock())
+            log.info("hosting %s", owner)
+            return StageReady(message.stage)
+
+    def _check_assignment(self, message: AssignStage) -> tuple[Manifest, list[str]]:
+        """The model manifest (itself a shard) and the file names to materialize; all must be cached."""
+        entries = {entry.file_name: entry for entry in message.manifest}
+        missing = [entry.file_name for entry in message.manifest if not self.cache.has(entry.sha256)]
+        if missing:
+            raise CommandError(ErrorCode.SHARD_MISMATCH, f"shards not in the cache: {', '.join(sorted(missing))}")
+        if MANIFEST_NAME not in entries:
+            raise CommandError(ErrorCode.BAD_MESSAGE, f"the assignment lists no {MANIFEST_NAME}")
+        try:
+            manifest = Manifest.from_json(self.cache.path(entries[MANIFEST_NAME].sha256).read_text("utf-8"))
+        except (ManifestError, UnicodeDecodeError) as error:
+            raise CommandError(ErrorCode.SHARD_MISMATCH, f"the assigned {MANIFEST_NAME} is unusable: {error}") from None
+        names = [name for name in entries if name != MANIFEST_NAME]
+        for name in names:
+            listed = manifest.files.get(name)
+            if listed is None or listed.sha256 != entries[name].sha256:
+                raise CommandError(ErrorCode.SHARD_MISMATCH, f"{name} does not match the model manifest")
+        stage = message.stage
+        if not stage.layer_end <= manifest.spec.num_layers or message.is_last != (
+                stage.layer_end == manifest.spec.num_layers) or message.is_first != (stage.layer_start == 0):
+            raise CommandError(ErrorCode.BAD_MESSAGE, f"layers [{stage.layer_start}, {stage.layer_end}) and the "
+                               f"first/last flags do not fit a {manifest.spec.num_layers}-layer model")
+        return manifest, names
+
+    def _release(self, ref: StageRef) -> None:
+        if self.stages.pop(ref, None) is not None:
+            self.cache.unpin(_stage_key(ref))
+            self.cache.remove_view(_stage_key(ref))
+            log.info("released %s", _stage_key(ref))
+
+    # Private methods: forwarding
+
+    async def _forward(self, message: Forward) -> None:
+        hosted = self._stage_for(message)
+        try:
+            async with hosted.lock:
+                output = await asyncio.to_thread(hosted.executor.run, message)
+        except (LedgerError, ProtocolError, ValueError, RuntimeError) as error:
+            text = f"micro-batch {message.micro_batch_id} step {message.step_id} failed on " \
+                   f"{_stage_key(hosted.assignment.stage)}: {error}"
+            await self._tell_controller(Error(ErrorCode.BAD_MESSAGE if isinstance(error, LedgerError | ProtocolError)
+                                              else ErrorCode.INTERNAL, text))
+            raise CommandError(ErrorCode.INTERNAL, text) from None
+        if isinstance(output, ForwardResult):
+            await self._tell_controller(output)
+            return
+        hop = hosted.assignment.next_hop
+        if hop is None:
+            raise CommandError(ErrorCode.INTERNAL, "a middle stage has no next hop")
+        await self._send_next(hop, output)
+
+    def _stage_for(self, message: Forward) -> HostedStage:
+        if not self.stages:
+            raise CommandError(ErrorCode.NOT_ASSIGNED, "this agent hosts no stage")
+        first = message.input_ids is not None
+        matching = [hosted for hosted in self.stages.values() if hosted.assignment.is_first == first]
+        if len(matching) != 1:
+            raise CommandError(ErrorCode.NOT_ASSIGNED, f"{len(matching)} hosted stages could take this Forward")
+        return matching[0]
+
+    async def _send_next(self, hop: NextHop, message: Forward) -> None:
+        for attempt in range(2):  # a cached link may have died since the last step: reconnect once
+            link = self._next_hops.get(hop.agent_id)
+            try:
+                if link is None:
+                    link = await open_link(hop.address, self.files, expected_agent_id=hop.agent_id)
+                    self._next_hops[hop.agent_id] = link
+                await link.send(message)
+                return
+            except LinkError as error:
+                self._next_hops.pop(hop.agent_id, None)
+                if attempt:
+                    text = f"next hop {hop.agent_id[:12]} at {hop.address} is unreachable: {error}"
+                    await self._tell_controller(Error(ErrorCode.INTERNAL, text))
+                    raise CommandError(ErrorCode.INTERNAL, text) from None
+
+    async def _tell_controller(self, message: Message) -> None:
+        """Send to the most recent open controller link; log when there is none."""
+        for link in reversed(self._controller_links):
+            try:
+                await link.send(message)
+                return
+            except LinkError:
+                continue
+        self._note_error(f"no controller link for {type(message).__name__}")
+
+    def _note_error(self, text: str) -> None:
+        self.last_error = text[:500]
+        log.warning("%s", text)
+
+
+def _stage_key(ref: StageRef) -> str:
+    safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in ref.model_id)[:80]
+    return f"{safe}-{ref.layer_start}-{ref.layer_end}"

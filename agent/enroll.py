@@ -1,0 +1,177 @@
+"""`deskfleet-agent join TOKEN`: enroll this PC in a fleet.
+
+The exchange (controller side in controller/fleet_ca.py), over TLS 1.3 where the agent has no
+certificate yet:
+    controller -> JoinOffer(CA certificate, fleet id)
+    agent checks the CA against the token's fingerprint AND that the TLS peer is that CA's controller
+    agent      -> JoinRequest(secret, CSR, hostname)   (only after the check)
+    controller -> JoinResponse(certificate) or Error(JOIN_REFUSED)
+The private key is made here, written 0600 into the agent's state dir, and never sent anywhere.
+
+What enrollment leaves in the state dir: agent-key.pem, agent.pem, ca.pem and membership.json (fleet
+id, the controller's agent id and addresses), which the headless agent reads to register.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import ssl
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric import ec
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
+
+from deskfleet.agent.link import TlsFiles, utc_now, websocket_options
+from deskfleet.common import join_tokens, pki, tls
+from deskfleet.common.wire import (
+    Error,
+    JoinOffer,
+    JoinRequest,
+    JoinResponse,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+    parse_address,
+)
+
+log = logging.getLogger(__name__)
+
+MEMBERSHIP_FILE = "membership.json"
+MEMBERSHIP_FORMAT = 1
+JOIN_TIMEOUT_S = 20.0
+
+
+class EnrollmentError(RuntimeError):
+    """Joining failed; the message says at which step and why."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    """What an enrolled agent knows about its fleet."""
+
+    fleet_id: str
+    agent_id: str
+    controller_id: str  # the controller certificate's agent id: registration pins it
+    controller_addresses: tuple[str, ...]
+
+    def save(self, state_dir: Path) -> None:
+        body = {"format_version": MEMBERSHIP_FORMAT, **asdict(self)}
+        path = state_dir / MEMBERSHIP_FILE
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        temporary.replace(path)
+
+    @classmethod
+    def load(cls, state_dir: Path) -> Membership:
+        path = state_dir / MEMBERSHIP_FILE
+        try:
+            body = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise EnrollmentError(f"this agent has not joined a fleet ({path} is missing): run "
+                                  "`deskfleet-agent join TOKEN` first") from None
+        except (OSError, ValueError) as error:
+            raise EnrollmentError(f"{path} is unreadable: {error}") from None
+        try:
+            if body.pop("format_version") != MEMBERSHIP_FORMAT:
+                raise ValueError("unknown format_version")
+            return cls(str(body["fleet_id"]), str(body["agent_id"]), str(body["controller_id"]),
+                       tuple(str(address) for address in body["controller_addresses"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise EnrollmentError(f"{path} is malformed ({error!r}): join again") from None
+
+
+def agent_tls_files(state_dir: Path) -> TlsFiles:
+    return TlsFiles.in_folder(state_dir, "agent")
+
+
+# Public functions
+
+async def join(token_text: str, state_dir: Path, hostname: str | None = None) -> Membership:
+    """Enroll with the controller named in the token; tries each of its addresses in turn."""
+    try:
+        token = join_tokens.decode_join_token(token_text)
+    except join_tokens.JoinTokenError as error:
+        raise EnrollmentError(str(error)) from None
+    if token.is_expired(utc_now()):
+        raise EnrollmentError(f"the join token expired at {token.expires_at.isoformat()}: ask for a new one")
+    files = agent_tls_files(state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key = _load_or_create_key(files.key_path)
+    problems: list[str] = []
+    for address in token.controller_addresses:
+        try:
+            membership = await asyncio.wait_for(
+                _join_at(address, token, key, hostname or socket.gethostname(), files), JOIN_TIMEOUT_S)
+        except (EnrollmentError, TimeoutError) as error:
+            problems.append(f"{address}: {error or 'timed out'}")
+            log.warning("join via %s failed: %s", address, error)
+            continue
+        membership.save(state_dir)
+        return membership
+    raise EnrollmentError("could not join: " + "; ".join(problems))
+
+
+# Private functions
+
+def _load_or_create_key(path: Path) -> ec.EllipticCurvePrivateKey:
+    """Reuse the key of an earlier attempt (its agent id stays the same), else make one, mode 0600."""
+    if path.is_file():
+        return pki.load_private_key_pem(path.read_bytes())
+    key = pki.create_private_key()
+    pki.write_private_key(path, key)
+    return key
+
+
+async def _join_at(address: str, token: join_tokens.JoinToken, key: ec.EllipticCurvePrivateKey, hostname: str,
+                   files: TlsFiles) -> Membership:
+    host, port = parse_address(address)
+    uri_host = f"[{host}]" if ":" in host else host
+    try:
+        connection = await connect(f"wss://{uri_host}:{port}/", ssl=tls.enrollment_client_context(),
+                                   server_hostname=host, **websocket_options())
+    except (OSError, InvalidHandshake, ssl.SSLError) as error:
+        raise EnrollmentError(f"cannot reach the controller: {error}") from None
+    async with connection:
+        try:
+            offer = await _receive(connection)
+            if not isinstance(offer, JoinOffer):
+                raise EnrollmentError(f"the controller opened with {type(offer).__name__}, not JoinOffer")
+            peer_der = connection.transport.get_extra_info("ssl_object").getpeercert(binary_form=True)
+            try:
+                ca_certificate = pki.verify_enrollment_peer(peer_der or b"", offer.ca_certificate_pem,
+                                                            token.ca_fingerprint, utc_now())
+            except pki.PkiError as error:
+                raise EnrollmentError(f"refusing to send the secret: {error}") from None
+            controller_id = pki.certificate_identity(pki.load_certificate_der(peer_der)).agent_id
+            csr = pki.csr_pem(pki.create_csr(key, hostname)).decode("ascii")
+            await connection.send(encode(JoinRequest(join_tokens.secret_to_text(token.secret), csr, hostname)))
+            response = await _receive(connection)
+        except ConnectionClosed as error:
+            raise EnrollmentError(f"the controller closed the link: {error}") from None
+    if isinstance(response, Error):
+        raise EnrollmentError(f"the controller refused: {response.message}")
+    if not isinstance(response, JoinResponse):
+        raise EnrollmentError(f"the controller answered {type(response).__name__}, not JoinResponse")
+    certificate = pki.load_certificate_pem(response.certificate_pem.encode("ascii", "replace"))
+    identity = pki.verify_certificate(certificate, ca_certificate, utc_now())
+    if identity.agent_id != pki.agent_id_for_key(key.public_key()):
+        raise EnrollmentError("the controller signed a certificate for another key")
+    files.ca_path.write_bytes(pki.certificate_pem(ca_certificate))
+    files.cert_path.write_bytes(pki.certificate_pem(certificate))
+    return Membership(pki.fleet_id(ca_certificate), identity.agent_id, controller_id, token.controller_addresses)
+
+
+async def _receive(connection: ClientConnection) -> Message:
+    frame = await connection.recv()
+    if isinstance(frame, str):
+        raise EnrollmentError("the controller sent a text frame")
+    try:
+        return decode(frame)
+    except ProtocolError as error:
+        raise EnrollmentError(f"the controller sent a malformed message: {error}") from None

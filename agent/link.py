@@ -1,0 +1,288 @@
+"""Authenticated fleet links: websockets over TLS 1.3 with client certificates, carrying wire frames.
+
+Used by both sides (the controller installs the agent package). The rules every link follows:
+- TLS 1.3 with the fleet CA as the only trust anchor and a certificate on both ends (common/tls.py);
+- right after the handshake, before the websocket upgrade is answered, the server re-reads the peer's
+  certificate and refuses a revoked agent with HTTP 403 (revocation is not in the certificate);
+- the first message each way is Hello, and its agent id must be the one the certificate proves;
+  nothing else is read before it, so nothing a stranger sends reaches a stage;
+- one websocket message = one wire frame (binary); max_size equals the codec's frame limit;
+- websocket pings keep the link alive and close it within PING_INTERVAL_S + PING_TIMEOUT_S when the
+  peer disappears.
+
+This module is thin asyncio around the sans-I/O codec in common/wire.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from pathlib import Path
+from typing import TypedDict
+
+from cryptography import x509
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.http11 import Request, Response
+
+from deskfleet.common import pki, tls
+from deskfleet.common.wire import (
+    DEFAULT_LIMITS,
+    PROTOCOL_VERSION,
+    Error,
+    ErrorCode,
+    Hello,
+    Message,
+    ProtocolError,
+    Role,
+    decode,
+    encode,
+    parse_address,
+)
+
+log = logging.getLogger(__name__)
+
+PING_INTERVAL_S = 5.0
+PING_TIMEOUT_S = 10.0
+OPEN_TIMEOUT_S = 10.0
+SOFTWARE_VERSION = "0.1.0"
+
+Connection = ServerConnection | ClientConnection
+RevocationSource = Callable[[], pki.RevocationSet]
+
+
+class LinkError(ConnectionError):
+    """The link failed or was refused; the message names the peer and the reason."""
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """Where one fleet member keeps its credentials (PEM files; the key readable by the owner only)."""
+
+    ca_path: Path
+    cert_path: Path
+    key_path: Path
+
+    @classmethod
+    def in_folder(cls, folder: Path, name: str) -> TlsFiles:
+        return cls(folder / "ca.pem", folder / f"{name}.pem", folder / f"{name}-key.pem")
+
+    def exist(self) -> bool:
+        return self.ca_path.is_file() and self.cert_path.is_file() and self.key_path.is_file()
+
+    def ca_certificate(self) -> x509.Certificate:
+        return pki.load_certificate_pem(self.ca_path.read_bytes())
+
+    def own_identity(self) -> pki.PeerIdentity:
+        return pki.certificate_identity(pki.load_certificate_pem(self.cert_path.read_bytes()))
+
+    def server_context(self) -> ssl.SSLContext:
+        return tls.server_context(ca_path=self.ca_path, cert_path=self.cert_path, key_path=self.key_path)
+
+    def client_context(self, pin_agent_id: bool = True) -> ssl.SSLContext:
+        return tls.client_context(ca_path=self.ca_path, cert_path=self.cert_path, key_path=self.key_path,
+                                  pin_agent_id=pin_agent_id)
+
+
+def utc_now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+def no_revocations() -> pki.RevocationSet:
+    return pki.RevocationSet()
+
+
+class Link:
+    """One open, authenticated websocket to a fleet member, after the Hello exchange."""
+
+    def __init__(self, connection: Connection, peer: pki.PeerIdentity, address: str) -> None:
+        self.connection = connection
+        self.peer = peer
+        self.address = address
+
+    # Public methods
+
+    async def send(self, message: Message) -> None:
+        try:
+            await self.connection.send(encode(message))
+        except ConnectionClosed as error:
+            raise LinkError(f"link to {self.describe()} closed: {error}") from None
+
+    async def receive(self) -> Message:
+        """The next message. A malformed one is answered with Error(BAD_MESSAGE), the link closed, and
+        LinkError raised; an Error from the peer is returned like any other message."""
+        try:
+            frame = await self.connection.recv()
+        except ConnectionClosed as error:
+            raise LinkError(f"link to {self.describe()} closed: {error}") from None
+        if isinstance(frame, str):
+            await self.refuse(ErrorCode.BAD_MESSAGE, "text frames are not part of the protocol")
+            raise LinkError(f"{self.describe()} sent a text frame")
+        try:
+            return decode(frame)
+        except ProtocolError as error:
+            await self.refuse(ErrorCode.BAD_MESSAGE, str(error))
+            raise LinkError(f"{self.describe()} sent a malformed message: {error}") from None
+
+    async def refuse(self, code: ErrorCode, text: str) -> None:
+        """Tell the peer why, then close (policy violation)."""
+        try:
+            await self.connection.send(encode(Error(code, text[:1000])))
+        except ConnectionClosed:
+            pass
+        await self.connection.close(1008, code.value)
+
+    async def close(self) -> None:
+        await self.connection.close()
+
+    def describe(self) -> str:
+        return f"{self.peer.role.value} {self.peer.agent_id[:12]} at {self.address}"
+
+
+# Public functions: serving
+
+async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, port: int, files: TlsFiles,
+                       revocations: RevocationSource = no_revocations,
+                       enrollment: Callable[[ServerConnection], Awaitable[None]] | None = None) -> Server:
+    """Listen for fleet members. `handler` gets each link after its Hello and must return when done.
+
+    `enrollment` (the controller only): a client that presents NO certificate is handed, raw, to this
+    handler, which must speak only the join exchange; a client presenting a certificate that does not
+    chain to the fleet CA still fails the TLS handshake. The returned server is an async context manager.
+    """
+    own = files.own_identity()
+    ca_certificate = files.ca_certificate()
+    context = files.server_context()
+    if enrollment is not None:
+        context.verify_mode = ssl.CERT_OPTIONAL
+
+    def check_peer(connection: ServerConnection, request: Request) -> Response | None:
+        if enrollment is not None and not _has_peer_certificate(connection):
+            return None
+        try:
+            peer_identity(connection, ca_certificate, revocations())
+        except pki.PkiError as error:
+            log.warning("refused %s: %s", _remote(connection), error)
+            return connection.respond(HTTPStatus.FORBIDDEN, f"{error}\n")
+        return None
+
+    async def on_connection(connection: ServerConnection) -> None:
+        if enrollment is not None and not _has_peer_certificate(connection):
+            await enrollment(connection)
+            return
+        peer = peer_identity(connection, ca_certificate, revocations())
+        link = Link(connection, peer, _remote(connection))
+        try:
+            await _exchange_hello(link, own, expect_first=True)
+        except LinkError as error:
+            log.warning("dropped %s before hello: %s", link.address, error)
+            return
+        await handler(link)
+
+    return await serve(on_connection, host, port, ssl=context, process_request=check_peer,
+                       **websocket_options())
+
+
+def peer_identity(connection: Connection, ca_certificate: x509.Certificate,
+                  revoked: pki.RevocationSet) -> pki.PeerIdentity:
+    """The verified identity of the TLS peer of `connection`; PkiError if absent, foreign or revoked."""
+    ssl_object = connection.transport.get_extra_info("ssl_object")
+    der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+    if not der:
+        raise pki.PkiError("the peer presented no certificate")
+    return tls.peer_identity(der, ca_certificate, utc_now(), revoked)
+
+
+# Public functions: connecting
+
+async def open_link(address: str, files: TlsFiles, expected_agent_id: str | None = None,
+                    revocations: RevocationSource = no_revocations) -> Link:
+    """Connect to a fleet member at host:port and exchange Hello.
+
+    With `expected_agent_id` the TLS handshake itself pins the peer (its certificate must name that
+    agent id); without it (a manual --peer) any fleet certificate is accepted and read afterwards.
+    Raises LinkError naming the address and the reason.
+    """
+    host, port = parse_address(address)
+    context = files.client_context(pin_agent_id=expected_agent_id is not None)
+    uri = f"wss://{_uri_host(host)}:{port}/"
+    try:
+        connection = await connect(uri, ssl=context, server_hostname=expected_agent_id or host,
+                                   open_timeout=OPEN_TIMEOUT_S, **websocket_options())
+    except InvalidStatus as error:
+        raise LinkError(f"{address} refused the link: HTTP {error.response.status_code} "
+                        f"{error.response.body.decode('utf-8', 'replace').strip()}") from None
+    except (OSError, TimeoutError, InvalidHandshake, ssl.SSLError) as error:
+        raise LinkError(f"cannot reach {address}: {error or type(error).__name__}") from None
+    try:
+        peer = peer_identity(connection, files.ca_certificate(), revocations())
+    except pki.PkiError as error:
+        await connection.close(1008, "unauthorized")
+        raise LinkError(f"{address} is not an acceptable fleet member: {error}") from None
+    link = Link(connection, peer, address)
+    await _exchange_hello(link, files.own_identity(), expect_first=False)
+    return link
+
+
+# Private functions
+
+def _has_peer_certificate(connection: Connection) -> bool:
+    ssl_object = connection.transport.get_extra_info("ssl_object")
+    return ssl_object is not None and bool(ssl_object.getpeercert(binary_form=True))
+
+
+class WebsocketOptions(TypedDict):
+    max_size: int
+    ping_interval: float
+    ping_timeout: float
+    compression: None
+
+
+def websocket_options() -> WebsocketOptions:
+    """Options every fleet websocket uses, enrollment included: frames up to the codec's limit, pings."""
+    return WebsocketOptions(max_size=DEFAULT_LIMITS.max_frame_bytes, ping_interval=PING_INTERVAL_S,
+                            ping_timeout=PING_TIMEOUT_S, compression=None)
+
+
+async def _exchange_hello(link: Link, own: pki.PeerIdentity, expect_first: bool) -> None:
+    """Server: read the peer's Hello, then answer; client: send ours, then read theirs."""
+    ours = Hello(PROTOCOL_VERSION, own.agent_id, SOFTWARE_VERSION, own.role)
+    if not expect_first:
+        await link.send(ours)
+    message = await link.receive()
+    if isinstance(message, Error):
+        await link.close()
+        raise LinkError(f"{link.address} refused us: {message.code.value}: {message.message}")
+    if not isinstance(message, Hello):
+        await link.refuse(ErrorCode.UNAUTHORIZED, f"the first message must be Hello, got {type(message).__name__}")
+        raise LinkError(f"{link.address} spoke before saying Hello ({type(message).__name__})")
+    if message.protocol_version != PROTOCOL_VERSION:
+        await link.refuse(ErrorCode.UNSUPPORTED_VERSION, f"this side speaks protocol {PROTOCOL_VERSION}")
+        raise LinkError(f"{link.address} speaks protocol {message.protocol_version}, not {PROTOCOL_VERSION}")
+    if message.agent_id != link.peer.agent_id or message.role is not link.peer.role:
+        await link.refuse(ErrorCode.UNAUTHORIZED, "Hello does not match the certificate")
+        raise LinkError(f"{link.address} said Hello as {message.role.value} {message.agent_id[:12]}, but its "
+                        f"certificate is {link.peer.role.value} {link.peer.agent_id[:12]}")
+    if expect_first:
+        await link.send(ours)
+
+
+def _remote(connection: Connection) -> str:
+    address = connection.remote_address
+    if not address:
+        return "?"
+    host, port = address[0], address[1]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+
+def _uri_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+__all__ = ["PING_INTERVAL_S", "PING_TIMEOUT_S", "Link", "LinkError", "Role", "TlsFiles", "open_link",
+           "peer_identity", "start_server", "utc_now"]

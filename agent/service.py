@@ -1,0 +1,119 @@
+"""`deskfleet-agent --headless`: the agent core on the network.
+
+Runs, in one TaskGroup: the TLS websocket server other fleet members connect to, and the registration
+link to the controller (the addresses from the join token), which tells the controller where this agent
+listens and carries the controller's commands like any other controller link. When the controller is
+unreachable or refuses (a removed agent), registration retries with backoff; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from deskfleet.agent.core import AgentCore
+from deskfleet.agent.enroll import EnrollmentError, Membership, agent_tls_files
+from deskfleet.agent.link import Link, LinkError, open_link, start_server
+from deskfleet.agent.monitor import HostMonitor, SystemMonitor
+from deskfleet.agent.paths import AgentPaths, AgentSettings, load_settings
+from deskfleet.agent.shard_cache import ShardCache
+from deskfleet.common.wire import Register, parse_address
+
+log = logging.getLogger(__name__)
+
+RETRY_MIN_S = 1.0
+RETRY_MAX_S = 30.0
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    data_dir: Path | None
+    listen: str | None = None  # host:port; None: the settings file's listen_address
+
+
+class AgentService:
+    """The headless agent: load identity and settings, then serve until stopped."""
+
+    def __init__(self, options: AgentOptions, monitor: SystemMonitor | None = None) -> None:
+        self.paths = AgentPaths.resolve(options.data_dir)
+        self.paths.create()
+        self.settings: AgentSettings = load_settings(self.paths.settings_file)
+        self.membership = Membership.load(self.paths.state_dir)
+        self.files = agent_tls_files(self.paths.state_dir)
+        if not self.files.exist():
+            raise EnrollmentError(f"{self.paths.state_dir} lacks the agent's certificate: join again")
+        self.listen = options.listen or self.settings.listen_address
+        parse_address(self.listen)
+        self.core = AgentCore(self.files, self.settings,
+                              ShardCache(self.paths.shard_dir, self.settings.cache_limit_bytes),
+                              monitor or HostMonitor())
+        self.bound_port: int | None = None
+        self._stopping = asyncio.Event()
+
+    # Public methods
+
+    async def run(self) -> None:
+        host, port = parse_address(self.listen)
+        server = await start_server(self.core.serve_link, host, port, self.files)
+        self.bound_port = server.sockets[0].getsockname()[1] if server.sockets else port
+        log.info("agent %s listening on %s:%d", self.core.agent_id[:12], host, self.bound_port)
+        self._install_signal_handlers()
+        try:
+            async with server, asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._register_forever(), name="register")
+                await self._stopping.wait()
+                raise _Stop
+        except* _Stop:
+            pass
+        finally:
+            await self.core.close()
+            log.info("agent %s stopped", self.core.agent_id[:12])
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    # Private methods
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(signum, self.stop)
+            except (NotImplementedError, RuntimeError):  # Windows, or not the main thread
+                pass
+
+    async def _register_forever(self) -> None:
+        delay = RETRY_MIN_S
+        while True:
+            for address in self.membership.controller_addresses:
+                try:
+                    link = await open_link(address, self.files, expected_agent_id=self.membership.controller_id)
+                except LinkError as error:
+                    log.warning("cannot register with the controller: %s", error)
+                    continue
+                delay = RETRY_MIN_S
+                await self._registered(link)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_S)
+
+    async def _registered(self, link: Link) -> None:
+        """Say where we listen, then serve the link like any controller link until it closes."""
+        host, _ = parse_address(self.listen)
+        if host in ("0.0.0.0", "::", ""):
+            host = str(link.connection.transport.get_extra_info("sockname")[0])
+        shown = f"[{host}]" if ":" in host else host
+        try:
+            await link.send(Register(self.core.agent_id, (f"{shown}:{self.bound_port}",)))
+        except LinkError as error:
+            log.warning("registration failed: %s", error)
+            return
+        log.info("registered with the controller at %s as %s:%s", link.address, shown, self.bound_port)
+        await self.core.serve_link(link)
+        log.warning("the controller link closed; registering again")
+
+
+class _Stop(Exception):
+    """Raised inside the TaskGroup to cancel its tasks on a clean stop."""

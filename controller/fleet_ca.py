@@ -1,0 +1,250 @@
+"""The controller as the fleet's certificate authority: init, join tokens, removal, enrollment.
+
+- `init_fleet`: a new CA and the controller's own certificate in the data dir (keys 0600).
+- `issue_token`: a join token (controller addresses + CA fingerprint + one-time secret), its secret's
+  sha256 recorded in the persisted ledger.
+- `remove_agent`: add an agent id to the persisted revocation set; `Revocations` re-reads it when the
+  file changes, so a running controller drops a removed agent at once.
+- `serve_enrollment`: the join exchange on a connection whose client has no certificate yet:
+  JoinOffer -> JoinRequest(CSR + secret) -> JoinResponse(certificate). It acts on nothing else.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import re
+import socket
+from dataclasses import replace
+
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
+from deskfleet.agent.link import utc_now
+from deskfleet.common import join_tokens, pki
+from deskfleet.common.wire import (
+    Error,
+    ErrorCode,
+    JoinOffer,
+    JoinRequest,
+    JoinResponse,
+    ProtocolError,
+    Role,
+    decode,
+    encode,
+    parse_address,
+)
+from deskfleet.controller.fleet_store import DEFAULT_PORT, FleetStore, FleetStoreError, RosterEntry
+
+log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 30.0
+_DURATION = re.compile(r"(\d+)([smhd])")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+# Public functions: the CA
+
+def init_fleet(store: FleetStore, fleet_name: str, addresses: tuple[str, ...], now: datetime.datetime,
+               force: bool = False) -> pki.FleetCa:
+    """Create the fleet CA and the controller certificate. Refuses to replace an existing fleet unless
+    `force` (which would orphan every enrolled agent)."""
+    if store.is_initialised() and not force:
+        raise FleetStoreError(f"{store.data_dir} already holds a fleet (fleet id "
+                              f"{pki.fleet_id(store.tls_files.ca_certificate())}); --force replaces it and "
+                              "every agent would have to join again")
+    for address in addresses:
+        parse_address(address)
+    store.data_dir.mkdir(parents=True, exist_ok=True)
+    store.data_dir.chmod(0o700)
+    ca = pki.create_fleet_ca(fleet_name, now)
+    controller_key = pki.create_private_key()
+    csr = pki.create_csr(controller_key, socket.gethostname())
+    certificate = pki.sign_csr(ca, csr, now, role=Role.CONTROLLER)
+    files = store.tls_files
+    with store.locked():
+        pki.write_private_key(store.ca_key_path, ca.private_key)
+        pki.write_private_key(files.key_path, controller_key)
+        files.ca_path.write_bytes(pki.certificate_pem(ca.certificate))
+        files.cert_path.write_bytes(pki.certificate_pem(certificate))
+        store.write("fleet", {"name": fleet_name, "addresses": list(addresses)})
+        store.write("tokens", [])
+        store.write("revoked", [])
+        store.save_roster({})
+    log.info("fleet %s initialised in %s", pki.fleet_id(ca.certificate), store.data_dir)
+    return ca
+
+
+def load_ca(store: FleetStore) -> pki.FleetCa:
+    store.require_initialised()
+    key = pki.load_private_key_pem(store.ca_key_path.read_bytes())
+    return pki.FleetCa(store.tls_files.ca_certificate(), key)
+
+
+def fleet_addresses(store: FleetStore) -> tuple[str, ...]:
+    body = store.read("fleet", {})
+    addresses = body.get("addresses", []) if isinstance(body, dict) else []
+    return tuple(str(address) for address in addresses)
+
+
+def default_address() -> str:
+    """This machine's address on the network that reaches the default route, with the default port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET: no packet is sent for a UDP connect
+            host = probe.getsockname()[0]
+        except OSError:
+            host = "127.0.0.1"
+    return f"{host}:{DEFAULT_PORT}"
+
+
+# Public functions: tokens and removal
+
+def parse_duration(text: str) -> datetime.timedelta:
+    """'24h', '30m', '7d', '90s' or a combination like '1d12h'; ValueError naming the text otherwise."""
+    parts = _DURATION.findall(text.strip().lower())
+    if not parts or "".join(number + unit for number, unit in parts) != text.strip().lower():
+        raise ValueError(f"duration {text!r} is not like 24h, 30m, 7d or 90s")
+    seconds = sum(int(number) * _UNITS[unit] for number, unit in parts)
+    if seconds <= 0:
+        raise ValueError(f"duration {text!r} must be longer than zero")
+    return datetime.timedelta(seconds=seconds)
+
+
+def issue_token(store: FleetStore, now: datetime.datetime, ttl: datetime.timedelta, uses: int,
+                addresses: tuple[str, ...] = ()) -> join_tokens.JoinToken:
+    """A new join token, recorded in the ledger (which keeps only its secret's sha256)."""
+    store.require_initialised()
+    addresses = addresses or fleet_addresses(store)
+    if not addresses:
+        raise FleetStoreError("no controller address to put in the token: pass --address HOST:PORT")
+    secret = join_tokens.new_secret()
+    expires_at = (now + ttl).replace(microsecond=0)
+    token = join_tokens.JoinToken(addresses, pki.certificate_fingerprint(store.tls_files.ca_certificate()),
+                                  secret, expires_at)
+    join_tokens.encode_join_token(token)  # refuse an unencodable token before recording its secret
+    with store.locked():
+        ledger = _load_ledger(store)
+        ledger.prune(now)
+        ledger.issue(secret, expires_at, uses)
+        _save_ledger(store, ledger)
+    return token
+
+
+def remove_agent(store: FleetStore, name: str) -> str:
+    """Revoke the agent named by id, id prefix or hostname; return its agent id."""
+    store.require_initialised()
+    with store.locked():
+        agent_id = store.resolve_agent(name)
+        revoked = set(_read_revoked(store))
+        revoked.add(agent_id)
+        store.write("revoked", sorted(revoked))
+    return agent_id
+
+
+def _read_revoked(store: FleetStore) -> list[str]:
+    body = store.read("revoked", [])
+    if not isinstance(body, list) or not all(isinstance(item, str) for item in body):
+        raise FleetStoreError(f"{store.data_dir / 'revoked.json'} must hold a list of agent ids")
+    return body
+
+
+class Revocations:
+    """The persisted revocation set, re-read whenever revoked.json changes (cheap to call per link)."""
+
+    def __init__(self, store: FleetStore) -> None:
+        self.store = store
+        self._stamp: tuple[int, int] | None = None
+        self._current = pki.RevocationSet()
+
+    def __call__(self) -> pki.RevocationSet:
+        path = self.store.data_dir / "revoked.json"
+        try:
+            status = path.stat()
+            stamp = (status.st_mtime_ns, status.st_size)
+        except FileNotFoundError:
+            stamp = (0, 0)
+        if stamp != self._stamp:
+            self._current = pki.RevocationSet(frozenset(_read_revoked(self.store)))
+            self._stamp = stamp
+        return self._current
+
+
+# Public functions: enrollment
+
+async def serve_enrollment(connection: ServerConnection, store: FleetStore) -> None:
+    """Run the join exchange with a certificate-less client, then close. Acts on nothing else."""
+    remote = connection.remote_address
+    try:
+        files = store.tls_files
+        ca_certificate = files.ca_certificate()
+        await connection.send(encode(JoinOffer(files.ca_path.read_text("ascii"), pki.fleet_id(ca_certificate))))
+        frame = await connection.recv()
+        if isinstance(frame, str):
+            raise ProtocolError("text frames are not part of the protocol")
+        request = decode(frame)
+        if not isinstance(request, JoinRequest):
+            raise ProtocolError(f"an unenrolled client may only send JoinRequest, not {type(request).__name__}")
+        response = _sign_join(store, request, utc_now())
+        await connection.send(encode(response))
+        await connection.close()
+    except (ProtocolError, pki.PkiError, join_tokens.JoinTokenError) as error:
+        log.warning("join from %s refused: %s", remote, error)
+        await _refuse(connection, ErrorCode.JOIN_REFUSED if not isinstance(error, ProtocolError)
+                      else ErrorCode.BAD_MESSAGE, str(error))
+    except join_tokens.TokenRejected as error:
+        log.warning("join from %s refused: %s", remote, error)
+        await _refuse(connection, ErrorCode.JOIN_REFUSED, "the join token is unknown, expired or used up")
+    except ConnectionClosed:
+        log.info("join client %s went away", remote)
+
+
+def _sign_join(store: FleetStore, request: JoinRequest, now: datetime.datetime) -> JoinResponse:
+    csr = pki.load_csr_pem(request.csr_pem.encode("ascii", "replace"))
+    agent_id = pki.check_csr(csr)  # before redeeming: a bad request costs no token use
+    secret = join_tokens.secret_from_text(request.secret)
+    ca = load_ca(store)
+    with store.locked():
+        if pki.RevocationSet(frozenset(_read_revoked(store))).is_revoked(agent_id):
+            raise pki.PkiError(f"agent {agent_id[:12]} was removed from the fleet; join with a new key")
+        ledger = _load_ledger(store)
+        ledger.redeem(secret, now)
+        certificate = pki.sign_csr(ca, csr, now, role=Role.AGENT)
+        _save_ledger(store, ledger)
+        roster = store.roster()
+        hostname = request.hostname[:200] or "?"
+        previous = roster.get(agent_id)
+        entry = RosterEntry(agent_id, hostname, now.isoformat())
+        roster[agent_id] = replace(previous, hostname=hostname) if previous else entry
+        store.save_roster(roster)
+    log.info("enrolled agent %s (%s)", agent_id[:12], request.hostname)
+    return JoinResponse(pki.certificate_pem(certificate).decode("ascii"),
+                        pki.certificate_pem(ca.certificate).decode("ascii"), pki.fleet_id(ca.certificate))
+
+
+# Private functions
+
+async def _refuse(connection: ServerConnection, code: ErrorCode, text: str) -> None:
+    try:
+        await connection.send(encode(Error(code, text)))
+        await connection.close(1008, code.value)
+    except ConnectionClosed:
+        pass
+
+
+def _load_ledger(store: FleetStore) -> join_tokens.TokenLedger:
+    body = store.read("tokens", [])
+    if not isinstance(body, list):
+        raise FleetStoreError(f"{store.data_dir / 'tokens.json'} must hold a list of issued secrets")
+    try:
+        records = [join_tokens.IssuedSecret(str(item["secret_sha256"]),
+                                            datetime.datetime.fromisoformat(item["expires_at"]),
+                                            int(item["uses_left"])) for item in body]
+    except (KeyError, TypeError, ValueError) as error:
+        raise FleetStoreError(f"tokens.json holds a malformed record: {error!r}") from None
+    return join_tokens.TokenLedger(records)
+
+
+def _save_ledger(store: FleetStore, ledger: join_tokens.TokenLedger) -> None:
+    store.write("tokens", [{"secret_sha256": record.secret_sha256, "expires_at": record.expires_at.isoformat(),
+                            "uses_left": record.uses_left} for record in ledger.records])

@@ -1,0 +1,298 @@
+"""`deskfleet fleet ...`: the fleet's admin commands. Parsing, dispatch and printing only.
+
+    fleet init [--name N] [--address HOST:PORT]...      make the fleet CA and the controller certificate
+    fleet token [--ttl 24h] [--uses N]                   print a join token for `deskfleet-agent join`
+    fleet remove AGENT                                   revoke an agent (id, id prefix or hostname)
+    fleet serve [--listen HOST:PORT]                     enrollment + registration endpoint (keep running)
+    fleet ls                                             agents, states and stages
+    fleet plan --model DIR | --layers N --layer-bytes B  the split, and why agents were left out
+    fleet deploy --model DIR                             push what each agent lacks, assign the stages
+    fleet generate --model DIR --prompt-ids 1,2,3        greedy tokens through the deployed chain
+Every command takes --data-dir (default: $DESKFLEET_CONTROLLER_DIR, else the platform's data dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from deskfleet.common.planner import PlanPolicy
+
+_POLICIES = [policy.value for policy in PlanPolicy]
+
+
+# Public methods
+
+def add_fleet_commands(subparsers: Any) -> None:
+    """Add `fleet` and its subcommands to the controller's argparse subparsers."""
+    fleet = subparsers.add_parser("fleet", help="manage the fleet: trust, agents, plans, deployment")
+    commands = fleet.add_subparsers(dest="fleet_command", required=True, metavar="FLEET_COMMAND")
+
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = commands.add_parser(name, help=help_text)
+        parser.add_argument("--data-dir", type=Path, default=None,
+                            help="controller data dir (default: $DESKFLEET_CONTROLLER_DIR or the platform's)")
+        return parser
+
+    init = command("init", "create the fleet CA and this controller's certificate")
+    init.add_argument("--name", default="deskfleet", help="fleet name in the CA certificate")
+    init.add_argument("--address", action="append", default=None, metavar="HOST:PORT",
+                      help="where agents reach this controller (repeatable; default: this PC's address)")
+    init.add_argument("--force", action="store_true", help="replace an existing fleet (every agent must rejoin)")
+    init.set_defaults(handler=_init)
+
+    token = command("token", "print a join token")
+    token.add_argument("--ttl", default="24h", help="validity, e.g. 24h, 30m, 7d (default 24h)")
+    token.add_argument("--uses", type=int, default=1, help="how many agents may join with it (default 1)")
+    token.add_argument("--address", action="append", default=None, metavar="HOST:PORT",
+                       help="controller address(es) to put in the token (default: those given to init)")
+    token.set_defaults(handler=_token)
+
+    remove = command("remove", "remove an agent from the fleet (revokes its certificate)")
+    remove.add_argument("agent", help="agent id, a unique prefix of it, or its hostname")
+    remove.set_defaults(handler=_remove)
+
+    serve = command("serve", "run the enrollment and registration endpoint")
+    serve.add_argument("--listen", default=None, metavar="HOST:PORT",
+                       help="default: 0.0.0.0 and the port of the first init address")
+    serve.set_defaults(handler=_serve)
+
+    for name, help_text, handler in (("ls", "list agents, states and stages", _ls),
+                                     ("plan", "show how a model would be split over the agents", _plan),
+                                     ("deploy", "push a model's shards and assign its stages", _deploy),
+                                     ("generate", "greedy tokens through the deployed chain", _generate)):
+        parser = command(name, help_text)
+        parser.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+                            help="also dial this agent address (repeatable)")
+        parser.add_argument("--discover-seconds", type=float, default=2.0,
+                            help="how long to browse mDNS for agents (0: registrations and --peer only)")
+        parser.add_argument("--json", action="store_true", help="print JSON")
+        parser.set_defaults(handler=handler)
+        if name in ("plan", "deploy"):
+            parser.add_argument("--policy", choices=_POLICIES, default=PlanPolicy.FEWEST_AGENTS.value)
+            parser.add_argument("--streams", type=int, default=1, help="streams whose KV to reserve")
+        if name in ("deploy", "generate"):
+            parser.add_argument("--model", type=Path, required=True, help="export folder")
+        if name == "deploy":
+            parser.add_argument("--precision", choices=["device_default", "f16", "f32"], default="device_default")
+            parser.add_argument("--device", default="CPU", help="OpenVINO device on the agents")
+        if name == "generate":
+            parser.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
+            parser.add_argument("--max-new-tokens", type=int, default=16)
+            parser.add_argument("--ignore-eos", action="store_true")
+        if name == "plan":
+            _add_paper_model(parser)
+
+
+# Private methods: trust
+
+def _store(args: argparse.Namespace) -> Any:
+    from deskfleet.controller.fleet_store import FleetStore, default_data_dir
+
+    return FleetStore(args.data_dir or default_data_dir())
+
+
+def _init(args: argparse.Namespace) -> int:
+    from deskfleet.agent.link import utc_now
+    from deskfleet.common import pki
+    from deskfleet.controller.fleet_ca import default_address, init_fleet
+
+    store = _store(args)
+    addresses = tuple(args.address or [default_address()])
+    ca = init_fleet(store, args.name, addresses, utc_now(), force=args.force)
+    print(f"fleet {pki.fleet_id(ca.certificate)} created in {store.data_dir}")
+    print(f"agents will reach the controller at {', '.join(addresses)}; run `deskfleet fleet serve` there")
+    return 0
+
+
+def _token(args: argparse.Namespace) -> int:
+    from deskfleet.agent.link import utc_now
+    from deskfleet.common.join_tokens import encode_join_token
+    from deskfleet.controller.fleet_ca import issue_token, parse_duration
+
+    if args.uses < 1:
+        raise ValueError(f"--uses must be at least 1, got {args.uses}")
+    token = issue_token(_store(args), utc_now(), parse_duration(args.ttl), args.uses, tuple(args.address or ()))
+    print(encode_join_token(token))
+    print(f"valid until {token.expires_at.isoformat()} for {args.uses} join(s); on the PC run: "
+          "deskfleet-agent join TOKEN", file=sys.stderr)
+    return 0
+
+
+def _remove(args: argparse.Namespace) -> int:
+    from deskfleet.controller.fleet_ca import remove_agent
+
+    agent_id = remove_agent(_store(args), args.agent)
+    print(f"removed agent {agent_id}: it is refused from now on")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from deskfleet.common.wire import parse_address
+    from deskfleet.controller.fleet_ca import fleet_addresses
+    from deskfleet.controller.fleet_server import FleetServer
+
+    logging.getLogger("deskfleet").setLevel(logging.INFO)
+    store = _store(args)
+    listen = args.listen
+    if listen is None:
+        addresses = fleet_addresses(store)
+        listen = f"0.0.0.0:{parse_address(addresses[0])[1] if addresses else 7341}"
+    server = FleetServer(store, listen)
+
+    async def run() -> None:
+        import signal
+
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(signum, server.stop)
+            except (NotImplementedError, RuntimeError):
+                pass
+        await server.run()
+
+    asyncio.run(run())
+    return 0
+
+
+# Private methods: agents
+
+def _survey_options(args: argparse.Namespace) -> Any:
+    from deskfleet.controller.fleet_survey import SurveyOptions
+
+    return SurveyOptions(peers=tuple(args.peer), discover_seconds=args.discover_seconds)
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from deskfleet.controller.fleet_survey import survey
+
+    async def run() -> list[Any]:
+        found = await survey(_store(args), _survey_options(args))
+        await found.close()
+        return found.agents
+
+    agents = asyncio.run(run())
+    if args.json:
+        print(json.dumps([_agent_json(agent) for agent in agents], indent=2))
+        return 0
+    if not agents:
+        print("no agents found (is `deskfleet fleet serve` running, and have agents joined?)")
+        return 0
+    print(f"{'agent':<14} {'host':<16} {'address':<22} {'state':<12} {'free':>8} {'found by':<20} stages")
+    for agent in agents:
+        report = agent.report
+        state = report.state.value if report else "unreachable"
+        free = f"{report.free_memory_bytes / 1e9:.1f}G" if report else "-"
+        stages = ", ".join(f"{s.model_id}[{s.layer_start}:{s.layer_end}]" for s in report.stages) if report else ""
+        print(f"{(agent.agent_id or '?')[:12]:<14} {agent.hostname[:16]:<16} {agent.address:<22} {state:<12} "
+              f"{free:>8} {','.join(agent.sources):<20} {stages or agent.problem or '-'}")
+    return 0
+
+
+def _agent_json(agent: Any) -> dict[str, Any]:
+    report = agent.report
+    return {"agent_id": agent.agent_id, "hostname": agent.hostname, "address": agent.address,
+            "sources": list(agent.sources), "problem": agent.problem,
+            "state": report.state.value if report else None,
+            "free_memory_bytes": report.free_memory_bytes if report else None,
+            "stages": [[s.model_id, s.layer_start, s.layer_end] for s in report.stages] if report else []}
+
+
+def _add_paper_model(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=None, help="export folder (or describe one on paper)")
+    parser.add_argument("--layers", type=int, default=None, help="on paper: decoder layers")
+    parser.add_argument("--layer-bytes", type=float, default=None, help="on paper: weight bytes per layer")
+    parser.add_argument("--embed-bytes", type=float, default=0, help="on paper: embedding bytes")
+    parser.add_argument("--head-bytes", type=float, default=0, help="on paper: final norm + lm_head bytes")
+    parser.add_argument("--kv-bytes-per-token", type=float, default=0,
+                        help="on paper: KV bytes per token per layer")
+    parser.add_argument("--context", type=int, default=4096, help="on paper: context to reserve KV for")
+    parser.add_argument("--assume-agent", action="append", type=float, default=[], metavar="FREE_BYTES",
+                        help="plan for a hypothetical agent with this much free memory (repeatable)")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from deskfleet.common.agent_state import AgentState
+    from deskfleet.common.model_spec import load_manifest
+    from deskfleet.common.planner import AgentCandidate, ModelFootprint, plan, render_plan
+    from deskfleet.controller.fleet_deploy import candidates_of, footprint_of, policy_options
+    from deskfleet.controller.fleet_survey import survey
+
+    if args.model is not None:
+        footprint = footprint_of(load_manifest(args.model))
+    elif args.layers is not None and args.layer_bytes is not None:
+        footprint = ModelFootprint.uniform("on paper", args.layers, int(args.layer_bytes), int(args.embed_bytes),
+                                           int(args.head_bytes), int(args.kv_bytes_per_token), args.context)
+    else:
+        raise ValueError("give --model OUT_DIR, or --layers N and --layer-bytes B to plan on paper")
+    candidates = [AgentCandidate(f"assumed-{index}", AgentState.AVAILABLE, int(size), 1.0)
+                  for index, size in enumerate(args.assume_agent)]
+    if not candidates or args.peer:
+        async def run() -> list[Any]:
+            found = await survey(_store(args), _survey_options(args))
+            await found.close()
+            return found.reachable()
+
+        candidates += candidates_of(asyncio.run(run()))
+    result = plan(footprint, candidates, policy_options(args.policy, args.streams))
+    if args.json:
+        print(json.dumps({"feasible": result.feasible, "problems": list(result.problems),
+                          "stages": [[s.agent_id, s.first_layer, s.stop_layer] for s in result.stages],
+                          "left_out": [[e.agent_id, e.reason.value, e.message] for e in result.exclusions]}))
+    else:
+        print(render_plan(result))
+    return 0 if result.feasible else 1
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    from deskfleet.common.planner import render_plan
+    from deskfleet.common.wire import Precision
+    from deskfleet.controller.fleet_deploy import deploy, policy_options
+    from deskfleet.controller.fleet_survey import survey
+
+    store = _store(args)
+    last_percent: dict[tuple[str, str], int] = {}
+
+    def progress(agent_id: str, file_name: str, sent: int, total: int) -> None:
+        percent = 100 * sent // max(total, 1)
+        if last_percent.get((agent_id, file_name), -1) // 25 != percent // 25 or sent == total:
+            last_percent[(agent_id, file_name)] = percent
+            print(f"  {agent_id[:12]} {file_name}: {sent}/{total} bytes ({percent}%)", file=sys.stderr, flush=True)
+
+    async def run() -> Any:
+        found = await survey(store, _survey_options(args))
+        try:
+            return await deploy(store, args.model, found, policy_options(args.policy, args.streams),
+                                Precision(args.precision), args.device, progress)
+        finally:
+            await found.close()
+
+    result, report = asyncio.run(run())
+    if args.json:
+        print(json.dumps({"model_id": report.model_id, "bytes_sent": report.bytes_sent,
+                          "files_sent": report.files_sent,
+                          "stages": [[s.agent_id, s.address, s.layer_start, s.layer_end] for s in report.stages]}))
+    else:
+        print(render_plan(result))
+        total = sum(report.bytes_sent.values())
+        print(f"deployed {report.model_id}: {len(report.stages)} stage(s) ready, {total} bytes in "
+              f"{sum(report.files_sent.values())} file(s) sent")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from deskfleet.controller.fleet_chain import generate_on_fleet
+
+    try:
+        prompt = [int(part) for part in args.prompt_ids.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    tokens = asyncio.run(generate_on_fleet(_store(args), args.model, prompt, args.max_new_tokens, args.ignore_eos))
+    print(json.dumps({"tokens": tokens}) if args.json else " ".join(map(str, tokens)))
+    return 0

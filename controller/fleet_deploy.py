@@ -1,0 +1,226 @@
+"""`deskfleet fleet plan` and `deskfleet fleet deploy`: split a model over the agents, push, assign.
+
+Deploy, per stage of the plan (agents in parallel):
+1. ShardQuery the files the stage needs (manifest.json + its IR files); the agent answers what it holds
+   whole and where partial ones stop;
+2. push only what is missing, in chunks from the resume offset, then ShardComplete (the agent verifies
+   the sha256); a second ShardQuery confirms every file arrived whole;
+3. AssignStage (layer range, next hop, manifest entries); the agent compiles and answers StageReady.
+A second deploy of the same model finds every shard cached and every stage hosted: it sends no bytes.
+The deployment (which agent holds which layers, where) is saved as deployments.json for the driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from deskfleet.agent.link import Link, LinkError
+from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, load_manifest
+from deskfleet.common.planner import AgentCandidate, ModelFootprint, Plan, PlanOptions, PlanPolicy, plan
+from deskfleet.common.wire import (
+    AssignStage,
+    Error,
+    ManifestEntry,
+    Message,
+    NextHop,
+    Precision,
+    ShardChunk,
+    ShardComplete,
+    ShardHave,
+    ShardQuery,
+    StageReady,
+    StageRef,
+)
+from deskfleet.controller.fleet_store import FleetStore
+from deskfleet.controller.fleet_survey import AgentView, Survey
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 20
+REPLY_TIMEOUT_S = 60.0
+COMPILE_TIMEOUT_S = 300.0
+
+_M = TypeVar("_M", bound=Message)
+
+Progress = Callable[[str, str, int, int], None]  # agent id, file name, bytes sent of it, its size
+
+
+class DeployError(RuntimeError):
+    """The deployment cannot go on; the message names the agent and the step."""
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    agent_id: str
+    address: str
+    layer_start: int
+    layer_end: int
+
+
+@dataclass(frozen=True)
+class DeployReport:
+    model_id: str
+    stages: tuple[StagePlacement, ...]
+    bytes_sent: dict[str, int]  # per agent id
+    files_sent: dict[str, int]
+
+
+# Public functions
+
+def model_id_of(model_dir: Path) -> str:
+    """The model's fleet id: its name and the start of its manifest's sha256 (a re-export differs)."""
+    digest = hashlib.sha256((model_dir / MANIFEST_NAME).read_bytes()).hexdigest()
+    return f"{load_manifest(model_dir).model_name}@{digest[:12]}"
+
+
+def footprint_of(manifest: Manifest) -> ModelFootprint:
+    spec = manifest.spec
+    return ModelFootprint(manifest.model_name, manifest.layer_bytes, manifest.embed_bytes, manifest.head_bytes,
+                          spec.kv_bytes_per_token_per_layer(), spec.max_context)
+
+
+def candidates_of(agents: list[AgentView]) -> list[AgentCandidate]:
+    """Planner candidates from the agents that answered. Speed is not measured yet: all count as 1."""
+    return [AgentCandidate(agent.agent_id, agent.report.state, agent.report.free_memory_bytes, 1.0)
+            for agent in agents if agent.report is not None and agent.agent_id is not None]
+
+
+async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: PlanOptions,
+                 precision: Precision = Precision.DEVICE_DEFAULT, device: str = "CPU",
+                 progress: Progress | None = None) -> tuple[Plan, DeployReport]:
+    """Plan over the surveyed agents, push what each lacks, assign the stages. DeployError on failure."""
+    manifest = load_manifest(model_dir)
+    model_id = model_id_of(model_dir)
+    result = plan(footprint_of(manifest), candidates_of(found.reachable()), options)
+    if not result.feasible:
+        raise DeployError("the model does not fit the fleet: " + "; ".join(result.problems))
+    addresses = {agent.agent_id: agent.address for agent in found.agents if agent.agent_id is not None}
+    placements = tuple(StagePlacement(stage.agent_id, addresses[stage.agent_id], stage.first_layer,
+                                      stage.stop_layer) for stage in result.stages)
+    sent: dict[str, int] = {}
+    files: dict[str, int] = {}
+    try:
+        await _deploy_all(model_dir, manifest, model_id, placements, precision, device, found, sent, files,
+                          progress)
+    except* DeployError as errors:
+        raise DeployError("; ".join(str(error) for error in errors.exceptions)) from None
+    report = DeployReport(model_id, placements, sent, files)
+    _save_deployment(store, model_dir, report)
+    return result, report
+
+
+async def _deploy_all(model_dir: Path, manifest: Manifest, model_id: str, placements: tuple[StagePlacement, ...],
+                      precision: Precision, device: str, found: Survey, sent: dict[str, int],
+                      files: dict[str, int], progress: Progress | None) -> None:
+    async with asyncio.TaskGroup() as tasks:
+        for index, placement in enumerate(placements):
+            entries = _stage_entries(model_dir, manifest, placement)
+            link = found.links[placement.agent_id]
+            next_hop = None
+            if index + 1 < len(placements):
+                following = placements[index + 1]
+                next_hop = NextHop(following.address, following.agent_id)
+            assignment = AssignStage(StageRef(model_id, placement.layer_start, placement.layer_end),
+                                     placement.layer_start == 0, placement.layer_end == manifest.spec.num_layers,
+                                     device, precision, next_hop, entries)
+            tasks.create_task(_deploy_stage(link, model_dir, assignment, sent, files, progress))
+
+
+def load_deployment(store: FleetStore, model_dir: Path) -> tuple[StagePlacement, ...]:
+    """The stages saved by the last deploy of this model; DeployError if it was never deployed."""
+    body = store.read("deployments", {})
+    model_id = model_id_of(model_dir)
+    record = body.get(model_id) if isinstance(body, dict) else None
+    if not isinstance(record, dict):
+        raise DeployError(f"{model_id} has not been deployed: run `deskfleet fleet deploy --model {model_dir}`")
+    return tuple(StagePlacement(**stage) for stage in record["stages"])
+
+
+# Private functions
+
+def _stage_entries(model_dir: Path, manifest: Manifest, placement: StagePlacement) -> tuple[ManifestEntry, ...]:
+    manifest_bytes = (model_dir / MANIFEST_NAME).read_bytes()
+    entries = [ManifestEntry(MANIFEST_NAME, hashlib.sha256(manifest_bytes).hexdigest(), len(manifest_bytes))]
+    for stem in manifest.stage_ir_stems(placement.layer_start, placement.layer_end):
+        for name in manifest.ir_files(stem):
+            entry = manifest.files[name]
+            entries.append(ManifestEntry(name, entry.sha256, entry.size))
+    return tuple(entries)
+
+
+async def _deploy_stage(link: Link, model_dir: Path, assignment: AssignStage, sent: dict[str, int],
+                        files: dict[str, int], progress: Progress | None) -> None:
+    agent_id = link.peer.agent_id
+    sent.setdefault(agent_id, 0)
+    files.setdefault(agent_id, 0)
+    by_sha = {entry.sha256: entry for entry in assignment.manifest}
+    try:
+        await link.send(ShardQuery(tuple(by_sha)))
+        have = await _expect(link, ShardHave, REPLY_TIMEOUT_S)
+        offsets = {partial.sha256: partial.offset for partial in have.partial}
+        for sha256, entry in by_sha.items():
+            if sha256 in have.complete:
+                continue
+            sent[agent_id] += await _push(link, model_dir / entry.file_name, entry, offsets.get(sha256, 0), progress)
+            files[agent_id] += 1
+        await link.send(ShardQuery(tuple(by_sha)))
+        confirmed = await _expect(link, ShardHave, REPLY_TIMEOUT_S)
+        missing = sorted(by_sha[sha].file_name for sha in set(by_sha) - set(confirmed.complete))
+        if missing:
+            raise DeployError(f"agent {agent_id[:12]} did not keep {', '.join(missing)}")
+        await link.send(assignment)
+        await _expect(link, StageReady, COMPILE_TIMEOUT_S)
+    except LinkError as error:
+        raise DeployError(f"agent {agent_id[:12]} at {link.address}: {error}") from None
+
+
+async def _push(link: Link, path: Path, entry: ManifestEntry, offset: int, progress: Progress | None) -> int:
+    """Send `path` from `offset` in chunks, then ShardComplete; returns the bytes sent."""
+    if not path.is_file() or path.stat().st_size != entry.size:
+        raise DeployError(f"{path} is missing or has the wrong size: is the export folder complete?")
+    sent = 0
+    with path.open("rb") as stream:
+        stream.seek(offset)
+        while offset < entry.size:
+            data = stream.read(CHUNK_BYTES)
+            if not data:
+                raise DeployError(f"{path} shrank while it was being sent")
+            await link.send(ShardChunk(entry.sha256, offset, entry.size, data))
+            offset += len(data)
+            sent += len(data)
+            if progress is not None:
+                progress(link.peer.agent_id, entry.file_name, offset, entry.size)
+    await link.send(ShardComplete(entry.sha256))
+    return sent
+
+
+async def _expect(link: Link, kind: type[_M], timeout: float) -> _M:
+    """The next message of `kind`; an Error from the agent becomes DeployError."""
+    while True:
+        try:
+            message = await asyncio.wait_for(link.receive(), timeout)
+        except TimeoutError:
+            raise DeployError(f"agent {link.peer.agent_id[:12]} sent no {kind.__name__} in {timeout:.0f} s") from None
+        if isinstance(message, Error):
+            raise DeployError(f"agent {link.peer.agent_id[:12]} refused: {message.code.value}: {message.message}")
+        if isinstance(message, kind):
+            return message
+
+
+def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport) -> None:
+    with store.locked():
+        body = store.read("deployments", {})
+        deployments = dict(body) if isinstance(body, dict) else {}
+        deployments[report.model_id] = {"model_dir": str(model_dir.resolve()),
+                                        "stages": [asdict(stage) for stage in report.stages]}
+        store.write("deployments", deployments)
+
+
+def policy_options(policy: str, streams: int = 1) -> PlanOptions:
+    return PlanOptions(policy=PlanPolicy(policy), streams=streams)

@@ -1,0 +1,121 @@
+"""`deskfleet fleet serve`: the controller's listening side.
+
+One TLS 1.3 port (the address in the join tokens):
+- a client WITHOUT a certificate gets only the join exchange (controller/fleet_ca.serve_enrollment);
+- a client WITH a fleet certificate is checked against the revocation set right after the handshake,
+  says Hello, then Register(listen addresses): the roster records where it listens, and the link stays
+  open (websocket pings) so the controller knows it is alive;
+- a certificate from another CA fails the TLS handshake; a revoked agent gets HTTP 403.
+`fleet remove` (another process) rewrites revoked.json; the watcher here notices within
+REVOCATION_POLL_S and closes the removed agent's link at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+
+from websockets.asyncio.server import ServerConnection
+
+from deskfleet.agent.link import Link, LinkError, start_server, utc_now
+from deskfleet.common.wire import ErrorCode, Register, Role, parse_address
+from deskfleet.controller.fleet_ca import Revocations, serve_enrollment
+from deskfleet.controller.fleet_store import FleetStore, RosterEntry
+
+log = logging.getLogger(__name__)
+
+REVOCATION_POLL_S = 0.5
+REGISTER_TIMEOUT_S = 10.0
+
+
+class FleetServer:
+    """The controller's enrollment + registration endpoint. `run()` serves until `stop()`."""
+
+    def __init__(self, store: FleetStore, listen: str,
+                 on_change: Callable[[dict[str, tuple[str, ...]]], None] | None = None) -> None:
+        store.require_initialised()
+        parse_address(listen)
+        self.store = store
+        self.listen = listen
+        self.revocations = Revocations(store)
+        self.live: dict[str, Link] = {}  # agent id -> its registration link
+        self.bound_port: int | None = None
+        self._on_change = on_change
+        self._stopping = asyncio.Event()
+
+    # Public methods
+
+    async def run(self) -> None:
+        host, port = parse_address(self.listen)
+        server = await start_server(self._serve_agent, host, port, self.store.tls_files,
+                                    revocations=self.revocations, enrollment=self._enroll)
+        self.bound_port = server.sockets[0].getsockname()[1] if server.sockets else port
+        log.info("controller listening on %s:%d", host, self.bound_port)
+        async with server, asyncio.TaskGroup() as tasks:
+            watcher = tasks.create_task(self._watch_revocations(), name="revocations")
+            await self._stopping.wait()
+            watcher.cancel()
+        for link in list(self.live.values()):
+            await link.close()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    # Private methods
+
+    async def _enroll(self, connection: ServerConnection) -> None:
+        await serve_enrollment(connection, self.store)
+
+    async def _serve_agent(self, link: Link) -> None:
+        if link.peer.role is not Role.AGENT:
+            await link.refuse(ErrorCode.UNAUTHORIZED, "only agents register with the controller")
+            return
+        try:
+            message = await asyncio.wait_for(link.receive(), REGISTER_TIMEOUT_S)
+        except (LinkError, TimeoutError) as error:
+            log.info("agent %s did not register: %s", link.peer.agent_id[:12], error or "timed out")
+            await link.close()
+            return
+        if not isinstance(message, Register) or message.agent_id != link.peer.agent_id:
+            await link.refuse(ErrorCode.BAD_MESSAGE, "an agent's first message after Hello is its own Register")
+            return
+        agent_id = link.peer.agent_id
+        self._record(agent_id, message.listen_addresses)
+        previous = self.live.get(agent_id)
+        self.live[agent_id] = link
+        if previous is not None and previous is not link:
+            await previous.close()
+        log.info("agent %s registered at %s", agent_id[:12], ", ".join(message.listen_addresses))
+        self._changed()
+        try:
+            await link.connection.wait_closed()
+        finally:
+            if self.live.get(agent_id) is link:
+                del self.live[agent_id]
+                log.info("agent %s went away", agent_id[:12])
+                self._changed()
+
+    def _record(self, agent_id: str, addresses: tuple[str, ...]) -> None:
+        with self.store.locked():
+            roster = self.store.roster()
+            now = utc_now().isoformat()
+            entry = roster.get(agent_id) or RosterEntry(agent_id, "?", now)
+            roster[agent_id] = replace(entry, addresses=addresses, registered_at=now)
+            self.store.save_roster(roster)
+
+    async def _watch_revocations(self) -> None:
+        while True:
+            revoked = self.revocations()
+            for agent_id, link in list(self.live.items()):
+                if revoked.is_revoked(agent_id):
+                    log.warning("agent %s was removed from the fleet: dropping its link", agent_id[:12])
+                    await link.refuse(ErrorCode.UNAUTHORIZED, "this agent was removed from the fleet")
+                    self.live.pop(agent_id, None)
+                    self._changed()
+            await asyncio.sleep(REVOCATION_POLL_S)
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change({agent_id: (link.address,) for agent_id, link in self.live.items()})

@@ -1,0 +1,137 @@
+"""Find the fleet's agents and ask each how it is: the first step of `fleet ls`, `plan` and `deploy`.
+
+Sources, merged in a discovery Registry (controller/registry.py):
+- registrations: the roster addresses `deskfleet fleet serve` recorded when agents called in;
+- mDNS: a short zeroconf browse (`--discover-seconds`) on this host's interfaces;
+- manual `--peer HOST:PORT`, dialled without knowing the agent id (its certificate tells).
+Every agent found is then dialled over an authenticated link (its agent id pinned in TLS where known,
+revoked agents refused) and asked for a StatusReport; one that does not answer is listed with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+from deskfleet.agent.advertise import interface_addresses
+from deskfleet.agent.link import Link, LinkError, open_link
+from deskfleet.common import pki
+from deskfleet.common.wire import Error, StatusReport, StatusRequest
+from deskfleet.controller.discovery import Discovery, ManualPeers, ZeroconfDiscovery
+from deskfleet.controller.fleet_ca import Revocations
+from deskfleet.controller.fleet_store import FleetStore
+from deskfleet.controller.registry import DiscoverySource, Registry, Sighting
+
+log = logging.getLogger(__name__)
+
+STATUS_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class SurveyOptions:
+    peers: tuple[str, ...] = ()
+    discover_seconds: float = 2.0  # 0: no mDNS browse
+    use_roster: bool = True
+
+
+@dataclass(frozen=True)
+class AgentView:
+    """One agent as the survey found it: its status, or why it could not be reached."""
+
+    agent_id: str | None  # None: a manual peer that did not answer
+    hostname: str
+    address: str
+    sources: tuple[str, ...]
+    report: StatusReport | None
+    problem: str | None
+
+
+@dataclass
+class Survey:
+    """The agents found; `links` stay open for the caller (deploy) until `close()`."""
+
+    agents: list[AgentView]
+    links: dict[str, Link]
+
+    async def close(self) -> None:
+        for link in self.links.values():
+            await link.close()
+        self.links.clear()
+
+    def reachable(self) -> list[AgentView]:
+        return [agent for agent in self.agents if agent.report is not None and agent.agent_id in self.links]
+
+
+async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
+    """Discover, dial and ask every agent; never raises for an agent's fault."""
+    store.require_initialised()
+    revocations = Revocations(store)
+    registry = Registry(ttl_s=3600.0)
+    roster = store.roster()
+    if options.use_roster:
+        for agent_id, member in roster.items():
+            if member.addresses and not revocations().is_revoked(agent_id):
+                registry.observe(Sighting(agent_id, member.addresses, DiscoverySource.REGISTRATION))
+    sources: list[Discovery] = [ManualPeers(registry, options.peers)]
+    interfaces = interface_addresses()
+    if options.discover_seconds > 0 and interfaces:
+        fleet = pki.fleet_id(store.tls_files.ca_certificate())
+        sources.append(ZeroconfDiscovery(registry, fleet, interfaces))
+    await _run_for(sources, options.discover_seconds if len(sources) > 1 else 0.0)
+
+    targets: list[tuple[str | None, str, tuple[str, ...]]] = []
+    for entry in registry.entries():
+        if revocations().is_revoked(entry.agent_id):
+            continue
+        targets.append((entry.agent_id, entry.addresses[0], tuple(sorted(s.value for s in entry.sources))))
+    targets += [(None, address, (DiscoverySource.MANUAL.value,)) for address in registry.dial_targets()]
+    results = await asyncio.gather(*(_ask(store, revocations, target_id, address) for target_id, address, _ in targets))
+
+    found = Survey([], {})
+    for (target_id, address, source_names), (link, report, problem) in zip(targets, results, strict=True):
+        known_id = link.peer.agent_id if link is not None else target_id
+        if link is not None and known_id in found.links:  # the same agent by two routes
+            await link.close()
+            continue
+        if link is not None and known_id is not None:
+            found.links[known_id] = link
+        hostname = roster[known_id].hostname if known_id is not None and known_id in roster else "?"
+        found.agents.append(AgentView(known_id, hostname, address, source_names, report, problem))
+    return found
+
+
+# Private functions
+
+async def _run_for(sources: list[Discovery], seconds: float) -> None:
+    """Run the discovery sources for `seconds` (at least one loop turn), then cancel them."""
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(source.run()) for source in sources]
+            await asyncio.sleep(seconds)
+            for task in tasks:
+                task.cancel()
+    except* OSError as errors:  # no multicast route, for instance: discovery by other sources still works
+        log.warning("mDNS browse failed: %s", errors.exceptions[0])
+
+
+async def _ask(store: FleetStore, revocations: Revocations, agent_id: str | None,
+               address: str) -> tuple[Link | None, StatusReport | None, str | None]:
+    try:
+        link = await open_link(address, store.tls_files, expected_agent_id=agent_id, revocations=revocations)
+    except LinkError as error:
+        return None, None, str(error)
+    try:
+        await link.send(StatusRequest())
+        while True:
+            message = await asyncio.wait_for(link.receive(), STATUS_TIMEOUT_S)
+            if isinstance(message, StatusReport):
+                return link, message, None
+            if isinstance(message, Error):
+                raise LinkError(f"{message.code.value}: {message.message}")
+    except (LinkError, TimeoutError) as error:
+        with contextlib.suppress(LinkError):
+            await link.close()
+        return None, None, f"no status from {address}: {error or 'timed out'}"
