@@ -1,0 +1,166 @@
+"""The engine: every stream's greedy tokens equal its solo run, however streams are batched, admitted,
+drafted, rolled back and compacted (f32)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent.stage import CompileSettings, Precision
+from deskfleet.common.kv_ledger import CompactionMode, CompactionPolicy
+from deskfleet.common.model_spec import load_manifest
+from deskfleet.common.wire import Forward, ForwardResult
+from deskfleet.controller.draft import DraftModel
+from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
+from deskfleet.controller.generation import GenerationError
+from deskfleet.controller.pipeline import LocalPipeline
+
+F32 = CompileSettings(precision=Precision.F32)
+PROMPTS = [
+    [1, 17, 99, 230, 5, 42, 7, 300, 11],
+    [1, 8, 8, 3],
+    [1, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89],
+    [1, 2],
+    [1, 300, 301, 302, 400, 401],
+    [1, 450, 12],
+    [1, 60, 61, 62, 63, 64, 65, 66],
+    [1, 123],
+]
+
+
+@pytest.fixture(scope="module")
+def target(checkpoint_factory: Callable[..., Path], export_factory: Callable[[Path, str], Path]) -> Path:
+    return export_factory(checkpoint_factory("engine-target", num_hidden_layers=4), "f32")
+
+
+@pytest.fixture(scope="module")
+def other_draft(checkpoint_factory: Callable[..., Path], export_factory: Callable[[Path, str], Path]) -> Path:
+    """An unrelated one-layer model: it proposes mostly wrong tokens, so most rounds roll back."""
+    return export_factory(checkpoint_factory("engine-draft", num_hidden_layers=1), "f32")
+
+
+class RecordingChain:
+    """A LocalPipeline that counts the kinds of slot deltas the engine sent."""
+
+    def __init__(self, pipeline: LocalPipeline) -> None:
+        self.pipeline = pipeline
+        self.deltas: Counter[str] = Counter()
+
+    def submit(self, message: Forward) -> None:
+        self.deltas.update(type(delta).__name__ for delta in message.slot_deltas)
+        self.pipeline.submit(message)
+
+    def collect(self, timeout: float | None = None) -> ForwardResult:
+        return self.pipeline.collect(timeout)
+
+    def release(self, batch_id: int) -> None:
+        self.pipeline.release(batch_id)
+
+
+def run_streams(model: Path, requests: list[StreamRequest], stages: int = 1, draft: Path | None = None,
+                options: EngineOptions | None = None, sent: Counter[str] | None = None) -> list[list[int]]:
+    manifest = load_manifest(model)
+    with LocalPipeline(model, stages, F32, manifest) as pipeline:
+        chain = RecordingChain(pipeline)
+        engine = Engine(chain, manifest.spec, DraftModel(draft, F32) if draft else None, options)
+        for request in requests:
+            engine.add(request)
+        results = engine.run()
+    if sent is not None:
+        sent.update(chain.deltas)
+    return [results[index].tokens for index in range(len(requests))]
+
+
+@pytest.fixture(scope="module")
+def solo(target: Path) -> dict[int, list[int]]:
+    """Each prompt alone, one stage, no draft: the reference."""
+    return {index: run_streams(target, [StreamRequest(prompt, max_new_tokens=40, ignore_eos=True)])[0]
+            for index, prompt in enumerate(PROMPTS)}
+
+
+def test_one_stream_matches_solo_across_stage_counts(target: Path, solo: dict[int, list[int]]) -> None:
+    for stages in (2, 3, 4):
+        tokens = run_streams(target, [StreamRequest(PROMPTS[0], max_new_tokens=40, ignore_eos=True)], stages)
+        assert tokens[0] == solo[0], f"{stages} stages"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_concurrent_streams_equal_their_solo_runs(stages: int, target: Path, other_draft: Path,
+                                                  solo: dict[int, list[int]]) -> None:
+    # 8 streams of different lengths arriving at different times, some drafted by an unrelated model
+    # (heavy rollback), some not, some leaving early; micro-batches of 3 rows force admissions into
+    # running batches, and an eager compaction policy forces compaction of dead slots.
+    lengths = [40, 12, 40, 5, 30, 40, 1, 25]
+    requests = [StreamRequest(prompt, max_new_tokens=lengths[index], ignore_eos=True,
+                              speculative=index % 2 == 0, arrival_step=3 * index)
+                for index, prompt in enumerate(PROMPTS)]
+    options = EngineOptions(max_rows=3, micro_batches=2, fixed_k=3,
+                            compaction=CompactionPolicy(min_dead_slots=2, min_dead_fraction=0.0,
+                                                        mode=CompactionMode.PACK_ROWS))
+    sent: Counter[str] = Counter()
+    tokens = run_streams(target, requests, stages, other_draft, options, sent)
+    for index, generated in enumerate(tokens):
+        assert generated == solo[index][: lengths[index]], f"stream {index} diverged with {stages} stages"
+    # The run really exercised admission, rollback, row drops and compaction.
+    for kind in ("AdmitRow", "InvalidateSlots", "ReorderRows", "Compact"):
+        assert sent[kind] > 0, f"no {kind} delta was sent"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_self_draft_accepts_everything_and_changes_nothing(stages: int, target: Path,
+                                                           solo: dict[int, list[int]]) -> None:
+    manifest = load_manifest(target)
+    with LocalPipeline(target, stages, F32, manifest) as pipeline:
+        engine = Engine(pipeline, manifest.spec, DraftModel(target, F32), EngineOptions(fixed_k=4))
+        engine.add(StreamRequest(PROMPTS[2], max_new_tokens=40, ignore_eos=True))
+        tokens = engine.run()[0].tokens
+    assert tokens == solo[2]
+    histogram = engine.accepted_histogram()
+    assert sum(count for accepted, count in histogram.items() if accepted < 4) <= 1  # only the final round
+    assert engine.mean_accepted() > 3.5
+
+
+def test_adaptive_k_keeps_greedy_output(target: Path, other_draft: Path, solo: dict[int, list[int]]) -> None:
+    tokens = run_streams(target, [StreamRequest(PROMPTS[4], max_new_tokens=40, ignore_eos=True)], 2, other_draft,
+                         EngineOptions(k_min=1, k_max=6))
+    assert tokens[0] == solo[4]
+
+
+def test_eos_ends_a_stream_and_others_continue(target: Path, solo: dict[int, list[int]]) -> None:
+    import dataclasses
+
+    manifest = load_manifest(target)
+    eos = solo[1][5]  # the 6th token of stream 1 becomes end-of-sequence
+    spec = dataclasses.replace(manifest.spec, eos_token_ids=(eos,))
+    with LocalPipeline(target, 2, F32, manifest) as pipeline:
+        engine = Engine(pipeline, spec)
+        engine.add(StreamRequest(PROMPTS[1], max_new_tokens=40))
+        engine.add(StreamRequest(PROMPTS[0], max_new_tokens=40, ignore_eos=True))
+        results = engine.run()
+    assert results[0].stopped_by_eos and results[0].tokens == solo[1][: solo[1].index(eos) + 1]
+    assert results[1].tokens == solo[0]
+
+
+def test_bad_requests_get_clear_errors(target: Path) -> None:
+    manifest = load_manifest(target)
+    with LocalPipeline(target, 1, F32, manifest) as pipeline:
+        engine = Engine(pipeline, manifest.spec)
+        with pytest.raises(GenerationError, match="outside the vocabulary"):
+            engine.add(StreamRequest([1, manifest.spec.vocab_size]))
+        with pytest.raises(GenerationError, match="exceed the model's context"):
+            engine.add(StreamRequest([1, 2, 3], max_new_tokens=manifest.spec.max_context))
+        with pytest.raises(GenerationError, match="empty"):
+            engine.add(StreamRequest([]))
+
+
+def test_draft_with_another_vocabulary_is_refused(target: Path, checkpoint_factory: Callable[..., Path],
+                                                  export_factory: Callable[[Path, str], Path]) -> None:
+    small = export_factory(checkpoint_factory("engine-draft-vocab", num_hidden_layers=1, vocab_size=300), "f32")
+    manifest = load_manifest(target)
+    with LocalPipeline(target, 1, F32, manifest) as pipeline, pytest.raises(ValueError, match="share a tokenizer"):
+        Engine(pipeline, manifest.spec, DraftModel(small, F32))
