@@ -9,23 +9,28 @@ unreachable or refuses (a removed agent), registration retries with backoff; the
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from deskfleet.agent.advertise import Advertiser, interface_addresses
 from deskfleet.agent.core import AgentCore
 from deskfleet.agent.enroll import EnrollmentError, Membership, agent_tls_files
 from deskfleet.agent.link import Link, LinkError, open_link, start_server
 from deskfleet.agent.monitor import HostMonitor, SystemMonitor
 from deskfleet.agent.paths import AgentPaths, AgentSettings, load_settings
 from deskfleet.agent.shard_cache import ShardCache
+from deskfleet.agent.status import software_version
+from deskfleet.common.discovery_record import AgentRecord
 from deskfleet.common.wire import Register, parse_address
 
 log = logging.getLogger(__name__)
 
 RETRY_MIN_S = 1.0
 RETRY_MAX_S = 30.0
+ADVERTISE_REFRESH_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,7 @@ class AgentService:
         try:
             async with server, asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._register_forever(), name="register")
+                tasks.create_task(self._advertise_forever(host), name="advertise")
                 await self._stopping.wait()
                 raise _Stop
         except* _Stop:
@@ -84,6 +90,30 @@ class AgentService:
                 loop.add_signal_handler(signum, self.stop)
             except (NotImplementedError, RuntimeError):  # Windows, or not the main thread
                 pass
+
+    async def _advertise_forever(self, host: str) -> None:
+        """mDNS advertisement with the current state, refreshed every ADVERTISE_REFRESH_S."""
+        if host in ("0.0.0.0", "::", ""):
+            addresses = interface_addresses()
+        elif ipaddress.ip_address(host).is_loopback:
+            addresses = []
+        else:
+            addresses = [host]
+        if not addresses or self.bound_port is None:
+            log.info("not advertising over mDNS: listening on %s only", host)
+            return
+        try:
+            async with Advertiser(await self._record(), self.bound_port, addresses) as advertiser:
+                while True:
+                    await asyncio.sleep(ADVERTISE_REFRESH_S)
+                    await advertiser.update(await self._record())
+        except OSError as error:  # no multicast on this network: registration still works
+            log.warning("mDNS advertisement failed: %s", error)
+
+    async def _record(self) -> AgentRecord:
+        report = await self.core.status()
+        return AgentRecord(self.core.agent_id, self.membership.fleet_id, software_version(),
+                           (self.settings.device,), report.free_memory_bytes, report.state)
 
     async def _register_forever(self) -> None:
         delay = RETRY_MIN_S

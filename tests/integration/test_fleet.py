@@ -1,0 +1,255 @@
+"""The fleet over a real network: a controller and 3 agents as separate processes.
+
+As root, each process gets its own network namespace (df-test-*) with an address in 10.213.0.0/24 on
+a veth pair into one bridge, so TLS, registration and mDNS cross a real network stack; otherwise all
+run on loopback with distinct ports
+(DESKFLEET_TEST_LOOPBACK=1 forces that as root). The fixture makes and always removes the namespaces and bridge.
+The tests run in file order and share the fleet: join + discovery, deploy twice, generate through the
+chain, strangers refused, a removed agent refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+SUBNET = "10.213.0"
+BRIDGE = "df-test-br"
+AGENTS = 3
+RELAXED_SETTINGS = {"format_version": 1, "thresholds": {
+    "require_ac_power": False, "min_battery_percent": None, "max_temperature_c": None,
+    "min_free_memory_bytes": None, "max_cpu_load": None}}
+
+
+@dataclass
+class Node:
+    name: str
+    namespace: str | None
+    host: str
+
+    def command(self, *argv: str) -> list[str]:
+        prefix = ["ip", "netns", "exec", self.namespace] if self.namespace else []
+        return [*prefix, *argv]
+
+
+@dataclass
+class Fleet:
+    work: Path
+    controller: Node
+    agents: list[Node]
+    controller_address: str
+    agent_addresses: list[str]
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def controller_dir(self) -> Path:
+        return self.work / "controller"
+
+    def agent_dir(self, index: int) -> Path:
+        return self.work / f"agent{index}"
+
+    def run(self, node: Node, *argv: str, timeout: float = 120) -> str:
+        done = subprocess.run(node.command(*argv), cwd=REPO, capture_output=True, timeout=timeout,
+                              env=_environment())
+        if done.returncode != 0:
+            raise AssertionError(f"{' '.join(argv)} failed ({done.returncode}):\n{done.stderr.decode()[-3000:]}")
+        return done.stdout.decode()
+
+    def deskfleet(self, *argv: str, timeout: float = 120) -> str:
+        return self.run(self.controller, str(BIN / "deskfleet"), *argv, "--data-dir", str(self.controller_dir),
+                        timeout=timeout)
+
+    def start(self, key: str, node: Node, *argv: str) -> None:
+        log = (self.work / f"{key}.log").open("wb")
+        self.processes[key] = subprocess.Popen(node.command(*argv), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                               env=_environment())
+
+    def log(self, key: str) -> str:
+        return (self.work / f"{key}.log").read_text(errors="replace")
+
+    def stop_all(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _environment() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def _use_namespaces() -> bool:
+    if os.environ.get("DESKFLEET_TEST_LOOPBACK"):  # force the non-root path
+        return False
+    return os.name == "posix" and os.geteuid() == 0 and shutil.which("ip") is not None
+
+
+def _ip(*argv: str, check: bool = True) -> None:
+    subprocess.run(["ip", *argv], check=check, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def network() -> Iterator[tuple[Node, list[Node]]]:
+    """(controller node, agent nodes): namespaces on a bridge as root, else loopback."""
+    if not _use_namespaces():
+        yield Node("controller", None, "127.0.0.1"), [Node(f"agent{i}", None, "127.0.0.1") for i in range(AGENTS)]
+        return
+    names = ["df-test-ctl", *[f"df-test-a{i}" for i in range(AGENTS)]]
+    hosts = [f"{SUBNET}.1", *[f"{SUBNET}.{10 + i}" for i in range(AGENTS)]]
+    try:
+        _ip("link", "add", BRIDGE, "type", "bridge")
+        _ip("link", "set", BRIDGE, "type", "bridge", "mcast_snooping", "0", check=False)
+        _ip("link", "set", BRIDGE, "up")
+        for index, (namespace, host) in enumerate(zip(names, hosts, strict=True)):
+            _ip("netns", "add", namespace)
+            _ip("link", "add", f"df-test-v{index}", "type", "veth", "peer", "name", f"df-test-p{index}")
+            _ip("link", "set", f"df-test-v{index}", "master", BRIDGE, "up")
+            _ip("link", "set", f"df-test-p{index}", "netns", namespace)
+            _ip("-n", namespace, "link", "set", "lo", "up")
+            _ip("-n", namespace, "link", "set", f"df-test-p{index}", "name", "eth0")
+            _ip("-n", namespace, "addr", "add", f"{host}/24", "dev", "eth0")
+            _ip("-n", namespace, "link", "set", "eth0", "up", "multicast", "on")
+            _ip("-n", namespace, "route", "add", "224.0.0.0/4", "dev", "eth0", check=False)
+        yield (Node("controller", names[0], hosts[0]),
+               [Node(f"agent{i}", names[i + 1], hosts[i + 1]) for i in range(AGENTS)])
+    finally:
+        for namespace in names:
+            _ip("netns", "del", namespace, check=False)  # takes its veth end, and so the pair, with it
+        for index in range(len(names)):
+            _ip("link", "del", f"df-test-v{index}", check=False)
+        _ip("link", "del", BRIDGE, check=False)
+
+
+@pytest.fixture(scope="module")
+def fleet(network: tuple[Node, list[Node]], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    controller, agents = network
+    namespaced = controller.namespace is not None
+    work = tmp_path_factory.mktemp("fleet")
+    port = 7341 if namespaced else _free_port()
+    agent_addresses = [f"{node.host}:{7431 if namespaced else _free_port()}" for node in agents]
+    fleet = Fleet(work, controller, agents, f"{controller.host}:{port}", agent_addresses)
+    try:
+        fleet.deskfleet("fleet", "init", "--address", fleet.controller_address)
+        fleet.start("controller", controller, str(BIN / "deskfleet"), "-v", "fleet", "serve", "--data-dir",
+                    str(fleet.controller_dir), "--listen", fleet.controller_address)
+        yield fleet
+    finally:
+        fleet.stop_all()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _wait_for(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _ls(fleet: Fleet, discover_seconds: float = 0.0) -> list[dict[str, object]]:
+    return json.loads(fleet.deskfleet("fleet", "ls", "--json", "--discover-seconds", str(discover_seconds)))
+
+
+# Tests, in order
+
+def test_agents_join_and_are_discovered(fleet: Fleet) -> None:
+    _wait_for("the controller to listen", lambda: "controller listening" in fleet.log("controller"))
+    token = fleet.deskfleet("fleet", "token", "--uses", str(AGENTS), "--ttl", "10m").strip()
+    for index, node in enumerate(fleet.agents):
+        data_dir = fleet.agent_dir(index)
+        out = fleet.run(node, str(BIN / "deskfleet-agent"), "join", token, "--data-dir", str(data_dir))
+        assert "joined fleet" in out
+        assert (data_dir / "state" / "agent-key.pem").stat().st_mode & 0o077 == 0
+        (data_dir / "settings").mkdir(exist_ok=True)
+        (data_dir / "settings" / "agent-settings.json").write_text(json.dumps(RELAXED_SETTINGS))
+        fleet.start(node.name, node, str(BIN / "deskfleet-agent"), "--headless", "--data-dir", str(data_dir),
+                    "--listen", fleet.agent_addresses[index])
+    assert (fleet.controller_dir / "ca-key.pem").stat().st_mode & 0o077 == 0
+
+    def all_reachable() -> bool:
+        return sum(agent["state"] == "available" for agent in _ls(fleet)) == AGENTS
+
+    _wait_for("3 registered agents to answer", all_reachable, timeout=60)
+    if fleet.controller.namespace is not None:  # a real bridge carries multicast: mDNS finds them too
+        agents = _ls(fleet, discover_seconds=4.0)
+        assert sum("mdns" in agent["sources"] for agent in agents) == AGENTS, agents
+    assert sorted(agent["address"] for agent in _ls(fleet)) == sorted(fleet.agent_addresses)
+
+
+def test_deploy_pushes_then_a_second_deploy_sends_nothing(fleet: Fleet, tiny_export: Path) -> None:
+    args = ("fleet", "deploy", "--model", str(tiny_export), "--policy", "all_by_speed", "--precision", "f32",
+            "--json", "--discover-seconds", "0")
+    first = json.loads(fleet.deskfleet(*args))
+    assert len(first["stages"]) == AGENTS
+    assert all(sent > 0 for sent in first["bytes_sent"].values())
+    assert first["stages"][0][2] == 0 and first["stages"][-1][3] == 4
+    second = json.loads(fleet.deskfleet(*args))
+    assert second["stages"] == first["stages"]
+    assert set(second["bytes_sent"].values()) == {0} and set(second["files_sent"].values()) == {0}
+    serving = [agent for agent in _ls(fleet) if agent["stages"]]
+    assert len(serving) == AGENTS
+
+
+def test_chain_generates_the_local_tokens(fleet: Fleet, tiny_export: Path) -> None:
+    prompt = "1,17,42,99,5"
+    remote = json.loads(fleet.deskfleet("fleet", "generate", "--model", str(tiny_export), "--prompt-ids", prompt,
+                                        "--max-new-tokens", "8", "--ignore-eos", "--json"))["tokens"]
+    local = json.loads(subprocess.run(
+        [str(BIN / "deskfleet"), "generate", "--model", str(tiny_export), "--prompt-ids", prompt,
+         "--max-new-tokens", "8", "--ignore-eos", "--precision", "f32", "--json"],
+        capture_output=True, check=True, cwd=REPO, env=_environment()).stdout)["tokens"]
+    assert remote == local
+
+
+def test_strangers_are_refused_and_reach_no_stage(fleet: Fleet, tiny_export: Path) -> None:
+    target = fleet.agent_addresses[0]
+    out = fleet.run(fleet.controller, sys.executable, "-m", "tests.integration.fleet_probe", "strangers", target,
+                    str(fleet.work / "intruder"))
+    results = json.loads(out)
+    assert all(verdict.startswith("refused") for verdict in results.values()), results
+    for agent in _ls(fleet):
+        assert agent["state"] == "serving"
+    status = json.loads(fleet.deskfleet("fleet", "ls", "--json", "--discover-seconds", "0"))
+    assert all(agent["problem"] is None for agent in status)
+    # the poisoned Forward each stranger sent would have set the stage's last error had it arrived
+    assert "micro-batch 999" not in fleet.log("agent0")
+    test_chain_generates_the_local_tokens(fleet, tiny_export)
+
+
+def test_removed_agent_is_dropped_and_refused(fleet: Fleet) -> None:
+    membership = json.loads((fleet.agent_dir(2) / "state" / "membership.json").read_text())
+    fleet.deskfleet("fleet", "remove", membership["agent_id"][:10])
+    _wait_for("the controller to drop the removed agent",
+              lambda: "was removed from the fleet: dropping its link" in fleet.log("controller"), timeout=10)
+    out = fleet.run(fleet.agents[2], sys.executable, "-m", "tests.integration.fleet_probe", "revoked",
+                    fleet.controller_address, membership["controller_id"], str(fleet.agent_dir(2) / "state"))
+    assert json.loads(out)["revoked_agent"].startswith("refused"), out
+    assert "403" in json.loads(out)["revoked_agent"]
+    listed = {agent["agent_id"] for agent in _ls(fleet)}
+    assert membership["agent_id"] not in listed and len(listed) == AGENTS - 1
