@@ -1,0 +1,117 @@
+"""The agent core's message handling, without sockets: roles, shards, assignments, forwards."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from pathlib import Path
+from typing import cast
+
+import numpy as np
+import pytest
+
+from deskfleet.agent.core import AgentCore, CommandError
+from deskfleet.agent.link import Link
+from deskfleet.agent.paths import AgentSettings, Thresholds
+from deskfleet.agent.shard_cache import ShardCache
+from deskfleet.common import pki
+from deskfleet.common.agent_state import AgentState
+from deskfleet.common.availability import MonitorReading
+from deskfleet.common.kv_ledger import AppendSlots
+from deskfleet.common.wire import (
+    AssignStage,
+    ErrorCode,
+    Forward,
+    ManifestEntry,
+    Message,
+    Precision,
+    Role,
+    ShardChunk,
+    ShardComplete,
+    ShardHave,
+    ShardQuery,
+    StageRef,
+    StatusReport,
+    StatusRequest,
+)
+from tests.fleet_pki import make_ca, make_member
+
+
+class FakeMonitor:
+    def read(self) -> MonitorReading:
+        return MonitorReading(cpu_load=0.1, memory_free_bytes=8 << 30, memory_total_bytes=16 << 30,
+                              battery_percent=None, on_ac_power=None, temperatures=(), igpu_busy=None)
+
+
+class FakeLink:
+    def __init__(self, role: Role) -> None:
+        self.peer = pki.PeerIdentity("a" * 52, role, "0" * 64)
+
+    def describe(self) -> str:
+        return f"fake {self.peer.role.value}"
+
+
+@pytest.fixture
+def core(tmp_path: Path) -> AgentCore:
+    ca = make_ca(tmp_path / "ca")
+    files = make_member(ca, tmp_path / "agent", "agent")
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    return AgentCore(files, settings, ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor())
+
+
+def handle(core: AgentCore, role: Role, message: Message) -> Message | None:
+    return asyncio.run(core.handle(cast(Link, FakeLink(role)), message))
+
+
+def test_status_report_comes_from_the_monitor(core: AgentCore) -> None:
+    report = handle(core, Role.CONTROLLER, StatusRequest())
+    assert isinstance(report, StatusReport)
+    assert report.state is AgentState.AVAILABLE and report.free_memory_bytes == 8 << 30
+    assert report.temperature_c is None and report.stages == ()
+
+
+def test_only_the_controller_may_command(core: AgentCore) -> None:
+    for message in (StatusRequest(), ShardQuery(()), ShardComplete("0" * 64)):
+        with pytest.raises(CommandError) as refusal:
+            handle(core, Role.AGENT, message)
+        assert refusal.value.code is ErrorCode.UNAUTHORIZED
+
+
+def test_a_shard_arrives_in_chunks_and_is_then_held(core: AgentCore) -> None:
+    data = bytes(range(256)) * 40
+    digest = hashlib.sha256(data).hexdigest()
+    have = handle(core, Role.CONTROLLER, ShardQuery((digest,)))
+    assert isinstance(have, ShardHave) and have.complete == () and have.partial == ()
+    handle(core, Role.CONTROLLER, ShardChunk(digest, 0, len(data), data[:4000]))
+    have = handle(core, Role.CONTROLLER, ShardQuery((digest,)))
+    assert isinstance(have, ShardHave) and have.partial[0].offset == 4000  # resumable
+    handle(core, Role.CONTROLLER, ShardChunk(digest, 4000, len(data), data[4000:]))
+    handle(core, Role.CONTROLLER, ShardComplete(digest))
+    have = handle(core, Role.CONTROLLER, ShardQuery((digest,)))
+    assert isinstance(have, ShardHave) and have.complete == (digest,)
+
+
+def test_a_corrupted_shard_is_refused(core: AgentCore) -> None:
+    digest = hashlib.sha256(b"right").hexdigest()
+    handle(core, Role.CONTROLLER, ShardChunk(digest, 0, 5, b"wrong"))
+    with pytest.raises(CommandError) as refusal:
+        handle(core, Role.CONTROLLER, ShardComplete(digest))
+    assert refusal.value.code is ErrorCode.SHARD_MISMATCH
+    with pytest.raises(CommandError, match="out of order"):
+        handle(core, Role.CONTROLLER, ShardChunk(digest, 3, 5, b"gh"))
+
+
+def test_an_assignment_names_the_shards_it_lacks(core: AgentCore) -> None:
+    entry = ManifestEntry("layer_000.bin", "1" * 64, 10)
+    assignment = AssignStage(StageRef("m@1", 0, 1), True, True, "CPU", Precision.F32, None, (entry,))
+    with pytest.raises(CommandError, match=r"shards not in the cache: layer_000\.bin") as refusal:
+        handle(core, Role.CONTROLLER, assignment)
+    assert refusal.value.code is ErrorCode.SHARD_MISMATCH
+
+
+def test_a_forward_without_a_stage_is_refused(core: AgentCore) -> None:
+    forward = Forward(0, 0, (0,), (AppendSlots(1, (1,), (0,)),), np.zeros(1, np.int64),
+                      np.zeros((1, 1), np.int64), np.ones((1, 1), np.int64), None, None)
+    with pytest.raises(CommandError) as refusal:
+        handle(core, Role.AGENT, forward)
+    assert refusal.value.code is ErrorCode.NOT_ASSIGNED

@@ -1,0 +1,142 @@
+"""Fleet links on loopback: Hello first, identities from certificates, refusals."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from pathlib import Path
+
+import pytest
+from websockets.asyncio.server import Server
+
+from deskfleet.agent.link import Link, LinkError, open_link, start_server
+from deskfleet.common import pki
+from deskfleet.common.wire import Error, ErrorCode, Role, StatusRequest, decode, encode
+from tests.fleet_pki import make_ca, make_member
+
+
+def run(coroutine: Coroutine[object, object, None]) -> None:
+    asyncio.run(coroutine)
+
+
+async def _serve(tmp_path: Path, revoked: frozenset[str] = frozenset()) -> tuple[Server, int, list[Link], pki.FleetCa]:
+    ca = make_ca(tmp_path / "ca")
+    server_files = make_member(ca, tmp_path / "server", "server")
+    seen: list[Link] = []
+
+    async def handler(link: Link) -> None:
+        seen.append(link)
+        message = await link.receive()
+        await link.send(Error(ErrorCode.INTERNAL, f"echo {type(message).__name__}"))
+
+    server = await start_server(handler, "127.0.0.1", 0, server_files,
+                                revocations=lambda: pki.RevocationSet(revoked))
+    return server, server.sockets[0].getsockname()[1], seen, ca
+
+
+def test_hello_exchange_names_both_ends(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        server, port, seen, ca = await _serve(tmp_path)
+        async with server:
+            client_files = make_member(ca, tmp_path / "client", "client", Role.CONTROLLER)
+            link = await open_link(f"127.0.0.1:{port}", client_files)
+            assert link.peer.role is Role.AGENT
+            await link.send(StatusRequest())
+            reply = await link.receive()
+            assert isinstance(reply, Error) and reply.message == "echo StatusRequest"
+            assert seen[0].peer.agent_id == client_files.own_identity().agent_id
+            assert seen[0].peer.role is Role.CONTROLLER
+            await link.close()
+
+    run(scenario())
+
+
+def test_a_pinned_agent_id_must_match_the_certificate(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        server, port, _, ca = await _serve(tmp_path)
+        async with server:
+            client_files = make_member(ca, tmp_path / "client", "client")
+            with pytest.raises(LinkError, match="cannot reach"):
+                await open_link(f"127.0.0.1:{port}", client_files, expected_agent_id="a" * 52)
+
+    run(scenario())
+
+
+def test_a_revoked_client_gets_403_before_any_message(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        ca = make_ca(tmp_path / "ca")
+        client_files = make_member(ca, tmp_path / "client", "client")
+        revoked = frozenset({client_files.own_identity().agent_id})
+        server_files = make_member(ca, tmp_path / "server", "server")
+        seen: list[Link] = []
+
+        async def handler(link: Link) -> None:
+            seen.append(link)
+
+        server = await start_server(handler, "127.0.0.1", 0, server_files,
+                                    revocations=lambda: pki.RevocationSet(revoked))
+        async with server:
+            port = server.sockets[0].getsockname()[1]
+            with pytest.raises(LinkError, match="403"):
+                await open_link(f"127.0.0.1:{port}", client_files)
+        assert seen == []
+
+    run(scenario())
+
+
+def test_a_foreign_certificate_fails_the_handshake(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        server, port, seen, _ = await _serve(tmp_path)
+        async with server:
+            other_ca = make_ca(tmp_path / "other")
+            stranger = make_member(other_ca, tmp_path / "stranger", "stranger")
+            with pytest.raises(LinkError):
+                await open_link(f"127.0.0.1:{port}", stranger)
+        assert seen == []
+
+    run(scenario())
+
+
+def test_a_peer_that_skips_hello_never_reaches_the_handler(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        from websockets.asyncio.client import connect
+
+        server, port, seen, ca = await _serve(tmp_path)
+        async with server:
+            files = make_member(ca, tmp_path / "client", "client")
+            async with connect(f"wss://127.0.0.1:{port}/", ssl=files.client_context(pin_agent_id=False),
+                               server_hostname="127.0.0.1") as connection:
+                await connection.send(encode(StatusRequest()))
+                frame = await connection.recv()
+                await connection.wait_closed()
+        assert seen == []
+        refusal = decode(frame if isinstance(frame, bytes) else frame.encode())
+        assert isinstance(refusal, Error) and refusal.code is ErrorCode.UNAUTHORIZED
+
+    run(scenario())
+
+
+def test_a_malformed_frame_is_answered_and_the_link_closed(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        ca = make_ca(tmp_path / "ca")
+        server_files = make_member(ca, tmp_path / "server", "server")
+        outcome: list[str] = []
+
+        async def handler(link: Link) -> None:
+            try:
+                await link.receive()
+            except LinkError as error:
+                outcome.append(str(error))
+
+        server = await start_server(handler, "127.0.0.1", 0, server_files)
+        async with server:
+            files = make_member(ca, tmp_path / "client", "client")
+            link = await open_link(f"127.0.0.1:{server.sockets[0].getsockname()[1]}", files)
+            await link.connection.send(b"DSKF garbage")
+            reply = await link.receive()
+            assert isinstance(reply, Error) and reply.code is ErrorCode.BAD_MESSAGE
+            with pytest.raises(LinkError):
+                await link.receive()
+        assert outcome and "malformed" in outcome[0]
+
+    run(scenario())

@@ -1,0 +1,133 @@
+"""The fleet CA on disk, join tokens, removal, and enrollment against an in-process controller server."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import socket
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent.enroll import EnrollmentError, Membership, agent_tls_files, join
+from deskfleet.agent.link import LinkError, open_link, utc_now
+from deskfleet.common import join_tokens
+from deskfleet.common.wire import Register
+from deskfleet.controller.fleet_ca import (
+    Revocations,
+    init_fleet,
+    issue_token,
+    parse_duration,
+    remove_agent,
+)
+from deskfleet.controller.fleet_server import FleetServer
+from deskfleet.controller.fleet_store import FleetStore, FleetStoreError
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> FleetStore:
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    return store
+
+
+def with_server(store: FleetStore, scenario: Callable[[FleetServer, str], Awaitable[None]]) -> None:
+    async def main() -> None:
+        server = FleetServer(store, f"127.0.0.1:{free_port()}")
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(server.run())
+            while server.bound_port is None:
+                await asyncio.sleep(0.01)
+            try:
+                await scenario(server, f"127.0.0.1:{server.bound_port}")
+            finally:
+                server.stop()
+
+    asyncio.run(main())
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def token_for(store: FleetStore, address: str, uses: int = 1) -> str:
+    token = issue_token(store, utc_now(), datetime.timedelta(minutes=5), uses, (address,))
+    return join_tokens.encode_join_token(token)
+
+
+def test_init_keeps_private_keys_owner_only_and_refuses_a_second_fleet(store: FleetStore) -> None:
+    for path in (store.ca_key_path, store.tls_files.key_path):
+        assert path.stat().st_mode & 0o077 == 0
+    with pytest.raises(FleetStoreError, match="already holds a fleet"):
+        init_fleet(store, "again", ("127.0.0.1:1",), utc_now())
+
+
+def test_parse_duration() -> None:
+    assert parse_duration("24h") == datetime.timedelta(hours=24)
+    assert parse_duration("1d12h") == datetime.timedelta(hours=36)
+    for bad in ("", "24", "h", "0s", "3w"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+
+
+def test_tokens_are_persisted_as_hashes(store: FleetStore) -> None:
+    text = token_for(store, "127.0.0.1:9", uses=2)
+    secret = join_tokens.decode_join_token(text).secret
+    on_disk = (store.data_dir / "tokens.json").read_text()
+    assert join_tokens.secret_to_text(secret) not in on_disk and '"uses_left": 2' in on_disk
+
+
+def test_join_then_register_then_remove(store: FleetStore, tmp_path: Path) -> None:
+    async def scenario(server: FleetServer, address: str) -> None:
+        membership = await join(token_for(store, address), tmp_path / "agent", "pc-1")
+        assert membership == Membership.load(tmp_path / "agent")
+        files = agent_tls_files(tmp_path / "agent")
+        assert files.key_path.stat().st_mode & 0o077 == 0
+        assert store.roster()[membership.agent_id].hostname == "pc-1"
+        link = await open_link(address, files, expected_agent_id=membership.controller_id)
+        await link.send(Register(membership.agent_id, ("127.0.0.1:7431",)))
+        for _ in range(100):
+            if membership.agent_id in server.live:
+                break
+            await asyncio.sleep(0.02)
+        assert store.roster()[membership.agent_id].addresses == ("127.0.0.1:7431",)
+        assert remove_agent(store, "pc-1") == membership.agent_id
+        with pytest.raises(LinkError):  # dropped at once...
+            for _ in range(20):
+                await link.receive()
+        with pytest.raises(LinkError, match="403"):  # ...and refused from now on
+            await open_link(address, files, expected_agent_id=membership.controller_id)
+
+    with_server(store, scenario)
+
+
+def test_a_used_token_and_a_wrong_ca_are_refused(store: FleetStore, tmp_path: Path) -> None:
+    async def scenario(server: FleetServer, address: str) -> None:
+        text = token_for(store, address)
+        await join(text, tmp_path / "first")
+        with pytest.raises(EnrollmentError, match="refused"):
+            await join(text, tmp_path / "second")
+        token = join_tokens.decode_join_token(token_for(store, address))
+        forged = join_tokens.encode_join_token(dataclasses.replace(token, ca_fingerprint="0" * 64))
+        with pytest.raises(EnrollmentError, match="refusing to send the secret"):
+            await join(forged, tmp_path / "third")
+        ledger = (store.data_dir / "tokens.json").read_text()
+        assert '"uses_left": 1' in ledger  # the forged attempt never spent the real token
+
+    with_server(store, scenario)
+
+
+def test_revocations_reload_when_the_file_changes(store: FleetStore) -> None:
+    revocations = Revocations(store)
+    assert not revocations().agent_ids
+    store.write("revoked", ["a" * 52])
+    assert revocations().is_revoked("a" * 52)
+
+
+def test_remove_names_what_it_cannot_find(store: FleetStore) -> None:
+    with pytest.raises(FleetStoreError, match="no enrolled agent"):
+        remove_agent(store, "nobody")

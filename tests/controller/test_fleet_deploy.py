@@ -1,0 +1,78 @@
+"""Deploy and drive a chain in one process: two agent cores on loopback, the controller's survey,
+deploy (twice: the second sends nothing), and greedy tokens through the network equal to the local run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent.core import AgentCore
+from deskfleet.agent.link import start_server, utc_now
+from deskfleet.agent.paths import AgentSettings, Thresholds
+from deskfleet.agent.shard_cache import ShardCache
+from deskfleet.common.model_spec import ManifestError
+from deskfleet.common.planner import PlanOptions, PlanPolicy
+from deskfleet.common.wire import Precision
+from deskfleet.controller.fleet_ca import init_fleet, load_ca
+from deskfleet.controller.fleet_chain import RemoteChain, generate_greedy_remote
+from deskfleet.controller.fleet_deploy import deploy
+from deskfleet.controller.fleet_store import FleetStore
+from deskfleet.controller.fleet_survey import SurveyOptions, survey
+from tests.agent.test_core import FakeMonitor
+from tests.fleet_pki import make_member
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_deploy_twice_and_generate(tmp_path: Path, tiny_export: Path) -> None:
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    ca = load_ca(store)
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    ports = [free_port(), free_port()]
+
+    async def scenario() -> tuple[list[int], dict[str, int]]:
+        servers = []
+        for index, port in enumerate(ports):
+            files = make_member(ca, tmp_path / f"agent{index}", "agent")
+            core = AgentCore(files, settings, ShardCache(tmp_path / f"cache{index}", 1 << 30), FakeMonitor())
+            servers.append(await start_server(core.serve_link, "127.0.0.1", port, files))
+        options = SurveyOptions(peers=tuple(f"127.0.0.1:{port}" for port in ports), discover_seconds=0)
+        policy = PlanOptions(policy=PlanPolicy.ALL_BY_SPEED)
+        for _ in range(2):
+            found = await survey(store, options)
+            assert len(found.reachable()) == 2
+            try:
+                _, report = await deploy(store, tiny_export, found, policy, Precision.F32)
+            finally:
+                await found.close()
+        with pytest.raises(ManifestError, match=r"no manifest\.json"):
+            await deploy(store, tmp_path, found, policy)
+        chain = await RemoteChain.open(store, tiny_export)
+        try:
+            tokens = await generate_greedy_remote(chain, [1, 7, 9, 3], 6)
+        finally:
+            await chain.close()
+        for server in servers:
+            server.close()
+            await server.wait_closed()
+        return tokens, report.bytes_sent
+
+    tokens, second_sent = asyncio.run(scenario())
+    assert set(second_sent.values()) == {0}
+    local = subprocess.run([str(Path(sys.executable).parent / "deskfleet"), "generate", "--model", str(tiny_export),
+                            "--prompt-ids", "1,7,9,3", "--max-new-tokens", "6", "--ignore-eos", "--precision", "f32",
+                            "--json"], capture_output=True, check=True)
+    assert tokens == json.loads(local.stdout)["tokens"]
