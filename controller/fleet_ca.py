@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import re
@@ -174,6 +175,16 @@ class Revocations:
 
 async def serve_enrollment(connection: ServerConnection, store: FleetStore) -> None:
     """Run the join exchange with a certificate-less client, then close. Acts on nothing else."""
+    remote = connection.remote_address
+    try:
+        async with asyncio.timeout(JOIN_TIMEOUT_S):
+            await _join_exchange(connection, store)
+    except TimeoutError:
+        log.warning("join from %s timed out", remote)
+        await connection.close(1008, "timeout")
+
+
+async def _join_exchange(connection: ServerConnection, store: FleetStore) -> None:
     remote = connection.remote_address
     try:
         files = store.tls_files
