@@ -212,8 +212,8 @@ def verify(append: AppendSlots, next_tokens: npt.NDArray[np.int64], logits: npt.
             raise LedgerError("sampled rows need the stage's logits")
         assert sampling is not None
         rng = np.random.default_rng(sampling.seeds[row])
-        target = sampling_probs(logits[row, : k + 1], params)  # [k+1, V]
         if k:
+            target = sampling_probs(logits[row, : k + 1], params)  # [k+1, V]
             assert draft is not None
             if draft.draft_probs is None:
                 raise LedgerError(f"row {row} samples with draft tokens but no draft probabilities")
@@ -222,7 +222,7 @@ def verify(append: AppendSlots, next_tokens: npt.NDArray[np.int64], logits: npt.
             chosen.append(verdict.next_token)
             accepted.append(verdict.accepted)
         else:
-            chosen.append(sample(target[live - 1], rng))
+            chosen.append(sample(sampling_probs(logits[row, live - 1: live], params)[0], rng))
             accepted.append(0)
     return tuple(chosen), (tuple(accepted) if draft is not None else None)
 

@@ -7,11 +7,13 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from deskfleet.agent.stage import CompileSettings, Precision
 from deskfleet.common.kv_ledger import CompactionMode, CompactionPolicy
 from deskfleet.common.model_spec import load_manifest
+from deskfleet.common.speculative import SamplingParams, sampling_probs
 from deskfleet.common.wire import Forward, ForwardResult
 from deskfleet.controller.draft import DraftModel
 from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
@@ -164,3 +166,81 @@ def test_draft_with_another_vocabulary_is_refused(target: Path, checkpoint_facto
     manifest = load_manifest(target)
     with LocalPipeline(target, 1, F32, manifest) as pipeline, pytest.raises(ValueError, match="share a tokenizer"):
         Engine(pipeline, manifest.spec, DraftModel(small, F32))
+
+
+@pytest.fixture(scope="module")
+def near_draft(checkpoint_factory: Callable[..., Path], export_factory: Callable[[Path, str], Path],
+               tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target with noise on every weight: its distributions overlap the target's but differ."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    source = checkpoint_factory("engine-target", num_hidden_layers=4)
+    out = tmp_path_factory.mktemp("near-draft")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+    return export_factory(out, "f32")
+
+
+def _exact_joint(checkpoint: Path, prompt: list[int], params: SamplingParams,
+                 depth: int) -> dict[tuple[int, ...], float]:
+    """P(t1..t_depth) of sampling with `params`, from transformers' own logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    joint: dict[tuple[int, ...], float] = {}
+
+    def expand(prefix: tuple[int, ...], probability: float) -> None:
+        if len(prefix) == depth:
+            joint[prefix] = probability
+            return
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1].numpy()
+        probs = sampling_probs(logits[None, :], params)[0]
+        for token in np.flatnonzero(probs > 0):
+            expand((*prefix, int(token)), probability * float(probs[token]))
+
+    expand((), 1.0)
+    return joint
+
+
+def _chi_square(counts: Counter[tuple[int, ...]], joint: dict[tuple[int, ...], float], total: int) -> tuple[float, int]:
+    assert set(counts) <= set(joint), "a sequence outside the support of the sampling distribution"
+    statistic = sum((counts.get(key, 0) - total * p) ** 2 / (total * p) for key, p in joint.items())
+    return statistic, len(joint) - 1
+
+
+def _critical(degrees: int, z: float = 3.719) -> float:
+    """chi-square quantile at p = 1e-4 (Wilson-Hilferty)."""
+    return degrees * (1 - 2 / (9 * degrees) + z * (2 / (9 * degrees)) ** 0.5) ** 3
+
+
+@pytest.mark.slow
+def test_speculative_sampling_draws_from_the_target_distribution(
+        target: Path, near_draft: Path, checkpoint_factory: Callable[..., Path]) -> None:
+    # Top-3 at temperature 3 leaves 27 possible 3-token continuations with sizeable probabilities. Both
+    # the plain sampler and speculative sampling (a draft whose distributions overlap the target's but
+    # differ: accepted and rejected tokens alike, so the residual distribution matters) must match the
+    # exact distribution computed with transformers.
+    params = SamplingParams(temperature=3.0, top_k=3)
+    prompt = PROMPTS[1]
+    joint = _exact_joint(checkpoint_factory("engine-target", num_hidden_layers=4), prompt, params, 3)
+    total = 600
+    requests = [StreamRequest(prompt, max_new_tokens=3, ignore_eos=True, sampling=params, seed=seed)
+                for seed in range(total)]
+    options = EngineOptions(max_rows=16, fixed_k=2)
+    for draft in (None, near_draft):
+        tokens = run_streams(target, requests, 1, draft, options)
+        counts = Counter(tuple(row) for row in tokens)
+        statistic, degrees = _chi_square(counts, joint, total)
+        assert statistic < _critical(degrees), f"draft={draft}: chi-square {statistic:.1f} with {degrees} dof"
