@@ -24,8 +24,9 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
-from deskfleet.common.model_spec import Manifest, TensorNames, verify_files
 from openvino import passes
+
+from deskfleet.common.model_spec import Manifest, TensorNames, verify_files
 
 log = logging.getLogger(__name__)
 

@@ -28,6 +28,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
 from deskfleet.common.wire_messages import Role
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address

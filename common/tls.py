@@ -12,6 +12,7 @@ import ssl
 from pathlib import Path
 
 from cryptography import x509
+
 from deskfleet.common.pki import (
     PeerIdentity,
     RevocationSet,

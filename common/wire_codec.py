@@ -27,6 +27,7 @@ from enum import Enum
 from functools import cache
 
 import numpy as np
+
 from deskfleet.common.wire_messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message
 from deskfleet.common.wire_tensors import WIRE_DTYPES, ProtocolError, Tensor, wire_dtype_name
 

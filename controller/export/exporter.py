@@ -16,6 +16,7 @@ from pathlib import Path
 
 import openvino as ov
 import torch
+
 from deskfleet.common.model_spec import (
     MANIFEST_NAME,
     FileEntry,

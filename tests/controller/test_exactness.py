@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from deskfleet.controller.cli import main
 
 NEW_TOKENS = 64
