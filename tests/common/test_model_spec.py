@@ -1,0 +1,91 @@
+"""The manifest: round trips, validation and file verification name what is wrong."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from deskfleet.common.model_spec import (
+    FileEntry,
+    Manifest,
+    ManifestError,
+    ModelSpec,
+    WeightFormat,
+    load_manifest,
+    sha256_of,
+    verify_files,
+)
+
+SPEC = ModelSpec(architecture="llama", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                 intermediate_size=128, vocab_size=512, max_context=256, bos_token_id=1, eos_token_ids=(2,),
+                 rope_type="default", tie_word_embeddings=False)
+
+
+def manifest(files: dict[str, FileEntry] | None = None) -> Manifest:
+    return Manifest(model_name="tiny", spec=SPEC, weight_format=WeightFormat.INT4, files=files or {},
+                    tokenizer_files=("tokenizer.json",), layer_bytes=(10, 10, 10, 10), embed_bytes=5, head_bytes=6)
+
+
+def test_round_trip() -> None:
+    original = manifest({"a.bin": FileEntry("0" * 64, 3)})
+    assert Manifest.from_json(original.to_json()) == original
+
+
+def test_kv_bytes() -> None:
+    assert SPEC.kv_bytes_per_token_per_layer() == 2 * 2 * 16 * 4
+    assert SPEC.kv_bytes_per_token_per_layer(2) == 2 * 2 * 16 * 2
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"num_layers": 0}, "num_layers"),
+    ({"num_kv_heads": 3}, "not a multiple"),
+    ({"eos_token_ids": (600,)}, "outside the vocabulary"),
+])
+def test_validation_names_the_field(change: dict[str, object], message: str) -> None:
+    with pytest.raises(ManifestError, match=message):
+        dataclasses.replace(SPEC, **change).validate()  # type: ignore[arg-type]
+
+
+def test_malformed_manifests_are_refused() -> None:
+    body = json.loads(manifest().to_json())
+    with pytest.raises(ManifestError, match="format_version"):
+        Manifest.from_json(json.dumps({**body, "format_version": 99}))
+    with pytest.raises(ManifestError, match="malformed"):
+        Manifest.from_json(json.dumps({k: v for k, v in body.items() if k != "spec"}))
+    with pytest.raises(ManifestError, match="layer sizes"):
+        Manifest.from_json(json.dumps({**body, "layer_bytes": [1]}))
+    with pytest.raises(ManifestError, match="malformed"):
+        Manifest.from_json("[1, 2")
+
+
+def test_stage_stems() -> None:
+    m = manifest()
+    assert m.stage_ir_stems(0, 4) == ["rope", "embed", "layer_000", "layer_001", "layer_002", "layer_003", "head"]
+    assert m.stage_ir_stems(1, 3) == ["rope", "layer_001", "layer_002"]
+    with pytest.raises(ManifestError, match="outside"):
+        m.stage_ir_stems(2, 5)
+
+
+def test_load_and_verify(tmp_path: Path) -> None:
+    with pytest.raises(ManifestError, match="not a folder"):
+        load_manifest(tmp_path / "missing")
+    with pytest.raises(ManifestError, match="not a deskfleet export"):
+        load_manifest(tmp_path)
+    (tmp_path / "a.bin").write_bytes(b"abc")
+    m = manifest({"a.bin": FileEntry(sha256_of(tmp_path / "a.bin"), 3), "b.bin": FileEntry("0" * 64, 1)})
+    (tmp_path / "manifest.json").write_text(m.to_json())
+    assert load_manifest(tmp_path) == m
+    verify_files(tmp_path, m, ["a.bin"])
+    with pytest.raises(ManifestError, match="missing"):
+        verify_files(tmp_path, m, ["b.bin"])
+    with pytest.raises(ManifestError, match="not listed"):
+        verify_files(tmp_path, m, ["c.bin"])
+    (tmp_path / "a.bin").write_bytes(b"abd")
+    with pytest.raises(ManifestError, match="corrupted"):
+        verify_files(tmp_path, m, ["a.bin"])
+    (tmp_path / "a.bin").write_bytes(b"abcd")
+    with pytest.raises(ManifestError, match="4 bytes"):
+        verify_files(tmp_path, m, ["a.bin"])

@@ -1,0 +1,58 @@
+"""`deskfleet generate`/`export`: JSON output and errors that name the problem (exit code 2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deskfleet.controller.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_generate_json_has_the_documented_fields(tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "generate", "--model", str(tiny_export), "--stages", "2", "--prompt", "def f(x):",
+                       "--max-new-tokens", "8", "--ignore-eos", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert len(report["tokens"]) == 8 and isinstance(report["text"], str)
+    assert report["stages"] == 2 and report["tok_s"] > 0
+
+
+def test_generate_several_prompts(tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "generate", "--model", str(tiny_export), "--prompt", "a", "--prompt", "bc",
+                       "--max-new-tokens", "4", "--ignore-eos", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert [len(stream["tokens"]) for stream in report["streams"]] == [4, 4]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--prompt-ids", "1,2,99999"], "outside the vocabulary"),
+    (["--prompt-ids", "1,x"], "comma-separated integers"),
+    (["--prompt-ids", "1,2", "--max-new-tokens", "100000"], "exceed the model's context"),
+    (["--prompt-ids", "1,2", "--stages", "9"], "cannot split 4 layers into 9 stages"),
+    (["--prompt-ids", "1,2", "--chat"], ""),
+])
+def test_generate_errors(tiny_export: Path, capsys: pytest.CaptureFixture[str], args: list[str],
+                         message: str) -> None:
+    code, _, err = run(capsys, "generate", "--model", str(tiny_export), *args)
+    if message:
+        assert code == 2 and message in err
+    else:
+        assert code == 0  # --chat applies to text prompts only; ids are used as given
+
+
+def test_wrong_model_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "generate", "--model", str(tmp_path), "--prompt", "x")
+    assert code == 2 and "not a deskfleet export" in err
+    code, _, err = run(capsys, "export", str(tmp_path), "-o", str(tmp_path / "out"))
+    assert code == 2 and "config.json" in err
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,126 @@
+"""Export: clear errors for unsupported checkpoints, an atomic output folder, one INT4 policy for all."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+import pytest
+
+from deskfleet.common.model_spec import ManifestError, WeightFormat, load_manifest, verify_files
+from deskfleet.controller.export import exporter
+from deskfleet.controller.export.exporter import ExportError, export_checkpoint
+from deskfleet.controller.export.hf_config import UnsupportedModelError, read_checkpoint_config
+
+
+def edited_checkpoint(source: Path, tmp_path: Path, **changes: object) -> Path:
+    target = tmp_path / "edited"
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    config.update(changes)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"model_type": "gpt2"}, "model_type"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type"),
+])
+def test_unsupported_configs_name_the_field(changes: dict[str, object], field: str,
+                                            checkpoint_factory: Callable[..., Path], tmp_path: Path) -> None:
+    checkpoint = edited_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), tmp_path, **changes)
+    with pytest.raises(UnsupportedModelError, match=field):
+        read_checkpoint_config(checkpoint)
+
+
+def test_sliding_window_shorter_than_the_context_is_refused(checkpoint_factory: Callable[..., Path]) -> None:
+    checkpoint = checkpoint_factory("mistral-window", "mistral", sliding_window=64)
+    with pytest.raises(UnsupportedModelError, match="sliding_window"):
+        read_checkpoint_config(checkpoint)
+    assert read_checkpoint_config(checkpoint, max_context=64).spec.max_context == 64
+
+
+def test_not_a_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        read_checkpoint_config(tmp_path)
+
+
+def test_manifest_lists_every_file_with_its_checksum(tiny_export: Path) -> None:
+    manifest = load_manifest(tiny_export)
+    on_disk = {path.name for path in tiny_export.iterdir()} - {"manifest.json"}
+    assert set(manifest.files) == on_disk
+    verify_files(tiny_export, manifest)
+    assert manifest.spec.num_layers == 4 and len(manifest.layer_bytes) == 4
+    assert "tokenizer.json" in manifest.tokenizer_files
+
+
+def test_existing_output_is_kept_without_overwrite(tiny_export: Path, checkpoint_factory: Callable[..., Path]) -> None:
+    before = sorted(path.name for path in tiny_export.iterdir())
+    with pytest.raises(ExportError, match="--overwrite"):
+        export_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), tiny_export)
+    assert sorted(path.name for path in tiny_export.iterdir()) == before
+
+
+def test_a_failed_export_leaves_nothing_behind(checkpoint_factory: Callable[..., Path], tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = 0
+    original = exporter._save
+
+    def failing_save(*args: object, **kwargs: object) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("disk full")
+        original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(exporter, "_save", failing_save)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("old export")
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), out, WeightFormat.F32, overwrite=True)
+    assert (out / "keep.txt").read_text() == "old export"
+    assert [path.name for path in tmp_path.iterdir()] == ["out"]  # no partial folder left
+
+
+def test_int4_policy_is_the_same_for_every_layer(checkpoint_factory: Callable[..., Path],
+                                                 export_factory: Callable[[Path, str], Path]) -> None:
+    # Every decoder MatMul (down_proj included) is 4-bit, so the split point cannot change the weights;
+    # the RoPE table stays f32 (NNCF would otherwise compress it as an embedding).
+    model = export_factory(checkpoint_factory("int4", "llama", num_hidden_layers=4, hidden_size=128,
+                                              intermediate_size=256), "int4")
+    core = ov.Core()
+    for index in range(4):
+        layer = core.read_model(model / f"layer_{index:03d}.xml")
+        weight_types = {op.get_output_element_type(0).get_type_name() for op in layer.get_ops()
+                        if op.get_type_name() == "Constant" and len(op.get_output_shape(0)) >= 2
+                        and min(op.get_output_shape(0)) > 1 and op.get_output_size() == 1
+                        and op.get_output_element_type(0).get_type_name() in {"u4", "i4", "u8", "i8"}}
+        assert weight_types == {"u4"}, f"layer {index} weight constants: {weight_types}"
+    rope = core.read_model(model / "rope.xml")
+    tables = [op for op in rope.get_ops() if op.get_type_name() == "Constant" and len(op.get_output_shape(0)) == 2]
+    assert tables and all(op.get_output_element_type(0) == ov.Type.f32 for op in tables)
+    table = max(tables, key=lambda op: int(np.prod(op.get_output_shape(0))))
+    assert table.get_output_shape(0)[0] == load_manifest(model).spec.max_context
+
+
+def test_corrupted_layer_file_is_refused_before_compiling(tiny_export: Path, tmp_path: Path) -> None:
+    from deskfleet.agent.stage import LayerRange, build_stage_model
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_export, copy)
+    data = bytearray((copy / "layer_001.bin").read_bytes())
+    data[100] ^= 0xFF
+    (copy / "layer_001.bin").write_bytes(bytes(data))
+    manifest = load_manifest(copy)
+    build_stage_model(copy, manifest, LayerRange(2, 4, 4))  # other layers are fine
+    with pytest.raises(ManifestError, match="layer_001.bin is corrupted"):
+        build_stage_model(copy, manifest, LayerRange(0, 2, 4))
+    (copy / "layer_002.xml").unlink()
+    with pytest.raises(ManifestError, match="layer_002.xml is missing"):
+        build_stage_model(copy, manifest, LayerRange(2, 4, 4))
