@@ -4,11 +4,12 @@ import base64
 import datetime
 
 import pytest
-from deskfleet.common import join_tokens as jt
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-NOW = datetime.datetime(2026, 3, 1, 12, 0, tzinfo=datetime.timezone.utc)
+from deskfleet.common import join_tokens as jt
+
+NOW = datetime.datetime(2026, 3, 1, 12, 0, tzinfo=datetime.UTC)
 SECRET = bytes(range(32))
 TOKEN = jt.JoinToken(("192.168.1.10:7443", "[fe80::2]:7443", "controller.office.lan:7443"),
                      "ab" * 32, SECRET, NOW + datetime.timedelta(hours=24))
@@ -56,7 +57,7 @@ def test_encoding_refuses_bad_fields() -> None:
     for changes, message in [({"secret": b"short"}, "secret"), ({"ca_fingerprint": "xyz"}, "fingerprint"),
                              ({"controller_addresses": ()}, "1 to 8"),
                              ({"controller_addresses": ("nohost",)}, "host:port"),
-                             ({"expires_at": datetime.datetime(1960, 1, 1, tzinfo=datetime.timezone.utc)},
+                             ({"expires_at": datetime.datetime(1960, 1, 1, tzinfo=datetime.UTC)},
                               "1970")]:
         with pytest.raises(jt.JoinTokenError, match=message):
             jt.encode_join_token(replace(TOKEN, **changes))  # type: ignore[arg-type]

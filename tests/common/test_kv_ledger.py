@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from deskfleet.common.kv_ledger import (
     NEW_ROW,
     AdmitRow,
@@ -18,8 +21,6 @@ from deskfleet.common.kv_ledger import (
     plan_compaction,
     position_ids,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 Entry = tuple[int, int]  # what a simulated KV slot holds: (token, logical position it was written at)
 PAD: Entry = (-1, -1)

@@ -10,10 +10,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID
+
 from deskfleet.common import pki
 from deskfleet.common.wire import Role, is_agent_id
 
-NOW = datetime.datetime(2026, 3, 1, 12, 0, tzinfo=datetime.timezone.utc)
+NOW = datetime.datetime(2026, 3, 1, 12, 0, tzinfo=datetime.UTC)
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from deskfleet.common.agent_state import AgentState, UnavailableReason
 from deskfleet.common.planner import (
     GB,
@@ -16,8 +19,6 @@ from deskfleet.common.planner import (
     render_plan,
     usable_bytes,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 NO_MARGIN = PlanOptions(margin_fraction=0.0, margin_min_bytes=0, stage_overhead_bytes=0)
 ALL = PlanOptions(policy=PlanPolicy.ALL_BY_SPEED, margin_fraction=0.0, margin_min_bytes=0,

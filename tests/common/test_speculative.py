@@ -6,6 +6,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 import pytest
+
 from deskfleet.common.speculative import (
     AdaptiveK,
     RoundCost,

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from deskfleet.common import pki, tls
 from deskfleet.common.wire import Role
 
-NOW = datetime.datetime.now(datetime.timezone.utc)  # OpenSSL checks validity against the real clock
+NOW = datetime.datetime.now(datetime.UTC)  # OpenSSL checks validity against the real clock
 
 
 @dataclass(frozen=True)

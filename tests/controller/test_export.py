@@ -46,7 +46,7 @@ def test_sliding_window_shorter_than_the_context_is_refused(checkpoint_factory: 
 
 
 def test_not_a_checkpoint(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
         read_checkpoint_config(tmp_path)
 
 
@@ -119,8 +119,8 @@ def test_corrupted_layer_file_is_refused_before_compiling(tiny_export: Path, tmp
     (copy / "layer_001.bin").write_bytes(bytes(data))
     manifest = load_manifest(copy)
     build_stage_model(copy, manifest, LayerRange(2, 4, 4))  # other layers are fine
-    with pytest.raises(ManifestError, match="layer_001.bin is corrupted"):
+    with pytest.raises(ManifestError, match=r"layer_001\.bin is corrupted"):
         build_stage_model(copy, manifest, LayerRange(0, 2, 4))
     (copy / "layer_002.xml").unlink()
-    with pytest.raises(ManifestError, match="layer_002.xml is missing"):
+    with pytest.raises(ManifestError, match=r"layer_002\.xml is missing"):
         build_stage_model(copy, manifest, LayerRange(2, 4, 4))
