@@ -159,7 +159,7 @@ def decode_join_token(text: str) -> JoinToken:
     if offset != len(body):
         raise JoinTokenError("join token has trailing bytes")
     try:
-        expires_at = datetime.datetime.fromtimestamp(expiry, datetime.timezone.utc)
+        expires_at = datetime.datetime.fromtimestamp(expiry, datetime.UTC)
     except (OverflowError, OSError, ValueError):
         raise JoinTokenError(f"join token expiry {expiry} is not a date") from None
     return JoinToken(tuple(addresses), fingerprint.hex(), secret, expires_at)
