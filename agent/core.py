@@ -8,8 +8,14 @@ order and acts on them:
 - AssignStage -> materialize the stage's files from the cache, build and compile the Stage in a worker
   thread, StageReady; ReleaseStage -> drop it;
 - Forward -> the stage's executor in a worker thread (KV mirror deltas, one infer call), then the
-  hidden states go to the next hop over an agent-to-agent link, or the ForwardResult to the controller.
-Only a peer with the controller role may command; an agent peer may only send Forward.
+  hidden states go to the next hop over an agent-to-agent link, or the ForwardResult to the controller;
+- ReleaseMicroBatch -> free that micro-batch's KV state, then relay it to the next hop (it travels
+  the chain behind the micro-batch's last Forward);
+- ResultsHere -> this controller link receives the ForwardResults (the driver's return path);
+- RevocationUpdate -> links from removed agents are dropped, and their Forwards refused.
+Only a peer with the controller role may command; an agent peer (the previous stage) may only send
+Forward, ReleaseMicroBatch and Error. A stage failure travels DOWN the chain as an Error (relayed by
+every later stage) to the driver's results link, naming the agent and the stage that failed.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from deskfleet.agent.stage import CompileSettings, LayerRange, Stage
 from deskfleet.agent.stage import Precision as StagePrecision
 from deskfleet.agent.stage_executor import StageExecutor
 from deskfleet.agent.status import make_status
+from deskfleet.common import pki
 from deskfleet.common.kv_ledger import LedgerError
 from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, ManifestError
 from deskfleet.common.wire import (
@@ -39,7 +46,10 @@ from deskfleet.common.wire import (
     NextHop,
     Precision,
     ProtocolError,
+    ReleaseMicroBatch,
     ReleaseStage,
+    ResultsHere,
+    RevocationUpdate,
     Role,
     ShardChunk,
     ShardComplete,
@@ -72,8 +82,9 @@ class AgentCore:
     """The agent's state and message handling; owns no sockets of its own except next-hop links."""
 
     def __init__(self, files: TlsFiles, settings: AgentSettings, cache: ShardCache,
-                 monitor: SystemMonitor) -> None:
+                 monitor: SystemMonitor, num_threads: int | None = None) -> None:
         self.files = files
+        self.num_threads = num_threads  # inference threads per stage; None: the device's default
         self.settings = settings
         self.cache = cache
         self.monitor = monitor
@@ -81,21 +92,33 @@ class AgentCore:
         self.stages: dict[StageRef, HostedStage] = {}
         self.last_error: str | None = None
         self._controller_links: list[Link] = []
+        self._results_link: Link | None = None
+        self._links: set[Link] = set()  # every link being served
+        self._revoked = pki.RevocationSet()
         self._next_hops: dict[str, Link] = {}
         self._assign_lock = asyncio.Lock()
 
     # Public methods
 
+    def revocations(self) -> pki.RevocationSet:
+        """The removed agents the controller told us about (a `link.RevocationSource`)."""
+        return self._revoked
+
     async def serve_link(self, link: Link) -> None:
         """Read and act on `link`'s messages until it closes. Never raises for the peer's faults."""
         if link.peer.role is Role.CONTROLLER:
             self._controller_links.append(link)
+        self._links.add(link)
         try:
             while True:
                 try:
                     message = await link.receive()
                 except LinkError as error:
                     log.info("%s", error)
+                    return
+                if self._revoked.is_revoked(link.peer.agent_id):
+                    self._note_error(f"refused {type(message).__name__} from removed {link.describe()}")
+                    await link.refuse(ErrorCode.UNAUTHORIZED, "this agent was removed from the fleet")
                     return
                 if link in self._controller_links:  # results go to the controller that spoke last
                     self._controller_links.remove(link)
@@ -104,7 +127,10 @@ class AgentCore:
                     reply = await self.handle(link, message)
                 except CommandError as error:
                     self._note_error(f"{type(message).__name__} from {link.describe()}: {error}")
-                    reply = Error(error.code, str(error))
+                    reply = Error(error.code, f"agent {self.agent_id[:12]}: {error}")
+                    if link.peer.role is Role.AGENT:  # the previous stage reads nothing back: tell the driver
+                        await self._send_down(reply)
+                        reply = None
                 if reply is not None:
                     try:
                         await link.send(reply)
@@ -112,17 +138,32 @@ class AgentCore:
                         log.info("%s", error)
                         return
         finally:
+            self._links.discard(link)
             if link in self._controller_links:
                 self._controller_links.remove(link)
+            if self._results_link is link:
+                self._results_link = None
 
     async def handle(self, link: Link, message: Message) -> Message | None:
         """Act on one message; return the reply (if any). CommandError for a refusal."""
         if isinstance(message, Forward):
             await self._forward(message)
             return None
+        if isinstance(message, ReleaseMicroBatch):
+            await self._release_micro_batch(message)
+            return None
+        if isinstance(message, Error) and link.peer.role is Role.AGENT:
+            await self._send_down(message)  # a failure upstream: on to the driver
+            return None
         if link.peer.role is not Role.CONTROLLER:
-            raise CommandError(ErrorCode.UNAUTHORIZED,
-                               f"only the controller may send {type(message).__name__}; agents send Forward")
+            raise CommandError(ErrorCode.UNAUTHORIZED, f"only the controller may send {type(message).__name__}; "
+                               "agents send Forward, ReleaseMicroBatch and Error")
+        if isinstance(message, ResultsHere):
+            self._results_link = link
+            return None
+        if isinstance(message, RevocationUpdate):
+            await self._revoke(message.revoked_agent_ids)
+            return None
         if isinstance(message, StatusRequest):
             return await self.status()
         if isinstance(message, ShardQuery):
@@ -178,7 +219,7 @@ class AgentCore:
                 view = await asyncio.to_thread(self.cache.materialize_manifest, owner, manifest, names)
                 layers = LayerRange(message.stage.layer_start, message.stage.layer_end, manifest.spec.num_layers)
                 precision = StagePrecision.F32 if message.precision is Precision.F32 else StagePrecision.FAST
-                settings = CompileSettings(device=message.device, precision=precision)
+                settings = CompileSettings(device=message.device, precision=precision, num_threads=self.num_threads)
                 stage = await asyncio.to_thread(Stage, view, manifest, layers, settings)
             except (ShardCacheError, ManifestError, ValueError, RuntimeError, KeyError) as error:
                 self.cache.unpin(owner)
@@ -227,13 +268,14 @@ class AgentCore:
         hosted = self._stage_for(message)
         try:
             async with hosted.lock:
-                output = await asyncio.to_thread(hosted.executor.run, message)
+                output = await asyncio.to_thread(hosted.executor.run, message, message.return_logits)
         except (LedgerError, ProtocolError, ValueError, RuntimeError) as error:
-            text = f"micro-batch {message.micro_batch_id} step {message.step_id} failed on " \
-                   f"{_stage_key(hosted.assignment.stage)}: {error}"
-            await self._tell_controller(Error(ErrorCode.BAD_MESSAGE if isinstance(error, LedgerError | ProtocolError)
-                                              else ErrorCode.INTERNAL, text))
-            raise CommandError(ErrorCode.INTERNAL, text) from None
+            text = f"agent {self.agent_id[:12]}: micro-batch {message.micro_batch_id} step {message.step_id} " \
+                   f"failed on {_stage_key(hosted.assignment.stage)}: {error}"
+            self._note_error(text)
+            await self._send_down(Error(ErrorCode.BAD_MESSAGE if isinstance(error, LedgerError | ProtocolError)
+                                        else ErrorCode.INTERNAL, text), hosted)
+            return
         if isinstance(output, ForwardResult):
             await self._tell_controller(output)
             return
@@ -251,25 +293,65 @@ class AgentCore:
             raise CommandError(ErrorCode.NOT_ASSIGNED, f"{len(matching)} hosted stages could take this Forward")
         return matching[0]
 
-    async def _send_next(self, hop: NextHop, message: Forward) -> None:
+    async def _release_micro_batch(self, message: ReleaseMicroBatch) -> None:
+        hops: dict[str, NextHop] = {}
+        for hosted in list(self.stages.values()):
+            async with hosted.lock:  # after any step of it still running here
+                hosted.executor.release(message.micro_batch_id)
+            if hosted.assignment.next_hop is not None:
+                hops[hosted.assignment.next_hop.agent_id] = hosted.assignment.next_hop
+        for hop in hops.values():
+            await self._send_next(hop, message)
+
+    async def _send_down(self, error: Error, hosted: HostedStage | None = None) -> None:
+        """Send an Error toward the driver: to the next hop when this is a middle stage, else back."""
+        if hosted is None and len(self.stages) == 1:
+            hosted = next(iter(self.stages.values()))
+        hop = hosted.assignment.next_hop if hosted is not None else None
+        if hop is None:
+            await self._tell_controller(error)
+            return
+        try:
+            await self._send_next(hop, error)
+        except CommandError:
+            await self._tell_controller(error)  # the next hop is gone too: straight back to the controller
+
+    async def _revoke(self, agent_ids: tuple[str, ...]) -> None:
+        self._revoked = pki.RevocationSet(frozenset(agent_ids))
+        for agent_id in agent_ids:
+            hop = self._next_hops.pop(agent_id, None)
+            if hop is not None:
+                await hop.close()
+        for link in list(self._links):
+            if self._revoked.is_revoked(link.peer.agent_id):
+                log.warning("dropping the link of removed %s", link.describe())
+                await link.refuse(ErrorCode.UNAUTHORIZED, "this agent was removed from the fleet")
+
+    async def _send_next(self, hop: NextHop, message: Forward | ReleaseMicroBatch | Error) -> None:
         for attempt in range(2):  # a cached link may have died since the last step: reconnect once
             link = self._next_hops.get(hop.agent_id)
             try:
+                if self._revoked.is_revoked(hop.agent_id):
+                    raise LinkError(f"next hop {hop.agent_id[:12]} was removed from the fleet")
                 if link is None:
-                    link = await open_link(hop.address, self.files, expected_agent_id=hop.agent_id)
+                    link = await open_link(hop.address, self.files, expected_agent_id=hop.agent_id,
+                                           revocations=self.revocations)
                     self._next_hops[hop.agent_id] = link
                 await link.send(message)
                 return
             except LinkError as error:
                 self._next_hops.pop(hop.agent_id, None)
                 if attempt:
-                    text = f"next hop {hop.agent_id[:12]} at {hop.address} is unreachable: {error}"
-                    await self._tell_controller(Error(ErrorCode.INTERNAL, text))
+                    text = f"agent {self.agent_id[:12]}: next hop agent {hop.agent_id[:12]} at {hop.address} " \
+                           f"is unreachable: {error}"
                     raise CommandError(ErrorCode.INTERNAL, text) from None
 
     async def _tell_controller(self, message: Message) -> None:
-        """Send to the most recent open controller link; log when there is none."""
-        for link in reversed(self._controller_links):
+        """Send to the driver's results link, else the most recent open controller link; log when none."""
+        links = list(reversed(self._controller_links))
+        if self._results_link is not None:
+            links.insert(0, self._results_link)
+        for link in links:
             try:
                 await link.send(message)
                 return

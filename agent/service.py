@@ -62,7 +62,8 @@ class AgentService:
 
     async def run(self) -> None:
         host, port = parse_address(self.listen)
-        server = await start_server(self.core.serve_link, host, port, self.files)
+        server = await start_server(self.core.serve_link, host, port, self.files,
+                                    revocations=self.core.revocations)
         self.bound_port = server.sockets[0].getsockname()[1] if server.sockets else port
         log.info("agent %s listening on %s:%d", self.core.agent_id[:12], host, self.bound_port)
         self._install_signal_handlers()

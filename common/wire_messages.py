@@ -340,6 +340,8 @@ class Forward:
     # micro-batch ids whose one-row state becomes the new last row, one per AdmitRow delta, in order
     admit_from: tuple[int, ...] = ()
     sampling: SamplingInfo | None = None
+    # the last stage also returns the logits [B, T, V]: only to measure what top-1 compression saves
+    return_logits: bool = False
 
     def __post_init__(self) -> None:
         _non_negative("micro_batch_id", self.micro_batch_id)
@@ -390,6 +392,34 @@ class ForwardResult:
 
 
 @dataclass(frozen=True)
+class ReleaseMicroBatch:
+    """Free one micro-batch's KV state. The driver sends it to the first stage after the micro-batch's
+    last Forward; every stage frees it and relays it to its next hop, so it follows that Forward."""
+
+    micro_batch_id: int
+
+    def __post_init__(self) -> None:
+        _non_negative("micro_batch_id", self.micro_batch_id)
+
+
+@dataclass(frozen=True)
+class ResultsHere:
+    """A driver tells the last stage's agent: send ForwardResults, and Errors relayed down the chain,
+    on this link (until it closes or another driver says the same)."""
+
+
+@dataclass(frozen=True)
+class RevocationUpdate:
+    """The controller's full list of removed agents: an agent refuses and drops links from them."""
+
+    revoked_agent_ids: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        for agent_id in self.revoked_agent_ids:
+            _require(is_agent_id(agent_id), "revoked agent id is not an agent id")
+
+
+@dataclass(frozen=True)
 class JoinOffer:
     """First message the controller sends on its enrollment port, before the agent says anything.
 
@@ -432,12 +462,13 @@ class Register:
 
 Message = (Hello | Error | StatusRequest | StatusReport | AssignStage | StageReady | ReleaseStage
            | ShardQuery | ShardHave | ShardChunk | ShardComplete | Forward | ForwardResult
-           | JoinOffer | JoinRequest | JoinResponse | Register)
+           | JoinOffer | JoinRequest | JoinResponse | Register | ReleaseMicroBatch | ResultsHere
+           | RevocationUpdate)
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     Hello, Error, StatusRequest, StatusReport, AssignStage, StageReady, ReleaseStage, ShardQuery,
     ShardHave, ShardChunk, ShardComplete, Forward, ForwardResult, JoinOffer, JoinRequest, JoinResponse,
-    Register,
+    Register, ReleaseMicroBatch, ResultsHere, RevocationUpdate,
 )
 
 __all__ = [
@@ -460,7 +491,10 @@ __all__ = [
     "Precision",
     "ProtocolError",
     "Register",
+    "ReleaseMicroBatch",
     "ReleaseStage",
+    "ResultsHere",
+    "RevocationUpdate",
     "Role",
     "SamplingInfo",
     "ShardChunk",

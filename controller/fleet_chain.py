@@ -20,7 +20,7 @@ from deskfleet.agent.link import Link, LinkError, open_link
 from deskfleet.agent.stage_executor import replay_deltas
 from deskfleet.common.kv_ledger import Ledger, Mirror, SlotDelta
 from deskfleet.common.model_spec import load_manifest
-from deskfleet.common.wire import Error, Forward, ForwardResult, Message, StatusReport, StatusRequest
+from deskfleet.common.wire import Error, Forward, ForwardResult, Message, ReleaseMicroBatch, ResultsHere
 from deskfleet.controller.fleet_ca import Revocations
 from deskfleet.controller.fleet_deploy import DeployError, load_deployment
 from deskfleet.controller.fleet_store import FleetStore
@@ -51,8 +51,7 @@ class RemoteChain:
                 link = await open_link(stage.address, store.tls_files, stage.agent_id, revocations)
                 links.append(link)
             chain = cls(links[0], links[-1])
-            await chain.last.send(StatusRequest())  # makes this link the one the last stage answers on
-            await chain._receive(StatusReport)
+            await chain.last.send(ResultsHere())  # the last stage answers on this link
         except LinkError as error:
             for link in links:
                 await link.close()
@@ -130,6 +129,7 @@ async def generate_greedy_remote(chain: RemoteChain, prompt_ids: list[int], max_
             break
         deltas = [ledger.append([1])]
         payload = np.array([[token]], dtype=np.int64)
+    await chain.first.send(ReleaseMicroBatch(micro_batch_id))  # frees its KV state on every stage
     return tokens
 
 

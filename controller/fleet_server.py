@@ -7,7 +7,8 @@ One TLS 1.3 port (the address in the join tokens):
   open (websocket pings) so the controller knows it is alive;
 - a certificate from another CA fails the TLS handshake; a revoked agent gets HTTP 403.
 `fleet remove` (another process) rewrites revoked.json; the watcher here notices within
-REVOCATION_POLL_S and closes the removed agent's link at once.
+REVOCATION_POLL_S, closes the removed agent's link at once and sends every other agent the new
+RevocationUpdate (also sent right after each registration), so agents refuse the removed one too.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import replace
 from websockets.asyncio.server import ServerConnection
 
 from deskfleet.agent.link import Link, LinkError, start_server, utc_now
-from deskfleet.common.wire import ErrorCode, Register, Role, parse_address
+from deskfleet.common.wire import ErrorCode, Register, RevocationUpdate, Role, parse_address
 from deskfleet.controller.fleet_ca import Revocations, serve_enrollment
 from deskfleet.controller.fleet_store import FleetStore, RosterEntry
 
@@ -90,6 +91,10 @@ class FleetServer:
         log.info("agent %s registered at %s", agent_id[:12], ", ".join(message.listen_addresses))
         self._changed()
         try:
+            await link.send(self._revocation_update())
+        except LinkError as error:
+            log.info("agent %s: %s", agent_id[:12], error)
+        try:
             await link.connection.wait_closed()
         finally:
             if self.live.get(agent_id) is link:
@@ -105,9 +110,21 @@ class FleetServer:
             roster[agent_id] = replace(entry, addresses=addresses, registered_at=now)
             self.store.save_roster(roster)
 
+    def _revocation_update(self) -> RevocationUpdate:
+        return RevocationUpdate(tuple(sorted(self.revocations().agent_ids)))
+
     async def _watch_revocations(self) -> None:
+        told = self.revocations()
         while True:
             revoked = self.revocations()
+            if revoked != told:
+                told = revoked
+                for link in list(self.live.values()):
+                    if not revoked.is_revoked(link.peer.agent_id):
+                        try:
+                            await link.send(self._revocation_update())
+                        except LinkError as error:
+                            log.info("%s", error)
             for agent_id, link in list(self.live.items()):
                 if revoked.is_revoked(agent_id):
                     log.warning("agent %s was removed from the fleet: dropping its link", agent_id[:12])

@@ -20,11 +20,15 @@ from deskfleet.common.availability import MonitorReading
 from deskfleet.common.kv_ledger import AppendSlots
 from deskfleet.common.wire import (
     AssignStage,
+    Error,
     ErrorCode,
     Forward,
     ManifestEntry,
     Message,
     Precision,
+    ReleaseMicroBatch,
+    ResultsHere,
+    RevocationUpdate,
     Role,
     ShardChunk,
     ShardComplete,
@@ -115,3 +119,54 @@ def test_a_forward_without_a_stage_is_refused(core: AgentCore) -> None:
     with pytest.raises(CommandError) as refusal:
         handle(core, Role.AGENT, forward)
     assert refusal.value.code is ErrorCode.NOT_ASSIGNED
+
+
+class RecordingLink(FakeLink):
+    """A fake link that keeps what the core sends on it, and whether it was refused."""
+
+    def __init__(self, role: Role, agent_id: str = "a" * 52) -> None:
+        super().__init__(role)
+        self.peer = pki.PeerIdentity(agent_id, role, "0" * 64)
+        self.sent: list[Message] = []
+        self.refused: str | None = None
+
+    async def send(self, message: Message) -> None:
+        self.sent.append(message)
+
+    async def refuse(self, code: ErrorCode, text: str) -> None:
+        self.refused = f"{code.value}: {text}"
+
+
+def test_results_and_relayed_errors_go_to_the_driver_that_said_results_here(core: AgentCore) -> None:
+    async def scenario() -> tuple[RecordingLink, RecordingLink]:
+        driver, other = RecordingLink(Role.CONTROLLER), RecordingLink(Role.CONTROLLER)
+        core._controller_links += [cast(Link, driver), cast(Link, other)]  # other spoke last
+        await core.handle(cast(Link, driver), ResultsHere())
+        # a failure upstream arrives from the previous stage: this agent (no next hop) hands it back
+        await core.handle(cast(Link, RecordingLink(Role.AGENT, "b" * 52)), Error(ErrorCode.INTERNAL, "stage 1 died"))
+        return driver, other
+
+    driver, other = asyncio.run(scenario())
+    assert [type(m) for m in driver.sent] == [Error] and other.sent == []
+    assert isinstance(driver.sent[0], Error) and driver.sent[0].message == "stage 1 died"
+
+
+def test_release_micro_batch_is_accepted_from_the_previous_stage(core: AgentCore) -> None:
+    assert handle(core, Role.AGENT, ReleaseMicroBatch(5)) is None  # no stage hosted: nothing to free
+
+
+def test_a_removed_agent_is_dropped_and_its_forwards_refused(core: AgentCore) -> None:
+    removed = "c" * 52
+
+    async def scenario() -> RecordingLink:
+        link = RecordingLink(Role.AGENT, removed)
+        core._links.add(cast(Link, link))
+        await core.handle(cast(Link, RecordingLink(Role.CONTROLLER)), RevocationUpdate((removed,)))
+        return link
+
+    link = asyncio.run(scenario())
+    assert link.refused is not None and "removed" in link.refused
+    assert core.revocations().is_revoked(removed)
+    with pytest.raises(CommandError) as refusal:
+        handle(core, Role.AGENT, RevocationUpdate(()))  # only the controller may say who is removed
+    assert refusal.value.code is ErrorCode.UNAUTHORIZED

@@ -5,6 +5,9 @@ import struct
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from deskfleet.common import wire
 from deskfleet.common.wire import (
     MESSAGE_TYPES,
@@ -29,8 +32,11 @@ from deskfleet.common.wire import (
     Precision,
     ProtocolError,
     Register,
+    ReleaseMicroBatch,
     ReleaseStage,
     ReorderRows,
+    ResultsHere,
+    RevocationUpdate,
     Role,
     SamplingInfo,
     ShardChunk,
@@ -48,8 +54,6 @@ from deskfleet.common.wire import (
     encode,
     same_message,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 AGENT = "a" * 40 + "bcdefg234567"
 SHA = "0123456789abcdef" * 4
@@ -105,6 +109,11 @@ def all_messages() -> list[wire.Message]:
         JoinRequest("c2VjcmV0", "-----BEGIN CERTIFICATE REQUEST-----\n...", "desk-42.office"),
         JoinResponse("cert", "ca", "0011223344556677"),
         Register(AGENT, ("192.168.1.20:7443", "desk-42.local:7443")),
+        ReleaseMicroBatch(7),
+        ResultsHere(),
+        RevocationUpdate((AGENT,)),
+        RevocationUpdate(()),
+        forward(return_logits=True),
     ]
 
 
@@ -169,6 +178,8 @@ def test_same_message_tells_tensors_apart() -> None:
     (lambda: ForwardResult(1, 1, (1, 2), (1,), None), "accepted_counts"),
     (lambda: ForwardResult(1, 1, (1,), None, np.zeros((2, 1, 4), np.float32)), "logits"),
     (lambda: StageRef("m", 3, 3), "layer_end"),
+    (lambda: ReleaseMicroBatch(-1), "micro_batch_id"),
+    (lambda: RevocationUpdate(("not-an-id",)), "revoked agent id"),
     (lambda: ManifestEntry("../etc/passwd", SHA, 1), "file_name"),
     (lambda: ManifestEntry("a.bin", SHA.upper(), 1), "sha256"),
     (lambda: AssignStage(STAGE, True, True, "CPU", Precision.F16, None,
