@@ -179,6 +179,8 @@ def _save(model: ov.Model, path: Path, weight_format: WeightFormat, is_decoder_l
 def _compress_int4(model: ov.Model, is_decoder_layer: bool) -> ov.Model:
     import nncf
 
+    nncf.set_log_level(logging.ERROR)  # its per-IR tables would drown the export's own progress lines
+
     if not is_decoder_layer:
         # embed and head: 8-bit per channel, the usual backup precision for the vocabulary matrices.
         return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
