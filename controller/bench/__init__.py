@@ -1,0 +1,1 @@
+"""Benchmarks behind `deskfleet bench ...`; each prints one JSON object."""

@@ -1,0 +1,495 @@
+"""`deskfleet bench parity`: decode speed of deskfleet vs OpenVINO GenAI, and of k stages vs 1.
+
+Every variant generates exactly `new_tokens` greedy tokens (EOS ignored) from the same prompt ids, one
+variant after the other in interleaved rounds (A B C ... A B C ...) after one untimed warm-up run each,
+so that drift of the shared machine (thermal, other load) falls on all of them alike. Decode tok/s is
+tokens after the first over the time after the first (prefill excluded), for every variant.
+
+Variants (those whose inputs are given):
+    deskfleet-1       1-stage LocalPipeline + the generation driver (what `deskfleet generate` runs)
+    genai             GenAI LLMPipeline on optimum-intel's export, in a subprocess of the GenAI venv, with
+                      its default attention backend (PagedAttention on CPU in GenAI 2026)
+    genai-sdpa        the same with ATTENTION_BACKEND=SDPA: the stateful path deskfleet's stages take
+    fused-direct      the fused 1-stage model, driven by a plain infer loop (no worker thread, no queues)
+    whole-direct      optimum-intel's whole-model IR, compiled here and driven by the same plain loop
+    deskfleet-K       K-stage LocalPipeline, for each K of stage_counts
+
+fused-direct vs whole-direct compares a stage fused from per-layer IRs with a model exported whole on the
+same runtime and loop; deskfleet-1 vs fused-direct is the cost of the pipeline's thread and queues; and
+whole-direct vs genai is the cost of a Python decode loop vs GenAI's C++ one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from deskfleet.agent.stage import CompileSettings, LayerRange, Stage, StageSession
+from deskfleet.common.model_spec import Manifest, load_manifest
+
+log = logging.getLogger(__name__)
+
+GENAI_RUNNER = Path(__file__).with_name("genai_runner.py")
+PRECISION_PROPERTIES = ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "INFERENCE_NUM_THREADS",
+                        "PERFORMANCE_HINT", "NUM_STREAMS")
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One timed generation."""
+
+    decode_tok_s: float
+    tokens: tuple[int, ...]
+    prefill_s: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Variant(Protocol):
+    name: str
+
+    def run(self) -> RunRecord: ...
+
+    def close(self) -> None: ...
+
+
+# Public methods: pure parts
+
+def interleaved_order(names: Sequence[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, variant) in the order they run: every variant once per round, the same order each round."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"variant names must be unique, got {list(names)}")
+    return [(index, name) for index in range(rounds) for name in names]
+
+
+def summarize(values: Sequence[float]) -> dict[str, Any]:
+    """Median, mean, min, max and spread ((max - min) / median, in percent) of positive samples."""
+    if not values:
+        raise ValueError("no samples")
+    median = statistics.median(values)
+    return {
+        "median": round(median, 3),
+        "mean": round(statistics.fmean(values), 3),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+        "spread_pct": round(100.0 * (max(values) - min(values)) / median, 2) if median else None,
+        "samples": [round(value, 3) for value in values],
+    }
+
+
+def compare(numerator: Sequence[float], denominator: Sequence[float]) -> dict[str, Any]:
+    """The ratio of medians, and the median, min and max of the per-round ratios (rounds are paired)."""
+    if len(numerator) != len(denominator) or not numerator:
+        raise ValueError("compare needs the same non-zero number of samples on both sides")
+    paired = [a / b for a, b in zip(numerator, denominator, strict=True)]
+    return {
+        "ratio_of_medians": round(statistics.median(numerator) / statistics.median(denominator), 4),
+        "paired_median": round(statistics.median(paired), 4),
+        "paired_min": round(min(paired), 4),
+        "paired_max": round(max(paired), 4),
+    }
+
+
+def genai_variant_name(backend: str) -> str:
+    """"genai" for GenAI's default attention backend, "genai-sdpa" / "genai-pa" for a chosen one."""
+    return "genai" if backend == "default" else f"genai-{backend.lower()}"
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first index where two token lists differ (the shorter length if one is a prefix), else None."""
+    for index, (left, right) in enumerate(zip(a, b, strict=False)):
+        if left != right:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def bench_prompt(vocab_size: int, length: int, bos_token_id: int | None, seed: int = 1234) -> list[int]:
+    """A fixed pseudo-random prompt (BOS first when the model has one), of ordinary (non-special) ids."""
+    if length < 1:
+        raise ValueError(f"prompt_tokens must be at least 1, got {length}")
+    low = min(3, vocab_size - 1)
+    ids = np.random.default_rng(seed).integers(low, vocab_size, size=length).tolist()
+    if bos_token_id is not None:
+        ids[0] = bos_token_id
+    return [int(token) for token in ids]
+
+
+def run_rounds(variants: Sequence[Variant], rounds: int, warmup: int = 1,
+               on_run: Callable[[int, str, RunRecord], None] | None = None) -> dict[str, list[RunRecord]]:
+    """Warm every variant up, then run them in interleaved rounds; records per variant in round order."""
+    by_name = {variant.name: variant for variant in variants}
+    for _ in range(warmup):
+        for variant in variants:
+            variant.run()
+    records: dict[str, list[RunRecord]] = {variant.name: [] for variant in variants}
+    for index, name in interleaved_order(list(by_name), rounds):
+        record = by_name[name].run()
+        records[name].append(record)
+        if on_run is not None:
+            on_run(index, name, record)
+    return records
+
+
+def build_report(records: dict[str, list[RunRecord]], stage_counts: Sequence[int], meta: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """The JSON report: per-variant statistics, the deskfleet/GenAI ratio, k-stage costs and breakdown."""
+    speeds = {name: [record.decode_tok_s for record in runs] for name, runs in records.items()}
+    report: dict[str, Any] = dict(meta)
+    report["decode_tok_s"] = {name: summarize(values) for name, values in speeds.items()}
+    report["prefill_s_median"] = {name: round(statistics.median(record.prefill_s for record in runs), 4)
+                                  for name, runs in records.items()}
+    base = "deskfleet-1"
+    genai = [name for name in speeds if name.startswith("genai")]
+    if genai:
+        report["deskfleet_vs_genai"] = {name: compare(speeds[base], speeds[name]) for name in genai}
+        fastest = max(genai, key=lambda name: statistics.median(speeds[name]))
+        report["deskfleet_vs_fastest_genai"] = dict(report["deskfleet_vs_genai"][fastest], genai=fastest,
+                                                    goal=">= 1.00")
+    report["stages_vs_1"] = {str(k): compare(speeds[f"deskfleet-{k}"], speeds[base]) for k in stage_counts
+                             if k != 1 and f"deskfleet-{k}" in speeds}
+    for entry in report["stages_vs_1"].values():
+        entry["cost_pct"] = round(100.0 * (1.0 - entry["ratio_of_medians"]), 2)
+    breakdown: dict[str, Any] = {}
+    pairs = {"pipeline_vs_direct (deskfleet-1 / fused-direct)": (base, "fused-direct"),
+             "fused_vs_whole (fused-direct / whole-direct)": ("fused-direct", "whole-direct"),
+             "python_loop_vs_genai_sdpa (whole-direct / genai-sdpa)": ("whole-direct", "genai-sdpa")}
+    for label, (left, right) in pairs.items():
+        if left in speeds and right in speeds:
+            breakdown[label] = compare(speeds[left], speeds[right])
+    if breakdown:
+        report["breakdown"] = breakdown
+    reference = records[base][0].tokens
+    report["tokens_match_deskfleet_1"] = {
+        name: first_divergence(reference, runs[0].tokens) is None for name, runs in records.items() if name != base}
+    divergence = {name: first_divergence(reference, runs[0].tokens) for name, runs in records.items()}
+    report["first_divergence_from_deskfleet_1"] = {name: index for name, index in divergence.items()
+                                                   if index is not None}
+    return report
+
+
+# Public methods: the benchmark
+
+def run_parity_bench(model: Path, genai_model: Path | None = None, genai_python: Path | None = None,
+                     prompt_tokens: int = 32, new_tokens: int = 64, rounds: int = 3,
+                     stage_counts: Sequence[int] = (2, 3, 4), settings: CompileSettings | None = None,
+                     genai_backends: Sequence[str] = ("default", "SDPA"), direct: bool = True,
+                     progress: bool = True) -> dict[str, Any]:
+    """Run the parity benchmark and return its JSON-able report.
+
+    `genai_model` is the same checkpoint exported by optimum-intel (`optimum-cli export openvino --task
+    text-generation-with-past`); without it the GenAI and whole-model variants are skipped. `genai_python`
+    is the python of a venv with openvino-genai (default: this one's). `genai_backends`: LLMPipeline's
+    ATTENTION_BACKEND for each GenAI variant; "default" leaves GenAI's choice (PagedAttention on CPU in
+    GenAI 2026), "SDPA" is the stateful path deskfleet's stages also take.
+    """
+    import openvino as ov
+
+    model = Path(model)
+    settings = settings or CompileSettings()
+    manifest = load_manifest(model)
+    spec = manifest.spec
+    prompt = bench_prompt(spec.vocab_size, prompt_tokens, spec.bos_token_id)
+    if prompt_tokens + new_tokens > spec.max_context:
+        raise ValueError(f"{prompt_tokens} + {new_tokens} tokens exceed the model's context {spec.max_context}")
+    core = ov.Core()
+    variants: list[Variant] = []
+    try:
+        # The fused 1-stage model run directly is built first: deskfleet's compiled settings are read
+        # off it and handed to GenAI, so that both run with the same precision, KV cache and threads.
+        fused = FusedDirectVariant(model, manifest, settings, core, prompt, new_tokens)
+        compiled = fused.compiled_properties
+        variants.append(PipelineVariant(model, 1, settings, manifest, prompt, new_tokens))
+        if genai_model is not None:
+            for backend in genai_backends:
+                variants.append(GenAIVariant(Path(genai_model), genai_python, settings.device,
+                                             _genai_properties(compiled, backend), prompt, new_tokens,
+                                             name=genai_variant_name(backend)))
+        if direct:
+            variants.append(fused)
+            if genai_model is not None:
+                variants.append(WholeDirectVariant(Path(genai_model) / "openvino_model.xml", settings, core,
+                                                   prompt, new_tokens))
+        else:
+            fused.close()
+        for k in stage_counts:
+            if k != 1:
+                variants.append(PipelineVariant(model, k, settings, manifest, prompt, new_tokens))
+
+        def show(index: int, name: str, record: RunRecord) -> None:
+            if progress:
+                print(f"round {index + 1}/{rounds} {name}: {record.decode_tok_s:.2f} tok/s", file=sys.stderr,
+                      flush=True)
+
+        started = time.perf_counter()
+        records = run_rounds(variants, rounds, on_run=show)
+        elapsed = time.perf_counter() - started
+        genai_meta = {v.name: v.meta for v in variants if isinstance(v, GenAIVariant)} or None
+    finally:
+        for variant in variants:
+            variant.close()
+
+    meta: dict[str, Any] = {
+        "model": str(model),
+        "genai_model": str(genai_model) if genai_model is not None else None,
+        "model_spec": {"layers": spec.num_layers, "hidden": spec.hidden_size, "heads": spec.num_heads,
+                       "kv_heads": spec.num_kv_heads, "intermediate": spec.intermediate_size,
+                       "vocab": spec.vocab_size, "weights": manifest.weight_format.value,
+                       "parameters_b": round(_parameter_count(manifest) / 1e9, 3)},
+        "device": settings.device,
+        "precision": settings.precision.value,
+        "compiled_properties": compiled,
+        "host": {"cpu": _cpu_name(), "logical_cores": os.cpu_count(), "python": platform.python_version(),
+                 "openvino": ov.get_version()},
+        "genai": genai_meta,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "rounds": rounds,
+        "order": [variant.name for variant in variants],
+        "driver": generation_driver(),
+        "bench_s": round(elapsed, 1),
+    }
+    return build_report(records, [k for k in stage_counts if k != 1], meta)
+
+
+# Variants
+
+class PipelineVariant:
+    """deskfleet-K: a K-stage LocalPipeline and generate_greedy, as `deskfleet generate` runs them."""
+
+    def __init__(self, model: Path, stages: int, settings: CompileSettings, manifest: Manifest,
+                 prompt: list[int], new_tokens: int) -> None:
+        from deskfleet.controller.pipeline import LocalPipeline
+
+        self.name = f"deskfleet-{stages}"
+        self.pipeline = LocalPipeline(model, stages, settings, manifest)
+        self.prompt = prompt
+        self.new_tokens = new_tokens
+
+    def run(self) -> RunRecord:
+        tokens, decode_tok_s, prefill_s = _generate_once(self.pipeline, self.prompt, self.new_tokens)
+        return RunRecord(decode_tok_s, tuple(tokens), prefill_s)
+
+    def close(self) -> None:
+        self.pipeline.close()
+
+
+class _DirectLoop:
+    """Greedy decoding with a plain infer loop on one stateful request; subclasses say how to infer."""
+
+    name = "direct"
+
+    def __init__(self, prompt: list[int], new_tokens: int) -> None:
+        self.prompt = prompt
+        self.new_tokens = new_tokens
+
+    def step(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> int:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def run(self) -> RunRecord:
+        self.reset()
+        length = len(self.prompt)
+        started = time.perf_counter()
+        token = self.step(np.array([self.prompt], dtype=np.int64), np.ones((1, length), dtype=np.int64),
+                          np.arange(length, dtype=np.int64)[None, :])
+        prefilled = time.perf_counter()
+        tokens = [token]
+        while len(tokens) < self.new_tokens:
+            length += 1
+            token = self.step(np.array([[token]], dtype=np.int64), np.ones((1, length), dtype=np.int64),
+                              np.array([[length - 1]], dtype=np.int64))
+            tokens.append(token)
+        finished = time.perf_counter()
+        decode_s = finished - prefilled
+        return RunRecord((len(tokens) - 1) / decode_s if decode_s > 0 else 0.0, tuple(tokens),
+                         prefilled - started)
+
+    def close(self) -> None:
+        pass
+
+
+class FusedDirectVariant(_DirectLoop):
+    """The fused 1-stage model (the same ov.Model deskfleet-1 runs), without thread and queues."""
+
+    name = "fused-direct"
+
+    def __init__(self, model: Path, manifest: Manifest, settings: CompileSettings, core: Any,
+                 prompt: list[int], new_tokens: int) -> None:
+        super().__init__(prompt, new_tokens)
+        layers = LayerRange(0, manifest.spec.num_layers, manifest.spec.num_layers)
+        stage = Stage(model, manifest, layers, settings, core)
+        self.compiled_properties = _read_properties(stage.compiled)
+        self.session: StageSession | None = stage.open_session()
+        self.beam = np.zeros(1, dtype=np.int32)
+
+    def reset(self) -> None:
+        assert self.session is not None
+        self.session.reset()
+
+    def close(self) -> None:
+        self.session = None  # frees the compiled model when nothing else holds it
+
+    def step(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> int:
+        assert self.session is not None
+        output = self.session.forward(ids, mask, positions, self.beam)
+        assert output.next_tokens is not None
+        return int(output.next_tokens[0, -1])
+
+
+class WholeDirectVariant(_DirectLoop):
+    """optimum-intel's whole-model stateful IR, on this runtime, with the same loop (argmax in numpy)."""
+
+    name = "whole-direct"
+
+    def __init__(self, xml: Path, settings: CompileSettings, core: Any, prompt: list[int],
+                 new_tokens: int) -> None:
+        super().__init__(prompt, new_tokens)
+        if not xml.is_file():
+            raise FileNotFoundError(f"{xml} not found: is {xml.parent} an optimum-intel export?")
+        compiled = core.compile_model(core.read_model(xml), settings.device, settings.properties(core))
+        self.request = compiled.create_infer_request()
+        self.inputs = {port.get_any_name() for port in compiled.inputs}
+        self.beam = np.zeros(1, dtype=np.int32)
+
+    def reset(self) -> None:
+        self.request.reset_state()
+
+    def step(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> int:
+        feed = {"input_ids": ids, "attention_mask": mask}
+        if "position_ids" in self.inputs:
+            feed["position_ids"] = positions
+        if "beam_idx" in self.inputs:
+            feed["beam_idx"] = self.beam
+        self.request.infer(feed)
+        logits = self.request.get_tensor("logits").data
+        return int(np.argmax(logits[0, -1]))
+
+
+class GenAIVariant:
+    """OpenVINO GenAI's LLMPipeline in a subprocess of the GenAI venv (genai_runner.py)."""
+
+    def __init__(self, model: Path, python: Path | None, device: str, properties: dict[str, str],
+                 prompt: list[int], new_tokens: int, name: str = "genai") -> None:
+        self.name = name
+        if not model.is_dir():
+            raise FileNotFoundError(f"GenAI model folder {model} not found")
+        self.process = subprocess.Popen([str(python or sys.executable), str(GENAI_RUNNER)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self._send(json.dumps({"model": str(model), "device": device, "properties": properties,
+                               "prompt_ids": prompt, "new_tokens": new_tokens}))
+        ready = self._receive()
+        self.meta: dict[str, Any] = {"properties": properties, "load_s": round(ready.get("load_s", 0.0), 2),
+                                     "versions": ready.get("versions"), "python": str(python or sys.executable)}
+
+    def run(self) -> RunRecord:
+        self._send("run")
+        reply = self._receive()
+        keys = ("wall_decode_tok_s", "tpot_ms", "generate_s")
+        extra: dict[str, float] = {key: float(reply[key]) for key in keys if key in reply}
+        return RunRecord(float(reply["decode_tok_s"]), tuple(reply["tokens"]), float(reply["ttft_s"]), extra)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self._send("quit")
+                self.process.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
+
+    def _send(self, line: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+    def _receive(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            code = self.process.wait()
+            raise RuntimeError(f"the GenAI runner exited ({code}) without an answer; see its stderr above")
+        reply: dict[str, Any] = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"GenAI runner: {reply['error']}")
+        return reply
+
+
+# Private methods
+
+def generation_driver() -> str:
+    """"engine" where the tree has the streaming Engine, else "generate_greedy" (the first local driver)."""
+    return "engine" if importlib.util.find_spec("deskfleet.controller.engine") is not None else "generate_greedy"
+
+
+def _generate_once(pipeline: Any, prompt: list[int], new_tokens: int) -> tuple[list[int], float, float]:
+    """(tokens, decode tok/s, time to the first token) of one greedy stream, EOS ignored, through the
+    driver `deskfleet generate` uses."""
+    if generation_driver() == "engine":
+        engine_module: Any = importlib.import_module("deskfleet.controller.engine")
+        engine = engine_module.Engine(pipeline, pipeline.manifest.spec)
+        engine.add(engine_module.StreamRequest(list(prompt), max_new_tokens=new_tokens, ignore_eos=True))
+        (stream,) = engine.run().values()
+        return list(stream.tokens), float(stream.decode_tok_s), float(stream.first_token_s)
+    generation: Any = importlib.import_module("deskfleet.controller.generation")
+    result = generation.generate_greedy(pipeline, prompt, new_tokens, ignore_eos=True)
+    return list(result.tokens), float(result.decode_tok_s), float(result.prefill_s)
+
+
+def _read_properties(compiled: Any) -> dict[str, str]:
+    """The compiled model's precision, KV-cache, thread and hint settings, in the form properties take."""
+    values = {}
+    for name in PRECISION_PROPERTIES:
+        try:
+            value = compiled.get_property(name)
+        except RuntimeError:
+            continue
+        if hasattr(value, "to_string"):  # ov.Type: bf16, f32, u8, ...
+            value = value.to_string()
+        elif hasattr(value, "name"):  # an enum such as PerformanceMode.LATENCY
+            value = value.name
+        values[name] = str(value)
+    return values
+
+
+def _genai_properties(compiled: dict[str, str], backend: str) -> dict[str, str]:
+    """What deskfleet's compiled stage actually runs with, passed to LLMPipeline explicitly."""
+    wanted = ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "INFERENCE_NUM_THREADS", "PERFORMANCE_HINT")
+    properties = {name: compiled[name] for name in wanted if name in compiled}
+    if backend != "default":
+        properties["ATTENTION_BACKEND"] = backend
+    return properties
+
+
+def _parameter_count(manifest: Manifest) -> int:
+    spec = manifest.spec
+    attention = spec.hidden_size * spec.head_dim * (2 * spec.num_heads + 2 * spec.num_kv_heads)
+    mlp = 3 * spec.hidden_size * spec.intermediate_size
+    vocab = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    return spec.num_layers * (attention + mlp) + vocab
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
