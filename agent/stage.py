@@ -182,12 +182,14 @@ class StageSession:
         all slots after this call; position_ids [B,T] logical; beam_idx [B] rows of the previous state.
         """
         name = TensorNames.INPUT_IDS if self.stage.layers.is_first else TensorNames.HIDDEN_STATES
-        self.request.infer({
-            name: payload,
-            TensorNames.ATTENTION_MASK: attention_mask,
-            TensorNames.POSITION_IDS: position_ids,
-            TensorNames.BEAM_IDX: beam_idx.astype(np.int32, copy=False),
-        })
+        # start_async + wait rather than infer(): no copy of the inputs, no dict of copied outputs.
+        self.request.start_async({
+            name: np.ascontiguousarray(payload),
+            TensorNames.ATTENTION_MASK: np.ascontiguousarray(attention_mask),
+            TensorNames.POSITION_IDS: np.ascontiguousarray(position_ids),
+            TensorNames.BEAM_IDX: np.ascontiguousarray(beam_idx, dtype=np.int32),
+        }, share_inputs=True)
+        self.request.wait()
         if not self.stage.layers.is_last:
             return StageOutput(hidden=self.request.get_tensor(TensorNames.STAGE_HIDDEN_OUT).data.copy())
         logits = self.request.get_tensor(TensorNames.LOGITS).data.copy() if want_logits else None

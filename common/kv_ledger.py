@@ -143,16 +143,20 @@ def plan_compaction(mask: npt.NDArray[np.bool_], policy: CompactionPolicy) -> Co
     rows, slots = mask.shape
     if rows == 0 or slots == 0:
         return None
+    # Count first (cheap, every step); build the runs only when compaction pays.
     if policy.mode is CompactionMode.COLUMNS:
-        columns = np.flatnonzero(mask.any(axis=0))
-        new_slots = len(columns)
-        keep = tuple(_runs(columns) for _ in range(rows))
+        alive = mask.any(axis=0)
+        new_slots = int(alive.sum())
     else:
         new_slots = int(mask.sum(axis=1).max())
-        keep = tuple(_runs(np.flatnonzero(mask[row])) for row in range(rows))
     freed = slots - new_slots
     if freed < max(policy.min_dead_slots, 1) or freed < policy.min_dead_fraction * slots:
         return None
+    if policy.mode is CompactionMode.COLUMNS:
+        columns = _runs(np.flatnonzero(alive))
+        keep = tuple(columns for _ in range(rows))
+    else:
+        keep = tuple(_runs(np.flatnonzero(mask[row])) for row in range(rows))
     return Compact(new_slots=new_slots, keep=keep)
 
 
