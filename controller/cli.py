@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deskfleet.common.model_spec import ManifestError, WeightFormat
+from deskfleet.controller.chat import add_chat_command, add_fleet_option
 from deskfleet.controller.fleet_cli import add_fleet_commands
 
 if TYPE_CHECKING:
@@ -77,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="micro-batches in flight (default: the number of stages)")
     _add_compile_options(generate)
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_fleet_option(generate)
     generate.set_defaults(handler=_generate)
+    add_chat_command(commands, _add_compile_options)
 
     bench = commands.add_parser("bench", help="benchmarks that print JSON")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -96,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--stages", type=int, nargs="*", default=[2, 3, 4])
     _add_compile_options(parity)
     parity.set_defaults(handler=_bench_parity)
+    from deskfleet.controller.bench.fleet import add_fleet_bench_command
+
+    add_fleet_bench_command(benches)
     add_fleet_commands(commands)
     return parser
 
@@ -138,20 +144,25 @@ def _parse_prompt_ids(text: str) -> list[int]:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from deskfleet.controller.chat import generate_on_fleet
     from deskfleet.controller.run import GenerateOptions, run_generate
 
-    report = run_generate(GenerateOptions(
+    options = GenerateOptions(
         model=args.model, stages=args.stages, prompts=args.prompt, prompts_file=args.prompts_file,
         prompt_ids=[_parse_prompt_ids(text) for text in args.prompt_ids] if args.prompt_ids else None,
         chat=args.chat, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, draft=args.draft,
         k=args.k, k_max=args.k_max, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, max_rows=args.max_rows, micro_batches=args.micro_batches,
-        settings=_compile_settings(args)), stream_text=not args.json)
+        settings=_compile_settings(args))
+    if args.fleet:
+        report = generate_on_fleet(options, args.data_dir, stream_text=not args.json)
+    else:
+        report = run_generate(options, stream_text=not args.json)
     if args.json:
         print(json.dumps(report))
     else:
         print()
-        print(f"[{report['generated_tokens']} tokens, {report['tok_s']:.1f} tok/s, {args.stages} stage(s)"
+        print(f"[{report['generated_tokens']} tokens, {report['tok_s']:.1f} tok/s, {report['stages']} stage(s)"
               + (f", mean accepted {report['mean_accepted']:.2f}" if "mean_accepted" in report else "") + "]",
               file=sys.stderr)
     return 0

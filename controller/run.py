@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.speculative import SamplingParams
 
 from .draft import DraftModel
-from .engine import Engine, EngineOptions, StreamRequest
+from .engine import Engine, EngineOptions, StageChain, StreamRequest
 from .generation import GenerationError
 from .pipeline import LocalPipeline
 from .tokenizer import ChatMessage, ModelTokenizer
@@ -54,17 +55,25 @@ def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[
     return [tokenizer.encode(text) for text in texts]
 
 
-def run_generate(options: GenerateOptions, stream_text: bool = False) -> dict[str, object]:
-    """Run every prompt as a concurrent stream; returns the report `deskfleet generate --json` prints."""
+def run_generate(options: GenerateOptions, stream_text: bool = False, chain: StageChain | None = None,
+                 chain_stages: int | None = None) -> dict[str, object]:
+    """Run every prompt as a concurrent stream; returns the report `deskfleet generate --json` prints.
+
+    `chain` (e.g. the fleet, with `chain_stages` stages) replaces the local pipeline; the caller closes it.
+    """
     manifest = load_manifest(options.model)
     tokenizer = ModelTokenizer(options.model)
     prompts = encode_prompts(options, tokenizer)
     sampling = SamplingParams(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
     draft = DraftModel(options.draft, options.settings) if options.draft is not None else None
-    engine_options = EngineOptions(max_rows=options.max_rows, micro_batches=options.micro_batches or options.stages,
+    stages = chain_stages or options.stages
+    engine_options = EngineOptions(max_rows=options.max_rows, micro_batches=options.micro_batches or stages,
                                    k_max=max(options.k_max, 1), fixed_k=options.k)
     printer = _TextStream(tokenizer) if stream_text and len(prompts) == 1 else None
-    with LocalPipeline(options.model, options.stages, options.settings, manifest) as pipeline:
+    context: AbstractContextManager[StageChain] = (
+        nullcontext(chain) if chain is not None
+        else LocalPipeline(options.model, options.stages, options.settings, manifest))
+    with context as pipeline:
         engine = Engine(pipeline, manifest.spec, draft, engine_options)
         for index, prompt in enumerate(prompts):
             engine.add(StreamRequest(prompt_ids=prompt, max_new_tokens=options.max_new_tokens,
@@ -77,7 +86,7 @@ def run_generate(options: GenerateOptions, stream_text: bool = False) -> dict[st
                 "first_token_s": round(result.first_token_s, 4), "stopped_by_eos": result.stopped_by_eos}
                for result in results.values()]
     generated = sum(len(result.tokens) for result in results.values())
-    report: dict[str, object] = {"stages": options.stages, "generated_tokens": generated,
+    report: dict[str, object] = {"stages": stages, "generated_tokens": generated,
                                  "wall_s": round(wall, 4), "streams": streams}
     if len(streams) == 1:
         report.update({key: streams[0][key] for key in ("tokens", "text", "tok_s")})

@@ -1,0 +1,403 @@
+"""`deskfleet bench fleet`: the paper's fleet table, measured on simulated PCs over the real TLS transport.
+
+Every simulated PC is an agent in its own process (controller/bench/fleet_agent.py), pinned to its own
+core(s) with os.sched_setaffinity and compiling with INFERENCE_NUM_THREADS=1 (threads per PC
+configurable). The controller deploys with the real deploy (shards pushed, stages assigned) and drives
+the real engine through FleetPipeline: controller -> stage 0 -> ... -> stage n-1 -> controller over TLS
+websockets. Every agent is dialled through a DelayProxy (0 ms unless a WAN row sets 100 ms per hop).
+Configurations are interleaved round by round so drift hits all alike; each reports its median tokens/s
+and the spread (min, max) over the rounds; ratios are of medians against the row's 1-PC baseline of the
+same model. The controller process (driver, and the draft model for speculative rows) is not pinned:
+on a 2-core machine it shares the agents' cores, which counts against the fleet rows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from deskfleet.agent.link import TlsFiles, utc_now
+from deskfleet.common import pki
+from deskfleet.common.model_spec import load_manifest
+from deskfleet.common.planner import PlanOptions, PlanPolicy
+from deskfleet.common.wire import Precision, Role
+from deskfleet.controller.bench.delay_proxy import DelayProxy, ProxyThread
+from deskfleet.controller.draft import DraftModel
+from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
+from deskfleet.controller.fleet_ca import init_fleet, load_ca
+from deskfleet.controller.fleet_deploy import StagePlacement, deploy
+from deskfleet.controller.fleet_pipeline import FleetPipeline
+from deskfleet.controller.fleet_store import FleetStore
+from deskfleet.controller.fleet_survey import SurveyOptions, survey
+from deskfleet.controller.tokenizer import ModelTokenizer
+
+log = logging.getLogger(__name__)
+
+DEMO_TEXTS = ("Once upon a time, there was a little girl who", "The cat sat on the mat and",
+              "One day, a boy named Tom went to the park", "The sun was shining and the birds",
+              "Lily wanted to play with her friend", "There was a big tree in the garden",
+              "Mom said it was time to go to bed", "The dog ran after the ball")
+
+
+@dataclass(frozen=True)
+class FleetBenchOptions:
+    model: Path  # the throughput model's export folder (~1B INT4 in the brief)
+    demo_target: Path | None = None  # the demo pair, for drafting rows
+    demo_draft: Path | None = None
+    new_tokens: int = 32
+    prompt_tokens: int = 16
+    rounds: int = 3
+    threads_per_pc: int = 1
+    wan_delay_s: float = 0.1
+    wan_bandwidth_bytes_s: float | None = None  # None: no bandwidth limit on WAN rows
+    max_pcs: int = 2  # PCs for the largest rows (3-4 need that many cores)
+
+
+@dataclass
+class _Config:
+    key: str
+    group: str  # the deployment it runs on
+    streams: int
+    max_rows: int
+    micro_batches: int
+    draft: bool = False
+    return_logits: bool = False
+    delay: bool = False
+    copies: int = 1  # independent chains run at once (group, group + "-b", ...)
+    runs: list[dict[str, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Row:
+    title: str
+    config: str
+    baseline: str | None  # ratio of medians against this config
+    paper: str
+    goal: str
+
+
+ROWS = (
+    _Row("1 PC (monolithic)", "mono_1", None, "1.00x", "1.00x"),
+    _Row("2 PCs, 1 stream", "pair_1", "mono_1", "0.67x", ">= 0.95x"),
+    _Row("2 PCs, 2 streams", "pair_2", "mono_1", "1.20x", ">= 1.90x"),
+    _Row("two independent 1-PC copies, 1 stream each", "copies_2", "mono_1", "-", "2 PCs 2 streams >= 0.95 of it"),
+    _Row("2 PCs, 2 streams vs two 1-PC copies", "pair_2", "copies_2", "-", ">= 0.95x"),
+    _Row("1 PC, 8 users (batched)", "mono_8", "mono_1", "-", "-"),
+    _Row("2 PCs, 8 users (batched micro-batches)", "pair_8", "mono_1", "not run", ">= 6x"),
+    _Row("2 PCs, 8 users vs 1 PC serving the same 8 users", "pair_8", "mono_8", "-", ">= 1.6x"),
+    _Row("demo target, 1 PC (monolithic)", "demo_mono_1", None, "1.00x", "1.00x"),
+    _Row("2 PCs, 2 streams + speculative (demo pair)", "demo_pair_2_spec", "demo_mono_1", "1.79x", ">= 3.0x"),
+    _Row("100 ms per hop, full stack vs naive pipeline (demo pair)", "wan_full", "wan_naive", "4.04x", ">= 6x"),
+    _Row("100 ms per hop, token ids vs full logits back (demo target)", "wan_naive_ids", "wan_naive", "8.17x",
+         "report"),
+)
+
+
+# Public functions
+
+def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Start the simulated PCs, deploy, run every configuration `rounds` times interleaved; the report."""
+    say = progress or (lambda text: log.info("%s", text))
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise RuntimeError("the fleet bench needs at least 2 cores (one per simulated PC)")
+    configs = _configs(options)
+    with tempfile.TemporaryDirectory(prefix="deskfleet-bench-") as work, \
+            _Fleet(Path(work), _agents(options, cores), options.threads_per_pc) as fleet:
+        say(f"{len(fleet.names)} simulated PCs up; deploying")
+        placements = _deploy_all(fleet, options)
+        demo_draft = options.demo_draft
+        for round_index in range(options.rounds):
+            for config in configs:
+                result = _run_config(fleet, placements, config, options, demo_draft)
+                config.runs.append(result)
+                say(f"round {round_index + 1}/{options.rounds} {config.key}: {result['tok_s']:.1f} tok/s")
+    return _report(options, configs, cores)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    lines = ["| row | the paper (iGPU, 2 PCs) | our goal | measured (median) | tok/s median (min-max) |",
+             "|---|---|---|---|---|"]
+    for row in report["rows"]:
+        ratio = f"{row['ratio']:.2f}x" if row.get("ratio") is not None else "not run"
+        tok = row.get("tok_s")
+        spread = f"{tok['median']:.1f} ({tok['min']:.1f}-{tok['max']:.1f})" if tok else "-"
+        lines.append(f"| {row['row']} | {row['paper']} | {row['goal']} | {ratio} | {spread} |")
+    return "\n".join(lines)
+
+
+# Private functions: configurations
+
+def _configs(options: FleetBenchOptions) -> list[_Config]:
+    configs = [
+        _Config("mono_1", "mono", 1, 1, 1),
+        _Config("pair_1", "pair", 1, 1, 1),
+        _Config("pair_2", "pair", 2, 1, 2),
+        _Config("copies_2", "mono", 1, 1, 1, copies=2),
+        _Config("mono_8", "mono", 8, 8, 1),
+        _Config("pair_8", "pair", 8, 4, 2),
+    ]
+    if options.demo_target is not None:
+        configs += [_Config("demo_mono_1", "demo_mono", 1, 1, 1),
+                    _Config("wan_naive", "demo_pair", 1, 1, 1, return_logits=True, delay=True),
+                    _Config("wan_naive_ids", "demo_pair", 1, 1, 1, delay=True)]
+        if options.demo_draft is not None:
+            configs += [_Config("demo_pair_2_spec", "demo_pair", 2, 1, 2, draft=True),
+                        _Config("wan_full", "demo_pair", 8, 4, 2, draft=True, delay=True)]
+        else:
+            configs.append(_Config("wan_full", "demo_pair", 8, 4, 2, delay=True))
+    return configs
+
+
+def _agents(options: FleetBenchOptions, cores: list[int]) -> dict[str, int]:
+    """Simulated PC name -> its core. One PC per core; idle PCs of other rows share cores (they sleep)."""
+    agents = {"mono": cores[0], "mono-b": cores[1], "pair0": cores[0], "pair1": cores[1]}
+    if options.demo_target is not None:
+        agents.update({"demo_mono": cores[0], "demo_pair0": cores[0], "demo_pair1": cores[1]})
+    return agents
+
+
+def _deploy_all(fleet: _Fleet, options: FleetBenchOptions) -> dict[str, tuple[StagePlacement, ...]]:
+    groups: dict[str, tuple[Path, list[str]]] = {"mono": (options.model, ["mono"]),
+                                                 "mono-b": (options.model, ["mono-b"]),
+                                                 "pair": (options.model, ["pair0", "pair1"])}
+    if options.demo_target is not None:
+        groups["demo_mono"] = (options.demo_target, ["demo_mono"])
+        groups["demo_pair"] = (options.demo_target, ["demo_pair0", "demo_pair1"])
+    return {group: fleet.deploy(model, names) for group, (model, names) in groups.items()}
+
+
+def _prompts(model: Path, count: int, length: int, demo: bool) -> list[list[int]]:
+    if demo:
+        tokenizer = ModelTokenizer(model)
+        return [tokenizer.encode(DEMO_TEXTS[index % len(DEMO_TEXTS)]) for index in range(count)]
+    vocab = load_manifest(model).spec.vocab_size
+    rng = np.random.default_rng(1234)
+    return [[int(token) for token in rng.integers(3, min(vocab, 30000), length)] for _ in range(count)]
+
+
+def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]], config: _Config,
+                options: FleetBenchOptions, demo_draft: Path | None) -> dict[str, float]:
+    demo = config.group.startswith("demo")
+    model = options.demo_target if demo else options.model
+    assert model is not None
+    fleet.proxies.set_delay(options.wan_delay_s if config.delay else 0.0,
+                            options.wan_bandwidth_bytes_s if config.delay else None)
+    groups = [config.group] if config.copies == 1 else [config.group, f"{config.group}-b"][: config.copies]
+    results: list[dict[str, float]] = [{} for _ in groups]
+
+    def one(index: int, group: str) -> None:
+        draft = DraftModel(demo_draft) if config.draft and demo_draft is not None else None
+        engine_options = EngineOptions(max_rows=config.max_rows, micro_batches=config.micro_batches)
+        with FleetPipeline(placements[group], fleet.store.tls_files, return_logits=config.return_logits) as chain:
+            engine = Engine(chain, load_manifest(model).spec, draft, engine_options)
+            for prompt in _prompts(model, config.streams, options.prompt_tokens, demo):
+                engine.add(StreamRequest(prompt, max_new_tokens=options.new_tokens, ignore_eos=True))
+            started = time.perf_counter()
+            streams = engine.run()
+            wall = time.perf_counter() - started
+        results[index] = {"tokens": float(sum(len(s.tokens) for s in streams.values())), "wall_s": wall,
+                          "mean_accepted": engine.mean_accepted() if draft else 0.0,
+                          "final_k": float(engine.k_policy.k) if draft else 0.0}
+
+    try:
+        threads = [threading.Thread(target=one, args=(index, group)) for index, group in enumerate(groups)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        fleet.proxies.set_delay(0.0)
+    if any(not result for result in results):
+        raise RuntimeError(f"configuration {config.key} failed (see the log)")
+    tokens = sum(result["tokens"] for result in results)
+    wall = max(result["wall_s"] for result in results)
+    return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": round(wall, 4),
+            "mean_accepted": results[0]["mean_accepted"], "final_k": results[0]["final_k"]}
+
+
+def _report(options: FleetBenchOptions, configs: list[_Config], cores: list[int]) -> dict[str, Any]:
+    by_key = {config.key: config for config in configs}
+    summary: dict[str, dict[str, Any]] = {}
+    for config in configs:
+        speeds = [run["tok_s"] for run in config.runs]
+        summary[config.key] = {"median": statistics.median(speeds), "min": min(speeds), "max": max(speeds),
+                               "runs": [round(speed, 3) for speed in speeds],
+                               "mean_accepted": statistics.median(run["mean_accepted"] for run in config.runs),
+                               "final_k": statistics.median(run["final_k"] for run in config.runs)}
+    rows: list[dict[str, Any]] = []
+    for row in ROWS:
+        if row.config not in by_key or (row.baseline is not None and row.baseline not in by_key):
+            rows.append({"row": row.title, "paper": row.paper, "goal": row.goal, "ratio": None, "tok_s": None,
+                         "config": row.config})
+            continue
+        tok = summary[row.config]
+        ratio = 1.0 if row.baseline is None else tok["median"] / summary[row.baseline]["median"]
+        rows.append({"row": row.title, "paper": row.paper, "goal": row.goal, "ratio": round(ratio, 3),
+                     "tok_s": {key: round(tok[key], 3) for key in ("median", "min", "max")},
+                     "config": row.config, "baseline": row.baseline})
+    for pcs in range(3, 5):
+        rows.append({"row": f"{pcs} PCs, {pcs} streams + speculative", "paper": "2.64x" if pcs == 3 else "-",
+                     "goal": ">= 4.0x" if pcs == 3 else "-", "ratio": None, "tok_s": None,
+                     "config": None, "note": "not run: needs more cores than this machine has"})
+    return {"machine": {"cpus": len(cores), "platform": platform.platform(), "python": sys.version.split()[0]},
+            "options": {"model": str(options.model), "demo_target": str(options.demo_target),
+                        "demo_draft": str(options.demo_draft), "new_tokens": options.new_tokens,
+                        "prompt_tokens": options.prompt_tokens, "rounds": options.rounds,
+                        "threads_per_pc": options.threads_per_pc, "wan_delay_s": options.wan_delay_s,
+                        "wan_bandwidth_bytes_s": options.wan_bandwidth_bytes_s},
+            "configs": summary, "rows": rows}
+
+
+# Private: the simulated PCs
+
+class _Fleet:
+    """A fleet CA, one agent process per simulated PC (pinned), a delay proxy in front of each."""
+
+    def __init__(self, work: Path, agents: dict[str, int], threads: int) -> None:
+        self.work = work
+        self.names = list(agents)
+        self.store = FleetStore(work / "controller")
+        init_fleet(self.store, "bench", ("127.0.0.1:1",), utc_now())
+        ca = load_ca(self.store)
+        self.ports: dict[str, int] = {}
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        for name, core in agents.items():
+            files = TlsFiles.in_folder(work / name, "agent")
+            _issue(ca, files, name)
+            self.ports[name] = _free_port()
+            log_file = (work / f"{name}.log").open("wb")
+            self.processes[name] = subprocess.Popen(
+                [sys.executable, "-m", "deskfleet.controller.bench.fleet_agent", "--tls-dir", str(work / name),
+                 "--name", "agent", "--listen", f"127.0.0.1:{self.ports[name]}", "--cores", str(core),
+                 "--cache", str(work / name / "cache"), "--threads", str(threads)],
+                stdout=log_file, stderr=subprocess.STDOUT)
+        self.proxy_of = {name: DelayProxy(f"127.0.0.1:{port}") for name, port in self.ports.items()}
+        self.proxies = ProxyThread(list(self.proxy_of.values()))
+
+    def __enter__(self) -> _Fleet:
+        try:
+            for name, port in self.ports.items():
+                _wait_port(port, self.processes[name], self.work / f"{name}.log")
+            self.proxies.__enter__()
+        except BaseException:
+            self._stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.proxies.__exit__()
+        self._stop()
+
+    def deploy(self, model: Path, names: Sequence[str]) -> tuple[StagePlacement, ...]:
+        import asyncio
+
+        async def run() -> tuple[StagePlacement, ...]:
+            peers = tuple(self.proxy_of[name].address for name in names)
+            found = await survey(self.store, SurveyOptions(peers=peers, discover_seconds=0, use_roster=False))
+            try:
+                _, report = await deploy(self.store, model, found, PlanOptions(policy=PlanPolicy.ALL_BY_SPEED),
+                                         Precision.DEVICE_DEFAULT)
+            finally:
+                await found.close()
+            return report.stages
+
+        stages = asyncio.run(run())
+        if len(stages) != len(names):
+            raise RuntimeError(f"deploying {model} over {names} gave {len(stages)} stage(s)")
+        return stages
+
+    def _stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _issue(ca: pki.FleetCa, files: TlsFiles, name: str) -> None:
+    files.cert_path.parent.mkdir(parents=True, exist_ok=True)
+    key = pki.create_private_key()
+    certificate = pki.sign_csr(ca, pki.create_csr(key, name), utc_now(), role=Role.AGENT)
+    files.ca_path.write_bytes(pki.certificate_pem(ca.certificate))
+    files.cert_path.write_bytes(pki.certificate_pem(certificate))
+    pki.write_private_key(files.key_path, key)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _wait_port(port: int, process: subprocess.Popen[bytes], log_path: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"a bench agent exited ({process.returncode}): {log_path.read_text()[-2000:]}")
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"a bench agent did not listen on {port} within {timeout:.0f} s")
+
+
+def write_outputs(report: dict[str, Any], json_path: Path | None, markdown_path: Path | None) -> None:
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+    if markdown_path is not None:
+        markdown_path.write_text(render_markdown(report) + "\n")
+
+
+__all__ = ["FleetBenchOptions", "add_fleet_bench_command", "render_markdown", "run_fleet_bench", "write_outputs"]
+
+
+def add_fleet_bench_command(benches: Any) -> None:
+    """`deskfleet bench fleet` on the CLI's bench subparsers."""
+    import argparse
+
+    parser: argparse.ArgumentParser = benches.add_parser("fleet", help="the paper's fleet table on simulated PCs")
+    parser.add_argument("--model", type=Path, required=True, help="throughput model export (about 1B INT4)")
+    parser.add_argument("--demo-target", type=Path, default=None, help="demo pair target export (drafting rows)")
+    parser.add_argument("--demo-draft", type=Path, default=None, help="demo pair draft export")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads-per-pc", type=int, default=1)
+    parser.add_argument("--wan-delay-ms", type=float, default=100.0, help="one-way delay per hop on WAN rows")
+    parser.add_argument("--wan-bandwidth-mbit", type=float, default=None, help="per-link bandwidth on WAN rows")
+    parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--markdown-out", type=Path, default=None, help="also write the markdown table here")
+    parser.set_defaults(handler=_bench_command)
+
+
+def _bench_command(args: Any) -> int:
+    options = FleetBenchOptions(
+        model=args.model, demo_target=args.demo_target, demo_draft=args.demo_draft, new_tokens=args.new_tokens,
+        prompt_tokens=args.prompt_tokens, rounds=args.rounds, threads_per_pc=args.threads_per_pc,
+        wan_delay_s=args.wan_delay_ms / 1000.0,
+        wan_bandwidth_bytes_s=args.wan_bandwidth_mbit * 125_000 if args.wan_bandwidth_mbit else None)
+    report = run_fleet_bench(options, progress=lambda text: print(text, file=sys.stderr, flush=True))
+    write_outputs(report, args.json_out, args.markdown_out)
+    print(json.dumps(report, indent=2))
+    print(render_markdown(report), file=sys.stderr)
+    return 0

@@ -1,0 +1,62 @@
+"""One simulated PC for `deskfleet bench fleet`: an agent core in its own process, pinned to its own cores.
+
+    python -m deskfleet.controller.bench.fleet_agent --tls-dir D --name N --listen HOST:PORT --cores 0[,1]
+        --cache DIR [--threads 1]
+
+The same AgentCore and TLS server as the headless agent (deploy, shards, stages, Forward relaying over
+real TLS websockets), without enrollment or mDNS: the bench issues its certificate directly. The process
+is pinned with os.sched_setaffinity and compiles its stage with INFERENCE_NUM_THREADS = --threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+from deskfleet.agent.core import AgentCore
+from deskfleet.agent.link import TlsFiles, start_server
+from deskfleet.agent.monitor import HostMonitor
+from deskfleet.agent.paths import AgentSettings, Thresholds
+from deskfleet.agent.shard_cache import ShardCache
+from deskfleet.common.wire import parse_address
+
+log = logging.getLogger(__name__)
+
+
+async def serve(files: TlsFiles, listen: str, cache_dir: Path, threads: int) -> None:
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_battery_percent=None,
+                                                   max_temperature_c=None, min_free_memory_bytes=None,
+                                                   max_cpu_load=None))
+    core = AgentCore(files, settings, ShardCache(cache_dir, 16 << 30), HostMonitor(), num_threads=threads)
+    host, port = parse_address(listen)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    server = await start_server(core.serve_link, host, port, files, revocations=core.revocations)
+    log.info("bench agent %s on %s", core.agent_id[:12], listen)
+    async with server:
+        await stop.wait()
+    await core.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tls-dir", type=Path, required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--listen", required=True)
+    parser.add_argument("--cores", required=True, help="comma-separated CPU numbers")
+    parser.add_argument("--cache", type=Path, required=True)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    os.sched_setaffinity(0, {int(core) for core in args.cores.split(",")})
+    asyncio.run(serve(TlsFiles.in_folder(args.tls_dir, args.name), args.listen, args.cache, args.threads))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""`deskfleet generate --fleet` and `deskfleet chat [--fleet]`: the engine over the deployed chain or locally.
+
+generate --fleet takes the same options as local generate (several prompts as concurrent streams,
+--draft with the draft on this controller, --k, sampling); only the chain differs: the stages of the
+last `deskfleet fleet deploy` of the model instead of an in-process pipeline.
+
+chat is a terminal conversation: each line read is a user turn; the whole conversation goes through the
+model's chat template (controller/tokenizer.py) and the reply streams to the output as it is decoded.
+`/reset` forgets the conversation, `/quit` (or end of input) leaves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+from deskfleet.agent.stage import CompileSettings
+from deskfleet.common.model_spec import load_manifest
+from deskfleet.common.speculative import SamplingParams
+
+from .draft import DraftModel
+from .engine import Engine, EngineOptions, StageChain, StreamRequest
+from .generation import GenerationError
+from .run import GenerateOptions, run_generate
+from .tokenizer import ChatMessage, ModelTokenizer
+
+if TYPE_CHECKING:
+    from .fleet_store import FleetStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    model: Path
+    fleet_dir: Path | None = None  # the controller data dir: chat over the deployed chain; None: local
+    stages: int = 1  # local only
+    system: str | None = None
+    max_new_tokens: int = 256
+    draft: Path | None = None
+    k: int | None = None
+    k_max: int = 8
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    settings: CompileSettings = field(default_factory=CompileSettings)
+
+
+# Public functions
+
+def add_chat_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+                     add_compile_options: Callable[[argparse.ArgumentParser], None]) -> None:
+    """`deskfleet chat`; `add_compile_options(parser)` adds the CLI's shared --precision/--device/--threads."""
+    chat = subparsers.add_parser("chat", help="a terminal chat with streaming output (local or --fleet)")
+    chat.add_argument("--model", type=Path, required=True, help="export folder (with its tokenizer)")
+    add_fleet_option(chat)
+    chat.add_argument("--stages", type=int, default=1, help="in-process pipeline stages (local only)")
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--max-new-tokens", type=int, default=256)
+    chat.add_argument("--draft", type=Path, default=None, help="export folder of a draft model (speculative)")
+    chat.add_argument("--k", type=int, default=None, help="fixed number of draft tokens (default: adaptive)")
+    chat.add_argument("--k-max", type=int, default=8)
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    chat.add_argument("--top-k", type=int, default=0)
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--seed", type=int, default=0)
+    add_compile_options(chat)
+    chat.set_defaults(handler=_chat_command)
+
+
+def add_fleet_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fleet", action="store_true",
+                        help="run on the fleet's deployed chain (`deskfleet fleet deploy --model` first)")
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="controller data dir for --fleet (default: $DESKFLEET_CONTROLLER_DIR or the platform's)")
+
+
+def generate_on_fleet(options: GenerateOptions, data_dir: Path | None, stream_text: bool = False) -> dict[str, object]:
+    """`deskfleet generate --fleet`: run_generate over the deployed chain of `options.model`."""
+    from .fleet_pipeline import FleetPipeline
+
+    with FleetPipeline.from_store(_store(data_dir), options.model) as chain:
+        report = run_generate(options, stream_text, chain=chain, chain_stages=chain.num_stages)
+    report["fleet"] = True
+    return report
+
+
+def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextIO | None = None) -> int:
+    """Converse until `lines` ends or says /quit; returns the number of replies given."""
+    manifest = load_manifest(options.model)
+    tokenizer = ModelTokenizer(options.model)
+    draft = DraftModel(options.draft, options.settings) if options.draft is not None else None
+    sampling = SamplingParams(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
+    history = [ChatMessage("system", options.system)] if options.system else []
+    replies = 0
+    with _open_chain(options) as chain:
+        micro_batches = getattr(chain, "num_stages", 1)
+        engine_options = EngineOptions(micro_batches=micro_batches, k_max=max(options.k_max, 1), fixed_k=options.k)
+        while True:
+            if prompt_out is not None:
+                prompt_out.write("you> ")
+                prompt_out.flush()
+            line = lines.readline()
+            if not line or line.strip() in ("/quit", "/exit"):
+                break
+            text = line.strip()
+            if not text:
+                continue
+            if text == "/reset":
+                history = history[:1] if options.system else []
+                continue
+            history.append(ChatMessage("user", text))
+            renumber = getattr(chain, "renumber", None)
+            if callable(renumber):
+                renumber()
+            engine = Engine(chain, manifest.spec, draft, engine_options)
+            try:
+                engine.add(StreamRequest(tokenizer.encode_chat(history), options.max_new_tokens, sampling=sampling,
+                                         seed=options.seed + replies))
+            except GenerationError as error:
+                out.write(f"[{error}; the conversation starts over]\n")
+                history = history[:1] if options.system else []
+                continue
+            printer = TextPrinter(tokenizer, out)
+            result = engine.run(on_token=printer.push)[0]
+            out.write("\n")
+            out.flush()
+            eos = set(manifest.spec.eos_token_ids)
+            reply_tokens = [token for token in result.tokens if token not in eos]
+            history.append(ChatMessage("assistant", tokenizer.decode(reply_tokens)))
+            replies += 1
+    return replies
+
+
+class TextPrinter:
+    """Writes decoded text as tokens arrive (decoding the whole tail keeps multi-byte characters whole)."""
+
+    def __init__(self, tokenizer: ModelTokenizer, out: TextIO) -> None:
+        self.tokenizer = tokenizer
+        self.out = out
+        self.tokens: list[int] = []
+        self.printed = ""
+
+    def push(self, stream_id: int, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens)
+        if text.endswith("\ufffd"):
+            return  # an incomplete UTF-8 sequence: wait for the next token
+        self.out.write(text[len(self.printed):])
+        self.out.flush()
+        self.printed = text
+
+
+# Private functions
+
+def _store(data_dir: Path | None) -> FleetStore:
+    from .fleet_store import FleetStore, default_data_dir
+
+    store = FleetStore(data_dir or default_data_dir())
+    store.require_initialised()
+    return store
+
+
+def _open_chain(options: ChatOptions) -> AbstractContextManager[StageChain]:
+    if options.fleet_dir is not None:
+        from .fleet_pipeline import FleetPipeline
+
+        return FleetPipeline.from_store(_store(options.fleet_dir), options.model)
+    from .pipeline import LocalPipeline
+
+    return LocalPipeline(options.model, options.stages, options.settings)
+
+
+def _chat_command(args: argparse.Namespace) -> int:
+    from deskfleet.agent.stage import Precision
+
+    from .fleet_store import default_data_dir
+
+    compile_settings = CompileSettings(device=args.device, precision=Precision(args.precision),
+                                       num_threads=args.threads)
+    options = ChatOptions(model=args.model, fleet_dir=(args.data_dir or default_data_dir()) if args.fleet else None,
+                          stages=args.stages, system=args.system, max_new_tokens=args.max_new_tokens,
+                          draft=args.draft, k=args.k, k_max=args.k_max, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, settings=compile_settings)
+    interactive = sys.stdin.isatty()
+    run_chat(options, sys.stdin, sys.stdout, prompt_out=sys.stderr if interactive else None)
+    return 0

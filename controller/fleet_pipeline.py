@@ -1,0 +1,259 @@
+"""The fleet as a StageChain: the engine's synchronous submit/collect/release over the TLS links.
+
+A daisy chain controller -> stage 0 -> ... -> stage n-1 -> controller: the driver sends Forward (and
+ReleaseMicroBatch, which follows the micro-batch's last Forward down the chain) to the first stage's
+agent; the agents relay hidden states agent to agent; the last stage's agent sends the ForwardResult
+(token ids only: top-1 compression, plus the accepted count when verifying) back on the link over which
+this driver said ResultsHere. n+1 hops a step, and several micro-batches in flight at once.
+
+The links live on an asyncio loop in a background thread; every task there is owned by one TaskGroup.
+The driver also holds a link to every middle stage's agent: when an agent dies its link closes (the
+websocket pings notice within link.PING_INTERVAL_S + PING_TIMEOUT_S) and collect() raises ChainError
+naming that agent, its stage and its address; an Error a stage reports travels down the chain to here.
+
+Micro-batch ids on the wire are the engine's ids plus a random per-session base, so two drivers (or
+two chat turns) never address each other's KV state on a stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import secrets
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from deskfleet.agent.link import Link, LinkError, RevocationSource, TlsFiles, no_revocations, open_link
+from deskfleet.common.wire import Error, Forward, ForwardResult, ReleaseMicroBatch, ResultsHere
+from deskfleet.controller.fleet_chain import ChainError
+from deskfleet.controller.fleet_deploy import DeployError, StagePlacement, load_deployment
+from deskfleet.controller.fleet_store import FleetStore
+
+log = logging.getLogger(__name__)
+
+STEP_TIMEOUT_S = 120.0
+OPEN_TIMEOUT_S = 30.0
+_ID_SPAN = 1 << 24  # engine micro-batch ids stay below this
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+_Outgoing = Forward | ReleaseMicroBatch | _Stop
+
+
+class FleetPipeline:
+    """A deployed chain of agents, driven synchronously. Use as a context manager or call close().
+
+    `addresses` overrides where to dial each stage (e.g. a delay proxy in front of it); the agent id
+    is still pinned by TLS. `return_logits` asks the last stage for the full logits too (benchmarks
+    only: it is what top-1 compression saves).
+    """
+
+    def __init__(self, stages: Sequence[StagePlacement], files: TlsFiles,
+                 revocations: RevocationSource = no_revocations, addresses: Sequence[str] | None = None,
+                 step_timeout_s: float = STEP_TIMEOUT_S, return_logits: bool = False) -> None:
+        if not stages:
+            raise ChainError("the deployment has no stages")
+        self.stages = tuple(stages)
+        self.addresses = tuple(addresses) if addresses is not None else tuple(s.address for s in stages)
+        if len(self.addresses) != len(self.stages):
+            raise ValueError(f"{len(self.addresses)} addresses for {len(self.stages)} stages")
+        self.files = files
+        self.revocations = revocations
+        self.step_timeout_s = step_timeout_s
+        self.return_logits = return_logits
+        self._base = 0
+        self.renumber()
+        self._results: queue.Queue[ForwardResult | ChainError] = queue.Queue()
+        self._failure: ChainError | None = None
+        self._in_flight = 0
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outbox: asyncio.Queue[_Outgoing] | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._thread_main, name="fleet-chain", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(OPEN_TIMEOUT_S + 5.0):
+            raise ChainError(f"the chain did not open within {OPEN_TIMEOUT_S:.0f} s")
+        if self._failure is not None:
+            self._thread.join()
+            raise self._failure
+
+    @classmethod
+    def from_store(cls, store: FleetStore, model_dir: Path, **options: object) -> FleetPipeline:
+        """The chain of the last `deskfleet fleet deploy` of this model."""
+        from deskfleet.controller.fleet_ca import Revocations
+
+        try:
+            stages = load_deployment(store, model_dir)
+        except DeployError as error:
+            raise ChainError(str(error)) from None
+        return cls(stages, store.tls_files, Revocations(store), **options)  # type: ignore[arg-type]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    # Public methods: the StageChain protocol
+
+    def submit(self, message: Forward) -> None:
+        """Send one step; its result comes out of collect()."""
+        self._check_open()
+        if not 0 <= message.micro_batch_id < _ID_SPAN:
+            raise ValueError(f"micro-batch id {message.micro_batch_id} outside [0, {_ID_SPAN})")
+        wire = replace(message, micro_batch_id=self._base + message.micro_batch_id,
+                       admit_from=tuple(self._base + source for source in message.admit_from),
+                       return_logits=self.return_logits or message.return_logits)
+        self._in_flight += 1
+        self._post(wire)
+
+    def collect(self, timeout: float | None = None) -> ForwardResult:
+        """The next finished step (any micro-batch). ChainError naming the agent when one failed."""
+        if self._failure is not None:
+            raise self._failure
+        wait = self.step_timeout_s if timeout is None else timeout
+        try:
+            item = self._results.get(timeout=wait)
+        except queue.Empty:
+            raise ChainError(f"no result within {wait:.0f} s with {self._in_flight} step(s) in flight on "
+                             f"{self.describe()}: an agent may be stuck") from None
+        if isinstance(item, ChainError):
+            self._failure = item
+            raise item
+        self._in_flight -= 1
+        return replace(item, micro_batch_id=item.micro_batch_id - self._base)
+
+    def release(self, batch_id: int) -> None:
+        """Free a micro-batch's KV state on every stage (in order, after its last step)."""
+        if self._failure is None and not self._closed:
+            self._post(ReleaseMicroBatch(self._base + batch_id))
+
+    # Public methods: lifetime
+
+    def renumber(self) -> None:
+        """Use fresh wire ids from now on (a new engine on the same chain reuses its small ids)."""
+        self._base = secrets.randbelow(1 << 30) * _ID_SPAN
+
+    def describe(self) -> str:
+        return " -> ".join(f"stage {index} [{stage.layer_start}:{stage.layer_end}] on agent {stage.agent_id[:12]} "
+                           f"at {address}" for index, (stage, address) in enumerate(zip(self.stages, self.addresses,
+                                                                                         strict=True)))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread.is_alive():
+            self._post(_Stop())
+            self._thread.join(timeout=30.0)
+
+    def __enter__(self) -> FleetPipeline:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # Private methods: the driver thread's side
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ChainError("the chain is closed")
+        if self._failure is not None:
+            raise self._failure
+
+    def _post(self, item: _Outgoing) -> None:
+        loop, outbox = self._loop, self._outbox
+        if loop is None or outbox is None or loop.is_closed():
+            raise self._failure or ChainError("the chain's network thread has stopped")
+        try:
+            loop.call_soon_threadsafe(outbox.put_nowait, item)
+        except RuntimeError:  # the loop closed in between
+            raise self._failure or ChainError("the chain's network thread has stopped") from None
+
+    def _fail(self, error: ChainError) -> None:
+        if self._failure is None:
+            self._failure = error
+        self._results.put(error)
+
+    # Private methods: the network thread
+
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except ChainError as error:
+            self._fail(error)
+        except BaseException as error:  # never leave the driver waiting on a dead thread
+            log.exception("the fleet chain's network thread failed")
+            self._fail(ChainError(f"the chain's network thread failed: {error}"))
+        finally:
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._outbox = asyncio.Queue()
+        links = await self._open_links()
+        try:
+            self._ready.set()
+            async with asyncio.TaskGroup() as group:
+                receivers = [group.create_task(self._receive(index, link), name=f"receive-{index}")
+                             for index, link in enumerate(links)]
+                await self._send_all(links[0])
+                for task in receivers:
+                    task.cancel()
+        except* ChainError as errors:
+            self._fail(errors.exceptions[0])  # type: ignore[arg-type]
+        finally:
+            for link in links:
+                await link.close()
+
+    async def _open_links(self) -> list[Link]:
+        links: list[Link] = []
+        try:
+            async with asyncio.timeout(OPEN_TIMEOUT_S):
+                for index, (stage, address) in enumerate(zip(self.stages, self.addresses, strict=True)):
+                    try:
+                        links.append(await open_link(address, self.files, stage.agent_id, self.revocations))
+                    except LinkError as error:
+                        raise ChainError(f"cannot reach agent {stage.agent_id[:12]} (stage {index}, layers "
+                                         f"[{stage.layer_start}:{stage.layer_end}]): {error}") from None
+                await links[-1].send(ResultsHere())
+        except (ChainError, LinkError, TimeoutError) as error:
+            for link in links:
+                await link.close()
+            if isinstance(error, ChainError):
+                raise
+            raise ChainError(f"cannot open the chain {self.describe()}: {error or 'timed out'}") from None
+        return links
+
+    async def _send_all(self, first: Link) -> None:
+        assert self._outbox is not None
+        while not isinstance(item := await self._outbox.get(), _Stop):
+            try:
+                await first.send(item)
+            except LinkError as error:
+                raise self._stage_error(0, f"the link closed: {error}") from None
+
+    async def _receive(self, index: int, link: Link) -> None:
+        while True:
+            try:
+                message = await link.receive()
+            except LinkError as error:
+                raise self._stage_error(index, f"the link closed: {error}") from None
+            if isinstance(message, ForwardResult):
+                self._results.put(message)
+            elif isinstance(message, Error):
+                raise ChainError(f"{message.code.value} from the chain (reported to stage {index}'s link): "
+                                 f"{message.message}")
+            else:
+                log.debug("ignoring %s from %s", type(message).__name__, link.describe())
+
+    def _stage_error(self, index: int, text: str) -> ChainError:
+        stage = self.stages[index]
+        return ChainError(f"agent {stage.agent_id[:12]} (stage {index}, layers [{stage.layer_start}:"
+                          f"{stage.layer_end}]) at {self.addresses[index]}: {text}")
