@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -241,7 +241,8 @@ def _report(options: FleetBenchOptions, configs: list[_Config], cores: list[int]
                                "mean_accepted": statistics.median(run["mean_accepted"] for run in config.runs),
                                "final_k": statistics.median(run["final_k"] for run in config.runs)}
     rows: list[dict[str, Any]] = []
-    for row in ROWS:
+    delay = f"{options.wan_delay_s * 1000:.0f} ms per hop"
+    for row in (replace(row, title=row.title.replace("100 ms per hop", delay)) for row in ROWS):
         if row.config not in by_key or (row.baseline is not None and row.baseline not in by_key):
             rows.append({"row": row.title, "paper": row.paper, "goal": row.goal, "ratio": None, "tok_s": None,
                          "config": row.config})

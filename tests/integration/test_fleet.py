@@ -5,7 +5,8 @@ a veth pair into one bridge, so TLS, registration and mDNS cross a real network 
 run on loopback with distinct ports
 (DESKFLEET_TEST_LOOPBACK=1 forces that as root). The fixture makes and always removes the namespaces and bridge.
 The tests run in file order and share the fleet: join + discovery, deploy twice, generate through the
-chain, strangers refused, a removed agent refused.
+chain, the engine over the fleet (several streams, speculative, sampled) token-identical to a local
+1-stage run, strangers refused, a removed agent refused, a dead agent named.
 """
 
 from __future__ import annotations
@@ -227,6 +228,51 @@ def test_chain_generates_the_local_tokens(fleet: Fleet, tiny_export: Path) -> No
     assert remote == local
 
 
+PROMPTS = ("1,17,42,99,5", "7,3,250", "200,201,202,203,204,205,206,207,208")
+_LOCAL: dict[tuple[str, ...], list[list[int]]] = {}
+
+
+def _streams(report: dict[str, object]) -> list[list[int]]:
+    streams = report["streams"]
+    assert isinstance(streams, list)
+    return [stream["tokens"] for stream in streams]
+
+
+def _engine_run(fleet: Fleet, model: Path, *options: str, on_fleet: bool) -> list[list[int]]:
+    argv = ["generate", "--model", str(model), *[a for p in PROMPTS for a in ("--prompt-ids", p)],
+            "--max-new-tokens", "12", "--ignore-eos", "--json", "--precision", "f32", *options]
+    if on_fleet:  # the fleet was deployed in f32; --precision is the draft's, on this controller
+        return _streams(json.loads(fleet.deskfleet(*argv, "--fleet")))
+    if options not in _LOCAL:
+        _LOCAL[options] = _streams(json.loads(fleet.run(fleet.controller, str(BIN / "deskfleet"), *argv)))
+    return _LOCAL[options]
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(checkpoint_factory: Callable[..., Path], export_factory: Callable[[Path, str], Path]) -> Path:
+    """A 1-layer random draft sharing the tiny model's vocabulary (it disagrees often: rollbacks)."""
+    return export_factory(checkpoint_factory("tiny-draft", num_hidden_layers=1), "f32")
+
+
+def test_engine_streams_on_the_fleet_equal_local(fleet: Fleet, tiny_export: Path) -> None:
+    remote = _engine_run(fleet, tiny_export, on_fleet=True)
+    assert remote == _engine_run(fleet, tiny_export, on_fleet=False)
+    assert len(remote) == len(PROMPTS) and all(len(tokens) == 12 for tokens in remote)
+
+
+def test_speculative_on_the_fleet_equals_plain_local(fleet: Fleet, tiny_export: Path, tiny_draft: Path) -> None:
+    remote = _engine_run(fleet, tiny_export, "--draft", str(tiny_draft), "--k", "3", on_fleet=True)
+    assert remote == _engine_run(fleet, tiny_export, on_fleet=False)  # greedy drafting changes no token
+    # A fixed K and one stream per micro-batch: sampled drafting draws per round, so its tokens depend on
+    # K (adaptive K follows timing) and, in the engine today, on which streams share a micro-batch (whose
+    # grouping follows the order results arrive in).
+    sampled = ("--draft", str(tiny_export), "--k", "3", "--max-rows", "1", "--micro-batches", "3",
+               "--temperature", "0.8", "--top-p", "0.9", "--seed", "5")
+    remote_sampled = _engine_run(fleet, tiny_export, *sampled, on_fleet=True)
+    local_sampled = _engine_run(fleet, tiny_export, *sampled, on_fleet=False)
+    assert remote_sampled == local_sampled, f"{remote_sampled}\n{local_sampled}"
+
+
 def test_strangers_are_refused_and_reach_no_stage(fleet: Fleet, tiny_export: Path) -> None:
     target = fleet.agent_addresses[0]
     out = fleet.run(fleet.controller, sys.executable, "-m", "tests.integration.fleet_probe", "strangers", target,
@@ -253,3 +299,18 @@ def test_removed_agent_is_dropped_and_refused(fleet: Fleet) -> None:
     assert "403" in json.loads(out)["revoked_agent"]
     listed = {agent["agent_id"] for agent in _ls(fleet)}
     assert membership["agent_id"] not in listed and len(listed) == AGENTS - 1
+
+
+def test_a_dead_agent_is_named(fleet: Fleet, tiny_export: Path) -> None:
+    deployments = json.loads((fleet.controller_dir / "deployments.json").read_text())["body"]
+    first = next(iter(deployments.values()))["stages"][0]["agent_id"]
+    index = next(i for i in range(AGENTS) if json.loads(
+        (fleet.agent_dir(i) / "state" / "membership.json").read_text())["agent_id"] == first)
+    fleet.processes[fleet.agents[index].name].terminate()
+    fleet.processes[fleet.agents[index].name].wait(timeout=10)
+    done = subprocess.run(fleet.controller.command(
+        str(BIN / "deskfleet"), "generate", "--fleet", "--model", str(tiny_export), "--prompt-ids", PROMPTS[0],
+        "--max-new-tokens", "4", "--json", "--data-dir", str(fleet.controller_dir)),
+        cwd=REPO, capture_output=True, timeout=120, env=_environment())
+    assert done.returncode != 0
+    assert first[:12] in done.stderr.decode(), done.stderr.decode()
