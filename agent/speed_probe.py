@@ -1,0 +1,83 @@
+"""A short measurement of how fast this PC decodes, for the planner.
+
+Decoding one token reads every weight once, so a stage's decode time is about its weight bytes divided by
+the rate at which the device streams weights through a MatVec. The probe compiles a MatVec over
+`weight_bytes` of f16 weights on the configured device, times it, and reports weight GB/s. Layers are
+then planned in proportion to this figure. The result is cached per (device, software version) in the
+agent's state folder: the probe costs about a second, not at every start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+
+log = logging.getLogger(__name__)
+
+CACHE_NAME = "speed_probe.json"
+
+
+@dataclass(frozen=True)
+class SpeedMeasurement:
+    device: str
+    version: str
+    weight_gb_per_s: float  # f16 weight bytes a MatVec streams per second
+    seconds_per_call: float
+
+
+def measure_speed(device: str = "CPU", weight_bytes: int = 64 << 20, calls: int = 20,
+                  clock: Callable[[], float] = time.perf_counter, num_threads: int | None = None) -> SpeedMeasurement:
+    """Time `calls` MatVecs over `weight_bytes` of f16 weights on `device`; median seconds per call."""
+    rows = 4096
+    columns = max(1, weight_bytes // (2 * rows))
+    rng = np.random.default_rng(0)
+    weights = rng.standard_normal((columns, rows), dtype=np.float32).astype(np.float16)  # [in, out]
+    vector = ops.parameter(ov.PartialShape([1, columns]), ov.Type.f32, name="x")
+    product = ops.matmul(vector, ops.convert(ops.constant(weights), ov.Type.f32), False, False)
+    model = ov.Model([ops.result(product)], [vector], "speed-probe")
+    core = ov.Core()
+    config = {"PERFORMANCE_HINT": "LATENCY"}
+    if num_threads:
+        config["INFERENCE_NUM_THREADS"] = str(num_threads)
+    request = core.compile_model(model, device, config).create_infer_request()
+    inputs = {"x": np.ones((1, columns), dtype=np.float32)}
+    request.infer(inputs)  # warm-up: first call allocates
+    timings = []
+    for _ in range(calls):
+        started = clock()
+        request.infer(inputs)
+        timings.append(clock() - started)
+    seconds = float(np.median(timings))
+    measured_bytes = columns * rows * 2
+    return SpeedMeasurement(device=device, version=ov.get_version(), weight_gb_per_s=measured_bytes / seconds / 1e9,
+                            seconds_per_call=seconds)
+
+
+def cached_speed(state_dir: Path, device: str, measure: Callable[[str], SpeedMeasurement] = measure_speed
+                 ) -> SpeedMeasurement:
+    """The cached measurement for this device and OpenVINO version, measuring (and caching) when absent.
+
+    A cache file that cannot be read is measured over, never trusted.
+    """
+    path = state_dir / CACHE_NAME
+    try:
+        cached = SpeedMeasurement(**json.loads(path.read_text(encoding="utf-8")))
+        if cached.device == device and cached.version == ov.get_version() and cached.weight_gb_per_s > 0:
+            return cached
+    except (OSError, ValueError, TypeError):
+        pass
+    measured = measure(device)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(asdict(measured)), encoding="utf-8")
+    temporary.replace(path)
+    log.info("measured %.1f GB/s of weights on %s", measured.weight_gb_per_s, device)
+    return measured

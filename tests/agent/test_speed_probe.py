@@ -1,0 +1,42 @@
+"""The speed probe measures weight throughput and caches it per device and OpenVINO version."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openvino as ov
+
+from deskfleet.agent.speed_probe import CACHE_NAME, SpeedMeasurement, cached_speed, measure_speed
+
+
+def test_measures_a_positive_rate() -> None:
+    measured = measure_speed("CPU", weight_bytes=4 << 20, calls=3)
+    assert measured.weight_gb_per_s > 0 and measured.seconds_per_call > 0
+    assert measured.device == "CPU"
+
+
+def test_injected_clock_gives_the_rate() -> None:
+    ticks = iter(range(1000))
+    measured = measure_speed("CPU", weight_bytes=8 << 20, calls=3, clock=lambda: float(next(ticks)) * 0.01)
+    # every call takes exactly one tick of 10 ms: 8 MiB of f16 weights per 10 ms
+    assert abs(measured.seconds_per_call - 0.01) < 1e-12
+    assert abs(measured.weight_gb_per_s - (8 << 20) / 0.01 / 1e9) < 1e-6
+
+
+def test_cache_is_used_and_a_bad_cache_is_remeasured(tmp_path: Path) -> None:
+    calls: list[str] = []
+
+    def fake(device: str) -> SpeedMeasurement:
+        calls.append(device)
+        return SpeedMeasurement(device, ov.get_version(), 12.5, 0.001)
+
+    assert cached_speed(tmp_path, "CPU", fake).weight_gb_per_s == 12.5
+    assert cached_speed(tmp_path, "CPU", fake).weight_gb_per_s == 12.5
+    assert calls == ["CPU"]
+    cached_speed(tmp_path, "GPU", fake)  # another device: measured again
+    assert calls == ["CPU", "GPU"]
+    (tmp_path / CACHE_NAME).write_text("{not json")
+    cached_speed(tmp_path, "GPU", fake)
+    assert calls == ["CPU", "GPU", "GPU"]
+    assert json.loads((tmp_path / CACHE_NAME).read_text())["device"] == "GPU"
