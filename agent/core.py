@@ -23,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from deskfleet.agent.link import Link, LinkError, TlsFiles, open_link
 from deskfleet.agent.monitor import SystemMonitor
 from deskfleet.agent.paths import AgentSettings
 from deskfleet.agent.shard_cache import ShardCache, ShardCacheError
+from deskfleet.agent.speed_probe import SpeedMeasurement
 from deskfleet.agent.stage import CompileSettings, LayerRange, Stage
 from deskfleet.agent.stage import Precision as StagePrecision
 from deskfleet.agent.stage_executor import StageExecutor
@@ -82,8 +84,11 @@ class AgentCore:
     """The agent's state and message handling; owns no sockets of its own except next-hop links."""
 
     def __init__(self, files: TlsFiles, settings: AgentSettings, cache: ShardCache,
-                 monitor: SystemMonitor, num_threads: int | None = None) -> None:
+                 monitor: SystemMonitor, num_threads: int | None = None,
+                 speed_probe: Callable[[], SpeedMeasurement] | None = None) -> None:
         self.files = files
+        self._speed_probe = speed_probe  # run once, off the event loop, at the first status request
+        self._speed: SpeedMeasurement | None = None
         self.num_threads = num_threads  # inference threads per stage; None: the device's default
         self.settings = settings
         self.cache = cache
@@ -191,7 +196,14 @@ class AgentCore:
         reading = await asyncio.to_thread(self.monitor.read)
         snapshot = make_status(reading, self.settings.policy(), tuple(self.stages), self.cache.usage(),
                                self.last_error, time.time())
-        return snapshot.to_wire()
+        if self._speed is None and self._speed_probe is not None:
+            try:
+                self._speed = await asyncio.to_thread(self._speed_probe)
+            except (RuntimeError, OSError) as error:  # an unusable device: report no speed, say why
+                self._speed_probe = None
+                self._note_error(f"speed probe failed: {error}")
+        speed = self._speed.weight_gb_per_s if self._speed is not None else None
+        return replace(snapshot.to_wire(), weight_gb_per_s=speed)
 
     async def close(self) -> None:
         for link in list(self._next_hops.values()):

@@ -230,9 +230,12 @@ class StatusReport:
     igpu_busy: float | None  # fraction, [0, 1]
     stages: tuple[StageRef, ...]
     last_error: str | None
+    weight_gb_per_s: float | None = None  # measured decode speed (agent/speed_probe.py); None: not yet
 
     def __post_init__(self) -> None:
         _non_negative("free_memory_bytes", self.free_memory_bytes)
+        _require(self.weight_gb_per_s is None or 0.0 < self.weight_gb_per_s < 1e5,
+                 f"weight_gb_per_s {self.weight_gb_per_s} is not a plausible speed")
         _fraction("cpu_load", self.cpu_load)
         _fraction("igpu_busy", self.igpu_busy)
         _require(self.battery_percent is None or 0.0 <= self.battery_percent <= 100.0,

@@ -86,9 +86,21 @@ def footprint_of(manifest: Manifest) -> ModelFootprint:
 
 
 def candidates_of(agents: list[AgentView]) -> list[AgentCandidate]:
-    """Planner candidates from the agents that answered. Speed is not measured yet: all count as 1."""
-    return [AgentCandidate(agent.agent_id, agent.report.state, agent.report.free_memory_bytes, 1.0)
-            for agent in agents if agent.report is not None and agent.agent_id is not None]
+    """Planner candidates from the agents that answered, with their measured weight GB/s as speed.
+
+    An agent that has not measured yet counts as the slowest measured one (or 1.0 when none has), so an
+    unmeasured PC is never planned as the fastest.
+    """
+    answered = [agent for agent in agents if agent.report is not None and agent.agent_id is not None]
+    speeds = [agent.report.weight_gb_per_s for agent in answered
+              if agent.report is not None and agent.report.weight_gb_per_s]
+    fallback = min(speeds, default=1.0)
+    candidates = []
+    for agent in answered:
+        assert agent.report is not None and agent.agent_id is not None
+        speed = agent.report.weight_gb_per_s or fallback
+        candidates.append(AgentCandidate(agent.agent_id, agent.report.state, agent.report.free_memory_bytes, speed))
+    return candidates
 
 
 async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: PlanOptions,

@@ -170,3 +170,29 @@ def test_a_removed_agent_is_dropped_and_its_forwards_refused(core: AgentCore) ->
     with pytest.raises(CommandError) as refusal:
         handle(core, Role.AGENT, RevocationUpdate(()))  # only the controller may say who is removed
     assert refusal.value.code is ErrorCode.UNAUTHORIZED
+
+
+def test_status_carries_the_measured_speed_and_probes_once(core: AgentCore) -> None:
+    from deskfleet.agent.speed_probe import SpeedMeasurement
+
+    probes: list[int] = []
+
+    def probe() -> SpeedMeasurement:
+        probes.append(1)
+        return SpeedMeasurement("CPU", "test", 21.5, 0.003)
+
+    core._speed_probe = probe
+    for _ in range(2):
+        report = handle(core, Role.CONTROLLER, StatusRequest())
+        assert isinstance(report, StatusReport) and report.weight_gb_per_s == 21.5
+    assert probes == [1]
+
+
+def test_a_failing_speed_probe_reports_no_speed_and_says_why(core: AgentCore) -> None:
+    def probe() -> object:
+        raise RuntimeError("GPU device not found")
+
+    core._speed_probe = probe  # type: ignore[assignment]
+    report = handle(core, Role.CONTROLLER, StatusRequest())
+    assert isinstance(report, StatusReport) and report.weight_gb_per_s is None
+    assert core.last_error is not None and "GPU device not found" in core.last_error

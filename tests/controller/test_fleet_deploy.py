@@ -76,3 +76,16 @@ def test_deploy_twice_and_generate(tmp_path: Path, tiny_export: Path) -> None:
                             "--prompt-ids", "1,7,9,3", "--max-new-tokens", "6", "--ignore-eos", "--precision", "f32",
                             "--json"], capture_output=True, check=True)
     assert tokens == json.loads(local.stdout)["tokens"]
+
+
+def test_candidates_take_the_measured_speed_and_unmeasured_agents_count_as_the_slowest() -> None:
+    from deskfleet.common.agent_state import AgentState
+    from deskfleet.common.wire import StatusReport
+    from deskfleet.controller.fleet_deploy import candidates_of
+
+    def view(agent_id: str, speed: float | None) -> object:
+        report = StatusReport(AgentState.AVAILABLE, 8 << 30, 0.1, None, None, None, None, (), None, speed)
+        return type("View", (), {"agent_id": agent_id, "report": report})()
+
+    candidates = candidates_of([view("a" * 52, 30.0), view("b" * 52, 10.0), view("c" * 52, None)])  # type: ignore[list-item]
+    assert [candidate.speed for candidate in candidates] == [30.0, 10.0, 10.0]
