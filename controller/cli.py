@@ -99,6 +99,42 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--stages", type=int, nargs="*", default=[2, 3, 4])
     _add_compile_options(parity)
     parity.set_defaults(handler=_bench_parity)
+    rollback = benches.add_parser("rollback", help="mask rollback vs physical trim, and dead slots in a decode step")
+    rollback.add_argument("--model", type=Path, required=True, help="export folder (context >= 2048 + 100)")
+    rollback.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 2048])
+    rollback.add_argument("--rejected", type=int, default=4, help="draft tokens rejected per rollback")
+    rollback.add_argument("--dead-slots", type=int, nargs="+", default=[4, 64],
+                          help="dead slots per row to time a decode step with")
+    rollback.add_argument("--rounds", type=int, default=7)
+    _add_compile_options(rollback)
+    rollback.set_defaults(handler=_bench_rollback)
+    speculative = benches.add_parser("speculative", help="one stage, code completion with and without a draft")
+    speculative.add_argument("--model", type=Path, required=True, help="target export folder")
+    speculative.add_argument("--draft", type=Path, required=True, help="draft export folder")
+    speculative.add_argument("--k", type=int, nargs="*", default=[2, 4, 6], help="fixed K values to time")
+    speculative.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-K variant")
+    speculative.add_argument("--k-max", type=int, default=8, help="upper bound of adaptive K")
+    speculative.add_argument("--prompts-file", type=Path, default=None,
+                             help="one prompt per line (\\n for newlines); default: the demo eval set")
+    speculative.add_argument("--eval-dir", type=Path, default=None,
+                             help="folder of the demo model's evaluate.py (default assets/models/train)")
+    speculative.add_argument("--prompts", type=int, default=12, help="how many prompts")
+    speculative.add_argument("--new-tokens", type=int, default=64)
+    speculative.add_argument("--rounds", type=int, default=3)
+    _add_compile_options(speculative)
+    speculative.set_defaults(handler=_bench_speculative)
+    streams = benches.add_parser("streams", help="1..N users on one core: deskfleet vs GenAI continuous batching")
+    streams.add_argument("--model", type=Path, required=True, help="export folder (deskfleet)")
+    streams.add_argument("--genai-model", type=Path, default=None,
+                         help="the same checkpoint exported by optimum-intel (omit to skip GenAI)")
+    streams.add_argument("--genai-python", type=Path, default=None, help="python of the GenAI venv")
+    streams.add_argument("--users", type=int, nargs="+", default=[1, 2, 4, 8])
+    streams.add_argument("--prompt-tokens", type=int, default=32)
+    streams.add_argument("--new-tokens", type=int, default=64)
+    streams.add_argument("--rounds", type=int, default=3)
+    streams.add_argument("--core", type=int, default=None, help="the CPU core to pin to (default: the last)")
+    _add_compile_options(streams)
+    streams.set_defaults(handler=_bench_streams)
     from deskfleet.controller.bench.fleet import add_fleet_bench_command
 
     add_fleet_bench_command(benches)
@@ -178,6 +214,35 @@ def _bench_parity(args: argparse.Namespace) -> int:
     print(json.dumps(report, indent=2))
     return 0
 
+
+def _bench_rollback(args: argparse.Namespace) -> int:
+    from deskfleet.controller.bench.rollback import run_rollback_bench
+
+    report = run_rollback_bench(args.model, contexts=args.contexts, rejected=args.rejected,
+                                dead_slots=args.dead_slots, rounds=args.rounds, settings=_compile_settings(args))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _bench_speculative(args: argparse.Namespace) -> int:
+    from deskfleet.controller.bench.speculative import read_prompts_file, run_speculative_bench
+
+    report = run_speculative_bench(
+        args.model, args.draft, ks=args.k, adaptive=not args.no_adaptive, k_max=args.k_max,
+        prompts=read_prompts_file(args.prompts_file) if args.prompts_file else None, eval_dir=args.eval_dir,
+        num_prompts=args.prompts, new_tokens=args.new_tokens, rounds=args.rounds, settings=_compile_settings(args))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _bench_streams(args: argparse.Namespace) -> int:
+    from deskfleet.controller.bench.streams import run_streams_bench
+
+    report = run_streams_bench(args.model, genai_model=args.genai_model, genai_python=args.genai_python,
+                               users=args.users, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                               rounds=args.rounds, core=args.core, settings=_compile_settings(args))
+    print(json.dumps(report, indent=2))
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,308 @@
+"""`deskfleet bench speculative`: one stage, greedy code completion with and without the draft model.
+
+Prompts: held-out code prompts of the demo model's evaluation set (assets/models/train/evaluate.py:
+the function signatures + docstrings of the held-out standard-library modules, the same random pick of
+`--prompts` as its acceptance figure), or one prompt per line of `--prompts-file` ("\\n" for newlines).
+
+Variants, each on the same 1-stage LocalPipeline and the same DraftModel:
+    plain       no draft: one target call per token
+    k=K         the draft proposes exactly K tokens per round (for each K of --k)
+    adaptive    AdaptiveK chooses K from measured acceptance and round cost (1..--k-max)
+Every prompt runs as one stream through the Engine (what `deskfleet generate --draft` runs), until EOS or
+`new_tokens`; greedy speculative output is token-identical to plain, so every variant makes the same
+tokens (checked). Interleaved: for each round, for each prompt, every variant in turn.
+
+Decode tok/s = tokens after the first / time after the first token, summed over the prompts of a round;
+speedup = its median over rounds vs plain's. The profile says where time goes: the target's time per call
+(plain: 1 token; speculative: K+1 tokens to verify), the draft's time per proposed token, their ratio,
+and the speedup the measured acceptance and costs predict.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import statistics
+import sys
+import sysconfig
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deskfleet.agent.stage import CompileSettings
+from deskfleet.common.model_spec import load_manifest
+from deskfleet.common.wire import Forward, ForwardResult
+
+from .parity import _cpu_name, _read_properties, compare, summarize
+
+DEFAULT_EVAL_DIR = Path("assets/models/train")
+GOAL = 2.0
+
+
+@dataclass
+class VariantStats:
+    """What one variant did over one round (all prompts)."""
+
+    decoded_tokens: int = 0  # tokens after each stream's first
+    decode_s: float = 0.0
+    generated_tokens: int = 0
+    wall_s: float = 0.0
+    histogram: Counter[int] = field(default_factory=Counter)
+    target_calls: Counter[str] = field(default_factory=Counter)  # by kind: prefill, plain (1 token), verify
+    target_s: dict[str, float] = field(default_factory=dict)  # seconds by kind
+    draft_s: float = 0.0
+    draft_tokens: int = 0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decoded_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+class TimingChain:
+    """A StageChain that times each call of a one-step-at-a-time chain, by kind (prefill, plain, verify)."""
+
+    def __init__(self, chain: Any) -> None:
+        self.chain = chain
+        self.stats: VariantStats | None = None
+        self._sent: list[tuple[str, float]] = []
+
+    def submit(self, message: Forward) -> None:
+        self._sent.append((call_kind(message), time.perf_counter()))
+        self.chain.submit(message)
+
+    def collect(self, timeout: float | None = None) -> ForwardResult:
+        result: ForwardResult = self.chain.collect(timeout)
+        kind, sent = self._sent.pop(0)
+        if self.stats is not None:
+            self.stats.target_calls[kind] += 1
+            self.stats.target_s[kind] = self.stats.target_s.get(kind, 0.0) + time.perf_counter() - sent
+        return result
+
+    def release(self, batch_id: int) -> None:
+        self.chain.release(batch_id)
+
+
+class TimingDraft:
+    """A DraftModel whose propose() calls are timed (everything else passes through)."""
+
+    def __init__(self, draft: Any) -> None:
+        self.draft = draft
+        self.stats: VariantStats | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.draft, name)
+
+    def propose(self, micro_batch_id: int, rows: Any) -> Any:
+        started = time.perf_counter()
+        proposal = self.draft.propose(micro_batch_id, rows)
+        if self.stats is not None:
+            self.stats.draft_s += time.perf_counter() - started
+            self.stats.draft_tokens += sum(len(tokens) for tokens in proposal.tokens.values())
+        return proposal
+
+
+# Public methods: pure parts
+
+def call_kind(message: Forward) -> str:
+    """"verify" (draft tokens to check), "plain" (one token per row) or "prefill" (a prompt)."""
+    if message.draft is not None:
+        return "verify"
+    width = int(message.input_ids.shape[1]) if message.input_ids is not None else 1
+    return "plain" if width == 1 else "prefill"
+
+
+def variant_names(ks: Sequence[int], adaptive: bool) -> list[str]:
+    names = ["plain", *(f"k={k}" for k in ks)]
+    return [*names, "adaptive"] if adaptive else names
+
+
+def read_prompts_file(path: Path) -> list[str]:
+    """One prompt per non-empty line; a literal backslash-n stands for a newline."""
+    return [line.replace("\\n", "\n") for line in Path(path).read_text(encoding="utf-8").splitlines()
+            if line.strip()]
+
+
+def heldout_code_prompts(eval_dir: Path, count: int, stdlib: Path | None = None) -> list[str]:
+    """The demo model's held-out code prompts: evaluate.py's acceptance pick (random.Random(4).sample)."""
+    script = Path(eval_dir) / "evaluate.py"
+    if not script.is_file():
+        raise FileNotFoundError(f"{script} not found: pass --prompts-file, or --eval-dir of the demo model")
+    sys.path.insert(0, str(script.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("deskfleet_demo_evaluate", script)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        files, _ = module.heldout_files(stdlib or Path(sysconfig.get_paths()["stdlib"]))
+        by_module = module.function_prompts(files)
+        pool = [prompt for name in module.HELDOUT for prompt in by_module.get(name, [])]
+    finally:
+        sys.path.remove(str(script.parent))
+    if not pool:
+        raise ValueError(f"no held-out prompts found by {script}")
+    return list(random.Random(4).sample(pool, min(count, len(pool))))
+
+
+def predicted_speedup(mean_accepted: float, k: float, plain_call_s: float, verify_call_s: float,
+                      draft_token_s: float) -> float:
+    """Tokens per round over the round's cost, relative to one plain call per token."""
+    round_s = verify_call_s + k * draft_token_s
+    return (mean_accepted + 1.0) * plain_call_s / round_s if round_s > 0 else 0.0
+
+
+def build_report(rounds: dict[str, list[VariantStats]], meta: dict[str, Any]) -> dict[str, Any]:
+    report: dict[str, Any] = dict(meta)
+    speeds = {name: [stats.decode_tok_s for stats in runs] for name, runs in rounds.items()}
+    report["decode_tok_s"] = {name: summarize(values) for name, values in speeds.items()}
+    report["end_to_end_tok_s"] = {
+        name: round(sum(s.generated_tokens for s in runs) / sum(s.wall_s for s in runs), 3)
+        for name, runs in rounds.items() if sum(s.wall_s for s in runs) > 0}
+    plain = rounds.get("plain")
+    plain_call = _mean_call(plain, "plain") if plain else None
+    variants: dict[str, Any] = {}
+    for name, runs in rounds.items():
+        if name == "plain":
+            continue
+        histogram: Counter[int] = Counter()
+        for stats in runs:
+            histogram.update(stats.histogram)
+        verifications = sum(histogram.values())
+        mean_accepted = sum(a * n for a, n in histogram.items()) / verifications if verifications else 0.0
+        draft_tokens = sum(s.draft_tokens for s in runs)
+        draft_token_s = sum(s.draft_s for s in runs) / draft_tokens if draft_tokens else 0.0
+        verify_call = _mean_call(runs, "verify") or 0.0
+        mean_k = draft_tokens / verifications if verifications else 0.0
+        entry: dict[str, Any] = {
+            "accepted_histogram": {str(a): n for a, n in sorted(histogram.items())},
+            "mean_accepted": round(mean_accepted, 3),
+            "mean_k": round(mean_k, 3),
+            "acceptance_rate": round(mean_accepted / mean_k, 3) if mean_k else None,
+            "verifications": verifications,
+        }
+        if plain is not None:
+            entry["speedup"] = compare(speeds[name], speeds["plain"])
+        profile: dict[str, Any] = {"draft_ms_per_token": round(draft_token_s * 1e3, 3),
+                                   "target_verify_ms_per_call": round(verify_call * 1e3, 3)}
+        if plain_call:
+            profile["target_plain_ms_per_call"] = round(plain_call * 1e3, 3)
+            profile["draft_over_target_cost"] = round(draft_token_s / plain_call, 3)
+            profile["verify_over_plain_call"] = round(verify_call / plain_call, 3) if verify_call else None
+            profile["predicted_speedup"] = round(predicted_speedup(mean_accepted, mean_k, plain_call, verify_call,
+                                                                   draft_token_s), 3)
+        entry["profile"] = profile
+        variants[name] = entry
+    report["speculative"] = variants
+    best = max(variants, key=lambda name: variants[name].get("speedup", {}).get("ratio_of_medians", 0.0),
+               default=None)
+    if best is not None and "speedup" in variants[best]:
+        report["best"] = {"variant": best, "speedup": variants[best]["speedup"]["ratio_of_medians"],
+                          "goal": f">= {GOAL}x", "goal_met": variants[best]["speedup"]["ratio_of_medians"] >= GOAL}
+    return report
+
+
+# Public methods: the benchmark
+
+def run_speculative_bench(target: Path, draft: Path, ks: Sequence[int] = (2, 4, 6), adaptive: bool = True,
+                          k_max: int = 8, prompts: list[str] | None = None, prompt_ids: list[list[int]] | None = None,
+                          eval_dir: Path | None = None, num_prompts: int = 12, new_tokens: int = 64,
+                          rounds: int = 3, settings: CompileSettings | None = None,
+                          progress: bool = True) -> dict[str, Any]:
+    """Run the speculative benchmark; prompts from `prompt_ids`, else `prompts`, else the eval set."""
+    import openvino as ov
+
+    from deskfleet.controller.draft import DraftModel
+    from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
+    from deskfleet.controller.pipeline import LocalPipeline
+    from deskfleet.controller.tokenizer import ModelTokenizer
+
+    target, draft = Path(target), Path(draft)
+    settings = settings or CompileSettings()
+    manifest = load_manifest(target)
+    spec = manifest.spec
+    source = "prompt_ids"
+    if prompt_ids is None:
+        if prompts is None:
+            prompts = heldout_code_prompts(eval_dir or DEFAULT_EVAL_DIR, num_prompts)
+            source = f"held-out code prompts of {eval_dir or DEFAULT_EVAL_DIR}/evaluate.py"
+        else:
+            source = "prompts file"
+        tokenizer = ModelTokenizer(target)
+        prompt_ids = [tokenizer.encode(text) for text in prompts[:num_prompts]]
+    if not prompt_ids:
+        raise ValueError("no prompts")
+    longest = max(len(ids) for ids in prompt_ids)
+    if longest + new_tokens > spec.max_context:
+        raise ValueError(f"a prompt of {longest} tokens + {new_tokens} exceeds the context {spec.max_context}")
+    names = variant_names(ks, adaptive)
+    options = {name: EngineOptions(max_rows=1, micro_batches=1, k_max=max(k_max, 1),
+                                   fixed_k=int(name[2:]) if name.startswith("k=") else None) for name in names}
+    started = time.perf_counter()
+    results: dict[str, list[VariantStats]] = {name: [] for name in names}
+    tokens_by_variant: dict[str, list[list[int]]] = {name: [] for name in names}
+    with LocalPipeline(target, 1, settings, manifest) as pipeline:
+        chain = TimingChain(pipeline)
+        drafter = TimingDraft(DraftModel(draft, settings))
+        compiled = _read_properties(pipeline._workers[0].executor.stage.compiled)
+        for index in range(rounds + 1):  # round 0 warms up, untimed
+            current = {name: VariantStats() for name in names}
+            for prompt_index, ids in enumerate(prompt_ids):
+                for name in names:
+                    stats = current[name]
+                    chain.stats = drafter.stats = stats
+                    engine = Engine(chain, spec, drafter if name != "plain" else None,  # type: ignore[arg-type]
+                                    options[name])
+                    engine.add(StreamRequest(list(ids), max_new_tokens=new_tokens))
+                    began = time.perf_counter()
+                    (result,) = engine.run().values()
+                    stats.wall_s += time.perf_counter() - began
+                    stats.generated_tokens += len(result.tokens)
+                    stats.decoded_tokens += len(result.tokens) - 1
+                    stats.decode_s += result.finished_s - result.first_token_s
+                    stats.histogram.update(engine.accepted_histogram())
+                    if index == 0:
+                        tokens_by_variant[name].append(result.tokens)
+                    elif progress and prompt_index == len(prompt_ids) - 1:
+                        print(f"round {index}/{rounds} {name}: {stats.decode_tok_s:.1f} tok/s", file=sys.stderr,
+                              flush=True)
+            if index > 0:
+                for name in names:
+                    results[name].append(current[name])
+    chain.stats = drafter.stats = None
+    reference = tokens_by_variant["plain"]
+    meta: dict[str, Any] = {
+        "target": str(target), "draft": str(draft),
+        "target_spec": {"layers": spec.num_layers, "hidden": spec.hidden_size, "vocab": spec.vocab_size,
+                        "weights": manifest.weight_format.value},
+        "draft_spec": _spec_summary(draft),
+        "compiled_properties": compiled,
+        "host": {"cpu": _cpu_name(), "logical_cores": os.cpu_count(), "openvino": ov.get_version(),
+                 "load_avg_1m_at_end": round(os.getloadavg()[0], 2)},
+        "prompts": {"source": source, "count": len(prompt_ids),
+                    "tokens_median": statistics.median(len(ids) for ids in prompt_ids)},
+        "new_tokens_max": new_tokens,
+        "generated_tokens_per_round": sum(len(tokens) for tokens in reference),
+        "rounds": rounds,
+        "order": names,
+        "greedy_identical_to_plain": {name: tokens_by_variant[name] == reference for name in names if name != "plain"},
+    }
+    report = build_report(results, meta)
+    report["bench_s"] = round(time.perf_counter() - started, 1)
+    return report
+
+
+# Private methods
+
+def _mean_call(runs: list[VariantStats], kind: str) -> float | None:
+    calls = sum(stats.target_calls[kind] for stats in runs)
+    return sum(stats.target_s.get(kind, 0.0) for stats in runs) / calls if calls else None
+
+
+def _spec_summary(model: Path) -> dict[str, Any]:
+    manifest = load_manifest(model)
+    spec = manifest.spec
+    return {"layers": spec.num_layers, "hidden": spec.hidden_size, "vocab": spec.vocab_size,
+            "weights": manifest.weight_format.value}

@@ -1,0 +1,73 @@
+"""The rollback benchmark's pure parts and its JSON report on a tiny model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deskfleet.agent.stage import CompileSettings, Precision
+from deskfleet.controller.bench.rollback import (
+    build_context_report,
+    overhead_pct,
+    run_rollback_bench,
+    time_mask_rollback,
+    trim_state,
+)
+
+
+def test_trim_state_drops_the_last_slots() -> None:
+    state = {"k": np.arange(2 * 3 * 5 * 4, dtype=np.float32).reshape(2, 3, 5, 4)}
+    trimmed = trim_state(state, 2)
+    assert trimmed["k"].shape == (2, 3, 3, 4)
+    assert np.array_equal(trimmed["k"], state["k"][:, :, :3])
+    assert trimmed["k"].flags.c_contiguous
+
+
+def test_time_mask_rollback_gives_positive_samples() -> None:
+    samples = time_mask_rollback(context=64, rejected=4, repeats=5)
+    assert len(samples) == 5 and all(value > 0 for value in samples)
+    with pytest.raises(ValueError):
+        time_mask_rollback(context=0, rejected=1, repeats=1)
+
+
+def test_overhead_pct() -> None:
+    result = overhead_pct([1.1, 2.2, 1.1], [1.0, 2.0, 1.0])
+    assert result["of_medians"] == pytest.approx(10.0)
+    assert result["paired_median"] == pytest.approx(10.0)
+    assert result["of_mins"] == pytest.approx(10.0)
+    with pytest.raises(ValueError):
+        overhead_pct([1.0], [])
+
+
+def test_build_context_report_shape_and_goal() -> None:
+    steps = {"live": [0.010, 0.010, 0.011], "dead-4": [0.010, 0.010, 0.011], "dead-64": [0.011, 0.011, 0.012]}
+    report = build_context_report(256, 4, [1e-6] * 5, [0.002] * 5, steps)
+    json.dumps(report)
+    assert report["rollback_pct_of_step"]["mask"] == pytest.approx(0.01)
+    assert report["rollback_pct_of_step"]["trim"] == pytest.approx(20.0)
+    assert set(report["dead_slot_step_overhead_pct"]) == {"4", "64"}
+    assert report["dead_slot_upper_bound_pct"] == {"4": pytest.approx(100 * 4 / 256, abs=1e-3), "64": 25.0}
+    assert report["goal_met"] is True
+    slow = build_context_report(256, 4, [1e-3] * 5, [0.002] * 5, steps)
+    assert slow["goal_met"] is False
+
+
+def test_rollback_bench_on_a_tiny_model(checkpoint_factory: Callable[..., Path],
+                                        export_factory: Callable[[Path, str], Path]) -> None:
+    model = export_factory(checkpoint_factory("rollback-bench", num_hidden_layers=2), "f32")
+    report = run_rollback_bench(model, contexts=[16, 32], rejected=2, dead_slots=[2, 8], rounds=2,
+                                steps_per_round=2, mask_repeats=5, trim_repeats=2,
+                                settings=CompileSettings(precision=Precision.F32, num_threads=1), progress=False)
+    json.dumps(report)
+    assert [entry["context"] for entry in report["contexts"]] == [16, 32]
+    for entry in report["contexts"]:
+        assert set(entry["decode_step_ms"]) == {"live", "dead-2", "dead-8"}
+        assert entry["rollback_ms"]["mask"]["median"] > 0 and entry["rollback_ms"]["trim"]["median"] > 0
+        assert isinstance(entry["goal_met"], bool)
+    assert report["state_dtype_on_host"] == "float32"
+    with pytest.raises(ValueError, match="context"):
+        run_rollback_bench(model, contexts=[500], settings=CompileSettings(precision=Precision.F32), progress=False)

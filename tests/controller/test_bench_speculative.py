@@ -1,0 +1,101 @@
+"""The speculative benchmark's pure parts and its JSON report on tiny random models."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent.stage import CompileSettings, Precision
+from deskfleet.common.wire import DraftInfo
+from deskfleet.controller.batch_track import BatchTrack
+from deskfleet.controller.bench.speculative import (
+    VariantStats,
+    build_report,
+    call_kind,
+    heldout_code_prompts,
+    predicted_speedup,
+    read_prompts_file,
+    run_speculative_bench,
+    variant_names,
+)
+
+EVAL_DIR = Path(__file__).resolve().parents[2] / "assets" / "models" / "train"
+
+
+def test_variant_names() -> None:
+    assert variant_names([2, 4], adaptive=True) == ["plain", "k=2", "k=4", "adaptive"]
+    assert variant_names([3], adaptive=False) == ["plain", "k=3"]
+
+
+def test_read_prompts_file(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_text("def f(x):\\n    \"\"\"Double.\"\"\"\n\n  \nclass A:\n", encoding="utf-8")
+    assert read_prompts_file(path) == ['def f(x):\n    """Double."""', "class A:"]
+
+
+def test_call_kind() -> None:
+    import numpy as np
+
+    track = BatchTrack(1, 64)
+    track.add_row(0)
+    assert call_kind(track.step([[1, 2, 3]])) == "prefill"
+    assert call_kind(track.step([[4]])) == "plain"
+    draft = DraftInfo((2,), np.array([[5, 6]], dtype=np.int64), None)
+    assert call_kind(track.step([[4, 5, 6]], draft=draft)) == "verify"
+
+
+def test_predicted_speedup() -> None:
+    # 3 tokens per round for the price of 1.5 plain calls: 2x.
+    assert predicted_speedup(2.0, 4, 0.010, 0.011, 0.001) == pytest.approx(2.0)
+    assert predicted_speedup(0.0, 0, 0.01, 0.0, 0.0) == 0.0
+
+
+def stats(tok_s: float, histogram: dict[int, int] | None = None) -> VariantStats:
+    result = VariantStats(decoded_tokens=int(tok_s * 10), decode_s=10.0, generated_tokens=int(tok_s * 10) + 1,
+                          wall_s=10.5, histogram=Counter(histogram or {}))
+    result.target_calls.update({"plain": 10, "verify": 5})
+    result.target_s.update({"plain": 0.1, "verify": 0.06})
+    result.draft_tokens, result.draft_s = 10, 0.02
+    return result
+
+
+def test_build_report_shape() -> None:
+    rounds = {"plain": [stats(10), stats(10)], "k=2": [stats(21, {2: 4, 0: 1}), stats(19, {1: 5})]}
+    report = build_report(rounds, {"target": "t"})
+    json.dumps(report)
+    entry = report["speculative"]["k=2"]
+    assert entry["speedup"]["ratio_of_medians"] == pytest.approx(2.0)
+    assert entry["accepted_histogram"] == {"0": 1, "1": 5, "2": 4}
+    assert entry["mean_accepted"] == pytest.approx(1.3)
+    assert entry["profile"]["target_plain_ms_per_call"] == pytest.approx(10.0)
+    assert entry["profile"]["target_verify_ms_per_call"] == pytest.approx(12.0)
+    assert entry["profile"]["draft_over_target_cost"] == pytest.approx(0.2)
+    assert report["best"] == {"variant": "k=2", "speedup": 2.0, "goal": ">= 2.0x", "goal_met": True}
+
+
+@pytest.mark.skipif(not (EVAL_DIR / "evaluate.py").is_file(), reason="the demo model's evaluation is not here")
+def test_heldout_code_prompts_are_function_heads() -> None:
+    prompts = heldout_code_prompts(EVAL_DIR, 5)
+    assert len(prompts) == 5 and all(p.lstrip().startswith(("def ", "async def ")) for p in prompts)
+    assert prompts == heldout_code_prompts(EVAL_DIR, 5)  # the same pick every time
+
+
+def test_speculative_bench_on_tiny_models(checkpoint_factory: Callable[..., Path],
+                                          export_factory: Callable[[Path, str], Path]) -> None:
+    target = export_factory(checkpoint_factory("spec-bench-target", num_hidden_layers=2), "f32")
+    draft = export_factory(checkpoint_factory("spec-bench-draft", num_hidden_layers=1), "f32")
+    report = run_speculative_bench(target, draft, ks=[2], adaptive=True, k_max=3,
+                                   prompt_ids=[[1, 5, 9, 13], [1, 40, 41]], new_tokens=6, rounds=1,
+                                   settings=CompileSettings(precision=Precision.F32), progress=False)
+    json.dumps(report)
+    assert report["order"] == ["plain", "k=2", "adaptive"]
+    assert report["greedy_identical_to_plain"] == {"k=2": True, "adaptive": True}
+    assert set(report["speculative"]) == {"k=2", "adaptive"}
+    entry = report["speculative"]["k=2"]
+    assert entry["mean_k"] == pytest.approx(2.0, abs=1.0)
+    assert sum(entry["accepted_histogram"].values()) == entry["verifications"] > 0
+    assert report["best"]["goal_met"] in (True, False)
