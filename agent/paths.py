@@ -91,6 +91,9 @@ class AgentSettings:
     thresholds: Thresholds = field(default_factory=Thresholds)
     paused: bool = False
     cache_limit_bytes: int = DEFAULT_CACHE_LIMIT_BYTES
+    # The planner's speed for this PC, in weight GB/s; None: measured by agent/speed_probe.py. An admin
+    # pins it where a measurement would mislead (PCs sharing a host, as in tests and benchmarks).
+    speed_gb_per_s: float | None = None
 
     def policy(self) -> AvailabilityPolicy:
         """The availability policy these settings describe (raises ValueError on an out-of-range limit)."""
@@ -120,6 +123,8 @@ class AgentSettings:
             raise SettingsError(f"{source}: {error}") from error
         if settings.cache_limit_bytes <= 0:
             raise SettingsError(f"{source}: cache_limit_bytes must be positive")
+        if settings.speed_gb_per_s is not None and settings.speed_gb_per_s <= 0:
+            raise SettingsError(f"{source}: speed_gb_per_s must be positive")
         _check_address(settings.listen_address, source)
         return settings
 

@@ -22,7 +22,7 @@ from deskfleet.agent.link import Link, LinkError, open_link, start_server
 from deskfleet.agent.monitor import HostMonitor, SystemMonitor
 from deskfleet.agent.paths import AgentPaths, AgentSettings, load_settings
 from deskfleet.agent.shard_cache import ShardCache
-from deskfleet.agent.speed_probe import cached_speed
+from deskfleet.agent.speed_probe import SpeedMeasurement, cached_speed
 from deskfleet.agent.status import software_version
 from deskfleet.common.discovery_record import AgentRecord
 from deskfleet.common.wire import Register, parse_address
@@ -53,12 +53,17 @@ class AgentService:
             raise EnrollmentError(f"{self.paths.state_dir} lacks the agent's certificate: join again")
         self.listen = options.listen or self.settings.listen_address
         parse_address(self.listen)
-        state_dir, device = self.paths.state_dir, self.settings.device
         self.core = AgentCore(self.files, self.settings,
                               ShardCache(self.paths.shard_dir, self.settings.cache_limit_bytes),
-                              monitor or HostMonitor(), speed_probe=lambda: cached_speed(state_dir, device))
+                              monitor or HostMonitor(), speed_probe=self._speed)
         self.bound_port: int | None = None
         self._stopping = asyncio.Event()
+
+    def _speed(self) -> SpeedMeasurement:
+        """The admin's pinned speed, else the measured one (cached in the state folder)."""
+        if self.settings.speed_gb_per_s is not None:
+            return SpeedMeasurement(self.settings.device, "pinned in settings", self.settings.speed_gb_per_s, 0.0)
+        return cached_speed(self.paths.state_dir, self.settings.device)
 
     # Public methods
 

@@ -74,3 +74,14 @@ def test_failed_save_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.Monk
     assert load_settings(path).device == "NPU"
     assert os.listdir(tmp_path) == ["settings.json"]  # no temp file left behind
     assert json.loads(path.read_text())["format_version"] == 1
+
+
+def test_pinned_speed_must_be_positive() -> None:
+    import json as _json
+
+    from deskfleet.agent.paths import AgentSettings, SettingsError
+
+    body = _json.loads(AgentSettings().to_json())
+    assert AgentSettings.from_json(_json.dumps({**body, "speed_gb_per_s": 12.5})).speed_gb_per_s == 12.5
+    with pytest.raises(SettingsError, match="speed_gb_per_s must be positive"):
+        AgentSettings.from_json(_json.dumps({**body, "speed_gb_per_s": 0}))
