@@ -13,14 +13,13 @@ the old one, so a crash mid-write leaves the old file whole.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import platformdirs
 
+from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.availability import GIB, AvailabilityPolicy
 from deskfleet.common.wire import ProtocolError, parse_address
 
@@ -145,16 +144,7 @@ def load_settings(path: Path) -> AgentSettings:
 def save_settings(path: Path, settings: AgentSettings) -> None:
     """Write `settings` to `path` atomically: a temp file in the same dir, fsynced, renamed over."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
-            stream.write(settings.to_json())
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    write_atomic(path, settings.to_json().encode("utf-8"))
 
 
 # Private functions

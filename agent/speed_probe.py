@@ -20,6 +20,8 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
+from deskfleet.common.atomic_file import write_atomic
+
 log = logging.getLogger(__name__)
 
 CACHE_NAME = "speed_probe.json"
@@ -75,9 +77,6 @@ def cached_speed(state_dir: Path, device: str, measure: Callable[[str], SpeedMea
     except (OSError, ValueError, TypeError):
         pass
     measured = measure(device)
-    state_dir.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(asdict(measured)), encoding="utf-8")
-    temporary.replace(path)
+    write_atomic(path, json.dumps(asdict(measured)).encode("utf-8"))
     log.info("measured %.1f GB/s of weights on %s", measured.weight_gb_per_s, device)
     return measured

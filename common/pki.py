@@ -17,8 +17,6 @@ import base64
 import datetime
 import hashlib
 import ipaddress
-import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +27,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.wire_messages import Role
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -286,13 +285,4 @@ def write_private_key(path: Path, private_key: ec.EllipticCurvePrivateKey) -> No
     """
     data = private_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                      serialization.NoEncryption())
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
-    try:
-        with os.fdopen(descriptor, "wb") as stream:
-            stream.write(data)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    write_atomic(path, data)  # mode 0600

@@ -28,6 +28,7 @@ from .draft import DraftModel
 from .engine import Engine, EngineOptions, StageChain, StreamRequest
 from .generation import GenerationError
 from .run import GenerateOptions, run_generate
+from .text_printer import TextPrinter
 from .tokenizer import ChatMessage, ModelTokenizer
 
 if TYPE_CHECKING:
@@ -137,25 +138,6 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
             history.append(ChatMessage("assistant", tokenizer.decode(reply_tokens)))
             replies += 1
     return replies
-
-
-class TextPrinter:
-    """Writes decoded text as tokens arrive (decoding the whole tail keeps multi-byte characters whole)."""
-
-    def __init__(self, tokenizer: ModelTokenizer, out: TextIO) -> None:
-        self.tokenizer = tokenizer
-        self.out = out
-        self.tokens: list[int] = []
-        self.printed = ""
-
-    def push(self, stream_id: int, token: int) -> None:
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
-        if text.endswith("\ufffd"):
-            return  # an incomplete UTF-8 sequence: wait for the next token
-        self.out.write(text[len(self.printed):])
-        self.out.flush()
-        self.printed = text
 
 
 # Private functions

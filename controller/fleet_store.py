@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import platformdirs
 
 from deskfleet.agent.link import TlsFiles
+from deskfleet.common.atomic_file import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -149,19 +149,6 @@ class FleetStore:
 
 # Public functions
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `path` whole or not at all, mode 0600 (tempfile's default)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(descriptor, "wb") as stream:
-            stream.write(data)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 # Private functions

@@ -16,6 +16,7 @@ from .draft import DraftModel
 from .engine import Engine, EngineOptions, StageChain, StreamRequest
 from .generation import GenerationError
 from .pipeline import LocalPipeline
+from .text_printer import TextPrinter
 from .tokenizer import ChatMessage, ModelTokenizer
 
 
@@ -69,7 +70,7 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
     stages = chain_stages or options.stages
     engine_options = EngineOptions(max_rows=options.max_rows, micro_batches=options.micro_batches or stages,
                                    k_max=max(options.k_max, 1), fixed_k=options.k)
-    printer = _TextStream(tokenizer) if stream_text and len(prompts) == 1 else None
+    printer = TextPrinter(tokenizer, sys.stdout) if stream_text and len(prompts) == 1 else None
     context: AbstractContextManager[StageChain] = (
         nullcontext(chain) if chain is not None
         else LocalPipeline(options.model, options.stages, options.settings, manifest))
@@ -99,21 +100,3 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
         report["accepted_histogram"] = {str(k): v for k, v in engine.accepted_histogram().items()}
         report["mean_accepted"] = round(engine.mean_accepted(), 4)
     return report
-
-
-class _TextStream:
-    """Prints decoded text as tokens arrive (decoding the whole tail keeps multi-byte characters whole)."""
-
-    def __init__(self, tokenizer: ModelTokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.printed = ""
-
-    def push(self, stream_id: int, token: int) -> None:
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
-        if text.endswith("\ufffd"):
-            return  # an incomplete UTF-8 sequence: wait for the next token
-        sys.stdout.write(text[len(self.printed):])
-        sys.stdout.flush()
-        self.printed = text

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from deskfleet.agent import paths as paths_module
 from deskfleet.agent.paths import AgentPaths, AgentSettings, SettingsError, Thresholds, load_settings, save_settings
 
 
@@ -67,7 +66,7 @@ def test_failed_save_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.Monk
     def crash(source: str, target: str) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(paths_module.os, "replace", crash)
+    monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="disk full"):
         save_settings(path, AgentSettings(device="GPU"))
     monkeypatch.undo()
