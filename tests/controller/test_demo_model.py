@@ -1,0 +1,68 @@
+"""The shipped demo pair, where a real model matters: EOS, the chat template, draft acceptance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent.stage import CompileSettings, Precision
+from deskfleet.common.model_spec import WeightFormat, load_manifest
+from deskfleet.controller.draft import DraftModel
+from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
+from deskfleet.controller.export.exporter import export_checkpoint
+from deskfleet.controller.pipeline import LocalPipeline
+from deskfleet.controller.tokenizer import ChatMessage, ModelTokenizer
+
+ASSETS = Path(__file__).resolve().parents[2] / "assets" / "models"
+F32 = CompileSettings(precision=Precision.F32)
+CODE_PROMPT = 'import os\n\n\ndef read_config(path):\n    """Read a configuration file."""\n'
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    out = tmp_path_factory.mktemp("demo")
+    target = export_checkpoint(ASSETS / "target", out / "target", WeightFormat.F32)
+    draft = export_checkpoint(ASSETS / "draft", out / "draft", WeightFormat.F32)
+    assert target.spec.vocab_size == draft.spec.vocab_size
+    return out / "target", out / "draft"
+
+
+def generate(model: Path, prompt: list[int], stages: int = 1, draft: Path | None = None, k: int | None = None,
+             max_new_tokens: int = 64, ignore_eos: bool = False) -> tuple[list[int], bool, Engine]:
+    manifest = load_manifest(model)
+    with LocalPipeline(model, stages, F32, manifest) as pipeline:
+        engine = Engine(pipeline, manifest.spec, DraftModel(draft, F32) if draft else None, EngineOptions(fixed_k=k))
+        engine.add(StreamRequest(prompt, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos))
+        result = engine.run()[0]
+    return result.tokens, result.stopped_by_eos, engine
+
+
+def test_the_end_of_a_file_ends_generation(demo: tuple[Path, Path]) -> None:
+    target, _ = demo
+    tokenizer = ModelTokenizer(target)
+    prompt = tokenizer.encode('def main():\n    print("hello")\n\n\nif __name__ == "__main__":\n    main()\n')
+    tokens, stopped, _ = generate(target, prompt, stages=2)
+    assert stopped and tokens[-1] in load_manifest(target).spec.eos_token_ids
+    assert len(tokens) < 64
+
+
+def test_chat_template_renders_the_role_tokens(demo: tuple[Path, Path]) -> None:
+    target, _ = demo
+    tokenizer = ModelTokenizer(target)
+    text = tokenizer.render_chat([ChatMessage("user", "Write a loop.")])
+    assert text == "<|begin|><|user|>\nWrite a loop.<|end|>\n<|assistant|>\n"
+    ids = tokenizer.encode_chat([ChatMessage("user", "Write a loop.")])
+    assert ids[:2] == [1, 4] and ids[-2:] == [5, tokenizer.encode("\n", add_special_tokens=False)[0]]
+
+
+def test_the_draft_is_accepted_and_changes_nothing(demo: tuple[Path, Path]) -> None:
+    target, draft = demo
+    prompt = ModelTokenizer(target).encode(CODE_PROMPT)
+    plain, _, _ = generate(target, prompt, max_new_tokens=96, ignore_eos=True)
+    drafted, _, engine = generate(target, prompt, stages=2, draft=draft, k=4, max_new_tokens=96, ignore_eos=True)
+    assert drafted == plain
+    assert engine.mean_accepted() >= 2.0, engine.accepted_histogram()
+    assert len(set(plain)) > 10  # real code, not a one-token loop
