@@ -211,8 +211,11 @@ class Engine:
                 continue
             stream = self._streams[track.stream_ids[0]]
             target = self._pick_target()
-            if track.rows > 1 or (target is None and len(self._tracks) < self.options.micro_batches):
-                del self._prefills[batch_id]  # a group prefilled together runs as its own micro-batch
+            # A group prefilled together runs as its own micro-batch, and so does one with deltas the
+            # stages have not seen (a row of its group finished at once): admission moves a whole
+            # one-row state, which the stages' copy of this micro-batch would not be.
+            if track.rows > 1 or track.pending or (target is None and len(self._tracks) < self.options.micro_batches):
+                del self._prefills[batch_id]
                 self._tracks[batch_id] = track
                 for stream_id in track.stream_ids:
                     self._streams[stream_id].batch = batch_id

@@ -78,3 +78,21 @@ def test_streams_arriving_together_are_prefilled_together(target: Path, solo: li
     assert sorted(chain.prefill_rows, reverse=True) == sorted(groups, reverse=True)
     # Streams past the groups' rows are prefilled alone and admitted once a row frees up.
     assert (chain.deltas["AdmitRow"] > 0) == (len(groups) > micro_batches)
+
+
+def test_a_group_member_that_finishes_at_prefill_leaves_the_others_exact(tiny_export: Path) -> None:
+    manifest = load_manifest(tiny_export)
+    prompts = [[1, 17, 99, 230], [1, 8, 8, 3], [1, 77, 78]]
+    solo = []
+    for prompt in prompts:
+        with LocalPipeline(tiny_export, 1, F32, manifest) as pipeline:
+            engine = Engine(pipeline, manifest.spec)
+            engine.add(StreamRequest(prompt, max_new_tokens=12, ignore_eos=True))
+            solo.append(engine.run()[0].tokens)
+    with LocalPipeline(tiny_export, 2, F32, manifest) as pipeline:
+        engine = Engine(pipeline, manifest.spec, options=EngineOptions(max_rows=2, micro_batches=2))
+        for prompt, limit in zip(prompts, (1, 12, 12), strict=True):  # the first ends with its prefill
+            engine.add(StreamRequest(prompt, max_new_tokens=limit, ignore_eos=True))
+        results = engine.run()
+    assert results[0].tokens == solo[0][:1]
+    assert results[1].tokens == solo[1] and results[2].tokens == solo[2]
