@@ -6,7 +6,7 @@ so that drift of the shared machine (thermal, other load) falls on all of them a
 tokens after the first over the time after the first (prefill excluded), for every variant.
 
 Variants (those whose inputs are given):
-    deskfleet-1       1-stage LocalPipeline + the generation driver (what `deskfleet generate` runs)
+    deskfleet-1       1-stage LocalPipeline + the Engine (what `deskfleet generate` runs)
     genai             GenAI LLMPipeline on optimum-intel's export, in a subprocess of the GenAI venv, with
                       its default attention backend (PagedAttention on CPU in GenAI 2026)
     genai-sdpa        the same with ATTENTION_BACKEND=SDPA: the stateful path deskfleet's stages take
@@ -21,8 +21,6 @@ whole-direct vs genai is the cost of a Python decode loop vs GenAI's C++ one.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import logging
 import os
@@ -40,6 +38,8 @@ import numpy as np
 
 from deskfleet.agent.stage import CompileSettings, LayerRange, Stage, StageSession
 from deskfleet.common.model_spec import Manifest, load_manifest
+from deskfleet.controller.engine import Engine, StreamRequest
+from deskfleet.controller.pipeline import LocalPipeline
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +260,6 @@ def run_parity_bench(model: Path, genai_model: Path | None = None, genai_python:
         "new_tokens": new_tokens,
         "rounds": rounds,
         "order": [variant.name for variant in variants],
-        "driver": generation_driver(),
         "bench_s": round(elapsed, 1),
     }
     return build_report(records, [k for k in stage_counts if k != 1], meta)
@@ -269,12 +268,10 @@ def run_parity_bench(model: Path, genai_model: Path | None = None, genai_python:
 # Variants
 
 class PipelineVariant:
-    """deskfleet-K: a K-stage LocalPipeline and generate_greedy, as `deskfleet generate` runs them."""
+    """deskfleet-K: a K-stage LocalPipeline and the Engine, as `deskfleet generate` runs them."""
 
     def __init__(self, model: Path, stages: int, settings: CompileSettings, manifest: Manifest,
                  prompt: list[int], new_tokens: int) -> None:
-        from deskfleet.controller.pipeline import LocalPipeline
-
         self.name = f"deskfleet-{stages}"
         self.pipeline = LocalPipeline(model, stages, settings, manifest)
         self.prompt = prompt
@@ -433,23 +430,13 @@ class GenAIVariant:
 
 # Private methods
 
-def generation_driver() -> str:
-    """"engine" where the tree has the streaming Engine, else "generate_greedy" (the first local driver)."""
-    return "engine" if importlib.util.find_spec("deskfleet.controller.engine") is not None else "generate_greedy"
-
-
-def _generate_once(pipeline: Any, prompt: list[int], new_tokens: int) -> tuple[list[int], float, float]:
+def _generate_once(pipeline: LocalPipeline, prompt: list[int], new_tokens: int) -> tuple[list[int], float, float]:
     """(tokens, decode tok/s, time to the first token) of one greedy stream, EOS ignored, through the
-    driver `deskfleet generate` uses."""
-    if generation_driver() == "engine":
-        engine_module: Any = importlib.import_module("deskfleet.controller.engine")
-        engine = engine_module.Engine(pipeline, pipeline.manifest.spec)
-        engine.add(engine_module.StreamRequest(list(prompt), max_new_tokens=new_tokens, ignore_eos=True))
-        (stream,) = engine.run().values()
-        return list(stream.tokens), float(stream.decode_tok_s), float(stream.first_token_s)
-    generation: Any = importlib.import_module("deskfleet.controller.generation")
-    result = generation.generate_greedy(pipeline, prompt, new_tokens, ignore_eos=True)
-    return list(result.tokens), float(result.decode_tok_s), float(result.prefill_s)
+    Engine that `deskfleet generate` uses."""
+    engine = Engine(pipeline, pipeline.manifest.spec)
+    engine.add(StreamRequest(list(prompt), max_new_tokens=new_tokens, ignore_eos=True))
+    (stream,) = engine.run().values()
+    return list(stream.tokens), float(stream.decode_tok_s), float(stream.first_token_s)
 
 
 def _read_properties(compiled: Any) -> dict[str, str]:
