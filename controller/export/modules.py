@@ -76,7 +76,7 @@ class RopeAndMask(nn.Module):
         past = torch.ones_like(attention_mask[0]).sum() - torch.ones_like(position_ids[0]).sum()  # S - T
         causal = (slot[None, :] - query[:, None]) <= past  # [T, S]: key slot <= the query's own slot
         allowed = causal[None, None, :, :] & (attention_mask[:, None, None, :] > 0)  # [B, 1, T, S]
-        bias = torch.where(allowed, torch.tensor(0.0), torch.tensor(torch.finfo(torch.float32).min))
+        bias = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
         return cos, sin, bias
 
 
