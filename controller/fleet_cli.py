@@ -287,12 +287,16 @@ def _deploy(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from deskfleet.controller.fleet_chain import generate_on_fleet
+    from deskfleet.controller.chat import generate_on_fleet
+    from deskfleet.controller.run import GenerateOptions
 
     try:
         prompt = [int(part) for part in args.prompt_ids.split(",") if part.strip()]
     except ValueError:
         raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-    tokens = asyncio.run(generate_on_fleet(_store(args), args.model, prompt, args.max_new_tokens, args.ignore_eos))
+    options = GenerateOptions(model=args.model, prompt_ids=[prompt], max_new_tokens=args.max_new_tokens,
+                              ignore_eos=args.ignore_eos)
+    tokens = generate_on_fleet(options, args.data_dir)["tokens"]
+    assert isinstance(tokens, list)
     print(json.dumps({"tokens": tokens}) if args.json else " ".join(map(str, tokens)))
     return 0

@@ -28,13 +28,16 @@ from pathlib import Path
 
 from deskfleet.agent.link import Link, LinkError, RevocationSource, TlsFiles, no_revocations, open_link
 from deskfleet.common.wire import Error, Forward, ForwardResult, ReleaseMicroBatch, ResultsHere
-from deskfleet.controller.fleet_chain import ChainError
 from deskfleet.controller.fleet_deploy import DeployError, StagePlacement, load_deployment
 from deskfleet.controller.fleet_store import FleetStore
 
 log = logging.getLogger(__name__)
 
 STEP_TIMEOUT_S = 120.0
+
+
+class ChainError(RuntimeError):
+    """A step failed: an agent is unreachable or reported an error (named)."""
 OPEN_TIMEOUT_S = 30.0
 _ID_SPAN = 1 << 24  # engine micro-batch ids stay below this
 

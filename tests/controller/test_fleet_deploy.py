@@ -16,12 +16,13 @@ from deskfleet.agent.core import AgentCore
 from deskfleet.agent.link import start_server, utc_now
 from deskfleet.agent.paths import AgentSettings, Thresholds
 from deskfleet.agent.shard_cache import ShardCache
-from deskfleet.common.model_spec import ManifestError
+from deskfleet.common.model_spec import ManifestError, load_manifest
 from deskfleet.common.planner import PlanOptions, PlanPolicy
 from deskfleet.common.wire import Precision
+from deskfleet.controller.engine import Engine, StreamRequest
 from deskfleet.controller.fleet_ca import init_fleet, load_ca
-from deskfleet.controller.fleet_chain import RemoteChain, generate_greedy_remote
 from deskfleet.controller.fleet_deploy import deploy
+from deskfleet.controller.fleet_pipeline import FleetPipeline
 from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.fleet_survey import SurveyOptions, survey
 from tests.agent.test_core import FakeMonitor
@@ -34,6 +35,13 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def drive(store: FleetStore, model: Path) -> list[int]:
+    with FleetPipeline.from_store(store, model) as chain:
+        engine = Engine(chain, load_manifest(model).spec)
+        engine.add(StreamRequest([1, 7, 9, 3], max_new_tokens=6, ignore_eos=True))
+        return engine.run()[0].tokens
 
 
 def test_deploy_twice_and_generate(tmp_path: Path, tiny_export: Path) -> None:
@@ -60,11 +68,8 @@ def test_deploy_twice_and_generate(tmp_path: Path, tiny_export: Path) -> None:
                 await found.close()
         with pytest.raises(ManifestError, match=r"no manifest\.json"):
             await deploy(store, tmp_path, found, policy)
-        chain = await RemoteChain.open(store, tiny_export)
-        try:
-            tokens = await generate_greedy_remote(chain, [1, 7, 9, 3], 6)
-        finally:
-            await chain.close()
+        # The driver runs its own event loop thread, as `deskfleet generate --fleet` does.
+        tokens = await asyncio.to_thread(drive, store, tiny_export)
         for server in servers:
             server.close()
             await server.wait_closed()
