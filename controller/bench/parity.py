@@ -26,7 +26,6 @@ import logging
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +39,8 @@ from deskfleet.agent.stage import CompileSettings, LayerRange, Stage, StageSessi
 from deskfleet.common.model_spec import Manifest, load_manifest
 from deskfleet.controller.engine import Engine, StreamRequest
 from deskfleet.controller.pipeline import LocalPipeline
+
+from .runner_process import RunnerProcess
 
 log = logging.getLogger(__name__)
 
@@ -387,45 +388,22 @@ class GenAIVariant:
         self.name = name
         if not model.is_dir():
             raise FileNotFoundError(f"GenAI model folder {model} not found")
-        self.process = subprocess.Popen([str(python or sys.executable), str(GENAI_RUNNER)],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-        self._send(json.dumps({"model": str(model), "device": device, "properties": properties,
-                               "prompt_ids": prompt, "new_tokens": new_tokens}))
-        ready = self._receive()
+        self.runner = RunnerProcess(GENAI_RUNNER, python)
+        self.runner.send_line(json.dumps({"model": str(model), "device": device, "properties": properties,
+                                          "prompt_ids": prompt, "new_tokens": new_tokens}))
+        ready = self.runner.receive()
         self.meta: dict[str, Any] = {"properties": properties, "load_s": round(ready.get("load_s", 0.0), 2),
-                                     "versions": ready.get("versions"), "python": str(python or sys.executable)}
+                                     "versions": ready.get("versions"), "python": self.runner.python}
 
     def run(self) -> RunRecord:
-        self._send("run")
-        reply = self._receive()
+        self.runner.send_line("run")
+        reply = self.runner.receive()
         keys = ("wall_decode_tok_s", "tpot_ms", "generate_s")
         extra: dict[str, float] = {key: float(reply[key]) for key in keys if key in reply}
         return RunRecord(float(reply["decode_tok_s"]), tuple(reply["tokens"]), float(reply["ttft_s"]), extra)
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            try:
-                self._send("quit")
-                self.process.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait()
-
-    def _send(self, line: str) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(line + "\n")
-        self.process.stdin.flush()
-
-    def _receive(self) -> dict[str, Any]:
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        if not line:
-            code = self.process.wait()
-            raise RuntimeError(f"the GenAI runner exited ({code}) without an answer; see its stderr above")
-        reply: dict[str, Any] = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(f"GenAI runner: {reply['error']}")
-        return reply
+        self.runner.close("quit")
 
 
 # Private methods

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -36,6 +35,7 @@ from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.model_spec import Manifest, load_manifest
 
 from .parity import _cpu_name, _genai_properties, _read_properties, bench_prompt, compare, summarize
+from .runner_process import RunnerProcess
 
 GENAI_CB_RUNNER = Path(__file__).with_name("genai_cb_runner.py")
 KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "u8": 1.0, "i8": 1.0, "u4": 0.5, "i4": 0.5}
@@ -286,44 +286,22 @@ class GenAIUsers:
         if not model.is_dir():
             raise FileNotFoundError(f"GenAI model folder {model} not found")
         environment = dict(os.environ, DESKFLEET_BENCH_CORES=",".join(str(core) for core in sorted(cores)))
-        self.process = subprocess.Popen([str(python or sys.executable), str(GENAI_CB_RUNNER)], env=environment,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-        self._send({"model": str(model), "device": device, "properties": properties, "new_tokens": new_tokens})
-        ready = self._receive()
+        self.runner = RunnerProcess(GENAI_CB_RUNNER, python, environment)
+        self.runner.send_line(json.dumps({"model": str(model), "device": device, "properties": properties,
+                                          "new_tokens": new_tokens}))
+        ready = self.runner.receive()
         self.meta: dict[str, Any] = {"properties": properties, "load_s": round(ready.get("load_s", 0.0), 2),
                                      "affinity": ready.get("affinity"), "versions": ready.get("versions"),
-                                     "python": str(python or sys.executable)}
+                                     "python": self.runner.python}
 
     def run(self, prompts: list[list[int]]) -> UsersRun:
-        self._send({"run": prompts})
-        reply = self._receive()
+        self.runner.send_line(json.dumps({"run": prompts}))
+        reply = self.runner.receive()
         return UsersRun(reply["tokens"], float(reply["wall_s"]), [float(t) for t in reply["first_token_s"]],
                         int(reply["peak_rss_bytes"]))
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            try:
-                self._send("quit")
-                self.process.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait()
-
-    def _send(self, message: object) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(message) + "\n")
-        self.process.stdin.flush()
-
-    def _receive(self) -> dict[str, Any]:
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        if not line:
-            code = self.process.wait()
-            raise RuntimeError(f"the GenAI runner exited ({code}) without an answer; see its stderr above")
-        reply: dict[str, Any] = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(f"GenAI runner: {reply['error']}")
-        return reply
+        self.runner.close(json.dumps("quit"))
 
 
 # Private methods

@@ -1,0 +1,49 @@
+"""A benchmark baseline running in another venv's Python, spoken to in lines over stdin/stdout.
+
+The OpenVINO GenAI baselines need their own venv (optimum-intel pins other versions), so the benchmarks
+start a small runner script there. Each request is one line; each answer is one JSON object per line,
+with "error" set when the runner failed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+class RunnerProcess:
+    """The runner `script` under `python` (default: this interpreter). Call close() when done."""
+
+    def __init__(self, script: Path, python: Path | None, environment: dict[str, str] | None = None) -> None:
+        self.python = str(python or sys.executable)
+        self.process = subprocess.Popen([self.python, str(script)], env=environment, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def send_line(self, line: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+    def receive(self) -> dict[str, Any]:
+        """The runner's next answer; RuntimeError when it exited or reported an error."""
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            code = self.process.wait()
+            raise RuntimeError(f"the GenAI runner exited ({code}) without an answer; see its stderr above")
+        reply: dict[str, Any] = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"GenAI runner: {reply['error']}")
+        return reply
+
+    def close(self, quit_line: str) -> None:
+        if self.process.poll() is None:
+            try:
+                self.send_line(quit_line)
+                self.process.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
