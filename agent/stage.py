@@ -8,8 +8,10 @@ micro-batch can add, drop and reorder rows, and the initial state is zero-length
 
 Stage inputs (B rows, T new tokens, S = slots after this call):
     input_ids [B,T] i64 (first stage) or hidden_states [B,T,H] f32; attention_mask [B,S] i64;
-    position_ids [B,T] i64; beam_idx [B] i32
-Outputs: stage_hidden_out [B,T,H], or (last stage) logits [B,T,V] and next_tokens [B,T] i64.
+    position_ids [B,T] i64; beam_idx [B] i32; last stage also logits_positions [B,N] i64
+Outputs: stage_hidden_out [B,T,H], or (last stage) logits [B,N,V] and next_tokens [B,N] i64 at the N
+positions asked for: all T when verifying draft tokens, only each row's last one at prefill and plain
+decoding (the vocabulary projection of a prompt's other positions is work nobody reads).
 
 No torch here: this runs on every employee PC.
 """
@@ -79,7 +81,7 @@ class LayerRange:
 
 @dataclass(frozen=True)
 class StageOutput:
-    """hidden: [B,T,H] (a copy, safe to hand to another thread), or next_tokens [B,T] and logits [B,T,V]."""
+    """hidden: [B,T,H] (a copy, safe to hand to another thread), or next_tokens [B,N] and logits [B,N,V]."""
 
     hidden: np.ndarray | None = None
     next_tokens: np.ndarray | None = None
@@ -128,16 +130,21 @@ def build_stage_model(model_dir: Path, manifest: Manifest, layers: LayerRange, v
             kv_pairs.append((past, _result_node(layer, TensorNames.present(kind, index))))
         hidden = _produced(layer, TensorNames.layer_hidden_out(index))
 
+    extra_parameters = []
     if layers.is_last:
+        logits_positions = _parameter(TensorNames.LOGITS_POSITIONS, [-1, -1], ov.Type.i64)
+        extra_parameters.append(logits_positions)
+        selected = ops.gather(hidden, logits_positions, ops.constant(np.int64(1)), batch_dims=1)  # [B, N, H]
         head = units[Manifest.HEAD_IR]
-        _rewire(head, TensorNames.HEAD_IN, hidden)
+        _rewire(head, TensorNames.HEAD_IN, selected.output(0))
         outputs = [_result_node(head, TensorNames.LOGITS), _result_node(head, TensorNames.NEXT_TOKENS)]
     else:
         result = ops.result(hidden)
         result.output(0).get_tensor().set_names({TensorNames.STAGE_HIDDEN_OUT})
         outputs = [result]
 
-    parameters = [stage_input, attention_mask, position_ids, beam_idx] + [past for past, _ in kv_pairs]
+    parameters = [stage_input, attention_mask, position_ids, beam_idx, *extra_parameters]
+    parameters += [past for past, _ in kv_pairs]
     model = ov.Model(outputs + [present for _, present in kv_pairs], parameters,
                      f"{manifest.model_name}-layers-{layers.start}-{layers.stop}")
     manager = passes.Manager()
@@ -175,20 +182,29 @@ class StageSession:
         self.request = stage.compiled.create_infer_request()
 
     def forward(self, payload: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                beam_idx: np.ndarray, want_logits: bool = False) -> StageOutput:
+                beam_idx: np.ndarray, want_logits: bool = False,
+                logits_positions: np.ndarray | None = None) -> StageOutput:
         """Append T slots for every row and run the stage.
 
         payload: input_ids [B,T] i64 (first stage) or hidden_states [B,T,H] f32; attention_mask [B,S] over
-        all slots after this call; position_ids [B,T] logical; beam_idx [B] rows of the previous state.
+        all slots after this call; position_ids [B,T] logical; beam_idx [B] rows of the previous state;
+        logits_positions [B,N] (last stage): the positions whose logits and next tokens come back
+        (default: all T).
         """
         name = TensorNames.INPUT_IDS if self.stage.layers.is_first else TensorNames.HIDDEN_STATES
-        # start_async + wait rather than infer(): no copy of the inputs, no dict of copied outputs.
-        self.request.start_async({
+        inputs = {
             name: np.ascontiguousarray(payload),
             TensorNames.ATTENTION_MASK: np.ascontiguousarray(attention_mask),
             TensorNames.POSITION_IDS: np.ascontiguousarray(position_ids),
             TensorNames.BEAM_IDX: np.ascontiguousarray(beam_idx, dtype=np.int32),
-        }, share_inputs=True)
+        }
+        if self.stage.layers.is_last:
+            if logits_positions is None:
+                rows, tokens = position_ids.shape
+                logits_positions = np.broadcast_to(np.arange(tokens, dtype=np.int64), (rows, tokens))
+            inputs[TensorNames.LOGITS_POSITIONS] = np.ascontiguousarray(logits_positions, dtype=np.int64)
+        # start_async + wait rather than infer(): no copy of the inputs, no dict of copied outputs.
+        self.request.start_async(inputs, share_inputs=True)
         self.request.wait()
         if not self.stage.layers.is_last:
             return StageOutput(hidden=self.request.get_tensor(TensorNames.STAGE_HIDDEN_OUT).data.copy())

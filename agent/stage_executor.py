@@ -114,7 +114,7 @@ class StageExecutor:
         """Advance one micro-batch by one call; returns the Forward for the next stage, or the result.
 
         return_logits (last stage, in-process callers such as the draft model): also return the logits
-        [B, T, V]; over the network no logits travel.
+        [B, N, V] at the positions `logits_positions` chose; over the network no logits travel.
         """
         batch = self._batches.get(message.micro_batch_id)
         if batch is None:
@@ -132,8 +132,10 @@ class StageExecutor:
         if self.stage.layers.is_first != (message.input_ids is not None):
             raise LedgerError("the first stage takes input_ids, later stages hidden_states")
         sampled = message.sampling is not None and any(t > 0 for t in message.sampling.temperatures)
+        positions = logits_positions(inputs.append, message.draft) if self.stage.layers.is_last else None
         output = batch.session.forward(np.asarray(payload), inputs.attention_mask, inputs.position_ids,
-                                       inputs.beam_idx, want_logits=sampled or return_logits)
+                                       inputs.beam_idx, want_logits=sampled or return_logits,
+                                       logits_positions=positions)
         batch.steps += 1
         if output.hidden is not None:
             return replace(message, input_ids=None, hidden_states=output.hidden)
@@ -176,6 +178,15 @@ class StageExecutor:
         batch.session.set_state(merged)
 
 
+def logits_positions(append: AppendSlots, draft: DraftInfo | None) -> npt.NDArray[np.int64]:
+    """logits_positions: [B, N] for the last stage: all T positions when the step verifies drafts, else
+    only each row's last live one (N = 1), so a prompt's other positions skip the vocabulary projection."""
+    live = np.array(append.live_counts, dtype=np.int64)  # [B]
+    if draft is not None:
+        return np.broadcast_to(np.arange(append.count, dtype=np.int64), (len(live), append.count))
+    return np.maximum(live - 1, 0)[:, None]
+
+
 def verify(append: AppendSlots, next_tokens: npt.NDArray[np.int64], logits: npt.NDArray[np.float32] | None,
            draft: DraftInfo | None, sampling: SamplingInfo | None
            ) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
@@ -183,9 +194,11 @@ def verify(append: AppendSlots, next_tokens: npt.NDArray[np.int64], logits: npt.
 
     A drafting row fed live_counts[r] = k+1 tokens: its last accepted token and k draft tokens; any other
     row fed its prompt or last token, and its next token follows its last live position. next_tokens
-    [B, T] is the in-graph argmax; logits [B, T, V] are only needed by sampled rows.
+    [B, N] is the in-graph argmax and logits [B, N, V] (only needed by sampled rows), at the positions
+    `logits_positions` chose: all T with a draft, else the last live one alone (column 0).
     """
     rows = len(append.live_counts)
+    last_only = draft is None
     chosen: list[int] = []
     accepted: list[int] = []
     for row in range(rows):
@@ -205,7 +218,7 @@ def verify(append: AppendSlots, next_tokens: npt.NDArray[np.int64], logits: npt.
                 chosen.append(verdict.next_token)
                 accepted.append(verdict.accepted)
             else:
-                chosen.append(int(next_tokens[row, live - 1]))
+                chosen.append(int(next_tokens[row, 0 if last_only else live - 1]))
                 accepted.append(0)
             continue
         if logits is None:
@@ -222,7 +235,8 @@ def verify(append: AppendSlots, next_tokens: npt.NDArray[np.int64], logits: npt.
             chosen.append(verdict.next_token)
             accepted.append(verdict.accepted)
         else:
-            chosen.append(sample(sampling_probs(logits[row, live - 1: live], params)[0], rng))
+            last = 0 if last_only else live - 1
+            chosen.append(sample(sampling_probs(logits[row, last: last + 1], params)[0], rng))
             accepted.append(0)
     return tuple(chosen), (tuple(accepted) if draft is not None else None)
 

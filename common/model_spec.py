@@ -205,6 +205,7 @@ class TensorNames:
     ATTENTION_BIAS = "attention_bias"
     EMBED_OUT = "embed.hidden_out"
     HEAD_IN = "head.hidden_in"
+    LOGITS_POSITIONS = "logits_positions"  # last stage: which of the T positions get logits, [B, N]
     LOGITS = "logits"
     NEXT_TOKENS = "next_tokens"
 

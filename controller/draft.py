@@ -147,7 +147,7 @@ class DraftModel:
                 tokens[index].append(int(result.next_token_ids[index]))
                 continue
             assert probs is not None and result.logits is not None
-            logits = np.asarray(result.logits)[index, len(feed[index]) - 1]
+            logits = np.asarray(result.logits)[index, 0]  # the row's last live position (no draft: N = 1)
             q = sampling_probs(logits[None, :], row.sampling)[0]
             position = track.next_position(row.stream_id)
             tokens[index].append(sample(q, np.random.default_rng(mix_seed(row.seed, position, 1))))
