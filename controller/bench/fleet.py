@@ -7,8 +7,11 @@ the real engine through FleetPipeline: controller -> stage 0 -> ... -> stage n-1
 websockets. Every agent is dialled through a DelayProxy (0 ms unless a WAN row sets 100 ms per hop).
 Configurations are interleaved round by round so drift hits all alike; each reports its median tokens/s
 and the spread (min, max) over the rounds; ratios are of medians against the row's 1-PC baseline of the
-same model. The controller process (driver, and the draft model for speculative rows) is not pinned:
-on a 2-core machine it shares the agents' cores, which counts against the fleet rows.
+same model. With `--controller-cores K` the controller process (driver, draft model, delay proxies) is
+pinned to the first K cores and the PCs to the others, as in an office where the controller is its own
+PC; with K = 0 (the default) it is not pinned and, on a 2-core machine, shares the agents' cores, which
+counts against the fleet rows. `--pcs N` (2-4) adds the 3- and 4-PC rows; every group of N PCs takes the
+first N agent cores (groups run one at a time; an idle agent sleeps).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class FleetBenchOptions:
     wan_delay_s: float = 0.1
     wan_bandwidth_bytes_s: float | None = None  # None: no bandwidth limit on WAN rows
     max_pcs: int = 2  # PCs for the largest rows (3-4 need that many cores)
+    controller_cores: int = 0  # cores reserved for the controller process; 0: not pinned
 
 
 @dataclass
@@ -91,21 +95,45 @@ class _Row:
     goal: str
 
 
-ROWS = (
-    _Row("1 PC (monolithic)", "mono_1", None, "1.00x", "1.00x"),
-    _Row("2 PCs, 1 stream", "pair_1", "mono_1", "0.67x", ">= 0.95x"),
-    _Row("2 PCs, 2 streams", "pair_2", "mono_1", "1.20x", ">= 1.90x"),
-    _Row("two independent 1-PC copies, 1 stream each", "copies_2", "mono_1", "-", "2 PCs 2 streams >= 0.95 of it"),
-    _Row("2 PCs, 2 streams vs two 1-PC copies", "pair_2", "copies_2", "-", ">= 0.95x"),
-    _Row("1 PC, 8 users (batched)", "mono_8", "mono_1", "-", "-"),
-    _Row("2 PCs, 8 users (batched micro-batches)", "pair_8", "mono_1", "not run", ">= 6x"),
-    _Row("2 PCs, 8 users vs 1 PC serving the same 8 users", "pair_8", "mono_8", "-", ">= 1.6x"),
-    _Row("demo target, 1 PC (monolithic)", "demo_mono_1", None, "1.00x", "1.00x"),
-    _Row("2 PCs, 2 streams + speculative (demo pair)", "demo_pair_2_spec", "demo_mono_1", "1.79x", ">= 3.0x"),
-    _Row("100 ms per hop, full stack vs naive pipeline (demo pair)", "wan_full", "wan_naive", "4.04x", ">= 6x"),
-    _Row("100 ms per hop, token ids vs full logits back (demo target)", "wan_naive_ids", "wan_naive", "8.17x",
-         "report"),
-)
+GROUP_OF_PCS = {1: "mono", 2: "pair", 3: "trio", 4: "quad"}
+USER_COUNTS = (2, 4, 8)  # the honest baseline: the same users on 1 PC with deskfleet's own batching
+MAX_PCS = max(GROUP_OF_PCS)
+
+
+def fleet_rows(max_pcs: int) -> tuple[_Row, ...]:
+    """The report's rows: the paper's table, the honest 1-PC baselines, and the 3-4 PC rows up to max_pcs."""
+    rows = [
+        _Row("1 PC (monolithic)", "mono_1", None, "1.00x", "1.00x"),
+        _Row("2 PCs, 1 stream", "pair_1", "mono_1", "0.67x", ">= 0.95x"),
+        _Row("2 PCs, 2 streams", "pair_2", "mono_1", "1.20x", ">= 1.90x"),
+        _Row("two independent 1-PC copies, 1 stream each", "copies_2", "mono_1", "-", "2 PCs 2 streams >= 0.95 of it"),
+        _Row("2 PCs, 2 streams vs two 1-PC copies", "pair_2", "copies_2", "-", ">= 0.95x"),
+        _Row("2 PCs, 8 users (batched micro-batches)", "pair_8", "mono_1", "not run", ">= 6x"),
+    ]
+    for users in USER_COUNTS:
+        rows.append(_Row(f"1 PC, {users} users (batched)", f"mono_{users}", "mono_1", "-", "-"))
+        rows.append(_Row(f"2 PCs vs 1 PC serving the same {users} users", f"pair_{users}", f"mono_{users}", "-",
+                         ">= 1.6x"))
+    for pcs in range(3, max_pcs + 1):
+        group = GROUP_OF_PCS[pcs]
+        rows += [_Row(f"{pcs} PCs, 1 stream", f"{group}_1", "mono_1", "-", "-"),
+                 _Row(f"{pcs} PCs, {pcs} streams", f"{group}_{pcs}", "mono_1", "-", "-"),
+                 _Row(f"{pcs} PCs, 8 users (batched micro-batches)", f"{group}_8", "mono_1", "-", "-"),
+                 _Row(f"{pcs} PCs vs 1 PC serving the same 8 users", f"{group}_8", "mono_8", "-", "-")]
+    rows += [
+        _Row("demo target, 1 PC (monolithic)", "demo_mono_1", None, "1.00x", "1.00x"),
+        _Row("2 PCs, 2 streams + speculative (demo pair)", "demo_pair_2_spec", "demo_mono_1", "1.79x", ">= 3.0x"),
+    ]
+    for pcs in range(3, MAX_PCS + 1):
+        group = GROUP_OF_PCS[pcs]
+        rows.append(_Row(f"{pcs} PCs, {pcs} streams + speculative (demo pair)", f"demo_{group}_{pcs}_spec",
+                         "demo_mono_1", "2.64x" if pcs == 3 else "-", ">= 4.0x" if pcs == 3 else "-"))
+    rows += [
+        _Row("100 ms per hop, full stack vs naive pipeline (demo pair)", "wan_full", "wan_naive", "4.04x", ">= 6x"),
+        _Row("100 ms per hop, token ids vs full logits back (demo target)", "wan_naive_ids", "wan_naive", "8.17x",
+             "report"),
+    ]
+    return tuple(rows)
 
 
 # Public functions
@@ -114,20 +142,24 @@ def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] 
     """Start the simulated PCs, deploy, run every configuration `rounds` times interleaved; the report."""
     say = progress or (lambda text: log.info("%s", text))
     cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        raise RuntimeError("the fleet bench needs at least 2 cores (one per simulated PC)")
-    configs = _configs(options)
-    with tempfile.TemporaryDirectory(prefix="deskfleet-bench-") as work, \
-            _Fleet(Path(work), _agents(options, cores), options.threads_per_pc) as fleet:
-        say(f"{len(fleet.names)} simulated PCs up; deploying")
-        placements = _deploy_all(fleet, options)
-        demo_draft = options.demo_draft
-        for round_index in range(options.rounds):
-            for config in configs:
-                result = _run_config(fleet, placements, config, options, demo_draft)
-                config.runs.append(result)
-                say(f"round {round_index + 1}/{options.rounds} {config.key}: {result['tok_s']:.1f} tok/s")
-    return _report(options, configs, cores)
+    controller_cores, agent_cores = split_cores(cores, options.max_pcs, options.controller_cores)
+    configs = bench_configs(options)
+    groups = bench_groups(options)
+    if controller_cores:
+        os.sched_setaffinity(0, controller_cores)
+    try:
+        with tempfile.TemporaryDirectory(prefix="deskfleet-bench-") as work, \
+                _Fleet(Path(work), agent_layout(groups, agent_cores), options.threads_per_pc) as fleet:
+            say(f"{len(fleet.names)} simulated PCs up; deploying")
+            placements = {group: fleet.deploy(model, names) for group, (model, names) in groups.items()}
+            for round_index in range(options.rounds):
+                for config in configs:
+                    result = _run_config(fleet, placements, config, options, options.demo_draft)
+                    config.runs.append(result)
+                    say(f"round {round_index + 1}/{options.rounds} {config.key}: {result['tok_s']:.1f} tok/s")
+    finally:
+        os.sched_setaffinity(0, cores)
+    return build_report(options, configs, controller_cores, agent_cores)
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -143,43 +175,65 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 # Private functions: configurations
 
-def _configs(options: FleetBenchOptions) -> list[_Config]:
-    configs = [
-        _Config("mono_1", "mono", 1, 1, 1),
-        _Config("pair_1", "pair", 1, 1, 1),
-        _Config("pair_2", "pair", 2, 1, 2),
-        _Config("copies_2", "mono", 1, 1, 1, copies=2),
-        _Config("mono_8", "mono", 8, 8, 1),
-        _Config("pair_8", "pair", 8, 4, 2),
-    ]
+def split_cores(cores: Sequence[int], max_pcs: int, controller_cores: int) -> tuple[list[int], list[int]]:
+    """(the controller's cores, the simulated PCs' cores): the first `controller_cores` go to the controller."""
+    if not 2 <= max_pcs <= MAX_PCS:
+        raise ValueError(f"--pcs must be between 2 and {MAX_PCS}, not {max_pcs}")
+    if controller_cores < 0:
+        raise ValueError(f"--controller-cores must be 0 or more, not {controller_cores}")
+    controller, agents = list(cores[:controller_cores]), list(cores[controller_cores:])
+    if len(agents) < max_pcs:
+        raise RuntimeError(f"{max_pcs} simulated PCs need {max_pcs} cores of their own beside the controller's "
+                           f"{controller_cores}; this process may use {len(cores)} ({list(cores)})")
+    return controller, agents
+
+
+def bench_groups(options: FleetBenchOptions) -> dict[str, tuple[Path, list[str]]]:
+    """Deployment group -> (model, its simulated PCs in stage order)."""
+    groups: dict[str, tuple[Path, list[str]]] = {"mono": (options.model, ["mono"]),
+                                                 "mono-b": (options.model, ["mono-b"])}
+    models = [("", options.model)] + ([("demo_", options.demo_target)] if options.demo_target else [])
+    for prefix, model in models:
+        if prefix:
+            groups[f"{prefix}mono"] = (model, [f"{prefix}mono"])
+        for pcs in range(2, options.max_pcs + 1):
+            group = f"{prefix}{GROUP_OF_PCS[pcs]}"
+            groups[group] = (model, [f"{group}{index}" for index in range(pcs)])
+    return groups
+
+
+def agent_layout(groups: dict[str, tuple[Path, list[str]]], agent_cores: Sequence[int]) -> dict[str, int]:
+    """Simulated PC -> its core: the i-th PC of every group on the i-th agent core, the second 1-PC copy on the
+    second. Groups run one at a time (the two copies together), so no two busy PCs share a core."""
+    layout: dict[str, int] = {}
+    for group, (_, names) in groups.items():
+        for index, name in enumerate(names):
+            layout[name] = agent_cores[1 if group == "mono-b" else index]
+    return layout
+
+
+def bench_configs(options: FleetBenchOptions) -> list[_Config]:
+    """Every configuration to run, in the interleaving order of a round."""
+    configs = [_Config("mono_1", "mono", 1, 1, 1), _Config("copies_2", "mono", 1, 1, 1, copies=2)]
+    configs += [_Config(f"mono_{users}", "mono", users, users, 1) for users in USER_COUNTS]
+    configs += [_Config("pair_1", "pair", 1, 1, 1), _Config("pair_2", "pair", 2, 1, 2),
+                _Config("pair_4", "pair", 4, 2, 2), _Config("pair_8", "pair", 8, 4, 2)]
+    for pcs in range(3, options.max_pcs + 1):
+        group = GROUP_OF_PCS[pcs]
+        configs += [_Config(f"{group}_1", group, 1, 1, 1), _Config(f"{group}_{pcs}", group, pcs, 1, pcs),
+                    _Config(f"{group}_8", group, 8, -(-8 // pcs), pcs)]
     if options.demo_target is not None:
         configs += [_Config("demo_mono_1", "demo_mono", 1, 1, 1),
                     _Config("wan_naive", "demo_pair", 1, 1, 1, return_logits=True, delay=True),
                     _Config("wan_naive_ids", "demo_pair", 1, 1, 1, delay=True)]
-        if options.demo_draft is not None:
-            configs += [_Config("demo_pair_2_spec", "demo_pair", 2, 1, 2, draft=True),
-                        _Config("wan_full", "demo_pair", 8, 4, 2, draft=True, delay=True)]
-        else:
-            configs.append(_Config("wan_full", "demo_pair", 8, 4, 2, delay=True))
+        drafted = options.demo_draft is not None
+        if drafted:
+            configs.append(_Config("demo_pair_2_spec", "demo_pair", 2, 1, 2, draft=True))
+            for pcs in range(3, options.max_pcs + 1):
+                group = f"demo_{GROUP_OF_PCS[pcs]}"
+                configs.append(_Config(f"{group}_{pcs}_spec", group, pcs, 1, pcs, draft=True))
+        configs.append(_Config("wan_full", "demo_pair", 8, 4, 2, draft=drafted, delay=True))
     return configs
-
-
-def _agents(options: FleetBenchOptions, cores: list[int]) -> dict[str, int]:
-    """Simulated PC name -> its core. One PC per core; idle PCs of other rows share cores (they sleep)."""
-    agents = {"mono": cores[0], "mono-b": cores[1], "pair0": cores[0], "pair1": cores[1]}
-    if options.demo_target is not None:
-        agents.update({"demo_mono": cores[0], "demo_pair0": cores[0], "demo_pair1": cores[1]})
-    return agents
-
-
-def _deploy_all(fleet: _Fleet, options: FleetBenchOptions) -> dict[str, tuple[StagePlacement, ...]]:
-    groups: dict[str, tuple[Path, list[str]]] = {"mono": (options.model, ["mono"]),
-                                                 "mono-b": (options.model, ["mono-b"]),
-                                                 "pair": (options.model, ["pair0", "pair1"])}
-    if options.demo_target is not None:
-        groups["demo_mono"] = (options.demo_target, ["demo_mono"])
-        groups["demo_pair"] = (options.demo_target, ["demo_pair0", "demo_pair1"])
-    return {group: fleet.deploy(model, names) for group, (model, names) in groups.items()}
 
 
 def _prompts(model: Path, count: int, length: int, demo: bool) -> list[list[int]]:
@@ -231,7 +285,8 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
             "mean_accepted": results[0]["mean_accepted"], "final_k": results[0]["final_k"]}
 
 
-def _report(options: FleetBenchOptions, configs: list[_Config], cores: list[int]) -> dict[str, Any]:
+def build_report(options: FleetBenchOptions, configs: list[_Config], controller_cores: list[int],
+                 agent_cores: list[int]) -> dict[str, Any]:
     by_key = {config.key: config for config in configs}
     summary: dict[str, dict[str, Any]] = {}
     for config in configs:
@@ -242,27 +297,34 @@ def _report(options: FleetBenchOptions, configs: list[_Config], cores: list[int]
                                "final_k": statistics.median(run["final_k"] for run in config.runs)}
     rows: list[dict[str, Any]] = []
     delay = f"{options.wan_delay_s * 1000:.0f} ms per hop"
-    for row in (replace(row, title=row.title.replace("100 ms per hop", delay)) for row in ROWS):
+    for row in (replace(row, title=row.title.replace("100 ms per hop", delay)) for row in fleet_rows(MAX_PCS)):
         if row.config not in by_key or (row.baseline is not None and row.baseline not in by_key):
             rows.append({"row": row.title, "paper": row.paper, "goal": row.goal, "ratio": None, "tok_s": None,
-                         "config": row.config})
+                         "config": row.config, "note": _not_run_reason(row, options)})
             continue
         tok = summary[row.config]
         ratio = 1.0 if row.baseline is None else tok["median"] / summary[row.baseline]["median"]
         rows.append({"row": row.title, "paper": row.paper, "goal": row.goal, "ratio": round(ratio, 3),
                      "tok_s": {key: round(tok[key], 3) for key in ("median", "min", "max")},
                      "config": row.config, "baseline": row.baseline})
-    for pcs in range(3, 5):
-        rows.append({"row": f"{pcs} PCs, {pcs} streams + speculative", "paper": "2.64x" if pcs == 3 else "-",
-                     "goal": ">= 4.0x" if pcs == 3 else "-", "ratio": None, "tok_s": None,
-                     "config": None, "note": "not run: needs more cores than this machine has"})
-    return {"machine": {"cpus": len(cores), "platform": platform.platform(), "python": sys.version.split()[0]},
+    cpus = len(controller_cores) + len(agent_cores)
+    return {"machine": {"cpus": cpus, "controller_cores": controller_cores or "not pinned (shares the PCs' cores)",
+                        "pc_cores": agent_cores, "platform": platform.platform(), "python": sys.version.split()[0]},
             "options": {"model": str(options.model), "demo_target": str(options.demo_target),
                         "demo_draft": str(options.demo_draft), "new_tokens": options.new_tokens,
                         "prompt_tokens": options.prompt_tokens, "rounds": options.rounds,
                         "threads_per_pc": options.threads_per_pc, "wan_delay_s": options.wan_delay_s,
+                        "max_pcs": options.max_pcs, "controller_cores": options.controller_cores,
                         "wan_bandwidth_bytes_s": options.wan_bandwidth_bytes_s},
             "configs": summary, "rows": rows}
+
+
+def _not_run_reason(row: _Row, options: FleetBenchOptions) -> str:
+    if row.config.startswith(("demo_", "wan_")) and options.demo_target is None:
+        return "not run: no --demo-target"
+    if row.config.endswith("_spec") and options.demo_draft is None:
+        return "not run: no --demo-draft"
+    return f"not run: needs --pcs {MAX_PCS if 'quad' in row.config else 3} (one core per simulated PC)"
 
 
 # Private: the simulated PCs
@@ -369,7 +431,8 @@ def write_outputs(report: dict[str, Any], json_path: Path | None, markdown_path:
         markdown_path.write_text(render_markdown(report) + "\n")
 
 
-__all__ = ["FleetBenchOptions", "add_fleet_bench_command", "render_markdown", "run_fleet_bench", "write_outputs"]
+__all__ = ["FleetBenchOptions", "add_fleet_bench_command", "agent_layout", "bench_configs", "bench_groups",
+           "build_report", "fleet_rows", "render_markdown", "run_fleet_bench", "split_cores", "write_outputs"]
 
 
 def add_fleet_bench_command(benches: Any) -> None:
@@ -384,6 +447,9 @@ def add_fleet_bench_command(benches: Any) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads-per-pc", type=int, default=1)
+    parser.add_argument("--pcs", type=int, default=2, help="simulated PCs in the largest rows (2-4)")
+    parser.add_argument("--controller-cores", type=int, default=0,
+                        help="pin the controller to the first N cores and the PCs to the rest (0: not pinned)")
     parser.add_argument("--wan-delay-ms", type=float, default=100.0, help="one-way delay per hop on WAN rows")
     parser.add_argument("--wan-bandwidth-mbit", type=float, default=None, help="per-link bandwidth on WAN rows")
     parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON here")
@@ -395,6 +461,7 @@ def _bench_command(args: Any) -> int:
     options = FleetBenchOptions(
         model=args.model, demo_target=args.demo_target, demo_draft=args.demo_draft, new_tokens=args.new_tokens,
         prompt_tokens=args.prompt_tokens, rounds=args.rounds, threads_per_pc=args.threads_per_pc,
+        max_pcs=args.pcs, controller_cores=args.controller_cores,
         wan_delay_s=args.wan_delay_ms / 1000.0,
         wan_bandwidth_bytes_s=args.wan_bandwidth_mbit * 125_000 if args.wan_bandwidth_mbit else None)
     report = run_fleet_bench(options, progress=lambda text: print(text, file=sys.stderr, flush=True))

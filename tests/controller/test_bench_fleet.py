@@ -1,0 +1,92 @@
+"""The fleet benchmark's pure parts: core split, which PC runs where, configurations, rows and report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deskfleet.controller.bench.fleet import (
+    FleetBenchOptions,
+    agent_layout,
+    bench_configs,
+    bench_groups,
+    build_report,
+    fleet_rows,
+    render_markdown,
+    split_cores,
+)
+
+MODEL, TARGET, DRAFT = Path("m"), Path("t"), Path("d")
+
+
+def options(max_pcs: int = 2, demo: bool = True, controller_cores: int = 0) -> FleetBenchOptions:
+    return FleetBenchOptions(MODEL, TARGET if demo else None, DRAFT if demo else None, max_pcs=max_pcs,
+                             controller_cores=controller_cores)
+
+
+def test_split_cores_reserves_the_first_cores_for_the_controller() -> None:
+    assert split_cores(range(16), 4, 2) == ([0, 1], list(range(2, 16)))
+    assert split_cores([3, 5], 2, 0) == ([], [3, 5])
+
+
+@pytest.mark.parametrize(("cores", "pcs", "controller", "message"), [
+    (range(2), 2, 1, "2 simulated PCs need 2 cores"),
+    (range(4), 4, 1, "4 simulated PCs need 4 cores"),
+    (range(8), 5, 0, "between 2 and 4"),
+    (range(8), 2, -1, "0 or more"),
+])
+def test_split_cores_refuses_what_cannot_be_pinned(cores: range, pcs: int, controller: int, message: str) -> None:
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        split_cores(cores, pcs, controller)
+
+
+@pytest.mark.parametrize("max_pcs", [2, 3, 4])
+def test_every_group_runs_its_pcs_on_distinct_cores(max_pcs: int) -> None:
+    groups = bench_groups(options(max_pcs))
+    layout = agent_layout(groups, [10, 11, 12, 13])
+    for group, (model, names) in groups.items():
+        assert model == (TARGET if group.startswith("demo") else MODEL)
+        assert len({layout[name] for name in names}) == len(names), group
+    assert {layout["mono"], layout["mono-b"]} == {10, 11}  # the two copies run at once
+    assert sorted(len(names) for group, (_, names) in groups.items() if not group.startswith("demo")) == \
+        [1, 1, *range(2, max_pcs + 1)]
+
+
+@pytest.mark.parametrize(("max_pcs", "demo"), [(2, False), (2, True), (3, True), (4, True)])
+def test_every_config_runs_on_a_deployed_group_with_every_user_served(max_pcs: int, demo: bool) -> None:
+    groups = bench_groups(options(max_pcs, demo))
+    configs = bench_configs(options(max_pcs, demo))
+    assert len({config.key for config in configs}) == len(configs)
+    for config in configs:
+        assert config.group in groups, config.key
+        pcs = len(groups[config.group][1])
+        assert config.max_rows * config.micro_batches >= config.streams, config.key
+        if pcs > 1 and config.streams >= pcs:
+            assert config.micro_batches == pcs, config.key  # every stage has a micro-batch to work on
+
+
+def test_with_four_pcs_and_the_demo_pair_every_row_is_measured() -> None:
+    configs = {config.key for config in bench_configs(options(4))}
+    for row in fleet_rows(4):
+        assert row.config in configs, row.title
+        assert row.baseline is None or row.baseline in configs, row.title
+
+
+def test_report_ratios_and_the_rows_left_unrun() -> None:
+    configs = bench_configs(options(2, demo=False))
+    speed = {"mono_1": 10.0, "pair_1": 9.5, "pair_2": 19.0, "copies_2": 20.0, "mono_8": 40.0, "pair_8": 70.0}
+    for config in configs:
+        for jitter in (0.9, 1.0, 1.1):
+            config.runs.append({"tok_s": speed.get(config.key, 10.0) * jitter, "mean_accepted": 0.0, "final_k": 0.0})
+    report = build_report(options(2, demo=False), configs, [0], [1, 2])
+    rows = {row["row"]: row for row in report["rows"]}
+    assert rows["2 PCs, 1 stream"]["ratio"] == pytest.approx(0.95)
+    assert rows["2 PCs, 2 streams vs two 1-PC copies"]["ratio"] == pytest.approx(0.95)
+    assert rows["2 PCs vs 1 PC serving the same 8 users"]["ratio"] == pytest.approx(1.75)
+    assert rows["2 PCs, 8 users (batched micro-batches)"]["tok_s"] == {"median": 70.0, "min": 63.0, "max": 77.0}
+    assert rows["3 PCs, 3 streams + speculative (demo pair)"]["ratio"] is None
+    assert "--demo-target" in rows["3 PCs, 3 streams + speculative (demo pair)"]["note"]
+    assert report["machine"]["controller_cores"] == [0] and report["machine"]["pc_cores"] == [1, 2]
+    table = render_markdown(report)
+    assert "| 2 PCs, 1 stream | 0.67x | >= 0.95x | 0.95x | 9.5 (8.6-10.4) |" in table
