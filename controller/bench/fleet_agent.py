@@ -5,7 +5,8 @@
 
 The same AgentCore and TLS server as the headless agent (deploy, shards, stages, Forward relaying over
 real TLS websockets), without enrollment or mDNS: the bench issues its certificate directly. The process
-is pinned with os.sched_setaffinity and compiles its stage with INFERENCE_NUM_THREADS = --threads.
+is pinned with os.sched_setaffinity and compiles its stage with INFERENCE_NUM_THREADS = --threads; every PC
+reports the same pinned speed, so plans split the layers evenly.
 """
 
 from __future__ import annotations
@@ -26,9 +27,14 @@ from deskfleet.common.wire import parse_address
 
 log = logging.getLogger(__name__)
 
+SIMULATED_PC_GB_PER_S = 10.0
+
 
 async def serve(files: TlsFiles, listen: str, cache_dir: Path, threads: int) -> None:
-    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_battery_percent=None,
+    # Every simulated PC is one core of the same machine: a pinned speed gives every PC the same weight in
+    # the plan (measured speeds of PCs sharing a memory bus are noise and split the layers unevenly).
+    settings = AgentSettings(speed_gb_per_s=SIMULATED_PC_GB_PER_S,
+                             thresholds=Thresholds(require_ac_power=False, min_battery_percent=None,
                                                    max_temperature_c=None, min_free_memory_bytes=None,
                                                    max_cpu_load=None))
     core = AgentCore(files, settings, ShardCache(cache_dir, 16 << 30), HostMonitor(), num_threads=threads)
