@@ -152,6 +152,9 @@ def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] 
                 _Fleet(Path(work), agent_layout(groups, agent_cores), options.threads_per_pc) as fleet:
             say(f"{len(fleet.names)} simulated PCs up; deploying")
             placements = {group: fleet.deploy(model, names) for group, (model, names) in groups.items()}
+            for group, stages in placements.items():
+                if len(stages) < len(groups[group][1]):
+                    say(f"{group}: the plan uses {len(stages)} of its {len(groups[group][1])} PCs")
             for round_index in range(options.rounds):
                 for config in configs:
                     result = _run_config(fleet, placements, config, options, options.demo_draft)
@@ -159,7 +162,11 @@ def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] 
                     say(f"round {round_index + 1}/{options.rounds} {config.key}: {result['tok_s']:.1f} tok/s")
     finally:
         os.sched_setaffinity(0, cores)
-    return build_report(options, configs, controller_cores, agent_cores)
+    report = build_report(options, configs, controller_cores, agent_cores)
+    report["deployments"] = {group: {"pcs": len(groups[group][1]), "stages": len(stages),
+                                     "layers": [[stage.layer_start, stage.layer_end] for stage in stages]}
+                             for group, stages in placements.items()}
+    return report
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -380,10 +387,9 @@ class _Fleet:
                 await found.close()
             return report.stages
 
-        stages = asyncio.run(run())
-        if len(stages) != len(names):
-            raise RuntimeError(f"deploying {model} over {names} gave {len(stages)} stage(s)")
-        return stages
+        # The planner may leave a PC out when a share of the layers would not shorten the slowest stage
+        # (the demo target's head weighs two layers: 3 stages are as fast as 4); the report says so.
+        return asyncio.run(run())
 
     def _stop(self) -> None:
         for process in self.processes.values():
