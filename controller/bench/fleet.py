@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -345,25 +344,24 @@ class _Fleet:
         self.store = FleetStore(work / "controller")
         init_fleet(self.store, "bench", ("127.0.0.1:1",), utc_now())
         ca = load_ca(self.store)
-        self.ports: dict[str, int] = {}
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         for name, core in agents.items():
             files = TlsFiles.in_folder(work / name, "agent")
             _issue(ca, files, name)
-            self.ports[name] = _free_port()
             log_file = (work / f"{name}.log").open("wb")
             self.processes[name] = subprocess.Popen(
                 [sys.executable, "-m", "deskfleet.controller.bench.fleet_agent", "--tls-dir", str(work / name),
-                 "--name", "agent", "--listen", f"127.0.0.1:{self.ports[name]}", "--cores", str(core),
-                 "--cache", str(work / name / "cache"), "--threads", str(threads)],
+                 "--name", "agent", "--listen", "127.0.0.1:0", "--port-file", str(work / f"{name}.port"),
+                 "--cores", str(core), "--cache", str(work / name / "cache"), "--threads", str(threads)],
                 stdout=log_file, stderr=subprocess.STDOUT)
-        self.proxy_of = {name: DelayProxy(f"127.0.0.1:{port}") for name, port in self.ports.items()}
-        self.proxies = ProxyThread(list(self.proxy_of.values()))
+        self.proxy_of: dict[str, DelayProxy] = {}
 
     def __enter__(self) -> _Fleet:
         try:
-            for name, port in self.ports.items():
-                _wait_port(port, self.processes[name], self.work / f"{name}.log")
+            for name, process in self.processes.items():
+                port = _wait_port_file(self.work / f"{name}.port", process, self.work / f"{name}.log")
+                self.proxy_of[name] = DelayProxy(f"127.0.0.1:{port}")
+            self.proxies = ProxyThread(list(self.proxy_of.values()))
             self.proxies.__enter__()
         except BaseException:
             self._stop()
@@ -412,22 +410,17 @@ def _issue(ca: pki.FleetCa, files: TlsFiles, name: str) -> None:
     pki.write_private_key(files.key_path, key)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _wait_port(port: int, process: subprocess.Popen[bytes], log_path: Path, timeout: float = 60.0) -> None:
+def _wait_port_file(port_file: Path, process: subprocess.Popen[bytes], log_path: Path,
+                    timeout: float = 120.0) -> int:
+    """The port a bench agent listens on, once it has written it (it writes after it listens)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"a bench agent exited ({process.returncode}): {log_path.read_text()[-2000:]}")
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return
+        if port_file.is_file():
+            return int(port_file.read_text())
         time.sleep(0.2)
-    raise RuntimeError(f"a bench agent did not listen on {port} within {timeout:.0f} s")
+    raise RuntimeError(f"a bench agent did not listen within {timeout:.0f} s (see {log_path})")
 
 
 def write_outputs(report: dict[str, Any], json_path: Path | None, markdown_path: Path | None) -> None:

@@ -1,12 +1,14 @@
 """One simulated PC for `deskfleet bench fleet`: an agent core in its own process, pinned to its own cores.
 
     python -m deskfleet.controller.bench.fleet_agent --tls-dir D --name N --listen HOST:PORT --cores 0[,1]
-        --cache DIR [--threads 1]
+        --cache DIR [--threads 1] [--port-file F]
 
 The same AgentCore and TLS server as the headless agent (deploy, shards, stages, Forward relaying over
 real TLS websockets), without enrollment or mDNS: the bench issues its certificate directly. The process
 is pinned with os.sched_setaffinity and compiles its stage with INFERENCE_NUM_THREADS = --threads; every PC
-reports the same pinned speed, so plans split the layers evenly.
+reports the same pinned speed, so plans split the layers evenly. With PORT 0 it listens on a free port and
+writes the port to --port-file once listening (ports picked by the parent and bound later can be taken in
+between, e.g. by the ephemeral port of another connection).
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ from deskfleet.agent.link import TlsFiles, start_server
 from deskfleet.agent.monitor import HostMonitor
 from deskfleet.agent.paths import AgentSettings, Thresholds
 from deskfleet.agent.shard_cache import ShardCache
-from deskfleet.common.wire import parse_address
+from deskfleet.common.atomic_file import write_atomic
 
 log = logging.getLogger(__name__)
 
 SIMULATED_PC_GB_PER_S = 10.0
 
 
-async def serve(files: TlsFiles, listen: str, cache_dir: Path, threads: int) -> None:
+async def serve(files: TlsFiles, listen: str, cache_dir: Path, threads: int, port_file: Path | None) -> None:
     # Every simulated PC is one core of the same machine: a pinned speed gives every PC the same weight in
     # the plan (measured speeds of PCs sharing a memory bus are noise and split the layers unevenly).
     settings = AgentSettings(speed_gb_per_s=SIMULATED_PC_GB_PER_S,
@@ -38,16 +40,26 @@ async def serve(files: TlsFiles, listen: str, cache_dir: Path, threads: int) -> 
                                                    max_temperature_c=None, min_free_memory_bytes=None,
                                                    max_cpu_load=None))
     core = AgentCore(files, settings, ShardCache(cache_dir, 16 << 30), HostMonitor(), num_threads=threads)
-    host, port = parse_address(listen)
+    host, port = _listen_address(listen)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     server = await start_server(core.serve_link, host, port, files, revocations=core.revocations)
-    log.info("bench agent %s on %s", core.agent_id[:12], listen)
+    port = int(next(iter(server.sockets)).getsockname()[1])
+    if port_file is not None:
+        write_atomic(port_file, f"{port}\n".encode())
+    log.info("bench agent %s on %s:%d", core.agent_id[:12], host, port)
     async with server:
         await stop.wait()
     await core.close()
+
+
+def _listen_address(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise SystemExit(f"--listen {listen!r}: give HOST:PORT (PORT 0: any free port)")
+    return host, int(port)
 
 
 def main() -> None:
@@ -58,10 +70,12 @@ def main() -> None:
     parser.add_argument("--cores", required=True, help="comma-separated CPU numbers")
     parser.add_argument("--cache", type=Path, required=True)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--port-file", type=Path, default=None, help="write the listening port here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.sched_setaffinity(0, {int(core) for core in args.cores.split(",")})
-    asyncio.run(serve(TlsFiles.in_folder(args.tls_dir, args.name), args.listen, args.cache, args.threads))
+    asyncio.run(serve(TlsFiles.in_folder(args.tls_dir, args.name), args.listen, args.cache, args.threads,
+                      args.port_file))
 
 
 if __name__ == "__main__":
