@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 class Precision(str, Enum):
-    F32 = "f32"  # exact: f32 compute AND an f32 KV cache (the CPU plugin's default cache is u8)
+    F32 = "f32"  # exact: f32 compute, an f32 KV cache (the CPU plugin's default is u8), no activation quantization
     FAST = "fast"  # the device's default fast precision
 
 
@@ -50,6 +50,9 @@ class CompileSettings:
         if self.precision is Precision.F32:
             wanted["INFERENCE_PRECISION_HINT"] = "f32"
             wanted["KV_CACHE_PRECISION"] = "f32"
+            # INT4/INT8 weights: the CPU plugin quantizes activations on the fly by default, and a call of
+            # T tokens (verifying drafts) then rounds differently from T calls of one token.
+            wanted["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = "0"
         if self.num_threads:
             wanted["INFERENCE_NUM_THREADS"] = str(self.num_threads)
         device = self.device.split(":")[0].split(".")[0]

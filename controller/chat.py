@@ -24,7 +24,7 @@ from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.speculative import SamplingParams
 
-from .draft import DraftModel
+from .draft import open_drafter
 from .engine import Engine, EngineOptions, StageChain, StreamRequest
 from .generation import GenerationError
 from .run import GenerateOptions, run_generate
@@ -45,6 +45,7 @@ class ChatOptions:
     system: str | None = None
     max_new_tokens: int = 256
     draft: Path | None = None
+    prompt_lookup: bool = False  # draft by copying from the context instead
     k: int | None = None
     k_max: int = 8
     temperature: float = 0.0
@@ -65,7 +66,7 @@ def add_chat_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     chat.add_argument("--stages", type=int, default=1, help="in-process pipeline stages (local only)")
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--max-new-tokens", type=int, default=256)
-    chat.add_argument("--draft", type=Path, default=None, help="export folder of a draft model (speculative)")
+    add_drafter_options(chat)
     chat.add_argument("--k", type=int, default=None, help="fixed number of draft tokens (default: adaptive)")
     chat.add_argument("--k-max", type=int, default=8)
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -74,6 +75,13 @@ def add_chat_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     chat.add_argument("--seed", type=int, default=0)
     add_compile_options(chat)
     chat.set_defaults(handler=_chat_command)
+
+
+def add_drafter_options(parser: argparse.ArgumentParser) -> None:
+    drafter = parser.add_mutually_exclusive_group()
+    drafter.add_argument("--draft", type=Path, default=None, help="export folder of a draft model (speculative)")
+    drafter.add_argument("--prompt-lookup", action="store_true",
+                         help="speculative with drafts copied from the context (no draft model)")
 
 
 def add_fleet_option(parser: argparse.ArgumentParser) -> None:
@@ -97,7 +105,7 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
     """Converse until `lines` ends or says /quit; returns the number of replies given."""
     manifest = load_manifest(options.model)
     tokenizer = ModelTokenizer(options.model)
-    draft = DraftModel(options.draft, options.settings) if options.draft is not None else None
+    draft = open_drafter(options.draft, options.prompt_lookup, options.settings)
     sampling = SamplingParams(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
     history = [ChatMessage("system", options.system)] if options.system else []
     replies = 0
@@ -169,7 +177,8 @@ def _chat_command(args: argparse.Namespace) -> int:
                                        num_threads=args.threads)
     options = ChatOptions(model=args.model, fleet_dir=(args.data_dir or default_data_dir()) if args.fleet else None,
                           stages=args.stages, system=args.system, max_new_tokens=args.max_new_tokens,
-                          draft=args.draft, k=args.k, k_max=args.k_max, temperature=args.temperature,
+                          draft=args.draft, prompt_lookup=args.prompt_lookup, k=args.k, k_max=args.k_max,
+                          temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, settings=compile_settings)
     interactive = sys.stdin.isatty()
     run_chat(options, sys.stdin, sys.stdout, prompt_out=sys.stderr if interactive else None)

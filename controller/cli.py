@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deskfleet.common.model_spec import ManifestError, WeightFormat
-from deskfleet.controller.chat import add_chat_command, add_fleet_option
+from deskfleet.controller.chat import add_chat_command, add_drafter_options, add_fleet_option
 from deskfleet.controller.fleet_cli import add_fleet_commands
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     generate.add_argument("--max-new-tokens", type=int, default=64)
     generate.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
-    generate.add_argument("--draft", type=Path, default=None, help="export folder of a draft model (speculative)")
+    add_drafter_options(generate)
     generate.add_argument("--k", type=int, default=None, help="fixed number of draft tokens (default: adaptive)")
     generate.add_argument("--k-max", type=int, default=8, help="upper bound of adaptive K")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     rollback.set_defaults(handler=_bench_rollback)
     speculative = benches.add_parser("speculative", help="one stage, code completion with and without a draft")
     speculative.add_argument("--model", type=Path, required=True, help="target export folder")
-    speculative.add_argument("--draft", type=Path, required=True, help="draft export folder")
+    speculative.add_argument("--draft", type=Path, default=None, help="draft export folder")
+    speculative.add_argument("--no-lookup", action="store_true", help="skip the prompt-lookup variants")
     speculative.add_argument("--k", type=int, nargs="*", default=[2, 4, 6], help="fixed K values to time")
     speculative.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-K variant")
     speculative.add_argument("--k-max", type=int, default=8, help="upper bound of adaptive K")
@@ -187,6 +188,7 @@ def _generate(args: argparse.Namespace) -> int:
         model=args.model, stages=args.stages, prompts=args.prompt, prompts_file=args.prompts_file,
         prompt_ids=[_parse_prompt_ids(text) for text in args.prompt_ids] if args.prompt_ids else None,
         chat=args.chat, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, draft=args.draft,
+        prompt_lookup=args.prompt_lookup,
         k=args.k, k_max=args.k_max, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, max_rows=args.max_rows, micro_batches=args.micro_batches,
         settings=_compile_settings(args))
@@ -228,7 +230,7 @@ def _bench_speculative(args: argparse.Namespace) -> int:
     from deskfleet.controller.bench.speculative import read_prompts_file, run_speculative_bench
 
     report = run_speculative_bench(
-        args.model, args.draft, ks=args.k, adaptive=not args.no_adaptive, k_max=args.k_max,
+        args.model, args.draft, ks=args.k, adaptive=not args.no_adaptive, lookup=not args.no_lookup, k_max=args.k_max,
         prompts=read_prompts_file(args.prompts_file) if args.prompts_file else None, eval_dir=args.eval_dir,
         num_prompts=args.prompts, new_tokens=args.new_tokens, rounds=args.rounds, settings=_compile_settings(args))
     print(json.dumps(report, indent=2))

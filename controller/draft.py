@@ -1,4 +1,7 @@
-"""The draft model beside the driver: proposes K tokens per speculative row of a micro-batch.
+"""Drafters beside the driver, and the draft model: proposes K tokens per speculative row of a micro-batch.
+
+`Drafter` is what the engine calls; `DraftModel` (a small model of the same tokenizer) and
+`PromptLookupDraft` (controller/prompt_lookup.py: copies from the stream's own context) implement it.
 
 Its micro-batches mirror the target's by stream id (only speculative streams have a draft row). Per
 stream it remembers how many confirmed tokens its KV cache holds; each round feeds the confirmed tokens
@@ -10,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -43,6 +47,35 @@ class Proposal:
 def mix_seed(seed: int, position: int, salt: int) -> int:
     """A per-(stream, position) seed, so a stream's draws do not depend on its micro-batch."""
     return int(np.random.SeedSequence([seed, position, salt]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+class Drafter(Protocol):
+    """What the engine asks of a drafter. Micro-batches mirror the target's by stream id (only speculative
+    streams have a draft row); calls come from the driver's thread."""
+
+    def check_compatible(self, vocab_size: int) -> None:
+        """Refuse a target it cannot draft for."""
+
+    def prefill(self, micro_batch_id: int, stream_id: int, prompt: list[int]) -> None:
+        """A new one-row micro-batch holding this stream's prompt."""
+
+    def merge(self, target_batch: int, stream_id: int, source_batch: int) -> None:
+        """The stream of one-row `source_batch` joins `target_batch`."""
+
+    def has_batch(self, micro_batch_id: int) -> bool: ...
+
+    def propose(self, micro_batch_id: int, rows: list[DraftRow]) -> Proposal:
+        """Up to row.k draft tokens per row (fewer, or none, is allowed)."""
+
+    def after_verify(self, micro_batch_id: int, stream_id: int, confirmed_before: int, k: int,
+                     accepted: int) -> None:
+        """The target accepted `accepted` of the k tokens proposed for the stream."""
+
+    def drop(self, micro_batch_id: int, stream_ids: set[int]) -> None: ...
+
+    def release(self, micro_batch_id: int) -> None: ...
+
+    def compact(self, micro_batch_id: int, policy: CompactionPolicy) -> None: ...
 
 
 class DraftModel:
@@ -152,3 +185,15 @@ class DraftModel:
             position = track.next_position(row.stream_id)
             tokens[index].append(sample(q, np.random.default_rng(mix_seed(row.seed, position, 1))))
             probs[index, step] = q
+
+
+def open_drafter(draft: Path | None, prompt_lookup: bool,
+                 settings: CompileSettings | None = None) -> Drafter | None:
+    """The drafter a command asked for: a draft model's export folder, prompt lookup, or none."""
+    if draft is not None and prompt_lookup:
+        raise ValueError("choose one drafter: a draft model (--draft) or prompt lookup (--prompt-lookup)")
+    if prompt_lookup:
+        from .prompt_lookup import PromptLookupDraft
+
+        return PromptLookupDraft()
+    return DraftModel(draft, settings) if draft is not None else None

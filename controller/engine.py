@@ -30,7 +30,7 @@ from deskfleet.common.speculative import AdaptiveK, RoundCost, SamplingParams
 from deskfleet.common.wire import DraftInfo, Forward, ForwardResult, SamplingInfo
 
 from .batch_track import BatchTrack
-from .draft import DraftModel, DraftRow, Proposal, mix_seed
+from .draft import Drafter, DraftRow, Proposal, mix_seed
 from .generation import GenerationError, check_request
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class _InFlight:
 class Engine:
     """Runs streams to completion through `chain`. Call add() for each request, then run()."""
 
-    def __init__(self, chain: StageChain, spec: ModelSpec, draft: DraftModel | None = None,
+    def __init__(self, chain: StageChain, spec: ModelSpec, draft: Drafter | None = None,
                  options: EngineOptions | None = None) -> None:
         self.chain = chain
         self.spec = spec
@@ -272,7 +272,8 @@ class Engine:
                 for stream in streams if self._uses_draft(stream)]
         if not any(row.k for row in rows):
             return None
-        return self.draft.propose(track.micro_batch_id, rows)
+        proposal = self.draft.propose(track.micro_batch_id, rows)
+        return proposal if any(proposal.tokens.values()) else None  # nothing proposed: a plain step
 
     def _room(self, stream: _Stream) -> int:
         """Draft tokens this stream can still use: never past max_new_tokens or the context."""

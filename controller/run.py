@@ -12,7 +12,7 @@ from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.speculative import SamplingParams
 
-from .draft import DraftModel
+from .draft import open_drafter
 from .engine import Engine, EngineOptions, StageChain, StreamRequest
 from .generation import GenerationError
 from .pipeline import LocalPipeline
@@ -31,6 +31,7 @@ class GenerateOptions:
     max_new_tokens: int = 64
     ignore_eos: bool = False
     draft: Path | None = None
+    prompt_lookup: bool = False  # draft by copying from the context instead
     k: int | None = None
     k_max: int = 8
     temperature: float = 0.0
@@ -66,7 +67,7 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
     tokenizer = ModelTokenizer(options.model)
     prompts = encode_prompts(options, tokenizer)
     sampling = SamplingParams(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
-    draft = DraftModel(options.draft, options.settings) if options.draft is not None else None
+    draft = open_drafter(options.draft, options.prompt_lookup, options.settings)
     stages = chain_stages or options.stages
     engine_options = EngineOptions(max_rows=options.max_rows, micro_batches=options.micro_batches or stages,
                                    k_max=max(options.k_max, 1), fixed_k=options.k)

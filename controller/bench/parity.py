@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 GENAI_RUNNER = Path(__file__).with_name("genai_runner.py")
 PRECISION_PROPERTIES = ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "INFERENCE_NUM_THREADS",
-                        "PERFORMANCE_HINT", "NUM_STREAMS")
+                        "PERFORMANCE_HINT", "NUM_STREAMS", "DYNAMIC_QUANTIZATION_GROUP_SIZE")
 
 
 @dataclass(frozen=True)
@@ -435,7 +435,8 @@ def _read_properties(compiled: Any) -> dict[str, str]:
 
 def _genai_properties(compiled: dict[str, str], backend: str) -> dict[str, str]:
     """What deskfleet's compiled stage actually runs with, passed to LLMPipeline explicitly."""
-    wanted = ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "INFERENCE_NUM_THREADS", "PERFORMANCE_HINT")
+    wanted = ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "INFERENCE_NUM_THREADS", "PERFORMANCE_HINT",
+              "DYNAMIC_QUANTIZATION_GROUP_SIZE")
     properties = {name: compiled[name] for name in wanted if name in compiled}
     if backend != "default":
         properties["ATTENTION_BACKEND"] = backend

@@ -4,10 +4,12 @@ Prompts: held-out code prompts of the demo model's evaluation set (assets/models
 the function signatures + docstrings of the held-out standard-library modules, the same random pick of
 `--prompts` as its acceptance figure), or one prompt per line of `--prompts-file` ("\\n" for newlines).
 
-Variants, each on the same 1-stage LocalPipeline and the same DraftModel:
-    plain       no draft: one target call per token
-    k=K         the draft proposes exactly K tokens per round (for each K of --k)
-    adaptive    AdaptiveK chooses K from measured acceptance and round cost (1..--k-max)
+Variants, each on the same 1-stage LocalPipeline:
+    plain             no draft: one target call per token
+    k=K               the draft model proposes exactly K tokens per round (for each K of --k)
+    adaptive          AdaptiveK chooses K from measured acceptance and round cost (1..--k-max)
+    lookup k=K        prompt lookup (controller/prompt_lookup.py) proposes up to K tokens copied from the
+    lookup adaptive   stream's own context, no draft model (unless --no-lookup)
 Every prompt runs as one stream through the Engine (what `deskfleet generate --draft` runs), until EOS or
 `new_tokens`; greedy speculative output is token-identical to plain, so every variant makes the same
 tokens (checked). Interleaved: for each round, for each prompt, every variant in turn.
@@ -87,7 +89,7 @@ class TimingChain:
 
 
 class TimingDraft:
-    """A DraftModel whose propose() calls are timed (everything else passes through)."""
+    """A drafter whose propose() calls are timed (everything else passes through)."""
 
     def __init__(self, draft: Any) -> None:
         self.draft = draft
@@ -115,9 +117,18 @@ def call_kind(message: Forward) -> str:
     return "plain" if width == 1 else "prefill"
 
 
-def variant_names(ks: Sequence[int], adaptive: bool) -> list[str]:
-    names = ["plain", *(f"k={k}" for k in ks)]
-    return [*names, "adaptive"] if adaptive else names
+LOOKUP = "lookup "  # the name prefix of prompt-lookup variants
+
+
+def variant_names(ks: Sequence[int], adaptive: bool, draft_model: bool = True, lookup: bool = False) -> list[str]:
+    drafted = [*(f"k={k}" for k in ks), *(["adaptive"] if adaptive else [])]
+    return ["plain", *(drafted if draft_model else []), *(f"{LOOKUP}{name}" for name in (drafted if lookup else []))]
+
+
+def variant_fixed_k(name: str) -> int | None:
+    """The K a variant fixes (None: adaptive, or plain)."""
+    _, _, k = name.removeprefix(LOOKUP).partition("k=")
+    return int(k) if k else None
 
 
 def read_prompts_file(path: Path) -> list[str]:
@@ -196,30 +207,48 @@ def build_report(rounds: dict[str, list[VariantStats]], meta: dict[str, Any]) ->
         entry["profile"] = profile
         variants[name] = entry
     report["speculative"] = variants
-    best = max(variants, key=lambda name: variants[name].get("speedup", {}).get("ratio_of_medians", 0.0),
-               default=None)
-    if best is not None and "speedup" in variants[best]:
-        report["best"] = {"variant": best, "speedup": variants[best]["speedup"]["ratio_of_medians"],
-                          "goal": f">= {GOAL}x", "goal_met": variants[best]["speedup"]["ratio_of_medians"] >= GOAL}
+    best = _best(variants, list(variants))
+    if best is not None:
+        report["best"] = best
+        report["best_by_drafter"] = {
+            drafter: found for drafter, names in (
+                ("draft model", [name for name in variants if not name.startswith(LOOKUP)]),
+                ("prompt lookup", [name for name in variants if name.startswith(LOOKUP)]))
+            if (found := _best(variants, names)) is not None}
     return report
+
+
+def _best(variants: dict[str, Any], names: list[str]) -> dict[str, Any] | None:
+    timed = [name for name in names if "speedup" in variants[name]]
+    if not timed:
+        return None
+    best = max(timed, key=lambda name: variants[name]["speedup"]["ratio_of_medians"])
+    speedup = variants[best]["speedup"]["ratio_of_medians"]
+    return {"variant": best, "speedup": speedup, "goal": f">= {GOAL}x", "goal_met": speedup >= GOAL}
 
 
 # Public methods: the benchmark
 
-def run_speculative_bench(target: Path, draft: Path, ks: Sequence[int] = (2, 4, 6), adaptive: bool = True,
-                          k_max: int = 8, prompts: list[str] | None = None, prompt_ids: list[list[int]] | None = None,
-                          eval_dir: Path | None = None, num_prompts: int = 12, new_tokens: int = 64,
+def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = (2, 4, 6), adaptive: bool = True,
+                          lookup: bool = True, k_max: int = 8, prompts: list[str] | None = None,
+                          prompt_ids: list[list[int]] | None = None, eval_dir: Path | None = None,
+                          num_prompts: int = 12, new_tokens: int = 64,
                           rounds: int = 3, settings: CompileSettings | None = None,
                           progress: bool = True) -> dict[str, Any]:
-    """Run the speculative benchmark; prompts from `prompt_ids`, else `prompts`, else the eval set."""
+    """Run the speculative benchmark; prompts from `prompt_ids`, else `prompts`, else the eval set.
+
+    `draft` None: only the prompt-lookup variants (then `lookup` must be on)."""
     import openvino as ov
 
     from deskfleet.controller.draft import DraftModel
     from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
     from deskfleet.controller.pipeline import LocalPipeline
+    from deskfleet.controller.prompt_lookup import PromptLookupDraft
     from deskfleet.controller.tokenizer import ModelTokenizer
 
-    target, draft = Path(target), Path(draft)
+    if draft is None and not lookup:
+        raise ValueError("nothing to compare: give a draft model, or keep the prompt-lookup variants")
+    target = Path(target)
     settings = settings or CompileSettings()
     manifest = load_manifest(target)
     spec = manifest.spec
@@ -237,24 +266,27 @@ def run_speculative_bench(target: Path, draft: Path, ks: Sequence[int] = (2, 4, 
     longest = max(len(ids) for ids in prompt_ids)
     if longest + new_tokens > spec.max_context:
         raise ValueError(f"a prompt of {longest} tokens + {new_tokens} exceeds the context {spec.max_context}")
-    names = variant_names(ks, adaptive)
-    options = {name: EngineOptions(max_rows=1, micro_batches=1, k_max=max(k_max, 1),
-                                   fixed_k=int(name[2:]) if name.startswith("k=") else None) for name in names}
+    names = variant_names(ks, adaptive, draft_model=draft is not None, lookup=lookup)
+    options = {name: EngineOptions(max_rows=1, micro_batches=1, k_max=max(k_max, 1), fixed_k=variant_fixed_k(name))
+               for name in names}
     started = time.perf_counter()
     results: dict[str, list[VariantStats]] = {name: [] for name in names}
     tokens_by_variant: dict[str, list[list[int]]] = {name: [] for name in names}
     with LocalPipeline(target, 1, settings, manifest) as pipeline:
         chain = TimingChain(pipeline)
-        drafter = TimingDraft(DraftModel(draft, settings))
+        drafters = {"model": TimingDraft(DraftModel(Path(draft), settings)) if draft is not None else None,
+                    "lookup": TimingDraft(PromptLookupDraft())}
         compiled = _read_properties(pipeline._workers[0].executor.stage.compiled)
         for index in range(rounds + 1):  # round 0 warms up, untimed
             current = {name: VariantStats() for name in names}
             for prompt_index, ids in enumerate(prompt_ids):
                 for name in names:
                     stats = current[name]
-                    chain.stats = drafter.stats = stats
-                    engine = Engine(chain, spec, drafter if name != "plain" else None,  # type: ignore[arg-type]
-                                    options[name])
+                    drafter = None if name == "plain" else drafters["lookup" if name.startswith(LOOKUP) else "model"]
+                    chain.stats = stats
+                    if drafter is not None:
+                        drafter.stats = stats
+                    engine = Engine(chain, spec, drafter, options[name])
                     engine.add(StreamRequest(list(ids), max_new_tokens=new_tokens))
                     began = time.perf_counter()
                     (result,) = engine.run().values()
@@ -271,13 +303,13 @@ def run_speculative_bench(target: Path, draft: Path, ks: Sequence[int] = (2, 4, 
             if index > 0:
                 for name in names:
                     results[name].append(current[name])
-    chain.stats = drafter.stats = None
+    chain.stats = None
     reference = tokens_by_variant["plain"]
     meta: dict[str, Any] = {
-        "target": str(target), "draft": str(draft),
+        "target": str(target), "draft": str(draft) if draft is not None else None,
         "target_spec": {"layers": spec.num_layers, "hidden": spec.hidden_size, "vocab": spec.vocab_size,
                         "weights": manifest.weight_format.value},
-        "draft_spec": _spec_summary(draft),
+        "draft_spec": _spec_summary(Path(draft)) if draft is not None else None,
         "compiled_properties": compiled,
         "host": {"cpu": _cpu_name(), "logical_cores": os.cpu_count(), "openvino": ov.get_version(),
                  "load_avg_1m_at_end": round(os.getloadavg()[0], 2)},

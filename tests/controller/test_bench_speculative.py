@@ -20,6 +20,7 @@ from deskfleet.controller.bench.speculative import (
     predicted_speedup,
     read_prompts_file,
     run_speculative_bench,
+    variant_fixed_k,
     variant_names,
 )
 
@@ -29,6 +30,11 @@ EVAL_DIR = Path(__file__).resolve().parents[2] / "assets" / "models" / "train"
 def test_variant_names() -> None:
     assert variant_names([2, 4], adaptive=True) == ["plain", "k=2", "k=4", "adaptive"]
     assert variant_names([3], adaptive=False) == ["plain", "k=3"]
+    assert variant_names([3], adaptive=True, lookup=True) == ["plain", "k=3", "adaptive", "lookup k=3",
+                                                               "lookup adaptive"]
+    assert variant_names([3], adaptive=False, draft_model=False, lookup=True) == ["plain", "lookup k=3"]
+    assert [variant_fixed_k(name) for name in ("plain", "k=3", "adaptive", "lookup k=12", "lookup adaptive")] == \
+        [None, 3, None, 12, None]
 
 
 def test_read_prompts_file(tmp_path: Path) -> None:
@@ -65,6 +71,7 @@ def stats(tok_s: float, histogram: dict[int, int] | None = None) -> VariantStats
 
 def test_build_report_shape() -> None:
     rounds = {"plain": [stats(10), stats(10)], "k=2": [stats(21, {2: 4, 0: 1}), stats(19, {1: 5})]}
+    rounds["lookup k=2"] = [stats(14, {1: 3}), stats(16, {2: 2})]
     report = build_report(rounds, {"target": "t"})
     json.dumps(report)
     entry = report["speculative"]["k=2"]
@@ -75,6 +82,9 @@ def test_build_report_shape() -> None:
     assert entry["profile"]["target_verify_ms_per_call"] == pytest.approx(12.0)
     assert entry["profile"]["draft_over_target_cost"] == pytest.approx(0.2)
     assert report["best"] == {"variant": "k=2", "speedup": 2.0, "goal": ">= 2.0x", "goal_met": True}
+    assert report["best_by_drafter"]["prompt lookup"] == {"variant": "lookup k=2", "speedup": 1.5,
+                                                          "goal": ">= 2.0x", "goal_met": False}
+    assert report["best_by_drafter"]["draft model"]["variant"] == "k=2"
 
 
 @pytest.mark.skipif(not (EVAL_DIR / "evaluate.py").is_file(), reason="the demo model's evaluation is not here")
@@ -88,13 +98,13 @@ def test_speculative_bench_on_tiny_models(checkpoint_factory: Callable[..., Path
                                           export_factory: Callable[[Path, str], Path]) -> None:
     target = export_factory(checkpoint_factory("spec-bench-target", num_hidden_layers=2), "f32")
     draft = export_factory(checkpoint_factory("spec-bench-draft", num_hidden_layers=1), "f32")
-    report = run_speculative_bench(target, draft, ks=[2], adaptive=True, k_max=3,
+    report = run_speculative_bench(target, draft, ks=[2], adaptive=True, lookup=True, k_max=3,
                                    prompt_ids=[[1, 5, 9, 13], [1, 40, 41]], new_tokens=6, rounds=1,
                                    settings=CompileSettings(precision=Precision.F32), progress=False)
     json.dumps(report)
-    assert report["order"] == ["plain", "k=2", "adaptive"]
-    assert report["greedy_identical_to_plain"] == {"k=2": True, "adaptive": True}
-    assert set(report["speculative"]) == {"k=2", "adaptive"}
+    assert report["order"] == ["plain", "k=2", "adaptive", "lookup k=2", "lookup adaptive"]
+    assert report["greedy_identical_to_plain"] == {name: True for name in report["order"][1:]}
+    assert set(report["speculative"]) == set(report["order"][1:])
     entry = report["speculative"]["k=2"]
     assert entry["mean_k"] == pytest.approx(2.0, abs=1.0)
     assert sum(entry["accepted_histogram"].values()) == entry["verifications"] > 0

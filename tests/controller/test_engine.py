@@ -15,10 +15,11 @@ from deskfleet.common.kv_ledger import CompactionMode, CompactionPolicy
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.speculative import SamplingParams, sampling_probs
 from deskfleet.common.wire import Forward, ForwardResult
-from deskfleet.controller.draft import DraftModel
+from deskfleet.controller.draft import Drafter, DraftModel
 from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
 from deskfleet.controller.generation import GenerationError
 from deskfleet.controller.pipeline import LocalPipeline
+from deskfleet.controller.prompt_lookup import PromptLookupDraft
 
 F32 = CompileSettings(precision=Precision.F32)
 PROMPTS = [
@@ -62,17 +63,21 @@ class RecordingChain:
         self.pipeline.release(batch_id)
 
 
-def run_streams(model: Path, requests: list[StreamRequest], stages: int = 1, draft: Path | None = None,
-                options: EngineOptions | None = None, sent: Counter[str] | None = None) -> list[list[int]]:
+def run_streams(model: Path, requests: list[StreamRequest], stages: int = 1, draft: Path | Drafter | None = None,
+                options: EngineOptions | None = None, sent: Counter[str] | None = None,
+                histogram: Counter[int] | None = None) -> list[list[int]]:
     manifest = load_manifest(model)
     with LocalPipeline(model, stages, F32, manifest) as pipeline:
         chain = RecordingChain(pipeline)
-        engine = Engine(chain, manifest.spec, DraftModel(draft, F32) if draft else None, options)
+        drafter = DraftModel(draft, F32) if isinstance(draft, Path) else draft
+        engine = Engine(chain, manifest.spec, drafter, options)
         for request in requests:
             engine.add(request)
         results = engine.run()
     if sent is not None:
         sent.update(chain.deltas)
+    if histogram is not None:
+        histogram.update(engine.accepted_histogram())
     return [results[index].tokens for index in range(len(requests))]
 
 
@@ -125,6 +130,22 @@ def test_self_draft_accepts_everything_and_changes_nothing(stages: int, target: 
     histogram = engine.accepted_histogram()
     assert sum(count for accepted, count in histogram.items() if accepted < 4) <= 1  # only the final round
     assert engine.mean_accepted() > 3.5
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_prompt_lookup_streams_equal_their_solo_runs(stages: int, target: Path, solo: dict[int, list[int]]) -> None:
+    # Drafts copied from each stream's own context: rows propose different numbers of tokens (or none),
+    # some accepted, some rejected; every stream must still equal its solo run.
+    lengths = [40, 12, 40, 5, 30, 40, 1, 25]
+    requests = [StreamRequest(prompt, max_new_tokens=lengths[index], ignore_eos=True,
+                              speculative=index != 1, arrival_step=2 * index)
+                for index, prompt in enumerate(PROMPTS)]
+    histogram: Counter[int] = Counter()
+    tokens = run_streams(target, requests, stages, PromptLookupDraft(), EngineOptions(max_rows=3, micro_batches=2,
+                                                                                      k_max=6), histogram=histogram)
+    for index, generated in enumerate(tokens):
+        assert generated == solo[index][: lengths[index]], f"stream {index} diverged with {stages} stages"
+    assert histogram[0] > 0 and sum(count for accepted, count in histogram.items() if accepted > 0) > 0
 
 
 def test_adaptive_k_keeps_greedy_output(target: Path, other_draft: Path, solo: dict[int, list[int]]) -> None:
@@ -244,3 +265,23 @@ def test_speculative_sampling_draws_from_the_target_distribution(
         counts = Counter(tuple(row) for row in tokens)
         statistic, degrees = _chi_square(counts, joint, total)
         assert statistic < _critical(degrees), f"draft={draft}: chi-square {statistic:.1f} with {degrees} dof"
+
+
+@pytest.mark.slow
+def test_prompt_lookup_sampling_draws_from_the_target_distribution(
+        target: Path, checkpoint_factory: Callable[..., Path]) -> None:
+    # The prompt holds likely tokens of this model (found by trial: 279 and 342 are likely first tokens and
+    # occur in it), so prompt lookup proposes one-hot drafts in many rounds: accepted with probability p(x),
+    # else the residual is sampled. The result must be the target's own sampling distribution.
+    params = SamplingParams(temperature=3.0, top_k=3)
+    prompt = [1, 8, 8, 3, 211, 342, 77, 3]
+    joint = _exact_joint(checkpoint_factory("engine-target", num_hidden_layers=4), prompt, params, 3)
+    total = 600
+    requests = [StreamRequest(prompt, max_new_tokens=3, ignore_eos=True, sampling=params, seed=seed)
+                for seed in range(total)]
+    histogram: Counter[int] = Counter()
+    tokens = run_streams(target, requests, 1, PromptLookupDraft(), EngineOptions(max_rows=16, fixed_k=2),
+                         histogram=histogram)
+    statistic, degrees = _chi_square(Counter(tuple(row) for row in tokens), joint, total)
+    assert statistic < _critical(degrees), f"chi-square {statistic:.1f} with {degrees} dof"
+    assert histogram[0] > 0 and histogram[1] + histogram[2] > 0, histogram  # rejections and acceptances

@@ -1,0 +1,114 @@
+"""Prompt-lookup drafting: draft tokens copied from the stream's own context, with no draft model.
+
+For each speculative row, the longest suffix of the row's tokens (prompt + generated, `max_ngram` down to
+`min_ngram` tokens) that occurred earlier in them is looked up; the tokens that followed its most recent
+earlier occurrence are the proposal (up to k; when the copy runs into the end of the context it repeats
+the period it found). No match: no proposal, and the row takes a plain step. Code, structured text and a
+model that repeats itself all give long matches; the proposals cost microseconds instead of a model call
+per token.
+
+The draft distribution is one-hot at each proposed token, so speculative sampling stays exact: the last
+stage accepts token x with probability p(x) and otherwise samples from p without x, renormalised.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from deskfleet.common.kv_ledger import CompactionPolicy
+
+from .draft import DraftRow, Proposal
+
+DEFAULT_MAX_NGRAM = 4
+DEFAULT_MIN_NGRAM = 1
+
+
+def lookup_continuation(context: Sequence[int], k: int, max_ngram: int = DEFAULT_MAX_NGRAM,
+                        min_ngram: int = DEFAULT_MIN_NGRAM) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the context's longest matching
+    suffix (lengths max_ngram down to min_ngram); [] when no suffix occurred before."""
+    if not 1 <= min_ngram <= max_ngram:
+        raise ValueError(f"n-gram lengths must satisfy 1 <= min ({min_ngram}) <= max ({max_ngram})")
+    tokens = np.asarray(context, dtype=np.int64)
+    total = len(tokens)
+    if k <= 0 or total < 2:
+        return []
+    for n in range(min(max_ngram, total - 1), min_ngram - 1, -1):
+        # Windows over tokens[:-1]: a window starting at s ends before the last token, so a token follows
+        # it, and the suffix itself (starting at total - n) is never its own match.
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+        starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if starts.size:
+            follow = int(starts[-1]) + n
+            proposal: list[int] = []
+            for index in range(follow, follow + k):
+                proposal.append(int(tokens[index]) if index < total else proposal[index - total])
+            return proposal
+    return []
+
+
+class PromptLookupDraft:
+    """A Drafter with no model: proposals come from each stream's confirmed tokens."""
+
+    def __init__(self, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = DEFAULT_MIN_NGRAM) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"n-gram lengths must satisfy 1 <= min ({min_ngram}) <= max ({max_ngram})")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.vocab_size: int | None = None
+        self._batches: dict[int, set[int]] = {}  # micro-batch -> its speculative streams
+
+    def check_compatible(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size  # any target: the proposals are its own tokens
+
+    # Public methods: micro-batch bookkeeping (there is no draft state to keep)
+
+    def prefill(self, micro_batch_id: int, stream_id: int, prompt: list[int]) -> None:
+        self._batches[micro_batch_id] = {stream_id}
+
+    def merge(self, target_batch: int, stream_id: int, source_batch: int) -> None:
+        self._batches.pop(source_batch, None)
+        self._batches.setdefault(target_batch, set()).add(stream_id)
+
+    def has_batch(self, micro_batch_id: int) -> bool:
+        return micro_batch_id in self._batches
+
+    def drop(self, micro_batch_id: int, stream_ids: set[int]) -> None:
+        streams = self._batches.get(micro_batch_id)
+        if streams is None:
+            return
+        streams -= stream_ids
+        if not streams:
+            self.release(micro_batch_id)
+
+    def release(self, micro_batch_id: int) -> None:
+        self._batches.pop(micro_batch_id, None)
+
+    def compact(self, micro_batch_id: int, policy: CompactionPolicy) -> None:
+        pass  # no KV cache of its own
+
+    def after_verify(self, micro_batch_id: int, stream_id: int, confirmed_before: int, k: int,
+                     accepted: int) -> None:
+        pass  # the next proposal is looked up in the confirmed tokens afresh
+
+    # Public methods: proposals
+
+    def propose(self, micro_batch_id: int, rows: list[DraftRow]) -> Proposal:
+        started = time.perf_counter()
+        if micro_batch_id not in self._batches:
+            raise ValueError(f"micro-batch {micro_batch_id} has no speculative streams")
+        tokens = {row.stream_id: lookup_continuation(row.confirmed, row.k, self.max_ngram, self.min_ngram)
+                  for row in rows}
+        probs = {}
+        for row in rows:
+            if row.sampling is not None and tokens[row.stream_id]:
+                if self.vocab_size is None:
+                    raise RuntimeError("check_compatible() was not called: the vocabulary size is unknown")
+                proposed = tokens[row.stream_id]
+                one_hot = np.zeros((len(proposed), self.vocab_size), dtype=np.float32)
+                one_hot[np.arange(len(proposed)), proposed] = 1.0
+                probs[row.stream_id] = one_hot
+        return Proposal(tokens=tokens, probs=probs, seconds=time.perf_counter() - started)
