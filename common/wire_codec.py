@@ -209,6 +209,16 @@ def _hints(cls: type) -> dict[str, object]:
     return typing.get_type_hints(cls)
 
 
+def _is_tensor(annotation: object) -> bool:
+    """np.ndarray[...] however it is spelled: numpy < 2.5 makes npt.NDArray[X] an alias whose origin is
+    np.ndarray; numpy 2.5 makes NDArray a `type` alias (TypeAliasType), whose __value__ holds np.ndarray."""
+    origin = typing.get_origin(annotation)
+    if origin is np.ndarray:
+        return True
+    value = getattr(origin, "__value__", None)
+    return value is not None and (value is np.ndarray or typing.get_origin(value) is np.ndarray)
+
+
 def _union_members(annotation: object) -> tuple[object, ...] | None:
     """For `X | Y | None` return (X, Y, NoneType); for anything that is not a union None."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
@@ -254,7 +264,7 @@ def _to_json(annotation: object, value: object, path: str, arrays: list[Tensor])
         elements = _tuple_elements(typing.get_args(annotation), len(value), path)
         return [_to_json(element, item, f"{path}[{i}]", arrays)
                 for i, (element, item) in enumerate(zip(elements, value, strict=True))]
-    if origin is np.ndarray and isinstance(value, np.ndarray):
+    if _is_tensor(annotation) and isinstance(value, np.ndarray):
         arrays.append(value)
         return len(arrays) - 1
     if annotation is bytes and isinstance(value, bytes):
@@ -317,7 +327,7 @@ def _from_json(annotation: object, value: object, path: str, arrays: list[Tensor
         elements = _tuple_elements(typing.get_args(annotation), len(value), path)
         return tuple(_from_json(element, item, f"{path}[{i}]", arrays, used)
                      for i, (element, item) in enumerate(zip(elements, value, strict=True)))
-    if origin is np.ndarray:
+    if _is_tensor(annotation):
         return _take_array(value, path, arrays, used)
     if annotation is bytes:
         array = _take_array(value, path, arrays, used)

@@ -437,3 +437,21 @@ def test_admit_rows_need_one_source_each() -> None:
 def test_sampling_rows_must_match_the_stream_count() -> None:
     with pytest.raises(ProtocolError, match="sampling rows differ"):
         forward(sampling=SamplingInfo((0.7,), (0,), (1.0,), (1,)))
+
+
+def test_tensor_fields_are_recognised_however_numpy_spells_ndarray() -> None:
+    # numpy 2.5 made npt.NDArray a `type` alias (TypeAliasType): get_origin(NDArray[X]) is then the alias,
+    # not np.ndarray, and a codec that compared origins refused every tensor field on the wire.
+    from typing import Any, TypeVar
+
+    import numpy.typing as npt
+    from typing_extensions import TypeAliasType
+
+    from deskfleet.common.wire_codec import _is_tensor
+
+    scalar = TypeVar("scalar", bound=np.generic)
+    alias = TypeAliasType("NDArrayLike", np.ndarray[Any, np.dtype[scalar]], type_params=(scalar,))
+    assert _is_tensor(npt.NDArray[np.generic])
+    assert _is_tensor(np.ndarray[Any, np.dtype[np.int64]])
+    assert _is_tensor(alias[np.generic])
+    assert not _is_tensor(tuple[int, ...]) and not _is_tensor(int) and not _is_tensor(bytes)
