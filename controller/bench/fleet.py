@@ -16,6 +16,7 @@ first N agent cores (groups run one at a time; an idle agent sleeps).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -39,7 +40,8 @@ from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.planner import PlanOptions, PlanPolicy
 from deskfleet.common.wire import Precision, Role
 from deskfleet.controller.bench.delay_proxy import DelayProxy, ProxyThread
-from deskfleet.controller.draft import DraftModel
+from deskfleet.controller.bench.speculative import DEFAULT_EVAL_DIR, heldout_code_prompts
+from deskfleet.controller.draft import open_drafter
 from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
 from deskfleet.controller.fleet_ca import init_fleet, load_ca
 from deskfleet.controller.fleet_deploy import StagePlacement, deploy
@@ -50,10 +52,10 @@ from deskfleet.controller.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
 
-DEMO_TEXTS = ("Once upon a time, there was a little girl who", "The cat sat on the mat and",
-              "One day, a boy named Tom went to the park", "The sun was shining and the birds",
-              "Lily wanted to play with her friend", "There was a big tree in the garden",
-              "Mom said it was time to go to bed", "The dog ran after the ball")
+DEMO_TEXTS = ('def read_config(path):\n    """Read a configuration file."""\n',
+              'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n',
+              'def parse_args(argv=None):\n    """Parse the command line."""\n',
+              'import os\n\n\ndef walk_files(top):\n    """Yield every file below top."""\n')
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class _Config:
     streams: int
     max_rows: int
     micro_batches: int
-    draft: bool = False
+    drafter: str | None = None  # "model" (the demo draft) or "lookup" (prompt lookup)
     return_logits: bool = False
     delay: bool = False
     copies: int = 1  # independent chains run at once (group, group + "-b", ...)
@@ -122,11 +124,15 @@ def fleet_rows(max_pcs: int) -> tuple[_Row, ...]:
     rows += [
         _Row("demo target, 1 PC (monolithic)", "demo_mono_1", None, "1.00x", "1.00x"),
         _Row("2 PCs, 2 streams + speculative (demo pair)", "demo_pair_2_spec", "demo_mono_1", "1.79x", ">= 3.0x"),
+        _Row("2 PCs, 2 streams + speculative (prompt lookup, demo target)", "demo_pair_2_lookup", "demo_mono_1",
+             "-", "-"),
     ]
     for pcs in range(3, MAX_PCS + 1):
         group = GROUP_OF_PCS[pcs]
         rows.append(_Row(f"{pcs} PCs, {pcs} streams + speculative (demo pair)", f"demo_{group}_{pcs}_spec",
                          "demo_mono_1", "2.64x" if pcs == 3 else "-", ">= 4.0x" if pcs == 3 else "-"))
+        rows.append(_Row(f"{pcs} PCs, {pcs} streams + speculative (prompt lookup, demo target)",
+                         f"demo_{group}_{pcs}_lookup", "demo_mono_1", "-", "-"))
     rows += [
         _Row("100 ms per hop, full stack vs naive pipeline (demo pair)", "wan_full", "wan_naive", "4.04x", ">= 6x"),
         _Row("100 ms per hop, token ids vs full logits back (demo target)", "wan_naive_ids", "wan_naive", "8.17x",
@@ -232,20 +238,31 @@ def bench_configs(options: FleetBenchOptions) -> list[_Config]:
         configs += [_Config("demo_mono_1", "demo_mono", 1, 1, 1),
                     _Config("wan_naive", "demo_pair", 1, 1, 1, return_logits=True, delay=True),
                     _Config("wan_naive_ids", "demo_pair", 1, 1, 1, delay=True)]
-        drafted = options.demo_draft is not None
-        if drafted:
-            configs.append(_Config("demo_pair_2_spec", "demo_pair", 2, 1, 2, draft=True))
+        drafters = [*(["model"] if options.demo_draft is not None else []), "lookup"]
+        for drafter in drafters:
+            suffix = "spec" if drafter == "model" else "lookup"
+            configs.append(_Config(f"demo_pair_2_{suffix}", "demo_pair", 2, 1, 2, drafter=drafter))
             for pcs in range(3, options.max_pcs + 1):
                 group = f"demo_{GROUP_OF_PCS[pcs]}"
-                configs.append(_Config(f"{group}_{pcs}_spec", group, pcs, 1, pcs, draft=True))
-        configs.append(_Config("wan_full", "demo_pair", 8, 4, 2, draft=drafted, delay=True))
+                configs.append(_Config(f"{group}_{pcs}_{suffix}", group, pcs, 1, pcs, drafter=drafter))
+        configs.append(_Config("wan_full", "demo_pair", 8, 4, 2, drafter=drafters[0], delay=True))
     return configs
+
+
+@functools.cache
+def _demo_texts(count: int) -> tuple[str, ...]:
+    """The demo model's held-out code prompts (as `bench speculative` uses), else a few code heads."""
+    try:
+        return tuple(heldout_code_prompts(DEFAULT_EVAL_DIR, count))
+    except (OSError, ValueError) as error:
+        log.warning("held-out code prompts unavailable (%s); using built-in code prompts", error)
+        return tuple(DEMO_TEXTS[index % len(DEMO_TEXTS)] for index in range(count))
 
 
 def _prompts(model: Path, count: int, length: int, demo: bool) -> list[list[int]]:
     if demo:
         tokenizer = ModelTokenizer(model)
-        return [tokenizer.encode(DEMO_TEXTS[index % len(DEMO_TEXTS)]) for index in range(count)]
+        return [tokenizer.encode(text) for text in _demo_texts(count)]
     vocab = load_manifest(model).spec.vocab_size
     rng = np.random.default_rng(1234)
     return [[int(token) for token in rng.integers(3, min(vocab, 30000), length)] for _ in range(count)]
@@ -262,7 +279,7 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
     results: list[dict[str, float]] = [{} for _ in groups]
 
     def one(index: int, group: str) -> None:
-        draft = DraftModel(demo_draft) if config.draft and demo_draft is not None else None
+        draft = open_drafter(demo_draft if config.drafter == "model" else None, config.drafter == "lookup")
         engine_options = EngineOptions(max_rows=config.max_rows, micro_batches=config.micro_batches)
         with FleetPipeline(placements[group], fleet.store.tls_files, return_logits=config.return_logits) as chain:
             engine = Engine(chain, load_manifest(model).spec, draft, engine_options)
