@@ -5,9 +5,9 @@ core(s) with os.sched_setaffinity and compiling with INFERENCE_NUM_THREADS=1 (th
 configurable). The controller deploys with the real deploy (shards pushed, stages assigned) and drives
 the real engine through FleetPipeline: controller -> stage 0 -> ... -> stage n-1 -> controller over TLS
 websockets. Every agent is dialled through a DelayProxy (0 ms unless a WAN row sets 100 ms per hop).
-Configurations are interleaved round by round so drift hits all alike; each reports its median tokens/s
-and the spread (min, max) over the rounds; ratios are of medians against the row's 1-PC baseline of the
-same model. With `--controller-cores K` the controller process (driver, draft model, delay proxies) is
+Configurations are interleaved round by round (after an untimed warm-up round) so drift hits all alike;
+each reports its median tokens/s and the spread (min, max) over the rounds; ratios are of medians against
+the row's 1-PC baseline of the same model. With `--controller-cores K` the controller process (driver, draft model, delay proxies) is
 pinned to the first K cores and the PCs to the others, as in an office where the controller is its own
 PC; with K = 0 (the default) it is not pinned and, on a 2-core machine, shares the agents' cores, which
 counts against the fleet rows. `--pcs N` (2-4) adds the 3- and 4-PC rows; every group of N PCs takes the
@@ -66,6 +66,7 @@ class FleetBenchOptions:
     new_tokens: int = 32
     prompt_tokens: int = 16
     rounds: int = 3
+    warmup_rounds: int = 1  # untimed rounds first: the first calls of a stage compile kernels for new shapes
     threads_per_pc: int = 1
     wan_delay_s: float = 0.1
     wan_bandwidth_bytes_s: float | None = None  # None: no bandwidth limit on WAN rows
@@ -160,11 +161,13 @@ def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] 
             for group, stages in placements.items():
                 if len(stages) < len(groups[group][1]):
                     say(f"{group}: the plan uses {len(stages)} of its {len(groups[group][1])} PCs")
-            for round_index in range(options.rounds):
+            for round_index in range(-options.warmup_rounds, options.rounds):
+                label = "warm-up" if round_index < 0 else f"round {round_index + 1}/{options.rounds}"
                 for config in configs:
                     result = _run_config(fleet, placements, config, options, options.demo_draft)
-                    config.runs.append(result)
-                    say(f"round {round_index + 1}/{options.rounds} {config.key}: {result['tok_s']:.1f} tok/s")
+                    if round_index >= 0:
+                        config.runs.append(result)
+                    say(f"{label} {config.key}: {result['tok_s']:.1f} tok/s")
     finally:
         os.sched_setaffinity(0, cores)
     report = build_report(options, configs, controller_cores, agent_cores)
@@ -336,6 +339,7 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
             "options": {"model": str(options.model), "demo_target": str(options.demo_target),
                         "demo_draft": str(options.demo_draft), "new_tokens": options.new_tokens,
                         "prompt_tokens": options.prompt_tokens, "rounds": options.rounds,
+                        "warmup_rounds": options.warmup_rounds,
                         "threads_per_pc": options.threads_per_pc, "wan_delay_s": options.wan_delay_s,
                         "max_pcs": options.max_pcs, "controller_cores": options.controller_cores,
                         "wan_bandwidth_bytes_s": options.wan_bandwidth_bytes_s},
@@ -462,6 +466,7 @@ def add_fleet_bench_command(benches: Any) -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds before the timed ones")
     parser.add_argument("--threads-per-pc", type=int, default=1)
     parser.add_argument("--pcs", type=int, default=2, help="simulated PCs in the largest rows (2-4)")
     parser.add_argument("--controller-cores", type=int, default=0,
@@ -476,7 +481,8 @@ def add_fleet_bench_command(benches: Any) -> None:
 def _bench_command(args: Any) -> int:
     options = FleetBenchOptions(
         model=args.model, demo_target=args.demo_target, demo_draft=args.demo_draft, new_tokens=args.new_tokens,
-        prompt_tokens=args.prompt_tokens, rounds=args.rounds, threads_per_pc=args.threads_per_pc,
+        prompt_tokens=args.prompt_tokens, rounds=args.rounds, warmup_rounds=args.warmup_rounds,
+        threads_per_pc=args.threads_per_pc,
         max_pcs=args.pcs, controller_cores=args.controller_cores,
         wan_delay_s=args.wan_delay_ms / 1000.0,
         wan_bandwidth_bytes_s=args.wan_bandwidth_mbit * 125_000 if args.wan_bandwidth_mbit else None)
