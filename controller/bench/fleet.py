@@ -7,11 +7,11 @@ the real engine through FleetPipeline: controller -> stage 0 -> ... -> stage n-1
 websockets. Every agent is dialled through a DelayProxy (0 ms unless a WAN row sets 100 ms per hop).
 Configurations are interleaved round by round (after an untimed warm-up round) so drift hits all alike;
 each reports its median tokens/s and the spread (min, max) over the rounds; ratios are of medians against
-the row's 1-PC baseline of the same model. With `--controller-cores K` the controller process (driver, draft model, delay proxies) is
-pinned to the first K cores and the PCs to the others, as in an office where the controller is its own
-PC; with K = 0 (the default) it is not pinned and, on a 2-core machine, shares the agents' cores, which
-counts against the fleet rows. `--pcs N` (2-4) adds the 3- and 4-PC rows; every group of N PCs takes the
-first N agent cores (groups run one at a time; an idle agent sleeps).
+the row's 1-PC baseline of the same model. With `--controller-cores K` the controller process (driver,
+draft model, delay proxies) is pinned to the first K cores and the PCs to the others, as in an office
+where the controller is its own PC; with K = 0 (the default) it is not pinned and, on a 2-core machine,
+shares the agents' cores, which counts against the fleet rows. `--pcs N` (2-4) adds the 3- and 4-PC rows;
+every group of N PCs takes the first N agent cores (groups run one at a time; an idle agent sleeps).
 """
 
 from __future__ import annotations
