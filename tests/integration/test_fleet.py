@@ -244,9 +244,13 @@ def _streams(report: dict[str, object]) -> list[list[int]]:
     return [stream["tokens"] for stream in streams]
 
 
-def _engine_run(fleet: Fleet, model: Path, *options: str, on_fleet: bool) -> list[list[int]]:
-    argv = ["generate", "--model", str(model), *[a for p in PROMPTS for a in ("--prompt-ids", p)],
+def _generate_argv(model: Path, *options: str) -> list[str]:
+    return ["generate", "--model", str(model), *[a for p in PROMPTS for a in ("--prompt-ids", p)],
             "--max-new-tokens", "12", "--ignore-eos", "--json", "--precision", "f32", *options]
+
+
+def _engine_run(fleet: Fleet, model: Path, *options: str, on_fleet: bool) -> list[list[int]]:
+    argv = _generate_argv(model, *options)
     if on_fleet:  # the fleet was deployed in f32; --precision is the draft's, on this controller
         return _streams(json.loads(fleet.deskfleet(*argv, "--fleet")))
     if options not in _LOCAL:
@@ -277,6 +281,13 @@ def test_speculative_on_the_fleet_equals_plain_local(fleet: Fleet, tiny_export: 
     remote_sampled = _engine_run(fleet, tiny_export, *sampled, on_fleet=True)
     local_sampled = _engine_run(fleet, tiny_export, *sampled, on_fleet=False)
     assert remote_sampled == local_sampled, f"{remote_sampled}\n{local_sampled}"
+
+
+def test_prompt_lookup_on_the_fleet_equals_plain_local(fleet: Fleet, tiny_export: Path) -> None:
+    report = json.loads(fleet.deskfleet(*_generate_argv(tiny_export, "--prompt-lookup", "--k", "3"), "--fleet"))
+    assert _streams(report) == _engine_run(fleet, tiny_export, on_fleet=False)
+    histogram = report["accepted_histogram"]
+    assert isinstance(histogram, dict) and sum(histogram.values()) > 0  # lookup proposed, rounds were verified
 
 
 def test_strangers_are_refused_and_reach_no_stage(fleet: Fleet, tiny_export: Path) -> None:
