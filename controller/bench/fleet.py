@@ -41,7 +41,7 @@ from deskfleet.common.planner import PlanOptions, PlanPolicy
 from deskfleet.common.wire import Precision, Role
 from deskfleet.controller.bench.delay_proxy import DelayProxy, ProxyThread
 from deskfleet.controller.bench.speculative import DEFAULT_EVAL_DIR, heldout_code_prompts
-from deskfleet.controller.draft import open_drafter
+from deskfleet.controller.draft import Drafter, open_drafter
 from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
 from deskfleet.controller.fleet_ca import init_fleet, load_ca
 from deskfleet.controller.fleet_deploy import StagePlacement, deploy
@@ -72,6 +72,13 @@ class FleetBenchOptions:
     wan_bandwidth_bytes_s: float | None = None  # None: no bandwidth limit on WAN rows
     max_pcs: int = 2  # PCs for the largest rows (3-4 need that many cores)
     controller_cores: int = 0  # cores reserved for the controller process; 0: not pinned
+
+    def __post_init__(self) -> None:
+        for name in ("new_tokens", "prompt_tokens", "rounds", "threads_per_pc"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
+        if self.warmup_rounds < 0 or self.wan_delay_s < 0:
+            raise ValueError("warm-up rounds and the WAN delay cannot be negative")
 
 
 @dataclass
@@ -161,20 +168,20 @@ def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] 
             for group, stages in placements.items():
                 if len(stages) < len(groups[group][1]):
                     say(f"{group}: the plan uses {len(stages)} of its {len(groups[group][1])} PCs")
+            drafters: dict[str, Drafter | None] = {}
             for round_index in range(-options.warmup_rounds, options.rounds):
                 label = "warm-up" if round_index < 0 else f"round {round_index + 1}/{options.rounds}"
                 for config in configs:
-                    result = _run_config(fleet, placements, config, options, options.demo_draft)
+                    result = _run_config(fleet, placements, config, options, drafters)
                     if round_index >= 0:
                         config.runs.append(result)
                     say(f"{label} {config.key}: {result['tok_s']:.1f} tok/s")
     finally:
         os.sched_setaffinity(0, cores)
-    report = build_report(options, configs, controller_cores, agent_cores)
-    report["deployments"] = {group: {"pcs": len(groups[group][1]), "stages": len(stages),
-                                     "layers": [[stage.layer_start, stage.layer_end] for stage in stages]}
-                             for group, stages in placements.items()}
-    return report
+    deployments = {group: {"pcs": len(groups[group][1]), "stages": len(stages),
+                           "layers": [[stage.layer_start, stage.layer_end] for stage in stages]}
+                   for group, stages in placements.items()}
+    return build_report(options, configs, controller_cores, agent_cores, deployments)
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -184,6 +191,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         ratio = f"{row['ratio']:.2f}x" if row.get("ratio") is not None else "not run"
         tok = row.get("tok_s")
         spread = f"{tok['median']:.1f} ({tok['min']:.1f}-{tok['max']:.1f})" if tok else "-"
+        if row.get("note") and row.get("ratio") is not None:
+            ratio += f" ({row['note']})"
         lines.append(f"| {row['row']} | {row['paper']} | {row['goal']} | {ratio} | {spread} |")
     return "\n".join(lines)
 
@@ -248,7 +257,8 @@ def bench_configs(options: FleetBenchOptions) -> list[_Config]:
             for pcs in range(3, options.max_pcs + 1):
                 group = f"demo_{GROUP_OF_PCS[pcs]}"
                 configs.append(_Config(f"{group}_{pcs}_{suffix}", group, pcs, 1, pcs, drafter=drafter))
-        configs.append(_Config("wan_full", "demo_pair", 8, 4, 2, drafter=drafters[0], delay=True))
+        configs.append(_Config("wan_full", "demo_pair", 8, 4, 2, delay=True,
+                               drafter="model" if options.demo_draft is not None else None))
     return configs
 
 
@@ -272,7 +282,7 @@ def _prompts(model: Path, count: int, length: int, demo: bool) -> list[list[int]
 
 
 def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]], config: _Config,
-                options: FleetBenchOptions, demo_draft: Path | None) -> dict[str, float]:
+                options: FleetBenchOptions, drafters: dict[str, Drafter | None]) -> dict[str, float]:
     demo = config.group.startswith("demo")
     model = options.demo_target if demo else options.model
     assert model is not None
@@ -282,7 +292,10 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
     results: list[dict[str, float]] = [{} for _ in groups]
 
     def one(index: int, group: str) -> None:
-        draft = open_drafter(demo_draft if config.drafter == "model" else None, config.drafter == "lookup")
+        if config.key not in drafters:  # one per configuration: its warm-up round warms it too
+            drafters[config.key] = open_drafter(options.demo_draft if config.drafter == "model" else None,
+                                                config.drafter == "lookup")
+        draft = drafters[config.key]
         engine_options = EngineOptions(max_rows=config.max_rows, micro_batches=config.micro_batches)
         with FleetPipeline(placements[group], fleet.store.tls_files, return_logits=config.return_logits) as chain:
             engine = Engine(chain, load_manifest(model).spec, draft, engine_options)
@@ -312,7 +325,10 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
 
 
 def build_report(options: FleetBenchOptions, configs: list[_Config], controller_cores: list[int],
-                 agent_cores: list[int]) -> dict[str, Any]:
+                 agent_cores: list[int], deployments: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Medians, spreads and each row's ratio; a row whose group the planner put on fewer PCs than its title
+    says carries a note (`deployments`: group -> {"pcs", "stages", "layers"})."""
+    deployments = deployments or {}
     by_key = {config.key: config for config in configs}
     summary: dict[str, dict[str, Any]] = {}
     for config in configs:
@@ -330,9 +346,13 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
             continue
         tok = summary[row.config]
         ratio = 1.0 if row.baseline is None else tok["median"] / summary[row.baseline]["median"]
-        rows.append({"row": row.title, "paper": row.paper, "goal": row.goal, "ratio": round(ratio, 3),
-                     "tok_s": {key: round(tok[key], 3) for key in ("median", "min", "max")},
-                     "config": row.config, "baseline": row.baseline})
+        entry = {"row": row.title, "paper": row.paper, "goal": row.goal, "ratio": round(ratio, 3),
+                 "tok_s": {key: round(tok[key], 3) for key in ("median", "min", "max")},
+                 "config": row.config, "baseline": row.baseline}
+        deployed = deployments.get(by_key[row.config].group)
+        if deployed is not None and deployed["stages"] < deployed["pcs"]:
+            entry["note"] = f"the plan used {deployed['stages']} of its {deployed['pcs']} PCs"
+        rows.append(entry)
     cpus = len(controller_cores) + len(agent_cores)
     return {"machine": {"cpus": cpus, "controller_cores": controller_cores or "not pinned (shares the PCs' cores)",
                         "pc_cores": agent_cores, "platform": platform.platform(), "python": sys.version.split()[0]},
@@ -343,7 +363,7 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
                         "threads_per_pc": options.threads_per_pc, "wan_delay_s": options.wan_delay_s,
                         "max_pcs": options.max_pcs, "controller_cores": options.controller_cores,
                         "wan_bandwidth_bytes_s": options.wan_bandwidth_bytes_s},
-            "configs": summary, "rows": rows}
+            "configs": summary, "rows": rows, "deployments": deployments}
 
 
 def _not_run_reason(row: _Row, options: FleetBenchOptions) -> str:

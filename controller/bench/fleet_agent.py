@@ -25,6 +25,7 @@ from deskfleet.agent.link import TlsFiles, start_server
 from deskfleet.agent.monitor import HostMonitor
 from deskfleet.agent.paths import AgentSettings, Thresholds
 from deskfleet.agent.shard_cache import ShardCache
+from deskfleet.agent.speed_probe import SpeedMeasurement
 from deskfleet.common.atomic_file import write_atomic
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,9 @@ async def serve(files: TlsFiles, listen: str, cache_dir: Path, threads: int, por
                              thresholds=Thresholds(require_ac_power=False, min_battery_percent=None,
                                                    max_temperature_c=None, min_free_memory_bytes=None,
                                                    max_cpu_load=None))
-    core = AgentCore(files, settings, ShardCache(cache_dir, 16 << 30), HostMonitor(), num_threads=threads)
+    pinned = SpeedMeasurement(settings.device, "pinned for the bench", SIMULATED_PC_GB_PER_S, 0.0)
+    core = AgentCore(files, settings, ShardCache(cache_dir, 16 << 30), HostMonitor(), num_threads=threads,
+                     speed_probe=lambda: pinned)
     host, port = _listen_address(listen)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -57,6 +60,7 @@ async def serve(files: TlsFiles, listen: str, cache_dir: Path, threads: int, por
 
 def _listen_address(listen: str) -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # [::1]:0
     if not host or not port.isdigit() or int(port) > 65535:
         raise SystemExit(f"--listen {listen!r}: give HOST:PORT (PORT 0: any free port)")
     return host, int(port)

@@ -90,3 +90,31 @@ def test_report_ratios_and_the_rows_left_unrun() -> None:
     assert report["machine"]["controller_cores"] == [0] and report["machine"]["pc_cores"] == [1, 2]
     table = render_markdown(report)
     assert "| 2 PCs, 1 stream | 0.67x | >= 0.95x | 0.95x | 9.5 (8.6-10.4) |" in table
+
+
+def test_a_row_whose_group_ran_on_fewer_pcs_says_so() -> None:
+    configs = bench_configs(options(3))
+    for config in configs:
+        config.runs.append({"tok_s": 10.0, "mean_accepted": 0.0, "final_k": 0.0})
+    deployments = {"demo_trio": {"pcs": 3, "stages": 2, "layers": [[0, 5], [5, 8]]},
+                   "trio": {"pcs": 3, "stages": 3, "layers": [[0, 1], [1, 2], [2, 4]]}}
+    report = build_report(options(3), configs, [], [0, 1, 2], deployments)
+    rows = {row["row"]: row for row in report["rows"]}
+    assert rows["3 PCs, 3 streams + speculative (demo pair)"]["note"] == "the plan used 2 of its 3 PCs"
+    assert "note" not in rows["3 PCs, 3 streams"]
+    assert "1.00x (the plan used 2 of its 3 PCs)" in render_markdown(report)
+    assert report["deployments"] == deployments
+
+
+def test_without_a_draft_model_the_wan_row_runs_undrafted_and_lookup_rows_remain() -> None:
+    no_draft = FleetBenchOptions(MODEL, TARGET, None)
+    configs = {config.key: config for config in bench_configs(no_draft)}
+    assert configs["wan_full"].drafter is None
+    assert configs["demo_pair_2_lookup"].drafter == "lookup" and "demo_pair_2_spec" not in configs
+
+
+@pytest.mark.parametrize(("field", "value"), [("rounds", 0), ("new_tokens", 0), ("warmup_rounds", -1),
+                                              ("threads_per_pc", 0)])
+def test_options_refuse_what_would_measure_nothing(field: str, value: int) -> None:
+    with pytest.raises(ValueError):
+        FleetBenchOptions(MODEL, **{field: value})
