@@ -228,9 +228,13 @@ def verify(append: AppendSlots, next_tokens: npt.NDArray[np.int64], logits: npt.
         if k:
             target = sampling_probs(logits[row, : k + 1], params)  # [k+1, V]
             assert draft is not None
-            if draft.draft_probs is None:
+            if draft.one_hot:
+                q = np.zeros_like(target[:k])  # [k, V]: all of q's mass on each draft token
+                q[np.arange(k), draft.draft_token_ids[row, :k]] = 1.0
+            elif draft.draft_probs is None:
                 raise LedgerError(f"row {row} samples with draft tokens but no draft probabilities")
-            q = np.asarray(draft.draft_probs[row, :k], dtype=np.float64)  # [k, V]
+            else:
+                q = np.asarray(draft.draft_probs[row, :k], dtype=np.float64)  # [k, V]
             verdict = speculative_accept(draft.draft_token_ids[row, :k], q, target, rng)
             chosen.append(verdict.next_token)
             accepted.append(verdict.accepted)

@@ -19,7 +19,7 @@ from deskfleet.common.agent_state import AgentState
 from deskfleet.common.kv_ledger import AdmitRow, SlotDelta
 from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, check_tensor
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: DraftInfo.one_hot
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # An agent id is the unpadded lowercase base32 of sha256(SubjectPublicKeyInfo DER): 52 characters,
@@ -152,6 +152,8 @@ class DraftInfo:
     draft_token_ids: Tensor  # [B, K] int64
     # q: [B, K, V] the draft's (transformed) distributions, needed only by sampled rows' verification
     draft_probs: Tensor | None = None
+    # Drafts chosen deterministically (prompt lookup): q is 1 at each draft token, so no q travels.
+    one_hot: bool = False
 
     def __post_init__(self) -> None:
         check_tensor("draft_token_ids", self.draft_token_ids, TensorSpec(("int64",), ("B", "K")))
@@ -159,6 +161,8 @@ class DraftInfo:
         _require(len(self.counts) == rows, f"draft counts has {len(self.counts)} rows, ids {rows}")
         for count in self.counts:
             _require(0 <= count <= width, f"draft count {count} outside [0, {width}]")
+        _require(not (self.one_hot and self.draft_probs is not None),
+                 "one-hot drafts carry no draft probabilities")
         if self.draft_probs is not None:
             check_tensor("draft_probs", self.draft_probs, TensorSpec(("float32",), ("B", "K", "V")),
                          {"B": rows, "K": width})

@@ -39,9 +39,10 @@ class DraftRow:
 
 @dataclass(frozen=True)
 class Proposal:
-    tokens: dict[int, list[int]]  # by stream id: its k draft tokens
+    tokens: dict[int, list[int]]  # by stream id: its draft tokens
     probs: dict[int, npt.NDArray[np.float32]]  # by stream id, sampled rows only: q [k, V]
     seconds: float
+    one_hot: bool = False  # tokens chosen deterministically: q is 1 at each token, `probs` stays empty
 
 
 def mix_seed(seed: int, position: int, salt: int) -> int:
@@ -65,7 +66,9 @@ class Drafter(Protocol):
     def has_batch(self, micro_batch_id: int) -> bool: ...
 
     def propose(self, micro_batch_id: int, rows: list[DraftRow]) -> Proposal:
-        """Up to row.k draft tokens per row (fewer, or none, is allowed)."""
+        """Up to row.k draft tokens per row. A drafter with state of its own (DraftModel) proposes exactly
+        row.k; a stateless one may propose fewer or none: the engine then calls after_verify with k = the
+        number proposed, and not at all for a row that proposed nothing."""
 
     def after_verify(self, micro_batch_id: int, stream_id: int, confirmed_before: int, k: int,
                      accepted: int) -> None:

@@ -53,7 +53,7 @@ class StreamRequest:
     ignore_eos: bool = False
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
     seed: int = 0
-    speculative: bool = True  # draft this stream when the engine has a draft model
+    speculative: bool = True  # draft this stream when the engine has a drafter
     arrival_step: int = 0  # admitted once the engine has collected this many steps (tests, benches)
 
 
@@ -259,7 +259,7 @@ class Engine:
                     if stream.stream_id in proposal.probs:
                         q = proposal.probs[stream.stream_id]
                         probs[row, : q.shape[0]] = q
-            draft_info = DraftInfo(tuple(len(tokens) for tokens in drafts), ids, probs)
+            draft_info = DraftInfo(tuple(len(tokens) for tokens in drafts), ids, probs, one_hot=proposal.one_hot)
         self._send(track, feed, prefill=False, draft=draft_info, drafts=drafts,
                    draft_seconds=proposal.seconds if proposal else 0.0)
 

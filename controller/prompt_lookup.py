@@ -8,7 +8,8 @@ model that repeats itself all give long matches; the proposals cost microseconds
 per token.
 
 The draft distribution is one-hot at each proposed token, so speculative sampling stays exact: the last
-stage accepts token x with probability p(x) and otherwise samples from p without x, renormalised.
+stage accepts token x with probability p(x) and otherwise samples from p without x, renormalised. The
+proposal says so (`one_hot`) and no [K, V] distribution travels: the last stage builds q itself.
 """
 
 from __future__ import annotations
@@ -36,18 +37,25 @@ def lookup_continuation(context: Sequence[int], k: int, max_ngram: int = DEFAULT
     total = len(tokens)
     if k <= 0 or total < 2:
         return []
-    for n in range(min(max_ngram, total - 1), min_ngram - 1, -1):
-        # Windows over tokens[:-1]: a window starting at s ends before the last token, so a token follows
-        # it, and the suffix itself (starting at total - n) is never its own match.
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-        starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-        if starts.size:
-            follow = int(starts[-1]) + n
-            proposal: list[int] = []
-            for index in range(follow, follow + k):
-                proposal.append(int(tokens[index]) if index < total else proposal[index - total])
-            return proposal
-    return []
+    # Every earlier position holding the last token ends a 1-token match (the last position itself is
+    # excluded, so a token always follows); grow the matches backwards one token at a time.
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    best_end = -1
+    for n in range(1, min(max_ngram, total - 1) + 1):
+        if n > 1:
+            ends = ends[ends >= n - 1]
+            ends = ends[tokens[ends - (n - 1)] == tokens[total - n]]
+        if ends.size == 0:
+            break
+        if n >= min_ngram:
+            best_end = int(ends[-1])  # the most recent of the longest matches so far
+    if best_end < 0:
+        return []
+    follow = best_end + 1
+    proposal: list[int] = []
+    for index in range(follow, follow + k):
+        proposal.append(int(tokens[index]) if index < total else proposal[index - total])
+    return proposal
 
 
 class PromptLookupDraft:
@@ -58,11 +66,10 @@ class PromptLookupDraft:
             raise ValueError(f"n-gram lengths must satisfy 1 <= min ({min_ngram}) <= max ({max_ngram})")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
-        self.vocab_size: int | None = None
         self._batches: dict[int, set[int]] = {}  # micro-batch -> its speculative streams
 
     def check_compatible(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size  # any target: the proposals are its own tokens
+        pass  # any target: the proposals are its own tokens
 
     # Public methods: micro-batch bookkeeping (there is no draft state to keep)
 
@@ -102,13 +109,4 @@ class PromptLookupDraft:
             raise ValueError(f"micro-batch {micro_batch_id} has no speculative streams")
         tokens = {row.stream_id: lookup_continuation(row.confirmed, row.k, self.max_ngram, self.min_ngram)
                   for row in rows}
-        probs = {}
-        for row in rows:
-            if row.sampling is not None and tokens[row.stream_id]:
-                if self.vocab_size is None:
-                    raise RuntimeError("check_compatible() was not called: the vocabulary size is unknown")
-                proposed = tokens[row.stream_id]
-                one_hot = np.zeros((len(proposed), self.vocab_size), dtype=np.float32)
-                one_hot[np.arange(len(proposed)), proposed] = 1.0
-                probs[row.stream_id] = one_hot
-        return Proposal(tokens=tokens, probs=probs, seconds=time.perf_counter() - started)
+        return Proposal(tokens=tokens, probs={}, seconds=time.perf_counter() - started, one_hot=True)

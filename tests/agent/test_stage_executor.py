@@ -41,6 +41,27 @@ def test_sampled_rows_need_logits_and_draft_probabilities() -> None:
         verify(append, np.zeros((1, 2), dtype=np.int64), np.zeros((1, 2, 8), np.float32), draft, sampling)
 
 
+def test_one_hot_drafts_verify_like_their_dense_distributions() -> None:
+    # Prompt lookup sends no q: the last stage builds the one-hot q itself. Same seed, same verdicts as a
+    # dense one-hot q, over many seeds (both acceptances and rejections occur).
+    append = AppendSlots(count=3, live_counts=(3,), first_positions=(0,))
+    ids = np.array([[2, 5]], dtype=np.int64)
+    dense = np.zeros((1, 2, 8), np.float32)
+    dense[0, [0, 1], [2, 5]] = 1.0
+    logits = np.random.default_rng(0).normal(size=(1, 3, 8)).astype(np.float32)
+    outcomes = set()
+    for seed in range(40):
+        sampling = SamplingInfo((1.0,), (0,), (1.0,), (seed,))
+        one_hot = verify(append, np.zeros((1, 3), dtype=np.int64), logits, DraftInfo((2,), ids, one_hot=True),
+                         sampling)
+        assert one_hot == verify(append, np.zeros((1, 3), dtype=np.int64), logits, DraftInfo((2,), ids, dense),
+                                 sampling)
+        outcomes.add(one_hot[1])
+    assert len(outcomes) > 1
+    with pytest.raises(ValueError, match="one-hot drafts carry no draft probabilities"):
+        DraftInfo((2,), ids, dense, one_hot=True)
+
+
 def test_a_row_that_fed_the_wrong_number_of_tokens_is_a_desync() -> None:
     append = AppendSlots(count=3, live_counts=(3,), first_positions=(0,))
     draft = DraftInfo((1,), np.array([[3]], dtype=np.int64))

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from deskfleet.common import wire
 from deskfleet.common.wire import (
     MESSAGE_TYPES,
+    PROTOCOL_VERSION,
     AdmitRow,
     AgentState,
     AppendSlots,
@@ -101,7 +102,7 @@ def all_messages() -> list[wire.Message]:
         forward(),
         forward(rows=3, tokens=1, hidden=16),
         forward(hidden=8, hidden_states=np.ones((2, 3, 8), np.float16),
-                draft=DraftInfo((2, 0), np.array([[5, 6, 0], [0, 0, 0]], np.int64))),
+                draft=DraftInfo((2, 0), np.array([[5, 6, 0], [0, 0, 0]], np.int64), one_hot=True)),
         forward(rows=0, tokens=0, slot_deltas=()),
         ForwardResult(7, 42, (11, 12), None, None),
         ForwardResult(7, 43, (11, 12), (3, 0), RNG.standard_normal((2, 1, 50)).astype(np.float16)),
@@ -117,7 +118,7 @@ def all_messages() -> list[wire.Message]:
     ]
 
 
-def raw_frame(header: object, payload: bytes = b"", version: int = 1, magic: bytes = b"DSKF") -> bytes:
+def raw_frame(header: object, payload: bytes = b"", version: int = PROTOCOL_VERSION, magic: bytes = b"DSKF") -> bytes:
     body = header if isinstance(header, bytes) else json.dumps(header).encode()
     body += b" " * (-(10 + len(body)) % 8)
     return struct.pack("<4sHI", magic, version, len(body)) + body + payload
@@ -255,8 +256,8 @@ def test_bad_prefixes() -> None:
     frame = encode(StatusRequest())
     with pytest.raises(ProtocolError, match="magic"):
         decode(b"XXXX" + frame[4:])
-    with pytest.raises(ProtocolError, match="version 2 is not supported"):
-        decode(frame[:4] + b"\x02\x00" + frame[6:])
+    with pytest.raises(ProtocolError, match=f"version {PROTOCOL_VERSION + 1} is not supported"):
+        decode(frame[:4] + struct.pack("<H", PROTOCOL_VERSION + 1) + frame[6:])
     with pytest.raises(ProtocolError, match="runs past the frame end"):
         decode(frame[:6] + struct.pack("<I", 4096) + frame[10:])
 

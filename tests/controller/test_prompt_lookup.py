@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from deskfleet.common.speculative import SamplingParams
 from deskfleet.controller.draft import DraftRow, open_drafter
@@ -41,7 +42,7 @@ def test_k_and_ngram_bounds() -> None:
         PromptLookupDraft(min_ngram=0)
 
 
-def test_proposals_are_one_hot_for_sampled_rows_only() -> None:
+def test_proposals_say_one_hot_and_carry_no_distributions() -> None:
     drafter = PromptLookupDraft()
     drafter.check_compatible(16)
     drafter.prefill(0, 10, [1, 2, 3])
@@ -52,8 +53,7 @@ def test_proposals_are_one_hot_for_sampled_rows_only() -> None:
             DraftRow(11, [1, 5, 1, 5], 2, SamplingParams(temperature=1.0), 0)]
     proposal = drafter.propose(0, rows)
     assert proposal.tokens == {10: [3, 1, 2], 11: [1, 5]}
-    assert set(proposal.probs) == {11}
-    assert np.array_equal(proposal.probs[11], np.eye(16, dtype=np.float32)[[1, 5]])
+    assert proposal.one_hot and proposal.probs == {}  # the last stage builds q: no [K, V] on the wire
     drafter.drop(0, {10})
     assert drafter.has_batch(0)
     drafter.drop(0, {11})
@@ -67,3 +67,22 @@ def test_open_drafter_takes_one_kind() -> None:
     assert isinstance(open_drafter(None, True), PromptLookupDraft)
     with pytest.raises(ValueError, match="choose one drafter"):
         open_drafter(__import__("pathlib").Path("draft"), True)
+
+
+def _brute_force(context: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """The definition, spelled out: longest suffix first, most recent earlier start, periodic copy."""
+    for n in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
+        starts = [s for s in range(len(context) - n) if context[s:s + n] == context[-n:]]
+        if starts and k > 0:
+            extended = list(context)
+            follow = starts[-1] + n
+            for index in range(follow, follow + k):
+                extended.append(extended[index])
+            return extended[len(context):]
+    return []
+
+
+@given(st.lists(st.integers(0, 4), max_size=40), st.integers(0, 6), st.integers(1, 5), st.integers(1, 5))
+def test_lookup_matches_its_definition(context: list[int], k: int, max_ngram: int, min_ngram: int) -> None:
+    min_ngram = min(min_ngram, max_ngram)
+    assert lookup_continuation(context, k, max_ngram, min_ngram) == _brute_force(context, k, max_ngram, min_ngram)
