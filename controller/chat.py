@@ -81,7 +81,8 @@ def add_drafter_options(parser: argparse.ArgumentParser) -> None:
     drafter = parser.add_mutually_exclusive_group()
     drafter.add_argument("--draft", type=Path, default=None, help="export folder of a draft model (speculative)")
     drafter.add_argument("--prompt-lookup", action="store_true",
-                         help="speculative with drafts copied from the context (no draft model)")
+                         help="speculative with drafts copied from the context (no draft model); like --draft, "
+                              "greedy output equals plain decoding in --precision f32")
 
 
 def add_fleet_option(parser: argparse.ArgumentParser) -> None:

@@ -248,6 +248,8 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
 
     if draft is None and not lookup:
         raise ValueError("nothing to compare: give a draft model, or keep the prompt-lookup variants")
+    if not ks and not adaptive:
+        raise ValueError("no speculative variant: give --k values, or keep the adaptive one")
     target = Path(target)
     settings = settings or CompileSettings()
     manifest = load_manifest(target)

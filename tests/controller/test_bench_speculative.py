@@ -109,3 +109,10 @@ def test_speculative_bench_on_tiny_models(checkpoint_factory: Callable[..., Path
     assert entry["mean_k"] == pytest.approx(2.0, abs=1.0)
     assert sum(entry["accepted_histogram"].values()) == entry["verifications"] > 0
     assert report["best"]["goal_met"] in (True, False)
+
+
+def test_a_bench_with_nothing_to_compare_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="nothing to compare"):
+        run_speculative_bench(tmp_path, None, lookup=False)
+    with pytest.raises(ValueError, match="no speculative variant"):
+        run_speculative_bench(tmp_path, tmp_path, ks=[], adaptive=False)
