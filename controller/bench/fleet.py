@@ -41,6 +41,7 @@ from deskfleet.common.planner import PlanOptions, PlanPolicy
 from deskfleet.common.wire import Precision, Role
 from deskfleet.controller.bench.delay_proxy import DelayProxy, ProxyThread
 from deskfleet.controller.bench.speculative import DEFAULT_EVAL_DIR, heldout_code_prompts
+from deskfleet.controller.bench.streams import GenAIUsers
 from deskfleet.controller.draft import Drafter, open_drafter
 from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
 from deskfleet.controller.fleet_ca import init_fleet, load_ca
@@ -72,6 +73,8 @@ class FleetBenchOptions:
     wan_bandwidth_bytes_s: float | None = None  # None: no bandwidth limit on WAN rows
     max_pcs: int = 2  # PCs for the largest rows (3-4 need that many cores)
     controller_cores: int = 0  # cores reserved for the controller process; 0: not pinned
+    genai_model: Path | None = None  # the throughput model exported by optimum-intel: GenAI CB rows
+    genai_python: Path | None = None  # the GenAI venv's python (scripts/genai_venv.sh)
 
     def __post_init__(self) -> None:
         for name in ("new_tokens", "prompt_tokens", "rounds", "threads_per_pc"):
@@ -99,12 +102,13 @@ class _Config:
 class _Row:
     title: str
     config: str
-    baseline: str | None  # ratio of medians against this config
+    baseline: str | tuple[str, ...] | None  # ratio of medians against this config (a tuple: the fastest)
     paper: str
     goal: str
 
 
 GROUP_OF_PCS = {1: "mono", 2: "pair", 3: "trio", 4: "quad"}
+GENAI_GROUP = "genai"  # no deployment: GenAI's ContinuousBatchingPipeline on the first PC's core
 USER_COUNTS = (2, 4, 8)  # the honest baseline: the same users on 1 PC with deskfleet's own batching
 MAX_PCS = max(GROUP_OF_PCS)
 
@@ -123,6 +127,11 @@ def fleet_rows(max_pcs: int) -> tuple[_Row, ...]:
         rows.append(_Row(f"1 PC, {users} users (batched)", f"mono_{users}", "mono_1", "-", "-"))
         rows.append(_Row(f"2 PCs vs 1 PC serving the same {users} users", f"pair_{users}", f"mono_{users}", "-",
                          ">= 1.6x"))
+    for users in USER_COUNTS:
+        rows.append(_Row(f"1 PC, {users} users, OpenVINO GenAI continuous batching (no network)",
+                         f"genai_{users}", "mono_1", "-", "-"))
+        rows.append(_Row(f"2 PCs vs the faster 1 PC (deskfleet batching or GenAI CB), {users} users",
+                         f"pair_{users}", (f"mono_{users}", f"genai_{users}"), "-", ">= 1.6x"))
     for pcs in range(3, max_pcs + 1):
         group = GROUP_OF_PCS[pcs]
         rows += [_Row(f"{pcs} PCs, 1 stream", f"{group}_1", "mono_1", "-", "-"),
@@ -160,7 +169,12 @@ def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] 
     groups = bench_groups(options)
     if controller_cores:
         os.sched_setaffinity(0, controller_cores)
+    genai: GenAIUsers | None = None
     try:
+        if options.genai_model is not None:  # on the first PC's core, as 1 PC serving the users itself
+            genai = GenAIUsers(options.genai_model, options.genai_python, "CPU",
+                               {"INFERENCE_NUM_THREADS": str(options.threads_per_pc), "PERFORMANCE_HINT": "LATENCY"},
+                               options.new_tokens, {agent_cores[0]})
         with tempfile.TemporaryDirectory(prefix="deskfleet-bench-") as work, \
                 _Fleet(Path(work), agent_layout(groups, agent_cores), options.threads_per_pc) as fleet:
             say(f"{len(fleet.names)} simulated PCs up; deploying")
@@ -172,11 +186,19 @@ def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] 
             for round_index in range(-options.warmup_rounds, options.rounds):
                 label = "warm-up" if round_index < 0 else f"round {round_index + 1}/{options.rounds}"
                 for config in configs:
-                    result = _run_config(fleet, placements, config, options, drafters)
+                    if config.group == GENAI_GROUP:
+                        assert genai is not None
+                        run = genai.run(_prompts(options.model, config.streams, options.prompt_tokens, False))
+                        result = {"tok_s": run.tok_s, "tokens": float(run.generated), "wall_s": run.wall_s,
+                                  "mean_accepted": 0.0, "final_k": 0.0}
+                    else:
+                        result = _run_config(fleet, placements, config, options, drafters)
                     if round_index >= 0:
                         config.runs.append(result)
                     say(f"{label} {config.key}: {result['tok_s']:.1f} tok/s")
     finally:
+        if genai is not None:
+            genai.close()
         os.sched_setaffinity(0, cores)
     deployments = {group: {"pcs": len(groups[group][1]), "stages": len(stages),
                            "layers": [[stage.layer_start, stage.layer_end] for stage in stages]}
@@ -246,6 +268,8 @@ def bench_configs(options: FleetBenchOptions) -> list[_Config]:
         group = GROUP_OF_PCS[pcs]
         configs += [_Config(f"{group}_1", group, 1, 1, 1), _Config(f"{group}_{pcs}", group, pcs, 1, pcs),
                     _Config(f"{group}_8", group, 8, -(-8 // pcs), pcs)]
+    if options.genai_model is not None:
+        configs += [_Config(f"genai_{users}", GENAI_GROUP, users, users, 1) for users in USER_COUNTS]
     if options.demo_target is not None:
         configs += [_Config("demo_mono_1", "demo_mono", 1, 1, 1),
                     _Config("wan_naive", "demo_pair", 1, 1, 1, return_logits=True, delay=True),
@@ -340,15 +364,17 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
     rows: list[dict[str, Any]] = []
     delay = f"{options.wan_delay_s * 1000:.0f} ms per hop"
     for row in (replace(row, title=row.title.replace("100 ms per hop", delay)) for row in fleet_rows(MAX_PCS)):
-        if row.config not in by_key or (row.baseline is not None and row.baseline not in by_key):
+        baselines = _baselines(row)
+        if row.config not in by_key or any(baseline not in by_key for baseline in baselines):
             rows.append({"row": row.title, "paper": row.paper, "goal": row.goal, "ratio": None, "tok_s": None,
                          "config": row.config, "note": _not_run_reason(row, options)})
             continue
         tok = summary[row.config]
-        ratio = 1.0 if row.baseline is None else tok["median"] / summary[row.baseline]["median"]
+        baseline = max(baselines, key=lambda key: summary[key]["median"]) if baselines else None
+        ratio = 1.0 if baseline is None else tok["median"] / summary[baseline]["median"]
         entry = {"row": row.title, "paper": row.paper, "goal": row.goal, "ratio": round(ratio, 3),
                  "tok_s": {key: round(tok[key], 3) for key in ("median", "min", "max")},
-                 "config": row.config, "baseline": row.baseline}
+                 "config": row.config, "baseline": baseline}
         deployed = deployments.get(by_key[row.config].group)
         if deployed is not None and deployed["stages"] < deployed["pcs"]:
             entry["note"] = f"the plan used {deployed['stages']} of its {deployed['pcs']} PCs"
@@ -362,11 +388,19 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
                         "warmup_rounds": options.warmup_rounds,
                         "threads_per_pc": options.threads_per_pc, "wan_delay_s": options.wan_delay_s,
                         "max_pcs": options.max_pcs, "controller_cores": options.controller_cores,
+                        "genai_model": str(options.genai_model) if options.genai_model else None,
                         "wan_bandwidth_bytes_s": options.wan_bandwidth_bytes_s},
             "configs": summary, "rows": rows, "deployments": deployments}
 
 
+def _baselines(row: _Row) -> tuple[str, ...]:
+    return (row.baseline,) if isinstance(row.baseline, str) else row.baseline or ()
+
+
 def _not_run_reason(row: _Row, options: FleetBenchOptions) -> str:
+    if any(key.startswith(f"{GENAI_GROUP}_") for key in (row.config, *_baselines(row))) \
+            and options.genai_model is None:
+        return "not run: no --genai-model"
     if row.config.startswith(("demo_", "wan_")) and options.demo_target is None:
         return "not run: no --demo-target"
     if row.config.endswith("_spec") and options.demo_draft is None:
@@ -493,6 +527,9 @@ def add_fleet_bench_command(benches: Any) -> None:
                         help="pin the controller to the first N cores and the PCs to the rest (0: not pinned)")
     parser.add_argument("--wan-delay-ms", type=float, default=100.0, help="one-way delay per hop on WAN rows")
     parser.add_argument("--wan-bandwidth-mbit", type=float, default=None, help="per-link bandwidth on WAN rows")
+    parser.add_argument("--genai-model", type=Path, default=None,
+                        help="--model's checkpoint exported by optimum-intel: adds GenAI continuous-batching rows")
+    parser.add_argument("--genai-python", type=Path, default=None, help="the GenAI venv's python")
     parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON here")
     parser.add_argument("--markdown-out", type=Path, default=None, help="also write the markdown table here")
     parser.set_defaults(handler=_bench_command)
@@ -503,7 +540,8 @@ def _bench_command(args: Any) -> int:
         model=args.model, demo_target=args.demo_target, demo_draft=args.demo_draft, new_tokens=args.new_tokens,
         prompt_tokens=args.prompt_tokens, rounds=args.rounds, warmup_rounds=args.warmup_rounds,
         threads_per_pc=args.threads_per_pc,
-        max_pcs=args.pcs, controller_cores=args.controller_cores,
+        max_pcs=args.pcs, controller_cores=args.controller_cores, genai_model=args.genai_model,
+        genai_python=args.genai_python,
         wan_delay_s=args.wan_delay_ms / 1000.0,
         wan_bandwidth_bytes_s=args.wan_bandwidth_mbit * 125_000 if args.wan_bandwidth_mbit else None)
     report = run_fleet_bench(options, progress=lambda text: print(text, file=sys.stderr, flush=True))

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from deskfleet.controller.bench.fleet import (
+    GENAI_GROUP,
     FleetBenchOptions,
     agent_layout,
     bench_configs,
@@ -59,6 +60,8 @@ def test_every_config_runs_on_a_deployed_group_with_every_user_served(max_pcs: i
     configs = bench_configs(options(max_pcs, demo))
     assert len({config.key for config in configs}) == len(configs)
     for config in configs:
+        if config.group == GENAI_GROUP:
+            continue  # GenAI's pipeline, no deployment
         assert config.group in groups, config.key
         pcs = len(groups[config.group][1])
         assert config.max_rows * config.micro_batches >= config.streams, config.key
@@ -66,11 +69,33 @@ def test_every_config_runs_on_a_deployed_group_with_every_user_served(max_pcs: i
             assert config.micro_batches == pcs, config.key  # every stage has a micro-batch to work on
 
 
-def test_with_four_pcs_and_the_demo_pair_every_row_is_measured() -> None:
-    configs = {config.key for config in bench_configs(options(4))}
+def test_with_four_pcs_the_demo_pair_and_genai_every_row_is_measured() -> None:
+    everything = FleetBenchOptions(MODEL, TARGET, DRAFT, max_pcs=4, genai_model=Path("g"))
+    configs = {config.key for config in bench_configs(everything)}
     for row in fleet_rows(4):
         assert row.config in configs, row.title
-        assert row.baseline is None or row.baseline in configs, row.title
+        baselines = (row.baseline,) if isinstance(row.baseline, str) else row.baseline or ()
+        assert all(baseline in configs for baseline in baselines), row.title
+
+
+def test_the_honest_baseline_is_the_faster_one_pc_server() -> None:
+    with_genai = FleetBenchOptions(MODEL, genai_model=Path("g"))
+    configs = bench_configs(with_genai)
+    speed = {"mono_1": 10.0, "mono_8": 40.0, "genai_8": 50.0, "pair_8": 70.0, "mono_2": 18.0, "genai_2": 16.0,
+             "pair_2": 19.0}
+    for config in configs:
+        config.runs.append({"tok_s": speed.get(config.key, 10.0), "mean_accepted": 0.0, "final_k": 0.0})
+    rows = {row["row"]: row for row in build_report(with_genai, configs, [], [0, 1])["rows"]}
+    faster_8 = rows["2 PCs vs the faster 1 PC (deskfleet batching or GenAI CB), 8 users"]
+    assert faster_8["baseline"] == "genai_8" and faster_8["ratio"] == pytest.approx(70 / 50, abs=1e-3)
+    faster_2 = rows["2 PCs vs the faster 1 PC (deskfleet batching or GenAI CB), 2 users"]
+    assert faster_2["baseline"] == "mono_2" and faster_2["ratio"] == pytest.approx(19 / 18, abs=1e-3)
+    plain_configs = bench_configs(options(2, demo=False))
+    for config in plain_configs:
+        config.runs.append({"tok_s": 10.0, "mean_accepted": 0.0, "final_k": 0.0})
+    without = {row["row"]: row for row in build_report(options(2, demo=False), plain_configs, [], [0, 1])["rows"]}
+    assert without["2 PCs vs the faster 1 PC (deskfleet batching or GenAI CB), 8 users"]["note"] == \
+        "not run: no --genai-model"
 
 
 def test_report_ratios_and_the_rows_left_unrun() -> None:
