@@ -26,3 +26,17 @@ def test_chat_streams_replies_from_the_template(tmp_path: Path, tiny_export: Pat
     prompt = tokenizer.encode_chat([ChatMessage("user", "hello there")])
     expected = run_generate(GenerateOptions(model=model, prompt_ids=[prompt], max_new_tokens=6, settings=settings))
     assert out.getvalue().startswith(str(expected["text"]))
+
+
+def test_chat_with_prompt_lookup_gives_the_plain_reply(tmp_path: Path, tiny_export: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_export, model)
+    (model / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    settings = CompileSettings(precision=Precision.F32)
+    replies = {}
+    for lookup in (False, True):
+        out = io.StringIO()
+        run_chat(ChatOptions(model=model, max_new_tokens=12, prompt_lookup=lookup, settings=settings),
+                 io.StringIO("say it again and again\n/quit\n"), out)
+        replies[lookup] = out.getvalue()
+    assert replies[True] == replies[False] and replies[True].strip()

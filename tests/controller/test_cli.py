@@ -56,3 +56,23 @@ def test_wrong_model_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     code, _, err = run(capsys, "export", str(tmp_path), "-o", str(tmp_path / "out"))
     assert code == 2 and "config.json" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_generate_with_prompt_lookup_reports_its_rounds(tiny_export: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--model", str(tiny_export), "--prompt-ids", "1,5,6,7,5,6,7,5,6", "--max-new-tokens", "16",
+            "--ignore-eos", "--precision", "f32", "--json"]
+    code, plain, _ = run(capsys, *argv)
+    assert code == 0
+    code, drafted, _ = run(capsys, *argv, "--prompt-lookup", "--k", "3")
+    assert code == 0
+    report = json.loads(drafted)
+    assert report["tokens"] == json.loads(plain)["tokens"]
+    assert sum(report["accepted_histogram"].values()) > 0 and "mean_accepted" in report
+
+
+def test_one_drafter_at_a_time(tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(tiny_export), "--prompt", "x", "--draft", str(tiny_export),
+              "--prompt-lookup"])
+    assert "not allowed with argument" in capsys.readouterr().err
