@@ -159,10 +159,12 @@ def heldout_code_prompts(eval_dir: Path, count: int, stdlib: Path | None = None)
 
 
 def predicted_speedup(mean_accepted: float, k: float, plain_call_s: float, verify_call_s: float,
-                      draft_token_s: float) -> float:
-    """Tokens per round over the round's cost, relative to one plain call per token."""
-    round_s = verify_call_s + k * draft_token_s
-    return (mean_accepted + 1.0) * plain_call_s / round_s if round_s > 0 else 0.0
+                      draft_token_s: float, plain_steps_per_round: float = 0.0) -> float:
+    """Tokens per round over the round's cost, relative to one plain call per token. A drafter that may
+    propose nothing (prompt lookup) also takes `plain_steps_per_round` plain steps per verified round."""
+    round_s = verify_call_s + k * draft_token_s + plain_steps_per_round * plain_call_s
+    tokens = mean_accepted + 1.0 + plain_steps_per_round
+    return tokens * plain_call_s / round_s if round_s > 0 else 0.0
 
 
 def build_report(rounds: dict[str, list[VariantStats]], meta: dict[str, Any]) -> dict[str, Any]:
@@ -193,6 +195,7 @@ def build_report(rounds: dict[str, list[VariantStats]], meta: dict[str, Any]) ->
             "mean_k": round(mean_k, 3),
             "acceptance_rate": round(mean_accepted / mean_k, 3) if mean_k else None,
             "verifications": verifications,
+            "plain_steps": sum(stats.target_calls["plain"] for stats in runs),  # rounds that proposed nothing
         }
         if plain is not None:
             entry["speedup"] = compare(speeds[name], speeds["plain"])
@@ -202,8 +205,9 @@ def build_report(rounds: dict[str, list[VariantStats]], meta: dict[str, Any]) ->
             profile["target_plain_ms_per_call"] = round(plain_call * 1e3, 3)
             profile["draft_over_target_cost"] = round(draft_token_s / plain_call, 3)
             profile["verify_over_plain_call"] = round(verify_call / plain_call, 3) if verify_call else None
+            plain_per_round = entry["plain_steps"] / verifications if verifications else 0.0
             profile["predicted_speedup"] = round(predicted_speedup(mean_accepted, mean_k, plain_call, verify_call,
-                                                                   draft_token_s), 3)
+                                                                   draft_token_s, plain_per_round), 3)
         entry["profile"] = profile
         variants[name] = entry
     report["speculative"] = variants

@@ -58,6 +58,8 @@ def test_predicted_speedup() -> None:
     # 3 tokens per round for the price of 1.5 plain calls: 2x.
     assert predicted_speedup(2.0, 4, 0.010, 0.011, 0.001) == pytest.approx(2.0)
     assert predicted_speedup(0.0, 0, 0.01, 0.0, 0.0) == 0.0
+    # One plain step per verified round (a lookup that found nothing): 4 tokens for 2.5 plain calls.
+    assert predicted_speedup(2.0, 4, 0.010, 0.011, 0.001, plain_steps_per_round=1.0) == pytest.approx(1.6)
 
 
 def stats(tok_s: float, histogram: dict[int, int] | None = None) -> VariantStats:
