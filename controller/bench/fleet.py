@@ -4,7 +4,8 @@ Every simulated PC is an agent in its own process (controller/bench/fleet_agent.
 core(s) with os.sched_setaffinity and compiling with INFERENCE_NUM_THREADS=1 (threads per PC
 configurable). The controller deploys with the real deploy (shards pushed, stages assigned) and drives
 the real engine through FleetPipeline: controller -> stage 0 -> ... -> stage n-1 -> controller over TLS
-websockets. Every agent is dialled through a DelayProxy (0 ms unless a WAN row sets 100 ms per hop).
+websockets. The WAN rows run on their own two PCs, dialled (by the controller and by each other) through
+a DelayProxy that adds the per-hop delay; every other row's PCs are dialled directly, as on a LAN.
 Configurations are interleaved round by round (after an untimed warm-up round) so drift hits all alike;
 each reports its median tokens/s and the spread (min, max) over the rounds; ratios are of medians against
 the row's 1-PC baseline of the same model. With `--controller-cores K` the controller process (driver,
@@ -93,7 +94,6 @@ class _Config:
     micro_batches: int
     drafter: str | None = None  # "model" (the demo draft) or "lookup" (prompt lookup)
     return_logits: bool = False
-    delay: bool = False
     copies: int = 1  # independent chains run at once (group, group + "-b", ...)
     runs: list[dict[str, float]] = field(default_factory=list)
 
@@ -109,6 +109,7 @@ class _Row:
 
 GROUP_OF_PCS = {1: "mono", 2: "pair", 3: "trio", 4: "quad"}
 GENAI_GROUP = "genai"  # no deployment: GenAI's ContinuousBatchingPipeline on the first PC's core
+WAN_GROUP = "wan"  # the demo target on two PCs reached through delay proxies
 USER_COUNTS = (2, 4, 8)  # the honest baseline: the same users on 1 PC with deskfleet's own batching
 MAX_PCS = max(GROUP_OF_PCS)
 
@@ -176,7 +177,9 @@ def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] 
                                {"INFERENCE_NUM_THREADS": str(options.threads_per_pc), "PERFORMANCE_HINT": "LATENCY"},
                                options.new_tokens, {agent_cores[0]})
         with tempfile.TemporaryDirectory(prefix="deskfleet-bench-") as work, \
-                _Fleet(Path(work), agent_layout(groups, agent_cores), options.threads_per_pc) as fleet:
+                _Fleet(Path(work), agent_layout(groups, agent_cores), options.threads_per_pc,
+                       groups[WAN_GROUP][1] if WAN_GROUP in groups else (), options.wan_delay_s,
+                       options.wan_bandwidth_bytes_s) as fleet:
             say(f"{len(fleet.names)} simulated PCs up; deploying")
             placements = {group: fleet.deploy(model, names) for group, (model, names) in groups.items()}
             for group, stages in placements.items():
@@ -245,6 +248,8 @@ def bench_groups(options: FleetBenchOptions) -> dict[str, tuple[Path, list[str]]
         for pcs in range(2, options.max_pcs + 1):
             group = f"{prefix}{GROUP_OF_PCS[pcs]}"
             groups[group] = (model, [f"{group}{index}" for index in range(pcs)])
+    if options.demo_target is not None:
+        groups[WAN_GROUP] = (options.demo_target, [f"{WAN_GROUP}0", f"{WAN_GROUP}1"])
     return groups
 
 
@@ -272,8 +277,8 @@ def bench_configs(options: FleetBenchOptions) -> list[_Config]:
         configs += [_Config(f"genai_{users}", GENAI_GROUP, users, users, 1) for users in USER_COUNTS]
     if options.demo_target is not None:
         configs += [_Config("demo_mono_1", "demo_mono", 1, 1, 1),
-                    _Config("wan_naive", "demo_pair", 1, 1, 1, return_logits=True, delay=True),
-                    _Config("wan_naive_ids", "demo_pair", 1, 1, 1, delay=True)]
+                    _Config("wan_naive", WAN_GROUP, 1, 1, 1, return_logits=True),
+                    _Config("wan_naive_ids", WAN_GROUP, 1, 1, 1)]
         drafters = [*(["model"] if options.demo_draft is not None else []), "lookup"]
         for drafter in drafters:
             suffix = "spec" if drafter == "model" else "lookup"
@@ -281,7 +286,7 @@ def bench_configs(options: FleetBenchOptions) -> list[_Config]:
             for pcs in range(3, options.max_pcs + 1):
                 group = f"demo_{GROUP_OF_PCS[pcs]}"
                 configs.append(_Config(f"{group}_{pcs}_{suffix}", group, pcs, 1, pcs, drafter=drafter))
-        configs.append(_Config("wan_full", "demo_pair", 8, 4, 2, delay=True,
+        configs.append(_Config("wan_full", WAN_GROUP, 8, 4, 2,
                                drafter="model" if options.demo_draft is not None else None))
     return configs
 
@@ -307,11 +312,9 @@ def _prompts(model: Path, count: int, length: int, demo: bool) -> list[list[int]
 
 def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]], config: _Config,
                 options: FleetBenchOptions, drafters: dict[str, Drafter | None]) -> dict[str, float]:
-    demo = config.group.startswith("demo")
+    demo = config.group.startswith("demo") or config.group == WAN_GROUP
     model = options.demo_target if demo else options.model
     assert model is not None
-    fleet.proxies.set_delay(options.wan_delay_s if config.delay else 0.0,
-                            options.wan_bandwidth_bytes_s if config.delay else None)
     groups = [config.group] if config.copies == 1 else [config.group, f"{config.group}-b"][: config.copies]
     results: list[dict[str, float]] = [{} for _ in groups]
 
@@ -332,14 +335,11 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
                           "mean_accepted": engine.mean_accepted() if draft else 0.0,
                           "final_k": float(engine.k_policy.k) if draft else 0.0}
 
-    try:
-        threads = [threading.Thread(target=one, args=(index, group)) for index, group in enumerate(groups)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        fleet.proxies.set_delay(0.0)
+    threads = [threading.Thread(target=one, args=(index, group)) for index, group in enumerate(groups)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     if any(not result for result in results):
         raise RuntimeError(f"configuration {config.key} failed (see the log)")
     tokens = sum(result["tokens"] for result in results)
@@ -411,9 +411,10 @@ def _not_run_reason(row: _Row, options: FleetBenchOptions) -> str:
 # Private: the simulated PCs
 
 class _Fleet:
-    """A fleet CA, one agent process per simulated PC (pinned), a delay proxy in front of each."""
+    """A fleet CA, one agent process per simulated PC (pinned), a delay proxy in front of each `proxied` PC."""
 
-    def __init__(self, work: Path, agents: dict[str, int], threads: int) -> None:
+    def __init__(self, work: Path, agents: dict[str, int], threads: int, proxied: Sequence[str] = (),
+                 delay_s: float = 0.0, bandwidth_bytes_s: float | None = None) -> None:
         self.work = work
         self.names = list(agents)
         self.store = FleetStore(work / "controller")
@@ -429,15 +430,23 @@ class _Fleet:
                  "--name", "agent", "--listen", "127.0.0.1:0", "--port-file", str(work / f"{name}.port"),
                  "--cores", str(core), "--cache", str(work / name / "cache"), "--threads", str(threads)],
                 stdout=log_file, stderr=subprocess.STDOUT)
+        self.proxied = set(proxied)
+        self.delay_s, self.bandwidth_bytes_s = delay_s, bandwidth_bytes_s
+        self.address_of: dict[str, str] = {}  # how the controller and the other PCs dial each PC
         self.proxy_of: dict[str, DelayProxy] = {}
 
     def __enter__(self) -> _Fleet:
         try:
             for name, process in self.processes.items():
                 port = _wait_port_file(self.work / f"{name}.port", process, self.work / f"{name}.log")
-                self.proxy_of[name] = DelayProxy(f"127.0.0.1:{port}")
+                self.address_of[name] = f"127.0.0.1:{port}"
+                if name in self.proxied:
+                    self.proxy_of[name] = DelayProxy(self.address_of[name])
             self.proxies = ProxyThread(list(self.proxy_of.values()))
+            self.proxies.set_delay(self.delay_s, self.bandwidth_bytes_s)
             self.proxies.__enter__()
+            for name, proxy in self.proxy_of.items():
+                self.address_of[name] = proxy.address
         except BaseException:
             self._stop()
             raise
@@ -451,7 +460,7 @@ class _Fleet:
         import asyncio
 
         async def run() -> tuple[StagePlacement, ...]:
-            peers = tuple(self.proxy_of[name].address for name in names)
+            peers = tuple(self.address_of[name] for name in names)
             found = await survey(self.store, SurveyOptions(peers=peers, discover_seconds=0, use_roster=False))
             try:
                 _, report = await deploy(self.store, model, found, PlanOptions(policy=PlanPolicy.ALL_BY_SPEED),

@@ -8,6 +8,7 @@ import pytest
 
 from deskfleet.controller.bench.fleet import (
     GENAI_GROUP,
+    WAN_GROUP,
     FleetBenchOptions,
     agent_layout,
     bench_configs,
@@ -47,11 +48,12 @@ def test_every_group_runs_its_pcs_on_distinct_cores(max_pcs: int) -> None:
     groups = bench_groups(options(max_pcs))
     layout = agent_layout(groups, [10, 11, 12, 13])
     for group, (model, names) in groups.items():
-        assert model == (TARGET if group.startswith("demo") else MODEL)
+        assert model == (TARGET if group.startswith("demo") or group == WAN_GROUP else MODEL)
         assert len({layout[name] for name in names}) == len(names), group
     assert {layout["mono"], layout["mono-b"]} == {10, 11}  # the two copies run at once
-    assert sorted(len(names) for group, (_, names) in groups.items() if not group.startswith("demo")) == \
+    assert sorted(len(names) for group, (model, names) in groups.items() if model == MODEL) == \
         [1, 1, *range(2, max_pcs + 1)]
+    assert groups[WAN_GROUP] == (TARGET, ["wan0", "wan1"])  # the only PCs behind delay proxies
 
 
 @pytest.mark.parametrize(("max_pcs", "demo"), [(2, False), (2, True), (3, True), (4, True)])
