@@ -36,13 +36,16 @@ def is_agent_id(text: str) -> bool:
     return _AGENT_ID.fullmatch(text) is not None
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    """Split "host:port" (IPv6 hosts in brackets) into (host, port); ProtocolError if malformed."""
+def parse_address(text: str, any_port: bool = False) -> tuple[str, int]:
+    """Split "host:port" (IPv6 hosts in brackets) into (host, port); ProtocolError if malformed.
+
+    `any_port`: an address to listen on, where port 0 asks for any free port."""
     host, separator, port_text = text.rpartition(":")
     if not separator or _HOST.fullmatch(host) is None:
         raise ProtocolError(f"address {text!r} is not host:port")
-    if not port_text.isascii() or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ProtocolError(f"address {text!r} has no port between 1 and 65535")
+    lowest = 0 if any_port else 1
+    if not port_text.isascii() or not port_text.isdigit() or not lowest <= int(port_text) < 65536:
+        raise ProtocolError(f"address {text!r} has no port between {lowest} and 65535")
     return host.strip("[]"), int(port_text)
 
 

@@ -27,6 +27,7 @@ from deskfleet.agent.paths import AgentSettings, Thresholds
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement
 from deskfleet.common.atomic_file import write_atomic
+from deskfleet.common.wire import parse_address
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ async def serve(files: TlsFiles, listen: str, cache_dir: Path, threads: int, por
     pinned = SpeedMeasurement(settings.device, "pinned for the bench", SIMULATED_PC_GB_PER_S, 0.0)
     core = AgentCore(files, settings, ShardCache(cache_dir, 16 << 30), HostMonitor(), num_threads=threads,
                      speed_probe=lambda: pinned)
-    host, port = _listen_address(listen)
+    host, port = parse_address(listen, any_port=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -56,14 +57,6 @@ async def serve(files: TlsFiles, listen: str, cache_dir: Path, threads: int, por
     async with server:
         await stop.wait()
     await core.close()
-
-
-def _listen_address(listen: str) -> tuple[str, int]:
-    host, _, port = listen.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")  # [::1]:0
-    if not host or not port.isdigit() or int(port) > 65535:
-        raise SystemExit(f"--listen {listen!r}: give HOST:PORT (PORT 0: any free port)")
-    return host, int(port)
 
 
 def main() -> None:

@@ -456,3 +456,14 @@ def test_tensor_fields_are_recognised_however_numpy_spells_ndarray() -> None:
     assert _is_tensor(np.ndarray[Any, np.dtype[np.int64]])
     assert _is_tensor(alias[np.generic])
     assert not _is_tensor(tuple[int, ...]) and not _is_tensor(int) and not _is_tensor(bytes)
+
+
+def test_addresses_need_a_port_and_port_zero_only_to_listen() -> None:
+    assert wire.parse_address("10.0.0.5:8765") == ("10.0.0.5", 8765)
+    assert wire.parse_address("[::1]:0", any_port=True) == ("::1", 0)
+    for text, message in (("10.0.0.5:0", "between 1 and 65535"), ("10.0.0.5", "not host:port"),
+                          ("host:70000", "between 1 and 65535")):
+        with pytest.raises(ProtocolError, match=message):
+            wire.parse_address(text)
+    with pytest.raises(ProtocolError, match="between 0 and 65535"):
+        wire.parse_address("host:x", any_port=True)
