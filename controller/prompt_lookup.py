@@ -31,8 +31,7 @@ def lookup_continuation(context: Sequence[int], k: int, max_ngram: int = DEFAULT
                         min_ngram: int = DEFAULT_MIN_NGRAM) -> list[int]:
     """Up to k tokens that followed the most recent earlier occurrence of the context's longest matching
     suffix (lengths max_ngram down to min_ngram); [] when no suffix occurred before."""
-    if not 1 <= min_ngram <= max_ngram:
-        raise ValueError(f"n-gram lengths must satisfy 1 <= min ({min_ngram}) <= max ({max_ngram})")
+    _check_ngrams(max_ngram, min_ngram)
     tokens = np.asarray(context, dtype=np.int64)
     total = len(tokens)
     if k <= 0 or total < 2:
@@ -58,12 +57,16 @@ def lookup_continuation(context: Sequence[int], k: int, max_ngram: int = DEFAULT
     return proposal
 
 
+def _check_ngrams(max_ngram: int, min_ngram: int) -> None:
+    if not 1 <= min_ngram <= max_ngram:
+        raise ValueError(f"n-gram lengths must satisfy 1 <= min ({min_ngram}) <= max ({max_ngram})")
+
+
 class PromptLookupDraft:
     """A Drafter with no model: proposals come from each stream's confirmed tokens."""
 
     def __init__(self, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = DEFAULT_MIN_NGRAM) -> None:
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"n-gram lengths must satisfy 1 <= min ({min_ngram}) <= max ({max_ngram})")
+        _check_ngrams(max_ngram, min_ngram)
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self._batches: dict[int, set[int]] = {}  # micro-batch -> its speculative streams
