@@ -183,6 +183,11 @@ class StageSession:
     def __init__(self, stage: Stage) -> None:
         self.stage = stage
         self.request = stage.compiled.create_infer_request()
+        # The request's own input tensors, reshaped and written in place every call (as OpenVINO GenAI's
+        # C++ loop does). Handing the request new numpy-backed tensors each call instead (start_async with
+        # a dict) made every decode step slower: 0.95-0.98x of GenAI vs 1.00x on the same compiled model.
+        self._inputs = {port.get_any_name(): _InputBuffer(self.request.get_tensor(port))
+                        for port in stage.compiled.inputs}
 
     def forward(self, payload: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 beam_idx: np.ndarray, want_logits: bool = False,
@@ -195,25 +200,26 @@ class StageSession:
         (default: all T).
         """
         name = TensorNames.INPUT_IDS if self.stage.layers.is_first else TensorNames.HIDDEN_STATES
-        inputs = {
-            name: np.ascontiguousarray(payload),
-            TensorNames.ATTENTION_MASK: np.ascontiguousarray(attention_mask),
-            TensorNames.POSITION_IDS: np.ascontiguousarray(position_ids),
-            TensorNames.BEAM_IDX: np.ascontiguousarray(beam_idx, dtype=np.int32),
-        }
+        self._feed(name, payload)
+        self._feed(TensorNames.ATTENTION_MASK, attention_mask)
+        self._feed(TensorNames.POSITION_IDS, position_ids)
+        self._feed(TensorNames.BEAM_IDX, beam_idx)
         if self.stage.layers.is_last:
             if logits_positions is None:
                 rows, tokens = position_ids.shape
                 logits_positions = np.broadcast_to(np.arange(tokens, dtype=np.int64), (rows, tokens))
-            inputs[TensorNames.LOGITS_POSITIONS] = np.ascontiguousarray(logits_positions, dtype=np.int64)
-        # start_async + wait rather than infer(): no copy of the inputs, no dict of copied outputs.
-        self.request.start_async(inputs, share_inputs=True)
+            self._feed(TensorNames.LOGITS_POSITIONS, logits_positions)
+        # start_async + wait rather than infer(): no dict of copied outputs.
+        self.request.start_async()
         self.request.wait()
         if not self.stage.layers.is_last:
             return StageOutput(hidden=self.request.get_tensor(TensorNames.STAGE_HIDDEN_OUT).data.copy())
         logits = self.request.get_tensor(TensorNames.LOGITS).data.copy() if want_logits else None
         return StageOutput(next_tokens=self.request.get_tensor(TensorNames.NEXT_TOKENS).data.copy(),
                            logits=logits)
+
+    def _feed(self, name: str, array: np.ndarray) -> None:
+        self._inputs[name].write(array)
 
     def reset(self) -> None:
         """Forget every row's KV state (the next forward starts from zero slots)."""
@@ -225,6 +231,24 @@ class StageSession:
     def set_state(self, values: dict[str, np.ndarray]) -> None:
         for state in self.request.query_state():
             state.state = ov.Tensor(np.ascontiguousarray(values[state.name]))
+
+
+class _InputBuffer:
+    """A request's own input tensor and a numpy view of it, refreshed only when the shape changes (every
+    property access on an ov.Tensor costs microseconds, and this runs for every input of every step)."""
+
+    def __init__(self, tensor: ov.Tensor) -> None:
+        self.tensor = tensor
+        self.shape: tuple[int, ...] = tuple(tensor.shape)
+        self.view: np.ndarray = tensor.data
+
+    def write(self, array: np.ndarray) -> None:
+        """Copy `array` in (numpy casts the dtype), reshaping the tensor first when it differs."""
+        if array.shape != self.shape:
+            self.tensor.shape = list(array.shape)
+            self.shape = array.shape
+            self.view = self.tensor.data
+        self.view[...] = array
 
 
 # Private methods

@@ -344,6 +344,11 @@ class Ledger(SlotTable):
 
     def compact(self, policy: CompactionPolicy) -> Compact | None:
         """Compact when the policy says it pays; None otherwise."""
+        # Cheap bound first (this runs after every step): a row's live slots equal its next position, so
+        # no mode can free more than slots - max(next) slots per row.
+        most = self.slots - (int(self._next.max()) if self.rows else 0)
+        if most < max(policy.min_dead_slots, 1) or most < policy.min_dead_fraction * self.slots:
+            return None
         delta = plan_compaction(self._mask, policy)
         if delta is not None:
             self.apply(delta)

@@ -1,0 +1,63 @@
+"""The local pipeline: one stage runs inline, several on worker threads; both report a stage's failure
+as a PipelineError that names the stage and the micro-batch, and stay usable for other micro-batches."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent.stage import CompileSettings, Precision
+from deskfleet.common.model_spec import load_manifest
+from deskfleet.common.wire import Forward
+from deskfleet.controller.batch_track import BatchTrack
+from deskfleet.controller.pipeline import LocalPipeline, PipelineError
+
+F32 = CompileSettings(precision=Precision.F32)
+
+
+def _prefill(batch_id: int, prompt: list[int], max_positions: int) -> Forward:
+    track = BatchTrack(batch_id, max_positions)
+    track.add_row(stream_id=batch_id)
+    return track.step([prompt])
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_failing_stage_is_named_and_other_micro_batches_go_on(tiny_export: Path, stages: int) -> None:
+    manifest = load_manifest(tiny_export)
+    context = manifest.spec.max_context
+    with LocalPipeline(tiny_export, stages, F32, manifest) as pipeline:
+        good = _prefill(1, [1, 5, 9], context)
+        pipeline.submit(good)
+        expected = pipeline.collect(timeout=60).next_token_ids
+
+        # position_ids that disagree with the deltas: the stage's mirror refuses the step
+        bad = _prefill(2, [1, 5, 9], context)
+        bad = replace(bad, position_ids=bad.position_ids + 1)
+        pipeline.submit(bad)
+        with pytest.raises(PipelineError, match=r"stage 0 .* micro-batch 2: .*desync"):
+            pipeline.collect(timeout=60)
+
+        pipeline.release(1)
+        pipeline.submit(_prefill(3, [1, 5, 9], context))
+        assert pipeline.collect(timeout=60).next_token_ids == expected
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_collect_after_close_says_the_pipeline_stopped(tiny_export: Path, stages: int) -> None:
+    pipeline = LocalPipeline(tiny_export, stages, F32)
+    pipeline.close()
+    with pytest.raises(PipelineError, match="closed"):
+        pipeline.submit(_prefill(1, [1, 2], 64))
+    with pytest.raises(PipelineError, match="stopped"):
+        pipeline.collect(timeout=60)
+
+
+def test_one_stage_runs_in_the_callers_thread(tiny_export: Path) -> None:
+    before = threading.active_count()
+    with LocalPipeline(tiny_export, 1, F32) as pipeline:
+        assert threading.active_count() == before
+        pipeline.submit(_prefill(1, [1, 5], 64))
+        assert pipeline.collect(timeout=0).next_token_ids  # already there: no thread to wait for
