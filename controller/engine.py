@@ -9,6 +9,9 @@
 - Speculative rows feed their last token plus K draft tokens; the last stage verifies and returns the
   accepted count and the next token; the rejected slots die by mask (a ledger delta on the next step).
 - Finished rows are dropped (beam_idx), dead slots compacted when the policy says it pays.
+- When the chain breaks (ChainBroken: a PC of the fleet died) and run() was given `recover`, the engine
+  takes the new chain recover() returns and resumes every unfinished stream on it: each is prefilled
+  again with its prompt plus the tokens it has generated, so no token is lost or repeated.
 
 The chain is anything with submit/collect/release of Forward messages: the local threaded pipeline or
 the fleet over TLS websockets.
@@ -36,6 +39,14 @@ from .generation import GenerationError, check_request
 log = logging.getLogger(__name__)
 
 TokenCallback = Callable[[int, int], None]  # (stream id, token)
+
+
+class ChainBroken(RuntimeError):
+    """The chain lost a stage (an agent died, a link closed, a stage stopped answering): every micro-batch's
+    KV state on it is gone. A chain raises it (or a subclass) from submit() or collect()."""
+
+
+Recover = Callable[[ChainBroken], "StageChain"]  # a new chain to resume on; raises to give up
 
 
 class StageChain(Protocol):
@@ -100,6 +111,15 @@ class _Stream:
         return self.request.prompt_ids + self.tokens
 
 
+@dataclass(frozen=True)
+class Failover:
+    """One recovery during run(): what broke, and how many streams resumed on the new chain."""
+
+    error: str
+    after_steps: int  # steps collected before the chain broke
+    resumed_streams: int
+
+
 @dataclass
 class _InFlight:
     message: Forward
@@ -130,6 +150,7 @@ class Engine:
         self._collected = 0
         self._started = 0.0
         self._on_token: TokenCallback | None = None
+        self.failovers: list[Failover] = []
 
     # Public methods
 
@@ -140,23 +161,55 @@ class Engine:
         self._streams[stream_id] = _Stream(stream_id, request)
         return stream_id
 
-    def run(self, on_token: TokenCallback | None = None) -> dict[int, StreamResult]:
-        """Generate every queued stream to its end; results by stream id."""
+    def run(self, on_token: TokenCallback | None = None, recover: Recover | None = None) -> dict[int, StreamResult]:
+        """Generate every queued stream to its end; results by stream id.
+
+        When the chain raises ChainBroken: without `recover` the error propagates; with it, the engine
+        resumes every unfinished stream on the chain `recover(error)` returns (which may raise to give up).
+        """
         self._on_token = on_token
         self._started = time.perf_counter()
         while not all(stream.done for stream in self._streams.values()):
-            self._start_arrived()
-            self._merge_prefilled()
-            self._launch_idle()
-            if not self._in_flight:
-                if any(not s.started and s.request.arrival_step > self._collected for s in self._streams.values()):
-                    self._collected += 1  # nothing runs until the next arrival: let time pass
-                    continue
-                raise GenerationError("the engine has nothing in flight but streams are not done")
-            self._on_result(self.chain.collect())
+            try:
+                self._advance()
+            except ChainBroken as error:
+                if recover is None:
+                    raise
+                log.warning("the chain broke after %d steps: %s", self._collected, error)
+                self._resume_on(recover(error), error)
         return {stream.stream_id: StreamResult(stream.stream_id, stream.tokens, len(stream.request.prompt_ids),
                                                stream.first_token_s, stream.finished_s, stream.stopped_by_eos)
                 for stream in self._streams.values()}
+
+    def _advance(self) -> None:
+        """Start what can start, then take one finished step."""
+        self._start_arrived()
+        self._merge_prefilled()
+        self._launch_idle()
+        if not self._in_flight:
+            if any(not s.started and s.request.arrival_step > self._collected for s in self._streams.values()):
+                self._collected += 1  # nothing runs until the next arrival: let time pass
+                return
+            raise GenerationError("the engine has nothing in flight but streams are not done")
+        self._on_result(self.chain.collect())
+
+    def _resume_on(self, chain: StageChain, error: ChainBroken) -> None:
+        """Forget every micro-batch (their KV state died with the old chain) and queue every unfinished
+        stream that had started for a prefill of its prompt plus its tokens so far on `chain`."""
+        if self.draft is not None:
+            for batch_id in [*self._tracks, *self._prefills]:
+                if self.draft.has_batch(batch_id):
+                    self.draft.release(batch_id)
+        self._tracks.clear()
+        self._prefills.clear()
+        self._in_flight.clear()
+        resumed = 0
+        for stream in self._streams.values():
+            if stream.started and not stream.done:
+                stream.started, stream.batch = False, None
+                resumed += 1
+        self.chain = chain
+        self.failovers.append(Failover(str(error), self._collected, resumed))
 
     def accepted_histogram(self) -> dict[int, int]:
         return self.k_policy.accepted_histogram()
@@ -182,10 +235,11 @@ class Engine:
                 stream.started = True
                 track.add_row(stream.stream_id)
             self._prefills[track.micro_batch_id] = track
+            # confirmed: the prompt, plus the tokens so far of a stream resumed on a new chain
             if len(group) == 1 and self._uses_draft(group[0]):
                 assert self.draft is not None
-                self.draft.prefill(track.micro_batch_id, group[0].stream_id, group[0].request.prompt_ids)
-            self._send(track, [stream.request.prompt_ids for stream in group], prefill=True)
+                self.draft.prefill(track.micro_batch_id, group[0].stream_id, group[0].confirmed)
+            self._send(track, [stream.confirmed for stream in group], prefill=True)
 
     def _prefill_groups(self, arrived: list[_Stream]) -> list[list[_Stream]]:
         """Which newcomers to prefill together, as the rows of one micro-batch.

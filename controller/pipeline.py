@@ -98,6 +98,7 @@ class LocalPipeline:
         context = self.manifest.spec.max_context
         executors = [StageExecutor(Stage(self.model_dir, self.manifest, layers, settings), context)
                      for layers in self.ranges]
+        self.stages = tuple(executor.stage for executor in executors)  # compiled, in chain order
         self._queues: list[queue.Queue[object]] = [queue.Queue() for _ in range(len(executors) + 1)]
         self._inline = executors[0] if len(executors) == 1 else None
         self._workers = [] if self._inline else [

@@ -282,7 +282,7 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
         chain = TimingChain(pipeline)
         drafters = {"model": TimingDraft(DraftModel(Path(draft), settings)) if draft is not None else None,
                     "lookup": TimingDraft(PromptLookupDraft())}
-        compiled = _read_properties(pipeline._workers[0].executor.stage.compiled)
+        compiled = _read_properties(pipeline.stages[0].compiled)
         for index in range(rounds + 1):  # round 0 warms up, untimed
             current = {name: VariantStats() for name in names}
             for prompt_index, ids in enumerate(prompt_ids):

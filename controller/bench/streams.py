@@ -256,7 +256,7 @@ class DeskfleetUsers:
         self.pipeline = LocalPipeline(model, 1, settings, manifest)
         self.max_rows = max_rows
         self.new_tokens = new_tokens
-        stage = self.pipeline._workers[0].executor.stage  # the compiled stage, for its settings only
+        stage = self.pipeline.stages[0]  # the compiled stage, for its settings only
         self.compiled_properties = _read_properties(stage.compiled)
 
     def run(self, prompts: list[list[int]]) -> UsersRun:
