@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -32,15 +32,21 @@ from .text_printer import TextPrinter
 from .tokenizer import ChatMessage, ModelTokenizer
 
 if TYPE_CHECKING:
+    from .fleet_failover import FleetFailover
+    from .fleet_pipeline import FleetPipeline
     from .fleet_store import FleetStore
+    from .pipeline import LocalPipeline
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_FAILOVERS = 2  # re-plans per run when a PC of the fleet drops out
 
 
 @dataclass(frozen=True)
 class ChatOptions:
     model: Path
     fleet_dir: Path | None = None  # the controller data dir: chat over the deployed chain; None: local
+    max_failovers: int = DEFAULT_MAX_FAILOVERS  # fleet only: re-plans when a PC drops out mid-reply
     stages: int = 1  # local only
     system: str | None = None
     max_new_tokens: int = 256
@@ -90,15 +96,21 @@ def add_fleet_option(parser: argparse.ArgumentParser) -> None:
                         help="run on the fleet's deployed chain (`deskfleet fleet deploy --model` first)")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="controller data dir for --fleet (default: $DESKFLEET_CONTROLLER_DIR or the platform's)")
+    parser.add_argument("--max-failovers", type=_count, default=DEFAULT_MAX_FAILOVERS,
+                        help="--fleet: when a PC drops out mid-generation, re-plan over the others and resume, "
+                             f"at most this many times per run (0: fail at once; default {DEFAULT_MAX_FAILOVERS})")
 
 
-def generate_on_fleet(options: GenerateOptions, data_dir: Path | None, stream_text: bool = False) -> dict[str, object]:
-    """`deskfleet generate --fleet`: run_generate over the deployed chain of `options.model`."""
-    from .fleet_pipeline import FleetPipeline
-
-    with FleetPipeline.from_store(_store(data_dir), options.model) as chain:
-        report = run_generate(options, stream_text, chain=chain, chain_stages=chain.num_stages)
+def generate_on_fleet(options: GenerateOptions, data_dir: Path | None, stream_text: bool = False,
+                      max_failovers: int = DEFAULT_MAX_FAILOVERS) -> dict[str, object]:
+    """`deskfleet generate --fleet`: run_generate over the deployed chain of `options.model`, re-planned
+    (at most `max_failovers` times) when a PC drops out."""
+    store = _store(data_dir)
+    with _open_fleet_chain(store, options.model, max_failovers) as (chain, failover):
+        report = run_generate(options, stream_text, chain=chain, chain_stages=chain.num_stages,
+                              recover=failover if max_failovers > 0 else None)
     report["fleet"] = True
+    report["replans"] = failover.replans
     return report
 
 
@@ -110,7 +122,7 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
     sampling = SamplingParams(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
     history = [ChatMessage("system", options.system)] if options.system else []
     replies = 0
-    with _open_chain(options) as chain:
+    with _open_chain(options) as (chain, failover):
         micro_batches = getattr(chain, "num_stages", 1)
         engine_options = EngineOptions(micro_batches=micro_batches, k_max=max(options.k_max, 1), fixed_k=options.k)
         while True:
@@ -139,7 +151,10 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
                 history = history[:1] if options.system else []
                 continue
             printer = TextPrinter(tokenizer, out)
-            result = engine.run(on_token=printer.push)[0]
+            recover = failover if failover is not None and options.max_failovers > 0 else None
+            result = engine.run(on_token=printer.push, recover=recover)[0]
+            if engine.failovers:
+                chain = engine.chain  # the next turns run on the chain this one ended on
             out.write("\n")
             out.flush()
             eos = set(manifest.spec.eos_token_ids)
@@ -151,6 +166,16 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
 
 # Private functions
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def _store(data_dir: Path | None) -> FleetStore:
     from .fleet_store import FleetStore, default_data_dir
 
@@ -159,14 +184,37 @@ def _store(data_dir: Path | None) -> FleetStore:
     return store
 
 
-def _open_chain(options: ChatOptions) -> AbstractContextManager[StageChain]:
-    if options.fleet_dir is not None:
-        from .fleet_pipeline import FleetPipeline
+@contextmanager
+def _open_fleet_chain(store: FleetStore, model: Path, max_failovers: int
+                      ) -> Iterator[tuple[FleetPipeline, FleetFailover]]:
+    """The deployed chain of `model` and the failover that replaces it when a PC drops out. A PC that is
+    already gone when the chain opens counts as the first failover."""
+    from .fleet_failover import FleetFailover
+    from .fleet_pipeline import ChainError, FleetPipeline
 
-        return FleetPipeline.from_store(_store(options.fleet_dir), options.model)
+    with ExitStack() as stack:
+        failover = stack.enter_context(FleetFailover(store, model, max_failovers))
+        try:
+            chain = stack.enter_context(FleetPipeline.from_store(store, model))
+        except ChainError as error:
+            if error.agent_id is None or max_failovers <= 0:
+                raise  # not an agent's fault (e.g. never deployed): nothing to re-plan around
+            chain = failover(error)
+        yield chain, failover
+
+
+def _open_chain(options: ChatOptions) -> AbstractContextManager[tuple[StageChain, FleetFailover | None]]:
+    if options.fleet_dir is not None:
+        return _open_fleet_chain(_store(options.fleet_dir), options.model, options.max_failovers)
     from .pipeline import LocalPipeline
 
-    return LocalPipeline(options.model, options.stages, options.settings)
+    return _without_failover(LocalPipeline(options.model, options.stages, options.settings))
+
+
+@contextmanager
+def _without_failover(pipeline: LocalPipeline) -> Iterator[tuple[StageChain, None]]:
+    with pipeline:
+        yield pipeline, None
 
 
 def _chat_command(args: argparse.Namespace) -> int:
@@ -177,6 +225,7 @@ def _chat_command(args: argparse.Namespace) -> int:
     compile_settings = CompileSettings(device=args.device, precision=Precision(args.precision),
                                        num_threads=args.threads)
     options = ChatOptions(model=args.model, fleet_dir=(args.data_dir or default_data_dir()) if args.fleet else None,
+                          max_failovers=args.max_failovers,
                           stages=args.stages, system=args.system, max_new_tokens=args.max_new_tokens,
                           draft=args.draft, prompt_lookup=args.prompt_lookup, k=args.k, k_max=args.k_max,
                           temperature=args.temperature,

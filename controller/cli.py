@@ -193,7 +193,8 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed, max_rows=args.max_rows, micro_batches=args.micro_batches,
         settings=_compile_settings(args))
     if args.fleet:
-        report = generate_on_fleet(options, args.data_dir, stream_text=not args.json)
+        report = generate_on_fleet(options, args.data_dir, stream_text=not args.json,
+                                   max_failovers=args.max_failovers)
     else:
         report = run_generate(options, stream_text=not args.json)
     if args.json:

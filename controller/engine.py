@@ -175,7 +175,7 @@ class Engine:
             except ChainBroken as error:
                 if recover is None:
                     raise
-                log.warning("the chain broke after %d steps: %s", self._collected, error)
+                log.info("the chain broke after %d steps: %s", self._collected, error)
                 self._resume_on(recover(error), error)
         return {stream.stream_id: StreamResult(stream.stream_id, stream.tokens, len(stream.request.prompt_ids),
                                                stream.first_token_s, stream.finished_s, stream.stopped_by_eos)

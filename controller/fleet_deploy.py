@@ -64,6 +64,16 @@ class StagePlacement:
 
 
 @dataclass(frozen=True)
+class DeploySettings:
+    """How a model was deployed; a re-plan after a PC drops out deploys it the same way."""
+
+    policy: PlanPolicy = PlanPolicy.FEWEST_AGENTS
+    streams: int = 1
+    precision: Precision = Precision.DEVICE_DEFAULT
+    device: str = "CPU"
+
+
+@dataclass(frozen=True)
 class DeployReport:
     model_id: str
     stages: tuple[StagePlacement, ...]
@@ -105,11 +115,14 @@ def candidates_of(agents: list[AgentView]) -> list[AgentCandidate]:
 
 async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: PlanOptions,
                  precision: Precision = Precision.DEVICE_DEFAULT, device: str = "CPU",
-                 progress: Progress | None = None) -> tuple[Plan, DeployReport]:
-    """Plan over the surveyed agents, push what each lacks, assign the stages. DeployError on failure."""
+                 progress: Progress | None = None, exclude: frozenset[str] = frozenset()
+                 ) -> tuple[Plan, DeployReport]:
+    """Plan over the surveyed agents (less those in `exclude`), push what each lacks, assign the stages.
+    DeployError on failure."""
     manifest = load_manifest(model_dir)
     model_id = model_id_of(model_dir)
-    result = plan(footprint_of(manifest), candidates_of(found.reachable()), options)
+    agents = [agent for agent in found.reachable() if agent.agent_id not in exclude]
+    result = plan(footprint_of(manifest), candidates_of(agents), options)
     if not result.feasible:
         raise DeployError("the model does not fit the fleet: " + "; ".join(result.problems))
     addresses = {agent.agent_id: agent.address for agent in found.agents if agent.agent_id is not None}
@@ -123,7 +136,7 @@ async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: Pla
     except* DeployError as errors:
         raise DeployError("; ".join(str(error) for error in errors.exceptions)) from None
     report = DeployReport(model_id, placements, sent, files)
-    _save_deployment(store, model_dir, report)
+    _save_deployment(store, model_dir, report, DeploySettings(options.policy, options.streams, precision, device))
     return result, report
 
 
@@ -152,6 +165,21 @@ def load_deployment(store: FleetStore, model_dir: Path) -> tuple[StagePlacement,
     if not isinstance(record, dict):
         raise DeployError(f"{model_id} has not been deployed: run `deskfleet fleet deploy --model {model_dir}`")
     return tuple(StagePlacement(**stage) for stage in record["stages"])
+
+
+def load_deploy_settings(store: FleetStore, model_dir: Path) -> DeploySettings:
+    """The settings of the last deploy of this model (the defaults for a record saved without them)."""
+    body = store.read("deployments", {})
+    record = body.get(model_id_of(model_dir)) if isinstance(body, dict) else None
+    settings = record.get("settings") if isinstance(record, dict) else None
+    if not isinstance(settings, dict):
+        return DeploySettings()
+    try:
+        return DeploySettings(PlanPolicy(settings["policy"]), int(settings["streams"]),
+                              Precision(settings["precision"]), str(settings["device"]))
+    except (KeyError, ValueError, TypeError) as error:
+        raise DeployError(f"the saved deployment of {model_dir} has unreadable settings ({error}): "
+                          "deploy it again") from None
 
 
 # Private functions
@@ -225,12 +253,15 @@ async def _expect(link: Link, kind: type[_M], timeout: float) -> _M:
             return message
 
 
-def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport) -> None:
+def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, settings: DeploySettings) -> None:
     with store.locked():
         body = store.read("deployments", {})
         deployments = dict(body) if isinstance(body, dict) else {}
         deployments[report.model_id] = {"model_dir": str(model_dir.resolve()),
-                                        "stages": [asdict(stage) for stage in report.stages]}
+                                        "stages": [asdict(stage) for stage in report.stages],
+                                        "settings": {"policy": settings.policy.value, "streams": settings.streams,
+                                                     "precision": settings.precision.value,
+                                                     "device": settings.device}}
         store.write("deployments", deployments)
 
 

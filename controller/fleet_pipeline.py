@@ -28,6 +28,7 @@ from pathlib import Path
 
 from deskfleet.agent.link import Link, LinkError, RevocationSource, TlsFiles, no_revocations, open_link
 from deskfleet.common.wire import Error, Forward, ForwardResult, ReleaseMicroBatch, ResultsHere
+from deskfleet.controller.engine import ChainBroken
 from deskfleet.controller.fleet_deploy import DeployError, StagePlacement, load_deployment
 from deskfleet.controller.fleet_store import FleetStore
 
@@ -36,8 +37,14 @@ log = logging.getLogger(__name__)
 STEP_TIMEOUT_S = 120.0
 
 
-class ChainError(RuntimeError):
-    """A step failed: an agent is unreachable or reported an error (named)."""
+class ChainError(ChainBroken):
+    """A step failed: an agent is unreachable or reported an error (named). `agent_id` is the agent at
+    fault when the chain knows it (its link closed, it could not be dialled), else None."""
+
+    def __init__(self, message: str, agent_id: str | None = None) -> None:
+        super().__init__(message)
+        self.agent_id = agent_id
+
 OPEN_TIMEOUT_S = 30.0
 _ID_SPAN = 1 << 24  # engine micro-batch ids stay below this
 
@@ -224,7 +231,8 @@ class FleetPipeline:
                         links.append(await open_link(address, self.files, stage.agent_id, self.revocations))
                     except LinkError as error:
                         raise ChainError(f"cannot reach agent {stage.agent_id[:12]} (stage {index}, layers "
-                                         f"[{stage.layer_start}:{stage.layer_end}]): {error}") from None
+                                         f"[{stage.layer_start}:{stage.layer_end}]): {error}",
+                                         stage.agent_id) from None
                 await links[-1].send(ResultsHere())
         except (ChainError, LinkError, TimeoutError) as error:
             for link in links:
@@ -259,4 +267,4 @@ class FleetPipeline:
     def _stage_error(self, index: int, text: str) -> ChainError:
         stage = self.stages[index]
         return ChainError(f"agent {stage.agent_id[:12]} (stage {index}, layers [{stage.layer_start}:"
-                          f"{stage.layer_end}]) at {self.addresses[index]}: {text}")
+                          f"{stage.layer_end}]) at {self.addresses[index]}: {text}", stage.agent_id)

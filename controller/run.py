@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from deskfleet.agent.stage import CompileSettings
@@ -13,7 +13,7 @@ from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.speculative import SamplingParams
 
 from .draft import open_drafter
-from .engine import Engine, EngineOptions, StageChain, StreamRequest
+from .engine import Engine, EngineOptions, Recover, StageChain, StreamRequest
 from .generation import GenerationError
 from .pipeline import LocalPipeline
 from .text_printer import TextPrinter
@@ -58,10 +58,11 @@ def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[
 
 
 def run_generate(options: GenerateOptions, stream_text: bool = False, chain: StageChain | None = None,
-                 chain_stages: int | None = None) -> dict[str, object]:
+                 chain_stages: int | None = None, recover: Recover | None = None) -> dict[str, object]:
     """Run every prompt as a concurrent stream; returns the report `deskfleet generate --json` prints.
 
     `chain` (e.g. the fleet, with `chain_stages` stages) replaces the local pipeline; the caller closes it.
+    `recover` makes a new chain when that one breaks (Engine.run); the report then lists the failovers.
     """
     manifest = load_manifest(options.model)
     tokenizer = ModelTokenizer(options.model)
@@ -81,7 +82,7 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
             engine.add(StreamRequest(prompt_ids=prompt, max_new_tokens=options.max_new_tokens,
                                      ignore_eos=options.ignore_eos, sampling=sampling, seed=options.seed + index))
         started = time.perf_counter()
-        results = engine.run(on_token=printer.push if printer else None)
+        results = engine.run(on_token=printer.push if printer else None, recover=recover)
         wall = time.perf_counter() - started
     streams = [{"tokens": result.tokens, "text": tokenizer.decode(result.tokens),
                 "tok_s": round(result.decode_tok_s, 3), "prompt_tokens": result.prompt_tokens,
@@ -97,6 +98,8 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
         if stream_text:
             for index, stream in enumerate(streams):
                 print(f"--- stream {index}\n{stream['text']}")
+    if recover is not None:
+        report["failovers"] = [asdict(failover) for failover in engine.failovers]
     if draft is not None:
         report["accepted_histogram"] = {str(k): v for k, v in engine.accepted_histogram().items()}
         report["mean_accepted"] = round(engine.mean_accepted(), 4)

@@ -21,7 +21,7 @@ from deskfleet.common.planner import PlanOptions, PlanPolicy
 from deskfleet.common.wire import Precision
 from deskfleet.controller.engine import Engine, StreamRequest
 from deskfleet.controller.fleet_ca import init_fleet, load_ca
-from deskfleet.controller.fleet_deploy import deploy
+from deskfleet.controller.fleet_deploy import DeploySettings, deploy, load_deploy_settings, load_deployment
 from deskfleet.controller.fleet_pipeline import FleetPipeline
 from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.fleet_survey import SurveyOptions, survey
@@ -68,6 +68,17 @@ def test_deploy_twice_and_generate(tmp_path: Path, tiny_export: Path) -> None:
                 await found.close()
         with pytest.raises(ManifestError, match=r"no manifest\.json"):
             await deploy(store, tmp_path, found, policy)
+        assert load_deploy_settings(store, tiny_export) == DeploySettings(PlanPolicy.ALL_BY_SPEED, 1, Precision.F32)
+        # A re-plan that leaves one agent out puts every stage on the other (and saves that as the deployment).
+        found = await survey(store, options)
+        left_out = report.stages[0].agent_id
+        try:
+            _, replanned = await deploy(store, tiny_export, found, policy, Precision.F32,
+                                        exclude=frozenset({left_out}))
+        finally:
+            await found.close()
+        assert {stage.agent_id for stage in replanned.stages} == {report.stages[1].agent_id}
+        assert load_deployment(store, tiny_export) == replanned.stages
         # The driver runs its own event loop thread, as `deskfleet generate --fleet` does.
         tokens = await asyncio.to_thread(drive, store, tiny_export)
         for server in servers:

@@ -6,7 +6,8 @@ run on loopback with distinct ports
 (DESKFLEET_TEST_LOOPBACK=1 forces that as root). The fixture makes and always removes the namespaces and bridge.
 The tests run in file order and share the fleet: join + discovery, deploy twice, generate through the
 chain, the engine over the fleet (several streams, speculative, sampled) token-identical to a local
-1-stage run, strangers refused, a removed agent refused, a dead agent named.
+1-stage run, strangers refused, a PC switched off mid-generation re-planned around (same text), a
+removed agent refused, a dead agent named (--max-failovers 0) or re-planned around.
 """
 
 from __future__ import annotations
@@ -305,6 +306,52 @@ def test_strangers_are_refused_and_reach_no_stage(fleet: Fleet, tiny_export: Pat
     test_chain_generates_the_local_tokens(fleet, tiny_export)
 
 
+def _agent_index(fleet: Fleet, agent_id: str) -> int:
+    return next(i for i in range(AGENTS) if json.loads(
+        (fleet.agent_dir(i) / "state" / "membership.json").read_text())["agent_id"] == agent_id)
+
+
+def _deployed_stages(fleet: Fleet) -> list[dict[str, object]]:
+    deployments = json.loads((fleet.controller_dir / "deployments.json").read_text())["body"]
+    stages = next(iter(deployments.values()))["stages"]
+    assert isinstance(stages, list)
+    return stages
+
+
+def _start_agent(fleet: Fleet, index: int) -> None:
+    node = fleet.agents[index]
+    fleet.start(node.name, node, str(BIN / "deskfleet-agent"), "--headless", "--data-dir", str(fleet.agent_dir(index)),
+                "--listen", fleet.agent_addresses[index])
+
+
+def test_a_pc_that_drops_out_mid_generation_is_replanned_around(fleet: Fleet, tiny_export: Path) -> None:
+    argv = ["generate", "--model", str(tiny_export), "--prompt-ids", PROMPTS[0], "--max-new-tokens", "500",
+            "--ignore-eos", "--precision", "f32"]
+    local = fleet.run(fleet.controller, str(BIN / "deskfleet"), *argv)
+    victim = str(_deployed_stages(fleet)[-1]["agent_id"])
+    index = _agent_index(fleet, victim)
+    run = subprocess.Popen(fleet.controller.command(str(BIN / "deskfleet"), *argv, "--fleet", "--data-dir",
+                                                    str(fleet.controller_dir)),
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_environment())
+    assert run.stdout is not None
+    first = run.stdout.read(1)  # text streams as it is decoded: generation is under way
+    fleet.processes[fleet.agents[index].name].kill()  # the PC is switched off mid-reply
+    fleet.processes[fleet.agents[index].name].wait(timeout=10)
+    rest, errors = run.communicate(timeout=300)
+    stderr = errors.decode()
+    assert run.returncode == 0, stderr
+    assert first + rest == local.encode()  # not a token lost, repeated or changed
+    assert victim[:12] in stderr and "re-planned over 2 agent(s)" in stderr, stderr
+    stages = _deployed_stages(fleet)
+    assert len(stages) == 2 and victim not in {stage["agent_id"] for stage in stages}
+    _start_agent(fleet, index)  # switched on again: it rejoins on its own
+
+    def all_answer() -> bool:
+        return sum(agent["state"] in ("available", "serving") for agent in _ls(fleet)) == AGENTS
+
+    _wait_for("the restarted agent to answer", all_answer, timeout=60)
+
+
 def test_removed_agent_is_dropped_and_refused(fleet: Fleet) -> None:
     membership = json.loads((fleet.agent_dir(2) / "state" / "membership.json").read_text())
     fleet.deskfleet("fleet", "remove", membership["agent_id"][:10])
@@ -318,16 +365,25 @@ def test_removed_agent_is_dropped_and_refused(fleet: Fleet) -> None:
     assert membership["agent_id"] not in listed and len(listed) == AGENTS - 1
 
 
-def test_a_dead_agent_is_named(fleet: Fleet, tiny_export: Path) -> None:
-    deployments = json.loads((fleet.controller_dir / "deployments.json").read_text())["body"]
-    first = next(iter(deployments.values()))["stages"][0]["agent_id"]
-    index = next(i for i in range(AGENTS) if json.loads(
-        (fleet.agent_dir(i) / "state" / "membership.json").read_text())["agent_id"] == first)
+def test_a_dead_agent_is_named_or_replanned_around(fleet: Fleet, tiny_export: Path) -> None:
+    first = str(_deployed_stages(fleet)[0]["agent_id"])
+    index = _agent_index(fleet, first)
     fleet.processes[fleet.agents[index].name].terminate()
     fleet.processes[fleet.agents[index].name].wait(timeout=10)
-    done = subprocess.run(fleet.controller.command(
-        str(BIN / "deskfleet"), "generate", "--fleet", "--model", str(tiny_export), "--prompt-ids", PROMPTS[0],
-        "--max-new-tokens", "4", "--json", "--data-dir", str(fleet.controller_dir)),
-        cwd=REPO, capture_output=True, timeout=120, env=_environment())
+    argv = [str(BIN / "deskfleet"), "generate", "--fleet", "--model", str(tiny_export), "--prompt-ids", PROMPTS[0],
+            "--max-new-tokens", "8", "--ignore-eos", "--json", "--data-dir", str(fleet.controller_dir)]
+    done = subprocess.run(fleet.controller.command(*argv, "--max-failovers", "0"),
+                          cwd=REPO, capture_output=True, timeout=120, env=_environment())
     assert done.returncode != 0
     assert first[:12] in done.stderr.decode(), done.stderr.decode()
+    # By default the chain is re-planned over the agents left: neither removed (agent 2) nor dead.
+    removed = json.loads((fleet.agent_dir(2) / "state" / "membership.json").read_text())["agent_id"]
+    left = AGENTS - len({removed, first})
+    report = json.loads(fleet.run(fleet.controller, *argv))
+    local = json.loads(fleet.run(fleet.controller, str(BIN / "deskfleet"), "generate", "--model", str(tiny_export),
+                                 "--prompt-ids", PROMPTS[0], "--max-new-tokens", "8", "--ignore-eos", "--json",
+                                 "--precision", "f32"))
+    assert report["tokens"] == local["tokens"]
+    assert [replan["lost_agent"] for replan in report["replans"]] == [first]
+    stages = report["replans"][0]["stages"]
+    assert len(stages) == left and not {removed, first} & {stage[0] for stage in stages}, stages

@@ -1,0 +1,89 @@
+"""When a PC of the chain drops out mid-generation: re-plan over the fleet that is left, and carry on.
+
+FleetFailover is the engine's `recover` (Engine.run): given the ChainError that broke the chain it
+surveys the fleet again (registrations, a short mDNS browse), leaves out every agent that has failed in
+this run, plans over the others with the settings of the model's last deploy (policy, streams,
+precision, device), pushes only what the new stages lack (the surviving PCs usually hold their layers
+already) and opens the new chain; the engine then prefills every unfinished stream with its prompt and
+the tokens it had, so the output is what an uninterrupted run gives. The new plan is saved as the
+model's deployment. After `max_failovers` re-plans in one run, or when the model no longer fits the PCs
+that are left, it raises FailoverError naming what was lost and why no new chain could be made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deskfleet.common.planner import PlanOptions
+from deskfleet.controller.engine import ChainBroken
+from deskfleet.controller.fleet_ca import Revocations
+from deskfleet.controller.fleet_deploy import DeployError, DeployReport, deploy, load_deploy_settings
+from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
+from deskfleet.controller.fleet_store import FleetStore
+from deskfleet.controller.fleet_survey import SurveyOptions, survey
+
+log = logging.getLogger(__name__)
+
+
+class FailoverError(RuntimeError):
+    """The chain broke and no new one could be made; the message says what broke and why."""
+
+
+@dataclass
+class FleetFailover:
+    """Makes a new chain for the engine each time the old one breaks. Close it when the run is over: it
+    owns the chains it opened."""
+
+    store: FleetStore
+    model_dir: Path
+    max_failovers: int
+    survey_options: SurveyOptions = field(default_factory=lambda: SurveyOptions(discover_seconds=1.0))
+    notify: Callable[[str], None] = log.warning  # told what broke and where the run goes on
+    lost: set[str] = field(default_factory=set)  # agent ids that failed in this run
+    chains: list[FleetPipeline] = field(default_factory=list)
+    replans: list[dict[str, object]] = field(default_factory=list)  # what broke, and the chain made after it
+
+    def __call__(self, error: ChainBroken) -> FleetPipeline:
+        agent_id = error.agent_id if isinstance(error, ChainError) else None
+        if agent_id is not None:
+            self.lost.add(agent_id)
+        if len(self.chains) >= self.max_failovers:
+            raise FailoverError(f"{error} (gave up: {len(self.chains)} re-plan(s) already in this run, "
+                                f"--max-failovers {self.max_failovers})") from error
+        try:
+            report = asyncio.run(self._redeploy())
+            chain = FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store))
+        except (DeployError, ChainError) as failure:
+            raise FailoverError(f"{error}; no new chain without the lost agent(s): {failure}") from error
+        self.chains.append(chain)
+        stages = [[stage.agent_id, stage.layer_start, stage.layer_end] for stage in chain.stages]
+        self.replans.append({"error": str(error), "lost_agent": agent_id, "stages": stages})
+        self.notify(f"the chain broke ({error}); re-planned over {chain.num_stages} agent(s): {chain.describe()}")
+        return chain
+
+    def close(self) -> None:
+        for chain in self.chains:
+            chain.close()
+
+    def __enter__(self) -> FleetFailover:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # Private methods
+
+    async def _redeploy(self) -> DeployReport:
+        settings = load_deploy_settings(self.store, self.model_dir)
+        found = await survey(self.store, self.survey_options)
+        try:
+            _, report = await deploy(self.store, self.model_dir, found,
+                                     PlanOptions(policy=settings.policy, streams=settings.streams),
+                                     settings.precision, settings.device, exclude=frozenset(self.lost))
+        finally:
+            await found.close()
+        return report

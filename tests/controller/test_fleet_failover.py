@@ -1,0 +1,62 @@
+"""FleetFailover's limits and the deploy settings it re-plans with (the re-plan itself runs in
+test_fleet_deploy.py and, with a PC switched off mid-generation, in the integration fleet)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent.link import utc_now
+from deskfleet.common.planner import PlanPolicy
+from deskfleet.common.wire import Precision
+from deskfleet.controller.chat import add_fleet_option
+from deskfleet.controller.fleet_ca import init_fleet
+from deskfleet.controller.fleet_deploy import DeployError, DeploySettings, load_deploy_settings, model_id_of
+from deskfleet.controller.fleet_failover import FailoverError, FleetFailover
+from deskfleet.controller.fleet_pipeline import ChainError
+from deskfleet.controller.fleet_store import FleetStore
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> FleetStore:
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    return store
+
+
+def test_no_failover_allowed_gives_up_at_once_and_remembers_the_agent(store: FleetStore, tiny_export: Path) -> None:
+    failover = FleetFailover(store, tiny_export, max_failovers=0)
+    with pytest.raises(FailoverError, match=r"agent abc.*gave up: 0 re-plan\(s\) .*--max-failovers 0"):
+        failover(ChainError("agent abc (stage 1) at 10.0.0.2:7431: the link closed", "abc" * 17))
+    assert failover.lost == {"abc" * 17} and failover.chains == [] and failover.replans == []
+
+
+def test_a_fleet_with_no_agent_left_says_why_no_chain_was_made(store: FleetStore, tiny_export: Path) -> None:
+    failover = FleetFailover(store, tiny_export, max_failovers=2)
+    failover.survey_options = type(failover.survey_options)(discover_seconds=0)  # nobody registered
+    with pytest.raises(FailoverError, match=r"the link closed; no new chain without the lost agent\(s\): "
+                                            r"the model does not fit the fleet"):
+        failover(ChainError("agent abc: the link closed", "abc" * 17))
+
+
+def test_deploy_settings_of_an_older_record_are_the_defaults_and_a_bad_one_is_refused(
+        store: FleetStore, tiny_export: Path) -> None:
+    model_id = model_id_of(tiny_export)
+    store.write("deployments", {model_id: {"model_dir": str(tiny_export), "stages": []}})
+    assert load_deploy_settings(store, tiny_export) == DeploySettings(PlanPolicy.FEWEST_AGENTS, 1,
+                                                                      Precision.DEVICE_DEFAULT, "CPU")
+    store.write("deployments", {model_id: {"model_dir": str(tiny_export), "stages": [], "settings": {
+        "policy": "fastest", "streams": 1, "precision": "f32", "device": "CPU"}}})
+    with pytest.raises(DeployError, match=r"unreadable settings.*deploy it again"):
+        load_deploy_settings(store, tiny_export)
+
+
+def test_max_failovers_must_be_a_count() -> None:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_fleet_option(parser)
+    assert parser.parse_args(["--max-failovers", "0"]).max_failovers == 0
+    for bad in ("-1", "two"):
+        with pytest.raises(argparse.ArgumentError, match="max-failovers"):
+            parser.parse_args(["--max-failovers", bad])
