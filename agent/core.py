@@ -64,6 +64,10 @@ from deskfleet.common.wire import (
 
 log = logging.getLogger(__name__)
 
+# A micro-batch steps many times a second while its stream runs, and its driver releases it at the end;
+# one unused this long belongs to a driver that is gone.
+MICRO_BATCH_IDLE_S = 600.0
+
 
 class CommandError(Exception):
     """A command cannot be carried out; answered to the sender as Error(code, message)."""
@@ -204,6 +208,19 @@ class AgentCore:
                 self._note_error(f"speed probe failed: {error}")
         speed = self._speed.weight_gb_per_s if self._speed is not None else None
         return replace(snapshot.to_wire(), weight_gb_per_s=speed)
+
+    async def release_idle_micro_batches(self, max_idle_s: float = MICRO_BATCH_IDLE_S) -> int:
+        """Free the KV state of micro-batches idle for `max_idle_s` on every hosted stage; returns how many.
+        Nothing else frees the state of a driver that vanished mid-generation."""
+        freed = 0
+        for hosted in list(self.stages.values()):
+            async with hosted.lock:
+                idle = hosted.executor.release_idle(max_idle_s)
+            if idle:
+                log.info("freed %d micro-batch(es) idle for %.0f s on %s", len(idle), max_idle_s,
+                         _stage_key(hosted.assignment.stage))
+                freed += len(idle)
+        return freed
 
     async def close(self) -> None:
         for link in list(self._next_hops.values()):

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 RETRY_MIN_S = 1.0
 RETRY_MAX_S = 30.0
 ADVERTISE_REFRESH_S = 10.0
+IDLE_SWEEP_S = 60.0  # how often micro-batches left behind by a vanished driver are looked for
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class AgentService:
             async with server, asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._register_forever(), name="register")
                 tasks.create_task(self._advertise_forever(host), name="advertise")
+                tasks.create_task(self._sweep_idle_forever(), name="sweep-idle")
                 await self._stopping.wait()
                 raise _Stop
         except* _Stop:
@@ -117,6 +119,11 @@ class AgentService:
                     await advertiser.update(await self._record())
         except OSError as error:  # no multicast on this network: registration still works
             log.warning("mDNS advertisement failed: %s", error)
+
+    async def _sweep_idle_forever(self) -> None:
+        while True:
+            await asyncio.sleep(IDLE_SWEEP_S)
+            await self.core.release_idle_micro_batches()
 
     async def _record(self) -> AgentRecord:
         report = await self.core.status()

@@ -12,6 +12,7 @@ No torch here: this runs on every employee PC and, in-process, in the controller
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -94,6 +95,7 @@ class _MicroBatch:
     mirror: Mirror
     session: StageSession
     steps: int = field(default=0)
+    last_used: float = field(default_factory=time.monotonic)
 
 
 class StageExecutor:
@@ -120,6 +122,7 @@ class StageExecutor:
         if batch is None:
             batch = _MicroBatch(Mirror(self.max_positions), self.stage.open_session())
             self._batches[message.micro_batch_id] = batch
+        batch.last_used = time.monotonic()
         sources = [self._take_source(source) for source in message.admit_from]
         inputs = replay_deltas(
             batch.mirror, message.slot_deltas,
@@ -148,6 +151,15 @@ class StageExecutor:
 
     def release(self, micro_batch_id: int) -> None:
         self._batches.pop(micro_batch_id, None)
+
+    def release_idle(self, max_idle_s: float, now: float | None = None) -> list[int]:
+        """Free the micro-batches no step has used for `max_idle_s` (their driver vanished without a
+        ReleaseMicroBatch: it crashed, or its chain broke and it re-planned); returns their ids."""
+        now = time.monotonic() if now is None else now
+        idle = [batch_id for batch_id, batch in self._batches.items() if now - batch.last_used > max_idle_s]
+        for batch_id in idle:
+            del self._batches[batch_id]
+        return idle
 
     # Private methods
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -341,7 +342,7 @@ def test_a_pc_that_drops_out_mid_generation_is_replanned_around(fleet: Fleet, ti
     stderr = errors.decode()
     assert run.returncode == 0, stderr
     assert first + rest == local.encode()  # not a token lost, repeated or changed
-    assert victim[:12] in stderr and "re-planned over 2 agent(s)" in stderr, stderr
+    assert victim[:12] in stderr and re.search(r"re-planned in [0-9.]+ s over 2 agent\(s\)", stderr), stderr
     stages = _deployed_stages(fleet)
     assert len(stages) == 2 and victim not in {stage["agent_id"] for stage in stages}
     _start_agent(fleet, index)  # switched on again: it rejoins on its own
