@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,7 @@ class FleetFailover:
         if len(self.chains) >= self.max_failovers:
             raise FailoverError(f"{error} (gave up: {len(self.chains)} re-plan(s) already in this run, "
                                 f"--max-failovers {self.max_failovers})") from error
+        started = time.perf_counter()
         try:
             report = asyncio.run(self._redeploy())
             chain = FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store))
@@ -61,8 +63,10 @@ class FleetFailover:
             raise FailoverError(f"{error}; no new chain without the lost agent(s): {failure}") from error
         self.chains.append(chain)
         stages = [[stage.agent_id, stage.layer_start, stage.layer_end] for stage in chain.stages]
-        self.replans.append({"error": str(error), "lost_agent": agent_id, "stages": stages})
-        self.notify(f"the chain broke ({error}); re-planned over {chain.num_stages} agent(s): {chain.describe()}")
+        seconds = round(time.perf_counter() - started, 3)
+        self.replans.append({"error": str(error), "lost_agent": agent_id, "stages": stages, "seconds": seconds})
+        self.notify(f"the chain broke ({error}); re-planned in {seconds:.1f} s over {chain.num_stages} agent(s): "
+                    f"{chain.describe()}")
         return chain
 
     def close(self) -> None:
