@@ -204,11 +204,25 @@ def _read_tensors(view: memoryview, offset: int, descriptors: object, limits: Li
 
 # Private functions: fields <-> JSON, driven by the dataclass annotations
 
+# The helpers below read annotations; they are cached because every message of a type asks the same
+# questions (uncached, reading annotations was most of the 80 us a Forward took to encode or decode).
+
 @cache
 def _hints(cls: type) -> dict[str, object]:
     return typing.get_type_hints(cls)
 
 
+@cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+@cache
+def _origin_and_args(annotation: object) -> tuple[object, tuple[object, ...]]:
+    return typing.get_origin(annotation), typing.get_args(annotation)
+
+
+@cache
 def _is_tensor(annotation: object) -> bool:
     """np.ndarray[...] however it is spelled: numpy < 2.5 makes npt.NDArray[X] an alias whose origin is
     np.ndarray; numpy 2.5 makes NDArray a `type` alias (TypeAliasType), whose __value__ holds np.ndarray."""
@@ -219,11 +233,40 @@ def _is_tensor(annotation: object) -> bool:
     return value is not None and (value is np.ndarray or typing.get_origin(value) is np.ndarray)
 
 
+@cache
 def _union_members(annotation: object) -> tuple[object, ...] | None:
     """For `X | Y | None` return (X, Y, NoneType); for anything that is not a union None."""
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return typing.get_args(annotation)
-    return None
+    origin, arguments = _origin_and_args(annotation)
+    return arguments if origin in (typing.Union, types.UnionType) else None
+
+
+@cache
+def _non_none_members(members: tuple[object, ...]) -> tuple[object, ...]:
+    return tuple(member for member in members if member is not type(None))
+
+
+@cache
+def _kind(annotation: object) -> str:
+    """What an annotation asks for: union, tuple, int_tuple (tuple[int, ...]), tensor, bytes, enum,
+    dataclass, float, int, str, bool, or unknown."""
+    if _union_members(annotation) is not None:
+        return "union"
+    origin, arguments = _origin_and_args(annotation)
+    if origin is tuple:
+        return "int_tuple" if arguments == (int, Ellipsis) else "tuple"
+    if _is_tensor(annotation):
+        return "tensor"
+    if not isinstance(annotation, type):
+        return "unknown"
+    if annotation in (bytes, float, int, str, bool):
+        return annotation.__name__
+    if issubclass(annotation, Enum):
+        return "enum"
+    return "dataclass" if dataclasses.is_dataclass(annotation) else "unknown"
+
+
+def _int64(value: object) -> bool:
+    return type(value) is int and _INT64_MIN <= value <= _INT64_MAX
 
 
 def _union_member(members: tuple[object, ...], kind: object, path: str) -> type:
@@ -245,42 +288,45 @@ def _tuple_elements(arguments: tuple[object, ...], length: int, path: str) -> tu
 
 
 def _fields_to_json(cls: type, value: object, path: str, arrays: list[Tensor]) -> dict[str, object]:
-    return {f.name: _to_json(_hints(cls)[f.name], getattr(value, f.name), f"{path}.{f.name}", arrays)
-            for f in dataclasses.fields(cls)}
+    hints = _hints(cls)
+    return {name: _to_json(hints[name], getattr(value, name), f"{path}.{name}", arrays)
+            for name in _field_names(cls)}
 
 
 def _to_json(annotation: object, value: object, path: str, arrays: list[Tensor]) -> object:
-    members = _union_members(annotation)
-    if members is not None:
+    kind = _kind(annotation)
+    if kind == "union":
+        members = _union_members(annotation)
+        assert members is not None
         if value is None and type(None) in members:
             return None
-        others = [m for m in members if m is not type(None)]
+        others = _non_none_members(members)
         if len(others) == 1:
             return _to_json(others[0], value, path, arrays)
         member = _union_member(members, type(value).__name__, path)
         return {"kind": member.__name__, "fields": _to_json(member, value, path, arrays)}
-    origin = typing.get_origin(annotation)
-    if origin is tuple and isinstance(value, tuple):
-        elements = _tuple_elements(typing.get_args(annotation), len(value), path)
+    if kind == "int_tuple" and isinstance(value, tuple) and all(type(item) is int for item in value):
+        return list(value)
+    if kind in ("tuple", "int_tuple") and isinstance(value, tuple):
+        elements = _tuple_elements(_origin_and_args(annotation)[1], len(value), path)
         return [_to_json(element, item, f"{path}[{i}]", arrays)
                 for i, (element, item) in enumerate(zip(elements, value, strict=True))]
-    if _is_tensor(annotation) and isinstance(value, np.ndarray):
+    if kind == "tensor" and isinstance(value, np.ndarray):
         arrays.append(value)
         return len(arrays) - 1
-    if annotation is bytes and isinstance(value, bytes):
+    if kind == "bytes" and isinstance(value, bytes):
         arrays.append(np.frombuffer(value, dtype=np.uint8))
         return len(arrays) - 1
-    if isinstance(annotation, type):
-        if issubclass(annotation, Enum) and isinstance(value, annotation):
-            return value.value
-        if dataclasses.is_dataclass(annotation) and isinstance(value, annotation):
-            return _fields_to_json(annotation, value, path, arrays)
-        if annotation is float and isinstance(value, int | float) and not isinstance(value, bool):
-            if not math.isfinite(value):
-                raise ProtocolError(f"{path} must be finite, got {value}")
-            return float(value)
-        if annotation in (int, str, bool) and type(value) is annotation:
-            return value
+    if kind == "enum" and isinstance(value, typing.cast(type, annotation)):
+        return typing.cast(Enum, value).value
+    if kind == "dataclass" and isinstance(value, typing.cast(type, annotation)):
+        return _fields_to_json(typing.cast(type, annotation), value, path, arrays)
+    if kind == "float" and isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ProtocolError(f"{path} must be finite, got {value}")
+        return float(value)
+    if kind in ("int", "str", "bool") and type(value) is annotation:
+        return value
     raise ProtocolError(f"{path} does not hold a {annotation}: {type(value).__name__}")
 
 
@@ -288,9 +334,9 @@ def _fields_from_json(cls: type, value: object, path: str, arrays: list[Tensor],
                       used: set[int]) -> object:
     if not isinstance(value, dict):
         raise ProtocolError(f"{path} must be an object")
-    names = {f.name for f in dataclasses.fields(cls)}
-    if set(value) != names:
-        missing, extra = sorted(names - set(value)), sorted(set(value) - names)
+    names = _field_names(cls)
+    if value.keys() != set(names):
+        missing, extra = sorted(set(names) - set(value)), sorted(set(value) - set(names))
         raise ProtocolError(f"{path}: missing fields {missing}, unknown fields {extra}")
     hints = _hints(cls)
     arguments = {name: _from_json(hints[name], value[name], f"{path}.{name}", arrays, used)
@@ -309,39 +355,42 @@ def _take_array(value: object, path: str, arrays: list[Tensor], used: set[int]) 
 
 def _from_json(annotation: object, value: object, path: str, arrays: list[Tensor],
                used: set[int]) -> object:
-    members = _union_members(annotation)
-    if members is not None:
+    kind = _kind(annotation)
+    if kind == "union":
+        members = _union_members(annotation)
+        assert members is not None
         if value is None and type(None) in members:
             return None
-        others = [m for m in members if m is not type(None)]
+        others = _non_none_members(members)
         if len(others) == 1:
             return _from_json(others[0], value, path, arrays, used)
         if not isinstance(value, dict) or set(value) != {"kind", "fields"}:
             raise ProtocolError(f"{path} must be an object with exactly kind and fields")
         member = _union_member(members, value["kind"], path)
         return _fields_from_json(member, value["fields"], f"{path}<{member.__name__}>", arrays, used)
-    origin = typing.get_origin(annotation)
-    if origin is tuple:
+    if kind in ("tuple", "int_tuple"):
         if not isinstance(value, list):
             raise ProtocolError(f"{path} must be a list")
-        elements = _tuple_elements(typing.get_args(annotation), len(value), path)
+        if kind == "int_tuple" and all(_int64(item) for item in value):
+            return tuple(value)
+        elements = _tuple_elements(_origin_and_args(annotation)[1], len(value), path)
         return tuple(_from_json(element, item, f"{path}[{i}]", arrays, used)
                      for i, (element, item) in enumerate(zip(elements, value, strict=True)))
-    if _is_tensor(annotation):
+    if kind == "tensor":
         return _take_array(value, path, arrays, used)
-    if annotation is bytes:
+    if kind == "bytes":
         array = _take_array(value, path, arrays, used)
         if array.dtype != np.uint8 or array.ndim != 1:
             raise ProtocolError(f"{path} must be a 1-D uint8 tensor")
         return array.tobytes()
-    if not isinstance(annotation, type):
+    if kind == "unknown" or not isinstance(annotation, type):
         raise ProtocolError(f"{path} has an annotation the codec cannot read")
-    if issubclass(annotation, Enum):
-        allowed = [member.value for member in annotation]
+    if kind == "enum":
+        allowed = [member.value for member in typing.cast(type[Enum], annotation)]
         if value not in allowed:
             raise ProtocolError(f"{path} is {value!r}, expected one of {allowed}")
         return annotation(value)
-    if dataclasses.is_dataclass(annotation):
+    if kind == "dataclass":
         return _fields_from_json(annotation, value, path, arrays, used)
     if annotation is bool and isinstance(value, bool):
         return value

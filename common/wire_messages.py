@@ -91,6 +91,15 @@ class Precision(str, Enum):
     F32 = "f32"  # INFERENCE_PRECISION_HINT=f32 and KV_CACHE_PRECISION=f32
 
 
+# What each tensor field must look like (made once: these are checked for every message)
+_DRAFT_TOKEN_IDS = TensorSpec(("int64",), ("B", "K"))
+_DRAFT_PROBS = TensorSpec(("float32",), ("B", "K", "V"))
+_BEAM_IDX = TensorSpec(("int64", "int32"), ("B",))
+_TOKENS_BY_ROW = TensorSpec(("int64",), ("B", "T"))  # position_ids, input_ids
+_HIDDEN_STATES = TensorSpec(("float32", "float16"), ("B", "T", "H"))
+_LOGITS = TensorSpec(("float32", "float16"), ("B", "T", "V"))
+
+
 # Shared parts
 
 @dataclass(frozen=True)
@@ -159,7 +168,7 @@ class DraftInfo:
     one_hot: bool = False
 
     def __post_init__(self) -> None:
-        check_tensor("draft_token_ids", self.draft_token_ids, TensorSpec(("int64",), ("B", "K")))
+        check_tensor("draft_token_ids", self.draft_token_ids, _DRAFT_TOKEN_IDS)
         rows, width = self.draft_token_ids.shape
         _require(len(self.counts) == rows, f"draft counts has {len(self.counts)} rows, ids {rows}")
         for count in self.counts:
@@ -167,7 +176,7 @@ class DraftInfo:
         _require(not (self.one_hot and self.draft_probs is not None),
                  "one-hot drafts carry no draft probabilities")
         if self.draft_probs is not None:
-            check_tensor("draft_probs", self.draft_probs, TensorSpec(("float32",), ("B", "K", "V")),
+            check_tensor("draft_probs", self.draft_probs, _DRAFT_PROBS,
                          {"B": rows, "K": width})
 
 
@@ -358,16 +367,16 @@ class Forward:
         _non_negative("step_id", self.step_id)
         rows = len(self.stream_ids)
         _require(len(set(self.stream_ids)) == rows, "stream_ids repeats a stream")
-        check_tensor("beam_idx", self.beam_idx, TensorSpec(("int64", "int32"), ("B",)), {"B": rows})
-        sizes = check_tensor("position_ids", self.position_ids, TensorSpec(("int64",), ("B", "T")),
+        check_tensor("beam_idx", self.beam_idx, _BEAM_IDX, {"B": rows})
+        sizes = check_tensor("position_ids", self.position_ids, _TOKENS_BY_ROW,
                              {"B": rows})
         if (self.input_ids is None) == (self.hidden_states is None):
             raise ProtocolError("forward needs exactly one of input_ids and hidden_states")
         if self.input_ids is not None:
-            check_tensor("input_ids", self.input_ids, TensorSpec(("int64",), ("B", "T")), sizes)
+            check_tensor("input_ids", self.input_ids, _TOKENS_BY_ROW, sizes)
         if self.hidden_states is not None:
             check_tensor("hidden_states", self.hidden_states,
-                         TensorSpec(("float32", "float16"), ("B", "T", "H")), sizes)
+                         _HIDDEN_STATES, sizes)
         if self.draft is not None:
             _require(len(self.draft.counts) == rows, "draft rows differ from stream_ids")
         if self.sampling is not None:
@@ -397,7 +406,7 @@ class ForwardResult:
             for count in self.accepted_counts:
                 _non_negative("accepted count", count)
         if self.logits is not None:
-            check_tensor("logits", self.logits, TensorSpec(("float32", "float16"), ("B", "T", "V")),
+            check_tensor("logits", self.logits, _LOGITS,
                          {"B": rows})
 
 
