@@ -46,11 +46,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StepInputs:
-    """What the mirror says the stage must be fed for one call."""
+    """What the mirror says the stage must be fed for one call (the attention mask is the mirror's
+    `attention_mask()` after the replay: only the stage needs it, the driver does not build it)."""
 
     append: AppendSlots
     beam_idx: npt.NDArray[np.int64]  # [B]
-    attention_mask: npt.NDArray[np.int64]  # [B, S]
     position_ids: npt.NDArray[np.int64]  # [B, T]
 
 
@@ -63,7 +63,7 @@ def replay_deltas(mirror: Mirror, deltas: tuple[SlotDelta, ...],
     The callbacks edit the KV state on the host where the mirror's contract asks for it: `gather_rows`
     with a pending beam_idx before an AdmitRow or Compact, `admit(delta, ordinal)` and `compact(delta)`
     right after the mirror took those deltas. The driver calls this without callbacks to learn the
-    same beam_idx, mask and positions it sends as a desync check.
+    same beam_idx and positions it sends as a desync check.
     """
     if not deltas or not isinstance(deltas[-1], AppendSlots):
         raise LedgerError("a step's deltas must end with the AppendSlots of its call")
@@ -86,8 +86,7 @@ def replay_deltas(mirror: Mirror, deltas: tuple[SlotDelta, ...],
             raise LedgerError(f"unknown slot delta {type(delta).__name__}")
     append = deltas[-1]
     assert isinstance(append, AppendSlots)
-    return StepInputs(append=append, beam_idx=mirror.take_beam_idx(), attention_mask=mirror.attention_mask(),
-                      position_ids=position_ids(append))
+    return StepInputs(append=append, beam_idx=mirror.take_beam_idx(), position_ids=position_ids(append))
 
 
 @dataclass
@@ -136,7 +135,7 @@ class StageExecutor:
             raise LedgerError("the first stage takes input_ids, later stages hidden_states")
         sampled = message.sampling is not None and any(t > 0 for t in message.sampling.temperatures)
         positions = logits_positions(inputs.append, message.draft) if self.stage.layers.is_last else None
-        output = batch.session.forward(np.asarray(payload), inputs.attention_mask, inputs.position_ids,
+        output = batch.session.forward(np.asarray(payload), batch.mirror.attention_mask(), inputs.position_ids,
                                        inputs.beam_idx, want_logits=sampled or return_logits,
                                        logits_positions=positions)
         batch.steps += 1

@@ -229,13 +229,16 @@ class SlotTable:
             raise LedgerError(f"append of {delta.count} slots: an infer call appends at least one")
         if len(delta.live_counts) != self.rows or len(delta.first_positions) != self.rows:
             raise LedgerError(f"append for {len(delta.live_counts)} rows, the micro-batch has {self.rows}")
-        live = np.array(delta.live_counts, dtype=np.int64).reshape(-1)
-        if live.size and (live.min() < 0 or live.max() > delta.count):
+        # Plain-Python checks: a handful of rows, every step, on three tables (ledger and two mirrors).
+        if any(not 0 <= count <= delta.count for count in delta.live_counts):
             raise LedgerError(f"live counts {delta.live_counts} outside 0..{delta.count}")
-        if tuple(int(p) for p in self._next) != tuple(delta.first_positions):
-            raise LedgerError(
-                f"desync: append starts rows at {delta.first_positions}, mirror has {self._next.tolist()}")
-        self._check_positions(self._next + live)
+        nexts = self._next.tolist()
+        if nexts != list(delta.first_positions):
+            raise LedgerError(f"desync: append starts rows at {delta.first_positions}, mirror has {nexts}")
+        if self.max_positions is not None and any(
+                start + count > self.max_positions for start, count in zip(nexts, delta.live_counts, strict=True)):
+            raise LedgerError(f"a row would pass the context of {self.max_positions} positions")
+        live = np.array(delta.live_counts, dtype=np.int64).reshape(-1)
         new = np.arange(delta.count)[None, :] < live[:, None]  # new: [B, T]
         self._mask = np.concatenate([self._mask, new], axis=1)
         self._next = self._next + live

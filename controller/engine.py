@@ -151,6 +151,7 @@ class Engine:
         self._started = 0.0
         self._on_token: TokenCallback | None = None
         self.failovers: list[Failover] = []
+        self._eos = frozenset(spec.eos_token_ids)
 
     # Public methods
 
@@ -379,7 +380,7 @@ class Engine:
 
     def _extend(self, stream: _Stream, tokens: list[int], now: float) -> bool:
         """Append tokens up to EOS or max_new_tokens; True when the stream is done."""
-        eos = set(self.spec.eos_token_ids)
+        eos = self._eos
         for token in tokens:
             stream.tokens.append(int(token))
             if self._on_token is not None:

@@ -75,5 +75,6 @@ def test_replay_needs_the_append_last() -> None:
     append = ledger.append([2])
     with pytest.raises(LedgerError, match="must end with the AppendSlots"):
         replay_deltas(Mirror(100), (append, add))
-    inputs = replay_deltas(Mirror(100), (add, append))
-    assert inputs.attention_mask.tolist() == [[1, 1]] and inputs.position_ids.tolist() == [[0, 1]]
+    mirror = Mirror(100)
+    inputs = replay_deltas(mirror, (add, append))
+    assert mirror.attention_mask().tolist() == [[1, 1]] and inputs.position_ids.tolist() == [[0, 1]]
