@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import io
 import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from deskfleet.agent.stage import CompileSettings, Precision
+from deskfleet.controller import chat
 from deskfleet.controller.chat import ChatOptions, run_chat
+from deskfleet.controller.engine import ChainBroken
 from deskfleet.controller.export.random_checkpoint import CHAT_TEMPLATE
+from deskfleet.controller.pipeline import LocalPipeline
 from deskfleet.controller.run import GenerateOptions, run_generate
 from deskfleet.controller.tokenizer import ChatMessage, ModelTokenizer
+from tests.controller.test_engine_failover import BreakingChain
 
 
 def test_chat_streams_replies_from_the_template(tmp_path: Path, tiny_export: Path) -> None:
@@ -40,3 +48,33 @@ def test_chat_with_prompt_lookup_gives_the_plain_reply(tmp_path: Path, tiny_expo
                  io.StringIO("say it again and again\n/quit\n"), out)
         replies[lookup] = out.getvalue()
     assert replies[True] == replies[False] and replies[True].strip()
+
+
+def test_a_chat_whose_chain_breaks_resumes_and_keeps_the_new_chain(tmp_path: Path, tiny_export: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fleet's failover, played by local pipelines: the first chain breaks in the middle of the first
+    # reply; the reply resumes on the chain `recover` makes, and the next turn runs on that chain too.
+    model = tmp_path / "model"
+    shutil.copytree(tiny_export, model)
+    (model / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    settings = CompileSettings(precision=Precision.F32)
+    turns = "hello there\nagain, please\n/quit\n"
+    plain = io.StringIO()
+    run_chat(ChatOptions(model=model, max_new_tokens=10, settings=settings), io.StringIO(turns), plain)
+
+    recovered: list[ChainBroken] = []
+
+    @contextmanager
+    def breaking_chain(options: ChatOptions) -> Iterator[tuple[BreakingChain, Callable[[ChainBroken], BreakingChain]]]:
+        with LocalPipeline(model, 2, settings) as first, LocalPipeline(model, 1, settings) as second:
+            def recover(error: ChainBroken) -> BreakingChain:
+                recovered.append(error)
+                return BreakingChain(second, None)
+
+            yield BreakingChain(first, 4), recover
+
+    monkeypatch.setattr(chat, "_open_chain", breaking_chain)
+    out = io.StringIO()
+    assert run_chat(ChatOptions(model=model, max_new_tokens=10, settings=settings), io.StringIO(turns), out) == 2
+    assert out.getvalue() == plain.getvalue()
+    assert len(recovered) == 1  # the second turn ran on the new chain, not the broken one
