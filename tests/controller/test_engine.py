@@ -34,17 +34,6 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def target(checkpoint_factory: Callable[..., Path], export_factory: Callable[[Path, str], Path]) -> Path:
-    return export_factory(checkpoint_factory("engine-target", num_hidden_layers=4), "f32")
-
-
-@pytest.fixture(scope="module")
-def other_draft(checkpoint_factory: Callable[..., Path], export_factory: Callable[[Path, str], Path]) -> Path:
-    """An unrelated one-layer model: it proposes mostly wrong tokens, so most rounds roll back."""
-    return export_factory(checkpoint_factory("engine-draft", num_hidden_layers=1), "f32")
-
-
 class RecordingChain:
     """A LocalPipeline that counts the kinds of slot deltas the engine sent."""
 

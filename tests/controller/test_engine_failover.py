@@ -5,7 +5,7 @@ when recovery gives up, the error reaches the caller."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -18,16 +18,10 @@ from deskfleet.controller.draft import Drafter, DraftModel
 from deskfleet.controller.engine import ChainBroken, Engine, EngineOptions, StreamRequest
 from deskfleet.controller.pipeline import LocalPipeline
 from deskfleet.controller.prompt_lookup import PromptLookupDraft
+from tests.controller.test_engine import PROMPTS as ENGINE_PROMPTS
 
 F32 = CompileSettings(precision=Precision.F32)
-PROMPTS = [
-    [1, 17, 99, 230, 5, 42, 7, 300, 11],
-    [1, 8, 8, 3],
-    [1, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89],
-    [1, 2],
-    [1, 300, 301, 302, 400, 401],
-    [1, 450, 12],
-]
+PROMPTS = ENGINE_PROMPTS[:6]
 LENGTHS = [30, 12, 30, 5, 24, 30]
 
 
@@ -55,16 +49,6 @@ class BreakingChain:
     def release(self, batch_id: int) -> None:
         if not self.broken:
             self.pipeline.release(batch_id)
-
-
-@pytest.fixture(scope="module")
-def target(checkpoint_factory: Callable[..., Path], export_factory: Callable[[Path, str], Path]) -> Path:
-    return export_factory(checkpoint_factory("failover-target", num_hidden_layers=4), "f32")
-
-
-@pytest.fixture(scope="module")
-def other_draft(checkpoint_factory: Callable[..., Path], export_factory: Callable[[Path, str], Path]) -> Path:
-    return export_factory(checkpoint_factory("failover-draft", num_hidden_layers=1), "f32")
 
 
 def _requests(speculative: bool = False) -> list[StreamRequest]:

@@ -4,7 +4,6 @@ their greedy tokens still equal their solo runs (f32), and no admission is neede
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -49,11 +48,6 @@ def run(model: Path, requests: list[StreamRequest], options: EngineOptions, stag
             engine.add(request)
         results = engine.run()
     return [results[index].tokens for index in range(len(requests))], chain
-
-
-@pytest.fixture(scope="module")
-def target(checkpoint_factory: Callable[..., Path], export_factory: Callable[[Path, str], Path]) -> Path:
-    return export_factory(checkpoint_factory("engine-target", num_hidden_layers=4), "f32")
 
 
 LENGTHS = [12, 5, 9, 1, 7]
