@@ -107,8 +107,7 @@ def generate_on_fleet(options: GenerateOptions, data_dir: Path | None, stream_te
     (at most `max_failovers` times) when a PC drops out."""
     store = _store(data_dir)
     with _open_fleet_chain(store, options.model, max_failovers) as (chain, failover):
-        report = run_generate(options, stream_text, chain=chain, chain_stages=chain.num_stages,
-                              recover=failover if max_failovers > 0 else None)
+        report = run_generate(options, stream_text, chain=chain, chain_stages=chain.num_stages, recover=failover)
     report["fleet"] = True
     report["replans"] = failover.replans
     return report
@@ -151,8 +150,7 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
                 history = history[:1] if options.system else []
                 continue
             printer = TextPrinter(tokenizer, out)
-            recover = failover if failover is not None and options.max_failovers > 0 else None
-            result = engine.run(on_token=printer.push, recover=recover)[0]
+            result = engine.run(on_token=printer.push, recover=failover)[0]
             if engine.failovers:
                 chain = engine.chain  # the next turns run on the chain this one ended on
             out.write("\n")
@@ -197,9 +195,9 @@ def _open_fleet_chain(store: FleetStore, model: Path, max_failovers: int
         try:
             chain = stack.enter_context(FleetPipeline.from_store(store, model))
         except ChainError as error:
-            if error.agent_id is None or max_failovers <= 0:
+            if error.agent_id is None:
                 raise  # not an agent's fault (e.g. never deployed): nothing to re-plan around
-            chain = failover(error)
+            chain = failover(error)  # with --max-failovers 0 this gives up at once, naming the agent
         yield chain, failover
 
 

@@ -182,6 +182,14 @@ class Engine:
                                                stream.first_token_s, stream.finished_s, stream.stopped_by_eos)
                 for stream in self._streams.values()}
 
+    def accepted_histogram(self) -> dict[int, int]:
+        return self.k_policy.accepted_histogram()
+
+    def mean_accepted(self) -> float:
+        return self.k_policy.mean_accepted()
+
+    # Private methods: scheduling
+
     def _advance(self) -> None:
         """Start what can start, then take one finished step."""
         self._start_arrived()
@@ -211,14 +219,6 @@ class Engine:
                 resumed += 1
         self.chain = chain
         self.failovers.append(Failover(str(error), self._collected, resumed))
-
-    def accepted_histogram(self) -> dict[int, int]:
-        return self.k_policy.accepted_histogram()
-
-    def mean_accepted(self) -> float:
-        return self.k_policy.mean_accepted()
-
-    # Private methods: scheduling
 
     def _new_batch_id(self) -> int:
         self._next_batch += 1
