@@ -1,13 +1,14 @@
 """When a PC of the chain drops out mid-generation: re-plan over the fleet that is left, and carry on.
 
 FleetFailover is the engine's `recover` (Engine.run): given the ChainError that broke the chain it
-surveys the fleet again (registrations, a short mDNS browse), leaves out every agent that has failed in
-this run, plans over the others with the settings of the model's last deploy (policy, streams,
-precision, device), pushes only what the new stages lack (the surviving PCs usually hold their layers
-already) and opens the new chain; the engine then prefills every unfinished stream with its prompt and
-the tokens it had, so the output is what an uninterrupted run gives. The new plan is saved as the
-model's deployment. After `max_failovers` re-plans in one run, or when the model no longer fits the PCs
-that are left, it raises FailoverError naming what was lost and why no new chain could be made.
+surveys the fleet again (registrations, a short mDNS browse, and the addresses of the chain's other
+PCs), leaves out every agent that has failed in this run, plans over the others with the settings of
+the model's last deploy (policy, streams, precision, device), pushes only what the new stages lack (the
+surviving PCs usually hold their layers already) and opens the new chain; the engine then prefills
+every unfinished stream with its prompt and the tokens it had, so the output is what an uninterrupted
+run gives. The new plan is saved as the model's deployment. After `max_failovers` re-plans in one run,
+or when the model no longer fits the PCs that are left, it raises FailoverError naming what was lost
+and why no new chain could be made.
 """
 
 from __future__ import annotations
@@ -16,13 +17,19 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from deskfleet.common.planner import PlanOptions
 from deskfleet.controller.engine import ChainBroken
 from deskfleet.controller.fleet_ca import Revocations
-from deskfleet.controller.fleet_deploy import DeployError, DeployReport, deploy, load_deploy_settings
+from deskfleet.controller.fleet_deploy import (
+    DeployError,
+    DeployReport,
+    deploy,
+    load_deploy_settings,
+    load_deployment,
+)
 from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
 from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.fleet_survey import SurveyOptions, survey
@@ -83,7 +90,7 @@ class FleetFailover:
 
     async def _redeploy(self) -> DeployReport:
         settings = load_deploy_settings(self.store, self.model_dir)
-        found = await survey(self.store, self.survey_options)
+        found = await survey(self.store, self._survey_options())
         try:
             _, report = await deploy(self.store, self.model_dir, found,
                                      PlanOptions(policy=settings.policy, streams=settings.streams),
@@ -91,3 +98,13 @@ class FleetFailover:
         finally:
             await found.close()
         return report
+
+    def _survey_options(self) -> SurveyOptions:
+        """The survey's, plus the addresses of the chain's surviving PCs: they are dialled even when
+        neither registration nor mDNS would find them (a deploy made with --peer)."""
+        try:
+            deployed = load_deployment(self.store, self.model_dir)
+        except DeployError:
+            deployed = ()
+        survivors = [stage.address for stage in deployed if stage.agent_id not in self.lost]
+        return replace(self.survey_options, peers=tuple(dict.fromkeys([*self.survey_options.peers, *survivors])))

@@ -22,7 +22,8 @@ from deskfleet.common.wire import Precision
 from deskfleet.controller.engine import Engine, StreamRequest
 from deskfleet.controller.fleet_ca import init_fleet, load_ca
 from deskfleet.controller.fleet_deploy import DeploySettings, deploy, load_deploy_settings, load_deployment
-from deskfleet.controller.fleet_pipeline import FleetPipeline
+from deskfleet.controller.fleet_failover import FleetFailover
+from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
 from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.fleet_survey import SurveyOptions, survey
 from tests.agent.test_core import FakeMonitor
@@ -69,16 +70,17 @@ def test_deploy_twice_and_generate(tmp_path: Path, tiny_export: Path) -> None:
         with pytest.raises(ManifestError, match=r"no manifest\.json"):
             await deploy(store, tmp_path, found, policy)
         assert load_deploy_settings(store, tiny_export) == DeploySettings(PlanPolicy.ALL_BY_SPEED, 1, Precision.F32)
-        # A re-plan that leaves one agent out puts every stage on the other (and saves that as the deployment).
-        found = await survey(store, options)
+        # The first stage's agent broke the chain: the failover re-plans over the other one, found through
+        # the deployment's addresses alone (nothing registered, no mDNS, no peers given), and saves the plan.
         left_out = report.stages[0].agent_id
+        failover = FleetFailover(store, tiny_export, 1, SurveyOptions(discover_seconds=0))
+        chain = await asyncio.to_thread(failover, ChainError("the link closed", left_out))
         try:
-            _, replanned = await deploy(store, tiny_export, found, policy, Precision.F32,
-                                        exclude=frozenset({left_out}))
+            assert {stage.agent_id for stage in chain.stages} == {report.stages[1].agent_id}
+            assert load_deployment(store, tiny_export) == chain.stages
+            assert failover.replans[0]["lost_agent"] == left_out
         finally:
-            await found.close()
-        assert {stage.agent_id for stage in replanned.stages} == {report.stages[1].agent_id}
-        assert load_deployment(store, tiny_export) == replanned.stages
+            await asyncio.to_thread(failover.close)
         # The driver runs its own event loop thread, as `deskfleet generate --fleet` does.
         tokens = await asyncio.to_thread(drive, store, tiny_export)
         for server in servers:
