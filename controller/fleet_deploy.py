@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from deskfleet.agent.link import Link, LinkError
 from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, load_manifest
@@ -159,19 +159,17 @@ async def _deploy_all(model_dir: Path, manifest: Manifest, model_id: str, placem
 
 def load_deployment(store: FleetStore, model_dir: Path) -> tuple[StagePlacement, ...]:
     """The stages saved by the last deploy of this model; DeployError if it was never deployed."""
-    body = store.read("deployments", {})
-    model_id = model_id_of(model_dir)
-    record = body.get(model_id) if isinstance(body, dict) else None
-    if not isinstance(record, dict):
-        raise DeployError(f"{model_id} has not been deployed: run `deskfleet fleet deploy --model {model_dir}`")
+    record = _deployment_record(store, model_dir)
+    if record is None:
+        raise DeployError(f"{model_id_of(model_dir)} has not been deployed: run `deskfleet fleet deploy "
+                          f"--model {model_dir}`")
     return tuple(StagePlacement(**stage) for stage in record["stages"])
 
 
 def load_deploy_settings(store: FleetStore, model_dir: Path) -> DeploySettings:
     """The settings of the last deploy of this model (the defaults for a record saved without them)."""
-    body = store.read("deployments", {})
-    record = body.get(model_id_of(model_dir)) if isinstance(body, dict) else None
-    settings = record.get("settings") if isinstance(record, dict) else None
+    record = _deployment_record(store, model_dir)
+    settings = record.get("settings") if record is not None else None
     if not isinstance(settings, dict):
         return DeploySettings()
     try:
@@ -183,6 +181,12 @@ def load_deploy_settings(store: FleetStore, model_dir: Path) -> DeploySettings:
 
 
 # Private functions
+
+def _deployment_record(store: FleetStore, model_dir: Path) -> dict[str, Any] | None:
+    body = store.read("deployments", {})
+    record = body.get(model_id_of(model_dir)) if isinstance(body, dict) else None
+    return record if isinstance(record, dict) else None
+
 
 def _stage_entries(model_dir: Path, manifest: Manifest, placement: StagePlacement) -> tuple[ManifestEntry, ...]:
     manifest_bytes = (model_dir / MANIFEST_NAME).read_bytes()

@@ -66,13 +66,16 @@ def test_k_stage_tokens_equal_transformers(name: str, checkpoint_factory: Callab
         assert cli_generate(capsys, model, stages) == expected, f"{stages} stages diverged"
 
 
-@pytest.mark.slow
-def test_int4_k_stage_tokens_equal_int4_one_stage(checkpoint_factory: Callable[..., Path],
-                                                  export_factory: Callable[[Path, str], Path],
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture(scope="module")
+def int4_model(checkpoint_factory: Callable[..., Path], export_factory: Callable[[Path, str], Path]) -> Path:
     checkpoint = checkpoint_factory("int4", "llama", num_hidden_layers=4, hidden_size=128,
                                     intermediate_size=256)
-    model = export_factory(checkpoint, "int4")
+    return export_factory(checkpoint, "int4")
+
+
+@pytest.mark.slow
+def test_int4_k_stage_tokens_equal_int4_one_stage(int4_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = int4_model
     one_stage = cli_generate(capsys, model, 1)
     assert len(set(one_stage)) > 8
     for stages in (2, 3, 4):
@@ -80,15 +83,11 @@ def test_int4_k_stage_tokens_equal_int4_one_stage(checkpoint_factory: Callable[.
 
 
 @pytest.mark.slow
-def test_int4_speculative_tokens_equal_int4_plain(checkpoint_factory: Callable[..., Path],
-                                                  export_factory: Callable[[Path, str], Path],
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_int4_speculative_tokens_equal_int4_plain(int4_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # Verification runs T = K+1 tokens through the INT4 layers where plain decoding runs 1: both drafters,
     # 1 and 2 stages, must give the plain INT4 tokens. (The rounding trap this guards against, the CPU
     # plugin's dynamic activation quantization, shows on the demo model: test_demo_model.py.)
-    checkpoint = checkpoint_factory("int4", "llama", num_hidden_layers=4, hidden_size=128,
-                                    intermediate_size=256)
-    model = export_factory(checkpoint, "int4")
+    model = int4_model
     plain = cli_generate(capsys, model, 1)
     for extra in (("--draft", str(model), "--k", "4"), ("--prompt-lookup", "--k", "4")):
         for stages in (1, 2):
