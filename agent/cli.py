@@ -77,12 +77,13 @@ def _join(args: argparse.Namespace) -> int:
 
 def _headless(args: argparse.Namespace) -> int:
     from deskfleet.agent.service import AgentOptions, AgentService
+    from deskfleet.common import event_loop
 
     async def run() -> None:
         service = AgentService(AgentOptions(args.data_dir, args.listen))
         await service.run()
 
-    asyncio.run(run())
+    event_loop.run(run())
     return 0
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from deskfleet.agent.link import Link, LinkError, RevocationSource, TlsFiles, no_revocations, open_link
+from deskfleet.common import event_loop
 from deskfleet.common.wire import Error, Forward, ForwardResult, ReleaseMicroBatch, ResultsHere
 from deskfleet.controller.engine import ChainBroken
 from deskfleet.controller.fleet_deploy import DeployError, StagePlacement, load_deployment
@@ -195,7 +196,7 @@ class FleetPipeline:
 
     def _thread_main(self) -> None:
         try:
-            asyncio.run(self._main())
+            event_loop.run(self._main())
         except ChainError as error:
             self._fail(error)
         except BaseException as error:  # never leave the driver waiting on a dead thread

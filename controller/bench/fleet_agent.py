@@ -26,6 +26,7 @@ from deskfleet.agent.monitor import HostMonitor
 from deskfleet.agent.paths import AgentSettings, Thresholds
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement
+from deskfleet.common import event_loop
 from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.wire import parse_address
 
@@ -71,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.sched_setaffinity(0, {int(core) for core in args.cores.split(",")})
-    asyncio.run(serve(TlsFiles.in_folder(args.tls_dir, args.name), args.listen, args.cache, args.threads,
+    event_loop.run(serve(TlsFiles.in_folder(args.tls_dir, args.name), args.listen, args.cache, args.threads,
                       args.port_file))
 
 

@@ -1,0 +1,55 @@
+"""Which asyncio event loop deskfleet's network code runs on.
+
+Every token crosses one TLS websocket per pipeline hop, and the standard loop runs TLS through
+asyncio's pure-Python SSL protocol. uvloop (libuv, its SSL layer in Cython) cuts the CPU each message
+costs, so it is used wherever it is installed (pyproject installs it on every platform but Windows,
+which uvloop does not support). DESKFLEET_EVENT_LOOP=asyncio forces the standard loop (to rule the loop
+out when debugging); DESKFLEET_EVENT_LOOP=uvloop makes a missing uvloop an error instead of a fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any, TypeVar
+
+ENV_VAR = "DESKFLEET_EVENT_LOOP"
+CHOICES = ("auto", "uvloop", "asyncio")
+
+T = TypeVar("T")
+LoopFactory = Callable[[], asyncio.AbstractEventLoop]
+
+
+def chosen_loop(environ: Mapping[str, str] | None = None, uvloop_installed: bool | None = None) -> str:
+    """The loop to run: "uvloop" or "asyncio", from DESKFLEET_EVENT_LOOP and what is installed."""
+    environ = os.environ if environ is None else environ
+    wanted = environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if wanted not in CHOICES:
+        raise ValueError(f"{ENV_VAR}={environ[ENV_VAR]!r} is not one of {', '.join(CHOICES)}")
+    if uvloop_installed is None:
+        uvloop_installed = importlib.util.find_spec("uvloop") is not None
+    if wanted == "asyncio":
+        return "asyncio"
+    if not uvloop_installed:
+        if wanted == "uvloop":
+            raise ValueError(f"{ENV_VAR}=uvloop but uvloop is not installed (pip install uvloop; not on Windows)")
+        return "asyncio"
+    return "uvloop"
+
+
+def loop_factory(environ: Mapping[str, str] | None = None) -> LoopFactory | None:
+    """A factory for asyncio.Runner: uvloop's, or None for the standard loop."""
+    if chosen_loop(environ) == "asyncio":
+        return None
+    import uvloop
+
+    factory: LoopFactory = uvloop.new_event_loop
+    return factory
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run(main) on the chosen loop."""
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(main)

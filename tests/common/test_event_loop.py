@@ -1,0 +1,49 @@
+"""Which event loop the network code runs on: uvloop where installed, the standard loop on request."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import pytest
+
+from deskfleet.common import event_loop
+from deskfleet.common.event_loop import ENV_VAR, chosen_loop
+
+
+@pytest.mark.parametrize(("setting", "installed", "expected"), [
+    (None, True, "uvloop"), (None, False, "asyncio"),
+    ("auto", True, "uvloop"), ("", True, "uvloop"), (" UVLoop ", True, "uvloop"),
+    ("asyncio", True, "asyncio"), ("asyncio", False, "asyncio"),
+])
+def test_chosen_loop(setting: str | None, installed: bool, expected: str) -> None:
+    environ = {} if setting is None else {ENV_VAR: setting}
+    assert chosen_loop(environ, uvloop_installed=installed) == expected
+
+
+def test_asking_for_a_missing_uvloop_is_an_error() -> None:
+    with pytest.raises(ValueError, match="uvloop is not installed"):
+        chosen_loop({ENV_VAR: "uvloop"}, uvloop_installed=False)
+
+
+def test_an_unknown_setting_is_named() -> None:
+    with pytest.raises(ValueError, match=r"DESKFLEET_EVENT_LOOP='libuv' is not one of auto, uvloop, asyncio"):
+        chosen_loop({ENV_VAR: "libuv"}, uvloop_installed=True)
+
+
+def _loop_module() -> str:
+    async def probe() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    return event_loop.run(probe())
+
+
+def test_run_uses_the_standard_loop_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "asyncio")
+    assert _loop_module().startswith("asyncio")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("uvloop") is None, reason="uvloop is not installed here")
+def test_run_uses_uvloop_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert _loop_module().startswith("uvloop")
