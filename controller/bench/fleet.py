@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from deskfleet.agent.link import TlsFiles, utc_now
-from deskfleet.common import pki
+from deskfleet.common import event_loop, pki
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.planner import PlanOptions, PlanPolicy
 from deskfleet.common.wire import Precision, Role
@@ -381,7 +381,8 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
         rows.append(entry)
     cpus = len(controller_cores) + len(agent_cores)
     return {"machine": {"cpus": cpus, "controller_cores": controller_cores or "not pinned (shares the PCs' cores)",
-                        "pc_cores": agent_cores, "platform": platform.platform(), "python": sys.version.split()[0]},
+                        "pc_cores": agent_cores, "platform": platform.platform(), "python": sys.version.split()[0],
+                        "event_loop": event_loop.chosen_loop()},
             "options": {"model": str(options.model), "demo_target": str(options.demo_target),
                         "demo_draft": str(options.demo_draft), "new_tokens": options.new_tokens,
                         "prompt_tokens": options.prompt_tokens, "rounds": options.rounds,
