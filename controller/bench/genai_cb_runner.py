@@ -25,8 +25,12 @@ if os.environ.get("DESKFLEET_BENCH_CORES"):
     os.sched_setaffinity(0, {int(core) for core in os.environ["DESKFLEET_BENCH_CORES"].split(",")})
 
 import numpy as np
-import openvino as ov
-import openvino_genai as genai
+
+# No usage telemetry from the baseline either (see deskfleet/common/no_telemetry.py): before openvino loads.
+sys.modules.setdefault("openvino_telemetry", None)  # type: ignore[arg-type]
+
+import openvino as ov  # noqa: E402
+import openvino_genai as genai  # noqa: E402
 
 
 def _reply(message: dict) -> None:
