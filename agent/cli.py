@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from collections.abc import Sequence
@@ -66,10 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _join(args: argparse.Namespace) -> int:
     from deskfleet.agent.enroll import join
     from deskfleet.agent.paths import AgentPaths
+    from deskfleet.common import event_loop
 
     paths = AgentPaths.resolve(args.data_dir)
     paths.create()
-    membership = asyncio.run(join(args.token, paths.state_dir, args.hostname))
+    membership = event_loop.run(join(args.token, paths.state_dir, args.hostname))
     print(f"joined fleet {membership.fleet_id} as agent {membership.agent_id}")
     print(f"start it with: deskfleet-agent --headless{_data_dir_flag(args.data_dir)}")
     return 0

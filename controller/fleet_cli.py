@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from deskfleet.common import event_loop
 from deskfleet.common.planner import PlanPolicy
 
 _POLICIES = [policy.value for policy in PlanPolicy]
@@ -157,7 +158,7 @@ def _serve(args: argparse.Namespace) -> int:
                 pass
         await server.run()
 
-    asyncio.run(run())
+    event_loop.run(run())
     return 0
 
 
@@ -177,7 +178,7 @@ def _ls(args: argparse.Namespace) -> int:
         await found.close()
         return found.agents
 
-    agents = asyncio.run(run())
+    agents = event_loop.run(run())
     if args.json:
         print(json.dumps([_agent_json(agent) for agent in agents], indent=2))
         return 0
@@ -239,7 +240,7 @@ def _plan(args: argparse.Namespace) -> int:
             await found.close()
             return found.reachable()
 
-        candidates += candidates_of(asyncio.run(run()))
+        candidates += candidates_of(event_loop.run(run()))
     result = plan(footprint, candidates, policy_options(args.policy, args.streams))
     if args.json:
         print(json.dumps({"feasible": result.feasible, "problems": list(result.problems),
@@ -273,7 +274,7 @@ def _deploy(args: argparse.Namespace) -> int:
         finally:
             await found.close()
 
-    result, report = asyncio.run(run())
+    result, report = event_loop.run(run())
     if args.json:
         print(json.dumps({"model_id": report.model_id, "bytes_sent": report.bytes_sent,
                           "files_sent": report.files_sent,

@@ -13,13 +13,13 @@ and why no new chain could be made.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from deskfleet.common import event_loop
 from deskfleet.common.planner import PlanOptions
 from deskfleet.controller.engine import ChainBroken
 from deskfleet.controller.fleet_ca import Revocations
@@ -64,7 +64,7 @@ class FleetFailover:
                                 f"--max-failovers {self.max_failovers})") from error
         started = time.perf_counter()
         try:
-            report = asyncio.run(self._redeploy())
+            report = event_loop.run(self._redeploy())
             chain = FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store))
         except (DeployError, ChainError) as failure:
             raise FailoverError(f"{error}; no new chain without the lost agent(s): {failure}") from error

@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from deskfleet.common import event_loop
 from deskfleet.common.wire import parse_address
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ class ProxyThread:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="delay-proxies", daemon=True)
+        self._thread = threading.Thread(target=lambda: event_loop.run(self._main()), name="delay-proxies", daemon=True)
 
     def set_delay(self, delay_s: float, bandwidth_bytes_s: float | None = None) -> None:
         """Change every proxy's delay (and bandwidth) for connections old and new."""

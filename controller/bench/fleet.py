@@ -458,7 +458,6 @@ class _Fleet:
         self._stop()
 
     def deploy(self, model: Path, names: Sequence[str]) -> tuple[StagePlacement, ...]:
-        import asyncio
 
         async def run() -> tuple[StagePlacement, ...]:
             peers = tuple(self.address_of[name] for name in names)
@@ -472,7 +471,7 @@ class _Fleet:
 
         # The planner may leave a PC out when a share of the layers would not shorten the slowest stage
         # (the demo target's head weighs two layers: 3 stages are as fast as 4); the report says so.
-        return asyncio.run(run())
+        return event_loop.run(run())
 
     def _stop(self) -> None:
         for process in self.processes.values():
