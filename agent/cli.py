@@ -20,6 +20,7 @@ log = logging.getLogger("deskfleet.agent")
 def main(argv: Sequence[str] | None = None) -> int:
     from deskfleet.agent.enroll import EnrollmentError
     from deskfleet.agent.paths import SettingsError
+    from deskfleet.common.event_loop import EventLoopError
     from deskfleet.common.join_tokens import JoinTokenError
     from deskfleet.common.pki import PkiError
     from deskfleet.common.wire import ProtocolError
@@ -36,7 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("give a command (join) or --headless (the tray is not part of this build)")
     except KeyboardInterrupt:
         return 130
-    except (EnrollmentError, SettingsError, JoinTokenError, PkiError, ProtocolError, OSError) as error:
+    except (EnrollmentError, SettingsError, JoinTokenError, PkiError, ProtocolError, EventLoopError,
+            OSError) as error:
         if args.verbose:
             raise
         print(f"deskfleet-agent: error: {error}", file=sys.stderr)

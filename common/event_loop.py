@@ -22,19 +22,23 @@ T = TypeVar("T")
 LoopFactory = Callable[[], asyncio.AbstractEventLoop]
 
 
+class EventLoopError(ValueError):
+    """DESKFLEET_EVENT_LOOP names no loop, or one that is not installed."""
+
+
 def chosen_loop(environ: Mapping[str, str] | None = None, uvloop_installed: bool | None = None) -> str:
     """The loop to run: "uvloop" or "asyncio", from DESKFLEET_EVENT_LOOP and what is installed."""
     environ = os.environ if environ is None else environ
     wanted = environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if wanted not in CHOICES:
-        raise ValueError(f"{ENV_VAR}={environ[ENV_VAR]!r} is not one of {', '.join(CHOICES)}")
+        raise EventLoopError(f"{ENV_VAR}={environ[ENV_VAR]!r} is not one of {', '.join(CHOICES)}")
     if uvloop_installed is None:
         uvloop_installed = importlib.util.find_spec("uvloop") is not None
     if wanted == "asyncio":
         return "asyncio"
     if not uvloop_installed:
         if wanted == "uvloop":
-            raise ValueError(f"{ENV_VAR}=uvloop but uvloop is not installed (pip install uvloop; not on Windows)")
+            raise EventLoopError(f"{ENV_VAR}=uvloop but uvloop is not installed (pip install uvloop; not on Windows)")
         return "asyncio"
     return "uvloop"
 
@@ -50,6 +54,11 @@ def loop_factory(environ: Mapping[str, str] | None = None) -> LoopFactory | None
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """asyncio.run(main) on the chosen loop."""
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+    """asyncio.run(main) on the chosen loop (main is closed unrun if no loop can be chosen)."""
+    try:
+        factory = loop_factory()
+    except EventLoopError:
+        main.close()
+        raise
+    with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)

@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 from deskfleet.common import event_loop
-from deskfleet.common.event_loop import ENV_VAR, chosen_loop
+from deskfleet.common.event_loop import ENV_VAR, EventLoopError, chosen_loop
 
 
 @pytest.mark.parametrize(("setting", "installed", "expected"), [
@@ -22,13 +22,25 @@ def test_chosen_loop(setting: str | None, installed: bool, expected: str) -> Non
 
 
 def test_asking_for_a_missing_uvloop_is_an_error() -> None:
-    with pytest.raises(ValueError, match="uvloop is not installed"):
+    with pytest.raises(EventLoopError, match="uvloop is not installed"):
         chosen_loop({ENV_VAR: "uvloop"}, uvloop_installed=False)
 
 
 def test_an_unknown_setting_is_named() -> None:
-    with pytest.raises(ValueError, match=r"DESKFLEET_EVENT_LOOP='libuv' is not one of auto, uvloop, asyncio"):
+    with pytest.raises(EventLoopError, match=r"DESKFLEET_EVENT_LOOP='libuv' is not one of auto, uvloop, asyncio"):
         chosen_loop({ENV_VAR: "libuv"}, uvloop_installed=True)
+
+
+def test_run_closes_the_coroutine_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "libuv")
+
+    async def never() -> None:
+        raise AssertionError("must not run")
+
+    coroutine = never()
+    with pytest.raises(EventLoopError):
+        event_loop.run(coroutine)
+    assert coroutine.cr_frame is None  # closed: no "never awaited" warning at exit
 
 
 def _loop_module() -> str:
