@@ -23,6 +23,7 @@ Pure code: numpy only.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -220,8 +221,9 @@ class SlotTable:
 
     # Private methods
 
-    def _check_positions(self, positions: npt.NDArray[np.int64]) -> None:
-        if self.max_positions is not None and positions.size and int(positions.max()) > self.max_positions:
+    def _check_positions(self, positions: Iterable[int]) -> None:
+        """Plain Python: a handful of rows, every step, on three tables (ledger and two mirrors)."""
+        if self.max_positions is not None and max(positions, default=0) > self.max_positions:
             raise LedgerError(f"a row would pass the context of {self.max_positions} positions")
 
     def _append(self, delta: AppendSlots) -> None:
@@ -235,9 +237,7 @@ class SlotTable:
         nexts = self._next.tolist()
         if nexts != list(delta.first_positions):
             raise LedgerError(f"desync: append starts rows at {delta.first_positions}, mirror has {nexts}")
-        if self.max_positions is not None and any(
-                start + count > self.max_positions for start, count in zip(nexts, delta.live_counts, strict=True)):
-            raise LedgerError(f"a row would pass the context of {self.max_positions} positions")
+        self._check_positions(start + count for start, count in zip(nexts, delta.live_counts, strict=True))
         live = np.array(delta.live_counts, dtype=np.int64).reshape(-1)
         new = np.arange(delta.count)[None, :] < live[:, None]  # new: [B, T]
         self._mask = np.concatenate([self._mask, new], axis=1)
@@ -273,7 +273,7 @@ class SlotTable:
     def _admit(self, delta: AdmitRow) -> None:
         if delta.live_slots < 1:
             raise LedgerError(f"admitted row with {delta.live_slots} live slots; a prefill has at least one")
-        self._check_positions(np.array([delta.live_slots], dtype=np.int64))
+        self._check_positions((delta.live_slots,))
         slots = max(self.slots, delta.live_slots)
         mask = np.zeros((self.rows + 1, slots), dtype=bool)
         mask[: self.rows, : self.slots] = self._mask
