@@ -30,6 +30,8 @@ from openvino import passes
 
 from deskfleet.common.model_spec import Manifest, TensorNames, verify_files
 
+from . import huge_pages
+
 log = logging.getLogger(__name__)
 
 
@@ -185,12 +187,26 @@ class Stage:
     def __init__(self, model_dir: Path, manifest: Manifest, layers: LayerRange,
                  settings: CompileSettings | None = None, core: ov.Core | None = None) -> None:
         self.layers = layers
+        self.hidden_size = manifest.spec.hidden_size
         self.settings = settings = settings or CompileSettings()
         core = core or ov.Core()
+        memory_before = huge_pages.snapshot() if settings.device.upper().startswith("CPU") else None
         model = build_stage_model(model_dir, manifest, layers)
         self.compiled = core.compile_model(model, settings.device, settings.properties(core))
         log.info("compiled layers [%d, %d) on %s (%s)", layers.start, layers.stop, settings.device,
                  settings.precision.value)
+        if memory_before is not None:
+            # The CPU plugin repacks the weights at the first inference: run one, then back them with huge pages.
+            self.warm_up()
+            huge_pages.collapse_new_regions(memory_before)
+
+    def warm_up(self) -> None:
+        """One throwaway single-token call on a request of its own (no session's KV state changes)."""
+        session = self.open_session()
+        payload = (np.zeros((1, 1), dtype=np.int64) if self.layers.is_first
+                   else np.zeros((1, 1, self.hidden_size), dtype=np.float32))
+        session.forward(payload, np.ones((1, 1), dtype=np.int64), np.zeros((1, 1), dtype=np.int64),
+                        np.zeros(1, dtype=np.int32))
 
     def open_session(self) -> StageSession:
         return StageSession(self)

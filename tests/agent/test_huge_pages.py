@@ -1,0 +1,119 @@
+"""Huge pages for a compiled stage's weights: which memory is picked, when it is on, and that it works."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent import huge_pages
+from deskfleet.agent.stage import CompileSettings, LayerRange, Stage
+from deskfleet.common.model_spec import load_manifest
+
+MB = 1 << 20
+
+MAPS = """\
+55d4c1a00000-55d4c1a21000 r--p 00000000 fe:00 1234   /usr/bin/python3.11
+55d4c2000000-55d4c2400000 rw-p 00000000 00:00 0      [heap]
+7f0000000000-7f0000a00000 rw-p 00000000 00:00 0
+7f0000a00000-7f0000a01000 ---p 00000000 00:00 0
+7f0001000000-7f0001300000 rw-s 00000000 00:05 77     /dev/shm/x (deleted)
+7f0002000000-7f0002100000 rw-s 00000000 00:01 9
+7f0003000000-7f0003001000 rw-p 00000000 00:00 0
+7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0      [stack]
+"""
+
+
+def test_anonymous_regions_are_the_private_writable_mappings_without_a_path() -> None:
+    assert huge_pages.anonymous_regions(MAPS) == {(0x7F0000000000, 0x7F0000A00000), (0x7F0003000000, 0x7F0003001000)}
+
+
+def test_huge_page_ranges_keep_only_whole_aligned_pages() -> None:
+    page = huge_pages.HUGE_PAGE
+    regions = {(page + 4096, 4 * page + 100), (10 * page, 10 * page + page - 1), (20 * page, 21 * page)}
+    assert huge_pages.huge_page_ranges(regions) == [(2 * page, 4 * page), (20 * page, 21 * page)]
+
+
+@pytest.mark.parametrize(("environ", "platform", "mode", "expected"), [
+    ({}, "linux", "always [madvise] never\n", True),
+    ({}, "linux", "[always] madvise never\n", True),
+    ({}, "linux", "always madvise [never]\n", False),
+    ({"DESKFLEET_HUGE_PAGES": "0"}, "linux", "always [madvise] never\n", False),
+    ({"DESKFLEET_HUGE_PAGES": "off"}, "linux", "always [madvise] never\n", False),
+    ({"DESKFLEET_HUGE_PAGES": "1"}, "linux", "always [madvise] never\n", True),
+    ({}, "win32", "always [madvise] never\n", False),
+    ({}, "darwin", "always [madvise] never\n", False),
+])
+def test_enabled_on_linux_with_thp_unless_turned_off(environ: dict[str, str], platform: str, mode: str,
+                                                     expected: bool) -> None:
+    assert huge_pages.enabled(environ, platform, mode) is expected
+
+
+def test_disabled_means_no_snapshot_and_nothing_collapsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(huge_pages.ENV_VAR, "0")
+    assert huge_pages.snapshot() is None
+    assert huge_pages.collapse_new_regions(None) is None
+
+
+def _anon_huge_kb(start: int, size: int) -> int:
+    """AnonHugePages of the mappings that overlap [start, start + size), from /proc/self/smaps (advising
+    part of a mapping splits it, so the buffer may span several)."""
+    total = 0
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 5 and "-" in fields[0] and ":" not in fields[0]:
+            low, high = (int(value, 16) for value in fields[0].split("-"))
+            inside = low < start + size and start < high
+        elif inside and fields[0] == "AnonHugePages:":
+            total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not huge_pages.enabled(environ={}),
+                    reason="needs Linux with transparent huge pages not set to never")
+def test_new_memory_is_backed_by_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(huge_pages.ENV_VAR, raising=False)
+    before = huge_pages.snapshot()
+    assert before is not None
+    # A fresh private anonymous mapping, touched page by page (not numpy: it asks for huge pages itself)
+    size = 64 * MB
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer.write(b"\x01" * size)
+    view = ctypes.c_char.from_buffer(buffer)
+    address = ctypes.addressof(view)
+    assert _anon_huge_kb(address, size) == 0 or "[always]" in huge_pages.THP_ENABLED.read_text()
+    report = huge_pages.collapse_new_regions(before)
+    assert report is not None and report.bytes >= 60 * MB
+    if not report.collapsed:
+        pytest.skip(f"MADV_COLLAPSE is not available on {os.uname().release} (hinted only)")
+    assert _anon_huge_kb(address, size) >= 60 * 1024
+    assert buffer[:] == b"\x01" * size  # the contents survive the move into huge pages
+    del view
+    buffer.close()
+
+
+def test_a_cpu_stage_warms_up_then_collapses_what_its_compile_and_first_call_allocated(
+        tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(huge_pages, "snapshot", lambda: calls.append("snapshot") or set())
+    monkeypatch.setattr(huge_pages, "collapse_new_regions", lambda before: calls.append("collapse"))
+    monkeypatch.setattr(Stage, "warm_up", lambda self: calls.append("warm_up"))
+    manifest = load_manifest(tiny_export)
+    layers = manifest.spec.num_layers
+    Stage(tiny_export, manifest, LayerRange(0, 1, layers), CompileSettings())
+    assert calls == ["snapshot", "warm_up", "collapse"]
+
+
+def test_warm_up_leaves_sessions_untouched_for_first_middle_and_last_stages(tiny_export: Path) -> None:
+    manifest = load_manifest(tiny_export)
+    layers = manifest.spec.num_layers
+    for layer_range in (LayerRange(0, 1, layers), LayerRange(1, layers, layers)):
+        stage = Stage(tiny_export, manifest, layer_range, CompileSettings())
+        session = stage.open_session()
+        stage.warm_up()
+        assert all(state.state.shape[2] == 0 for state in session.request.query_state())
