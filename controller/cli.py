@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                         default=["default", "SDPA"],
                         help="LLMPipeline ATTENTION_BACKEND per GenAI run (default: GenAI's own choice)")
     parity.add_argument("--stages", type=int, nargs="*", default=[2, 3, 4])
+    parity.add_argument("--isolation", choices=["process", "shared"], default="process",
+                        help="process: every variant in a fresh process of its own each round (default); "
+                             "shared: deskfleet's variants loaded once into this process (quicker, noisier)")
+    parity.add_argument("--huge-pages-ablation", action="store_true",
+                        help="also run deskfleet-1 with DESKFLEET_HUGE_PAGES=0 (process isolation)")
     _add_compile_options(parity)
     parity.set_defaults(handler=_bench_parity)
     rollback = benches.add_parser("rollback", help="mask rollback vs physical trim, and dead slots in a decode step")
@@ -213,7 +218,8 @@ def _bench_parity(args: argparse.Namespace) -> int:
     report = run_parity_bench(args.model, genai_model=args.genai_model, genai_python=args.genai_python,
                               prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                               rounds=args.rounds, stage_counts=args.stages,
-                              settings=_compile_settings(args), genai_backends=args.genai_backends)
+                              settings=_compile_settings(args), genai_backends=args.genai_backends,
+                              isolation=args.isolation, huge_pages_ablation=args.huge_pages_ablation)
     print(json.dumps(report, indent=2))
     return 0
 

@@ -14,9 +14,19 @@ Variants (those whose inputs are given):
     whole-direct      optimum-intel's whole-model IR, compiled here and driven by the same plain loop
     deskfleet-K       K-stage LocalPipeline, for each K of stage_counts
 
+    deskfleet-1-4k-pages  deskfleet-1 with DESKFLEET_HUGE_PAGES=0 (huge_pages_ablation, process isolation)
+
 fused-direct vs whole-direct compares a stage fused from per-layer IRs with a model exported whole on the
 same runtime and loop; deskfleet-1 vs fused-direct is the cost of the pipeline's thread and queues; and
 whole-direct vs genai is the cost of a Python decode loop vs GenAI's C++ one.
+
+Isolation. "process" (the default) runs every variant, deskfleet's as well as GenAI's, in a process of its
+own that is started afresh for every round and holds only that variant's model: load, one untimed warm-up
+generation, one timed generation, exit. "shared" loads deskfleet's variants once into this process (GenAI
+stays in its runner) and runs an untimed warm-up round first. Shared is quicker, but with several large
+models in one process each variant keeps the memory placement it drew at load for every round: on the
+2-core VM, 1.1B model, fused-direct vs whole-direct came out 1.03x in one shared run and 0.91x in the
+next, a swing larger than the differences the bench is for.
 """
 
 from __future__ import annotations
@@ -45,6 +55,9 @@ from .runner_process import RunnerProcess
 log = logging.getLogger(__name__)
 
 GENAI_RUNNER = Path(__file__).with_name("genai_runner.py")
+DESKFLEET_RUNNER = Path(__file__).with_name("parity_runner.py")
+ISOLATIONS = ("process", "shared")
+NO_HUGE_PAGES = "deskfleet-1-4k-pages"
 PRECISION_PROPERTIES = ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "INFERENCE_NUM_THREADS",
                         "PERFORMANCE_HINT", "NUM_STREAMS", "DYNAMIC_QUANTIZATION_GROUP_SIZE")
 
@@ -168,7 +181,8 @@ def build_report(records: dict[str, list[RunRecord]], stage_counts: Sequence[int
     breakdown: dict[str, Any] = {}
     pairs = {"pipeline_vs_direct (deskfleet-1 / fused-direct)": (base, "fused-direct"),
              "fused_vs_whole (fused-direct / whole-direct)": ("fused-direct", "whole-direct"),
-             "python_loop_vs_genai_sdpa (whole-direct / genai-sdpa)": ("whole-direct", "genai-sdpa")}
+             "python_loop_vs_genai_sdpa (whole-direct / genai-sdpa)": ("whole-direct", "genai-sdpa"),
+             f"huge_pages ({base} / {NO_HUGE_PAGES})": (base, NO_HUGE_PAGES)}
     for label, (left, right) in pairs.items():
         if left in speeds and right in speeds:
             breakdown[label] = compare(speeds[left], speeds[right])
@@ -189,6 +203,7 @@ def run_parity_bench(model: Path, genai_model: Path | None = None, genai_python:
                      prompt_tokens: int = 32, new_tokens: int = 64, rounds: int = 3,
                      stage_counts: Sequence[int] = (2, 3, 4), settings: CompileSettings | None = None,
                      genai_backends: Sequence[str] = ("default", "SDPA"), direct: bool = True,
+                     isolation: str = "process", huge_pages_ablation: bool = False,
                      progress: bool = True) -> dict[str, Any]:
     """Run the parity benchmark and return its JSON-able report.
 
@@ -196,10 +211,15 @@ def run_parity_bench(model: Path, genai_model: Path | None = None, genai_python:
     text-generation-with-past`); without it the GenAI and whole-model variants are skipped. `genai_python`
     is the python of a venv with openvino-genai (default: this one's). `genai_backends`: LLMPipeline's
     ATTENTION_BACKEND for each GenAI variant; "default" leaves GenAI's choice (PagedAttention on CPU in
-    GenAI 2026), "SDPA" is the stateful path deskfleet's stages also take.
+    GenAI 2026), "SDPA" is the stateful path deskfleet's stages also take. `isolation`: see the module
+    docstring. `huge_pages_ablation` (process isolation) adds deskfleet-1 without huge pages.
     """
     import openvino as ov
 
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
+    if huge_pages_ablation and isolation != "process":
+        raise ValueError("the huge-pages ablation needs process isolation (the setting is per process)")
     model = Path(model)
     settings = settings or CompileSettings()
     manifest = load_manifest(model)
@@ -207,29 +227,19 @@ def run_parity_bench(model: Path, genai_model: Path | None = None, genai_python:
     prompt = bench_prompt(spec.vocab_size, prompt_tokens, spec.bos_token_id)
     if prompt_tokens + new_tokens > spec.max_context:
         raise ValueError(f"{prompt_tokens} + {new_tokens} tokens exceed the model's context {spec.max_context}")
-    core = ov.Core()
+    whole_xml = Path(genai_model) / "openvino_model.xml" if genai_model is not None else None
+    if whole_xml is not None and direct and not whole_xml.is_file():
+        raise FileNotFoundError(f"{whole_xml} not found: is {whole_xml.parent} an optimum-intel export?")
     variants: list[Variant] = []
     try:
-        # The fused 1-stage model run directly is built first: deskfleet's compiled settings are read
-        # off it and handed to GenAI, so that both run with the same precision, KV cache and threads.
-        fused = FusedDirectVariant(model, manifest, settings, core, prompt, new_tokens)
-        compiled = fused.compiled_properties
-        variants.append(PipelineVariant(model, 1, settings, manifest, prompt, new_tokens))
-        if genai_model is not None:
-            for backend in genai_backends:
-                variants.append(GenAIVariant(Path(genai_model), genai_python, settings.device,
-                                             _genai_properties(compiled, backend), prompt, new_tokens,
-                                             name=genai_variant_name(backend)))
-        if direct:
-            variants.append(fused)
-            if genai_model is not None:
-                variants.append(WholeDirectVariant(Path(genai_model) / "openvino_model.xml", settings, core,
-                                                   prompt, new_tokens))
+        if isolation == "process":
+            compiled, variants = _isolated_variants(model, genai_model, genai_python, whole_xml, prompt,
+                                                    new_tokens, stage_counts, settings, genai_backends, direct,
+                                                    huge_pages_ablation)
         else:
-            fused.close()
-        for k in stage_counts:
-            if k != 1:
-                variants.append(PipelineVariant(model, k, settings, manifest, prompt, new_tokens))
+            compiled, variants = _shared_variants(model, manifest, genai_model, genai_python, whole_xml, prompt,
+                                                  new_tokens, stage_counts, settings, genai_backends, direct,
+                                                  ov.Core())
 
         def show(index: int, name: str, record: RunRecord) -> None:
             if progress:
@@ -237,9 +247,10 @@ def run_parity_bench(model: Path, genai_model: Path | None = None, genai_python:
                       flush=True)
 
         started = time.perf_counter()
-        records = run_rounds(variants, rounds, on_run=show)
+        records = run_rounds(variants, rounds, warmup=0 if isolation == "process" else 1, on_run=show)
         elapsed = time.perf_counter() - started
-        genai_meta = {v.name: v.meta for v in variants if isinstance(v, GenAIVariant)} or None
+        genai_meta = {v.name: v.meta for v in variants
+                      if isinstance(v, GenAIVariant | IsolatedVariant) and v.name.startswith("genai")} or None
     finally:
         for variant in variants:
             variant.close()
@@ -260,13 +271,128 @@ def run_parity_bench(model: Path, genai_model: Path | None = None, genai_python:
         "prompt_tokens": prompt_tokens,
         "new_tokens": new_tokens,
         "rounds": rounds,
+        "isolation": isolation,
         "order": [variant.name for variant in variants],
         "bench_s": round(elapsed, 1),
     }
     return build_report(records, [k for k in stage_counts if k != 1], meta)
 
 
+def _shared_variants(model: Path, manifest: Manifest, genai_model: Path | None, genai_python: Path | None,
+                     whole_xml: Path | None, prompt: list[int], new_tokens: int, stage_counts: Sequence[int],
+                     settings: CompileSettings, genai_backends: Sequence[str], direct: bool, core: Any
+                     ) -> tuple[dict[str, str], list[Variant]]:
+    """deskfleet's variants loaded into this process, GenAI's in their runners (loaded once)."""
+    variants: list[Variant] = []
+    try:
+        # The fused 1-stage model run directly is built first: deskfleet's compiled settings are read
+        # off it and handed to GenAI, so that both run with the same precision, KV cache and threads.
+        fused = FusedDirectVariant(model, manifest, settings, core, prompt, new_tokens)
+        compiled = fused.compiled_properties
+        variants.append(PipelineVariant(model, 1, settings, manifest, prompt, new_tokens))
+        if genai_model is not None:
+            for backend in genai_backends:
+                variants.append(GenAIVariant(Path(genai_model), genai_python, settings.device,
+                                             _genai_properties(compiled, backend), prompt, new_tokens,
+                                             name=genai_variant_name(backend)))
+        if direct:
+            variants.append(fused)
+            if whole_xml is not None:
+                variants.append(WholeDirectVariant(whole_xml, settings, core, prompt, new_tokens))
+        else:
+            fused.close()
+        for k in stage_counts:
+            if k != 1:
+                variants.append(PipelineVariant(model, k, settings, manifest, prompt, new_tokens))
+    except BaseException:
+        for variant in variants:
+            variant.close()
+        raise
+    return compiled, variants
+
+
+def _isolated_variants(model: Path, genai_model: Path | None, genai_python: Path | None, whole_xml: Path | None,
+                       prompt: list[int], new_tokens: int, stage_counts: Sequence[int], settings: CompileSettings,
+                       genai_backends: Sequence[str], direct: bool, huge_pages_ablation: bool
+                       ) -> tuple[dict[str, str], list[Variant]]:
+    """Every variant as an IsolatedVariant (a fresh process per run); deskfleet's compiled settings, for
+    GenAI, come from loading deskfleet-1 once up front."""
+    common = {"model": str(model), "prompt_ids": prompt, "new_tokens": new_tokens,
+              "settings": {"device": settings.device, "precision": settings.precision.value,
+                           "num_threads": settings.num_threads}}
+
+    def deskfleet(name: str, config: dict[str, Any], environment: dict[str, str] | None = None) -> IsolatedVariant:
+        return IsolatedVariant(name, DESKFLEET_RUNNER, None, {**common, **config}, environment)
+
+    first = deskfleet("deskfleet-1", {"variant": "deskfleet", "stages": 1})
+    compiled: dict[str, str] = first.load()["compiled_properties"]
+    variants: list[Variant] = [first]
+    if huge_pages_ablation:
+        variants.append(deskfleet(NO_HUGE_PAGES, {"variant": "deskfleet", "stages": 1},
+                                  {**os.environ, "DESKFLEET_HUGE_PAGES": "0"}))
+    if genai_model is not None:
+        for backend in genai_backends:
+            config = {"model": str(genai_model), "device": settings.device,
+                      "properties": _genai_properties(compiled, backend), "prompt_ids": prompt,
+                      "new_tokens": new_tokens}
+            variants.append(IsolatedVariant(genai_variant_name(backend), GENAI_RUNNER, genai_python, config))
+    if direct:
+        variants.append(deskfleet("fused-direct", {"variant": "fused-direct"}))
+        if whole_xml is not None:
+            variants.append(deskfleet("whole-direct", {"variant": "whole-direct", "whole_model_xml": str(whole_xml)}))
+    for k in stage_counts:
+        if k != 1:
+            variants.append(deskfleet(f"deskfleet-{k}", {"variant": "deskfleet", "stages": k}))
+    return compiled, variants
+
+
 # Variants
+
+class IsolatedVariant:
+    """A variant run in a fresh process every time (a runner script speaking JSON lines: see
+    parity_runner.py and genai_runner.py): start it, load, one untimed warm-up generation, one timed
+    generation, quit. The process holds nothing but this variant's model."""
+
+    def __init__(self, name: str, script: Path, python: Path | None, config: dict[str, Any],
+                 environment: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.script = script
+        self.python = python
+        self.config = config
+        self.environment = environment
+        self.meta: dict[str, Any] = {}
+
+    def load(self) -> dict[str, Any]:
+        """Start a process, load the variant and quit: its ready answer (load time, compiled settings)."""
+        runner = RunnerProcess(self.script, self.python, self.environment)
+        try:
+            return self._start(runner)
+        finally:
+            runner.close("quit")
+
+    def run(self) -> RunRecord:
+        runner = RunnerProcess(self.script, self.python, self.environment)
+        try:
+            self._start(runner)
+            runner.send_line("run")
+            runner.receive()  # warm-up: first-call work (kernels for the prompt's shape) is not timed
+            runner.send_line("run")
+            reply = runner.receive()
+        finally:
+            runner.close("quit")
+        return _record(reply)
+
+    def close(self) -> None:
+        pass  # nothing outlives run()
+
+    def _start(self, runner: RunnerProcess) -> dict[str, Any]:
+        runner.send_line(json.dumps(self.config))
+        ready = runner.receive()
+        self.meta = {key: value for key, value in ready.items() if key != "ready"}
+        self.meta["python"] = runner.python
+        self.meta["properties"] = self.config.get("properties")
+        self.meta["load_s"] = round(float(ready.get("load_s", 0.0)), 2)
+        return ready
 
 class PipelineVariant:
     """deskfleet-K: a K-stage LocalPipeline and the Engine, as `deskfleet generate` runs them."""
@@ -277,6 +403,9 @@ class PipelineVariant:
         self.pipeline = LocalPipeline(model, stages, settings, manifest)
         self.prompt = prompt
         self.new_tokens = new_tokens
+
+    def compiled_properties(self) -> dict[str, str]:
+        return _read_properties(self.pipeline.stages[0].compiled)
 
     def run(self) -> RunRecord:
         tokens, decode_tok_s, prefill_s = _generate_once(self.pipeline, self.prompt, self.new_tokens)
@@ -359,8 +488,6 @@ class WholeDirectVariant(_DirectLoop):
     def __init__(self, xml: Path, settings: CompileSettings, core: Any, prompt: list[int],
                  new_tokens: int) -> None:
         super().__init__(prompt, new_tokens)
-        if not xml.is_file():
-            raise FileNotFoundError(f"{xml} not found: is {xml.parent} an optimum-intel export?")
         compiled = core.compile_model(core.read_model(xml), settings.device, settings.properties(core))
         self.request = compiled.create_infer_request()
         self.inputs = {port.get_any_name() for port in compiled.inputs}
@@ -397,16 +524,22 @@ class GenAIVariant:
 
     def run(self) -> RunRecord:
         self.runner.send_line("run")
-        reply = self.runner.receive()
-        keys = ("wall_decode_tok_s", "tpot_ms", "generate_s")
-        extra: dict[str, float] = {key: float(reply[key]) for key in keys if key in reply}
-        return RunRecord(float(reply["decode_tok_s"]), tuple(reply["tokens"]), float(reply["ttft_s"]), extra)
+        return _record(self.runner.receive())
 
     def close(self) -> None:
         self.runner.close("quit")
 
 
 # Private methods
+
+def _record(reply: dict[str, Any]) -> RunRecord:
+    """A runner's answer to "run" (deskfleet's reports prefill_s, GenAI's ttft_s) as a RunRecord."""
+    keys = ("wall_decode_tok_s", "tpot_ms", "generate_s")
+    extra: dict[str, float] = {key: float(reply[key]) for key in keys if key in reply}
+    prefill = reply["prefill_s"] if "prefill_s" in reply else reply["ttft_s"]
+    return RunRecord(float(reply["decode_tok_s"]), tuple(int(token) for token in reply["tokens"]), float(prefill),
+                     extra)
+
 
 def _generate_once(pipeline: LocalPipeline, prompt: list[int], new_tokens: int) -> tuple[list[int], float, float]:
     """(tokens, decode tok/s, time to the first token) of one greedy stream, EOS ignored, through the

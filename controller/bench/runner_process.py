@@ -1,8 +1,9 @@
-"""A benchmark baseline running in another venv's Python, spoken to in lines over stdin/stdout.
+"""A benchmark variant running in a process of its own, spoken to in lines over stdin/stdout.
 
 The OpenVINO GenAI baselines need their own venv (optimum-intel pins other versions), so the benchmarks
-start a small runner script there. Each request is one line; each answer is one JSON object per line,
-with "error" set when the runner failed.
+start a small runner script there; `bench parity` also runs deskfleet's own variants this way, one fresh
+process each. Each request is one line; each answer is one JSON object per line, with "error" set when
+the runner failed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ class RunnerProcess:
 
     def __init__(self, script: Path, python: Path | None, environment: dict[str, str] | None = None) -> None:
         self.python = str(python or sys.executable)
+        self.script = Path(script).name
         self.process = subprocess.Popen([self.python, str(script)], env=environment, stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, bufsize=1)
 
@@ -33,10 +35,10 @@ class RunnerProcess:
         line = self.process.stdout.readline()
         if not line:
             code = self.process.wait()
-            raise RuntimeError(f"the GenAI runner exited ({code}) without an answer; see its stderr above")
+            raise RuntimeError(f"the runner {self.script} exited ({code}) without an answer; see its stderr above")
         reply: dict[str, Any] = json.loads(line)
         if "error" in reply:
-            raise RuntimeError(f"GenAI runner: {reply['error']}")
+            raise RuntimeError(f"runner {self.script}: {reply['error']}")
         return reply
 
     def close(self, quit_line: str) -> None:

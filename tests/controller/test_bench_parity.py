@@ -9,6 +9,8 @@ import pytest
 
 from deskfleet.agent.stage import CompileSettings, Precision
 from deskfleet.controller.bench.parity import (
+    DESKFLEET_RUNNER,
+    IsolatedVariant,
     RunRecord,
     _genai_properties,
     bench_prompt,
@@ -129,7 +131,7 @@ def test_build_report_shape() -> None:
 def test_parity_bench_on_a_tiny_model_without_genai(tiny_export: Path) -> None:
     settings = CompileSettings(precision=Precision.F32, num_threads=1)
     report = run_parity_bench(tiny_export, prompt_tokens=5, new_tokens=6, rounds=2, stage_counts=[1, 2],
-                              settings=settings, progress=False)
+                              settings=settings, isolation="shared", progress=False)
     json.dumps(report)
     assert report["order"] == ["deskfleet-1", "fused-direct", "deskfleet-2"]
     assert report["compiled_properties"]["INFERENCE_PRECISION_HINT"] == "f32"
@@ -139,3 +141,35 @@ def test_parity_bench_on_a_tiny_model_without_genai(tiny_export: Path) -> None:
     assert set(report["stages_vs_1"]) == {"2"}
     # f32: the fused stage run directly and the 2-stage pipeline compute the same tokens as 1 stage.
     assert report["tokens_match_deskfleet_1"] == {"fused-direct": True, "deskfleet-2": True}
+
+
+@pytest.mark.slow
+def test_parity_bench_in_fresh_processes_on_a_tiny_model(tiny_export: Path) -> None:
+    settings = CompileSettings(precision=Precision.F32, num_threads=1)
+    report = run_parity_bench(tiny_export, prompt_tokens=5, new_tokens=6, rounds=2, stage_counts=[2],
+                              settings=settings, huge_pages_ablation=True, progress=False)
+    json.dumps(report)
+    assert report["isolation"] == "process"
+    assert report["order"] == ["deskfleet-1", "deskfleet-1-4k-pages", "fused-direct", "deskfleet-2"]
+    # deskfleet-1's settings come from its own process, loaded once before the rounds
+    assert report["compiled_properties"]["INFERENCE_PRECISION_HINT"] == "f32"
+    assert report["compiled_properties"]["INFERENCE_NUM_THREADS"] == "1"
+    assert all(len(stats["samples"]) == 2 and stats["median"] > 0 for stats in report["decode_tok_s"].values())
+    assert "huge_pages (deskfleet-1 / deskfleet-1-4k-pages)" in report["breakdown"]
+    assert report["tokens_match_deskfleet_1"] == {"deskfleet-1-4k-pages": True, "fused-direct": True,
+                                                  "deskfleet-2": True}
+
+
+def test_isolated_variant_reports_a_runner_that_fails_to_load(tiny_export: Path, tmp_path: Path) -> None:
+    variant = IsolatedVariant("deskfleet-1", DESKFLEET_RUNNER, None,
+                              {"variant": "deskfleet", "model": str(tmp_path / "missing"), "prompt_ids": [1, 2],
+                               "new_tokens": 2})
+    with pytest.raises(RuntimeError, match=r"parity_runner\.py.*missing"):
+        variant.run()
+
+
+def test_parity_bench_rejects_an_unknown_isolation_and_a_shared_ablation(tiny_export: Path) -> None:
+    with pytest.raises(ValueError, match="isolation"):
+        run_parity_bench(tiny_export, isolation="thread", progress=False)
+    with pytest.raises(ValueError, match="process isolation"):
+        run_parity_bench(tiny_export, isolation="shared", huge_pages_ablation=True, progress=False)
