@@ -374,8 +374,8 @@ class IsolatedVariant:
         runner = RunnerProcess(self.script, self.python, self.environment)
         try:
             self._start(runner)
-            runner.send_line("run")
-            runner.receive()  # warm-up: first-call work (kernels for the prompt's shape) is not timed
+            runner.send_line("warm-up")
+            runner.receive()  # first-call work (kernels for the prompt's shape) is not timed
             runner.send_line("run")
             reply = runner.receive()
         finally:

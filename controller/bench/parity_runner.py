@@ -9,7 +9,7 @@ ends it.
         "whole_model_xml": XML (whole-direct), "settings": {"device", "precision", "num_threads"},
         "prompt_ids": [...], "new_tokens": N}
     <- {"ready": true, "load_s": ..., "compiled_properties": {...} (fused-direct, deskfleet with 1 stage)}
-    -> "run"
+    -> "run" or "warm-up" (the same work: deskfleet keeps no prompt cache; see genai_runner.py)
     <- {"tokens": [...], "decode_tok_s": ..., "prefill_s": ...}
 """
 
@@ -66,7 +66,7 @@ def serve(lines: TextIO, reply: TextIO) -> int:
             command = line.strip()
             if command == "quit":
                 break
-            if command == "run":
+            if command in {"run", "warm-up"}:
                 record = variant.run()
                 answer({"tokens": list(record.tokens), "decode_tok_s": record.decode_tok_s,
                         "prefill_s": record.prefill_s})
