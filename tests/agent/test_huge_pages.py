@@ -109,6 +109,16 @@ def test_a_cpu_stage_warms_up_then_collapses_what_its_compile_and_first_call_all
     assert calls == ["snapshot", "warm_up", "collapse"]
 
 
+def test_a_cpu_stage_warms_up_even_with_huge_pages_off(tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(huge_pages.ENV_VAR, "0")
+    calls: list[object] = []
+    monkeypatch.setattr(huge_pages, "collapse_new_regions", lambda before: calls.append(("collapse", before)))
+    monkeypatch.setattr(Stage, "warm_up", lambda self: calls.append("warm_up"))
+    manifest = load_manifest(tiny_export)
+    Stage(tiny_export, manifest, LayerRange(0, 1, manifest.spec.num_layers), CompileSettings())
+    assert calls == ["warm_up", ("collapse", None)]  # the repacked weights count from the start either way
+
+
 def test_warm_up_leaves_sessions_untouched_for_first_middle_and_last_stages(tiny_export: Path) -> None:
     manifest = load_manifest(tiny_export)
     layers = manifest.spec.num_layers
