@@ -13,8 +13,8 @@ Variants (those whose inputs are given):
     fused-direct      the fused 1-stage model, driven by a plain infer loop (no worker thread, no queues)
     whole-direct      optimum-intel's whole-model IR, compiled here and driven by the same plain loop
     deskfleet-K       K-stage LocalPipeline, for each K of stage_counts
-
-    deskfleet-1-4k-pages  deskfleet-1 with DESKFLEET_HUGE_PAGES=0 (huge_pages_ablation, process isolation)
+    deskfleet-1-4k-pages
+                      deskfleet-1 with DESKFLEET_HUGE_PAGES=0 (huge_pages_ablation; process isolation)
 
 fused-direct vs whole-direct compares a stage fused from per-layer IRs with a model exported whole on the
 same runtime and loop; deskfleet-1 vs fused-direct is the cost of the pipeline's thread and queues; and
