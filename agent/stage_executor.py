@@ -62,8 +62,8 @@ def replay_deltas(mirror: Mirror, deltas: tuple[SlotDelta, ...],
 
     The callbacks edit the KV state on the host where the mirror's contract asks for it: `gather_rows`
     with a pending beam_idx before an AdmitRow or Compact, `admit(delta, ordinal)` and `compact(delta)`
-    right after the mirror took those deltas. The driver calls this without callbacks to learn the
-    same beam_idx and positions it sends as a desync check.
+    right after the mirror took those deltas. The driver computes the beam_idx and positions it sends
+    from its ledger and a RowOrder (controller/batch_track.py); the stage checks them against this.
     """
     if not deltas or not isinstance(deltas[-1], AppendSlots):
         raise LedgerError("a step's deltas must end with the AppendSlots of its call")

@@ -358,6 +358,40 @@ class Ledger(SlotTable):
         return delta
 
 
+class RowOrder:
+    """Which row of the state tensor each row reads at the next call (beam_idx), composed over every
+    ReorderRows since the last take. A stage's Mirror keeps one beside its mask; the driver keeps one
+    beside its ledger, to know the beam_idx the stages will feed without keeping a second mask."""
+
+    def __init__(self) -> None:
+        self._pending: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)  # beam_idx since last take: [B]
+        self._state_rows = 0  # rows of the stage's state tensor, until the pending gather runs
+
+    # Public methods
+
+    def pending(self, rows: int) -> bool:
+        """True while a reorder waits to be gathered into a state of `rows` rows."""
+        return self._state_rows != rows or not np.array_equal(self._pending, np.arange(rows))
+
+    def take(self, rows: int) -> npt.NDArray[np.int64]:
+        """beam_idx: [B] composing every reorder since the last take (new rows gather row 0); afterwards
+        the state has `rows` rows in order."""
+        taken = np.maximum(self._pending, 0)
+        self.gathered(rows)
+        return taken
+
+    def reorder(self, source_rows: tuple[int, ...]) -> None:
+        sources = np.array(source_rows, dtype=np.int64).reshape(-1)
+        pending = self._pending[np.maximum(sources, 0)] if self._pending.size else sources.copy()
+        pending[sources == NEW_ROW] = NEW_ROW
+        self._pending = pending
+
+    def gathered(self, rows: int) -> None:
+        """The state now holds `rows` rows in order (taken, or a row was appended on the host)."""
+        self._pending = np.arange(rows, dtype=np.int64)
+        self._state_rows = rows
+
+
 class Mirror(SlotTable):
     """A stage's copy of the ledger, rebuilt from deltas alone.
 
@@ -369,34 +403,26 @@ class Mirror(SlotTable):
 
     def __init__(self, max_positions: int | None = None) -> None:
         super().__init__(max_positions)
-        self._pending: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)  # beam_idx since last take: [B]
-        self._state_rows = 0  # rows of the stage's state tensor, until the pending gather runs
+        self._order = RowOrder()
 
     # Public methods
 
     def rows_pending(self) -> bool:
         """True while a reorder waits to be gathered into the state."""
-        return self._state_rows != self.rows or not np.array_equal(self._pending, np.arange(self.rows))
+        return self._order.pending(self.rows)
 
     def take_beam_idx(self) -> npt.NDArray[np.int64]:
         """beam_idx: [B] composing every reorder since the last take (new rows gather row 0)."""
-        taken = np.maximum(self._pending, 0)
-        self._pending = np.arange(self.rows, dtype=np.int64)
-        self._state_rows = self.rows
-        return taken
+        return self._order.take(self.rows)
 
     def apply(self, delta: SlotDelta) -> None:
         if isinstance(delta, AdmitRow | Compact) and self.rows_pending():
             raise LedgerError(f"{type(delta).__name__} with a row reorder pending: take_beam_idx() first")
         super().apply(delta)
         if isinstance(delta, ReorderRows):
-            sources = np.array(delta.source_rows, dtype=np.int64).reshape(-1)
-            pending = self._pending[np.maximum(sources, 0)] if self._pending.size else sources.copy()
-            pending[sources == NEW_ROW] = NEW_ROW
-            self._pending = pending
+            self._order.reorder(delta.source_rows)
         elif isinstance(delta, AdmitRow):
-            self._pending = np.arange(self.rows, dtype=np.int64)
-            self._state_rows = self.rows
+            self._order.gathered(self.rows)
 
 
 def position_ids(delta: AppendSlots) -> npt.NDArray[np.int64]:

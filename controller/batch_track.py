@@ -2,7 +2,8 @@
 
 The same bookkeeping serves the target chain and the draft model: rows are streams, every change to
 rows or slots is a ledger delta queued until the micro-batch's next step, and a step is a Forward whose
-beam_idx and position_ids the driver computes with its own mirror (the stages check them).
+beam_idx and position_ids the driver computes from its ledger and a RowOrder that follows the row
+reorders as the stages' mirrors will (the stages check both against their mirror).
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from deskfleet.agent.stage_executor import replay_deltas
-from deskfleet.common.kv_ledger import CompactionPolicy, Ledger, Mirror, SlotDelta
+from deskfleet.common.kv_ledger import CompactionPolicy, Ledger, RowOrder, SlotDelta, position_ids
 from deskfleet.common.wire import DraftInfo, Forward, SamplingInfo
 
 
@@ -21,7 +21,7 @@ class BatchTrack:
     micro_batch_id: int
     max_positions: int
     ledger: Ledger = field(init=False)
-    mirror: Mirror = field(init=False)
+    order: RowOrder = field(init=False)  # the stages' row order, as their mirrors will replay it
     stream_ids: list[int] = field(default_factory=list)
     pending: list[SlotDelta] = field(default_factory=list)
     admit_from: list[int] = field(default_factory=list)
@@ -30,7 +30,7 @@ class BatchTrack:
 
     def __post_init__(self) -> None:
         self.ledger = Ledger(self.max_positions)
-        self.mirror = Mirror(self.max_positions)
+        self.order = RowOrder()
 
     @property
     def rows(self) -> int:
@@ -40,19 +40,24 @@ class BatchTrack:
 
     def add_row(self, stream_id: int) -> None:
         """A new empty row for a stream that will be prefilled inside this micro-batch."""
-        self.pending.append(self.ledger.add_rows(1))
+        delta = self.ledger.add_rows(1)
+        self.order.reorder(delta.source_rows)
+        self.pending.append(delta)
         self.stream_ids.append(stream_id)
 
     def admit(self, stream_id: int, source_batch: int, live_slots: int) -> None:
         """Queue the merge of a stream prefilled alone in `source_batch` as the new last row."""
         self.pending.append(self.ledger.admit(live_slots))
+        self.order.gathered(self.ledger.rows)  # the stages gather pending reorders on the host to admit
         self.admit_from.append(source_batch)
         self.stream_ids.append(stream_id)
 
     def drop(self, stream_ids: set[int]) -> None:
         rows = [row for row, stream in enumerate(self.stream_ids) if stream in stream_ids]
         if rows:
-            self.pending.append(self.ledger.drop_rows(rows))
+            delta = self.ledger.drop_rows(rows)
+            self.order.reorder(delta.source_rows)
+            self.pending.append(delta)
             self.stream_ids = [stream for stream in self.stream_ids if stream not in stream_ids]
 
     def reject(self, stream_id: int, count: int) -> None:
@@ -63,6 +68,7 @@ class BatchTrack:
     def compact(self, policy: CompactionPolicy) -> None:
         delta = self.ledger.compact(policy)
         if delta is not None:
+            self.order.gathered(self.ledger.rows)  # the stages gather pending reorders on the host to compact
             self.pending.append(delta)
 
     def next_position(self, stream_id: int) -> int:
@@ -79,11 +85,11 @@ class BatchTrack:
             input_ids[row, : len(row_tokens)] = row_tokens
             if row_tokens:
                 input_ids[row, len(row_tokens):] = row_tokens[-1]
-        self.pending.append(self.ledger.append([len(row) for row in tokens], width))
-        deltas = tuple(self.pending)
-        inputs = replay_deltas(self.mirror, deltas)
+        append = self.ledger.append([len(row) for row in tokens], width)
+        self.pending.append(append)
         message = Forward(micro_batch_id=self.micro_batch_id, step_id=self.steps, stream_ids=tuple(self.stream_ids),
-                          slot_deltas=deltas, beam_idx=inputs.beam_idx, position_ids=inputs.position_ids,
+                          slot_deltas=tuple(self.pending), beam_idx=self.order.take(self.ledger.rows),
+                          position_ids=position_ids(append),
                           input_ids=input_ids, hidden_states=None, draft=draft, admit_from=tuple(self.admit_from),
                           sampling=sampling)
         self.pending.clear()
