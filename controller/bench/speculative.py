@@ -17,7 +17,9 @@ tokens (checked). Interleaved: for each round, for each prompt, every variant in
 Decode tok/s = tokens after the first / time after the first token, summed over the prompts of a round;
 speedup = its median over rounds vs plain's. The profile says where time goes: the target's time per call
 (plain: 1 token; speculative: K+1 tokens to verify), the draft's time per proposed token, their ratio,
-and the speedup the measured acceptance and costs predict.
+and the speedup the measured acceptance and costs predict. `target_call_costs` (controller/bench/call_costs.py)
+times the target alone at each width, back to back and alternating; each variant's `width_switches` and
+`switch_share_of_decode_calls` say how much of its target time went to changing the width between calls.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.wire import Forward, ForwardResult
 
+from .call_costs import measure_call_costs
 from .parity import _cpu_name, _read_properties, compare, summarize
 
 DEFAULT_EVAL_DIR = Path("assets/models/train")
@@ -58,6 +61,7 @@ class VariantStats:
     target_s: dict[str, float] = field(default_factory=dict)  # seconds by kind
     draft_s: float = 0.0
     draft_tokens: int = 0
+    width_switches: int = 0  # decode calls whose width (T) differed from the previous decode call's
 
     @property
     def decode_tok_s(self) -> float:
@@ -71,9 +75,18 @@ class TimingChain:
         self.chain = chain
         self.stats: VariantStats | None = None
         self._sent: list[tuple[str, float]] = []
+        self._last_decode_width: int | None = None  # None after a prefill: its switch is not the policy's
 
     def submit(self, message: Forward) -> None:
-        self._sent.append((call_kind(message), time.perf_counter()))
+        kind = call_kind(message)
+        width = int(message.input_ids.shape[1]) if message.input_ids is not None else 1
+        if kind == "prefill":
+            self._last_decode_width = None
+        else:
+            if self.stats is not None and self._last_decode_width not in (None, width):
+                self.stats.width_switches += 1
+            self._last_decode_width = width
+        self._sent.append((kind, time.perf_counter()))
         self.chain.submit(message)
 
     def collect(self, timeout: float | None = None) -> ForwardResult:
@@ -176,6 +189,7 @@ def build_report(rounds: dict[str, list[VariantStats]], meta: dict[str, Any]) ->
         for name, runs in rounds.items() if sum(s.wall_s for s in runs) > 0}
     plain = rounds.get("plain")
     plain_call = _mean_call(plain, "plain") if plain else None
+    penalty_ms = (meta.get("target_call_costs") or {}).get("switch_penalty_ms")
     variants: dict[str, Any] = {}
     for name, runs in rounds.items():
         if name == "plain":
@@ -196,6 +210,7 @@ def build_report(rounds: dict[str, list[VariantStats]], meta: dict[str, Any]) ->
             "acceptance_rate": round(mean_accepted / mean_k, 3) if mean_k else None,
             "verifications": verifications,
             "plain_steps": sum(stats.target_calls["plain"] for stats in runs),  # rounds that proposed nothing
+            "width_switches": sum(stats.width_switches for stats in runs),
         }
         if plain is not None:
             entry["speedup"] = compare(speeds[name], speeds["plain"])
@@ -208,6 +223,10 @@ def build_report(rounds: dict[str, list[VariantStats]], meta: dict[str, Any]) ->
             plain_per_round = entry["plain_steps"] / verifications if verifications else 0.0
             profile["predicted_speedup"] = round(predicted_speedup(mean_accepted, mean_k, plain_call, verify_call,
                                                                    draft_token_s, plain_per_round), 3)
+        if penalty_ms is not None:
+            decode_s = sum(stats.target_s.get(kind, 0.0) for stats in runs for kind in ("plain", "verify"))
+            switches_s = entry["width_switches"] * penalty_ms / 1e3
+            profile["switch_share_of_decode_calls"] = round(switches_s / decode_s, 3) if decode_s else None
         entry["profile"] = profile
         variants[name] = entry
     report["speculative"] = variants
@@ -309,6 +328,8 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
             if index > 0:
                 for name in names:
                     results[name].append(current[name])
+        widths = sorted({1, *(k + 1 for k in ks), max(k_max, 1) + 1})
+        call_costs = measure_call_costs(pipeline.stages[0], widths)
     chain.stats = None
     reference = tokens_by_variant["plain"]
     meta: dict[str, Any] = {
@@ -317,6 +338,7 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
                         "weights": manifest.weight_format.value},
         "draft_spec": _spec_summary(Path(draft)) if draft is not None else None,
         "compiled_properties": compiled,
+        "target_call_costs": call_costs,
         "host": {"cpu": _cpu_name(), "logical_cores": os.cpu_count(), "openvino": ov.get_version(),
                  "load_avg_1m_at_end": round(os.getloadavg()[0], 2)},
         "prompts": {"source": source, "count": len(prompt_ids),

@@ -13,6 +13,7 @@ from deskfleet.agent.stage import CompileSettings, Precision
 from deskfleet.common.wire import DraftInfo
 from deskfleet.controller.batch_track import BatchTrack
 from deskfleet.controller.bench.speculative import (
+    TimingChain,
     VariantStats,
     build_report,
     call_kind,
@@ -62,6 +63,34 @@ def test_predicted_speedup() -> None:
     assert predicted_speedup(2.0, 4, 0.010, 0.011, 0.001, plain_steps_per_round=1.0) == pytest.approx(1.6)
 
 
+def test_timing_chain_counts_width_switches_between_decode_calls() -> None:
+    import numpy as np
+
+    class Echo:
+        def __init__(self) -> None:
+            self.sent: list[object] = []
+
+        def submit(self, message: object) -> None:
+            self.sent.append(message)
+
+        def collect(self, timeout: float | None = None) -> object:
+            return self.sent.pop(0)
+
+    chain = TimingChain(Echo())
+    chain.stats = VariantStats()
+    track = BatchTrack(1, 64)
+    track.add_row(0)
+    draft = DraftInfo((2,), np.array([[5, 6]], dtype=np.int64), None)
+    feeds = [([1, 2, 3], None), ([4], None), ([4, 5, 6], draft), ([4, 5, 6], draft), ([7], None), ([8], None),
+             ([1, 2], None), ([4, 5, 6], draft)]  # the second prefill (T=2) resets: its switch is not counted
+    for feed, info in feeds:
+        chain.submit(track.step([feed], draft=info))
+        chain.collect()
+    # plain -> verify, verify -> plain, and after the second prefill nothing to compare with
+    assert chain.stats.width_switches == 2
+    assert chain.stats.target_calls == Counter({"plain": 3, "verify": 3, "prefill": 2})
+
+
 def stats(tok_s: float, histogram: dict[int, int] | None = None) -> VariantStats:
     result = VariantStats(decoded_tokens=int(tok_s * 10), decode_s=10.0, generated_tokens=int(tok_s * 10) + 1,
                           wall_s=10.5, histogram=Counter(histogram or {}))
@@ -87,6 +116,17 @@ def test_build_report_shape() -> None:
     assert report["best_by_drafter"]["prompt lookup"] == {"variant": "lookup k=2", "speedup": 1.5,
                                                           "goal": ">= 2.0x", "goal_met": False}
     assert report["best_by_drafter"]["draft model"]["variant"] == "k=2"
+    assert "switch_share_of_decode_calls" not in entry["profile"]  # no call costs measured
+
+
+def test_build_report_prices_width_switches() -> None:
+    rounds = {"plain": [stats(10)], "lookup k=2": [stats(14, {1: 3})]}
+    rounds["lookup k=2"][0].width_switches = 4
+    report = build_report(rounds, {"target_call_costs": {"switch_penalty_ms": 10.0}})
+    entry = report["speculative"]["lookup k=2"]
+    assert entry["width_switches"] == 4
+    # 4 switches x 10 ms of the 0.16 s the decode calls took
+    assert entry["profile"]["switch_share_of_decode_calls"] == pytest.approx(0.25)
 
 
 @pytest.mark.skipif(not (EVAL_DIR / "evaluate.py").is_file(), reason="the demo model's evaluation is not here")
@@ -111,6 +151,10 @@ def test_speculative_bench_on_tiny_models(checkpoint_factory: Callable[..., Path
     assert entry["mean_k"] == pytest.approx(2.0, abs=1.0)
     assert sum(entry["accepted_histogram"].values()) == entry["verifications"] > 0
     assert report["best"]["goal_met"] in (True, False)
+    costs = report["target_call_costs"]
+    assert set(costs["steady_ms"]) == set(costs["alternating_ms"]) == {"1", "3", "4"}  # 1, k+1, k_max+1
+    assert all(value > 0 for value in costs["steady_ms"].values())
+    assert isinstance(costs["switch_penalty_ms"], float)
 
 
 def test_a_bench_with_nothing_to_compare_is_refused(tmp_path: Path) -> None:

@@ -1,0 +1,92 @@
+"""What one call of a compiled stage costs by width (tokens per row), and what changing the width costs.
+
+A verification call feeds K+1 tokens where a plain decode step feeds one. On the CPU plugin a call's
+price depends on more than its width: when the input's T differs from the previous call's, the plugin
+re-infers the shapes and re-prepares every node of the graph before it runs (the kernels themselves
+come from its runtime cache), about 1.2 ms on the demo target on the 2-core machine, the price of half a
+plain step. A speculative run that alternates between verifying (T = K+1) and plain steps (T = 1, when
+the drafter proposes nothing) pays it twice per switch; a run that stays at one width does not.
+
+`measure_call_costs` times, on a fresh session of the stage: calls at each width back to back ("steady"),
+and the same widths alternating, so every call changes the width ("alternating"). The switch penalty
+is the mean difference. Each block starts from the same reset state and prefill, so the context length is
+comparable across blocks. The stage must be a whole model (first and last stage in one), as in
+`bench speculative`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from deskfleet.agent.stage import Stage, StageSession
+
+
+def measure_call_costs(stage: Stage, widths: Sequence[int], calls: int = 8, blocks: int = 6,
+                       prefill_tokens: int = 32, token_id: int = 3) -> dict[str, Any]:
+    """Median milliseconds per call at each width, steady and alternating, and the switch penalty.
+
+    widths: the T values to time (e.g. 1 and K+1), at least one; alternating needs two or more.
+    calls: timed calls per width per block, after one untimed call per width in each block.
+    """
+    if not stage.layers.is_first or not stage.layers.is_last:
+        raise ValueError("call costs are measured on a whole-model stage (first and last stage in one)")
+    widths = sorted(set(widths))
+    if not widths or widths[0] < 1:
+        raise ValueError(f"widths must be 1 or more, got {list(widths)}")
+    if calls < 1 or blocks < 1 or prefill_tokens < 1:
+        raise ValueError("calls, blocks and prefill_tokens must be at least 1")
+    session = stage.open_session()
+    steady: dict[int, list[float]] = {width: [] for width in widths}
+    alternating: dict[int, list[float]] = {width: [] for width in widths}
+    for _ in range(blocks):
+        for width in widths:
+            _Feeder(session, prefill_tokens, token_id).time([width], calls, steady)
+        if len(widths) > 1:
+            _Feeder(session, prefill_tokens, token_id).time(widths, calls, alternating)
+    report: dict[str, Any] = {
+        "steady_ms": {str(width): _median_ms(steady[width]) for width in widths},
+        "prefill_tokens": prefill_tokens,
+        "calls_per_width": calls * blocks,
+    }
+    if len(widths) > 1:
+        report["alternating_ms"] = {str(width): _median_ms(alternating[width]) for width in widths}
+        report["switch_penalty_ms"] = round(statistics.mean(
+            _median_ms(alternating[width]) - _median_ms(steady[width]) for width in widths), 3)
+    return report
+
+
+class _Feeder:
+    """One block: reset the session, prefill, then timed calls; the context grows by each call's width."""
+
+    def __init__(self, session: StageSession, prefill_tokens: int, token_id: int) -> None:
+        self.session = session
+        self.token_id = token_id
+        self.slots = 0
+        session.reset()
+        self._call(prefill_tokens)
+
+    def time(self, pattern: Sequence[int], calls: int, into: dict[int, list[float]]) -> None:
+        for width in pattern:  # untimed: every width once, so the block's first timed call is like the rest
+            self._call(width)
+        for _ in range(calls):
+            for width in pattern:
+                started = time.perf_counter()
+                self._call(width)
+                into[width].append(time.perf_counter() - started)
+
+    def _call(self, width: int) -> None:
+        self.slots += width
+        self.session.forward(np.full((1, width), self.token_id, dtype=np.int64),
+                             np.ones((1, self.slots), dtype=np.int64),
+                             np.arange(self.slots - width, self.slots, dtype=np.int64)[None, :],
+                             np.zeros(1, dtype=np.int32),
+                             logits_positions=np.arange(width, dtype=np.int64)[None, :])
+
+
+def _median_ms(values: list[float]) -> float:
+    return round(statistics.median(values) * 1e3, 3)

@@ -1,0 +1,48 @@
+"""A stage's call cost by width, back to back and alternating (controller/bench/call_costs.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent.stage import CompileSettings, LayerRange, Precision, Stage
+from deskfleet.common.model_spec import load_manifest
+from deskfleet.controller.bench.call_costs import measure_call_costs
+
+
+def stage_of(model: Path, start: int = 0, stop: int | None = None) -> Stage:
+    manifest = load_manifest(model)
+    layers = manifest.spec.num_layers
+    return Stage(model, manifest, LayerRange(start, layers if stop is None else stop, layers),
+                 CompileSettings(precision=Precision.F32))
+
+
+def test_steady_and_alternating_costs_of_each_width(tiny_export: Path) -> None:
+    stage = stage_of(tiny_export)
+    costs = measure_call_costs(stage, [5, 1, 5], calls=3, blocks=2, prefill_tokens=4)
+    assert set(costs["steady_ms"]) == set(costs["alternating_ms"]) == {"1", "5"}
+    assert all(value > 0 for value in [*costs["steady_ms"].values(), *costs["alternating_ms"].values()])
+    expected = ((costs["alternating_ms"]["1"] - costs["steady_ms"]["1"])
+                + (costs["alternating_ms"]["5"] - costs["steady_ms"]["5"])) / 2
+    assert costs["switch_penalty_ms"] == pytest.approx(expected, abs=1e-3)
+    assert costs["calls_per_width"] == 6 and costs["prefill_tokens"] == 4
+
+
+def test_one_width_has_no_switch_to_price(tiny_export: Path) -> None:
+    costs = measure_call_costs(stage_of(tiny_export), [1], calls=2, blocks=1)
+    assert set(costs["steady_ms"]) == {"1"}
+    assert "alternating_ms" not in costs and "switch_penalty_ms" not in costs
+
+
+def test_bad_requests_are_refused(tiny_export: Path) -> None:
+    stage = stage_of(tiny_export)
+    with pytest.raises(ValueError, match="widths"):
+        measure_call_costs(stage, [0, 1])
+    with pytest.raises(ValueError, match="widths"):
+        measure_call_costs(stage, [])
+    with pytest.raises(ValueError, match="at least 1"):
+        measure_call_costs(stage, [1, 2], calls=0)
+    first_half = stage_of(tiny_export, 0, 1)
+    with pytest.raises(ValueError, match="whole-model stage"):
+        measure_call_costs(first_half, [1, 2])
