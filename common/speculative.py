@@ -146,6 +146,9 @@ class RoundCost:
         return self.fixed_seconds + k * self.draft_seconds_per_token + (k + 1) * self.verify_seconds_per_token
 
 
+SWITCH_MARGIN = 0.05  # AdaptiveK moves K only for more than this gain in expected tokens per second
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens a round yields on average when each draft token is accepted with probability alpha."""
     if alpha >= 1.0:
@@ -165,14 +168,24 @@ class AdaptiveK:
     The caller must, each round: propose `k` tokens, then `record_round(proposed, accepted)` and, when it
     measured one, `record_cost(RoundCost(...))`. Acceptance and costs are exponentially weighted
     (`decay` per round) so K follows a change of prompt or network. k_min == k_max fixes K (`--k K`).
+
+    K only moves when the best K's expected tokens per second beat the current K's by more than
+    `switch_margin`: a verification call of a new width costs extra on the CPU plugin (it re-prepares
+    every node for the new input shape: 1.2-1.6 ms on the demo target, a third of a round; see
+    controller/bench/call_costs.py), so following every wobble of the acceptance estimate between two
+    near-equal K values cost more than it gained (`bench speculative`, draft model, adaptive: 272 width
+    changes in 853 rounds, 12% of the target's time).
     """
 
     def __init__(self, k_min: int = 1, k_max: int = 8, *, initial_cost: RoundCost | None = None,
-                 decay: float = 0.9, prior_alpha: float = 0.6, prior_weight: float = 2.0) -> None:
+                 decay: float = 0.9, prior_alpha: float = 0.6, prior_weight: float = 2.0,
+                 switch_margin: float = SWITCH_MARGIN) -> None:
         if not 0 <= k_min <= k_max:
             raise ValueError(f"K bounds must satisfy 0 <= k_min <= k_max, got [{k_min}, {k_max}]")
         if not 0.0 < decay <= 1.0 or not 0.0 <= prior_alpha <= 1.0 or prior_weight <= 0:
             raise ValueError("decay must be in (0, 1], prior_alpha in [0, 1], prior_weight > 0")
+        if switch_margin < 0:
+            raise ValueError(f"switch_margin must be 0 or more, got {switch_margin}")
         self.k_min, self.k_max = k_min, k_max
         self._decay = decay
         self._prior_alpha, self._prior_weight = prior_alpha, prior_weight
@@ -181,6 +194,8 @@ class AdaptiveK:
         self._cost = initial_cost or RoundCost(fixed_seconds=1.0, draft_seconds_per_token=0.1)
         self._cost_known = initial_cost is not None  # the first measurement replaces a guessed default
         self._histogram: Counter[int] = Counter()
+        self._switch_margin = switch_margin
+        self._k = best_k(self.alpha, self._cost, k_min, k_max)
 
     # Public methods
 
@@ -201,7 +216,7 @@ class AdaptiveK:
     @property
     def k(self) -> int:
         """The K to propose next round."""
-        return best_k(self.alpha, self._cost, self.k_min, self.k_max)
+        return self._k
 
     def record_round(self, proposed: int, accepted: int) -> None:
         if not 0 <= accepted <= proposed:
@@ -211,10 +226,12 @@ class AdaptiveK:
             return
         self._accepted = self._accepted * self._decay + accepted
         self._rejected = self._rejected * self._decay + (1 if accepted < proposed else 0)
+        self._choose_k()
 
     def record_cost(self, measured: RoundCost) -> None:
         if not self._cost_known:
             self._cost, self._cost_known = measured, True
+            self._choose_k()
             return
 
         def blend(old: float, new: float) -> float:
@@ -224,6 +241,15 @@ class AdaptiveK:
             blend(self._cost.fixed_seconds, measured.fixed_seconds),
             blend(self._cost.draft_seconds_per_token, measured.draft_seconds_per_token),
             blend(self._cost.verify_seconds_per_token, measured.verify_seconds_per_token))
+        self._choose_k()
+
+    def _choose_k(self) -> None:
+        best = best_k(self.alpha, self._cost, self.k_min, self.k_max)
+        if best != self._k and self._rate(best) > self._rate(self._k) * (1.0 + self._switch_margin):
+            self._k = best
+
+    def _rate(self, k: int) -> float:
+        return expected_tokens(self.alpha, k) / self._cost.seconds(k)
 
     def accepted_histogram(self) -> dict[int, int]:
         """Rounds by number of accepted draft tokens, for the run's metrics."""
