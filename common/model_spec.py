@@ -48,6 +48,18 @@ class ModelSpec:
     rope_type: str
     tie_word_embeddings: bool
 
+    @property
+    def layer_parameters(self) -> int:
+        """Weights one decoder layer multiplies per token: q, k, v, o and the gated MLP (biases left out)."""
+        queries = self.num_heads * self.head_dim
+        keys = self.num_kv_heads * self.head_dim
+        return self.hidden_size * (2 * queries + 2 * keys) + 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def head_parameters(self) -> int:
+        """Weights the vocabulary projection multiplies per token."""
+        return self.vocab_size * self.hidden_size
+
     def kv_bytes_per_token_per_layer(self, bytes_per_element: int = 4) -> int:
         """KV-cache bytes one token costs in one layer (keys and values)."""
         return 2 * self.num_kv_heads * self.head_dim * bytes_per_element

@@ -5,9 +5,11 @@ in for a model we do not have) and each candidate agent's state, free memory and
 also holds `embed`, the last stage also holds `head`. Every stage reserves KV memory for the full context
 of `streams` rows, a fixed runtime overhead, and leaves a safety margin of the agent's free memory.
 
-The split minimises the slowest stage's estimated time (bytes read per token / speed: decoding is
-memory-bound, so a stage's share of the work is proportional to its weights), which makes layer counts
-proportional to speed wherever memory allows, by dynamic programming over contiguous ranges.
+The split minimises the slowest stage's estimated time (decode work per token / speed), which makes
+layer counts proportional to speed wherever memory allows, by dynamic programming over contiguous ranges.
+A unit's work is its weight bytes (decoding reads every weight once) unless the caller knows better: the
+head's `head_work` (controller/fleet_deploy.py prices it by parameters on a CPU, where unpacking INT4
+weights, not reading them, sets the pace; see `footprint_of`). The embed is a lookup: no work.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ MIB = 1 << 20
 
 @dataclass(frozen=True)
 class ModelFootprint:
-    """Bytes a model needs, per export unit. `layer_bytes[i]` is decoder layer i's weights."""
+    """Bytes a model needs, per export unit. `layer_bytes[i]` is decoder layer i's weights.
+
+    head_work: the head's decode work per token in the layers' unit (their bytes); None: its bytes.
+    """
 
     name: str
     layer_bytes: tuple[int, ...]
@@ -33,6 +38,11 @@ class ModelFootprint:
     head_bytes: int
     kv_bytes_per_token_per_layer: int
     context: int
+    head_work: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_work is not None and not self.head_work >= 0:
+            raise ValueError(f"head_work must be 0 or more, got {self.head_work}")
 
     @classmethod
     def uniform(cls, name: str, num_layers: int, layer_bytes: int, embed_bytes: int, head_bytes: int,
@@ -44,6 +54,11 @@ class ModelFootprint:
     @property
     def num_layers(self) -> int:
         return len(self.layer_bytes)
+
+    @property
+    def head_cost(self) -> float:
+        """The head's decode work per token (see head_work)."""
+        return float(self.head_bytes) if self.head_work is None else self.head_work
 
     def kv_bytes_per_layer(self, streams: int) -> int:
         return self.kv_bytes_per_token_per_layer * self.context * streams
@@ -106,7 +121,7 @@ class Stage:
     kv_bytes: int
     memory_bytes: int  # weights + KV + runtime overhead
     usable_bytes: int  # the agent's free memory less its safety margin
-    relative_time: float  # bytes read per token / speed: the slowest stage sets the pace
+    relative_time: float  # decode work per token / speed: the slowest stage sets the pace
 
     @property
     def num_layers(self) -> int:
@@ -286,7 +301,7 @@ def _split(model: ModelFootprint, agents: list[AgentCandidate], options: PlanOpt
                     if k < layers:
                         break  # more layers only need more memory
                     continue
-                time = (weights - (model.embed_bytes if j == 0 else 0)) / agent.speed  # embed is a lookup
+                time = _work(model, prefix, j, k) / agent.speed
                 candidate = (max(here[0], time), here[1] + 1)
                 if candidate < _or_inf(best[i + 1][k]):
                     best[i + 1][k] = candidate
@@ -308,6 +323,11 @@ def _or_inf(value: tuple[float, int] | None) -> tuple[float, int]:
     return value if value is not None else (math.inf, 0)
 
 
+def _work(model: ModelFootprint, prefix: list[int], start: int, stop: int) -> float:
+    """Decode work per token of layers [start, stop): their bytes, plus the head's work (the embed: none)."""
+    return prefix[stop] - prefix[start] + (model.head_cost if stop == model.num_layers else 0.0)
+
+
 def _weights(model: ModelFootprint, prefix: list[int], start: int, stop: int) -> int:
     extras = (model.embed_bytes if start == 0 else 0) + (model.head_bytes if stop == model.num_layers else 0)
     return prefix[stop] - prefix[start] + extras
@@ -317,7 +337,7 @@ def _stage(model: ModelFootprint, prefix: list[int], agent: AgentCandidate, star
            options: PlanOptions) -> Stage:
     weights = _weights(model, prefix, start, stop)
     kv = (stop - start) * model.kv_bytes_per_layer(options.streams)
-    time = (weights - (model.embed_bytes if start == 0 else 0)) / agent.speed
+    time = _work(model, prefix, start, stop) / agent.speed
     return Stage(agent.agent_id, start, stop, start == 0, stop == model.num_layers, weights, kv,
                  weights + kv + options.stage_overhead_bytes, usable_bytes(agent, options), time)
 

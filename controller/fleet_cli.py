@@ -76,11 +76,11 @@ def add_fleet_commands(subparsers: Any) -> None:
         if name in ("plan", "deploy"):
             parser.add_argument("--policy", choices=_POLICIES, default=PlanPolicy.FEWEST_AGENTS.value)
             parser.add_argument("--streams", type=int, default=1, help="streams whose KV to reserve")
+            parser.add_argument("--device", default="CPU", help="OpenVINO device on the agents")
         if name in ("deploy", "generate"):
             parser.add_argument("--model", type=Path, required=True, help="export folder")
         if name == "deploy":
             parser.add_argument("--precision", choices=["device_default", "f16", "f32"], default="device_default")
-            parser.add_argument("--device", default="CPU", help="OpenVINO device on the agents")
         if name == "generate":
             parser.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
             parser.add_argument("--max-new-tokens", type=int, default=16)
@@ -226,7 +226,7 @@ def _plan(args: argparse.Namespace) -> int:
     from deskfleet.controller.fleet_survey import survey
 
     if args.model is not None:
-        footprint = footprint_of(load_manifest(args.model))
+        footprint = footprint_of(load_manifest(args.model), args.device)
     elif args.layers is not None and args.layer_bytes is not None:
         footprint = ModelFootprint.uniform("on paper", args.layers, int(args.layer_bytes), int(args.embed_bytes),
                                            int(args.head_bytes), int(args.kv_bytes_per_token), args.context)

@@ -34,6 +34,12 @@ def test_round_trip() -> None:
     assert Manifest.from_json(original.to_json()) == original
 
 
+def test_parameters_multiplied_per_token() -> None:
+    # q and o: 64 x 64 each; k and v: 64 x 32 each (2 KV heads of 16); gate, up, down: 64 x 128 each
+    assert SPEC.layer_parameters == 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128
+    assert SPEC.head_parameters == 512 * 64
+
+
 def test_kv_bytes() -> None:
     assert SPEC.kv_bytes_per_token_per_layer() == 2 * 2 * 16 * 4
     assert SPEC.kv_bytes_per_token_per_layer(2) == 2 * 2 * 16 * 2

@@ -87,6 +87,20 @@ def test_the_head_counts_as_work_and_the_embed_lookup_does_not() -> None:
     assert first.relative_time == pytest.approx(last.relative_time)
 
 
+def test_head_work_when_known_replaces_its_bytes_for_time_but_not_for_memory() -> None:
+    agents = [available("a", 32), available("b", 32)]
+    by_bytes = toy(layers=20, layer_gb=0.1, head_gb=1.0)
+    assert [s.num_layers for s in plan(by_bytes, agents, ALL).stages] == [15, 5]  # 1.5 vs 0.5 + 1.0
+    light = ModelFootprint(by_bytes.name, by_bytes.layer_bytes, 0, by_bytes.head_bytes, 0, 1024,
+                           head_work=0.2 * GB)
+    first, last = plan(light, agents, ALL).stages
+    assert (first.num_layers, last.num_layers) == (11, 9)  # 1.1 vs 0.9 + 0.2
+    assert last.weight_bytes == int(0.9 * GB) + int(1.0 * GB)  # memory: the head's real bytes
+    assert first.relative_time == pytest.approx(last.relative_time)
+    with pytest.raises(ValueError, match="head_work"):
+        ModelFootprint("bad", (1,), 0, 0, 0, 1, head_work=-1.0)
+
+
 def test_every_agent_left_out_is_explained_with_numbers() -> None:
     agents = [
         AgentCandidate("paused", AgentState.PAUSED, 64 * GB, 5.0),

@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,32 @@ def test_candidates_take_the_measured_speed_and_unmeasured_agents_count_as_the_s
 
     candidates = candidates_of([view("a" * 52, 30.0), view("b" * 52, 10.0), view("c" * 52, None)])  # type: ignore[list-item]
     assert [candidate.speed for candidate in candidates] == [30.0, 10.0, 10.0]
+
+
+def test_on_a_cpu_the_head_is_priced_by_parameters(tiny_export: Path) -> None:
+    from deskfleet.controller.fleet_deploy import footprint_of
+
+    manifest = load_manifest(tiny_export)
+    spec = manifest.spec
+    cpu = footprint_of(manifest, "CPU")
+    per_parameter = sum(manifest.layer_bytes) / (spec.num_layers * spec.layer_parameters)
+    assert cpu.head_work == pytest.approx(spec.head_parameters * per_parameter)
+    assert cpu.head_bytes == manifest.head_bytes and cpu.layer_bytes == manifest.layer_bytes
+    assert footprint_of(manifest, "cpu.0").head_work == cpu.head_work
+    for device in ("GPU", "GPU.1", "NPU", "AUTO"):  # bound by reading memory: bytes
+        assert footprint_of(manifest, device).head_work is None
+
+
+def test_layer_parameters_match_the_checkpoint(checkpoint_factory: Callable[..., Path]) -> None:
+    from safetensors.numpy import load_file
+
+    from deskfleet.controller.export.hf_config import read_checkpoint_config
+
+    checkpoint = checkpoint_factory("params-gqa", num_attention_heads=4, num_key_value_heads=2)
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    prefix = "model.layers.0."
+    counted = sum(array.size for name, array in tensors.items()
+                  if name.startswith(prefix) and name.endswith("proj.weight"))
+    spec = read_checkpoint_config(checkpoint).spec
+    assert spec.layer_parameters == counted
+    assert spec.head_parameters == tensors["model.embed_tokens.weight"].size
