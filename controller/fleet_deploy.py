@@ -95,7 +95,7 @@ def footprint_of(manifest: Manifest, device: str = "CPU") -> ModelFootprint:
     On the CPU plugin a decode step's time follows the parameters multiplied (unpacking INT4 weights, not
     reading them, sets the pace), and the INT8 head costs about what its parameters would at the layers'
     rate, not what its bytes would. Measured on the 2-core machine, one thread, a 330M INT4 model's head
-    took the time of 2.4 of its layers (its bytes: 5.4 layers, its parameters: 2.9), the demo target's 1.6
+    took the time of 2.4 of its layers (its bytes: 5.4 layers, its parameters: 2.8), the demo target's 1.6
     (bytes 3.9, parameters 2.0). Priced by bytes, 2 PCs got 11 and 5+head of 16 layers (15.6 and 11.3 ms
     a step); priced by parameters 9 and 7+head, and 2 streams ran 6-10% faster. For f16 and f32 exports
     both measures agree. A GPU or NPU is taken to be bound by reading memory: bytes (not measured here).
