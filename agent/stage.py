@@ -234,9 +234,9 @@ class StageSession:
         """Append T slots for every row and run the stage.
 
         payload: input_ids [B,T] i64 (first stage) or hidden_states [B,T,H] f32; attention_mask [B,S] over
-        all slots after this call; position_ids [B,T] logical; beam_idx [B] rows of the previous state;
-        logits_positions [B,N] (last stage): the positions whose logits and next tokens come back
-        (default: all T).
+        all slots after this call (bool or any integer type: it is cast into the request's i64 tensor);
+        position_ids [B,T] logical; beam_idx [B] rows of the previous state; logits_positions [B,N] (last
+        stage): the positions whose logits and next tokens come back (default: all T).
         """
         name = TensorNames.INPUT_IDS if self.stage.layers.is_first else TensorNames.HIDDEN_STATES
         self._feed(name, payload)

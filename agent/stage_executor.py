@@ -135,7 +135,8 @@ class StageExecutor:
             raise LedgerError("the first stage takes input_ids, later stages hidden_states")
         sampled = message.sampling is not None and any(t > 0 for t in message.sampling.temperatures)
         positions = logits_positions(inputs.append, message.draft) if self.stage.layers.is_last else None
-        output = batch.session.forward(np.asarray(payload), batch.mirror.attention_mask(), inputs.position_ids,
+        # the mirror's bool mask as it is: the request's int64 input tensor takes it in one casting copy
+        output = batch.session.forward(np.asarray(payload), batch.mirror.mask, inputs.position_ids,
                                        inputs.beam_idx, want_logits=sampled or return_logits,
                                        logits_positions=positions)
         batch.steps += 1
@@ -210,6 +211,9 @@ def verify(append: AppendSlots, next_tokens: npt.NDArray[np.int64], logits: npt.
     """
     rows = len(append.live_counts)
     last_only = draft is None
+    if last_only and (sampling is None or not any(sampling.temperatures)):  # plain greedy: every row's argmax
+        return tuple(token if live else 0 for token, live in zip(next_tokens[:, 0].tolist(), append.live_counts,
+                                                                  strict=True)), None
     chosen: list[int] = []
     accepted: list[int] = []
     for row in range(rows):

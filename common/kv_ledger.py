@@ -239,7 +239,10 @@ class SlotTable:
             raise LedgerError(f"desync: append starts rows at {delta.first_positions}, mirror has {nexts}")
         self._check_positions(start + count for start, count in zip(nexts, delta.live_counts, strict=True))
         live = np.array(delta.live_counts, dtype=np.int64).reshape(-1)
-        new = np.arange(delta.count)[None, :] < live[:, None]  # new: [B, T]
+        if all(count == delta.count for count in delta.live_counts):  # plain decoding: every new slot is live
+            new = np.ones((self.rows, delta.count), dtype=bool)  # new: [B, T]
+        else:
+            new = np.arange(delta.count)[None, :] < live[:, None]
         self._mask = np.concatenate([self._mask, new], axis=1)
         self._next = self._next + live
 
@@ -308,7 +311,7 @@ class Ledger(SlotTable):
         """Slots for one infer call of T = count (default: the largest live count) tokens per row."""
         counts = tuple(int(c) for c in live_counts)
         t = count if count is not None else max(counts, default=0)
-        delta = AppendSlots(count=t, live_counts=counts, first_positions=tuple(int(p) for p in self._next))
+        delta = AppendSlots(count=t, live_counts=counts, first_positions=tuple(self._next.tolist()))
         self.apply(delta)
         return delta
 
@@ -349,7 +352,7 @@ class Ledger(SlotTable):
         """Compact when the policy says it pays; None otherwise."""
         # Cheap bound first (this runs after every step): a row's live slots equal its next position, so
         # no mode can free more than slots - max(next) slots per row.
-        most = self.slots - (int(self._next.max()) if self.rows else 0)
+        most = self.slots - max(self._next.tolist(), default=0)
         if most < max(policy.min_dead_slots, 1) or most < policy.min_dead_fraction * self.slots:
             return None
         delta = plan_compaction(self._mask, policy)
@@ -428,6 +431,8 @@ class Mirror(SlotTable):
 def position_ids(delta: AppendSlots) -> npt.NDArray[np.int64]:
     """position_ids: [B, T] for the call; pad slots repeat a valid position of their row (masked)."""
     first = np.array(delta.first_positions, dtype=np.int64).reshape(-1, 1)  # [B, 1]
+    if all(count == delta.count for count in delta.live_counts):  # no pad slots: nothing to clamp
+        return first + np.arange(delta.count, dtype=np.int64)[None, :]
     live = np.array(delta.live_counts, dtype=np.int64).reshape(-1, 1)  # [B, 1]
     last_valid = np.where(live > 0, first + live - 1, np.maximum(first - 1, 0))
     return np.minimum(first + np.arange(delta.count)[None, :], last_valid)

@@ -80,11 +80,14 @@ class BatchTrack:
         if len(tokens) != self.rows:
             raise ValueError(f"{len(tokens)} token rows for a micro-batch of {self.rows}")
         width = max((len(row) for row in tokens), default=0)
-        input_ids = np.zeros((self.rows, width), dtype=np.int64)  # [B, T]
-        for row, row_tokens in enumerate(tokens):
-            input_ids[row, : len(row_tokens)] = row_tokens
-            if row_tokens:
-                input_ids[row, len(row_tokens):] = row_tokens[-1]
+        if width and all(len(row) == width for row in tokens):  # plain decoding, equal prompts: no padding
+            input_ids = np.array(tokens, dtype=np.int64).reshape(self.rows, width)  # [B, T]
+        else:
+            input_ids = np.zeros((self.rows, width), dtype=np.int64)
+            for row, row_tokens in enumerate(tokens):
+                input_ids[row, : len(row_tokens)] = row_tokens
+                if row_tokens:
+                    input_ids[row, len(row_tokens):] = row_tokens[-1]
         append = self.ledger.append([len(row) for row in tokens], width)
         self.pending.append(append)
         message = Forward(micro_batch_id=self.micro_batch_id, step_id=self.steps, stream_ids=tuple(self.stream_ids),

@@ -110,6 +110,10 @@ class _Stream:
     def confirmed(self) -> list[int]:
         return self.request.prompt_ids + self.tokens
 
+    @property
+    def confirmed_count(self) -> int:
+        return len(self.request.prompt_ids) + len(self.tokens)
+
 
 @dataclass(frozen=True)
 class Failover:
@@ -143,6 +147,8 @@ class Engine:
         fixed = options.fixed_k
         self.k_policy = AdaptiveK.fixed(fixed) if fixed is not None else AdaptiveK(options.k_min, options.k_max)
         self._streams: dict[int, _Stream] = {}
+        self._unstarted: dict[int, _Stream] = {}  # streams waiting for a prefill, by id (arrival order)
+        self._unfinished = 0
         self._tracks: dict[int, BatchTrack] = {}  # running micro-batches
         self._prefills: dict[int, BatchTrack] = {}  # one-row micro-batches being prefilled or waiting
         self._in_flight: dict[int, _InFlight] = {}
@@ -159,7 +165,8 @@ class Engine:
         """Queue a stream; raises GenerationError naming what is wrong with it."""
         check_request(self.spec, request.prompt_ids, request.max_new_tokens)
         stream_id = len(self._streams)
-        self._streams[stream_id] = _Stream(stream_id, request)
+        self._streams[stream_id] = self._unstarted[stream_id] = _Stream(stream_id, request)
+        self._unfinished += 1
         return stream_id
 
     def run(self, on_token: TokenCallback | None = None, recover: Recover | None = None) -> dict[int, StreamResult]:
@@ -170,7 +177,7 @@ class Engine:
         """
         self._on_token = on_token
         self._started = time.perf_counter()
-        while not all(stream.done for stream in self._streams.values()):
+        while self._unfinished:
             try:
                 self._advance()
             except ChainBroken as error:
@@ -196,7 +203,7 @@ class Engine:
         self._merge_prefilled()
         self._launch_idle()
         if not self._in_flight:
-            if any(not s.started and s.request.arrival_step > self._collected for s in self._streams.values()):
+            if any(s.request.arrival_step > self._collected for s in self._unstarted.values()):
                 self._collected += 1  # nothing runs until the next arrival: let time pass
                 return
             raise GenerationError("the engine has nothing in flight but streams are not done")
@@ -216,7 +223,9 @@ class Engine:
         for stream in self._streams.values():
             if stream.started and not stream.done:
                 stream.started, stream.batch = False, None
+                self._unstarted[stream.stream_id] = stream
                 resumed += 1
+        self._unstarted = dict(sorted(self._unstarted.items()))  # arrival order
         self.chain = chain
         self.failovers.append(Failover(str(error), self._collected, resumed))
 
@@ -228,12 +237,14 @@ class Engine:
         return self.draft is not None and stream.request.speculative
 
     def _start_arrived(self) -> None:
-        arrived = [stream for stream in self._streams.values()
-                   if not stream.started and stream.request.arrival_step <= self._collected]
+        if not self._unstarted:
+            return
+        arrived = [stream for stream in self._unstarted.values() if stream.request.arrival_step <= self._collected]
         for group in self._prefill_groups(arrived):
             track = BatchTrack(self._new_batch_id(), self.spec.max_context)
             for stream in group:
                 stream.started = True
+                del self._unstarted[stream.stream_id]
                 track.add_row(stream.stream_id)
             self._prefills[track.micro_batch_id] = track
             # confirmed: the prompt, plus the tokens so far of a stream resumed on a new chain
@@ -333,7 +344,7 @@ class Engine:
     def _room(self, stream: _Stream) -> int:
         """Draft tokens this stream can still use: never past max_new_tokens or the context."""
         left = stream.request.max_new_tokens - len(stream.tokens) - 1
-        context_left = self.spec.max_context - len(stream.confirmed) - 1
+        context_left = self.spec.max_context - stream.confirmed_count - 1
         return max(0, min(left, context_left))
 
     def _send(self, track: BatchTrack, feed: list[list[int]], prefill: bool, draft: DraftInfo | None = None,
@@ -364,7 +375,7 @@ class Engine:
             stream = self._streams[stream_id]
             proposed = flight.drafts[row]
             accepted = result.accepted_counts[row] if result.accepted_counts is not None else 0
-            confirmed_before = len(stream.confirmed)
+            confirmed_before = stream.confirmed_count
             if proposed:
                 track.reject(stream_id, len(proposed) - accepted)
                 assert self.draft is not None
@@ -388,6 +399,7 @@ class Engine:
             hit_eos = int(token) in eos and not stream.request.ignore_eos
             if hit_eos or len(stream.tokens) >= stream.request.max_new_tokens:
                 stream.done, stream.stopped_by_eos, stream.finished_s = True, hit_eos, now
+                self._unfinished -= 1
                 return True
         return False
 

@@ -61,3 +61,5 @@ def test_one_stage_runs_in_the_callers_thread(tiny_export: Path) -> None:
         assert threading.active_count() == before
         pipeline.submit(_prefill(1, [1, 5], 64))
         assert pipeline.collect(timeout=0).next_token_ids  # already there: no thread to wait for
+        with pytest.raises(PipelineError, match="no step in flight"):  # nothing would ever arrive
+            pipeline.collect(timeout=60)
