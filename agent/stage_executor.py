@@ -270,8 +270,9 @@ def _row_params(sampling: SamplingInfo | None, row: int) -> SamplingParams | Non
 
 
 def _check_agrees(message: Forward, inputs: StepInputs) -> None:
-    if not np.array_equal(np.asarray(message.beam_idx), inputs.beam_idx) or not np.array_equal(
-            np.asarray(message.position_ids), inputs.position_ids):
+    # As lists: a handful of numbers every step, where np.array_equal's machinery costs more than the compare.
+    if np.asarray(message.beam_idx).tolist() != inputs.beam_idx.tolist() or \
+            np.asarray(message.position_ids).tolist() != inputs.position_ids.tolist():
         raise LedgerError(f"micro-batch {message.micro_batch_id} step {message.step_id}: the driver's beam_idx "
                           "or position_ids disagree with this stage's mirror (desync)")
 

@@ -40,6 +40,12 @@ def test_a_failing_stage_is_named_and_other_micro_batches_go_on(tiny_export: Pat
         with pytest.raises(PipelineError, match=r"stage 0 .* micro-batch 2: .*desync"):
             pipeline.collect(timeout=60)
 
+        # so does a beam_idx the mirror did not compose
+        worse = _prefill(4, [1, 5, 9], context)
+        pipeline.submit(replace(worse, beam_idx=worse.beam_idx + 1))
+        with pytest.raises(PipelineError, match=r"micro-batch 4: .*beam_idx or position_ids disagree"):
+            pipeline.collect(timeout=60)
+
         pipeline.release(1)
         pipeline.submit(_prefill(3, [1, 5, 9], context))
         assert pipeline.collect(timeout=60).next_token_ids == expected
