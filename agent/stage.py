@@ -28,6 +28,7 @@ import openvino as ov
 import openvino.opset13 as ops
 from openvino import passes
 
+from deskfleet.common.devices import VIRTUAL, device_kind
 from deskfleet.common.model_spec import Manifest, TensorNames, verify_files
 
 from . import huge_pages
@@ -57,8 +58,7 @@ class CompileSettings:
             wanted["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = "0"
         if self.num_threads:
             wanted["INFERENCE_NUM_THREADS"] = str(self.num_threads)
-        device = self.device.split(":")[0].split(".")[0]
-        if device in {"AUTO", "MULTI", "HETERO"}:
+        if device_kind(self.device) in VIRTUAL:
             return wanted
         supported = set(core.get_property(self.device, "SUPPORTED_PROPERTIES"))
         for name in sorted(set(wanted) - supported):
@@ -190,7 +190,7 @@ class Stage:
         self.hidden_size = manifest.spec.hidden_size
         self.settings = settings = settings or CompileSettings()
         core = core or ov.Core()
-        on_cpu = settings.device.upper().startswith("CPU")
+        on_cpu = device_kind(settings.device) == "CPU"
         memory_before = huge_pages.snapshot() if on_cpu else None
         model = build_stage_model(model_dir, manifest, layers)
         self.compiled = core.compile_model(model, settings.device, settings.properties(core))

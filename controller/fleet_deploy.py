@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from deskfleet.agent.link import Link, LinkError
+from deskfleet.common.devices import device_kind
 from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, load_manifest
 from deskfleet.common.planner import AgentCandidate, ModelFootprint, Plan, PlanOptions, PlanPolicy, plan
 from deskfleet.common.wire import (
@@ -102,16 +103,11 @@ def footprint_of(manifest: Manifest, device: str = "CPU") -> ModelFootprint:
     """
     spec = manifest.spec
     head_work = None
-    if _device_kind(device) == "CPU":
+    if device_kind(device) == "CPU":
         bytes_per_parameter = sum(manifest.layer_bytes) / (spec.num_layers * spec.layer_parameters)
         head_work = spec.head_parameters * bytes_per_parameter
     return ModelFootprint(manifest.model_name, manifest.layer_bytes, manifest.embed_bytes, manifest.head_bytes,
                           spec.kv_bytes_per_token_per_layer(), spec.max_context, head_work)
-
-
-def _device_kind(device: str) -> str:
-    """ "CPU" for "CPU", "cpu" or "CPU.0"; "GPU" for "GPU.1"; AUTO, HETERO and MULTI stay themselves."""
-    return device.split(":")[0].split(".")[0].strip().upper()
 
 
 def candidates_of(agents: list[AgentView]) -> list[AgentCandidate]:
