@@ -50,6 +50,11 @@ class AppendSlots:
     live_counts: tuple[int, ...]  # [B]
     first_positions: tuple[int, ...]  # [B] logical position of each row's first new token (desync check)
 
+    @property
+    def full(self) -> bool:
+        """Every new slot is live (plain decoding, prompts of one length): no pad slots."""
+        return all(count == self.count for count in self.live_counts)
+
 
 @dataclass(frozen=True)
 class InvalidateSlots:
@@ -239,7 +244,7 @@ class SlotTable:
             raise LedgerError(f"desync: append starts rows at {delta.first_positions}, mirror has {nexts}")
         self._check_positions(start + count for start, count in zip(nexts, delta.live_counts, strict=True))
         live = np.array(delta.live_counts, dtype=np.int64).reshape(-1)
-        if all(count == delta.count for count in delta.live_counts):  # plain decoding: every new slot is live
+        if delta.full:
             new = np.ones((self.rows, delta.count), dtype=bool)  # new: [B, T]
         else:
             new = np.arange(delta.count)[None, :] < live[:, None]
@@ -431,7 +436,7 @@ class Mirror(SlotTable):
 def position_ids(delta: AppendSlots) -> npt.NDArray[np.int64]:
     """position_ids: [B, T] for the call; pad slots repeat a valid position of their row (masked)."""
     first = np.array(delta.first_positions, dtype=np.int64).reshape(-1, 1)  # [B, 1]
-    if all(count == delta.count for count in delta.live_counts):  # no pad slots: nothing to clamp
+    if delta.full:  # no pad slots: nothing to clamp
         return first + np.arange(delta.count, dtype=np.int64)[None, :]
     live = np.array(delta.live_counts, dtype=np.int64).reshape(-1, 1)  # [B, 1]
     last_valid = np.where(live > 0, first + live - 1, np.maximum(first - 1, 0))
