@@ -3,8 +3,8 @@
 A decode step reads every weight of the stage once, and on the CPU those reads walk hundreds of MB of
 memory that the CPU plugin allocated with plain 4 KB pages: most distributions ship THP in `madvise`
 mode, and OpenVINO never asks for huge pages. Backing those buffers with 2 MB pages cuts the TLB misses
-of every step: a 1.1B INT4 stage decoded 3-4% faster on the 2-core development VM (19.85 -> 20.58
-tok/s, 4 runs each, alternating processes).
+of every step: a 1.1B INT4 stage decoded 1-4% faster on the 2-core development VM (19.85 -> 20.58 tok/s
+in 4 alternating processes each; 1.021x and 1.008x in two `bench parity --huge-pages-ablation` runs).
 
 The CPU plugin repacks the weights lazily, at the first inference (after compile_model only ~90 of the
 ~450 MB exist), so the caller warms the model up first and then collapses every anonymous region that
