@@ -1,0 +1,40 @@
+"""What each --precision asks a device for, and what a compiled CPU stage then runs with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openvino as ov
+import pytest
+
+from deskfleet.agent.stage import CompileSettings, LayerRange, Precision, Stage
+from deskfleet.common.model_spec import load_manifest
+
+
+def test_fast_on_a_cpu_asks_for_f32_arithmetic_and_leaves_quantization_on() -> None:
+    wanted = CompileSettings(device="CPU", precision=Precision.FAST).properties(ov.Core())
+    assert wanted["INFERENCE_PRECISION_HINT"] == "f32"  # not the bf16 default of AMX CPUs
+    assert "KV_CACHE_PRECISION" not in wanted and "DYNAMIC_QUANTIZATION_GROUP_SIZE" not in wanted
+
+
+def test_exact_on_a_cpu_asks_for_f32_everywhere_and_no_quantization() -> None:
+    wanted = CompileSettings(device="CPU", precision=Precision.F32).properties(ov.Core())
+    assert (wanted["INFERENCE_PRECISION_HINT"], wanted["KV_CACHE_PRECISION"],
+            wanted["DYNAMIC_QUANTIZATION_GROUP_SIZE"]) == ("f32", "f32", "0")
+
+
+@pytest.mark.parametrize("device", ["AUTO", "HETERO:GPU,CPU", "MULTI:GPU,CPU"])
+def test_fast_leaves_other_devices_at_their_own_default(device: str) -> None:
+    # AUTO may pick the GPU, whose fast default (f16) must not be forced to f32.
+    wanted = CompileSettings(device=device, precision=Precision.FAST, num_threads=2).properties(ov.Core())
+    assert wanted == {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": "2"}
+
+
+def test_a_fast_cpu_stage_runs_f32_with_a_u8_kv_cache_and_dynamic_quantization(tiny_export: Path) -> None:
+    manifest = load_manifest(tiny_export)
+    n = manifest.spec.num_layers
+    stage = Stage(tiny_export, manifest, LayerRange(0, n, n), CompileSettings(precision=Precision.FAST))
+    compiled = stage.compiled
+    assert compiled.get_property("INFERENCE_PRECISION_HINT").to_string() == "f32"
+    assert compiled.get_property("KV_CACHE_PRECISION").to_string() == "u8"
+    assert int(compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) > 0
