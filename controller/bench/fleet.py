@@ -34,8 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import openvino as ov
 
 from deskfleet.agent.link import TlsFiles, utc_now
+from deskfleet.agent.stage import CompileSettings
+from deskfleet.agent.stage import Precision as StagePrecision
 from deskfleet.common import event_loop, pki
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.planner import PlanOptions, PlanPolicy
@@ -173,9 +176,11 @@ def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] 
     genai: GenAIUsers | None = None
     try:
         if options.genai_model is not None:  # on the first PC's core, as 1 PC serving the users itself
-            genai = GenAIUsers(options.genai_model, options.genai_python, "CPU",
-                               {"INFERENCE_NUM_THREADS": str(options.threads_per_pc), "PERFORMANCE_HINT": "LATENCY"},
-                               options.new_tokens, {agent_cores[0]})
+            # with the properties a PC's stage compiles with (--precision fast), so both run the same kernels
+            properties = CompileSettings(device="CPU", precision=StagePrecision.FAST,
+                                         num_threads=options.threads_per_pc).properties(ov.Core())
+            genai = GenAIUsers(options.genai_model, options.genai_python, "CPU", properties, options.new_tokens,
+                               {agent_cores[0]})
         with tempfile.TemporaryDirectory(prefix="deskfleet-bench-") as work, \
                 _Fleet(Path(work), agent_layout(groups, agent_cores), options.threads_per_pc,
                        groups[WAN_GROUP][1] if WAN_GROUP in groups else (), options.wan_delay_s,
@@ -206,7 +211,10 @@ def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] 
     deployments = {group: {"pcs": len(groups[group][1]), "stages": len(stages),
                            "layers": [[stage.layer_start, stage.layer_end] for stage in stages]}
                    for group, stages in placements.items()}
-    return build_report(options, configs, controller_cores, agent_cores, deployments)
+    report = build_report(options, configs, controller_cores, agent_cores, deployments)
+    if genai is not None:
+        report["genai_baseline"] = genai.meta  # its compile properties among them
+    return report
 
 
 def render_markdown(report: dict[str, Any]) -> str:
