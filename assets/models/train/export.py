@@ -80,8 +80,9 @@ def main() -> None:
     ap.add_argument("--run", required=True, type=Path)
     ap.add_argument("--tokenizer", default=Path(".scratch/tokenizer"), type=Path)
     ap.add_argument("--dest", default=Path(__file__).resolve().parent.parent, type=Path)
+    ap.add_argument("--names", default="target,draft", help="which of the run's models to export")
     args = ap.parse_args()
-    for name in ("target", "draft"):
+    for name in args.names.split(","):
         export(args.run, name, args.tokenizer, args.dest)
 
 

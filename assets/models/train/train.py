@@ -238,7 +238,7 @@ def quick_acceptance(target, draft, data: Data, n_prompts=16, ctx=192, new=64, k
     return res
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", default=".scratch/data")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -261,7 +261,11 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--small", action="store_true", help="tiny smoke test shapes")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = True
