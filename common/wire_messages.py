@@ -86,7 +86,7 @@ class ErrorCode(str, Enum):
 
 
 class Precision(str, Enum):
-    DEVICE_DEFAULT = "device_default"  # the device's fast precision
+    DEVICE_DEFAULT = "device_default"  # --precision fast: the agent compiles with its Precision.FAST (agent/stage.py)
     F16 = "f16"
     F32 = "f32"  # INFERENCE_PRECISION_HINT=f32 and KV_CACHE_PRECISION=f32
 
