@@ -84,11 +84,11 @@ def add_chat_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
 
 
 def add_drafter_options(parser: argparse.ArgumentParser) -> None:
-    drafter = parser.add_mutually_exclusive_group()
-    drafter.add_argument("--draft", type=Path, default=None, help="export folder of a draft model (speculative)")
-    drafter.add_argument("--prompt-lookup", action="store_true",
-                         help="speculative with drafts copied from the context (no draft model); like --draft, "
-                              "greedy output equals plain decoding in --precision f32")
+    parser.add_argument("--draft", type=Path, default=None, help="export folder of a draft model (speculative)")
+    parser.add_argument("--prompt-lookup", action="store_true",
+                        help="speculative with drafts copied from the context; alone: no draft model; with "
+                             "--draft: copied tokens where the context repeats itself, the draft model elsewhere. "
+                             "Like --draft, greedy output equals plain decoding in --precision f32")
 
 
 def add_fleet_option(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,8 @@
 """Drafters beside the driver, and the draft model: proposes K tokens per speculative row of a micro-batch.
 
-`Drafter` is what the engine calls; `DraftModel` (a small model of the same tokenizer) and
-`PromptLookupDraft` (controller/prompt_lookup.py: copies from the stream's own context) implement it.
+`Drafter` is what the engine calls; `DraftModel` (a small model of the same tokenizer),
+`PromptLookupDraft` (controller/prompt_lookup.py: copies from the stream's own context) and
+`LookupFirstDraft` (controller/lookup_first.py: copies where it can, the draft model elsewhere) implement it.
 
 Its micro-batches mirror the target's by stream id (only speculative streams have a draft row). Per
 stream it remembers how many confirmed tokens its KV cache holds; each round feeds the confirmed tokens
@@ -122,9 +123,10 @@ class DraftModel:
         started = time.perf_counter()
         track = self._tracks[micro_batch_id]
         by_stream = {row.stream_id: row for row in rows}
-        if set(by_stream) != set(track.stream_ids):
-            raise ValueError("draft rows differ from the draft micro-batch's streams")
-        ordered = [by_stream[stream] for stream in track.stream_ids]
+        if not set(by_stream) <= set(track.stream_ids):
+            raise ValueError("draft rows name streams the draft micro-batch does not hold")
+        # A stream left out this round feeds nothing; it catches up on its confirmed tokens when next asked.
+        ordered = [by_stream.get(stream, DraftRow(stream, [], 0, None, 0)) for stream in track.stream_ids]
         width = max((row.k for row in ordered), default=0)
         tokens: list[list[int]] = [[] for _ in ordered]
         probs = np.zeros((len(ordered), width, self.spec.vocab_size), dtype=np.float32) if any(
@@ -144,7 +146,8 @@ class DraftModel:
             self._take(result, ordered, feed, tokens, probs, step, track)
         sampled = {row.stream_id: probs[index, : row.k] for index, row in enumerate(ordered)
                    if probs is not None and row.sampling is not None}
-        return Proposal(tokens={row.stream_id: tokens[index] for index, row in enumerate(ordered)},
+        return Proposal(tokens={row.stream_id: tokens[index] for index, row in enumerate(ordered)
+                                if row.stream_id in by_stream},
                         probs=sampled, seconds=time.perf_counter() - started)
 
     def after_verify(self, micro_batch_id: int, stream_id: int, confirmed_before: int, k: int, accepted: int) -> None:
@@ -192,11 +195,14 @@ class DraftModel:
 
 def open_drafter(draft: Path | None, prompt_lookup: bool,
                  settings: CompileSettings | None = None) -> Drafter | None:
-    """The drafter a command asked for: a draft model's export folder, prompt lookup, or none."""
-    if draft is not None and prompt_lookup:
-        raise ValueError("choose one drafter: a draft model (--draft) or prompt lookup (--prompt-lookup)")
+    """The drafter a command asked for: a draft model's export folder, prompt lookup, both (prompt lookup
+    first, the draft model where the context has no match: controller/lookup_first.py), or none."""
     if prompt_lookup:
         from .prompt_lookup import PromptLookupDraft
 
-        return PromptLookupDraft()
+        if draft is None:
+            return PromptLookupDraft()
+        from .lookup_first import LookupFirstDraft
+
+        return LookupFirstDraft(DraftModel(draft, settings))
     return DraftModel(draft, settings) if draft is not None else None

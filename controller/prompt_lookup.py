@@ -31,7 +31,7 @@ def lookup_continuation(context: Sequence[int], k: int, max_ngram: int = DEFAULT
                         min_ngram: int = DEFAULT_MIN_NGRAM) -> list[int]:
     """Up to k tokens that followed the most recent earlier occurrence of the context's longest matching
     suffix (lengths max_ngram down to min_ngram); [] when no suffix occurred before."""
-    _check_ngrams(max_ngram, min_ngram)
+    check_ngrams(max_ngram, min_ngram)
     tokens = np.asarray(context, dtype=np.int64)
     total = len(tokens)
     if k <= 0 or total < 2:
@@ -57,7 +57,7 @@ def lookup_continuation(context: Sequence[int], k: int, max_ngram: int = DEFAULT
     return proposal
 
 
-def _check_ngrams(max_ngram: int, min_ngram: int) -> None:
+def check_ngrams(max_ngram: int, min_ngram: int) -> None:
     if not 1 <= min_ngram <= max_ngram:
         raise ValueError(f"n-gram lengths must satisfy 1 <= min ({min_ngram}) <= max ({max_ngram})")
 
@@ -66,7 +66,7 @@ class PromptLookupDraft:
     """A Drafter with no model: proposals come from each stream's confirmed tokens."""
 
     def __init__(self, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = DEFAULT_MIN_NGRAM) -> None:
-        _check_ngrams(max_ngram, min_ngram)
+        check_ngrams(max_ngram, min_ngram)
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self._batches: dict[int, set[int]] = {}  # micro-batch -> its speculative streams

@@ -10,6 +10,8 @@ Variants, each on the same 1-stage LocalPipeline:
     adaptive          AdaptiveK chooses K from measured acceptance and round cost (1..--k-max)
     lookup k=K        prompt lookup (controller/prompt_lookup.py) proposes up to K tokens copied from the
     lookup adaptive   stream's own context, no draft model (unless --no-lookup)
+    lookup-first k=K  with a draft model and lookup on: copied tokens where the context repeats itself,
+    lookup-first adaptive   the draft model's elsewhere (controller/lookup_first.py)
 Every prompt runs as one stream through the Engine (what `deskfleet generate --draft` runs), until EOS or
 `new_tokens`; greedy speculative output is token-identical to plain, so every variant makes the same
 tokens (checked). Interleaved: for each round, for each prompt, every variant in turn.
@@ -62,6 +64,8 @@ class VariantStats:
     draft_s: float = 0.0
     draft_tokens: int = 0
     width_switches: int = 0  # decode calls whose width (T) differed from the previous decode call's
+    copied_rows: int = 0  # lookup-first: rows whose proposal was copied from the context
+    drafted_rows: int = 0  # lookup-first: rows the draft model proposed for
 
     @property
     def decode_tok_s(self) -> float:
@@ -112,11 +116,14 @@ class TimingDraft:
         return getattr(self.draft, name)
 
     def propose(self, micro_batch_id: int, rows: Any) -> Any:
+        counts = (getattr(self.draft, "copied_rounds", 0), getattr(self.draft, "drafted_rounds", 0))
         started = time.perf_counter()
         proposal = self.draft.propose(micro_batch_id, rows)
         if self.stats is not None:
             self.stats.draft_s += time.perf_counter() - started
             self.stats.draft_tokens += sum(len(tokens) for tokens in proposal.tokens.values())
+            self.stats.copied_rows += getattr(self.draft, "copied_rounds", 0) - counts[0]
+            self.stats.drafted_rows += getattr(self.draft, "drafted_rounds", 0) - counts[1]
         return proposal
 
 
@@ -131,16 +138,27 @@ def call_kind(message: Forward) -> str:
 
 
 LOOKUP = "lookup "  # the name prefix of prompt-lookup variants
+LOOKUP_FIRST = "lookup-first "  # the name prefix of lookup-first variants (a draft model and lookup)
+DRAFTERS = {"": "draft model", LOOKUP: "prompt lookup", LOOKUP_FIRST: "lookup first"}  # by name prefix
 
 
 def variant_names(ks: Sequence[int], adaptive: bool, draft_model: bool = True, lookup: bool = False) -> list[str]:
     drafted = [*(f"k={k}" for k in ks), *(["adaptive"] if adaptive else [])]
-    return ["plain", *(drafted if draft_model else []), *(f"{LOOKUP}{name}" for name in (drafted if lookup else []))]
+    prefixes = [*([""] if draft_model else []), *([LOOKUP] if lookup else []),
+                *([LOOKUP_FIRST] if draft_model and lookup else [])]
+    return ["plain", *(prefix + name for prefix in prefixes for name in drafted)]
+
+
+def variant_drafter(name: str) -> str | None:
+    """Which drafter a variant runs: "draft model", "prompt lookup", "lookup first", or None (plain)."""
+    if name == "plain":
+        return None
+    return DRAFTERS[LOOKUP_FIRST if name.startswith(LOOKUP_FIRST) else LOOKUP if name.startswith(LOOKUP) else ""]
 
 
 def variant_fixed_k(name: str) -> int | None:
     """The K a variant fixes (None: adaptive, or plain)."""
-    _, _, k = name.removeprefix(LOOKUP).partition("k=")
+    _, _, k = name.removeprefix(LOOKUP_FIRST).removeprefix(LOOKUP).partition("k=")
     return int(k) if k else None
 
 
@@ -212,6 +230,9 @@ def build_report(rounds: dict[str, list[VariantStats]], meta: dict[str, Any]) ->
             "plain_steps": sum(stats.target_calls["plain"] for stats in runs),  # rounds that proposed nothing
             "width_switches": sum(stats.width_switches for stats in runs),
         }
+        copied, drafted = sum(s.copied_rows for s in runs), sum(s.drafted_rows for s in runs)
+        if copied + drafted:
+            entry["copied_share_of_proposals"] = round(copied / (copied + drafted), 3)
         if plain is not None:
             entry["speedup"] = compare(speeds[name], speeds["plain"])
         profile: dict[str, Any] = {"draft_ms_per_token": round(draft_token_s * 1e3, 3),
@@ -234,10 +255,9 @@ def build_report(rounds: dict[str, list[VariantStats]], meta: dict[str, Any]) ->
     if best is not None:
         report["best"] = best
         report["best_by_drafter"] = {
-            drafter: found for drafter, names in (
-                ("draft model", [name for name in variants if not name.startswith(LOOKUP)]),
-                ("prompt lookup", [name for name in variants if name.startswith(LOOKUP)]))
-            if (found := _best(variants, names)) is not None}
+            drafter: found for drafter in DRAFTERS.values()
+            if (found := _best(variants, [name for name in variants if variant_drafter(name) == drafter]))
+            is not None}
     return report
 
 
@@ -265,6 +285,7 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
 
     from deskfleet.controller.draft import DraftModel
     from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
+    from deskfleet.controller.lookup_first import LookupFirstDraft
     from deskfleet.controller.pipeline import LocalPipeline
     from deskfleet.controller.prompt_lookup import PromptLookupDraft
     from deskfleet.controller.tokenizer import ModelTokenizer
@@ -299,15 +320,18 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
     tokens_by_variant: dict[str, list[list[int]]] = {name: [] for name in names}
     with LocalPipeline(target, 1, settings, manifest) as pipeline:
         chain = TimingChain(pipeline)
-        drafters = {"model": TimingDraft(DraftModel(Path(draft), settings)) if draft is not None else None,
-                    "lookup": TimingDraft(PromptLookupDraft())}
+        model = DraftModel(Path(draft), settings) if draft is not None else None  # one run at a time uses it
+        drafters = {"draft model": TimingDraft(model) if model is not None else None,
+                    "prompt lookup": TimingDraft(PromptLookupDraft()),
+                    "lookup first": TimingDraft(LookupFirstDraft(model)) if model is not None else None}
         compiled = _read_properties(pipeline.stages[0].compiled)
         for index in range(rounds + 1):  # round 0 warms up, untimed
             current = {name: VariantStats() for name in names}
             for prompt_index, ids in enumerate(prompt_ids):
                 for name in names:
                     stats = current[name]
-                    drafter = None if name == "plain" else drafters["lookup" if name.startswith(LOOKUP) else "model"]
+                    kind = variant_drafter(name)
+                    drafter = drafters[kind] if kind is not None else None
                     chain.stats = stats
                     if drafter is not None:
                         drafter.stats = stats

@@ -21,6 +21,7 @@ from deskfleet.controller.bench.speculative import (
     predicted_speedup,
     read_prompts_file,
     run_speculative_bench,
+    variant_drafter,
     variant_fixed_k,
     variant_names,
 )
@@ -32,10 +33,13 @@ def test_variant_names() -> None:
     assert variant_names([2, 4], adaptive=True) == ["plain", "k=2", "k=4", "adaptive"]
     assert variant_names([3], adaptive=False) == ["plain", "k=3"]
     assert variant_names([3], adaptive=True, lookup=True) == ["plain", "k=3", "adaptive", "lookup k=3",
-                                                               "lookup adaptive"]
+                                                               "lookup adaptive", "lookup-first k=3",
+                                                               "lookup-first adaptive"]
     assert variant_names([3], adaptive=False, draft_model=False, lookup=True) == ["plain", "lookup k=3"]
-    assert [variant_fixed_k(name) for name in ("plain", "k=3", "adaptive", "lookup k=12", "lookup adaptive")] == \
-        [None, 3, None, 12, None]
+    names = ("plain", "k=3", "adaptive", "lookup k=12", "lookup adaptive", "lookup-first k=5", "lookup-first adaptive")
+    assert [variant_fixed_k(name) for name in names] == [None, 3, None, 12, None, 5, None]
+    assert [variant_drafter(name) for name in names] == [None, "draft model", "draft model", "prompt lookup",
+                                                         "prompt lookup", "lookup first", "lookup first"]
 
 
 def test_read_prompts_file(tmp_path: Path) -> None:
@@ -103,6 +107,8 @@ def stats(tok_s: float, histogram: dict[int, int] | None = None) -> VariantStats
 def test_build_report_shape() -> None:
     rounds = {"plain": [stats(10), stats(10)], "k=2": [stats(21, {2: 4, 0: 1}), stats(19, {1: 5})]}
     rounds["lookup k=2"] = [stats(14, {1: 3}), stats(16, {2: 2})]
+    rounds["lookup-first k=2"] = [stats(17, {2: 3}), stats(18, {2: 2})]
+    rounds["lookup-first k=2"][0].copied_rows, rounds["lookup-first k=2"][0].drafted_rows = 1, 3
     report = build_report(rounds, {"target": "t"})
     json.dumps(report)
     entry = report["speculative"]["k=2"]
@@ -116,6 +122,9 @@ def test_build_report_shape() -> None:
     assert report["best_by_drafter"]["prompt lookup"] == {"variant": "lookup k=2", "speedup": 1.5,
                                                           "goal": ">= 2.0x", "goal_met": False}
     assert report["best_by_drafter"]["draft model"]["variant"] == "k=2"
+    assert report["best_by_drafter"]["lookup first"]["speedup"] == pytest.approx(1.75)
+    assert report["speculative"]["lookup-first k=2"]["copied_share_of_proposals"] == 0.25
+    assert "copied_share_of_proposals" not in entry
     assert "switch_share_of_decode_calls" not in entry["profile"]  # no call costs measured
 
 
@@ -144,7 +153,8 @@ def test_speculative_bench_on_tiny_models(checkpoint_factory: Callable[..., Path
                                    prompt_ids=[[1, 5, 9, 13], [1, 40, 41]], new_tokens=6, rounds=1,
                                    settings=CompileSettings(precision=Precision.F32), progress=False)
     json.dumps(report)
-    assert report["order"] == ["plain", "k=2", "adaptive", "lookup k=2", "lookup adaptive"]
+    assert report["order"] == ["plain", "k=2", "adaptive", "lookup k=2", "lookup adaptive", "lookup-first k=2",
+                               "lookup-first adaptive"]
     assert report["greedy_identical_to_plain"] == {name: True for name in report["order"][1:]}
     assert set(report["speculative"]) == set(report["order"][1:])
     entry = report["speculative"]["k=2"]

@@ -71,8 +71,15 @@ def test_generate_with_prompt_lookup_reports_its_rounds(tiny_export: Path,
     assert sum(report["accepted_histogram"].values()) > 0 and "mean_accepted" in report
 
 
-def test_one_drafter_at_a_time(tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        main(["generate", "--model", str(tiny_export), "--prompt", "x", "--draft", str(tiny_export),
-              "--prompt-lookup"])
-    assert "not allowed with argument" in capsys.readouterr().err
+def test_draft_and_prompt_lookup_together_copy_first(tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The model drafts for itself where the context has no match: every round is accepted in full or
+    # copied, and the tokens are the plain ones.
+    argv = ["generate", "--model", str(tiny_export), "--prompt-ids", "1,5,6,7,5,6,7,5,6", "--max-new-tokens", "16",
+            "--ignore-eos", "--precision", "f32", "--json"]
+    code, plain, _ = run(capsys, *argv)
+    assert code == 0
+    code, drafted, _ = run(capsys, *argv, "--draft", str(tiny_export), "--prompt-lookup", "--k", "3")
+    assert code == 0
+    report = json.loads(drafted)
+    assert report["tokens"] == json.loads(plain)["tokens"]
+    assert sum(report["accepted_histogram"].values()) > 0

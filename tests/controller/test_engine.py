@@ -18,6 +18,7 @@ from deskfleet.common.wire import Forward, ForwardResult
 from deskfleet.controller.draft import Drafter, DraftModel
 from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
 from deskfleet.controller.generation import GenerationError
+from deskfleet.controller.lookup_first import LookupFirstDraft
 from deskfleet.controller.pipeline import LocalPipeline
 from deskfleet.controller.prompt_lookup import PromptLookupDraft
 
@@ -135,6 +136,22 @@ def test_prompt_lookup_streams_equal_their_solo_runs(stages: int, target: Path, 
     for index, generated in enumerate(tokens):
         assert generated == solo[index][: lengths[index]], f"stream {index} diverged with {stages} stages"
     assert histogram[0] > 0 and sum(count for accepted, count in histogram.items() if accepted > 0) > 0
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_lookup_first_streams_equal_their_solo_runs(stages: int, target: Path, other_draft: Path,
+                                                     solo: dict[int, list[int]]) -> None:
+    # Copied proposals where a stream repeats itself, an unrelated draft model's elsewhere, in the same
+    # micro-batches: rows switch between the two from round to round.
+    lengths = [40, 12, 40, 5, 30, 40, 1, 25]
+    requests = [StreamRequest(prompt, max_new_tokens=lengths[index], ignore_eos=True,
+                              speculative=index != 1, arrival_step=2 * index)
+                for index, prompt in enumerate(PROMPTS)]
+    drafter = LookupFirstDraft(DraftModel(other_draft, F32))
+    tokens = run_streams(target, requests, stages, drafter, EngineOptions(max_rows=3, micro_batches=2, k_max=6))
+    for index, generated in enumerate(tokens):
+        assert generated == solo[index][: lengths[index]], f"stream {index} diverged with {stages} stages"
+    assert drafter.copied_rounds > 0 and drafter.drafted_rounds > 0
 
 
 def test_adaptive_k_keeps_greedy_output(target: Path, other_draft: Path, solo: dict[int, list[int]]) -> None:
@@ -258,7 +275,7 @@ def test_speculative_sampling_draws_from_the_target_distribution(
 
 @pytest.mark.slow
 def test_prompt_lookup_sampling_draws_from_the_target_distribution(
-        target: Path, checkpoint_factory: Callable[..., Path]) -> None:
+        target: Path, near_draft: Path, checkpoint_factory: Callable[..., Path]) -> None:
     # The prompt holds likely tokens of this model (found by trial: 279 and 342 are likely first tokens and
     # occur in it), so prompt lookup proposes one-hot drafts in many rounds: accepted with probability p(x),
     # else the residual is sampled. The result must be the target's own sampling distribution.
@@ -268,9 +285,12 @@ def test_prompt_lookup_sampling_draws_from_the_target_distribution(
     total = 600
     requests = [StreamRequest(prompt, max_new_tokens=3, ignore_eos=True, sampling=params, seed=seed)
                 for seed in range(total)]
-    histogram: Counter[int] = Counter()
-    tokens = run_streams(target, requests, 1, PromptLookupDraft(), EngineOptions(max_rows=16, fixed_k=2),
-                         histogram=histogram)
-    statistic, degrees = _chi_square(Counter(tuple(row) for row in tokens), joint, total)
-    assert statistic < _critical(degrees), f"chi-square {statistic:.1f} with {degrees} dof"
-    assert histogram[0] > 0 and histogram[1] + histogram[2] > 0, histogram  # rejections and acceptances
+    # Lookup first with a draft model beside it: copied rows carry a one-hot q, drafted rows the model's.
+    for drafter in (PromptLookupDraft(), LookupFirstDraft(DraftModel(near_draft, F32), min_ngram=1)):
+        histogram: Counter[int] = Counter()
+        tokens = run_streams(target, requests, 1, drafter, EngineOptions(max_rows=16, fixed_k=2), histogram=histogram)
+        statistic, degrees = _chi_square(Counter(tuple(row) for row in tokens), joint, total)
+        assert statistic < _critical(degrees), f"{drafter}: chi-square {statistic:.1f} with {degrees} dof"
+        assert histogram[0] > 0 and histogram[1] + histogram[2] > 0, histogram  # rejections and acceptances
+        if isinstance(drafter, LookupFirstDraft):
+            assert drafter.copied_rounds > 0 and drafter.drafted_rounds > 0
