@@ -117,7 +117,7 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
     """Converse until `lines` ends or says /quit; returns the number of replies given."""
     manifest = load_manifest(options.model)
     tokenizer = ModelTokenizer(options.model)
-    draft = open_drafter(options.draft, options.prompt_lookup, options.settings)
+    draft = open_drafter(options.draft, options.prompt_lookup, _stage_settings(options))
     sampling = SamplingParams(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
     history = [ChatMessage("system", options.system)] if options.system else []
     replies = 0
@@ -206,7 +206,7 @@ def _open_chain(options: ChatOptions) -> AbstractContextManager[tuple[StageChain
         return _open_fleet_chain(_store(options.fleet_dir), options.model, options.max_failovers)
     from .pipeline import LocalPipeline
 
-    return _without_failover(LocalPipeline(options.model, options.stages, options.settings))
+    return _without_failover(LocalPipeline(options.model, options.stages, _stage_settings(options)))
 
 
 @contextmanager
@@ -215,13 +215,19 @@ def _without_failover(pipeline: LocalPipeline) -> Iterator[tuple[StageChain, Non
         yield pipeline, None
 
 
+def _stage_settings(options: ChatOptions) -> CompileSettings:
+    """The local stages' and the draft model's settings: those for drafting when the chat drafts."""
+    drafting = options.draft is not None or options.prompt_lookup
+    return options.settings.for_drafting() if drafting else options.settings
+
+
 def _chat_command(args: argparse.Namespace) -> int:
     from deskfleet.agent.stage import Precision
 
     from .fleet_store import default_data_dir
 
     compile_settings = CompileSettings(device=args.device, precision=Precision(args.precision),
-                                       num_threads=args.threads)
+                                       num_threads=args.threads, kv_cache=args.kv_cache)
     options = ChatOptions(model=args.model, fleet_dir=(args.data_dir or default_data_dir()) if args.fleet else None,
                           max_failovers=args.max_failovers,
                           stages=args.stages, system=args.system, max_new_tokens=args.max_new_tokens,

@@ -156,12 +156,16 @@ def _add_compile_options(parser: argparse.ArgumentParser) -> None:
                              "dynamic quantization and a u8 KV cache, elsewhere the device's default")
     parser.add_argument("--device", default="CPU", help="OpenVINO device: CPU, GPU, NPU, AUTO")
     parser.add_argument("--threads", type=int, default=None, help="inference threads per stage")
+    parser.add_argument("--kv-cache", choices=["u8", "f16", "bf16", "f32"], default=None,
+                        help="KV cache precision (default: f32 under --precision f32; under fast the device's "
+                             "own, u8 on a CPU, except f32 on a CPU when drafting with --draft/--prompt-lookup)")
 
 
 def _compile_settings(args: argparse.Namespace) -> CompileSettings:
     from deskfleet.agent.stage import CompileSettings, Precision
 
-    return CompileSettings(device=args.device, precision=Precision(args.precision), num_threads=args.threads)
+    return CompileSettings(device=args.device, precision=Precision(args.precision), num_threads=args.threads,
+                           kv_cache=args.kv_cache)
 
 
 def _export(args: argparse.Namespace) -> int:

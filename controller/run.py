@@ -68,14 +68,16 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
     tokenizer = ModelTokenizer(options.model)
     prompts = encode_prompts(options, tokenizer)
     sampling = SamplingParams(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
-    draft = open_drafter(options.draft, options.prompt_lookup, options.settings)
+    drafting = options.draft is not None or options.prompt_lookup
+    settings = options.settings.for_drafting() if drafting else options.settings
+    draft = open_drafter(options.draft, options.prompt_lookup, settings)
     stages = chain_stages or options.stages
     engine_options = EngineOptions(max_rows=options.max_rows, micro_batches=options.micro_batches or stages,
                                    k_max=max(options.k_max, 1), fixed_k=options.k)
     printer = TextPrinter(tokenizer, sys.stdout) if stream_text and len(prompts) == 1 else None
     context: AbstractContextManager[StageChain] = (
         nullcontext(chain) if chain is not None
-        else LocalPipeline(options.model, options.stages, options.settings, manifest))
+        else LocalPipeline(options.model, options.stages, settings, manifest))
     with context as pipeline:
         engine = Engine(pipeline, manifest.spec, draft, engine_options)
         for index, prompt in enumerate(prompts):

@@ -319,7 +319,7 @@ def _isolated_variants(model: Path, genai_model: Path | None, genai_python: Path
     GenAI, come from loading deskfleet-1 once up front."""
     common = {"model": str(model), "prompt_ids": prompt, "new_tokens": new_tokens,
               "settings": {"device": settings.device, "precision": settings.precision.value,
-                           "num_threads": settings.num_threads}}
+                           "num_threads": settings.num_threads, "kv_cache": settings.kv_cache}}
 
     def deskfleet(name: str, config: dict[str, Any], environment: dict[str, str] | None = None) -> IsolatedVariant:
         return IsolatedVariant(name, DESKFLEET_RUNNER, None, {**common, **config}, environment)

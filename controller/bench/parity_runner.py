@@ -6,7 +6,7 @@ each "run" generates exactly `new_tokens` greedy tokens and answers with its tim
 ends it.
 
     -> {"variant": "deskfleet"|"fused-direct"|"whole-direct", "stages": K, "model": DIR,
-        "whole_model_xml": XML (whole-direct), "settings": {"device", "precision", "num_threads"},
+        "whole_model_xml": XML (whole-direct), "settings": {"device", "precision", "num_threads", "kv_cache"},
         "prompt_ids": [...], "new_tokens": N}
     <- {"ready": true, "load_s": ..., "compiled_properties": {...} (fused-direct, deskfleet with 1 stage)}
     -> "run" or "warm-up" (the same work: deskfleet keeps no prompt cache; see genai_runner.py)
@@ -34,7 +34,7 @@ def load_variant(request: dict[str, Any]) -> tuple[Variant, dict[str, Any]]:
     manifest = load_manifest(model)
     raw = request.get("settings", {})
     settings = CompileSettings(device=raw.get("device", "CPU"), precision=Precision(raw.get("precision", "fast")),
-                               num_threads=raw.get("num_threads"))
+                               num_threads=raw.get("num_threads"), kv_cache=raw.get("kv_cache"))
     prompt = [int(token) for token in request["prompt_ids"]]
     new_tokens = int(request["new_tokens"])
     kind = request.get("variant")

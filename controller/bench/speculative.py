@@ -295,7 +295,7 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
     if not ks and not adaptive:
         raise ValueError("no speculative variant: give --k values, or keep the adaptive one")
     target = Path(target)
-    settings = settings or CompileSettings()
+    settings = (settings or CompileSettings()).for_drafting()  # what `generate --draft` compiles
     manifest = load_manifest(target)
     spec = manifest.spec
     source = "prompt_ids"

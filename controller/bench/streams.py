@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +163,7 @@ def _run_pinned(model: Path, genai_model: Path | None, genai_python: Path | None
     import openvino as ov
 
     base = settings or CompileSettings()
-    settings = CompileSettings(device=base.device, precision=base.precision, num_threads=1)
+    settings = replace(base, num_threads=1)
     model = Path(model)
     manifest = load_manifest(model)
     spec = manifest.spec

@@ -38,3 +38,32 @@ def test_a_fast_cpu_stage_runs_f32_with_a_u8_kv_cache_and_dynamic_quantization(t
     assert compiled.get_property("INFERENCE_PRECISION_HINT").to_string() == "f32"
     assert compiled.get_property("KV_CACHE_PRECISION").to_string() == "u8"
     assert int(compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) > 0
+
+
+@pytest.mark.parametrize("kv_cache", ["u8", "f16", "f32"])
+def test_a_chosen_kv_cache_precision_is_asked_for(kv_cache: str) -> None:
+    wanted = CompileSettings(device="CPU", precision=Precision.FAST, kv_cache=kv_cache).properties(ov.Core())
+    assert wanted["KV_CACHE_PRECISION"] == kv_cache
+
+
+def test_unknown_or_inexact_kv_cache_precisions_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown KV cache precision 'i4'"):
+        CompileSettings(kv_cache="i4")
+    with pytest.raises(ValueError, match="f32 is exact"):
+        CompileSettings(precision=Precision.F32, kv_cache="u8")
+    assert CompileSettings(precision=Precision.F32, kv_cache="f32").properties(ov.Core())["KV_CACHE_PRECISION"] == "f32"
+
+
+def test_drafting_on_a_fast_cpu_keeps_an_f32_kv_cache() -> None:
+    assert CompileSettings(precision=Precision.FAST).for_drafting().kv_cache == "f32"
+    unchanged = [CompileSettings(precision=Precision.FAST, kv_cache="u8"), CompileSettings(precision=Precision.F32),
+                 CompileSettings(device="GPU"), CompileSettings(device="AUTO")]
+    assert [settings.for_drafting() for settings in unchanged] == unchanged
+
+
+def test_a_drafting_cpu_stage_reads_back_an_f32_kv_cache(tiny_export: Path) -> None:
+    manifest = load_manifest(tiny_export)
+    n = manifest.spec.num_layers
+    stage = Stage(tiny_export, manifest, LayerRange(0, n, n), CompileSettings().for_drafting())
+    assert stage.compiled.get_property("KV_CACHE_PRECISION").to_string() == "f32"
+    assert int(stage.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) > 0  # still fast

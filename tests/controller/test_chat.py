@@ -50,6 +50,23 @@ def test_chat_with_prompt_lookup_gives_the_plain_reply(tmp_path: Path, tiny_expo
     assert replies[True] == replies[False] and replies[True].strip()
 
 
+def test_a_drafting_chat_compiles_its_stages_with_an_f32_kv_cache(tiny_export: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import deskfleet.controller.pipeline as pipeline_module
+
+    seen = []
+
+    def recording(model: Path, stages: int, settings: CompileSettings) -> LocalPipeline:
+        seen.append(settings.kv_cache)
+        return LocalPipeline(model, stages, settings)
+
+    monkeypatch.setattr(pipeline_module, "LocalPipeline", recording)
+    for lookup in (False, True):
+        run_chat(ChatOptions(model=tiny_export, max_new_tokens=2, prompt_lookup=lookup), io.StringIO("hi\n"),
+                 io.StringIO())
+    assert seen == [None, "f32"]
+
+
 def test_a_chat_whose_chain_breaks_resumes_and_keeps_the_new_chain(tmp_path: Path, tiny_export: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     # The fleet's failover, played by local pipelines: the first chain breaks in the middle of the first

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,6 +41,7 @@ def test_generate_several_prompts(tiny_export: Path, capsys: pytest.CaptureFixtu
     (["--prompt-ids", "1,2", "--max-new-tokens", "100000"], "exceed the model's context"),
     (["--prompt-ids", "1,2", "--stages", "9"], "cannot split 4 layers into 9 stages"),
     (["--prompt-ids", "1,2", "--chat"], ""),
+    (["--prompt-ids", "1,2", "--precision", "f32", "--kv-cache", "u8"], "f32 is exact"),
 ])
 def test_generate_errors(tiny_export: Path, capsys: pytest.CaptureFixture[str], args: list[str],
                          message: str) -> None:
@@ -83,3 +85,22 @@ def test_draft_and_prompt_lookup_together_copy_first(tiny_export: Path, capsys: 
     report = json.loads(drafted)
     assert report["tokens"] == json.loads(plain)["tokens"]
     assert sum(report["accepted_histogram"].values()) > 0
+
+
+def test_drafting_compiles_the_target_with_an_f32_kv_cache(tiny_export: Path, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import deskfleet.controller.run as run_module
+
+    seen = []
+    real = run_module.LocalPipeline
+
+    def recording(model: Path, stages: int, settings: Any, manifest: Any = None) -> Any:
+        seen.append(settings.kv_cache)
+        return real(model, stages, settings, manifest)
+
+    monkeypatch.setattr(run_module, "LocalPipeline", recording)
+    argv = ["generate", "--model", str(tiny_export), "--prompt-ids", "1,5,6,5,6", "--max-new-tokens", "4",
+            "--ignore-eos", "--json"]
+    for extra in ([], ["--prompt-lookup"], ["--prompt-lookup", "--kv-cache", "u8"]):
+        assert run(capsys, *argv, *extra)[0] == 0
+    assert seen == [None, "f32", "u8"]
