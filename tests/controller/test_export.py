@@ -109,6 +109,17 @@ def test_int4_policy_is_the_same_for_every_layer(checkpoint_factory: Callable[..
     assert table.get_output_shape(0)[0] == load_manifest(model).spec.max_context
 
 
+def test_a_layer_projects_qkv_and_gate_up_with_one_matmul_each(tiny_export: Path) -> None:
+    # q, k, v stacked into one MatMul and gate, up into another: 4 weight MatMuls a layer (qkv, o, gate_up,
+    # down); the stacked ones are as wide as their parts together.
+    spec = load_manifest(tiny_export).spec
+    layer = ov.Core().read_model(tiny_export / "layer_000.xml")
+    widths = sorted(int(op.get_output_partial_shape(0)[-1].get_length()) for op in layer.get_ops()
+                    if op.get_type_name() == "MatMul" and op.input_value(1).get_partial_shape().rank.get_length() == 2)
+    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    assert widths == sorted([qkv, spec.hidden_size, 2 * spec.intermediate_size, spec.hidden_size])
+
+
 def test_corrupted_layer_file_is_refused_before_compiling(tiny_export: Path, tmp_path: Path) -> None:
     from deskfleet.agent.stage import LayerRange, build_stage_model
 
