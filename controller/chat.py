@@ -24,7 +24,7 @@ from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.speculative import SamplingParams
 
-from .draft import open_drafter
+from .draft import open_drafter, target_settings
 from .engine import Engine, EngineOptions, StageChain, StreamRequest
 from .generation import GenerationError
 from .run import GenerateOptions, run_generate
@@ -117,7 +117,8 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
     """Converse until `lines` ends or says /quit; returns the number of replies given."""
     manifest = load_manifest(options.model)
     tokenizer = ModelTokenizer(options.model)
-    draft = open_drafter(options.draft, options.prompt_lookup, _stage_settings(options))
+    settings = target_settings(options.settings, options.draft, options.prompt_lookup)
+    draft = open_drafter(options.draft, options.prompt_lookup, settings)
     sampling = SamplingParams(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
     history = [ChatMessage("system", options.system)] if options.system else []
     replies = 0
@@ -206,19 +207,14 @@ def _open_chain(options: ChatOptions) -> AbstractContextManager[tuple[StageChain
         return _open_fleet_chain(_store(options.fleet_dir), options.model, options.max_failovers)
     from .pipeline import LocalPipeline
 
-    return _without_failover(LocalPipeline(options.model, options.stages, _stage_settings(options)))
+    settings = target_settings(options.settings, options.draft, options.prompt_lookup)
+    return _without_failover(LocalPipeline(options.model, options.stages, settings))
 
 
 @contextmanager
 def _without_failover(pipeline: LocalPipeline) -> Iterator[tuple[StageChain, None]]:
     with pipeline:
         yield pipeline, None
-
-
-def _stage_settings(options: ChatOptions) -> CompileSettings:
-    """The local stages' and the draft model's settings: those for drafting when the chat drafts."""
-    drafting = options.draft is not None or options.prompt_lookup
-    return options.settings.for_drafting() if drafting else options.settings
 
 
 def _chat_command(args: argparse.Namespace) -> int:

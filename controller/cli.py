@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     speculative = benches.add_parser("speculative", help="one stage, code completion with and without a draft")
     speculative.add_argument("--model", type=Path, required=True, help="target export folder")
     speculative.add_argument("--draft", type=Path, default=None, help="draft export folder")
-    speculative.add_argument("--no-lookup", action="store_true", help="skip the prompt-lookup variants")
+    speculative.add_argument("--no-lookup", action="store_true",
+                             help="skip the prompt-lookup (and lookup-first) variants")
     speculative.add_argument("--k", type=int, nargs="*", default=[2, 4, 6], help="fixed K values to time")
     speculative.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-K variant")
     speculative.add_argument("--k-max", type=int, default=8, help="upper bound of adaptive K")

@@ -193,6 +193,12 @@ class DraftModel:
             probs[index, step] = q
 
 
+def target_settings(settings: CompileSettings, draft: Path | None, prompt_lookup: bool) -> CompileSettings:
+    """The settings to compile a run's target stages (and draft model) with: those for drafting
+    (`CompileSettings.for_drafting`) when the run drafts with either drafter."""
+    return settings.for_drafting() if draft is not None or prompt_lookup else settings
+
+
 def open_drafter(draft: Path | None, prompt_lookup: bool,
                  settings: CompileSettings | None = None) -> Drafter | None:
     """The drafter a command asked for: a draft model's export folder, prompt lookup, both (prompt lookup

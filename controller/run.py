@@ -12,7 +12,7 @@ from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.speculative import SamplingParams
 
-from .draft import open_drafter
+from .draft import open_drafter, target_settings
 from .engine import Engine, EngineOptions, Recover, StageChain, StreamRequest
 from .generation import GenerationError
 from .pipeline import LocalPipeline
@@ -68,8 +68,7 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
     tokenizer = ModelTokenizer(options.model)
     prompts = encode_prompts(options, tokenizer)
     sampling = SamplingParams(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
-    drafting = options.draft is not None or options.prompt_lookup
-    settings = options.settings.for_drafting() if drafting else options.settings
+    settings = target_settings(options.settings, options.draft, options.prompt_lookup)
     draft = open_drafter(options.draft, options.prompt_lookup, settings)
     stages = chain_stages or options.stages
     engine_options = EngineOptions(max_rows=options.max_rows, micro_batches=options.micro_batches or stages,
