@@ -248,7 +248,8 @@ class AgentCore:
                 view = await asyncio.to_thread(self.cache.materialize_manifest, owner, manifest, names)
                 layers = LayerRange(message.stage.layer_start, message.stage.layer_end, manifest.spec.num_layers)
                 precision = StagePrecision.F32 if message.precision is Precision.F32 else StagePrecision.FAST
-                settings = CompileSettings(device=message.device, precision=precision, num_threads=self.num_threads)
+                settings = CompileSettings(device=message.device, precision=precision, num_threads=self.num_threads,
+                                           kv_cache=message.kv_cache)
                 stage = await asyncio.to_thread(Stage, view, manifest, layers, settings)
             except (ShardCacheError, ManifestError, ValueError, RuntimeError, KeyError) as error:
                 self.cache.unpin(owner)

@@ -30,6 +30,7 @@ from openvino import passes
 
 from deskfleet.common.devices import VIRTUAL, device_kind
 from deskfleet.common.model_spec import Manifest, TensorNames, verify_files
+from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 
 from . import huge_pages
 
@@ -44,9 +45,6 @@ class Precision(str, Enum):
     # 10.8 ms, 8 rows 28.5 -> 16.1, 5-token verification 28.0 -> 13.7) and only prompts faster (64 tokens
     # 46.5 -> 71 ms, 256 tokens 118 -> 290). Elsewhere (GPU, NPU, AUTO, ...): the device's default.
     FAST = "fast"
-
-
-KV_CACHE_PRECISIONS = ("u8", "f16", "bf16", "f32")  # what KV_CACHE_PRECISION takes
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,9 @@ class Precision(str, Enum):
     F32 = "f32"  # INFERENCE_PRECISION_HINT=f32 and KV_CACHE_PRECISION=f32
 
 
+KV_CACHE_PRECISIONS = ("u8", "f16", "bf16", "f32")  # what OpenVINO's KV_CACHE_PRECISION takes
+
+
 # What each tensor field must look like (made once: these are checked for every message)
 _DRAFT_TOKEN_IDS = TensorSpec(("int64",), ("B", "K"))
 _DRAFT_PROBS = TensorSpec(("float32",), ("B", "K", "V"))
@@ -271,9 +274,12 @@ class AssignStage:
     precision: Precision
     next_hop: NextHop | None  # None: send results back to the controller
     manifest: tuple[ManifestEntry, ...]
+    kv_cache: str | None = None  # KV cache precision; None: the precision's own (agent/stage.py)
 
     def __post_init__(self) -> None:
         _require(bool(self.device), "device must not be empty")
+        _require(self.kv_cache is None or self.kv_cache in KV_CACHE_PRECISIONS,
+                 f"kv_cache must be one of {', '.join(KV_CACHE_PRECISIONS)}, got {self.kv_cache!r}")
         names = [entry.file_name for entry in self.manifest]
         _require(len(set(names)) == len(names), "manifest lists a file name twice")
 

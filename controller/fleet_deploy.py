@@ -72,6 +72,7 @@ class DeploySettings:
     streams: int = 1
     precision: Precision = Precision.DEVICE_DEFAULT
     device: str = "CPU"
+    kv_cache: str | None = None  # the agents' KV cache precision; None: the precision's own
 
 
 @dataclass(frozen=True)
@@ -130,10 +131,12 @@ def candidates_of(agents: list[AgentView]) -> list[AgentCandidate]:
 
 async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: PlanOptions,
                  precision: Precision = Precision.DEVICE_DEFAULT, device: str = "CPU",
-                 progress: Progress | None = None, exclude: frozenset[str] = frozenset()
-                 ) -> tuple[Plan, DeployReport]:
+                 progress: Progress | None = None, exclude: frozenset[str] = frozenset(),
+                 kv_cache: str | None = None) -> tuple[Plan, DeployReport]:
     """Plan over the surveyed agents (less those in `exclude`), push what each lacks, assign the stages.
     DeployError on failure."""
+    if precision is Precision.F32 and kv_cache not in (None, "f32"):
+        raise DeployError(f"--precision f32 is exact and keeps the KV cache in f32, not {kv_cache}")
     manifest = load_manifest(model_dir)
     model_id = model_id_of(model_dir)
     agents = [agent for agent in found.reachable() if agent.agent_id not in exclude]
@@ -146,17 +149,18 @@ async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: Pla
     sent: dict[str, int] = {}
     files: dict[str, int] = {}
     try:
-        await _deploy_all(model_dir, manifest, model_id, placements, precision, device, found, sent, files,
-                          progress)
+        await _deploy_all(model_dir, manifest, model_id, placements, DeploySettings(
+            options.policy, options.streams, precision, device, kv_cache), found, sent, files, progress)
     except* DeployError as errors:
         raise DeployError("; ".join(str(error) for error in errors.exceptions)) from None
     report = DeployReport(model_id, placements, sent, files)
-    _save_deployment(store, model_dir, report, DeploySettings(options.policy, options.streams, precision, device))
+    _save_deployment(store, model_dir, report,
+                     DeploySettings(options.policy, options.streams, precision, device, kv_cache))
     return result, report
 
 
 async def _deploy_all(model_dir: Path, manifest: Manifest, model_id: str, placements: tuple[StagePlacement, ...],
-                      precision: Precision, device: str, found: Survey, sent: dict[str, int],
+                      settings: DeploySettings, found: Survey, sent: dict[str, int],
                       files: dict[str, int], progress: Progress | None) -> None:
     async with asyncio.TaskGroup() as tasks:
         for index, placement in enumerate(placements):
@@ -168,7 +172,7 @@ async def _deploy_all(model_dir: Path, manifest: Manifest, model_id: str, placem
                 next_hop = NextHop(following.address, following.agent_id)
             assignment = AssignStage(StageRef(model_id, placement.layer_start, placement.layer_end),
                                      placement.layer_start == 0, placement.layer_end == manifest.spec.num_layers,
-                                     device, precision, next_hop, entries)
+                                     settings.device, settings.precision, next_hop, entries, settings.kv_cache)
             tasks.create_task(_deploy_stage(link, model_dir, assignment, sent, files, progress))
 
 
@@ -188,8 +192,10 @@ def load_deploy_settings(store: FleetStore, model_dir: Path) -> DeploySettings:
     if not isinstance(settings, dict):
         return DeploySettings()
     try:
+        kv_cache = settings.get("kv_cache")
         return DeploySettings(PlanPolicy(settings["policy"]), int(settings["streams"]),
-                              Precision(settings["precision"]), str(settings["device"]))
+                              Precision(settings["precision"]), str(settings["device"]),
+                              None if kv_cache is None else str(kv_cache))
     except (KeyError, ValueError, TypeError) as error:
         raise DeployError(f"the saved deployment of {model_dir} has unreadable settings ({error}): "
                           "deploy it again") from None
@@ -280,7 +286,7 @@ def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, s
                                         "stages": [asdict(stage) for stage in report.stages],
                                         "settings": {"policy": settings.policy.value, "streams": settings.streams,
                                                      "precision": settings.precision.value,
-                                                     "device": settings.device}}
+                                                     "device": settings.device, "kv_cache": settings.kv_cache}}
         store.write("deployments", deployments)
 
 

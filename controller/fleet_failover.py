@@ -94,7 +94,8 @@ class FleetFailover:
         try:
             _, report = await deploy(self.store, self.model_dir, found,
                                      PlanOptions(policy=settings.policy, streams=settings.streams),
-                                     settings.precision, settings.device, exclude=frozenset(self.lost))
+                                     settings.precision, settings.device, exclude=frozenset(self.lost),
+                                     kv_cache=settings.kv_cache)
         finally:
             await found.close()
         return report

@@ -18,6 +18,7 @@ from deskfleet.common import pki
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.availability import MonitorReading
 from deskfleet.common.kv_ledger import AppendSlots
+from deskfleet.common.model_spec import MANIFEST_NAME, load_manifest
 from deskfleet.common.wire import (
     AssignStage,
     Error,
@@ -34,6 +35,7 @@ from deskfleet.common.wire import (
     ShardComplete,
     ShardHave,
     ShardQuery,
+    StageReady,
     StageRef,
     StatusReport,
     StatusRequest,
@@ -196,3 +198,23 @@ def test_a_failing_speed_probe_reports_no_speed_and_says_why(core: AgentCore) ->
     report = handle(core, Role.CONTROLLER, StatusRequest())
     assert isinstance(report, StatusReport) and report.weight_gb_per_s is None
     assert core.last_error is not None and "GPU device not found" in core.last_error
+
+
+@pytest.mark.parametrize(("kv_cache", "compiled"), [(None, "u8"), ("f32", "f32")])
+def test_an_assignment_compiles_with_the_kv_cache_it_names(core: AgentCore, tiny_export: Path, kv_cache: str | None,
+                                                           compiled: str) -> None:
+    manifest = load_manifest(tiny_export)
+    layers = manifest.spec.num_layers
+    names = [MANIFEST_NAME, *(name for stem in manifest.stage_ir_stems(0, layers) for name in manifest.ir_files(stem))]
+    entries = []
+    for name in names:
+        data = (tiny_export / name).read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        handle(core, Role.CONTROLLER, ShardChunk(digest, 0, len(data), data))
+        handle(core, Role.CONTROLLER, ShardComplete(digest))
+        entries.append(ManifestEntry(name, digest, len(data)))
+    assignment = AssignStage(StageRef("tiny@1", 0, layers), True, True, "CPU", Precision.DEVICE_DEFAULT, None,
+                             tuple(entries), kv_cache)
+    assert isinstance(handle(core, Role.CONTROLLER, assignment), StageReady)
+    stage = core.stages[assignment.stage].executor.stage
+    assert stage.compiled.get_property("KV_CACHE_PRECISION").to_string() == compiled

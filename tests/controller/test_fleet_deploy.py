@@ -22,7 +22,13 @@ from deskfleet.common.planner import PlanOptions, PlanPolicy
 from deskfleet.common.wire import Precision
 from deskfleet.controller.engine import Engine, StreamRequest
 from deskfleet.controller.fleet_ca import init_fleet, load_ca
-from deskfleet.controller.fleet_deploy import DeploySettings, deploy, load_deploy_settings, load_deployment
+from deskfleet.controller.fleet_deploy import (
+    DeployError,
+    DeploySettings,
+    deploy,
+    load_deploy_settings,
+    load_deployment,
+)
 from deskfleet.controller.fleet_failover import FleetFailover
 from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
 from deskfleet.controller.fleet_store import FleetStore
@@ -65,12 +71,15 @@ def test_deploy_twice_and_generate(tmp_path: Path, tiny_export: Path) -> None:
             found = await survey(store, options)
             assert len(found.reachable()) == 2
             try:
-                _, report = await deploy(store, tiny_export, found, policy, Precision.F32)
+                _, report = await deploy(store, tiny_export, found, policy, Precision.F32, kv_cache="f32")
             finally:
                 await found.close()
         with pytest.raises(ManifestError, match=r"no manifest\.json"):
             await deploy(store, tmp_path, found, policy)
-        assert load_deploy_settings(store, tiny_export) == DeploySettings(PlanPolicy.ALL_BY_SPEED, 1, Precision.F32)
+        with pytest.raises(DeployError, match="f32 is exact"):
+            await deploy(store, tiny_export, found, policy, Precision.F32, kv_cache="u8")
+        assert load_deploy_settings(store, tiny_export) == DeploySettings(PlanPolicy.ALL_BY_SPEED, 1, Precision.F32,
+                                                                          "CPU", "f32")
         # The first stage's agent broke the chain: the failover re-plans over the other one, found through
         # the deployment's addresses alone (nothing registered, no mDNS, no peers given), and saves the plan.
         left_out = report.stages[0].agent_id
