@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deskfleet.common.model_spec import ManifestError, WeightFormat
+from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.chat import add_chat_command, add_drafter_options, add_fleet_option
 from deskfleet.controller.fleet_cli import add_fleet_commands
 
@@ -157,7 +158,7 @@ def _add_compile_options(parser: argparse.ArgumentParser) -> None:
                              "dynamic quantization and a u8 KV cache, elsewhere the device's default")
     parser.add_argument("--device", default="CPU", help="OpenVINO device: CPU, GPU, NPU, AUTO")
     parser.add_argument("--threads", type=int, default=None, help="inference threads per stage")
-    parser.add_argument("--kv-cache", choices=["u8", "f16", "bf16", "f32"], default=None,
+    parser.add_argument("--kv-cache", choices=KV_CACHE_PRECISIONS, default=None,
                         help="KV cache precision (default: f32 under --precision f32; under fast the device's "
                              "own, u8 on a CPU, except f32 on a CPU when drafting with --draft/--prompt-lookup)")
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from deskfleet.common import event_loop
 from deskfleet.common.planner import PlanPolicy
+from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 
 _POLICIES = [policy.value for policy in PlanPolicy]
 
@@ -81,7 +82,7 @@ def add_fleet_commands(subparsers: Any) -> None:
             parser.add_argument("--model", type=Path, required=True, help="export folder")
         if name == "deploy":
             parser.add_argument("--precision", choices=["device_default", "f16", "f32"], default="device_default")
-            parser.add_argument("--kv-cache", choices=["u8", "f16", "bf16", "f32"], default=None,
+            parser.add_argument("--kv-cache", choices=KV_CACHE_PRECISIONS, default=None,
                                 help="the agents' KV cache precision (default: the precision's own; f32 makes "
                                      "verifying drafts cheaper on CPUs, at 4x the memory of u8)")
         if name == "generate":

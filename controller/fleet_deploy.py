@@ -146,16 +146,15 @@ async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: Pla
     addresses = {agent.agent_id: agent.address for agent in found.agents if agent.agent_id is not None}
     placements = tuple(StagePlacement(stage.agent_id, addresses[stage.agent_id], stage.first_layer,
                                       stage.stop_layer) for stage in result.stages)
+    settings = DeploySettings(options.policy, options.streams, precision, device, kv_cache)
     sent: dict[str, int] = {}
     files: dict[str, int] = {}
     try:
-        await _deploy_all(model_dir, manifest, model_id, placements, DeploySettings(
-            options.policy, options.streams, precision, device, kv_cache), found, sent, files, progress)
+        await _deploy_all(model_dir, manifest, model_id, placements, settings, found, sent, files, progress)
     except* DeployError as errors:
         raise DeployError("; ".join(str(error) for error in errors.exceptions)) from None
     report = DeployReport(model_id, placements, sent, files)
-    _save_deployment(store, model_dir, report,
-                     DeploySettings(options.policy, options.streams, precision, device, kv_cache))
+    _save_deployment(store, model_dir, report, settings)
     return result, report
 
 
