@@ -250,11 +250,15 @@ class StageSession:
     def __init__(self, stage: Stage) -> None:
         self.stage = stage
         self.request = stage.compiled.create_infer_request()
-        # The request's own input tensors, reshaped and written in place every call (as OpenVINO GenAI's
-        # C++ loop does). Handing the request new numpy-backed tensors each call instead (start_async with
-        # a dict) made every decode step slower: 0.95-0.98x of GenAI vs 1.00x on the same compiled model.
-        self._inputs = {port.get_any_name(): _InputBuffer(self.request.get_tensor(port))
+        # Input and output tensors over numpy buffers of our own, written and read in place every call: after
+        # a decode step has streamed the weights through the caches, every call into the bindings misses
+        # them, and get_tensor + .data on the outputs alone cost ~0.3 ms of a step (170M model, one core).
+        # Handing the request new numpy-backed tensors each call (start_async with a dict) instead made every
+        # decode step slower: 0.95-0.98x of GenAI vs 1.00x on the same compiled model.
+        self._inputs = {port.get_any_name(): _HostBuffer(self.request, port)
                         for port in stage.compiled.inputs}
+        next_tokens = _output_port(stage.compiled, TensorNames.NEXT_TOKENS) if stage.layers.is_last else None
+        self._next_tokens = _HostBuffer(self.request, next_tokens) if next_tokens is not None else None
 
     def forward(self, payload: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 beam_idx: np.ndarray, want_logits: bool = False,
@@ -271,19 +275,21 @@ class StageSession:
         self._feed(TensorNames.ATTENTION_MASK, attention_mask)
         self._feed(TensorNames.POSITION_IDS, position_ids)
         self._feed(TensorNames.BEAM_IDX, beam_idx)
-        if self.stage.layers.is_last:
+        if self._next_tokens is not None:  # the last stage
             if logits_positions is None:
                 rows, tokens = position_ids.shape
                 logits_positions = np.broadcast_to(np.arange(tokens, dtype=np.int64), (rows, tokens))
             self._feed(TensorNames.LOGITS_POSITIONS, logits_positions)
-        # start_async + wait rather than infer(): no dict of copied outputs.
+            self._next_tokens.expect(logits_positions.shape)  # next_tokens: [B, N]
+        # start_async + wait, not infer(): the synchronous call runs the plugin in this thread, which saved
+        # ~0.17 ms outside the call per decode step but made the call itself ~1 ms slower (170M, one core,
+        # alternating in one process: 15.5 vs 14.5 ms); and the bindings' infer() copies every output.
         self.request.start_async()
         self.request.wait()
-        if not self.stage.layers.is_last:
+        if self._next_tokens is None:
             return StageOutput(hidden=self.request.get_tensor(TensorNames.STAGE_HIDDEN_OUT).data.copy())
         logits = self.request.get_tensor(TensorNames.LOGITS).data.copy() if want_logits else None
-        return StageOutput(next_tokens=self.request.get_tensor(TensorNames.NEXT_TOKENS).data.copy(),
-                           logits=logits)
+        return StageOutput(next_tokens=self._next_tokens.view.copy(), logits=logits)
 
     def _feed(self, name: str, array: np.ndarray) -> None:
         self._inputs[name].write(array)
@@ -300,22 +306,48 @@ class StageSession:
             state.state = ov.Tensor(np.ascontiguousarray(values[state.name]))
 
 
-class _InputBuffer:
-    """A request's own input tensor and a numpy view of it, refreshed only when the shape changes (every
-    property access on an ov.Tensor costs microseconds, and this runs for every input of every step)."""
+class _HostBuffer:
+    """One input or output of a request, backed by a numpy buffer of ours that only grows.
 
-    def __init__(self, tensor: ov.Tensor) -> None:
-        self.tensor = tensor
-        self.shape: tuple[int, ...] = tuple(tensor.shape)
-        self.view: np.ndarray = tensor.data
+    The request holds an ov.Tensor over the buffer, so a call reads our inputs and writes our outputs in
+    place. A new shape within the capacity costs one set_shape; beyond it the buffer doubles and the
+    request is handed a tensor over the new one. `view` is the buffer as the tensor's current shape.
+
+    Every session of a stage must give its request its own tensors for the same ports. The CPU plugin's
+    requests share one graph per stream, which points its outputs at the last request's user tensors; a
+    request that kept the plugin's own tensors then had its outputs also written into another session's
+    buffer, freed with that session, and the heap broke (glibc: "corrupted double-linked list").
+    """
+
+    def __init__(self, request: ov.InferRequest, port: ov.ConstOutput) -> None:
+        self.request = request
+        self.port = port
+        self.dtype = port.get_element_type().to_dtype()
+        self.shape: tuple[int, ...] = ()
+        self.buffer = np.zeros(0, dtype=self.dtype)
+        self.tensor: ov.Tensor | None = None
+        self.view: np.ndarray = self.buffer
 
     def write(self, array: np.ndarray) -> None:
         """Copy `array` in (numpy casts the dtype), reshaping the tensor first when it differs."""
         if array.shape != self.shape:
-            self.tensor.shape = list(array.shape)
-            self.shape = array.shape
-            self.view = self.tensor.data
+            self.expect(array.shape)
         self.view[...] = array
+
+    def expect(self, shape: tuple[int, ...]) -> None:
+        """Make the tensor `shape` (an output: the shape the next call will write)."""
+        if shape == self.shape:
+            return
+        size = int(np.prod(shape))
+        if size > self.buffer.size or self.tensor is None:
+            self.buffer = np.zeros(max(size, 2 * self.buffer.size, 1), dtype=self.dtype)
+            self.tensor = ov.Tensor(self.buffer, shared_memory=True)  # its capacity: the whole buffer
+            self.tensor.shape = list(shape)  # before the request takes it: it checks the rank
+            self.request.set_tensor(self.port, self.tensor)
+        else:
+            self.tensor.shape = list(shape)
+        self.shape = tuple(shape)
+        self.view = self.buffer[:size].reshape(shape)
 
 
 # Private methods
@@ -331,6 +363,13 @@ def _input_node(model: ov.Model, name: str) -> ov.Node:
         if name in parameter.output(0).get_names():
             return parameter
     raise KeyError(f"IR {model.get_friendly_name()} has no input {name!r}")
+
+
+def _output_port(compiled: ov.CompiledModel, name: str) -> ov.ConstOutput:
+    for port in compiled.outputs:
+        if name in port.get_names():
+            return port
+    raise KeyError(f"compiled stage has no output {name!r}")
 
 
 def _result_node(model: ov.Model, name: str) -> ov.Node:

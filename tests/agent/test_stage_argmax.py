@@ -8,7 +8,15 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-from deskfleet.agent.stage import CompileSettings, LayerRange, Precision, Stage, build_stage_model, first_max_index
+from deskfleet.agent.stage import (
+    CompileSettings,
+    LayerRange,
+    Precision,
+    Stage,
+    StageSession,
+    build_stage_model,
+    first_max_index,
+)
 from deskfleet.common.model_spec import load_manifest
 
 
@@ -47,3 +55,37 @@ def test_last_stage_has_no_sort_and_its_tokens_are_the_argmax_of_its_logits(tiny
                           logits_positions=positions)
     assert out.next_tokens is not None and out.logits is not None
     np.testing.assert_array_equal(out.next_tokens, np.argmax(out.logits, axis=-1))
+
+
+def test_sessions_with_own_buffers_interleave_grow_and_shrink_exactly(tiny_export: Path) -> None:
+    """Each session hands its request numpy buffers of its own, grown past their capacity here (8 rows,
+    then 1) while other sessions of the same compiled stage run and one is dropped: every session's
+    tokens equal a fresh session's run of the same calls, and next_tokens comes back as [B, N] copies."""
+    manifest = load_manifest(tiny_export)
+    layers = manifest.spec.num_layers
+    stage = Stage(tiny_export, manifest, LayerRange(0, layers, layers), CompileSettings(precision=Precision.F32))
+    rng = np.random.default_rng(5)
+    calls = [rng.integers(3, manifest.spec.vocab_size, (rows, tokens)) for rows, tokens in ((1, 3), (8, 9), (1, 1))]
+
+    def run(session: StageSession, ids: np.ndarray) -> np.ndarray:
+        session.reset()
+        rows, tokens = ids.shape
+        positions = np.tile(np.arange(tokens), (rows, 1))
+        out = session.forward(ids, np.ones((rows, tokens), np.int64), positions, np.zeros(rows, np.int32),
+                              logits_positions=positions)
+        assert out.next_tokens is not None and out.next_tokens.shape == (rows, tokens)
+        return out.next_tokens
+
+    alone = [run(stage.open_session(), ids) for ids in calls]
+    first, second = stage.open_session(), stage.open_session()
+    dropped = stage.open_session()
+    run(dropped, calls[1])
+    del dropped
+    for index, ids in enumerate(calls):
+        got_first = run(first, ids)
+        got_second = run(second, calls[-1 - index])
+        np.testing.assert_array_equal(got_first, alone[index])
+        np.testing.assert_array_equal(got_second, alone[-1 - index])
+    kept = run(first, calls[0])
+    run(second, calls[1])
+    np.testing.assert_array_equal(kept, alone[0])  # a copy: the next call of another session left it alone
