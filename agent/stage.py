@@ -129,6 +129,13 @@ def build_stage_model(model_dir: Path, manifest: Manifest, layers: LayerRange, v
     if verify:
         verify_files(model_dir, manifest, [name for stem in stems for name in manifest.ir_files(stem)])
     core = ov.Core()
+    # Read the weights into memory of the process instead of mapping the .bin files (OpenVINO's default):
+    # the CPU plugin runs most INT4 weights in place, so mapped they stayed in 4 KB page-cache pages that
+    # huge_pages.collapse_new_regions cannot touch (170M model: 40 of ~100 MB of weights on huge pages
+    # mapped, 130 MB read). Read, every weight is collapsed: decode steps 8% faster (170M, one core, 10
+    # alternating runs in one process, 11.27 -> 10.37 ms). The weights also stay resident under memory
+    # pressure, and a shard file can be replaced while its stage runs.
+    core.set_property({"ENABLE_MMAP": False})
     units = {stem: core.read_model(model_dir / f"{stem}.xml") for stem in stems}
     spec = manifest.spec
 

@@ -109,6 +109,17 @@ def test_a_cpu_stage_warms_up_then_collapses_what_its_compile_and_first_call_all
     assert calls == ["snapshot", "warm_up", "collapse"]
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/maps")
+def test_a_stage_reads_its_weights_into_memory_rather_than_mapping_the_shard_files(tiny_export: Path) -> None:
+    """Mapped weight files stay in 4 KB page-cache pages, out of huge_pages' reach; read, they are ours."""
+    manifest = load_manifest(tiny_export)
+    stage = Stage(tiny_export, manifest, LayerRange(0, manifest.spec.num_layers, manifest.spec.num_layers),
+                  CompileSettings())
+    mapped = [line for line in Path("/proc/self/maps").read_text().splitlines()
+              if str(tiny_export.resolve()) in line or str(tiny_export) in line]
+    assert stage.compiled is not None and mapped == []
+
+
 def test_a_cpu_stage_warms_up_even_with_huge_pages_off(tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(huge_pages.ENV_VAR, "0")
     calls: list[object] = []
