@@ -4,26 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import cast
 
 import numpy as np
 import pytest
 
-from deskfleet.agent.core import AgentCore, CommandError
+from deskfleet.agent.core import INLINE_STEP_TOKENS, AgentCore, CommandError, runs_inline
 from deskfleet.agent.link import Link
 from deskfleet.agent.paths import AgentSettings, Thresholds
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common import pki
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.availability import MonitorReading
-from deskfleet.common.kv_ledger import AppendSlots
+from deskfleet.common.kv_ledger import AdmitRow, AppendSlots, Compact
 from deskfleet.common.model_spec import MANIFEST_NAME, load_manifest
 from deskfleet.common.wire import (
     AssignStage,
     Error,
     ErrorCode,
     Forward,
+    ForwardResult,
     ManifestEntry,
     Message,
     Precision,
@@ -40,6 +43,7 @@ from deskfleet.common.wire import (
     StatusReport,
     StatusRequest,
 )
+from deskfleet.controller.batch_track import BatchTrack
 from tests.fleet_pki import make_ca, make_member
 
 
@@ -203,6 +207,13 @@ def test_a_failing_speed_probe_reports_no_speed_and_says_why(core: AgentCore) ->
 @pytest.mark.parametrize(("kv_cache", "compiled"), [(None, "u8"), ("f32", "f32")])
 def test_an_assignment_compiles_with_the_kv_cache_it_names(core: AgentCore, tiny_export: Path, kv_cache: str | None,
                                                            compiled: str) -> None:
+    assignment = _host_tiny_stage(core, tiny_export, kv_cache)
+    stage = core.stages[assignment.stage].executor.stage
+    assert stage.compiled.get_property("KV_CACHE_PRECISION").to_string() == compiled
+
+
+def _host_tiny_stage(core: AgentCore, tiny_export: Path, kv_cache: str | None = None) -> AssignStage:
+    """Push the tiny model's shards to the core and assign it the whole model as one stage."""
     manifest = load_manifest(tiny_export)
     layers = manifest.spec.num_layers
     names = [MANIFEST_NAME, *(name for stem in manifest.stage_ir_stems(0, layers) for name in manifest.ir_files(stem))]
@@ -216,5 +227,46 @@ def test_an_assignment_compiles_with_the_kv_cache_it_names(core: AgentCore, tiny
     assignment = AssignStage(StageRef("tiny@1", 0, layers), True, True, "CPU", Precision.DEVICE_DEFAULT, None,
                              tuple(entries), kv_cache)
     assert isinstance(handle(core, Role.CONTROLLER, assignment), StageReady)
-    stage = core.stages[assignment.stage].executor.stage
-    assert stage.compiled.get_property("KV_CACHE_PRECISION").to_string() == compiled
+    return assignment
+
+
+def test_decode_steps_run_on_the_loop_thread_and_prompts_in_a_worker(core: AgentCore, tiny_export: Path) -> None:
+    assignment = _host_tiny_stage(core, tiny_export)
+    executor = core.stages[assignment.stage].executor
+    ran_on: list[str] = []
+    run = executor.run
+
+    def recording_run(message: Forward, return_logits: bool = False) -> object:
+        ran_on.append(threading.current_thread().name)
+        return run(message, return_logits)
+
+    executor.run = recording_run  # type: ignore[method-assign]
+    track = BatchTrack(1, load_manifest(tiny_export).spec.max_context)
+    track.add_row(0)
+    prompt = list(range(3, 3 + INLINE_STEP_TOKENS + 1))  # one token more than a step that runs inline
+
+    async def scenario() -> tuple[str, list[Message]]:
+        driver = RecordingLink(Role.CONTROLLER)
+        core._controller_links.append(cast(Link, driver))
+        await core.handle(cast(Link, driver), ResultsHere())
+        await core.handle(cast(Link, driver), track.step([prompt]))
+        first = driver.sent[-1]
+        assert isinstance(first, ForwardResult)
+        await core.handle(cast(Link, driver), track.step([[first.next_token_ids[0]]]))
+        return threading.current_thread().name, driver.sent
+
+    loop_thread, sent = asyncio.run(scenario())
+    assert [type(message) for message in sent] == [ForwardResult, ForwardResult]
+    assert ran_on[0] != loop_thread and ran_on[1] == loop_thread
+
+
+def test_prompts_and_host_side_state_edits_do_not_run_inline() -> None:
+    track = BatchTrack(1, 4096)
+    track.add_row(0)
+    prompt = track.step([list(range(3, 3 + INLINE_STEP_TOKENS + 1))])
+    decode = track.step([[5]])
+    assert not runs_inline(prompt) and runs_inline(decode)
+    assert runs_inline(track.step([list(range(3, 3 + INLINE_STEP_TOKENS))]))  # the largest inline step
+    compacting = replace(decode, slot_deltas=(Compact(new_slots=1, keep=(((0, 1),),)), *decode.slot_deltas))
+    admitting = replace(decode, slot_deltas=(AdmitRow(3), *decode.slot_deltas), admit_from=(9,))
+    assert not runs_inline(compacting) and not runs_inline(admitting)
