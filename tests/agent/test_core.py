@@ -204,14 +204,6 @@ def test_a_failing_speed_probe_reports_no_speed_and_says_why(core: AgentCore) ->
     assert core.last_error is not None and "GPU device not found" in core.last_error
 
 
-@pytest.mark.parametrize(("kv_cache", "compiled"), [(None, "u8"), ("f32", "f32")])
-def test_an_assignment_compiles_with_the_kv_cache_it_names(core: AgentCore, tiny_export: Path, kv_cache: str | None,
-                                                           compiled: str) -> None:
-    assignment = _host_tiny_stage(core, tiny_export, kv_cache)
-    stage = core.stages[assignment.stage].executor.stage
-    assert stage.compiled.get_property("KV_CACHE_PRECISION").to_string() == compiled
-
-
 def _host_tiny_stage(core: AgentCore, tiny_export: Path, kv_cache: str | None = None) -> AssignStage:
     """Push the tiny model's shards to the core and assign it the whole model as one stage."""
     manifest = load_manifest(tiny_export)
@@ -228,6 +220,14 @@ def _host_tiny_stage(core: AgentCore, tiny_export: Path, kv_cache: str | None = 
                              tuple(entries), kv_cache)
     assert isinstance(handle(core, Role.CONTROLLER, assignment), StageReady)
     return assignment
+
+
+@pytest.mark.parametrize(("kv_cache", "compiled"), [(None, "u8"), ("f32", "f32")])
+def test_an_assignment_compiles_with_the_kv_cache_it_names(core: AgentCore, tiny_export: Path, kv_cache: str | None,
+                                                           compiled: str) -> None:
+    assignment = _host_tiny_stage(core, tiny_export, kv_cache)
+    stage = core.stages[assignment.stage].executor.stage
+    assert stage.compiled.get_property("KV_CACHE_PRECISION").to_string() == compiled
 
 
 def test_decode_steps_run_on_the_loop_thread_and_prompts_in_a_worker(core: AgentCore, tiny_export: Path) -> None:
