@@ -122,7 +122,7 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
     sampling = SamplingParams(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
     history = [ChatMessage("system", options.system)] if options.system else []
     replies = 0
-    with _open_chain(options) as (chain, failover):
+    with _open_chain(options, settings) as (chain, failover):
         micro_batches = getattr(chain, "num_stages", 1)
         engine_options = EngineOptions(micro_batches=micro_batches, k_max=max(options.k_max, 1), fixed_k=options.k)
         while True:
@@ -202,12 +202,13 @@ def _open_fleet_chain(store: FleetStore, model: Path, max_failovers: int
         yield chain, failover
 
 
-def _open_chain(options: ChatOptions) -> AbstractContextManager[tuple[StageChain, FleetFailover | None]]:
+def _open_chain(options: ChatOptions, settings: CompileSettings
+                ) -> AbstractContextManager[tuple[StageChain, FleetFailover | None]]:
+    """The fleet's chain, or local stages compiled with `settings` (the run's target settings)."""
     if options.fleet_dir is not None:
         return _open_fleet_chain(_store(options.fleet_dir), options.model, options.max_failovers)
     from .pipeline import LocalPipeline
 
-    settings = target_settings(options.settings, options.draft, options.prompt_lookup)
     return _without_failover(LocalPipeline(options.model, options.stages, settings))
 
 

@@ -82,7 +82,8 @@ def test_a_chat_whose_chain_breaks_resumes_and_keeps_the_new_chain(tmp_path: Pat
     recovered: list[ChainBroken] = []
 
     @contextmanager
-    def breaking_chain(options: ChatOptions) -> Iterator[tuple[BreakingChain, Callable[[ChainBroken], BreakingChain]]]:
+    def breaking_chain(options: ChatOptions, chain_settings: CompileSettings
+                       ) -> Iterator[tuple[BreakingChain, Callable[[ChainBroken], BreakingChain]]]:
         with LocalPipeline(model, 2, settings) as first, LocalPipeline(model, 1, settings) as second:
             def recover(error: ChainBroken) -> BreakingChain:
                 recovered.append(error)
