@@ -37,7 +37,7 @@ import numpy as np
 import openvino as ov
 
 from deskfleet.agent.link import TlsFiles, utc_now
-from deskfleet.agent.stage import CompileSettings
+from deskfleet.agent.stage import CompileSettings, export_weight_group_size
 from deskfleet.agent.stage import Precision as StagePrecision
 from deskfleet.common import event_loop, pki
 from deskfleet.common.model_spec import load_manifest
@@ -178,7 +178,8 @@ def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] 
         if options.genai_model is not None:  # on the first PC's core, as 1 PC serving the users itself
             # with the properties a PC's stage compiles with (--precision fast), so both run the same kernels
             properties = CompileSettings(device="CPU", precision=StagePrecision.FAST,
-                                         num_threads=options.threads_per_pc).properties(ov.Core())
+                                         num_threads=options.threads_per_pc).properties(
+                ov.Core(), export_weight_group_size(options.model))
             genai = GenAIUsers(options.genai_model, options.genai_python, "CPU", properties, options.new_tokens,
                                {agent_cores[0]})
         with tempfile.TemporaryDirectory(prefix="deskfleet-bench-") as work, \

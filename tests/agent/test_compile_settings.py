@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import openvino as ov
+import openvino.opset13 as ops
 import pytest
 
-from deskfleet.agent.stage import CompileSettings, LayerRange, Precision, Stage
+from deskfleet.agent.stage import (
+    CompileSettings,
+    LayerRange,
+    Precision,
+    Stage,
+    export_weight_group_size,
+    weight_group_size,
+)
 from deskfleet.common.model_spec import load_manifest
 
 
@@ -15,6 +25,39 @@ def test_fast_on_a_cpu_asks_for_f32_arithmetic_and_leaves_quantization_on() -> N
     wanted = CompileSettings(device="CPU", precision=Precision.FAST).properties(ov.Core())
     assert wanted["INFERENCE_PRECISION_HINT"] == "f32"  # not the bf16 default of AMX CPUs
     assert "KV_CACHE_PRECISION" not in wanted and "DYNAMIC_QUANTIZATION_GROUP_SIZE" not in wanted
+
+
+def test_fast_on_a_cpu_quantizes_activations_in_groups_of_the_weights_groups() -> None:
+    core = ov.Core()
+    assert CompileSettings(device="CPU").properties(core, 128)["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == "128"
+    assert CompileSettings(device="CPU", precision=Precision.F32).properties(
+        core, 128)["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == "0"  # exact: none at all
+    assert "DYNAMIC_QUANTIZATION_GROUP_SIZE" not in CompileSettings(device="AUTO").properties(core, 128)
+
+
+def _u4_constants(*shapes: tuple[int, ...]) -> ov.Model:
+    results = [ops.result(ops.convert(ops.constant(np.zeros(shape, np.uint8), dtype=ov.Type.u4), ov.Type.f32))
+               for shape in shapes]
+    return ov.Model(results, [ops.parameter([1], ov.Type.f32)])
+
+
+def test_the_weight_group_size_is_read_from_the_grouped_4_bit_constants() -> None:
+    assert weight_group_size(_u4_constants((8, 2, 128), (8, 2, 1))) == 128  # [.., 1]: a zero point
+    assert weight_group_size(_u4_constants((8, 2, 128), (8, 4, 64))) == 64  # divides both
+    assert weight_group_size(_u4_constants((8, 256))) is None  # per channel
+
+
+def test_an_int4_stage_compiles_with_its_weights_group_size(checkpoint_factory: Callable[..., Path],
+                                                            export_factory: Callable[[Path, str], Path],
+                                                            tiny_export: Path) -> None:
+    # the same checkpoint as the exactness tests' INT4 model: hidden 128, so NNCF groups by 128
+    model = export_factory(checkpoint_factory("int4", "llama", num_hidden_layers=4, hidden_size=128,
+                                              intermediate_size=256), "int4")
+    assert export_weight_group_size(model) == 128
+    assert export_weight_group_size(tiny_export) is None  # f32 weights
+    manifest = load_manifest(model)
+    stage = Stage(model, manifest, LayerRange(0, 2, 4), CompileSettings(precision=Precision.FAST))
+    assert int(stage.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == 128
 
 
 def test_exact_on_a_cpu_asks_for_f32_everywhere_and_no_quantization() -> None:
