@@ -79,9 +79,10 @@ class CompileSettings:
         weight_group_size: the group of the model's 4-bit weights (`weight_group_size(model)`). A fast CPU
         stage quantizes its activations on the fly in groups of that size instead of the plugin's 32: the
         kernel then scales once per weight group. Measured on this repo's INT4 exports (group 128, one
-        thread, alternating in one process): decode steps 2-9% faster at one row and 7-12% at eight, prompts
-        21-27%, 5-token verifications 4-19%; the demo target's held-out perplexity 18.279 -> 18.271 (f32
-        exact: 18.272), its argmax equal to the exact f32 one at 99.1% of positions instead of 99.3%.
+        thread, alternating in one process): decode steps 1.02-1.10x faster at one row and 1.07-1.13x at
+        eight, prompts 1.23-1.37x, 5-token verifications 1.04-1.23x; the demo target's held-out perplexity
+        18.279 -> 18.271 (f32 exact: 18.272), its argmax equal to the exact f32 one at 99.1% of positions
+        instead of 99.3%.
         """
         wanted: dict[str, str] = {"PERFORMANCE_HINT": "LATENCY"}
         if self.precision is Precision.FAST and device_kind(self.device) == "CPU":
