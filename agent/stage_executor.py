@@ -150,7 +150,9 @@ class StageExecutor:
                              logits=output.logits if return_logits else None)
 
     def release(self, micro_batch_id: int) -> None:
-        self._batches.pop(micro_batch_id, None)
+        batch = self._batches.pop(micro_batch_id, None)
+        if batch is not None:
+            self.stage.recycle(batch.session)
 
     def release_idle(self, max_idle_s: float, now: float | None = None) -> list[int]:
         """Free the micro-batches no step has used for `max_idle_s` (their driver vanished without a
@@ -158,7 +160,7 @@ class StageExecutor:
         now = time.monotonic() if now is None else now
         idle = [batch_id for batch_id, batch in self._batches.items() if now - batch.last_used > max_idle_s]
         for batch_id in idle:
-            del self._batches[batch_id]
+            self.stage.recycle(self._batches.pop(batch_id).session)
         return idle
 
     # Private methods
@@ -174,8 +176,9 @@ class StageExecutor:
     def _admit(self, batch: _MicroBatch, source: _MicroBatch, delta: AdmitRow) -> None:
         """Append the source's single row to the batch state (the mirror already holds the new row)."""
         if batch.steps == 0 and batch.mirror.rows == 1:
-            batch.session = source.session  # an empty batch simply adopts the prefilled session
+            unused, batch.session = batch.session, source.session  # an empty batch adopts the prefilled session
             batch.steps = source.steps
+            self.stage.recycle(unused)
             return
         incoming = source.session.query_state()
         current = batch.session.query_state()
@@ -188,6 +191,7 @@ class StageExecutor:
             grown[-1, :, : delta.live_slots] = row[0, :, : delta.live_slots]
             merged[name] = grown
         batch.session.set_state(merged)
+        self.stage.recycle(source.session)
 
 
 def logits_positions(append: AppendSlots, draft: DraftInfo | None) -> npt.NDArray[np.int64]:

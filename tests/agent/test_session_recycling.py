@@ -1,0 +1,93 @@
+"""A stage recycles the sessions its micro-batches no longer need: handed out again empty, bounded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deskfleet.agent.stage import IDLE_SESSIONS, CompileSettings, LayerRange, Precision, Stage, StageSession
+from deskfleet.agent.stage_executor import StageExecutor
+from deskfleet.common.model_spec import load_manifest
+from deskfleet.controller.batch_track import BatchTrack
+from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
+from deskfleet.controller.pipeline import LocalPipeline
+
+
+@pytest.fixture(scope="module")
+def stage(tiny_export: Path) -> Stage:
+    manifest = load_manifest(tiny_export)
+    layers = manifest.spec.num_layers
+    return Stage(tiny_export, manifest, LayerRange(0, layers, layers), CompileSettings(precision=Precision.F32))
+
+
+def _prompt(session: StageSession, ids: list[int]) -> np.ndarray:
+    """Feed a prompt from slot 0 on; the logits of its last position."""
+    count = len(ids)
+    output = session.forward(np.array([ids], dtype=np.int64), np.ones((1, count), dtype=np.int64),
+                             np.arange(count, dtype=np.int64)[None, :], np.zeros(1, dtype=np.int32),
+                             want_logits=True, logits_positions=np.array([[count - 1]], dtype=np.int64))
+    assert output.logits is not None
+    return output.logits
+
+
+def test_a_recycled_session_comes_back_empty_and_computes_like_a_new_one(stage: Stage) -> None:
+    used = stage.open_session()
+    _prompt(used, [1, 5, 9, 4])  # four slots of KV state
+    stage.recycle(used)
+    again = stage.open_session()
+    assert again is used
+    # from slot 0 again: with the old four slots still there, the mask would not fit the state
+    np.testing.assert_array_equal(_prompt(again, [2, 7]), _prompt(StageSession(stage), [2, 7]))
+    stage.recycle(again)
+
+
+def test_a_stage_keeps_a_bounded_number_of_idle_sessions(stage: Stage) -> None:
+    while stage._idle_sessions:  # start from an empty pool
+        stage.open_session()
+    opened = [stage.open_session() for _ in range(IDLE_SESSIONS + 2)]
+    for session in opened:
+        stage.recycle(session)
+    stage.recycle(opened[0])  # twice: still one entry
+    reopened = [stage.open_session() for _ in range(IDLE_SESSIONS + 2)]
+    kept = {id(session) for session in opened[:IDLE_SESSIONS]}
+    assert {id(session) for session in reopened[:IDLE_SESSIONS]} == kept
+    assert not {id(session) for session in reopened[IDLE_SESSIONS:]} & {id(session) for session in opened}
+
+
+def test_a_session_goes_back_only_to_the_stage_that_opened_it(stage: Stage, tiny_export: Path) -> None:
+    manifest = load_manifest(tiny_export)
+    other = Stage(tiny_export, manifest, LayerRange(0, 2, manifest.spec.num_layers),
+                  CompileSettings(precision=Precision.F32))
+    with pytest.raises(ValueError, match="only go back to the stage that opened it"):
+        stage.recycle(other.open_session())
+
+
+def test_the_executor_recycles_released_and_idle_micro_batches(stage: Stage) -> None:
+    spec_context = 64
+    executor = StageExecutor(stage, spec_context)
+    sessions = {}
+    for batch_id in (1, 2):
+        track = BatchTrack(batch_id, spec_context)
+        track.add_row(stream_id=batch_id)
+        executor.run(track.step([[1, 5, 9]]))
+        sessions[batch_id] = executor._batches[batch_id].session
+    executor.release(1)
+    assert any(idle is sessions[1] for idle in stage._idle_sessions)
+    assert executor.release_idle(0.0, now=float("inf")) == [2]
+    assert any(idle is sessions[2] for idle in stage._idle_sessions)
+
+
+def test_engine_runs_on_recycled_sessions_give_the_same_tokens(tiny_export: Path) -> None:
+    manifest = load_manifest(tiny_export)
+    prompts = [[1, 5, 9, 4, 2], [1, 7, 3], [1, 8, 8, 6, 2, 9, 11]]
+    with LocalPipeline(tiny_export, 1, CompileSettings(precision=Precision.F32), manifest) as pipeline:
+        runs = []
+        for _ in range(3):  # the second and third runs reuse the first's requests
+            engine = Engine(pipeline, manifest.spec, None, EngineOptions(max_rows=2, micro_batches=1))
+            for index, prompt in enumerate(prompts):  # one arrives later: prefilled alone, then merged
+                engine.add(StreamRequest(prompt, max_new_tokens=12, ignore_eos=True, arrival_step=2 * index))
+            runs.append({stream: result.tokens for stream, result in engine.run().items()})
+        assert pipeline.stages[0]._idle_sessions  # what the runs released came back
+    assert runs[1] == runs[0] and runs[2] == runs[0]
