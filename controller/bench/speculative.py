@@ -27,6 +27,7 @@ times the target alone at each width, back to back and alternating; each variant
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import random
 import statistics
@@ -47,6 +48,7 @@ from .call_costs import measure_call_costs
 from .parity import _cpu_name, _read_properties, compare, summarize
 
 DEFAULT_EVAL_DIR = Path("assets/models/train")
+PROMPT_POOL_FILE = "heldout_prompts.json"  # heldout_prompt_pool() of the corpus's Python, shipped
 GOAL = 2.0
 
 
@@ -169,7 +171,23 @@ def read_prompts_file(path: Path) -> list[str]:
 
 
 def heldout_code_prompts(eval_dir: Path, count: int, stdlib: Path | None = None) -> list[str]:
-    """The demo model's held-out code prompts: evaluate.py's acceptance pick (random.Random(4).sample)."""
+    """The demo model's held-out code prompts: evaluate.py's acceptance pick (random.Random(4).sample).
+
+    The pool comes from `eval_dir/heldout_prompts.json` (built from the corpus's Python, 3.11.7), so every
+    machine benchmarks the same prompts whatever its own Python; without that file, or with `stdlib`
+    given, evaluate.py builds it from that standard library (another Python's versions of the held-out
+    modules give other prompts)."""
+    shipped = Path(eval_dir) / PROMPT_POOL_FILE
+    pool = (read_prompt_pool(shipped) if stdlib is None and shipped.is_file()
+            else heldout_prompt_pool(eval_dir, stdlib or Path(sysconfig.get_paths()["stdlib"]))[0])
+    if not pool:
+        raise ValueError(f"no held-out prompts found in {eval_dir}")
+    return list(random.Random(4).sample(pool, min(count, len(pool))))
+
+
+def heldout_prompt_pool(eval_dir: Path, stdlib: Path) -> tuple[list[str], bool]:
+    """(every held-out function head evaluate.py finds in `stdlib`, in its order; whether that standard
+    library's held-out files are the ones the corpus manifest lists)."""
     script = Path(eval_dir) / "evaluate.py"
     if not script.is_file():
         raise FileNotFoundError(f"{script} not found: pass --prompts-file, or --eval-dir of the demo model")
@@ -179,14 +197,21 @@ def heldout_code_prompts(eval_dir: Path, count: int, stdlib: Path | None = None)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        files, _ = module.heldout_files(stdlib or Path(sysconfig.get_paths()["stdlib"]))
+        files, same = module.heldout_files(stdlib)
         by_module = module.function_prompts(files)
-        pool = [prompt for name in module.HELDOUT for prompt in by_module.get(name, [])]
+        return [prompt for name in module.HELDOUT for prompt in by_module.get(name, [])], bool(same)
     finally:
         sys.path.remove(str(script.parent))
-    if not pool:
-        raise ValueError(f"no held-out prompts found by {script}")
-    return list(random.Random(4).sample(pool, min(count, len(pool))))
+
+
+def read_prompt_pool(path: Path) -> list[str]:
+    try:
+        pool = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot read the prompt pool {path}: {error}") from None
+    if not isinstance(pool, list) or not all(isinstance(prompt, str) for prompt in pool):
+        raise ValueError(f"{path} is not a JSON list of prompt strings")
+    return pool
 
 
 def predicted_speedup(mean_accepted: float, k: float, plain_call_s: float, verify_call_s: float,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sysconfig
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -13,12 +14,15 @@ from deskfleet.agent.stage import CompileSettings, Precision
 from deskfleet.common.wire import DraftInfo
 from deskfleet.controller.batch_track import BatchTrack
 from deskfleet.controller.bench.speculative import (
+    PROMPT_POOL_FILE,
     TimingChain,
     VariantStats,
     build_report,
     call_kind,
     heldout_code_prompts,
+    heldout_prompt_pool,
     predicted_speedup,
+    read_prompt_pool,
     read_prompts_file,
     run_speculative_bench,
     variant_drafter,
@@ -143,6 +147,30 @@ def test_heldout_code_prompts_are_function_heads() -> None:
     prompts = heldout_code_prompts(EVAL_DIR, 5)
     assert len(prompts) == 5 and all(p.lstrip().startswith(("def ", "async def ")) for p in prompts)
     assert prompts == heldout_code_prompts(EVAL_DIR, 5)  # the same pick every time
+
+
+@pytest.mark.skipif(not (EVAL_DIR / "evaluate.py").is_file(), reason="the demo model's evaluation is not here")
+def test_the_shipped_prompt_pool_is_what_evaluate_builds_from_the_corpus_python() -> None:
+    pool, same = heldout_prompt_pool(EVAL_DIR, Path(sysconfig.get_paths()["stdlib"]))
+    if not same:
+        pytest.skip("this Python's held-out modules are not the corpus's (3.11.7): another pool")
+    assert read_prompt_pool(EVAL_DIR / PROMPT_POOL_FILE) == pool, (
+        "regenerate it: python -c 'import json, sysconfig; from pathlib import Path; from deskfleet.controller.bench"
+        ".speculative import *; p = DEFAULT_EVAL_DIR / PROMPT_POOL_FILE; p.write_text(json.dumps(heldout_prompt_pool("
+        "DEFAULT_EVAL_DIR, Path(sysconfig.get_paths()[\"stdlib\"]))[0], indent=1, ensure_ascii=False) + \"\\n\")'")
+
+
+def test_the_prompt_pool_file_decides_the_prompts_on_any_python(tmp_path: Path) -> None:
+    pool = [f"def f{index}():\n    \"\"\"Number {index}.\"\"\"\n" for index in range(10)]
+    (tmp_path / PROMPT_POOL_FILE).write_text(json.dumps(pool))
+    picked = heldout_code_prompts(tmp_path, 4)  # no evaluate.py here: the file alone
+    assert len(picked) == 4 and set(picked) <= set(pool)
+    (tmp_path / PROMPT_POOL_FILE).write_text('{"not": "a list"}')
+    with pytest.raises(ValueError, match="not a JSON list of prompt strings"):
+        heldout_code_prompts(tmp_path, 4)
+    (tmp_path / PROMPT_POOL_FILE).write_text("[")
+    with pytest.raises(ValueError, match=f"cannot read the prompt pool .*{PROMPT_POOL_FILE}"):
+        heldout_code_prompts(tmp_path, 4)
 
 
 def test_speculative_bench_on_tiny_models(checkpoint_factory: Callable[..., Path],
