@@ -2,7 +2,8 @@
 
 Prompts: held-out code prompts of the demo model's evaluation set (assets/models/train/evaluate.py:
 the function signatures + docstrings of the held-out standard-library modules, the same random pick of
-`--prompts` as its acceptance figure), or one prompt per line of `--prompts-file` ("\\n" for newlines).
+`--prompts` as its acceptance figure; the pool as the corpus's Python has them is shipped beside it in
+heldout_prompts.json), or one prompt per line of `--prompts-file` ("\\n" for newlines).
 
 Variants, each on the same 1-stage LocalPipeline:
     plain             no draft: one target call per token
@@ -327,7 +328,9 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
     if prompt_ids is None:
         if prompts is None:
             prompts = heldout_code_prompts(eval_dir or DEFAULT_EVAL_DIR, num_prompts)
-            source = f"held-out code prompts of {eval_dir or DEFAULT_EVAL_DIR}/evaluate.py"
+            pool_file = Path(eval_dir or DEFAULT_EVAL_DIR) / PROMPT_POOL_FILE
+            origin = pool_file if pool_file.is_file() else pool_file.with_name("evaluate.py")
+            source = f"held-out code prompts of {origin}"
         else:
             source = "prompts file"
         tokenizer = ModelTokenizer(target)
