@@ -293,8 +293,8 @@ class Stage:
         Reusing a request instead of creating one per stream (170M model, one core, `bench streams`
         alternating with GenAI's process on that core): opening a micro-batch's session took 0.4-3 ms instead
         of 7-15 ms (a new InferRequest after another process had run there; 1-3 ms right after our own run),
-        and its buffers are already allocated. Over whole runs the gain is within this host's noise (two
-        A/B runs: 0.96-1.00x vs 0.92-1.00x of GenAI at 1-8 users).
+        and its buffers are already allocated. Whole runs, two A/B pairs of runs at 1-8 users: 0.95-1.00x vs
+        0.92-1.00x of GenAI on a slower host (noise), 0.91-0.99x vs 0.86-0.96x on a faster one.
 
         Memory: a request keeps the buffers of its largest call until it is destroyed (reset_state, or
         setting zero-length states, frees nothing: 330M model, f32 KV cache, a 1024-token prompt, ~64 MB a
