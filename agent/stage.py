@@ -405,7 +405,7 @@ class _HostBuffer:
         """Make the tensor `shape` (an output: the shape the next call will write)."""
         if shape == self.shape:
             return
-        size = int(np.prod(shape))
+        size = math.prod(shape)
         if size > self.buffer.size or self.tensor is None:
             self.buffer = np.zeros(max(size, 2 * self.buffer.size, 1), dtype=self.dtype)
             self.tensor = ov.Tensor(self.buffer, shared_memory=True)  # its capacity: the whole buffer
