@@ -168,7 +168,8 @@ def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] 
     """Start the simulated PCs, deploy, run every configuration `rounds` times interleaved; the report."""
     say = progress or (lambda text: log.info("%s", text))
     cores = sorted(os.sched_getaffinity(0))
-    controller_cores, agent_cores = split_cores(cores, options.max_pcs, options.controller_cores)
+    controller_cores, agent_cores = split_cores(cores, options.max_pcs, options.controller_cores,
+                                                options.threads_per_pc)
     configs = bench_configs(options)
     groups = bench_groups(options)
     if controller_cores:
@@ -181,9 +182,9 @@ def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] 
                                          num_threads=options.threads_per_pc).properties(
                 ov.Core(), export_weight_group_size(options.model))
             genai = GenAIUsers(options.genai_model, options.genai_python, "CPU", properties, options.new_tokens,
-                               {agent_cores[0]})
+                               set(agent_cores[:options.threads_per_pc]))
         with tempfile.TemporaryDirectory(prefix="deskfleet-bench-") as work, \
-                _Fleet(Path(work), agent_layout(groups, agent_cores), options.threads_per_pc,
+                _Fleet(Path(work), agent_layout(groups, agent_cores, options.threads_per_pc), options.threads_per_pc,
                        groups[WAN_GROUP][1] if WAN_GROUP in groups else (), options.wan_delay_s,
                        options.wan_bandwidth_bytes_s) as fleet:
             say(f"{len(fleet.names)} simulated PCs up; deploying")
@@ -233,16 +234,19 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 # Private functions: configurations
 
-def split_cores(cores: Sequence[int], max_pcs: int, controller_cores: int) -> tuple[list[int], list[int]]:
-    """(the controller's cores, the simulated PCs' cores): the first `controller_cores` go to the controller."""
+def split_cores(cores: Sequence[int], max_pcs: int, controller_cores: int,
+                cores_per_pc: int = 1) -> tuple[list[int], list[int]]:
+    """(the controller's cores, the simulated PCs' cores): the first `controller_cores` go to the controller;
+    the PCs need `cores_per_pc` each (one per inference thread)."""
     if not 2 <= max_pcs <= MAX_PCS:
         raise ValueError(f"--pcs must be between 2 and {MAX_PCS}, not {max_pcs}")
     if controller_cores < 0:
         raise ValueError(f"--controller-cores must be 0 or more, not {controller_cores}")
     controller, agents = list(cores[:controller_cores]), list(cores[controller_cores:])
-    if len(agents) < max_pcs:
-        raise RuntimeError(f"{max_pcs} simulated PCs need {max_pcs} cores of their own beside the controller's "
-                           f"{controller_cores}; this process may use {len(cores)} ({list(cores)})")
+    if len(agents) < max_pcs * cores_per_pc:
+        raise RuntimeError(f"{max_pcs} simulated PCs of {cores_per_pc} core(s) need {max_pcs * cores_per_pc} cores "
+                           f"of their own beside the controller's {controller_cores}; this process may use "
+                           f"{len(cores)} ({list(cores)})")
     return controller, agents
 
 
@@ -262,13 +266,16 @@ def bench_groups(options: FleetBenchOptions) -> dict[str, tuple[Path, list[str]]
     return groups
 
 
-def agent_layout(groups: dict[str, tuple[Path, list[str]]], agent_cores: Sequence[int]) -> dict[str, int]:
-    """Simulated PC -> its core: the i-th PC of every group on the i-th agent core, the second 1-PC copy on the
-    second. Groups run one at a time (the two copies together), so no two busy PCs share a core."""
-    layout: dict[str, int] = {}
+def agent_layout(groups: dict[str, tuple[Path, list[str]]], agent_cores: Sequence[int],
+                 cores_per_pc: int = 1) -> dict[str, tuple[int, ...]]:
+    """Simulated PC -> its cores: the i-th PC of every group on the i-th `cores_per_pc` agent cores, the second
+    1-PC copy on the second. Groups run one at a time (the two copies together), so no two busy PCs share a
+    core."""
+    layout: dict[str, tuple[int, ...]] = {}
     for group, (_, names) in groups.items():
         for index, name in enumerate(names):
-            layout[name] = agent_cores[1 if group == "mono-b" else index]
+            slot = 1 if group == "mono-b" else index
+            layout[name] = tuple(agent_cores[slot * cores_per_pc:(slot + 1) * cores_per_pc])
     return layout
 
 
@@ -423,7 +430,7 @@ def _not_run_reason(row: _Row, options: FleetBenchOptions) -> str:
 class _Fleet:
     """A fleet CA, one agent process per simulated PC (pinned), a delay proxy in front of each `proxied` PC."""
 
-    def __init__(self, work: Path, agents: dict[str, int], threads: int, proxied: Sequence[str] = (),
+    def __init__(self, work: Path, agents: dict[str, tuple[int, ...]], threads: int, proxied: Sequence[str] = (),
                  delay_s: float = 0.0, bandwidth_bytes_s: float | None = None) -> None:
         self.work = work
         self.names = list(agents)
@@ -431,14 +438,15 @@ class _Fleet:
         init_fleet(self.store, "bench", ("127.0.0.1:1",), utc_now())
         ca = load_ca(self.store)
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
-        for name, core in agents.items():
+        for name, pc_cores in agents.items():
             files = TlsFiles.in_folder(work / name, "agent")
             _issue(ca, files, name)
             log_file = (work / f"{name}.log").open("wb")
             self.processes[name] = subprocess.Popen(
                 [sys.executable, "-m", "deskfleet.controller.bench.fleet_agent", "--tls-dir", str(work / name),
                  "--name", "agent", "--listen", "127.0.0.1:0", "--port-file", str(work / f"{name}.port"),
-                 "--cores", str(core), "--cache", str(work / name / "cache"), "--threads", str(threads)],
+                 "--cores", ",".join(map(str, pc_cores)), "--cache", str(work / name / "cache"),
+                 "--threads", str(threads)],
                 stdout=log_file, stderr=subprocess.STDOUT)
         self.proxied = set(proxied)
         self.delay_s, self.bandwidth_bytes_s = delay_s, bandwidth_bytes_s
@@ -539,7 +547,8 @@ def add_fleet_bench_command(benches: Any) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds before the timed ones")
-    parser.add_argument("--threads-per-pc", type=int, default=1)
+    parser.add_argument("--threads-per-pc", type=int, default=1,
+                        help="inference threads of each simulated PC, each on a core of its own (default 1)")
     parser.add_argument("--pcs", type=int, default=2, help="simulated PCs in the largest rows (2-4)")
     parser.add_argument("--controller-cores", type=int, default=0,
                         help="pin the controller to the first N cores and the PCs to the rest (0: not pinned)")

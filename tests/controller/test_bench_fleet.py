@@ -32,9 +32,19 @@ def test_split_cores_reserves_the_first_cores_for_the_controller() -> None:
     assert split_cores([3, 5], 2, 0) == ([], [3, 5])
 
 
+def test_pcs_of_several_threads_get_a_core_per_thread() -> None:
+    assert split_cores(range(10), 4, 2, cores_per_pc=2) == ([0, 1], list(range(2, 10)))
+    with pytest.raises(RuntimeError, match="2 simulated PCs of 2 core\\(s\\) need 4 cores"):
+        split_cores(range(4), 2, 1, cores_per_pc=2)
+    groups = bench_groups(options(3))
+    layout = agent_layout(groups, list(range(2, 8)), cores_per_pc=2)
+    assert layout["mono"] == (2, 3) and layout["mono-b"] == (4, 5)
+    assert [layout[name] for name in groups["trio"][1]] == [(2, 3), (4, 5), (6, 7)]
+
+
 @pytest.mark.parametrize(("cores", "pcs", "controller", "message"), [
-    (range(2), 2, 1, "2 simulated PCs need 2 cores"),
-    (range(4), 4, 1, "4 simulated PCs need 4 cores"),
+    (range(2), 2, 1, "2 simulated PCs of 1 core\\(s\\) need 2 cores"),
+    (range(4), 4, 1, "4 simulated PCs of 1 core\\(s\\) need 4 cores"),
     (range(8), 5, 0, "between 2 and 4"),
     (range(8), 2, -1, "0 or more"),
 ])
@@ -50,7 +60,7 @@ def test_every_group_runs_its_pcs_on_distinct_cores(max_pcs: int) -> None:
     for group, (model, names) in groups.items():
         assert model == (TARGET if group.startswith("demo") or group == WAN_GROUP else MODEL)
         assert len({layout[name] for name in names}) == len(names), group
-    assert {layout["mono"], layout["mono-b"]} == {10, 11}  # the two copies run at once
+    assert {layout["mono"], layout["mono-b"]} == {(10,), (11,)}  # the two copies run at once
     assert sorted(len(names) for group, (model, names) in groups.items() if model == MODEL) == \
         [1, 1, *range(2, max_pcs + 1)]
     assert groups[WAN_GROUP] == (TARGET, ["wan0", "wan1"])  # the only PCs behind delay proxies
