@@ -33,12 +33,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "join":
             return _join(args)
         if args.headless:
+            if argv is None:  # this process's own command line: it may re-execute on jemalloc
+                _run_on_jemalloc(args)
             return _headless(args)
         parser.error("give a command (join) or --headless (the tray is not part of this build)")
     except KeyboardInterrupt:
         return 130
     except (EnrollmentError, SettingsError, JoinTokenError, PkiError, ProtocolError, EventLoopError,
-            OSError) as error:
+            OSError, ValueError) as error:
         if args.verbose:
             raise
         print(f"deskfleet-agent: error: {error}", file=sys.stderr)
@@ -75,6 +77,13 @@ def _join(args: argparse.Namespace) -> int:
     print(f"joined fleet {membership.fleet_id} as agent {membership.agent_id}")
     print(f"start it with: deskfleet-agent --headless{_data_dir_flag(args.data_dir)}")
     return 0
+
+
+def _run_on_jemalloc(args: argparse.Namespace) -> None:
+    from deskfleet.agent.allocator import run_on_jemalloc
+    from deskfleet.agent.paths import AgentPaths, load_settings
+
+    run_on_jemalloc(load_settings(AgentPaths.resolve(args.data_dir).settings_file).device)
 
 
 def _headless(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from deskfleet.agent.allocator import run_on_jemalloc
 from deskfleet.common.model_spec import ManifestError, WeightFormat
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.chat import add_chat_command, add_drafter_options, add_fleet_option
@@ -33,6 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
+        if argv is None and args.runs_models:  # this process's own command line: it may re-execute
+            run_on_jemalloc(getattr(args, "device", "CPU"))
         return handler(args)
     except KeyboardInterrupt:
         return 130
@@ -46,6 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deskfleet", description="Run LLMs across the office's idle PCs.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
+    # Whether this process itself runs models (on --device, else the CPU; drafts included): main() then
+    # picks the memory allocator (deskfleet/agent/allocator.py).
+    parser.set_defaults(runs_models=False)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     export = commands.add_parser("export", help="export a Hugging Face checkpoint to per-layer OpenVINO IR")
@@ -158,6 +164,7 @@ def _add_compile_options(parser: argparse.ArgumentParser) -> None:
                              "dynamic quantization and a u8 KV cache, elsewhere the device's default")
     parser.add_argument("--device", default="CPU", help="OpenVINO device: CPU, GPU, NPU, AUTO")
     parser.add_argument("--threads", type=int, default=None, help="inference threads per stage")
+    parser.set_defaults(runs_models=True)
     parser.add_argument("--kv-cache", choices=KV_CACHE_PRECISIONS, default=None,
                         help="KV cache precision (default: f32 under --precision f32; under fast the device's "
                              "own, u8 on a CPU, except f32 on a CPU when drafting with --draft/--prompt-lookup)")

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import openvino as ov
 
+from deskfleet.agent import allocator
 from deskfleet.agent.link import TlsFiles, utc_now
 from deskfleet.agent.stage import CompileSettings, export_weight_group_size
 from deskfleet.agent.stage import Precision as StagePrecision
@@ -398,7 +399,8 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
     cpus = len(controller_cores) + len(agent_cores)
     return {"machine": {"cpus": cpus, "controller_cores": controller_cores or "not pinned (shares the PCs' cores)",
                         "pc_cores": agent_cores, "platform": platform.platform(), "python": sys.version.split()[0],
-                        "event_loop": event_loop.chosen_loop()},
+                        "event_loop": event_loop.chosen_loop(),
+                        "allocator": allocator.in_use()},  # the PCs' processes follow the same rule
             "options": {"model": str(options.model), "demo_target": str(options.demo_target),
                         "demo_draft": str(options.demo_draft), "new_tokens": options.new_tokens,
                         "prompt_tokens": options.prompt_tokens, "rounds": options.rounds,
@@ -559,7 +561,7 @@ def add_fleet_bench_command(benches: Any) -> None:
     parser.add_argument("--genai-python", type=Path, default=None, help="the GenAI venv's python")
     parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON here")
     parser.add_argument("--markdown-out", type=Path, default=None, help="also write the markdown table here")
-    parser.set_defaults(handler=_bench_command)
+    parser.set_defaults(handler=_bench_command, runs_models=True)  # the draft model, on this process's CPU
 
 
 def _bench_command(args: Any) -> int:

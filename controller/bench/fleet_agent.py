@@ -20,6 +20,7 @@ import os
 import signal
 from pathlib import Path
 
+from deskfleet.agent.allocator import run_on_jemalloc
 from deskfleet.agent.core import AgentCore
 from deskfleet.agent.link import TlsFiles, start_server
 from deskfleet.agent.monitor import HostMonitor
@@ -70,6 +71,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--port-file", type=Path, default=None, help="write the listening port here")
     args = parser.parse_args()
+    run_on_jemalloc("CPU")  # as the agent runs a CPU stage (deskfleet/agent/allocator.py)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.sched_setaffinity(0, {int(core) for core in args.cores.split(",")})
     event_loop.run(serve(TlsFiles.in_folder(args.tls_dir, args.name), args.listen, args.cache, args.threads,

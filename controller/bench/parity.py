@@ -45,6 +45,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from deskfleet.agent import allocator
 from deskfleet.agent.stage import CompileSettings, LayerRange, Stage, StageSession
 from deskfleet.common.model_spec import Manifest, load_manifest
 from deskfleet.controller.engine import Engine, StreamRequest
@@ -265,7 +266,8 @@ def run_parity_bench(model: Path, genai_model: Path | None = None, genai_python:
         "device": settings.device,
         "precision": settings.precision.value,
         "compiled_properties": compiled,
-        "host": {"cpu": _cpu_name(), "logical_cores": os.cpu_count(), "python": platform.python_version(),
+        "host": {"cpu": _cpu_name(), "logical_cores": os.cpu_count(), "allocator": allocator.in_use(),
+                 "python": platform.python_version(),
                  "openvino": ov.get_version()},
         "genai": genai_meta,
         "prompt_tokens": prompt_tokens,
@@ -335,7 +337,8 @@ def _isolated_variants(model: Path, genai_model: Path | None, genai_python: Path
             config = {"model": str(genai_model), "device": settings.device,
                       "properties": _genai_properties(compiled, backend), "prompt_ids": prompt,
                       "new_tokens": new_tokens}
-            variants.append(IsolatedVariant(genai_variant_name(backend), GENAI_RUNNER, genai_python, config))
+            variants.append(IsolatedVariant(genai_variant_name(backend), GENAI_RUNNER, genai_python, config,
+                                            allocator.system_environment()))  # GenAI as it ships: glibc's malloc
     if direct:
         variants.append(deskfleet("fused-direct", {"variant": "fused-direct"}))
         if whole_xml is not None:
@@ -515,7 +518,8 @@ class GenAIVariant:
         self.name = name
         if not model.is_dir():
             raise FileNotFoundError(f"GenAI model folder {model} not found")
-        self.runner = RunnerProcess(GENAI_RUNNER, python)
+        # GenAI as it ships: glibc's malloc
+        self.runner = RunnerProcess(GENAI_RUNNER, python, allocator.system_environment())
         self.runner.send_line(json.dumps({"model": str(model), "device": device, "properties": properties,
                                           "prompt_ids": prompt, "new_tokens": new_tokens}))
         ready = self.runner.receive()

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from deskfleet.agent import allocator
 from deskfleet.agent.stage import CompileSettings, LayerRange, Stage
 from deskfleet.agent.stage_executor import StageExecutor
 from deskfleet.common.kv_ledger import Ledger, Mirror
@@ -168,7 +169,8 @@ def run_rollback_bench(model: Path, contexts: Sequence[int] = (256, 1024, 2048),
         "precision": settings.precision.value,
         "compiled_properties": _read_properties(stage.compiled),
         "state_dtype_on_host": kv_dtype,
-        "host": {"cpu": _cpu_name(), "logical_cores": os.cpu_count(), "openvino": ov.get_version(),
+        "host": {"cpu": _cpu_name(), "logical_cores": os.cpu_count(), "allocator": allocator.in_use(),
+                 "openvino": ov.get_version(),
                  "load_avg_1m": round(os.getloadavg()[0], 2)},
         "rounds": rounds,
         "steps_per_round": steps_per_round,

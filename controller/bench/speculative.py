@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deskfleet.agent import allocator
 from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.wire import Forward, ForwardResult
@@ -391,7 +392,8 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
         "draft_spec": _spec_summary(Path(draft)) if draft is not None else None,
         "compiled_properties": compiled,
         "target_call_costs": call_costs,
-        "host": {"cpu": _cpu_name(), "logical_cores": os.cpu_count(), "openvino": ov.get_version(),
+        "host": {"cpu": _cpu_name(), "logical_cores": os.cpu_count(), "allocator": allocator.in_use(),
+                 "openvino": ov.get_version(),
                  "load_avg_1m_at_end": round(os.getloadavg()[0], 2)},
         "prompts": {"source": source, "count": len(prompt_ids),
                     "tokens_median": statistics.median(len(ids) for ids in prompt_ids)},

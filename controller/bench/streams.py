@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from deskfleet.agent import allocator
 from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.model_spec import Manifest, load_manifest
 
@@ -228,7 +229,8 @@ def _run_pinned(model: Path, genai_model: Path | None, genai_python: Path | None
         "core": core,
         "compiled_properties": compiled,
         "genai": genai_meta,
-        "host": {"cpu": _cpu_name(), "logical_cores": os.cpu_count(), "openvino": ov.get_version(),
+        "host": {"cpu": _cpu_name(), "logical_cores": os.cpu_count(), "allocator": allocator.in_use(),
+                 "openvino": ov.get_version(),
                  "load_avg_1m_at_end": round(os.getloadavg()[0], 2)},
         "prompt_tokens": prompt_tokens,
         "new_tokens": new_tokens,
@@ -285,7 +287,8 @@ class GenAIUsers:
                  new_tokens: int, cores: set[int]) -> None:
         if not model.is_dir():
             raise FileNotFoundError(f"GenAI model folder {model} not found")
-        environment = dict(os.environ, DESKFLEET_BENCH_CORES=",".join(str(core) for core in sorted(cores)))
+        environment = allocator.system_environment()  # GenAI as it ships: glibc's malloc
+        environment["DESKFLEET_BENCH_CORES"] = ",".join(str(core) for core in sorted(cores))
         self.runner = RunnerProcess(GENAI_CB_RUNNER, python, environment)
         self.runner.send_line(json.dumps({"model": str(model), "device": device, "properties": properties,
                                           "new_tokens": new_tokens}))
