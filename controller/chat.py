@@ -16,16 +16,15 @@ import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.model_spec import load_manifest
-from deskfleet.common.speculative import SamplingParams
 
-from .draft import open_drafter, target_settings
-from .engine import Engine, EngineOptions, StageChain, StreamRequest
+from .decoding_options import DecodingOptions, add_decoding_options, decoding_arguments
+from .engine import Engine, StageChain, StreamRequest
 from .generation import GenerationError
 from .run import GenerateOptions, run_generate
 from .text_printer import TextPrinter
@@ -43,22 +42,13 @@ DEFAULT_MAX_FAILOVERS = 2  # re-plans per run when a PC of the fleet drops out
 
 
 @dataclass(frozen=True)
-class ChatOptions:
+class ChatOptions(DecodingOptions):
     model: Path
     fleet_dir: Path | None = None  # the controller data dir: chat over the deployed chain; None: local
     max_failovers: int = DEFAULT_MAX_FAILOVERS  # fleet only: re-plans when a PC drops out mid-reply
     stages: int = 1  # local only
     system: str | None = None
     max_new_tokens: int = 256
-    draft: Path | None = None
-    prompt_lookup: bool = False  # draft by copying from the context instead
-    k: int | None = None
-    k_max: int = 8
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    settings: CompileSettings = field(default_factory=CompileSettings)
 
 
 # Public functions
@@ -72,23 +62,9 @@ def add_chat_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     chat.add_argument("--stages", type=int, default=1, help="in-process pipeline stages (local only)")
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--max-new-tokens", type=int, default=256)
-    add_drafter_options(chat)
-    chat.add_argument("--k", type=int, default=None, help="fixed number of draft tokens (default: adaptive)")
-    chat.add_argument("--k-max", type=int, default=8)
-    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    chat.add_argument("--top-k", type=int, default=0)
-    chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--seed", type=int, default=0)
+    add_decoding_options(chat)
     add_compile_options(chat)
     chat.set_defaults(handler=_chat_command)
-
-
-def add_drafter_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--draft", type=Path, default=None, help="export folder of a draft model (speculative)")
-    parser.add_argument("--prompt-lookup", action="store_true",
-                        help="speculative with drafts copied from the context; alone: no draft model; with "
-                             "--draft: copied tokens where the context repeats itself, the draft model elsewhere. "
-                             "Like --draft, greedy output equals plain decoding in --precision f32")
 
 
 def add_fleet_option(parser: argparse.ArgumentParser) -> None:
@@ -117,14 +93,14 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
     """Converse until `lines` ends or says /quit; returns the number of replies given."""
     manifest = load_manifest(options.model)
     tokenizer = ModelTokenizer(options.model)
-    settings = target_settings(options.settings, options.draft, options.prompt_lookup)
-    draft = open_drafter(options.draft, options.prompt_lookup, settings)
-    sampling = SamplingParams(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
+    settings = options.target_settings()
+    draft = options.open_drafter(settings)
+    sampling = options.sampling()
     history = [ChatMessage("system", options.system)] if options.system else []
     replies = 0
     with _open_chain(options, settings) as (chain, failover):
         micro_batches = getattr(chain, "num_stages", 1)
-        engine_options = EngineOptions(micro_batches=micro_batches, k_max=max(options.k_max, 1), fixed_k=options.k)
+        engine_options = options.engine_options(micro_batches)
         while True:
             if prompt_out is not None:
                 prompt_out.write("you> ")
@@ -226,11 +202,8 @@ def _chat_command(args: argparse.Namespace) -> int:
     compile_settings = CompileSettings(device=args.device, precision=Precision(args.precision),
                                        num_threads=args.threads, kv_cache=args.kv_cache)
     options = ChatOptions(model=args.model, fleet_dir=(args.data_dir or default_data_dir()) if args.fleet else None,
-                          max_failovers=args.max_failovers,
-                          stages=args.stages, system=args.system, max_new_tokens=args.max_new_tokens,
-                          draft=args.draft, prompt_lookup=args.prompt_lookup, k=args.k, k_max=args.k_max,
-                          temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, settings=compile_settings)
+                          max_failovers=args.max_failovers, stages=args.stages, system=args.system,
+                          max_new_tokens=args.max_new_tokens, **decoding_arguments(args, compile_settings))
     interactive = sys.stdin.isatty()
     run_chat(options, sys.stdin, sys.stdout, prompt_out=sys.stderr if interactive else None)
     return 0

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 from deskfleet.agent.allocator import run_on_jemalloc
 from deskfleet.common.model_spec import ManifestError, WeightFormat
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
-from deskfleet.controller.chat import add_chat_command, add_drafter_options, add_fleet_option
+from deskfleet.controller.chat import add_chat_command, add_fleet_option
+from deskfleet.controller.decoding_options import add_decoding_options, decoding_arguments
 from deskfleet.controller.fleet_cli import add_fleet_commands
 
 if TYPE_CHECKING:
@@ -73,13 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     generate.add_argument("--max-new-tokens", type=int, default=64)
     generate.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
-    add_drafter_options(generate)
-    generate.add_argument("--k", type=int, default=None, help="fixed number of draft tokens (default: adaptive)")
-    generate.add_argument("--k-max", type=int, default=8, help="upper bound of adaptive K")
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    generate.add_argument("--top-k", type=int, default=0)
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--seed", type=int, default=0)
+    add_decoding_options(generate)
     generate.add_argument("--max-rows", type=int, default=8, help="streams per micro-batch")
     generate.add_argument("--micro-batches", type=int, default=None,
                           help="micro-batches in flight (default: the number of stages)")
@@ -206,11 +201,8 @@ def _generate(args: argparse.Namespace) -> int:
     options = GenerateOptions(
         model=args.model, stages=args.stages, prompts=args.prompt, prompts_file=args.prompts_file,
         prompt_ids=[_parse_prompt_ids(text) for text in args.prompt_ids] if args.prompt_ids else None,
-        chat=args.chat, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, draft=args.draft,
-        prompt_lookup=args.prompt_lookup,
-        k=args.k, k_max=args.k_max, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed, max_rows=args.max_rows, micro_batches=args.micro_batches,
-        settings=_compile_settings(args))
+        chat=args.chat, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, max_rows=args.max_rows,
+        micro_batches=args.micro_batches, **decoding_arguments(args, _compile_settings(args)))
     if args.fleet:
         report = generate_on_fleet(options, args.data_dir, stream_text=not args.json,
                                    max_failovers=args.max_failovers)

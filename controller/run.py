@@ -5,15 +5,13 @@ from __future__ import annotations
 import sys
 import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.model_spec import load_manifest
-from deskfleet.common.speculative import SamplingParams
 
-from .draft import open_drafter, target_settings
-from .engine import Engine, EngineOptions, Recover, StageChain, StreamRequest
+from .decoding_options import DecodingOptions
+from .engine import Engine, Recover, StageChain, StreamRequest
 from .generation import GenerationError
 from .pipeline import LocalPipeline
 from .text_printer import TextPrinter
@@ -21,7 +19,7 @@ from .tokenizer import ChatMessage, ModelTokenizer
 
 
 @dataclass(frozen=True)
-class GenerateOptions:
+class GenerateOptions(DecodingOptions):
     model: Path
     stages: int = 1
     prompts: list[str] | None = None
@@ -30,17 +28,8 @@ class GenerateOptions:
     chat: bool = False
     max_new_tokens: int = 64
     ignore_eos: bool = False
-    draft: Path | None = None
-    prompt_lookup: bool = False  # draft by copying from the context instead
-    k: int | None = None
-    k_max: int = 8
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
     max_rows: int = 8
     micro_batches: int | None = None
-    settings: CompileSettings = field(default_factory=CompileSettings)
 
 
 def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[list[int]]:
@@ -67,12 +56,11 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
     manifest = load_manifest(options.model)
     tokenizer = ModelTokenizer(options.model)
     prompts = encode_prompts(options, tokenizer)
-    sampling = SamplingParams(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
-    settings = target_settings(options.settings, options.draft, options.prompt_lookup)
-    draft = open_drafter(options.draft, options.prompt_lookup, settings)
+    sampling = options.sampling()
+    settings = options.target_settings()
+    draft = options.open_drafter(settings)
     stages = chain_stages or options.stages
-    engine_options = EngineOptions(max_rows=options.max_rows, micro_batches=options.micro_batches or stages,
-                                   k_max=max(options.k_max, 1), fixed_k=options.k)
+    engine_options = options.engine_options(options.micro_batches or stages, max_rows=options.max_rows)
     printer = TextPrinter(tokenizer, sys.stdout) if stream_text and len(prompts) == 1 else None
     context: AbstractContextManager[StageChain] = (
         nullcontext(chain) if chain is not None

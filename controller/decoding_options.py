@@ -1,0 +1,65 @@
+"""How `deskfleet generate` and `deskfleet chat` decode: drafting, K, sampling and the target's compile settings.
+
+GenerateOptions (controller/run.py) and ChatOptions (controller/chat.py) extend DecodingOptions with what
+only they have; both CLIs fill these fields from the same options (`decoding_arguments`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deskfleet.agent.stage import CompileSettings
+from deskfleet.common.speculative import SamplingParams
+
+from .draft import Drafter, open_drafter, target_settings
+from .engine import EngineOptions
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodingOptions:
+    draft: Path | None = None  # a draft model's export folder
+    prompt_lookup: bool = False  # draft by copying from the context (with `draft`: lookup first)
+    k: int | None = None  # a fixed number of draft tokens; None: adaptive up to k_max
+    k_max: int = 8
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0  # stream i (or reply i) samples with seed + i
+    settings: CompileSettings = field(default_factory=CompileSettings)
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+    def target_settings(self) -> CompileSettings:
+        """The settings to compile the target (and the draft model) with: those for drafting when it drafts."""
+        return target_settings(self.settings, self.draft, self.prompt_lookup)
+
+    def open_drafter(self, settings: CompileSettings) -> Drafter | None:
+        return open_drafter(self.draft, self.prompt_lookup, settings)
+
+    def engine_options(self, micro_batches: int, **more: Any) -> EngineOptions:
+        return EngineOptions(micro_batches=micro_batches, k_max=max(self.k_max, 1), fixed_k=self.k, **more)
+
+
+def add_decoding_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--draft", type=Path, default=None, help="export folder of a draft model (speculative)")
+    parser.add_argument("--prompt-lookup", action="store_true",
+                        help="speculative with drafts copied from the context; alone: no draft model; with "
+                             "--draft: copied tokens where the context repeats itself, the draft model elsewhere. "
+                             "Like --draft, greedy output equals plain decoding in --precision f32")
+    parser.add_argument("--k", type=int, default=None, help="fixed number of draft tokens (default: adaptive)")
+    parser.add_argument("--k-max", type=int, default=8, help="upper bound of adaptive K")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def decoding_arguments(args: argparse.Namespace, settings: CompileSettings) -> dict[str, Any]:
+    """DecodingOptions' fields from what `add_decoding_options` parsed, and the compile settings."""
+    return {"draft": args.draft, "prompt_lookup": args.prompt_lookup, "k": args.k, "k_max": args.k_max,
+            "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+            "settings": settings}
