@@ -7,8 +7,9 @@ the demo target found _int_malloc/_int_free/malloc/free at twice their share whe
 jemalloc, processes alternating:
 - the demo target's call: one token 1.43-1.51 -> 1.28-1.38 ms, the width-switch penalty 1.04-1.09 ->
   0.73-0.79 ms; prompt lookup 1.89-1.90x -> 1.96-1.97x of plain decoding (`bench speculative`, 2 pairs);
-- one core vs GenAI's continuous batching on glibc (`bench streams`, 170M, 2 pairs of 5-round runs):
-  0.93-1.02x -> 0.98-1.07x over 1/2/4/8 users;
+- one core vs GenAI's continuous batching on glibc (`bench streams`, 170M, 5-round runs): 0.93-1.02x ->
+  0.98-1.07x over 1/2/4/8 users in two pairs on a quiet host; a third pair on a busier host, no
+  difference (0.91-0.95x either way);
 - the fleet (`bench fleet`, 330M, steps of 12-25 ms): within noise (2 PCs 1 stream 0.90 -> 0.92x);
 - peak RSS +16-18 MB (jemalloc's arenas); memory per extra stream unchanged.
 
