@@ -45,6 +45,7 @@ from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.planner import PlanOptions, PlanPolicy
 from deskfleet.common.wire import Precision, Role
 from deskfleet.controller.bench.delay_proxy import DelayProxy, ProxyThread
+from deskfleet.controller.bench.runner_process import stop_processes
 from deskfleet.controller.bench.speculative import DEFAULT_EVAL_DIR, heldout_code_prompts
 from deskfleet.controller.bench.streams import GenAIUsers
 from deskfleet.controller.draft import Drafter, open_drafter
@@ -493,15 +494,7 @@ class _Fleet:
         return event_loop.run(run())
 
     def _stop(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.terminate()
-        for process in self.processes.values():
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_processes(self.processes.values())
 
 
 def _issue(ca: pki.FleetCa, files: TlsFiles, name: str) -> None:

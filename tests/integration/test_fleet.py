@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from deskfleet.controller.bench.runner_process import stop_processes
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,15 +87,7 @@ class Fleet:
         return (self.work / f"{key}.log").read_text(errors="replace")
 
     def stop_all(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.terminate()
-        for process in self.processes.values():
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_processes(self.processes.values())
 
 
 def _environment() -> dict[str, str]:
