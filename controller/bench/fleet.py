@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 import openvino as ov
 
-from deskfleet.agent import allocator
 from deskfleet.agent.link import TlsFiles, utc_now
 from deskfleet.agent.stage import CompileSettings, export_weight_group_size
 from deskfleet.agent.stage import Precision as StagePrecision
@@ -45,6 +44,7 @@ from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.planner import PlanOptions, PlanPolicy
 from deskfleet.common.wire import Precision, Role
 from deskfleet.controller.bench.delay_proxy import DelayProxy, ProxyThread
+from deskfleet.controller.bench.host import host_report
 from deskfleet.controller.bench.runner_process import stop_processes
 from deskfleet.controller.bench.speculative import DEFAULT_EVAL_DIR, heldout_code_prompts
 from deskfleet.controller.bench.streams import GenAIUsers
@@ -399,9 +399,9 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
         rows.append(entry)
     cpus = len(controller_cores) + len(agent_cores)
     return {"machine": {"cpus": cpus, "controller_cores": controller_cores or "not pinned (shares the PCs' cores)",
-                        "pc_cores": agent_cores, "platform": platform.platform(), "python": sys.version.split()[0],
-                        "event_loop": event_loop.chosen_loop(),
-                        "allocator": allocator.in_use()},  # the PCs' processes follow the same rule
+                        "pc_cores": agent_cores, "platform": platform.platform(),
+                        "event_loop": event_loop.chosen_loop()},
+            "host": host_report(),  # allocator: the PCs' processes follow the same rule
             "options": {"model": str(options.model), "demo_target": str(options.demo_target),
                         "demo_draft": str(options.demo_draft), "new_tokens": options.new_tokens,
                         "prompt_tokens": options.prompt_tokens, "rounds": options.rounds,

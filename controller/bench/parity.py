@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import time
@@ -51,6 +50,7 @@ from deskfleet.common.model_spec import Manifest, load_manifest
 from deskfleet.controller.engine import Engine, StreamRequest
 from deskfleet.controller.pipeline import LocalPipeline
 
+from .host import host_report
 from .runner_process import RunnerProcess
 
 log = logging.getLogger(__name__)
@@ -266,9 +266,7 @@ def run_parity_bench(model: Path, genai_model: Path | None = None, genai_python:
         "device": settings.device,
         "precision": settings.precision.value,
         "compiled_properties": compiled,
-        "host": {"cpu": _cpu_name(), "logical_cores": os.cpu_count(), "allocator": allocator.in_use(),
-                 "python": platform.python_version(),
-                 "openvino": ov.get_version()},
+        "host": host_report(),
         "genai": genai_meta,
         "prompt_tokens": prompt_tokens,
         "new_tokens": new_tokens,
@@ -586,13 +584,3 @@ def _parameter_count(manifest: Manifest) -> int:
     mlp = 3 * spec.hidden_size * spec.intermediate_size
     vocab = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
     return spec.num_layers * (attention + mlp) + vocab
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()

@@ -19,7 +19,6 @@ the same number of tokens, so their contexts grow alike. Medians over rounds, wi
 from __future__ import annotations
 
 import copy
-import os
 import statistics
 import sys
 import time
@@ -30,7 +29,6 @@ from typing import Any
 
 import numpy as np
 
-from deskfleet.agent import allocator
 from deskfleet.agent.stage import CompileSettings, LayerRange, Stage
 from deskfleet.agent.stage_executor import StageExecutor
 from deskfleet.common.kv_ledger import Ledger, Mirror
@@ -38,7 +36,8 @@ from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.wire import ForwardResult
 from deskfleet.controller.batch_track import BatchTrack
 
-from .parity import _cpu_name, _read_properties, bench_prompt, interleaved_order, summarize
+from .host import host_report
+from .parity import _read_properties, bench_prompt, interleaved_order, summarize
 
 GOAL_PCT = 1.0  # mask overhead per rollback, in percent of a decode step
 
@@ -136,7 +135,6 @@ def run_rollback_bench(model: Path, contexts: Sequence[int] = (256, 1024, 2048),
                        mask_repeats: int = 300, trim_repeats: int = 15, settings: CompileSettings | None = None,
                        progress: bool = True) -> dict[str, Any]:
     """Run the rollback benchmark on a one-stage model and return its JSON-able report."""
-    import openvino as ov
 
     model = Path(model)
     settings = settings or CompileSettings()
@@ -169,9 +167,7 @@ def run_rollback_bench(model: Path, contexts: Sequence[int] = (256, 1024, 2048),
         "precision": settings.precision.value,
         "compiled_properties": _read_properties(stage.compiled),
         "state_dtype_on_host": kv_dtype,
-        "host": {"cpu": _cpu_name(), "logical_cores": os.cpu_count(), "allocator": allocator.in_use(),
-                 "openvino": ov.get_version(),
-                 "load_avg_1m": round(os.getloadavg()[0], 2)},
+        "host": host_report(),
         "rounds": rounds,
         "steps_per_round": steps_per_round,
         "goal": f"mask overhead <= {GOAL_PCT}% of a decode step",

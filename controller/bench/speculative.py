@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import random
 import statistics
 import sys
@@ -41,13 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deskfleet.agent import allocator
 from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.wire import Forward, ForwardResult
 
 from .call_costs import measure_call_costs
-from .parity import _cpu_name, _read_properties, compare, summarize
+from .host import host_report
+from .parity import _read_properties, compare, summarize
 
 DEFAULT_EVAL_DIR = Path("assets/models/train")
 PROMPT_POOL_FILE = "heldout_prompts.json"  # heldout_prompt_pool() of the corpus's Python, shipped
@@ -308,7 +307,6 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
     """Run the speculative benchmark; prompts from `prompt_ids`, else `prompts`, else the eval set.
 
     `draft` None: only the prompt-lookup variants (then `lookup` must be on)."""
-    import openvino as ov
 
     from deskfleet.controller.draft import DraftModel
     from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
@@ -392,9 +390,7 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
         "draft_spec": _spec_summary(Path(draft)) if draft is not None else None,
         "compiled_properties": compiled,
         "target_call_costs": call_costs,
-        "host": {"cpu": _cpu_name(), "logical_cores": os.cpu_count(), "allocator": allocator.in_use(),
-                 "openvino": ov.get_version(),
-                 "load_avg_1m_at_end": round(os.getloadavg()[0], 2)},
+        "host": host_report(),
         "prompts": {"source": source, "count": len(prompt_ids),
                     "tokens_median": statistics.median(len(ids) for ids in prompt_ids)},
         "new_tokens_max": new_tokens,

@@ -35,7 +35,8 @@ from deskfleet.agent import allocator
 from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.model_spec import Manifest, load_manifest
 
-from .parity import _cpu_name, _genai_properties, _read_properties, bench_prompt, compare, summarize
+from .host import host_report
+from .parity import _genai_properties, _read_properties, bench_prompt, compare, summarize
 from .runner_process import RunnerProcess
 
 GENAI_CB_RUNNER = Path(__file__).with_name("genai_cb_runner.py")
@@ -161,7 +162,6 @@ def run_streams_bench(model: Path, genai_model: Path | None = None, genai_python
 def _run_pinned(model: Path, genai_model: Path | None, genai_python: Path | None, users: Sequence[int],
                 prompt_tokens: int, new_tokens: int, rounds: int, core: int, settings: CompileSettings | None,
                 progress: bool) -> dict[str, Any]:
-    import openvino as ov
 
     base = settings or CompileSettings()
     settings = replace(base, num_threads=1)
@@ -229,9 +229,7 @@ def _run_pinned(model: Path, genai_model: Path | None, genai_python: Path | None
         "core": core,
         "compiled_properties": compiled,
         "genai": genai_meta,
-        "host": {"cpu": _cpu_name(), "logical_cores": os.cpu_count(), "allocator": allocator.in_use(),
-                 "openvino": ov.get_version(),
-                 "load_avg_1m_at_end": round(os.getloadavg()[0], 2)},
+        "host": host_report(),
         "prompt_tokens": prompt_tokens,
         "new_tokens": new_tokens,
         "rounds": rounds,

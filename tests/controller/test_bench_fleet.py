@@ -126,6 +126,7 @@ def test_report_ratios_and_the_rows_left_unrun() -> None:
     assert "--demo-target" in rows["3 PCs, 3 streams + speculative (demo pair)"]["note"]
     assert report["machine"]["controller_cores"] == [0] and report["machine"]["pc_cores"] == [1, 2]
     assert report["machine"]["event_loop"] in {"uvloop", "asyncio"}
+    assert report["host"]["cpu"] and "cpu_extensions" in report["host"]
     table = render_markdown(report)
     assert "| 2 PCs, 1 stream | 0.67x | >= 0.95x | 0.95x | 9.5 (8.6-10.4) |" in table
 
