@@ -36,21 +36,21 @@ def host_report() -> dict[str, Any]:
 
 def cpu_name(cpuinfo: str) -> str | None:
     """The first processor's model name in /proc/cpuinfo's text, or None."""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            return value.strip()
-    return None
+    return _first_field(cpuinfo, "model name")
 
 
 def cpu_extensions(cpuinfo: str) -> list[str]:
     """Which of KERNEL_EXTENSIONS the first processor's flags in /proc/cpuinfo's text list, in that order."""
+    flags = set((_first_field(cpuinfo, "flags") or "").split())
+    return [name for name in KERNEL_EXTENSIONS if name in flags]
+
+
+def _first_field(cpuinfo: str, name: str) -> str | None:
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            flags = set(value.split())
-            return [name for name in KERNEL_EXTENSIONS if name in flags]
-    return []
+        if key.strip() == name:
+            return value.strip()
+    return None
 
 
 def _read_cpuinfo() -> str:

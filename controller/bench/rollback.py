@@ -135,7 +135,6 @@ def run_rollback_bench(model: Path, contexts: Sequence[int] = (256, 1024, 2048),
                        mask_repeats: int = 300, trim_repeats: int = 15, settings: CompileSettings | None = None,
                        progress: bool = True) -> dict[str, Any]:
     """Run the rollback benchmark on a one-stage model and return its JSON-able report."""
-
     model = Path(model)
     settings = settings or CompileSettings()
     manifest = load_manifest(model)

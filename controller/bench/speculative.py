@@ -307,7 +307,6 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
     """Run the speculative benchmark; prompts from `prompt_ids`, else `prompts`, else the eval set.
 
     `draft` None: only the prompt-lookup variants (then `lookup` must be on)."""
-
     from deskfleet.controller.draft import DraftModel
     from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
     from deskfleet.controller.lookup_first import LookupFirstDraft

@@ -162,7 +162,6 @@ def run_streams_bench(model: Path, genai_model: Path | None = None, genai_python
 def _run_pinned(model: Path, genai_model: Path | None, genai_python: Path | None, users: Sequence[int],
                 prompt_tokens: int, new_tokens: int, rounds: int, core: int, settings: CompileSettings | None,
                 progress: bool) -> dict[str, Any]:
-
     base = settings or CompileSettings()
     settings = replace(base, num_threads=1)
     model = Path(model)
