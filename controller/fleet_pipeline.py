@@ -22,6 +22,7 @@ import logging
 import queue
 import secrets
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -83,7 +84,7 @@ class FleetPipeline:
         self.renumber()
         self._results: queue.Queue[ForwardResult | ChainError] = queue.Queue()
         self._failure: ChainError | None = None
-        self._in_flight = 0
+        self._in_flight: dict[int, int] = {}  # wire micro-batch id -> the step_id its result will carry
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: asyncio.Queue[_Outgoing] | None = None
@@ -121,24 +122,35 @@ class FleetPipeline:
         wire = replace(message, micro_batch_id=self._base + message.micro_batch_id,
                        admit_from=tuple(self._base + source for source in message.admit_from),
                        return_logits=self.return_logits or message.return_logits)
-        self._in_flight += 1
+        if wire.micro_batch_id in self._in_flight:
+            raise ValueError(f"micro-batch {message.micro_batch_id} already has a step in flight")
+        self._in_flight[wire.micro_batch_id] = wire.step_id
         self._post(wire)
 
     def collect(self, timeout: float | None = None) -> ForwardResult:
-        """The next finished step (any micro-batch). ChainError naming the agent when one failed."""
+        """The next finished step (any micro-batch). ChainError naming the agent when one failed.
+
+        A result this driver has no step in flight for (another driver's that reached this link, or a
+        duplicate) is logged and dropped, never handed to the engine."""
         if self._failure is not None:
             raise self._failure
         wait = self.step_timeout_s if timeout is None else timeout
-        try:
-            item = self._results.get(timeout=wait)
-        except queue.Empty:
-            raise ChainError(f"no result within {wait:.0f} s with {self._in_flight} step(s) in flight on "
-                             f"{self.describe()}: an agent may be stuck") from None
-        if isinstance(item, ChainError):
-            self._failure = item
-            raise item
-        self._in_flight -= 1
-        return replace(item, micro_batch_id=item.micro_batch_id - self._base)
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                item = self._results.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                raise ChainError(f"no result within {wait:.0f} s with {len(self._in_flight)} step(s) in flight on "
+                                 f"{self.describe()}: an agent may be stuck") from None
+            if isinstance(item, ChainError):
+                self._failure = item
+                raise item
+            if self._in_flight.get(item.micro_batch_id) != item.step_id:
+                log.warning("dropped a result for wire micro-batch %d step %d: no such step in flight here "
+                            "(another driver's, or a duplicate)", item.micro_batch_id, item.step_id)
+                continue
+            del self._in_flight[item.micro_batch_id]
+            return replace(item, micro_batch_id=item.micro_batch_id - self._base)
 
     def release(self, batch_id: int) -> None:
         """Free a micro-batch's KV state on every stage (in order, after its last step)."""

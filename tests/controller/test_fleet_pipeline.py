@@ -1,0 +1,103 @@
+"""FleetPipeline against a scripted last-stage agent over the real TLS transport: results it has no step in
+flight for (another driver's, or a duplicate) are dropped, never handed to the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deskfleet.agent.link import Link, LinkError, start_server
+from deskfleet.common.kv_ledger import AppendSlots
+from deskfleet.common.wire import Forward, ForwardResult, Role
+from deskfleet.controller.fleet_deploy import StagePlacement
+from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
+from tests.fleet_pki import make_ca, make_member
+
+Reply = Callable[[Link, Forward], Awaitable[None]]
+
+
+@pytest.fixture
+def scripted_chain(tmp_path: Path) -> Iterator[Callable[[Reply], FleetPipeline]]:
+    """A one-stage chain whose agent answers every Forward with `reply`; the server runs in a thread."""
+    ca = make_ca(tmp_path / "ca")
+    agent_files = make_member(ca, tmp_path / "agent", "agent")
+    driver_files = make_member(ca, tmp_path / "driver", "driver", Role.CONTROLLER)
+    chains: list[FleetPipeline] = []
+    stop = threading.Event()
+
+    def open_chain(reply: Reply) -> FleetPipeline:
+        started = threading.Event()
+        ports: list[int] = []
+
+        async def handler(link: Link) -> None:
+            try:
+                while True:
+                    message = await link.receive()
+                    if isinstance(message, Forward):
+                        await reply(link, message)
+            except LinkError:
+                return
+
+        async def serve() -> None:
+            async with await start_server(handler, "127.0.0.1", 0, agent_files) as server:
+                ports.append(server.sockets[0].getsockname()[1])
+                started.set()
+                while not stop.is_set():
+                    await asyncio.sleep(0.05)
+
+        threading.Thread(target=asyncio.run, args=(serve(),), daemon=True).start()
+        assert started.wait(10)
+        placement = StagePlacement(agent_files.own_identity().agent_id, f"127.0.0.1:{ports[0]}", 0, 4)
+        chain = FleetPipeline([placement], driver_files, step_timeout_s=5)
+        chains.append(chain)
+        return chain
+
+    yield open_chain
+    for chain in chains:
+        chain.close()
+    stop.set()
+
+
+def one_step(micro_batch_id: int = 0, step_id: int = 0) -> Forward:
+    return Forward(micro_batch_id, step_id, (0,), (AppendSlots(1, (1,), (0,)),), np.zeros(1, np.int64),
+                   np.zeros((1, 1), np.int64), np.ones((1, 1), np.int64), None, None)
+
+
+def test_another_drivers_result_is_dropped_and_ours_still_arrives(
+        scripted_chain: Callable[[Reply], FleetPipeline]) -> None:
+    async def reply(link: Link, message: Forward) -> None:
+        await link.send(ForwardResult(5, 0, (9,), None, None))  # a micro-batch of a driver whose base is 0
+        await link.send(ForwardResult(message.micro_batch_id, message.step_id, (1,), None, None))
+
+    chain = scripted_chain(reply)
+    chain.submit(one_step(micro_batch_id=3, step_id=7))
+    result = chain.collect()
+    assert (result.micro_batch_id, result.step_id, result.next_token_ids) == (3, 7, (1,))
+
+
+def test_a_duplicated_result_is_handed_over_once(scripted_chain: Callable[[Reply], FleetPipeline]) -> None:
+    async def reply(link: Link, message: Forward) -> None:
+        for _ in range(2):
+            await link.send(ForwardResult(message.micro_batch_id, message.step_id, (1,), None, None))
+
+    chain = scripted_chain(reply)
+    chain.submit(one_step())
+    assert chain.collect().micro_batch_id == 0
+    with pytest.raises(ChainError, match="no result within"):
+        chain.collect(timeout=0.5)
+
+
+def test_a_second_step_of_a_micro_batch_in_flight_is_refused(
+        scripted_chain: Callable[[Reply], FleetPipeline]) -> None:
+    async def reply(link: Link, message: Forward) -> None:
+        await asyncio.sleep(1.0)
+
+    chain = scripted_chain(reply)
+    chain.submit(one_step())
+    with pytest.raises(ValueError, match="already has a step in flight"):
+        chain.submit(one_step(step_id=1))
