@@ -15,6 +15,7 @@ This module is thin asyncio around the sans-I/O codec in common/wire.py.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import ssl
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 PING_INTERVAL_S = 5.0
 PING_TIMEOUT_S = 10.0
 OPEN_TIMEOUT_S = 10.0
+HELLO_TIMEOUT_S = OPEN_TIMEOUT_S  # a peer that opened a websocket but says no Hello is dropped after this
 SOFTWARE_VERSION = "0.1.0"
 
 Connection = ServerConnection | ClientConnection
@@ -250,7 +252,17 @@ def websocket_options() -> WebsocketOptions:
 
 
 async def _exchange_hello(link: Link, own: pki.PeerIdentity, expect_first: bool) -> None:
-    """Server: read the peer's Hello, then answer; client: send ours, then read theirs."""
+    """Server: read the peer's Hello, then answer; client: send ours, then read theirs. A peer that stays
+    silent is dropped after HELLO_TIMEOUT_S (its websocket pongs alone would keep the link open)."""
+    try:
+        async with asyncio.timeout(HELLO_TIMEOUT_S):
+            await _hello(link, own, expect_first)
+    except TimeoutError:
+        await link.close()
+        raise LinkError(f"{link.address} said no Hello within {HELLO_TIMEOUT_S:.0f} s") from None
+
+
+async def _hello(link: Link, own: pki.PeerIdentity, expect_first: bool) -> None:
     ours = Hello(PROTOCOL_VERSION, own.agent_id, SOFTWARE_VERSION, own.role)
     if not expect_first:
         await link.send(ours)

@@ -7,8 +7,10 @@ from collections.abc import Coroutine
 from pathlib import Path
 
 import pytest
+from websockets.asyncio.client import connect
 from websockets.asyncio.server import Server
 
+from deskfleet.agent import link as link_module
 from deskfleet.agent.link import Link, LinkError, open_link, start_server
 from deskfleet.common import pki
 from deskfleet.common.wire import Error, ErrorCode, Role, StatusRequest, decode, encode
@@ -138,5 +140,20 @@ def test_a_malformed_frame_is_answered_and_the_link_closed(tmp_path: Path) -> No
             with pytest.raises(LinkError):
                 await link.receive()
         assert outcome and "malformed" in outcome[0]
+
+    run(scenario())
+
+
+def test_a_peer_that_never_says_hello_is_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(link_module, "HELLO_TIMEOUT_S", 0.5)
+
+    async def scenario() -> None:
+        server, port, seen, ca = await _serve(tmp_path)
+        async with server:
+            files = make_member(ca, tmp_path / "client", "client")
+            silent = await connect(f"wss://127.0.0.1:{port}/", ssl=files.client_context(pin_agent_id=False),
+                                   server_hostname="127.0.0.1")
+            await asyncio.wait_for(silent.wait_closed(), timeout=5.0)  # its pongs alone kept it open before
+            assert not server.connections and not seen
 
     run(scenario())
