@@ -318,6 +318,7 @@ class ShardCache:
             return
         self.pin("\0receiving", (keep,))
         try:
+            self._refuse_if_eviction_cannot_fit(needed, keep)  # before evicting anything: refusing loses nothing
             self.evict(self.limit_bytes - needed)
         finally:
             self.unpin("\0receiving")
@@ -325,6 +326,17 @@ class ShardCache:
         if usage.used_bytes + needed > self.limit_bytes:
             raise CacheFull(f"shard {keep[:12]}… needs {needed} more bytes; the cache limit is {self.limit_bytes} "
                             f"and {usage.used_bytes} are held ({usage.pinned_bytes} pinned by assigned stages)")
+
+    def _refuse_if_eviction_cannot_fit(self, needed: int, keep: str) -> None:
+        """CacheFull when even evicting every unpinned shard (and every view copy with it) leaves too little."""
+        pinned = set().union(*self._pins.values())
+        evictable = sum(entry.stat().st_size for entry in (*self._blobs.iterdir(), *self._partials.iterdir())
+                        if entry.name[:64] not in pinned)
+        usage = self.usage()
+        if usage.used_bytes - evictable - self._view_copy_bytes() + needed > self.limit_bytes:
+            raise CacheFull(f"shard {keep[:12]}… needs {needed} more bytes; the cache limit is {self.limit_bytes} "
+                            f"({usage.pinned_bytes} pinned by assigned stages), so even evicting every other shard "
+                            "would not make room: nothing was evicted")
 
     def _remove_views_using(self, evicted: set[str]) -> None:
         if not evicted:

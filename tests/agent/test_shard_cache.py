@@ -160,3 +160,18 @@ def test_import_file(tmp_path: Path) -> None:
     data, sha = blob(50, 123)
     source.write_bytes(data)
     assert cache.import_file(source) == sha and cache.path(sha).read_bytes() == data
+
+
+def test_a_shard_that_cannot_fit_is_refused_before_anything_is_evicted(tmp_path: Path) -> None:
+    cache = ShardCache(tmp_path, 3000, FakeClock())
+    shards = [blob(30 + index, 1000) for index in range(3)]
+    for data, sha in shards:
+        fill(cache, data, sha)
+    cache.pin("stage-a", [shards[0][1]])
+    with pytest.raises(CacheFull, match="nothing was evicted"):
+        cache.begin(blob(40, 2500)[1], 2500)  # 2500 + the 1000 pinned > 3000, however much is evicted
+    with pytest.raises(CacheFull, match="nothing was evicted"):
+        cache.receive(ShardChunk(blob(41, 10)[1], 0, 2**62, b"x"))  # an absurd announced size
+    assert all(cache.has(sha) for _, sha in shards)
+    assert cache.begin(blob(42, 2000)[1], 2000) == 0  # what can fit still evicts the unpinned shards it needs
+    assert cache.has(shards[0][1]) and not (cache.has(shards[1][1]) and cache.has(shards[2][1]))
