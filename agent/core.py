@@ -85,6 +85,7 @@ class HostedStage:
     assignment: AssignStage
     executor: StageExecutor
     lock: asyncio.Lock  # one infer at a time per stage: the executor is not thread-safe
+    cache_key: str  # the shard cache's pin owner and view name of this stage's files
 
 
 class AgentCore:
@@ -241,28 +242,34 @@ class AgentCore:
     async def _assign(self, message: AssignStage) -> StageReady:
         async with self._assign_lock:
             hosted = self.stages.get(message.stage)
-            if hosted is not None and hosted.assignment.manifest == message.manifest:
-                self.stages[message.stage] = HostedStage(message, hosted.executor, hosted.lock)  # new next hop
+            if hosted is not None and _builds_the_same_stage(hosted.assignment, message):
+                self.stages[message.stage] = replace(hosted, assignment=message)  # a new next hop at most
                 return StageReady(message.stage)
             manifest, names = self._check_assignment(message)
-            owner = _stage_key(message.stage)
-            self.cache.pin(owner, [entry.sha256 for entry in message.manifest])
+            # A rebuild of a hosted stage pins and materializes under a key of its own, so that a failure
+            # leaves the stage being served as it was, and a success can release the old one by its key.
+            key = _stage_key(message.stage)
+            if hosted is not None and hosted.cache_key == key:
+                key += ".next"
+            self.cache.pin(key, [entry.sha256 for entry in message.manifest])
             try:
-                view = await asyncio.to_thread(self.cache.materialize_manifest, owner, manifest, names)
+                view = await asyncio.to_thread(self.cache.materialize_manifest, key, manifest, names)
                 layers = LayerRange(message.stage.layer_start, message.stage.layer_end, manifest.spec.num_layers)
                 precision = StagePrecision.F32 if message.precision is Precision.F32 else StagePrecision.FAST
                 settings = CompileSettings(device=message.device, precision=precision, num_threads=self.num_threads,
                                            kv_cache=message.kv_cache)
                 stage = await asyncio.to_thread(Stage, view, manifest, layers, settings)
             except (ShardCacheError, ManifestError, ValueError, RuntimeError, KeyError) as error:
-                self.cache.unpin(owner)
+                self.cache.unpin(key)
+                self.cache.remove_view(key)
                 raise CommandError(ErrorCode.SHARD_MISMATCH if isinstance(error, ShardCacheError | ManifestError)
-                                   else ErrorCode.INTERNAL, f"cannot host {owner}: {error}") from None
+                                   else ErrorCode.INTERNAL, f"cannot host {_stage_key(message.stage)}: {error}"
+                                   ) from None
             for other in [ref for ref in self.stages if ref.model_id == message.stage.model_id]:
                 self._release(other)  # a re-plan of the same model replaces what this agent held
             self.stages[message.stage] = HostedStage(message, StageExecutor(stage, manifest.spec.max_context),
-                                                     asyncio.Lock())
-            log.info("hosting %s", owner)
+                                                     asyncio.Lock(), key)
+            log.info("hosting %s", key)
             return StageReady(message.stage)
 
     def _check_assignment(self, message: AssignStage) -> tuple[Manifest, list[str]]:
@@ -290,10 +297,11 @@ class AgentCore:
         return manifest, names
 
     def _release(self, ref: StageRef) -> None:
-        if self.stages.pop(ref, None) is not None:
-            self.cache.unpin(_stage_key(ref))
-            self.cache.remove_view(_stage_key(ref))
-            log.info("released %s", _stage_key(ref))
+        hosted = self.stages.pop(ref, None)
+        if hosted is not None:
+            self.cache.unpin(hosted.cache_key)
+            self.cache.remove_view(hosted.cache_key)
+            log.info("released %s", hosted.cache_key)
 
     # Private methods: forwarding
 
@@ -413,6 +421,15 @@ def runs_inline(message: Forward) -> bool:
     if rows * tokens > INLINE_STEP_TOKENS or message.admit_from:
         return False
     return not any(isinstance(delta, Compact) for delta in message.slot_deltas)
+
+
+def _builds_the_same_stage(hosted: AssignStage, wanted: AssignStage) -> bool:
+    """True when `wanted` asks for the stage `hosted` built: equal but for the next hop and the order in
+    which the manifest lists its files. A change of device, precision or KV cache needs a rebuild."""
+    def normal(assignment: AssignStage) -> AssignStage:
+        return replace(assignment, next_hop=None,
+                       manifest=tuple(sorted(assignment.manifest, key=lambda entry: entry.file_name)))
+    return normal(hosted) == normal(wanted)
 
 
 def _stage_key(ref: StageRef) -> str:

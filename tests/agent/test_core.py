@@ -270,3 +270,39 @@ def test_prompts_and_host_side_state_edits_do_not_run_inline() -> None:
     compacting = replace(decode, slot_deltas=(Compact(new_slots=1, keep=(((0, 1),),)), *decode.slot_deltas))
     admitting = replace(decode, slot_deltas=(AdmitRow(3), *decode.slot_deltas), admit_from=(9,))
     assert not runs_inline(compacting) and not runs_inline(admitting)
+
+
+def _pinned_shards_survive_eviction(core: AgentCore, assignment: AssignStage) -> bool:
+    core.cache.evict(0)
+    return all(core.cache.has(entry.sha256) for entry in assignment.manifest)
+
+
+def test_a_failed_rebuild_leaves_the_hosted_stage_as_it_was(core: AgentCore, tiny_export: Path) -> None:
+    assignment = _host_tiny_stage(core, tiny_export)
+    executor = core.stages[assignment.stage].executor
+    failing = replace(assignment, device="NOSUCHDEVICE")
+    with pytest.raises(CommandError, match="cannot host"):
+        handle(core, Role.CONTROLLER, failing)
+    assert core.stages[assignment.stage].executor is executor
+    assert _pinned_shards_survive_eviction(core, assignment)
+
+
+def test_the_same_stage_listed_in_another_order_is_not_rebuilt(core: AgentCore, tiny_export: Path) -> None:
+    assignment = _host_tiny_stage(core, tiny_export)
+    executor = core.stages[assignment.stage].executor
+    reordered = replace(assignment, manifest=tuple(reversed(assignment.manifest)))
+    assert isinstance(handle(core, Role.CONTROLLER, reordered), StageReady)
+    assert core.stages[assignment.stage].executor is executor
+    assert _pinned_shards_survive_eviction(core, assignment)
+
+
+def test_a_rebuild_with_new_settings_replaces_the_stage_and_keeps_its_files(core: AgentCore, tiny_export: Path) -> None:
+    assignment = _host_tiny_stage(core, tiny_export)
+    old = core.stages[assignment.stage]
+    assert isinstance(handle(core, Role.CONTROLLER, replace(assignment, kv_cache="f32")), StageReady)
+    new = core.stages[assignment.stage]
+    assert new.executor is not old.executor and new.cache_key != old.cache_key
+    assert new.executor.stage.compiled.get_property("KV_CACHE_PRECISION").to_string() == "f32"
+    assert (core.cache.root / "views" / new.cache_key).is_dir()
+    assert not (core.cache.root / "views" / old.cache_key).exists()
+    assert _pinned_shards_survive_eviction(core, assignment)

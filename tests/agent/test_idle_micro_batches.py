@@ -55,7 +55,7 @@ def test_the_agent_frees_idle_micro_batches_of_every_hosted_stage(core: AgentCor
         track.add_row(stream_id=batch_id)
         executor.run(track.step([[1, 5]]))
     assignment = AssignStage(StageRef("tiny@1", 0, layers), True, True, "CPU", WirePrecision.F32, None, ())
-    core.stages[assignment.stage] = HostedStage(assignment, executor, asyncio.Lock())
+    core.stages[assignment.stage] = HostedStage(assignment, executor, asyncio.Lock(), "tiny-0-4")
     assert asyncio.run(core.release_idle_micro_batches()) == 0  # the default: 10 minutes
     time.sleep(0.1)
     assert asyncio.run(core.release_idle_micro_batches(0.05)) == 2
