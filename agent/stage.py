@@ -407,10 +407,13 @@ class _HostBuffer:
             return
         size = math.prod(shape)
         if size > self.buffer.size or self.tensor is None:
-            self.buffer = np.zeros(max(size, 2 * self.buffer.size, 1), dtype=self.dtype)
-            self.tensor = ov.Tensor(self.buffer, shared_memory=True)  # its capacity: the whole buffer
-            self.tensor.shape = list(shape)  # before the request takes it: it checks the rank
-            self.request.set_tensor(self.port, self.tensor)
+            # kept only once the request took the tensor: a shape it refuses (a wrong hidden size) must leave
+            # the request reading the buffer this object writes, or the next call would feed stale inputs
+            buffer = np.zeros(max(size, 2 * self.buffer.size, 1), dtype=self.dtype)
+            tensor = ov.Tensor(buffer, shared_memory=True)  # its capacity: the whole buffer
+            tensor.shape = list(shape)  # before the request takes it: it checks the rank
+            self.request.set_tensor(self.port, tensor)
+            self.buffer, self.tensor = buffer, tensor
         else:
             self.tensor.shape = list(shape)
         self.shape = tuple(shape)

@@ -91,3 +91,30 @@ def test_engine_runs_on_recycled_sessions_give_the_same_tokens(tiny_export: Path
             runs.append({stream: result.tokens for stream, result in engine.run().items()})
         assert pipeline.stages[0]._idle_sessions  # what the runs released came back
     assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
+def test_a_refused_input_shape_leaves_the_session_computing_on_what_it_is_fed(tiny_export: Path) -> None:
+    """A later stage fed hidden states of the wrong width refuses them; the session's next call must still
+    read the inputs it is given, not a buffer the request never took."""
+    manifest = load_manifest(tiny_export)
+    layers, hidden = manifest.spec.num_layers, manifest.spec.hidden_size
+    last = Stage(tiny_export, manifest, LayerRange(layers // 2, layers, layers),
+                 CompileSettings(precision=Precision.F32))
+    probe = np.random.default_rng(0).standard_normal((1, 1, hidden)).astype(np.float32)
+
+    def run(session: StageSession, states: np.ndarray) -> np.ndarray:
+        rows, count = states.shape[:2]
+        output = session.forward(states, np.ones((rows, count), dtype=np.int64),
+                                 np.arange(count, dtype=np.int64)[None, :], np.zeros(1, dtype=np.int32),
+                                 want_logits=True, logits_positions=np.array([[count - 1]], dtype=np.int64))
+        assert output.logits is not None
+        return output.logits
+
+    expected = run(StageSession(last), probe)
+    session = StageSession(last)
+    run(session, np.zeros((1, 3, hidden), dtype=np.float32))
+    session.reset()
+    with pytest.raises(RuntimeError):
+        run(session, np.zeros((1, 100, 7), dtype=np.float32))  # larger than the buffer, and the wrong width
+    session.reset()
+    np.testing.assert_array_equal(run(session, probe), expected)
