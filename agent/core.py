@@ -138,9 +138,12 @@ class AgentCore:
                     self._controller_links.append(link)
                 try:
                     reply = await self.handle(link, message)
-                except CommandError as error:
+                except Exception as error:  # a refusal (CommandError), or a fault of ours: answer, keep serving
+                    if not isinstance(error, CommandError):
+                        log.exception("%s from %s failed", type(message).__name__, link.describe())
                     self._note_error(f"{type(message).__name__} from {link.describe()}: {error}")
-                    reply = Error(error.code, f"agent {self.agent_id[:12]}: {error}")
+                    code = error.code if isinstance(error, CommandError) else ErrorCode.INTERNAL
+                    reply = Error(code, f"agent {self.agent_id[:12]}: {error}")
                     if link.peer.role is Role.AGENT:  # the previous stage reads nothing back: tell the driver
                         await self._send_down(reply)
                         reply = None
@@ -313,7 +316,9 @@ class AgentCore:
                     output = hosted.executor.run(message, message.return_logits)
                 else:
                     output = await asyncio.to_thread(hosted.executor.run, message, message.return_logits)
-        except (LedgerError, ProtocolError, ValueError, RuntimeError) as error:
+        except Exception as error:  # refused (LedgerError, ProtocolError) or failed: the driver hears why
+            if not isinstance(error, LedgerError | ProtocolError | ValueError | RuntimeError):
+                log.exception("micro-batch %d step %d failed", message.micro_batch_id, message.step_id)
             text = f"agent {self.agent_id[:12]}: micro-batch {message.micro_batch_id} step {message.step_id} " \
                    f"failed on {_stage_key(hosted.assignment.stage)}: {error}"
             self._note_error(text)

@@ -255,6 +255,7 @@ class Stage:
                  settings: CompileSettings | None = None, core: ov.Core | None = None) -> None:
         self.layers = layers
         self.hidden_size = manifest.spec.hidden_size
+        self.vocab_size = manifest.spec.vocab_size
         self._idle_sessions: list[StageSession] = []  # recycled, KV state dropped (see recycle)
         self.settings = settings = settings or CompileSettings()
         core = core or ov.Core()

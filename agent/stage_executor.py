@@ -94,6 +94,7 @@ class _MicroBatch:
     mirror: Mirror
     session: StageSession
     steps: int = field(default=0)
+    last_step_id: int = field(default=-1)  # the driver numbers a micro-batch's steps upwards
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -116,33 +117,53 @@ class StageExecutor:
 
         return_logits (last stage, in-process callers such as the draft model): also return the logits
         [B, N, V] at the positions `logits_positions` chose; over the network no logits travel.
+
+        A refused step (LedgerError naming the fault: deltas out of sync, inputs of the wrong shape or out
+        of range) changes nothing: the micro-batch, its mirror and KV state, and any micro-batch it would
+        have admitted stay as they were. A step whose infer call fails drops its micro-batch (its KV state
+        is then unknown) and says so.
         """
         batch = self._batches.get(message.micro_batch_id)
+        created = batch is None
         if batch is None:
             batch = _MicroBatch(Mirror(self.max_positions), self.stage.open_session())
+        before = batch.mirror.fork()
+        try:
+            payload, inputs = self._prepare(batch, message)
+        except LedgerError:
+            batch.mirror = before
+            if created:
+                self.stage.recycle(batch.session)
+            raise
+        except Exception as error:  # the plugin failed while editing the KV state: it is unknown now
+            if created:
+                self.stage.recycle(batch.session)
+            else:
+                self.release(message.micro_batch_id)
+            raise RuntimeError(f"micro-batch {message.micro_batch_id} step {message.step_id}: {error} (the "
+                               "micro-batch was dropped)") from error
+        if created:
             self._batches[message.micro_batch_id] = batch
         batch.last_used = time.monotonic()
-        sources = [self._take_source(source) for source in message.admit_from]
-        inputs = replay_deltas(
-            batch.mirror, message.slot_deltas,
-            gather_rows=lambda rows: _edit_state(batch.session, lambda state: state[rows]),
-            admit=lambda delta, ordinal: self._admit(batch, sources[ordinal], delta),
-            compact=lambda delta: _edit_state(batch.session, lambda state: _gather_slots(state, delta)))
-        _check_agrees(message, inputs)
-        payload = message.input_ids if message.input_ids is not None else message.hidden_states
-        assert payload is not None
-        if self.stage.layers.is_first != (message.input_ids is not None):
-            raise LedgerError("the first stage takes input_ids, later stages hidden_states")
         sampled = message.sampling is not None and any(t > 0 for t in message.sampling.temperatures)
         positions = logits_positions(inputs.append, message.draft) if self.stage.layers.is_last else None
-        # the mirror's bool mask as it is: the request's int64 input tensor takes it in one casting copy
-        output = batch.session.forward(np.asarray(payload), batch.mirror.mask, inputs.position_ids,
-                                       inputs.beam_idx, want_logits=sampled or return_logits,
-                                       logits_positions=positions)
+        try:
+            # the mirror's bool mask as it is: the request's int64 input tensor takes it in one casting copy
+            output = batch.session.forward(payload, batch.mirror.mask, inputs.position_ids, inputs.beam_idx,
+                                           want_logits=sampled or return_logits, logits_positions=positions)
+        except RuntimeError as error:
+            self.release(message.micro_batch_id)
+            raise RuntimeError(f"{error} (micro-batch {message.micro_batch_id} was dropped: its KV state is "
+                               "unknown after a failed call)") from None
         batch.steps += 1
+        batch.last_step_id = message.step_id
         if output.hidden is not None:
             return replace(message, input_ids=None, hidden_states=output.hidden)
         assert output.next_tokens is not None
+        if output.next_tokens.size and not 0 <= int(output.next_tokens.min()) <= int(output.next_tokens.max()) \
+                < self.stage.vocab_size:
+            raise RuntimeError(f"micro-batch {message.micro_batch_id} step {message.step_id}: the stage chose a "
+                               "token outside the vocabulary (its hidden states were not finite)")
         next_tokens, accepted = verify(inputs.append, output.next_tokens, output.logits, message.draft,
                                        message.sampling)
         return ForwardResult(micro_batch_id=message.micro_batch_id, step_id=message.step_id,
@@ -165,13 +186,88 @@ class StageExecutor:
 
     # Private methods
 
-    def _take_source(self, micro_batch_id: int) -> _MicroBatch:
-        source = self._batches.pop(micro_batch_id, None)
+    def _prepare(self, batch: _MicroBatch, message: Forward) -> tuple[np.ndarray, StepInputs]:
+        """Replay the step's deltas on the batch (editing its KV state where they say) and check the step
+        against the result; returns the payload to feed and the call's inputs. LedgerError for a refusal,
+        raised before any KV state is edited: a step that admits or compacts is first rehearsed on a copy
+        of the mirror, and the micro-batches it admits are taken only after that."""
+        if message.step_id <= batch.last_step_id:
+            raise LedgerError(f"micro-batch {message.micro_batch_id} step {message.step_id} came after step "
+                              f"{batch.last_step_id}: a duplicate or out of order")
+        if self.stage.layers.is_first != (message.input_ids is not None):
+            raise LedgerError("the first stage takes input_ids, later stages hidden_states")
+        admits = sum(isinstance(delta, AdmitRow) for delta in message.slot_deltas)
+        if admits != len(message.admit_from):
+            raise LedgerError(f"{admits} AdmitRow deltas for {len(message.admit_from)} micro-batches to admit")
+        if admits or any(isinstance(delta, Compact) for delta in message.slot_deltas):
+            for source in message.admit_from:
+                self._check_source(source)
+            rehearsed = replay_deltas(batch.mirror.fork(), message.slot_deltas)
+            _check_agrees(message, rehearsed)
+            self._checked_payload(message, rehearsed)
+        sources = [self._take_source(source) for source in message.admit_from]
+        inputs = replay_deltas(
+            batch.mirror, message.slot_deltas,
+            gather_rows=lambda rows: _edit_state(batch.session, lambda state: state[rows]),
+            admit=lambda delta, ordinal: self._admit(batch, sources[ordinal], delta),
+            compact=lambda delta: _edit_state(batch.session, lambda state: _gather_slots(state, delta)))
+        _check_agrees(message, inputs)
+        payload = self._checked_payload(message, inputs)
+        if self.stage.layers.is_last:
+            self._check_verification(message, inputs)
+        return payload, inputs
+
+    def _checked_payload(self, message: Forward, inputs: StepInputs) -> np.ndarray:
+        """The step's input_ids [B, T] or hidden_states [B, T, H], checked against the call's shape, the
+        stage's width and vocabulary: the plugin would take out-of-range ids and NaNs without a word."""
+        rows, count = len(inputs.append.live_counts), inputs.append.count
+        if message.input_ids is not None:
+            ids = np.asarray(message.input_ids)
+            if ids.shape != (rows, count):
+                raise LedgerError(f"input_ids of shape {list(ids.shape)} for a call of {rows} rows x {count} tokens")
+            if ids.size and not 0 <= int(ids.min()) <= int(ids.max()) < self.stage.vocab_size:
+                raise LedgerError(f"input_ids outside the vocabulary of {self.stage.vocab_size} tokens")
+            return ids
+        assert message.hidden_states is not None
+        hidden = np.asarray(message.hidden_states)
+        if hidden.shape != (rows, count, self.stage.hidden_size):
+            raise LedgerError(f"hidden_states of shape {list(hidden.shape)} for a call of {rows} rows x {count} "
+                              f"tokens x hidden size {self.stage.hidden_size}")
+        if not np.isfinite(hidden).all():
+            raise LedgerError("hidden_states hold NaN or infinite values")
+        return hidden
+
+    def _check_verification(self, message: Forward, inputs: StepInputs) -> None:
+        """What the last stage verifies and samples must fit the call: checked before the call, so that a
+        refusal leaves the KV state as it was."""
+        rows = len(inputs.append.live_counts)
+        if message.sampling is not None and len(message.sampling.temperatures) != rows:
+            raise LedgerError(f"sampling for {len(message.sampling.temperatures)} rows, the call has {rows}")
+        draft = message.draft
+        if draft is None:
+            return
+        if len(draft.counts) != rows:
+            raise LedgerError(f"draft tokens for {len(draft.counts)} rows, the call has {rows}")
+        for row, (k, live) in enumerate(zip(draft.counts, inputs.append.live_counts, strict=True)):
+            if k and k + 1 != live:
+                raise LedgerError(f"row {row} fed {live} tokens for {k} draft tokens (needs {k + 1})")
+        ids = np.asarray(draft.draft_token_ids)
+        if ids.size and not 0 <= int(ids.min()) <= int(ids.max()) < self.stage.vocab_size:
+            raise LedgerError(f"draft tokens outside the vocabulary of {self.stage.vocab_size} tokens")
+        if draft.draft_probs is not None and np.asarray(draft.draft_probs).shape[-1] != self.stage.vocab_size:
+            raise LedgerError(f"draft probabilities over {np.asarray(draft.draft_probs).shape[-1]} tokens, the "
+                              f"vocabulary has {self.stage.vocab_size}")
+
+    def _check_source(self, micro_batch_id: int) -> None:
+        source = self._batches.get(micro_batch_id)
         if source is None:
             raise LedgerError(f"admission from micro-batch {micro_batch_id}, which this stage does not hold")
         if source.mirror.rows != 1:
             raise LedgerError(f"admission from micro-batch {micro_batch_id} of {source.mirror.rows} rows (needs 1)")
-        return source
+
+    def _take_source(self, micro_batch_id: int) -> _MicroBatch:
+        self._check_source(micro_batch_id)
+        return self._batches.pop(micro_batch_id)
 
     def _admit(self, batch: _MicroBatch, source: _MicroBatch, delta: AdmitRow) -> None:
         """Append the source's single row to the batch state (the mirror already holds the new row)."""

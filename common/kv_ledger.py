@@ -23,6 +23,7 @@ Pure code: numpy only.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -414,6 +415,13 @@ class Mirror(SlotTable):
         self._order = RowOrder()
 
     # Public methods
+
+    def fork(self) -> Mirror:
+        """An independent copy, for a rehearsal or to restore after a refused step. Cheap: every delta
+        replaces the arrays it changes instead of editing them, so the copy can share them."""
+        twin = copy.copy(self)
+        twin._order = copy.copy(self._order)
+        return twin
 
     def rows_pending(self) -> bool:
         """True while a reorder waits to be gathered into the state."""

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from deskfleet.agent.core import INLINE_STEP_TOKENS, AgentCore, CommandError, runs_inline
-from deskfleet.agent.link import Link
+from deskfleet.agent.link import Link, LinkError
 from deskfleet.agent.paths import AgentSettings, Thresholds
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common import pki
@@ -306,3 +306,37 @@ def test_a_rebuild_with_new_settings_replaces_the_stage_and_keeps_its_files(core
     assert (core.cache.root / "views" / new.cache_key).is_dir()
     assert not (core.cache.root / "views" / old.cache_key).exists()
     assert _pinned_shards_survive_eviction(core, assignment)
+
+
+class ScriptedLink(RecordingLink):
+    """A recording link that delivers `incoming` in order, then closes."""
+
+    def __init__(self, role: Role, incoming: list[Message]) -> None:
+        super().__init__(role)
+        self.incoming = list(incoming)
+
+    async def receive(self) -> Message:
+        if not self.incoming:
+            raise LinkError("closed")
+        return self.incoming.pop(0)
+
+
+def test_a_fault_while_handling_a_message_is_answered_and_the_link_kept(core: AgentCore,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    handle_message = core.handle
+    calls = 0
+
+    async def failing_once(link: Link, message: Message) -> Message | None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise IndexError("index 1512 is out of bounds")
+        return await handle_message(link, message)
+
+    monkeypatch.setattr(core, "handle", failing_once)
+    link = ScriptedLink(Role.CONTROLLER, [StatusRequest(), StatusRequest()])
+    asyncio.run(core.serve_link(cast(Link, link)))
+    assert [type(message) for message in link.sent] == [Error, StatusReport]
+    first = link.sent[0]
+    assert isinstance(first, Error) and first.code is ErrorCode.INTERNAL and "1512" in first.message
+    assert core.last_error is not None and "StatusRequest" in core.last_error

@@ -1,0 +1,132 @@
+"""A step the executor refuses changes nothing: its micro-batch, the KV state, and the micro-batches it
+would have admitted stay as they were, so the driver's correct step still runs and computes what it
+would have computed without the bad one."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deskfleet.agent.stage import CompileSettings, LayerRange, Precision, Stage
+from deskfleet.agent.stage_executor import StageExecutor
+from deskfleet.common.kv_ledger import AppendSlots, LedgerError
+from deskfleet.common.model_spec import load_manifest
+from deskfleet.common.wire import DraftInfo, Forward, ForwardResult, SamplingInfo
+from deskfleet.controller.batch_track import BatchTrack
+
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def whole(tiny_export: Path) -> Stage:
+    manifest = load_manifest(tiny_export)
+    layers = manifest.spec.num_layers
+    return Stage(tiny_export, manifest, LayerRange(0, layers, layers), CompileSettings(precision=Precision.F32))
+
+
+@pytest.fixture(scope="module")
+def second_half(tiny_export: Path) -> Stage:
+    manifest = load_manifest(tiny_export)
+    layers = manifest.spec.num_layers
+    return Stage(tiny_export, manifest, LayerRange(layers // 2, layers, layers),
+                 CompileSettings(precision=Precision.F32))
+
+
+def result(executor: StageExecutor, message: Forward) -> ForwardResult:
+    output = executor.run(message, return_logits=True)
+    assert isinstance(output, ForwardResult)
+    return output
+
+
+def reference_logits(stage: Stage, steps: list[list[int]]) -> np.ndarray:
+    """The logits of the last step when the steps run on a fresh executor with nothing refused."""
+    executor = StageExecutor(stage, 256)
+    track = BatchTrack(1, 256)
+    track.add_row(0)
+    for tokens in steps:
+        output = result(executor, track.step([tokens]))
+    assert output.logits is not None
+    return output.logits
+
+
+def test_a_duplicated_step_is_refused_and_the_next_step_computes_as_if_it_never_came(whole: Stage) -> None:
+    executor = StageExecutor(whole, 256)
+    track = BatchTrack(1, 256)
+    track.add_row(0)
+    first = track.step([PROMPT])
+    result(executor, first)
+    with pytest.raises(LedgerError, match="a duplicate or out of order"):
+        executor.run(first)
+    second = result(executor, track.step([[9]]))
+    assert second.logits is not None
+    np.testing.assert_array_equal(second.logits, reference_logits(whole, [PROMPT, [9]]))
+
+
+def test_a_refused_admission_keeps_the_micro_batch_it_would_have_admitted(whole: Stage) -> None:
+    executor = StageExecutor(whole, 256)
+    host = BatchTrack(1, 256)
+    host.add_row(0)
+    result(executor, host.step([PROMPT]))
+    newcomer = BatchTrack(2, 256)
+    newcomer.add_row(1)
+    result(executor, newcomer.step([[3, 4]]))
+    host.admit(1, 2, newcomer.next_position(1))
+    good = host.step([[9], [10]])
+    append = good.slot_deltas[-1]
+    assert isinstance(append, AppendSlots)
+    off_by_one = AppendSlots(append.count, append.live_counts, tuple(p + 1 for p in append.first_positions))
+    with pytest.raises(LedgerError, match="desync"):
+        executor.run(replace(good, slot_deltas=(*good.slot_deltas[:-1], off_by_one)))
+    assert executor.micro_batches == 2  # the newcomer's prefilled micro-batch is still held
+    merged = result(executor, good)
+    assert executor.micro_batches == 1
+    assert merged.logits is not None
+    np.testing.assert_array_equal(merged.logits[0], reference_logits(whole, [PROMPT, [9]])[0])
+
+
+def test_a_refused_first_step_leaves_no_micro_batch_behind(whole: Stage) -> None:
+    executor = StageExecutor(whole, 256)
+    for batch_id in range(1, 50):
+        track = BatchTrack(batch_id, 256)
+        track.add_row(0)
+        bad = replace(track.step([PROMPT]), input_ids=np.array([[5, 6, 7, 10**9]], dtype=np.int64))
+        with pytest.raises(LedgerError, match="outside the vocabulary"):
+            executor.run(bad)
+    assert executor.micro_batches == 0
+
+
+def test_inputs_that_do_not_fit_the_call_are_refused_by_name(whole: Stage, second_half: Stage) -> None:
+    executor = StageExecutor(whole, 256)
+    track = BatchTrack(1, 256)
+    track.add_row(0)
+    step = track.step([PROMPT])
+    with pytest.raises(LedgerError, match="input_ids outside the vocabulary"):
+        executor.run(replace(step, input_ids=np.array([[5, 6, 7, -5]], dtype=np.int64)))
+    later = StageExecutor(second_half, 256)
+    hidden = np.zeros((1, len(PROMPT), second_half.hidden_size), dtype=np.float32)
+    as_hidden = replace(step, input_ids=None, hidden_states=hidden)
+    with pytest.raises(LedgerError, match="hidden_states of shape"):
+        later.run(replace(as_hidden, hidden_states=hidden[..., :7]))
+    hidden[0, 1, 3] = np.nan
+    with pytest.raises(LedgerError, match="NaN or infinite"):
+        later.run(as_hidden)
+    assert later.micro_batches == 0
+
+
+def test_a_sampled_draft_outside_the_vocabulary_is_refused_before_the_call(whole: Stage) -> None:
+    executor = StageExecutor(whole, 256)
+    track = BatchTrack(1, 256)
+    track.add_row(0)
+    result(executor, track.step([PROMPT]))
+    sampling = SamplingInfo((0.8,), (0,), (1.0,), (7,))
+    draft = DraftInfo((2,), np.array([[3, whole.vocab_size + 5]], dtype=np.int64), one_hot=True)
+    bad = replace(copy.deepcopy(track).step([[9, 3, 4]], draft=draft), sampling=sampling)
+    with pytest.raises(LedgerError, match="draft tokens outside the vocabulary"):
+        executor.run(bad)
+    again = result(executor, track.step([[9]]))
+    assert again.logits is not None
+    np.testing.assert_array_equal(again.logits, reference_logits(whole, [PROMPT, [9]]))
