@@ -23,7 +23,6 @@ Pure code: numpy only.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -419,8 +418,9 @@ class Mirror(SlotTable):
     def fork(self) -> Mirror:
         """An independent copy, for a rehearsal or to restore after a refused step. Cheap: every delta
         replaces the arrays it changes instead of editing them, so the copy can share them."""
-        twin = copy.copy(self)
-        twin._order = copy.copy(self._order)
+        twin = Mirror(self.max_positions)
+        twin._mask, twin._next = self._mask, self._next
+        twin._order._pending, twin._order._state_rows = self._order._pending, self._order._state_rows
         return twin
 
     def rows_pending(self) -> bool:

@@ -278,3 +278,17 @@ def test_empty_rows_are_prefilled_inside_the_batch() -> None:
     assert position_ids(prefill).tolist() == [[0, 1, 2, 2, 2], [0, 1, 2, 3, 4]]
     assert ledger.dead_slots() == 2
     assert ledger.attention_mask().dtype == np.int64
+
+
+def test_a_forked_mirror_moves_on_its_own() -> None:
+    mirror = Mirror(64)
+    mirror.apply(AdmitRow(3))
+    mirror.apply(AdmitRow(5))
+    mirror.take_beam_idx()
+    twin = mirror.fork()
+    twin.apply(ReorderRows((1, 0)))
+    twin.apply(AppendSlots(2, (2, 1), (5, 3)))
+    twin.apply(InvalidateSlots(0, 6, 7))
+    assert mirror.rows_pending() is False and mirror.next_positions.tolist() == [3, 5]
+    assert mirror.mask.sum(axis=1).tolist() == [3, 5] and mirror.slots == 5
+    assert twin.take_beam_idx().tolist() == [1, 0] and twin.next_positions.tolist() == [6, 4]
