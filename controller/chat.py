@@ -6,12 +6,15 @@ last `deskfleet fleet deploy` of the model instead of an in-process pipeline.
 
 chat is a terminal conversation: each line read is a user turn; the whole conversation goes through the
 model's chat template (controller/tokenizer.py) and the reply streams to the output as it is decoded.
-`/reset` forgets the conversation, `/quit` (or end of input) leaves.
+`/reset` forgets the conversation, `/quit` (or end of input) leaves. A conversation that outgrows the
+model's context loses its oldest exchanges (the system prompt stays); a message too long to answer even
+alone is refused and the conversation kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import sys
 from collections.abc import Callable, Iterator
@@ -23,12 +26,12 @@ from typing import TYPE_CHECKING, TextIO
 from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.model_spec import load_manifest
 
-from .decoding_options import DecodingOptions, add_decoding_options, decoding_arguments
+from .decoding_options import DecodingOptions, add_decoding_options, decoding_arguments, non_negative_int, positive_int
 from .engine import Engine, StageChain, StreamRequest
 from .generation import GenerationError
 from .run import GenerateOptions, run_generate
 from .text_printer import TextPrinter
-from .tokenizer import ChatMessage, ModelTokenizer
+from .tokenizer import ChatMessage, ModelTokenizer, NotUtf8Error, check_utf8
 
 if TYPE_CHECKING:
     from .fleet_failover import FleetFailover
@@ -59,9 +62,9 @@ def add_chat_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     chat = subparsers.add_parser("chat", help="a terminal chat with streaming output (local or --fleet)")
     chat.add_argument("--model", type=Path, required=True, help="export folder (with its tokenizer)")
     add_fleet_option(chat)
-    chat.add_argument("--stages", type=int, default=1, help="in-process pipeline stages (local only)")
+    chat.add_argument("--stages", type=positive_int, default=1, help="in-process pipeline stages (local only)")
     chat.add_argument("--system", default=None, help="system prompt")
-    chat.add_argument("--max-new-tokens", type=int, default=256)
+    chat.add_argument("--max-new-tokens", type=positive_int, default=256)
     add_decoding_options(chat)
     add_compile_options(chat)
     chat.set_defaults(handler=_chat_command)
@@ -72,7 +75,7 @@ def add_fleet_option(parser: argparse.ArgumentParser) -> None:
                         help="run on the fleet's deployed chain (`deskfleet fleet deploy --model` first)")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="controller data dir for --fleet (default: $DESKFLEET_CONTROLLER_DIR or the platform's)")
-    parser.add_argument("--max-failovers", type=_count, default=DEFAULT_MAX_FAILOVERS,
+    parser.add_argument("--max-failovers", type=non_negative_int, default=DEFAULT_MAX_FAILOVERS,
                         help="--fleet: when a PC drops out mid-generation, re-plan over the others and resume, "
                              f"at most this many times per run (0: fail at once; default {DEFAULT_MAX_FAILOVERS})")
 
@@ -89,14 +92,22 @@ def generate_on_fleet(options: GenerateOptions, data_dir: Path | None, stream_te
     return report
 
 
-def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextIO | None = None) -> int:
-    """Converse until `lines` ends or says /quit; returns the number of replies given."""
+def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextIO | None = None,
+             notes: TextIO | None = None) -> int:
+    """Converse until `lines` ends or says /quit; returns the number of replies given.
+
+    Raises before reading a line when no message could ever fit the model's context (--max-new-tokens,
+    --system). A conversation that outgrows the context loses its oldest exchanges (the system turn stays);
+    a message that cannot be sent is refused and the conversation kept. Those notes go to `notes` (stderr).
+    """
     manifest = load_manifest(options.model)
     tokenizer = ModelTokenizer(options.model)
+    system = [ChatMessage("system", options.system)] if options.system else []
+    _check_room(tokenizer, system, options.max_new_tokens, manifest.spec.max_context)
     settings = options.target_settings()
     draft = options.open_drafter(settings)
     sampling = options.sampling()
-    history = [ChatMessage("system", options.system)] if options.system else []
+    turns: list[ChatMessage] = []  # user and assistant messages, alternating
     replies = 0
     with _open_chain(options, settings) as (chain, failover):
         micro_batches = getattr(chain, "num_stages", 1)
@@ -112,20 +123,26 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
             if not text:
                 continue
             if text == "/reset":
-                history = history[:1] if options.system else []
+                turns = []
                 continue
-            history.append(ChatMessage("user", text))
-            renumber = getattr(chain, "renumber", None)
-            if callable(renumber):
-                renumber()
-            engine = Engine(chain, manifest.spec, draft, engine_options)
+            message = ChatMessage("user", text)
             try:
-                engine.add(StreamRequest(tokenizer.encode_chat(history), options.max_new_tokens, sampling=sampling,
+                check_utf8(text, "this message")
+                prompt, dropped = _fit_prompt(tokenizer, system, turns, message, options.max_new_tokens,
+                                               manifest.spec.max_context)
+                renumber = getattr(chain, "renumber", None)
+                if callable(renumber):
+                    renumber()
+                engine = Engine(chain, manifest.spec, draft, engine_options)
+                engine.add(StreamRequest(prompt, options.max_new_tokens, sampling=sampling,
                                          seed=options.seed + replies))
-            except GenerationError as error:
-                out.write(f"[{error}; the conversation starts over]\n")
-                history = history[:1] if options.system else []
+            except (GenerationError, NotUtf8Error) as error:
+                _note(notes, f"[{error}: not sent; the conversation is unchanged]")
                 continue
+            if dropped:
+                exchanges = "exchange" if dropped == 2 else f"{dropped // 2} exchanges"
+                _note(notes, f"[the conversation outgrew the model's context of {manifest.spec.max_context} "
+                             f"tokens: dropped its oldest {exchanges}]")
             printer = TextPrinter(tokenizer, out)
             result = engine.run(on_token=printer.push, recover=failover)[0]
             if engine.failovers:
@@ -134,21 +151,55 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
             out.flush()
             eos = set(manifest.spec.eos_token_ids)
             reply_tokens = [token for token in result.tokens if token not in eos]
-            history.append(ChatMessage("assistant", tokenizer.decode(reply_tokens)))
+            turns = [*turns[dropped:], message, ChatMessage("assistant", tokenizer.decode(reply_tokens))]
             replies += 1
     return replies
 
 
 # Private functions
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
+def _check_room(tokenizer: ModelTokenizer, system: list[ChatMessage], max_new_tokens: int,
+                max_context: int) -> None:
+    """Raise GenerationError, naming the option, when not even a one-token message could get a reply."""
+    if max_new_tokens < 1:
+        raise GenerationError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if system:
+        check_utf8(system[0].content, "--system")
+    template = len(tokenizer.encode_chat([*system, ChatMessage("user", "")]))  # the template's own tokens
+    if template + 1 + max_new_tokens <= max_context:
+        return
+    if system:
+        raise GenerationError(
+            f"--system takes {template} tokens with the chat template; with --max-new-tokens {max_new_tokens} "
+            f"that leaves no room for a message in the model's context of {max_context} tokens "
+            "(shorten --system or give a smaller --max-new-tokens)")
+    raise GenerationError(
+        f"--max-new-tokens {max_new_tokens} and the chat template's {template} tokens leave no room for a "
+        f"message in the model's context of {max_context} tokens (give a smaller --max-new-tokens)")
+
+
+def _fit_prompt(tokenizer: ModelTokenizer, system: list[ChatMessage], turns: list[ChatMessage],
+                message: ChatMessage, max_new_tokens: int, max_context: int) -> tuple[list[int], int]:
+    """The prompt of the system turn, the latest `turns` and `message` that leaves room for a reply of
+    `max_new_tokens` in `max_context`, and how many of the oldest turns it leaves out (whole exchanges: a
+    user message and its reply). Raises GenerationError when `message` does not fit even alone."""
+    room = max_context - max_new_tokens
+    alone = tokenizer.encode_chat([*system, message])
+    if len(alone) > room:
+        raise GenerationError(
+            f"this message alone makes a prompt of {len(alone)} tokens; with --max-new-tokens {max_new_tokens} "
+            f"the model's context of {max_context} tokens leaves room for {room}")
+    for dropped in range(0, len(turns), 2):
+        prompt = tokenizer.encode_chat([*system, *turns[dropped:], message])
+        if len(prompt) <= room:
+            return prompt, dropped
+    return alone, len(turns)
+
+
+def _note(notes: TextIO | None, text: str) -> None:
+    stream = notes or sys.stderr
+    stream.write(text + "\n")
+    stream.flush()
 
 
 def _store(data_dir: Path | None) -> FleetStore:
@@ -204,6 +255,8 @@ def _chat_command(args: argparse.Namespace) -> int:
     options = ChatOptions(model=args.model, fleet_dir=(args.data_dir or default_data_dir()) if args.fleet else None,
                           max_failovers=args.max_failovers, stages=args.stages, system=args.system,
                           max_new_tokens=args.max_new_tokens, **decoding_arguments(args, compile_settings))
+    if isinstance(sys.stdin, io.TextIOWrapper):  # a line that is not UTF-8 reaches run_chat, which refuses it alone
+        sys.stdin.reconfigure(errors="surrogateescape")
     interactive = sys.stdin.isatty()
     run_chat(options, sys.stdin, sys.stdout, prompt_out=sys.stderr if interactive else None)
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -14,7 +15,7 @@ from deskfleet.agent.allocator import run_on_jemalloc
 from deskfleet.common.model_spec import ManifestError, WeightFormat
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.chat import add_chat_command, add_fleet_option
-from deskfleet.controller.decoding_options import add_decoding_options, decoding_arguments
+from deskfleet.controller.decoding_options import add_decoding_options, decoding_arguments, positive_int
 from deskfleet.controller.fleet_cli import add_fleet_commands
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ log = logging.getLogger("deskfleet")
 
 # Errors whose message is the whole story for the user: printed without a traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (ManifestError, FileNotFoundError, ValueError, RuntimeError)
+BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a program whose reader closed the pipe
 
 
 # Public methods
@@ -40,6 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader of our output left (e.g. `| head`): stop quietly, as `yes | head` does
+        _silence_stdout()
+        return BROKEN_PIPE_EXIT
     except USER_ERRORS as error:
         if args.verbose:
             raise
@@ -66,17 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="generate text with an exported model")
     generate.add_argument("--model", type=Path, required=True, help="export folder")
-    generate.add_argument("--stages", type=int, default=1, help="in-process pipeline stages")
+    generate.add_argument("--stages", type=positive_int, default=1, help="in-process pipeline stages")
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append", help="prompt text; repeat for concurrent streams")
-    prompt.add_argument("--prompts-file", type=Path, help="one prompt per line, run as concurrent streams")
+    prompt.add_argument("--prompts-file", type=Path,
+                        help="UTF-8 file, one prompt per line, run as concurrent streams; in a line \\n is a "
+                             "newline, \\t a tab, \\\\ a backslash")
     prompt.add_argument("--prompt-ids", action="append", help="comma-separated token ids, e.g. 1,2,3; repeatable")
-    generate.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--chat", action="store_true",
+                          help="wrap each text prompt in the model's chat template (not with --prompt-ids)")
+    generate.add_argument("--max-new-tokens", type=positive_int, default=64)
     generate.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     add_decoding_options(generate)
-    generate.add_argument("--max-rows", type=int, default=8, help="streams per micro-batch")
-    generate.add_argument("--micro-batches", type=int, default=None,
+    generate.add_argument("--max-rows", type=positive_int, default=8, help="streams per micro-batch")
+    generate.add_argument("--micro-batches", type=positive_int, default=None,
                           help="micro-batches in flight (default: the number of stages)")
     _add_compile_options(generate)
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -124,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     speculative.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-K variant")
     speculative.add_argument("--k-max", type=int, default=8, help="upper bound of adaptive K")
     speculative.add_argument("--prompts-file", type=Path, default=None,
-                             help="one prompt per line (\\n for newlines); default: the demo eval set")
+                             help="one prompt per line, read as generate's --prompts-file (\\n a newline, "
+                                  "\\t a tab, \\\\ a backslash); default: the demo eval set")
     speculative.add_argument("--eval-dir", type=Path, default=None,
                              help="folder of the demo model's evaluate.py (default assets/models/train)")
     speculative.add_argument("--prompts", type=int, default=12, help="how many prompts")
@@ -153,12 +162,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Private methods
 
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that Python's flush at exit does not fail on the closed pipe again."""
+    try:
+        descriptor = sys.stdout.fileno()
+    except (OSError, ValueError):  # not a real file (io.UnsupportedOperation is both)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, descriptor)
+    os.close(devnull)
+
+
 def _add_compile_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=["f32", "fast"], default="fast",
                         help="f32: exact (f32 compute and KV cache); fast: on a CPU f32 compute with int8 "
                              "dynamic quantization and a u8 KV cache, elsewhere the device's default")
     parser.add_argument("--device", default="CPU", help="OpenVINO device: CPU, GPU, NPU, AUTO")
-    parser.add_argument("--threads", type=int, default=None, help="inference threads per stage")
+    parser.add_argument("--threads", type=positive_int, default=None, help="inference threads per stage")
     parser.set_defaults(runs_models=True)
     parser.add_argument("--kv-cache", choices=KV_CACHE_PRECISIONS, default=None,
                         help="KV cache precision (default: f32 under --precision f32; under fast the device's "
@@ -240,7 +260,8 @@ def _bench_rollback(args: argparse.Namespace) -> int:
 
 
 def _bench_speculative(args: argparse.Namespace) -> int:
-    from deskfleet.controller.bench.speculative import read_prompts_file, run_speculative_bench
+    from deskfleet.controller.bench.speculative import run_speculative_bench
+    from deskfleet.controller.run import read_prompts_file
 
     report = run_speculative_bench(
         args.model, args.draft, ks=args.k, adaptive=not args.no_adaptive, lookup=not args.no_lookup, k_max=args.k_max,

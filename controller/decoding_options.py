@@ -1,7 +1,8 @@
 """How `deskfleet generate` and `deskfleet chat` decode: drafting, K, sampling and the target's compile settings.
 
 GenerateOptions (controller/run.py) and ChatOptions (controller/chat.py) extend DecodingOptions with what
-only they have; both CLIs fill these fields from the same options (`decoding_arguments`).
+only they have; both CLIs fill these fields from the same options (`decoding_arguments`). `non_negative_int`
+and `positive_int` are the argparse types of the CLI's whole-number options.
 """
 
 from __future__ import annotations
@@ -30,6 +31,18 @@ class DecodingOptions:
     seed: int = 0  # stream i (or reply i) samples with seed + i
     settings: CompileSettings = field(default_factory=CompileSettings)
 
+    def __post_init__(self) -> None:
+        """Refuse options that contradict each other or could only fail later, naming the CLI option."""
+        if self.k is not None and self.k < 0:
+            raise ValueError(f"--k must be 0 or more, got {self.k}")
+        if self.k == 0 and (self.draft is not None or self.prompt_lookup):
+            raise ValueError("--k 0 drafts no tokens, so --draft/--prompt-lookup would never be used: "
+                             "leave out --draft and --prompt-lookup, or give --k 1 or more")
+        if self.k_max < 1:
+            raise ValueError(f"--k-max must be 1 or more, got {self.k_max}")
+        if self.seed < 0:
+            raise ValueError(f"--seed must be 0 or more, got {self.seed}")
+
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
@@ -41,7 +54,7 @@ class DecodingOptions:
         return open_drafter(self.draft, self.prompt_lookup, settings)
 
     def engine_options(self, micro_batches: int, **more: Any) -> EngineOptions:
-        return EngineOptions(micro_batches=micro_batches, k_max=max(self.k_max, 1), fixed_k=self.k, **more)
+        return EngineOptions(micro_batches=micro_batches, k_max=self.k_max, fixed_k=self.k, **more)
 
 
 def add_decoding_options(parser: argparse.ArgumentParser) -> None:
@@ -50,12 +63,13 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
                         help="speculative with drafts copied from the context; alone: no draft model; with "
                              "--draft: copied tokens where the context repeats itself, the draft model elsewhere. "
                              "Like --draft, greedy output equals plain decoding in --precision f32")
-    parser.add_argument("--k", type=int, default=None, help="fixed number of draft tokens (default: adaptive)")
-    parser.add_argument("--k-max", type=int, default=8, help="upper bound of adaptive K")
+    k = parser.add_mutually_exclusive_group()
+    k.add_argument("--k", type=non_negative_int, default=None, help="fixed number of draft tokens (default: adaptive)")
+    k.add_argument("--k-max", type=positive_int, default=8, help="upper bound of adaptive K (default 8)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="stream (or reply) i samples with seed + i")
 
 
 def decoding_arguments(args: argparse.Namespace, settings: CompileSettings) -> dict[str, Any]:
@@ -63,3 +77,23 @@ def decoding_arguments(args: argparse.Namespace, settings: CompileSettings) -> d
     return {"draft": args.draft, "prompt_lookup": args.prompt_lookup, "k": args.k, "k_max": args.k_max,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
             "settings": settings}
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: a whole number, 0 or more."""
+    return _whole_number(text, minimum=0)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number, 1 or more."""
+    return _whole_number(text, minimum=1)
+
+
+def _whole_number(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be {minimum} or more, got {value}")
+    return value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from contextlib import AbstractContextManager, nullcontext
@@ -15,7 +16,11 @@ from .engine import Engine, Recover, StageChain, StreamRequest
 from .generation import GenerationError
 from .pipeline import LocalPipeline
 from .text_printer import TextPrinter
-from .tokenizer import ChatMessage, ModelTokenizer
+from .tokenizer import ChatMessage, ModelTokenizer, check_utf8
+
+# The escapes of a --prompts-file line: \n a newline, \t a tab, \\ a backslash (others stay as written).
+_PROMPT_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+_PROMPT_ESCAPE = re.compile(r"\\(.)")
 
 
 @dataclass(frozen=True)
@@ -31,19 +36,41 @@ class GenerateOptions(DecodingOptions):
     max_rows: int = 8
     micro_batches: int | None = None
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.chat and self.prompt_ids is not None:
+            raise ValueError("--chat wraps text prompts in the chat template; --prompt-ids are used as given: "
+                             "give text prompts with --chat, or leave out --chat")
+
 
 def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[list[int]]:
     if options.prompt_ids is not None:
         return options.prompt_ids
-    texts = list(options.prompts or [])
+    texts = [(f"--prompt {number}", text) for number, text in enumerate(options.prompts or [], start=1)]
     if options.prompts_file is not None:
-        lines = options.prompts_file.read_text(encoding="utf-8").splitlines()
-        texts += [line.replace("\\n", "\n") for line in lines if line.strip()]
+        texts += [(f"prompt {number} of --prompts-file {options.prompts_file}", text)
+                  for number, text in enumerate(read_prompts_file(options.prompts_file), start=1)]
     if not texts:
         raise GenerationError("no prompt given")
+    for what, text in texts:
+        check_utf8(text, what)
     if options.chat:
-        return [tokenizer.encode_chat([ChatMessage("user", text)]) for text in texts]
-    return [tokenizer.encode(text) for text in texts]
+        return [tokenizer.encode_chat([ChatMessage("user", text)]) for _, text in texts]
+    return [tokenizer.encode(text) for _, text in texts]
+
+
+def read_prompts_file(path: Path) -> list[str]:
+    """One prompt per non-empty line of a UTF-8 file (a BOM is skipped), with escapes for what a line cannot
+    hold: `\\n` a newline, `\\t` a tab, `\\\\` a backslash; any other backslash stays as it is.
+    `deskfleet generate --prompts-file` and `deskfleet bench speculative --prompts-file` read it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--prompts-file {path}: not UTF-8 text (it holds the byte "
+                         f"0x{error.object[error.start]:02x}); save it as UTF-8") from None
+    except OSError as error:
+        raise ValueError(f"--prompts-file {path}: {error.strerror or error}") from None
+    return [_PROMPT_ESCAPE.sub(_unescape, line) for line in text.splitlines() if line.strip()]
 
 
 def run_generate(options: GenerateOptions, stream_text: bool = False, chain: StageChain | None = None,
@@ -93,3 +120,7 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
         report["accepted_histogram"] = {str(k): v for k, v in engine.accepted_histogram().items()}
         report["mean_accepted"] = round(engine.mean_accepted(), 4)
     return report
+
+
+def _unescape(match: re.Match[str]) -> str:
+    return _PROMPT_ESCAPES.get(match[1], match[0])

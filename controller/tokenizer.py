@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -13,6 +14,10 @@ from tokenizers import Tokenizer
 
 class ChatTemplateError(ValueError):
     """The model has no chat template, or rendering it failed."""
+
+
+class NotUtf8Error(ValueError):
+    """Text that came from bytes that are not UTF-8 (Python keeps those as lone surrogates): not encodable."""
 
 
 @dataclass(frozen=True)
@@ -28,9 +33,12 @@ class ModelTokenizer:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
-        self._tokenizer = Tokenizer.from_file(str(path))
+        try:
+            self._tokenizer = Tokenizer.from_file(str(path))
+        except Exception as error:  # tokenizers raises a bare Exception for a file it cannot read
+            raise ValueError(f"{path} is not a valid tokenizer file: {error}") from error
         config_path = model_dir / "tokenizer_config.json"
-        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        config = _read_config(config_path) if config_path.is_file() else {}
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         template_path = model_dir / "chat_template.jinja"
@@ -42,6 +50,7 @@ class ModelTokenizer:
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        check_utf8(text, "the text")
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -68,6 +77,27 @@ class ModelTokenizer:
     def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
         """Token ids of a rendered conversation (the template writes its own special tokens)."""
         return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+
+def check_utf8(text: str, what: str) -> None:
+    """Raise NotUtf8Error naming `what` (e.g. "--prompt 1") when `text` holds bytes that were not UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        character = text[error.start]
+        shown = (f"byte 0x{ord(character) - 0xDC00:02x}" if 0xDC80 <= ord(character) <= 0xDCFF
+                 else f"character {character!r}")
+        raise NotUtf8Error(f"{what} is not valid UTF-8 text ({shown} at character {error.start})") from None
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:  # ValueError: not UTF-8, or not JSON
+        raise ValueError(f"{path} cannot be read as JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(config).__name__}")
+    return config
 
 
 def _token_text(value: object) -> str | None:

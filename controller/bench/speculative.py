@@ -3,7 +3,8 @@
 Prompts: held-out code prompts of the demo model's evaluation set (assets/models/train/evaluate.py:
 the function signatures + docstrings of the held-out standard-library modules, the same random pick of
 `--prompts` as its acceptance figure; the pool as the corpus's Python has them is shipped beside it in
-heldout_prompts.json), or one prompt per line of `--prompts-file` ("\\n" for newlines).
+heldout_prompts.json), or one prompt per line of `--prompts-file` (read as generate reads it:
+controller/run.py read_prompts_file, "\\n" for newlines).
 
 Variants, each on the same 1-stage LocalPipeline:
     plain             no draft: one target call per token
@@ -163,12 +164,6 @@ def variant_fixed_k(name: str) -> int | None:
     """The K a variant fixes (None: adaptive, or plain)."""
     _, _, k = name.removeprefix(LOOKUP_FIRST).removeprefix(LOOKUP).partition("k=")
     return int(k) if k else None
-
-
-def read_prompts_file(path: Path) -> list[str]:
-    """One prompt per non-empty line; a literal backslash-n stands for a newline."""
-    return [line.replace("\\n", "\n") for line in Path(path).read_text(encoding="utf-8").splitlines()
-            if line.strip()]
 
 
 def heldout_code_prompts(eval_dir: Path, count: int, stdlib: Path | None = None) -> list[str]:

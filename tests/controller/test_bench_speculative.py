@@ -23,12 +23,12 @@ from deskfleet.controller.bench.speculative import (
     heldout_prompt_pool,
     predicted_speedup,
     read_prompt_pool,
-    read_prompts_file,
     run_speculative_bench,
     variant_drafter,
     variant_fixed_k,
     variant_names,
 )
+from deskfleet.controller.run import read_prompts_file
 
 EVAL_DIR = Path(__file__).resolve().parents[2] / "assets" / "models" / "train"
 

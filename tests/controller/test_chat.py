@@ -7,6 +7,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,7 @@ from deskfleet.controller import chat
 from deskfleet.controller.chat import ChatOptions, run_chat
 from deskfleet.controller.engine import ChainBroken
 from deskfleet.controller.export.random_checkpoint import CHAT_TEMPLATE
+from deskfleet.controller.generation import GenerationError
 from deskfleet.controller.pipeline import LocalPipeline
 from deskfleet.controller.run import GenerateOptions, run_generate
 from deskfleet.controller.tokenizer import ChatMessage, ModelTokenizer
@@ -96,3 +98,74 @@ def test_a_chat_whose_chain_breaks_resumes_and_keeps_the_new_chain(tmp_path: Pat
     assert run_chat(ChatOptions(model=model, max_new_tokens=10, settings=settings), io.StringIO(turns), out) == 2
     assert out.getvalue() == plain.getvalue()
     assert len(recovered) == 1  # the second turn ran on the new chain, not the broken one
+
+
+def _chat_model(tmp_path: Path, tiny_export: Path) -> Path:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_export, model)
+    (model / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return model
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"max_new_tokens": 600}, "--max-new-tokens 600 and the chat template's"),
+    ({"max_new_tokens": 8, "system": "s" * 480}, "--system takes 531 tokens with the chat template"),
+])
+def test_a_chat_that_cannot_fit_a_message_is_refused_before_reading(tmp_path: Path, tiny_export: Path,
+                                                                   fields: dict[str, Any], message: str) -> None:
+    lines = io.StringIO("hello\n")
+    with pytest.raises(GenerationError, match=message):
+        run_chat(ChatOptions(model=_chat_model(tmp_path, tiny_export), **fields), lines, io.StringIO())
+    assert lines.tell() == 0
+
+
+def test_the_chat_command_exits_2_when_no_message_fits(tiny_export: Path, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from deskfleet.controller.cli import main
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--model", str(tiny_export), "--max-new-tokens", "512"]) == 2
+    assert "leave no room for a message in the model's context of 512 tokens" in capsys.readouterr().err
+
+
+def test_a_long_chat_drops_its_oldest_exchanges_and_answers(tmp_path: Path, tiny_export: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # A byte tokenizer and a context of 512: each 150-letter exchange takes ~190 tokens, so the third
+    # message fits only without the first exchange.
+    seen: list[list[ChatMessage]] = []
+    encode_chat = ModelTokenizer.encode_chat
+
+    def recording(self: ModelTokenizer, messages: list[ChatMessage]) -> list[int]:
+        seen.append(messages)
+        return encode_chat(self, messages)
+
+    monkeypatch.setattr(ModelTokenizer, "encode_chat", recording)
+    out, notes = io.StringIO(), io.StringIO()
+    turns = "".join(f"{letter * 150}\n" for letter in "abc")
+    options = ChatOptions(model=_chat_model(tmp_path, tiny_export), max_new_tokens=4,
+                          settings=CompileSettings(precision=Precision.F32))
+    assert run_chat(options, io.StringIO(turns), out, notes=notes) == 3
+    assert notes.getvalue() == ("[the conversation outgrew the model's context of 512 tokens: "
+                                "dropped its oldest exchange]\n")
+    sent = seen[-1]
+    assert [m.role for m in sent] == ["user", "assistant", "user"]
+    assert [sent[0].content, sent[2].content] == ["b" * 150, "c" * 150]
+
+
+def test_a_message_that_cannot_be_sent_keeps_the_conversation(tmp_path: Path, tiny_export: Path) -> None:
+    # Too long alone, or not UTF-8 (a byte that surrogateescape kept): refused with a note, and the
+    # next message continues the conversation as if they had never been typed.
+    model = _chat_model(tmp_path, tiny_export)
+    options = ChatOptions(model=model, max_new_tokens=6, settings=CompileSettings(precision=Precision.F32))
+    plain = io.StringIO()
+    run_chat(options, io.StringIO("hello there\nagain, please\n"), plain, notes=io.StringIO())
+    out, notes = io.StringIO(), io.StringIO()
+    lines = io.StringIO(f"hello there\n{'x' * 600}\nd\udcffef f():\nagain, please\n")
+    assert run_chat(options, lines, out, notes=notes) == 2
+    assert out.getvalue() == plain.getvalue()
+    assert notes.getvalue().splitlines() == [
+        "[this message alone makes a prompt of 632 tokens; with --max-new-tokens 6 the model's context of 512 "
+        "tokens leaves room for 506: not sent; the conversation is unchanged]",
+        "[this message is not valid UTF-8 text (byte 0xff at character 1): not sent; the conversation is unchanged]"]

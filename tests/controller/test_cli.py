@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -40,16 +41,15 @@ def test_generate_several_prompts(tiny_export: Path, capsys: pytest.CaptureFixtu
     (["--prompt-ids", "1,x"], "comma-separated integers"),
     (["--prompt-ids", "1,2", "--max-new-tokens", "100000"], "exceed the model's context"),
     (["--prompt-ids", "1,2", "--stages", "9"], "cannot split 4 layers into 9 stages"),
-    (["--prompt-ids", "1,2", "--chat"], ""),
+    (["--prompt-ids", "1,2", "--chat"], "--chat wraps text prompts"),
+    (["--prompt-ids", "1,2", "--k", "0", "--draft", "d"], "--k 0 drafts no tokens"),
+    (["--prompt-ids", "1,2", "--k", "0", "--prompt-lookup"], "--k 0 drafts no tokens"),
     (["--prompt-ids", "1,2", "--precision", "f32", "--kv-cache", "u8"], "f32 is exact"),
 ])
 def test_generate_errors(tiny_export: Path, capsys: pytest.CaptureFixture[str], args: list[str],
                          message: str) -> None:
     code, _, err = run(capsys, "generate", "--model", str(tiny_export), *args)
-    if message:
-        assert code == 2 and message in err
-    else:
-        assert code == 0  # --chat applies to text prompts only; ids are used as given
+    assert code == 2 and message in err
 
 
 def test_wrong_model_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -110,14 +110,93 @@ def test_generate_and_chat_read_the_same_decoding_options() -> None:
     from deskfleet.controller.cli import _compile_settings, build_parser
     from deskfleet.controller.decoding_options import DecodingOptions, decoding_arguments
 
-    decoding = ["--draft", "d", "--prompt-lookup", "--k", "3", "--k-max", "6", "--temperature", "0.7",
+    decoding = ["--draft", "d", "--prompt-lookup", "--k", "3", "--temperature", "0.7",
                 "--top-k", "5", "--top-p", "0.9", "--seed", "11"]
     parser = build_parser()
     generate = parser.parse_args(["generate", "--model", "m", "--prompt", "p", *decoding])
     chat = parser.parse_args(["chat", "--model", "m", *decoding])
     options = [DecodingOptions(**decoding_arguments(args, _compile_settings(args))) for args in (generate, chat)]
     assert options[0] == options[1]
-    assert options[0] == DecodingOptions(draft=Path("d"), prompt_lookup=True, k=3, k_max=6, temperature=0.7,
+    assert options[0] == DecodingOptions(draft=Path("d"), prompt_lookup=True, k=3, temperature=0.7,
                                          top_k=5, top_p=0.9, seed=11, settings=_compile_settings(generate))
     assert options[0].target_settings().kv_cache == "f32"  # a fast CPU target that drafts keeps an f32 cache
     assert options[0].engine_options(2).fixed_k == 3
+
+
+@pytest.mark.parametrize(("command", "args", "message"), [
+    ("generate", ["--micro-batches", "0"], "argument --micro-batches: must be 1 or more, got 0"),
+    ("generate", ["--micro-batches", "-1"], "argument --micro-batches: must be 1 or more, got -1"),
+    ("generate", ["--max-rows", "0"], "argument --max-rows: must be 1 or more"),
+    ("generate", ["--stages", "0"], "argument --stages: must be 1 or more"),
+    ("generate", ["--threads", "0"], "argument --threads: must be 1 or more"),
+    ("generate", ["--max-new-tokens", "x"], "argument --max-new-tokens: expected a whole number, got 'x'"),
+    ("generate", ["--seed", "-1"], "argument --seed: must be 0 or more, got -1"),
+    ("generate", ["--k-max", "0"], "argument --k-max: must be 1 or more, got 0"),
+    ("generate", ["--k", "-1"], "argument --k: must be 0 or more"),
+    ("generate", ["--k", "2", "--k-max", "4"], "argument --k-max: not allowed with argument --k"),
+    ("chat", ["--stages", "0"], "argument --stages: must be 1 or more"),
+    ("chat", ["--seed", "-3"], "argument --seed: must be 0 or more"),
+    ("chat", ["--k-max", "-2"], "argument --k-max: must be 1 or more"),
+    ("chat", ["--k", "1", "--k-max", "4"], "argument --k-max: not allowed with argument --k"),
+])
+def test_counts_and_conflicting_options_are_refused_when_parsed(capsys: pytest.CaptureFixture[str], command: str,
+                                                                args: list[str], message: str) -> None:
+    from deskfleet.controller.cli import build_parser
+
+    prompt = ["--prompt", "p"] if command == "generate" else []
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([command, "--model", "m", *prompt, *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_decoding_options_refuse_what_the_cli_refuses() -> None:
+    from deskfleet.controller.decoding_options import DecodingOptions
+
+    for fields, message in [({"k_max": 0}, "--k-max must be 1 or more"), ({"seed": -1}, "--seed must be 0 or more"),
+                            ({"k": 0, "draft": Path("d")}, "--k 0 drafts no tokens")]:
+        with pytest.raises(ValueError, match=message):
+            DecodingOptions(**fields)  # type: ignore[arg-type]
+    assert DecodingOptions(k=0).engine_options(1).fixed_k == 0  # no drafter: K is moot, not an error
+
+
+def test_prompts_file_skips_a_bom_and_has_complete_escapes(tmp_path: Path) -> None:
+    from deskfleet.controller.run import read_prompts_file
+
+    path = tmp_path / "prompts.txt"
+    path.write_bytes("\ufeffdef f():\\n\\treturn 1\n\n".encode() + rb"C:\\new\\x \d \\\n \ " + b"\r\n")
+    assert read_prompts_file(path) == ["def f():\n\treturn 1", "C:\\new\\x \\d \\\n \\ "]
+
+
+@pytest.mark.parametrize("content", [None, b"ok\n\xff\xfe\n"])
+def test_an_unreadable_prompts_file_is_named(tiny_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             content: bytes | None) -> None:
+    path = tmp_path / "prompts.txt"
+    if content is None:
+        path.mkdir()  # a directory: OSError
+    else:
+        path.write_bytes(content)
+    code, _, err = run(capsys, "generate", "--model", str(tiny_export), "--prompts-file", str(path))
+    assert code == 2 and f"--prompts-file {path}: " in err and "Traceback" not in err
+    assert ("Is a directory" if content is None else "not UTF-8 text (it holds the byte 0xff)") in err
+
+
+def test_a_prompt_that_is_not_utf8_is_named(tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A byte that is not UTF-8 on the command line reaches Python as a lone surrogate (surrogateescape).
+    code, _, err = run(capsys, "generate", "--model", str(tiny_export), "--prompt", "ok", "--prompt", "def f\udcff():")
+    assert code == 2 and "--prompt 2 is not valid UTF-8 text (byte 0xff at character 5)" in err
+
+
+def test_a_closed_output_pipe_ends_the_run_quietly(tiny_export: Path, capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from deskfleet.controller.cli import BROKEN_PIPE_EXIT
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    code = main(["generate", "--model", str(tiny_export), "--prompt", "def f(x):", "--max-new-tokens", "4",
+                 "--ignore-eos"])
+    assert code == BROKEN_PIPE_EXIT and capsys.readouterr().err == ""

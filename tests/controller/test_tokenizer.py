@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from deskfleet.controller.tokenizer import ChatMessage, ChatTemplateError, ModelTokenizer
+from deskfleet.controller.tokenizer import ChatMessage, ChatTemplateError, ModelTokenizer, NotUtf8Error, check_utf8
 
 
 def test_encoding_and_chat_template_match_transformers(tiny_export: Path) -> None:
@@ -30,3 +31,25 @@ def test_missing_template_is_a_clear_error(tiny_export: Path, tmp_path: Path) ->
         ModelTokenizer(tmp_path).render_chat([ChatMessage("user", "hi")])
     with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
         ModelTokenizer(tmp_path / "nothing")
+
+
+def test_broken_tokenizer_files_are_named(tiny_export: Path, tmp_path: Path) -> None:
+    tokenizer_json = tmp_path / "tokenizer.json"
+    tokenizer_json.write_text((tiny_export / "tokenizer.json").read_text()[:200])  # cut short
+    with pytest.raises(ValueError, match=f"{re.escape(str(tokenizer_json))} is not a valid tokenizer file"):
+        ModelTokenizer(tmp_path)
+    tokenizer_json.write_bytes((tiny_export / "tokenizer.json").read_bytes())
+    config = tmp_path / "tokenizer_config.json"
+    for content, message in [("{not json", "cannot be read as JSON"), ("[1]", "must hold a JSON object")]:
+        config.write_text(content)
+        with pytest.raises(ValueError, match=f"{re.escape(str(config))} {message}"):
+            ModelTokenizer(tmp_path)
+
+
+def test_text_that_is_not_utf8_is_refused_by_name(tiny_export: Path) -> None:
+    tokenizer = ModelTokenizer(tiny_export)
+    with pytest.raises(NotUtf8Error, match=r"the text is not valid UTF-8 text \(byte 0xff at character 2\)"):
+        tokenizer.encode("ab\udcffc")  # what surrogateescape makes of the byte 0xff
+    with pytest.raises(NotUtf8Error, match="--system is not valid UTF-8"):
+        check_utf8("\ud800", "--system")
+    check_utf8("ünïcode ✓", "--prompt 1")
