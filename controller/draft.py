@@ -22,7 +22,7 @@ import numpy.typing as npt
 from deskfleet.agent.stage import CompileSettings, LayerRange, Stage
 from deskfleet.agent.stage_executor import StageExecutor
 from deskfleet.common.kv_ledger import CompactionPolicy
-from deskfleet.common.model_spec import load_manifest
+from deskfleet.common.model_spec import ModelSpec, load_manifest
 from deskfleet.common.speculative import SamplingParams, sample, sampling_probs
 from deskfleet.common.wire import ForwardResult
 
@@ -55,8 +55,8 @@ class Drafter(Protocol):
     """What the engine asks of a drafter. Micro-batches mirror the target's by stream id (only speculative
     streams have a draft row); calls come from the driver's thread."""
 
-    def check_compatible(self, vocab_size: int) -> None:
-        """Refuse a target it cannot draft for."""
+    def check_compatible(self, target: ModelSpec) -> None:
+        """Refuse a target it cannot draft for (ValueError naming why)."""
 
     def prefill(self, micro_batch_id: int, stream_id: int, prompt: list[int]) -> None:
         """A new one-row micro-batch holding this stream's prompt."""
@@ -93,10 +93,14 @@ class DraftModel:
         self._tracks: dict[int, BatchTrack] = {}
         self._seen: dict[int, int] = {}
 
-    def check_compatible(self, vocab_size: int) -> None:
-        if self.spec.vocab_size != vocab_size:
+    def check_compatible(self, target: ModelSpec) -> None:
+        if self.spec.vocab_size != target.vocab_size:
             raise ValueError(f"the draft's vocabulary ({self.spec.vocab_size}) differs from the target's "
-                             f"({vocab_size}): they must share a tokenizer")
+                             f"({target.vocab_size}): they must share a tokenizer")
+        if self.spec.max_context < target.max_context:
+            raise ValueError(f"the draft's context ({self.spec.max_context} positions) is shorter than the "
+                             f"target's ({target.max_context}): a stream would outgrow the draft mid-generation; "
+                             f"export the draft with --max-context {target.max_context}")
 
     # Public methods
 
@@ -167,7 +171,10 @@ class DraftModel:
             self.release(micro_batch_id)
 
     def release(self, micro_batch_id: int) -> None:
-        self._tracks.pop(micro_batch_id, None)
+        track = self._tracks.pop(micro_batch_id, None)
+        if track is not None:
+            for source in track.admit_from:  # merged streams whose admission never stepped: their prefill
+                self._executor.release(source)
         self._executor.release(micro_batch_id)
 
     def compact(self, micro_batch_id: int, policy: CompactionPolicy) -> None:

@@ -93,6 +93,15 @@ class EngineOptions:
     fixed_k: int | None = None
     compaction: CompactionPolicy = field(default_factory=CompactionPolicy)
 
+    def __post_init__(self) -> None:
+        if self.max_rows < 1 or self.micro_batches < 1:
+            raise ValueError(f"max_rows and micro_batches must be at least 1, got {self.max_rows} and "
+                             f"{self.micro_batches}")
+        if not 1 <= self.k_min <= self.k_max:
+            raise ValueError(f"need 1 <= k_min <= k_max, got {self.k_min} and {self.k_max}")
+        if self.fixed_k is not None and self.fixed_k < 0:
+            raise ValueError(f"fixed_k must be 0 or more, got {self.fixed_k}")
+
 
 @dataclass
 class _Stream:
@@ -143,7 +152,7 @@ class Engine:
         self.draft = draft
         self.options = options = options or EngineOptions()
         if draft is not None:
-            draft.check_compatible(spec.vocab_size)
+            draft.check_compatible(spec)
         fixed = options.fixed_k
         self.k_policy = AdaptiveK.fixed(fixed) if fixed is not None else AdaptiveK(options.k_min, options.k_max)
         self._streams: dict[int, _Stream] = {}

@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from deskfleet.common.kv_ledger import CompactionPolicy
+from deskfleet.common.model_spec import ModelSpec
 
 from .draft import DraftModel, DraftRow, Proposal
 from .prompt_lookup import DEFAULT_MAX_NGRAM, check_ngrams, lookup_continuation
@@ -41,8 +42,8 @@ class LookupFirstDraft:
 
     # Public methods: the model's bookkeeping, unchanged
 
-    def check_compatible(self, vocab_size: int) -> None:
-        self.model.check_compatible(vocab_size)
+    def check_compatible(self, target: ModelSpec) -> None:
+        self.model.check_compatible(target)
 
     def prefill(self, micro_batch_id: int, stream_id: int, prompt: list[int]) -> None:
         self.model.prefill(micro_batch_id, stream_id, prompt)

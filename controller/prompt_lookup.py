@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from deskfleet.common.kv_ledger import CompactionPolicy
+from deskfleet.common.model_spec import ModelSpec
 
 from .draft import DraftRow, Proposal
 
@@ -71,7 +72,7 @@ class PromptLookupDraft:
         self.min_ngram = min_ngram
         self._batches: dict[int, set[int]] = {}  # micro-batch -> its speculative streams
 
-    def check_compatible(self, vocab_size: int) -> None:
+    def check_compatible(self, target: ModelSpec) -> None:
         pass  # any target: the proposals are its own tokens
 
     # Public methods: micro-batch bookkeeping (there is no draft state to keep)

@@ -294,3 +294,31 @@ def test_prompt_lookup_sampling_draws_from_the_target_distribution(
         assert histogram[0] > 0 and histogram[1] + histogram[2] > 0, histogram  # rejections and acceptances
         if isinstance(drafter, LookupFirstDraft):
             assert drafter.copied_rounds > 0 and drafter.drafted_rounds > 0
+
+
+def test_a_draft_with_a_shorter_context_is_refused(target: Path, checkpoint_factory: Callable[..., Path],
+                                                   export_factory: Callable[[Path, str], Path]) -> None:
+    manifest = load_manifest(target)
+    short = export_factory(checkpoint_factory("engine-draft-short", num_hidden_layers=1,
+                                              max_position_embeddings=manifest.spec.max_context // 2), "f32")
+    with LocalPipeline(target, 1, F32, manifest) as pipeline, \
+            pytest.raises(ValueError, match=f"--max-context {manifest.spec.max_context}"):
+        Engine(pipeline, manifest.spec, DraftModel(short, F32))
+
+
+def test_the_draft_model_holds_no_state_after_a_run(target: Path, other_draft: Path,
+                                                    solo: dict[int, list[int]]) -> None:
+    """Streams merged into a draft micro-batch that never drafted (K=0 here; in practice every round
+    copied by prompt lookup) still free the prefills they were merged from."""
+    drafter = DraftModel(other_draft, F32)
+    requests = [StreamRequest(PROMPTS[index], max_new_tokens=40, ignore_eos=True) for index in range(3)]
+    outputs = run_streams(target, requests, draft=drafter, options=EngineOptions(fixed_k=0, max_rows=4))
+    assert outputs == [solo[index] for index in range(3)]
+    assert drafter._executor.micro_batches == 0 and not drafter._tracks
+
+
+@pytest.mark.parametrize("options", [dict(max_rows=0), dict(micro_batches=0), dict(k_min=0), dict(k_min=5, k_max=4),
+                                     dict(fixed_k=-1)])
+def test_engine_options_out_of_range_are_refused(options: dict[str, int]) -> None:
+    with pytest.raises(ValueError):
+        EngineOptions(**options)  # type: ignore[arg-type]

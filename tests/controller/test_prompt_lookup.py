@@ -44,7 +44,6 @@ def test_k_and_ngram_bounds() -> None:
 
 def test_proposals_say_one_hot_and_carry_no_distributions() -> None:
     drafter = PromptLookupDraft()
-    drafter.check_compatible(16)
     drafter.prefill(0, 10, [1, 2, 3])
     drafter.prefill(1, 11, [1, 5])
     drafter.merge(0, 11, 1)
