@@ -160,8 +160,8 @@ class StageExecutor:
         if output.hidden is not None:
             return replace(message, input_ids=None, hidden_states=output.hidden)
         assert output.next_tokens is not None
-        if output.next_tokens.size and not 0 <= int(output.next_tokens.min()) <= int(output.next_tokens.max()) \
-                < self.stage.vocab_size:
+        chosen = output.next_tokens[_live_positions(inputs.append, output.next_tokens.shape[1])]
+        if chosen.size and not 0 <= int(chosen.min()) <= int(chosen.max()) < self.stage.vocab_size:
             raise RuntimeError(f"micro-batch {message.micro_batch_id} step {message.step_id}: the stage chose a "
                                "token outside the vocabulary (its hidden states were not finite)")
         next_tokens, accepted = verify(inputs.append, output.next_tokens, output.logits, message.draft,
@@ -233,7 +233,8 @@ class StageExecutor:
         if hidden.shape != (rows, count, self.stage.hidden_size):
             raise LedgerError(f"hidden_states of shape {list(hidden.shape)} for a call of {rows} rows x {count} "
                               f"tokens x hidden size {self.stage.hidden_size}")
-        if not np.isfinite(hidden).all():
+        # a row with no live slot at all (idle in this step) attends to nothing: its positions are NaN
+        if not np.isfinite(hidden[_live_positions(inputs.append, count)]).all():
             raise LedgerError("hidden_states hold NaN or infinite values")
         return hidden
 
@@ -367,6 +368,16 @@ def _row_params(sampling: SamplingInfo | None, row: int) -> SamplingParams | Non
         return None
     return SamplingParams(temperature=sampling.temperatures[row], top_k=sampling.top_ks[row],
                           top_p=sampling.top_ps[row])
+
+
+def _live_positions(append: AppendSlots, width: int) -> npt.NDArray[np.bool_]:
+    """[B, width]: True at the positions that carry a row's own tokens in this call (its live ones),
+    False at pad positions and in rows that feed nothing. With width 1 (the last stage without a draft:
+    each row's last live position alone) True for every row that fed a token."""
+    live = np.array(append.live_counts, dtype=np.int64)[:, None]  # [B, 1]
+    if width == 1:
+        return live > 0
+    return np.arange(width)[None, :] < live
 
 
 def _check_agrees(message: Forward, inputs: StepInputs) -> None:

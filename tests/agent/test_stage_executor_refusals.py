@@ -130,3 +130,25 @@ def test_a_sampled_draft_outside_the_vocabulary_is_refused_before_the_call(whole
     again = result(executor, track.step([[9]]))
     assert again.logits is not None
     np.testing.assert_array_equal(again.logits, reference_logits(whole, [PROMPT, [9]]))
+
+
+def test_a_row_with_no_live_slot_is_no_fault(tiny_export: Path, whole: Stage, second_half: Stage) -> None:
+    """A row that feeds nothing and holds no slot yet attends to nothing: in `fast` precision its positions
+    can come out NaN (seen with a 1.1B model) and its argmax past the vocabulary. That is not a bad input:
+    the next stage takes the hidden states and the last stage's result ignores the row."""
+    manifest = load_manifest(tiny_export)
+    layers = manifest.spec.num_layers
+    first_half = Stage(tiny_export, manifest, LayerRange(0, layers // 2, layers),
+                       CompileSettings(precision=Precision.F32))
+    first, last = StageExecutor(first_half, 256), StageExecutor(second_half, 256)
+    track = BatchTrack(1, 256)
+    track.add_row(0)
+    track.add_row(1)
+    step = track.step([PROMPT, []])
+    hidden = first.run(step)
+    assert isinstance(hidden, Forward) and hidden.hidden_states is not None
+    states = np.array(hidden.hidden_states)
+    states[1] = np.nan  # what the plugin may make of a row that attends to nothing
+    output = result(last, replace(hidden, hidden_states=states))
+    assert output.logits is not None
+    np.testing.assert_array_equal(output.logits[0], reference_logits(whole, [PROMPT])[0])
