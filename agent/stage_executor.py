@@ -160,10 +160,14 @@ class StageExecutor:
         if output.hidden is not None:
             return replace(message, input_ids=None, hidden_states=output.hidden)
         assert output.next_tokens is not None
-        chosen = output.next_tokens[_live_positions(inputs.append, output.next_tokens.shape[1])]
-        if chosen.size and not 0 <= int(chosen.min()) <= int(chosen.max()) < self.stage.vocab_size:
-            raise RuntimeError(f"micro-batch {message.micro_batch_id} step {message.step_id}: the stage chose a "
-                               "token outside the vocabulary (its hidden states were not finite)")
+        live = _live_positions(inputs.append, output.next_tokens.shape[1])
+        outside = live & ((output.next_tokens < 0) | (output.next_tokens >= self.stage.vocab_size))
+        if outside.any():
+            raise RuntimeError(f"micro-batch {message.micro_batch_id} step {message.step_id}: the stage chose "
+                               f"tokens {output.next_tokens[outside].tolist()} outside the vocabulary of "
+                               f"{self.stage.vocab_size} at (row, position) {np.argwhere(outside).tolist()} of a "
+                               f"call with live counts {list(inputs.append.live_counts)} (its logits were not "
+                               "finite)")
         next_tokens, accepted = verify(inputs.append, output.next_tokens, output.logits, message.draft,
                                        message.sampling)
         return ForwardResult(micro_batch_id=message.micro_batch_id, step_id=message.step_id,

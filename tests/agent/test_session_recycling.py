@@ -118,3 +118,24 @@ def test_a_refused_input_shape_leaves_the_session_computing_on_what_it_is_fed(ti
         run(session, np.zeros((1, 100, 7), dtype=np.float32))  # larger than the buffer, and the wrong width
     session.reset()
     np.testing.assert_array_equal(run(session, probe), expected)
+
+
+def test_recycled_sessions_serve_a_batch_in_fast_precision_like_new_ones(tiny_export: Path) -> None:
+    """A session reset after one stream, then handed a two-row micro-batch (one row admitted from another
+    session's state): with the CPU plugin's u8 KV cache, reset_state alone left it reading garbage and
+    row 1's logits turned NaN after some steps (StageSession.reset)."""
+    manifest = load_manifest(tiny_export)
+    settings = CompileSettings(precision=Precision.FAST, num_threads=1)
+    prompts = [[5, 9, 13, 2, 7, 11, 3, 8], [4, 6, 10, 12, 14, 1, 15, 16]]
+
+    def generate(pipeline: LocalPipeline, streams: int) -> list[list[int]]:
+        engine = Engine(pipeline, manifest.spec, None, EngineOptions(max_rows=streams))
+        for prompt in prompts[:streams]:
+            engine.add(StreamRequest(prompt, max_new_tokens=60, ignore_eos=True))
+        return [stream.tokens for stream in engine.run().values()]
+
+    with LocalPipeline(tiny_export, 1, settings, manifest) as fresh:
+        expected = generate(fresh, 2)
+    with LocalPipeline(tiny_export, 1, settings, manifest) as reused:
+        generate(reused, 1)  # its session goes back to the stage's idle pool
+        assert generate(reused, 2) == expected
