@@ -318,6 +318,7 @@ class StageSession:
     def __init__(self, stage: Stage) -> None:
         self.stage = stage
         self.request = stage.compiled.create_infer_request()
+        self._empty_states: dict[str, np.ndarray] | None = None  # the state after reset(), see there
         # Input and output tensors over numpy buffers of our own, written and read in place every call: after
         # a decode step has streamed the weights through the caches, every call into the bindings misses
         # them, and get_tensor + .data on the outputs alone cost ~0.3 ms of a step (170M model, one core).
@@ -354,6 +355,7 @@ class StageSession:
         # alternating in one process: 15.5 vs 14.5 ms); and the bindings' infer() copies every output.
         self.request.start_async()
         self.request.wait()
+        self._empty_states = None
         if self._next_tokens is None:
             return StageOutput(hidden=self.request.get_tensor(TensorNames.STAGE_HIDDEN_OUT).data.copy())
         logits = self.request.get_tensor(TensorNames.LOGITS).data.copy() if want_logits else None
@@ -370,20 +372,29 @@ class StageSession:
         read garbage from it: row 1's logits turned NaN after 18-40 steps (the demo target, the 170M, 330M
         and 1.1B models, OpenVINO 2026.4), where a new request or an f32 cache gave the right tokens. Setting
         every state to zero length after the reset makes the plugin start the cache afresh, and the tokens
-        equal a new request's (tests/agent/test_session_recycling.py)."""
+        equal a new request's (tests/agent/test_session_recycling.py). The plugin then refuses to read such
+        a state back (a stride check in its memory_state.cpp), so query_state answers for it until the next
+        call or set_state."""
         self.request.reset_state()
+        empty = {}
         for state in self.request.query_state():
-            shape = list(state.state.shape)
-            if len(shape) == 4:  # [B, KV heads, slots, head dim] -> one row, no slots
+            tensor = state.state
+            shape = list(tensor.shape)
+            if len(shape) == 4:  # [B, KV heads, slots, head dim] -> one row (new rows gather row 0), no slots
                 shape[0], shape[2] = 1, 0
-                state.state = ov.Tensor(np.zeros(shape, dtype=state.state.data.dtype))
+                state.state = ov.Tensor(tensor.element_type, ov.Shape(shape))
+            empty[state.name] = np.zeros(shape, dtype=tensor.element_type.to_dtype())
+        self._empty_states = empty
 
     def query_state(self) -> dict[str, np.ndarray]:
+        if self._empty_states is not None:
+            return {name: array.copy() for name, array in self._empty_states.items()}
         return {state.name: state.state.data.copy() for state in self.request.query_state()}
 
     def set_state(self, values: dict[str, np.ndarray]) -> None:
         for state in self.request.query_state():
             state.state = ov.Tensor(np.ascontiguousarray(values[state.name]))
+        self._empty_states = None
 
 
 class _HostBuffer:

@@ -137,4 +137,4 @@ def test_warm_up_leaves_sessions_untouched_for_first_middle_and_last_stages(tiny
         stage = Stage(tiny_export, manifest, layer_range, CompileSettings())
         session = stage.open_session()
         stage.warm_up()
-        assert all(state.state.shape[2] == 0 for state in session.request.query_state())
+        assert all(state.shape[2] == 0 for state in session.query_state().values())

@@ -51,7 +51,8 @@ def test_last_stage_has_no_sort_and_its_tokens_are_the_argmax_of_its_logits(tiny
     session = stage.open_session()
     ids = np.random.default_rng(3).integers(3, manifest.spec.vocab_size, (2, 6))
     positions = np.tile(np.arange(6), (2, 1))
-    out = session.forward(ids, np.ones((2, 6), np.int64), positions, np.arange(2, dtype=np.int32), want_logits=True,
+    # a first call: every row is new and gathers row 0 of the (empty) state, as a stage's mirror says
+    out = session.forward(ids, np.ones((2, 6), np.int64), positions, np.zeros(2, dtype=np.int32), want_logits=True,
                           logits_positions=positions)
     assert out.next_tokens is not None and out.logits is not None
     np.testing.assert_array_equal(out.next_tokens, np.argmax(out.logits, axis=-1))
