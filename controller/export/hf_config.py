@@ -46,7 +46,7 @@ def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> C
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json: it is not a Hugging Face checkpoint folder")
-    raw = json.loads(config_path.read_text(encoding="utf-8"))
+    raw = _read_json_object(config_path)
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
@@ -110,8 +110,19 @@ def _eos_token_ids(model_dir: Path, hf_config: object) -> tuple[int, ...]:
     generation_path = model_dir / "generation_config.json"
     sources: list[object] = [getattr(hf_config, "eos_token_id", None)]
     if generation_path.is_file():
-        sources.insert(0, json.loads(generation_path.read_text(encoding="utf-8")).get("eos_token_id"))
+        sources.insert(0, _read_json_object(generation_path).get("eos_token_id"))
     for source in sources:
         values = source if isinstance(source, list) else [source]
         ids += [int(value) for value in values if isinstance(value, int) and int(value) not in ids]
     return tuple(ids)
+
+
+def _read_json_object(path: Path) -> dict[str, object]:
+    """A checkpoint's JSON file as a dict; UnsupportedModelError naming the file when it is not one."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UnsupportedModelError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise UnsupportedModelError(f"{path} must hold a JSON object, not {type(value).__name__}")
+    return value

@@ -50,6 +50,20 @@ def test_not_a_checkpoint(tmp_path: Path) -> None:
         read_checkpoint_config(tmp_path)
 
 
+@pytest.mark.parametrize(("file_name", "text", "says"), [
+    ("config.json", "{bad", "is not valid JSON"),
+    ("config.json", "[1, 2]", "must hold a JSON object"),
+    ("generation_config.json", "{bad", "is not valid JSON"),
+])
+def test_a_broken_config_file_is_named(checkpoint_factory: Callable[..., Path], tmp_path: Path, file_name: str,
+                                       text: str, says: str) -> None:
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(checkpoint_factory("export-broken-config"), checkpoint)
+    (checkpoint / file_name).write_text(text, encoding="utf-8")
+    with pytest.raises(UnsupportedModelError, match=f"{file_name} {says}"):
+        read_checkpoint_config(checkpoint)
+
+
 def test_manifest_lists_every_file_with_its_checksum(tiny_export: Path) -> None:
     manifest = load_manifest(tiny_export)
     on_disk = {path.name for path in tiny_export.iterdir()} - {"manifest.json"}
