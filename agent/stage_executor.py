@@ -206,20 +206,22 @@ class StageExecutor:
         if admits or any(isinstance(delta, Compact) for delta in message.slot_deltas):
             for source in message.admit_from:
                 self._check_source(source)
-            rehearsed = replay_deltas(batch.mirror.fork(), message.slot_deltas)
-            _check_agrees(message, rehearsed)
-            self._checked_payload(message, rehearsed)
+            self._checked_step(message, replay_deltas(batch.mirror.fork(), message.slot_deltas))
         sources = [self._take_source(source) for source in message.admit_from]
         inputs = replay_deltas(
             batch.mirror, message.slot_deltas,
             gather_rows=lambda rows: _edit_state(batch.session, lambda state: state[rows]),
             admit=lambda delta, ordinal: self._admit(batch, sources[ordinal], delta),
             compact=lambda delta: _edit_state(batch.session, lambda state: _gather_slots(state, delta)))
+        return self._checked_step(message, inputs), inputs
+
+    def _checked_step(self, message: Forward, inputs: StepInputs) -> np.ndarray:
+        """Everything about the step that the mirror's inputs let us check; returns the payload to feed."""
         _check_agrees(message, inputs)
         payload = self._checked_payload(message, inputs)
         if self.stage.layers.is_last:
             self._check_verification(message, inputs)
-        return payload, inputs
+        return payload
 
     def _checked_payload(self, message: Forward, inputs: StepInputs) -> np.ndarray:
         """The step's input_ids [B, T] or hidden_states [B, T, H], checked against the call's shape, the
