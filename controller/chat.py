@@ -144,11 +144,18 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
                 _note(notes, f"[the conversation outgrew the model's context of {manifest.spec.max_context} "
                              f"tokens: dropped its oldest {exchanges}]")
             printer = TextPrinter(tokenizer, out)
-            result = engine.run(on_token=printer.push, recover=failover)[0]
+            interrupted = False
+            try:
+                result = engine.run(on_token=printer.push, recover=failover)[0]
+            except KeyboardInterrupt:  # Ctrl-C stops this reply (the engine freed its micro-batches), not the chat
+                result, interrupted = engine.results()[0], True
             if engine.failovers:
                 chain = engine.chain  # the next turns run on the chain this one ended on
+            printer.finish()
             out.write("\n")
             out.flush()
+            if interrupted:
+                _note(notes, "[interrupted: the reply so far stays in the conversation; Ctrl-C at the prompt leaves]")
             eos = set(manifest.spec.eos_token_ids)
             reply_tokens = [token for token in result.tokens if token not in eos]
             turns = [*turns[dropped:], message, ChatMessage("assistant", tokenizer.decode(reply_tokens))]

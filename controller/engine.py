@@ -39,6 +39,7 @@ from .generation import GenerationError, check_request
 log = logging.getLogger(__name__)
 
 TokenCallback = Callable[[int, int], None]  # (stream id, token)
+ABANDON_WAIT_S = 10.0  # how long a run that stopped early waits for its steps in flight before releasing
 
 
 class ChainBroken(RuntimeError):
@@ -186,15 +187,24 @@ class Engine:
         """
         self._on_token = on_token
         self._started = time.perf_counter()
-        while self._unfinished:
-            try:
-                self._advance()
-            except ChainBroken as error:
-                if recover is None:
-                    raise
-                log.info("the chain broke after %d steps: %s", self._collected, error)
-                self._resume_on(recover(error), error)
-        return {stream.stream_id: StreamResult(stream.stream_id, stream.tokens, len(stream.request.prompt_ids),
+        try:
+            while self._unfinished:
+                try:
+                    self._advance()
+                except ChainBroken as error:
+                    if recover is None:
+                        raise
+                    log.info("the chain broke after %d steps: %s", self._collected, error)
+                    self._resume_on(recover(error), error)
+        except BaseException:  # a stage's failure, a bad result, Ctrl-C: free what this run holds, then raise
+            self._abandon()
+            raise
+        return self.results()
+
+    def results(self) -> dict[int, StreamResult]:
+        """Every stream's tokens so far, by stream id (after run(): the whole generation; after a run that
+        raised, e.g. on Ctrl-C: what was generated before it stopped)."""
+        return {stream.stream_id: StreamResult(stream.stream_id, list(stream.tokens), len(stream.request.prompt_ids),
                                                stream.first_token_s, stream.finished_s, stream.stopped_by_eos)
                 for stream in self._streams.values()}
 
@@ -237,6 +247,30 @@ class Engine:
         self._unstarted = dict(sorted(self._unstarted.items()))  # arrival order
         self.chain = chain
         self.failovers.append(Failover(str(error), self._collected, resumed))
+
+    def _abandon(self) -> None:
+        """After run() stopped early: wait (a bounded time) for the steps in flight, dropping their results,
+        then release every micro-batch this run opened on the chain and in the drafter, so the chain (a chat's,
+        which the next reply reuses with a new engine) holds nothing of this run. Best effort: a chain that is
+        broken or stuck stops the wait, and nothing here hides the error run() raises."""
+        deadline = time.monotonic() + ABANDON_WAIT_S
+        try:
+            while self._in_flight and (left := deadline - time.monotonic()) > 0:
+                self._in_flight.pop(self.chain.collect(timeout=left).micro_batch_id, None)
+        except Exception as error:  # the chain is broken or stuck: release what can be released
+            log.info("stopped waiting for %d step(s) in flight: %s", len(self._in_flight), error)
+        tracks = [*self._tracks.values(), *self._prefills.values()]
+        held = {track.micro_batch_id for track in tracks} | {source for track in tracks for source in track.admit_from}
+        try:
+            for batch_id in sorted(held):
+                if self.draft is not None and self.draft.has_batch(batch_id):
+                    self.draft.release(batch_id)
+                self.chain.release(batch_id)
+        except Exception as error:  # a broken chain: its agents free idle micro-batches themselves
+            log.info("could not release every micro-batch of the stopped run: %s", error)
+        self._tracks.clear()
+        self._prefills.clear()
+        self._in_flight.clear()
 
     def _new_batch_id(self) -> int:
         self._next_batch += 1

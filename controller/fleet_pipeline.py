@@ -81,10 +81,10 @@ class FleetPipeline:
         self.step_timeout_s = step_timeout_s
         self.return_logits = return_logits
         self._base = 0
+        self._in_flight: dict[int, int] = {}  # wire micro-batch id -> the step_id its result will carry
         self.renumber()
         self._results: queue.Queue[ForwardResult | ChainError] = queue.Queue()
         self._failure: ChainError | None = None
-        self._in_flight: dict[int, int] = {}  # wire micro-batch id -> the step_id its result will carry
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: asyncio.Queue[_Outgoing] | None = None
@@ -160,8 +160,10 @@ class FleetPipeline:
     # Public methods: lifetime
 
     def renumber(self) -> None:
-        """Use fresh wire ids from now on (a new engine on the same chain reuses its small ids)."""
+        """Use fresh wire ids from now on (a new engine on the same chain reuses its small ids), and stop
+        awaiting the steps of the previous run (one stopped by Ctrl-C): their late results are dropped."""
         self._base = secrets.randbelow(1 << 30) * _ID_SPAN
+        self._in_flight = {}
 
     def describe(self) -> str:
         return " -> ".join(f"stage {index} [{stage.layer_start}:{stage.layer_end}] on agent {stage.agent_id[:12]} "

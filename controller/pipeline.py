@@ -101,6 +101,7 @@ class LocalPipeline:
         executors = [StageExecutor(Stage(self.model_dir, self.manifest, layers, settings), context)
                      for layers in self.ranges]
         self.stages = tuple(executor.stage for executor in executors)  # compiled, in chain order
+        self._executors = tuple(executors)
         self._queues: list[queue.Queue[object]] = [queue.Queue() for _ in range(len(executors) + 1)]
         self._inline = executors[0] if len(executors) == 1 else None
         self._done: deque[ForwardResult | _Failure] = deque()  # the inline stage's results, in order
@@ -114,6 +115,12 @@ class LocalPipeline:
     @property
     def num_stages(self) -> int:
         return len(self.ranges)
+
+    @property
+    def micro_batches(self) -> tuple[int, ...]:
+        """How many micro-batches each stage holds KV state for. With worker threads, read it after close()
+        (or with no step or release in flight) for a settled answer."""
+        return tuple(executor.micro_batches for executor in self._executors)
 
     # Public methods
 

@@ -100,6 +100,8 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
         started = time.perf_counter()
         results = engine.run(on_token=printer.push if printer else None, recover=recover)
         wall = time.perf_counter() - started
+    if printer is not None:
+        printer.finish()
     streams = [{"tokens": result.tokens, "text": tokenizer.decode(result.tokens),
                 "tok_s": round(result.decode_tok_s, 3), "prompt_tokens": result.prompt_tokens,
                 "first_token_s": round(result.first_token_s, 4), "stopped_by_eos": result.stopped_by_eos}

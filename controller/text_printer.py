@@ -8,7 +8,8 @@ from .tokenizer import ModelTokenizer
 
 
 class TextPrinter:
-    """Writes decoded text as tokens arrive (decoding the whole tail keeps multi-byte characters whole)."""
+    """Writes decoded text as tokens arrive (decoding the whole tail keeps multi-byte characters whole).
+    Call finish() when the reply ends: a reply cut inside a character shows it as U+FFFD, as its text does."""
 
     def __init__(self, tokenizer: ModelTokenizer, out: TextIO) -> None:
         self.tokenizer = tokenizer
@@ -24,3 +25,11 @@ class TextPrinter:
         self.out.write(text[len(self.printed):])
         self.out.flush()
         self.printed = text
+
+    def finish(self) -> None:
+        """Write what push() held back: the bytes of a character the reply ended inside of."""
+        text = self.tokenizer.decode(self.tokens)
+        if text != self.printed:
+            self.out.write(text[len(self.printed):])
+            self.out.flush()
+            self.printed = text

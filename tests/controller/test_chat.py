@@ -169,3 +169,54 @@ def test_a_message_that_cannot_be_sent_keeps_the_conversation(tmp_path: Path, ti
         "[this message alone makes a prompt of 632 tokens; with --max-new-tokens 6 the model's context of 512 "
         "tokens leaves room for 506: not sent; the conversation is unchanged]",
         "[this message is not valid UTF-8 text (byte 0xff at character 1): not sent; the conversation is unchanged]"]
+
+
+def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(tmp_path: Path, tiny_export: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ctrl-C while the first reply streams (a 2-stage chain: steps in flight): the reply stops, a note says
+    # so, the partial reply stays in the conversation, and the next message gets the reply a chat whose
+    # first exchange was that partial reply gives; the stages hold nothing afterwards.
+    model = _chat_model(tmp_path, tiny_export)
+    settings = CompileSettings(precision=Precision.F32)
+    options = ChatOptions(model=model, max_new_tokens=12, settings=settings)
+    pipelines: list[LocalPipeline] = []
+
+    class CtrlC(BreakingChain):
+        def collect(self, timeout: float | None = None) -> Any:
+            if self.collected == self.break_at:
+                self.break_at = None
+                raise KeyboardInterrupt
+            return super().collect(timeout)
+
+    @contextmanager
+    def interrupted_chain(chat_options: ChatOptions, chain_settings: CompileSettings) -> Iterator[tuple[CtrlC, None]]:
+        with LocalPipeline(model, 2, settings) as pipeline:
+            pipelines.append(pipeline)
+            yield CtrlC(pipeline, 5), None
+
+    seen: list[list[ChatMessage]] = []
+    encode_chat = ModelTokenizer.encode_chat
+
+    def recording(self: ModelTokenizer, messages: list[ChatMessage]) -> list[int]:
+        seen.append(list(messages))
+        return encode_chat(self, messages)
+
+    monkeypatch.setattr(ModelTokenizer, "encode_chat", recording)
+    monkeypatch.setattr(chat, "_open_chain", interrupted_chain)
+    out, notes = io.StringIO(), io.StringIO()
+    assert run_chat(options, io.StringIO("hello there\nagain, please\n"), out, notes=notes) == 2
+    assert notes.getvalue() == ("[interrupted: the reply so far stays in the conversation; Ctrl-C at the prompt "
+                                "leaves]\n")
+    sent = seen[-1]  # the second turn's prompt
+    partial, second = out.getvalue().split("\n", 1)
+    tokenizer = ModelTokenizer(model)
+    first = tokenizer.encode_chat([ChatMessage("user", "hello there")])
+    whole = run_generate(GenerateOptions(model=model, prompt_ids=[first],
+                                         max_new_tokens=12, settings=settings))
+    assert partial and len(partial) < len(str(whole["text"])) and str(whole["text"]).startswith(partial)
+    assert sent == [ChatMessage("user", "hello there"), ChatMessage("assistant", partial),
+                    ChatMessage("user", "again, please")]
+    expected = run_generate(GenerateOptions(model=model, prompt_ids=[tokenizer.encode_chat(sent)],
+                                            max_new_tokens=12, settings=settings))
+    assert second == f"{expected['text']}\n"
+    assert pipelines[0].micro_batches == (0, 0)

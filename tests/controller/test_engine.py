@@ -322,3 +322,47 @@ def test_the_draft_model_holds_no_state_after_a_run(target: Path, other_draft: P
 def test_engine_options_out_of_range_are_refused(options: dict[str, int]) -> None:
     with pytest.raises(ValueError):
         EngineOptions(**options)  # type: ignore[arg-type]
+
+
+class InterruptingChain(RecordingChain):
+    """A local pipeline whose collect() raises KeyboardInterrupt (Ctrl-C) once, at its `stop_at`-th call."""
+
+    def __init__(self, pipeline: LocalPipeline, stop_at: int) -> None:
+        super().__init__(pipeline)
+        self.stop_at = stop_at
+        self.calls = 0
+
+    def collect(self, timeout: float | None = None) -> ForwardResult:
+        self.calls += 1
+        if self.calls == self.stop_at:
+            raise KeyboardInterrupt
+        return super().collect(timeout)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_run_stopped_early_frees_its_micro_batches_and_the_chain_serves_the_next_run(
+        stages: int, target: Path, other_draft: Path, solo: dict[int, list[int]]) -> None:
+    # Ctrl-C in the middle of a run with steps in flight, streams still arriving and drafted rows (what a
+    # chat's interrupted reply does): the stages and the drafter hold nothing of it afterwards, and a new
+    # engine on the same pipeline (ids from 1 again) gives every stream its solo tokens.
+    manifest = load_manifest(target)
+    requests = [StreamRequest(PROMPTS[index], max_new_tokens=40, ignore_eos=True, arrival_step=3 * index)
+                for index in range(4)]
+    with LocalPipeline(target, stages, F32, manifest) as pipeline:
+        drafter = DraftModel(other_draft, F32)
+        stopped = Engine(InterruptingChain(pipeline, stop_at=9), manifest.spec, drafter,
+                         EngineOptions(micro_batches=stages, max_rows=2))
+        for request in requests:
+            stopped.add(request)
+        with pytest.raises(KeyboardInterrupt):
+            stopped.run()
+        partial = stopped.results()
+        assert 0 < sum(len(result.tokens) for result in partial.values()) < 4 * 40
+        assert all(result.tokens == solo[index][: len(result.tokens)] for index, result in partial.items())
+        assert drafter._executor.micro_batches == 0 and not drafter._tracks
+        engine = Engine(pipeline, manifest.spec, drafter, EngineOptions(micro_batches=stages, max_rows=2))
+        for request in requests:
+            engine.add(request)
+        results = engine.run()
+    assert [results[index].tokens for index in range(4)] == [solo[index] for index in range(4)]
+    assert pipeline.micro_batches == (0,) * stages

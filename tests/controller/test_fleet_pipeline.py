@@ -101,3 +101,22 @@ def test_a_second_step_of_a_micro_batch_in_flight_is_refused(
     chain.submit(one_step())
     with pytest.raises(ValueError, match="already has a step in flight"):
         chain.submit(one_step(step_id=1))
+
+
+def test_a_late_result_of_the_previous_run_is_dropped_after_renumber(
+        scripted_chain: Callable[[Reply], FleetPipeline]) -> None:
+    # A chat reply stopped by Ctrl-C leaves a step in flight; the next reply's engine renumbers the chain
+    # and starts again at micro-batch 1: the old step's result must not reach it.
+    async def reply(link: Link, message: Forward) -> None:
+        if message.step_id == 5:  # the old run's step answers late, after the new run's
+            await asyncio.sleep(0.5)
+        await link.send(ForwardResult(message.micro_batch_id, message.step_id, (message.step_id,), None, None))
+
+    chain = scripted_chain(reply)
+    chain.submit(one_step(micro_batch_id=1, step_id=5))
+    chain.renumber()
+    chain.submit(one_step(micro_batch_id=1, step_id=0))
+    result = chain.collect()
+    assert (result.micro_batch_id, result.step_id) == (1, 0)
+    with pytest.raises(ChainError, match="no result within"):
+        chain.collect(timeout=1.0)
