@@ -81,7 +81,8 @@ def sampling_probs(logits: npt.ArrayLike, params: SamplingParams) -> FloatArray:
     x = np.asarray(logits, dtype=np.float64)
     if params.greedy:
         return np.eye(x.shape[-1], dtype=np.float64)[np.argmax(x, axis=-1)]
-    x = x / params.temperature
+    with np.errstate(over="ignore"):  # max first: a temperature near 0 sends the others to -inf, not inf - inf
+        x = (x - x.max(axis=-1, keepdims=True)) / params.temperature
     if 0 < params.top_k < x.shape[-1]:
         kth = np.sort(x, axis=-1)[..., -params.top_k, None]
         x = np.where(x >= kth, x, -np.inf)

@@ -401,7 +401,9 @@ class Engine:
     def _sampling(self, track: BatchTrack, streams: list[_Stream]) -> SamplingInfo | None:
         if all(stream.request.sampling.greedy for stream in streams):
             return None
-        seeds = tuple(mix_seed(stream.request.seed, track.next_position(stream.stream_id), 0) for stream in streams)
+        # Keyed by the position of the first token this step samples: a resumed stream's prefill (its prompt plus
+        # its tokens so far) draws what the step it replaces would have drawn, never what its first token drew.
+        seeds = tuple(mix_seed(stream.request.seed, stream.confirmed_count, 0) for stream in streams)
         return SamplingInfo(temperatures=tuple(s.request.sampling.temperature for s in streams),
                             top_ks=tuple(s.request.sampling.top_k for s in streams),
                             top_ps=tuple(s.request.sampling.top_p for s in streams), seeds=seeds)

@@ -112,6 +112,15 @@ def test_sampling_probs_transforms() -> None:
     assert batch.tolist() == [[1, 0, 0, 0], [0, 0, 0, 1]]
 
 
+@pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-300])
+def test_a_temperature_near_zero_samples_the_argmax(temperature: float) -> None:
+    # Dividing before taking the maximum out made inf - inf = NaN below ~1e-307: every token sampled was
+    # the vocabulary's last. The limit is greedy (ties share the mass).
+    logits = np.array([[0.2, 3.0, -1.0, 3.0], [5.0, 1.0, 0.0, -2.0]])
+    probs = sampling_probs(logits, SamplingParams(temperature=temperature))
+    assert probs.tolist() == [[0, 0.5, 0, 0.5], [1, 0, 0, 0]]
+
+
 @pytest.mark.parametrize("params", [{"temperature": -1}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}])
 def test_bad_sampling_params_are_refused(params: dict[str, float]) -> None:
     with pytest.raises(ValueError):

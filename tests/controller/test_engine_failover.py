@@ -13,6 +13,7 @@ import pytest
 
 from deskfleet.agent.stage import CompileSettings, Precision
 from deskfleet.common.model_spec import load_manifest
+from deskfleet.common.speculative import SamplingParams
 from deskfleet.common.wire import Forward, ForwardResult
 from deskfleet.controller.draft import Drafter, DraftModel
 from deskfleet.controller.engine import ChainBroken, Engine, EngineOptions, StreamRequest
@@ -51,13 +52,16 @@ class BreakingChain:
             self.pipeline.release(batch_id)
 
 
-def _requests(speculative: bool = False) -> list[StreamRequest]:
+def _requests(speculative: bool = False, sampling: SamplingParams | None = None) -> list[StreamRequest]:
     return [StreamRequest(prompt, max_new_tokens=LENGTHS[index], ignore_eos=True, speculative=speculative,
-                          arrival_step=2 * index) for index, prompt in enumerate(PROMPTS)]
+                          arrival_step=2 * index, sampling=sampling or SamplingParams(temperature=0.0),
+                          seed=100 + index)
+            for index, prompt in enumerate(PROMPTS)]
 
 
 def _run(model: Path, break_at: list[int | None], drafter: Drafter | None = None, speculative: bool = False,
-         options: EngineOptions | None = None) -> tuple[list[list[int]], Engine]:
+         options: EngineOptions | None = None, sampling: SamplingParams | None = None
+         ) -> tuple[list[list[int]], Engine]:
     """Run on 2 stages; each time the chain breaks, resume on a fresh pipeline of 1, then 3, ... stages
     that breaks at the next entry of `break_at`."""
     manifest = load_manifest(model)
@@ -69,7 +73,7 @@ def _run(model: Path, break_at: list[int | None], drafter: Drafter | None = None
             return BreakingChain(pipeline, next(breaks, None))
 
         engine = Engine(chain(), manifest.spec, drafter, options or EngineOptions(max_rows=2, micro_batches=2))
-        for request in _requests(speculative):
+        for request in _requests(speculative, sampling):
             engine.add(request)
         results = engine.run(recover=lambda error: chain())
     return [results[index].tokens for index in range(len(PROMPTS))], engine
@@ -100,6 +104,17 @@ def test_drafted_streams_resume_with_the_same_tokens(target: Path, other_draft: 
                                                                                          fixed_k=3))
     assert tokens == uninterrupted
     assert len(engine.failovers) == 1
+
+
+@pytest.mark.parametrize("break_at", [[3], [9, 4]])
+def test_sampled_streams_resume_with_the_draws_of_an_uninterrupted_run(target: Path, break_at: list[int]) -> None:
+    # Seeds follow the position sampled, so the resumed prefill draws what the lost step would have drawn
+    # (keyed by the micro-batch's position, it drew again what the stream's first token had drawn).
+    sampling = SamplingParams(temperature=1.5)
+    uninterrupted, _ = _run(target, [None], sampling=sampling)
+    tokens, engine = _run(target, break_at, sampling=sampling)
+    assert len(engine.failovers) == len(break_at)
+    assert tokens == uninterrupted
 
 
 def test_without_recover_the_break_reaches_the_caller(target: Path) -> None:
