@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+from deskfleet.common.json_file import read_json_object
 
 
 class ChatTemplateError(ValueError):
@@ -38,7 +38,7 @@ class ModelTokenizer:
         except Exception as error:  # tokenizers raises a bare Exception for a file it cannot read
             raise ValueError(f"{path} is not a valid tokenizer file: {error}") from error
         config_path = model_dir / "tokenizer_config.json"
-        config = _read_config(config_path) if config_path.is_file() else {}
+        config = read_json_object(config_path) if config_path.is_file() else {}
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         template_path = model_dir / "chat_template.jinja"
@@ -88,16 +88,6 @@ def check_utf8(text: str, what: str) -> None:
         shown = (f"byte 0x{ord(character) - 0xDC00:02x}" if 0xDC80 <= ord(character) <= 0xDCFF
                  else f"character {character!r}")
         raise NotUtf8Error(f"{what} is not valid UTF-8 text ({shown} at character {error.start})") from None
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:  # ValueError: not UTF-8, or not JSON
-        raise ValueError(f"{path} cannot be read as JSON: {error}") from error
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a JSON object, not {type(config).__name__}")
-    return config
 
 
 def _token_text(value: object) -> str | None:

@@ -13,6 +13,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import openvino as ov
 import torch
@@ -30,6 +31,9 @@ from .hf_config import CheckpointConfig, read_checkpoint_config
 from .modules import DecoderLayer, Embed, Head, RopeAndMask
 from .rope import rope_tables
 from .weights import CheckpointWeights
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +57,23 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if not model_dir.is_dir():
         raise ExportError(f"{model_dir} is not a folder")
-    if out_dir.exists() and not overwrite:
-        raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it")
+    _check_output(model_dir, out_dir, overwrite)
     config = read_checkpoint_config(model_dir, max_context)
+    tokenizer = _load_tokenizer(model_dir)
+    if len(tokenizer) > config.spec.vocab_size:
+        raise ExportError(f"the tokenizer of {model_dir} has {len(tokenizer)} tokens, more than the model's "
+                          f"vocabulary of {config.spec.vocab_size} (config field vocab_size): they do not belong "
+                          "together")
+    with CheckpointWeights(model_dir) as weights:
+        weights.check(config)  # every tensor there, of the config's shapes: refused before hours of export
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
     try:
-        manifest = _export_into(model_dir, staging, config, weight_format, progress)
+        staging.mkdir(parents=True)
+    except OSError as error:
+        raise ExportError(f"cannot write the export next to {out_dir}: {error}") from None
+    try:
+        manifest = _export_into(model_dir, staging, config, weight_format, tokenizer, progress)
         _replace_folder(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -72,8 +85,25 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
 
 # Private methods
 
+def _check_output(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
+    """Refuse an output folder whose replacement would delete the checkpoint or anything not an export."""
+    source, target = model_dir.resolve(), out_dir.resolve()
+    if target == source or target in source.parents:
+        raise ExportError(f"the output {out_dir} holds the checkpoint {model_dir}: writing the export there would "
+                          "delete the checkpoint; choose another folder")
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ExportError(f"{out_dir} exists and is not a folder")
+    if not overwrite:
+        raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it")
+    if not (out_dir / MANIFEST_NAME).is_file() and any(out_dir.iterdir()):
+        raise ExportError(f"{out_dir} is not a deskfleet export (no {MANIFEST_NAME}): --overwrite replaces only an "
+                          "export or an empty folder; remove it yourself or choose another folder")
+
+
 def _export_into(model_dir: Path, staging: Path, config: CheckpointConfig, weight_format: WeightFormat,
-                 progress: ProgressCallback | None) -> Manifest:
+                 tokenizer: PreTrainedTokenizerBase, progress: ProgressCallback | None) -> Manifest:
     spec = config.spec
     total = spec.num_layers + 4  # rope, embed, layers, head, tokenizer
     step = 0
@@ -119,7 +149,7 @@ def _export_into(model_dir: Path, staging: Path, config: CheckpointConfig, weigh
         _save(head, staging / f"{Manifest.HEAD_IR}.xml", weight_format, is_decoder_layer=False)
         report(Manifest.HEAD_IR)
 
-    tokenizer_files = _save_tokenizer(model_dir, staging)
+    tokenizer_files = _save_tokenizer(model_dir, tokenizer, staging)
     report("tokenizer")
     files = {path.name: FileEntry(sha256=sha256_of(path), size=path.stat().st_size)
              for path in sorted(staging.iterdir()) if path.name != MANIFEST_NAME}
@@ -202,13 +232,19 @@ def _group_size(model: ov.Model) -> int:
     return -1
 
 
-def _save_tokenizer(model_dir: Path, staging: Path) -> tuple[str, ...]:
+def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except (OSError, ValueError) as error:
+    except Exception as error:  # OSError, ValueError, and tokenizers' bare Exception for a corrupt file
         raise ExportError(f"cannot load the tokenizer of {model_dir}: {error}") from error
+    if not tokenizer.is_fast:
+        raise ExportError(f"the tokenizer of {model_dir} has no fast (tokenizer.json) form")
+    return tokenizer
+
+
+def _save_tokenizer(model_dir: Path, tokenizer: PreTrainedTokenizerBase, staging: Path) -> tuple[str, ...]:
     before = {path.name for path in staging.iterdir()}
     tokenizer.save_pretrained(staging)
     written = sorted({path.name for path in staging.iterdir()} - before)
@@ -222,9 +258,18 @@ def _save_tokenizer(model_dir: Path, staging: Path) -> tuple[str, ...]:
 
 
 def _replace_folder(staging: Path, out_dir: Path) -> None:
-    """Move the finished export into place; an old export there is removed only after the move."""
+    """Move the finished export into place; an old export there is removed only after the move, and put
+    back if the move fails."""
     retired = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-    if out_dir.exists():
-        out_dir.rename(retired)
-    staging.rename(out_dir)
+    try:
+        if out_dir.exists():
+            out_dir.rename(retired)
+        try:
+            staging.rename(out_dir)
+        except OSError:
+            if retired.exists():
+                retired.rename(out_dir)
+            raise
+    except OSError as error:
+        raise ExportError(f"cannot move the finished export into {out_dir}: {error}") from None
     shutil.rmtree(retired, ignore_errors=True)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from deskfleet.common.json_file import JsonFileError, read_json_object
 from deskfleet.common.model_spec import ModelSpec
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
@@ -52,7 +52,16 @@ def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> C
         raise UnsupportedModelError(
             f"config field model_type={model_type!r} is not supported "
             f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
-    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    quantization = raw.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+        raise UnsupportedModelError(
+            f"config field quantization_config (quant_method={method!r}): the checkpoint's weights are already "
+            "quantized; export from the unquantized (f16/bf16/f32) checkpoint, deskfleet compresses it itself")
+    try:
+        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except Exception as error:  # transformers' own checks raise many types (ValueError, KeyError, strict dataclasses)
+        raise UnsupportedModelError(f"{config_path} is refused by transformers: {error}") from None
 
     hidden_act = getattr(hf_config, "hidden_act", "silu")
     if hidden_act != "silu":
@@ -64,9 +73,12 @@ def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> C
             f"(supported: {', '.join(sorted(STATIC_ROPE_TYPES))}; its table depends on the sequence length)")
 
     config_max = int(getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_CONTEXT_CAP))
+    if max_context is not None and max_context <= 0:
+        raise ValueError(f"--max-context must be positive, got {max_context}")
+    if max_context is None and config_max <= 0:
+        raise UnsupportedModelError(f"config field max_position_embeddings={config_max} must be positive "
+                                    "(or give --max-context)")
     context = max_context if max_context is not None else min(config_max, DEFAULT_MAX_CONTEXT_CAP)
-    if context <= 0:
-        raise ValueError(f"--max-context must be positive, got {context}")
     sliding_window = getattr(hf_config, "sliding_window", None)
     uses_sliding = model_type == "mistral" or bool(getattr(hf_config, "use_sliding_window", False))
     if uses_sliding and sliding_window and context > sliding_window:
@@ -75,7 +87,8 @@ def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> C
             f"sliding-window attention is not supported; export with --max-context {sliding_window}")
 
     num_heads = int(hf_config.num_attention_heads)
-    num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
+    kv_heads_field = getattr(hf_config, "num_key_value_heads", None)  # absent: one KV head per head (MHA)
+    num_kv_heads = num_heads if kv_heads_field is None else int(kv_heads_field)
     head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
     spec = ModelSpec(
         architecture=model_type,
@@ -120,9 +133,6 @@ def _eos_token_ids(model_dir: Path, hf_config: object) -> tuple[int, ...]:
 def _read_json_object(path: Path) -> dict[str, object]:
     """A checkpoint's JSON file as a dict; UnsupportedModelError naming the file when it is not one."""
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise UnsupportedModelError(f"{path} is not valid JSON: {error}") from None
-    if not isinstance(value, dict):
-        raise UnsupportedModelError(f"{path} must hold a JSON object, not {type(value).__name__}")
-    return value
+        return read_json_object(path)
+    except JsonFileError as error:
+        raise UnsupportedModelError(str(error)) from None

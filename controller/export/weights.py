@@ -1,47 +1,90 @@
-"""Lazy access to a checkpoint's safetensors weights, one tensor at a time.
+"""Lazy access to a checkpoint's safetensors weights, one tensor at a time, and the check that they are the
+tensors its config describes.
 
-Export walks the model layer by layer, so a 70B checkpoint never needs to fit in memory at once.
+Export walks the model layer by layer, so a 70B checkpoint never needs to fit in memory at once; the check
+reads only the files' headers, so a checkpoint that cannot be exported is refused before any work.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from pathlib import Path, PurePath
 from types import TracebackType
+from typing import Any
 
 import torch
 from safetensors import safe_open
+
+from deskfleet.common.json_file import JsonFileError, read_json_object
+
+from .hf_config import CheckpointConfig
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# safetensors dtypes export reads as float32 exactly; anything else (int8, fp8, bool) is quantized or not a weight
+FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+PROBLEMS_SHOWN = 5
+
+
+class MalformedCheckpointError(ValueError):
+    """The checkpoint's weight files do not hold what its config describes; the message names the file or tensor."""
 
 
 class CheckpointWeights:
     """Tensors of a (possibly sharded) safetensors checkpoint by name, converted to float32."""
 
     def __init__(self, model_dir: Path) -> None:
-        index_path = model_dir / "model.safetensors.index.json"
+        model_dir = Path(model_dir)
+        index_path = model_dir / INDEX_NAME
         if index_path.is_file():
-            weight_map: dict[str, str] = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-            shard_names = sorted(set(weight_map.values()))
-        elif (model_dir / "model.safetensors").is_file():
-            shard_names = ["model.safetensors"]
+            weight_map = _read_weight_map(index_path)
+        elif (model_dir / SINGLE_NAME).is_file():
             weight_map = {}
         else:
             raise FileNotFoundError(
-                f"{model_dir} has no model.safetensors or model.safetensors.index.json "
-                "(only safetensors checkpoints are supported)")
-        self._handles = {name: safe_open(str(model_dir / name), framework="pt") for name in shard_names}
+                f"{model_dir} has no {SINGLE_NAME} or {INDEX_NAME} (only safetensors checkpoints are supported)")
+        shard_names = sorted(set(weight_map.values())) or [SINGLE_NAME]
+        self._handles = {name: _open_shard(model_dir / name) for name in shard_names}
         if not weight_map:
-            handle = self._handles["model.safetensors"]
-            weight_map = {key: "model.safetensors" for key in handle.keys()}
+            weight_map = {key: SINGLE_NAME for key in self._handles[SINGLE_NAME].keys()}
+        held = {shard: set(handle.keys()) for shard, handle in self._handles.items()}
+        for name, shard in weight_map.items():
+            if name not in held[shard]:
+                raise MalformedCheckpointError(f"{index_path} places tensor {name!r} in {shard}, which lacks it")
         self._weight_map = weight_map
 
     def __contains__(self, name: str) -> bool:
         return name in self._weight_map
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self._shard(name)].get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype name (F16, BF16, F32, I8, ...)."""
+        return str(self._handles[self._shard(name)].get_slice(name).get_dtype())
+
     def get(self, name: str) -> torch.Tensor:
-        shard = self._weight_map.get(name)
-        if shard is None:
-            raise KeyError(f"the checkpoint has no tensor {name!r}")
-        return self._handles[shard].get_tensor(name).to(torch.float32)
+        shard = self._shard(name)
+        try:
+            tensor = self._handles[shard].get_tensor(name)
+        except Exception as error:  # safetensors raises its own SafetensorError for a cut or corrupt file
+            raise MalformedCheckpointError(f"tensor {name!r} of {shard} cannot be read: {error}") from None
+        return tensor.to(torch.float32)
+
+    def check(self, config: CheckpointConfig) -> None:
+        """Raise MalformedCheckpointError unless every tensor the config needs is here, of float type and of
+        the shape the config gives (extra tensors, such as a rotary table, are ignored)."""
+        problems = []
+        for name, expected in expected_tensors(config).items():
+            if name not in self:
+                problems.append(f"{name} is missing")
+            elif (shape := self.shape(name)) != expected:
+                problems.append(f"{name} has shape {list(shape)} where the config gives {list(expected)}")
+            elif (dtype := self.dtype(name)) not in FLOAT_DTYPES:
+                problems.append(f"{name} is {dtype} (quantized or not a weight; f16, bf16 or f32 export)")
+        if problems:
+            more = f" (and {len(problems) - PROBLEMS_SHOWN} more)" if len(problems) > PROBLEMS_SHOWN else ""
+            raise MalformedCheckpointError(
+                f"the checkpoint's weights do not match its config.json: {'; '.join(problems[:PROBLEMS_SHOWN])}{more}")
 
     def close(self) -> None:
         self._handles.clear()
@@ -52,3 +95,62 @@ class CheckpointWeights:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
         self.close()
+
+    def _shard(self, name: str) -> str:
+        shard = self._weight_map.get(name)
+        if shard is None:
+            raise MalformedCheckpointError(f"the checkpoint has no tensor {name!r}")
+        return shard
+
+
+def expected_tensors(config: CheckpointConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Llama-family checkpoint (Llama, Mistral, Qwen2) with this config must hold, and its
+    shape ([out, in] for a projection, as torch's Linear stores it)."""
+    spec = config.spec
+    hidden, inner = spec.hidden_size, spec.intermediate_size
+    query, key_value = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    tensors: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, hidden)}
+    for index in range(spec.num_layers):
+        layer = f"model.layers.{index}"
+        attention, mlp = f"{layer}.self_attn", f"{layer}.mlp"
+        tensors |= {f"{layer}.input_layernorm.weight": (hidden,), f"{layer}.post_attention_layernorm.weight": (hidden,),
+                    f"{attention}.q_proj.weight": (query, hidden), f"{attention}.k_proj.weight": (key_value, hidden),
+                    f"{attention}.v_proj.weight": (key_value, hidden), f"{attention}.o_proj.weight": (hidden, query),
+                    f"{mlp}.gate_proj.weight": (inner, hidden), f"{mlp}.up_proj.weight": (inner, hidden),
+                    f"{mlp}.down_proj.weight": (hidden, inner)}
+        if config.attention_bias:
+            tensors |= {f"{attention}.q_proj.bias": (query,), f"{attention}.k_proj.bias": (key_value,),
+                        f"{attention}.v_proj.bias": (key_value,)}
+        if config.output_bias:
+            tensors[f"{attention}.o_proj.bias"] = (hidden,)
+        if config.mlp_bias:
+            tensors |= {f"{mlp}.gate_proj.bias": (inner,), f"{mlp}.up_proj.bias": (inner,),
+                        f"{mlp}.down_proj.bias": (hidden,)}
+    tensors["model.norm.weight"] = (hidden,)
+    if not spec.tie_word_embeddings:
+        tensors["lm_head.weight"] = (spec.vocab_size, hidden)
+    return tensors
+
+
+def _read_weight_map(index_path: Path) -> dict[str, str]:
+    """The index's tensor -> shard file map; every shard a plain file name beside the index."""
+    try:
+        weight_map = read_json_object(index_path).get("weight_map")
+    except JsonFileError as error:
+        raise MalformedCheckpointError(str(error)) from None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(name, str) and isinstance(shard, str) for name, shard in weight_map.items()):
+        raise MalformedCheckpointError(f"{index_path} has no \"weight_map\" object of tensor names to shard files")
+    for shard in set(weight_map.values()):
+        if PurePath(shard).name != shard or shard in ("", ".", ".."):
+            raise MalformedCheckpointError(f"{index_path} names shard {shard!r}: not a file name beside the index")
+    return weight_map
+
+
+def _open_shard(path: Path) -> Any:  # a safetensors safe_open handle
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing (named by the checkpoint's {INDEX_NAME})")
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as error:  # SafetensorError for a cut, empty or non-safetensors file
+        raise MalformedCheckpointError(f"{path} is not a readable safetensors file: {error}") from None

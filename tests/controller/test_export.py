@@ -15,6 +15,7 @@ from deskfleet.common.model_spec import ManifestError, WeightFormat, load_manife
 from deskfleet.controller.export import exporter
 from deskfleet.controller.export.exporter import ExportError, export_checkpoint
 from deskfleet.controller.export.hf_config import UnsupportedModelError, read_checkpoint_config
+from deskfleet.controller.export.weights import MalformedCheckpointError
 
 
 def edited_checkpoint(source: Path, tmp_path: Path, **changes: object) -> Path:
@@ -95,6 +96,7 @@ def test_a_failed_export_leaves_nothing_behind(checkpoint_factory: Callable[...,
     monkeypatch.setattr(exporter, "_save", failing_save)
     out = tmp_path / "out"
     out.mkdir()
+    (out / "manifest.json").write_text("{}")  # an old export
     (out / "keep.txt").write_text("old export")
     with pytest.raises(RuntimeError, match="disk full"):
         export_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), out, WeightFormat.F32, overwrite=True)
@@ -149,3 +151,143 @@ def test_corrupted_layer_file_is_refused_before_compiling(tiny_export: Path, tmp
     (copy / "layer_002.xml").unlink()
     with pytest.raises(ManifestError, match=r"layer_002\.xml is missing"):
         build_stage_model(copy, manifest, LayerRange(2, 4, 4))
+
+
+# Bad checkpoints and outputs: refused by name before any IR is converted, and nothing lost.
+
+def _copy(checkpoint: Path, tmp_path: Path, name: str = "ckpt") -> Path:
+    target = tmp_path / name
+    shutil.copytree(checkpoint, target)
+    return target
+
+
+def _edit_tensors(checkpoint: Path, edit: Callable[[dict[str, np.ndarray]], None]) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(checkpoint / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, checkpoint / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.fixture
+def no_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if the export starts converting IR: every check must come before that work."""
+    def converting(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the export converted IR before refusing the checkpoint")
+
+    monkeypatch.setattr(exporter, "_convert", converting)
+
+
+@pytest.mark.parametrize(("edit", "says"), [
+    (lambda t: t.pop("lm_head.weight"), "lm_head.weight is missing"),
+    (lambda t: t.pop("model.layers.1.mlp.down_proj.weight"), "model.layers.1.mlp.down_proj.weight is missing"),
+    (lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": np.zeros((32, 64), np.float32)}),
+     r"model.layers.0.self_attn.q_proj.weight has shape \[32, 64\] where the config gives \[64, 64\]"),
+    (lambda t: t.update({"model.norm.weight": np.ones(1, np.float32)}),
+     r"model.norm.weight has shape \[1\] where the config gives \[64\]"),
+    (lambda t: t.update({"model.embed_tokens.weight": np.zeros((600, 64), np.float32)}),
+     r"model.embed_tokens.weight has shape \[600, 64\] where the config gives \[512, 64\]"),
+    (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": np.zeros((128, 64), np.int8)}),
+     "model.layers.0.mlp.up_proj.weight is I8"),
+])
+def test_weights_that_do_not_match_the_config_are_refused_before_any_work(
+        checkpoint_factory: Callable[..., Path], tmp_path: Path, no_conversion: None,
+        edit: Callable[[dict[str, np.ndarray]], object], says: str) -> None:
+    checkpoint = _copy(checkpoint_factory("export-untied", tie_word_embeddings=False), tmp_path)
+    _edit_tensors(checkpoint, edit)
+    with pytest.raises(MalformedCheckpointError, match=says):
+        export_checkpoint(checkpoint, tmp_path / "out", WeightFormat.F32)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_config_with_more_layers_than_the_weights_is_refused(checkpoint_factory: Callable[..., Path],
+                                                               tmp_path: Path, no_conversion: None) -> None:
+    checkpoint = edited_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), tmp_path, num_hidden_layers=5)
+    with pytest.raises(MalformedCheckpointError, match=r"model.layers.4.input_layernorm.weight is missing.*more\)"):
+        export_checkpoint(checkpoint, tmp_path / "out", WeightFormat.F32)
+
+
+@pytest.mark.parametrize(("changes", "error", "says"), [
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, UnsupportedModelError,
+     "quantization_config \\(quant_method='gptq'\\)"),
+    ({"num_key_value_heads": 0}, ManifestError, "num_kv_heads"),
+    ({"max_position_embeddings": 0}, UnsupportedModelError, "max_position_embeddings=0 must be positive"),
+    ({"rms_norm_eps": "small"}, UnsupportedModelError, "config.json is refused by transformers"),
+])
+def test_impossible_configs_are_refused_by_name(checkpoint_factory: Callable[..., Path], tmp_path: Path,
+                                                no_conversion: None, changes: dict[str, object],
+                                                error: type[Exception], says: str) -> None:
+    checkpoint = edited_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), tmp_path, **changes)
+    with pytest.raises(error, match=says):
+        export_checkpoint(checkpoint, tmp_path / "out", WeightFormat.F32)
+
+
+def test_a_corrupt_weights_file_or_tokenizer_is_refused_before_any_work(
+        checkpoint_factory: Callable[..., Path], tmp_path: Path, no_conversion: None) -> None:
+    checkpoint = _copy(checkpoint_factory("tiny", num_hidden_layers=4), tmp_path)
+    weights = checkpoint / "model.safetensors"
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[:100])
+    with pytest.raises(MalformedCheckpointError, match=r"model\.safetensors is not a readable safetensors file"):
+        export_checkpoint(checkpoint, tmp_path / "out", WeightFormat.F32)
+    weights.write_bytes(intact)
+    (checkpoint / "tokenizer.json").unlink()
+    (checkpoint / "tokenizer_config.json").unlink()
+    with pytest.raises(ExportError, match="cannot load the tokenizer"):
+        export_checkpoint(checkpoint, tmp_path / "out", WeightFormat.F32)
+
+
+@pytest.mark.parametrize(("index", "says"), [
+    ({"metadata": {}}, 'has no "weight_map" object'),
+    ({"weight_map": ["model.safetensors"]}, 'has no "weight_map" object'),
+    ({"weight_map": {"model.norm.weight": "../elsewhere/model.safetensors"}}, "not a file name beside the index"),
+    ({"weight_map": {"model.norm.weight": "model-00002.safetensors"}}, "model-00002.safetensors is missing"),
+    ({"weight_map": {"no.such.tensor": "model.safetensors"}}, "places tensor 'no.such.tensor' in model.safetensors"),
+])
+def test_a_bad_shard_index_is_refused_naming_it(checkpoint_factory: Callable[..., Path], tmp_path: Path,
+                                                no_conversion: None, index: dict[str, object], says: str) -> None:
+    checkpoint = _copy(checkpoint_factory("tiny", num_hidden_layers=4), tmp_path)
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises((MalformedCheckpointError, FileNotFoundError), match=says):
+        export_checkpoint(checkpoint, tmp_path / "out", WeightFormat.F32)
+
+
+def test_overwrite_never_deletes_the_checkpoint_or_a_folder_that_is_not_an_export(
+        checkpoint_factory: Callable[..., Path], tmp_path: Path, no_conversion: None) -> None:
+    parent = tmp_path / "work"
+    checkpoint = _copy(checkpoint_factory("tiny", num_hidden_layers=4), parent, "ckpt")
+    (parent / "notes.txt").write_text("mine")
+    before = sorted(path.name for path in checkpoint.iterdir())
+    for out in (checkpoint, parent, tmp_path, checkpoint / ".." / "ckpt"):
+        with pytest.raises(ExportError, match="holds the checkpoint"):
+            export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "photo.jpg").write_text("precious")
+    with pytest.raises(ExportError, match=r"other is not a deskfleet export \(no manifest.json\)"):
+        export_checkpoint(checkpoint, other, WeightFormat.F32, overwrite=True)
+    with pytest.raises(ExportError, match=r"notes\.txt exists and is not a folder"):
+        export_checkpoint(checkpoint, parent / "notes.txt", WeightFormat.F32, overwrite=True)
+    assert sorted(path.name for path in checkpoint.iterdir()) == before
+    assert (parent / "notes.txt").read_text() == "mine" and (other / "photo.jpg").read_text() == "precious"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["other", "work"]
+
+
+def test_a_failed_swap_puts_the_old_export_back(checkpoint_factory: Callable[..., Path], tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text("{}")
+    (out / "keep.txt").write_text("old export")
+    rename = Path.rename
+
+    def failing_rename(self: Path, target: Path) -> Path:
+        if self.name.startswith(".out.partial-"):
+            raise OSError(28, "No space left on device")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing_rename)
+    with pytest.raises(ExportError, match="cannot move the finished export into"):
+        export_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), out, WeightFormat.F32, overwrite=True)
+    assert (out / "keep.txt").read_text() == "old export"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]

@@ -40,7 +40,7 @@ def test_broken_tokenizer_files_are_named(tiny_export: Path, tmp_path: Path) -> 
         ModelTokenizer(tmp_path)
     tokenizer_json.write_bytes((tiny_export / "tokenizer.json").read_bytes())
     config = tmp_path / "tokenizer_config.json"
-    for content, message in [("{not json", "cannot be read as JSON"), ("[1]", "must hold a JSON object")]:
+    for content, message in [("{not json", "is not valid JSON"), ("[1]", "must hold a JSON object")]:
         config.write_text(content)
         with pytest.raises(ValueError, match=f"{re.escape(str(config))} {message}"):
             ModelTokenizer(tmp_path)
