@@ -15,7 +15,12 @@ from deskfleet.agent.allocator import run_on_jemalloc
 from deskfleet.common.model_spec import ManifestError, WeightFormat
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.chat import add_chat_command, add_fleet_option
-from deskfleet.controller.decoding_options import add_decoding_options, decoding_arguments, positive_int
+from deskfleet.controller.decoding_options import (
+    add_decoding_options,
+    decoding_arguments,
+    non_negative_int,
+    positive_int,
+)
 from deskfleet.controller.fleet_cli import add_fleet_commands
 
 if TYPE_CHECKING:
@@ -100,13 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the same checkpoint exported by optimum-intel (omit to skip GenAI)")
     parity.add_argument("--genai-python", type=Path, default=None,
                         help="python of a venv with openvino-genai (it pins other versions)")
-    parity.add_argument("--prompt-tokens", type=int, default=32)
-    parity.add_argument("--new-tokens", type=int, default=64)
-    parity.add_argument("--rounds", type=int, default=3)
+    parity.add_argument("--prompt-tokens", type=positive_int, default=32)
+    parity.add_argument("--new-tokens", type=positive_int, default=64)
+    parity.add_argument("--rounds", type=positive_int, default=3)
     parity.add_argument("--genai-backends", nargs="+", choices=["default", "SDPA", "PA"],
                         default=["default", "SDPA"],
                         help="LLMPipeline ATTENTION_BACKEND per GenAI run (default: GenAI's own choice)")
-    parity.add_argument("--stages", type=int, nargs="*", default=[2, 3, 4])
+    parity.add_argument("--stages", type=positive_int, nargs="*", default=[2, 3, 4],
+                        help="stage counts to compare with 1 (each at most the model's layers)")
     parity.add_argument("--isolation", choices=["process", "shared"], default="process",
                         help="process: every variant in a fresh process of its own each round (default); "
                              "shared: deskfleet's variants loaded once into this process (quicker, noisier)")
@@ -116,11 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     parity.set_defaults(handler=_bench_parity)
     rollback = benches.add_parser("rollback", help="mask rollback vs physical trim, and dead slots in a decode step")
     rollback.add_argument("--model", type=Path, required=True, help="export folder (context >= 2048 + 100)")
-    rollback.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 2048])
-    rollback.add_argument("--rejected", type=int, default=4, help="draft tokens rejected per rollback")
-    rollback.add_argument("--dead-slots", type=int, nargs="+", default=[4, 64],
-                          help="dead slots per row to time a decode step with")
-    rollback.add_argument("--rounds", type=int, default=7)
+    rollback.add_argument("--contexts", type=positive_int, nargs="+", default=[256, 1024, 2048])
+    rollback.add_argument("--rejected", type=positive_int, default=4, help="draft tokens rejected per rollback")
+    rollback.add_argument("--dead-slots", type=positive_int, nargs="+", default=[4, 64],
+                          help="dead slots per row to time a decode step with (1 up to the shortest context)")
+    rollback.add_argument("--rounds", type=positive_int, default=7)
     _add_compile_options(rollback)
     rollback.set_defaults(handler=_bench_rollback)
     speculative = benches.add_parser("speculative", help="one stage, code completion with and without a draft")
@@ -128,17 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
     speculative.add_argument("--draft", type=Path, default=None, help="draft export folder")
     speculative.add_argument("--no-lookup", action="store_true",
                              help="skip the prompt-lookup (and lookup-first) variants")
-    speculative.add_argument("--k", type=int, nargs="*", default=[2, 4, 6], help="fixed K values to time")
+    speculative.add_argument("--k", type=positive_int, nargs="*", default=[2, 4, 6],
+                             help="fixed K values (1 or more) to time")
     speculative.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-K variant")
-    speculative.add_argument("--k-max", type=int, default=8, help="upper bound of adaptive K")
+    speculative.add_argument("--k-max", type=positive_int, default=8, help="upper bound of adaptive K")
     speculative.add_argument("--prompts-file", type=Path, default=None,
                              help="one prompt per line, read as generate's --prompts-file (\\n a newline, "
                                   "\\t a tab, \\\\ a backslash); default: the demo eval set")
     speculative.add_argument("--eval-dir", type=Path, default=None,
                              help="folder of the demo model's evaluate.py (default assets/models/train)")
-    speculative.add_argument("--prompts", type=int, default=12, help="how many prompts")
-    speculative.add_argument("--new-tokens", type=int, default=64)
-    speculative.add_argument("--rounds", type=int, default=3)
+    speculative.add_argument("--prompts", type=positive_int, default=12, help="how many prompts")
+    speculative.add_argument("--new-tokens", type=positive_int, default=64)
+    speculative.add_argument("--rounds", type=positive_int, default=3)
     _add_compile_options(speculative)
     speculative.set_defaults(handler=_bench_speculative)
     streams = benches.add_parser("streams", help="1..N users on one core: deskfleet vs GenAI continuous batching")
@@ -146,11 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     streams.add_argument("--genai-model", type=Path, default=None,
                          help="the same checkpoint exported by optimum-intel (omit to skip GenAI)")
     streams.add_argument("--genai-python", type=Path, default=None, help="python of the GenAI venv")
-    streams.add_argument("--users", type=int, nargs="+", default=[1, 2, 4, 8])
-    streams.add_argument("--prompt-tokens", type=int, default=32)
-    streams.add_argument("--new-tokens", type=int, default=64)
-    streams.add_argument("--rounds", type=int, default=3)
-    streams.add_argument("--core", type=int, default=None, help="the CPU core to pin to (default: the last)")
+    streams.add_argument("--users", type=positive_int, nargs="+", default=[1, 2, 4, 8])
+    streams.add_argument("--prompt-tokens", type=positive_int, default=32)
+    streams.add_argument("--new-tokens", type=positive_int, default=64)
+    streams.add_argument("--rounds", type=positive_int, default=3)
+    streams.add_argument("--core", type=non_negative_int, default=None,
+                         help="the CPU core to pin to (default: the last)")
     _add_compile_options(streams)
     streams.set_defaults(handler=_bench_streams)
     from deskfleet.controller.bench.fleet import add_fleet_bench_command

@@ -40,9 +40,11 @@ from deskfleet.agent.link import TlsFiles, utc_now
 from deskfleet.agent.stage import CompileSettings, export_weight_group_size
 from deskfleet.agent.stage import Precision as StagePrecision
 from deskfleet.common import event_loop, pki
+from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.planner import PlanOptions, PlanPolicy
 from deskfleet.common.wire import Precision, Role
+from deskfleet.controller.bench.arguments import check_genai_inputs, check_output_file
 from deskfleet.controller.bench.delay_proxy import DelayProxy, ProxyThread
 from deskfleet.controller.bench.host import host_report
 from deskfleet.controller.bench.runner_process import stop_processes
@@ -85,9 +87,9 @@ class FleetBenchOptions:
     def __post_init__(self) -> None:
         for name in ("new_tokens", "prompt_tokens", "rounds", "threads_per_pc"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
         if self.warmup_rounds < 0 or self.wan_delay_s < 0:
-            raise ValueError("warm-up rounds and the WAN delay cannot be negative")
+            raise ValueError("--warmup-rounds and --wan-delay-ms cannot be negative")
 
 
 @dataclass
@@ -169,6 +171,7 @@ def fleet_rows(max_pcs: int) -> tuple[_Row, ...]:
 def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Start the simulated PCs, deploy, run every configuration `rounds` times interleaved; the report."""
     say = progress or (lambda text: log.info("%s", text))
+    check_inputs(options)
     cores = sorted(os.sched_getaffinity(0))
     controller_cores, agent_cores = split_cores(cores, options.max_pcs, options.controller_cores,
                                                 options.threads_per_pc)
@@ -232,6 +235,28 @@ def render_markdown(report: dict[str, Any]) -> str:
             ratio += f" ({row['note']})"
         lines.append(f"| {row['row']} | {row['paper']} | {row['goal']} | {ratio} | {spread} |")
     return "\n".join(lines)
+
+
+def check_inputs(options: FleetBenchOptions) -> None:
+    """What would otherwise fail only once the simulated PCs are up, or after other configurations ran: the
+    exports (manifests only, nothing compiled), the demo draft against the demo target (the checks of
+    DraftModel.check_compatible), the GenAI inputs."""
+    load_manifest(options.model)
+    if options.demo_draft is not None and options.demo_target is None:
+        raise ValueError("--demo-draft needs --demo-target (the target it drafts for)")
+    if options.demo_target is not None:
+        target = load_manifest(options.demo_target).spec
+        if options.demo_draft is not None:
+            draft = load_manifest(options.demo_draft).spec
+            if draft.vocab_size != target.vocab_size:
+                raise ValueError(f"--demo-draft {options.demo_draft} has a vocabulary of {draft.vocab_size} "
+                                 f"tokens, --demo-target {options.demo_target} one of {target.vocab_size}: "
+                                 f"a draft must share its target's tokenizer")
+            if draft.max_context < target.max_context:
+                raise ValueError(f"--demo-draft {options.demo_draft} has a context of {draft.max_context} "
+                                 f"positions, shorter than --demo-target's ({target.max_context}): export the "
+                                 f"draft with --max-context {target.max_context}")
+    check_genai_inputs(options.genai_model, options.genai_python)
 
 
 # Private functions: configurations
@@ -335,8 +360,16 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
     assert model is not None
     groups = [config.group] if config.copies == 1 else [config.group, f"{config.group}-b"][: config.copies]
     results: list[dict[str, float]] = [{} for _ in groups]
+    errors: list[BaseException | None] = [None for _ in groups]
 
     def one(index: int, group: str) -> None:
+        try:
+            run_one(index, group)
+        except BaseException as error:  # carried to the caller's thread: raised there with its message
+            log.debug("configuration %s on %s failed", config.key, group, exc_info=True)
+            errors[index] = error
+
+    def run_one(index: int, group: str) -> None:
         if config.key not in drafters:  # one per configuration: its warm-up round warms it too
             drafters[config.key] = open_drafter(options.demo_draft if config.drafter == "model" else None,
                                                 config.drafter == "lookup")
@@ -358,8 +391,9 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
         thread.start()
     for thread in threads:
         thread.join()
-    if any(not result for result in results):
-        raise RuntimeError(f"configuration {config.key} failed (see the log)")
+    error = next((error for error in errors if error is not None), None)
+    if error is not None:
+        raise RuntimeError(f"configuration {config.key} failed: {type(error).__name__}: {error}") from error
     tokens = sum(result["tokens"] for result in results)
     wall = max(result["wall_s"] for result in results)
     return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": round(wall, 4),
@@ -520,44 +554,58 @@ def _wait_port_file(port_file: Path, process: subprocess.Popen[bytes], log_path:
 
 
 def write_outputs(report: dict[str, Any], json_path: Path | None, markdown_path: Path | None) -> None:
-    if json_path is not None:
-        json_path.write_text(json.dumps(report, indent=2) + "\n")
-    if markdown_path is not None:
-        markdown_path.write_text(render_markdown(report) + "\n")
+    """Each file written whole or not at all (an existing one stays as it was when a write fails)."""
+    for option, path, text in (("--json-out", json_path, lambda: json.dumps(report, indent=2)),
+                               ("--markdown-out", markdown_path, lambda: render_markdown(report))):
+        if path is None:
+            continue
+        try:
+            write_atomic(path, (text() + "\n").encode())
+        except OSError as error:
+            raise RuntimeError(f"cannot write {option} {path}: {error} (the report is on stdout)") from error
 
 
 __all__ = ["FleetBenchOptions", "add_fleet_bench_command", "agent_layout", "bench_configs", "bench_groups",
-           "build_report", "fleet_rows", "render_markdown", "run_fleet_bench", "split_cores", "write_outputs"]
+           "build_report", "check_inputs", "fleet_rows", "render_markdown", "run_fleet_bench", "split_cores",
+           "write_outputs"]
 
 
 def add_fleet_bench_command(benches: Any) -> None:
     """`deskfleet bench fleet` on the CLI's bench subparsers."""
     import argparse
 
+    from deskfleet.controller.decoding_options import non_negative_int, positive_int
+
     parser: argparse.ArgumentParser = benches.add_parser("fleet", help="the paper's fleet table on simulated PCs")
     parser.add_argument("--model", type=Path, required=True, help="throughput model export (about 1B INT4)")
     parser.add_argument("--demo-target", type=Path, default=None, help="demo pair target export (drafting rows)")
-    parser.add_argument("--demo-draft", type=Path, default=None, help="demo pair draft export")
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--prompt-tokens", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds before the timed ones")
-    parser.add_argument("--threads-per-pc", type=int, default=1,
+    parser.add_argument("--demo-draft", type=Path, default=None,
+                        help="demo pair draft export (the target's vocabulary, a context at least the target's)")
+    parser.add_argument("--new-tokens", type=positive_int, default=32)
+    parser.add_argument("--prompt-tokens", type=positive_int, default=16)
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--warmup-rounds", type=non_negative_int, default=1,
+                        help="untimed rounds before the timed ones")
+    parser.add_argument("--threads-per-pc", type=positive_int, default=1,
                         help="inference threads of each simulated PC, each on a core of its own (default 1)")
     parser.add_argument("--pcs", type=int, default=2, help="simulated PCs in the largest rows (2-4)")
-    parser.add_argument("--controller-cores", type=int, default=0,
+    parser.add_argument("--controller-cores", type=non_negative_int, default=0,
                         help="pin the controller to the first N cores and the PCs to the rest (0: not pinned)")
     parser.add_argument("--wan-delay-ms", type=float, default=100.0, help="one-way delay per hop on WAN rows")
     parser.add_argument("--wan-bandwidth-mbit", type=float, default=None, help="per-link bandwidth on WAN rows")
     parser.add_argument("--genai-model", type=Path, default=None,
                         help="--model's checkpoint exported by optimum-intel: adds GenAI continuous-batching rows")
     parser.add_argument("--genai-python", type=Path, default=None, help="the GenAI venv's python")
-    parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--json-out", type=Path, default=None,
+                        help="also write the JSON here (checked before the bench runs; written whole or not at all)")
     parser.add_argument("--markdown-out", type=Path, default=None, help="also write the markdown table here")
     parser.set_defaults(handler=_bench_command, runs_models=True)  # the draft model, on this process's CPU
 
 
 def _bench_command(args: Any) -> int:
+    # Checked before the bench runs: a path found wrong only afterwards would lose the whole run.
+    check_output_file("--json-out", args.json_out)
+    check_output_file("--markdown-out", args.markdown_out)
     options = FleetBenchOptions(
         model=args.model, demo_target=args.demo_target, demo_draft=args.demo_draft, new_tokens=args.new_tokens,
         prompt_tokens=args.prompt_tokens, rounds=args.rounds, warmup_rounds=args.warmup_rounds,
@@ -567,7 +615,7 @@ def _bench_command(args: Any) -> int:
         wan_delay_s=args.wan_delay_ms / 1000.0,
         wan_bandwidth_bytes_s=args.wan_bandwidth_mbit * 125_000 if args.wan_bandwidth_mbit else None)
     report = run_fleet_bench(options, progress=lambda text: print(text, file=sys.stderr, flush=True))
-    write_outputs(report, args.json_out, args.markdown_out)
-    print(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2), flush=True)  # first: a file that cannot be written loses nothing
     print(render_markdown(report), file=sys.stderr)
+    write_outputs(report, args.json_out, args.markdown_out)
     return 0

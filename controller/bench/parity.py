@@ -50,6 +50,7 @@ from deskfleet.common.model_spec import Manifest, load_manifest
 from deskfleet.controller.engine import Engine, StreamRequest
 from deskfleet.controller.pipeline import LocalPipeline
 
+from .arguments import check_at_least, check_genai_inputs
 from .host import host_report
 from .runner_process import RunnerProcess
 
@@ -221,10 +222,16 @@ def run_parity_bench(model: Path, genai_model: Path | None = None, genai_python:
         raise ValueError(f"isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
     if huge_pages_ablation and isolation != "process":
         raise ValueError("the huge-pages ablation needs process isolation (the setting is per process)")
+    check_at_least(1, prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds)
     model = Path(model)
     settings = settings or CompileSettings()
     manifest = load_manifest(model)
     spec = manifest.spec
+    bad_stages = [k for k in stage_counts if not 1 <= k <= spec.num_layers]
+    if bad_stages:
+        raise ValueError(f"--stages {' '.join(map(str, bad_stages))}: a stage count must be between 1 and the "
+                         f"model's {spec.num_layers} layers")
+    check_genai_inputs(genai_model, genai_python)
     prompt = bench_prompt(spec.vocab_size, prompt_tokens, spec.bos_token_id)
     if prompt_tokens + new_tokens > spec.max_context:
         raise ValueError(f"{prompt_tokens} + {new_tokens} tokens exceed the model's context {spec.max_context}")

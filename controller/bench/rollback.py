@@ -36,6 +36,7 @@ from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.wire import ForwardResult
 from deskfleet.controller.batch_track import BatchTrack
 
+from .arguments import check_at_least, check_each_at_least
 from .host import host_report
 from .parity import _read_properties, bench_prompt, interleaved_order, summarize
 
@@ -135,6 +136,14 @@ def run_rollback_bench(model: Path, contexts: Sequence[int] = (256, 1024, 2048),
                        mask_repeats: int = 300, trim_repeats: int = 15, settings: CompileSettings | None = None,
                        progress: bool = True) -> dict[str, Any]:
     """Run the rollback benchmark on a one-stage model and return its JSON-able report."""
+    if not contexts:
+        raise ValueError("--contexts: give at least one context length")
+    check_each_at_least(1, "--contexts", contexts)
+    check_each_at_least(1, "--dead-slots", dead_slots)  # 0 dead slots is the live stream: nothing to compare
+    if dead_slots and max(dead_slots) > min(contexts):  # the dead slots are the prompt's tokens fed again
+        raise ValueError(f"--dead-slots {max(dead_slots)} is more than the shortest of --contexts "
+                         f"({min(contexts)}): dead slots per row can be at most the context")
+    check_at_least(1, rejected=rejected, rounds=rounds)
     model = Path(model)
     settings = settings or CompileSettings()
     manifest = load_manifest(model)

@@ -45,6 +45,7 @@ from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.wire import Forward, ForwardResult
 
+from .arguments import check_at_least
 from .call_costs import measure_call_costs
 from .host import host_report
 from .parity import _read_properties, compare, summarize
@@ -313,6 +314,10 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
         raise ValueError("nothing to compare: give a draft model, or keep the prompt-lookup variants")
     if not ks and not adaptive:
         raise ValueError("no speculative variant: give --k values, or keep the adaptive one")
+    if any(k < 1 for k in ks):
+        raise ValueError(f"--k values must be 1 or more, got {list(ks)}: K 0 drafts nothing, which is the plain "
+                         f"variant (always run)")
+    check_at_least(1, k_max=k_max, prompts=num_prompts, new_tokens=new_tokens, rounds=rounds)
     target = Path(target)
     settings = (settings or CompileSettings()).for_drafting()  # what `generate --draft` compiles
     manifest = load_manifest(target)
@@ -334,7 +339,7 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
     if longest + new_tokens > spec.max_context:
         raise ValueError(f"a prompt of {longest} tokens + {new_tokens} exceeds the context {spec.max_context}")
     names = variant_names(ks, adaptive, draft_model=draft is not None, lookup=lookup)
-    options = {name: EngineOptions(max_rows=1, micro_batches=1, k_max=max(k_max, 1), fixed_k=variant_fixed_k(name))
+    options = {name: EngineOptions(max_rows=1, micro_batches=1, k_max=k_max, fixed_k=variant_fixed_k(name))
                for name in names}
     started = time.perf_counter()
     results: dict[str, list[VariantStats]] = {name: [] for name in names}
@@ -373,7 +378,7 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
             if index > 0:
                 for name in names:
                     results[name].append(current[name])
-        widths = sorted({1, *(k + 1 for k in ks), max(k_max, 1) + 1})
+        widths = sorted({1, *(k + 1 for k in ks), k_max + 1})
         call_costs = measure_call_costs(pipeline.stages[0], widths)
     chain.stats = None
     reference = tokens_by_variant["plain"]

@@ -35,6 +35,7 @@ from deskfleet.agent import allocator
 from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.model_spec import Manifest, load_manifest
 
+from .arguments import check_at_least, check_genai_inputs
 from .host import host_report
 from .parity import _genai_properties, _read_properties, bench_prompt, compare, summarize
 from .runner_process import RunnerProcess
@@ -148,7 +149,9 @@ def run_streams_bench(model: Path, genai_model: Path | None = None, genai_python
     This process runs pinned to one core meanwhile; its former affinity is restored at the end.
     """
     if not users or min(users) < 1:
-        raise ValueError(f"user counts must be at least 1, got {list(users)}")
+        raise ValueError(f"--users values must be 1 or more, got {list(users)}")
+    check_at_least(1, prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds)
+    check_genai_inputs(genai_model, genai_python)  # not only after deskfleet's memory pass
     core = pick_core(core)
     allowed = os.sched_getaffinity(0)
     pin_process({core})

@@ -2,22 +2,32 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from deskfleet.controller.bench import fleet as fleet_module
 from deskfleet.controller.bench.fleet import (
     GENAI_GROUP,
     WAN_GROUP,
     FleetBenchOptions,
+    _Config,
+    _run_config,
     agent_layout,
     bench_configs,
     bench_groups,
     build_report,
+    check_inputs,
     fleet_rows,
     render_markdown,
+    run_fleet_bench,
     split_cores,
 )
+from deskfleet.controller.cli import main
 
 MODEL, TARGET, DRAFT = Path("m"), Path("t"), Path("d")
 
@@ -157,3 +167,96 @@ def test_without_a_draft_model_the_wan_row_runs_undrafted_and_lookup_rows_remain
 def test_options_refuse_what_would_measure_nothing(field: str, value: int) -> None:
     with pytest.raises(ValueError):
         FleetBenchOptions(MODEL, **{field: value})
+
+
+# Arguments checked before the bench runs
+
+FAKE_REPORT: dict[str, Any] = {"rows": [], "configs": {"mono_1": {"median": 1.0}}}
+
+
+def never_run(*args: object, **kwargs: object) -> dict[str, Any]:
+    raise AssertionError("the bench ran although its arguments are wrong")
+
+
+@pytest.mark.parametrize(("option", "target", "message"), [
+    ("--json-out", "missing/x.json", "--json-out .*x.json: the folder .*missing does not exist"),
+    ("--markdown-out", "missing/x.md", "--markdown-out .*x.md: the folder .*missing does not exist"),
+    ("--json-out", ".", "--json-out .* is a folder: give a file name"),
+])
+def test_output_paths_are_checked_before_the_bench_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str], option: str,
+                                                        target: str, message: str) -> None:
+    monkeypatch.setattr(fleet_module, "run_fleet_bench", never_run)
+    assert main(["bench", "fleet", "--model", "m", option, str(tmp_path / target)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert captured.err.startswith("deskfleet: error: ")
+    assert re.search(message, captured.err), captured.err
+
+
+def test_the_report_is_printed_first_and_a_failed_write_leaves_the_old_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(fleet_module, "run_fleet_bench", lambda options, progress: FAKE_REPORT)
+    old = tmp_path / "report.json"
+    old.write_text("the previous run\n")
+
+    def disk_full(descriptor: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("deskfleet.common.atomic_file.os.fsync", disk_full)
+    assert main(["bench", "fleet", "--model", "m", "--json-out", str(old)]) == 2
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == FAKE_REPORT  # the run is not lost
+    assert "cannot write --json-out" in captured.err and "No space left" in captured.err
+    assert old.read_text() == "the previous run\n"  # not truncated
+    assert [path.name for path in tmp_path.iterdir()] == ["report.json"]  # no temporary left behind
+    monkeypatch.undo()
+    monkeypatch.setattr(fleet_module, "run_fleet_bench", lambda options, progress: FAKE_REPORT)
+    markdown = tmp_path / "table.md"
+    assert main(["bench", "fleet", "--model", "m", "--json-out", str(old), "--markdown-out", str(markdown)]) == 0
+    assert json.loads(old.read_text()) == FAKE_REPORT and markdown.read_text().startswith("| row |")
+
+
+def fake_export(folder: Path, source: Path, **spec: int) -> Path:
+    """An export folder holding only the manifest of `source`, its spec changed (enough for the checks)."""
+    manifest = json.loads((source / "manifest.json").read_text())
+    manifest["spec"].update(spec)
+    folder.mkdir()
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+@pytest.mark.parametrize(("draft_spec", "message"), [
+    ({"vocab_size": 1000}, "--demo-draft .* vocabulary of 1000 tokens, --demo-target .* one of 512"),
+    ({"max_context": 64}, "--demo-draft .* context of 64 positions, shorter than --demo-target's"),
+])
+def test_a_draft_that_cannot_draft_for_the_target_is_refused_before_any_pc_starts(
+        tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, draft_spec: dict[str, int],
+        message: str) -> None:
+    monkeypatch.setattr(fleet_module, "_Fleet", never_run)
+    draft = fake_export(tmp_path / "draft", tiny_export, **draft_spec)
+    with pytest.raises(ValueError, match=message):
+        run_fleet_bench(FleetBenchOptions(tiny_export, tiny_export, draft))
+    check_inputs(FleetBenchOptions(tiny_export, tiny_export, fake_export(tmp_path / "same", tiny_export)))
+
+
+def test_the_other_inputs_are_checked_before_any_pc_starts(tiny_export: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fleet_module, "_Fleet", never_run)
+    with pytest.raises(ValueError, match="--demo-draft needs --demo-target"):
+        run_fleet_bench(FleetBenchOptions(tiny_export, None, tiny_export))
+    with pytest.raises(FileNotFoundError, match="--genai-python /nonexistent/python"):
+        run_fleet_bench(FleetBenchOptions(tiny_export, genai_model=tmp_path, genai_python=Path("/nonexistent/python")))
+    with pytest.raises(FileNotFoundError, match="--genai-model"):
+        run_fleet_bench(FleetBenchOptions(tiny_export, genai_model=tmp_path / "missing"))
+
+
+def test_a_failed_configuration_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken_chain(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("stage 1 went away")
+
+    monkeypatch.setattr(fleet_module, "FleetPipeline", broken_chain)
+    fleet = SimpleNamespace(store=SimpleNamespace(tls_files=None))
+    config = _Config("copies_2", "mono", 1, 1, 1, copies=2)
+    with pytest.raises(RuntimeError, match="configuration copies_2 failed: ConnectionError: stage 1 went away"):
+        _run_config(fleet, {"mono": (), "mono-b": ()}, config, FleetBenchOptions(MODEL), {})  # type: ignore[arg-type]

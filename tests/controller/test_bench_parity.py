@@ -173,3 +173,29 @@ def test_parity_bench_rejects_an_unknown_isolation_and_a_shared_ablation(tiny_ex
         run_parity_bench(tiny_export, isolation="thread", progress=False)
     with pytest.raises(ValueError, match="process isolation"):
         run_parity_bench(tiny_export, isolation="shared", huge_pages_ablation=True, progress=False)
+
+
+def never_start(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a runner started although the arguments are wrong")
+
+
+@pytest.mark.parametrize(("arguments", "error", "message"), [
+    ({"stage_counts": [2, 0]}, ValueError, "--stages 0: a stage count must be between 1 and the model's 4 layers"),
+    ({"stage_counts": [100]}, ValueError, "--stages 100: .* the model's 4 layers"),
+    ({"new_tokens": 0}, ValueError, "--new-tokens must be 1 or more, got 0"),
+    ({"prompt_tokens": 0}, ValueError, "--prompt-tokens must be 1 or more, got 0"),
+    ({"rounds": 0}, ValueError, "--rounds must be 1 or more, got 0"),
+    ({"genai_python": Path("/nonexistent/python")}, FileNotFoundError, "--genai-python /nonexistent/python"),
+    ({"genai_model": Path("/nonexistent")}, FileNotFoundError, "--genai-model /nonexistent"),
+])
+@pytest.mark.parametrize("isolation", ["process", "shared"])
+def test_parity_bench_checks_its_arguments_before_any_variant(tiny_export: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              arguments: dict[str, object], error: type[Exception],
+                                                              message: str, isolation: str) -> None:
+    from deskfleet.controller.bench import parity
+
+    monkeypatch.setattr(parity, "RunnerProcess", never_start)
+    monkeypatch.setattr(parity, "LocalPipeline", never_start)
+    monkeypatch.setattr(parity, "FusedDirectVariant", never_start)
+    with pytest.raises(error, match=message):
+        run_parity_bench(tiny_export, isolation=isolation, progress=False, **arguments)  # type: ignore[arg-type]

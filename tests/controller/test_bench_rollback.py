@@ -71,3 +71,18 @@ def test_rollback_bench_on_a_tiny_model(checkpoint_factory: Callable[..., Path],
     assert report["state_dtype_on_host"] == "float32"
     with pytest.raises(ValueError, match="context"):
         run_rollback_bench(model, contexts=[500], settings=CompileSettings(precision=Precision.F32), progress=False)
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    ({"contexts": [0]}, r"--contexts values must be 1 or more, got \[0\]"),
+    ({"contexts": []}, "--contexts: give at least one"),
+    ({"dead_slots": [-3]}, r"--dead-slots values must be 1 or more, got \[-3\]"),
+    ({"dead_slots": [0, 4]}, r"--dead-slots values must be 1 or more"),
+    ({"contexts": [16, 256], "dead_slots": [4, 64]}, r"--dead-slots 64 is more than the shortest of --contexts \(16\)"),
+    ({"rejected": 0}, "--rejected must be 1 or more, got 0"),
+    ({"rounds": 0}, "--rounds must be 1 or more, got 0"),
+])
+def test_rollback_bench_refuses_meaningless_counts_naming_the_option(tmp_path: Path, arguments: dict[str, object],
+                                                                     message: str) -> None:
+    with pytest.raises(ValueError, match=message):  # before the model (here no export) is opened
+        run_rollback_bench(tmp_path, progress=False, **arguments)  # type: ignore[arg-type]

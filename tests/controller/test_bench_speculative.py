@@ -200,3 +200,19 @@ def test_a_bench_with_nothing_to_compare_is_refused(tmp_path: Path) -> None:
         run_speculative_bench(tmp_path, None, lookup=False)
     with pytest.raises(ValueError, match="no speculative variant"):
         run_speculative_bench(tmp_path, tmp_path, ks=[], adaptive=False)
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    ({"ks": [0], "adaptive": False}, r"--k values must be 1 or more, got \[0\]"),
+    ({"ks": [2, -1]}, r"--k values must be 1 or more"),
+    ({"k_max": -1}, "--k-max must be 1 or more, got -1"),
+    ({"k_max": 0}, "--k-max must be 1 or more, got 0"),
+    ({"rounds": 0}, "--rounds must be 1 or more, got 0"),
+    ({"new_tokens": 0}, "--new-tokens must be 1 or more"),
+    ({"num_prompts": 0}, "--prompts must be 1 or more"),
+])
+def test_counts_that_would_time_nothing_or_mislabel_a_variant_are_refused(tmp_path: Path,
+                                                                        arguments: dict[str, object],
+                                                                        message: str) -> None:
+    with pytest.raises(ValueError, match=message):  # before the target (here no export) is opened
+        run_speculative_bench(tmp_path, tmp_path, **arguments)  # type: ignore[arg-type]

@@ -78,3 +78,27 @@ def test_streams_bench_on_a_tiny_model_without_genai(tiny_export: Path) -> None:
     assert report["goal_met"] is None
     assert set(report["memory"]["peak_rss_mb"]["deskfleet"]) == {"1", "2", "3"}
     assert report["kv_bytes_per_stream"]["kv_cache_precision"] == "f32"
+
+
+@pytest.mark.parametrize(("arguments", "error", "message"), [
+    ({"genai_model": Path("/nonexistent")}, FileNotFoundError, "--genai-model /nonexistent"),
+    ({"genai_model": Path("."), "genai_python": Path("/nonexistent/python")}, FileNotFoundError,
+     "--genai-python /nonexistent/python"),
+    ({"rounds": 0}, ValueError, "--rounds must be 1 or more, got 0"),
+    ({"new_tokens": 0}, ValueError, "--new-tokens must be 1 or more"),
+    ({"prompt_tokens": 0}, ValueError, "--prompt-tokens must be 1 or more"),
+    ({"users": [1, 0]}, ValueError, "--users values must be 1 or more"),
+])
+def test_streams_bench_checks_its_arguments_before_the_memory_pass(
+        tiny_export: Path, monkeypatch: pytest.MonkeyPatch, arguments: dict[str, object], error: type[Exception],
+        message: str) -> None:
+    from deskfleet.controller.bench import streams
+
+    def never_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("deskfleet's users ran although the arguments are wrong")
+
+    monkeypatch.setattr(streams, "DeskfleetUsers", never_run)
+    before = os.sched_getaffinity(0)
+    with pytest.raises(error, match=message):
+        run_streams_bench(tiny_export, progress=False, **arguments)  # type: ignore[arg-type]
+    assert os.sched_getaffinity(0) == before

@@ -200,3 +200,29 @@ def test_a_closed_output_pipe_ends_the_run_quietly(tiny_export: Path, capsys: py
     code = main(["generate", "--model", str(tiny_export), "--prompt", "def f(x):", "--max-new-tokens", "4",
                  "--ignore-eos"])
     assert code == BROKEN_PIPE_EXIT and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(("bench", "args", "message"), [
+    ("speculative", ["--rounds", "0"], "argument --rounds: must be 1 or more, got 0"),
+    ("speculative", ["--k", "2", "0"], "argument --k: must be 1 or more, got 0"),
+    ("speculative", ["--k-max", "-1"], "argument --k-max: must be 1 or more, got -1"),
+    ("speculative", ["--new-tokens", "0"], "argument --new-tokens: must be 1 or more"),
+    ("streams", ["--rounds", "0"], "argument --rounds: must be 1 or more, got 0"),
+    ("streams", ["--users", "0"], "argument --users: must be 1 or more"),
+    ("streams", ["--core", "-1"], "argument --core: must be 0 or more"),
+    ("parity", ["--stages", "0"], "argument --stages: must be 1 or more, got 0"),
+    ("parity", ["--new-tokens", "0"], "argument --new-tokens: must be 1 or more"),
+    ("rollback", ["--contexts", "0"], "argument --contexts: must be 1 or more, got 0"),
+    ("rollback", ["--dead-slots", "-3"], "argument --dead-slots: must be 1 or more, got -3"),
+    ("rollback", ["--dead-slots", "0"], "argument --dead-slots: must be 1 or more, got 0"),
+    ("rollback", ["--rejected", "0"], "argument --rejected: must be 1 or more"),
+    ("fleet", ["--rounds", "0"], "argument --rounds: must be 1 or more, got 0"),
+    ("fleet", ["--warmup-rounds", "-1"], "argument --warmup-rounds: must be 0 or more"),
+])
+def test_bench_counts_are_refused_when_parsed(capsys: pytest.CaptureFixture[str], bench: str, args: list[str],
+                                              message: str) -> None:
+    from deskfleet.controller.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["bench", bench, "--model", "m", *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -1,0 +1,51 @@
+"""Up-front checks of the benchmarks' arguments, naming the CLI option, so that a bad one fails before any
+model is compiled or any variant has run (not in a runner process, nor after the rounds)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+
+def check_at_least(minimum: int, **options: int) -> None:
+    """ValueError naming the first option below `minimum`; keyword names are the options' (new_tokens is
+    --new-tokens)."""
+    for name, value in options.items():
+        if value < minimum:
+            raise ValueError(f"{_option(name)} must be {minimum} or more, got {value}")
+
+
+def check_each_at_least(minimum: int, option: str, values: Iterable[int]) -> None:
+    """ValueError naming `option` when one of its values is below `minimum`."""
+    values = list(values)
+    bad = [value for value in values if value < minimum]
+    if bad:
+        raise ValueError(f"{option} values must be {minimum} or more, got {values}")
+
+
+def check_genai_inputs(genai_model: Path | None, genai_python: Path | None) -> None:
+    """The GenAI model folder exists and the GenAI python can be started (a path or a command on PATH)."""
+    if genai_model is not None and not Path(genai_model).is_dir():
+        raise FileNotFoundError(f"--genai-model {genai_model}: no such folder (an optimum-intel export)")
+    if genai_python is not None and shutil.which(str(genai_python)) is None:
+        raise FileNotFoundError(f"--genai-python {genai_python}: not an executable file (the python of the "
+                                f"GenAI venv, e.g. made by scripts/genai_venv.sh)")
+
+
+def check_output_file(option: str, path: Path | None) -> None:
+    """`path` can be written: not a folder, in an existing folder this process may write in."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise ValueError(f"{option} {path} is a folder: give a file name")
+    parent = path.parent
+    if not parent.is_dir():
+        raise FileNotFoundError(f"{option} {path}: the folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: the folder {parent} is not writable")
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
