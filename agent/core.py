@@ -73,11 +73,13 @@ INLINE_STEP_TOKENS = 64
 
 
 class CommandError(Exception):
-    """A command cannot be carried out; answered to the sender as Error(code, message)."""
+    """A command cannot be carried out; answered to the sender as Error(code, message), naming the agent at
+    fault when it is another (`agent_id`: an unreachable next hop)."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, agent_id: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.agent_id = agent_id
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,9 @@ class AgentCore:
                         log.exception("%s from %s failed", type(message).__name__, link.describe())
                     self._note_error(f"{type(message).__name__} from {link.describe()}: {error}")
                     code = error.code if isinstance(error, CommandError) else ErrorCode.INTERNAL
-                    reply = Error(code, f"agent {self.agent_id[:12]}: {error}")
+                    reply = Error(code, f"agent {self.agent_id[:12]}: {error}",
+                                  micro_batch_id=message.micro_batch_id if isinstance(message, Forward) else None,
+                                  agent_id=error.agent_id if isinstance(error, CommandError) else None)
                     if link.peer.role is Role.AGENT:  # the previous stage reads nothing back: tell the driver
                         await self._send_down(reply)
                         reply = None
@@ -323,7 +327,7 @@ class AgentCore:
                    f"failed on {_stage_key(hosted.assignment.stage)}: {error}"
             self._note_error(text)
             await self._send_down(Error(ErrorCode.BAD_MESSAGE if isinstance(error, LedgerError | ProtocolError)
-                                        else ErrorCode.INTERNAL, text), hosted)
+                                        else ErrorCode.INTERNAL, text, micro_batch_id=message.micro_batch_id), hosted)
             return
         if isinstance(output, ForwardResult):
             await self._tell_controller(output)
@@ -393,7 +397,7 @@ class AgentCore:
                 if attempt:
                     text = f"agent {self.agent_id[:12]}: next hop agent {hop.agent_id[:12]} at {hop.address} " \
                            f"is unreachable: {error}"
-                    raise CommandError(ErrorCode.INTERNAL, text) from None
+                    raise CommandError(ErrorCode.INTERNAL, text, agent_id=hop.agent_id) from None
 
     async def _tell_controller(self, message: Message) -> None:
         """Send to the driver's results link, else the most recent open controller link; log when none."""

@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 
 PING_INTERVAL_S = 5.0
 PING_TIMEOUT_S = 10.0
+# A peer that does not answer our close frame within this is stalled (a stopped process): the TCP connection is
+# dropped then. websockets' default, 10 s, held Ctrl-C on a chain with a stalled PC for that long.
+CLOSE_TIMEOUT_S = 2.0
 OPEN_TIMEOUT_S = 10.0
 HELLO_TIMEOUT_S = OPEN_TIMEOUT_S  # a peer that opened a websocket but says no Hello is dropped after this
 SOFTWARE_VERSION = "0.1.0"
@@ -242,13 +245,14 @@ class WebsocketOptions(TypedDict):
     max_size: int
     ping_interval: float
     ping_timeout: float
+    close_timeout: float
     compression: None
 
 
 def websocket_options() -> WebsocketOptions:
     """Options every fleet websocket uses, enrollment included: frames up to the codec's limit, pings."""
     return WebsocketOptions(max_size=DEFAULT_LIMITS.max_frame_bytes, ping_interval=PING_INTERVAL_S,
-                            ping_timeout=PING_TIMEOUT_S, compression=None)
+                            ping_timeout=PING_TIMEOUT_S, close_timeout=CLOSE_TIMEOUT_S, compression=None)
 
 
 async def _exchange_hello(link: Link, own: pki.PeerIdentity, expect_first: bool) -> None:

@@ -158,7 +158,7 @@ class StageExecutor:
         batch.steps += 1
         batch.last_step_id = message.step_id
         if output.hidden is not None:
-            return replace(message, input_ids=None, hidden_states=output.hidden)
+            return replace(message, input_ids=None, hidden_states=output.hidden, layer_start=self.stage.layers.stop)
         assert output.next_tokens is not None
         live = _live_positions(inputs.append, output.next_tokens.shape[1])
         outside = live & ((output.next_tokens < 0) | (output.next_tokens >= self.stage.vocab_size))
@@ -198,7 +198,12 @@ class StageExecutor:
         if message.step_id <= batch.last_step_id:
             raise LedgerError(f"micro-batch {message.micro_batch_id} step {message.step_id} came after step "
                               f"{batch.last_step_id}: a duplicate or out of order")
-        if self.stage.layers.is_first != (message.input_ids is not None):
+        layers = self.stage.layers
+        if message.layer_start != layers.start:
+            raise LedgerError(f"micro-batch {message.micro_batch_id} step {message.step_id} is for the stage from "
+                              f"layer {message.layer_start}, this stage runs layers [{layers.start}, {layers.stop}): "
+                              "the chain's stages do not follow each other")
+        if layers.is_first != (message.input_ids is not None):
             raise LedgerError("the first stage takes input_ids, later stages hidden_states")
         admits = sum(isinstance(delta, AdmitRow) for delta in message.slot_deltas)
         if admits != len(message.admit_from):

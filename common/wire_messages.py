@@ -19,7 +19,7 @@ from deskfleet.common.agent_state import AgentState
 from deskfleet.common.kv_ledger import AdmitRow, SlotDelta
 from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, check_tensor
 
-PROTOCOL_VERSION = 2  # 2: DraftInfo.one_hot
+PROTOCOL_VERSION = 3  # 2: DraftInfo.one_hot; 3: Forward.layer_start, Error.micro_batch_id and agent_id
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # An agent id is the unpadded lowercase base32 of sha256(SubjectPublicKeyInfo DER): 52 characters,
@@ -227,8 +227,19 @@ class Hello:
 
 @dataclass(frozen=True)
 class Error:
+    """A refusal or failure. micro_batch_id: the micro-batch of the Forward it answers (a driver drops an
+    error about a micro-batch it has no step in flight for: another run's); agent_id: the agent at fault
+    when it is not the sender (a next hop found unreachable)."""
+
     code: ErrorCode
     message: str
+    micro_batch_id: int | None = None
+    agent_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_id is not None:
+            _non_negative("micro_batch_id", self.micro_batch_id)
+        _require(self.agent_id is None or is_agent_id(self.agent_id), "error agent_id is not an agent id")
 
 
 @dataclass(frozen=True)
@@ -367,10 +378,14 @@ class Forward:
     sampling: SamplingInfo | None = None
     # the last stage also returns the logits [B, T, V]: only to measure what top-1 compression saves
     return_logits: bool = False
+    # the first layer of the stage this step is for: the driver sends 0, each stage relays its end; a stage
+    # of another range refuses it (PCs that disagree with the plan, e.g. after a re-deploy that failed midway)
+    layer_start: int = 0
 
     def __post_init__(self) -> None:
         _non_negative("micro_batch_id", self.micro_batch_id)
         _non_negative("step_id", self.step_id)
+        _non_negative("layer_start", self.layer_start)
         rows = len(self.stream_ids)
         _require(len(set(self.stream_ids)) == rows, "stream_ids repeats a stream")
         check_tensor("beam_idx", self.beam_idx, _BEAM_IDX, {"B": rows})

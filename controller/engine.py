@@ -39,7 +39,6 @@ from .generation import GenerationError, check_request
 log = logging.getLogger(__name__)
 
 TokenCallback = Callable[[int, int], None]  # (stream id, token)
-ABANDON_WAIT_S = 10.0  # how long a run that stopped early waits for its steps in flight before releasing
 
 
 class ChainBroken(RuntimeError):
@@ -51,6 +50,10 @@ Recover = Callable[[ChainBroken], "StageChain"]  # a new chain to resume on; rai
 
 
 class StageChain(Protocol):
+    """Where the engine sends steps. A chain that several engines use one after the other (a chat's) also has
+    renumber(): fresh micro-batch ids for the next engine, whose ids start at 1 again while steps of a run
+    stopped early may still be in flight (LocalPipeline and FleetPipeline have it)."""
+
     def submit(self, message: Forward) -> None: ...
 
     def collect(self, timeout: float | None = None) -> ForwardResult: ...
@@ -249,25 +252,24 @@ class Engine:
         self.failovers.append(Failover(str(error), self._collected, resumed))
 
     def _abandon(self) -> None:
-        """After run() stopped early: wait (a bounded time) for the steps in flight, dropping their results,
-        then release every micro-batch this run opened on the chain and in the drafter, so the chain (a chat's,
-        which the next reply reuses with a new engine) holds nothing of this run. Best effort: a chain that is
-        broken or stuck stops the wait, and nothing here hides the error run() raises."""
-        deadline = time.monotonic() + ABANDON_WAIT_S
-        try:
-            while self._in_flight and (left := deadline - time.monotonic()) > 0:
-                self._in_flight.pop(self.chain.collect(timeout=left).micro_batch_id, None)
-        except Exception as error:  # the chain is broken or stuck: release what can be released
-            log.info("stopped waiting for %d step(s) in flight: %s", len(self._in_flight), error)
+        """After run() stopped early: release every micro-batch this run opened on the chain and in the drafter
+        (those with a step in flight too: the chain frees them after that step and drops its result), so the
+        chain (a chat's, which the next reply reuses with a new engine) holds nothing of this run. Nothing
+        here waits on the chain, and nothing hides the error run() raises: a broken chain's agents free idle
+        micro-batches themselves."""
         tracks = [*self._tracks.values(), *self._prefills.values()]
-        held = {track.micro_batch_id for track in tracks} | {source for track in tracks for source in track.admit_from}
+        held = ({track.micro_batch_id for track in tracks} | {source for track in tracks for source in track.admit_from}
+                | set(self._in_flight))
         try:
             for batch_id in sorted(held):
                 if self.draft is not None and self.draft.has_batch(batch_id):
                     self.draft.release(batch_id)
                 self.chain.release(batch_id)
-        except Exception as error:  # a broken chain: its agents free idle micro-batches themselves
+        except Exception as error:  # a broken or closed chain
             log.info("could not release every micro-batch of the stopped run: %s", error)
+        renumber = getattr(self.chain, "renumber", None)
+        if callable(renumber):  # the next engine's ids must not meet this run's steps still in flight
+            renumber()
         self._tracks.clear()
         self._prefills.clear()
         self._in_flight.clear()

@@ -153,7 +153,9 @@ class FleetPipeline:
             return replace(item, micro_batch_id=item.micro_batch_id - self._base)
 
     def release(self, batch_id: int) -> None:
-        """Free a micro-batch's KV state on every stage (in order, after its last step)."""
+        """Free a micro-batch's KV state on every stage (in order, after its last step). A step of it still in
+        flight (a run stopped early) is no longer awaited: its result is dropped when it comes."""
+        self._in_flight.pop(self._base + batch_id, None)
         if self._failure is None and not self._closed:
             self._post(ReleaseMicroBatch(self._base + batch_id))
 
@@ -274,8 +276,13 @@ class FleetPipeline:
             if isinstance(message, ForwardResult):
                 self._results.put(message)
             elif isinstance(message, Error):
+                if message.micro_batch_id is not None and message.micro_batch_id not in self._in_flight:
+                    # another run's: an agent dropped from this chain that woke up and relayed its old steps
+                    log.warning("dropped an error about wire micro-batch %d, which has no step in flight here: %s",
+                                message.micro_batch_id, message.message)
+                    continue
                 raise ChainError(f"{message.code.value} from the chain (reported to stage {index}'s link): "
-                                 f"{message.message}")
+                                 f"{message.message}", message.agent_id)
             else:
                 log.debug("ignoring %s from %s", type(message).__name__, link.describe())
 

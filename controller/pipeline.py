@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from deskfleet.agent.stage import CompileSettings, LayerRange, Stage
@@ -44,6 +44,7 @@ class _Release:
 
 
 _STOP = object()
+_ID_SPAN = 1 << 32  # renumber() moves the stages' ids past every id an engine uses
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[LayerRange]:
@@ -105,6 +106,8 @@ class LocalPipeline:
         self._queues: list[queue.Queue[object]] = [queue.Queue() for _ in range(len(executors) + 1)]
         self._inline = executors[0] if len(executors) == 1 else None
         self._done: deque[ForwardResult | _Failure] = deque()  # the inline stage's results, in order
+        self._in_flight: dict[int, int] = {}  # stage-side micro-batch id -> the step id its result will carry
+        self._base = 0  # added to the engine's micro-batch ids on the stages (see renumber)
         self._workers = [] if self._inline else [
             _StageWorker(index, executor, self._queues[index], self._queues[index + 1])
             for index, executor in enumerate(executors)]
@@ -128,6 +131,12 @@ class LocalPipeline:
         """Queue a step; its result comes out of collect() in submission order per micro-batch."""
         if self._closed:
             raise PipelineError("the pipeline is closed")
+        if self._base:
+            message = replace(message, micro_batch_id=self._base + message.micro_batch_id,
+                              admit_from=tuple(self._base + source for source in message.admit_from))
+        if message.micro_batch_id in self._in_flight:
+            raise ValueError(f"micro-batch {message.micro_batch_id - self._base} already has a step in flight")
+        self._in_flight[message.micro_batch_id] = message.step_id
         if self._inline is None:
             self._queues[0].put(message)
             return
@@ -141,7 +150,8 @@ class LocalPipeline:
         self._done.append(result)
 
     def collect(self, timeout: float | None = None) -> ForwardResult:
-        """The next finished step. Raises PipelineError if a stage failed on it."""
+        """The next finished step. Raises PipelineError if a stage failed on it. The result or failure of a
+        step nobody awaits any more (its micro-batch was released while it ran) is dropped."""
         while True:
             message: object
             if self._inline is not None:
@@ -151,10 +161,16 @@ class LocalPipeline:
             else:
                 message = self._queues[-1].get(timeout=timeout)
             if isinstance(message, ForwardResult):
-                return message
+                if self._in_flight.get(message.micro_batch_id) != message.step_id:
+                    continue
+                del self._in_flight[message.micro_batch_id]
+                return replace(message, micro_batch_id=message.micro_batch_id - self._base) if self._base else message
             if isinstance(message, _Failure):
+                if self._in_flight.pop(message.batch_id, None) is None:
+                    continue
                 raise PipelineError(f"stage {message.stage_index} ({self.ranges[message.stage_index]}) failed "
-                                    f"on micro-batch {message.batch_id}: {message.error}") from message.error
+                                    f"on micro-batch {message.batch_id - self._base}: {message.error}"
+                                    ) from message.error
             if message is _STOP:
                 raise PipelineError("the pipeline stopped")
 
@@ -164,11 +180,19 @@ class LocalPipeline:
         return self.collect()
 
     def release(self, batch_id: int) -> None:
-        """Drop a micro-batch's KV state on every stage."""
+        """Drop a micro-batch's KV state on every stage (after its step in flight, if any, whose result is then
+        dropped: nobody awaits it)."""
+        batch_id += self._base
+        self._in_flight.pop(batch_id, None)
         if self._inline is not None:
             self._inline.release(batch_id)
         else:
             self._queues[0].put(_Release(batch_id))
+
+    def renumber(self) -> None:
+        """Give the stages fresh micro-batch ids from now on: a new engine on this pipeline starts its ids at 1
+        again, and the steps of a run stopped early may still be in flight under the old ones."""
+        self._base += _ID_SPAN
 
     def close(self) -> None:
         if self._closed:

@@ -29,6 +29,7 @@ from deskfleet.common.wire import (
     ForwardResult,
     ManifestEntry,
     Message,
+    NextHop,
     Precision,
     ReleaseMicroBatch,
     ResultsHere,
@@ -204,10 +205,12 @@ def test_a_failing_speed_probe_reports_no_speed_and_says_why(core: AgentCore) ->
     assert core.last_error is not None and "GPU device not found" in core.last_error
 
 
-def _host_tiny_stage(core: AgentCore, tiny_export: Path, kv_cache: str | None = None) -> AssignStage:
-    """Push the tiny model's shards to the core and assign it the whole model as one stage."""
+def _host_tiny_stage(core: AgentCore, tiny_export: Path, kv_cache: str | None = None, layers: int | None = None,
+                     next_hop: NextHop | None = None) -> AssignStage:
+    """Push the tiny model's shards to the core and assign it its first `layers` (default: the whole model)."""
     manifest = load_manifest(tiny_export)
-    layers = manifest.spec.num_layers
+    total = manifest.spec.num_layers
+    layers = total if layers is None else layers
     names = [MANIFEST_NAME, *(name for stem in manifest.stage_ir_stems(0, layers) for name in manifest.ir_files(stem))]
     entries = []
     for name in names:
@@ -216,8 +219,8 @@ def _host_tiny_stage(core: AgentCore, tiny_export: Path, kv_cache: str | None = 
         handle(core, Role.CONTROLLER, ShardChunk(digest, 0, len(data), data))
         handle(core, Role.CONTROLLER, ShardComplete(digest))
         entries.append(ManifestEntry(name, digest, len(data)))
-    assignment = AssignStage(StageRef("tiny@1", 0, layers), True, True, "CPU", Precision.DEVICE_DEFAULT, None,
-                             tuple(entries), kv_cache)
+    assignment = AssignStage(StageRef("tiny@1", 0, layers), True, layers == total, "CPU", Precision.DEVICE_DEFAULT,
+                             next_hop, tuple(entries), kv_cache)
     assert isinstance(handle(core, Role.CONTROLLER, assignment), StageReady)
     return assignment
 
@@ -340,3 +343,18 @@ def test_a_fault_while_handling_a_message_is_answered_and_the_link_kept(core: Ag
     first = link.sent[0]
     assert isinstance(first, Error) and first.code is ErrorCode.INTERNAL and "1512" in first.message
     assert core.last_error is not None and "StatusRequest" in core.last_error
+
+
+def test_an_unreachable_next_hop_is_named_in_the_error_the_driver_gets(core: AgentCore, tiny_export: Path) -> None:
+    # The driver learns which agent is gone even when this stage, not its own link to that agent, tells it
+    # first: the failover then leaves the dead agent out of the next plan.
+    dead = "c" * 52
+    _host_tiny_stage(core, tiny_export, layers=2, next_hop=NextHop("127.0.0.1:9", dead))
+    track = BatchTrack(1, load_manifest(tiny_export).spec.max_context)
+    track.add_row(0)
+    driver = ScriptedLink(Role.CONTROLLER, [track.step([[1, 5, 9]])])
+    asyncio.run(core.serve_link(cast(Link, driver)))
+    assert len(driver.sent) == 1
+    error = driver.sent[0]
+    assert isinstance(error, Error) and "is unreachable" in error.message
+    assert (error.agent_id, error.micro_batch_id) == (dead, 1)

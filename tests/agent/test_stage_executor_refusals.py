@@ -108,7 +108,7 @@ def test_inputs_that_do_not_fit_the_call_are_refused_by_name(whole: Stage, secon
         executor.run(replace(step, input_ids=np.array([[5, 6, 7, -5]], dtype=np.int64)))
     later = StageExecutor(second_half, 256)
     hidden = np.zeros((1, len(PROMPT), second_half.hidden_size), dtype=np.float32)
-    as_hidden = replace(step, input_ids=None, hidden_states=hidden)
+    as_hidden = replace(step, input_ids=None, hidden_states=hidden, layer_start=second_half.layers.start)
     with pytest.raises(LedgerError, match="hidden_states of shape"):
         later.run(replace(as_hidden, hidden_states=hidden[..., :7]))
     hidden[0, 1, 3] = np.nan
@@ -152,3 +152,24 @@ def test_a_row_with_no_live_slot_is_no_fault(tiny_export: Path, whole: Stage, se
     output = result(last, replace(hidden, hidden_states=states))
     assert output.logits is not None
     np.testing.assert_array_equal(output.logits[0], reference_logits(whole, [PROMPT])[0])
+
+
+def test_a_step_for_another_stage_is_refused(tiny_export: Path, whole: Stage, second_half: Stage) -> None:
+    # A chain whose PCs disagree with the plan (a re-deploy that failed midway left stage 0 running [0, 2)
+    # and relaying to a PC that runs [3, 4)): the step names the layer it is for, and a stage of another
+    # range refuses it instead of computing wrong tokens.
+    manifest = load_manifest(tiny_export)
+    layers = manifest.spec.num_layers
+    f32 = CompileSettings(precision=Precision.F32)
+    first_half = Stage(tiny_export, manifest, LayerRange(0, layers // 2, layers), f32)
+    last_quarter = Stage(tiny_export, manifest, LayerRange(layers - 1, layers, layers), f32)
+    track = BatchTrack(1, 256)
+    track.add_row(0)
+    hidden = StageExecutor(first_half, 256).run(track.step([PROMPT]))
+    assert isinstance(hidden, Forward) and hidden.layer_start == layers // 2
+    misplaced = StageExecutor(last_quarter, 256)
+    with pytest.raises(LedgerError, match=rf"is for the stage from layer {layers // 2}, this stage runs layers "
+                                          rf"\[{layers - 1}, {layers}\)"):
+        misplaced.run(hidden)
+    assert misplaced.micro_batches == 0
+    assert isinstance(StageExecutor(second_half, 256).run(hidden), ForwardResult)

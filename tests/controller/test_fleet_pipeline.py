@@ -13,7 +13,7 @@ import pytest
 
 from deskfleet.agent.link import Link, LinkError, start_server
 from deskfleet.common.kv_ledger import AppendSlots
-from deskfleet.common.wire import Forward, ForwardResult, Role
+from deskfleet.common.wire import Error, ErrorCode, Forward, ForwardResult, Role
 from deskfleet.controller.fleet_deploy import StagePlacement
 from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
 from tests.fleet_pki import make_ca, make_member
@@ -120,3 +120,31 @@ def test_a_late_result_of_the_previous_run_is_dropped_after_renumber(
     assert (result.micro_batch_id, result.step_id) == (1, 0)
     with pytest.raises(ChainError, match="no result within"):
         chain.collect(timeout=1.0)
+
+
+def test_an_error_about_another_runs_micro_batch_is_dropped(scripted_chain: Callable[[Reply], FleetPipeline]) -> None:
+    # An agent dropped from this chain by a failover wakes up and relays its old steps; the refusal its old
+    # next hop sends names that run's micro-batch, and must not break this healthy chain.
+    async def reply(link: Link, message: Forward) -> None:
+        await link.send(Error(ErrorCode.BAD_MESSAGE, "append for 1 rows, the micro-batch has 0",
+                              micro_batch_id=message.micro_batch_id + 7))
+        await link.send(ForwardResult(message.micro_batch_id, message.step_id, (1,), None, None))
+
+    chain = scripted_chain(reply)
+    chain.submit(one_step(micro_batch_id=3))
+    assert chain.collect().next_token_ids == (1,)
+
+
+def test_an_error_about_a_step_in_flight_breaks_the_chain_naming_the_agent_at_fault(
+        scripted_chain: Callable[[Reply], FleetPipeline]) -> None:
+    dead = "a" * 52
+
+    async def reply(link: Link, message: Forward) -> None:
+        await link.send(Error(ErrorCode.INTERNAL, "next hop unreachable", micro_batch_id=message.micro_batch_id,
+                              agent_id=dead))
+
+    chain = scripted_chain(reply)
+    chain.submit(one_step(micro_batch_id=3))
+    with pytest.raises(ChainError, match="next hop unreachable") as caught:
+        chain.collect()
+    assert caught.value.agent_id == dead

@@ -69,3 +69,29 @@ def test_one_stage_runs_in_the_callers_thread(tiny_export: Path) -> None:
         assert pipeline.collect(timeout=0).next_token_ids  # already there: no thread to wait for
         with pytest.raises(PipelineError, match="no step in flight"):  # nothing would ever arrive
             pipeline.collect(timeout=60)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_micro_batch_released_with_a_step_in_flight_drops_its_result(tiny_export: Path, stages: int) -> None:
+    # What a run stopped by Ctrl-C leaves: its steps finish on the stages, then the releases free their
+    # micro-batches; after renumber, the next engine's micro-batch 1 step 0 gets its own result, not the
+    # stale one of the old micro-batch 1 step 0, and the old steps' failures are dropped too.
+    manifest = load_manifest(tiny_export)
+    context = manifest.spec.max_context
+    with LocalPipeline(tiny_export, stages, F32, manifest) as pipeline:
+        expected = pipeline.step(_prefill(5, [1, 7], context)).next_token_ids
+        pipeline.release(5)
+        stale = pipeline.step(_prefill(6, [1, 5, 9], context)).next_token_ids
+        pipeline.release(6)
+        assert stale != expected
+        pipeline.submit(_prefill(1, [1, 5, 9], context))
+        failing = _prefill(2, [1, 5, 9], context)
+        pipeline.submit(replace(failing, position_ids=failing.position_ids + 1))  # refused by stage 0
+        pipeline.release(1)
+        pipeline.release(2)
+        pipeline.renumber()
+        pipeline.submit(_prefill(1, [1, 7], context))
+        result = pipeline.collect(timeout=60)
+        assert (result.micro_batch_id, result.step_id, result.next_token_ids) == (1, 0, expected)
+        pipeline.release(1)
+    assert pipeline.micro_batches == (0,) * stages
