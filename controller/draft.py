@@ -46,6 +46,17 @@ class Proposal:
     one_hot: bool = False  # tokens chosen deterministically: q is 1 at each token, `probs` stays empty
 
 
+def check_draft_spec(draft: ModelSpec, target: ModelSpec) -> None:
+    """ValueError unless a draft model of spec `draft` can draft for `target` (read from the manifests alone)."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"the draft's vocabulary ({draft.vocab_size}) differs from the target's "
+                         f"({target.vocab_size}): they must share a tokenizer")
+    if draft.max_context < target.max_context:
+        raise ValueError(f"the draft's context ({draft.max_context} positions) is shorter than the "
+                         f"target's ({target.max_context}): a stream would outgrow the draft mid-generation; "
+                         f"export the draft with --max-context {target.max_context}")
+
+
 def mix_seed(seed: int, position: int, salt: int) -> int:
     """A per-(stream, position) seed, so a stream's draws do not depend on its micro-batch."""
     return int(np.random.SeedSequence([seed, position, salt]).generate_state(2, np.uint64)[0] >> np.uint64(1))
@@ -94,13 +105,7 @@ class DraftModel:
         self._seen: dict[int, int] = {}
 
     def check_compatible(self, target: ModelSpec) -> None:
-        if self.spec.vocab_size != target.vocab_size:
-            raise ValueError(f"the draft's vocabulary ({self.spec.vocab_size}) differs from the target's "
-                             f"({target.vocab_size}): they must share a tokenizer")
-        if self.spec.max_context < target.max_context:
-            raise ValueError(f"the draft's context ({self.spec.max_context} positions) is shorter than the "
-                             f"target's ({target.max_context}): a stream would outgrow the draft mid-generation; "
-                             f"export the draft with --max-context {target.max_context}")
+        check_draft_spec(self.spec, target)
 
     # Public methods
 

@@ -50,7 +50,7 @@ from deskfleet.controller.bench.host import host_report
 from deskfleet.controller.bench.runner_process import stop_processes
 from deskfleet.controller.bench.speculative import DEFAULT_EVAL_DIR, heldout_code_prompts
 from deskfleet.controller.bench.streams import GenAIUsers
-from deskfleet.controller.draft import Drafter, open_drafter
+from deskfleet.controller.draft import Drafter, check_draft_spec, open_drafter
 from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
 from deskfleet.controller.fleet_ca import init_fleet, load_ca
 from deskfleet.controller.fleet_deploy import StagePlacement, deploy
@@ -239,23 +239,18 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def check_inputs(options: FleetBenchOptions) -> None:
     """What would otherwise fail only once the simulated PCs are up, or after other configurations ran: the
-    exports (manifests only, nothing compiled), the demo draft against the demo target (the checks of
-    DraftModel.check_compatible), the GenAI inputs."""
+    exports (manifests only, nothing compiled), the demo draft against the demo target, the GenAI inputs."""
     load_manifest(options.model)
     if options.demo_draft is not None and options.demo_target is None:
         raise ValueError("--demo-draft needs --demo-target (the target it drafts for)")
     if options.demo_target is not None:
         target = load_manifest(options.demo_target).spec
         if options.demo_draft is not None:
-            draft = load_manifest(options.demo_draft).spec
-            if draft.vocab_size != target.vocab_size:
-                raise ValueError(f"--demo-draft {options.demo_draft} has a vocabulary of {draft.vocab_size} "
-                                 f"tokens, --demo-target {options.demo_target} one of {target.vocab_size}: "
-                                 f"a draft must share its target's tokenizer")
-            if draft.max_context < target.max_context:
-                raise ValueError(f"--demo-draft {options.demo_draft} has a context of {draft.max_context} "
-                                 f"positions, shorter than --demo-target's ({target.max_context}): export the "
-                                 f"draft with --max-context {target.max_context}")
+            try:
+                check_draft_spec(load_manifest(options.demo_draft).spec, target)
+            except ValueError as error:
+                raise ValueError(f"--demo-draft {options.demo_draft} cannot draft for --demo-target "
+                                 f"{options.demo_target}: {error}") from None
     check_genai_inputs(options.genai_model, options.genai_python)
 
 

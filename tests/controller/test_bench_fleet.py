@@ -227,8 +227,8 @@ def fake_export(folder: Path, source: Path, **spec: int) -> Path:
 
 
 @pytest.mark.parametrize(("draft_spec", "message"), [
-    ({"vocab_size": 1000}, "--demo-draft .* vocabulary of 1000 tokens, --demo-target .* one of 512"),
-    ({"max_context": 64}, "--demo-draft .* context of 64 positions, shorter than --demo-target's"),
+    ({"vocab_size": 1000}, r"--demo-draft .* cannot draft for --demo-target .*: the draft.s vocabulary \(1000\)"),
+    ({"max_context": 64}, r"--demo-draft .* the draft's context \(64 positions\) is shorter"),
 ])
 def test_a_draft_that_cannot_draft_for_the_target_is_refused_before_any_pc_starts(
         tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, draft_spec: dict[str, int],
