@@ -60,10 +60,9 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
     _check_output(model_dir, out_dir, overwrite)
     config = read_checkpoint_config(model_dir, max_context)
     tokenizer = _load_tokenizer(model_dir)
-    if len(tokenizer) > config.spec.vocab_size:
-        raise ExportError(f"the tokenizer of {model_dir} has {len(tokenizer)} tokens, more than the model's "
-                          f"vocabulary of {config.spec.vocab_size} (config field vocab_size): they do not belong "
-                          "together")
+    if len(tokenizer) > config.spec.vocab_size:  # e.g. a special token added without resizing the model
+        log.warning("the tokenizer of %s has %d tokens, more than the model's vocabulary of %d: prompts holding "
+                    "the extra ones will be refused", model_dir, len(tokenizer), config.spec.vocab_size)
     with CheckpointWeights(model_dir) as weights:
         weights.check(config)  # every tensor there, of the config's shapes: refused before hours of export
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
