@@ -260,13 +260,10 @@ class Engine:
         tracks = [*self._tracks.values(), *self._prefills.values()]
         held = ({track.micro_batch_id for track in tracks} | {source for track in tracks for source in track.admit_from}
                 | set(self._in_flight))
-        try:
-            for batch_id in sorted(held):
-                if self.draft is not None and self.draft.has_batch(batch_id):
-                    self.draft.release(batch_id)
-                self.chain.release(batch_id)
-        except Exception as error:  # a broken or closed chain
-            log.info("could not release every micro-batch of the stopped run: %s", error)
+        for batch_id in sorted(held):
+            if self.draft is not None and self.draft.has_batch(batch_id):  # it outlives the run: a chat reuses it
+                _release_quietly(self.draft, batch_id)
+            _release_quietly(self.chain, batch_id)
         renumber = getattr(self.chain, "renumber", None)
         if callable(renumber):  # the next engine's ids must not meet this run's steps still in flight
             renumber()
@@ -470,3 +467,12 @@ class Engine:
         round_trip = time.perf_counter() - flight.sent_at
         self.k_policy.record_cost(RoundCost(fixed_seconds=round_trip,
                                             draft_seconds_per_token=flight.draft_seconds / max(proposed, 1)))
+
+
+def _release_quietly(holder: StageChain | Drafter, batch_id: int) -> None:
+    """holder.release(batch_id), logging instead of raising: one that fails (a broken chain) must not keep
+    the rest of a stopped run's micro-batches from being released."""
+    try:
+        holder.release(batch_id)
+    except Exception as error:
+        log.info("could not release micro-batch %d of the stopped run: %s", batch_id, error)

@@ -81,6 +81,7 @@ class FleetPipeline:
         self.step_timeout_s = step_timeout_s
         self.return_logits = return_logits
         self._base = 0
+        self._earlier_bases: set[int] = set()  # of this chain's earlier runs (renumber)
         self._in_flight: dict[int, int] = {}  # wire micro-batch id -> the step_id its result will carry
         self.renumber()
         self._results: queue.Queue[ForwardResult | ChainError] = queue.Queue()
@@ -146,8 +147,12 @@ class FleetPipeline:
                 self._failure = item
                 raise item
             if self._in_flight.get(item.micro_batch_id) != item.step_id:
-                log.warning("dropped a result for wire micro-batch %d step %d: no such step in flight here "
-                            "(another driver's, or a duplicate)", item.micro_batch_id, item.step_id)
+                if item.micro_batch_id - item.micro_batch_id % _ID_SPAN in self._earlier_bases:
+                    log.debug("dropped the late result of a run stopped early (wire micro-batch %d step %d)",
+                              item.micro_batch_id, item.step_id)
+                else:
+                    log.warning("dropped a result for wire micro-batch %d step %d: no such step in flight here "
+                                "(another driver's, or a duplicate)", item.micro_batch_id, item.step_id)
                 continue
             del self._in_flight[item.micro_batch_id]
             return replace(item, micro_batch_id=item.micro_batch_id - self._base)
@@ -164,6 +169,8 @@ class FleetPipeline:
     def renumber(self) -> None:
         """Use fresh wire ids from now on (a new engine on the same chain reuses its small ids), and stop
         awaiting the steps of the previous run (one stopped by Ctrl-C): their late results are dropped."""
+        if self._base:  # 0 only before the first run
+            self._earlier_bases.add(self._base)  # one int a run: a late result of that run is known as such
         self._base = secrets.randbelow(1 << 30) * _ID_SPAN
         self._in_flight = {}
 

@@ -191,8 +191,10 @@ class LocalPipeline:
 
     def renumber(self) -> None:
         """Give the stages fresh micro-batch ids from now on: a new engine on this pipeline starts its ids at 1
-        again, and the steps of a run stopped early may still be in flight under the old ones."""
+        again, and the steps of a run stopped early may still be in flight under the old ones: their results
+        are dropped."""
         self._base += _ID_SPAN
+        self._in_flight.clear()
 
     def close(self) -> None:
         if self._closed:

@@ -109,6 +109,9 @@ class TimingChain:
     def release(self, batch_id: int) -> None:
         self.chain.release(batch_id)
 
+    def renumber(self) -> None:
+        self.chain.renumber()
+
 
 class TimingDraft:
     """A drafter whose propose() calls are timed (everything else passes through)."""

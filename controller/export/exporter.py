@@ -22,8 +22,10 @@ from deskfleet.common.model_spec import (
     MANIFEST_NAME,
     FileEntry,
     Manifest,
+    ManifestError,
     TensorNames,
     WeightFormat,
+    load_manifest,
     sha256_of,
 )
 
@@ -96,9 +98,13 @@ def _check_output(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
         raise ExportError(f"{out_dir} exists and is not a folder")
     if not overwrite:
         raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it")
-    if not (out_dir / MANIFEST_NAME).is_file() and any(out_dir.iterdir()):
-        raise ExportError(f"{out_dir} is not a deskfleet export (no {MANIFEST_NAME}): --overwrite replaces only an "
-                          "export or an empty folder; remove it yourself or choose another folder")
+    if not any(out_dir.iterdir()):
+        return
+    try:
+        load_manifest(out_dir)
+    except (ManifestError, OSError, ValueError) as error:
+        raise ExportError(f"{out_dir} is not a deskfleet export ({error}): --overwrite replaces only an export or "
+                          "an empty folder; remove it yourself or choose another folder") from None
 
 
 def _export_into(model_dir: Path, staging: Path, config: CheckpointConfig, weight_format: WeightFormat,
@@ -270,5 +276,6 @@ def _replace_folder(staging: Path, out_dir: Path) -> None:
                 retired.rename(out_dir)
             raise
     except OSError as error:
-        raise ExportError(f"cannot move the finished export into {out_dir}: {error}") from None
+        kept = f"; the old export is at {retired}" if retired.exists() else ""
+        raise ExportError(f"cannot move the finished export into {out_dir}: {error}{kept}") from None
     shutil.rmtree(retired, ignore_errors=True)

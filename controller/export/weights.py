@@ -20,7 +20,8 @@ from .hf_config import CheckpointConfig
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-# safetensors dtypes export reads as float32 exactly; anything else (int8, fp8, bool) is quantized or not a weight
+# safetensors dtypes of an unquantized checkpoint (read as float32: exactly, f64 rounded); anything else (int8,
+# fp8, bool) is quantized or not a weight
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 PROBLEMS_SHOWN = 5
 
@@ -80,7 +81,7 @@ class CheckpointWeights:
             elif (shape := self.shape(name)) != expected:
                 problems.append(f"{name} has shape {list(shape)} where the config gives {list(expected)}")
             elif (dtype := self.dtype(name)) not in FLOAT_DTYPES:
-                problems.append(f"{name} is {dtype} (quantized or not a weight; f16, bf16 or f32 export)")
+                problems.append(f"{name} is {dtype} (quantized or not a weight; f16, bf16, f32 or f64 export)")
         if problems:
             more = f" (and {len(problems) - PROBLEMS_SHOWN} more)" if len(problems) > PROBLEMS_SHOWN else ""
             raise MalformedCheckpointError(

@@ -52,6 +52,9 @@ class RecordingChain:
     def release(self, batch_id: int) -> None:
         self.pipeline.release(batch_id)
 
+    def renumber(self) -> None:
+        self.pipeline.renumber()
+
 
 def run_streams(model: Path, requests: list[StreamRequest], stages: int = 1, draft: Path | Drafter | None = None,
                 options: EngineOptions | None = None, sent: Counter[str] | None = None,
@@ -365,4 +368,22 @@ def test_a_run_stopped_early_frees_its_micro_batches_and_the_chain_serves_the_ne
             engine.add(request)
         results = engine.run()
     assert [results[index].tokens for index in range(4)] == [solo[index] for index in range(4)]
+    assert pipeline.micro_batches == (0,) * stages
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_the_run_after_one_stopped_with_its_prefill_in_flight_gets_its_own_tokens(
+        stages: int, target: Path, solo: dict[int, list[int]]) -> None:
+    # Ctrl-C at the very first collect: the stopped run's prefill of micro-batch 1 is still in flight when
+    # the next engine starts its own micro-batch 1 step 0 with another prompt. The chain is renumbered, so
+    # the stale result can never be taken for the new one.
+    manifest = load_manifest(target)
+    with LocalPipeline(target, stages, F32, manifest) as pipeline:
+        stopped = Engine(InterruptingChain(pipeline, stop_at=1), manifest.spec)
+        stopped.add(StreamRequest(PROMPTS[0], max_new_tokens=40, ignore_eos=True))
+        with pytest.raises(KeyboardInterrupt):
+            stopped.run()
+        engine = Engine(RecordingChain(pipeline), manifest.spec)
+        engine.add(StreamRequest(PROMPTS[1], max_new_tokens=40, ignore_eos=True))
+        assert engine.run()[0].tokens == solo[1]
     assert pipeline.micro_batches == (0,) * stages

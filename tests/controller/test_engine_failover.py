@@ -51,6 +51,9 @@ class BreakingChain:
         if not self.broken:
             self.pipeline.release(batch_id)
 
+    def renumber(self) -> None:
+        self.pipeline.renumber()
+
 
 def _requests(speculative: bool = False, sampling: SamplingParams | None = None) -> list[StreamRequest]:
     return [StreamRequest(prompt, max_new_tokens=LENGTHS[index], ignore_eos=True, speculative=speculative,

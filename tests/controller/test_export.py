@@ -82,7 +82,7 @@ def test_existing_output_is_kept_without_overwrite(tiny_export: Path, checkpoint
 
 
 def test_a_failed_export_leaves_nothing_behind(checkpoint_factory: Callable[..., Path], tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+                                               monkeypatch: pytest.MonkeyPatch, tiny_export: Path) -> None:
     calls = 0
     original = exporter._save
 
@@ -96,7 +96,7 @@ def test_a_failed_export_leaves_nothing_behind(checkpoint_factory: Callable[...,
     monkeypatch.setattr(exporter, "_save", failing_save)
     out = tmp_path / "out"
     out.mkdir()
-    (out / "manifest.json").write_text("{}")  # an old export
+    shutil.copyfile(tiny_export / "manifest.json", out / "manifest.json")  # an old export
     (out / "keep.txt").write_text("old export")
     with pytest.raises(RuntimeError, match="disk full"):
         export_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), out, WeightFormat.F32, overwrite=True)
@@ -264,8 +264,12 @@ def test_overwrite_never_deletes_the_checkpoint_or_a_folder_that_is_not_an_expor
     other = tmp_path / "other"
     other.mkdir()
     (other / "photo.jpg").write_text("precious")
-    with pytest.raises(ExportError, match=r"other is not a deskfleet export \(no manifest.json\)"):
+    with pytest.raises(ExportError, match=r"other is not a deskfleet export \(.*has no manifest.json"):
         export_checkpoint(checkpoint, other, WeightFormat.F32, overwrite=True)
+    (other / "manifest.json").write_text('{"manifest_version": 3, "name": "a browser extension"}')
+    with pytest.raises(ExportError, match="other is not a deskfleet export"):
+        export_checkpoint(checkpoint, other, WeightFormat.F32, overwrite=True)
+    (other / "manifest.json").unlink()
     with pytest.raises(ExportError, match=r"notes\.txt exists and is not a folder"):
         export_checkpoint(checkpoint, parent / "notes.txt", WeightFormat.F32, overwrite=True)
     assert sorted(path.name for path in checkpoint.iterdir()) == before
@@ -274,10 +278,10 @@ def test_overwrite_never_deletes_the_checkpoint_or_a_folder_that_is_not_an_expor
 
 
 def test_a_failed_swap_puts_the_old_export_back(checkpoint_factory: Callable[..., Path], tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+                                               monkeypatch: pytest.MonkeyPatch, tiny_export: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    (out / "manifest.json").write_text("{}")
+    shutil.copyfile(tiny_export / "manifest.json", out / "manifest.json")
     (out / "keep.txt").write_text("old export")
     rename = Path.rename
 
