@@ -36,7 +36,10 @@ BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a program whos
 # Public methods
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()  # imports the commands' modules: a second or two in which Ctrl-C may come
+    except KeyboardInterrupt:
+        return 130
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

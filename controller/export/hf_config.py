@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,8 @@ SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 # RoPE types whose tables do not depend on the sequence length, so they can be precomputed exactly.
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 DEFAULT_MAX_CONTEXT_CAP = 8192
+
+log = logging.getLogger(__name__)
 
 
 class UnsupportedModelError(ValueError):
@@ -79,6 +82,9 @@ def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> C
         raise UnsupportedModelError(f"config field max_position_embeddings={config_max} must be positive "
                                     "(or give --max-context)")
     context = max_context if max_context is not None else min(config_max, DEFAULT_MAX_CONTEXT_CAP)
+    if context > config_max:
+        log.warning("--max-context %d is past the model's max_position_embeddings (%d): positions beyond it were "
+                    "never trained, so text there may degrade", context, config_max)
     sliding_window = getattr(hf_config, "sliding_window", None)
     uses_sliding = model_type == "mistral" or bool(getattr(hf_config, "use_sliding_window", False))
     if uses_sliding and sliding_window and context > sliding_window:

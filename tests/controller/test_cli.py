@@ -226,3 +226,13 @@ def test_bench_counts_are_refused_when_parsed(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["bench", bench, "--model", "m", *args])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_ctrl_c_while_the_commands_load_exits_130_without_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deskfleet.controller import cli
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert main(["export", "x", "-o", "y"]) == 130

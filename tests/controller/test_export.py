@@ -295,3 +295,13 @@ def test_a_failed_swap_puts_the_old_export_back(checkpoint_factory: Callable[...
         export_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), out, WeightFormat.F32, overwrite=True)
     assert (out / "keep.txt").read_text() == "old export"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_context_past_the_trained_one_is_a_warning(checkpoint_factory: Callable[..., Path],
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    checkpoint = checkpoint_factory("tiny", num_hidden_layers=4)  # max_position_embeddings 512
+    assert read_checkpoint_config(checkpoint, max_context=600).spec.max_context == 600
+    assert "--max-context 600 is past the model's max_position_embeddings (512)" in caplog.text
+    caplog.clear()
+    read_checkpoint_config(checkpoint, max_context=512)
+    assert "past the model's" not in caplog.text
