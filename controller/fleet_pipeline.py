@@ -24,12 +24,13 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from deskfleet.agent.link import Link, LinkError, RevocationSource, TlsFiles, no_revocations, open_link
 from deskfleet.common import event_loop
 from deskfleet.common.wire import Error, Forward, ForwardResult, ReleaseMicroBatch, ResultsHere
+from deskfleet.controller.chain_ids import ChainIds
 from deskfleet.controller.engine import ChainBroken
 from deskfleet.controller.fleet_deploy import DeployError, StagePlacement, load_deployment
 from deskfleet.controller.fleet_store import FleetStore
@@ -80,10 +81,7 @@ class FleetPipeline:
         self.revocations = revocations
         self.step_timeout_s = step_timeout_s
         self.return_logits = return_logits
-        self._base = 0
-        self._earlier_bases: set[int] = set()  # of this chain's earlier runs (renumber)
-        self._in_flight: dict[int, int] = {}  # wire micro-batch id -> the step_id its result will carry
-        self.renumber()
+        self._ids = ChainIds(_ID_SPAN, lambda: secrets.randbelow(1 << 30) * _ID_SPAN)
         self._results: queue.Queue[ForwardResult | ChainError] = queue.Queue()
         self._failure: ChainError | None = None
         self._ready = threading.Event()
@@ -118,15 +116,7 @@ class FleetPipeline:
     def submit(self, message: Forward) -> None:
         """Send one step; its result comes out of collect()."""
         self._check_open()
-        if not 0 <= message.micro_batch_id < _ID_SPAN:
-            raise ValueError(f"micro-batch id {message.micro_batch_id} outside [0, {_ID_SPAN})")
-        wire = replace(message, micro_batch_id=self._base + message.micro_batch_id,
-                       admit_from=tuple(self._base + source for source in message.admit_from),
-                       return_logits=self.return_logits or message.return_logits)
-        if wire.micro_batch_id in self._in_flight:
-            raise ValueError(f"micro-batch {message.micro_batch_id} already has a step in flight")
-        self._in_flight[wire.micro_batch_id] = wire.step_id
-        self._post(wire)
+        self._post(self._ids.send(message, return_logits=self.return_logits or message.return_logits))
 
     def collect(self, timeout: float | None = None) -> ForwardResult:
         """The next finished step (any micro-batch). ChainError naming the agent when one failed.
@@ -141,38 +131,33 @@ class FleetPipeline:
             try:
                 item = self._results.get(timeout=max(deadline - time.monotonic(), 0.0))
             except queue.Empty:
-                raise ChainError(f"no result within {wait:.0f} s with {len(self._in_flight)} step(s) in flight on "
+                raise ChainError(f"no result within {wait:.0f} s with {self._ids.in_flight} step(s) in flight on "
                                  f"{self.describe()}: an agent may be stuck") from None
             if isinstance(item, ChainError):
                 self._failure = item
                 raise item
-            if self._in_flight.get(item.micro_batch_id) != item.step_id:
-                if item.micro_batch_id - item.micro_batch_id % _ID_SPAN in self._earlier_bases:
-                    log.debug("dropped the late result of a run stopped early (wire micro-batch %d step %d)",
-                              item.micro_batch_id, item.step_id)
-                else:
-                    log.warning("dropped a result for wire micro-batch %d step %d: no such step in flight here "
-                                "(another driver's, or a duplicate)", item.micro_batch_id, item.step_id)
-                continue
-            del self._in_flight[item.micro_batch_id]
-            return replace(item, micro_batch_id=item.micro_batch_id - self._base)
+            if (result := self._ids.receive(item)) is not None:
+                return result
+            if self._ids.from_earlier_run(item.micro_batch_id):
+                log.debug("dropped the late result of a run stopped early (wire micro-batch %d step %d)",
+                          item.micro_batch_id, item.step_id)
+            else:
+                log.warning("dropped a result for wire micro-batch %d step %d: no such step in flight here "
+                            "(another driver's, or a duplicate)", item.micro_batch_id, item.step_id)
 
     def release(self, batch_id: int) -> None:
         """Free a micro-batch's KV state on every stage (in order, after its last step). A step of it still in
         flight (a run stopped early) is no longer awaited: its result is dropped when it comes."""
-        self._in_flight.pop(self._base + batch_id, None)
+        wire_id = self._ids.release(batch_id)
         if self._failure is None and not self._closed:
-            self._post(ReleaseMicroBatch(self._base + batch_id))
+            self._post(ReleaseMicroBatch(wire_id))
 
     # Public methods: lifetime
 
     def renumber(self) -> None:
         """Use fresh wire ids from now on (a new engine on the same chain reuses its small ids), and stop
         awaiting the steps of the previous run (one stopped by Ctrl-C): their late results are dropped."""
-        if self._base:  # 0 only before the first run
-            self._earlier_bases.add(self._base)  # one int a run: a late result of that run is known as such
-        self._base = secrets.randbelow(1 << 30) * _ID_SPAN
-        self._in_flight = {}
+        self._ids.renumber()
 
     def describe(self) -> str:
         return " -> ".join(f"stage {index} [{stage.layer_start}:{stage.layer_end}] on agent {stage.agent_id[:12]} "
@@ -283,7 +268,7 @@ class FleetPipeline:
             if isinstance(message, ForwardResult):
                 self._results.put(message)
             elif isinstance(message, Error):
-                if message.micro_batch_id is not None and message.micro_batch_id not in self._in_flight:
+                if message.micro_batch_id is not None and not self._ids.is_awaited(message.micro_batch_id):
                     # another run's: an agent dropped from this chain that woke up and relayed its old steps
                     log.warning("dropped an error about wire micro-batch %d, which has no step in flight here: %s",
                                 message.micro_batch_id, message.message)

@@ -12,17 +12,19 @@ results wait in a plain deque, with no lock to take.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from deskfleet.agent.stage import CompileSettings, LayerRange, Stage
 from deskfleet.agent.stage_executor import StageExecutor
 from deskfleet.common.model_spec import Manifest, load_manifest
 from deskfleet.common.wire import Forward, ForwardResult
+from deskfleet.controller.chain_ids import ChainIds
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ class _Release:
 
 
 _STOP = object()
-_ID_SPAN = 1 << 32  # renumber() moves the stages' ids past every id an engine uses
+_ID_SPAN = 1 << 32  # engine micro-batch ids stay below this; renumber() moves the stages' ids past them
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[LayerRange]:
@@ -106,8 +108,7 @@ class LocalPipeline:
         self._queues: list[queue.Queue[object]] = [queue.Queue() for _ in range(len(executors) + 1)]
         self._inline = executors[0] if len(executors) == 1 else None
         self._done: deque[ForwardResult | _Failure] = deque()  # the inline stage's results, in order
-        self._in_flight: dict[int, int] = {}  # stage-side micro-batch id -> the step id its result will carry
-        self._base = 0  # added to the engine's micro-batch ids on the stages (see renumber)
+        self._ids = ChainIds(_ID_SPAN, itertools.count(0, _ID_SPAN).__next__)  # the first run keeps its ids
         self._workers = [] if self._inline else [
             _StageWorker(index, executor, self._queues[index], self._queues[index + 1])
             for index, executor in enumerate(executors)]
@@ -131,12 +132,7 @@ class LocalPipeline:
         """Queue a step; its result comes out of collect() in submission order per micro-batch."""
         if self._closed:
             raise PipelineError("the pipeline is closed")
-        if self._base:
-            message = replace(message, micro_batch_id=self._base + message.micro_batch_id,
-                              admit_from=tuple(self._base + source for source in message.admit_from))
-        if message.micro_batch_id in self._in_flight:
-            raise ValueError(f"micro-batch {message.micro_batch_id - self._base} already has a step in flight")
-        self._in_flight[message.micro_batch_id] = message.step_id
+        message = self._ids.send(message)
         if self._inline is None:
             self._queues[0].put(message)
             return
@@ -161,15 +157,14 @@ class LocalPipeline:
             else:
                 message = self._queues[-1].get(timeout=timeout)
             if isinstance(message, ForwardResult):
-                if self._in_flight.get(message.micro_batch_id) != message.step_id:
+                if (result := self._ids.receive(message)) is None:
                     continue
-                del self._in_flight[message.micro_batch_id]
-                return replace(message, micro_batch_id=message.micro_batch_id - self._base) if self._base else message
+                return result
             if isinstance(message, _Failure):
-                if self._in_flight.pop(message.batch_id, None) is None:
+                if not self._ids.fail(message.batch_id):
                     continue
                 raise PipelineError(f"stage {message.stage_index} ({self.ranges[message.stage_index]}) failed "
-                                    f"on micro-batch {message.batch_id - self._base}: {message.error}"
+                                    f"on micro-batch {self._ids.engine_id(message.batch_id)}: {message.error}"
                                     ) from message.error
             if message is _STOP:
                 raise PipelineError("the pipeline stopped")
@@ -182,8 +177,7 @@ class LocalPipeline:
     def release(self, batch_id: int) -> None:
         """Drop a micro-batch's KV state on every stage (after its step in flight, if any, whose result is then
         dropped: nobody awaits it)."""
-        batch_id += self._base
-        self._in_flight.pop(batch_id, None)
+        batch_id = self._ids.release(batch_id)
         if self._inline is not None:
             self._inline.release(batch_id)
         else:
@@ -193,8 +187,7 @@ class LocalPipeline:
         """Give the stages fresh micro-batch ids from now on: a new engine on this pipeline starts its ids at 1
         again, and the steps of a run stopped early may still be in flight under the old ones: their results
         are dropped."""
-        self._base += _ID_SPAN
-        self._in_flight.clear()
+        self._ids.renumber()
 
     def close(self) -> None:
         if self._closed:
