@@ -141,6 +141,25 @@ def test_report_ratios_and_the_rows_left_unrun() -> None:
     assert "| 2 PCs, 1 stream | 0.67x | >= 0.95x | 0.95x | 9.5 (8.6-10.4) |" in table
 
 
+def test_the_users_rows_report_where_a_free_split_would_land() -> None:
+    # Two PCs serving N users can at best match two 1-PC servers of N/2 users each: with one PC's batching
+    # at 10 / 18 / 30 / 44 tok/s for 1 / 2 / 4 / 8 users, 8 users on 2 PCs cannot pass 2 x 30 / 44 = 1.36x.
+    configs = bench_configs(options(2, demo=False))
+    speed = {"mono_1": 10.0, "mono_2": 18.0, "mono_4": 30.0, "mono_8": 44.0, "pair_2": 17.0, "pair_4": 33.0,
+             "pair_8": 52.0}
+    for config in configs:
+        config.runs.append({"tok_s": speed.get(config.key, 10.0), "mean_accepted": 0.0, "final_k": 0.0})
+    report = build_report(options(2, demo=False), configs, [], [0, 1])
+    rows = {row["row"]: row for row in report["rows"]}
+    assert rows["2 PCs vs 1 PC serving the same 8 users"]["ideal_split"] == pytest.approx(2 * 30 / 44, abs=1e-3)
+    assert rows["2 PCs vs 1 PC serving the same 4 users"]["ideal_split"] == pytest.approx(2 * 18 / 30, abs=1e-3)
+    assert rows["2 PCs vs 1 PC serving the same 2 users"]["ideal_split"] == pytest.approx(2 * 10 / 18, abs=1e-3)
+    assert rows["2 PCs, 8 users (batched micro-batches)"]["ideal_split"] == pytest.approx(2 * 30 / 10, abs=1e-3)
+    assert "ideal_split" not in rows["2 PCs, 1 stream"]
+    assert "| 2 PCs vs 1 PC serving the same 8 users | - | >= 1.6x | 1.18x (ideal split 1.36x) |" \
+        in render_markdown(report)
+
+
 def test_a_row_whose_group_ran_on_fewer_pcs_says_so() -> None:
     configs = bench_configs(options(3))
     for config in configs:
