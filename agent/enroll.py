@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
-from deskfleet.agent.link import TlsFiles, utc_now, websocket_options
+from deskfleet.agent.link import ENROLLMENT_MAX_FRAME_BYTES, TlsFiles, utc_now, websocket_options
 from deskfleet.common import join_tokens, pki, tls
 from deskfleet.common.wire import (
     Error,
@@ -134,7 +134,8 @@ async def _join_at(address: str, token: join_tokens.JoinToken, key: ec.EllipticC
     uri_host = f"[{host}]" if ":" in host else host
     try:
         connection = await connect(f"wss://{uri_host}:{port}/", ssl=tls.enrollment_client_context(),
-                                   server_hostname=host, **websocket_options())
+                                   server_hostname=host,
+                                   **(websocket_options() | {"max_size": ENROLLMENT_MAX_FRAME_BYTES}))
     except (OSError, InvalidHandshake, ssl.SSLError) as error:
         raise EnrollmentError(f"cannot reach the controller: {error}") from None
     async with connection:

@@ -29,6 +29,7 @@ from cryptography import x509
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.frames import CloseCode
 from websockets.http11 import Request, Response
 
 from deskfleet.common import pki, tls
@@ -55,6 +56,11 @@ PING_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 2.0
 OPEN_TIMEOUT_S = 10.0
 HELLO_TIMEOUT_S = OPEN_TIMEOUT_S  # a peer that opened a websocket but says no Hello is dropped after this
+# The join exchange's messages are a few KB (a CSR, a token, certificates): a client with no certificate
+# may send no more, and no more than this many such clients are served at once (anyone on the LAN can
+# open one; at the fleet's frame limit three of them made the controller buffer 1.2 GB).
+ENROLLMENT_MAX_FRAME_BYTES = 64 * 1024
+MAX_CONCURRENT_JOINS = 16
 SOFTWARE_VERSION = "0.1.0"
 
 Connection = ServerConnection | ClientConnection
@@ -165,9 +171,12 @@ async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, po
     context = files.server_context()
     if enrollment is not None:
         context.verify_mode = ssl.CERT_OPTIONAL
+    joins = 0  # certificate-less clients being served now
 
     def check_peer(connection: ServerConnection, request: Request) -> Response | None:
         if enrollment is not None and not _has_peer_certificate(connection):
+            # websockets reads this limit before each frame: set before the handshake, it holds from the first
+            connection.protocol.max_message_size = ENROLLMENT_MAX_FRAME_BYTES
             return None
         try:
             peer_identity(connection, ca_certificate, revocations())
@@ -177,8 +186,17 @@ async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, po
         return None
 
     async def on_connection(connection: ServerConnection) -> None:
+        nonlocal joins
         if enrollment is not None and not _has_peer_certificate(connection):
-            await enrollment(connection)
+            if joins >= MAX_CONCURRENT_JOINS:
+                log.warning("refused a join from %s: %d joins in progress", _remote(connection), joins)
+                await connection.close(CloseCode.TRY_AGAIN_LATER, "too many joins in progress")
+                return
+            joins += 1
+            try:
+                await enrollment(connection)
+            finally:
+                joins -= 1
             return
         peer = peer_identity(connection, ca_certificate, revocations())
         link = Link(connection, peer, _remote(connection))

@@ -205,6 +205,11 @@ class StageExecutor:
                               "the chain's stages do not follow each other")
         if layers.is_first != (message.input_ids is not None):
             raise LedgerError("the first stage takes input_ids, later stages hidden_states")
+        call = message.slot_deltas[-1] if message.slot_deltas else None
+        if isinstance(call, AppendSlots) and message.position_ids.shape != (len(call.live_counts), call.count):
+            # before any delta is replayed: a step's size is the tensors it carries, not a count it claims
+            raise LedgerError(f"position_ids of shape {list(message.position_ids.shape)} for an append of "
+                              f"{len(call.live_counts)} rows x {call.count} slots")
         admits = sum(isinstance(delta, AdmitRow) for delta in message.slot_deltas)
         if admits != len(message.admit_from):
             raise LedgerError(f"{admits} AdmitRow deltas for {len(message.admit_from)} micro-batches to admit")

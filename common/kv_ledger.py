@@ -234,6 +234,9 @@ class SlotTable:
     def _append(self, delta: AppendSlots) -> None:
         if delta.count < 1:
             raise LedgerError(f"append of {delta.count} slots: an infer call appends at least one")
+        if self.max_positions is not None and delta.count > self.max_positions:  # before allocating anything
+            raise LedgerError(f"append of {delta.count} slots: a call feeds at most the context of "
+                              f"{self.max_positions} positions")
         if len(delta.live_counts) != self.rows or len(delta.first_positions) != self.rows:
             raise LedgerError(f"append for {len(delta.live_counts)} rows, the micro-batch has {self.rows}")
         # Plain-Python checks: a handful of rows, every step, on three tables (ledger and two mirrors).
@@ -294,6 +297,11 @@ class SlotTable:
             raise LedgerError(f"compaction plan for {len(delta.keep)} rows, the micro-batch has {self.rows}")
         if not 0 <= delta.new_slots <= self.slots:
             raise LedgerError(f"compaction to {delta.new_slots} slots; the micro-batch has {self.slots}")
+        for row, runs in enumerate(delta.keep):  # bounds first: a run is expanded into an array below
+            if any(not 0 <= start < stop <= self.slots for start, stop in runs) or \
+                    sum(stop - start for start, stop in runs) > delta.new_slots:
+                raise LedgerError(f"row {row} keeps slot runs {list(runs)[:4]} outside 0..{self.slots} or more "
+                                  f"than {delta.new_slots} slots")
         mask = np.zeros((self.rows, delta.new_slots), dtype=bool)
         for row, runs in enumerate(delta.keep):
             kept = _expand_runs(runs)

@@ -173,3 +173,15 @@ def test_a_step_for_another_stage_is_refused(tiny_export: Path, whole: Stage, se
         misplaced.run(hidden)
     assert misplaced.micro_batches == 0
     assert isinstance(StageExecutor(second_half, 256).run(hidden), ForwardResult)
+
+
+def test_a_step_whose_tensors_are_smaller_than_its_append_is_refused_before_any_delta(whole: Stage) -> None:
+    # A peer's small Forward claiming a wide call: refused on its tensors' shape, the mirror untouched.
+    executor = StageExecutor(whole, 256)
+    track = BatchTrack(1, 256)
+    track.add_row(0)
+    good = track.step([PROMPT])
+    wide = replace(good, slot_deltas=(AppendSlots(count=200, live_counts=(0,), first_positions=(0,)),))
+    with pytest.raises(LedgerError, match=r"position_ids of shape \[1, 4\] for an append of 1 rows x 200 slots"):
+        executor.run(wide)
+    assert result(executor, good).logits is not None

@@ -292,3 +292,23 @@ def test_a_forked_mirror_moves_on_its_own() -> None:
     assert mirror.rows_pending() is False and mirror.next_positions.tolist() == [3, 5]
     assert mirror.mask.sum(axis=1).tolist() == [3, 5] and mirror.slots == 5
     assert twin.take_beam_idx().tolist() == [1, 0] and twin.next_positions.tolist() == [6, 4]
+
+
+def test_an_append_wider_than_the_context_is_refused_before_anything_is_allocated() -> None:
+    # One small message claiming a huge call must not make a stage allocate its mask (a peer's DoS).
+    mirror = Mirror(max_positions=8)
+    mirror.apply(AdmitRow(live_slots=2))
+    with pytest.raises(LedgerError, match="at most the context of 8"):
+        mirror.apply(AppendSlots(count=10**12, live_counts=(0,), first_positions=(2,)))
+    assert mirror.slots == 2
+    mirror.apply(AppendSlots(count=6, live_counts=(6,), first_positions=(2,)))  # the whole context still fits
+
+
+def test_a_compaction_keeping_runs_outside_the_slots_is_refused_before_expanding_them() -> None:
+    mirror = Mirror()
+    mirror.apply(AdmitRow(live_slots=3))
+    with pytest.raises(LedgerError, match="outside 0..3"):
+        mirror.apply(Compact(new_slots=3, keep=(((0, 10**12),),)))
+    with pytest.raises(LedgerError, match="more than 2 slots"):
+        mirror.apply(Compact(new_slots=2, keep=(((0, 3),),)))
+    assert mirror.mask.tolist() == [[True, True, True]]

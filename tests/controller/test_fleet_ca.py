@@ -131,3 +131,39 @@ def test_revocations_reload_when_the_file_changes(store: FleetStore) -> None:
 def test_remove_names_what_it_cannot_find(store: FleetStore) -> None:
     with pytest.raises(FleetStoreError, match="no enrolled agent"):
         remove_agent(store, "nobody")
+
+
+def test_a_client_without_a_certificate_may_send_only_small_frames_and_only_so_many_at_once(
+        store: FleetStore, tmp_path: Path) -> None:
+    # Anyone on the LAN can open the enrollment side: at the fleet's frame limit, three such clients made the
+    # controller buffer 1.2 GB. They get the join exchange's few KB, and MAX_CONCURRENT_JOINS of them at a time.
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    from deskfleet.agent.link import ENROLLMENT_MAX_FRAME_BYTES, MAX_CONCURRENT_JOINS
+    from deskfleet.common import tls
+
+    async def stranger(address: str) -> object:
+        return await connect(f"wss://{address}/", ssl=tls.enrollment_client_context(), server_hostname="127.0.0.1")
+
+    async def scenario(server: FleetServer, address: str) -> None:
+        big = await stranger(address)
+        await big.recv()  # the JoinOffer
+        await big.send(b"\0" * (ENROLLMENT_MAX_FRAME_BYTES + 1))
+        with pytest.raises(ConnectionClosed) as closed:
+            await big.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009  # message too big
+        idle = [await stranger(address) for _ in range(MAX_CONCURRENT_JOINS)]
+        for connection in idle:
+            await connection.recv()  # each is being served: it got its JoinOffer
+        extra = await stranger(address)
+        with pytest.raises(ConnectionClosed) as closed:
+            await extra.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1013  # try again later
+        for connection in idle:
+            await connection.close()
+        await asyncio.sleep(0.1)
+        membership = await join(token_for(store, address), tmp_path / "agent", "pc-1")  # a real join still works
+        assert store.roster()[membership.agent_id].hostname == "pc-1"
+
+    with_server(store, scenario)
