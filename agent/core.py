@@ -21,10 +21,12 @@ every later stage) to the driver's results link, naming the agent and the stage 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from deskfleet.agent.link import Link, LinkError, TlsFiles, open_link
 from deskfleet.agent.monitor import SystemMonitor
@@ -36,6 +38,8 @@ from deskfleet.agent.stage import Precision as StagePrecision
 from deskfleet.agent.stage_executor import StageExecutor
 from deskfleet.agent.status import make_status
 from deskfleet.common import pki
+from deskfleet.common.atomic_file import write_atomic
+from deskfleet.common.json_file import JsonFileError, read_json_object
 from deskfleet.common.kv_ledger import Compact, LedgerError
 from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, ManifestError
 from deskfleet.common.wire import (
@@ -95,7 +99,8 @@ class AgentCore:
 
     def __init__(self, files: TlsFiles, settings: AgentSettings, cache: ShardCache,
                  monitor: SystemMonitor, num_threads: int | None = None,
-                 speed_probe: Callable[[], SpeedMeasurement] | None = None) -> None:
+                 speed_probe: Callable[[], SpeedMeasurement] | None = None,
+                 revocations_file: Path | None = None) -> None:
         self.files = files
         self._speed_probe = speed_probe  # run once, off the event loop, at the first status request
         self._speed: SpeedMeasurement | None = None
@@ -109,7 +114,10 @@ class AgentCore:
         self._controller_links: list[Link] = []
         self._results_link: Link | None = None
         self._links: set[Link] = set()  # every link being served
-        self._revoked = pki.RevocationSet()
+        # the controller's last list of removed agents, kept across restarts: a restarted agent refuses them
+        # even while the controller is out of reach
+        self._revocations_file = revocations_file
+        self._revoked = _load_revocations(revocations_file)
         self._next_hops: dict[str, Link] = {}
         self._assign_lock = asyncio.Lock()
 
@@ -370,7 +378,14 @@ class AgentCore:
             await self._tell_controller(error)  # the next hop is gone too: straight back to the controller
 
     async def _revoke(self, agent_ids: tuple[str, ...]) -> None:
-        self._revoked = pki.RevocationSet(frozenset(agent_ids))
+        revoked = pki.RevocationSet(frozenset(agent_ids))
+        if revoked != self._revoked and self._revocations_file is not None:
+            try:
+                write_atomic(self._revocations_file,
+                             json.dumps({"revoked_agent_ids": sorted(agent_ids)}, indent=1).encode())
+            except OSError as error:  # still refused in this run; only a restart could forget them
+                log.error("cannot save the removed agents to %s: %s", self._revocations_file, error)
+        self._revoked = revoked
         for agent_id in agent_ids:
             hop = self._next_hops.pop(agent_id, None)
             if hop is not None:
@@ -444,3 +459,19 @@ def _builds_the_same_stage(hosted: AssignStage, wanted: AssignStage) -> bool:
 def _stage_key(ref: StageRef) -> str:
     safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in ref.model_id)[:80]
     return f"{safe}-{ref.layer_start}-{ref.layer_end}"
+
+
+def _load_revocations(path: Path | None) -> pki.RevocationSet:
+    """The removed agents saved by the last RevocationUpdate; none when there is no such file. A file that
+    does not read as one is reported and ignored: the controller's next update replaces it."""
+    if path is None or not path.exists():
+        return pki.RevocationSet()
+    try:
+        agent_ids = read_json_object(path).get("revoked_agent_ids")
+        if not isinstance(agent_ids, list):
+            raise JsonFileError(f"{path} holds no list revoked_agent_ids")
+        update = RevocationUpdate(tuple(agent_ids))  # checks that each is an agent id
+    except (JsonFileError, ProtocolError, TypeError) as error:
+        log.error("ignoring the saved list of removed agents until the controller sends one: %s", error)
+        return pki.RevocationSet()
+    return pki.RevocationSet(frozenset(update.revoked_agent_ids))

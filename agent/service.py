@@ -41,6 +41,9 @@ class AgentOptions:
     listen: str | None = None  # host:port; None: the settings file's listen_address
 
 
+REVOCATIONS_FILE = "revoked.json"  # the controller's last list of removed agents (see AgentCore)
+
+
 class AgentService:
     """The headless agent: load identity and settings, then serve until stopped."""
 
@@ -56,7 +59,8 @@ class AgentService:
         parse_address(self.listen)
         self.core = AgentCore(self.files, self.settings,
                               ShardCache(self.paths.shard_dir, self.settings.cache_limit_bytes),
-                              monitor or HostMonitor(), speed_probe=self._speed)
+                              monitor or HostMonitor(), speed_probe=self._speed,
+                              revocations_file=self.paths.state_dir / REVOCATIONS_FILE)
         self.bound_port: int | None = None
         self._stopping = asyncio.Event()
 

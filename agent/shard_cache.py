@@ -110,7 +110,7 @@ class ShardCache:
     def usage(self) -> CacheUsage:
         pinned = set().union(*self._pins.values()) if self._pins else set()
         blobs = [(entry.name, entry.stat().st_size) for entry in os.scandir(self._blobs)]
-        partials = [entry.stat().st_size for entry in os.scandir(self._partials)]
+        partials = [_reserved_bytes(Path(entry.path)) for entry in os.scandir(self._partials)]
         return CacheUsage(
             used_bytes=sum(size for _, size in blobs) + sum(partials) + self._view_copy_bytes(),
             limit_bytes=self.limit_bytes,
@@ -137,7 +137,10 @@ class ShardCache:
             part.unlink()
             part = None
         offset = part.stat().st_size if part is not None else 0
-        self._make_room(total_size - offset, keep=sha256)
+        # a partial shard holds its whole declared size from its first byte (usage counts it so): a shard
+        # begun now needs room for all of it, a resumed one has it already. Counting only the bytes held let
+        # interleaved uploads of several shards fill the disk past the limit (4 shards: 4x).
+        self._make_room(total_size if part is None else 0, keep=sha256)
         if part is None:
             part = self._partials / f"{sha256}-{total_size}.part"
             part.touch()
@@ -285,7 +288,7 @@ class ShardCache:
         for entry in candidates:
             if used <= target_bytes:
                 break
-            used -= entry.stat().st_size
+            used -= _reserved_bytes(entry)
             entry.unlink()
             evicted.append(entry.name[:64])
             logger.info("evicted shard %s… from the cache", entry.name[:12])
@@ -330,7 +333,7 @@ class ShardCache:
     def _refuse_if_eviction_cannot_fit(self, needed: int, keep: str) -> None:
         """CacheFull when even evicting every unpinned shard (and every view copy with it) leaves too little."""
         pinned = set().union(*self._pins.values())
-        evictable = sum(entry.stat().st_size for entry in (*self._blobs.iterdir(), *self._partials.iterdir())
+        evictable = sum(_reserved_bytes(entry) for entry in (*self._blobs.iterdir(), *self._partials.iterdir())
                         if entry.name[:64] not in pinned)
         usage = self.usage()
         if usage.used_bytes - evictable - self._view_copy_bytes() + needed > self.limit_bytes:
@@ -373,3 +376,8 @@ def _check_plain_name(what: str, name: str) -> None:
 
 def _partial_size(part: Path) -> int:
     return int(part.name[65:-len(".part")])
+
+
+def _reserved_bytes(entry: Path) -> int:
+    """What a cache file counts against the limit: a complete shard its size, a partial one its declared size."""
+    return _partial_size(entry) if entry.suffix == ".part" else entry.stat().st_size

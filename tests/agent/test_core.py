@@ -179,6 +179,27 @@ def test_a_removed_agent_is_dropped_and_its_forwards_refused(core: AgentCore) ->
     assert refusal.value.code is ErrorCode.UNAUTHORIZED
 
 
+def test_the_removed_agents_are_remembered_across_a_restart(core: AgentCore, tmp_path: Path) -> None:
+    # A restarted agent must refuse a removed agent even while the controller is out of reach.
+    saved = tmp_path / "state" / "revoked.json"
+    removed = "c" * 52
+
+    def restarted() -> AgentCore:
+        return AgentCore(core.files, core.settings, core.cache, FakeMonitor(), revocations_file=saved)
+
+    first = restarted()
+    assert not first.revocations().agent_ids  # nothing saved yet
+    handle(first, Role.CONTROLLER, RevocationUpdate((removed,)))
+    assert restarted().revocations().is_revoked(removed)
+    handle(first, Role.CONTROLLER, RevocationUpdate(()))  # re-admitted: forgotten on disk too
+    assert not restarted().revocations().agent_ids
+    for damaged in ("{not json", '{"revoked_agent_ids": ["not an id"]}', '{"revoked_agent_ids": 7}', "[]"):
+        saved.write_text(damaged)
+        assert not restarted().revocations().agent_ids  # reported and ignored, no traceback
+        handle(restarted(), Role.CONTROLLER, RevocationUpdate((removed,)))  # the next update replaces it
+        assert restarted().revocations().is_revoked(removed)
+
+
 def test_status_carries_the_measured_speed_and_probes_once(core: AgentCore) -> None:
     from deskfleet.agent.speed_probe import SpeedMeasurement
 

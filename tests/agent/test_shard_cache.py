@@ -175,3 +175,25 @@ def test_a_shard_that_cannot_fit_is_refused_before_anything_is_evicted(tmp_path:
     assert all(cache.has(sha) for _, sha in shards)
     assert cache.begin(blob(42, 2000)[1], 2000) == 0  # what can fit still evicts the unpinned shards it needs
     assert cache.has(shards[0][1]) and not (cache.has(shards[1][1]) and cache.has(shards[2][1]))
+
+
+def test_interleaved_shards_reserve_their_whole_size_and_cannot_pass_the_limit(tmp_path: Path) -> None:
+    # Begun with a first byte each, then filled: counting only the bytes held let 4 shards of the limit's size
+    # each land on disk (4x the limit). A partial shard now holds room for all of itself from the start.
+    limit = 4000
+    cache = ShardCache(tmp_path, limit, FakeClock())
+    first, first_sha = blob(1, 3000)
+    second, second_sha = blob(2, 3000)
+    assert cache.begin(first_sha, len(first)) == 0
+    cache.write(first_sha, 0, first[:1])
+    assert cache.usage().used_bytes == 3000
+    assert cache.begin(second_sha, len(second)) == 0  # the first (unpinned, older) partial is evicted for it
+    assert cache.partial_offset(first_sha) is None
+    cache.pin("stage", (second_sha,))
+    third, third_sha = blob(3, 3000)
+    with pytest.raises(CacheFull):
+        cache.begin(third_sha, len(third))
+    cache.write(second_sha, 0, second)
+    cache.complete(second_sha)
+    assert cache.usage().used_bytes == 3000 <= limit
+    assert cache.begin(second_sha, len(second)) == len(second)  # resuming a complete shard needs no room

@@ -307,7 +307,7 @@ def test_an_append_wider_than_the_context_is_refused_before_anything_is_allocate
 def test_a_compaction_keeping_runs_outside_the_slots_is_refused_before_expanding_them() -> None:
     mirror = Mirror()
     mirror.apply(AdmitRow(live_slots=3))
-    with pytest.raises(LedgerError, match="outside 0..3"):
+    with pytest.raises(LedgerError, match=r"outside 0\.\.3"):
         mirror.apply(Compact(new_slots=3, keep=(((0, 10**12),),)))
     with pytest.raises(LedgerError, match="more than 2 slots"):
         mirror.apply(Compact(new_slots=2, keep=(((0, 3),),)))
