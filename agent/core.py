@@ -349,9 +349,14 @@ class AgentCore:
         if not self.stages:
             raise CommandError(ErrorCode.NOT_ASSIGNED, "this agent hosts no stage")
         first = message.input_ids is not None
-        matching = [hosted for hosted in self.stages.values() if hosted.assignment.is_first == first]
+        matching = [hosted for ref, hosted in self.stages.items()
+                    if hosted.assignment.is_first == first and message.model_id in ("", ref.model_id)]
         if len(matching) != 1:
-            raise CommandError(ErrorCode.NOT_ASSIGNED, f"{len(matching)} hosted stages could take this Forward")
+            hosted_models = ", ".join(sorted({ref.model_id for ref in self.stages}))
+            wanted = f"model {message.model_id}" if message.model_id else "a step that names no model"
+            raise CommandError(ErrorCode.NOT_ASSIGNED, f"{len(matching)} of this agent's stages could take {wanted} "
+                                                       f"as a {'first' if first else 'later'} stage (it hosts "
+                                                       f"{hosted_models})")
         return matching[0]
 
     async def _release_micro_batch(self, message: ReleaseMicroBatch) -> None:

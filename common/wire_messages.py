@@ -19,7 +19,8 @@ from deskfleet.common.agent_state import AgentState
 from deskfleet.common.kv_ledger import AdmitRow, SlotDelta
 from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, check_tensor
 
-PROTOCOL_VERSION = 3  # 2: DraftInfo.one_hot; 3: Forward.layer_start, Error.micro_batch_id and agent_id
+# 2: DraftInfo.one_hot; 3: Forward.layer_start, Error.micro_batch_id and agent_id; 4: Forward.model_id
+PROTOCOL_VERSION = 4
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # An agent id is the unpadded lowercase base32 of sha256(SubjectPublicKeyInfo DER): 52 characters,
@@ -381,6 +382,9 @@ class Forward:
     # the first layer of the stage this step is for: the driver sends 0, each stage relays its end; a stage
     # of another range refuses it (PCs that disagree with the plan, e.g. after a re-deploy that failed midway)
     layer_start: int = 0
+    # the deployed model the step is for (StageRef.model_id): an agent hosting stages of several models runs
+    # it on that model's stage; "" (a chain that does not know it) only where the agent's choice is unique
+    model_id: str = ""
 
     def __post_init__(self) -> None:
         _non_negative("micro_batch_id", self.micro_batch_id)

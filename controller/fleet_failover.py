@@ -65,7 +65,8 @@ class FleetFailover:
         started = time.perf_counter()
         try:
             report = event_loop.run(self._redeploy())
-            chain = FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store))
+            chain = FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store),
+                                  model_id=report.model_id)
         except (DeployError, ChainError) as failure:
             raise FailoverError(f"{error}; no new chain without the lost agent(s): {failure}") from error
         self.chains.append(chain)

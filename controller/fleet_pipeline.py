@@ -32,7 +32,7 @@ from deskfleet.common import event_loop
 from deskfleet.common.wire import Error, Forward, ForwardResult, ReleaseMicroBatch, ResultsHere
 from deskfleet.controller.chain_ids import ChainIds
 from deskfleet.controller.engine import ChainBroken
-from deskfleet.controller.fleet_deploy import DeployError, StagePlacement, load_deployment
+from deskfleet.controller.fleet_deploy import DeployError, StagePlacement, load_deployment, model_id_of
 from deskfleet.controller.fleet_store import FleetStore
 
 log = logging.getLogger(__name__)
@@ -65,12 +65,13 @@ class FleetPipeline:
 
     `addresses` overrides where to dial each stage (e.g. a delay proxy in front of it); the agent id
     is still pinned by TLS. `return_logits` asks the last stage for the full logits too (benchmarks
-    only: it is what top-1 compression saves).
+    only: it is what top-1 compression saves). `model_id` (the deployment's) names the model in every
+    step, so that an agent hosting stages of several models runs each on the right one.
     """
 
     def __init__(self, stages: Sequence[StagePlacement], files: TlsFiles,
                  revocations: RevocationSource = no_revocations, addresses: Sequence[str] | None = None,
-                 step_timeout_s: float = STEP_TIMEOUT_S, return_logits: bool = False) -> None:
+                 step_timeout_s: float = STEP_TIMEOUT_S, return_logits: bool = False, model_id: str = "") -> None:
         if not stages:
             raise ChainError("the deployment has no stages")
         self.stages = tuple(stages)
@@ -81,6 +82,7 @@ class FleetPipeline:
         self.revocations = revocations
         self.step_timeout_s = step_timeout_s
         self.return_logits = return_logits
+        self.model_id = model_id
         self._ids = ChainIds(_ID_SPAN, lambda: secrets.randbelow(1 << 30) * _ID_SPAN)
         self._results: queue.Queue[ForwardResult | ChainError] = queue.Queue()
         self._failure: ChainError | None = None
@@ -105,7 +107,8 @@ class FleetPipeline:
             stages = load_deployment(store, model_dir)
         except DeployError as error:
             raise ChainError(str(error)) from None
-        return cls(stages, store.tls_files, Revocations(store), **options)  # type: ignore[arg-type]
+        return cls(stages, store.tls_files, Revocations(store), model_id=model_id_of(model_dir),
+                   **options)  # type: ignore[arg-type]
 
     @property
     def num_stages(self) -> int:
@@ -116,7 +119,8 @@ class FleetPipeline:
     def submit(self, message: Forward) -> None:
         """Send one step; its result comes out of collect()."""
         self._check_open()
-        self._post(self._ids.send(message, return_logits=self.return_logits or message.return_logits))
+        self._post(self._ids.send(message, return_logits=self.return_logits or message.return_logits,
+                                  model_id=self.model_id))
 
     def collect(self, timeout: float | None = None) -> ForwardResult:
         """The next finished step (any micro-batch). ChainError naming the agent when one failed.

@@ -53,7 +53,7 @@ from deskfleet.controller.bench.streams import GenAIUsers
 from deskfleet.controller.draft import Drafter, check_draft_spec, open_drafter
 from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
 from deskfleet.controller.fleet_ca import init_fleet, load_ca
-from deskfleet.controller.fleet_deploy import StagePlacement, deploy
+from deskfleet.controller.fleet_deploy import StagePlacement, deploy, model_id_of
 from deskfleet.controller.fleet_pipeline import FleetPipeline
 from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.fleet_survey import SurveyOptions, survey
@@ -380,7 +380,8 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
                                                 config.drafter == "lookup")
         draft = drafters[config.key]
         engine_options = EngineOptions(max_rows=config.max_rows, micro_batches=config.micro_batches)
-        with FleetPipeline(placements[group], fleet.store.tls_files, return_logits=config.return_logits) as chain:
+        with FleetPipeline(placements[group], fleet.store.tls_files, return_logits=config.return_logits,
+                           model_id=model_id_of(model)) as chain:
             engine = Engine(chain, load_manifest(model).spec, draft, engine_options)
             for prompt in _prompts(model, config.streams, options.prompt_tokens, demo):
                 engine.add(StreamRequest(prompt, max_new_tokens=options.new_tokens, ignore_eos=True))

@@ -146,3 +146,39 @@ def test_layer_parameters_match_the_checkpoint(checkpoint_factory: Callable[...,
     spec = read_checkpoint_config(checkpoint).spec
     assert spec.layer_parameters == counted
     assert spec.head_parameters == tensors["model.embed_tokens.weight"].size
+
+
+def test_an_agent_hosting_two_models_runs_each_step_on_its_models_stage(
+        tmp_path: Path, tiny_export: Path, checkpoint_factory: Callable[..., Path],
+        export_factory: Callable[[Path, str], Path]) -> None:
+    # A second model deployed onto the same PC used to break both: a Forward named no model, so the agent
+    # found two stages that could take it. Every step now names its model.
+    other = export_factory(checkpoint_factory("other-model", num_hidden_layers=4), "f32")
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    port = free_port()
+
+    async def scenario() -> dict[Path, list[int]]:
+        files = make_member(load_ca(store), tmp_path / "agent", "agent")
+        core = AgentCore(files, settings, ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor())
+        server = await start_server(core.serve_link, "127.0.0.1", port, files)
+        found = await survey(store, SurveyOptions(peers=(f"127.0.0.1:{port}",), discover_seconds=0))
+        try:
+            for model in (tiny_export, other):
+                await deploy(store, model, found, PlanOptions(), Precision.F32, kv_cache="f32")
+        finally:
+            await found.close()
+        assert len(core.stages) == 2
+        tokens = {model: await asyncio.to_thread(drive, store, model) for model in (tiny_export, other)}
+        server.close()
+        await server.wait_closed()
+        return tokens
+
+    tokens = asyncio.run(scenario())
+    for model in (tiny_export, other):
+        local = subprocess.run([str(Path(sys.executable).parent / "deskfleet"), "generate", "--model", str(model),
+                                "--prompt-ids", "1,7,9,3", "--max-new-tokens", "6", "--ignore-eos", "--precision",
+                                "f32", "--json"], capture_output=True, check=True)
+        assert tokens[model] == json.loads(local.stdout)["tokens"]
+    assert tokens[tiny_export] != tokens[other]
