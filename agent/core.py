@@ -277,6 +277,8 @@ class AgentCore:
             except (ShardCacheError, ManifestError, ValueError, RuntimeError, KeyError) as error:
                 self.cache.unpin(key)
                 self.cache.remove_view(key)
+                if isinstance(error, ManifestError):  # a file failed its check: the next deploy resends it
+                    await asyncio.to_thread(self.cache.drop_corrupted, [entry.sha256 for entry in message.manifest])
                 raise CommandError(ErrorCode.SHARD_MISMATCH if isinstance(error, ShardCacheError | ManifestError)
                                    else ErrorCode.INTERNAL, f"cannot host {_stage_key(message.stage)}: {error}"
                                    ) from None

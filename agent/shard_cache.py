@@ -97,6 +97,19 @@ class ShardCache:
         part = self._find_partial(_checked_sha(sha256))
         return part.stat().st_size if part is not None else None
 
+    def drop_corrupted(self, sha256s: Iterable[str]) -> list[str]:
+        """Re-hash the named blobs (the disk may have changed them since they were verified) and delete those
+        whose bytes no longer match their name, so that the next ShardQuery reports them missing and the
+        controller sends them again; returns the ones deleted. Slow: for a stage that failed to load."""
+        dropped = []
+        for sha256 in sha256s:
+            blob = self._blobs / _checked_sha(sha256)
+            if blob.is_file() and sha256_of(blob) != sha256:
+                blob.unlink()
+                dropped.append(sha256)
+                logger.warning("dropped shard %s… from the cache: its bytes changed on disk", sha256[:12])
+        return dropped
+
     def have(self, sha256s: Iterable[str]) -> ShardHave:
         """The answer to a ShardQuery: which shards are complete, and resume offsets of partial ones."""
         complete, partial = [], []

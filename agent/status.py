@@ -15,6 +15,7 @@ from deskfleet.agent.shard_cache import CacheUsage
 from deskfleet.common.agent_state import AgentState, UnavailableReason
 from deskfleet.common.availability import AvailabilityPolicy, MonitorReading, TemperatureReading, decide_availability
 from deskfleet.common.wire import StageRef, StatusReport
+from deskfleet.common.wire_messages import MAX_STATUS_DETAIL
 
 
 def software_version() -> str:
@@ -52,6 +53,8 @@ class AgentStatus:
             igpu_busy=reading.igpu_busy,
             stages=self.stages,
             last_error=self.last_error,
+            reasons=self.reasons,
+            detail=self.detail[:MAX_STATUS_DETAIL],
         )
 
     def to_dict(self) -> dict[str, Any]:

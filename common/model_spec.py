@@ -160,6 +160,14 @@ class Manifest:
         if len(manifest.layer_bytes) != spec.num_layers:
             raise ManifestError(
                 f"manifest lists {len(manifest.layer_bytes)} layer sizes for {spec.num_layers} layers")
+        # the planner reads the sizes, the agents fetch the files: they must say the same (export writes both)
+        sizes = {**{f"{cls.layer_ir(index)}.bin": size for index, size in enumerate(manifest.layer_bytes)},
+                 f"{cls.EMBED_IR}.bin": manifest.embed_bytes, f"{cls.HEAD_IR}.bin": manifest.head_bytes}
+        for name, size in sizes.items():
+            entry = manifest.files.get(name)
+            if entry is None or entry.size != size:
+                listed = "not listed" if entry is None else f"listed at {entry.size} bytes"
+                raise ManifestError(f"the manifest sizes {name} at {size} bytes for planning, but its file is {listed}")
         return manifest
 
 

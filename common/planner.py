@@ -43,6 +43,15 @@ class ModelFootprint:
     def __post_init__(self) -> None:
         if self.head_work is not None and not self.head_work >= 0:
             raise ValueError(f"head_work must be 0 or more, got {self.head_work}")
+        if not self.layer_bytes:
+            raise ValueError("the model has no decoder layers")
+        sizes = {"layer bytes": min(self.layer_bytes), "embed bytes": self.embed_bytes,
+                 "head bytes": self.head_bytes, "KV bytes per token": self.kv_bytes_per_token_per_layer}
+        for what, size in sizes.items():
+            if size < 0:
+                raise ValueError(f"{what} must be 0 or more, got {size}")
+        if self.context < 1:
+            raise ValueError(f"the context must be at least 1 token, got {self.context}")
 
     @classmethod
     def uniform(cls, name: str, num_layers: int, layer_bytes: int, embed_bytes: int, head_bytes: int,
@@ -99,6 +108,7 @@ class ExclusionReason(str, Enum):
     SPEED_UNKNOWN = "speed_unknown"
     TOO_LITTLE_MEMORY = "too_little_memory"
     NOT_NEEDED = "not_needed"
+    UNREACHABLE = "unreachable"  # found (roster, mDNS, --peer) but did not answer: never a candidate
 
 
 @dataclass(frozen=True)

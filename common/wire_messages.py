@@ -15,12 +15,14 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
-from deskfleet.common.agent_state import AgentState
+from deskfleet.common.agent_state import AgentState, UnavailableReason
 from deskfleet.common.kv_ledger import AdmitRow, SlotDelta
 from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, check_tensor
 
-# 2: DraftInfo.one_hot; 3: Forward.layer_start, Error.micro_batch_id and agent_id; 4: Forward.model_id
+# 2: DraftInfo.one_hot; 3: Forward.layer_start, Error.micro_batch_id and agent_id; 4: Forward.model_id,
+# StatusReport.reasons and detail
 PROTOCOL_VERSION = 4
+MAX_STATUS_DETAIL = 500
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # An agent id is the unpadded lowercase base32 of sha256(SubjectPublicKeyInfo DER): 52 characters,
@@ -262,9 +264,12 @@ class StatusReport:
     stages: tuple[StageRef, ...]
     last_error: str | None
     weight_gb_per_s: float | None = None  # measured decode speed (agent/speed_probe.py); None: not yet
+    reasons: tuple[UnavailableReason, ...] = ()  # every limit crossed (also listed while paused)
+    detail: str = ""  # the numbers behind `reasons`, for the plan's "left out" lines
 
     def __post_init__(self) -> None:
         _non_negative("free_memory_bytes", self.free_memory_bytes)
+        _require(len(self.detail) <= MAX_STATUS_DETAIL, f"detail longer than {MAX_STATUS_DETAIL} characters")
         _require(self.weight_gb_per_s is None or 0.0 < self.weight_gb_per_s < 1e5,
                  f"weight_gb_per_s {self.weight_gb_per_s} is not a plausible speed")
         _fraction("cpu_load", self.cpu_load)

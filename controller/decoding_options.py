@@ -89,6 +89,17 @@ def positive_int(text: str) -> int:
     return _whole_number(text, minimum=1)
 
 
+def byte_count(text: str) -> int:
+    """argparse type: a number of bytes, 0 or more, as a whole number or in float notation (4e9)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes, got {text!r}") from None
+    if not 0 <= value < 2**62:  # NaN and infinities fail this too
+        raise argparse.ArgumentTypeError(f"must be a number of bytes from 0 to 2**62, got {text}")
+    return int(value)
+
+
 def _whole_number(text: str, minimum: int) -> int:
     try:
         value = int(text)

@@ -23,6 +23,7 @@ from typing import Any
 from deskfleet.common import event_loop
 from deskfleet.common.planner import PlanPolicy
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
+from deskfleet.controller.decoding_options import byte_count, positive_int
 
 _POLICIES = [policy.value for policy in PlanPolicy]
 
@@ -211,14 +212,14 @@ def _agent_json(agent: Any) -> dict[str, Any]:
 
 def _add_paper_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=None, help="export folder (or describe one on paper)")
-    parser.add_argument("--layers", type=int, default=None, help="on paper: decoder layers")
-    parser.add_argument("--layer-bytes", type=float, default=None, help="on paper: weight bytes per layer")
-    parser.add_argument("--embed-bytes", type=float, default=0, help="on paper: embedding bytes")
-    parser.add_argument("--head-bytes", type=float, default=0, help="on paper: final norm + lm_head bytes")
-    parser.add_argument("--kv-bytes-per-token", type=float, default=0,
+    parser.add_argument("--layers", type=positive_int, default=None, help="on paper: decoder layers")
+    parser.add_argument("--layer-bytes", type=byte_count, default=None, help="on paper: weight bytes per layer")
+    parser.add_argument("--embed-bytes", type=byte_count, default=0, help="on paper: embedding bytes")
+    parser.add_argument("--head-bytes", type=byte_count, default=0, help="on paper: final norm + lm_head bytes")
+    parser.add_argument("--kv-bytes-per-token", type=byte_count, default=0,
                         help="on paper: KV bytes per token per layer")
-    parser.add_argument("--context", type=int, default=4096, help="on paper: context to reserve KV for")
-    parser.add_argument("--assume-agent", action="append", type=float, default=[], metavar="FREE_BYTES",
+    parser.add_argument("--context", type=positive_int, default=4096, help="on paper: context to reserve KV for")
+    parser.add_argument("--assume-agent", action="append", type=byte_count, default=[], metavar="FREE_BYTES",
                         help="plan for a hypothetical agent with this much free memory (repeatable)")
 
 
@@ -226,26 +227,30 @@ def _plan(args: argparse.Namespace) -> int:
     from deskfleet.common.agent_state import AgentState
     from deskfleet.common.model_spec import load_manifest
     from deskfleet.common.planner import AgentCandidate, ModelFootprint, plan, render_plan
-    from deskfleet.controller.fleet_deploy import candidates_of, footprint_of, policy_options
+    from deskfleet.controller.fleet_deploy import footprint_of, plan_survey, policy_options
     from deskfleet.controller.fleet_survey import survey
 
     if args.model is not None:
         footprint = footprint_of(load_manifest(args.model), args.device)
     elif args.layers is not None and args.layer_bytes is not None:
-        footprint = ModelFootprint.uniform("on paper", args.layers, int(args.layer_bytes), int(args.embed_bytes),
-                                           int(args.head_bytes), int(args.kv_bytes_per_token), args.context)
+        footprint = ModelFootprint.uniform("on paper", args.layers, args.layer_bytes, args.embed_bytes,
+                                           args.head_bytes, args.kv_bytes_per_token, args.context)
     else:
         raise ValueError("give --model OUT_DIR, or --layers N and --layer-bytes B to plan on paper")
-    candidates = [AgentCandidate(f"assumed-{index}", AgentState.AVAILABLE, int(size), 1.0)
-                  for index, size in enumerate(args.assume_agent)]
-    if not candidates or args.peer:
-        async def run() -> list[Any]:
+    assumed = [AgentCandidate(f"assumed-{index}", AgentState.AVAILABLE, size, 1.0)
+               for index, size in enumerate(args.assume_agent)]
+    options = policy_options(args.policy, args.streams)
+    if assumed and not args.peer:
+        result = plan(footprint, assumed, options)
+    else:
+        async def run() -> Any:
             found = await survey(_store(args), _survey_options(args))
-            await found.close()
-            return found.reachable()
+            try:
+                return plan_survey(footprint, found, options, assumed=assumed)  # before close(): it needs the links
+            finally:
+                await found.close()
 
-        candidates += candidates_of(event_loop.run(run()))
-    result = plan(footprint, candidates, policy_options(args.policy, args.streams))
+        result = event_loop.run(run())
     if args.json:
         print(json.dumps({"feasible": result.feasible, "problems": list(result.problems),
                           "stages": [[s.agent_id, s.first_layer, s.stop_layer] for s in result.stages],

@@ -15,18 +15,28 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 from deskfleet.agent.link import Link, LinkError
 from deskfleet.common.devices import device_kind
 from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, load_manifest
-from deskfleet.common.planner import AgentCandidate, ModelFootprint, Plan, PlanOptions, PlanPolicy, plan
+from deskfleet.common.planner import (
+    AgentCandidate,
+    Exclusion,
+    ExclusionReason,
+    ModelFootprint,
+    Plan,
+    PlanOptions,
+    PlanPolicy,
+    plan,
+)
 from deskfleet.common.wire import (
     AssignStage,
     Error,
+    ErrorCode,
     ManifestEntry,
     Message,
     NextHop,
@@ -53,7 +63,11 @@ Progress = Callable[[str, str, int, int], None]  # agent id, file name, bytes se
 
 
 class DeployError(RuntimeError):
-    """The deployment cannot go on; the message names the agent and the step."""
+    """The deployment cannot go on; the message names the agent and the step. `code`: the agent's refusal."""
+
+    def __init__(self, message: str, code: ErrorCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -124,9 +138,24 @@ def candidates_of(agents: list[AgentView]) -> list[AgentCandidate]:
     candidates = []
     for agent in answered:
         assert agent.report is not None and agent.agent_id is not None
-        speed = agent.report.weight_gb_per_s or fallback
-        candidates.append(AgentCandidate(agent.agent_id, agent.report.state, agent.report.free_memory_bytes, speed))
+        report = agent.report
+        candidates.append(AgentCandidate(agent.agent_id, report.state, report.free_memory_bytes,
+                                         report.weight_gb_per_s or fallback,
+                                         report.reasons[0] if report.reasons else None, report.detail))
     return candidates
+
+
+def plan_survey(footprint: ModelFootprint, found: Survey, options: PlanOptions,
+                exclude: frozenset[str] = frozenset(), assumed: Sequence[AgentCandidate] = ()) -> Plan:
+    """The plan over the agents that answered (less `exclude`) and the `assumed` ones; the agents that were
+    found but did not answer are listed as left out too, with why. Call it before `found.close()`."""
+    agents = [agent for agent in found.reachable() if agent.agent_id not in exclude]
+    result = plan(footprint, [*assumed, *candidates_of(agents)], options)
+    answered = {agent.agent_id for agent in agents}
+    unreachable = tuple(Exclusion(agent.agent_id or agent.address, ExclusionReason.UNREACHABLE,
+                                  f"unreachable at {agent.address}: {agent.problem or 'no status'}")
+                        for agent in found.agents if agent.agent_id not in answered | exclude)
+    return replace(result, exclusions=result.exclusions + unreachable)
 
 
 async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: PlanOptions,
@@ -139,8 +168,7 @@ async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: Pla
         raise DeployError(f"--precision f32 is exact and keeps the KV cache in f32, not {kv_cache}")
     manifest = load_manifest(model_dir)
     model_id = model_id_of(model_dir)
-    agents = [agent for agent in found.reachable() if agent.agent_id not in exclude]
-    result = plan(footprint_of(manifest, device), candidates_of(agents), options)
+    result = plan_survey(footprint_of(manifest, device), found, options, exclude)
     if not result.feasible:
         raise DeployError("the model does not fit the fleet: " + "; ".join(result.problems))
     addresses = {agent.agent_id: agent.address for agent in found.agents if agent.agent_id is not None}
@@ -225,21 +253,31 @@ async def _deploy_stage(link: Link, model_dir: Path, assignment: AssignStage, se
     files.setdefault(agent_id, 0)
     by_sha = {entry.sha256: entry for entry in assignment.manifest}
     try:
-        await link.send(ShardQuery(tuple(by_sha)))
-        have = await _expect(link, ShardHave, REPLY_TIMEOUT_S)
-        offsets = {partial.sha256: partial.offset for partial in have.partial}
-        for sha256, entry in by_sha.items():
-            if sha256 in have.complete:
-                continue
-            sent[agent_id] += await _push(link, model_dir / entry.file_name, entry, offsets.get(sha256, 0), progress)
-            files[agent_id] += 1
-        await link.send(ShardQuery(tuple(by_sha)))
-        confirmed = await _expect(link, ShardHave, REPLY_TIMEOUT_S)
-        missing = sorted(by_sha[sha].file_name for sha in set(by_sha) - set(confirmed.complete))
-        if missing:
-            raise DeployError(f"agent {agent_id[:12]} did not keep {', '.join(missing)}")
-        await link.send(assignment)
-        await _expect(link, StageReady, COMPILE_TIMEOUT_S)
+        for attempt in range(2):
+            await link.send(ShardQuery(tuple(by_sha)))
+            have = await _expect(link, ShardHave, REPLY_TIMEOUT_S)
+            offsets = {partial.sha256: partial.offset for partial in have.partial}
+            for sha256, entry in by_sha.items():
+                if sha256 in have.complete:
+                    continue
+                sent[agent_id] += await _push(link, model_dir / entry.file_name, entry, offsets.get(sha256, 0),
+                                              progress)
+                files[agent_id] += 1
+            await link.send(ShardQuery(tuple(by_sha)))
+            confirmed = await _expect(link, ShardHave, REPLY_TIMEOUT_S)
+            missing = sorted(by_sha[sha].file_name for sha in set(by_sha) - set(confirmed.complete))
+            if missing:
+                raise DeployError(f"agent {agent_id[:12]} did not keep {', '.join(missing)}")
+            await link.send(assignment)
+            try:
+                await _expect(link, StageReady, COMPILE_TIMEOUT_S)
+                return
+            except DeployError as error:
+                # a cached file that changed on disk since it was verified: the agent dropped it, so one more
+                # round sends it again
+                if error.code is not ErrorCode.SHARD_MISMATCH or attempt:
+                    raise
+                log.warning("agent %s: %s; sending what it dropped again", agent_id[:12], error)
     except LinkError as error:
         raise DeployError(f"agent {agent_id[:12]} at {link.address}: {error}") from None
 
@@ -272,7 +310,8 @@ async def _expect(link: Link, kind: type[_M], timeout: float) -> _M:
         except TimeoutError:
             raise DeployError(f"agent {link.peer.agent_id[:12]} sent no {kind.__name__} in {timeout:.0f} s") from None
         if isinstance(message, Error):
-            raise DeployError(f"agent {link.peer.agent_id[:12]} refused: {message.code.value}: {message.message}")
+            raise DeployError(f"agent {link.peer.agent_id[:12]} refused: {message.code.value}: {message.message}",
+                              message.code)
         if isinstance(message, kind):
             return message
 

@@ -25,7 +25,10 @@ SPEC = ModelSpec(architecture="llama", num_layers=4, hidden_size=64, num_heads=4
 
 
 def manifest(files: dict[str, FileEntry] | None = None) -> Manifest:
-    return Manifest(model_name="tiny", spec=SPEC, weight_format=WeightFormat.INT4, files=files or {},
+    """A manifest whose weight files have the sizes it plans with, plus `files`."""
+    weights = {**{f"layer_{index:03d}.bin": FileEntry("1" * 64, 10) for index in range(4)},
+               "embed.bin": FileEntry("2" * 64, 5), "head.bin": FileEntry("3" * 64, 6)}
+    return Manifest(model_name="tiny", spec=SPEC, weight_format=WeightFormat.INT4, files={**weights, **(files or {})},
                     tokenizer_files=("tokenizer.json",), layer_bytes=(10, 10, 10, 10), embed_bytes=5, head_bytes=6)
 
 
@@ -65,6 +68,19 @@ def test_malformed_manifests_are_refused() -> None:
         Manifest.from_json(json.dumps({**body, "layer_bytes": [1]}))
     with pytest.raises(ManifestError, match="malformed"):
         Manifest.from_json("[1, 2")
+
+
+def test_a_manifest_whose_planning_sizes_are_not_its_files_is_refused() -> None:
+    # A manifest listing 4 GB layer files but 1-byte layer sizes had the planner put 16 GB on an 8 GB PC.
+    body = json.loads(manifest().to_json())
+    for name in ("layer_002.bin", "head.bin"):
+        lying = {**body, "files": {**body["files"], name: {"sha256": "1" * 64, "size": 4 * 10**9}}}
+        with pytest.raises(ManifestError, match=f"sizes {name} at .* bytes for planning, but its file is listed at "
+                                                "4000000000 bytes"):
+            Manifest.from_json(json.dumps(lying))
+    missing = {**body, "files": {k: v for k, v in body["files"].items() if k != "embed.bin"}}
+    with pytest.raises(ManifestError, match=r"embed\.bin at 5 bytes for planning, but its file is not listed"):
+        Manifest.from_json(json.dumps(missing))
 
 
 def test_stage_stems() -> None:

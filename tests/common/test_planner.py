@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -176,6 +177,14 @@ def test_no_agent_can_work() -> None:
 def test_bad_input_is_refused() -> None:
     with pytest.raises(ValueError, match="no decoder layers"):
         plan(toy(layers=0), [available("a", 1)])
+    # a negative size or context made a "feasible" plan that overcommitted the PC (negative KV bytes)
+    for field, value, message in (("kv_bytes_per_token_per_layer", -10**6, "KV bytes per token must be 0 or more"),
+                                  ("head_bytes", -3 * 10**9, "head bytes must be 0 or more"),
+                                  ("context", 0, "at least 1 token")):
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(toy(), **{field: value})
+    with pytest.raises(ValueError, match="layer bytes must be 0 or more"):
+        dataclasses.replace(toy(), layer_bytes=(GB, -GB))
     with pytest.raises(ValueError, match="streams"):
         plan(toy(), [available("a", 1)], PlanOptions(streams=0))
 

@@ -36,3 +36,19 @@ def test_errors_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "soon" in capsys.readouterr().err
     assert main(["fleet", "plan", "--data-dir", str(tmp_path / "ctl")]) == 2
     assert "--layers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("option", "value"), [("--layer-bytes", "-1e9"), ("--kv-bytes-per-token", "-1e6"),
+                                               ("--head-bytes", "inf"), ("--assume-agent", "nan"),
+                                               ("--context", "-1000000"), ("--layers", "0")])
+def test_a_paper_plan_refuses_sizes_that_are_not_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        option: str, value: str) -> None:
+    # a negative KV size made a "feasible" plan of -16 GB of KV; inf gave an OverflowError traceback
+    assert main(["fleet", "init", "--data-dir", str(tmp_path / "ctl"), "--address", "10.0.0.5:1"]) == 0
+    paper = {"--layers": "4", "--layer-bytes": "1e9", "--assume-agent": "8e9", option: value}
+    arguments = [part for name, setting in paper.items() for part in (name, setting)]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(["fleet", "plan", *arguments, f"{option}={value}", "--data-dir", str(tmp_path / "ctl")])
+    assert exit_.value.code == 2
+    assert option in capsys.readouterr().err

@@ -182,3 +182,83 @@ def test_an_agent_hosting_two_models_runs_each_step_on_its_models_stage(
                                 "f32", "--json"], capture_output=True, check=True)
         assert tokens[model] == json.loads(local.stdout)["tokens"]
     assert tokens[tiny_export] != tokens[other]
+
+
+def local_tokens(model: Path) -> list[int]:
+    local = subprocess.run([str(Path(sys.executable).parent / "deskfleet"), "generate", "--model", str(model),
+                            "--prompt-ids", "1,7,9,3", "--max-new-tokens", "6", "--ignore-eos", "--precision", "f32",
+                            "--json"], capture_output=True, check=True)
+    return list(json.loads(local.stdout)["tokens"])
+
+
+def test_a_shard_corrupted_in_an_agents_cache_is_sent_again_by_the_next_deploy(
+        tmp_path: Path, tiny_export: Path) -> None:
+    # The cache verified a shard once, then the disk changed it: the stage build refused it on every deploy and
+    # nothing was resent (the cache only checks that a blob exists). The agent now drops what fails the check
+    # and the deploy sends it again.
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    files = make_member(load_ca(store), tmp_path / "agent", "agent")
+    layer = load_manifest(tiny_export).files["layer_001.bin"]
+    reference = local_tokens(tiny_export)
+
+    async def deploy_on_a_fresh_agent() -> tuple[int, list[int]]:  # a restarted agent: same cache, nothing hosted
+        port = free_port()
+        core = AgentCore(files, settings, ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor())
+        server = await start_server(core.serve_link, "127.0.0.1", port, files)
+        found = await survey(store, SurveyOptions(peers=(f"127.0.0.1:{port}",), discover_seconds=0))
+        try:
+            _, report = await deploy(store, tiny_export, found, PlanOptions(), Precision.F32, kv_cache="f32")
+        finally:
+            await found.close()
+        tokens = await asyncio.to_thread(drive, store, tiny_export)
+        server.close()
+        await server.wait_closed()
+        return sum(report.bytes_sent.values()), tokens
+
+    first_sent, first_tokens = asyncio.run(deploy_on_a_fresh_agent())
+    blob = tmp_path / "cache" / "blobs" / layer.sha256
+    blob.chmod(0o644)
+    damaged = bytearray(blob.read_bytes())
+    damaged[::4096] = bytes(byte ^ 0x40 for byte in damaged[::4096])  # the same size, other bytes
+    blob.write_bytes(bytes(damaged))
+    resent, tokens = asyncio.run(deploy_on_a_fresh_agent())
+    assert first_tokens == tokens == reference
+    assert first_sent > resent >= layer.size  # the damaged layer went again, not the whole model
+
+
+def test_fleet_plan_uses_the_live_agents_and_says_why_each_other_one_was_left_out(
+        tmp_path: Path, tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # `fleet plan --model` closed the survey's links before planning and so saw no agent at all; an agent
+    # unavailable by its owner's limits was "reason not reported", and a peer that did not answer was not listed.
+    from deskfleet.controller.cli import main
+
+    data = tmp_path / "controller"
+    store = FleetStore(data)
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    usable = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    starved = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=64 << 30))
+    ports = [free_port(), free_port()]
+    dead = f"127.0.0.1:{free_port()}"
+
+    async def scenario() -> int:
+        servers = []
+        for index, (port, settings) in enumerate(zip(ports, (usable, starved), strict=True)):
+            files = make_member(load_ca(store), tmp_path / f"agent{index}", "agent")
+            core = AgentCore(files, settings, ShardCache(tmp_path / f"cache{index}", 1 << 30), FakeMonitor())
+            servers.append(await start_server(core.serve_link, "127.0.0.1", port, files))
+        peers = [option for address in (*(f"127.0.0.1:{port}" for port in ports), dead)
+                 for option in ("--peer", address)]
+        code = await asyncio.to_thread(main, ["fleet", "plan", "--model", str(tiny_export), *peers,
+                                              "--discover-seconds", "0", "--data-dir", str(data)])
+        for server in servers:
+            server.close()
+            await server.wait_closed()
+        return code
+
+    assert asyncio.run(scenario()) == 0
+    out = capsys.readouterr().out
+    assert "1 stage(s):" in out
+    assert "unavailable: low memory (8.0 GiB free of 16.0)" in out
+    assert f"unreachable at {dead}: cannot reach" in out
