@@ -146,7 +146,8 @@ def test_materialize_manifest_gives_a_folder_the_stage_can_load(tmp_path: Path) 
         fill(cache, data, sha)
         files[name] = FileEntry(sha, 50)
     spec = ModelSpec("llama", 1, 8, 2, 1, 4, 16, 32, 64, None, (1,), "default", False)
-    manifest = Manifest("toy", spec, WeightFormat.F32, files, (), (0,), 0, 0)
+    files |= {"layer_000.bin": FileEntry("0" * 64, 0), "head.bin": FileEntry("0" * 64, 0)}  # planned as empty
+    manifest = Manifest("toy", spec, WeightFormat.F32, files, (), (0,), 50, 0)
     view = cache.materialize_manifest("toy-0-1", manifest, ["rope.xml", "rope.bin"])
     assert load_manifest(view) == manifest
     assert sorted(path.name for path in view.iterdir()) == [".view.json", "manifest.json", "rope.bin", "rope.xml"]

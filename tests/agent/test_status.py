@@ -32,7 +32,8 @@ def test_to_wire_carries_the_hottest_sensor_and_round_trips_the_codec() -> None:
     report = status.to_wire()
     assert report == StatusReport(state=AgentState.UNAVAILABLE, free_memory_bytes=GIB, cpu_load=0.5,
                                   battery_percent=77.0, on_ac_power=True, temperature_c=61.0, igpu_busy=None,
-                                  stages=(STAGE,), last_error=None)
+                                  stages=(STAGE,), last_error=None, reasons=status.reasons, detail=status.detail)
+    assert report.reasons and report.detail  # the planner's "left out" line says why, with the numbers
     assert decode(encode(report)) == report
 
 
