@@ -31,7 +31,7 @@ from pathlib import Path
 from deskfleet.agent.link import Link, LinkError, TlsFiles, open_link
 from deskfleet.agent.monitor import SystemMonitor
 from deskfleet.agent.paths import AgentSettings
-from deskfleet.agent.shard_cache import ShardCache, ShardCacheError
+from deskfleet.agent.shard_cache import CacheFull, ShardCache, ShardCacheError
 from deskfleet.agent.speed_probe import SpeedMeasurement
 from deskfleet.agent.stage import CompileSettings, LayerRange, Stage
 from deskfleet.agent.stage import Precision as StagePrecision
@@ -166,6 +166,7 @@ class AgentCore:
                         log.info("%s", error)
                         return
         finally:
+            self.cache.unpin(_deploy_pin(link))
             self._links.discard(link)
             if link in self._controller_links:
                 self._controller_links.remove(link)
@@ -195,6 +196,11 @@ class AgentCore:
         if isinstance(message, StatusRequest):
             return await self.status()
         if isinstance(message, ShardQuery):
+            if message.sizes:  # a deploy's stage: keep all of it until assigned, or refuse it whole now
+                try:
+                    self.cache.reserve(_deploy_pin(link), dict(zip(message.sha256s, message.sizes, strict=True)))
+                except CacheFull as error:
+                    raise CommandError(ErrorCode.OUT_OF_MEMORY, str(error)) from None
             return self.cache.have(message.sha256s)
         if isinstance(message, ShardChunk):
             self._receive_chunk(message)
@@ -206,7 +212,10 @@ class AgentCore:
                 raise CommandError(ErrorCode.SHARD_MISMATCH, str(error)) from None
             return None
         if isinstance(message, AssignStage):
-            return await self._assign(message)
+            try:
+                return await self._assign(message)
+            finally:
+                self.cache.unpin(_deploy_pin(link))  # the stage pins its own files now, or failed
         if isinstance(message, ReleaseStage):
             self._release(message.stage)
             return None
@@ -466,6 +475,11 @@ def _builds_the_same_stage(hosted: AssignStage, wanted: AssignStage) -> bool:
 def _stage_key(ref: StageRef) -> str:
     safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in ref.model_id)[:80]
     return f"{safe}-{ref.layer_start}-{ref.layer_end}"
+
+
+def _deploy_pin(link: Link) -> str:
+    """The shard cache's pin owner for the stage a deploy is sending over `link`."""
+    return f"\0deploy:{id(link)}"
 
 
 def _load_revocations(path: Path | None) -> pki.RevocationSet:

@@ -97,6 +97,22 @@ class ShardCache:
         part = self._find_partial(_checked_sha(sha256))
         return part.stat().st_size if part is not None else None
 
+    def reserve(self, owner: str, sizes: Mapping[str, int]) -> None:
+        """Keep these shards (sha256 -> size: a stage about to be received) from eviction for `owner`, and
+        CacheFull before anything is evicted when the ones not yet held could not fit even by evicting every
+        other unpinned shard: a stage too big for the cache is refused whole, not after evicting its own
+        first files and other models' shards."""
+        missing = sum(size for sha256, size in sizes.items() if not self.has(sha256) and self._find_partial(sha256)
+                      is None)
+        self.pin(owner, sizes)
+        try:
+            self._refuse_if_eviction_cannot_fit(missing, "of a stage")
+        except CacheFull:
+            self.unpin(owner)
+            raise CacheFull(f"the stage's {len(sizes)} files need {missing} bytes more, which the cache cannot hold "
+                            f"(its limit is {self.limit_bytes} bytes, {self.usage().pinned_bytes} of them pinned by "
+                            "hosted stages): nothing was evicted") from None
+
     def drop_corrupted(self, sha256s: Iterable[str]) -> list[str]:
         """Re-hash the named blobs (the disk may have changed them since they were verified) and delete those
         whose bytes no longer match their name, so that the next ShardQuery reports them missing and the

@@ -313,13 +313,21 @@ class ReleaseStage:
 
 @dataclass(frozen=True)
 class ShardQuery:
-    """Which of these shards do you hold? The agent answers ShardHave."""
+    """Which of these shards do you hold? The agent answers ShardHave.
+
+    With `sizes` (one per shard: a deploy's whole stage), the agent also keeps them all from eviction until
+    the stage is assigned or the link closes, and refuses (cache_full) at once when they cannot all fit.
+    """
 
     sha256s: tuple[str, ...]
+    sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for digest in self.sha256s:
             _sha256("shard query sha256", digest)
+        _require(not self.sizes or len(self.sizes) == len(self.sha256s), "shard query sizes do not match its shards")
+        for size in self.sizes:
+            _non_negative("shard size", size)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from deskfleet.agent.link import Link, LinkError
 from deskfleet.common.devices import device_kind
-from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, load_manifest
+from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, load_manifest, sha256_of
 from deskfleet.common.planner import (
     AgentCandidate,
     Exclusion,
@@ -254,17 +254,22 @@ async def _deploy_stage(link: Link, model_dir: Path, assignment: AssignStage, se
     by_sha = {entry.sha256: entry for entry in assignment.manifest}
     try:
         for attempt in range(2):
-            await link.send(ShardQuery(tuple(by_sha)))
+            # with the sizes, the agent keeps the whole stage from eviction, or refuses it at once if it cannot fit
+            await link.send(ShardQuery(tuple(by_sha), tuple(entry.size for entry in by_sha.values())))
             have = await _expect(link, ShardHave, REPLY_TIMEOUT_S)
             offsets = {partial.sha256: partial.offset for partial in have.partial}
-            for sha256, entry in by_sha.items():
-                if sha256 in have.complete:
-                    continue
-                sent[agent_id] += await _push(link, model_dir / entry.file_name, entry, offsets.get(sha256, 0),
+            pushed = [entry for sha256, entry in by_sha.items() if sha256 not in have.complete]
+            for entry in pushed:
+                sent[agent_id] += await _push(link, model_dir / entry.file_name, entry, offsets.get(entry.sha256, 0),
                                               progress)
                 files[agent_id] += 1
             await link.send(ShardQuery(tuple(by_sha)))
-            confirmed = await _expect(link, ShardHave, REPLY_TIMEOUT_S)
+            try:
+                confirmed = await _expect(link, ShardHave, REPLY_TIMEOUT_S)
+            except DeployError as error:
+                if error.code is ErrorCode.SHARD_MISMATCH:  # a shard arrived corrupted: is it so in the export?
+                    await asyncio.to_thread(_check_export_files, model_dir, pushed)
+                raise
             missing = sorted(by_sha[sha].file_name for sha in set(by_sha) - set(confirmed.complete))
             if missing:
                 raise DeployError(f"agent {agent_id[:12]} did not keep {', '.join(missing)}")
@@ -280,6 +285,15 @@ async def _deploy_stage(link: Link, model_dir: Path, assignment: AssignStage, se
                 log.warning("agent %s: %s; sending what it dropped again", agent_id[:12], error)
     except LinkError as error:
         raise DeployError(f"agent {agent_id[:12]} at {link.address}: {error}") from None
+
+
+def _check_export_files(model_dir: Path, entries: Sequence[ManifestEntry]) -> None:
+    """DeployError naming the first file of the export whose bytes are not what its manifest says."""
+    for entry in entries:
+        digest = sha256_of(model_dir / entry.file_name)
+        if digest != entry.sha256:
+            raise DeployError(f"{model_dir / entry.file_name} is damaged: its bytes hash to {digest[:12]}…, the "
+                              f"export's manifest says {entry.sha256[:12]}…; export the model again")
 
 
 async def _push(link: Link, path: Path, entry: ManifestEntry, offset: int, progress: Progress | None) -> int:

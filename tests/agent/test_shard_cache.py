@@ -198,3 +198,21 @@ def test_interleaved_shards_reserve_their_whole_size_and_cannot_pass_the_limit(t
     cache.complete(second_sha)
     assert cache.usage().used_bytes == 3000 <= limit
     assert cache.begin(second_sha, len(second)) == len(second)  # resuming a complete shard needs no room
+
+
+def test_a_stage_too_big_for_the_cache_is_refused_whole_before_anything_is_evicted(tmp_path: Path) -> None:
+    # Pushed file by file, such a stage evicted another model's shard and its own first files, then failed
+    # with "did not keep ...". Reserved whole, it is refused at once; one that fits keeps its files.
+    cache = ShardCache(tmp_path, 1000, FakeClock())
+    other, other_sha = blob(1, 300)
+    fill(cache, other, other_sha)
+    stage = [blob(10 + index, 400) for index in range(3)]
+    with pytest.raises(CacheFull, match=r"need 1200 bytes more.*nothing was evicted"):
+        cache.reserve("deploy", {sha: len(data) for data, sha in stage})
+    assert cache.has(other_sha)
+    fitting = stage[:2]
+    cache.reserve("deploy", {sha: len(data) for data, sha in fitting})  # 800 bytes: the other shard must go
+    for data, sha in fitting:
+        fill(cache, data, sha)
+    assert all(cache.has(sha) for _, sha in fitting) and not cache.has(other_sha)
+    cache.unpin("deploy")

@@ -262,3 +262,33 @@ def test_fleet_plan_uses_the_live_agents_and_says_why_each_other_one_was_left_ou
     assert "1 stage(s):" in out
     assert "unavailable: low memory (8.0 GiB free of 16.0)" in out
     assert f"unreachable at {dead}: cannot reach" in out
+
+
+def test_a_damaged_file_in_the_export_is_named(tmp_path: Path, tiny_export: Path) -> None:
+    # The agent discards a shard whose bytes are not its hash; the deploy used to pass on "shard 8e0f… arrived
+    # corrupted, send it again", which a re-run repeated: the export itself is damaged, and now it says which file.
+    import shutil
+
+    damaged = tmp_path / "export"
+    shutil.copytree(tiny_export, damaged)
+    layer = damaged / "layer_002.bin"
+    layer.write_bytes(bytes(reversed(layer.read_bytes())))  # the same size, other bytes
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+
+    async def scenario() -> None:
+        port = free_port()
+        files = make_member(load_ca(store), tmp_path / "agent", "agent")
+        core = AgentCore(files, settings, ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor())
+        server = await start_server(core.serve_link, "127.0.0.1", port, files)
+        found = await survey(store, SurveyOptions(peers=(f"127.0.0.1:{port}",), discover_seconds=0))
+        try:
+            with pytest.raises(DeployError, match=r"layer_002\.bin is damaged: .* export the model again"):
+                await deploy(store, damaged, found, PlanOptions(), Precision.F32, kv_cache="f32")
+        finally:
+            await found.close()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(scenario())
