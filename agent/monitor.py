@@ -8,7 +8,11 @@ the real machine:
 - iGPU busy: on Linux `class/drm/card*/device/gpu_busy_percent` where the driver exposes it (amdgpu),
   otherwise the per-client engine counters that i915 and xe publish in /proc/*/fdinfo (a rate, so the
   first read after start is None). On Windows the "GPU Engine" performance counters through `typeperf`.
-A sensor that cannot be read is None (or absent from `temperatures`), never a guess.
+A sensor that cannot be read is None (or absent from `temperatures`), never a guess; a psutil probe
+that raises is logged the first time and read again at the next `read()`. CPU load and memory have no
+None in a MonitorReading: unreadable, they read 0 (a load that never marks the user busy, and no free
+memory for the planner to place a stage in). A battery percent is clamped to [0, 100]: psutil computes
+it as 100 * energy_now / energy_full, above 100 on a battery that holds more than its rated charge.
 
 `read()` blocks (sysfs reads, typeperf takes about a second): call it from a worker thread
 (asyncio.to_thread), every few seconds, from one thread at a time.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import math
 import os
 import re
 import subprocess
@@ -27,11 +32,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import psutil
 
 from deskfleet.common.availability import (
+    PLAUSIBLE_CELSIUS,
     Availability,
     AvailabilityPolicy,
     MonitorReading,
@@ -47,7 +53,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_PLAUSIBLE_C = (-50.0, 200.0)  # broken sensors read -128 or 255; those are unknown, not hot
+_T = TypeVar("_T")
 _FDINFO_DRIVERS = ("i915", "xe")
 _TYPEPERF_COUNTER = r"\GPU Engine(*engtype_3D)\Utilization Percentage"
 
@@ -105,25 +111,41 @@ class HostMonitor:
     probes: HostProbes = field(default_factory=HostProbes)
     clock: Callable[[], float] = time.monotonic
     _fdinfo: DrmFdinfoSampler | None = field(default=None, init=False)
+    _failed: set[str] = field(default_factory=set, init=False)  # probes whose failure was logged
 
     def __post_init__(self) -> None:
-        self.probes.cpu_load()  # psutil measures load since the previous call: prime it
+        self._probe("cpu load", self.probes.cpu_load, 0.0)  # psutil measures load since the previous call: prime it
         if self.platform.startswith("linux"):
             self._fdinfo = DrmFdinfoSampler(self.proc_root, self.clock)
 
     def read(self) -> MonitorReading:
-        """One reading of every sensor; a sensor that fails to read is logged at debug and is None."""
-        free, total = self.probes.memory()
-        battery = self.probes.battery()
+        """One reading of every sensor; a sensor that fails to read is None (logged the first time)."""
+        free, total = self._probe("memory", self.probes.memory, (0, 0))
+        percent, on_ac = self._probe("battery", self.probes.battery, None) or (None, None)
+        if percent is not None:
+            percent = min(100.0, max(0.0, percent)) if math.isfinite(percent) else None
         return MonitorReading(
-            cpu_load=self.probes.cpu_load(),
+            cpu_load=self._probe("cpu load", self.probes.cpu_load, 0.0),
             memory_free_bytes=free,
             memory_total_bytes=total,
-            battery_percent=battery[0] if battery else None,
-            on_ac_power=battery[1] if battery else None,
+            battery_percent=percent,
+            on_ac_power=on_ac,
             temperatures=self._temperatures(),
             igpu_busy=self._igpu_busy(),
         )
+
+    def _probe(self, name: str, probe: Callable[[], _T], unknown: _T) -> _T:
+        """`probe()`, or `unknown` when it raises: psutil reads files the OS may refuse, or hold nonsense."""
+        try:
+            return probe()
+        except Exception as error:  # any failure of one sensor leaves the others readable
+            if name not in self._failed:
+                self._failed.add(name)
+                logger.warning("cannot read the %s, reported as unknown (logged once): %s: %s", name,
+                               type(error).__name__, error)
+            else:
+                logger.debug("cannot read the %s: %s: %s", name, type(error).__name__, error)
+            return unknown
 
     def _temperatures(self) -> tuple[TemperatureReading, ...]:
         if self.platform.startswith("linux"):
@@ -300,7 +322,7 @@ def _windows_gpu_busy() -> float | None:  # pragma: no cover - needs Windows
 # Private helpers
 
 def _plausible(celsius: float) -> bool:
-    return _PLAUSIBLE_C[0] <= celsius <= _PLAUSIBLE_C[1]
+    return PLAUSIBLE_CELSIUS[0] <= celsius <= PLAUSIBLE_CELSIUS[1]  # broken sensors are unknown, not hot
 
 
 def _read_text(path: Path, strip: bool = True) -> str:

@@ -7,12 +7,16 @@ are the platform's dirs for app "deskfleet" (platformdirs); `--data-dir D` puts 
 
 The settings file is versioned JSON. `load_settings` rejects a bad file with a SettingsError that names
 the file and the field, and never rewrites it; `save_settings` writes a temp file and renames it over
-the old one, so a crash mid-write leaves the old file whole.
+the old one, so a crash mid-write leaves the old file whole. A value the agent would trip over later is
+a bad file too: every number finite (no NaN or Infinity) and in the range the status and the planner
+take, and `device` in OpenVINO's syntax (`device_targets`).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,7 @@ import platformdirs
 
 from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.availability import GIB, AvailabilityPolicy
+from deskfleet.common.devices import VIRTUAL, device_kind
 from deskfleet.common.wire import ProtocolError, parse_address
 
 APP_NAME = "deskfleet"
@@ -28,6 +33,7 @@ SETTINGS_FORMAT = 1
 SETTINGS_FILE = "agent-settings.json"
 DEFAULT_AGENT_PORT = 7431
 DEFAULT_CACHE_LIMIT_BYTES = 50 * GIB
+MAX_SPEED_GB_PER_S = 1e5  # a pinned speed is below this, as StatusReport.weight_gb_per_s must be
 
 
 class SettingsError(ValueError):
@@ -106,13 +112,15 @@ class AgentSettings:
     def from_json(cls, text: str, source: str = "settings") -> AgentSettings:
         """Parse and check; SettingsError naming `source` and the field on anything wrong."""
         try:
-            body = json.loads(text)
-        except json.JSONDecodeError as error:
+            body = json.loads(text, parse_constant=_refuse_constant)
+        except ValueError as error:  # JSONDecodeError, NaN/Infinity, an integer of too many digits
             raise SettingsError(f"{source} is not valid JSON: {error}") from error
+        except RecursionError:
+            raise SettingsError(f"{source} is not valid JSON: nested too deeply") from None
         if not isinstance(body, dict):
             raise SettingsError(f"{source} must hold a JSON object")
         version = body.pop("format_version", None)
-        if version != SETTINGS_FORMAT:
+        if type(version) is not int or version != SETTINGS_FORMAT:
             raise SettingsError(f"{source} has format_version {version!r}; this agent reads {SETTINGS_FORMAT}")
         thresholds = Thresholds(**_checked(Thresholds, body.pop("thresholds", {}), f"{source}: thresholds"))
         settings = cls(thresholds=thresholds, **_checked(cls, body, source, skip=("thresholds",)))
@@ -122,9 +130,14 @@ class AgentSettings:
             raise SettingsError(f"{source}: {error}") from error
         if settings.cache_limit_bytes <= 0:
             raise SettingsError(f"{source}: cache_limit_bytes must be positive")
-        if settings.speed_gb_per_s is not None and settings.speed_gb_per_s <= 0:
-            raise SettingsError(f"{source}: speed_gb_per_s must be positive")
+        if settings.speed_gb_per_s is not None and not 0 < settings.speed_gb_per_s < MAX_SPEED_GB_PER_S:
+            raise SettingsError(f"{source}: speed_gb_per_s must be positive and below {MAX_SPEED_GB_PER_S:g}, "
+                                f"got {settings.speed_gb_per_s}")
         _check_address(settings.listen_address, source)
+        try:
+            device_targets(settings.device)
+        except ValueError as error:
+            raise SettingsError(f"{source}: device: {error}") from error
         return settings
 
 
@@ -141,6 +154,32 @@ def load_settings(path: Path) -> AgentSettings:
     return AgentSettings.from_json(text, source=f"settings file {path}")
 
 
+def device_targets(device: str) -> tuple[str, ...]:
+    """The devices an OpenVINO device name runs on, as the discovery record lists them: "GPU.1" ->
+    ("GPU.1",); a virtual device's list -> its targets ("AUTO:GPU,CPU" and "HETERO:GPU,CPU" -> ("GPU",
+    "CPU")), those excluded with "-" ("AUTO:-NPU") and request counts ("MULTI:GPU(4),CPU") left out, and
+    the virtual device itself when none is left ("AUTO", "AUTO:-NPU" -> ("AUTO",)).
+
+    ValueError when `device` is not OpenVINO's syntax: an upper-case name with optional ".index"es, or
+    AUTO, MULTI or HETERO with an optional ":" and a comma-separated list of such names.
+    """
+    kind, colon, listed = device.partition(":")
+    if not colon:
+        if not _is_device_name(device) or (device_kind(device) in VIRTUAL and device not in VIRTUAL):
+            raise ValueError(f"{device!r} is not an OpenVINO device name such as CPU, GPU.1 or AUTO:GPU,CPU")
+        return (device,)
+    if kind not in VIRTUAL:
+        raise ValueError(f"{device!r}: only {', '.join(sorted(VIRTUAL))} take a list of devices after ':'")
+    targets: list[str] = []
+    for item in listed.split(","):
+        target = _DEVICE_TARGET.fullmatch(item)
+        if target is None or not _is_device_name(target["name"]) or device_kind(target["name"]) in VIRTUAL:
+            raise ValueError(f"{device!r}: {item!r} is not a device name such as CPU or GPU.1")
+        if not target["excluded"] and target["name"] not in targets:
+            targets.append(target["name"])
+    return tuple(targets) or (kind,)
+
+
 def save_settings(path: Path, settings: AgentSettings) -> None:
     """Write `settings` to `path` atomically: a temp file in the same dir, fsynced, renamed over."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -148,6 +187,10 @@ def save_settings(path: Path, settings: AgentSettings) -> None:
 
 
 # Private functions
+
+_DEVICE_NAME = re.compile(r"[A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*")  # "GPU", "GPU.1", a tile "GPU.1.0"
+_DEVICE_NAME_CHARS = 32  # the longest name a discovery record carries
+_DEVICE_TARGET = re.compile(r"(?P<excluded>-?)(?P<name>" + _DEVICE_NAME.pattern + r")(?:\([0-9]{1,4}\))?")
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "bool": (bool,), "str": (str,), "int": (int,), "float": (int, float),
@@ -168,7 +211,18 @@ def _checked(kind: type, body: Any, source: str, skip: tuple[str, ...] = ()) -> 
         is_bool = isinstance(value, bool)
         if not isinstance(value, allowed) or (is_bool and bool not in allowed):
             raise SettingsError(f"{source}: field {name!r} must be {known[name]}, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):  # 1e400 reads as inf
+            raise SettingsError(f"{source}: field {name!r} must be a finite number, got {value!r}")
     return dict(body)
+
+
+def _is_device_name(name: str) -> bool:
+    return len(name) <= _DEVICE_NAME_CHARS and _DEVICE_NAME.fullmatch(name) is not None
+
+
+def _refuse_constant(name: str) -> Any:
+    """json's hook for NaN, Infinity and -Infinity, which Python reads but JSON does not allow."""
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _check_address(address: str, source: str) -> None:

@@ -20,7 +20,7 @@ from deskfleet.agent.core import AgentCore
 from deskfleet.agent.enroll import EnrollmentError, Membership, agent_tls_files
 from deskfleet.agent.link import Link, LinkError, open_link, start_server
 from deskfleet.agent.monitor import HostMonitor, SystemMonitor
-from deskfleet.agent.paths import AgentPaths, AgentSettings, load_settings
+from deskfleet.agent.paths import AgentPaths, AgentSettings, device_targets, load_settings
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement, cached_speed
 from deskfleet.agent.status import software_version
@@ -106,7 +106,8 @@ class AgentService:
                 pass
 
     async def _advertise_forever(self, host: str) -> None:
-        """mDNS advertisement with the current state, refreshed every ADVERTISE_REFRESH_S."""
+        """mDNS advertisement with the current state, refreshed every ADVERTISE_REFRESH_S (a status that
+        cannot be read is logged, and the record read again at the next refresh)."""
         if host in ("0.0.0.0", "::", ""):
             addresses = interface_addresses()
         elif ipaddress.ip_address(host).is_loopback:
@@ -116,11 +117,17 @@ class AgentService:
         if not addresses or self.bound_port is None:
             log.info("not advertising over mDNS: listening on %s only", host)
             return
+        record = await self._current_record()
+        while record is None:
+            await asyncio.sleep(ADVERTISE_REFRESH_S)
+            record = await self._current_record()
         try:
-            async with Advertiser(await self._record(), self.bound_port, addresses) as advertiser:
+            async with Advertiser(record, self.bound_port, addresses) as advertiser:
                 while True:
                     await asyncio.sleep(ADVERTISE_REFRESH_S)
-                    await advertiser.update(await self._record())
+                    record = await self._current_record()
+                    if record is not None:
+                        await advertiser.update(record)
         except OSError as error:  # no multicast on this network: registration still works
             log.warning("mDNS advertisement failed: %s", error)
 
@@ -129,10 +136,19 @@ class AgentService:
             await asyncio.sleep(IDLE_SWEEP_S)
             await self.core.release_idle_micro_batches()
 
+    async def _current_record(self) -> AgentRecord | None:
+        """The record to advertise now, or None (logged) when the status cannot be read this time: the
+        advertisement keeps its last record and tries again at the next refresh."""
+        try:
+            return await self._record()
+        except (OSError, ValueError) as error:
+            log.warning("cannot refresh the mDNS record: %s", error)
+            return None
+
     async def _record(self) -> AgentRecord:
         report = await self.core.status()
         return AgentRecord(self.core.agent_id, self.membership.fleet_id, software_version(),
-                           (self.settings.device,), report.free_memory_bytes, report.state)
+                           device_targets(self.settings.device), report.free_memory_bytes, report.state)
 
     async def _register_forever(self) -> None:
         delay = RETRY_MIN_S

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from deskfleet.common.agent_state import AgentState, UnavailableReason
 
 GIB = 1 << 30
+PLAUSIBLE_CELSIUS = (-50.0, 200.0)  # what a working sensor reads; broken ones read -128 or 255
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ class MonitorReading:
 
 @dataclass(frozen=True)
 class AvailabilityPolicy:
-    """The employee's limits. Each threshold set to None is not checked."""
+    """The employee's limits. Each threshold set to None is not checked; one out of range (NaN included)
+    is a ValueError, so a typo never switches a limit off."""
 
     require_ac_power: bool = True  # unplugged -> unavailable, whatever the charge
     min_battery_percent: float | None = 50.0  # on battery below this -> unavailable
@@ -56,6 +58,9 @@ class AvailabilityPolicy:
     def __post_init__(self) -> None:
         if self.min_battery_percent is not None and not 0.0 <= self.min_battery_percent <= 100.0:
             raise ValueError(f"min_battery_percent must be within [0, 100], got {self.min_battery_percent}")
+        low_c, high_c = PLAUSIBLE_CELSIUS
+        if self.max_temperature_c is not None and not low_c <= self.max_temperature_c <= high_c:
+            raise ValueError(f"max_temperature_c must be within [{low_c:g}, {high_c:g}], got {self.max_temperature_c}")
         if self.max_cpu_load is not None and not 0.0 < self.max_cpu_load <= 1.0:
             raise ValueError(f"max_cpu_load must be within (0, 1], got {self.max_cpu_load}")
         if self.min_free_memory_bytes is not None and self.min_free_memory_bytes < 0:

@@ -34,7 +34,7 @@ class AgentRecord:
     agent_id: str
     fleet_id: str
     version: str
-    devices: tuple[str, ...]  # OpenVINO device names: ("CPU", "GPU", "NPU")
+    devices: tuple[str, ...]  # OpenVINO device names: ("CPU", "GPU.1"); a virtual one's list as its targets
     free_memory_bytes: int
     state: AgentState
     protocol_version: int = PROTOCOL_VERSION

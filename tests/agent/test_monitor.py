@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 from pathlib import Path
+
+import pytest
 
 from deskfleet.agent.monitor import (
     DrmFdinfoSampler,
@@ -15,6 +19,9 @@ from deskfleet.agent.monitor import (
     read_drm_busy_percent,
     read_hwmon_temperatures,
 )
+from deskfleet.agent.shard_cache import CacheUsage
+from deskfleet.agent.status import make_status
+from deskfleet.common.availability import AvailabilityPolicy
 
 
 def write(path: Path, text: str) -> None:
@@ -122,6 +129,37 @@ def test_other_platforms_use_psutil_temperatures(tmp_path: Path) -> None:
     monitor = HostMonitor(sysfs_root=tmp_path, platform="darwin", probes=fake_probes(), clock=FakeClock())
     reading = monitor.read()
     assert reading.temperatures == (TemperatureReading("psutil/x", 40.0),) and reading.igpu_busy is None
+
+
+@pytest.mark.parametrize(("percent", "shown"), [(100.4, 100.0), (-0.5, 0.0), (55.5, 55.5), (math.nan, None),
+                                                (math.inf, None), (None, None)])
+def test_battery_percent_is_clamped_and_reaches_the_wire(tmp_path: Path, percent: float | None,
+                                                        shown: float | None) -> None:
+    monitor = HostMonitor(sysfs_root=tmp_path, proc_root=tmp_path, platform="linux",
+                          probes=fake_probes(battery=(percent, False)), clock=FakeClock())
+    reading = monitor.read()
+    assert (reading.battery_percent, reading.on_ac_power) == (shown, False)
+    cache = CacheUsage(used_bytes=0, limit_bytes=1, shard_count=0, partial_count=0, pinned_bytes=0)
+    assert make_status(reading, AvailabilityPolicy(), (), cache, None, 0.0, "1").to_wire().battery_percent == shown
+
+
+def test_a_probe_that_raises_is_unknown_and_logged_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    def refused() -> tuple[int, int]:
+        raise PermissionError(13, "Permission denied", "/sys/class/power_supply/BAT0/energy_now")
+
+    probes = HostProbes(cpu_load=refused, memory=refused, battery=refused,  # type: ignore[arg-type]
+                        temperatures=lambda: ())
+    caplog.set_level(logging.DEBUG, logger="deskfleet.agent.monitor")
+    monitor = HostMonitor(sysfs_root=tmp_path, proc_root=tmp_path, platform="linux", probes=probes,
+                          clock=FakeClock())
+    for _ in range(3):
+        reading = monitor.read()
+        assert (reading.battery_percent, reading.on_ac_power) == (None, None)
+        assert (reading.cpu_load, reading.memory_free_bytes, reading.memory_total_bytes) == (0.0, 0, 0)
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 3 and all("Permission denied" in message for message in warnings)  # one a probe
+    assert sorted(message.split(",")[0] for message in warnings) == [
+        "cannot read the battery", "cannot read the cpu load", "cannot read the memory"]
 
 
 def test_real_host_reading_is_plausible() -> None:

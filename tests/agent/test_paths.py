@@ -9,7 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from deskfleet.agent.paths import AgentPaths, AgentSettings, SettingsError, Thresholds, load_settings, save_settings
+from deskfleet.agent.paths import (
+    MAX_SPEED_GB_PER_S,
+    AgentPaths,
+    AgentSettings,
+    SettingsError,
+    Thresholds,
+    device_targets,
+    load_settings,
+    save_settings,
+)
+from deskfleet.common.agent_state import AgentState
+from deskfleet.common.discovery_record import AgentRecord
+from deskfleet.common.wire import StatusReport
 
 
 def test_data_dir_puts_everything_under_it(tmp_path: Path) -> None:
@@ -49,6 +61,8 @@ def test_missing_file_gives_defaults_and_round_trip(tmp_path: Path) -> None:
     ('{"format_version": 1, "listen_address": "nowhere"}', "listen_address"),
     ('{"format_version": 1, "thresholds": {"min_battery_percent": 150}}', "min_battery_percent"),
     ('{"format_version": 1, "thresholds": {"max_temperature_c": "hot"}}', "thresholds.*max_temperature_c"),
+    ('{"format_version": true}', "format_version True"),
+    ('{"format_version": 1, "device": "AUTO:GPU,"}', "device"),
 ])
 def test_bad_files_are_rejected_by_name_and_kept(tmp_path: Path, body: str, message: str) -> None:
     path = tmp_path / "settings.json"
@@ -84,3 +98,56 @@ def test_pinned_speed_must_be_positive() -> None:
     assert AgentSettings.from_json(_json.dumps({**body, "speed_gb_per_s": 12.5})).speed_gb_per_s == 12.5
     with pytest.raises(SettingsError, match="speed_gb_per_s must be positive"):
         AgentSettings.from_json(_json.dumps({**body, "speed_gb_per_s": 0}))
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ('{"format_version": 1, "thresholds": {"max_temperature_c": NaN}}', "NaN is not a JSON number"),
+    ('{"format_version": 1, "thresholds": {"max_temperature_c": -300}}', "max_temperature_c must be within"),
+    ('{"format_version": 1, "thresholds": {"max_temperature_c": 1e400}}', "'max_temperature_c' must be a finite"),
+    ('{"format_version": 1, "thresholds": {"max_cpu_load": -Infinity}}', "-Infinity is not a JSON number"),
+    ('{"format_version": 1, "speed_gb_per_s": Infinity}', "Infinity is not a JSON number"),
+    ('{"format_version": 1, "speed_gb_per_s": NaN}', "NaN is not a JSON number"),
+    ('{"format_version": 1, "speed_gb_per_s": 2e5}', "speed_gb_per_s must be positive and below 100000"),
+    ('{"format_version": 1, "speed_gb_per_s": -1e400}', "'speed_gb_per_s' must be a finite"),
+    ('{"format_version": 1, "cache_limit_bytes": 1' + "0" * 5000 + "}", "not valid JSON"),
+    ('{"format_version": 1, "device": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+])
+def test_numbers_the_agent_would_trip_over_are_refused(tmp_path: Path, body: str, message: str) -> None:
+    path = tmp_path / "settings.json"
+    path.write_text(body)
+    with pytest.raises(SettingsError, match=message) as caught:
+        load_settings(path)
+    assert str(path) in str(caught.value)
+
+
+def test_a_pinned_speed_is_one_a_status_report_carries() -> None:
+    body = {"format_version": 1, "speed_gb_per_s": MAX_SPEED_GB_PER_S * 0.999}
+    speed = AgentSettings.from_json(json.dumps(body)).speed_gb_per_s
+    StatusReport(AgentState.AVAILABLE, 0, 0.0, None, None, None, None, (), None, weight_gb_per_s=speed)
+
+
+@pytest.mark.parametrize(("device", "targets"), [
+    ("CPU", ("CPU",)), ("GPU.1", ("GPU.1",)), ("NPU", ("NPU",)), ("AUTO", ("AUTO",)),
+    ("AUTO:GPU,CPU", ("GPU", "CPU")), ("HETERO:GPU,CPU", ("GPU", "CPU")), ("MULTI:GPU.0,GPU.1.0", ("GPU.0", "GPU.1.0")),
+    ("AUTO:-NPU", ("AUTO",)), ("AUTO:GPU,-CPU", ("GPU",)), ("MULTI:GPU(4),CPU(2),GPU", ("GPU", "CPU")),
+])
+def test_openvino_devices_load_and_advertise_their_targets(tmp_path: Path, device: str,
+                                                           targets: tuple[str, ...]) -> None:
+    path = tmp_path / "settings.json"
+    path.write_text(json.dumps({"format_version": 1, "device": device}))
+    assert load_settings(path).device == device
+    assert device_targets(device) == targets
+    record = AgentRecord("a" * 52, "0123456789abcdef", "0.1.0", targets, 0, AgentState.AVAILABLE)
+    assert AgentRecord.from_txt(record.to_txt()) == record
+
+
+@pytest.mark.parametrize("device", [
+    "", "cpu", " CPU", "CPU:GPU", "GPU,CPU", "AUTO:", "AUTO:GPU,", "AUTO:HETERO:GPU,CPU", "AUTO:MULTI",
+    "AUTO.1", "HETERO:gpu", "GPU.", "GPU..1", "X" * 33, "AUTO:" + "X" * 33, "AUTO:GPU(x)", "CPU;rm",
+])
+def test_a_device_openvino_would_not_read_is_refused_by_name(tmp_path: Path, device: str) -> None:
+    path = tmp_path / "settings.json"
+    path.write_text(json.dumps({"format_version": 1, "device": device}))
+    with pytest.raises(SettingsError, match=f"{path}: device: ") as caught:
+        load_settings(path)
+    assert repr(device) in str(caught.value)

@@ -85,10 +85,21 @@ def test_disabled_thresholds_are_not_checked() -> None:
 
 
 @pytest.mark.parametrize("bad", [dict(min_battery_percent=120.0), dict(max_cpu_load=0.0),
-                                 dict(min_free_memory_bytes=-1)])
+                                 dict(min_free_memory_bytes=-1), dict(min_battery_percent=float("nan")),
+                                 dict(max_cpu_load=float("nan")), dict(max_temperature_c=float("nan")),
+                                 dict(max_temperature_c=float("inf")), dict(max_temperature_c=-300.0),
+                                 dict(max_temperature_c=1000.0)])
 def test_policy_rejects_out_of_range_limits(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         AvailabilityPolicy(**bad)  # type: ignore[arg-type]
+
+
+def test_a_nan_temperature_limit_cannot_switch_the_check_off() -> None:
+    hot = reading(temperatures=(TemperatureReading("cpu", 150.0),))
+    assert decide_availability(hot, AvailabilityPolicy(max_temperature_c=200.0), False).state is AgentState.AVAILABLE
+    assert decide_availability(hot, AvailabilityPolicy(max_temperature_c=-50.0), False).state is AgentState.UNAVAILABLE
+    with pytest.raises(ValueError, match="max_temperature_c must be within"):
+        AvailabilityPolicy(max_temperature_c=float("nan"))
 
 
 def test_random_readings_are_deterministic_and_consistent() -> None:
