@@ -48,22 +48,31 @@ _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 def init_fleet(store: FleetStore, fleet_name: str, addresses: tuple[str, ...], now: datetime.datetime,
                force: bool = False) -> pki.FleetCa:
-    """Create the fleet CA and the controller certificate. Refuses to replace an existing fleet unless
-    `force` (which would orphan every enrolled agent)."""
-    if store.is_initialised() and not force:
-        raise FleetStoreError(f"{store.data_dir} already holds a fleet (fleet id "
-                              f"{pki.fleet_id(store.tls_files.ca_certificate())}); --force replaces it and "
-                              "every agent would have to join again")
+    """Create the fleet CA and the controller certificate. Refuses a data dir that holds any of the store's
+    files, a whole fleet or part of one (its CA key and roster would be lost), unless `force` (which would
+    orphan every enrolled agent). The check and the writes hold the store's lock: of two concurrent inits,
+    the second refuses."""
     for address in addresses:
         parse_address(address)
     store.data_dir.mkdir(parents=True, exist_ok=True)
     store.data_dir.chmod(0o700)
-    ca = pki.create_fleet_ca(fleet_name, now)
-    controller_key = pki.create_private_key()
-    csr = pki.create_csr(controller_key, socket.gethostname())
-    certificate = pki.sign_csr(ca, csr, now, role=Role.CONTROLLER)
     files = store.tls_files
     with store.locked():
+        present = store.existing_files()
+        if present and not force:
+            try:
+                store.require_initialised()
+            except FleetStoreError as error:
+                raise FleetStoreError(f"{store.data_dir} already holds part of a fleet ({', '.join(present)}): "
+                                      f"{error} --force replaces it and every agent would have to join "
+                                      "again") from None
+            raise FleetStoreError(f"{store.data_dir} already holds a fleet (fleet id "
+                                  f"{pki.fleet_id(store.tls_files.ca_certificate())}); --force replaces it and "
+                                  "every agent would have to join again")
+        ca = pki.create_fleet_ca(fleet_name, now)
+        controller_key = pki.create_private_key()
+        csr = pki.create_csr(controller_key, socket.gethostname())
+        certificate = pki.sign_csr(ca, csr, now, role=Role.CONTROLLER)
         pki.write_private_key(store.ca_key_path, ca.private_key)
         pki.write_private_key(files.key_path, controller_key)
         files.ca_path.write_bytes(pki.certificate_pem(ca.certificate))
@@ -83,9 +92,21 @@ def load_ca(store: FleetStore) -> pki.FleetCa:
 
 
 def fleet_addresses(store: FleetStore) -> tuple[str, ...]:
+    """The addresses fleet.json says agents reach the controller at; FleetStoreError naming the file if
+    they are malformed."""
+    path = store.data_dir / "fleet.json"
     body = store.read("fleet", {})
-    addresses = body.get("addresses", []) if isinstance(body, dict) else []
-    return tuple(str(address) for address in addresses)
+    if not isinstance(body, dict):
+        raise FleetStoreError(f"{path} must hold an object with the fleet's name and addresses")
+    addresses = body.get("addresses", [])
+    if not isinstance(addresses, list) or not all(isinstance(address, str) for address in addresses):
+        raise FleetStoreError(f"{path}: addresses must be a list of host:port strings, not {addresses!r:.60}")
+    for address in addresses:
+        try:
+            parse_address(address)
+        except ProtocolError as error:
+            raise FleetStoreError(f"{path}: addresses: {error}") from None
+    return tuple(addresses)
 
 
 def default_address() -> str:
@@ -206,6 +227,9 @@ async def _join_exchange(connection: ServerConnection, store: FleetStore) -> Non
     except join_tokens.TokenRejected as error:
         log.warning("join from %s refused: %s", remote, error)
         await _refuse(connection, ErrorCode.JOIN_REFUSED, "the join token is unknown, expired or used up")
+    except FleetStoreError as error:
+        log.error("join from %s failed: %s", remote, error)
+        await _refuse(connection, ErrorCode.INTERNAL, "the controller's data dir needs repair (see its log)")
     except ConnectionClosed:
         log.info("join client %s went away", remote)
 
@@ -218,11 +242,11 @@ def _sign_join(store: FleetStore, request: JoinRequest, now: datetime.datetime) 
     with store.locked():
         if pki.RevocationSet(frozenset(_read_revoked(store))).is_revoked(agent_id):
             raise pki.PkiError(f"agent {agent_id[:12]} was removed from the fleet; join with a new key")
+        roster = store.roster()  # before redeeming: a damaged roster costs no token use
         ledger = _load_ledger(store)
         ledger.redeem(secret, now)
         certificate = pki.sign_csr(ca, csr, now, role=Role.AGENT)
         _save_ledger(store, ledger)
-        roster = store.roster()
         hostname = request.hostname[:200] or "?"
         previous = roster.get(agent_id)
         entry = RosterEntry(agent_id, hostname, now.isoformat())
@@ -244,15 +268,18 @@ async def _refuse(connection: ServerConnection, code: ErrorCode, text: str) -> N
 
 
 def _load_ledger(store: FleetStore) -> join_tokens.TokenLedger:
+    path = store.data_dir / "tokens.json"
     body = store.read("tokens", [])
     if not isinstance(body, list):
-        raise FleetStoreError(f"{store.data_dir / 'tokens.json'} must hold a list of issued secrets")
+        raise FleetStoreError(f"{path} must hold a list of issued secrets")
     try:
         records = [join_tokens.IssuedSecret(str(item["secret_sha256"]),
                                             datetime.datetime.fromisoformat(item["expires_at"]),
                                             int(item["uses_left"])) for item in body]
     except (KeyError, TypeError, ValueError) as error:
-        raise FleetStoreError(f"tokens.json holds a malformed record: {error!r}") from None
+        raise FleetStoreError(f"{path} holds a malformed record: {error!r}") from None
+    if any(record.expires_at.tzinfo is None for record in records):
+        raise FleetStoreError(f"{path} holds a record whose expires_at has no time zone")
     return join_tokens.TokenLedger(records)
 
 

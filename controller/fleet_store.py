@@ -8,6 +8,11 @@ Layout (all JSON is versioned; private keys are mode 0600):
     tokens.json                        issued join secrets (sha256 only), uses left, expiry
     revoked.json                       agent ids removed from the fleet
     agents.json                        the roster: enrolled agents, their hostnames and last addresses
+    deployments.json                   which agent holds which layers of each deployed model (fleet deploy)
+
+Agents pin the CA (join tokens and their own copy of ca.pem) and the controller's key (registration), so
+neither can be made again without every agent joining again; `fleet init` refuses a data dir holding any
+file above. A missing controller.pem is issued again from the kept keys: its key is unchanged.
 """
 
 from __future__ import annotations
@@ -16,21 +21,44 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import sys
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import TypeVar
 
 import platformdirs
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 
-from deskfleet.agent.link import TlsFiles
+from deskfleet.agent.link import TlsFiles, utc_now
+from deskfleet.common import pki
 from deskfleet.common.atomic_file import write_atomic
+from deskfleet.common.wire import ProtocolError, Role, is_agent_id, parse_address
 
 log = logging.getLogger(__name__)
 
 ENV_DATA_DIR = "DESKFLEET_CONTROLLER_DIR"
 STORE_FORMAT = 1
 DEFAULT_PORT = 7341
+# What `fleet init` writes (deployments.json comes later); .lock is not one: any command may create it.
+PEM_FILES = ("ca.pem", "ca-key.pem", "controller.pem", "controller-key.pem")
+STORE_FILES = (*PEM_FILES, "fleet.json", "tokens.json", "revoked.json", "agents.json", "deployments.json")
+_ROLES = {"ca.pem": "the fleet CA's certificate", "ca-key.pem": "the fleet CA's key",
+          "controller.pem": "the controller's certificate", "controller-key.pem": "the controller's key"}
+_RESTORE = {
+    "ca.pem": "copy state/ca.pem from the data dir of any enrolled agent: the same file (a new one would change "
+              "the fleet id that agents and join tokens pin)",
+    "ca-key.pem": "restore it from a backup; without it no agent can join, and `deskfleet fleet init --force` "
+                  "makes a new fleet that every agent must join again",
+    "controller.pem": "once the keys are in place, the next fleet command issues it again",
+    "controller-key.pem": "restore it from a backup (every agent pins it), or `deskfleet fleet init --force` "
+                          "makes a new fleet that every agent must join again",
+}
+_REISSUE = "delete it, and the next fleet command issues it again from the kept keys"
+_T = TypeVar("_T")
 
 
 class FleetStoreError(RuntimeError):
@@ -70,13 +98,40 @@ class FleetStore:
     def ca_key_path(self) -> Path:
         return self.data_dir / "ca-key.pem"
 
-    def is_initialised(self) -> bool:
-        return self.ca_key_path.is_file() and self.tls_files.exist()
+    def existing_files(self) -> list[str]:
+        """The names of STORE_FILES the data dir holds (any one means a fleet lives, or lived, there)."""
+        return [name for name in STORE_FILES
+                if (self.data_dir / name).exists() or (self.data_dir / name).is_symlink()]
 
     def require_initialised(self) -> None:
-        if not self.is_initialised():
+        """Raise FleetStoreError unless the data dir holds a whole fleet: its keys and certificates load and
+        belong together. The error names the file and how to recover it. A missing controller.pem is issued
+        again from the kept keys (agents pin the CA and the controller's key, not this certificate)."""
+        present = self.existing_files()
+        if not present:
             raise FleetStoreError(f"{self.data_dir} holds no fleet: run `deskfleet fleet init` first "
                                   f"(or pass --data-dir / set {ENV_DATA_DIR})")
+        missing = [name for name in PEM_FILES if name not in present]
+        if missing and missing != ["controller.pem"]:
+            raise FleetStoreError(f"{self.data_dir} lacks " + "; ".join(f"{name} ({_ROLES[name]})" for name in missing)
+                                  + ". " + " ".join(f"{name}: {_RESTORE[name]}." for name in missing))
+        files = self.tls_files
+        ca = pki.FleetCa(self._load(files.ca_path, pki.load_certificate_pem),
+                         self._load(self.ca_key_path, pki.load_private_key_pem))
+        if _public_key_der(ca.certificate) != _public_key_der(ca.private_key):
+            raise FleetStoreError(f"{files.ca_path} is not the certificate of {self.ca_key_path}: "
+                                  f"{_RESTORE['ca.pem']}")
+        controller_key = self._load(files.key_path, pki.load_private_key_pem)
+        if missing:
+            self._reissue_controller_certificate(ca, controller_key)
+        certificate = self._load(files.cert_path, pki.load_certificate_pem)
+        try:
+            if _public_key_der(certificate) != _public_key_der(controller_key):
+                raise pki.PkiError(f"it is not the certificate of {files.key_path}")
+            if pki.verify_certificate(certificate, ca.certificate, utc_now()).role is not Role.CONTROLLER:
+                raise pki.PkiError("it is not a controller's certificate")
+        except pki.PkiError as error:
+            raise FleetStoreError(f"{files.cert_path} ({_ROLES['controller.pem']}): {error}; {_REISSUE}") from None
 
     # Public methods: JSON documents
 
@@ -89,6 +144,9 @@ class FleetStore:
             return default
         except (OSError, ValueError) as error:
             raise FleetStoreError(f"{path} is unreadable or not JSON ({error}); fix or remove it") from None
+        except RecursionError:
+            raise FleetStoreError(f"{path} is not a deskfleet controller file: its JSON nests too deeply; "
+                                  "fix or remove it") from None
         if not isinstance(document, dict) or document.get("format") != STORE_FORMAT or "body" not in document:
             raise FleetStoreError(f"{path} is not a deskfleet controller file of format {STORE_FORMAT}")
         return document["body"]
@@ -113,17 +171,12 @@ class FleetStore:
     # Public methods: the roster
 
     def roster(self) -> dict[str, RosterEntry]:
+        """The enrolled agents by id; FleetStoreError naming agents.json and the field if one is malformed."""
+        path = self.data_dir / "agents.json"
         body = self.read("agents", {})
         if not isinstance(body, dict):
-            raise FleetStoreError(f"{self.data_dir / 'agents.json'} must hold an object of agents")
-        entries: dict[str, RosterEntry] = {}
-        for agent_id, fields in body.items():
-            try:
-                entry = RosterEntry(**{**fields, "addresses": tuple(fields.get("addresses", ()))})
-            except TypeError as error:
-                raise FleetStoreError(f"agents.json entry {agent_id[:12]} is malformed: {error}") from None
-            entries[agent_id] = entry
-        return entries
+            raise FleetStoreError(f"{path} must hold an object of agents")
+        return {agent_id: _roster_entry(path, agent_id, entry) for agent_id, entry in body.items()}
 
     def save_roster(self, entries: dict[str, RosterEntry]) -> None:
         self.write("agents", {agent_id: {**asdict(entry), "addresses": list(entry.addresses)}
@@ -140,18 +193,68 @@ class FleetStore:
             return matches.pop()
         if matches:
             raise FleetStoreError(f"{name!r} matches {len(matches)} agents: give more of the agent id")
-        from deskfleet.common.wire import is_agent_id
-
         if is_agent_id(name):
             return name
         raise FleetStoreError(f"no enrolled agent has the id or hostname {name!r} (see `deskfleet fleet ls`)")
 
+    # Private methods
 
-# Public functions
+    def _load(self, path: Path, parse: Callable[[bytes], _T]) -> _T:
+        try:
+            return parse(path.read_bytes())
+        except (OSError, pki.PkiError) as error:
+            advice = _REISSUE if path.name == "controller.pem" else _RESTORE[path.name]
+            raise FleetStoreError(f"{path} ({_ROLES[path.name]}) is unreadable or damaged ({error}); "
+                                  f"{advice}") from None
 
+    def _reissue_controller_certificate(self, ca: pki.FleetCa, key: ec.EllipticCurvePrivateKey) -> None:
+        """Sign controller.pem again for the kept controller key, as `fleet init` did (the same agent id)."""
+        csr = pki.create_csr(key, socket.gethostname())
+        certificate = pki.sign_csr(ca, csr, utc_now(), role=Role.CONTROLLER)
+        write_atomic(self.tls_files.cert_path, pki.certificate_pem(certificate))
+        log.warning("%s was missing: issued the controller a new certificate from the fleet CA for its kept "
+                    "key (agents accept it; nothing else changed)", self.tls_files.cert_path)
 
 
 # Private functions
+
+def _public_key_der(holder: x509.Certificate | ec.EllipticCurvePrivateKey) -> bytes:
+    """The SubjectPublicKeyInfo of a certificate's or a private key's public key."""
+    return holder.public_key().public_bytes(serialization.Encoding.DER,
+                                            serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def _roster_entry(path: Path, agent_id: object, entry: object) -> RosterEntry:
+    """One agents.json entry, each field's type checked; FleetStoreError naming the file, agent and field."""
+    def malformed(what: str) -> FleetStoreError:
+        return FleetStoreError(f"{path}: agent {str(agent_id)[:12]}'s {what}; fix or remove the entry")
+
+    if not isinstance(agent_id, str) or not is_agent_id(agent_id):
+        raise FleetStoreError(f"{path}: {agent_id!r:.70} is not an agent id; fix or remove the entry")
+    if not isinstance(entry, dict):
+        raise malformed(f"entry must be an object, not {entry!r:.60}")
+    names = {field.name for field in fields(RosterEntry)}
+    unknown = sorted(set(entry) - names)
+    if unknown:
+        raise malformed(f"entry has unknown fields {unknown!r:.60}")
+    for name in ("agent_id", "hostname", "enrolled_at"):
+        if not isinstance(entry.get(name), str):
+            raise malformed(f"{name} must be a string, not {entry.get(name)!r:.60}")
+    if entry["agent_id"] != agent_id:
+        raise malformed(f"agent_id {entry['agent_id']!r:.60} differs from the id it is filed under")
+    registered_at = entry.get("registered_at")
+    if registered_at is not None and not isinstance(registered_at, str):
+        raise malformed(f"registered_at must be a string or null, not {registered_at!r:.60}")
+    addresses = entry.get("addresses", [])
+    if not isinstance(addresses, list) or not all(isinstance(address, str) for address in addresses):
+        raise malformed(f"addresses must be a list of host:port strings, not {addresses!r:.60}")
+    for address in addresses:
+        try:
+            parse_address(address)
+        except ProtocolError as error:
+            raise malformed(f"addresses: {error}") from None
+    return RosterEntry(agent_id, entry["hostname"], entry["enrolled_at"], tuple(addresses), registered_at)
+
 
 if sys.platform == "win32":
     import msvcrt

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import datetime
 import socket
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -13,17 +14,19 @@ import pytest
 
 from deskfleet.agent.enroll import EnrollmentError, Membership, agent_tls_files, join
 from deskfleet.agent.link import LinkError, open_link, utc_now
-from deskfleet.common import join_tokens
+from deskfleet.common import join_tokens, pki
 from deskfleet.common.wire import Register
+from deskfleet.controller import fleet_store
 from deskfleet.controller.fleet_ca import (
     Revocations,
     init_fleet,
     issue_token,
+    load_ca,
     parse_duration,
     remove_agent,
 )
 from deskfleet.controller.fleet_server import FleetServer
-from deskfleet.controller.fleet_store import FleetStore, FleetStoreError
+from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry
 
 
 @pytest.fixture
@@ -64,6 +67,97 @@ def test_init_keeps_private_keys_owner_only_and_refuses_a_second_fleet(store: Fl
         assert path.stat().st_mode & 0o077 == 0
     with pytest.raises(FleetStoreError, match="already holds a fleet"):
         init_fleet(store, "again", ("127.0.0.1:1",), utc_now())
+
+
+def enroll_one(store: FleetStore) -> str:
+    """Put an enrolled agent in the roster, as a join would; return its id."""
+    agent_id = pki.agent_id_for_key(pki.create_private_key().public_key())
+    store.save_roster({agent_id: RosterEntry(agent_id, "pc-1", utc_now().isoformat())})
+    return agent_id
+
+
+@pytest.mark.parametrize("lost", ["controller.pem", "ca.pem", "ca-key.pem", "agents.json"])
+def test_init_refuses_a_data_dir_holding_part_of_a_fleet(store: FleetStore, lost: str) -> None:
+    # Without controller.pem or ca.pem the store read as "no fleet", and init made a new CA key and emptied the
+    # roster: every agent had to join again.
+    enroll_one(store)
+    kept = {path.name: path.read_bytes() for path in store.data_dir.iterdir() if path.name != lost}
+    (store.data_dir / lost).unlink()
+    with pytest.raises(FleetStoreError, match="already holds") as refused:
+        init_fleet(store, "again", ("127.0.0.1:1",), utc_now())
+    assert "--force" in str(refused.value)
+    if lost in ("ca.pem", "ca-key.pem"):  # it says what is lost (a missing controller.pem is issued again)
+        assert lost in str(refused.value).split("already holds")[1].split("--force")[0]
+    for name, data in kept.items():
+        assert (store.data_dir / name).read_bytes() == data, name
+
+
+def test_init_refuses_a_data_dir_holding_any_store_file(tmp_path: Path) -> None:
+    store = FleetStore(tmp_path / "controller")
+    store.data_dir.mkdir()
+    store.write("agents", {})
+    with pytest.raises(FleetStoreError, match=r"part of a fleet \(agents\.json\)"):
+        init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    assert sorted(path.name for path in store.data_dir.iterdir()) == [".lock", "agents.json"]
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now(), force=True)
+    store.require_initialised()
+
+
+def test_a_lost_file_is_named_and_a_lost_controller_certificate_issued_again(store: FleetStore) -> None:
+    agent_id = enroll_one(store)
+    files = store.tls_files
+    fleet = pki.fleet_id(files.ca_certificate())
+    controller_id = files.own_identity().agent_id  # agents pin it at registration
+    ca_pem = files.ca_path.read_bytes()
+    files.ca_path.unlink()
+    with pytest.raises(FleetStoreError, match=r"lacks ca\.pem .*state/ca\.pem from the data dir of any enrolled agent"):
+        store.require_initialised()
+    files.ca_path.write_bytes(ca_pem)  # as copied from an agent
+    files.cert_path.unlink()
+    store.require_initialised()
+    assert files.own_identity().agent_id == controller_id and pki.fleet_id(files.ca_certificate()) == fleet
+    pki.verify_certificate(pki.load_certificate_pem(files.cert_path.read_bytes()), files.ca_certificate(), utc_now())
+    assert store.roster()[agent_id].hostname == "pc-1"
+    assert load_ca(store).certificate == files.ca_certificate()
+
+
+def test_of_two_concurrent_inits_the_second_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The check ran before the lock: both inits of one data dir succeeded, each printing its own fleet id.
+    store = FleetStore(tmp_path / "controller")
+    waiting = threading.Event()
+    lock_file = fleet_store._lock_file
+    outcome: list[BaseException | None] = []
+
+    def lock_announced(descriptor: int) -> None:
+        waiting.set()
+        lock_file(descriptor)
+
+    def second_init() -> None:
+        try:
+            init_fleet(FleetStore(store.data_dir), "second", ("127.0.0.1:1",), utc_now())
+            outcome.append(None)
+        except FleetStoreError as error:
+            outcome.append(error)
+
+    with store.locked():  # the first init, between its check and its writes
+        monkeypatch.setattr(fleet_store, "_lock_file", lock_announced)
+        second = threading.Thread(target=second_init)
+        second.start()
+        assert waiting.wait(10)
+        store.ca_key_path.write_bytes(b"the first init's CA key")
+    second.join(10)
+    assert isinstance(outcome[0], FleetStoreError) and "ca-key.pem" in str(outcome[0])
+    assert store.ca_key_path.read_bytes() == b"the first init's CA key"
+
+
+def test_fleet_json_addresses_that_are_not_a_list_of_addresses_are_named(store: FleetStore) -> None:
+    for addresses in ("127.0.0.1:17341", ["garbage"], [7]):
+        store.write("fleet", {"name": "test", "addresses": addresses})
+        with pytest.raises(FleetStoreError, match=r"fleet\.json: addresses"):
+            issue_token(store, utc_now(), datetime.timedelta(hours=1), 1)
+    store.write("fleet", ["x"])
+    with pytest.raises(FleetStoreError, match=r"fleet\.json must hold an object"):
+        issue_token(store, utc_now(), datetime.timedelta(hours=1), 1)
 
 
 def test_parse_duration() -> None:
@@ -117,6 +211,22 @@ def test_a_used_token_and_a_wrong_ca_are_refused(store: FleetStore, tmp_path: Pa
             await join(forged, tmp_path / "third")
         ledger = (store.data_dir / "tokens.json").read_text()
         assert '"uses_left": 1' in ledger  # the forged attempt never spent the real token
+
+    with_server(store, scenario)
+
+
+def test_a_join_while_the_roster_is_damaged_is_refused_and_spends_no_token(store: FleetStore, tmp_path: Path) -> None:
+    async def scenario(server: FleetServer, address: str) -> None:
+        text = token_for(store, address)
+        agent_id = enroll_one(store)
+        damaged = {agent_id: {"agent_id": agent_id, "hostname": 5, "enrolled_at": utc_now().isoformat()}}
+        store.write("agents", damaged)
+        with pytest.raises(EnrollmentError, match="needs repair"):
+            await join(text, tmp_path / "agent")
+        assert store.read("agents", {}) == damaged
+        assert '"uses_left": 1' in (store.data_dir / "tokens.json").read_text()
+        store.write("agents", {})
+        await join(text, tmp_path / "agent")  # the same token, once the roster is repaired
 
     with_server(store, scenario)
 

@@ -1,0 +1,120 @@
+"""The controller's data dir: damaged files are refused by name (file and field), and left as they were."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent.link import utc_now
+from deskfleet.common import pki
+from deskfleet.controller.cli import main
+from deskfleet.controller.fleet_ca import init_fleet
+from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> FleetStore:
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    return store
+
+
+def new_agent_id() -> str:
+    return pki.agent_id_for_key(pki.create_private_key().public_key())
+
+
+def entry_fields(agent_id: str) -> dict[str, object]:
+    return {"agent_id": agent_id, "hostname": "pc-1", "enrolled_at": utc_now().isoformat(),
+            "addresses": ["127.0.0.1:7431"], "registered_at": None}
+
+
+@pytest.mark.parametrize(("field", "value", "named"), [
+    ("hostname", 5, "hostname must be a string"),
+    ("enrolled_at", None, "enrolled_at must be a string"),
+    ("registered_at", 3, "registered_at must be a string or null"),
+    ("addresses", ["garbage"], "addresses: address 'garbage' is not host:port"),
+    ("addresses", "127.0.0.1:7431", "addresses must be a list"),
+    ("addresses", [1], "addresses must be a list"),
+    ("agent_id", 7, "agent_id must be a string"),
+    ("agent_id", "x" * 52, "differs from the id it is filed under"),
+    ("colour", "red", "unknown fields"),
+])
+def test_a_malformed_roster_entry_names_the_file_and_the_field(store: FleetStore, field: str, value: object,
+                                                               named: str) -> None:
+    # A number for a hostname gave a TypeError traceback in `fleet ls`, a bad address "address '1' is not
+    # host:port" with no file named.
+    agent_id = new_agent_id()
+    store.write("agents", {agent_id: {**entry_fields(agent_id), field: value}})
+    before = (store.data_dir / "agents.json").read_bytes()
+    with pytest.raises(FleetStoreError, match=named) as refused:
+        store.roster()
+    assert str(store.data_dir / "agents.json") in str(refused.value) and agent_id[:12] in str(refused.value)
+    assert (store.data_dir / "agents.json").read_bytes() == before
+
+
+def test_roster_keys_and_entries_must_be_agents(store: FleetStore) -> None:
+    for body, named in (({"not-an-id": entry_fields("not-an-id")}, "is not an agent id"),
+                        ({new_agent_id(): ["pc-1"]}, "entry must be an object")):
+        store.write("agents", body)
+        with pytest.raises(FleetStoreError, match=named):
+            store.roster()
+
+
+def test_a_good_roster_reads_back_as_written(store: FleetStore) -> None:
+    agent_id = new_agent_id()
+    entry = RosterEntry(agent_id, "pc-1", utc_now().isoformat(), ("127.0.0.1:7431", "[::1]:7431"),
+                        utc_now().isoformat())
+    store.save_roster({agent_id: entry})
+    assert store.roster() == {agent_id: entry}
+    store.write("agents", {agent_id: {"agent_id": agent_id, "hostname": "pc-1", "enrolled_at": "x"}})
+    assert store.roster()[agent_id].addresses == ()  # written before agents registered an address
+
+
+def test_json_nested_too_deeply_names_the_file(store: FleetStore) -> None:
+    path = store.data_dir / "tokens.json"
+    path.write_text('{"format": 1, "body": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(FleetStoreError, match=r"tokens\.json.*nests too deeply"):
+        store.read("tokens", [])
+
+
+@pytest.mark.parametrize(("name", "damage", "named"), [
+    ("ca.pem", b"garbage", r"ca\.pem \(the fleet CA's certificate\) is unreadable or damaged"),
+    ("ca-key.pem", None, r"ca-key\.pem \(the fleet CA's key\) is unreadable or damaged"),
+    ("controller.pem", b"garbage", r"controller\.pem \(the controller's certificate\) is unreadable or damaged"),
+    ("controller-key.pem", b"", r"controller-key\.pem \(the controller's key\) is unreadable or damaged"),
+])
+def test_a_damaged_pem_file_is_named(store: FleetStore, name: str, damage: bytes | None, named: str) -> None:
+    path = store.data_dir / name
+    path.write_bytes(path.read_bytes()[:50] if damage is None else damage)
+    before = path.read_bytes()
+    with pytest.raises(FleetStoreError, match=named):
+        store.require_initialised()
+    assert path.read_bytes() == before
+
+
+def test_pem_files_that_do_not_belong_together_are_named(store: FleetStore, tmp_path: Path) -> None:
+    other = FleetStore(tmp_path / "other")
+    init_fleet(other, "other", ("127.0.0.1:1",), utc_now())
+    files, other_files = store.tls_files, other.tls_files
+    ca_pem = files.ca_path.read_bytes()
+    files.ca_path.write_bytes(other_files.ca_path.read_bytes())
+    with pytest.raises(FleetStoreError, match=r"ca\.pem is not the certificate of .*ca-key\.pem"):
+        store.require_initialised()
+    files.ca_path.write_bytes(ca_pem)
+    files.cert_path.write_bytes(other_files.cert_path.read_bytes())
+    with pytest.raises(FleetStoreError, match=r"controller\.pem .*not the certificate of .*controller-key\.pem"):
+        store.require_initialised()
+    files.key_path.write_bytes(other_files.key_path.read_bytes())  # its own key, but another fleet's CA
+    with pytest.raises(FleetStoreError, match=r"controller\.pem .*not issued by this fleet's CA"):
+        store.require_initialised()
+
+
+def test_the_cli_prints_a_damaged_file_without_a_traceback(store: FleetStore,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    # A garbage ca.pem gave an ssl.SSLError traceback from `fleet ls` once it dialled an agent of the roster.
+    agent_id = new_agent_id()
+    store.write("agents", {agent_id: entry_fields(agent_id)})
+    store.tls_files.ca_path.write_bytes(b"garbage")
+    assert main(["fleet", "ls", "--discover-seconds", "0", "--data-dir", str(store.data_dir)]) == 2
+    assert "ca.pem" in capsys.readouterr().err
