@@ -28,6 +28,13 @@ from deskfleet.controller.registry import DiscoverySource, Registry, Sighting
 
 logger = logging.getLogger(__name__)
 
+# A live responder answers within a few hundred ms (RFC 6762: 20-120 ms, then zeroconf's retries); an
+# announcement that does not resolve by then is given up, so it cannot hold a browse of a second or two.
+RESOLVE_TIMEOUT_MS = 1000
+# Instances resolved at once: each is a few small queries; more wait their turn, so a flood of
+# announcements costs a queue of names, not a task each.
+MAX_RESOLVING = 32
+
 
 class Discovery(Protocol):
     """A source of agents. `run()` reports into the registry it was given, until cancelled."""
@@ -36,10 +43,17 @@ class Discovery(Protocol):
 
 
 class ZeroconfDiscovery:
-    """mDNS browser bound to `interfaces` (IP addresses of this host); keeps agents of `fleet_id` only."""
+    """mDNS browser bound to `interfaces` (IP addresses of this host); keeps agents of `fleet_id` only.
+
+    Up to MAX_RESOLVING instances are resolved at once, each for at most `resolve_timeout_ms`, so an
+    announcement that never resolves (or many) delays no other. An instance is resolved by one task at
+    a time, for its newest change (changes that arrive meanwhile are folded into one), so a slow resolve
+    cannot overwrite a later one. An announcement that does not make a valid agent record of our fleet
+    (a bad TXT, an address with no usable port) is ignored with a warning.
+    """
 
     def __init__(self, registry: Registry, fleet_id: str, interfaces: Sequence[str],
-                 resolve_timeout_ms: int = 3000) -> None:
+                 resolve_timeout_ms: int = RESOLVE_TIMEOUT_MS) -> None:
         if not interfaces:
             raise ValueError("browse on at least one interface address")
         self._registry = registry
@@ -51,18 +65,33 @@ class ZeroconfDiscovery:
             frozenset(versions), IPVersion.All)
 
     async def run(self) -> None:
-        changes: asyncio.Queue[tuple[str, ServiceStateChange]] = asyncio.Queue()
+        latest: dict[str, ServiceStateChange] = {}  # each instance's newest change not yet handled
+        ready: asyncio.Queue[str] = asyncio.Queue()  # instances with a change and no task on them
+        busy: set[str] = set()  # instances a task is handling
 
         def on_change(zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
-            changes.put_nowait((name, state_change))  # zeroconf calls this on our loop: no thread hop
+            # zeroconf calls this on our loop: no thread hop, and nothing else runs in between
+            if name not in latest and name not in busy:
+                ready.put_nowait(name)
+            latest[name] = state_change
+
+        async def resolver() -> None:
+            while True:
+                name = await ready.get()
+                busy.add(name)
+                try:
+                    while name in latest:  # a change that came during the last one's resolve
+                        await self._handle(zeroconf, name, latest.pop(name))
+                finally:
+                    busy.discard(name)
 
         zeroconf = AsyncZeroconf(interfaces=self._interfaces, ip_version=self._ip_version)
         browser = AsyncServiceBrowser(zeroconf.zeroconf, SERVICE_TYPE, handlers=[on_change])
         logger.info("browsing %s on %s", SERVICE_TYPE, self._interfaces)
         try:
-            while True:
-                name, change = await changes.get()
-                await self._handle(zeroconf, name, change)
+            async with asyncio.TaskGroup() as group:
+                for _ in range(MAX_RESOLVING):
+                    group.create_task(resolver())
         finally:
             await browser.async_cancel()
             await zeroconf.async_close()
@@ -89,8 +118,14 @@ class ZeroconfDiscovery:
             return
         addresses = tuple(_host_port(address, info.port) for address in info.parsed_addresses()
                           if not ipaddress.ip_address(address).is_link_local)  # needs a scope we cannot pin
-        if addresses:
-            self._registry.observe(Sighting(agent_id, addresses, DiscoverySource.MDNS, record))
+        if not addresses:
+            return
+        try:
+            sighting = Sighting(agent_id, addresses, DiscoverySource.MDNS, record)
+        except ProtocolError as error:  # port 0, for one: anyone can announce anything
+            logger.warning("ignoring mDNS instance %s…: %s", agent_id[:12], error)
+            return
+        self._registry.observe(sighting)
 
 
 class RegistrationDiscovery:

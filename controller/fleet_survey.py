@@ -5,7 +5,9 @@ Sources, merged in a discovery Registry (controller/registry.py):
 - mDNS: a short zeroconf browse (`--discover-seconds`) on this host's interfaces;
 - manual `--peer HOST:PORT`, dialled without knowing the agent id (its certificate tells).
 Every agent found is then dialled over an authenticated link (its agent id pinned in TLS where known,
-revoked agents refused) and asked for a StatusReport; one that does not answer is listed with the reason.
+revoked agents refused) and asked for a StatusReport, at each of its addresses in turn until one answers
+(those it registered with first: an mDNS announcement is anyone's claim, and a wrong address just fails
+the TLS pin); one that does not answer at any is listed with each address's reason.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from deskfleet.agent.advertise import interface_addresses
 from deskfleet.agent.link import Link, LinkError, open_link
 from deskfleet.common import pki
 from deskfleet.common.wire import Error, StatusReport, StatusRequest
-from deskfleet.controller.discovery import Discovery, ManualPeers, ZeroconfDiscovery
+from deskfleet.controller.discovery import RESOLVE_TIMEOUT_MS, Discovery, ManualPeers, ZeroconfDiscovery
 from deskfleet.controller.fleet_ca import Revocations
 from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.registry import DiscoverySource, Registry, Sighting
@@ -42,7 +44,7 @@ class AgentView:
 
     agent_id: str | None  # None: a manual peer that did not answer
     hostname: str
-    address: str
+    address: str  # the one that answered; the first tried when none did
     sources: tuple[str, ...]
     report: StatusReport | None
     problem: str | None
@@ -78,19 +80,22 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
     interfaces = interface_addresses()
     if options.discover_seconds > 0 and interfaces:
         fleet = pki.fleet_id(store.tls_files.ca_certificate())
-        sources.append(ZeroconfDiscovery(registry, fleet, interfaces))
+        # A resolve waits at most half the browse: a record that never resolves cannot outlast it.
+        resolve_timeout_ms = min(RESOLVE_TIMEOUT_MS, max(1, int(options.discover_seconds * 500)))
+        sources.append(ZeroconfDiscovery(registry, fleet, interfaces, resolve_timeout_ms))
     await _run_for(sources, options.discover_seconds if len(sources) > 1 else 0.0)
 
-    targets: list[tuple[str | None, str, tuple[str, ...]]] = []
+    targets: list[tuple[str | None, tuple[str, ...], tuple[str, ...]]] = []
     for entry in registry.entries():
         if revocations().is_revoked(entry.agent_id):
             continue
-        targets.append((entry.agent_id, entry.addresses[0], tuple(sorted(s.value for s in entry.sources))))
-    targets += [(None, address, (DiscoverySource.MANUAL.value,)) for address in registry.dial_targets()]
-    results = await asyncio.gather(*(_ask(store, revocations, target_id, address) for target_id, address, _ in targets))
+        targets.append((entry.agent_id, entry.addresses, tuple(sorted(s.value for s in entry.sources))))
+    targets += [(None, (address,), (DiscoverySource.MANUAL.value,)) for address in registry.dial_targets()]
+    results = await asyncio.gather(*(_ask_at_any(store, revocations, target_id, addresses)
+                                     for target_id, addresses, _ in targets))
 
     found = Survey([], {})
-    for (target_id, address, source_names), (link, report, problem) in zip(targets, results, strict=True):
+    for (target_id, _, source_names), (address, link, report, problem) in zip(targets, results, strict=True):
         known_id = link.peer.agent_id if link is not None else target_id
         if link is not None and known_id in found.links:  # the same agent by two routes
             await link.close()
@@ -115,6 +120,19 @@ async def _run_for(sources: list[Discovery], seconds: float) -> None:
                 task.cancel()
     except* OSError as errors:  # no multicast route, for instance: discovery by other sources still works
         log.warning("mDNS browse failed: %s", errors.exceptions[0])
+
+
+async def _ask_at_any(store: FleetStore, revocations: Revocations, agent_id: str | None,
+                      addresses: tuple[str, ...]) -> tuple[str, Link | None, StatusReport | None, str | None]:
+    """Ask the agent at each of `addresses` in turn: (the address that answered, its link, its report,
+    None), or (the first address, None, None, every address's problem) when none did."""
+    problems = []
+    for address in addresses:
+        link, report, problem = await _ask(store, revocations, agent_id, address)
+        if problem is None:
+            return address, link, report, None
+        problems.append(problem)
+    return addresses[0], None, None, "; ".join(problems)
 
 
 async def _ask(store: FleetStore, revocations: Revocations, agent_id: str | None,

@@ -9,6 +9,11 @@ Manual peers have no agent id until the controller connects and reads it from th
 they are kept apart as `dial_targets()`: addresses the connection layer must keep trying; once it
 knows the id it reports a Sighting with source MANUAL.
 
+Anyone on the LAN can announce any agent id over mDNS (the id is public: it is in the agent's own TXT),
+so an entry keeps the addresses authenticated sources gave (a Register over the agent's TLS link, a
+manual peer whose certificate named it) ahead of mDNS-only ones: a fake announcement adds an address
+to try last, never hides the agent's real one.
+
 No clock is read except through `clock`; not thread-safe (use from the controller's event loop).
 """
 
@@ -33,6 +38,11 @@ class DiscoverySource(Enum):
     REGISTRATION = "registration"  # the agent called in with its token's controller address
     MANUAL = "manual"  # `--peer HOST:PORT`
 
+    @property
+    def authenticated(self) -> bool:
+        """Its addresses came from the agent itself over TLS (its certificate named it); mDNS's from anyone."""
+        return self is not DiscoverySource.MDNS
+
 
 @dataclass(frozen=True)
 class Sighting:
@@ -50,7 +60,8 @@ class Sighting:
 
 @dataclass(frozen=True)
 class FleetEntry:
-    """One live agent. `addresses` newest first; `record` is the last mDNS TXT seen (may be None)."""
+    """One live agent. `addresses` in the order to dial them: those an authenticated source gave first,
+    then mDNS-only ones, newest first within each; `record` is the last mDNS TXT seen (may be None)."""
 
     agent_id: str
     addresses: tuple[str, ...]
@@ -58,6 +69,7 @@ class FleetEntry:
     record: AgentRecord | None
     first_seen: float
     last_seen: float  # last sighting or confirmed ping
+    authenticated: frozenset[str] = frozenset()  # the addresses an authenticated source gave
 
 
 class Registry:
@@ -74,18 +86,22 @@ class Registry:
     # Public methods: sources report
 
     def observe(self, sighting: Sighting) -> FleetEntry:
-        """Record a sighting: adds the agent or refreshes it (addresses merged, newest first)."""
+        """Record a sighting: adds the agent or refreshes it (addresses merged, authenticated ones first,
+        then newest first)."""
         now = self._clock()
         old = self._entries.get(sighting.agent_id)
+        authenticated = frozenset(sighting.addresses if sighting.source.authenticated else ())
         if old is None:
-            entry = FleetEntry(sighting.agent_id, sighting.addresses, frozenset({sighting.source}), sighting.record,
-                               first_seen=now, last_seen=now)
+            entry = FleetEntry(sighting.agent_id, _dial_order(sighting.addresses, authenticated),
+                               frozenset({sighting.source}), sighting.record, first_seen=now, last_seen=now,
+                               authenticated=authenticated)
             logger.info("agent %s… found via %s at %s", sighting.agent_id[:12], sighting.source.value,
                         ", ".join(sighting.addresses))
         else:
-            addresses = tuple(dict.fromkeys((*sighting.addresses, *old.addresses)))
+            authenticated |= old.authenticated
+            addresses = _dial_order(tuple(dict.fromkeys((*sighting.addresses, *old.addresses))), authenticated)
             entry = replace(old, addresses=addresses, sources=old.sources | {sighting.source},
-                            record=sighting.record or old.record, last_seen=now)
+                            record=sighting.record or old.record, last_seen=now, authenticated=authenticated)
         self._entries[sighting.agent_id] = entry
         return entry
 
@@ -136,7 +152,15 @@ class Registry:
         return self._entries.get(agent_id)
 
     def dial_targets(self) -> tuple[str, ...]:
-        """Manual addresses, in the order given, that no live entry lists yet: dial these."""
+        """Manual addresses, in the order given, that no authenticated source has tied to a live entry yet:
+        dial these (an mDNS claim alone does not count: a fake one would hide the peer behind another's id)."""
         self.expire()
-        known = {address for entry in self._entries.values() for address in entry.addresses}
+        known = {address for entry in self._entries.values() for address in entry.authenticated}
         return tuple(address for address in self._dial_targets if address not in known)
+
+
+# Private functions
+
+def _dial_order(addresses: tuple[str, ...], authenticated: frozenset[str]) -> tuple[str, ...]:
+    """`addresses` (newest first) with the authenticated ones moved ahead, each group's order kept."""
+    return tuple(sorted(addresses, key=lambda address: address not in authenticated))

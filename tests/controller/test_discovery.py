@@ -8,14 +8,18 @@ processes advertising on the same loopback are ignored.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import pytest
+from zeroconf import IPVersion
+from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 from deskfleet.agent.advertise import Advertiser
 from deskfleet.common.agent_state import AgentState
-from deskfleet.common.discovery_record import AgentRecord
+from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord
 from deskfleet.common.wire import Register
 from deskfleet.controller.discovery import ManualPeers, RegistrationDiscovery, ZeroconfDiscovery
 from deskfleet.controller.registry import DiscoverySource, Registry
@@ -34,6 +38,22 @@ async def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("timed out waiting for mDNS")
         await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def announced(records: list[AgentRecord], port: int, addresses: list[bytes]) -> AsyncIterator[None]:
+    """Announce `records` on loopback as anyone could: any port, any addresses (none: it never resolves)."""
+    zeroconf = AsyncZeroconf(interfaces=[LOOPBACK], ip_version=IPVersion.V4Only)
+    infos = [AsyncServiceInfo(SERVICE_TYPE, record.instance_name, addresses=addresses, port=port,
+                              properties=record.to_txt(), server=f"stranger-{index}.local.")
+             for index, record in enumerate(records)]
+    try:  # no probing first: a stranger would not
+        await asyncio.gather(*[await zeroconf.async_register_service(info, cooperating_responders=True)
+                               for info in infos])
+        yield
+    finally:
+        await asyncio.gather(*[await zeroconf.async_unregister_service(info) for info in infos])
+        await zeroconf.async_close()
 
 
 def test_registration_checks_the_tls_identity() -> None:
@@ -88,5 +108,53 @@ def test_mdns_advertise_browse_update_and_goodbye_on_loopback() -> None:
             await wait_for(lambda: registry.get(me) is None)  # goodbye packet withdrew it
             assert registry.get(stranger) is None  # another fleet's agent never entered
             browse.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_an_announcement_with_port_0_is_ignored_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    # It used to end the browse with a ProtocolError, and with it `fleet ls`, plan, deploy and failover.
+    generator = random.Random(3)
+    fleet = "".join(generator.choice("0123456789abcdef") for _ in range(16))
+    bad, good = (AgentRecord(agent_id(generator), fleet, "0.1.0", ("CPU",), 8 << 30, AgentState.AVAILABLE)
+                 for _ in range(2))
+    registry = Registry(ttl_s=60.0)
+
+    async def scenario() -> None:
+        async with announced([bad], 0, [bytes([127, 0, 0, 1])]):
+            browse = asyncio.create_task(ZeroconfDiscovery(registry, fleet, [LOOPBACK]).run())
+            try:
+                await wait_for(lambda: bad.agent_id[:12] in caplog.text or browse.done())
+                async with Advertiser(good, 7431, [LOOPBACK]):
+                    await wait_for(lambda: registry.get(good.agent_id) is not None or browse.done())
+                    assert not browse.done(), browse.exception()
+            finally:
+                browse.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await browse
+        assert registry.get(bad.agent_id) is None
+
+    with caplog.at_level(logging.WARNING, logger="deskfleet.controller.discovery"):
+        asyncio.run(scenario())
+    assert f"ignoring mDNS instance {bad.agent_id[:12]}…: address '127.0.0.1:0' has no port" in caplog.text
+
+
+def test_announcements_that_never_resolve_delay_no_other() -> None:
+    # Resolved one at a time for up to 3 s each, one of them kept a real agent out of a 2 s browse.
+    generator = random.Random(4)
+    fleet = "".join(generator.choice("0123456789abcdef") for _ in range(16))
+    ghosts = [AgentRecord(agent_id(generator), fleet, "0.1.0", ("CPU",), 8 << 30, AgentState.AVAILABLE)
+              for _ in range(8)]
+    real = AgentRecord(agent_id(generator), fleet, "0.1.0", ("CPU",), 8 << 30, AgentState.AVAILABLE)
+    registry = Registry(ttl_s=60.0)
+
+    async def scenario() -> None:
+        async with announced(ghosts, 7431, []), asyncio.TaskGroup() as group:  # SRV and TXT, no address
+            browse = group.create_task(ZeroconfDiscovery(registry, fleet, [LOOPBACK]).run())
+            await asyncio.sleep(0.3)  # the ghosts are being resolved
+            async with Advertiser(real, 7431, [LOOPBACK]):
+                await wait_for(lambda: registry.get(real.agent_id) is not None, timeout=2.0)  # the survey's browse
+            browse.cancel()
+        assert all(registry.get(ghost.agent_id) is None for ghost in ghosts)
 
     asyncio.run(scenario())

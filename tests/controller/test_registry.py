@@ -37,6 +37,23 @@ def test_sources_merge_into_one_entry() -> None:
     assert entry.record == record and (entry.first_seen, entry.last_seen) == (0.0, 3.0)
 
 
+def test_addresses_an_authenticated_source_gave_are_dialled_first() -> None:
+    # Anyone can announce a real agent's id over mDNS: the newest sighting's address first let a fake one
+    # hide the address the agent registered with.
+    registry, _ = make()
+    registry.observe(Sighting(A, ("10.0.0.5:7431",), DiscoverySource.REGISTRATION))
+    registry.observe(Sighting(A, ("10.6.6.6:9",), DiscoverySource.MDNS))
+    registry.observe(Sighting(A, ("10.6.6.7:9", "10.0.0.5:7431"), DiscoverySource.MDNS))
+    assert registry.entries()[0].addresses == ("10.0.0.5:7431", "10.6.6.7:9", "10.6.6.6:9")
+    registry.observe(Sighting(A, ("192.168.1.5:7431",), DiscoverySource.MANUAL))  # its certificate said A
+    registry.observe(Sighting(B, ("10.6.6.6:9",), DiscoverySource.MDNS))
+    registry.observe(Sighting(B, ("10.0.0.6:7431",), DiscoverySource.REGISTRATION))
+    a, b = registry.entries()
+    assert a.addresses == ("192.168.1.5:7431", "10.0.0.5:7431", "10.6.6.7:9", "10.6.6.6:9")
+    assert a.authenticated == {"192.168.1.5:7431", "10.0.0.5:7431"}
+    assert b.addresses == ("10.0.0.6:7431", "10.6.6.6:9")
+
+
 def test_unrefreshed_entry_disappears_and_pings_keep_it() -> None:
     registry, clock = make(ttl=5.0)
     registry.observe(Sighting(A, ("10.0.0.5:7431",), DiscoverySource.MDNS))
@@ -75,6 +92,8 @@ def test_dial_targets_are_manual_addresses_not_yet_identified() -> None:
     registry.observe(Sighting(A, ("10.0.0.9:7431",), DiscoverySource.MANUAL))
     assert registry.dial_targets() == ("pc-12.corp:7431",)
     clock.now = 6.0  # the manual agent went silent: dial it again
+    assert registry.dial_targets() == ("10.0.0.9:7431", "pc-12.corp:7431")
+    registry.observe(Sighting(B, ("pc-12.corp:7431",), DiscoverySource.MDNS))  # anyone's claim: still dial it
     assert registry.dial_targets() == ("10.0.0.9:7431", "pc-12.corp:7431")
     with pytest.raises(ProtocolError):
         registry.add_dial_targets(["no-port"])

@@ -1,0 +1,80 @@
+"""survey(): every address of an agent is tried, those it registered with first, so a fake mDNS announcement
+of its id hides nothing; an agent that answers at none is listed with each address's reason.
+
+One agent core on loopback, its fake announcements by zeroconf bound to 127.0.0.1 only (as in
+test_discovery.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent.advertise import Advertiser
+from deskfleet.agent.core import AgentCore
+from deskfleet.agent.link import start_server, utc_now
+from deskfleet.agent.paths import AgentSettings, Thresholds
+from deskfleet.agent.shard_cache import ShardCache
+from deskfleet.common import pki
+from deskfleet.common.agent_state import AgentState
+from deskfleet.common.discovery_record import AgentRecord
+from deskfleet.controller import fleet_survey
+from deskfleet.controller.fleet_ca import init_fleet, load_ca
+from deskfleet.controller.fleet_store import FleetStore, RosterEntry
+from deskfleet.controller.fleet_survey import SurveyOptions, survey
+from tests.agent.test_core import FakeMonitor
+from tests.fleet_pki import make_member
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (a dial there is refused at once)."""
+    with socket.socket() as probe:
+        probe.bind((LOOPBACK, 0))
+        return int(probe.getsockname()[1])
+
+
+def test_every_address_is_tried_and_a_fake_announcement_hides_no_agent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fleet_survey, "interface_addresses", lambda: [LOOPBACK])
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    fleet = pki.fleet_id(store.tls_files.ca_certificate())
+    files = make_member(load_ca(store), tmp_path / "agent", "agent")
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    core = AgentCore(files, settings, ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor())
+    generator = random.Random(5)
+    gone = "".join(generator.choice("abcdefghijklmnopqrstuvwxyz234567") for _ in range(52))  # switched off
+    port, stale, gone_port = free_port(), f"{LOOPBACK}:{free_port()}", f"{LOOPBACK}:{free_port()}"
+    live = f"{LOOPBACK}:{port}"
+    store.save_roster({core.agent_id: RosterEntry(core.agent_id, "pc-1", "2026-01-01T00:00:00+00:00", (stale, live)),
+                       gone: RosterEntry(gone, "pc-2", "2026-01-01T00:00:00+00:00", (gone_port,))})
+    fakes = [AgentRecord(agent, fleet, "0.1.0", ("CPU",), 64 << 30, AgentState.AVAILABLE)
+             for agent in (core.agent_id, gone)]  # anyone can announce an agent's id: it is in its own TXT
+    fake_port = free_port()
+
+    async def scenario() -> fleet_survey.Survey:
+        server = await start_server(core.serve_link, LOOPBACK, port, files)
+        try:
+            async with Advertiser(fakes[0], fake_port, [LOOPBACK]), Advertiser(fakes[1], fake_port, [LOOPBACK]):
+                found = await survey(store, SurveyOptions())
+            await found.close()
+            return found
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    found = asyncio.run(scenario())
+    agents = {agent.agent_id: agent for agent in found.agents}
+    assert agents.keys() == {core.agent_id, gone}
+    mine = agents[core.agent_id]
+    assert mine.sources == ("mdns", "registration")  # the fake announcement was seen...
+    assert mine.report is not None and mine.problem is None and mine.address == live  # ...and hid nothing
+    off = agents[gone]
+    assert off.report is None and off.address == gone_port  # the address it registered with
+    assert off.problem is not None
+    assert f"cannot reach {gone_port}" in off.problem and f"cannot reach {LOOPBACK}:{fake_port}" in off.problem
