@@ -275,6 +275,7 @@ def test_a_failed_configuration_says_why(monkeypatch: pytest.MonkeyPatch) -> Non
         raise ConnectionError("stage 1 went away")
 
     monkeypatch.setattr(fleet_module, "FleetPipeline", broken_chain)
+    monkeypatch.setattr(fleet_module, "model_id_of", lambda model: "m@0")  # no model folder here
     fleet = SimpleNamespace(store=SimpleNamespace(tls_files=None))
     config = _Config("copies_2", "mono", 1, 1, 1, copies=2)
     with pytest.raises(RuntimeError, match="configuration copies_2 failed: ConnectionError: stage 1 went away"):
