@@ -35,7 +35,7 @@ from deskfleet.common.wire import (
     encode,
     parse_address,
 )
-from deskfleet.controller.fleet_store import DEFAULT_PORT, FleetStore, FleetStoreError, RosterEntry
+from deskfleet.controller.fleet_store import DEFAULT_PORT, FleetStore, FleetStoreError, RosterEntry, checked_addresses
 
 log = logging.getLogger(__name__)
 
@@ -98,15 +98,7 @@ def fleet_addresses(store: FleetStore) -> tuple[str, ...]:
     body = store.read("fleet", {})
     if not isinstance(body, dict):
         raise FleetStoreError(f"{path} must hold an object with the fleet's name and addresses")
-    addresses = body.get("addresses", [])
-    if not isinstance(addresses, list) or not all(isinstance(address, str) for address in addresses):
-        raise FleetStoreError(f"{path}: addresses must be a list of host:port strings, not {addresses!r:.60}")
-    for address in addresses:
-        try:
-            parse_address(address)
-        except ProtocolError as error:
-            raise FleetStoreError(f"{path}: addresses: {error}") from None
-    return tuple(addresses)
+    return checked_addresses(body.get("addresses", []), f"{path}:")
 
 
 def default_address() -> str:

@@ -245,15 +245,20 @@ def _roster_entry(path: Path, agent_id: object, entry: object) -> RosterEntry:
     registered_at = entry.get("registered_at")
     if registered_at is not None and not isinstance(registered_at, str):
         raise malformed(f"registered_at must be a string or null, not {registered_at!r:.60}")
-    addresses = entry.get("addresses", [])
-    if not isinstance(addresses, list) or not all(isinstance(address, str) for address in addresses):
-        raise malformed(f"addresses must be a list of host:port strings, not {addresses!r:.60}")
-    for address in addresses:
+    addresses = checked_addresses(entry.get("addresses", []), f"{path}: agent {agent_id[:12]}'s")
+    return RosterEntry(agent_id, entry["hostname"], entry["enrolled_at"], addresses, registered_at)
+
+
+def checked_addresses(value: object, where: str) -> tuple[str, ...]:
+    """A stored list of host:port addresses; FleetStoreError saying `where` it is when it is not one."""
+    if not isinstance(value, list) or not all(isinstance(address, str) for address in value):
+        raise FleetStoreError(f"{where} addresses must be a list of host:port strings, not {value!r:.60}")
+    for address in value:
         try:
             parse_address(address)
         except ProtocolError as error:
-            raise malformed(f"addresses: {error}") from None
-    return RosterEntry(agent_id, entry["hostname"], entry["enrolled_at"], tuple(addresses), registered_at)
+            raise FleetStoreError(f"{where} addresses: {error}") from None
+    return tuple(value)
 
 
 if sys.platform == "win32":
