@@ -306,8 +306,12 @@ class AgentCore:
             raise CommandError(ErrorCode.SHARD_MISMATCH, f"shards not in the cache: {', '.join(sorted(missing))}")
         if MANIFEST_NAME not in entries:
             raise CommandError(ErrorCode.BAD_MESSAGE, f"the assignment lists no {MANIFEST_NAME}")
+        manifest_sha = entries[MANIFEST_NAME].sha256
+        if self.cache.drop_corrupted([manifest_sha]):  # the stage build checks the other files, not this one
+            raise CommandError(ErrorCode.SHARD_MISMATCH, f"the cached {MANIFEST_NAME} changed on disk since it was "
+                                                         "verified; it was dropped, send it again")
         try:
-            manifest = Manifest.from_json(self.cache.path(entries[MANIFEST_NAME].sha256).read_text("utf-8"))
+            manifest = Manifest.from_json(self.cache.path(manifest_sha).read_text("utf-8"))
         except (ManifestError, UnicodeDecodeError) as error:
             raise CommandError(ErrorCode.SHARD_MISMATCH, f"the assigned {MANIFEST_NAME} is unusable: {error}") from None
         names = [name for name in entries if name != MANIFEST_NAME]

@@ -161,7 +161,7 @@ def device_targets(device: str) -> tuple[str, ...]:
     the virtual device itself when none is left ("AUTO", "AUTO:-NPU" -> ("AUTO",)).
 
     ValueError when `device` is not OpenVINO's syntax: an upper-case name with optional ".index"es, or
-    AUTO, MULTI or HETERO with an optional ":" and a comma-separated list of such names.
+    AUTO, MULTI, HETERO or BATCH with an optional ":" and a comma-separated list of such names.
     """
     kind, colon, listed = device.partition(":")
     if not colon:

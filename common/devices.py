@@ -6,7 +6,7 @@ A name may carry an index ("GPU.1") or a list of targets ("HETERO:GPU,CPU"); wha
 
 from __future__ import annotations
 
-VIRTUAL = frozenset({"AUTO", "MULTI", "HETERO"})  # devices that pick or combine real ones
+VIRTUAL = frozenset({"AUTO", "MULTI", "HETERO", "BATCH"})  # devices that pick, combine or batch real ones
 
 
 def device_kind(device: str) -> str:

@@ -124,15 +124,32 @@ async def _run_for(sources: list[Discovery], seconds: float) -> None:
 
 async def _ask_at_any(store: FleetStore, revocations: Revocations, agent_id: str | None,
                       addresses: tuple[str, ...]) -> tuple[str, Link | None, StatusReport | None, str | None]:
-    """Ask the agent at each of `addresses` in turn: (the address that answered, its link, its report,
-    None), or (the first address, None, None, every address's problem) when none did."""
-    problems = []
-    for address in addresses:
-        link, report, problem = await _ask(store, revocations, agent_id, address)
-        if problem is None:
-            return address, link, report, None
-        problems.append(problem)
-    return addresses[0], None, None, "; ".join(problems)
+    """Ask the agent at all of `addresses` at once: (the first address to answer, its link, its report,
+    None), or (the first address, None, None, every address's problem) when none did. TLS pins the agent's
+    id, so any answer is its own; asking in turn made a stale registered address (a PC that changed IP)
+    cost the whole open timeout before its live mDNS address was tried."""
+    async def ask(address: str) -> tuple[str, Link | None, StatusReport | None, str | None]:
+        return address, *await _ask(store, revocations, agent_id, address)
+
+    tasks = [asyncio.ensure_future(ask(address)) for address in addresses]
+    problems: dict[str, str] = {}
+    winner: tuple[str, Link | None, StatusReport | None, str | None] | None = None
+    try:
+        for next_answer in asyncio.as_completed(tasks):
+            answer = await next_answer
+            if answer[3] is None:
+                winner = answer
+                break
+            problems[answer[0]] = str(answer[3])
+    finally:
+        for task in tasks:
+            task.cancel()
+        for result in await asyncio.gather(*tasks, return_exceptions=True):
+            if isinstance(result, tuple) and result[1] is not None and (winner is None or result[1] is not winner[1]):
+                await result[1].close()  # another address of the same agent answered too
+    if winner is not None:
+        return winner
+    return addresses[0], None, None, "; ".join(problems[address] for address in addresses)
 
 
 async def _ask(store: FleetStore, revocations: Revocations, agent_id: str | None,

@@ -130,6 +130,7 @@ def test_a_pinned_speed_is_one_a_status_report_carries() -> None:
     ("CPU", ("CPU",)), ("GPU.1", ("GPU.1",)), ("NPU", ("NPU",)), ("AUTO", ("AUTO",)),
     ("AUTO:GPU,CPU", ("GPU", "CPU")), ("HETERO:GPU,CPU", ("GPU", "CPU")), ("MULTI:GPU.0,GPU.1.0", ("GPU.0", "GPU.1.0")),
     ("AUTO:-NPU", ("AUTO",)), ("AUTO:GPU,-CPU", ("GPU",)), ("MULTI:GPU(4),CPU(2),GPU", ("GPU", "CPU")),
+    ("BATCH:CPU(4)", ("CPU",)), ("BATCH:GPU", ("GPU",)),  # the automatic batching device: OpenVINO compiles both
 ])
 def test_openvino_devices_load_and_advertise_their_targets(tmp_path: Path, device: str,
                                                            targets: tuple[str, ...]) -> None:

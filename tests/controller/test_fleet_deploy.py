@@ -4,6 +4,7 @@ deploy (twice: the second sends nothing), and greedy tokens through the network 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import socket
 import subprocess
@@ -217,15 +218,22 @@ def test_a_shard_corrupted_in_an_agents_cache_is_sent_again_by_the_next_deploy(
         await server.wait_closed()
         return sum(report.bytes_sent.values()), tokens
 
+    def damage(sha256: str) -> None:
+        blob = tmp_path / "cache" / "blobs" / sha256
+        blob.chmod(0o644)
+        damaged = bytearray(blob.read_bytes())
+        damaged[::4096] = bytes(byte ^ 0x40 for byte in damaged[::4096])  # the same size, other bytes
+        blob.write_bytes(bytes(damaged))
+
     first_sent, first_tokens = asyncio.run(deploy_on_a_fresh_agent())
-    blob = tmp_path / "cache" / "blobs" / layer.sha256
-    blob.chmod(0o644)
-    damaged = bytearray(blob.read_bytes())
-    damaged[::4096] = bytes(byte ^ 0x40 for byte in damaged[::4096])  # the same size, other bytes
-    blob.write_bytes(bytes(damaged))
+    damage(layer.sha256)
     resent, tokens = asyncio.run(deploy_on_a_fresh_agent())
     assert first_tokens == tokens == reference
     assert first_sent > resent >= layer.size  # the damaged layer went again, not the whole model
+    manifest_bytes = (tiny_export / "manifest.json").read_bytes()
+    damage(hashlib.sha256(manifest_bytes).hexdigest())  # the manifest is a shard too (the build does not check it)
+    resent, tokens = asyncio.run(deploy_on_a_fresh_agent())
+    assert tokens == reference and resent == len(manifest_bytes)
 
 
 def test_fleet_plan_uses_the_live_agents_and_says_why_each_other_one_was_left_out(

@@ -78,3 +78,51 @@ def test_every_address_is_tried_and_a_fake_announcement_hides_no_agent(
     assert off.report is None and off.address == gone_port  # the address it registered with
     assert off.problem is not None
     assert f"cannot reach {gone_port}" in off.problem and f"cannot reach {LOOPBACK}:{fake_port}" in off.problem
+
+
+def test_a_stale_registered_address_that_never_answers_does_not_delay_the_live_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A PC that changed its IP since it registered: its old address swallows the connection (no TLS ever
+    # comes back). Tried in turn, it cost the link's whole open timeout (10 s) before the live address.
+    import time
+
+    from deskfleet.controller.registry import DiscoverySource, Sighting
+
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    files = make_member(load_ca(store), tmp_path / "agent", "agent")
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    core = AgentCore(files, settings, ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor())
+    port = free_port()
+    live = f"{LOOPBACK}:{port}"
+
+    class AnnouncesTheLiveAddress:  # stands in for the mDNS browser
+        def __init__(self, registry: object, *args: object) -> None:
+            self.registry = registry
+
+        async def run(self) -> None:
+            self.registry.observe(Sighting(core.agent_id, (live,), DiscoverySource.MDNS))  # type: ignore[attr-defined]
+            await asyncio.Event().wait()
+
+    monkeypatch.setattr(fleet_survey, "ZeroconfDiscovery", AnnouncesTheLiveAddress)
+    monkeypatch.setattr(fleet_survey, "interface_addresses", lambda: [LOOPBACK])
+    with socket.socket() as black_hole:
+        black_hole.bind((LOOPBACK, 0))
+        black_hole.listen(8)  # accepts the TCP connection, never the TLS handshake
+        stale = f"{LOOPBACK}:{black_hole.getsockname()[1]}"
+        store.save_roster({core.agent_id: RosterEntry(core.agent_id, "pc-1", "2026-01-01T00:00:00+00:00", (stale,))})
+
+        async def scenario() -> tuple[fleet_survey.Survey, float]:
+            server = await start_server(core.serve_link, LOOPBACK, port, files)
+            started = time.monotonic()
+            found = await survey(store, SurveyOptions(discover_seconds=0.2))
+            took = time.monotonic() - started
+            await found.close()
+            server.close()
+            await server.wait_closed()
+            return found, took
+
+        found, took = asyncio.run(scenario())
+    [agent] = found.agents
+    assert agent.report is not None and agent.address == live
+    assert took < 3.0, f"the survey took {took:.1f} s"
