@@ -13,6 +13,8 @@ draft model, delay proxies) is pinned to the first K cores and the PCs to the ot
 where the controller is its own PC; with K = 0 (the default) it is not pinned and, on a 2-core machine,
 shares the agents' cores, which counts against the fleet rows. `--pcs N` (2-4) adds the 3- and 4-PC rows;
 every group of N PCs takes the first N agent cores (groups run one at a time; an idle agent sleeps).
+The rows of 2 PCs serving N users also report their `ideal_split`: what two whole 1-PC servers of N/2
+users each make, measured in the same run, i.e. where the fleet would land with free hops (see _Row).
 """
 
 from __future__ import annotations
