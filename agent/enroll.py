@@ -80,8 +80,12 @@ class Membership:
         try:
             if body.pop("format_version") != MEMBERSHIP_FORMAT:
                 raise ValueError("unknown format_version")
-            return cls(str(body["fleet_id"]), str(body["agent_id"]), str(body["controller_id"]),
-                       tuple(str(address) for address in body["controller_addresses"]))
+            addresses = body["controller_addresses"]
+            if not isinstance(addresses, list) or not addresses:
+                raise ValueError(f"controller_addresses must be a list of host:port, not {addresses!r:.60}")
+            for address in addresses:
+                parse_address(address)  # ProtocolError (a ValueError) naming it
+            return cls(str(body["fleet_id"]), str(body["agent_id"]), str(body["controller_id"]), tuple(addresses))
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise EnrollmentError(f"{path} is malformed ({error!r}): join again") from None
 
@@ -109,7 +113,7 @@ async def join(token_text: str, state_dir: Path, hostname: str | None = None) ->
             membership = await asyncio.wait_for(
                 _join_at(address, token, key, hostname or socket.gethostname(), files), JOIN_TIMEOUT_S)
         except (EnrollmentError, TimeoutError) as error:
-            problems.append(f"{address}: {error or 'timed out'}")
+            problems.append(f"{address}: {str(error) or f'no answer within {JOIN_TIMEOUT_S:.0f} s'}")
             log.warning("join via %s failed: %s", address, error)
             continue
         membership.save(state_dir)
@@ -122,7 +126,11 @@ async def join(token_text: str, state_dir: Path, hostname: str | None = None) ->
 def _load_or_create_key(path: Path) -> ec.EllipticCurvePrivateKey:
     """Reuse the key of an earlier attempt (its agent id stays the same), else make one, mode 0600."""
     if path.is_file():
-        return pki.load_private_key_pem(path.read_bytes())
+        try:
+            return pki.load_private_key_pem(path.read_bytes())
+        except pki.PkiError as error:
+            raise EnrollmentError(f"{path} is not a usable key ({error}): delete it and join again (this PC then "
+                                  "gets a new agent id)") from None
     key = pki.create_private_key()
     pki.write_private_key(path, key)
     return key

@@ -16,10 +16,11 @@ This module is thin asyncio around the sans-I/O codec in common/wire.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
@@ -87,17 +88,32 @@ class TlsFiles:
         return self.ca_path.is_file() and self.cert_path.is_file() and self.key_path.is_file()
 
     def ca_certificate(self) -> x509.Certificate:
-        return pki.load_certificate_pem(self.ca_path.read_bytes())
+        with self._naming(self.ca_path):
+            return pki.load_certificate_pem(self.ca_path.read_bytes())
 
     def own_identity(self) -> pki.PeerIdentity:
-        return pki.certificate_identity(pki.load_certificate_pem(self.cert_path.read_bytes()))
+        with self._naming(self.cert_path):
+            return pki.certificate_identity(pki.load_certificate_pem(self.cert_path.read_bytes()))
 
     def server_context(self) -> ssl.SSLContext:
-        return tls.server_context(ca_path=self.ca_path, cert_path=self.cert_path, key_path=self.key_path)
+        with self._naming(self.cert_path, self.key_path):
+            return tls.server_context(ca_path=self.ca_path, cert_path=self.cert_path, key_path=self.key_path)
 
     def client_context(self, pin_agent_id: bool = True) -> ssl.SSLContext:
-        return tls.client_context(ca_path=self.ca_path, cert_path=self.cert_path, key_path=self.key_path,
-                                  pin_agent_id=pin_agent_id)
+        with self._naming(self.cert_path, self.key_path):
+            return tls.client_context(ca_path=self.ca_path, cert_path=self.cert_path, key_path=self.key_path,
+                                      pin_agent_id=pin_agent_id)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _naming(*paths: Path) -> Iterator[None]:
+        """PkiError naming the credential files when one cannot be loaded (ssl says only "PEM lib")."""
+        try:
+            yield
+        except (pki.PkiError, ssl.SSLError, ValueError) as error:
+            names = " or ".join(str(path) for path in paths)
+            raise pki.PkiError(f"{names} cannot be used ({error}): this member's credentials are damaged; "
+                               "join the fleet again (the controller: restore its data dir)") from None
 
 
 def utc_now() -> datetime.datetime:

@@ -9,9 +9,14 @@ unreachable or refuses (a removed agent), registration retries with backoff; the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
+import os
 import signal
+import socket
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,12 +30,15 @@ from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement, cached_speed
 from deskfleet.agent.status import software_version
 from deskfleet.common.discovery_record import AgentRecord
+from deskfleet.common.file_lock import try_lock_file, unlock_file
 from deskfleet.common.wire import Register, parse_address
 
 log = logging.getLogger(__name__)
 
 RETRY_MIN_S = 1.0
 RETRY_MAX_S = 30.0
+REGISTERED_STABLE_S = 30.0  # a controller link that lasted this long resets the retry delay
+LOCK_FILE = "agent.lock"  # in the state folder: one agent per data dir
 ADVERTISE_REFRESH_S = 10.0
 IDLE_SWEEP_S = 60.0  # how often micro-batches left behind by a vanished driver are looked for
 
@@ -74,23 +82,28 @@ class AgentService:
 
     async def run(self) -> None:
         host, port = parse_address(self.listen)
-        server = await start_server(self.core.serve_link, host, port, self.files,
-                                    revocations=self.core.revocations)
-        self.bound_port = server.sockets[0].getsockname()[1] if server.sockets else port
-        log.info("agent %s listening on %s:%d", self.core.agent_id[:12], host, self.bound_port)
-        self._install_signal_handlers()
-        try:
-            async with server, asyncio.TaskGroup() as tasks:
-                tasks.create_task(self._register_forever(), name="register")
-                tasks.create_task(self._advertise_forever(host), name="advertise")
-                tasks.create_task(self._sweep_idle_forever(), name="sweep-idle")
-                await self._stopping.wait()
-                raise _Stop
-        except* _Stop:
-            pass
-        finally:
-            await self.core.close()
-            log.info("agent %s stopped", self.core.agent_id[:12])
+        with self._data_dir_lock():
+            try:
+                server = await start_server(self.core.serve_link, host, port, self.files,
+                                            revocations=self.core.revocations)
+            except OSError as error:
+                raise OSError(f"cannot listen on {self.listen} (--listen, or listen_address in "
+                              f"{self.paths.settings_file}): {error.strerror or error}") from None
+            self.bound_port = server.sockets[0].getsockname()[1] if server.sockets else port
+            log.info("agent %s listening on %s:%d", self.core.agent_id[:12], host, self.bound_port)
+            self._install_signal_handlers()
+            try:
+                async with server, asyncio.TaskGroup() as tasks:
+                    tasks.create_task(self._register_forever(), name="register")
+                    tasks.create_task(self._advertise_forever(host), name="advertise")
+                    tasks.create_task(self._sweep_idle_forever(), name="sweep-idle")
+                    await self._stopping.wait()
+                    raise _Stop
+            except* _Stop:
+                pass
+            finally:
+                await self.core.close()
+                log.info("agent %s stopped", self.core.agent_id[:12])
 
     def stop(self) -> None:
         self._stopping.set()
@@ -105,15 +118,37 @@ class AgentService:
             except (NotImplementedError, RuntimeError):  # Windows, or not the main thread
                 pass
 
+    @contextlib.contextmanager
+    def _data_dir_lock(self) -> Iterator[None]:
+        """Hold the state folder's lock while serving: a second agent on the same data dir (same identity,
+        cache and state) refuses to start instead of taking turns with the first at the controller."""
+        path = self.paths.state_dir / LOCK_FILE
+        with open(path, "a+") as handle:
+            if not try_lock_file(handle.fileno()):
+                handle.seek(0)
+                holder = handle.read().strip() or "another process"
+                raise OSError(f"{self.paths.state_dir} is in use by another agent (pid {holder}): stop it, or give "
+                              "this one a --data-dir of its own")
+            handle.seek(0)
+            handle.truncate()
+            handle.write(str(os.getpid()))
+            handle.flush()
+            try:
+                yield
+            finally:
+                unlock_file(handle.fileno())
+
     async def _advertise_forever(self, host: str) -> None:
         """mDNS advertisement with the current state, refreshed every ADVERTISE_REFRESH_S (a status that
-        cannot be read is logged, and the record read again at the next refresh)."""
-        if host in ("0.0.0.0", "::", ""):
-            addresses = interface_addresses()
-        elif ipaddress.ip_address(host).is_loopback:
-            addresses = []
-        else:
-            addresses = [host]
+        cannot be read is logged, and the record read again at the next refresh). Advertising is a help, not
+        a duty: a failure is logged and the agent goes on serving (registration still finds it)."""
+        try:
+            await self._advertise(host)
+        except Exception:
+            log.exception("mDNS advertisement stopped")
+
+    async def _advertise(self, host: str) -> None:
+        addresses = await _advertised_addresses(host)
         if not addresses or self.bound_port is None:
             log.info("not advertising over mDNS: listening on %s only", host)
             return
@@ -159,8 +194,10 @@ class AgentService:
                 except LinkError as error:
                     log.warning("cannot register with the controller: %s", error)
                     continue
-                delay = RETRY_MIN_S
+                started = time.monotonic()
                 await self._registered(link)
+                if time.monotonic() - started >= REGISTERED_STABLE_S:
+                    delay = RETRY_MIN_S  # a link that closes at once (e.g. another agent of this id) backs off
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX_S)
 
@@ -178,6 +215,24 @@ class AgentService:
         log.info("registered with the controller at %s as %s:%s", link.address, shown, self.bound_port)
         await self.core.serve_link(link)
         log.warning("the controller link closed; registering again")
+
+
+async def _advertised_addresses(host: str) -> list[str]:
+    """The addresses to announce for a listen host: every interface's for a wildcard, none for loopback, a
+    host name's resolved addresses (none, logged, when it does not resolve)."""
+    if host in ("0.0.0.0", "::", ""):
+        return interface_addresses()
+    try:
+        return [] if ipaddress.ip_address(host).is_loopback else [host]
+    except ValueError:  # a host name
+        pass
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as error:
+        log.warning("not advertising over mDNS: %s does not resolve (%s)", host, error)
+        return []
+    resolved = sorted({str(info[4][0]) for info in infos})
+    return [address for address in resolved if not ipaddress.ip_address(address).is_loopback]
 
 
 class _Stop(Exception):

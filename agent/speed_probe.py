@@ -77,6 +77,10 @@ def cached_speed(state_dir: Path, device: str, measure: Callable[[str], SpeedMea
     except (OSError, ValueError, TypeError):
         pass
     measured = measure(device)
-    write_atomic(path, json.dumps(asdict(measured)).encode("utf-8"))
     log.info("measured %.1f GB/s of weights on %s", measured.weight_gb_per_s, device)
+    try:
+        write_atomic(path, json.dumps(asdict(measured)).encode("utf-8"))
+    except OSError as error:  # a read-only state folder: the measurement still counts, for this run
+        log.warning("cannot keep the speed measurement in %s (%s): it is measured again at the next start",
+                    path, error.strerror or error)
     return measured

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import socket
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -36,6 +35,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from deskfleet.agent.link import TlsFiles, utc_now
 from deskfleet.common import pki
 from deskfleet.common.atomic_file import write_atomic
+from deskfleet.common.file_lock import lock_file, unlock_file
 from deskfleet.common.wire import ProtocolError, Role, is_agent_id, parse_address
 
 log = logging.getLogger(__name__)
@@ -162,11 +162,11 @@ class FleetStore:
         """Hold the data dir's lock: read-modify-write of the JSON files must happen inside it."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with open(self.data_dir / ".lock", "a+b") as handle:
-            _lock_file(handle.fileno())
+            lock_file(handle.fileno())
             try:
                 yield
             finally:
-                _unlock_file(handle.fileno())
+                unlock_file(handle.fileno())
 
     # Public methods: the roster
 
@@ -260,20 +260,3 @@ def checked_addresses(value: object, where: str) -> tuple[str, ...]:
             raise FleetStoreError(f"{where} addresses: {error}") from None
     return tuple(value)
 
-
-if sys.platform == "win32":
-    import msvcrt
-
-    def _lock_file(descriptor: int) -> None:
-        msvcrt.locking(descriptor, msvcrt.LK_LOCK, 1)
-
-    def _unlock_file(descriptor: int) -> None:
-        msvcrt.locking(descriptor, msvcrt.LK_UNLCK, 1)
-else:
-    import fcntl
-
-    def _lock_file(descriptor: int) -> None:
-        fcntl.flock(descriptor, fcntl.LOCK_EX)
-
-    def _unlock_file(descriptor: int) -> None:
-        fcntl.flock(descriptor, fcntl.LOCK_UN)

@@ -4,7 +4,9 @@ that fails once. The Advertiser is a fake: nothing is sent."""
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
@@ -86,3 +88,55 @@ def test_a_status_that_fails_is_tried_again_at_the_next_refresh(monkeypatch: pyt
                                       4: ProtocolError("weight_gb_per_s")}
     records = advertised("GPU.1", failures, monkeypatch)
     assert len(records) >= 5 and {record.devices for record in records} == {("GPU.1",)}
+
+
+def test_a_second_agent_on_the_same_data_dir_refuses_to_start(tmp_path: Path) -> None:
+    # Two agents of one identity took turns at the controller, each registration dropping the other's.
+    from deskfleet.agent.paths import AgentPaths
+
+    def service_on(data_dir: Path) -> AgentService:
+        service = AgentService.__new__(AgentService)
+        service.paths = AgentPaths.resolve(data_dir)
+        service.paths.create()
+        return service
+
+    first, second = service_on(tmp_path), service_on(tmp_path)
+    with first._data_dir_lock():
+        with pytest.raises(OSError, match=f"{tmp_path}.* is in use by another agent \\(pid {os.getpid()}\\)"):
+            with second._data_dir_lock():
+                pass
+    with second._data_dir_lock():  # free again once the first stopped
+        pass
+
+
+def test_a_listen_host_name_is_advertised_as_what_it_resolves_to(caplog: pytest.LogCaptureFixture) -> None:
+    # `--listen localhost:17433` passed every check, then ipaddress.ip_address("localhost") killed the agent.
+    assert asyncio.run(service_module._advertised_addresses("localhost")) == []  # loopback: not announced
+    assert asyncio.run(service_module._advertised_addresses("10.99.0.1")) == ["10.99.0.1"]
+    assert asyncio.run(service_module._advertised_addresses("no-such-host.invalid")) == []
+
+
+def test_a_registration_that_closes_at_once_backs_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The retry delay went back to 1 s after every link that opened, even one the controller closed at once.
+    delays: list[float] = []
+
+    async def opens(*args: object, **kwargs: object) -> object:
+        return object()
+
+    async def closed_at_once(link: object) -> None:
+        return None
+
+    async def record(delay: float) -> None:
+        delays.append(delay)
+        if len(delays) == 6:
+            raise asyncio.CancelledError
+
+    service = AgentService.__new__(AgentService)
+    service.membership = SimpleNamespace(controller_addresses=("127.0.0.1:1",), controller_id="c")  # type: ignore[assignment]
+    service.files = None  # type: ignore[assignment]
+    monkeypatch.setattr(service_module, "open_link", opens)
+    monkeypatch.setattr(service, "_registered", closed_at_once)
+    monkeypatch.setattr(service_module.asyncio, "sleep", record)
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(service._register_forever())
+    assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0]

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import openvino as ov
+import pytest
 
 from deskfleet.agent.speed_probe import CACHE_NAME, SpeedMeasurement, cached_speed, measure_speed
 
@@ -40,3 +41,15 @@ def test_cache_is_used_and_a_bad_cache_is_remeasured(tmp_path: Path) -> None:
     cached_speed(tmp_path, "GPU", fake)
     assert calls == ["CPU", "GPU", "GPU"]
     assert json.loads((tmp_path / CACHE_NAME).read_text())["device"] == "GPU"
+
+
+def test_a_measurement_that_cannot_be_cached_still_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A read-only state folder threw a good measurement away for the whole run (the PC then planned as slowest).
+    from deskfleet.agent import speed_probe
+
+    def read_only(path: Path, data: bytes) -> None:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(speed_probe, "write_atomic", read_only)
+    measured = SpeedMeasurement("CPU", ov.get_version(), 12.5, 0.001)
+    assert cached_speed(tmp_path, "CPU", lambda device: measured) == measured

@@ -125,7 +125,7 @@ def test_of_two_concurrent_inits_the_second_refuses(tmp_path: Path, monkeypatch:
     # The check ran before the lock: both inits of one data dir succeeded, each printing its own fleet id.
     store = FleetStore(tmp_path / "controller")
     waiting = threading.Event()
-    lock_file = fleet_store._lock_file
+    lock_file = fleet_store.lock_file
     outcome: list[BaseException | None] = []
 
     def lock_announced(descriptor: int) -> None:
@@ -140,7 +140,7 @@ def test_of_two_concurrent_inits_the_second_refuses(tmp_path: Path, monkeypatch:
             outcome.append(error)
 
     with store.locked():  # the first init, between its check and its writes
-        monkeypatch.setattr(fleet_store, "_lock_file", lock_announced)
+        monkeypatch.setattr(fleet_store, "lock_file", lock_announced)
         second = threading.Thread(target=second_init)
         second.start()
         assert waiting.wait(10)

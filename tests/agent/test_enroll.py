@@ -1,0 +1,49 @@
+"""Joining and the agent's credentials: what goes wrong is said with the file or the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent import enroll
+from deskfleet.agent.enroll import EnrollmentError, Membership, join
+from deskfleet.agent.link import TlsFiles, utc_now
+from deskfleet.common import join_tokens, pki
+
+
+def test_a_controller_that_goes_silent_is_named_with_the_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The reason used to be empty ("could not join: 127.0.0.1:17351: "): str(TimeoutError()) is "".
+    async def silent(*args: object) -> Membership:
+        raise TimeoutError
+
+    monkeypatch.setattr(enroll, "_join_at", silent)
+    token = join_tokens.JoinToken(("127.0.0.1:17351",), "0" * 64, join_tokens.new_secret(),
+                                  (utc_now() + datetime.timedelta(hours=1)).replace(microsecond=0))
+    with pytest.raises(EnrollmentError, match=r"127\.0\.0\.1:17351: no answer within 20 s"):
+        asyncio.run(join(join_tokens.encode_join_token(token), tmp_path / "state"))
+
+
+@pytest.mark.parametrize("addresses", ["127.0.0.1:17341", ["not an address"], [], [7]])
+def test_a_membership_with_bad_controller_addresses_says_join_again(tmp_path: Path, addresses: object) -> None:
+    # A string was split into characters and the agent died later with a ProtocolError traceback.
+    body = {"format_version": enroll.MEMBERSHIP_FORMAT, "fleet_id": "f", "agent_id": "a", "controller_id": "c",
+            "controller_addresses": addresses}
+    (tmp_path / enroll.MEMBERSHIP_FILE).write_text(json.dumps(body))
+    with pytest.raises(EnrollmentError, match=r"membership\.json is malformed .*join again"):
+        Membership.load(tmp_path)
+
+
+def test_damaged_credentials_are_named(tmp_path: Path) -> None:
+    files = TlsFiles.in_folder(tmp_path, "agent")
+    for path in (files.ca_path, files.cert_path, files.key_path):
+        path.write_text("-----BEGIN CERTIFICATE-----\ngarbage\n-----END CERTIFICATE-----\n")
+    with pytest.raises(pki.PkiError, match=f"{files.ca_path} cannot be used .*join the fleet again"):
+        files.ca_certificate()
+    with pytest.raises(pki.PkiError, match=f"{files.cert_path} or {files.key_path} cannot be used"):
+        files.server_context()
+    with pytest.raises(EnrollmentError, match=f"{files.key_path} is not a usable key .*delete it and join again"):
+        enroll._load_or_create_key(files.key_path)
