@@ -30,7 +30,7 @@ import openvino.opset13 as ops
 from openvino import passes
 
 from deskfleet.common.devices import VIRTUAL, device_kind
-from deskfleet.common.model_spec import Manifest, TensorNames, verify_files
+from deskfleet.common.model_spec import Manifest, ManifestError, TensorNames, verify_files
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 
 from . import huge_pages
@@ -159,6 +159,7 @@ def build_stage_model(model_dir: Path, manifest: Manifest, layers: LayerRange, v
     beam_idx = _parameter(TensorNames.BEAM_IDX, [-1], ov.Type.i32)
 
     rope = units[Manifest.ROPE_IR]
+    _check_rope_rows(rope, spec.max_context)
     _rewire(rope, TensorNames.POSITION_IDS, position_ids.output(0))
     _rewire(rope, TensorNames.ATTENTION_MASK, attention_mask.output(0))
     cos, sin, bias = (_produced(rope, name) for name in (TensorNames.COS, TensorNames.SIN,
@@ -214,6 +215,18 @@ def build_stage_model(model_dir: Path, manifest: Manifest, layers: LayerRange, v
     if stateful != len(kv_pairs):
         raise RuntimeError(f"only {stateful} of {len(kv_pairs)} KV pairs became stateful")
     return model
+
+
+def _check_rope_rows(rope: ov.Model, max_context: int) -> None:
+    """ManifestError when the RoPE IR's cos/sin tables hold fewer positions than the manifest's context: a
+    position past the table would be gathered from outside it and compute garbage, silently."""
+    tables = [op.get_output_partial_shape(0) for op in rope.get_ordered_ops() if op.get_type_name() == "Constant"
+              and op.get_output_partial_shape(0).rank.get_length() == 2
+              and any(target.get_node().get_type_name() == "Gather" for target in op.output(0).get_target_inputs())]
+    rows = min((shape[0].get_length() for shape in tables if shape[0].is_static), default=None)
+    if rows is not None and rows < max_context:
+        raise ManifestError(f"the manifest says the context is {max_context} positions, but the RoPE tables "
+                            f"(rope.xml) hold {rows}: the export's manifest has been changed")
 
 
 def weight_group_size(model: ov.Model) -> int | None:

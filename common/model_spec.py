@@ -30,6 +30,9 @@ class WeightFormat(str, Enum):
     F32 = "f32"
 
 
+MAX_SPEC_VALUE = 1 << 24  # larger than any real model's layers, widths, vocabulary or context (16M)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The shape of a decoder-only transformer, as far as the runtime needs to know it."""
@@ -69,8 +72,16 @@ class ModelSpec:
         positive = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                     "intermediate_size", "vocab_size", "max_context")
         for name in positive:
-            if getattr(self, name) <= 0:
-                raise ManifestError(f"model spec field {name!r} must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ManifestError(f"model spec field {name!r} must be a whole number, got {value!r:.40}")
+            if value <= 0:
+                raise ManifestError(f"model spec field {name!r} must be positive, got {value}")
+            if value > MAX_SPEC_VALUE:  # no model has a billion layers or heads: a tampered manifest
+                raise ManifestError(f"model spec field {name!r} is {value}, past any real model's")
+        if not isinstance(self.eos_token_ids, tuple) or not all(
+                isinstance(token, int) and not isinstance(token, bool) for token in self.eos_token_ids):
+            raise ManifestError(f"eos_token_ids must be a list of token ids, got {self.eos_token_ids!r:.40}")
         if self.num_heads % self.num_kv_heads:
             raise ManifestError(
                 f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})")
@@ -135,6 +146,8 @@ class Manifest:
     def from_json(cls, text: str) -> Manifest:
         try:
             body = json.loads(text)
+            if not isinstance(body, dict):
+                raise ManifestError(f"a manifest is a JSON object, not {type(body).__name__}")
             if body.get("format_version") != MANIFEST_FORMAT:
                 raise ManifestError(
                     f"manifest format_version {body.get('format_version')!r} is not {MANIFEST_FORMAT}")
@@ -152,11 +165,11 @@ class Manifest:
                 head_bytes=int(body["head_bytes"]),
                 extra=dict(body.get("extra", {})),
             )
+            spec.validate()
         except ManifestError:
             raise
-        except (KeyError, TypeError, ValueError) as error:
-            raise ManifestError(f"malformed manifest: {error!r}") from error
-        spec.validate()
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as error:
+            raise ManifestError(f"malformed manifest: {error!r:.200}") from None
         if len(manifest.layer_bytes) != spec.num_layers:
             raise ManifestError(
                 f"manifest lists {len(manifest.layer_bytes)} layer sizes for {spec.num_layers} layers")
@@ -169,6 +182,20 @@ class Manifest:
                 listed = "not listed" if entry is None else f"listed at {entry.size} bytes"
                 raise ManifestError(f"the manifest sizes {name} at {size} bytes for planning, but its file is {listed}")
         return manifest
+
+
+def model_file(model_dir: Path, name: str) -> Path:
+    """`model_dir / name` when it is a plain file of the folder: ManifestError when it is missing, a symbolic
+    link, or not inside the folder (a model folder from elsewhere must not make deskfleet read, show or send
+    a file it links to, such as /etc/passwd or a key)."""
+    path = model_dir / name
+    if path.is_symlink():
+        raise ManifestError(f"{path} is a symbolic link: a model folder holds its files itself")
+    if not path.is_file():
+        raise ManifestError(f"{path} is missing")
+    if not path.resolve().is_relative_to(model_dir.resolve()):
+        raise ManifestError(f"{path} is not inside {model_dir}")
+    return path
 
 
 def sha256_of(path: Path, chunk_bytes: int = 1 << 20) -> str:
@@ -196,9 +223,7 @@ def verify_files(model_dir: Path, manifest: Manifest, names: list[str] | None = 
         entry = manifest.files.get(name)
         if entry is None:
             raise ManifestError(f"{name} is not listed in the manifest of {model_dir}")
-        path = model_dir / name
-        if not path.is_file():
-            raise ManifestError(f"{path} is missing")
+        path = model_file(model_dir, name)
         size = path.stat().st_size
         if size != entry.size:
             raise ManifestError(f"{path} has {size} bytes, the manifest says {entry.size}")

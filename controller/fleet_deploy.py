@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from deskfleet.agent.link import Link, LinkError
 from deskfleet.common.devices import device_kind
-from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, load_manifest, sha256_of
+from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, ManifestError, load_manifest, model_file, sha256_of
 from deskfleet.common.planner import (
     AgentCandidate,
     Exclusion,
@@ -259,17 +259,15 @@ async def _deploy_stage(link: Link, model_dir: Path, assignment: AssignStage, se
             have = await _expect(link, ShardHave, REPLY_TIMEOUT_S)
             offsets = {partial.sha256: partial.offset for partial in have.partial}
             pushed = [entry for sha256, entry in by_sha.items() if sha256 not in have.complete]
+            # every byte that leaves this PC is first checked to be the export's own: a file damaged since the
+            # export, or one a tampered folder links in from elsewhere (/etc/passwd), is named and not sent
+            await asyncio.to_thread(_check_export_files, model_dir, pushed)
             for entry in pushed:
                 sent[agent_id] += await _push(link, model_dir / entry.file_name, entry, offsets.get(entry.sha256, 0),
                                               progress)
                 files[agent_id] += 1
             await link.send(ShardQuery(tuple(by_sha)))
-            try:
-                confirmed = await _expect(link, ShardHave, REPLY_TIMEOUT_S)
-            except DeployError as error:
-                if error.code is ErrorCode.SHARD_MISMATCH:  # a shard arrived corrupted: is it so in the export?
-                    await asyncio.to_thread(_check_export_files, model_dir, pushed)
-                raise
+            confirmed = await _expect(link, ShardHave, REPLY_TIMEOUT_S)
             missing = sorted(by_sha[sha].file_name for sha in set(by_sha) - set(confirmed.complete))
             if missing:
                 raise DeployError(f"agent {agent_id[:12]} did not keep {', '.join(missing)}")
@@ -288,9 +286,17 @@ async def _deploy_stage(link: Link, model_dir: Path, assignment: AssignStage, se
 
 
 def _check_export_files(model_dir: Path, entries: Sequence[ManifestEntry]) -> None:
-    """DeployError naming the first file of the export whose bytes are not what its manifest says."""
+    """DeployError naming the first file of the export that is not a plain file of the folder or whose bytes
+    are not what its manifest says."""
     for entry in entries:
-        digest = sha256_of(model_dir / entry.file_name)
+        try:
+            path = model_file(model_dir, entry.file_name)
+        except ManifestError as error:
+            raise DeployError(str(error)) from None
+        if path.stat().st_size != entry.size:
+            raise DeployError(f"{path} has {path.stat().st_size} bytes, the export's manifest says {entry.size}: "
+                              "is the export folder complete?")
+        digest = sha256_of(path)
         if digest != entry.sha256:
             raise DeployError(f"{model_dir / entry.file_name} is damaged: its bytes hash to {digest[:12]}…, the "
                               f"export's manifest says {entry.sha256[:12]}…; export the model again")

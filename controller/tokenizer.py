@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from tokenizers import Tokenizer
 
 from deskfleet.common.json_file import read_json_object
+from deskfleet.common.model_spec import model_file
+
+# A rendered conversation is at most this long: a template that loops or multiplies its way past it is
+# stopped (a model folder from elsewhere may carry one that fills the machine's memory).
+MAX_RENDERED_CHARS = 4_000_000
 
 
 class ChatTemplateError(ValueError):
@@ -33,6 +39,9 @@ class ModelTokenizer:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (model_dir / name).exists() or (model_dir / name).is_symlink():
+                model_file(model_dir, name)  # the prompt must never take in a file a folder links to
         try:
             self._tokenizer = Tokenizer.from_file(str(path))
         except Exception as error:  # tokenizers raises a bare Exception for a file it cannot read
@@ -42,8 +51,11 @@ class ModelTokenizer:
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         template_path = model_dir / "chat_template.jinja"
-        self.chat_template: str | None = (
-            template_path.read_text(encoding="utf-8") if template_path.is_file() else config.get("chat_template"))
+        try:
+            self.chat_template: str | None = (template_path.read_text(encoding="utf-8") if template_path.is_file()
+                                              else _configured_template(config.get("chat_template"), config_path))
+        except UnicodeDecodeError as error:
+            raise ChatTemplateError(f"{template_path} is not UTF-8 text: {error}") from None
 
     @property
     def vocab_size(self) -> int:
@@ -60,7 +72,7 @@ class ModelTokenizer:
         """The chat template rendered as transformers renders it (sandboxed Jinja, same options)."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use a plain prompt")
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        environment = _ChatSandbox(trim_blocks=True, lstrip_blocks=True)
 
         def raise_exception(message: str) -> None:
             raise ChatTemplateError(message)
@@ -68,11 +80,20 @@ class ModelTokenizer:
         environment.globals["raise_exception"] = raise_exception
         try:
             template = environment.from_string(self.chat_template)
-            return template.render(messages=[{"role": m.role, "content": m.content} for m in messages],
-                                   add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except TemplateError as error:
-            raise ChatTemplateError(f"the chat template failed: {error}") from error
+            chunks, length = [], 0
+            for chunk in template.generate(messages=[{"role": m.role, "content": m.content} for m in messages],
+                                           add_generation_prompt=add_generation_prompt,
+                                           bos_token=self.bos_token or "", eos_token=self.eos_token or ""):
+                length += len(chunk)
+                if length > MAX_RENDERED_CHARS:
+                    raise ChatTemplateError(f"the chat template renders more than {MAX_RENDERED_CHARS} characters")
+                chunks.append(chunk)
+            return "".join(chunks)
+        except ChatTemplateError:
+            raise
+        except (TemplateError, ArithmeticError, TypeError, ValueError, LookupError, AttributeError,
+                RecursionError, MemoryError) as error:  # a template's own mistake, never a traceback
+            raise ChatTemplateError(f"the chat template failed: {type(error).__name__}: {error}") from None
 
     def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
         """Token ids of a rendered conversation (the template writes its own special tokens)."""
@@ -95,3 +116,36 @@ def _token_text(value: object) -> str | None:
         content = value.get("content")
         return str(content) if content is not None else None
     return str(value) if value is not None else None
+
+
+class _ChatSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox transformers renders chat templates in, less what no chat template needs and a template
+    from elsewhere could fill the memory with: lipsum, and a string or list multiplied past the output cap."""
+
+    intercepted_binops = frozenset({"*"})
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.globals.pop("lipsum", None)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            sequence, times = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(sequence, str | list | tuple) and isinstance(times, int) \
+                    and len(sequence) * times > MAX_RENDERED_CHARS:
+                raise SecurityError(f"the chat template repeats a sequence past {MAX_RENDERED_CHARS} items")
+        return super().call_binop(context, operator, left, right)
+
+
+def _configured_template(value: object, config_path: Path) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or transformers' list of named templates (the one
+    named "default" is the chat template)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {item.get("name"): item.get("template") for item in value if isinstance(item, dict)}
+        if isinstance(named.get("default"), str):
+            return str(named["default"])
+        raise ChatTemplateError(f"{config_path}: chat_template lists no template named \"default\"")
+    raise ChatTemplateError(f"{config_path}: chat_template must be a string or a list of named templates, "
+                            f"not {type(value).__name__}")

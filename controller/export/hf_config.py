@@ -132,7 +132,9 @@ def _eos_token_ids(model_dir: Path, hf_config: object) -> tuple[int, ...]:
         sources.insert(0, _read_json_object(generation_path).get("eos_token_id"))
     for source in sources:
         values = source if isinstance(source, list) else [source]
-        ids += [int(value) for value in values if isinstance(value, int) and int(value) not in ids]
+        # a JSON true is an int to Python: it is no token id (it read as id 1, the BOS token)
+        ids += [int(value) for value in values
+                if isinstance(value, int) and not isinstance(value, bool) and int(value) not in ids]
     return tuple(ids)
 
 

@@ -74,6 +74,10 @@ class CheckpointWeights:
     def check(self, config: CheckpointConfig) -> None:
         """Raise MalformedCheckpointError unless every tensor the config needs is here, of float type and of
         the shape the config gives (extra tensors, such as a rotary table, are ignored)."""
+        layers = config.spec.num_layers
+        if f"model.layers.{layers - 1}.input_layernorm.weight" not in self:  # before listing a billion names
+            raise MalformedCheckpointError(f"config.json gives {layers} layers, but the weights have no layer "
+                                           f"{layers - 1} (model.layers.{layers - 1}.input_layernorm.weight)")
         problems = []
         for name, expected in expected_tensors(config).items():
             if name not in self:

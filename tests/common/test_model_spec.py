@@ -111,3 +111,28 @@ def test_load_and_verify(tmp_path: Path) -> None:
     (tmp_path / "a.bin").write_bytes(b"abcd")
     with pytest.raises(ManifestError, match="4 bytes"):
         verify_files(tmp_path, m, ["a.bin"])
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[]", "a manifest is a JSON object"),
+    ('"x"', "a manifest is a JSON object"),
+])
+def test_a_manifest_that_is_not_an_object_is_refused(text: str, message: str) -> None:
+    with pytest.raises(ManifestError, match=message):
+        Manifest.from_json(text)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("num_layers", "8", "must be a whole number"), ("num_kv_heads", True, "must be a whole number"),
+    ("vocab_size", 10**9, "past any real model's"), ("head_dim", 10**9, "past any real model's"),
+    ("eos_token_ids", "2", "eos_token_ids must be a list"), ("files", [], "malformed manifest"),
+])
+def test_a_tampered_spec_is_refused_by_name(field: str, value: object, message: str) -> None:
+    # these gave AttributeError/TypeError tracebacks, or (a vocabulary of 1e9) a 7.45 GiB allocation
+    body = json.loads(manifest().to_json())
+    if field == "files":
+        body["files"] = value
+    else:
+        body["spec"][field] = value
+    with pytest.raises(ManifestError, match=message):
+        Manifest.from_json(json.dumps(body))

@@ -203,8 +203,13 @@ def test_weights_that_do_not_match_the_config_are_refused_before_any_work(
 def test_a_config_with_more_layers_than_the_weights_is_refused(checkpoint_factory: Callable[..., Path],
                                                                tmp_path: Path, no_conversion: None) -> None:
     checkpoint = edited_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), tmp_path, num_hidden_layers=5)
-    with pytest.raises(MalformedCheckpointError, match=r"model.layers.4.input_layernorm.weight is missing.*more\)"):
+    with pytest.raises(MalformedCheckpointError, match=r"config\.json gives 5 layers, but the weights have no layer 4"):
         export_checkpoint(checkpoint, tmp_path / "out", WeightFormat.F32)
+    # ten million layers are refused as fast, before a list of every tensor they would need is made
+    huge = edited_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), tmp_path / "huge",
+                             num_hidden_layers=10**7)
+    with pytest.raises(MalformedCheckpointError, match="gives 10000000 layers"):
+        export_checkpoint(huge, tmp_path / "out", WeightFormat.F32)
 
 
 @pytest.mark.parametrize(("changes", "error", "says"), [

@@ -294,6 +294,15 @@ def test_a_damaged_file_in_the_export_is_named(tmp_path: Path, tiny_export: Path
         try:
             with pytest.raises(DeployError, match=r"layer_002\.bin is damaged: .* export the model again"):
                 await deploy(store, damaged, found, PlanOptions(), Precision.F32, kv_cache="f32")
+            # a tampered folder linking a file from elsewhere in: named, and not one of its bytes sent
+            layer.write_bytes((tiny_export / "layer_002.bin").read_bytes())
+            outside = tmp_path / "secret.bin"
+            outside.write_bytes((damaged / "layer_003.bin").read_bytes())
+            (damaged / "layer_003.bin").unlink()
+            (damaged / "layer_003.bin").symlink_to(outside)
+            with pytest.raises(DeployError, match=r"layer_003\.bin is a symbolic link"):
+                await deploy(store, damaged, found, PlanOptions(), Precision.F32, kv_cache="f32")
+            assert not any((tmp_path / "cache" / "blobs").glob(hashlib.sha256(outside.read_bytes()).hexdigest()))
         finally:
             await found.close()
             server.close()

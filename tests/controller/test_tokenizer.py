@@ -53,3 +53,47 @@ def test_text_that_is_not_utf8_is_refused_by_name(tiny_export: Path) -> None:
     with pytest.raises(NotUtf8Error, match="--system is not valid UTF-8"):
         check_utf8("\ud800", "--system")
     check_utf8("ünïcode ✓", "--prompt 1")
+
+
+def test_a_model_folder_cannot_link_its_tokenizer_files_to_files_elsewhere(tiny_export: Path, tmp_path: Path) -> None:
+    # A chat_template.jinja linked to a secret file made its text the prompt (and, with --fleet, sent it on).
+    from deskfleet.common.model_spec import ManifestError
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((tiny_export / "tokenizer.json").read_bytes())
+    secret = tmp_path / "secret.txt"
+    secret.write_text("API-KEY=sk-12345")
+    (folder / "chat_template.jinja").symlink_to(secret)
+    with pytest.raises(ManifestError, match=r"chat_template\.jinja is a symbolic link"):
+        ModelTokenizer(folder)
+
+
+@pytest.mark.parametrize(("template", "message"), [
+    ("{{ 1/0 }}", "ZeroDivisionError"), ("{{ 1 + 'a' }}", "TypeError"), ("{% include 'x' %}", "no loader"),
+    ("{{ 'a' * 4000000000 }}", "repeats a sequence past"), ("{{ [1] * 4000000000 }}", "repeats a sequence past"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}xxxx{% endfor %}{% endfor %}", "renders more than"),
+    ("{{ lipsum(n=100000000) }}", "'lipsum' is undefined"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
+])
+def test_a_chat_template_from_elsewhere_fails_by_name_not_by_traceback_or_memory(
+        tiny_export: Path, tmp_path: Path, template: str, message: str) -> None:
+    (tmp_path / "tokenizer.json").write_bytes((tiny_export / "tokenizer.json").read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(template)
+    with pytest.raises(ChatTemplateError, match=re.escape(message)):
+        ModelTokenizer(tmp_path).render_chat([ChatMessage("user", "hi")])
+
+
+def test_transformers_list_of_named_templates_uses_the_default(tiny_export: Path, tmp_path: Path) -> None:
+    import json
+
+    (tmp_path / "tokenizer.json").write_bytes((tiny_export / "tokenizer.json").read_bytes())
+    config = tmp_path / "tokenizer_config.json"
+    templates = [{"name": "tool_use", "template": "tools"},
+                 {"name": "default", "template": "{{ messages[0].content }}"}]
+    config.write_text(json.dumps({"chat_template": templates}))
+    assert ModelTokenizer(tmp_path).render_chat([ChatMessage("user", "hi")]) == "hi"
+    for value in ([{"name": "tool_use", "template": "tools"}], 7):
+        config.write_text(json.dumps({"chat_template": value}))
+        with pytest.raises(ChatTemplateError, match=f"{re.escape(str(config))}: chat_template"):
+            ModelTokenizer(tmp_path)
