@@ -196,8 +196,11 @@ def _ls(args: argparse.Namespace) -> int:
         state = report.state.value if report else "unreachable"
         free = f"{report.free_memory_bytes / 1e9:.1f}G" if report else "-"
         stages = ", ".join(f"{s.model_id}[{s.layer_start}:{s.layer_end}]" for s in report.stages) if report else ""
+        why = f"({report.detail or ', '.join(reason.value for reason in report.reasons)})" \
+            if report and report.reasons else ""  # an unavailable or paused agent's limits, with the numbers
+        notes = " ".join(part for part in (stages, why) if part) or agent.problem or "-"
         print(f"{(agent.agent_id or '?')[:12]:<14} {agent.hostname[:16]:<16} {agent.address:<22} {state:<12} "
-              f"{free:>8} {','.join(agent.sources):<20} {stages or agent.problem or '-'}")
+              f"{free:>8} {','.join(agent.sources):<20} {notes}")
     return 0
 
 
@@ -207,6 +210,8 @@ def _agent_json(agent: Any) -> dict[str, Any]:
             "sources": list(agent.sources), "problem": agent.problem,
             "state": report.state.value if report else None,
             "free_memory_bytes": report.free_memory_bytes if report else None,
+            "reasons": [reason.value for reason in report.reasons] if report else [],
+            "detail": report.detail if report else "",
             "stages": [[s.model_id, s.layer_start, s.layer_end] for s in report.stages] if report else []}
 
 

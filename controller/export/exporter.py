@@ -100,11 +100,15 @@ def _check_output(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
         raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it")
     if not any(out_dir.iterdir()):
         return
+    if not (out_dir / MANIFEST_NAME).is_file():
+        raise ExportError(f"{out_dir} holds files but no {MANIFEST_NAME}: --overwrite replaces only a deskfleet "
+                          "export or an empty folder; remove it yourself or choose another folder")
     try:
         load_manifest(out_dir)
     except (ManifestError, OSError, ValueError) as error:
-        raise ExportError(f"{out_dir} is not a deskfleet export ({error}): --overwrite replaces only an export or "
-                          "an empty folder; remove it yourself or choose another folder") from None
+        raise ExportError(f"{out_dir}/{MANIFEST_NAME} is not a deskfleet manifest ({error}): --overwrite replaces "
+                          "only a deskfleet export or an empty folder; remove it yourself or choose another "
+                          "folder") from None
 
 
 def _export_into(model_dir: Path, staging: Path, config: CheckpointConfig, weight_format: WeightFormat,

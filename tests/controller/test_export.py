@@ -269,10 +269,10 @@ def test_overwrite_never_deletes_the_checkpoint_or_a_folder_that_is_not_an_expor
     other = tmp_path / "other"
     other.mkdir()
     (other / "photo.jpg").write_text("precious")
-    with pytest.raises(ExportError, match=r"other is not a deskfleet export \(.*has no manifest.json"):
+    with pytest.raises(ExportError, match=r"other holds files but no manifest\.json: --overwrite replaces only"):
         export_checkpoint(checkpoint, other, WeightFormat.F32, overwrite=True)
     (other / "manifest.json").write_text('{"manifest_version": 3, "name": "a browser extension"}')
-    with pytest.raises(ExportError, match="other is not a deskfleet export"):
+    with pytest.raises(ExportError, match=r"other/manifest\.json is not a deskfleet manifest"):
         export_checkpoint(checkpoint, other, WeightFormat.F32, overwrite=True)
     (other / "manifest.json").unlink()
     with pytest.raises(ExportError, match=r"notes\.txt exists and is not a folder"):

@@ -260,6 +260,9 @@ def test_fleet_plan_uses_the_live_agents_and_says_why_each_other_one_was_left_ou
                  for option in ("--peer", address)]
         code = await asyncio.to_thread(main, ["fleet", "plan", "--model", str(tiny_export), *peers,
                                               "--discover-seconds", "0", "--data-dir", str(data)])
+        listed = await asyncio.to_thread(main, ["fleet", "ls", *peers, "--discover-seconds", "0", "--data-dir",
+                                                str(data)])
+        assert listed == 0
         for server in servers:
             server.close()
             await server.wait_closed()
@@ -269,6 +272,8 @@ def test_fleet_plan_uses_the_live_agents_and_says_why_each_other_one_was_left_ou
     out = capsys.readouterr().out
     assert "1 stage(s):" in out
     assert "unavailable: low memory (8.0 GiB free of 16.0)" in out
+    assert any(line.split()[3:4] == ["unavailable"] and line.endswith("(8.0 GiB free of 16.0)")
+               for line in out.splitlines())  # `fleet ls` says why too
     assert f"unreachable at {dead}: cannot reach" in out
 
 
