@@ -29,6 +29,7 @@ import openvino as ov
 import openvino.opset13 as ops
 from openvino import passes
 
+from deskfleet.agent.paths import device_targets
 from deskfleet.common.devices import VIRTUAL, device_kind
 from deskfleet.common.model_spec import Manifest, ManifestError, TensorNames, verify_files
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
@@ -59,6 +60,7 @@ class CompileSettings:
     kv_cache: str | None = None  # KV_CACHE_PRECISION; None: the precision's own (f32 exact, fast the device's)
 
     def __post_init__(self) -> None:
+        device_targets(self.device)  # ValueError naming it when it is not OpenVINO's syntax ("cpu", "GPU,CPU")
         if self.kv_cache is not None and self.kv_cache not in KV_CACHE_PRECISIONS:
             raise ValueError(f"unknown KV cache precision {self.kv_cache!r}: "
                              f"choose one of {', '.join(KV_CACHE_PRECISIONS)}")
@@ -103,6 +105,9 @@ class CompileSettings:
             wanted["INFERENCE_NUM_THREADS"] = str(self.num_threads)
         if device_kind(self.device) in VIRTUAL:
             return wanted
+        if device_kind(self.device) not in {device_kind(found) for found in core.available_devices}:
+            raise ValueError(f"device {self.device} is not available on this PC (OpenVINO finds "
+                             f"{', '.join(core.available_devices) or 'none'})")
         supported = set(core.get_property(self.device, "SUPPORTED_PROPERTIES"))
         for name in sorted(set(wanted) - supported):
             if name in {"INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION"} and self.precision is Precision.F32:

@@ -110,3 +110,14 @@ def test_a_drafting_cpu_stage_reads_back_an_f32_kv_cache(tiny_export: Path) -> N
     stage = Stage(tiny_export, manifest, LayerRange(0, n, n), CompileSettings().for_drafting())
     assert stage.compiled.get_property("KV_CACHE_PRECISION").to_string() == "f32"
     assert int(stage.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) > 0  # still fast
+
+
+def test_a_device_that_is_not_a_name_or_not_here_is_refused_by_name() -> None:
+    # `--device cpu` and `--device GPU` on a PC without one printed OpenVINO's internal exceptions
+    import openvino as ov
+
+    with pytest.raises(ValueError, match="'cpu' is not an OpenVINO device name"):
+        CompileSettings(device="cpu")
+    missing = next(name for name in ("NPU", "GPU", "XPU") if name not in ov.Core().available_devices)
+    with pytest.raises(ValueError, match=f"device {missing} is not available on this PC \\(OpenVINO finds"):
+        CompileSettings(device=missing).properties(ov.Core())
