@@ -124,14 +124,17 @@ class AgentService:
         cache and state) refuses to start instead of taking turns with the first at the controller."""
         path = self.paths.state_dir / LOCK_FILE
         with open(path, "a+") as handle:
-            if not try_lock_file(handle.fileno()):
-                handle.seek(0)
-                holder = handle.read().strip() or "another process"
+            if not try_lock_file(handle.fileno()):  # the lock is on byte 0; the holder's pid follows it
+                try:
+                    handle.seek(1)
+                    holder = handle.read().strip() or "unknown"
+                except OSError:
+                    holder = "unknown"
                 raise OSError(f"{self.paths.state_dir} is in use by another agent (pid {holder}): stop it, or give "
                               "this one a --data-dir of its own")
             handle.seek(0)
             handle.truncate()
-            handle.write(str(os.getpid()))
+            handle.write(f"\n{os.getpid()}")
             handle.flush()
             try:
                 yield

@@ -105,7 +105,7 @@ class CompileSettings:
             wanted["INFERENCE_NUM_THREADS"] = str(self.num_threads)
         if device_kind(self.device) in VIRTUAL:
             return wanted
-        if device_kind(self.device) not in {device_kind(found) for found in core.available_devices}:
+        if not _is_available(self.device, core.available_devices):
             raise ValueError(f"device {self.device} is not available on this PC (OpenVINO finds "
                              f"{', '.join(core.available_devices) or 'none'})")
         supported = set(core.get_property(self.device, "SUPPORTED_PROPERTIES"))
@@ -220,6 +220,14 @@ def build_stage_model(model_dir: Path, manifest: Manifest, layers: LayerRange, v
     if stateful != len(kv_pairs):
         raise RuntimeError(f"only {stateful} of {len(kv_pairs)} KV pairs became stateful")
     return model
+
+
+def _is_available(device: str, available: list[str]) -> bool:
+    """Whether OpenVINO lists `device`: "GPU" when any GPU is ("GPU.0", "GPU.1"), "GPU.1" only when it is,
+    and "GPU.0" also for a lone GPU listed as "GPU"."""
+    kind = device_kind(device)
+    return device in available or (device == kind and any(device_kind(found) == kind for found in available)) \
+        or (device == f"{kind}.0" and kind in available)
 
 
 def _check_rope_rows(rope: ov.Model, max_context: int) -> None:

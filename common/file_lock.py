@@ -1,7 +1,12 @@
-"""Advisory locks on a file's first byte, the same on Linux, macOS and Windows (pure: no deskfleet state)."""
+"""Advisory locks on a file's first byte, the same on Linux, macOS and Windows (pure: no deskfleet state).
+
+Windows locks the byte at the file's current position: every call here seeks to 0 first, so that a holder
+that wrote into the file (a pid after the first byte) and a newcomer lock the same byte.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 
 if sys.platform == "win32":
@@ -9,10 +14,12 @@ if sys.platform == "win32":
 
     def lock_file(descriptor: int) -> None:
         """Wait for the lock."""
+        os.lseek(descriptor, 0, os.SEEK_SET)
         msvcrt.locking(descriptor, msvcrt.LK_LOCK, 1)
 
     def try_lock_file(descriptor: int) -> bool:
         """Take the lock if nobody holds it; False when another process does."""
+        os.lseek(descriptor, 0, os.SEEK_SET)
         try:
             msvcrt.locking(descriptor, msvcrt.LK_NBLCK, 1)
         except OSError:
@@ -20,12 +27,14 @@ if sys.platform == "win32":
         return True
 
     def unlock_file(descriptor: int) -> None:
+        os.lseek(descriptor, 0, os.SEEK_SET)
         msvcrt.locking(descriptor, msvcrt.LK_UNLCK, 1)
 else:
     import fcntl
 
     def lock_file(descriptor: int) -> None:
         """Wait for the lock."""
+        os.lseek(descriptor, 0, os.SEEK_SET)  # flock ignores the position; kept alike for the Windows branch
         fcntl.flock(descriptor, fcntl.LOCK_EX)
 
     def try_lock_file(descriptor: int) -> bool:

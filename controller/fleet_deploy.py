@@ -15,14 +15,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from deskfleet.agent.link import Link, LinkError
 from deskfleet.common.devices import device_kind
-from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, ManifestError, load_manifest, model_file, sha256_of
+from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, ManifestError, load_manifest, model_file
 from deskfleet.common.planner import (
     AgentCandidate,
     Exclusion,
@@ -259,12 +260,8 @@ async def _deploy_stage(link: Link, model_dir: Path, assignment: AssignStage, se
             have = await _expect(link, ShardHave, REPLY_TIMEOUT_S)
             offsets = {partial.sha256: partial.offset for partial in have.partial}
             pushed = [entry for sha256, entry in by_sha.items() if sha256 not in have.complete]
-            # every byte that leaves this PC is first checked to be the export's own: a file damaged since the
-            # export, or one a tampered folder links in from elsewhere (/etc/passwd), is named and not sent
-            await asyncio.to_thread(_check_export_files, model_dir, pushed)
             for entry in pushed:
-                sent[agent_id] += await _push(link, model_dir / entry.file_name, entry, offsets.get(entry.sha256, 0),
-                                              progress)
+                sent[agent_id] += await _push(link, model_dir, entry, offsets.get(entry.sha256, 0), progress)
                 files[agent_id] += 1
             await link.send(ShardQuery(tuple(by_sha)))
             confirmed = await _expect(link, ShardHave, REPLY_TIMEOUT_S)
@@ -285,29 +282,43 @@ async def _deploy_stage(link: Link, model_dir: Path, assignment: AssignStage, se
         raise DeployError(f"agent {agent_id[:12]} at {link.address}: {error}") from None
 
 
-def _check_export_files(model_dir: Path, entries: Sequence[ManifestEntry]) -> None:
-    """DeployError naming the first file of the export that is not a plain file of the folder or whose bytes
-    are not what its manifest says."""
-    for entry in entries:
-        try:
-            path = model_file(model_dir, entry.file_name)
-        except ManifestError as error:
-            raise DeployError(str(error)) from None
-        if path.stat().st_size != entry.size:
-            raise DeployError(f"{path} has {path.stat().st_size} bytes, the export's manifest says {entry.size}: "
-                              "is the export folder complete?")
-        digest = sha256_of(path)
-        if digest != entry.sha256:
-            raise DeployError(f"{model_dir / entry.file_name} is damaged: its bytes hash to {digest[:12]}…, the "
+def _open_export_file(model_dir: Path, entry: ManifestEntry) -> BinaryIO:
+    """The export's file, opened once (a link is refused, also one swapped in after a check) and checked
+    against the manifest's size and sha256 through that same handle, rewound: every byte a deploy sends is
+    the export's own. DeployError naming the file otherwise (damaged since the export, or a tampered folder
+    linking in a file from elsewhere, such as /etc/passwd)."""
+    try:
+        path = model_file(model_dir, entry.file_name)
+        stream = os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)),
+                           "rb")
+    except ManifestError as error:
+        raise DeployError(str(error)) from None
+    except OSError as error:  # ELOOP: a link appeared after the check
+        raise DeployError(f"{model_dir / entry.file_name} cannot be opened as a file of the export: "
+                          f"{error.strerror or error}") from None
+    try:
+        size = os.fstat(stream.fileno()).st_size
+        if size != entry.size:
+            raise DeployError(f"{model_dir / entry.file_name} has {size} bytes, the export's manifest says "
+                              f"{entry.size}: is the export folder complete?")
+        digest = hashlib.sha256()
+        while chunk := stream.read(CHUNK_BYTES):
+            digest.update(chunk)
+        if (found := digest.hexdigest()) != entry.sha256:
+            raise DeployError(f"{model_dir / entry.file_name} is damaged: its bytes hash to {found[:12]}…, the "
                               f"export's manifest says {entry.sha256[:12]}…; export the model again")
+        stream.seek(0)
+    except BaseException:
+        stream.close()
+        raise
+    return stream
 
 
-async def _push(link: Link, path: Path, entry: ManifestEntry, offset: int, progress: Progress | None) -> int:
-    """Send `path` from `offset` in chunks, then ShardComplete; returns the bytes sent."""
-    if not path.is_file() or path.stat().st_size != entry.size:
-        raise DeployError(f"{path} is missing or has the wrong size: is the export folder complete?")
+async def _push(link: Link, model_dir: Path, entry: ManifestEntry, offset: int, progress: Progress | None) -> int:
+    """Send the export's file from `offset` in chunks, then ShardComplete; returns the bytes sent."""
+    path = model_dir / entry.file_name
     sent = 0
-    with path.open("rb") as stream:
+    with await asyncio.to_thread(_open_export_file, model_dir, entry) as stream:
         stream.seek(offset)
         while offset < entry.size:
             data = stream.read(CHUNK_BYTES)

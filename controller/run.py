@@ -55,7 +55,8 @@ def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[
     for what, text in texts:
         check_utf8(text, what)
     if options.chat:
-        return [tokenizer.encode_chat([ChatMessage("user", text)]) for _, text in texts]
+        rendered = tokenizer.render_chats([[ChatMessage("user", text)] for _, text in texts])  # one child process
+        return [tokenizer.encode(text, add_special_tokens=False) for text in rendered]
     return [tokenizer.encode(text) for _, text in texts]
 
 

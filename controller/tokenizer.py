@@ -4,23 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from tokenizers import Tokenizer
 
 from deskfleet.common.json_file import read_json_object
 from deskfleet.common.model_spec import model_file
 
-# A rendered conversation is at most this long: a template that loops or multiplies its way past it is
-# stopped (a model folder from elsewhere may carry one that fills the machine's memory).
-MAX_RENDERED_CHARS = 4_000_000
+from .chat_template import ChatTemplateError, render_isolated
 
-
-class ChatTemplateError(ValueError):
-    """The model has no chat template, or rendering it failed."""
-
+__all__ = ["ChatMessage", "ChatTemplateError", "ModelTokenizer", "NotUtf8Error", "check_utf8"]
 
 class NotUtf8Error(ValueError):
     """Text that came from bytes that are not UTF-8 (Python keeps those as lone surrogates): not encodable."""
@@ -69,31 +61,18 @@ class ModelTokenizer:
         return str(self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """The chat template rendered as transformers renders it (sandboxed Jinja, same options)."""
+        """The chat template rendered as transformers renders it (sandboxed Jinja, same options), in a child
+        process with a memory and a time limit (controller/chat_template.py)."""
+        return self.render_chats([messages], add_generation_prompt)[0]
+
+    def render_chats(self, conversations: list[list[ChatMessage]], add_generation_prompt: bool = True) -> list[str]:
+        """render_chat of each conversation, all in one child process."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use a plain prompt")
-        environment = _ChatSandbox(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message: str) -> None:
-            raise ChatTemplateError(message)
-
-        environment.globals["raise_exception"] = raise_exception
-        try:
-            template = environment.from_string(self.chat_template)
-            chunks, length = [], 0
-            for chunk in template.generate(messages=[{"role": m.role, "content": m.content} for m in messages],
-                                           add_generation_prompt=add_generation_prompt,
-                                           bos_token=self.bos_token or "", eos_token=self.eos_token or ""):
-                length += len(chunk)
-                if length > MAX_RENDERED_CHARS:
-                    raise ChatTemplateError(f"the chat template renders more than {MAX_RENDERED_CHARS} characters")
-                chunks.append(chunk)
-            return "".join(chunks)
-        except ChatTemplateError:
-            raise
-        except (TemplateError, ArithmeticError, TypeError, ValueError, LookupError, AttributeError,
-                RecursionError, MemoryError) as error:  # a template's own mistake, never a traceback
-            raise ChatTemplateError(f"the chat template failed: {type(error).__name__}: {error}") from None
+        return render_isolated(self.chat_template, [
+            {"messages": [{"role": m.role, "content": m.content} for m in messages],
+             "add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token or "",
+             "eos_token": self.eos_token or ""} for messages in conversations])
 
     def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
         """Token ids of a rendered conversation (the template writes its own special tokens)."""
@@ -116,25 +95,6 @@ def _token_text(value: object) -> str | None:
         content = value.get("content")
         return str(content) if content is not None else None
     return str(value) if value is not None else None
-
-
-class _ChatSandbox(ImmutableSandboxedEnvironment):
-    """The sandbox transformers renders chat templates in, less what no chat template needs and a template
-    from elsewhere could fill the memory with: lipsum, and a string or list multiplied past the output cap."""
-
-    intercepted_binops = frozenset({"*"})
-
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        self.globals.pop("lipsum", None)
-
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "*":
-            sequence, times = (left, right) if isinstance(right, int) else (right, left)
-            if isinstance(sequence, str | list | tuple) and isinstance(times, int) \
-                    and len(sequence) * times > MAX_RENDERED_CHARS:
-                raise SecurityError(f"the chat template repeats a sequence past {MAX_RENDERED_CHARS} items")
-        return super().call_binop(context, operator, left, right)
 
 
 def _configured_template(value: object, config_path: Path) -> str | None:

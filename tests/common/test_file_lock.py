@@ -15,3 +15,16 @@ def test_a_held_lock_refuses_a_second_holder_until_released(tmp_path: Path) -> N
         unlock_file(first.fileno())
         assert try_lock_file(second.fileno())
         unlock_file(second.fileno())
+
+
+def test_a_holder_that_wrote_into_the_file_still_shuts_a_newcomer_out(tmp_path: Path) -> None:
+    # Windows locks the byte at the current position: after the holder appended its pid, a newcomer opening
+    # in append mode sat elsewhere and took "the lock" too. Every call now works on byte 0.
+    path = tmp_path / "x.lock"
+    path.write_text("\n123456")
+    with open(path, "a+") as first, open(path, "a+") as second:
+        assert try_lock_file(first.fileno())
+        first.write("\n42")
+        first.flush()
+        assert not try_lock_file(second.fileno())
+        unlock_file(first.fileno())

@@ -314,3 +314,23 @@ def test_a_damaged_file_in_the_export_is_named(tmp_path: Path, tiny_export: Path
             await server.wait_closed()
 
     asyncio.run(scenario())
+
+
+def test_the_bytes_sent_are_read_through_the_handle_that_was_checked(tmp_path: Path) -> None:
+    # Checked, then opened again to send, a file swapped for a link in between was sent (the secret's bytes).
+    from deskfleet.common.wire import ManifestEntry
+    from deskfleet.controller.fleet_deploy import _open_export_file
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    data = b"genuine weights\n"
+    (folder / "layer_000.bin").write_bytes(data)
+    entry = ManifestEntry("layer_000.bin", hashlib.sha256(data).hexdigest(), len(data))
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"TOP-SECRET-KEY!\n")  # the same size
+    with _open_export_file(folder, entry) as stream:
+        (folder / "layer_000.bin").unlink()
+        (folder / "layer_000.bin").symlink_to(secret)
+        assert stream.read() == data
+    with pytest.raises(DeployError, match=r"layer_000\.bin is a symbolic link"):
+        _open_export_file(folder, entry)

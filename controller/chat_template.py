@@ -1,0 +1,102 @@
+"""Rendering a model's chat template in a child process with a memory limit and a time limit.
+
+A chat template is code that came with the model folder; transformers renders it in Jinja's sandbox, which
+stops it reaching Python's internals but not filling the memory (a string doubled in a loop, a huge
+format width, a power of a power). So the template runs here, as transformers runs it, in a child Python
+with its address space capped at RENDER_MEMORY_BYTES (where the OS allows: not on Windows) and killed after
+RENDER_TIMEOUT_S; a failure of the template in any form is a ChatTemplateError naming it. One child renders
+every conversation of a call (about 50 ms to start).
+
+Run as `python -m deskfleet.controller.chat_template`: a JSON request on stdin, a JSON answer on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+RENDER_TIMEOUT_S = 10.0
+RENDER_MEMORY_BYTES = 2 << 30  # the child's whole address space, Python included
+MAX_RENDERED_CHARS = 4_000_000  # one rendered conversation
+
+
+class ChatTemplateError(ValueError):
+    """The model has no usable chat template, or the template failed or refused the conversation."""
+
+
+def render_isolated(template: str, conversations: list[dict[str, Any]]) -> list[str]:
+    """Each conversation's `template.render(**conversation)`, rendered in a child process."""
+    request = json.dumps({"template": template, "conversations": conversations})
+    try:
+        done = subprocess.run([sys.executable, "-m", "deskfleet.controller.chat_template"], input=request,
+                              capture_output=True, text=True, encoding="utf-8", timeout=RENDER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ChatTemplateError(f"the chat template took more than {RENDER_TIMEOUT_S:.0f} s to render") from None
+    try:
+        answer = json.loads(done.stdout)
+    except json.JSONDecodeError:  # killed: the memory cap, or a signal
+        raise ChatTemplateError(f"the chat template failed while rendering (it may have needed more than "
+                                f"{RENDER_MEMORY_BYTES >> 30} GiB): {done.stderr.strip()[-300:] or done.returncode}"
+                                ) from None
+    if "error" in answer:
+        raise ChatTemplateError(str(answer["error"]))
+    return [str(text) for text in answer["texts"]]
+
+
+# The child's side
+
+def _render_all(template: str, conversations: list[dict[str, Any]]) -> list[str]:
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class TemplateRaised(Exception):
+        pass
+
+    def raise_exception(message: str) -> None:
+        raise TemplateRaised(message)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment.globals["raise_exception"] = raise_exception
+    texts = []
+    try:
+        compiled = environment.from_string(template)
+        for conversation in conversations:
+            chunks, length = [], 0
+            for chunk in compiled.generate(**conversation):
+                length += len(chunk)
+                if length > MAX_RENDERED_CHARS:
+                    raise ChatTemplateError(f"the chat template renders more than {MAX_RENDERED_CHARS} characters")
+                chunks.append(chunk)
+            texts.append("".join(chunks))
+    except TemplateRaised as error:  # the template's own refusal, e.g. roles that do not alternate
+        raise ChatTemplateError(str(error)) from None
+    except (TemplateError, ArithmeticError, TypeError, ValueError, LookupError, AttributeError,
+            RecursionError) as error:  # a MemoryError goes up to main(): the cap, said as such
+        if isinstance(error, ChatTemplateError):
+            raise
+        raise ChatTemplateError(f"the chat template failed: {type(error).__name__}: {error}") from None
+    return texts
+
+
+def main() -> int:
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (RENDER_MEMORY_BYTES, RENDER_MEMORY_BYTES))
+    except (ImportError, ValueError, OSError):  # Windows has no resource module: the timeout still holds
+        pass
+    request = json.loads(sys.stdin.read())
+    try:
+        answer: dict[str, Any] = {"texts": _render_all(request["template"], request["conversations"])}
+    except ChatTemplateError as error:
+        answer = {"error": str(error)}
+    except MemoryError:
+        answer = {"error": f"the chat template needed more than {RENDER_MEMORY_BYTES >> 30} GiB to render"}
+    sys.stdout.write(json.dumps(answer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
