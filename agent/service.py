@@ -39,6 +39,7 @@ RETRY_MIN_S = 1.0
 RETRY_MAX_S = 30.0
 REGISTERED_STABLE_S = 30.0  # a controller link that lasted this long resets the retry delay
 LOCK_FILE = "agent.lock"  # in the state folder: one agent per data dir
+REVOCATIONS_FILE = "revoked.json"  # in the state folder: the controller's last list of removed agents
 ADVERTISE_REFRESH_S = 10.0
 IDLE_SWEEP_S = 60.0  # how often micro-batches left behind by a vanished driver are looked for
 
@@ -47,9 +48,6 @@ IDLE_SWEEP_S = 60.0  # how often micro-batches left behind by a vanished driver 
 class AgentOptions:
     data_dir: Path | None
     listen: str | None = None  # host:port; None: the settings file's listen_address
-
-
-REVOCATIONS_FILE = "revoked.json"  # the controller's last list of removed agents (see AgentCore)
 
 
 class AgentService:

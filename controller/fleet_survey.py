@@ -5,9 +5,9 @@ Sources, merged in a discovery Registry (controller/registry.py):
 - mDNS: a short zeroconf browse (`--discover-seconds`) on this host's interfaces;
 - manual `--peer HOST:PORT`, dialled without knowing the agent id (its certificate tells).
 Every agent found is then dialled over an authenticated link (its agent id pinned in TLS where known,
-revoked agents refused) and asked for a StatusReport, at each of its addresses in turn until one answers
-(those it registered with first: an mDNS announcement is anyone's claim, and a wrong address just fails
-the TLS pin); one that does not answer at any is listed with each address's reason.
+revoked agents refused) and asked for a StatusReport, at all of its addresses at once, the first answer
+winning (an mDNS announcement is anyone's claim, and a wrong address just fails the TLS pin); one that
+does not answer at any is listed with each address's reason.
 """
 
 from __future__ import annotations

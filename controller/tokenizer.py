@@ -14,6 +14,7 @@ from .chat_template import ChatTemplateError, render_isolated
 
 __all__ = ["ChatMessage", "ChatTemplateError", "ModelTokenizer", "NotUtf8Error", "check_utf8"]
 
+
 class NotUtf8Error(ValueError):
     """Text that came from bytes that are not UTF-8 (Python keeps those as lone surrogates): not encodable."""
 
