@@ -157,14 +157,25 @@ def remove_agent(store: FleetStore, name: str) -> str:
 
 
 def _read_revoked(store: FleetStore) -> list[str]:
-    body = store.read("revoked", [])
+    """The removed agents' ids. `fleet init` writes the file, so a missing one was lost, not empty: reading it
+    as "nobody removed" would let removed agents in again and tell every agent to forget them (they keep the
+    controller's list), so it is refused like a damaged one."""
+    path = store.data_dir / "revoked.json"
+    body = store.read("revoked", None)
+    if body is None:
+        raise FleetStoreError(
+            f"{path} is missing: the list of agents removed from this fleet is lost, and serving without it would "
+            "let them in again. Restore it from a backup, or write it again with the removed agents' ids (each "
+            "agent keeps a copy in its state folder, state/revoked.json): "
+            '{"format": 1, "body": ["AGENT_ID", ...]}; "body": [] if no agent was ever removed')
     if not isinstance(body, list) or not all(isinstance(item, str) for item in body):
-        raise FleetStoreError(f"{store.data_dir / 'revoked.json'} must hold a list of agent ids")
+        raise FleetStoreError(f"{path} must hold a list of agent ids")
     return body
 
 
 class Revocations:
-    """The persisted revocation set, re-read whenever revoked.json changes (cheap to call per link)."""
+    """The persisted revocation set, re-read whenever revoked.json changes (cheap to call per link). A missing
+    or damaged file raises pki.PkiError naming it: every peer is then refused until it is restored."""
 
     def __init__(self, store: FleetStore) -> None:
         self.store = store
@@ -179,7 +190,10 @@ class Revocations:
         except FileNotFoundError:
             stamp = (0, 0)
         if stamp != self._stamp:
-            self._current = pki.RevocationSet(frozenset(_read_revoked(self.store)))
+            try:
+                self._current = pki.RevocationSet(frozenset(_read_revoked(self.store)))
+            except FleetStoreError as error:  # a peer is refused, naming why, until the file is back
+                raise pki.PkiError(f"the fleet's list of removed agents cannot be read: {error}") from None
             self._stamp = stamp
         return self._current
 

@@ -21,9 +21,10 @@ from dataclasses import replace
 from websockets.asyncio.server import ServerConnection
 
 from deskfleet.agent.link import Link, LinkError, start_server, utc_now
+from deskfleet.common import pki
 from deskfleet.common.wire import ErrorCode, Register, RevocationUpdate, Role, parse_address
 from deskfleet.controller.fleet_ca import Revocations, serve_enrollment
-from deskfleet.controller.fleet_store import FleetStore, RosterEntry
+from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,10 @@ class FleetServer:
         self.store = store
         self.listen = listen
         self.revocations = Revocations(store)
+        try:
+            self.revocations()  # a lost or damaged list of removed agents stops the server before it serves
+        except pki.PkiError as error:
+            raise FleetStoreError(str(error)) from None
         self.live: dict[str, Link] = {}  # agent id -> its registration link
         self.bound_port: int | None = None
         self._on_change = on_change
@@ -83,6 +88,12 @@ class FleetServer:
             await link.refuse(ErrorCode.BAD_MESSAGE, "an agent's first message after Hello is its own Register")
             return
         agent_id = link.peer.agent_id
+        try:
+            update = self._revocation_update()
+        except pki.PkiError as error:  # the list vanished since the handshake: refused like a new link
+            log.error("refused agent %s: %s", agent_id[:12], error)
+            await link.refuse(ErrorCode.INTERNAL, "the controller cannot read its list of removed agents")
+            return
         self._record(agent_id, message.listen_addresses)
         previous = self.live.get(agent_id)
         self.live[agent_id] = link
@@ -91,7 +102,7 @@ class FleetServer:
         log.info("agent %s registered at %s", agent_id[:12], ", ".join(message.listen_addresses))
         self._changed()
         try:
-            await link.send(self._revocation_update())
+            await link.send(update)
         except LinkError as error:
             log.info("agent %s: %s", agent_id[:12], error)
         try:
@@ -115,14 +126,28 @@ class FleetServer:
 
     async def _watch_revocations(self) -> None:
         told = self.revocations()
+        unreadable: str | None = None
         while True:
-            revoked = self.revocations()
+            try:
+                revoked = self.revocations()
+            except pki.PkiError as error:
+                # Lost or damaged: the agents keep what they were told, new links are refused (start_server
+                # asks the same source), and nothing is sent until the file reads again.
+                if str(error) != unreadable:
+                    log.error("%s; refusing new agent links until it is fixed", error)
+                    unreadable = str(error)
+                await asyncio.sleep(REVOCATION_POLL_S)
+                continue
+            if unreadable is not None:
+                log.warning("the fleet's list of removed agents reads again")
+                unreadable = None
             if revoked != told:
                 told = revoked
+                update = RevocationUpdate(tuple(sorted(revoked.agent_ids)))
                 for link in list(self.live.values()):
                     if not revoked.is_revoked(link.peer.agent_id):
                         try:
-                            await link.send(self._revocation_update())
+                            await link.send(update)
                         except LinkError as error:
                             log.info("%s", error)
             for agent_id, link in list(self.live.items()):

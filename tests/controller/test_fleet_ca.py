@@ -15,8 +15,8 @@ import pytest
 from deskfleet.agent.enroll import EnrollmentError, Membership, agent_tls_files, join
 from deskfleet.agent.link import LinkError, open_link, utc_now
 from deskfleet.common import join_tokens, pki
-from deskfleet.common.wire import Register
-from deskfleet.controller import fleet_store
+from deskfleet.common.wire import Register, RevocationUpdate
+from deskfleet.controller import fleet_server, fleet_store
 from deskfleet.controller.fleet_ca import (
     Revocations,
     init_fleet,
@@ -275,5 +275,45 @@ def test_a_client_without_a_certificate_may_send_only_small_frames_and_only_so_m
         await asyncio.sleep(0.1)
         membership = await join(token_for(store, address), tmp_path / "agent", "pc-1")  # a real join still works
         assert store.roster()[membership.agent_id].hostname == "pc-1"
+
+    with_server(store, scenario)
+
+
+def test_a_lost_list_of_removed_agents_is_never_read_as_nobody_removed(store: FleetStore, tmp_path: Path) -> None:
+    # `fleet init` writes revoked.json; read as empty when missing, it would let removed agents back in and
+    # tell every agent to forget them.
+    removed_file = store.data_dir / "revoked.json"
+    removed_file.unlink()
+    revocations = Revocations(store)
+    with pytest.raises(pki.PkiError, match=r"revoked\.json is missing"):
+        revocations()
+    store.save_roster({"a" * 52: RosterEntry("a" * 52, "pc-9", utc_now().isoformat())})
+    with pytest.raises(FleetStoreError, match=r"revoked\.json is missing.*state/revoked\.json"):
+        remove_agent(store, "pc-9")
+    assert not removed_file.exists()  # not written with only the one removed now
+    with pytest.raises(FleetStoreError, match=r"revoked\.json is missing"):
+        FleetServer(store, "127.0.0.1:7430")  # refuses to serve rather than serve without it
+    removed_file.write_text('{"format": 1, "body": []}')  # the recovery the message describes
+    assert not revocations().agent_ids
+
+
+def test_while_the_list_is_lost_new_agent_links_are_refused_and_the_live_ones_kept(store: FleetStore,
+                                                                                   tmp_path: Path) -> None:
+    async def scenario(server: FleetServer, address: str) -> None:
+        membership = await join(token_for(store, address, uses=2), tmp_path / "agent", "pc-1")
+        files = agent_tls_files(tmp_path / "agent")
+        link = await open_link(address, files, expected_agent_id=membership.controller_id)
+        await link.send(Register(membership.agent_id, ("127.0.0.1:7431",)))
+        assert isinstance(await link.receive(), RevocationUpdate)  # told the (empty) list on registering
+        saved = (store.data_dir / "revoked.json").read_bytes()
+        (store.data_dir / "revoked.json").unlink()
+        with pytest.raises(LinkError, match="403"):
+            await open_link(address, files, expected_agent_id=membership.controller_id)
+        await asyncio.sleep(3 * fleet_server.REVOCATION_POLL_S)
+        assert membership.agent_id in server.live  # the registered agent stays, told nothing new
+        (store.data_dir / "revoked.json").write_bytes(saved)
+        again = await open_link(address, files, expected_agent_id=membership.controller_id)
+        await again.close()
+        await link.close()
 
     with_server(store, scenario)
