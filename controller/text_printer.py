@@ -39,6 +39,9 @@ class TextPrinter:
         text = self.tokenizer.decode(self.tokens[self._window_start:])
         if len(text) <= len(written) or (text.endswith("\ufffd") and not final):
             return  # nothing new yet, or an incomplete UTF-8 sequence: wait for the next token
+        # The window moves on before the write: a Ctrl-C while the write or the flush blocks (a stalled
+        # terminal) leaves the text in the stream's buffer, shown when the terminal drains, so finish()
+        # must not write it a second time.
+        self._window_start, self._written_until = self._written_until, len(self.tokens)
         self.out.write(text[len(written):])
         self.out.flush()
-        self._window_start, self._written_until = self._written_until, len(self.tokens)

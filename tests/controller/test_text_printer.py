@@ -70,3 +70,27 @@ def test_each_token_decodes_a_short_window_not_the_whole_reply(demo_tokenizer: M
     ids = demo_tokenizer.encode("    total = total + value  # keep a running sum\n" * 60)
     assert printed(counting, ids) == demo_tokenizer.decode(ids)  # type: ignore[arg-type]
     assert counting.decoded < 8 * len(ids)  # the whole tail each time: len(ids)**2 / 2
+
+
+class StalledTerminal(io.StringIO):
+    """A terminal whose first flush blocks until Ctrl-C: the text written stays in its buffer, shown later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stalled = True
+
+    def flush(self) -> None:
+        if self.stalled:
+            self.stalled = False
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_during_a_blocked_flush_shows_the_text_once(demo_tokenizer: ModelTokenizer) -> None:
+    ids = demo_tokenizer.encode("def f(x):\n    return x + 1\n")
+    out = StalledTerminal()
+    printer = TextPrinter(demo_tokenizer, out)
+    with pytest.raises(KeyboardInterrupt):
+        for token in ids:
+            printer.push(0, token)
+    printer.finish()  # what the chat does after Ctrl-C stops a reply
+    assert out.getvalue() == demo_tokenizer.decode(printer.tokens)
