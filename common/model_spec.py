@@ -88,6 +88,14 @@ class ModelSpec:
         for token in self.eos_token_ids:
             if not 0 <= token < self.vocab_size:
                 raise ManifestError(f"eos token id {token} is outside the vocabulary (size {self.vocab_size})")
+        # None: the model has no BOS token. An id past the vocabulary would reach the embedding as an
+        # out-of-range index when a prompt starts with it (the bench prompts do).
+        bos = self.bos_token_id
+        if bos is not None:
+            if not isinstance(bos, int) or isinstance(bos, bool):
+                raise ManifestError(f"bos_token_id must be a token id or null, got {bos!r:.40}")
+            if not 0 <= bos < self.vocab_size:
+                raise ManifestError(f"bos token id {bos} is outside the vocabulary (size {self.vocab_size})")
 
 
 @dataclass(frozen=True)

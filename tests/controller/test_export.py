@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections.abc import Callable
@@ -11,7 +12,7 @@ import numpy as np
 import openvino as ov
 import pytest
 
-from deskfleet.common.model_spec import ManifestError, WeightFormat, load_manifest, verify_files
+from deskfleet.common.model_spec import Manifest, ManifestError, WeightFormat, load_manifest, verify_files
 from deskfleet.controller.export import exporter
 from deskfleet.controller.export.exporter import ExportError, export_checkpoint
 from deskfleet.controller.export.hf_config import UnsupportedModelError, read_checkpoint_config
@@ -225,6 +226,35 @@ def test_impossible_configs_are_refused_by_name(checkpoint_factory: Callable[...
     checkpoint = edited_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), tmp_path, **changes)
     with pytest.raises(error, match=says):
         export_checkpoint(checkpoint, tmp_path / "out", WeightFormat.F32)
+
+
+@pytest.mark.parametrize(("bos", "says"), [
+    (512, r"bos token id 512 is outside the vocabulary \(size 512\)"),
+    (-1, r"bos token id -1 is outside the vocabulary"),
+])
+def test_a_bos_token_outside_the_vocabulary_is_refused(checkpoint_factory: Callable[..., Path], tmp_path: Path,
+                                                       no_conversion: None, bos: int, says: str) -> None:
+    # transformers only warns about it; a prompt starting with it would index past the embedding
+    checkpoint = edited_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), tmp_path, bos_token_id=bos)
+    with pytest.raises(ManifestError, match=says):
+        export_checkpoint(checkpoint, tmp_path / "out", WeightFormat.F32)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_spec_checks_bos_like_eos_and_still_allows_none(tiny_export: Path) -> None:
+    spec = load_manifest(tiny_export).spec
+    dataclasses.replace(spec, bos_token_id=None).validate()
+    dataclasses.replace(spec, bos_token_id=spec.vocab_size - 1).validate()
+    with pytest.raises(ManifestError, match="outside the vocabulary"):
+        dataclasses.replace(spec, bos_token_id=spec.vocab_size).validate()
+    # a tampered manifest: a string or true is no token id (true would read as id 1)
+    for value in ("1", True):
+        with pytest.raises(ManifestError, match="bos_token_id must be a token id or null"):
+            dataclasses.replace(spec, bos_token_id=value).validate()  # type: ignore[arg-type]
+    body = json.loads((tiny_export / "manifest.json").read_text())
+    body["spec"]["bos_token_id"] = 10**6
+    with pytest.raises(ManifestError, match="bos token id 1000000 is outside the vocabulary"):
+        Manifest.from_json(json.dumps(body))
 
 
 def test_a_corrupt_weights_file_or_tokenizer_is_refused_before_any_work(
