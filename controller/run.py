@@ -21,6 +21,10 @@ from .tokenizer import ChatMessage, ModelTokenizer, check_utf8
 # The escapes of a --prompts-file line: \n a newline, \t a tab, \\ a backslash (others stay as written).
 _PROMPT_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 _PROMPT_ESCAPE = re.compile(r"\\(.)")
+# A --prompts-file line ends at \r\n, \n or \r only. str.splitlines() also splits at \v, \f, \x1c-\x1e, \x85,
+# U+2028 and U+2029, which a prompt may hold (a form feed in code, a line separator in text): one line read
+# as several prompts.
+_LINE_END = re.compile(r"\r\n|\r|\n")
 
 
 @dataclass(frozen=True)
@@ -61,9 +65,10 @@ def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[
 
 
 def read_prompts_file(path: Path) -> list[str]:
-    """One prompt per non-empty line of a UTF-8 file (a BOM is skipped), with escapes for what a line cannot
-    hold: `\\n` a newline, `\\t` a tab, `\\\\` a backslash; any other backslash stays as it is.
-    `deskfleet generate --prompts-file` and `deskfleet bench speculative --prompts-file` read it."""
+    """One prompt per non-empty line of a UTF-8 file (a BOM is skipped; a line ends at \\r\\n, \\n or \\r),
+    with escapes for what a line cannot hold: `\\n` a newline, `\\t` a tab, `\\\\` a backslash; any other
+    backslash stays as it is. `deskfleet generate --prompts-file` and `deskfleet bench speculative
+    --prompts-file` read it."""
     try:
         text = Path(path).read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as error:
@@ -71,7 +76,7 @@ def read_prompts_file(path: Path) -> list[str]:
                          f"0x{error.object[error.start]:02x}); save it as UTF-8") from None
     except OSError as error:
         raise ValueError(f"--prompts-file {path}: {error.strerror or error}") from None
-    return [_PROMPT_ESCAPE.sub(_unescape, line) for line in text.splitlines() if line.strip()]
+    return [_PROMPT_ESCAPE.sub(_unescape, line) for line in _LINE_END.split(text) if line.strip()]
 
 
 def run_generate(options: GenerateOptions, stream_text: bool = False, chain: StageChain | None = None,

@@ -167,6 +167,16 @@ def test_prompts_file_skips_a_bom_and_has_complete_escapes(tmp_path: Path) -> No
     assert read_prompts_file(path) == ["def f():\n\treturn 1", "C:\\new\\x \\d \\\n \\ "]
 
 
+def test_a_prompts_file_line_ends_only_at_a_newline(tmp_path: Path) -> None:
+    # Form feeds, other ASCII separators and Unicode line breaks belong to the prompt they stand in.
+    from deskfleet.controller.run import read_prompts_file
+
+    inside = "x = 1\fy = 2\v\x1c\x1d\x1e\x85 first\u2028second\u2029third"
+    path = tmp_path / "prompts.txt"
+    path.write_bytes(f"{inside}\nnext\rlast\r\n".encode())
+    assert read_prompts_file(path) == [inside, "next", "last"]
+
+
 @pytest.mark.parametrize("content", [None, b"ok\n\xff\xfe\n"])
 def test_an_unreadable_prompts_file_is_named(tiny_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                              content: bytes | None) -> None:
