@@ -45,6 +45,12 @@ class CheckpointWeights:
                 f"{model_dir} has no {SINGLE_NAME} or {INDEX_NAME} (only safetensors checkpoints are supported)")
         shard_names = sorted(set(weight_map.values())) or [SINGLE_NAME]
         self._handles = {name: _open_shard(model_dir / name) for name in shard_names}
+        if weight_map and shard_names != [SINGLE_NAME] and (model_dir / SINGLE_NAME).is_file():
+            # transformers loads the single file and ignores the index; this class would read the index: the
+            # two would run different weights, so the stale one must go (unless the index names only it)
+            raise MalformedCheckpointError(
+                f"{model_dir} holds both {SINGLE_NAME} and {INDEX_NAME} (naming other shards): transformers "
+                f"would load {SINGLE_NAME}, the index names other files; remove whichever is stale")
         if not weight_map:
             weight_map = {key: SINGLE_NAME for key in self._handles[SINGLE_NAME].keys()}
         held = {shard: set(handle.keys()) for shard, handle in self._handles.items()}

@@ -287,6 +287,44 @@ def test_a_bad_shard_index_is_refused_naming_it(checkpoint_factory: Callable[...
         export_checkpoint(checkpoint, tmp_path / "out", WeightFormat.F32)
 
 
+def _shard(checkpoint: Path) -> None:
+    """Split model.safetensors into two shards and an index, as save_pretrained does for a large model."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(checkpoint / "model.safetensors")
+    names = sorted(tensors)
+    weight_map = {}
+    for number, part in enumerate((names[:len(names) // 2], names[len(names) // 2:]), start=1):
+        shard = f"model-{number:05d}-of-00002.safetensors"
+        save_file({name: tensors[name] for name in part}, checkpoint / shard, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, shard)
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def test_a_single_weights_file_beside_a_shard_index_is_refused_naming_both(
+        checkpoint_factory: Callable[..., Path], tmp_path: Path, no_conversion: None) -> None:
+    # transformers loads model.safetensors and ignores the index: which weights are meant is not clear
+    from deskfleet.controller.export.weights import CheckpointWeights
+
+    checkpoint = _copy(checkpoint_factory("tiny", num_hidden_layers=4), tmp_path)
+    _shard(checkpoint)
+    with pytest.raises(MalformedCheckpointError,
+                       match=r"holds both model\.safetensors and model\.safetensors\.index\.json"):
+        export_checkpoint(checkpoint, tmp_path / "out", WeightFormat.F32)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]
+    (checkpoint / "model.safetensors").unlink()  # the shards alone are a whole checkpoint
+    with CheckpointWeights(checkpoint) as weights:
+        weights.check(read_checkpoint_config(checkpoint))
+    # an index whose only shard is model.safetensors says what the single file says
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+    _copy(checkpoint_factory("tiny", num_hidden_layers=4), tmp_path, "single")
+    shutil.copyfile(tmp_path / "single" / "model.safetensors", checkpoint / "model.safetensors")
+    index["weight_map"] = dict.fromkeys(index["weight_map"], "model.safetensors")
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps(index))
+    with CheckpointWeights(checkpoint) as weights:
+        weights.check(read_checkpoint_config(checkpoint))
+
+
 def test_overwrite_never_deletes_the_checkpoint_or_a_folder_that_is_not_an_export(
         checkpoint_factory: Callable[..., Path], tmp_path: Path, no_conversion: None) -> None:
     parent = tmp_path / "work"
