@@ -149,7 +149,13 @@ class DraftModel:
                     feed.append(row.confirmed[self._seen[row.stream_id]:])
                 else:
                     feed.append([tokens[index][-1]])
-            result = self._executor.run(track.step(feed), return_logits=probs is not None)
+            message = track.step(feed)
+            try:
+                result = self._executor.run(message, return_logits=probs is not None)
+            except BaseException:  # the step took its admitted sources off the track: free them here
+                for source in message.admit_from:
+                    self._executor.release(source)
+                raise
             if not isinstance(result, ForwardResult):
                 raise TypeError("the draft model's single stage must return a ForwardResult")
             self._take(result, ordered, feed, tokens, probs, step, track)

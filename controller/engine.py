@@ -258,8 +258,11 @@ class Engine:
         here waits on the chain, and nothing hides the error run() raises: a broken chain's agents free idle
         micro-batches themselves."""
         tracks = [*self._tracks.values(), *self._prefills.values()]
+        # A step in flight that admits a prefilled stream has taken that source off its track: a stage that
+        # refused the step (or a Ctrl-C before the stage ran it) still holds it, and only this names it.
+        in_flight_sources = {source for flight in self._in_flight.values() for source in flight.message.admit_from}
         held = ({track.micro_batch_id for track in tracks} | {source for track in tracks for source in track.admit_from}
-                | set(self._in_flight))
+                | set(self._in_flight) | in_flight_sources)
         for batch_id in sorted(held):
             if self.draft is not None and self.draft.has_batch(batch_id):  # it outlives the run: a chat reuses it
                 _release_quietly(self.draft, batch_id)
@@ -438,12 +441,14 @@ class Engine:
         eos = self._eos
         for token in tokens:
             stream.tokens.append(int(token))
-            if self._on_token is not None:
-                self._on_token(stream.stream_id, int(token))
             hit_eos = int(token) in eos and not stream.request.ignore_eos
-            if hit_eos or len(stream.tokens) >= stream.request.max_new_tokens:
+            done = hit_eos or len(stream.tokens) >= stream.request.max_new_tokens
+            if done:  # before the callback: one that raises must leave results() consistent with the tokens
                 stream.done, stream.stopped_by_eos, stream.finished_s = True, hit_eos, now
                 self._unfinished -= 1
+            if self._on_token is not None:
+                self._on_token(stream.stream_id, int(token))
+            if done:
                 return True
         return False
 
