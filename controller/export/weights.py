@@ -2,11 +2,13 @@
 tensors its config describes.
 
 Export walks the model layer by layer, so a 70B checkpoint never needs to fit in memory at once; the check
-reads only the files' headers, so a checkpoint that cannot be exported is refused before any work.
+reads only the files' headers (and, for a tied model that stores an lm_head.weight too, that tensor and the
+embedding), so a checkpoint that cannot be exported is refused before any work.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path, PurePath
 from types import TracebackType
 from typing import Any
@@ -24,6 +26,7 @@ SINGLE_NAME = "model.safetensors"
 # fp8, bool) is quantized or not a weight
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 PROBLEMS_SHOWN = 5
+COMPARE_BLOCK_BYTES = 64 << 20  # rows of two tensors compared at a time, as float32
 
 
 class MalformedCheckpointError(ValueError):
@@ -79,7 +82,8 @@ class CheckpointWeights:
 
     def check(self, config: CheckpointConfig) -> None:
         """Raise MalformedCheckpointError unless every tensor the config needs is here, of float type and of
-        the shape the config gives (extra tensors, such as a rotary table, are ignored)."""
+        the shape the config gives (extra tensors, such as a rotary table, are ignored), and, for a tied model, any
+        lm_head.weight stored anyway equals the embedding."""
         layers = config.spec.num_layers
         if f"model.layers.{layers - 1}.input_layernorm.weight" not in self:  # before listing a billion names
             raise MalformedCheckpointError(f"config.json gives {layers} layers, but the weights have no layer "
@@ -92,10 +96,39 @@ class CheckpointWeights:
                 problems.append(f"{name} has shape {list(shape)} where the config gives {list(expected)}")
             elif (dtype := self.dtype(name)) not in FLOAT_DTYPES:
                 problems.append(f"{name} is {dtype} (quantized or not a weight; f16, bf16, f32 or f64 export)")
+        embedding, head = "model.embed_tokens.weight", "lm_head.weight"
+        tied_but_stored = config.spec.tie_word_embeddings and head in self
+        if not problems and tied_but_stored and not self._same_values(embedding, head):
+            # transformers computes the logits with lm_head.weight (warning only), export with the embedding
+            problems.append(f"config.json sets tie_word_embeddings=true, but the checkpoint's {head} differs from "
+                            f"{embedding}: set tie_word_embeddings to false to use {head}, or remove {head}")
         if problems:
             more = f" (and {len(problems) - PROBLEMS_SHOWN} more)" if len(problems) > PROBLEMS_SHOWN else ""
             raise MalformedCheckpointError(
                 f"the checkpoint's weights do not match its config.json: {'; '.join(problems[:PROBLEMS_SHOWN])}{more}")
+
+    def _same_values(self, first: str, second: str) -> bool:
+        """Whether two tensors hold the same values as export reads them (float32), compared a block of rows
+        at a time: a large model's vocabulary matrices are gigabytes each."""
+        shape = self.shape(first)
+        if self.shape(second) != shape:
+            return False
+        if not shape:
+            return bool(torch.equal(self.get(first), self.get(second)))
+        row_elements = max(1, math.prod(shape[1:]))
+        rows = max(1, COMPARE_BLOCK_BYTES // (4 * row_elements))
+        for start in range(0, shape[0], rows):
+            if not torch.equal(self._rows(first, start, start + rows), self._rows(second, start, start + rows)):
+                return False
+        return True
+
+    def _rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        shard = self._shard(name)
+        try:
+            tensor = self._handles[shard].get_slice(name)[start:stop]
+        except Exception as error:  # safetensors raises its own SafetensorError for a cut or corrupt file
+            raise MalformedCheckpointError(f"tensor {name!r} of {shard} cannot be read: {error}") from None
+        return tensor.to(torch.float32)
 
     def close(self) -> None:
         self._handles.clear()

@@ -201,6 +201,48 @@ def test_weights_that_do_not_match_the_config_are_refused_before_any_work(
     assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_tied_embeddings_with_a_different_lm_head_stored_are_refused(
+        checkpoint_factory: Callable[..., Path], tmp_path: Path, no_conversion: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # transformers would compute the logits with the stored lm_head.weight, export with the embedding
+    checkpoint = edited_checkpoint(checkpoint_factory("export-untied", tie_word_embeddings=False), tmp_path,
+                                   tie_word_embeddings=True)
+    says = (r"config\.json sets tie_word_embeddings=true, but the checkpoint's lm_head\.weight differs from "
+            r"model\.embed_tokens\.weight: set tie_word_embeddings to false")
+    with pytest.raises(MalformedCheckpointError, match=says):
+        export_checkpoint(checkpoint, tmp_path / "out", WeightFormat.F32)
+    # a copy of the embedding differing in its last row only, compared in blocks of 100 rows
+    from deskfleet.controller.export import weights
+
+    monkeypatch.setattr(weights, "COMPARE_BLOCK_BYTES", 100 * 64 * 4)
+
+    def near_copy(tensors: dict[str, np.ndarray]) -> None:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+        tensors["lm_head.weight"][-1, -1] += 1.0
+
+    _edit_tensors(checkpoint, near_copy)
+    with pytest.raises(MalformedCheckpointError, match=says):
+        export_checkpoint(checkpoint, tmp_path / "out", WeightFormat.F32)
+    assert not (tmp_path / "out").exists()
+
+
+def test_tied_embeddings_with_an_equal_lm_head_stored_are_accepted(
+        checkpoint_factory: Callable[..., Path], tmp_path: Path) -> None:
+    from deskfleet.controller.export.weights import CheckpointWeights
+
+    checkpoint = _copy(checkpoint_factory("export-tied", tie_word_embeddings=True), tmp_path)
+    config = read_checkpoint_config(checkpoint)
+    assert config.spec.tie_word_embeddings
+    _edit_tensors(checkpoint, lambda tensors: tensors.update(
+        {"lm_head.weight": tensors["model.embed_tokens.weight"].astype(np.float16).astype(np.float32)}))
+    with CheckpointWeights(checkpoint) as stored, pytest.raises(MalformedCheckpointError, match="differs"):
+        stored.check(config)  # rounded through f16: not the same weights
+    _edit_tensors(checkpoint, lambda tensors: tensors.update(
+        {"lm_head.weight": tensors["model.embed_tokens.weight"].copy()}))
+    with CheckpointWeights(checkpoint) as stored:
+        stored.check(config)
+
+
 def test_a_config_with_more_layers_than_the_weights_is_refused(checkpoint_factory: Callable[..., Path],
                                                                tmp_path: Path, no_conversion: None) -> None:
     checkpoint = edited_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), tmp_path, num_hidden_layers=5)
