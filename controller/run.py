@@ -13,7 +13,7 @@ from deskfleet.common.model_spec import load_manifest
 
 from .decoding_options import DecodingOptions
 from .engine import Engine, Recover, StageChain, StreamRequest
-from .generation import GenerationError
+from .generation import GenerationError, check_request
 from .pipeline import LocalPipeline
 from .text_printer import TextPrinter
 from .tokenizer import ChatMessage, ModelTokenizer, check_utf8
@@ -47,21 +47,27 @@ class GenerateOptions(DecodingOptions):
                              "give text prompts with --chat, or leave out --chat")
 
 
-def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[list[int]]:
+def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[tuple[str, list[int]]]:
+    """Each prompt's token ids, with the label that an error about it starts with: "--prompt 2",
+    "line 37 of --prompts-file F" or "--prompt-ids 1"."""
     if options.prompt_ids is not None:
-        return options.prompt_ids
+        return [(f"--prompt-ids {number}", ids) for number, ids in enumerate(options.prompt_ids, start=1)]
     texts = [(f"--prompt {number}", text) for number, text in enumerate(options.prompts or [], start=1)]
     if options.prompts_file is not None:
-        texts += [(f"prompt {number} of --prompts-file {options.prompts_file}", text)
-                  for number, text in enumerate(read_prompts_file(options.prompts_file), start=1)]
+        lines = read_numbered_prompts(options.prompts_file)
+        if not lines:
+            raise GenerationError(f"--prompts-file {options.prompts_file} holds no prompt: every line is empty "
+                                  "or blank")
+        texts += [(f"line {number} of --prompts-file {options.prompts_file}", text) for number, text in lines]
     if not texts:
         raise GenerationError("no prompt given")
     for what, text in texts:
         check_utf8(text, what)
     if options.chat:
         rendered = tokenizer.render_chats([[ChatMessage("user", text)] for _, text in texts])  # one child process
-        return [tokenizer.encode(text, add_special_tokens=False) for text in rendered]
-    return [tokenizer.encode(text) for _, text in texts]
+        return [(what, tokenizer.encode(text, add_special_tokens=False))
+                for (what, _), text in zip(texts, rendered, strict=True)]
+    return [(what, tokenizer.encode(text)) for what, text in texts]
 
 
 def read_prompts_file(path: Path) -> list[str]:
@@ -69,6 +75,11 @@ def read_prompts_file(path: Path) -> list[str]:
     with escapes for what a line cannot hold: `\\n` a newline, `\\t` a tab, `\\\\` a backslash; any other
     backslash stays as it is. `deskfleet generate --prompts-file` and `deskfleet bench speculative
     --prompts-file` read it."""
+    return [text for _, text in read_numbered_prompts(path)]
+
+
+def read_numbered_prompts(path: Path) -> list[tuple[int, str]]:
+    """read_prompts_file's prompts, each with the number of its line in the file (the first is 1)."""
     try:
         text = Path(path).read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as error:
@@ -76,7 +87,8 @@ def read_prompts_file(path: Path) -> list[str]:
                          f"0x{error.object[error.start]:02x}); save it as UTF-8") from None
     except OSError as error:
         raise ValueError(f"--prompts-file {path}: {error.strerror or error}") from None
-    return [_PROMPT_ESCAPE.sub(_unescape, line) for line in _LINE_END.split(text) if line.strip()]
+    return [(number, _PROMPT_ESCAPE.sub(_unescape, line))
+            for number, line in enumerate(_LINE_END.split(text), start=1) if line.strip()]
 
 
 def run_generate(options: GenerateOptions, stream_text: bool = False, chain: StageChain | None = None,
@@ -89,6 +101,11 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
     manifest = load_manifest(options.model)
     tokenizer = ModelTokenizer(options.model)
     prompts = encode_prompts(options, tokenizer)
+    for what, prompt in prompts:  # before the stages compile, and naming the prompt among several
+        try:
+            check_request(manifest.spec, prompt, options.max_new_tokens)
+        except GenerationError as error:
+            raise GenerationError(f"{what}: {error}") from None
     sampling = options.sampling()
     settings = options.target_settings()
     draft = options.open_drafter(settings)
@@ -100,7 +117,7 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
         else LocalPipeline(options.model, options.stages, settings, manifest))
     with context as pipeline:
         engine = Engine(pipeline, manifest.spec, draft, engine_options)
-        for index, prompt in enumerate(prompts):
+        for index, (_, prompt) in enumerate(prompts):
             engine.add(StreamRequest(prompt_ids=prompt, max_new_tokens=options.max_new_tokens,
                                      ignore_eos=options.ignore_eos, sampling=sampling, seed=options.seed + index))
         started = time.perf_counter()

@@ -190,6 +190,38 @@ def test_an_unreadable_prompts_file_is_named(tiny_export: Path, tmp_path: Path, 
     assert ("Is a directory" if content is None else "not UTF-8 text (it holds the byte 0xff)") in err
 
 
+def test_a_request_error_names_its_prompt_before_the_stages_compile(
+        tiny_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Among several prompts, the one too long for the context (512 tokens) or holding an id outside the
+    # vocabulary is named as the user gave it: its --prompt number, or its line in the file.
+    import deskfleet.controller.run as run_module
+
+    def no_compile(*args: Any) -> None:
+        raise AssertionError("the stages compiled before the prompts were checked")
+
+    monkeypatch.setattr(run_module, "LocalPipeline", no_compile)
+    path = tmp_path / "prompts.txt"
+    path.write_text(f"ok\n\n  \nfine\n{'x' * 600}\n")
+    model = ["generate", "--model", str(tiny_export)]
+    for args, message in [
+        (["--prompt", "ok", "--prompt", "x" * 600], "--prompt 2: 601 prompt tokens + 64 new tokens"),
+        (["--prompts-file", str(path)], f"line 5 of --prompts-file {path}: 601 prompt tokens + 64 new tokens"),
+        (["--prompt-ids", "1,2", "--prompt-ids", "1,99999"], "--prompt-ids 2: prompt id 99999 at position 1 is "
+                                                             "outside the vocabulary"),
+    ]:
+        code, _, err = run(capsys, *model, *args)
+        assert code == 2 and f"deskfleet: error: {message}" in err
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n\t\n"])
+def test_a_prompts_file_without_a_prompt_is_named(tiny_export: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str], content: str) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_text(content)
+    code, _, err = run(capsys, "generate", "--model", str(tiny_export), "--prompts-file", str(path))
+    assert code == 2 and f"--prompts-file {path} holds no prompt: every line is empty or blank" in err
+
+
 def test_a_prompt_that_is_not_utf8_is_named(tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # A byte that is not UTF-8 on the command line reaches Python as a lone surrogate (surrogateescape).
     code, _, err = run(capsys, "generate", "--model", str(tiny_export), "--prompt", "ok", "--prompt", "def f\udcff():")
