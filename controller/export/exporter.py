@@ -56,7 +56,14 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
     Writes into a hidden sibling folder and renames it into place at the end, so an interrupted export
     never leaves `out_dir` looking complete. An existing `out_dir` is replaced only with `overwrite`.
     """
-    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    model_dir = Path(model_dir)
+    try:
+        # Absolute and normalised: the staging folder's name is derived from out_dir's, and "-o ." has none
+        # (nor can "." be renamed onto).
+        out_dir = Path(os.path.abspath(out_dir))
+    except FileNotFoundError:  # a relative path, from a working directory that was removed (an export swapped)
+        raise ExportError(f"cannot tell where {out_dir} is: the working directory no longer exists (cd into "
+                          "it again)") from None
     if not model_dir.is_dir():
         raise ExportError(f"{model_dir} is not a folder")
     _check_output(model_dir, out_dir, overwrite)
@@ -92,6 +99,10 @@ def _check_output(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
     if target == source or target in source.parents:
         raise ExportError(f"the output {out_dir} holds the checkpoint {model_dir}: writing the export there would "
                           "delete the checkpoint; choose another folder")
+    if out_dir.is_symlink():
+        # replacing it would put a real folder where the link was and leave the folder it names unchanged
+        raise ExportError(f"{out_dir} is a symbolic link (to {os.readlink(out_dir)}): give the folder it names, "
+                          "or another path")
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
