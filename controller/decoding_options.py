@@ -8,6 +8,7 @@ and `positive_int` are the argparse types of the CLI's whole-number options.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,13 +19,15 @@ from deskfleet.common.speculative import SamplingParams
 from .draft import Drafter, open_drafter, target_settings
 from .engine import EngineOptions
 
+DEFAULT_K_MAX = 8
+
 
 @dataclass(frozen=True, kw_only=True)
 class DecodingOptions:
     draft: Path | None = None  # a draft model's export folder
     prompt_lookup: bool = False  # draft by copying from the context (with `draft`: lookup first)
     k: int | None = None  # a fixed number of draft tokens; None: adaptive up to k_max
-    k_max: int = 8
+    k_max: int | None = None  # adaptive K's upper bound as given; None: DEFAULT_K_MAX
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0
     top_p: float = 1.0
@@ -32,14 +35,34 @@ class DecodingOptions:
     settings: CompileSettings = field(default_factory=CompileSettings)
 
     def __post_init__(self) -> None:
-        """Refuse options that contradict each other or could only fail later, naming the CLI option."""
+        """Refuse options that contradict each other, would be ignored or could only fail later, naming the
+        CLI option."""
+        drafts = self.draft is not None or self.prompt_lookup
         if self.k is not None and self.k < 0:
             raise ValueError(f"--k must be 0 or more, got {self.k}")
-        if self.k == 0 and (self.draft is not None or self.prompt_lookup):
+        if self.k == 0 and drafts:
             raise ValueError("--k 0 drafts no tokens, so --draft/--prompt-lookup would never be used: "
                              "leave out --draft and --prompt-lookup, or give --k 1 or more")
-        if self.k_max < 1:
-            raise ValueError(f"--k-max must be 1 or more, got {self.k_max}")
+        # --k 0 alone asks for what plain decoding does (no draft tokens); any other K would be ignored.
+        if self.k and not drafts:
+            raise ValueError(f"--k needs --draft or --prompt-lookup: --k {self.k} sets how many tokens a draft "
+                             "proposes, and without them nothing drafts")
+        if self.k_max is not None:
+            if self.k_max < 1:
+                raise ValueError(f"--k-max must be 1 or more, got {self.k_max}")
+            if not drafts:
+                raise ValueError(f"--k-max needs --draft or --prompt-lookup: --k-max {self.k_max} bounds how many "
+                                 "tokens a draft proposes, and without them nothing drafts")
+            if self.k is not None:
+                raise ValueError("--k and --k-max together: --k fixes K, so --k-max would never be used")
+        # SamplingParams refuses these too, but by its field names (top_p) and only once the run has begun;
+        # NaN passes its `temperature < 0`.
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"--temperature must be 0 (greedy) or more, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k must be 0 (off) or more, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be more than 0 and at most 1 (1: off), got {self.top_p}")
         if self.seed < 0:
             raise ValueError(f"--seed must be 0 or more, got {self.seed}")
 
@@ -54,7 +77,8 @@ class DecodingOptions:
         return open_drafter(self.draft, self.prompt_lookup, settings)
 
     def engine_options(self, micro_batches: int, **more: Any) -> EngineOptions:
-        return EngineOptions(micro_batches=micro_batches, k_max=self.k_max, fixed_k=self.k, **more)
+        k_max = self.k_max if self.k_max is not None else DEFAULT_K_MAX
+        return EngineOptions(micro_batches=micro_batches, k_max=k_max, fixed_k=self.k, **more)
 
 
 def add_decoding_options(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +89,10 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
                              "Like --draft, greedy output equals plain decoding in --precision f32")
     k = parser.add_mutually_exclusive_group()
     k.add_argument("--k", type=non_negative_int, default=None, help="fixed number of draft tokens (default: adaptive)")
-    k.add_argument("--k-max", type=positive_int, default=8, help="upper bound of adaptive K (default 8)")
+    # No default here: DecodingOptions refuses a --k-max given without a drafter, which it could not tell
+    # from a default of 8.
+    k.add_argument("--k-max", type=positive_int, default=None,
+                   help=f"upper bound of adaptive K (default {DEFAULT_K_MAX})")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)

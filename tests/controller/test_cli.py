@@ -44,6 +44,13 @@ def test_generate_several_prompts(tiny_export: Path, capsys: pytest.CaptureFixtu
     (["--prompt-ids", "1,2", "--chat"], "--chat wraps text prompts"),
     (["--prompt-ids", "1,2", "--k", "0", "--draft", "d"], "--k 0 drafts no tokens"),
     (["--prompt-ids", "1,2", "--k", "0", "--prompt-lookup"], "--k 0 drafts no tokens"),
+    (["--prompt-ids", "1,2", "--k", "3"], "--k needs --draft or --prompt-lookup"),
+    (["--prompt-ids", "1,2", "--k-max", "4"], "--k-max needs --draft or --prompt-lookup"),
+    (["--prompt-ids", "1,2", "--temperature", "-0.5"], "--temperature must be 0 (greedy) or more, got -0.5"),
+    (["--prompt-ids", "1,2", "--temperature", "nan"], "--temperature must be 0 (greedy) or more, got nan"),
+    (["--prompt-ids", "1,2", "--top-k", "-1"], "--top-k must be 0 (off) or more, got -1"),
+    (["--prompt-ids", "1,2", "--top-p", "0"], "--top-p must be more than 0 and at most 1 (1: off), got 0.0"),
+    (["--prompt-ids", "1,2", "--top-p", "1.5"], "--top-p must be more than 0 and at most 1 (1: off), got 1.5"),
     (["--prompt-ids", "1,2", "--precision", "f32", "--kv-cache", "u8"], "f32 is exact"),
 ])
 def test_generate_errors(tiny_export: Path, capsys: pytest.CaptureFixture[str], args: list[str],
@@ -153,10 +160,28 @@ def test_decoding_options_refuse_what_the_cli_refuses() -> None:
     from deskfleet.controller.decoding_options import DecodingOptions
 
     for fields, message in [({"k_max": 0}, "--k-max must be 1 or more"), ({"seed": -1}, "--seed must be 0 or more"),
-                            ({"k": 0, "draft": Path("d")}, "--k 0 drafts no tokens")]:
+                            ({"k": 0, "draft": Path("d")}, "--k 0 drafts no tokens"),
+                            ({"k": 2}, "--k needs --draft or --prompt-lookup"),
+                            ({"k_max": 4}, "--k-max needs --draft or --prompt-lookup"),
+                            ({"k": 2, "k_max": 4, "prompt_lookup": True}, "--k and --k-max together"),
+                            ({"top_p": 0.0}, "--top-p must be more than 0")]:
         with pytest.raises(ValueError, match=message):
             DecodingOptions(**fields)  # type: ignore[arg-type]
     assert DecodingOptions(k=0).engine_options(1).fixed_k == 0  # no drafter: K is moot, not an error
+    assert DecodingOptions().engine_options(1).k_max == 8
+    assert DecodingOptions(draft=Path("d"), k_max=3).engine_options(1).k_max == 3
+
+
+def test_chat_refuses_k_without_a_drafter_before_reading(tiny_export: Path, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    lines = io.StringIO("hello\n")
+    monkeypatch.setattr(sys, "stdin", lines)
+    for args in (["--k", "2"], ["--k-max", "3"]):
+        code, _, err = run(capsys, "chat", "--model", str(tiny_export), *args)
+        assert code == 2 and f"deskfleet: error: {args[0]} needs --draft or --prompt-lookup" in err
+    assert lines.tell() == 0
 
 
 def test_prompts_file_skips_a_bom_and_has_complete_escapes(tmp_path: Path) -> None:
