@@ -31,7 +31,7 @@ from .engine import Engine, StageChain, StreamRequest
 from .generation import GenerationError
 from .run import GenerateOptions, run_generate
 from .text_printer import TextPrinter
-from .tokenizer import ChatMessage, ModelTokenizer, NotUtf8Error, check_utf8
+from .tokenizer import ChatMessage, ChatTemplateError, ModelTokenizer, NotUtf8Error, check_utf8
 
 if TYPE_CHECKING:
     from .fleet_failover import FleetFailover
@@ -136,7 +136,9 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
                 engine = Engine(chain, manifest.spec, draft, engine_options)
                 engine.add(StreamRequest(prompt, options.max_new_tokens, sampling=sampling,
                                          seed=options.seed + replies))
-            except (GenerationError, NotUtf8Error) as error:
+            except (GenerationError, NotUtf8Error, ChatTemplateError) as error:
+                # ChatTemplateError: the template refused this conversation (its raise_exception) or rendered
+                # it too long; the conversation before this message may still be fine to go on with.
                 _note(notes, f"[{error}: not sent; the conversation is unchanged]")
                 continue
             if dropped:

@@ -171,6 +171,28 @@ def test_a_message_that_cannot_be_sent_keeps_the_conversation(tmp_path: Path, ti
         "[this message is not valid UTF-8 text (byte 0xff at character 1): not sent; the conversation is unchanged]"]
 
 
+def test_a_message_the_chat_template_refuses_keeps_the_conversation(tmp_path: Path, tiny_export: Path) -> None:
+    # The template's own raise_exception, and a render over the 4M-character cap: that message is refused
+    # with a note, and the chat goes on as if it had never been typed.
+    from deskfleet.controller.chat_template import MAX_RENDERED_CHARS
+
+    model = _chat_model(tmp_path, tiny_export)
+    (model / "chat_template.jinja").write_text(
+        "{% for message in messages %}{% if message['content'] == 'boom' %}"
+        "{{ raise_exception('this template refuses boom') }}{% endif %}{% endfor %}" + CHAT_TEMPLATE)
+    options = ChatOptions(model=model, max_new_tokens=6, settings=CompileSettings(precision=Precision.F32))
+    plain = io.StringIO()
+    run_chat(options, io.StringIO("hello there\nagain, please\n"), plain, notes=io.StringIO())
+    out, notes = io.StringIO(), io.StringIO()
+    lines = io.StringIO(f"hello there\nboom\n{'x' * MAX_RENDERED_CHARS}\nagain, please\n")
+    assert run_chat(options, lines, out, notes=notes) == 2
+    assert out.getvalue() == plain.getvalue()
+    assert notes.getvalue().splitlines() == [
+        "[this template refuses boom: not sent; the conversation is unchanged]",
+        f"[the chat template renders more than {MAX_RENDERED_CHARS} characters: not sent; the conversation is "
+        "unchanged]"]
+
+
 def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(tmp_path: Path, tiny_export: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     # Ctrl-C while the first reply streams (a 2-stage chain: steps in flight): the reply stops, a note says
