@@ -8,12 +8,16 @@ stage's last MatMul at 8 bits and make the weights depend on where the split fal
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import openvino as ov
 import torch
@@ -41,9 +45,16 @@ log = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, int, str], None]
 
+RENAME_NOREPLACE = 1  # renameat2's flag (linux/fs.h): fail with EEXIST rather than replace the target
+AT_FDCWD = -100  # renameat2's "relative to the working directory" (linux/fcntl.h)
+
 
 class ExportError(RuntimeError):
     """The export could not be written; nothing at the destination was changed."""
+
+
+class _FinishedExportKept(ExportError):
+    """The finished export could not be moved into place and is kept where it was written: its message says where."""
 
 
 # Public methods
@@ -54,7 +65,9 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
     """Export `model_dir` into `out_dir` and return the manifest written there.
 
     Writes into a hidden sibling folder and renames it into place at the end, so an interrupted export
-    never leaves `out_dir` looking complete. An existing `out_dir` is replaced only with `overwrite`.
+    never leaves `out_dir` looking complete. An existing `out_dir` is replaced only with `overwrite`, checked
+    again at the end: a folder made there while the export ran is never replaced without it; the finished
+    export is then kept beside it and the ExportError says where.
     """
     model_dir = Path(model_dir)
     try:
@@ -82,7 +95,9 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
         raise ExportError(f"cannot write the export next to {out_dir}: {error}") from None
     try:
         manifest = _export_into(model_dir, staging, config, weight_format, tokenizer, progress)
-        _replace_folder(staging, out_dir)
+        _move_into_place(model_dir, staging, out_dir, overwrite)
+    except _FinishedExportKept:
+        raise  # hours of work, named in the message: the user may still move it into place
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -109,15 +124,23 @@ def _check_output(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
         raise ExportError(f"{out_dir} exists and is not a folder")
     if not overwrite:
         raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it")
-    if not any(out_dir.iterdir()):
+    _check_replaceable(out_dir, out_dir)
+
+
+def _check_replaceable(folder: Path, shown: Path) -> None:
+    """Refuse to replace `folder` (named `shown` to the user) unless it is a deskfleet export or empty."""
+    if folder.is_symlink() or not folder.is_dir():
+        raise ExportError(f"{shown} is not a folder any more: --overwrite replaces only a deskfleet export or an "
+                          "empty folder")
+    if not any(folder.iterdir()):
         return
-    if not (out_dir / MANIFEST_NAME).is_file():
-        raise ExportError(f"{out_dir} holds files but no {MANIFEST_NAME}: --overwrite replaces only a deskfleet "
+    if not (folder / MANIFEST_NAME).is_file():
+        raise ExportError(f"{shown} holds files but no {MANIFEST_NAME}: --overwrite replaces only a deskfleet "
                           "export or an empty folder; remove it yourself or choose another folder")
     try:
-        load_manifest(out_dir)
+        load_manifest(folder)
     except (ManifestError, OSError, ValueError) as error:
-        raise ExportError(f"{out_dir}/{MANIFEST_NAME} is not a deskfleet manifest ({error}): --overwrite replaces "
+        raise ExportError(f"{shown}/{MANIFEST_NAME} is not a deskfleet manifest ({error}): --overwrite replaces "
                           "only a deskfleet export or an empty folder; remove it yourself or choose another "
                           "folder") from None
 
@@ -277,20 +300,88 @@ def _save_tokenizer(model_dir: Path, tokenizer: PreTrainedTokenizerBase, staging
     return tuple(sorted(written))
 
 
-def _replace_folder(staging: Path, out_dir: Path) -> None:
-    """Move the finished export into place; an old export there is removed only after the move, and put
-    back if the move fails."""
-    retired = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+def _move_into_place(model_dir: Path, staging: Path, out_dir: Path, overwrite: bool) -> None:
+    """Move the finished export to `out_dir`. What is there is replaced only with `overwrite` and only when it
+    is an export or empty, and removed only after the new export is in place (put back if the move fails).
+    Anything that appeared at `out_dir` while the export ran is left as it is; _FinishedExportKept then says
+    where the finished export is."""
+    kept = f"; the finished export is kept at {staging} (move it into place yourself, or remove it)"
     try:
-        if out_dir.exists():
-            out_dir.rename(retired)
+        _check_output(model_dir, out_dir, overwrite)  # again: out_dir may have been made or filled meanwhile
+    except ExportError as error:
+        raise _FinishedExportKept(f"{error}{kept}") from None
+    retired = None
+    if overwrite and os.path.lexists(out_dir):
+        retired = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
         try:
-            staging.rename(out_dir)
-        except OSError:
-            if retired.exists():
-                retired.rename(out_dir)
-            raise
-    except OSError as error:
-        kept = f"; the old export is at {retired}" if retired.exists() else ""
-        raise ExportError(f"cannot move the finished export into {out_dir}: {error}{kept}") from None
-    shutil.rmtree(retired, ignore_errors=True)
+            _rename_no_replace(out_dir, retired)
+        except OSError as error:
+            raise _FinishedExportKept(f"cannot move the old export at {out_dir} aside: {error}{kept}") from None
+    try:
+        if retired is not None:
+            # What was moved aside is what will be deleted: checked once more, now that no one else can
+            # swap it (the check above and the move are two steps).
+            _check_replaceable(retired, out_dir)
+        _rename_no_replace(staging, out_dir)
+    except BaseException as error:
+        restored = "" if retired is None else _put_back(retired, out_dir)
+        if isinstance(error, ExportError):
+            raise _FinishedExportKept(f"{error}{restored}{kept}") from None
+        if isinstance(error, OSError):
+            raise _FinishedExportKept(
+                f"cannot move the finished export into {out_dir}: {error}{restored}{kept}") from None
+        raise  # interrupted: the old export is back, the caller removes the staging folder
+    if retired is not None:
+        shutil.rmtree(retired, ignore_errors=True)
+
+
+def _put_back(retired: Path, out_dir: Path) -> str:
+    """Move the old export back to `out_dir`; what to add to an error message about it."""
+    try:
+        _rename_no_replace(retired, out_dir)
+    except OSError as error:  # something new is at out_dir: both are kept
+        log.warning("what was at %s is at %s: it could not be put back (%s)", out_dir, retired, error)
+        return f"; what was at {out_dir} is at {retired} (it could not be put back: {error})"
+    return ""
+
+
+def _load_renameat2() -> Any:
+    """glibc's renameat2 (Linux, glibc 2.28 or newer), or None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_RENAMEAT2 = _load_renameat2()
+
+
+def _rename_no_replace(source: Path, target: Path) -> None:
+    """Rename `source` to `target`, raising OSError (FileExistsError) when anything is at `target`.
+
+    A plain rename replaces an empty folder, or on POSIX any folder emptied in time: a folder the user made
+    at `target` since it was checked would be lost, or the files put in it by then.
+    """
+    if _RENAMEAT2 is not None:
+        if _RENAMEAT2(AT_FDCWD, os.fsencode(source), AT_FDCWD, os.fsencode(target), RENAME_NOREPLACE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.EINVAL, errno.ENOSYS):  # EINVAL: a file system without RENAME_NOREPLACE
+            raise OSError(code, os.strerror(code), str(source), None, str(target))
+    if sys.platform == "win32":
+        os.rename(source, target)  # Windows never replaces an existing target
+        return
+    # Claim the name with a folder of our own (mkdir fails on anything there) and rename onto that: POSIX
+    # replaces only an empty folder, so files put into the claim meanwhile make the rename fail.
+    os.mkdir(target)
+    try:
+        os.rename(source, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.rmdir(target)  # fails unless still empty: never removes anything but the claim
+        raise

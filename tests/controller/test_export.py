@@ -398,18 +398,21 @@ def test_a_failed_swap_puts_the_old_export_back(checkpoint_factory: Callable[...
     out.mkdir()
     shutil.copyfile(tiny_export / "manifest.json", out / "manifest.json")
     (out / "keep.txt").write_text("old export")
-    rename = Path.rename
+    rename = exporter._rename_no_replace
 
-    def failing_rename(self: Path, target: Path) -> Path:
-        if self.name.startswith(".out.partial-"):
+    def failing_rename(source: Path, target: Path) -> None:
+        if source.name.startswith(".out.partial-"):
             raise OSError(28, "No space left on device")
-        return rename(self, target)
+        rename(source, target)
 
-    monkeypatch.setattr(Path, "rename", failing_rename)
-    with pytest.raises(ExportError, match="cannot move the finished export into"):
+    monkeypatch.setattr(exporter, "_rename_no_replace", failing_rename)
+    with pytest.raises(ExportError, match="cannot move the finished export into") as raised:
         export_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), out, WeightFormat.F32, overwrite=True)
     assert (out / "keep.txt").read_text() == "old export"
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]
+    # the finished export is kept, and the message says where
+    (staging,) = [path for path in tmp_path.iterdir() if path.name != "out"]
+    assert staging.name.startswith(".out.partial-") and f"the finished export is kept at {staging}" in str(raised.value)
+    verify_files(staging, load_manifest(staging))
 
 
 def test_a_context_past_the_trained_one_is_a_warning(checkpoint_factory: Callable[..., Path],

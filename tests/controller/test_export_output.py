@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -59,3 +61,138 @@ def test_a_symbolic_link_as_output_is_refused(checkpoint: Path, tmp_path: Path, 
                 export_checkpoint(checkpoint, tmp_path / link, WeightFormat.F32, overwrite=overwrite)
     assert names(tmp_path) == ["current", "dangling", "v1"]
     assert (tmp_path / "current").readlink() == Path("v1") and names(tmp_path / "v1") == names(tiny_export)
+
+
+# A folder made at OUT_DIR while the export runs (the output check at the start saw nothing there).
+
+def _kept_staging(parent: Path, message: str) -> Path:
+    """The finished export the error says was kept: a whole, verified export."""
+    (staging,) = [path for path in parent.iterdir() if path.name.startswith(".out.partial-")]
+    assert f"the finished export is kept at {staging}" in message
+    verify_files(staging, load_manifest(staging))
+    return staging
+
+
+@pytest.mark.parametrize("holds_a_file", [True, False])
+def test_a_folder_made_during_the_export_is_kept_without_overwrite(
+        checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, holds_a_file: bool) -> None:
+    out = tmp_path / "out"
+    export_into = exporter._export_into
+
+    def user_makes_the_folder(*args: object) -> object:
+        manifest = export_into(*args)  # type: ignore[arg-type]
+        out.mkdir()
+        if holds_a_file:
+            (out / "thesis.txt").write_text("my only copy")
+        return manifest
+
+    monkeypatch.setattr(exporter, "_export_into", user_makes_the_folder)
+    with pytest.raises(ExportError, match=f"{out} already exists; pass --overwrite to replace it") as raised:
+        export_checkpoint(checkpoint, out, WeightFormat.F32)
+    assert names(out) == (["thesis.txt"] if holds_a_file else [])
+    if holds_a_file:
+        assert (out / "thesis.txt").read_text() == "my only copy"
+    _kept_staging(tmp_path, str(raised.value))
+
+
+@pytest.mark.parametrize("renameat2", [True, False], ids=["renameat2", "mkdir-claim"])
+@pytest.mark.parametrize("holds_a_file", [True, False])
+def test_a_folder_made_between_the_last_check_and_the_move_is_kept(
+        checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, renameat2: bool,
+        holds_a_file: bool) -> None:
+    # The last check passes, then the folder appears: a plain rename would replace an empty one silently.
+    if not renameat2:
+        monkeypatch.setattr(exporter, "_RENAMEAT2", None)  # as on a system or file system without it
+    out = tmp_path / "out"
+    rename = exporter._rename_no_replace
+
+    def user_makes_the_folder(source: Path, target: Path) -> None:
+        if target == out:
+            out.mkdir()
+            if holds_a_file:
+                (out / "thesis.txt").write_text("my only copy")
+        rename(source, target)
+
+    monkeypatch.setattr(exporter, "_rename_no_replace", user_makes_the_folder)
+    with pytest.raises(ExportError, match=f"cannot move the finished export into {out}: .*File exists") as raised:
+        export_checkpoint(checkpoint, out, WeightFormat.F32)
+    assert names(out) == (["thesis.txt"] if holds_a_file else [])
+    _kept_staging(tmp_path, str(raised.value))
+
+
+def test_an_export_replaced_by_other_files_during_the_export_is_kept_with_overwrite(
+        checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_export: Path) -> None:
+    # OUT_DIR was an old export when checked; by the end, the user's files are there instead
+    out = tmp_path / "out"
+    shutil.copytree(tiny_export, out)
+    export_into = exporter._export_into
+
+    def user_replaces_it(*args: object) -> object:
+        manifest = export_into(*args)  # type: ignore[arg-type]
+        shutil.rmtree(out)
+        out.mkdir()
+        (out / "thesis.txt").write_text("my only copy")
+        return manifest
+
+    monkeypatch.setattr(exporter, "_export_into", user_replaces_it)
+    with pytest.raises(ExportError, match=r"out holds files but no manifest\.json") as raised:
+        export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
+    assert names(out) == ["thesis.txt"]
+    _kept_staging(tmp_path, str(raised.value))
+
+
+def test_what_is_moved_aside_is_checked_again_before_it_is_deleted(
+        checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_export: Path) -> None:
+    # OUT_DIR is swapped for the user's files between the last check and the move aside: they are put back
+    out = tmp_path / "out"
+    shutil.copytree(tiny_export, out)
+    rename = exporter._rename_no_replace
+
+    def user_swaps_it(source: Path, target: Path) -> None:
+        if source == out:
+            shutil.rmtree(out)
+            out.mkdir()
+            (out / "thesis.txt").write_text("my only copy")
+        rename(source, target)
+
+    monkeypatch.setattr(exporter, "_rename_no_replace", user_swaps_it)
+    with pytest.raises(ExportError, match=r"out holds files but no manifest\.json") as raised:
+        export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
+    assert names(out) == ["thesis.txt"]
+    assert [path.name for path in tmp_path.iterdir() if ".old-" in path.name] == []
+    _kept_staging(tmp_path, str(raised.value))
+
+
+def test_an_old_export_is_replaced_and_removed_with_overwrite(checkpoint: Path, tmp_path: Path,
+                                                              tiny_export: Path) -> None:
+    out = tmp_path / "out"
+    shutil.copytree(tiny_export, out)
+    export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
+    assert load_manifest(out).spec.num_layers == 1 and names(tmp_path) == ["out"]
+
+
+@pytest.mark.parametrize("renameat2", ["present", "absent", "unsupported"])
+def test_rename_no_replace_never_replaces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, renameat2: str) -> None:
+    if renameat2 == "absent":
+        monkeypatch.setattr(exporter, "_RENAMEAT2", None)
+    elif renameat2 == "unsupported":  # a file system without RENAME_NOREPLACE answers EINVAL
+        def einval(*args: object) -> int:
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+
+        monkeypatch.setattr(exporter, "_RENAMEAT2", einval)
+    source, target = tmp_path / "source", tmp_path / "target"
+    source.mkdir()
+    (source / "a").write_text("new")
+    target.mkdir()  # empty: what a plain rename would replace
+    with pytest.raises(FileExistsError):
+        exporter._rename_no_replace(source, target)
+    (target / "b").write_text("old")
+    with pytest.raises(FileExistsError):
+        exporter._rename_no_replace(source, target)
+    (tmp_path / "link").symlink_to("nowhere")
+    with pytest.raises(FileExistsError):
+        exporter._rename_no_replace(source, tmp_path / "link")
+    assert names(source) == ["a"] and names(target) == ["b"] and (tmp_path / "link").is_symlink()
+    exporter._rename_no_replace(source, tmp_path / "moved")
+    assert names(tmp_path) == ["link", "moved", "target"] and names(tmp_path / "moved") == ["a"]
