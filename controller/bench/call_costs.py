@@ -9,9 +9,11 @@ the drafter proposes nothing) pays it twice per switch; a run that stays at one 
 
 `measure_call_costs` times, on a fresh session of the stage: calls at each width back to back ("steady"),
 and the same widths alternating, so every call changes the width ("alternating"). The switch penalty
-is the mean difference. Each block starts from the same reset state and prefill, so the context length is
-comparable across blocks. The stage must be a whole model (first and last stage in one), as in
-`bench speculative`.
+is the mean difference. Every block starts from a reset state, and a steady block's prefill is longer by
+what puts its calls at the alternating block's mean context: an alternating block grows the context by
+all the widths per cycle, a steady one by its own width per call, and attention's cost grows with the
+context (measured with equal prefills, the penalty came out 36-56% too high on the demo target). The
+stage must be a whole model (first and last stage in one), as in `bench speculative`.
 """
 
 from __future__ import annotations
@@ -43,15 +45,19 @@ def measure_call_costs(stage: Stage, widths: Sequence[int], calls: int = 8, bloc
     session = stage.open_session()
     steady: dict[int, list[float]] = {width: [] for width in widths}
     alternating: dict[int, list[float]] = {width: [] for width in widths}
+    contexts: dict[str, list[float]] = {"alternating": [], **{str(width): [] for width in widths}}
     for _ in range(blocks):
         for width in widths:
-            _Feeder(session, prefill_tokens, token_id).time([width], calls, steady)
+            feeder = _Feeder(session, steady_prefill(prefill_tokens, widths, width, calls), token_id)
+            contexts[str(width)] += feeder.time([width], calls, steady)
         if len(widths) > 1:
-            _Feeder(session, prefill_tokens, token_id).time(widths, calls, alternating)
+            contexts["alternating"] += _Feeder(session, prefill_tokens, token_id).time(widths, calls, alternating)
     report: dict[str, Any] = {
         "steady_ms": {str(width): _median_ms(steady[width]) for width in widths},
         "prefill_tokens": prefill_tokens,
         "calls_per_width": calls * blocks,
+        # the mean number of slots the timed calls attended to, per block kind: steady ones match alternating
+        "mean_context_slots": {kind: round(statistics.mean(values), 1) for kind, values in contexts.items() if values},
     }
     if len(widths) > 1:
         report["alternating_ms"] = {str(width): _median_ms(alternating[width]) for width in widths}
@@ -70,14 +76,18 @@ class _Feeder:
         session.reset()
         self._call(prefill_tokens)
 
-    def time(self, pattern: Sequence[int], calls: int, into: dict[int, list[float]]) -> None:
+    def time(self, pattern: Sequence[int], calls: int, into: dict[int, list[float]]) -> list[int]:
+        """Time `calls` rounds of `pattern`; the context (slots after each timed call) of every call."""
         for width in pattern:  # untimed: every width once, so the block's first timed call is like the rest
             self._call(width)
+        contexts = []
         for _ in range(calls):
             for width in pattern:
                 started = time.perf_counter()
                 self._call(width)
                 into[width].append(time.perf_counter() - started)
+                contexts.append(self.slots)
+        return contexts
 
     def _call(self, width: int) -> None:
         self.slots += width
@@ -86,6 +96,19 @@ class _Feeder:
                              np.arange(self.slots - width, self.slots, dtype=np.int64)[None, :],
                              np.zeros(1, dtype=np.int32),
                              logits_positions=np.arange(width, dtype=np.int64)[None, :])
+
+
+def steady_prefill(prefill_tokens: int, widths: Sequence[int], width: int, calls: int) -> int:
+    """The prefill that puts a steady block of `width` at the alternating block's mean context.
+
+    The alternating block (prefill P, one untimed call of every width, then `calls` cycles of `widths` in
+    order) times its calls at a mean of P + W + W (calls - 1) / 2 + the mean of the widths' running sums,
+    W their sum; a steady block of width w (prefill P', one untimed call) at P' + w + w (calls + 1) / 2.
+    """
+    total = sum(widths)
+    running = statistics.mean(sum(widths[: index + 1]) for index in range(len(widths)))
+    alternating = total + total * (calls - 1) / 2 + running
+    return prefill_tokens + max(0, round(alternating - width - width * (calls + 1) / 2))
 
 
 def _median_ms(values: list[float]) -> float:
