@@ -56,7 +56,7 @@ from deskfleet.controller.draft import Drafter, check_draft_spec, open_drafter
 from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
 from deskfleet.controller.fleet_ca import init_fleet, load_ca
 from deskfleet.controller.fleet_deploy import StagePlacement, deploy, model_id_of
-from deskfleet.controller.fleet_pipeline import FleetPipeline
+from deskfleet.controller.fleet_pipeline import STEP_TIMEOUT_S, FleetPipeline
 from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.fleet_survey import SurveyOptions, survey
 from deskfleet.controller.tokenizer import ModelTokenizer
@@ -104,6 +104,7 @@ class _Config:
     drafter: str | None = None  # "model" (the demo draft) or "lookup" (prompt lookup)
     return_logits: bool = False
     copies: int = 1  # independent chains run at once (group, group + "-b", ...)
+    one_at_a_time: bool = False  # serve the streams one after another (a 1-stream baseline for their prompts)
     runs: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -156,18 +157,22 @@ def fleet_rows(max_pcs: int) -> tuple[_Row, ...]:
                  _Row(f"{pcs} PCs, {pcs} streams", f"{group}_{pcs}", "mono_1", "-", "-"),
                  _Row(f"{pcs} PCs, 8 users (batched micro-batches)", f"{group}_8", "mono_1", "-", "-"),
                  _Row(f"{pcs} PCs vs 1 PC serving the same 8 users", f"{group}_8", "mono_8", "-", "-")]
+    # The drafting rows' baseline serves the same prompts (their tok/s depends on the prompt): 1 PC, plain
+    # decoding, the row's N streams one after another.
     rows += [
-        _Row("demo target, 1 PC (monolithic)", "demo_mono_1", None, "1.00x", "1.00x"),
-        _Row("2 PCs, 2 streams + speculative (demo pair)", "demo_pair_2_spec", "demo_mono_1", "1.79x", ">= 3.0x"),
-        _Row("2 PCs, 2 streams + speculative (prompt lookup, demo target)", "demo_pair_2_lookup", "demo_mono_1",
+        _Row("demo target, 1 PC, the 2 streams' prompts one at a time", "demo_mono_seq2", None, "1.00x", "1.00x"),
+        _Row("2 PCs, 2 streams + speculative (demo pair)", "demo_pair_2_spec", "demo_mono_seq2", "1.79x", ">= 3.0x"),
+        _Row("2 PCs, 2 streams + speculative (prompt lookup, demo target)", "demo_pair_2_lookup", "demo_mono_seq2",
              "-", "-"),
     ]
     for pcs in range(3, MAX_PCS + 1):
         group = GROUP_OF_PCS[pcs]
+        rows.append(_Row(f"demo target, 1 PC, the {pcs} streams' prompts one at a time", f"demo_mono_seq{pcs}",
+                         None, "1.00x", "1.00x"))
         rows.append(_Row(f"{pcs} PCs, {pcs} streams + speculative (demo pair)", f"demo_{group}_{pcs}_spec",
-                         "demo_mono_1", "2.64x" if pcs == 3 else "-", ">= 4.0x" if pcs == 3 else "-"))
+                         f"demo_mono_seq{pcs}", "2.64x" if pcs == 3 else "-", ">= 4.0x" if pcs == 3 else "-"))
         rows.append(_Row(f"{pcs} PCs, {pcs} streams + speculative (prompt lookup, demo target)",
-                         f"demo_{group}_{pcs}_lookup", "demo_mono_1", "-", "-"))
+                         f"demo_{group}_{pcs}_lookup", f"demo_mono_seq{pcs}", "-", "-"))
     rows += [
         _Row("100 ms per hop, full stack vs naive pipeline (demo pair)", "wan_full", "wan_naive", "4.04x", ">= 6x"),
         _Row("100 ms per hop, token ids vs full logits back (demo target)", "wan_naive_ids", "wan_naive", "8.17x",
@@ -326,8 +331,9 @@ def bench_configs(options: FleetBenchOptions) -> list[_Config]:
     if options.genai_model is not None:
         configs += [_Config(f"genai_{users}", GENAI_GROUP, users, users, 1) for users in USER_COUNTS]
     if options.demo_target is not None:
-        configs += [_Config("demo_mono_1", "demo_mono", 1, 1, 1),
-                    _Config("wan_naive", WAN_GROUP, 1, 1, 1, return_logits=True),
+        configs += [_Config(f"demo_mono_seq{streams}", "demo_mono", streams, 1, 1, one_at_a_time=True)
+                    for streams in range(2, options.max_pcs + 1)]
+        configs += [_Config("wan_naive", WAN_GROUP, 1, 1, 1, return_logits=True),
                     _Config("wan_naive_ids", WAN_GROUP, 1, 1, 1)]
         drafters = [*(["model"] if options.demo_draft is not None else []), "lookup"]
         for drafter in drafters:
@@ -368,6 +374,9 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
     groups = [config.group] if config.copies == 1 else [config.group, f"{config.group}-b"][: config.copies]
     results: list[dict[str, float]] = [{} for _ in groups]
     errors: list[BaseException | None] = [None for _ in groups]
+    # Copies start generating together, once every chain is open (opening one is a TLS handshake per PC,
+    # and a copy that ran alone for a while ran faster), and their wall is the first start to the last end.
+    start_together = threading.Barrier(len(groups))
 
     def one(index: int, group: str) -> None:
         try:
@@ -375,6 +384,7 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
         except BaseException as error:  # carried to the caller's thread: raised there with its message
             log.debug("configuration %s on %s failed", config.key, group, exc_info=True)
             errors[index] = error
+            start_together.abort()  # the other copies stop waiting (BrokenBarrierError)
 
     def run_one(index: int, group: str) -> None:
         if config.key not in drafters:  # one per configuration: its warm-up round warms it too
@@ -384,15 +394,23 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
         engine_options = EngineOptions(max_rows=config.max_rows, micro_batches=config.micro_batches)
         with FleetPipeline(placements[group], fleet.store.tls_files, return_logits=config.return_logits,
                            model_id=model_id_of(model)) as chain:
-            engine = Engine(chain, load_manifest(model).spec, draft, engine_options)
-            for prompt in _prompts(model, config.streams, options.prompt_tokens, demo):
-                engine.add(StreamRequest(prompt, max_new_tokens=options.new_tokens, ignore_eos=True))
+            spec = load_manifest(model).spec
+            prompts = _prompts(model, config.streams, options.prompt_tokens, demo)
+            # One engine for all streams, or (a 1-PC baseline serving a row's users one after another) one
+            # engine per stream, run back to back.
+            batches = [prompts[index:index + 1] for index in range(len(prompts))] if config.one_at_a_time \
+                else [prompts]
+            engines = [Engine(chain, spec, draft, engine_options) for _ in batches]
+            for engine, batch in zip(engines, batches, strict=True):
+                for prompt in batch:
+                    engine.add(StreamRequest(prompt, max_new_tokens=options.new_tokens, ignore_eos=True))
+            start_together.wait(timeout=STEP_TIMEOUT_S)
             started = time.perf_counter()
-            streams = engine.run()
-            wall = time.perf_counter() - started
-        results[index] = {"tokens": float(sum(len(s.tokens) for s in streams.values())), "wall_s": wall,
-                          "mean_accepted": engine.mean_accepted() if draft else 0.0,
-                          "final_k": float(engine.k_policy.k) if draft else 0.0}
+            streams = [stream for engine in engines for stream in engine.run().values()]
+            ended = time.perf_counter()
+        results[index] = {"tokens": float(sum(len(s.tokens) for s in streams)), "started": started, "ended": ended,
+                          "mean_accepted": engines[0].mean_accepted() if draft else 0.0,
+                          "final_k": float(engines[0].k_policy.k) if draft else 0.0}
 
     threads = [threading.Thread(target=one, args=(index, group)) for index, group in enumerate(groups)]
     for thread in threads:
@@ -403,7 +421,7 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
     if error is not None:
         raise RuntimeError(f"configuration {config.key} failed: {type(error).__name__}: {error}") from error
     tokens = sum(result["tokens"] for result in results)
-    wall = max(result["wall_s"] for result in results)
+    wall = max(result["ended"] for result in results) - min(result["started"] for result in results)
     return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": round(wall, 4),
             "mean_accepted": results[0]["mean_accepted"], "final_k": results[0]["final_k"]}
 

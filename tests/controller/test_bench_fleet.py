@@ -86,7 +86,7 @@ def test_every_config_runs_on_a_deployed_group_with_every_user_served(max_pcs: i
             continue  # GenAI's pipeline, no deployment
         assert config.group in groups, config.key
         pcs = len(groups[config.group][1])
-        assert config.max_rows * config.micro_batches >= config.streams, config.key
+        assert config.one_at_a_time or config.max_rows * config.micro_batches >= config.streams, config.key
         if pcs > 1 and config.streams >= pcs:
             assert config.micro_batches == pcs, config.key  # every stage has a micro-batch to work on
 
@@ -280,3 +280,66 @@ def test_a_failed_configuration_says_why(monkeypatch: pytest.MonkeyPatch) -> Non
     config = _Config("copies_2", "mono", 1, 1, 1, copies=2)
     with pytest.raises(RuntimeError, match="configuration copies_2 failed: ConnectionError: stage 1 went away"):
         _run_config(fleet, {"mono": (), "mono-b": ()}, config, FleetBenchOptions(MODEL), {})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("max_pcs", [2, 3, 4])
+def test_each_drafting_row_is_compared_with_one_pc_serving_the_same_prompts(max_pcs: int) -> None:
+    # Tok/s depends on the prompt: the baseline serves the row's prompts (the first N held-out prompts,
+    # as the row's N streams get them) one after another, not one prompt of its own.
+    configs = {config.key: config for config in bench_configs(options(max_pcs))}
+    drafting = [row for row in fleet_rows(max_pcs) if row.config.startswith("demo_") and row.baseline
+                and row.config in configs]
+    assert len(drafting) == 2 * (max_pcs - 1)
+    for row in drafting:
+        baseline = configs[str(row.baseline)]
+        assert baseline.one_at_a_time and baseline.streams == configs[row.config].streams, row.title
+        assert baseline.max_rows == baseline.micro_batches == 1 and baseline.drafter is None
+
+
+class _FakeChain:
+    """Opens in `open_s` (a copy's TLS handshakes), then serves steps (none: the fake engine needs none)."""
+
+    def __init__(self, placements: tuple[float, ...], *args: object, **kwargs: object) -> None:
+        self.open_s = placements[0]
+
+    def __enter__(self) -> _FakeChain:
+        import time
+
+        time.sleep(self.open_s)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+
+def test_copies_start_together_and_their_wall_spans_first_start_to_last_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    runs: list[tuple[float, float]] = []
+
+    class FakeEngine:
+        def __init__(self, *args: object) -> None:
+            self.k_policy = SimpleNamespace(k=0)
+
+        def add(self, request: object) -> None:
+            pass
+
+        def run(self) -> dict[int, Any]:
+            started = time.perf_counter()
+            time.sleep(0.2)
+            runs.append((started, time.perf_counter()))
+            return {0: SimpleNamespace(tokens=[1] * 10)}
+
+    monkeypatch.setattr(fleet_module, "FleetPipeline", _FakeChain)
+    monkeypatch.setattr(fleet_module, "Engine", FakeEngine)
+    monkeypatch.setattr(fleet_module, "model_id_of", lambda model: "m@0")
+    monkeypatch.setattr(fleet_module, "load_manifest", lambda model: SimpleNamespace(spec=None))
+    monkeypatch.setattr(fleet_module, "_prompts", lambda *args: [[1, 2]])
+    fleet = SimpleNamespace(store=SimpleNamespace(tls_files=None))
+    config = _Config("copies_2", "mono", 1, 1, 1, copies=2)
+    # the second copy's chain takes 0.3 s longer to open: it must not start generating late
+    result = _run_config(fleet, {"mono": (0.0,), "mono-b": (0.3,)}, config, FleetBenchOptions(MODEL), {})  # type: ignore[arg-type]
+    (first_start, first_end), (second_start, second_end) = sorted(runs)
+    assert second_start - first_start < 0.1
+    wall = max(first_end, second_end) - min(first_start, second_start)
+    assert result["wall_s"] == pytest.approx(wall, abs=0.01) and result["tok_s"] == pytest.approx(20 / wall, rel=0.05)
