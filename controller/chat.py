@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import io
 import logging
+import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -141,6 +142,9 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
                 # it too long; the conversation before this message may still be fine to go on with.
                 _note(notes, f"[{error}: not sent; the conversation is unchanged]")
                 continue
+            except KeyboardInterrupt:  # Ctrl-C while the prompt was made (a long render): this message only
+                _note(notes, "[interrupted before the reply began: not sent; the conversation is unchanged]")
+                continue
             if dropped:
                 exchanges = "exchange" if dropped == 2 else f"{dropped // 2} exchanges"
                 _note(notes, f"[the conversation outgrew the model's context of {manifest.spec.max_context} "
@@ -191,18 +195,44 @@ def _fit_prompt(tokenizer: ModelTokenizer, system: list[ChatMessage], turns: lis
                 message: ChatMessage, max_new_tokens: int, max_context: int) -> tuple[list[int], int]:
     """The prompt of the system turn, the latest `turns` and `message` that leaves room for a reply of
     `max_new_tokens` in `max_context`, and how many of the oldest turns it leaves out (whole exchanges: a
-    user message and its reply). Raises GenerationError when `message` does not fit even alone."""
+    user message and its reply). Raises GenerationError when `message` does not fit even alone.
+
+    Each render call starts a child process (~50 ms, controller/chat_template.py), so the candidates go in
+    at most two calls, not one per exchange dropped: first an even sample of about sqrt(n) of the n + 1
+    (the whole conversation and the message alone among them), then every candidate between the sampled one
+    that fits with the fewest exchanges dropped and the sampled one before it. A conversation takes fewer
+    tokens the more exchanges it drops, so the prompt is the one with the fewest dropped that fits."""
     room = max_context - max_new_tokens
-    alone = tokenizer.encode_chat([*system, message])
+    drops = list(range(0, len(turns) + 1, 2))  # the last drops every exchange: the message alone
+    sampled = sorted({*drops[::max(1, math.isqrt(len(drops)))], drops[-1]})
+    rendered = _render(tokenizer, system, turns, message, sampled)
+    alone = tokenizer.encode(rendered[drops[-1]], add_special_tokens=False)
     if len(alone) > room:
         raise GenerationError(
             f"this message alone makes a prompt of {len(alone)} tokens; with --max-new-tokens {max_new_tokens} "
             f"the model's context of {max_context} tokens leaves room for {room}")
-    for dropped in range(0, len(turns), 2):
-        prompt = tokenizer.encode_chat([*system, *turns[dropped:], message])
-        if len(prompt) <= room:
-            return prompt, dropped
-    return alone, len(turns)
+    found, prompt = drops[-1], alone
+    for dropped in sampled[:-1]:  # encoded one by one: usually the whole conversation fits, the first
+        candidate = tokenizer.encode(rendered[dropped], add_special_tokens=False)
+        if len(candidate) <= room:
+            found, prompt = dropped, candidate
+            break
+    position = sampled.index(found)
+    between = [dropped for dropped in drops if position > 0 and sampled[position - 1] < dropped < found]
+    if between:
+        rendered = _render(tokenizer, system, turns, message, between)
+        for dropped in between:
+            candidate = tokenizer.encode(rendered[dropped], add_special_tokens=False)
+            if len(candidate) <= room:
+                return candidate, dropped
+    return prompt, found
+
+
+def _render(tokenizer: ModelTokenizer, system: list[ChatMessage], turns: list[ChatMessage], message: ChatMessage,
+            drops: list[int]) -> dict[int, str]:
+    """The conversation without its oldest `dropped` turns, for each of `drops`, rendered in one child."""
+    texts = tokenizer.render_chats([[*system, *turns[dropped:], message] for dropped in drops])
+    return dict(zip(drops, texts, strict=True))
 
 
 def _note(notes: TextIO | None, text: str) -> None:

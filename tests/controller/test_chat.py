@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import math
+import random
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,7 +16,7 @@ import pytest
 from deskfleet.agent.stage import CompileSettings, Precision
 from deskfleet.controller import chat
 from deskfleet.controller.chat import ChatOptions, run_chat
-from deskfleet.controller.engine import ChainBroken
+from deskfleet.controller.engine import ChainBroken, StreamRequest
 from deskfleet.controller.export.random_checkpoint import CHAT_TEMPLATE
 from deskfleet.controller.generation import GenerationError
 from deskfleet.controller.pipeline import LocalPipeline
@@ -107,6 +109,30 @@ def _chat_model(tmp_path: Path, tiny_export: Path) -> Path:
     return model
 
 
+def _record_sent_conversations(monkeypatch: pytest.MonkeyPatch) -> list[list[ChatMessage]]:
+    """The conversation behind each prompt run_chat gives the engine, found among those it had rendered
+    (it renders candidates, and sends one of them)."""
+    rendered: dict[tuple[int, ...], list[ChatMessage]] = {}
+    sent: list[list[ChatMessage]] = []
+    render_chats = ModelTokenizer.render_chats
+
+    def recording(self: ModelTokenizer, conversations: list[list[ChatMessage]],
+                  add_generation_prompt: bool = True) -> list[str]:
+        texts = render_chats(self, conversations, add_generation_prompt)
+        for conversation, text in zip(conversations, texts, strict=True):
+            rendered[tuple(self.encode(text, add_special_tokens=False))] = list(conversation)
+        return texts
+
+    class RecordingEngine(chat.Engine):
+        def add(self, request: StreamRequest) -> int:
+            sent.append(rendered[tuple(request.prompt_ids)])
+            return super().add(request)
+
+    monkeypatch.setattr(ModelTokenizer, "render_chats", recording)
+    monkeypatch.setattr(chat, "Engine", RecordingEngine)
+    return sent
+
+
 @pytest.mark.parametrize(("fields", "message"), [
     ({"max_new_tokens": 600}, "--max-new-tokens 600 and the chat template's"),
     ({"max_new_tokens": 8, "system": "s" * 480}, "--system takes 531 tokens with the chat template"),
@@ -134,14 +160,7 @@ def test_a_long_chat_drops_its_oldest_exchanges_and_answers(tmp_path: Path, tiny
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     # A byte tokenizer and a context of 512: each 150-letter exchange takes ~190 tokens, so the third
     # message fits only without the first exchange.
-    seen: list[list[ChatMessage]] = []
-    encode_chat = ModelTokenizer.encode_chat
-
-    def recording(self: ModelTokenizer, messages: list[ChatMessage]) -> list[int]:
-        seen.append(messages)
-        return encode_chat(self, messages)
-
-    monkeypatch.setattr(ModelTokenizer, "encode_chat", recording)
+    seen = _record_sent_conversations(monkeypatch)
     out, notes = io.StringIO(), io.StringIO()
     turns = "".join(f"{letter * 150}\n" for letter in "abc")
     options = ChatOptions(model=_chat_model(tmp_path, tiny_export), max_new_tokens=4,
@@ -152,6 +171,103 @@ def test_a_long_chat_drops_its_oldest_exchanges_and_answers(tmp_path: Path, tiny
     sent = seen[-1]
     assert [m.role for m in sent] == ["user", "assistant", "user"]
     assert [sent[0].content, sent[2].content] == ["b" * 150, "c" * 150]
+
+
+class CharTokenizer:
+    """A conversation renders as its messages, a token per character; it counts the render calls (each a
+    child process in ModelTokenizer) and the conversations they render."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def render_chats(self, conversations: list[list[ChatMessage]]) -> list[str]:
+        self.calls.append(len(conversations))
+        return ["".join(f"<{m.role}>{m.content}" for m in conversation) for conversation in conversations]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(character) for character in text]
+
+
+def test_fitting_a_long_conversation_takes_at_most_two_render_calls() -> None:
+    # The prompt is the one that drops the fewest exchanges and fits, as trying each in turn finds it, but
+    # in at most two render calls of about 2 * sqrt(exchanges) conversations in all.
+    rng = random.Random(7)
+    for exchanges in range(40):
+        turns = [ChatMessage(role, "x" * rng.randrange(1, 30)) for _ in range(exchanges)
+                 for role in ("user", "assistant")]
+        message = ChatMessage("user", "m" * rng.randrange(1, 60))
+        whole = CharTokenizer().render_chats([[*turns, message]])[0]
+        for room in sorted({1, 10, 40, 70, len(whole) // 2, len(whole) - 1, len(whole), len(whole) + 5}):
+            reference = CharTokenizer()
+            fits = [(reference.encode(text), dropped) for dropped, text in zip(
+                range(0, len(turns) + 1, 2),
+                reference.render_chats([[*turns[dropped:], message] for dropped in range(0, len(turns) + 1, 2)]),
+                strict=True) if len(text) <= room]
+            tokenizer = CharTokenizer()
+            if not fits:
+                with pytest.raises(GenerationError, match="this message alone makes a prompt"):
+                    chat._fit_prompt(tokenizer, [], turns, message, 1, room + 1)  # type: ignore[arg-type]
+            else:
+                assert chat._fit_prompt(tokenizer, [], turns, message, 1, room + 1) == fits[0]  # type: ignore[arg-type]
+            assert len(tokenizer.calls) <= 2
+            assert sum(tokenizer.calls) <= 2 * math.isqrt(exchanges + 1) + 3
+
+
+def test_each_turn_of_a_chat_past_its_context_renders_in_at_most_two_children(
+        tmp_path: Path, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 24 short exchanges overflow the context of 512 (each drops the oldest), then a long message must
+    # drop many at once: it was one child process per exchange dropped, and Ctrl-C meanwhile left the chat.
+    import deskfleet.controller.tokenizer as tokenizer_module
+
+    sent = _record_sent_conversations(monkeypatch)
+    children: list[tuple[int, list[Any]]] = []  # (the turn, the conversations it rendered)
+    render_isolated = tokenizer_module.render_isolated
+
+    def counting(template: str, conversations: list[Any]) -> list[str]:
+        children.append((len(sent), conversations))
+        return render_isolated(template, conversations)
+
+    monkeypatch.setattr(tokenizer_module, "render_isolated", counting)
+    model = _chat_model(tmp_path, tiny_export)
+    options = ChatOptions(model=model, max_new_tokens=2, settings=CompileSettings(precision=Precision.F32))
+    notes = io.StringIO()
+    assert run_chat(options, io.StringIO("hi\n" * 24 + "z" * 300 + "\n"), io.StringIO(), notes=notes) == 25
+    per_turn = [sum(turn == number for turn, _ in children) for number in range(25)]
+    assert per_turn[0] == 2 and max(per_turn[1:]) <= 2  # the first turn's one more: the check at the start
+    assert notes.getvalue().splitlines()[-1].endswith("exchanges]")
+    last = [conversation for turn, calls in children if turn == 24 for conversation in calls]
+    whole = [ChatMessage(m["role"], m["content"]) for m in max(last, key=lambda c: len(c["messages"]))["messages"]]
+    tokenizer = ModelTokenizer(model)
+    texts = tokenizer.render_chats([whole[dropped:] for dropped in range(0, len(whole), 2)])
+    first_fit = next(dropped for dropped, text in zip(range(0, len(whole), 2), texts, strict=True)
+                     if len(tokenizer.encode(text, add_special_tokens=False)) <= 510)
+    assert first_fit >= 4 and sent[-1] == whole[first_fit:]
+
+
+def test_ctrl_c_before_the_reply_begins_cancels_that_message_only(tmp_path: Path, tiny_export: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _chat_model(tmp_path, tiny_export)
+    options = ChatOptions(model=model, max_new_tokens=6, settings=CompileSettings(precision=Precision.F32))
+    plain = io.StringIO()
+    run_chat(options, io.StringIO("hello there\nagain, please\n"), plain, notes=io.StringIO())
+    render_chats = ModelTokenizer.render_chats
+
+    def interrupted(self: ModelTokenizer, conversations: list[list[ChatMessage]],
+                    add_generation_prompt: bool = True) -> list[str]:
+        if any(message.content == "slow to render" for conversation in conversations for message in conversation):
+            raise KeyboardInterrupt  # Ctrl-C while the template renders
+        return render_chats(self, conversations, add_generation_prompt)
+
+    monkeypatch.setattr(ModelTokenizer, "render_chats", interrupted)
+    out, notes = io.StringIO(), io.StringIO()
+    lines = io.StringIO("hello there\nslow to render\nagain, please\n")
+    try:
+        replies = run_chat(options, lines, out, notes=notes)
+    except KeyboardInterrupt:  # caught here: left to pytest, it would stop the whole run
+        pytest.fail("Ctrl-C before the reply ended the chat")
+    assert replies == 2
+    assert out.getvalue() == plain.getvalue()
+    assert notes.getvalue() == "[interrupted before the reply began: not sent; the conversation is unchanged]\n"
 
 
 def test_a_message_that_cannot_be_sent_keeps_the_conversation(tmp_path: Path, tiny_export: Path) -> None:
@@ -216,14 +332,7 @@ def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(tmp_path: Path, tiny_export
             pipelines.append(pipeline)
             yield CtrlC(pipeline, 5), None
 
-    seen: list[list[ChatMessage]] = []
-    encode_chat = ModelTokenizer.encode_chat
-
-    def recording(self: ModelTokenizer, messages: list[ChatMessage]) -> list[int]:
-        seen.append(list(messages))
-        return encode_chat(self, messages)
-
-    monkeypatch.setattr(ModelTokenizer, "encode_chat", recording)
+    seen = _record_sent_conversations(monkeypatch)
     monkeypatch.setattr(chat, "_open_chain", interrupted_chain)
     out, notes = io.StringIO(), io.StringIO()
     assert run_chat(options, io.StringIO("hello there\nagain, please\n"), out, notes=notes) == 2
