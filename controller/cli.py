@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from deskfleet.agent.allocator import run_on_jemalloc
 from deskfleet.common.model_spec import ManifestError, WeightFormat
@@ -184,6 +184,14 @@ def _silence_stdout() -> None:
     os.close(devnull)
 
 
+def _end_line(stream: TextIO) -> None:
+    try:
+        stream.write("\n")
+        stream.flush()
+    except (OSError, ValueError):  # a closed pipe or file: nobody to show the line to
+        pass
+
+
 def _add_compile_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=["f32", "fast"], default="fast",
                         help="f32: exact (f32 compute and KV cache); fast: on a CPU f32 compute with int8 "
@@ -234,11 +242,18 @@ def _generate(args: argparse.Namespace) -> int:
         prompt_ids=[_parse_prompt_ids(text) for text in args.prompt_ids] if args.prompt_ids else None,
         chat=args.chat, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, max_rows=args.max_rows,
         micro_batches=args.micro_batches, **decoding_arguments(args, _compile_settings(args)))
-    if args.fleet:
-        report = generate_on_fleet(options, args.data_dir, stream_text=not args.json,
-                                   max_failovers=args.max_failovers)
-    else:
-        report = run_generate(options, stream_text=not args.json)
+    try:
+        if args.fleet:
+            report = generate_on_fleet(options, args.data_dir, stream_text=not args.json,
+                                       max_failovers=args.max_failovers)
+        else:
+            report = run_generate(options, stream_text=not args.json)
+    except KeyboardInterrupt:
+        # The text stops mid-line, where the terminal echoes ^C: end that line, as a finished run does, so
+        # the shell's prompt starts on its own. --json has written nothing to stdout: it must stay empty
+        # (not a stray line where a JSON object is expected), so there the line ends on stderr.
+        _end_line(sys.stderr if args.json else sys.stdout)
+        raise
     if args.json:
         print(json.dumps(report))
     else:

@@ -295,6 +295,35 @@ def test_bench_counts_are_refused_when_parsed(capsys: pytest.CaptureFixture[str]
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_ctrl_c_while_text_streams_ends_its_line(tiny_export: Path, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from deskfleet.controller.text_printer import TextPrinter
+
+    push = TextPrinter.push
+
+    def ctrl_c_at_the_fifth_token(self: TextPrinter, stream_id: int, token: int) -> None:
+        push(self, stream_id, token)
+        if len(self.tokens) == 5:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(TextPrinter, "push", ctrl_c_at_the_fifth_token)
+    code, out, err = run(capsys, "generate", "--model", str(tiny_export), "--prompt", "def f(x):",
+                         "--max-new-tokens", "20", "--ignore-eos")
+    assert code == 130 and out.endswith("\n") and out.strip() and err == ""
+
+
+def test_ctrl_c_under_json_keeps_stdout_empty(tiny_export: Path, capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import deskfleet.controller.run as run_module
+
+    def ctrl_c_while_compiling(*args: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "LocalPipeline", ctrl_c_while_compiling)
+    code, out, err = run(capsys, "generate", "--model", str(tiny_export), "--prompt", "x", "--json")
+    assert (code, out, err) == (130, "", "\n")
+
+
 def test_ctrl_c_while_the_commands_load_exits_130_without_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
     from deskfleet.controller import cli
 
