@@ -117,7 +117,13 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
             if prompt_out is not None:
                 prompt_out.write("you> ")
                 prompt_out.flush()
-            line = lines.readline()
+            try:
+                line = lines.readline()
+            except KeyboardInterrupt:  # Ctrl-C at the prompt leaves the chat
+                _end_prompt_line(prompt_out)
+                raise
+            if not line.endswith("\n"):  # Ctrl-D: the cursor stayed on the prompt's line
+                _end_prompt_line(prompt_out)
             if not line or line.strip() in ("/quit", "/exit"):
                 break
             text = line.strip()
@@ -233,6 +239,14 @@ def _render(tokenizer: ModelTokenizer, system: list[ChatMessage], turns: list[Ch
     """The conversation without its oldest `dropped` turns, for each of `drops`, rendered in one child."""
     texts = tokenizer.render_chats([[*system, *turns[dropped:], message] for dropped in drops])
     return dict(zip(drops, texts, strict=True))
+
+
+def _end_prompt_line(prompt_out: TextIO | None) -> None:
+    """End the line of `you> ` where the terminal did not (Ctrl-D, Ctrl-C), so what follows, the shell's
+    prompt included, starts on a line of its own."""
+    if prompt_out is not None:
+        prompt_out.write("\n")
+        prompt_out.flush()
 
 
 def _note(notes: TextIO | None, text: str) -> None:

@@ -145,6 +145,36 @@ def test_a_chat_that_cannot_fit_a_message_is_refused_before_reading(tmp_path: Pa
     assert lines.tell() == 0
 
 
+class CtrlCAtTheSecondPrompt(io.StringIO):
+    def readline(self, size: int | None = -1) -> str:
+        if self.tell() > 0:
+            raise KeyboardInterrupt
+        return super().readline()
+
+
+@pytest.mark.parametrize("leave", ["ctrl-d", "ctrl-c", "/quit"])
+def test_leaving_the_chat_ends_the_prompt_line(tiny_export: Path, leave: str) -> None:
+    # Ctrl-D (end of input) and Ctrl-C leave the cursor after `you> `: the chat ends that line, so the
+    # shell's prompt does not land on it. /quit was ended by its Enter.
+    prompt_out = io.StringIO()
+    lines = CtrlCAtTheSecondPrompt("hello\n") if leave == "ctrl-c" else io.StringIO(
+        "hello\n" + ("/quit\n" if leave == "/quit" else ""))
+    options = ChatOptions(model=tiny_export, max_new_tokens=2)
+    if leave == "ctrl-c":
+        with pytest.raises(KeyboardInterrupt):
+            run_chat(options, lines, io.StringIO(), prompt_out=prompt_out)
+    else:
+        assert run_chat(options, lines, io.StringIO(), prompt_out=prompt_out) == 1
+    assert prompt_out.getvalue() == ("you> you> " if leave == "/quit" else "you> you> \n")
+
+
+def test_a_line_ended_by_ctrl_d_gets_its_reply_on_a_line_of_its_own(tiny_export: Path) -> None:
+    prompt_out, out = io.StringIO(), io.StringIO()
+    assert run_chat(ChatOptions(model=tiny_export, max_new_tokens=2), io.StringIO("hello"), out,
+                    prompt_out=prompt_out) == 1
+    assert prompt_out.getvalue() == "you> \nyou> \n"
+
+
 def test_the_chat_command_exits_2_when_no_message_fits(tiny_export: Path, capsys: pytest.CaptureFixture[str],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
