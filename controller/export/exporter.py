@@ -13,15 +13,19 @@ import ctypes
 import errno
 import logging
 import os
+import re
 import shutil
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import openvino as ov
 import torch
 
+from deskfleet.common.file_lock import try_lock_file
 from deskfleet.common.model_spec import (
     MANIFEST_NAME,
     FileEntry,
@@ -45,12 +49,24 @@ log = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, int, str], None]
 
+# What kill, timeout, systemd and a closed terminal send; SIGINT already raises KeyboardInterrupt.
+ENDING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 RENAME_NOREPLACE = 1  # renameat2's flag (linux/fs.h): fail with EEXIST rather than replace the target
 AT_FDCWD = -100  # renameat2's "relative to the working directory" (linux/fcntl.h)
 
 
 class ExportError(RuntimeError):
     """The export could not be written; nothing at the destination was changed."""
+
+
+class ExportInterrupted(BaseException):
+    """SIGTERM or SIGHUP arrived during an export: raised by the export's own handler so that the unfinished
+    export is removed before the process ends. A BaseException, as KeyboardInterrupt is, so that no `except
+    Exception` on the way turns it into an error the export would report and carry on from."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"export interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
 
 
 class _FinishedExportKept(ExportError):
@@ -65,9 +81,11 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
     """Export `model_dir` into `out_dir` and return the manifest written there.
 
     Writes into a hidden sibling folder and renames it into place at the end, so an interrupted export
-    never leaves `out_dir` looking complete. An existing `out_dir` is replaced only with `overwrite`, checked
-    again at the end: a folder made there while the export ran is never replaced without it; the finished
-    export is then kept beside it and the ExportError says where.
+    never leaves `out_dir` looking complete; SIGTERM and SIGHUP remove that folder before they end the
+    process, and what a killed export left unfinished there goes with the next export to `out_dir`. An existing
+    `out_dir` is replaced only with `overwrite`, checked again at the end: a folder made there while the
+    export ran is never replaced without it; the finished export is then kept beside it and the
+    ExportError says where.
     """
     model_dir = Path(model_dir)
     try:
@@ -87,20 +105,24 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
                     "the extra ones will be refused", model_dir, len(tokenizer), config.spec.vocab_size)
     with CheckpointWeights(model_dir) as weights:
         weights.check(config)  # every tensor there, of the config's shapes: refused before hours of export
-    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        staging.mkdir(parents=True)
-    except OSError as error:
-        raise ExportError(f"cannot write the export next to {out_dir}: {error}") from None
-    try:
-        manifest = _export_into(model_dir, staging, config, weight_format, tokenizer, progress)
-        _move_into_place(model_dir, staging, out_dir, overwrite)
-    except _FinishedExportKept:
-        raise  # hours of work, named in the message: the user may still move it into place
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with _ending_signals_clean_up():
+        _remove_stale_folders(out_dir)
+        staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+        if os.path.lexists(staging):  # a finished export kept by an earlier call in this process
+            raise ExportError(f"{staging} is in the way (an earlier export to {out_dir}): move or remove it")
+        try:
+            staging.mkdir(parents=True)
+        except OSError as error:
+            raise ExportError(f"cannot write the export next to {out_dir}: {error}") from None
+        with _held(staging):
+            try:
+                manifest = _export_into(model_dir, staging, config, weight_format, tokenizer, progress)
+                _move_into_place(model_dir, staging, out_dir, overwrite)
+            except _FinishedExportKept:
+                raise  # hours of work, named in the message: the user may still move it into place
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
     log.info("exported %s (%d layers, %s) to %s", model_dir.name, config.spec.num_layers,
              weight_format.value, out_dir)
     return manifest
@@ -385,3 +407,120 @@ def _rename_no_replace(source: Path, target: Path) -> None:
         with contextlib.suppress(OSError):
             os.rmdir(target)  # fails unless still empty: never removes anything but the claim
         raise
+
+
+@contextlib.contextmanager
+def _ending_signals_clean_up() -> Iterator[None]:
+    """While the export runs, SIGTERM and SIGHUP raise ExportInterrupted instead of ending the process at
+    once, so the cleanup runs; then the signal is raised again under its old handling, and the process ends
+    as it would have. Only where that handling is the default: a program's own handler, or the SIG_IGN that
+    nohup sets for SIGHUP, is left as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers (Python runs them there)
+        return
+    received: list[int] = []
+
+    def interrupt(signum: int, frame: object) -> None:
+        if received:  # again while the cleanup runs: let it finish, the first signal still ends the process
+            return
+        received.append(signum)
+        raise ExportInterrupted(signum)
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in ENDING_SIGNALS
+                if signal.getsignal(signum) is signal.SIG_DFL}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if received:
+            log.warning("export stopped by %s; no unfinished export is left behind",
+                        signal.Signals(received[0]).name)
+            signal.raise_signal(received[0])  # the default handling again: the process ends here
+            raise SystemExit(128 + received[0])  # reached only while the signal is blocked in this thread
+
+
+@contextlib.contextmanager
+def _held(folder: Path) -> Iterator[None]:
+    """Hold an advisory lock on `folder` while this export writes it: another export's cleanup removes only a
+    staging folder nobody holds (the PID in its name may be another machine's, on a shared folder, or
+    another container's)."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:  # Windows opens no folder this way; it is never cleaned up (_process_alive) either
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):  # a file system without locks: the cleanup leaves all alone there
+            try_lock_file(descriptor)
+        yield
+    finally:
+        os.close(descriptor)
+
+
+def _remove_stale_folders(out_dir: Path) -> None:
+    """Remove what exports to `out_dir` that were killed (SIGKILL, a power cut) left beside it: unfinished
+    staging folders, and an old export moved aside once the new one was in place. Only a dead process's (by
+    the PID in the name), and only a staging folder nobody holds the lock of. A finished export that was kept,
+    and an old export whose replacement never arrived, are the user's: named in a warning, never removed."""
+    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.(partial|old)-([0-9]{{1,10}})")
+    try:
+        entries = sorted(out_dir.parent.iterdir())
+    except OSError:  # no parent folder yet: it is made with the staging folder
+        return
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is None or entry.is_symlink() or not entry.is_dir() or _process_alive(int(match[2])):
+            continue
+        if match[1] == "old":
+            if _is_export(out_dir):  # the export that replaced it is in place
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                log.warning("%s holds what was at %s before an export with --overwrite was killed; it is left "
+                            "for you to move back or remove", entry, out_dir)
+        elif (entry / MANIFEST_NAME).is_file():
+            log.warning("%s holds a finished export that was never moved into %s; it is left for you to move "
+                        "or remove", entry, out_dir)
+        else:
+            _remove_unheld(entry)
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process `pid` may be running: only ProcessLookupError proves it is not."""
+    if sys.platform == "win32":
+        return True  # os.kill(pid, 0) there would terminate the process, not probe it
+    if pid == os.getpid():
+        return False  # an earlier process of the same number (this one has made nothing there yet)
+    if pid <= 0:
+        return True  # 0 and negatives name process groups to os.kill: no export's name
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # PermissionError: another user's process, running
+        return True
+    return True
+
+
+def _is_export(folder: Path) -> bool:
+    try:
+        load_manifest(folder)
+    except (ManifestError, OSError, ValueError):
+        return False
+    return not folder.is_symlink()
+
+
+def _remove_unheld(folder: Path) -> None:
+    """Remove a staging folder unless an export still holds its lock."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        if try_lock_file(descriptor):
+            shutil.rmtree(folder, ignore_errors=True)
+            log.info("removed %s, left by an export that was killed", folder)
+    except OSError:  # a file system without locks: the PID alone is no proof (another machine's), so keep it
+        pass
+    finally:
+        os.close(descriptor)

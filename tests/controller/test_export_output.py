@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from deskfleet.common.file_lock import try_lock_file
 from deskfleet.common.model_spec import WeightFormat, load_manifest, verify_files
 from deskfleet.controller.export import exporter
 from deskfleet.controller.export.exporter import ExportError, export_checkpoint
@@ -196,3 +202,128 @@ def test_rename_no_replace_never_replaces(tmp_path: Path, monkeypatch: pytest.Mo
     assert names(source) == ["a"] and names(target) == ["b"] and (tmp_path / "link").is_symlink()
     exporter._rename_no_replace(source, tmp_path / "moved")
     assert names(tmp_path) == ["link", "moved", "target"] and names(tmp_path / "moved") == ["a"]
+
+
+# SIGTERM and SIGHUP mid-export, and what a killed export left behind.
+
+SIGNALLED_EXPORT = """
+import os, signal, sys
+from pathlib import Path
+from deskfleet.common.model_spec import WeightFormat
+from deskfleet.controller.export import exporter
+
+checkpoint, out, signum = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+save = exporter._save
+
+def save_then_signal(*args, **kwargs):
+    save(*args, **kwargs)
+    os.kill(os.getpid(), signum)  # as `kill`, `timeout` or a closed terminal would, mid-export
+
+exporter._save = save_then_signal
+exporter.export_checkpoint(checkpoint, out, WeightFormat.F32)
+print("the export went on past the signal")
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_terminating_signal_removes_the_unfinished_export_then_ends_the_process(
+        checkpoint: Path, tmp_path: Path, signum: int) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    done = subprocess.run([sys.executable, "-c", SIGNALLED_EXPORT, str(checkpoint), str(work / "out"), str(signum)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == -signum, done.stderr  # ended by the signal, as without the export's handler
+    assert names(work) == []  # no full-size hidden staging folder left
+    assert f"export stopped by {signal.Signals(signum).name}" in done.stderr
+
+
+def test_signal_handlers_are_set_only_where_the_default_would_kill_and_restored(
+        checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    handled: list[int] = []
+
+    def own_handler(signum: int, frame: object) -> None:
+        handled.append(signum)
+
+    during: list[dict[int, object]] = []
+    save = exporter._save
+
+    def save_and_look(*args: object, **kwargs: object) -> None:
+        save(*args, **kwargs)  # type: ignore[arg-type]
+        during.append({signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP)})
+
+    monkeypatch.setattr(exporter, "_save", save_and_look)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    export_checkpoint(checkpoint, tmp_path / "default", WeightFormat.F32)
+    assert during[0][signal.SIGTERM] not in (signal.SIG_DFL, signal.SIG_IGN)  # the export's own, meanwhile
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN), signal.signal(signal.SIGTERM, own_handler)
+    try:
+        during.clear()
+        # nohup's SIG_IGN and a program's own handler are left in place, and still do what they did
+        monkeypatch.setattr(exporter, "_save", lambda *args, **kwargs: (
+            save_and_look(*args, **kwargs), os.kill(os.getpid(), signal.SIGHUP), os.kill(os.getpid(), signal.SIGTERM)))
+        export_checkpoint(checkpoint, tmp_path / "handled", WeightFormat.F32)
+        assert during[0] == {signal.SIGTERM: own_handler, signal.SIGHUP: signal.SIG_IGN}
+        assert handled and set(handled) == {signal.SIGTERM}
+        load_manifest(tmp_path / "handled")
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is own_handler
+    finally:
+        signal.signal(signal.SIGHUP, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+
+
+def test_an_export_outside_the_main_thread_sets_no_handlers(checkpoint: Path, tmp_path: Path) -> None:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            export_checkpoint(checkpoint, tmp_path / "out", WeightFormat.F32)
+        except BaseException as error:  # signal.signal raises ValueError outside the main thread
+            errors.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert errors == [] and load_manifest(tmp_path / "out").spec.num_layers == 1
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_what_killed_exports_left_is_removed_only_when_dead_unheld_and_unfinished(
+        checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_export: Path) -> None:
+    warnings: list[str] = []
+    monkeypatch.setattr(exporter.log, "warning", lambda text, *args: warnings.append(text % args))
+    pids = [_dead_pid() for _ in range(6)]
+    assert len(set(pids)) == 6
+    work = tmp_path / "work"
+    folders = {"unfinished": f".out.partial-{pids[0]}", "live": f".out.partial-{os.getppid()}",
+               "held": f".out.partial-{pids[1]}", "finished": f".out.partial-{pids[2]}",
+               "old": f".out.old-{pids[3]}", "other name": f".other.partial-{pids[4]}"}
+    for name in folders.values():
+        (work / name).mkdir(parents=True)
+        (work / name / "layer_000.bin").write_text("half a layer")
+    shutil.copyfile(tiny_export / "manifest.json", work / folders["finished"] / "manifest.json")
+    shutil.copytree(tiny_export, work / folders["old"], dirs_exist_ok=True)  # an old export moved aside
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "precious.txt").write_text("mine")
+    (work / f".out.partial-{pids[5]}").symlink_to(tmp_path / "elsewhere")
+    held = os.open(work / folders["held"], os.O_RDONLY)  # an export on another machine sharing the folder
+    try:
+        assert try_lock_file(held)
+        export_checkpoint(checkpoint, work / "out", WeightFormat.F32)
+        left = set(names(work))
+        assert folders["unfinished"] not in left
+        assert {folders[kind] for kind in ("live", "held", "finished", "old", "other name")} <= left
+        assert (tmp_path / "elsewhere" / "precious.txt").read_text() == "mine"
+        # the old export's replacement never arrived: it may be the only copy, so it is named, not removed
+        assert any(f"{work / folders['old']} holds what was at {work / 'out'}" in text for text in warnings)
+        assert any(f"{work / folders['finished']} holds a finished export" in text for text in warnings)
+        export_checkpoint(checkpoint, work / "out", WeightFormat.F32, overwrite=True)
+        assert folders["old"] not in names(work)  # now an export is in place at out, it is garbage
+        assert {folders[kind] for kind in ("live", "held", "finished", "other name")} <= set(names(work))
+    finally:
+        os.close(held)
