@@ -103,6 +103,9 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
     """
     manifest = load_manifest(options.model)
     tokenizer = ModelTokenizer(options.model)
+    if not tokenizer.chat_template:
+        raise ChatTemplateError(f"{options.model} has no chat template, so it cannot chat: use "
+                                "`deskfleet generate --prompt TEXT` with it instead")
     system = [ChatMessage("system", options.system)] if options.system else []
     _check_room(tokenizer, system, options.max_new_tokens, manifest.spec.max_context)
     settings = options.target_settings()

@@ -16,7 +16,7 @@ from .engine import Engine, Recover, StageChain, StreamRequest
 from .generation import GenerationError, check_request
 from .pipeline import LocalPipeline
 from .text_printer import TextPrinter
-from .tokenizer import ChatMessage, ModelTokenizer, check_utf8
+from .tokenizer import ChatMessage, ChatTemplateError, ModelTokenizer, check_utf8
 
 # The escapes of a --prompts-file line: \n a newline, \t a tab, \\ a backslash (others stay as written).
 _PROMPT_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
@@ -64,6 +64,9 @@ def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[
     for what, text in texts:
         check_utf8(text, what)
     if options.chat:
+        if not tokenizer.chat_template:
+            raise ChatTemplateError(f"--chat: {options.model} has no chat template; leave out --chat to give it "
+                                    "the prompts as written")
         rendered = tokenizer.render_chats([[ChatMessage("user", text)] for _, text in texts])  # one child process
         return [(what, tokenizer.encode(text, add_special_tokens=False))
                 for (what, _), text in zip(texts, rendered, strict=True)]

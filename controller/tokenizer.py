@@ -69,7 +69,7 @@ class ModelTokenizer:
     def render_chats(self, conversations: list[list[ChatMessage]], add_generation_prompt: bool = True) -> list[str]:
         """render_chat of each conversation, all in one child process."""
         if not self.chat_template:
-            raise ChatTemplateError("this model has no chat template; use a plain prompt")
+            raise ChatTemplateError("this model has no chat template")  # callers say what to do instead
         return render_isolated(self.chat_template, [
             {"messages": [{"role": m.role, "content": m.content} for m in messages],
              "add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token or "",

@@ -175,6 +175,28 @@ def test_a_line_ended_by_ctrl_d_gets_its_reply_on_a_line_of_its_own(tiny_export:
     assert prompt_out.getvalue() == "you> \nyou> \n"
 
 
+def test_chat_on_a_model_without_a_chat_template_points_to_generate(
+        tmp_path: Path, tiny_export: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+    import sys
+
+    from deskfleet.controller.cli import main
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_export, model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--model", str(model)]) == 2
+    assert (f"deskfleet: error: {model} has no chat template, so it cannot chat: use `deskfleet generate --prompt "
+            "TEXT` with it instead") in capsys.readouterr().err
+    assert main(["generate", "--model", str(model), "--prompt", "hi", "--chat"]) == 2
+    assert (f"deskfleet: error: --chat: {model} has no chat template; leave out --chat to give it the prompts as "
+            "written") in capsys.readouterr().err
+
+
 def test_the_chat_command_exits_2_when_no_message_fits(tiny_export: Path, capsys: pytest.CaptureFixture[str],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
