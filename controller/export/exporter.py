@@ -105,7 +105,7 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
                     "the extra ones will be refused", model_dir, len(tokenizer), config.spec.vocab_size)
     with CheckpointWeights(model_dir) as weights:
         weights.check(config)  # every tensor there, of the config's shapes: refused before hours of export
-    with _ending_signals_clean_up():
+    with _ending_signals_clean_up() as stop_if_signalled:
         _remove_stale_folders(out_dir)
         staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
         if os.path.lexists(staging):  # a finished export kept by an earlier call in this process
@@ -114,9 +114,14 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
             staging.mkdir(parents=True)
         except OSError as error:
             raise ExportError(f"cannot write the export next to {out_dir}: {error}") from None
+        def report(done: int, total: int, name: str) -> None:
+            stop_if_signalled()
+            if progress is not None:
+                progress(done, total, name)
+
         with _held(staging):
             try:
-                manifest = _export_into(model_dir, staging, config, weight_format, tokenizer, progress)
+                manifest = _export_into(model_dir, staging, config, weight_format, tokenizer, report)
                 _move_into_place(model_dir, staging, out_dir, overwrite)
             except _FinishedExportKept:
                 raise  # hours of work, named in the message: the user may still move it into place
@@ -410,27 +415,40 @@ def _rename_no_replace(source: Path, target: Path) -> None:
 
 
 @contextlib.contextmanager
-def _ending_signals_clean_up() -> Iterator[None]:
+def _ending_signals_clean_up() -> Iterator[Callable[[], None]]:
     """While the export runs, SIGTERM and SIGHUP raise ExportInterrupted instead of ending the process at
     once, so the cleanup runs; then the signal is raised again under its old handling, and the process ends
     as it would have. Only where that handling is the default: a program's own handler, or the SIG_IGN that
-    nohup sets for SIGHUP, is left as it is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread may set handlers (Python runs them there)
-        return
+    nohup sets for SIGHUP, is left as it is.
+
+    Yields a check to call between steps: it raises ExportInterrupted again once a signal came. Python may
+    run the handler inside a finalizer (__del__) or a library's catch-all, which reports or drops the
+    exception and carries on with the export."""
     received: list[int] = []
+
+    def stop_if_signalled() -> None:
+        if received:
+            raise ExportInterrupted(received[0])
+
+    if threading.current_thread() is not threading.main_thread():
+        yield stop_if_signalled  # only the main thread may set handlers (Python runs them there)
+        return
+
+    finishing = False
 
     def interrupt(signum: int, frame: object) -> None:
         if received:  # again while the cleanup runs: let it finish, the first signal still ends the process
             return
         received.append(signum)
-        raise ExportInterrupted(signum)
+        if not finishing:  # while the handlers are put back, an exception would escape the raise below
+            raise ExportInterrupted(signum)
 
     previous = {signum: signal.signal(signum, interrupt) for signum in ENDING_SIGNALS
                 if signal.getsignal(signum) is signal.SIG_DFL}
     try:
-        yield
+        yield stop_if_signalled
     finally:
+        finishing = True
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         if received:
