@@ -152,6 +152,7 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
                 _note(notes, f"[{error}: not sent; the conversation is unchanged]")
                 continue
             except KeyboardInterrupt:  # Ctrl-C while the prompt was made (a long render): this message only
+                _end_prompt_line(prompt_out)  # the terminal's ^C echo; a reply's Ctrl-C ends its own line
                 _note(notes, "[interrupted before the reply began: not sent; the conversation is unchanged]")
                 continue
             if dropped:

@@ -311,15 +311,16 @@ def test_ctrl_c_before_the_reply_begins_cancels_that_message_only(tmp_path: Path
         return render_chats(self, conversations, add_generation_prompt)
 
     monkeypatch.setattr(ModelTokenizer, "render_chats", interrupted)
-    out, notes = io.StringIO(), io.StringIO()
+    out, notes, prompt_out = io.StringIO(), io.StringIO(), io.StringIO()
     lines = io.StringIO("hello there\nslow to render\nagain, please\n")
     try:
-        replies = run_chat(options, lines, out, notes=notes)
+        replies = run_chat(options, lines, out, prompt_out=prompt_out, notes=notes)
     except KeyboardInterrupt:  # caught here: left to pytest, it would stop the whole run
         pytest.fail("Ctrl-C before the reply ended the chat")
     assert replies == 2
     assert out.getvalue() == plain.getvalue()
     assert notes.getvalue() == "[interrupted before the reply began: not sent; the conversation is unchanged]\n"
+    assert prompt_out.getvalue() == "you> you> \nyou> you> \n"  # the ^C's line ended, and the last prompt's
 
 
 def test_a_message_that_cannot_be_sent_keeps_the_conversation(tmp_path: Path, tiny_export: Path) -> None:
