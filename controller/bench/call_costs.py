@@ -9,11 +9,13 @@ the drafter proposes nothing) pays it twice per switch; a run that stays at one 
 
 `measure_call_costs` times, on a fresh session of the stage: calls at each width back to back ("steady"),
 and the same widths alternating, so every call changes the width ("alternating"). The switch penalty
-is the mean difference. Every block starts from a reset state, and a steady block's prefill is longer by
-what puts its calls at the alternating block's mean context: an alternating block grows the context by
-all the widths per cycle, a steady one by its own width per call, and attention's cost grows with the
-context (measured with equal prefills, the penalty came out 36-56% too high on the demo target). The
-stage must be a whole model (first and last stage in one), as in `bench speculative`.
+is the mean difference. Every block starts from a reset state and the same prefill; a steady block then
+makes untimed calls of its width until its timed calls sit at the alternating block's mean context: an
+alternating block grows the context by all the widths per cycle, a steady one by its own width per call,
+and attention's cost grows with the context (timed at their own contexts, the penalty came out 36-56% too
+high on the demo target). A longer prefill instead would also do, but made the calls after it ~7% slower
+than the same context reached by calls. The stage must be a whole model (first and last stage in one), as
+in `bench speculative`.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ def measure_call_costs(stage: Stage, widths: Sequence[int], calls: int = 8, bloc
     contexts: dict[str, list[float]] = {"alternating": [], **{str(width): [] for width in widths}}
     for _ in range(blocks):
         for width in widths:
-            feeder = _Feeder(session, steady_prefill(prefill_tokens, widths, width, calls), token_id)
+            feeder = _Feeder(session, prefill_tokens, token_id)
+            for _ in range(steady_filler_calls(prefill_tokens, widths, width, calls)):
+                feeder.call(width)
             contexts[str(width)] += feeder.time([width], calls, steady)
         if len(widths) > 1:
             contexts["alternating"] += _Feeder(session, prefill_tokens, token_id).time(widths, calls, alternating)
@@ -74,22 +78,22 @@ class _Feeder:
         self.token_id = token_id
         self.slots = 0
         session.reset()
-        self._call(prefill_tokens)
+        self.call(prefill_tokens)
 
     def time(self, pattern: Sequence[int], calls: int, into: dict[int, list[float]]) -> list[int]:
         """Time `calls` rounds of `pattern`; the context (slots after each timed call) of every call."""
         for width in pattern:  # untimed: every width once, so the block's first timed call is like the rest
-            self._call(width)
+            self.call(width)
         contexts = []
         for _ in range(calls):
             for width in pattern:
                 started = time.perf_counter()
-                self._call(width)
+                self.call(width)
                 into[width].append(time.perf_counter() - started)
                 contexts.append(self.slots)
         return contexts
 
-    def _call(self, width: int) -> None:
+    def call(self, width: int) -> None:
         self.slots += width
         self.session.forward(np.full((1, width), self.token_id, dtype=np.int64),
                              np.ones((1, self.slots), dtype=np.int64),
@@ -98,17 +102,19 @@ class _Feeder:
                              logits_positions=np.arange(width, dtype=np.int64)[None, :])
 
 
-def steady_prefill(prefill_tokens: int, widths: Sequence[int], width: int, calls: int) -> int:
-    """The prefill that puts a steady block of `width` at the alternating block's mean context.
+def steady_filler_calls(prefill_tokens: int, widths: Sequence[int], width: int, calls: int) -> int:
+    """How many untimed calls of `width` put a steady block's timed calls at the alternating block's mean
+    context.
 
     The alternating block (prefill P, one untimed call of every width, then `calls` cycles of `widths` in
     order) times its calls at a mean of P + W + W (calls - 1) / 2 + the mean of the widths' running sums,
-    W their sum; a steady block of width w (prefill P', one untimed call) at P' + w + w (calls + 1) / 2.
+    W their sum; a steady block of width w after f filler calls (and its one untimed call) at
+    P + w f + w + w (calls + 1) / 2.
     """
     total = sum(widths)
     running = statistics.mean(sum(widths[: index + 1]) for index in range(len(widths)))
     alternating = total + total * (calls - 1) / 2 + running
-    return prefill_tokens + max(0, round(alternating - width - width * (calls + 1) / 2))
+    return max(0, round((alternating - width - width * (calls + 1) / 2) / width))
 
 
 def _median_ms(values: list[float]) -> float:

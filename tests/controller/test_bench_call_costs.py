@@ -32,7 +32,7 @@ def test_steady_and_alternating_costs_of_each_width(tiny_export: Path) -> None:
 def test_steady_calls_are_timed_at_the_alternating_calls_context() -> None:
     # Attention's cost grows with the context: a steady block must not run at a shorter one than the
     # alternating block it is compared with (with equal prefills the penalty came out 36-56% too high).
-    from deskfleet.controller.bench.call_costs import steady_prefill
+    from deskfleet.controller.bench.call_costs import steady_filler_calls
 
     for widths, calls in (([1, 3, 5, 7, 9], 8), ([1, 9], 8), ([1, 5], 3)):
         slots = 32 + sum(widths)
@@ -42,16 +42,16 @@ def test_steady_calls_are_timed_at_the_alternating_calls_context() -> None:
                 slots += width
                 alternating.append(slots)
         for width in widths:
-            slots = steady_prefill(32, widths, width, calls) + width
+            slots = 32 + width * steady_filler_calls(32, widths, width, calls) + width
             steady = [slots := slots + width for _ in range(calls)]
-            assert abs(sum(steady) / calls - sum(alternating) / len(alternating)) <= 1
+            assert abs(sum(steady) / calls - sum(alternating) / len(alternating)) <= width / 2 + 0.5
 
 
 def test_the_report_shows_the_contexts_it_compared(tiny_export: Path) -> None:
     costs = measure_call_costs(stage_of(tiny_export), [1, 5], calls=3, blocks=1, prefill_tokens=4)
     contexts = costs["mean_context_slots"]
     assert set(contexts) == {"alternating", "1", "5"}
-    assert abs(contexts["1"] - contexts["alternating"]) <= 1 and abs(contexts["5"] - contexts["alternating"]) <= 1
+    assert abs(contexts["1"] - contexts["alternating"]) <= 1 and abs(contexts["5"] - contexts["alternating"]) <= 3
 
 
 def test_one_width_has_no_switch_to_price(tiny_export: Path) -> None:
