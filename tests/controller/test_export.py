@@ -13,7 +13,7 @@ import openvino as ov
 import pytest
 
 from deskfleet.common.model_spec import Manifest, ManifestError, WeightFormat, load_manifest, verify_files
-from deskfleet.controller.export import exporter
+from deskfleet.controller.export import exporter, output_folder
 from deskfleet.controller.export.exporter import ExportError, export_checkpoint
 from deskfleet.controller.export.hf_config import UnsupportedModelError, read_checkpoint_config
 from deskfleet.controller.export.weights import MalformedCheckpointError
@@ -398,14 +398,14 @@ def test_a_failed_swap_puts_the_old_export_back(checkpoint_factory: Callable[...
     out.mkdir()
     shutil.copyfile(tiny_export / "manifest.json", out / "manifest.json")
     (out / "keep.txt").write_text("old export")
-    rename = exporter._rename_no_replace
+    rename = output_folder._rename_no_replace
 
     def failing_rename(source: Path, target: Path) -> None:
         if source.name.startswith(".out.partial-"):
             raise OSError(28, "No space left on device")
         rename(source, target)
 
-    monkeypatch.setattr(exporter, "_rename_no_replace", failing_rename)
+    monkeypatch.setattr(output_folder, "_rename_no_replace", failing_rename)
     with pytest.raises(ExportError, match="cannot move the finished export into") as raised:
         export_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), out, WeightFormat.F32, overwrite=True)
     assert (out / "keep.txt").read_text() == "old export"

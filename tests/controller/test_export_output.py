@@ -17,7 +17,7 @@ import pytest
 
 from deskfleet.common.file_lock import try_lock_file
 from deskfleet.common.model_spec import WeightFormat, load_manifest, verify_files
-from deskfleet.controller.export import exporter
+from deskfleet.controller.export import exporter, output_folder
 from deskfleet.controller.export.exporter import ExportError, export_checkpoint
 
 
@@ -108,9 +108,9 @@ def test_a_folder_made_between_the_last_check_and_the_move_is_kept(
         holds_a_file: bool) -> None:
     # The last check passes, then the folder appears: a plain rename would replace an empty one silently.
     if not renameat2:
-        monkeypatch.setattr(exporter, "_RENAMEAT2", None)  # as on a system or file system without it
+        monkeypatch.setattr(output_folder, "_RENAMEAT2", None)  # as on a system or file system without it
     out = tmp_path / "out"
-    rename = exporter._rename_no_replace
+    rename = output_folder._rename_no_replace
 
     def user_makes_the_folder(source: Path, target: Path) -> None:
         if target == out:
@@ -119,7 +119,7 @@ def test_a_folder_made_between_the_last_check_and_the_move_is_kept(
                 (out / "thesis.txt").write_text("my only copy")
         rename(source, target)
 
-    monkeypatch.setattr(exporter, "_rename_no_replace", user_makes_the_folder)
+    monkeypatch.setattr(output_folder, "_rename_no_replace", user_makes_the_folder)
     with pytest.raises(ExportError, match=f"cannot move the finished export into {out}: .*File exists") as raised:
         export_checkpoint(checkpoint, out, WeightFormat.F32)
     assert names(out) == (["thesis.txt"] if holds_a_file else [])
@@ -152,7 +152,7 @@ def test_what_is_moved_aside_is_checked_again_before_it_is_deleted(
     # OUT_DIR is swapped for the user's files between the last check and the move aside: they are put back
     out = tmp_path / "out"
     shutil.copytree(tiny_export, out)
-    rename = exporter._rename_no_replace
+    rename = output_folder._rename_no_replace
 
     def user_swaps_it(source: Path, target: Path) -> None:
         if source == out:
@@ -161,7 +161,7 @@ def test_what_is_moved_aside_is_checked_again_before_it_is_deleted(
             (out / "thesis.txt").write_text("my only copy")
         rename(source, target)
 
-    monkeypatch.setattr(exporter, "_rename_no_replace", user_swaps_it)
+    monkeypatch.setattr(output_folder, "_rename_no_replace", user_swaps_it)
     with pytest.raises(ExportError, match=r"out holds files but no manifest\.json") as raised:
         export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
     assert names(out) == ["thesis.txt"]
@@ -180,27 +180,27 @@ def test_an_old_export_is_replaced_and_removed_with_overwrite(checkpoint: Path, 
 @pytest.mark.parametrize("renameat2", ["present", "absent", "unsupported"])
 def test_rename_no_replace_never_replaces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, renameat2: str) -> None:
     if renameat2 == "absent":
-        monkeypatch.setattr(exporter, "_RENAMEAT2", None)
+        monkeypatch.setattr(output_folder, "_RENAMEAT2", None)
     elif renameat2 == "unsupported":  # a file system without RENAME_NOREPLACE answers EINVAL
         def einval(*args: object) -> int:
             ctypes.set_errno(errno.EINVAL)
             return -1
 
-        monkeypatch.setattr(exporter, "_RENAMEAT2", einval)
+        monkeypatch.setattr(output_folder, "_RENAMEAT2", einval)
     source, target = tmp_path / "source", tmp_path / "target"
     source.mkdir()
     (source / "a").write_text("new")
     target.mkdir()  # empty: what a plain rename would replace
     with pytest.raises(FileExistsError):
-        exporter._rename_no_replace(source, target)
+        output_folder._rename_no_replace(source, target)
     (target / "b").write_text("old")
     with pytest.raises(FileExistsError):
-        exporter._rename_no_replace(source, target)
+        output_folder._rename_no_replace(source, target)
     (tmp_path / "link").symlink_to("nowhere")
     with pytest.raises(FileExistsError):
-        exporter._rename_no_replace(source, tmp_path / "link")
+        output_folder._rename_no_replace(source, tmp_path / "link")
     assert names(source) == ["a"] and names(target) == ["b"] and (tmp_path / "link").is_symlink()
-    exporter._rename_no_replace(source, tmp_path / "moved")
+    output_folder._rename_no_replace(source, tmp_path / "moved")
     assert names(tmp_path) == ["link", "moved", "target"] and names(tmp_path / "moved") == ["a"]
 
 
@@ -315,7 +315,7 @@ def _dead_pid() -> int:
 def test_what_killed_exports_left_is_removed_only_when_dead_unheld_and_unfinished(
         checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_export: Path) -> None:
     warnings: list[str] = []
-    monkeypatch.setattr(exporter.log, "warning", lambda text, *args: warnings.append(text % args))
+    monkeypatch.setattr(output_folder.log, "warning", lambda text, *args: warnings.append(text % args))
     pids = [_dead_pid() for _ in range(6)]
     assert len(set(pids)) == 6
     work = tmp_path / "work"

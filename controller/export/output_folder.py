@@ -1,0 +1,336 @@
+"""The output folder of `deskfleet export`: the staging folder beside it, and the move into place.
+
+What it guarantees:
+- The export is written into a hidden sibling folder (`.NAME.partial-PID`) and renamed into place at the end,
+  so an interrupted export never leaves `out_dir` looking complete.
+- SIGTERM and SIGHUP remove that folder before they end the process (only where their handling is the
+  default: a program's own handler, or the SIG_IGN that nohup sets for SIGHUP, is left as it is); the process
+  then ends as it would have.
+- What exports that were killed (SIGKILL, a power cut) left beside `out_dir` goes with the next export to it:
+  only a dead process's (by the PID in the name), and only a staging folder nobody holds the lock of. A
+  finished export that was kept, and an old export whose replacement never arrived, are the user's: named in
+  a warning, never removed.
+- An output folder whose replacement would delete the checkpoint, a symbolic link, or anything not a folder
+  is refused. An existing `out_dir` is replaced only with `overwrite` and only when it is a deskfleet export
+  or empty, checked again at the end; what is moved aside is checked once more before it is deleted, and it
+  is removed only after the new export is in place (put back if the move fails).
+- The move never replaces anything (renameat2's RENAME_NOREPLACE; elsewhere an empty folder claimed first):
+  a folder made at `out_dir` while the export ran is never replaced; the finished export is then kept beside
+  it and the ExportError (FinishedExportKept) says where.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+import re
+import shutil
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from deskfleet.common.file_lock import try_lock_file
+from deskfleet.common.model_spec import MANIFEST_NAME, ManifestError, load_manifest
+
+# The exporter's logger, as before these moved here: the lines on stderr keep the name they had.
+log = logging.getLogger("deskfleet.controller.export.exporter")
+
+
+# What kill, timeout, systemd and a closed terminal send; SIGINT already raises KeyboardInterrupt.
+ENDING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+RENAME_NOREPLACE = 1  # renameat2's flag (linux/fs.h): fail with EEXIST rather than replace the target
+AT_FDCWD = -100  # renameat2's "relative to the working directory" (linux/fcntl.h)
+
+
+class ExportError(RuntimeError):
+    """The export could not be written; nothing at the destination was changed."""
+
+
+class ExportInterrupted(BaseException):
+    """SIGTERM or SIGHUP arrived during an export: raised by the export's own handler so that the unfinished
+    export is removed before the process ends. A BaseException, as KeyboardInterrupt is, so that no `except
+    Exception` on the way turns it into an error the export would report and carry on from."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"export interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class FinishedExportKept(ExportError):
+    """The finished export could not be moved into place and is kept where it was written: its message says where."""
+
+
+# Public methods
+
+def check_output(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
+    """Refuse an output folder whose replacement would delete the checkpoint or anything not an export."""
+    source, target = model_dir.resolve(), out_dir.resolve()
+    if target == source or target in source.parents:
+        raise ExportError(f"the output {out_dir} holds the checkpoint {model_dir}: writing the export there would "
+                          "delete the checkpoint; choose another folder")
+    if out_dir.is_symlink():
+        # replacing it would put a real folder where the link was and leave the folder it names unchanged
+        raise ExportError(f"{out_dir} is a symbolic link (to {os.readlink(out_dir)}): give the folder it names, "
+                          "or another path")
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ExportError(f"{out_dir} exists and is not a folder")
+    if not overwrite:
+        raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it")
+    _check_replaceable(out_dir, out_dir)
+
+
+def make_staging_folder(out_dir: Path) -> Path:
+    """Make the hidden folder beside `out_dir` that this process writes the export into."""
+    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    if os.path.lexists(staging):  # a finished export kept by an earlier call in this process
+        raise ExportError(f"{staging} is in the way (an earlier export to {out_dir}): move or remove it")
+    try:
+        staging.mkdir(parents=True)
+    except OSError as error:
+        raise ExportError(f"cannot write the export next to {out_dir}: {error}") from None
+    return staging
+
+
+def move_into_place(model_dir: Path, staging: Path, out_dir: Path, overwrite: bool) -> None:
+    """Move the finished export to `out_dir`. What is there is replaced only with `overwrite` and only when it
+    is an export or empty, and removed only after the new export is in place (put back if the move fails).
+    Anything that appeared at `out_dir` while the export ran is left as it is; FinishedExportKept then says
+    where the finished export is."""
+    kept = f"; the finished export is kept at {staging} (move it into place yourself, or remove it)"
+    try:
+        check_output(model_dir, out_dir, overwrite)  # again: out_dir may have been made or filled meanwhile
+    except ExportError as error:
+        raise FinishedExportKept(f"{error}{kept}") from None
+    retired = None
+    if overwrite and os.path.lexists(out_dir):
+        retired = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+        try:
+            _rename_no_replace(out_dir, retired)
+        except OSError as error:
+            raise FinishedExportKept(f"cannot move the old export at {out_dir} aside: {error}{kept}") from None
+    try:
+        if retired is not None:
+            # What was moved aside is what will be deleted: checked once more, now that no one else can
+            # swap it (the check above and the move are two steps).
+            _check_replaceable(retired, out_dir)
+        _rename_no_replace(staging, out_dir)
+    except BaseException as error:
+        restored = "" if retired is None else _put_back(retired, out_dir)
+        if isinstance(error, ExportError):
+            raise FinishedExportKept(f"{error}{restored}{kept}") from None
+        if isinstance(error, OSError):
+            raise FinishedExportKept(
+                f"cannot move the finished export into {out_dir}: {error}{restored}{kept}") from None
+        raise  # interrupted: the old export is back, the caller removes the staging folder
+    if retired is not None:
+        shutil.rmtree(retired, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def ending_signals_clean_up() -> Iterator[Callable[[], None]]:
+    """While the export runs, SIGTERM and SIGHUP raise ExportInterrupted instead of ending the process at
+    once, so the cleanup runs; then the signal is raised again under its old handling, and the process ends
+    as it would have. Only where that handling is the default: a program's own handler, or the SIG_IGN that
+    nohup sets for SIGHUP, is left as it is.
+
+    Yields a check to call between steps: it raises ExportInterrupted again once a signal came. Python may
+    run the handler inside a finalizer (__del__) or a library's catch-all, which reports or drops the
+    exception and carries on with the export."""
+    received: list[int] = []
+
+    def stop_if_signalled() -> None:
+        if received:
+            raise ExportInterrupted(received[0])
+
+    if threading.current_thread() is not threading.main_thread():
+        yield stop_if_signalled  # only the main thread may set handlers (Python runs them there)
+        return
+
+    finishing = False
+
+    def interrupt(signum: int, frame: object) -> None:
+        if received:  # again while the cleanup runs: let it finish, the first signal still ends the process
+            return
+        received.append(signum)
+        if not finishing:  # while the handlers are put back, an exception would escape the raise below
+            raise ExportInterrupted(signum)
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in ENDING_SIGNALS
+                if signal.getsignal(signum) is signal.SIG_DFL}
+    try:
+        yield stop_if_signalled
+    finally:
+        finishing = True
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if received:
+            log.warning("export stopped by %s; no unfinished export is left behind",
+                        signal.Signals(received[0]).name)
+            signal.raise_signal(received[0])  # the default handling again: the process ends here
+            raise SystemExit(128 + received[0])  # reached only while the signal is blocked in this thread
+
+
+@contextlib.contextmanager
+def held(folder: Path) -> Iterator[None]:
+    """Hold an advisory lock on `folder` while this export writes it: another export's cleanup removes only a
+    staging folder nobody holds (the PID in its name may be another machine's, on a shared folder, or
+    another container's)."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:  # Windows opens no folder this way; it is never cleaned up (_process_alive) either
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):  # a file system without locks: the cleanup leaves all alone there
+            try_lock_file(descriptor)
+        yield
+    finally:
+        os.close(descriptor)
+
+
+def remove_stale_folders(out_dir: Path) -> None:
+    """Remove what exports to `out_dir` that were killed (SIGKILL, a power cut) left beside it: unfinished
+    staging folders, and an old export moved aside once the new one was in place. Only a dead process's (by
+    the PID in the name), and only a staging folder nobody holds the lock of. A finished export that was kept,
+    and an old export whose replacement never arrived, are the user's: named in a warning, never removed."""
+    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.(partial|old)-([0-9]{{1,10}})")
+    try:
+        entries = sorted(out_dir.parent.iterdir())
+    except OSError:  # no parent folder yet: it is made with the staging folder
+        return
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is None or entry.is_symlink() or not entry.is_dir() or _process_alive(int(match[2])):
+            continue
+        if match[1] == "old":
+            if _is_export(out_dir):  # the export that replaced it is in place
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                log.warning("%s holds what was at %s before an export with --overwrite was killed; it is left "
+                            "for you to move back or remove", entry, out_dir)
+        elif (entry / MANIFEST_NAME).is_file():
+            log.warning("%s holds a finished export that was never moved into %s; it is left for you to move "
+                        "or remove", entry, out_dir)
+        else:
+            _remove_unheld(entry)
+
+
+# Private methods
+
+def _check_replaceable(folder: Path, shown: Path) -> None:
+    """Refuse to replace `folder` (named `shown` to the user) unless it is a deskfleet export or empty."""
+    if folder.is_symlink() or not folder.is_dir():
+        raise ExportError(f"{shown} is not a folder any more: --overwrite replaces only a deskfleet export or an "
+                          "empty folder")
+    if not any(folder.iterdir()):
+        return
+    if not (folder / MANIFEST_NAME).is_file():
+        raise ExportError(f"{shown} holds files but no {MANIFEST_NAME}: --overwrite replaces only a deskfleet "
+                          "export or an empty folder; remove it yourself or choose another folder")
+    try:
+        load_manifest(folder)
+    except (ManifestError, OSError, ValueError) as error:
+        raise ExportError(f"{shown}/{MANIFEST_NAME} is not a deskfleet manifest ({error}): --overwrite replaces "
+                          "only a deskfleet export or an empty folder; remove it yourself or choose another "
+                          "folder") from None
+
+
+def _put_back(retired: Path, out_dir: Path) -> str:
+    """Move the old export back to `out_dir`; what to add to an error message about it."""
+    try:
+        _rename_no_replace(retired, out_dir)
+    except OSError as error:  # something new is at out_dir: both are kept
+        log.warning("what was at %s is at %s: it could not be put back (%s)", out_dir, retired, error)
+        return f"; what was at {out_dir} is at {retired} (it could not be put back: {error})"
+    return ""
+
+
+def _load_renameat2() -> Any:
+    """glibc's renameat2 (Linux, glibc 2.28 or newer), or None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_RENAMEAT2 = _load_renameat2()
+
+
+def _rename_no_replace(source: Path, target: Path) -> None:
+    """Rename `source` to `target`, raising OSError (FileExistsError) when anything is at `target`.
+
+    A plain rename replaces an empty folder, or on POSIX any folder emptied in time: a folder the user made
+    at `target` since it was checked would be lost, or the files put in it by then.
+    """
+    if _RENAMEAT2 is not None:
+        if _RENAMEAT2(AT_FDCWD, os.fsencode(source), AT_FDCWD, os.fsencode(target), RENAME_NOREPLACE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.EINVAL, errno.ENOSYS):  # EINVAL: a file system without RENAME_NOREPLACE
+            raise OSError(code, os.strerror(code), str(source), None, str(target))
+    if sys.platform == "win32":
+        os.rename(source, target)  # Windows never replaces an existing target
+        return
+    # Claim the name with a folder of our own (mkdir fails on anything there) and rename onto that: POSIX
+    # replaces only an empty folder, so files put into the claim meanwhile make the rename fail.
+    os.mkdir(target)
+    try:
+        os.rename(source, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.rmdir(target)  # fails unless still empty: never removes anything but the claim
+        raise
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process `pid` may be running: only ProcessLookupError proves it is not."""
+    if sys.platform == "win32":
+        return True  # os.kill(pid, 0) there would terminate the process, not probe it
+    if pid == os.getpid():
+        return False  # an earlier process of the same number (this one has made nothing there yet)
+    if pid <= 0:
+        return True  # 0 and negatives name process groups to os.kill: no export's name
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # PermissionError: another user's process, running
+        return True
+    return True
+
+
+def _is_export(folder: Path) -> bool:
+    try:
+        load_manifest(folder)
+    except (ManifestError, OSError, ValueError):
+        return False
+    return not folder.is_symlink()
+
+
+def _remove_unheld(folder: Path) -> None:
+    """Remove a staging folder unless an export still holds its lock."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        if try_lock_file(descriptor):
+            shutil.rmtree(folder, ignore_errors=True)
+            log.info("removed %s, left by an export that was killed", folder)
+    except OSError:  # a file system without locks: the PID alone is no proof (another machine's), so keep it
+        pass
+    finally:
+        os.close(descriptor)
