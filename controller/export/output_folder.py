@@ -109,21 +109,29 @@ def move_into_place(model_dir: Path, staging: Path, out_dir: Path, overwrite: bo
         check_output(model_dir, out_dir, overwrite)  # again: out_dir may have been made or filled meanwhile
     except ExportError as error:
         raise FinishedExportKept(f"{error}{kept}") from None
-    retired = None
-    if overwrite and os.path.lexists(out_dir):
-        retired = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-        try:
-            _rename_no_replace(out_dir, retired)
-        except OSError as error:
-            raise FinishedExportKept(f"cannot move the old export at {out_dir} aside: {error}{kept}") from None
+    retired = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}" if overwrite and os.path.lexists(out_dir) \
+        else None
     try:
         if retired is not None:
+            try:
+                _rename_no_replace(out_dir, retired)
+            except OSError as error:
+                raise FinishedExportKept(f"cannot move the old export at {out_dir} aside: {error}{kept}") from None
             # What was moved aside is what will be deleted: checked once more, now that no one else can
             # swap it (the check above and the move are two steps).
             _check_replaceable(retired, out_dir)
         _rename_no_replace(staging, out_dir)
     except BaseException as error:
-        restored = "" if retired is None else _put_back(retired, out_dir)
+        # A signal's exception (or Ctrl-C's) can come just after a rename has happened: Python runs the
+        # handler when the call returns. So what is on disk says how far the move got, not which line raised.
+        if not os.path.lexists(staging) and os.path.lexists(out_dir):  # the new export is in place: done
+            if retired is not None:
+                shutil.rmtree(retired, ignore_errors=True)
+            raise
+        moved_aside = retired is not None and os.path.lexists(retired) and not os.path.lexists(out_dir)
+        restored = _put_back(retired, out_dir) if moved_aside and retired is not None else ""
+        if isinstance(error, FinishedExportKept):
+            raise
         if isinstance(error, ExportError):
             raise FinishedExportKept(f"{error}{restored}{kept}") from None
         if isinstance(error, OSError):

@@ -346,3 +346,32 @@ def test_what_killed_exports_left_is_removed_only_when_dead_unheld_and_unfinishe
         assert {folders[kind] for kind in ("live", "held", "finished", "other name")} <= set(names(work))
     finally:
         os.close(held)
+
+
+@pytest.mark.parametrize("interrupted_after", [1, 2])
+def test_an_interrupt_just_after_a_rename_leaves_one_whole_export_at_out_dir(
+        checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_export: Path,
+        interrupted_after: int) -> None:
+    # Python runs a signal handler when the C call returns, so its exception comes after the rename: after
+    # the first (the old export moved aside) the old export must be put back; after the second (the new one
+    # in place) the export is done. Either way OUT_DIR holds one whole export and nothing hidden is left.
+    out = tmp_path / "out"
+    shutil.copytree(tiny_export, out)
+    old_manifest = (out / "manifest.json").read_text()
+    rename = output_folder._rename_no_replace
+    renames: list[Path] = []
+
+    def interrupted_on_return(source: Path, target: Path) -> None:
+        rename(source, target)
+        renames.append(target)
+        if len(renames) == interrupted_after:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(output_folder, "_rename_no_replace", interrupted_on_return)
+    with pytest.raises(KeyboardInterrupt):
+        export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
+    assert names(tmp_path) == ["out"]  # no .out.old-PID, no .out.partial-PID
+    manifest = load_manifest(out)
+    verify_files(out, manifest)
+    is_old = (out / "manifest.json").read_text() == old_manifest
+    assert is_old == (interrupted_after == 1)
