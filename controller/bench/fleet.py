@@ -417,7 +417,10 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
         thread.start()
     for thread in threads:
         thread.join()
-    error = next((error for error in errors if error is not None), None)
+    # the copy that failed, not the one its abort() released from the barrier
+    failed = [error for error in errors if error is not None]
+    error = next((error for error in failed if not isinstance(error, threading.BrokenBarrierError)),
+                 failed[0] if failed else None)
     if error is not None:
         raise RuntimeError(f"configuration {config.key} failed: {type(error).__name__}: {error}") from error
     tokens = sum(result["tokens"] for result in results)

@@ -270,6 +270,24 @@ def test_the_other_inputs_are_checked_before_any_pc_starts(tiny_export: Path, tm
         run_fleet_bench(FleetBenchOptions(tiny_export, genai_model=tmp_path / "missing"))
 
 
+def test_a_failed_copy_is_named_not_the_copy_it_released_from_the_start_barrier(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def second_copy_fails(placements: tuple[float, ...], *args: object, **kwargs: object) -> _FakeChain:
+        if placements == (1.0,):
+            raise ConnectionError("agent b refused the TLS handshake")
+        return _FakeChain(placements)
+
+    monkeypatch.setattr(fleet_module, "FleetPipeline", second_copy_fails)
+    monkeypatch.setattr(fleet_module, "model_id_of", lambda model: "m@0")
+    monkeypatch.setattr(fleet_module, "load_manifest", lambda model: SimpleNamespace(spec=None))
+    monkeypatch.setattr(fleet_module, "_prompts", lambda *args: [[1, 2]])
+    monkeypatch.setattr(fleet_module, "Engine", lambda *args: SimpleNamespace(add=lambda request: None))
+    fleet = SimpleNamespace(store=SimpleNamespace(tls_files=None))
+    config = _Config("copies_2", "mono", 1, 1, 1, copies=2)
+    with pytest.raises(RuntimeError, match="ConnectionError: agent b refused the TLS handshake"):
+        _run_config(fleet, {"mono": (0.0,), "mono-b": (1.0,)}, config, FleetBenchOptions(MODEL), {})  # type: ignore[arg-type]
+
+
 def test_a_failed_configuration_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken_chain(*args: object, **kwargs: object) -> None:
         raise ConnectionError("stage 1 went away")
