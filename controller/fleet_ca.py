@@ -161,15 +161,20 @@ def _read_revoked(store: FleetStore) -> list[str]:
     as "nobody removed" would let removed agents in again and tell every agent to forget them (they keep the
     controller's list), so it is refused like a damaged one."""
     path = store.data_dir / "revoked.json"
-    body = store.read("revoked", None)
-    if body is None:
-        raise FleetStoreError(
-            f"{path} is missing: the list of agents removed from this fleet is lost, and serving without it would "
-            "let them in again. Restore it from a backup, or write it again with the removed agents' ids (each "
-            "agent keeps a copy in its state folder, state/revoked.json): "
-            '{"format": 1, "body": ["AGENT_ID", ...]}; "body": [] if no agent was ever removed')
+    restore = ("Restore it from a backup, or write it again with the removed agents' ids (each agent keeps a "
+               'copy in its state folder, state/revoked.json): {"format": 1, "body": ["AGENT_ID", ...]}; '
+               '"body": [] if no agent was ever removed')
+    missing = object()
+    try:
+        body = store.read("revoked", missing)
+    except FleetStoreError as error:  # its own message says "fix or remove it": removing this one loses it
+        raise FleetStoreError(f"{path} is damaged, and the list of agents removed from this fleet cannot be read: "
+                              f"{error}. {restore}") from None
+    if body is missing:
+        raise FleetStoreError(f"{path} is missing: the list of agents removed from this fleet is lost, and serving "
+                              f"without it would let them in again. {restore}")
     if not isinstance(body, list) or not all(isinstance(item, str) for item in body):
-        raise FleetStoreError(f"{path} must hold a list of agent ids")
+        raise FleetStoreError(f"{path} must hold a list of agent ids. {restore}")
     return body
 
 

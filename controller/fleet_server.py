@@ -42,8 +42,8 @@ class FleetServer:
         self.store = store
         self.listen = listen
         self.revocations = Revocations(store)
-        try:
-            self.revocations()  # a lost or damaged list of removed agents stops the server before it serves
+        try:  # a lost or damaged list of removed agents stops the server before it serves
+            self._revoked_at_start = self.revocations()
         except pki.PkiError as error:
             raise FleetStoreError(str(error)) from None
         self.live: dict[str, Link] = {}  # agent id -> its registration link
@@ -125,7 +125,7 @@ class FleetServer:
         return RevocationUpdate(tuple(sorted(self.revocations().agent_ids)))
 
     async def _watch_revocations(self) -> None:
-        told = self.revocations()
+        told = self._revoked_at_start  # what registering agents were told; the file may have changed since
         unreadable: str | None = None
         while True:
             try:

@@ -293,8 +293,28 @@ def test_a_lost_list_of_removed_agents_is_never_read_as_nobody_removed(store: Fl
     assert not removed_file.exists()  # not written with only the one removed now
     with pytest.raises(FleetStoreError, match=r"revoked\.json is missing"):
         FleetServer(store, "127.0.0.1:7430")  # refuses to serve rather than serve without it
+    removed_file.write_text('{"format": 1, "body": null}')
+    with pytest.raises(FleetStoreError, match=r"revoked\.json must hold a list of agent ids\. Restore it"):
+        remove_agent(store, "pc-9")
+    removed_file.write_text('{"format": 1, "body": [')  # half written: not "fix or remove it", which loses it
+    with pytest.raises(FleetStoreError, match=r"revoked\.json is damaged.*Restore it") as damaged:
+        remove_agent(store, "pc-9")
+    assert "remove it" not in str(damaged.value).split(". Restore")[-1]
     removed_file.write_text('{"format": 1, "body": []}')  # the recovery the message describes
     assert not revocations().agent_ids
+
+
+def test_a_list_lost_between_start_and_serving_does_not_stop_the_server(store: FleetStore) -> None:
+    async def main() -> None:
+        server = FleetServer(store, f"127.0.0.1:{free_port()}")
+        (store.data_dir / "revoked.json").write_text('{"format": 1, "body": [')  # damaged before run()
+        async with asyncio.TaskGroup() as tasks:
+            running = tasks.create_task(server.run())
+            await asyncio.sleep(3 * fleet_server.REVOCATION_POLL_S)
+            assert not running.done()  # still serving (refusing new links), not ended by the watcher
+            server.stop()
+
+    asyncio.run(main())
 
 
 def test_while_the_list_is_lost_new_agent_links_are_refused_and_the_live_ones_kept(store: FleetStore,
