@@ -7,8 +7,10 @@ Used by both sides (the controller installs the agent package). The rules every 
 - the first message each way is Hello, and its agent id must be the one the certificate proves;
   nothing else is read before it, so nothing a stranger sends reaches a stage;
 - one websocket message = one wire frame (binary); max_size equals the codec's frame limit;
-- websocket pings keep the link alive and close it within PING_INTERVAL_S + PING_TIMEOUT_S when the
-  peer disappears.
+- websocket pings keep the link alive and close it within PING_INTERVAL_S + PING_TIMEOUT_S +
+  CLOSE_TIMEOUT_S (17 s) when the peer disappears: after a missed pong, websockets sends a close frame
+  and waits CLOSE_TIMEOUT_S for the answer a stopped peer never gives (measured: 17.0 s on a SIGSTOPped
+  agent); a killed peer's socket closes at once.
 
 This module is thin asyncio around the sans-I/O codec in common/wire.py.
 """

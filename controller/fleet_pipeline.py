@@ -8,7 +8,8 @@ this driver said ResultsHere. n+1 hops a step, and several micro-batches in flig
 
 The links live on an asyncio loop in a background thread; every task there is owned by one TaskGroup.
 The driver also holds a link to every middle stage's agent: when an agent dies its link closes (the
-websocket pings notice within link.PING_INTERVAL_S + PING_TIMEOUT_S) and collect() raises ChainError
+websocket pings notice within link.PING_INTERVAL_S + PING_TIMEOUT_S + CLOSE_TIMEOUT_S, 17 s, for a stopped
+PC; at once for a killed one) and collect() raises ChainError
 naming that agent, its stage and its address; an Error a stage reports travels down the chain to here.
 
 Micro-batch ids on the wire are the engine's ids plus a random per-session base, so two drivers (or
@@ -127,8 +128,7 @@ class FleetPipeline:
 
         A result this driver has no step in flight for (another driver's that reached this link, or a
         duplicate) is logged and dropped, never handed to the engine."""
-        if self._failure is not None:
-            raise self._failure
+        self._check_open()  # closed: no result can come, so none is awaited (nor an agent blamed)
         wait = self.step_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + wait
         while True:
@@ -172,6 +172,7 @@ class FleetPipeline:
         if self._closed:
             return
         self._closed = True
+        self._results.put(ChainError("the chain is closed"))  # wakes a collect() waiting in another thread
         if self._thread.is_alive():
             self._post(_Stop())
             self._thread.join(timeout=30.0)

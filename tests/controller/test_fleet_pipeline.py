@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -151,3 +152,30 @@ def test_an_error_about_a_step_in_flight_breaks_the_chain_naming_the_agent_at_fa
     with pytest.raises(ChainError, match="next hop unreachable") as caught:
         chain.collect()
     assert caught.value.agent_id == dead
+
+
+def test_a_closed_chain_wakes_a_waiting_collect_and_refuses_the_next_at_once(
+        scripted_chain: Callable[[Reply], FleetPipeline]) -> None:
+    async def never(link: Link, message: Forward) -> None:
+        pass  # the step is in flight and stays so
+
+    chain = scripted_chain(never)  # step_timeout_s=5: a collect that waited for it would take 5 s
+    chain.submit(one_step())
+    outcome: list[BaseException] = []
+
+    def waiting() -> None:
+        try:
+            chain.collect()
+        except ChainError as error:
+            outcome.append(error)
+
+    waiter = threading.Thread(target=waiting)
+    waiter.start()
+    time.sleep(0.2)
+    started = time.monotonic()
+    chain.close()  # from another thread, as a library user stopping a run would
+    waiter.join(timeout=3)
+    assert not waiter.is_alive() and time.monotonic() - started < 3
+    assert [str(error) for error in outcome] == ["the chain is closed"]  # not "an agent may be stuck"
+    with pytest.raises(ChainError, match="the chain is closed"):
+        chain.collect()
