@@ -1,18 +1,37 @@
 #!/usr/bin/env bash
-# Creates .venv and installs deskfleet with its export and dev extras. Safe to run repeatedly:
-# it reinstalls only when pyproject.toml changed since the last install.
+# Creates .venv and installs deskfleet with its export and dev extras. Safe to run repeatedly, and after an
+# interrupted run: it reinstalls when pyproject.toml, the checkout's path or the venv's Python changed since
+# the last complete install, and makes the venv again when it is not a working Python 3.11+ venv with pip.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 venv="${DESKFLEET_VENV:-.venv}"
-if [ ! -x "$venv/bin/python" ]; then
+stamp="$venv/.deskfleet-installed"
+# A venv whose creation was interrupted has bin/python but no pip; one made by an older Python (or whose
+# Python is gone) would take packages built for it, or none at all.
+if ! "$venv/bin/python" -c 'import sys, pip; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    if [ -e "$venv" ]; then
+        # Only what a venv holds is removed: DESKFLEET_VENV naming any other folder is refused.
+        if [ ! -d "$venv" ] || find "$venv" -mindepth 1 -maxdepth 1 ! -name bin ! -name include ! -name lib \
+                ! -name lib64 ! -name pyvenv.cfg ! -name .deskfleet-installed | grep -q .; then
+            echo "bootstrap: $venv is not a working Python 3.11+ venv, and not only a venv: remove it yourself," \
+                 "or set DESKFLEET_VENV to another folder" >&2
+            exit 1
+        fi
+        echo "bootstrap: $venv is not a working Python 3.11+ venv with pip: making it again" >&2
+        rm -rf "$venv"
+    fi
     python3 -m venv "$venv"
 fi
-stamp="$venv/.deskfleet-installed"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    # The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
-    "$venv/bin/pip" install -q torch==2.13.0
-    "$venv/bin/pip" install -q -e ".[export,dev]"
-    touch "$stamp"
+# What the install was made for: the dependencies, where the checkout is (the editable install and the
+# entry points name its absolute path), and the venv's Python.
+wanted="$(sha256sum pyproject.toml | cut -d' ' -f1) $(pwd -P) $("$venv/bin/python" -c 'import sys; print(sys.version)' | head -1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ]; then
+    rm -f "$stamp"
+    # The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build (here
+    # torch==2.13.0 resolves to the CPU wheel in the machine's local wheel folder, for Python 3.11).
+    "$venv/bin/python" -m pip install -q torch==2.13.0
+    "$venv/bin/python" -m pip install -q -e ".[export,dev]"
+    printf '%s\n' "$wanted" > "$stamp"
 fi
 # jemalloc: deskfleet's processes run on it where it is installed (deskfleet/agent/allocator.py says why).
 if ! ldconfig -p 2>/dev/null | grep -q 'libjemalloc\.so\.2'; then

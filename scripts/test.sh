@@ -5,8 +5,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/bootstrap.sh
 venv="${DESKFLEET_VENV:-.venv}"
 echo "== ruff"
-"$venv/bin/ruff" check common agent controller tests
+"$venv/bin/python" -m ruff check common agent controller tests
 echo "== mypy"
-MYPYPATH=.typecheck "$venv/bin/mypy" -p deskfleet
+MYPYPATH=.typecheck "$venv/bin/python" -m mypy -p deskfleet
 echo "== pytest"
 "$venv/bin/python" -m pytest -p no:cacheprovider "$@"
