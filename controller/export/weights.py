@@ -73,12 +73,7 @@ class CheckpointWeights:
         return str(self._handles[self._shard(name)].get_slice(name).get_dtype())
 
     def get(self, name: str) -> torch.Tensor:
-        shard = self._shard(name)
-        try:
-            tensor = self._handles[shard].get_tensor(name)
-        except Exception as error:  # safetensors raises its own SafetensorError for a cut or corrupt file
-            raise MalformedCheckpointError(f"tensor {name!r} of {shard} cannot be read: {error}") from None
-        return tensor.to(torch.float32)
+        return self._read(name, lambda handle: handle.get_tensor(name))
 
     def check(self, config: CheckpointConfig) -> None:
         """Raise MalformedCheckpointError unless every tensor the config needs is here, of float type and of
@@ -123,9 +118,13 @@ class CheckpointWeights:
         return True
 
     def _rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self._read(name, lambda handle: handle.get_slice(name)[start:stop])
+
+    def _read(self, name: str, take: Any) -> torch.Tensor:
+        """take(handle) of the shard holding `name`, as float32; a file that cannot be read is named."""
         shard = self._shard(name)
         try:
-            tensor = self._handles[shard].get_slice(name)[start:stop]
+            tensor = take(self._handles[shard])
         except Exception as error:  # safetensors raises its own SafetensorError for a cut or corrupt file
             raise MalformedCheckpointError(f"tensor {name!r} of {shard} cannot be read: {error}") from None
         return tensor.to(torch.float32)
