@@ -49,6 +49,7 @@ from deskfleet.common.wire import Precision, Role
 from deskfleet.controller.bench.arguments import check_genai_inputs, check_output_file
 from deskfleet.controller.bench.delay_proxy import DelayProxy, ProxyThread
 from deskfleet.controller.bench.host import host_report
+from deskfleet.controller.bench.rounds import round_order
 from deskfleet.controller.bench.runner_process import stop_processes
 from deskfleet.controller.bench.speculative import DEFAULT_EVAL_DIR, heldout_code_prompts
 from deskfleet.controller.bench.streams import GenAIUsers
@@ -215,7 +216,7 @@ def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] 
             drafters: dict[str, Drafter | None] = {}
             for round_index in range(-options.warmup_rounds, options.rounds):
                 label = "warm-up" if round_index < 0 else f"round {round_index + 1}/{options.rounds}"
-                for config in configs:
+                for config in round_order(configs, round_index):
                     if config.group == GENAI_GROUP:
                         assert genai is not None
                         run = genai.run(_prompts(options.model, config.streams, options.prompt_tokens, False))

@@ -49,6 +49,7 @@ from .arguments import check_at_least
 from .call_costs import measure_call_costs
 from .host import host_report
 from .parity import _read_properties, compare, summarize
+from .rounds import round_order
 
 DEFAULT_EVAL_DIR = Path("assets/models/train")
 PROMPT_POOL_FILE = "heldout_prompts.json"  # heldout_prompt_pool() of the corpus's Python, shipped
@@ -357,7 +358,7 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
         for index in range(rounds + 1):  # round 0 warms up, untimed
             current = {name: VariantStats() for name in names}
             for prompt_index, ids in enumerate(prompt_ids):
-                for name in names:
+                for name in round_order(names, index):
                     stats = current[name]
                     kind = variant_drafter(name)
                     drafter = drafters[kind] if kind is not None else None

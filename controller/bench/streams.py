@@ -38,6 +38,7 @@ from deskfleet.common.model_spec import Manifest, load_manifest
 from .arguments import check_at_least, check_genai_inputs
 from .host import host_report
 from .parity import _genai_properties, _read_properties, bench_prompt, compare, summarize
+from .rounds import round_order
 from .runner_process import RunnerProcess
 
 GENAI_CB_RUNNER = Path(__file__).with_name("genai_cb_runner.py")
@@ -205,7 +206,7 @@ def _run_pinned(model: Path, genai_model: Path | None, genai_python: Path | None
             timed["genai"] = {n: [] for n in counts}
         for index in range(rounds):
             for count in counts:
-                for side, runner in (("deskfleet", deskfleet), ("genai", genai)):
+                for side, runner in round_order((("deskfleet", deskfleet), ("genai", genai)), index):
                     if runner is None:
                         continue
                     run = runner.run(prompts[:count])

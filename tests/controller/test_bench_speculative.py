@@ -174,15 +174,21 @@ def test_the_prompt_pool_file_decides_the_prompts_on_any_python(tmp_path: Path) 
 
 
 def test_speculative_bench_on_tiny_models(checkpoint_factory: Callable[..., Path],
-                                          export_factory: Callable[[Path, str], Path]) -> None:
+                                          export_factory: Callable[[Path, str], Path],
+                                          capsys: pytest.CaptureFixture[str]) -> None:
     target = export_factory(checkpoint_factory("spec-bench-target", num_hidden_layers=2), "f32")
     draft = export_factory(checkpoint_factory("spec-bench-draft", num_hidden_layers=1), "f32")
     report = run_speculative_bench(target, draft, ks=[2], adaptive=True, lookup=True, k_max=3,
-                                   prompt_ids=[[1, 5, 9, 13], [1, 40, 41]], new_tokens=6, rounds=1,
-                                   settings=CompileSettings(precision=Precision.F32), progress=False)
+                                   prompt_ids=[[1, 5, 9, 13], [1, 40, 41]], new_tokens=6, rounds=2,
+                                   settings=CompileSettings(precision=Precision.F32), progress=True)
     json.dumps(report)
-    assert report["order"] == ["plain", "k=2", "adaptive", "lookup k=2", "lookup adaptive", "lookup-first k=2",
-                               "lookup-first adaptive"]
+    names = ["plain", "k=2", "adaptive", "lookup k=2", "lookup adaptive", "lookup-first k=2", "lookup-first adaptive"]
+    assert report["order"] == names
+    progress = [line.split(" tok/s")[0].split(" ", 2) for line in capsys.readouterr().err.splitlines()
+                if line.startswith("round ")]
+    for index in (1, 2):  # each timed round starts one variant further along (round 0 warmed up)
+        ran = [name.rsplit(":", 1)[0] for label, number, name in progress if number == f"{index}/2"]
+        assert ran == names[index:] + names[:index]
     assert report["greedy_identical_to_plain"] == {name: True for name in report["order"][1:]}
     assert set(report["speculative"]) == set(report["order"][1:])
     entry = report["speculative"]["k=2"]
