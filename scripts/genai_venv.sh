@@ -10,26 +10,41 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 venv="${DESKFLEET_GENAI_VENV:-.venv-genai}"
-if [ ! -x "$venv/bin/python" ]; then
+stamp="$venv/.genai-installed"
+# A venv whose creation was interrupted has bin/python but no pip: make it again (only a venv is removed).
+if ! "$venv/bin/python" -c 'import pip' 2>/dev/null; then
+    if [ -e "$venv" ]; then
+        if [ ! -d "$venv" ] || find "$venv" -mindepth 1 -maxdepth 1 ! -name bin ! -name include ! -name lib \
+                ! -name lib64 ! -name pyvenv.cfg ! -name .genai-installed | grep -q .; then
+            echo "genai_venv: $venv is not a working venv, and not only a venv: remove it yourself," \
+                 "or set DESKFLEET_GENAI_VENV to another folder" >&2
+            exit 1
+        fi
+        echo "genai_venv: $venv is not a working venv with pip: making it again" >&2
+        rm -rf "$venv"
+    fi
     python3 -m venv "$venv"
 fi
-stamp="$venv/.genai-installed"
-if [ ! -f "$stamp" ]; then
+# What the install was made for: this script's recipe (the packages and pins below) and the venv's Python.
+# A change of either installs again; an install interrupted before its end left no stamp.
+wanted="$(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1) $("$venv/bin/python" -c 'import sys; print(sys.version)' | head -1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ]; then
+    rm -f "$stamp"
     # The CPU build of torch FIRST: a bare `torch` requirement (optimum's) would pull a multi-GB CUDA build.
-    "$venv/bin/pip" install -q torch==2.13.0
+    "$venv/bin/python" -m pip install -q torch==2.13.0
     torch_version="$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
     # Keep the installed torch (and so no CUDA wheel) while optimum-intel resolves its own pins.
     constraints="$(mktemp)"
     trap 'rm -f "$constraints"' EXIT
     echo "torch==${torch_version}" > "$constraints"
-    "$venv/bin/pip" install -q -c "$constraints" "optimum-intel[openvino]" openvino-genai openvino-tokenizers
+    "$venv/bin/python" -m pip install -q -c "$constraints" "optimum-intel[openvino]" openvino-genai openvino-tokenizers
     # optimum-intel requires torchvision, and PyPI's torchvision wheel is built against the CUDA torch: with
     # the CPU torch its import fails ("operator torchvision::nms does not exist") and takes transformers'
     # model classes with it. Nothing on the export path needs it; transformers treats it as optional.
     if ! "$venv/bin/python" -c "import torchvision" >/dev/null 2>&1; then
-        "$venv/bin/pip" uninstall -q -y torchvision
+        "$venv/bin/python" -m pip uninstall -q -y torchvision
     fi
-    touch "$stamp"
+    printf '%s\n' "$wanted" > "$stamp"
 fi
 "$venv/bin/python" - <<'PY'
 import importlib.metadata as md
