@@ -274,6 +274,7 @@ class StageExecutor:
         if draft.draft_probs is not None and np.asarray(draft.draft_probs).shape[-1] != self.stage.vocab_size:
             raise LedgerError(f"draft probabilities over {np.asarray(draft.draft_probs).shape[-1]} tokens, the "
                               f"vocabulary has {self.stage.vocab_size}")
+        _check_sampled_drafts(draft, message.sampling)
 
     def _check_source(self, micro_batch_id: int) -> None:
         source = self._batches.get(micro_batch_id)
@@ -394,6 +395,28 @@ def _live_positions(append: AppendSlots, width: int) -> npt.NDArray[np.bool_]:
     if width == 1:
         return live > 0
     return np.arange(width)[None, :] < live
+
+
+def _check_sampled_drafts(draft: DraftInfo, sampling: SamplingInfo | None) -> None:
+    """What rejection sampling reads of q, checked before the call: a sampled row's draft tokens need their
+    draft probabilities (or one-hot drafts), finite and not negative, and above 0 at each draft token.
+    Found only in `verify`, after the call, such a step failed with its KV state and mirror advanced, and
+    the driver's correct resend was refused as a duplicate; a NaN q chose a token silently."""
+    rows = [row for row, k in enumerate(draft.counts) if k and sampling is not None and sampling.temperatures[row]]
+    if not rows or draft.one_hot:
+        return
+    if draft.draft_probs is None:
+        raise LedgerError(f"row {rows[0]} samples with draft tokens but no draft probabilities")
+    for row in rows:
+        k = draft.counts[row]
+        q = np.asarray(draft.draft_probs[row, :k], dtype=np.float64)  # [k, V]
+        if not (np.isfinite(q).all() and (q >= 0).all()):
+            raise LedgerError(f"row {row}'s draft probabilities hold NaN, infinite or negative values")
+        chosen: npt.NDArray[np.float64] = q[np.arange(k), np.asarray(draft.draft_token_ids[row, :k])]
+        if (chosen <= 0).any():
+            position = int(np.argmax(chosen <= 0))
+            raise LedgerError(f"row {row}'s draft token {int(draft.draft_token_ids[row, position])} at position "
+                              f"{position} has draft probability 0: draft tokens are sampled from their probabilities")
 
 
 def _check_agrees(message: Forward, inputs: StepInputs) -> None:
