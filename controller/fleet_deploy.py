@@ -6,6 +6,8 @@ Deploy, per stage of the plan (agents in parallel):
 2. push only what is missing, in chunks from the resume offset, then ShardComplete (the agent verifies
    the sha256); a second ShardQuery confirms every file arrived whole;
 3. AssignStage (layer range, next hop, manifest entries); the agent compiles and answers StageReady.
+Once every stage is ready, an agent the new plan leaves out is told to release the stage it held of the
+model (ReleaseStage): a stage no chain uses would keep its memory and cache pins until the agent restarts.
 A second deploy of the same model finds every shard cached and every stage hosted: it sends no bytes.
 The deployment (which agent holds which layers, where) is saved as deployments.json for the driver.
 """
@@ -42,6 +44,7 @@ from deskfleet.common.wire import (
     Message,
     NextHop,
     Precision,
+    ReleaseStage,
     ShardChunk,
     ShardComplete,
     ShardHave,
@@ -184,6 +187,7 @@ async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: Pla
         raise DeployError("; ".join(str(error) for error in errors.exceptions)) from None
     report = DeployReport(model_id, placements, sent, files)
     _save_deployment(store, model_dir, report, settings)
+    await _release_left_out(found, model_id, placements)
     return result, report
 
 
@@ -202,6 +206,26 @@ async def _deploy_all(model_dir: Path, manifest: Manifest, model_id: str, placem
                                      placement.layer_start == 0, placement.layer_end == manifest.spec.num_layers,
                                      settings.device, settings.precision, next_hop, entries, settings.kv_cache)
             tasks.create_task(_deploy_stage(link, model_dir, assignment, sent, files, progress))
+
+
+async def _release_left_out(found: Survey, model_id: str, placements: tuple[StagePlacement, ...]) -> None:
+    """Tell each surveyed agent outside `placements` to release the stages of `model_id` it reported (those
+    in the plan replaced theirs when assigned). A failure is logged: the deployment stands without it."""
+    placed = {placement.agent_id for placement in placements}
+    for agent in found.reachable():
+        if agent.agent_id is None or agent.agent_id in placed or agent.report is None:
+            continue
+        link = found.links[agent.agent_id]
+        for stage in agent.report.stages:
+            if stage.model_id != model_id:
+                continue
+            try:
+                await link.send(ReleaseStage(stage))
+                log.info("agent %s released %s[%d:%d]: the new plan leaves it out", agent.agent_id[:12],
+                         model_id, stage.layer_start, stage.layer_end)
+            except LinkError as error:
+                log.warning("agent %s keeps its unused stage %s[%d:%d] (cannot tell it to release it: %s)",
+                            agent.agent_id[:12], model_id, stage.layer_start, stage.layer_end, error)
 
 
 def load_deployment(store: FleetStore, model_dir: Path) -> tuple[StagePlacement, ...]:
