@@ -283,7 +283,8 @@ class AgentCore:
                 settings = CompileSettings(device=message.device, precision=precision, num_threads=self.num_threads,
                                            kv_cache=message.kv_cache)
                 stage = await asyncio.to_thread(Stage, view, manifest, layers, settings)
-            except (ShardCacheError, ManifestError, ValueError, RuntimeError, KeyError) as error:
+            except (ShardCacheError, ManifestError, ValueError, RuntimeError, KeyError, OSError) as error:
+                # OSError: the cache's disk is full or not writable while the view is made
                 self.cache.unpin(key)
                 self.cache.remove_view(key)
                 if isinstance(error, ManifestError):  # a file failed its check: the next deploy resends it

@@ -1,0 +1,49 @@
+"""An assignment that fails on a disk error (the shard cache's disk full, a folder it may not write) is
+answered like any other failed assignment: refused naming the stage, its files unpinned and its view
+removed, and a stage being served left as it was."""
+
+from __future__ import annotations
+
+import errno
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent.core import AgentCore, CommandError
+from deskfleet.common.model_spec import Manifest
+from deskfleet.common.wire import AssignStage, ReleaseStage, Role, StageReady
+from tests.agent.test_core import _host_tiny_stage, core, handle  # noqa: F401 (the core fixture)
+
+
+def _disk_full(view_name: str, manifest: Manifest, names: object) -> Path:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _unpinned(agent: AgentCore, assignment: AssignStage) -> bool:
+    agent.cache.evict(0)
+    return not any(agent.cache.has(entry.sha256) for entry in assignment.manifest)
+
+
+def test_a_disk_error_while_preparing_a_stage_is_refused_and_unpins_its_files(
+        core: AgentCore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    assignment = _host_tiny_stage(core, tiny_export)
+    handle(core, Role.CONTROLLER, ReleaseStage(assignment.stage))  # its files stay cached, unpinned
+    monkeypatch.setattr(core.cache, "materialize_manifest", _disk_full)
+    with pytest.raises(CommandError, match=r"cannot host tiny_1-0-\d+: .*No space left on device"):
+        handle(core, Role.CONTROLLER, assignment)
+    assert assignment.stage not in core.stages
+    assert _unpinned(core, assignment)  # nothing hosted keeps them: the next deploy may evict them
+
+
+def test_a_disk_error_during_a_rebuild_leaves_the_hosted_stage_as_it_was(
+        core: AgentCore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    assignment = _host_tiny_stage(core, tiny_export)
+    hosted = core.stages[assignment.stage]
+    monkeypatch.setattr(core.cache, "materialize_manifest", _disk_full)
+    with pytest.raises(CommandError, match="No space left on device"):
+        handle(core, Role.CONTROLLER, replace(assignment, kv_cache="f32"))
+    assert core.stages[assignment.stage] is hosted
+    assert set(core.cache._pins) == {hosted.cache_key}
+    monkeypatch.undo()
+    assert isinstance(handle(core, Role.CONTROLLER, replace(assignment, kv_cache="f32")), StageReady)
