@@ -19,7 +19,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -44,6 +44,7 @@ from deskfleet.common.wire import (
     Message,
     NextHop,
     Precision,
+    ProtocolError,
     ReleaseStage,
     ShardChunk,
     ShardComplete,
@@ -51,6 +52,8 @@ from deskfleet.common.wire import (
     ShardQuery,
     StageReady,
     StageRef,
+    is_agent_id,
+    parse_address,
 )
 from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.fleet_survey import AgentView, Survey
@@ -172,6 +175,7 @@ async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: Pla
         raise DeployError(f"--precision f32 is exact and keeps the KV cache in f32, not {kv_cache}")
     manifest = load_manifest(model_dir)
     model_id = model_id_of(model_dir)
+    _deployments(store)  # a damaged file is named now, not after every byte was sent
     result = plan_survey(footprint_of(manifest, device), found, options, exclude)
     if not result.feasible:
         raise DeployError("the model does not fit the fleet: " + "; ".join(result.problems))
@@ -234,7 +238,11 @@ def load_deployment(store: FleetStore, model_dir: Path) -> tuple[StagePlacement,
     if record is None:
         raise DeployError(f"{model_id_of(model_dir)} has not been deployed: run `deskfleet fleet deploy "
                           f"--model {model_dir}`")
-    return tuple(StagePlacement(**stage) for stage in record["stages"])
+    try:
+        return _placements_of(record.get("stages"))
+    except ValueError as error:
+        raise DeployError(f"{store.data_dir / 'deployments.json'}: the deployment of {model_id_of(model_dir)} is "
+                          f"damaged ({error}): run `deskfleet fleet deploy --model {model_dir}` again") from None
 
 
 def load_deploy_settings(store: FleetStore, model_dir: Path) -> DeploySettings:
@@ -255,10 +263,51 @@ def load_deploy_settings(store: FleetStore, model_dir: Path) -> DeploySettings:
 
 # Private functions
 
-def _deployment_record(store: FleetStore, model_dir: Path) -> dict[str, Any] | None:
+def _deployments(store: FleetStore) -> dict[str, Any]:
+    """deployments.json's records by model id; DeployError naming the file when it holds something else."""
     body = store.read("deployments", {})
-    record = body.get(model_id_of(model_dir)) if isinstance(body, dict) else None
-    return record if isinstance(record, dict) else None
+    if not isinstance(body, dict):
+        raise DeployError(f"{store.data_dir / 'deployments.json'} must hold an object of deployments by model id, "
+                          f"not {body!r:.60}; fix or remove it (then deploy the models again)")
+    return body
+
+
+def _deployment_record(store: FleetStore, model_dir: Path) -> dict[str, Any] | None:
+    """This model's record; a damaged one (not an object) reads as a dict without stages."""
+    record = _deployments(store).get(model_id_of(model_dir))
+    if record is None:
+        return None
+    return record if isinstance(record, dict) else {}
+
+
+def _placements_of(stages: object) -> tuple[StagePlacement, ...]:
+    """A saved record's stages, each field checked, contiguous from layer 0; ValueError saying what is wrong."""
+    if not isinstance(stages, list) or not stages:
+        raise ValueError(f"its stages must be a non-empty list, not {stages!r:.60}")
+    placements = tuple(_placement_of(index, stage) for index, stage in enumerate(stages))
+    expected_start = 0
+    for index, placement in enumerate(placements):
+        if placement.layer_start != expected_start:
+            raise ValueError(f"stage {index} starts at layer {placement.layer_start}, not {expected_start}")
+        expected_start = placement.layer_end
+    return placements
+
+
+def _placement_of(index: int, stage: object) -> StagePlacement:
+    names = [field.name for field in fields(StagePlacement)]
+    if not isinstance(stage, dict) or sorted(stage) != sorted(names):
+        raise ValueError(f"stage {index} must be an object with exactly {', '.join(names)}, not {stage!r:.80}")
+    agent_id, address, start, end = (stage[name] for name in names)
+    if not isinstance(agent_id, str) or not is_agent_id(agent_id):
+        raise ValueError(f"stage {index}'s agent_id {agent_id!r:.60} is not an agent id")
+    try:
+        parse_address(address if isinstance(address, str) else "")
+    except ProtocolError:
+        raise ValueError(f"stage {index}'s address {address!r:.60} is not host:port") from None
+    whole = all(isinstance(value, int) and not isinstance(value, bool) for value in (start, end))
+    if not whole or not 0 <= start < end:
+        raise ValueError(f"stage {index}'s layers [{start!r:.20}:{end!r:.20}] are not a range of layers")
+    return StagePlacement(agent_id, address, start, end)
 
 
 def _stage_entries(model_dir: Path, manifest: Manifest, placement: StagePlacement) -> tuple[ManifestEntry, ...]:
@@ -373,8 +422,7 @@ async def _expect(link: Link, kind: type[_M], timeout: float) -> _M:
 
 def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, settings: DeploySettings) -> None:
     with store.locked():
-        body = store.read("deployments", {})
-        deployments = dict(body) if isinstance(body, dict) else {}
+        deployments = dict(_deployments(store))
         deployments[report.model_id] = {"model_dir": str(model_dir.resolve()),
                                         "stages": [asdict(stage) for stage in report.stages],
                                         "settings": {"policy": settings.policy.value, "streams": settings.streams,

@@ -1,0 +1,69 @@
+"""A damaged deployments.json is named, with the fix, by every command that reads it: no traceback, and
+a deploy does not push a single byte before it finds out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent.link import utc_now
+from deskfleet.controller.cli import main
+from deskfleet.controller.fleet_ca import init_fleet
+from deskfleet.controller.fleet_deploy import DeployError, StagePlacement, load_deployment, model_id_of
+from deskfleet.controller.fleet_store import FleetStore
+
+AGENT = "a" * 52
+GOOD_STAGE = {"agent_id": AGENT, "address": "127.0.0.1:7431", "layer_start": 0, "layer_end": 4}
+
+
+def write_deployments(store: FleetStore, body: object) -> None:
+    (store.data_dir / "deployments.json").write_text(json.dumps({"format": 1, "body": body}), "utf-8")
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> FleetStore:
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    return store
+
+
+@pytest.mark.parametrize(("stages", "named"), [
+    (None, "stages must be a non-empty list"),
+    ([], "stages must be a non-empty list"),
+    ([{**GOOD_STAGE, "addr": 1}], "stage 0 must be an object with exactly"),
+    (["x"], "stage 0 must be an object with exactly"),
+    ([{**GOOD_STAGE, "agent_id": "nobody"}], "agent_id 'nobody' is not an agent id"),
+    ([{**GOOD_STAGE, "address": "zz"}], "address 'zz' is not host:port"),
+    ([{**GOOD_STAGE, "layer_start": "0"}], "layers \\['0':4\\] are not a range"),
+    ([{**GOOD_STAGE, "layer_end": 0}], "layers \\[0:0\\] are not a range"),
+    ([GOOD_STAGE, {**GOOD_STAGE, "layer_start": 5, "layer_end": 6}], "stage 1 starts at layer 5, not 4"),
+])
+def test_a_damaged_record_is_named_with_the_fix(store: FleetStore, tiny_export: Path, stages: object,
+                                                 named: str) -> None:
+    record = {"model_dir": str(tiny_export)} if stages is None else {"model_dir": str(tiny_export), "stages": stages}
+    write_deployments(store, {model_id_of(tiny_export): record})
+    with pytest.raises(DeployError, match=f"deployments.json: the deployment of .* is damaged \\(.*{named}.*\\): "
+                                          "run `deskfleet fleet deploy"):
+        load_deployment(store, tiny_export)
+
+
+def test_a_good_record_loads(store: FleetStore, tiny_export: Path) -> None:
+    write_deployments(store, {model_id_of(tiny_export): {"stages": [GOOD_STAGE]}})
+    assert load_deployment(store, tiny_export) == (StagePlacement(AGENT, "127.0.0.1:7431", 0, 4),)
+
+
+def test_the_cli_names_the_damaged_file_and_exits_2(store: FleetStore, tiny_export: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    write_deployments(store, {model_id_of(tiny_export): {"stages": [{"agent_id": AGENT}]}})
+    argv = ["fleet", "generate", "--data-dir", str(store.data_dir), "--model", str(tiny_export),
+            "--prompt-ids", "1,2", "--discover-seconds", "0"]
+    assert main(argv) == 2
+    assert "deployments.json: the deployment of" in capsys.readouterr().err
+    write_deployments(store, ["not", "an", "object"])
+    assert main(argv) == 2
+    assert "deployments.json must hold an object of deployments by model id" in capsys.readouterr().err
+    assert main(["fleet", "deploy", "--data-dir", str(store.data_dir), "--model", str(tiny_export),
+                 "--discover-seconds", "0"]) == 2
+    assert "deployments.json must hold an object" in capsys.readouterr().err
