@@ -21,8 +21,10 @@ every later stage) to the driver's results link, naming the agent and the stage 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -71,6 +73,9 @@ log = logging.getLogger(__name__)
 # A micro-batch steps many times a second while its stream runs, and its driver releases it at the end;
 # one unused this long belongs to a driver that is gone.
 MICRO_BATCH_IDLE_S = 600.0
+# A stage key keeps this much of a longer model id, then a digest of all of it (see _stage_key)
+_STAGE_KEY_NAME_CHARS = 80
+_UNSAFE_IN_KEY = re.compile(r"[^A-Za-z0-9._-]")
 # Rows x new tokens of the largest step that runs on the event loop's thread (runs_inline): 8 rows verifying
 # 7 draft tokens each, or 64 rows of plain decoding.
 INLINE_STEP_TOKENS = 64
@@ -478,7 +483,18 @@ def _builds_the_same_stage(hosted: AssignStage, wanted: AssignStage) -> bool:
 
 
 def _stage_key(ref: StageRef) -> str:
-    safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in ref.model_id)[:80]
+    """The stage's name in the shard cache (pin owner and view folder): a plain file name, one per model id.
+
+    The model id is the export's checkpoint folder name and its manifest digest. Letters outside ASCII and
+    a leading dot made a name the cache refuses (every assignment of such a model failed), and cutting a
+    long id at 80 characters cut off the digest, so two exports of one checkpoint took each other's pins
+    and views: a long id keeps its start and a digest of all of it."""
+    safe = _UNSAFE_IN_KEY.sub("_", ref.model_id).replace("..", "__")
+    if len(safe) > _STAGE_KEY_NAME_CHARS:
+        digest = hashlib.sha256(ref.model_id.encode()).hexdigest()[:12]
+        safe = f"{safe[:_STAGE_KEY_NAME_CHARS - len(digest) - 1]}.{digest}"
+    if safe.startswith((".", "-")):
+        safe = f"_{safe}"
     return f"{safe}-{ref.layer_start}-{ref.layer_end}"
 
 
