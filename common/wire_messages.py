@@ -45,11 +45,21 @@ def parse_address(text: str, any_port: bool = False) -> tuple[str, int]:
     `any_port`: an address to listen on, where port 0 asks for any free port."""
     host, separator, port_text = text.rpartition(":")
     if not separator or _HOST.fullmatch(host) is None:
-        raise ProtocolError(f"address {text!r} is not host:port")
+        raise ProtocolError(f"address {text[:300]!r} is not host:port")
     lowest = 0 if any_port else 1
-    if not port_text.isascii() or not port_text.isdigit() or not lowest <= int(port_text) < 65536:
-        raise ProtocolError(f"address {text!r} has no port between {lowest} and 65535")
-    return host.strip("[]"), int(port_text)
+    port = _port_number(port_text)
+    if port is None or not lowest <= port < 65536:
+        raise ProtocolError(f"address {text[:300]!r} has no port between {lowest} and 65535")
+    return host.strip("[]"), port
+
+
+def _port_number(text: str) -> int | None:
+    """The number `text` spells in ASCII digits, or None; more than 5 significant digits is no port (and
+    int() refuses strings past 4300 digits with a plain ValueError)."""
+    if not text.isascii() or not text.isdigit():
+        return None
+    digits = text.lstrip("0") or "0"
+    return int(digits) if len(digits) <= 5 else None
 
 
 def _require(condition: bool, message: str) -> None:
