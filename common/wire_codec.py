@@ -115,11 +115,12 @@ def decode(frame: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMIT
 
 
 def same_message(first: object, second: object) -> bool:
-    """Field-by-field equality that compares tensors by dtype, shape and values."""
+    """Field-by-field equality that compares tensors by wire dtype, shape and the bytes they travel as
+    (a NaN equals itself, as a round trip keeps it; -0.0 differs from 0.0)."""
     if type(first) is not type(second):
         return False
     if isinstance(first, np.ndarray) and isinstance(second, np.ndarray):
-        return wire_dtype_name(first) == wire_dtype_name(second) and np.array_equal(first, second)
+        return _same_tensor(first, second)
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
         return all(same_message(getattr(first, f.name), getattr(second, f.name))
                    for f in dataclasses.fields(first))
@@ -129,6 +130,14 @@ def same_message(first: object, second: object) -> bool:
 
 
 # Private functions: framing
+
+def _same_tensor(first: Tensor, second: Tensor) -> bool:
+    name = wire_dtype_name(first)
+    if name != wire_dtype_name(second) or first.shape != second.shape:
+        return False
+    dtype = WIRE_DTYPES[name]
+    return np.ascontiguousarray(first, dtype=dtype).tobytes() == np.ascontiguousarray(second, dtype=dtype).tobytes()
+
 
 def _check_counts(header_length: int, tensor_count: int, limits: Limits) -> None:
     if header_length > limits.max_header_bytes:

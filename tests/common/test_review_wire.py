@@ -6,9 +6,34 @@ import copy
 import json
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from deskfleet.common.wire import NextHop, ProtocolError, Register, decode, encode, parse_address
+from deskfleet.common import wire
+from deskfleet.common.wire import (
+    AdmitRow,
+    AgentState,
+    AppendSlots,
+    Compact,
+    Error,
+    ErrorCode,
+    Forward,
+    ForwardResult,
+    InvalidateSlots,
+    NextHop,
+    ProtocolError,
+    Register,
+    ReorderRows,
+    ShardChunk,
+    StageRef,
+    StatusReport,
+    decode,
+    encode,
+    parse_address,
+    same_message,
+)
 from tests.common.test_wire import AGENT, VALID_FRAMES, header_of, raw_frame
 
 Path = tuple[str | int, ...]
@@ -73,3 +98,68 @@ def test_every_header_leaf_replaced_by_a_nasty_value_gives_a_message_or_protocol
                 decode(raw_frame(text, payload))
             except ProtocolError:
                 pass
+
+
+# Every valid message round-trips exactly; same_message says so, NaN payloads included.
+
+_INT64 = st.integers(-2**63, 2**63 - 1)
+_UINT63 = st.integers(0, 2**63 - 1)
+_INT_TUPLES = st.lists(_INT64, max_size=3).map(tuple)
+_DELTAS = st.one_of(
+    st.builds(AppendSlots, _INT64, _INT_TUPLES, _INT_TUPLES),
+    st.builds(InvalidateSlots, _INT64, _INT64, _INT64),
+    st.builds(ReorderRows, _INT_TUPLES),
+    st.builds(AdmitRow, _INT64),
+    st.builds(Compact, _INT64, st.lists(st.lists(st.tuples(_INT64, _INT64), max_size=2).map(tuple),
+                                         max_size=2).map(tuple)))
+
+
+def _tensor(draw: st.DrawFn, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return np.frombuffer(draw(st.binary(min_size=size, max_size=size)), dtype=dtype).reshape(shape)
+
+
+@st.composite
+def _forwards(draw: st.DrawFn) -> Forward:
+    rows, tokens, hidden = draw(st.integers(0, 3)), draw(st.integers(0, 3)), draw(st.integers(1, 4))
+    first_stage = draw(st.booleans())
+    deltas = tuple(draw(st.lists(_DELTAS, max_size=4)))
+    admits = sum(isinstance(delta, AdmitRow) for delta in deltas)
+    return Forward(
+        draw(_UINT63), draw(_UINT63), tuple(range(rows)), deltas,
+        _tensor(draw, (rows,), draw(st.sampled_from(["<i8", "<i4", ">i8"]))), _tensor(draw, (rows, tokens), "<i8"),
+        _tensor(draw, (rows, tokens), "<i8") if first_stage else None,
+        None if first_stage else _tensor(draw, (rows, tokens, hidden), draw(st.sampled_from(["<f4", "<f2", ">f4"]))),
+        None, tuple(draw(_UINT63) for _ in range(admits)), None, draw(st.booleans()), draw(_UINT63), draw(st.text()))
+
+
+@st.composite
+def _results(draw: st.DrawFn) -> ForwardResult:
+    logits = _tensor(draw, (2, 1, 3), draw(st.sampled_from(["<f2", "<f4"]))) if draw(st.booleans()) else None
+    return ForwardResult(draw(_UINT63), draw(_UINT63), (draw(_INT64), draw(_INT64)),
+                         draw(st.none() | st.tuples(_UINT63, _UINT63)), logits)
+
+
+_MESSAGES = st.one_of(
+    _forwards(), _results(),
+    st.builds(StatusReport, st.sampled_from(AgentState), _UINT63, st.floats(0, 1), st.none() | st.floats(0, 100),
+              st.none() | st.booleans(), st.none() | st.floats(-50, 200), st.none() | st.floats(0, 1),
+              st.lists(st.builds(StageRef, st.text(min_size=1), st.integers(0, 10), st.integers(11, 20)),
+                       max_size=2).map(tuple),
+              st.none() | st.text(), st.none() | st.floats(1e-300, 9e4), st.just(()), st.text(max_size=50)),
+    st.builds(Error, st.sampled_from(ErrorCode), st.text(), st.none() | _UINT63, st.none() | st.just(AGENT)),
+    st.builds(ShardChunk, st.just("0" * 64), st.integers(0, 10), st.integers(1000, 2**63 - 1), st.binary(max_size=64)))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(_MESSAGES)
+def test_any_valid_message_round_trips_exactly(message: wire.Message) -> None:
+    assert same_message(decode(encode(message)), message)
+
+
+def test_a_tensor_holding_nan_is_the_same_message_after_a_round_trip() -> None:
+    logits = np.array([[[0.5, np.nan, -np.inf]]], dtype=np.float16)
+    result = ForwardResult(1, 2, (3,), None, logits)
+    assert same_message(decode(encode(result)), result)
+    assert not same_message(ForwardResult(1, 2, (3,), None, np.zeros((1, 1, 1), np.float32)),
+                            ForwardResult(1, 2, (3,), None, np.full((1, 1, 1), np.nan, np.float32)))
