@@ -334,9 +334,21 @@ def _to_json(annotation: object, value: object, path: str, arrays: list[Tensor])
         if not math.isfinite(value):
             raise ProtocolError(f"{path} must be finite, got {value}")
         return float(value)
-    if kind in ("int", "str", "bool") and type(value) is annotation:
+    if kind == "str" and type(value) is str:
+        return _text(value, path)
+    if kind in ("int", "bool") and type(value) is annotation:
         return value
     raise ProtocolError(f"{path} does not hold a {annotation}: {type(value).__name__}")
+
+
+def _text(value: str, path: str) -> str:
+    """`value` when it is text UTF-8 can carry; a lone surrogate (os.fsdecode of a file name that is not
+    UTF-8 makes them) is refused on both sides."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ProtocolError(f"{path} holds a lone surrogate, not text") from None
+    return value
 
 
 def _fields_from_json(cls: type, value: object, path: str, arrays: list[Tensor],
@@ -415,9 +427,5 @@ def _from_json(annotation: object, value: object, path: str, arrays: list[Tensor
             raise ProtocolError(f"{path} must be finite, got {number}")
         return float(number)
     if annotation is str and isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ProtocolError(f"{path} holds a lone surrogate, not text") from None
-        return value
+        return _text(value, path)
     raise ProtocolError(f"{path} must be {annotation.__name__}, got {type(value).__name__}")
