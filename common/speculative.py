@@ -80,7 +80,7 @@ def sampling_probs(logits: npt.ArrayLike, params: SamplingParams) -> FloatArray:
     """
     x = np.asarray(logits, dtype=np.float64)
     if params.greedy:
-        return np.eye(x.shape[-1], dtype=np.float64)[np.argmax(x, axis=-1)]
+        return _one_hot_argmax(x)
     with np.errstate(over="ignore"):  # max first: a temperature near 0 sends the others to -inf, not inf - inf
         x = (x - x.max(axis=-1, keepdims=True)) / params.temperature
     if 0 < params.top_k < x.shape[-1]:
@@ -130,6 +130,14 @@ def speculative_accept(draft_tokens: npt.ArrayLike, draft_probs: FloatArray, tar
             residual = target_probs[i]
         return Verdict(accepted=i, next_token=sample(residual, rng))
     return Verdict(accepted=k, next_token=sample(target_probs[k], rng))
+
+
+def _one_hot_argmax(x: FloatArray) -> FloatArray:
+    """[..., V]: 1 at each row's first maximum (an identity matrix indexed by the argmax took V x V floats:
+    8 GB for a 32k vocabulary)."""
+    one_hot = np.zeros(x.shape, dtype=np.float64)
+    np.put_along_axis(one_hot, np.argmax(x, axis=-1)[..., None], 1.0, axis=-1)
+    return one_hot
 
 
 # Adaptive K
