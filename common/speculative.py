@@ -16,6 +16,7 @@ Pure code: numpy only; randomness only from the numpy Generator the caller passe
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -101,9 +102,12 @@ def sampling_probs(logits: npt.ArrayLike, params: SamplingParams) -> FloatArray:
 
 
 def sample(probs: FloatArray, rng: np.random.Generator) -> int:
-    """One token from probs: [V] (need not be normalised)."""
+    """One token from probs: [V] (need not be normalised; ValueError when it holds no finite, positive mass)."""
     cumulative = np.cumsum(probs)
-    return int(min(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"), probs.size - 1))
+    total = float(cumulative[-1]) if cumulative.size else 0.0
+    if not 0.0 < total < math.inf:  # all zeros, a NaN or an inf: there is no distribution to draw from
+        raise ValueError(f"cannot sample from probabilities of total {total} over {probs.size} tokens")
+    return min(int(np.searchsorted(cumulative, rng.random() * total, side="right")), probs.size - 1)
 
 
 def speculative_accept(draft_tokens: npt.ArrayLike, draft_probs: FloatArray, target_probs: FloatArray,
