@@ -217,7 +217,7 @@ def render_plan(result: Plan) -> str:
             lines.append(f"  {index:>2}  {stage.agent_id:<20} {layers:<9} {extras or '-':<11} "
                          f"{_gb(stage.weight_bytes):>9} {_gb(stage.kv_bytes):>9} "
                          f"{_gb(stage.memory_bytes):>9} {_gb(stage.usable_bytes):>9} "
-                         f"{stage.relative_time / slowest:>9.2f}")
+                         f"{_share_of_slowest(stage.relative_time, slowest):>9.2f}")
     else:
         lines.append("Infeasible:")
         lines.extend(f"  - {problem}" for problem in result.problems)
@@ -234,6 +234,14 @@ def render_plan(result: Plan) -> str:
 
 def _gb(size: float) -> str:
     return f"{size / GB:.2f} GB"
+
+
+def _share_of_slowest(time: float, slowest: float) -> float:
+    """A stage's time over the slowest stage's; a plan whose stages take no time (a model of zero bytes on
+    paper) or overflow (a speed near 0) has no ratio to show: 1 for the slowest, 0 for the others."""
+    if 0.0 < slowest < math.inf:
+        return time / slowest
+    return 1.0 if time == slowest else 0.0
 
 
 def _smallest_stage_bytes(model: ModelFootprint, options: PlanOptions) -> int:
