@@ -41,8 +41,8 @@ class ModelFootprint:
     head_work: float | None = None
 
     def __post_init__(self) -> None:
-        if self.head_work is not None and not self.head_work >= 0:
-            raise ValueError(f"head_work must be 0 or more, got {self.head_work}")
+        if self.head_work is not None and not 0 <= self.head_work < math.inf:
+            raise ValueError(f"head_work must be 0 or more and finite, got {self.head_work}")
         if not self.layer_bytes:
             raise ValueError("the model has no decoder layers")
         sizes = {"layer bytes": min(self.layer_bytes), "embed bytes": self.embed_bytes,
@@ -259,6 +259,8 @@ def _screen(agent: AgentCandidate, options: PlanOptions, smallest: int) -> Exclu
         return Exclusion(agent.agent_id, ExclusionReason.SERVING, "already serving (serving agents not used)")
     if not agent.speed > 0:
         return Exclusion(agent.agent_id, ExclusionReason.SPEED_UNKNOWN, "speed not measured yet")
+    if agent.speed == math.inf:
+        return Exclusion(agent.agent_id, ExclusionReason.SPEED_UNKNOWN, "speed inf is not a measurement")
     usable = usable_bytes(agent, options)
     if usable < smallest:
         return Exclusion(agent.agent_id, ExclusionReason.TOO_LITTLE_MEMORY,
@@ -310,7 +312,7 @@ def _split(model: ModelFootprint, agents: list[AgentCandidate], options: PlanOpt
             here = best[i][j]
             if here is None:
                 continue
-            if best[i + 1][j] is None or here < _or_inf(best[i + 1][j]):
+            if _better(here, best[i + 1][j]):
                 best[i + 1][j] = here
                 back.pop((i + 1, j), None)
             for k in range(j + 1, layers + 1):
@@ -321,7 +323,7 @@ def _split(model: ModelFootprint, agents: list[AgentCandidate], options: PlanOpt
                     continue
                 time = _work(model, prefix, j, k) / agent.speed
                 candidate = (max(here[0], time), here[1] + 1)
-                if candidate < _or_inf(best[i + 1][k]):
+                if _better(candidate, best[i + 1][k]):
                     best[i + 1][k] = candidate
                     back[(i + 1, k)] = j
     if best[len(agents)][layers] is None:
@@ -337,8 +339,10 @@ def _split(model: ModelFootprint, agents: list[AgentCandidate], options: PlanOpt
     return stages[::-1]
 
 
-def _or_inf(value: tuple[float, int] | None) -> tuple[float, int]:
-    return value if value is not None else (math.inf, 0)
+def _better(candidate: tuple[float, int], current: tuple[float, int] | None) -> bool:
+    """A split that beats the best found so far, or the first one: one whose time overflowed to inf (a speed
+    near 0) is still a split, where comparing with (inf, 0) said nothing fits."""
+    return current is None or candidate < current
 
 
 def _work(model: ModelFootprint, prefix: list[int], start: int, stop: int) -> float:
