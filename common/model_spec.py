@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -79,6 +80,11 @@ class ModelSpec:
                 raise ManifestError(f"model spec field {name!r} must be positive, got {value}")
             if value > MAX_SPEC_VALUE:  # no model has a billion layers or heads: a tampered manifest
                 raise ManifestError(f"model spec field {name!r} is {value}, past any real model's")
+        for name in ("architecture", "rope_type"):
+            if not isinstance(getattr(self, name), str):
+                raise ManifestError(f"model spec field {name!r} must be text, got {getattr(self, name)!r:.40}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ManifestError(f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r:.40}")
         if not isinstance(self.eos_token_ids, tuple) or not all(
                 isinstance(token, int) and not isinstance(token, bool) for token in self.eos_token_ids):
             raise ManifestError(f"eos_token_ids must be a list of token ids, got {self.eos_token_ids!r:.40}")
@@ -166,11 +172,13 @@ class Manifest:
                 model_name=str(body["model_name"]),
                 spec=spec,
                 weight_format=WeightFormat(body["weight_format"]),
-                files={name: FileEntry(**entry) for name, entry in body["files"].items()},
-                tokenizer_files=tuple(body["tokenizer_files"]),
-                layer_bytes=tuple(body["layer_bytes"]),
-                embed_bytes=int(body["embed_bytes"]),
-                head_bytes=int(body["head_bytes"]),
+                files={name: _file_entry(name, entry) for name, entry in body["files"].items()},
+                tokenizer_files=tuple(_text(f"tokenizer_files[{index}]", name)
+                                      for index, name in enumerate(body["tokenizer_files"])),
+                layer_bytes=tuple(_byte_count(f"layer_bytes[{index}]", size)
+                                  for index, size in enumerate(body["layer_bytes"])),
+                embed_bytes=_byte_count("embed_bytes", body["embed_bytes"]),
+                head_bytes=_byte_count("head_bytes", body["head_bytes"]),
                 extra=dict(body.get("extra", {})),
             )
             spec.validate()
@@ -190,6 +198,32 @@ class Manifest:
                 listed = "not listed" if entry is None else f"listed at {entry.size} bytes"
                 raise ManifestError(f"the manifest sizes {name} at {size} bytes for planning, but its file is {listed}")
         return manifest
+
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def _byte_count(what: str, value: object) -> int:
+    """`value` when it is a whole number of bytes (0 or more), else ManifestError naming `what`."""
+    if type(value) is not int or value < 0:
+        raise ManifestError(f"manifest {what} must be a whole number of bytes, got {value!r:.40}")
+    return value
+
+
+def _text(what: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ManifestError(f"manifest {what} must be text, got {value!r:.40}")
+    return value
+
+
+def _file_entry(name: str, entry: object) -> FileEntry:
+    """A listed file's entry: its sha256 as 64 lowercase hex characters and its size in bytes."""
+    if not isinstance(entry, dict) or set(entry) != {"sha256", "size"}:
+        raise ManifestError(f"manifest entry of {name} must hold exactly sha256 and size, got {entry!r:.60}")
+    sha256 = entry["sha256"]
+    if not isinstance(sha256, str) or _SHA256_HEX.fullmatch(sha256) is None:
+        raise ManifestError(f"manifest sha256 of {name} must be 64 lowercase hex characters, got {sha256!r:.70}")
+    return FileEntry(sha256, _byte_count(f"size of {name}", entry["size"]))
 
 
 def model_file(model_dir: Path, name: str) -> Path:
