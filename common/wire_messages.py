@@ -71,6 +71,17 @@ def _non_negative(name: str, value: int) -> None:
     _require(value >= 0, f"{name} must be >= 0, got {value}")
 
 
+def wire_text(text: str) -> str:
+    """`text` as UTF-8 can carry it: a lone surrogate (os.fsdecode of a file name that is not UTF-8, which an
+    exception's message may quote) becomes its backslash escape. Free text that a peer reports (an Error's
+    message, a status's last error) passes through here, so that encode never refuses the frame for it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def _sha256(name: str, value: str) -> None:
     _require(_SHA256.fullmatch(value) is not None, f"{name} must be 64 lowercase hex characters")
 
@@ -250,6 +261,7 @@ class Error:
     agent_id: str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "message", wire_text(self.message))
         if self.micro_batch_id is not None:
             _non_negative("micro_batch_id", self.micro_batch_id)
         _require(self.agent_id is None or is_agent_id(self.agent_id), "error agent_id is not an agent id")
@@ -278,6 +290,8 @@ class StatusReport:
     detail: str = ""  # the numbers behind `reasons`, for the plan's "left out" lines
 
     def __post_init__(self) -> None:
+        if self.last_error is not None:
+            object.__setattr__(self, "last_error", wire_text(self.last_error))
         _non_negative("free_memory_bytes", self.free_memory_bytes)
         _require(len(self.detail) <= MAX_STATUS_DETAIL, f"detail longer than {MAX_STATUS_DETAIL} characters")
         _require(self.weight_gb_per_s is None or 0.0 < self.weight_gb_per_s < 1e5,
