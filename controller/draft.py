@@ -207,7 +207,13 @@ class DraftModel:
             logits = np.asarray(result.logits)[index, 0]  # the row's last live position (no draft: N = 1)
             q = sampling_probs(logits[None, :], row.sampling)[0]
             position = track.next_position(row.stream_id)
-            tokens[index].append(sample(q, np.random.default_rng(mix_seed(row.seed, position, 1))))
+            try:
+                tokens[index].append(sample(q, np.random.default_rng(mix_seed(row.seed, position, 1))))
+            except ValueError as error:  # NaN or inf logits: nothing to draw from
+                raise ValueError(f"the draft model gave stream {row.stream_id} no distribution to sample its "
+                                 f"token at position {position} from ({error}): its logits hold NaN or inf, as "
+                                 "a lower precision can give on some devices; run with --precision f32, or "
+                                 "without --draft") from None
             probs[index, step] = q
 
 

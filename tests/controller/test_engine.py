@@ -387,3 +387,19 @@ def test_the_run_after_one_stopped_with_its_prefill_in_flight_gets_its_own_token
         engine.add(StreamRequest(PROMPTS[1], max_new_tokens=40, ignore_eos=True))
         assert engine.run()[0].tokens == solo[1]
     assert pipeline.micro_batches == (0,) * stages
+
+
+def test_a_draft_model_that_gives_nan_logits_to_a_sampled_row_is_named(
+        target: Path, near_draft: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A draft in a precision that overflows on its device gives NaN logits; sampling from them used to pick
+    # the vocabulary's last token silently, and now fails in common/speculative.py: the run must say which
+    # model and what to do, not "cannot sample from probabilities of total nan".
+    from deskfleet.controller import draft as draft_module
+
+    monkeypatch.setattr(draft_module, "sampling_probs",
+                        lambda logits, params: np.full(np.shape(logits), np.nan, dtype=np.float32))
+    request = StreamRequest(PROMPTS[1], max_new_tokens=4, ignore_eos=True,
+                            sampling=SamplingParams(temperature=1.0), seed=3)
+    with pytest.raises(ValueError, match=r"the draft model gave stream 0 no distribution .*NaN or inf.*"
+                                         r"--precision f32"):
+        run_streams(target, [request], 1, near_draft, EngineOptions(fixed_k=2))
