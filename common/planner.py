@@ -7,6 +7,10 @@ of `streams` rows, a fixed runtime overhead, and leaves a safety margin of the a
 
 The split minimises the slowest stage's estimated time (decode work per token / speed), which makes
 layer counts proportional to speed wherever memory allows, by dynamic programming over contiguous ranges.
+The chain runs from the fastest agent to the slowest; when no split fits in that order (tight memory: the
+fastest agent may have no room for the embed beside a layer, the slowest none for the head), other orders
+are searched, every order of up to EVERY_ORDER_UP_TO agents, else every choice of first and last agent, the
+rest by speed, within `max_reordered_splits`.
 A unit's work is its weight bytes (decoding reads every weight once) unless the caller knows better: the
 head's `head_work` (controller/fleet_deploy.py prices it by parameters on a CPU, where unpacking INT4
 weights, not reading them, sets the pace; see `footprint_of`). The embed is a lookup: no work.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 
@@ -23,6 +28,7 @@ from deskfleet.common.agent_state import AgentState, UnavailableReason
 
 GB = 1_000_000_000
 MIB = 1 << 20
+EVERY_ORDER_UP_TO = 4  # agents in a chain whose every order the search may try (4! = 24)
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,7 @@ class PlanOptions:
     streams: int = 1  # rows whose KV is reserved at full context
     use_serving: bool = True  # SERVING agents may take more stages (their free memory is what is left)
     max_subsets: int = 2000  # FEWEST_AGENTS: agent subsets tried per size before taking the best found
+    max_reordered_splits: int = 500  # splits tried in chain orders other than by speed, when none fits by speed
 
 
 class ExclusionReason(str, Enum):
@@ -181,15 +188,10 @@ def plan(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandid
         else:
             exclusions.append(excluded)
     eligible.sort(key=lambda a: (-a.speed, a.agent_id))
-
-    best: list[Stage] | None = None
-    if options.policy is PlanPolicy.ALL_BY_SPEED:
-        best = _split(model, eligible, options)
-    else:
-        for size in range(1, len(eligible) + 1):
-            best = _fewest(model, eligible, size, options)
-            if best is not None:
-                break
+    best = _best_split(model, eligible, options, _by_speed)
+    if best is None:
+        budget = _SplitBudget(options.max_reordered_splits)
+        best = _best_split(model, eligible, options, lambda agents: _other_orders(agents, budget))
     used = {stage.agent_id for stage in best or ()}
     for agent in eligible:
         if agent.agent_id not in used and best is not None:
@@ -270,8 +272,65 @@ def _screen(agent: AgentCandidate, options: PlanOptions, smallest: int) -> Exclu
     return None
 
 
+ChainOrders = Callable[[list[AgentCandidate]], Iterable[list[AgentCandidate]]]
+
+
+class _SplitBudget:
+    """How many more splits the search in other chain orders may try."""
+
+    def __init__(self, splits: int) -> None:
+        self.left = splits
+
+    def take(self) -> bool:
+        self.left -= 1
+        return self.left >= 0
+
+
+def _by_speed(agents: list[AgentCandidate]) -> Iterable[list[AgentCandidate]]:
+    """The chain order of a feasible fleet: fastest first (ties by id)."""
+    yield sorted(agents, key=lambda a: (-a.speed, a.agent_id))
+
+
+def _other_orders(agents: list[AgentCandidate], budget: _SplitBudget) -> Iterator[list[AgentCandidate]]:
+    """Chain orders other than by speed, while the budget lasts: every order of a short chain, else every
+    choice of the first agent (it holds the embed) and the last (the head), the rest by speed."""
+    by_speed = next(iter(_by_speed(agents)))
+    if len(by_speed) <= EVERY_ORDER_UP_TO:
+        orders: Iterable[tuple[AgentCandidate, ...]] = itertools.permutations(by_speed)
+    else:
+        orders = ((by_speed[first], *(a for i, a in enumerate(by_speed) if i not in (first, last)), by_speed[last])
+                  for first, last in itertools.permutations(range(len(by_speed)), 2))
+    for order in orders:
+        if list(order) != by_speed:
+            if not budget.take():
+                return
+            yield list(order)
+
+
+def _best_split(model: ModelFootprint, eligible: list[AgentCandidate], options: PlanOptions,
+                orders: ChainOrders) -> list[Stage] | None:
+    """The policy's split of `eligible` (sorted by speed), trying the chain orders `orders` gives."""
+    if options.policy is PlanPolicy.ALL_BY_SPEED:
+        return _fastest_in_orders(model, orders(eligible), options)
+    for size in range(1, len(eligible) + 1):
+        best = _fewest(model, eligible, size, options, orders)
+        if best is not None:
+            return best
+    return None
+
+
+def _fastest_in_orders(model: ModelFootprint, orders: Iterable[list[AgentCandidate]],
+                       options: PlanOptions) -> list[Stage] | None:
+    best: list[Stage] | None = None
+    for order in orders:
+        stages = _split(model, order, options)
+        if stages is not None and (best is None or _pace(stages) < _pace(best)):
+            best = stages
+    return best
+
+
 def _fewest(model: ModelFootprint, eligible: list[AgentCandidate], size: int,
-            options: PlanOptions) -> list[Stage] | None:
+            options: PlanOptions, orders: ChainOrders) -> list[Stage] | None:
     """The fastest split over exactly `size` agents, trying subsets with the most usable memory first."""
     need = sum(model.layer_bytes) + model.embed_bytes + model.head_bytes
     need += model.num_layers * model.kv_bytes_per_layer(options.streams) + size * options.stage_overhead_bytes
@@ -284,8 +343,7 @@ def _fewest(model: ModelFootprint, eligible: list[AgentCandidate], size: int,
             break
         if sum(usable_bytes(a, options) for a in subset) < need:
             continue
-        ordered = sorted(subset, key=lambda a: (-a.speed, a.agent_id))
-        stages = _split(model, ordered, options)
+        stages = _fastest_in_orders(model, orders(list(subset)), options)
         if stages is not None and (best is None or _pace(stages) < _pace(best)):
             best = stages
     return best

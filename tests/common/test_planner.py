@@ -208,13 +208,32 @@ def test_a_70b_int4_on_paper_over_office_pcs() -> None:
     assert not plan(model, office[:2]).feasible
 
 
-def _brute_force_pace(model: ModelFootprint, agents: list[AgentCandidate]) -> float | None:
-    """The best slowest-stage time over every contiguous split, agents in the planner's chain order."""
+def test_when_memory_is_tight_another_chain_order_fits() -> None:
+    # In speed order the fast PC would hold the embed and cannot (1 byte free); the slow one cannot hold
+    # everything (5 bytes in 4). The slow PC first, with the embed and a layer, and the fast one after fits.
+    model = ModelFootprint("tight", (1, 1), 3, 0, 0, 1)
+    fast = AgentCandidate("fast", AgentState.AVAILABLE, 1, 2.0)
+    slow = AgentCandidate("slow", AgentState.AVAILABLE, 4, 1.0)
+    for options in (NO_MARGIN, ALL):
+        result = plan(model, [fast, slow], options)
+        check_well_formed(result, [fast, slow], options)
+        assert result.feasible, result.problems
+        assert [(s.agent_id, s.first_layer, s.stop_layer) for s in result.stages] == [("slow", 0, 1), ("fast", 1, 2)]
+    budget = dataclasses.replace(ALL, max_reordered_splits=0)  # no search beyond speed order: infeasible
+    assert "no split into contiguous layer ranges" in plan(model, [fast, slow], budget).problems[0]
+
+
+def _brute_force_pace(model: ModelFootprint, agents: list[AgentCandidate], any_order: bool = False) -> float | None:
+    """The best slowest-stage time over every contiguous split, agents in the planner's chain order (fastest
+    first) or, any_order, in every order."""
     ordered = sorted(agents, key=lambda a: (-a.speed, a.agent_id))
     best: float | None = None
     layers = model.num_layers
     for used in range(1, len(ordered) + 1):
-        for subset in itertools.combinations(ordered, used):
+        subsets = (itertools.chain.from_iterable(itertools.permutations(subset) for subset in
+                                                 itertools.combinations(ordered, used))
+                   if any_order else itertools.combinations(ordered, used))
+        for subset in subsets:
             for cuts in itertools.combinations(range(1, layers), used - 1):
                 bounds = (0, *cuts, layers)
                 times = []
@@ -244,7 +263,10 @@ def test_split_is_valid_and_as_fast_as_brute_force(layer_sizes: list[int], embed
               for i, (free, speed) in enumerate(fleet)]
     result = plan(model, agents, ALL)
     check_well_formed(result, agents, ALL)
+    # The fastest split in speed order when one fits; else, tight memory, the fastest in any order
     expected = _brute_force_pace(model, agents)
+    if expected is None:
+        expected = _brute_force_pace(model, agents, any_order=True)
     if expected is None:
         assert not result.feasible
     else:
