@@ -21,6 +21,7 @@ every later stage) to the driver's results link, naming the agent and the stage 
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import json
 import logging
@@ -267,6 +268,11 @@ class AgentCore:
             self.cache.receive(chunk)
         except ShardCacheError as error:
             raise CommandError(ErrorCode.SHARD_MISMATCH, str(error)) from None
+        except OSError as error:  # the cache's disk full or not writable: what was received so far stays
+            raise CommandError(ErrorCode.OUT_OF_MEMORY if error.errno == errno.ENOSPC else ErrorCode.INTERNAL,
+                               f"cannot store shard {chunk.sha256[:12]}… (bytes {chunk.offset} to "
+                               f"{chunk.offset + len(chunk.data)} of {chunk.total_size}) in the shard cache "
+                               f"{self.cache.root}: {error.strerror or error}") from None
 
     async def _assign(self, message: AssignStage) -> StageReady:
         async with self._assign_lock:

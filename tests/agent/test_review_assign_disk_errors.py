@@ -5,6 +5,7 @@ removed, and a stage being served left as it was."""
 from __future__ import annotations
 
 import errno
+import hashlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from deskfleet.agent.core import AgentCore, CommandError
 from deskfleet.common.model_spec import Manifest
-from deskfleet.common.wire import AssignStage, ReleaseStage, Role, StageReady
+from deskfleet.common.wire import AssignStage, ErrorCode, ReleaseStage, Role, ShardChunk, ShardComplete, StageReady
 from tests.agent.test_core import _host_tiny_stage, core, handle  # noqa: F401 (the core fixture)
 
 
@@ -47,3 +48,24 @@ def test_a_disk_error_during_a_rebuild_leaves_the_hosted_stage_as_it_was(
     assert set(core.cache._pins) == {hosted.cache_key}
     monkeypatch.undo()
     assert isinstance(handle(core, Role.CONTROLLER, replace(assignment, kv_cache="f32")), StageReady)
+
+
+def test_a_shard_that_the_disk_cannot_take_is_refused_naming_it_and_what_arrived_stays(
+        core: AgentCore, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    data = bytes(range(256)) * 40
+    digest = hashlib.sha256(data).hexdigest()
+    handle(core, Role.CONTROLLER, ShardChunk(digest, 0, len(data), data[:4000]))
+    write = core.cache.write
+
+    def disk_full(*args: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(core.cache, "write", disk_full)
+    with pytest.raises(CommandError, match=rf"cannot store shard {digest[:12]}… \(bytes 4000 to 10240 of 10240\) "
+                                           r"in the shard cache .*: No space left on device") as refused:
+        handle(core, Role.CONTROLLER, ShardChunk(digest, 4000, len(data), data[4000:]))
+    assert refused.value.code is ErrorCode.OUT_OF_MEMORY
+    monkeypatch.setattr(core.cache, "write", write)  # space freed: the deploy resumes where it stopped
+    handle(core, Role.CONTROLLER, ShardChunk(digest, 4000, len(data), data[4000:]))
+    handle(core, Role.CONTROLLER, ShardComplete(digest))
+    assert core.cache.has(digest)
