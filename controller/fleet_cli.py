@@ -156,12 +156,18 @@ def _serve(args: argparse.Namespace) -> int:
         import signal
 
         loop = asyncio.get_running_loop()
+        handled = []
         for signum in (signal.SIGINT, signal.SIGTERM):
             try:
                 loop.add_signal_handler(signum, server.stop)
+                handled.append(signum)
             except (NotImplementedError, RuntimeError):
                 pass
-        await server.run()
+        try:
+            await server.run()
+        finally:  # uvloop leaves its handlers installed after it closes: later signals would be swallowed
+            for signum in handled:
+                loop.remove_signal_handler(signum)
 
     event_loop.run(run())
     return 0

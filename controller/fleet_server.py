@@ -32,6 +32,10 @@ REVOCATION_POLL_S = 0.5
 REGISTER_TIMEOUT_S = 10.0
 
 
+class ListenError(RuntimeError):
+    """The server cannot listen where it was told (the port is taken, the host does not resolve): named."""
+
+
 class FleetServer:
     """The controller's enrollment + registration endpoint. `run()` serves until `stop()`."""
 
@@ -55,8 +59,12 @@ class FleetServer:
 
     async def run(self) -> None:
         host, port = parse_address(self.listen)
-        server = await start_server(self._serve_agent, host, port, self.store.tls_files,
-                                    revocations=self.revocations, enrollment=self._enroll)
+        try:
+            server = await start_server(self._serve_agent, host, port, self.store.tls_files,
+                                        revocations=self.revocations, enrollment=self._enroll)
+        except OSError as error:  # EADDRINUSE: another `fleet serve`, or another program, holds the port
+            raise ListenError(f"cannot listen on {self.listen} (--listen, or the port of the address given to "
+                              f"`fleet init`): {error.strerror or error}") from None
         self.bound_port = server.sockets[0].getsockname()[1] if server.sockets else port
         log.info("controller listening on %s:%d", host, self.bound_port)
         async with server, asyncio.TaskGroup() as tasks:

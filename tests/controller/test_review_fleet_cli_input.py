@@ -1,0 +1,34 @@
+"""`deskfleet fleet` commands given input they cannot use say so and exit 2, without a traceback."""
+
+from __future__ import annotations
+
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent.link import utc_now
+from deskfleet.controller.cli import main
+from deskfleet.controller.fleet_ca import init_fleet
+from deskfleet.controller.fleet_store import FleetStore
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    return store.data_dir
+
+
+def test_serve_on_a_port_in_use_names_the_address(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        assert main(["fleet", "serve", "--data-dir", str(data_dir), "--listen", address]) == 2
+    error = capsys.readouterr().err
+    assert f"deskfleet: error: cannot listen on {address}" in error
+    assert "in use" in error and "Traceback" not in error
+    # and the serve's Ctrl-C handler is gone with its loop (uvloop leaves it: Ctrl-C would be swallowed)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
