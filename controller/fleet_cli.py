@@ -26,6 +26,7 @@ from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.decoding_options import byte_count, positive_int
 
 _POLICIES = [policy.value for policy in PlanPolicy]
+_MAX_BROWSE_S = 600.0
 
 
 # Public methods
@@ -71,7 +72,7 @@ def add_fleet_commands(subparsers: Any) -> None:
         parser = command(name, help_text)
         parser.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                             help="also dial this agent address (repeatable)")
-        parser.add_argument("--discover-seconds", type=float, default=2.0,
+        parser.add_argument("--discover-seconds", type=_browse_seconds, default=2.0,
                             help="how long to browse mDNS for agents (0: registrations and --peer only)")
         parser.add_argument("--json", action="store_true", help="print JSON")
         parser.set_defaults(handler=handler)
@@ -92,6 +93,19 @@ def add_fleet_commands(subparsers: Any) -> None:
             parser.add_argument("--ignore-eos", action="store_true")
         if name == "plan":
             _add_paper_model(parser)
+
+
+# Private methods: options
+
+def _browse_seconds(text: str) -> float:
+    """argparse type: how long to browse mDNS, 0 to _MAX_BROWSE_S seconds (NaN, infinity, negatives refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value <= _MAX_BROWSE_S:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"must be 0 to {_MAX_BROWSE_S:.0f} seconds, got {text}")
+    return value
 
 
 # Private methods: trust

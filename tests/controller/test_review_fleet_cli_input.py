@@ -32,3 +32,12 @@ def test_serve_on_a_port_in_use_names_the_address(data_dir: Path, capsys: pytest
     assert "in use" in error and "Traceback" not in error
     # and the serve's Ctrl-C handler is gone with its loop (uvloop leaves it: Ctrl-C would be swallowed)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("seconds", ["inf", "nan", "-1", "1e9", "soon"])
+def test_discover_seconds_must_be_a_browse_time(data_dir: Path, capsys: pytest.CaptureFixture[str],
+                                                seconds: str) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["fleet", "ls", "--data-dir", str(data_dir), "--discover-seconds", seconds])
+    assert exited.value.code == 2
+    assert "--discover-seconds" in capsys.readouterr().err
