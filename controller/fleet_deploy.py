@@ -15,6 +15,7 @@ The deployment (which agent holds which layers, where) is saved as deployments.j
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -55,7 +56,7 @@ from deskfleet.common.wire import (
     is_agent_id,
     parse_address,
 )
-from deskfleet.controller.fleet_store import FleetStore
+from deskfleet.controller.fleet_store import FleetStore, FleetStoreError
 from deskfleet.controller.fleet_survey import AgentView, Survey
 
 log = logging.getLogger(__name__)
@@ -170,9 +171,20 @@ async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: Pla
                  progress: Progress | None = None, exclude: frozenset[str] = frozenset(),
                  kv_cache: str | None = None) -> tuple[Plan, DeployReport]:
     """Plan over the surveyed agents (less those in `exclude`), push what each lacks, assign the stages.
-    DeployError on failure."""
+    DeployError on failure, also at once when another deploy from this data dir is running."""
     if precision is Precision.F32 and kv_cache not in (None, "f32"):
         raise DeployError(f"--precision f32 is exact and keeps the KV cache in f32, not {kv_cache}")
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(store.deploying())
+        except FleetStoreError as error:  # another deploy from this data dir (a failover's too) is running
+            raise DeployError(str(error)) from None
+        return await _deploy_locked(store, model_dir, found, options, precision, device, progress, exclude, kv_cache)
+
+
+async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, options: PlanOptions,
+                         precision: Precision, device: str, progress: Progress | None, exclude: frozenset[str],
+                         kv_cache: str | None) -> tuple[Plan, DeployReport]:
     manifest = load_manifest(model_dir)
     model_id = model_id_of(model_dir)
     _deployments(store)  # a damaged file is named now, not after every byte was sent

@@ -25,7 +25,7 @@ import socket
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, TypeVar
 
 import platformdirs
 from cryptography import x509
@@ -35,15 +35,16 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from deskfleet.agent.link import TlsFiles, utc_now
 from deskfleet.common import pki
 from deskfleet.common.atomic_file import write_atomic
-from deskfleet.common.file_lock import lock_file, unlock_file
+from deskfleet.common.file_lock import lock_file, try_lock_file, unlock_file
 from deskfleet.common.wire import ProtocolError, Role, is_agent_id, parse_address
 
 log = logging.getLogger(__name__)
 
 ENV_DATA_DIR = "DESKFLEET_CONTROLLER_DIR"
 STORE_FORMAT = 1
+DEPLOY_LOCK = ".deploy.lock"
 DEFAULT_PORT = 7341
-# What `fleet init` writes (deployments.json comes later); .lock is not one: any command may create it.
+# What `fleet init` writes (deployments.json comes later); .lock and .deploy.lock are not: commands make them.
 PEM_FILES = ("ca.pem", "ca-key.pem", "controller.pem", "controller-key.pem")
 STORE_FILES = (*PEM_FILES, "fleet.json", "tokens.json", "revoked.json", "agents.json", "deployments.json")
 _ROLES = {"ca.pem": "the fleet CA's certificate", "ca-key.pem": "the fleet CA's key",
@@ -168,6 +169,25 @@ class FleetStore:
             finally:
                 unlock_file(handle.fileno())
 
+    @contextlib.contextmanager
+    def deploying(self) -> Iterator[None]:
+        """Hold the data dir's deploy lock for a whole deploy (a failover's too), or raise FleetStoreError naming
+        the pid of the deploy that holds it. Two at once pushed the same shards to an agent in interleaved
+        chunks, and both failed ("chunk at offset 0 is out of order")."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.data_dir / DEPLOY_LOCK, "a+") as handle:
+            if not try_lock_file(handle.fileno()):  # the lock is on byte 0; the holder's pid follows it
+                raise FleetStoreError(f"another deploy from {self.data_dir} is running (pid {_lock_holder(handle)}): "
+                                      "let it finish, then deploy again")
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"\n{os.getpid()}")
+            handle.flush()
+            try:
+                yield
+            finally:
+                unlock_file(handle.fileno())
+
     # Public methods: the roster
 
     def roster(self) -> dict[str, RosterEntry]:
@@ -247,6 +267,15 @@ def _roster_entry(path: Path, agent_id: object, entry: object) -> RosterEntry:
         raise malformed(f"registered_at must be a string or null, not {registered_at!r:.60}")
     addresses = checked_addresses(entry.get("addresses", []), f"{path}: agent {agent_id[:12]}'s")
     return RosterEntry(agent_id, entry["hostname"], entry["enrolled_at"], addresses, registered_at)
+
+
+def _lock_holder(handle: IO[str]) -> str:
+    """The pid a lock holder wrote after the locked first byte, or "unknown"."""
+    try:
+        handle.seek(1)
+        return handle.read().strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 
 def checked_addresses(value: object, where: str) -> tuple[str, ...]:

@@ -1,5 +1,6 @@
-"""A deploy that moves a model off an agent (another policy, a re-plan after a PC dropped out) releases the
-stage that agent held of it: it no longer holds the memory and cache pins of a stage no chain uses."""
+"""Deploys that meet: one that moves a model off an agent (another policy, a re-plan after a PC dropped out)
+releases the stage that agent held of it; a second deploy from the same data dir while one runs is refused
+at once, naming the first, and the first finishes (both pushing the same shards made both fail)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from deskfleet.agent.paths import AgentSettings, Thresholds
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common.planner import PlanOptions, PlanPolicy
 from deskfleet.controller.fleet_ca import init_fleet, load_ca
-from deskfleet.controller.fleet_deploy import deploy
+from deskfleet.controller.fleet_deploy import DeployError, DeployReport, deploy
 from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.fleet_survey import SurveyOptions, survey
 from tests.agent.test_core import FakeMonitor
@@ -64,3 +65,40 @@ def test_a_deploy_that_moves_a_model_off_an_agent_releases_its_old_stage(tmp_pat
 
     hosted = asyncio.run(scenario())
     assert sorted(map(len, hosted.values())) == [0, 1], hosted
+
+
+def test_a_second_deploy_from_the_same_data_dir_is_refused_while_one_runs(tmp_path: Path, tiny_export: Path) -> None:
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    ca = load_ca(store)
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    ports = [free_port(), free_port()]
+
+    async def one_deploy(options: SurveyOptions) -> DeployReport:
+        found = await survey(store, options)
+        try:
+            return (await deploy(store, tiny_export, found, PlanOptions(policy=PlanPolicy.ALL_BY_SPEED)))[1]
+        finally:
+            await found.close()
+
+    async def scenario() -> tuple[list[DeployReport | BaseException], DeployReport]:
+        servers = []
+        for index, port in enumerate(ports):
+            files = make_member(ca, tmp_path / f"agent{index}", "agent")
+            core = AgentCore(files, settings, ShardCache(tmp_path / f"cache{index}", 1 << 30), FakeMonitor())
+            servers.append(await start_server(core.serve_link, "127.0.0.1", port, files))
+        options = SurveyOptions(peers=tuple(f"127.0.0.1:{port}" for port in ports), discover_seconds=0)
+        try:
+            both = await asyncio.gather(one_deploy(options), one_deploy(options), return_exceptions=True)
+            return both, await one_deploy(options)  # the lock is free again
+        finally:
+            for server in servers:
+                server.close()
+                await server.wait_closed()
+
+    both, after = asyncio.run(scenario())
+    reports = [outcome for outcome in both if isinstance(outcome, DeployReport)]
+    refusals = [outcome for outcome in both if isinstance(outcome, DeployError)]
+    assert len(reports) == 1 and len(refusals) == 1, both
+    assert "another deploy from" in str(refusals[0]) and "is running (pid" in str(refusals[0])
+    assert set(after.bytes_sent.values()) == {0}
