@@ -32,6 +32,7 @@ from deskfleet.common.wire_messages import Role
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _CLOCK_SKEW = datetime.timedelta(minutes=5)
+_COMMON_NAME_MAX_CHARS = 64  # RFC 5280's ub-common-name
 
 
 class PkiError(ValueError):
@@ -123,8 +124,13 @@ def create_private_key() -> ec.EllipticCurvePrivateKey:
 
 
 def create_csr(private_key: ec.EllipticCurvePrivateKey, hostname: str) -> x509.CertificateSigningRequest:
-    """A certificate signing request for `private_key`; the CA decides every field it signs."""
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hostname or "deskfleet-agent")])
+    """A certificate signing request for `private_key`; the CA decides every field it signs.
+
+    The hostname is only a hint in the subject (the CA ignores it; the join request carries it whole), cut
+    to the 64 characters X.509 allows a common name.
+    """
+    common_name = (hostname or "deskfleet-agent")[:_COMMON_NAME_MAX_CHARS]
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     return x509.CertificateSigningRequestBuilder().subject_name(subject).sign(private_key, hashes.SHA256())
 
 
