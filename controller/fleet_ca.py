@@ -40,6 +40,7 @@ from deskfleet.controller.fleet_store import DEFAULT_PORT, FleetStore, FleetStor
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 30.0
+HOSTNAME_MAX_CHARS = 200  # what the roster keeps of the hostname a joining agent gives
 _DURATION = re.compile(r"(\d+)([smhd])")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -258,14 +259,22 @@ def _sign_join(store: FleetStore, request: JoinRequest, now: datetime.datetime) 
         ledger.redeem(secret, now)
         certificate = pki.sign_csr(ca, csr, now, role=Role.AGENT)
         _save_ledger(store, ledger)
-        hostname = request.hostname[:200] or "?"
+        hostname = printable_hostname(request.hostname)
         previous = roster.get(agent_id)
         entry = RosterEntry(agent_id, hostname, now.isoformat())
         roster[agent_id] = replace(previous, hostname=hostname) if previous else entry
         store.save_roster(roster)
-    log.info("enrolled agent %s (%s)", agent_id[:12], request.hostname)
+    log.info("enrolled agent %s (%s)", agent_id[:12], hostname)
     return JoinResponse(pki.certificate_pem(certificate).decode("ascii"),
                         pki.certificate_pem(ca.certificate).decode("ascii"), pki.fleet_id(ca.certificate))
+
+
+def printable_hostname(text: str) -> str:
+    """The hostname a joining agent gave, as the roster keeps it and the log shows it: at most
+    HOSTNAME_MAX_CHARS characters, each that does not print (a newline that would forge a log line, a terminal
+    escape that `fleet ls` would run, a right-to-left override) as '?'; '?' for none at all. The token holder
+    chooses it, so it is a label, never an identity: the agent id is."""
+    return "".join(char if char.isprintable() else "?" for char in text[:HOSTNAME_MAX_CHARS]) or "?"
 
 
 # Private functions
