@@ -42,6 +42,7 @@ from deskfleet.agent.stage_executor import StageExecutor
 from deskfleet.agent.status import make_status
 from deskfleet.common import pki
 from deskfleet.common.atomic_file import write_atomic
+from deskfleet.common.availability import StageReleaseWatch, decide_availability
 from deskfleet.common.json_file import JsonFileError, read_json_object
 from deskfleet.common.kv_ledger import Compact, LedgerError
 from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, ManifestError
@@ -84,7 +85,8 @@ INLINE_STEP_TOKENS = 64
 
 class CommandError(Exception):
     """A command cannot be carried out; answered to the sender as Error(code, message), naming the agent at
-    fault when it is another (`agent_id`: an unreachable next hop)."""
+    fault where the driver must leave it out (`agent_id`: an unreachable next hop, or this agent once it gave
+    its stages up)."""
 
     def __init__(self, code: ErrorCode, message: str, agent_id: str | None = None) -> None:
         super().__init__(message)
@@ -126,6 +128,8 @@ class AgentCore:
         self._revoked = _load_revocations(revocations_file)
         self._next_hops: dict[str, Link] = {}
         self._assign_lock = asyncio.Lock()
+        self._release_watch = StageReleaseWatch()
+        self._released_because: str | None = None  # why the stages were given up, until the next assignment
 
     # Public methods
 
@@ -243,6 +247,34 @@ class AgentCore:
         speed = self._speed.weight_gb_per_s if self._speed is not None else None
         return replace(snapshot.to_wire(), weight_gb_per_s=speed)
 
+    async def enforce_limits(self, now: float | None = None) -> tuple[StageRef, ...]:
+        """Give every hosted stage up once the PC has been on battery or too hot for the employee's
+        `release_stages_after_s` (common/availability.py, StageReleaseWatch); returns the stages given up.
+
+        The next step sent to one is refused as not assigned, naming this agent and why, so the controller
+        re-plans without it and the generation goes on from its history (controller/fleet_failover.py); the
+        agent reports itself unavailable meanwhile, so no plan takes it until the limit clears."""
+        if not self.stages:  # nothing to give up, and no sensor to read
+            self._release_watch.reset()
+            return ()
+        policy = self.settings.policy()
+        reading = await asyncio.to_thread(self.monitor.read)
+        availability = decide_availability(reading, policy, serving=bool(self.stages))
+        because = self._release_watch.update(availability, policy, bool(self.stages),
+                                             time.monotonic() if now is None else now)
+        if because is None:
+            return ()
+        released = tuple(self.stages)
+        for ref in released:
+            hosted = self.stages.get(ref)
+            if hosted is not None:
+                async with hosted.lock:  # a step under way finishes first
+                    self._release(ref)
+        self._released_because = because
+        self._note_error(f"gave up {len(released)} stage(s) ({', '.join(_stage_key(ref) for ref in released)}): "
+                         f"{because}")
+        return released
+
     async def release_idle_micro_batches(self, max_idle_s: float = MICRO_BATCH_IDLE_S) -> int:
         """Free the KV state of micro-batches idle for `max_idle_s` on every hosted stage; returns how many.
         Nothing else frees the state of a driver that vanished mid-generation."""
@@ -307,6 +339,7 @@ class AgentCore:
                 self._release(other)  # a re-plan of the same model replaces what this agent held
             self.stages[message.stage] = HostedStage(message, StageExecutor(stage, manifest.spec.max_context),
                                                      asyncio.Lock(), key)
+            self._released_because = None
             log.info("hosting %s", key)
             return StageReady(message.stage)
 
@@ -374,6 +407,9 @@ class AgentCore:
 
     def _stage_for(self, message: Forward) -> HostedStage:
         if not self.stages:
+            if self._released_because is not None:  # named as the agent at fault: the driver re-plans without it
+                raise CommandError(ErrorCode.NOT_ASSIGNED, f"this agent gave its stages up: {self._released_because}",
+                                   agent_id=self.agent_id)
             raise CommandError(ErrorCode.NOT_ASSIGNED, "this agent hosts no stage")
         first = message.input_ids is not None
         matching = [hosted for ref, hosted in self.stages.items()

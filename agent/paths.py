@@ -85,6 +85,7 @@ class Thresholds:
     max_temperature_c: float | None = 90.0
     min_free_memory_bytes: int | None = 2 * GIB
     max_cpu_load: float | None = None
+    release_stages_after_s: float | None = 30.0  # on battery or too hot this long while serving: stages given up
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ LOCK_FILE = "agent.lock"  # in the state folder: one agent per data dir
 REVOCATIONS_FILE = "revoked.json"  # in the state folder: the controller's last list of removed agents
 ADVERTISE_REFRESH_S = 10.0
 IDLE_SWEEP_S = 60.0  # how often micro-batches left behind by a vanished driver are looked for
+LIMITS_CHECK_S = 2.0  # how often a serving agent reads its sensors against the employee's limits
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class AgentService:
                     tasks.create_task(self._register_forever(), name="register")
                     tasks.create_task(self._advertise_forever(host), name="advertise")
                     tasks.create_task(self._sweep_idle_forever(), name="sweep-idle")
+                    tasks.create_task(self._enforce_limits_forever(), name="enforce-limits")
                     await self._stopping.wait()
                     raise _Stop
             except* _Stop:
@@ -171,6 +173,16 @@ class AgentService:
         while True:
             await asyncio.sleep(IDLE_SWEEP_S)
             await self.core.release_idle_micro_batches()
+
+    async def _enforce_limits_forever(self) -> None:
+        """Give the stages up when the PC has been on battery or too hot for too long (AgentCore.enforce_limits);
+        a sensor read that fails is logged and read again at the next check."""
+        while True:
+            await asyncio.sleep(LIMITS_CHECK_S)
+            try:
+                await self.core.enforce_limits()
+            except (OSError, ValueError) as error:
+                log.warning("cannot check the PC against its limits: %s", error)
 
     async def _current_record(self) -> AgentRecord | None:
         """The record to advertise now, or None (logged) when the status cannot be read this time: the

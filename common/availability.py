@@ -15,6 +15,11 @@ from deskfleet.common.agent_state import AgentState, UnavailableReason
 
 GIB = 1 << 30
 PLAUSIBLE_CELSIUS = (-50.0, 200.0)  # what a working sensor reads; broken ones read -128 or 255
+MAX_RELEASE_AFTER_S = 3600.0
+# The limits that protect the PC itself: crossed for long enough while serving, the agent gives its stages up
+# (StageReleaseWatch). Low memory and a busy CPU are left to the planner: a stage's own memory and its own
+# inference would cross them, and giving the stage up would only bring it back at the next plan.
+RELEASE_REASONS = (UnavailableReason.ON_BATTERY, UnavailableReason.TOO_HOT)
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,8 @@ class AvailabilityPolicy:
     max_temperature_c: float | None = 90.0  # hottest sensor above this -> unavailable
     min_free_memory_bytes: int | None = 2 * GIB  # less free memory than this -> unavailable
     max_cpu_load: float | None = None  # the employee's own work above this -> unavailable (user busy)
+    # on battery or too hot this long while serving -> the agent gives its stages up; None: it keeps them
+    release_stages_after_s: float | None = 30.0
     paused: bool = False  # the employee's opt-out from the tray
 
     def __post_init__(self) -> None:
@@ -65,6 +72,10 @@ class AvailabilityPolicy:
             raise ValueError(f"max_cpu_load must be within (0, 1], got {self.max_cpu_load}")
         if self.min_free_memory_bytes is not None and self.min_free_memory_bytes < 0:
             raise ValueError(f"min_free_memory_bytes must be >= 0, got {self.min_free_memory_bytes}")
+        release = self.release_stages_after_s
+        if release is not None and not 0.0 <= release <= MAX_RELEASE_AFTER_S:
+            raise ValueError(f"release_stages_after_s must be within [0, {MAX_RELEASE_AFTER_S:g}] seconds, "
+                             f"got {release}")
 
 
 @dataclass(frozen=True)
@@ -110,6 +121,35 @@ def decide_availability(reading: MonitorReading, policy: AvailabilityPolicy, ser
     if reasons:
         return Availability(AgentState.UNAVAILABLE, reasons, detail)
     return Availability(AgentState.SERVING if serving else AgentState.AVAILABLE, (), "")
+
+
+class StageReleaseWatch:
+    """When a serving agent gives its stages up: one of RELEASE_REASONS (on battery, too hot) held in every
+    reading for `release_stages_after_s`. A moment unplugged or a short spike of heat does not; the clock
+    starts again once a reading is clear. Pure: the caller passes each reading's decision and the time."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None  # when the limit was first seen crossed, in this spell
+
+    def reset(self) -> None:
+        """Forget a spell under way (the agent holds nothing to give up)."""
+        self._since = None
+
+    def update(self, availability: Availability, policy: AvailabilityPolicy, serving: bool, now: float) -> str | None:
+        """The reason to release the stages now (the numbers and for how long), else None."""
+        crossed = serving and policy.release_stages_after_s is not None and any(
+            reason in RELEASE_REASONS for reason in availability.reasons)
+        if not crossed:
+            self._since = None
+            return None
+        if self._since is None:
+            self._since = now
+        held = now - self._since
+        assert policy.release_stages_after_s is not None
+        if held < policy.release_stages_after_s:
+            return None
+        self._since = None
+        return f"{availability.detail} for {held:.0f} s"
 
 
 # Private functions

@@ -252,8 +252,9 @@ class Hello:
 @dataclass(frozen=True)
 class Error:
     """A refusal or failure. micro_batch_id: the micro-batch of the Forward it answers (a driver drops an
-    error about a micro-batch it has no step in flight for: another run's); agent_id: the agent at fault
-    when it is not the sender (a next hop found unreachable)."""
+    error about a micro-batch it has no step in flight for: another run's); agent_id: the agent at fault,
+    which the driver's re-plan leaves out (a next hop found unreachable, or the sender itself when it gave
+    its stages up on battery or too hot)."""
 
     code: ErrorCode
     message: str

@@ -103,6 +103,7 @@ def test_pinned_speed_must_be_positive() -> None:
 @pytest.mark.parametrize(("body", "message"), [
     ('{"format_version": 1, "thresholds": {"max_temperature_c": NaN}}', "NaN is not a JSON number"),
     ('{"format_version": 1, "thresholds": {"max_temperature_c": -300}}', "max_temperature_c must be within"),
+    ('{"format_version": 1, "thresholds": {"release_stages_after_s": -5}}', "release_stages_after_s must be within"),
     ('{"format_version": 1, "thresholds": {"max_temperature_c": 1e400}}', "'max_temperature_c' must be a finite"),
     ('{"format_version": 1, "thresholds": {"max_cpu_load": -Infinity}}', "-Infinity is not a JSON number"),
     ('{"format_version": 1, "speed_gb_per_s": Infinity}', "Infinity is not a JSON number"),

@@ -140,3 +140,30 @@ def test_a_registration_that_closes_at_once_backs_off(monkeypatch: pytest.Monkey
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(service._register_forever())
     assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0]
+
+
+def test_the_limits_are_checked_again_after_a_sensor_read_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(service_module, "LIMITS_CHECK_S", 0.0)
+    calls: list[int] = []
+
+    class LimitedCore:
+        async def enforce_limits(self) -> tuple[object, ...]:
+            calls.append(len(calls))
+            if len(calls) == 2:
+                raise OSError(5, "Input/output error")  # a sysfs file that could not be read this time
+            return ()
+
+    service = AgentService.__new__(AgentService)
+    service.core = LimitedCore()  # type: ignore[assignment]
+
+    async def scenario() -> None:
+        task = asyncio.create_task(service._enforce_limits_forever())
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if len(calls) >= 4 or task.done():
+                break
+        assert not task.done(), task.exception() if task.done() else None
+        task.cancel()
+
+    asyncio.run(scenario())
+    assert len(calls) >= 4

@@ -11,6 +11,7 @@ from deskfleet.common.availability import (
     GIB,
     AvailabilityPolicy,
     MonitorReading,
+    StageReleaseWatch,
     TemperatureReading,
     decide_availability,
 )
@@ -88,7 +89,8 @@ def test_disabled_thresholds_are_not_checked() -> None:
                                  dict(min_free_memory_bytes=-1), dict(min_battery_percent=float("nan")),
                                  dict(max_cpu_load=float("nan")), dict(max_temperature_c=float("nan")),
                                  dict(max_temperature_c=float("inf")), dict(max_temperature_c=-300.0),
-                                 dict(max_temperature_c=1000.0)])
+                                 dict(max_temperature_c=1000.0), dict(release_stages_after_s=-1.0),
+                                 dict(release_stages_after_s=float("nan")), dict(release_stages_after_s=1e9)])
 def test_policy_rejects_out_of_range_limits(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         AvailabilityPolicy(**bad)  # type: ignore[arg-type]
@@ -117,3 +119,33 @@ def test_random_readings_are_deterministic_and_consistent() -> None:
         assert first == decide_availability(sample, policy, serving)
         assert (first.state is AgentState.UNAVAILABLE) == bool(first.reasons)
         assert first.state in ((AgentState.SERVING,) if serving else (AgentState.AVAILABLE,)) or first.reasons
+
+
+def _watch(readings: list[tuple[float, MonitorReading]], policy: AvailabilityPolicy,
+           serving: bool = True) -> list[str | None]:
+    watch = StageReleaseWatch()
+    return [watch.update(decide_availability(state, policy, serving), policy, serving, now) for now, state in readings]
+
+
+def test_stages_are_given_up_only_after_the_pc_stayed_on_battery_or_hot_for_the_set_time() -> None:
+    policy = AvailabilityPolicy(release_stages_after_s=30.0)
+    plugged, unplugged = reading(on_ac_power=True), reading(on_ac_power=False, battery_percent=41.0)
+    hot = reading(temperatures=(TemperatureReading("coretemp/Package id 0", 97.0),))
+    assert _watch([(0, plugged), (5, unplugged), (20, unplugged), (34, unplugged), (35, unplugged)], policy) == [
+        None, None, None, None, "battery 41%, unplugged for 30 s"]
+    # plugged back in a moment: the clock starts again
+    assert _watch([(0, unplugged), (20, plugged), (25, unplugged), (50, unplugged), (55, unplugged)], policy) == [
+        None, None, None, None, "battery 41%, unplugged for 30 s"]
+    assert _watch([(0, hot), (31, hot)], policy)[-1] == "coretemp/Package id 0 97 °C for 31 s"
+    assert _watch([(0, unplugged), (0, unplugged)], AvailabilityPolicy(release_stages_after_s=0.0))[0] is not None
+
+
+def test_memory_cpu_load_an_idle_agent_or_no_release_time_never_give_stages_up() -> None:
+    # A stage's own memory and its own inference would cross these: the planner leaves such a PC out instead
+    busy = reading(memory_free_bytes=GIB, cpu_load=0.99)
+    policy = AvailabilityPolicy(release_stages_after_s=1.0, max_cpu_load=0.5)
+    assert decide_availability(busy, policy, True).state is AgentState.UNAVAILABLE
+    assert _watch([(0, busy), (100, busy)], policy) == [None, None]
+    unplugged = reading(on_ac_power=False)
+    assert _watch([(0, unplugged), (100, unplugged)], policy, serving=False) == [None, None]
+    assert _watch([(0, unplugged), (100, unplugged)], AvailabilityPolicy(release_stages_after_s=None)) == [None, None]
