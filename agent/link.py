@@ -182,7 +182,9 @@ async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, po
 
     `enrollment` (the controller only): a client that presents NO certificate is handed, raw, to this
     handler, which must speak only the join exchange; a client presenting a certificate that does not
-    chain to the fleet CA still fails the TLS handshake. The returned server is an async context manager.
+    chain to the fleet CA still fails the TLS handshake. Such a port reads frames of at most
+    ENROLLMENT_MAX_FRAME_BYTES from every client, members too (they only say Hello and Register there).
+    The returned server is an async context manager.
     """
     own = files.own_identity()
     ca_certificate = files.ca_certificate()
@@ -193,8 +195,6 @@ async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, po
 
     def check_peer(connection: ServerConnection, request: Request) -> Response | None:
         if enrollment is not None and not _has_peer_certificate(connection):
-            # websockets reads this limit before each frame: set before the handshake, it holds from the first
-            connection.protocol.max_message_size = ENROLLMENT_MAX_FRAME_BYTES
             return None
         try:
             peer_identity(connection, ca_certificate, revocations())
@@ -226,7 +226,7 @@ async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, po
         await handler(link)
 
     return await serve(on_connection, host, port, ssl=context, process_request=check_peer,
-                       **websocket_options())
+                       **_server_websocket_options(takes_enrollment=enrollment is not None))
 
 
 def peer_identity(connection: Connection, ca_certificate: x509.Certificate,
@@ -289,6 +289,17 @@ def websocket_options() -> WebsocketOptions:
     """Options every fleet websocket uses, enrollment included: frames up to the codec's limit, pings."""
     return WebsocketOptions(max_size=DEFAULT_LIMITS.max_frame_bytes, ping_interval=PING_INTERVAL_S,
                             ping_timeout=PING_TIMEOUT_S, close_timeout=CLOSE_TIMEOUT_S, compression=None)
+
+
+def _server_websocket_options(takes_enrollment: bool) -> WebsocketOptions:
+    """A port that takes enrollment limits frames from the connection's first byte: websockets parses a frame
+    sent right behind the upgrade request before process_request sees the client, so a limit lowered there
+    let a stranger's pipelined frame of up to the codec's limit (320 MB) into memory. Its members send only
+    Hello and Register, which the controller reads; nothing else it would ever read could wait in memory."""
+    options = websocket_options()
+    if takes_enrollment:
+        options["max_size"] = ENROLLMENT_MAX_FRAME_BYTES
+    return options
 
 
 async def _exchange_hello(link: Link, own: pki.PeerIdentity, expect_first: bool) -> None:
