@@ -289,7 +289,8 @@ def test_prompt_lookup_sampling_draws_from_the_target_distribution(
     requests = [StreamRequest(prompt, max_new_tokens=3, ignore_eos=True, sampling=params, seed=seed)
                 for seed in range(total)]
     # Lookup first with a draft model beside it: copied rows carry a one-hot q, drafted rows the model's.
-    for drafter in (PromptLookupDraft(), LookupFirstDraft(DraftModel(near_draft, F32), min_ngram=1)):
+    # One-token matches (not the default) so that most rounds propose
+    for drafter in (PromptLookupDraft(min_ngram=1), LookupFirstDraft(DraftModel(near_draft, F32), min_ngram=1)):
         histogram: Counter[int] = Counter()
         tokens = run_streams(target, requests, 1, drafter, EngineOptions(max_rows=16, fixed_k=2), histogram=histogram)
         statistic, degrees = _chi_square(Counter(tuple(row) for row in tokens), joint, total)

@@ -15,16 +15,17 @@ def test_the_longest_suffix_picks_the_continuation() -> None:
     # "7 8" occurred before followed by 9 10; "8" alone occurred later followed by 5: the longer match wins.
     context = [7, 8, 9, 10, 8, 5, 6, 7, 8]
     assert lookup_continuation(context, 2) == [9, 10]
-    assert lookup_continuation(context, 2, max_ngram=1) == [5, 6]
+    assert lookup_continuation(context, 2, max_ngram=1, min_ngram=1) == [5, 6]
 
 
 def test_the_most_recent_occurrence_wins() -> None:
-    assert lookup_continuation([3, 1, 3, 2, 3], 1) == [2]
+    assert lookup_continuation([3, 1, 3, 2, 3], 1, min_ngram=1) == [2]
+    assert lookup_continuation([3, 1, 3, 2, 3, 1, 3, 2, 3], 1) == [1]
 
 
 def test_a_copy_that_reaches_the_end_repeats_the_period() -> None:
     assert lookup_continuation([1, 2, 3, 1, 2, 3, 1, 2], 5) == [3, 1, 2, 3, 1]
-    assert lookup_continuation([4, 4], 3) == [4, 4, 4]
+    assert lookup_continuation([4, 4], 3, min_ngram=1) == [4, 4, 4]
 
 
 @pytest.mark.parametrize("context", [[], [5], [1, 2, 3, 4]])
@@ -35,7 +36,8 @@ def test_no_earlier_occurrence_no_proposal(context: list[int]) -> None:
 def test_k_and_ngram_bounds() -> None:
     assert lookup_continuation([1, 2, 1, 2], 0) == []
     assert lookup_continuation([9, 1, 2, 9, 1, 2], 2, max_ngram=3, min_ngram=3) == [9, 1]
-    assert lookup_continuation([5, 1, 2, 7, 2], 2, min_ngram=2) == []  # only a 1-token match exists
+    assert lookup_continuation([5, 1, 2, 7, 2], 2) == []  # only a 1-token match, a guess: none by default
+    assert lookup_continuation([5, 1, 2, 7, 2], 2, min_ngram=1) == [7, 2]
     with pytest.raises(ValueError, match="n-gram"):
         lookup_continuation([1, 2], 1, max_ngram=1, min_ngram=2)
     with pytest.raises(ValueError, match="n-gram"):
