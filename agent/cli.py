@@ -1,6 +1,6 @@
 """`deskfleet-agent`: join a fleet, or run the agent core headless. Parsing and dispatch only.
 
-    deskfleet-agent join TOKEN [--data-dir D]
+    deskfleet-agent join TOKEN|- [--data-dir D]
     deskfleet-agent --headless [--data-dir D] [--listen HOST:PORT]
 """
 
@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="address to accept fleet links on (default: the settings file's)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     join = commands.add_parser("join", help="enroll this PC with a join token from the fleet's admin")
-    join.add_argument("token", help="the token printed by `deskfleet fleet token`")
+    join.add_argument("token", help="the token printed by `deskfleet fleet token`; - reads it from standard "
+                                    "input (a token on the command line shows in the process list and history)")
     join.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS, help="as above")
     join.add_argument("--hostname", default=None, help="name to show the admin (default: this PC's)")
     return parser
@@ -71,12 +72,24 @@ def _join(args: argparse.Namespace) -> int:
     from deskfleet.agent.paths import AgentPaths
     from deskfleet.common import event_loop
 
+    token = _token_from_stdin() if args.token == "-" else args.token
     paths = AgentPaths.resolve(args.data_dir)
     paths.create()
-    membership = event_loop.run(join(args.token, paths.state_dir, args.hostname))
+    membership = event_loop.run(join(token, paths.state_dir, args.hostname))
     print(f"joined fleet {membership.fleet_id} as agent {membership.agent_id}")
     print(f"start it with: deskfleet-agent --headless{_data_dir_flag(args.data_dir)}")
     return 0
+
+
+def _token_from_stdin() -> str:
+    """The join token from standard input: its first line, without surrounding blanks."""
+    from deskfleet.common.join_tokens import JoinTokenError
+
+    token = sys.stdin.readline(1 << 16).strip()
+    if not token:
+        raise JoinTokenError("no join token on standard input (give it as `deskfleet-agent join -` reads it: "
+                             "one line, e.g. from a file with `< token.txt`)")
+    return token
 
 
 def _run_on_jemalloc(args: argparse.Namespace) -> None:

@@ -1,0 +1,34 @@
+"""`deskfleet-agent join -` reads the token from standard input (a token on the command line shows in the
+process list and the shell's history); nothing there is an error that says how to give it."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent import cli, enroll
+
+
+def test_join_dash_reads_the_token_from_standard_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    used: list[str] = []
+
+    async def fake_join(token_text: str, state_dir: Path, hostname: str | None = None) -> enroll.Membership:
+        used.append(token_text)
+        raise enroll.EnrollmentError("controller unreachable (test)")
+
+    monkeypatch.setattr(enroll, "join", fake_join)
+    monkeypatch.setattr("sys.stdin", io.StringIO("  dfj1.secret-token  \nignored second line\n"))
+    assert cli.main(["--data-dir", str(tmp_path), "join", "-"]) == 2
+    assert used == ["dfj1.secret-token"]
+    assert "controller unreachable (test)" in capsys.readouterr().err
+
+
+def test_join_dash_with_nothing_on_standard_input_says_how_to_give_it(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n"))
+    assert cli.main(["--data-dir", str(tmp_path), "join", "-"]) == 2
+    assert "no join token on standard input" in capsys.readouterr().err
