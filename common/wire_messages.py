@@ -115,6 +115,7 @@ class Precision(str, Enum):
     F32 = "f32"  # INFERENCE_PRECISION_HINT=f32 and KV_CACHE_PRECISION=f32
 
 
+MAX_LISTEN_ADDRESSES = 16  # a Register's addresses
 KV_CACHE_PRECISIONS = ("u8", "f16", "bf16", "f32")  # what OpenVINO's KV_CACHE_PRECISION takes
 
 
@@ -538,6 +539,9 @@ class Register:
 
     def __post_init__(self) -> None:
         _require(is_agent_id(self.agent_id), "register agent_id is not an agent id")
+        # the controller dials every one: a PC has a few interfaces, not thousands
+        _require(len(self.listen_addresses) <= MAX_LISTEN_ADDRESSES,
+                 f"register lists {len(self.listen_addresses)} addresses, more than {MAX_LISTEN_ADDRESSES}")
         for address in self.listen_addresses:
             parse_address(address)
 

@@ -179,3 +179,11 @@ def test_reported_text_with_a_lone_surrogate_travels_escaped_and_other_text_is_r
     assert same_message(decode(encode(Error(ErrorCode.INTERNAL, "café 𝄞"))), Error(ErrorCode.INTERNAL, "café 𝄞"))
 
 
+
+
+def test_a_register_of_more_addresses_than_a_pc_has_is_refused() -> None:
+    # the controller dials every address a Register lists: thousands of them would be thousands of dials
+    addresses = tuple(f"10.0.{index // 250}.{index % 250 + 1}:7431" for index in range(17))
+    Register(AGENT, addresses[:16])
+    with pytest.raises(ProtocolError, match="register lists 17 addresses, more than 16"):
+        Register(AGENT, addresses)
