@@ -29,6 +29,8 @@ from deskfleet.controller.registry import DiscoverySource, Registry, Sighting
 log = logging.getLogger(__name__)
 
 STATUS_TIMEOUT_S = 5.0
+MAX_ADDRESSES_PER_AGENT = 16  # dialled per agent: those an authenticated source gave first
+MAX_DIALS_AT_ONCE = 64  # links being opened at a time, whatever the announcements claim
 
 
 @dataclass(frozen=True)
@@ -85,13 +87,9 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
         sources.append(ZeroconfDiscovery(registry, fleet, interfaces, resolve_timeout_ms))
     await _run_for(sources, options.discover_seconds if len(sources) > 1 else 0.0)
 
-    targets: list[tuple[str | None, tuple[str, ...], tuple[str, ...]]] = []
-    for entry in registry.entries():
-        if revocations().is_revoked(entry.agent_id):
-            continue
-        targets.append((entry.agent_id, entry.addresses, tuple(sorted(s.value for s in entry.sources))))
-    targets += [(None, (address,), (DiscoverySource.MANUAL.value,)) for address in registry.dial_targets()]
-    results = await asyncio.gather(*(_ask_at_any(store, revocations, target_id, addresses)
+    targets = survey_targets(registry, set(roster), revocations())
+    dials = asyncio.Semaphore(MAX_DIALS_AT_ONCE)
+    results = await asyncio.gather(*(_ask_at_any(store, revocations, target_id, addresses, dials)
                                      for target_id, addresses, _ in targets))
 
     found = Survey([], {})
@@ -105,6 +103,29 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
         hostname = roster[known_id].hostname if known_id is not None and known_id in roster else "?"
         found.agents.append(AgentView(known_id, hostname, address, source_names, report, problem))
     return found
+
+
+def survey_targets(registry: Registry, enrolled: set[str], revoked: pki.RevocationSet
+                   ) -> list[tuple[str | None, tuple[str, ...], tuple[str, ...]]]:
+    """(agent id or None for a manual address, the addresses to dial, the sources' names) of every agent
+    worth dialling. An agent id only mDNS announced and this controller never enrolled is left out: every
+    member joined through it, and anyone on the LAN can announce ids by the thousand to make a survey dial
+    them all (and run out of file handles) before the real agents. Each agent is dialled at no more than
+    MAX_ADDRESSES_PER_AGENT addresses, those its own registration gave first."""
+    targets: list[tuple[str | None, tuple[str, ...], tuple[str, ...]]] = []
+    strangers = 0
+    for entry in registry.entries():
+        if revoked.is_revoked(entry.agent_id):
+            continue
+        if entry.agent_id not in enrolled and entry.sources <= {DiscoverySource.MDNS}:
+            strangers += 1
+            continue
+        targets.append((entry.agent_id, entry.addresses[:MAX_ADDRESSES_PER_AGENT],
+                        tuple(sorted(source.value for source in entry.sources))))
+    if strangers:
+        log.warning("ignored mDNS announcements of %d agent id(s) this controller never enrolled", strangers)
+    targets += [(None, (address,), (DiscoverySource.MANUAL.value,)) for address in registry.dial_targets()]
+    return targets
 
 
 # Private functions
@@ -123,13 +144,15 @@ async def _run_for(sources: list[Discovery], seconds: float) -> None:
 
 
 async def _ask_at_any(store: FleetStore, revocations: Revocations, agent_id: str | None,
-                      addresses: tuple[str, ...]) -> tuple[str, Link | None, StatusReport | None, str | None]:
+                      addresses: tuple[str, ...], dials: asyncio.Semaphore
+                      ) -> tuple[str, Link | None, StatusReport | None, str | None]:
     """Ask the agent at all of `addresses` at once: (the first address to answer, its link, its report,
     None), or (the first address, None, None, every address's problem) when none did. TLS pins the agent's
     id, so any answer is its own; asking in turn made a stale registered address (a PC that changed IP)
     cost the whole open timeout before its live mDNS address was tried."""
     async def ask(address: str) -> tuple[str, Link | None, StatusReport | None, str | None]:
-        return address, *await _ask(store, revocations, agent_id, address)
+        async with dials:
+            return address, *await _ask(store, revocations, agent_id, address)
 
     tasks = [asyncio.ensure_future(ask(address)) for address in addresses]
     problems: dict[str, str] = {}

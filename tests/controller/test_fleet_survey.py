@@ -10,6 +10,7 @@ import asyncio
 import random
 import socket
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -22,9 +23,10 @@ from deskfleet.common import pki
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.discovery_record import AgentRecord
 from deskfleet.controller import fleet_survey
-from deskfleet.controller.fleet_ca import init_fleet, load_ca
+from deskfleet.controller.fleet_ca import Revocations, init_fleet, load_ca
 from deskfleet.controller.fleet_store import FleetStore, RosterEntry
 from deskfleet.controller.fleet_survey import SurveyOptions, survey
+from deskfleet.controller.registry import DiscoverySource, Registry, Sighting
 from tests.agent.test_core import FakeMonitor
 from tests.fleet_pki import make_member
 
@@ -126,3 +128,59 @@ def test_a_stale_registered_address_that_never_answers_does_not_delay_the_live_o
     [agent] = found.agents
     assert agent.report is not None and agent.address == live
     assert took < 3.0, f"the survey took {took:.1f} s"
+
+
+def _agent_id(seed: int) -> str:
+    generator = random.Random(seed)
+    return "".join(generator.choice("abcdefghijklmnopqrstuvwxyz234567") for _ in range(52))
+
+
+def test_announced_ids_never_enrolled_are_not_dialled_and_an_agent_gets_at_most_16_addresses(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Anyone on the LAN can announce agent ids by the thousand: dialled, they would use up the file handles
+    # before the real agents answered. Every member joined through this controller, so its roster knows it.
+    member, removed = _agent_id(1), _agent_id(2)
+    registry = Registry()
+    registry.observe(Sighting(member, ("10.0.0.5:7431",), DiscoverySource.REGISTRATION))
+    flood = tuple(f"10.9.{index // 200}.{index % 200 + 1}:7431" for index in range(40))
+    registry.observe(Sighting(member, flood, DiscoverySource.MDNS))  # its id announced at 40 fake addresses
+    strangers = [_agent_id(100 + index) for index in range(300)]
+    for stranger in strangers:
+        registry.observe(Sighting(stranger, ("10.9.9.9:7431",), DiscoverySource.MDNS))
+    registry.observe(Sighting(removed, ("10.0.0.6:7431",), DiscoverySource.REGISTRATION))
+    registry.add_dial_targets(["10.0.0.7:7431"])
+    enrolled = {member, removed, strangers[0]}  # an enrolled agent found by mDNS alone is still dialled
+    targets = fleet_survey.survey_targets(registry, enrolled, pki.RevocationSet(frozenset({removed})))
+    by_id = {agent_id: (addresses, sources) for agent_id, addresses, sources in targets}
+    assert set(by_id) == {member, strangers[0], None}
+    addresses, sources = by_id[member]
+    assert len(addresses) == 16 and addresses[0] == "10.0.0.5:7431"  # its registration's address first
+    assert sources == ("mdns", "registration")
+    assert by_id[None] == (("10.0.0.7:7431",), ("manual",))
+    assert "ignored mDNS announcements of 299 agent id(s) this controller never enrolled" in caplog.text
+
+
+def test_no_more_than_64_links_are_being_opened_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    opening = 0
+    most = 0
+
+    async def slow_ask(store: object, revocations: object, agent_id: str | None,
+                       address: str) -> tuple[None, None, str]:
+        nonlocal opening, most
+        opening += 1
+        most = max(most, opening)
+        await asyncio.sleep(0.01)
+        opening -= 1
+        return None, None, f"cannot reach {address}"
+
+    monkeypatch.setattr(fleet_survey, "_ask", slow_ask)
+
+    async def scenario() -> None:
+        dials = asyncio.Semaphore(fleet_survey.MAX_DIALS_AT_ONCE)
+        await asyncio.gather(*(fleet_survey._ask_at_any(cast(FleetStore, None), cast(Revocations, None),
+                                                        _agent_id(index), (f"10.1.0.{index}:7431",
+                                                                           f"10.2.0.{index}:7431"), dials)
+                               for index in range(100)))
+
+    asyncio.run(scenario())
+    assert most == fleet_survey.MAX_DIALS_AT_ONCE == 64
