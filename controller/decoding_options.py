@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from deskfleet.agent.stage import CompileSettings
+from deskfleet.common.model_spec import ModelSpec
 from deskfleet.common.speculative import SamplingParams
 
 from .draft import Drafter, open_drafter, target_settings
@@ -73,8 +74,10 @@ class DecodingOptions:
         """The settings to compile the target (and the draft model) with: those for drafting when it drafts."""
         return target_settings(self.settings, self.draft, self.prompt_lookup)
 
-    def open_drafter(self, settings: CompileSettings) -> Drafter | None:
-        return open_drafter(self.draft, self.prompt_lookup, settings)
+    def open_drafter(self, settings: CompileSettings, target: ModelSpec | None = None) -> Drafter | None:
+        """The drafter asked for; with `target`, a draft model that cannot draft for it is refused before
+        it compiles."""
+        return open_drafter(self.draft, self.prompt_lookup, settings, target)
 
     def engine_options(self, micro_batches: int, **more: Any) -> EngineOptions:
         k_max = self.k_max if self.k_max is not None else DEFAULT_K_MAX

@@ -223,10 +223,15 @@ def target_settings(settings: CompileSettings, draft: Path | None, prompt_lookup
     return settings.for_drafting() if draft is not None or prompt_lookup else settings
 
 
-def open_drafter(draft: Path | None, prompt_lookup: bool,
-                 settings: CompileSettings | None = None) -> Drafter | None:
+def open_drafter(draft: Path | None, prompt_lookup: bool, settings: CompileSettings | None = None,
+                 target: ModelSpec | None = None) -> Drafter | None:
     """The drafter a command asked for: a draft model's export folder, prompt lookup, both (prompt lookup
-    first, the draft model where the context has no match: controller/lookup_first.py), or none."""
+    first, the draft model where the context has no match: controller/lookup_first.py), or none.
+
+    With `target`, a draft model that cannot draft for it is refused (ValueError) from its manifest, before
+    it compiles."""
+    if draft is not None and target is not None:
+        check_draft_spec(load_manifest(Path(draft)).spec, target)
     if prompt_lookup:
         from .prompt_lookup import PromptLookupDraft
 

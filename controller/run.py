@@ -14,7 +14,7 @@ from deskfleet.common.model_spec import load_manifest
 from .decoding_options import DecodingOptions
 from .engine import Engine, Recover, StageChain, StreamRequest
 from .generation import GenerationError, check_request
-from .pipeline import LocalPipeline
+from .pipeline import LocalPipeline, split_layers
 from .text_printer import TextPrinter
 from .tokenizer import ChatMessage, ChatTemplateError, ModelTokenizer, check_utf8
 
@@ -109,9 +109,11 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
             check_request(manifest.spec, prompt, options.max_new_tokens)
         except GenerationError as error:
             raise GenerationError(f"{what}: {error}") from None
+    if chain is None:  # before anything compiles, the draft model included
+        split_layers(manifest.spec.num_layers, options.stages)
     sampling = options.sampling()
     settings = options.target_settings()
-    draft = options.open_drafter(settings)
+    draft = options.open_drafter(settings, manifest.spec)
     stages = chain_stages or options.stages
     engine_options = options.engine_options(options.micro_batches or stages, max_rows=options.max_rows)
     printer = TextPrinter(tokenizer, sys.stdout) if stream_text and len(prompts) == 1 else None
