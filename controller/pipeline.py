@@ -75,13 +75,21 @@ class _StageWorker(threading.Thread):
     def run(self) -> None:
         while (message := self.inbox.get()) is not _STOP:
             if isinstance(message, _Release):
-                self.executor.release(message.batch_id)
-                self.outbox.put(message)
+                self._release(message)
             elif isinstance(message, _Failure):
                 self.outbox.put(message)
             elif isinstance(message, Forward):
                 self._step(message)
         self.outbox.put(_STOP)
+
+    def _release(self, message: _Release) -> None:
+        """Free the micro-batch's state. A failure is logged, never raised: it would end this worker, and
+        every later step of every micro-batch would wait for it forever."""
+        try:
+            self.executor.release(message.batch_id)
+        except Exception:
+            log.exception("stage %d could not release micro-batch %d", self.index, message.batch_id)
+        self.outbox.put(message)
 
     def _step(self, message: Forward) -> None:
         try:
