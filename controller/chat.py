@@ -109,7 +109,7 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
     system = [ChatMessage("system", options.system)] if options.system else []
     _check_room(tokenizer, system, options.max_new_tokens, manifest.spec.max_context)
     settings = options.target_settings()
-    draft = options.open_drafter(settings)
+    draft = options.open_drafter(settings, manifest.spec)  # a draft that cannot draft for it: refused now
     sampling = options.sampling()
     turns: list[ChatMessage] = []  # user and assistant messages, alternating
     replies = 0
