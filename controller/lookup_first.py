@@ -85,6 +85,11 @@ class LookupFirstDraft:
             proposal = self.model.propose(micro_batch_id, drafted)
             tokens.update(proposal.tokens)
             probs.update(proposal.probs)
+        sampled_copies = any(row.sampling is not None for row in rows if row.stream_id in copied)
+        if sampled_copies and not probs:
+            # every sampled row was copied, so every q is one-hot: the last stage builds them itself, and no
+            # [rows, K, vocabulary] tensor travels with the step (8 rows, K=8, 32k words: 8 MB a hop)
+            return Proposal(tokens=tokens, probs={}, seconds=time.perf_counter() - started, one_hot=True)
         vocab = self.model.spec.vocab_size
         for row in rows:
             if row.stream_id in copied and row.sampling is not None:  # q one-hot at each copied token

@@ -61,14 +61,30 @@ def test_the_draft_model_catches_up_after_copied_rounds(tiny_export: Path) -> No
         assert proposal.tokens[stream] == _reference(tiny_export, contexts[stream], 4), f"stream {stream}"
 
 
-def test_a_copied_sampled_row_gets_a_one_hot_q(tiny_export: Path) -> None:
+def test_a_copied_sampled_row_beside_a_drafted_one_gets_a_one_hot_q(tiny_export: Path) -> None:
     drafter = LookupFirstDraft(DraftModel(tiny_export, F32))
     drafter.prefill(0, 7, REPEATING[:-1])
-    proposal = drafter.propose(0, [DraftRow(7, REPEATING, 3, SamplingParams(temperature=1.0), 5)])
+    drafter.prefill(1, 8, FRESH[:-1])
+    drafter.merge(0, 8, 1)
+    sampled = SamplingParams(temperature=1.0)
+    proposal = drafter.propose(0, [DraftRow(7, REPEATING, 3, sampled, 5), DraftRow(8, FRESH, 3, sampled, 6)])
     q = proposal.probs[7]
     vocab = drafter.model.spec.vocab_size
     assert q.shape == (3, vocab) and q.dtype == np.float32
     assert [int(index) for index in q.argmax(axis=1)] == [42, 43, 9] and np.all(q.sum(axis=1) == 1.0)
+    assert proposal.probs[8].shape == (3, vocab) and not proposal.one_hot  # the drafted row's own q
+
+
+def test_a_round_whose_sampled_rows_were_all_copied_sends_no_distributions(tiny_export: Path) -> None:
+    # Every q is one-hot then: the last stage builds them (as for prompt lookup), no [B, K, V] tensor travels
+    drafter = LookupFirstDraft(DraftModel(tiny_export, F32))
+    drafter.prefill(0, 7, REPEATING[:-1])
+    drafter.prefill(1, 8, FRESH[:-1])
+    drafter.merge(0, 8, 1)
+    proposal = drafter.propose(0, [DraftRow(7, REPEATING, 3, SamplingParams(temperature=1.0), 5),
+                                   DraftRow(8, FRESH, 3, None, 0)])  # a greedy row drafted beside it
+    assert proposal.one_hot and proposal.probs == {}
+    assert proposal.tokens[7] == [42, 43, 9] and len(proposal.tokens[8]) == 3
 
 
 def test_rows_must_belong_to_the_micro_batch(tiny_export: Path) -> None:
