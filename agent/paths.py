@@ -120,7 +120,7 @@ class AgentSettings:
             raise SettingsError(f"{source} is not valid JSON: nested too deeply") from None
         if not isinstance(body, dict):
             raise SettingsError(f"{source} must hold a JSON object")
-        version = body.pop("format_version", None)
+        version = body.pop("format_version", SETTINGS_FORMAT)  # a file an admin wrote by hand may leave it out
         if type(version) is not int or version != SETTINGS_FORMAT:
             raise SettingsError(f"{source} has format_version {version!r}; this agent reads {SETTINGS_FORMAT}")
         thresholds = Thresholds(**_checked(Thresholds, body.pop("thresholds", {}), f"{source}: thresholds"))

@@ -153,3 +153,10 @@ def test_a_device_openvino_would_not_read_is_refused_by_name(tmp_path: Path, dev
     with pytest.raises(SettingsError, match=f"{path}: device: ") as caught:
         load_settings(path)
     assert repr(device) in str(caught.value)
+
+
+def test_a_hand_written_file_may_leave_the_format_version_out() -> None:
+    # README lists every field as optional; an admin writing {"device": "GPU"} got "format_version None"
+    settings = AgentSettings.from_json('{"device": "GPU", "thresholds": {"release_stages_after_s": 60}}')
+    assert settings.device == "GPU" and settings.thresholds.release_stages_after_s == 60
+    assert settings.thresholds.max_temperature_c == 90.0  # the rest are the defaults
