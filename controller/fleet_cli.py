@@ -2,7 +2,7 @@
 
     fleet init [--name N] [--address HOST:PORT]...      make the fleet CA and the controller certificate
     fleet token [--ttl 24h] [--uses N]                   print a join token for `deskfleet-agent join`
-    fleet remove AGENT                                   revoke an agent (id, id prefix or hostname)
+    fleet remove AGENT                                   revoke an agent (id, id prefix of 4+ or hostname)
     fleet serve [--listen HOST:PORT]                     enrollment + registration endpoint (keep running)
     fleet ls                                             agents, states and stages
     fleet plan --model DIR | --layers N --layer-bytes B  the split, and why agents were left out
@@ -24,6 +24,7 @@ from deskfleet.common import event_loop
 from deskfleet.common.planner import PlanPolicy
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.decoding_options import byte_count, positive_int
+from deskfleet.controller.fleet_store import MIN_ID_PREFIX
 
 _POLICIES = [policy.value for policy in PlanPolicy]
 _MAX_BROWSE_S = 600.0
@@ -57,7 +58,8 @@ def add_fleet_commands(subparsers: Any) -> None:
     token.set_defaults(handler=_token)
 
     remove = command("remove", "remove an agent from the fleet (revokes its certificate)")
-    remove.add_argument("agent", help="agent id, a unique prefix of it, or its hostname")
+    remove.add_argument("agent", help=f"agent id, a unique prefix of it (at least {MIN_ID_PREFIX} characters), "
+                                      "or its hostname")
     remove.set_defaults(handler=_remove)
 
     serve = command("serve", "run the enrollment and registration endpoint")
@@ -144,10 +146,20 @@ def _token(args: argparse.Namespace) -> int:
 
 
 def _remove(args: argparse.Namespace) -> int:
-    from deskfleet.controller.fleet_ca import remove_agent
+    from deskfleet.common.pki import PkiError
+    from deskfleet.controller.fleet_ca import Revocations, remove_agent
 
-    agent_id = remove_agent(_store(args), args.agent)
-    print(f"removed agent {agent_id}: it is refused from now on")
+    store = _store(args)
+    store.require_initialised()
+    try:
+        removed_before = Revocations(store)().agent_ids
+    except PkiError:  # the list is lost or damaged: remove_agent names the file and how to restore it
+        removed_before = frozenset()
+    agent_id = remove_agent(store, args.agent)
+    if agent_id in removed_before:
+        print(f"agent {agent_id} was already removed: it stays refused")
+    else:
+        print(f"removed agent {agent_id}: it is refused from now on")
     return 0
 
 

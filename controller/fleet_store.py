@@ -44,6 +44,7 @@ ENV_DATA_DIR = "DESKFLEET_CONTROLLER_DIR"
 STORE_FORMAT = 1
 DEPLOY_LOCK = ".deploy.lock"
 DEFAULT_PORT = 7341
+MIN_ID_PREFIX = 4  # characters of an agent id that `fleet remove` takes as a prefix of it
 # What `fleet init` writes (deployments.json comes later); .lock and .deploy.lock are not: commands make them.
 PEM_FILES = ("ca.pem", "ca-key.pem", "controller.pem", "controller-key.pem")
 STORE_FILES = (*PEM_FILES, "fleet.json", "tokens.json", "revoked.json", "agents.json", "deployments.json")
@@ -203,19 +204,23 @@ class FleetStore:
                               for agent_id, entry in sorted(entries.items())})
 
     def resolve_agent(self, name: str) -> str:
-        """An agent id from a full id, a unique id prefix (>= 4 characters) or a unique hostname."""
+        """An agent id from a full id, a unique id prefix (>= MIN_ID_PREFIX characters) or a unique hostname."""
         roster = self.roster()
         if name in roster:
             return name
         matches = {agent_id for agent_id, entry in roster.items()
-                   if (len(name) >= 4 and agent_id.startswith(name.lower())) or entry.hostname == name}
+                   if (len(name) >= MIN_ID_PREFIX and agent_id.startswith(name.lower())) or entry.hostname == name}
         if len(matches) == 1:
             return matches.pop()
         if matches:
             raise FleetStoreError(f"{name!r} matches {len(matches)} agents: give more of the agent id")
         if is_agent_id(name):
             return name
-        raise FleetStoreError(f"no enrolled agent has the id or hostname {name!r} (see `deskfleet fleet ls`)")
+        if len(name) < MIN_ID_PREFIX and any(agent_id.startswith(name.lower()) for agent_id in roster):
+            raise FleetStoreError(f"{name!r} is too short for a prefix of an agent id: give at least "
+                                  f"{MIN_ID_PREFIX} characters of the id (see `deskfleet fleet ls`)")
+        raise FleetStoreError(f"no enrolled agent has the id or hostname {name!r} (a prefix of an id needs at least "
+                              f"{MIN_ID_PREFIX} characters; see `deskfleet fleet ls`)")
 
     # Private methods
 
