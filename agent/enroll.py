@@ -68,13 +68,14 @@ class Membership:
         temporary.replace(path)
 
     @classmethod
-    def load(cls, state_dir: Path) -> Membership:
+    def load(cls, state_dir: Path, join_command: str = "deskfleet-agent join TOKEN") -> Membership:
+        """The membership saved in `state_dir`; EnrollmentError saying to run `join_command` when not joined."""
         path = state_dir / MEMBERSHIP_FILE
         try:
             body = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise EnrollmentError(f"this agent has not joined a fleet ({path} is missing): run "
-                                  "`deskfleet-agent join TOKEN` first") from None
+                                  f"`{join_command}` first") from None
         except (OSError, ValueError) as error:
             raise EnrollmentError(f"{path} is unreadable: {error}") from None
         try:

@@ -87,7 +87,11 @@ class TlsFiles:
         return cls(folder / "ca.pem", folder / f"{name}.pem", folder / f"{name}-key.pem")
 
     def exist(self) -> bool:
-        return self.ca_path.is_file() and self.cert_path.is_file() and self.key_path.is_file()
+        return not self.missing()
+
+    def missing(self) -> list[Path]:
+        """The credential files that are not there."""
+        return [path for path in (self.ca_path, self.cert_path, self.key_path) if not path.is_file()]
 
     def ca_certificate(self) -> x509.Certificate:
         with self._naming(self.ca_path):

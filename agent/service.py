@@ -58,10 +58,12 @@ class AgentService:
         self.paths = AgentPaths.resolve(options.data_dir)
         self.paths.create()
         self.settings: AgentSettings = load_settings(self.paths.settings_file)
-        self.membership = Membership.load(self.paths.state_dir)
+        join = "deskfleet-agent join TOKEN" + (f" --data-dir {options.data_dir}" if options.data_dir else "")
+        self.membership = Membership.load(self.paths.state_dir, join)
         self.files = agent_tls_files(self.paths.state_dir)
-        if not self.files.exist():
-            raise EnrollmentError(f"{self.paths.state_dir} lacks the agent's certificate: join again")
+        if missing := self.files.missing():
+            raise EnrollmentError(f"{', '.join(str(path) for path in missing)} missing: this PC's fleet credentials "
+                                  f"are incomplete; join again with a new token: `{join}`")
         self.listen = options.listen or self.settings.listen_address
         parse_address(self.listen)
         self.core = AgentCore(self.files, self.settings,

@@ -167,3 +167,21 @@ def test_the_limits_are_checked_again_after_a_sensor_read_fails(monkeypatch: pyt
 
     asyncio.run(scenario())
     assert len(calls) >= 4
+
+
+def test_an_agent_not_joined_or_missing_a_credential_says_which_file_and_how_to_join(tmp_path: Path) -> None:
+    from deskfleet.agent.enroll import EnrollmentError, Membership
+    from deskfleet.agent.paths import AgentPaths
+    from deskfleet.agent.service import AgentOptions
+    from tests.fleet_pki import make_ca, make_member
+
+    with pytest.raises(EnrollmentError, match=f"has not joined a fleet .*`deskfleet-agent join TOKEN --data-dir "
+                                              f"{tmp_path}` first"):
+        AgentService(AgentOptions(tmp_path))
+    state = AgentPaths.resolve(tmp_path).state_dir
+    files = make_member(make_ca(tmp_path / "ca"), state, "agent")
+    Membership("0123456789abcdef", files.own_identity().agent_id, "c" * 52, ("127.0.0.1:7341",)).save(state)
+    files.key_path.unlink()  # lost: the certificate alone cannot prove who this PC is
+    with pytest.raises(EnrollmentError, match=f"{files.key_path} missing: .* join again with a new token: "
+                                              f"`deskfleet-agent join TOKEN --data-dir {tmp_path}`"):
+        AgentService(AgentOptions(tmp_path))
