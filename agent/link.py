@@ -74,6 +74,14 @@ class LinkError(ConnectionError):
     """The link failed or was refused; the message names the peer and the reason."""
 
 
+class LinkRefused(LinkError):
+    """The peer answered the upgrade with an HTTP error: `status` (403: this member was removed)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 @dataclass(frozen=True)
 class TlsFiles:
     """Where one fleet member keeps its credentials (PEM files; the key readable by the owner only)."""
@@ -260,8 +268,9 @@ async def open_link(address: str, files: TlsFiles, expected_agent_id: str | None
         connection = await connect(uri, ssl=context, server_hostname=expected_agent_id or host,
                                    open_timeout=OPEN_TIMEOUT_S, **websocket_options())
     except InvalidStatus as error:
-        raise LinkError(f"{address} refused the link: HTTP {error.response.status_code} "
-                        f"{error.response.body.decode('utf-8', 'replace').strip()}") from None
+        raise LinkRefused(f"{address} refused the link: HTTP {error.response.status_code} "
+                          f"{error.response.body.decode('utf-8', 'replace').strip()}",
+                          error.response.status_code) from None
     except (OSError, TimeoutError, InvalidHandshake, ssl.SSLError) as error:
         raise LinkError(f"cannot reach {address}: {error or type(error).__name__}") from None
     try:

@@ -18,12 +18,13 @@ import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from http import HTTPStatus
 from pathlib import Path
 
 from deskfleet.agent.advertise import Advertiser, interface_addresses
 from deskfleet.agent.core import AgentCore
 from deskfleet.agent.enroll import EnrollmentError, Membership, agent_tls_files
-from deskfleet.agent.link import Link, LinkError, open_link, start_server
+from deskfleet.agent.link import Link, LinkError, LinkRefused, open_link, start_server
 from deskfleet.agent.monitor import HostMonitor, SystemMonitor
 from deskfleet.agent.paths import AgentPaths, AgentSettings, device_targets, load_settings
 from deskfleet.agent.shard_cache import ShardCache
@@ -202,13 +203,24 @@ class AgentService:
 
     async def _register_forever(self) -> None:
         delay = RETRY_MIN_S
+        told_removed = False
         while True:
             for address in self.membership.controller_addresses:
                 try:
                     link = await open_link(address, self.files, expected_agent_id=self.membership.controller_id)
+                except LinkRefused as error:
+                    if error.status == HTTPStatus.FORBIDDEN and not told_removed:  # said once, not every retry
+                        told_removed = True
+                        log.error("the controller refuses this PC (%s): it was removed from the fleet and serves no "
+                                  "one; to serve again, delete %s and join with a new token", error,
+                                  self.files.key_path)
+                    elif error.status != HTTPStatus.FORBIDDEN:
+                        log.warning("cannot register with the controller: %s", error)
+                    continue
                 except LinkError as error:
                     log.warning("cannot register with the controller: %s", error)
                     continue
+                told_removed = False
                 started = time.monotonic()
                 await self._registered(link)
                 if time.monotonic() - started >= REGISTERED_STABLE_S:

@@ -185,3 +185,30 @@ def test_an_agent_not_joined_or_missing_a_credential_says_which_file_and_how_to_
     with pytest.raises(EnrollmentError, match=f"{files.key_path} missing: .* join again with a new token: "
                                               f"`deskfleet-agent join TOKEN --data-dir {tmp_path}`"):
         AgentService(AgentOptions(tmp_path))
+
+
+def test_a_removed_pc_is_told_once_what_happened_and_how_to_serve_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # It retried registration every 30 s forever, logging only "cannot register ... HTTP 403"
+    from deskfleet.agent.link import LinkRefused
+
+    async def refused(*args: object, **kwargs: object) -> object:
+        raise LinkRefused("127.0.0.1:1 refused the link: HTTP 403 agent x has been removed from the fleet", 403)
+
+    sleeps: list[float] = []
+
+    async def record(delay: float) -> None:
+        sleeps.append(delay)
+        if len(sleeps) == 4:
+            raise asyncio.CancelledError
+
+    service = AgentService.__new__(AgentService)
+    service.membership = SimpleNamespace(controller_addresses=("127.0.0.1:1",), controller_id="c")  # type: ignore[assignment]
+    service.files = SimpleNamespace(key_path=Path("/data/state/agent-key.pem"))  # type: ignore[assignment]
+    monkeypatch.setattr(service_module, "open_link", refused)
+    monkeypatch.setattr(service_module.asyncio, "sleep", record)
+    told: list[str] = []
+    monkeypatch.setattr(service_module.log, "error", lambda text, *args: told.append(text % args))
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(service._register_forever())
+    assert len(told) == 1 and "removed from the fleet and serves no one" in told[0]
+    assert "delete /data/state/agent-key.pem and join with a new token" in told[0]
