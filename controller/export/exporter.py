@@ -75,6 +75,9 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
                           "it again)") from None
     if not model_dir.is_dir():
         raise ExportError(f"{model_dir} is not a folder")
+    if (model_dir / MANIFEST_NAME).is_file():
+        raise ExportError(f"{model_dir} is already a deskfleet export (it holds {MANIFEST_NAME}): give the Hugging "
+                          "Face checkpoint folder it was exported from")
     check_output(model_dir, out_dir, overwrite)
     config = read_checkpoint_config(model_dir, max_context)
     tokenizer = _load_tokenizer(model_dir)

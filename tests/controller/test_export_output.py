@@ -375,3 +375,11 @@ def test_an_interrupt_just_after_a_rename_leaves_one_whole_export_at_out_dir(
     verify_files(out, manifest)
     is_old = (out / "manifest.json").read_text() == old_manifest
     assert is_old == (interrupted_after == 1)
+
+
+def test_an_export_given_where_the_checkpoint_belongs_is_named_as_one(tiny_export: Path, tmp_path: Path) -> None:
+    # It said the folder has no model.safetensors ("only safetensors checkpoints are supported")
+    with pytest.raises(ExportError, match=r"is already a deskfleet export \(it holds manifest\.json\): give the "
+                                          r"Hugging Face checkpoint folder"):
+        export_checkpoint(tiny_export, tmp_path / "again")
+    assert not (tmp_path / "again").exists()
