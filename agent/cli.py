@@ -87,8 +87,8 @@ def _token_from_stdin() -> str:
 
     token = sys.stdin.readline(1 << 16).strip()
     if not token:
-        raise JoinTokenError("no join token on standard input (give it as `deskfleet-agent join -` reads it: "
-                             "one line, e.g. from a file with `< token.txt`)")
+        raise JoinTokenError("`join -` found no token on standard input: pipe it in, e.g. "
+                             "`deskfleet-agent join - < token.txt`")
     return token
 
 

@@ -31,4 +31,4 @@ def test_join_dash_with_nothing_on_standard_input_says_how_to_give_it(tmp_path: 
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr("sys.stdin", io.StringIO("\n"))
     assert cli.main(["--data-dir", str(tmp_path), "join", "-"]) == 2
-    assert "no join token on standard input" in capsys.readouterr().err
+    assert "`join -` found no token on standard input: pipe it in" in capsys.readouterr().err
