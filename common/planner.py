@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 from deskfleet.common.agent_state import AgentState, UnavailableReason
+from deskfleet.common.wire_messages import is_agent_id
 
 GB = 1_000_000_000
 MIB = 1 << 20
@@ -123,6 +124,7 @@ class Exclusion:
     agent_id: str
     reason: ExclusionReason
     message: str  # for humans, with the numbers behind the decision
+    hostname: str = ""  # the name the agent joined with, where the caller knows it
 
 
 @dataclass(frozen=True)
@@ -171,8 +173,12 @@ def usable_bytes(agent: AgentCandidate, options: PlanOptions) -> int:
 
 
 def plan(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandidate, ...],
-         options: PlanOptions | None = None) -> Plan:
-    """Split `model` over `agents`. Never raises for a fleet that cannot hold it: read `problems`."""
+         options: PlanOptions | None = None, unreachable: Sequence[Exclusion] = ()) -> Plan:
+    """Split `model` over `agents`. Never raises for a fleet that cannot hold it: read `problems`.
+
+    `unreachable`: the agents the caller found but could not ask (never candidates); they are listed as left
+    out, and when the plan fails for want of agents the problem says they exist and why they did not answer.
+    """
     options = options or PlanOptions()
     if model.num_layers < 1:
         raise ValueError(f"model {model.name!r} has no decoder layers")
@@ -196,9 +202,9 @@ def plan(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandid
     for agent in eligible:
         if agent.agent_id not in used and best is not None:
             exclusions.append(_not_needed(agent, best, options))
-    problems = () if best is not None else _diagnose(model, agents, eligible, options)
+    problems = () if best is not None else _diagnose(model, agents, eligible, options, unreachable)
     usable = tuple((agent.agent_id, usable_bytes(agent, options)) for agent in eligible)
-    return Plan(model, options.policy, tuple(best or ()), tuple(exclusions), problems, usable)
+    return Plan(model, options.policy, tuple(best or ()), (*exclusions, *unreachable), problems, usable)
 
 
 def render_plan(result: Plan) -> str:
@@ -432,11 +438,18 @@ def _not_needed(agent: AgentCandidate, stages: list[Stage], options: PlanOptions
 
 
 def _diagnose(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandidate, ...],
-              eligible: list[AgentCandidate], options: PlanOptions) -> tuple[str, ...]:
+              eligible: list[AgentCandidate], options: PlanOptions,
+              unreachable: Sequence[Exclusion] = ()) -> tuple[str, ...]:
+    if not agents and unreachable:
+        return (f"no reachable agents: {len(unreachable)} found but unreachable ("
+                + "; ".join(f"{_label(e.agent_id, e.hostname)} {e.message}" for e in unreachable)
+                + "): start `deskfleet-agent --headless` on them",)
     if not agents:
         return ("no agents in the fleet",)
+    silent = (f", and {len(unreachable)} more found did not answer (start `deskfleet-agent --headless` on them)"
+              if unreachable else "")
     if not eligible:
-        return (f"none of the {len(agents)} agent(s) can take work (see below)",)
+        return (f"none of the {len(agents)} agent(s) that answered can take work{silent} (see the agents left out)",)
     kv_total = model.num_layers * model.kv_bytes_per_layer(options.streams)
     weights = sum(model.layer_bytes) + model.embed_bytes + model.head_bytes
     need = weights + kv_total + len(eligible) * options.stage_overhead_bytes
@@ -445,7 +458,13 @@ def _diagnose(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentC
         return (f"memory short by {_gb(need - have)}: the model needs {_gb(need)} "
                 f"({_gb(weights)} weights + {_gb(kv_total)} KV for {options.streams} stream(s) at context "
                 f"{model.context} + runtime {_gb(options.stage_overhead_bytes)} per stage) and the "
-                f"{len(eligible)} usable agent(s) have {_gb(have)} after safety margins",)
+                f"{len(eligible)} usable agent(s) have {_gb(have)} after safety margins{silent}",)
     return (f"the {len(eligible)} usable agent(s) have {_gb(have)} for {_gb(need)} in all, but no split into "
             "contiguous layer ranges fits each agent (the embed/head or the largest layers do not fit "
-            "beside their neighbours); free memory on the largest agents would help",)
+            f"beside their neighbours); free memory on the largest agents would help{silent}",)
+
+
+def _label(agent_id: str, hostname: str) -> str:
+    """An agent as `fleet ls` shows it: its id's first 12 characters, and its hostname where known."""
+    short = agent_id[:12] if is_agent_id(agent_id) else agent_id  # a --peer address that did not answer: whole
+    return f"{short} ({hostname})" if hostname and hostname != "?" else short

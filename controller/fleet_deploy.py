@@ -20,7 +20,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -158,12 +158,11 @@ def plan_survey(footprint: ModelFootprint, found: Survey, options: PlanOptions,
     """The plan over the agents that answered (less `exclude`) and the `assumed` ones; the agents that were
     found but did not answer are listed as left out too, with why. Call it before `found.close()`."""
     agents = [agent for agent in found.reachable() if agent.agent_id not in exclude]
-    result = plan(footprint, [*assumed, *candidates_of(agents)], options)
-    answered = {agent.agent_id for agent in agents}
+    answered = {agent.agent_id for agent in found.reachable()}
     unreachable = tuple(Exclusion(agent.agent_id or agent.address, ExclusionReason.UNREACHABLE,
-                                  f"unreachable at {agent.address}: {agent.problem or 'no status'}")
-                        for agent in found.agents if agent.agent_id not in answered | exclude)
-    return replace(result, exclusions=result.exclusions + unreachable)
+                                  f"unreachable at {agent.address}: {agent.problem or 'no status'}", agent.hostname)
+                        for agent in found.agents if agent.agent_id not in answered)
+    return plan(footprint, [*assumed, *candidates_of(agents)], options, unreachable)
 
 
 async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: PlanOptions,
@@ -190,7 +189,10 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
     _deployments(store)  # a damaged file is named now, not after every byte was sent
     result = plan_survey(footprint_of(manifest, device), found, options, exclude)
     if not result.feasible:
-        raise DeployError("the model does not fit the fleet: " + "; ".join(result.problems))
+        answered = any(agent.agent_id not in exclude for agent in found.reachable())
+        unreachable = any(e.reason is ExclusionReason.UNREACHABLE for e in result.exclusions)
+        cause = f"cannot deploy {model_id}: " if unreachable and not answered else "the model does not fit the fleet: "
+        raise DeployError(cause + "; ".join(result.problems))
     addresses = {agent.agent_id: agent.address for agent in found.agents if agent.agent_id is not None}
     placements = tuple(StagePlacement(stage.agent_id, addresses[stage.agent_id], stage.first_layer,
                                       stage.stop_layer) for stage in result.stages)
