@@ -113,9 +113,9 @@ def _browse_seconds(text: str) -> float:
 # Private methods: trust
 
 def _store(args: argparse.Namespace) -> Any:
-    from deskfleet.controller.fleet_store import FleetStore, default_data_dir
+    from deskfleet.controller.fleet_store import FleetStore, check_data_dir, default_data_dir
 
-    return FleetStore(args.data_dir or default_data_dir())
+    return FleetStore(check_data_dir(args.data_dir or default_data_dir()))
 
 
 def _init(args: argparse.Namespace) -> int:

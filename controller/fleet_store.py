@@ -84,6 +84,20 @@ def default_data_dir() -> Path:
     return Path(platformdirs.user_data_dir("deskfleet", appauthor=False)) / "controller"
 
 
+def check_data_dir(data_dir: Path) -> Path:
+    """`data_dir`, or FleetStoreError naming it when it cannot be a folder: it, or the nearest part of its path
+    that exists, is a file (creating it raised a bare FileExistsError or NotADirectoryError)."""
+    for part in (data_dir, *data_dir.parents):
+        if part.is_dir():
+            return data_dir
+        if part.exists() or part.is_symlink():
+            what = "a file" if part.exists() else "a link to nothing"
+            where = f"it is {what}" if part == data_dir else f"{part} is {what}"
+            raise FleetStoreError(f"the controller data dir {data_dir} cannot be a folder: {where} (--data-dir or "
+                                  f"${ENV_DATA_DIR} names a folder, new or a fleet's)")
+    return data_dir
+
+
 class FleetStore:
     """Typed access to the files of one controller data dir."""
 
