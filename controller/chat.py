@@ -31,14 +31,15 @@ from .decoding_options import DecodingOptions, add_decoding_options, decoding_ar
 from .engine import Engine, StageChain, StreamRequest
 from .generation import GenerationError
 from .run import GenerateOptions, run_generate
-from .text_printer import TextPrinter
-from .tokenizer import ChatMessage, ChatTemplateError, ModelTokenizer, NotUtf8Error, check_utf8
 
 if TYPE_CHECKING:
+    # .tokenizer and .text_printer are imported where used: the tokenizers package comes with the controller
+    # extra only, and `deskfleet --help` (which builds the chat command's parser here) must work without it.
     from .fleet_failover import FleetFailover
     from .fleet_pipeline import FleetPipeline
     from .fleet_store import FleetStore
     from .pipeline import LocalPipeline
+    from .tokenizer import ChatMessage, ModelTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def add_chat_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     chat.add_argument("--max-new-tokens", type=positive_int, default=256)
     add_decoding_options(chat)
     add_compile_options(chat)
-    chat.set_defaults(handler=_chat_command)
+    chat.set_defaults(handler=_chat_command, extras=("controller",))
 
 
 def add_fleet_option(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +102,9 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
     --system). A conversation that outgrows the context loses its oldest exchanges (the system turn stays);
     a message that cannot be sent is refused and the conversation kept. Those notes go to `notes` (stderr).
     """
+    from .text_printer import TextPrinter
+    from .tokenizer import ChatMessage, ChatTemplateError, ModelTokenizer, NotUtf8Error, check_utf8
+
     manifest = load_manifest(options.model)
     tokenizer = ModelTokenizer(options.model)
     if not tokenizer.chat_template:
@@ -184,6 +188,8 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
 def _check_room(tokenizer: ModelTokenizer, system: list[ChatMessage], max_new_tokens: int,
                 max_context: int) -> None:
     """Raise GenerationError, naming the option, when not even a one-token message could get a reply."""
+    from .tokenizer import ChatMessage, check_utf8
+
     if max_new_tokens < 1:
         raise GenerationError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if system:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from deskfleet.agent.allocator import run_on_jemalloc
 from deskfleet.common.model_spec import ManifestError, WeightFormat
@@ -28,8 +29,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("deskfleet")
 
+# The optional extras of pyproject.toml and the modules each brings (an agent-only `pip install .` has none):
+# a command that needs one that is missing names the extra to install, not a ModuleNotFoundError's traceback.
+EXTRA_MODULES: dict[str, tuple[str, ...]] = {
+    "controller": ("tokenizers", "jinja2"),
+    "export": ("torch", "transformers", "safetensors", "nncf"),
+}
+
+
+class MissingExtraError(Exception):
+    """A command needs an optional extra (pyproject.toml) that is not installed."""
+
+    def __init__(self, extra: str, module: str) -> None:
+        super().__init__(f'this command needs the {extra} extra: pip install "deskfleet[{extra}]" '
+                         f"(the {module} package is not installed)")
+        self.extra = extra
+        self.module = module
+
+
 # Errors whose message is the whole story for the user: printed without a traceback.
-USER_ERRORS: tuple[type[BaseException], ...] = (ManifestError, FileNotFoundError, ValueError, RuntimeError)
+USER_ERRORS: tuple[type[BaseException], ...] = (ManifestError, FileNotFoundError, ValueError, RuntimeError,
+                                                MissingExtraError)
 BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a program whose reader closed the pipe
 
 
@@ -40,14 +60,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = build_parser()  # imports the commands' modules: a second or two in which Ctrl-C may come
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as error:  # a command's module needs an extra: no command can be parsed
+        missing = missing_extra(error)
+        if missing is None:
+            raise
+        print(f"deskfleet: error: {missing}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
-        if argv is None and args.runs_models:  # this process's own command line: it may re-execute
-            run_on_jemalloc(getattr(args, "device", "CPU"))
-        return handler(args)
+        try:
+            check_extras(args.extras)  # before anything runs, and before run_on_jemalloc re-executes
+            if argv is None and args.runs_models:  # this process's own command line: it may re-execute
+                run_on_jemalloc(getattr(args, "device", "CPU"))
+            return handler(args)
+        except ModuleNotFoundError as error:  # an import of a command that needs an extra it does not declare
+            missing = missing_extra(error)
+            if missing is None:
+                raise
+            raise missing from error
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # the reader of our output left (e.g. `| head`): stop quietly, as `yes | head` does
@@ -60,12 +93,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+class CommandParser(argparse.ArgumentParser):
+    """The parser of `deskfleet` and, through add_subparsers, of each of its commands."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # A command whose module needs an extra that is not installed: parsing it says so (exit 2).
+        self.missing_extra: MissingExtraError | None = None
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        if self.missing_extra is not None:
+            self.exit(2, f"deskfleet: error: {self.missing_extra}\n")
+        return super().parse_known_args(args, namespace)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deskfleet", description="Run LLMs across the office's idle PCs.")
+    # Typed as the base class, as the commands' modules take it; add_subparsers makes each command's parser a
+    # CommandParser too (and each of theirs).
+    parser: argparse.ArgumentParser = CommandParser(prog="deskfleet",
+                                                    description="Run LLMs across the office's idle PCs.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
     # Whether this process itself runs models (on --device, else the CPU; drafts included): main() then
     # picks the memory allocator (deskfleet/agent/allocator.py).
     parser.set_defaults(runs_models=False)
+    # The extras (EXTRA_MODULES) a command needs: main() checks that they are installed before it runs.
+    parser.set_defaults(extras=())
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     export = commands.add_parser("export", help="export a Hugging Face checkpoint to per-layer OpenVINO IR")
@@ -75,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--max-context", type=int, default=None,
                         help="RoPE table length (default: min(config's max positions, 8192))")
     export.add_argument("--overwrite", action="store_true", help="replace an existing export folder")
-    export.set_defaults(handler=_export)
+    export.set_defaults(handler=_export, extras=("export",))
 
     generate = commands.add_parser("generate", help="generate text with an exported model")
     generate.add_argument("--model", type=Path, required=True, help="export folder")
@@ -97,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile_options(generate)
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_fleet_option(generate)
-    generate.set_defaults(handler=_generate)
+    generate.set_defaults(handler=_generate, extras=("controller",))
     add_chat_command(commands, _add_compile_options)
 
     bench = commands.add_parser("bench", help="benchmarks that print JSON")
@@ -164,14 +217,50 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the CPU core to pin to (default: the last)")
     _add_compile_options(streams)
     streams.set_defaults(handler=_bench_streams)
-    from deskfleet.controller.bench.fleet import add_fleet_bench_command
-
-    add_fleet_bench_command(benches)
+    _add_fleet_bench_command(benches)
     add_fleet_commands(commands)
     return parser
 
 
+def missing_extra(error: ModuleNotFoundError) -> MissingExtraError | None:
+    """The extra to install for `error`, or None when its module is not one that an extra brings."""
+    module = (error.name or "").partition(".")[0]
+    for extra, modules in EXTRA_MODULES.items():
+        if module in modules:
+            return MissingExtraError(extra, module)
+    return None
+
+
+def check_extras(extras: Sequence[str]) -> None:
+    """Raise MissingExtraError naming the first of `extras` (EXTRA_MODULES' keys) with a module not installed."""
+    for extra in extras:
+        for module in EXTRA_MODULES[extra]:
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):  # a broken installation: its import will say what is wrong
+                found = True
+            if not found:
+                raise MissingExtraError(extra, module)
+
+
 # Private methods
+
+def _add_fleet_bench_command(benches: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`deskfleet bench fleet`; without the controller extra, which its module imports, a stand-in that says
+    so when run, so that the other commands and `--help` still work."""
+    try:
+        from deskfleet.controller.bench.fleet import add_fleet_bench_command
+    except ModuleNotFoundError as error:
+        missing = missing_extra(error)
+        if missing is None:
+            raise
+        stand_in = benches.add_parser("fleet", help=f"the paper's fleet table on simulated PCs (needs the "
+                                                    f"{missing.extra} extra)", add_help=False)
+        assert isinstance(stand_in, CommandParser)
+        stand_in.missing_extra = missing  # refuses any arguments, --help included
+        return
+    add_fleet_bench_command(benches)
+
 
 def _silence_stdout() -> None:
     """Point stdout at /dev/null, so that Python's flush at exit does not fail on the closed pipe again."""

@@ -8,6 +8,7 @@ import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from deskfleet.common.model_spec import load_manifest
 
@@ -15,8 +16,9 @@ from .decoding_options import DecodingOptions
 from .engine import Engine, Recover, StageChain, StreamRequest
 from .generation import GenerationError, check_request
 from .pipeline import LocalPipeline, split_layers
-from .text_printer import TextPrinter
-from .tokenizer import ChatMessage, ChatTemplateError, ModelTokenizer, check_utf8
+
+if TYPE_CHECKING:  # imported where used: the tokenizers package comes with the controller extra only
+    from .tokenizer import ModelTokenizer
 
 # The escapes of a --prompts-file line: \n a newline, \t a tab, \\ a backslash (others stay as written).
 _PROMPT_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
@@ -50,6 +52,8 @@ class GenerateOptions(DecodingOptions):
 def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[tuple[str, list[int]]]:
     """Each prompt's token ids, with the label that an error about it starts with: "--prompt 2",
     "line 37 of --prompts-file F" or "--prompt-ids 1"."""
+    from .tokenizer import ChatMessage, ChatTemplateError, check_utf8
+
     if options.prompt_ids is not None:
         return [(f"--prompt-ids {number}", ids) for number, ids in enumerate(options.prompt_ids, start=1)]
     texts = [(f"--prompt {number}", text) for number, text in enumerate(options.prompts or [], start=1)]
@@ -101,6 +105,9 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
     `chain` (e.g. the fleet, with `chain_stages` stages) replaces the local pipeline; the caller closes it.
     `recover` makes a new chain when that one breaks (Engine.run); the report then lists the failovers.
     """
+    from .text_printer import TextPrinter
+    from .tokenizer import ModelTokenizer
+
     manifest = load_manifest(options.model)
     tokenizer = ModelTokenizer(options.model)
     prompts = encode_prompts(options, tokenizer)
