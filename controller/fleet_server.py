@@ -6,6 +6,7 @@ One TLS 1.3 port (the address in the join tokens):
   says Hello, then Register(listen addresses): the roster records where it listens, and the link stays
   open (websocket pings) so the controller knows it is alive;
 - a certificate from another CA fails the TLS handshake; a revoked agent gets HTTP 403.
+One serve runs per data dir: it holds the data dir's serve lock (a second one refuses, naming the first's pid).
 `fleet remove` (another process) rewrites revoked.json; the watcher here notices within
 REVOCATION_POLL_S, closes the removed agent's link at once and sends every other agent the new
 RevocationUpdate (also sent right after each registration), so agents refuse the removed one too.
@@ -58,6 +59,16 @@ class FleetServer:
     # Public methods
 
     async def run(self) -> None:
+        """Serve until stop(); FleetStoreError naming its pid when another serve holds this data dir."""
+        with self.store.serving():
+            await self._run()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    # Private methods
+
+    async def _run(self) -> None:
         host, port = parse_address(self.listen)
         try:
             server = await start_server(self._serve_agent, host, port, self.store.tls_files,
@@ -73,11 +84,6 @@ class FleetServer:
             watcher.cancel()
         for link in list(self.live.values()):
             await link.close()
-
-    def stop(self) -> None:
-        self._stopping.set()
-
-    # Private methods
 
     async def _enroll(self, connection: ServerConnection) -> None:
         await serve_enrollment(connection, self.store)

@@ -43,9 +43,11 @@ log = logging.getLogger(__name__)
 ENV_DATA_DIR = "DESKFLEET_CONTROLLER_DIR"
 STORE_FORMAT = 1
 DEPLOY_LOCK = ".deploy.lock"
+SERVE_LOCK = ".serve.lock"
 DEFAULT_PORT = 7341
 MIN_ID_PREFIX = 4  # characters of an agent id that `fleet remove` takes as a prefix of it
-# What `fleet init` writes (deployments.json comes later); .lock and .deploy.lock are not: commands make them.
+# What `fleet init` writes (deployments.json comes later); .lock, .deploy.lock and .serve.lock are not: commands
+# make them.
 PEM_FILES = ("ca.pem", "ca-key.pem", "controller.pem", "controller-key.pem")
 STORE_FILES = (*PEM_FILES, "fleet.json", "tokens.json", "revoked.json", "agents.json", "deployments.json")
 _ROLES = {"ca.pem": "the fleet CA's certificate", "ca-key.pem": "the fleet CA's key",
@@ -184,24 +186,19 @@ class FleetStore:
             finally:
                 unlock_file(handle.fileno())
 
-    @contextlib.contextmanager
-    def deploying(self) -> Iterator[None]:
+    def deploying(self) -> contextlib.AbstractContextManager[None]:
         """Hold the data dir's deploy lock for a whole deploy (a failover's too), or raise FleetStoreError naming
         the pid of the deploy that holds it. Two at once pushed the same shards to an agent in interleaved
         chunks, and both failed ("chunk at offset 0 is out of order")."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.data_dir / DEPLOY_LOCK, "a+") as handle:
-            if not try_lock_file(handle.fileno()):  # the lock is on byte 0; the holder's pid follows it
-                raise FleetStoreError(f"another deploy from {self.data_dir} is running (pid {_lock_holder(handle)}): "
-                                      "let it finish, then deploy again")
-            handle.seek(0)
-            handle.truncate()
-            handle.write(f"\n{os.getpid()}")
-            handle.flush()
-            try:
-                yield
-            finally:
-                unlock_file(handle.fileno())
+        return self._held(DEPLOY_LOCK, lambda pid: f"another deploy from {self.data_dir} is running (pid {pid}): "
+                                                   "let it finish, then deploy again")
+
+    def serving(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the data dir's serve lock while `fleet serve` runs, or raise FleetStoreError naming the pid of
+        the serve that holds it. Two serves of one data dir (on two ports) both wrote the roster and told the
+        agents of removals, each unaware of the other."""
+        return self._held(SERVE_LOCK, lambda pid: f"{self.data_dir} is served already by `deskfleet fleet serve` "
+                                                  f"(pid {pid}): stop that one first, or serve another data dir")
 
     # Public methods: the roster
 
@@ -237,6 +234,23 @@ class FleetStore:
                               f"{MIN_ID_PREFIX} characters; see `deskfleet fleet ls`)")
 
     # Private methods
+
+    @contextlib.contextmanager
+    def _held(self, name: str, refusal: Callable[[str], str]) -> Iterator[None]:
+        """Hold the lock file `name` in the data dir, writing this process's pid after the locked first byte;
+        FleetStoreError(refusal(the holder's pid)) at once when another process holds it."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.data_dir / name, "a+") as handle:
+            if not try_lock_file(handle.fileno()):  # the lock is on byte 0; the holder's pid follows it
+                raise FleetStoreError(refusal(_lock_holder(handle)))
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"\n{os.getpid()}")
+            handle.flush()
+            try:
+                yield
+            finally:
+                unlock_file(handle.fileno())
 
     def _load(self, path: Path, parse: Callable[[bytes], _T]) -> _T:
         try:

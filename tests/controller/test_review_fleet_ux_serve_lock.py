@@ -1,0 +1,77 @@
+"""One `fleet serve` per controller data dir: a second one (on another port) refuses to start, naming the
+first one's pid, instead of both writing the roster and telling the agents of removals."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent.link import utc_now
+from deskfleet.controller.cli import main
+from deskfleet.controller.fleet_ca import init_fleet
+from deskfleet.controller.fleet_server import FleetServer
+from deskfleet.controller.fleet_store import SERVE_LOCK, FleetStore, FleetStoreError
+
+
+def free_address() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> FleetStore:
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    return store
+
+
+def test_a_second_serve_of_the_data_dir_names_the_first(store: FleetStore,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    first = subprocess.Popen([sys.executable, "-m", "deskfleet.controller.cli", "fleet", "serve", "--data-dir",
+                              str(store.data_dir), "--listen", free_address()],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        lock = store.data_dir / SERVE_LOCK
+        while not (lock.exists() and lock.read_text().strip() == str(first.pid)):
+            assert first.poll() is None, first.communicate()[1]
+            assert time.monotonic() < deadline, "the first serve did not start"
+            time.sleep(0.05)
+        assert main(["fleet", "serve", "--data-dir", str(store.data_dir), "--listen", free_address()]) == 2
+        error = capsys.readouterr().err
+        assert f"is served already by `deskfleet fleet serve` (pid {first.pid})" in error
+        assert str(store.data_dir) in error and "Traceback" not in error
+    finally:
+        first.terminate()
+        first.wait(30)
+    with store.serving():  # the lock went with the first serve
+        pass
+
+
+def test_the_lock_is_held_while_running_and_released_after(store: FleetStore) -> None:
+    async def scenario() -> None:
+        server = FleetServer(store, free_address())
+        running = asyncio.create_task(server.run())
+        while server.bound_port is None:
+            assert not running.done()
+            await asyncio.sleep(0.01)
+        with pytest.raises(FleetStoreError, match=r"served already .*pid \d+"):
+            await FleetServer(store, free_address()).run()
+        server.stop()
+        await running
+        again = FleetServer(store, free_address())
+        second = asyncio.create_task(again.run())
+        while again.bound_port is None:
+            assert not second.done()
+            await asyncio.sleep(0.01)
+        again.stop()
+        await second
+
+    asyncio.run(scenario())
