@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from deskfleet.agent.allocator import run_on_jemalloc
 from deskfleet.common.model_spec import ManifestError, WeightFormat
@@ -94,18 +94,72 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 class CommandParser(argparse.ArgumentParser):
-    """The parser of `deskfleet` and, through add_subparsers, of each of its commands."""
+    """The parser of `deskfleet` and, through add_subparsers, of each of its commands.
+
+    Unlike argparse's own, it takes no abbreviation of an option (`--weight` is not `--weights`), and a
+    command reports arguments it does not know itself, with its own usage, before any other error (argparse
+    reports a missing required argument first, and unknown arguments only from the top-level parser).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         # A command whose module needs an extra that is not installed: parsing it says so (exit 2).
         self.missing_extra: MissingExtraError | None = None
+        self._parsing: list[str] | None = None  # the arguments being parsed, for error()
+        self._relaxed = False  # parsing again with nothing required, to find the unknown arguments
 
     def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                          namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
         if self.missing_extra is not None:
             self.exit(2, f"deskfleet: error: {self.missing_extra}\n")
-        return super().parse_known_args(args, namespace)
+        arguments = list(sys.argv[1:] if args is None else args)
+        outer, self._parsing = self._parsing, arguments
+        try:
+            parsed, unknown = super().parse_known_args(arguments, namespace)
+        finally:
+            self._parsing = outer
+        if unknown and not self._relaxed:
+            self.error(_unrecognized(unknown))
+        return parsed, unknown
+
+    def error(self, message: str) -> NoReturn:
+        if self._relaxed:
+            raise _NotParsed(message)
+        if self._parsing is not None:
+            unknown = self._unknown_arguments(self._parsing)
+            if unknown:
+                message = _unrecognized(unknown)
+        super().error(message)
+
+    def _unknown_arguments(self, arguments: list[str]) -> list[str]:
+        """The arguments among `arguments` that this parser does not know, found by parsing them again with
+        nothing required; none where that parse fails too (the error at hand is then not a missing argument)."""
+        required = [(action, action.required) for action in self._actions]
+        groups = [(group, group.required) for group in self._mutually_exclusive_groups]
+        self._relaxed = True
+        try:
+            for action, _ in required:
+                action.required = False
+            for group, _ in groups:
+                group.required = False
+            return self.parse_known_args(arguments)[1]
+        except _NotParsed:
+            return []
+        finally:
+            self._relaxed = False
+            for action, was in required:
+                action.required = was
+            for group, was in groups:
+                group.required = was
+
+
+class _NotParsed(Exception):
+    """CommandParser's relaxed parse failed."""
+
+
+def _unrecognized(arguments: list[str]) -> str:
+    return f"unrecognized arguments: {' '.join(arguments)}"
 
 
 def build_parser() -> argparse.ArgumentParser:

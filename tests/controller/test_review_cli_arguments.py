@@ -1,0 +1,68 @@
+"""`deskfleet`'s argument errors: an unknown argument is reported first, by the command it was given to and
+with that command's usage; no option is taken by an abbreviation of its name."""
+
+from __future__ import annotations
+
+import pytest
+
+from deskfleet.controller.cli import main
+
+
+def parse_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_an_unknown_option_is_reported_before_a_missing_required_one(capsys: pytest.CaptureFixture[str]) -> None:
+    err = parse_error(capsys, "generate", "--model", "T", "--promt", "hi")
+    assert "deskfleet generate: error: unrecognized arguments: --promt hi" in err
+    assert "is required" not in err
+    err = parse_error(capsys, "chat", "--modle", "T")
+    assert "deskfleet chat: error: unrecognized arguments: --modle T" in err
+
+
+def test_an_unknown_option_is_reported_with_the_commands_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    err = parse_error(capsys, "generate", "--model", "T", "--prompt", "hi", "--max_new_tokens", "5")
+    assert err.startswith("usage: deskfleet generate ")
+    assert "deskfleet generate: error: unrecognized arguments: --max_new_tokens 5" in err
+    err = parse_error(capsys, "bench", "parity", "--model", "T", "--bogus")
+    assert err.startswith("usage: deskfleet bench parity ")
+    assert "deskfleet bench parity: error: unrecognized arguments: --bogus" in err
+
+
+def test_other_errors_are_unchanged(capsys: pytest.CaptureFixture[str]) -> None:
+    err = parse_error(capsys, "generate", "--prompt", "hi")
+    assert "deskfleet generate: error: the following arguments are required: --model" in err
+    err = parse_error(capsys, "generate", "--model", "T")
+    assert "one of the arguments --prompt --prompts-file --prompt-ids is required" in err
+    err = parse_error(capsys, "generate", "--model", "T", "--prompt", "hi", "--max-new-tokens", "x")
+    assert "argument --max-new-tokens: expected a whole number" in err
+    err = parse_error(capsys, "generat")
+    assert "invalid choice: 'generat'" in err
+
+
+@pytest.mark.parametrize(("argv", "abbreviation"), [
+    (["export", "checkpoint", "-o", "out", "--weight", "int4"], "--weight"),
+    (["generate", "--model", "T", "--prompt", "hi", "--max-new-token", "5"], "--max-new-token"),
+    (["chat", "--model", "T", "--sys", "be brief"], "--sys"),
+    (["fleet", "ls", "--data", "d"], "--data"),
+])
+def test_an_abbreviated_option_is_refused(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                          abbreviation: str) -> None:
+    err = parse_error(capsys, *argv)
+    assert f"unrecognized arguments: {abbreviation}" in err
+
+
+def test_the_state_a_relaxed_parse_changes_is_restored(capsys: pytest.CaptureFixture[str]) -> None:
+    from deskfleet.controller.cli import build_parser
+
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--model", "T", "--promt", "hi"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # --model and a prompt are still required
+        parser.parse_args(["generate"])
+    assert "the following arguments are required: --model" in capsys.readouterr().err
