@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from deskfleet.common.agent_state import AgentState, UnavailableReason
@@ -90,6 +90,7 @@ class AgentCandidate:
     speed: float
     reason: UnavailableReason | None = None  # set when state is UNAVAILABLE
     detail: str = ""  # the monitor's numbers, e.g. "battery 41%, unplugged" or "CPU 97 °C"
+    hostname: str = ""  # the name the agent joined with, where the caller knows it (shown, never planned on)
 
 
 class PlanPolicy(str, Enum):
@@ -141,6 +142,7 @@ class Stage:
     memory_bytes: int  # weights + KV + runtime overhead
     usable_bytes: int  # the agent's free memory less its safety margin
     relative_time: float  # decode work per token / speed: the slowest stage sets the pace
+    hostname: str = ""  # the agent's, where known
 
     @property
     def num_layers(self) -> int:
@@ -192,7 +194,7 @@ def plan(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandid
         if excluded is None:
             eligible.append(agent)
         else:
-            exclusions.append(excluded)
+            exclusions.append(replace(excluded, hostname=agent.hostname))
     eligible.sort(key=lambda a: (-a.speed, a.agent_id))
     best = _best_split(model, eligible, options, _by_speed)
     if best is None:
@@ -208,21 +210,24 @@ def plan(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandid
 
 
 def render_plan(result: Plan) -> str:
-    """The plan as text for `deskfleet fleet plan` and the controller window."""
+    """The plan as text for `deskfleet fleet plan` and the controller window. Agents are shown as `fleet ls`
+    shows them (the id's first 12 characters and the hostname), layers as the half-open [start:stop] that
+    `fleet ls` and the chain's messages use."""
     model = result.model
     lines = [f"Model {model.name}: {model.num_layers} layers, "
              f"{_gb(sum(model.layer_bytes) + model.embed_bytes + model.head_bytes)} of weights, "
              f"context {model.context} (policy: {result.policy.value.replace('_', ' ')})"]
     if result.feasible:
         lines.append(f"{len(result.stages)} stage(s):")
-        lines.append(f"  {'#':>2}  {'agent':<20} {'layers':<9} {'extras':<11} {'weights':>9} {'KV':>9} "
-                     f"{'total':>9} {'usable':>9} {'rel.time':>9}")
+        lines.append(f"  {'#':>2}  {'agent':<14} {'host':<16} {'layers':<9} {'extras':<11} {'weights':>9} "
+                     f"{'KV':>9} {'total':>9} {'usable':>9} {'rel.time':>9}")
         slowest = max(stage.relative_time for stage in result.stages)
         for index, stage in enumerate(result.stages):
             parts = (("embed", stage.has_embed), ("head", stage.has_head))
             extras = "+".join(name for name, on in parts if on)
-            layers = f"{stage.first_layer}-{stage.stop_layer - 1}"
-            lines.append(f"  {index:>2}  {stage.agent_id:<20} {layers:<9} {extras or '-':<11} "
+            layers = f"[{stage.first_layer}:{stage.stop_layer}]"
+            lines.append(f"  {index:>2}  {_short_id(stage.agent_id):<14} {_host(stage.hostname):<16} {layers:<9} "
+                         f"{extras or '-':<11} "
                          f"{_gb(stage.weight_bytes):>9} {_gb(stage.kv_bytes):>9} "
                          f"{_gb(stage.memory_bytes):>9} {_gb(stage.usable_bytes):>9} "
                          f"{_share_of_slowest(stage.relative_time, slowest):>9.2f}")
@@ -230,10 +235,10 @@ def render_plan(result: Plan) -> str:
         lines.append("Infeasible:")
         lines.extend(f"  - {problem}" for problem in result.problems)
         if result.usable:
-            lines.append("Usable: " + ", ".join(f"{agent} {_gb(size)}" for agent, size in result.usable))
+            lines.append("Usable: " + ", ".join(f"{_short_id(agent)} {_gb(size)}" for agent, size in result.usable))
     if result.exclusions:
         lines.append("Left out:")
-        lines.extend(f"  {e.agent_id:<20} {e.message}" for e in result.exclusions)
+        lines.extend(f"  {_short_id(e.agent_id):<14} {_host(e.hostname):<16} {e.message}" for e in result.exclusions)
     return "\n".join(lines)
 
 
@@ -425,7 +430,7 @@ def _stage(model: ModelFootprint, prefix: list[int], agent: AgentCandidate, star
     kv = (stop - start) * model.kv_bytes_per_layer(options.streams)
     time = _work(model, prefix, start, stop) / agent.speed
     return Stage(agent.agent_id, start, stop, start == 0, stop == model.num_layers, weights, kv,
-                 weights + kv + options.stage_overhead_bytes, usable_bytes(agent, options), time)
+                 weights + kv + options.stage_overhead_bytes, usable_bytes(agent, options), time, agent.hostname)
 
 
 def _not_needed(agent: AgentCandidate, stages: list[Stage], options: PlanOptions) -> Exclusion:
@@ -434,7 +439,7 @@ def _not_needed(agent: AgentCandidate, stages: list[Stage], options: PlanOptions
     else:
         message = (f"not used: with speed {agent.speed:g} and {_gb(usable_bytes(agent, options))} usable, "
                    "a share of the layers would not shorten the slowest stage")
-    return Exclusion(agent.agent_id, ExclusionReason.NOT_NEEDED, message)
+    return Exclusion(agent.agent_id, ExclusionReason.NOT_NEEDED, message, agent.hostname)
 
 
 def _diagnose(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandidate, ...],
@@ -464,7 +469,16 @@ def _diagnose(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentC
             f"beside their neighbours); free memory on the largest agents would help{silent}",)
 
 
+def _short_id(agent_id: str) -> str:
+    """An agent id's first 12 characters, as `fleet ls` shows it (a --peer address that did not answer: whole)."""
+    return agent_id[:12] if is_agent_id(agent_id) else agent_id
+
+
+def _host(hostname: str) -> str:
+    """The hostname column: at most 16 characters, "-" when unknown (as `fleet ls` has it)."""
+    return hostname[:16] if hostname else "-"
+
+
 def _label(agent_id: str, hostname: str) -> str:
     """An agent as `fleet ls` shows it: its id's first 12 characters, and its hostname where known."""
-    short = agent_id[:12] if is_agent_id(agent_id) else agent_id  # a --peer address that did not answer: whole
-    return f"{short} ({hostname})" if hostname and hostname != "?" else short
+    return f"{_short_id(agent_id)} ({hostname})" if hostname and hostname != "?" else _short_id(agent_id)

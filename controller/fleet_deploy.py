@@ -149,7 +149,8 @@ def candidates_of(agents: list[AgentView]) -> list[AgentCandidate]:
         report = agent.report
         candidates.append(AgentCandidate(agent.agent_id, report.state, report.free_memory_bytes,
                                          report.weight_gb_per_s or fallback,
-                                         report.reasons[0] if report.reasons else None, report.detail))
+                                         report.reasons[0] if report.reasons else None, report.detail,
+                                         agent.hostname))
     return candidates
 
 

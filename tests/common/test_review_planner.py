@@ -34,7 +34,7 @@ def test_a_plan_whose_stages_take_no_time_renders() -> None:
     paper = ModelFootprint.uniform("paper", 3, 0, 0, 0, 0, 1)
     result = plan(paper, [available("a", GB)], NO_MARGIN)
     assert result.feasible and result.stages[0].relative_time == 0.0
-    assert "a                    0-2       embed+head" in render_plan(result)
+    assert "a              -                [0:3]     embed+head" in render_plan(result)
     assert render_plan(result).splitlines()[-1].endswith("1.00")
 
 

@@ -114,7 +114,7 @@ def test_candidates_take_the_measured_speed_and_unmeasured_agents_count_as_the_s
 
     def view(agent_id: str, speed: float | None) -> object:
         report = StatusReport(AgentState.AVAILABLE, 8 << 30, 0.1, None, None, None, None, (), None, speed)
-        return type("View", (), {"agent_id": agent_id, "report": report})()
+        return type("View", (), {"agent_id": agent_id, "hostname": "?", "report": report})()
 
     candidates = candidates_of([view("a" * 52, 30.0), view("b" * 52, 10.0), view("c" * 52, None)])  # type: ignore[list-item]
     assert [candidate.speed for candidate in candidates] == [30.0, 10.0, 10.0]
