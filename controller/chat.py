@@ -64,7 +64,9 @@ def add_chat_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     chat = subparsers.add_parser("chat", help="a terminal chat with streaming output (local or --fleet)")
     chat.add_argument("--model", type=Path, required=True, help="export folder (with its tokenizer)")
     add_fleet_option(chat)
-    chat.add_argument("--stages", type=positive_int, default=1, help="in-process pipeline stages (local only)")
+    # None: not given (1), which --fleet needs to tell: there its deployment decides the stages.
+    chat.add_argument("--stages", type=positive_int, default=None,
+                      help="in-process pipeline stages (default 1; local only)")
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--max-new-tokens", type=positive_int, default=256)
     add_decoding_options(chat)
@@ -77,9 +79,29 @@ def add_fleet_option(parser: argparse.ArgumentParser) -> None:
                         help="run on the fleet's deployed chain (`deskfleet fleet deploy --model` first)")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="controller data dir for --fleet (default: $DESKFLEET_CONTROLLER_DIR or the platform's)")
-    parser.add_argument("--max-failovers", type=non_negative_int, default=DEFAULT_MAX_FAILOVERS,
+    # None: not given (DEFAULT_MAX_FAILOVERS), which check_fleet_options needs to tell without --fleet.
+    parser.add_argument("--max-failovers", type=non_negative_int, default=None,
                         help="--fleet: when a PC drops out mid-generation, re-plan over the others and resume, "
                              f"at most this many times per run (0: fail at once; default {DEFAULT_MAX_FAILOVERS})")
+
+
+def check_fleet_options(args: argparse.Namespace) -> None:
+    """Refuse (ValueError), naming it, an option of generate or chat that the run would ignore: --stages with
+    --fleet (the deployment decides the stages), --data-dir and --max-failovers without it."""
+    if args.fleet:
+        if args.stages is not None:
+            raise ValueError(f"--stages {args.stages} with --fleet: the fleet's deployed plan decides the stages "
+                             "(`deskfleet fleet deploy`); leave out --stages")
+        return
+    for name, option in (("data_dir", "--data-dir"), ("max_failovers", "--max-failovers")):
+        if getattr(args, name) is not None:
+            raise ValueError(f"{option} without --fleet: it applies to runs on the fleet only; give --fleet or "
+                             f"leave out {option}")
+
+
+def fleet_max_failovers(args: argparse.Namespace) -> int:
+    """add_fleet_option's --max-failovers, or its default when not given."""
+    return DEFAULT_MAX_FAILOVERS if args.max_failovers is None else int(args.max_failovers)
 
 
 def generate_on_fleet(options: GenerateOptions, data_dir: Path | None, stream_text: bool = False,
@@ -313,10 +335,11 @@ def _chat_command(args: argparse.Namespace) -> int:
 
     from .fleet_store import default_data_dir
 
+    check_fleet_options(args)
     compile_settings = CompileSettings(device=args.device, precision=Precision(args.precision),
                                        num_threads=args.threads, kv_cache=args.kv_cache)
     options = ChatOptions(model=args.model, fleet_dir=(args.data_dir or default_data_dir()) if args.fleet else None,
-                          max_failovers=args.max_failovers, stages=args.stages, system=args.system,
+                          max_failovers=fleet_max_failovers(args), stages=args.stages or 1, system=args.system,
                           max_new_tokens=args.max_new_tokens, **decoding_arguments(args, compile_settings))
     if isinstance(sys.stdin, io.TextIOWrapper):  # a line that is not UTF-8 reaches run_chat, which refuses it alone
         sys.stdin.reconfigure(errors="surrogateescape")

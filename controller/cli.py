@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 from deskfleet.agent.allocator import run_on_jemalloc
 from deskfleet.common.model_spec import ManifestError, WeightFormat
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
-from deskfleet.controller.chat import add_chat_command, add_fleet_option
+from deskfleet.controller.chat import add_chat_command, add_fleet_option, check_fleet_options, fleet_max_failovers
 from deskfleet.controller.decoding_options import (
     add_decoding_options,
     decoding_arguments,
@@ -186,7 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="generate text with an exported model")
     generate.add_argument("--model", type=Path, required=True, help="export folder")
-    generate.add_argument("--stages", type=positive_int, default=1, help="in-process pipeline stages")
+    # None: not given (1), which --fleet needs to tell: there its deployment decides the stages.
+    generate.add_argument("--stages", type=positive_int, default=None,
+                          help="in-process pipeline stages (default 1; not with --fleet)")
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append", help="prompt text; repeat for concurrent streams")
     prompt.add_argument("--prompts-file", type=Path,
@@ -380,15 +382,16 @@ def _generate(args: argparse.Namespace) -> int:
     from deskfleet.controller.chat import generate_on_fleet
     from deskfleet.controller.run import GenerateOptions, run_generate
 
+    check_fleet_options(args)
     options = GenerateOptions(
-        model=args.model, stages=args.stages, prompts=args.prompt, prompts_file=args.prompts_file,
+        model=args.model, stages=args.stages or 1, prompts=args.prompt, prompts_file=args.prompts_file,
         prompt_ids=[_parse_prompt_ids(text) for text in args.prompt_ids] if args.prompt_ids else None,
         chat=args.chat, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, max_rows=args.max_rows,
         micro_batches=args.micro_batches, **decoding_arguments(args, _compile_settings(args)))
     try:
         if args.fleet:
             report = generate_on_fleet(options, args.data_dir, stream_text=not args.json,
-                                       max_failovers=args.max_failovers)
+                                       max_failovers=fleet_max_failovers(args))
         else:
             report = run_generate(options, stream_text=not args.json)
     except KeyboardInterrupt:

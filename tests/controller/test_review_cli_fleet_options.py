@@ -1,0 +1,78 @@
+"""generate and chat refuse, naming it, an option the run would ignore (exit 2): --stages on the fleet (its
+deployment decides the stages), --data-dir and --max-failovers off it. An option with an effect is taken."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deskfleet.agent.stage import CompileSettings, Precision
+from deskfleet.controller.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    capsys.readouterr()
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+GENERATE = ["generate", "--model", "m", "--prompt", "hi"]
+CHAT = ["chat", "--model", "m"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    ([*GENERATE, "--fleet", "--stages", "3"], "--stages 3 with --fleet: the fleet's deployed plan decides the stages"),
+    ([*CHAT, "--fleet", "--stages", "2"], "--stages 2 with --fleet: the fleet's deployed plan decides the stages"),
+    ([*GENERATE, "--data-dir", "d"], "--data-dir without --fleet"),
+    ([*GENERATE, "--max-failovers", "0"], "--max-failovers without --fleet"),
+    ([*CHAT, "--data-dir", "d"], "--data-dir without --fleet"),
+    ([*CHAT, "--max-failovers", "3"], "--max-failovers without --fleet"),
+])
+def test_an_option_the_run_would_ignore_is_refused(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                                   message: str) -> None:
+    code, err = run(capsys, *argv)
+    assert code == 2
+    assert err.startswith(f"deskfleet: error: {message}")
+
+
+def test_options_with_an_effect_on_the_fleet_are_taken(capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import deskfleet.controller.chat as chat
+
+    calls: list[tuple[Any, ...]] = []
+
+    def generate_on_fleet(options: Any, data_dir: Path | None, stream_text: bool = False,
+                          max_failovers: int = -1) -> dict[str, object]:
+        calls.append((options, data_dir, max_failovers))
+        return {"generated_tokens": 0, "tok_s": 0.0, "stages": 2, "tokens": [], "text": ""}
+
+    monkeypatch.setattr(chat, "generate_on_fleet", generate_on_fleet)
+    draft = tmp_path / "draft"
+    assert run(capsys, *GENERATE, "--fleet", "--json")[0] == 0
+    assert run(capsys, *GENERATE, "--fleet", "--draft", str(draft), "--precision", "f32", "--threads", "2",
+               "--data-dir", str(tmp_path), "--max-failovers", "0", "--json")[0] == 0
+    (plain, plain_dir, plain_failovers), (drafting, data_dir, failovers) = calls
+    assert plain.stages == 1 and plain_dir is None and plain_failovers == 2
+    assert plain.settings == CompileSettings()
+    assert drafting.settings == CompileSettings(precision=Precision.F32, num_threads=2)
+    assert (data_dir, failovers) == (tmp_path, 0)
+
+
+def test_local_defaults_are_unchanged(tiny_export: Path, capsys: pytest.CaptureFixture[str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import deskfleet.controller.run as run_module
+
+    seen: list[tuple[int, CompileSettings]] = []
+    real = run_module.LocalPipeline
+
+    def recording(model: Path, stages: int, settings: CompileSettings, manifest: Any = None) -> Any:
+        seen.append((stages, settings))
+        return real(model, stages, settings, manifest)
+
+    monkeypatch.setattr(run_module, "LocalPipeline", recording)
+    argv = ["generate", "--model", str(tiny_export), "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--json"]
+    assert run(capsys, *argv)[0] == 0
+    assert run(capsys, *argv, "--stages", "2", "--precision", "f32")[0] == 0
+    assert seen == [(1, CompileSettings()), (2, CompileSettings(precision=Precision.F32))]
