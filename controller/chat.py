@@ -87,11 +87,18 @@ def add_fleet_option(parser: argparse.ArgumentParser) -> None:
 
 def check_fleet_options(args: argparse.Namespace) -> None:
     """Refuse (ValueError), naming it, an option of generate or chat that the run would ignore: --stages with
-    --fleet (the deployment decides the stages), --data-dir and --max-failovers without it."""
+    --fleet (the deployment decides the stages), the compile options with --fleet but no --draft (they compile
+    only a draft model here), --data-dir and --max-failovers without --fleet."""
     if args.fleet:
         if args.stages is not None:
             raise ValueError(f"--stages {args.stages} with --fleet: the fleet's deployed plan decides the stages "
                              "(`deskfleet fleet deploy`); leave out --stages")
+        compiled_here = sorted(option for option in getattr(args, "given", ())
+                               if option in ("--precision", "--kv-cache", "--device", "--threads"))
+        if compiled_here and args.draft is None:  # they compile only a draft model, on this PC
+            raise ValueError(f"{', '.join(compiled_here)} with --fleet and no --draft: the PCs compile their stages "
+                             "as the model was deployed (`deskfleet fleet deploy --precision/--kv-cache/--device`); "
+                             "leave them out")
         return
     for name, option in (("data_dir", "--data-dir"), ("max_failovers", "--max-failovers")):
         if getattr(args, name) is not None:

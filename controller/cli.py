@@ -337,14 +337,25 @@ def _end_line(stream: TextIO) -> None:
         pass
 
 
+class _Given(argparse.Action):
+    """Store the option's value and note that the command line gave it (`namespace.given`, option strings): a
+    run can then refuse an option it would ignore without mistaking its default for a choice."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = {*getattr(namespace, "given", ()), option_string or self.dest}
+
+
 def _add_compile_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--precision", choices=["f32", "fast"], default="fast",
+    parser.add_argument("--precision", choices=["f32", "fast"], default="fast", action=_Given,
                         help="f32: exact (f32 compute and KV cache); fast: on a CPU f32 compute with int8 "
                              "dynamic quantization and a u8 KV cache, elsewhere the device's default")
-    parser.add_argument("--device", default="CPU", help="OpenVINO device: CPU, GPU, NPU, AUTO")
-    parser.add_argument("--threads", type=positive_int, default=None, help="inference threads per stage")
+    parser.add_argument("--device", default="CPU", action=_Given, help="OpenVINO device: CPU, GPU, NPU, AUTO")
+    parser.add_argument("--threads", type=positive_int, default=None, action=_Given,
+                        help="inference threads per stage")
     parser.set_defaults(runs_models=True)
-    parser.add_argument("--kv-cache", choices=KV_CACHE_PRECISIONS, default=None,
+    parser.add_argument("--kv-cache", choices=KV_CACHE_PRECISIONS, default=None, action=_Given,
                         help="KV cache precision (default: f32 under --precision f32; under fast the device's "
                              "own, u8 on a CPU, except f32 on a CPU when drafting with --draft/--prompt-lookup)")
 

@@ -1,5 +1,6 @@
 """generate and chat refuse, naming it, an option the run would ignore (exit 2): --stages on the fleet (its
-deployment decides the stages), --data-dir and --max-failovers off it. An option with an effect is taken."""
+deployment decides the stages), the compile options on the fleet without --draft, --data-dir and
+--max-failovers off it. An option with an effect is taken."""
 
 from __future__ import annotations
 
@@ -29,6 +30,12 @@ CHAT = ["chat", "--model", "m"]
     ([*GENERATE, "--max-failovers", "0"], "--max-failovers without --fleet"),
     ([*CHAT, "--data-dir", "d"], "--data-dir without --fleet"),
     ([*CHAT, "--max-failovers", "3"], "--max-failovers without --fleet"),
+    # without --draft they would compile nothing: the PCs compile as the model was deployed
+    ([*GENERATE, "--fleet", "--precision", "f32"], "--precision with --fleet and no --draft"),
+    ([*GENERATE, "--fleet", "--prompt-lookup", "--device", "GPU", "--threads", "2"],
+     "--device, --threads with --fleet and no --draft"),
+    ([*CHAT, "--fleet", "--kv-cache", "f32"], "--kv-cache with --fleet and no --draft"),
+    ([*GENERATE, "--fleet", "--precision", "fast"], "--precision with --fleet and no --draft"),  # even the default
 ])
 def test_an_option_the_run_would_ignore_is_refused(capsys: pytest.CaptureFixture[str], argv: list[str],
                                                    message: str) -> None:

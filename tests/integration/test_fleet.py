@@ -240,14 +240,17 @@ def _streams(report: dict[str, object]) -> list[list[int]]:
     return [stream["tokens"] for stream in streams]
 
 
-def _generate_argv(model: Path, *options: str) -> list[str]:
+def _generate_argv(model: Path, *options: str, on_fleet: bool = False) -> list[str]:
+    # The fleet was deployed in f32: there --precision is only the draft's, on this controller (and refused
+    # without --draft, which it would not affect)
+    precision = ("--precision", "f32") if not on_fleet or "--draft" in options else ()
     return ["generate", "--model", str(model), *[a for p in PROMPTS for a in ("--prompt-ids", p)],
-            "--max-new-tokens", "12", "--ignore-eos", "--json", "--precision", "f32", *options]
+            "--max-new-tokens", "12", "--ignore-eos", "--json", *precision, *options]
 
 
 def _engine_run(fleet: Fleet, model: Path, *options: str, on_fleet: bool) -> list[list[int]]:
-    argv = _generate_argv(model, *options)
-    if on_fleet:  # the fleet was deployed in f32; --precision is the draft's, on this controller
+    argv = _generate_argv(model, *options, on_fleet=on_fleet)
+    if on_fleet:
         return _streams(json.loads(fleet.deskfleet(*argv, "--fleet")))
     if options not in _LOCAL:
         _LOCAL[options] = _streams(json.loads(fleet.run(fleet.controller, str(BIN / "deskfleet"), *argv)))
@@ -280,7 +283,8 @@ def test_speculative_on_the_fleet_equals_plain_local(fleet: Fleet, tiny_export: 
 
 
 def test_prompt_lookup_on_the_fleet_equals_plain_local(fleet: Fleet, tiny_export: Path) -> None:
-    report = json.loads(fleet.deskfleet(*_generate_argv(tiny_export, "--prompt-lookup", "--k", "3"), "--fleet"))
+    report = json.loads(fleet.deskfleet(*_generate_argv(tiny_export, "--prompt-lookup", "--k", "3", on_fleet=True),
+                                        "--fleet"))
     assert _streams(report) == _engine_run(fleet, tiny_export, on_fleet=False)
     histogram = report["accepted_histogram"]
     assert isinstance(histogram, dict) and sum(histogram.values()) > 0  # lookup proposed, rounds were verified
@@ -321,8 +325,8 @@ def _start_agent(fleet: Fleet, index: int) -> None:
 
 def test_a_pc_that_drops_out_mid_generation_is_replanned_around(fleet: Fleet, tiny_export: Path) -> None:
     argv = ["generate", "--model", str(tiny_export), "--prompt-ids", PROMPTS[0], "--max-new-tokens", "500",
-            "--ignore-eos", "--precision", "f32"]
-    local = fleet.run(fleet.controller, str(BIN / "deskfleet"), *argv)
+            "--ignore-eos"]
+    local = fleet.run(fleet.controller, str(BIN / "deskfleet"), *argv, "--precision", "f32")
     victim = str(_deployed_stages(fleet)[-1]["agent_id"])
     index = _agent_index(fleet, victim)
     run = subprocess.Popen(fleet.controller.command(str(BIN / "deskfleet"), *argv, "--fleet", "--data-dir",
