@@ -142,7 +142,9 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
                 "first_token_s": round(result.first_token_s, 4), "stopped_by_eos": result.stopped_by_eos}
                for result in results.values()]
     generated = sum(len(result.tokens) for result in results.values())
-    report: dict[str, object] = {"stages": stages, "generated_tokens": generated,
+    # after a failover the run finished on the new chain: its stages, not the first chain's
+    finished_on = getattr(engine.chain, "num_stages", stages) if engine.chain is not pipeline else stages
+    report: dict[str, object] = {"stages": finished_on, "generated_tokens": generated,
                                  "wall_s": round(wall, 4), "streams": streams}
     if len(streams) == 1:
         report.update({key: streams[0][key] for key in ("tokens", "text", "tok_s")})

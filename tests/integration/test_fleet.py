@@ -386,3 +386,4 @@ def test_a_dead_agent_is_named_or_replanned_around(fleet: Fleet, tiny_export: Pa
     assert [replan["lost_agent"] for replan in report["replans"]] == [first]
     stages = report["replans"][0]["stages"]
     assert len(stages) == left and not {removed, first} & {stage[0] for stage in stages}, stages
+    assert report["stages"] == left  # the chain the run finished on, not the one it started on
