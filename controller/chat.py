@@ -142,7 +142,8 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
     system = [ChatMessage("system", options.system)] if options.system else []
     _check_room(tokenizer, system, options.max_new_tokens, manifest.spec.max_context)
     settings = options.target_settings()
-    draft = options.open_drafter(settings, manifest.spec)  # a draft that cannot draft for it: refused now
+    # a draft that cannot draft for the target is refused now, before anything compiles
+    draft = options.open_drafter(settings, manifest.spec, over_fleet=options.fleet_dir is not None)
     sampling = options.sampling()
     turns: list[ChatMessage] = []  # user and assistant messages, alternating
     replies = 0

@@ -224,19 +224,20 @@ def target_settings(settings: CompileSettings, draft: Path | None, prompt_lookup
 
 
 def open_drafter(draft: Path | None, prompt_lookup: bool, settings: CompileSettings | None = None,
-                 target: ModelSpec | None = None) -> Drafter | None:
+                 target: ModelSpec | None = None, over_fleet: bool = False) -> Drafter | None:
     """The drafter a command asked for: a draft model's export folder, prompt lookup, both (prompt lookup
     first, the draft model where the context has no match: controller/lookup_first.py), or none.
 
     With `target`, a draft model that cannot draft for it is refused (ValueError) from its manifest, before
-    it compiles."""
+    it compiles. `over_fleet`: the target runs on a chain of PCs, where prompt lookup also proposes from a
+    1-token match (controller/prompt_lookup.py says why)."""
     if draft is not None and target is not None:
         check_draft_spec(load_manifest(Path(draft)).spec, target)
     if prompt_lookup:
-        from .prompt_lookup import PromptLookupDraft
+        from .prompt_lookup import DEFAULT_MIN_NGRAM, FLEET_MIN_NGRAM, PromptLookupDraft
 
         if draft is None:
-            return PromptLookupDraft()
+            return PromptLookupDraft(min_ngram=FLEET_MIN_NGRAM if over_fleet else DEFAULT_MIN_NGRAM)
         from .lookup_first import LookupFirstDraft
 
         return LookupFirstDraft(DraftModel(draft, settings))

@@ -25,11 +25,17 @@ from deskfleet.common.model_spec import ModelSpec
 from .draft import DraftRow, Proposal
 
 DEFAULT_MAX_NGRAM = 4
-# A 1-token match is mostly a guess: on the demo pair (held-out code prompts, K=8) a third of the rounds it
-# proposed were rejected at their first token, each a verification that costs ~2.5 plain calls plus the width
-# changes around it. Matching at least 2 tokens: 60 prompts, two A/B runs, lookup K=8 1.36 / 1.35x -> 1.51 /
-# 1.50x, adaptive K 1.42 / 1.42x -> 1.51 / 1.53x (mean accepted 3.64 -> 4.93); the 12 bench prompts: level.
-DEFAULT_MIN_NGRAM = 2
+# The shortest match worth a verification depends on what a verification costs against a plain step. On one
+# PC a 1-token match is mostly a guess whose verification costs ~2.5 plain calls plus the width changes around
+# it: 60 held-out prompts of the demo pair, two A/B runs, lookup K=8 1.36 / 1.35x with 1-token matches
+# proposed against 1.51 / 1.50x without (adaptive K 1.42 / 1.42x -> 1.51 / 1.53x; the 12 bench prompts
+# level), and the 279M code target's lookup first measured its best at 2 as well (1.82 / 1.89 / 1.86x for
+# 1 / 2 / 3). Over the fleet a verification costs little more than a step, whose hops dominate: 2 PCs, 2
+# streams, demo target, 5 interleaved pairs, 1.40-1.56x (median 1.52) with 1-token matches against 1.02-1.52x
+# (median 1.48) without, 4 of the 5 pairs ahead. (A gate that weighed each run's measured step costs was
+# tried: it opened on the adaptive variant's cheap small-K verifications and lost on one PC.)
+DEFAULT_MIN_NGRAM = 2  # one PC
+FLEET_MIN_NGRAM = 1  # a chain of PCs
 
 
 def lookup_continuation(context: Sequence[int], k: int, max_ngram: int = DEFAULT_MAX_NGRAM,

@@ -390,7 +390,7 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
     def run_one(index: int, group: str) -> None:
         if config.key not in drafters:  # one per configuration: its warm-up round warms it too
             drafters[config.key] = open_drafter(options.demo_draft if config.drafter == "model" else None,
-                                                config.drafter == "lookup")
+                                                config.drafter == "lookup", over_fleet=True)
         draft = drafters[config.key]
         engine_options = EngineOptions(max_rows=config.max_rows, micro_batches=config.micro_batches)
         with FleetPipeline(placements[group], fleet.store.tls_files, return_logits=config.return_logits,

@@ -85,3 +85,10 @@ def _brute_force(context: list[int], k: int, max_ngram: int, min_ngram: int) -> 
 def test_lookup_matches_its_definition(context: list[int], k: int, max_ngram: int, min_ngram: int) -> None:
     min_ngram = min(min_ngram, max_ngram)
     assert lookup_continuation(context, k, max_ngram, min_ngram) == _brute_force(context, k, max_ngram, min_ngram)
+
+
+def test_one_pc_needs_a_2_token_match_and_a_chain_of_pcs_takes_1() -> None:
+    # A verification costs ~2.5 plain calls on one PC and little more than a step over the fleet's hops
+    local, fleet = open_drafter(None, True), open_drafter(None, True, over_fleet=True)
+    assert isinstance(local, PromptLookupDraft) and local.min_ngram == 2
+    assert isinstance(fleet, PromptLookupDraft) and fleet.min_ngram == 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from deskfleet.agent.stage import CompileSettings, Precision
 from deskfleet.controller.engine import ChainBroken
 from deskfleet.controller.pipeline import LocalPipeline
@@ -32,3 +34,22 @@ def test_after_a_failover_the_report_names_the_chain_the_run_finished_on(tiny_ex
     assert report["stages"] == 1 and isinstance(report["failovers"], list) and len(report["failovers"]) == 1
     assert unbroken["stages"] == 2 and unbroken["failovers"] == []
     assert report["tokens"] == unbroken["tokens"]
+
+
+def test_a_run_on_a_chain_of_pcs_drafts_as_over_the_fleet(tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deskfleet.controller import decoding_options
+
+    seen: list[bool] = []
+    real = decoding_options.open_drafter
+
+    def recording(*args: object, over_fleet: bool = False, **kwargs: object) -> object:
+        seen.append(over_fleet)
+        return real(*args, over_fleet=over_fleet, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(decoding_options, "open_drafter", recording)
+    options = GenerateOptions(model=tiny_export, prompt_ids=[[1, 5, 9, 1, 5]], max_new_tokens=4, ignore_eos=True,
+                              prompt_lookup=True, settings=F32)
+    run_generate(options)
+    with LocalPipeline(tiny_export, 2, F32) as chain:
+        run_generate(options, chain=StagedChain(chain, None, 2), chain_stages=2)
+    assert seen == [False, True]
