@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import os
 import signal
 import socket
 import time
@@ -31,7 +30,7 @@ from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement, cached_speed
 from deskfleet.agent.status import software_version
 from deskfleet.common.discovery_record import AgentRecord
-from deskfleet.common.file_lock import try_lock_file, unlock_file
+from deskfleet.common.file_lock import pid_lock
 from deskfleet.common.wire import Register, parse_address
 
 log = logging.getLogger(__name__)
@@ -126,23 +125,9 @@ class AgentService:
         """Hold the state folder's lock while serving: a second agent on the same data dir (same identity,
         cache and state) refuses to start instead of taking turns with the first at the controller."""
         path = self.paths.state_dir / LOCK_FILE
-        with open(path, "a+") as handle:
-            if not try_lock_file(handle.fileno()):  # the lock is on byte 0; the holder's pid follows it
-                try:
-                    handle.seek(1)
-                    holder = handle.read().strip() or "unknown"
-                except OSError:
-                    holder = "unknown"
-                raise OSError(f"{self.paths.state_dir} is in use by another agent (pid {holder}): stop it, or give "
-                              "this one a --data-dir of its own")
-            handle.seek(0)
-            handle.truncate()
-            handle.write(f"\n{os.getpid()}")
-            handle.flush()
-            try:
-                yield
-            finally:
-                unlock_file(handle.fileno())
+        with pid_lock(path, lambda pid: OSError(f"{self.paths.state_dir} is in use by another agent (pid {pid}): stop "
+                                                 "it, or give this one a --data-dir of its own")):
+            yield
 
     async def _advertise_forever(self, host: str) -> None:
         """mDNS advertisement with the current state, refreshed every ADVERTISE_REFRESH_S (a status that

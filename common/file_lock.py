@@ -6,8 +6,12 @@ that wrote into the file (a pid after the first byte) and a newcomer lock the sa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO
 
 if sys.platform == "win32":
     import msvcrt
@@ -47,3 +51,30 @@ else:
 
     def unlock_file(descriptor: int) -> None:
         fcntl.flock(descriptor, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def pid_lock(path: Path, refusal: Callable[[str], Exception]) -> Iterator[None]:
+    """Hold the lock on `path`'s first byte while the block runs, this process's pid written after it (for the
+    next comer's message); raise refusal(the holder's pid, or "unknown") at once when another process holds it.
+    One agent per data dir, one `fleet serve` or deploy per controller data dir."""
+    with open(path, "a+") as handle:
+        if not try_lock_file(handle.fileno()):
+            raise refusal(_holder(handle))
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"\n{os.getpid()}")
+        handle.flush()
+        try:
+            yield
+        finally:
+            unlock_file(handle.fileno())
+
+
+def _holder(handle: IO[str]) -> str:
+    """The pid a lock holder wrote after the locked first byte, or "unknown"."""
+    try:
+        handle.seek(1)
+        return handle.read().strip() or "unknown"
+    except OSError:
+        return "unknown"

@@ -25,7 +25,7 @@ import socket
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import IO, TypeVar
+from typing import TypeVar
 
 import platformdirs
 from cryptography import x509
@@ -35,7 +35,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from deskfleet.agent.link import TlsFiles, utc_now
 from deskfleet.common import pki
 from deskfleet.common.atomic_file import write_atomic
-from deskfleet.common.file_lock import lock_file, try_lock_file, unlock_file
+from deskfleet.common.file_lock import lock_file, pid_lock, unlock_file
 from deskfleet.common.wire import ProtocolError, Role, is_agent_id, parse_address
 
 log = logging.getLogger(__name__)
@@ -240,17 +240,8 @@ class FleetStore:
         """Hold the lock file `name` in the data dir, writing this process's pid after the locked first byte;
         FleetStoreError(refusal(the holder's pid)) at once when another process holds it."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.data_dir / name, "a+") as handle:
-            if not try_lock_file(handle.fileno()):  # the lock is on byte 0; the holder's pid follows it
-                raise FleetStoreError(refusal(_lock_holder(handle)))
-            handle.seek(0)
-            handle.truncate()
-            handle.write(f"\n{os.getpid()}")
-            handle.flush()
-            try:
-                yield
-            finally:
-                unlock_file(handle.fileno())
+        with pid_lock(self.data_dir / name, lambda pid: FleetStoreError(refusal(pid))):
+            yield
 
     def _load(self, path: Path, parse: Callable[[bytes], _T]) -> _T:
         try:
@@ -300,15 +291,6 @@ def _roster_entry(path: Path, agent_id: object, entry: object) -> RosterEntry:
         raise malformed(f"registered_at must be a string or null, not {registered_at!r:.60}")
     addresses = checked_addresses(entry.get("addresses", []), f"{path}: agent {agent_id[:12]}'s")
     return RosterEntry(agent_id, entry["hostname"], entry["enrolled_at"], addresses, registered_at)
-
-
-def _lock_holder(handle: IO[str]) -> str:
-    """The pid a lock holder wrote after the locked first byte, or "unknown"."""
-    try:
-        handle.seek(1)
-        return handle.read().strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def checked_addresses(value: object, where: str) -> tuple[str, ...]:

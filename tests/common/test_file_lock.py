@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from deskfleet.common.file_lock import lock_file, try_lock_file, unlock_file
+import pytest
+
+from deskfleet.common.file_lock import lock_file, pid_lock, try_lock_file, unlock_file
 
 
 def test_a_held_lock_refuses_a_second_holder_until_released(tmp_path: Path) -> None:
@@ -28,3 +31,22 @@ def test_a_holder_that_wrote_into_the_file_still_shuts_a_newcomer_out(tmp_path: 
         first.flush()
         assert not try_lock_file(second.fileno())
         unlock_file(first.fileno())
+
+
+def test_a_pid_lock_names_its_holder_to_the_next_comer_and_is_free_again_after(tmp_path: Path) -> None:
+    path = tmp_path / "serve.lock"
+    refused: list[str] = []
+
+    def refusal(pid: str) -> Exception:
+        refused.append(pid)
+        return RuntimeError(f"held by {pid}")
+
+    with pid_lock(path, refusal):
+        with open(path, "a+") as other:  # another process's open, as far as the lock is concerned
+            assert not try_lock_file(other.fileno())
+        with pytest.raises(RuntimeError, match=f"held by {os.getpid()}"):
+            with pid_lock(path, refusal):
+                pass
+    assert refused == [str(os.getpid())]
+    with pid_lock(path, refusal):  # let go: taken at once
+        pass
