@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from deskfleet.agent.advertise import interface_addresses
 from deskfleet.agent.link import Link, LinkError, open_link
 from deskfleet.common import pki
-from deskfleet.common.wire import Error, StatusReport, StatusRequest
+from deskfleet.common.wire import Error, RevocationUpdate, StatusReport, StatusRequest
 from deskfleet.controller.discovery import RESOLVE_TIMEOUT_MS, Discovery, ManualPeers, ZeroconfDiscovery
 from deskfleet.controller.fleet_ca import Revocations
 from deskfleet.controller.fleet_store import FleetStore
@@ -182,6 +182,9 @@ async def _ask(store: FleetStore, revocations: Revocations, agent_id: str | None
     except LinkError as error:
         return None, None, str(error)
     try:
+        # The fleet's list of removed agents rides along: an agent that was off during a removal, or that never
+        # meets `fleet serve` (which also sends it), refuses the removed agents' links from now on too.
+        await link.send(RevocationUpdate(tuple(sorted(revocations().agent_ids))))
         await link.send(StatusRequest())
         while True:
             message = await asyncio.wait_for(link.receive(), STATUS_TIMEOUT_S)

@@ -186,3 +186,33 @@ def test_no_more_than_64_links_are_being_opened_at_once(tmp_path: Path, monkeypa
 
     asyncio.run(scenario())
     assert most == fleet_survey.MAX_DIALS_AT_ONCE == 64
+
+
+def test_a_survey_tells_each_agent_the_fleet_s_list_of_removed_agents(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # An agent that was off during a removal learnt it only from `fleet serve`; every survey (fleet ls, plan,
+    # deploy, a failover's re-plan) now sends the list too
+    monkeypatch.setattr(fleet_survey, "interface_addresses", lambda: [LOOPBACK])
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    files = make_member(load_ca(store), tmp_path / "agent", "agent")
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    core = AgentCore(files, settings, ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor())
+    removed = _agent_id(7)
+    store.write("revoked", [removed])  # what `fleet remove` writes
+    port = free_port()
+    store.save_roster({core.agent_id: RosterEntry(core.agent_id, "pc-1", "2026-01-01T00:00:00+00:00",
+                                                  (f"{LOOPBACK}:{port}",))})
+
+    async def scenario() -> None:
+        server = await start_server(core.serve_link, LOOPBACK, port, files)
+        try:
+            found = await survey(store, SurveyOptions(discover_seconds=0))
+            await found.close()
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    assert not core.revocations().is_revoked(removed)
+    asyncio.run(scenario())
+    assert core.revocations().is_revoked(removed)
