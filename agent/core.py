@@ -125,7 +125,7 @@ class AgentCore:
         # the controller's last list of removed agents, kept across restarts: a restarted agent refuses them
         # even while the controller is out of reach
         self._revocations_file = revocations_file
-        self._revoked = _load_revocations(revocations_file)
+        self._revoked, self._revocations_unknown = _load_revocations(revocations_file)
         self._next_hops: dict[str, Link] = {}
         self._assign_lock = asyncio.Lock()
         self._release_watch = StageReleaseWatch()
@@ -139,6 +139,11 @@ class AgentCore:
 
     async def serve_link(self, link: Link) -> None:
         """Read and act on `link`'s messages until it closes. Never raises for the peer's faults."""
+        if link.peer.role is Role.AGENT and self._revocations_unknown is not None:
+            self._note_error(f"refused {link.describe()}: {self._revocations_unknown}")
+            await link.refuse(ErrorCode.UNAUTHORIZED, f"agent {self.agent_id[:12]} refuses agents until the "
+                                                      "controller sends its list of removed agents")
+            return
         if link.peer.role is Role.CONTROLLER:
             self._controller_links.append(link)
         self._links.add(link)
@@ -454,6 +459,7 @@ class AgentCore:
             except OSError as error:  # still refused in this run; only a restart could forget them
                 log.error("cannot save the removed agents to %s: %s", self._revocations_file, error)
         self._revoked = revoked
+        self._revocations_unknown = None  # the controller's list: known again
         for agent_id in agent_ids:
             hop = self._next_hops.pop(agent_id, None)
             if hop is not None:
@@ -469,6 +475,8 @@ class AgentCore:
             try:
                 if self._revoked.is_revoked(hop.agent_id):
                     raise LinkError(f"next hop {hop.agent_id[:12]} was removed from the fleet")
+                if self._revocations_unknown is not None:
+                    raise LinkError(f"next hop {hop.agent_id[:12]} not dialled: {self._revocations_unknown}")
                 if link is None:
                     link = await open_link(hop.address, self.files, expected_agent_id=hop.agent_id,
                                            revocations=self.revocations)
@@ -545,17 +553,20 @@ def _deploy_pin(link: Link) -> str:
     return f"\0deploy:{id(link)}"
 
 
-def _load_revocations(path: Path | None) -> pki.RevocationSet:
-    """The removed agents saved by the last RevocationUpdate; none when there is no such file. A file that
-    does not read as one is reported and ignored: the controller's next update replaces it."""
+def _load_revocations(path: Path | None) -> tuple[pki.RevocationSet, str | None]:
+    """(The removed agents saved by the last RevocationUpdate, None), or (none, why) when the saved list cannot
+    be read. No file: nobody was removed yet. A damaged one is not read as "nobody removed": that would let
+    removed agents in again; the agent refuses every agent link until the controller sends its list (at
+    registration, or a survey's first message), while the controller's links work as ever."""
     if path is None or not path.exists():
-        return pki.RevocationSet()
+        return pki.RevocationSet(), None
     try:
         agent_ids = read_json_object(path).get("revoked_agent_ids")
         if not isinstance(agent_ids, list):
             raise JsonFileError(f"{path} holds no list revoked_agent_ids")
         update = RevocationUpdate(tuple(agent_ids))  # checks that each is an agent id
     except (JsonFileError, ProtocolError, TypeError) as error:
-        log.error("ignoring the saved list of removed agents until the controller sends one: %s", error)
-        return pki.RevocationSet()
-    return pki.RevocationSet(frozenset(update.revoked_agent_ids))
+        log.error("the saved list of removed agents is damaged (%s): agents are refused until the controller "
+                  "sends its list", error)
+        return pki.RevocationSet(), f"the saved list of removed agents is damaged ({error})"
+    return pki.RevocationSet(frozenset(update.revoked_agent_ids)), None

@@ -144,6 +144,13 @@ class RecordingLink(FakeLink):
         self.refused = f"{code.value}: {text}"
 
 
+class ClosingLink(RecordingLink):
+    """A recording link whose peer closes it at once (serve_link then returns)."""
+
+    async def receive(self) -> Message:
+        raise LinkError("closed by the peer")
+
+
 def test_results_and_relayed_errors_go_to_the_driver_that_said_results_here(core: AgentCore) -> None:
     async def scenario() -> tuple[RecordingLink, RecordingLink]:
         driver, other = RecordingLink(Role.CONTROLLER), RecordingLink(Role.CONTROLLER)
@@ -195,9 +202,16 @@ def test_the_removed_agents_are_remembered_across_a_restart(core: AgentCore, tmp
     assert not restarted().revocations().agent_ids
     for damaged in ("{not json", '{"revoked_agent_ids": ["not an id"]}', '{"revoked_agent_ids": 7}', "[]"):
         saved.write_text(damaged)
-        assert not restarted().revocations().agent_ids  # reported and ignored, no traceback
-        handle(restarted(), Role.CONTROLLER, RevocationUpdate((removed,)))  # the next update replaces it
-        assert restarted().revocations().is_revoked(removed)
+        agent = restarted()  # no traceback; and not read as "nobody removed": every agent link is refused
+        refused = ClosingLink(Role.AGENT)
+        asyncio.run(agent.serve_link(cast(Link, refused)))
+        assert refused.refused is not None and refused.refused.startswith("unauthorized: ")
+        assert "until the controller sends its list of removed agents" in refused.refused
+        handle(agent, Role.CONTROLLER, RevocationUpdate((removed,)))  # the controller's list replaces it
+        assert agent.revocations().is_revoked(removed) and restarted().revocations().is_revoked(removed)
+        served = ClosingLink(Role.AGENT)  # known again: an agent not removed is served
+        asyncio.run(agent.serve_link(cast(Link, served)))
+        assert served.refused is None
 
 
 def test_status_carries_the_measured_speed_and_probes_once(core: AgentCore) -> None:
