@@ -213,6 +213,7 @@ from deskfleet.common.model_spec import WeightFormat
 from deskfleet.controller.export import exporter
 
 checkpoint, out, signum, when = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+signal.signal(signum, signal.SIG_DFL)  # the case under test, whatever the test run inherited (nohup ignores SIGHUP)
 save, set_handler = exporter._save, signal.signal
 
 def save_then_signal(*args, **kwargs):
