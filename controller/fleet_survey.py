@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 STATUS_TIMEOUT_S = 5.0
 MAX_ADDRESSES_PER_AGENT = 16  # dialled per agent: those an authenticated source gave first
 MAX_DIALS_AT_ONCE = 64  # links being opened at a time, whatever the announcements claim
+NEVER_REGISTERED = ("joined, but its agent never called in: start `deskfleet-agent --headless` (with the join's "
+                    "--data-dir) on that PC")
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,11 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
             found.links[known_id] = link
         hostname = roster[known_id].hostname if known_id is not None and known_id in roster else "?"
         found.agents.append(AgentView(known_id, hostname, address, source_names, report, problem))
+    if options.use_roster:  # members that joined but whose agent never called in: listed, so the admin sees them
+        listed = {agent.agent_id for agent in found.agents}
+        for agent_id, member in roster.items():
+            if not member.addresses and agent_id not in listed and not revocations().is_revoked(agent_id):
+                found.agents.append(AgentView(agent_id, member.hostname, "-", ("roster",), None, NEVER_REGISTERED))
     return found
 
 

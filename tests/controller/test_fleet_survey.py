@@ -216,3 +216,22 @@ def test_a_survey_tells_each_agent_the_fleet_s_list_of_removed_agents(tmp_path: 
     assert not core.revocations().is_revoked(removed)
     asyncio.run(scenario())
     assert core.revocations().is_revoked(removed)
+
+
+def test_a_member_whose_agent_never_called_in_is_listed_as_such(tmp_path: Path) -> None:
+    # It joined (the roster has it) but never registered an address: fleet ls did not list it at all
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    quiet, removed = _agent_id(21), _agent_id(22)
+    store.save_roster({quiet: RosterEntry(quiet, "pc-quiet", "2026-01-01T00:00:00+00:00", ()),
+                       removed: RosterEntry(removed, "pc-gone", "2026-01-01T00:00:00+00:00", ())})
+    store.write("revoked", [removed])
+
+    async def scenario() -> fleet_survey.Survey:
+        found = await survey(store, SurveyOptions(discover_seconds=0))
+        await found.close()
+        return found
+
+    found = asyncio.run(scenario())
+    assert [(agent.agent_id, agent.hostname, agent.report) for agent in found.agents] == [(quiet, "pc-quiet", None)]
+    assert found.agents[0].problem == fleet_survey.NEVER_REGISTERED and found.agents[0].sources == ("roster",)
