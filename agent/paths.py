@@ -127,8 +127,8 @@ class AgentSettings:
         settings = cls(thresholds=thresholds, **_checked(cls, body, source, skip=("thresholds",)))
         try:
             settings.policy()
-        except ValueError as error:
-            raise SettingsError(f"{source}: {error}") from error
+        except ValueError as error:  # every limit the policy checks is a field of `thresholds`
+            raise SettingsError(f"{source}: thresholds.{error}") from error
         if settings.cache_limit_bytes <= 0:
             raise SettingsError(f"{source}: cache_limit_bytes must be positive")
         if settings.speed_gb_per_s is not None and not 0 < settings.speed_gb_per_s < MAX_SPEED_GB_PER_S:
