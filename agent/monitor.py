@@ -2,7 +2,9 @@
 
 `SystemMonitor` is the interface the agent core depends on; tests give it a fake. `HostMonitor` reads
 the real machine:
-- CPU load, memory, battery and AC: psutil (battery None on a PC without one).
+- CPU load and memory: psutil. Battery and AC: on Linux the power_supply sysfs class (every system
+  battery together; a wireless mouse's or headset's battery, scope "Device", is not the PC's), elsewhere
+  psutil; None on a PC without a battery.
 - Temperatures: on Linux the hwmon sysfs tree (thermal zones when hwmon has none); elsewhere
   psutil.sensors_temperatures where psutil has it. Windows exposes none without admin rights: empty.
 - iGPU busy: on Linux `class/drm/card*/device/gpu_busy_percent` where the driver exposes it (amdgpu),
@@ -48,7 +50,7 @@ from deskfleet.common.availability import (
 __all__ = [
     "Availability", "AvailabilityPolicy", "DrmFdinfoSampler", "HostMonitor", "HostProbes", "MonitorReading",
     "SystemMonitor", "TemperatureReading", "decide_availability", "parse_typeperf_gpu", "read_drm_busy_percent",
-    "read_hwmon_temperatures",
+    "read_hwmon_temperatures", "read_power_supply",
 ]
 
 logger = logging.getLogger(__name__)
@@ -97,7 +99,8 @@ class HostProbes:
 
     cpu_load: Callable[[], float] = _psutil_cpu_load
     memory: Callable[[], tuple[int, int]] = _psutil_memory  # (free, total)
-    battery: Callable[[], tuple[float | None, bool | None] | None] = _psutil_battery  # (percent, on AC)
+    # (percent, on AC); None: the platform's own reader (Linux: the sysfs power_supply class, else psutil)
+    battery: Callable[[], tuple[float | None, bool | None] | None] | None = None
     temperatures: Callable[[], tuple[TemperatureReading, ...]] = _psutil_temperatures  # non-Linux only
 
 
@@ -121,7 +124,7 @@ class HostMonitor:
     def read(self) -> MonitorReading:
         """One reading of every sensor; a sensor that fails to read is None (logged the first time)."""
         free, total = self._probe("memory", self.probes.memory, (0, 0))
-        percent, on_ac = self._probe("battery", self.probes.battery, None) or (None, None)
+        percent, on_ac = self._probe("battery", self._battery_probe(), None) or (None, None)
         if percent is not None:
             percent = min(100.0, max(0.0, percent)) if math.isfinite(percent) else None
         return MonitorReading(
@@ -146,6 +149,13 @@ class HostMonitor:
             else:
                 logger.debug("cannot read the %s: %s: %s", name, type(error).__name__, error)
             return unknown
+
+    def _battery_probe(self) -> Callable[[], tuple[float | None, bool | None] | None]:
+        if self.probes.battery is not None:
+            return self.probes.battery
+        if self.platform.startswith("linux"):
+            return lambda: read_power_supply(self.sysfs_root)
+        return _psutil_battery
 
     def _temperatures(self) -> tuple[TemperatureReading, ...]:
         if self.platform.startswith("linux"):
@@ -186,6 +196,67 @@ def read_hwmon_temperatures(sysfs_root: Path) -> tuple[TemperatureReading, ...]:
         if millidegrees is not None and _plausible(millidegrees / 1000.0):
             found.append(TemperatureReading(_read_text(zone / "type") or zone.name, millidegrees / 1000.0))
     return tuple(found)
+
+
+def read_power_supply(sysfs_root: Path) -> tuple[float | None, bool | None] | None:
+    """(battery percent, on AC) from `class/power_supply`, or None where the PC has no battery of its own.
+
+    psutil reads the first supply named BAT* or *battery* and AC power from `AC`/`AC0` alone, so a desktop
+    with a wireless mouse (hidpp_battery_0, discharging) read as a PC on battery, a laptop's second
+    battery was ignored and an adapter named ADP1 or ACAD was unknown. Here: every battery (type
+    "Battery") that is present and not a peripheral's (scope "Device") counts, weighted by its full charge
+    when all report the same unit (energy_* in µWh or charge_* in µAh), else as the mean of their
+    percentages (the `capacity` file where the pair is missing or full reads 0: unknown, not 0%). On AC:
+    True when any mains or USB supply of the PC is online, False when those are all offline, else from
+    the batteries' status (Discharging: False; Charging or Full: True), else None.
+    """
+    batteries: list[tuple[tuple[str, int, int] | None, int | None, str]] = []  # (unit, now, full), capacity, status
+    online: list[int] = []
+    for supply in sorted((sysfs_root / "class" / "power_supply").glob("*")):
+        if _read_text(supply / "scope").lower() == "device":
+            continue  # a mouse, keyboard, headset or game pad: not what powers the PC
+        kind = _read_text(supply / "type").lower()
+        if kind == "battery":
+            if _read_text(supply / "present") == "0":
+                continue  # an empty second bay
+            pair = None
+            for unit in ("energy", "charge"):
+                now, full = _read_int(supply / f"{unit}_now"), _read_int(supply / f"{unit}_full")
+                if now is not None and full is not None and now >= 0 and full > 0:
+                    pair = (unit, now, full)
+                    break
+            batteries.append((pair, _read_int(supply / "capacity"), _read_text(supply / "status").lower()))
+        else:
+            state = _read_int(supply / "online")
+            if state is not None:
+                online.append(state)
+    if not batteries:
+        return None
+    pairs = [pair for pair, _, _ in batteries]
+    percent: float | None
+    if all(pair is not None for pair in pairs) and len({pair[0] for pair in pairs if pair is not None}) == 1:
+        percent = 100.0 * sum(pair[1] for pair in pairs if pair) / sum(pair[2] for pair in pairs if pair)
+    else:
+        each = []
+        for pair, capacity, _ in batteries:
+            if pair is not None:
+                each.append(100.0 * pair[1] / pair[2])
+            elif capacity is not None:
+                each.append(float(capacity))
+        percent = sum(each) / len(each) if each else None
+    statuses = {status for _, _, status in batteries}
+    on_ac: bool | None
+    if any(state > 0 for state in online):
+        on_ac = True
+    elif online:
+        on_ac = False
+    elif "discharging" in statuses:
+        on_ac = False
+    elif statuses & {"charging", "full"}:
+        on_ac = True
+    else:
+        on_ac = None
+    return percent, on_ac
 
 
 def read_drm_busy_percent(sysfs_root: Path) -> float | None:
