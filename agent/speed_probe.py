@@ -25,6 +25,7 @@ from deskfleet.common.atomic_file import write_atomic
 log = logging.getLogger(__name__)
 
 CACHE_NAME = "speed_probe.json"
+MAX_GB_PER_S = 1e5  # what a StatusReport takes (weight_gb_per_s); a cached figure outside is measured over
 
 
 @dataclass(frozen=True)
@@ -72,9 +73,11 @@ def cached_speed(state_dir: Path, device: str, measure: Callable[[str], SpeedMea
     path = state_dir / CACHE_NAME
     try:
         cached = SpeedMeasurement(**json.loads(path.read_text(encoding="utf-8")))
-        if cached.device == device and cached.version == ov.get_version() and cached.weight_gb_per_s > 0:
+        speed = cached.weight_gb_per_s
+        if (cached.device == device and cached.version == ov.get_version() and type(speed) in (int, float)
+                and 0 < speed < MAX_GB_PER_S):  # json reads Infinity and 1e999; a StatusReport refuses them
             return cached
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, RecursionError):
         pass
     measured = measure(device)
     log.info("measured %.1f GB/s of weights on %s", measured.weight_gb_per_s, device)
