@@ -3,14 +3,17 @@
 Decoding one token reads every weight once, so a stage's decode time is about its weight bytes divided by
 the rate at which the device streams weights through a MatVec. The probe compiles a MatVec over
 `weight_bytes` of f16 weights on the configured device, times it, and reports weight GB/s. Layers are
-then planned in proportion to this figure. The result is cached per (device, software version) in the
-agent's state folder: the probe costs about a second, not at every start.
+then planned in proportion to this figure. The result is cached per (device, software version, hardware:
+CPU model, cores, installed memory) in the agent's state folder: the probe costs about a second, not at
+every start, and a memory upgrade or a state folder copied to another PC is measured again.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -19,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
+import psutil
 
 from deskfleet.common.atomic_file import write_atomic
 
@@ -71,19 +75,38 @@ def cached_speed(state_dir: Path, device: str, measure: Callable[[str], SpeedMea
     A cache file that cannot be read is measured over, never trusted.
     """
     path = state_dir / CACHE_NAME
+    hardware = hardware_fingerprint()
     try:
-        cached = SpeedMeasurement(**json.loads(path.read_text(encoding="utf-8")))
+        body = json.loads(path.read_text(encoding="utf-8"))
+        measured_on = body.pop("hardware", None) if isinstance(body, dict) else None
+        cached = SpeedMeasurement(**body)
         speed = cached.weight_gb_per_s
-        if (cached.device == device and cached.version == ov.get_version() and type(speed) in (int, float)
-                and 0 < speed < MAX_GB_PER_S):  # json reads Infinity and 1e999; a StatusReport refuses them
+        if (cached.device == device and cached.version == ov.get_version() and measured_on == hardware
+                and type(speed) in (int, float) and 0 < speed < MAX_GB_PER_S):  # json reads Infinity and 1e999
             return cached
     except (OSError, ValueError, TypeError, RecursionError):
         pass
     measured = measure(device)
     log.info("measured %.1f GB/s of weights on %s", measured.weight_gb_per_s, device)
     try:
-        write_atomic(path, json.dumps(asdict(measured)).encode("utf-8"))
+        write_atomic(path, json.dumps({**asdict(measured), "hardware": hardware}).encode("utf-8"))
     except OSError as error:  # a read-only state folder: the measurement still counts, for this run
         log.warning("cannot keep the speed measurement in %s (%s): it is measured again at the next start",
                     path, error.strerror or error)
     return measured
+
+
+def hardware_fingerprint() -> str:
+    """What a measured rate depends on besides the device and OpenVINO: the CPU model, its logical cores and
+    the installed memory in GiB."""
+    return f"{_cpu_model()} | {os.cpu_count()} cores | {psutil.virtual_memory().total >> 30} GiB"
+
+
+def _cpu_model() -> str:
+    try:  # Linux names the model here; platform.processor() is often empty there
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

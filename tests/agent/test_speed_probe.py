@@ -53,3 +53,24 @@ def test_a_measurement_that_cannot_be_cached_still_counts(tmp_path: Path, monkey
     monkeypatch.setattr(speed_probe, "write_atomic", read_only)
     measured = SpeedMeasurement("CPU", ov.get_version(), 12.5, 0.001)
     assert cached_speed(tmp_path, "CPU", lambda device: measured) == measured
+
+
+def test_other_hardware_under_the_same_state_folder_is_measured_again(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # A memory upgrade (the rate follows memory bandwidth), or a state folder copied to another PC with an
+    # image, kept the old figure for good
+    from deskfleet.agent import speed_probe
+
+    calls: list[float] = []
+
+    def fake(device: str) -> SpeedMeasurement:
+        calls.append(12.5 * (len(calls) + 1))
+        return SpeedMeasurement(device, ov.get_version(), calls[-1], 0.001)
+
+    monkeypatch.setattr(speed_probe, "hardware_fingerprint", lambda: "cpu X | 8 cores | 16 GiB")
+    assert cached_speed(tmp_path, "CPU", fake).weight_gb_per_s == 12.5
+    assert cached_speed(tmp_path, "CPU", fake).weight_gb_per_s == 12.5
+    monkeypatch.setattr(speed_probe, "hardware_fingerprint", lambda: "cpu X | 8 cores | 32 GiB")
+    assert cached_speed(tmp_path, "CPU", fake).weight_gb_per_s == 25.0
+    assert json.loads((tmp_path / CACHE_NAME).read_text())["hardware"] == "cpu X | 8 cores | 32 GiB"
+    assert "cores" in speed_probe.hardware_fingerprint() and "GiB" in speed_probe.hardware_fingerprint()
