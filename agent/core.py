@@ -128,6 +128,7 @@ class AgentCore:
         self._revoked, self._revocations_unknown = _load_revocations(revocations_file)
         self._next_hops: dict[str, Link] = {}
         self._assign_lock = asyncio.Lock()
+        self._shard_writers: dict[str, Link] = {}  # shard being received -> the link sending it
         self._release_watch = StageReleaseWatch()
         self._released_because: str | None = None  # why the stages were given up, until the next assignment
 
@@ -183,6 +184,8 @@ class AgentCore:
         finally:
             self.cache.unpin(_deploy_pin(link))
             self._links.discard(link)
+            for sha256 in [sha256 for sha256, writer in self._shard_writers.items() if writer is link]:
+                del self._shard_writers[sha256]  # a later deploy resumes the shard from what arrived
             if link in self._controller_links:
                 self._controller_links.remove(link)
             if self._results_link is link:
@@ -218,9 +221,11 @@ class AgentCore:
                     raise CommandError(ErrorCode.OUT_OF_MEMORY, str(error)) from None
             return self.cache.have(message.sha256s)
         if isinstance(message, ShardChunk):
-            self._receive_chunk(message)
+            self._receive_chunk(link, message)
             return None
         if isinstance(message, ShardComplete):
+            self._check_shard_writer(link, message.sha256)
+            self._shard_writers.pop(message.sha256, None)
             try:
                 await asyncio.to_thread(self.cache.complete, message.sha256)
             except ShardCacheError as error:
@@ -300,7 +305,17 @@ class AgentCore:
 
     # Private methods: shards and stages
 
-    def _receive_chunk(self, chunk: ShardChunk) -> None:
+    def _check_shard_writer(self, link: Link, sha256: str) -> None:
+        """Refuse (BUSY) a shard's chunks from a second link while another live link sends it: two controllers
+        deploying to this PC at once interleaved the chunks of a shared shard, and both deploys failed."""
+        writer = self._shard_writers.get(sha256)
+        if writer is not None and writer is not link and writer in self._links:
+            raise CommandError(ErrorCode.BUSY, f"shard {sha256[:12]}… is being received from {writer.describe()} "
+                                               "(another deploy to this PC): deploy again once it has finished")
+
+    def _receive_chunk(self, link: Link, chunk: ShardChunk) -> None:
+        self._check_shard_writer(link, chunk.sha256)
+        self._shard_writers[chunk.sha256] = link
         try:
             self.cache.receive(chunk)
         except ShardCacheError as error:

@@ -393,3 +393,32 @@ def test_an_unreachable_next_hop_is_named_in_the_error_the_driver_gets(core: Age
     error = driver.sent[0]
     assert isinstance(error, Error) and "is unreachable" in error.message
     assert (error.agent_id, error.micro_batch_id) == (dead, 1)
+
+
+def test_a_shard_sent_by_two_deploys_at_once_is_taken_from_the_first(core: AgentCore) -> None:
+    # Two controllers deploying the same model to this PC interleaved its chunks ("chunk at offset 0 is out of
+    # order") and both deploys failed; now the second is told to wait, and the first one's shard arrives whole
+    data = bytes(range(256)) * 40
+    digest = hashlib.sha256(data).hexdigest()
+    first, second = RecordingLink(Role.CONTROLLER), RecordingLink(Role.CONTROLLER, "b" * 52)
+    core._links |= {cast(Link, first), cast(Link, second)}
+
+    def send(link: RecordingLink, message: Message) -> Message | None:
+        return asyncio.run(core.handle(cast(Link, link), message))
+
+    send(first, ShardChunk(digest, 0, len(data), data[:4000]))
+    with pytest.raises(CommandError, match=r"is being received from .*another deploy to this PC") as refused:
+        send(second, ShardChunk(digest, 0, len(data), data[:4000]))
+    assert refused.value.code is ErrorCode.BUSY
+    with pytest.raises(CommandError, match="another deploy"):
+        send(second, ShardComplete(digest))
+    send(first, ShardChunk(digest, 4000, len(data), data[4000:]))
+    send(first, ShardComplete(digest))
+    assert core.cache.has(digest)
+    other = bytes(range(200)) * 30  # once the first link is gone, another may take up a shard it left half-sent
+    other_digest = hashlib.sha256(other).hexdigest()
+    send(first, ShardChunk(other_digest, 0, len(other), other[:1000]))
+    core._links.discard(cast(Link, first))
+    send(second, ShardChunk(other_digest, 1000, len(other), other[1000:]))
+    send(second, ShardComplete(other_digest))
+    assert core.cache.has(other_digest)
