@@ -8,20 +8,9 @@ venv="${DESKFLEET_VENV:-.venv}"
 stamp="$venv/.deskfleet-installed"
 # A venv whose creation was interrupted has bin/python but no pip; one made by an older Python (or whose
 # Python is gone) would take packages built for it, or none at all.
-if ! "$venv/bin/python" -c 'import sys, pip; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-    if [ -e "$venv" ]; then
-        # Only what a venv holds is removed: DESKFLEET_VENV naming any other folder is refused.
-        if [ ! -d "$venv" ] || find "$venv" -mindepth 1 -maxdepth 1 ! -name bin ! -name include ! -name lib \
-                ! -name lib64 ! -name pyvenv.cfg ! -name .deskfleet-installed | grep -q .; then
-            echo "bootstrap: $venv is not a working Python 3.11+ venv, and not only a venv: remove it yourself," \
-                 "or set DESKFLEET_VENV to another folder" >&2
-            exit 1
-        fi
-        echo "bootstrap: $venv is not a working Python 3.11+ venv with pip: making it again" >&2
-        rm -rf "$venv"
-    fi
-    python3 -m venv "$venv"
-fi
+. scripts/venv.sh
+ensure_venv bootstrap "$venv" .deskfleet-installed DESKFLEET_VENV \
+    'import sys, pip; sys.exit(sys.version_info < (3, 11))' "a working Python 3.11+ venv"
 # What the install was made for: the dependencies, where the checkout is (the editable install and the
 # entry points name its absolute path), and the venv's Python.
 wanted="$(sha256sum pyproject.toml | cut -d' ' -f1) $(pwd -P) $("$venv/bin/python" -c 'import sys; print(sys.version)' | head -1)"

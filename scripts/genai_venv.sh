@@ -11,20 +11,9 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 venv="${DESKFLEET_GENAI_VENV:-.venv-genai}"
 stamp="$venv/.genai-installed"
-# A venv whose creation was interrupted has bin/python but no pip: make it again (only a venv is removed).
-if ! "$venv/bin/python" -c 'import pip' 2>/dev/null; then
-    if [ -e "$venv" ]; then
-        if [ ! -d "$venv" ] || find "$venv" -mindepth 1 -maxdepth 1 ! -name bin ! -name include ! -name lib \
-                ! -name lib64 ! -name pyvenv.cfg ! -name .genai-installed | grep -q .; then
-            echo "genai_venv: $venv is not a working venv, and not only a venv: remove it yourself," \
-                 "or set DESKFLEET_GENAI_VENV to another folder" >&2
-            exit 1
-        fi
-        echo "genai_venv: $venv is not a working venv with pip: making it again" >&2
-        rm -rf "$venv"
-    fi
-    python3 -m venv "$venv"
-fi
+# A venv whose creation was interrupted has bin/python but no pip: made again (only a venv is removed).
+. scripts/venv.sh
+ensure_venv genai_venv "$venv" .genai-installed DESKFLEET_GENAI_VENV 'import pip' "a working venv"
 # What the install was made for: this script's recipe (the packages and pins below) and the venv's Python.
 # A change of either installs again; an install interrupted before its end left no stamp.
 wanted="$(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1) $("$venv/bin/python" -c 'import sys; print(sys.version)' | head -1)"
