@@ -253,7 +253,7 @@ class FleetPipeline:
                 await link.close()
             if isinstance(error, ChainError):
                 raise
-            raise ChainError(f"cannot open the chain {self.describe()}: {error or 'timed out'}") from None
+            raise ChainError(f"cannot open the chain {self.describe()}: {str(error) or 'timed out'}") from None
         return links
 
     async def _send_all(self, first: Link) -> None:

@@ -95,7 +95,7 @@ class FleetServer:
         try:
             message = await asyncio.wait_for(link.receive(), REGISTER_TIMEOUT_S)
         except (LinkError, TimeoutError) as error:
-            log.info("agent %s did not register: %s", link.peer.agent_id[:12], error or "timed out")
+            log.info("agent %s did not register: %s", link.peer.agent_id[:12], str(error) or "timed out")
             await link.close()
             return
         if not isinstance(message, Register) or message.agent_id != link.peer.agent_id:

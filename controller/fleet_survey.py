@@ -202,4 +202,4 @@ async def _ask(store: FleetStore, revocations: Revocations, agent_id: str | None
     except (LinkError, TimeoutError) as error:
         with contextlib.suppress(LinkError):
             await link.close()
-        return None, None, f"no status from {address}: {error or 'timed out'}"
+        return None, None, f"no status from {address}: {str(error) or 'timed out'}"

@@ -10,6 +10,7 @@ import asyncio
 import random
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 from typing import cast
 
 import pytest
@@ -235,3 +236,27 @@ def test_a_member_whose_agent_never_called_in_is_listed_as_such(tmp_path: Path) 
     found = asyncio.run(scenario())
     assert [(agent.agent_id, agent.hostname, agent.report) for agent in found.agents] == [(quiet, "pc-quiet", None)]
     assert found.agents[0].problem == fleet_survey.NEVER_REGISTERED and found.agents[0].sources == ("roster",)
+
+
+def test_an_agent_that_never_answers_the_status_request_is_said_to_have_timed_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The problem read "no status from ADDRESS: " (a TimeoutError's text is empty, the exception itself truthy)
+    class SilentLink:
+        async def send(self, message: object) -> None:
+            pass
+
+        async def receive(self) -> object:
+            await asyncio.sleep(10)
+
+        async def close(self) -> None:
+            pass
+
+    async def opened(*args: object, **kwargs: object) -> SilentLink:
+        return SilentLink()
+
+    monkeypatch.setattr(fleet_survey, "open_link", opened)
+    monkeypatch.setattr(fleet_survey, "STATUS_TIMEOUT_S", 0.01)
+    revocations = cast(Revocations, lambda: pki.RevocationSet())
+    store = cast(FleetStore, SimpleNamespace(tls_files=None))
+    link, report, problem = asyncio.run(fleet_survey._ask(store, revocations, None, "10.0.0.9:7431"))
+    assert (link, report, problem) == (None, None, "no status from 10.0.0.9:7431: timed out")
