@@ -318,6 +318,8 @@ class AgentCore:
         self._shard_writers[chunk.sha256] = link
         try:
             self.cache.receive(chunk)
+        except CacheFull as error:  # what hosted stages, deploys and builds hold leaves it no room
+            raise CommandError(ErrorCode.OUT_OF_MEMORY, str(error)) from None
         except ShardCacheError as error:
             raise CommandError(ErrorCode.SHARD_MISMATCH, str(error)) from None
         except OSError as error:  # the cache's disk full or not writable: what was received so far stays

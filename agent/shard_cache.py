@@ -15,20 +15,28 @@ then `materialize(...)` for the stage's files and `pin(owner, ...)` while a stag
 
 Disk use is bounded by `limit_bytes`: before a shard is received, least recently used unpinned shards
 (and stale partial files) are evicted to make room; when pinned shards alone leave no room, CacheFull.
-Not thread-safe: call from one thread (or one asyncio task). `complete` and `materialize` hash or
-copy whole files; call them in a worker thread (asyncio.to_thread) for large shards.
+Eviction never removes what is held: shards pinned by an owner, the shards a `materialize` or `complete` in
+progress is using (held for the call's duration), or a view folder being built. The agent calls
+`complete` and `materialize` in a worker thread (they hash or copy whole files) while chunks of another
+deploy arrive on the event loop and evict: a lock orders every change of the cache's files and pins, and
+is not held while files are hashed, linked or copied. An eviction that ran while a view was being built
+removed the half-built folder (it had no index yet), and the stage being assigned failed with a bare
+"No such file or directory".
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import re
 import shutil
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +48,7 @@ logger = logging.getLogger(__name__)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
 _VIEW_INDEX = ".view.json"
+_HOLDERS = "hosted stages, deploys and stage builds in progress"
 
 
 class ShardCacheError(Exception):
@@ -51,7 +60,7 @@ class ShardMismatch(ShardCacheError):
 
 
 class CacheFull(ShardCacheError):
-    """Pinned shards leave no room for this one under the cache limit."""
+    """Pinned or held shards leave no room for this one under the cache limit."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,9 @@ class ShardCache:
         self.limit_bytes = limit_bytes
         self._clock = clock
         self._pins: dict[str, frozenset[str]] = {}
+        self._lock = threading.RLock()  # see the module's docstring: eviction against builds in worker threads
+        self._building: set[str] = set()  # view staging folders being filled: eviction leaves them alone
+        self._hold_ids = itertools.count(1)
         for folder in (self._blobs, self._partials, self._views):
             folder.mkdir(parents=True, exist_ok=True)
 
@@ -102,16 +114,17 @@ class ShardCache:
         CacheFull before anything is evicted when the ones not yet held could not fit even by evicting every
         other unpinned shard: a stage too big for the cache is refused whole, not after evicting its own
         first files and other models' shards."""
-        missing = sum(size for sha256, size in sizes.items() if not self.has(sha256) and self._find_partial(sha256)
-                      is None)
-        self.pin(owner, sizes)
-        try:
-            self._refuse_if_eviction_cannot_fit(missing, "of a stage")
-        except CacheFull:
-            self.unpin(owner)
-            raise CacheFull(f"the stage's {len(sizes)} files need {missing} bytes more, which the cache cannot hold "
-                            f"(its limit is {self.limit_bytes} bytes, {self.usage().pinned_bytes} of them pinned by "
-                            "hosted stages): nothing was evicted") from None
+        with self._lock:
+            missing = sum(size for sha256, size in sizes.items()
+                          if not self.has(sha256) and self._find_partial(sha256) is None)
+            self.pin(owner, sizes)
+            try:
+                self._refuse_if_eviction_cannot_fit(missing, "of a stage")
+            except CacheFull:
+                self.unpin(owner)
+                raise CacheFull(f"the stage's {len(sizes)} files need {missing} bytes more, which the cache cannot "
+                                f"hold (its limit is {self.limit_bytes} bytes, {self.usage().pinned_bytes} of them "
+                                f"pinned by {_HOLDERS}): nothing was evicted") from None
 
     def drop_corrupted(self, sha256s: Iterable[str]) -> list[str]:
         """Re-hash the named blobs (the disk may have changed them since they were verified) and delete those
@@ -121,7 +134,8 @@ class ShardCache:
         for sha256 in sha256s:
             blob = self._blobs / _checked_sha(sha256)
             if blob.is_file() and sha256_of(blob) != sha256:
-                blob.unlink()
+                with self._lock:
+                    blob.unlink(missing_ok=True)
                 dropped.append(sha256)
                 logger.warning("dropped shard %s… from the cache: its bytes changed on disk", sha256[:12])
         return dropped
@@ -137,7 +151,11 @@ class ShardCache:
         return ShardHave(tuple(complete), tuple(partial))
 
     def usage(self) -> CacheUsage:
-        pinned = set().union(*self._pins.values()) if self._pins else set()
+        with self._lock:
+            return self._usage()
+
+    def _usage(self) -> CacheUsage:
+        pinned = self._pinned()
         blobs = [(entry.name, entry.stat().st_size) for entry in os.scandir(self._blobs)]
         partials = [_reserved_bytes(Path(entry.path)) for entry in os.scandir(self._partials)]
         return CacheUsage(
@@ -158,6 +176,10 @@ class ShardCache:
         _checked_sha(sha256)
         if total_size < 0:
             raise ShardCacheError(f"shard {sha256[:12]}…: negative size {total_size}")
+        with self._lock:
+            return self._begin(sha256, total_size)
+
+    def _begin(self, sha256: str, total_size: int) -> int:
         if self.has(sha256):
             return total_size
         part = self._find_partial(sha256)
@@ -182,7 +204,12 @@ class ShardCache:
         `offset` must equal the bytes already held (chunks in order, no gaps, no resends), and the chunk
         must not run past the size given to `begin`; otherwise ShardCacheError and nothing is written.
         """
-        part = self._find_partial(_checked_sha(sha256))
+        _checked_sha(sha256)
+        with self._lock:
+            return self._write(sha256, offset, data)
+
+    def _write(self, sha256: str, offset: int, data: bytes) -> int:
+        part = self._find_partial(sha256)
         if part is None:
             raise ShardCacheError(f"shard {sha256[:12]}… was not begun (call begin first)")
         held = part.stat().st_size
@@ -201,93 +228,109 @@ class ShardCache:
 
     def receive(self, chunk: ShardChunk) -> int:
         """`begin` (if needed) then `write` one wire chunk; returns the bytes now held."""
-        if self.has(chunk.sha256):
-            return chunk.total_size
-        part = self._find_partial(chunk.sha256)
-        if part is None or _partial_size(part) != chunk.total_size:
-            self.begin(chunk.sha256, chunk.total_size)
-        return self.write(chunk.sha256, chunk.offset, chunk.data)
+        with self._lock:
+            if self.has(chunk.sha256):
+                return chunk.total_size
+            part = self._find_partial(chunk.sha256)
+            if part is None or _partial_size(part) != chunk.total_size:
+                self.begin(chunk.sha256, chunk.total_size)
+            return self.write(chunk.sha256, chunk.offset, chunk.data)
 
     def complete(self, sha256: str) -> Path:
         """Verify a fully received shard and publish it; returns the blob's path.
 
         ShardCacheError if bytes are missing; ShardMismatch (partial deleted) if the hash differs.
         """
-        if self.has(sha256):
-            return self.path(sha256)
-        part = self._find_partial(sha256)
-        if part is None:
-            raise ShardCacheError(f"shard {sha256[:12]}… was never begun")
-        held, total = part.stat().st_size, _partial_size(part)
-        if held != total:
-            raise ShardCacheError(f"shard {sha256[:12]}… is incomplete: {held} of {total} bytes held")
-        with part.open("rb") as stream:
-            os.fsync(stream.fileno())
-        digest = sha256_of(part)
-        if digest != sha256:
-            part.unlink()
-            raise ShardMismatch(f"shard {sha256[:12]}… arrived corrupted (its bytes hash to {digest[:12]}…); "
-                                "it was discarded, send it again from offset 0")
-        blob = self._blobs / sha256
-        os.replace(part, blob)
-        blob.chmod(0o444)
-        self._touch(blob)
+        with self._hold((sha256,), "completing"):  # not evicted while it is hashed, outside the lock
+            with self._lock:
+                if self.has(sha256):
+                    return self.path(sha256)
+                part = self._find_partial(sha256)
+                if part is None:
+                    raise ShardCacheError(f"shard {sha256[:12]}… was never begun")
+                held, total = part.stat().st_size, _partial_size(part)
+                if held != total:
+                    raise ShardCacheError(f"shard {sha256[:12]}… is incomplete: {held} of {total} bytes held")
+            with part.open("rb") as stream:
+                os.fsync(stream.fileno())
+            digest = sha256_of(part)
+            with self._lock:
+                if digest != sha256:
+                    part.unlink(missing_ok=True)
+                    raise ShardMismatch(f"shard {sha256[:12]}… arrived corrupted (its bytes hash to {digest[:12]}…);"
+                                        " it was discarded, send it again from offset 0")
+                blob = self._blobs / sha256
+                os.replace(part, blob)
+                blob.chmod(0o444)
+                self._touch(blob)
         logger.info("shard %s… verified (%d bytes)", sha256[:12], total)
         return blob
 
     def import_file(self, source: Path) -> str:
         """Copy a local file into the cache (hashing it); returns its sha256."""
         digest = sha256_of(source)
-        if not self.has(digest):
-            size = source.stat().st_size
-            self.begin(digest, size)
-            part = self._find_partial(digest)
-            assert part is not None  # begin made it
-            shutil.copyfile(source, part)
-            self.complete(digest)
+        with self._hold((digest,), "importing"):
+            if not self.has(digest):
+                size = source.stat().st_size
+                self.begin(digest, size)
+                part = self._find_partial(digest)
+                assert part is not None  # begin made it, and the hold keeps it
+                shutil.copyfile(source, part)
+                self.complete(digest)
         return digest
 
     # Public methods: using
 
     def pin(self, owner: str, sha256s: Iterable[str]) -> None:
         """Protect these shards from eviction for `owner` (e.g. a stage id), replacing owner's pins."""
-        self._pins[owner] = frozenset(_checked_sha(sha256) for sha256 in sha256s)
+        pinned = frozenset(_checked_sha(sha256) for sha256 in sha256s)
+        with self._lock:
+            self._pins[owner] = pinned
 
     def unpin(self, owner: str) -> None:
-        self._pins.pop(owner, None)
+        with self._lock:
+            self._pins.pop(owner, None)
 
     def materialize(self, view_name: str, files: Mapping[str, str], manifest: Manifest | None = None) -> Path:
         """A folder named `view_name` holding `files` (file name -> sha256), for agent/stage.py.
 
         Every shard must be complete (ShardCacheError names the first missing one). With `manifest`, its
-        manifest.json is written too. The folder is rebuilt from scratch each call; call `pin` first so
-        eviction cannot remove the shards under a stage that is compiling them.
+        manifest.json is written too. The folder is rebuilt from scratch each call. While it is built, its
+        shards and the folder are held (eviction leaves them alone); once it returns, only pins keep them:
+        call `pin` first so eviction cannot remove the shards (and the view) under a stage that compiles them.
         """
         _check_plain_name("view name", view_name)
-        blobs = {}
-        for name, sha256 in sorted(files.items()):
+        for name in sorted(files):
             _check_plain_name("file name", name)
             if name in (MANIFEST_NAME, _VIEW_INDEX):
                 raise ShardCacheError(f"file name {name!r} is reserved in a model view")
-            blobs[name] = self.path(sha256)
-        staging = Path(tempfile.mkdtemp(prefix=f".{view_name}.", dir=self._views))
-        try:
-            for name, blob in blobs.items():
-                try:
-                    os.link(blob, staging / name)
-                except OSError:
-                    logger.warning("cannot hard-link %s into a view; copying it", blob)
-                    shutil.copyfile(blob, staging / name)
-            if manifest is not None:
-                (staging / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
-            (staging / _VIEW_INDEX).write_text(json.dumps(dict(files), sort_keys=True), encoding="utf-8")
-            target = self._views / view_name
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(staging, target)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+        with self._hold(files.values(), f"view {view_name}"):
+            with self._lock:
+                blobs = {name: self.path(sha256) for name, sha256 in sorted(files.items())}
+                staging = Path(tempfile.mkdtemp(prefix=f".{view_name}.", dir=self._views))
+                self._building.add(staging.name)
+            try:
+                for name, blob in blobs.items():
+                    try:
+                        os.link(blob, staging / name)
+                    except OSError:
+                        logger.warning("cannot hard-link %s into a view; copying it", blob)
+                        shutil.copyfile(blob, staging / name)
+                if manifest is not None:
+                    (staging / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
+                (staging / _VIEW_INDEX).write_text(json.dumps(dict(files), sort_keys=True), encoding="utf-8")
+                with self._lock:
+                    target = self._views / view_name
+                    if target.exists():
+                        shutil.rmtree(target)
+                    os.replace(staging, target)
+            except BaseException:
+                with self._lock:
+                    shutil.rmtree(staging, ignore_errors=True)
+                raise
+            finally:
+                with self._lock:
+                    self._building.discard(staging.name)
         return target
 
     def materialize_manifest(self, view_name: str, manifest: Manifest, names: Iterable[str]) -> Path:
@@ -301,18 +344,23 @@ class ShardCache:
         return self.materialize(view_name, files, manifest)
 
     def remove_view(self, view_name: str) -> None:
-        shutil.rmtree(self._views / view_name, ignore_errors=True)
+        with self._lock:
+            shutil.rmtree(self._views / view_name, ignore_errors=True)
 
     def evict(self, target_bytes: int) -> list[str]:
         """Evict LRU unpinned shards until usage <= target_bytes (or nothing evictable is left).
 
-        Returns the evicted shards' sha256s; views that used them are removed.
+        Returns the evicted shards' sha256s; views that used them are removed (never one being built).
         """
-        pinned = set().union(*self._pins.values()) if self._pins else set()
+        with self._lock:
+            return self._evict(target_bytes)
+
+    def _evict(self, target_bytes: int) -> list[str]:
+        pinned = self._pinned()
         candidates = [entry for entry in (*self._blobs.iterdir(), *self._partials.iterdir())
                       if entry.name[:64] not in pinned]
         candidates.sort(key=lambda entry: entry.stat().st_mtime)
-        used = self.usage().used_bytes
+        used = self._usage().used_bytes
         evicted = []
         for entry in candidates:
             if used <= target_bytes:
@@ -338,6 +386,20 @@ class ShardCache:
     def _views(self) -> Path:
         return self.root / "views"
 
+    def _pinned(self) -> set[str]:
+        """Every shard some owner pins, or a call in progress holds (call with the lock held)."""
+        return set().union(*self._pins.values()) if self._pins else set()
+
+    @contextmanager
+    def _hold(self, sha256s: Iterable[str], what: str) -> Iterator[None]:
+        """Pin `sha256s` for the duration of a call that uses them outside the lock (hashing, linking)."""
+        owner = f"\0{what}#{next(self._hold_ids)}"
+        self.pin(owner, sha256s)
+        try:
+            yield
+        finally:
+            self.unpin(owner)
+
     def _find_partial(self, sha256: str) -> Path | None:
         return next(self._partials.glob(f"{sha256}-*.part"), None)
 
@@ -354,42 +416,67 @@ class ShardCache:
             self.evict(self.limit_bytes - needed)
         finally:
             self.unpin("\0receiving")
-        usage = self.usage()
+        usage = self._usage()
         if usage.used_bytes + needed > self.limit_bytes:
             raise CacheFull(f"shard {keep[:12]}… needs {needed} more bytes; the cache limit is {self.limit_bytes} "
-                            f"and {usage.used_bytes} are held ({usage.pinned_bytes} pinned by assigned stages)")
+                            f"and {usage.used_bytes} are held ({usage.pinned_bytes} pinned by {_HOLDERS})")
 
     def _refuse_if_eviction_cannot_fit(self, needed: int, keep: str) -> None:
-        """CacheFull when even evicting every unpinned shard (and every view copy with it) leaves too little."""
-        pinned = set().union(*self._pins.values())
+        """CacheFull when even evicting every unpinned shard (and the view copies that would go with them)
+        leaves too little; the copies in views of pinned shards or views being built stay, so they count."""
+        pinned = self._pinned()
         evictable = sum(_reserved_bytes(entry) for entry in (*self._blobs.iterdir(), *self._partials.iterdir())
                         if entry.name[:64] not in pinned)
-        usage = self.usage()
-        if usage.used_bytes - evictable - self._view_copy_bytes() + needed > self.limit_bytes:
+        usage = self._usage()
+        if usage.used_bytes - evictable - self._view_copy_bytes(pinned) + needed > self.limit_bytes:
             raise CacheFull(f"shard {keep[:12]}… needs {needed} more bytes; the cache limit is {self.limit_bytes} "
-                            f"({usage.pinned_bytes} pinned by assigned stages), so even evicting every other shard "
+                            f"({usage.pinned_bytes} pinned by {_HOLDERS}), so even evicting every other shard "
                             "would not make room: nothing was evicted")
 
     def _remove_views_using(self, evicted: set[str]) -> None:
         if not evicted:
             return
         for view in self._views.iterdir():
-            try:
-                index = json.loads((view / _VIEW_INDEX).read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                index = {}
+            if view.name in self._building:  # its index is written last: a folder being built has none yet
+                continue
+            index = _view_index(view)
             if not index or evicted.intersection(index.values()):
                 shutil.rmtree(view, ignore_errors=True)
 
-    def _view_copy_bytes(self) -> int:
-        """Bytes of view files that are copies, not links (links cost nothing beyond their blob)."""
+    def _goes_with_unpinned_shards(self, view: Path, pinned: set[str]) -> bool:
+        """Whether evicting every shard not in `pinned` would remove `view` (as _remove_views_using does)."""
+        if view.name in self._building:
+            return False
+        index = _view_index(view)
+        return not index or not pinned.issuperset(index.values())
+
+    def _view_copy_bytes(self, pinned: set[str] | None = None) -> int:
+        """Bytes of view files that are copies, not links (links cost nothing beyond their blob); with
+        `pinned`, only those of views that evicting every shard not in `pinned` would remove."""
         total = 0
         for view in self._views.iterdir():
-            for entry in view.iterdir() if view.is_dir() else ():
-                status = entry.stat()
-                if status.st_nlink == 1 and entry.name not in (MANIFEST_NAME, _VIEW_INDEX):
-                    total += status.st_size
+            if pinned is not None and not self._goes_with_unpinned_shards(view, pinned):
+                continue
+            try:
+                entries = list(view.iterdir()) if view.is_dir() else []
+                for entry in entries:
+                    status = entry.stat()
+                    if status.st_nlink == 1 and entry.name not in (MANIFEST_NAME, _VIEW_INDEX):
+                        total += status.st_size
+            except FileNotFoundError:  # a file of a view being built went while this looked (a failed build)
+                continue
         return total
+
+
+def _view_index(view: Path) -> dict[str, str]:
+    """A view's file name -> sha256, or {} when unreadable (a stale folder eviction may remove)."""
+    try:
+        index = json.loads((view / _VIEW_INDEX).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(index, dict) or not all(isinstance(sha256, str) for sha256 in index.values()):
+        return {}
+    return index
 
 
 def _checked_sha(sha256: str) -> str:
