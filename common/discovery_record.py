@@ -4,6 +4,12 @@ Pure code, shared by the agent's advertiser and the controller's browser. The mD
 agent id itself (52 characters, one DNS label), so a goodbye names the agent that left. TXT values are
 short ASCII; `from_txt` treats a record as hostile input (anyone on the LAN can advertise) and raises
 RecordError naming the bad key rather than guessing.
+
+Each TXT string ("key=value") holds at most 255 bytes (RFC 6763 §6.1), and zeroconf refuses a whole
+registration with a longer one: an agent with many devices (or long device names) was not discoverable at
+all. `to_txt` always fits: the device list keeps as many names as fit, in order, then the kinds of the
+rest ("GPU" for GPU.7 and GPU.8; see `advertised_devices`), and free memory is capped at
+MAX_ADVERTISED_MEMORY_BYTES; the whole record stays under TXT_RECORD_MAX_BYTES.
 """
 
 from __future__ import annotations
@@ -13,10 +19,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from deskfleet.common.agent_state import AgentState
+from deskfleet.common.devices import device_kind
 from deskfleet.common.wire_messages import PROTOCOL_VERSION, is_agent_id
 
 SERVICE_TYPE = "_deskfleet._tcp.local."
 MEMORY_STEP_BYTES = 256 << 20  # advertised free memory is rounded down to this, so TXT churns less
+TXT_STRING_MAX_BYTES = 255  # one TXT string, "key=value": its length travels in one byte
+TXT_RECORD_MAX_BYTES = 512  # the whole TXT record to_txt makes, length bytes included, at most
+MAX_ADVERTISED_MEMORY_BYTES = (1 << 63) - 1  # free memory above this is advertised as this (19 digits)
+MAX_PROTOCOL_VERSION = (1 << 31) - 1
 
 _FLEET_ID = re.compile(r"[0-9a-f]{16}")
 _DEVICE = re.compile(r"[A-Za-z0-9_.:-]{1,32}")
@@ -45,6 +56,7 @@ class AgentRecord:
         _require(_VERSION.fullmatch(self.version) is not None, "ver", "is not a version string")
         _require(all(_DEVICE.fullmatch(device) for device in self.devices), "dev", "holds a bad device name")
         _require(self.free_memory_bytes >= 0, "mem", "is negative")
+        _require(0 <= self.protocol_version <= MAX_PROTOCOL_VERSION, "proto", "is out of range")
 
     @property
     def instance_name(self) -> str:
@@ -57,13 +69,14 @@ class AgentRecord:
                            self.protocol_version)
 
     def to_txt(self) -> dict[str, str]:
+        """The TXT properties; each "key=value" fits one TXT string (devices summarized when they would not)."""
         return {
             "id": self.agent_id,
             "fleet": self.fleet_id,
             "ver": self.version,
             "proto": str(self.protocol_version),
-            "dev": ",".join(self.devices),
-            "mem": str(self.free_memory_bytes),
+            "dev": ",".join(advertised_devices(self.devices)),
+            "mem": str(min(self.free_memory_bytes, MAX_ADVERTISED_MEMORY_BYTES)),
             "state": self.state.value,
         }
 
@@ -83,6 +96,29 @@ class AgentRecord:
         return cls(text["id"], text["fleet"], text["ver"], devices, int(text["mem"]), state, int(text["proto"]))
 
 
+def advertised_devices(devices: tuple[str, ...]) -> tuple[str, ...]:
+    """`devices` as the TXT record lists them: all of them when "dev=" and their comma-separated names fit
+    one TXT string (TXT_STRING_MAX_BYTES). Otherwise the first names, in order, as many as fit together
+    with the kinds of all the others ("GPU.7", "GPU.8" -> "GPU"; a kind already listed by that very name is
+    not repeated), so the controller still learns every kind of device the agent has, and that it has more
+    of a kind than the names listed; if even the kinds alone do not fit, the first kinds that do."""
+    if _fits_dev(devices):
+        return devices
+    most = 0  # the longest prefix whose names alone fit; the names kept are at most those
+    while _fits_dev(devices[:most + 1]):
+        most += 1
+    for kept in range(most, -1, -1):
+        listed = devices[:kept]
+        others = tuple(kind for kind in _kinds(devices[kept:]) if kind not in listed)
+        if _fits_dev(listed + others):
+            return listed + others
+    fitting: tuple[str, ...] = ()
+    for kind in _kinds(devices):
+        if _fits_dev((*fitting, kind)):
+            fitting += (kind,)
+    return fitting
+
+
 def instance_name(agent_id: str) -> str:
     """The mDNS service instance name of an agent."""
     return f"{agent_id}.{SERVICE_TYPE}"
@@ -92,6 +128,15 @@ def agent_id_of_instance(name: str) -> str | None:
     """The agent id in an mDNS instance name, or None if the name is not an agent's."""
     label, separator, rest = name.partition(".")
     return label if separator and rest == SERVICE_TYPE and is_agent_id(label) else None
+
+
+def _fits_dev(devices: tuple[str, ...]) -> bool:
+    return len("dev=") + len(",".join(devices)) <= TXT_STRING_MAX_BYTES  # device names are ASCII
+
+
+def _kinds(devices: tuple[str, ...]) -> list[str]:
+    """The device kinds, each once, in order of first appearance (none for a name without one, ".1")."""
+    return [kind for kind in dict.fromkeys(device_kind(device) for device in devices) if kind]
 
 
 def _require(condition: bool, key: str, problem: str) -> None:
