@@ -9,26 +9,24 @@ the real machine:
   psutil.sensors_temperatures where psutil has it. Windows exposes none without admin rights: empty.
 - iGPU busy: on Linux `class/drm/card*/device/gpu_busy_percent` where the driver exposes it (amdgpu),
   otherwise the per-client engine counters that i915 and xe publish in /proc/*/fdinfo (a rate, so the
-  first read after start is None). On Windows the "GPU Engine" performance counters through `typeperf`.
+  first read after start is None). On Windows the "GPU Engine" performance counters, read through PDH by
+  their English names on any display language (agent/windows_gpu.py; a rate too: the first read is None).
 A sensor that cannot be read is None (or absent from `temperatures`), never a guess; a psutil probe
 that raises is logged the first time and read again at the next `read()`. CPU load and memory have no
 None in a MonitorReading: unreadable, they read 0 (a load that never marks the user busy, and no free
 memory for the planner to place a stage in). A battery percent is clamped to [0, 100]: psutil computes
 it as 100 * energy_now / energy_full, above 100 on a battery that holds more than its rated charge.
 
-`read()` blocks (sysfs reads, typeperf takes about a second): call it from a worker thread
+`read()` blocks (sysfs and PDH reads): call it from a worker thread
 (asyncio.to_thread), every few seconds, from one thread at a time.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import logging
 import math
 import os
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -38,6 +36,7 @@ from typing import Protocol, TypeVar
 
 import psutil
 
+from deskfleet.agent.windows_gpu import PdhApi, PdhSampler, windows_pdh
 from deskfleet.common.availability import (
     PLAUSIBLE_CELSIUS,
     Availability,
@@ -49,7 +48,7 @@ from deskfleet.common.availability import (
 
 __all__ = [
     "Availability", "AvailabilityPolicy", "DrmFdinfoSampler", "HostMonitor", "HostProbes", "MonitorReading",
-    "SystemMonitor", "TemperatureReading", "decide_availability", "parse_typeperf_gpu", "read_drm_busy_percent",
+    "SystemMonitor", "TemperatureReading", "decide_availability", "read_drm_busy_percent",
     "read_hwmon_temperatures", "read_power_supply",
 ]
 
@@ -57,7 +56,6 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _FDINFO_DRIVERS = ("i915", "xe")
-_TYPEPERF_COUNTER = r"\GPU Engine(*engtype_3D)\Utilization Percentage"
 
 
 class SystemMonitor(Protocol):
@@ -106,20 +104,26 @@ class HostProbes:
 
 @dataclass
 class HostMonitor:
-    """Reads the real host. `sysfs_root`/`proc_root` let a test point the Linux readers at a fake tree."""
+    """Reads the real host. `sysfs_root`/`proc_root` let a test point the Linux readers at a fake tree, and
+    `pdh` the Windows one at a fake PDH (None: this Windows' own)."""
 
     sysfs_root: Path = Path("/sys")
     proc_root: Path = Path("/proc")
     platform: str = sys.platform
     probes: HostProbes = field(default_factory=HostProbes)
     clock: Callable[[], float] = time.monotonic
+    pdh: PdhApi | None = None
     _fdinfo: DrmFdinfoSampler | None = field(default=None, init=False)
+    _gpu_counters: PdhSampler | None = field(default=None, init=False)
     _failed: set[str] = field(default_factory=set, init=False)  # probes whose failure was logged
 
     def __post_init__(self) -> None:
         self._probe("cpu load", self.probes.cpu_load, 0.0)  # psutil measures load since the previous call: prime it
         if self.platform.startswith("linux"):
             self._fdinfo = DrmFdinfoSampler(self.proc_root, self.clock)
+        elif self.platform == "win32":
+            api = self.pdh or windows_pdh()
+            self._gpu_counters = PdhSampler(api) if api is not None else None
 
     def read(self) -> MonitorReading:
         """One reading of every sensor; a sensor that fails to read is None (logged the first time)."""
@@ -172,9 +176,7 @@ class HostMonitor:
             if percent is not None:
                 return percent / 100.0
             return self._fdinfo.sample() if self._fdinfo is not None else None
-        if self.platform == "win32":
-            return _windows_gpu_busy()
-        return None
+        return self._gpu_counters.sample() if self._gpu_counters is not None else None
 
 
 # Linux: hwmon and drm sysfs
@@ -352,42 +354,6 @@ def _engine_counters(fields: dict[str, str]) -> dict[str, tuple[int, int | None]
             total = re.match(r"\d+", fields.get(f"drm-total-cycles-{engine}", ""))
             counters[engine] = (int(number.group()), int(total.group()) if total else None)
     return counters
-
-
-# Windows: GPU Engine performance counters
-
-def parse_typeperf_gpu(csv_text: str) -> float | None:
-    """The busiest GPU's 3D utilisation, as a fraction, from one `typeperf -sc 1` sample of the counter
-    `\\GPU Engine(*engtype_3D)\\Utilization Percentage`. Instances are per process and engine; those of
-    one adapter (luid) add up. None when the output holds no sample."""
-    rows = list(csv.reader(io.StringIO(csv_text)))
-    header = next((row for row in rows if row and row[0].startswith("(PDH-CSV")), None)
-    samples = [row for row in rows if header is not None and row is not header and len(row) == len(header)]
-    if header is None or not samples:
-        return None
-    values = samples[-1]
-    per_adapter: dict[str, float] = {}
-    for name, value in zip(header[1:], values[1:], strict=False):
-        adapter = re.search(r"luid_0x[0-9A-Fa-f]+_0x[0-9A-Fa-f]+", name)
-        try:
-            percent = float(value)
-        except ValueError:
-            continue  # typeperf writes " " for an instance that vanished mid-sample
-        key = adapter.group() if adapter else name
-        per_adapter[key] = per_adapter.get(key, 0.0) + percent
-    if not per_adapter:
-        return None
-    return min(1.0, max(0.0, max(per_adapter.values()) / 100.0))
-
-
-def _windows_gpu_busy() -> float | None:  # pragma: no cover - needs Windows
-    try:
-        result = subprocess.run(["typeperf", _TYPEPERF_COUNTER, "-sc", "1"], capture_output=True, text=True,
-                                timeout=10, check=False)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        logger.debug("typeperf failed: %s", error)
-        return None
-    return parse_typeperf_gpu(result.stdout) if result.returncode == 0 else None
 
 
 # Private helpers

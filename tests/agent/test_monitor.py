@@ -1,4 +1,4 @@
-"""HostMonitor over fake sysfs/proc trees and fake psutil probes; typeperf output parsing."""
+"""HostMonitor over fake sysfs/proc trees, fake psutil probes and a fake Windows PDH."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from deskfleet.agent.monitor import (
     HostProbes,
     SystemMonitor,
     TemperatureReading,
-    parse_typeperf_gpu,
     read_drm_busy_percent,
     read_hwmon_temperatures,
 )
@@ -166,18 +165,3 @@ def test_real_host_reading_is_plausible() -> None:
     reading = HostMonitor().read()
     assert 0.0 <= reading.cpu_load <= 1.0
     assert 0 < reading.memory_free_bytes <= reading.memory_total_bytes
-
-
-TYPEPERF = (
-    '\r\n"(PDH-CSV 4.0)","\\\\PC\\GPU Engine(pid_1_luid_0x00000000_0x0000D1A2_phys_0_eng_0_engtype_3D)'
-    '\\Utilization Percentage","\\\\PC\\GPU Engine(pid_2_luid_0x00000000_0x0000D1A2_phys_0_eng_0_engtype_3D)'
-    '\\Utilization Percentage","\\\\PC\\GPU Engine(pid_3_luid_0x00000000_0x0000BEEF_phys_0_eng_0_engtype_3D)'
-    '\\Utilization Percentage"\r\n"11/29/2025 22:00:00.000","30.5","12.0"," "\r\n'
-    "Exiting, please wait...\r\nThe command completed successfully.\r\n"
-)
-
-
-def test_parse_typeperf_sums_instances_per_adapter() -> None:
-    assert parse_typeperf_gpu(TYPEPERF) == 0.425
-    assert parse_typeperf_gpu("") is None
-    assert parse_typeperf_gpu("Error: no such counter\r\n") is None
