@@ -112,13 +112,16 @@ def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> C
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
     )
     spec.validate()
-    is_qwen2 = model_type == "qwen2"
-    llama_bias = bool(getattr(hf_config, "attention_bias", False))
+    # Which projections have a bias is the architecture's, as transformers builds it: only Llama reads
+    # attention_bias (q, k, v and o) and mlp_bias; Qwen2 always has q, k and v biases and no others; Mistral
+    # none. A stray field in a Mistral or Qwen2 config.json is ignored by transformers, biases stored or not.
+    is_llama = model_type == "llama"
+    llama_bias = is_llama and bool(getattr(hf_config, "attention_bias", False))
     return CheckpointConfig(
         spec=spec,
-        attention_bias=is_qwen2 or llama_bias,
-        output_bias=llama_bias and not is_qwen2,
-        mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+        attention_bias=model_type == "qwen2" or llama_bias,
+        output_bias=llama_bias,
+        mlp_bias=is_llama and bool(getattr(hf_config, "mlp_bias", False)),
         rms_norm_eps=float(hf_config.rms_norm_eps),
         hf_config=hf_config,
     )
