@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +13,12 @@ from deskfleet.common.model_spec import model_file
 
 from .chat_template import ChatTemplateError, render_isolated
 
-__all__ = ["ChatMessage", "ChatTemplateError", "ModelTokenizer", "NotUtf8Error", "check_utf8"]
+__all__ = ["ChatMessage", "ChatTemplateError", "ModelTokenizer", "NotUtf8Error", "RenderedChat", "check_utf8"]
+
+# Where render_chats stands in for a special token's text that a message holds: one code point of Unicode's
+# plane 15 (private use) a special token, shifted past any that the template or a message holds itself.
+_STAND_IN_BASE = 0xF0000
+_STAND_IN_END = 0x10FFFE
 
 
 class NotUtf8Error(ValueError):
@@ -23,6 +29,18 @@ class NotUtf8Error(ValueError):
 class ChatMessage:
     role: str  # "system", "user" or "assistant"
     content: str
+
+
+class RenderedChat(str):
+    """A rendered conversation (render_chats); `typed` are the spans (start, end) of the text where a message's
+    content, not the template, wrote a special token's text: encode() makes those text, not control tokens."""
+
+    typed: tuple[tuple[int, int], ...]
+
+    def __new__(cls, text: str, typed: tuple[tuple[int, int], ...] = ()) -> RenderedChat:
+        rendered = super().__new__(cls, text)
+        rendered.typed = typed
+        return rendered
 
 
 class ModelTokenizer:
@@ -39,6 +57,13 @@ class ModelTokenizer:
             self._tokenizer = Tokenizer.from_file(str(path))
         except Exception as error:  # tokenizers raises a bare Exception for a file it cannot read
             raise ValueError(f"{path} is not a valid tokenizer file: {error}") from error
+        added = self._tokenizer.get_added_tokens_decoder()
+        self._special_ids = {token_id for token_id, token in added.items() if token.special}
+        # longest first: of "<|end|>" and "<|end|>x" the regex takes the longer where both match
+        self._specials = sorted({token.content for token in added.values() if token.special and token.content},
+                                key=len, reverse=True)
+        self._special_text = re.compile("|".join(map(re.escape, self._specials))) if self._specials else None
+        self._text_tokenizer: Tokenizer | None = None  # special tokens' text encoded as text (_as_text)
         config_path = model_dir / "tokenizer_config.json"
         config = read_json_object(config_path) if config_path.is_file() else {}
         self.bos_token = _token_text(config.get("bos_token"))
@@ -55,8 +80,20 @@ class ModelTokenizer:
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, the text of special tokens in it (e.g. "</s>") as those tokens, as transformers
+        encodes it; except in a RenderedChat, where the special tokens' text that the messages held is text."""
         check_utf8(text, "the text")
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        typed = text.typed if isinstance(text, RenderedChat) else ()
+        if not typed:
+            return list(encoding.ids)
+        ids: list[int] = []
+        for token, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
+            if token in self._special_ids and any(start < stop and begin < end for begin, stop in typed):
+                ids += self._as_text(text[start:end])
+            else:
+                ids.append(token)
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
@@ -70,14 +107,65 @@ class ModelTokenizer:
         """render_chat of each conversation, all in one child process."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template")  # callers say what to do instead
-        return render_isolated(self.chat_template, [
-            {"messages": [{"role": m.role, "content": m.content} for m in messages],
+        # A message holding a special token's text ("<|im_end|>", "</s>", typed, pasted or written by the
+        # model as plain text) would end its turn or open another role once encoded (transformers' own
+        # apply_chat_template + encode does): the template renders it as a stand-in, which comes back as that
+        # text marked as typed, for encode() to keep as text. Conversations without any render as ever.
+        contents = [message.content for messages in conversations for message in messages]
+        typed = self._special_text is not None and any(self._special_text.search(text) for text in contents)
+        base = _stand_in_base(len(self._specials), [self.chat_template, *contents]) if typed else None
+        texts = render_isolated(self.chat_template, [
+            {"messages": [{"role": m.role, "content": self._stand_ins(m.content, base)} for m in messages],
              "add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token or "",
              "eos_token": self.eos_token or ""} for messages in conversations])
+        return [self._restored(text, base) for text in texts]
 
     def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
         """Token ids of a rendered conversation (the template writes its own special tokens)."""
         return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+
+    def _stand_ins(self, content: str, base: int | None) -> str:
+        if base is None or self._special_text is None:
+            return content
+        return self._special_text.sub(lambda match: chr(base + self._specials.index(match[0])), content)
+
+    def _restored(self, text: str, base: int | None) -> RenderedChat:
+        """The rendered text with each stand-in back as its special token's text, that text's spans typed."""
+        if base is None:
+            return RenderedChat(text)
+        pieces, typed, length, last = [], [], 0, 0
+        for match in re.finditer(f"[{chr(base)}-{chr(base + len(self._specials) - 1)}]", text):
+            special = self._specials[ord(match[0]) - base]
+            pieces += [text[last:match.start()], special]
+            length += match.start() - last
+            typed.append((length, length + len(special)))
+            length += len(special)
+            last = match.end()
+        pieces.append(text[last:])
+        return RenderedChat("".join(pieces), tuple(typed))
+
+    def _as_text(self, text: str) -> list[int]:
+        """`text` (a special token's text) encoded as text, as it encodes after a line break: not as the
+        start of the input, where a SentencePiece tokenizer would put a space before it."""
+        if self._text_tokenizer is None:
+            self._text_tokenizer = Tokenizer.from_str(self._tokenizer.to_str())
+            self._text_tokenizer.encode_special_tokens = True
+        encoding = self._text_tokenizer.encode("\n" + text, add_special_tokens=False)
+        if any(start < 1 < end for start, end in encoding.offsets):  # merged with the line break: take it alone
+            return list(self._text_tokenizer.encode(text, add_special_tokens=False).ids)
+        return [token for token, (start, _) in zip(encoding.ids, encoding.offsets, strict=True) if start >= 1]
+
+
+def _stand_in_base(count: int, texts: list[str]) -> int:
+    """The first of `count` consecutive code points from _STAND_IN_BASE on that none of `texts` holds."""
+    used = {ord(character) for text in texts for character in text if ord(character) >= _STAND_IN_BASE}
+    base = _STAND_IN_BASE
+    while any(code in used for code in range(base, base + count)):
+        base += count
+    if base + count > _STAND_IN_END:
+        raise ChatTemplateError("the conversation uses every private-use code point of planes 15 and 16")
+    return base
 
 
 def check_utf8(text: str, what: str) -> None:
