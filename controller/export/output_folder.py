@@ -11,9 +11,10 @@ What it guarantees:
   finished export that was kept, and an old export whose replacement never arrived, are the user's: named in
   a warning, never removed.
 - An output folder whose replacement would delete the checkpoint, a symbolic link, or anything not a folder
-  is refused. An existing `out_dir` is replaced only with `overwrite` and only when it is a deskfleet export
-  or empty, checked again at the end; what is moved aside is checked once more before it is deleted, and it
-  is removed only after the new export is in place (put back if the move fails).
+  is refused. An existing `out_dir` is replaced only with `overwrite` and only when it is empty or a deskfleet
+  export holding nothing its manifest does not list, checked again at the end; what is moved aside is checked
+  once more before it is deleted, and it is removed only after the new export is in place (put back if the
+  move fails).
 - The move never replaces anything (renameat2's RENAME_NOREPLACE; elsewhere an empty folder claimed first):
   a folder made at `out_dir` while the export ran is never replaced; the finished export is then kept beside
   it and the ExportError (FinishedExportKept) says where.
@@ -46,6 +47,9 @@ log = logging.getLogger("deskfleet.controller.export.exporter")
 ENDING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 RENAME_NOREPLACE = 1  # renameat2's flag (linux/fs.h): fail with EEXIST rather than replace the target
 AT_FDCWD = -100  # renameat2's "relative to the working directory" (linux/fcntl.h)
+# What a file manager leaves in a folder it has shown (thumbnails, view settings): no reason to refuse --overwrite
+FOLDER_LITTER = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})
+UNLISTED_SHOWN = 5
 
 
 class ExportError(RuntimeError):
@@ -234,7 +238,8 @@ def remove_stale_folders(out_dir: Path) -> None:
 # Private methods
 
 def _check_replaceable(folder: Path, shown: Path) -> None:
-    """Refuse to replace `folder` (named `shown` to the user) unless it is a deskfleet export or empty."""
+    """Refuse to replace `folder` (named `shown` to the user) unless it is empty or a deskfleet export holding
+    only its manifest and the files that lists (and a file manager's litter)."""
     if folder.is_symlink() or not folder.is_dir():
         raise ExportError(f"{shown} is not a folder any more: --overwrite replaces only a deskfleet export or an "
                           "empty folder")
@@ -244,11 +249,21 @@ def _check_replaceable(folder: Path, shown: Path) -> None:
         raise ExportError(f"{shown} holds files but no {MANIFEST_NAME}: --overwrite replaces only a deskfleet "
                           "export or an empty folder; remove it yourself or choose another folder")
     try:
-        load_manifest(folder)
+        manifest = load_manifest(folder)
     except (ManifestError, OSError, ValueError) as error:
         raise ExportError(f"{shown}/{MANIFEST_NAME} is not a deskfleet manifest ({error}): --overwrite replaces "
                           "only a deskfleet export or an empty folder; remove it yourself or choose another "
                           "folder") from None
+    # An export holds its manifest and the files it lists, nothing else: anything more was put there since
+    # (notes, a log, another export in a subfolder) and would be deleted with the old export.
+    unlisted = sorted(path.name for path in folder.iterdir()
+                      if path.name not in manifest.files and path.name != MANIFEST_NAME
+                      and path.name not in FOLDER_LITTER)
+    if unlisted:
+        more = f" and {len(unlisted) - UNLISTED_SHOWN} more" if len(unlisted) > UNLISTED_SHOWN else ""
+        raise ExportError(f"{shown} is an export, but also holds {', '.join(unlisted[:UNLISTED_SHOWN])}{more}, which "
+                          f"its {MANIFEST_NAME} does not list: --overwrite would delete them with the old export; "
+                          "move them out first, or choose another folder")
 
 
 def _put_back(retired: Path, out_dir: Path) -> str:

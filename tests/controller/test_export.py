@@ -98,10 +98,10 @@ def test_a_failed_export_leaves_nothing_behind(checkpoint_factory: Callable[...,
     out = tmp_path / "out"
     out.mkdir()
     shutil.copyfile(tiny_export / "manifest.json", out / "manifest.json")  # an old export
-    (out / "keep.txt").write_text("old export")
+    (out / "config.json").write_text("old export")  # a file the old manifest lists (anything else is refused)
     with pytest.raises(RuntimeError, match="disk full"):
         export_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), out, WeightFormat.F32, overwrite=True)
-    assert (out / "keep.txt").read_text() == "old export"
+    assert (out / "config.json").read_text() == "old export"
     assert [path.name for path in tmp_path.iterdir()] == ["out"]  # no partial folder left
 
 
@@ -397,7 +397,7 @@ def test_a_failed_swap_puts_the_old_export_back(checkpoint_factory: Callable[...
     out = tmp_path / "out"
     out.mkdir()
     shutil.copyfile(tiny_export / "manifest.json", out / "manifest.json")
-    (out / "keep.txt").write_text("old export")
+    (out / "config.json").write_text("old export")  # a file the old manifest lists (anything else is refused)
     rename = output_folder._rename_no_replace
 
     def failing_rename(source: Path, target: Path) -> None:
@@ -408,7 +408,7 @@ def test_a_failed_swap_puts_the_old_export_back(checkpoint_factory: Callable[...
     monkeypatch.setattr(output_folder, "_rename_no_replace", failing_rename)
     with pytest.raises(ExportError, match="cannot move the finished export into") as raised:
         export_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), out, WeightFormat.F32, overwrite=True)
-    assert (out / "keep.txt").read_text() == "old export"
+    assert (out / "config.json").read_text() == "old export"
     # the finished export is kept, and the message says where
     (staging,) = [path for path in tmp_path.iterdir() if path.name != "out"]
     assert staging.name.startswith(".out.partial-") and f"the finished export is kept at {staging}" in str(raised.value)

@@ -1,0 +1,77 @@
+"""--overwrite replaces an old export, never a file the user put into its folder since."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from deskfleet.common.model_spec import WeightFormat, load_manifest, verify_files
+from deskfleet.controller.export import exporter
+from deskfleet.controller.export.exporter import ExportError, export_checkpoint
+from deskfleet.controller.export.output_folder import FinishedExportKept
+
+
+@pytest.fixture
+def checkpoint(checkpoint_factory: Callable[..., Path]) -> Path:
+    return checkpoint_factory("export-output", num_hidden_layers=1)
+
+
+@pytest.fixture
+def no_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
+    def converting(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the export converted IR before refusing the output")
+
+    monkeypatch.setattr(exporter, "_convert", converting)
+
+
+def old_export_with(tiny_export: Path, out: Path, *extra: str) -> None:
+    shutil.copytree(tiny_export, out)
+    for name in extra:
+        if name.endswith("/"):
+            (out / name).mkdir()
+            (out / name / "model.xml").write_text("another export, kept in a subfolder")
+        else:
+            (out / name).write_text("my notes")
+
+
+@pytest.mark.parametrize("extra", [("notes.txt",), ("optimum/",), ("a", "b", "c", "d", "e", "f", "g")])
+def test_an_export_holding_files_of_the_user_is_not_replaced(
+        checkpoint: Path, tiny_export: Path, tmp_path: Path, no_conversion: None, extra: tuple[str, ...]) -> None:
+    out = tmp_path / "out"
+    old_export_with(tiny_export, out, *extra)
+    before = sorted(path.name for path in out.iterdir())
+    with pytest.raises(ExportError, match="does not list: --overwrite would delete them") as raised:
+        export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
+    assert extra[0].rstrip("/") in str(raised.value)
+    if len(extra) > 5:
+        assert "and 2 more" in str(raised.value)
+    assert sorted(path.name for path in out.iterdir()) == before
+    assert [path.name for path in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_file_put_into_the_old_export_during_the_export_keeps_it(
+        checkpoint: Path, tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    old_export_with(tiny_export, out)
+    save_tokenizer = exporter._save_tokenizer
+
+    def and_user_writes(*args: object, **kwargs: object) -> tuple[str, ...]:
+        (out / "notes.txt").write_text("my notes")  # while the export ran
+        return save_tokenizer(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(exporter, "_save_tokenizer", and_user_writes)
+    with pytest.raises(FinishedExportKept, match=r"notes\.txt"):
+        export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
+    assert (out / "notes.txt").read_text() == "my notes"
+    assert load_manifest(out).spec.num_layers == 4  # the old export, untouched
+
+
+def test_a_file_manager_s_litter_does_not_stop_overwrite(checkpoint: Path, tiny_export: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    old_export_with(tiny_export, out, "Thumbs.db", ".DS_Store", "desktop.ini")
+    export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
+    verify_files(out, load_manifest(out))
+    assert load_manifest(out).spec.num_layers == 1
