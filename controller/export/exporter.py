@@ -8,6 +8,8 @@ stage's last MatMul at 8 bits and make the weights depend on where the split fal
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import shutil
@@ -219,11 +221,14 @@ def _compress_int4(model: ov.Model, is_decoder_layer: bool) -> ov.Model:
 
     nncf.set_log_level(logging.ERROR)  # its per-IR tables would drown the export's own progress lines
 
-    if not is_decoder_layer:
-        # embed and head: 8-bit per channel, the usual backup precision for the vocabulary matrices.
-        return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
-    return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT4_ASYM, ratio=1.0,
-                                 group_size=_group_size(model), all_layers=True)
+    # Its progress bar ("Applying Weight Compression", one per IR) is no log line: rich writes it to whatever
+    # sys.stdout is, where `deskfleet export` prints only its result. Its log handler keeps the real stdout.
+    with contextlib.redirect_stdout(io.StringIO()):
+        if not is_decoder_layer:
+            # embed and head: 8-bit per channel, the usual backup precision for the vocabulary matrices.
+            return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+        return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT4_ASYM, ratio=1.0,
+                                     group_size=_group_size(model), all_layers=True)
 
 
 def _group_size(model: ov.Model) -> int:
