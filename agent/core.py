@@ -16,6 +16,12 @@ order and acts on them:
 Only a peer with the controller role may command; an agent peer (the previous stage) may only send
 Forward, ReleaseMicroBatch and Error. A stage failure travels DOWN the chain as an Error (relayed by
 every later stage) to the driver's results link, naming the agent and the stage that failed.
+
+Steps are taken only from a stage's rightful previous hop (AssignStage.previous_agent_id; the controller for
+a first stage): any enrolled PC can open a link here, and one that is not the previous hop has its Forward,
+ReleaseMicroBatch and Error refused with Error(UNAUTHORIZED), answered to it alone and logged once, so the
+rightful chain's KV state and its driver never hear of it. A relayed Error's blame (Error.agent_id) is checked
+per hop too (_checked_blame).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from deskfleet.agent.link import Link, LinkError, TlsFiles, open_link
@@ -52,6 +58,7 @@ from deskfleet.common.wire import (
     ErrorCode,
     Forward,
     ForwardResult,
+    ManifestEntry,
     Message,
     NextHop,
     Precision,
@@ -94,6 +101,17 @@ class CommandError(Exception):
         self.agent_id = agent_id
 
 
+class NotPreviousHop(CommandError):
+    """A step or relayed Error from a peer that is not the stage's previous hop. Answered to that peer alone,
+    never down the chain (a stranger must not reach the driver, nor break its chain); `close_link` when the
+    peer is the previous hop of none of this agent's stages. `about` keys the log-once record."""
+
+    def __init__(self, message: str, about: str, close_link: bool) -> None:
+        super().__init__(ErrorCode.UNAUTHORIZED, message)
+        self.about = about
+        self.close_link = close_link
+
+
 @dataclass(frozen=True)
 class HostedStage:
     assignment: AssignStage
@@ -131,6 +149,7 @@ class AgentCore:
         self._shard_writers: dict[str, Link] = {}  # shard being received -> the link sending it
         self._release_watch = StageReleaseWatch()
         self._released_because: str | None = None  # why the stages were given up, until the next assignment
+        self._refusals_logged: set[tuple[str, str]] = set()  # (peer, what) refused and logged since the last assign
 
     # Public methods
 
@@ -164,6 +183,10 @@ class AgentCore:
                     self._controller_links.append(link)
                 try:
                     reply = await self.handle(link, message)
+                except NotPreviousHop as refusal:
+                    if not await self._refuse_sender(link, message, refusal):
+                        return
+                    continue
                 except Exception as error:  # a refusal (CommandError), or a fault of ours: answer, keep serving
                     if not isinstance(error, CommandError):
                         log.exception("%s from %s failed", type(message).__name__, link.describe())
@@ -194,13 +217,14 @@ class AgentCore:
     async def handle(self, link: Link, message: Message) -> Message | None:
         """Act on one message; return the reply (if any). CommandError for a refusal."""
         if isinstance(message, Forward):
-            await self._forward(message)
+            await self._forward(link, message)
             return None
         if isinstance(message, ReleaseMicroBatch):
-            await self._release_micro_batch(message)
+            await self._release_micro_batch(link, message)
             return None
         if isinstance(message, Error) and link.peer.role is Role.AGENT:
-            await self._send_down(message)  # a failure upstream: on to the driver
+            fed = self._fed_by(link, message)  # a failure upstream: on to the driver, from the previous hop only
+            await self._send_down(self._checked_blame(link, message, fed), fed[0] if len(fed) == 1 else None)
             return None
         if link.peer.role is not Role.CONTROLLER:
             raise CommandError(ErrorCode.UNAUTHORIZED, f"only the controller may send {type(message).__name__}; "
@@ -332,7 +356,8 @@ class AgentCore:
         async with self._assign_lock:
             hosted = self.stages.get(message.stage)
             if hosted is not None and _builds_the_same_stage(hosted.assignment, message):
-                self.stages[message.stage] = replace(hosted, assignment=message)  # a new next hop at most
+                self.stages[message.stage] = replace(hosted, assignment=message)  # new neighbours at most
+                self._refusals_logged.clear()
                 return StageReady(message.stage)
             manifest, names = self._check_assignment(message)
             # A rebuild of a hosted stage pins and materializes under a key of its own, so that a failure
@@ -362,6 +387,7 @@ class AgentCore:
             self.stages[message.stage] = HostedStage(message, StageExecutor(stage, manifest.spec.max_context),
                                                      asyncio.Lock(), key)
             self._released_because = None
+            self._refusals_logged.clear()
             log.info("hosting %s", key)
             return StageReady(message.stage)
 
@@ -402,8 +428,13 @@ class AgentCore:
 
     # Private methods: forwarding
 
-    async def _forward(self, message: Forward) -> None:
+    async def _forward(self, link: Link, message: Forward) -> None:
+        fed = self._fed_by(link, message)
         hosted = self._stage_for(message)
+        if not any(stage is hosted for stage in fed):  # the sender feeds another stage here, not this one
+            key = _stage_key(hosted.assignment.stage)
+            raise NotPreviousHop(f"Forward for {key} refused: it came from {link.describe()}, but the stage takes "
+                                 f"steps only from {_previous_hop(hosted.assignment)}", key, close_link=False)
         try:
             async with hosted.lock:
                 if runs_inline(message):
@@ -444,15 +475,70 @@ class AgentCore:
                                                        f"{hosted_models})")
         return matching[0]
 
-    async def _release_micro_batch(self, message: ReleaseMicroBatch) -> None:
+    async def _release_micro_batch(self, link: Link, message: ReleaseMicroBatch) -> None:
         hops: dict[str, NextHop] = {}
-        for hosted in list(self.stages.values()):
+        for hosted in self._fed_by(link, message):  # only the stages the sender feeds: a stranger frees nothing
             async with hosted.lock:  # after any step of it still running here
                 hosted.executor.release(message.micro_batch_id)
             if hosted.assignment.next_hop is not None:
                 hops[hosted.assignment.next_hop.agent_id] = hosted.assignment.next_hop
         for hop in hops.values():
             await self._send_next(hop, message)
+
+    def _fed_by(self, link: Link, message: Forward | ReleaseMicroBatch | Error) -> list[HostedStage]:
+        """The hosted stages whose rightful previous hop is `link`'s peer (see _is_previous_hop). NotPreviousHop
+        when there are stages but the peer feeds none of them; none hosted: [] (a step is then refused as not
+        assigned, naming why this agent gave its stages up; a release frees nothing; an Error is refused)."""
+        fed = [hosted for hosted in self.stages.values() if _is_previous_hop(link, hosted.assignment)]
+        if fed or (not self.stages and not isinstance(message, Error)):
+            return fed
+        expected = "; ".join(f"{_stage_key(ref)} from {_previous_hop(hosted.assignment)}"
+                             for ref, hosted in self.stages.items()) or "none: this agent hosts no stage"
+        raise NotPreviousHop(f"{type(message).__name__} refused: {link.describe()} is the previous hop of none of "
+                             f"this agent's stages (each takes steps only from its previous hop: {expected})", "",
+                             close_link=link.peer.role is Role.AGENT)
+
+    def _checked_blame(self, link: Link, error: Error, fed: list[HostedStage]) -> Error:
+        """`error` as relayed from its previous hop, without a blame that the sender cannot truthfully make.
+
+        Errors travel down the chain, and an agent observes only itself (it gave its stages up) and its next
+        hop (unreachable); so an Error from the previous hop may blame the sender, or an earlier stage whose
+        error the sender relayed (unknown here: the driver checks those against the whole chain, in
+        controller/fleet_pipeline.py). It may not blame this agent (it is reading the error, so it is reachable
+        and hosting: the sender's link to it failed for a moment at most) nor this stage's next hop or anything
+        further down, which the sender knows nothing of. Such a blame is dropped and logged; the error itself
+        goes on, so that the driver learns its step was lost."""
+        blamed = error.agent_id
+        if blamed is None or blamed == link.peer.agent_id:
+            return error
+        downstream = {self.agent_id} | {hosted.assignment.next_hop.agent_id for hosted in fed
+                                        if hosted.assignment.next_hop is not None}
+        if blamed not in downstream:
+            return error
+        where = "this agent" if blamed == self.agent_id else "this stage's next hop"
+        note = (f"agent {self.agent_id[:12]} dropped the blame of agent {blamed[:12]} ({where}) that "
+                f"{link.describe()} relayed: a previous hop cannot know it to be at fault")
+        self._note_error(note)
+        return replace(error, agent_id=None, message=f"{error.message} [{note}]")
+
+    async def _refuse_sender(self, link: Link, message: Message, refusal: NotPreviousHop) -> bool:
+        """Answer `refusal` to the sender alone, logging it once per peer and stage; False when the link is
+        closed (a peer that feeds none of this agent's stages) or gone."""
+        logged = (link.peer.agent_id, refusal.about)
+        if logged not in self._refusals_logged:
+            self._refusals_logged.add(logged)
+            self._note_error(str(refusal))
+        text = f"agent {self.agent_id[:12]}: {refusal}"
+        if refusal.close_link:
+            await link.refuse(ErrorCode.UNAUTHORIZED, text)
+            return False
+        try:
+            await link.send(Error(ErrorCode.UNAUTHORIZED, text, micro_batch_id=message.micro_batch_id
+                                  if isinstance(message, Forward | ReleaseMicroBatch) else None))
+        except LinkError as error:
+            log.info("%s", error)
+            return False
+        return True
 
     async def _send_down(self, error: Error, hosted: HostedStage | None = None) -> None:
         """Send an Error toward the driver: to the next hop when this is a middle stage, else back."""
@@ -541,12 +627,27 @@ def runs_inline(message: Forward) -> bool:
 
 
 def _builds_the_same_stage(hosted: AssignStage, wanted: AssignStage) -> bool:
-    """True when `wanted` asks for the stage `hosted` built: equal but for the next hop and the order in
-    which the manifest lists its files. A change of device, precision or KV cache needs a rebuild."""
-    def normal(assignment: AssignStage) -> AssignStage:
-        return replace(assignment, next_hop=None,
-                       manifest=tuple(sorted(assignment.manifest, key=lambda entry: entry.file_name)))
-    return normal(hosted) == normal(wanted)
+    """True when `wanted` asks for the stage `hosted` built: equal but for the next and previous hops and the
+    order in which the manifest lists its files. A change of device, precision or KV cache needs a rebuild."""
+    def files(assignment: AssignStage) -> list[ManifestEntry]:
+        return sorted(assignment.manifest, key=lambda entry: entry.file_name)
+    return files(hosted) == files(wanted) and all(getattr(hosted, field.name) == getattr(wanted, field.name)
+                                                  for field in fields(AssignStage)
+                                                  if field.name not in ("next_hop", "previous_agent_id", "manifest"))
+
+
+def _is_previous_hop(link: Link, assignment: AssignStage) -> bool:
+    """Whether `link`'s peer is the stage's rightful previous hop: a controller for a first stage, else the
+    agent the assignment names, as its certificate proves (the link's Hello matched it)."""
+    if assignment.previous_agent_id is None:
+        return link.peer.role is Role.CONTROLLER
+    return link.peer.role is Role.AGENT and link.peer.agent_id == assignment.previous_agent_id
+
+
+def _previous_hop(assignment: AssignStage) -> str:
+    if assignment.previous_agent_id is None:
+        return "the controller"
+    return f"agent {assignment.previous_agent_id[:12]}"
 
 
 def _stage_key(ref: StageRef) -> str:

@@ -20,8 +20,8 @@ from deskfleet.common.kv_ledger import AdmitRow, SlotDelta
 from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, check_tensor
 
 # 2: DraftInfo.one_hot; 3: Forward.layer_start, Error.micro_batch_id and agent_id; 4: Forward.model_id,
-# StatusReport.reasons and detail
-PROTOCOL_VERSION = 4
+# StatusReport.reasons and detail; 5: AssignStage.previous_agent_id
+PROTOCOL_VERSION = 5
 MAX_STATUS_DETAIL = 500
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -318,9 +318,17 @@ class AssignStage:
     next_hop: NextHop | None  # None: send results back to the controller
     manifest: tuple[ManifestEntry, ...]
     kv_cache: str | None = None  # KV cache precision; None: the precision's own (agent/stage.py)
+    # The agent hosting the stage before this one: the only peer whose steps (Forward, ReleaseMicroBatch) and
+    # relayed Errors the stage takes. None for a first stage, which takes them from the controller only.
+    previous_agent_id: str | None = None
 
     def __post_init__(self) -> None:
         _require(bool(self.device), "device must not be empty")
+        _require(self.previous_agent_id is None or is_agent_id(self.previous_agent_id),
+                 "previous_agent_id is not an agent id")
+        _require(self.is_first == (self.previous_agent_id is None),
+                 "previous_agent_id names the agent of the stage before, so it is set on every stage but the "
+                 "first (which takes its steps from the controller)")
         _require(self.kv_cache is None or self.kv_cache in KV_CACHE_PRECISIONS,
                  f"kv_cache must be one of {', '.join(KV_CACHE_PRECISIONS)}, got {self.kv_cache!r}")
         names = [entry.file_name for entry in self.manifest]

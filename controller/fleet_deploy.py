@@ -5,7 +5,8 @@ Deploy, per stage of the plan (agents in parallel):
    whole and where partial ones stop;
 2. push only what is missing, in chunks from the resume offset, then ShardComplete (the agent verifies
    the sha256); a second ShardQuery confirms every file arrived whole;
-3. AssignStage (layer range, next hop, manifest entries); the agent compiles and answers StageReady.
+3. AssignStage (layer range, next hop, the previous stage's agent, manifest entries); the agent compiles and
+   answers StageReady.
 Once every stage is ready, an agent the new plan leaves out is told to release the stage it held of the
 model (ReleaseStage): a stage no chain uses would keep its memory and cache pins until the agent restarts.
 A second deploy of the same model finds every shard cached and every stage hosted: it sends no bytes.
@@ -221,9 +222,12 @@ async def _deploy_all(model_dir: Path, manifest: Manifest, model_id: str, placem
             if index + 1 < len(placements):
                 following = placements[index + 1]
                 next_hop = NextHop(following.address, following.agent_id)
+            # the stage takes steps only from the agent before it (the first stage: from the controller)
+            previous_agent_id = placements[index - 1].agent_id if index else None
             assignment = AssignStage(StageRef(model_id, placement.layer_start, placement.layer_end),
                                      placement.layer_start == 0, placement.layer_end == manifest.spec.num_layers,
-                                     settings.device, settings.precision, next_hop, entries, settings.kv_cache)
+                                     settings.device, settings.precision, next_hop, entries, settings.kv_cache,
+                                     previous_agent_id)
             tasks.create_task(_deploy_stage(link, model_dir, assignment, sent, files, progress))
 
 

@@ -12,10 +12,11 @@ from typing import cast
 import numpy as np
 import pytest
 
-from deskfleet.agent.core import INLINE_STEP_TOKENS, AgentCore, CommandError, runs_inline
+from deskfleet.agent.core import INLINE_STEP_TOKENS, AgentCore, CommandError, HostedStage, runs_inline
 from deskfleet.agent.link import Link, LinkError
 from deskfleet.agent.paths import AgentSettings, Thresholds
 from deskfleet.agent.shard_cache import ShardCache
+from deskfleet.agent.stage_executor import StageExecutor
 from deskfleet.common import pki
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.availability import MonitorReading
@@ -156,7 +157,10 @@ def test_results_and_relayed_errors_go_to_the_driver_that_said_results_here(core
         driver, other = RecordingLink(Role.CONTROLLER), RecordingLink(Role.CONTROLLER)
         core._controller_links += [cast(Link, driver), cast(Link, other)]  # other spoke last
         await core.handle(cast(Link, driver), ResultsHere())
-        # a failure upstream arrives from the previous stage: this agent (no next hop) hands it back
+        # a failure upstream arrives from the previous stage: this agent (the last stage) hands it back
+        last = AssignStage(StageRef("m@1", 2, 4), False, True, "CPU", Precision.F32, None, (),
+                           previous_agent_id="b" * 52)
+        core.stages[last.stage] = HostedStage(last, cast(StageExecutor, None), asyncio.Lock(), "m_1-2-4")
         await core.handle(cast(Link, RecordingLink(Role.AGENT, "b" * 52)), Error(ErrorCode.INTERNAL, "stage 1 died"))
         return driver, other
 

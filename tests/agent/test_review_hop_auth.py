@@ -1,0 +1,268 @@
+"""A stage takes steps and relayed Errors only from its rightful previous hop, and checks a relayed Error's blame.
+
+Any holder of a fleet-signed agent certificate can open a link to any agent. Before, such a stranger's
+Forward ran on the stage as if it came from the previous stage (hidden states injected into another PC's
+chain) and its Error was relayed to the driver with the blame it named (a healthy PC left out of the next
+plan). Now a stage takes Forward, ReleaseMicroBatch and Error only from the agent AssignStage.previous_agent_id
+names (the controller for a first stage), answers anyone else with Error(UNAUTHORIZED) naming both, logs that
+once, and leaves the rightful chain's state as it was; a blame its previous hop cannot know is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from pathlib import Path
+from typing import cast
+
+import numpy as np
+import pytest
+
+from deskfleet.agent.core import AgentCore, CommandError, HostedStage
+from deskfleet.agent.link import Link, LinkError
+from deskfleet.agent.paths import AgentSettings, Thresholds
+from deskfleet.agent.shard_cache import ShardCache
+from deskfleet.agent.stage_executor import StageExecutor
+from deskfleet.common import pki
+from deskfleet.common.kv_ledger import AppendSlots
+from deskfleet.common.model_spec import MANIFEST_NAME, load_manifest
+from deskfleet.common.wire import (
+    AssignStage,
+    Error,
+    ErrorCode,
+    Forward,
+    ForwardResult,
+    ManifestEntry,
+    Message,
+    NextHop,
+    Precision,
+    ReleaseMicroBatch,
+    ResultsHere,
+    Role,
+    ShardChunk,
+    ShardComplete,
+    StageReady,
+    StageRef,
+)
+from deskfleet.controller.batch_track import BatchTrack
+from tests.agent.test_core import FakeMonitor
+from tests.fleet_pki import make_ca, make_member
+
+PREVIOUS = "b" * 52  # the agent hosting the stage before: the rightful previous hop
+STRANGER = "s" * 52  # another enrolled PC, in no chain with this one
+NEXT = "n" * 52  # the agent hosting the stage after
+UPSTREAM = "u" * 52  # an agent earlier in the chain than the previous hop: unknown to this stage
+
+
+class FakeLink:
+    """One served link: delivers `incoming` in order, then closes; keeps what the core sends and any refusal."""
+
+    def __init__(self, role: Role, agent_id: str, incoming: list[Message] | None = None) -> None:
+        self.peer = pki.PeerIdentity(agent_id, role, "0" * 64)
+        self.incoming = list(incoming or [])
+        self.sent: list[Message] = []
+        self.refused: str | None = None
+
+    def describe(self) -> str:
+        return f"{self.peer.role.value} {self.peer.agent_id[:12]}"
+
+    async def receive(self) -> Message:
+        if not self.incoming or self.refused is not None:
+            raise LinkError("closed")
+        return self.incoming.pop(0)
+
+    async def send(self, message: Message) -> None:
+        self.sent.append(message)
+
+    async def refuse(self, code: ErrorCode, text: str) -> None:
+        self.refused = f"{code.value}: {text}"
+
+
+def make_core(tmp_path: Path, name: str) -> AgentCore:
+    ca = make_ca(tmp_path / "ca")
+    files = make_member(ca, tmp_path / name, "agent")
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    return AgentCore(files, settings, ShardCache(tmp_path / f"{name}-cache", 1 << 30), FakeMonitor())
+
+
+def command(core: AgentCore, message: Message) -> Message | None:
+    return asyncio.run(core.handle(cast(Link, FakeLink(Role.CONTROLLER, "c" * 52)), message))
+
+
+def host(core: AgentCore, export: Path, start: int, end: int, previous: str | None) -> AssignStage:
+    """Push layers [start, end) of the export to `core` and assign them (f32), fed by `previous`."""
+    manifest = load_manifest(export)
+    names = [MANIFEST_NAME, *(name for stem in manifest.stage_ir_stems(start, end) for name in manifest.ir_files(stem))]
+    entries = []
+    for name in names:
+        data = (export / name).read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        command(core, ShardChunk(digest, 0, len(data), data))
+        command(core, ShardComplete(digest))
+        entries.append(ManifestEntry(name, digest, len(data)))
+    assignment = AssignStage(StageRef("tiny@1", start, end), start == 0, end == manifest.spec.num_layers, "CPU",
+                             Precision.F32, None, tuple(entries), None, previous)
+    assert isinstance(command(core, assignment), StageReady)
+    return assignment
+
+
+def fake_stage(core: AgentCore, model_id: str, previous: str | None, next_hop: str | None = None) -> AssignStage:
+    """A stage that is never run (Errors and refusals only): layers [1, 2) of `model_id`."""
+    hop = NextHop("127.0.0.1:9", next_hop) if next_hop is not None else None
+    assignment = AssignStage(StageRef(model_id, 1, 2), previous is None, next_hop is None, "CPU", Precision.F32,
+                             hop, (), None, previous)
+    core.stages[assignment.stage] = HostedStage(assignment, cast(StageExecutor, None), asyncio.Lock(),
+                                                f"{model_id}-1-2")
+    return assignment
+
+
+def hidden_step(micro_batch_id: int, model_id: str = "", hidden: int = 8) -> Forward:
+    return Forward(micro_batch_id, 0, (0,), (AppendSlots(1, (1,), (0,)),), np.zeros(1, np.int64),
+                   np.zeros((1, 1), np.int64), None, np.ones((1, 1, hidden), np.float32), None, layer_start=1,
+                   model_id=model_id)
+
+
+def test_a_strangers_forward_is_refused_and_the_previous_hops_next_step_still_runs(
+        tmp_path: Path, tiny_export: Path, caplog: pytest.LogCaptureFixture) -> None:
+    first, last = make_core(tmp_path, "first"), make_core(tmp_path, "last")
+    head = host(first, tiny_export, 0, 2, None)
+    host(last, tiny_export, 2, 4, PREVIOUS)
+    run_first = first.stages[head.stage].executor.run
+    max_context = load_manifest(tiny_export).spec.max_context
+    attacked, clean = BatchTrack(1, max_context), BatchTrack(2, max_context)  # the same stream, twice
+    for track in (attacked, clean):
+        track.add_row(0)
+    driver = FakeLink(Role.CONTROLLER, "c" * 52)
+    previous = FakeLink(Role.AGENT, PREVIOUS)
+
+    async def step(track: BatchTrack, tokens: list[int]) -> Forward:
+        output = run_first(track.step([tokens]))
+        assert isinstance(output, Forward)
+        return output
+
+    async def scenario() -> tuple[dict[int, list[int]], list[FakeLink]]:
+        last._controller_links.append(cast(Link, driver))
+        await last.handle(cast(Link, driver), ResultsHere())
+        tokens: dict[int, list[int]] = {1: [], 2: []}
+        strangers = []
+        for index in range(4):
+            for track in (attacked, clean):
+                hidden = await step(track, tokens[track.micro_batch_id][-1:] or [1, 7, 9, 3])
+                if track is attacked and index in (1, 2):
+                    # the stranger sends the very step the previous hop is about to send, or frees the
+                    # micro-batch: taken, either would have changed the stage's KV state (and the first sent the
+                    # driver a result), and the previous hop's own step would have been refused as a desync
+                    incoming: list[Message] = [hidden, Error(ErrorCode.INTERNAL, "down", agent_id=PREVIOUS)] \
+                        if index == 1 else [ReleaseMicroBatch(1)]
+                    stranger = FakeLink(Role.AGENT, STRANGER, incoming)
+                    before = len(driver.sent)
+                    await last.serve_link(cast(Link, stranger))
+                    strangers.append(stranger)
+                    assert len(driver.sent) == before  # nothing reached the driver
+                await last.handle(cast(Link, previous), hidden)
+                result = driver.sent[-1]
+                assert isinstance(result, ForwardResult), result
+                tokens[track.micro_batch_id].append(result.next_token_ids[0])
+        return tokens, strangers
+
+    with caplog.at_level(logging.WARNING, logger="deskfleet.agent.core"):
+        tokens, strangers = asyncio.run(scenario())
+    assert tokens[1] == tokens[2] and len(tokens[1]) == 4  # the stage ran exactly the rightful steps
+    assert [type(message) for message in driver.sent] == [ForwardResult] * 8
+    for stranger in strangers:
+        assert stranger.refused is not None and stranger.refused.startswith("unauthorized: ")
+        assert f"agent {STRANGER[:12]}" in stranger.refused and f"from agent {PREVIOUS[:12]}" in stranger.refused
+    assert strangers[0].incoming == [Error(ErrorCode.INTERNAL, "down", agent_id=PREVIOUS)]  # link closed: unread
+    logged = [record for record in caplog.records if STRANGER[:12] in record.getMessage()]
+    assert len(logged) == 1, [record.getMessage() for record in logged]  # logged once, not per attempt
+    assert last.last_error is not None and "previous hop of none" in last.last_error
+
+
+def test_a_stage_after_the_first_takes_no_step_from_a_controller(tmp_path: Path) -> None:
+    core = make_core(tmp_path, "agent")
+    fake_stage(core, "m@1", PREVIOUS)
+    with pytest.raises(CommandError, match=r"controller c{12} is the previous hop of none") as refused:
+        command(core, hidden_step(3, "m@1"))
+    assert refused.value.code is ErrorCode.UNAUTHORIZED
+
+
+def test_the_previous_hop_of_one_stage_is_refused_on_another_and_its_link_kept(tmp_path: Path) -> None:
+    # One PC holds stages of two models; the agent before its stage of model m sends a step of model n, whose
+    # previous hop is another agent: refused to that agent alone, the link (its rightful model's) left open.
+    core = make_core(tmp_path, "agent")
+    fake_stage(core, "m@1", PREVIOUS)
+    fake_stage(core, "n@1", UPSTREAM)
+    driver = FakeLink(Role.CONTROLLER, "c" * 52)
+    previous = FakeLink(Role.AGENT, PREVIOUS, [hidden_step(4, "n@1"), hidden_step(5, "n@1")])
+
+    async def scenario() -> None:
+        core._controller_links.append(cast(Link, driver))
+        await core.handle(cast(Link, driver), ResultsHere())
+        await core.serve_link(cast(Link, previous))
+
+    asyncio.run(scenario())
+    assert previous.refused is None and driver.sent == []
+    assert [(type(m), m.code, m.micro_batch_id) for m in previous.sent if isinstance(m, Error)] == [
+        (Error, ErrorCode.UNAUTHORIZED, 4), (Error, ErrorCode.UNAUTHORIZED, 5)]
+    assert isinstance(previous.sent[0], Error)
+    assert f"from agent {UPSTREAM[:12]}" in previous.sent[0].message and "n_1-1-2" in previous.sent[0].message
+
+
+def relay(core: AgentCore, sender: str, error: Error, monkeypatch: pytest.MonkeyPatch) -> tuple[list[Message],
+                                                                                                FakeLink]:
+    """Serve a link from `sender` that brings `error`; what the stage sent on to its next hop, and the link."""
+    onward: list[Message] = []
+
+    async def send_next(hop: NextHop, message: Message) -> None:
+        assert hop.agent_id == NEXT
+        onward.append(message)
+
+    monkeypatch.setattr(core, "_send_next", send_next)
+    link = FakeLink(Role.AGENT, sender, [error])
+    asyncio.run(core.serve_link(cast(Link, link)))
+    return onward, link
+
+
+@pytest.mark.parametrize(("blamed", "relayed_blame"), [
+    (None, None),
+    (PREVIOUS, PREVIOUS),  # the sender about itself
+    (UPSTREAM, UPSTREAM),  # an earlier stage's error the sender relayed: not known here, the driver checks it
+    ("self", None),  # this agent: it is reading the error, so reachable and hosting
+    (NEXT, None),  # this stage's next hop: the previous hop knows nothing of it
+])
+def test_a_relayed_blame_is_kept_only_where_the_previous_hop_can_know_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blamed: str | None, relayed_blame: str | None) -> None:
+    core = make_core(tmp_path, "agent")
+    fake_stage(core, "m@1", PREVIOUS, NEXT)
+    blamed = core.agent_id if blamed == "self" else blamed
+    onward, link = relay(core, PREVIOUS, Error(ErrorCode.INTERNAL, "stage 0 failed", 7, blamed), monkeypatch)
+    assert link.refused is None and len(onward) == 1
+    error = onward[0]
+    assert isinstance(error, Error) and (error.code, error.micro_batch_id) == (ErrorCode.INTERNAL, 7)
+    assert error.agent_id == relayed_blame
+    assert error.message.startswith("stage 0 failed")
+    if blamed is not None and relayed_blame is None:
+        assert f"dropped the blame of agent {blamed[:12]}" in error.message
+        assert core.last_error is not None and "dropped the blame" in core.last_error
+
+
+def test_a_strangers_error_is_refused_and_relayed_to_no_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    core = make_core(tmp_path, "agent")
+    fake_stage(core, "m@1", PREVIOUS, NEXT)
+    driver = FakeLink(Role.CONTROLLER, "c" * 52)
+    core._controller_links.append(cast(Link, driver))
+    onward, link = relay(core, STRANGER, Error(ErrorCode.INTERNAL, "the previous hop died", agent_id=PREVIOUS),
+                         monkeypatch)
+    assert onward == [] and driver.sent == []
+    assert link.refused is not None and link.refused.startswith("unauthorized: ")
+    assert f"agent {STRANGER[:12]}" in link.refused and f"from agent {PREVIOUS[:12]}" in link.refused
+
+
+def test_an_agent_hosting_no_stage_relays_no_error(tmp_path: Path) -> None:
+    core = make_core(tmp_path, "agent")
+    driver = FakeLink(Role.CONTROLLER, "c" * 52)
+    core._controller_links.append(cast(Link, driver))
+    link = FakeLink(Role.AGENT, STRANGER, [Error(ErrorCode.INTERNAL, "gone", agent_id=PREVIOUS)])
+    asyncio.run(core.serve_link(cast(Link, link)))
+    assert driver.sent == [] and link.refused is not None and "hosts no stage" in link.refused
