@@ -56,6 +56,8 @@ class FleetFailover:
     replans: list[dict[str, object]] = field(default_factory=list)  # what broke, and the chain made after it
 
     def __call__(self, error: ChainBroken) -> FleetPipeline:
+        # the controller's own observation (a link closed, an agent not dialled) or a blame the chain checked
+        # against the reporting stage's place in it (FleetPipeline._accepted_blame): never a bystander's id
         agent_id = error.agent_id if isinstance(error, ChainError) else None
         if agent_id is not None:
             self.lost.add(agent_id)

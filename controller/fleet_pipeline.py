@@ -43,7 +43,8 @@ STEP_TIMEOUT_S = 120.0
 
 class ChainError(ChainBroken):
     """A step failed: an agent is unreachable or reported an error (named). `agent_id` is the agent at
-    fault when the chain knows it (its link closed, it could not be dialled), else None."""
+    fault when the chain knows it (its link closed, it could not be dialled, or a stage's error named it in
+    keeping with that stage's place in the chain: FleetPipeline._accepted_blame), else None."""
 
     def __init__(self, message: str, agent_id: str | None = None) -> None:
         super().__init__(message)
@@ -278,10 +279,34 @@ class FleetPipeline:
                     log.warning("dropped an error about wire micro-batch %d, which has no step in flight here: %s",
                                 message.micro_batch_id, message.message)
                     continue
+                blamed, ignored = self._accepted_blame(index, message)
                 raise ChainError(f"{message.code.value} from the chain (reported to stage {index}'s link): "
-                                 f"{message.message}", message.agent_id)
+                                 f"{message.message}{ignored}", blamed)
             else:
                 log.debug("ignoring %s from %s", type(message).__name__, link.describe())
+
+    def _accepted_blame(self, index: int, error: Error) -> tuple[str | None, str]:
+        """The agent that `error`, arrived on stage `index`'s link, may name as at fault (the failover leaves it
+        out of the next plan), and what to add to the error's text when its blame was ignored.
+
+        The rule: an agent observes only itself (it gave its stages up) and its next hop (unreachable), and
+        Errors travel down the chain, each stage relaying its previous hop's (agent/core.py takes them from
+        that hop alone and drops a blame of itself or of its next hop). So what arrives from stage j can
+        truthfully name only stages 0..j+1 of this chain: j itself, its next hop, or an earlier stage whose
+        error it relayed. A blame of a later stage, or of an agent outside the chain, is nothing stage j can
+        have learnt: it is ignored and logged, and the chain still breaks, blaming no one. (A member can still
+        name an earlier member falsely: relayed errors carry no proof of where they began.)"""
+        blamed = error.agent_id
+        if blamed is None or blamed in [stage.agent_id for stage in self.stages[:index + 2]]:
+            return blamed, ""
+        stage = self.stages[index]
+        where = "is in no stage of this chain" if blamed not in [other.agent_id for other in self.stages] \
+            else "hosts a later stage than its next hop"
+        note = (f" [its blame of agent {blamed[:12]} was ignored: that agent {where}, so agent "
+                f"{stage.agent_id[:12]} (stage {index}) cannot know it to be at fault]")
+        log.warning("stage %d's agent %s reported an error blaming agent %s, which %s: the blame is ignored", index,
+                    stage.agent_id[:12], blamed[:12], where)
+        return None, note
 
     def _stage_error(self, index: int, text: str) -> ChainError:
         stage = self.stages[index]
