@@ -131,7 +131,7 @@ def _export_into(model_dir: Path, staging: Path, config: CheckpointConfig, weigh
                         [TensorNames.POSITION_IDS, TensorNames.ATTENTION_MASK],
                         [TensorNames.COS, TensorNames.SIN, TensorNames.ATTENTION_BIAS])
         # The RoPE table stays f32 and out of weight compression (NNCF would take it for an embedding).
-        ov.save_model(rope, staging / f"{Manifest.ROPE_IR}.xml", compress_to_fp16=False)
+        _write_ir(rope, staging / f"{Manifest.ROPE_IR}.xml", compress_to_fp16=False)
         report(Manifest.ROPE_IR)
 
         embed = _convert(Embed(weights.get("model.embed_tokens.weight")),
@@ -213,7 +213,22 @@ def _convert(module: torch.nn.Module, example: tuple[torch.Tensor, ...], shapes:
 def _save(model: ov.Model, path: Path, weight_format: WeightFormat, is_decoder_layer: bool) -> None:
     if weight_format is WeightFormat.INT4:
         model = _compress_int4(model, is_decoder_layer)
-    ov.save_model(model, path, compress_to_fp16=weight_format is WeightFormat.F16)
+    _write_ir(model, path, compress_to_fp16=weight_format is WeightFormat.F16)
+
+
+def _write_ir(model: ov.Model, path: Path, compress_to_fp16: bool) -> None:
+    """ov.save_model, with an error that says which file could not be written and how much room was left:
+    OpenVINO's own, for a full disk, is "basic_ios::clear: iostream error"."""
+    try:
+        ov.save_model(model, path, compress_to_fp16=compress_to_fp16)
+    except RuntimeError as error:
+        try:
+            free = f"{shutil.disk_usage(path.parent).free / 1e6:.1f} MB"
+        except OSError:
+            free = "an unknown amount"
+        # path.parent is the staging folder, removed by the time the message is read: name the folder it is in
+        raise ExportError(f"cannot write {path.stem}.xml/.bin of the export: {error} ({free} free in "
+                          f"{path.parent.parent}; is the disk full?)") from error
 
 
 def _compress_int4(model: ov.Model, is_decoder_layer: bool) -> ov.Model:
