@@ -49,6 +49,13 @@ _STOP = object()
 _ID_SPAN = 1 << 32  # engine micro-batch ids stay below this; renumber() moves the stages' ids past them
 
 
+def _layers(layers: LayerRange) -> str:
+    """How an error names a stage's layers: "layers 2-3 of 4" (not the LayerRange's repr)."""
+    last = layers.stop - 1
+    span = f"layer {last}" if layers.start == last else f"layers {layers.start}-{last}"
+    return f"{span} of {layers.num_layers}"
+
+
 def split_layers(num_layers: int, num_stages: int) -> list[LayerRange]:
     """Contiguous ranges whose sizes differ by at most one."""
     if not 1 <= num_stages <= num_layers:
@@ -94,8 +101,9 @@ class _StageWorker(threading.Thread):
     def _step(self, message: Forward) -> None:
         try:
             self.outbox.put(self.executor.run(message))
-        except Exception as error:  # handed to the driver, which raises it with the stage named
-            log.exception("stage %d failed on micro-batch %d", self.index, message.micro_batch_id)
+        except Exception as error:  # handed to the driver, which raises it with the stage named (and this
+            # traceback as its cause): logged at debug only, or every failure printed a traceback before its error
+            log.debug("stage %d failed on micro-batch %d", self.index, message.micro_batch_id, exc_info=True)
             self.outbox.put(_Failure(message.micro_batch_id, self.index, error))
 
 
@@ -147,7 +155,7 @@ class LocalPipeline:
         try:
             result = self._inline.run(message)
         except Exception as error:  # raised by collect(), as a worker's failure would be
-            log.exception("stage 0 failed on micro-batch %d", message.micro_batch_id)
+            log.debug("stage 0 failed on micro-batch %d", message.micro_batch_id, exc_info=True)
             self._done.append(_Failure(message.micro_batch_id, 0, error))
             return
         assert isinstance(result, ForwardResult)  # a lone stage is the last stage
@@ -171,9 +179,9 @@ class LocalPipeline:
             if isinstance(message, _Failure):
                 if not self._ids.fail(message.batch_id):
                     continue
-                raise PipelineError(f"stage {message.stage_index} ({self.ranges[message.stage_index]}) failed "
-                                    f"on micro-batch {self._ids.engine_id(message.batch_id)}: {message.error}"
-                                    ) from message.error
+                stage = message.stage_index
+                raise PipelineError(f"stage {stage} ({_layers(self.ranges[stage])}) failed on micro-batch "
+                                    f"{self._ids.engine_id(message.batch_id)}: {message.error}") from message.error
             if message is _STOP:
                 raise PipelineError("the pipeline stopped")
 
