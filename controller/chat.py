@@ -196,9 +196,9 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
             printer = TextPrinter(tokenizer, out)
             interrupted = False
             try:
-                result = engine.run(on_token=printer.push, recover=failover)[0]
+                engine.run(on_token=printer.push, recover=failover)
             except KeyboardInterrupt:  # Ctrl-C stops this reply (the engine freed its micro-batches), not the chat
-                result, interrupted = engine.results()[0], True
+                interrupted = True
             if engine.failovers:
                 chain = engine.chain  # the next turns run on the chain this one ended on
             printer.finish()
@@ -206,9 +206,10 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
             out.flush()
             if interrupted:
                 _note(notes, "[interrupted: the reply so far stays in the conversation; Ctrl-C at the prompt leaves]")
-            eos = set(manifest.spec.eos_token_ids)
-            reply_tokens = [token for token in result.tokens if token not in eos]
-            turns = [*turns[dropped:], message, ChatMessage("assistant", tokenizer.decode(reply_tokens))]
+            # The reply as it was shown: a Ctrl-C can stop the engine between taking a token and showing it,
+            # and a byte-fallback tokenizer decodes a reply cut inside a character with more U+FFFD than were
+            # shown (the bytes of the run before it too); the conversation holds what the user saw.
+            turns = [*turns[dropped:], message, ChatMessage("assistant", printer.text)]
             replies += 1
     return replies
 
@@ -290,8 +291,12 @@ def _end_prompt_line(prompt_out: TextIO | None) -> None:
 
 
 def _note(notes: TextIO | None, text: str) -> None:
+    """A line on stderr; its text may quote the model folder's template (its raise_exception), so on a
+    terminal its control characters are shown as escapes, not obeyed."""
+    from .text_printer import is_terminal, visible_controls
+
     stream = notes or sys.stderr
-    stream.write(text + "\n")
+    stream.write((visible_controls(text) if is_terminal(stream) else text) + "\n")
     stream.flush()
 
 

@@ -105,7 +105,7 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
     `chain` (e.g. the fleet, with `chain_stages` stages) replaces the local pipeline; the caller closes it.
     `recover` makes a new chain when that one breaks (Engine.run); the report then lists the failovers.
     """
-    from .text_printer import TextPrinter
+    from .text_printer import TextPrinter, is_terminal, visible_controls
     from .tokenizer import ModelTokenizer
 
     manifest = load_manifest(options.model)
@@ -151,8 +151,9 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
     else:
         report["tok_s"] = round(generated / wall, 3) if wall > 0 else 0.0
         if stream_text:
+            shown = visible_controls if is_terminal(sys.stdout) else str  # a model's ESC sequences, not obeyed
             for index, stream in enumerate(streams):
-                print(f"--- stream {index}\n{stream['text']}")
+                print(f"--- stream {index}\n{shown(str(stream['text']))}")
     if recover is not None:
         report["failovers"] = [asdict(failover) for failover in engine.failovers]
     if draft is not None:

@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+import re
 from typing import TextIO
 
 from .tokenizer import ModelTokenizer
+
+# The characters a terminal acts on instead of showing: C0 controls but newline and tab (ESC starts the
+# sequences that move the cursor, recolour, retitle the window, set the clipboard (OSC 52) or hide text; CR and
+# backspace overwrite what was shown), DEL and the C1 controls (U+009B is a one-character CSI to some terminals).
+_TERMINAL_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def visible_controls(text: str) -> str:
+    """`text` with every terminal control but newline and tab written as its escape (ESC as `\\x1b`), so
+    what a model writes is shown, not obeyed, by the terminal."""
+    return _TERMINAL_CONTROLS.sub(lambda match: f"\\x{ord(match[0]):02x}", text)
+
+
+def is_terminal(out: TextIO) -> bool:
+    try:
+        return bool(out.isatty())
+    except (AttributeError, ValueError, OSError):  # a closed or stream-like object without a descriptor
+        return False
 
 
 class TextPrinter:
@@ -16,12 +35,18 @@ class TextPrinter:
     tokens, so a tokenizer's spacing rules at the window's start apply alike to both. A window whose text
     ends inside a multi-byte character (U+FFFD) waits for the next token. Call finish() when the reply ends:
     a reply cut inside a character shows it as U+FFFD, as its text does.
+
+    On a terminal (`out.isatty()`, or `show_controls`) the text's control characters but newline and tab are
+    written as escapes (visible_controls): a model's ESC sequences must not drive the user's terminal. `text`
+    holds what was written, before that escaping.
     """
 
-    def __init__(self, tokenizer: ModelTokenizer, out: TextIO) -> None:
+    def __init__(self, tokenizer: ModelTokenizer, out: TextIO, show_controls: bool | None = None) -> None:
         self.tokenizer = tokenizer
         self.out = out
+        self.show_controls = is_terminal(out) if show_controls is None else show_controls
         self.tokens: list[int] = []
+        self.text = ""  # what was written so far (unescaped)
         self._window_start = 0  # the first token of the window decoded each time
         self._written_until = 0  # tokens before this one are written
 
@@ -43,5 +68,7 @@ class TextPrinter:
         # terminal) leaves the text in the stream's buffer, shown when the terminal drains, so finish()
         # must not write it a second time.
         self._window_start, self._written_until = self._written_until, len(self.tokens)
-        self.out.write(text[len(written):])
+        piece = text[len(written):]
+        self.text += piece
+        self.out.write(visible_controls(piece) if self.show_controls else piece)
         self.out.flush()
