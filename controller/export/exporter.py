@@ -36,6 +36,7 @@ from .output_folder import (
     FinishedExportKept,
     check_output,
     ending_signals_clean_up,
+    flush_to_disk,
     held,
     make_staging_folder,
     move_into_place,
@@ -99,6 +100,7 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
         with held(staging):
             try:
                 manifest = _export_into(model_dir, staging, config, weight_format, tokenizer, report)
+                flush_to_disk(staging)
                 move_into_place(model_dir, staging, out_dir, overwrite)
             except FinishedExportKept:
                 raise  # hours of work, named in the message: the user may still move it into place

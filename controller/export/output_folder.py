@@ -103,6 +103,17 @@ def make_staging_folder(out_dir: Path) -> Path:
     return staging
 
 
+def flush_to_disk(folder: Path) -> None:
+    """fsync every file of `folder`, then the folder itself: before the rename that makes an export visible at
+    `out_dir`, so that a power cut just after it cannot leave a manifest naming files whose data never reached
+    the disk (ext4 and XFS write a new file's data well after its name)."""
+    file_flags = os.O_RDWR if sys.platform == "win32" else os.O_RDONLY  # Windows commits only a writable one
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and not path.is_symlink():
+            _fsync(path, file_flags)
+    _fsync(folder, os.O_RDONLY)
+
+
 def move_into_place(model_dir: Path, staging: Path, out_dir: Path, overwrite: bool) -> None:
     """Move the finished export to `out_dir`. What is there is replaced only with `overwrite` and only when it
     is an export or empty, and removed only after the new export is in place (put back if the move fails).
@@ -142,6 +153,8 @@ def move_into_place(model_dir: Path, staging: Path, out_dir: Path, overwrite: bo
             raise FinishedExportKept(
                 f"cannot move the finished export into {out_dir}: {error}{restored}{kept}") from None
         raise  # interrupted: the old export is back, the caller removes the staging folder
+    with contextlib.suppress(OSError):  # the rename itself, on disk; it has happened either way
+        _fsync(out_dir.parent, os.O_RDONLY)
     if retired is not None:
         shutil.rmtree(retired, ignore_errors=True)
 
@@ -316,6 +329,23 @@ def _rename_no_replace(source: Path, target: Path) -> None:
         with contextlib.suppress(OSError):
             os.rmdir(target)  # fails unless still empty: never removes anything but the claim
         raise
+
+
+def _fsync(path: Path, flags: int) -> None:
+    """fsync `path`; a folder where it cannot be opened (Windows) or synced (some file systems) is skipped."""
+    try:
+        descriptor = os.open(path, flags)
+    except OSError:
+        if path.is_dir():
+            return
+        raise
+    try:
+        os.fsync(descriptor)
+    except OSError as error:
+        if not path.is_dir() or error.errno not in (errno.EINVAL, errno.EBADF, errno.EACCES):
+            raise
+    finally:
+        os.close(descriptor)
 
 
 def _process_alive(pid: int) -> bool:

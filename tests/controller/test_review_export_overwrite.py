@@ -1,7 +1,9 @@
-"""--overwrite replaces an old export, never a file the user put into its folder since."""
+"""--overwrite replaces an old export, never a file the user put into its folder since; and an export that
+appears at its folder is on disk whole."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -9,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from deskfleet.common.model_spec import WeightFormat, load_manifest, verify_files
-from deskfleet.controller.export import exporter
+from deskfleet.controller.export import exporter, output_folder
 from deskfleet.controller.export.exporter import ExportError, export_checkpoint
 from deskfleet.controller.export.output_folder import FinishedExportKept
 
@@ -75,3 +77,29 @@ def test_a_file_manager_s_litter_does_not_stop_overwrite(checkpoint: Path, tiny_
     export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
     verify_files(out, load_manifest(out))
     assert load_manifest(out).spec.num_layers == 1
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names descriptors through /proc")
+def test_every_file_is_on_disk_before_the_export_appears(checkpoint: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # A power cut just after the rename must not leave a manifest naming files whose data never reached the disk
+    events: list[tuple[str, str]] = []
+    fsync, rename = os.fsync, output_folder._rename_no_replace
+
+    def recording_fsync(descriptor: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{descriptor}")))
+        fsync(descriptor)
+
+    def recording_rename(source: Path, target: Path) -> None:
+        rename(source, target)
+        events.append(("rename", str(target)))
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(output_folder, "_rename_no_replace", recording_rename)
+    out = tmp_path / "out"
+    export_checkpoint(checkpoint, out, WeightFormat.F32)
+    moved = events.index(("rename", str(out)))
+    synced_before = {Path(path).name for kind, path in events[:moved] if kind == "fsync"}
+    assert {path.name for path in out.iterdir()} <= synced_before  # manifest.json included
+    assert any(Path(path).name.startswith(".out.partial-") for kind, path in events[:moved])  # the folder too
+    assert ("fsync", str(tmp_path)) in events[moved:]  # and the rename itself
