@@ -12,6 +12,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from deskfleet.common.console import tolerate_unencodable
+
 log = logging.getLogger("deskfleet.agent")
 
 
@@ -25,6 +27,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from deskfleet.common.pki import PkiError
     from deskfleet.common.wire import ProtocolError
 
+    tolerate_unencodable(sys.stdout, sys.stderr)  # hostnames and paths on a Windows code page
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,

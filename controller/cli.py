@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from deskfleet.agent.allocator import run_on_jemalloc
+from deskfleet.common.console import tolerate_unencodable
 from deskfleet.common.model_spec import ManifestError, WeightFormat
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.chat import add_chat_command, add_fleet_option, check_fleet_options, fleet_max_failovers
@@ -56,6 +57,7 @@ BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a program whos
 # Public methods
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tolerate_unencodable(sys.stdout, sys.stderr)  # a reply or a table on a Windows code page
     try:
         parser = build_parser()  # imports the commands' modules: a second or two in which Ctrl-C may come
     except KeyboardInterrupt:
