@@ -133,7 +133,13 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
             engine.add(StreamRequest(prompt_ids=prompt, max_new_tokens=options.max_new_tokens,
                                      ignore_eos=options.ignore_eos, sampling=sampling, seed=options.seed + index))
         started = time.perf_counter()
-        results = engine.run(on_token=printer.push if printer else None, recover=recover)
+        try:
+            results = engine.run(on_token=printer.push if printer else None, recover=recover)
+        except Exception:
+            if printer is not None and printer.text and not printer.text.endswith("\n"):
+                printer.out.write("\n")  # the error that follows starts a line of its own
+                printer.out.flush()
+            raise
         wall = time.perf_counter() - started
     if printer is not None:
         printer.finish()
