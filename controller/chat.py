@@ -141,6 +141,7 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
                                 "`deskfleet generate --prompt TEXT` with it instead")
     system = [ChatMessage("system", options.system)] if options.system else []
     _check_room(tokenizer, system, options.max_new_tokens, manifest.spec.max_context)
+    end_of_turn = tokenizer.end_of_turn_ids()  # a reply ends there, whatever the generation config lists
     settings = options.target_settings()
     # a draft that cannot draft for the target is refused now, before anything compiles
     draft = options.open_drafter(settings, manifest.spec, over_fleet=options.fleet_dir is not None)
@@ -179,7 +180,7 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
                     renumber()
                 engine = Engine(chain, manifest.spec, draft, engine_options)
                 engine.add(StreamRequest(prompt, options.max_new_tokens, sampling=sampling,
-                                         seed=options.seed + replies))
+                                         seed=options.seed + replies, stop_token_ids=end_of_turn))
             except (GenerationError, NotUtf8Error, ChatTemplateError) as error:
                 # ChatTemplateError: the template refused this conversation (its raise_exception) or rendered
                 # it too long; the conversation before this message may still be fine to go on with.

@@ -67,6 +67,9 @@ class StreamRequest:
     prompt_ids: list[int]
     max_new_tokens: int = 64
     ignore_eos: bool = False
+    # tokens that end this stream as EOS does (e.g. the chat template's end of turn, where the model's
+    # generation config does not list it)
+    stop_token_ids: frozenset[int] = frozenset()
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
     seed: int = 0
     speculative: bool = True  # draft this stream when the engine has a drafter
@@ -454,11 +457,12 @@ class Engine:
         self._retire(track, finished)
 
     def _extend(self, stream: _Stream, tokens: list[int], now: float) -> bool:
-        """Append tokens up to EOS or max_new_tokens; True when the stream is done."""
+        """Append tokens up to EOS (or a stop token of the stream) or max_new_tokens; True when the stream is done."""
         eos = self._eos
         for token in tokens:
             stream.tokens.append(int(token))
-            hit_eos = int(token) in eos and not stream.request.ignore_eos
+            hit_eos = (int(token) in eos or int(token) in stream.request.stop_token_ids) \
+                and not stream.request.ignore_eos
             done = hit_eos or len(stream.tokens) >= stream.request.max_new_tokens
             if done:  # before the callback: one that raises must leave results() consistent with the tokens
                 stream.done, stream.stopped_by_eos, stream.finished_s = True, hit_eos, now

@@ -111,6 +111,7 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
     manifest = load_manifest(options.model)
     tokenizer = ModelTokenizer(options.model)
     prompts = encode_prompts(options, tokenizer)
+    stop = tokenizer.end_of_turn_ids() if options.chat else frozenset()  # --chat: the reply's turn ends there
     for what, prompt in prompts:  # before the stages compile, and naming the prompt among several
         try:
             check_request(manifest.spec, prompt, options.max_new_tokens)
@@ -131,7 +132,8 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
         engine = Engine(pipeline, manifest.spec, draft, engine_options)
         for index, (_, prompt) in enumerate(prompts):
             engine.add(StreamRequest(prompt_ids=prompt, max_new_tokens=options.max_new_tokens,
-                                     ignore_eos=options.ignore_eos, sampling=sampling, seed=options.seed + index))
+                                     ignore_eos=options.ignore_eos, stop_token_ids=stop, sampling=sampling,
+                                     seed=options.seed + index))
         started = time.perf_counter()
         try:
             results = engine.run(on_token=printer.push if printer else None, recover=recover)

@@ -120,6 +120,27 @@ class ModelTokenizer:
              "eos_token": self.eos_token or ""} for messages in conversations])
         return [self._restored(text, base) for text in texts]
 
+    def end_of_turn_ids(self) -> frozenset[int]:
+        """The special token the chat template writes right after an assistant's message: what ends a reply.
+        Some models' generation config lists only the end of the whole text as EOS, not the end of a turn
+        (ChatML's <|im_end|>, Gemma's <end_of_turn>), and a reply then ran on into turns the model invented.
+        Empty when the template ends a turn with no special token or cannot render an exchange."""
+        probe = "deskfleet end-of-turn probe"
+        try:
+            text = self.render_chat([ChatMessage("user", "Hello."), ChatMessage("assistant", probe)],
+                                    add_generation_prompt=False)
+        except ChatTemplateError:
+            return frozenset()
+        at = text.rfind(probe)
+        if at < 0:
+            return frozenset()
+        for token in self.encode(str(text)[at + len(probe):], add_special_tokens=False):
+            if token in self._special_ids:
+                return frozenset({token})
+            if self.decode([token], skip_special_tokens=False).strip():
+                break  # text before any special token: this template ends a turn with text
+        return frozenset()
+
     def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
         """Token ids of a rendered conversation (the template writes its own special tokens)."""
         return self.encode(self.render_chat(messages), add_special_tokens=False)
