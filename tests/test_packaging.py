@@ -24,5 +24,5 @@ def test_the_wheel_holds_every_package_and_the_console_scripts(tmp_path: Path) -
     assert shipped == source_packages, "a package folder is missing from pyproject's packages list"
     entry_points = next(zipfile.ZipFile(wheel).read(name).decode() for name in names
                         if name.endswith("entry_points.txt"))
-    assert "deskfleet = deskfleet.controller.cli:main" in entry_points
-    assert "deskfleet-agent = deskfleet.agent.cli:main" in entry_points
+    assert "deskfleet = deskfleet.common.launch:deskfleet" in entry_points
+    assert "deskfleet-agent = deskfleet.common.launch:deskfleet_agent" in entry_points
