@@ -35,11 +35,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "join":
             return _join(args)
+        if args.command in ("pause", "resume"):
+            return _pause(args, paused=args.command == "pause")
         if args.headless:
             if argv is None:  # this process's own command line: it may re-execute on jemalloc
                 _run_on_jemalloc(args)
             return _headless(args)
-        parser.error("give a command (join) or --headless (the tray is not part of this build)")
+        parser.error("give a command (join, pause, resume) or --headless (the tray is not part of this build)")
     except KeyboardInterrupt:
         return 130
     except (EnrollmentError, SettingsError, JoinTokenError, PkiError, ProtocolError, EventLoopError,
@@ -65,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
                                     "input (a token on the command line shows in the process list and history)")
     join.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS, help="as above")
     join.add_argument("--hostname", default=None, help="name to show the admin (default: this PC's)")
+    for name, text in (("pause", "opt this PC out: it serves no model until `resume` (a stage it hosts is given "
+                                 "up within seconds; the generation goes on without it)"),
+                       ("resume", "end a pause: the next plan may use this PC again")):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS, help="as above")
     return parser
 
 
@@ -81,6 +88,26 @@ def _join(args: argparse.Namespace) -> int:
     membership = event_loop.run(join(token, paths.state_dir, args.hostname))
     print(f"joined fleet {membership.fleet_id} as agent {membership.agent_id}")
     print(f"start it with: deskfleet-agent --headless{_data_dir_flag(args.data_dir)}")
+    return 0
+
+
+def _pause(args: argparse.Namespace, paused: bool) -> int:
+    """The employee's opt-out (agent/opt_out.py): the running agent reads it within a few seconds."""
+    from deskfleet.agent.link import utc_now
+    from deskfleet.agent.opt_out import write_opt_out
+    from deskfleet.agent.paths import AgentPaths, load_settings
+
+    paths = AgentPaths.resolve(args.data_dir)
+    paths.create()
+    write_opt_out(paths.state_dir, paused, utc_now().isoformat())
+    if paused:
+        print("paused: this PC serves no model until `deskfleet-agent resume`; a stage it hosts is given up "
+              "within seconds, and the generation it was part of goes on without it")
+    elif load_settings(paths.settings_file).paused:
+        print(f"resumed, but {paths.settings_file} says paused: true, so this PC stays out until its admin "
+              "changes that")
+    else:
+        print("resumed: the next plan may use this PC again")
     return 0
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from deskfleet.agent.link import Link, LinkError, TlsFiles, open_link
 from deskfleet.agent.monitor import SystemMonitor
+from deskfleet.agent.opt_out import OptOutReader
 from deskfleet.agent.paths import AgentSettings
 from deskfleet.agent.shard_cache import CacheFull, ShardCache, ShardCacheError
 from deskfleet.agent.speed_probe import SpeedMeasurement
@@ -48,7 +49,7 @@ from deskfleet.agent.stage_executor import StageExecutor
 from deskfleet.agent.status import make_status
 from deskfleet.common import pki
 from deskfleet.common.atomic_file import write_atomic
-from deskfleet.common.availability import StageReleaseWatch, decide_availability
+from deskfleet.common.availability import AvailabilityPolicy, StageReleaseWatch, decide_availability
 from deskfleet.common.json_file import JsonFileError, read_json_object
 from deskfleet.common.kv_ledger import Compact, LedgerError
 from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, ManifestError
@@ -126,7 +127,7 @@ class AgentCore:
     def __init__(self, files: TlsFiles, settings: AgentSettings, cache: ShardCache,
                  monitor: SystemMonitor, num_threads: int | None = None,
                  speed_probe: Callable[[], SpeedMeasurement] | None = None,
-                 revocations_file: Path | None = None) -> None:
+                 revocations_file: Path | None = None, opt_out_dir: Path | None = None) -> None:
         self.files = files
         self._speed_probe = speed_probe  # run once, off the event loop, at the first status request
         self._speed: SpeedMeasurement | None = None
@@ -148,6 +149,7 @@ class AgentCore:
         self._assign_lock = asyncio.Lock()
         self._shard_writers: dict[str, Link] = {}  # shard being received -> the link sending it
         self._release_watch = StageReleaseWatch()
+        self._opt_out = OptOutReader(opt_out_dir)  # the employee's pause (agent/opt_out.py); None: never paused
         self._released_because: str | None = None  # why the stages were given up, until the next assignment
         self._refusals_logged: set[tuple[str, str]] = set()  # (peer, what) refused and logged since the last assign
 
@@ -270,7 +272,7 @@ class AgentCore:
 
     async def status(self) -> StatusReport:
         reading = await asyncio.to_thread(self.monitor.read)
-        snapshot = make_status(reading, self.settings.policy(), tuple(self.stages), self.cache.usage(),
+        snapshot = make_status(reading, self.policy(), tuple(self.stages), self.cache.usage(),
                                self.last_error, time.time())
         if self._speed is None and self._speed_probe is not None:
             try:
@@ -280,6 +282,11 @@ class AgentCore:
                 self._note_error(f"speed probe failed: {error}")
         speed = self._speed.weight_gb_per_s if self._speed is not None else None
         return replace(snapshot.to_wire(), weight_gb_per_s=speed)
+
+    def policy(self) -> AvailabilityPolicy:
+        """The admin's settings, paused also where the employee paused this PC (`deskfleet-agent pause`)."""
+        policy = self.settings.policy()
+        return policy if policy.paused or not self._opt_out.read().paused else replace(policy, paused=True)
 
     async def enforce_limits(self, now: float | None = None) -> tuple[StageRef, ...]:
         """Give every hosted stage up once the PC has been on battery or too hot for the employee's
@@ -291,13 +298,18 @@ class AgentCore:
         if not self.stages:  # nothing to give up, and no sensor to read
             self._release_watch.reset()
             return ()
-        policy = self.settings.policy()
+        policy = self.policy()
+        if policy.paused:  # the PC's user wants it back: at once, not after release_stages_after_s
+            return await self._give_up_stages(f"paused {self._paused_by()}")
         reading = await asyncio.to_thread(self.monitor.read)
         availability = decide_availability(reading, policy, serving=bool(self.stages))
         because = self._release_watch.update(availability, policy, bool(self.stages),
                                              time.monotonic() if now is None else now)
         if because is None:
             return ()
+        return await self._give_up_stages(because)
+
+    async def _give_up_stages(self, because: str) -> tuple[StageRef, ...]:
         released = tuple(self.stages)
         for ref in released:
             hosted = self.stages.get(ref)
@@ -353,6 +365,9 @@ class AgentCore:
                                f"{self.cache.root}: {error.strerror or error}") from None
 
     async def _assign(self, message: AssignStage) -> StageReady:
+        if self.policy().paused:  # a plan made before the pause: that deploy fails naming this PC
+            raise CommandError(ErrorCode.BUSY, f"this PC is paused {self._paused_by()}: it takes no stage",
+                               agent_id=self.agent_id)
         async with self._assign_lock:
             hosted = self.stages.get(message.stage)
             if hosted is not None and _builds_the_same_stage(hosted.assignment, message):
@@ -457,6 +472,11 @@ class AgentCore:
         if hop is None:
             raise CommandError(ErrorCode.INTERNAL, "a middle stage has no next hop")
         await self._send_next(hop, output)
+
+    def _paused_by(self) -> str:
+        if self.settings.paused:
+            return "in its settings (paused: true)"
+        return "by its user (`deskfleet-agent resume` ends that)"
 
     def _stage_for(self, message: Forward) -> HostedStage:
         if not self.stages:

@@ -69,7 +69,8 @@ class AgentService:
         self.core = AgentCore(self.files, self.settings,
                               ShardCache(self.paths.shard_dir, self.settings.cache_limit_bytes),
                               monitor or HostMonitor(), speed_probe=self._speed,
-                              revocations_file=self.paths.state_dir / REVOCATIONS_FILE)
+                              revocations_file=self.paths.state_dir / REVOCATIONS_FILE,
+                              opt_out_dir=self.paths.state_dir)
         self.bound_port: int | None = None
         self._stopping = asyncio.Event()
 

@@ -1,0 +1,105 @@
+"""The employee's opt-out: `deskfleet-agent pause` / `resume` write it, the running agent reports `paused`,
+gives up what it hosts at once (the next step names why), refuses assignments, and serves again on resume; a
+damaged opt-out file counts as paused."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent import opt_out as opt_out_module
+from deskfleet.agent.cli import main
+from deskfleet.agent.core import AgentCore, CommandError
+from deskfleet.agent.opt_out import OPT_OUT_FILE, OptOutReader, read_opt_out, write_opt_out
+from deskfleet.agent.paths import AgentSettings, save_settings
+from deskfleet.agent.shard_cache import ShardCache
+from deskfleet.common.agent_state import AgentState
+from deskfleet.common.availability import GIB, MonitorReading
+from deskfleet.common.wire import ErrorCode, Role, StatusReport, StatusRequest
+from tests.agent.test_core import _host_tiny_stage, handle
+from tests.agent.test_stage_release import _one_step
+from tests.fleet_pki import make_ca, make_member
+
+
+class PluggedInDesktop:
+    def read(self) -> MonitorReading:
+        return MonitorReading(cpu_load=0.1, memory_free_bytes=8 * GIB, memory_total_bytes=16 * GIB,
+                              battery_percent=None, on_ac_power=True, temperatures=(), igpu_busy=None)
+
+
+@pytest.fixture
+def desk(tmp_path: Path) -> tuple[AgentCore, Path]:
+    ca = make_ca(tmp_path / "ca")
+    files = make_member(ca, tmp_path / "agent", "agent")
+    state = tmp_path / "state"
+    state.mkdir()
+    core = AgentCore(files, AgentSettings(), ShardCache(tmp_path / "cache", 1 << 30), PluggedInDesktop(),
+                     opt_out_dir=state)
+    return core, state
+
+
+def status(core: AgentCore) -> StatusReport:
+    report = handle(core, Role.CONTROLLER, StatusRequest())
+    assert isinstance(report, StatusReport)
+    return report
+
+
+def test_no_file_is_not_paused_and_a_written_one_reads_back(tmp_path: Path) -> None:
+    assert not read_opt_out(tmp_path).paused
+    write_opt_out(tmp_path, True, "2026-12-01T17:00:00+00:00")
+    assert read_opt_out(tmp_path) == opt_out_module.OptOut(True, "2026-12-01T17:00:00+00:00")
+    write_opt_out(tmp_path, False, "2026-12-01T18:00:00+00:00")
+    assert not read_opt_out(tmp_path).paused
+
+
+@pytest.mark.parametrize("content", ["{not json", '["paused"]', '{"paused": "yes"}', '{"paused": true, "since": 5}'])
+def test_a_damaged_opt_out_counts_as_paused_and_names_the_file(tmp_path: Path, content: str) -> None:
+    (tmp_path / OPT_OUT_FILE).write_text(content)
+    opt_out = read_opt_out(tmp_path)
+    assert opt_out.paused and opt_out.problem is not None and OPT_OUT_FILE in opt_out.problem
+    (tmp_path / OPT_OUT_FILE).unlink()
+    (tmp_path / OPT_OUT_FILE).mkdir()  # not even a file
+    assert read_opt_out(tmp_path).paused
+
+
+def test_the_running_agent_logs_a_damaged_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    warnings: list[str] = []
+    monkeypatch.setattr(opt_out_module.log, "warning", lambda text, *args: warnings.append(text % args))
+    (tmp_path / OPT_OUT_FILE).write_text("{")
+    reader = OptOutReader(tmp_path)
+    assert reader.read().paused and reader.read().paused
+    assert len(warnings) == 1 and "taken as paused" in warnings[0]
+
+
+def test_a_paused_pc_gives_its_stage_up_at_once_refuses_work_and_serves_again_on_resume(
+        desk: tuple[AgentCore, Path], tiny_export: Path) -> None:
+    core, state = desk
+    assignment = _host_tiny_stage(core, tiny_export)
+    assert status(core).state is AgentState.SERVING
+    write_opt_out(state, True, "now")
+    assert status(core).state is AgentState.PAUSED
+    assert asyncio.run(core.enforce_limits(0.0)) == (assignment.stage,)  # not after release_stages_after_s
+    assert core.stages == {}
+    with pytest.raises(CommandError, match=r"paused by its user") as refused:
+        handle(core, Role.AGENT, replace(_one_step(), model_id=assignment.stage.model_id))
+    assert refused.value.code is ErrorCode.NOT_ASSIGNED and refused.value.agent_id == core.agent_id
+    with pytest.raises(CommandError, match=r"this PC is paused by its user") as busy:
+        _host_tiny_stage(core, tiny_export)  # a plan made before the pause
+    assert busy.value.code is ErrorCode.BUSY and core.stages == {}
+    write_opt_out(state, False, "later")
+    assert status(core).state is AgentState.AVAILABLE
+    assert _host_tiny_stage(core, tiny_export).stage in core.stages
+
+
+def test_pause_and_resume_commands_write_what_the_agent_reads(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["pause", "--data-dir", str(tmp_path)]) == 0
+    assert read_opt_out(tmp_path / "state").paused and "until `deskfleet-agent resume`" in capsys.readouterr().out
+    assert main(["resume", "--data-dir", str(tmp_path)]) == 0
+    assert not read_opt_out(tmp_path / "state").paused and "resumed" in capsys.readouterr().out
+    save_settings(tmp_path / "settings" / "agent-settings.json", AgentSettings(paused=True))
+    assert main(["resume", "--data-dir", str(tmp_path)]) == 0
+    assert "stays out until its admin" in capsys.readouterr().out
