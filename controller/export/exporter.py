@@ -9,6 +9,7 @@ stage's last MatMul at 8 bits and make the weights depend on where the split fal
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import os
@@ -259,7 +260,15 @@ def _group_size(model: ov.Model) -> int:
     for size in (128, 64, 32):
         if all(count % size == 0 for count in channels):
             return size
+    _warn_per_channel(frozenset(channels))
     return -1
+
+
+@functools.cache  # every layer has the same widths: once per export, not once per layer
+def _warn_per_channel(channels: frozenset[int]) -> None:
+    log.warning("no INT4 group size of 128, 64 or 32 divides every input width of a decoder layer (%s): its "
+                "weights are compressed per output channel, which loses more accuracy; --weights f16 avoids that",
+                ", ".join(map(str, sorted(channels))))
 
 
 def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
