@@ -9,14 +9,21 @@ from .tokenizer import ModelTokenizer
 
 # The characters a terminal acts on instead of showing: C0 controls but newline and tab (ESC starts the
 # sequences that move the cursor, recolour, retitle the window, set the clipboard (OSC 52) or hide text; CR and
-# backspace overwrite what was shown), DEL and the C1 controls (U+009B is a one-character CSI to some terminals).
-_TERMINAL_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# backspace overwrite what was shown), DEL and the C1 controls (U+009B is a one-character CSI to some terminals);
+# and Unicode's bidirectional embeddings, overrides and isolates (U+202A-U+202E, U+2066-U+2069), which make a
+# terminal show text in another order than it was written ("Trojan source").
+_TERMINAL_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 def visible_controls(text: str) -> str:
     """`text` with every terminal control but newline and tab written as its escape (ESC as `\\x1b`), so
     what a model writes is shown, not obeyed, by the terminal."""
-    return _TERMINAL_CONTROLS.sub(lambda match: f"\\x{ord(match[0]):02x}", text)
+    return _TERMINAL_CONTROLS.sub(_escape, text)
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match[0])
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
 
 
 def is_terminal(out: TextIO) -> bool:
