@@ -56,10 +56,11 @@ class AgentService:
 
     def __init__(self, options: AgentOptions, monitor: SystemMonitor | None = None) -> None:
         self.paths = AgentPaths.resolve(options.data_dir)
-        self.paths.create()
         self.settings: AgentSettings = load_settings(self.paths.settings_file)
         join = "deskfleet-agent join TOKEN" + (f" --data-dir {options.data_dir}" if options.data_dir else "")
+        # before anything is made: a mistyped --data-dir is named, not filled with empty folders
         self.membership = Membership.load(self.paths.state_dir, join)
+        self.paths.create()
         self.files = agent_tls_files(self.paths.state_dir)
         if missing := self.files.missing():
             raise EnrollmentError(f"{', '.join(str(path) for path in missing)} missing: this PC's fleet credentials "
@@ -72,6 +73,7 @@ class AgentService:
                               revocations_file=self.paths.state_dir / REVOCATIONS_FILE,
                               opt_out_dir=self.paths.state_dir)
         self.bound_port: int | None = None
+        self._outage = _Outage()  # registration attempts failing since the controller link was lost
         self._stopping = asyncio.Event()
 
     def _speed(self) -> SpeedMeasurement:
@@ -188,8 +190,13 @@ class AgentService:
                            device_targets(self.settings.device), report.free_memory_bytes, report.state)
 
     async def _register_forever(self) -> None:
+        """Register, serve the controller link until it closes, and register again, backing off from
+        RETRY_MIN_S to RETRY_MAX_S while the controller cannot be reached. An outage is logged once, when
+        its first attempt fails, and once more when the agent is registered again (attempts and seconds):
+        the failures between are debug lines, not a warning every retry for as long as the controller is off."""
         delay = RETRY_MIN_S
         told_removed = False
+        self._outage = outage = _Outage()
         while True:
             for address in self.membership.controller_addresses:
                 try:
@@ -201,10 +208,10 @@ class AgentService:
                                   "one; to serve again, delete %s and join with a new token", error,
                                   self.files.key_path)
                     elif error.status != HTTPStatus.FORBIDDEN:
-                        log.warning("cannot register with the controller: %s", error)
+                        outage.failed(error)
                     continue
                 except LinkError as error:
-                    log.warning("cannot register with the controller: %s", error)
+                    outage.failed(error)
                     continue
                 told_removed = False
                 started = time.monotonic()
@@ -216,6 +223,7 @@ class AgentService:
 
     async def _registered(self, link: Link) -> None:
         """Say where we listen, then serve the link like any controller link until it closes."""
+        outage = self._outage
         host, _ = parse_address(self.listen)
         if host in ("0.0.0.0", "::", ""):
             host = str(link.connection.transport.get_extra_info("sockname")[0])
@@ -223,11 +231,43 @@ class AgentService:
         try:
             await link.send(Register(self.core.agent_id, (f"{shown}:{self.bound_port}",)))
         except LinkError as error:
-            log.warning("registration failed: %s", error)
+            outage.failed(error)
             return
-        log.info("registered with the controller at %s as %s:%s", link.address, shown, self.bound_port)
+        log.info("registered with the controller at %s as %s:%s%s", link.address, shown, self.bound_port,
+                 outage.ended())
         await self.core.serve_link(link)
         log.warning("the controller link closed; registering again")
+        outage.began()
+
+
+class _Outage:
+    """The registration attempts that failed since the agent was last registered: the first is a warning,
+    the others debug lines, and the registration that ends them says how many and for how long."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None  # time.monotonic() when the controller link was lost; None: registered
+        self.attempts = 0
+
+    def began(self) -> None:
+        self.since, self.attempts = time.monotonic(), 0
+
+    def failed(self, error: Exception) -> None:
+        if self.since is None:
+            self.began()
+        self.attempts += 1
+        if self.attempts == 1:
+            log.warning("cannot register with the controller: %s; retrying every %.0f s at most, quietly until it "
+                        "answers", error, RETRY_MAX_S)
+        else:
+            log.debug("cannot register with the controller (attempt %d): %s", self.attempts, error)
+
+    def ended(self) -> str:
+        """' after ...' for the log line of the registration that ends an outage ('' when none failed)."""
+        since, attempts = self.since, self.attempts
+        self.since, self.attempts = None, 0
+        if since is None or not attempts:
+            return ""
+        return f" (after {attempts} failed attempt{'s' if attempts != 1 else ''} over {time.monotonic() - since:.0f} s)"
 
 
 async def _advertised_addresses(host: str) -> list[str]:

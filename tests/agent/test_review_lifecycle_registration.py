@@ -1,0 +1,83 @@
+"""The agent's registration over days: a controller (`fleet serve`) that is restarted or off for a while is
+logged once per outage, not once per retry, and the registration that ends the outage says how long it took."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from deskfleet.agent import service as service_module
+from deskfleet.agent.link import LinkError
+from deskfleet.agent.service import AgentService
+
+
+class FakeLink:
+    address = "10.0.0.1:7341"
+
+    def __init__(self) -> None:
+        self.connection = SimpleNamespace(transport=SimpleNamespace(get_extra_info=lambda name: ("10.0.0.7", 50000)))
+        self.sent: list[object] = []
+
+    async def send(self, message: object) -> None:
+        self.sent.append(message)
+
+
+class FakeCore:
+    agent_id = "a" * 52
+
+    async def serve_link(self, link: object) -> None:
+        return None  # the controller went away at once
+
+
+def registering_service(outcomes: list[str], monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Run _register_forever against `outcomes` ("fail" or "ok", one per dial) until they run out; the sleeps."""
+    sleeps: list[float] = []
+    dials = iter(outcomes)
+
+    async def dial(*args: object, **kwargs: object) -> FakeLink:
+        outcome = next(dials, None)
+        if outcome is None:
+            raise asyncio.CancelledError
+        if outcome == "fail":
+            raise LinkError("cannot reach 10.0.0.1:7341: [Errno 111] Connect call failed")
+        return FakeLink()
+
+    async def no_wait(delay: float) -> None:
+        sleeps.append(delay)
+
+    service = AgentService.__new__(AgentService)
+    service.membership = SimpleNamespace(controller_addresses=("10.0.0.1:7341",), controller_id="c")  # type: ignore[assignment]
+    service.files = None  # type: ignore[assignment]
+    service.listen = "0.0.0.0:7431"
+    service.bound_port = 7431
+    service.core = FakeCore()  # type: ignore[assignment]
+    monkeypatch.setattr(service_module, "open_link", dial)
+    monkeypatch.setattr(service_module.asyncio, "sleep", no_wait)
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(service._register_forever())
+    return sleeps
+
+
+def test_a_controller_that_is_off_is_logged_once_per_outage_not_per_retry(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Every retry logged "cannot register with the controller" as a warning: a controller off over a weekend
+    # filled an agent's log with two lines a minute, on every PC.
+    caplog.set_level(logging.DEBUG, logger=service_module.log.name)
+    sleeps = registering_service(["ok"] + ["fail"] * 12 + ["ok"] + ["fail"] * 3 + ["ok"], monkeypatch)
+    warnings = [record.getMessage() for record in caplog.records
+                if record.levelno >= logging.WARNING and "cannot register" in record.getMessage()]
+    assert len(warnings) == 2, warnings  # one per outage
+    assert "retrying every 30 s at most" in warnings[0]
+    registered = [record.getMessage() for record in caplog.records if "registered with the controller" in
+                  record.getMessage()]
+    assert len(registered) == 3
+    assert "failed attempt" not in registered[0]
+    assert "(after 12 failed attempts over " in registered[1]
+    assert "(after 3 failed attempts over " in registered[2]
+    quiet = [record for record in caplog.records
+             if record.levelno == logging.DEBUG and "attempt" in record.getMessage()]
+    assert len(quiet) == 11 + 2
+    assert max(sleeps) == service_module.RETRY_MAX_S  # it still backs off, to 30 s at most
