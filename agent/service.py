@@ -56,11 +56,10 @@ class AgentService:
 
     def __init__(self, options: AgentOptions, monitor: SystemMonitor | None = None) -> None:
         self.paths = AgentPaths.resolve(options.data_dir)
+        self.paths.create()
         self.settings: AgentSettings = load_settings(self.paths.settings_file)
         join = "deskfleet-agent join TOKEN" + (f" --data-dir {options.data_dir}" if options.data_dir else "")
-        # before anything is made: a mistyped --data-dir is named, not filled with empty folders
         self.membership = Membership.load(self.paths.state_dir, join)
-        self.paths.create()
         self.files = agent_tls_files(self.paths.state_dir)
         if missing := self.files.missing():
             raise EnrollmentError(f"{', '.join(str(path) for path in missing)} missing: this PC's fleet credentials "
@@ -142,23 +141,54 @@ class AgentService:
             log.exception("mDNS advertisement stopped")
 
     async def _advertise(self, host: str) -> None:
-        addresses = await _advertised_addresses(host)
-        if not addresses or self.bound_port is None:
-            log.info("not advertising over mDNS: listening on %s only", host)
-            return
-        record = await self._current_record()
-        while record is None:
-            await asyncio.sleep(ADVERTISE_REFRESH_S)
+        """Advertise at the addresses the listen host has now, read again at every refresh: a PC whose address
+        changes (a laptop moved from its dock to the Wi-Fi, a new DHCP lease) or that started before its network
+        was up is announced where it is, by a new advertisement on the new addresses (the old one says goodbye:
+        its sockets were bound to the addresses it announced). One that fails (no multicast there) is tried
+        again when the addresses change. Each change is logged once."""
+        said: str | None = None  # the last state logged, so that each change is logged once
+
+        def say(level: int, text: str) -> None:
+            nonlocal said
+            if text != said:
+                said = text
+                log.log(level, "%s", text)
+
+        failed: list[str] | None = None  # the addresses an advertisement failed on, until they change
+        while self.bound_port is not None:
+            addresses, why_none = await _addresses_to_advertise(host)
+            if not addresses or addresses == failed:
+                if not addresses:  # a host name that does not resolve is a warning; no network yet is not
+                    say(logging.INFO if _never_changes(host) or host in ("0.0.0.0", "::", "") else logging.WARNING,
+                        f"not advertising over mDNS: {why_none}")
+                    if _never_changes(host):
+                        return
+                await asyncio.sleep(ADVERTISE_REFRESH_S)
+                continue
+            failed = None
             record = await self._current_record()
-        try:
-            async with Advertiser(record, self.bound_port, addresses) as advertiser:
-                while True:
-                    await asyncio.sleep(ADVERTISE_REFRESH_S)
-                    record = await self._current_record()
-                    if record is not None:
-                        await advertiser.update(record)
-        except OSError as error:  # no multicast on this network: registration still works
-            log.warning("mDNS advertisement failed: %s", error)
+            if record is None:
+                await asyncio.sleep(ADVERTISE_REFRESH_S)
+                continue
+            try:
+                async with Advertiser(record, self.bound_port, addresses) as advertiser:  # logs where
+                    said = None
+                    while True:
+                        await asyncio.sleep(ADVERTISE_REFRESH_S)
+                        now, _ = await _addresses_to_advertise(host)
+                        if now != addresses:
+                            log.info("this PC's addresses changed from %s to %s: advertising again",
+                                     ", ".join(addresses), ", ".join(now) or "none")
+                            break
+                        record = await self._current_record()
+                        if record is not None:
+                            await advertiser.update(record)
+            except OSError as error:  # no multicast on this network: registration still works
+                say(logging.WARNING, f"mDNS advertisement failed at {', '.join(addresses)}: {error}; tried again "
+                                     "when this PC's addresses change")
+                failed = addresses
+                if _never_changes(host):
+                    return
 
     async def _sweep_idle_forever(self) -> None:
         while True:
@@ -272,20 +302,34 @@ class _Outage:
 
 async def _advertised_addresses(host: str) -> list[str]:
     """The addresses to announce for a listen host: every interface's for a wildcard, none for loopback, a
-    host name's resolved addresses (none, logged, when it does not resolve)."""
+    host name's resolved addresses (none when it does not resolve)."""
+    return (await _addresses_to_advertise(host))[0]
+
+
+async def _addresses_to_advertise(host: str) -> tuple[list[str], str]:
+    """(the addresses to announce for a listen host now, why there are none when there are none)."""
     if host in ("0.0.0.0", "::", ""):
-        return interface_addresses()
+        return interface_addresses(), "this PC has no network address yet"
     try:
-        return [] if ipaddress.ip_address(host).is_loopback else [host]
+        return ([], f"listening on {host} only") if ipaddress.ip_address(host).is_loopback else ([host], "")
     except ValueError:  # a host name
         pass
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except OSError as error:
-        log.warning("not advertising over mDNS: %s does not resolve (%s)", host, error)
-        return []
+        return [], f"{host} does not resolve ({error})"
     resolved = sorted({str(info[4][0]) for info in infos})
-    return [address for address in resolved if not ipaddress.ip_address(address).is_loopback]
+    return [address for address in resolved if not ipaddress.ip_address(address).is_loopback], \
+        f"{host} resolves to loopback addresses only"
+
+
+def _never_changes(host: str) -> bool:
+    """Whether the addresses to announce for a listen host are fixed: an IP address's are (a wildcard's follow
+    the interfaces, a host name's its resolution)."""
+    try:
+        return not ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
 
 
 class _Stop(Exception):
