@@ -56,10 +56,11 @@ class AgentService:
 
     def __init__(self, options: AgentOptions, monitor: SystemMonitor | None = None) -> None:
         self.paths = AgentPaths.resolve(options.data_dir)
-        self.paths.create()
         self.settings: AgentSettings = load_settings(self.paths.settings_file)
         join = "deskfleet-agent join TOKEN" + (f" --data-dir {options.data_dir}" if options.data_dir else "")
+        # before anything is made: a mistyped --data-dir is named, not filled with empty folders
         self.membership = Membership.load(self.paths.state_dir, join)
+        self.paths.create()
         self.files = agent_tls_files(self.paths.state_dir)
         if missing := self.files.missing():
             raise EnrollmentError(f"{', '.join(str(path) for path in missing)} missing: this PC's fleet credentials "
