@@ -285,7 +285,8 @@ def test_each_turn_of_a_chat_past_its_context_renders_in_at_most_two_children(
     notes = io.StringIO()
     assert run_chat(options, io.StringIO("hi\n" * 24 + "z" * 300 + "\n"), io.StringIO(), notes=notes) == 25
     per_turn = [sum(turn == number for turn, _ in children) for number in range(25)]
-    assert per_turn[0] == 2 and max(per_turn[1:]) <= 2  # the first turn's one more: the check at the start
+    # the first turn's two more, at the start: the room check and the template's end of turn
+    assert per_turn[0] == 3 and max(per_turn[1:]) <= 2
     assert notes.getvalue().splitlines()[-1].endswith("exchanges]")
     last = [conversation for turn, calls in children if turn == 24 for conversation in calls]
     whole = [ChatMessage(m["role"], m["content"]) for m in max(last, key=lambda c: len(c["messages"]))["messages"]]
