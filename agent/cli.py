@@ -20,14 +20,16 @@ log = logging.getLogger("deskfleet.agent")
 # Public methods
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from deskfleet.agent.enroll import EnrollmentError
-    from deskfleet.agent.paths import SettingsError
-    from deskfleet.common.event_loop import EventLoopError
-    from deskfleet.common.join_tokens import JoinTokenError
-    from deskfleet.common.pki import PkiError
-    from deskfleet.common.wire import ProtocolError
-
     tolerate_unencodable(sys.stdout, sys.stderr)  # hostnames and paths on a Windows code page
+    try:  # numpy and asyncio come with these: a Ctrl-C meanwhile ends the command as it does later
+        from deskfleet.agent.enroll import EnrollmentError
+        from deskfleet.agent.paths import SettingsError
+        from deskfleet.common.event_loop import EventLoopError
+        from deskfleet.common.join_tokens import JoinTokenError
+        from deskfleet.common.pki import PkiError
+        from deskfleet.common.wire import ProtocolError
+    except KeyboardInterrupt:
+        return 130
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -71,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "up within seconds; the generation goes on without it)"),
                        ("resume", "end a pause: the next plan may use this PC again")):
         command = commands.add_parser(name, help=text)
-        command.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS, help="as above")
+        command.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS,
+                             help="the agent's data dir, as given to `join` and `--headless`")
     return parser
 
 
@@ -93,21 +96,29 @@ def _join(args: argparse.Namespace) -> int:
 
 def _pause(args: argparse.Namespace, paused: bool) -> int:
     """The employee's opt-out (agent/opt_out.py): the running agent reads it within a few seconds."""
+    from deskfleet.agent.enroll import Membership
     from deskfleet.agent.link import utc_now
     from deskfleet.agent.opt_out import write_opt_out
-    from deskfleet.agent.paths import AgentPaths, load_settings
+    from deskfleet.agent.paths import AgentPaths, SettingsError, load_settings
 
     paths = AgentPaths.resolve(args.data_dir)
-    paths.create()
+    # the agent's own data dir, not a mistyped one: a pause nobody reads must not look like one that works
+    Membership.load(paths.state_dir, "deskfleet-agent join TOKEN" + _data_dir_flag(args.data_dir))
     write_opt_out(paths.state_dir, paused, utc_now().isoformat())
     if paused:
         print("paused: this PC serves no model until `deskfleet-agent resume`; a stage it hosts is given up "
               "within seconds, and the generation it was part of goes on without it")
-    elif load_settings(paths.settings_file).paused:
+        return 0
+    try:
+        admin_paused = load_settings(paths.settings_file).paused
+    except SettingsError as error:  # the employee's resume stands; the admin's file is theirs to fix
+        print(f"resumed; but the agent will not start with its settings as they are: {error}")
+        return 0
+    if admin_paused:
         print(f"resumed, but {paths.settings_file} says paused: true, so this PC stays out until its admin "
               "changes that")
     else:
-        print("resumed: the next plan may use this PC again")
+        print("resumed: the next plan (the next deploy, or a running generation's re-plan) may use this PC again")
     return 0
 
 

@@ -48,6 +48,7 @@ from deskfleet.agent.stage import Precision as StagePrecision
 from deskfleet.agent.stage_executor import StageExecutor
 from deskfleet.agent.status import make_status
 from deskfleet.common import pki
+from deskfleet.common.agent_state import AgentState
 from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.availability import AvailabilityPolicy, StageReleaseWatch, decide_availability
 from deskfleet.common.json_file import JsonFileError, read_json_object
@@ -445,6 +446,10 @@ class AgentCore:
 
     async def _forward(self, link: Link, message: Forward) -> None:
         fed = self._fed_by(link, message)
+        if not self.stages and self._released_because is not None and not await self._unavailable_now():
+            # it gave its stages up, and the reason has passed (resumed, plugged in again): the refusal below
+            # blames no one, so the driver's re-plan may give this PC a stage again
+            self._released_because = None
         hosted = self._stage_for(message)
         if not any(stage is hosted for stage in fed):  # the sender feeds another stage here, not this one
             key = _stage_key(hosted.assignment.stage)
@@ -472,6 +477,13 @@ class AgentCore:
         if hop is None:
             raise CommandError(ErrorCode.INTERNAL, "a middle stage has no next hop")
         await self._send_next(hop, output)
+
+    async def _unavailable_now(self) -> bool:
+        policy = self.policy()
+        if policy.paused:
+            return True
+        reading = await asyncio.to_thread(self.monitor.read)
+        return decide_availability(reading, policy, serving=False).state is AgentState.UNAVAILABLE
 
     def _paused_by(self) -> str:
         if self.settings.paused:

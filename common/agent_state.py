@@ -14,7 +14,7 @@ class AgentState(str, Enum):
 
     AVAILABLE = "available"  # idle and willing: the planner may give it stages
     SERVING = "serving"  # hosting stages now
-    PAUSED = "paused"  # the employee took the PC out of the fleet from the tray
+    PAUSED = "paused"  # taken out of the fleet: by its user (`deskfleet-agent pause`) or its admin's settings
     UNAVAILABLE = "unavailable"  # the monitor says no (see UnavailableReason)
 
 

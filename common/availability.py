@@ -60,7 +60,7 @@ class AvailabilityPolicy:
     max_cpu_load: float | None = None  # the employee's own work above this -> unavailable (user busy)
     # on battery or too hot this long while serving -> the agent gives its stages up; None: it keeps them
     release_stages_after_s: float | None = 30.0
-    paused: bool = False  # the employee's opt-out from the tray
+    paused: bool = False  # out of the fleet: the admin's settings, or its user's `deskfleet-agent pause`
 
     def __post_init__(self) -> None:
         if self.min_battery_percent is not None and not 0.0 <= self.min_battery_percent <= 100.0:

@@ -263,7 +263,7 @@ def _smallest_stage_bytes(model: ModelFootprint, options: PlanOptions) -> int:
 
 def _screen(agent: AgentCandidate, options: PlanOptions, smallest: int) -> Exclusion | None:
     if agent.state is AgentState.PAUSED:
-        return Exclusion(agent.agent_id, ExclusionReason.PAUSED, "paused by its user")
+        return Exclusion(agent.agent_id, ExclusionReason.PAUSED, "paused (by its user or in its settings)")
     if agent.state is AgentState.UNAVAILABLE:
         why = agent.reason.describe() if agent.reason is not None else "reason not reported"
         detail = f" ({agent.detail})" if agent.detail else ""

@@ -13,6 +13,7 @@ import pytest
 from deskfleet.agent import opt_out as opt_out_module
 from deskfleet.agent.cli import main
 from deskfleet.agent.core import AgentCore, CommandError
+from deskfleet.agent.enroll import Membership
 from deskfleet.agent.opt_out import OPT_OUT_FILE, OptOutReader, read_opt_out, write_opt_out
 from deskfleet.agent.paths import AgentSettings, save_settings
 from deskfleet.agent.shard_cache import ShardCache
@@ -91,11 +92,22 @@ def test_a_paused_pc_gives_its_stage_up_at_once_refuses_work_and_serves_again_on
     assert busy.value.code is ErrorCode.BUSY and core.stages == {}
     write_opt_out(state, False, "later")
     assert status(core).state is AgentState.AVAILABLE
+    with pytest.raises(CommandError, match=r"hosts no stage") as resumed:  # a plan made during the pause
+        handle(core, Role.AGENT, replace(_one_step(), model_id=assignment.stage.model_id))
+    assert resumed.value.agent_id is None  # blames no one: the driver's re-plan may take this PC again
     assert _host_tiny_stage(core, tiny_export).stage in core.stages
+
+
+def joined(data_dir: Path) -> Path:
+    state = data_dir / "state"
+    state.mkdir(parents=True)
+    Membership("0123456789abcdef", "a" * 52, "c" * 52, ("127.0.0.1:7341",)).save(state)
+    return data_dir
 
 
 def test_pause_and_resume_commands_write_what_the_agent_reads(tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    joined(tmp_path)
     assert main(["pause", "--data-dir", str(tmp_path)]) == 0
     assert read_opt_out(tmp_path / "state").paused and "until `deskfleet-agent resume`" in capsys.readouterr().out
     assert main(["resume", "--data-dir", str(tmp_path)]) == 0
@@ -103,3 +115,21 @@ def test_pause_and_resume_commands_write_what_the_agent_reads(tmp_path: Path,
     save_settings(tmp_path / "settings" / "agent-settings.json", AgentSettings(paused=True))
     assert main(["resume", "--data-dir", str(tmp_path)]) == 0
     assert "stays out until its admin" in capsys.readouterr().out
+
+
+def test_pausing_a_data_dir_that_never_joined_is_refused_and_makes_nothing(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    typo = tmp_path / "deskfleet-agnet"
+    assert main(["pause", "--data-dir", str(typo)]) == 2
+    assert "has not joined a fleet" in capsys.readouterr().err and not typo.exists()
+
+
+def test_resume_stands_when_the_admins_settings_are_damaged(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    joined(tmp_path)
+    (tmp_path / "settings").mkdir()
+    (tmp_path / "settings" / "agent-settings.json").write_text('{"paused": "yes"}')
+    assert main(["pause", "--data-dir", str(tmp_path)]) == 0
+    assert main(["resume", "--data-dir", str(tmp_path)]) == 0
+    assert not read_opt_out(tmp_path / "state").paused
+    assert "will not start with its settings" in capsys.readouterr().out

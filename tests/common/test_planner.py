@@ -117,7 +117,7 @@ def test_every_agent_left_out_is_explained_with_numbers() -> None:
     result = plan(toy(), agents, options)
     assert [s.agent_id for s in result.stages] == ["worker"]
     messages = {e.agent_id: (e.reason, e.message) for e in result.exclusions}
-    assert messages["paused"] == (ExclusionReason.PAUSED, "paused by its user")
+    assert messages["paused"] == (ExclusionReason.PAUSED, "paused (by its user or in its settings)")
     assert messages["laptop"] == (ExclusionReason.UNAVAILABLE,
                                   "unavailable: on battery (battery 41%, unplugged)")
     assert messages["hot"] == (ExclusionReason.UNAVAILABLE, "unavailable: too hot (CPU 97 °C)")
@@ -158,7 +158,7 @@ def test_infeasible_when_total_memory_is_short_says_by_how_much() -> None:
                                "0.00 GB KV for 1 stream(s) at context 1024 + runtime 0.00 GB per stage) "
                                "and the 2 usable agent(s) have 8.00 GB after safety margins",)
     text = render_plan(result)
-    assert "Infeasible" in text and "short by 2.00 GB" in text and "paused by its user" in text
+    assert "Infeasible" in text and "short by 2.00 GB" in text and "paused (by its user or in its settings)" in text
     assert "Usable: a 4.00 GB, b 4.00 GB" in text
 
 

@@ -41,7 +41,7 @@ def test_render_plan_shows_short_ids_hostnames_and_half_open_ranges() -> None:
     text = render_plan(plan(model, agents))
     assert ids[0] not in text and ids[1] not in text and ids[2] not in text
     assert re.search(r"^\s+0  aaaaaaaaaaaa   pc-fast\s+\[0:8\]\s+embed\+head ", text, re.M), text
-    assert re.search(r"^  cccccccccccc   pc-paused\s+paused by its user$", text, re.M), text
+    assert re.search(r"^  cccccccccccc   pc-paused\s+paused \(by its user or in its settings\)$", text, re.M), text
     assert re.search(r"^  bbbbbbbbbbbb   -\s+not needed", text, re.M), text
     assert not re.search(r"\b\d+-\d+\b", text), text
 
