@@ -68,7 +68,7 @@ def add_chat_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     chat.add_argument("--stages", type=positive_int, default=None,
                       help="in-process pipeline stages (default 1; local only)")
     chat.add_argument("--system", default=None, help="system prompt")
-    chat.add_argument("--max-new-tokens", type=positive_int, default=256)
+    chat.add_argument("--max-new-tokens", type=positive_int, default=256, help="a reply's limit (default 256)")
     add_decoding_options(chat)
     add_compile_options(chat)
     chat.set_defaults(handler=_chat_command, extras=("controller",))

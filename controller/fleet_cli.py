@@ -127,7 +127,8 @@ def _init(args: argparse.Namespace) -> int:
     addresses = tuple(args.address or [default_address()])
     ca = init_fleet(store, args.name, addresses, utc_now(), force=args.force)
     print(f"fleet {pki.fleet_id(ca.certificate)} created in {store.data_dir}")
-    print(f"agents will reach the controller at {', '.join(addresses)}; run `deskfleet fleet serve` there")
+    data_dir = f" --data-dir {args.data_dir}" if args.data_dir else ""
+    print(f"agents will reach the controller at {', '.join(addresses)}; run `deskfleet fleet serve{data_dir}` there")
     return 0
 
 

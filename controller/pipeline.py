@@ -50,10 +50,9 @@ _ID_SPAN = 1 << 32  # engine micro-batch ids stay below this; renumber() moves t
 
 
 def _layers(layers: LayerRange) -> str:
-    """How an error names a stage's layers: "layers 2-3 of 4" (not the LayerRange's repr)."""
-    last = layers.stop - 1
-    span = f"layer {last}" if layers.start == last else f"layers {layers.start}-{last}"
-    return f"{span} of {layers.num_layers}"
+    """How an error names a stage's layers: "layers [2:4] of 4", as plans and `fleet ls` write them (not the
+    LayerRange's repr)."""
+    return f"layers [{layers.start}:{layers.stop}] of {layers.num_layers}"
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[LayerRange]:

@@ -18,9 +18,9 @@ from deskfleet.controller.pipeline import LocalPipeline, PipelineError
 F32 = CompileSettings(precision=Precision.F32)
 
 
-@pytest.mark.parametrize(("stages", "failing", "named"), [(1, 0, "stage 0 (layers 0-3 of 4)"),
-                                                            (2, 1, "stage 1 (layers 2-3 of 4)"),
-                                                            (4, 2, "stage 2 (layer 2 of 4)")])
+@pytest.mark.parametrize(("stages", "failing", "named"), [(1, 0, "stage 0 (layers [0:4] of 4)"),
+                                                            (2, 1, "stage 1 (layers [2:4] of 4)"),
+                                                            (4, 2, "stage 2 (layers [2:3] of 4)")])
 def test_a_stage_failing_mid_run_is_one_error_naming_its_layers(tiny_export: Path, monkeypatch: pytest.MonkeyPatch,
                                                                caplog: pytest.LogCaptureFixture, stages: int,
                                                                failing: int, named: str) -> None:
