@@ -7,11 +7,14 @@ that wrote into the file (a pid after the first byte) and a newcomer lock the sa
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import BinaryIO
+
+log = logging.getLogger(__name__)
 
 if sys.platform == "win32":
     import msvcrt
@@ -57,24 +60,35 @@ else:
 def pid_lock(path: Path, refusal: Callable[[str], Exception]) -> Iterator[None]:
     """Hold the lock on `path`'s first byte while the block runs, this process's pid written after it (for the
     next comer's message); raise refusal(the holder's pid, or "unknown") at once when another process holds it.
-    One agent per data dir, one `fleet serve` or deploy per controller data dir."""
-    with open(path, "a+") as handle:
+    One agent per data dir, one `fleet serve` or deploy per controller data dir.
+
+    A lock file that cannot be opened (created on a full disk, say) is named in the OSError; a pid that cannot
+    be written into it (the disk is full) is left out, logged: the lock holds all the same, and the next comer
+    is told "unknown" for the pid (it used to stop the agent, with an OSError naming no file)."""
+    try:
+        handle = open(path, "a+b", buffering=0)  # unbuffered: nothing is left to write (and fail) at close
+    except OSError as error:
+        raise OSError(f"cannot open the lock file {path}: {error.strerror or error}") from None
+    with handle:
         if not try_lock_file(handle.fileno()):
             raise refusal(_holder(handle))
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"\n{os.getpid()}")
-        handle.flush()
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"\n{os.getpid()}".encode("ascii"))
+        except OSError as error:
+            log.warning("cannot write this process's id into %s (%s): the lock holds without it", path,
+                        error.strerror or error)
         try:
             yield
         finally:
             unlock_file(handle.fileno())
 
 
-def _holder(handle: IO[str]) -> str:
+def _holder(handle: BinaryIO) -> str:
     """The pid a lock holder wrote after the locked first byte, or "unknown"."""
     try:
         handle.seek(1)
-        return handle.read().strip() or "unknown"
+        return handle.read().decode("ascii", "replace").strip() or "unknown"
     except OSError:
         return "unknown"
