@@ -108,7 +108,13 @@ class FleetServer:
             log.error("refused agent %s: %s", agent_id[:12], error)
             await link.refuse(ErrorCode.INTERNAL, "the controller cannot read its list of removed agents")
             return
-        self._record(agent_id, message.listen_addresses)
+        try:
+            self._record(agent_id, message.listen_addresses)
+        except (OSError, FleetStoreError) as error:  # a full disk, a damaged roster: the agent is no less alive
+            log.error("cannot record agent %s at %s in %s: %s; its link is kept, and surveys find it at the "
+                      "address it registered before and by mDNS", agent_id[:12], ", ".join(message.listen_addresses),
+                      self.store.data_dir / "agents.json",
+                      error.strerror or error if isinstance(error, OSError) else error)
         previous = self.live.get(agent_id)
         self.live[agent_id] = link
         if previous is not None and previous is not link:
