@@ -34,6 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:  # websockets says "connection open" and "connection closed" at info for every link: three
+        logging.getLogger("websockets").setLevel(logging.WARNING)  # lines per `fleet ls`, per PC, for days
     try:
         if args.command == "join":
             return _join(args)

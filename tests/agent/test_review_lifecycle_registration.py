@@ -81,3 +81,17 @@ def test_a_controller_that_is_off_is_logged_once_per_outage_not_per_retry(
              if record.levelno == logging.DEBUG and "attempt" in record.getMessage()]
     assert len(quiet) == 11 + 2
     assert max(sleeps) == service_module.RETRY_MAX_S  # it still backs off, to 30 s at most
+
+
+def test_the_agent_does_not_log_every_link_websockets_opens_and_closes(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Every survey (`fleet ls`, a deploy, a failover) added websockets' "connection open" and "connection closed"
+    # info lines to every agent's log: a `fleet ls` a minute was thousands of lines a day per PC.
+    from deskfleet.agent import cli
+
+    websockets_log = logging.getLogger("websockets")
+    monkeypatch.setattr(websockets_log, "level", websockets_log.level)  # restored after the test
+    caplog.set_level(logging.INFO)  # the root logger at info, as the agent's basicConfig sets it
+    cli.main(["pause", "--data-dir", str(tmp_path)])  # any command: the logging is set up before it runs
+    assert not websockets_log.isEnabledFor(logging.INFO)
+    assert websockets_log.isEnabledFor(logging.WARNING)
