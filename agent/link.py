@@ -275,8 +275,8 @@ async def open_link(address: str, files: TlsFiles, expected_agent_id: str | None
         raise LinkError(f"cannot reach {address}: {error or type(error).__name__}") from None
     try:
         peer = peer_identity(connection, files.ca_certificate(), revocations())
-    except pki.PkiError as error:
-        await connection.close(1008, "unauthorized")
+    except pki.PkiError as error:  # the peer is told why (an expired certificate: whose, since when, the fix)
+        await connection.close(1008, _close_reason(f"unauthorized: {error}"))
         raise LinkError(f"{address} is not an acceptable fleet member: {error}") from None
     link = Link(connection, peer, address)
     await _exchange_hello(link, files.own_identity(), expect_first=False)
@@ -284,6 +284,12 @@ async def open_link(address: str, files: TlsFiles, expected_agent_id: str | None
 
 
 # Private functions
+
+def _close_reason(text: str) -> str:
+    """`text` cut to what a websocket close frame carries (123 bytes of UTF-8)."""
+    data = text.encode("utf-8")
+    return text if len(data) <= 123 else data[:120].decode("utf-8", "ignore") + "..."
+
 
 def _has_peer_certificate(connection: Connection) -> bool:
     ssl_object = connection.transport.get_extra_info("ssl_object")

@@ -33,10 +33,27 @@ from deskfleet.common.wire_messages import Role
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _CLOCK_SKEW = datetime.timedelta(minutes=5)
 _COMMON_NAME_MAX_CHARS = 64  # RFC 5280's ub-common-name
+# Nothing renews a certificate: `fleet ls` and the agent warn this many days before one (or the CA) runs out.
+EXPIRY_WARNING_DAYS = 60
+RENEW_AGENT = "join it again with a new token (`deskfleet fleet token`, then `deskfleet-agent join TOKEN` on that PC)"
+RENEW_CONTROLLER = ("delete controller.pem in the controller's data dir: the next fleet command issues it again for "
+                    "the kept key (agents accept it); then restart `deskfleet fleet serve`")
+RENEW_CA = ("make a new fleet with `deskfleet fleet init --force` on the controller and join every PC to it again "
+            "(`deskfleet-agent join TOKEN`)")
 
 
 class PkiError(ValueError):
     """A certificate, request or key is not acceptable; the message says which check failed."""
+
+
+class CertificateExpired(PkiError):
+    """A certificate, or the fleet CA (`is_ca`), ran out on `not_valid_after`; the message names the date and
+    what to do."""
+
+    def __init__(self, message: str, not_valid_after: datetime.datetime, is_ca: bool) -> None:
+        super().__init__(message)
+        self.not_valid_after = not_valid_after
+        self.is_ca = is_ca
 
 
 @dataclass(frozen=True)
@@ -54,6 +71,7 @@ class PeerIdentity:
     agent_id: str
     role: Role
     certificate_fingerprint: str
+    not_valid_after: datetime.datetime  # aware UTC: when the certificate runs out (nothing renews it)
 
 
 @dataclass(frozen=True)
@@ -185,18 +203,31 @@ def sign_csr(ca: FleetCa, csr: x509.CertificateSigningRequest, now: datetime.dat
 def verify_certificate(certificate: x509.Certificate, ca_certificate: x509.Certificate,
                        now: datetime.datetime,
                        revoked: RevocationSet | None = None) -> PeerIdentity:
-    """Check that `certificate` was signed by the fleet CA, is valid at `now`, is a leaf whose DNS
-    SAN matches its key, and is not revoked. Return its identity; PkiError names the failed check.
+    """Check that `certificate` was signed by the fleet CA, that both are valid at `now`, that it is a
+    leaf whose DNS SAN matches its key, and is not revoked. Return its identity; PkiError names the
+    failed check, and CertificateExpired (a PkiError) whose certificate ran out, when, and what to do.
+
+    The fleet's TLS contexts leave validity dates to this check (common/tls.py): OpenSSL's own said only
+    "certificate has expired" to one side, and nothing at all to the other.
     """
     try:
         certificate.verify_directly_issued_by(ca_certificate)
     except (ValueError, TypeError, InvalidSignature):
         raise PkiError("certificate was not issued by this fleet's CA") from None
-    if not certificate.not_valid_before_utc <= now <= certificate.not_valid_after_utc:
-        raise PkiError(f"certificate is not valid at {now.isoformat()} (valid "
-                       f"{certificate.not_valid_before_utc.isoformat()} to "
-                       f"{certificate.not_valid_after_utc.isoformat()})")
+    if now > ca_certificate.not_valid_after_utc:
+        raise CertificateExpired(f"the fleet CA (fleet {fleet_id(ca_certificate)}) expired on "
+                                 f"{expiry_date(ca_certificate.not_valid_after_utc)}: {RENEW_CA}",
+                                 ca_certificate.not_valid_after_utc, is_ca=True)
     identity = certificate_identity(certificate)
+    if now > identity.not_valid_after:
+        advice = RENEW_CONTROLLER if identity.role is Role.CONTROLLER else RENEW_AGENT
+        raise CertificateExpired(f"the certificate of {identity.role.value} {identity.agent_id[:12]} expired on "
+                                 f"{expiry_date(identity.not_valid_after)}: {advice}",
+                                 identity.not_valid_after, is_ca=False)
+    if now < certificate.not_valid_before_utc or now < ca_certificate.not_valid_before_utc:
+        raise PkiError(f"certificate is not valid at {now.isoformat()} (valid from "
+                       f"{max(certificate.not_valid_before_utc, ca_certificate.not_valid_before_utc).isoformat()}): "
+                       "is this PC's clock right?")
     if revoked is not None:
         revoked.check(identity.agent_id)
     return identity
@@ -227,7 +258,27 @@ def certificate_identity(certificate: x509.Certificate) -> PeerIdentity:
     roles = {role.value: role for role in Role}
     if len(units) != 1 or units[0].value not in roles:
         raise PkiError("certificate names no deskfleet role")
-    return PeerIdentity(agent_id, roles[str(units[0].value)], certificate_fingerprint(certificate))
+    return PeerIdentity(agent_id, roles[str(units[0].value)], certificate_fingerprint(certificate),
+                        certificate.not_valid_after_utc)
+
+
+def expiry_date(moment: datetime.datetime) -> str:
+    """The UTC day of `moment`, as 2027-03-01."""
+    return moment.astimezone(datetime.UTC).date().isoformat()
+
+
+def expiry_notice(not_valid_after: datetime.datetime, now: datetime.datetime,
+                  within_days: int = EXPIRY_WARNING_DAYS) -> str | None:
+    """'expires 2027-03-01 (in 41 days)' when a certificate runs out within `within_days` of `now`, 'expired on
+    2027-03-01' when it has; None when it has longer to go."""
+    left = not_valid_after - now
+    if left > datetime.timedelta(days=within_days):
+        return None
+    if left < datetime.timedelta(0):
+        return f"expired on {expiry_date(not_valid_after)}"
+    days = left.days
+    when = "in less than a day" if days == 0 else f"in {days} day{'s' if days != 1 else ''}"
+    return f"expires {expiry_date(not_valid_after)} ({when})"
 
 
 def verify_enrollment_peer(peer_certificate_der: bytes, offered_ca_pem: str, pinned_ca_fingerprint: str,

@@ -2,7 +2,13 @@
 required on both sides. Builders only; the caller owns sockets and websockets.
 
 After every handshake the caller must still read the peer's identity (`peer_identity`) and refuse a
-revoked agent, because revocation lives in the controller's RevocationSet, not in the certificate.
+revoked agent, because revocation lives in the controller's RevocationSet, not in the certificate; that
+check is also the one that refuses an expired certificate or fleet CA. The handshake leaves dates to it
+(X509_V_FLAG_NO_CHECK_TIME): OpenSSL's own check told the dialling side only "certificate has expired"
+(whose? since when? what to do?) and the other side nothing at all (a server that refuses a client's
+certificate does not know whose it was; the client read "did not receive a valid HTTP response").
+`peer_identity` names the certificate, the day it ran out and the fix, and a server answers an expired
+client with HTTP 403 carrying that text.
 """
 
 from __future__ import annotations
@@ -21,12 +27,16 @@ from deskfleet.common.pki import (
     verify_certificate,
 )
 
+# OpenSSL's X509_V_FLAG_NO_CHECK_TIME, which the ssl module does not name
+_NO_CHECK_TIME = 0x200000
+
 # Public functions
 
 def server_context(*, ca_path: Path, cert_path: Path, key_path: Path) -> ssl.SSLContext:
     """Context for a listening agent or controller: refuses any client without a fleet certificate."""
     context = _base_context(ssl.PROTOCOL_TLS_SERVER)
     context.verify_mode = ssl.CERT_REQUIRED
+    context.verify_flags |= _NO_CHECK_TIME  # dates: peer_identity, with a message that names them
     context.load_verify_locations(cafile=str(ca_path))
     context.load_cert_chain(certfile=str(cert_path), keyfile=str(key_path))
     return context
@@ -43,6 +53,7 @@ def client_context(*, ca_path: Path, cert_path: Path, key_path: Path,
     context = _base_context(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname = pin_agent_id
     context.verify_mode = ssl.CERT_REQUIRED
+    context.verify_flags |= _NO_CHECK_TIME  # dates: peer_identity, with a message that names them
     context.load_verify_locations(cafile=str(ca_path))
     context.load_cert_chain(certfile=str(cert_path), keyfile=str(key_path))
     return context
@@ -78,7 +89,8 @@ def peer_agent_id(peer_certificate_der: bytes) -> str:
 
 def peer_identity(peer_certificate_der: bytes, ca_certificate: x509.Certificate, now: datetime.datetime,
                   revoked: RevocationSet) -> PeerIdentity:
-    """Verify the peer certificate again against the CA and the revocation set; PkiError to refuse."""
+    """Verify the peer certificate again against the CA, its dates and the revocation set; PkiError to refuse
+    (CertificateExpired naming the day and the fix for an expired certificate or CA)."""
     return verify_certificate(load_certificate_der(peer_certificate_der), ca_certificate, now, revoked)
 
 

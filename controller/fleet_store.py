@@ -148,6 +148,9 @@ class FleetStore:
                 raise pki.PkiError(f"it is not the certificate of {files.key_path}")
             if pki.verify_certificate(certificate, ca.certificate, utc_now()).role is not Role.CONTROLLER:
                 raise pki.PkiError("it is not a controller's certificate")
+        except pki.CertificateExpired as error:  # its message names the day and the fix (a new fleet for the CA)
+            path, role = (files.ca_path, "ca.pem") if error.is_ca else (files.cert_path, "controller.pem")
+            raise FleetStoreError(f"{path} ({_ROLES[role]}): {error}") from None
         except pki.PkiError as error:
             raise FleetStoreError(f"{files.cert_path} ({_ROLES['controller.pem']}): {error}; {_REISSUE}") from None
 

@@ -46,7 +46,7 @@ from deskfleet.common.wire import (
     StatusRequest,
 )
 from deskfleet.controller.batch_track import BatchTrack
-from tests.fleet_pki import make_ca, make_member
+from tests.fleet_pki import FAR_FUTURE, make_ca, make_member
 
 
 class FakeMonitor:
@@ -57,7 +57,7 @@ class FakeMonitor:
 
 class FakeLink:
     def __init__(self, role: Role) -> None:
-        self.peer = pki.PeerIdentity("a" * 52, role, "0" * 64)
+        self.peer = pki.PeerIdentity("a" * 52, role, "0" * 64, FAR_FUTURE)
 
     def describe(self) -> str:
         return f"fake {self.peer.role.value}"
@@ -134,7 +134,7 @@ class RecordingLink(FakeLink):
 
     def __init__(self, role: Role, agent_id: str = "a" * 52) -> None:
         super().__init__(role)
-        self.peer = pki.PeerIdentity(agent_id, role, "0" * 64)
+        self.peer = pki.PeerIdentity(agent_id, role, "0" * 64, FAR_FUTURE)
         self.sent: list[Message] = []
         self.refused: str | None = None
 

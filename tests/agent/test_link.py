@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
+import logging
 from collections.abc import Coroutine
 from pathlib import Path
 
@@ -11,7 +13,7 @@ from websockets.asyncio.client import connect
 from websockets.asyncio.server import Server
 
 from deskfleet.agent import link as link_module
-from deskfleet.agent.link import Link, LinkError, open_link, start_server
+from deskfleet.agent.link import Link, LinkError, LinkRefused, open_link, start_server, utc_now
 from deskfleet.common import pki
 from deskfleet.common.wire import Error, ErrorCode, Role, StatusRequest, decode, encode
 from tests.fleet_pki import make_ca, make_member
@@ -155,5 +157,61 @@ def test_a_peer_that_never_says_hello_is_dropped(tmp_path: Path, monkeypatch: py
                                    server_hostname="127.0.0.1")
             await asyncio.wait_for(silent.wait_closed(), timeout=5.0)  # its pongs alone kept it open before
             assert not server.connections and not seen
+
+    run(scenario())
+
+
+LONG_AGO = utc_now() - datetime.timedelta(days=10)  # a certificate made then for a day ran out 9 days ago
+EXPIRED_ON = (LONG_AGO + datetime.timedelta(days=1)).date().isoformat()
+
+
+def test_dialling_an_agent_whose_certificate_expired_names_it_the_day_and_the_fix(tmp_path: Path) -> None:
+    # It said "cannot reach ...: certificate verify failed: certificate has expired": whose, since when, what to do?
+    async def scenario() -> None:
+        ca = make_ca(tmp_path / "ca")
+        agent = make_member(ca, tmp_path / "agent", "agent", now=LONG_AGO, valid_days=1)
+        agent_id = agent.own_identity().agent_id
+        server = await start_server(lambda link: link.close(), "127.0.0.1", 0, agent)
+        async with server:
+            controller = make_member(ca, tmp_path / "controller", "controller", Role.CONTROLLER)
+            with pytest.raises(LinkError, match=f"certificate of agent {agent_id[:12]} expired on {EXPIRED_ON}: "
+                                                "join it again with a new token"):
+                await open_link(f"127.0.0.1:{server.sockets[0].getsockname()[1]}", controller,
+                                expected_agent_id=agent_id)
+
+    run(scenario())
+
+
+def test_a_client_whose_certificate_expired_is_refused_naming_it_on_both_sides(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # The server refused it in the handshake without a word, and the client read "did not receive a valid HTTP
+    # response"
+    async def scenario() -> None:
+        server, port, seen, ca = await _serve(tmp_path)
+        async with server:
+            client = make_member(ca, tmp_path / "client", "client", now=LONG_AGO, valid_days=1)
+            with caplog.at_level(logging.WARNING, logger="deskfleet.agent.link"), \
+                    pytest.raises(LinkRefused, match=f"403 the certificate of agent .* expired on {EXPIRED_ON}: "
+                                                     "join it again") as refused:
+                await open_link(f"127.0.0.1:{port}", client)
+        assert refused.value.status == 403 and seen == []
+        agent_id = client.own_identity().agent_id
+        assert any(f"certificate of agent {agent_id[:12]} expired on {EXPIRED_ON}" in record.getMessage()
+                   for record in caplog.records)
+
+    run(scenario())
+
+
+def test_a_fleet_whose_ca_expired_is_named_with_the_day_and_fleet_init_force(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        ca = make_ca(tmp_path / "ca", now=LONG_AGO, valid_days=1)
+        agent = make_member(ca, tmp_path / "agent", "agent", now=LONG_AGO)
+        server = await start_server(lambda link: link.close(), "127.0.0.1", 0, agent)
+        async with server:
+            controller = make_member(ca, tmp_path / "controller", "controller", Role.CONTROLLER, now=LONG_AGO)
+            with pytest.raises(LinkError, match=f"fleet CA .* expired on {EXPIRED_ON}: make a new fleet with "
+                                                "`deskfleet fleet init --force`"):
+                await open_link(f"127.0.0.1:{server.sockets[0].getsockname()[1]}", controller,
+                                expected_agent_id=agent.own_identity().agent_id)
 
     run(scenario())

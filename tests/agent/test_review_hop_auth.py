@@ -47,7 +47,7 @@ from deskfleet.common.wire import (
 )
 from deskfleet.controller.batch_track import BatchTrack
 from tests.agent.test_core import FakeMonitor
-from tests.fleet_pki import make_ca, make_member
+from tests.fleet_pki import FAR_FUTURE, make_ca, make_member
 
 PREVIOUS = "b" * 52  # the agent hosting the stage before: the rightful previous hop
 STRANGER = "s" * 52  # another enrolled PC, in no chain with this one
@@ -59,7 +59,7 @@ class FakeLink:
     """One served link: delivers `incoming` in order, then closes; keeps what the core sends and any refusal."""
 
     def __init__(self, role: Role, agent_id: str, incoming: list[Message] | None = None) -> None:
-        self.peer = pki.PeerIdentity(agent_id, role, "0" * 64)
+        self.peer = pki.PeerIdentity(agent_id, role, "0" * 64, FAR_FUTURE)
         self.incoming = list(incoming or [])
         self.sent: list[Message] = []
         self.refused: str | None = None

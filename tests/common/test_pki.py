@@ -46,7 +46,9 @@ def test_signed_certificate_carries_the_agent_id(ca: pki.FleetCa) -> None:
     usages = certificate.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert set(usages) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
     identity = pki.verify_certificate(certificate, ca.certificate, NOW)
-    assert identity == pki.PeerIdentity(agent_id, Role.AGENT, pki.certificate_fingerprint(certificate))
+    assert identity == pki.PeerIdentity(agent_id, Role.AGENT, pki.certificate_fingerprint(certificate),
+                                        NOW + datetime.timedelta(days=825))
+    assert identity.not_valid_after.tzinfo is not None
     assert pki.load_certificate_pem(pki.certificate_pem(certificate)) == certificate
 
 
@@ -56,7 +58,7 @@ def test_verify_refuses_strangers_expired_and_revoked(ca: pki.FleetCa) -> None:
     with pytest.raises(pki.PkiError, match="not issued by this fleet's CA"):
         pki.verify_certificate(stranger, ca.certificate, NOW)
     _, certificate = enroll(ca)
-    with pytest.raises(pki.PkiError, match="not valid at"):
+    with pytest.raises(pki.CertificateExpired, match=r"certificate of agent .* expired on 2028-06-03: join it again"):
         pki.verify_certificate(certificate, ca.certificate, NOW + datetime.timedelta(days=900))
     with pytest.raises(pki.PkiError, match="not valid at"):
         pki.verify_certificate(certificate, ca.certificate, NOW - datetime.timedelta(hours=1))
@@ -111,3 +113,31 @@ def test_private_key_file_is_owner_only(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["agent.key"]
     with pytest.raises(pki.PkiError, match="private key"):
         pki.load_private_key_pem(b"nope")
+
+
+def test_an_expired_certificate_or_ca_is_named_with_its_day_and_the_fix(ca: pki.FleetCa) -> None:
+    # It said "certificate is not valid at <now> (valid <from> to <until>)": whose, and what to do, it did not say
+    _, controller = enroll(ca, Role.CONTROLLER)
+    after = NOW + datetime.timedelta(days=826)
+    with pytest.raises(pki.CertificateExpired) as expired:
+        pki.verify_certificate(controller, ca.certificate, after)
+    assert not expired.value.is_ca and expired.value.not_valid_after == NOW + datetime.timedelta(days=825)
+    assert "certificate of controller" in str(expired.value) and "expired on 2028-06-03" in str(expired.value)
+    assert "delete controller.pem" in str(expired.value)
+    short_ca = pki.create_fleet_ca("ACME office", NOW, valid_days=30)
+    _, agent = enroll(short_ca)  # outlives its CA
+    with pytest.raises(pki.CertificateExpired, match=r"fleet CA .* expired on 2026-03-31: .*fleet init --force") as old:
+        pki.verify_certificate(agent, short_ca.certificate, NOW + datetime.timedelta(days=31))
+    assert old.value.is_ca and old.value.not_valid_after == NOW + datetime.timedelta(days=30)
+
+
+def test_expiry_notice_within_the_warning_days_only() -> None:
+    assert pki.EXPIRY_WARNING_DAYS == 60
+    until = datetime.datetime(2027, 3, 1, 12, 0, tzinfo=datetime.UTC)
+    assert pki.expiry_notice(until, until - datetime.timedelta(days=61)) is None
+    assert pki.expiry_notice(until, until - datetime.timedelta(days=60)) == "expires 2027-03-01 (in 60 days)"
+    assert pki.expiry_notice(until, until - datetime.timedelta(days=41, hours=3)) == "expires 2027-03-01 (in 41 days)"
+    assert pki.expiry_notice(until, until - datetime.timedelta(days=1)) == "expires 2027-03-01 (in 1 day)"
+    assert pki.expiry_notice(until, until - datetime.timedelta(hours=5)) == "expires 2027-03-01 (in less than a day)"
+    assert pki.expiry_notice(until, until + datetime.timedelta(seconds=1)) == "expired on 2027-03-01"
+    assert pki.expiry_notice(until, until - datetime.timedelta(days=100), within_days=120) is not None

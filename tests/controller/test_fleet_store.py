@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,26 @@ def test_the_cli_prints_a_damaged_file_without_a_traceback(store: FleetStore,
     store.tls_files.ca_path.write_bytes(b"garbage")
     assert main(["fleet", "ls", "--discover-seconds", "0", "--data-dir", str(store.data_dir)]) == 2
     assert "ca.pem" in capsys.readouterr().err
+
+
+def test_an_expired_controller_certificate_or_ca_is_named_with_its_day_and_the_fix(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # It said "certificate is not valid at <now> (valid <from> to <until>); delete it, and the next fleet command
+    # issues it again", also of an expired CA, which a new controller.pem does not mend
+    made = utc_now() - datetime.timedelta(days=826)
+    store = FleetStore(tmp_path / "old")
+    init_fleet(store, "test", ("127.0.0.1:1",), made)
+    day = (made + datetime.timedelta(days=825)).date().isoformat()
+    assert main(["fleet", "ls", "--discover-seconds", "0", "--data-dir", str(store.data_dir)]) == 2
+    error = capsys.readouterr().err
+    assert "controller.pem (the controller's certificate): the certificate of controller" in error
+    assert f"expired on {day}: delete controller.pem" in error and error.count("issues it again") == 1
+    store.tls_files.cert_path.unlink()  # the fix it names
+    store.require_initialised()
+    assert store.tls_files.own_identity().not_valid_after > utc_now() + datetime.timedelta(days=824)
+    ancient = FleetStore(tmp_path / "ancient")
+    init_fleet(ancient, "test", ("127.0.0.1:1",), utc_now() - datetime.timedelta(days=3651))
+    with pytest.raises(FleetStoreError, match=r"ca.pem \(the fleet CA's certificate\): the fleet CA .* expired on "
+                                              r".*`deskfleet fleet init --force`") as expired:
+        ancient.require_initialised()
+    assert "delete it" not in str(expired.value)
