@@ -209,20 +209,33 @@ def _survey_options(args: argparse.Namespace) -> Any:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from deskfleet.controller.fleet_survey import survey
+    from deskfleet.agent.link import utc_now
+    from deskfleet.controller.fleet_survey import expiry_warnings, survey
+
+    store = _store(args)
 
     async def run() -> list[Any]:
-        found = await survey(_store(args), _survey_options(args))
+        found = await survey(store, _survey_options(args))
         await found.close()
         return found.agents
 
     agents = event_loop.run(run())
-    if args.json:
+    warnings = [f"warning: {line}" for line in expiry_warnings(agents, store.tls_files, utc_now())]
+    if args.json:  # the list stays a list of agents: the controller's and the CA's dates go to stderr
         print(json.dumps([_agent_json(agent) for agent in agents], indent=2))
+        for line in warnings:
+            print(line, file=sys.stderr)
         return 0
     if not agents:
         print("no agents found (is `deskfleet fleet serve` running, and have agents joined?)")
-        return 0
+    else:
+        _print_agents(agents)
+    for line in warnings:
+        print(line)
+    return 0
+
+
+def _print_agents(agents: list[Any]) -> None:
     print(f"{'agent':<14} {'host':<16} {'address':<22} {'state':<12} {'free':>8} {'found by':<20} stages")
     for agent in agents:
         report = agent.report
@@ -234,7 +247,6 @@ def _ls(args: argparse.Namespace) -> int:
         notes = " ".join(part for part in (stages, why) if part) or agent.problem or "-"
         print(f"{(agent.agent_id or '?')[:12]:<14} {agent.hostname[:16]:<16} {agent.address:<22} {state:<12} "
               f"{free:>8} {','.join(agent.sources):<20} {notes}")
-    return 0
 
 
 def _agent_json(agent: Any) -> dict[str, Any]:
@@ -245,7 +257,9 @@ def _agent_json(agent: Any) -> dict[str, Any]:
             "free_memory_bytes": report.free_memory_bytes if report else None,
             "reasons": [reason.value for reason in report.reasons] if report else [],
             "detail": report.detail if report else "",
-            "stages": [[s.model_id, s.layer_start, s.layer_end] for s in report.stages] if report else []}
+            "stages": [[s.model_id, s.layer_start, s.layer_end] for s in report.stages] if report else [],
+            # the agent's certificate as its link showed it (ISO 8601 UTC); null when no link opened
+            "certificate_expires": agent.certificate_expires.isoformat() if agent.certificate_expires else None}
 
 
 def _add_paper_model(parser: argparse.ArgumentParser) -> None:

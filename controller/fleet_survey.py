@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 from dataclasses import dataclass
 
 from deskfleet.agent.advertise import interface_addresses
-from deskfleet.agent.link import Link, LinkError, open_link
+from deskfleet.agent.link import Link, LinkError, TlsFiles, open_link
 from deskfleet.common import pki
 from deskfleet.common.wire import Error, RevocationUpdate, StatusReport, StatusRequest
 from deskfleet.controller.discovery import RESOLVE_TIMEOUT_MS, Discovery, ManualPeers, ZeroconfDiscovery
@@ -52,6 +53,7 @@ class AgentView:
     sources: tuple[str, ...]
     report: StatusReport | None
     problem: str | None
+    certificate_expires: datetime.datetime | None = None  # the agent's certificate, as its link showed it
 
 
 @dataclass
@@ -103,13 +105,37 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
         if link is not None and known_id is not None:
             found.links[known_id] = link
         hostname = roster[known_id].hostname if known_id is not None and known_id in roster else "?"
-        found.agents.append(AgentView(known_id, hostname, address, source_names, report, problem))
+        expires = link.peer.not_valid_after if link is not None else None
+        found.agents.append(AgentView(known_id, hostname, address, source_names, report, problem, expires))
     if options.use_roster:  # members that joined but whose agent never called in: listed, so the admin sees them
         listed = {agent.agent_id for agent in found.agents}
         for agent_id, member in roster.items():
             if not member.addresses and agent_id not in listed and not revocations().is_revoked(agent_id):
                 found.agents.append(AgentView(agent_id, member.hostname, "-", ("roster",), None, NEVER_REGISTERED))
     return found
+
+
+def expiry_warnings(agents: list[AgentView], files: TlsFiles, now: datetime.datetime) -> list[str]:
+    """A line for every agent whose certificate (as its link showed it) runs out within pki.EXPIRY_WARNING_DAYS
+    of `now`, then for the controller's own certificate and the fleet CA in the data dir, each with what to run.
+    Nothing renews them: without a word, every link fails on the day."""
+    lines = []
+    for agent in agents:
+        if agent.certificate_expires is not None and agent.agent_id is not None:
+            notice = pki.expiry_notice(agent.certificate_expires, now)
+            if notice:
+                lines.append(f"agent {agent.agent_id[:12]} ({agent.hostname}) certificate {notice}: join it again "
+                             "with a new token (`deskfleet fleet token`, then `deskfleet-agent join TOKEN` on it)")
+    controller_notice = pki.expiry_notice(files.own_identity().not_valid_after, now)
+    if controller_notice:
+        lines.append(f"the controller's certificate ({files.cert_path}) {controller_notice}: delete it, and the next "
+                     "fleet command issues it again for the kept key (agents accept it); then restart `deskfleet "
+                     "fleet serve`")
+    ca_notice = pki.expiry_notice(files.ca_certificate().not_valid_after_utc, now)
+    if ca_notice:
+        lines.append(f"the fleet CA ({files.ca_path}) {ca_notice}: nothing renews it; before then make a new fleet "
+                     "with `deskfleet fleet init --force` and join every PC to it again with a new token")
+    return lines
 
 
 def survey_targets(registry: Registry, enrolled: set[str], revoked: pki.RevocationSet
