@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import ipaddress
 import logging
 import signal
@@ -23,12 +24,13 @@ from pathlib import Path
 from deskfleet.agent.advertise import Advertiser, interface_addresses
 from deskfleet.agent.core import AgentCore
 from deskfleet.agent.enroll import EnrollmentError, Membership, agent_tls_files
-from deskfleet.agent.link import Link, LinkError, LinkRefused, open_link, start_server
+from deskfleet.agent.link import Link, LinkError, LinkRefused, open_link, start_server, utc_now
 from deskfleet.agent.monitor import HostMonitor, SystemMonitor
 from deskfleet.agent.paths import AgentPaths, AgentSettings, device_targets, load_settings
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement, cached_speed
 from deskfleet.agent.status import software_version
+from deskfleet.common import pki
 from deskfleet.common.discovery_record import AgentRecord
 from deskfleet.common.file_lock import pid_lock
 from deskfleet.common.wire import Register, parse_address
@@ -43,6 +45,7 @@ REVOCATIONS_FILE = "revoked.json"  # in the state folder: the controller's last 
 ADVERTISE_REFRESH_S = 10.0
 IDLE_SWEEP_S = 60.0  # how often micro-batches left behind by a vanished driver are looked for
 LIMITS_CHECK_S = 2.0  # how often a serving agent reads its sensors against the employee's limits
+CERTIFICATE_CHECK_S = 86400.0  # how often (after start) the certificate and the CA are checked for their end
 
 
 @dataclass(frozen=True)
@@ -54,10 +57,13 @@ class AgentOptions:
 class AgentService:
     """The headless agent: load identity and settings, then serve until stopped."""
 
+    join_command = "deskfleet-agent join TOKEN"  # what the logs tell the PC's admin to run (with its --data-dir)
+
     def __init__(self, options: AgentOptions, monitor: SystemMonitor | None = None) -> None:
         self.paths = AgentPaths.resolve(options.data_dir)
         self.settings: AgentSettings = load_settings(self.paths.settings_file)
         join = "deskfleet-agent join TOKEN" + (f" --data-dir {options.data_dir}" if options.data_dir else "")
+        self.join_command = join
         # before anything is made: a mistyped --data-dir is named, not filled with empty folders
         self.membership = Membership.load(self.paths.state_dir, join)
         self.paths.create()
@@ -96,8 +102,10 @@ class AgentService:
             self.bound_port = server.sockets[0].getsockname()[1] if server.sockets else port
             log.info("agent %s listening on %s:%d", self.core.agent_id[:12], host, self.bound_port)
             self._install_signal_handlers()
+            self.check_certificates(utc_now())
             try:
                 async with server, asyncio.TaskGroup() as tasks:
+                    tasks.create_task(self._check_certificates_forever(), name="check-certificates")
                     tasks.create_task(self._register_forever(), name="register")
                     tasks.create_task(self._advertise_forever(host), name="advertise")
                     tasks.create_task(self._sweep_idle_forever(), name="sweep-idle")
@@ -112,6 +120,13 @@ class AgentService:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    def check_certificates(self, now: datetime.datetime) -> None:
+        """Log a WARNING for this PC's certificate and for the fleet CA in the state folder when either runs out
+        within pki.EXPIRY_WARNING_DAYS of `now` (an ERROR once it has), naming the day and the fix: nothing renews
+        them, and on that day every link of this PC fails."""
+        for expired, text in self._certificate_notices(now):
+            log.log(logging.ERROR if expired else logging.WARNING, "%s", text)
 
     # Private methods
 
@@ -191,6 +206,30 @@ class AgentService:
                 if _never_changes(host):
                     return
 
+    async def _check_certificates_forever(self) -> None:
+        while True:
+            await asyncio.sleep(CERTIFICATE_CHECK_S)
+            self.check_certificates(utc_now())
+
+    def _certificate_notices(self, now: datetime.datetime) -> list[tuple[bool, str]]:
+        """(whether it has run out, what to log) for this PC's certificate and the fleet CA, each that runs out within
+        pki.EXPIRY_WARNING_DAYS; files that cannot be read now are left to the links, which name them."""
+        join = self.join_command
+        notices = []
+        try:
+            own, ca = self.files.own_identity().not_valid_after, self.files.ca_certificate().not_valid_after_utc
+        except (OSError, pki.PkiError) as error:
+            log.debug("cannot read this PC's certificates for their expiry: %s", error)
+            return []
+        if notice := pki.expiry_notice(own, now):
+            notices.append((own < now, f"this PC's fleet certificate ({self.files.cert_path}) {notice}: nothing renews "
+                                       f"it; join the fleet again with a new token from its admin: `{join}`"))
+        if notice := pki.expiry_notice(ca, now):
+            notices.append((ca < now, f"the fleet CA ({self.files.ca_path}) {notice}: nothing renews it; the fleet's "
+                                      "admin must make a new fleet (`deskfleet fleet init --force`), then join this PC "
+                                      f"to it with a new token: `{join}`"))
+        return notices
+
     async def _sweep_idle_forever(self) -> None:
         while True:
             await asyncio.sleep(IDLE_SWEEP_S)
@@ -233,7 +272,12 @@ class AgentService:
                 try:
                     link = await open_link(address, self.files, expected_agent_id=self.membership.controller_id)
                 except LinkRefused as error:
-                    if error.status == HTTPStatus.FORBIDDEN and not told_removed:  # said once, not every retry
+                    expired = [text for ran_out, text in self._certificate_notices(utc_now()) if ran_out] \
+                        if error.status == HTTPStatus.FORBIDDEN and not told_removed else []
+                    if expired:  # not removed: the controller refuses a certificate (or a CA) that ran out
+                        told_removed = True
+                        log.error("the controller refuses this PC: %s", "; ".join(expired))
+                    elif error.status == HTTPStatus.FORBIDDEN and not told_removed:  # said once, not every retry
                         told_removed = True
                         log.error("the controller refuses this PC (%s): it was removed from the fleet and serves no "
                                   "one; to serve again, delete %s and join with a new token", error,

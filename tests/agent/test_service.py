@@ -189,7 +189,7 @@ def test_an_agent_not_joined_or_missing_a_credential_says_which_file_and_how_to_
 
 def test_a_removed_pc_is_told_once_what_happened_and_how_to_serve_again(monkeypatch: pytest.MonkeyPatch) -> None:
     # It retried registration every 30 s forever, logging only "cannot register ... HTTP 403"
-    from deskfleet.agent.link import LinkRefused
+    from deskfleet.agent.link import LinkRefused, TlsFiles
 
     async def refused(*args: object, **kwargs: object) -> object:
         raise LinkRefused("127.0.0.1:1 refused the link: HTTP 403 agent x has been removed from the fleet", 403)
@@ -203,7 +203,7 @@ def test_a_removed_pc_is_told_once_what_happened_and_how_to_serve_again(monkeypa
 
     service = AgentService.__new__(AgentService)
     service.membership = SimpleNamespace(controller_addresses=("127.0.0.1:1",), controller_id="c")  # type: ignore[assignment]
-    service.files = SimpleNamespace(key_path=Path("/data/state/agent-key.pem"))  # type: ignore[assignment]
+    service.files = TlsFiles.in_folder(Path("/data/state"), "agent")  # nothing there: no expiry to blame
     monkeypatch.setattr(service_module, "open_link", refused)
     monkeypatch.setattr(service_module.asyncio, "sleep", record)
     told: list[str] = []
