@@ -123,7 +123,7 @@ class ModelTokenizer:
     def end_of_turn_ids(self) -> frozenset[int]:
         """The special token the chat template writes right after an assistant's message: what ends a reply.
         Some models' generation config lists only the end of the whole text as EOS, not the end of a turn
-        (ChatML's <|im_end|>, Gemma's <end_of_turn>), and a reply then ran on into turns the model invented.
+        (ChatML's <|im_end|>, Gemma's <end_of_turn>); without it a reply runs on into turns the model invents.
         Empty when the template ends a turn with no special token or cannot render an exchange."""
         probe = "deskfleet end-of-turn probe"
         try:
@@ -144,7 +144,6 @@ class ModelTokenizer:
     def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
         """Token ids of a rendered conversation (the template writes its own special tokens)."""
         return self.encode(self.render_chat(messages), add_special_tokens=False)
-
 
     def _stand_ins(self, content: str, base: int | None) -> str:
         if base is None or self._special_text is None:
