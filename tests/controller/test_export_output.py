@@ -257,39 +257,52 @@ def test_a_terminating_signal_removes_the_unfinished_export_then_ends_the_proces
     assert f"export stopped by {signal.Signals(signum).name}" in done.stderr
 
 
-def test_signal_handlers_are_set_only_where_the_default_would_kill_and_restored(
-        checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    handled: list[int] = []
+# In a fresh interpreter: signals sent to the test process itself crashed it (SIGSEGV inside kill) after some
+# earlier tests in the same process had run OpenVINO and asyncio loops (seen with `-k` selections only).
+HANDLERS_KEPT = """
+import os, signal, sys
+from pathlib import Path
+from deskfleet.common.model_spec import WeightFormat, load_manifest
+from deskfleet.controller.export import exporter
 
-    def own_handler(signum: int, frame: object) -> None:
-        handled.append(signum)
+checkpoint, work = Path(sys.argv[1]), Path(sys.argv[2])
+handled, during = [], []
 
-    during: list[dict[int, object]] = []
-    save = exporter._save
+def own_handler(signum, frame):
+    handled.append(signum)
 
-    def save_and_look(*args: object, **kwargs: object) -> None:
-        save(*args, **kwargs)  # type: ignore[arg-type]
-        during.append({signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP)})
+save = exporter._save
 
-    monkeypatch.setattr(exporter, "_save", save_and_look)
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    export_checkpoint(checkpoint, tmp_path / "default", WeightFormat.F32)
-    assert during[0][signal.SIGTERM] not in (signal.SIG_DFL, signal.SIG_IGN)  # the export's own, meanwhile
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN), signal.signal(signal.SIGTERM, own_handler)
-    try:
-        during.clear()
-        # nohup's SIG_IGN and a program's own handler are left in place, and still do what they did
-        monkeypatch.setattr(exporter, "_save", lambda *args, **kwargs: (
-            save_and_look(*args, **kwargs), os.kill(os.getpid(), signal.SIGHUP), os.kill(os.getpid(), signal.SIGTERM)))
-        export_checkpoint(checkpoint, tmp_path / "handled", WeightFormat.F32)
-        assert during[0] == {signal.SIGTERM: own_handler, signal.SIGHUP: signal.SIG_IGN}
-        assert handled and set(handled) == {signal.SIGTERM}
-        load_manifest(tmp_path / "handled")
-        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is own_handler
-    finally:
-        signal.signal(signal.SIGHUP, previous[0])
-        signal.signal(signal.SIGTERM, previous[1])
+def save_and_look(*args, **kwargs):
+    save(*args, **kwargs)
+    during.append({signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP)})
+
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
+exporter._save = save_and_look
+exporter.export_checkpoint(checkpoint, work / "default", WeightFormat.F32)
+assert during[0][signal.SIGTERM] not in (signal.SIG_DFL, signal.SIG_IGN)  # the export's own, meanwhile
+assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, own_handler)
+during.clear()
+# nohup's SIG_IGN and a program's own handler are left in place, and still do what they did
+exporter._save = lambda *args, **kwargs: (save_and_look(*args, **kwargs), os.kill(os.getpid(), signal.SIGHUP),
+                                          os.kill(os.getpid(), signal.SIGTERM))
+exporter.export_checkpoint(checkpoint, work / "handled", WeightFormat.F32)
+assert during[0] == {signal.SIGTERM: own_handler, signal.SIGHUP: signal.SIG_IGN}, during
+assert handled and set(handled) == {signal.SIGTERM}, handled
+load_manifest(work / "handled")
+assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is own_handler
+print("ok")
+"""
+
+
+def test_signal_handlers_are_set_only_where_the_default_would_kill_and_restored(checkpoint: Path,
+                                                                              tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", HANDLERS_KEPT, str(checkpoint), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 def test_an_export_outside_the_main_thread_sets_no_handlers(checkpoint: Path, tmp_path: Path) -> None:
