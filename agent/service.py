@@ -16,7 +16,7 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
@@ -231,19 +231,12 @@ class AgentService:
         return notices
 
     async def _sweep_idle_forever(self) -> None:
-        while True:
-            await asyncio.sleep(IDLE_SWEEP_S)
-            await self.core.release_idle_micro_batches()
+        await _periodically(lambda: IDLE_SWEEP_S, "free idle micro-batches", self.core.release_idle_micro_batches)
 
     async def _enforce_limits_forever(self) -> None:
         """Give the stages up when the PC has been on battery or too hot for too long (AgentCore.enforce_limits);
         a sensor read that fails is logged and read again at the next check."""
-        while True:
-            await asyncio.sleep(LIMITS_CHECK_S)
-            try:
-                await self.core.enforce_limits()
-            except (OSError, ValueError) as error:
-                log.warning("cannot check the PC against its limits: %s", error)
+        await _periodically(lambda: LIMITS_CHECK_S, "check the PC against its limits", self.core.enforce_limits)
 
     async def _current_record(self) -> AgentRecord | None:
         """The record to advertise now, or None (logged) when the status cannot be read this time: the
@@ -314,6 +307,26 @@ class AgentService:
         log.warning("the controller link closed; registering again")
         outage.began()
 
+
+
+async def _periodically(interval: Callable[[], float], what: str, step: Callable[[], Awaitable[object]]) -> None:
+    """`step()` every `interval()` seconds for as long as the agent runs. A step that fails is logged and run
+    again at the next interval: a sensor that could not be read (OSError, ValueError) as a warning, anything
+    else with its traceback the first time a failure of that kind occurs. A background check that raised ended
+    the agent's TaskGroup, and with it the agent, for what one reading or one micro-batch got wrong."""
+    seen: set[type[BaseException]] = set()
+    while True:
+        await asyncio.sleep(interval())
+        try:
+            await step()
+        except (OSError, ValueError) as error:
+            log.warning("cannot %s: %s", what, error)
+        except Exception as error:
+            if type(error) in seen:
+                log.debug("cannot %s: %s: %s", what, type(error).__name__, error)
+            else:
+                seen.add(type(error))
+                log.exception("cannot %s (this agent goes on; logged once for each kind of failure)", what)
 
 class _Outage:
     """The registration attempts that failed since the agent was last registered: the first is a warning,

@@ -212,3 +212,31 @@ def test_a_removed_pc_is_told_once_what_happened_and_how_to_serve_again(monkeypa
         asyncio.run(service._register_forever())
     assert len(told) == 1 and "removed from the fleet and serves no one" in told[0]
     assert "delete /data/state/agent-key.pem and join with a new token" in told[0]
+
+
+def test_a_background_check_that_raises_anything_does_not_stop_the_agent(monkeypatch: pytest.MonkeyPatch) -> None:
+    # it ended the agent's TaskGroup, and the agent, for one failed reading or micro-batch
+    monkeypatch.setattr(service_module, "IDLE_SWEEP_S", 0.0)
+    calls: list[int] = []
+    logged: list[str] = []
+    monkeypatch.setattr(service_module.log, "exception", lambda text, *args: logged.append(text % args))
+
+    class BrokenCore:
+        async def release_idle_micro_batches(self) -> int:
+            calls.append(len(calls))
+            raise KeyError("micro-batch 7")  # a bug, not a sensor: logged with its traceback, once
+
+    service = AgentService.__new__(AgentService)
+    service.core = BrokenCore()  # type: ignore[assignment]
+
+    async def scenario() -> None:
+        task = asyncio.create_task(service._sweep_idle_forever())
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if len(calls) >= 4 or task.done():
+                break
+        assert not task.done(), task.exception() if task.done() else None
+        task.cancel()
+
+    asyncio.run(scenario())
+    assert len(calls) >= 4 and len(logged) == 1 and "free idle micro-batches" in logged[0]
