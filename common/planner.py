@@ -196,10 +196,13 @@ def plan(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandid
         else:
             exclusions.append(replace(excluded, hostname=agent.hostname))
     eligible.sort(key=lambda a: (-a.speed, a.agent_id))
-    best = _best_split(model, eligible, options, _by_speed)
+    # A subset's split in speed order is a split of every eligible agent in speed order, the others given no
+    # layers: when all of them have none, no subset has one, and the subsets need not be tried one by one
+    # (with 300 PCs and an embed that fits none, that took 254 s).
+    best = _best_split(model, eligible, options, _by_speed) if _split(model, eligible, options) else None
     if best is None:
         budget = _SplitBudget(options.max_reordered_splits)
-        best = _best_split(model, eligible, options, lambda agents: _other_orders(agents, budget))
+        best = _best_split(model, eligible, options, lambda agents: _other_orders(agents, budget), budget)
     used = {stage.agent_id for stage in best or ()}
     for agent in eligible:
         if agent.agent_id not in used and best is not None:
@@ -319,12 +322,15 @@ def _other_orders(agents: list[AgentCandidate], budget: _SplitBudget) -> Iterato
 
 
 def _best_split(model: ModelFootprint, eligible: list[AgentCandidate], options: PlanOptions,
-                orders: ChainOrders) -> list[Stage] | None:
-    """The policy's split of `eligible` (sorted by speed), trying the chain orders `orders` gives."""
+                orders: ChainOrders, budget: _SplitBudget | None = None) -> list[Stage] | None:
+    """The policy's split of `eligible` (sorted by speed), trying the chain orders `orders` gives; the search
+    ends when `budget` (the orders' own) is spent."""
     if options.policy is PlanPolicy.ALL_BY_SPEED:
         return _fastest_in_orders(model, orders(eligible), options)
     for size in range(1, len(eligible) + 1):
-        best = _fewest(model, eligible, size, options, orders)
+        if budget is not None and budget.left <= 0:
+            return None
+        best = _fewest(model, eligible, size, options, orders, budget)
         if best is not None:
             return best
     return None
@@ -340,19 +346,24 @@ def _fastest_in_orders(model: ModelFootprint, orders: Iterable[list[AgentCandida
     return best
 
 
-def _fewest(model: ModelFootprint, eligible: list[AgentCandidate], size: int,
-            options: PlanOptions, orders: ChainOrders) -> list[Stage] | None:
-    """The fastest split over exactly `size` agents, trying subsets with the most usable memory first."""
+def _fewest(model: ModelFootprint, eligible: list[AgentCandidate], size: int, options: PlanOptions,
+            orders: ChainOrders, budget: _SplitBudget | None = None) -> list[Stage] | None:
+    """The fastest split over exactly `size` agents, trying subsets with the most usable memory first. A subset
+    whose speeds cannot beat the best split found (the model's work over their sum bounds its slowest stage
+    from below) is not split."""
     need = sum(model.layer_bytes) + model.embed_bytes + model.head_bytes
     need += model.num_layers * model.kv_bytes_per_layer(options.streams) + size * options.stage_overhead_bytes
     by_memory = sorted(eligible, key=lambda a: -usable_bytes(a, options))
     if sum(usable_bytes(a, options) for a in by_memory[:size]) < need:
         return None  # no subset of this size has the memory
+    work = sum(model.layer_bytes) + model.head_cost
     best: list[Stage] | None = None
     for tried, subset in enumerate(itertools.combinations(by_memory, size)):
-        if tried >= options.max_subsets:
+        if tried >= options.max_subsets or (budget is not None and budget.left <= 0):
             break
         if sum(usable_bytes(a, options) for a in subset) < need:
+            continue
+        if best is not None and work / sum(a.speed for a in subset) > _pace(best)[0] * (1 + 1e-9):
             continue
         stages = _fastest_in_orders(model, orders(list(subset)), options)
         if stages is not None and (best is None or _pace(stages) < _pace(best)):
