@@ -163,30 +163,31 @@ def test_announced_ids_never_enrolled_are_not_dialled_and_an_agent_gets_at_most_
     assert warned == ["ignored mDNS announcements of 299 agent id(s) this controller never enrolled"]
 
 
-def test_no_more_than_64_links_are_being_opened_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_more_than_256_links_are_being_opened_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     opening = 0
     most = 0
 
-    async def slow_ask(store: object, revocations: object, agent_id: str | None,
-                       address: str) -> tuple[None, None, str]:
+    async def slow_open(address: str, *args: object, **kwargs: object) -> None:
         nonlocal opening, most
         opening += 1
         most = max(most, opening)
         await asyncio.sleep(0.01)
         opening -= 1
-        return None, None, f"cannot reach {address}"
+        raise fleet_survey.LinkError(f"cannot reach {address}")
 
-    monkeypatch.setattr(fleet_survey, "_ask", slow_ask)
+    monkeypatch.setattr(fleet_survey, "open_link", slow_open)
+    store = cast(FleetStore, SimpleNamespace(tls_files=None))
 
     async def scenario() -> None:
         dials = asyncio.Semaphore(fleet_survey.MAX_DIALS_AT_ONCE)
-        await asyncio.gather(*(fleet_survey._ask_at_any(cast(FleetStore, None), cast(Revocations, None),
-                                                        _agent_id(index), (f"10.1.0.{index}:7431",
-                                                                           f"10.2.0.{index}:7431"), dials)
-                               for index in range(100)))
+        await asyncio.gather(*(fleet_survey._ask_at_any(store, cast(Revocations, None),
+                                                        _agent_id(index), (f"10.1.{index // 250}.{index % 250}:7431",
+                                                                           f"10.2.{index // 250}.{index % 250}:7431"),
+                                                        dials)
+                               for index in range(400)))
 
     asyncio.run(scenario())
-    assert most == fleet_survey.MAX_DIALS_AT_ONCE == 64
+    assert most == fleet_survey.MAX_DIALS_AT_ONCE == 256
 
 
 def test_a_survey_tells_each_agent_the_fleet_s_list_of_removed_agents(tmp_path: Path,
@@ -258,5 +259,6 @@ def test_an_agent_that_never_answers_the_status_request_is_said_to_have_timed_ou
     monkeypatch.setattr(fleet_survey, "STATUS_TIMEOUT_S", 0.01)
     revocations = cast(Revocations, lambda: pki.RevocationSet())
     store = cast(FleetStore, SimpleNamespace(tls_files=None))
-    link, report, problem = asyncio.run(fleet_survey._ask(store, revocations, None, "10.0.0.9:7431"))
+    link, report, problem = asyncio.run(fleet_survey._ask(store, revocations, None, "10.0.0.9:7431",
+                                                          asyncio.Semaphore(1)))
     assert (link, report, problem) == (None, None, "no status from 10.0.0.9:7431: timed out")
