@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -235,11 +236,26 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
+_STATES_IN_ORDER = ("serving", "available", "paused", "unavailable", "unreachable")
+
+
+def _state(agent: Any) -> str:
+    return str(agent.report.state.value) if agent.report else "unreachable"
+
+
 def _print_agents(agents: list[Any]) -> None:
+    """The table, grouped by state (serving first, unreachable last) and by hostname within each, then a line
+    that counts each state: with 300 PCs in agent-id order, finding one PC, or seeing how many were off,
+    meant reading every row."""
+    def order(agent: Any) -> tuple[int, bool, str, str]:
+        state = _state(agent)
+        rank = _STATES_IN_ORDER.index(state) if state in _STATES_IN_ORDER else len(_STATES_IN_ORDER)
+        return rank, agent.hostname == "?", agent.hostname.lower(), agent.agent_id or agent.address
+
     print(f"{'agent':<14} {'host':<16} {'address':<22} {'state':<12} {'free':>8} {'found by':<20} stages")
-    for agent in agents:
+    for agent in sorted(agents, key=order):
         report = agent.report
-        state = report.state.value if report else "unreachable"
+        state = _state(agent)
         free = f"{report.free_memory_bytes / 1e9:.1f}G" if report else "-"
         stages = ", ".join(f"{s.model_id}[{s.layer_start}:{s.layer_end}]" for s in report.stages) if report else ""
         why = f"({report.detail or ', '.join(reason.value for reason in report.reasons)})" \
@@ -247,6 +263,10 @@ def _print_agents(agents: list[Any]) -> None:
         notes = " ".join(part for part in (stages, why) if part) or agent.problem or "-"
         print(f"{(agent.agent_id or '?')[:12]:<14} {agent.hostname[:16]:<16} {agent.address:<22} {state:<12} "
               f"{free:>8} {','.join(agent.sources):<20} {notes}")
+    counts = Counter(_state(agent) for agent in agents)
+    states = sorted(counts, key=lambda state: (state not in _STATES_IN_ORDER,
+                                               _STATES_IN_ORDER.index(state) if state in _STATES_IN_ORDER else 0))
+    print(f"{len(agents)} agent(s): " + ", ".join(f"{counts[state]} {state}" for state in states))
 
 
 def _agent_json(agent: Any) -> dict[str, Any]:

@@ -1,0 +1,37 @@
+"""`fleet ls` at an office's size: 300 rows in agent-id order, with nothing after them, meant reading every row
+to find one PC or to see how many were off. The rows are grouped by state (serving first, unreachable last),
+by hostname within each, and a line counts each state."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from deskfleet.common.agent_state import AgentState
+from deskfleet.controller.fleet_cli import _print_agents
+
+
+def agent(agent_id: str, hostname: str, state: AgentState | None) -> SimpleNamespace:
+    report = SimpleNamespace(state=state, free_memory_bytes=8 << 30, stages=(), reasons=(), detail="") \
+        if state is not None else None
+    return SimpleNamespace(agent_id=agent_id, hostname=hostname, address="10.0.0.1:7431", sources=("registration",),
+                           report=report, problem=None if state else "cannot reach 10.0.0.1:7431: timed out")
+
+
+def test_300_rows_are_grouped_by_state_and_hostname_and_counted(capsys: pytest.CaptureFixture[str]) -> None:
+    generator = random.Random(3)
+    states = [AgentState.AVAILABLE] * 200 + [AgentState.SERVING] * 5 + [AgentState.PAUSED] * 3 + \
+        [AgentState.UNAVAILABLE] * 12 + [None] * 80
+    agents = [agent("".join(generator.choice("abcdefghijklmnopqrstuvwxyz234567") for _ in range(52)),
+                    f"desk-{index:03d}", state) for index, state in enumerate(states)]
+    agents.sort(key=lambda row: row.agent_id)  # the survey's order
+    _print_agents(agents)
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines[1:-1]]
+    assert len(rows) == 300
+    listed = [(row[3], row[1]) for row in rows]
+    rank = {"serving": 0, "available": 1, "paused": 2, "unavailable": 3, "unreachable": 4}
+    assert listed == sorted(listed, key=lambda pair: (rank[pair[0]], pair[1]))
+    assert lines[-1] == "300 agent(s): 5 serving, 200 available, 3 paused, 12 unavailable, 80 unreachable"
