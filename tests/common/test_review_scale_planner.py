@@ -63,4 +63,4 @@ def test_a_feasible_plan_over_300_agents_skips_subsets_too_slow_to_win() -> None
     result = plan(model, agents)
     elapsed = time.perf_counter() - started
     assert result.feasible and len(result.stages) == 3
-    assert elapsed < 1.5, f"{elapsed:.1f} s"
+    assert elapsed < 2.5, f"{elapsed:.1f} s: 3.6 s when every subset was split"

@@ -41,7 +41,9 @@ def agent_ids(count: int, seed: int) -> list[str]:
 
 def test_250_pcs_that_are_off_cost_a_survey_one_open_timeout_not_four(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(agent_link, "OPEN_TIMEOUT_S", 1.0)  # 10 s in the field: 4 rounds were 40 s
+    # 10 s in the field (4 rounds were 40 s); 3 s here leaves the one PC that is on time for its TLS handshake
+    # among 250 dials on a busy 2-core CI machine (1 s did not, once)
+    monkeypatch.setattr(agent_link, "OPEN_TIMEOUT_S", 3.0)
     store = FleetStore(tmp_path / "controller")
     init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
     files = make_member(load_ca(store), tmp_path / "agent", "agent")
@@ -74,7 +76,7 @@ def test_250_pcs_that_are_off_cost_a_survey_one_open_timeout_not_four(
     states = {agent.agent_id: agent.report for agent in found.agents}
     assert states[core.agent_id] is not None
     assert sum(report is None for report in states.values()) == 250
-    assert elapsed < 2.5, f"{elapsed:.1f} s: the dials to PCs that are off waited for each other"
+    assert elapsed < 7.5, f"{elapsed:.1f} s: the dials to PCs that are off waited for each other (4 rounds: 12 s)"
 
 
 def test_agents_slow_to_answer_their_status_hold_no_place_of_a_dial(monkeypatch: pytest.MonkeyPatch) -> None:
