@@ -110,6 +110,12 @@ class PlanOptions:
     max_reordered_splits: int = 500  # splits tried in chain orders other than by speed, when none fits by speed
 
 
+# how much of a long list the plan's text shows (`--json` has it all)
+RENDER_USABLE = 12  # agents listed on an infeasible plan's Usable line
+RENDER_CROWD = 8  # agents left out for one reason listed one per row; more show the first few and a count
+RENDER_CROWD_SHOWN = 3
+
+
 class ExclusionReason(str, Enum):
     PAUSED = "paused"
     UNAVAILABLE = "unavailable"
@@ -238,10 +244,22 @@ def render_plan(result: Plan) -> str:
         lines.append("Infeasible:")
         lines.extend(f"  - {problem}" for problem in result.problems)
         if result.usable:
-            lines.append("Usable: " + ", ".join(f"{_short_id(agent)} {_gb(size)}" for agent, size in result.usable))
+            shown = ", ".join(f"{_short_id(agent)} {_gb(size)}" for agent, size in result.usable[:RENDER_USABLE])
+            rest = result.usable[RENDER_USABLE:]
+            if rest:
+                shown += f", and {len(rest)} more ({_gb(sum(size for _, size in rest))} in all)"
+            lines.append("Usable: " + shown)
     if result.exclusions:
         lines.append("Left out:")
-        lines.extend(f"  {_short_id(e.agent_id):<14} {_host(e.hostname):<16} {e.message}" for e in result.exclusions)
+        # An office's PCs are left out in crowds for one reason (300 idle PCs that a plan does not need, a model
+        # whose layer fits none of them): a crowd shows its first few, then a count.
+        for reason in dict.fromkeys(e.reason for e in result.exclusions):
+            crowd = [e for e in result.exclusions if e.reason is reason]
+            shown = crowd if len(crowd) <= RENDER_CROWD else crowd[:RENDER_CROWD_SHOWN]
+            lines.extend(f"  {_short_id(e.agent_id):<14} {_host(e.hostname):<16} {e.message}" for e in shown)
+            if len(shown) < len(crowd):
+                lines.append(f"  and {len(crowd) - len(shown)} more agents left out as "
+                             f"{reason.value.replace('_', ' ')} (`--json` lists each and why)")
     return "\n".join(lines)
 
 
