@@ -255,10 +255,10 @@ def render_plan(result: Plan) -> str:
         # whose layer fits none of them): a crowd shows its first few, then a count.
         for reason in dict.fromkeys(e.reason for e in result.exclusions):
             crowd = [e for e in result.exclusions if e.reason is reason]
-            shown = crowd if len(crowd) <= RENDER_CROWD else crowd[:RENDER_CROWD_SHOWN]
-            lines.extend(f"  {_short_id(e.agent_id):<14} {_host(e.hostname):<16} {e.message}" for e in shown)
-            if len(shown) < len(crowd):
-                lines.append(f"  and {len(crowd) - len(shown)} more agents left out as "
+            listed = crowd if len(crowd) <= RENDER_CROWD else crowd[:RENDER_CROWD_SHOWN]
+            lines.extend(f"  {_short_id(e.agent_id):<14} {_host(e.hostname):<16} {e.message}" for e in listed)
+            if len(listed) < len(crowd):
+                lines.append(f"  and {len(crowd) - len(listed)} more agents left out as "
                              f"{reason.value.replace('_', ' ')} (`--json` lists each and why)")
     return "\n".join(lines)
 
