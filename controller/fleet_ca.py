@@ -229,7 +229,8 @@ async def _join_exchange(connection: ServerConnection, store: FleetStore) -> Non
         request = decode(frame)
         if not isinstance(request, JoinRequest):
             raise ProtocolError(f"an unenrolled client may only send JoinRequest, not {type(request).__name__}")
-        response = _sign_join(store, request, utc_now())
+        # in a thread: the data dir's lock is a blocking file lock, which a suspended `fleet token` may hold
+        response = await asyncio.to_thread(_sign_join, store, request, utc_now())
         await connection.send(encode(response))
         await connection.close()
     except (ProtocolError, pki.PkiError, join_tokens.JoinTokenError) as error:

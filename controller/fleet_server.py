@@ -62,6 +62,7 @@ class FleetServer:
         self._unrecorded: dict[str, tuple[str, ...]] = {}  # agent id -> addresses, for the next write of the roster
         self._recorded: asyncio.Future[None] | None = None  # that write, done or failed
         self._next_write: asyncio.TimerHandle | None = None
+        self._writes: set[asyncio.Task[None]] = set()  # roster writes under way (kept from the garbage collector)
 
     # Public methods
 
@@ -91,7 +92,7 @@ class FleetServer:
             watcher.cancel()
         if self._next_write is not None:  # registrations not written yet: now, not never
             self._next_write.cancel()
-            self._write_roster()
+            await self._write_roster()
         for link in list(self.live.values()):
             await link.close()
 
@@ -150,20 +151,22 @@ class FleetServer:
         if self._recorded is None:
             loop = asyncio.get_running_loop()
             self._recorded = loop.create_future()
-            self._next_write = loop.call_later(ROSTER_BATCH_S, self._write_roster)
+            self._next_write = loop.call_later(ROSTER_BATCH_S, self._start_write)
         await asyncio.shield(self._recorded)  # one registration's link closing cancels no other's
 
-    def _write_roster(self) -> None:
+    def _start_write(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._write_roster(), name="write-roster")
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _write_roster(self) -> None:
+        """Write the registrations gathered so far, in a thread: the data dir's lock is a blocking file lock,
+        and a `fleet token` or `fleet remove` suspended (Ctrl-Z) while it held it stalled this event loop, and
+        with it every agent's link and ping."""
         unrecorded, self._unrecorded = self._unrecorded, {}
         recorded, self._recorded, self._next_write = self._recorded, None, None
         try:
-            with self.store.locked():
-                roster = self.store.roster()
-                now = utc_now().isoformat()
-                for agent_id, addresses in unrecorded.items():
-                    entry = roster.get(agent_id) or RosterEntry(agent_id, "?", now)
-                    roster[agent_id] = replace(entry, addresses=addresses, registered_at=now)
-                self.store.save_roster(roster)
+            await asyncio.to_thread(self._save_addresses, unrecorded)
         except (OSError, FleetStoreError) as error:
             if recorded is not None:
                 recorded.set_exception(error)
@@ -171,6 +174,15 @@ class FleetServer:
         else:
             if recorded is not None:
                 recorded.set_result(None)
+
+    def _save_addresses(self, unrecorded: dict[str, tuple[str, ...]]) -> None:
+        with self.store.locked():
+            roster = self.store.roster()
+            now = utc_now().isoformat()
+            for agent_id, addresses in unrecorded.items():
+                entry = roster.get(agent_id) or RosterEntry(agent_id, "?", now)
+                roster[agent_id] = replace(entry, addresses=addresses, registered_at=now)
+            self.store.save_roster(roster)
 
     def _revocation_update(self) -> RevocationUpdate:
         return RevocationUpdate(tuple(sorted(self.revocations().agent_ids)))
