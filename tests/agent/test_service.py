@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -142,6 +143,20 @@ def test_a_registration_that_closes_at_once_backs_off(monkeypatch: pytest.Monkey
     assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0]
 
 
+def keeps_running(forever: Callable[[], Coroutine[Any, Any, None]], calls: list[int]) -> None:
+    """Run a periodic task (its interval patched to 0) until it has made 4 calls; it must still be running."""
+    async def scenario() -> None:
+        task = asyncio.create_task(forever())
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if len(calls) >= 4 or task.done():
+                break
+        assert not task.done(), task.exception() if task.done() else None
+        task.cancel()
+
+    asyncio.run(scenario())
+
+
 def test_the_limits_are_checked_again_after_a_sensor_read_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(service_module, "LIMITS_CHECK_S", 0.0)
     calls: list[int] = []
@@ -156,16 +171,7 @@ def test_the_limits_are_checked_again_after_a_sensor_read_fails(monkeypatch: pyt
     service = AgentService.__new__(AgentService)
     service.core = LimitedCore()  # type: ignore[assignment]
 
-    async def scenario() -> None:
-        task = asyncio.create_task(service._enforce_limits_forever())
-        for _ in range(100):
-            await asyncio.sleep(0)
-            if len(calls) >= 4 or task.done():
-                break
-        assert not task.done(), task.exception() if task.done() else None
-        task.cancel()
-
-    asyncio.run(scenario())
+    keeps_running(service._enforce_limits_forever, calls)
     assert len(calls) >= 4
 
 
@@ -229,14 +235,5 @@ def test_a_background_check_that_raises_anything_does_not_stop_the_agent(monkeyp
     service = AgentService.__new__(AgentService)
     service.core = BrokenCore()  # type: ignore[assignment]
 
-    async def scenario() -> None:
-        task = asyncio.create_task(service._sweep_idle_forever())
-        for _ in range(100):
-            await asyncio.sleep(0)
-            if len(calls) >= 4 or task.done():
-                break
-        assert not task.done(), task.exception() if task.done() else None
-        task.cancel()
-
-    asyncio.run(scenario())
+    keeps_running(service._sweep_idle_forever, calls)
     assert len(calls) >= 4 and len(logged) == 1 and "free idle micro-batches" in logged[0]
