@@ -21,6 +21,10 @@ from .draft import Drafter, open_drafter, target_settings
 from .engine import EngineOptions
 
 DEFAULT_K_MAX = 8
+# The largest temperature a step carries (the wire's SamplingInfo refuses more); checked here, by the option's
+# name, so that a run is not refused at its first step after every stage compiled. At 100 the softmax of any
+# usable model's logits is close to uniform already.
+MAX_TEMPERATURE = 100.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +64,8 @@ class DecodingOptions:
         # NaN passes its `temperature < 0`.
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"--temperature must be 0 (greedy) or more, got {self.temperature}")
+        if self.temperature > MAX_TEMPERATURE:
+            raise ValueError(f"--temperature must be at most {MAX_TEMPERATURE:g}, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"--top-k must be 0 (off) or more, got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -97,7 +103,7 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     # from a default of 8.
     k.add_argument("--k-max", type=positive_int, default=None,
                    help=f"upper bound of adaptive K (default {DEFAULT_K_MAX})")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy; at most {MAX_TEMPERATURE:g}")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=non_negative_int, default=0, help="stream (or reply) i samples with seed + i")
