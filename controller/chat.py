@@ -350,6 +350,9 @@ def _chat_command(args: argparse.Namespace) -> int:
     from .fleet_store import default_data_dir
 
     check_fleet_options(args)
+    if sys.stdin is None:  # started with standard input closed (`<&-`): Python has no stream to read from
+        raise ValueError("standard input is closed, and chat reads its messages from it: run it in a terminal "
+                         "or give it the messages on standard input (a pipe or a file)")
     compile_settings = CompileSettings(device=args.device, precision=Precision(args.precision),
                                        num_threads=args.threads, kv_cache=args.kv_cache)
     options = ChatOptions(model=args.model, fleet_dir=(args.data_dir or default_data_dir()) if args.fleet else None,
