@@ -21,6 +21,10 @@ def check_request(spec: ModelSpec, prompt_ids: list[int], max_new_tokens: int) -
                 f"prompt id {token} at position {position} is outside the vocabulary (size {spec.vocab_size})")
     needed = len(prompt_ids) + max_new_tokens
     if needed > spec.max_context:
+        room = spec.max_context - len(prompt_ids)  # new tokens that fit after this prompt
+        # The remedy that can work: fewer new tokens help only where at least one fits after the prompt.
+        remedy = (f"ask for at most {room} new tokens (--max-new-tokens {room})" if room >= 1 else
+                  f"the prompt alone fills it: shorten the prompt to at most {spec.max_context - 1} tokens")
         raise GenerationError(
             f"{len(prompt_ids)} prompt tokens + {max_new_tokens} new tokens = {needed} exceed the model's "
-            f"context of {spec.max_context} (export with a larger --max-context or ask for fewer tokens)")
+            f"context of {spec.max_context} ({remedy}, or export with a larger --max-context)")
