@@ -229,14 +229,19 @@ def _check_room(tokenizer: ModelTokenizer, system: list[ChatMessage], max_new_to
     template = len(tokenizer.encode_chat([*system, ChatMessage("user", "")]))  # the template's own tokens
     if template + 1 + max_new_tokens <= max_context:
         return
+    largest = max_context - template - 1  # the --max-new-tokens that leaves room for a one-token message
     if system:
+        excess = template + 1 + max_new_tokens - max_context  # what --system must lose to keep --max-new-tokens
+        remedy = f"shorten --system by at least {excess} tokens" + (
+            f", or give --max-new-tokens {largest} or less" if largest >= 1 else "")
         raise GenerationError(
             f"--system takes {template} tokens with the chat template; with --max-new-tokens {max_new_tokens} "
-            f"that leaves no room for a message in the model's context of {max_context} tokens "
-            "(shorten --system or give a smaller --max-new-tokens)")
+            f"that leaves no room for a message in the model's context of {max_context} tokens ({remedy})")
+    remedy = (f"give --max-new-tokens {largest} or less" if largest >= 1 else
+              "the template alone leaves no room for a reply: export with a larger --max-context")
     raise GenerationError(
         f"--max-new-tokens {max_new_tokens} and the chat template's {template} tokens leave no room for a "
-        f"message in the model's context of {max_context} tokens (give a smaller --max-new-tokens)")
+        f"message in the model's context of {max_context} tokens ({remedy})")
 
 
 def _fit_prompt(tokenizer: ModelTokenizer, system: list[ChatMessage], turns: list[ChatMessage],
