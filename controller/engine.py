@@ -427,8 +427,13 @@ class Engine:
         # its tokens so far) draws what the step it replaces would have drawn, never what its first token drew.
         seeds = tuple(mix_seed(stream.request.seed, stream.confirmed_count, 0) for stream in streams)
         return SamplingInfo(temperatures=tuple(s.request.sampling.temperature for s in streams),
-                            top_ks=tuple(s.request.sampling.top_k for s in streams),
+                            top_ks=tuple(self._wire_top_k(s.request.sampling.top_k) for s in streams),
                             top_ps=tuple(s.request.sampling.top_p for s in streams), seeds=seeds)
+
+    def _wire_top_k(self, top_k: int) -> int:
+        """top_k as a step carries it: one at or above the vocabulary keeps every token, as 0 (off) does, and
+        the wire takes no number past int64 (an agent refused such a step mid-run)."""
+        return top_k if top_k < self.spec.vocab_size else 0
 
     # Private methods: results
 
