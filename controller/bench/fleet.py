@@ -49,6 +49,7 @@ from deskfleet.common.wire import Precision, Role
 from deskfleet.controller.bench.arguments import check_genai_inputs, check_output_file
 from deskfleet.controller.bench.delay_proxy import DelayProxy, ProxyThread
 from deskfleet.controller.bench.host import host_report
+from deskfleet.controller.bench.interruption import exit_status, signal_name, signals_held, signals_unwind
 from deskfleet.controller.bench.rounds import round_order
 from deskfleet.controller.bench.runner_process import stop_processes
 from deskfleet.controller.bench.speculative import DEFAULT_EVAL_DIR, heldout_code_prompts
@@ -508,16 +509,12 @@ class _Fleet:
         init_fleet(self.store, "bench", ("127.0.0.1:1",), utc_now())
         ca = load_ca(self.store)
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
-        for name, pc_cores in agents.items():
-            files = TlsFiles.in_folder(work / name, "agent")
-            _issue(ca, files, name)
-            log_file = (work / f"{name}.log").open("wb")
-            self.processes[name] = subprocess.Popen(
-                [sys.executable, "-m", "deskfleet.controller.bench.fleet_agent", "--tls-dir", str(work / name),
-                 "--name", "agent", "--listen", "127.0.0.1:0", "--port-file", str(work / f"{name}.port"),
-                 "--cores", ",".join(map(str, pc_cores)), "--cache", str(work / name / "cache"),
-                 "--threads", str(threads)],
-                stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            for name, pc_cores in agents.items():
+                self._start_agent(name, pc_cores, threads, ca)
+        except BaseException:  # Ctrl-C among the starts: no `with` holds this fleet yet to stop those begun
+            self._stop()
+            raise
         self.proxied = set(proxied)
         self.delay_s, self.bandwidth_bytes_s = delay_s, bandwidth_bytes_s
         self.address_of: dict[str, str] = {}  # how the controller and the other PCs dial each PC
@@ -541,8 +538,24 @@ class _Fleet:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.proxies.__exit__()
-        self._stop()
+        try:
+            self.proxies.__exit__()
+        finally:
+            self._stop()
+
+    def _start_agent(self, name: str, pc_cores: tuple[int, ...], threads: int, ca: pki.FleetCa) -> None:
+        """Start one simulated PC's process, logging to NAME.log, and record it in `processes`; it ends when this
+        process does (its stdin: a pipe that the kernel closes however this process ends, even by SIGKILL)."""
+        files = TlsFiles.in_folder(self.work / name, "agent")
+        _issue(ca, files, name)
+        # the child has its own copy of the log file; a signal in Popen would leave a child no Popen names
+        with (self.work / f"{name}.log").open("wb") as log_file, signals_held():
+            self.processes[name] = subprocess.Popen(
+                [sys.executable, "-m", "deskfleet.controller.bench.fleet_agent", "--tls-dir", str(self.work / name),
+                 "--name", "agent", "--listen", "127.0.0.1:0", "--port-file", str(self.work / f"{name}.port"),
+                 "--cores", ",".join(map(str, pc_cores)), "--cache", str(self.work / name / "cache"),
+                 "--threads", str(threads), "--stop-on-stdin-eof"],
+                stdin=subprocess.PIPE, stdout=log_file, stderr=subprocess.STDOUT)
 
     def deploy(self, model: Path, names: Sequence[str]) -> tuple[StagePlacement, ...]:
 
@@ -562,6 +575,9 @@ class _Fleet:
 
     def _stop(self) -> None:
         stop_processes(self.processes.values())
+        for process in self.processes.values():
+            if process.stdin is not None:
+                process.stdin.close()
 
 
 def _issue(ca: pki.FleetCa, files: TlsFiles, name: str) -> None:
@@ -647,8 +663,14 @@ def _bench_command(args: Any) -> int:
         genai_python=args.genai_python,
         wan_delay_s=args.wan_delay_ms / 1000.0,
         wan_bandwidth_bytes_s=args.wan_bandwidth_mbit * 125_000 if args.wan_bandwidth_mbit else None)
-    report = run_fleet_bench(options, progress=lambda text: print(text, file=sys.stderr, flush=True))
-    print(json.dumps(report, indent=2), flush=True)  # first: a file that cannot be written loses nothing
-    print(render_markdown(report), file=sys.stderr)
-    write_outputs(report, args.json_out, args.markdown_out)
+    try:
+        with signals_unwind():  # SIGTERM and SIGHUP unwind as Ctrl-C does: the simulated PCs stop
+            report = run_fleet_bench(options, progress=lambda text: print(text, file=sys.stderr, flush=True))
+            print(json.dumps(report, indent=2), flush=True)  # first: a file that cannot be written loses nothing
+            print(render_markdown(report), file=sys.stderr)
+            write_outputs(report, args.json_out, args.markdown_out)
+    except KeyboardInterrupt as stopped:
+        print(f"deskfleet: bench fleet stopped by {signal_name(stopped)}; its simulated PCs are stopped and its "
+              f"temporary folder removed", file=sys.stderr, flush=True)
+        return exit_status(stopped)
     return 0

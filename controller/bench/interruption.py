@@ -1,0 +1,116 @@
+"""A benchmark stopped by SIGTERM or SIGHUP cleans up as one stopped by Ctrl-C does.
+
+Python's default for SIGTERM (kill, timeout, systemd, a CI runner's cancel) and SIGHUP (a closed terminal)
+ends the process at once: no `finally` and no context manager's exit runs. `bench fleet` then left its
+simulated PCs (processes of their own) running, each holding a port and a compiled model, and its temporary
+folder in place. While a bench runs under `signals_unwind`, these signals raise BenchTerminated instead: a
+KeyboardInterrupt, so it unwinds every `finally`, asyncio's runner and thread joins exactly as Ctrl-C does
+(asyncio re-raises a KeyboardInterrupt from a callback, where it would log and drop any other exception).
+
+Two places must not be cut in two, Ctrl-C included:
+- the cleanup: after the first signal every further one is ignored, so that stopping the simulated PCs
+  (bounded by their stop timeout) is not cut short and does not leave some of them running;
+- a `signals_held` block, such as starting a process and recording it: an exception raised inside
+  subprocess.Popen after its fork leaves a child that no Popen object names, so nothing could stop it. A
+  signal that arrives there is raised when the block ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
+# What kill, timeout, systemd and a closed terminal send; SIGINT already raises KeyboardInterrupt.
+ENDING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class BenchTerminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived while a benchmark ran."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class _Unwinding:
+    """The handler of the signals while `signals_unwind` runs: the first one received, whether it waits for
+    the end of the held blocks open."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.held_blocks = 0
+        self.deferred = False
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is not None:  # again while the first one unwinds: let the cleanup finish
+            return
+        self.received = signum
+        if self.held_blocks:
+            self.deferred = True
+        else:
+            self.raise_received()
+
+    def raise_received(self) -> None:
+        self.deferred = False
+        if self.received == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.received is not None:
+            raise BenchTerminated(self.received)
+
+
+_unwinding: _Unwinding | None = None  # set while `signals_unwind` runs (in the main thread, the only one)
+
+
+@contextlib.contextmanager
+def signals_unwind() -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGHUP raise BenchTerminated and Ctrl-C KeyboardInterrupt, except in
+    a `signals_held` block (raised at its end); after the first of them every further one is ignored until
+    the block has exited. Only where a signal's handling is Python's default: a program's own handler, or the
+    SIG_IGN that nohup sets for SIGHUP, is left as it is."""
+    global _unwinding
+    if threading.current_thread() is not threading.main_thread() or _unwinding is not None:
+        yield  # only the main thread may set handlers (Python runs them there); an outer block handles them
+        return
+    unwinding = _Unwinding()
+    handled = [signum for signum in ENDING_SIGNALS if signal.getsignal(signum) is signal.SIG_DFL]
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where Ctrl-C is ignored
+        handled.append(signal.SIGINT)
+    previous = {signum: signal.signal(signum, unwinding.handle) for signum in handled}
+    _unwinding = unwinding
+    try:
+        yield
+    finally:
+        _unwinding = None
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """A block that a signal must not cut in two (see the module's docstring): one that arrives while it runs
+    is raised when it ends. Outside `signals_unwind`, or in another thread (where Python raises no signal's
+    exception), it holds nothing."""
+    unwinding = _unwinding
+    if unwinding is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    unwinding.held_blocks += 1
+    try:
+        yield
+    finally:
+        unwinding.held_blocks -= 1
+    if not unwinding.held_blocks and unwinding.deferred:
+        unwinding.raise_received()
+
+
+def exit_status(error: KeyboardInterrupt) -> int:
+    """What a shell reports for a process ended by the signal: 128 + its number (130 for Ctrl-C)."""
+    return 128 + (error.signum if isinstance(error, BenchTerminated) else signal.SIGINT)
+
+
+def signal_name(error: KeyboardInterrupt) -> str:
+    """The signal that stopped the bench, as a user would name it."""
+    return signal.Signals(error.signum).name if isinstance(error, BenchTerminated) else "SIGINT (Ctrl-C)"
