@@ -15,6 +15,7 @@ Not for production: it exists to measure what latency does to the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
@@ -84,8 +85,11 @@ class DelayProxy:
             return
         for writer in (client_writer, server_writer):
             sock = writer.get_extra_info("socket")
+            # A peer that reset its connection meanwhile has had its socket closed (EBADF); raised here, that
+            # would end serve()'s TaskGroup and with it every connection: the copy below sees the reset instead.
             if sock is not None:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._direction(client_reader, server_writer))
