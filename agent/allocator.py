@@ -80,8 +80,9 @@ def run_on_jemalloc(device: str) -> None:
     if environment is None:
         return
     log.debug("re-executing on %s", environment[PRELOADED_VAR])
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:  # None when the shell closed it (`>&-`): nothing to flush
+            stream.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
 
 

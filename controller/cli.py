@@ -69,6 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"deskfleet: error: {missing}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    if sys.stdout is None:  # started with standard output closed (`>&-`): every command's text or JSON goes there
+        print("deskfleet: error: standard output is closed, and every command writes its result there: run it "
+              "with standard output open (to discard it: > /dev/null)", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     handler: Callable[[argparse.Namespace], int] = args.handler
