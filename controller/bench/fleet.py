@@ -19,18 +19,20 @@ users each make, measured in the same run, i.e. where the fleet would land with 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -210,24 +212,12 @@ def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] 
                        groups[WAN_GROUP][1] if WAN_GROUP in groups else (), options.wan_delay_s,
                        options.wan_bandwidth_bytes_s) as fleet:
             say(f"{len(fleet.names)} simulated PCs up; deploying")
-            placements = {group: fleet.deploy(model, names) for group, (model, names) in groups.items()}
-            for group, stages in placements.items():
-                if len(stages) < len(groups[group][1]):
-                    say(f"{group}: the plan uses {len(stages)} of its {len(groups[group][1])} PCs")
-            drafters: dict[str, Drafter | None] = {}
-            for round_index in range(-options.warmup_rounds, options.rounds):
-                label = "warm-up" if round_index < 0 else f"round {round_index + 1}/{options.rounds}"
-                for config in round_order(configs, round_index):
-                    if config.group == GENAI_GROUP:
-                        assert genai is not None
-                        run = genai.run(_prompts(options.model, config.streams, options.prompt_tokens, False))
-                        result = {"tok_s": run.tok_s, "tokens": float(run.generated), "wall_s": run.wall_s,
-                                  "mean_accepted": 0.0, "final_k": 0.0}
-                    else:
-                        result = _run_config(fleet, placements, config, options, drafters)
-                    if round_index >= 0:
-                        config.runs.append(result)
-                    say(f"{label} {config.key}: {result['tok_s']:.1f} tok/s")
+            with fleet.naming_ended_pcs():
+                placements = {group: fleet.deploy(model, names) for group, (model, names) in groups.items()}
+                for group, stages in placements.items():
+                    if len(stages) < len(groups[group][1]):
+                        say(f"{group}: the plan uses {len(stages)} of its {len(groups[group][1])} PCs")
+                _run_rounds(fleet, placements, configs, options, genai, say)
     finally:
         if genai is not None:
             genai.close()
@@ -239,6 +229,25 @@ def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] 
     if genai is not None:
         report["genai_baseline"] = genai.meta  # its compile properties among them
     return report
+
+
+def _run_rounds(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]], configs: list[_Config],
+                options: FleetBenchOptions, genai: GenAIUsers | None, say: Callable[[str], None]) -> None:
+    """The warm-up rounds, then the timed ones (recorded in each config's `runs`), each in its rotated order."""
+    drafters: dict[str, Drafter | None] = {}
+    for round_index in range(-options.warmup_rounds, options.rounds):
+        label = "warm-up" if round_index < 0 else f"round {round_index + 1}/{options.rounds}"
+        for config in round_order(configs, round_index):
+            if config.group == GENAI_GROUP:
+                assert genai is not None
+                run = genai.run(_prompts(options.model, config.streams, options.prompt_tokens, False))
+                result = {"tok_s": run.tok_s, "tokens": float(run.generated), "wall_s": run.wall_s,
+                          "mean_accepted": 0.0, "final_k": 0.0}
+            else:
+                result = _run_config(fleet, placements, config, options, drafters)
+            if round_index >= 0:
+                config.runs.append(result)
+            say(f"{label} {config.key}: {result['tok_s']:.1f} tok/s")
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -573,6 +582,31 @@ class _Fleet:
         # (the demo target's head weighs two layers: 3 stages are as fast as 4); the report says so.
         return event_loop.run(run())
 
+    @contextlib.contextmanager
+    def naming_ended_pcs(self) -> Iterator[None]:
+        """An error in the block also names each simulated PC whose process has ended and how: the error itself
+        (a link that closed) names the PC by an agent id the user never saw, and the PC's log goes with the
+        temporary folder."""
+        try:
+            yield
+        except Exception as error:
+            ended = self.ended_pcs()
+            if not ended:
+                raise
+            raise RuntimeError(f"{error}; {'; '.join(ended)}") from error
+
+    def ended_pcs(self) -> list[str]:
+        """For each simulated PC whose process has ended: its name, how it ended, its log's last line."""
+        ended = []
+        for name, process in self.processes.items():
+            status = process.poll()
+            if status is None:
+                continue
+            how = f"was killed by {_signal_name(-status)}" if status < 0 else f"exited with status {status}"
+            last_line = _last_line(self.work / f"{name}.log")
+            ended.append(f"simulated PC {name} {how}" + (f" (its log ends: {last_line})" if last_line else ""))
+        return ended
+
     def _stop(self) -> None:
         stop_processes(self.processes.values())
         for process in self.processes.values():
@@ -587,6 +621,24 @@ def _issue(ca: pki.FleetCa, files: TlsFiles, name: str) -> None:
     files.ca_path.write_bytes(pki.certificate_pem(ca.certificate))
     files.cert_path.write_bytes(pki.certificate_pem(certificate))
     pki.write_private_key(files.key_path, key)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:  # a real-time signal has no name
+        return f"signal {signum}"
+
+
+def _last_line(path: Path) -> str:
+    """The last non-empty line of a text file (a PC's log), or "" when there is none to read."""
+    try:
+        with path.open("rb") as stream:
+            stream.seek(max(0, stream.seek(0, os.SEEK_END) - 4096))
+            tail = stream.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
 
 
 def _wait_port_file(port_file: Path, process: subprocess.Popen[bytes], log_path: Path,
