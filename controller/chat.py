@@ -207,6 +207,9 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
             out.flush()
             if interrupted:
                 _note(notes, "[interrupted: the reply so far stays in the conversation; Ctrl-C at the prompt leaves]")
+            elif not engine.results()[0].stopped_by_eos:  # else the reply just stops mid-sentence, unexplained
+                _note(notes, f"[the reply reached --max-new-tokens {options.max_new_tokens} and was cut there; "
+                             "a larger --max-new-tokens lets replies run longer]")
             # The reply as it was shown: a Ctrl-C can stop the engine between taking a token and showing it,
             # and a byte-fallback tokenizer decodes a reply cut inside a character with more U+FFFD than were
             # shown (the bytes of the run before it too); the conversation holds what the user saw.

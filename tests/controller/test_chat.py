@@ -8,6 +8,7 @@ import random
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -218,7 +219,7 @@ def test_a_long_chat_drops_its_oldest_exchanges_and_answers(tmp_path: Path, tiny
     options = ChatOptions(model=_chat_model(tmp_path, tiny_export), max_new_tokens=4,
                           settings=CompileSettings(precision=Precision.F32))
     assert run_chat(options, io.StringIO(turns), out, notes=notes) == 3
-    assert notes.getvalue() == ("[the conversation outgrew the model's context of 512 tokens: "
+    assert notes_but_cuts(notes) == ("[the conversation outgrew the model's context of 512 tokens: "
                                 "dropped its oldest exchange]\n")
     sent = seen[-1]
     assert [m.role for m in sent] == ["user", "assistant", "user"]
@@ -287,7 +288,7 @@ def test_each_turn_of_a_chat_past_its_context_renders_in_at_most_two_children(
     per_turn = [sum(turn == number for turn, _ in children) for number in range(25)]
     # the first turn's two more, at the start: the room check and the template's end of turn
     assert per_turn[0] == 3 and max(per_turn[1:]) <= 2
-    assert notes.getvalue().splitlines()[-1].endswith("exchanges]")
+    assert notes_but_cuts(notes).splitlines()[-1].endswith("exchanges]")
     last = [conversation for turn, calls in children if turn == 24 for conversation in calls]
     whole = [ChatMessage(m["role"], m["content"]) for m in max(last, key=lambda c: len(c["messages"]))["messages"]]
     tokenizer = ModelTokenizer(model)
@@ -320,7 +321,7 @@ def test_ctrl_c_before_the_reply_begins_cancels_that_message_only(tmp_path: Path
         pytest.fail("Ctrl-C before the reply ended the chat")
     assert replies == 2
     assert out.getvalue() == plain.getvalue()
-    assert notes.getvalue() == "[interrupted before the reply began: not sent; the conversation is unchanged]\n"
+    assert notes_but_cuts(notes) == "[interrupted before the reply began: not sent; the conversation is unchanged]\n"
     assert prompt_out.getvalue() == "you> you> \nyou> you> \n"  # the ^C's line ended, and the last prompt's
 
 
@@ -335,7 +336,7 @@ def test_a_message_that_cannot_be_sent_keeps_the_conversation(tmp_path: Path, ti
     lines = io.StringIO(f"hello there\n{'x' * 600}\nd\udcffef f():\nagain, please\n")
     assert run_chat(options, lines, out, notes=notes) == 2
     assert out.getvalue() == plain.getvalue()
-    assert notes.getvalue().splitlines() == [
+    assert notes_but_cuts(notes).splitlines() == [
         "[this message alone makes a prompt of 632 tokens; with --max-new-tokens 6 the model's context of 512 "
         "tokens leaves room for 506: not sent; the conversation is unchanged]",
         "[this message is not valid UTF-8 text (byte 0xff at character 1): not sent; the conversation is unchanged]"]
@@ -357,7 +358,7 @@ def test_a_message_the_chat_template_refuses_keeps_the_conversation(tmp_path: Pa
     lines = io.StringIO(f"hello there\nboom\n{'x' * MAX_RENDERED_CHARS}\nagain, please\n")
     assert run_chat(options, lines, out, notes=notes) == 2
     assert out.getvalue() == plain.getvalue()
-    assert notes.getvalue().splitlines() == [
+    assert notes_but_cuts(notes).splitlines() == [
         "[this template refuses boom: not sent; the conversation is unchanged]",
         f"[the chat template renders more than {MAX_RENDERED_CHARS} characters: not sent; the conversation is "
         "unchanged]"]
@@ -390,7 +391,7 @@ def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(tmp_path: Path, tiny_export
     monkeypatch.setattr(chat, "_open_chain", interrupted_chain)
     out, notes = io.StringIO(), io.StringIO()
     assert run_chat(options, io.StringIO("hello there\nagain, please\n"), out, notes=notes) == 2
-    assert notes.getvalue() == ("[interrupted: the reply so far stays in the conversation; Ctrl-C at the prompt "
+    assert notes_but_cuts(notes) == ("[interrupted: the reply so far stays in the conversation; Ctrl-C at the prompt "
                                 "leaves]\n")
     sent = seen[-1]  # the second turn's prompt
     partial, second = out.getvalue().split("\n", 1)
@@ -405,3 +406,30 @@ def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(tmp_path: Path, tiny_export
                                             max_new_tokens=12, settings=settings))
     assert second == f"{expected['text']}\n"
     assert pipelines[0].micro_batches == (0, 0)
+
+
+def notes_but_cuts(notes: io.StringIO) -> str:
+    """The chat's notes less the one after each reply that ran to --max-new-tokens (these tiny random models'
+    replies always do: they never write EOS)."""
+    return "".join(line for line in notes.getvalue().splitlines(keepends=True)
+                   if not line.startswith("[the reply reached --max-new-tokens"))
+
+
+def test_a_reply_cut_at_max_new_tokens_says_so_and_one_that_ended_does_not(
+        tmp_path: Path, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _chat_model(tmp_path, tiny_export)
+    notes = io.StringIO()
+    run_chat(ChatOptions(model=model, max_new_tokens=6, settings=CompileSettings(precision=Precision.F32)),
+             io.StringIO("hello\n/quit\n"), io.StringIO(), notes=notes)
+    assert notes.getvalue() == ("[the reply reached --max-new-tokens 6 and was cut there; a larger --max-new-tokens "
+                                "lets replies run longer]\n")
+
+    class EndingEngine(chat.Engine):  # as if the reply's last token were EOS
+        def results(self) -> dict[int, Any]:
+            return {stream_id: replace(result, stopped_by_eos=True) for stream_id, result in super().results().items()}
+
+    monkeypatch.setattr(chat, "Engine", EndingEngine)
+    notes = io.StringIO()
+    run_chat(ChatOptions(model=model, max_new_tokens=6, settings=CompileSettings(precision=Precision.F32)),
+             io.StringIO("hello\n/quit\n"), io.StringIO(), notes=notes)
+    assert notes.getvalue() == ""
