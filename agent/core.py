@@ -140,6 +140,7 @@ class AgentCore:
         self.stages: dict[StageRef, HostedStage] = {}
         self.last_error: str | None = None
         self._controller_links: list[Link] = []
+        self._registration_links: set[Link] = set()  # this agent's own links to `fleet serve`: never a driver
         self._results_link: Link | None = None
         self._links: set[Link] = set()  # every link being served
         # the controller's last list of removed agents, kept across restarts: a restarted agent refuses them
@@ -160,8 +161,11 @@ class AgentCore:
         """The removed agents the controller told us about (a `link.RevocationSource`)."""
         return self._revoked
 
-    async def serve_link(self, link: Link) -> None:
-        """Read and act on `link`'s messages until it closes. Never raises for the peer's faults."""
+    async def serve_link(self, link: Link, registration: bool = False) -> None:
+        """Read and act on `link`'s messages until it closes. Never raises for the peer's faults.
+
+        `registration`: the link is this agent's registration with `fleet serve` (agent/service.py), which runs
+        no chain, so errors about steps go there only when no other controller link is open."""
         if link.peer.role is Role.AGENT and self._revocations_unknown is not None:
             self._note_error(f"refused {link.describe()}: {self._revocations_unknown}")
             await link.refuse(ErrorCode.UNAUTHORIZED, f"agent {self.agent_id[:12]} refuses agents until the "
@@ -169,6 +173,8 @@ class AgentCore:
             return
         if link.peer.role is Role.CONTROLLER:
             self._controller_links.append(link)
+            if registration:
+                self._registration_links.add(link)
         self._links.add(link)
         try:
             while True:
@@ -214,6 +220,7 @@ class AgentCore:
                 del self._shard_writers[sha256]  # a later deploy resumes the shard from what arrived
             if link in self._controller_links:
                 self._controller_links.remove(link)
+            self._registration_links.discard(link)
             if self._results_link is link:
                 self._results_link = None
 
@@ -626,8 +633,13 @@ class AgentCore:
                     raise CommandError(ErrorCode.INTERNAL, text, agent_id=hop.agent_id) from None
 
     async def _tell_controller(self, message: Message) -> None:
-        """Send to the driver's results link, else the most recent open controller link; log when none."""
-        links = list(reversed(self._controller_links))
+        """Send to the driver's results link, else the open controller link that spoke last; log when none.
+
+        The registration link comes last: a middle stage hears nothing from its driver after the Hello, so a
+        registration that `fleet serve` answered after the chain opened (the agent registered again, another
+        PC was removed) spoke last, and a paused stage's refusal went there, where it was only logged, while
+        the driver waited out its step timeout."""
+        links = sorted(reversed(self._controller_links), key=lambda link: link in self._registration_links)
         if self._results_link is not None:
             links.insert(0, self._results_link)
         for link in links:

@@ -303,7 +303,7 @@ class AgentService:
             return
         log.info("registered with the controller at %s as %s:%s%s", link.address, shown, self.bound_port,
                  outage.ended())
-        await self.core.serve_link(link)
+        await self.core.serve_link(link, registration=True)
         log.warning("the controller link closed; registering again")
         outage.began()
 

@@ -28,7 +28,7 @@ class FakeLink:
 class FakeCore:
     agent_id = "a" * 52
 
-    async def serve_link(self, link: object) -> None:
+    async def serve_link(self, link: object, registration: bool = False) -> None:
         return None  # the controller went away at once
 
 
