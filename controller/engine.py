@@ -236,12 +236,14 @@ class Engine:
         self._on_result(self.chain.collect())
 
     def _resume_on(self, chain: StageChain, error: ChainBroken) -> None:
-        """Forget every micro-batch (their KV state died with the old chain) and queue every unfinished
-        stream that had started for a prefill of its prompt plus its tokens so far on `chain`."""
-        if self.draft is not None:
-            for batch_id in [*self._tracks, *self._prefills]:
-                if self.draft.has_batch(batch_id):
-                    self.draft.release(batch_id)
+        """Forget every micro-batch and queue every unfinished stream that had started for a prefill of its
+        prompt plus its tokens so far on `chain`.
+
+        The micro-batches are released on the old chain first: a chain that broke by timing out (the fleet's
+        step timeout: its links are open, the agents alive) still holds their KV state on every stage, for the
+        agents' idle limit (10 minutes), beside what the resumed streams take on the same PCs. A chain whose
+        link closed sends nothing (FleetPipeline.release), so this costs the common case nothing."""
+        self._release_held()
         self._tracks.clear()
         self._prefills.clear()
         self._in_flight.clear()
@@ -261,6 +263,17 @@ class Engine:
         chain (a chat's, which the next reply reuses with a new engine) holds nothing of this run. Nothing
         here waits on the chain, and nothing hides the error run() raises: a broken chain's agents free idle
         micro-batches themselves."""
+        self._release_held()
+        renumber = getattr(self.chain, "renumber", None)
+        if callable(renumber):  # the next engine's ids must not meet this run's steps still in flight
+            renumber()
+        self._tracks.clear()
+        self._prefills.clear()
+        self._in_flight.clear()
+
+    def _release_held(self) -> None:
+        """Release every micro-batch this run holds, on the chain and in the drafter (it outlives the run: a
+        chat reuses it), those with a step in flight too; nothing here waits on the chain or raises."""
         tracks = [*self._tracks.values(), *self._prefills.values()]
         # A step in flight that admits a prefilled stream has taken that source off its track: a stage that
         # refused the step (or a Ctrl-C before the stage ran it) still holds it, and only this names it.
@@ -268,15 +281,9 @@ class Engine:
         held = ({track.micro_batch_id for track in tracks} | {source for track in tracks for source in track.admit_from}
                 | set(self._in_flight) | in_flight_sources)
         for batch_id in sorted(held):
-            if self.draft is not None and self.draft.has_batch(batch_id):  # it outlives the run: a chat reuses it
+            if self.draft is not None and self.draft.has_batch(batch_id):
                 _release_quietly(self.draft, batch_id)
             _release_quietly(self.chain, batch_id)
-        renumber = getattr(self.chain, "renumber", None)
-        if callable(renumber):  # the next engine's ids must not meet this run's steps still in flight
-            renumber()
-        self._tracks.clear()
-        self._prefills.clear()
-        self._in_flight.clear()
 
     def _new_batch_id(self) -> int:
         self._next_batch += 1
