@@ -94,7 +94,13 @@ class FleetPipeline:
         self._closed = False
         self._thread = threading.Thread(target=self._thread_main, name="fleet-chain", daemon=True)
         self._thread.start()
-        if not self._ready.wait(OPEN_TIMEOUT_S + 5.0):
+        try:
+            opened = self._ready.wait(OPEN_TIMEOUT_S + 5.0)
+        except BaseException:  # Ctrl-C while the links open (a chat goes on to its next message)
+            self._give_up_opening()
+            raise
+        if not opened:
+            self._give_up_opening()
             raise ChainError(f"the chain did not open within {OPEN_TIMEOUT_S:.0f} s")
         if self._failure is not None:
             self._thread.join()
@@ -192,6 +198,19 @@ class FleetPipeline:
         if self._failure is not None:
             raise self._failure
 
+    def _give_up_opening(self) -> None:
+        """The constructor leaves without a chain: the network thread closes the links it has opened or is
+        opening and stops, unawaited (a link may take OPEN_TIMEOUT_S to open or fail). Nothing else would:
+        nobody holds this object to close it, and the links stayed up, with the thread and its event loop,
+        as long as the process ran."""
+        self._closed = True  # before reading _loop: the thread sets _loop first, then reads _closed
+        loop, outbox = self._loop, self._outbox
+        if loop is not None and outbox is not None:
+            try:
+                loop.call_soon_threadsafe(outbox.put_nowait, _Stop())
+            except RuntimeError:  # the loop closed in between: the thread is done
+                pass
+
     def _post(self, item: _Outgoing) -> None:
         loop, outbox = self._loop, self._outbox
         if loop is None or outbox is None or loop.is_closed():
@@ -223,6 +242,10 @@ class FleetPipeline:
         self._loop = asyncio.get_running_loop()
         self._outbox = asyncio.Queue()
         links = await self._open_links()
+        if self._closed:  # given up while the links opened: nobody will drive or close this chain
+            for link in links:
+                await link.close()
+            return
         try:
             self._ready.set()
             async with asyncio.TaskGroup() as group:

@@ -1,0 +1,69 @@
+"""Ctrl-C while a chain opens (a failover's re-plan opening the new chain, in `deskfleet chat --fleet`, which
+goes on to the next message): the chain's network thread must not go on to hold links to the agents. It did:
+the links it finished opening stayed up (and the last stage's results link pointed at them) until the chat
+ended, with a thread and an event loop for each interrupted re-plan."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent.link import Link, LinkError, open_link, start_server
+from deskfleet.common.wire import Role
+from deskfleet.controller import fleet_pipeline
+from deskfleet.controller.fleet_deploy import StagePlacement
+from deskfleet.controller.fleet_pipeline import FleetPipeline
+from tests.fleet_pki import make_ca, make_member
+
+
+def test_a_chain_interrupted_while_it_opens_closes_its_links(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ca = make_ca(tmp_path / "ca")
+    agent_files = make_member(ca, tmp_path / "agent", "agent")
+    driver_files = make_member(ca, tmp_path / "driver", "driver", Role.CONTROLLER)
+    listening, link_closed, stop_serving = threading.Event(), threading.Event(), threading.Event()
+    ports: list[int] = []
+
+    async def agent(link: Link) -> None:
+        try:
+            while True:
+                await link.receive()
+        except LinkError:
+            link_closed.set()
+
+    async def serve() -> None:
+        async with await start_server(agent, "127.0.0.1", 0, agent_files) as server:
+            ports.append(server.sockets[0].getsockname()[1])
+            listening.set()
+            while not stop_serving.is_set():
+                await asyncio.sleep(0.05)
+
+    server_thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    server_thread.start()
+    assert listening.wait(10)
+    interrupted = threading.Event()
+
+    async def open_after_ctrl_c(*args: object, **kwargs: object) -> Link:
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)  # the user presses Ctrl-C...
+        while not interrupted.is_set():  # ...and the link opens after it has reached the driver
+            await asyncio.sleep(0.01)
+        return await open_link(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fleet_pipeline, "open_link", open_after_ctrl_c)
+    placement = StagePlacement(agent_files.own_identity().agent_id, f"127.0.0.1:{ports[0]}", 0, 4)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            FleetPipeline([placement], driver_files)
+        interrupted.set()
+        assert link_closed.wait(10), "the interrupted chain's link to the agent is still open"
+        chain_threads = [thread for thread in threading.enumerate() if thread.name == "fleet-chain"]
+        for thread in chain_threads:
+            thread.join(10)
+        assert not any(thread.is_alive() for thread in chain_threads)
+    finally:
+        interrupted.set()
+        stop_serving.set()
+        server_thread.join(10)
