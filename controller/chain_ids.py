@@ -30,11 +30,17 @@ class ChainIds:
         self._base = next_base()
         self._earlier_bases: set[int] = set()  # one int a run: a late result of one is known as such
         self._awaited: dict[int, int] = {}  # wire micro-batch id -> the step id its result will carry
+        self._tokens: dict[int, int] = {}  # wire micro-batch id -> the tokens (rows x width) its step feeds
 
     @property
     def in_flight(self) -> int:
         """How many steps are awaited."""
         return len(self._awaited)
+
+    @property
+    def largest_step_in_flight(self) -> int:
+        """The tokens (rows x width) of the largest step awaited, 0 when none is: a prompt's step takes longer."""
+        return max(self._tokens.values(), default=0)
 
     def send(self, message: Forward, **changes: Any) -> Forward:
         """The wire form of an engine's step (`changes` applied too), now awaited. ValueError if its
@@ -48,6 +54,7 @@ class ChainIds:
             message = replace(message, micro_batch_id=wire_id,
                               admit_from=tuple(self._base + source for source in message.admit_from), **changes)
         self._awaited[wire_id] = message.step_id
+        self._tokens[wire_id] = message.position_ids.size
         return message
 
     def receive(self, result: ForwardResult) -> ForwardResult | None:
@@ -56,10 +63,12 @@ class ChainIds:
         if self._awaited.get(result.micro_batch_id) != result.step_id:
             return None
         del self._awaited[result.micro_batch_id]
+        del self._tokens[result.micro_batch_id]
         return replace(result, micro_batch_id=result.micro_batch_id - self._base) if self._base else result
 
     def fail(self, wire_id: int) -> bool:
         """A stage failed on this micro-batch's step: stop awaiting it. False when none was awaited."""
+        self._tokens.pop(wire_id, None)
         return self._awaited.pop(wire_id, None) is not None
 
     def is_awaited(self, wire_id: int) -> bool:
@@ -69,6 +78,7 @@ class ChainIds:
         """Stop awaiting the micro-batch's step in flight, if any; its wire id."""
         wire_id = self._base + batch_id
         self._awaited.pop(wire_id, None)
+        self._tokens.pop(wire_id, None)
         return wire_id
 
     def engine_id(self, wire_id: int) -> int:
@@ -83,3 +93,4 @@ class ChainIds:
         self._earlier_bases.add(self._base)
         self._base = self._next_base()
         self._awaited = {}
+        self._tokens = {}

@@ -39,6 +39,10 @@ from deskfleet.controller.fleet_store import FleetStore
 log = logging.getLogger(__name__)
 
 STEP_TIMEOUT_S = 120.0
+# A step's wait grows with the tokens it feeds: a prompt (or a failover's resume: prompt plus the tokens so far)
+# is one step, and a long one through slow PCs may take minutes where a decode step takes milliseconds; a fixed
+# wait made such a prefill look like a stuck agent, and the re-plan (blaming no one) ran it again and again.
+STEP_TIMEOUT_S_PER_TOKEN = 0.05
 
 
 class ChainError(ChainBroken):
@@ -136,7 +140,8 @@ class FleetPipeline:
         A result this driver has no step in flight for (another driver's that reached this link, or a
         duplicate) is logged and dropped, never handed to the engine."""
         self._check_open()  # closed: no result can come, so none is awaited (nor an agent blamed)
-        wait = self.step_timeout_s if timeout is None else timeout
+        wait = (self.step_timeout_s + STEP_TIMEOUT_S_PER_TOKEN * self._ids.largest_step_in_flight
+                if timeout is None else timeout)
         deadline = time.monotonic() + wait
         while True:
             try:

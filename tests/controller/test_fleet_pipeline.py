@@ -16,6 +16,7 @@ import pytest
 from deskfleet.agent.link import Link, LinkError, start_server
 from deskfleet.common.kv_ledger import AppendSlots
 from deskfleet.common.wire import Error, ErrorCode, Forward, ForwardResult, Role
+from deskfleet.controller import fleet_pipeline
 from deskfleet.controller.fleet_deploy import StagePlacement
 from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
 from tests.fleet_pki import make_ca, make_member
@@ -181,4 +182,30 @@ def test_a_closed_chain_wakes_a_waiting_collect_and_refuses_the_next_at_once(
     assert not waiter.is_alive() and time.monotonic() - started < 3
     assert [str(error) for error in outcome] == ["the chain is closed"]  # not "an agent may be stuck"
     with pytest.raises(ChainError, match="the chain is closed"):
+        chain.collect()
+
+
+# A prompt is one step: its wait grows with the tokens it feeds. With a fixed 120 s, a long prompt (or a failover's
+# resume: the prompt plus every token so far) through slow PCs looked like a stuck agent, and the re-plan, blaming no
+# one, ran the same prefill again until --max-failovers gave up.
+
+def step_of(tokens: int, micro_batch_id: int = 0) -> Forward:
+    return Forward(micro_batch_id, 0, (0,), (AppendSlots(tokens, (tokens,), (0,)),), np.zeros(1, np.int64),
+                   np.arange(tokens, dtype=np.int64)[None, :], np.ones((1, tokens), np.int64), None, None)
+
+
+def test_a_step_of_many_tokens_is_given_time_for_them_and_a_decode_step_is_not(
+        scripted_chain: Callable[[Reply], FleetPipeline], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fleet_pipeline, "STEP_TIMEOUT_S_PER_TOKEN", 0.05, raising=False)
+
+    async def slow_reply(link: Link, message: Forward) -> None:  # every step takes 1 s, whatever its size
+        await asyncio.sleep(1.0)
+        await link.send(ForwardResult(message.micro_batch_id, message.step_id, (1,), None, None))
+
+    chain = scripted_chain(slow_reply)
+    chain.step_timeout_s = 0.3
+    chain.submit(step_of(40))  # a prompt of 40 tokens: 0.3 + 40 x 0.05 = 2.3 s
+    assert chain.collect().micro_batch_id == 0
+    chain.submit(step_of(1, micro_batch_id=1))  # one token: 0.35 s
+    with pytest.raises(ChainError, match="no result within 0 s"):
         chain.collect()
