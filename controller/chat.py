@@ -197,6 +197,8 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
             printer = TextPrinter(tokenizer, out)
             interrupted = False
             try:
+                if failover is not None:
+                    failover.start_run()
                 engine.run(on_token=printer.push, recover=failover)
             except KeyboardInterrupt:  # Ctrl-C stops this reply (the engine freed its micro-batches), not the chat
                 interrupted = True

@@ -53,6 +53,7 @@ class FleetFailover:
     notify: Callable[[str], None] = log.warning  # told what broke and where the run goes on
     lost: set[str] = field(default_factory=set)  # agent ids that failed in this run
     chains: list[FleetPipeline] = field(default_factory=list)
+    run_start: int = 0  # how many of `chains` came before this run (a chat's reply): the budget is per run
     replans: list[dict[str, object]] = field(default_factory=list)  # what broke, and the chain made after it
 
     def __call__(self, error: ChainBroken) -> FleetPipeline:
@@ -61,8 +62,9 @@ class FleetFailover:
         agent_id = error.agent_id if isinstance(error, ChainError) else None
         if agent_id is not None:
             self.lost.add(agent_id)
-        if len(self.chains) >= self.max_failovers:
-            raise FailoverError(f"{error} (gave up: {len(self.chains)} re-plan(s) already in this run, "
+        replans = len(self.chains) - self.run_start
+        if replans >= self.max_failovers:
+            raise FailoverError(f"{error} (gave up: {replans} re-plan(s) already in this run, "
                                 f"--max-failovers {self.max_failovers})") from error
         started = time.perf_counter()
         try:
@@ -78,6 +80,14 @@ class FleetFailover:
         self.notify(f"the chain broke ({error}); re-planned in {seconds:.1f} s over {chain.num_stages} agent(s): "
                     f"{chain.describe()}")
         return chain
+
+    def start_run(self) -> None:
+        """A new run on the same chain (a chat's next reply): it gets the whole --max-failovers budget again, and
+        the PCs that failed before it may serve again (a re-plan surveys them anew: one still gone stays out).
+        Without this, a chat that outlived two dropped PCs in a day ended at the third, and a PC lost in its first
+        reply was never used again however long it had been back."""
+        self.run_start = len(self.chains)
+        self.lost.clear()
 
     def close(self) -> None:
         for chain in self.chains:

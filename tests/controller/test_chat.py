@@ -6,7 +6,7 @@ import io
 import math
 import random
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -85,22 +85,31 @@ def test_a_chat_whose_chain_breaks_resumes_and_keeps_the_new_chain(tmp_path: Pat
     run_chat(ChatOptions(model=model, max_new_tokens=10, settings=settings), io.StringIO(turns), plain)
 
     recovered: list[ChainBroken] = []
+    runs_started = [0]
+
+    class Failover:
+        def __init__(self, second: LocalPipeline) -> None:
+            self.second = second
+
+        def __call__(self, error: ChainBroken) -> BreakingChain:
+            recovered.append(error)
+            return BreakingChain(self.second, None)
+
+        def start_run(self) -> None:  # each reply gets the whole --max-failovers budget
+            runs_started[0] += 1
 
     @contextmanager
     def breaking_chain(options: ChatOptions, chain_settings: CompileSettings
-                       ) -> Iterator[tuple[BreakingChain, Callable[[ChainBroken], BreakingChain]]]:
+                       ) -> Iterator[tuple[BreakingChain, Failover]]:
         with LocalPipeline(model, 2, settings) as first, LocalPipeline(model, 1, settings) as second:
-            def recover(error: ChainBroken) -> BreakingChain:
-                recovered.append(error)
-                return BreakingChain(second, None)
-
-            yield BreakingChain(first, 4), recover
+            yield BreakingChain(first, 4), Failover(second)
 
     monkeypatch.setattr(chat, "_open_chain", breaking_chain)
     out = io.StringIO()
     assert run_chat(ChatOptions(model=model, max_new_tokens=10, settings=settings), io.StringIO(turns), out) == 2
     assert out.getvalue() == plain.getvalue()
     assert len(recovered) == 1  # the second turn ran on the new chain, not the broken one
+    assert runs_started == [2]
 
 
 def _chat_model(tmp_path: Path, tiny_export: Path) -> Path:

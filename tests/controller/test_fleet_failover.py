@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from deskfleet.agent.link import utc_now
 from deskfleet.common.planner import PlanPolicy
 from deskfleet.common.wire import Precision
+from deskfleet.controller import fleet_failover
 from deskfleet.controller.chat import add_fleet_option
 from deskfleet.controller.fleet_ca import init_fleet
 from deskfleet.controller.fleet_deploy import DeployError, DeploySettings, load_deploy_settings, model_id_of
@@ -60,3 +62,35 @@ def test_max_failovers_must_be_a_count() -> None:
     for bad in ("-1", "two"):
         with pytest.raises(argparse.ArgumentError, match="max-failovers"):
             parser.parse_args(["--max-failovers", bad])
+
+
+def test_each_run_of_a_chat_gets_the_whole_budget_and_may_use_a_pc_lost_before(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A chat is one FleetFailover for many replies: it counted every re-plan of the day against --max-failovers
+    # and never used again a PC lost in its first reply.
+    excluded: list[set[str]] = []
+
+    class NewChain:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            self.num_stages, self.stages = 1, ()
+
+        def describe(self) -> str:
+            return "a new chain"
+
+        def close(self) -> None:
+            pass
+
+    async def redeploy() -> SimpleNamespace:
+        excluded.append(set(failover.lost))
+        return SimpleNamespace(stages=(), model_id="m")
+
+    monkeypatch.setattr(fleet_failover, "FleetPipeline", NewChain)
+    failover = FleetFailover(store, tiny_export, max_failovers=1, notify=lambda text: None)
+    monkeypatch.setattr(failover, "_redeploy", redeploy)
+    failover(ChainError("agent a: the link closed", "a" * 52))
+    with pytest.raises(FailoverError, match=r"gave up: 1 re-plan\(s\) already in this run"):
+        failover(ChainError("agent b: the link closed", "b" * 52))
+    failover.start_run()  # the chat's next reply
+    failover(ChainError("agent c: the link closed", "c" * 52))
+    assert excluded == [{"a" * 52}, {"c" * 52}]
+    assert len(failover.chains) == 2
