@@ -72,7 +72,8 @@ class FleetFailover:
             chain = FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store),
                                   model_id=report.model_id)
         except (DeployError, ChainError) as failure:
-            raise FailoverError(f"{error}; no new chain without the lost agent(s): {failure}") from error
+            raise FailoverError(f"{error}; no new chain without the lost agent(s): {failure} (what to do: bring the "
+                                "lost PC back, or join more PCs, then run this again)") from error
         self.chains.append(chain)
         stages = [[stage.agent_id, stage.layer_start, stage.layer_end] for stage in chain.stages]
         seconds = round(time.perf_counter() - started, 3)
