@@ -270,8 +270,10 @@ class AgentCore:
                 return await self._assign(message)
             finally:
                 self.cache.unpin(_deploy_pin(link))  # the stage pins its own files now, or failed
+                await self.close_unused_next_hops()  # a re-plan may have given this stage another next hop
         if isinstance(message, ReleaseStage):
             self._release(message.stage)
+            await self.close_unused_next_hops()
             return None
         if isinstance(message, Error):
             log.warning("%s reported %s: %s", link.describe(), message.code.value, message.message)
@@ -327,7 +329,25 @@ class AgentCore:
         self._released_because = because
         self._note_error(f"gave up {len(released)} stage(s) ({', '.join(_stage_key(ref) for ref in released)}): "
                          f"{because}")
+        await self.close_unused_next_hops()
         return released
+
+    async def close_unused_next_hops(self) -> list[str]:
+        """Close the links to next hops that no hosted stage sends to any more (its stage was released, given
+        up, or re-planned onto another next hop); returns their agent ids. They stayed open, with their pings
+        every few seconds on both PCs, for as long as both agents ran: one for every agent this PC ever fed."""
+        wanted = {hosted.assignment.next_hop.agent_id for hosted in self.stages.values()
+                  if hosted.assignment.next_hop is not None}
+        unused = [agent_id for agent_id in self._next_hops if agent_id not in wanted]
+        for agent_id in unused:
+            link = self._next_hops.pop(agent_id)
+            try:
+                await link.close()
+            except Exception as error:  # a link that is gone already closes nothing
+                log.debug("closing the link to former next hop %s: %s", agent_id[:12], error)
+        if unused:
+            log.debug("closed the links to %d former next hop(s)", len(unused))
+        return unused
 
     async def release_idle_micro_batches(self, max_idle_s: float = MICRO_BATCH_IDLE_S) -> int:
         """Free the KV state of micro-batches idle for `max_idle_s` on every hosted stage; returns how many.

@@ -231,7 +231,11 @@ class AgentService:
         return notices
 
     async def _sweep_idle_forever(self) -> None:
-        await _periodically(lambda: IDLE_SWEEP_S, "free idle micro-batches", self.core.release_idle_micro_batches)
+        async def sweep() -> None:
+            await self.core.release_idle_micro_batches()
+            await self.core.close_unused_next_hops()  # one a step re-opened while its stage was being released
+
+        await _periodically(lambda: IDLE_SWEEP_S, "free idle micro-batches", sweep)
 
     async def _enforce_limits_forever(self) -> None:
         """Give the stages up when the PC has been on battery or too hot for too long (AgentCore.enforce_limits);
