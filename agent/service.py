@@ -94,6 +94,10 @@ class AgentService:
         host, port = parse_address(self.listen)
         with self._data_dir_lock():
             try:
+                self.core.cache.tidy()  # a lowered cache limit, and views of the last run's stages
+            except OSError as error:  # the cache is tidied again by the next deploy's eviction
+                log.warning("cannot tidy the shard cache %s: %s", self.core.cache.root, error)
+            try:
                 server = await start_server(self.core.serve_link, host, port, self.files,
                                             revocations=self.core.revocations)
             except OSError as error:

@@ -347,6 +347,28 @@ class ShardCache:
         with self._lock:
             shutil.rmtree(self._views / view_name, ignore_errors=True)
 
+    def tidy(self) -> list[str]:
+        """For an agent that starts, holding no stage yet: remove every view folder (a previous run's stages,
+        which this run does not hold; an assignment builds its view again) and evict least recently used
+        shards down to the limit (an admin may have lowered it; eviction otherwise runs only to make room for a
+        shard received, which a PC the plans leave out never is). Returns the shards evicted. Call it with the
+        data dir's lock held: another agent's hosted stages would lose their files."""
+        with self._lock:
+            for view in list(self._views.iterdir()):
+                if view.name in self._building:
+                    continue
+                if view.is_dir() and not view.is_symlink():
+                    shutil.rmtree(view, ignore_errors=True)
+                else:
+                    view.unlink(missing_ok=True)
+            used = self._usage().used_bytes
+            if used <= self.limit_bytes:
+                return []
+            evicted = self._evict(self.limit_bytes)
+            logger.info("the shard cache held %d bytes, over its limit of %d: evicted %d shard(s)", used,
+                        self.limit_bytes, len(evicted))
+            return evicted
+
     def evict(self, target_bytes: int) -> list[str]:
         """Evict LRU unpinned shards until usage <= target_bytes (or nothing evictable is left).
 
