@@ -50,7 +50,12 @@ from deskfleet.agent.status import make_status
 from deskfleet.common import pki
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.atomic_file import write_atomic
-from deskfleet.common.availability import AvailabilityPolicy, StageReleaseWatch, decide_availability
+from deskfleet.common.availability import (
+    AvailabilityPolicy,
+    MonitorReading,
+    StageReleaseWatch,
+    decide_availability,
+)
 from deskfleet.common.json_file import JsonFileError, read_json_object
 from deskfleet.common.kv_ledger import Compact, LedgerError
 from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, ManifestError
@@ -151,6 +156,7 @@ class AgentCore:
         self._assign_lock = asyncio.Lock()
         self._shard_writers: dict[str, Link] = {}  # shard being received -> the link sending it
         self._release_watch = StageReleaseWatch()
+        self._monitor_lock = asyncio.Lock()  # the monitor is read from one thread at a time (agent/monitor.py)
         self._opt_out = OptOutReader(opt_out_dir)  # the employee's pause (agent/opt_out.py); None: never paused
         self._released_because: str | None = None  # why the stages were given up, until the next assignment
         self._refusals_logged: set[tuple[str, str]] = set()  # (peer, what) refused and logged since the last assign
@@ -281,7 +287,7 @@ class AgentCore:
         raise CommandError(ErrorCode.BAD_MESSAGE, f"an agent does not act on {type(message).__name__}")
 
     async def status(self) -> StatusReport:
-        reading = await asyncio.to_thread(self.monitor.read)
+        reading = await self._read_monitor()
         snapshot = make_status(reading, self.policy(), tuple(self.stages), self.cache.usage(),
                                self.last_error, time.time())
         if self._speed is None and self._speed_probe is not None:
@@ -292,6 +298,14 @@ class AgentCore:
                 self._note_error(f"speed probe failed: {error}")
         speed = self._speed.weight_gb_per_s if self._speed is not None else None
         return replace(snapshot.to_wire(), weight_gb_per_s=speed)
+
+    async def _read_monitor(self) -> MonitorReading:
+        """One monitor reading, in a worker thread, one at a time: a status request that came while the limits
+        check read (the mDNS refresh, a survey) read it in a second thread at once, against the monitor's
+        contract (its GPU samplers keep the last reading to make a rate; a Windows PDH query is not shared
+        between threads)."""
+        async with self._monitor_lock:
+            return await asyncio.to_thread(self.monitor.read)
 
     def policy(self) -> AvailabilityPolicy:
         """The admin's settings, paused also where the employee paused this PC (`deskfleet-agent pause`)."""
@@ -311,7 +325,7 @@ class AgentCore:
         policy = self.policy()
         if policy.paused:  # the PC's user wants it back: at once, not after release_stages_after_s
             return await self._give_up_stages(f"paused {self._paused_by()}")
-        reading = await asyncio.to_thread(self.monitor.read)
+        reading = await self._read_monitor()
         availability = decide_availability(reading, policy, serving=bool(self.stages))
         because = self._release_watch.update(availability, policy, bool(self.stages),
                                              time.monotonic() if now is None else now)
@@ -509,7 +523,7 @@ class AgentCore:
         policy = self.policy()
         if policy.paused:
             return True
-        reading = await asyncio.to_thread(self.monitor.read)
+        reading = await self._read_monitor()
         return decide_availability(reading, policy, serving=False).state is AgentState.UNAVAILABLE
 
     def _paused_by(self) -> str:
