@@ -85,6 +85,7 @@ class Thresholds:
     max_temperature_c: float | None = 90.0
     min_free_memory_bytes: int | None = 2 * GIB
     max_cpu_load: float | None = None
+    max_igpu_busy: float | None = None  # see AvailabilityPolicy: it counts a GPU stage of this PC too
     release_stages_after_s: float | None = 30.0  # on battery or too hot this long while serving: stages given up
 
 

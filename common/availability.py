@@ -58,6 +58,9 @@ class AvailabilityPolicy:
     max_temperature_c: float | None = 90.0  # hottest sensor above this -> unavailable
     min_free_memory_bytes: int | None = 2 * GIB  # less free memory than this -> unavailable
     max_cpu_load: float | None = None  # the employee's own work above this -> unavailable (user busy)
+    # the iGPU's busiest engine above this -> unavailable (user busy: a game, a render, a video call's effects);
+    # it counts a stage of this PC that runs on the GPU too, so it suits PCs whose stages run on the CPU or NPU
+    max_igpu_busy: float | None = None
     # on battery or too hot this long while serving -> the agent gives its stages up; None: it keeps them
     release_stages_after_s: float | None = 30.0
     paused: bool = False  # out of the fleet: the admin's settings, or its user's `deskfleet-agent pause`
@@ -70,6 +73,8 @@ class AvailabilityPolicy:
             raise ValueError(f"max_temperature_c must be within [{low_c:g}, {high_c:g}], got {self.max_temperature_c}")
         if self.max_cpu_load is not None and not 0.0 < self.max_cpu_load <= 1.0:
             raise ValueError(f"max_cpu_load must be within (0, 1], got {self.max_cpu_load}")
+        if self.max_igpu_busy is not None and not 0.0 < self.max_igpu_busy <= 1.0:
+            raise ValueError(f"max_igpu_busy must be within (0, 1], got {self.max_igpu_busy}")
         if self.min_free_memory_bytes is not None and self.min_free_memory_bytes < 0:
             raise ValueError(f"min_free_memory_bytes must be >= 0, got {self.min_free_memory_bytes}")
         release = self.release_stages_after_s
@@ -112,8 +117,14 @@ def decide_availability(reading: MonitorReading, policy: AvailabilityPolicy, ser
             and reading.memory_free_bytes < policy.min_free_memory_bytes):
         found.append((UnavailableReason.LOW_MEMORY,
                       f"{reading.memory_free_bytes / GIB:.1f} GiB free of {reading.memory_total_bytes / GIB:.1f}"))
+    busy = []  # one USER_BUSY reason, however many of the employee's processors are busy
     if policy.max_cpu_load is not None and reading.cpu_load > policy.max_cpu_load:
-        found.append((UnavailableReason.USER_BUSY, f"CPU {reading.cpu_load:.0%} busy"))
+        busy.append(f"CPU {reading.cpu_load:.0%} busy")
+    if (policy.max_igpu_busy is not None and reading.igpu_busy is not None
+            and reading.igpu_busy > policy.max_igpu_busy):
+        busy.append(f"iGPU {reading.igpu_busy:.0%} busy")
+    if busy:
+        found.append((UnavailableReason.USER_BUSY, ", ".join(busy)))
     reasons = tuple(reason for reason, _ in found)
     detail = "; ".join(text for _, text in found)
     if policy.paused:

@@ -11,6 +11,7 @@ from deskfleet.agent.paths import AgentSettings, SettingsError
     ('{"thresholds": {"max_temperature_c": -300}}', "thresholds.max_temperature_c must be within"),
     ('{"thresholds": {"min_battery_percent": 150}}', "thresholds.min_battery_percent must be within"),
     ('{"thresholds": {"max_cpu_load": 2}}', "thresholds.max_cpu_load must be within"),
+    ('{"thresholds": {"max_igpu_busy": 2}}', "thresholds.max_igpu_busy must be within"),
     ('{"thresholds": {"min_free_memory_bytes": -1}}', "thresholds.min_free_memory_bytes must be >= 0"),
     ('{"thresholds": {"release_stages_after_s": 7200}}', "thresholds.release_stages_after_s must be within"),
 ])

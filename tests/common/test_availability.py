@@ -71,6 +71,19 @@ def test_low_memory_and_user_busy_and_all_reasons_in_fixed_order() -> None:
     assert result.detail.count(";") == 3
 
 
+def test_a_busy_igpu_is_the_user_busy_when_its_limit_is_set_and_never_when_unknown() -> None:
+    policy = AvailabilityPolicy(max_igpu_busy=0.5)
+    busy = decide_availability(reading(igpu_busy=0.85), policy, serving=False)
+    assert (busy.state, busy.reasons, busy.detail) == (AgentState.UNAVAILABLE, (UnavailableReason.USER_BUSY,),
+                                                       "iGPU 85% busy")
+    assert decide_availability(reading(igpu_busy=0.3), policy, False).state is AgentState.AVAILABLE
+    assert decide_availability(reading(igpu_busy=None), policy, False).state is AgentState.AVAILABLE
+    assert decide_availability(reading(igpu_busy=1.0), AvailabilityPolicy(), False).state is AgentState.AVAILABLE
+    both = decide_availability(reading(igpu_busy=0.9, cpu_load=0.95), AvailabilityPolicy(max_cpu_load=0.8,
+                                                                                          max_igpu_busy=0.5), False)
+    assert both.reasons == (UnavailableReason.USER_BUSY,) and both.detail == "CPU 95% busy, iGPU 90% busy"
+
+
 def test_paused_wins_and_still_lists_reasons() -> None:
     result = decide_availability(reading(memory_free_bytes=0), AvailabilityPolicy(paused=True), serving=True)
     assert result.state is AgentState.PAUSED
@@ -90,7 +103,8 @@ def test_disabled_thresholds_are_not_checked() -> None:
                                  dict(max_cpu_load=float("nan")), dict(max_temperature_c=float("nan")),
                                  dict(max_temperature_c=float("inf")), dict(max_temperature_c=-300.0),
                                  dict(max_temperature_c=1000.0), dict(release_stages_after_s=-1.0),
-                                 dict(release_stages_after_s=float("nan")), dict(release_stages_after_s=1e9)])
+                                 dict(release_stages_after_s=float("nan")), dict(release_stages_after_s=1e9),
+                                 dict(max_igpu_busy=0.0), dict(max_igpu_busy=1.5), dict(max_igpu_busy=float("nan"))])
 def test_policy_rejects_out_of_range_limits(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         AvailabilityPolicy(**bad)  # type: ignore[arg-type]
