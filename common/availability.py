@@ -20,6 +20,7 @@ MAX_RELEASE_AFTER_S = 3600.0
 # (StageReleaseWatch). Low memory and a busy CPU are left to the planner: a stage's own memory and its own
 # inference would cross them, and giving the stage up would only bring it back at the next plan.
 RELEASE_REASONS = (UnavailableReason.ON_BATTERY, UnavailableReason.TOO_HOT)
+CLEAR_ENDS_SPELL_S = 10.0  # that long within the limits ends a spell of crossing them (StageReleaseWatch)
 
 
 @dataclass(frozen=True)
@@ -135,24 +136,36 @@ def decide_availability(reading: MonitorReading, policy: AvailabilityPolicy, ser
 
 
 class StageReleaseWatch:
-    """When a serving agent gives its stages up: one of RELEASE_REASONS (on battery, too hot) held in every
-    reading for `release_stages_after_s`. A moment unplugged or a short spike of heat does not; the clock
-    starts again once a reading is clear. Pure: the caller passes each reading's decision and the time."""
+    """When a serving agent gives its stages up: one of RELEASE_REASONS (on battery, too hot) crossed for a
+    spell of `release_stages_after_s`. A moment unplugged or a short spike of heat does not; the clock starts
+    again once the readings have been clear for CLEAR_ENDS_SPELL_S. Pure: the caller passes each reading's
+    decision and the time."""
 
     def __init__(self) -> None:
         self._since: float | None = None  # when the limit was first seen crossed, in this spell
+        self._clear_since: float | None = None  # the first clear reading since the last crossed one
 
     def reset(self) -> None:
         """Forget a spell under way (the agent holds nothing to give up)."""
-        self._since = None
+        self._since = self._clear_since = None
 
     def update(self, availability: Availability, policy: AvailabilityPolicy, serving: bool, now: float) -> str | None:
-        """The reason to release the stages now (the numbers and for how long), else None."""
+        """The reason to release the stages now (the numbers and for how long), else None.
+
+        A spell ends once the limit has been clear for CLEAR_ENDS_SPELL_S: a single clear reading among hot
+        ones (a sensor that dips below the limit one check in seven) kept restarting the clock, and such a PC
+        never gave its stages up."""
         crossed = serving and policy.release_stages_after_s is not None and any(
             reason in RELEASE_REASONS for reason in availability.reasons)
         if not crossed:
-            self._since = None
+            if self._clear_since is None:
+                self._clear_since = now
+            if now - self._clear_since >= CLEAR_ENDS_SPELL_S or not serving:
+                self._since = None
             return None
+        if self._clear_since is not None and now - self._clear_since >= CLEAR_ENDS_SPELL_S:
+            self._since = None  # clear long enough since the last crossed reading (readings came sparsely)
+        self._clear_since = None
         if self._since is None:
             self._since = now
         held = now - self._since

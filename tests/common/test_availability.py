@@ -147,11 +147,26 @@ def test_stages_are_given_up_only_after_the_pc_stayed_on_battery_or_hot_for_the_
     hot = reading(temperatures=(TemperatureReading("coretemp/Package id 0", 97.0),))
     assert _watch([(0, plugged), (5, unplugged), (20, unplugged), (34, unplugged), (35, unplugged)], policy) == [
         None, None, None, None, "battery 41%, unplugged for 30 s"]
-    # plugged back in a moment: the clock starts again
-    assert _watch([(0, unplugged), (20, plugged), (25, unplugged), (50, unplugged), (55, unplugged)], policy) == [
-        None, None, None, None, "battery 41%, unplugged for 30 s"]
+    # plugged back in for a while (CLEAR_ENDS_SPELL_S): the clock starts again
+    assert _watch([(0, unplugged), (20, plugged), (32, plugged), (35, unplugged), (60, unplugged),
+                   (65, unplugged)], policy) == [None, None, None, None, None, "battery 41%, unplugged for 30 s"]
+    # plugged in for a moment only: the same spell goes on
+    assert _watch([(0, unplugged), (20, plugged), (25, unplugged), (30, unplugged)], policy) == [
+        None, None, None, "battery 41%, unplugged for 30 s"]
     assert _watch([(0, hot), (31, hot)], policy)[-1] == "coretemp/Package id 0 97 °C for 31 s"
     assert _watch([(0, unplugged), (0, unplugged)], AvailabilityPolicy(release_stages_after_s=0.0))[0] is not None
+
+
+def test_a_sensor_that_dips_below_the_limit_now_and_then_does_not_keep_the_stages_on_a_hot_pc() -> None:
+    # hot in six checks of every seven (2 s apart): the one clear reading restarted the clock, for ever
+    policy = AvailabilityPolicy(release_stages_after_s=30.0)
+    hot, cool = reading(temperatures=(TemperatureReading("cpu", 97.0),)), reading()
+    checks = [(float(t), cool if t % 14 == 12 else hot) for t in range(0, 60, 2)]
+    released = [t for (t, _), said in zip(checks, _watch(checks, policy), strict=True) if said is not None]
+    assert released and released[0] == 30.0
+    # readings far apart: a clear one, then a crossed one long after it, starts a new spell
+    assert _watch([(0, hot), (25, cool), (40, hot), (60, hot), (70, hot)], policy) == [None, None, None, None,
+                                                                                     "cpu 97 °C for 30 s"]
 
 
 def test_memory_cpu_load_an_idle_agent_or_no_release_time_never_give_stages_up() -> None:
