@@ -105,6 +105,7 @@ class AgentService:
                               f"{self.paths.settings_file}): {error.strerror or error}") from None
             self.bound_port = server.sockets[0].getsockname()[1] if server.sockets else port
             log.info("agent %s listening on %s:%d", self.core.agent_id[:12], host, self.bound_port)
+            self._log_pause()
             self._install_signal_handlers()
             self.check_certificates(utc_now())
             try:
@@ -133,6 +134,16 @@ class AgentService:
             log.log(logging.ERROR if expired else logging.WARNING, "%s", text)
 
     # Private methods
+
+    def _log_pause(self) -> None:
+        """Say so in the log when this PC starts paused: it is never planned, and nothing else would tell an
+        admin reading the log why."""
+        if self.core.settings.paused:
+            log.info("this PC is paused by its settings (paused: true in %s): it serves no model",
+                     self.paths.settings_file)
+        elif self.core.policy().paused:
+            log.info("this PC is paused by its user (deskfleet-agent pause): it serves no model until "
+                     "`deskfleet-agent resume`")
 
     def _install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
