@@ -275,12 +275,25 @@ def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        # trust_remote_code=False, not transformers' default None: with None, a tokenizer_config.json whose
+        # auto_map names a .py file of the folder makes transformers ask on the terminal whether to run it,
+        # and a "y" (typed, or waiting on a piped stdin) runs the checkpoint's code in this process.
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     except Exception as error:  # OSError, ValueError, and tokenizers' bare Exception for a corrupt file
-        raise ExportError(f"cannot load the tokenizer of {model_dir}: {error}") from error
+        if "trust_remote_code" in str(error):
+            raise ExportError(
+                f"the tokenizer of {model_dir} is custom code (tokenizer_config.json's auto_map names a Python file "
+                "of the folder): deskfleet runs no code from a checkpoint; export a checkpoint whose tokenizer is a "
+                "standard one with a tokenizer.json") from None
+        raise ExportError(f"cannot load the tokenizer of {model_dir}: {_one_line(error)}") from error
     if not tokenizer.is_fast:
         raise ExportError(f"the tokenizer of {model_dir} has no fast (tokenizer.json) form")
     return tokenizer
+
+
+def _one_line(error: BaseException) -> str:
+    """An error's message on one line (transformers' span several, with blank ones between)."""
+    return " ".join(str(error).split())
 
 
 def _save_tokenizer(model_dir: Path, tokenizer: PreTrainedTokenizerBase, staging: Path) -> tuple[str, ...]:

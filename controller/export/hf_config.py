@@ -62,7 +62,8 @@ def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> C
             f"config field quantization_config (quant_method={method!r}): the checkpoint's weights are already "
             "quantized; export from the unquantized (f16/bf16/f32) checkpoint, deskfleet compresses it itself")
     try:
-        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        # never the checkpoint's own code (an auto_map in config.json), nor transformers' prompt asking to run it
+        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     except Exception as error:  # transformers' own checks raise many types (ValueError, KeyError, strict dataclasses)
         raise UnsupportedModelError(f"{config_path} is refused by transformers: {error}") from None
 

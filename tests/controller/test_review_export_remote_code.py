@@ -1,0 +1,44 @@
+"""A checkpoint folder may hold Python files that its tokenizer_config.json (auto_map) names as its tokenizer.
+transformers asks on the terminal whether to run them when its trust_remote_code is left unset, so a "y" on
+standard input ran the checkpoint's code inside `deskfleet export`; the export refuses such a tokenizer instead."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from deskfleet.common.model_spec import WeightFormat
+from deskfleet.controller.export.exporter import ExportError, export_checkpoint
+
+
+def with_custom_tokenizer_code(source: Path, tmp_path: Path, marker: Path) -> Path:
+    checkpoint = tmp_path / "custom-code"
+    shutil.copytree(source, checkpoint)
+    (checkpoint / "tokenization_custom.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class CustomTokenizer(PreTrainedTokenizerFast):\n    pass\n", encoding="utf-8")
+    config_path = checkpoint / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "CustomTokenizer"
+    config["auto_map"] = {"AutoTokenizer": [None, "tokenization_custom.CustomTokenizer"]}
+    config_path.write_text(json.dumps(config), encoding="utf-8")
+    return checkpoint
+
+
+def test_a_tokenizer_that_is_custom_code_is_refused_and_never_run(
+        checkpoint_factory: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = tmp_path / "ran.txt"
+    checkpoint = with_custom_tokenizer_code(checkpoint_factory("review-remote-code", num_hidden_layers=1), tmp_path,
+                                            marker)
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))  # the answer transformers' prompt would read
+    with pytest.raises(ExportError, match="auto_map") as caught:
+        export_checkpoint(checkpoint, tmp_path / "export", WeightFormat.F32)
+    assert not marker.exists(), "the checkpoint's code ran"
+    assert "\n" not in str(caught.value) and "trust_remote_code" not in str(caught.value)
+    assert not (tmp_path / "export").exists()
