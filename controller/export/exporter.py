@@ -297,6 +297,14 @@ def _one_line(error: BaseException) -> str:
 
 
 def _save_tokenizer(model_dir: Path, tokenizer: PreTrainedTokenizerBase, staging: Path) -> tuple[str, ...]:
+    templates = tokenizer.chat_template
+    if isinstance(templates, dict):
+        # Named templates (a list in tokenizer_config.json, or additional_chat_templates/*.jinja): transformers
+        # saves all but "default" into a subfolder, which no export holds (every file is listed and hashed).
+        # Chat renders only the default, so only it is kept, as chat_template.jinja.
+        log.info("the tokenizer of %s has named chat templates (%s): the export keeps only \"default\"",
+                 model_dir, ", ".join(map(str, templates)))
+        tokenizer.chat_template = templates.get("default")
     before = {path.name for path in staging.iterdir()}
     tokenizer.save_pretrained(staging)
     written = sorted({path.name for path in staging.iterdir()} - before)
