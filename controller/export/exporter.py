@@ -101,7 +101,10 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
         with held(staging):
             try:
                 manifest = _export_into(model_dir, staging, config, weight_format, tokenizer, report)
-                flush_to_disk(staging)
+                try:
+                    flush_to_disk(staging)
+                except OSError as error:  # ENOSPC or EIO from a data write the file system had put off
+                    raise _write_error("the files", staging, error) from error
                 move_into_place(model_dir, staging, out_dir, overwrite)
             except FinishedExportKept:
                 raise  # hours of work, named in the message: the user may still move it into place
@@ -176,7 +179,10 @@ def _export_into(model_dir: Path, staging: Path, config: CheckpointConfig, weigh
         embed_bytes=files[f"{Manifest.EMBED_IR}.bin"].size,
         head_bytes=files[f"{Manifest.HEAD_IR}.bin"].size,
     )
-    (staging / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
+    try:
+        (staging / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
+    except OSError as error:
+        raise _write_error(MANIFEST_NAME, staging, error) from error
     return manifest
 
 
@@ -225,13 +231,18 @@ def _write_ir(model: ov.Model, path: Path, compress_to_fp16: bool) -> None:
     try:
         ov.save_model(model, path, compress_to_fp16=compress_to_fp16)
     except RuntimeError as error:
-        try:
-            free = f"{shutil.disk_usage(path.parent).free / 1e6:.1f} MB"
-        except OSError:
-            free = "an unknown amount"
-        # path.parent is the staging folder, removed by the time the message is read: name the folder it is in
-        raise ExportError(f"cannot write {path.stem}.xml/.bin of the export: {error} ({free} free in "
-                          f"{path.parent.parent}; is the disk full?)") from error
+        raise _write_error(f"{path.stem}.xml/.bin", path.parent, error) from error
+
+
+def _write_error(what: str, staging: Path, error: BaseException) -> ExportError:
+    """The error for a file of the export that could not be written: which, why, and the room left."""
+    try:
+        free = f"{shutil.disk_usage(staging).free / 1e6:.1f} MB"
+    except OSError:
+        free = "an unknown amount"
+    # the staging folder is removed by the time the message is read: name the folder it is in
+    return ExportError(f"cannot write {what} of the export: {_one_line(error)} ({free} free in {staging.parent}; "
+                       "is the disk full?)")
 
 
 def _compress_int4(model: ov.Model, is_decoder_layer: bool) -> ov.Model:
@@ -306,12 +317,18 @@ def _save_tokenizer(model_dir: Path, tokenizer: PreTrainedTokenizerBase, staging
                  model_dir, ", ".join(map(str, templates)))
         tokenizer.chat_template = templates.get("default")
     before = {path.name for path in staging.iterdir()}
-    tokenizer.save_pretrained(staging)
+    try:
+        tokenizer.save_pretrained(staging)
+    except Exception as error:  # OSError, and tokenizers' bare Exception ("No space left on device (os error 28)")
+        raise _write_error("the tokenizer files", staging, error) from error
     written = sorted({path.name for path in staging.iterdir()} - before)
     if "tokenizer.json" not in written:
         raise ExportError(f"the tokenizer of {model_dir} has no fast (tokenizer.json) form")
     for name in ("generation_config.json", "config.json"):
         if (model_dir / name).is_file():
-            shutil.copyfile(model_dir / name, staging / name)
+            try:
+                shutil.copyfile(model_dir / name, staging / name)
+            except OSError as error:
+                raise _write_error(name, staging, error) from error
             written.append(name)
     return tuple(sorted(written))
