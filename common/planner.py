@@ -14,6 +14,8 @@ rest by speed, within `max_reordered_splits`.
 A unit's work is its weight bytes (decoding reads every weight once) unless the caller knows better: the
 head's `head_work` (controller/fleet_deploy.py prices it by parameters on a CPU, where unpacking INT4
 weights, not reading them, sets the pace; see `footprint_of`). The embed is a lookup: no work.
+A stage's memory is its weights times the model's `resident_factor` (on the CPU plugin a compiled stage
+holds the IR it read and the plugin's repacked copy: 2x), its KV cache and the runtime overhead.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class ModelFootprint:
     """Bytes a model needs, per export unit. `layer_bytes[i]` is decoder layer i's weights.
 
     head_work: the head's decode work per token in the layers' unit (their bytes); None: its bytes.
+    resident_factor: the memory a loaded stage holds per byte of its weight files (see footprint_of).
     """
 
     name: str
@@ -46,10 +49,13 @@ class ModelFootprint:
     kv_bytes_per_token_per_layer: int
     context: int
     head_work: float | None = None
+    resident_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.head_work is not None and not 0 <= self.head_work < math.inf:
             raise ValueError(f"head_work must be 0 or more and finite, got {self.head_work}")
+        if not 1.0 <= self.resident_factor < math.inf:
+            raise ValueError(f"resident_factor must be 1 or more and finite, got {self.resident_factor}")
         if not self.layer_bytes:
             raise ValueError("the model has no decoder layers")
         sizes = {"layer bytes": min(self.layer_bytes), "embed bytes": self.embed_bytes,
@@ -78,6 +84,10 @@ class ModelFootprint:
 
     def kv_bytes_per_layer(self, streams: int) -> int:
         return self.kv_bytes_per_token_per_layer * self.context * streams
+
+    def resident(self, weight_bytes: int) -> int:
+        """The memory `weight_bytes` of weight files take once a stage holding them is loaded."""
+        return math.ceil(weight_bytes * self.resident_factor)
 
 
 @dataclass(frozen=True)
@@ -143,9 +153,9 @@ class Stage:
     stop_layer: int
     has_embed: bool
     has_head: bool
-    weight_bytes: int
+    weight_bytes: int  # of its weight files (what a deploy sends)
     kv_bytes: int
-    memory_bytes: int  # weights + KV + runtime overhead
+    memory_bytes: int  # weights as held (x the model's resident_factor) + KV + runtime overhead
     usable_bytes: int  # the agent's free memory less its safety margin
     relative_time: float  # decode work per token / speed: the slowest stage sets the pace
     hostname: str = ""  # the agent's, where known
@@ -196,7 +206,7 @@ def plan(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandid
     eligible: list[AgentCandidate] = []
     smallest = _smallest_stage_bytes(model, options)
     for agent in agents:
-        excluded = _screen(agent, options, smallest)
+        excluded = _screen(agent, options, smallest, model.resident_factor)
         if excluded is None:
             eligible.append(agent)
         else:
@@ -228,6 +238,9 @@ def render_plan(result: Plan) -> str:
              f"context {model.context} (policy: {result.policy.value.replace('_', ' ')})"]
     if result.feasible:
         lines.append(f"{len(result.stages)} stage(s):")
+        if model.resident_factor != 1.0:
+            lines.append(f"  (total: the weights x{model.resident_factor:g} as a loaded stage holds them, "
+                         "+ KV + runtime)")
         lines.append(f"  {'#':>2}  {'agent':<14} {'host':<16} {'layers':<9} {'extras':<11} {'weights':>9} "
                      f"{'KV':>9} {'total':>9} {'usable':>9} {'rel.time':>9}")
         slowest = max(stage.relative_time for stage in result.stages)
@@ -270,6 +283,11 @@ def _gb(size: float) -> str:
     return f"{size / GB:.2f} GB"
 
 
+def _held(factor: float) -> str:
+    """How a stage's memory counts its weights, where not as their files' bytes."""
+    return "" if factor == 1.0 else f" held x{factor:g}"
+
+
 def _share_of_slowest(time: float, slowest: float) -> float:
     """A stage's time over the slowest stage's; a plan whose stages take no time (a model of zero bytes on
     paper) or overflow (a speed near 0) has no ratio to show: 1 for the slowest, 0 for the others."""
@@ -279,10 +297,11 @@ def _share_of_slowest(time: float, slowest: float) -> float:
 
 
 def _smallest_stage_bytes(model: ModelFootprint, options: PlanOptions) -> int:
-    return min(model.layer_bytes) + model.kv_bytes_per_layer(options.streams) + options.stage_overhead_bytes
+    return model.resident(min(model.layer_bytes)) + model.kv_bytes_per_layer(options.streams) \
+        + options.stage_overhead_bytes
 
 
-def _screen(agent: AgentCandidate, options: PlanOptions, smallest: int) -> Exclusion | None:
+def _screen(agent: AgentCandidate, options: PlanOptions, smallest: int, factor: float) -> Exclusion | None:
     if agent.state is AgentState.PAUSED:
         return Exclusion(agent.agent_id, ExclusionReason.PAUSED, "paused (by its user or in its settings)")
     if agent.state is AgentState.UNAVAILABLE:
@@ -300,7 +319,8 @@ def _screen(agent: AgentCandidate, options: PlanOptions, smallest: int) -> Exclu
         return Exclusion(agent.agent_id, ExclusionReason.TOO_LITTLE_MEMORY,
                          f"too little memory: {_gb(agent.free_memory_bytes)} free, "
                          f"{_gb(usable)} usable after the safety margin, "
-                         f"the smallest stage (one layer + KV + runtime) needs {_gb(smallest)}")
+                         f"the smallest stage (one layer{_held(factor)} + KV + runtime) needs "
+                         f"{_gb(smallest)}")
     return None
 
 
@@ -369,7 +389,7 @@ def _fewest(model: ModelFootprint, eligible: list[AgentCandidate], size: int, op
     """The fastest split over exactly `size` agents, trying subsets with the most usable memory first. A subset
     whose speeds cannot beat the best split found (the model's work over their sum bounds its slowest stage
     from below) is not split."""
-    need = sum(model.layer_bytes) + model.embed_bytes + model.head_bytes
+    need = model.resident(sum(model.layer_bytes) + model.embed_bytes + model.head_bytes)
     need += model.num_layers * model.kv_bytes_per_layer(options.streams) + size * options.stage_overhead_bytes
     by_memory = sorted(eligible, key=lambda a: -usable_bytes(a, options))
     if sum(usable_bytes(a, options) for a in by_memory[:size]) < need:
@@ -414,7 +434,7 @@ def _split(model: ModelFootprint, agents: list[AgentCandidate], options: PlanOpt
                 best[i + 1][j] = here
                 back.pop((i + 1, j), None)
             for k in range(j + 1, layers + 1):
-                weights = _weights(model, prefix, j, k)
+                weights = model.resident(_weights(model, prefix, j, k))
                 if weights + (k - j) * kv_per_layer + options.stage_overhead_bytes > usable:
                     if k < layers:
                         break  # more layers only need more memory
@@ -459,7 +479,8 @@ def _stage(model: ModelFootprint, prefix: list[int], agent: AgentCandidate, star
     kv = (stop - start) * model.kv_bytes_per_layer(options.streams)
     time = _work(model, prefix, start, stop) / agent.speed
     return Stage(agent.agent_id, start, stop, start == 0, stop == model.num_layers, weights, kv,
-                 weights + kv + options.stage_overhead_bytes, usable_bytes(agent, options), time, agent.hostname)
+                 model.resident(weights) + kv + options.stage_overhead_bytes, usable_bytes(agent, options), time,
+                 agent.hostname)
 
 
 def _not_needed(agent: AgentCandidate, stages: list[Stage], options: PlanOptions) -> Exclusion:
@@ -485,12 +506,13 @@ def _diagnose(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentC
     if not eligible:
         return (f"none of the {len(agents)} agent(s) that answered can take work{silent} (see the agents left out)",)
     kv_total = model.num_layers * model.kv_bytes_per_layer(options.streams)
-    weights = sum(model.layer_bytes) + model.embed_bytes + model.head_bytes
+    weights = model.resident(sum(model.layer_bytes) + model.embed_bytes + model.head_bytes)
     need = weights + kv_total + len(eligible) * options.stage_overhead_bytes
     have = sum(usable_bytes(agent, options) for agent in eligible)
     if have < need:
         return (f"memory short by {_gb(need - have)}: the model needs {_gb(need)} "
-                f"({_gb(weights)} weights + {_gb(kv_total)} KV for {options.streams} stream(s) at context "
+                f"({_gb(weights)} weights{_held(model.resident_factor)} + {_gb(kv_total)} KV for "
+                f"{options.streams} stream(s) at context "
                 f"{model.context} + runtime {_gb(options.stage_overhead_bytes)} per stage) and the "
                 f"{len(eligible)} usable agent(s) have {_gb(have)} after safety margins{silent}",)
     return (f"the {len(eligible)} usable agent(s) have {_gb(have)} for {_gb(need)} in all, but no split into "

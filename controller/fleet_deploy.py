@@ -124,6 +124,7 @@ def footprint_of(manifest: Manifest, device: str = "CPU") -> ModelFootprint:
     (bytes 3.9, parameters 2.0). Priced by bytes, 2 PCs got 11 and 5+head of 16 layers (15.6 and 11.3 ms
     a step); priced by parameters 9 and 7+head, and 2 streams ran 6-10% faster. For f16 and f32 exports
     both measures agree. A GPU or NPU is taken to be bound by reading memory: bytes (not measured here).
+    Its memory: see `resident_factor`.
     """
     spec = manifest.spec
     head_work = None
@@ -131,7 +132,20 @@ def footprint_of(manifest: Manifest, device: str = "CPU") -> ModelFootprint:
         bytes_per_parameter = sum(manifest.layer_bytes) / (spec.num_layers * spec.layer_parameters)
         head_work = spec.head_parameters * bytes_per_parameter
     return ModelFootprint(manifest.model_name, manifest.layer_bytes, manifest.embed_bytes, manifest.head_bytes,
-                          spec.kv_bytes_per_token_per_layer(), spec.max_context, head_work)
+                          spec.kv_bytes_per_token_per_layer(), spec.max_context, head_work, resident_factor(device))
+
+
+def resident_factor(device: str) -> float:
+    """The memory a loaded stage holds per byte of its weight files on `device`.
+
+    On the CPU plugin, twice: the agent reads the IR into its own memory (ENABLE_MMAP off, for huge pages:
+    agent/stage.py) and the compiled model keeps it, and the first call repacks the weights into memory of
+    the plugin's own. Measured as the RSS after Stage() and its warm-up call (2-core VM, `fast` and f32
+    alike): an 8B-shaped INT4 export (hidden 4096, 2 layers, vocab 8192) 294 MB of files -> 600 MB, its f16
+    export 1008 -> 1970 MB. Planned at 1x, that INT4 stage was given 578 MB (with the KV and runtime), less
+    than it held before its first token. Other devices: their bytes (not measured here).
+    """
+    return 2.0 if device_kind(device) == "CPU" else 1.0
 
 
 def candidates_of(agents: list[AgentView]) -> list[AgentCandidate]:

@@ -1,0 +1,68 @@
+"""A plan must not pass a stage that then cannot be held: on the CPU plugin a compiled stage keeps its
+weights twice (the IR read into the process, ENABLE_MMAP off, and the plugin's repacked copy).
+
+Measured (RSS after Stage() and its warm-up call, 2-core VM, default `fast` settings):
+an 8B-shaped INT4 export (hidden 4096, 2 layers, vocab 8192), whole: 294 MB of weight files -> 600 MB;
+its f16 export: 1008 MB -> 1970 MB; the demo target (13 MB) -> 98 MB, runtime-dominated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deskfleet.common.agent_state import AgentState
+from deskfleet.common.model_spec import load_manifest
+from deskfleet.common.planner import AgentCandidate, ExclusionReason, ModelFootprint, PlanOptions, plan, render_plan
+
+MB = 1_000_000
+
+
+def test_on_a_cpu_a_stage_is_planned_with_its_weights_held_twice(tiny_export: Path) -> None:
+    from deskfleet.controller.fleet_deploy import footprint_of
+
+    cpu = footprint_of(load_manifest(tiny_export), "CPU")
+    weights = sum(cpu.layer_bytes) + cpu.embed_bytes + cpu.head_bytes
+    options = PlanOptions()
+    whole = plan(cpu, [AgentCandidate("a", AgentState.AVAILABLE, 64 << 30, 1.0)], options).stages[0]
+    assert whole.weight_bytes == weights  # the files sent
+    assert whole.memory_bytes >= 2 * weights + whole.kv_bytes + options.stage_overhead_bytes
+
+
+def test_the_8b_shaped_stage_measured_at_600_mb_is_not_planned_on_a_pc_with_less() -> None:
+    """The measured export's sizes on paper: 2 INT4 layers of 113.3 MB, INT8 embed and head of 33.6 MB."""
+    from deskfleet.controller.fleet_deploy import resident_factor
+
+    model = ModelFootprint("big8", (113_328_436,) * 2, 33_579_012, 33_595_420, 2 * 8 * 128 * 4, 1024,
+                           resident_factor=resident_factor("CPU"))
+    options = PlanOptions(margin_fraction=0.0, margin_min_bytes=0)
+    pc = AgentCandidate("pc", AgentState.AVAILABLE, 590 * MB, 1.0)  # less than the stage took once loaded
+    result = plan(model, [pc], options)
+    assert not result.feasible, render_plan(result)
+    roomy = plan(model, [AgentCandidate("pc", AgentState.AVAILABLE, 900 * MB, 1.0)], options)
+    assert roomy.feasible and roomy.stages[0].memory_bytes >= 600 * MB
+
+
+def test_a_gpu_keeps_the_bytes_it_was_measured_by() -> None:
+    from deskfleet.controller.fleet_deploy import resident_factor
+
+    assert resident_factor("GPU") == 1.0 and resident_factor("cpu") == pytest.approx(2.0)
+
+
+def test_the_plan_text_says_how_the_total_counts_the_weights(tiny_export: Path) -> None:
+    from deskfleet.controller.fleet_deploy import footprint_of
+
+    cpu = footprint_of(load_manifest(tiny_export), "CPU")
+    text = render_plan(plan(cpu, [AgentCandidate("a", AgentState.AVAILABLE, 64 << 30, 1.0)], PlanOptions()))
+    assert "weights x2" in text
+
+
+def test_a_pc_too_small_for_two_copies_of_one_layer_is_left_out_saying_so() -> None:
+    model = ModelFootprint("m", (400 * MB,) * 4, 0, 0, 0, 16, resident_factor=2.0)
+    options = PlanOptions(margin_fraction=0.0, margin_min_bytes=0, stage_overhead_bytes=0)
+    small = AgentCandidate("small", AgentState.AVAILABLE, 700 * MB, 5.0)
+    big = AgentCandidate("big", AgentState.AVAILABLE, 8000 * MB, 1.0)
+    result = plan(model, [small, big], options)
+    assert [s.agent_id for s in result.stages] == ["big"]
+    (left,) = [e for e in result.exclusions if e.agent_id == "small"]
+    assert left.reason is ExclusionReason.TOO_LITTLE_MEMORY and "0.80 GB" in left.message
