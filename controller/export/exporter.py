@@ -296,10 +296,42 @@ def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
                 f"the tokenizer of {model_dir} is custom code (tokenizer_config.json's auto_map names a Python file "
                 "of the folder): deskfleet runs no code from a checkpoint; export a checkpoint whose tokenizer is a "
                 "standard one with a tokenizer.json") from None
+        if not (model_dir / "tokenizer.json").is_file():
+            raise ExportError(f"cannot load the tokenizer of {model_dir}: {_without_tokenizer_json(model_dir)}") \
+                from error
         raise ExportError(f"cannot load the tokenizer of {model_dir}: {_one_line(error)}") from error
+    # LlamaTokenizer, Qwen2Tokenizer and GPT2Tokenizer load from a tokenizer_config.json alone, as an empty
+    # vocabulary of 4 tokens that encodes any text to no ids: a checkpoint copied without its tokenizer files
+    files = sorted({str(name) for name in tokenizer.vocab_files_names.values()})
+    if files and not any((model_dir / name).is_file() for name in files):
+        raise ExportError(f"cannot load the tokenizer of {model_dir}: it has none of the files its "
+                          f"{type(tokenizer).__name__} reads ({', '.join(files)}), only its settings: copy the "
+                          "model's tokenizer files into it")
     if not tokenizer.is_fast:
         raise ExportError(f"the tokenizer of {model_dir} has no fast (tokenizer.json) form")
     return tokenizer
+
+
+def _without_tokenizer_json(model_dir: Path) -> str:
+    """Why a folder with no tokenizer.json has no tokenizer, and what to do (transformers' own error blames
+    tiktoken for a SentencePiece file it could not convert)."""
+    import importlib.util
+    import re
+
+    model_file = model_dir / "tokenizer.model"
+    if not model_file.is_file():
+        return "it has no tokenizer.json (nor a tokenizer.model): copy the model's tokenizer files into it"
+    with model_file.open("rb") as stream:
+        first_line = stream.readline(200)
+    # tiktoken's file is text, a base64 token and its rank a line; SentencePiece's is a binary protobuf
+    kind, package = (("tiktoken", "tiktoken") if re.fullmatch(rb"[A-Za-z0-9+/=]+ [0-9]+\r?\n?", first_line)
+                     else ("SentencePiece", "sentencepiece"))
+    if importlib.util.find_spec(package) is None:
+        return (f"it has no tokenizer.json, and converting its tokenizer.model ({kind}) needs the {package} package: "
+                f"pip install {package}{' protobuf' if package == 'sentencepiece' else ''}, or put the model's "
+                "tokenizer.json beside it")
+    return (f"it has no tokenizer.json, and its tokenizer.model ({kind}) could not be converted to one: put the "
+            "model's tokenizer.json beside it")
 
 
 def _one_line(error: BaseException) -> str:
