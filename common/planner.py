@@ -101,6 +101,10 @@ class AgentCandidate:
     reason: UnavailableReason | None = None  # set when state is UNAVAILABLE
     detail: str = ""  # the monitor's numbers, e.g. "battery 41%, unplugged" or "CPU 97 °C"
     hostname: str = ""  # the name the agent joined with, where the caller knows it (shown, never planned on)
+    # The layer ranges of this model the agent hosts now: its free memory already lacks them, and an agent
+    # assigned a range it hosts keeps that stage as it is, so that range is planned with their weights and
+    # runtime counted back (its KV cache must still fit), and a plan that keeps every hosted range is kept.
+    hosted: tuple[tuple[int, int], ...] = ()
 
 
 class PlanPolicy(str, Enum):
@@ -219,6 +223,7 @@ def plan(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandid
     if best is None:
         budget = _SplitBudget(options.max_reordered_splits)
         best = _best_split(model, eligible, options, lambda agents: _other_orders(agents, budget), budget)
+    best = _keep_deployed(model, eligible, options, best)
     used = {stage.agent_id for stage in best or ()}
     for agent in eligible:
         if agent.agent_id not in used and best is not None:
@@ -315,7 +320,7 @@ def _screen(agent: AgentCandidate, options: PlanOptions, smallest: int, factor: 
     if agent.speed == math.inf:
         return Exclusion(agent.agent_id, ExclusionReason.SPEED_UNKNOWN, "speed inf is not a measurement")
     usable = usable_bytes(agent, options)
-    if usable < smallest:
+    if usable < smallest and not agent.hosted:  # a hosted range is counted back (see AgentCandidate.hosted)
         return Exclusion(agent.agent_id, ExclusionReason.TOO_LITTLE_MEMORY,
                          f"too little memory: {_gb(agent.free_memory_bytes)} free, "
                          f"{_gb(usable)} usable after the safety margin, "
@@ -435,9 +440,10 @@ def _split(model: ModelFootprint, agents: list[AgentCandidate], options: PlanOpt
                 back.pop((i + 1, j), None)
             for k in range(j + 1, layers + 1):
                 weights = model.resident(_weights(model, prefix, j, k))
-                if weights + (k - j) * kv_per_layer + options.stage_overhead_bytes > usable:
-                    if k < layers:
-                        break  # more layers only need more memory
+                credit = _credit(model, prefix, agent, j, k, options) if agent.hosted else 0
+                if weights + (k - j) * kv_per_layer + options.stage_overhead_bytes > usable + credit:
+                    if k < layers and not any(first == j and stop > k for first, stop in agent.hosted):
+                        break  # more layers only need more memory (unless a hosted range is counted back)
                     continue
                 time = _work(model, prefix, j, k) / agent.speed
                 candidate = (max(here[0], time), here[1] + 1)
@@ -455,6 +461,42 @@ def _split(model: ModelFootprint, agents: list[AgentCandidate], options: PlanOpt
             k = j
         i -= 1
     return stages[::-1]
+
+
+def _keep_deployed(model: ModelFootprint, eligible: list[AgentCandidate], options: PlanOptions,
+                   best: list[Stage] | None) -> list[Stage] | None:
+    """The deployed split (the eligible agents' hosted ranges, when they cover the model) instead of `best`
+    when it still fits and `best` is no faster (nor, for FEWEST_AGENTS, on fewer agents): a redeploy pushes
+    shards and rebuilds stages, and equally good plans differ by a few MB of free memory between surveys."""
+    hosts = sorted(((first, stop, agent) for agent in eligible for first, stop in agent.hosted),
+                   key=lambda hosted: hosted[:2])
+    if not hosts or hosts[0][0] != 0 or hosts[-1][1] != model.num_layers:
+        return best
+    if any(before[1] != after[0] for before, after in itertools.pairwise(hosts)):
+        return best
+    if len({id(agent) for _, _, agent in hosts}) != len(hosts):
+        return best  # an agent hosting two ranges of the chain: not a chain this planner makes
+    prefix = [0, *itertools.accumulate(model.layer_bytes)]
+    kept = [_stage(model, prefix, agent, first, stop, options) for first, stop, agent in hosts]
+    if any(stage.memory_bytes > stage.usable_bytes + _credit(model, prefix, agent, stage.first_layer,
+                                                               stage.stop_layer, options)
+           for stage, (_, _, agent) in zip(kept, hosts, strict=True)):
+        return best
+    if best is not None:
+        if _pace(kept)[0] > _pace(best)[0] * (1 + 1e-9):
+            return best
+        if options.policy is PlanPolicy.FEWEST_AGENTS and len(kept) > len(best):
+            return best
+    return kept
+
+
+def _credit(model: ModelFootprint, prefix: list[int], agent: AgentCandidate, start: int, stop: int,
+            options: PlanOptions) -> int:
+    """The memory counted back for layers [start, stop) on `agent`: what its stage of that range took from
+    the free memory it reported (its weights as held and its runtime), when it hosts that range now."""
+    if (start, stop) not in agent.hosted:
+        return 0
+    return model.resident(_weights(model, prefix, start, stop)) + options.stage_overhead_bytes
 
 
 def _better(candidate: tuple[float, int], current: tuple[float, int] | None) -> bool:

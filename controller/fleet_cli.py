@@ -299,7 +299,7 @@ def _plan(args: argparse.Namespace) -> int:
     from deskfleet.common.agent_state import AgentState
     from deskfleet.common.model_spec import load_manifest
     from deskfleet.common.planner import AgentCandidate, ModelFootprint, plan, render_plan
-    from deskfleet.controller.fleet_deploy import footprint_of, plan_survey, policy_options
+    from deskfleet.controller.fleet_deploy import footprint_of, model_id_of, plan_survey, policy_options
     from deskfleet.controller.fleet_survey import survey
 
     if args.model is not None:
@@ -318,7 +318,9 @@ def _plan(args: argparse.Namespace) -> int:
         async def run() -> Any:
             found = await survey(_store(args), _survey_options(args))
             try:
-                return plan_survey(footprint, found, options, assumed=assumed)  # before close(): it needs the links
+                model_id = model_id_of(args.model) if args.model is not None else None
+                # before close(): it needs the links
+                return plan_survey(footprint, found, options, assumed=assumed, model_id=model_id)
             finally:
                 await found.close()
 

@@ -148,8 +148,9 @@ def resident_factor(device: str) -> float:
     return 2.0 if device_kind(device) == "CPU" else 1.0
 
 
-def candidates_of(agents: list[AgentView]) -> list[AgentCandidate]:
-    """Planner candidates from the agents that answered, with their measured weight GB/s as speed.
+def candidates_of(agents: list[AgentView], model_id: str | None = None) -> list[AgentCandidate]:
+    """Planner candidates from the agents that answered, with their measured weight GB/s as speed, and the
+    layer ranges of `model_id` each hosts now (its free memory lacks them: see AgentCandidate.hosted).
 
     An agent that has not measured yet counts as the slowest measured one (or 1.0 when none has), so an
     unmeasured PC is never planned as the fastest.
@@ -165,20 +166,25 @@ def candidates_of(agents: list[AgentView]) -> list[AgentCandidate]:
         candidates.append(AgentCandidate(agent.agent_id, report.state, report.free_memory_bytes,
                                          report.weight_gb_per_s or fallback,
                                          report.reasons[0] if report.reasons else None, report.detail,
-                                         agent.hostname))
+                                         agent.hostname,
+                                         tuple((stage.layer_start, stage.layer_end) for stage in report.stages
+                                               if model_id is not None and stage.model_id == model_id)))
     return candidates
 
 
 def plan_survey(footprint: ModelFootprint, found: Survey, options: PlanOptions,
-                exclude: frozenset[str] = frozenset(), assumed: Sequence[AgentCandidate] = ()) -> Plan:
+                exclude: frozenset[str] = frozenset(), assumed: Sequence[AgentCandidate] = (),
+                model_id: str | None = None) -> Plan:
     """The plan over the agents that answered (less `exclude`) and the `assumed` ones; the agents that were
-    found but did not answer are listed as left out too, with why. Call it before `found.close()`."""
+    found but did not answer are listed as left out too, with why. Call it before `found.close()`.
+    `model_id`: the model's fleet id (model_id_of), so that the stages of it the agents host are counted
+    back and a deployed split that is still as good is kept."""
     agents = [agent for agent in found.reachable() if agent.agent_id not in exclude]
     answered = {agent.agent_id for agent in found.reachable()}
     unreachable = tuple(Exclusion(agent.agent_id or agent.address, ExclusionReason.UNREACHABLE,
                                   f"unreachable at {agent.address}: {agent.problem or 'no status'}", agent.hostname)
                         for agent in found.agents if agent.agent_id not in answered)
-    return plan(footprint, [*assumed, *candidates_of(agents)], options, unreachable)
+    return plan(footprint, [*assumed, *candidates_of(agents, model_id)], options, unreachable)
 
 
 async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: PlanOptions,
@@ -203,7 +209,7 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
     manifest = load_manifest(model_dir)
     model_id = model_id_of(model_dir)
     _deployments(store)  # a damaged file is named now, not after every byte was sent
-    result = plan_survey(footprint_of(manifest, device), found, options, exclude)
+    result = plan_survey(footprint_of(manifest, device), found, options, exclude, model_id=model_id)
     if not result.feasible:
         answered = any(agent.agent_id not in exclude for agent in found.reachable())
         unreachable = any(e.reason is ExclusionReason.UNREACHABLE for e in result.exclusions)
