@@ -79,6 +79,14 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
                           "it again)") from None
     if not model_dir.is_dir():
         raise ExportError(f"{model_dir} is not a folder")
+    for what, path in (("checkpoint folder", model_dir.absolute()), ("output folder", out_dir)):
+        try:
+            str(path).encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8, kept by Python as lone surrogates
+            # transformers and tokenizers take paths as UTF-8 text: the tokenizer would fail, after every layer
+            shown = str(path).encode("utf-8", "backslashreplace").decode("utf-8")
+            raise ExportError(f"the {what} {shown} has a name that is not UTF-8 text (bytes of another encoding): "
+                              "the tokenizer cannot be read or written there; rename it, or choose another") from None
     if (model_dir / MANIFEST_NAME).is_file():
         raise ExportError(f"{model_dir} is already a deskfleet export (it holds {MANIFEST_NAME}): give the Hugging "
                           "Face checkpoint folder it was exported from")
