@@ -45,13 +45,13 @@ class CheckpointWeights:
             weight_map = {}
         else:
             pickles = sorted(path.name for path in model_dir.glob("pytorch_model*.bin"))
-            held = "" if not pickles else (
+            pickled = "" if not pickles else (
                 f": it holds {', '.join(pickles[:2])}{' ...' if len(pickles) > 2 else ''}, PyTorch pickles, which "
                 "export never loads (loading one can run any code it carries); download the model's *.safetensors "
                 "files instead, or convert it only if you trust where it came from")
             raise FileNotFoundError(
                 f"{model_dir} has no {SINGLE_NAME} or {INDEX_NAME} (only safetensors checkpoints are "
-                f"supported){held}")
+                f"supported){pickled}")
         shard_names = sorted(set(weight_map.values())) or [SINGLE_NAME]
         self._handles = {name: _open_shard(model_dir / name) for name in shard_names}
         if weight_map and shard_names != [SINGLE_NAME] and (model_dir / SINGLE_NAME).is_file():
