@@ -97,8 +97,10 @@ class FleetPipeline:
         self._outbox: asyncio.Queue[_Outgoing] | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._thread_main, name="fleet-chain", daemon=True)
-        self._thread.start()
         try:
+            # start() inside: a Ctrl-C that comes once the thread runs but before the wait (a busy machine) must
+            # give the opening up too, or the links the thread opens after it stay up
+            self._thread.start()
             opened = self._ready.wait(OPEN_TIMEOUT_S + 5.0)
         except BaseException:  # Ctrl-C while the links open (a chat goes on to its next message)
             self._give_up_opening()

@@ -67,3 +67,48 @@ def test_a_chain_interrupted_while_it_opens_closes_its_links(tmp_path: Path, mon
         interrupted.set()
         stop_serving.set()
         server_thread.join(10)
+
+
+def test_a_ctrl_c_that_comes_as_the_chain_thread_starts_gives_the_opening_up_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a busy machine the thread may run (and the Ctrl-C land) before the constructor reaches its wait: the
+    # interrupt then came out of Thread.start(), outside the block that gives the opening up (CI saw it).
+    ca = make_ca(tmp_path / "ca")
+    agent_files = make_member(ca, tmp_path / "agent", "agent")
+    driver_files = make_member(ca, tmp_path / "driver", "driver", Role.CONTROLLER)
+    listening, link_closed, stop_serving = threading.Event(), threading.Event(), threading.Event()
+    ports: list[int] = []
+
+    async def agent(link: Link) -> None:
+        try:
+            while True:
+                await link.receive()
+        except LinkError:
+            link_closed.set()
+
+    async def serve() -> None:
+        async with await start_server(agent, "127.0.0.1", 0, agent_files) as server:
+            ports.append(server.sockets[0].getsockname()[1])
+            listening.set()
+            while not stop_serving.is_set():
+                await asyncio.sleep(0.05)
+
+    server_thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    server_thread.start()
+    assert listening.wait(10)
+
+    class InterruptedAtStart(threading.Thread):  # threading's own class for the rest of the test: only the chain's
+        def start(self) -> None:
+            super().start()
+            if self.name == "fleet-chain":
+                raise KeyboardInterrupt  # the user's Ctrl-C, as start() returns
+
+    monkeypatch.setattr(fleet_pipeline.threading, "Thread", InterruptedAtStart)
+    placement = StagePlacement(agent_files.own_identity().agent_id, f"127.0.0.1:{ports[0]}", 0, 4)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            FleetPipeline([placement], driver_files)
+        assert link_closed.wait(10), "the interrupted chain's link to the agent is still open"
+    finally:
+        stop_serving.set()
+        server_thread.join(10)
