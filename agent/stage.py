@@ -143,19 +143,18 @@ class StageOutput:
 
 # Public methods
 
-def build_stage_model(model_dir: Path, manifest: Manifest, layers: LayerRange, verify: bool = True) -> ov.Model:
-    """Fuse the IRs of `layers` into one stateful ov.Model. Verifies every file's sha256 first."""
+def build_stage_model(model_dir: Path, manifest: Manifest, layers: LayerRange, verify: bool = True,
+                      map_weights: bool = False) -> ov.Model:
+    """Fuse the IRs of `layers` into one stateful ov.Model. Verifies every file's sha256 first.
+
+    map_weights: map the .bin files (OpenVINO's default) instead of reading them into the process's memory;
+    see Stage for which a CPU stage wants. The shard cache never rewrites a file in place (shards are stored
+    by sha256 and replaced by rename), so a mapped file stays what was verified."""
     stems = manifest.stage_ir_stems(layers.start, layers.stop)
     if verify:
         verify_files(model_dir, manifest, [name for stem in stems for name in manifest.ir_files(stem)])
     core = ov.Core()
-    # Read the weights into memory of the process instead of mapping the .bin files (OpenVINO's default):
-    # the CPU plugin runs most INT4 weights in place, so mapped they stayed in 4 KB page-cache pages that
-    # huge_pages.collapse_new_regions cannot touch (170M model: 40 of ~100 MB of weights on huge pages
-    # mapped, 130 MB read). Read, every weight is collapsed: decode steps 8% faster (170M, one core, 10
-    # alternating runs in one process, 11.27 -> 10.37 ms). The weights also stay resident under memory
-    # pressure, and a shard file can be replaced while its stage runs.
-    core.set_property({"ENABLE_MMAP": False})
+    core.set_property({"ENABLE_MMAP": map_weights})
     units = {stem: core.read_model(model_dir / f"{stem}.xml") for stem in stems}
     spec = manifest.spec
 
@@ -220,6 +219,48 @@ def build_stage_model(model_dir: Path, manifest: Manifest, layers: LayerRange, v
     if stateful != len(kv_pairs):
         raise RuntimeError(f"only {stateful} of {len(kv_pairs)} KV pairs became stateful")
     return model
+
+
+REPACKED_SHARE = 0.5  # of a stage's weight bytes: anonymous memory grown by this much at warm-up = repacked
+
+
+def weights_were_repacked(anonymous_before: int | None, anonymous_after: int | None, weight_bytes: int) -> bool:
+    """Whether the CPU plugin copied a stage's weights into memory of its own at the first inference (the
+    process's anonymous memory grew by REPACKED_SHARE of their bytes or more over the warm-up call; measured
+    from after the compile, whose own buffers would count for a small model), so that the mapped files are
+    read no more; True where the process's anonymous memory cannot be read (not Linux).
+
+    Where it repacks them (measured on an AVX-512 EPYC, INT4: the 170M model's stage grew 102 MB of anonymous
+    memory for 102 MB of files), a stage that read its files into memory held every weight twice (227 MB),
+    and mapped it holds them once plus page cache the kernel may reclaim (84 MB), decoding as fast (4.88 vs
+    5.00 ms a token, one core, 12 alternating runs in one process). Where it runs most of them in place (a
+    Xeon with AMX: 40 of ~100 MB repacked), mapped weights stay in 4 KB page-cache pages that huge pages
+    cannot back, and reading them into memory decoded 8% faster (11.27 -> 10.37 ms): the stage is built
+    again that way. Elsewhere than Linux there are no huge pages to gain, so mapping always wins."""
+    if anonymous_before is None or anonymous_after is None or weight_bytes <= 0:
+        return True
+    return anonymous_after - anonymous_before >= REPACKED_SHARE * weight_bytes
+
+
+def resident_anonymous_bytes() -> int | None:
+    """This process's resident anonymous memory (Linux's RssAnon), or None where it cannot be read."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def stage_weight_bytes(model_dir: Path, manifest: Manifest, layers: LayerRange) -> int:
+    """The bytes of the weight files a stage of `layers` reads."""
+    total = 0
+    for stem in manifest.stage_ir_stems(layers.start, layers.stop):
+        weights = model_dir / f"{stem}.bin"
+        total += weights.stat().st_size if weights.exists() else 0
+    return total
 
 
 def _is_available(device: str, available: list[str]) -> bool:
@@ -287,17 +328,32 @@ class Stage:
         core = core or ov.Core()
         on_cpu = device_kind(settings.device) == "CPU"
         memory_before = huge_pages.snapshot() if on_cpu else None
-        model = build_stage_model(model_dir, manifest, layers)
-        self.compiled = core.compile_model(model, settings.device,
-                                           settings.properties(core, weight_group_size(model)))
+        # A CPU stage maps its weight files first (see weights_were_repacked); other devices read them
+        model = build_stage_model(model_dir, manifest, layers, map_weights=on_cpu)
+        properties = settings.properties(core, weight_group_size(model))
+        self.compiled = core.compile_model(model, settings.device, properties)
         log.info("compiled layers [%d, %d) on %s (%s)", layers.start, layers.stop, settings.device,
                  settings.precision.value)
+        self.weights_mapped = on_cpu
         if on_cpu:
             # The CPU plugin repacks the weights at the first inference, into memory of its own: run one now,
             # so that the PC's free memory shows what the stage takes from the start (a 330M stage: 18 MB
             # less available after compiling, 120 MB after the first call) and the first prompt does not
             # pay for it; then back that memory with huge pages.
+            anonymous_before = resident_anonymous_bytes()  # after compiling: the warm-up's growth is the repack
             self.warm_up()
+            if not weights_were_repacked(anonymous_before, resident_anonymous_bytes(),
+                                         stage_weight_bytes(model_dir, manifest, layers)):
+                # the plugin runs these weights where they lie: read into memory, huge pages can back them (the
+                # warm-up's recycled session belongs to the mapped build: it goes with it)
+                self._idle_sessions.clear()
+                del model, self.compiled
+                model = build_stage_model(model_dir, manifest, layers, verify=False, map_weights=False)
+                self.compiled = core.compile_model(model, settings.device, properties)
+                self.weights_mapped = False
+                self.warm_up()
+            log.debug("layers [%d, %d): weights %s", layers.start, layers.stop,
+                      "mapped (repacked by the plugin)" if self.weights_mapped else "read into memory")
             huge_pages.collapse_new_regions(memory_before)
 
     def warm_up(self) -> None:

@@ -14,8 +14,9 @@ rest by speed, within `max_reordered_splits`.
 A unit's work is its weight bytes (decoding reads every weight once) unless the caller knows better: the
 head's `head_work` (controller/fleet_deploy.py prices it by parameters on a CPU, where unpacking INT4
 weights, not reading them, sets the pace; see `footprint_of`). The embed is a lookup: no work.
-A stage's memory is its weights times the model's `resident_factor` (on the CPU plugin a compiled stage
-holds the IR it read and the plugin's repacked copy: 2x), its KV cache and the runtime overhead.
+A stage's memory is its weights times the model's `resident_factor` (on the CPU plugin 1.3: the weights once,
+and where the plugin runs them in place, the part it repacks besides; controller/fleet_deploy.py), its KV cache
+and the runtime overhead.
 """
 
 from __future__ import annotations

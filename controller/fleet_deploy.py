@@ -135,17 +135,21 @@ def footprint_of(manifest: Manifest, device: str = "CPU") -> ModelFootprint:
                           spec.kv_bytes_per_token_per_layer(), spec.max_context, head_work, resident_factor(device))
 
 
+CPU_RESIDENT_FACTOR = 1.3
+
+
 def resident_factor(device: str) -> float:
     """The memory a loaded stage holds per byte of its weight files on `device`.
 
-    On the CPU plugin, twice: the agent reads the IR into its own memory (ENABLE_MMAP off, for huge pages:
-    agent/stage.py) and the compiled model keeps it, and the first call repacks the weights into memory of
-    the plugin's own. Measured as the RSS after Stage() and its warm-up call (2-core VM, `fast` and f32
-    alike): an 8B-shaped INT4 export (hidden 4096, 2 layers, vocab 8192) 294 MB of files -> 600 MB, its f16
-    export 1008 -> 1970 MB. Planned at 1x, that INT4 stage was given 578 MB (with the KV and runtime), less
-    than it held before its first token. Other devices: their bytes (not measured here).
-    """
-    return 2.0 if device_kind(device) == "CPU" else 1.0
+    On the CPU plugin, 1.3: where the plugin repacks the weights at the first call into memory of its own,
+    the stage maps its files and holds the weights once (a 3-layer INT4 export, hidden 2048: 99 MB of files
+    -> 99 MB of anonymous memory, plus page cache the kernel may reclaim); where it runs most of them in place
+    (a Xeon with AMX), the stage reads the files into memory for huge pages and holds them plus the part
+    repacked (170M model: 130 MB for ~100 MB of files). See agent/stage.py, weights_were_repacked. Until the
+    stage chose, it read every file and held the weights twice (that export: 204 MB; an 8B-shaped one, 294 MB
+    of files: 600 MB), and a plan at 1x gave such a stage less than it held before its first token. Other
+    devices: their bytes (not measured here)."""
+    return CPU_RESIDENT_FACTOR if device_kind(device) == "CPU" else 1.0
 
 
 def candidates_of(agents: list[AgentView], model_id: str | None = None) -> list[AgentCandidate]:

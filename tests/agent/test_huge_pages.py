@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from deskfleet.agent import huge_pages
+from deskfleet.agent import stage as stage_module
 from deskfleet.agent.stage import CompileSettings, LayerRange, Stage
 from deskfleet.common.model_spec import load_manifest
 
@@ -97,27 +98,36 @@ def test_new_memory_is_backed_by_huge_pages(monkeypatch: pytest.MonkeyPatch) -> 
     buffer.close()
 
 
+@pytest.mark.parametrize(("repacked", "expected"), [
+    (True, ["snapshot", "warm_up", "collapse"]),
+    (False, ["snapshot", "warm_up", "warm_up", "collapse"]),  # built again reading its weights, warmed up again
+])
 def test_a_cpu_stage_warms_up_then_collapses_what_its_compile_and_first_call_allocated(
-        tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_export: Path, monkeypatch: pytest.MonkeyPatch, repacked: bool, expected: list[str]) -> None:
     calls: list[str] = []
     monkeypatch.setattr(huge_pages, "snapshot", lambda: calls.append("snapshot") or set())
     monkeypatch.setattr(huge_pages, "collapse_new_regions", lambda before: calls.append("collapse"))
     monkeypatch.setattr(Stage, "warm_up", lambda self: calls.append("warm_up"))
+    monkeypatch.setattr(stage_module, "weights_were_repacked", lambda *measured: repacked)
     manifest = load_manifest(tiny_export)
     layers = manifest.spec.num_layers
     Stage(tiny_export, manifest, LayerRange(0, 1, layers), CompileSettings())
-    assert calls == ["snapshot", "warm_up", "collapse"]
+    assert calls == expected
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/maps")
-def test_a_stage_reads_its_weights_into_memory_rather_than_mapping_the_shard_files(tiny_export: Path) -> None:
-    """Mapped weight files stay in 4 KB page-cache pages, out of huge_pages' reach; read, they are ours."""
+@pytest.mark.parametrize("repacked", [False, True])
+def test_a_stage_maps_its_shard_files_only_where_the_plugin_repacked_the_weights(
+        tiny_export: Path, monkeypatch: pytest.MonkeyPatch, repacked: bool) -> None:
+    """Mapped weight files stay in 4 KB page-cache pages, out of huge_pages' reach: where the plugin runs the
+    weights in place they are read, and become ours; where it repacks them, the files stay mapped (and cold)."""
+    monkeypatch.setattr(stage_module, "weights_were_repacked", lambda *measured: repacked)
     manifest = load_manifest(tiny_export)
     stage = Stage(tiny_export, manifest, LayerRange(0, manifest.spec.num_layers, manifest.spec.num_layers),
                   CompileSettings())
     mapped = [line for line in Path("/proc/self/maps").read_text().splitlines()
               if str(tiny_export.resolve()) in line or str(tiny_export) in line]
-    assert stage.compiled is not None and mapped == []
+    assert stage.compiled is not None and bool(mapped) is repacked and stage.weights_mapped is repacked
 
 
 def test_a_cpu_stage_warms_up_even_with_huge_pages_off(tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -125,6 +135,7 @@ def test_a_cpu_stage_warms_up_even_with_huge_pages_off(tiny_export: Path, monkey
     calls: list[object] = []
     monkeypatch.setattr(huge_pages, "collapse_new_regions", lambda before: calls.append(("collapse", before)))
     monkeypatch.setattr(Stage, "warm_up", lambda self: calls.append("warm_up"))
+    monkeypatch.setattr(stage_module, "weights_were_repacked", lambda *measured: True)
     manifest = load_manifest(tiny_export)
     Stage(tiny_export, manifest, LayerRange(0, 1, manifest.spec.num_layers), CompileSettings())
     assert calls == ["warm_up", ("collapse", None)]  # the repacked weights count from the start either way
