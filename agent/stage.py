@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
@@ -222,6 +224,19 @@ def build_stage_model(model_dir: Path, manifest: Manifest, layers: LayerRange, v
 
 
 REPACKED_SHARE = 0.5  # of a stage's weight bytes: anonymous memory grown by this much at warm-up = repacked
+WEIGHTS_ENV_VAR = "DESKFLEET_STAGE_WEIGHTS"
+WEIGHTS_AUTO, WEIGHTS_READ, WEIGHTS_MAPPED = "auto", "read", "mapped"
+
+
+def stage_weights_choice(environ: Mapping[str, str] | None = None) -> str:
+    """How a CPU stage holds its weight files: DESKFLEET_STAGE_WEIGHTS=auto (the default: mapped where the
+    plugin repacks them, see weights_were_repacked), read (always read into memory: a few percent faster
+    decoding where the plugin repacks them, at twice the memory) or mapped (always). ValueError naming the
+    variable for anything else."""
+    value = (os.environ if environ is None else environ).get(WEIGHTS_ENV_VAR, WEIGHTS_AUTO).strip().lower()
+    if value not in (WEIGHTS_AUTO, WEIGHTS_READ, WEIGHTS_MAPPED):
+        raise ValueError(f"{WEIGHTS_ENV_VAR}={value!r}: choose {WEIGHTS_AUTO}, {WEIGHTS_READ} or {WEIGHTS_MAPPED}")
+    return value
 
 
 def weights_were_repacked(anonymous_before: int | None, anonymous_after: int | None, weight_bytes: int) -> bool:
@@ -329,12 +344,13 @@ class Stage:
         on_cpu = device_kind(settings.device) == "CPU"
         memory_before = huge_pages.snapshot() if on_cpu else None
         # A CPU stage maps its weight files first (see weights_were_repacked); other devices read them
-        model = build_stage_model(model_dir, manifest, layers, map_weights=on_cpu)
+        weights = stage_weights_choice() if on_cpu else WEIGHTS_READ
+        model = build_stage_model(model_dir, manifest, layers, map_weights=weights != WEIGHTS_READ)
         properties = settings.properties(core, weight_group_size(model))
         self.compiled = core.compile_model(model, settings.device, properties)
         log.info("compiled layers [%d, %d) on %s (%s)", layers.start, layers.stop, settings.device,
                  settings.precision.value)
-        self.weights_mapped = on_cpu
+        self.weights_mapped = weights != WEIGHTS_READ
         if on_cpu:
             # The CPU plugin repacks the weights at the first inference, into memory of its own: run one now,
             # so that the PC's free memory shows what the stage takes from the start (a 330M stage: 18 MB
@@ -342,8 +358,8 @@ class Stage:
             # pay for it; then back that memory with huge pages.
             anonymous_before = resident_anonymous_bytes()  # after compiling: the warm-up's growth is the repack
             self.warm_up()
-            if not weights_were_repacked(anonymous_before, resident_anonymous_bytes(),
-                                         stage_weight_bytes(model_dir, manifest, layers)):
+            if weights == WEIGHTS_AUTO and not weights_were_repacked(
+                    anonymous_before, resident_anonymous_bytes(), stage_weight_bytes(model_dir, manifest, layers)):
                 # the plugin runs these weights where they lie: read into memory, huge pages can back them (the
                 # warm-up's recycled session belongs to the mapped build: it goes with it)
                 self._idle_sessions.clear()

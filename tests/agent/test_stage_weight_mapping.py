@@ -10,12 +10,14 @@ import pytest
 
 from deskfleet.agent import stage as stage_module
 from deskfleet.agent.stage import (
+    WEIGHTS_ENV_VAR,
     CompileSettings,
     LayerRange,
     Precision,
     Stage,
     resident_anonymous_bytes,
     stage_weight_bytes,
+    stage_weights_choice,
     weights_were_repacked,
 )
 from deskfleet.common.model_spec import load_manifest
@@ -74,3 +76,23 @@ def test_a_stage_maps_or_reads_its_weights_as_the_plugin_uses_them_with_the_same
     read = Stage(tiny_export, manifest, layers, settings)
     assert not read.weights_mapped
     assert greedy_tokens(mapped) == greedy_tokens(read)
+
+
+def test_the_choice_of_how_a_stage_holds_its_weights_is_read_from_the_environment() -> None:
+    assert stage_weights_choice({}) == "auto"
+    assert stage_weights_choice({WEIGHTS_ENV_VAR: " Read "}) == "read"
+    assert stage_weights_choice({WEIGHTS_ENV_VAR: "mapped"}) == "mapped"
+    with pytest.raises(ValueError, match=f"{WEIGHTS_ENV_VAR}='mmap': choose auto, read or mapped"):
+        stage_weights_choice({WEIGHTS_ENV_VAR: "mmap"})
+
+
+@pytest.mark.parametrize(("choice", "mapped"), [("read", False), ("mapped", True)])
+def test_a_stage_told_how_to_hold_its_weights_does_so_whatever_the_warm_up_shows(
+        tiny_export: Path, monkeypatch: pytest.MonkeyPatch, choice: str, mapped: bool) -> None:
+    decided: list[bool] = []
+    monkeypatch.setenv(WEIGHTS_ENV_VAR, choice)
+    monkeypatch.setattr(stage_module, "weights_were_repacked", lambda *measured: decided.append(True) or not mapped)
+    manifest = load_manifest(tiny_export)
+    stage = Stage(tiny_export, manifest, LayerRange(0, manifest.spec.num_layers, manifest.spec.num_layers),
+                  CompileSettings(precision=Precision.F32))
+    assert stage.weights_mapped is mapped and decided == []
