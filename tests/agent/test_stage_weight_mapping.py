@@ -96,3 +96,15 @@ def test_a_stage_told_how_to_hold_its_weights_does_so_whatever_the_warm_up_shows
     stage = Stage(tiny_export, manifest, LayerRange(0, manifest.spec.num_layers, manifest.spec.num_layers),
                   CompileSettings(precision=Precision.F32))
     assert stage.weights_mapped is mapped and decided == []
+
+
+def test_on_windows_a_stage_reads_its_weights_unless_told_otherwise(
+        tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Windows keeps a mapped file from being deleted, and the shard cache deletes a released stage's files
+    monkeypatch.setattr(stage_module.sys, "platform", "win32")
+    monkeypatch.setattr(stage_module, "weights_were_repacked", lambda *measured: True)
+    manifest = load_manifest(tiny_export)
+    layers = LayerRange(0, manifest.spec.num_layers, manifest.spec.num_layers)
+    assert not Stage(tiny_export, manifest, layers, CompileSettings(precision=Precision.F32)).weights_mapped
+    monkeypatch.setenv(WEIGHTS_ENV_VAR, "mapped")
+    assert Stage(tiny_export, manifest, layers, CompileSettings(precision=Precision.F32)).weights_mapped
