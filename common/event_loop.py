@@ -60,5 +60,10 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     except EventLoopError:
         main.close()
         raise
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(main)
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(main)
+    finally:
+        # a no-op once it ran; one that a signal (Ctrl-C, a bench's SIGTERM) stopped before it started would
+        # print "coroutine ... was never awaited" after the command's last line
+        main.close()

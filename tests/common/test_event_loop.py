@@ -43,6 +43,24 @@ def test_run_closes_the_coroutine_it_cannot_run(monkeypatch: pytest.MonkeyPatch)
     assert coroutine.cr_frame is None  # closed: no "never awaited" warning at exit
 
 
+def test_run_closes_a_coroutine_a_signal_stopped_before_it_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `bench fleet` stopped by SIGINT as its deploy began printed "coroutine ... was never awaited" after its
+    # one-line message
+    class InterruptedRunner(asyncio.Runner):
+        def run(self, coro: object, **kwargs: object) -> object:  # type: ignore[override]
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(event_loop.asyncio, "Runner", InterruptedRunner)
+
+    async def never() -> None:
+        raise AssertionError("must not run")
+
+    coroutine = never()
+    with pytest.raises(KeyboardInterrupt):
+        event_loop.run(coroutine)
+    assert coroutine.cr_frame is None
+
+
 def _loop_module() -> str:
     async def probe() -> str:
         return type(asyncio.get_running_loop()).__module__
