@@ -18,6 +18,8 @@ import re
 import socket
 from dataclasses import replace
 
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
@@ -74,14 +76,24 @@ def init_fleet(store: FleetStore, fleet_name: str, addresses: tuple[str, ...], n
         controller_key = pki.create_private_key()
         csr = pki.create_csr(controller_key, socket.gethostname())
         certificate = pki.sign_csr(ca, csr, now, role=Role.CONTROLLER)
-        pki.write_private_key(store.ca_key_path, ca.private_key)
-        pki.write_private_key(files.key_path, controller_key)
-        files.ca_path.write_bytes(pki.certificate_pem(ca.certificate))
-        files.cert_path.write_bytes(pki.certificate_pem(certificate))
-        store.write("fleet", {"name": fleet_name, "addresses": list(addresses)})
-        store.write("tokens", [])
-        store.write("revoked", [])
-        store.save_roster({})
+        written = [store.ca_key_path, files.key_path, files.ca_path, files.cert_path,
+                   *(store.data_dir / f"{name}.json" for name in ("fleet", "tokens", "revoked", "agents"))]
+        try:
+            store.write_file(store.ca_key_path, _key_pem(ca.private_key))  # mode 0600, as every file
+            store.write_file(files.key_path, _key_pem(controller_key))
+            store.write_file(files.ca_path, pki.certificate_pem(ca.certificate))
+            store.write_file(files.cert_path, pki.certificate_pem(certificate))
+            store.write("fleet", {"name": fleet_name, "addresses": list(addresses)})
+            store.write("tokens", [])
+            store.write("revoked", [])
+            store.save_roster({})
+        except FleetStoreError as error:  # a full disk: half a fleet made the next init refuse it as "part of a fleet"
+            if not present:
+                for path in written:
+                    path.unlink(missing_ok=True)
+            raise FleetStoreError(f"no fleet was created in {store.data_dir}: {error}" if not present else
+                                  f"the fleet in {store.data_dir} is half replaced: {error}; run `deskfleet fleet "
+                                  "init --force` again once it can be written") from None
     log.info("fleet %s initialised in %s", pki.fleet_id(ca.certificate), store.data_dir)
     return ca
 
@@ -279,6 +291,12 @@ def printable_hostname(text: str) -> str:
 
 
 # Private functions
+
+def _key_pem(private_key: ec.EllipticCurvePrivateKey) -> bytes:
+    """A private key as unencrypted PKCS#8 PEM, as pki.write_private_key writes it."""
+    return private_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                     serialization.NoEncryption())
+
 
 async def _refuse(connection: ServerConnection, code: ErrorCode, text: str) -> None:
     try:

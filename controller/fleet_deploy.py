@@ -471,7 +471,11 @@ def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, s
                                         "settings": {"policy": settings.policy.value, "streams": settings.streams,
                                                      "precision": settings.precision.value,
                                                      "device": settings.device, "kv_cache": settings.kv_cache}}
-        store.write("deployments", deployments)
+        try:
+            store.write("deployments", deployments)
+        except FleetStoreError as error:  # a full disk: the stages are assigned, and that must not read as "nothing"
+            raise DeployError(f"the stages are assigned, but the deployment could not be recorded: {error} (`fleet "
+                              "deploy` again sends nothing)") from None
 
 
 def policy_options(policy: str, streams: int = 1) -> PlanOptions:

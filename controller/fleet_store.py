@@ -173,16 +173,32 @@ class FleetStore:
         return document["body"]
 
     def write(self, name: str, body: object) -> None:
-        """Replace `name` atomically (a crash leaves the old file or the new one, never half)."""
+        """Replace `name` atomically (a crash leaves the old file or the new one, never half); FleetStoreError
+        naming the file when it cannot be written (a full disk, a read-only data dir): the old file is kept."""
         path = self.data_dir / f"{name}.json"
         text = json.dumps({"format": STORE_FORMAT, "body": body}, indent=2, sort_keys=True)
-        write_atomic(path, text.encode("utf-8"))
+        self.write_file(path, text.encode("utf-8"))
+
+    def write_file(self, path: Path, data: bytes) -> None:
+        """write_atomic, with an OSError (a full disk, a read-only data dir) as FleetStoreError naming `path`:
+        it raised as a traceback from `fleet token`, `fleet remove` and `fleet deploy`."""
+        try:
+            write_atomic(path, data)
+        except OSError as error:
+            raise FleetStoreError(f"cannot write {path}: {error.strerror or error}; it is unchanged (free some "
+                                  "disk space, or make the data dir writable, then run the command again)") from None
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         """Hold the data dir's lock: read-modify-write of the JSON files must happen inside it."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.data_dir / ".lock", "a+b") as handle:
+        path = self.data_dir / ".lock"
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            handle = open(path, "a+b")  # closed below; the OSError of opening it is named
+        except OSError as error:
+            raise FleetStoreError(f"cannot open the data dir's lock file {path}: {error.strerror or error} (a "
+                                  "read-only or full data dir? make it writable)") from None
+        with handle:
             lock_file(handle.fileno())
             try:
                 yield
@@ -258,7 +274,7 @@ class FleetStore:
         """Sign controller.pem again for the kept controller key, as `fleet init` did (the same agent id)."""
         csr = pki.create_csr(key, socket.gethostname())
         certificate = pki.sign_csr(ca, csr, utc_now(), role=Role.CONTROLLER)
-        write_atomic(self.tls_files.cert_path, pki.certificate_pem(certificate))
+        self.write_file(self.tls_files.cert_path, pki.certificate_pem(certificate))
         log.warning("%s was missing: issued the controller a new certificate from the fleet CA for its kept "
                     "key (agents accept it; nothing else changed)", self.tls_files.cert_path)
 
