@@ -63,6 +63,7 @@ _RESTORE = {
 }
 _REISSUE = "delete it, and the next fleet command issues it again from the kept keys"
 _T = TypeVar("_T")
+_WARNED_MODES: set[Path] = set()  # what _warn_if_others_can_read said already in this process
 
 
 class FleetStoreError(RuntimeError):
@@ -134,6 +135,7 @@ class FleetStore:
             raise FleetStoreError(f"{self.data_dir} lacks " + "; ".join(f"{name} ({_ROLES[name]})" for name in missing)
                                   + ". " + " ".join(f"{name}: {_RESTORE[name]}." for name in missing))
         files = self.tls_files
+        self._warn_if_others_can_read()
         ca = pki.FleetCa(self._load(files.ca_path, pki.load_certificate_pem),
                          self._load(self.ca_key_path, pki.load_private_key_pem))
         if _public_key_der(ca.certificate) != _public_key_der(ca.private_key):
@@ -261,6 +263,24 @@ class FleetStore:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with pid_lock(self.data_dir / name, lambda pid: FleetStoreError(refusal(pid))):
             yield
+
+    def _warn_if_others_can_read(self) -> None:
+        """Warn (once per process and file) when a private key is open to other users than the owner: a backup
+        restored from a zip or a USB stick, or copied by a tool that drops modes, left ca-key.pem 0644, and
+        nothing said so (whoever reads it can sign certificates that every agent trusts). POSIX only."""
+        if os.name == "nt":
+            return
+        for path in (self.ca_key_path, self.tls_files.key_path):
+            try:
+                mode = path.stat().st_mode & 0o777
+            except OSError:  # a missing key is named by the load that follows
+                continue
+            if mode & 0o077 and path not in _WARNED_MODES:
+                _WARNED_MODES.add(path)
+                harm = "make certificates that every agent trusts" if path == self.ca_key_path \
+                    else "pose as this controller to every agent"
+                log.warning("%s (%s) is open to other users (mode %03o): whoever reads it can %s; run `chmod 600 "
+                            "%s`", path, _ROLES[path.name], mode, harm, path)
 
     def _load(self, path: Path, parse: Callable[[bytes], _T]) -> _T:
         try:

@@ -1,0 +1,35 @@
+"""A controller key open to other users (a backup restored from a zip or a USB stick, a copy that dropped
+the modes) is warned about, naming the file and the chmod: nothing said so."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from deskfleet.controller import fleet_store
+from deskfleet.controller.cli import main
+
+pytestmark = pytest.mark.skipif(os.name == "nt", reason="POSIX file modes")
+
+
+@pytest.mark.parametrize("name", ["ca-key.pem", "controller-key.pem"])
+def test_a_key_readable_by_others_is_warned(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+                                            name: str) -> None:
+    monkeypatch.setattr(fleet_store, "_WARNED_MODES", set())
+    data = ["--data-dir", str(tmp_path / "ctl")]
+    assert main(["fleet", "init", "--address", "10.0.0.5:7341", *data]) == 0
+    for key in ("ca-key.pem", "controller-key.pem"):
+        assert (tmp_path / "ctl" / key).stat().st_mode & 0o777 == 0o600
+    caplog.clear()
+    assert main(["fleet", "token", *data]) == 0
+    assert not [record for record in caplog.records if "open to other users" in record.getMessage()]
+    (tmp_path / "ctl" / name).chmod(0o644)
+    assert main(["fleet", "token", *data]) == 0
+    assert main(["fleet", "token", *data]) == 0
+    said = [record.getMessage() for record in caplog.records if "open to other users" in record.getMessage()]
+    assert len(said) == 1, said  # once, not at every look at the keys
+    assert f"{tmp_path / 'ctl' / name} (" in said[0] and "mode 644" in said[0]
+    assert f"chmod 600 {tmp_path / 'ctl' / name}" in said[0]
