@@ -180,7 +180,13 @@ class FleetServer:
             roster = self.store.roster()
             now = utc_now().isoformat()
             for agent_id, addresses in unrecorded.items():
-                entry = roster.get(agent_id) or RosterEntry(agent_id, "?", now)
+                entry = roster.get(agent_id)
+                if entry is None:  # its certificate is the fleet's: the roster lost it, or never had it
+                    log.warning("agent %s registered, but %s does not list it: the data dir was restored from an "
+                                "older backup made before it joined, or the file was lost; it is listed from now on "
+                                "with host '?' (join it again to name it)", agent_id[:12],
+                                self.store.data_dir / "agents.json")
+                    entry = RosterEntry(agent_id, "?", now)
                 roster[agent_id] = replace(entry, addresses=addresses, registered_at=now)
             self.store.save_roster(roster)
 
