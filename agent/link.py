@@ -20,13 +20,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import importlib.metadata
 import logging
 import ssl
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
-from typing import TypedDict
+from typing import NoReturn, TypedDict
 
 from cryptography import x509
 from websockets.asyncio.client import ClientConnection, connect
@@ -48,6 +49,7 @@ from deskfleet.common.wire import (
     decode,
     encode,
     parse_address,
+    peek_version,
 )
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,17 @@ HELLO_TIMEOUT_S = OPEN_TIMEOUT_S  # a peer that opened a websocket but says no H
 # open one; at the fleet's frame limit three of them made the controller buffer 1.2 GB).
 ENROLLMENT_MAX_FRAME_BYTES = 64 * 1024
 MAX_CONCURRENT_JOINS = 16
-SOFTWARE_VERSION = "0.1.0"
+
+
+def _installed_version() -> str:
+    """The installed deskfleet version (what mDNS advertises too), or "0+unknown" from an uninstalled tree."""
+    try:
+        return importlib.metadata.version("deskfleet")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+SOFTWARE_VERSION = _installed_version()  # said in every Hello: `fleet ls` shows each agent's
 
 Connection = ServerConnection | ClientConnection
 RevocationSource = Callable[[], pki.RevocationSet]
@@ -72,6 +84,16 @@ RevocationSource = Callable[[], pki.RevocationSet]
 
 class LinkError(ConnectionError):
     """The link failed or was refused; the message names the peer and the reason."""
+
+
+class LinkVersionError(LinkError):
+    """The peer speaks another protocol version (`peer_protocol`; its deskfleet `peer_software` where its Hello
+    said): one of the two must be upgraded, and the message says which."""
+
+    def __init__(self, message: str, peer_protocol: int, peer_software: str | None) -> None:
+        super().__init__(message)
+        self.peer_protocol = peer_protocol
+        self.peer_software = peer_software
 
 
 class LinkRefused(LinkError):
@@ -145,6 +167,7 @@ class Link:
         self.connection = connection
         self.peer = peer
         self.address = address
+        self.peer_software: str | None = None  # the deskfleet version its Hello named
 
     # Public methods
 
@@ -157,6 +180,9 @@ class Link:
     async def receive(self) -> Message:
         """The next message. A malformed one is answered with Error(BAD_MESSAGE), the link closed, and
         LinkError raised; an Error from the peer is returned like any other message."""
+        return await self._decode(await self._receive_frame())
+
+    async def _receive_frame(self) -> bytes:
         try:
             frame = await self.connection.recv()
         except ConnectionClosed as error:
@@ -164,6 +190,9 @@ class Link:
         if isinstance(frame, str):
             await self.refuse(ErrorCode.BAD_MESSAGE, "text frames are not part of the protocol")
             raise LinkError(f"{self.describe()} sent a text frame")
+        return frame
+
+    async def _decode(self, frame: bytes) -> Message:
         try:
             return decode(frame)
         except ProtocolError as error:
@@ -336,7 +365,13 @@ async def _hello(link: Link, own: pki.PeerIdentity, expect_first: bool) -> None:
     ours = Hello(PROTOCOL_VERSION, own.agent_id, SOFTWARE_VERSION, own.role)
     if not expect_first:
         await link.send(ours)
-    message = await link.receive()
+    frame = await link._receive_frame()
+    # A peer of another version is told apart before decoding: the codec refuses every frame of another version,
+    # its Hello (or its refusal of ours) too, and that read as "sent a malformed message" on both ends.
+    peeked = peek_version(frame)
+    if peeked is not None and peeked[0] != PROTOCOL_VERSION:
+        await _refuse_version(link, own, *peeked)
+    message = await link._decode(frame)
     if isinstance(message, Error):
         await link.close()
         raise LinkError(f"{link.address} refused us: {message.code.value}: {message.message}")
@@ -344,14 +379,32 @@ async def _hello(link: Link, own: pki.PeerIdentity, expect_first: bool) -> None:
         await link.refuse(ErrorCode.UNAUTHORIZED, f"the first message must be Hello, got {type(message).__name__}")
         raise LinkError(f"{link.address} spoke before saying Hello ({type(message).__name__})")
     if message.protocol_version != PROTOCOL_VERSION:
-        await link.refuse(ErrorCode.UNSUPPORTED_VERSION, f"this side speaks protocol {PROTOCOL_VERSION}")
-        raise LinkError(f"{link.address} speaks protocol {message.protocol_version}, not {PROTOCOL_VERSION}")
+        await _refuse_version(link, own, message.protocol_version, message.software_version)
+    software = message.software_version
+    link.peer_software = software[:40] if software.isprintable() else None  # shown in `fleet ls`'s table
     if message.agent_id != link.peer.agent_id or message.role is not link.peer.role:
         await link.refuse(ErrorCode.UNAUTHORIZED, "Hello does not match the certificate")
         raise LinkError(f"{link.address} said Hello as {message.role.value} {message.agent_id[:12]}, but its "
                         f"certificate is {link.peer.role.value} {link.peer.agent_id[:12]}")
     if expect_first:
         await link.send(ours)
+
+
+async def _refuse_version(link: Link, own: pki.PeerIdentity, theirs: int, their_software: str | None) -> NoReturn:
+    """Close a link whose peer speaks protocol `theirs`, and raise LinkVersionError saying which side to upgrade.
+    The peer is told in the close reason, which a peer of any version can read (an Error frame of this version
+    is one its codec refuses)."""
+    where = "your PC" if theirs < PROTOCOL_VERSION else f"the {own.role.value} {own.agent_id[:12]}"
+    reason = (f"{own.role.value} speaks protocol {PROTOCOL_VERSION} (deskfleet {SOFTWARE_VERSION[:16]}), "
+              f"you {theirs}: upgrade deskfleet on {where}")
+    await link.connection.close(1008, _close_reason(reason))
+    peer = f"{link.peer.role.value} {link.peer.agent_id[:12]}"
+    software = f"deskfleet {their_software}" if their_software else "another deskfleet version"
+    upgrade = f"upgrade deskfleet on {peer}" if theirs < PROTOCOL_VERSION else \
+        f"upgrade deskfleet on this {own.role.value} to the {peer}'s version"
+    raise LinkVersionError(f"{peer} at {link.address} speaks fleet protocol {theirs} ({software}), this "
+                           f"{own.role.value} {PROTOCOL_VERSION} (deskfleet {SOFTWARE_VERSION}): {upgrade} (the "
+                           "controller and every agent must speak one protocol)", theirs, their_software)
 
 
 def _remote(connection: Connection) -> str:
@@ -366,5 +419,5 @@ def _uri_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-__all__ = ["PING_INTERVAL_S", "PING_TIMEOUT_S", "Link", "LinkError", "Role", "TlsFiles", "open_link",
-           "peer_identity", "start_server", "utc_now"]
+__all__ = ["PING_INTERVAL_S", "PING_TIMEOUT_S", "Link", "LinkError", "LinkVersionError", "Role", "TlsFiles",
+           "open_link", "peer_identity", "start_server", "utc_now"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.kv_ledger import AdmitRow, AppendSlots, Compact, InvalidateSlots, ReorderRows, SlotDelta
-from deskfleet.common.wire_codec import DEFAULT_LIMITS, MAGIC, Limits, decode, encode, same_message
+from deskfleet.common.wire_codec import DEFAULT_LIMITS, MAGIC, Limits, decode, encode, peek_version, same_message
 from deskfleet.common.wire_messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -109,6 +109,7 @@ __all__ = [
     "encode",
     "is_agent_id",
     "parse_address",
+    "peek_version",
     "same_message",
     "wire_dtype_name",
 ]

@@ -114,6 +114,32 @@ def decode(frame: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMIT
     return typing.cast(Message, message)
 
 
+def peek_version(frame: bytes | bytearray | memoryview,
+                 limits: Limits = DEFAULT_LIMITS) -> tuple[int, str | None] | None:
+    """(the protocol version a deskfleet frame of any version says it is, the software version its Hello names or
+    None), or None for a frame that is not a deskfleet frame. Read at the Hello only, so that a peer of another
+    version is told apart from a malformed one: `decode` refuses any frame of another version, its Hello too, and
+    a fleet that is being upgraded PC by PC meets them (the message must say which side to upgrade). Best effort:
+    a Hello whose header this version cannot read gives None for the software version; nothing raises."""
+    view = memoryview(frame).cast("B")
+    if len(view) < _PREFIX.size:
+        return None
+    magic, version, header_length = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        return None
+    software: str | None = None
+    if header_length <= min(limits.max_header_bytes, len(view) - _PREFIX.size):
+        try:
+            header = json.loads(bytes(view[_PREFIX.size:_PREFIX.size + header_length]).decode("utf-8"))
+            fields = header.get("fields") if isinstance(header, dict) and header.get("type") == "Hello" else None
+            value = fields.get("software_version") if isinstance(fields, dict) else None
+            if isinstance(value, str) and value.isprintable():
+                software = value[:40]
+        except (ValueError, RecursionError):
+            pass
+    return int(version), software
+
+
 def same_message(first: object, second: object) -> bool:
     """Field-by-field equality that compares tensors by wire dtype, shape and the bytes they travel as
     (a NaN equals itself, as a round trip keeps it; -0.0 differs from 0.0)."""
