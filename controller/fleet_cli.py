@@ -252,7 +252,8 @@ def _print_agents(agents: list[Any]) -> None:
         rank = _STATES_IN_ORDER.index(state) if state in _STATES_IN_ORDER else len(_STATES_IN_ORDER)
         return rank, agent.hostname == "?", agent.hostname.lower(), agent.agent_id or agent.address
 
-    print(f"{'agent':<14} {'host':<16} {'address':<22} {'state':<12} {'free':>8} {'found by':<20} stages")
+    print(f"{'agent':<14} {'host':<16} {'address':<22} {'state':<12} {'free':>8} {'version':<10} {'found by':<20} "
+          "stages")
     for agent in sorted(agents, key=order):
         report = agent.report
         state = _state(agent)
@@ -261,8 +262,9 @@ def _print_agents(agents: list[Any]) -> None:
         why = f"({report.detail or ', '.join(reason.value for reason in report.reasons)})" \
             if report and report.reasons else ""  # an unavailable or paused agent's limits, with the numbers
         notes = " ".join(part for part in (stages, why) if part) or agent.problem or "-"
+        version = getattr(agent, "version", None) or "-"  # what its Hello said: the PCs not upgraded yet show
         print(f"{(agent.agent_id or '?')[:12]:<14} {agent.hostname[:16]:<16} {agent.address:<22} {state:<12} "
-              f"{free:>8} {','.join(agent.sources):<20} {notes}")
+              f"{free:>8} {version:<10} {','.join(agent.sources):<20} {notes}")
     counts = Counter(_state(agent) for agent in agents)
     states = sorted(counts, key=lambda state: (state not in _STATES_IN_ORDER,
                                                _STATES_IN_ORDER.index(state) if state in _STATES_IN_ORDER else 0))
@@ -273,6 +275,7 @@ def _agent_json(agent: Any) -> dict[str, Any]:
     report = agent.report
     return {"agent_id": agent.agent_id, "hostname": agent.hostname, "address": agent.address,
             "sources": list(agent.sources), "problem": agent.problem,
+            "version": getattr(agent, "version", None),  # the deskfleet version its Hello named; null: none
             "state": report.state.value if report else None,
             "free_memory_bytes": report.free_memory_bytes if report else None,
             "reasons": [reason.value for reason in report.reasons] if report else [],

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 
 from deskfleet.agent.advertise import interface_addresses
-from deskfleet.agent.link import Link, LinkError, TlsFiles, open_link
+from deskfleet.agent.link import Link, LinkError, LinkVersionError, TlsFiles, open_link
 from deskfleet.common import pki
 from deskfleet.common.wire import Error, RevocationUpdate, StatusReport, StatusRequest
 from deskfleet.controller.discovery import RESOLVE_TIMEOUT_MS, Discovery, ManualPeers, ZeroconfDiscovery
@@ -58,6 +58,7 @@ class AgentView:
     report: StatusReport | None
     problem: str | None
     certificate_expires: datetime.datetime | None = None  # the agent's certificate, as its link showed it
+    version: str | None = None  # the deskfleet version its Hello named (also one that speaks another protocol)
 
 
 @dataclass
@@ -101,7 +102,8 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
                                      for target_id, addresses, _ in targets))
 
     found = Survey([], {})
-    for (target_id, _, source_names), (address, link, report, problem) in zip(targets, results, strict=True):
+    for (target_id, _, source_names), (address, link, report, problem, version) in zip(targets, results,
+                                                                                         strict=True):
         known_id = link.peer.agent_id if link is not None else target_id
         if link is not None and known_id in found.links:  # the same agent by two routes
             await link.close()
@@ -110,7 +112,7 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
             found.links[known_id] = link
         hostname = roster[known_id].hostname if known_id is not None and known_id in roster else "?"
         expires = link.peer.not_valid_after if link is not None else None
-        found.agents.append(AgentView(known_id, hostname, address, source_names, report, problem, expires))
+        found.agents.append(AgentView(known_id, hostname, address, source_names, report, problem, expires, version))
     if options.use_roster:  # members that joined but whose agent never called in: listed, so the admin sees them
         listed = {agent.agent_id for agent in found.agents}
         for agent_id, member in roster.items():
@@ -195,17 +197,23 @@ async def _run_for(sources: list[Discovery], seconds: float) -> None:
 
 async def _ask_at_any(store: FleetStore, revocations: Revocations, agent_id: str | None,
                       addresses: tuple[str, ...], dials: asyncio.Semaphore
-                      ) -> tuple[str, Link | None, StatusReport | None, str | None]:
+                      ) -> tuple[str, Link | None, StatusReport | None, str | None, str | None]:
     """Ask the agent at all of `addresses` at once: (the first address to answer, its link, its report,
-    None), or (the first address, None, None, every address's problem) when none did. TLS pins the agent's
-    id, so any answer is its own; asking in turn made a stale registered address (a PC that changed IP)
-    cost the whole open timeout before its live mDNS address was tried."""
-    async def ask(address: str) -> tuple[str, Link | None, StatusReport | None, str | None]:
-        return address, *await _ask(store, revocations, agent_id, address, dials)
+    None, its version), or (the first address, None, None, every address's problem, its version) when none
+    did. TLS pins the agent's id, so any answer is its own; asking in turn made a stale registered address (a
+    PC that changed IP) cost the whole open timeout before its live mDNS address was tried. The version is the
+    deskfleet version the agent's Hello named, where one did (one of another protocol too: `fleet ls` shows who
+    is not upgraded)."""
+    versions: dict[str, str] = {}  # address -> the deskfleet version the agent there named
+
+    async def ask(address: str) -> tuple[str, Link | None, StatusReport | None, str | None, str | None]:
+        link, report, problem = await _ask(store, revocations, agent_id, address, dials, versions)
+        return address, link, report, problem, versions.get(address)
 
     tasks = [asyncio.ensure_future(ask(address)) for address in addresses]
     problems: dict[str, str] = {}
-    winner: tuple[str, Link | None, StatusReport | None, str | None] | None = None
+    version: str | None = None
+    winner: tuple[str, Link | None, StatusReport | None, str | None, str | None] | None = None
     try:
         for next_answer in asyncio.as_completed(tasks):
             answer = await next_answer
@@ -213,6 +221,7 @@ async def _ask_at_any(store: FleetStore, revocations: Revocations, agent_id: str
                 winner = answer
                 break
             problems[answer[0]] = str(answer[3])
+            version = version or answer[4]
     finally:
         for task in tasks:
             task.cancel()
@@ -221,19 +230,27 @@ async def _ask_at_any(store: FleetStore, revocations: Revocations, agent_id: str
                 await result[1].close()  # another address of the same agent answered too
     if winner is not None:
         return winner
-    return addresses[0], None, None, "; ".join(problems[address] for address in addresses)
+    return addresses[0], None, None, "; ".join(problems[address] for address in addresses), version
 
 
 async def _ask(store: FleetStore, revocations: Revocations, agent_id: str | None, address: str,
-               dials: asyncio.Semaphore) -> tuple[Link | None, StatusReport | None, str | None]:
+               dials: asyncio.Semaphore, versions: dict[str, str] | None = None
+               ) -> tuple[Link | None, StatusReport | None, str | None]:
     """Open a link to `address`, holding one of `dials` while it opens (a link that opened is a fleet member's,
     its certificate checked: waiting for its status holds no place that a dial to another PC needs), and ask
     its status."""
     try:
         async with dials:
             link = await open_link(address, store.tls_files, expected_agent_id=agent_id, revocations=revocations)
+    except LinkVersionError as error:  # listed with the version it runs, and which side to upgrade
+        if versions is not None:
+            versions[address] = error.peer_software or f"protocol {error.peer_protocol}"
+        return None, None, str(error)
     except LinkError as error:
         return None, None, str(error)
+    software = getattr(link, "peer_software", None)  # (a test's stand-in link has none)
+    if versions is not None and software:
+        versions[address] = software
     try:
         # The fleet's list of removed agents rides along: an agent that was off during a removal, or that never
         # meets `fleet serve` (which also sends it), refuses the removed agents' links from now on too.

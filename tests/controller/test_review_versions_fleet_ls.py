@@ -1,0 +1,89 @@
+"""`fleet ls` while a fleet is upgraded PC by PC: an admin needs to see which PCs run which deskfleet.
+
+The table and `--json` showed no version at all (the Hello carried one, a constant "0.1.0" of its own, and the
+link dropped it), and an agent of a newer protocol was listed as unreachable because it "sent a malformed
+message: frame protocol version 6 is not supported". Now each agent's row shows the version its Hello named, and
+one of another protocol is listed with that version and which side to upgrade."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+
+from deskfleet.agent.core import AgentCore
+from deskfleet.agent.link import TlsFiles, start_server, utc_now
+from deskfleet.agent.paths import AgentSettings, Thresholds
+from deskfleet.agent.shard_cache import ShardCache
+from deskfleet.common.wire import PROTOCOL_VERSION, Hello, encode
+from deskfleet.controller import fleet_survey
+from deskfleet.controller.fleet_ca import init_fleet, load_ca
+from deskfleet.controller.fleet_cli import _agent_json, _print_agents
+from deskfleet.controller.fleet_store import FleetStore, RosterEntry
+from deskfleet.controller.fleet_survey import SurveyOptions, survey
+from tests.agent.test_core import FakeMonitor
+from tests.fleet_pki import make_member
+
+LOOPBACK = "127.0.0.1"
+ENROLLED = "2026-01-01T00:00:00+00:00"
+
+
+def newer_hello(files: TlsFiles) -> bytes:
+    own = files.own_identity()
+    frame = encode(Hello(PROTOCOL_VERSION + 1, own.agent_id, "0.2.0", own.role))
+    return frame[:4] + struct.pack("<H", PROTOCOL_VERSION + 1) + frame[6:]
+
+
+def test_fleet_ls_shows_each_agent_s_version_and_whom_to_upgrade(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    current_files = make_member(load_ca(store), tmp_path / "current", "agent")
+    newer_files = make_member(load_ca(store), tmp_path / "newer", "agent")
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    core = AgentCore(current_files, settings, ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor())
+    newer_id = newer_files.own_identity().agent_id
+
+    async def newer_agent(connection: ServerConnection) -> None:  # a PC already on the next release
+        await connection.recv()
+        await connection.send(newer_hello(newer_files))
+        try:
+            await connection.recv()
+        except ConnectionClosed:
+            pass
+
+    async def scenario() -> fleet_survey.Survey:
+        current = await start_server(core.serve_link, LOOPBACK, 0, current_files)
+        newer = await serve(newer_agent, LOOPBACK, 0, ssl=newer_files.server_context())
+        async with current, newer:
+            addresses = {agent_id: (f"{LOOPBACK}:{server.sockets[0].getsockname()[1]}",)
+                         for agent_id, server in ((core.agent_id, current), (newer_id, newer))}
+            store.save_roster({core.agent_id: RosterEntry(core.agent_id, "pc-old", ENROLLED, addresses[core.agent_id]),
+                               newer_id: RosterEntry(newer_id, "pc-new", ENROLLED, addresses[newer_id])})
+            found = await survey(store, SurveyOptions(discover_seconds=0))
+            await found.close()
+        return found
+
+    found = asyncio.run(scenario())
+    agents = {agent.agent_id: agent for agent in found.agents}
+    installed = importlib.metadata.version("deskfleet")
+    assert agents[core.agent_id].report is not None and agents[core.agent_id].version == installed
+    newer = agents[newer_id]
+    assert newer.report is None and newer.version == "0.2.0"
+    assert newer.problem is not None and "malformed" not in newer.problem
+    assert f"speaks fleet protocol {PROTOCOL_VERSION + 1} (deskfleet 0.2.0)" in newer.problem
+    assert "upgrade deskfleet on this controller" in newer.problem
+
+    _print_agents(found.agents)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[5] == "version"
+    rows = {row.split()[1]: row.split() for row in lines[1:-1]}
+    assert rows["pc-old"][5] == installed and rows["pc-new"][5] == "0.2.0"
+    listed = {entry["hostname"]: entry for entry in json.loads(json.dumps([_agent_json(a) for a in found.agents]))}
+    assert listed["pc-old"]["version"] == installed and listed["pc-new"]["version"] == "0.2.0"
