@@ -20,3 +20,22 @@ def write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+    sync_folder(path.parent)
+
+
+def sync_folder(folder: Path) -> None:
+    """fsync a folder, so that a rename into it survives a power cut (a confirmed `fleet remove` could come back
+    after one: the file's data was synced, the folder entry naming it was not). Not on Windows, whose folders
+    cannot be opened for it; a file system that refuses (some network shares) is left as it is."""
+    if os.name == "nt":
+        return
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from deskfleet.common import atomic_file
 from deskfleet.common.atomic_file import write_atomic
 
 
@@ -29,3 +30,34 @@ def test_a_failed_write_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.M
         write_atomic(target, b"new")
     assert target.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["file.json"]
+
+
+@pytest.mark.skipif(os.name == "nt", reason="Windows folders cannot be opened to fsync them")
+def test_the_folder_is_synced_after_the_rename_so_the_new_name_survives_a_power_cut(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(descriptor: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{descriptor}") if Path("/proc/self/fd").exists() else "?")
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(atomic_file.os, "fsync", recording_fsync)
+    target = tmp_path / "roster.json"
+    write_atomic(target, b"{}")
+    assert len(synced) == 2 and synced[-1] in (str(tmp_path), "?")  # the file's data, then the folder's entry
+
+
+def test_a_folder_that_cannot_be_synced_does_not_fail_the_write(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    real_fsync = os.fsync
+
+    def refuse_folders(descriptor: int) -> None:  # a file system that refuses to sync a folder (some shares)
+        if stat.S_ISDIR(os.fstat(descriptor).st_mode):
+            raise OSError(22, "Invalid argument")
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(atomic_file.os, "fsync", refuse_folders)
+    target = tmp_path / "f.json"
+    write_atomic(target, b"x")
+    assert target.read_bytes() == b"x"
