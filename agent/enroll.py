@@ -26,9 +26,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
-from deskfleet.agent.link import ENROLLMENT_MAX_FRAME_BYTES, TlsFiles, utc_now, websocket_options
+from deskfleet.agent.link import ENROLLMENT_MAX_FRAME_BYTES, SOFTWARE_VERSION, TlsFiles, utc_now, websocket_options
 from deskfleet.common import join_tokens, pki, tls
 from deskfleet.common.wire import (
+    PROTOCOL_VERSION,
     Error,
     JoinOffer,
     JoinRequest,
@@ -38,6 +39,7 @@ from deskfleet.common.wire import (
     decode,
     encode,
     parse_address,
+    peek_version,
 )
 
 log = logging.getLogger(__name__)
@@ -181,6 +183,12 @@ async def _receive(connection: ClientConnection) -> Message:
     frame = await connection.recv()
     if isinstance(frame, str):
         raise EnrollmentError("the controller sent a text frame")
+    peeked = peek_version(frame)  # the codec refuses any frame of another version: "malformed", said nothing more
+    if peeked is not None and peeked[0] != PROTOCOL_VERSION:
+        upgrade = "this PC" if peeked[0] > PROTOCOL_VERSION else "the controller"
+        raise EnrollmentError(f"the controller speaks fleet protocol {peeked[0]} and this agent {PROTOCOL_VERSION} "
+                              f"(deskfleet {SOFTWARE_VERSION}): upgrade deskfleet on {upgrade}, so that both run "
+                              "the same version, then join again with the same token")
     try:
         return decode(frame)
     except ProtocolError as error:
