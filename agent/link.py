@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import importlib.metadata
 import logging
 import ssl
 from collections.abc import Awaitable, Callable, Iterator
@@ -37,6 +36,7 @@ from websockets.frames import CloseCode
 from websockets.http11 import Request, Response
 
 from deskfleet.common import pki, tls
+from deskfleet.common.version import software_version
 from deskfleet.common.wire import (
     DEFAULT_LIMITS,
     PROTOCOL_VERSION,
@@ -68,15 +68,7 @@ ENROLLMENT_MAX_FRAME_BYTES = 64 * 1024
 MAX_CONCURRENT_JOINS = 16
 
 
-def _installed_version() -> str:
-    """The installed deskfleet version (what mDNS advertises too), or "0+unknown" from an uninstalled tree."""
-    try:
-        return importlib.metadata.version("deskfleet")
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
-
-
-SOFTWARE_VERSION = _installed_version()  # said in every Hello: `fleet ls` shows each agent's
+SOFTWARE_VERSION = software_version()  # said in every Hello: `fleet ls` shows each agent's
 
 Connection = ServerConnection | ClientConnection
 RevocationSource = Callable[[], pki.RevocationSet]

@@ -29,10 +29,10 @@ from deskfleet.agent.monitor import HostMonitor, SystemMonitor
 from deskfleet.agent.paths import AgentPaths, AgentSettings, device_targets, load_settings
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement, cached_speed
-from deskfleet.agent.status import software_version
 from deskfleet.common import pki
 from deskfleet.common.discovery_record import AgentRecord
 from deskfleet.common.file_lock import pid_lock
+from deskfleet.common.version import software_version
 from deskfleet.common.wire import Register, parse_address
 
 log = logging.getLogger(__name__)

@@ -7,23 +7,15 @@ gives the controller's StatusReport; `to_dict()`/`from_dict()` carry it to a tra
 
 from __future__ import annotations
 
-import importlib.metadata
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from deskfleet.agent.shard_cache import CacheUsage
 from deskfleet.common.agent_state import AgentState, UnavailableReason
 from deskfleet.common.availability import AvailabilityPolicy, MonitorReading, TemperatureReading, decide_availability
+from deskfleet.common.version import software_version
 from deskfleet.common.wire import StageRef, StatusReport
 from deskfleet.common.wire_messages import MAX_STATUS_DETAIL
-
-
-def software_version() -> str:
-    """The installed deskfleet version, or "0+unknown" when run from an uninstalled tree."""
-    try:
-        return importlib.metadata.version("deskfleet")
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 @dataclass(frozen=True)

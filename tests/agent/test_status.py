@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 from deskfleet.agent.shard_cache import CacheUsage
-from deskfleet.agent.status import AgentStatus, make_status, software_version
+from deskfleet.agent.status import AgentStatus, make_status
 from deskfleet.common.agent_state import AgentState, UnavailableReason
 from deskfleet.common.availability import GIB, AvailabilityPolicy, MonitorReading, TemperatureReading
+from deskfleet.common.version import software_version
 from deskfleet.common.wire import StageRef, StatusReport, decode, encode
 
 CACHE = CacheUsage(used_bytes=10, limit_bytes=100, shard_count=1, partial_count=0, pinned_bytes=10)
