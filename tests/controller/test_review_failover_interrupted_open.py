@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from deskfleet.agent.link import Link, LinkError, open_link, start_server
+from deskfleet.agent.link import Link, LinkError, TlsFiles, open_link, start_server
 from deskfleet.common.wire import Role
 from deskfleet.controller import fleet_pipeline
 from deskfleet.controller.fleet_deploy import StagePlacement
@@ -20,7 +22,21 @@ from deskfleet.controller.fleet_pipeline import FleetPipeline
 from tests.fleet_pki import make_ca, make_member
 
 
-def test_a_chain_interrupted_while_it_opens_closes_its_links(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@dataclass
+class ServedAgent:
+    """An agent serving links on loopback from a thread of its own; `link_closed` is set when a link ends."""
+
+    agent_files: TlsFiles
+    driver_files: TlsFiles
+    port: int
+    link_closed: threading.Event
+
+    def placement(self) -> StagePlacement:
+        return StagePlacement(self.agent_files.own_identity().agent_id, f"127.0.0.1:{self.port}", 0, 4)
+
+
+@pytest.fixture
+def served_agent(tmp_path: Path) -> Iterator[ServedAgent]:
     ca = make_ca(tmp_path / "ca")
     agent_files = make_member(ca, tmp_path / "agent", "agent")
     driver_files = make_member(ca, tmp_path / "driver", "driver", Role.CONTROLLER)
@@ -44,6 +60,15 @@ def test_a_chain_interrupted_while_it_opens_closes_its_links(tmp_path: Path, mon
     server_thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
     server_thread.start()
     assert listening.wait(10)
+    try:
+        yield ServedAgent(agent_files, driver_files, ports[0], link_closed)
+    finally:
+        stop_serving.set()
+        server_thread.join(10)
+
+
+def test_a_chain_interrupted_while_it_opens_closes_its_links(served_agent: ServedAgent,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     interrupted = threading.Event()
 
     async def open_after_ctrl_c(*args: object, **kwargs: object) -> Link:
@@ -53,50 +78,23 @@ def test_a_chain_interrupted_while_it_opens_closes_its_links(tmp_path: Path, mon
         return await open_link(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(fleet_pipeline, "open_link", open_after_ctrl_c)
-    placement = StagePlacement(agent_files.own_identity().agent_id, f"127.0.0.1:{ports[0]}", 0, 4)
     try:
         with pytest.raises(KeyboardInterrupt):
-            FleetPipeline([placement], driver_files)
+            FleetPipeline([served_agent.placement()], served_agent.driver_files)
         interrupted.set()
-        assert link_closed.wait(10), "the interrupted chain's link to the agent is still open"
+        assert served_agent.link_closed.wait(10), "the interrupted chain's link to the agent is still open"
         chain_threads = [thread for thread in threading.enumerate() if thread.name == "fleet-chain"]
         for thread in chain_threads:
             thread.join(10)
         assert not any(thread.is_alive() for thread in chain_threads)
     finally:
         interrupted.set()
-        stop_serving.set()
-        server_thread.join(10)
 
 
 def test_a_ctrl_c_that_comes_as_the_chain_thread_starts_gives_the_opening_up_too(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        served_agent: ServedAgent, monkeypatch: pytest.MonkeyPatch) -> None:
     # On a busy machine the thread may run (and the Ctrl-C land) before the constructor reaches its wait: the
     # interrupt then came out of Thread.start(), outside the block that gives the opening up (CI saw it).
-    ca = make_ca(tmp_path / "ca")
-    agent_files = make_member(ca, tmp_path / "agent", "agent")
-    driver_files = make_member(ca, tmp_path / "driver", "driver", Role.CONTROLLER)
-    listening, link_closed, stop_serving = threading.Event(), threading.Event(), threading.Event()
-    ports: list[int] = []
-
-    async def agent(link: Link) -> None:
-        try:
-            while True:
-                await link.receive()
-        except LinkError:
-            link_closed.set()
-
-    async def serve() -> None:
-        async with await start_server(agent, "127.0.0.1", 0, agent_files) as server:
-            ports.append(server.sockets[0].getsockname()[1])
-            listening.set()
-            while not stop_serving.is_set():
-                await asyncio.sleep(0.05)
-
-    server_thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
-    server_thread.start()
-    assert listening.wait(10)
-
     class InterruptedAtStart(threading.Thread):  # threading's own class for the rest of the test: only the chain's
         def start(self) -> None:
             super().start()
@@ -104,11 +102,6 @@ def test_a_ctrl_c_that_comes_as_the_chain_thread_starts_gives_the_opening_up_too
                 raise KeyboardInterrupt  # the user's Ctrl-C, as start() returns
 
     monkeypatch.setattr(fleet_pipeline.threading, "Thread", InterruptedAtStart)
-    placement = StagePlacement(agent_files.own_identity().agent_id, f"127.0.0.1:{ports[0]}", 0, 4)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            FleetPipeline([placement], driver_files)
-        assert link_closed.wait(10), "the interrupted chain's link to the agent is still open"
-    finally:
-        stop_serving.set()
-        server_thread.join(10)
+    with pytest.raises(KeyboardInterrupt):
+        FleetPipeline([served_agent.placement()], served_agent.driver_files)
+    assert served_agent.link_closed.wait(10), "the interrupted chain's link to the agent is still open"
