@@ -271,13 +271,11 @@ def resident_anonymous_bytes() -> int | None:
     return None
 
 
-def stage_weight_bytes(model_dir: Path, manifest: Manifest, layers: LayerRange) -> int:
-    """The bytes of the weight files a stage of `layers` reads."""
-    total = 0
-    for stem in manifest.stage_ir_stems(layers.start, layers.stop):
-        weights = model_dir / f"{stem}.bin"
-        total += weights.stat().st_size if weights.exists() else 0
-    return total
+def stage_weight_bytes(manifest: Manifest, layers: LayerRange) -> int:
+    """The weight bytes of a stage of `layers`: its layers', the embed's on a first stage, the head's on a last (the
+    manifest's sizes, which loading it checked against the files)."""
+    return (sum(manifest.layer_bytes[layers.start:layers.stop]) + (manifest.embed_bytes if layers.is_first else 0)
+            + (manifest.head_bytes if layers.is_last else 0))
 
 
 def _is_available(device: str, available: list[str]) -> bool:
@@ -365,7 +363,7 @@ class Stage:
             anonymous_before = resident_anonymous_bytes()  # after compiling: the warm-up's growth is the repack
             self.warm_up()
             if weights == WEIGHTS_AUTO and not weights_were_repacked(
-                    anonymous_before, resident_anonymous_bytes(), stage_weight_bytes(model_dir, manifest, layers)):
+                    anonymous_before, resident_anonymous_bytes(), stage_weight_bytes(manifest, layers)):
                 # the plugin runs these weights where they lie: read into memory, huge pages can back them (the
                 # warm-up's recycled session belongs to the mapped build: it goes with it)
                 self._idle_sessions.clear()

@@ -71,7 +71,7 @@ def test_a_stage_maps_or_reads_its_weights_as_the_plugin_uses_them_with_the_same
 
     monkeypatch.setattr(stage_module, "weights_were_repacked", repacked)
     mapped = Stage(tiny_export, manifest, layers, settings)
-    assert mapped.weights_mapped and seen == [stage_weight_bytes(tiny_export, manifest, layers)] and seen[0] > 0
+    assert mapped.weights_mapped and seen == [stage_weight_bytes(manifest, layers)] and seen[0] > 0
     monkeypatch.setattr(stage_module, "weights_were_repacked", lambda *measured: False)
     read = Stage(tiny_export, manifest, layers, settings)
     assert not read.weights_mapped
