@@ -16,7 +16,9 @@ head's `head_work` (controller/fleet_deploy.py prices it by parameters on a CPU,
 weights, not reading them, sets the pace; see `footprint_of`). The embed is a lookup: no work.
 A stage's memory is its weights times the model's `resident_factor` (on the CPU plugin 1.3: the weights once,
 and where the plugin runs them in place, the part it repacks besides; controller/fleet_deploy.py), its KV cache
-and the runtime overhead.
+times the model's `kv_growth` (the CPU plugin grows a cache by doubling it: up to 2x its tokens' bytes), the
+scratch its largest prefill leaves held (`prefill_bytes_per_token` for `streams` prompts of the whole context:
+the engine sends a prompt in one call, and prompts that arrive together as one call) and the runtime overhead.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ class ModelFootprint:
 
     head_work: the head's decode work per token in the layers' unit (their bytes); None: its bytes.
     resident_factor: the memory a loaded stage holds per byte of its weight files (see footprint_of).
+    kv_bytes_per_token_per_layer: as the cache stores a token (the KV precision's bytes, with any scales).
+    kv_growth: the memory a KV cache may hold per byte of the tokens in it (a cache grown by doubling: 2).
+    prefill_bytes_per_token: the scratch a stage keeps after a prefill, per token of that call (rows x tokens);
+    first_prefill_bytes_per_token: the same for the first stage (fed token ids, not hidden states); None: as others.
+    kv_precision: the KV cache's precision where known ("u8", "f32"...), shown by render_plan; never planned on.
     """
 
     name: str
@@ -51,12 +58,21 @@ class ModelFootprint:
     context: int
     head_work: float | None = None
     resident_factor: float = 1.0
+    kv_growth: float = 1.0
+    prefill_bytes_per_token: int = 0
+    kv_precision: str = ""
+    first_prefill_bytes_per_token: int | None = None
 
     def __post_init__(self) -> None:
         if self.head_work is not None and not 0 <= self.head_work < math.inf:
             raise ValueError(f"head_work must be 0 or more and finite, got {self.head_work}")
         if not 1.0 <= self.resident_factor < math.inf:
             raise ValueError(f"resident_factor must be 1 or more and finite, got {self.resident_factor}")
+        if not 1.0 <= self.kv_growth < math.inf:
+            raise ValueError(f"kv_growth must be 1 or more and finite, got {self.kv_growth}")
+        for scratch in (self.prefill_bytes_per_token, self.first_prefill_bytes_per_token or 0):
+            if scratch < 0:
+                raise ValueError(f"prefill bytes per token must be 0 or more, got {scratch}")
         if not self.layer_bytes:
             raise ValueError("the model has no decoder layers")
         sizes = {"layer bytes": min(self.layer_bytes), "embed bytes": self.embed_bytes,
@@ -84,7 +100,17 @@ class ModelFootprint:
         return float(self.head_bytes) if self.head_work is None else self.head_work
 
     def kv_bytes_per_layer(self, streams: int) -> int:
-        return self.kv_bytes_per_token_per_layer * self.context * streams
+        """The KV memory one layer of a stage may hold with `streams` rows at the full context (x kv_growth)."""
+        return math.ceil(self.kv_bytes_per_token_per_layer * self.context * streams * self.kv_growth)
+
+    def prefill_scratch_bytes(self, streams: int, first: bool = False) -> int:
+        """The scratch a stage (`first`: the first one) holds after its largest prefill: `streams` prompts of the
+        whole context in one call (a stream resumed on a new chain is prefilled with its prompt and every token it
+        generated)."""
+        per_token = self.prefill_bytes_per_token
+        if first and self.first_prefill_bytes_per_token is not None:
+            per_token = self.first_prefill_bytes_per_token
+        return per_token * self.context * streams
 
     def resident(self, weight_bytes: int) -> int:
         """The memory `weight_bytes` of weight files take once a stage holding them is loaded."""
@@ -160,10 +186,11 @@ class Stage:
     has_head: bool
     weight_bytes: int  # of its weight files (what a deploy sends)
     kv_bytes: int
-    memory_bytes: int  # weights as held (x the model's resident_factor) + KV + runtime overhead
+    memory_bytes: int  # weights as held (x the model's resident_factor) + KV + prefill scratch + runtime overhead
     usable_bytes: int  # the agent's free memory less its safety margin
     relative_time: float  # decode work per token / speed: the slowest stage sets the pace
     hostname: str = ""  # the agent's, where known
+    prefill_bytes: int = 0  # the scratch its largest prefill leaves held (see ModelFootprint.prefill_scratch_bytes)
 
     @property
     def num_layers(self) -> int:
@@ -180,6 +207,7 @@ class Plan:
     exclusions: tuple[Exclusion, ...]
     problems: tuple[str, ...]  # empty when the plan is feasible
     usable: tuple[tuple[str, int], ...] = ()  # (agent id, usable bytes) of every agent that could work
+    streams: int = 1  # rows whose KV (and prefill) each stage reserves
 
     @property
     def feasible(self) -> bool:
@@ -211,7 +239,7 @@ def plan(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandid
     eligible: list[AgentCandidate] = []
     smallest = _smallest_stage_bytes(model, options)
     for agent in agents:
-        excluded = _screen(agent, options, smallest, model.resident_factor)
+        excluded = _screen(agent, options, smallest, model)
         if excluded is None:
             eligible.append(agent)
         else:
@@ -231,7 +259,8 @@ def plan(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandid
             exclusions.append(_not_needed(agent, best, options))
     problems = () if best is not None else _diagnose(model, agents, eligible, options, unreachable)
     usable = tuple((agent.agent_id, usable_bytes(agent, options)) for agent in eligible)
-    return Plan(model, options.policy, tuple(best or ()), (*exclusions, *unreachable), problems, usable)
+    return Plan(model, options.policy, tuple(best or ()), (*exclusions, *unreachable), problems, usable,
+                options.streams)
 
 
 def render_plan(result: Plan) -> str:
@@ -244,9 +273,13 @@ def render_plan(result: Plan) -> str:
              f"context {model.context} (policy: {result.policy.value.replace('_', ' ')})"]
     if result.feasible:
         lines.append(f"{len(result.stages)} stage(s):")
-        if model.resident_factor != 1.0:
-            lines.append(f"  (total: the weights x{model.resident_factor:g} as a loaded stage holds them, "
-                         "+ KV + runtime)")
+        scratch = sorted({stage.prefill_bytes for stage in result.stages})
+        if model.resident_factor != 1.0 or model.kv_growth != 1.0 or model.kv_precision or any(scratch):
+            held = (f"the weights x{model.resident_factor:g} as held"
+                    if model.resident_factor != 1.0 else "the weights")
+            prefill = (f" + prefill scratch {' / '.join(_gb(size) for size in scratch)} ({model.context} tokens "
+                       f"x {result.streams} stream(s))" if any(scratch) else "")
+            lines.append(f"  (total: {held} + KV{_kv_how(model)}{prefill} + runtime)")
         lines.append(f"  {'#':>2}  {'agent':<14} {'host':<16} {'layers':<9} {'extras':<11} {'weights':>9} "
                      f"{'KV':>9} {'total':>9} {'usable':>9} {'rel.time':>9}")
         slowest = max(stage.relative_time for stage in result.stages)
@@ -289,6 +322,14 @@ def _gb(size: float) -> str:
     return f"{size / GB:.2f} GB"
 
 
+def _kv_how(model: ModelFootprint) -> str:
+    """How the KV figures count the cache, where not as plain tokens' bytes of an unnamed precision."""
+    parts = [model.kv_precision] if model.kv_precision else []
+    if model.kv_growth != 1.0:
+        parts.append(f"x{model.kv_growth:g} as the cache grows")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def _held(factor: float) -> str:
     """How a stage's memory counts its weights, where not as their files' bytes."""
     return "" if factor == 1.0 else f" held x{factor:g}"
@@ -304,10 +345,26 @@ def _share_of_slowest(time: float, slowest: float) -> float:
 
 def _smallest_stage_bytes(model: ModelFootprint, options: PlanOptions) -> int:
     return model.resident(min(model.layer_bytes)) + model.kv_bytes_per_layer(options.streams) \
-        + options.stage_overhead_bytes
+        + min(_per_stage_bytes(model, options), _per_stage_bytes(model, options, first=True))
 
 
-def _screen(agent: AgentCandidate, options: PlanOptions, smallest: int, factor: float) -> Exclusion | None:
+def _chain_stage_bytes(model: ModelFootprint, options: PlanOptions, stages: int) -> int:
+    """The per-stage memory of a chain of `stages` stages (one of them the first)."""
+    return _per_stage_bytes(model, options, first=True) + (stages - 1) * _per_stage_bytes(model, options)
+
+
+def _runtime_parts(model: ModelFootprint, options: PlanOptions) -> str:
+    return "prefill scratch + runtime" if _per_stage_bytes(model, options) > options.stage_overhead_bytes \
+        else "runtime"
+
+
+def _per_stage_bytes(model: ModelFootprint, options: PlanOptions, first: bool = False) -> int:
+    """What a stage (`first`: the first one) holds whatever its layers: the runtime overhead and its largest
+    prefill's scratch."""
+    return options.stage_overhead_bytes + model.prefill_scratch_bytes(options.streams, first)
+
+
+def _screen(agent: AgentCandidate, options: PlanOptions, smallest: int, model: ModelFootprint) -> Exclusion | None:
     if agent.state is AgentState.PAUSED:
         return Exclusion(agent.agent_id, ExclusionReason.PAUSED, "paused (by its user or in its settings)")
     if agent.state is AgentState.UNAVAILABLE:
@@ -325,7 +382,8 @@ def _screen(agent: AgentCandidate, options: PlanOptions, smallest: int, factor: 
         return Exclusion(agent.agent_id, ExclusionReason.TOO_LITTLE_MEMORY,
                          f"too little memory: {_gb(agent.free_memory_bytes)} free, "
                          f"{_gb(usable)} usable after the safety margin, "
-                         f"the smallest stage (one layer{_held(factor)} + KV + runtime) needs "
+                         f"the smallest stage (one layer{_held(model.resident_factor)} + KV + "
+                         f"{_runtime_parts(model, options)}) needs "
                          f"{_gb(smallest)}")
     return None
 
@@ -396,7 +454,7 @@ def _fewest(model: ModelFootprint, eligible: list[AgentCandidate], size: int, op
     whose speeds cannot beat the best split found (the model's work over their sum bounds its slowest stage
     from below) is not split."""
     need = model.resident(sum(model.layer_bytes) + model.embed_bytes + model.head_bytes)
-    need += model.num_layers * model.kv_bytes_per_layer(options.streams) + size * options.stage_overhead_bytes
+    need += model.num_layers * model.kv_bytes_per_layer(options.streams) + _chain_stage_bytes(model, options, size)
     by_memory = sorted(eligible, key=lambda a: -usable_bytes(a, options))
     if sum(usable_bytes(a, options) for a in by_memory[:size]) < need:
         return None  # no subset of this size has the memory
@@ -427,6 +485,7 @@ def _split(model: ModelFootprint, agents: list[AgentCandidate], options: PlanOpt
     layers = model.num_layers
     prefix = [0, *itertools.accumulate(model.layer_bytes)]
     kv_per_layer = model.kv_bytes_per_layer(options.streams)
+    per_stage = (_per_stage_bytes(model, options), _per_stage_bytes(model, options, first=True))
     best: list[list[tuple[float, int] | None]] = [[None] * (layers + 1) for _ in range(len(agents) + 1)]
     back: dict[tuple[int, int], int] = {}  # (agents used, stop layer) -> start layer of that agent's stage
     best[0][0] = (0.0, 0)
@@ -442,7 +501,7 @@ def _split(model: ModelFootprint, agents: list[AgentCandidate], options: PlanOpt
             for k in range(j + 1, layers + 1):
                 weights = model.resident(_weights(model, prefix, j, k))
                 credit = _credit(model, prefix, agent, j, k, options) if agent.hosted else 0
-                if weights + (k - j) * kv_per_layer + options.stage_overhead_bytes > usable + credit:
+                if weights + (k - j) * kv_per_layer + per_stage[j == 0] > usable + credit:
                     if k < layers and not any(first == j and stop > k for first, stop in agent.hosted):
                         break  # more layers only need more memory (unless a hosted range is counted back)
                     continue
@@ -522,8 +581,9 @@ def _stage(model: ModelFootprint, prefix: list[int], agent: AgentCandidate, star
     kv = (stop - start) * model.kv_bytes_per_layer(options.streams)
     time = _work(model, prefix, start, stop) / agent.speed
     return Stage(agent.agent_id, start, stop, start == 0, stop == model.num_layers, weights, kv,
-                 model.resident(weights) + kv + options.stage_overhead_bytes, usable_bytes(agent, options), time,
-                 agent.hostname)
+                 model.resident(weights) + kv + _per_stage_bytes(model, options, start == 0),
+                 usable_bytes(agent, options), time, agent.hostname,
+                 model.prefill_scratch_bytes(options.streams, start == 0))
 
 
 def _not_needed(agent: AgentCandidate, stages: list[Stage], options: PlanOptions) -> Exclusion:
@@ -550,13 +610,15 @@ def _diagnose(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentC
         return (f"none of the {len(agents)} agent(s) that answered can take work{silent} (see the agents left out)",)
     kv_total = model.num_layers * model.kv_bytes_per_layer(options.streams)
     weights = model.resident(sum(model.layer_bytes) + model.embed_bytes + model.head_bytes)
-    need = weights + kv_total + len(eligible) * options.stage_overhead_bytes
+    need = weights + kv_total + _chain_stage_bytes(model, options, len(eligible))
     have = sum(usable_bytes(agent, options) for agent in eligible)
     if have < need:
+        scratch = model.prefill_scratch_bytes(options.streams)
+        per_stage = f"prefill scratch {_gb(scratch)} + " if scratch else ""  # the first stage's may differ
         return (f"memory short by {_gb(need - have)}: the model needs {_gb(need)} "
-                f"({_gb(weights)} weights{_held(model.resident_factor)} + {_gb(kv_total)} KV for "
+                f"({_gb(weights)} weights{_held(model.resident_factor)} + {_gb(kv_total)} KV{_kv_how(model)} for "
                 f"{options.streams} stream(s) at context "
-                f"{model.context} + runtime {_gb(options.stage_overhead_bytes)} per stage) and the "
+                f"{model.context} + {per_stage}runtime {_gb(options.stage_overhead_bytes)} per stage) and the "
                 f"{len(eligible)} usable agent(s) have {_gb(have)} after safety margins{silent}",)
     return (f"the {len(eligible)} usable agent(s) have {_gb(have)} for {_gb(need)} in all, but no split into "
             "contiguous layer ranges fits each agent (the embed/head or the largest layers do not fit "

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -114,8 +115,11 @@ def model_id_of(model_dir: Path) -> str:
     return f"{load_manifest(model_dir).model_name}@{digest[:12]}"
 
 
-def footprint_of(manifest: Manifest, device: str = "CPU") -> ModelFootprint:
-    """The planner's view of an export: its bytes, and on a CPU the head's work priced by parameters.
+def footprint_of(manifest: Manifest, device: str = "CPU", precision: Precision = Precision.DEVICE_DEFAULT,
+                 kv_cache: str | None = None) -> ModelFootprint:
+    """The planner's view of an export deployed with `precision` and `kv_cache` (as `deploy` takes them): its
+    bytes, on a CPU the head's work priced by parameters, and its KV cache and prefill scratch as the stages
+    will hold them (see kv_cache_precision, kv_cache_bytes_per_token_per_layer, KV_GROWTH, PREFILL_SCRATCH).
 
     On the CPU plugin a decode step's time follows the parameters multiplied (unpacking INT4 weights, not
     reading them, sets the pace), and the INT8 head costs about what its parameters would at the layers'
@@ -131,8 +135,60 @@ def footprint_of(manifest: Manifest, device: str = "CPU") -> ModelFootprint:
     if device_kind(device) == "CPU":
         bytes_per_parameter = sum(manifest.layer_bytes) / (spec.num_layers * spec.layer_parameters)
         head_work = spec.head_parameters * bytes_per_parameter
+    kv = kv_cache_precision(precision, device, kv_cache)
+    on_cpu = device_kind(device) == "CPU"
+    growth = (KV_GROWTH_F32 if kv == "f32" else KV_GROWTH) if on_cpu else 1.0
+    width = spec.hidden_size + spec.intermediate_size
+    scratch, first_scratch = (math.ceil(PREFILL_SCRATCH * width), math.ceil(PREFILL_SCRATCH_FIRST * width)) \
+        if on_cpu else (0, 0)
     return ModelFootprint(manifest.model_name, manifest.layer_bytes, manifest.embed_bytes, manifest.head_bytes,
-                          spec.kv_bytes_per_token_per_layer(), spec.max_context, head_work, resident_factor(device))
+                          kv_cache_bytes_per_token_per_layer(manifest, kv), spec.max_context, head_work,
+                          resident_factor(device), growth, scratch, kv or "the device's own, counted as f32",
+                          first_scratch)
+
+
+def kv_cache_precision(precision: Precision, device: str, kv_cache: str | None) -> str | None:
+    """The KV cache precision the agents will compile a stage with (agent/core.py, agent/stage.py): the one
+    named; f32 for --precision f32; else (the fast precision) the device's own, u8 on a CPU. None: a device's
+    own that is not known here (GPU, NPU...). A fleet's stages never switch to f32 for drafting: the draft runs
+    on the controller, and the stages keep what the deploy said."""
+    if kv_cache is not None:
+        return kv_cache
+    if precision is Precision.F32:
+        return "f32"
+    return "u8" if device_kind(device) == "CPU" else None
+
+
+KV_SCALE_BYTES = 8  # u8: a f32 scale and zero point for every token of every KV head, keys and values each
+
+
+def kv_cache_bytes_per_token_per_layer(manifest: Manifest, kv_cache: str | None) -> int:
+    """The bytes one token takes in one layer's KV cache of precision `kv_cache` (None: counted as f32).
+
+    u8 stores each head's key (and value) of a token as head_dim bytes plus its f32 scale and zero point
+    (the CPU plugin's scaled_attn: scale_zp [L, B, H, 2]): 72 bytes for head_dim 64, 1.125 a value."""
+    spec = manifest.spec
+    if kv_cache == "u8":
+        return 2 * spec.num_kv_heads * (spec.head_dim + KV_SCALE_BYTES)
+    return spec.kv_bytes_per_token_per_layer(2 if kv_cache in ("f16", "bf16") else 4)
+
+
+# The CPU plugin grows a KV cache by reallocating it at twice the tokens it must hold whenever it is full
+# (scaled_attn's updatePastkv: (L0 + L1) * 2), so at the full context it may hold up to 2x; the allocator
+# keeps some of the smaller caches it outgrew besides. Measured (170M INT4, 12 layers, context 2048, decoded
+# one token a call to 2048): f32 99.3 MB of anonymous memory for 50.3 MB of tokens (1.97x); u8 35.2 MB for
+# 14.2 MB with 1 row (2.49x), 133.5 MB for 56.6 MB with 4 rows (2.36x). f16 / bf16 not measured: as u8.
+KV_GROWTH_F32 = 2.0
+KV_GROWTH = 2.5
+# The scratch a CPU stage keeps after a prefill (the plugin keeps the buffers of its largest call), per token
+# of the call and per unit of hidden_size + intermediate_size, at its peak during the call, less the KV cache.
+# Measured (one thread; two the same): a stage fed hidden states, 170M (1024 + 2816) layers [4:8) after 2048
+# tokens 335 MB (42.6 bytes), [8:12) with the head 318 MB (40.5), 1024 tokens 163 MB (41.4); 1.1B-shaped
+# (2048 + 8192) layers [4:12), 1024 tokens 439 MB (41.8). The first stage (fed token ids): 170M [0:4) 258 MB
+# (32.8), the whole 170M 242 MB (30.8), the whole 330M as the 170M (it does not grow with the layers), the whole
+# 1.1B 315 MB (30.0), the demo target (384 + 1024) 48 MB (33.1). 4 rows of 512 tokens took what 1 of 2048 did.
+PREFILL_SCRATCH = 44.0
+PREFILL_SCRATCH_FIRST = 34.0
 
 
 CPU_RESIDENT_FACTOR = 1.3
@@ -213,7 +269,8 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
     manifest = load_manifest(model_dir)
     model_id = model_id_of(model_dir)
     _deployments(store)  # a damaged file is named now, not after every byte was sent
-    result = plan_survey(footprint_of(manifest, device), found, options, exclude, model_id=model_id)
+    result = plan_survey(footprint_of(manifest, device, precision, kv_cache), found, options, exclude,
+                         model_id=model_id)
     if not result.feasible:
         answered = any(agent.agent_id not in exclude for agent in found.reachable())
         unreachable = any(e.reason is ExclusionReason.UNREACHABLE for e in result.exclusions)
