@@ -1,4 +1,5 @@
-"""Announce this agent on the LAN: zeroconf `_deskfleet._tcp.local.` with the AgentRecord as TXT.
+"""Announce this agent on the LAN: zeroconf `_deskfleet._tcp.local.` with the AgentRecord as TXT (and
+`fleet serve` the controller, `_deskfleet-ctl._tcp.local.` with its ControllerRecord, the same way).
 
 mDNS goes out only on the interfaces given (their IP addresses); nothing is sent elsewhere. The agent
 core must:
@@ -13,19 +14,23 @@ Corporate Wi-Fi often drops multicast: the agent also registers with the control
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import socket
 from collections.abc import Sequence
 from types import TracebackType
+from typing import Generic, TypeVar
 
 import psutil
 from zeroconf import IPVersion
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord
+from deskfleet.common.discovery_record import AgentRecord, ControllerRecord
 
 logger = logging.getLogger(__name__)
+
+Record = TypeVar("Record", AgentRecord, ControllerRecord)
 
 
 def interface_addresses(include_loopback: bool = False) -> list[str]:
@@ -42,13 +47,55 @@ def interface_addresses(include_loopback: bool = False) -> list[str]:
     return sorted(found, key=ipaddress.IPv4Address)
 
 
-class Advertiser:
-    """One agent's mDNS advertisement on `addresses` (the IPs it listens on and announces).
+async def advertised_addresses(host: str) -> list[str]:
+    """The addresses to announce for a listen host: every interface's for a wildcard, none for loopback, a
+    host name's resolved addresses (none when it does not resolve)."""
+    return (await addresses_to_advertise(host))[0]
+
+
+async def addresses_to_advertise(host: str) -> tuple[list[str], str]:
+    """(the addresses to announce for a listen host now, why there are none when there are none)."""
+    if host in ("0.0.0.0", "::", ""):
+        return interface_addresses(), "this PC has no network address yet"
+    try:
+        return ([], f"listening on {host} only") if ipaddress.ip_address(host).is_loopback else ([host], "")
+    except ValueError:  # a host name
+        pass
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as error:
+        return [], f"{host} does not resolve ({error})"
+    resolved = sorted({str(info[4][0]) for info in infos})
+    return [address for address in resolved if not ipaddress.ip_address(address).is_loopback], \
+        f"{host} resolves to loopback addresses only"
+
+
+def never_changes(host: str) -> bool:
+    """Whether the addresses to announce for a listen host are fixed: an IP address's are (a wildcard's follow
+    the interfaces, a host name's its resolution)."""
+    try:
+        return not ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def ip_version_of(addresses: Sequence[str]) -> IPVersion:
+    """The zeroconf IP version that covers `addresses` (IP address strings)."""
+    versions = {ipaddress.ip_address(address).version for address in addresses}
+    if versions == {4}:
+        return IPVersion.V4Only
+    if versions == {6}:
+        return IPVersion.V6Only
+    return IPVersion.All
+
+
+class Advertiser(Generic[Record]):
+    """One agent's (or controller's) mDNS advertisement on `addresses` (the IPs it listens on and announces).
 
     `interfaces` defaults to `addresses`: mDNS traffic is bound to exactly those interfaces.
     """
 
-    def __init__(self, record: AgentRecord, port: int, addresses: Sequence[str],
+    def __init__(self, record: Record, port: int, addresses: Sequence[str],
                  interfaces: Sequence[str] | None = None) -> None:
         if not addresses:
             raise ValueError("an advertisement needs at least one address")
@@ -57,18 +104,18 @@ class Advertiser:
             raise ValueError(f"advertise concrete addresses, not {addresses}; see interface_addresses()")
         if not 0 < port < 65536:
             raise ValueError(f"port {port} is outside 1..65535")
-        self._record = record.coarse()
+        self._record: Record = record.coarse()
         self._port = port
         self._addresses = [ip.packed for ip in parsed]
         self._interfaces = list(interfaces) if interfaces is not None else [str(ip) for ip in parsed]
-        self._ip_version = _ip_version(parsed)
+        self._ip_version = ip_version_of([str(ip) for ip in parsed])
         self._zeroconf: AsyncZeroconf | None = None
         self._info: AsyncServiceInfo | None = None
 
     # Public methods
 
     @property
-    def record(self) -> AgentRecord:
+    def record(self) -> Record:
         """The record as last announced (free memory rounded)."""
         return self._record
 
@@ -79,12 +126,13 @@ class Advertiser:
         self._zeroconf = AsyncZeroconf(interfaces=self._interfaces, ip_version=self._ip_version)
         self._info = self._service_info()
         await (await self._zeroconf.async_register_service(self._info))  # the inner task: probing done
-        logger.info("advertising agent %s… on %s port %d", self._record.agent_id[:12], self._interfaces, self._port)
+        logger.info("advertising %s %s… on %s port %d", _what(self._record), self._record.instance_name[:12],
+                    self._interfaces, self._port)
 
-    async def update(self, record: AgentRecord) -> bool:
+    async def update(self, record: Record) -> bool:
         """Announce `record` if its TXT differs from the last one; returns True when it sent an update."""
-        if record.agent_id != self._record.agent_id:
-            raise ValueError("an advertiser announces one agent; make a new one for another id")
+        if record.instance_name != self._record.instance_name:
+            raise ValueError("an advertiser announces one agent (or controller); make a new one for another id")
         coarse = record.coarse()
         if coarse == self._record:
             return False
@@ -107,7 +155,7 @@ class Advertiser:
         finally:
             await zeroconf.async_close()
 
-    async def __aenter__(self) -> Advertiser:
+    async def __aenter__(self) -> Advertiser[Record]:
         await self.start()
         return self
 
@@ -119,19 +167,14 @@ class Advertiser:
 
     def _service_info(self) -> AsyncServiceInfo:
         return AsyncServiceInfo(
-            SERVICE_TYPE,
+            self._record.service_type,
             self._record.instance_name,
             addresses=self._addresses,
             port=self._port,
             properties=self._record.to_txt(),
-            server=f"df-{self._record.agent_id[:16]}.local.",
+            server=self._record.server_name,
         )
 
 
-def _ip_version(addresses: Sequence[ipaddress.IPv4Address | ipaddress.IPv6Address]) -> IPVersion:
-    versions = {ip.version for ip in addresses}
-    if versions == {4}:
-        return IPVersion.V4Only
-    if versions == {6}:
-        return IPVersion.V6Only
-    return IPVersion.All
+def _what(record: AgentRecord | ControllerRecord) -> str:
+    return "agent" if isinstance(record, AgentRecord) else "controller"

@@ -11,19 +11,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import ipaddress
 import logging
 import signal
-import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 from pathlib import Path
 
-from deskfleet.agent.advertise import Advertiser, interface_addresses
+from deskfleet.agent.advertise import Advertiser, addresses_to_advertise, interface_addresses, never_changes
+from deskfleet.agent.controller_search import find_controller
 from deskfleet.agent.core import AgentCore
-from deskfleet.agent.enroll import EnrollmentError, Membership, agent_tls_files
+from deskfleet.agent.enroll import MEMBERSHIP_FILE, EnrollmentError, Membership, agent_tls_files
 from deskfleet.agent.link import Link, LinkError, LinkRefused, open_link, start_server, utc_now
 from deskfleet.agent.monitor import HostMonitor, SystemMonitor
 from deskfleet.agent.paths import AgentPaths, AgentSettings, device_targets, load_settings
@@ -43,6 +42,10 @@ REGISTERED_STABLE_S = 30.0  # a controller link that lasted this long resets the
 LOCK_FILE = "agent.lock"  # in the state folder: one agent per data dir
 REVOCATIONS_FILE = "revoked.json"  # in the state folder: the controller's last list of removed agents
 ADVERTISE_REFRESH_S = 10.0
+# While no address of the membership answers, `fleet serve`'s mDNS announcement is looked for at most this often
+# (each look takes up to controller_search.SEARCH_S); a controller found there is saved first in membership.json.
+CONTROLLER_SEARCH_INTERVAL_S = 30.0
+SAVED_CONTROLLER_ADDRESSES = 4  # addresses membership.json keeps: the newest found, then the older ones
 IDLE_SWEEP_S = 60.0  # how often micro-batches left behind by a vanished driver are looked for
 LIMITS_CHECK_S = 2.0  # how often a serving agent reads its sensors against the employee's limits
 CERTIFICATE_CHECK_S = 86400.0  # how often (after start) the certificate and the CA are checked for their end
@@ -79,6 +82,8 @@ class AgentService:
                               revocations_file=self.paths.state_dir / REVOCATIONS_FILE,
                               opt_out_dir=self.paths.state_dir)
         self.bound_port: int | None = None
+        # the interfaces to look for a moved controller on (mDNS); tests give loopback's
+        self.controller_search_interfaces: Callable[[], list[str]] = interface_addresses
         self._outage = _Outage()  # registration attempts failing since the controller link was lost
         self._stopping = asyncio.Event()
 
@@ -187,12 +192,12 @@ class AgentService:
 
         failed: list[str] | None = None  # the addresses an advertisement failed on, until they change
         while self.bound_port is not None:
-            addresses, why_none = await _addresses_to_advertise(host)
+            addresses, why_none = await addresses_to_advertise(host)
             if not addresses or addresses == failed:
                 if not addresses:  # a host name that does not resolve is a warning; no network yet is not
-                    say(logging.INFO if _never_changes(host) or host in ("0.0.0.0", "::", "") else logging.WARNING,
+                    say(logging.INFO if never_changes(host) or host in ("0.0.0.0", "::", "") else logging.WARNING,
                         f"not advertising over mDNS: {why_none}")
-                    if _never_changes(host):
+                    if never_changes(host):
                         return
                 await asyncio.sleep(ADVERTISE_REFRESH_S)
                 continue
@@ -206,7 +211,7 @@ class AgentService:
                     said = None
                     while True:
                         await asyncio.sleep(ADVERTISE_REFRESH_S)
-                        now, _ = await _addresses_to_advertise(host)
+                        now, _ = await addresses_to_advertise(host)
                         if now != addresses:
                             log.info("this PC's addresses changed from %s to %s: advertising again",
                                      ", ".join(addresses), ", ".join(now) or "none")
@@ -218,7 +223,7 @@ class AgentService:
                 say(logging.WARNING, f"mDNS advertisement failed at {', '.join(addresses)}: {error}; tried again "
                                      "when this PC's addresses change")
                 failed = addresses
-                if _never_changes(host):
+                if never_changes(host):
                     return
 
     async def _check_certificates_forever(self) -> None:
@@ -279,11 +284,14 @@ class AgentService:
         delay = RETRY_MIN_S
         told_removed = False
         self._outage = outage = _Outage()
+        search_after = 0.0  # time.monotonic() of the next look for a moved controller over mDNS
         while True:
+            answered = False  # whether the controller answered at an address this pass (a 403 too: it is there)
             for address in self.membership.controller_addresses:
                 try:
                     link = await open_link(address, self.files, expected_agent_id=self.membership.controller_id)
                 except LinkRefused as error:
+                    answered = answered or error.status == HTTPStatus.FORBIDDEN
                     expired = [text for ran_out, text in self._certificate_notices(utc_now()) if ran_out] \
                         if error.status == HTTPStatus.FORBIDDEN and not told_removed else []
                     if expired:  # not removed: the controller refuses a certificate (or a CA) that ran out
@@ -301,12 +309,49 @@ class AgentService:
                     outage.failed(error)
                     continue
                 told_removed = False
+                answered = True
                 started = time.monotonic()
                 await self._registered(link)
                 if time.monotonic() - started >= REGISTERED_STABLE_S:
                     delay = RETRY_MIN_S  # a link that closes at once (e.g. another agent of this id) backs off
+            if not answered and time.monotonic() >= search_after:
+                search_after = time.monotonic() + CONTROLLER_SEARCH_INTERVAL_S
+                moved = await self._find_moved_controller()
+                if moved is not None:
+                    told_removed = False
+                    await self._registered(moved)
+                    delay = RETRY_MIN_S
+                    continue  # its address is the membership's first now
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX_S)
+
+    async def _find_moved_controller(self) -> Link | None:
+        """A link to this fleet's controller at an address its mDNS announcement gives and the membership does
+        not list (the controller got a new address, or its data dir moved to another PC), saved first in
+        membership.json; None when there is none. TLS pins the controller id, so a false announcement costs
+        one failed dial."""
+        membership = self.membership
+        found = await find_controller(membership.fleet_id, membership.controller_id,
+                                      self.controller_search_interfaces())
+        for address in found:
+            if address in membership.controller_addresses:
+                continue
+            try:
+                link = await open_link(address, self.files, expected_agent_id=membership.controller_id)
+            except LinkError as error:
+                log.info("the controller's mDNS announcement gives %s, which did not answer: %s", address, error)
+                continue
+            self.membership = replace(membership, controller_addresses=(
+                address, *membership.controller_addresses)[:SAVED_CONTROLLER_ADDRESSES])
+            try:
+                self.membership.save(self.paths.state_dir)
+                saved = f"saved first in {self.paths.state_dir / MEMBERSHIP_FILE}"
+            except OSError as error:
+                saved = f"not saved ({error}): used until this agent stops"
+            log.warning("the controller no longer answers at %s; its mDNS announcement gives %s, where it "
+                        "answered: that address is %s", ", ".join(membership.controller_addresses), address, saved)
+            return link
+        return None
 
     async def _registered(self, link: Link) -> None:
         """Say where we listen, then serve the link like any controller link until it closes."""
@@ -375,38 +420,6 @@ class _Outage:
         if since is None or not attempts:
             return ""
         return f" (after {attempts} failed attempt{'s' if attempts != 1 else ''} over {time.monotonic() - since:.0f} s)"
-
-
-async def _advertised_addresses(host: str) -> list[str]:
-    """The addresses to announce for a listen host: every interface's for a wildcard, none for loopback, a
-    host name's resolved addresses (none when it does not resolve)."""
-    return (await _addresses_to_advertise(host))[0]
-
-
-async def _addresses_to_advertise(host: str) -> tuple[list[str], str]:
-    """(the addresses to announce for a listen host now, why there are none when there are none)."""
-    if host in ("0.0.0.0", "::", ""):
-        return interface_addresses(), "this PC has no network address yet"
-    try:
-        return ([], f"listening on {host} only") if ipaddress.ip_address(host).is_loopback else ([host], "")
-    except ValueError:  # a host name
-        pass
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError as error:
-        return [], f"{host} does not resolve ({error})"
-    resolved = sorted({str(info[4][0]) for info in infos})
-    return [address for address in resolved if not ipaddress.ip_address(address).is_loopback], \
-        f"{host} resolves to loopback addresses only"
-
-
-def _never_changes(host: str) -> bool:
-    """Whether the addresses to announce for a listen host are fixed: an IP address's are (a wildcard's follow
-    the interfaces, a host name's its resolution)."""
-    try:
-        return not ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        return False
 
 
 class _Stop(Exception):

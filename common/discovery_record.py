@@ -1,4 +1,5 @@
-"""The agent's discovery record: what its `_deskfleet._tcp.local.` TXT record says, and how to read it.
+"""The discovery records: what an agent's `_deskfleet._tcp.local.` TXT record says (AgentRecord), what the
+controller's `_deskfleet-ctl._tcp.local.` one says (ControllerRecord), and how to read them.
 
 Pure code, shared by the agent's advertiser and the controller's browser. The mDNS instance name is the
 agent id itself (52 characters, one DNS label), so a goodbye names the agent that left. TXT values are
@@ -23,6 +24,10 @@ from deskfleet.common.devices import device_kind
 from deskfleet.common.wire_messages import PROTOCOL_VERSION, is_agent_id
 
 SERVICE_TYPE = "_deskfleet._tcp.local."
+# `fleet serve` announces itself so that an agent whose join-token address no longer answers (the controller got
+# a new DHCP lease, or moved to another PC with its data dir) can find it again; the TLS link then checks that
+# the peer holds the controller key the agent pinned at join, so an announcement proves nothing by itself.
+CONTROLLER_SERVICE_TYPE = "_deskfleet-ctl._tcp.local."
 MEMORY_STEP_BYTES = 256 << 20  # advertised free memory is rounded down to this, so TXT churns less
 TXT_STRING_MAX_BYTES = 255  # one TXT string, "key=value": its length travels in one byte
 TXT_RECORD_MAX_BYTES = 512  # the whole TXT record to_txt makes, length bytes included, at most
@@ -62,6 +67,14 @@ class AgentRecord:
     def instance_name(self) -> str:
         return instance_name(self.agent_id)
 
+    @property
+    def service_type(self) -> str:
+        return SERVICE_TYPE
+
+    @property
+    def server_name(self) -> str:
+        return f"df-{self.agent_id[:16]}.local."
+
     def coarse(self) -> AgentRecord:
         """This record with free memory rounded down to MEMORY_STEP_BYTES (what the advertiser sends)."""
         memory = self.free_memory_bytes - self.free_memory_bytes % MEMORY_STEP_BYTES
@@ -94,6 +107,48 @@ class AgentRecord:
             raise RecordError(f"TXT key 'state' is not an agent state: {text['state']!r}") from None
         devices = tuple(device for device in text["dev"].split(",") if device)
         return cls(text["id"], text["fleet"], text["ver"], devices, int(text["mem"]), state, int(text["proto"]))
+
+
+@dataclass(frozen=True)
+class ControllerRecord:
+    """A controller as discovery sees it: which fleet it serves and the identity in its certificate (the
+    agent-id form of its public key). Addresses and port travel in the SRV/A records."""
+
+    controller_id: str
+    fleet_id: str
+    protocol_version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        _require(is_agent_id(self.controller_id), "id", "is not a controller id")
+        _require(_FLEET_ID.fullmatch(self.fleet_id) is not None, "fleet", "is not 16 hex characters")
+        _require(0 <= self.protocol_version <= MAX_PROTOCOL_VERSION, "proto", "is out of range")
+
+    @property
+    def instance_name(self) -> str:
+        return f"{self.controller_id}.{CONTROLLER_SERVICE_TYPE}"
+
+    @property
+    def service_type(self) -> str:
+        return CONTROLLER_SERVICE_TYPE
+
+    @property
+    def server_name(self) -> str:
+        return f"dfc-{self.controller_id[:16]}.local."
+
+    def coarse(self) -> ControllerRecord:
+        return self  # nothing in it changes while `fleet serve` runs
+
+    def to_txt(self) -> dict[str, str]:
+        return {"id": self.controller_id, "fleet": self.fleet_id, "proto": str(self.protocol_version)}
+
+    @classmethod
+    def from_txt(cls, properties: Mapping[bytes, bytes | None] | Mapping[str, str]) -> ControllerRecord:
+        """Parse TXT properties (hostile input: anyone on the LAN can announce); RecordError when malformed."""
+        text = {_decode(key, "key"): _decode(value, str(key)) for key, value in properties.items()}
+        for key in ("id", "fleet", "proto"):
+            _require(key in text, key, "is missing")
+        _require(text["proto"].isdigit(), "proto", "is not a number")
+        return cls(text["id"], text["fleet"], int(text["proto"]))
 
 
 def advertised_devices(devices: tuple[str, ...]) -> tuple[str, ...]:

@@ -10,19 +10,25 @@ One serve runs per data dir: it holds the data dir's serve lock (a second one re
 `fleet remove` (another process) rewrites revoked.json; the watcher here notices within
 REVOCATION_POLL_S, closes the removed agent's link at once and sends every other agent the new
 RevocationUpdate (also sent right after each registration), so agents refuse the removed one too.
+It also announces itself over mDNS (`_deskfleet-ctl._tcp.local.`, its fleet and controller id) at the addresses
+it listens on, announced again when they change: an agent whose join-token address stops answering looks there
+(agent/controller_search.py). Announcing is a help, not a duty: where multicast fails it is logged and serving
+goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from websockets.asyncio.server import ServerConnection
 
+from deskfleet.agent.advertise import Advertiser, addresses_to_advertise, never_changes
 from deskfleet.agent.link import Link, LinkError, start_server, utc_now
 from deskfleet.common import pki
+from deskfleet.common.discovery_record import ControllerRecord
 from deskfleet.common.wire import ErrorCode, Register, RevocationUpdate, Role, parse_address
 from deskfleet.controller.fleet_ca import Revocations, serve_enrollment
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry
@@ -35,6 +41,7 @@ REGISTER_TIMEOUT_S = 10.0
 # that register within a second or two of a restart wrote (and fsynced) the whole roster once each, 28 MB in all,
 # on the event loop that their handshakes waited for.
 ROSTER_BATCH_S = 0.05
+ANNOUNCE_REFRESH_S = 10.0  # how often the addresses announced over mDNS are compared with the PC's (as agents do)
 
 
 class ListenError(RuntimeError):
@@ -45,11 +52,16 @@ class FleetServer:
     """The controller's enrollment + registration endpoint. `run()` serves until `stop()`."""
 
     def __init__(self, store: FleetStore, listen: str,
-                 on_change: Callable[[dict[str, tuple[str, ...]]], None] | None = None) -> None:
+                 on_change: Callable[[dict[str, tuple[str, ...]]], None] | None = None,
+                 announce_at: Callable[[], Awaitable[tuple[list[str], str]]] | None = None) -> None:
+        """announce_at: the addresses to announce over mDNS now (and why none); default: those of the listen
+        host (every interface's for 0.0.0.0, none for loopback). Tests pass loopback's."""
         store.require_initialised()
-        parse_address(listen)
+        host, _ = parse_address(listen)
         self.store = store
         self.listen = listen
+        self._announce_at = announce_at or (lambda: addresses_to_advertise(host))
+        self._announcement_fixed = announce_at is None and never_changes(host)
         self.revocations = Revocations(store)
         try:  # a lost or damaged list of removed agents stops the server before it serves
             self._revoked_at_start = self.revocations()
@@ -88,13 +100,49 @@ class FleetServer:
         log.info("controller listening on %s:%d", host, self.bound_port)
         async with server, asyncio.TaskGroup() as tasks:
             watcher = tasks.create_task(self._watch_revocations(), name="revocations")
+            announcer = tasks.create_task(self._announce_forever(), name="mdns")
             await self._stopping.wait()
             watcher.cancel()
+            announcer.cancel()
         if self._next_write is not None:  # registrations not written yet: now, not never
             self._next_write.cancel()
             await self._write_roster()
         for link in list(self.live.values()):
             await link.close()
+
+    async def _announce_forever(self) -> None:
+        """Announce this controller at the addresses `announce_at` gives, again whenever they change (looked at
+        every ANNOUNCE_REFRESH_S); each state is logged once, and nothing here stops `fleet serve`."""
+        try:
+            identity = self.store.tls_files.own_identity()
+            record = ControllerRecord(identity.agent_id, pki.fleet_id(self.store.tls_files.ca_certificate()))
+        except Exception as error:  # a damaged credential is the links' to report; announcing just stops
+            log.warning("not announcing the controller over mDNS: %s", error)
+            return
+        said: str | None = None
+        failed: list[str] | None = None  # the addresses an announcement failed on, until they change
+        while self.bound_port is not None:
+            addresses, why_none = await self._announce_at()
+            if not addresses or addresses == failed:
+                if not addresses and said != why_none:
+                    said = why_none
+                    log.info("not announcing the controller over mDNS: %s", why_none)
+                if self._announcement_fixed:
+                    return
+                await asyncio.sleep(ANNOUNCE_REFRESH_S)
+                continue
+            failed = None
+            try:
+                async with Advertiser(record, self.bound_port, addresses):  # logs where
+                    said = None
+                    while (await self._announce_at())[0] == addresses:
+                        await asyncio.sleep(ANNOUNCE_REFRESH_S)
+                log.info("this PC's addresses changed from %s: announcing the controller again", ", ".join(addresses))
+            except OSError as error:  # no multicast here: agents still reach the addresses in their tokens
+                log.warning("mDNS announcement of the controller failed at %s: %s", ", ".join(addresses), error)
+                failed = addresses
+                if self._announcement_fixed:
+                    return
 
     async def _enroll(self, connection: ServerConnection) -> None:
         await serve_enrollment(connection, self.store)

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from deskfleet.agent import advertise as advertise_module
 from deskfleet.agent import service as service_module
 from deskfleet.agent.paths import AgentSettings
 from deskfleet.agent.service import AgentService
@@ -64,7 +65,7 @@ def advertise_while(addresses_over_time: list[list[str]], monkeypatch: pytest.Mo
 
     monkeypatch.setattr(service_module, "Advertiser", FakeAdvertiser)
     monkeypatch.setattr(service_module, "ADVERTISE_REFRESH_S", 0.0)
-    monkeypatch.setattr(service_module, "interface_addresses", interface_addresses)
+    monkeypatch.setattr(advertise_module, "interface_addresses", interface_addresses)
     FakeAdvertiser.events = []
     service = AgentService.__new__(AgentService)
     service.settings = AgentSettings()

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import pytest
 
 from deskfleet.agent import service as service_module
+from deskfleet.agent.advertise import advertised_addresses
 from deskfleet.agent.paths import AgentSettings
 from deskfleet.agent.service import AgentService
 from deskfleet.common.agent_state import AgentState
@@ -112,9 +113,9 @@ def test_a_second_agent_on_the_same_data_dir_refuses_to_start(tmp_path: Path) ->
 
 def test_a_listen_host_name_is_advertised_as_what_it_resolves_to(caplog: pytest.LogCaptureFixture) -> None:
     # `--listen localhost:17433` passed every check, then ipaddress.ip_address("localhost") killed the agent.
-    assert asyncio.run(service_module._advertised_addresses("localhost")) == []  # loopback: not announced
-    assert asyncio.run(service_module._advertised_addresses("10.99.0.1")) == ["10.99.0.1"]
-    assert asyncio.run(service_module._advertised_addresses("no-such-host.invalid")) == []
+    assert asyncio.run(advertised_addresses("localhost")) == []  # loopback: not announced
+    assert asyncio.run(advertised_addresses("10.99.0.1")) == ["10.99.0.1"]
+    assert asyncio.run(advertised_addresses("no-such-host.invalid")) == []
 
 
 def test_a_registration_that_closes_at_once_backs_off(monkeypatch: pytest.MonkeyPatch) -> None:
