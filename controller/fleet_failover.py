@@ -9,6 +9,15 @@ every unfinished stream with its prompt and the tokens it had, so the output is 
 run gives. The new plan is saved as the model's deployment. After `max_failovers` re-plans in one run,
 or when the model no longer fits the PCs that are left, it raises FailoverError naming what was lost
 and why no new chain could be made.
+
+A blame is checked before it costs a PC (_check_blame), against the survey the re-plan makes anyway (no
+extra dial, no extra wait): a stage's word that another PC is at fault (its next hop unreachable, or an
+earlier stage's error it relayed) stands only when the controller cannot reach that PC either. Where the
+accused answers and still hosts its stage, it is kept; an accusation of the reporter's own next hop then
+leaves the reporter out (the link between the two, or the reporter, is at fault: a firewall between two
+desks), and a relayed one, whose maker cannot be told, leaves no one out. A PC the controller saw fail
+itself (its link closed) that answers the survey (restarted, or a moment's network fault) is kept once per
+run. A stage's blame of itself (it gave its stages up) is taken at its word.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from pathlib import Path
 
 from deskfleet.common import event_loop
 from deskfleet.common.planner import PlanOptions
+from deskfleet.common.wire import StageRef
 from deskfleet.controller.engine import ChainBroken
 from deskfleet.controller.fleet_ca import Revocations
 from deskfleet.controller.fleet_deploy import (
@@ -29,10 +39,11 @@ from deskfleet.controller.fleet_deploy import (
     deploy,
     load_deploy_settings,
     load_deployment,
+    model_id_of,
 )
 from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
 from deskfleet.controller.fleet_store import FleetStore
-from deskfleet.controller.fleet_survey import SurveyOptions, survey
+from deskfleet.controller.fleet_survey import Survey, SurveyOptions, survey
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +66,15 @@ class FleetFailover:
     chains: list[FleetPipeline] = field(default_factory=list)
     run_start: int = 0  # how many of `chains` came before this run (a chat's reply): the budget is per run
     replans: list[dict[str, object]] = field(default_factory=list)  # what broke, and the chain made after it
+    kept: set[str] = field(default_factory=set)  # blamed in this run, kept because they answered (once each)
+    _blame: ChainError | None = field(default=None, repr=False)  # the blame the re-plan under way checks
+    _left_out: str | None = field(default=None, repr=False)  # whom that check left out
+    _verdict: str | None = field(default=None, repr=False)  # what that check found, in words
 
     def __call__(self, error: ChainBroken) -> FleetPipeline:
         # the controller's own observation (a link closed, an agent not dialled) or a blame the chain checked
-        # against the reporting stage's place in it (FleetPipeline._accepted_blame): never a bystander's id
+        # against the reporting stage's place in it (FleetPipeline._accepted_blame): never a bystander's id.
+        # Left out until the re-plan's survey has checked it (_check_blame).
         agent_id = error.agent_id if isinstance(error, ChainError) else None
         if agent_id is not None:
             self.lost.add(agent_id)
@@ -67,19 +83,26 @@ class FleetFailover:
             raise FailoverError(f"{error} (gave up: {replans} re-plan(s) already in this run, "
                                 f"--max-failovers {self.max_failovers})") from error
         started = time.perf_counter()
+        self._blame = error if isinstance(error, ChainError) and agent_id is not None else None
+        self._left_out, self._verdict = agent_id, None
         try:
             report = event_loop.run(self._redeploy())
             chain = FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store),
                                   model_id=report.model_id)
         except (DeployError, ChainError) as failure:
-            raise FailoverError(f"{error}; no new chain without the lost agent(s): {failure} (what to do: bring the "
-                                "lost PC back, or join more PCs, then run this again)") from error
+            checked = f" ({self._verdict})" if self._verdict else ""
+            raise FailoverError(f"{error}{checked}; no new chain without the lost agent(s): {failure} (what to do: "
+                                "bring the lost PC back, or join more PCs, then run this again)") from error
+        finally:
+            self._blame = None
         self.chains.append(chain)
         stages = [[stage.agent_id, stage.layer_start, stage.layer_end] for stage in chain.stages]
         seconds = round(time.perf_counter() - started, 3)
-        self.replans.append({"error": str(error), "lost_agent": agent_id, "stages": stages, "seconds": seconds})
-        self.notify(f"the chain broke ({error}); re-planned in {seconds:.1f} s over {chain.num_stages} agent(s): "
-                    f"{chain.describe()}")
+        self.replans.append({"error": str(error), "lost_agent": self._left_out, "blamed_agent": agent_id,
+                             "blame_check": self._verdict, "stages": stages, "seconds": seconds})
+        checked = f"; {self._verdict}" if self._verdict else ""
+        self.notify(f"the chain broke ({error}){checked}; re-planned in {seconds:.1f} s over {chain.num_stages} "
+                    f"agent(s): {chain.describe()}")
         return chain
 
     def start_run(self) -> None:
@@ -89,6 +112,7 @@ class FleetFailover:
         reply was never used again however long it had been back."""
         self.run_start = len(self.chains)
         self.lost.clear()
+        self.kept.clear()
 
     def close(self) -> None:
         for chain in self.chains:
@@ -106,6 +130,7 @@ class FleetFailover:
         settings = load_deploy_settings(self.store, self.model_dir)
         found = await survey(self.store, self._survey_options())
         try:
+            self._check_blame(found)
             _, report = await deploy(self.store, self.model_dir, found,
                                      PlanOptions(policy=settings.policy, streams=settings.streams),
                                      settings.precision, settings.device, exclude=frozenset(self.lost),
@@ -123,3 +148,67 @@ class FleetFailover:
             deployed = ()
         survivors = [stage.address for stage in deployed if stage.agent_id not in self.lost]
         return replace(self.survey_options, peers=tuple(dict.fromkeys([*self.survey_options.peers, *survivors])))
+
+    def _check_blame(self, found: Survey) -> None:
+        """Weigh the blame that broke the chain (self._blame, its agent provisionally in `lost`) against what the
+        re-plan's survey found, before anyone is left out for it; sets _left_out and _verdict.
+
+        An agent's word that another PC failed is one side of a link: a stage that cannot reach its next hop (a
+        firewall or a dead switch port between two desks, while the controller reaches both) blamed a healthy
+        PC, and a buggy or hostile member could have honest PCs left out one failover at a time. So:
+        - the accused did not answer the survey (nor is it registered or announced): the blame stands;
+        - a stage blamed itself (it gave its stages up): it stands, the agent's word about itself;
+        - the accused answers and still hosts its stage of this chain: it is kept. Where it was the reporter's
+          next hop, the reporter made the accusation (an agent drops a relayed blame of its next hop), and the
+          link between the two or the reporter itself is at fault: the reporter is left out instead, so the two
+          are not neighbours in the next plan. An earlier stage's blame was relayed, and which stage made it
+          cannot be told: nobody is left out for it (a repeated one ends at --max-failovers);
+        - the accused answers but no longer hosts its stage (it restarted), or the controller saw its link close
+          and it answers now: it is kept once per run (re-planned, it is given its stage again); a PC blamed again
+          after that is left out."""
+        error = self._blame
+        if error is None or error.agent_id is None or error.reported_by == error.agent_id:
+            return
+        accused, reporter = error.agent_id, error.reported_by
+        answered = next((agent for agent in found.reachable() if agent.agent_id == accused), None)
+        if answered is None or answered.report is None:
+            if reporter is not None:
+                self._verdict = f"agent {accused[:12]} does not answer the controller either: it is left out"
+            return
+        positions = {stage.agent_id: index for index, stage in enumerate(error.stages)}
+        hosting = accused in positions and StageRef(model_id_of(self.model_dir),
+                                                    error.stages[positions[accused]].layer_start,
+                                                    error.stages[positions[accused]].layer_end
+                                                    ) in answered.report.stages
+        if reporter is not None and hosting:
+            self.lost.discard(accused)
+            accused_at, reporter_at = positions[accused], positions.get(reporter)
+            if reporter_at is not None and accused_at == reporter_at + 1:
+                self.lost.add(reporter)
+                self._left_out = reporter
+                self._verdict = (f"agent {reporter[:12]} (stage {reporter_at}) reported its next hop agent "
+                                 f"{accused[:12]} (stage {accused_at}) at fault, but that agent answers the "
+                                 f"controller and still hosts its stage: the link from {reporter[:12]} to "
+                                 f"{accused[:12]} (a firewall or network fault between those two PCs), or agent "
+                                 f"{reporter[:12]} itself, is at fault, so agent {reporter[:12]} is left out of "
+                                 f"the next plan instead and agent {accused[:12]} is kept")
+            else:
+                self._left_out = None
+                self._verdict = (f"the error that stage {reporter_at}'s agent {reporter[:12]} passed on blamed agent "
+                                 f"{accused[:12]} (stage {accused_at}), but that agent answers the controller and "
+                                 "still hosts its stage: the blame was relayed, and which stage made it cannot be "
+                                 "told, so nobody is left out for it")
+            log.warning("%s", self._verdict)
+            return
+        why = "" if accused not in positions else " and still hosts its stage" if hosting else \
+            ", but no longer hosts its stage (restarted?)"
+        if accused in self.kept:
+            self._verdict = (f"agent {accused[:12]} answers the controller{why}, but it was blamed and kept once "
+                             "already in this run: it is left out")
+            return
+        self.kept.add(accused)
+        self.lost.discard(accused)
+        self._left_out = None
+        self._verdict = (f"agent {accused[:12]} answers the controller{why}: it is kept in the plan (blamed again "
+                         "in this run, it is left out)")
+        log.warning("%s", self._verdict)

@@ -48,11 +48,20 @@ STEP_TIMEOUT_S_PER_TOKEN = 0.05
 class ChainError(ChainBroken):
     """A step failed: an agent is unreachable or reported an error (named). `agent_id` is the agent at
     fault when the chain knows it (its link closed, it could not be dialled, or a stage's error named it in
-    keeping with that stage's place in the chain: FleetPipeline._accepted_blame), else None."""
+    keeping with that stage's place in the chain: FleetPipeline._accepted_blame), else None.
 
-    def __init__(self, message: str, agent_id: str | None = None) -> None:
+    `reported_by`: where the blame is an agent's word, not the controller's own observation, the agent whose
+    stage's link carried the Error that named `agent_id` (it blamed itself, its next hop, or relayed an earlier
+    stage's blame); None for what the controller saw itself (a link closed, a dial failed). `stages`: the chain
+    that broke, where known. The failover checks an agent's word before it leaves a PC out
+    (controller/fleet_failover.py, FleetFailover._check_blame)."""
+
+    def __init__(self, message: str, agent_id: str | None = None, reported_by: str | None = None,
+                 stages: Sequence[StagePlacement] = ()) -> None:
         super().__init__(message)
         self.agent_id = agent_id
+        self.reported_by = reported_by if agent_id is not None else None
+        self.stages = tuple(stages)
 
 OPEN_TIMEOUT_S = 30.0
 _ID_SPAN = 1 << 24  # engine micro-batch ids stay below this
@@ -277,7 +286,7 @@ class FleetPipeline:
                     except LinkError as error:
                         raise ChainError(f"cannot reach agent {stage.agent_id[:12]} (stage {index}, layers "
                                          f"[{stage.layer_start}:{stage.layer_end}]): {error}",
-                                         stage.agent_id) from None
+                                         stage.agent_id, stages=self.stages) from None
                 await links[-1].send(ResultsHere())
         except (ChainError, LinkError, TimeoutError) as error:
             for link in links:
@@ -311,7 +320,7 @@ class FleetPipeline:
                     continue
                 blamed, ignored = self._accepted_blame(index, message)
                 raise ChainError(f"{message.code.value} from the chain (reported to stage {index}'s link): "
-                                 f"{message.message}{ignored}", blamed)
+                                 f"{message.message}{ignored}", blamed, self.stages[index].agent_id, self.stages)
             else:
                 log.debug("ignoring %s from %s", type(message).__name__, link.describe())
 
@@ -324,8 +333,10 @@ class FleetPipeline:
         that hop alone and drops a blame of itself or of its next hop). So what arrives from stage j can
         truthfully name only stages 0..j+1 of this chain: j itself, its next hop, or an earlier stage whose
         error it relayed. A blame of a later stage, or of an agent outside the chain, is nothing stage j can
-        have learnt: it is ignored and logged, and the chain still breaks, blaming no one. (A member can still
-        name an earlier member falsely: relayed errors carry no proof of where they began.)"""
+        have learnt: it is ignored and logged, and the chain still breaks, blaming no one. What stands is still
+        only the agent's word (a PC that cannot reach its next hop across a firewall blames a healthy one; a member
+        can name an earlier member falsely: relayed errors carry no proof of where they began): the failover
+        checks it against the controller's own links before leaving anyone out (FleetFailover._check_blame)."""
         blamed = error.agent_id
         if blamed is None or blamed in [stage.agent_id for stage in self.stages[:index + 2]]:
             return blamed, ""
@@ -341,4 +352,5 @@ class FleetPipeline:
     def _stage_error(self, index: int, text: str) -> ChainError:
         stage = self.stages[index]
         return ChainError(f"agent {stage.agent_id[:12]} (stage {index}, layers [{stage.layer_start}:"
-                          f"{stage.layer_end}]) at {self.addresses[index]}: {text}", stage.agent_id)
+                          f"{stage.layer_end}]) at {self.addresses[index]}: {text}", stage.agent_id,
+                          stages=self.stages)
