@@ -83,13 +83,13 @@ def add_fleet_commands(subparsers: Any) -> None:
             parser.add_argument("--policy", choices=_POLICIES, default=PlanPolicy.FEWEST_AGENTS.value)
             parser.add_argument("--streams", type=int, default=1, help="streams whose KV to reserve")
             parser.add_argument("--device", default="CPU", help="OpenVINO device on the agents")
-        if name in ("deploy", "generate"):
-            parser.add_argument("--model", type=Path, required=True, help="export folder")
-        if name == "deploy":
+            # plan takes them too: the KV cache a plan reserves depends on them (f32 holds 4x what u8 does)
             parser.add_argument("--precision", choices=["device_default", "f16", "f32"], default="device_default")
             parser.add_argument("--kv-cache", choices=KV_CACHE_PRECISIONS, default=None,
                                 help="the agents' KV cache precision (default: the precision's own; f32 makes "
                                      "verifying drafts cheaper on CPUs, at 4x the memory of u8)")
+        if name in ("deploy", "generate"):
+            parser.add_argument("--model", type=Path, required=True, help="export folder")
         if name == "generate":
             parser.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
             parser.add_argument("--max-new-tokens", type=int, default=16)
@@ -302,11 +302,12 @@ def _plan(args: argparse.Namespace) -> int:
     from deskfleet.common.agent_state import AgentState
     from deskfleet.common.model_spec import load_manifest
     from deskfleet.common.planner import AgentCandidate, ModelFootprint, plan, render_plan
+    from deskfleet.common.wire import Precision
     from deskfleet.controller.fleet_deploy import footprint_of, model_id_of, plan_survey, policy_options
     from deskfleet.controller.fleet_survey import survey
 
     if args.model is not None:
-        footprint = footprint_of(load_manifest(args.model), args.device)
+        footprint = footprint_of(load_manifest(args.model), args.device, Precision(args.precision), args.kv_cache)
     elif args.layers is not None and args.layer_bytes is not None:
         footprint = ModelFootprint.uniform("on paper", args.layers, args.layer_bytes, args.embed_bytes,
                                            args.head_bytes, args.kv_bytes_per_token, args.context)

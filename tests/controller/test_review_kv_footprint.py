@@ -101,3 +101,20 @@ def test_deploy_plans_with_the_kv_precision_it_deploys(tiny_export: Path, tmp_pa
     assert [footprint.kv_precision for footprint in seen] == ["u8", "f32", "f32"]
     assert seen[1].kv_bytes_per_token_per_layer == 4 * seen[0].kv_bytes_per_token_per_layer * \
         load_manifest(tiny_export).spec.head_dim // (load_manifest(tiny_export).spec.head_dim + 8)
+
+
+def test_fleet_plan_reserves_the_kv_cache_of_the_precision_it_is_given(
+        tiny_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # `fleet plan` had no --precision / --kv-cache: it always planned the default deploy's u8 cache, so the plan
+    # it showed for an f32 deploy reserved a quarter of the cache that deploy would hold
+    from deskfleet.controller.cli import main
+
+    def planned(*options: str) -> str:
+        code = main(["fleet", "plan", "--model", str(tiny_export), "--assume-agent", "16e9", "--discover-seconds",
+                     "0", "--data-dir", str(tmp_path / "controller"), *options])
+        assert code == 0
+        return next(line for line in capsys.readouterr().out.splitlines() if "(total:" in line)
+
+    assert "KV (u8, x2.5 as the cache grows)" in planned()
+    assert "KV (f32, x2 as the cache grows)" in planned("--precision", "f32")
+    assert "KV (f32, x2 as the cache grows)" in planned("--kv-cache", "f32")
