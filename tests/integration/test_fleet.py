@@ -387,3 +387,37 @@ def test_a_dead_agent_is_named_or_replanned_around(fleet: Fleet, tiny_export: Pa
     stages = report["replans"][0]["stages"]
     assert len(stages) == left and not {removed, first} & {stage[0] for stage in stages}, stages
     assert report["stages"] == left  # the chain the run finished on, not the one it started on
+
+
+def test_agents_find_the_controller_at_its_new_address(fleet: Fleet) -> None:
+    # The controller's PC gets a new address (a DHCP lease, or its data dir moved to another PC): the agents
+    # registered at the address in their join token until each joined again. They find `fleet serve`'s mDNS
+    # announcement now, and save the new address.
+    if fleet.controller.namespace is None:
+        pytest.skip("moving the controller to another address needs the network namespaces (root)")
+    states = [json.loads((fleet.agent_dir(i) / "state" / "membership.json").read_text()) for i in range(AGENTS)]
+    live = [i for i in range(AGENTS) if fleet.processes[fleet.agents[i].name].poll() is None]
+    removed = json.loads((fleet.controller_dir / "revoked.json").read_text())["body"]
+    serving = [i for i in live if states[i]["agent_id"] not in removed]
+    assert serving, "no agent left serving to find the controller"
+    old_host, new_host = fleet.controller.host, f"{SUBNET}.2"
+    controller = fleet.processes.pop("controller")
+    controller.terminate()
+    controller.wait(timeout=10)
+    _ip("-n", fleet.controller.namespace, "addr", "del", f"{old_host}/24", "dev", "eth0")
+    _ip("-n", fleet.controller.namespace, "addr", "add", f"{new_host}/24", "dev", "eth0")
+    new_address = f"{new_host}:{fleet.controller_address.rsplit(':', 1)[1]}"
+    fleet.start("controller-moved", fleet.controller, str(BIN / "deskfleet"), "-v", "fleet", "serve",
+                "--data-dir", str(fleet.controller_dir), "--listen", new_address)
+
+    def found_again() -> bool:
+        return all(json.loads((fleet.agent_dir(i) / "state" / "membership.json").read_text())
+                   ["controller_addresses"][0] == new_address for i in serving)
+
+    _wait_for("the agents to find the moved controller", found_again, timeout=90)
+    for i in serving:
+        assert f"its mDNS announcement gives {new_address}" in fleet.log(fleet.agents[i].name)
+        saved = json.loads((fleet.agent_dir(i) / "state" / "membership.json").read_text())["controller_addresses"]
+        assert saved == [new_address, fleet.controller_address]
+    for i in set(live) - set(serving):  # a removed agent is refused (403) by the controller: it does not look
+        assert json.loads((fleet.agent_dir(i) / "state" / "membership.json").read_text()) == states[i]
