@@ -144,7 +144,13 @@ class PlanOptions:
     policy: PlanPolicy = PlanPolicy.FEWEST_AGENTS
     margin_fraction: float = 0.10  # of each agent's free memory, left to its user
     margin_min_bytes: int = 512 * MIB  # ... and never less than this
-    stage_overhead_bytes: int = 256 * MIB  # runtime, compiled graph and activations per stage
+    # What a loaded stage holds beyond its weights (x resident_factor), KV cache and prefill scratch (the model's
+    # own terms): the compiled graph, the plugin's runtime and a decode call's buffers. Measured on the CPU plugin
+    # (fresh process, RssAnon after compiling, the warm-up and 16 decode tokens, less the weights' files): 20 /
+    # 48 / 29 MB for the whole 170M / 330M / 1.1B INT4 models, 38 / 47 MB for stages fed hidden states (330M
+    # [12:24), 1.1B [4:12)); 96 MiB covers twice the largest. It was 256 MiB when it also stood for a prefill's
+    # activations, which ModelFootprint.prefill_bytes_per_token now counts.
+    stage_overhead_bytes: int = 96 * MIB
     streams: int = 1  # rows whose KV is reserved at full context
     use_serving: bool = True  # SERVING agents may take more stages (their free memory is what is left)
     max_subsets: int = 2000  # FEWEST_AGENTS: agent subsets tried per size before taking the best found

@@ -125,7 +125,7 @@ def test_every_agent_left_out_is_explained_with_numbers() -> None:
     assert messages["new"] == (ExclusionReason.SPEED_UNKNOWN, "speed not measured yet")
     reason, message = messages["tiny"]
     assert reason is ExclusionReason.TOO_LITTLE_MEMORY
-    assert "0.60 GB free" in message and "0.06 GB usable" in message and "needs 0.37 GB" in message
+    assert "0.60 GB free" in message and "0.06 GB usable" in message and "needs 0.20 GB" in message
     check_well_formed(result, agents, options)
 
 

@@ -7,7 +7,7 @@ from deskfleet.common.agent_state import AgentState
 from deskfleet.common.planner import GB, MIB, AgentCandidate, ModelFootprint, PlanOptions, PlanPolicy, plan
 
 MODEL = ModelFootprint.uniform("m", 40, 250_000_000, 500_000_000, 500_000_000, 1024, 1024)  # 11 GB of weights
-OPTIONS = PlanOptions()  # 10% / 512 MiB margin, 256 MiB runtime a stage, 1 stream
+OPTIONS = PlanOptions()  # 10% / 512 MiB margin, 96 MiB runtime a stage, 1 stream
 ALL = PlanOptions(policy=PlanPolicy.ALL_BY_SPEED)
 
 
@@ -25,7 +25,7 @@ def split(agents: list[AgentCandidate], options: PlanOptions = OPTIONS) -> list[
 def held(first: int, stop: int) -> int:
     """What a stage took from the PC's free memory once loaded (its weights, runtime; KV still empty)."""
     weights = 250_000_000 * (stop - first) + (500_000_000 if first == 0 else 0) + (500_000_000 if stop == 40 else 0)
-    return weights + 256 * MIB
+    return weights + OPTIONS.stage_overhead_bytes
 
 
 def test_a_pc_that_hosts_the_whole_model_keeps_it_when_the_plan_is_made_again() -> None:
