@@ -120,12 +120,18 @@ class Advertiser(Generic[Record]):
         return self._record
 
     async def start(self) -> None:
-        """Register the service (probing the name first); raises zeroconf's errors on a name conflict."""
+        """Register the service (probing the name first); raises zeroconf's errors on a name conflict, its sockets
+        closed (as they are when cancelled while probing)."""
         if self._zeroconf is not None:
             raise RuntimeError("advertiser already started")
-        self._zeroconf = AsyncZeroconf(interfaces=self._interfaces, ip_version=self._ip_version)
+        self._zeroconf = zeroconf = AsyncZeroconf(interfaces=self._interfaces, ip_version=self._ip_version)
         self._info = self._service_info()
-        await (await self._zeroconf.async_register_service(self._info))  # the inner task: probing done
+        try:
+            await (await zeroconf.async_register_service(self._info))  # the inner task: probing done
+        except BaseException:  # a name conflict, or cancelled while probing: no sockets left open
+            self._zeroconf = self._info = None
+            await zeroconf.async_close()  # a goodbye too, where the name was registered already
+            raise
         logger.info("advertising %s %s… on %s port %d", _what(self._record), self._record.instance_name[:12],
                     self._interfaces, self._port)
 

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from websockets.asyncio.server import ServerConnection
+from zeroconf import NonUniqueNameException
 
 from deskfleet.agent.advertise import Advertiser, addresses_to_advertise, never_changes
 from deskfleet.agent.link import Link, LinkError, start_server, utc_now
@@ -111,22 +112,39 @@ class FleetServer:
             await link.close()
 
     async def _announce_forever(self) -> None:
+        """Announce this controller over mDNS for as long as it serves (`_announce`). Nothing here stops `fleet
+        serve`: a failure no one foresaw is logged with its traceback and ends the announcement only."""
+        try:
+            await self._announce()
+        except Exception:
+            log.exception("the mDNS announcement of the controller stopped; agents still reach it at the addresses "
+                          "in their tokens")
+
+    async def _announce(self) -> None:
         """Announce this controller at the addresses `announce_at` gives, again whenever they change (looked at
-        every ANNOUNCE_REFRESH_S); each state is logged once, and nothing here stops `fleet serve`."""
+        every ANNOUNCE_REFRESH_S); each state is logged once. Where multicast fails (OSError) it is tried again
+        when the addresses change; where another host announces this controller's name (a copy of this data dir
+        serving elsewhere, or anyone on the LAN: the name is public) every ANNOUNCE_REFRESH_S."""
         try:
             identity = self.store.tls_files.own_identity()
             record = ControllerRecord(identity.agent_id, pki.fleet_id(self.store.tls_files.ca_certificate()))
         except Exception as error:  # a damaged credential is the links' to report; announcing just stops
             log.warning("not announcing the controller over mDNS: %s", error)
             return
-        said: str | None = None
+        said: str | None = None  # the last state logged, so that each is logged once
+
+        def say(level: int, text: str) -> None:
+            nonlocal said
+            if text != said:
+                said = text
+                log.log(level, "%s", text)
+
         failed: list[str] | None = None  # the addresses an announcement failed on, until they change
         while self.bound_port is not None:
             addresses, why_none = await self._announce_at()
             if not addresses or addresses == failed:
-                if not addresses and said != why_none:
-                    said = why_none
-                    log.info("not announcing the controller over mDNS: %s", why_none)
+                if not addresses:
+                    say(logging.INFO, f"not announcing the controller over mDNS: {why_none}")
                 if self._announcement_fixed:
                     return
                 await asyncio.sleep(ANNOUNCE_REFRESH_S)
@@ -138,8 +156,13 @@ class FleetServer:
                     while (await self._announce_at())[0] == addresses:
                         await asyncio.sleep(ANNOUNCE_REFRESH_S)
                 log.info("this PC's addresses changed from %s: announcing the controller again", ", ".join(addresses))
+            except NonUniqueNameException:
+                say(logging.WARNING, f"not announcing the controller over mDNS: another host announces its name "
+                                     f"{record.instance_name} (a copy of this data dir serving elsewhere, or a "
+                                     f"stranger on the LAN); tried again every {ANNOUNCE_REFRESH_S:.0f} s")
+                await asyncio.sleep(ANNOUNCE_REFRESH_S)
             except OSError as error:  # no multicast here: agents still reach the addresses in their tokens
-                log.warning("mDNS announcement of the controller failed at %s: %s", ", ".join(addresses), error)
+                say(logging.WARNING, f"mDNS announcement of the controller failed at {', '.join(addresses)}: {error}")
                 failed = addresses
                 if self._announcement_fixed:
                     return
