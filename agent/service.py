@@ -286,12 +286,12 @@ class AgentService:
         self._outage = outage = _Outage()
         search_after = 0.0  # time.monotonic() of the next look for a moved controller over mDNS
         while True:
-            answered = False  # whether the controller answered at an address this pass (a 403 too: it is there)
+            answered = False  # whether the controller answered at an address this pass (a refusal too: it is there)
             for address in self.membership.controller_addresses:
                 try:
                     link = await open_link(address, self.files, expected_agent_id=self.membership.controller_id)
                 except LinkRefused as error:
-                    answered = answered or error.status == HTTPStatus.FORBIDDEN
+                    answered = True  # an HTTP answer comes after TLS proved the pinned controller key: it is there
                     expired = [text for ran_out, text in self._certificate_notices(utc_now()) if ran_out] \
                         if error.status == HTTPStatus.FORBIDDEN and not told_removed else []
                     if expired:  # not removed: the controller refuses a certificate (or a CA) that ran out
@@ -316,42 +316,73 @@ class AgentService:
                     delay = RETRY_MIN_S  # a link that closes at once (e.g. another agent of this id) backs off
             if not answered and time.monotonic() >= search_after:
                 search_after = time.monotonic() + CONTROLLER_SEARCH_INTERVAL_S
-                moved = await self._find_moved_controller()
+                try:
+                    moved = await self._find_moved_controller()
+                except Exception:  # what a hostile announcement did to the search must not end registration
+                    log.exception("the search for the controller over mDNS failed")
+                    moved = None
                 if moved is not None:
                     told_removed = False
                     await self._registered(moved)
                     delay = RETRY_MIN_S
-                    continue  # its address is the membership's first now
+                    continue  # the membership's addresses again, the found one first when it was saved
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX_S)
 
     async def _find_moved_controller(self) -> Link | None:
-        """A link to this fleet's controller at an address its mDNS announcement gives and the membership does
-        not list (the controller got a new address, or its data dir moved to another PC), saved first in
-        membership.json; None when there is none. TLS pins the controller id, so a false announcement costs
-        one failed dial."""
+        """A link to this fleet's controller at an address its mDNS announcement gives, or None.
+
+        When the announcement lists an address of the membership, the controller did not move (it was restarting,
+        or answers again): that address is dialed and membership.json is left as it is. Otherwise the addresses it
+        gives are dialed at once and the first that answers is saved first in membership.json (the controller
+        got a new address, or its data dir moved to another PC). TLS pins the controller id, so a false
+        announcement costs a failed dial, and all of them together at most link.OPEN_TIMEOUT_S."""
         membership = self.membership
         found = await find_controller(membership.fleet_id, membership.controller_id,
                                       self.controller_search_interfaces())
-        for address in found:
-            if address in membership.controller_addresses:
-                continue
-            try:
-                link = await open_link(address, self.files, expected_agent_id=membership.controller_id)
-            except LinkError as error:
-                log.info("the controller's mDNS announcement gives %s, which did not answer: %s", address, error)
-                continue
-            self.membership = replace(membership, controller_addresses=(
-                address, *membership.controller_addresses)[:SAVED_CONTROLLER_ADDRESSES])
-            try:
-                self.membership.save(self.paths.state_dir)
-                saved = f"saved first in {self.paths.state_dir / MEMBERSHIP_FILE}"
-            except OSError as error:
-                saved = f"not saved ({error}): used until this agent stops"
-            log.warning("the controller no longer answers at %s; its mDNS announcement gives %s, where it "
-                        "answered: that address is %s", ", ".join(membership.controller_addresses), address, saved)
+        known = [address for address in found if address in membership.controller_addresses]
+        link = await self._dial_first(known or found)
+        if link is None or known:
             return link
-        return None
+        self.membership = replace(membership, controller_addresses=(
+            link.address, *membership.controller_addresses)[:SAVED_CONTROLLER_ADDRESSES])
+        try:
+            self.membership.save(self.paths.state_dir)
+            saved = f"saved first in {self.paths.state_dir / MEMBERSHIP_FILE}"
+        except OSError as error:
+            saved = f"not saved ({error}): used until this agent stops"
+        log.warning("the controller no longer answers at %s; its mDNS announcement gives %s, where it "
+                    "answered: that address is %s", ", ".join(membership.controller_addresses), link.address, saved)
+        return link
+
+    async def _dial_first(self, addresses: list[str]) -> Link | None:
+        """A link to the controller at the first of `addresses` to answer, all dialed at once (a black-holed one
+        costs no more than the others' time); None when none does. The others are cancelled or closed."""
+        dials = {asyncio.create_task(open_link(address, self.files, expected_agent_id=self.membership.controller_id),
+                                     name=f"dial {address}"): address for address in addresses}
+        pending = set(dials)
+        link: Link | None = None
+        try:
+            while pending and link is None:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for dial in done:
+                    try:
+                        opened = dial.result()
+                    except LinkError as error:
+                        log.info("the controller's mDNS announcement gives %s, which did not answer: %s",
+                                 dials[dial], error)
+                        continue
+                    if link is None:
+                        link = opened
+                    else:
+                        await opened.close()
+            return link
+        finally:
+            for dial in pending:
+                dial.cancel()
+            for result in await asyncio.gather(*pending, return_exceptions=True):
+                if isinstance(result, Link):
+                    await result.close()
 
     async def _registered(self, link: Link) -> None:
         """Say where we listen, then serve the link like any controller link until it closes."""
