@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 from http import HTTPStatus
 from pathlib import Path
 
+from zeroconf import NonUniqueNameException
+
 from deskfleet.agent.advertise import Advertiser, addresses_to_advertise, interface_addresses, never_changes
 from deskfleet.agent.controller_search import find_controller
 from deskfleet.agent.core import AgentCore
@@ -219,6 +221,12 @@ class AgentService:
                         record = await self._current_record()
                         if record is not None:
                             await advertiser.update(record)
+            except NonUniqueNameException:  # anyone on the LAN can announce this agent's (public) id first
+                say(logging.WARNING, f"not advertising over mDNS: another host announces this agent's name "
+                                     f"{record.instance_name} (a copy of this PC's data dir running elsewhere, or a "
+                                     f"stranger on the LAN); tried again every {ADVERTISE_REFRESH_S:.0f} s, and "
+                                     "registration with the controller goes on")
+                await asyncio.sleep(ADVERTISE_REFRESH_S)
             except OSError as error:  # no multicast on this network: registration still works
                 say(logging.WARNING, f"mDNS advertisement failed at {', '.join(addresses)}: {error}; tried again "
                                      "when this PC's addresses change")

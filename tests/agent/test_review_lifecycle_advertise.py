@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
+from zeroconf import NonUniqueNameException
 
 from deskfleet.agent import advertise as advertise_module
 from deskfleet.agent import service as service_module
@@ -34,6 +35,7 @@ class FakeAdvertiser:
 
     events: ClassVar[list[tuple[str, tuple[str, ...]]]] = []
     fail_on: ClassVar[set[tuple[str, ...]]] = set()
+    name_taken: ClassVar[int] = 0  # this many starts find the agent's name announced by another host
 
     def __init__(self, record: AgentRecord, port: int, addresses: Any) -> None:
         self.addresses = tuple(addresses)
@@ -42,6 +44,10 @@ class FakeAdvertiser:
         if self.addresses in self.fail_on:
             self.events.append(("failed", self.addresses))
             raise OSError(19, "No such device")
+        if FakeAdvertiser.name_taken:
+            FakeAdvertiser.name_taken -= 1
+            self.events.append(("taken", self.addresses))
+            raise NonUniqueNameException
         self.events.append(("start", self.addresses))
         return self
 
@@ -121,3 +127,15 @@ def test_a_network_without_multicast_is_tried_again_when_the_address_changes(
     assert starts(events) == [("192.168.7.23",)]
     failures = [record for record in caplog.records if "advertisement failed" in record.getMessage()]
     assert len(failures) == 1 and failures[0].levelno == logging.WARNING
+
+
+def test_an_agent_whose_name_another_host_announces_keeps_trying_to_advertise(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # zeroconf's probe raised NonUniqueNameException, which is no OSError: the advertisement ended for good (the
+    # agent's id is public, so anyone on the LAN could keep it off mDNS until a restart)
+    caplog.set_level(logging.INFO, logger=service_module.log.name)
+    monkeypatch.setattr(FakeAdvertiser, "name_taken", 3)
+    events = advertise_while([["10.1.0.5"]], monkeypatch)
+    assert [what for what, _ in events][:4] == ["taken", "taken", "taken", "start"]
+    warnings = [record.getMessage() for record in caplog.records if "another host announces" in record.getMessage()]
+    assert len(warnings) == 1, warnings  # said once, not at every try
