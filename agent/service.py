@@ -31,7 +31,7 @@ from deskfleet.agent.paths import AgentPaths, AgentSettings, device_targets, loa
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement, cached_speed
 from deskfleet.common import pki
-from deskfleet.common.discovery_record import AgentRecord
+from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord
 from deskfleet.common.file_lock import pid_lock
 from deskfleet.common.version import software_version
 from deskfleet.common.wire import Register, parse_address
@@ -223,9 +223,9 @@ class AgentService:
                             await advertiser.update(record)
             except NonUniqueNameException:  # anyone on the LAN can announce this agent's (public) id first
                 say(logging.WARNING, f"not advertising over mDNS: another host announces this agent's name "
-                                     f"{record.instance_name} (a copy of this PC's data dir running elsewhere, or a "
-                                     f"stranger on the LAN); tried again every {ADVERTISE_REFRESH_S:.0f} s, and "
-                                     "registration with the controller goes on")
+                                     f"{self.core.agent_id}.{SERVICE_TYPE} (a copy of this PC's data dir running "
+                                     f"elsewhere, or a stranger on the LAN); tried again every "
+                                     f"{ADVERTISE_REFRESH_S:.0f} s, and registration with the controller goes on")
                 await asyncio.sleep(ADVERTISE_REFRESH_S)
             except OSError as error:  # no multicast on this network: registration still works
                 say(logging.WARNING, f"mDNS advertisement failed at {', '.join(addresses)}: {error}; tried again "
