@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import ipaddress
 import logging
 import signal
 import time
@@ -47,7 +48,7 @@ ADVERTISE_REFRESH_S = 10.0
 # While no address of the membership answers, `fleet serve`'s mDNS announcement is looked for at most this often
 # (each look takes up to controller_search.SEARCH_S); a controller found there is saved first in membership.json.
 CONTROLLER_SEARCH_INTERVAL_S = 30.0
-SAVED_CONTROLLER_ADDRESSES = 4  # addresses membership.json keeps: the newest found, then the older ones
+SAVED_CONTROLLER_ADDRESSES = 4  # addresses membership.json keeps (host names always): see addresses_after_move
 IDLE_SWEEP_S = 60.0  # how often micro-batches left behind by a vanished driver are looked for
 LIMITS_CHECK_S = 2.0  # how often a serving agent reads its sensors against the employee's limits
 CERTIFICATE_CHECK_S = 86400.0  # how often (after start) the certificate and the CA are checked for their end
@@ -352,8 +353,8 @@ class AgentService:
         link = await self._dial_first(known or found)
         if link is None or known:
             return link
-        self.membership = replace(membership, controller_addresses=(
-            link.address, *membership.controller_addresses)[:SAVED_CONTROLLER_ADDRESSES])
+        self.membership = replace(membership, controller_addresses=addresses_after_move(
+            link.address, membership.controller_addresses))
         try:
             self.membership.save(self.paths.state_dir)
             saved = f"saved first in {self.paths.state_dir / MEMBERSHIP_FILE}"
@@ -410,6 +411,28 @@ class AgentService:
         log.warning("the controller link closed; registering again")
         outage.began()
 
+
+
+def addresses_after_move(found: str, saved: tuple[str, ...]) -> tuple[str, ...]:
+    """membership.json's controller addresses once the controller answered at `found` (its mDNS announcement's):
+    that one first, then the saved ones. Beyond SAVED_CONTROLLER_ADDRESSES the oldest IP addresses go, never a
+    host name: a DNS name given to `fleet init` follows the controller wherever it moves, so a few moves to new
+    IP addresses must not push it out."""
+    addresses = [found, *(address for address in saved if address != found)]
+    while len(addresses) > SAVED_CONTROLLER_ADDRESSES:
+        numeric = [index for index, address in enumerate(addresses) if index and _is_ip(parse_address(address)[0])]
+        if not numeric:
+            break
+        del addresses[numeric[-1]]
+    return tuple(addresses)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 async def _periodically(interval: Callable[[], float], what: str, step: Callable[[], Awaitable[object]]) -> None:

@@ -118,3 +118,19 @@ def test_an_agent_whose_controller_moved_finds_it_registers_and_saves_the_new_ad
     assert Membership.load(state_dir).controller_addresses == (address, dead)  # found first, the old kept after
     assert any(f"no longer answers at {dead}; its mDNS announcement gives {address}" in record.getMessage()
                for record in caplog.records)
+
+
+def test_moves_to_new_ip_addresses_never_push_out_a_host_name() -> None:
+    # The saved list was cut to its first 4: after three moves a DNS name given to `fleet init` (the admin's
+    # way to move a controller) was gone, and so were the last addresses of a token that listed four or more.
+    from deskfleet.agent.service import SAVED_CONTROLLER_ADDRESSES, addresses_after_move
+
+    saved: tuple[str, ...] = ("ctl.corp.example:7341",)
+    for step in range(6):
+        saved = addresses_after_move(f"10.0.0.{step}:7341", saved)
+    assert saved == ("10.0.0.5:7341", "10.0.0.4:7341", "10.0.0.3:7341", "ctl.corp.example:7341")
+    assert len(saved) == SAVED_CONTROLLER_ADDRESSES
+    names = tuple(f"ctl{index}.corp.example:7341" for index in range(5))
+    assert addresses_after_move("10.0.0.9:7341", names) == ("10.0.0.9:7341", *names)  # names are all kept
+    assert addresses_after_move("10.0.0.4:7341", ("10.0.0.3:7341", "10.0.0.4:7341")) == \
+        ("10.0.0.4:7341", "10.0.0.3:7341")  # no duplicate
