@@ -10,6 +10,8 @@ core must:
 (or `async with Advertiser(...) as advertiser:`), all from the event loop that runs the agent.
 Free memory is rounded down (AgentRecord.coarse) so a TXT update goes out only on a real change.
 Corporate Wi-Fi often drops multicast: the agent also registers with the controller (Register message).
+`advertise_while_serving` is the loop both the agent and `fleet serve` run: it follows the PC's addresses,
+keeps the record current and outlives what the LAN does to it (no multicast, a name announced by another host).
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import psutil
-from zeroconf import IPVersion
+from zeroconf import IPVersion, NonUniqueNameException
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 from deskfleet.common.discovery_record import AgentRecord, ControllerRecord
@@ -184,3 +187,78 @@ class Advertiser(Generic[Record]):
 
 def _what(record: AgentRecord | ControllerRecord) -> str:
     return "agent" if isinstance(record, AgentRecord) else "controller"
+
+
+@dataclass(frozen=True)
+class Announcement(Generic[Record]):
+    """What one advertising loop announces, where, and how its log lines speak of it."""
+
+    port: Callable[[], int | None]  # the port served now; None: stopped, and the loop ends
+    addresses: Callable[[], Awaitable[tuple[list[str], str]]]  # the addresses to announce now, and why none
+    fixed: bool  # those addresses never change (an IP address to listen on): a failure there ends the loop
+    record: Callable[[], Awaitable[Record | None]]  # the record now; None: unreadable, read again next refresh
+    refresh_s: Callable[[], float]  # how often the addresses and the record are read again
+    name: str  # the mDNS instance name, named when another host announces it
+    doing: str  # "advertising" / "announcing the controller", for "not ... over mDNS: why"
+    failing: str  # "mDNS advertisement" / "mDNS announcement of the controller", for "... failed at"
+    log: logging.Logger  # the caller's: its lines belong to the caller's component
+    no_address_level: int = logging.INFO  # how "not ... over mDNS: no address" is logged
+    clash_note: str = ""  # what still works while another host holds the name
+    advertiser: Callable[..., Any] = Advertiser  # the Advertiser class (tests give a fake)
+
+
+async def advertise_while_serving(announcement: Announcement[Record]) -> None:
+    """Announce at the addresses the PC has now, read again at every refresh: a PC whose address changes (a laptop
+    moved from its dock to the Wi-Fi, a new DHCP lease) or that started before its network was up is announced
+    where it is, by a new advertisement on the new addresses (the old one says goodbye: its sockets were bound to
+    the addresses it announced). One that fails (no multicast there) is tried again when the addresses change; a
+    name another host announces first (the name is public: anyone on the LAN can) every refresh. Each state is
+    logged once. Returns when the port is gone, or when fixed addresses leave nothing to wait for."""
+    a = announcement
+    said: str | None = None  # the last state logged, so that each change is logged once
+
+    def say(level: int, text: str) -> None:
+        nonlocal said
+        if text != said:
+            said = text
+            a.log.log(level, "%s", text)
+
+    failed: list[str] | None = None  # the addresses an advertisement failed on, until they change
+    while (port := a.port()) is not None:
+        addresses, why_none = await a.addresses()
+        if not addresses or addresses == failed:
+            if not addresses:
+                say(a.no_address_level, f"not {a.doing} over mDNS: {why_none}")
+                if a.fixed:
+                    return
+            await asyncio.sleep(a.refresh_s())
+            continue
+        failed = None
+        record = await a.record()
+        if record is None:
+            await asyncio.sleep(a.refresh_s())
+            continue
+        try:
+            async with a.advertiser(record, port, addresses) as advertiser:  # logs where
+                said = None
+                while True:
+                    await asyncio.sleep(a.refresh_s())
+                    now, _ = await a.addresses()
+                    if now != addresses:
+                        a.log.info("this PC's addresses changed from %s to %s: %s again", ", ".join(addresses),
+                                   ", ".join(now) or "none", a.doing)
+                        break
+                    record = await a.record()
+                    if record is not None:
+                        await advertiser.update(record)
+        except NonUniqueNameException:
+            say(logging.WARNING, f"not {a.doing} over mDNS: another host announces its name {a.name} (a copy of "
+                                 f"this data dir running elsewhere, or a stranger on the LAN); tried again every "
+                                 f"{a.refresh_s():.0f} s{a.clash_note}")
+            await asyncio.sleep(a.refresh_s())
+        except OSError as error:  # no multicast on this network
+            say(logging.WARNING, f"{a.failing} failed at {', '.join(addresses)}: {error}; tried again when this "
+                                 "PC's addresses change")
+            failed = addresses
+            if a.fixed:
+                return

@@ -20,9 +20,14 @@ from dataclasses import dataclass, replace
 from http import HTTPStatus
 from pathlib import Path
 
-from zeroconf import NonUniqueNameException
-
-from deskfleet.agent.advertise import Advertiser, addresses_to_advertise, interface_addresses, never_changes
+from deskfleet.agent.advertise import (
+    Advertiser,
+    Announcement,
+    addresses_to_advertise,
+    advertise_while_serving,
+    interface_addresses,
+    never_changes,
+)
 from deskfleet.agent.controller_search import find_controller
 from deskfleet.agent.core import AgentCore
 from deskfleet.agent.enroll import MEMBERSHIP_FILE, EnrollmentError, Membership, agent_tls_files
@@ -180,60 +185,15 @@ class AgentService:
             log.exception("mDNS advertisement stopped")
 
     async def _advertise(self, host: str) -> None:
-        """Advertise at the addresses the listen host has now, read again at every refresh: a PC whose address
-        changes (a laptop moved from its dock to the Wi-Fi, a new DHCP lease) or that started before its network
-        was up is announced where it is, by a new advertisement on the new addresses (the old one says goodbye:
-        its sockets were bound to the addresses it announced). One that fails (no multicast there) is tried
-        again when the addresses change. Each change is logged once."""
-        said: str | None = None  # the last state logged, so that each change is logged once
-
-        def say(level: int, text: str) -> None:
-            nonlocal said
-            if text != said:
-                said = text
-                log.log(level, "%s", text)
-
-        failed: list[str] | None = None  # the addresses an advertisement failed on, until they change
-        while self.bound_port is not None:
-            addresses, why_none = await addresses_to_advertise(host)
-            if not addresses or addresses == failed:
-                if not addresses:  # a host name that does not resolve is a warning; no network yet is not
-                    say(logging.INFO if never_changes(host) or host in ("0.0.0.0", "::", "") else logging.WARNING,
-                        f"not advertising over mDNS: {why_none}")
-                    if never_changes(host):
-                        return
-                await asyncio.sleep(ADVERTISE_REFRESH_S)
-                continue
-            failed = None
-            record = await self._current_record()
-            if record is None:
-                await asyncio.sleep(ADVERTISE_REFRESH_S)
-                continue
-            try:
-                async with Advertiser(record, self.bound_port, addresses) as advertiser:  # logs where
-                    said = None
-                    while True:
-                        await asyncio.sleep(ADVERTISE_REFRESH_S)
-                        now, _ = await addresses_to_advertise(host)
-                        if now != addresses:
-                            log.info("this PC's addresses changed from %s to %s: advertising again",
-                                     ", ".join(addresses), ", ".join(now) or "none")
-                            break
-                        record = await self._current_record()
-                        if record is not None:
-                            await advertiser.update(record)
-            except NonUniqueNameException:  # anyone on the LAN can announce this agent's (public) id first
-                say(logging.WARNING, f"not advertising over mDNS: another host announces this agent's name "
-                                     f"{self.core.agent_id}.{SERVICE_TYPE} (a copy of this PC's data dir running "
-                                     f"elsewhere, or a stranger on the LAN); tried again every "
-                                     f"{ADVERTISE_REFRESH_S:.0f} s, and registration with the controller goes on")
-                await asyncio.sleep(ADVERTISE_REFRESH_S)
-            except OSError as error:  # no multicast on this network: registration still works
-                say(logging.WARNING, f"mDNS advertisement failed at {', '.join(addresses)}: {error}; tried again "
-                                     "when this PC's addresses change")
-                failed = addresses
-                if never_changes(host):
-                    return
+        """This agent's record at the listen host's addresses, for as long as it serves (advertise.py's loop)."""
+        any_interface = host in ("0.0.0.0", "::", "")
+        await advertise_while_serving(Announcement(
+            port=lambda: self.bound_port, addresses=lambda: addresses_to_advertise(host), fixed=never_changes(host),
+            record=self._current_record, refresh_s=lambda: ADVERTISE_REFRESH_S,
+            name=f"{self.core.agent_id}.{SERVICE_TYPE}", doing="advertising", failing="mDNS advertisement", log=log,
+            # a host name that does not resolve is a warning; no network yet is not
+            no_address_level=logging.INFO if never_changes(host) or any_interface else logging.WARNING,
+            clash_note=", and registration with the controller goes on", advertiser=Advertiser))
 
     async def _check_certificates_forever(self) -> None:
         while True:

@@ -24,9 +24,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from websockets.asyncio.server import ServerConnection
-from zeroconf import NonUniqueNameException
 
-from deskfleet.agent.advertise import Advertiser, addresses_to_advertise, never_changes
+from deskfleet.agent.advertise import Announcement, addresses_to_advertise, advertise_while_serving, never_changes
 from deskfleet.agent.link import Link, LinkError, start_server, utc_now
 from deskfleet.common import pki
 from deskfleet.common.discovery_record import ControllerRecord
@@ -121,51 +120,23 @@ class FleetServer:
                           "in their tokens")
 
     async def _announce(self) -> None:
-        """Announce this controller at the addresses `announce_at` gives, again whenever they change (looked at
-        every ANNOUNCE_REFRESH_S); each state is logged once. Where multicast fails (OSError) it is tried again
-        when the addresses change; where another host announces this controller's name (a copy of this data dir
-        serving elsewhere, or anyone on the LAN: the name is public) every ANNOUNCE_REFRESH_S."""
+        """This controller's record at the addresses `announce_at` gives, for as long as it serves (advertise.py's
+        loop: again whenever they change, looked at every ANNOUNCE_REFRESH_S; each state is logged once)."""
         try:
             identity = self.store.tls_files.own_identity()
             record = ControllerRecord(identity.agent_id, pki.fleet_id(self.store.tls_files.ca_certificate()))
         except Exception as error:  # a damaged credential is the links' to report; announcing just stops
             log.warning("not announcing the controller over mDNS: %s", error)
             return
-        said: str | None = None  # the last state logged, so that each is logged once
 
-        def say(level: int, text: str) -> None:
-            nonlocal said
-            if text != said:
-                said = text
-                log.log(level, "%s", text)
+        async def the_record() -> ControllerRecord:
+            return record
 
-        failed: list[str] | None = None  # the addresses an announcement failed on, until they change
-        while self.bound_port is not None:
-            addresses, why_none = await self._announce_at()
-            if not addresses or addresses == failed:
-                if not addresses:
-                    say(logging.INFO, f"not announcing the controller over mDNS: {why_none}")
-                if self._announcement_fixed:
-                    return
-                await asyncio.sleep(ANNOUNCE_REFRESH_S)
-                continue
-            failed = None
-            try:
-                async with Advertiser(record, self.bound_port, addresses):  # logs where
-                    said = None
-                    while (await self._announce_at())[0] == addresses:
-                        await asyncio.sleep(ANNOUNCE_REFRESH_S)
-                log.info("this PC's addresses changed from %s: announcing the controller again", ", ".join(addresses))
-            except NonUniqueNameException:
-                say(logging.WARNING, f"not announcing the controller over mDNS: another host announces its name "
-                                     f"{record.instance_name} (a copy of this data dir serving elsewhere, or a "
-                                     f"stranger on the LAN); tried again every {ANNOUNCE_REFRESH_S:.0f} s")
-                await asyncio.sleep(ANNOUNCE_REFRESH_S)
-            except OSError as error:  # no multicast here: agents still reach the addresses in their tokens
-                say(logging.WARNING, f"mDNS announcement of the controller failed at {', '.join(addresses)}: {error}")
-                failed = addresses
-                if self._announcement_fixed:
-                    return
+        await advertise_while_serving(Announcement(
+            port=lambda: self.bound_port, addresses=self._announce_at, fixed=self._announcement_fixed,
+            record=the_record, refresh_s=lambda: ANNOUNCE_REFRESH_S, name=record.instance_name,
+            doing="announcing the controller", failing="mDNS announcement of the controller", log=log,
+            clash_note=": agents still reach it at the addresses they saved"))
 
     async def _enroll(self, connection: ServerConnection) -> None:
         await serve_enrollment(connection, self.store)
