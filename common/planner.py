@@ -7,6 +7,10 @@ of `streams` rows, a fixed runtime overhead, and leaves a safety margin of the a
 
 The split minimises the slowest stage's estimated time (decode work per token / speed), which makes
 layer counts proportional to speed wherever memory allows, by dynamic programming over contiguous ranges.
+Under ALL_BY_SPEED every stage also costs a token its hop (`hop_cost`): the plan minimises the slowest stage plus
+a hop per stage, so a PC is added only where it shortens the slowest stage by more than a hop; of each chain
+order, every leading part is weighed (a PC late in the order, the slowest, is dropped when its share saves less
+than its hop).
 The chain runs from the fastest agent to the slowest; when no split fits in that order (tight memory: the
 fastest agent may have no room for the embed beside a layer, the slowest none for the head), other orders
 are searched, every order of up to EVERY_ORDER_UP_TO agents, else every choice of first and last agent, the
@@ -155,6 +159,13 @@ class PlanOptions:
     use_serving: bool = True  # SERVING agents may take more stages (their free memory is what is left)
     max_subsets: int = 2000  # FEWEST_AGENTS: agent subsets tried per size before taking the best found
     max_reordered_splits: int = 500  # splits tried in chain orders other than by speed, when none fits by speed
+    # ALL_BY_SPEED: what a stage's hop adds to a token, in the unit of a stage's relative_time (its work bytes over
+    # its speed: with speeds in weight GB/s, as a deploy plans, nanoseconds). Measured over TLS websockets in
+    # Python (README, docs/benchmark-runs.md): the agents and the controller add 0.6 + 0.75 ms a token for an
+    # extra PC on a 2-core VM (1.3 ms with uvloop, a model of negligible compute), 0.65 ms a hop on a Zen 4 VM,
+    # 0.85 on a 16-core Xeon; a LAN's wire adds 0.1-0.3 ms. 1 ms, against steps of 5-40 ms: a PC whose share
+    # shortens the slowest stage by less is left out. 0: stages are free (the slowest stage alone decides).
+    hop_cost: float = 1_000_000.0
 
 
 # how much of a long list the plan's text shows (`--json` has it all)
@@ -241,6 +252,8 @@ def plan(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandid
         raise ValueError(f"model {model.name!r} has no decoder layers")
     if options.streams < 1:
         raise ValueError(f"streams must be at least 1, got {options.streams}")
+    if not 0 <= options.hop_cost < math.inf:
+        raise ValueError(f"hop_cost must be 0 or more and finite, got {options.hop_cost}")
     exclusions: list[Exclusion] = []
     eligible: list[AgentCandidate] = []
     smallest = _smallest_stage_bytes(model, options)
@@ -449,7 +462,7 @@ def _fastest_in_orders(model: ModelFootprint, orders: Iterable[list[AgentCandida
     best: list[Stage] | None = None
     for order in orders:
         stages = _split(model, order, options)
-        if stages is not None and (best is None or _pace(stages) < _pace(best)):
+        if stages is not None and (best is None or _pace(stages, options) < _pace(best, options)):
             best = stages
     return best
 
@@ -471,22 +484,32 @@ def _fewest(model: ModelFootprint, eligible: list[AgentCandidate], size: int, op
             break
         if sum(usable_bytes(a, options) for a in subset) < need:
             continue
-        if best is not None and work / sum(a.speed for a in subset) > _pace(best)[0] * (1 + 1e-9):
+        if best is not None and work / sum(a.speed for a in subset) > _pace(best, options)[0] * (1 + 1e-9):
             continue
         stages = _fastest_in_orders(model, orders(list(subset)), options)
-        if stages is not None and (best is None or _pace(stages) < _pace(best)):
+        if stages is not None and (best is None or _pace(stages, options) < _pace(best, options)):
             best = stages
     return best
 
 
-def _pace(stages: list[Stage]) -> tuple[float, int]:
-    return (max(stage.relative_time for stage in stages), len(stages))
+def _hop(options: PlanOptions) -> float:
+    """What a stage's hop costs the plan: hop_cost under ALL_BY_SPEED; under FEWEST_AGENTS nothing (the fewest
+    agents are taken first, and the split of a given number of them is chosen by its slowest stage)."""
+    return options.hop_cost if options.policy is PlanPolicy.ALL_BY_SPEED else 0.0
+
+
+def _pace(stages: list[Stage], options: PlanOptions) -> tuple[float, int]:
+    """What a split costs a token (the slowest stage, plus a hop a stage under ALL_BY_SPEED), then its stages."""
+    return (max(stage.relative_time for stage in stages) + _hop(options) * len(stages), len(stages))
 
 
 def _split(model: ModelFootprint, agents: list[AgentCandidate], options: PlanOptions) -> list[Stage] | None:
-    """Contiguous ranges over `agents` in chain order (an agent may get none): minimise the slowest stage.
+    """Contiguous ranges over `agents` in chain order (an agent may get none): minimise the slowest stage, plus
+    the hops of its stages (see _hop) over the leading parts of the order.
 
-    best[i][j]: the best (slowest stage time, stages) covering layers [0, j) with the first i agents.
+    best[i][j]: the best (slowest stage time, stages) covering layers [0, j) with the first i agents. The split
+    ends at the row i whose (best[i][layers]'s slowest stage + a hop a stage, stages) is least, the last of equals:
+    with free hops, the last row (all the agents).
     """
     layers = model.num_layers
     prefix = [0, *itertools.accumulate(model.layer_bytes)]
@@ -516,10 +539,16 @@ def _split(model: ModelFootprint, agents: list[AgentCandidate], options: PlanOpt
                 if _better(candidate, best[i + 1][k]):
                     best[i + 1][k] = candidate
                     back[(i + 1, k)] = j
-    if best[len(agents)][layers] is None:
+    hop = _hop(options)
+    ends = []
+    for row in range(1, len(agents) + 1):
+        end = best[row][layers]
+        if end is not None:
+            ends.append((end[0] + hop * end[1], end[1], -row))
+    if not ends:
         return None
     stages: list[Stage] = []
-    i, k = len(agents), layers
+    i, k = -min(ends)[2], layers
     while k > 0:
         if (i, k) in back:
             j = back[(i, k)]
@@ -549,7 +578,7 @@ def _keep_deployed(model: ModelFootprint, eligible: list[AgentCandidate], option
            for stage, (_, _, agent) in zip(kept, hosts, strict=True)):
         return best
     if best is not None:
-        if _pace(kept)[0] > _pace(best)[0] * (1 + 1e-9):
+        if _pace(kept, options)[0] > _pace(best, options)[0] * (1 + 1e-9):
             return best
         if options.policy is PlanPolicy.FEWEST_AGENTS and len(kept) > len(best):
             return best
@@ -596,8 +625,11 @@ def _not_needed(agent: AgentCandidate, stages: list[Stage], options: PlanOptions
     if options.policy is PlanPolicy.FEWEST_AGENTS:
         message = f"not needed: {len(stages)} agent(s) hold the model"
     else:
+        slowest = max(stage.relative_time for stage in stages)
+        hop = (f" by more than a hop costs ({_share_of_slowest(_hop(options), slowest):.2f} of the slowest stage)"
+               if _hop(options) else "")
         message = (f"not used: with speed {agent.speed:g} and {_gb(usable_bytes(agent, options))} usable, "
-                   "a share of the layers would not shorten the slowest stage")
+                   f"a share of the layers would not shorten the slowest stage{hop}")
     return Exclusion(agent.agent_id, ExclusionReason.NOT_NEEDED, message, agent.hostname)
 
 

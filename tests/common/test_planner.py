@@ -22,8 +22,9 @@ from deskfleet.common.planner import (
 )
 
 NO_MARGIN = PlanOptions(margin_fraction=0.0, margin_min_bytes=0, stage_overhead_bytes=0)
+# free hops: these tests check the split of the slowest stage alone (test_review_planner_hops.py adds the hops)
 ALL = PlanOptions(policy=PlanPolicy.ALL_BY_SPEED, margin_fraction=0.0, margin_min_bytes=0,
-                  stage_overhead_bytes=0)
+                  stage_overhead_bytes=0, hop_cost=0.0)
 
 
 def available(agent_id: str, free_gb: float, speed: float = 1.0) -> AgentCandidate:

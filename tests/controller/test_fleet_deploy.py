@@ -67,7 +67,8 @@ def test_deploy_twice_and_generate(tmp_path: Path, tiny_export: Path) -> None:
             core = AgentCore(files, settings, ShardCache(tmp_path / f"cache{index}", 1 << 30), FakeMonitor())
             servers.append(await start_server(core.serve_link, "127.0.0.1", port, files))
         options = SurveyOptions(peers=tuple(f"127.0.0.1:{port}" for port in ports), discover_seconds=0)
-        policy = PlanOptions(policy=PlanPolicy.ALL_BY_SPEED)
+        # free hops: the tiny model's whole token computes in less than a hop, so with hops priced one PC takes it
+        policy = PlanOptions(policy=PlanPolicy.ALL_BY_SPEED, hop_cost=0.0)
         for _ in range(2):
             found = await survey(store, options)
             assert len(found.reachable()) == 2

@@ -36,6 +36,8 @@ from tests.controller.test_fleet_deploy import free_port, local_tokens
 from tests.fleet_pki import make_member
 
 A, B, C = "a" * 52, "b" * 52, "c" * 52  # the agents of stages 0, 1 and 2
+# free hops: the tiny model computes a token in less than a hop, so with hops priced one PC would take it all
+FREE_HOPS = PlanOptions(policy=PlanPolicy.ALL_BY_SPEED, hop_cost=0.0)
 CHAIN = tuple(StagePlacement(agent_id, f"10.0.0.{index}:7431", index, index + 1)
               for index, agent_id in enumerate((A, B, C)))
 
@@ -184,7 +186,7 @@ def test_a_pc_that_cannot_reach_its_next_hop_is_left_out_instead_of_the_healthy_
             servers.append(await start_server(core.serve_link, "127.0.0.1", port, files))
         found = await survey(store, SurveyOptions(peers=addresses, discover_seconds=0))
         try:
-            _, report = await deploy(store, tiny_export, found, PlanOptions(policy=PlanPolicy.ALL_BY_SPEED),
+            _, report = await deploy(store, tiny_export, found, FREE_HOPS,
                                      Precision.F32, kv_cache="f32")
         finally:
             await found.close()
