@@ -361,3 +361,17 @@ def test_copies_start_together_and_their_wall_spans_first_start_to_last_end(monk
     assert second_start - first_start < 0.1
     wall = max(first_end, second_end) - min(first_start, second_start)
     assert result["wall_s"] == pytest.approx(wall, abs=0.01) and result["tok_s"] == pytest.approx(20 / wall, rel=0.05)
+
+
+def test_a_row_of_n_pcs_plans_its_model_over_those_pcs_whatever_a_hop_costs() -> None:
+    # The planner prices a hop per stage under all_by_speed (1 ms by default): the demo target, whose token
+    # computes in less than that, would stay on one PC, and every "2 / 3 / 4 PCs" drafting row would run on one
+    from deskfleet.common.agent_state import AgentState
+    from deskfleet.common.planner import AgentCandidate, ModelFootprint, PlanOptions, PlanPolicy, plan
+    from deskfleet.controller.bench.fleet import PLAN_OPTIONS
+
+    demo_target = ModelFootprint.uniform("demo target", 8, 1_200_000, 800_000, 2_400_000, 0, 1024)
+    pcs = [AgentCandidate(f"pc{index}", AgentState.AVAILABLE, 8 << 30, 10.0) for index in range(4)]
+    assert len(plan(demo_target, pcs[:2], PlanOptions(policy=PlanPolicy.ALL_BY_SPEED)).stages) == 1
+    for count in (2, 3, 4):
+        assert len(plan(demo_target, pcs[:count], PLAN_OPTIONS).stages) >= min(count, 3)  # its head weighs 2 layers
