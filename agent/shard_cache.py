@@ -1,7 +1,8 @@
 """The agent's shard cache: files stored by sha256, received in resumable chunks, verified before use.
 
 Layout under the cache root (AgentPaths.shard_dir):
-    blobs/<sha256>                 complete, verified shards (read-only to everyone else)
+    blobs/<sha256>                 complete, verified shards (read-only to everyone else; not on Windows,
+                                   whose read-only attribute refuses deleting a file and its hard links)
     partial/<sha256>-<size>.part   shards being received; their length is the resume offset
     views/<name>/                  a model folder for agent/stage.py: the files a stage needs, named as
                                    the manifest names them (hard links to blobs, copies where links
@@ -32,6 +33,8 @@ import logging
 import os
 import re
 import shutil
+import stat
+import sys
 import tempfile
 import threading
 import time
@@ -135,7 +138,7 @@ class ShardCache:
             blob = self._blobs / _checked_sha(sha256)
             if blob.is_file() and sha256_of(blob) != sha256:
                 with self._lock:
-                    blob.unlink(missing_ok=True)
+                    _delete(blob, missing_ok=True)
                 dropped.append(sha256)
                 logger.warning("dropped shard %s… from the cache: its bytes changed on disk", sha256[:12])
         return dropped
@@ -261,7 +264,8 @@ class ShardCache:
                                         " it was discarded, send it again from offset 0")
                 blob = self._blobs / sha256
                 os.replace(part, blob)
-                blob.chmod(0o444)
+                if sys.platform != "win32":  # there the read-only attribute refuses deleting it and its views' links
+                    blob.chmod(0o444)
                 self._touch(blob)
         logger.info("shard %s… verified (%d bytes)", sha256[:12], total)
         return blob
@@ -322,11 +326,11 @@ class ShardCache:
                 with self._lock:
                     target = self._views / view_name
                     if target.exists():
-                        shutil.rmtree(target)
+                        _delete_tree(target)
                     os.replace(staging, target)
             except BaseException:
                 with self._lock:
-                    shutil.rmtree(staging, ignore_errors=True)
+                    _delete_tree(staging, ignore_errors=True)
                 raise
             finally:
                 with self._lock:
@@ -345,7 +349,7 @@ class ShardCache:
 
     def remove_view(self, view_name: str) -> None:
         with self._lock:
-            shutil.rmtree(self._views / view_name, ignore_errors=True)
+            _delete_tree(self._views / view_name, ignore_errors=True)
 
     def tidy(self) -> list[str]:
         """For an agent that starts, holding no stage yet: remove every view folder (a previous run's stages,
@@ -358,9 +362,9 @@ class ShardCache:
                 if view.name in self._building:
                     continue
                 if view.is_dir() and not view.is_symlink():
-                    shutil.rmtree(view, ignore_errors=True)
+                    _delete_tree(view, ignore_errors=True)
                 else:
-                    view.unlink(missing_ok=True)
+                    _delete(view, missing_ok=True)
             used = self._usage().used_bytes
             if used <= self.limit_bytes:
                 return []
@@ -388,7 +392,7 @@ class ShardCache:
             if used <= target_bytes:
                 break
             used -= _reserved_bytes(entry)
-            entry.unlink()
+            _delete(entry)
             evicted.append(entry.name[:64])
             logger.info("evicted shard %s… from the cache", entry.name[:12])
         self._remove_views_using(set(evicted))
@@ -463,7 +467,7 @@ class ShardCache:
                 continue
             index = _view_index(view)
             if not index or evicted.intersection(index.values()):
-                shutil.rmtree(view, ignore_errors=True)
+                _delete_tree(view, ignore_errors=True)
 
     def _goes_with_unpinned_shards(self, view: Path, pinned: set[str]) -> bool:
         """Whether evicting every shard not in `pinned` would remove `view` (as _remove_views_using does)."""
@@ -488,6 +492,38 @@ class ShardCache:
             except FileNotFoundError:  # a file of a view being built went while this looked (a failed build)
                 continue
         return total
+
+
+def _delete(path: Path, missing_ok: bool = False) -> None:
+    """Delete a cache file, also one Windows refuses to delete because its read-only attribute is set (a blob
+    that an earlier deskfleet marked read-only with chmod 0o444, or a view's hard link to one)."""
+    try:
+        path.unlink(missing_ok=missing_ok)
+    except PermissionError:
+        if sys.platform != "win32" or not _clear_read_only(path):
+            raise
+        path.unlink(missing_ok=missing_ok)
+
+
+def _delete_tree(folder: Path, ignore_errors: bool = False) -> None:
+    """shutil.rmtree, with the read-only attribute of the files in `folder` cleared first on Windows (see _delete):
+    rmtree left a view of read-only blobs where it was, and the next materialize of that view failed."""
+    if sys.platform == "win32":
+        for parent, _, names in os.walk(folder):
+            for name in names:
+                _clear_read_only(Path(parent) / name)
+    shutil.rmtree(folder, ignore_errors=ignore_errors)
+
+
+def _clear_read_only(path: Path) -> bool:
+    """Make a file writable where it is not (on Windows: clear its read-only attribute); whether it was changed."""
+    try:
+        if os.lstat(path).st_mode & stat.S_IWRITE:
+            return False
+        os.chmod(path, stat.S_IREAD | stat.S_IWRITE)
+    except OSError:
+        return False
+    return True
 
 
 def _view_index(view: Path) -> dict[str, str]:
