@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+import time
 from pathlib import Path
+
+# Windows refuses to rename onto a file that another process has open (Python opens files without
+# FILE_SHARE_DELETE): the agent reading opt_out.json while `deskfleet-agent pause` writes it, `fleet serve` reading
+# revoked.json while `fleet remove` writes it, an antivirus scanning the old file. Those reads last milliseconds:
+# the rename is tried again for this long before its PermissionError is raised.
+REPLACE_RETRY_S = 2.0
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -16,11 +24,26 @@ def write_atomic(path: Path, data: bytes) -> None:
             stream.write(data)
             stream.flush()
             os.fsync(stream.fileno())
-        os.replace(temporary, path)
+        _replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
     sync_folder(path.parent)
+
+
+def _replace(source: str, target: Path) -> None:
+    """os.replace, tried again on Windows while the target is held open elsewhere (see REPLACE_RETRY_S)."""
+    deadline = time.monotonic() + REPLACE_RETRY_S
+    delay = 0.005
+    while True:
+        try:
+            os.replace(source, target)
+            return
+        except PermissionError:
+            if sys.platform != "win32" or time.monotonic() >= deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
 
 
 def sync_folder(folder: Path) -> None:
