@@ -7,6 +7,7 @@ that wrote into the file (a pid after the first byte) and a newcomer lock the sa
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import sys
@@ -20,9 +21,17 @@ if sys.platform == "win32":
     import msvcrt
 
     def lock_file(descriptor: int) -> None:
-        """Wait for the lock."""
-        os.lseek(descriptor, 0, os.SEEK_SET)
-        msvcrt.locking(descriptor, msvcrt.LK_LOCK, 1)
+        """Wait for the lock (as long as it takes, as flock does: LK_LOCK alone gives up after 10 tries a second
+        apart, with OSError EDEADLOCK "Resource deadlock avoided", which a store command showed as a traceback)."""
+        while True:
+            os.lseek(descriptor, 0, os.SEEK_SET)
+            try:
+                msvcrt.locking(descriptor, msvcrt.LK_LOCK, 1)
+            except OSError as error:
+                if error.errno != errno.EDEADLOCK:
+                    raise
+                continue
+            return
 
     def try_lock_file(descriptor: int) -> bool:
         """Take the lock if nobody holds it; False when another process does."""
