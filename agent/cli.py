@@ -155,7 +155,15 @@ def _headless(args: argparse.Namespace) -> int:
 
 
 def _data_dir_flag(data_dir: Path | None) -> str:
-    return f" --data-dir {data_dir}" if data_dir is not None else ""
+    """` --data-dir D` for a command line the user is told to run; quoted on Windows where D holds a space (a
+    folder under C:\\Users\\John Smith, C:\\Program Files), which cmd and PowerShell would split in two."""
+    if data_dir is None:
+        return ""
+    if sys.platform == "win32":
+        import subprocess
+
+        return f" --data-dir {subprocess.list2cmdline([str(data_dir)])}"
+    return f" --data-dir {data_dir}"
 
 
 if __name__ == "__main__":
