@@ -83,6 +83,9 @@ def add_fleet_commands(subparsers: Any) -> None:
             parser.add_argument("--policy", choices=_POLICIES, default=PlanPolicy.FEWEST_AGENTS.value)
             parser.add_argument("--streams", type=int, default=1, help="streams whose KV to reserve")
             parser.add_argument("--device", default="CPU", help="OpenVINO device on the agents")
+            parser.add_argument("--hop-ms", type=_hop_ms, default=None, metavar="MS",
+                                help="what each stage's hop costs a token, under all_by_speed (default 1 ms, a LAN; "
+                                     "over a WAN the hop's round trip)")
             # plan takes them too: the KV cache a plan reserves depends on them (f32 holds 4x what u8 does)
             parser.add_argument("--precision", choices=["device_default", "f16", "f32"], default="device_default")
             parser.add_argument("--kv-cache", choices=KV_CACHE_PRECISIONS, default=None,
@@ -99,6 +102,17 @@ def add_fleet_commands(subparsers: Any) -> None:
 
 
 # Private methods: options
+
+def _hop_ms(text: str) -> float:
+    """argparse type: milliseconds a hop costs, 0 to 60000 (NaN, infinity, negatives refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds, got {text!r}") from None
+    if not 0 <= value <= 60_000:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"must be 0 to 60000 ms, got {text}")
+    return value
+
 
 def _browse_seconds(text: str) -> float:
     """argparse type: how long to browse mDNS, 0 to _MAX_BROWSE_S seconds (NaN, infinity, negatives refused)."""
@@ -315,7 +329,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError("give --model OUT_DIR, or --layers N and --layer-bytes B to plan on paper")
     assumed = [AgentCandidate(f"assumed-{index}", AgentState.AVAILABLE, size, 1.0)
                for index, size in enumerate(args.assume_agent)]
-    options = policy_options(args.policy, args.streams)
+    options = policy_options(args.policy, args.streams, args.hop_ms)
     if assumed and not args.peer:
         result = plan(footprint, assumed, options)
     else:
@@ -356,7 +370,7 @@ def _deploy(args: argparse.Namespace) -> int:
     async def run() -> Any:
         found = await survey(store, _survey_options(args))
         try:
-            return await deploy(store, args.model, found, policy_options(args.policy, args.streams),
+            return await deploy(store, args.model, found, policy_options(args.policy, args.streams, args.hop_ms),
                                 Precision(args.precision), args.device, progress, kv_cache=args.kv_cache)
         finally:
             await found.close()

@@ -22,7 +22,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -97,6 +97,11 @@ class DeploySettings:
     precision: Precision = Precision.DEVICE_DEFAULT
     device: str = "CPU"
     kv_cache: str | None = None  # the agents' KV cache precision; None: the precision's own
+    hop_cost: float = PlanOptions.hop_cost  # what a stage's hop costs a token, in the planner's unit (ns)
+
+    def plan_options(self) -> PlanOptions:
+        """The options a re-plan of this deployment plans with."""
+        return PlanOptions(policy=self.policy, streams=self.streams, hop_cost=self.hop_cost)
 
 
 @dataclass(frozen=True)
@@ -279,7 +284,7 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
     addresses = {agent.agent_id: agent.address for agent in found.agents if agent.agent_id is not None}
     placements = tuple(StagePlacement(stage.agent_id, addresses[stage.agent_id], stage.first_layer,
                                       stage.stop_layer) for stage in result.stages)
-    settings = DeploySettings(options.policy, options.streams, precision, device, kv_cache)
+    settings = DeploySettings(options.policy, options.streams, precision, device, kv_cache, options.hop_cost)
     sent: dict[str, int] = {}
     files: dict[str, int] = {}
     try:
@@ -353,9 +358,12 @@ def load_deploy_settings(store: FleetStore, model_dir: Path) -> DeploySettings:
         return DeploySettings()
     try:
         kv_cache = settings.get("kv_cache")
+        hop_cost = float(settings.get("hop_cost", PlanOptions.hop_cost))  # absent: saved before hops had a price
+        if not 0 <= hop_cost < math.inf:
+            raise ValueError(f"hop_cost {hop_cost} is not a cost")
         return DeploySettings(PlanPolicy(settings["policy"]), int(settings["streams"]),
                               Precision(settings["precision"]), str(settings["device"]),
-                              None if kv_cache is None else str(kv_cache))
+                              None if kv_cache is None else str(kv_cache), hop_cost)
     except (KeyError, ValueError, TypeError) as error:
         raise DeployError(f"the saved deployment of {model_dir} has unreadable settings ({error}): "
                           "deploy it again") from None
@@ -527,7 +535,8 @@ def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, s
                                         "stages": [asdict(stage) for stage in report.stages],
                                         "settings": {"policy": settings.policy.value, "streams": settings.streams,
                                                      "precision": settings.precision.value,
-                                                     "device": settings.device, "kv_cache": settings.kv_cache}}
+                                                     "device": settings.device, "kv_cache": settings.kv_cache,
+                                                     "hop_cost": settings.hop_cost}}
         try:
             store.write("deployments", deployments)
         except FleetStoreError as error:  # a full disk: the stages are assigned, and that must not read as "nothing"
@@ -535,5 +544,8 @@ def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, s
                               "deploy` again sends nothing)") from None
 
 
-def policy_options(policy: str, streams: int = 1) -> PlanOptions:
-    return PlanOptions(policy=PlanPolicy(policy), streams=streams)
+def policy_options(policy: str, streams: int = 1, hop_ms: float | None = None) -> PlanOptions:
+    """The options of `fleet plan` / `deploy`: `hop_ms` what a stage's hop costs a token (None: the planner's
+    default), in milliseconds as the CLI takes it (the planner's unit is bytes / (GB/s): nanoseconds)."""
+    options = PlanOptions(policy=PlanPolicy(policy), streams=streams)
+    return options if hop_ms is None else replace(options, hop_cost=hop_ms * 1e6)

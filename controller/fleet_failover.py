@@ -29,7 +29,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from deskfleet.common import event_loop
-from deskfleet.common.planner import PlanOptions
 from deskfleet.common.wire import StageRef
 from deskfleet.controller.engine import ChainBroken
 from deskfleet.controller.fleet_ca import Revocations
@@ -132,7 +131,7 @@ class FleetFailover:
         try:
             self._check_blame(found)
             _, report = await deploy(self.store, self.model_dir, found,
-                                     PlanOptions(policy=settings.policy, streams=settings.streams),
+                                     settings.plan_options(),
                                      settings.precision, settings.device, exclude=frozenset(self.lost),
                                      kv_cache=settings.kv_cache)
         finally:

@@ -81,7 +81,7 @@ def test_deploy_twice_and_generate(tmp_path: Path, tiny_export: Path) -> None:
         with pytest.raises(DeployError, match="f32 is exact"):
             await deploy(store, tiny_export, found, policy, Precision.F32, kv_cache="u8")
         assert load_deploy_settings(store, tiny_export) == DeploySettings(PlanPolicy.ALL_BY_SPEED, 1, Precision.F32,
-                                                                          "CPU", "f32")
+                                                                          "CPU", "f32", hop_cost=0.0)
         # The first stage's agent broke the chain: the failover re-plans over the other one, found through
         # the deployment's addresses alone (nothing registered, no mDNS, no peers given), and saves the plan.
         left_out = report.stages[0].agent_id

@@ -206,8 +206,9 @@ def test_agents_join_and_are_discovered(fleet: Fleet) -> None:
 
 
 def test_deploy_pushes_then_a_second_deploy_sends_nothing(fleet: Fleet, tiny_export: Path) -> None:
-    args = ("fleet", "deploy", "--model", str(tiny_export), "--policy", "all_by_speed", "--precision", "f32",
-            "--json", "--discover-seconds", "0")
+    # hops free: the tiny model's token computes in less than a hop, and these tests need a chain of 3 PCs
+    args = ("fleet", "deploy", "--model", str(tiny_export), "--policy", "all_by_speed", "--hop-ms", "0",
+            "--precision", "f32", "--json", "--discover-seconds", "0")
     first = json.loads(fleet.deskfleet(*args))
     assert len(first["stages"]) == AGENTS
     assert all(sent > 0 for sent in first["bytes_sent"].values())
