@@ -7,8 +7,10 @@ why this module asks PDH for the English path with PdhAddEnglishCounterW (Window
 keeps one query open instead of starting `typeperf` every few seconds.
 
 The counter is a rate: the first collection of a query has nothing to compare with, so the first sample
-after start (or after the query was rebuilt) is None, like the Linux fdinfo sampler's. Instances of the 3D
-engine of one adapter (one luid) add up; the busiest adapter is the answer.
+after start (or after the query was rebuilt) is None, like the Linux fdinfo sampler's. Instances of one engine
+type of one adapter (one luid) add up, and the busiest of the counted types (3D: games, the desktop's rendering;
+Compute: OpenCL and oneAPI work such as OpenVINO's GPU plugin or a renderer) on the busiest adapter is the
+answer, as Task Manager shows a GPU's load; video decode and encode (a video call) and copies do not count.
 
 PdhSampler takes any `PdhApi`; `windows_pdh()` gives the ctypes one (None off Windows), and tests drive the
 sampler with a fake.
@@ -25,13 +27,16 @@ from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
-# Every engine of every process: the 3D ones are picked by name below, which does not depend on how PDH
+# Every engine of every process: the counted ones are picked by name below, which does not depend on how PDH
 # expands a partial wildcard.
 GPU_ENGINE_COUNTER = r"\GPU Engine(*)\Utilization Percentage"
-ENGINE_3D_SUFFIX = "engtype_3D"
+# Intel's driver may put an OpenVINO GPU stage's work (OpenCL) on the Compute engines rather than 3D: counting
+# 3D alone missed it, and a renderer's (`max_igpu_busy` is for the employee who games, renders or edits video).
+COUNTED_ENGINE_TYPES = ("3D", "Compute")
 PDH_CSTATUS_VALID_DATA = 0x0
 PDH_CSTATUS_NEW_DATA = 0x1
 _ADAPTER = re.compile(r"luid_0x[0-9A-Fa-f]+_0x[0-9A-Fa-f]+")
+_ENGINE_TYPE = re.compile(r"engtype_([A-Za-z0-9]+)")
 
 
 class PdhError(OSError):
@@ -65,21 +70,25 @@ class PdhApi(Protocol):
     def close_query(self, query: Any) -> None: ...
 
 
-def busiest_adapter_3d(items: Iterable[CounterItem]) -> float | None:
-    """The busiest adapter's 3D utilisation as a fraction in [0, 1]: the valid 3D-engine instances of one
-    luid added up. None when no such instance has a valid value (no GPU, or nothing to compare yet)."""
-    per_adapter: dict[str, float] = {}
+def busiest_engine(items: Iterable[CounterItem]) -> float | None:
+    """How busy the GPU is as a fraction in [0, 1]: the valid instances of each counted engine type
+    (COUNTED_ENGINE_TYPES) of one adapter added up, the busiest type of the busiest adapter. None when no such
+    instance has a valid value (no GPU, or nothing to compare yet)."""
+    per_engine: dict[tuple[str, str], float] = {}
     for item in items:
-        if ENGINE_3D_SUFFIX not in item.name or item.status not in (PDH_CSTATUS_VALID_DATA, PDH_CSTATUS_NEW_DATA):
+        kind = _ENGINE_TYPE.search(item.name)
+        if kind is None or kind.group(1) not in COUNTED_ENGINE_TYPES:
+            continue
+        if item.status not in (PDH_CSTATUS_VALID_DATA, PDH_CSTATUS_NEW_DATA):
             continue
         if item.value != item.value:  # NaN: a counter that vanished mid-sample
             continue
         adapter = _ADAPTER.search(item.name)
-        key = adapter.group() if adapter else item.name
-        per_adapter[key] = per_adapter.get(key, 0.0) + item.value
-    if not per_adapter:
+        key = (adapter.group() if adapter else item.name, kind.group(1))
+        per_engine[key] = per_engine.get(key, 0.0) + item.value
+    if not per_engine:
         return None
-    return min(1.0, max(0.0, max(per_adapter.values()) / 100.0))
+    return min(1.0, max(0.0, max(per_engine.values()) / 100.0))
 
 
 class PdhSampler:
@@ -102,7 +111,7 @@ class PdhSampler:
             if not self._primed:  # a rate needs two collections
                 self._primed = True
                 return None
-            return busiest_adapter_3d(self.api.counter_items(self._counter))
+            return busiest_engine(self.api.counter_items(self._counter))
         except PdhError as error:
             log = logger.debug if self._warned else logger.warning
             log("cannot read the GPU Engine counters, the GPU's load is reported as unknown%s: %s",

@@ -13,7 +13,7 @@ from deskfleet.agent.windows_gpu import (
     CounterItem,
     PdhError,
     PdhSampler,
-    busiest_adapter_3d,
+    busiest_engine,
     windows_pdh,
 )
 
@@ -66,15 +66,25 @@ class FakePdh:
 def test_instances_of_one_adapter_add_up_and_the_busiest_adapter_answers() -> None:
     items = [engine(1, A, value=30.5), engine(2, A, value=12.0), engine(3, B, value=40.0),
              engine(4, A, kind="VideoDecode", value=90.0), engine(5, B, value=80.0, status=INVALID)]
-    assert busiest_adapter_3d(items) == pytest.approx(0.425)  # A's 3D: 30.5 + 12; B's valid 3D: 40
+    assert busiest_engine(items) == pytest.approx(0.425)  # A's 3D: 30.5 + 12; B's valid 3D: 40
 
 
-def test_no_valid_3d_instance_is_unknown_and_sums_are_clamped() -> None:
-    assert busiest_adapter_3d([]) is None
-    assert busiest_adapter_3d([engine(1, A, kind="Copy", value=50.0)]) is None
-    assert busiest_adapter_3d([engine(1, A, value=float("nan"))]) is None
-    assert busiest_adapter_3d([engine(1, A, value=70.0), engine(2, A, value=60.0, status=NEW)]) == 1.0
-    assert busiest_adapter_3d([engine(1, A, value=-5.0)]) == 0.0
+def test_compute_engines_count_each_type_on_its_own_and_video_does_not() -> None:
+    # Only 3D counted: OpenCL work (an OpenVINO GPU stage, a renderer), which Intel's driver may put on the
+    # Compute engines, read as an idle GPU
+    assert busiest_engine([engine(1, A, kind="Compute", value=64.0)]) == pytest.approx(0.64)
+    items = [engine(1, A, value=30.0), engine(2, A, kind="Compute", value=50.0), engine(3, A, kind="Compute",
+             value=20.0), engine(4, A, kind="VideoEncode", value=95.0)]
+    assert busiest_engine(items) == pytest.approx(0.70)  # Compute 50 + 20, the busiest type; not 3D + Compute
+    assert busiest_engine([engine(1, A, kind="VideoDecode", value=90.0)]) is None  # a video call does not count
+
+
+def test_no_valid_counted_instance_is_unknown_and_sums_are_clamped() -> None:
+    assert busiest_engine([]) is None
+    assert busiest_engine([engine(1, A, kind="Copy", value=50.0)]) is None
+    assert busiest_engine([engine(1, A, value=float("nan"))]) is None
+    assert busiest_engine([engine(1, A, value=70.0), engine(2, A, value=60.0, status=NEW)]) == 1.0
+    assert busiest_engine([engine(1, A, value=-5.0)]) == 0.0
 
 
 def test_the_counter_is_added_by_its_english_path_and_the_first_sample_only_primes_the_rate() -> None:
