@@ -165,6 +165,15 @@ class AgentService:
                 loop.add_signal_handler(signum, self.stop)
             except (NotImplementedError, RuntimeError):  # Windows, or not the main thread
                 pass
+        # Windows: closing the console, logging off or shutting down sends CTRL_BREAK / CTRL_CLOSE, which Python
+        # delivers as SIGBREAK; its default ends the process on the spot, stages, links and lock file as they
+        # are. Stop as on Ctrl-C instead (Windows gives a console process a few seconds for it).
+        sigbreak = getattr(signal, "SIGBREAK", None)
+        if sigbreak is not None:
+            try:
+                signal.signal(sigbreak, lambda signum, frame: loop.call_soon_threadsafe(self.stop))
+            except ValueError:  # not the main thread
+                pass
 
     @contextlib.contextmanager
     def _data_dir_lock(self) -> Iterator[None]:
