@@ -345,9 +345,14 @@ class Stage:
         memory_before = huge_pages.snapshot() if on_cpu else None
         # A CPU stage maps its weight files first (see weights_were_repacked); other devices read them
         weights = stage_weights_choice() if on_cpu else WEIGHTS_READ
-        if weights == WEIGHTS_AUTO and sys.platform == "win32":
+        if weights != WEIGHTS_READ and sys.platform == "win32":
             # Windows locks a mapped file against deletion: the shard cache removes a released stage's view and
-            # evicts blobs, which a mapping not yet let go of would make fail. Not tried there; kept as it was.
+            # evicts blobs, which a mapping not yet let go of would make fail (the view stays, and the next build
+            # of that stage under its name fails). Not tried there; weights are read, also when asked to map them.
+            if weights == WEIGHTS_MAPPED:
+                log.warning("%s=%s is not used on Windows, which keeps a mapped weight file from being deleted "
+                            "(the shard cache removes a released stage's files): the weights are read into memory",
+                            WEIGHTS_ENV_VAR, WEIGHTS_MAPPED)
             weights = WEIGHTS_READ
         model = build_stage_model(model_dir, manifest, layers, map_weights=weights != WEIGHTS_READ)
         properties = settings.properties(core, weight_group_size(model))
