@@ -46,6 +46,16 @@ async def _register(zeroconf: AsyncZeroconf, name: str, port: int, addresses: li
         properties=properties, server=f"{name[:20]}.local.")))
 
 
+
+def register_for(agent: AgentService, seconds: float) -> None:
+    """Run the agent's registration loop for `seconds`, then stop it."""
+    async def scenario() -> None:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await agent._register_forever()
+
+    asyncio.run(scenario())
+
 def test_a_flood_of_other_announcements_does_not_hide_the_controller() -> None:
     # Announcements that are not this controller's (here: names that never resolve, each costing the old search
     # a 1 s resolve) came first and used up the search, so the controller announced a moment later was missed.
@@ -230,12 +240,7 @@ def test_a_controller_that_refuses_the_link_is_not_searched_for(
     monkeypatch.setattr(service_module, "find_controller", fake_find)
     agent = AgentService(AgentOptions(joined.data_dir, listen=f"{LOOPBACK}:{free_port()}"), monitor=FakeMonitor())
 
-    async def scenario() -> None:
-        with pytest.raises(TimeoutError):
-            async with asyncio.timeout(1.5):
-                await agent._register_forever()
-
-    asyncio.run(scenario())
+    register_for(agent, 1.5)
     assert searched == []
 
 
@@ -249,11 +254,6 @@ def test_a_search_that_raises_does_not_end_registration(
     monkeypatch.setattr(service_module, "RETRY_MAX_S", 0.2)
     agent = AgentService(AgentOptions(joined.data_dir, listen=f"{LOOPBACK}:{free_port()}"), monitor=FakeMonitor())
 
-    async def scenario() -> None:
-        with pytest.raises(TimeoutError):
-            async with asyncio.timeout(1.5):
-                await agent._register_forever()
-
-    asyncio.run(scenario())
+    register_for(agent, 1.5)
     assert sum("search for the controller over mDNS failed" in record.getMessage()
                for record in caplog.records) >= 2

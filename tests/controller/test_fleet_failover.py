@@ -28,6 +28,19 @@ def store(tmp_path: Path) -> FleetStore:
     return store
 
 
+
+class NewChain:
+    """Stands for the FleetPipeline a failover opens (no agents behind it)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.num_stages, self.stages = 1, ()
+
+    def describe(self) -> str:
+        return "a new chain"
+
+    def close(self) -> None:
+        pass
+
 def test_no_failover_allowed_gives_up_at_once_and_remembers_the_agent(store: FleetStore, tiny_export: Path) -> None:
     failover = FleetFailover(store, tiny_export, max_failovers=0)
     with pytest.raises(FailoverError, match=r"agent abc.*gave up: 0 re-plan\(s\) .*--max-failovers 0"):
@@ -70,16 +83,6 @@ def test_each_run_of_a_chat_gets_the_whole_budget_and_may_use_a_pc_lost_before(
     # A chat is one FleetFailover for many replies: it counted every re-plan of the day against --max-failovers
     # and never used again a PC lost in its first reply.
     excluded: list[set[str]] = []
-
-    class NewChain:
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            self.num_stages, self.stages = 1, ()
-
-        def describe(self) -> str:
-            return "a new chain"
-
-        def close(self) -> None:
-            pass
 
     async def redeploy() -> SimpleNamespace:
         excluded.append(set(failover.lost))

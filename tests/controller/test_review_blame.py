@@ -33,6 +33,7 @@ from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.fleet_survey import AgentView, Survey, SurveyOptions, survey
 from tests.agent.test_core import FakeMonitor
 from tests.controller.test_fleet_deploy import free_port, local_tokens
+from tests.controller.test_fleet_failover import NewChain
 from tests.fleet_pki import make_member
 
 A, B, C = "a" * 52, "b" * 52, "c" * 52  # the agents of stages 0, 1 and 2
@@ -54,15 +55,6 @@ class _SurveyedLink:
         pass
 
 
-class _NewChain:
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        self.num_stages, self.stages = 1, ()
-
-    def describe(self) -> str:
-        return "a new chain"
-
-    def close(self) -> None:
-        pass
 
 
 def scripted_failover(store: FleetStore, model: Path, monkeypatch: pytest.MonkeyPatch,
@@ -86,7 +78,7 @@ def scripted_failover(store: FleetStore, model: Path, monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(fleet_failover, "survey", fake_survey)
     monkeypatch.setattr(fleet_failover, "deploy", fake_deploy)
-    monkeypatch.setattr(fleet_failover, "FleetPipeline", _NewChain)
+    monkeypatch.setattr(fleet_failover, "FleetPipeline", NewChain)
     return FleetFailover(store, model, max_failovers=2, notify=lambda text: None), excluded
 
 
