@@ -267,8 +267,10 @@ class FleetStore:
     def _warn_if_others_can_read(self) -> None:
         """Warn (once per process and file) when a private key is open to other users than the owner: a backup
         restored from a zip or a USB stick, or copied by a tool that drops modes, left ca-key.pem 0644, and
-        nothing said so (whoever reads it can sign certificates that every agent trusts). POSIX only."""
+        nothing said so (whoever reads it can sign certificates that every agent trusts). On Windows, where file
+        modes mean nothing, see _warn_if_outside_profile."""
         if os.name == "nt":
+            self._warn_if_outside_profile(os.environ.get("USERPROFILE"))
             return
         for path in (self.ca_key_path, self.tls_files.key_path):
             try:
@@ -281,6 +283,24 @@ class FleetStore:
                     else "pose as this controller to every agent"
                 log.warning("%s (%s) is open to other users (mode %03o): whoever reads it can %s; run `chmod 600 "
                             "%s`", path, _ROLES[path.name], mode, harm, path)
+
+    def _warn_if_outside_profile(self, profile: str | None) -> None:
+        """Windows: warn (once per process and data dir) when the data dir lies outside the user's profile
+        folder. Its keys' modes say nothing there; a folder inside the profile is the user's alone (the default
+        data dir is under %LOCALAPPDATA%), while one made elsewhere, such as C:\\deskfleet, inherits the drive
+        root's permissions, which let every local user read it. A heuristic: an admin may have restricted the
+        folder, and the warning says how."""
+        if not profile or self.data_dir in _WARNED_MODES:
+            return
+        inside = os.path.normcase(os.path.abspath(self.data_dir)).startswith(
+            os.path.normcase(os.path.abspath(profile)).rstrip("\\/") + os.sep)
+        if not inside:
+            _WARNED_MODES.add(self.data_dir)
+            log.warning("the controller's data dir %s is outside your user profile (%s): on Windows such a folder "
+                        "usually lets every local user read ca-key.pem, and whoever reads it can make certificates "
+                        "that every agent trusts; keep the data dir under your profile, or restrict it: `icacls "
+                        "\"%s\" /inheritance:r /grant:r \"%%USERNAME%%:(OI)(CI)F\"`", self.data_dir, profile,
+                        self.data_dir)
 
     def _load(self, path: Path, parse: Callable[[bytes], _T]) -> _T:
         try:

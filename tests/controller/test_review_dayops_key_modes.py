@@ -56,3 +56,22 @@ def test_a_key_readable_by_others_is_warned(tmp_path: Path, store_warnings: Reco
     assert len(said) == 1, said  # once, not at every look at the keys
     assert f"{tmp_path / 'ctl' / name} (" in said[0] and "mode 644" in said[0]
     assert f"chmod 600 {tmp_path / 'ctl' / name}" in said[0]
+
+
+def test_on_windows_a_data_dir_outside_the_profile_is_warned_of_once(tmp_path: Path, store_warnings: Records,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # File modes mean nothing on Windows, so nothing was said about a data dir made at C:\deskfleet, whose keys
+    # every local user can read there (the drive root's permissions are inherited)
+    monkeypatch.setattr(fleet_store, "_WARNED_MODES", set())
+    store = fleet_store.FleetStore(tmp_path / "controller")
+    store._warn_if_outside_profile(str(tmp_path))  # inside the profile: the user's own
+    store._warn_if_outside_profile(None)  # no profile known: nothing to say
+    assert store_warnings.records == []
+    for _ in range(2):
+        store._warn_if_outside_profile(str(tmp_path / "home" / "john"))
+    (warning,) = [record.getMessage() for record in store_warnings.records]
+    assert f"{tmp_path / 'controller'} is outside your user profile" in warning
+    assert "icacls" in warning and "%USERNAME%:(OI)(CI)F" in warning
+    other = fleet_store.FleetStore(tmp_path / "controllerX")  # a name that merely starts like the profile's
+    other._warn_if_outside_profile(str(tmp_path / "controller"))
+    assert len(store_warnings.records) == 2
