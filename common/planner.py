@@ -588,10 +588,13 @@ def _keep_deployed(model: ModelFootprint, eligible: list[AgentCandidate], option
 def _credit(model: ModelFootprint, prefix: list[int], agent: AgentCandidate, start: int, stop: int,
             options: PlanOptions) -> int:
     """The memory counted back for layers [start, stop) on `agent`: what its stage of that range took from
-    the free memory it reported (its weights as held and its runtime), when it hosts that range now."""
+    the free memory it reported (its weights as held, its runtime and the scratch its prefills left held, which
+    a stage kept on that range uses again), when it hosts that range now. A stage that has served holds its
+    scratch (up to the whole context's: ModelFootprint.prefill_scratch_bytes); not counted back, a re-plan or a
+    second deploy reserved it twice, and a PC could be called too small for the stage it serves."""
     if (start, stop) not in agent.hosted:
         return 0
-    return model.resident(_weights(model, prefix, start, stop)) + options.stage_overhead_bytes
+    return model.resident(_weights(model, prefix, start, stop)) + _per_stage_bytes(model, options, start == 0)
 
 
 def _better(candidate: tuple[float, int], current: tuple[float, int] | None) -> bool:
@@ -652,7 +655,9 @@ def _diagnose(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentC
     have = sum(usable_bytes(agent, options) for agent in eligible)
     if have < need:
         scratch = model.prefill_scratch_bytes(options.streams)
-        per_stage = f"prefill scratch {_gb(scratch)} + " if scratch else ""  # the first stage's may differ
+        first = model.prefill_scratch_bytes(options.streams, first=True)
+        per_stage = "" if not (scratch or first) else f"prefill scratch {_gb(scratch)} + " if scratch == first else \
+            f"prefill scratch {_gb(first)} on the first stage, {_gb(scratch)} on each other + "
         return (f"memory short by {_gb(need - have)}: the model needs {_gb(need)} "
                 f"({_gb(weights)} weights{_held(model.resident_factor)} + {_gb(kv_total)} KV{_kv_how(model)} for "
                 f"{options.streams} stream(s) at context "
