@@ -161,10 +161,12 @@ class FleetFailover:
           next hop, the reporter made the accusation (an agent drops a relayed blame of its next hop), and the
           link between the two or the reporter itself is at fault: the reporter is left out instead, so the two
           are not neighbours in the next plan. An earlier stage's blame was relayed, and which stage made it
-          cannot be told: nobody is left out for it (a repeated one ends at --max-failovers);
+          cannot be told: nobody is left out for it;
         - the accused answers but no longer hosts its stage (it restarted), or the controller saw its link close
-          and it answers now: it is kept once per run (re-planned, it is given its stage again); a PC blamed again
-          after that is left out."""
+          and it answers now: it is kept (re-planned, it is given its stage again).
+        Whichever way, an accused PC is kept once per run: blamed again after that, it is left out (a PC that
+        answers its status but cannot serve its stage would otherwise cost an honest reporter at every
+        failover, or a relayed blame re-plan the same chain until --max-failovers)."""
         error = self._blame
         if error is None or error.agent_id is None or error.reported_by == error.agent_id:
             return
@@ -179,7 +181,8 @@ class FleetFailover:
                                                     error.stages[positions[accused]].layer_start,
                                                     error.stages[positions[accused]].layer_end
                                                     ) in answered.report.stages
-        if reporter is not None and hosting:
+        if reporter is not None and hosting and accused not in self.kept:
+            self.kept.add(accused)
             self.lost.discard(accused)
             accused_at, reporter_at = positions[accused], positions.get(reporter)
             if reporter_at is not None and accused_at == reporter_at + 1:
