@@ -308,6 +308,9 @@ def _add_paper_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-bytes-per-token", type=byte_count, default=0,
                         help="on paper: KV bytes per token per layer")
     parser.add_argument("--context", type=positive_int, default=4096, help="on paper: context to reserve KV for")
+    parser.add_argument("--width", type=positive_int, default=None, metavar="HIDDEN+INTERMEDIATE",
+                        help="on paper: hidden_size + intermediate_size of a layer, to reserve the prefill scratch "
+                             "a deploy reserves (without it none is counted)")
     parser.add_argument("--assume-agent", action="append", type=byte_count, default=[], metavar="FREE_BYTES",
                         help="plan for a hypothetical agent with this much free memory (repeatable)")
 
@@ -315,16 +318,23 @@ def _add_paper_model(parser: argparse.ArgumentParser) -> None:
 def _plan(args: argparse.Namespace) -> int:
     from deskfleet.common.agent_state import AgentState
     from deskfleet.common.model_spec import load_manifest
-    from deskfleet.common.planner import AgentCandidate, ModelFootprint, plan, render_plan
+    from deskfleet.common.planner import AgentCandidate, plan, render_plan
     from deskfleet.common.wire import Precision
-    from deskfleet.controller.fleet_deploy import footprint_of, model_id_of, plan_survey, policy_options
+    from deskfleet.controller.fleet_deploy import (
+        footprint_of,
+        model_id_of,
+        paper_footprint,
+        plan_survey,
+        policy_options,
+    )
     from deskfleet.controller.fleet_survey import survey
 
     if args.model is not None:
         footprint = footprint_of(load_manifest(args.model), args.device, Precision(args.precision), args.kv_cache)
     elif args.layers is not None and args.layer_bytes is not None:
-        footprint = ModelFootprint.uniform("on paper", args.layers, args.layer_bytes, args.embed_bytes,
-                                           args.head_bytes, args.kv_bytes_per_token, args.context)
+        footprint = paper_footprint(args.layers, args.layer_bytes, args.embed_bytes, args.head_bytes,
+                                    args.kv_bytes_per_token, args.context, args.device, Precision(args.precision),
+                                    args.kv_cache, args.width)
     else:
         raise ValueError("give --model OUT_DIR, or --layers N and --layer-bytes B to plan on paper")
     assumed = [AgentCandidate(f"assumed-{index}", AgentState.AVAILABLE, size, 1.0)

@@ -141,15 +141,35 @@ def footprint_of(manifest: Manifest, device: str = "CPU", precision: Precision =
         bytes_per_parameter = sum(manifest.layer_bytes) / (spec.num_layers * spec.layer_parameters)
         head_work = spec.head_parameters * bytes_per_parameter
     kv = kv_cache_precision(precision, device, kv_cache)
-    on_cpu = device_kind(device) == "CPU"
-    growth = (KV_GROWTH_F32 if kv == "f32" else KV_GROWTH) if on_cpu else 1.0
-    width = spec.hidden_size + spec.intermediate_size
-    scratch, first_scratch = (math.ceil(PREFILL_SCRATCH * width), math.ceil(PREFILL_SCRATCH_FIRST * width)) \
-        if on_cpu else (0, 0)
+    growth, scratch, first_scratch = _held_beside_weights(device, kv, spec.hidden_size + spec.intermediate_size)
     return ModelFootprint(manifest.model_name, manifest.layer_bytes, manifest.embed_bytes, manifest.head_bytes,
                           kv_cache_bytes_per_token_per_layer(manifest, kv), spec.max_context, head_work,
                           resident_factor(device), growth, scratch, kv or "the device's own, counted as f32",
                           first_scratch)
+
+
+def paper_footprint(num_layers: int, layer_bytes: int, embed_bytes: int, head_bytes: int,
+                    kv_bytes_per_token_per_layer: int, context: int, device: str = "CPU",
+                    precision: Precision = Precision.DEVICE_DEFAULT, kv_cache: str | None = None,
+                    width: int | None = None) -> ModelFootprint:
+    """A model of identical layers described on paper (`fleet plan --layers ...`), held as a deploy of it would
+    hold it: the weights x resident_factor, the KV cache (its bytes per token as given) grown as the precision's
+    is, and with `width` (hidden_size + intermediate_size) the prefill scratch; without a width no scratch can be
+    counted (the plan says what it counts)."""
+    kv = kv_cache_precision(precision, device, kv_cache)
+    growth, scratch, first_scratch = _held_beside_weights(device, kv, width or 0)
+    return ModelFootprint("on paper", (layer_bytes,) * num_layers, embed_bytes, head_bytes,
+                          kv_bytes_per_token_per_layer, context, None, resident_factor(device), growth, scratch,
+                          kv or "the device's own", first_scratch)
+
+
+def _held_beside_weights(device: str, kv: str | None, width: int) -> tuple[float, int, int]:
+    """(KV growth, prefill scratch per token, the first stage's) of a stage on `device` with a `kv` cache, for
+    layers of hidden_size + intermediate_size `width`: measured on the CPU plugin, none known elsewhere."""
+    if device_kind(device) != "CPU":
+        return 1.0, 0, 0
+    growth = KV_GROWTH_F32 if kv == "f32" else KV_GROWTH
+    return growth, math.ceil(PREFILL_SCRATCH * width), math.ceil(PREFILL_SCRATCH_FIRST * width)
 
 
 def kv_cache_precision(precision: Precision, device: str, kv_cache: str | None) -> str | None:

@@ -118,3 +118,25 @@ def test_fleet_plan_reserves_the_kv_cache_of_the_precision_it_is_given(
     assert "KV (u8, x2.5 as the cache grows)" in planned()
     assert "KV (f32, x2 as the cache grows)" in planned("--precision", "f32")
     assert "KV (f32, x2 as the cache grows)" in planned("--kv-cache", "f32")
+
+
+def test_a_paper_plan_holds_the_model_as_a_deploy_would(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # `fleet plan --layers ...` counted the weights at their file size, the KV cache without growth and no
+    # prefill scratch: an 8B-shaped INT4 model at context 8192 showed 1 PC at 5.4 GB where a deploy of its export
+    # reserves 12.8 GB over 2 PCs
+    from deskfleet.controller.cli import main
+
+    eight_b = ["fleet", "plan", "--layers", "32", "--layer-bytes", "115595018", "--embed-bytes", "525336576",
+               "--head-bytes", "525336576", "--kv-bytes-per-token", "2176", "--context", "8192", "--assume-agent",
+               "12e9", "--assume-agent", "12e9", "--discover-seconds", "0", "--data-dir", str(tmp_path / "c")]
+
+    def planned(*options: str) -> str:
+        main([*eight_b, *options])
+        return capsys.readouterr().out
+
+    with_width = planned("--width", str(4096 + 14336))
+    assert "2 stage(s):" in with_width and "prefill scratch 5.13 GB / 6.64 GB" in with_width
+    assert "9.42 GB" in with_width and "10.16 GB" in with_width  # what a deploy of the export reserves
+    without = planned()
+    assert "the weights x1.3 as held + KV (u8, x2.5 as the cache grows) + runtime" in without  # no width: no scratch
+    assert "x2.5" not in planned("--device", "GPU")  # no growth measured there
