@@ -185,3 +185,38 @@ def test_a_step_whose_tensors_are_smaller_than_its_append_is_refused_before_any_
     with pytest.raises(LedgerError, match=r"position_ids of shape \[1, 4\] for an append of 1 rows x 200 slots"):
         executor.run(wide)
     assert result(executor, good).logits is not None
+
+
+@pytest.mark.parametrize("drafted", [False, True])
+def test_a_token_outside_the_vocabulary_from_the_call_is_named_and_an_idle_rows_is_ignored(
+        whole: Stage, monkeypatch: pytest.MonkeyPatch, drafted: bool) -> None:
+    """Logits that are not finite make the in-graph argmax return any index: a live row's is refused by name
+    (plain greedy steps check it in plain Python, drafted ones with numpy), an idle row's is nobody's token."""
+    from deskfleet.agent import stage as stage_module
+
+    real_forward = stage_module.StageSession.forward
+    corrupt: dict[tuple[int, int], int] = {}
+
+    def forward(self: stage_module.StageSession, *args: object, **kwargs: object) -> stage_module.StageOutput:
+        output = real_forward(self, *args, **kwargs)  # type: ignore[arg-type]
+        assert output.next_tokens is not None
+        for (row, position), token in corrupt.items():
+            output.next_tokens[row, position] = token
+        return output
+
+    monkeypatch.setattr(stage_module.StageSession, "forward", forward)
+    executor = StageExecutor(whole, 256)
+    track = BatchTrack(1, 256)
+    track.add_row(0)
+    track.add_row(1)
+    corrupt.update({(1, 0): -7})  # row 1 feeds nothing: its argmax is garbage and no fault
+    first = result(executor, track.step([PROMPT, []]))
+    assert first.next_token_ids[1] == 0
+    vocab = whole.vocab_size
+    draft = DraftInfo((2, 0), np.array([[3, 4], [0, 0]], dtype=np.int64), None) if drafted else None
+    feed = [[first.next_token_ids[0], 3, 4], [9]] if drafted else [[first.next_token_ids[0]], [9]]
+    corrupt.clear()
+    corrupt.update({(1, 0): vocab + 5})  # row 1 is live now
+    with pytest.raises(RuntimeError, match=rf"step 1: the stage chose tokens \[{vocab + 5}\] outside the vocabulary "
+                                           rf"of {vocab} at \(row, position\) \[\[1, 0\]\]"):
+        executor.run(track.step(feed, draft=draft))
