@@ -160,21 +160,16 @@ class StageExecutor:
         if output.hidden is not None:
             return replace(message, input_ids=None, hidden_states=output.hidden, layer_start=self.stage.layers.stop)
         assert output.next_tokens is not None
-        if message.draft is None and not sampled:
-            # Plain greedy decoding (or a prompt): each row's in-graph argmax, checked in plain Python. This
-            # runs first after the call, when numpy's code is out of the caches the call streamed its weights
-            # through: the numpy check and verify() below cost ~0.1 ms of a 170M model's 11 ms step on one core.
-            next_tokens = _greedy_next_tokens(message, inputs.append.live_counts,
-                                              output.next_tokens[:, 0].tolist(), self.stage.vocab_size)
-            accepted = None
-        else:
-            live = _live_positions(inputs.append, output.next_tokens.shape[1])
-            outside = live & ((output.next_tokens < 0) | (output.next_tokens >= self.stage.vocab_size))
-            if outside.any():
-                raise _outside_vocabulary(message, inputs.append.live_counts, self.stage.vocab_size,
-                                          output.next_tokens[outside].tolist(), np.argwhere(outside).tolist())
-            next_tokens, accepted = verify(inputs.append, output.next_tokens, output.logits, message.draft,
-                                           message.sampling)
+        live = _live_positions(inputs.append, output.next_tokens.shape[1])
+        outside = live & ((output.next_tokens < 0) | (output.next_tokens >= self.stage.vocab_size))
+        if outside.any():
+            raise RuntimeError(f"micro-batch {message.micro_batch_id} step {message.step_id}: the stage chose "
+                               f"tokens {output.next_tokens[outside].tolist()} outside the vocabulary of "
+                               f"{self.stage.vocab_size} at (row, position) {np.argwhere(outside).tolist()} of a "
+                               f"call with live counts {list(inputs.append.live_counts)} (its logits were not "
+                               "finite)")
+        next_tokens, accepted = verify(inputs.append, output.next_tokens, output.logits, message.draft,
+                                       message.sampling)
         return ForwardResult(micro_batch_id=message.micro_batch_id, step_id=message.step_id,
                              next_token_ids=next_tokens, accepted_counts=accepted,
                              logits=output.logits if return_logits else None)
@@ -390,25 +385,6 @@ def _row_params(sampling: SamplingInfo | None, row: int) -> SamplingParams | Non
         return None
     return SamplingParams(temperature=sampling.temperatures[row], top_k=sampling.top_ks[row],
                           top_p=sampling.top_ps[row])
-
-
-def _greedy_next_tokens(message: Forward, live_counts: tuple[int, ...], argmax: list[int],
-                        vocab_size: int) -> tuple[int, ...]:
-    """Every row's next token in a plain greedy step from the argmax at its last live position (0 for a row
-    that fed nothing); RuntimeError when a live row's is outside the vocabulary."""
-    tokens = tuple(token if live else 0 for token, live in zip(argmax, live_counts, strict=True))
-    if any(not 0 <= token < vocab_size for token in tokens):
-        rows = [row for row, token in enumerate(tokens) if not 0 <= token < vocab_size]
-        raise _outside_vocabulary(message, live_counts, vocab_size, [tokens[row] for row in rows],
-                                  [[row, 0] for row in rows])
-    return tokens
-
-
-def _outside_vocabulary(message: Forward, live_counts: tuple[int, ...], vocab_size: int, tokens: list[int],
-                        where: list[list[int]]) -> RuntimeError:
-    return RuntimeError(f"micro-batch {message.micro_batch_id} step {message.step_id}: the stage chose tokens "
-                        f"{tokens} outside the vocabulary of {vocab_size} at (row, position) {where} of a call with "
-                        f"live counts {list(live_counts)} (its logits were not finite)")
 
 
 def _live_positions(append: AppendSlots, width: int) -> npt.NDArray[np.bool_]:
