@@ -9,4 +9,5 @@ echo "== ruff"
 echo "== mypy"
 MYPYPATH=.typecheck "$venv/bin/python" -m mypy -p deskfleet
 echo "== pytest"
-"$venv/bin/python" -m pytest -p no:cacheprovider "$@"
+# --durations: the slowest tests in the log, to tell a slow CI machine from a hung test
+"$venv/bin/python" -m pytest -p no:cacheprovider --durations=25 "$@"
