@@ -6,6 +6,7 @@ mDNS runs on loopback only (see tests/agent/test_advertise.py for why that works
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import socket
 import time
@@ -59,11 +60,13 @@ def register_for(agent: AgentService, seconds: float) -> None:
 def test_a_flood_of_other_announcements_does_not_hide_the_controller() -> None:
     # Announcements that are not this controller's (here: names that never resolve, each costing the old search
     # a 1 s resolve) came first and used up the search, so the controller announced a moment later was missed.
+    # The controller is found ~2 s after the search starts (its announcement's probing, zeroconf's timers): a
+    # 10 s search leaves a slow machine room, and 12 floods (12 s of the old resolves) still outlast it.
     async def scenario() -> list[str]:
         flood = AsyncZeroconf(interfaces=[LOOPBACK])
         try:
-            await asyncio.gather(*(_register(flood, f"flood{n}", 7100 + n, [], {"id": "x"}) for n in range(5)))
-            search = asyncio.create_task(find_controller(FLEET, CONTROLLER, [LOOPBACK], search_s=3.0))
+            await asyncio.gather(*(_register(flood, f"flood{n}", 7100 + n, [], {"id": "x"}) for n in range(12)))
+            search = asyncio.create_task(find_controller(FLEET, CONTROLLER, [LOOPBACK], search_s=10.0))
             await asyncio.sleep(0.3)
             async with Advertiser(ControllerRecord(CONTROLLER, FLEET), 7000, [LOOPBACK]):
                 return await search
@@ -254,6 +257,23 @@ def test_a_search_that_raises_does_not_end_registration(
     monkeypatch.setattr(service_module, "RETRY_MAX_S", 0.2)
     agent = AgentService(AgentOptions(joined.data_dir, listen=f"{LOOPBACK}:{free_port()}"), monitor=FakeMonitor())
 
-    register_for(agent, 1.5)
-    assert sum("search for the controller over mDNS failed" in record.getMessage()
-               for record in caplog.records) >= 2
+    def failed_searches() -> int:
+        return sum("search for the controller over mDNS failed" in record.getMessage() for record in caplog.records)
+
+    async def scenario() -> None:
+        # The second search comes after RETRY_MIN_S (1 s); a fixed 1.5 s run left a slow machine 0.5 s for the
+        # rest. Registration runs until the second failed search is logged, and must still be running then.
+        registering = asyncio.create_task(agent._register_forever())
+        try:
+            async with asyncio.timeout(60):
+                while failed_searches() < 2:
+                    assert not registering.done(), "registration ended after a search raised"
+                    await asyncio.sleep(0.01)
+            assert not registering.done()
+        finally:
+            registering.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await registering
+
+    asyncio.run(scenario())
+    assert failed_searches() >= 2

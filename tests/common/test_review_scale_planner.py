@@ -54,13 +54,21 @@ def test_a_model_that_fits_no_order_of_150_agents_is_called_infeasible_within_a_
     assert elapsed < 1.0, f"{elapsed:.1f} s"
 
 
-def test_a_feasible_plan_over_300_agents_skips_subsets_too_slow_to_win() -> None:
+def test_a_feasible_plan_over_300_agents_skips_subsets_too_slow_to_win(monkeypatch: pytest.MonkeyPatch) -> None:
     # 3 of 300 PCs hold a 70B INT4: 2000 subsets were split one by one (3.6 s); a subset whose speeds sum too
-    # low to beat the best split found (the model's work over that sum bounds its slowest stage) is skipped
+    # low to beat the best split found (the model's work over that sum bounds its slowest stage) is skipped.
+    # Splits counted rather than timed: 41 now, 2001 without the skip; the plan took 1.1 s here against a 2.5 s
+    # bound, most of it the one split of all 300 PCs, too little room for a CI machine 3-5x slower.
+    calls = 0
+    split = planner._split
+
+    def counted(*args: object) -> object:
+        nonlocal calls
+        calls += 1
+        return split(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(planner, "_split", counted)
     model = ModelFootprint.uniform("70b", 80, int(0.45 * GB), GB, GB, 0, 4096)
-    agents = office(300)
-    started = time.perf_counter()
-    result = plan(model, agents)
-    elapsed = time.perf_counter() - started
+    result = plan(model, office(300))
     assert result.feasible and len(result.stages) == 3
-    assert elapsed < 2.5, f"{elapsed:.1f} s: 3.6 s when every subset was split"
+    assert calls <= 100, f"{calls} splits: 2001 when every subset was split"

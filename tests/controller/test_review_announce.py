@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 from zeroconf import ServiceStateChange, Zeroconf
@@ -41,6 +42,9 @@ def test_a_stranger_announcing_the_controllers_name_does_not_stop_fleet_serve(
     # probe then raised NonUniqueNameException (not an OSError) through the server's TaskGroup: `fleet serve` ended.
     name = f"{store.tls_files.own_identity().agent_id}.{CONTROLLER_SERVICE_TYPE}"
 
+    def clash_told() -> bool:
+        return any("another host announces its name" in record.getMessage() for record in caplog.records)
+
     async def scenario() -> bool:
         squatter = AsyncZeroconf(interfaces=[LOOPBACK])
         await (await squatter.async_register_service(AsyncServiceInfo(
@@ -51,7 +55,12 @@ def test_a_stranger_announcing_the_controllers_name_does_not_stop_fleet_serve(
             running = asyncio.create_task(server.run())
             while server.bound_port is None and not running.done():
                 await asyncio.sleep(0.01)
-            await asyncio.sleep(3.0)  # probing takes ~0.75 s
+            # Serving for 3 s at least, and until the clash is told: probing found it after 0.2 s here, but
+            # probing runs on zeroconf's timers and a slow CI machine could take longer than a fixed 3 s.
+            started = asyncio.get_running_loop().time()
+            async with asyncio.timeout(60):
+                while not running.done() and not (clash_told() and asyncio.get_running_loop().time() - started >= 3):
+                    await asyncio.sleep(0.05)
             serving = not running.done()
             server.stop()
             await running
@@ -61,7 +70,7 @@ def test_a_stranger_announcing_the_controllers_name_does_not_stop_fleet_serve(
 
     with caplog.at_level(logging.WARNING, logger="deskfleet.controller.fleet_server"):
         assert asyncio.run(scenario())
-    assert any("another host announces its name" in record.getMessage() for record in caplog.records)
+    assert clash_told()
 
 
 def test_a_stop_while_the_announcement_probes_closes_its_sockets_and_a_later_one_says_goodbye(
@@ -76,13 +85,27 @@ def test_a_stop_while_the_announcement_probes_closes_its_sockets_and_a_later_one
             opened.append(self)
 
     monkeypatch.setattr(advertise, "AsyncZeroconf", Recorded)
+    # The later stop comes once the announcement is up (probing and announcing done): a fixed 2 s left a slow
+    # machine 1.6x the 1.2 s that took here, and a stop before it sends no goodbye.
+    announced: list[asyncio.Event] = []
+    real_start = advertise.Advertiser.start
 
-    async def serve_for(seconds: float) -> None:
+    async def start_and_tell(self: advertise.Advertiser[Any]) -> None:
+        await real_start(self)
+        for event in announced:
+            event.set()
+
+    monkeypatch.setattr(advertise.Advertiser, "start", start_and_tell)
+
+    async def serve_for(seconds: float, until: asyncio.Event | None = None) -> None:
         server = FleetServer(store, f"{LOOPBACK}:{free_port()}", announce_at=_announce_on_loopback)
         running = asyncio.create_task(server.run())
         while server.bound_port is None:
             await asyncio.sleep(0.01)
         await asyncio.sleep(seconds)
+        if until is not None:
+            async with asyncio.timeout(60):
+                await until.wait()
         server.stop()
         await running
 
@@ -99,8 +122,9 @@ def test_a_stop_while_the_announcement_probes_closes_its_sockets_and_a_later_one
                 removed.set()
 
         browser = AsyncServiceBrowser(listener.zeroconf, CONTROLLER_SERVICE_TYPE, handlers=[on_change])
+        announced.append(asyncio.Event())
         try:
-            await serve_for(2.0)
+            await serve_for(0.0, until=announced[-1])
             async with asyncio.timeout(3):
                 await removed.wait()
             return True

@@ -64,7 +64,13 @@ def test_a_deploy_that_moves_a_model_off_an_agent_releases_its_old_stage(tmp_pat
                 finally:
                     await found.close()
             assert len(report.stages) == 1
-            await asyncio.sleep(0.2)  # the release travels on its own; nothing answers it
+            # The release travels on its own; nothing answers it. Waited for rather than slept on (0.2 s was
+            # plenty here, but this process was seen starved for seconds on CI): at most 60 s for a broken run.
+            deadline = asyncio.get_running_loop().time() + 60
+            while sorted(len(core.stages) for core in cores.values()) != [0, 1]:
+                if asyncio.get_running_loop().time() > deadline:
+                    break
+                await asyncio.sleep(0.01)
             return {agent_id: [f"{ref.layer_start}:{ref.layer_end}" for ref in core.stages]
                     for agent_id, core in cores.items()}
         finally:

@@ -116,7 +116,10 @@ def test_250_pcs_that_are_off_cost_a_survey_one_open_timeout_not_four(
 
 def test_agents_slow_to_answer_their_status_hold_no_place_of_a_dial(monkeypatch: pytest.MonkeyPatch) -> None:
     # 40 agents that each think 0.2 s before their status, 4 dials at a time: 10 rounds (2 s) when a place
-    # was held until the status came, one (0.2 s) now that it is held while the link opens
+    # was held until the status came, one (0.2 s) now that it is held while the link opens. Counted rather
+    # than timed (a 1 s bound left a slow CI machine 5x): all 40 think at once, not 4.
+    thinking, most = [0], [0]
+
     class Report:
         pass
 
@@ -125,7 +128,12 @@ def test_agents_slow_to_answer_their_status_hold_no_place_of_a_dial(monkeypatch:
             pass
 
         async def receive(self) -> object:
-            await asyncio.sleep(0.2)
+            thinking[0] += 1
+            most[0] = max(most[0], thinking[0])
+            try:
+                await asyncio.sleep(0.2)
+            finally:
+                thinking[0] -= 1
             return Report()
 
         async def close(self) -> None:
@@ -139,17 +147,15 @@ def test_agents_slow_to_answer_their_status_hold_no_place_of_a_dial(monkeypatch:
     store = cast(FleetStore, SimpleNamespace(tls_files=None))
     revocations = cast(Revocations, lambda: fleet_survey.pki.RevocationSet())
 
-    async def scenario() -> float:
+    async def scenario() -> None:
         dials = asyncio.Semaphore(4)
-        started = time.monotonic()
         answers = await asyncio.gather(*(fleet_survey._ask_at_any(store, revocations, agent_id,
                                                                   (f"10.0.0.{index}:7431",), dials)
                                          for index, agent_id in enumerate(agent_ids(40, seed=12))))
         assert all(answer[3] is None for answer in answers)
-        return time.monotonic() - started
 
-    elapsed = asyncio.run(scenario())
-    assert elapsed < 1.0, f"{elapsed:.1f} s"
+    asyncio.run(scenario())
+    assert most[0] == 40, f"{most[0]} agents thought at once: a place of a dial was held while each thought"
 
 
 def test_the_dials_at_once_stay_within_a_quarter_of_the_file_handles(monkeypatch: pytest.MonkeyPatch) -> None:
