@@ -15,6 +15,10 @@ The chain runs from the fastest agent to the slowest; when no split fits in that
 fastest agent may have no room for the embed beside a layer, the slowest none for the head), other orders
 are searched, every order of up to EVERY_ORDER_UP_TO agents, else every choice of first and last agent, the
 rest by speed, within `max_reordered_splits`.
+A link known broken (`broken_links`: agent A cannot dial agent B, e.g. a firewall between two desks) never joins
+two neighbouring stages: the split tracks who holds the stage before, and where an order puts A before B, orders
+that keep them apart are tried too (every order of up to EVERY_ORDER_UP_TO agents, else A and B moved round each
+other); where no chain over both is as good as one without one of them, that one is left out (BROKEN_LINK).
 A unit's work is its weight bytes (decoding reads every weight once) unless the caller knows better: the
 head's `head_work` (controller/fleet_deploy.py prices it by parameters on a CPU, where unpacking INT4
 weights, not reading them, sets the pace; see `footprint_of`). The embed is a lookup: no work.
@@ -166,6 +170,10 @@ class PlanOptions:
     # 0.85 on a 16-core Xeon; a LAN's wire adds 0.1-0.3 ms. 1 ms, against steps of 5-40 ms: a PC whose share
     # shortens the slowest stage by less is left out. 0: stages are free (the slowest stage alone decides).
     hop_cost: float = 1_000_000.0
+    # Links known broken, as (from, to) agent ids: `from` cannot dial `to` (a firewall or a network fault between
+    # two desks), so no plan puts `from` directly before `to`; `to` before `from` is another link, dialled the other
+    # way. A failover adds one where a stage could not reach its next hop while the controller reaches both.
+    broken_links: frozenset[tuple[str, str]] = frozenset()
 
 
 # how much of a long list the plan's text shows (`--json` has it all)
@@ -182,6 +190,7 @@ class ExclusionReason(str, Enum):
     TOO_LITTLE_MEMORY = "too_little_memory"
     NOT_NEEDED = "not_needed"
     UNREACHABLE = "unreachable"  # found (roster, mDNS, --peer) but did not answer: never a candidate
+    BROKEN_LINK = "broken_link"  # usable, but only in chains where a PC would dial one it cannot reach
 
 
 @dataclass(frozen=True)
@@ -254,6 +263,10 @@ def plan(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandid
         raise ValueError(f"streams must be at least 1, got {options.streams}")
     if not 0 <= options.hop_cost < math.inf:
         raise ValueError(f"hop_cost must be 0 or more and finite, got {options.hop_cost}")
+    for link in options.broken_links:
+        if not (isinstance(link, tuple) and len(link) == 2 and all(isinstance(end, str) for end in link)
+                and link[0] != link[1]):
+            raise ValueError(f"a broken link is (from agent id, to agent id) of two agents, got {link!r}")
     exclusions: list[Exclusion] = []
     eligible: list[AgentCandidate] = []
     smallest = _smallest_stage_bytes(model, options)
@@ -264,19 +277,24 @@ def plan(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandid
         else:
             exclusions.append(replace(excluded, hostname=agent.hostname))
     eligible.sort(key=lambda a: (-a.speed, a.agent_id))
-    # A subset's split in speed order is a split of every eligible agent in speed order, the others given no
-    # layers: when all of them have none, no subset has one, and the subsets need not be tried one by one
-    # (with 300 PCs and an embed that fits none, that took 254 s).
-    best = _best_split(model, eligible, options, _by_speed) if _split(model, eligible, options) else None
-    if best is None:
-        budget = _SplitBudget(options.max_reordered_splits)
-        best = _best_split(model, eligible, options, lambda agents: _other_orders(agents, budget), budget)
-    best = _keep_deployed(model, eligible, options, best)
+    if options.broken_links:  # only the links between two eligible agents constrain a chain
+        ids = {agent.agent_id for agent in eligible}
+        options = replace(options, broken_links=frozenset(
+            (source, target) for source, target in options.broken_links if source in ids and target in ids))
+    best = _search(model, eligible, options)
+    # without the broken links, as the planner would have it: who was left out for them, or that they alone
+    # keep the model from fitting (planned only where a link's end is unused)
+    free: list[Stage] | None = None
     used = {stage.agent_id for stage in best or ()}
+    if any(end not in used for link in options.broken_links for end in link):
+        free = _search(model, eligible, replace(options, broken_links=frozenset()))
+    apart = {stage.agent_id for stage in free or ()} - used
     for agent in eligible:
         if agent.agent_id not in used and best is not None:
-            exclusions.append(_not_needed(agent, best, options))
-    problems = () if best is not None else _diagnose(model, agents, eligible, options, unreachable)
+            exclusions.append(_cut_off(agent, eligible, options) if agent.agent_id in apart
+                              else _not_needed(agent, best, options))
+    problems = () if best is not None else (_no_chain_apart(eligible, options, unreachable),) if free else \
+        _diagnose(model, agents, eligible, options, unreachable)
     usable = tuple((agent.agent_id, usable_bytes(agent, options)) for agent in eligible)
     return Plan(model, options.policy, tuple(best or ()), (*exclusions, *unreachable), problems, usable,
                 options.streams)
@@ -410,6 +428,23 @@ def _screen(agent: AgentCandidate, options: PlanOptions, smallest: int, model: M
 ChainOrders = Callable[[list[AgentCandidate]], Iterable[list[AgentCandidate]]]
 
 
+def _search(model: ModelFootprint, eligible: list[AgentCandidate], options: PlanOptions) -> list[Stage] | None:
+    """The stages of the plan over `eligible` (sorted by speed), or None when no split fits."""
+    orders: ChainOrders = _by_speed
+    if options.broken_links:
+        def orders(agents: list[AgentCandidate]) -> Iterable[list[AgentCandidate]]:
+            return _apart_orders(agents, options.broken_links)
+    # A subset's split in speed order is a split of every eligible agent in speed order, the others given no
+    # layers: when all of them have none, no subset has one, and the subsets need not be tried one by one
+    # (with 300 PCs and an embed that fits none, that took 254 s).
+    fits = any(_split(model, order, options) for order in orders(eligible))
+    best = _best_split(model, eligible, options, orders) if fits else None
+    if best is None:
+        budget = _SplitBudget(options.max_reordered_splits)
+        best = _best_split(model, eligible, options, lambda agents: _other_orders(agents, budget), budget)
+    return _keep_deployed(model, eligible, options, best)
+
+
 class _SplitBudget:
     """How many more splits the search in other chain orders may try."""
 
@@ -424,6 +459,57 @@ class _SplitBudget:
 def _by_speed(agents: list[AgentCandidate]) -> Iterable[list[AgentCandidate]]:
     """The chain order of a feasible fleet: fastest first (ties by id)."""
     yield sorted(agents, key=lambda a: (-a.speed, a.agent_id))
+
+
+def _apart_orders(agents: list[AgentCandidate], links: frozenset[tuple[str, str]]) -> Iterator[list[AgentCandidate]]:
+    """The order by speed, then, where it puts the source of a broken link before its target (the split could make
+    them neighbours), other orders: every one of a short chain (each chain over some of its agents, in any order,
+    is a split of one of them), else orders with no broken link between neighbours: each link's target moved to
+    just before its source and its source to just after its target, and a repair of the order by speed that
+    moves each agent the one before cannot dial back to the latest place where it joins no broken link."""
+    by_speed = next(iter(_by_speed(agents)))
+    yield by_speed
+    place = {agent.agent_id: index for index, agent in enumerate(by_speed)}
+    forward = [(place[source], place[target]) for source, target in links
+               if source in place and target in place and place[source] < place[target]]
+    if not forward:
+        return  # every target comes first: no split of this order joins a broken link
+    candidates: Iterable[Sequence[AgentCandidate]]
+    if len(by_speed) <= EVERY_ORDER_UP_TO:
+        candidates = itertools.permutations(by_speed)
+    else:
+        moved: list[Sequence[AgentCandidate]] = []
+        for source, target in forward:
+            rest = [agent for index, agent in enumerate(by_speed) if index != target]
+            moved.append([*rest[:source], by_speed[target], *rest[source:]])
+            rest = [agent for index, agent in enumerate(by_speed) if index != source]
+            moved.append([*rest[:target], by_speed[source], *rest[target:]])
+        candidates = [*moved, _repaired(by_speed, links)]
+    seen = {tuple(place)}
+    for order in candidates:
+        key = tuple(agent.agent_id for agent in order)
+        if key not in seen and (len(order) <= EVERY_ORDER_UP_TO or not _joins_broken(order, links)):
+            seen.add(key)
+            yield list(order)
+
+
+def _repaired(order: list[AgentCandidate], links: frozenset[tuple[str, str]]) -> list[AgentCandidate]:
+    """`order` with each agent that the one before cannot dial moved back to the latest place between two agents
+    it can be joined to (left where it is when there is none)."""
+    chain: list[AgentCandidate] = []
+    for agent in order:
+        if chain and (chain[-1].agent_id, agent.agent_id) in links:
+            fits = (place for place in range(len(chain) - 1, -1, -1)
+                    if (place == 0 or (chain[place - 1].agent_id, agent.agent_id) not in links)
+                    and (agent.agent_id, chain[place].agent_id) not in links)
+            chain.insert(next(fits, len(chain)), agent)
+        else:
+            chain.append(agent)
+    return chain
+
+
+def _joins_broken(order: Sequence[AgentCandidate], links: frozenset[tuple[str, str]]) -> bool:
+    return any((before.agent_id, after.agent_id) in links for before, after in itertools.pairwise(order))
 
 
 def _other_orders(agents: list[AgentCandidate], budget: _SplitBudget) -> Iterator[list[AgentCandidate]]:
@@ -505,28 +591,41 @@ def _pace(stages: list[Stage], options: PlanOptions) -> tuple[float, int]:
 
 def _split(model: ModelFootprint, agents: list[AgentCandidate], options: PlanOptions) -> list[Stage] | None:
     """Contiguous ranges over `agents` in chain order (an agent may get none): minimise the slowest stage, plus
-    the hops of its stages (see _hop) over the leading parts of the order.
+    the hops of its stages (see _hop) over the leading parts of the order; no stage follows one whose agent cannot
+    dial it (PlanOptions.broken_links).
 
-    best[i][j]: the best (slowest stage time, stages) covering layers [0, j) with the first i agents. The split
-    ends at the row i whose (best[i][layers]'s slowest stage + a hop a stage, stages) is least, the last of equals:
-    with free hops, the last row (all the agents).
+    best[s][i][j]: the best (slowest stage time, stages) covering layers [0, j) with the first i agents, the stage
+    ending at j held by `sources[s]`, the source of a broken link (s = 0: by none, or by an agent that is no broken
+    link's source). The split ends at the row i whose (best[s][i][layers]'s slowest stage + a hop a stage, stages)
+    is least, the last of equals: with free hops, the last row (all the agents).
     """
     layers = model.num_layers
     prefix = [0, *itertools.accumulate(model.layer_bytes)]
     kv_per_layer = model.kv_bytes_per_layer(options.streams)
     per_stage = (_per_stage_bytes(model, options), _per_stage_bytes(model, options, first=True))
-    best: list[list[tuple[float, int] | None]] = [[None] * (layers + 1) for _ in range(len(agents) + 1)]
-    back: dict[tuple[int, int], int] = {}  # (agents used, stop layer) -> start layer of that agent's stage
-    best[0][0] = (0.0, 0)
+    ids = {agent.agent_id for agent in agents}
+    sources: list[str | None] = [None, *sorted({source for source, target in options.broken_links
+                                                 if source in ids and target in ids})]
+    tags = {source: s for s, source in enumerate(sources)}
+    states = range(len(sources))
+    best: list[list[list[tuple[float, int] | None]]] = [
+        [[None] * (layers + 1) for _ in range(len(agents) + 1)] for _ in states]
+    back: dict[tuple[int, int, int], tuple[int, int]] = {}  # (state, agents used, stop) -> (start, state before)
+    best[0][0][0] = (0.0, 0)
     for i, agent in enumerate(agents):
         usable = usable_bytes(agent, options)
-        for j in range(layers + 1):
-            here = best[i][j]
+        tag = tags.get(agent.agent_id, 0)
+        into = best[tag][i + 1]
+        barred = {s for s in states if (sources[s], agent.agent_id) in options.broken_links}
+        for j, s in itertools.product(range(layers + 1), states):
+            here = best[s][i][j]
             if here is None:
                 continue
-            if _better(here, best[i + 1][j]):
-                best[i + 1][j] = here
-                back.pop((i + 1, j), None)
+            if _better(here, best[s][i + 1][j]):
+                best[s][i + 1][j] = here
+                back.pop((s, i + 1, j), None)
+            if s in barred:
+                continue  # the agent before cannot dial this one
             for k in range(j + 1, layers + 1):
                 weights = model.resident(_weights(model, prefix, j, k))
                 credit = _credit(model, prefix, agent, j, k, options) if agent.hosted else 0
@@ -536,22 +635,23 @@ def _split(model: ModelFootprint, agents: list[AgentCandidate], options: PlanOpt
                     continue
                 time = _work(model, prefix, j, k) / agent.speed
                 candidate = (max(here[0], time), here[1] + 1)
-                if _better(candidate, best[i + 1][k]):
-                    best[i + 1][k] = candidate
-                    back[(i + 1, k)] = j
+                if _better(candidate, into[k]):
+                    into[k] = candidate
+                    back[(tag, i + 1, k)] = (j, s)
     hop = _hop(options)
     ends = []
-    for row in range(1, len(agents) + 1):
-        end = best[row][layers]
+    for s, row in itertools.product(states, range(1, len(agents) + 1)):
+        end = best[s][row][layers]
         if end is not None:
-            ends.append((end[0] + hop * end[1], end[1], -row))
+            ends.append((end[0] + hop * end[1], end[1], -row, s))
     if not ends:
         return None
     stages: list[Stage] = []
-    i, k = -min(ends)[2], layers
+    _, _, row, s = min(ends)
+    i, k = -row, layers
     while k > 0:
-        if (i, k) in back:
-            j = back[(i, k)]
+        if (s, i, k) in back:
+            j, s = back[(s, i, k)]
             stages.append(_stage(model, prefix, agents[i - 1], j, k, options))
             k = j
         i -= 1
@@ -571,6 +671,8 @@ def _keep_deployed(model: ModelFootprint, eligible: list[AgentCandidate], option
         return best
     if len({id(agent) for _, _, agent in hosts}) != len(hosts):
         return best  # an agent hosting two ranges of the chain: not a chain this planner makes
+    if _joins_broken([agent for _, _, agent in hosts], options.broken_links):
+        return best  # a stage of it cannot dial the next one
     prefix = [0, *itertools.accumulate(model.layer_bytes)]
     kept = [_stage(model, prefix, agent, first, stop, options) for first, stop, agent in hosts]
     if any(stage.memory_bytes > stage.usable_bytes + _credit(model, prefix, agent, stage.first_layer,
@@ -634,6 +736,26 @@ def _not_needed(agent: AgentCandidate, stages: list[Stage], options: PlanOptions
         message = (f"not used: with speed {agent.speed:g} and {_gb(usable_bytes(agent, options))} usable, "
                    f"a share of the layers would not shorten the slowest stage{hop}")
     return Exclusion(agent.agent_id, ExclusionReason.NOT_NEEDED, message, agent.hostname)
+
+
+def _cut_off(agent: AgentCandidate, eligible: list[AgentCandidate], options: PlanOptions) -> Exclusion:
+    """Why `agent`, which a plan without the broken links would use, is left out."""
+    names = {other.agent_id: _label(other.agent_id, other.hostname) for other in eligible}
+    ends = [f"agent {names[source]} cannot dial agent {names[target]}"
+            for source, target in sorted(options.broken_links) if agent.agent_id in (source, target)]
+    return Exclusion(agent.agent_id, ExclusionReason.BROKEN_LINK,
+                     f"broken link: {', '.join(ends)} (a firewall or a network fault between them), "
+                     "and no chain that keeps it, with no PC dialling one it cannot reach, does as well as one "
+                     "without it", agent.hostname)
+
+
+def _no_chain_apart(eligible: list[AgentCandidate], options: PlanOptions, unreachable: Sequence[Exclusion]) -> str:
+    """The problem of a fleet that holds the model only in chains that join a broken link."""
+    names = {agent.agent_id: _label(agent.agent_id, agent.hostname) for agent in eligible}
+    links = ", ".join(f"{names[source]} -> {names[target]}" for source, target in sorted(options.broken_links))
+    silent = f", and {len(unreachable)} more found did not answer" if unreachable else ""
+    return (f"the {len(eligible)} usable agent(s) hold the model only in chains where a PC dials one it cannot "
+            f"reach (broken links: {links}){silent}: mend the network between those PCs, or join more PCs")
 
 
 def _diagnose(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandidate, ...],

@@ -14,8 +14,10 @@ A blame is checked before it costs a PC (_check_blame), against the survey the r
 extra dial, no extra wait): a stage's word that another PC is at fault (its next hop unreachable, or an
 earlier stage's error it relayed) stands only when the controller cannot reach that PC either. Where the
 accused answers and still hosts its stage, it is kept; an accusation of the reporter's own next hop then
-leaves the reporter out (the link between the two, or the reporter, is at fault: a firewall between two
-desks), and a relayed one, whose maker cannot be told, leaves no one out. A PC the controller saw fail
+marks the link from the reporter to the accused broken for the run (a firewall between two desks, or the
+reporter itself, is at fault) and keeps both, planned apart (PlanOptions.broken_links: the reporter never
+directly before the accused; where no chain over both does as well, the planner leaves one out and says why),
+and a relayed one, whose maker cannot be told, leaves no one out. A PC the controller saw fail
 itself (its link closed) that answers the survey (restarted, or a moment's network fault) is kept once per
 run. A stage's blame of itself (it gave its stages up) is taken at its word.
 """
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from deskfleet.common import event_loop
+from deskfleet.common.planner import ExclusionReason, Plan
 from deskfleet.common.wire import StageRef
 from deskfleet.controller.engine import ChainBroken
 from deskfleet.controller.fleet_ca import Revocations
@@ -66,9 +69,13 @@ class FleetFailover:
     run_start: int = 0  # how many of `chains` came before this run (a chat's reply): the budget is per run
     replans: list[dict[str, object]] = field(default_factory=list)  # what broke, and the chain made after it
     kept: set[str] = field(default_factory=set)  # blamed in this run, kept because they answered (once each)
+    # (from, to): links found broken in this run (a stage that could not reach its next hop, which answers the
+    # controller); every re-plan of the run keeps their ends apart
+    broken_links: set[tuple[str, str]] = field(default_factory=set)
     _blame: ChainError | None = field(default=None, repr=False)  # the blame the re-plan under way checks
     _left_out: str | None = field(default=None, repr=False)  # whom that check left out
     _verdict: str | None = field(default=None, repr=False)  # what that check found, in words
+    _apart: tuple[str, str] | None = field(default=None, repr=False)  # the link that check found broken
 
     def __call__(self, error: ChainBroken) -> FleetPipeline:
         # the controller's own observation (a link closed, an agent not dialled) or a blame the chain checked
@@ -83,7 +90,7 @@ class FleetFailover:
                                 f"--max-failovers {self.max_failovers})") from error
         started = time.perf_counter()
         self._blame = error if isinstance(error, ChainError) and agent_id is not None else None
-        self._left_out, self._verdict = agent_id, None
+        self._left_out, self._verdict, self._apart = agent_id, None, None
         try:
             report = event_loop.run(self._redeploy())
             chain = FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store),
@@ -112,6 +119,7 @@ class FleetFailover:
         self.run_start = len(self.chains)
         self.lost.clear()
         self.kept.clear()
+        self.broken_links.clear()
 
     def close(self) -> None:
         for chain in self.chains:
@@ -130,12 +138,13 @@ class FleetFailover:
         found = await survey(self.store, self._survey_options())
         try:
             self._check_blame(found)
-            _, report = await deploy(self.store, self.model_dir, found,
-                                     settings.plan_options(),
-                                     settings.precision, settings.device, exclude=frozenset(self.lost),
-                                     kv_cache=settings.kv_cache)
+            options = replace(settings.plan_options(), broken_links=frozenset(self.broken_links))
+            result, report = await deploy(self.store, self.model_dir, found, options,
+                                          settings.precision, settings.device, exclude=frozenset(self.lost),
+                                          kv_cache=settings.kv_cache)
         finally:
             await found.close()
+        self._planned_apart(result, report)
         return report
 
     def _survey_options(self) -> SurveyOptions:
@@ -148,6 +157,32 @@ class FleetFailover:
         survivors = [stage.address for stage in deployed if stage.agent_id not in self.lost]
         return replace(self.survey_options, peers=tuple(dict.fromkeys([*self.survey_options.peers, *survivors])))
 
+    def _planned_apart(self, result: Plan, report: DeployReport) -> None:
+        """Add to the verdict of a link found broken (_check_blame) what the re-plan made of its two ends: both in
+        the new chain, apart, or one left out by the planner (then the replan's `lost_agent`) and why."""
+        if self._apart is None or self._verdict is None:
+            return
+        placed = [stage.agent_id for stage in report.stages]
+        at = {agent_id: index for index, agent_id in enumerate(placed)}
+        reporter, accused = self._apart
+        if reporter in at and accused in at:
+            where = (f"agent {accused[:12]} (stage {at[accused]}) now comes before agent {reporter[:12]} "
+                     f"(stage {at[reporter]})" if at[accused] < at[reporter] else
+                     f"agents {reporter[:12]} (stage {at[reporter]}) and {accused[:12]} (stage {at[accused]}) are "
+                     "no longer neighbours")
+            self._verdict += f"; the new chain keeps both: {where}"
+            return
+        for agent_id in (reporter, accused):
+            if agent_id in at:
+                continue
+            why = next((exclusion for exclusion in result.exclusions if exclusion.agent_id == agent_id), None)
+            if why is None:
+                self._verdict += f"; agent {agent_id[:12]} is not in the new chain"
+                continue
+            if why.reason is ExclusionReason.BROKEN_LINK:
+                self._left_out = agent_id
+            self._verdict += f"; the new plan leaves agent {agent_id[:12]} out ({why.message})"
+
     def _check_blame(self, found: Survey) -> None:
         """Weigh the blame that broke the chain (self._blame, its agent provisionally in `lost`) against what the
         re-plan's survey found, before anyone is left out for it; sets _left_out and _verdict.
@@ -159,9 +194,10 @@ class FleetFailover:
         - a stage blamed itself (it gave its stages up): it stands, the agent's word about itself;
         - the accused answers and still hosts its stage of this chain: it is kept. Where it was the reporter's
           next hop, the reporter made the accusation (an agent drops a relayed blame of its next hop), and the
-          link between the two or the reporter itself is at fault: the reporter is left out instead, so the two
-          are not neighbours in the next plan. An earlier stage's blame was relayed, and which stage made it
-          cannot be told: nobody is left out for it;
+          link between the two or the reporter itself is at fault: the link is marked broken for the run and
+          both are kept, the reporter never directly before the accused in a re-plan (where no chain over both
+          does as well, the planner leaves one of them out: _planned_apart says which and why). An earlier
+          stage's blame was relayed, and which stage made it cannot be told: nobody is left out for it;
         - the accused answers but no longer hosts its stage (it restarted), or the controller saw its link close
           and it answers now: it is kept (re-planned, it is given its stage again).
         Whichever way, an accused PC is kept once per run: blamed again after that, it is left out (a PC that
@@ -186,14 +222,16 @@ class FleetFailover:
             self.lost.discard(accused)
             accused_at, reporter_at = positions[accused], positions.get(reporter)
             if reporter_at is not None and accused_at == reporter_at + 1:
-                self.lost.add(reporter)
-                self._left_out = reporter
+                self.broken_links.add((reporter, accused))
+                self._apart = (reporter, accused)
+                self._left_out = None
                 self._verdict = (f"agent {reporter[:12]} (stage {reporter_at}) reported its next hop agent "
                                  f"{accused[:12]} (stage {accused_at}) at fault, but that agent answers the "
                                  f"controller and still hosts its stage: the link from {reporter[:12]} to "
                                  f"{accused[:12]} (a firewall or network fault between those two PCs), or agent "
-                                 f"{reporter[:12]} itself, is at fault, so agent {reporter[:12]} is left out of "
-                                 f"the next plan instead and agent {accused[:12]} is kept")
+                                 f"{reporter[:12]} itself, is at fault, so that link is marked broken for this run "
+                                 f"and both are kept (never planned with agent {reporter[:12]} directly before "
+                                 f"agent {accused[:12]})")
             else:
                 self._left_out = None
                 self._verdict = (f"the error that stage {reporter_at}'s agent {reporter[:12]} passed on blamed agent "

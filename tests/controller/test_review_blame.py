@@ -4,7 +4,8 @@ Before, what a stage's Error named (within what its place in the chain allows) w
 on that stage's word: a PC that could not reach its next hop across a firewall had the healthy next hop left
 out, and a buggy or hostile member could have an honest earlier stage left out, one failover at a time. Now
 the re-plan's own survey weighs it: an accused PC that answers the controller and still hosts its stage is
-kept, and an accusation of the reporter's own next hop leaves the reporter out instead.
+kept, and an accusation of the reporter's own next hop keeps both, planned apart (the link between them is
+broken: tests/controller/test_review_broken_links.py).
 """
 
 from __future__ import annotations
@@ -21,12 +22,21 @@ from deskfleet.agent.paths import AgentSettings, Thresholds
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.model_spec import load_manifest
-from deskfleet.common.planner import PlanOptions, PlanPolicy
+from deskfleet.common.planner import Plan, PlanOptions, PlanPolicy
 from deskfleet.common.wire import Precision, StageRef, StatusReport
 from deskfleet.controller import fleet_failover
 from deskfleet.controller.engine import Engine, StreamRequest
 from deskfleet.controller.fleet_ca import init_fleet, load_ca
-from deskfleet.controller.fleet_deploy import DeployReport, StagePlacement, deploy, model_id_of
+from deskfleet.controller.fleet_deploy import (
+    DeployError,
+    DeployReport,
+    DeploySettings,
+    StagePlacement,
+    deploy,
+    footprint_of,
+    model_id_of,
+    plan_survey,
+)
 from deskfleet.controller.fleet_failover import FleetFailover
 from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
 from deskfleet.controller.fleet_store import FleetStore
@@ -58,11 +68,16 @@ class _SurveyedLink:
 
 
 def scripted_failover(store: FleetStore, model: Path, monkeypatch: pytest.MonkeyPatch,
-                      answering: dict[str, bool]) -> tuple[FleetFailover, list[frozenset[str]]]:
+                      answering: dict[str, bool], settings: DeploySettings | None = None,
+                      planned: list[tuple[PlanOptions, Plan]] | None = None,
+                      ) -> tuple[FleetFailover, list[frozenset[str]]]:
     """A failover whose survey finds the agents of `answering` (True: hosting its stage of CHAIN, False: hosting
-    none) and whose deploy records whom it was told to leave out."""
+    none) and whose deploy records whom it was told to leave out; it plans as a deploy does (with `settings`
+    where given, else those of a model never deployed), recording the options and the plan in `planned`."""
     model_id = model_id_of(model)
     excluded: list[frozenset[str]] = []
+    if settings is not None:
+        monkeypatch.setattr(fleet_failover, "load_deploy_settings", lambda *args: settings)
 
     async def fake_survey(*args: object) -> Survey:
         agents = [AgentView(agent_id, "?", "-", ("peer",), StatusReport(
@@ -72,9 +87,19 @@ def scripted_failover(store: FleetStore, model: Path, monkeypatch: pytest.Monkey
             for agent_id, hosting in answering.items()]
         return Survey(agents, {agent_id: _SurveyedLink() for agent_id in answering})  # type: ignore[misc]
 
-    async def fake_deploy(*args: object, exclude: frozenset[str], **kwargs: object) -> tuple[None, DeployReport]:
+    async def fake_deploy(store: FleetStore, model_dir: Path, found: Survey, options: PlanOptions,
+                          precision: Precision, device: str, exclude: frozenset[str],
+                          **kwargs: object) -> tuple[Plan, DeployReport]:
         excluded.append(exclude)
-        return None, DeployReport(model_id, (), {}, {})
+        result = plan_survey(footprint_of(load_manifest(model_dir), device, precision), found, options, exclude,
+                             model_id=model_id)
+        if planned is not None:
+            planned.append((options, result))
+        if not result.feasible:
+            raise DeployError("the model does not fit the fleet: " + "; ".join(result.problems))
+        return result, DeployReport(model_id, tuple(
+            StagePlacement(stage.agent_id, "?", stage.first_layer, stage.stop_layer) for stage in result.stages),
+            {}, {})
 
     monkeypatch.setattr(fleet_failover, "survey", fake_survey)
     monkeypatch.setattr(fleet_failover, "deploy", fake_deploy)
@@ -88,9 +113,9 @@ def relayed(accused: str, reporter: str | None) -> ChainError:
 
 # (who reported, whom it blamed, which agents answer the survey (True: still hosting), who is left out)
 @pytest.mark.parametrize(("reporter", "accused", "answering", "left_out"), [
-    # stage 0 cannot reach stage 1, the controller reaches both (a firewall between two desks): the reporter
-    # goes, the healthy accused stays (before: the accused was left out)
-    (A, B, {A: True, B: True, C: True}, {A}),
+    # stage 0 cannot reach stage 1, the controller reaches both (a firewall between two desks): both stay, planned
+    # apart (before that the reporter was left out, and before that the healthy accused)
+    (A, B, {A: True, B: True, C: True}, set()),
     # the accused does not answer the controller either: it is gone
     (A, B, {A: True, C: True}, {B}),
     # a relayed blame of an earlier, healthy stage: the maker cannot be told, nobody is left out (before: the
@@ -114,7 +139,7 @@ def test_an_agents_blame_is_checked_against_the_survey_before_anyone_is_left_out
     assert replan["lost_agent"] == (next(iter(left_out)) if left_out else None)
 
 
-def test_the_log_says_why_the_reporter_is_left_out_instead_of_the_pc_it_blamed(
+def test_the_log_says_why_the_reporter_and_the_pc_it_blamed_are_kept_apart(
         store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     failover, _ = scripted_failover(store, tiny_export, monkeypatch, {A: True, B: True, C: True})
     told: list[str] = []
@@ -123,7 +148,8 @@ def test_the_log_says_why_the_reporter_is_left_out_instead_of_the_pc_it_blamed(
     assert len(told) == 1
     assert (f"agent {A[:12]} (stage 0) reported its next hop agent {B[:12]} (stage 1) at fault, but that agent "
             "answers the controller and still hosts its stage") in told[0]
-    assert f"so agent {A[:12]} is left out of the next plan instead and agent {B[:12]} is kept" in told[0]
+    assert (f"so that link is marked broken for this run and both are kept (never planned with agent {A[:12]} "
+            f"directly before agent {B[:12]})") in told[0]
     assert told[0].startswith(f"the chain broke (internal from the chain: next hop unreachable); "
                               f"{failover.replans[0]['blame_check']}; re-planned in ")
 
@@ -144,10 +170,11 @@ def test_a_pc_whose_link_closed_but_that_answers_is_kept_once_per_run(
     assert failover.kept == set() and failover.lost == set()
 
 
-def test_a_pc_that_cannot_reach_its_next_hop_is_left_out_instead_of_the_healthy_next_hop(
+def test_a_pc_that_cannot_reach_its_next_hop_and_the_healthy_next_hop_serve_on_in_the_other_order(
         tmp_path: Path, store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Two real agents on loopback; the first cannot dial the second (a firewall between the two desks), while the
-    # controller reaches both. The run goes on over the second alone, with the tokens of a local run.
+    # controller reaches both. The run goes on over both, the second first (it can dial the first), with the
+    # tokens of a local run.
     ca = load_ca(store)
     settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
     ports = [free_port(), free_port()]
@@ -193,9 +220,13 @@ def test_a_pc_that_cannot_reach_its_next_hop_is_left_out_instead_of_the_healthy_
 
     tokens, failover, stages = asyncio.run(scenario())
     reporter, accused = (stage.agent_id for stage in stages)
-    assert [replan["lost_agent"] for replan in failover.replans] == [reporter], told  # before: the accused
-    assert [[stage.agent_id for stage in chain.stages] for chain in failover.chains] == [[accused]]
+    # before: the reporter was left out (and before that the accused), the run going on over one PC
+    assert [replan["lost_agent"] for replan in failover.replans] == [None], told
+    assert [[stage.agent_id for stage in chain.stages] for chain in failover.chains] == [[accused, reporter]]
     assert len(told) == 1 and f"reported its next hop agent {accused[:12]} (stage 1) at fault" in told[0]
+    assert (f"the new chain keeps both: agent {accused[:12]} (stage 0) now comes before agent {reporter[:12]} "
+            "(stage 1)") in told[0]
+    assert failover.broken_links == {(reporter, accused)}
     assert tokens == local_tokens(tiny_export)
 
 
