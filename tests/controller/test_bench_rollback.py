@@ -11,6 +11,7 @@ import pytest
 
 from deskfleet.agent.stage import CompileSettings, Precision
 from deskfleet.controller.bench.rollback import (
+    bound_by_slot_cost,
     build_context_report,
     overhead_pct,
     run_rollback_bench,
@@ -56,6 +57,33 @@ def test_build_context_report_shape_and_goal() -> None:
     assert slow["goal_met"] is False
 
 
+def test_dead_slots_are_bounded_by_what_a_slot_costs_a_live_step_across_contexts() -> None:
+    """Noise made 4 dead slots look 15% dearer at context 256 (a VM run); the slot-count bound (4 / 256 = 1.6%)
+    then stood for the measurement and failed the goal. The live steps over 256-1920 slots say a slot costs
+    2.5 us: 4 cost 0.14% of a 7 ms step."""
+    def report(context: int, live_s: float, dead_s: float) -> dict[str, object]:
+        steps = {"live": [live_s] * 3, "dead-4": [dead_s] * 3, "dead-64": [live_s] * 3}
+        return build_context_report(context, 4, [16e-6] * 5, [0.01] * 5, steps)
+
+    reports = [report(256, 0.0070, 0.0081), report(1024, 0.0089, 0.0089), report(1920, 0.0112, 0.0112)]
+    assert reports[0]["goal_met"] is False  # 0.23% + the 1.56% bound
+    per_slot_ms = bound_by_slot_cost(reports)
+    assert per_slot_ms == pytest.approx((11.2 - 7.0) / 1664, rel=0.05)
+    assert reports[0]["slot_cost_ms"] == pytest.approx(per_slot_ms, abs=1e-6)
+    assert reports[0]["dead_slot_upper_bound_pct"]["4"] == pytest.approx(100 * 4 * per_slot_ms / 7.0, abs=1e-3)
+    assert reports[0]["dead_slot_upper_bound_pct"]["64"] == pytest.approx(100 * 64 * per_slot_ms / 7.0, abs=1e-3)
+    assert reports[0]["mask_overhead_pct_of_step"] == pytest.approx(0.2286 + 100 * 4 * per_slot_ms / 7.0, abs=1e-3)
+    assert all(entry["goal_met"] is True for entry in reports)
+    # the slot-count bound still caps it (here at context 1920, 4 / 1920 of the step is the lesser)
+    assert reports[2]["dead_slot_upper_bound_pct"]["4"] <= 100 * 4 / 1920 + 1e-3
+    # one context has no slope; a step that shrank with its context (noise) costs nothing a slot
+    single = [report(256, 0.0070, 0.0081)]
+    assert bound_by_slot_cost(single) is None and single[0]["goal_met"] is False
+    shrinking = [report(256, 0.0090, 0.0100), report(1024, 0.0070, 0.0070)]
+    assert bound_by_slot_cost(shrinking) == 0.0 and shrinking[0]["mask_overhead_pct_of_step"] == pytest.approx(
+        100 * 0.016 / 9.0, abs=1e-3)
+
+
 def test_rollback_bench_on_a_tiny_model(checkpoint_factory: Callable[..., Path],
                                         export_factory: Callable[[Path, str], Path]) -> None:
     model = export_factory(checkpoint_factory("rollback-bench", num_hidden_layers=2), "f32")
@@ -68,6 +96,7 @@ def test_rollback_bench_on_a_tiny_model(checkpoint_factory: Callable[..., Path],
         assert set(entry["decode_step_ms"]) == {"live", "dead-2", "dead-8"}
         assert entry["rollback_ms"]["mask"]["median"] > 0 and entry["rollback_ms"]["trim"]["median"] > 0
         assert isinstance(entry["goal_met"], bool)
+        assert entry["slot_cost_ms"] == report["slot_cost_ms"] >= 0
     assert report["state_dtype_on_host"] == "float32"
     with pytest.raises(ValueError, match="context"):
         run_rollback_bench(model, contexts=[500], settings=CompileSettings(precision=Precision.F32), progress=False)
