@@ -288,7 +288,11 @@ def plan(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandid
     used = {stage.agent_id for stage in best or ()}
     if any(end not in used for link in options.broken_links for end in link):
         free = _search(model, eligible, replace(options, broken_links=frozenset()))
-    apart = {stage.agent_id for stage in free or ()} - used
+    # left out for a link: an end of one that the plan without them uses, where that plan does better (else the
+    # links cost nothing, and the search with them, which weighs more orders, merely found another as good)
+    ends = {end for link in options.broken_links for end in link}
+    apart = set() if free is None or (best is not None and _rank(best, options) <= _rank(free, options)) else \
+        ({stage.agent_id for stage in free} - used) & ends
     for agent in eligible:
         if agent.agent_id not in used and best is not None:
             exclusions.append(_cut_off(agent, eligible, options) if agent.agent_id in apart
@@ -587,6 +591,12 @@ def _hop(options: PlanOptions) -> float:
 def _pace(stages: list[Stage], options: PlanOptions) -> tuple[float, int]:
     """What a split costs a token (the slowest stage, plus a hop a stage under ALL_BY_SPEED), then its stages."""
     return (max(stage.relative_time for stage in stages) + _hop(options) * len(stages), len(stages))
+
+
+def _rank(stages: list[Stage], options: PlanOptions) -> tuple[float, ...]:
+    """How the policy ranks a plan (less is better): under FEWEST_AGENTS its stages, then its pace; else its pace."""
+    pace = _pace(stages, options)[0]
+    return (len(stages), pace) if options.policy is PlanPolicy.FEWEST_AGENTS else (pace,)
 
 
 def _split(model: ModelFootprint, agents: list[AgentCandidate], options: PlanOptions) -> list[Stage] | None:
