@@ -196,7 +196,8 @@ class FleetFailover:
           next hop, the reporter made the accusation (an agent drops a relayed blame of its next hop), and the
           link between the two or the reporter itself is at fault: the link is marked broken for the run and
           both are kept, the reporter never directly before the accused in a re-plan (where no chain over both
-          does as well, the planner leaves one of them out: _planned_apart says which and why). An earlier
+          does as well, the planner leaves one of them out: _planned_apart says which and why); a reporter that
+          already could not reach another PC in this run is itself at fault and is left out instead. An earlier
           stage's blame was relayed, and which stage made it cannot be told: nobody is left out for it;
         - the accused answers but no longer hosts its stage (it restarted), or the controller saw its link close
           and it answers now: it is kept (re-planned, it is given its stage again).
@@ -221,7 +222,20 @@ class FleetFailover:
             self.kept.add(accused)
             self.lost.discard(accused)
             accused_at, reporter_at = positions[accused], positions.get(reporter)
-            if reporter_at is not None and accused_at == reporter_at + 1:
+            # a reporter that already could not reach another PC the controller reaches: it is the fault (its
+            # network, or a member's false word), and a link marked broken at each failover would only move it before
+            # another PC until --max-failovers ended the run
+            earlier = sorted(target for source, target in self.broken_links if source == reporter and target != accused)
+            if reporter_at is not None and accused_at == reporter_at + 1 and earlier:
+                self.lost.add(reporter)
+                self._left_out = reporter
+                self._verdict = (f"agent {reporter[:12]} (stage {reporter_at}) reported its next hop agent "
+                                 f"{accused[:12]} (stage {accused_at}) at fault, but that agent answers the "
+                                 f"controller and still hosts its stage, and agent {reporter[:12]} could not reach "
+                                 f"agent {', '.join(target[:12] for target in earlier)} either earlier in this run: "
+                                 f"agent {reporter[:12]} itself is at fault, so it is left out of the next plan and "
+                                 f"agent {accused[:12]} is kept")
+            elif reporter_at is not None and accused_at == reporter_at + 1:
                 self.broken_links.add((reporter, accused))
                 self._apart = (reporter, accused)
                 self._left_out = None
@@ -230,7 +244,7 @@ class FleetFailover:
                                  f"controller and still hosts its stage: the link from {reporter[:12]} to "
                                  f"{accused[:12]} (a firewall or network fault between those two PCs), or agent "
                                  f"{reporter[:12]} itself, is at fault, so that link is marked broken for this run "
-                                 f"and both are kept (never planned with agent {reporter[:12]} directly before "
+                                 f"and the re-plan weighs both (never with agent {reporter[:12]} directly before "
                                  f"agent {accused[:12]})")
             else:
                 self._left_out = None

@@ -148,7 +148,7 @@ def test_the_log_says_why_the_reporter_and_the_pc_it_blamed_are_kept_apart(
     assert len(told) == 1
     assert (f"agent {A[:12]} (stage 0) reported its next hop agent {B[:12]} (stage 1) at fault, but that agent "
             "answers the controller and still hosts its stage") in told[0]
-    assert (f"so that link is marked broken for this run and both are kept (never planned with agent {A[:12]} "
+    assert (f"so that link is marked broken for this run and the re-plan weighs both (never with agent {A[:12]} "
             f"directly before agent {B[:12]})") in told[0]
     assert told[0].startswith(f"the chain broke (internal from the chain: next hop unreachable); "
                               f"{failover.replans[0]['blame_check']}; re-planned in ")

@@ -125,8 +125,8 @@ def test_a_next_hop_blame_of_a_pc_that_answers_keeps_both_and_plans_the_reporter
     assert replan["lost_agent"] is None and replan["blamed_agent"] == B
     verdict = str(replan["blame_check"])
     assert (f"the link from {A[:12]} to {B[:12]} (a firewall or network fault between those two PCs), or agent "
-            f"{A[:12]} itself, is at fault, so that link is marked broken for this run and both are kept (never "
-            f"planned with agent {A[:12]} directly before agent {B[:12]}); the new chain keeps both: ") in verdict
+            f"{A[:12]} itself, is at fault, so that link is marked broken for this run and the re-plan weighs "
+            f"both (never with agent {A[:12]} directly before agent {B[:12]}); the new chain keeps both: ") in verdict
     assert verdict in told[0]
     # the next reply of a chat starts clean
     failover.start_run()
@@ -190,6 +190,6 @@ def test_two_pcs_that_hold_the_model_only_together_and_cannot_dial_each_other_en
     with pytest.raises(FailoverError) as raised:
         failover(next_hop_unreachable(B, A, office.chain))
     message = str(raised.value)
-    assert (f"so that link is marked broken for this run and both are kept (never planned with agent {B[:12]} "
+    assert (f"so that link is marked broken for this run and the re-plan weighs both (never with agent {B[:12]} "
             f"directly before agent {A[:12]})") in message
     assert "the 2 usable agent(s) hold the model only in chains where a PC dials one it cannot reach" in message
