@@ -97,8 +97,11 @@ class FleetFailover:
                                   model_id=report.model_id)
         except (DeployError, ChainError) as failure:
             checked = f" ({self._verdict})" if self._verdict else ""
-            raise FailoverError(f"{error}{checked}; no new chain without the lost agent(s): {failure} (what to do: "
-                                "bring the lost PC back, or join more PCs, then run this again)") from error
+            # a blame that left no one out (a link marked broken, a PC kept) may still leave no chain
+            without, remedy = (" without the lost agent(s)", "bring the lost PC back, or join more PCs") if self.lost \
+                else ("", "mend what the reason names, or join more PCs")
+            raise FailoverError(f"{error}{checked}; no new chain{without}: {failure} (what to do: {remedy}, then "
+                                "run this again)") from error
         finally:
             self._blame = None
         self.chains.append(chain)

@@ -193,3 +193,4 @@ def test_two_pcs_that_hold_the_model_only_together_and_cannot_dial_each_other_en
     assert (f"so that link is marked broken for this run and the re-plan weighs both (never with agent {B[:12]} "
             f"directly before agent {A[:12]})") in message
     assert "the 2 usable agent(s) hold the model only in chains where a PC dials one it cannot reach" in message
+    assert "lost agent" not in message and "lost PC" not in message  # both answer: no one was lost
