@@ -126,11 +126,12 @@ def build_context_report(context: int, rejected: int, mask_s: Sequence[float], t
 
 def bound_by_slot_cost(reports: list[dict[str, Any]]) -> float | None:
     """What one more slot adds to a live step (ms): the least-squares slope of the live steps' medians over their
-    contexts, at least 0; None under two contexts. A dead slot is attended as a live one is (its mask only zeroes
-    its weight), so D dead slots cost a step D times this. Each report's bound becomes the lesser of that and
-    slots / context (which counts the whole step as growing with its slots, where attention alone does: at a
-    short context far above what the slots cost, and then taken for the measurement whenever a shared machine's
-    noise passed it), and its verdict is judged again; the reports say the slope (`slot_cost_ms`)."""
+    contexts; None under two contexts or where the slope is not positive (noise), the reports left as they are.
+    A dead slot is attended as a live one is (its mask only zeroes its weight), so D dead slots cost a step D
+    times this. Each report's bound becomes the lesser of that and slots / context (which counts the whole step
+    as growing with its slots, where attention alone does: at a short context far above what the slots cost,
+    and then taken for the measurement whenever a shared machine's noise passed it), and its verdict is judged
+    again; the reports say the slope (`slot_cost_ms`)."""
     if len({report["context"] for report in reports}) < 2:
         return None
     contexts = [float(report["context"]) for report in reports]
@@ -138,7 +139,9 @@ def bound_by_slot_cost(reports: list[dict[str, Any]]) -> float | None:
     mean_context, mean_step = statistics.fmean(contexts), statistics.fmean(steps)
     slope = sum((c - mean_context) * (t - mean_step) for c, t in zip(contexts, steps, strict=True)) / sum(
         (c - mean_context) ** 2 for c in contexts)
-    per_slot_ms = max(slope, 0.0)
+    if slope <= 0.0:  # longer contexts ran no slower: noise hid attention's share, which then bounds nothing
+        return None
+    per_slot_ms = slope
     for report in reports:
         step_ms = report["decode_step_ms"]["live"]["median"]
         report["slot_cost_ms"] = round(per_slot_ms, 6)
