@@ -14,18 +14,18 @@ from deskfleet.controller.fleet_pipeline import ChainError
 from deskfleet.controller.fleet_store import FleetStore
 from tests.controller.test_review_blame import CHAIN, A, B, C, relayed, scripted_failover, store  # noqa: F401
 
-# the chain after A was left out: C reports B as its next hop (B keeps its range [1:2))
-CHAIN_WITHOUT_A = (StagePlacement(C, "10.0.0.2:7431", 0, 1), StagePlacement(B, "10.0.0.1:7431", 1, 2))
+# a later chain in which C reports B as its next hop (B keeps its range [1:2))
+CHAIN_C_THEN_B = (StagePlacement(C, "10.0.0.2:7431", 0, 1), StagePlacement(B, "10.0.0.1:7431", 1, 2))
 
 
 def test_a_next_hop_blamed_again_after_it_was_kept_is_left_out(
         store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     failover, excluded = scripted_failover(store, tiny_export, monkeypatch, {A: True, B: True, C: True})
-    failover(relayed(B, A))  # A cannot reach B, B answers: A goes (the firewall case)
-    assert failover.lost == {A}
-    failover(ChainError("internal from the chain: next hop unreachable", B, C, CHAIN_WITHOUT_A))
+    failover(relayed(B, A))  # A cannot reach B, B answers: the link A -> B is broken, both are kept (a firewall)
+    assert failover.lost == set() and failover.broken_links == {(A, B)}
+    failover(ChainError("internal from the chain: next hop unreachable", B, C, CHAIN_C_THEN_B))
     # B was blamed by a second neighbour: it goes, not the honest C (before: {A, C})
-    assert failover.lost == {A, B} and excluded[-1] == frozenset({A, B})
+    assert failover.lost == {B} and excluded[-1] == frozenset({B})
     assert failover.replans[-1]["lost_agent"] == B
     assert "kept once already" in str(failover.replans[-1]["blame_check"])
 
