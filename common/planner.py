@@ -14,7 +14,9 @@ than its hop).
 The chain runs from the fastest agent to the slowest; when no split fits in that order (tight memory: the
 fastest agent may have no room for the embed beside a layer, the slowest none for the head), other orders
 are searched, every order of up to EVERY_ORDER_UP_TO agents, else every choice of first and last agent, the
-rest by speed, within `max_reordered_splits`.
+rest by speed, within `max_reordered_splits`; where none of those fits a fleet of up to EVERY_CHAIN_UP_TO agents,
+the chains that fit are found outright (a search over the subsets of agents used: a middle PC may suit one
+position only), so such a fleet is called infeasible only when no chain fits.
 A link known broken (`broken_links`: agent A cannot dial agent B, e.g. a firewall between two desks) never joins
 two neighbouring stages: the split tracks who holds the stage before, and where an order puts A before B, orders
 that keep them apart are tried too (every order of up to EVERY_ORDER_UP_TO agents, else A and B moved round each
@@ -36,6 +38,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import Any
 
 from deskfleet.common.agent_state import AgentState, UnavailableReason
 from deskfleet.common.wire_messages import is_agent_id
@@ -43,6 +46,7 @@ from deskfleet.common.wire_messages import is_agent_id
 GB = 1_000_000_000
 MIB = 1 << 20
 EVERY_ORDER_UP_TO = 4  # agents in a chain whose every order the search may try (4! = 24)
+EVERY_CHAIN_UP_TO = 10  # eligible agents whose every chain a search for one that fits covers (by subsets: 2^10)
 
 
 @dataclass(frozen=True)
@@ -446,7 +450,82 @@ def _search(model: ModelFootprint, eligible: list[AgentCandidate], options: Plan
     if best is None:
         budget = _SplitBudget(options.max_reordered_splits)
         best = _best_split(model, eligible, options, lambda agents: _other_orders(agents, budget), budget)
+    if best is None and EVERY_ORDER_UP_TO < len(eligible) <= EVERY_CHAIN_UP_TO and options.max_reordered_splits > 0:
+        # the orders above fix all but the first and last agent: where the fit needs another middle (layers of
+        # unequal sizes, an agent with room for a small layer only), find the chains that fit outright
+        best = _fastest_in_orders(model, _fitting_chains(model, eligible, options), options)
     return _keep_deployed(model, eligible, options, best)
+
+
+def _fitting_chains(model: ModelFootprint, agents: list[AgentCandidate], options: PlanOptions,
+                    ) -> Iterator[list[AgentCandidate]]:
+    """Chains (some of `agents` in some order) in which some split fits, found exhaustively by dynamic programming
+    over the subsets of agents used (2^agents of them), one chain per subset; under FEWEST_AGENTS only those of
+    the fewest agents that have one, else every size (the most agents first) up to max_reordered_splits chains.
+
+    reach[(used, tag)]: the layers j at which the chains over the agents `used` can end their last stage (tag: that
+    stage's agent where it is a broken link's source, else -1), each with how it was reached. Where no agent
+    hosts a range (whose memory is counted back only for that exact range) and no link is broken, a stage's memory
+    grows with its layers, so only the furthest j is kept: whatever follows a nearer one also follows it (with a
+    broken link it may not: from the nearer one, an agent given a layer there can pass the next to one the agent
+    before cannot dial)."""
+    layers = model.num_layers
+    prefix = [0, *itertools.accumulate(model.layer_bytes)]
+    kv_per_layer = model.kv_bytes_per_layer(options.streams)
+    per_stage = (_per_stage_bytes(model, options), _per_stage_bytes(model, options, first=True))
+    links = options.broken_links
+    sources = {source for source, _ in links}
+    furthest_only = not links and not any(agent.hosted for agent in agents)
+
+    def stops(agent: AgentCandidate, start: int) -> list[int]:
+        usable = usable_bytes(agent, options)
+        return [stop for stop in range(start + 1, layers + 1)
+                if model.resident(_weights(model, prefix, start, stop)) + (stop - start) * kv_per_layer
+                + per_stage[start == 0] <= usable + _credit(model, prefix, agent, start, stop, options)]
+
+    fits = [[stops(agent, start) for start in range(layers)] for agent in agents]
+    Step = tuple[tuple[int, int], int, int] | None  # (state before, its end, agent) of the stage that ends here
+    level: dict[tuple[int, int], dict[int, Step]] = {(0, -1): {0: None}}
+    history: list[dict[tuple[int, int], dict[int, Step]]] = []
+    found: list[list[AgentCandidate]] = []
+    for _ in agents:
+        history.append(level)
+        after: dict[tuple[int, int], dict[int, Step]] = {}
+        whole: dict[int, list[AgentCandidate]] = {}
+        for (used, last), ends in level.items():
+            for a, agent in enumerate(agents):
+                if used >> a & 1 or (last >= 0 and (agents[last].agent_id, agent.agent_id) in links):
+                    continue
+                state = (used | 1 << a, a if agent.agent_id in sources else -1)
+                for start in ends:
+                    for stop in fits[a][start]:
+                        if stop == layers:
+                            if state[0] not in whole:
+                                whole[state[0]] = _chain_back(agents, history, (used, last), start, a)
+                            continue
+                        into = after.setdefault(state, {})
+                        if furthest_only:
+                            if not into or stop > next(iter(into)):
+                                into.clear()
+                                into[stop] = ((used, last), start, a)
+                        else:
+                            into.setdefault(stop, ((used, last), start, a))
+        found.extend(whole.values())
+        if whole and options.policy is PlanPolicy.FEWEST_AGENTS:
+            break
+        level = after
+    found.sort(key=len, reverse=True)
+    yield from found[:options.max_reordered_splits]
+
+
+def _chain_back(agents: list[AgentCandidate], history: list[dict[tuple[int, int], dict[int, Any]]],
+                state: tuple[int, int], end: int, last: int) -> list[AgentCandidate]:
+    """The chain that reached layer `end` in `state` (of len(history) - 1 agents), then agent `last`."""
+    chain = [agents[last]]
+    for level in reversed(history[1:]):
+        state, end, agent = level[state][end]
+        chain.append(agents[agent])
+    return chain[::-1]
 
 
 class _SplitBudget:
@@ -795,9 +874,12 @@ def _diagnose(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentC
                 f"{options.streams} stream(s) at context "
                 f"{model.context} + {per_stage}runtime {_gb(options.stage_overhead_bytes)} per stage) and the "
                 f"{len(eligible)} usable agent(s) have {_gb(have)} after safety margins{silent}",)
+    bounded = "" if len(eligible) <= EVERY_CHAIN_UP_TO else (
+        f" (of {len(eligible)} agents, beyond the order by speed only chains that differ from it in their first "
+        f"and last agent were tried, at most {options.max_reordered_splits}: another order may fit)")
     return (f"the {len(eligible)} usable agent(s) have {_gb(have)} for {_gb(need)} in all, but no split into "
             "contiguous layer ranges fits each agent (the embed/head or the largest layers do not fit "
-            f"beside their neighbours); free memory on the largest agents would help{silent}",)
+            f"beside their neighbours){bounded}; free memory on the largest agents would help{silent}",)
 
 
 def _short_id(agent_id: str) -> str:
