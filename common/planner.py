@@ -480,8 +480,7 @@ def _fitting_chains(model: ModelFootprint, agents: list[AgentCandidate], options
     def stops(agent: AgentCandidate, start: int) -> list[int]:
         usable = usable_bytes(agent, options)
         return [stop for stop in range(start + 1, layers + 1)
-                if model.resident(_weights(model, prefix, start, stop)) + (stop - start) * kv_per_layer
-                + per_stage[start == 0] <= usable + _credit(model, prefix, agent, start, stop, options)]
+                if _fits(model, prefix, agent, start, stop, options, usable, kv_per_layer, per_stage)]
 
     fits = [[stops(agent, start) for start in range(layers)] for agent in agents]
     Step = tuple[tuple[int, int], int, int] | None  # (state before, its end, agent) of the stage that ends here
@@ -716,9 +715,7 @@ def _split(model: ModelFootprint, agents: list[AgentCandidate], options: PlanOpt
             if s in barred:
                 continue  # the agent before cannot dial this one
             for k in range(j + 1, layers + 1):
-                weights = model.resident(_weights(model, prefix, j, k))
-                credit = _credit(model, prefix, agent, j, k, options) if agent.hosted else 0
-                if weights + (k - j) * kv_per_layer + per_stage[j == 0] > usable + credit:
+                if not _fits(model, prefix, agent, j, k, options, usable, kv_per_layer, per_stage):
                     if k < layers and not any(first == j and stop > k for first, stop in agent.hosted):
                         break  # more layers only need more memory (unless a hosted range is counted back)
                     continue
@@ -774,6 +771,15 @@ def _keep_deployed(model: ModelFootprint, eligible: list[AgentCandidate], option
         if options.policy is PlanPolicy.FEWEST_AGENTS and len(kept) > len(best):
             return best
     return kept
+
+
+def _fits(model: ModelFootprint, prefix: list[int], agent: AgentCandidate, start: int, stop: int,
+          options: PlanOptions, usable: int, kv_per_layer: int, per_stage: tuple[int, int]) -> bool:
+    """Whether `agent` (with `usable` bytes) holds layers [start, stop): their weights as held, their KV cache, a
+    stage's scratch and runtime (per_stage[True]: the first stage's), less what a range it hosts counts back."""
+    credit = _credit(model, prefix, agent, start, stop, options) if agent.hosted else 0
+    return model.resident(_weights(model, prefix, start, stop)) + (stop - start) * kv_per_layer \
+        + per_stage[start == 0] <= usable + credit
 
 
 def _credit(model: ModelFootprint, prefix: list[int], agent: AgentCandidate, start: int, stop: int,
