@@ -705,25 +705,24 @@ def _split(model: ModelFootprint, agents: list[AgentCandidate], options: PlanOpt
         tag = tags.get(agent.agent_id, 0)
         into = best[tag][i + 1]
         barred = {s for s in states if (sources[s], agent.agent_id) in options.broken_links}
-        for j, s in itertools.product(range(layers + 1), states):
-            here = best[s][i][j]
-            if here is None:
-                continue
-            if _better(here, best[s][i + 1][j]):
-                best[s][i + 1][j] = here
-                back.pop((s, i + 1, j), None)
-            if s in barred:
-                continue  # the agent before cannot dial this one
-            for k in range(j + 1, layers + 1):
-                if not _fits(model, prefix, agent, j, k, options, usable, kv_per_layer, per_stage):
-                    if k < layers and not any(first == j and stop > k for first, stop in agent.hosted):
-                        break  # more layers only need more memory (unless a hosted range is counted back)
+        for j in range(layers + 1):
+            ranges: list[tuple[int, float]] | None = None  # (stop, stage time) of each range from j it holds
+            for s in states:
+                here = best[s][i][j]
+                if here is None:
                     continue
-                time = _work(model, prefix, j, k) / agent.speed
-                candidate = (max(here[0], time), here[1] + 1)
-                if _better(candidate, into[k]):
-                    into[k] = candidate
-                    back[(tag, i + 1, k)] = (j, s)
+                if _better(here, best[s][i + 1][j]):
+                    best[s][i + 1][j] = here
+                    back.pop((s, i + 1, j), None)
+                if s in barred:
+                    continue  # the agent before cannot dial this one
+                if ranges is None:  # once for every state before: the ranges are the agent's own
+                    ranges = _ranges_from(model, prefix, agent, j, options, usable, kv_per_layer, per_stage)
+                for k, time in ranges:
+                    candidate = (max(here[0], time), here[1] + 1)
+                    if _better(candidate, into[k]):
+                        into[k] = candidate
+                        back[(tag, i + 1, k)] = (j, s)
     hop = _hop(options)
     ends = []
     for s, row in itertools.product(states, range(1, len(agents) + 1)):
@@ -771,6 +770,19 @@ def _keep_deployed(model: ModelFootprint, eligible: list[AgentCandidate], option
         if options.policy is PlanPolicy.FEWEST_AGENTS and len(kept) > len(best):
             return best
     return kept
+
+
+def _ranges_from(model: ModelFootprint, prefix: list[int], agent: AgentCandidate, start: int, options: PlanOptions,
+                 usable: int, kv_per_layer: int, per_stage: tuple[int, int]) -> list[tuple[int, float]]:
+    """(stop, the stage's time) of every range [start, stop) `agent` holds, in order."""
+    ranges = []
+    for stop in range(start + 1, model.num_layers + 1):
+        if not _fits(model, prefix, agent, start, stop, options, usable, kv_per_layer, per_stage):
+            if stop < model.num_layers and not any(first == start and end > stop for first, end in agent.hosted):
+                break  # more layers only need more memory (unless a hosted range is counted back)
+            continue
+        ranges.append((stop, _work(model, prefix, start, stop) / agent.speed))
+    return ranges
 
 
 def _fits(model: ModelFootprint, prefix: list[int], agent: AgentCandidate, start: int, stop: int,
