@@ -38,7 +38,6 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Any
 
 from deskfleet.common.agent_state import AgentState, UnavailableReason
 from deskfleet.common.wire_messages import is_agent_id
@@ -457,13 +456,17 @@ def _search(model: ModelFootprint, eligible: list[AgentCandidate], options: Plan
     return _keep_deployed(model, eligible, options, best)
 
 
+# (the state before, where its chain ended, the agent) of a stage found by _fitting_chains; None: the empty chain
+_ChainStep = tuple[tuple[int, int], int, int] | None
+
+
 def _fitting_chains(model: ModelFootprint, agents: list[AgentCandidate], options: PlanOptions,
                     ) -> Iterator[list[AgentCandidate]]:
     """Chains (some of `agents` in some order) in which some split fits, found exhaustively by dynamic programming
     over the subsets of agents used (2^agents of them), one chain per subset; under FEWEST_AGENTS only those of
     the fewest agents that have one, else every size (the most agents first) up to max_reordered_splits chains.
 
-    reach[(used, tag)]: the layers j at which the chains over the agents `used` can end their last stage (tag: that
+    level[(used, tag)]: the layers j at which the chains over the agents `used` can end their last stage (tag: that
     stage's agent where it is a broken link's source, else -1), each with how it was reached. Where no agent
     hosts a range (whose memory is counted back only for that exact range) and no link is broken, a stage's memory
     grows with its layers, so only the furthest j is kept: whatever follows a nearer one also follows it (with a
@@ -483,13 +486,12 @@ def _fitting_chains(model: ModelFootprint, agents: list[AgentCandidate], options
                 if _fits(model, prefix, agent, start, stop, options, usable, kv_per_layer, per_stage)]
 
     fits = [[stops(agent, start) for start in range(layers)] for agent in agents]
-    Step = tuple[tuple[int, int], int, int] | None  # (state before, its end, agent) of the stage that ends here
-    level: dict[tuple[int, int], dict[int, Step]] = {(0, -1): {0: None}}
-    history: list[dict[tuple[int, int], dict[int, Step]]] = []
+    level: dict[tuple[int, int], dict[int, _ChainStep]] = {(0, -1): {0: None}}
+    history: list[dict[tuple[int, int], dict[int, _ChainStep]]] = []
     found: list[list[AgentCandidate]] = []
     for _ in agents:
         history.append(level)
-        after: dict[tuple[int, int], dict[int, Step]] = {}
+        after: dict[tuple[int, int], dict[int, _ChainStep]] = {}
         whole: dict[int, list[AgentCandidate]] = {}
         for (used, last), ends in level.items():
             for a, agent in enumerate(agents):
@@ -517,12 +519,14 @@ def _fitting_chains(model: ModelFootprint, agents: list[AgentCandidate], options
     yield from found[:options.max_reordered_splits]
 
 
-def _chain_back(agents: list[AgentCandidate], history: list[dict[tuple[int, int], dict[int, Any]]],
+def _chain_back(agents: list[AgentCandidate], history: list[dict[tuple[int, int], dict[int, _ChainStep]]],
                 state: tuple[int, int], end: int, last: int) -> list[AgentCandidate]:
     """The chain that reached layer `end` in `state` (of len(history) - 1 agents), then agent `last`."""
     chain = [agents[last]]
     for level in reversed(history[1:]):
-        state, end, agent = level[state][end]
+        step = level[state][end]
+        assert step is not None  # only the empty chain's entry has no stage before it
+        state, end, agent = step
         chain.append(agents[agent])
     return chain[::-1]
 
