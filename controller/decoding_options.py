@@ -18,7 +18,7 @@ from deskfleet.common.model_spec import ModelSpec
 from deskfleet.common.speculative import SamplingParams
 
 from .draft import Drafter, open_drafter, target_settings
-from .engine import EngineOptions
+from .engine import DEFAULT_PREFILL_CHUNK, EngineOptions
 
 DEFAULT_K_MAX = 8
 # The largest temperature a step carries (the wire's SamplingInfo refuses more); checked here, by the option's
@@ -37,6 +37,7 @@ class DecodingOptions:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0  # stream i (or reply i) samples with seed + i
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens a call at most; 0: whole prompts
     settings: CompileSettings = field(default_factory=CompileSettings)
 
     def __post_init__(self) -> None:
@@ -72,6 +73,8 @@ class DecodingOptions:
             raise ValueError(f"--top-p must be more than 0 and at most 1 (1: off), got {self.top_p}")
         if self.seed < 0:
             raise ValueError(f"--seed must be 0 or more, got {self.seed}")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"--prefill-chunk must be 0 (whole prompts) or more, got {self.prefill_chunk}")
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
@@ -88,7 +91,8 @@ class DecodingOptions:
 
     def engine_options(self, micro_batches: int, **more: Any) -> EngineOptions:
         k_max = self.k_max if self.k_max is not None else DEFAULT_K_MAX
-        return EngineOptions(micro_batches=micro_batches, k_max=k_max, fixed_k=self.k, **more)
+        return EngineOptions(micro_batches=micro_batches, k_max=k_max, fixed_k=self.k,
+                             prefill_chunk=self.prefill_chunk, **more)
 
 
 def add_decoding_options(parser: argparse.ArgumentParser) -> None:
@@ -107,13 +111,17 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=non_negative_int, default=0, help="stream (or reply) i samples with seed + i")
+    parser.add_argument("--prefill-chunk", type=non_negative_int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                        help="feed a prompt N tokens a call, between the other streams' steps, so a long prompt "
+                             f"does not stall them for its whole length (default {DEFAULT_PREFILL_CHUNK}; 0: "
+                             "each prompt in one call)")
 
 
 def decoding_arguments(args: argparse.Namespace, settings: CompileSettings) -> dict[str, Any]:
     """DecodingOptions' fields from what `add_decoding_options` parsed, and the compile settings."""
     return {"draft": args.draft, "prompt_lookup": args.prompt_lookup, "k": args.k, "k_max": args.k_max,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-            "settings": settings}
+            "prefill_chunk": args.prefill_chunk, "settings": settings}
 
 
 def non_negative_int(text: str) -> int:
