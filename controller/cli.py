@@ -279,6 +279,16 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the CPU core to pin to (default: the last)")
     _add_compile_options(streams)
     streams.set_defaults(handler=_bench_streams)
+    admission = benches.add_parser("admission", help="a long prompt arriving mid-run: what it stalls, chunked or not")
+    admission.add_argument("--model", type=Path, required=True, help="export folder")
+    admission.add_argument("--prompt-tokens", type=positive_int, default=1024, help="the newcomer's prompt")
+    admission.add_argument("--chunks", type=non_negative_int, nargs="+", default=[0, 64, 256],
+                           help="prefill chunk sizes to compare (0: the whole prompt in one call)")
+    admission.add_argument("--running", type=positive_int, default=2, help="streams decoding when it arrives")
+    admission.add_argument("--new-tokens", type=positive_int, default=96, help="tokens each running stream makes")
+    admission.add_argument("--rounds", type=positive_int, default=3)
+    _add_compile_options(admission)
+    admission.set_defaults(handler=_bench_admission)
     _add_fleet_bench_command(benches)
     add_fleet_commands(commands)
     return parser
@@ -456,6 +466,15 @@ def _bench_speculative(args: argparse.Namespace) -> int:
         args.model, args.draft, ks=args.k, adaptive=not args.no_adaptive, lookup=not args.no_lookup, k_max=args.k_max,
         prompts=read_prompts_file(args.prompts_file) if args.prompts_file else None, eval_dir=args.eval_dir,
         num_prompts=args.prompts, new_tokens=args.new_tokens, rounds=args.rounds, settings=_compile_settings(args))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _bench_admission(args: argparse.Namespace) -> int:
+    from deskfleet.controller.bench.admission import run_admission_bench
+
+    report = run_admission_bench(args.model, prompt_tokens=args.prompt_tokens, chunks=args.chunks, running=args.running,
+                                 new_tokens=args.new_tokens, rounds=args.rounds, settings=_compile_settings(args))
     print(json.dumps(report, indent=2))
     return 0
 
