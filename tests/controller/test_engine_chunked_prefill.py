@@ -17,10 +17,11 @@ import pytest
 from deskfleet.agent.stage import CompileSettings, Precision
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.speculative import SamplingParams
-from deskfleet.common.wire import Forward, ForwardResult
-from deskfleet.controller.engine import ChainBroken, Engine, EngineOptions, StreamRequest
+from deskfleet.common.wire import Forward
+from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
 from deskfleet.controller.pipeline import LocalPipeline
 from deskfleet.controller.prompt_lookup import PromptLookupDraft
+from tests.controller.test_engine_failover import BreakingChain
 
 F32 = CompileSettings(precision=Precision.F32)
 
@@ -32,36 +33,18 @@ def _prompt(seed: int, length: int, vocab: int) -> list[int]:
     return [motif[i % 6] if rng.random() < 0.5 else rng.randrange(1, vocab) for i in range(length)]
 
 
-class RecordingChain:
-    """A pipeline that records every step: (micro-batch, tokens a row at most, rows) and the stream ids."""
+class RecordingChain(BreakingChain):
+    """A pipeline that breaks at its `break_at`-th collect and records every step: (micro-batch, tokens a row at
+    most, stream ids)."""
 
     def __init__(self, pipeline: LocalPipeline, break_at: int | None = None) -> None:
-        self.pipeline = pipeline
+        super().__init__(pipeline, break_at)
         self.steps: list[tuple[int, int, tuple[int, ...]]] = []
-        self.break_at = break_at
-        self.collected = 0
-        self.broken = False
 
     def submit(self, message: Forward) -> None:
-        if self.broken:
-            raise ChainBroken("the chain is broken")
+        super().submit(message)
         assert message.input_ids is not None
         self.steps.append((message.micro_batch_id, message.input_ids.shape[1], message.stream_ids))
-        self.pipeline.submit(message)
-
-    def collect(self, timeout: float | None = None) -> ForwardResult:
-        if self.broken or self.collected == self.break_at:
-            self.broken = True
-            raise ChainBroken(f"a stage stopped answering after {self.collected} steps")
-        self.collected += 1
-        return self.pipeline.collect(timeout)
-
-    def release(self, batch_id: int) -> None:
-        if not self.broken:
-            self.pipeline.release(batch_id)
-
-    def renumber(self) -> None:
-        self.pipeline.renumber()
 
 
 def _run(model: Path, requests: list[StreamRequest], options: EngineOptions, stages: int = 1,
