@@ -78,14 +78,26 @@ def run_admission_bench(model: Path, prompt_tokens: int = 1024, chunks: list[int
     chunks = list(dict.fromkeys(chunks if chunks is not None else [0, 64, 256]))
     if any(chunk < 0 for chunk in chunks):
         raise ValueError(f"chunk sizes must be 0 (the whole prompt) or more, got {chunks}")
-    if min(prompt_tokens, running, running_prompt_tokens, new_tokens, rounds) < 1:
-        raise ValueError("prompt_tokens, running, running_prompt_tokens, new_tokens and rounds must be at least 1")
+    if min(prompt_tokens, running, running_prompt_tokens, new_tokens, arrival_step, rounds) < 1:
+        raise ValueError("prompt_tokens, running, running_prompt_tokens, new_tokens, arrival_step and rounds must be "
+                         "at least 1")
     model = Path(model)
     manifest = load_manifest(model)
     spec = manifest.spec
     if prompt_tokens + 1 > spec.max_context or running_prompt_tokens + new_tokens > spec.max_context:
         raise ValueError(f"a prompt of {prompt_tokens} tokens (or {running_prompt_tokens} + {new_tokens} new) does "
                          f"not fit the model's context of {spec.max_context}")
+    # Each of the newcomer's calls goes out between two steps of the running streams, from their arrival_step-th
+    # token on (at 0 it would arrive with them, while nothing runs, and be prefilled whole with them): they must
+    # still decode when its last call runs, and take a step after it. Done sooner, the rest of its prompt goes
+    # whole (nothing runs) under a chunk size's name; done before it arrives, nothing was measured at all (one
+    # new token: no gap, and the report failed after the whole bench had run).
+    smallest = min((chunk for chunk in chunks if chunk), default=0)
+    calls = -(-prompt_tokens // smallest) if smallest else 1
+    if new_tokens < arrival_step + calls:
+        raise ValueError(f"new_tokens {new_tokens} ends the running streams before the newcomer's prompt is fed (it "
+                         f"arrives after {arrival_step} of their steps and takes {calls} calls in chunks of "
+                         f"{smallest or prompt_tokens}): give at least {arrival_step + calls}")
     rng = random.Random(11)
     prompts = [[rng.randrange(1, spec.vocab_size) for _ in range(running_prompt_tokens)] for _ in range(running)]
     long_prompt = [rng.randrange(1, spec.vocab_size) for _ in range(prompt_tokens)]
