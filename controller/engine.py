@@ -332,13 +332,18 @@ class Engine:
                 assert self.draft is not None
                 self.draft.prefill(track.micro_batch_id, group[0].stream_id, group[0].confirmed)
             for stream in group:
-                self._unfed[stream.stream_id] = stream.confirmed
-            self._send_prefill_chunk(track)
+                self._unfed[stream.stream_id] = stream.confirmed  # sent by _continue_prefills
 
     def _continue_prefills(self) -> None:
-        """The next chunk of every prefill whose last chunk came back and whose prompts are not all fed."""
+        """Send the next call of the prefills with prompt tokens left, in arrival order. While streams run, one
+        prefill call at a time: each runs between their steps, and the calls of N newcomers at once would make
+        them wait N chunks a step (the first newcomer's first token comes sooner, too)."""
         for track in self._prefills.values():
-            if track.micro_batch_id not in self._in_flight and self._feeding(track):
+            if not self._feeding(track):
+                continue
+            if self._tracks and any(flight.prefill for flight in self._in_flight.values()):
+                return
+            if track.micro_batch_id not in self._in_flight:
                 self._send_prefill_chunk(track)
 
     def _feeding(self, track: BatchTrack) -> bool:

@@ -128,6 +128,22 @@ def test_a_running_stream_gets_tokens_while_a_long_prompt_is_fed(target: Path) -
     assert all(count >= 1 for count in between), between
 
 
+def test_newcomers_that_arrive_together_take_turns_between_the_running_steps(target: Path) -> None:
+    """Three prompts arrive at once while a stream runs: one prefill call between two of its steps, not three;
+    the first to arrive is fed first, and the tokens are those of whole prompts."""
+    vocab = load_manifest(target).spec.vocab_size
+    requests = _requests(vocab, [6, 40, 40, 40], [0, 3, 3, 3], [60, 2, 2, 2], speculative=False)
+    options = EngineOptions(max_rows=4, micro_batches=1, prefill_chunk=8)
+    tokens, (chain,), _ = _run(target, requests, options)
+    assert tokens == _run(target, requests, EngineOptions(max_rows=4, micro_batches=1, prefill_chunk=0))[0]
+    running = [index for index, (_, width, streams) in enumerate(chain.steps) if 0 in streams and width == 1]
+    prefill_calls = [[streams for _, width, streams in chain.steps[first + 1:second] if width > 1]
+                     for first, second in itertools.pairwise(running)]
+    assert max(len(calls) for calls in prefill_calls) == 1, prefill_calls
+    order = [calls[0][0] for calls in prefill_calls if calls]
+    assert order == [1] * 5 + [2] * 5 + [3] * 5  # 40 = 5 x 8, one newcomer after the other
+
+
 def test_a_failover_mid_prompt_starts_its_prefill_again(target: Path) -> None:
     vocab = load_manifest(target).spec.vocab_size
     requests = _requests(vocab, LENGTHS, ARRIVALS, NEW_TOKENS, speculative=False)
