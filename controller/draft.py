@@ -70,7 +70,11 @@ class Drafter(Protocol):
         """Refuse a target it cannot draft for (ValueError naming why)."""
 
     def prefill(self, micro_batch_id: int, stream_id: int, prompt: list[int]) -> None:
-        """A new one-row micro-batch holding this stream's prompt."""
+        """A new one-row micro-batch holding this stream's prompt (or its first chunk: extend() feeds the rest)."""
+
+    def extend(self, micro_batch_id: int, stream_id: int, tokens: list[int]) -> None:
+        """The next chunk of the prompt a prefill() began (the engine feeds a long prompt in chunks while
+        other streams run, the draft model's share of it too)."""
 
     def merge(self, target_batch: int, stream_id: int, source_batch: int) -> None:
         """The stream of one-row `source_batch` joins `target_batch`."""
@@ -115,6 +119,14 @@ class DraftModel:
         track.add_row(stream_id)
         self._executor.run(track.step([prompt]))
         self._seen[stream_id] = len(prompt)
+
+    def extend(self, micro_batch_id: int, stream_id: int, tokens: list[int]) -> None:
+        """Feed the next chunk of the prompt of a one-row micro-batch that prefill() began."""
+        track = self._tracks.get(micro_batch_id)
+        if track is None or track.stream_ids != [stream_id]:
+            raise ValueError(f"micro-batch {micro_batch_id} is not the one-row prefill of stream {stream_id}")
+        self._executor.run(track.step([tokens]))
+        self._seen[stream_id] += len(tokens)
 
     def merge(self, target_batch: int, stream_id: int, source_batch: int) -> None:
         """Queue the admission of a prefilled one-row micro-batch into `target_batch`."""

@@ -328,9 +328,6 @@ class Engine:
                 track.add_row(stream.stream_id)
             self._prefills[track.micro_batch_id] = track
             # confirmed: the prompt, plus the tokens so far of a stream resumed on a new chain
-            if len(group) == 1 and self._uses_draft(group[0]):
-                assert self.draft is not None
-                self.draft.prefill(track.micro_batch_id, group[0].stream_id, group[0].confirmed)
             for stream in group:
                 self._unfed[stream.stream_id] = stream.confirmed  # sent by _continue_prefills
 
@@ -367,7 +364,18 @@ class Engine:
                 self._unfed[stream_id] = rest
             feed.append(piece)
             takes_token.append(bool(piece) and not rest)
+        if len(feed) == 1 and self._uses_draft(self._streams[track.stream_ids[0]]):
+            self._feed_draft(track, feed[0])  # only streams prefilled alone draft (see _prefill_groups)
         self._send(track, feed, prefill=True, takes_token=takes_token)
+
+    def _feed_draft(self, track: BatchTrack, tokens: list[int]) -> None:
+        """The drafter's share of a prefill call, chunk for chunk: a draft model prefills in the driver's thread,
+        so a whole prompt there would stall the running streams as the target's would."""
+        assert self.draft is not None
+        if track.steps == 0:  # the prefill's first call
+            self.draft.prefill(track.micro_batch_id, track.stream_ids[0], tokens)
+        else:
+            self.draft.extend(track.micro_batch_id, track.stream_ids[0], tokens)
 
     def _admission_room(self) -> int:
         """How many more streams may start now: the rows of every micro-batch, and as many newcomers again,

@@ -48,6 +48,9 @@ class LookupFirstDraft:
     def prefill(self, micro_batch_id: int, stream_id: int, prompt: list[int]) -> None:
         self.model.prefill(micro_batch_id, stream_id, prompt)
 
+    def extend(self, micro_batch_id: int, stream_id: int, tokens: list[int]) -> None:
+        self.model.extend(micro_batch_id, stream_id, tokens)
+
     def merge(self, target_batch: int, stream_id: int, source_batch: int) -> None:
         self.model.merge(target_batch, stream_id, source_batch)
 

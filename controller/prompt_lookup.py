@@ -90,6 +90,9 @@ class PromptLookupDraft:
     def prefill(self, micro_batch_id: int, stream_id: int, prompt: list[int]) -> None:
         self._batches[micro_batch_id] = {stream_id}
 
+    def extend(self, micro_batch_id: int, stream_id: int, tokens: list[int]) -> None:
+        pass  # proposals are looked up in the confirmed tokens, which the engine passes
+
     def merge(self, target_batch: int, stream_id: int, source_batch: int) -> None:
         self._batches.pop(source_batch, None)
         self._batches.setdefault(target_batch, set()).add(stream_id)

@@ -18,6 +18,7 @@ from deskfleet.agent.stage import CompileSettings, Precision
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.speculative import SamplingParams
 from deskfleet.common.wire import Forward
+from deskfleet.controller.draft import Drafter, DraftModel
 from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
 from deskfleet.controller.pipeline import LocalPipeline
 from deskfleet.controller.prompt_lookup import PromptLookupDraft
@@ -48,7 +49,7 @@ class RecordingChain(BreakingChain):
 
 
 def _run(model: Path, requests: list[StreamRequest], options: EngineOptions, stages: int = 1,
-         speculative: bool = False, break_at: list[int | None] | None = None
+         speculative: bool = False, break_at: list[int | None] | None = None, drafter: Drafter | None = None
          ) -> tuple[list[list[int]], list[RecordingChain], Engine]:
     manifest = load_manifest(model)
     breaks: Iterator[int | None] = iter(break_at or [None])
@@ -59,7 +60,9 @@ def _run(model: Path, requests: list[StreamRequest], options: EngineOptions, sta
             chains.append(RecordingChain(pipeline, next(breaks, None)))
             return chains[-1]
 
-        engine = Engine(chain(), manifest.spec, PromptLookupDraft(min_ngram=1) if speculative else None, options)
+        if speculative and drafter is None:
+            drafter = PromptLookupDraft(min_ngram=1)
+        engine = Engine(chain(), manifest.spec, drafter, options)
         for request in requests:
             engine.add(request)
         results = engine.run(recover=lambda error: chain())
@@ -111,6 +114,30 @@ def test_sampled_and_drafted_streams_draw_as_with_whole_prompts(target: Path) ->
     chunked, _, engine = _run(target, drafted, options[13], speculative=True)
     assert engine.accepted_histogram()  # some rounds verified drafts
     assert chunked == _run(target, drafted, options[0], speculative=True)[0]
+
+
+def test_a_draft_model_prefills_chunk_for_chunk(target: Path, other_draft: Path) -> None:
+    """The draft model runs in the driver's thread: its prefill of a newcomer goes in the same chunks."""
+    vocab = load_manifest(target).spec.vocab_size
+    requests = _requests(vocab, [6, 90], [0, 3], [30, 12])
+    draft = DraftModel(other_draft, F32)
+    widths: list[int] = []
+    run = draft._executor.run
+
+    def recording(message: Forward, return_logits: bool = False) -> object:
+        assert message.input_ids is not None
+        widths.append(message.input_ids.shape[1])
+        return run(message, return_logits)
+
+    draft._executor.run = recording  # type: ignore[method-assign,assignment]
+    chunked, _, engine = _run(target, requests, EngineOptions(max_rows=3, prefill_chunk=16), drafter=draft)
+    assert engine.accepted_histogram()
+    assert max(widths) == 16 and widths.count(16) >= 5  # 90 = 5 x 16 + 10; the first prompt (6) went whole
+    widths.clear()
+    assert chunked == _run(target, requests, EngineOptions(max_rows=3, prefill_chunk=0), drafter=draft)[0]
+    assert max(widths) == 90
+    with pytest.raises(ValueError, match="not the one-row prefill of stream 5"):
+        draft.extend(1, 5, [1, 2])
 
 
 def test_a_running_stream_gets_tokens_while_a_long_prompt_is_fed(target: Path) -> None:
