@@ -112,9 +112,9 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=non_negative_int, default=0, help="stream (or reply) i samples with seed + i")
     parser.add_argument("--prefill-chunk", type=non_negative_int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
-                        help="feed a prompt N tokens a call, between the other streams' steps, so a long prompt "
-                             f"does not stall them for its whole length (default {DEFAULT_PREFILL_CHUNK}; 0: "
-                             "each prompt in one call)")
+                        help="while other streams run, feed a prompt N tokens a call, between their steps, so a "
+                             "long prompt does not stall them for its whole length (default "
+                             f"{DEFAULT_PREFILL_CHUNK}; 0: each prompt in one call)")
 
 
 def decoding_arguments(args: argparse.Namespace, settings: CompileSettings) -> dict[str, Any]:
