@@ -164,6 +164,9 @@ class _InFlight:
     # per row: whether the step's token is the row's next one (a prefill chunk that does not end the row's
     # prompt is not); None: every row's is
     takes_token: list[bool] | None = None
+    # a prefill call was on the chain during this step, which then waited for it too: its round trip is not
+    # what a round costs, and adaptive K does not learn from it
+    beside_prefill: bool = False
 
 
 class Engine:
@@ -488,8 +491,12 @@ class Engine:
               takes_token: list[bool] | None = None) -> None:
         streams = [self._streams[stream_id] for stream_id in track.stream_ids]
         message = track.step(feed, draft=draft, sampling=self._sampling(track, streams))
-        self._in_flight[track.micro_batch_id] = _InFlight(message, drafts or [[] for _ in feed],
-                                                          time.perf_counter(), draft_seconds, prefill, takes_token)
+        if prefill:
+            for flight in self._in_flight.values():
+                flight.beside_prefill = True
+        beside_prefill = any(flight.prefill for flight in self._in_flight.values())
+        self._in_flight[track.micro_batch_id] = _InFlight(message, drafts or [[] for _ in feed], time.perf_counter(),
+                                                          draft_seconds, prefill, takes_token, beside_prefill)
         self.chain.submit(message)
 
     def _sampling(self, track: BatchTrack, streams: list[_Stream]) -> SamplingInfo | None:
@@ -531,7 +538,7 @@ class Engine:
                 stream.first_token_s = now
             if self._extend(stream, [*proposed[:accepted], result.next_token_ids[row]], now):
                 finished.add(stream_id)
-        if any(flight.drafts) and not flight.prefill:
+        if any(flight.drafts) and not flight.prefill and not flight.beside_prefill:
             self._record_cost(flight)
         self._retire(track, finished)
 

@@ -10,14 +10,15 @@ import itertools
 import random
 from collections.abc import Iterator
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from deskfleet.agent.stage import CompileSettings, Precision
 from deskfleet.common.model_spec import load_manifest
-from deskfleet.common.speculative import SamplingParams
-from deskfleet.common.wire import Forward
+from deskfleet.common.speculative import RoundCost, SamplingParams
+from deskfleet.common.wire import Forward, ForwardResult
 from deskfleet.controller.draft import Drafter, DraftModel
 from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
 from deskfleet.controller.pipeline import LocalPipeline
@@ -169,6 +170,68 @@ def test_newcomers_that_arrive_together_take_turns_between_the_running_steps(tar
     assert max(len(calls) for calls in prefill_calls) == 1, prefill_calls
     order = [calls[0][0] for calls in prefill_calls if calls]
     assert order == [1] * 5 + [2] * 5 + [3] * 5  # 40 = 5 x 8, one newcomer after the other
+
+
+class EventChain(RecordingChain):
+    """Also logs submits and collects in order: ("submit", batch, step, kind) and ("collect", batch, step), kind
+    "prefill" (no draft, several tokens), "verify" (drafts) or "plain"."""
+
+    def __init__(self, pipeline: LocalPipeline, break_at: int | None = None) -> None:
+        super().__init__(pipeline, break_at)
+        self.events: list[tuple[object, ...]] = []
+
+    def submit(self, message: Forward) -> None:
+        super().submit(message)
+        assert message.input_ids is not None
+        kind = "verify" if message.draft is not None else "prefill" if message.input_ids.shape[1] > 1 else "plain"
+        self.events.append(("submit", message.micro_batch_id, message.step_id, kind))
+
+    def collect(self, timeout: float | None = None) -> ForwardResult:
+        result = super().collect(timeout)
+        self.events.append(("collect", result.micro_batch_id, result.step_id))
+        return result
+
+
+def test_adaptive_k_learns_no_round_cost_from_steps_that_waited_for_a_prefill(target: Path, other_draft: Path) -> None:
+    """A step on the chain beside a prefill call waited for it too: its round trip would teach adaptive K that
+    rounds cost a chunk more than they do."""
+    vocab = load_manifest(target).spec.vocab_size
+    requests = _requests(vocab, [20, 98], [0, 6], [60, 2])  # 98 = 12 x 8 + 2: each call of it several tokens
+    requests[1] = replace(requests[1], speculative=False)
+    manifest = load_manifest(target)
+    with LocalPipeline(target, 1, F32, manifest) as pipeline:
+        chain = EventChain(pipeline)
+        engine = Engine(chain, manifest.spec, DraftModel(other_draft, F32),
+                        EngineOptions(max_rows=2, micro_batches=1, prefill_chunk=8))
+        recorded: list[RoundCost] = []
+        record_cost = engine.k_policy.record_cost
+
+        def recording(cost: RoundCost) -> None:
+            recorded.append(cost)
+            record_cost(cost)
+
+        engine.k_policy.record_cost = recording  # type: ignore[method-assign]
+        for request in requests:
+            engine.add(request)
+        engine.run()
+    outstanding: dict[tuple[object, object], str] = {}
+    beside: set[tuple[object, object]] = set()
+    verifies = []
+    for event in chain.events:
+        key = (event[1], event[2])
+        if event[0] == "submit":
+            if event[3] == "prefill":
+                beside.update(outstanding)  # everything on the chain now waits for it
+            elif any(kind == "prefill" for kind in outstanding.values()):
+                beside.add(key)
+            outstanding[key] = str(event[3])
+            if event[3] == "verify":
+                verifies.append(key)
+        else:
+            outstanding.pop(key)
+    clean = [key for key in verifies if key not in beside]
+    assert len(clean) < len(verifies) - 10  # the newcomer's 13 calls ran beside verifications
+    assert len(recorded) == len(clean) > 10
 
 
 def test_a_failover_mid_prompt_starts_its_prefill_again(target: Path) -> None:
