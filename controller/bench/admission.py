@@ -84,9 +84,13 @@ def run_admission_bench(model: Path, prompt_tokens: int = 1024, chunks: list[int
     model = Path(model)
     manifest = load_manifest(model)
     spec = manifest.spec
-    if prompt_tokens + 1 > spec.max_context or running_prompt_tokens + new_tokens > spec.max_context:
-        raise ValueError(f"a prompt of {prompt_tokens} tokens (or {running_prompt_tokens} + {new_tokens} new) does "
-                         f"not fit the model's context of {spec.max_context}")
+    if prompt_tokens + 1 > spec.max_context:
+        raise ValueError(f"the newcomer's prompt of {prompt_tokens} tokens and its one new token do not fit the "
+                         f"model's context of {spec.max_context}: give --prompt-tokens {spec.max_context - 1} or "
+                         "fewer")
+    if running_prompt_tokens + new_tokens > spec.max_context:
+        raise ValueError(f"the running streams' {running_prompt_tokens} prompt tokens and {new_tokens} new ones do "
+                         f"not fit the model's context of {spec.max_context}: give fewer --new-tokens")
     # Each of the newcomer's calls goes out between two steps of the running streams, from their arrival_step-th
     # token on (at 0 it would arrive with them, while nothing runs, and be prefilled whole with them): they must
     # still decode when its last call runs, and take a step after it. Done sooner, the rest of its prompt goes
