@@ -114,7 +114,7 @@ class DraftModel:
     # Public methods
 
     def prefill(self, micro_batch_id: int, stream_id: int, prompt: list[int]) -> None:
-        """Fill a new one-row micro-batch with the prompt (its output token is not needed)."""
+        """Fill a new one-row micro-batch with the prompt, or its first chunk (its output token is not needed)."""
         track = self._tracks[micro_batch_id] = BatchTrack(micro_batch_id, self.spec.max_context)
         track.add_row(stream_id)
         self._executor.run(track.step([prompt]))

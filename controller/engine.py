@@ -329,10 +329,10 @@ class Engine:
                 stream.started = True
                 del self._unstarted[stream.stream_id]
                 track.add_row(stream.stream_id)
+                # sent by _continue_prefills; confirmed: the prompt, plus the tokens so far of a stream resumed
+                # on a new chain
+                self._unfed[stream.stream_id] = stream.confirmed
             self._prefills[track.micro_batch_id] = track
-            # confirmed: the prompt, plus the tokens so far of a stream resumed on a new chain
-            for stream in group:
-                self._unfed[stream.stream_id] = stream.confirmed  # sent by _continue_prefills
 
     def _continue_prefills(self) -> None:
         """Send the next call of the prefills with prompt tokens left, in arrival order. While streams run, one
