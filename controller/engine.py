@@ -246,8 +246,8 @@ class Engine:
     def _advance(self) -> None:
         """Start what can start, then take one finished step."""
         self._start_arrived()
-        self._continue_prefills()
         self._merge_prefilled()
+        self._continue_prefills()  # after the merge: a prefill that became a running stream now counts as one
         self._launch_idle()
         if not self._in_flight:
             if any(s.request.arrival_step > self._collected for s in self._unstarted.values()):

@@ -247,6 +247,16 @@ def test_a_failover_mid_prompt_starts_its_prefill_again(target: Path) -> None:
         assert 0 < chunks_sent < 6, (break_at, chunks_sent)  # the chain broke mid-prompt
 
 
+def test_a_prompt_that_starts_as_a_waiting_stream_begins_to_run_is_chunked(target: Path) -> None:
+    """One row at a time: the third prompt starts at the step where the second stream's prefill becomes a running
+    micro-batch (the first has ended), so the third is chunked, not fed whole as if nothing ran."""
+    vocab = load_manifest(target).spec.vocab_size
+    requests = _requests(vocab, [5, 3, 60], [0, 0, 0], [12, 12, 12], speculative=False)
+    tokens, (chain,), _ = _run(target, requests, EngineOptions(max_rows=1, micro_batches=1, prefill_chunk=8))
+    assert [width for _, width, streams in chain.steps if streams == (2,)][:8] == [8] * 7 + [4]
+    assert tokens == _run(target, requests, EngineOptions(max_rows=1, micro_batches=1, prefill_chunk=0))[0]
+
+
 def test_a_lone_prompt_goes_whole(target: Path) -> None:
     vocab = load_manifest(target).spec.vocab_size
     requests = _requests(vocab, [90], [0], [4], speculative=False)

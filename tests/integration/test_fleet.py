@@ -291,6 +291,20 @@ def test_prompt_lookup_on_the_fleet_equals_plain_local(fleet: Fleet, tiny_export
     assert isinstance(histogram, dict) and sum(histogram.values()) > 0  # lookup proposed, rounds were verified
 
 
+def test_a_prompt_fed_in_chunks_over_the_fleet_gives_the_local_whole_prompt_tokens(fleet: Fleet,
+                                                                                  tiny_export: Path) -> None:
+    """One row at a time: the 60-token prompt starts while another stream runs, so the fleet's stages get it
+    8 tokens a call between that stream's steps; locally it goes in one call."""
+    long_prompt = ",".join(str(1 + (index * 37) % 250) for index in range(60))
+    argv = ["generate", "--model", str(tiny_export), "--prompt-ids", PROMPTS[0], "--prompt-ids", PROMPTS[1],
+            "--prompt-ids", long_prompt, "--max-new-tokens", "12", "--ignore-eos", "--json", "--max-rows", "1",
+            "--micro-batches", "1"]
+    remote = _streams(json.loads(fleet.deskfleet(*argv, "--prefill-chunk", "8", "--fleet")))
+    local = _streams(json.loads(fleet.run(fleet.controller, str(BIN / "deskfleet"), *argv, "--precision", "f32",
+                                          "--prefill-chunk", "0")))
+    assert remote == local and all(len(tokens) == 12 for tokens in remote)
+
+
 def test_strangers_are_refused_and_reach_no_stage(fleet: Fleet, tiny_export: Path) -> None:
     target = fleet.agent_addresses[0]
     out = fleet.run(fleet.controller, sys.executable, "-m", "tests.integration.fleet_probe", "strangers", target,
