@@ -1,8 +1,10 @@
 """While streams run, a prompt is fed in chunks of `prefill_chunk` tokens, one call each, between their steps:
-tokens equal a run that feeds every prompt whole (f32: greedy, sampled, drafted, arrivals mid-run, 1 and 2
-stages, a failover mid-prompt); no call carries more than a chunk of a prompt that arrived while streams ran;
-a stream that runs gets its tokens while a long prompt is still being fed; with nothing running (the start of
-a run, a lone prompt) a prompt goes whole, as chunks would only make it dearer."""
+tokens equal a run that feeds every prompt whole (f32: greedy, sampled, drafted by lookup and by a draft model,
+arrivals mid-run, 1 and 2 stages, a failover mid-prompt); no call, the target's or the draft model's, carries
+more than a chunk of a prompt that arrived while streams ran; a stream that runs gets its tokens while a long
+prompt is still being fed; newcomers that arrive together take turns; adaptive K learns no cost from a step
+that waited beside a chunk; with nothing running (the start of a run, a lone prompt) a prompt goes whole, as
+chunks would only make it dearer."""
 
 from __future__ import annotations
 
