@@ -60,6 +60,7 @@ from deskfleet.common.json_file import JsonFileError, read_json_object
 from deskfleet.common.kv_ledger import Compact, LedgerError
 from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, ManifestError
 from deskfleet.common.wire import (
+    MICRO_BATCH_IDLE_S,
     AssignStage,
     Error,
     ErrorCode,
@@ -86,9 +87,6 @@ from deskfleet.common.wire import (
 
 log = logging.getLogger(__name__)
 
-# A micro-batch steps many times a second while its stream runs, and its driver releases it at the end;
-# one unused this long belongs to a driver that is gone.
-MICRO_BATCH_IDLE_S = 600.0
 # A stage key keeps this much of a longer model id, then a digest of all of it (see _stage_key)
 _STAGE_KEY_NAME_CHARS = 80
 _UNSAFE_IN_KEY = re.compile(r"[^A-Za-z0-9._-]")

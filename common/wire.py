@@ -12,6 +12,7 @@ from deskfleet.common.kv_ledger import AdmitRow, AppendSlots, Compact, Invalidat
 from deskfleet.common.wire_codec import DEFAULT_LIMITS, MAGIC, Limits, decode, encode, peek_version, same_message
 from deskfleet.common.wire_messages import (
     MESSAGE_TYPES,
+    MICRO_BATCH_IDLE_S,
     PROTOCOL_VERSION,
     AssignStage,
     DraftInfo,
@@ -61,6 +62,7 @@ __all__ = [
     "MAGIC",
     "MAX_RANK",
     "MESSAGE_TYPES",
+    "MICRO_BATCH_IDLE_S",
     "PROTOCOL_VERSION",
     "WIRE_DTYPES",
     "AdmitRow",

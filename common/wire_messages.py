@@ -116,6 +116,9 @@ class Precision(str, Enum):
 
 
 MAX_LISTEN_ADDRESSES = 16  # a Register's addresses
+# An agent frees a micro-batch no step has used for this long (its driver is gone); a driver that keeps one between
+# runs (a chat's KV state between turns) resumes it only well within this.
+MICRO_BATCH_IDLE_S = 600.0
 KV_CACHE_PRECISIONS = ("u8", "f16", "bf16", "f32")  # what OpenVINO's KV_CACHE_PRECISION takes
 
 

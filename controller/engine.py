@@ -15,6 +15,9 @@
 - When the chain breaks (ChainBroken: a PC of the fleet died) and run() was given `recover`, the engine
   takes the new chain recover() returns and resumes every unfinished stream on it: each is prefilled
   again with its prompt plus the tokens it has generated, so no token is lost or repeated.
+- A stream asked to keep its KV state (`keep_kv`, a chat's reply) leaves its micro-batch on the chain when
+  it ends, as a KeptKV; the next request that `resume`s it (the chat's next turn, whose prompt repeats the
+  conversation so far) rolls it back by mask to the prefix the two share and is fed only the rest.
 
 The chain is anything with submit/collect/release of Forward messages: the local threaded pipeline or
 the fleet over TLS websockets.
@@ -84,6 +87,51 @@ class StreamRequest:
     seed: int = 0
     speculative: bool = True  # draft this stream when the engine has a drafter
     arrival_step: int = 0  # admitted once the engine has collected this many steps (tests, benches)
+    # Leave this stream's KV state on the chain when it ends (Engine.kept_kv); it then runs in a micro-batch of
+    # its own, never batched with other streams.
+    keep_kv: bool = False
+    # A KeptKV of an earlier run on this engine's chain: only the prompt after the prefix it shares is fed.
+    resume: KeptKV | None = None
+
+
+class KeptKV:
+    """A finished stream's KV state left on its chain (StreamRequest.keep_kv): its micro-batch, holding `tokens`
+    (its prompt and every token it generated but the last, which was never fed) on every stage.
+
+    Give it to one later request on the same chain as `resume` (a chat's next turn), or release() it: until then
+    it holds its KV state on every stage (a fleet's agents free a micro-batch idle for MICRO_BATCH_IDLE_S)."""
+
+    def __init__(self, chain: StageChain, track: BatchTrack, tokens: list[int]) -> None:
+        self.chain = chain
+        self.tokens = tuple(tokens)
+        self._track: BatchTrack | None = track
+
+    @property
+    def micro_batch_id(self) -> int:
+        if self._track is None:
+            raise ValueError("this KeptKV was resumed or released already")
+        return self._track.micro_batch_id
+
+    def shared_prefix(self, prompt_ids: list[int]) -> int:
+        """How many of the prompt's first tokens its KV holds already (at most all but the prompt's last, which
+        must be fed for the first token)."""
+        limit = min(len(self.tokens), len(prompt_ids) - 1)
+        shared = 0
+        while shared < limit and self.tokens[shared] == prompt_ids[shared]:
+            shared += 1
+        return shared
+
+    def take(self) -> BatchTrack:
+        """The micro-batch, for the engine that resumes it (once)."""
+        if self._track is None:
+            raise ValueError("this KeptKV was resumed or released already: a kept KV state serves one request")
+        track, self._track = self._track, None
+        return track
+
+    def release(self) -> None:
+        """Free its KV state on every stage (logged, not raised, where the chain is broken); no-op when taken."""
+        if self._track is not None:
+            _release_quietly(self.chain, self.take().micro_batch_id)
 
 
 @dataclass(frozen=True)
@@ -135,6 +183,13 @@ class _Stream:
     done: bool = False
     stopped_by_eos: bool = False
     started: bool = False
+    resumed: BatchTrack | None = None  # the kept micro-batch it starts from (StreamRequest.resume)
+    reused: int = 0  # prompt tokens already in that micro-batch's KV state
+
+    @property
+    def keeps_own_batch(self) -> bool:
+        """Runs alone in its micro-batch: its KV state is kept, or it starts from a kept one."""
+        return self.request.keep_kv or self.resumed is not None
 
     @property
     def confirmed(self) -> list[int]:
@@ -195,16 +250,34 @@ class Engine:
         self._on_token: TokenCallback | None = None
         self.failovers: list[Failover] = []
         self._eos = frozenset(spec.eos_token_ids)
+        self._kept: dict[int, KeptKV] = {}  # by stream id: finished keep_kv streams' micro-batches
 
     # Public methods
 
     def add(self, request: StreamRequest) -> int:
-        """Queue a stream; raises GenerationError naming what is wrong with it."""
+        """Queue a stream; raises GenerationError naming what is wrong with it (ValueError: a `resume` of another
+        chain's, or one resumed already)."""
         check_request(self.spec, request.prompt_ids, request.max_new_tokens)
         stream_id = len(self._streams)
-        self._streams[stream_id] = self._unstarted[stream_id] = _Stream(stream_id, request)
+        stream = _Stream(stream_id, request)
+        if request.resume is not None:
+            kept = request.resume
+            if kept.chain is not self.chain:
+                raise ValueError("the kept KV state is on another chain than this engine's")
+            stream.reused = kept.shared_prefix(request.prompt_ids)
+            track = stream.resumed = kept.take()
+            # the kept row becomes this stream's, rolled back by mask to the prefix the prompt shares with it
+            track.stream_ids = [stream_id]
+            track.reject(stream_id, len(kept.tokens) - stream.reused)
+            self._next_batch = max(self._next_batch, track.micro_batch_id)  # new micro-batches get other ids
+        self._streams[stream_id] = self._unstarted[stream_id] = stream
         self._unfinished += 1
         return stream_id
+
+    def kept_kv(self, stream_id: int) -> KeptKV | None:
+        """The KV state a finished keep_kv stream left on the chain (once; None if it did not finish in this run,
+        e.g. stopped by Ctrl-C, whose run releases it)."""
+        return self._kept.pop(stream_id, None)
 
     def run(self, on_token: TokenCallback | None = None, recover: Recover | None = None) -> dict[int, StreamResult]:
         """Generate every queued stream to its end; results by stream id.
@@ -271,6 +344,7 @@ class Engine:
         self._unfed.clear()  # each resumed stream's prefill starts again, from its confirmed tokens
         resumed = 0
         for stream in self._streams.values():
+            stream.resumed, stream.reused = None, 0  # a kept KV state stays on the old chain (released there)
             if stream.started and not stream.done:
                 stream.started, stream.batch = False, None
                 self._unstarted[stream.stream_id] = stream
@@ -298,6 +372,10 @@ class Engine:
         """Release every micro-batch this run holds, on the chain and in the drafter (it outlives the run: a
         chat reuses it), those with a step in flight too; nothing here waits on the chain or raises."""
         tracks = [*self._tracks.values(), *self._prefills.values()]
+        # the kept micro-batches of streams that ended in this run, and those of queued streams not started yet
+        tracks += [kept.take() for kept in self._kept.values()]
+        self._kept.clear()
+        tracks += [stream.resumed for stream in self._unstarted.values() if stream.resumed is not None]
         # A step in flight that admits a prefilled stream has taken that source off its track: a stage that
         # refused the step (or a Ctrl-C before the stage ran it) still holds it, and only this names it.
         in_flight_sources = {source for flight in self._in_flight.values() for source in flight.message.admit_from}
@@ -324,14 +402,16 @@ class Engine:
         arrived = [stream for stream in self._unstarted.values()
                    if stream.request.arrival_step <= self._collected][:room]
         for group in self._prefill_groups(arrived):
-            track = BatchTrack(self._new_batch_id(), self.spec.max_context)
+            resumed = group[0].resumed  # a stream that starts from a kept KV state is alone in its group
+            track = resumed or BatchTrack(self._new_batch_id(), self.spec.max_context)
             for stream in group:
                 stream.started = True
                 del self._unstarted[stream.stream_id]
-                track.add_row(stream.stream_id)
+                if resumed is None:
+                    track.add_row(stream.stream_id)
                 # sent by _continue_prefills; confirmed: the prompt, plus the tokens so far of a stream resumed
-                # on a new chain
-                self._unfed[stream.stream_id] = stream.confirmed
+                # on a new chain; less the prefix a kept KV state holds already
+                self._unfed[stream.stream_id] = stream.confirmed[stream.reused:]
             self._prefills[track.micro_batch_id] = track
 
     def _continue_prefills(self) -> None:
@@ -375,8 +455,10 @@ class Engine:
         """The drafter's share of a prefill call, chunk for chunk: a draft model prefills in the driver's thread,
         so a whole prompt there would stall the running streams as the target's would."""
         assert self.draft is not None
-        if track.steps == 0:  # the prefill's first call
-            self.draft.prefill(track.micro_batch_id, track.stream_ids[0], tokens)
+        if not self.draft.has_batch(track.micro_batch_id):  # the prefill's first call
+            # the drafter keeps no KV state of a kept micro-batch: it takes the prefix that state holds, too
+            stream = self._streams[track.stream_ids[0]]
+            self.draft.prefill(track.micro_batch_id, stream.stream_id, stream.confirmed[:stream.reused] + tokens)
         else:
             self.draft.extend(track.micro_batch_id, track.stream_ids[0], tokens)
 
@@ -402,7 +484,7 @@ class Engine:
         """
         if self._tracks or self._prefills or len(arrived) < 2:
             return [[stream] for stream in arrived]
-        plain = [stream for stream in arrived if not self._uses_draft(stream)]
+        plain = [stream for stream in arrived if not self._uses_draft(stream) and not stream.keeps_own_batch]
         count = min(self.options.micro_batches, len(plain))
         grouped = plain[: count * self.options.max_rows]
         groups: list[list[_Stream]] = [grouped[index::count] for index in range(count)] if count else []
@@ -419,7 +501,8 @@ class Engine:
             # A group prefilled together runs as its own micro-batch, and so does one with deltas the
             # stages have not seen (a row of its group finished at once): admission moves a whole
             # one-row state, which the stages' copy of this micro-batch would not be.
-            if track.rows > 1 or track.pending or (target is None and len(self._tracks) < self.options.micro_batches):
+            if track.rows > 1 or track.pending or stream.keeps_own_batch or \
+                    (target is None and len(self._tracks) < self.options.micro_batches):
                 del self._prefills[batch_id]
                 self._tracks[batch_id] = track
                 for stream_id in track.stream_ids:
@@ -435,7 +518,8 @@ class Engine:
                 self.draft.merge(target.micro_batch_id, stream.stream_id, batch_id)
 
     def _pick_target(self) -> BatchTrack | None:
-        open_tracks = [track for track in self._tracks.values() if track.rows < self.options.max_rows]
+        open_tracks = [track for track in self._tracks.values() if track.rows < self.options.max_rows
+                       and not any(self._streams[stream_id].keeps_own_batch for stream_id in track.stream_ids)]
         if len(self._tracks) < self.options.micro_batches:
             return None  # better: start another micro-batch to keep the stages busy
         return min(open_tracks, key=lambda track: track.rows, default=None)
@@ -561,6 +645,10 @@ class Engine:
 
     def _retire(self, track: BatchTrack, finished: set[int]) -> None:
         batch_id = track.micro_batch_id
+        kept = [stream_id for stream_id in finished if self._streams[stream_id].request.keep_kv]
+        if kept:  # alone in its micro-batch (keeps_own_batch)
+            self._keep(track, self._streams[kept[0]])
+            return
         if finished:
             track.drop(finished)
             if self.draft is not None:
@@ -573,6 +661,17 @@ class Engine:
         track.compact(self.options.compaction)
         if self.draft is not None:
             self.draft.compact(batch_id, self.options.compaction)
+
+    def _keep(self, track: BatchTrack, stream: _Stream) -> None:
+        """Leave a finished keep_kv stream's micro-batch on the chain, holding its confirmed tokens but the last
+        (never fed): accepted drafts past its end (EOS or max_new_tokens inside a round) are rolled back."""
+        self._tracks.pop(track.micro_batch_id, None)
+        self._prefills.pop(track.micro_batch_id, None)
+        fed = stream.confirmed[:-1]
+        track.reject(stream.stream_id, track.next_position(stream.stream_id) - len(fed))
+        if self.draft is not None and self.draft.has_batch(track.micro_batch_id):
+            self.draft.release(track.micro_batch_id)  # the drafter's state is prefilled again on resume
+        self._kept[stream.stream_id] = KeptKV(self.chain, track, fed)
 
     def _record_cost(self, flight: _InFlight) -> None:
         proposed = max(len(tokens) for tokens in flight.drafts)
