@@ -9,6 +9,11 @@ model's chat template (controller/tokenizer.py) and the reply streams to the out
 `/reset` forgets the conversation, `/quit` (or end of input) leaves. A conversation that outgrows the
 model's context loses its oldest exchanges (the system prompt stays); a message too long to answer even
 alone is refused and the conversation kept.
+
+Each reply leaves its KV state on the chain (the engine's keep_kv), and the next turn resumes it: the new
+prompt repeats the conversation so far, so only what follows the prefix the two share (the reply as the
+template writes it back, and the new message) is fed, not the whole conversation again. Over the fleet a
+state older than half the agents' idle limit is not resumed (the agents may have freed it).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import io
 import logging
 import math
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
@@ -26,9 +32,10 @@ from typing import TYPE_CHECKING, TextIO
 
 from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.model_spec import load_manifest
+from deskfleet.common.wire import MICRO_BATCH_IDLE_S
 
 from .decoding_options import DecodingOptions, add_decoding_options, decoding_arguments, non_negative_int, positive_int
-from .engine import Engine, StageChain, StreamRequest
+from .engine import Engine, KeptKV, StageChain, StreamRequest
 from .generation import GenerationError
 from .run import GenerateOptions, run_generate
 
@@ -44,6 +51,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_FAILOVERS = 2  # re-plans per run when a PC of the fleet drops out
+# A reply's KV state kept on the fleet is resumed by the next turn only within this: the agents free a micro-batch
+# idle for MICRO_BATCH_IDLE_S, and a step on a freed one fails (the failover then feeds the turn whole).
+FLEET_KEPT_KV_S = MICRO_BATCH_IDLE_S / 2
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,18 @@ class ChatOptions(DecodingOptions):
     stages: int = 1  # local only
     system: str | None = None
     max_new_tokens: int = 256
+    reuse_kv: bool = True  # resume the KV state the last reply left; False: feed the whole conversation each turn
+
+
+@dataclass(frozen=True)
+class ReplyStats:
+    """One turn, as run_chat's on_reply hears it."""
+
+    prompt_tokens: int  # the whole conversation, as the template renders it
+    reused_tokens: int  # of those, already in the KV state the last reply left (not fed again)
+    reply_tokens: int
+    first_token_s: float  # from the turn's start (the rendered prompt) to its first token
+    wall_s: float
 
 
 # Public functions
@@ -69,6 +91,9 @@ def add_chat_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
                       help="in-process pipeline stages (default 1; local only)")
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--max-new-tokens", type=positive_int, default=256, help="a reply's limit (default 256)")
+    chat.add_argument("--no-reuse-kv", dest="reuse_kv", action="store_false",
+                      help="feed the whole conversation every turn instead of resuming the KV state the last reply "
+                           "left on the stages (for comparison)")
     add_decoding_options(chat)
     add_compile_options(chat)
     chat.set_defaults(handler=_chat_command, extras=("controller",))
@@ -124,12 +149,13 @@ def generate_on_fleet(options: GenerateOptions, data_dir: Path | None, stream_te
 
 
 def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextIO | None = None,
-             notes: TextIO | None = None) -> int:
+             notes: TextIO | None = None, on_reply: Callable[[ReplyStats], None] | None = None) -> int:
     """Converse until `lines` ends or says /quit; returns the number of replies given.
 
     Raises before reading a line when no message could ever fit the model's context (--max-new-tokens,
     --system). A conversation that outgrows the context loses its oldest exchanges (the system turn stays);
     a message that cannot be sent is refused and the conversation kept. Those notes go to `notes` (stderr).
+    `on_reply` hears each finished reply's figures (benchmarks).
     """
     from .text_printer import TextPrinter
     from .tokenizer import ChatMessage, ChatTemplateError, ModelTokenizer, NotUtf8Error, check_utf8
@@ -148,7 +174,8 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
     sampling = options.sampling()
     turns: list[ChatMessage] = []  # user and assistant messages, alternating
     replies = 0
-    with _open_chain(options, settings) as (chain, failover):
+    kept = _KeptReply(options.fleet_dir is not None)
+    with _open_chain(options, settings) as (chain, failover), kept:
         micro_batches = getattr(chain, "num_stages", 1)
         engine_options = options.engine_options(micro_batches)
         while True:
@@ -173,14 +200,20 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
             message = ChatMessage("user", text)
             try:
                 check_utf8(text, "this message")
+                started = time.perf_counter()
                 prompt, dropped = _fit_prompt(tokenizer, system, turns, message, options.max_new_tokens,
                                                manifest.spec.max_context)
-                renumber = getattr(chain, "renumber", None)
-                if callable(renumber):
-                    renumber()
+                resume = kept.resumable(chain)
+                if resume is None:  # a kept state's id must stay valid: fresh ids only when none is resumed
+                    renumber = getattr(chain, "renumber", None)
+                    if callable(renumber):
+                        renumber()
                 engine = Engine(chain, manifest.spec, draft, engine_options)
                 engine.add(StreamRequest(prompt, options.max_new_tokens, sampling=sampling,
-                                         seed=options.seed + replies, stop_token_ids=end_of_turn))
+                                         seed=options.seed + replies, stop_token_ids=end_of_turn,
+                                         keep_kv=options.reuse_kv, resume=resume))
+                reused = resume.shared_prefix(prompt) if resume is not None else 0
+                kept.taken()
             except (GenerationError, NotUtf8Error, ChatTemplateError) as error:
                 # ChatTemplateError: the template refused this conversation (its raise_exception) or rendered
                 # it too long; the conversation before this message may still be fine to go on with.
@@ -199,11 +232,13 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
             try:
                 if failover is not None:
                     failover.start_run()
+                run_started = time.perf_counter()
                 engine.run(on_token=printer.push, recover=failover)
             except KeyboardInterrupt:  # Ctrl-C stops this reply (the engine freed its micro-batches), not the chat
                 interrupted = True
             if engine.failovers:
                 chain = engine.chain  # the next turns run on the chain this one ended on
+            kept.hold(engine.kept_kv(0))  # None when interrupted: the engine released it
             printer.finish()
             out.write("\n")
             out.flush()
@@ -217,7 +252,47 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
             # shown (the bytes of the run before it too); the conversation holds what the user saw.
             turns = [*turns[dropped:], message, ChatMessage("assistant", printer.text)]
             replies += 1
+            if on_reply is not None:
+                result = engine.results()[0]
+                on_reply(ReplyStats(len(prompt), reused, len(result.tokens),
+                                    run_started - started + result.first_token_s,
+                                    time.perf_counter() - started))
     return replies
+
+
+class _KeptReply:
+    """The KV state the last reply left on the chain, until the next turn resumes it (or the chat ends: a context
+    manager that releases it). Over the fleet a state older than FLEET_KEPT_KV_S is released, not resumed."""
+
+    def __init__(self, fleet: bool) -> None:
+        self.fleet = fleet
+        self.kept: KeptKV | None = None
+        self.since = 0.0
+
+    def __enter__(self) -> _KeptReply:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.hold(None)
+
+    def resumable(self, chain: StageChain) -> KeptKV | None:
+        """The kept state when the next turn on `chain` may resume it; else None (a stale one is released)."""
+        if self.kept is None:
+            return None
+        if self.kept.chain is chain and not (self.fleet and time.monotonic() - self.since > FLEET_KEPT_KV_S):
+            return self.kept
+        self.hold(None)
+        return None
+
+    def taken(self) -> None:
+        """The turn's request took the state (or none was kept): the engine owns it now."""
+        self.kept = None
+
+    def hold(self, kept: KeptKV | None) -> None:
+        """Keep `kept` for the next turn, releasing any other held."""
+        if self.kept is not None and self.kept is not kept:
+            self.kept.release()
+        self.kept, self.since = kept, time.monotonic()
 
 
 # Private functions
@@ -367,7 +442,8 @@ def _chat_command(args: argparse.Namespace) -> int:
                                        num_threads=args.threads, kv_cache=args.kv_cache)
     options = ChatOptions(model=args.model, fleet_dir=(args.data_dir or default_data_dir()) if args.fleet else None,
                           max_failovers=fleet_max_failovers(args), stages=args.stages or 1, system=args.system,
-                          max_new_tokens=args.max_new_tokens, **decoding_arguments(args, compile_settings))
+                          max_new_tokens=args.max_new_tokens, reuse_kv=args.reuse_kv,
+                          **decoding_arguments(args, compile_settings))
     if isinstance(sys.stdin, io.TextIOWrapper):  # a line that is not UTF-8 reaches run_chat, which refuses it alone
         sys.stdin.reconfigure(errors="surrogateescape")
     interactive = sys.stdin.isatty()

@@ -305,6 +305,17 @@ def test_a_prompt_fed_in_chunks_over_the_fleet_gives_the_local_whole_prompt_toke
     assert remote == local and all(len(tokens) == 12 for tokens in remote)
 
 
+def test_turns_that_resume_the_kept_kv_state_over_the_fleet_give_the_local_whole_prompt_tokens(
+        fleet: Fleet, tiny_export: Path) -> None:
+    """A chat's turns over the fleet: each resumes the micro-batch the last left on the agents and feeds only what
+    follows the prefix they share (the second its last reply token and 3 new ones, the third what follows its
+    first 6 tokens); locally each prompt goes whole."""
+    out = json.loads(fleet.run(fleet.controller, sys.executable, "-m", "tests.integration.fleet_turns",
+                               str(fleet.controller_dir), str(tiny_export)))
+    assert out["fleet"] == out["local"] and all(len(reply) == 10 for reply in out["fleet"])
+    assert out["fed"] == [out["prompt_lengths"][0], 1 + 3, out["prompt_lengths"][2] - 6]
+
+
 def test_strangers_are_refused_and_reach_no_stage(fleet: Fleet, tiny_export: Path) -> None:
     target = fleet.agent_addresses[0]
     out = fleet.run(fleet.controller, sys.executable, "-m", "tests.integration.fleet_probe", "strangers", target,
