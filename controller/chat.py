@@ -74,8 +74,9 @@ class ReplyStats:
     prompt_tokens: int  # the whole conversation, as the template renders it
     reused_tokens: int  # of those, already in the KV state the last reply left (not fed again)
     reply_tokens: int
-    first_token_s: float  # from the turn's start (the rendered prompt) to its first token
-    wall_s: float
+    render_s: float  # from the message read to the engine's start: the template's rendering, the prompt fitted
+    first_token_s: float  # from the engine's start to the reply's first token (what is fed of the prompt, and more)
+    wall_s: float  # the whole turn
 
 
 # Public functions
@@ -149,13 +150,15 @@ def generate_on_fleet(options: GenerateOptions, data_dir: Path | None, stream_te
 
 
 def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextIO | None = None,
-             notes: TextIO | None = None, on_reply: Callable[[ReplyStats], None] | None = None) -> int:
+             notes: TextIO | None = None, on_reply: Callable[[ReplyStats], None] | None = None,
+             chain: StageChain | None = None) -> int:
     """Converse until `lines` ends or says /quit; returns the number of replies given.
 
     Raises before reading a line when no message could ever fit the model's context (--max-new-tokens,
     --system). A conversation that outgrows the context loses its oldest exchanges (the system turn stays);
     a message that cannot be sent is refused and the conversation kept. Those notes go to `notes` (stderr).
-    `on_reply` hears each finished reply's figures (benchmarks).
+    `on_reply` hears each finished reply's figures (benchmarks). `chain`: run on this chain (the caller's, left
+    open) instead of opening the fleet's or local stages from `options`; nothing re-plans when it breaks.
     """
     from .text_printer import TextPrinter
     from .tokenizer import ChatMessage, ChatTemplateError, ModelTokenizer, NotUtf8Error, check_utf8
@@ -175,7 +178,8 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
     turns: list[ChatMessage] = []  # user and assistant messages, alternating
     replies = 0
     kept = _KeptReply(options.fleet_dir is not None)
-    with _open_chain(options, settings) as (chain, failover), kept:
+    opened = _without_failover(chain) if chain is not None else _open_chain(options, settings)
+    with opened as (chain, failover), kept:
         micro_batches = getattr(chain, "num_stages", 1)
         engine_options = options.engine_options(micro_batches)
         while True:
@@ -255,8 +259,7 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
             if on_reply is not None:
                 result = engine.results()[0]
                 on_reply(ReplyStats(len(prompt), reused, len(result.tokens),
-                                    run_started - started + result.first_token_s,
-                                    time.perf_counter() - started))
+                                    run_started - started, result.first_token_s, time.perf_counter() - started))
     return replies
 
 
@@ -420,13 +423,18 @@ def _open_chain(options: ChatOptions, settings: CompileSettings
         return _open_fleet_chain(_store(options.fleet_dir), options.model, options.max_failovers)
     from .pipeline import LocalPipeline
 
-    return _without_failover(LocalPipeline(options.model, options.stages, settings))
+    return _closing(LocalPipeline(options.model, options.stages, settings))
 
 
 @contextmanager
-def _without_failover(pipeline: LocalPipeline) -> Iterator[tuple[StageChain, None]]:
+def _closing(pipeline: LocalPipeline) -> Iterator[tuple[StageChain, None]]:
     with pipeline:
         yield pipeline, None
+
+
+@contextmanager
+def _without_failover(chain: StageChain) -> Iterator[tuple[StageChain, None]]:
+    yield chain, None
 
 
 def _chat_command(args: argparse.Namespace) -> int:

@@ -289,6 +289,16 @@ def build_parser() -> argparse.ArgumentParser:
     admission.add_argument("--rounds", type=positive_int, default=3)
     _add_compile_options(admission)
     admission.set_defaults(handler=_bench_admission)
+    chat_bench = benches.add_parser("chat", help="a chat's turns resuming the last reply's KV state vs fed whole")
+    chat_bench.add_argument("--model", type=Path, required=True, help="export folder (with its chat template)")
+    chat_bench.add_argument("--turns", type=positive_int, default=8, help="user messages in the conversation")
+    chat_bench.add_argument("--reply-tokens", type=positive_int, default=64, help="each reply's limit")
+    chat_bench.add_argument("--messages-file", type=Path, default=None,
+                            help="one message per line (default: the demo eval set's code prompts)")
+    chat_bench.add_argument("--stages", type=positive_int, default=1, help="in-process pipeline stages")
+    chat_bench.add_argument("--rounds", type=positive_int, default=3)
+    _add_compile_options(chat_bench)
+    chat_bench.set_defaults(handler=_bench_chat)
     _add_fleet_bench_command(benches)
     add_fleet_commands(commands)
     return parser
@@ -475,6 +485,18 @@ def _bench_admission(args: argparse.Namespace) -> int:
 
     report = run_admission_bench(args.model, prompt_tokens=args.prompt_tokens, chunks=args.chunks, running=args.running,
                                  new_tokens=args.new_tokens, rounds=args.rounds, settings=_compile_settings(args))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _bench_chat(args: argparse.Namespace) -> int:
+    from deskfleet.controller.bench.chat_turns import run_chat_bench
+
+    messages = None
+    if args.messages_file is not None:
+        messages = [line for line in args.messages_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    report = run_chat_bench(args.model, turns=args.turns, reply_tokens=args.reply_tokens, rounds=args.rounds,
+                            stages=args.stages, messages=messages, settings=_compile_settings(args))
     print(json.dumps(report, indent=2))
     return 0
 

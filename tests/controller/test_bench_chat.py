@@ -1,0 +1,74 @@
+"""`bench chat` on a tiny model: its JSON report (the resumed turns feed less and reply as the whole ones in f32),
+the inputs it refuses, and its command line."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent.stage import CompileSettings, Precision
+from deskfleet.common.model_spec import ManifestError
+from deskfleet.controller import cli
+from deskfleet.controller.bench.chat_turns import run_chat_bench
+from deskfleet.controller.export.random_checkpoint import CHAT_TEMPLATE
+from deskfleet.controller.tokenizer import ChatTemplateError
+
+F32 = CompileSettings(precision=Precision.F32)
+
+
+def _chat_model(tmp_path: Path, tiny_export: Path) -> Path:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_export, model)
+    (model / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return model
+
+
+def test_the_report_gives_each_turn_resumed_and_whole(tmp_path: Path, tiny_export: Path) -> None:
+    model = _chat_model(tmp_path, tiny_export)
+    report = run_chat_bench(model, turns=3, reply_tokens=5, rounds=1, settings=F32, progress=False,
+                            messages=["def f(x):\n    return x", "again", "once more, please", "unused"])
+    json.dumps(report)
+    assert report["replies_identical"] is True and report["precision"] == "f32"
+    turns = report["per_turn"]
+    assert [turn["turn"] for turn in turns] == [1, 2, 3]
+    assert turns[0]["fed_tokens"] == turns[0]["prompt_tokens"]  # nothing to resume yet
+    for before, turn in itertools.pairwise(turns):
+        # the resumed turn feeds less than the conversation so far: the last reply's last token, the new message
+        assert 0 < turn["fed_tokens"] < turn["prompt_tokens"] - before["prompt_tokens"] + 5
+        assert set(turn["first_token_s"]) == {"resumed", "whole"} and turn["render_s"] > 0
+    summary = report["summary"]
+    assert summary["fed_tokens_turns_2_on"] == {"resumed": sum(t["fed_tokens"] for t in turns[1:]),
+                                                "whole": sum(t["prompt_tokens"] for t in turns[1:])}
+
+
+def test_bad_inputs_are_refused_before_anything_compiles(tmp_path: Path, tiny_export: Path) -> None:
+    model = _chat_model(tmp_path, tiny_export)
+    bare = tmp_path / "bare"
+    shutil.copytree(model, bare)
+    (bare / "chat_template.jinja").unlink()
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        run_chat_bench(bare, turns=2)
+    with pytest.raises(ValueError, match="3 turns need 3 non-empty messages, got 2"):
+        run_chat_bench(model, turns=3, messages=["a", "b"])
+    with pytest.raises(ValueError, match="non-empty"):
+        run_chat_bench(model, turns=2, messages=["a", "  \n "])
+    with pytest.raises(ValueError, match="--turns must be 1 or more, got 0"):
+        run_chat_bench(model, turns=0)
+    with pytest.raises(ManifestError, match="nowhere is not a folder"):
+        run_chat_bench(tmp_path / "nowhere", turns=2)
+
+
+def test_the_command_line(tmp_path: Path) -> None:
+    args = cli.build_parser().parse_args(["bench", "chat", "--model", "m", "--turns", "4", "--reply-tokens", "16",
+                                          "--messages-file", str(tmp_path / "messages.txt")])
+    assert (args.turns, args.reply_tokens, args.rounds, args.stages) == (4, 16, 3, 1)
+    assert args.messages_file == tmp_path / "messages.txt"
+    assert cli.build_parser().parse_args(["chat", "--model", "m", "--no-reuse-kv"]).reuse_kv is False
+    assert cli.build_parser().parse_args(["chat", "--model", "m"]).reuse_kv is True
