@@ -216,7 +216,6 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
                 engine.add(StreamRequest(prompt, options.max_new_tokens, sampling=sampling,
                                          seed=options.seed + replies, stop_token_ids=end_of_turn,
                                          keep_kv=options.reuse_kv, resume=resume))
-                reused = resume.shared_prefix(prompt) if resume is not None else 0
                 kept.taken()
             except (GenerationError, NotUtf8Error, ChatTemplateError) as error:
                 # ChatTemplateError: the template refused this conversation (its raise_exception) or rendered
@@ -258,7 +257,7 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
             replies += 1
             if on_reply is not None:
                 result = engine.results()[0]
-                on_reply(ReplyStats(len(prompt), reused, len(result.tokens),
+                on_reply(ReplyStats(len(prompt), result.reused_tokens, len(result.tokens),
                                     run_started - started, result.first_token_s, time.perf_counter() - started))
     return replies
 

@@ -53,6 +53,12 @@ TokenCallback = Callable[[int, int], None]  # (stream id, token)
 # over a cache runs a call query by query, dequantizing a u8 cache for each. 256 halves the stall for a quarter
 # more wait; `--prefill-chunk` trades one for the other.
 DEFAULT_PREFILL_CHUNK = 256
+# A request resumes a kept KV state only where the state holds at least this share of its prompt; else the state is
+# released and the prompt fed whole. On the CPU plugin a call over an existing cache runs its attention query by query
+# (dequantizing a u8 cache for each), so the rest of a prompt fed there costs more a token than a whole prompt does
+# (`bench admission`: 1.3-1.5x), and a resumed turn that fed 1,000 of 1,283 tokens on a 1.1B model took 5.7 s against
+# 4.2 s whole (`bench chat`, a random model whose replies re-encode to other tokens).
+RESUME_MIN_SHARED = 0.5
 
 
 class ChainBroken(RuntimeError):
@@ -142,6 +148,7 @@ class StreamResult:
     first_token_s: float  # from the engine's start
     finished_s: float
     stopped_by_eos: bool
+    reused_tokens: int = 0  # of the prompt, held by the kept KV state it resumed (not fed)
 
     @property
     def decode_tok_s(self) -> float:
@@ -264,12 +271,18 @@ class Engine:
             kept = request.resume
             if kept.chain is not self.chain:
                 raise ValueError("the kept KV state is on another chain than this engine's")
-            stream.reused = kept.shared_prefix(request.prompt_ids)
-            track = stream.resumed = kept.take()
-            # the kept row becomes this stream's, rolled back by mask to the prefix the prompt shares with it
-            track.stream_ids = [stream_id]
-            track.reject(stream_id, len(kept.tokens) - stream.reused)
-            self._next_batch = max(self._next_batch, track.micro_batch_id)  # new micro-batches get other ids
+            shared = kept.shared_prefix(request.prompt_ids)
+            self._next_batch = max(self._next_batch, kept.micro_batch_id)  # new micro-batches get other ids
+            if shared < RESUME_MIN_SHARED * len(request.prompt_ids):
+                kept.release()  # fed whole instead
+            else:
+                stream.reused = shared
+                track = stream.resumed = kept.take()
+                # the kept row becomes this stream's, rolled back by mask to the prefix the prompt shares with it,
+                # and compacted first where that leaves many dead slots (every query of the prefill would scan them)
+                track.stream_ids = [stream_id]
+                track.reject(stream_id, len(kept.tokens) - shared)
+                track.compact(self.options.compaction)
         self._streams[stream_id] = self._unstarted[stream_id] = stream
         self._unfinished += 1
         return stream_id
@@ -305,7 +318,8 @@ class Engine:
         """Every stream's tokens so far, by stream id (after run(): the whole generation; after a run that
         raised, e.g. on Ctrl-C: what was generated before it stopped)."""
         return {stream.stream_id: StreamResult(stream.stream_id, list(stream.tokens), len(stream.request.prompt_ids),
-                                               stream.first_token_s, stream.finished_s, stream.stopped_by_eos)
+                                               stream.first_token_s, stream.finished_s, stream.stopped_by_eos,
+                                               stream.reused)
                 for stream in self._streams.values()}
 
     def accepted_histogram(self) -> dict[int, int]:

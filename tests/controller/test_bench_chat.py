@@ -30,7 +30,8 @@ def _chat_model(tmp_path: Path, tiny_export: Path) -> Path:
 def test_the_report_gives_each_turn_resumed_and_whole(tmp_path: Path, tiny_export: Path) -> None:
     model = _chat_model(tmp_path, tiny_export)
     report = run_chat_bench(model, turns=3, reply_tokens=5, rounds=1, settings=F32, progress=False,
-                            messages=["def f(x):\n    return x", "again", "once more, please", "unused"])
+                            messages=["def f(x):\n    return x " + "# the function returns x unchanged " * 4, "again",
+                                      "once more, please", "unused"])
     json.dumps(report)
     assert report["replies_identical"] is True and report["precision"] == "f32"
     turns = report["per_turn"]

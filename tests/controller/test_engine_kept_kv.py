@@ -16,8 +16,9 @@ import pytest
 from deskfleet.agent.stage import CompileSettings, Precision
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.speculative import SamplingParams
+from deskfleet.common.wire import Forward
 from deskfleet.controller.draft import Drafter, DraftModel, DraftRow, Proposal
-from deskfleet.controller.engine import Engine, EngineOptions, KeptKV, StreamRequest
+from deskfleet.controller.engine import RESUME_MIN_SHARED, Engine, EngineOptions, KeptKV, StreamRequest
 from deskfleet.controller.pipeline import LocalPipeline
 from deskfleet.controller.prompt_lookup import PromptLookupDraft
 from tests.controller.test_engine_chunked_prefill import RecordingChain
@@ -28,11 +29,16 @@ SAMPLED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95)
 
 
 class ReleaseRecordingChain(RecordingChain):
-    """RecordingChain that also records the micro-batches released."""
+    """RecordingChain that also records the micro-batches released and each step's delta types."""
 
     def __init__(self, pipeline: LocalPipeline, break_at: int | None = None) -> None:
         super().__init__(pipeline, break_at)
         self.released: list[int] = []
+        self.deltas: list[list[str]] = []
+
+    def submit(self, message: Forward) -> None:
+        super().submit(message)
+        self.deltas.append([type(delta).__name__ for delta in message.slot_deltas])
 
     def release(self, batch_id: int) -> None:
         self.released.append(batch_id)
@@ -258,3 +264,48 @@ def test_the_shared_prefix_leaves_the_prompts_last_token_to_feed(target: Path) -
         tokens, _, _ = _turn(chain, target, StreamRequest(same, 5, ignore_eos=True, resume=kept))
         assert _fed(chain, steps) == 1
     assert tokens == _fresh(target, StreamRequest(same, 5, ignore_eos=True), 1)
+
+
+def test_a_prompt_that_shares_too_little_of_a_kept_state_is_fed_whole(target: Path) -> None:
+    spec = load_manifest(target).spec
+    prompt = _tokens(11, 120, spec.vocab_size)
+    with LocalPipeline(target, 1, F32) as pipeline:
+        chain = ReleaseRecordingChain(pipeline)
+        _, kept, _ = _turn(chain, target, StreamRequest(prompt, 4, ignore_eos=True, keep_kv=True))
+        assert kept is not None
+        kept_id = kept.micro_batch_id
+        # shares 70 of 80 tokens: resumed, fed the 10 after them
+        near = prompt[:70] + _tokens(12, 10, spec.vocab_size)
+        steps = len(chain.steps)
+        engine = Engine(chain, spec, None, EngineOptions())
+        engine.add(StreamRequest(near, 5, ignore_eos=True, keep_kv=True, resume=kept))
+        resumed = engine.run()[0]
+        assert resumed.reused_tokens == 70 and chain.steps[steps][:2] == (kept_id, 10)
+        assert resumed.tokens == _fresh(target, StreamRequest(near, 5, ignore_eos=True), 1)
+        kept = engine.kept_kv(0)
+        assert kept is not None
+        # shares 10 of 40: less than RESUME_MIN_SHARED, so the state is released and the prompt fed whole
+        far = prompt[:10] + _tokens(13, 30, spec.vocab_size)
+        assert 10 < RESUME_MIN_SHARED * len(far)
+        steps = len(chain.steps)
+        engine = Engine(chain, spec, None, EngineOptions())
+        engine.add(StreamRequest(far, 5, ignore_eos=True, resume=kept))
+        assert chain.released == [kept_id]
+        fresh = engine.run()[0]
+        assert fresh.reused_tokens == 0 and chain.steps[steps][1] == len(far) and chain.steps[steps][0] != kept_id
+    assert fresh.tokens == _fresh(target, StreamRequest(far, 5, ignore_eos=True), 1)
+
+
+def test_a_rollback_that_leaves_many_dead_slots_is_compacted_before_the_prefill(target: Path) -> None:
+    spec = load_manifest(target).spec
+    prompt = _tokens(14, 150, spec.vocab_size)
+    with LocalPipeline(target, 1, F32) as pipeline:
+        chain = ReleaseRecordingChain(pipeline)
+        _, kept, _ = _turn(chain, target, StreamRequest(prompt, 3, ignore_eos=True, keep_kv=True))
+        assert kept is not None
+        # keeps 80 of 152 slots: 72 dead, past the default policy (64 and a quarter), so the first step compacts
+        resumed = prompt[:80] + _tokens(15, 20, spec.vocab_size)
+        steps = len(chain.steps)
+        tokens, _, _ = _turn(chain, target, StreamRequest(resumed, 4, ignore_eos=True, resume=kept))
+        assert chain.deltas[steps][:2] == ["InvalidateSlots", "Compact"]
+    assert tokens == _fresh(target, StreamRequest(resumed, 4, ignore_eos=True), 1)
