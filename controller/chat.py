@@ -216,7 +216,6 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
                 engine.add(StreamRequest(prompt, options.max_new_tokens, sampling=sampling,
                                          seed=options.seed + replies, stop_token_ids=end_of_turn,
                                          keep_kv=options.reuse_kv, resume=resume))
-                kept.taken()
             except (GenerationError, NotUtf8Error, ChatTemplateError) as error:
                 # ChatTemplateError: the template refused this conversation (its raise_exception) or rendered
                 # it too long; the conversation before this message may still be fine to go on with.
@@ -241,7 +240,7 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
                 interrupted = True
             if engine.failovers:
                 chain = engine.chain  # the next turns run on the chain this one ended on
-            kept.hold(engine.kept_kv(0))  # None when interrupted: the engine released it
+            kept.hold(engine.kept_kv(0))  # None when interrupted (the engine freed what it had taken)
             printer.finish()
             out.write("\n")
             out.flush()
@@ -286,12 +285,9 @@ class _KeptReply:
         self.hold(None)
         return None
 
-    def taken(self) -> None:
-        """The turn's request took the state (or none was kept): the engine owns it now."""
-        self.kept = None
-
     def hold(self, kept: KeptKV | None) -> None:
-        """Keep `kept` for the next turn, releasing any other held."""
+        """Keep `kept` for the next turn, releasing the one held before: a no-op where the turn's engine took it
+        (its run started), else (a Ctrl-C before that) the state is freed here."""
         if self.kept is not None and self.kept is not kept:
             self.kept.release()
         self.kept, self.since = kept, time.monotonic()

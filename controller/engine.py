@@ -105,7 +105,11 @@ class KeptKV:
     (its prompt and every token it generated but the last, which was never fed) on every stage.
 
     Give it to one later request on the same chain as `resume` (a chat's next turn), or release() it: until then
-    it holds its KV state on every stage (a fleet's agents free a micro-batch idle for MICRO_BATCH_IDLE_S)."""
+    it holds its KV state on every stage (a fleet's agents free a micro-batch idle for MICRO_BATCH_IDLE_S). It stays
+    the caller's until the run of the engine it was given to starts (which takes it, or releases it where it holds
+    too little of the prompt): an engine that never runs leaves it to the caller to release. A run stopped early
+    renumbers the chain (StageChain), after which no kept state of the chain from before can be resumed or released
+    by id: keep one per chain user at a time, as a chat does."""
 
     def __init__(self, chain: StageChain, track: BatchTrack, tokens: list[int]) -> None:
         self.chain = chain
@@ -115,7 +119,7 @@ class KeptKV:
     @property
     def micro_batch_id(self) -> int:
         if self._track is None:
-            raise ValueError("this KeptKV was resumed or released already")
+            raise ValueError("this KeptKV was resumed or released already: a kept KV state serves one request")
         return self._track.micro_batch_id
 
     def shared_prefix(self, prompt_ids: list[int]) -> int:
@@ -190,13 +194,14 @@ class _Stream:
     done: bool = False
     stopped_by_eos: bool = False
     started: bool = False
-    resumed: BatchTrack | None = None  # the kept micro-batch it starts from (StreamRequest.resume)
+    resume: KeptKV | None = None  # StreamRequest.resume until run() takes (or releases) it
+    resumed: BatchTrack | None = None  # the kept micro-batch it starts from, once taken
     reused: int = 0  # prompt tokens already in that micro-batch's KV state
 
     @property
     def keeps_own_batch(self) -> bool:
         """Runs alone in its micro-batch: its KV state is kept, or it starts from a kept one."""
-        return self.request.keep_kv or self.resumed is not None
+        return self.request.keep_kv or self.resumed is not None or self.resume is not None
 
     @property
     def confirmed(self) -> list[int]:
@@ -258,6 +263,9 @@ class Engine:
         self.failovers: list[Failover] = []
         self._eos = frozenset(spec.eos_token_ids)
         self._kept: dict[int, KeptKV] = {}  # by stream id: finished keep_kv streams' micro-batches
+        # by stream id: prompt tokens a stateful drafter still lacks (a resumed stream's kept prefix), fed to it a
+        # chunk a call while other streams run; the stream drafts nothing until it has them
+        self._draft_unfed: dict[int, list[int]] = {}
 
     # Public methods
 
@@ -271,18 +279,10 @@ class Engine:
             kept = request.resume
             if kept.chain is not self.chain:
                 raise ValueError("the kept KV state is on another chain than this engine's")
-            shared = kept.shared_prefix(request.prompt_ids)
+            if any(other.resume is kept for other in self._streams.values()):
+                raise ValueError("a kept KV state serves one request: it was given to another of this engine's")
             self._next_batch = max(self._next_batch, kept.micro_batch_id)  # new micro-batches get other ids
-            if shared < RESUME_MIN_SHARED * len(request.prompt_ids):
-                kept.release()  # fed whole instead
-            else:
-                stream.reused = shared
-                track = stream.resumed = kept.take()
-                # the kept row becomes this stream's, rolled back by mask to the prefix the prompt shares with it,
-                # and compacted first where that leaves many dead slots (every query of the prefill would scan them)
-                track.stream_ids = [stream_id]
-                track.reject(stream_id, len(kept.tokens) - shared)
-                track.compact(self.options.compaction)
+            stream.resume = kept  # taken when the run starts: until then the caller owns it
         self._streams[stream_id] = self._unstarted[stream_id] = stream
         self._unfinished += 1
         return stream_id
@@ -301,6 +301,7 @@ class Engine:
         self._on_token = on_token
         self._started = time.perf_counter()
         try:
+            self._take_resumed()
             while self._unfinished:
                 try:
                     self._advance()
@@ -313,6 +314,26 @@ class Engine:
             self._abandon()
             raise
         return self.results()
+
+    def _take_resumed(self) -> None:
+        """Take the kept micro-batch of every stream that resumes one: its row becomes the stream's, rolled back by
+        mask to the prefix the prompt shares with it, and compacted first where that leaves many dead slots
+        (every query of the prefill would scan them); one holding less than RESUME_MIN_SHARED of the prompt is
+        released, the prompt fed whole."""
+        for stream in self._streams.values():
+            kept, stream.resume = stream.resume, None
+            if kept is None:
+                continue
+            prompt = stream.request.prompt_ids
+            shared = kept.shared_prefix(prompt)
+            if shared < RESUME_MIN_SHARED * len(prompt):
+                kept.release()
+                continue
+            stream.reused = shared
+            track = stream.resumed = kept.take()
+            track.stream_ids = [stream.stream_id]
+            track.reject(stream.stream_id, len(kept.tokens) - shared)
+            track.compact(self.options.compaction)
 
     def results(self) -> dict[int, StreamResult]:
         """Every stream's tokens so far, by stream id (after run(): the whole generation; after a run that
@@ -356,6 +377,7 @@ class Engine:
         self._prefills.clear()
         self._in_flight.clear()
         self._unfed.clear()  # each resumed stream's prefill starts again, from its confirmed tokens
+        self._draft_unfed.clear()
         resumed = 0
         for stream in self._streams.values():
             stream.resumed, stream.reused = None, 0  # a kept KV state stays on the old chain (released there)
@@ -381,10 +403,15 @@ class Engine:
         self._prefills.clear()
         self._in_flight.clear()
         self._unfed.clear()
+        self._draft_unfed.clear()
 
     def _release_held(self) -> None:
         """Release every micro-batch this run holds, on the chain and in the drafter (it outlives the run: a
         chat reuses it), those with a step in flight too; nothing here waits on the chain or raises."""
+        for stream in self._streams.values():  # kept states given to this run but not taken yet (stopped as it began)
+            if stream.resume is not None:
+                kept, stream.resume = stream.resume, None
+                kept.release()  # now: a run stopped early renumbers the chain, after which its id names nothing
         tracks = [*self._tracks.values(), *self._prefills.values()]
         # the kept micro-batches of streams that ended in this run, and those of queued streams not started yet
         tracks += [kept.take() for kept in self._kept.values()]
@@ -467,14 +494,34 @@ class Engine:
 
     def _feed_draft(self, track: BatchTrack, tokens: list[int]) -> None:
         """The drafter's share of a prefill call, chunk for chunk: a draft model prefills in the driver's thread,
-        so a whole prompt there would stall the running streams as the target's would."""
+        so a whole prompt there would stall the running streams as the target's would. A resumed stream's drafter
+        also needs the prefix the kept KV state holds (it keeps no state of its own between runs): that goes first,
+        a chunk a call while other streams run, the rest with the stream's next steps (_catch_up_draft)."""
         assert self.draft is not None
-        if not self.draft.has_batch(track.micro_batch_id):  # the prefill's first call
-            # the drafter keeps no KV state of a kept micro-batch: it takes the prefix that state holds, too
-            stream = self._streams[track.stream_ids[0]]
-            self.draft.prefill(track.micro_batch_id, stream.stream_id, stream.confirmed[:stream.reused] + tokens)
+        stream = self._streams[track.stream_ids[0]]
+        backlog = self._draft_unfed.pop(stream.stream_id, [])
+        first_call = not self.draft.has_batch(track.micro_batch_id)
+        if first_call:
+            backlog = stream.confirmed[:stream.reused]
+        backlog += tokens
+        chunk = self.options.prefill_chunk if self._tracks else 0
+        piece, rest = (backlog[:chunk], backlog[chunk:]) if chunk else (backlog, [])
+        if first_call:
+            self.draft.prefill(track.micro_batch_id, stream.stream_id, piece)
         else:
-            self.draft.extend(track.micro_batch_id, track.stream_ids[0], tokens)
+            self.draft.extend(track.micro_batch_id, stream.stream_id, piece)
+        if rest:
+            self._draft_unfed[stream.stream_id] = rest
+
+    def _catch_up_draft(self, track: BatchTrack, stream: _Stream) -> None:
+        """Feed the drafter the next chunk of the prompt it lacks (see _feed_draft), with the stream's step."""
+        assert self.draft is not None
+        backlog = self._draft_unfed.pop(stream.stream_id)
+        chunk = self.options.prefill_chunk if len(self._tracks) > 1 or self._prefills else 0
+        piece, rest = (backlog[:chunk], backlog[chunk:]) if chunk else (backlog, [])
+        self.draft.extend(track.micro_batch_id, stream.stream_id, piece)
+        if rest:
+            self._draft_unfed[stream.stream_id] = rest
 
     def _admission_room(self) -> int:
         """How many more streams may start now: the rows of every micro-batch, and as many newcomers again,
@@ -569,10 +616,13 @@ class Engine:
     def _propose(self, track: BatchTrack, streams: list[_Stream]) -> Proposal | None:
         if self.draft is None or not self.draft.has_batch(track.micro_batch_id):
             return None
+        for stream in streams:
+            if stream.stream_id in self._draft_unfed:
+                self._catch_up_draft(track, stream)
         k = self.k_policy.k
         rows = [DraftRow(stream.stream_id, stream.confirmed, min(k, self._room(stream)),
                          None if stream.request.sampling.greedy else stream.request.sampling, stream.request.seed)
-                for stream in streams if self._uses_draft(stream)]
+                for stream in streams if self._uses_draft(stream) and stream.stream_id not in self._draft_unfed]
         if not any(row.k for row in rows):
             return None
         proposal = self.draft.propose(track.micro_batch_id, rows)
@@ -665,6 +715,8 @@ class Engine:
             return
         if finished:
             track.drop(finished)
+            for stream_id in finished:
+                self._draft_unfed.pop(stream_id, None)
             if self.draft is not None:
                 self.draft.drop(batch_id, finished)
         if track.rows == 0:
@@ -681,6 +733,7 @@ class Engine:
         (never fed): accepted drafts past its end (EOS or max_new_tokens inside a round) are rolled back."""
         self._tracks.pop(track.micro_batch_id, None)
         self._prefills.pop(track.micro_batch_id, None)
+        self._draft_unfed.pop(stream.stream_id, None)
         fed = stream.confirmed[:-1]
         track.reject(stream.stream_id, track.next_position(stream.stream_id) - len(fed))
         if self.draft is not None and self.draft.has_batch(track.micro_batch_id):

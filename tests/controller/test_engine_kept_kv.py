@@ -236,19 +236,30 @@ def test_a_failover_in_a_resumed_turn_feeds_the_whole_prompt_on_the_new_chain(ta
     assert tokens == _fresh(target, StreamRequest(follow, max_new_tokens=10, ignore_eos=True), 1)
 
 
-def test_a_kept_state_serves_one_request_on_its_own_chain(target: Path) -> None:
+def test_a_kept_state_serves_one_request_on_its_own_chain_and_is_taken_when_the_run_starts(target: Path) -> None:
     spec = load_manifest(target).spec
     prompt = _tokens(8, 10, spec.vocab_size)
     with LocalPipeline(target, 1, F32) as first, LocalPipeline(target, 1, F32) as second:
-        chain = RecordingChain(first)
+        chain = ReleaseRecordingChain(first)
         _, kept, _ = _turn(chain, target, StreamRequest(prompt, 3, ignore_eos=True, keep_kv=True))
         assert kept is not None
+        kept_id = kept.micro_batch_id
         with pytest.raises(ValueError, match="another chain"):
             Engine(second, spec).add(StreamRequest(prompt, 3, resume=kept))
-        Engine(chain, spec).add(StreamRequest(prompt, 3, resume=kept))
+        engine = Engine(chain, spec)
+        engine.add(StreamRequest(prompt, 3, resume=kept, keep_kv=True))
+        with pytest.raises(ValueError, match="given to another of this engine's"):
+            engine.add(StreamRequest(prompt, 3, resume=kept))
+        assert kept.micro_batch_id == kept_id  # an engine that has not run yet has not taken it: still the caller's
+        engine.run()
         with pytest.raises(ValueError, match="resumed or released already"):
             Engine(chain, spec).add(StreamRequest(prompt, 3, resume=kept))
         kept.release()  # taken: nothing to release
+        assert chain.released == []
+        resumed = engine.kept_kv(0)
+        assert resumed is not None and resumed.micro_batch_id == kept_id
+        resumed.release()
+        assert chain.released == [kept_id]
 
 
 def test_the_shared_prefix_leaves_the_prompts_last_token_to_feed(target: Path) -> None:
@@ -290,9 +301,10 @@ def test_a_prompt_that_shares_too_little_of_a_kept_state_is_fed_whole(target: Pa
         steps = len(chain.steps)
         engine = Engine(chain, spec, None, EngineOptions())
         engine.add(StreamRequest(far, 5, ignore_eos=True, resume=kept))
-        assert chain.released == [kept_id]
         fresh = engine.run()[0]
-        assert fresh.reused_tokens == 0 and chain.steps[steps][1] == len(far) and chain.steps[steps][0] != kept_id
+        fresh_id = kept_id + 1  # new micro-batches take ids after the kept one
+        assert chain.released == [kept_id, fresh_id]  # the kept state as the run began, then the run's own
+        assert fresh.reused_tokens == 0 and chain.steps[steps][:2] == (fresh_id, len(far))
     assert fresh.tokens == _fresh(target, StreamRequest(far, 5, ignore_eos=True), 1)
 
 
