@@ -1,7 +1,8 @@
 """`deskfleet chat` resumes the KV state each reply leaves on the stages: the replies equal those of a chat that
 feeds the whole conversation every turn (--no-reuse-kv), the stages are fed only what follows the prefix the turns
-share, a refused message keeps the state for the next, the chat releases it when it ends, and over the fleet a
-state older than half the agents' idle limit is released instead of resumed."""
+share, a refused message keeps the state for the next, the chat releases it when it ends, a reply that failed over
+leaves its state on the new chain for the next turn, and over the fleet a state older than half the agents' idle
+limit is released instead of resumed."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from deskfleet.agent.stage import CompileSettings, Precision
 from deskfleet.common.wire import MICRO_BATCH_IDLE_S, Forward
 from deskfleet.controller import chat
 from deskfleet.controller.chat import FLEET_KEPT_KV_S, ChatOptions, ReplyStats, _KeptReply, run_chat
-from deskfleet.controller.engine import KeptKV
+from deskfleet.controller.engine import ChainBroken, KeptKV
 from deskfleet.controller.pipeline import LocalPipeline
 from tests.controller.test_chat import _chat_model
+from tests.controller.test_engine_failover import BreakingChain
 
 F32 = CompileSettings(precision=Precision.F32)
 # Long first messages: a resumed turn must find at least half its prompt kept (the tiny model's replies re-encode
@@ -111,3 +113,37 @@ def test_a_kept_state_is_resumed_on_its_own_chain_only_and_over_the_fleet_only_w
     with kept:
         pass
     assert released[-1] == "c" and kept.resumable(chain) is None
+
+
+def test_after_a_failover_mid_reply_the_next_turn_resumes_on_the_new_chain(
+        tmp_path: Path, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fleet's failover played by local pipelines: the first chain breaks in the first reply, which resumes on
+    # the chain `recover` makes, fed whole there; the second turn resumes the state that reply left on that chain.
+    model = _chat_model(tmp_path, tiny_export)
+    lines = "hello there, " + "tell me about the quick brown fox " * 6 + "\nwrite it again\n"
+    plain = io.StringIO()
+    run_chat(ChatOptions(model=model, max_new_tokens=8, settings=F32, reuse_kv=False), io.StringIO(lines), plain)
+    chains: list[BreakingChain] = []
+
+    @contextmanager
+    def breaking_chain(options: ChatOptions, settings: CompileSettings) -> Iterator[tuple[BreakingChain, object]]:
+        with LocalPipeline(model, 2, settings) as first, LocalPipeline(model, 1, settings) as second:
+            chains.append(BreakingChain(first, 4))
+
+            class Failover:
+                def __call__(self, error: ChainBroken) -> BreakingChain:
+                    chains.append(BreakingChain(second, None))
+                    return chains[-1]
+
+                def start_run(self) -> None:
+                    pass
+
+            yield chains[0], Failover()
+
+    monkeypatch.setattr(chat, "_open_chain", breaking_chain)
+    stats: list[ReplyStats] = []
+    out = io.StringIO()
+    assert run_chat(ChatOptions(model=model, max_new_tokens=8, settings=F32), io.StringIO(lines), out,
+                    on_reply=stats.append) == 2
+    assert out.getvalue() == plain.getvalue() and len(chains) == 2
+    assert stats[0].reused_tokens == 0 and stats[1].reused_tokens >= stats[0].prompt_tokens
