@@ -51,12 +51,13 @@ def test_a_resumed_prompt_goes_to_the_draft_model_chunk_for_chunk_while_streams_
                                  arrival_step=3))
         results = engine.run()
         assert results[1].reused_tokens == len(first) + len(reply) - 1
-        # the drafter caught up a chunk a step: the tokens are those of the prompt fed whole, drafted or not
-        fresh = Engine(pipeline, spec, None, EngineOptions())
-        fresh.add(StreamRequest(follow, max_new_tokens=6, ignore_eos=True))
-        assert results[1].tokens == fresh.run()[0].tokens
         resumed = engine.kept_kv(1)
         assert resumed is not None
         resumed.release()
+    # the drafter caught up a chunk a step: the tokens are those of the prompt fed whole, drafted or not
+    with LocalPipeline(target, 1, F32) as pipeline:
+        fresh = Engine(pipeline, spec, None, EngineOptions())
+        fresh.add(StreamRequest(follow, max_new_tokens=6, ignore_eos=True))
+        assert results[1].tokens == fresh.run()[0].tokens
     # the target was fed the resumed tail in chunks of 16; the draft model must be too
     assert max(widths) <= 16, f"a draft-model call of {max(widths)} tokens while a stream ran"

@@ -84,6 +84,9 @@ class ScriptedEngine:
                     on_token(stream_id, token)
         return self.results()
 
+    def kept_kv(self, stream_id: int) -> None:
+        return None  # keeps no KV state: every turn is fed whole
+
     def results(self) -> dict[int, StreamResult]:
         return {index: StreamResult(index, list(tokens), len(request.prompt_ids), 0.0, 0.0, False)
                 for index, (request, tokens) in enumerate(self.streams)}
