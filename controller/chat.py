@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from deskfleet.agent.stage import CompileSettings
-from deskfleet.common.model_spec import load_manifest
+from deskfleet.common.model_spec import Manifest, load_manifest
 from deskfleet.common.wire import MICRO_BATCH_IDLE_S
 
 from .decoding_options import DecodingOptions, add_decoding_options, decoding_arguments, non_negative_int, positive_int
@@ -160,14 +160,26 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
     `on_reply` hears each finished reply's figures (benchmarks). `chain`: run on this chain (the caller's, left
     open) instead of opening the fleet's or local stages from `options`; nothing re-plans when it breaks.
     """
-    from .text_printer import TextPrinter
-    from .tokenizer import ChatMessage, ChatTemplateError, ModelTokenizer, NotUtf8Error, check_utf8
+    from .chat_template import TemplateRenderer
+    from .tokenizer import ChatTemplateError, ModelTokenizer
 
     manifest = load_manifest(options.model)
     tokenizer = ModelTokenizer(options.model)
     if not tokenizer.chat_template:
         raise ChatTemplateError(f"{options.model} has no chat template, so it cannot chat: use "
                                 "`deskfleet generate --prompt TEXT` with it instead")
+    with TemplateRenderer() as renderer:  # one child renders every turn
+        tokenizer.renderer = renderer
+        return _converse(options, tokenizer, manifest, lines, out, prompt_out, notes, on_reply, chain)
+
+
+def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifest, lines: TextIO, out: TextIO,
+              prompt_out: TextIO | None, notes: TextIO | None, on_reply: Callable[[ReplyStats], None] | None,
+              chain: StageChain | None) -> int:
+    """run_chat's conversation, once the tokenizer renders in a child kept for the chat."""
+    from .text_printer import TextPrinter
+    from .tokenizer import ChatMessage, ChatTemplateError, NotUtf8Error, check_utf8
+
     system = [ChatMessage("system", options.system)] if options.system else []
     _check_room(tokenizer, system, options.max_new_tokens, manifest.spec.max_context)
     end_of_turn = tokenizer.end_of_turn_ids()  # a reply ends there, whatever the generation config lists

@@ -10,15 +10,23 @@ RENDER_BATCH_CHARS of their text: more (a `generate --chat --prompts-file` of 60
 child) go in as many children, so the time and memory limits bound a template's work on its conversations, not
 the size of the caller's batch.
 
-Run as `python -m deskfleet.controller.chat_template`: a JSON request on stdin, a JSON answer on stdout.
+A chat renders a turn or two every message, and a child's start was most of a small model's wait for the first
+token (70-90 ms of it on the demo model): `TemplateRenderer` keeps one child for the whole chat, under the same
+memory limit, the time limit holding per request. A request that times out, is interrupted (Ctrl-C) or leaves the
+child unsure (MemoryError) ends that child; the next request starts another.
+
+Run as `python -m deskfleet.controller.chat_template`: a JSON request on stdin, a JSON answer on stdout; with
+`--serve`, one JSON request a line, one JSON answer a line, until stdin ends.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
-from typing import Any
+import threading
+from typing import IO, Any
 
 RENDER_TIMEOUT_S = 10.0
 RENDER_MEMORY_BYTES = 2 << 30  # the child's whole address space, Python included
@@ -36,6 +44,90 @@ class ChatTemplateError(ValueError):
 def render_isolated(template: str, conversations: list[dict[str, Any]]) -> list[str]:
     """Each conversation's `template.render(**conversation)`, rendered in child processes (one per batch)."""
     return [text for batch in _batches(conversations) for text in _render_in_child(template, batch)]
+
+
+class TemplateRenderer:
+    """One child process rendering every request, under render_isolated's limits (see the module's doc). A context
+    manager: leaving it ends the child."""
+
+    def __init__(self) -> None:
+        self._child: subprocess.Popen[str] | None = None
+        self._answers: queue.Queue[str | None] = queue.Queue()
+
+    def __enter__(self) -> TemplateRenderer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def pid(self) -> int | None:
+        """The running child's process id (None when none runs)."""
+        return self._child.pid if self._child is not None else None
+
+    def render(self, template: str, conversations: list[dict[str, Any]]) -> list[str]:
+        """Each conversation's `template.render(**conversation)`, as render_isolated gives it."""
+        return [text for batch in _batches(conversations) for text in self._render_batch(template, batch)]
+
+    def close(self) -> None:
+        child, self._child = self._child, None
+        if child is None:
+            return
+        child.kill()
+        child.wait()
+        for stream in (child.stdin, child.stdout):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:  # a request left unsent in the buffer of the pipe to a child that is gone
+                    pass
+
+    def _render_batch(self, template: str, conversations: list[dict[str, Any]]) -> list[str]:
+        child = self._started()
+        assert child.stdin is not None
+        try:
+            child.stdin.write(json.dumps({"template": template, "conversations": conversations}) + "\n")
+            child.stdin.flush()
+            line = self._answers.get(timeout=RENDER_TIMEOUT_S)
+        except queue.Empty:
+            self.close()
+            raise ChatTemplateError(f"the chat template took more than {RENDER_TIMEOUT_S:.0f} s to render") from None
+        except OSError:  # the child ended before it took the request
+            line = None
+        except BaseException:  # Ctrl-C: its answer would come as the next request's
+            self.close()
+            raise
+        if line is None:
+            self.close()
+            raise ChatTemplateError("the chat template failed while rendering (its child ended; it may have needed "
+                                    f"more than {RENDER_MEMORY_BYTES >> 30} GiB)")
+        answer = json.loads(line)
+        if answer.get("ended"):  # the child answered and left (a MemoryError leaves it unsure of its state)
+            self.close()
+        if "error" in answer:
+            raise ChatTemplateError(str(answer["error"]))
+        return [str(text) for text in answer["texts"]]
+
+    def _started(self) -> subprocess.Popen[str]:
+        if self._child is None:
+            self._answers = queue.Queue()  # nothing a killed child wrote is read as an answer
+            self._child = subprocess.Popen([sys.executable, "-m", "deskfleet.controller.chat_template", "--serve"],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                           text=True, encoding="utf-8")
+            threading.Thread(target=_read_answers, args=(self._child.stdout, self._answers), daemon=True,
+                             name="chat-template-answers").start()
+        return self._child
+
+
+def _read_answers(stdout: IO[str] | None, answers: queue.Queue[str | None]) -> None:
+    """Every line the child writes, then None when it ends (the queue is the renderer's for this child only)."""
+    assert stdout is not None
+    try:
+        for line in stdout:
+            answers.put(line)
+    except (OSError, ValueError):  # closed under the reader by close()
+        pass
+    answers.put(None)
 
 
 def _batches(conversations: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -114,15 +206,26 @@ def main() -> int:
         resource.setrlimit(resource.RLIMIT_AS, (RENDER_MEMORY_BYTES, RENDER_MEMORY_BYTES))
     except (ImportError, ValueError, OSError):  # Windows has no resource module: the timeout still holds
         pass
-    request = json.loads(sys.stdin.read())
-    try:
-        answer: dict[str, Any] = {"texts": _render_all(request["template"], request["conversations"])}
-    except ChatTemplateError as error:
-        answer = {"error": str(error)}
-    except MemoryError:
-        answer = {"error": f"the chat template needed more than {RENDER_MEMORY_BYTES >> 30} GiB to render"}
-    sys.stdout.write(json.dumps(answer))
+    if sys.argv[1:] != ["--serve"]:
+        sys.stdout.write(json.dumps(_answer(sys.stdin.read())))
+        return 0
+    for line in sys.stdin:
+        answer = _answer(line)
+        sys.stdout.write(json.dumps(answer) + "\n")
+        sys.stdout.flush()
+        if answer.get("ended"):
+            return 0
     return 0
+
+
+def _answer(request_text: str) -> dict[str, Any]:
+    request = json.loads(request_text)
+    try:
+        return {"texts": _render_all(request["template"], request["conversations"])}
+    except ChatTemplateError as error:
+        return {"error": str(error)}
+    except MemoryError:  # the child ends after answering: what the failed allocations left is not to be trusted
+        return {"error": f"the chat template needed more than {RENDER_MEMORY_BYTES >> 30} GiB to render", "ended": True}
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 from deskfleet.common.json_file import read_json_object
 from deskfleet.common.model_spec import model_file
 
-from .chat_template import ChatTemplateError, render_isolated
+from .chat_template import ChatTemplateError, TemplateRenderer, render_isolated
 
 __all__ = ["ChatMessage", "ChatTemplateError", "ModelTokenizer", "NotUtf8Error", "RenderedChat", "check_utf8"]
 
@@ -74,6 +74,8 @@ class ModelTokenizer:
                                               else _configured_template(config.get("chat_template"), config_path))
         except UnicodeDecodeError as error:
             raise ChatTemplateError(f"{template_path} is not UTF-8 text: {error}") from None
+        # where the template renders: a child process of its own for each call, or the one a chat keeps
+        self.renderer: TemplateRenderer | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -104,7 +106,7 @@ class ModelTokenizer:
         return self.render_chats([messages], add_generation_prompt)[0]
 
     def render_chats(self, conversations: list[list[ChatMessage]], add_generation_prompt: bool = True) -> list[str]:
-        """render_chat of each conversation, all in one child process."""
+        """render_chat of each conversation, all in one child process (`renderer`'s, when set)."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template")  # callers say what to do instead
         # A message holding a special token's text ("<|im_end|>", "</s>", typed, pasted or written by the
@@ -114,7 +116,8 @@ class ModelTokenizer:
         contents = [message.content for messages in conversations for message in messages]
         typed = self._special_text is not None and any(self._special_text.search(text) for text in contents)
         base = _stand_in_base(len(self._specials), [self.chat_template, *contents]) if typed else None
-        texts = render_isolated(self.chat_template, [
+        render = self.renderer.render if self.renderer is not None else render_isolated
+        texts = render(self.chat_template, [
             {"messages": [{"role": m.role, "content": self._stand_ins(m.content, base)} for m in messages],
              "add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token or "",
              "eos_token": self.eos_token or ""} for messages in conversations])

@@ -275,21 +275,22 @@ def test_fitting_a_long_conversation_takes_at_most_two_render_calls() -> None:
             assert sum(tokenizer.calls) <= 2 * math.isqrt(exchanges + 1) + 3
 
 
-def test_each_turn_of_a_chat_past_its_context_renders_in_at_most_two_children(
+def test_each_turn_of_a_chat_past_its_context_renders_in_at_most_two_requests(
         tmp_path: Path, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # 24 short exchanges overflow the context of 512 (each drops the oldest), then a long message must
     # drop many at once: it was one child process per exchange dropped, and Ctrl-C meanwhile left the chat.
-    import deskfleet.controller.tokenizer as tokenizer_module
+    # (The chat's renderer keeps one child for every request: tests/controller/test_chat_template_renderer.py.)
+    from deskfleet.controller.chat_template import TemplateRenderer
 
     sent = _record_sent_conversations(monkeypatch)
-    children: list[tuple[int, list[Any]]] = []  # (the turn, the conversations it rendered)
-    render_isolated = tokenizer_module.render_isolated
+    children: list[tuple[int, list[Any]]] = []  # (the turn, the conversations a request rendered)
+    render = TemplateRenderer.render
 
-    def counting(template: str, conversations: list[Any]) -> list[str]:
+    def counting(self: TemplateRenderer, template: str, conversations: list[Any]) -> list[str]:
         children.append((len(sent), conversations))
-        return render_isolated(template, conversations)
+        return render(self, template, conversations)
 
-    monkeypatch.setattr(tokenizer_module, "render_isolated", counting)
+    monkeypatch.setattr(TemplateRenderer, "render", counting)
     model = _chat_model(tmp_path, tiny_export)
     options = ChatOptions(model=model, max_new_tokens=2, settings=CompileSettings(precision=Precision.F32))
     notes = io.StringIO()
