@@ -8,7 +8,8 @@ resuming the KV state each reply leaves (the default) and feeding the whole conv
     prompt_tokens        the conversation as the chat template renders it
     fed_tokens           what the resumed turn feeds of it (the rest its KV state held)
     first_token_s        from the engine's start to the reply's first token, either way, and whole / resumed
-    render_s             the template's rendering and fitting, which both pay alike (not in first_token_s)
+    render_s             the template's rendering and fitting (in the chat's render child), which both pay alike
+                         (not in first_token_s)
 
 Greedy: in f32 both ways give the same replies (`replies_identical`); in `fast` the KV cache is u8 and a prompt
 fed in two calls may round differently from one fed whole.
