@@ -730,7 +730,7 @@ class Engine:
 
     def _keep(self, track: BatchTrack, stream: _Stream) -> None:
         """Leave a finished keep_kv stream's micro-batch on the chain, holding its confirmed tokens but the last
-        (never fed): accepted drafts past its end (EOS or max_new_tokens inside a round) are rolled back."""
+        (never fed): drafts accepted past its end (an EOS or stop token inside a round) are rolled back."""
         self._tracks.pop(track.micro_batch_id, None)
         self._prefills.pop(track.micro_batch_id, None)
         self._draft_unfed.pop(stream.stream_id, None)
