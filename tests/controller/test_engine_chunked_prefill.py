@@ -119,11 +119,8 @@ def test_sampled_and_drafted_streams_draw_as_with_whole_prompts(target: Path) ->
     assert chunked == _run(target, drafted, options[0], speculative=True)[0]
 
 
-def test_a_draft_model_prefills_chunk_for_chunk(target: Path, other_draft: Path) -> None:
-    """The draft model runs in the driver's thread: its prefill of a newcomer goes in the same chunks."""
-    vocab = load_manifest(target).spec.vocab_size
-    requests = _requests(vocab, [6, 90], [0, 3], [30, 12])
-    draft = DraftModel(other_draft, F32)
+def record_draft_widths(draft: DraftModel) -> list[int]:
+    """The tokens (a row's widest) of every call the draft model makes from now on, as a list that grows."""
     widths: list[int] = []
     run = draft._executor.run
 
@@ -133,6 +130,15 @@ def test_a_draft_model_prefills_chunk_for_chunk(target: Path, other_draft: Path)
         return run(message, return_logits)
 
     draft._executor.run = recording  # type: ignore[method-assign,assignment]
+    return widths
+
+
+def test_a_draft_model_prefills_chunk_for_chunk(target: Path, other_draft: Path) -> None:
+    """The draft model runs in the driver's thread: its prefill of a newcomer goes in the same chunks."""
+    vocab = load_manifest(target).spec.vocab_size
+    requests = _requests(vocab, [6, 90], [0, 3], [30, 12])
+    draft = DraftModel(other_draft, F32)
+    widths = record_draft_widths(draft)
     chunked, _, engine = _run(target, requests, EngineOptions(max_rows=3, prefill_chunk=16), drafter=draft)
     assert engine.accepted_histogram()
     assert max(widths) == 16 and widths.count(16) >= 5  # 90 = 5 x 16 + 10; the first prompt (6) went whole

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from deskfleet.agent.stage import CompileSettings, Precision
 from deskfleet.common.model_spec import load_manifest
-from deskfleet.common.wire import Forward
 from deskfleet.controller.draft import DraftModel
 from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
 from deskfleet.controller.pipeline import LocalPipeline
+from tests.controller.test_engine_chunked_prefill import record_draft_widths
 from tests.controller.test_engine_kept_kv import _tokens
 
 F32 = CompileSettings(precision=Precision.F32)
@@ -35,15 +35,7 @@ def test_a_resumed_prompt_goes_to_the_draft_model_chunk_for_chunk_while_streams_
         kept = engine.kept_kv(0)
         assert kept is not None
 
-        widths: list[int] = []
-        run = draft._executor.run
-
-        def recording(message: Forward, return_logits: bool = False) -> object:
-            assert message.input_ids is not None
-            widths.append(message.input_ids.shape[1])
-            return run(message, return_logits)
-
-        draft._executor.run = recording  # type: ignore[method-assign,assignment]
+        widths = record_draft_widths(draft)
         engine = Engine(pipeline, spec, draft, EngineOptions(max_rows=3, prefill_chunk=16))
         engine.add(StreamRequest(_tokens(22, 6, vocab), max_new_tokens=30, ignore_eos=True))  # runs throughout
         follow = first + reply + _tokens(23, 40, vocab)  # arrives while stream 0 runs: 93 tokens kept, 41 fed
