@@ -20,7 +20,6 @@ from deskfleet.controller.fleet_ca import init_fleet, load_ca
 from deskfleet.controller.fleet_store import FleetStore, RosterEntry
 from deskfleet.controller.fleet_survey import AgentView, expiry_warnings
 from tests.agent.test_core import FakeMonitor
-from tests.controller.test_fleet_survey import free_port
 from tests.fleet_pki import make_member
 
 DAY = datetime.timedelta(days=1)
@@ -35,12 +34,14 @@ def ls_with_one_agent(tmp_path: Path, agent_valid_days: int, controller_age_days
     files = make_member(load_ca(store), tmp_path / "agent", "agent", valid_days=agent_valid_days)
     settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
     core = AgentCore(files, settings, ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor())
-    port = free_port()
-    store.save_roster({core.agent_id: RosterEntry(core.agent_id, "pc-042", utc_now().isoformat(),
-                                                  (f"127.0.0.1:{port}",))})
 
     async def scenario() -> None:
-        server = await start_server(core.serve_link, "127.0.0.1", port, files)
+        # listening on a port of its own choosing: one picked free beforehand may be taken before the bind (a CI
+        # run's `fleet ls` waited 11 s on whatever took it and saw no agent)
+        server = await start_server(core.serve_link, "127.0.0.1", 0, files)
+        port = server.sockets[0].getsockname()[1]
+        store.save_roster({core.agent_id: RosterEntry(core.agent_id, "pc-042", utc_now().isoformat(),
+                                                      (f"127.0.0.1:{port}",))})
         async with server:
             assert await asyncio.to_thread(main, ["fleet", "ls", "--discover-seconds", "0", "--data-dir",
                                                   str(store.data_dir), *options]) == 0
