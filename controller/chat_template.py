@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import json
 import queue
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from typing import IO, Any
 
@@ -53,6 +55,7 @@ class TemplateRenderer:
     def __init__(self) -> None:
         self._child: subprocess.Popen[str] | None = None
         self._answers: queue.Queue[str | None] = queue.Queue()
+        self._errors: IO[bytes] | None = None  # the child's stderr, for what a crash said
 
     def __enter__(self) -> TemplateRenderer:
         return self
@@ -75,12 +78,13 @@ class TemplateRenderer:
             return
         child.kill()
         child.wait()
-        for stream in (child.stdin, child.stdout):
+        for stream in (child.stdin, child.stdout, self._errors):
             if stream is not None:
                 try:
                     stream.close()
                 except OSError:  # a request left unsent in the buffer of the pipe to a child that is gone
                     pass
+        self._errors = None
 
     def _render_batch(self, template: str, conversations: list[dict[str, Any]]) -> list[str]:
         child = self._started()
@@ -98,9 +102,10 @@ class TemplateRenderer:
             self.close()
             raise
         if line is None:
+            said = self._said()
             self.close()
             raise ChatTemplateError("the chat template failed while rendering (its child ended; it may have needed "
-                                    f"more than {RENDER_MEMORY_BYTES >> 30} GiB)")
+                                    f"more than {RENDER_MEMORY_BYTES >> 30} GiB): {said or child.returncode}")
         answer = json.loads(line)
         if answer.get("ended"):  # the child answered and left (a MemoryError leaves it unsure of its state)
             self.close()
@@ -109,14 +114,33 @@ class TemplateRenderer:
         return [str(text) for text in answer["texts"]]
 
     def _started(self) -> subprocess.Popen[str]:
+        if self._child is not None and self._child.poll() is not None:
+            self.close()  # it ended between requests (killed from outside): this request gets a new one
         if self._child is None:
             self._answers = queue.Queue()  # nothing a killed child wrote is read as an answer
-            self._child = subprocess.Popen([sys.executable, "-m", "deskfleet.controller.chat_template", "--serve"],
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                           text=True, encoding="utf-8")
-            threading.Thread(target=_read_answers, args=(self._child.stdout, self._answers), daemon=True,
+            self._errors = tempfile.TemporaryFile()
+            # A session (a process group on Windows) of its own: the terminal's Ctrl-C, which stops a reply and
+            # which the chat survives, goes to the foreground group, and would kill the child between requests.
+            isolation: dict[str, Any] = {"start_new_session": True}
+            if sys.platform == "win32":
+                isolation = {"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP}
+            child = subprocess.Popen([sys.executable, "-m", "deskfleet.controller.chat_template", "--serve"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._errors, text=True,
+                                     encoding="utf-8", **isolation)
+            threading.Thread(target=_read_answers, args=(child.stdout, self._answers), daemon=True,
                              name="chat-template-answers").start()
+            self._child = child
         return self._child
+
+    def _said(self) -> str:
+        """The end of what the child wrote to stderr (a crash's traceback)."""
+        if self._errors is None:
+            return ""
+        try:
+            self._errors.seek(0)
+            return self._errors.read().decode("utf-8", "replace").strip()[-300:]
+        except OSError:
+            return ""
 
 
 def _read_answers(stdout: IO[str] | None, answers: queue.Queue[str | None]) -> None:
@@ -209,6 +233,8 @@ def main() -> int:
     if sys.argv[1:] != ["--serve"]:
         sys.stdout.write(json.dumps(_answer(sys.stdin.read())))
         return 0
+    if hasattr(signal, "SIGINT"):  # a Ctrl-C meant for the chat never ends the renderer (see TemplateRenderer)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     for line in sys.stdin:
         answer = _answer(line)
         sys.stdout.write(json.dumps(answer) + "\n")

@@ -1,12 +1,15 @@
 """TemplateRenderer: one child renders every request of a chat, as render_isolated does, under the same limits; a
 request that times out, is interrupted or runs out of memory ends that child and the next request gets a new one,
-never an earlier request's answer; a chat keeps one child for all its turns."""
+never an earlier request's answer; a child that dies says what it wrote, one killed between requests is replaced,
+the terminal's Ctrl-C does not reach it; a chat keeps one child for all its turns."""
 
 from __future__ import annotations
 
 import io
+import os
 import queue
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -83,15 +86,39 @@ def test_running_out_of_memory_ends_the_child_with_a_named_error(monkeypatch: py
         assert renderer.render(TEMPLATE, [_conversation("after")]) == ["<user>after>"]
 
 
-def test_a_killed_child_is_a_named_error_and_the_next_request_starts_another() -> None:
+def test_a_child_killed_between_requests_is_replaced_by_the_next_one() -> None:
     with TemplateRenderer() as renderer:
         renderer.render(TEMPLATE, [_conversation("warm")])
         assert renderer._child is not None
+        first = renderer._child.pid
         renderer._child.kill()
         renderer._child.wait()
-        with pytest.raises(ChatTemplateError, match="its child ended"):
-            renderer.render(TEMPLATE, [_conversation("x")])
         assert renderer.render(TEMPLATE, [_conversation("after")]) == ["<user>after>"]
+        assert renderer.pid not in (None, first)
+
+
+def test_a_child_that_dies_rendering_is_a_named_error_saying_what_it_wrote() -> None:
+    # an exception the child's renderer does not catch (Python's compiler refuses 120 nested blocks) ends it
+    nested = "{% if 1 %}" * 120 + "x" + "{% endif %}" * 120
+    with TemplateRenderer() as renderer:
+        with pytest.raises(ChatTemplateError, match=r"(?s)its child ended.*IndentationError: too many levels"):
+            renderer.render(nested, [_conversation("x")])
+        assert renderer.render(TEMPLATE, [_conversation("after")]) == ["<user>after>"]
+
+
+def test_the_terminals_ctrl_c_does_not_reach_the_child() -> None:
+    # Ctrl-C in a terminal signals its foreground process group: the chat survives a Ctrl-C that stops a reply,
+    # and so must its renderer, started in a session of its own (and ignoring SIGINT besides)
+    with TemplateRenderer() as renderer:
+        renderer.render(TEMPLATE, [_conversation("warm")])
+        assert renderer._child is not None
+        pid = renderer._child.pid
+        if hasattr(os, "getpgid"):
+            assert os.getpgid(pid) != os.getpgid(0)
+            os.kill(pid, signal.SIGINT)
+            with pytest.raises(subprocess.TimeoutExpired):
+                renderer._child.wait(timeout=1)
+        assert renderer.render(TEMPLATE, [_conversation("after")]) == ["<user>after>"] and renderer.pid == pid
 
 
 def test_a_chat_renders_all_its_turns_in_one_child(tmp_path: Path, tiny_export: Path,
