@@ -56,6 +56,7 @@ class TemplateRenderer:
         self._child: subprocess.Popen[str] | None = None
         self._answers: queue.Queue[str | None] = queue.Queue()
         self._errors: IO[bytes] | None = None  # the child's stderr, for what a crash said
+        self._reader: threading.Thread | None = None
 
     def __enter__(self) -> TemplateRenderer:
         return self
@@ -78,7 +79,13 @@ class TemplateRenderer:
             return
         child.kill()
         child.wait()
-        for stream in (child.stdin, child.stdout, self._errors):
+        # The reader sees the end of the dead child's output and stops; only then is its pipe closed here (closing a
+        # text stream another thread is reading is not safe)
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.join(RENDER_TIMEOUT_S)
+        streams = [child.stdin, self._errors] + ([child.stdout] if reader is None or not reader.is_alive() else [])
+        for stream in streams:
             if stream is not None:
                 try:
                     stream.close()
@@ -127,8 +134,9 @@ class TemplateRenderer:
             child = subprocess.Popen([sys.executable, "-m", "deskfleet.controller.chat_template", "--serve"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._errors, text=True,
                                      encoding="utf-8", **isolation)
-            threading.Thread(target=_read_answers, args=(child.stdout, self._answers), daemon=True,
-                             name="chat-template-answers").start()
+            self._reader = threading.Thread(target=_read_answers, args=(child.stdout, self._answers), daemon=True,
+                                            name="chat-template-answers")
+            self._reader.start()
             self._child = child
         return self._child
 
@@ -149,7 +157,7 @@ def _read_answers(stdout: IO[str] | None, answers: queue.Queue[str | None]) -> N
     try:
         for line in stdout:
             answers.put(line)
-    except (OSError, ValueError):  # closed under the reader by close()
+    except (OSError, ValueError):  # a pipe that broke
         pass
     answers.put(None)
 
