@@ -25,7 +25,8 @@ from deskfleet.controller.fleet_ca import init_fleet
 from deskfleet.controller.fleet_server import FleetServer
 from deskfleet.controller.fleet_store import FleetStore
 from tests.agent.test_core import FakeMonitor
-from tests.controller.test_fleet_ca import free_port, token_for
+from tests.controller.test_fleet_ca import token_for
+from tests.ports import free_port
 
 LOOPBACK = "127.0.0.1"
 FLEET = "0123456789abcdef"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from deskfleet.agent.service import AgentOptions, AgentService
 from deskfleet.common import pki
 from tests.agent.test_core import FakeMonitor
 from tests.fleet_pki import make_ca, make_member
+from tests.ports import free_address
 
 DAY = datetime.timedelta(days=1)
 
@@ -29,10 +29,7 @@ def joined(data_dir: Path, valid_days: int = 825, ca_valid_days: int = 3650,
     files = make_member(make_ca(data_dir / "ca", now=made, valid_days=ca_valid_days), state, "agent", now=made,
                         valid_days=valid_days)
     Membership("0123456789abcdef", files.own_identity().agent_id, "c" * 52, ("127.0.0.1:1",)).save(state)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    return AgentService(AgentOptions(data_dir, listen=f"127.0.0.1:{port}"), monitor=FakeMonitor())
+    return AgentService(AgentOptions(data_dir, listen=free_address()), monitor=FakeMonitor())
 
 
 def logged(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
-import socket
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -27,6 +26,7 @@ from deskfleet.controller.fleet_ca import (
 )
 from deskfleet.controller.fleet_server import FleetServer
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry
+from tests.ports import free_port
 
 
 @pytest.fixture
@@ -51,10 +51,6 @@ def with_server(store: FleetStore, scenario: Callable[[FleetServer, str], Awaita
     asyncio.run(main())
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def token_for(store: FleetStore, address: str, uses: int = 1) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -36,14 +35,11 @@ from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.fleet_survey import SurveyOptions, survey
 from tests.agent.test_core import FakeMonitor
 from tests.fleet_pki import make_member
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def drive(store: FleetStore, model: Path) -> list[int]:

@@ -30,15 +30,11 @@ from deskfleet.controller.fleet_survey import SurveyOptions, survey
 from deskfleet.controller.registry import DiscoverySource, Registry, Sighting
 from tests.agent.test_core import FakeMonitor
 from tests.fleet_pki import make_member
+from tests.ports import free_port
 
 LOOPBACK = "127.0.0.1"
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on (a dial there is refused at once)."""
-    with socket.socket() as probe:
-        probe.bind((LOOPBACK, 0))
-        return int(probe.getsockname()[1])
 
 
 def test_every_address_is_tried_and_a_fake_announcement_hides_no_agent(

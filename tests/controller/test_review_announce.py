@@ -20,7 +20,7 @@ from deskfleet.common.discovery_record import CONTROLLER_SERVICE_TYPE
 from deskfleet.controller.fleet_ca import init_fleet
 from deskfleet.controller.fleet_server import FleetServer
 from deskfleet.controller.fleet_store import FleetStore
-from tests.controller.test_fleet_ca import free_port
+from tests.ports import free_port
 
 LOOPBACK = "127.0.0.1"
 

@@ -42,9 +42,10 @@ from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
 from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.fleet_survey import AgentView, Survey, SurveyOptions, survey
 from tests.agent.test_core import FakeMonitor
-from tests.controller.test_fleet_deploy import free_port, local_tokens
+from tests.controller.test_fleet_deploy import local_tokens
 from tests.controller.test_fleet_failover import NewChain
 from tests.fleet_pki import make_member
+from tests.ports import free_port
 
 A, B, C = "a" * 52, "b" * 52, "c" * 52  # the agents of stages 0, 1 and 2
 # free hops: the tiny model computes a token in less than a hop, so with hops priced one PC would take it all

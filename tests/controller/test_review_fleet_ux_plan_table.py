@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 from pathlib import Path
 
 import pytest
@@ -22,14 +21,11 @@ from deskfleet.controller.fleet_ca import init_fleet, load_ca
 from deskfleet.controller.fleet_store import FleetStore, RosterEntry
 from tests.agent.test_core import FakeMonitor
 from tests.fleet_pki import make_member
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def test_render_plan_shows_short_ids_hostnames_and_half_open_ranges() -> None:

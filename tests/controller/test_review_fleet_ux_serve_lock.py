@@ -4,7 +4,6 @@ first one's pid, instead of both writing the roster and telling the agents of re
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -17,12 +16,7 @@ from deskfleet.controller.cli import main
 from deskfleet.controller.fleet_ca import init_fleet
 from deskfleet.controller.fleet_server import FleetServer
 from deskfleet.controller.fleet_store import SERVE_LOCK, FleetStore, FleetStoreError
-
-
-def free_address() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{probe.getsockname()[1]}"
+from tests.ports import free_address
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ found but none answered, naming them and the fix, instead of "no agents in the f
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -16,15 +15,11 @@ from deskfleet.controller.cli import main
 from deskfleet.controller.fleet_ca import init_fleet
 from deskfleet.controller.fleet_deploy import model_id_of
 from deskfleet.controller.fleet_store import FleetStore, RosterEntry
+from tests.ports import free_port
 
 PC1, PC2 = "a" * 52, "b" * 52
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on (a dial there is refused at once)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.fixture

@@ -30,9 +30,10 @@ from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
 from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.fleet_survey import SurveyOptions, survey
 from tests.agent.test_core import FakeMonitor
-from tests.controller.test_fleet_deploy import free_port, local_tokens
+from tests.controller.test_fleet_deploy import local_tokens
 from tests.controller.test_fleet_pipeline import one_step
 from tests.fleet_pki import make_ca, make_member
+from tests.ports import free_port
 
 BYSTANDER = "x" * 52  # an enrolled PC in no stage of the chain
 

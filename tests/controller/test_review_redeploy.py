@@ -5,7 +5,6 @@ at once, naming the first, and the first finishes (both pushing the same shards 
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.fleet_survey import SurveyOptions, survey
 from tests.agent.test_core import FakeMonitor
 from tests.fleet_pki import make_member
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -34,10 +34,6 @@ def patient_surveys(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fleet_survey, "STATUS_TIMEOUT_S", 120.0)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def test_a_deploy_that_moves_a_model_off_an_agent_releases_its_old_stage(tmp_path: Path, tiny_export: Path) -> None:

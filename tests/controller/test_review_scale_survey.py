@@ -29,8 +29,9 @@ from deskfleet.controller.fleet_ca import Revocations, init_fleet, load_ca
 from deskfleet.controller.fleet_store import FleetStore, RosterEntry
 from deskfleet.controller.fleet_survey import SurveyOptions, survey
 from tests.agent.test_core import FakeMonitor
-from tests.controller.test_fleet_survey import LOOPBACK, free_port
+from tests.controller.test_fleet_survey import LOOPBACK
 from tests.fleet_pki import make_member
+from tests.ports import free_port
 
 ENROLLED = "2026-01-01T00:00:00+00:00"
 OPEN_TIMEOUT_S = 8.0

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from deskfleet.controller.bench.runner_process import stop_processes
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -146,8 +147,8 @@ def fleet(network: tuple[Node, list[Node]], tmp_path_factory: pytest.TempPathFac
     controller, agents = network
     namespaced = controller.namespace is not None
     work = tmp_path_factory.mktemp("fleet")
-    port = 7341 if namespaced else _free_port()
-    agent_addresses = [f"{node.host}:{7431 if namespaced else _free_port()}" for node in agents]
+    port = 7341 if namespaced else free_port()
+    agent_addresses = [f"{node.host}:{7431 if namespaced else free_port()}" for node in agents]
     fleet = Fleet(work, controller, agents, f"{controller.host}:{port}", agent_addresses)
     try:
         fleet.deskfleet("fleet", "init", "--address", fleet.controller_address)
@@ -156,14 +157,6 @@ def fleet(network: tuple[Node, list[Node]], tmp_path_factory: pytest.TempPathFac
         yield fleet
     finally:
         fleet.stop_all()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _wait_for(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
