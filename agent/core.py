@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from cryptography import x509
+
 from deskfleet.agent.link import Link, LinkError, TlsFiles, open_link
 from deskfleet.agent.monitor import SystemMonitor
 from deskfleet.agent.opt_out import OptOutReader
@@ -60,12 +62,14 @@ from deskfleet.common.json_file import JsonFileError, read_json_object
 from deskfleet.common.kv_ledger import Compact, LedgerError
 from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, ManifestError
 from deskfleet.common.wire import (
+    MAX_KNOWN_REMOVALS,
     MICRO_BATCH_IDLE_S,
     AssignStage,
     Error,
     ErrorCode,
     Forward,
     ForwardResult,
+    KnownRemovals,
     ManifestEntry,
     Message,
     NextHop,
@@ -83,6 +87,7 @@ from deskfleet.common.wire import (
     StageRef,
     StatusReport,
     StatusRequest,
+    is_agent_id,
 )
 
 log = logging.getLogger(__name__)
@@ -148,8 +153,11 @@ class AgentCore:
         self._links: set[Link] = set()  # every link being served
         # the controller's last list of removed agents, kept across restarts: a restarted agent refuses them
         # even while the controller is out of reach
+        # with the CA's signature of each removal the controller sent (none for a list saved before signatures),
+        # given back to a controller that lacks them (a data dir restored from an older backup)
         self._revocations_file = revocations_file
-        self._revoked, self._revocations_unknown = _load_revocations(revocations_file)
+        self._revoked, self._removal_signatures, self._revocations_unknown = _load_revocations(
+            revocations_file, files.ca_certificate())
         self._next_hops: dict[str, Link] = {}
         self._assign_lock = asyncio.Lock()
         self._shard_writers: dict[str, Link] = {}  # shard being received -> the link sending it
@@ -247,7 +255,9 @@ class AgentCore:
             self._results_link = link
             return None
         if isinstance(message, RevocationUpdate):
-            await self._revoke(message.revoked_agent_ids)
+            await self._revoke(message)
+            if link in self._registration_links:
+                await self._tell_known_removals(link, message)
             return None
         if isinstance(message, StatusRequest):
             return await self.status()
@@ -624,17 +634,34 @@ class AgentCore:
         except CommandError:
             await self._tell_controller(error)  # the next hop is gone too: straight back to the controller
 
-    async def _revoke(self, agent_ids: tuple[str, ...]) -> None:
-        revoked = pki.RevocationSet(frozenset(agent_ids))
-        if revoked != self._revoked and self._revocations_file is not None:
+    async def _revoke(self, update: RevocationUpdate) -> None:
+        """Add the controller's list to the removals kept (never shrunk: a removal is for good, and a controller
+        restored from an older backup must not make agents forget one), and drop the removed agents' links.
+        CommandError, and nothing changes, if a removal new here is not signed by this fleet's CA. Ids saved
+        before removals were signed are kept until this first list, which replaces them, as lists did then."""
+        ca_certificate = self.files.ca_certificate()
+        for agent_id, signature in zip(update.revoked_agent_ids, update.signatures, strict=True):
+            if self._removal_signatures.get(agent_id) != signature:
+                try:
+                    pki.check_removal(ca_certificate, agent_id, signature)
+                except pki.PkiError as error:
+                    raise CommandError(ErrorCode.BAD_MESSAGE, f"{error}: the list of removed agents is ignored") \
+                        from None
+        signatures = {**dict(zip(update.revoked_agent_ids, update.signatures, strict=True)),
+                      **self._removal_signatures}
+        revoked = frozenset(signatures)  # the controller's list and every removal kept, all signed
+        if (revoked, signatures) != (self._revoked.agent_ids, self._removal_signatures) \
+                and self._revocations_file is not None:
             try:
-                write_atomic(self._revocations_file,
-                             json.dumps({"revoked_agent_ids": sorted(agent_ids)}, indent=1).encode())
+                write_atomic(self._revocations_file, json.dumps(
+                    {"revoked_agent_ids": sorted(revoked), "signatures": dict(sorted(signatures.items()))},
+                    indent=1).encode())
             except OSError as error:  # still refused in this run; only a restart could forget them
                 log.error("cannot save the removed agents to %s: %s", self._revocations_file, error)
-        self._revoked = revoked
+        self._revoked = pki.RevocationSet(frozenset(revoked))
+        self._removal_signatures = signatures
         self._revocations_unknown = None  # the controller's list: known again
-        for agent_id in agent_ids:
+        for agent_id in revoked:
             hop = self._next_hops.pop(agent_id, None)
             if hop is not None:
                 await hop.close()
@@ -642,6 +669,21 @@ class AgentCore:
             if self._revoked.is_revoked(link.peer.agent_id):
                 log.warning("dropping the link of removed %s", link.describe())
                 await link.refuse(ErrorCode.UNAUTHORIZED, "this agent was removed from the fleet")
+
+    async def _tell_known_removals(self, link: Link, update: RevocationUpdate) -> None:
+        """Give `fleet serve` the signed removals kept here that its list lacks, MAX_KNOWN_REMOVALS a message."""
+        listed = set(update.revoked_agent_ids)
+        missing = sorted(agent_id for agent_id in self._removal_signatures if agent_id not in listed)
+        if missing:
+            log.warning("the controller's list of removed agents lacks %d this agent keeps (its data dir was "
+                        "restored from an older backup?): telling it", len(missing))
+        for start in range(0, len(missing), MAX_KNOWN_REMOVALS):
+            chunk = tuple(missing[start:start + MAX_KNOWN_REMOVALS])
+            try:
+                await link.send(KnownRemovals(chunk, tuple(self._removal_signatures[agent_id] for agent_id in chunk)))
+            except LinkError as error:
+                log.info("%s", error)
+                return
 
     async def _send_next(self, hop: NextHop, message: Forward | ReleaseMicroBatch | Error) -> None:
         for attempt in range(2):  # a cached link may have died since the last step: reconnect once
@@ -747,20 +789,44 @@ def _deploy_pin(link: Link) -> str:
     return f"\0deploy:{id(link)}"
 
 
-def _load_revocations(path: Path | None) -> tuple[pki.RevocationSet, str | None]:
-    """(The removed agents saved by the last RevocationUpdate, None), or (none, why) when the saved list cannot
-    be read. No file: nobody was removed yet. A damaged one is not read as "nobody removed": that would let
-    removed agents in again; the agent refuses every agent link until the controller sends its list (at
-    registration, or a survey's first message), while the controller's links work as ever."""
+def _load_revocations(path: Path | None, ca_certificate: x509.Certificate
+                      ) -> tuple[pki.RevocationSet, dict[str, str], str | None]:
+    """(The removed agents saved, the CA's signatures of their removals, None), or (none, none, why) when the
+    saved list cannot be read. No file: nobody was removed yet. A damaged one is not read as "nobody removed":
+    that would let removed agents in again; the agent refuses every agent link until the controller sends its
+    list (at registration, or a survey's first message), while the controller's links work as ever.
+
+    A removal signed by another CA is dropped: the PC joined another fleet since (its removals mean nothing
+    here, and the same key may join this one). A list saved before removals were signed has ids alone: they
+    are refused until the controller's list replaces them."""
     if path is None or not path.exists():
-        return pki.RevocationSet(), None
+        return pki.RevocationSet(), {}, None
     try:
-        agent_ids = read_json_object(path).get("revoked_agent_ids")
+        saved = read_json_object(path)
+        agent_ids, signatures = saved.get("revoked_agent_ids"), saved.get("signatures", {})
         if not isinstance(agent_ids, list):
             raise JsonFileError(f"{path} holds no list revoked_agent_ids")
-        update = RevocationUpdate(tuple(agent_ids))  # checks that each is an agent id
+        if not isinstance(signatures, dict):
+            raise JsonFileError(f"{path}: signatures is not an object")
+        for agent_id in agent_ids:
+            if not isinstance(agent_id, str) or not is_agent_id(agent_id):
+                raise JsonFileError(f"{path}: {agent_id!r} is not an agent id")
+        signed = RevocationUpdate(tuple(signatures), tuple(signatures.values()))  # checks the signatures' form
+        if not set(signed.revoked_agent_ids) <= set(agent_ids):
+            raise JsonFileError(f"{path} signs removals it does not list")
     except (JsonFileError, ProtocolError, TypeError) as error:
         log.error("the saved list of removed agents is damaged (%s): agents are refused until the controller "
                   "sends its list", error)
-        return pki.RevocationSet(), f"the saved list of removed agents is damaged ({error})"
-    return pki.RevocationSet(frozenset(update.revoked_agent_ids)), None
+        return pki.RevocationSet(), {}, f"the saved list of removed agents is damaged ({error})"
+    kept = {}
+    for agent_id, signature in signatures.items():
+        try:
+            pki.check_removal(ca_certificate, agent_id, signature)
+        except pki.PkiError:
+            continue
+        kept[agent_id] = signature
+    if len(kept) < len(signatures):
+        log.info("%d removal(s) saved in %s are of another fleet's CA: this PC joined another fleet since; "
+                 "dropped", len(signatures) - len(kept), path)
+    unsigned = set(agent_ids) - set(signatures)
+    return pki.RevocationSet(frozenset(unsigned | set(kept))), kept, None

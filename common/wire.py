@@ -11,6 +11,7 @@ from deskfleet.common.agent_state import AgentState
 from deskfleet.common.kv_ledger import AdmitRow, AppendSlots, Compact, InvalidateSlots, ReorderRows, SlotDelta
 from deskfleet.common.wire_codec import DEFAULT_LIMITS, MAGIC, Limits, decode, encode, peek_version, same_message
 from deskfleet.common.wire_messages import (
+    MAX_KNOWN_REMOVALS,
     MESSAGE_TYPES,
     MICRO_BATCH_IDLE_S,
     PROTOCOL_VERSION,
@@ -24,6 +25,7 @@ from deskfleet.common.wire_messages import (
     JoinOffer,
     JoinRequest,
     JoinResponse,
+    KnownRemovals,
     ManifestEntry,
     Message,
     NextHop,
@@ -60,6 +62,7 @@ from deskfleet.common.wire_tensors import (
 __all__ = [
     "DEFAULT_LIMITS",
     "MAGIC",
+    "MAX_KNOWN_REMOVALS",
     "MAX_RANK",
     "MESSAGE_TYPES",
     "MICRO_BATCH_IDLE_S",
@@ -80,6 +83,7 @@ __all__ = [
     "JoinOffer",
     "JoinRequest",
     "JoinResponse",
+    "KnownRemovals",
     "Limits",
     "ManifestEntry",
     "Message",

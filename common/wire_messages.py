@@ -20,11 +20,14 @@ from deskfleet.common.kv_ledger import AdmitRow, SlotDelta
 from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, check_tensor
 
 # 2: DraftInfo.one_hot; 3: Forward.layer_start, Error.micro_batch_id and agent_id; 4: Forward.model_id,
-# StatusReport.reasons and detail; 5: AssignStage.previous_agent_id
-PROTOCOL_VERSION = 5
+# StatusReport.reasons and detail; 5: AssignStage.previous_agent_id; 6: RevocationUpdate.signatures, KnownRemovals
+PROTOCOL_VERSION = 6
 MAX_STATUS_DETAIL = 500
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_REMOVAL_SIGNATURE = re.compile(r"[0-9a-f]{128}")  # common/pki.py's sign_removal: 64 bytes as hex
+# A KnownRemovals' entries: ~190 bytes each, under the 64 KB frames the controller's port reads from agents.
+MAX_KNOWN_REMOVALS = 256
 # An agent id is the unpadded lowercase base32 of sha256(SubjectPublicKeyInfo DER): 52 characters,
 # short enough to be one DNS label, so it can sit in a certificate's subjectAltName.
 _AGENT_ID = re.compile(r"[a-z2-7]{52}")
@@ -504,13 +507,38 @@ class ResultsHere:
 
 @dataclass(frozen=True)
 class RevocationUpdate:
-    """The controller's full list of removed agents: an agent refuses and drops links from them."""
+    """The controller's full list of removed agents, each with the fleet CA's signature of its removal
+    (`signatures[i]` for `revoked_agent_ids[i]`): an agent refuses and drops links from them, and keeps them."""
 
     revoked_agent_ids: tuple[str, ...]
+    signatures: tuple[str, ...]
 
     def __post_init__(self) -> None:
-        for agent_id in self.revoked_agent_ids:
-            _require(is_agent_id(agent_id), "revoked agent id is not an agent id")
+        _check_removals("revoked", self.revoked_agent_ids, self.signatures)
+
+
+@dataclass(frozen=True)
+class KnownRemovals:
+    """An agent tells `fleet serve`, on its registration link, of removals it keeps that the controller's
+    RevocationUpdate lacked (a data dir restored from a backup older than them), with the CA's signatures;
+    at most MAX_KNOWN_REMOVALS a message."""
+
+    agent_ids: tuple[str, ...]
+    signatures: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        _require(0 < len(self.agent_ids) <= MAX_KNOWN_REMOVALS,
+                 f"known removals must list 1 to {MAX_KNOWN_REMOVALS} agents, not {len(self.agent_ids)}")
+        _check_removals("known removed", self.agent_ids, self.signatures)
+
+
+def _check_removals(kind: str, agent_ids: tuple[str, ...], signatures: tuple[str, ...]) -> None:
+    _require(len(signatures) == len(agent_ids),
+             f"{kind} agents: {len(agent_ids)} ids but {len(signatures)} signatures")
+    for agent_id, signature in zip(agent_ids, signatures, strict=True):
+        _require(is_agent_id(agent_id), f"{kind} agent id is not an agent id")
+        _require(_REMOVAL_SIGNATURE.fullmatch(signature) is not None,
+                 f"the signature of {kind} agent {agent_id[:12]} must be 128 lowercase hex characters")
 
 
 @dataclass(frozen=True)
@@ -560,15 +588,16 @@ class Register:
 Message = (Hello | Error | StatusRequest | StatusReport | AssignStage | StageReady | ReleaseStage
            | ShardQuery | ShardHave | ShardChunk | ShardComplete | Forward | ForwardResult
            | JoinOffer | JoinRequest | JoinResponse | Register | ReleaseMicroBatch | ResultsHere
-           | RevocationUpdate)
+           | RevocationUpdate | KnownRemovals)
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     Hello, Error, StatusRequest, StatusReport, AssignStage, StageReady, ReleaseStage, ShardQuery,
     ShardHave, ShardChunk, ShardComplete, Forward, ForwardResult, JoinOffer, JoinRequest, JoinResponse,
-    Register, ReleaseMicroBatch, ResultsHere, RevocationUpdate,
+    Register, ReleaseMicroBatch, ResultsHere, RevocationUpdate, KnownRemovals,
 )
 
 __all__ = [
+    "MAX_KNOWN_REMOVALS",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
     "AgentState",
@@ -582,6 +611,7 @@ __all__ = [
     "JoinOffer",
     "JoinRequest",
     "JoinResponse",
+    "KnownRemovals",
     "ManifestEntry",
     "Message",
     "NextHop",

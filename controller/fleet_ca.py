@@ -31,7 +31,9 @@ from deskfleet.common.wire import (
     JoinOffer,
     JoinRequest,
     JoinResponse,
+    KnownRemovals,
     ProtocolError,
+    RevocationUpdate,
     Role,
     decode,
     encode,
@@ -169,6 +171,21 @@ def remove_agent(store: FleetStore, name: str) -> str:
     return agent_id
 
 
+def restore_removals(store: FleetStore, removals: KnownRemovals) -> list[str]:
+    """Add to revoked.json the removals an agent kept that it lacks (the data dir was restored from a backup
+    older than them); return the ids added. Only a removal this fleet's CA signed is taken: PkiError names
+    the first that is not, and nothing is added."""
+    ca_certificate = store.tls_files.ca_certificate()
+    for agent_id, signature in zip(removals.agent_ids, removals.signatures, strict=True):
+        pki.check_removal(ca_certificate, agent_id, signature)
+    with store.locked():
+        revoked = set(_read_revoked(store))
+        added = sorted(set(removals.agent_ids) - revoked)
+        if added:
+            store.write("revoked", sorted(revoked | set(added)))
+    return added
+
+
 def _read_revoked(store: FleetStore) -> list[str]:
     """The removed agents' ids. `fleet init` writes the file, so a missing one was lost, not empty: reading it
     as "nobody removed" would let removed agents in again and tell every agent to forget them (they keep the
@@ -199,6 +216,8 @@ class Revocations:
         self.store = store
         self._stamp: tuple[int, int] | None = None
         self._current = pki.RevocationSet()
+        self._ca: pki.FleetCa | None = None
+        self._signatures: dict[str, str] = {}
 
     def __call__(self) -> pki.RevocationSet:
         path = self.store.data_dir / "revoked.json"
@@ -214,6 +233,22 @@ class Revocations:
                 raise pki.PkiError(f"the fleet's list of removed agents cannot be read: {error}") from None
             self._stamp = stamp
         return self._current
+
+    def update(self) -> RevocationUpdate:
+        """The list as agents are told it: every id with the CA's signature of its removal (made once per id
+        and kept; the CA key is read at the first). PkiError as for __call__, or when the CA key cannot be
+        read."""
+        revoked = sorted(self().agent_ids)
+        unsigned = [agent_id for agent_id in revoked if agent_id not in self._signatures]
+        if unsigned:
+            try:
+                ca = self._ca if self._ca is not None else load_ca(self.store)
+            except (OSError, ValueError, FleetStoreError) as error:
+                raise pki.PkiError(f"cannot sign the list of removed agents: the CA key "
+                                   f"{self.store.ca_key_path} cannot be read ({error})") from None
+            self._ca = ca
+            self._signatures.update((agent_id, pki.sign_removal(ca, agent_id)) for agent_id in unsigned)
+        return RevocationUpdate(tuple(revoked), tuple(self._signatures[agent_id] for agent_id in revoked))
 
 
 # Public functions: enrollment

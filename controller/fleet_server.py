@@ -29,8 +29,8 @@ from deskfleet.agent.advertise import Announcement, addresses_to_advertise, adve
 from deskfleet.agent.link import Link, LinkError, start_server, utc_now
 from deskfleet.common import pki
 from deskfleet.common.discovery_record import ControllerRecord
-from deskfleet.common.wire import ErrorCode, Register, RevocationUpdate, Role, parse_address
-from deskfleet.controller.fleet_ca import Revocations, serve_enrollment
+from deskfleet.common.wire import ErrorCode, KnownRemovals, Register, RevocationUpdate, Role, parse_address
+from deskfleet.controller.fleet_ca import Revocations, restore_removals, serve_enrollment
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,9 @@ class FleetServer:
         self._announce_at = announce_at or (lambda: addresses_to_advertise(host))
         self._announcement_fixed = announce_at is None and never_changes(host)
         self.revocations = Revocations(store)
-        try:  # a lost or damaged list of removed agents stops the server before it serves
+        try:  # a lost or damaged list of removed agents, or an unreadable CA key, stops the server before it serves
             self._revoked_at_start = self.revocations()
+            self.revocations.update()  # signs them all now, not at the first registration
         except pki.PkiError as error:
             raise FleetStoreError(str(error)) from None
         self.live: dict[str, Link] = {}  # agent id -> its registration link
@@ -179,12 +180,39 @@ class FleetServer:
         except LinkError as error:
             log.info("agent %s: %s", agent_id[:12], error)
         try:
-            await link.connection.wait_closed()
+            await self._read_registration(link)
         finally:
             if self.live.get(agent_id) is link:
                 del self.live[agent_id]
                 log.info("agent %s went away", agent_id[:12])
                 self._changed()
+
+    async def _read_registration(self, link: Link) -> None:
+        """Read what a registered agent says on its registration link until it closes: the removals it kept that
+        this data dir lacks (restored from an older backup), signed by the CA, are added to revoked.json, which
+        the watcher then tells every agent and acts on; anything else is only logged."""
+        while True:
+            try:
+                message = await link.receive()
+            except LinkError:
+                return
+            if not isinstance(message, KnownRemovals):
+                log.debug("agent %s said %s on its registration link", link.peer.agent_id[:12], type(message).__name__)
+                continue
+            try:
+                added = await asyncio.to_thread(restore_removals, self.store, message)
+            except pki.PkiError as error:
+                log.warning("agent %s sent removals this fleet's CA did not sign, ignored: %s",
+                            link.peer.agent_id[:12], error)
+                continue
+            except (OSError, FleetStoreError) as error:
+                log.error("cannot add the removals agent %s kept to %s: %s", link.peer.agent_id[:12],
+                          self.store.data_dir / "revoked.json", error)
+                continue
+            if added:
+                log.warning("agent %s keeps %d removal(s) signed by this fleet's CA that %s lacked (the data dir was "
+                            "restored from an older backup?): removed again: %s", link.peer.agent_id[:12], len(added),
+                            self.store.data_dir / "revoked.json", ", ".join(agent_id[:12] for agent_id in added))
 
     async def _record(self, agent_id: str, addresses: tuple[str, ...]) -> None:
         """Record in the roster where the agent listens; returns once agents.json says so, or raises what the
@@ -233,11 +261,12 @@ class FleetServer:
             self.store.save_roster(roster)
 
     def _revocation_update(self) -> RevocationUpdate:
-        return RevocationUpdate(tuple(sorted(self.revocations().agent_ids)))
+        return self.revocations.update()
 
     async def _watch_revocations(self) -> None:
         told = self._revoked_at_start  # what registering agents were told; the file may have changed since
         unreadable: str | None = None
+        unsigned: str | None = None
         while True:
             try:
                 revoked = self.revocations()
@@ -253,14 +282,20 @@ class FleetServer:
                 log.warning("the fleet's list of removed agents reads again")
                 unreadable = None
             if revoked != told:
-                told = revoked
-                update = RevocationUpdate(tuple(sorted(revoked.agent_ids)))
-                for link in list(self.live.values()):
-                    if not revoked.is_revoked(link.peer.agent_id):
-                        try:
-                            await link.send(update)
-                        except LinkError as error:
-                            log.info("%s", error)
+                try:
+                    update = self.revocations.update()
+                except pki.PkiError as error:  # the CA key is unreadable: told again once it reads
+                    if str(error) != unsigned:
+                        log.error("%s; the agents are not told of the change until it reads", error)
+                        unsigned = str(error)
+                else:
+                    told, unsigned = revoked, None
+                    for link in list(self.live.values()):
+                        if not revoked.is_revoked(link.peer.agent_id):
+                            try:
+                                await link.send(update)
+                            except LinkError as error:
+                                log.info("%s", error)
             for agent_id, link in list(self.live.items()):
                 if revoked.is_revoked(agent_id):
                     log.warning("agent %s was removed from the fleet: dropping its link", agent_id[:12])

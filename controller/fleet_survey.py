@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from deskfleet.agent.advertise import interface_addresses
 from deskfleet.agent.link import Link, LinkError, LinkVersionError, TlsFiles, open_link
 from deskfleet.common import pki
-from deskfleet.common.wire import Error, RevocationUpdate, StatusReport, StatusRequest
+from deskfleet.common.wire import Error, StatusReport, StatusRequest
 from deskfleet.controller.discovery import RESOLVE_TIMEOUT_MS, Discovery, ManualPeers, ZeroconfDiscovery
 from deskfleet.controller.fleet_ca import Revocations
 from deskfleet.controller.fleet_store import FleetStore
@@ -254,7 +254,7 @@ async def _ask(store: FleetStore, revocations: Revocations, agent_id: str | None
     try:
         # The fleet's list of removed agents rides along: an agent that was off during a removal, or that never
         # meets `fleet serve` (which also sends it), refuses the removed agents' links from now on too.
-        await link.send(RevocationUpdate(tuple(sorted(revocations().agent_ids))))
+        await link.send(revocations.update())
         await link.send(StatusRequest())
         while True:
             message = await asyncio.wait_for(link.receive(), STATUS_TIMEOUT_S)
@@ -262,7 +262,7 @@ async def _ask(store: FleetStore, revocations: Revocations, agent_id: str | None
                 return link, message, None
             if isinstance(message, Error):
                 raise LinkError(f"{message.code.value}: {message.message}")
-    except (LinkError, TimeoutError) as error:
+    except (LinkError, TimeoutError, pki.PkiError) as error:
         with contextlib.suppress(LinkError):
             await link.close()
         return None, None, f"no status from {address}: {str(error) or 'timed out'}"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from deskfleet.agent.link import TlsFiles, utc_now
 from deskfleet.common import pki
-from deskfleet.common.wire import Role
+from deskfleet.common.wire import RevocationUpdate, Role
 
 # The expiry of a PeerIdentity a fake link carries: far beyond any test.
 FAR_FUTURE = datetime.datetime(2100, 1, 1, tzinfo=datetime.UTC)
@@ -34,3 +34,8 @@ def make_member(ca: pki.FleetCa, folder: Path, name: str, role: Role = Role.AGEN
     files.cert_path.write_bytes(pki.certificate_pem(certificate))
     pki.write_private_key(files.key_path, key)
     return files
+
+
+def removals(ca: pki.FleetCa, *agent_ids: str) -> RevocationUpdate:
+    """The list of removed agents as `fleet serve` sends it: each signed by `ca`."""
+    return RevocationUpdate(agent_ids, tuple(pki.sign_removal(ca, agent_id) for agent_id in agent_ids))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -23,11 +24,13 @@ from deskfleet.common.availability import MonitorReading
 from deskfleet.common.kv_ledger import AdmitRow, AppendSlots, Compact
 from deskfleet.common.model_spec import MANIFEST_NAME, load_manifest
 from deskfleet.common.wire import (
+    MAX_KNOWN_REMOVALS,
     AssignStage,
     Error,
     ErrorCode,
     Forward,
     ForwardResult,
+    KnownRemovals,
     ManifestEntry,
     Message,
     NextHop,
@@ -46,7 +49,7 @@ from deskfleet.common.wire import (
     StatusRequest,
 )
 from deskfleet.controller.batch_track import BatchTrack
-from tests.fleet_pki import FAR_FUTURE, make_ca, make_member
+from tests.fleet_pki import FAR_FUTURE, make_ca, make_member, removals
 
 
 class FakeMonitor:
@@ -66,9 +69,17 @@ class FakeLink:
 @pytest.fixture
 def core(tmp_path: Path) -> AgentCore:
     ca = make_ca(tmp_path / "ca")
+    pki.write_private_key(tmp_path / "ca" / "ca-key.pem", ca.private_key)  # for fleet_ca (other files import core)
     files = make_member(ca, tmp_path / "agent", "agent")
     settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
     return AgentCore(files, settings, ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor())
+
+
+@pytest.fixture
+def fleet_ca(core: AgentCore, tmp_path: Path) -> pki.FleetCa:
+    """The CA of `core`'s fleet, with its key: it signs removals."""
+    return pki.FleetCa(pki.load_certificate_pem((tmp_path / "ca" / "ca.pem").read_bytes()),
+                       pki.load_private_key_pem((tmp_path / "ca" / "ca-key.pem").read_bytes()))
 
 
 def handle(core: AgentCore, role: Role, message: Message) -> Message | None:
@@ -173,49 +184,138 @@ def test_release_micro_batch_is_accepted_from_the_previous_stage(core: AgentCore
     assert handle(core, Role.AGENT, ReleaseMicroBatch(5)) is None  # no stage hosted: nothing to free
 
 
-def test_a_removed_agent_is_dropped_and_its_forwards_refused(core: AgentCore) -> None:
+def test_a_removed_agent_is_dropped_and_its_forwards_refused(core: AgentCore, fleet_ca: pki.FleetCa) -> None:
     removed = "c" * 52
 
     async def scenario() -> RecordingLink:
         link = RecordingLink(Role.AGENT, removed)
         core._links.add(cast(Link, link))
-        await core.handle(cast(Link, RecordingLink(Role.CONTROLLER)), RevocationUpdate((removed,)))
+        await core.handle(cast(Link, RecordingLink(Role.CONTROLLER)), removals(fleet_ca, removed))
         return link
 
     link = asyncio.run(scenario())
     assert link.refused is not None and "removed" in link.refused
     assert core.revocations().is_revoked(removed)
     with pytest.raises(CommandError) as refusal:
-        handle(core, Role.AGENT, RevocationUpdate(()))  # only the controller may say who is removed
+        handle(core, Role.AGENT, removals(fleet_ca))  # only the controller may say who is removed
     assert refusal.value.code is ErrorCode.UNAUTHORIZED
 
 
-def test_the_removed_agents_are_remembered_across_a_restart(core: AgentCore, tmp_path: Path) -> None:
-    # A restarted agent must refuse a removed agent even while the controller is out of reach.
+def test_a_removal_the_fleets_ca_did_not_sign_is_refused_and_changes_nothing(
+        core: AgentCore, fleet_ca: pki.FleetCa, tmp_path: Path) -> None:
+    kept, new = "c" * 52, "d" * 52
+    handle(core, Role.CONTROLLER, removals(fleet_ca, kept))
+    stranger = make_ca(tmp_path / "stranger")
+    for update in (removals(stranger, new),  # another fleet's CA
+                   RevocationUpdate((kept, new), (removals(fleet_ca, kept).signatures[0],) * 2)):  # kept's for new
+        with pytest.raises(CommandError, match=f"removal of agent {new[:12]} is not signed") as refusal:
+            handle(core, Role.CONTROLLER, update)
+        assert refusal.value.code is ErrorCode.BAD_MESSAGE
+        assert core.revocations().agent_ids == {kept}
+
+
+def test_the_removed_agents_are_remembered_across_a_restart_and_never_forgotten(
+        core: AgentCore, fleet_ca: pki.FleetCa, tmp_path: Path) -> None:
+    # A restarted agent must refuse a removed agent even while the controller is out of reach, and a controller
+    # restored from a backup older than a removal must not make it forget one (removal is for good: the PC
+    # joins again with a new key, so a new id).
     saved = tmp_path / "state" / "revoked.json"
-    removed = "c" * 52
+    removed, later = "c" * 52, "d" * 52
 
     def restarted() -> AgentCore:
         return AgentCore(core.files, core.settings, core.cache, FakeMonitor(), revocations_file=saved)
 
     first = restarted()
     assert not first.revocations().agent_ids  # nothing saved yet
-    handle(first, Role.CONTROLLER, RevocationUpdate((removed,)))
+    handle(first, Role.CONTROLLER, removals(fleet_ca, removed))
     assert restarted().revocations().is_revoked(removed)
-    handle(first, Role.CONTROLLER, RevocationUpdate(()))  # re-admitted: forgotten on disk too
-    assert not restarted().revocations().agent_ids
-    for damaged in ("{not json", '{"revoked_agent_ids": ["not an id"]}', '{"revoked_agent_ids": 7}', "[]"):
+    handle(first, Role.CONTROLLER, removals(fleet_ca, later))  # a restored controller's list: added to, not replacing
+    handle(first, Role.CONTROLLER, removals(fleet_ca))
+    assert first.revocations().agent_ids == restarted().revocations().agent_ids == {removed, later}
+    signatures = restarted()._removal_signatures  # kept with each removal, to give a restored controller back
+    assert set(signatures) == {removed, later}
+    for agent_id, signature in signatures.items():
+        pki.check_removal(fleet_ca.certificate, agent_id, signature)
+    for damaged in ("{not json", '{"revoked_agent_ids": ["not an id"]}', '{"revoked_agent_ids": 7}', "[]",
+                    f'{{"revoked_agent_ids": ["{removed}"], "signatures": []}}',
+                    f'{{"revoked_agent_ids": ["{removed}"], "signatures": {{"{removed}": "00"}}}}',
+                    f'{{"revoked_agent_ids": [], "signatures": {{"{removed}": "{"0" * 128}"}}}}'):
         saved.write_text(damaged)
         agent = restarted()  # no traceback; and not read as "nobody removed": every agent link is refused
         refused = ClosingLink(Role.AGENT)
         asyncio.run(agent.serve_link(cast(Link, refused)))
-        assert refused.refused is not None and refused.refused.startswith("unauthorized: ")
+        assert refused.refused is not None and refused.refused.startswith("unauthorized: "), damaged
         assert "until the controller sends its list of removed agents" in refused.refused
-        handle(agent, Role.CONTROLLER, RevocationUpdate((removed,)))  # the controller's list replaces it
+        handle(agent, Role.CONTROLLER, removals(fleet_ca, removed))  # the controller's list replaces it
         assert agent.revocations().is_revoked(removed) and restarted().revocations().is_revoked(removed)
         served = ClosingLink(Role.AGENT)  # known again: an agent not removed is served
         asyncio.run(agent.serve_link(cast(Link, served)))
         assert served.refused is None
+
+
+def test_a_list_saved_before_removals_were_signed_holds_until_the_controllers_list_replaces_it(
+        core: AgentCore, fleet_ca: pki.FleetCa, tmp_path: Path) -> None:
+    saved = tmp_path / "state" / "revoked.json"
+    saved.parent.mkdir(parents=True)
+    removed, other = "c" * 52, "d" * 52
+    saved.write_text(json.dumps({"revoked_agent_ids": [removed, other]}))  # what agents before protocol 6 saved
+    agent = AgentCore(core.files, core.settings, core.cache, FakeMonitor(), revocations_file=saved)
+    assert agent.revocations().agent_ids == {removed, other}  # refused while the controller is out of reach
+    registration = RecordingLink(Role.CONTROLLER)
+    agent._registration_links.add(cast(Link, registration))
+    asyncio.run(agent.handle(cast(Link, registration), removals(fleet_ca, removed)))
+    assert agent.revocations().agent_ids == {removed}  # replaced, as lists were before they were signed
+    assert registration.sent == []  # nothing signed to give back
+    signatures = json.loads(saved.read_text())["signatures"]
+    assert list(signatures) == [removed]
+    pki.check_removal(fleet_ca.certificate, removed, signatures[removed])
+
+
+def test_removals_saved_under_another_fleets_ca_are_dropped_at_start(
+        core: AgentCore, fleet_ca: pki.FleetCa, tmp_path: Path) -> None:
+    # The PC joined another fleet since (join keeps its key): the old fleet's removals mean nothing here, and
+    # would refuse a PC that fleet removed which joined this one with the same key.
+    saved = tmp_path / "state" / "revoked.json"
+    saved.parent.mkdir(parents=True)
+    ours, theirs = "c" * 52, "d" * 52
+    old_fleet = make_ca(tmp_path / "old fleet")
+    saved.write_text(json.dumps({"revoked_agent_ids": [ours, theirs], "signatures": {
+        ours: pki.sign_removal(fleet_ca, ours), theirs: pki.sign_removal(old_fleet, theirs)}}))
+    agent = AgentCore(core.files, core.settings, core.cache, FakeMonitor(), revocations_file=saved)
+    assert agent.revocations().agent_ids == {ours} and list(agent._removal_signatures) == [ours]
+
+
+def test_removals_the_controller_lacks_are_given_back_on_the_registration_link_only(
+        core: AgentCore, fleet_ca: pki.FleetCa) -> None:
+    kept = [f"{letter}" * 52 for letter in "cdefg"]
+    handle(core, Role.CONTROLLER, removals(fleet_ca, *kept))
+    registration, survey = RecordingLink(Role.CONTROLLER), RecordingLink(Role.CONTROLLER)
+    core._registration_links.add(cast(Link, registration))
+    restored = removals(fleet_ca, kept[1], kept[3])  # a data dir restored from a backup older than 3 removals
+
+    async def scenario() -> None:
+        await core.handle(cast(Link, survey), restored)
+        await core.handle(cast(Link, registration), restored)
+        await core.handle(cast(Link, registration), removals(fleet_ca, *kept))  # up to date: nothing to say
+
+    asyncio.run(scenario())
+    assert survey.sent == []  # a survey (`fleet ls`) does not merge them: `fleet serve` does
+    (told,) = registration.sent
+    assert isinstance(told, KnownRemovals) and told.agent_ids == (kept[0], kept[2], kept[4])
+    for agent_id, signature in zip(told.agent_ids, told.signatures, strict=True):
+        pki.check_removal(fleet_ca.certificate, agent_id, signature)
+
+
+def test_many_known_removals_are_told_in_messages_of_at_most_the_limit(
+        core: AgentCore, fleet_ca: pki.FleetCa) -> None:
+    many = sorted(pki.agent_id_for_key(pki.create_private_key().public_key()) for _ in range(MAX_KNOWN_REMOVALS + 3))
+    signatures = {agent_id: pki.sign_removal(fleet_ca, agent_id) for agent_id in many}
+    handle(core, Role.CONTROLLER, RevocationUpdate(tuple(many), tuple(signatures[agent_id] for agent_id in many)))
+    registration = RecordingLink(Role.CONTROLLER)
+    core._registration_links.add(cast(Link, registration))
+    asyncio.run(core.handle(cast(Link, registration), removals(fleet_ca)))
+    assert [len(cast(KnownRemovals, message).agent_ids) for message in registration.sent] == [MAX_KNOWN_REMOVALS, 3]
+    assert [agent_id for message in registration.sent for agent_id in cast(KnownRemovals, message).agent_ids] == many
 
 
 def test_status_carries_the_measured_speed_and_probes_once(core: AgentCore) -> None:

@@ -141,3 +141,26 @@ def test_expiry_notice_within_the_warning_days_only() -> None:
     assert pki.expiry_notice(until, until - datetime.timedelta(hours=5)) == "expires 2027-03-01 (in less than a day)"
     assert pki.expiry_notice(until, until + datetime.timedelta(seconds=1)) == "expired on 2027-03-01"
     assert pki.expiry_notice(until, until - datetime.timedelta(days=100), within_days=120) is not None
+
+
+def test_a_removal_is_signed_by_the_ca_alone_and_for_one_agent_only(ca: pki.FleetCa) -> None:
+    agent_id = pki.agent_id_for_key(pki.create_private_key().public_key())
+    other_id = pki.agent_id_for_key(pki.create_private_key().public_key())
+    signature = pki.sign_removal(ca, agent_id)
+    assert len(signature) == 2 * pki.REMOVAL_SIGNATURE_BYTES and signature == signature.lower()
+    pki.check_removal(ca.certificate, agent_id, signature)
+    with pytest.raises(pki.PkiError, match=f"removal of agent {other_id[:12]} is not signed by this fleet's CA"):
+        pki.check_removal(ca.certificate, other_id, signature)  # one agent's removal does not remove another
+    stranger = pki.create_fleet_ca("another fleet", NOW)
+    with pytest.raises(pki.PkiError, match="not signed by this fleet's CA"):
+        pki.check_removal(ca.certificate, agent_id, pki.sign_removal(stranger, agent_id))
+    member_key, _ = enroll(ca)  # a member's key signs nothing the CA's check accepts
+    forged = pki.sign_removal(pki.FleetCa(ca.certificate, member_key), agent_id)
+    with pytest.raises(pki.PkiError, match="not signed by this fleet's CA"):
+        pki.check_removal(ca.certificate, agent_id, forged)
+    for malformed in ("", "zz" * 64, signature[:-2], signature + "00"):
+        with pytest.raises(pki.PkiError, match="malformed signature"):
+            pki.check_removal(ca.certificate, agent_id, malformed)
+    flipped = signature[:-1] + ("0" if signature[-1] != "0" else "1")
+    with pytest.raises(pki.PkiError, match="not signed"):
+        pki.check_removal(ca.certificate, agent_id, flipped)

@@ -23,6 +23,7 @@ from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common import pki
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.discovery_record import AgentRecord
+from deskfleet.common.wire import RevocationUpdate
 from deskfleet.controller import fleet_survey
 from deskfleet.controller.fleet_ca import Revocations, init_fleet, load_ca
 from deskfleet.controller.fleet_store import FleetStore, RosterEntry
@@ -253,7 +254,14 @@ def test_an_agent_that_never_answers_the_status_request_is_said_to_have_timed_ou
 
     monkeypatch.setattr(fleet_survey, "open_link", opened)
     monkeypatch.setattr(fleet_survey, "STATUS_TIMEOUT_S", 0.01)
-    revocations = cast(Revocations, lambda: pki.RevocationSet())
+    class NobodyRemoved:
+        def __call__(self) -> pki.RevocationSet:
+            return pki.RevocationSet()
+
+        def update(self) -> RevocationUpdate:
+            return RevocationUpdate((), ())
+
+    revocations = cast(Revocations, NobodyRemoved())
     store = cast(FleetStore, SimpleNamespace(tls_files=None))
     link, report, problem = asyncio.run(fleet_survey._ask(store, revocations, None, "10.0.0.9:7431",
                                                           asyncio.Semaphore(1)))
