@@ -64,6 +64,7 @@ from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, ManifestError
 from deskfleet.common.wire import (
     MAX_KNOWN_REMOVALS,
     MICRO_BATCH_IDLE_S,
+    REMOVAL_SIGNATURE_BYTES,
     AssignStage,
     Error,
     ErrorCode,
@@ -95,6 +96,7 @@ log = logging.getLogger(__name__)
 # A stage key keeps this much of a longer model id, then a digest of all of it (see _stage_key)
 _STAGE_KEY_NAME_CHARS = 80
 _UNSAFE_IN_KEY = re.compile(r"[^A-Za-z0-9._-]")
+_REMOVAL_SIGNATURE_HEX = re.compile(r"[0-9a-f]{128}")  # a removal's signature as revoked.json keeps it
 # Rows x new tokens of the largest step that runs on the event loop's thread (runs_inline): 8 rows verifying
 # 7 draft tokens each, or 64 rows of plain decoding.
 INLINE_STEP_TOKENS = 64
@@ -256,8 +258,7 @@ class AgentCore:
             return None
         if isinstance(message, RevocationUpdate):
             await self._revoke(message)
-            if link in self._registration_links:
-                await self._tell_known_removals(link, message)
+            await self._tell_known_removals(link, message)
             return None
         if isinstance(message, StatusRequest):
             return await self.status()
@@ -640,25 +641,25 @@ class AgentCore:
         CommandError, and nothing changes, if a removal new here is not signed by this fleet's CA. Ids saved
         before removals were signed are kept until this first list, which replaces them, as lists did then."""
         ca_certificate = self.files.ca_certificate()
-        for agent_id, signature in zip(update.revoked_agent_ids, update.signatures, strict=True):
-            if self._removal_signatures.get(agent_id) != signature:
-                try:
-                    pki.check_removal(ca_certificate, agent_id, signature)
-                except pki.PkiError as error:
-                    raise CommandError(ErrorCode.BAD_MESSAGE, f"{error}: the list of removed agents is ignored") \
-                        from None
-        signatures = {**dict(zip(update.revoked_agent_ids, update.signatures, strict=True)),
-                      **self._removal_signatures}
+        new = {agent_id: signature for agent_id, signature in zip(update.agent_ids, update.signatures, strict=True)
+               if agent_id not in self._removal_signatures}  # one held is kept (each controller signs anew)
+        for agent_id, signature in new.items():
+            try:
+                pki.check_removal(ca_certificate, agent_id, signature)
+            except pki.PkiError as error:
+                raise CommandError(ErrorCode.BAD_MESSAGE, f"{error}: the list of removed agents is ignored") from None
+        signatures = {**self._removal_signatures, **new}
         revoked = frozenset(signatures)  # the controller's list and every removal kept, all signed
         if (revoked, signatures) != (self._revoked.agent_ids, self._removal_signatures) \
                 and self._revocations_file is not None:
             try:
                 write_atomic(self._revocations_file, json.dumps(
-                    {"revoked_agent_ids": sorted(revoked), "signatures": dict(sorted(signatures.items()))},
+                    {"revoked_agent_ids": sorted(revoked),
+                     "signatures": {agent_id: signatures[agent_id].hex() for agent_id in sorted(signatures)}},
                     indent=1).encode())
             except OSError as error:  # still refused in this run; only a restart could forget them
                 log.error("cannot save the removed agents to %s: %s", self._revocations_file, error)
-        self._revoked = pki.RevocationSet(frozenset(revoked))
+        self._revoked = pki.RevocationSet(revoked)
         self._removal_signatures = signatures
         self._revocations_unknown = None  # the controller's list: known again
         for agent_id in revoked:
@@ -671,8 +672,9 @@ class AgentCore:
                 await link.refuse(ErrorCode.UNAUTHORIZED, "this agent was removed from the fleet")
 
     async def _tell_known_removals(self, link: Link, update: RevocationUpdate) -> None:
-        """Give `fleet serve` the signed removals kept here that its list lacks, MAX_KNOWN_REMOVALS a message."""
-        listed = set(update.revoked_agent_ids)
+        """Give the controller that sent `update` the signed removals kept here that it lacks, MAX_KNOWN_REMOVALS a
+        message (`fleet serve` and surveys add them to its list)."""
+        listed = set(update.agent_ids)
         missing = sorted(agent_id for agent_id in self._removal_signatures if agent_id not in listed)
         if missing:
             log.warning("the controller's list of removed agents lacks %d this agent keeps (its data dir was "
@@ -680,7 +682,7 @@ class AgentCore:
         for start in range(0, len(missing), MAX_KNOWN_REMOVALS):
             chunk = tuple(missing[start:start + MAX_KNOWN_REMOVALS])
             try:
-                await link.send(KnownRemovals(chunk, tuple(self._removal_signatures[agent_id] for agent_id in chunk)))
+                await link.send(KnownRemovals.of(chunk, [self._removal_signatures[agent_id] for agent_id in chunk]))
             except LinkError as error:
                 log.info("%s", error)
                 return
@@ -790,7 +792,7 @@ def _deploy_pin(link: Link) -> str:
 
 
 def _load_revocations(path: Path | None, ca_certificate: x509.Certificate
-                      ) -> tuple[pki.RevocationSet, dict[str, str], str | None]:
+                      ) -> tuple[pki.RevocationSet, dict[str, bytes], str | None]:
     """(The removed agents saved, the CA's signatures of their removals, None), or (none, none, why) when the
     saved list cannot be read. No file: nobody was removed yet. A damaged one is not read as "nobody removed":
     that would let removed agents in again; the agent refuses every agent link until the controller sends its
@@ -811,15 +813,19 @@ def _load_revocations(path: Path | None, ca_certificate: x509.Certificate
         for agent_id in agent_ids:
             if not isinstance(agent_id, str) or not is_agent_id(agent_id):
                 raise JsonFileError(f"{path}: {agent_id!r} is not an agent id")
-        signed = RevocationUpdate(tuple(signatures), tuple(signatures.values()))  # checks the signatures' form
-        if not set(signed.revoked_agent_ids) <= set(agent_ids):
+        if not set(signatures) <= set(agent_ids):
             raise JsonFileError(f"{path} signs removals it does not list")
+        for agent_id, signature in signatures.items():
+            if not isinstance(signature, str) or not _REMOVAL_SIGNATURE_HEX.fullmatch(signature):
+                raise JsonFileError(f"{path}: the signature of {agent_id[:12]} is not {2 * REMOVAL_SIGNATURE_BYTES} "
+                                    "lowercase hex characters")
     except (JsonFileError, ProtocolError, TypeError) as error:
         log.error("the saved list of removed agents is damaged (%s): agents are refused until the controller "
                   "sends its list", error)
         return pki.RevocationSet(), {}, f"the saved list of removed agents is damaged ({error})"
     kept = {}
-    for agent_id, signature in signatures.items():
+    for agent_id, text in signatures.items():
+        signature = bytes.fromhex(text)
         try:
             pki.check_removal(ca_certificate, agent_id, signature)
         except pki.PkiError:

@@ -29,14 +29,13 @@ from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from deskfleet.common.atomic_file import write_atomic
-from deskfleet.common.wire_messages import Role
+from deskfleet.common.wire_messages import REMOVAL_SIGNATURE_BYTES, Role
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _CLOCK_SKEW = datetime.timedelta(minutes=5)
 _COMMON_NAME_MAX_CHARS = 64  # RFC 5280's ub-common-name
 # Nothing renews a certificate: `fleet ls` and the agent warn this many days before one (or the CA) runs out.
 EXPIRY_WARNING_DAYS = 60
-REMOVAL_SIGNATURE_BYTES = 64  # sign_removal's: P-256's r and s, 32 bytes each
 RENEW_AGENT = "join it again with a new token (`deskfleet fleet token`, then `deskfleet-agent join TOKEN` on that PC)"
 RENEW_CONTROLLER = ("delete controller.pem in the controller's data dir: the next fleet command issues it again for "
                     "the kept key (agents accept it); then restart `deskfleet fleet serve`")
@@ -96,26 +95,22 @@ class RevocationSet:
 
 # Public functions: removals signed by the CA
 
-def sign_removal(ca: FleetCa, agent_id: str) -> str:
-    """The CA's signature (hex of the raw 64-byte ECDSA r || s) that `agent_id` was removed from the fleet.
+def sign_removal(ca: FleetCa, agent_id: str) -> bytes:
+    """The CA's signature (the raw 64-byte ECDSA r || s) that `agent_id` was removed from the fleet.
 
-    Agents keep these with their list of removed agents and give them back to `fleet serve` at registration,
-    so a controller restored from a backup made before a removal learns of it again: only the CA's key makes
-    one, so a member cannot have another PC removed by claiming it was."""
+    Agents keep these with their list of removed agents and give them back to the controller, so a controller
+    restored from a backup made before a removal learns of it again: only the CA's key makes one, so a member
+    cannot have another PC removed by claiming it was."""
     der = ca.private_key.sign(_removal_statement(agent_id), ec.ECDSA(hashes.SHA256()))
     r, s = decode_dss_signature(der)
-    return (r.to_bytes(32, "big") + s.to_bytes(32, "big")).hex()
+    return r.to_bytes(32, "big") + s.to_bytes(32, "big")
 
 
-def check_removal(ca_certificate: x509.Certificate, agent_id: str, signature: str) -> None:
+def check_removal(ca_certificate: x509.Certificate, agent_id: str, signature: bytes) -> None:
     """PkiError unless `signature` is this fleet's CA's `sign_removal` of `agent_id`."""
-    try:
-        raw = bytes.fromhex(signature)
-    except ValueError:
-        raw = b""
-    if len(raw) != REMOVAL_SIGNATURE_BYTES:
+    if len(signature) != REMOVAL_SIGNATURE_BYTES:
         raise PkiError(f"the removal of agent {agent_id[:12]} carries a malformed signature")
-    der = encode_dss_signature(int.from_bytes(raw[:32], "big"), int.from_bytes(raw[32:], "big"))
+    der = encode_dss_signature(int.from_bytes(signature[:32], "big"), int.from_bytes(signature[32:], "big"))
     public_key = ca_certificate.public_key()
     if not isinstance(public_key, ec.EllipticCurvePublicKey):
         raise PkiError("the fleet CA's key is not an EC key")

@@ -12,8 +12,10 @@ that wants to write into one must copy it first.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Self
 
 from deskfleet.common.agent_state import AgentState, UnavailableReason
 from deskfleet.common.kv_ledger import AdmitRow, SlotDelta
@@ -25,9 +27,13 @@ PROTOCOL_VERSION = 6
 MAX_STATUS_DETAIL = 500
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_REMOVAL_SIGNATURE = re.compile(r"[0-9a-f]{128}")  # common/pki.py's sign_removal: 64 bytes as hex
-# A KnownRemovals' entries: ~190 bytes each, under the 64 KB frames the controller's port reads from agents.
-MAX_KNOWN_REMOVALS = 256
+# A removal on the wire: the removed agent's id (52 ASCII characters), then the CA's signature of its removal
+# (common/pki.py's sign_removal, 64 bytes). Bytes, not JSON: the codec's 256 KB header held ~1,400 of them as hex.
+AGENT_ID_CHARS = 52
+REMOVAL_SIGNATURE_BYTES = 64
+REMOVAL_RECORD_BYTES = AGENT_ID_CHARS + REMOVAL_SIGNATURE_BYTES
+# A KnownRemovals' records, 46 KB at most: under the 64 KB frames the controller's port reads from agents.
+MAX_KNOWN_REMOVALS = 400
 # An agent id is the unpadded lowercase base32 of sha256(SubjectPublicKeyInfo DER): 52 characters,
 # short enough to be one DNS label, so it can sit in a certificate's subjectAltName.
 _AGENT_ID = re.compile(r"[a-z2-7]{52}")
@@ -506,39 +512,58 @@ class ResultsHere:
 
 
 @dataclass(frozen=True)
-class RevocationUpdate:
-    """The controller's full list of removed agents, each with the fleet CA's signature of its removal
-    (`signatures[i]` for `revoked_agent_ids[i]`): an agent refuses and drops links from them, and keeps them."""
+class _Removals:
+    """A list of removals as REMOVAL_RECORD_BYTES records (see there): `agent_ids[i]` was removed, and
+    `signatures[i]` is the fleet CA's signature of it."""
 
-    revoked_agent_ids: tuple[str, ...]
-    signatures: tuple[str, ...]
+    records: bytes
 
-    def __post_init__(self) -> None:
-        _check_removals("revoked", self.revoked_agent_ids, self.signatures)
+    @classmethod
+    def of(cls, agent_ids: Sequence[str], signatures: Sequence[bytes]) -> Self:
+        _require(len(signatures) == len(agent_ids), f"{len(agent_ids)} removed agents but {len(signatures)} signatures")
+        for agent_id in agent_ids:
+            _require(is_agent_id(agent_id), f"removed agent id {agent_id[:60]!r} is not an agent id")
+        return cls(b"".join(agent_id.encode("ascii") + bytes(signature)
+                            for agent_id, signature in zip(agent_ids, signatures, strict=True)))
+
+    def _check_records(self) -> None:
+        _require(len(self.records) % REMOVAL_RECORD_BYTES == 0,
+                 f"removals must be {REMOVAL_RECORD_BYTES}-byte records, not {len(self.records)} bytes")
+        for agent_id in self.agent_ids:
+            _require(is_agent_id(agent_id), f"removed agent id {agent_id[:60]!r} is not an agent id")
+        for signature in self.signatures:
+            _require(len(signature) == REMOVAL_SIGNATURE_BYTES, "a removal's signature is cut short")
+
+    @property
+    def agent_ids(self) -> tuple[str, ...]:
+        return tuple(self.records[start:start + AGENT_ID_CHARS].decode("ascii", "replace")
+                     for start in range(0, len(self.records), REMOVAL_RECORD_BYTES))
+
+    @property
+    def signatures(self) -> tuple[bytes, ...]:
+        return tuple(self.records[start + AGENT_ID_CHARS:start + REMOVAL_RECORD_BYTES]
+                     for start in range(0, len(self.records), REMOVAL_RECORD_BYTES))
 
 
 @dataclass(frozen=True)
-class KnownRemovals:
-    """An agent tells `fleet serve`, on its registration link, of removals it keeps that the controller's
-    RevocationUpdate lacked (a data dir restored from a backup older than them), with the CA's signatures;
-    at most MAX_KNOWN_REMOVALS a message."""
-
-    agent_ids: tuple[str, ...]
-    signatures: tuple[str, ...]
+class RevocationUpdate(_Removals):
+    """The controller's full list of removed agents, each with the fleet CA's signature of its removal: an agent
+    refuses and drops links from them, and keeps them for good."""
 
     def __post_init__(self) -> None:
-        _require(0 < len(self.agent_ids) <= MAX_KNOWN_REMOVALS,
-                 f"known removals must list 1 to {MAX_KNOWN_REMOVALS} agents, not {len(self.agent_ids)}")
-        _check_removals("known removed", self.agent_ids, self.signatures)
+        self._check_records()
 
 
-def _check_removals(kind: str, agent_ids: tuple[str, ...], signatures: tuple[str, ...]) -> None:
-    _require(len(signatures) == len(agent_ids),
-             f"{kind} agents: {len(agent_ids)} ids but {len(signatures)} signatures")
-    for agent_id, signature in zip(agent_ids, signatures, strict=True):
-        _require(is_agent_id(agent_id), f"{kind} agent id is not an agent id")
-        _require(_REMOVAL_SIGNATURE.fullmatch(signature) is not None,
-                 f"the signature of {kind} agent {agent_id[:12]} must be 128 lowercase hex characters")
+@dataclass(frozen=True)
+class KnownRemovals(_Removals):
+    """An agent's answer to a RevocationUpdate that lacks removals it keeps (a controller data dir restored
+    from a backup older than them): those, with the CA's signatures, at most MAX_KNOWN_REMOVALS a message."""
+
+    def __post_init__(self) -> None:
+        count = len(self.records) // REMOVAL_RECORD_BYTES
+        _require(0 < count <= MAX_KNOWN_REMOVALS, f"known removals must list 1 to {MAX_KNOWN_REMOVALS} agents, "
+                                                  f"not {count}")
+        self._check_records()
 
 
 @dataclass(frozen=True)
@@ -600,6 +625,7 @@ __all__ = [
     "MAX_KNOWN_REMOVALS",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
+    "REMOVAL_SIGNATURE_BYTES",
     "AgentState",
     "AssignStage",
     "DraftInfo",

@@ -37,6 +37,7 @@ from deskfleet.common.wire import (
     Role,
     decode,
     encode,
+    is_agent_id,
     parse_address,
 )
 from deskfleet.controller.fleet_store import DEFAULT_PORT, FleetStore, FleetStoreError, RosterEntry, checked_addresses
@@ -171,19 +172,50 @@ def remove_agent(store: FleetStore, name: str) -> str:
     return agent_id
 
 
-def restore_removals(store: FleetStore, removals: KnownRemovals) -> list[str]:
+def restore_removals(store: FleetStore, removals: KnownRemovals, known: pki.RevocationSet) -> list[str]:
     """Add to revoked.json the removals an agent kept that it lacks (the data dir was restored from a backup
-    older than them); return the ids added. Only a removal this fleet's CA signed is taken: PkiError names
-    the first that is not, and nothing is added."""
+    older than them); return the ids added. `known`: the removals already listed (their signatures are not
+    checked again, and a message of nothing new costs no lock). Only a removal this fleet's CA signed is taken:
+    PkiError names the first that is not, and nothing is added."""
+    new = [(agent_id, signature) for agent_id, signature in zip(removals.agent_ids, removals.signatures, strict=True)
+           if not known.is_revoked(agent_id)]
+    if not new:
+        return []
     ca_certificate = store.tls_files.ca_certificate()
-    for agent_id, signature in zip(removals.agent_ids, removals.signatures, strict=True):
+    for agent_id, signature in new:
         pki.check_removal(ca_certificate, agent_id, signature)
     with store.locked():
         revoked = set(_read_revoked(store))
-        added = sorted(set(removals.agent_ids) - revoked)
+        added = sorted({agent_id for agent_id, _ in new} - revoked)
         if added:
             store.write("revoked", sorted(revoked | set(added)))
     return added
+
+
+async def take_known_removals(store: FleetStore, revocations: Revocations, message: KnownRemovals,
+                              sender: str) -> bool:
+    """restore_removals for what agent `sender` said, in a thread (the data dir's lock is a blocking file lock),
+    the outcome logged; False when a removal was not the CA's (the caller then ignores that sender's)."""
+    try:
+        known = revocations()
+    except pki.PkiError as error:  # unreadable now: the agent says them again at its next list
+        log.error("%s", error)
+        return True
+    try:
+        added = await asyncio.to_thread(restore_removals, store, message, known)
+    except pki.PkiError as error:
+        log.warning("agent %s sent removals this fleet's CA did not sign (ignored, and any more it sends): %s",
+                    sender[:12], error)
+        return False
+    except (OSError, FleetStoreError) as error:
+        log.error("cannot add the removals agent %s kept to %s: %s", sender[:12], store.data_dir / "revoked.json",
+                  error)
+        return True
+    if added:
+        log.warning("agent %s keeps %d removal(s) signed by this fleet's CA that %s lacked (the data dir was restored "
+                    "from an older backup?): removed again: %s", sender[:12], len(added),
+                    store.data_dir / "revoked.json", ", ".join(agent_id[:12] for agent_id in added))
+    return True
 
 
 def _read_revoked(store: FleetStore) -> list[str]:
@@ -205,6 +237,10 @@ def _read_revoked(store: FleetStore) -> list[str]:
                               f"without it would let them in again. {restore}")
     if not isinstance(body, list) or not all(isinstance(item, str) for item in body):
         raise FleetStoreError(f"{path} must hold a list of agent ids. {restore}")
+    for item in body:
+        if not is_agent_id(item):
+            raise FleetStoreError(f"{path} lists {item[:60]!r}, which is not an agent id (52 characters a-z, 2-7). "
+                                  f"{restore}")
     return body
 
 
@@ -217,7 +253,7 @@ class Revocations:
         self._stamp: tuple[int, int] | None = None
         self._current = pki.RevocationSet()
         self._ca: pki.FleetCa | None = None
-        self._signatures: dict[str, str] = {}
+        self._signatures: dict[str, bytes] = {}
 
     def __call__(self) -> pki.RevocationSet:
         path = self.store.data_dir / "revoked.json"
@@ -248,7 +284,7 @@ class Revocations:
                                    f"{self.store.ca_key_path} cannot be read ({error})") from None
             self._ca = ca
             self._signatures.update((agent_id, pki.sign_removal(ca, agent_id)) for agent_id in unsigned)
-        return RevocationUpdate(tuple(revoked), tuple(self._signatures[agent_id] for agent_id in revoked))
+        return RevocationUpdate.of(revoked, [self._signatures[agent_id] for agent_id in revoked])
 
 
 # Public functions: enrollment

@@ -30,7 +30,7 @@ from deskfleet.agent.link import Link, LinkError, start_server, utc_now
 from deskfleet.common import pki
 from deskfleet.common.discovery_record import ControllerRecord
 from deskfleet.common.wire import ErrorCode, KnownRemovals, Register, RevocationUpdate, Role, parse_address
-from deskfleet.controller.fleet_ca import Revocations, restore_removals, serve_enrollment
+from deskfleet.controller.fleet_ca import Revocations, serve_enrollment, take_known_removals
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class FleetServer:
             return
         agent_id = link.peer.agent_id
         try:
-            update = self._revocation_update()
+            self.revocations()
         except pki.PkiError as error:  # the list vanished since the handshake: refused like a new link
             log.error("refused agent %s: %s", agent_id[:12], error)
             await link.refuse(ErrorCode.INTERNAL, "the controller cannot read its list of removed agents")
@@ -176,10 +176,16 @@ class FleetServer:
         log.info("agent %s registered at %s", agent_id[:12], ", ".join(message.listen_addresses))
         self._changed()
         try:
-            await link.send(update)
-        except LinkError as error:
-            log.info("agent %s: %s", agent_id[:12], error)
-        try:
+            # The list as it is now, once the link is live: a change meanwhile (another agent's restored
+            # removals) reaches this agent by this message or by the watcher's, never by neither.
+            try:
+                await link.send(self._revocation_update())
+            except pki.PkiError as error:
+                log.error("refused agent %s: %s", agent_id[:12], error)
+                await link.refuse(ErrorCode.INTERNAL, "the controller cannot read its list of removed agents")
+                return
+            except LinkError as error:
+                log.info("agent %s: %s", agent_id[:12], error)
             await self._read_registration(link)
         finally:
             if self.live.get(agent_id) is link:
@@ -190,29 +196,19 @@ class FleetServer:
     async def _read_registration(self, link: Link) -> None:
         """Read what a registered agent says on its registration link until it closes: the removals it kept that
         this data dir lacks (restored from an older backup), signed by the CA, are added to revoked.json, which
-        the watcher then tells every agent and acts on; anything else is only logged."""
+        the watcher then tells every agent and acts on. After one this fleet's CA did not sign, that link's are
+        no longer read (checking signatures costs; a member has no business sending any). Anything else is
+        only logged."""
+        taking_removals = True
         while True:
             try:
                 message = await link.receive()
             except LinkError:
                 return
-            if not isinstance(message, KnownRemovals):
+            if isinstance(message, KnownRemovals) and taking_removals:
+                taking_removals = await take_known_removals(self.store, self.revocations, message, link.peer.agent_id)
+            else:
                 log.debug("agent %s said %s on its registration link", link.peer.agent_id[:12], type(message).__name__)
-                continue
-            try:
-                added = await asyncio.to_thread(restore_removals, self.store, message)
-            except pki.PkiError as error:
-                log.warning("agent %s sent removals this fleet's CA did not sign, ignored: %s",
-                            link.peer.agent_id[:12], error)
-                continue
-            except (OSError, FleetStoreError) as error:
-                log.error("cannot add the removals agent %s kept to %s: %s", link.peer.agent_id[:12],
-                          self.store.data_dir / "revoked.json", error)
-                continue
-            if added:
-                log.warning("agent %s keeps %d removal(s) signed by this fleet's CA that %s lacked (the data dir was "
-                            "restored from an older backup?): removed again: %s", link.peer.agent_id[:12], len(added),
-                            self.store.data_dir / "revoked.json", ", ".join(agent_id[:12] for agent_id in added))
 
     async def _record(self, agent_id: str, addresses: tuple[str, ...]) -> None:
         """Record in the roster where the agent listens; returns once agents.json says so, or raises what the

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from deskfleet.agent.advertise import interface_addresses
 from deskfleet.agent.link import Link, LinkError, LinkVersionError, TlsFiles, open_link
 from deskfleet.common import pki
-from deskfleet.common.wire import Error, StatusReport, StatusRequest
+from deskfleet.common.wire import Error, KnownRemovals, StatusReport, StatusRequest
 from deskfleet.controller.discovery import RESOLVE_TIMEOUT_MS, Discovery, ManualPeers, ZeroconfDiscovery
-from deskfleet.controller.fleet_ca import Revocations
+from deskfleet.controller.fleet_ca import Revocations, take_known_removals
 from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.registry import DiscoverySource, Registry, Sighting
 
@@ -102,9 +102,14 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
                                      for target_id, addresses, _ in targets))
 
     found = Survey([], {})
+    removed = revocations()  # with any removals the agents gave back (a data dir restored from an older backup)
     for (target_id, _, source_names), (address, link, report, problem, version) in zip(targets, results,
                                                                                          strict=True):
         known_id = link.peer.agent_id if link is not None else target_id
+        if known_id is not None and removed.is_revoked(known_id):  # removed again by what another agent said
+            if link is not None:
+                await link.close()
+            continue
         if link is not None and known_id in found.links:  # the same agent by two routes
             await link.close()
             continue
@@ -256,10 +261,13 @@ async def _ask(store: FleetStore, revocations: Revocations, agent_id: str | None
         # meets `fleet serve` (which also sends it), refuses the removed agents' links from now on too.
         await link.send(revocations.update())
         await link.send(StatusRequest())
+        taking_removals = True
         while True:
             message = await asyncio.wait_for(link.receive(), STATUS_TIMEOUT_S)
             if isinstance(message, StatusReport):
                 return link, message, None
+            if isinstance(message, KnownRemovals) and taking_removals:  # before its status: ones we lack
+                taking_removals = await take_known_removals(store, revocations, message, link.peer.agent_id)
             if isinstance(message, Error):
                 raise LinkError(f"{message.code.value}: {message.message}")
     except (LinkError, TimeoutError, pki.PkiError) as error:

@@ -38,4 +38,4 @@ def make_member(ca: pki.FleetCa, folder: Path, name: str, role: Role = Role.AGEN
 
 def removals(ca: pki.FleetCa, *agent_ids: str) -> RevocationUpdate:
     """The list of removed agents as `fleet serve` sends it: each signed by `ca`."""
-    return RevocationUpdate(agent_ids, tuple(pki.sign_removal(ca, agent_id) for agent_id in agent_ids))
+    return RevocationUpdate.of(agent_ids, [pki.sign_removal(ca, agent_id) for agent_id in agent_ids])

@@ -62,6 +62,9 @@ class FakeLink:
     def __init__(self, role: Role) -> None:
         self.peer = pki.PeerIdentity("a" * 52, role, "0" * 64, FAR_FUTURE)
 
+    async def send(self, message: Message) -> None:
+        pass
+
     def describe(self) -> str:
         return f"fake {self.peer.role.value}"
 
@@ -207,7 +210,7 @@ def test_a_removal_the_fleets_ca_did_not_sign_is_refused_and_changes_nothing(
     handle(core, Role.CONTROLLER, removals(fleet_ca, kept))
     stranger = make_ca(tmp_path / "stranger")
     for update in (removals(stranger, new),  # another fleet's CA
-                   RevocationUpdate((kept, new), (removals(fleet_ca, kept).signatures[0],) * 2)):  # kept's for new
+                   RevocationUpdate.of((kept, new), (removals(fleet_ca, kept).signatures[0],) * 2)):  # kept's for new
         with pytest.raises(CommandError, match=f"removal of agent {new[:12]} is not signed") as refusal:
             handle(core, Role.CONTROLLER, update)
         assert refusal.value.code is ErrorCode.BAD_MESSAGE
@@ -268,7 +271,7 @@ def test_a_list_saved_before_removals_were_signed_holds_until_the_controllers_li
     assert registration.sent == []  # nothing signed to give back
     signatures = json.loads(saved.read_text())["signatures"]
     assert list(signatures) == [removed]
-    pki.check_removal(fleet_ca.certificate, removed, signatures[removed])
+    pki.check_removal(fleet_ca.certificate, removed, bytes.fromhex(signatures[removed]))  # kept as hex
 
 
 def test_removals_saved_under_another_fleets_ca_are_dropped_at_start(
@@ -280,12 +283,12 @@ def test_removals_saved_under_another_fleets_ca_are_dropped_at_start(
     ours, theirs = "c" * 52, "d" * 52
     old_fleet = make_ca(tmp_path / "old fleet")
     saved.write_text(json.dumps({"revoked_agent_ids": [ours, theirs], "signatures": {
-        ours: pki.sign_removal(fleet_ca, ours), theirs: pki.sign_removal(old_fleet, theirs)}}))
+        ours: pki.sign_removal(fleet_ca, ours).hex(), theirs: pki.sign_removal(old_fleet, theirs).hex()}}))
     agent = AgentCore(core.files, core.settings, core.cache, FakeMonitor(), revocations_file=saved)
     assert agent.revocations().agent_ids == {ours} and list(agent._removal_signatures) == [ours]
 
 
-def test_removals_the_controller_lacks_are_given_back_on_the_registration_link_only(
+def test_removals_the_controller_lacks_are_given_back_to_it(
         core: AgentCore, fleet_ca: pki.FleetCa) -> None:
     kept = [f"{letter}" * 52 for letter in "cdefg"]
     handle(core, Role.CONTROLLER, removals(fleet_ca, *kept))
@@ -299,8 +302,8 @@ def test_removals_the_controller_lacks_are_given_back_on_the_registration_link_o
         await core.handle(cast(Link, registration), removals(fleet_ca, *kept))  # up to date: nothing to say
 
     asyncio.run(scenario())
-    assert survey.sent == []  # a survey (`fleet ls`) does not merge them: `fleet serve` does
-    (told,) = registration.sent
+    assert survey.sent == registration.sent[:1]  # a survey (`fleet ls`, `deploy`...) is told them too
+    (told,) = registration.sent  # and not again once the list has them
     assert isinstance(told, KnownRemovals) and told.agent_ids == (kept[0], kept[2], kept[4])
     for agent_id, signature in zip(told.agent_ids, told.signatures, strict=True):
         pki.check_removal(fleet_ca.certificate, agent_id, signature)
@@ -310,7 +313,7 @@ def test_many_known_removals_are_told_in_messages_of_at_most_the_limit(
         core: AgentCore, fleet_ca: pki.FleetCa) -> None:
     many = sorted(pki.agent_id_for_key(pki.create_private_key().public_key()) for _ in range(MAX_KNOWN_REMOVALS + 3))
     signatures = {agent_id: pki.sign_removal(fleet_ca, agent_id) for agent_id in many}
-    handle(core, Role.CONTROLLER, RevocationUpdate(tuple(many), tuple(signatures[agent_id] for agent_id in many)))
+    handle(core, Role.CONTROLLER, RevocationUpdate.of(many, [signatures[agent_id] for agent_id in many]))
     registration = RecordingLink(Role.CONTROLLER)
     core._registration_links.add(cast(Link, registration))
     asyncio.run(core.handle(cast(Link, registration), removals(fleet_ca)))

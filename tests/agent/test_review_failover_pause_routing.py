@@ -61,7 +61,7 @@ def test_a_paused_middle_stage_tells_the_driver_not_fleet_serve(desk: tuple[Agen
     async def scenario() -> tuple[OpenLink, OpenLink]:
         hang_up = asyncio.Event()
         driver = OpenLink([], hang_up)  # a middle stage's driver link says nothing after its Hello
-        registration = OpenLink([RevocationUpdate((), ())], hang_up)  # fleet serve answers a registration
+        registration = OpenLink([RevocationUpdate(b"")], hang_up)  # fleet serve answers a registration
         service = AgentService.__new__(AgentService)
         service.core, service.listen, service.bound_port = core, "0.0.0.0:7431", 7431
         service._outage = SimpleNamespace(failed=lambda error: None, ended=lambda: "",  # type: ignore[assignment]

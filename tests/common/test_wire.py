@@ -59,7 +59,7 @@ from deskfleet.common.wire import (
 )
 
 AGENT = "a" * 40 + "bcdefg234567"
-SIGNATURE = "0123456789abcdef" * 8  # the form of a removal's signature (common/pki.py checks the rest)
+SIGNATURE = bytes(range(64))  # a removal's signature has 64 bytes (common/pki.py checks the rest)
 SHA = "0123456789abcdef" * 4
 STAGE = StageRef("llama-3.2-1b", 4, 9)
 RNG = np.random.default_rng(1234)
@@ -118,10 +118,10 @@ def all_messages() -> list[wire.Message]:
         Register(AGENT, ("192.168.1.20:7443", "desk-42.local:7443")),
         ReleaseMicroBatch(7),
         ResultsHere(),
-        RevocationUpdate((AGENT,), (SIGNATURE,)),
-        RevocationUpdate((), ()),
-        KnownRemovals((AGENT, "b" * 52), (SIGNATURE, "0" * 128)),
-        KnownRemovals((AGENT,) * MAX_KNOWN_REMOVALS, (SIGNATURE,) * MAX_KNOWN_REMOVALS),
+        RevocationUpdate.of((AGENT,), (SIGNATURE,)),
+        RevocationUpdate(b""),
+        KnownRemovals.of((AGENT, "b" * 52), (SIGNATURE, bytes(64))),
+        KnownRemovals.of((AGENT,) * MAX_KNOWN_REMOVALS, (SIGNATURE,) * MAX_KNOWN_REMOVALS),
         forward(return_logits=True),
     ]
 
@@ -188,13 +188,14 @@ def test_same_message_tells_tensors_apart() -> None:
     (lambda: ForwardResult(1, 1, (1,), None, np.zeros((2, 1, 4), np.float32)), "logits"),
     (lambda: StageRef("m", 3, 3), "layer_end"),
     (lambda: ReleaseMicroBatch(-1), "micro_batch_id"),
-    (lambda: RevocationUpdate(("not-an-id",), (SIGNATURE,)), "revoked agent id"),
-    (lambda: RevocationUpdate((AGENT,), ()), "1 ids but 0 signatures"),
-    (lambda: RevocationUpdate((AGENT,), (SIGNATURE.upper(),)), "128 lowercase hex"),
-    (lambda: RevocationUpdate((AGENT,), (SIGNATURE[:-2],)), "128 lowercase hex"),
-    (lambda: KnownRemovals((), ()), "1 to 256"),
-    (lambda: KnownRemovals((AGENT,) * (MAX_KNOWN_REMOVALS + 1), (SIGNATURE,) * (MAX_KNOWN_REMOVALS + 1)), "not 257"),
-    (lambda: KnownRemovals(("1" * 52,), (SIGNATURE,)), "known removed agent id"),
+    (lambda: RevocationUpdate.of(("not-an-id",), (SIGNATURE,)), "removed agent id 'not-an-id' is not an agent id"),
+    (lambda: RevocationUpdate.of((AGENT,), ()), "1 removed agents but 0 signatures"),
+    (lambda: RevocationUpdate(RevocationUpdate.of((AGENT,), (SIGNATURE,)).records[:-1]), "116-byte records, not 115"),
+    (lambda: RevocationUpdate(b"1" * 52 + SIGNATURE), "removed agent id '1111"),
+    (lambda: RevocationUpdate(AGENT[:-1].encode() + b"\xff" + SIGNATURE), "is not an agent id"),
+    (lambda: KnownRemovals(b""), f"1 to {MAX_KNOWN_REMOVALS} agents, not 0"),
+    (lambda: KnownRemovals.of((AGENT,) * (MAX_KNOWN_REMOVALS + 1), (SIGNATURE,) * (MAX_KNOWN_REMOVALS + 1)),
+     f"not {MAX_KNOWN_REMOVALS + 1}"),
     (lambda: ManifestEntry("../etc/passwd", SHA, 1), "file_name"),
     (lambda: ManifestEntry("a.bin", SHA.upper(), 1), "sha256"),
     (lambda: AssignStage(STAGE, True, True, "CPU", Precision.F16, None,
@@ -492,5 +493,5 @@ def test_addresses_need_a_port_and_port_zero_only_to_listen() -> None:
 def test_the_most_known_removals_a_message_carries_fit_the_frames_the_controllers_port_reads() -> None:
     from deskfleet.agent.link import ENROLLMENT_MAX_FRAME_BYTES
 
-    most = KnownRemovals(("z" * 52,) * MAX_KNOWN_REMOVALS, ("f" * 128,) * MAX_KNOWN_REMOVALS)
+    most = KnownRemovals.of(("z" * 52,) * MAX_KNOWN_REMOVALS, (b"\xff" * 64,) * MAX_KNOWN_REMOVALS)
     assert len(encode(most)) <= ENROLLMENT_MAX_FRAME_BYTES

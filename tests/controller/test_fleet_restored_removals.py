@@ -9,25 +9,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from deskfleet.agent import service as service_module
+from deskfleet.agent.core import AgentCore
 from deskfleet.agent.enroll import Membership, agent_tls_files, join
-from deskfleet.agent.link import LinkError, open_link, utc_now
-from deskfleet.agent.paths import AgentPaths
+from deskfleet.agent.link import Link, LinkError, open_link, start_server, utc_now
+from deskfleet.agent.paths import AgentPaths, AgentSettings, Thresholds
 from deskfleet.agent.service import AgentOptions, AgentService
+from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common import pki
-from deskfleet.common.wire import KnownRemovals, Register
+from deskfleet.common.wire import KnownRemovals, Register, RevocationUpdate, Role
+from deskfleet.controller import fleet_survey
 from deskfleet.controller.fleet_ca import Revocations, init_fleet, load_ca, remove_agent, restore_removals
 from deskfleet.controller.fleet_server import FleetServer
-from deskfleet.controller.fleet_store import FleetStore
-from tests.agent.test_core import FakeMonitor
+from deskfleet.controller.fleet_store import FleetStore, RosterEntry
+from deskfleet.controller.fleet_survey import SurveyOptions, survey
+from tests.agent.test_core import FakeMonitor, RecordingLink
 from tests.controller.test_fleet_ca import token_for
-from tests.fleet_pki import make_ca
-from tests.ports import LOOPBACK, free_address
+from tests.fleet_pki import make_ca, make_member
+from tests.ports import LOOPBACK, free_address, free_port
 
 DEADLINE_S = 30.0
 
@@ -48,21 +54,25 @@ def test_only_removals_the_fleets_ca_signed_are_restored(store: FleetStore, tmp_
     listed, lost, foreign = new_agent_id(), new_agent_id(), new_agent_id()
     store.write("revoked", [listed])
     update = Revocations(store).update()
-    assert update.revoked_agent_ids == (listed,)
+    assert update.agent_ids == (listed,)
     pki.check_removal(ca.certificate, listed, update.signatures[0])  # what agents are told is signed
-    signed = KnownRemovals((listed, lost), (pki.sign_removal(ca, listed), pki.sign_removal(ca, lost)))
-    assert restore_removals(store, signed) == [lost]
-    assert restore_removals(store, signed) == []  # already there
+    signed = KnownRemovals.of((listed, lost), (pki.sign_removal(ca, listed), pki.sign_removal(ca, lost)))
+    assert restore_removals(store, signed, Revocations(store)()) == [lost]
     assert Revocations(store)().agent_ids == {listed, lost}
+    # what is listed already is neither checked again nor written: a replayed message costs nothing
+    replayed = KnownRemovals.of((listed, lost), (bytes(64), bytes(64)))
+    before = (store.data_dir / "revoked.json").stat().st_mtime_ns
+    assert restore_removals(store, replayed, Revocations(store)()) == []
+    assert (store.data_dir / "revoked.json").stat().st_mtime_ns == before
     stranger = make_ca(tmp_path / "stranger")
-    before = (store.data_dir / "revoked.json").read_bytes()
+    before_bytes = (store.data_dir / "revoked.json").read_bytes()
     genuine = new_agent_id()
-    forged = KnownRemovals((genuine, foreign), (pki.sign_removal(ca, genuine), pki.sign_removal(stranger, foreign)))
+    forged = KnownRemovals.of((genuine, foreign), (pki.sign_removal(ca, genuine), pki.sign_removal(stranger, foreign)))
     with pytest.raises(pki.PkiError, match=f"removal of agent {foreign[:12]} is not signed by this fleet's CA"):
-        restore_removals(store, forged)
-    with pytest.raises(pki.PkiError, match=f"removal of agent {lost[:12]} is not signed"):  # another id's signature
-        restore_removals(store, KnownRemovals((lost,), (pki.sign_removal(ca, listed),)))
-    assert (store.data_dir / "revoked.json").read_bytes() == before  # nothing added, not even the first
+        restore_removals(store, forged, Revocations(store)())
+    assert (store.data_dir / "revoked.json").read_bytes() == before_bytes  # nothing added, not even the first
+    with pytest.raises(pki.PkiError, match=f"removal of agent {genuine[:12]} is not signed"):  # another's signature
+        restore_removals(store, KnownRemovals.of((genuine,), (pki.sign_removal(ca, listed),)), pki.RevocationSet())
 
 
 async def wait_until(what: str, condition: Callable[[], bool]) -> None:
@@ -145,7 +155,7 @@ def test_removals_a_member_did_not_get_from_the_ca_are_ignored_by_fleet_serve(
         await link.send(Register(membership.agent_id, ("127.0.0.1:7431",)))
         await link.receive()  # the controller's list
         forged = pki.sign_removal(pki.FleetCa(load_ca(store).certificate, member_key), victim)
-        await link.send(KnownRemovals((victim,), (forged,)))
+        await link.send(KnownRemovals.of((victim,), (forged,)))
         await wait_until("the forgery logged", lambda: any("did not sign" in record.getMessage()
                                                            for record in caplog.records))
         assert not Revocations(store)().is_revoked(victim)
@@ -155,3 +165,76 @@ def test_removals_a_member_did_not_get_from_the_ca_are_ignored_by_fleet_serve(
         await running
 
     asyncio.run(scenario())
+
+
+def test_a_survey_of_a_restored_controller_learns_the_removals_and_lists_the_removed_pc_no_more(
+        store: FleetStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `fleet ls`, `plan` and `deploy` run without `fleet serve`: a restored data dir's deploy must not pick the
+    # removed PC (its neighbours refuse it, and the chain fails).
+    monkeypatch.setattr(fleet_survey, "interface_addresses", lambda: [LOOPBACK])
+    ca = load_ca(store)
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    cores = {}
+    for name in ("kept", "removed"):
+        files = make_member(ca, tmp_path / name, name)
+        saved = tmp_path / name / "revoked.json"
+        cores[name] = AgentCore(files, settings, ShardCache(tmp_path / name / "cache", 1 << 30), FakeMonitor(),
+                                revocations_file=saved)
+    removed_id = cores["removed"].agent_id
+    (tmp_path / "kept" / "revoked.json").write_text(json.dumps({  # told before the backup was restored
+        "revoked_agent_ids": [removed_id], "signatures": {removed_id: pki.sign_removal(ca, removed_id).hex()}}))
+    cores["kept"] = AgentCore(cores["kept"].files, settings, cores["kept"].cache, FakeMonitor(),
+                              revocations_file=tmp_path / "kept" / "revoked.json")
+    ports = {name: free_port() for name in cores}
+    store.save_roster({core.agent_id: RosterEntry(core.agent_id, f"pc-{name}", "2026-01-01T00:00:00+00:00",
+                                                  (f"{LOOPBACK}:{ports[name]}",)) for name, core in cores.items()})
+
+    async def scenario() -> list[str | None]:
+        servers = [await start_server(core.serve_link, LOOPBACK, ports[name], core.files)
+                   for name, core in cores.items()]
+        try:
+            found = await survey(store, SurveyOptions(discover_seconds=0))
+            await found.close()
+            return [agent.agent_id for agent in found.agents]
+        finally:
+            for server in servers:
+                server.close()
+                await server.wait_closed()
+
+    assert asyncio.run(scenario()) == [cores["kept"].agent_id]
+    assert Revocations(store)().is_revoked(removed_id)
+
+
+def test_an_agent_keeps_the_signature_it_holds_and_checks_only_new_ones(
+        store: FleetStore, tmp_path: Path) -> None:
+    # ECDSA signs anew each time: every controller process (each `fleet ls`) sends other signatures of the same
+    # removals, and checking them all again cost every agent ~0.1 s of its event loop per 1,400 removals.
+    ca = load_ca(store)
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    saved = tmp_path / "agent" / "revoked.json"
+    core = AgentCore(make_member(ca, tmp_path / "agent", "agent"), settings,
+                     ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor(), revocations_file=saved)
+    held, new = new_agent_id(), new_agent_id()
+    controller = cast(Link, RecordingLink(Role.CONTROLLER))
+    asyncio.run(core.handle(controller, RevocationUpdate.of([held], [pki.sign_removal(ca, held)])))
+    kept = saved.read_bytes()
+    checked: list[str] = []
+    real_check = pki.check_removal
+
+    def counted(ca_certificate: object, agent_id: str, signature: bytes) -> None:
+        checked.append(agent_id)
+        real_check(ca_certificate, agent_id, signature)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pki, "check_removal", counted)
+        asyncio.run(core.handle(controller, RevocationUpdate.of([held], [pki.sign_removal(ca, held)])))
+        assert checked == [] and saved.read_bytes() == kept  # nothing new: nothing checked, nothing written
+        asyncio.run(core.handle(controller, RevocationUpdate.of([held, new], [pki.sign_removal(ca, held),
+                                                                             pki.sign_removal(ca, new)])))
+    assert checked == [new] and core.revocations().agent_ids == {held, new}
+
+
+def test_an_id_in_the_controllers_list_that_is_no_agent_id_is_named_with_the_file(store: FleetStore) -> None:
+    store.write("revoked", ["PC-7 (the old laptop)"])
+    with pytest.raises(pki.PkiError, match=r"revoked\.json lists 'PC-7 \(the old laptop\)', which is not an agent id"):
+        Revocations(store)()

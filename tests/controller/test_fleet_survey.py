@@ -259,7 +259,7 @@ def test_an_agent_that_never_answers_the_status_request_is_said_to_have_timed_ou
             return pki.RevocationSet()
 
         def update(self) -> RevocationUpdate:
-            return RevocationUpdate((), ())
+            return RevocationUpdate(b"")
 
     revocations = cast(Revocations, NobodyRemoved())
     store = cast(FleetStore, SimpleNamespace(tls_files=None))
