@@ -29,7 +29,7 @@ from deskfleet.agent.advertise import Announcement, addresses_to_advertise, adve
 from deskfleet.agent.link import Link, LinkError, start_server, utc_now
 from deskfleet.common import pki
 from deskfleet.common.discovery_record import ControllerRecord
-from deskfleet.common.wire import ErrorCode, KnownRemovals, Register, RevocationUpdate, Role, parse_address
+from deskfleet.common.wire import Error, ErrorCode, KnownRemovals, Register, RevocationUpdate, Role, parse_address
 from deskfleet.controller.fleet_ca import Revocations, serve_enrollment, take_known_removals
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry
 
@@ -198,7 +198,7 @@ class FleetServer:
         this data dir lacks (restored from an older backup), signed by the CA, are added to revoked.json, which
         the watcher then tells every agent and acts on. After one this fleet's CA did not sign, that link's are
         no longer read (checking signatures costs; a member has no business sending any). Anything else is
-        only logged."""
+        only logged (an Error as a warning)."""
         taking_removals = True
         while True:
             try:
@@ -207,6 +207,9 @@ class FleetServer:
                 return
             if isinstance(message, KnownRemovals) and taking_removals:
                 taking_removals = await take_known_removals(self.store, self.revocations, message, link.peer.agent_id)
+            elif isinstance(message, Error):  # a stage's failure with no driver connected to hear it
+                text = "".join(char if char.isprintable() else "?" for char in message.message[:500])  # no forged lines
+                log.warning("agent %s reports: %s: %s", link.peer.agent_id[:12], message.code.value, text)
             else:
                 log.debug("agent %s said %s on its registration link", link.peer.agent_id[:12], type(message).__name__)
 

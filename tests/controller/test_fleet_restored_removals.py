@@ -24,7 +24,7 @@ from deskfleet.agent.paths import AgentPaths, AgentSettings, Thresholds
 from deskfleet.agent.service import AgentOptions, AgentService
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common import pki
-from deskfleet.common.wire import KnownRemovals, Register, RevocationUpdate, Role
+from deskfleet.common.wire import Error, ErrorCode, KnownRemovals, Register, RevocationUpdate, Role
 from deskfleet.controller import fleet_survey
 from deskfleet.controller.fleet_ca import Revocations, init_fleet, load_ca, remove_agent, restore_removals
 from deskfleet.controller.fleet_server import FleetServer
@@ -238,3 +238,26 @@ def test_an_id_in_the_controllers_list_that_is_no_agent_id_is_named_with_the_fil
     store.write("revoked", ["PC-7 (the old laptop)"])
     with pytest.raises(pki.PkiError, match=r"revoked\.json lists 'PC-7 \(the old laptop\)', which is not an agent id"):
         Revocations(store)()
+
+
+def test_an_error_an_agent_sends_fleet_serve_is_logged_on_one_printable_line(
+        store: FleetStore, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A stage's failure with no driver connected goes to `fleet serve`, which read nothing after Register.
+    async def scenario() -> None:
+        server = FleetServer(store, free_address(), announce_at=_nowhere)
+        running = asyncio.create_task(server.run())
+        await wait_until("the controller listening", lambda: server.bound_port is not None)
+        address = f"{LOOPBACK}:{server.bound_port}"
+        membership = await join(token_for(store, address), tmp_path / "agent", "pc-1")
+        link = await open_link(address, agent_tls_files(tmp_path / "agent"), expected_agent_id=membership.controller_id)
+        await link.send(Register(membership.agent_id, ("127.0.0.1:7431",)))
+        await link.receive()  # the controller's list
+        await link.send(Error(ErrorCode.INTERNAL, "stage 1 failed\nINFO forged line"))
+        await wait_until("the error logged", lambda: any("reports" in record.getMessage() for record in caplog.records))
+        await link.close()
+        server.stop()
+        await running
+
+    asyncio.run(scenario())
+    (line,) = [record.getMessage() for record in caplog.records if "reports" in record.getMessage()]
+    assert line.endswith("reports: internal: stage 1 failed?INFO forged line")
