@@ -12,6 +12,7 @@ from deskfleet.common.kv_ledger import AdmitRow, AppendSlots, Compact, Invalidat
 from deskfleet.common.wire_codec import DEFAULT_LIMITS, MAGIC, Limits, decode, encode, peek_version, same_message
 from deskfleet.common.wire_messages import (
     MAX_KNOWN_REMOVALS,
+    MAX_REMOVALS,
     MESSAGE_TYPES,
     MICRO_BATCH_IDLE_S,
     PROTOCOL_VERSION,
@@ -65,6 +66,7 @@ __all__ = [
     "MAGIC",
     "MAX_KNOWN_REMOVALS",
     "MAX_RANK",
+    "MAX_REMOVALS",
     "MESSAGE_TYPES",
     "MICRO_BATCH_IDLE_S",
     "PROTOCOL_VERSION",

@@ -18,6 +18,7 @@ import re
 import socket
 from dataclasses import replace
 
+from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from websockets.asyncio.server import ServerConnection
@@ -173,49 +174,65 @@ def remove_agent(store: FleetStore, name: str) -> str:
 
 
 def restore_removals(store: FleetStore, removals: KnownRemovals, known: pki.RevocationSet) -> list[str]:
-    """Add to revoked.json the removals an agent kept that it lacks (the data dir was restored from a backup
-    older than them); return the ids added. `known`: the removals already listed (their signatures are not
-    checked again, and a message of nothing new costs no lock). Only a removal this fleet's CA signed is taken:
-    PkiError names the first that is not, and nothing is added."""
+    """verify_removals, then add_removals: the ids added to revoked.json."""
+    verified = verify_removals(store.tls_files.ca_certificate(), removals, known)
+    return add_removals(store, verified) if verified else []
+
+
+def verify_removals(ca_certificate: x509.Certificate, removals: KnownRemovals, known: pki.RevocationSet) -> list[str]:
+    """The removals an agent kept that `known` (the controller's list) lacks, each checked to be signed by this
+    fleet's CA; PkiError names the first that is not (then none is to be taken)."""
     new = [(agent_id, signature) for agent_id, signature in zip(removals.agent_ids, removals.signatures, strict=True)
            if not known.is_revoked(agent_id)]
-    if not new:
-        return []
-    ca_certificate = store.tls_files.ca_certificate()
     for agent_id, signature in new:
         pki.check_removal(ca_certificate, agent_id, signature)
+    return sorted({agent_id for agent_id, _ in new})
+
+
+def add_removals(store: FleetStore, agent_ids: list[str]) -> list[str]:
+    """Add `agent_ids` to revoked.json (under the data dir's lock); the ids it lacked."""
     with store.locked():
         revoked = set(_read_revoked(store))
-        added = sorted({agent_id for agent_id, _ in new} - revoked)
+        added = sorted(set(agent_ids) - revoked)
         if added:
             store.write("revoked", sorted(revoked | set(added)))
     return added
 
 
 async def take_known_removals(store: FleetStore, revocations: Revocations, message: KnownRemovals,
-                              sender: str) -> bool:
-    """restore_removals for what agent `sender` said, in a thread (the data dir's lock is a blocking file lock),
-    the outcome logged; False when a removal was not the CA's (the caller then ignores that sender's)."""
-    try:
-        known = revocations()
-    except pki.PkiError as error:  # unreadable now: the agent says them again at its next list
-        log.error("%s", error)
-        return True
-    try:
-        added = await asyncio.to_thread(restore_removals, store, message, known)
-    except pki.PkiError as error:
-        log.warning("agent %s sent removals this fleet's CA did not sign (ignored, and any more it sends): %s",
-                    sender[:12], error)
-        return False
-    except (OSError, FleetStoreError) as error:
-        log.error("cannot add the removals agent %s kept to %s: %s", sender[:12], store.data_dir / "revoked.json",
-                  error)
-        return True
+                              sender: str) -> set[str] | None:
+    """verify_removals and add_removals for what agent `sender` said, in threads (the data dir's lock is a
+    blocking file lock), the outcome logged; `revocations` holds the removals verified from then on, written or
+    not (a `fleet ls` that cannot write the data dir still leaves those PCs out). The removals verified, or
+    None when one was not the CA's (the caller then ignores that sender's). One at a time per `revocations`:
+    agents that register at once give back the same removals, checked once."""
+    async with revocations.restoring:
+        try:
+            known = revocations()
+            ca_certificate = store.tls_files.ca_certificate()
+        except (pki.PkiError, FleetStoreError, OSError, ValueError) as error:  # ours, not the agent's fault
+            log.error("cannot take the removals agent %s kept: %s", sender[:12], error)
+            return set()
+        try:
+            verified = await asyncio.to_thread(verify_removals, ca_certificate, message, known)
+        except pki.PkiError as error:
+            log.warning("agent %s sent removals this fleet's CA did not sign (ignored, and any more it sends): %s",
+                        sender[:12], error)
+            return None
+        if not verified:
+            return set()
+        revocations.given_back(set(verified))
+        try:
+            added = await asyncio.to_thread(add_removals, store, verified)
+        except (OSError, FleetStoreError) as error:
+            log.error("cannot add the removals agent %s kept to %s: %s", sender[:12], store.data_dir / "revoked.json",
+                      error)
+            return set(verified)
     if added:
         log.warning("agent %s keeps %d removal(s) signed by this fleet's CA that %s lacked (the data dir was restored "
                     "from an older backup?): removed again: %s", sender[:12], len(added),
                     store.data_dir / "revoked.json", ", ".join(agent_id[:12] for agent_id in added))
-    return True
+    return set(verified)
 
 
 def _read_revoked(store: FleetStore) -> list[str]:
@@ -245,15 +262,20 @@ def _read_revoked(store: FleetStore) -> list[str]:
 
 
 class Revocations:
-    """The persisted revocation set, re-read whenever revoked.json changes (cheap to call per link). A missing
-    or damaged file raises pki.PkiError naming it: every peer is then refused until it is restored."""
+    """The persisted revocation set, re-read whenever revoked.json changes (cheap to call per link), with the
+    removals agents gave back that this process verified (take_known_removals), held even where revoked.json
+    could not take them. A missing or damaged file raises pki.PkiError naming it: every peer is then refused
+    until it is restored."""
 
     def __init__(self, store: FleetStore) -> None:
         self.store = store
         self._stamp: tuple[int, int] | None = None
+        self._from_file: frozenset[str] = frozenset()
+        self._given_back: frozenset[str] = frozenset()
         self._current = pki.RevocationSet()
         self._ca: pki.FleetCa | None = None
         self._signatures: dict[str, bytes] = {}
+        self.restoring = asyncio.Lock()  # take_known_removals, one at a time
 
     def __call__(self) -> pki.RevocationSet:
         path = self.store.data_dir / "revoked.json"
@@ -264,11 +286,17 @@ class Revocations:
             stamp = (0, 0)
         if stamp != self._stamp:
             try:
-                self._current = pki.RevocationSet(frozenset(_read_revoked(self.store)))
+                self._from_file = frozenset(_read_revoked(self.store))
             except FleetStoreError as error:  # a peer is refused, naming why, until the file is back
                 raise pki.PkiError(f"the fleet's list of removed agents cannot be read: {error}") from None
             self._stamp = stamp
+            self._current = pki.RevocationSet(self._from_file | self._given_back)
         return self._current
+
+    def given_back(self, agent_ids: set[str]) -> None:
+        """Removals an agent gave back, their signatures checked: refused from now on by this process."""
+        self._given_back |= agent_ids
+        self._current = pki.RevocationSet(self._from_file | self._given_back)
 
     def update(self) -> RevocationUpdate:
         """The list as agents are told it: every id with the CA's signature of its removal (made once per id

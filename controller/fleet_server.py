@@ -206,7 +206,8 @@ class FleetServer:
             except LinkError:
                 return
             if isinstance(message, KnownRemovals) and taking_removals:
-                taking_removals = await take_known_removals(self.store, self.revocations, message, link.peer.agent_id)
+                taken = await take_known_removals(self.store, self.revocations, message, link.peer.agent_id)
+                taking_removals = taken is not None
             elif isinstance(message, Error):  # a stage's failure with no driver connected to hear it
                 text = "".join(char if char.isprintable() else "?" for char in message.message[:500])  # no forged lines
                 log.warning("agent %s reports: %s: %s", link.peer.agent_id[:12], message.code.value, text)

@@ -102,7 +102,7 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
                                      for target_id, addresses, _ in targets))
 
     found = Survey([], {})
-    removed = revocations()  # with any removals the agents gave back (a data dir restored from an older backup)
+    removed = revocations()  # with the removals agents gave back (a data dir restored from an older backup)
     for (target_id, _, source_names), (address, link, report, problem, version) in zip(targets, results,
                                                                                          strict=True):
         known_id = link.peer.agent_id if link is not None else target_id
@@ -267,7 +267,7 @@ async def _ask(store: FleetStore, revocations: Revocations, agent_id: str | None
             if isinstance(message, StatusReport):
                 return link, message, None
             if isinstance(message, KnownRemovals) and taking_removals:  # before its status: ones we lack
-                taking_removals = await take_known_removals(store, revocations, message, link.peer.agent_id)
+                taking_removals = await take_known_removals(store, revocations, message, link.peer.agent_id) is not None
             if isinstance(message, Error):
                 raise LinkError(f"{message.code.value}: {message.message}")
     except (LinkError, TimeoutError, pki.PkiError) as error:

@@ -159,6 +159,12 @@ def test_removals_a_member_did_not_get_from_the_ca_are_ignored_by_fleet_serve(
         await wait_until("the forgery logged", lambda: any("did not sign" in record.getMessage()
                                                            for record in caplog.records))
         assert not Revocations(store)().is_revoked(victim)
+        # and what it sends after is not even checked: a genuine removal (it was told one) is not taken from it
+        genuine = new_agent_id()
+        await link.send(KnownRemovals.of((genuine,), (pki.sign_removal(load_ca(store), genuine),)))
+        await link.send(Error(ErrorCode.INTERNAL, "marker"))  # read after it, in order
+        await wait_until("the marker logged", lambda: any("marker" in record.getMessage() for record in caplog.records))
+        assert not Revocations(store)().is_revoked(genuine)
         assert membership.agent_id in server.live  # the link is kept: a fault, not a reason to drop the PC
         await link.close()
         server.stop()
