@@ -33,6 +33,7 @@ from deskfleet.controller.fleet_survey import SurveyOptions, survey
 from tests.agent.test_core import FakeMonitor, RecordingLink
 from tests.controller.test_fleet_ca import token_for
 from tests.fleet_pki import make_ca, make_member
+from tests.log_records import records_of
 from tests.ports import LOOPBACK, free_address, free_port
 
 DEADLINE_S = 30.0
@@ -86,7 +87,7 @@ async def _nowhere() -> tuple[list[str], str]:
 
 
 def test_a_restored_controller_removes_again_the_pcs_the_agents_know_were_removed(
-        store: FleetStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        store: FleetStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     async def no_search(fleet_id: str, controller_id: str, interfaces: list[str]) -> list[str]:
         return []
 
@@ -134,12 +135,13 @@ def test_a_restored_controller_removes_again_the_pcs_the_agents_know_were_remove
                 await registering
             await agent.core.close()
 
-    removed_id = asyncio.run(scenario())
-    assert any(record.getMessage().endswith(f"removed again: {removed_id[:12]}") for record in caplog.records)
+    with records_of("deskfleet.controller") as logged:
+        removed_id = asyncio.run(scenario())
+    assert any(message.endswith(f"removed again: {removed_id[:12]}") for message in logged.messages())
 
 
 def test_removals_a_member_did_not_get_from_the_ca_are_ignored_by_fleet_serve(
-        store: FleetStore, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        store: FleetStore, tmp_path: Path) -> None:
     # An enrolled PC is trusted with its stages, not with who else is in the fleet.
     victim = new_agent_id()
     member_key = pki.create_private_key()
@@ -156,21 +158,21 @@ def test_removals_a_member_did_not_get_from_the_ca_are_ignored_by_fleet_serve(
         await link.receive()  # the controller's list
         forged = pki.sign_removal(pki.FleetCa(load_ca(store).certificate, member_key), victim)
         await link.send(KnownRemovals.of((victim,), (forged,)))
-        await wait_until("the forgery logged", lambda: any("did not sign" in record.getMessage()
-                                                           for record in caplog.records))
+        await wait_until("the forgery logged", lambda: any("did not sign" in message for message in logged.messages()))
         assert not Revocations(store)().is_revoked(victim)
         # and what it sends after is not even checked: a genuine removal (it was told one) is not taken from it
         genuine = new_agent_id()
         await link.send(KnownRemovals.of((genuine,), (pki.sign_removal(load_ca(store), genuine),)))
         await link.send(Error(ErrorCode.INTERNAL, "marker"))  # read after it, in order
-        await wait_until("the marker logged", lambda: any("marker" in record.getMessage() for record in caplog.records))
+        await wait_until("the marker logged", lambda: any("marker" in message for message in logged.messages()))
         assert not Revocations(store)().is_revoked(genuine)
         assert membership.agent_id in server.live  # the link is kept: a fault, not a reason to drop the PC
         await link.close()
         server.stop()
         await running
 
-    asyncio.run(scenario())
+    with records_of("deskfleet.controller") as logged:
+        asyncio.run(scenario())
 
 
 def test_a_survey_of_a_restored_controller_learns_the_removals_and_lists_the_removed_pc_no_more(
@@ -247,7 +249,7 @@ def test_an_id_in_the_controllers_list_that_is_no_agent_id_is_named_with_the_fil
 
 
 def test_an_error_an_agent_sends_fleet_serve_is_logged_on_one_printable_line(
-        store: FleetStore, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        store: FleetStore, tmp_path: Path) -> None:
     # A stage's failure with no driver connected goes to `fleet serve`, which read nothing after Register.
     async def scenario() -> None:
         server = FleetServer(store, free_address(), announce_at=_nowhere)
@@ -259,11 +261,12 @@ def test_an_error_an_agent_sends_fleet_serve_is_logged_on_one_printable_line(
         await link.send(Register(membership.agent_id, ("127.0.0.1:7431",)))
         await link.receive()  # the controller's list
         await link.send(Error(ErrorCode.INTERNAL, "stage 1 failed\nINFO forged line"))
-        await wait_until("the error logged", lambda: any("reports" in record.getMessage() for record in caplog.records))
+        await wait_until("the error logged", lambda: any("reports" in message for message in logged.messages()))
         await link.close()
         server.stop()
         await running
 
-    asyncio.run(scenario())
-    (line,) = [record.getMessage() for record in caplog.records if "reports" in record.getMessage()]
+    with records_of("deskfleet.controller") as logged:
+        asyncio.run(scenario())
+    (line,) = [message for message in logged.messages() if "reports" in message]
     assert line.endswith("reports: internal: stage 1 failed?INFO forged line")

@@ -128,6 +128,16 @@ def test_a_stale_registered_address_that_never_answers_does_not_delay_the_live_o
     assert took < 3.0, f"the survey took {took:.1f} s"
 
 
+class NobodyRemoved:
+    """A stand-in for a survey's Revocations where nobody was removed."""
+
+    def __call__(self) -> pki.RevocationSet:
+        return pki.RevocationSet()
+
+    def update(self) -> RevocationUpdate:
+        return RevocationUpdate(b"")
+
+
 def _agent_id(seed: int) -> str:
     generator = random.Random(seed)
     return "".join(generator.choice("abcdefghijklmnopqrstuvwxyz234567") for _ in range(52))
@@ -254,13 +264,6 @@ def test_an_agent_that_never_answers_the_status_request_is_said_to_have_timed_ou
 
     monkeypatch.setattr(fleet_survey, "open_link", opened)
     monkeypatch.setattr(fleet_survey, "STATUS_TIMEOUT_S", 0.01)
-    class NobodyRemoved:
-        def __call__(self) -> pki.RevocationSet:
-            return pki.RevocationSet()
-
-        def update(self) -> RevocationUpdate:
-            return RevocationUpdate(b"")
-
     revocations = cast(Revocations, NobodyRemoved())
     store = cast(FleetStore, SimpleNamespace(tls_files=None))
     link, report, problem = asyncio.run(fleet_survey._ask(store, revocations, None, "10.0.0.9:7431",

@@ -29,7 +29,7 @@ from deskfleet.controller.fleet_ca import Revocations, init_fleet, load_ca
 from deskfleet.controller.fleet_store import FleetStore, RosterEntry
 from deskfleet.controller.fleet_survey import SurveyOptions, survey
 from tests.agent.test_core import FakeMonitor
-from tests.controller.test_fleet_survey import LOOPBACK
+from tests.controller.test_fleet_survey import LOOPBACK, NobodyRemoved
 from tests.fleet_pki import make_member
 from tests.ports import free_port
 
@@ -146,7 +146,7 @@ def test_agents_slow_to_answer_their_status_hold_no_place_of_a_dial(monkeypatch:
     monkeypatch.setattr(fleet_survey, "open_link", opened)
     monkeypatch.setattr(fleet_survey, "StatusReport", Report)
     store = cast(FleetStore, SimpleNamespace(tls_files=None))
-    revocations = cast(Revocations, lambda: fleet_survey.pki.RevocationSet())
+    revocations = cast(Revocations, NobodyRemoved())
 
     async def scenario() -> None:
         dials = asyncio.Semaphore(4)
