@@ -153,10 +153,9 @@ class AgentCore:
         self._registration_links: set[Link] = set()  # this agent's own links to `fleet serve`: never a driver
         self._results_link: Link | None = None
         self._links: set[Link] = set()  # every link being served
-        # the controller's last list of removed agents, kept across restarts: a restarted agent refuses them
-        # even while the controller is out of reach
-        # with the CA's signature of each removal the controller sent (none for a list saved before signatures),
-        # given back to a controller that lacks them (a data dir restored from an older backup)
+        # every removal the controllers told of, kept across restarts (a restarted agent refuses them even while
+        # the controller is out of reach), with the CA's signature of each (none for a list saved before
+        # signatures), given back to a controller that lacks them (a data dir restored from an older backup)
         self._revocations_file = revocations_file
         self._revoked, self._removal_signatures, self._revocations_unknown = _load_revocations(
             revocations_file, files.ca_certificate())

@@ -22,7 +22,8 @@ from deskfleet.common.kv_ledger import AdmitRow, SlotDelta
 from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, check_tensor
 
 # 2: DraftInfo.one_hot; 3: Forward.layer_start, Error.micro_batch_id and agent_id; 4: Forward.model_id,
-# StatusReport.reasons and detail; 5: AssignStage.previous_agent_id; 6: RevocationUpdate.signatures, KnownRemovals
+# StatusReport.reasons and detail; 5: AssignStage.previous_agent_id; 6: RevocationUpdate as records signed by
+# the CA, KnownRemovals
 PROTOCOL_VERSION = 6
 MAX_STATUS_DETAIL = 500
 
