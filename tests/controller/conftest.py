@@ -1,4 +1,5 @@
-"""Models shared by the engine tests (built once per session by the checkpoint and export factories)."""
+"""Fixtures shared by the controller tests: the engine tests' models (built once per session by the checkpoint
+and export factories) and a fleet's controller data dir."""
 
 from __future__ import annotations
 
@@ -6,6 +7,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from deskfleet.agent.link import utc_now
+from deskfleet.controller.fleet_ca import init_fleet
+from deskfleet.controller.fleet_store import FleetStore
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> FleetStore:
+    """A controller data dir with a fleet made in it (its addresses a placeholder: 127.0.0.1:1)."""
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    return store
 
 
 @pytest.fixture(scope="module")

@@ -29,13 +29,6 @@ from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, Roster
 from tests.ports import free_port
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> FleetStore:
-    store = FleetStore(tmp_path / "controller")
-    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
-    return store
-
-
 def with_server(store: FleetStore, scenario: Callable[[FleetServer, str], Awaitable[None]]) -> None:
     async def main() -> None:
         server = FleetServer(store, f"127.0.0.1:{free_port()}")

@@ -9,24 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from deskfleet.agent.link import utc_now
 from deskfleet.common.planner import PlanPolicy
 from deskfleet.common.wire import Precision
 from deskfleet.controller import fleet_failover
 from deskfleet.controller.chat import add_fleet_option
-from deskfleet.controller.fleet_ca import init_fleet
 from deskfleet.controller.fleet_deploy import DeployError, DeploySettings, load_deploy_settings, model_id_of
 from deskfleet.controller.fleet_failover import FailoverError, FleetFailover
 from deskfleet.controller.fleet_pipeline import ChainError
 from deskfleet.controller.fleet_store import FleetStore
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> FleetStore:
-    store = FleetStore(tmp_path / "controller")
-    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
-    return store
-
 
 
 class NewChain:

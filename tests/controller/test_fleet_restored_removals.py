@@ -19,14 +19,14 @@ import pytest
 from deskfleet.agent import service as service_module
 from deskfleet.agent.core import AgentCore
 from deskfleet.agent.enroll import Membership, agent_tls_files, join
-from deskfleet.agent.link import Link, LinkError, open_link, start_server, utc_now
+from deskfleet.agent.link import Link, LinkError, open_link, start_server
 from deskfleet.agent.paths import AgentPaths, AgentSettings, Thresholds
 from deskfleet.agent.service import AgentOptions, AgentService
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common import pki
 from deskfleet.common.wire import Error, ErrorCode, KnownRemovals, Register, RevocationUpdate, Role
 from deskfleet.controller import fleet_survey
-from deskfleet.controller.fleet_ca import Revocations, init_fleet, load_ca, remove_agent, restore_removals
+from deskfleet.controller.fleet_ca import Revocations, load_ca, remove_agent, restore_removals
 from deskfleet.controller.fleet_server import FleetServer
 from deskfleet.controller.fleet_store import FleetStore, RosterEntry
 from deskfleet.controller.fleet_survey import SurveyOptions, survey
@@ -37,13 +37,6 @@ from tests.log_records import records_of
 from tests.ports import LOOPBACK, free_address, free_port
 
 DEADLINE_S = 30.0
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> FleetStore:
-    store = FleetStore(tmp_path / "controller")
-    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
-    return store
 
 
 def new_agent_id() -> str:
@@ -86,6 +79,19 @@ async def _nowhere() -> tuple[list[str], str]:
     return [], "not announced in this test"
 
 
+async def serving(store: FleetStore, address: str) -> tuple[FleetServer, asyncio.Task[None]]:
+    """`fleet serve` on `store` at `address`, listening; stop it with stopped()."""
+    server = FleetServer(store, address, announce_at=_nowhere)
+    running = asyncio.create_task(server.run())
+    await wait_until("the controller listening", lambda: server.bound_port is not None)
+    return server, running
+
+
+async def stopped(server: FleetServer, running: asyncio.Task[None]) -> None:
+    server.stop()
+    await running
+
+
 def test_a_restored_controller_removes_again_the_pcs_the_agents_know_were_removed(
         store: FleetStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     async def no_search(fleet_id: str, controller_id: str, interfaces: list[str]) -> list[str]:
@@ -95,14 +101,8 @@ def test_a_restored_controller_removes_again_the_pcs_the_agents_know_were_remove
     address = free_address()  # both runs of the controller listen here, as a restarted one would
     kept_dir, removed_dir = tmp_path / "kept", tmp_path / "removed"
 
-    async def serving() -> tuple[FleetServer, asyncio.Task[None]]:
-        server = FleetServer(store, address, announce_at=_nowhere)
-        running = asyncio.create_task(server.run())
-        await wait_until("the controller listening", lambda: server.bound_port is not None)
-        return server, running
-
     async def scenario() -> str:
-        server, running = await serving()
+        server, running = await serving(store, address)
         await join(token_for(store, address), AgentPaths.resolve(kept_dir).state_dir, "pc-kept")
         removed: Membership = await join(token_for(store, address), AgentPaths.resolve(removed_dir).state_dir,
                                          "pc-removed")
@@ -114,20 +114,18 @@ def test_a_restored_controller_removes_again_the_pcs_the_agents_know_were_remove
             await wait_until("the agent registered", lambda: agent.core.agent_id in server.live)
             remove_agent(store, "pc-removed")
             await wait_until("the agent told", lambda: agent.core.revocations().is_revoked(removed.agent_id))
-            server.stop()
-            await running
+            await stopped(server, running)
             for name, data in backup.items():  # the data dir restored from the backup made before the removal
                 (store.data_dir / name).write_bytes(data)
             assert not Revocations(store)().is_revoked(removed.agent_id)
 
-            server, running = await serving()
+            server, running = await serving(store, address)
             await wait_until("the removal restored", lambda: Revocations(store)().is_revoked(removed.agent_id))
             removed_files = agent_tls_files(AgentPaths.resolve(removed_dir).state_dir)
             with pytest.raises(LinkError, match="403"):  # refused again
                 await open_link(address, removed_files, expected_agent_id=removed.controller_id)
             assert agent.core.revocations().is_revoked(removed.agent_id)  # and the agent never forgot it
-            server.stop()
-            await running
+            await stopped(server, running)
             return removed.agent_id
         finally:
             registering.cancel()
@@ -147,9 +145,7 @@ def test_removals_a_member_did_not_get_from_the_ca_are_ignored_by_fleet_serve(
     member_key = pki.create_private_key()
 
     async def scenario() -> None:
-        server = FleetServer(store, free_address(), announce_at=_nowhere)
-        running = asyncio.create_task(server.run())
-        await wait_until("the controller listening", lambda: server.bound_port is not None)
+        server, running = await serving(store, free_address())
         address = f"{LOOPBACK}:{server.bound_port}"
         membership = await join(token_for(store, address), tmp_path / "agent", "pc-1")
         files = agent_tls_files(tmp_path / "agent")
@@ -168,8 +164,7 @@ def test_removals_a_member_did_not_get_from_the_ca_are_ignored_by_fleet_serve(
         assert not Revocations(store)().is_revoked(genuine)
         assert membership.agent_id in server.live  # the link is kept: a fault, not a reason to drop the PC
         await link.close()
-        server.stop()
-        await running
+        await stopped(server, running)
 
     with records_of("deskfleet.controller") as logged:
         asyncio.run(scenario())
@@ -252,9 +247,7 @@ def test_an_error_an_agent_sends_fleet_serve_is_logged_on_one_printable_line(
         store: FleetStore, tmp_path: Path) -> None:
     # A stage's failure with no driver connected goes to `fleet serve`, which read nothing after Register.
     async def scenario() -> None:
-        server = FleetServer(store, free_address(), announce_at=_nowhere)
-        running = asyncio.create_task(server.run())
-        await wait_until("the controller listening", lambda: server.bound_port is not None)
+        server, running = await serving(store, free_address())
         address = f"{LOOPBACK}:{server.bound_port}"
         membership = await join(token_for(store, address), tmp_path / "agent", "pc-1")
         link = await open_link(address, agent_tls_files(tmp_path / "agent"), expected_agent_id=membership.controller_id)
@@ -263,8 +256,7 @@ def test_an_error_an_agent_sends_fleet_serve_is_logged_on_one_printable_line(
         await link.send(Error(ErrorCode.INTERNAL, "stage 1 failed\nINFO forged line"))
         await wait_until("the error logged", lambda: any("reports" in message for message in logged.messages()))
         await link.close()
-        server.stop()
-        await running
+        await stopped(server, running)
 
     with records_of("deskfleet.controller") as logged:
         asyncio.run(scenario())

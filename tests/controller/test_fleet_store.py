@@ -14,13 +14,6 @@ from deskfleet.controller.fleet_ca import init_fleet
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> FleetStore:
-    store = FleetStore(tmp_path / "controller")
-    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
-    return store
-
-
 def new_agent_id() -> str:
     return pki.agent_id_for_key(pki.create_private_key().public_key())
 

@@ -17,7 +17,7 @@ import pytest
 
 from deskfleet.agent import core as agent_core
 from deskfleet.agent.core import AgentCore
-from deskfleet.agent.link import Link, LinkError, TlsFiles, start_server, utc_now
+from deskfleet.agent.link import Link, LinkError, TlsFiles, start_server
 from deskfleet.agent.paths import AgentSettings, Thresholds
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common.agent_state import AgentState
@@ -26,7 +26,7 @@ from deskfleet.common.planner import Plan, PlanOptions, PlanPolicy
 from deskfleet.common.wire import Precision, StageRef, StatusReport
 from deskfleet.controller import fleet_failover
 from deskfleet.controller.engine import Engine, StreamRequest
-from deskfleet.controller.fleet_ca import init_fleet, load_ca
+from deskfleet.controller.fleet_ca import load_ca
 from deskfleet.controller.fleet_deploy import (
     DeployError,
     DeployReport,
@@ -52,13 +52,6 @@ A, B, C = "a" * 52, "b" * 52, "c" * 52  # the agents of stages 0, 1 and 2
 FREE_HOPS = PlanOptions(policy=PlanPolicy.ALL_BY_SPEED, hop_cost=0.0)
 CHAIN = tuple(StagePlacement(agent_id, f"10.0.0.{index}:7431", index, index + 1)
               for index, agent_id in enumerate((A, B, C)))
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> FleetStore:
-    store = FleetStore(tmp_path / "controller")
-    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
-    return store
 
 
 class _SurveyedLink:

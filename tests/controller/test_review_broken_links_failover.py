@@ -14,13 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from deskfleet.agent.link import utc_now
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.planner import GB, ModelFootprint, Plan, PlanOptions, PlanPolicy
 from deskfleet.common.wire import Precision, StageRef, StatusReport
 from deskfleet.controller import fleet_failover
-from deskfleet.controller.fleet_ca import init_fleet
 from deskfleet.controller.fleet_deploy import (
     DeployError,
     DeployReport,
@@ -39,13 +37,6 @@ from tests.controller.test_fleet_failover import NewChain
 A, B, C = "a" * 52, "b" * 52, "c" * 52
 SPEEDS = {A: 3.0, B: 2.0, C: 1.0}  # weight GB/s as measured: the order by speed is A, B, C
 FREE_HOPS = DeploySettings(PlanPolicy.ALL_BY_SPEED, hop_cost=0.0)  # every PC that answers takes a share
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> FleetStore:
-    store = FleetStore(tmp_path / "controller")
-    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
-    return store
 
 
 class _Link:

@@ -13,19 +13,10 @@ from pathlib import Path
 import pytest
 
 from deskfleet.agent.enroll import Membership, agent_tls_files, join
-from deskfleet.agent.link import utc_now
-from deskfleet.controller.fleet_ca import init_fleet
 from deskfleet.controller.fleet_server import FleetServer
 from deskfleet.controller.fleet_store import FleetStore
 from tests.controller.test_fleet_ca import token_for, with_server
 from tests.controller.test_review_lifecycle_serve import register
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> FleetStore:
-    store = FleetStore(tmp_path / "controller")
-    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
-    return store
 
 
 def test_an_agent_enrolled_after_the_backup_is_named_when_it_registers(

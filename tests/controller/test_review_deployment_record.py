@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from deskfleet.agent.link import utc_now
 from deskfleet.controller.cli import main
-from deskfleet.controller.fleet_ca import init_fleet
 from deskfleet.controller.fleet_deploy import DeployError, StagePlacement, load_deployment, model_id_of
 from deskfleet.controller.fleet_store import FleetStore
 
@@ -20,13 +18,6 @@ GOOD_STAGE = {"agent_id": AGENT, "address": "127.0.0.1:7431", "layer_start": 0, 
 
 def write_deployments(store: FleetStore, body: object) -> None:
     (store.data_dir / "deployments.json").write_text(json.dumps({"format": 1, "body": body}), "utf-8")
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> FleetStore:
-    store = FleetStore(tmp_path / "controller")
-    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
-    return store
 
 
 @pytest.mark.parametrize(("stages", "named"), [

@@ -7,23 +7,13 @@ import asyncio
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from deskfleet.agent.link import utc_now
 from deskfleet.controller.cli import main
-from deskfleet.controller.fleet_ca import init_fleet
 from deskfleet.controller.fleet_server import FleetServer
 from deskfleet.controller.fleet_store import SERVE_LOCK, FleetStore, FleetStoreError
 from tests.ports import free_address
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> FleetStore:
-    store = FleetStore(tmp_path / "controller")
-    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
-    return store
 
 
 def test_a_second_serve_of_the_data_dir_names_the_first(store: FleetStore,

@@ -11,19 +11,11 @@ from pathlib import Path
 import pytest
 
 from deskfleet.agent.enroll import agent_tls_files, join
-from deskfleet.agent.link import Link, LinkError, open_link, utc_now
+from deskfleet.agent.link import Link, LinkError, open_link
 from deskfleet.common.wire import Register, RevocationUpdate
-from deskfleet.controller.fleet_ca import init_fleet
 from deskfleet.controller.fleet_server import FleetServer
 from deskfleet.controller.fleet_store import FleetStore
 from tests.controller.test_fleet_ca import token_for, with_server
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> FleetStore:
-    store = FleetStore(tmp_path / "controller")
-    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
-    return store
 
 
 async def register(store: FleetStore, server: FleetServer, address: str, folder: Path,

@@ -3,26 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
-from deskfleet.agent.link import utc_now
 from deskfleet.common import pki
 from deskfleet.common.wire import KnownRemovals, ProtocolError, RevocationUpdate
-from deskfleet.controller.fleet_ca import Revocations, init_fleet, load_ca, take_known_removals
+from deskfleet.controller.fleet_ca import Revocations, load_ca, take_known_removals
 from deskfleet.controller.fleet_store import FleetStore
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> FleetStore:
-    store = FleetStore(tmp_path / "controller")
-    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
-    return store
-
-
-def new_agent_id() -> str:
-    return pki.agent_id_for_key(pki.create_private_key().public_key())
+from tests.controller.test_fleet_restored_removals import new_agent_id
 
 
 def test_review_removals_bytes_agents_giving_the_same_removals_at_once_are_checked_once(

@@ -8,15 +8,13 @@ import asyncio
 import secrets
 from pathlib import Path
 
-import pytest
-
 from deskfleet.agent.enroll import agent_tls_files, join
-from deskfleet.agent.link import open_link, utc_now
+from deskfleet.agent.link import open_link
 from deskfleet.common.wire import Register, RevocationUpdate
-from deskfleet.controller.fleet_ca import init_fleet
 from deskfleet.controller.fleet_server import FleetServer
 from deskfleet.controller.fleet_store import FleetStore
 from tests.controller.test_fleet_ca import token_for
+from tests.controller.test_fleet_restored_removals import serving, stopped
 from tests.ports import LOOPBACK, free_address
 
 _BASE32 = "abcdefghijklmnopqrstuvwxyz234567"
@@ -24,17 +22,6 @@ _BASE32 = "abcdefghijklmnopqrstuvwxyz234567"
 
 def some_agent_ids(count: int) -> list[str]:
     return ["".join(secrets.choice(_BASE32) for _ in range(52)) for _ in range(count)]
-
-
-async def _nowhere() -> tuple[list[str], str]:
-    return [], "not announced in this test"
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> FleetStore:
-    store = FleetStore(tmp_path / "controller")
-    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
-    return store
 
 
 async def _registered(store: FleetStore, server: FleetServer, folder: Path):  # -> (link, first message)
@@ -52,18 +39,13 @@ def test_review_signed_removals_an_agent_registers_with_a_fleet_of_5000_removals
     store.write("revoked", sorted(some_agent_ids(5000)))
 
     async def scenario() -> None:
-        server = FleetServer(store, free_address(), announce_at=_nowhere)
-        running = asyncio.create_task(server.run())
+        server, running = await serving(store, free_address())
         try:
-            async with asyncio.timeout(30):
-                while server.bound_port is None:
-                    await asyncio.sleep(0.02)
             link, first = await _registered(store, server, tmp_path / "agent")
             assert isinstance(first, RevocationUpdate) and len(first.agent_ids) == 5000
             await link.close()
         finally:
-            server.stop()
-            await running
+            await stopped(server, running)
 
     asyncio.run(scenario())
 
@@ -74,12 +56,8 @@ def test_review_signed_removals_fleet_serve_survives_its_list_growing_past_5000(
     store.write("revoked", sorted(some_agent_ids(4800)))
 
     async def scenario() -> None:
-        server = FleetServer(store, free_address(), announce_at=_nowhere)
-        running = asyncio.create_task(server.run())
+        server, running = await serving(store, free_address())
         try:
-            async with asyncio.timeout(30):
-                while server.bound_port is None:
-                    await asyncio.sleep(0.02)
             link, first = await _registered(store, server, tmp_path / "agent")
             assert isinstance(first, RevocationUpdate)
             store.write("revoked", sorted({*first.agent_ids, *some_agent_ids(400)}))  # `fleet remove` x400
@@ -88,7 +66,6 @@ def test_review_signed_removals_fleet_serve_survives_its_list_growing_past_5000(
             assert not running.done()
             await link.close()
         finally:
-            server.stop()
-            await running
+            await stopped(server, running)
 
     asyncio.run(scenario())
