@@ -9,7 +9,9 @@ One TLS 1.3 port (the address in the join tokens):
 One serve runs per data dir: it holds the data dir's serve lock (a second one refuses, naming the first's pid).
 `fleet remove` (another process) rewrites revoked.json; the watcher here notices within
 REVOCATION_POLL_S, closes the removed agent's link at once and sends every other agent the new
-RevocationUpdate (also sent right after each registration), so agents refuse the removed one too.
+RevocationUpdate (also sent right after each registration), so agents refuse the removed one too. An agent
+answers a list that lacks removals it keeps (the data dir was restored from an older backup) with them,
+signed by the CA, on its registration link: they are added to revoked.json, and the watcher acts on them.
 It also announces itself over mDNS (`_deskfleet-ctl._tcp.local.`, its fleet and controller id) at the addresses
 it listens on, announced again when they change: an agent whose join-token address stops answering looks there
 (agent/controller_search.py). Announcing is a help, not a duty: where multicast fails it is logged and serving
