@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import socket
 import ssl
 from dataclasses import asdict, dataclass
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 MEMBERSHIP_FILE = "membership.json"
 MEMBERSHIP_FORMAT = 1
+_SHA256 = re.compile(r"[0-9a-f]{64}")  # a join token secret's, as the ledger keeps it
 JOIN_TIMEOUT_S = 20.0
 
 
@@ -61,6 +63,8 @@ class Membership:
     agent_id: str
     controller_id: str  # the controller certificate's agent id: registration pins it
     controller_addresses: tuple[str, ...]
+    # the sha256 of the join token's secret (None: joined before agents kept it), told at each registration
+    token_sha256: str | None = None
 
     def save(self, state_dir: Path) -> None:
         body = {"format_version": MEMBERSHIP_FORMAT, **asdict(self)}
@@ -88,7 +92,11 @@ class Membership:
                 raise ValueError(f"controller_addresses must be a list of host:port, not {addresses!r:.60}")
             for address in addresses:
                 parse_address(address)  # ProtocolError (a ValueError) naming it
-            return cls(str(body["fleet_id"]), str(body["agent_id"]), str(body["controller_id"]), tuple(addresses))
+            token_sha256 = body.get("token_sha256")
+            if token_sha256 is not None and not (isinstance(token_sha256, str) and _SHA256.fullmatch(token_sha256)):
+                raise ValueError(f"token_sha256 must be 64 lowercase hex characters, not {token_sha256!r:.80}")
+            return cls(str(body["fleet_id"]), str(body["agent_id"]), str(body["controller_id"]), tuple(addresses),
+                       token_sha256)
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise EnrollmentError(f"{path} is malformed ({error!r}): join again") from None
 
@@ -176,7 +184,8 @@ async def _join_at(address: str, token: join_tokens.JoinToken, key: ec.EllipticC
         raise EnrollmentError("the controller signed a certificate for another key")
     files.ca_path.write_bytes(pki.certificate_pem(ca_certificate))
     files.cert_path.write_bytes(pki.certificate_pem(certificate))
-    return Membership(pki.fleet_id(ca_certificate), identity.agent_id, controller_id, token.controller_addresses)
+    return Membership(pki.fleet_id(ca_certificate), identity.agent_id, controller_id, token.controller_addresses,
+                      join_tokens.secret_sha256(token.secret))
 
 
 async def _receive(connection: ClientConnection) -> Message:

@@ -370,7 +370,7 @@ class AgentService:
             host = str(link.connection.transport.get_extra_info("sockname")[0])
         shown = f"[{host}]" if ":" in host else host
         try:
-            await link.send(Register(self.core.agent_id, (f"{shown}:{self.bound_port}",)))
+            await link.send(Register(self.core.agent_id, (f"{shown}:{self.bound_port}",), self.membership.token_sha256))
         except LinkError as error:
             outage.failed(error)
             return

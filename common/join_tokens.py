@@ -70,11 +70,13 @@ class JoinToken:
 
 @dataclass(frozen=True)
 class IssuedSecret:
-    """One ledger record: what the controller persists (never the secret itself)."""
+    """One ledger record: what the controller persists (never the secret itself), and the agents that joined
+    with it."""
 
     secret_sha256: str
     expires_at: datetime.datetime
     uses_left: int
+    redeemed_by: tuple[str, ...] = ()
 
 
 # Public functions
@@ -82,6 +84,11 @@ class IssuedSecret:
 def new_secret() -> bytes:
     """A fresh one-time secret from the OS random source."""
     return secrets.token_bytes(SECRET_BYTES)
+
+
+def secret_sha256(secret: bytes) -> str:
+    """What the ledger keeps of a secret, and what an agent keeps of the one it joined with."""
+    return _digest(secret)
 
 
 def secret_to_text(secret: bytes) -> str:
@@ -187,8 +194,8 @@ class TokenLedger:
             raise ValueError(f"uses must be >= 1, got {uses}")
         self._records.append(IssuedSecret(_digest(secret), expires_at, uses))
 
-    def redeem(self, secret: bytes, now: datetime.datetime) -> None:
-        """Spend one use of `secret`, or raise TokenRejected (the ledger is then unchanged)."""
+    def redeem(self, secret: bytes, now: datetime.datetime, agent_id: str) -> None:
+        """Spend one use of `secret` for `agent_id`, or raise TokenRejected (the ledger is then unchanged)."""
         digest = _digest(secret)
         match = -1
         for index, record in enumerate(self._records):  # no early exit: constant work per record
@@ -201,7 +208,20 @@ class TokenLedger:
             raise TokenRejected(Rejection.EXPIRED)
         if record.uses_left < 1:
             raise TokenRejected(Rejection.USED_UP)
-        self._records[match] = replace(record, uses_left=record.uses_left - 1)
+        self._records[match] = replace(record, uses_left=record.uses_left - 1,
+                                       redeemed_by=(*record.redeemed_by, agent_id))
+
+    def spend_again(self, digest: str, agent_id: str, now: datetime.datetime) -> bool:
+        """An agent that joined with the secret of sha256 `digest` says so: if this ledger does not count that
+        join (it was restored from a backup made before it), spend the use now. True when a use was spent."""
+        for index, record in enumerate(self._records):
+            if hmac.compare_digest(record.secret_sha256, digest):
+                if agent_id in record.redeemed_by or record.uses_left < 1 or now >= record.expires_at:
+                    return False
+                self._records[index] = replace(record, uses_left=record.uses_left - 1,
+                                               redeemed_by=(*record.redeemed_by, agent_id))
+                return True
+        return False
 
     def revoke(self, secret: bytes) -> bool:
         """Forget `secret`; True if it was there."""

@@ -23,7 +23,7 @@ from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, che
 
 # 2: DraftInfo.one_hot; 3: Forward.layer_start, Error.micro_batch_id and agent_id; 4: Forward.model_id,
 # StatusReport.reasons and detail; 5: AssignStage.previous_agent_id; 6: RevocationUpdate as records signed by
-# the CA, KnownRemovals
+# the CA, KnownRemovals, Register.token_sha256
 PROTOCOL_VERSION = 6
 MAX_STATUS_DETAIL = 500
 
@@ -603,13 +603,18 @@ class JoinResponse:
 
 @dataclass(frozen=True)
 class Register:
-    """An enrolled agent tells the controller where it listens (multicast may be blocked)."""
+    """An enrolled agent tells the controller where it listens (multicast may be blocked), and the sha256 of
+    the join token's secret it joined with (None: it joined before agents kept it), so that a controller data
+    dir restored from a backup older than the join spends that use again."""
 
     agent_id: str
     listen_addresses: tuple[str, ...]
+    token_sha256: str | None = None
 
     def __post_init__(self) -> None:
         _require(is_agent_id(self.agent_id), "register agent_id is not an agent id")
+        if self.token_sha256 is not None:
+            _sha256("register token_sha256", self.token_sha256)
         # the controller dials every one: a PC has a few interfaces, not thousands
         _require(len(self.listen_addresses) <= MAX_LISTEN_ADDRESSES,
                  f"register lists {len(self.listen_addresses)} addresses, more than {MAX_LISTEN_ADDRESSES}")

@@ -368,7 +368,7 @@ def _sign_join(store: FleetStore, request: JoinRequest, now: datetime.datetime) 
             raise pki.PkiError(f"agent {agent_id[:12]} was removed from the fleet; join with a new key")
         roster = store.roster()  # before redeeming: a damaged roster costs no token use
         ledger = _load_ledger(store)
-        ledger.redeem(secret, now)
+        ledger.redeem(secret, now, agent_id)
         certificate = pki.sign_csr(ca, csr, now, role=Role.AGENT)
         _save_ledger(store, ledger)
         hostname = printable_hostname(request.hostname)
@@ -413,7 +413,8 @@ def _load_ledger(store: FleetStore) -> join_tokens.TokenLedger:
     try:
         records = [join_tokens.IssuedSecret(str(item["secret_sha256"]),
                                             datetime.datetime.fromisoformat(item["expires_at"]),
-                                            int(item["uses_left"])) for item in body]
+                                            int(item["uses_left"]), _agent_ids(item.get("redeemed_by", [])))
+                   for item in body]
     except (KeyError, TypeError, ValueError) as error:
         raise FleetStoreError(f"{path} holds a malformed record: {error!r}") from None
     if any(record.expires_at.tzinfo is None for record in records):
@@ -423,4 +424,25 @@ def _load_ledger(store: FleetStore) -> join_tokens.TokenLedger:
 
 def _save_ledger(store: FleetStore, ledger: join_tokens.TokenLedger) -> None:
     store.write("tokens", [{"secret_sha256": record.secret_sha256, "expires_at": record.expires_at.isoformat(),
-                            "uses_left": record.uses_left} for record in ledger.records])
+                            "uses_left": record.uses_left, "redeemed_by": list(record.redeemed_by)}
+                           for record in ledger.records])
+
+
+def _agent_ids(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(item, str) and is_agent_id(item) for item in value):
+        raise ValueError(f"redeemed_by must be a list of agent ids, not {value!r:.80}")
+    return tuple(value)
+
+
+def spend_token_again(store: FleetStore, digest: str, agent_id: str, now: datetime.datetime) -> bool:
+    """join_tokens.TokenLedger.spend_again on tokens.json, under the data dir's lock; True when a use was spent.
+    A token the ledger does not hold (used up, expired, pruned) costs no lock."""
+    if not any(record.secret_sha256 == digest and agent_id not in record.redeemed_by
+               for record in _load_ledger(store).records):
+        return False
+    with store.locked():
+        ledger = _load_ledger(store)
+        spent = ledger.spend_again(digest, agent_id, now)
+        if spent:
+            _save_ledger(store, ledger)
+    return spent

@@ -32,7 +32,7 @@ from deskfleet.agent.link import Link, LinkError, start_server, utc_now
 from deskfleet.common import pki
 from deskfleet.common.discovery_record import ControllerRecord
 from deskfleet.common.wire import Error, ErrorCode, KnownRemovals, Register, RevocationUpdate, Role, parse_address
-from deskfleet.controller.fleet_ca import Revocations, serve_enrollment, take_known_removals
+from deskfleet.controller.fleet_ca import Revocations, serve_enrollment, spend_token_again, take_known_removals
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class FleetServer:
         except pki.PkiError as error:
             raise FleetStoreError(str(error)) from None
         self.live: dict[str, Link] = {}  # agent id -> its registration link
+        self._joins_counted: set[tuple[str, str]] = set()  # (agent id, token sha256) checked against tokens.json
         self.bound_port: int | None = None
         self._on_change = on_change
         self._stopping = asyncio.Event()
@@ -188,12 +189,31 @@ class FleetServer:
                 return
             except LinkError as error:
                 log.info("agent %s: %s", agent_id[:12], error)
+            if message.token_sha256 is not None:
+                await self._count_join(agent_id, message.token_sha256)
             await self._read_registration(link)
         finally:
             if self.live.get(agent_id) is link:
                 del self.live[agent_id]
                 log.info("agent %s went away", agent_id[:12])
                 self._changed()
+
+    async def _count_join(self, agent_id: str, token_sha256: str) -> None:
+        """Spend again the use of the join token `agent_id` joined with where tokens.json does not count it (the
+        data dir was restored from a backup older than the join): otherwise whoever else holds that token could
+        join with it again. Once per agent and token in this process."""
+        if (agent_id, token_sha256) in self._joins_counted:
+            return
+        try:
+            spent = await asyncio.to_thread(spend_token_again, self.store, token_sha256, agent_id, utc_now())
+        except (OSError, FleetStoreError) as error:
+            log.error("cannot check the join token agent %s joined with against %s: %s", agent_id[:12],
+                      self.store.data_dir / "tokens.json", error)
+            return
+        self._joins_counted.add((agent_id, token_sha256))
+        if spent:
+            log.warning("agent %s joined with a token that %s counted as unused (the data dir was restored from an "
+                        "older backup?): that use is spent again", agent_id[:12], self.store.data_dir / "tokens.json")
 
     async def _read_registration(self, link: Link) -> None:
         """Read what a registered agent says on its registration link until it closes: the removals it kept that

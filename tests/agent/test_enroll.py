@@ -37,6 +37,20 @@ def test_a_membership_with_bad_controller_addresses_says_join_again(tmp_path: Pa
         Membership.load(tmp_path)
 
 
+def test_a_membership_keeps_the_token_it_joined_with_and_one_saved_before_reads_without(tmp_path: Path) -> None:
+    joined = Membership("f", "a", "c", ("127.0.0.1:7341",), "0123456789abcdef" * 4)
+    joined.save(tmp_path)
+    assert Membership.load(tmp_path) == joined
+    body = json.loads((tmp_path / enroll.MEMBERSHIP_FILE).read_text())
+    del body["token_sha256"]  # saved before agents kept it
+    (tmp_path / enroll.MEMBERSHIP_FILE).write_text(json.dumps(body))
+    assert Membership.load(tmp_path).token_sha256 is None
+    for damaged in ("short", 7, "0123456789ABCDEF" * 4):
+        (tmp_path / enroll.MEMBERSHIP_FILE).write_text(json.dumps({**body, "token_sha256": damaged}))
+        with pytest.raises(EnrollmentError, match=r"membership\.json is malformed .*token_sha256.*join again"):
+            Membership.load(tmp_path)
+
+
 def test_damaged_credentials_are_named(tmp_path: Path) -> None:
     files = TlsFiles.in_folder(tmp_path, "agent")
     for path in (files.ca_path, files.cert_path, files.key_path):

@@ -50,7 +50,7 @@ def registering_service(outcomes: list[str], monkeypatch: pytest.MonkeyPatch) ->
 
     service = AgentService.__new__(AgentService)
     service.membership = SimpleNamespace(controller_addresses=("10.0.0.1:7341",), controller_id="c",  # type: ignore[assignment]
-                                         fleet_id="0123456789abcdef")
+                                         fleet_id="0123456789abcdef", token_sha256=None)
     service.controller_search_interfaces = lambda: []  # no mDNS here: a moved controller is looked for in vain
     service.files = None  # type: ignore[assignment]
     service.listen = "0.0.0.0:7431"

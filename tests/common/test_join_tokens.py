@@ -11,6 +11,7 @@ from deskfleet.common import join_tokens as jt
 
 NOW = datetime.datetime(2026, 3, 1, 12, 0, tzinfo=datetime.UTC)
 SECRET = bytes(range(32))
+AGENT, OTHER_AGENT = "a" * 52, "b" * 52
 TOKEN = jt.JoinToken(("192.168.1.10:7443", "[fe80::2]:7443", "controller.office.lan:7443"),
                      "ab" * 32, SECRET, NOW + datetime.timedelta(hours=24))
 
@@ -94,20 +95,40 @@ def test_ledger_spends_uses_and_honours_expiry() -> None:
     other = b"\x01" * 32
     ledger.issue(other, NOW + datetime.timedelta(minutes=1))
     assert all(SECRET.hex() not in repr(record) for record in ledger.records)
-    ledger.redeem(SECRET, NOW)
-    ledger.redeem(SECRET, NOW)
+    ledger.redeem(SECRET, NOW, AGENT)
+    ledger.redeem(SECRET, NOW, OTHER_AGENT)
+    assert ledger.records[0].redeemed_by == (AGENT, OTHER_AGENT)
     with pytest.raises(jt.TokenRejected) as used_up:
-        ledger.redeem(SECRET, NOW)
+        ledger.redeem(SECRET, NOW, AGENT)
     assert used_up.value.reason is jt.Rejection.USED_UP
     with pytest.raises(jt.TokenRejected) as unknown:
-        ledger.redeem(b"\x02" * 32, NOW)
+        ledger.redeem(b"\x02" * 32, NOW, AGENT)
     assert unknown.value.reason is jt.Rejection.UNKNOWN
     before = ledger.records
     with pytest.raises(jt.TokenRejected) as expired:
-        ledger.redeem(other, NOW + datetime.timedelta(minutes=1))
+        ledger.redeem(other, NOW + datetime.timedelta(minutes=1), AGENT)
     assert expired.value.reason is jt.Rejection.EXPIRED and ledger.records == before
     restored = jt.TokenLedger(ledger.records)
     assert restored.prune(NOW + datetime.timedelta(minutes=5)) == 2 and restored.records == ()
     assert ledger.revoke(other) and not ledger.revoke(other)
     with pytest.raises(ValueError, match="uses"):
         ledger.issue(SECRET, NOW, uses=0)
+
+
+def test_a_join_the_ledger_does_not_count_is_spent_again_once_only() -> None:
+    # A controller data dir restored from a backup older than a join counts the token as unused: the agent's
+    # registration says which secret it joined with, and the use is spent again.
+    backup = jt.TokenLedger()
+    backup.issue(SECRET, NOW + datetime.timedelta(hours=1), uses=2)
+    ledger = jt.TokenLedger(backup.records)
+    ledger.redeem(SECRET, NOW, AGENT)
+    digest = jt.secret_sha256(SECRET)
+    assert not ledger.spend_again(digest, AGENT, NOW)  # counted already: nothing spent
+    restored = jt.TokenLedger(backup.records)
+    assert restored.spend_again(digest, AGENT, NOW) and not restored.spend_again(digest, AGENT, NOW)
+    assert restored.records[0].uses_left == 1 and restored.records[0].redeemed_by == (AGENT,)
+    assert restored.spend_again(digest, OTHER_AGENT, NOW) and restored.records[0].uses_left == 0
+    assert not restored.spend_again(digest, "c" * 52, NOW)  # used up: nothing to spend
+    assert not restored.spend_again(jt.secret_sha256(b"\x09" * 32), AGENT, NOW)  # not in this ledger
+    late = jt.TokenLedger(backup.records)
+    assert not late.spend_again(digest, AGENT, NOW + datetime.timedelta(hours=2))  # expired: refused anyway

@@ -12,14 +12,14 @@ import pytest
 from deskfleet.controller.fleet_deploy import StagePlacement
 from deskfleet.controller.fleet_pipeline import ChainError
 from deskfleet.controller.fleet_store import FleetStore
-from tests.controller.test_review_blame import CHAIN, A, B, C, relayed, scripted_failover, store  # noqa: F401
+from tests.controller.test_review_blame import CHAIN, A, B, C, relayed, scripted_failover
 
 # a later chain in which C reports B as its next hop (B keeps its range [1:2))
 CHAIN_C_THEN_B = (StagePlacement(C, "10.0.0.2:7431", 0, 1), StagePlacement(B, "10.0.0.1:7431", 1, 2))
 
 
 def test_a_next_hop_blamed_again_after_it_was_kept_is_left_out(
-        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     failover, excluded = scripted_failover(store, tiny_export, monkeypatch, {A: True, B: True, C: True})
     failover(relayed(B, A))  # A cannot reach B, B answers: the link A -> B is broken, both are kept (a firewall)
     assert failover.lost == set() and failover.broken_links == {(A, B)}
@@ -31,7 +31,7 @@ def test_a_next_hop_blamed_again_after_it_was_kept_is_left_out(
 
 
 def test_a_relayed_blame_repeated_leaves_the_accused_out_the_second_time(
-        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     failover, excluded = scripted_failover(store, tiny_export, monkeypatch, {A: True, B: True, C: True})
     failover(relayed(A, C))
     assert excluded == [frozenset()]
@@ -40,7 +40,7 @@ def test_a_relayed_blame_repeated_leaves_the_accused_out_the_second_time(
 
 
 def test_a_new_run_keeps_an_accused_once_again(
-        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     failover, excluded = scripted_failover(store, tiny_export, monkeypatch, {A: True, B: True, C: True})
     failover(relayed(A, C))
     failover.start_run()

@@ -22,7 +22,6 @@ from tests.controller.test_review_broken_links_failover import (
     Office,
     chain_of,
     next_hop_unreachable,
-    store,  # noqa: F401 (a fixture)
 )
 
 D, E = "d" * 52, "e" * 52
@@ -30,7 +29,7 @@ FOUR_NEEDED = ModelFootprint.uniform("big", 4, 5 * GB, GB, GB, 0, 1024)  # a 5 G
 
 
 def test_a_reporter_that_cannot_dial_two_pcs_the_controller_reaches_is_left_out_and_the_run_goes_on(
-        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # any four of the five PCs hold the model. Before, A was put before B, then C, then D (3 failovers: the run
     # ended at the default 2); before the broken links, A was left out at the first
     monkeypatch.setitem(office_tests.SPEEDS, D, 0.5)
@@ -53,7 +52,7 @@ def test_a_reporter_that_cannot_dial_two_pcs_the_controller_reaches_is_left_out_
 
 
 def test_a_verdict_does_not_say_both_are_kept_where_the_re_plan_leaves_one_out(
-        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     office = Office(tiny_export, {A, B}, chain_of(A, B))
     failover = office.failover(store, monkeypatch, [])
     failover(next_hop_unreachable(A, B, office.chain))
