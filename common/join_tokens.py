@@ -71,12 +71,13 @@ class JoinToken:
 @dataclass(frozen=True)
 class IssuedSecret:
     """One ledger record: what the controller persists (never the secret itself), and the agents that joined
-    with it."""
+    with it (None: not known, for a record written before ledgers kept them: such a record is never spent
+    again, as a join it did count could not be told apart)."""
 
     secret_sha256: str
     expires_at: datetime.datetime
     uses_left: int
-    redeemed_by: tuple[str, ...] = ()
+    redeemed_by: tuple[str, ...] | None = ()
 
 
 # Public functions
@@ -208,15 +209,16 @@ class TokenLedger:
             raise TokenRejected(Rejection.EXPIRED)
         if record.uses_left < 1:
             raise TokenRejected(Rejection.USED_UP)
-        self._records[match] = replace(record, uses_left=record.uses_left - 1,
-                                       redeemed_by=(*record.redeemed_by, agent_id))
+        redeemed_by = None if record.redeemed_by is None else (*record.redeemed_by, agent_id)
+        self._records[match] = replace(record, uses_left=record.uses_left - 1, redeemed_by=redeemed_by)
 
     def spend_again(self, digest: str, agent_id: str, now: datetime.datetime) -> bool:
         """An agent that joined with the secret of sha256 `digest` says so: if this ledger does not count that
         join (it was restored from a backup made before it), spend the use now. True when a use was spent."""
         for index, record in enumerate(self._records):
             if hmac.compare_digest(record.secret_sha256, digest):
-                if agent_id in record.redeemed_by or record.uses_left < 1 or now >= record.expires_at:
+                if record.redeemed_by is None or agent_id in record.redeemed_by or record.uses_left < 1 \
+                        or now >= record.expires_at:
                     return False
                 self._records[index] = replace(record, uses_left=record.uses_left - 1,
                                                redeemed_by=(*record.redeemed_by, agent_id))

@@ -44,6 +44,7 @@ from deskfleet.common.wire import (
 from deskfleet.controller.fleet_store import DEFAULT_PORT, FleetStore, FleetStoreError, RosterEntry, checked_addresses
 
 log = logging.getLogger(__name__)
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a join token secret's sha256, as tokens.json keeps it
 
 JOIN_TIMEOUT_S = 30.0
 HOSTNAME_MAX_CHARS = 200  # what the roster keeps of the hostname a joining agent gives
@@ -411,9 +412,9 @@ def _load_ledger(store: FleetStore) -> join_tokens.TokenLedger:
     if not isinstance(body, list):
         raise FleetStoreError(f"{path} must hold a list of issued secrets")
     try:
-        records = [join_tokens.IssuedSecret(str(item["secret_sha256"]),
+        records = [join_tokens.IssuedSecret(_secret_sha256(item["secret_sha256"]),
                                             datetime.datetime.fromisoformat(item["expires_at"]),
-                                            int(item["uses_left"]), _agent_ids(item.get("redeemed_by", [])))
+                                            int(item["uses_left"]), _agent_ids(item.get("redeemed_by")))
                    for item in body]
     except (KeyError, TypeError, ValueError) as error:
         raise FleetStoreError(f"{path} holds a malformed record: {error!r}") from None
@@ -424,11 +425,21 @@ def _load_ledger(store: FleetStore) -> join_tokens.TokenLedger:
 
 def _save_ledger(store: FleetStore, ledger: join_tokens.TokenLedger) -> None:
     store.write("tokens", [{"secret_sha256": record.secret_sha256, "expires_at": record.expires_at.isoformat(),
-                            "uses_left": record.uses_left, "redeemed_by": list(record.redeemed_by)}
+                            "uses_left": record.uses_left,
+                            "redeemed_by": None if record.redeemed_by is None else list(record.redeemed_by)}
                            for record in ledger.records])
 
 
-def _agent_ids(value: object) -> tuple[str, ...]:
+def _secret_sha256(value: object) -> str:
+    if not isinstance(value, str) or _SHA256_HEX.fullmatch(value) is None:
+        raise ValueError(f"secret_sha256 must be 64 lowercase hex characters, not {value!r:.80}")
+    return value
+
+
+def _agent_ids(value: object) -> tuple[str, ...] | None:
+    """A record's redeemed_by; None where it is missing or null (written before ledgers kept it)."""
+    if value is None:
+        return None
     if not isinstance(value, list) or not all(isinstance(item, str) and is_agent_id(item) for item in value):
         raise ValueError(f"redeemed_by must be a list of agent ids, not {value!r:.80}")
     return tuple(value)
@@ -436,9 +447,11 @@ def _agent_ids(value: object) -> tuple[str, ...]:
 
 def spend_token_again(store: FleetStore, digest: str, agent_id: str, now: datetime.datetime) -> bool:
     """join_tokens.TokenLedger.spend_again on tokens.json, under the data dir's lock; True when a use was spent.
-    A token the ledger does not hold (used up, expired, pruned) costs no lock."""
-    if not any(record.secret_sha256 == digest and agent_id not in record.redeemed_by
-               for record in _load_ledger(store).records):
+    A token the ledger holds no use of to spend for `agent_id` (pruned, used up, expired, counted) costs no lock."""
+    records = _load_ledger(store).records
+    if not any(record.secret_sha256 == digest and record.redeemed_by is not None
+               and agent_id not in record.redeemed_by and record.uses_left > 0 and now < record.expires_at
+               for record in records):
         return False
     with store.locked():
         ledger = _load_ledger(store)

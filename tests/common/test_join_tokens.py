@@ -132,3 +132,10 @@ def test_a_join_the_ledger_does_not_count_is_spent_again_once_only() -> None:
     assert not restored.spend_again(jt.secret_sha256(b"\x09" * 32), AGENT, NOW)  # not in this ledger
     late = jt.TokenLedger(backup.records)
     assert not late.spend_again(digest, AGENT, NOW + datetime.timedelta(hours=2))  # expired: refused anyway
+
+
+def test_a_record_that_does_not_know_who_redeemed_it_is_never_spent_again() -> None:
+    ledger = jt.TokenLedger([jt.IssuedSecret(jt.secret_sha256(SECRET), NOW + datetime.timedelta(hours=1), 2, None)])
+    assert not ledger.spend_again(jt.secret_sha256(SECRET), AGENT, NOW)
+    ledger.redeem(SECRET, NOW, AGENT)  # a join still spends, and the record stays "not known"
+    assert ledger.records[0].uses_left == 1 and ledger.records[0].redeemed_by is None

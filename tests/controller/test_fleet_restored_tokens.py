@@ -84,3 +84,36 @@ def test_an_agent_that_registers_again_spends_nothing_more(store: FleetStore, tm
     assert not spend_token_again(store, digest, agent, utc_now()) and uses_left(store) == [2]
     assert spend_token_again(store, digest, other, utc_now()) and uses_left(store) == [1]
     assert not spend_token_again(store, "0" * 64, agent, utc_now())  # a token this data dir never issued
+
+
+def test_a_join_then_its_registrations_spend_one_use(store: FleetStore, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # Nothing restored: the join counted the use with the agent's id, so its registration spends nothing.
+    async def no_search(fleet_id: str, controller_id: str, interfaces: list[str]) -> list[str]:
+        return []
+
+    monkeypatch.setattr(service_module, "find_controller", no_search)
+    address = free_address()
+    agent_dir = tmp_path / "agent"
+
+    async def scenario() -> None:
+        server, running = await serving(store, address)
+        token = token_for(store, address, uses=2)
+        await join(token, AgentPaths.resolve(agent_dir).state_dir, "pc-1")
+        agent = AgentService(AgentOptions(agent_dir, listen=free_address()), monitor=FakeMonitor())
+        agent.bound_port = 7431
+        registering = asyncio.create_task(agent._register_forever())
+        try:
+            counted = (agent.core.agent_id, agent.membership.token_sha256)
+            await wait_until("the join checked against tokens.json", lambda: counted in server._joins_counted)
+        finally:
+            registering.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await registering
+            await agent.core.close()
+            await stopped(server, running)
+
+    with records_of("deskfleet.controller") as logged:
+        asyncio.run(scenario())
+    assert uses_left(store) == [1]
+    assert not any("spent again" in message for message in logged.messages())
