@@ -163,6 +163,22 @@ def issue_token(store: FleetStore, now: datetime.datetime, ttl: datetime.timedel
     return token
 
 
+def spend_token_again(store: FleetStore, digest: str, agent_id: str, now: datetime.datetime) -> bool:
+    """join_tokens.TokenLedger.spend_again on tokens.json, under the data dir's lock; True when a use was spent.
+    A token the ledger holds no use of to spend for `agent_id` (pruned, used up, expired, counted) costs no lock."""
+    records = _load_ledger(store).records
+    if not any(record.secret_sha256 == digest and record.redeemed_by is not None
+               and agent_id not in record.redeemed_by and record.uses_left > 0 and now < record.expires_at
+               for record in records):
+        return False
+    with store.locked():
+        ledger = _load_ledger(store)
+        spent = ledger.spend_again(digest, agent_id, now)
+        if spent:
+            _save_ledger(store, ledger)
+    return spent
+
+
 def remove_agent(store: FleetStore, name: str) -> str:
     """Revoke the agent named by id, id prefix or hostname; return its agent id."""
     store.require_initialised()
@@ -443,19 +459,3 @@ def _agent_ids(value: object) -> tuple[str, ...] | None:
     if not isinstance(value, list) or not all(isinstance(item, str) and is_agent_id(item) for item in value):
         raise ValueError(f"redeemed_by must be a list of agent ids, not {value!r:.80}")
     return tuple(value)
-
-
-def spend_token_again(store: FleetStore, digest: str, agent_id: str, now: datetime.datetime) -> bool:
-    """join_tokens.TokenLedger.spend_again on tokens.json, under the data dir's lock; True when a use was spent.
-    A token the ledger holds no use of to spend for `agent_id` (pruned, used up, expired, counted) costs no lock."""
-    records = _load_ledger(store).records
-    if not any(record.secret_sha256 == digest and record.redeemed_by is not None
-               and agent_id not in record.redeemed_by and record.uses_left > 0 and now < record.expires_at
-               for record in records):
-        return False
-    with store.locked():
-        ledger = _load_ledger(store)
-        spent = ledger.spend_again(digest, agent_id, now)
-        if spent:
-            _save_ledger(store, ledger)
-    return spent
