@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from deskfleet.agent import service as agent_service
 from deskfleet.agent.link import utc_now
 from deskfleet.controller.fleet_ca import init_fleet
 from deskfleet.controller.fleet_store import FleetStore
@@ -31,3 +32,12 @@ def target(checkpoint_factory: Callable[..., Path], export_factory: Callable[[Pa
 def other_draft(checkpoint_factory: Callable[..., Path], export_factory: Callable[[Path, str], Path]) -> Path:
     """An unrelated one-layer model: it proposes mostly wrong tokens, so most rounds roll back."""
     return export_factory(checkpoint_factory("engine-draft", num_hidden_layers=1), "f32")
+
+
+@pytest.fixture
+def no_controller_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Agents look for a moved controller over mDNS in vain (nothing is announced in these tests)."""
+    async def nowhere(fleet_id: str, controller_id: str, interfaces: list[str]) -> list[str]:
+        return []
+
+    monkeypatch.setattr(agent_service, "find_controller", nowhere)

@@ -10,13 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import cast
 
 import pytest
 
-from deskfleet.agent import service as service_module
 from deskfleet.agent.core import AgentCore
 from deskfleet.agent.enroll import Membership, agent_tls_files, join
 from deskfleet.agent.link import Link, LinkError, open_link, start_server
@@ -92,12 +91,25 @@ async def stopped(server: FleetServer, running: asyncio.Task[None]) -> None:
     await running
 
 
-def test_a_restored_controller_removes_again_the_pcs_the_agents_know_were_removed(
-        store: FleetStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def no_search(fleet_id: str, controller_id: str, interfaces: list[str]) -> list[str]:
-        return []
+@contextlib.asynccontextmanager
+async def registering(agent_dir: Path) -> AsyncIterator[AgentService]:
+    """The agent of `agent_dir` registering with its controller (again after each closed link) while the block
+    runs; its own port is not opened (it says 7431)."""
+    agent = AgentService(AgentOptions(agent_dir, listen=free_address()), monitor=FakeMonitor())
+    agent.bound_port = 7431
+    task = asyncio.create_task(agent._register_forever())
+    try:
+        yield agent
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await agent.core.close()
 
-    monkeypatch.setattr(service_module, "find_controller", no_search)
+
+@pytest.mark.usefixtures("no_controller_search")
+def test_a_restored_controller_removes_again_the_pcs_the_agents_know_were_removed(
+        store: FleetStore, tmp_path: Path) -> None:
     address = free_address()  # both runs of the controller listen here, as a restarted one would
     kept_dir, removed_dir = tmp_path / "kept", tmp_path / "removed"
 
@@ -107,10 +119,7 @@ def test_a_restored_controller_removes_again_the_pcs_the_agents_know_were_remove
         removed: Membership = await join(token_for(store, address), AgentPaths.resolve(removed_dir).state_dir,
                                          "pc-removed")
         backup = {path.name: path.read_bytes() for path in store.data_dir.iterdir() if path.is_file()}
-        agent = AgentService(AgentOptions(kept_dir, listen=free_address()), monitor=FakeMonitor())
-        agent.bound_port = 7431
-        registering = asyncio.create_task(agent._register_forever())
-        try:
+        async with registering(kept_dir) as agent:
             await wait_until("the agent registered", lambda: agent.core.agent_id in server.live)
             remove_agent(store, "pc-removed")
             await wait_until("the agent told", lambda: agent.core.revocations().is_revoked(removed.agent_id))
@@ -127,11 +136,6 @@ def test_a_restored_controller_removes_again_the_pcs_the_agents_know_were_remove
             assert agent.core.revocations().is_revoked(removed.agent_id)  # and the agent never forgot it
             await stopped(server, running)
             return removed.agent_id
-        finally:
-            registering.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await registering
-            await agent.core.close()
 
     with records_of("deskfleet.controller") as logged:
         removed_id = asyncio.run(scenario())

@@ -7,21 +7,22 @@ PC with it. An agent keeps the sha256 of the secret it joined with and says it a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from pathlib import Path
 
 import pytest
 
-from deskfleet.agent import service as service_module
 from deskfleet.agent.enroll import EnrollmentError, Membership, join
 from deskfleet.agent.paths import AgentPaths
-from deskfleet.agent.service import AgentOptions, AgentService
 from deskfleet.common import join_tokens
 from deskfleet.controller.fleet_store import FleetStore
-from tests.agent.test_core import FakeMonitor
 from tests.controller.test_fleet_ca import token_for
-from tests.controller.test_fleet_restored_removals import serving, stopped, wait_until
+from tests.controller.test_fleet_restored_removals import (
+    registering,
+    serving,
+    stopped,
+    wait_until,
+)
 from tests.log_records import records_of
 from tests.ports import free_address
 
@@ -30,12 +31,9 @@ def uses_left(store: FleetStore) -> list[int]:
     return [record["uses_left"] for record in json.loads((store.data_dir / "tokens.json").read_text())["body"]]
 
 
+@pytest.mark.usefixtures("no_controller_search")
 def test_a_restored_controller_spends_again_the_token_use_of_an_agent_that_joined_since_the_backup(
-        store: FleetStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def no_search(fleet_id: str, controller_id: str, interfaces: list[str]) -> list[str]:
-        return []
-
-    monkeypatch.setattr(service_module, "find_controller", no_search)
+        store: FleetStore, tmp_path: Path) -> None:
     address = free_address()
     agent_dir = tmp_path / "agent"
 
@@ -52,19 +50,13 @@ def test_a_restored_controller_spends_again_the_token_use_of_an_agent_that_joine
         assert uses_left(store) == [1]
 
         server, running = await serving(store, address)
-        agent = AgentService(AgentOptions(agent_dir, listen=free_address()), monitor=FakeMonitor())
-        agent.bound_port = 7431
-        registering = asyncio.create_task(agent._register_forever())
         try:
-            await wait_until("the agent registered", lambda: agent.core.agent_id in server.live)
-            await wait_until("the use spent again", lambda: uses_left(store) == [0])
-            with pytest.raises(EnrollmentError, match="unknown, expired or used up"):  # the token's holder is refused
-                await join(token, tmp_path / "another PC", "pc-2")
+            async with registering(agent_dir) as agent:
+                await wait_until("the agent registered", lambda: agent.core.agent_id in server.live)
+                await wait_until("the use spent again", lambda: uses_left(store) == [0])
+                with pytest.raises(EnrollmentError, match="unknown, expired or used up"):  # its holder is refused
+                    await join(token, tmp_path / "another PC", "pc-2")
         finally:
-            registering.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await registering
-            await agent.core.close()
             await stopped(server, running)
 
     with records_of("deskfleet.controller") as logged:
@@ -86,13 +78,9 @@ def test_an_agent_that_registers_again_spends_nothing_more(store: FleetStore, tm
     assert not spend_token_again(store, "0" * 64, agent, utc_now())  # a token this data dir never issued
 
 
-def test_a_join_then_its_registrations_spend_one_use(store: FleetStore, tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("no_controller_search")
+def test_a_join_then_its_registrations_spend_one_use(store: FleetStore, tmp_path: Path) -> None:
     # Nothing restored: the join counted the use with the agent's id, so its registration spends nothing.
-    async def no_search(fleet_id: str, controller_id: str, interfaces: list[str]) -> list[str]:
-        return []
-
-    monkeypatch.setattr(service_module, "find_controller", no_search)
     address = free_address()
     agent_dir = tmp_path / "agent"
 
@@ -100,17 +88,11 @@ def test_a_join_then_its_registrations_spend_one_use(store: FleetStore, tmp_path
         server, running = await serving(store, address)
         token = token_for(store, address, uses=2)
         await join(token, AgentPaths.resolve(agent_dir).state_dir, "pc-1")
-        agent = AgentService(AgentOptions(agent_dir, listen=free_address()), monitor=FakeMonitor())
-        agent.bound_port = 7431
-        registering = asyncio.create_task(agent._register_forever())
         try:
-            counted = (agent.core.agent_id, agent.membership.token_sha256)
-            await wait_until("the join checked against tokens.json", lambda: counted in server._joins_counted)
+            async with registering(agent_dir) as agent:
+                counted = (agent.core.agent_id, agent.membership.token_sha256)
+                await wait_until("the join checked against tokens.json", lambda: counted in server._joins_counted)
         finally:
-            registering.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await registering
-            await agent.core.close()
             await stopped(server, running)
 
     with records_of("deskfleet.controller") as logged:
