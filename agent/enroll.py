@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import socket
 import ssl
 from dataclasses import asdict, dataclass
@@ -39,6 +38,7 @@ from deskfleet.common.wire import (
     ProtocolError,
     decode,
     encode,
+    is_sha256_hex,
     parse_address,
     peek_version,
 )
@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 
 MEMBERSHIP_FILE = "membership.json"
 MEMBERSHIP_FORMAT = 1
-_SHA256 = re.compile(r"[0-9a-f]{64}")  # a join token secret's, as the ledger keeps it
 JOIN_TIMEOUT_S = 20.0
 
 
@@ -93,7 +92,7 @@ class Membership:
             for address in addresses:
                 parse_address(address)  # ProtocolError (a ValueError) naming it
             token_sha256 = body.get("token_sha256")
-            if token_sha256 is not None and not (isinstance(token_sha256, str) and _SHA256.fullmatch(token_sha256)):
+            if token_sha256 is not None and not is_sha256_hex(token_sha256):
                 raise ValueError(f"token_sha256 must be 64 lowercase hex characters, not {token_sha256!r:.80}")
             return cls(str(body["fleet_id"]), str(body["agent_id"]), str(body["controller_id"]), tuple(addresses),
                        token_sha256)

@@ -49,6 +49,7 @@ from deskfleet.common.wire_messages import (
     StatusReport,
     StatusRequest,
     is_agent_id,
+    is_sha256_hex,
     parse_address,
 )
 from deskfleet.common.wire_tensors import (
@@ -118,6 +119,7 @@ __all__ = [
     "decode",
     "encode",
     "is_agent_id",
+    "is_sha256_hex",
     "parse_address",
     "peek_version",
     "same_message",

@@ -15,7 +15,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Self
+from typing import Self, TypeGuard
 
 from deskfleet.common.agent_state import AgentState, UnavailableReason
 from deskfleet.common.kv_ledger import AdmitRow, SlotDelta
@@ -52,6 +52,11 @@ _HOST = re.compile(r"[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
 def is_agent_id(text: str) -> bool:
     """True when `text` has the agent id form (52 lowercase base32 characters)."""
     return _AGENT_ID.fullmatch(text) is not None
+
+
+def is_sha256_hex(value: object) -> TypeGuard[str]:
+    """True when `value` is a sha256 as the protocol and the data files write it (64 lowercase hex characters)."""
+    return isinstance(value, str) and _SHA256.fullmatch(value) is not None
 
 
 def parse_address(text: str, any_port: bool = False) -> tuple[str, int]:
@@ -673,5 +678,6 @@ __all__ = [
     "StatusReport",
     "StatusRequest",
     "is_agent_id",
+    "is_sha256_hex",
     "parse_address",
 ]

@@ -39,12 +39,12 @@ from deskfleet.common.wire import (
     decode,
     encode,
     is_agent_id,
+    is_sha256_hex,
     parse_address,
 )
 from deskfleet.controller.fleet_store import DEFAULT_PORT, FleetStore, FleetStoreError, RosterEntry, checked_addresses
 
 log = logging.getLogger(__name__)
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a join token secret's sha256, as tokens.json keeps it
 
 JOIN_TIMEOUT_S = 30.0
 HOSTNAME_MAX_CHARS = 200  # what the roster keeps of the hostname a joining agent gives
@@ -166,10 +166,7 @@ def issue_token(store: FleetStore, now: datetime.datetime, ttl: datetime.timedel
 def spend_token_again(store: FleetStore, digest: str, agent_id: str, now: datetime.datetime) -> bool:
     """join_tokens.TokenLedger.spend_again on tokens.json, under the data dir's lock; True when a use was spent.
     A token the ledger holds no use of to spend for `agent_id` (pruned, used up, expired, counted) costs no lock."""
-    records = _load_ledger(store).records
-    if not any(record.secret_sha256 == digest and record.redeemed_by is not None
-               and agent_id not in record.redeemed_by and record.uses_left > 0 and now < record.expires_at
-               for record in records):
+    if not _load_ledger(store).spend_again(digest, agent_id, now):  # a dry run on a copy read without the lock
         return False
     with store.locked():
         ledger = _load_ledger(store)
@@ -447,7 +444,7 @@ def _save_ledger(store: FleetStore, ledger: join_tokens.TokenLedger) -> None:
 
 
 def _secret_sha256(value: object) -> str:
-    if not isinstance(value, str) or _SHA256_HEX.fullmatch(value) is None:
+    if not is_sha256_hex(value):
         raise ValueError(f"secret_sha256 must be 64 lowercase hex characters, not {value!r:.80}")
     return value
 

@@ -31,7 +31,7 @@ from deskfleet.agent.advertise import Announcement, addresses_to_advertise, adve
 from deskfleet.agent.link import Link, LinkError, start_server, utc_now
 from deskfleet.common import pki
 from deskfleet.common.discovery_record import ControllerRecord
-from deskfleet.common.wire import Error, ErrorCode, KnownRemovals, Register, RevocationUpdate, Role, parse_address
+from deskfleet.common.wire import Error, ErrorCode, KnownRemovals, Register, Role, parse_address
 from deskfleet.controller.fleet_ca import Revocations, serve_enrollment, spend_token_again, take_known_removals
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry
 
@@ -182,7 +182,7 @@ class FleetServer:
             # The list as it is now, once the link is live: a change meanwhile (another agent's restored
             # removals) reaches this agent by this message or by the watcher's, never by neither.
             try:
-                await link.send(self._revocation_update())
+                await link.send(self.revocations.update())
             except pki.PkiError as error:
                 log.error("refused agent %s: %s", agent_id[:12], error)
                 await link.refuse(ErrorCode.INTERNAL, "the controller cannot read its list of removed agents")
@@ -281,9 +281,6 @@ class FleetServer:
                     entry = RosterEntry(agent_id, "?", now)
                 roster[agent_id] = replace(entry, addresses=addresses, registered_at=now)
             self.store.save_roster(roster)
-
-    def _revocation_update(self) -> RevocationUpdate:
-        return self.revocations.update()
 
     async def _watch_revocations(self) -> None:
         told = self._revoked_at_start  # what registering agents were told; the file may have changed since
