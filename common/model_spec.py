@@ -251,6 +251,8 @@ def sha256_of(path: Path, chunk_bytes: int = 1 << 20) -> str:
 def load_manifest(model_dir: Path) -> Manifest:
     """Read `model_dir/manifest.json`, with a clear error when the folder is not an export."""
     path = model_dir / MANIFEST_NAME
+    if not model_dir.exists():
+        raise ManifestError(f"{model_dir} does not exist")
     if not model_dir.is_dir():
         raise ManifestError(f"{model_dir} is not a folder")
     if not path.is_file():

@@ -116,8 +116,9 @@ class DeployReport:
 
 def model_id_of(model_dir: Path) -> str:
     """The model's fleet id: its name and the start of its manifest's sha256 (a re-export differs)."""
+    name = load_manifest(model_dir).model_name  # first: it names a folder that is no export (ManifestError)
     digest = hashlib.sha256((model_dir / MANIFEST_NAME).read_bytes()).hexdigest()
-    return f"{load_manifest(model_dir).model_name}@{digest[:12]}"
+    return f"{name}@{digest[:12]}"
 
 
 def footprint_of(manifest: Manifest, device: str = "CPU", precision: Precision = Precision.DEVICE_DEFAULT,
@@ -362,12 +363,13 @@ def load_deployment(store: FleetStore, model_dir: Path) -> tuple[StagePlacement,
     record = _deployment_record(store, model_dir)
     if record is None:
         raise DeployError(f"{model_id_of(model_dir)} has not been deployed: run `deskfleet fleet deploy "
-                          f"--model {model_dir}`")
+                          f"--model {model_dir}{store.data_dir_option}`")
     try:
         return _placements_of(record.get("stages"))
     except ValueError as error:
         raise DeployError(f"{store.data_dir / 'deployments.json'}: the deployment of {model_id_of(model_dir)} is "
-                          f"damaged ({error}): run `deskfleet fleet deploy --model {model_dir}` again") from None
+                          f"damaged ({error}): run `deskfleet fleet deploy --model {model_dir}{store.data_dir_option}` "
+                          "again") from None
 
 
 def load_deploy_settings(store: FleetStore, model_dir: Path) -> DeploySettings:

@@ -110,6 +110,12 @@ class FleetStore:
     # Public methods: paths
 
     @property
+    def data_dir_option(self) -> str:
+        """" --data-dir D" where this is not the data dir a command finds by itself (default_data_dir()), else "":
+        a command an error tells the admin to run, said so that it acts on this data dir."""
+        return "" if self.data_dir == default_data_dir() else f" --data-dir {self.data_dir}"
+
+    @property
     def tls_files(self) -> TlsFiles:
         return TlsFiles.in_folder(self.data_dir, "controller")
 

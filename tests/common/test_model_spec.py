@@ -92,8 +92,11 @@ def test_stage_stems() -> None:
 
 
 def test_load_and_verify(tmp_path: Path) -> None:
-    with pytest.raises(ManifestError, match="not a folder"):
+    with pytest.raises(ManifestError, match="missing does not exist"):
         load_manifest(tmp_path / "missing")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ManifestError, match="file is not a folder"):
+        load_manifest(tmp_path / "file")
     with pytest.raises(ManifestError, match="not a deskfleet export"):
         load_manifest(tmp_path)
     (tmp_path / "a.bin").write_bytes(b"abc")

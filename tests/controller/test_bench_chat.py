@@ -62,7 +62,7 @@ def test_bad_inputs_are_refused_before_anything_compiles(tmp_path: Path, tiny_ex
         run_chat_bench(model, turns=2, messages=["a", "  \n "])
     with pytest.raises(ValueError, match="--turns must be 1 or more, got 0"):
         run_chat_bench(model, turns=0)
-    with pytest.raises(ManifestError, match="nowhere is not a folder"):
+    with pytest.raises(ManifestError, match="nowhere does not exist"):
         run_chat_bench(tmp_path / "nowhere", turns=2)
 
 

@@ -4,10 +4,12 @@ a deploy does not push a single byte before it finds out."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
+from deskfleet.common.model_spec import ManifestError
 from deskfleet.controller.cli import main
 from deskfleet.controller.fleet_deploy import DeployError, StagePlacement, load_deployment, model_id_of
 from deskfleet.controller.fleet_store import FleetStore
@@ -58,3 +60,29 @@ def test_the_cli_names_the_damaged_file_and_exits_2(store: FleetStore, tiny_expo
     assert main(["fleet", "deploy", "--data-dir", str(store.data_dir), "--model", str(tiny_export),
                  "--discover-seconds", "0"]) == 2
     assert "deployments.json must hold an object" in capsys.readouterr().err
+
+
+def test_the_fix_names_the_data_dir_where_a_command_would_not_find_it(store: FleetStore, tiny_export: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Run as printed, the fix must act on this fleet: `--data-dir` where the command, given none, would use another.
+    monkeypatch.delenv("DESKFLEET_CONTROLLER_DIR", raising=False)
+    fix = f"--model {tiny_export} --data-dir {store.data_dir}`"
+    with pytest.raises(DeployError, match=re.escape(f"run `deskfleet fleet deploy {fix}") + "$"):
+        load_deployment(store, tiny_export)
+    write_deployments(store, {model_id_of(tiny_export): {"stages": []}})
+    with pytest.raises(DeployError, match=re.escape(f"{fix} again") + "$"):
+        load_deployment(store, tiny_export)
+    monkeypatch.setenv("DESKFLEET_CONTROLLER_DIR", str(store.data_dir))  # found by itself: nothing to add
+    with pytest.raises(DeployError, match=re.escape(f"--model {tiny_export}` again") + "$"):
+        load_deployment(store, tiny_export)
+
+
+def test_a_model_folder_that_is_no_export_is_named_before_any_file_is_read(store: FleetStore, tmp_path: Path) -> None:
+    # `generate --fleet --model` of a missing folder said "[Errno 2] No such file or directory: .../manifest.json".
+    with pytest.raises(ManifestError, match="nowhere does not exist"):
+        load_deployment(store, tmp_path / "nowhere")
+    checkpoint = tmp_path / "checkpoint"  # a Hugging Face checkpoint, not exported
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    with pytest.raises(ManifestError, match=r"checkpoint has no manifest\.json: it is not a deskfleet export"):
+        model_id_of(checkpoint)
