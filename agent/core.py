@@ -296,8 +296,11 @@ class AgentCore:
 
     async def status(self) -> StatusReport:
         reading = await self._read_monitor()
-        snapshot = make_status(reading, self.policy(), tuple(self.stages), self.cache.usage(),
-                               self.last_error, time.time())
+        policy = self.policy()
+        snapshot = make_status(reading, policy, tuple(self.stages), self.cache.usage(), self.last_error, time.time())
+        if policy.paused:  # who paused it, first: the admin's `fleet ls` and plan tell a user's opt-out from theirs
+            snapshot = replace(snapshot, detail="; ".join(part for part in (f"paused {self._paused_by()}",
+                                                                            snapshot.detail) if part))
         if self._speed is None and self._speed_probe is not None:
             try:
                 self._speed = await asyncio.to_thread(self._speed_probe)

@@ -273,8 +273,9 @@ def _print_agents(agents: list[Any]) -> None:
         state = _state(agent)
         free = f"{report.free_memory_bytes / 1e9:.1f}G" if report else "-"
         stages = ", ".join(f"{s.model_id}[{s.layer_start}:{s.layer_end}]" for s in report.stages) if report else ""
+        # an unavailable or paused agent's limits, with the numbers; a paused one's also who paused it
         why = f"({report.detail or ', '.join(reason.value for reason in report.reasons)})" \
-            if report and report.reasons else ""  # an unavailable or paused agent's limits, with the numbers
+            if report and (report.reasons or report.detail) else ""
         notes = " ".join(part for part in (stages, why) if part) or agent.problem or "-"
         version = getattr(agent, "version", None) or "-"  # what its Hello said: the PCs not upgraded yet show
         print(f"{(agent.agent_id or '?')[:12]:<14} {agent.hostname[:16]:<16} {agent.address:<22} {state:<12} "

@@ -133,3 +133,14 @@ def test_resume_stands_when_the_admins_settings_are_damaged(tmp_path: Path,
     assert main(["resume", "--data-dir", str(tmp_path)]) == 0
     assert not read_opt_out(tmp_path / "state").paused
     assert "will not start with its settings" in capsys.readouterr().out
+
+
+def test_the_report_says_who_paused_the_pc(desk: tuple[AgentCore, Path], tmp_path: Path) -> None:
+    # `fleet ls` showed a bare `paused`: the admin could not tell the employee's opt-out from their own settings.
+    core, state = desk
+    assert status(core).detail == ""
+    write_opt_out(state, True, "now")
+    assert status(core).detail == "paused by its user (`deskfleet-agent resume` ends that)"
+    admins = AgentCore(core.files, AgentSettings(paused=True), ShardCache(tmp_path / "cache2", 1 << 30),
+                       PluggedInDesktop(), opt_out_dir=state)
+    assert status(admins).detail == "paused in its settings (paused: true)"

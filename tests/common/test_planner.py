@@ -106,6 +106,7 @@ def test_head_work_when_known_replaces_its_bytes_for_time_but_not_for_memory() -
 def test_every_agent_left_out_is_explained_with_numbers() -> None:
     agents = [
         AgentCandidate("paused", AgentState.PAUSED, 64 * GB, 5.0),
+        AgentCandidate("opted-out", AgentState.PAUSED, 64 * GB, 5.0, None, "paused by its user"),  # its report says
         AgentCandidate("laptop", AgentState.UNAVAILABLE, 64 * GB, 5.0, UnavailableReason.ON_BATTERY,
                        "battery 41%, unplugged"),
         AgentCandidate("hot", AgentState.UNAVAILABLE, 64 * GB, 5.0, UnavailableReason.TOO_HOT, "CPU 97 °C"),
@@ -119,6 +120,7 @@ def test_every_agent_left_out_is_explained_with_numbers() -> None:
     assert [s.agent_id for s in result.stages] == ["worker"]
     messages = {e.agent_id: (e.reason, e.message) for e in result.exclusions}
     assert messages["paused"] == (ExclusionReason.PAUSED, "paused (by its user or in its settings)")
+    assert messages["opted-out"] == (ExclusionReason.PAUSED, "paused by its user")
     assert messages["laptop"] == (ExclusionReason.UNAVAILABLE,
                                   "unavailable: on battery (battery 41%, unplugged)")
     assert messages["hot"] == (ExclusionReason.UNAVAILABLE, "unavailable: too hot (CPU 97 °C)")

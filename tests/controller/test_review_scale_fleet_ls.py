@@ -35,3 +35,10 @@ def test_300_rows_are_grouped_by_state_and_hostname_and_counted(capsys: pytest.C
     rank = {"serving": 0, "available": 1, "paused": 2, "unavailable": 3, "unreachable": 4}
     assert listed == sorted(listed, key=lambda pair: (rank[pair[0]], pair[1]))
     assert lines[-1] == "300 agent(s): 5 serving, 200 available, 3 paused, 12 unavailable, 80 unreachable"
+
+
+def test_a_paused_row_says_who_paused_it(capsys: pytest.CaptureFixture[str]) -> None:
+    paused = agent("a" * 52, "desk-001", AgentState.PAUSED)
+    paused.report.detail = "paused by its user (`deskfleet-agent resume` ends that)"  # no limit crossed: no reasons
+    _print_agents([paused])
+    assert capsys.readouterr().out.splitlines()[1].endswith("(paused by its user (`deskfleet-agent resume` ends that))")
