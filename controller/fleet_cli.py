@@ -225,6 +225,7 @@ def _survey_options(args: argparse.Namespace) -> Any:
 
 def _ls(args: argparse.Namespace) -> int:
     from deskfleet.agent.link import utc_now
+    from deskfleet.controller.fleet_deploy import DeployError, undeployed_stages
     from deskfleet.controller.fleet_survey import expiry_warnings, survey
 
     store = _store(args)
@@ -236,15 +237,26 @@ def _ls(args: argparse.Namespace) -> int:
 
     agents = event_loop.run(run())
     warnings = [f"warning: {line}" for line in expiry_warnings(agents, store.tls_files, utc_now())]
+    try:
+        undeployed = undeployed_stages(store, {agent.agent_id: agent.report.stages for agent in agents
+                                               if agent.agent_id is not None and agent.report is not None})
+    except DeployError as error:  # the list stands without the deployments
+        undeployed = {}
+        warnings.append(f"warning: {error}")
+    if undeployed:
+        warnings.append(f"warning: {sum(map(len, undeployed.values()))} stage(s) marked 'not deployed' are held by "
+                        "PCs that no deployment places them on (a failover re-planned without the PC while it was "
+                        "unreachable): nothing runs on them; the next `deskfleet fleet deploy` of the model releases "
+                        "them, as does restarting the agent")
     if args.json:  # the list stays a list of agents: the controller's and the CA's dates go to stderr
-        print(json.dumps([_agent_json(agent) for agent in agents], indent=2))
+        print(json.dumps([_agent_json(agent, undeployed) for agent in agents], indent=2))
         for line in warnings:
             print(line, file=sys.stderr)
         return 0
     if not agents:
         print("no agents found (is `deskfleet fleet serve` running, and have agents joined?)")
     else:
-        _print_agents(agents)
+        _print_agents(agents, undeployed)
     for line in warnings:
         print(line)
     return 0
@@ -257,7 +269,7 @@ def _state(agent: Any) -> str:
     return str(agent.report.state.value) if agent.report else "unreachable"
 
 
-def _print_agents(agents: list[Any]) -> None:
+def _print_agents(agents: list[Any], undeployed: dict[str, list[Any]] | None = None) -> None:
     """The table, grouped by state (serving first, unreachable last) and by hostname within each, then a line
     that counts each state: with 300 PCs in agent-id order, finding one PC, or seeing how many were off,
     meant reading every row."""
@@ -272,7 +284,9 @@ def _print_agents(agents: list[Any]) -> None:
         report = agent.report
         state = _state(agent)
         free = f"{report.free_memory_bytes / 1e9:.1f}G" if report else "-"
-        stages = ", ".join(f"{s.model_id}[{s.layer_start}:{s.layer_end}]" for s in report.stages) if report else ""
+        stale = (undeployed or {}).get(agent.agent_id, [])
+        stages = ", ".join(f"{s.model_id}[{s.layer_start}:{s.layer_end}]{' (not deployed)' if s in stale else ''}"
+                           for s in report.stages) if report else ""
         # an unavailable or paused agent's limits, with the numbers; a paused one's also who paused it
         why = f"({report.detail or ', '.join(reason.value for reason in report.reasons)})" \
             if report and (report.reasons or report.detail) else ""
@@ -286,7 +300,7 @@ def _print_agents(agents: list[Any]) -> None:
     print(f"{len(agents)} agent(s): " + ", ".join(f"{counts[state]} {state}" for state in states))
 
 
-def _agent_json(agent: Any) -> dict[str, Any]:
+def _agent_json(agent: Any, undeployed: dict[str, list[Any]] | None = None) -> dict[str, Any]:
     report = agent.report
     return {"agent_id": agent.agent_id, "hostname": agent.hostname, "address": agent.address,
             "sources": list(agent.sources), "problem": agent.problem,
@@ -296,6 +310,9 @@ def _agent_json(agent: Any) -> dict[str, Any]:
             "reasons": [reason.value for reason in report.reasons] if report else [],
             "detail": report.detail if report else "",
             "stages": [[s.model_id, s.layer_start, s.layer_end] for s in report.stages] if report else [],
+            # hosted, but placed there by no deployment (see undeployed_stages): the next deploy releases them
+            "stages_not_deployed": [[s.model_id, s.layer_start, s.layer_end]
+                                    for s in (undeployed or {}).get(agent.agent_id, [])],
             # the agent's certificate as its link showed it (ISO 8601 UTC); null when no link opened
             "certificate_expires": agent.certificate_expires.isoformat() if agent.certificate_expires else None}
 

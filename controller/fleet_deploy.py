@@ -358,6 +358,26 @@ async def _release_left_out(found: Survey, model_id: str, placements: tuple[Stag
                             agent.agent_id[:12], model_id, stage.layer_start, stage.layer_end, error)
 
 
+def undeployed_stages(store: FleetStore, hosted: dict[str, Sequence[StageRef]]) -> dict[str, list[StageRef]]:
+    """Of the stages each agent hosts (by agent id), those deployments.json does not place on it: left by a
+    failover that re-planned without the PC while it was unreachable (it could not be told to release them), or
+    of a model no deployment names. Nothing drives them; the next deploy of the model releases them. A model
+    whose record is damaged counts as placing its stages (nothing is known of it). DeployError for a damaged file.
+    """
+    placed: set[tuple[str, str, int, int]] = set()
+    unknown: set[str] = set()
+    for model_id, record in _deployments(store).items():
+        try:
+            stages = _placements_of(record.get("stages") if isinstance(record, dict) else None)
+        except ValueError:
+            unknown.add(model_id)
+            continue
+        placed.update((stage.agent_id, model_id, stage.layer_start, stage.layer_end) for stage in stages)
+    return {agent_id: stale for agent_id, refs in hosted.items()
+            if (stale := [ref for ref in refs if ref.model_id not in unknown
+                          and (agent_id, ref.model_id, ref.layer_start, ref.layer_end) not in placed])}
+
+
 def load_deployment(store: FleetStore, model_dir: Path) -> tuple[StagePlacement, ...]:
     """The stages saved by the last deploy of this model; DeployError if it was never deployed."""
     record = _deployment_record(store, model_dir)

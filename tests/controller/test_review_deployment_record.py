@@ -6,12 +6,22 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from deskfleet.common.agent_state import AgentState
 from deskfleet.common.model_spec import ManifestError
+from deskfleet.common.wire import StageRef
 from deskfleet.controller.cli import main
-from deskfleet.controller.fleet_deploy import DeployError, StagePlacement, load_deployment, model_id_of
+from deskfleet.controller.fleet_cli import _agent_json, _print_agents
+from deskfleet.controller.fleet_deploy import (
+    DeployError,
+    StagePlacement,
+    load_deployment,
+    model_id_of,
+    undeployed_stages,
+)
 from deskfleet.controller.fleet_store import FleetStore
 
 AGENT = "a" * 52
@@ -86,3 +96,29 @@ def test_a_model_folder_that_is_no_export_is_named_before_any_file_is_read(store
     (checkpoint / "config.json").write_text("{}")
     with pytest.raises(ManifestError, match=r"checkpoint has no manifest\.json: it is not a deskfleet export"):
         model_id_of(checkpoint)
+
+
+def test_stages_no_deployment_places_on_their_pc_are_found(store: FleetStore) -> None:
+    # A failover re-planned without a PC it could not reach; back, the PC still hosted its old stage and `fleet ls`
+    # listed it as serving it, with nothing to say that no chain runs through it.
+    other = "b" * 52
+    write_deployments(store, {
+        "m@1": {"stages": [{**GOOD_STAGE, "layer_end": 8}]},  # re-planned: AGENT holds every layer now
+        "broken@2": {"stages": "?"},  # damaged: nothing is known of its stages, none is called stale
+    })
+    hosted = {AGENT: [StageRef("m@1", 0, 8)],
+              other: [StageRef("m@1", 6, 8), StageRef("broken@2", 0, 2), StageRef("gone@3", 0, 4)]}
+    assert undeployed_stages(store, hosted) == {other: [StageRef("m@1", 6, 8), StageRef("gone@3", 0, 4)]}
+    (store.data_dir / "deployments.json").unlink()
+    assert undeployed_stages(store, {AGENT: [StageRef("m@1", 0, 8)]}) == {AGENT: [StageRef("m@1", 0, 8)]}
+    assert undeployed_stages(store, {AGENT: []}) == {}
+
+
+def test_fleet_ls_marks_them(capsys: pytest.CaptureFixture[str]) -> None:
+    report = SimpleNamespace(state=AgentState.SERVING, free_memory_bytes=8 << 30, reasons=(), detail="",
+                             stages=(StageRef("m@1", 0, 6), StageRef("m@1", 6, 8)))
+    agent = SimpleNamespace(agent_id=AGENT, hostname="pc-bob", address="10.0.0.2:7431", sources=("registration",),
+                            report=report, problem=None, certificate_expires=None)
+    _print_agents([agent], {AGENT: [StageRef("m@1", 6, 8)]})
+    assert capsys.readouterr().out.splitlines()[1].endswith("m@1[0:6], m@1[6:8] (not deployed)")
+    assert _agent_json(agent, {AGENT: [StageRef("m@1", 6, 8)]})["stages_not_deployed"] == [["m@1", 6, 8]]
