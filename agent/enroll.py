@@ -64,6 +64,8 @@ class Membership:
     controller_addresses: tuple[str, ...]
     # the sha256 of the join token's secret (None: joined before agents kept it), told at each registration
     token_sha256: str | None = None
+    # the name it joined with (None: joined before agents kept it): a later join without --hostname keeps it
+    hostname: str | None = None
 
     def save(self, state_dir: Path) -> None:
         body = {"format_version": MEMBERSHIP_FORMAT, **asdict(self)}
@@ -94,8 +96,11 @@ class Membership:
             token_sha256 = body.get("token_sha256")
             if token_sha256 is not None and not is_sha256_hex(token_sha256):
                 raise ValueError(f"token_sha256 must be 64 lowercase hex characters, not {token_sha256!r:.80}")
+            hostname = body.get("hostname")
+            if hostname is not None and not isinstance(hostname, str):
+                raise ValueError(f"hostname must be a string, not {hostname!r:.80}")
             return cls(str(body["fleet_id"]), str(body["agent_id"]), str(body["controller_id"]), tuple(addresses),
-                       token_sha256)
+                       token_sha256, hostname)
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise EnrollmentError(f"{path} is malformed ({error!r}): join again") from None
 
@@ -117,11 +122,11 @@ async def join(token_text: str, state_dir: Path, hostname: str | None = None) ->
     files = agent_tls_files(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     key = _load_or_create_key(files.key_path)
+    hostname = hostname or _earlier_hostname(state_dir) or socket.gethostname()
     problems: list[str] = []
     for address in token.controller_addresses:
         try:
-            membership = await asyncio.wait_for(
-                _join_at(address, token, key, hostname or socket.gethostname(), files), JOIN_TIMEOUT_S)
+            membership = await asyncio.wait_for(_join_at(address, token, key, hostname, files), JOIN_TIMEOUT_S)
         except (EnrollmentError, TimeoutError) as error:
             problems.append(f"{address}: {str(error) or f'no answer within {JOIN_TIMEOUT_S:.0f} s'}")
             log.warning("join via %s failed: %s", address, error)
@@ -132,6 +137,15 @@ async def join(token_text: str, state_dir: Path, hostname: str | None = None) ->
 
 
 # Private functions
+
+def _earlier_hostname(state_dir: Path) -> str | None:
+    """The name this PC joined with before (a join again: a new controller address, a renewal), so that it keeps
+    the name its admin gave it; None when it never joined, or joined before agents kept it."""
+    try:
+        return Membership.load(state_dir).hostname
+    except EnrollmentError:
+        return None
+
 
 def _load_or_create_key(path: Path) -> ec.EllipticCurvePrivateKey:
     """Reuse the key of an earlier attempt (its agent id stays the same), else make one, mode 0600."""
@@ -184,7 +198,7 @@ async def _join_at(address: str, token: join_tokens.JoinToken, key: ec.EllipticC
     files.ca_path.write_bytes(pki.certificate_pem(ca_certificate))
     files.cert_path.write_bytes(pki.certificate_pem(certificate))
     return Membership(pki.fleet_id(ca_certificate), identity.agent_id, controller_id, token.controller_addresses,
-                      join_tokens.secret_sha256(token.secret))
+                      join_tokens.secret_sha256(token.secret), hostname)
 
 
 async def _receive(connection: ClientConnection) -> Message:

@@ -45,6 +45,10 @@ def test_a_membership_keeps_the_token_it_joined_with_and_one_saved_before_reads_
     del body["token_sha256"]  # saved before agents kept it
     (tmp_path / enroll.MEMBERSHIP_FILE).write_text(json.dumps(body))
     assert Membership.load(tmp_path).token_sha256 is None
+    assert Membership.load(tmp_path).hostname is None  # nor the name it joined with
+    (tmp_path / enroll.MEMBERSHIP_FILE).write_text(json.dumps({**body, "hostname": 7}))
+    with pytest.raises(EnrollmentError, match=r"membership\.json is malformed .*hostname.*join again"):
+        Membership.load(tmp_path)
     for damaged in ("short", 7, "0123456789ABCDEF" * 4):
         (tmp_path / enroll.MEMBERSHIP_FILE).write_text(json.dumps({**body, "token_sha256": damaged}))
         with pytest.raises(EnrollmentError, match=r"membership\.json is malformed .*token_sha256.*join again"):

@@ -70,3 +70,18 @@ def test_a_controller_moved_to_another_address_is_found_by_joining_again(store: 
     with_server(moved, again)
     roster = json.loads((moved.data_dir / "agents.json").read_text())["body"]
     assert list(roster) == [before.agent_id] and roster[before.agent_id]["hostname"] == "pc-1"
+
+
+def test_joining_again_without_a_hostname_keeps_the_name_it_joined_with(store: FleetStore, tmp_path: Path) -> None:
+    # The README's move procedure runs `deskfleet-agent join TOKEN` again, without --hostname: the admin's name for
+    # the PC was replaced by the PC's own ("vm") in the roster and `fleet ls`.
+    async def joins(server: FleetServer, address: str) -> None:
+        await join(token_for(store, address), tmp_path / "pc", "pc-alice")
+        await join(token_for(store, address), tmp_path / "pc")
+        assert Membership.load(tmp_path / "pc").hostname == "pc-alice"
+        assert store.roster()[agent_tls_files(tmp_path / "pc").own_identity().agent_id].hostname == "pc-alice"
+        await join(token_for(store, address), tmp_path / "pc", "pc-bob")  # a name given wins
+
+    with_server(store, joins)
+    agent_id = agent_tls_files(tmp_path / "pc").own_identity().agent_id
+    assert store.roster()[agent_id].hostname == "pc-bob" and Membership.load(tmp_path / "pc").hostname == "pc-bob"
