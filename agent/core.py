@@ -694,7 +694,7 @@ class AgentCore:
             link = self._next_hops.get(hop.agent_id)
             try:
                 if self._revoked.is_revoked(hop.agent_id):
-                    raise LinkError(f"next hop {hop.agent_id[:12]} was removed from the fleet")
+                    raise LinkError("it was removed from the fleet")
                 if self._revocations_unknown is not None:
                     raise LinkError(f"next hop {hop.agent_id[:12]} not dialled: {self._revocations_unknown}")
                 if link is None:
@@ -705,9 +705,8 @@ class AgentCore:
                 return
             except LinkError as error:
                 self._next_hops.pop(hop.agent_id, None)
-                if attempt:
-                    text = f"agent {self.agent_id[:12]}: next hop agent {hop.agent_id[:12]} at {hop.address} " \
-                           f"is unreachable: {error}"
+                if attempt:  # the Error that answers it starts with this agent's id
+                    text = f"next hop agent {hop.agent_id[:12]} at {hop.address} is unreachable: {error}"
                     raise CommandError(ErrorCode.INTERNAL, text, agent_id=hop.agent_id) from None
 
     async def _tell_controller(self, message: Message) -> None:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from deskfleet.common import event_loop
+from deskfleet.common import event_loop, pki
 from deskfleet.common.planner import ExclusionReason, Plan
 from deskfleet.common.wire import StageRef
 from deskfleet.controller.engine import ChainBroken
@@ -186,6 +186,13 @@ class FleetFailover:
                 self._left_out = agent_id
             self._verdict += f"; the new plan leaves agent {agent_id[:12]} out ({why.message})"
 
+    def _was_removed(self, agent_id: str) -> bool:
+        """Whether `fleet remove` removed it (a survey does not reach a removed PC: no other word for its silence)."""
+        try:
+            return Revocations(self.store)().is_revoked(agent_id)
+        except pki.PkiError:  # revoked.json lost or damaged: the survey said so; the silence is then just silence
+            return False
+
     def _check_blame(self, found: Survey) -> None:
         """Weigh the blame that broke the chain (self._blame, its agent provisionally in `lost`) against what the
         re-plan's survey found, before anyone is left out for it; sets _left_out and _verdict.
@@ -213,7 +220,9 @@ class FleetFailover:
         accused, reporter = error.agent_id, error.reported_by
         answered = next((agent for agent in found.reachable() if agent.agent_id == accused), None)
         if answered is None or answered.report is None:
-            if reporter is not None:
+            if reporter is not None and self._was_removed(accused):
+                self._verdict = f"agent {accused[:12]} was removed from the fleet: it is left out"
+            elif reporter is not None:
                 self._verdict = f"agent {accused[:12]} does not answer the controller either: it is left out"
             return
         positions = {stage.agent_id: index for index, stage in enumerate(error.stages)}

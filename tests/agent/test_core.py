@@ -500,6 +500,9 @@ def test_an_unreachable_next_hop_is_named_in_the_error_the_driver_gets(core: Age
     error = driver.sent[0]
     assert isinstance(error, Error) and "is unreachable" in error.message
     assert (error.agent_id, error.micro_batch_id) == (dead, 1)
+    # this agent named once, at the start (it was said twice: "agent X: agent X: next hop ...")
+    assert error.message.startswith(f"agent {core.agent_id[:12]}: next hop agent {dead[:12]} at 127.0.0.1:9 is "
+                                    "unreachable: ") and error.message.count(core.agent_id[:12]) == 1
 
 
 def test_a_shard_sent_by_two_deploys_at_once_is_taken_from_the_first(core: AgentCore) -> None:

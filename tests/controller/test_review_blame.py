@@ -26,7 +26,7 @@ from deskfleet.common.planner import Plan, PlanOptions, PlanPolicy
 from deskfleet.common.wire import Precision, StageRef, StatusReport
 from deskfleet.controller import fleet_failover
 from deskfleet.controller.engine import Engine, StreamRequest
-from deskfleet.controller.fleet_ca import load_ca
+from deskfleet.controller.fleet_ca import add_removals, load_ca
 from deskfleet.controller.fleet_deploy import (
     DeployError,
     DeployReport,
@@ -229,3 +229,16 @@ def test_a_blame_carries_who_reported_it_and_the_chain() -> None:
     assert (error.agent_id, error.reported_by, error.stages) == (B, A, CHAIN)
     assert ChainError("no one at fault", None, A).reported_by is None  # no blame: no reporter of one
     assert ChainError(f"agent {B[:12]}: the link closed", B).reported_by is None  # the controller's own observation
+
+
+def test_a_next_hop_removed_from_the_fleet_is_said_to_be_removed(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `fleet remove` during a run: the survey does not reach the removed PC, and the log said it "does not answer
+    # the controller either", as of a PC that died.
+    add_removals(store, [B])
+    failover, excluded = scripted_failover(store, tiny_export, monkeypatch, {A: True, C: True})
+    told: list[str] = []
+    failover.notify = told.append
+    failover(relayed(B, A))
+    assert excluded == [frozenset({B})]
+    assert f"; agent {B[:12]} was removed from the fleet: it is left out; re-planned in " in told[0]
