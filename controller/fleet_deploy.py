@@ -59,7 +59,7 @@ from deskfleet.common.wire import (
     parse_address,
 )
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError
-from deskfleet.controller.fleet_survey import AgentView, Survey
+from deskfleet.controller.fleet_survey import NO_ADDRESS, AgentView, Survey
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ def plan_survey(footprint: ModelFootprint, found: Survey, options: PlanOptions,
     agents = [agent for agent in found.reachable() if agent.agent_id not in exclude]
     answered = {agent.agent_id for agent in found.reachable()}
     unreachable = tuple(Exclusion(agent.agent_id or agent.address, ExclusionReason.UNREACHABLE,
-                                  f"unreachable at {agent.address}: {agent.problem or 'no status'}", agent.hostname)
+                                  f"unreachable{_at(agent.address)}: {agent.problem or 'no status'}", agent.hostname)
                         for agent in found.agents if agent.agent_id not in answered)
     return plan(footprint, [*assumed, *candidates_of(agents, model_id)], options, unreachable)
 
@@ -412,6 +412,11 @@ def load_deploy_settings(store: FleetStore, model_dir: Path) -> DeploySettings:
 
 
 # Private functions
+
+def _at(address: str) -> str:
+    """" at ADDRESS", or nothing for an enrolled PC that never said where it listens."""
+    return "" if address == NO_ADDRESS else f" at {address}"
+
 
 def _deployments(store: FleetStore) -> dict[str, Any]:
     """deployments.json's records by model id; DeployError naming the file when it holds something else."""

@@ -36,6 +36,7 @@ MAX_ADDRESSES_PER_AGENT = 16  # dialled per agent: those an authenticated source
 # asleep: 31 s). 256 dials an office in one round and stays well inside the 1024 file handles Linux gives a
 # process (with the links that answered, kept open until the survey closes); fewer where the process has fewer.
 MAX_DIALS_AT_ONCE = 256
+NO_ADDRESS = "-"  # the address of an enrolled PC that never said where it listens
 NEVER_REGISTERED = ("joined, but its agent never called in: start `deskfleet-agent --headless` (with the join's "
                     "--data-dir) on that PC")
 
@@ -122,7 +123,8 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
         listed = {agent.agent_id for agent in found.agents}
         for agent_id, member in roster.items():
             if not member.addresses and agent_id not in listed and not revocations().is_revoked(agent_id):
-                found.agents.append(AgentView(agent_id, member.hostname, "-", ("roster",), None, NEVER_REGISTERED))
+                found.agents.append(AgentView(agent_id, member.hostname, NO_ADDRESS, ("roster",), None,
+                                              NEVER_REGISTERED))
     return found
 
 

@@ -280,3 +280,11 @@ def test_split_is_valid_and_as_fast_as_brute_force(layer_sizes: list[int], embed
     assert fewest.feasible == result.feasible
     if fewest.feasible:
         assert len(fewest.stages) <= len(result.stages)
+
+
+def test_a_speed_left_out_is_said_in_three_figures() -> None:
+    # "with speed 4.59524": a measured GB/s printed to the float's last digit.
+    agents = [available("fast", 64, 300.0), available("slow", 64, 4.59524)]
+    result = plan(toy(), agents, PlanOptions(policy=PlanPolicy.ALL_BY_SPEED, hop_cost=1.0))
+    (left_out,) = [e for e in result.exclusions if e.agent_id == "slow"]
+    assert left_out.reason is ExclusionReason.NOT_NEEDED and "not used: with speed 4.6 and " in left_out.message

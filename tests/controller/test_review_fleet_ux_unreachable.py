@@ -85,3 +85,15 @@ def test_the_planner_counts_the_agents_that_did_not_answer() -> None:
     assert not result.feasible and result.exclusions[-1] == silent[0]
     assert "memory short" in result.problems[0] and "1 more found did not answer" in result.problems[0]
     assert plan(model, []).problems == ("no agents in the fleet",)
+
+
+def test_a_pc_that_never_called_in_is_not_said_to_be_at_a_placeholder(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # "unreachable at -: joined, but its agent never called in": the "-" stood for no address.
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    store.save_roster({PC1: RosterEntry(PC1, "pc1", utc_now().isoformat())})
+    main(["fleet", "plan", "--layers", "4", "--layer-bytes", "1e6", "--discover-seconds", "0",
+          "--data-dir", str(store.data_dir)])
+    out = capsys.readouterr().out
+    assert "aaaaaaaaaaaa (pc1) unreachable: joined, but its agent never called in" in out and " at -" not in out
