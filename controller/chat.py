@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import logging
 import math
 import sys
@@ -92,6 +93,9 @@ def add_chat_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
                       help="in-process pipeline stages (default 1; local only)")
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--max-new-tokens", type=positive_int, default=256, help="a reply's limit (default 256)")
+    chat.add_argument("--json", action="store_true",
+                      help="one JSON object per line a message gets (its reply, or why it was not sent) on stdout, "
+                           "for scripts: replies of several lines cannot be told apart in plain text")
     chat.add_argument("--no-reuse-kv", dest="reuse_kv", action="store_false",
                       help="feed the whole conversation every turn instead of resuming the KV state the last reply "
                            "left on the stages (for comparison)")
@@ -151,8 +155,12 @@ def generate_on_fleet(options: GenerateOptions, data_dir: Path | None, stream_te
 
 def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextIO | None = None,
              notes: TextIO | None = None, on_reply: Callable[[ReplyStats], None] | None = None,
-             chain: StageChain | None = None) -> int:
+             chain: StageChain | None = None, as_json: bool = False) -> int:
     """Converse until `lines` ends or says /quit; returns the number of replies given.
+
+    `as_json`: instead of streaming each reply's text, write one JSON object a line for every message sent:
+    {"reply", "stopped" ("end", "max_new_tokens" or "interrupted"), "reply_tokens", "prompt_tokens",
+    "reused_tokens", "seconds", "failovers"}, or {"error"} for a message that was not sent.
 
     Raises before reading a line when no message could ever fit the model's context (--max-new-tokens,
     --system). A conversation that outgrows the context loses its oldest exchanges (the system turn stays);
@@ -170,12 +178,12 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
                                 "`deskfleet generate --prompt TEXT` with it instead")
     with TemplateRenderer() as renderer:  # one child renders every turn
         tokenizer.renderer = renderer
-        return _converse(options, tokenizer, manifest, lines, out, prompt_out, notes, on_reply, chain)
+        return _converse(options, tokenizer, manifest, lines, out, prompt_out, notes, on_reply, chain, as_json)
 
 
 def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifest, lines: TextIO, out: TextIO,
               prompt_out: TextIO | None, notes: TextIO | None, on_reply: Callable[[ReplyStats], None] | None,
-              chain: StageChain | None) -> int:
+              chain: StageChain | None, as_json: bool) -> int:
     """run_chat's conversation, once the tokenizer renders in a child kept for the chat."""
     from .text_printer import TextPrinter
     from .tokenizer import ChatMessage, ChatTemplateError, NotUtf8Error, check_utf8
@@ -232,16 +240,21 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 # ChatTemplateError: the template refused this conversation (its raise_exception) or rendered
                 # it too long; the conversation before this message may still be fine to go on with.
                 _note(notes, f"[{error}: not sent; the conversation is unchanged]")
+                _write_json(out, as_json, {"error": f"{error}: not sent; the conversation is unchanged"})
                 continue
             except KeyboardInterrupt:  # Ctrl-C while the prompt was made (a long render): this message only
                 _end_prompt_line(prompt_out)  # the terminal's ^C echo; a reply's Ctrl-C ends its own line
                 _note(notes, "[interrupted before the reply began: not sent; the conversation is unchanged]")
+                _write_json(out, as_json, {"error": "interrupted before the reply began: not sent; the conversation "
+                                                    "is unchanged"})
                 continue
             if dropped:
                 exchanges = "exchange" if dropped == 2 else f"{dropped // 2} exchanges"
                 _note(notes, f"[the conversation outgrew the model's context of {manifest.spec.max_context} "
                              f"tokens: dropped its oldest {exchanges}]")
-            printer = TextPrinter(tokenizer, out)
+            # as JSON, the text is gathered and written whole, unchanged, with the reply's figures
+            printer = TextPrinter(tokenizer, io.StringIO(), show_controls=False) if as_json \
+                else TextPrinter(tokenizer, out)
             interrupted = False
             try:
                 if failover is not None:
@@ -254,11 +267,19 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 chain = engine.chain  # the next turns run on the chain this one ended on
             kept.hold(engine.kept_kv(0))  # None when interrupted (the engine freed what it had taken)
             printer.finish()
-            out.write("\n")
-            out.flush()
+            result = engine.results()[0]
+            if as_json:
+                stopped = "interrupted" if interrupted else "end" if result.stopped_by_eos else "max_new_tokens"
+                _write_json(out, True, {"reply": printer.text, "stopped": stopped, "reply_tokens": len(result.tokens),
+                                        "prompt_tokens": len(prompt), "reused_tokens": result.reused_tokens,
+                                        "seconds": round(time.perf_counter() - started, 3),
+                                        "failovers": len(engine.failovers)})
+            else:
+                out.write("\n")
+                out.flush()
             if interrupted:
                 _note(notes, "[interrupted: the reply so far stays in the conversation; Ctrl-C at the prompt leaves]")
-            elif not engine.results()[0].stopped_by_eos:  # else the reply just stops mid-sentence, unexplained
+            elif not result.stopped_by_eos:  # else the reply just stops mid-sentence, unexplained
                 _note(notes, f"[the reply reached --max-new-tokens {options.max_new_tokens} and was cut there; "
                              "a larger --max-new-tokens lets replies run longer]")
             # The reply as it was shown: a Ctrl-C can stop the engine between taking a token and showing it,
@@ -267,7 +288,6 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
             turns = [*turns[dropped:], message, ChatMessage("assistant", printer.text)]
             replies += 1
             if on_reply is not None:
-                result = engine.results()[0]
                 on_reply(ReplyStats(len(prompt), result.reused_tokens, len(result.tokens),
                                     run_started - started, result.first_token_s, time.perf_counter() - started))
     return replies
@@ -386,6 +406,13 @@ def _end_prompt_line(prompt_out: TextIO | None) -> None:
         prompt_out.flush()
 
 
+def _write_json(out: TextIO, as_json: bool, body: dict[str, object]) -> None:
+    """One line of `chat --json` (nothing without it), flushed: a script reads it before sending the next message."""
+    if as_json:
+        out.write(json.dumps(body) + "\n")
+        out.flush()
+
+
 def _note(notes: TextIO | None, text: str) -> None:
     """A line on stderr; its text may quote the model folder's template (its raise_exception), so on a
     terminal its control characters are shown as escapes, not obeyed."""
@@ -462,5 +489,5 @@ def _chat_command(args: argparse.Namespace) -> int:
     if isinstance(sys.stdin, io.TextIOWrapper):  # a line that is not UTF-8 reaches run_chat, which refuses it alone
         sys.stdin.reconfigure(errors="surrogateescape")
     interactive = sys.stdin.isatty()
-    run_chat(options, sys.stdin, sys.stdout, prompt_out=sys.stderr if interactive else None)
+    run_chat(options, sys.stdin, sys.stdout, prompt_out=sys.stderr if interactive else None, as_json=args.json)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import math
 import random
 import shutil
@@ -17,6 +18,7 @@ import pytest
 from deskfleet.agent.stage import CompileSettings, Precision
 from deskfleet.controller import chat
 from deskfleet.controller.chat import ChatOptions, run_chat
+from deskfleet.controller.cli import main
 from deskfleet.controller.engine import ChainBroken, StreamRequest
 from deskfleet.controller.export.random_checkpoint import CHAT_TEMPLATE
 from deskfleet.controller.generation import GenerationError
@@ -443,3 +445,32 @@ def test_a_reply_cut_at_max_new_tokens_says_so_and_one_that_ended_does_not(
     run_chat(ChatOptions(model=model, max_new_tokens=6, settings=CompileSettings(precision=Precision.F32)),
              io.StringIO("hello\n/quit\n"), io.StringIO(), notes=notes)
     assert notes.getvalue() == ""
+
+
+def test_as_json_every_message_sent_gets_one_line_with_its_reply_or_why_not(tmp_path: Path,
+                                                                             tiny_export: Path) -> None:
+    # Piped, plain replies follow one another on stdout, and a reply of several lines cannot be told from the next.
+    model = _chat_model(tmp_path, tiny_export)
+    options = ChatOptions(model=model, max_new_tokens=6, settings=CompileSettings(precision=Precision.F32))
+    plain = io.StringIO()
+    run_chat(options, io.StringIO("hello there\nagain, please\n"), plain, notes=io.StringIO())
+    out = io.StringIO()
+    lines = io.StringIO(f"hello there\n\n{'x' * 600}\nagain, please\n")
+    assert run_chat(options, lines, out, notes=io.StringIO(), as_json=True) == 2
+    first, refused, second = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert first["reply"] + "\n" + second["reply"] + "\n" == plain.getvalue()
+    assert (first["stopped"], first["reply_tokens"], first["failovers"]) == ("max_new_tokens", 6, 0)
+    assert second["prompt_tokens"] > first["prompt_tokens"]  # the whole conversation
+    assert set(second) == {"reply", "stopped", "reply_tokens", "prompt_tokens", "reused_tokens", "seconds", "failovers"}
+    assert refused == {"error": "this message alone makes a prompt of 632 tokens; with --max-new-tokens 6 the "
+                                "model's context of 512 tokens leaves room for 506: not sent; the conversation is "
+                                "unchanged"}
+
+
+def test_the_chat_command_takes_json(tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    model = _chat_model(tmp_path, tiny_export)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--model", str(model), "--max-new-tokens", "3", "--precision", "f32", "--json"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert json.loads(line)["reply_tokens"] == 3
