@@ -56,6 +56,11 @@ BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a program whos
 
 # Public methods
 
+def log_format(with_times: bool) -> str:
+    """The log lines' format: a command that runs for days (`fleet serve`) starts each with the time, as agents do."""
+    return ("%(asctime)s " if with_times else "") + "%(levelname)s %(name)s: %(message)s"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     tolerate_unencodable(sys.stdout, sys.stderr)  # a reply or a table on a Windows code page
     try:
@@ -74,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "with standard output open (to discard it: > /dev/null)", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+                        format=log_format(getattr(args, "log_times", False)))
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         try:

@@ -66,7 +66,7 @@ def add_fleet_commands(subparsers: Any) -> None:
     serve = command("serve", "run the enrollment and registration endpoint")
     serve.add_argument("--listen", default=None, metavar="HOST:PORT",
                        help="default: 0.0.0.0 and the port of the first init address")
-    serve.set_defaults(handler=_serve)
+    serve.set_defaults(handler=_serve, log_times=True)  # it runs for days: each log line says when
 
     for name, help_text, handler in (("ls", "list agents, states and stages", _ls),
                                      ("plan", "show how a model would be split over the agents", _plan),

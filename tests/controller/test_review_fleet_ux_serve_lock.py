@@ -4,13 +4,15 @@ first one's pid, instead of both writing the roster and telling the agents of re
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import subprocess
 import sys
 import time
 
 import pytest
 
-from deskfleet.controller.cli import main
+from deskfleet.controller.cli import build_parser, log_format, main
 from deskfleet.controller.fleet_server import FleetServer
 from deskfleet.controller.fleet_store import SERVE_LOCK, FleetStore, FleetStoreError
 from tests.ports import free_address
@@ -59,3 +61,14 @@ def test_the_lock_is_held_while_running_and_released_after(store: FleetStore) ->
         await second
 
     asyncio.run(scenario())
+
+
+def test_fleet_serve_logs_each_line_with_its_time_and_one_shot_commands_do_not() -> None:
+    # `fleet serve` runs for days; its lines ("agent ... registered") said no time, the agents' did.
+    parser = build_parser()
+    assert parser.parse_args(["fleet", "serve"]).log_times is True
+    assert getattr(parser.parse_args(["fleet", "ls"]), "log_times", False) is False
+    record = logging.LogRecord("deskfleet.x", logging.INFO, __file__, 1, "agent registered", None, None)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO deskfleet.x: agent registered",
+                        logging.Formatter(log_format(True)).format(record))
+    assert logging.Formatter(log_format(False)).format(record) == "INFO deskfleet.x: agent registered"
