@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from deskfleet.common.arguments import path_argument
 from deskfleet.common.console import tolerate_unencodable
 
 log = logging.getLogger("deskfleet.agent")
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deskfleet-agent", description="The deskfleet agent of this PC.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
     parser.add_argument("--headless", action="store_true", help="run the agent core without a tray")
-    parser.add_argument("--data-dir", type=Path, default=None,
+    parser.add_argument("--data-dir", type=path_argument, default=None,
                         help="keep settings, state (key, certificate) and shard cache under this folder")
     parser.add_argument("--listen", default=None, metavar="HOST:PORT",
                         help="address to accept fleet links on (default: the settings file's)")
@@ -69,13 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     join = commands.add_parser("join", help="enroll this PC with a join token from the fleet's admin")
     join.add_argument("token", help="the token printed by `deskfleet fleet token`; - reads it from standard "
                                     "input (a token on the command line shows in the process list and history)")
-    join.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS, help="as above")
+    join.add_argument("--data-dir", type=path_argument, default=argparse.SUPPRESS, help="as above")
     join.add_argument("--hostname", default=None, help="name to show the admin (default: this PC's)")
     for name, text in (("pause", "opt this PC out: it serves no model until `resume` (a stage it hosts is given "
                                  "up within seconds; the generation goes on without it)"),
                        ("resume", "end a pause: the next plan may use this PC again")):
         command = commands.add_parser(name, help=text)
-        command.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS,
+        command.add_argument("--data-dir", type=path_argument, default=argparse.SUPPRESS,
                              help="the agent's data dir, as given to `join` and `--headless`")
     return parser
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from deskfleet.agent.stage import CompileSettings
+from deskfleet.common.arguments import path_argument
 from deskfleet.common.model_spec import Manifest, load_manifest
 from deskfleet.common.wire import MICRO_BATCH_IDLE_S
 
@@ -86,7 +87,7 @@ def add_chat_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
                      add_compile_options: Callable[[argparse.ArgumentParser], None]) -> None:
     """`deskfleet chat`; `add_compile_options(parser)` adds the CLI's shared --precision/--device/--threads."""
     chat = subparsers.add_parser("chat", help="a terminal chat with streaming output (local or --fleet)")
-    chat.add_argument("--model", type=Path, required=True, help="export folder (with its tokenizer)")
+    chat.add_argument("--model", type=path_argument, required=True, help="export folder (with its tokenizer)")
     add_fleet_option(chat)
     # None: not given (1), which --fleet needs to tell: there its deployment decides the stages.
     chat.add_argument("--stages", type=positive_int, default=None,
@@ -107,7 +108,7 @@ def add_chat_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
 def add_fleet_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fleet", action="store_true",
                         help="run on the fleet's deployed chain (`deskfleet fleet deploy --model` first)")
-    parser.add_argument("--data-dir", type=Path, default=None,
+    parser.add_argument("--data-dir", type=path_argument, default=None,
                         help="controller data dir for --fleet (default: $DESKFLEET_CONTROLLER_DIR or the platform's)")
     # None: not given (DEFAULT_MAX_FAILOVERS), which check_fleet_options needs to tell without --fleet.
     parser.add_argument("--max-failovers", type=non_negative_int, default=None,

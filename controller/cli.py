@@ -9,10 +9,10 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from deskfleet.agent.allocator import run_on_jemalloc
+from deskfleet.common.arguments import path_argument
 from deskfleet.common.console import tolerate_unencodable
 from deskfleet.common.model_spec import ManifestError, WeightFormat
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
@@ -187,8 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     export = commands.add_parser("export", help="export a Hugging Face checkpoint to per-layer OpenVINO IR")
-    export.add_argument("model_dir", type=Path, help="checkpoint folder (config.json, safetensors, tokenizer)")
-    export.add_argument("-o", "--output", type=Path, required=True, help="export folder to write")
+    export.add_argument("model_dir", type=path_argument, help="checkpoint folder (config.json, safetensors, tokenizer)")
+    export.add_argument("-o", "--output", type=path_argument, required=True, help="export folder to write")
     export.add_argument("--weights", choices=[f.value for f in WeightFormat], default=WeightFormat.INT4.value)
     export.add_argument("--max-context", type=int, default=None,
                         help="RoPE table length (default: min(config's max positions, 8192))")
@@ -196,13 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(handler=_export, extras=("export",))
 
     generate = commands.add_parser("generate", help="generate text with an exported model")
-    generate.add_argument("--model", type=Path, required=True, help="export folder")
+    generate.add_argument("--model", type=path_argument, required=True, help="export folder")
     # None: not given (1), which --fleet needs to tell: there its deployment decides the stages.
     generate.add_argument("--stages", type=positive_int, default=None,
                           help="in-process pipeline stages (default 1; not with --fleet)")
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append", help="prompt text; repeat for concurrent streams")
-    prompt.add_argument("--prompts-file", type=Path,
+    prompt.add_argument("--prompts-file", type=path_argument,
                         help="UTF-8 file, one prompt per line, run as concurrent streams; in a line \\n is a "
                              "newline, \\t a tab, \\\\ a backslash")
     prompt.add_argument("--prompt-ids", action="append", help="comma-separated token ids, e.g. 1,2,3; repeatable")
@@ -223,10 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks that print JSON")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     parity = benches.add_parser("parity", help="1-stage deskfleet vs OpenVINO GenAI, and k stages vs 1")
-    parity.add_argument("--model", type=Path, required=True, help="export folder (deskfleet)")
-    parity.add_argument("--genai-model", type=Path, default=None,
+    parity.add_argument("--model", type=path_argument, required=True, help="export folder (deskfleet)")
+    parity.add_argument("--genai-model", type=path_argument, default=None,
                         help="the same checkpoint exported by optimum-intel (omit to skip GenAI)")
-    parity.add_argument("--genai-python", type=Path, default=None,
+    parity.add_argument("--genai-python", type=path_argument, default=None,
                         help="python of a venv with openvino-genai (it pins other versions)")
     parity.add_argument("--prompt-tokens", type=positive_int, default=32)
     parity.add_argument("--new-tokens", type=positive_int, default=64)
@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile_options(parity)
     parity.set_defaults(handler=_bench_parity)
     rollback = benches.add_parser("rollback", help="mask rollback vs physical trim, and dead slots in a decode step")
-    rollback.add_argument("--model", type=Path, required=True, help="export folder (context >= 2048 + 100)")
+    rollback.add_argument("--model", type=path_argument, required=True, help="export folder (context >= 2048 + 100)")
     rollback.add_argument("--contexts", type=positive_int, nargs="+", default=[256, 1024, 2048])
     rollback.add_argument("--rejected", type=positive_int, default=4, help="draft tokens rejected per rollback")
     rollback.add_argument("--dead-slots", type=positive_int, nargs="+", default=[4, 64],
@@ -253,18 +253,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile_options(rollback)
     rollback.set_defaults(handler=_bench_rollback)
     speculative = benches.add_parser("speculative", help="one stage, code completion with and without a draft")
-    speculative.add_argument("--model", type=Path, required=True, help="target export folder")
-    speculative.add_argument("--draft", type=Path, default=None, help="draft export folder")
+    speculative.add_argument("--model", type=path_argument, required=True, help="target export folder")
+    speculative.add_argument("--draft", type=path_argument, default=None, help="draft export folder")
     speculative.add_argument("--no-lookup", action="store_true",
                              help="skip the prompt-lookup (and lookup-first) variants")
     speculative.add_argument("--k", type=positive_int, nargs="*", default=[2, 4, 6],
                              help="fixed K values (1 or more) to time")
     speculative.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-K variant")
     speculative.add_argument("--k-max", type=positive_int, default=8, help="upper bound of adaptive K")
-    speculative.add_argument("--prompts-file", type=Path, default=None,
+    speculative.add_argument("--prompts-file", type=path_argument, default=None,
                              help="one prompt per line, read as generate's --prompts-file (\\n a newline, "
                                   "\\t a tab, \\\\ a backslash); default: the demo eval set")
-    speculative.add_argument("--eval-dir", type=Path, default=None,
+    speculative.add_argument("--eval-dir", type=path_argument, default=None,
                              help="folder of the demo model's evaluate.py (default assets/models/train)")
     speculative.add_argument("--prompts", type=positive_int, default=12, help="how many prompts")
     speculative.add_argument("--new-tokens", type=positive_int, default=64)
@@ -272,10 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile_options(speculative)
     speculative.set_defaults(handler=_bench_speculative)
     streams = benches.add_parser("streams", help="1..N users on one core: deskfleet vs GenAI continuous batching")
-    streams.add_argument("--model", type=Path, required=True, help="export folder (deskfleet)")
-    streams.add_argument("--genai-model", type=Path, default=None,
+    streams.add_argument("--model", type=path_argument, required=True, help="export folder (deskfleet)")
+    streams.add_argument("--genai-model", type=path_argument, default=None,
                          help="the same checkpoint exported by optimum-intel (omit to skip GenAI)")
-    streams.add_argument("--genai-python", type=Path, default=None, help="python of the GenAI venv")
+    streams.add_argument("--genai-python", type=path_argument, default=None, help="python of the GenAI venv")
     streams.add_argument("--users", type=positive_int, nargs="+", default=[1, 2, 4, 8])
     streams.add_argument("--prompt-tokens", type=positive_int, default=32)
     streams.add_argument("--new-tokens", type=positive_int, default=64)
@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile_options(streams)
     streams.set_defaults(handler=_bench_streams)
     admission = benches.add_parser("admission", help="a long prompt arriving mid-run: what it stalls, chunked or not")
-    admission.add_argument("--model", type=Path, required=True, help="export folder")
+    admission.add_argument("--model", type=path_argument, required=True, help="export folder")
     admission.add_argument("--prompt-tokens", type=positive_int, default=1024, help="the newcomer's prompt")
     admission.add_argument("--chunks", type=non_negative_int, nargs="+", default=[0, 64, 256],
                            help="prefill chunk sizes to compare (0: the whole prompt in one call)")
@@ -295,10 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile_options(admission)
     admission.set_defaults(handler=_bench_admission)
     chat_bench = benches.add_parser("chat", help="a chat's turns resuming the last reply's KV state vs fed whole")
-    chat_bench.add_argument("--model", type=Path, required=True, help="export folder (with its chat template)")
+    chat_bench.add_argument("--model", type=path_argument, required=True, help="export folder (with its chat template)")
     chat_bench.add_argument("--turns", type=positive_int, default=8, help="user messages in the conversation")
     chat_bench.add_argument("--reply-tokens", type=positive_int, default=64, help="each reply's limit")
-    chat_bench.add_argument("--messages-file", type=Path, default=None,
+    chat_bench.add_argument("--messages-file", type=path_argument, default=None,
                             help="one message per line (default: the demo eval set's code prompts)")
     chat_bench.add_argument("--stages", type=positive_int, default=1, help="in-process pipeline stages")
     chat_bench.add_argument("--rounds", type=positive_int, default=3)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from deskfleet.agent.stage import CompileSettings
+from deskfleet.common.arguments import path_argument
 from deskfleet.common.model_spec import ModelSpec
 from deskfleet.common.speculative import SamplingParams
 
@@ -96,7 +97,8 @@ class DecodingOptions:
 
 
 def add_decoding_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--draft", type=Path, default=None, help="export folder of a draft model (speculative)")
+    parser.add_argument("--draft", type=path_argument, default=None,
+                        help="export folder of a draft model (speculative)")
     parser.add_argument("--prompt-lookup", action="store_true",
                         help="speculative with drafts copied from the context; alone: no draft model; with "
                              "--draft: copied tokens where the context repeats itself, the draft model elsewhere. "

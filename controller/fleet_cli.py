@@ -18,10 +18,10 @@ import asyncio
 import json
 import sys
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 from deskfleet.common import event_loop
+from deskfleet.common.arguments import path_argument
 from deskfleet.common.planner import PlanPolicy
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.decoding_options import byte_count, positive_int
@@ -40,7 +40,7 @@ def add_fleet_commands(subparsers: Any) -> None:
 
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
         parser: argparse.ArgumentParser = commands.add_parser(name, help=help_text)
-        parser.add_argument("--data-dir", type=Path, default=None,
+        parser.add_argument("--data-dir", type=path_argument, default=None,
                             help="controller data dir (default: $DESKFLEET_CONTROLLER_DIR or the platform's)")
         return parser
 
@@ -92,7 +92,7 @@ def add_fleet_commands(subparsers: Any) -> None:
                                 help="the agents' KV cache precision (default: the precision's own; f32 makes "
                                      "verifying drafts cheaper on CPUs, at 4x the memory of u8)")
         if name in ("deploy", "generate"):
-            parser.add_argument("--model", type=Path, required=True, help="export folder")
+            parser.add_argument("--model", type=path_argument, required=True, help="export folder")
         if name == "generate":
             parser.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
             parser.add_argument("--max-new-tokens", type=int, default=16)
@@ -318,7 +318,7 @@ def _agent_json(agent: Any, undeployed: dict[str, list[Any]] | None = None) -> d
 
 
 def _add_paper_model(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, default=None, help="export folder (or describe one on paper)")
+    parser.add_argument("--model", type=path_argument, default=None, help="export folder (or describe one on paper)")
     parser.add_argument("--layers", type=positive_int, default=None, help="on paper: decoder layers")
     parser.add_argument("--layer-bytes", type=byte_count, default=None, help="on paper: weight bytes per layer")
     parser.add_argument("--embed-bytes", type=byte_count, default=0, help="on paper: embedding bytes")

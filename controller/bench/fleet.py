@@ -44,6 +44,7 @@ from deskfleet.agent.link import TlsFiles, utc_now
 from deskfleet.agent.stage import CompileSettings, export_weight_group_size
 from deskfleet.agent.stage import Precision as StagePrecision
 from deskfleet.common import event_loop, pki
+from deskfleet.common.arguments import path_argument
 from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.planner import PlanOptions, PlanPolicy
@@ -680,9 +681,10 @@ def add_fleet_bench_command(benches: Any) -> None:
     from deskfleet.controller.decoding_options import non_negative_int, positive_int
 
     parser: argparse.ArgumentParser = benches.add_parser("fleet", help="the paper's fleet table on simulated PCs")
-    parser.add_argument("--model", type=Path, required=True, help="throughput model export (about 1B INT4)")
-    parser.add_argument("--demo-target", type=Path, default=None, help="demo pair target export (drafting rows)")
-    parser.add_argument("--demo-draft", type=Path, default=None,
+    parser.add_argument("--model", type=path_argument, required=True, help="throughput model export (about 1B INT4)")
+    parser.add_argument("--demo-target", type=path_argument, default=None,
+                        help="demo pair target export (drafting rows)")
+    parser.add_argument("--demo-draft", type=path_argument, default=None,
                         help="demo pair draft export (the target's vocabulary, a context at least the target's)")
     parser.add_argument("--new-tokens", type=positive_int, default=32)
     parser.add_argument("--prompt-tokens", type=positive_int, default=16)
@@ -696,12 +698,12 @@ def add_fleet_bench_command(benches: Any) -> None:
                         help="pin the controller to the first N cores and the PCs to the rest (0: not pinned)")
     parser.add_argument("--wan-delay-ms", type=float, default=100.0, help="one-way delay per hop on WAN rows")
     parser.add_argument("--wan-bandwidth-mbit", type=float, default=None, help="per-link bandwidth on WAN rows")
-    parser.add_argument("--genai-model", type=Path, default=None,
+    parser.add_argument("--genai-model", type=path_argument, default=None,
                         help="--model's checkpoint exported by optimum-intel: adds GenAI continuous-batching rows")
-    parser.add_argument("--genai-python", type=Path, default=None, help="the GenAI venv's python")
-    parser.add_argument("--json-out", type=Path, default=None,
+    parser.add_argument("--genai-python", type=path_argument, default=None, help="the GenAI venv's python")
+    parser.add_argument("--json-out", type=path_argument, default=None,
                         help="also write the JSON here (checked before the bench runs; written whole or not at all)")
-    parser.add_argument("--markdown-out", type=Path, default=None, help="also write the markdown table here")
+    parser.add_argument("--markdown-out", type=path_argument, default=None, help="also write the markdown table here")
     parser.set_defaults(handler=_bench_command, runs_models=True)  # the draft model, on this process's CPU
 
 

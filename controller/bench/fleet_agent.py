@@ -34,6 +34,7 @@ from deskfleet.agent.paths import AgentSettings, Thresholds
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement
 from deskfleet.common import event_loop
+from deskfleet.common.arguments import path_argument
 from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.wire import parse_address
 
@@ -92,13 +93,13 @@ def _call_at_stdin_eof(callback: Callable[[], object]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--tls-dir", type=Path, required=True)
+    parser.add_argument("--tls-dir", type=path_argument, required=True)
     parser.add_argument("--name", required=True)
     parser.add_argument("--listen", required=True)
     parser.add_argument("--cores", required=True, help="comma-separated CPU numbers")
-    parser.add_argument("--cache", type=Path, required=True)
+    parser.add_argument("--cache", type=path_argument, required=True)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--port-file", type=Path, default=None, help="write the listening port here")
+    parser.add_argument("--port-file", type=path_argument, default=None, help="write the listening port here")
     parser.add_argument("--stop-on-stdin-eof", action="store_true",
                         help="stop when stdin reaches its end (the bench that started it ended)")
     args = parser.parse_args()

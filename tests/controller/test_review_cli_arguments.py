@@ -3,8 +3,11 @@ with that command's usage; no option is taken by an abbreviation of its name."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from deskfleet.agent.cli import main as agent_main
 from deskfleet.controller.cli import main
 
 
@@ -66,3 +69,23 @@ def test_the_state_a_relaxed_parse_changes_is_restored(capsys: pytest.CaptureFix
     with pytest.raises(SystemExit):  # --model and a prompt are still required
         parser.parse_args(["generate"])
     assert "the following arguments are required: --model" in capsys.readouterr().err
+
+
+def test_export_to_an_empty_output_is_refused_and_the_current_folder_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # `-o "$OUT"` with OUT unset replaced the export in the current folder with another model (--overwrite).
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "manifest.json").write_text("{}")
+    with pytest.raises(SystemExit) as exited:
+        main(["export", "assets-not-read", "-o", "", "--overwrite"])
+    assert exited.value.code == 2
+    assert "argument -o/--output: is empty (an unset variable?)" in capsys.readouterr().err
+    assert (tmp_path / "manifest.json").read_text() == "{}"
+    for command in (["generate", "--model", "", "--prompt", "x"], ["chat", "--model", "m", "--draft", ""],
+                    ["fleet", "ls", "--data-dir", ""]):
+        with pytest.raises(SystemExit):
+            main(command)
+        assert "is empty (an unset variable?)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        agent_main(["--data-dir", "", "status"])
+    assert "is empty (an unset variable?)" in capsys.readouterr().err
