@@ -258,7 +258,13 @@ def load_manifest(model_dir: Path) -> Manifest:
     if not path.is_file():
         raise ManifestError(
             f"{model_dir} has no {MANIFEST_NAME}: it is not a deskfleet export (run `deskfleet export` first)")
-    return Manifest.from_json(path.read_text(encoding="utf-8"))
+    try:
+        return Manifest.from_json(path.read_text(encoding="utf-8"))
+    except ManifestError as error:  # a truncated or edited file: named, with the fix
+        raise ManifestError(f"{path}: {error} (export the model again)") from None
+    except UnicodeDecodeError as error:
+        raise ManifestError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start}): export the model "
+                            "again") from None
 
 
 def verify_files(model_dir: Path, manifest: Manifest, names: list[str] | None = None) -> None:

@@ -22,7 +22,7 @@ import numpy.typing as npt
 from deskfleet.agent.stage import CompileSettings, LayerRange, Stage
 from deskfleet.agent.stage_executor import StageExecutor
 from deskfleet.common.kv_ledger import CompactionPolicy
-from deskfleet.common.model_spec import ModelSpec, load_manifest
+from deskfleet.common.model_spec import ManifestError, ModelSpec, load_manifest
 from deskfleet.common.speculative import SamplingParams, sample, sampling_probs
 from deskfleet.common.wire import ForwardResult
 
@@ -243,8 +243,13 @@ def open_drafter(draft: Path | None, prompt_lookup: bool, settings: CompileSetti
     With `target`, a draft model that cannot draft for it is refused (ValueError) from its manifest, before
     it compiles. `over_fleet`: the target runs on a chain of PCs, where prompt lookup also proposes from a
     1-token match (controller/prompt_lookup.py says why)."""
-    if draft is not None and target is not None:
-        check_draft_spec(load_manifest(Path(draft)).spec, target)
+    if draft is not None:
+        try:  # named as the draft's: with --model beside it, the folder alone may not say which one is wrong
+            manifest = load_manifest(Path(draft))
+        except ManifestError as error:
+            raise ManifestError(f"--draft: {error}") from None
+        if target is not None:
+            check_draft_spec(manifest.spec, target)
     if prompt_lookup:
         from .prompt_lookup import DEFAULT_MIN_NGRAM, FLEET_MIN_NGRAM, PromptLookupDraft
 

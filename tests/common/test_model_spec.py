@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,15 @@ def test_load_and_verify(tmp_path: Path) -> None:
     with pytest.raises(ManifestError, match="file is not a folder"):
         load_manifest(tmp_path / "file")
     with pytest.raises(ManifestError, match="not a deskfleet export"):
+        load_manifest(tmp_path)
+    # a truncated or foreign file is named (it said "malformed manifest: JSONDecodeError(...)", naming no file)
+    for text in ('{"format_version": 1, "spec": {"num', "[]"):
+        (tmp_path / "manifest.json").write_text(text)
+        with pytest.raises(ManifestError, match=f"^{re.escape(str(tmp_path / 'manifest.json'))}: .*export the model "
+                                                "again"):
+            load_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_bytes(b"\xff{}")
+    with pytest.raises(ManifestError, match=r"manifest\.json is not UTF-8 text"):
         load_manifest(tmp_path)
     (tmp_path / "a.bin").write_bytes(b"abc")
     m = manifest({"a.bin": FileEntry(sha256_of(tmp_path / "a.bin"), 3), "b.bin": FileEntry("0" * 64, 1)})

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from deskfleet.common.model_spec import ManifestError
 from deskfleet.common.speculative import SamplingParams
 from deskfleet.controller.draft import DraftRow, open_drafter
 from deskfleet.controller.prompt_lookup import PromptLookupDraft, lookup_continuation
@@ -92,3 +95,11 @@ def test_one_pc_needs_a_2_token_match_and_a_chain_of_pcs_takes_1() -> None:
     local, fleet = open_drafter(None, True), open_drafter(None, True, over_fleet=True)
     assert isinstance(local, PromptLookupDraft) and local.min_ngram == 2
     assert isinstance(fleet, PromptLookupDraft) and fleet.min_ngram == 1
+
+
+def test_a_draft_folder_that_is_no_export_is_named_as_the_draft(tmp_path: Path) -> None:
+    # beside --model, "nowhere does not exist" did not say which of the two folders was wrong
+    with pytest.raises(ManifestError, match=r"^--draft: .*nowhere does not exist$"):
+        open_drafter(tmp_path / "nowhere", False)
+    with pytest.raises(ManifestError, match=r"^--draft: .*it is not a deskfleet export"):
+        open_drafter(tmp_path, True)
