@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("model_dir", type=path_argument, help="checkpoint folder (config.json, safetensors, tokenizer)")
     export.add_argument("-o", "--output", type=path_argument, required=True, help="export folder to write")
     export.add_argument("--weights", choices=[f.value for f in WeightFormat], default=WeightFormat.INT4.value)
-    export.add_argument("--max-context", type=int, default=None,
+    export.add_argument("--max-context", type=positive_int, default=None,
                         help="RoPE table length (default: min(config's max positions, 8192))")
     export.add_argument("--overwrite", action="store_true", help="replace an existing export folder")
     export.set_defaults(handler=_export, extras=("export",))

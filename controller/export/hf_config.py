@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deskfleet.common.json_file import JsonFileError, read_json_object
-from deskfleet.common.model_spec import ModelSpec
+from deskfleet.common.model_spec import MAX_SPEC_VALUE, ModelSpec
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 # RoPE types whose tables do not depend on the sequence length, so they can be precomputed exactly.
@@ -37,6 +37,9 @@ def _rope_type(hf_config: object) -> str:
     parameters = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     rope_type = parameters.get("rope_type", parameters.get("type", "default")) if parameters else "default"
     return str(rope_type)
+
+
+MIN_MAX_CONTEXT = 2  # positions: the shortest context a prompt and its first new token fit in
 
 
 def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> CheckpointConfig:
@@ -77,8 +80,11 @@ def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> C
             f"(supported: {', '.join(sorted(STATIC_ROPE_TYPES))}; its table depends on the sequence length)")
 
     config_max = int(getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_CONTEXT_CAP))
-    if max_context is not None and max_context <= 0:
-        raise ValueError(f"--max-context must be positive, got {max_context}")
+    if max_context is not None and not MIN_MAX_CONTEXT <= max_context <= MAX_SPEC_VALUE:
+        # 1 left no room for a prompt and a reply (generate then said "shorten the prompt to at most 0 tokens"); past
+        # MAX_SPEC_VALUE the manifest was written and then refused as a tampered one, naming no option
+        raise ValueError(f"--max-context must be from {MIN_MAX_CONTEXT} (a prompt token and a new one) to "
+                         f"{MAX_SPEC_VALUE:,}, got {max_context}")
     if max_context is None and config_max <= 0:
         raise UnsupportedModelError(f"config field max_position_embeddings={config_max} must be positive "
                                     "(or give --max-context)")
