@@ -8,7 +8,6 @@ and `positive_int` are the argparse types of the CLI's whole-number options.
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,10 +63,8 @@ class DecodingOptions:
                 raise ValueError("--k and --k-max together: --k fixes K, so --k-max would never be used")
         # SamplingParams refuses these too, but by its field names (top_p) and only once the run has begun;
         # NaN passes its `temperature < 0`.
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"--temperature must be 0 (greedy) or more, got {self.temperature}")
-        if self.temperature > MAX_TEMPERATURE:
-            raise ValueError(f"--temperature must be at most {MAX_TEMPERATURE:g}, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails this too
+            raise ValueError(f"--temperature must be from 0 (greedy) to {MAX_TEMPERATURE:g}, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"--top-k must be 0 (off) or more, got {self.top_k}")
         if not 0 < self.top_p <= 1:
