@@ -281,8 +281,11 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
             if interrupted:
                 _note(notes, "[interrupted: the reply so far stays in the conversation; Ctrl-C at the prompt leaves]")
             elif not result.stopped_by_eos:  # else the reply just stops mid-sentence, unexplained
+                longer = ("the model's context leaves no room for a longer one"
+                          if len(prompt) + options.max_new_tokens >= manifest.spec.max_context
+                          else "a larger --max-new-tokens lets replies run longer")
                 _note(notes, f"[the reply reached --max-new-tokens {options.max_new_tokens} and was cut there; "
-                             "a larger --max-new-tokens lets replies run longer]")
+                             f"{longer}]")
             # The reply as it was shown: a Ctrl-C can stop the engine between taking a token and showing it,
             # and a byte-fallback tokenizer decodes a reply cut inside a character with more U+FFFD than were
             # shown (the bytes of the run before it too); the conversation holds what the user saw.

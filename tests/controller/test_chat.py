@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from deskfleet.agent.stage import CompileSettings, Precision
+from deskfleet.common.model_spec import load_manifest
 from deskfleet.controller import chat
 from deskfleet.controller.chat import ChatOptions, run_chat
 from deskfleet.controller.cli import main
@@ -435,6 +436,21 @@ def test_a_reply_cut_at_max_new_tokens_says_so_and_one_that_ended_does_not(
              io.StringIO("hello\n/quit\n"), io.StringIO(), notes=notes)
     assert notes.getvalue() == ("[the reply reached --max-new-tokens 6 and was cut there; a larger --max-new-tokens "
                                 "lets replies run longer]\n")
+    # at the largest --max-new-tokens the context allows, a larger one is no advice
+    prompt = ModelTokenizer(model).encode_chat([ChatMessage("user", "hello")])
+    largest = load_manifest(model).spec.max_context - len(prompt)
+
+    class CutEngine(chat.Engine):  # as if the reply had run to --max-new-tokens (this one ends sooner)
+        def results(self) -> dict[int, Any]:
+            return {stream_id: replace(result, stopped_by_eos=False) for stream_id, result in super().results().items()}
+
+    notes = io.StringIO()
+    with monkeypatch.context() as patch:
+        patch.setattr(chat, "Engine", CutEngine)
+        run_chat(ChatOptions(model=model, max_new_tokens=largest, settings=CompileSettings(precision=Precision.F32)),
+                 io.StringIO("hello\n/quit\n"), io.StringIO(), notes=notes)
+    assert notes.getvalue() == (f"[the reply reached --max-new-tokens {largest} and was cut there; the model's "
+                                "context leaves no room for a longer one]\n")
 
     class EndingEngine(chat.Engine):  # as if the reply's last token were EOS
         def results(self) -> dict[int, Any]:
