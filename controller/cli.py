@@ -21,6 +21,7 @@ from deskfleet.controller.decoding_options import (
     add_decoding_options,
     decoding_arguments,
     non_negative_int,
+    parse_token_ids,
     positive_int,
 )
 from deskfleet.controller.fleet_cli import add_fleet_commands
@@ -413,13 +414,6 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_prompt_ids(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as error:
-        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from error
-
-
 def _generate(args: argparse.Namespace) -> int:
     from deskfleet.controller.chat import generate_on_fleet
     from deskfleet.controller.run import GenerateOptions, run_generate
@@ -427,7 +421,7 @@ def _generate(args: argparse.Namespace) -> int:
     check_fleet_options(args)
     options = GenerateOptions(
         model=args.model, stages=args.stages or 1, prompts=args.prompt, prompts_file=args.prompts_file,
-        prompt_ids=[_parse_prompt_ids(text) for text in args.prompt_ids] if args.prompt_ids else None,
+        prompt_ids=[parse_token_ids(text) for text in args.prompt_ids] if args.prompt_ids else None,
         chat=args.chat, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, max_rows=args.max_rows,
         micro_batches=args.micro_batches, **decoding_arguments(args, _compile_settings(args)))
     try:

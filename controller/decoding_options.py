@@ -133,6 +133,17 @@ def positive_int(text: str) -> int:
     return _whole_number(text, minimum=1)
 
 
+def parse_token_ids(text: str) -> list[int]:
+    """--prompt-ids' value: comma-separated token ids (spaces around them allowed); an empty value is an empty
+    prompt (refused later, as such). ValueError for an empty item: "1,,2" was read as 1,2, a typo's id lost."""
+    if not text.strip():
+        return []
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
 def byte_count(text: str) -> int:
     """argparse type: a number of bytes, 0 or more, as a whole number or in float notation (4e9)."""
     try:

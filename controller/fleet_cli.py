@@ -24,7 +24,7 @@ from deskfleet.common import event_loop
 from deskfleet.common.arguments import path_argument
 from deskfleet.common.planner import PlanPolicy
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
-from deskfleet.controller.decoding_options import byte_count, positive_int
+from deskfleet.controller.decoding_options import byte_count, parse_token_ids, positive_int
 from deskfleet.controller.fleet_store import MIN_ID_PREFIX
 
 _POLICIES = [policy.value for policy in PlanPolicy]
@@ -420,12 +420,8 @@ def _generate(args: argparse.Namespace) -> int:
     from deskfleet.controller.chat import generate_on_fleet
     from deskfleet.controller.run import GenerateOptions
 
-    try:
-        prompt = [int(part) for part in args.prompt_ids.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-    options = GenerateOptions(model=args.model, prompt_ids=[prompt], max_new_tokens=args.max_new_tokens,
-                              ignore_eos=args.ignore_eos)
+    options = GenerateOptions(model=args.model, prompt_ids=[parse_token_ids(args.prompt_ids)],
+                              max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
     tokens = generate_on_fleet(options, args.data_dir)["tokens"]
     assert isinstance(tokens, list)
     print(json.dumps({"tokens": tokens}) if args.json else " ".join(map(str, tokens)))

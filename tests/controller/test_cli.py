@@ -39,6 +39,8 @@ def test_generate_several_prompts(tiny_export: Path, capsys: pytest.CaptureFixtu
 @pytest.mark.parametrize(("args", "message"), [
     (["--prompt-ids", "1,2,99999"], "outside the vocabulary"),
     (["--prompt-ids", "1,x"], "comma-separated integers"),
+    (["--prompt-ids", "1,,2"], "comma-separated integers, got '1,,2'"),  # was read as 1,2
+    (["--prompt-ids", "1,2,"], "comma-separated integers, got '1,2,'"),
     (["--prompt-ids", "1,2", "--max-new-tokens", "100000"], "exceed the model's context"),
     (["--prompt-ids", "1,2", "--stages", "9"], "cannot split 4 layers into 9 stages"),
     (["--prompt-ids", "1,2", "--chat"], "--chat wraps text prompts"),
