@@ -203,6 +203,7 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
     with opened as (chain, failover), kept:
         micro_batches = getattr(chain, "num_stages", 1)
         engine_options = options.engine_options(micro_batches)
+        first_line = True
         while True:
             if prompt_out is not None:
                 prompt_out.write("you> ")
@@ -216,6 +217,8 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 _end_prompt_line(prompt_out)
             if not line or line.strip() in ("/quit", "/exit"):
                 break
+            if first_line:  # a file saved by a Windows editor starts with a BOM, as --prompts-file may
+                line, first_line = line.removeprefix("\ufeff"), False
             text = line.strip()
             if not text:
                 continue

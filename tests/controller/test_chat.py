@@ -490,3 +490,16 @@ def test_the_chat_command_takes_json(tiny_export: Path, tmp_path: Path, monkeypa
     assert main(["chat", "--model", str(model), "--max-new-tokens", "3", "--precision", "f32", "--json"]) == 0
     (line,) = capsys.readouterr().out.splitlines()
     assert json.loads(line)["reply_tokens"] == 3
+
+
+def test_a_bom_before_the_first_message_is_not_sent(tmp_path: Path, tiny_export: Path) -> None:
+    # a messages file saved with a BOM (Windows' Notepad) sent it as 3 tokens of the first message
+    model = _chat_model(tmp_path, tiny_export)
+    options = ChatOptions(model=model, max_new_tokens=3, settings=CompileSettings(precision=Precision.F32))
+    replies = []
+    for lines in ("hello\nagain\n", "\ufeffhello\nagain\n"):
+        out = io.StringIO()
+        run_chat(options, io.StringIO(lines), out, notes=io.StringIO(), as_json=True)
+        replies.append([(reply["reply"], reply["prompt_tokens"])
+                        for reply in map(json.loads, out.getvalue().splitlines())])
+    assert replies[1] == replies[0] and len(replies[0]) == 2
