@@ -23,6 +23,7 @@ import io
 import json
 import logging
 import math
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -224,6 +225,11 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 continue
             if text == "/reset":
                 turns = []
+                continue
+            if re.fullmatch(r"/[A-Za-z]+", text):  # a mistyped command (/rest) would go to the model as a message
+                unknown = f"{text} is no command (/reset, /quit, /exit): not sent; the conversation is unchanged"
+                _note(notes, f"[{unknown}]")
+                _write_json(out, as_json, {"error": unknown})
                 continue
             message = ChatMessage("user", text)
             try:

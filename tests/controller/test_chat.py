@@ -503,3 +503,16 @@ def test_a_bom_before_the_first_message_is_not_sent(tmp_path: Path, tiny_export:
         replies.append([(reply["reply"], reply["prompt_tokens"])
                         for reply in map(json.loads, out.getvalue().splitlines())])
     assert replies[1] == replies[0] and len(replies[0]) == 2
+
+
+def test_a_mistyped_command_is_not_sent_and_a_message_starting_with_a_slash_is(tmp_path: Path,
+                                                                            tiny_export: Path) -> None:
+    model = _chat_model(tmp_path, tiny_export)
+    options = ChatOptions(model=model, max_new_tokens=3, settings=CompileSettings(precision=Precision.F32))
+    out, notes = io.StringIO(), io.StringIO()
+    assert run_chat(options, io.StringIO("/rest\n/etc/hosts holds what?\n"), out, notes=notes, as_json=True) == 1
+    refused, answered = map(json.loads, out.getvalue().splitlines())
+    assert refused == {"error": "/rest is no command (/reset, /quit, /exit): not sent; the conversation is unchanged"}
+    assert answered["reply_tokens"] == 3
+    assert notes_but_cuts(notes) == "[/rest is no command (/reset, /quit, /exit): not sent; the conversation is " \
+                                    "unchanged]\n"
