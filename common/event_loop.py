@@ -60,10 +60,24 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     except EventLoopError:
         main.close()
         raise
+    runner = asyncio.Runner(loop_factory=factory)
     try:
-        with asyncio.Runner(loop_factory=factory) as runner:
-            return runner.run(main)
+        result = runner.run(main)
+    except KeyboardInterrupt:  # Ctrl-C, or a bench's SIGTERM (a KeyboardInterrupt): it must reach the caller
+        try:
+            runner.close()
+        except RuntimeError:
+            # Raised by a signal handler while uvloop ran, a KeyboardInterrupt once left that loop marked running
+            # (a CI run of `bench fleet` stopped while it deployed): closing it raised "Cannot close a running
+            # event loop", which replaced the interrupt, so the bench said that and exited 2 instead of 130.
+            pass
+        raise
+    except BaseException:
+        runner.close()
+        raise
     finally:
         # a no-op once it ran; one that a signal (Ctrl-C, a bench's SIGTERM) stopped before it started would
         # print "coroutine ... was never awaited" after the command's last line
         main.close()
+    runner.close()
+    return result

@@ -61,6 +61,37 @@ def test_run_closes_a_coroutine_a_signal_stopped_before_it_started(monkeypatch: 
     assert coroutine.cr_frame is None
 
 
+def test_an_interrupt_stays_an_interrupt_when_its_loop_cannot_be_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # uvloop interrupted by a signal handler's KeyboardInterrupt once stayed marked running: the runner's close then
+    # raised "Cannot close a running event loop" over the interrupt (`bench fleet` stopped mid-deploy exited 2, not 130)
+    closed: list[bool] = []
+
+    class StuckRunner(asyncio.Runner):
+        def run(self, coro: object, **kwargs: object) -> object:  # type: ignore[override]
+            raise KeyboardInterrupt
+
+        def close(self) -> None:
+            closed.append(True)
+            super().close()
+            raise RuntimeError("Cannot close a running event loop")
+
+    monkeypatch.setattr(event_loop.asyncio, "Runner", StuckRunner)
+
+    async def never() -> None:
+        raise AssertionError("must not run")
+
+    with pytest.raises(KeyboardInterrupt):
+        event_loop.run(never())
+    assert closed == [True]  # tried once
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="oops"):  # any other error of a run is the run's, as before
+
+        async def fails() -> None:
+            raise RuntimeError("oops")
+
+        event_loop.run(fails())
+
+
 def _loop_module() -> str:
     async def probe() -> str:
         return type(asyncio.get_running_loop()).__module__
