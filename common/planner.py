@@ -410,9 +410,10 @@ def _per_stage_bytes(model: ModelFootprint, options: PlanOptions, first: bool = 
 
 def _screen(agent: AgentCandidate, options: PlanOptions, smallest: int, model: ModelFootprint) -> Exclusion | None:
     if agent.state is AgentState.PAUSED:
-        # a report names who paused it (and any limit crossed): older agents' name neither
-        return Exclusion(agent.agent_id, ExclusionReason.PAUSED,
-                         agent.detail or "paused (by its user or in its settings)")
+        # a report names who paused it first ("paused by its user"); an older agent's only the limits it crossed
+        detail = agent.detail if agent.detail.startswith("paused") else \
+            "; ".join(part for part in ("paused (by its user or in its settings)", agent.detail) if part)
+        return Exclusion(agent.agent_id, ExclusionReason.PAUSED, detail)
     if agent.state is AgentState.UNAVAILABLE:
         why = agent.reason.describe() if agent.reason is not None else "reason not reported"
         detail = f" ({agent.detail})" if agent.detail else ""

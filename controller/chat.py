@@ -216,10 +216,10 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 raise
             if not line.endswith("\n"):  # Ctrl-D: the cursor stayed on the prompt's line
                 _end_prompt_line(prompt_out)
-            if not line or line.strip() in ("/quit", "/exit"):
-                break
             if first_line:  # a file saved by a Windows editor starts with a BOM, as --prompts-file may
                 line, first_line = line.removeprefix("\ufeff"), False
+            if not line or line.strip() in ("/quit", "/exit"):
+                break
             text = line.strip()
             if not text:
                 continue

@@ -25,7 +25,7 @@ from deskfleet.common.arguments import path_argument
 from deskfleet.common.planner import PlanPolicy
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.decoding_options import byte_count, parse_token_ids, positive_int
-from deskfleet.controller.fleet_store import MIN_ID_PREFIX
+from deskfleet.controller.fleet_store import MIN_ID_PREFIX, FleetStoreError
 
 _POLICIES = [policy.value for policy in PlanPolicy]
 _MAX_BROWSE_S = 600.0
@@ -240,14 +240,15 @@ def _ls(args: argparse.Namespace) -> int:
     try:
         undeployed = undeployed_stages(store, {agent.agent_id: agent.report.stages for agent in agents
                                                if agent.agent_id is not None and agent.report is not None})
-    except DeployError as error:  # the list stands without the deployments
+    except (DeployError, FleetStoreError) as error:  # the list stands without the deployments
         undeployed = {}
         warnings.append(f"warning: {error}")
     if undeployed:
         warnings.append(f"warning: {sum(map(len, undeployed.values()))} stage(s) marked 'not deployed' are held by "
-                        "PCs that no deployment places them on (a failover re-planned without the PC while it was "
-                        "unreachable): nothing runs on them; the next `deskfleet fleet deploy` of the model releases "
-                        "them, as does restarting the agent")
+                        "PCs that no deployment in deployments.json places them on (a failover re-planned without "
+                        "the PC while it was unreachable, or the model was exported again since): nothing runs on "
+                        "them; the next `deskfleet fleet deploy` of their model releases them, as does restarting "
+                        "the agent")
     if args.json:  # the list stays a list of agents: the controller's and the CA's dates go to stderr
         print(json.dumps([_agent_json(agent, undeployed) for agent in agents], indent=2))
         for line in warnings:

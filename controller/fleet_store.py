@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
@@ -113,7 +114,7 @@ class FleetStore:
     def data_dir_option(self) -> str:
         """" --data-dir D" where this is not the data dir a command finds by itself (default_data_dir()), else "":
         a command an error tells the admin to run, said so that it acts on this data dir."""
-        return "" if self.data_dir == default_data_dir() else f" --data-dir {self.data_dir}"
+        return "" if self.data_dir == default_data_dir() else f" --data-dir {shlex.quote(str(self.data_dir))}"
 
     @property
     def tls_files(self) -> TlsFiles:

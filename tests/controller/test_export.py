@@ -50,7 +50,7 @@ def test_sliding_window_shorter_than_the_context_is_refused(checkpoint_factory: 
 def test_a_max_context_that_fits_no_prompt_or_no_manifest_is_refused_by_its_option(
         checkpoint_factory: Callable[..., Path]) -> None:
     checkpoint = checkpoint_factory("tiny", num_hidden_layers=4)
-    for context in (1, 1 << 24 + 1):  # no room for a prompt and a reply; past what a manifest may say
+    for context in (1, (1 << 24) + 1):  # no room for a prompt and a reply; past what a manifest may say
         with pytest.raises(ValueError, match=f"--max-context must be from 2 .* to 16,777,216, got {context}$"):
             read_checkpoint_config(checkpoint, max_context=context)
     assert read_checkpoint_config(checkpoint, max_context=2).spec.max_context == 2

@@ -87,5 +87,5 @@ def test_export_to_an_empty_output_is_refused_and_the_current_folder_kept(
             main(command)
         assert "is empty (an unset variable?)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        agent_main(["--data-dir", "", "status"])
+        agent_main(["--data-dir", "", "pause"])
     assert "is empty (an unset variable?)" in capsys.readouterr().err
