@@ -42,10 +42,9 @@ def test_a_stranger_announcing_the_controllers_name_does_not_stop_fleet_serve(
         await (await squatter.async_register_service(squatted))
 
         async def announce_again() -> None:
-            # On one host both zeroconf instances share port 5353 on loopback, and the squatter's answer to the
-            # controller's probe is sent to that port, where the kernel hands it to one of the two sockets: on
-            # some machines always the squatter's own (2 Dec 2026: the probe never saw the clash, zeroconf 0.153
-            # and 0.154 alike). Multicast announcements reach every socket, as a second host's answers would.
+            # On one host (2 Dec 2026) the controller's probe never saw the squatter's one registration, zeroconf
+            # 0.153 and 0.154 alike (our reading: both share port 5353 on loopback, and an answer sent to that port
+            # reaches one of the two sockets). Repeated multicast announcements are seen, as a second host's are.
             while True:
                 await (await squatter.async_update_service(squatted))
                 await asyncio.sleep(0.1)
