@@ -1,6 +1,6 @@
 """The fleet over a real network: a controller and 3 agents as separate processes.
 
-As root, each process gets its own network namespace (df-test-*) with an address in 10.213.0.0/24 on
+As root, each process gets its own network namespace (df-test-PID-*) with an address in 10.213.0.0/24 on
 a veth pair into one bridge, so TLS, registration and mDNS cross a real network stack; otherwise all
 run on loopback with distinct ports
 (DESKFLEET_TEST_LOOPBACK=1 forces that as root). The fixture makes and always removes the namespaces and bridge.
@@ -32,8 +32,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-SUBNET = "10.213.0"
-BRIDGE = "df-test-br"
+SUBNET = "10.213.0"  # on a bridge of this run's own, which has no address on the host: runs do not meet
+# This run's namespaces and links carry its pid, so two test runs on one machine (two checkouts) do not
+# tear down each other's network; a run killed before its clean-up is swept by the next one (its pid is gone).
+# Link names are at most 15 characters: "dft" + the pid in hex (at most 6 digits) + "v3", "p3" or "br".
+RUN_TAG = f"{os.getpid():x}"
+NAMESPACE_PREFIX = "df-test-"
+LINK_PREFIX = "dft"
+BRIDGE = f"{LINK_PREFIX}{RUN_TAG}br"
 AGENTS = 3
 # The agents share one host, so a measured speed would be noise: pin one for the planner.
 RELAXED_SETTINGS = {"format_version": 1, "speed_gb_per_s": 10.0, "thresholds": {
@@ -111,20 +117,21 @@ def network() -> Iterator[tuple[Node, list[Node]]]:
     if not _use_namespaces():
         yield Node("controller", None, "127.0.0.1"), [Node(f"agent{i}", None, "127.0.0.1") for i in range(AGENTS)]
         return
-    names = ["df-test-ctl", *[f"df-test-a{i}" for i in range(AGENTS)]]
+    names = [f"{NAMESPACE_PREFIX}{os.getpid()}-ctl", *[f"{NAMESPACE_PREFIX}{os.getpid()}-a{i}" for i in range(AGENTS)]]
     hosts = [f"{SUBNET}.1", *[f"{SUBNET}.{10 + i}" for i in range(AGENTS)]]
-    _remove_test_network(names)  # leftovers of a run that was killed before its clean-up
+    _remove_dead_runs_networks()
     try:
         _ip("link", "add", BRIDGE, "type", "bridge")
         _ip("link", "set", BRIDGE, "type", "bridge", "mcast_snooping", "0", check=False)
         _ip("link", "set", BRIDGE, "up")
         for index, (namespace, host) in enumerate(zip(names, hosts, strict=True)):
             _ip("netns", "add", namespace)
-            _ip("link", "add", f"df-test-v{index}", "type", "veth", "peer", "name", f"df-test-p{index}")
-            _ip("link", "set", f"df-test-v{index}", "master", BRIDGE, "up")
-            _ip("link", "set", f"df-test-p{index}", "netns", namespace)
+            host_end, namespace_end = f"{LINK_PREFIX}{RUN_TAG}v{index}", f"{LINK_PREFIX}{RUN_TAG}p{index}"
+            _ip("link", "add", host_end, "type", "veth", "peer", "name", namespace_end)
+            _ip("link", "set", host_end, "master", BRIDGE, "up")
+            _ip("link", "set", namespace_end, "netns", namespace)
             _ip("-n", namespace, "link", "set", "lo", "up")
-            _ip("-n", namespace, "link", "set", f"df-test-p{index}", "name", "eth0")
+            _ip("-n", namespace, "link", "set", namespace_end, "name", "eth0")
             _ip("-n", namespace, "addr", "add", f"{host}/24", "dev", "eth0")
             _ip("-n", namespace, "link", "set", "eth0", "up", "multicast", "on")
             _ip("-n", namespace, "route", "add", "224.0.0.0/4", "dev", "eth0", check=False)
@@ -138,8 +145,33 @@ def _remove_test_network(names: list[str]) -> None:
     for namespace in names:
         _ip("netns", "del", namespace, check=False)  # takes its veth end, and so the pair, with it
     for index in range(len(names)):
-        _ip("link", "del", f"df-test-v{index}", check=False)
+        _ip("link", "del", f"{LINK_PREFIX}{RUN_TAG}v{index}", check=False)
     _ip("link", "del", BRIDGE, check=False)
+
+
+def _remove_dead_runs_networks() -> None:
+    """The namespaces and links of earlier runs killed before their clean-up (their pid no longer runs);
+    a live run's are left alone. Namespaces from before names carried a pid (df-test-ctl) go too."""
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for namespace in namespaces:
+        run = re.fullmatch(rf"{NAMESPACE_PREFIX}(?:(\d+)-)?(?:ctl|a\d+)", namespace)
+        if run and (run.group(1) is None or not _running(int(run.group(1)))):
+            _ip("netns", "del", namespace, check=False)
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    for name in re.findall(rf"^\d+: ({LINK_PREFIX}[0-9a-f]+(?:br|[vp]\d+))[@:]", links, flags=re.MULTILINE):
+        pid = re.fullmatch(rf"{LINK_PREFIX}([0-9a-f]+)(?:br|[vp]\d+)", name)
+        if pid and not _running(int(pid.group(1), 16)):
+            _ip("link", "del", name, check=False)
+    for name in ("df-test-br", *[f"df-test-v{index}" for index in range(AGENTS + 1)]):  # before names carried a pid
+        _ip("link", "del", name, check=False)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True  # PermissionError too: another user's process
 
 
 @pytest.fixture(scope="module")
