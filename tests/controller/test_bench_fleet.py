@@ -306,12 +306,28 @@ def test_each_drafting_row_is_compared_with_one_pc_serving_the_same_prompts(max_
     # as the row's N streams get them) one after another, not one prompt of its own.
     configs = {config.key: config for config in bench_configs(options(max_pcs))}
     drafting = [row for row in fleet_rows(max_pcs) if row.config.startswith("demo_") and row.baseline
-                and row.config in configs]
-    assert len(drafting) == 2 * (max_pcs - 1)
+                and row.config in configs and configs[row.config].drafter and "vs 1 PC" not in row.title]
+    assert len(drafting) == 2 * 2 * (max_pcs - 1)  # k PCs and 1 PC batched, each drafter, 2..max_pcs streams
     for row in drafting:
         baseline = configs[str(row.baseline)]
         assert baseline.one_at_a_time and baseline.streams == configs[row.config].streams, row.title
         assert baseline.max_rows == baseline.micro_batches == 1 and baseline.drafter is None
+
+
+@pytest.mark.parametrize("max_pcs", [2, 3, 4])
+def test_each_drafting_row_has_one_pc_batching_the_same_streams_beside_it(max_pcs: int) -> None:
+    # The honest baseline for k PCs drafting k streams: the same k streams as rows of one micro-batch on 1 PC,
+    # drafted the same way; the pipeline is compared with it in a row of its own.
+    configs = {config.key: config for config in bench_configs(options(max_pcs))}
+    compared = [row for row in fleet_rows(max_pcs) if "vs 1 PC" in row.title and row.config.startswith("demo_")
+                and row.config in configs]
+    assert len(compared) == 2 * (max_pcs - 1)
+    for row in compared:
+        pipeline, one_pc = configs[row.config], configs[str(row.baseline)]
+        assert one_pc.group == "demo_mono" and not one_pc.one_at_a_time, row.title
+        assert one_pc.max_rows == one_pc.streams == pipeline.streams and one_pc.micro_batches == 1, row.title
+        assert one_pc.drafter == pipeline.drafter is not None, row.title
+        assert pipeline.micro_batches == pipeline.streams, row.title  # each PC has a micro-batch to work on
 
 
 class _FakeChain:
