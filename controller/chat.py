@@ -283,7 +283,7 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 _write_json(out, True, {"reply": printer.text, "stopped": stopped, "reply_tokens": len(result.tokens),
                                         "prompt_tokens": len(prompt), "reused_tokens": result.reused_tokens,
                                         "seconds": round(time.perf_counter() - started, 3),
-                                        "failovers": len(engine.failovers)})
+                                        "failovers": len(engine.failovers), "dropped_exchanges": dropped // 2})
             else:
                 out.write("\n")
                 out.flush()

@@ -236,6 +236,10 @@ def test_a_long_chat_drops_its_oldest_exchanges_and_answers(tmp_path: Path, tiny
     sent = seen[-1]
     assert [m.role for m in sent] == ["user", "assistant", "user"]
     assert [sent[0].content, sent[2].content] == ["b" * 150, "c" * 150]
+    # a script reading --json is told the same, on the reply's own line (stderr is for people)
+    out = io.StringIO()
+    assert run_chat(options, io.StringIO(turns), out, notes=io.StringIO(), as_json=True) == 3
+    assert [json.loads(line)["dropped_exchanges"] for line in out.getvalue().splitlines()] == [0, 0, 1]
 
 
 class CharTokenizer:
@@ -477,7 +481,9 @@ def test_as_json_every_message_sent_gets_one_line_with_its_reply_or_why_not(tmp_
     assert first["reply"] + "\n" + second["reply"] + "\n" == plain.getvalue()
     assert (first["stopped"], first["reply_tokens"], first["failovers"]) == ("max_new_tokens", 6, 0)
     assert second["prompt_tokens"] > first["prompt_tokens"]  # the whole conversation
-    assert set(second) == {"reply", "stopped", "reply_tokens", "prompt_tokens", "reused_tokens", "seconds", "failovers"}
+    assert set(second) == {"reply", "stopped", "reply_tokens", "prompt_tokens", "reused_tokens", "seconds", "failovers",
+                           "dropped_exchanges"}
+    assert first["dropped_exchanges"] == second["dropped_exchanges"] == 0
     assert refused == {"error": "this message alone makes a prompt of 632 tokens; with --max-new-tokens 6 the "
                                 "model's context of 512 tokens leaves room for 506: not sent; the conversation is "
                                 "unchanged"}
