@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import platform
+import re
 import signal
 import statistics
 import subprocess
@@ -508,7 +509,17 @@ def _not_run_reason(row: _Row, options: FleetBenchOptions) -> str:
         return "not run: no --demo-target"
     if row.config.endswith("_spec") and options.demo_draft is None:
         return "not run: no --demo-draft"
-    return f"not run: needs --pcs {MAX_PCS if 'quad' in row.config else 3} (one core per simulated PC)"
+    return f"not run: needs --pcs {max(_pcs_needed(key) for key in (row.config, *_baselines(row)))} (one core " \
+           "per simulated PC)"
+
+
+def _pcs_needed(config: str) -> int:
+    """The simulated PCs a configuration's group needs beside it in the bench: its own, or (the 1-PC baselines of
+    the drafting rows, demo_mono_seqN and demo_mono_N_*) those of the N-PC row it stands beside."""
+    beside = re.fullmatch(r"demo_mono_(?:seq)?(\d+)(?:_\w+)?", config)
+    if beside:
+        return int(beside.group(1))
+    return next((pcs for pcs, group in GROUP_OF_PCS.items() if re.match(rf"(?:demo_)?{group}(?:_|-|$)", config)), 1)
 
 
 # Private: the simulated PCs

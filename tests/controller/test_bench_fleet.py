@@ -330,6 +330,28 @@ def test_each_drafting_row_has_one_pc_batching_the_same_streams_beside_it(max_pc
         assert pipeline.micro_batches == pipeline.streams, row.title  # each PC has a micro-batch to work on
 
 
+@pytest.mark.parametrize("max_pcs", [2, 3])
+def test_a_row_left_unrun_names_the_pcs_it_needs(max_pcs: int) -> None:
+    # The 1-PC baselines beside the 3- and 4-stream drafting rows need the PCs of the row they stand beside.
+    configs = bench_configs(options(max_pcs))
+    for config in configs:
+        config.runs.append({"tok_s": 10.0, "mean_accepted": 0.0, "final_k": 0.0})
+    rows = {row["row"]: row for row in build_report(options(max_pcs), configs, [], [0, 1, 2])["rows"]}
+    needs = {title: row["note"] for title, row in rows.items()
+             if row["ratio"] is None and "--pcs" in row.get("note", "")}
+    assert needs, "some rows need more PCs"
+    for title, note in needs.items():
+        pcs = 4 if title.startswith(("4 PCs", "1 PC, 4 streams")) or "4 streams' prompts" in title else 3
+        assert pcs > max_pcs and note == f"not run: needs --pcs {pcs} (one core per simulated PC)", title
+
+
+def test_only_the_paper_s_drafting_rows_carry_its_figures_and_the_goals() -> None:
+    labelled = {row.title: (row.paper, row.goal) for row in fleet_rows(4)
+                if "speculative" in row.title and "100 ms" not in row.title and (row.paper, row.goal) != ("-", "-")}
+    assert labelled == {"2 PCs, 2 streams + speculative (demo pair)": ("1.79x", ">= 3.0x"),
+                        "3 PCs, 3 streams + speculative (demo pair)": ("2.64x", ">= 4.0x")}
+
+
 class _FakeChain:
     """Opens in `open_s` (a copy's TLS handshakes), then serves steps (none: the fake engine needs none)."""
 

@@ -240,6 +240,12 @@ def test_a_long_chat_drops_its_oldest_exchanges_and_answers(tmp_path: Path, tiny
     out = io.StringIO()
     assert run_chat(options, io.StringIO(turns), out, notes=io.StringIO(), as_json=True) == 3
     assert [json.loads(line)["dropped_exchanges"] for line in out.getvalue().splitlines()] == [0, 0, 1]
+    # counted in exchanges (a message and its reply), however many one prompt leaves out: after three short
+    # exchanges a 400-letter message fits only alone
+    out = io.StringIO()
+    turns = "".join(f"{letter * 40}\n" for letter in "abc") + "d" * 400 + "\n"
+    assert run_chat(options, io.StringIO(turns), out, notes=io.StringIO(), as_json=True) == 4
+    assert [json.loads(line)["dropped_exchanges"] for line in out.getvalue().splitlines()] == [0, 0, 0, 3]
 
 
 class CharTokenizer:

@@ -120,6 +120,7 @@ def network() -> Iterator[tuple[Node, list[Node]]]:
     names = [f"{NAMESPACE_PREFIX}{os.getpid()}-ctl", *[f"{NAMESPACE_PREFIX}{os.getpid()}-a{i}" for i in range(AGENTS)]]
     hosts = [f"{SUBNET}.1", *[f"{SUBNET}.{10 + i}" for i in range(AGENTS)]]
     _remove_dead_runs_networks()
+    _remove_test_network(names)  # a killed run's, whose pid this run has now (a container's pids repeat)
     try:
         _ip("link", "add", BRIDGE, "type", "bridge")
         _ip("link", "set", BRIDGE, "type", "bridge", "mcast_snooping", "0", check=False)
@@ -151,7 +152,9 @@ def _remove_test_network(names: list[str]) -> None:
 
 def _remove_dead_runs_networks() -> None:
     """The namespaces and links of earlier runs killed before their clean-up (their pid no longer runs);
-    a live run's are left alone. Namespaces from before names carried a pid (df-test-ctl) go too."""
+    a live run's are left alone. The names from before they carried a pid (df-test-ctl, df-test-br) go
+    whatever runs, so a live run of an older checkout is torn down; and runs in separate pid namespaces
+    that share one network namespace cannot tell each other's pids apart."""
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     for namespace in namespaces:
         run = re.fullmatch(rf"{NAMESPACE_PREFIX}(?:(\d+)-)?(?:ctl|a\d+)", namespace)
