@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import inspect
 import os
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
@@ -70,7 +71,7 @@ def run(main: Coroutine[Any, Any, T]) -> T:
             # Raised by a signal handler while uvloop ran, a KeyboardInterrupt once left that loop marked running
             # (a CI run of `bench fleet` stopped while it deployed): closing it raised "Cannot close a running
             # event loop", which replaced the interrupt, so the bench said that and exited 2 instead of 130.
-            pass
+            _close_unstarted_tasks(runner)
         raise
     except BaseException:
         runner.close()
@@ -81,3 +82,19 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         main.close()
     runner.close()
     return result
+
+
+def _close_unstarted_tasks(runner: asyncio.Runner) -> None:
+    """Close the coroutines of the tasks that never started on a loop that could not be closed. Closing the loop
+    would have cancelled and run them; left as they are, each printed "coroutine ... was never awaited" when it
+    was collected, after the command's last line (`bench fleet` stopped by SIGTERM while its survey asked every
+    address of a PC at once: a CI run). A task that did start is left alone: its coroutine cannot run its
+    clean-up without the loop."""
+    try:
+        loop = runner.get_loop()
+    except RuntimeError:  # closed after all
+        return
+    for task in asyncio.all_tasks(loop):
+        coroutine = task.get_coro()
+        if inspect.iscoroutine(coroutine) and inspect.getcoroutinestate(coroutine) == inspect.CORO_CREATED:
+            coroutine.close()
