@@ -13,6 +13,7 @@ SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 # RoPE types whose tables do not depend on the sequence length, so they can be precomputed exactly.
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 DEFAULT_MAX_CONTEXT_CAP = 8192
+MIN_MAX_CONTEXT = 2  # positions: the shortest context a prompt and its first new token fit in
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,6 @@ def _rope_type(hf_config: object) -> str:
     parameters = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     rope_type = parameters.get("rope_type", parameters.get("type", "default")) if parameters else "default"
     return str(rope_type)
-
-
-MIN_MAX_CONTEXT = 2  # positions: the shortest context a prompt and its first new token fit in
 
 
 def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> CheckpointConfig:
