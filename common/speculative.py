@@ -127,7 +127,11 @@ def speculative_accept(draft_tokens: npt.ArrayLike, draft_probs: FloatArray, tar
         if q_x <= 0.0:
             raise ValueError(f"draft token {token} at position {i} has draft probability 0: "
                              "draft tokens must be sampled from the draft probs given")
-        if p_x >= q_x or rng.random() * q_x < p_x:
+        # One draw per examined token, also where p >= q accepts it anyway: what the generator yields next
+        # must not hang on which side of q_x a p_x lies, or a rounding-level change of p or q (a prompt
+        # prefilled in chunks, a verification call instead of one-token calls: ~1e-6 relative in f32) shifts
+        # every later draw of the stream, and a seeded stream's text with it.
+        if rng.random() * q_x < p_x:
             continue
         residual = np.maximum(target_probs[i] - draft_probs[i], 0.0)
         if residual.sum() <= 0.0:  # only by rounding: p == q almost everywhere

@@ -196,6 +196,8 @@ class DraftModel:
     def release(self, micro_batch_id: int) -> None:
         track = self._tracks.pop(micro_batch_id, None)
         if track is not None:
+            for stream in track.stream_ids:  # a finished keep_kv stream's micro-batch is released, not dropped
+                self._seen.pop(stream, None)
             for source in track.admit_from:  # merged streams whose admission never stepped: their prefill
                 self._executor.release(source)
         self._executor.release(micro_batch_id)

@@ -127,6 +127,23 @@ def test_bad_sampling_params_are_refused(params: dict[str, float]) -> None:
         SamplingParams(**params)
 
 
+def test_speculative_accept_draws_as_many_numbers_whichever_side_of_q_a_p_lies() -> None:
+    """p and q of an accepted draft token 1e-9 apart, once above and once below (the rounding a chunked prefill
+    moves them by): every seed gives the same verdict, so a seeded stream's later draws do not shift."""
+    q = np.array([[0.20, 0.30, 0.50], [0.50, 0.25, 0.25]])
+    p_next = np.array([[0.30, 0.30, 0.40], [0.10, 0.30, 0.60], [1 / 3, 1 / 3, 1 / 3]])
+    verdicts = {}
+    for sign in (1.0, -1.0):
+        p = p_next.copy()
+        p[0, 2] = q[0, 2] + sign * 1e-9  # the first draft token: accepted either way (p / q = 1 - 2e-9 at least)
+        p[0, 0] -= sign * 1e-9
+        assert (p[0, 2] >= q[0, 2]) == (sign > 0)
+        verdicts[sign] = [speculative_accept(np.array([2, 1]), q, p, np.random.default_rng(seed))
+                          for seed in range(64)]
+    assert verdicts[1.0] == verdicts[-1.0]
+    assert len(set(verdicts[1.0])) > 2  # the second token's draw and the bonus vary with the seed
+
+
 def test_speculative_accept_checks_its_inputs() -> None:
     rng = np.random.default_rng(0)
     with pytest.raises(ValueError, match="K\\+1"):

@@ -115,6 +115,8 @@ def test_a_resumed_turn_is_fed_only_its_new_tokens_and_gives_a_fresh_runs_tokens
         reply, kept, _ = _turn(chain, target, request, draft)
         assert kept is not None and kept.tokens == tuple(first + reply[:-1])
         assert chain.released == []  # the kept micro-batch stays on the stages
+        if isinstance(draft, DraftModel):  # the drafter's state is not kept: it is prefilled again on resume
+            assert not draft._tracks and not draft._seen and draft._executor.micro_batches == 0
         kept_id = kept.micro_batch_id
 
         # the next turn repeats the conversation and adds a message: fed its last reply token and the message only
