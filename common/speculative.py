@@ -163,6 +163,10 @@ class RoundCost:
         return self.fixed_seconds + k * self.draft_seconds_per_token + (k + 1) * self.verify_seconds_per_token
 
 
+# The most draft tokens a round may propose. A verification of K+1 positions is one call, and AdaptiveK weighs every
+# K up to its bound every round: an unbounded --k-max (1e9) hung the run while that list filled the memory. Past a
+# few dozen, a round's expected tokens stop growing (0.9 acceptance: 9.99 at K=64, 10 at any K).
+MAX_K = 64
 SWITCH_MARGIN = 0.05  # AdaptiveK moves K only for more than this gain in expected tokens per second
 
 
@@ -197,8 +201,8 @@ class AdaptiveK:
     def __init__(self, k_min: int = 1, k_max: int = 8, *, initial_cost: RoundCost | None = None,
                  decay: float = 0.9, prior_alpha: float = 0.6, prior_weight: float = 2.0,
                  switch_margin: float = SWITCH_MARGIN) -> None:
-        if not 0 <= k_min <= k_max:
-            raise ValueError(f"K bounds must satisfy 0 <= k_min <= k_max, got [{k_min}, {k_max}]")
+        if not 0 <= k_min <= k_max <= MAX_K:
+            raise ValueError(f"K bounds must satisfy 0 <= k_min <= k_max <= {MAX_K}, got [{k_min}, {k_max}]")
         if not 0.0 < decay <= 1.0 or not 0.0 <= prior_alpha <= 1.0 or prior_weight <= 0:
             raise ValueError("decay must be in (0, 1], prior_alpha in [0, 1], prior_weight > 0")
         if switch_margin < 0:

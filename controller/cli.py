@@ -20,6 +20,7 @@ from deskfleet.controller.chat import add_chat_command, add_fleet_option, check_
 from deskfleet.controller.decoding_options import (
     add_decoding_options,
     decoding_arguments,
+    draft_count,
     non_negative_int,
     parse_token_ids,
     positive_int,
@@ -258,10 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     speculative.add_argument("--draft", type=path_argument, default=None, help="draft export folder")
     speculative.add_argument("--no-lookup", action="store_true",
                              help="skip the prompt-lookup (and lookup-first) variants")
-    speculative.add_argument("--k", type=positive_int, nargs="*", default=[2, 4, 6],
+    speculative.add_argument("--k", type=draft_count(1), nargs="*", default=[2, 4, 6],
                              help="fixed K values (1 or more) to time")
     speculative.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-K variant")
-    speculative.add_argument("--k-max", type=positive_int, default=8, help="upper bound of adaptive K")
+    speculative.add_argument("--k-max", type=draft_count(1), default=8, help="upper bound of adaptive K")
     speculative.add_argument("--prompts-file", type=path_argument, default=None,
                              help="one prompt per line, read as generate's --prompts-file (\\n a newline, "
                                   "\\t a tab, \\\\ a backslash); default: the demo eval set")

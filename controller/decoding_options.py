@@ -8,6 +8,7 @@ and `positive_int` are the argparse types of the CLI's whole-number options.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.arguments import path_argument
 from deskfleet.common.model_spec import ModelSpec
-from deskfleet.common.speculative import SamplingParams
+from deskfleet.common.speculative import MAX_K, SamplingParams
 
 from .draft import Drafter, open_drafter, target_settings
 from .engine import DEFAULT_PREFILL_CHUNK, EngineOptions
@@ -44,8 +45,8 @@ class DecodingOptions:
         """Refuse options that contradict each other, would be ignored or could only fail later, naming the
         CLI option."""
         drafts = self.draft is not None or self.prompt_lookup
-        if self.k is not None and self.k < 0:
-            raise ValueError(f"--k must be 0 or more, got {self.k}")
+        if self.k is not None and not 0 <= self.k <= MAX_K:
+            raise ValueError(f"--k must be from 0 to {MAX_K}, got {self.k}")
         if self.k == 0 and drafts:
             raise ValueError("--k 0 drafts no tokens, so --draft/--prompt-lookup would never be used: "
                              "leave out --draft and --prompt-lookup, or give --k 1 or more")
@@ -54,8 +55,8 @@ class DecodingOptions:
             raise ValueError(f"--k needs --draft or --prompt-lookup: --k {self.k} sets how many tokens a draft "
                              "proposes, and without them nothing drafts")
         if self.k_max is not None:
-            if self.k_max < 1:
-                raise ValueError(f"--k-max must be 1 or more, got {self.k_max}")
+            if not 1 <= self.k_max <= MAX_K:
+                raise ValueError(f"--k-max must be from 1 to {MAX_K}, got {self.k_max}")
             if not drafts:
                 raise ValueError(f"--k-max needs --draft or --prompt-lookup: --k-max {self.k_max} bounds how many "
                                  "tokens a draft proposes, and without them nothing drafts")
@@ -101,11 +102,12 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
                              "--draft: copied tokens where the context repeats itself, the draft model elsewhere. "
                              "Like --draft, greedy output equals plain decoding in --precision f32")
     k = parser.add_mutually_exclusive_group()
-    k.add_argument("--k", type=non_negative_int, default=None, help="fixed number of draft tokens (default: adaptive)")
+    k.add_argument("--k", type=draft_count(0), default=None,
+                   help=f"fixed number of draft tokens, at most {MAX_K} (default: adaptive)")
     # No default here: DecodingOptions refuses a --k-max given without a drafter, which it could not tell
     # from a default of 8.
-    k.add_argument("--k-max", type=positive_int, default=None,
-                   help=f"upper bound of adaptive K (default {DEFAULT_K_MAX})")
+    k.add_argument("--k-max", type=draft_count(1), default=None,
+                   help=f"upper bound of adaptive K, at most {MAX_K} (default {DEFAULT_K_MAX})")
     parser.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy; at most {MAX_TEMPERATURE:g}")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -133,6 +135,13 @@ def positive_int(text: str) -> int:
     return _whole_number(text, minimum=1)
 
 
+def draft_count(minimum: int) -> Callable[[str], int]:
+    """argparse type: a number of draft tokens a round, from `minimum` to MAX_K."""
+    def parse(text: str) -> int:
+        return _whole_number(text, minimum, maximum=MAX_K)
+    return parse
+
+
 def parse_token_ids(text: str) -> list[int]:
     """--prompt-ids' value: comma-separated token ids (spaces around them allowed); an empty value is an empty
     prompt (refused later, as such). ValueError for an empty item: "1,,2" was read as 1,2, a typo's id lost."""
@@ -155,11 +164,13 @@ def byte_count(text: str) -> int:
     return int(value)
 
 
-def _whole_number(text: str, minimum: int) -> int:
+def _whole_number(text: str, minimum: int, maximum: int | None = None) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < minimum:
         raise argparse.ArgumentTypeError(f"must be {minimum} or more, got {value}")
+    if maximum is not None and value > maximum:
+        raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
     return value

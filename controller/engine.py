@@ -35,7 +35,7 @@ import numpy as np
 
 from deskfleet.common.kv_ledger import CompactionPolicy
 from deskfleet.common.model_spec import ModelSpec
-from deskfleet.common.speculative import AdaptiveK, RoundCost, SamplingParams
+from deskfleet.common.speculative import MAX_K, AdaptiveK, RoundCost, SamplingParams
 from deskfleet.common.wire import DraftInfo, Forward, ForwardResult, SamplingInfo
 
 from .batch_track import BatchTrack
@@ -175,10 +175,10 @@ class EngineOptions:
         if self.max_rows < 1 or self.micro_batches < 1:
             raise ValueError(f"max_rows and micro_batches must be at least 1, got {self.max_rows} and "
                              f"{self.micro_batches}")
-        if not 1 <= self.k_min <= self.k_max:
-            raise ValueError(f"need 1 <= k_min <= k_max, got {self.k_min} and {self.k_max}")
-        if self.fixed_k is not None and self.fixed_k < 0:
-            raise ValueError(f"fixed_k must be 0 or more, got {self.fixed_k}")
+        if not 1 <= self.k_min <= self.k_max <= MAX_K:
+            raise ValueError(f"need 1 <= k_min <= k_max <= {MAX_K}, got {self.k_min} and {self.k_max}")
+        if self.fixed_k is not None and not 0 <= self.fixed_k <= MAX_K:
+            raise ValueError(f"fixed_k must be from 0 to {MAX_K}, got {self.fixed_k}")
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be 0 (whole prompts) or more, got {self.prefill_chunk}")
 

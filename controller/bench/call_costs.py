@@ -29,13 +29,18 @@ import numpy as np
 
 from deskfleet.agent.stage import Stage, StageSession
 
+CALLS = 8  # timed calls per width per block
+PREFILL_TOKENS = 32
 
-def measure_call_costs(stage: Stage, widths: Sequence[int], calls: int = 8, blocks: int = 6,
-                       prefill_tokens: int = 32, token_id: int = 3) -> dict[str, Any]:
+
+def measure_call_costs(stage: Stage, widths: Sequence[int], max_context: int, calls: int = CALLS, blocks: int = 6,
+                       prefill_tokens: int = PREFILL_TOKENS, token_id: int = 3) -> dict[str, Any]:
     """Median milliseconds per call at each width, steady and alternating, and the switch penalty.
 
     widths: the T values to time (e.g. 1 and K+1), at least one; alternating needs two or more.
     calls: timed calls per width per block, after one untimed call per width in each block.
+    max_context: the model's; a block that would outgrow it is refused before any call (past its RoPE table
+    the calls would time positions the model has no rows for).
     """
     if not stage.layers.is_first or not stage.layers.is_last:
         raise ValueError("call costs are measured on a whole-model stage (first and last stage in one)")
@@ -44,6 +49,9 @@ def measure_call_costs(stage: Stage, widths: Sequence[int], calls: int = 8, bloc
         raise ValueError(f"widths must be 1 or more, got {list(widths)}")
     if calls < 1 or blocks < 1 or prefill_tokens < 1:
         raise ValueError("calls, blocks and prefill_tokens must be at least 1")
+    needed = context_needed(widths, calls, prefill_tokens)
+    if needed > max_context:
+        raise ValueError(f"timing widths {widths} takes {needed} slots, more than the model's context {max_context}")
     session = stage.open_session()
     steady: dict[int, list[float]] = {width: [] for width in widths}
     alternating: dict[int, list[float]] = {width: [] for width in widths}
@@ -100,6 +108,16 @@ class _Feeder:
                              np.arange(self.slots - width, self.slots, dtype=np.int64)[None, :],
                              np.zeros(1, dtype=np.int32),
                              logits_positions=np.arange(width, dtype=np.int64)[None, :])
+
+
+def context_needed(widths: Sequence[int], calls: int = CALLS, prefill_tokens: int = PREFILL_TOKENS) -> int:
+    """The most slots a block of measure_call_costs fills: the prefill, one untimed call of every width (a
+    steady block: its filler calls and its one untimed call), then the timed calls."""
+    widths = sorted(set(widths))
+    steady = max(prefill_tokens + width * (steady_filler_calls(prefill_tokens, widths, width, calls) + 1 + calls)
+                 for width in widths)
+    alternating = prefill_tokens + sum(widths) * (1 + calls) if len(widths) > 1 else 0
+    return max(steady, alternating)
 
 
 def steady_filler_calls(prefill_tokens: int, widths: Sequence[int], width: int, calls: int) -> int:

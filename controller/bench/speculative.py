@@ -43,10 +43,11 @@ from typing import Any
 
 from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.model_spec import load_manifest
+from deskfleet.common.speculative import MAX_K
 from deskfleet.common.wire import Forward, ForwardResult
 
 from .arguments import check_at_least
-from .call_costs import measure_call_costs
+from .call_costs import context_needed, measure_call_costs
 from .host import host_report
 from .parity import _read_properties, compare, summarize
 from .rounds import round_order
@@ -321,11 +322,20 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
     if any(k < 1 for k in ks):
         raise ValueError(f"--k values must be 1 or more, got {list(ks)}: K 0 drafts nothing, which is the plain "
                          f"variant (always run)")
+    if any(k > MAX_K for k in ks):
+        raise ValueError(f"--k values must be at most {MAX_K}, got {list(ks)}")
     check_at_least(1, k_max=k_max, prompts=num_prompts, new_tokens=new_tokens, rounds=rounds)
+    if k_max > MAX_K:
+        raise ValueError(f"--k-max must be at most {MAX_K}, got {k_max}")
     target = Path(target)
     settings = (settings or CompileSettings()).for_drafting()  # what `generate --draft` compiles
     manifest = load_manifest(target)
     spec = manifest.spec
+    widths = sorted({1, *(k + 1 for k in ks), k_max + 1})  # what target_call_costs times, after the rounds
+    if context_needed(widths) > spec.max_context:
+        raise ValueError(f"timing the target's calls at widths {widths} (--k values + 1, --k-max + 1) takes "
+                         f"{context_needed(widths)} slots, more than the model's context {spec.max_context}: "
+                         "give smaller --k / --k-max, or export with a larger --max-context")
     source = "prompt_ids"
     if prompt_ids is None:
         if prompts is None:
@@ -382,8 +392,7 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
             if index > 0:
                 for name in names:
                     results[name].append(current[name])
-        widths = sorted({1, *(k + 1 for k in ks), k_max + 1})
-        call_costs = measure_call_costs(pipeline.stages[0], widths)
+        call_costs = measure_call_costs(pipeline.stages[0], widths, spec.max_context)
     chain.stats = None
     reference = tokens_by_variant["plain"]
     meta: dict[str, Any] = {

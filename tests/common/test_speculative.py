@@ -330,3 +330,11 @@ def test_adaptive_k_refuses_bad_input() -> None:
         AdaptiveK().record_round(2, 3)
     with pytest.raises(ValueError, match="switch_margin"):
         AdaptiveK(switch_margin=-0.1)
+
+
+def test_adaptive_k_bounds_k_max() -> None:
+    from deskfleet.common.speculative import MAX_K
+
+    assert AdaptiveK(1, MAX_K).k_max == MAX_K
+    with pytest.raises(ValueError, match=f"k_max <= {MAX_K}"):
+        AdaptiveK(1, MAX_K + 1)  # it weighs every K up to k_max each round: 1e9 hung the run, filling the memory

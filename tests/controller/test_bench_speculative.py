@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from deskfleet.agent.stage import CompileSettings, Precision
+from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.wire import DraftInfo
 from deskfleet.controller.batch_track import BatchTrack
 from deskfleet.controller.bench.speculative import (
@@ -201,6 +202,16 @@ def test_speculative_bench_on_tiny_models(checkpoint_factory: Callable[..., Path
     assert isinstance(costs["switch_penalty_ms"], float)
 
 
+def test_widths_whose_timing_outgrows_the_context_are_refused_before_any_run(
+        checkpoint_factory: Callable[..., Path], export_factory: Callable[[Path, str], Path]) -> None:
+    target = export_factory(checkpoint_factory("spec-bench-target", num_hidden_layers=2), "f32")
+    context = load_manifest(target).spec.max_context
+    k = 64  # 8 timed calls of 65 tokens, after the prefill: more than the test model's 512 slots
+    assert 8 * (k + 1) > context
+    with pytest.raises(ValueError, match=f"more than the model's context {context}: give smaller --k"):
+        run_speculative_bench(target, None, ks=[k], adaptive=False, prompt_ids=[[1, 2]], new_tokens=2)
+
+
 def test_a_bench_with_nothing_to_compare_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="nothing to compare"):
         run_speculative_bench(tmp_path, None, lookup=False)
@@ -216,6 +227,8 @@ def test_a_bench_with_nothing_to_compare_is_refused(tmp_path: Path) -> None:
     ({"rounds": 0}, "--rounds must be 1 or more, got 0"),
     ({"new_tokens": 0}, "--new-tokens must be 1 or more"),
     ({"num_prompts": 0}, "--prompts must be 1 or more"),
+    ({"ks": [2, 65]}, r"--k values must be at most 64, got \[2, 65\]"),
+    ({"k_max": 10**9}, "--k-max must be at most 64, got 1000000000"),
 ])
 def test_counts_that_would_time_nothing_or_mislabel_a_variant_are_refused(tmp_path: Path,
                                                                         arguments: dict[str, object],

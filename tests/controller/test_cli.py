@@ -144,6 +144,11 @@ def test_generate_and_chat_read_the_same_decoding_options() -> None:
     ("generate", ["--k-max", "0"], "argument --k-max: must be 1 or more, got 0"),
     ("generate", ["--k", "-1"], "argument --k: must be 0 or more"),
     ("generate", ["--k", "2", "--k-max", "4"], "argument --k-max: not allowed with argument --k"),
+    ("generate", ["--k-max", "1000000000"], "argument --k-max: must be at most 64, got 1000000000"),
+    ("generate", ["--k", "65"], "argument --k: must be at most 64, got 65"),
+    ("chat", ["--k-max", "65"], "argument --k-max: must be at most 64, got 65"),
+    ("bench speculative", ["--k-max", "10000000000"], "argument --k-max: must be at most 64"),
+    ("bench speculative", ["--k", "2", "65"], "argument --k: must be at most 64, got 65"),
     ("chat", ["--stages", "0"], "argument --stages: must be 1 or more"),
     ("chat", ["--seed", "-3"], "argument --seed: must be 0 or more"),
     ("chat", ["--k-max", "-2"], "argument --k-max: must be 1 or more"),
@@ -155,14 +160,17 @@ def test_counts_and_conflicting_options_are_refused_when_parsed(capsys: pytest.C
 
     prompt = ["--prompt", "p"] if command == "generate" else []
     with pytest.raises(SystemExit) as exit_info:
-        build_parser().parse_args([command, "--model", "m", *prompt, *args])
+        build_parser().parse_args([*command.split(), "--model", "m", *prompt, *args])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_decoding_options_refuse_what_the_cli_refuses() -> None:
     from deskfleet.controller.decoding_options import DecodingOptions
 
-    for fields, message in [({"k_max": 0}, "--k-max must be 1 or more"), ({"seed": -1}, "--seed must be 0 or more"),
+    for fields, message in [({"k_max": 0}, "--k-max must be from 1 to 64, got 0"),
+                            ({"k_max": 65, "prompt_lookup": True}, "--k-max must be from 1 to 64, got 65"),
+                            ({"k": 65, "prompt_lookup": True}, "--k must be from 0 to 64, got 65"),
+                            ({"seed": -1}, "--seed must be 0 or more"),
                             ({"k": 0, "draft": Path("d")}, "--k 0 drafts no tokens"),
                             ({"k": 2}, "--k needs --draft or --prompt-lookup"),
                             ({"k_max": 4}, "--k-max needs --draft or --prompt-lookup"),

@@ -404,3 +404,16 @@ def test_a_draft_model_that_gives_nan_logits_to_a_sampled_row_is_named(
     with pytest.raises(ValueError, match=r"the draft model gave stream 0 no distribution .*NaN or inf.*"
                                          r"--precision f32"):
         run_streams(target, [request], 1, near_draft, EngineOptions(fixed_k=2))
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"max_rows": 0}, "max_rows and micro_batches must be at least 1"),
+    ({"k_min": 2, "k_max": 1}, "need 1 <= k_min <= k_max <= 64"),
+    ({"k_max": 65}, "need 1 <= k_min <= k_max <= 64, got 1 and 65"),
+    ({"fixed_k": 65}, "fixed_k must be from 0 to 64, got 65"),
+    ({"fixed_k": -1}, "fixed_k must be from 0 to 64"),
+    ({"prefill_chunk": -1}, "prefill_chunk must be 0"),
+])
+def test_engine_options_refuse_bounds_a_run_cannot_keep(fields: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineOptions(**fields)  # type: ignore[arg-type]
