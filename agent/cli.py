@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from deskfleet.common.arguments import path_argument
-from deskfleet.common.console import tolerate_unencodable
+from deskfleet.common.console import WatchedStream, open_missing_stderr, tolerate_unencodable, watched_stdout
 
 log = logging.getLogger("deskfleet.agent")
 
@@ -21,7 +21,38 @@ log = logging.getLogger("deskfleet.agent")
 # Public methods
 
 def main(argv: Sequence[str] | None = None) -> int:
+    open_missing_stderr()
     tolerate_unencodable(sys.stdout, sys.stderr)  # hostnames and paths on a Windows code page
+    with watched_stdout() as stdout:
+        return _main(argv, stdout)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deskfleet-agent", description="The deskfleet agent of this PC.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
+    parser.add_argument("--headless", action="store_true", help="run the agent core without a tray")
+    parser.add_argument("--data-dir", type=path_argument, default=None,
+                        help="keep settings, state (key, certificate) and shard cache under this folder")
+    parser.add_argument("--listen", default=None, metavar="HOST:PORT",
+                        help="address to accept fleet links on (default: the settings file's)")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    join = commands.add_parser("join", help="enroll this PC with a join token from the fleet's admin")
+    join.add_argument("token", help="the token printed by `deskfleet fleet token`; - reads it from standard "
+                                    "input (a token on the command line shows in the process list and history)")
+    join.add_argument("--data-dir", type=path_argument, default=argparse.SUPPRESS, help="as above")
+    join.add_argument("--hostname", default=None, help="name to show the admin (default: this PC's)")
+    for name, text in (("pause", "opt this PC out: it serves no model until `resume` (a stage it hosts is given "
+                                 "up within seconds; the generation goes on without it)"),
+                       ("resume", "end a pause: the next plan may use this PC again")):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("--data-dir", type=path_argument, default=argparse.SUPPRESS,
+                             help="the agent's data dir, as given to `join` and `--headless`")
+    return parser
+
+
+# Private methods
+
+def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
     try:  # numpy and asyncio come with these: a Ctrl-C meanwhile ends the command as it does later
         from deskfleet.agent.enroll import EnrollmentError
         from deskfleet.agent.paths import SettingsError
@@ -53,42 +84,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             OSError, ValueError) as error:
         if args.verbose:
             raise
+        if stdout is not None and error is stdout.failure:  # every command writes there once it has done its work
+            print(f"deskfleet-agent: error: could not write to standard output ({error.strerror or error}); the "
+                  f"{args.command} itself was done", file=sys.stderr)
+            return 1
         print(f"deskfleet-agent: error: {error}", file=sys.stderr)
         return 2
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deskfleet-agent", description="The deskfleet agent of this PC.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
-    parser.add_argument("--headless", action="store_true", help="run the agent core without a tray")
-    parser.add_argument("--data-dir", type=path_argument, default=None,
-                        help="keep settings, state (key, certificate) and shard cache under this folder")
-    parser.add_argument("--listen", default=None, metavar="HOST:PORT",
-                        help="address to accept fleet links on (default: the settings file's)")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    join = commands.add_parser("join", help="enroll this PC with a join token from the fleet's admin")
-    join.add_argument("token", help="the token printed by `deskfleet fleet token`; - reads it from standard "
-                                    "input (a token on the command line shows in the process list and history)")
-    join.add_argument("--data-dir", type=path_argument, default=argparse.SUPPRESS, help="as above")
-    join.add_argument("--hostname", default=None, help="name to show the admin (default: this PC's)")
-    for name, text in (("pause", "opt this PC out: it serves no model until `resume` (a stage it hosts is given "
-                                 "up within seconds; the generation goes on without it)"),
-                       ("resume", "end a pause: the next plan may use this PC again")):
-        command = commands.add_parser(name, help=text)
-        command.add_argument("--data-dir", type=path_argument, default=argparse.SUPPRESS,
-                             help="the agent's data dir, as given to `join` and `--headless`")
-    return parser
-
-
-# Private methods
-
 def _join(args: argparse.Namespace) -> int:
-    from deskfleet.agent.enroll import join
+    from deskfleet.agent.enroll import join, read_join_token
     from deskfleet.agent.paths import AgentPaths
     from deskfleet.common import event_loop
 
     token = _token_from_stdin() if args.token == "-" else args.token
+    read_join_token(token)  # a mistyped or expired token is named before any folder is made for it
     paths = AgentPaths.resolve(args.data_dir)
     paths.create()
     membership = event_loop.run(join(token, paths.state_dir, args.hostname))
@@ -129,6 +140,9 @@ def _token_from_stdin() -> str:
     """The join token from standard input: its first line, without surrounding blanks."""
     from deskfleet.common.join_tokens import JoinTokenError
 
+    if sys.stdin is None:  # started with standard input closed (`<&-`)
+        raise JoinTokenError("`join -` reads the token from standard input, which is closed: pipe it in, e.g. "
+                             "`deskfleet-agent join - < token.txt`")
     token = sys.stdin.readline(1 << 16).strip()
     if not token:
         raise JoinTokenError("`join -` found no token on standard input: pipe it in, e.g. "

@@ -111,14 +111,20 @@ def agent_tls_files(state_dir: Path) -> TlsFiles:
 
 # Public functions
 
-async def join(token_text: str, state_dir: Path, hostname: str | None = None) -> Membership:
-    """Enroll with the controller named in the token; tries each of its addresses in turn."""
+def read_join_token(token_text: str) -> join_tokens.JoinToken:
+    """The token, decoded; EnrollmentError naming the problem when it is malformed or has expired."""
     try:
         token = join_tokens.decode_join_token(token_text)
     except join_tokens.JoinTokenError as error:
         raise EnrollmentError(str(error)) from None
     if token.is_expired(utc_now()):
         raise EnrollmentError(f"the join token expired at {token.expires_at.isoformat()}: ask for a new one")
+    return token
+
+
+async def join(token_text: str, state_dir: Path, hostname: str | None = None) -> Membership:
+    """Enroll with the controller named in the token; tries each of its addresses in turn."""
+    token = read_join_token(token_text)
     files = agent_tls_files(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     key = _load_or_create_key(files.key_path)

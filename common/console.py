@@ -1,9 +1,14 @@
-"""Standard streams that cannot fail on a character their encoding lacks."""
+"""Standard streams that cannot fail on a character their encoding lacks, a closed standard error, and a
+standard output that cannot take what was written to it."""
 
 from __future__ import annotations
 
 import io
-from typing import TextIO
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, TextIO, cast
 
 
 def tolerate_unencodable(*streams: TextIO) -> None:
@@ -18,3 +23,70 @@ def tolerate_unencodable(*streams: TextIO) -> None:
     for stream in streams:
         if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
             stream.reconfigure(errors="backslashreplace")
+
+
+def open_missing_stderr() -> None:
+    """Give a process started with standard error closed (`2>&-`) one that discards what is written to it.
+
+    Python then sets sys.stderr to None, and `print(..., file=sys.stderr)` writes to standard OUTPUT: notes and
+    progress lines went into the JSON a script reads, and code that wrote to sys.stderr itself (chat's notes)
+    raised AttributeError. Whoever closed it asked for no diagnostics: the exit status still tells.
+    """
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")  # for the rest of the process
+
+
+class WatchedStream:
+    """A text stream that remembers the last OSError its write or flush raised (and raises it on), so that a
+    command's error handler can tell "standard output refused the result" (a full disk, `> /dev/full`) from
+    any other OSError: a failed write leaves nothing behind to test afterwards (the buffer is dropped, and a
+    later flush succeeds). Everything else is the wrapped stream's."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.failure: OSError | None = None
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError as error:
+            self.failure = error
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as error:
+            self.failure = error
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+@contextmanager
+def watched_stdout() -> Iterator[WatchedStream | None]:
+    """sys.stdout as a WatchedStream for the block (None when standard output is closed), then as it was."""
+    original = sys.stdout
+    if original is None or isinstance(original, WatchedStream):
+        yield cast(WatchedStream | None, original)
+        return
+    watched = WatchedStream(original)
+    sys.stdout = cast(TextIO, watched)
+    try:
+        yield watched
+    finally:
+        if sys.stdout is watched:
+            sys.stdout = original
+
+
+def silence_stdout() -> None:
+    """Point standard output at the null device, so that Python's flush at exit does not fail on it again (a
+    closed pipe, a full disk) and print a second error."""
+    try:
+        descriptor = sys.stdout.fileno()
+    except (OSError, ValueError, AttributeError):  # not a real file (io.UnsupportedOperation is both), or None
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, descriptor)
+    os.close(devnull)

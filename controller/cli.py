@@ -6,14 +6,19 @@ import argparse
 import importlib.util
 import json
 import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from deskfleet.agent.allocator import run_on_jemalloc
 from deskfleet.common.arguments import path_argument
-from deskfleet.common.console import tolerate_unencodable
+from deskfleet.common.console import (
+    WatchedStream,
+    open_missing_stderr,
+    silence_stdout,
+    tolerate_unencodable,
+    watched_stdout,
+)
 from deskfleet.common.model_spec import ManifestError, WeightFormat
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.chat import add_chat_command, add_fleet_option, check_fleet_options, fleet_max_failovers
@@ -64,46 +69,10 @@ def log_format(with_times: bool) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    open_missing_stderr()
     tolerate_unencodable(sys.stdout, sys.stderr)  # a reply or a table on a Windows code page
-    try:
-        parser = build_parser()  # imports the commands' modules: a second or two in which Ctrl-C may come
-    except KeyboardInterrupt:
-        return 130
-    except ModuleNotFoundError as error:  # a command's module needs an extra: no command can be parsed
-        missing = missing_extra(error)
-        if missing is None:
-            raise
-        print(f"deskfleet: error: {missing}", file=sys.stderr)
-        return 2
-    args = parser.parse_args(argv)
-    if sys.stdout is None:  # started with standard output closed (`>&-`): every command's text or JSON goes there
-        print("deskfleet: error: standard output is closed, and every command writes its result there: run it "
-              "with standard output open (to discard it: > /dev/null)", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format=log_format(getattr(args, "log_times", False)))
-    handler: Callable[[argparse.Namespace], int] = args.handler
-    try:
-        try:
-            check_extras(args.extras)  # before anything runs, and before run_on_jemalloc re-executes
-            if argv is None and args.runs_models:  # this process's own command line: it may re-execute
-                run_on_jemalloc(getattr(args, "device", "CPU"))
-            return handler(args)
-        except ModuleNotFoundError as error:  # an import of a command that needs an extra it does not declare
-            missing = missing_extra(error)
-            if missing is None:
-                raise
-            raise missing from error
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:  # the reader of our output left (e.g. `| head`): stop quietly, as `yes | head` does
-        _silence_stdout()
-        return BROKEN_PIPE_EXIT
-    except USER_ERRORS as error:
-        if args.verbose:
-            raise
-        print(f"deskfleet: error: {error}", file=sys.stderr)
-        return 2
+    with watched_stdout() as stdout:
+        return _main(argv, stdout)
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -334,6 +303,55 @@ def check_extras(extras: Sequence[str]) -> None:
 
 # Private methods
 
+def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
+    try:
+        parser = build_parser()  # imports the commands' modules: a second or two in which Ctrl-C may come
+    except KeyboardInterrupt:
+        return 130
+    except ModuleNotFoundError as error:  # a command's module needs an extra: no command can be parsed
+        missing = missing_extra(error)
+        if missing is None:
+            raise
+        print(f"deskfleet: error: {missing}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    if sys.stdout is None:  # started with standard output closed (`>&-`): every command's text or JSON goes there
+        print("deskfleet: error: standard output is closed, and every command writes its result there: run it "
+              "with standard output open (to discard it: > /dev/null)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format=log_format(getattr(args, "log_times", False)))
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        try:
+            check_extras(args.extras)  # before anything runs, and before run_on_jemalloc re-executes
+            if argv is None and args.runs_models:  # this process's own command line: it may re-execute
+                run_on_jemalloc(getattr(args, "device", "CPU"))
+            return handler(args)
+        except ModuleNotFoundError as error:  # an import of a command that needs an extra it does not declare
+            missing = missing_extra(error)
+            if missing is None:
+                raise
+            raise missing from error
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # the reader of our output left (e.g. `| head`): stop quietly, as `yes | head` does
+        silence_stdout()
+        return BROKEN_PIPE_EXIT
+    except USER_ERRORS as error:
+        if args.verbose:
+            raise
+        print(f"deskfleet: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # after USER_ERRORS, which holds FileNotFoundError
+        if args.verbose or stdout is None or error is not stdout.failure:
+            raise
+        silence_stdout()  # or the flush at exit fails again
+        print(f"deskfleet: error: could not write the result to standard output: {error.strerror or error}",
+              file=sys.stderr)
+        return 1
+
+
 def _add_fleet_bench_command(benches: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """`deskfleet bench fleet`; without the controller extra, which its module imports, a stand-in that says
     so when run, so that the other commands and `--help` still work."""
@@ -349,17 +367,6 @@ def _add_fleet_bench_command(benches: argparse._SubParsersAction[argparse.Argume
         stand_in.missing_extra = missing  # refuses any arguments, --help included
         return
     add_fleet_bench_command(benches)
-
-
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null, so that Python's flush at exit does not fail on the closed pipe again."""
-    try:
-        descriptor = sys.stdout.fileno()
-    except (OSError, ValueError):  # not a real file (io.UnsupportedOperation is both)
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, descriptor)
-    os.close(devnull)
 
 
 def _end_line(stream: TextIO) -> None:

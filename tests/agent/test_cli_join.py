@@ -20,9 +20,10 @@ def test_join_dash_reads_the_token_from_standard_input(tmp_path: Path, monkeypat
         raise enroll.EnrollmentError("controller unreachable (test)")
 
     monkeypatch.setattr(enroll, "join", fake_join)
+    monkeypatch.setattr(enroll, "read_join_token", used.append)  # checked before the data dir is made
     monkeypatch.setattr("sys.stdin", io.StringIO("  dfj1.secret-token  \nignored second line\n"))
     assert cli.main(["--data-dir", str(tmp_path), "join", "-"]) == 2
-    assert used == ["dfj1.secret-token"]
+    assert used == ["dfj1.secret-token"] * 2
     assert "controller unreachable (test)" in capsys.readouterr().err
 
 
