@@ -270,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat_bench.add_argument("--turns", type=positive_int, default=8, help="user messages in the conversation")
     chat_bench.add_argument("--reply-tokens", type=positive_int, default=64, help="each reply's limit")
     chat_bench.add_argument("--messages-file", type=path_argument, default=None,
-                            help="one message per line (default: the demo eval set's code prompts)")
+                            help="one message per line, read as generate's --prompts-file (\\n a newline, \\t a "
+                                 "tab, \\\\ a backslash; default: the demo eval set's code prompts)")
     chat_bench.add_argument("--stages", type=positive_int, default=1, help="in-process pipeline stages")
     chat_bench.add_argument("--rounds", type=positive_int, default=3)
     _add_compile_options(chat_bench)
@@ -498,10 +499,9 @@ def _bench_admission(args: argparse.Namespace) -> int:
 
 def _bench_chat(args: argparse.Namespace) -> int:
     from deskfleet.controller.bench.chat_turns import run_chat_bench
+    from deskfleet.controller.run import read_prompts_file
 
-    messages = None
-    if args.messages_file is not None:
-        messages = [line for line in args.messages_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    messages = None if args.messages_file is None else read_prompts_file(args.messages_file, "--messages-file")
     report = run_chat_bench(args.model, turns=args.turns, reply_tokens=args.reply_tokens, rounds=args.rounds,
                             stages=args.stages, messages=messages, settings=_compile_settings(args))
     print(json.dumps(report, indent=2))

@@ -77,27 +77,27 @@ def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[
     return [(what, tokenizer.encode(text)) for what, text in texts]
 
 
-def read_prompts_file(path: Path) -> list[str]:
+def read_prompts_file(path: Path, option: str = "--prompts-file") -> list[str]:
     """One prompt per non-empty line of a UTF-8 file (a BOM is skipped; a line ends at \\r\\n, \\n or \\r),
     with escapes for what a line cannot hold: `\\n` a newline, `\\t` a tab, `\\\\` a backslash; any other
-    backslash stays as it is. `deskfleet generate --prompts-file` and `deskfleet bench speculative
-    --prompts-file` read it."""
-    return [text for _, text in read_numbered_prompts(path)]
+    backslash stays as it is. `deskfleet generate --prompts-file`, `deskfleet bench speculative
+    --prompts-file` and `deskfleet bench chat --messages-file` (`option`, which errors name) read it."""
+    return [text for _, text in read_numbered_prompts(path, option)]
 
 
-def read_numbered_prompts(path: Path) -> list[tuple[int, str]]:
+def read_numbered_prompts(path: Path, option: str = "--prompts-file") -> list[tuple[int, str]]:
     """read_prompts_file's prompts, each with the number of its line in the file (the first is 1)."""
     try:
         data = Path(path).read_bytes()
     except OSError as error:
-        raise ValueError(f"--prompts-file {path}: {error.strerror or error}") from None
+        raise ValueError(f"{option} {path}: {error.strerror or error}") from None
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as error:
         # The line, as a prompt's other errors name it: in a file of thousands of prompts a byte alone is
         # not enough to find it. What precedes the byte decoded (error.object is the file without its BOM).
         line = len(_LINE_END.split(error.object[:error.start].decode("utf-8")))
-        raise ValueError(f"line {line} of --prompts-file {path}: not UTF-8 text (it holds the byte "
+        raise ValueError(f"line {line} of {option} {path}: not UTF-8 text (it holds the byte "
                          f"0x{error.object[error.start]:02x}); save the file as UTF-8") from None
     return [(number, _PROMPT_ESCAPE.sub(_unescape, line))
             for number, line in enumerate(_LINE_END.split(text), start=1) if line.strip()]

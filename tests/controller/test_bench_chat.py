@@ -73,3 +73,22 @@ def test_the_command_line(tmp_path: Path) -> None:
     assert args.messages_file == tmp_path / "messages.txt"
     assert cli.build_parser().parse_args(["chat", "--model", "m", "--no-reuse-kv"]).reuse_kv is False
     assert cli.build_parser().parse_args(["chat", "--model", "m"]).reuse_kv is True
+
+
+def test_the_messages_file_is_read_as_a_prompts_file_and_named_in_its_errors(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from deskfleet.controller.bench import chat_turns
+
+    not_utf8 = tmp_path / "latin1.txt"
+    not_utf8.write_bytes(b"hello\ncaf\xe9\n")
+    for path, error in ((tmp_path, f"--messages-file {tmp_path}: Is a directory"),
+                        (tmp_path / "missing.txt", "No such file or directory"),
+                        (not_utf8, f"line 2 of --messages-file {not_utf8}: not UTF-8 text")):
+        assert cli.main(["bench", "chat", "--model", str(tmp_path / "no-model"), "--messages-file", str(path)]) == 2
+        assert error in capsys.readouterr().err
+    given: list[list[str]] = []
+    monkeypatch.setattr(chat_turns, "run_chat_bench", lambda model, messages, **options: given.append(messages) or {})
+    messages = tmp_path / "messages.txt"
+    messages.write_bytes("\ufeffdef f():\\n    return 1\n\n  \nsecond".encode())
+    assert cli.main(["bench", "chat", "--model", str(tmp_path), "--messages-file", str(messages)]) == 0
+    assert given == [["def f():\n    return 1", "second"]]  # no BOM, escapes read, blank lines skipped
