@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import socket
 import threading
 import time
@@ -29,6 +30,17 @@ from deskfleet.common.wire import parse_address
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 * 1024
+MAX_DELAY_S = 10.0  # one way: a WAN round trip of 20 s is past any real link (and past the chain's timeouts)
+
+
+def check_link(delay_s: float, bandwidth_bytes_s: float | None) -> None:
+    """ValueError unless 0 <= delay_s <= MAX_DELAY_S and the bandwidth is None (no limit) or above 0, both finite:
+    a NaN delay delivered at once (the wait compared false) and an infinite one never."""
+    if not 0.0 <= delay_s <= MAX_DELAY_S:  # NaN fails this too
+        raise ValueError(f"a hop's delay must be from 0 to {MAX_DELAY_S:g} s, got {delay_s}")
+    if bandwidth_bytes_s is not None and not 0.0 < bandwidth_bytes_s < math.inf:
+        raise ValueError(f"a link's bandwidth must be a finite number of bytes a second above 0, "
+                         f"got {bandwidth_bytes_s}")
 
 
 @dataclass
@@ -44,8 +56,7 @@ class DelayProxy:
 
     def __post_init__(self) -> None:
         parse_address(self.target)
-        if self.delay_s < 0 or (self.bandwidth_bytes_s is not None and self.bandwidth_bytes_s <= 0):
-            raise ValueError("delay must be >= 0 and bandwidth > 0")
+        check_link(self.delay_s, self.bandwidth_bytes_s)
         self._listener: socket.socket | None = None
 
     @property
@@ -146,6 +157,7 @@ class ProxyThread:
 
     def set_delay(self, delay_s: float, bandwidth_bytes_s: float | None = None) -> None:
         """Change every proxy's delay (and bandwidth) for connections old and new."""
+        check_link(delay_s, bandwidth_bytes_s)
         for proxy in self.proxies:
             proxy.delay_s = delay_s
             proxy.bandwidth_bytes_s = bandwidth_bytes_s

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import platform
 import re
@@ -51,7 +52,7 @@ from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.planner import PlanOptions, PlanPolicy
 from deskfleet.common.wire import Precision, Role
 from deskfleet.controller.bench.arguments import check_genai_inputs, check_output_file
-from deskfleet.controller.bench.delay_proxy import DelayProxy, ProxyThread
+from deskfleet.controller.bench.delay_proxy import MAX_DELAY_S, DelayProxy, ProxyThread
 from deskfleet.controller.bench.host import host_report
 from deskfleet.controller.bench.interruption import exit_status, signal_name, signals_held, signals_unwind
 from deskfleet.controller.bench.rounds import round_order
@@ -99,8 +100,13 @@ class FleetBenchOptions:
         for name in ("new_tokens", "prompt_tokens", "rounds", "threads_per_pc"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
-        if self.warmup_rounds < 0 or self.wan_delay_s < 0:
-            raise ValueError("--warmup-rounds and --wan-delay-ms cannot be negative")
+        if self.warmup_rounds < 0:
+            raise ValueError(f"--warmup-rounds cannot be negative, not {self.warmup_rounds}")
+        if not 0.0 <= self.wan_delay_s <= MAX_DELAY_S:  # NaN fails this too
+            raise ValueError(f"--wan-delay-ms must be from 0 to {MAX_DELAY_S * 1000:g}, not {self.wan_delay_s * 1000}")
+        if self.wan_bandwidth_bytes_s is not None and not 0.0 < self.wan_bandwidth_bytes_s < math.inf:
+            raise ValueError(f"--wan-bandwidth-mbit must be a finite number above 0 (leave it out for no limit), "
+                             f"not {self.wan_bandwidth_bytes_s / 125_000}")
 
 
 @dataclass
@@ -274,8 +280,12 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def check_inputs(options: FleetBenchOptions) -> None:
     """What would otherwise fail only once the simulated PCs are up, or after other configurations ran: the
-    exports (manifests only, nothing compiled), the demo draft against the demo target, the GenAI inputs."""
-    load_manifest(options.model)
+    exports (manifests only, nothing compiled), the prompts' length against the model's context, the demo draft
+    against the demo target, the GenAI inputs."""
+    context = load_manifest(options.model).spec.max_context
+    if options.prompt_tokens + options.new_tokens > context:
+        raise ValueError(f"--prompt-tokens {options.prompt_tokens} + --new-tokens {options.new_tokens} exceed the "
+                         f"context of --model {options.model} ({context} tokens)")
     if options.demo_draft is not None and options.demo_target is None:
         raise ValueError("--demo-draft needs --demo-target (the target it drafts for)")
     if options.demo_target is not None:
@@ -731,7 +741,7 @@ def _bench_command(args: Any) -> int:
         max_pcs=args.pcs, controller_cores=args.controller_cores, genai_model=args.genai_model,
         genai_python=args.genai_python,
         wan_delay_s=args.wan_delay_ms / 1000.0,
-        wan_bandwidth_bytes_s=args.wan_bandwidth_mbit * 125_000 if args.wan_bandwidth_mbit else None)
+        wan_bandwidth_bytes_s=args.wan_bandwidth_mbit * 125_000 if args.wan_bandwidth_mbit is not None else None)
     try:
         with signals_unwind():  # SIGTERM and SIGHUP unwind as Ctrl-C does: the simulated PCs stop
             report = run_fleet_bench(options, progress=lambda text: print(text, file=sys.stderr, flush=True))

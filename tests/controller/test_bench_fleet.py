@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from deskfleet.common.model_spec import load_manifest
 from deskfleet.controller.bench import fleet as fleet_module
 from deskfleet.controller.bench.fleet import (
     GENAI_GROUP,
@@ -181,11 +182,27 @@ def test_without_a_draft_model_the_wan_row_runs_undrafted_and_lookup_rows_remain
     assert configs["demo_pair_2_lookup"].drafter == "lookup" and "demo_pair_2_spec" not in configs
 
 
-@pytest.mark.parametrize(("field", "value"), [("rounds", 0), ("new_tokens", 0), ("warmup_rounds", -1),
-                                              ("threads_per_pc", 0)])
-def test_options_refuse_what_would_measure_nothing(field: str, value: int) -> None:
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("rounds", 0, "--rounds"), ("new_tokens", 0, "--new-tokens"), ("warmup_rounds", -1, "--warmup-rounds"),
+    ("threads_per_pc", 0, "--threads-per-pc"),
+    # a NaN delay ran the WAN rows with no delay at all, an infinite one hung them after every other row had run
+    ("wan_delay_s", float("nan"), "--wan-delay-ms must be from 0 to 10000, not nan"),
+    ("wan_delay_s", float("inf"), "--wan-delay-ms must be from 0 to 10000"),
+    ("wan_delay_s", 1e9, "--wan-delay-ms must be from 0 to 10000"), ("wan_delay_s", -0.1, "--wan-delay-ms"),
+    ("wan_bandwidth_bytes_s", 0.0, "--wan-bandwidth-mbit must be a finite number above 0"),
+    ("wan_bandwidth_bytes_s", -125_000.0, "--wan-bandwidth-mbit must be a finite number above 0 .*, not -1.0"),
+    ("wan_bandwidth_bytes_s", float("nan"), "--wan-bandwidth-mbit")])
+def test_options_refuse_what_would_measure_nothing(field: str, value: float, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
         FleetBenchOptions(MODEL, **{field: value})
+
+
+def test_a_zero_bandwidth_on_the_command_line_is_refused_not_read_as_no_limit(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from deskfleet.controller import cli
+
+    assert cli.main(["bench", "fleet", "--model", str(MODEL), "--wan-bandwidth-mbit", "0"]) == 2
+    assert "--wan-bandwidth-mbit must be a finite number above 0" in capsys.readouterr().err
 
 
 # Arguments checked before the bench runs
@@ -268,6 +285,9 @@ def test_the_other_inputs_are_checked_before_any_pc_starts(tiny_export: Path, tm
         run_fleet_bench(FleetBenchOptions(tiny_export, genai_model=tmp_path, genai_python=Path("/nonexistent/python")))
     with pytest.raises(FileNotFoundError, match="--genai-model"):
         run_fleet_bench(FleetBenchOptions(tiny_export, genai_model=tmp_path / "missing"))
+    context = load_manifest(tiny_export).spec.max_context
+    with pytest.raises(ValueError, match=f"--prompt-tokens {context} \\+ --new-tokens 32 exceed the context"):
+        run_fleet_bench(FleetBenchOptions(tiny_export, prompt_tokens=context))
 
 
 def test_a_failed_copy_is_named_not_the_copy_it_released_from_the_start_barrier(

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 
-from deskfleet.controller.bench.delay_proxy import DelayProxy
+import pytest
+
+from deskfleet.controller.bench.delay_proxy import DelayProxy, ProxyThread
 
 
 async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -49,3 +52,14 @@ def test_each_direction_is_delayed_and_bytes_arrive_intact() -> None:
     assert small == b"x" and 0.1 <= small_s < 0.5  # two one-way delays
     assert big == payload and big_s >= 0.1
     assert limited == payload[: 1 << 20] and limited_s >= 0.1
+
+
+def test_a_delay_or_bandwidth_no_link_can_have_is_refused_also_when_changed() -> None:
+    for delay, bandwidth in ((math.nan, None), (math.inf, None), (-1.0, None), (1e6, None), (0.1, 0.0),
+                             (0.1, -5.0), (0.1, math.nan), (0.1, math.inf)):
+        with pytest.raises(ValueError):
+            DelayProxy("127.0.0.1:9", delay, bandwidth)
+    with ProxyThread([DelayProxy("127.0.0.1:9", 0.01)]) as proxies:
+        with pytest.raises(ValueError, match="delay must be from 0 to 10 s, got nan"):
+            proxies.set_delay(math.nan)  # delivered everything at once: the wait compared false
+        assert proxies.proxies[0].delay_s == 0.01
