@@ -23,12 +23,14 @@ from deskfleet.common.model_spec import ManifestError, WeightFormat
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.chat import add_chat_command, add_fleet_option, check_fleet_options, fleet_max_failovers
 from deskfleet.controller.decoding_options import (
+    MAX_THREADS,
     add_decoding_options,
     decoding_arguments,
     draft_count,
     non_negative_int,
     parse_token_ids,
     positive_int,
+    thread_count,
 )
 from deskfleet.controller.fleet_cli import add_fleet_commands
 
@@ -393,8 +395,8 @@ def _add_compile_options(parser: argparse.ArgumentParser) -> None:
                         help="f32: exact (f32 compute and KV cache); fast: on a CPU f32 compute with int8 "
                              "dynamic quantization and a u8 KV cache, elsewhere the device's default")
     parser.add_argument("--device", default="CPU", action=_Given, help="OpenVINO device: CPU, GPU, NPU, AUTO")
-    parser.add_argument("--threads", type=positive_int, default=None, action=_Given,
-                        help="inference threads per stage")
+    parser.add_argument("--threads", type=thread_count, default=None, action=_Given,
+                        help=f"inference threads per stage (1 to {MAX_THREADS})")
     parser.set_defaults(runs_models=True)
     parser.add_argument("--kv-cache", choices=KV_CACHE_PRECISIONS, default=None, action=_Given,
                         help="KV cache precision (default: f32 under --precision f32; under fast the device's "

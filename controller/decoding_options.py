@@ -142,6 +142,15 @@ def draft_count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+MAX_THREADS = 1024  # OpenVINO's INFERENCE_NUM_THREADS takes an int32; past this it is a typo, not a CPU
+
+
+def thread_count(text: str) -> int:
+    """argparse type: inference threads, 1 to MAX_THREADS (OpenVINO named a value past int32 "not a non negative
+    integer", not the option)."""
+    return _whole_number(text, 1, maximum=MAX_THREADS)
+
+
 def parse_token_ids(text: str) -> list[int]:
     """--prompt-ids' value: comma-separated token ids (spaces around them allowed); an empty value is an empty
     prompt (refused later, as such). ValueError for an empty item: "1,,2" was read as 1,2, a typo's id lost."""

@@ -188,8 +188,10 @@ def run_rollback_bench(model: Path, contexts: Sequence[int] = (256, 1024, 2048),
     growth = rounds * steps_per_round + max(dead_slots, default=0) + rejected + 1
     too_long = [context for context in contexts if context + growth > spec.max_context]
     if too_long:
-        raise ValueError(f"contexts {too_long} + {growth} slots of the bench exceed the model's context "
-                         f"{spec.max_context} (export with a larger --max-context)")
+        raise ValueError(f"--contexts {too_long} + the {growth} slots the bench adds (--rounds {rounds} x "
+                         f"{steps_per_round} steps, the most --dead-slots, --rejected {rejected}, 1) exceed the "
+                         f"model's context {spec.max_context}: give shorter --contexts or fewer --rounds, or "
+                         "export with a larger --max-context")
     stage = Stage(model, manifest, LayerRange(0, spec.num_layers, spec.num_layers), settings)
     started = time.perf_counter()
     results = []

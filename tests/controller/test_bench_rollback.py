@@ -102,6 +102,10 @@ def test_rollback_bench_on_a_tiny_model(checkpoint_factory: Callable[..., Path],
     assert report["state_dtype_on_host"] == "float32"
     with pytest.raises(ValueError, match="context"):
         run_rollback_bench(model, contexts=[500], settings=CompileSettings(precision=Precision.F32), progress=False)
+    # a huge --rounds is named as what outgrows the context, beside the contexts (it was blamed on them alone)
+    with pytest.raises(ValueError, match=r"--contexts \[8\] \+ the 600000000000001 slots the bench adds "
+                                         r"\(--rounds 99999999999999 x 6 steps"):
+        run_rollback_bench(model, contexts=[8], dead_slots=[2], rejected=4, rounds=99999999999999, progress=False)
 
 
 @pytest.mark.parametrize(("arguments", "message"), [

@@ -139,6 +139,7 @@ def test_generate_and_chat_read_the_same_decoding_options() -> None:
     ("generate", ["--max-rows", "0"], "argument --max-rows: must be 1 or more"),
     ("generate", ["--stages", "0"], "argument --stages: must be 1 or more"),
     ("generate", ["--threads", "0"], "argument --threads: must be 1 or more"),
+    ("generate", ["--threads", "2147483648"], "argument --threads: must be at most 1024, got 2147483648"),
     ("generate", ["--max-new-tokens", "x"], "argument --max-new-tokens: expected a whole number, got 'x'"),
     ("generate", ["--seed", "-1"], "argument --seed: must be 0 or more, got -1"),
     ("generate", ["--k-max", "0"], "argument --k-max: must be 1 or more, got 0"),
