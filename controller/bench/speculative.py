@@ -52,7 +52,10 @@ from .host import host_report
 from .parity import _read_properties, compare, summarize
 from .rounds import round_order
 
-DEFAULT_EVAL_DIR = Path("assets/models/train")
+# The demo model's evaluation folder in this source tree (the package's folders are the repo's: controller/bench/
+# is two below its root), whatever the current folder is; run from the repo root it is the same folder. An install
+# without the assets finds none there, and the benches say so (or use their built-in prompts).
+DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[2] / "assets" / "models" / "train"
 PROMPT_POOL_FILE = "heldout_prompts.json"  # heldout_prompt_pool() of the corpus's Python, shipped
 GOAL = 2.0
 

@@ -235,3 +235,10 @@ def test_counts_that_would_time_nothing_or_mislabel_a_variant_are_refused(tmp_pa
                                                                         message: str) -> None:
     with pytest.raises(ValueError, match=message):  # before the target (here no export) is opened
         run_speculative_bench(tmp_path, tmp_path, **arguments)  # type: ignore[arg-type]
+
+
+def test_the_default_prompts_are_found_from_any_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deskfleet.controller.bench.speculative import DEFAULT_EVAL_DIR
+
+    monkeypatch.chdir(tmp_path)  # `bench speculative` run outside the repo root failed: "pass --prompts-file"
+    assert DEFAULT_EVAL_DIR == EVAL_DIR and heldout_code_prompts(DEFAULT_EVAL_DIR, 3)
