@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
+
+GENAI_IMPORT_TIMEOUT_S = 120.0  # openvino and its GenAI library load in 1-3 s; a cold disk takes longer
 
 
 def check_at_least(minimum: int, **options: int) -> None:
@@ -26,12 +30,30 @@ def check_each_at_least(minimum: int, option: str, values: Iterable[int]) -> Non
 
 
 def check_genai_inputs(genai_model: Path | None, genai_python: Path | None) -> None:
-    """The GenAI model folder exists and the GenAI python can be started (a path or a command on PATH)."""
+    """The GenAI model folder exists, the GenAI python can be started (a path or a command on PATH) and imports
+    openvino_genai (this process's python when none is given): else the GenAI rows failed only after
+    deskfleet's had run, with the runner's traceback. A --genai-python without a --genai-model is refused, not
+    ignored."""
     if genai_model is not None and not Path(genai_model).is_dir():
         raise FileNotFoundError(f"--genai-model {genai_model}: no such folder (an optimum-intel export)")
     if genai_python is not None and shutil.which(str(genai_python)) is None:
         raise FileNotFoundError(f"--genai-python {genai_python}: not an executable file (the python of the "
                                 f"GenAI venv, e.g. made by scripts/genai_venv.sh)")
+    if genai_model is None:
+        if genai_python is not None:
+            raise ValueError(f"--genai-python {genai_python} needs --genai-model (the model GenAI runs)")
+        return
+    python = str(genai_python) if genai_python is not None else sys.executable
+    try:
+        imported = subprocess.run([python, "-c", "import openvino_genai"], capture_output=True, text=True,
+                                  timeout=GENAI_IMPORT_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise ValueError(f"{python} could not import openvino_genai: {error}") from None
+    if imported.returncode != 0:
+        last = (imported.stderr.strip().splitlines() or ["no message"])[-1]
+        given = f"--genai-python {genai_python}" if genai_python is not None else f"this python ({python})"
+        raise ValueError(f"{given} cannot import openvino_genai ({last}): give the python of the GenAI venv "
+                         "(scripts/genai_venv.sh makes one) with --genai-python")
 
 
 def check_output_file(option: str, path: Path | None) -> None:

@@ -152,6 +152,9 @@ def run_streams_bench(model: Path, genai_model: Path | None = None, genai_python
     if not users or min(users) < 1:
         raise ValueError(f"--users values must be 1 or more, got {list(users)}")
     check_at_least(1, prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds)
+    if settings is not None and settings.num_threads not in (None, 1):
+        raise ValueError(f"--threads {settings.num_threads}: this bench runs one inference thread on one core "
+                         "(--core), both sides")
     check_genai_inputs(genai_model, genai_python)  # not only after deskfleet's memory pass
     core = pick_core(core)
     allowed = os.sched_getaffinity(0)

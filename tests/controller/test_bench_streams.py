@@ -88,6 +88,7 @@ def test_streams_bench_on_a_tiny_model_without_genai(tiny_export: Path) -> None:
     ({"new_tokens": 0}, ValueError, "--new-tokens must be 1 or more"),
     ({"prompt_tokens": 0}, ValueError, "--prompt-tokens must be 1 or more"),
     ({"users": [1, 0]}, ValueError, "--users values must be 1 or more"),
+    ({"settings": CompileSettings(num_threads=4)}, ValueError, "--threads 4: this bench runs one inference thread"),
 ])
 def test_streams_bench_checks_its_arguments_before_the_memory_pass(
         tiny_export: Path, monkeypatch: pytest.MonkeyPatch, arguments: dict[str, object], error: type[Exception],
