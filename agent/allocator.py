@@ -40,6 +40,7 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from deskfleet.agent.huge_pages import read_maps
 from deskfleet.common.devices import device_kind
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ def system_environment(environ: Mapping[str, str] | None = None) -> dict[str, st
 def in_use(maps: Path = PROC_MAPS) -> str:
     """ "jemalloc" when this process has jemalloc mapped, else "system" (for benchmark reports)."""
     try:
-        text = maps.read_text()
+        text = read_maps(maps)
     except OSError:
         return "system"
     return "jemalloc" if "libjemalloc" in text else "system"

@@ -36,7 +36,7 @@ HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KB base pages) PMD size
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-PROC_MAPS = Path("/proc/self/maps")
+PROC_MAPS = Path("/proc/self/maps")  # read with read_maps(): it names mapped files in their bytes
 
 Region = tuple[int, int]  # [start, end) addresses
 
@@ -88,12 +88,18 @@ def huge_page_ranges(regions: Iterable[Region], page: int = HUGE_PAGE) -> list[R
     return ranges
 
 
+def read_maps(path: Path) -> str:
+    """A /proc/PID/maps file as text. The paths of mapped files are bytes, not always UTF-8: a model's weights
+    mapped from a folder named in Latin-1 made reading it as UTF-8 fail, and with it every stage's load."""
+    return path.read_text(encoding="utf-8", errors="surrogateescape")
+
+
 def snapshot() -> set[Region] | None:
     """The anonymous regions now, to compare against after loading a model; None when not enabled."""
     if not enabled():
         return None
     try:
-        return anonymous_regions(PROC_MAPS.read_text())
+        return anonymous_regions(read_maps(PROC_MAPS))
     except OSError:
         return None
 
@@ -104,7 +110,7 @@ def collapse_new_regions(before: set[Region] | None) -> CollapseReport | None:
         return None
     started = time.perf_counter()
     try:
-        ranges = huge_page_ranges(anonymous_regions(PROC_MAPS.read_text()) - before)
+        ranges = huge_page_ranges(anonymous_regions(read_maps(PROC_MAPS)) - before)
     except OSError:
         return None
     madvise = _madvise()

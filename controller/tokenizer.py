@@ -53,8 +53,14 @@ class ModelTokenizer:
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             if (model_dir / name).exists() or (model_dir / name).is_symlink():
                 model_file(model_dir, name)  # the prompt must never take in a file a folder links to
+        # Read here, parsed from the text: Tokenizer.from_file takes the path as UTF-8, and a folder name that is
+        # not (undecodable bytes, which Python keeps as surrogates) was reported as a broken tokenizer file.
         try:
-            self._tokenizer = Tokenizer.from_file(str(path))
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path} is not a valid tokenizer file: not UTF-8 text ({error})") from None
+        try:
+            self._tokenizer = Tokenizer.from_str(text)
         except Exception as error:  # tokenizers raises a bare Exception for a file it cannot read
             raise ValueError(f"{path} is not a valid tokenizer file: {error}") from error
         added = self._tokenizer.get_added_tokens_decoder()
