@@ -34,7 +34,7 @@ from openvino import passes
 
 from deskfleet.agent.paths import device_targets
 from deskfleet.common.devices import VIRTUAL, device_kind
-from deskfleet.common.model_spec import Manifest, ManifestError, TensorNames, verify_files
+from deskfleet.common.model_spec import Manifest, ManifestError, ModelSpec, TensorNames, verify_files
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 
 from . import huge_pages
@@ -167,6 +167,7 @@ def build_stage_model(model_dir: Path, manifest: Manifest, layers: LayerRange, v
 
     rope = units[Manifest.ROPE_IR]
     _check_rope_rows(rope, spec.max_context)
+    _check_widths(units, spec)
     _rewire(rope, TensorNames.POSITION_IDS, position_ids.output(0))
     _rewire(rope, TensorNames.ATTENTION_MASK, attention_mask.output(0))
     cos, sin, bias = (_produced(rope, name) for name in (TensorNames.COS, TensorNames.SIN,
@@ -262,7 +263,7 @@ def weights_were_repacked(anonymous_before: int | None, anonymous_after: int | N
 def resident_anonymous_bytes() -> int | None:
     """This process's resident anonymous memory (Linux's RssAnon), or None where it cannot be read."""
     try:
-        with open("/proc/self/status", encoding="ascii") as status:
+        with open("/proc/self/status", encoding="utf-8", errors="replace") as status:  # its Name: is bytes
             for line in status:
                 if line.startswith("RssAnon:"):
                     return int(line.split()[1]) * 1024
@@ -296,6 +297,51 @@ def _check_rope_rows(rope: ov.Model, max_context: int) -> None:
     if rows is not None and rows < max_context:
         raise ManifestError(f"the manifest says the context is {max_context} positions, but the RoPE tables "
                             f"(rope.xml) hold {rows}: the export's manifest has been changed")
+
+
+def _check_widths(units: Mapping[str, ov.Model], spec: ModelSpec) -> None:
+    """ManifestError when the manifest's vocab_size or hidden_size is not what a stage's IRs were exported with
+    (an edited manifest, or files of two exports mixed in one folder). Without it, a vocabulary that differs
+    from the head's failed the compile with OpenVINO's shape-inference text (first_max_index's Select), one
+    larger than the embedding's rows let token ids past them be gathered from outside it, and a hidden size
+    that differs failed fusing the graphs. Read from the graphs' static shapes: nothing is computed."""
+    found: list[tuple[str, int, str, int | None]] = []  # manifest field, its value, what the IR holds ({}: how many)
+    if Manifest.EMBED_IR in units:
+        embed = units[Manifest.EMBED_IR]
+        for op in embed.get_ordered_ops():  # the embedding matrix [V, H]: the data of the Gather by token id
+            table = op.input_value(0).get_partial_shape() if op.get_type_name() == "Gather" else None
+            if table is not None and table.rank.is_static and table.rank.get_length() == 2:
+                found.append(("vocab_size", spec.vocab_size, "embed.xml holds {} embedding rows",
+                              _static_length(table, 0)))
+        found.append(("hidden_size", spec.hidden_size, "embed.xml gives {} values a token",
+                      _last_length(_produced(embed, TensorNames.EMBED_OUT))))
+    for stem, unit in units.items():
+        if stem.startswith("layer_"):
+            hidden_in = _input_node(unit, TensorNames.layer_hidden_in(int(stem.removeprefix("layer_"))))
+            found.append(("hidden_size", spec.hidden_size, f"{stem}.xml takes {{}} values a token",
+                          _last_length(hidden_in.output(0))))
+    if Manifest.HEAD_IR in units:
+        head = units[Manifest.HEAD_IR]
+        found.append(("hidden_size", spec.hidden_size, "head.xml takes {} values a token",
+                      _last_length(_input_node(head, TensorNames.HEAD_IN).output(0))))
+        found.append(("vocab_size", spec.vocab_size, "head.xml gives {} logits a token (its lm_head's rows)",
+                      _last_length(_produced(head, TensorNames.LOGITS))))
+    for field_name, value, holds, count in found:
+        if count is not None and count != value:
+            raise ManifestError(f"manifest.json says {field_name} {value}, but {holds.format(count)}: the export "
+                                "folder was edited or holds files of another export; export the model again")
+
+
+def _static_length(shape: ov.PartialShape, axis: int) -> int | None:
+    return shape[axis].get_length() if shape[axis].is_static else None
+
+
+def _last_length(port: ov.Output) -> int | None:
+    """The static length of a port's last axis, or None when it is dynamic or the rank is."""
+    shape = port.get_partial_shape()
+    if not shape.rank.is_static or shape.rank.get_length() == 0:
+        return None
+    return _static_length(shape, shape.rank.get_length() - 1)
 
 
 def weight_group_size(model: ov.Model) -> int | None:

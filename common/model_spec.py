@@ -189,6 +189,7 @@ class Manifest:
         if len(manifest.layer_bytes) != spec.num_layers:
             raise ManifestError(
                 f"manifest lists {len(manifest.layer_bytes)} layer sizes for {spec.num_layers} layers")
+        _check_layer_files(manifest)
         # the planner reads the sizes, the agents fetch the files: they must say the same (export writes both)
         sizes = {**{f"{cls.layer_ir(index)}.bin": size for index, size in enumerate(manifest.layer_bytes)},
                  f"{cls.EMBED_IR}.bin": manifest.embed_bytes, f"{cls.HEAD_IR}.bin": manifest.head_bytes}
@@ -201,6 +202,27 @@ class Manifest:
 
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_LAYER_FILE = re.compile(r"layer_[0-9]+\.(xml|bin)")
+LAYER_FILES_SHOWN = 4
+
+
+def _check_layer_files(manifest: Manifest) -> None:
+    """ManifestError unless the decoder-layer files the manifest lists are its num_layers layers' own: each
+    layer's .bin (the planner sizes it), each layer's .xml where it lists any layer's (an export lists them
+    all), and no file of a layer the model does not have. A manifest whose num_layers and layer_bytes were
+    lowered still listed the dropped layers' files, and generate ran the shorter model without a word."""
+    layers = manifest.spec.num_layers
+    listed = {name for name in manifest.files if _LAYER_FILE.fullmatch(name)}
+    kinds = (".bin", ".xml") if any(name.endswith(".xml") for name in listed) else (".bin",)
+    wanted = {f"{Manifest.layer_ir(index)}{kind}" for index in range(layers) for kind in kinds}
+    span = Manifest.layer_ir(0) + (f" to {Manifest.layer_ir(layers - 1)}" if layers > 1 else " only")
+    for names, problem in ((listed - wanted, "lists {}, files of no layer of the model"),
+                           (wanted - listed, "does not list {}, files of the model's layers")):
+        if names:
+            shown = sorted(names)[:LAYER_FILES_SHOWN]
+            more = f" and {len(names) - len(shown)} more" if len(names) > len(shown) else ""
+            raise ManifestError(f"spec.num_layers is {layers} ({span}), but the manifest "
+                                f"{problem.format(', '.join(shown) + more)}: it was edited")
 
 
 def _byte_count(what: str, value: object) -> int:
