@@ -73,11 +73,14 @@ Progress = Callable[[str, str, int, int], None]  # agent id, file name, bytes se
 
 
 class DeployError(RuntimeError):
-    """The deployment cannot go on; the message names the agent and the step. `code`: the agent's refusal."""
+    """The deployment cannot go on; the message names the agent and the step. `code`: the agent's refusal;
+    `agents`: the ids of the PCs whose failure it was (a link lost, no answer, a refusal), none where the fault
+    is not a PC's (a damaged export, a plan that does not fit)."""
 
-    def __init__(self, message: str, code: ErrorCode | None = None) -> None:
+    def __init__(self, message: str, code: ErrorCode | None = None, agents: frozenset[str] = frozenset()) -> None:
         super().__init__(message)
         self.code = code
+        self.agents = agents
 
 
 @dataclass(frozen=True)
@@ -311,7 +314,9 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
     try:
         await _deploy_all(model_dir, manifest, model_id, placements, settings, found, sent, files, progress)
     except* DeployError as errors:
-        raise DeployError("; ".join(str(error) for error in errors.exceptions)) from None
+        failed = [error for error in errors.exceptions if isinstance(error, DeployError)]
+        raise DeployError("; ".join(str(error) for error in errors.exceptions),
+                          agents=frozenset().union(*(error.agents for error in failed))) from None
     report = DeployReport(model_id, placements, sent, files)
     _save_deployment(store, model_dir, report, settings)
     await _release_left_out(found, model_id, placements)
@@ -495,7 +500,8 @@ async def _deploy_stage(link: Link, model_dir: Path, assignment: AssignStage, se
             confirmed = await _expect(link, ShardHave, REPLY_TIMEOUT_S)
             missing = sorted(by_sha[sha].file_name for sha in set(by_sha) - set(confirmed.complete))
             if missing:
-                raise DeployError(f"agent {agent_id[:12]} did not keep {', '.join(missing)}")
+                raise DeployError(f"agent {agent_id[:12]} did not keep {', '.join(missing)}",
+                                  agents=frozenset({agent_id}))
             await link.send(assignment)
             try:
                 await _expect(link, StageReady, COMPILE_TIMEOUT_S)
@@ -507,7 +513,7 @@ async def _deploy_stage(link: Link, model_dir: Path, assignment: AssignStage, se
                     raise
                 log.warning("agent %s: %s; sending what it dropped again", agent_id[:12], error)
     except LinkError as error:
-        raise DeployError(f"agent {agent_id[:12]} at {link.address}: {error}") from None
+        raise DeployError(f"agent {agent_id[:12]} at {link.address}: {error}", agents=frozenset({agent_id})) from None
 
 
 def _open_export_file(model_dir: Path, entry: ManifestEntry) -> BinaryIO:
@@ -567,10 +573,11 @@ async def _expect(link: Link, kind: type[_M], timeout: float) -> _M:
         try:
             message = await asyncio.wait_for(link.receive(), timeout)
         except TimeoutError:
-            raise DeployError(f"agent {link.peer.agent_id[:12]} sent no {kind.__name__} in {timeout:.0f} s") from None
+            raise DeployError(f"agent {link.peer.agent_id[:12]} sent no {kind.__name__} in {timeout:.0f} s",
+                              agents=frozenset({link.peer.agent_id})) from None
         if isinstance(message, Error):
             raise DeployError(f"agent {link.peer.agent_id[:12]} refused: {message.code.value}: {message.message}",
-                              message.code)
+                              message.code, frozenset({link.peer.agent_id}))
         if isinstance(message, kind):
             return message
 

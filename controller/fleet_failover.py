@@ -68,6 +68,7 @@ class FleetFailover:
     chains: list[FleetPipeline] = field(default_factory=list)
     run_start: int = 0  # how many of `chains` came before this run (a chat's reply): the budget is per run
     replans: list[dict[str, object]] = field(default_factory=list)  # what broke, and the chain made after it
+    failed_replans: int = 0  # re-plans of this run that a PC failing meanwhile cut short: they count too
     kept: set[str] = field(default_factory=set)  # blamed in this run, kept because they answered (once each)
     # (from, to): links found broken in this run (a stage that could not reach its next hop, which answers the
     # controller); every re-plan of the run keeps their ends apart
@@ -84,26 +85,15 @@ class FleetFailover:
         agent_id = error.agent_id if isinstance(error, ChainError) else None
         if agent_id is not None:
             self.lost.add(agent_id)
-        replans = len(self.chains) - self.run_start
-        if replans >= self.max_failovers:
-            raise FailoverError(f"{error} (gave up: {replans} re-plan(s) already in this run, "
-                                f"--max-failovers {self.max_failovers})") from error
         started = time.perf_counter()
-        self._blame = error if isinstance(error, ChainError) and agent_id is not None else None
-        self._left_out, self._verdict, self._apart = agent_id, None, None
-        try:
-            report = event_loop.run(self._redeploy())
-            chain = FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store),
-                                  model_id=report.model_id)
-        except (DeployError, ChainError) as failure:
-            checked = f" ({self._verdict})" if self._verdict else ""
-            # a blame that left no one out (a link marked broken, a PC kept) may still leave no chain
-            without, remedy = (" without the lost agent(s)", "bring the lost PC back, or join more PCs") if self.lost \
-                else ("", "mend what the reason names, or join more PCs")
-            raise FailoverError(f"{error}{checked}; no new chain{without}: {failure} (what to do: {remedy}, then "
-                                "run this again)") from error
-        finally:
-            self._blame = None
+        while True:
+            replans = len(self.chains) - self.run_start + self.failed_replans
+            if replans >= self.max_failovers:
+                raise FailoverError(f"{error} (gave up: {replans} re-plan(s) already in this run, "
+                                    f"--max-failovers {self.max_failovers})") from error
+            chain = self._replan(error, agent_id)
+            if chain is not None:
+                break
         self.chains.append(chain)
         stages = [[stage.agent_id, stage.layer_start, stage.layer_end] for stage in chain.stages]
         seconds = round(time.perf_counter() - started, 3)
@@ -114,12 +104,47 @@ class FleetFailover:
                     f"agent(s): {chain.describe()}")
         return chain
 
+    def _replan(self, error: ChainBroken, agent_id: str | None) -> FleetPipeline | None:
+        """A new chain without the lost PCs; None when another PC failed while it was made (a link lost, no
+        answer, a refusal while deploying; a PC of the new chain not reached when it opened): that PC is then
+        lost too, and the caller re-plans again while the budget lasts. Before, such a second loss ended the run
+        at once with budget left, telling the user to bring the lost PC back, and the same command run again
+        at once re-planned fine."""
+        self._blame = error if isinstance(error, ChainError) and agent_id is not None else None
+        self._left_out, self._verdict, self._apart = agent_id, None, None
+        try:
+            report = event_loop.run(self._redeploy())
+            return FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store),
+                                 model_id=report.model_id)
+        except (DeployError, ChainError) as failure:
+            failed = failure.agents if isinstance(failure, DeployError) else \
+                frozenset({failure.agent_id} if failure.agent_id is not None else ())
+            if failed - self.lost:  # a PC failed while the chain was made: re-planned without it, budget allowing
+                self.lost |= failed
+                self.failed_replans += 1
+                replans = len(self.chains) - self.run_start + self.failed_replans
+                if replans < self.max_failovers:
+                    self.notify(f"the chain broke ({error}); while re-planning, {failure}: re-planning without "
+                                f"{', '.join(f'agent {agent[:12]}' for agent in sorted(failed))} too")
+                    return None
+                raise FailoverError(f"{error}; while re-planning, {failure} (gave up: {replans} re-plan(s) "
+                                    f"already in this run, --max-failovers {self.max_failovers})") from error
+            checked = f" ({self._verdict})" if self._verdict else ""
+            # a blame that left no one out (a link marked broken, a PC kept) may still leave no chain
+            without, remedy = (" without the lost agent(s)", "bring the lost PC back, or join more PCs") if self.lost \
+                else ("", "mend what the reason names, or join more PCs")
+            raise FailoverError(f"{error}{checked}; no new chain{without}: {failure} (what to do: {remedy}, then "
+                                "run this again)") from error
+        finally:
+            self._blame = None
+
     def start_run(self) -> None:
         """A new run on the same chain (a chat's next reply): it gets the whole --max-failovers budget again, and
         the PCs that failed before it may serve again (a re-plan surveys them anew: one still gone stays out).
         Without this, a chat that outlived two dropped PCs in a day ended at the third, and a PC lost in its first
         reply was never used again however long it had been back."""
         self.run_start = len(self.chains)
+        self.failed_replans = 0
         self.lost.clear()
         self.kept.clear()
         self.broken_links.clear()

@@ -88,3 +88,112 @@ def test_each_run_of_a_chat_gets_the_whole_budget_and_may_use_a_pc_lost_before(
     failover(ChainError("agent c: the link closed", "c" * 52))
     assert excluded == [{"a" * 52}, {"c" * 52}]
     assert len(failover.chains) == 2
+
+
+class _Redeploys:
+    """Stands for FleetFailover._redeploy: each call records whom it left out and raises the next of `failures`
+    (None: a chain is made)."""
+
+    def __init__(self, failover: FleetFailover, failures: list[Exception | None]) -> None:
+        self.failover, self.failures, self.excluded = failover, failures, []  # type: list[set[str]]
+
+    async def __call__(self) -> SimpleNamespace:
+        self.excluded.append(set(self.failover.lost))
+        failure = self.failures.pop(0)
+        if failure is not None:
+            raise failure
+        return SimpleNamespace(stages=(), model_id="m")
+
+
+def test_a_pc_lost_while_re_planning_is_left_out_of_another_re_plan_within_the_budget(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fleet fuzzer killed a second PC while the failover deployed the new chain: the run ended at once, with a
+    # re-plan left in the budget, saying "bring the lost PC back"; the same command run again re-planned fine.
+    notes: list[str] = []
+    monkeypatch.setattr(fleet_failover, "FleetPipeline", NewChain)
+    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=notes.append)
+    redeploys = _Redeploys(failover, [DeployError("agent bbb at 10.0.0.3:7431: the link closed",
+                                                  agents=frozenset({"b" * 52})), None])
+    monkeypatch.setattr(failover, "_redeploy", redeploys)
+    failover(ChainError("agent a: the link closed", "a" * 52))
+    assert redeploys.excluded == [{"a" * 52}, {"a" * 52, "b" * 52}]
+    assert len(failover.chains) == 1 and failover.failed_replans == 1
+    assert "re-planning without agent bbbbbbbbbbbb too" in notes[0]
+    # the cut-short re-plan counted: the budget of 2 is spent
+    with pytest.raises(FailoverError, match=r"gave up: 2 re-plan\(s\) already in this run"):
+        failover(ChainError("agent c: the link closed", "c" * 52))
+    failover.start_run()
+    assert failover.failed_replans == 0
+
+
+def test_a_pc_that_fails_the_new_chain_as_it_opens_is_left_out_too(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    opened: list[int] = []
+
+    class FirstOpenFails(NewChain):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            opened.append(1)
+            if len(opened) == 1:
+                raise ChainError("agent ddd (stage 0) at 10.0.0.4:7431: not reached", "d" * 52)
+            super().__init__()
+
+    monkeypatch.setattr(fleet_failover, "FleetPipeline", FirstOpenFails)
+    failover = FleetFailover(store, tiny_export, max_failovers=3, notify=lambda text: None)
+    redeploys = _Redeploys(failover, [None, None])
+    monkeypatch.setattr(failover, "_redeploy", redeploys)
+    failover(ChainError("agent a: the link closed", "a" * 52))
+    assert redeploys.excluded == [{"a" * 52}, {"a" * 52, "d" * 52}] and len(failover.chains) == 1
+
+
+@pytest.mark.parametrize(("budget", "failure", "message"), [
+    # the last re-plan of the budget cut short: the budget is named
+    (1, DeployError("agent bbb: the link closed", agents=frozenset({"b" * 52})),
+     r"while re-planning, agent bbb: the link closed \(gave up: 1 re-plan\(s\) already in this run"),
+    # a fault that is no PC's (a damaged export): no second re-plan, the remedy as before
+    (3, DeployError("layer_001.bin is damaged"), r"no new chain without the lost agent\(s\): layer_001.bin is "
+                                                  r"damaged \(what to do"),
+])
+def test_a_re_plan_cut_short_without_budget_or_by_no_pc_ends_the_run(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch, budget: int, failure: Exception,
+        message: str) -> None:
+    monkeypatch.setattr(fleet_failover, "FleetPipeline", NewChain)
+    failover = FleetFailover(store, tiny_export, max_failovers=budget, notify=lambda text: None)
+    redeploys = _Redeploys(failover, [failure, None])
+    monkeypatch.setattr(failover, "_redeploy", redeploys)
+    with pytest.raises(FailoverError, match=message):
+        failover(ChainError("agent a: the link closed", "a" * 52))
+    assert len(redeploys.excluded) == 1
+
+
+def test_a_deploy_that_a_pc_fails_names_that_pc_for_the_failover() -> None:
+    import asyncio
+
+    from deskfleet.agent.link import LinkError
+    from deskfleet.common.wire import Error as ErrorMessage
+    from deskfleet.common.wire import ErrorCode, ShardHave
+    from deskfleet.controller import fleet_deploy
+
+    class FakeLink:
+        def __init__(self, agent_id: str, receive: Exception | object) -> None:
+            self.peer, self.address, self._receive = SimpleNamespace(agent_id=agent_id), "10.0.0.9:7431", receive
+
+        async def send(self, message: object) -> None:
+            raise LinkError("the link closed")
+
+        async def receive(self) -> object:
+            if isinstance(self._receive, Exception):
+                raise self._receive
+            return self._receive
+
+    silent = FakeLink("s" * 52, TimeoutError())
+    with pytest.raises(DeployError) as no_answer:
+        asyncio.run(fleet_deploy._expect(silent, ShardHave, 0.01))  # type: ignore[arg-type]
+    refusing = FakeLink("r" * 52, ErrorMessage(ErrorCode.INTERNAL, "disk full"))
+    with pytest.raises(DeployError) as refused:
+        asyncio.run(fleet_deploy._expect(refusing, ShardHave, 1.0))  # type: ignore[arg-type]
+    assignment = SimpleNamespace(manifest=())
+    with pytest.raises(DeployError) as lost:
+        asyncio.run(fleet_deploy._deploy_stage(FakeLink("l" * 52, None), Path("."), assignment,  # type: ignore
+                                               {}, {}, None))
+    assert [error.value.agents for error in (no_answer, refused, lost)] == [
+        frozenset({"s" * 52}), frozenset({"r" * 52}), frozenset({"l" * 52})]
