@@ -40,7 +40,9 @@ from .output_folder import (
     flush_to_disk,
     held,
     make_staging_folder,
+    missing_parents,
     move_into_place,
+    remove_empty_folders,
     remove_stale_folders,
 )
 from .output_folder import ExportInterrupted as ExportInterrupted  # raised through export_checkpoint
@@ -100,7 +102,12 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
         weights.check(config)  # every tensor there, of the config's shapes: refused before hours of export
     with ending_signals_clean_up() as stop_if_signalled:
         remove_stale_folders(out_dir)
-        staging = make_staging_folder(out_dir)
+        made = missing_parents(out_dir)  # `-o new/a/b/out`: an export that fails leaves no empty new/a/b
+        try:
+            staging = make_staging_folder(out_dir)
+        except ExportError:
+            remove_empty_folders(made)
+            raise
         def report(done: int, total: int, name: str) -> None:
             stop_if_signalled()
             if progress is not None:
@@ -118,6 +125,7 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
                 raise  # hours of work, named in the message: the user may still move it into place
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
+                remove_empty_folders(made)
                 raise
     log.info("exported %s (%d layers, %s) to %s", model_dir.name, config.spec.num_layers,
              weight_format.value, out_dir)

@@ -91,6 +91,26 @@ def check_output(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
     _check_replaceable(out_dir, out_dir)
 
 
+def missing_parents(out_dir: Path) -> list[Path]:
+    """The folders above `out_dir` that do not exist yet (the nearest first): make_staging_folder makes them, and
+    an export that fails removes them again (remove_empty_folders), as it found the disk."""
+    missing = []
+    for parent in out_dir.parents:
+        if os.path.lexists(parent):
+            break
+        missing.append(parent)
+    return missing
+
+
+def remove_empty_folders(folders: list[Path]) -> None:
+    """Remove each of `folders` (the nearest first) while it is empty; one that is not, or cannot be, stays."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
 def make_staging_folder(out_dir: Path) -> Path:
     """Make the hidden folder beside `out_dir` that this process writes the export into."""
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"

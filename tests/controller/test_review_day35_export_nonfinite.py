@@ -84,3 +84,14 @@ def test_finite_values_whose_sum_overflows_are_read(clean: Path, tmp_path: Path)
     checkpoint = _damaged(clean, tmp_path / "checkpoint", DOWN, [3e38, 3e38])
     with CheckpointWeights(checkpoint) as weights:
         assert torch.equal(weights.get(DOWN)[0, :2], torch.tensor([3e38, 3e38]))
+
+
+def test_a_failed_export_removes_the_folders_it_made_above_its_output(clean: Path, tmp_path: Path) -> None:
+    # `-o new/a/b/out` interrupted or failed left new/a/b behind, empty (found by review, with Ctrl-C)
+    checkpoint = _damaged(clean, tmp_path / "checkpoint", DOWN, [float("nan")])
+    (tmp_path / "kept").mkdir()
+    for out in (tmp_path / "new" / "a" / "b" / "out", tmp_path / "kept" / "c" / "out"):
+        with pytest.raises(MalformedCheckpointError):
+            export_checkpoint(checkpoint, out, WeightFormat.F32)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint", "kept"]
+    assert list((tmp_path / "kept").iterdir()) == []  # a folder that was there stays
