@@ -60,7 +60,7 @@ from deskfleet.common.availability import (
 )
 from deskfleet.common.json_file import JsonFileError, read_json_object
 from deskfleet.common.kv_ledger import Compact, LedgerError
-from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, ManifestError
+from deskfleet.common.model_spec import MANIFEST_NAME, ExportMismatchError, Manifest, ManifestError
 from deskfleet.common.wire import (
     MAX_KNOWN_REMOVALS,
     MICRO_BATCH_IDLE_S,
@@ -445,6 +445,9 @@ class AgentCore:
                 # OSError: the cache's disk is full or not writable while the view is made
                 self.cache.unpin(key)
                 self.cache.remove_view(key)
+                if isinstance(error, ExportMismatchError):  # the export's fault: its files are as sent
+                    raise CommandError(ErrorCode.BAD_MESSAGE, f"cannot host {_stage_key(message.stage)}: {error}"
+                                       ) from None
                 if isinstance(error, ManifestError):  # a file failed its check: the next deploy resends it
                     await asyncio.to_thread(self.cache.drop_corrupted, [entry.sha256 for entry in message.manifest])
                 raise CommandError(ErrorCode.SHARD_MISMATCH if isinstance(error, ShardCacheError | ManifestError)

@@ -34,7 +34,13 @@ from openvino import passes
 
 from deskfleet.agent.paths import device_targets
 from deskfleet.common.devices import VIRTUAL, device_kind
-from deskfleet.common.model_spec import Manifest, ManifestError, ModelSpec, TensorNames, verify_files
+from deskfleet.common.model_spec import (
+    ExportMismatchError,
+    Manifest,
+    ModelSpec,
+    TensorNames,
+    verify_files,
+)
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 
 from . import huge_pages
@@ -295,7 +301,7 @@ def _check_rope_rows(rope: ov.Model, max_context: int) -> None:
               and any(target.get_node().get_type_name() == "Gather" for target in op.output(0).get_target_inputs())]
     rows = min((shape[0].get_length() for shape in tables if shape[0].is_static), default=None)
     if rows is not None and rows < max_context:
-        raise ManifestError(f"the manifest says the context is {max_context} positions, but the RoPE tables "
+        raise ExportMismatchError(f"the manifest says the context is {max_context} positions, but the RoPE tables "
                             f"(rope.xml) hold {rows}: the export's manifest has been changed")
 
 
@@ -328,7 +334,7 @@ def _check_widths(units: Mapping[str, ov.Model], spec: ModelSpec) -> None:
                       _last_length(_produced(head, TensorNames.LOGITS))))
     for field_name, value, holds, count in found:
         if count is not None and count != value:
-            raise ManifestError(f"manifest.json says {field_name} {value}, but {holds.format(count)}: the export "
+            raise ExportMismatchError(f"manifest.json says {field_name} {value}, but {holds.format(count)}: the export "
                                 "folder was edited or holds files of another export; export the model again")
 
 

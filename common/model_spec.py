@@ -25,6 +25,12 @@ class ManifestError(ValueError):
     """The manifest or a file it names is missing, malformed or does not match its checksum."""
 
 
+class ExportMismatchError(ManifestError):
+    """The export's IR files, each matching its checksum, hold other sizes than its manifest says (the manifest
+    edited, or files of two exports mixed): a fault of the export, not of a copy of its files. An agent must not
+    take it for a damaged shard (drop its files, have them sent again), nor a failover for a PC that failed."""
+
+
 class WeightFormat(str, Enum):
     INT4 = "int4"
     F16 = "f16"

@@ -576,8 +576,10 @@ async def _expect(link: Link, kind: type[_M], timeout: float) -> _M:
             raise DeployError(f"agent {link.peer.agent_id[:12]} sent no {kind.__name__} in {timeout:.0f} s",
                               agents=frozenset({link.peer.agent_id})) from None
         if isinstance(message, Error):
+            # BAD_MESSAGE: what was sent is at fault (an export whose files contradict its manifest), not the PC
+            failed = frozenset() if message.code is ErrorCode.BAD_MESSAGE else frozenset({link.peer.agent_id})
             raise DeployError(f"agent {link.peer.agent_id[:12]} refused: {message.code.value}: {message.message}",
-                              message.code, frozenset({link.peer.agent_id}))
+                              message.code, failed)
         if isinstance(message, kind):
             return message
 

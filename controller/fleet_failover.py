@@ -77,6 +77,7 @@ class FleetFailover:
     _left_out: str | None = field(default=None, repr=False)  # whom that check left out
     _verdict: str | None = field(default=None, repr=False)  # what that check found, in words
     _apart: tuple[str, str] | None = field(default=None, repr=False)  # the link that check found broken
+    _blame_verdict: str | None = field(default=None, repr=False)  # _verdict as that check left it
 
     def __call__(self, error: ChainBroken) -> FleetPipeline:
         # the controller's own observation (a link closed, an agent not dialled) or a blame the chain checked
@@ -86,32 +87,38 @@ class FleetFailover:
         if agent_id is not None:
             self.lost.add(agent_id)
         started = time.perf_counter()
+        cut_short: list[str] = []  # what failed each re-plan of this break that another PC's failure cut short
         while True:
             replans = len(self.chains) - self.run_start + self.failed_replans
             if replans >= self.max_failovers:
                 raise FailoverError(f"{error} (gave up: {replans} re-plan(s) already in this run, "
                                     f"--max-failovers {self.max_failovers})") from error
-            chain = self._replan(error, agent_id)
+            chain = self._replan(error, agent_id, cut_short)
             if chain is not None:
                 break
         self.chains.append(chain)
         stages = [[stage.agent_id, stage.layer_start, stage.layer_end] for stage in chain.stages]
         seconds = round(time.perf_counter() - started, 3)
         self.replans.append({"error": str(error), "lost_agent": self._left_out, "blamed_agent": agent_id,
-                             "blame_check": self._verdict, "stages": stages, "seconds": seconds})
+                             "blame_check": self._verdict, "stages": stages, "seconds": seconds,
+                             "cut_short": cut_short})
         checked = f"; {self._verdict}" if self._verdict else ""
         self.notify(f"the chain broke ({error}){checked}; re-planned in {seconds:.1f} s over {chain.num_stages} "
                     f"agent(s): {chain.describe()}")
         return chain
 
-    def _replan(self, error: ChainBroken, agent_id: str | None) -> FleetPipeline | None:
+    def _replan(self, error: ChainBroken, agent_id: str | None, cut_short: list[str]) -> FleetPipeline | None:
         """A new chain without the lost PCs; None when another PC failed while it was made (a link lost, no
         answer, a refusal while deploying; a PC of the new chain not reached when it opened): that PC is then
-        lost too, and the caller re-plans again while the budget lasts. Before, such a second loss ended the run
-        at once with budget left, telling the user to bring the lost PC back, and the same command run again
-        at once re-planned fine."""
-        self._blame = error if isinstance(error, ChainError) and agent_id is not None else None
-        self._left_out, self._verdict, self._apart = agent_id, None, None
+        lost too, what failed is added to `cut_short`, and the caller re-plans again while the budget lasts.
+        Before, such a second loss ended the run at once with budget left, telling the user to bring the lost PC
+        back, and the same command run again at once re-planned fine. The blame that broke the chain is weighed
+        by the first attempt only: weighed again, a blamed PC kept the first time read as blamed twice."""
+        if not cut_short:
+            self._blame = error if isinstance(error, ChainError) and agent_id is not None else None
+            self._left_out, self._verdict, self._apart = agent_id, None, None
+        else:  # what the first attempt's survey made of the blame, without what its plan added (_planned_apart)
+            self._verdict = self._blame_verdict
         try:
             report = event_loop.run(self._redeploy())
             return FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store),
@@ -122,6 +129,7 @@ class FleetFailover:
             if failed - self.lost:  # a PC failed while the chain was made: re-planned without it, budget allowing
                 self.lost |= failed
                 self.failed_replans += 1
+                cut_short.append(str(failure))
                 replans = len(self.chains) - self.run_start + self.failed_replans
                 if replans < self.max_failovers:
                     self.notify(f"the chain broke ({error}); while re-planning, {failure}: re-planning without "
@@ -166,6 +174,7 @@ class FleetFailover:
         found = await survey(self.store, self._survey_options())
         try:
             self._check_blame(found)
+            self._blame_verdict = self._verdict
             options = replace(settings.plan_options(), broken_links=frozenset(self.broken_links))
             result, report = await deploy(self.store, self.model_dir, found, options,
                                           settings.precision, settings.device, exclude=frozenset(self.lost),

@@ -197,3 +197,36 @@ def test_a_deploy_that_a_pc_fails_names_that_pc_for_the_failover() -> None:
                                                {}, {}, None))
     assert [error.value.agents for error in (no_answer, refused, lost)] == [
         frozenset({"s" * 52}), frozenset({"r" * 52}), frozenset({"l" * 52})]
+    # refused as a bad message (an export whose files contradict its manifest): the fault is not the PC's
+    export_fault = FakeLink("e" * 52, ErrorMessage(ErrorCode.BAD_MESSAGE, "manifest.json says vocab_size 288"))
+    with pytest.raises(DeployError) as refused_export:
+        asyncio.run(fleet_deploy._expect(export_fault, ShardHave, 1.0))  # type: ignore[arg-type]
+    assert refused_export.value.agents == frozenset()
+
+
+def test_a_re_plan_cut_short_weighs_the_blame_once(store: FleetStore, tiny_export: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # A reports its next hop B unreachable, B answers and hosts its stage (kept, once a run), and the first
+    # deploy fails on a third PC C: the retry weighed the same blame again, found B "blamed and kept once
+    # already", and reported B left out while the new chain held it.
+    from deskfleet.controller import fleet_failover
+    from tests.controller.test_review_blame import A, B, C, relayed, scripted_failover
+
+    failover, excluded = scripted_failover(store, tiny_export, monkeypatch, {A: True, B: True, C: True})
+    real_deploy = fleet_failover.deploy
+    calls: list[int] = []
+
+    async def third_pc_fails_first(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        report = await real_deploy(*args, **kwargs)  # type: ignore[arg-type]
+        if len(calls) == 1:
+            raise DeployError("agent ccc at 10.0.0.2:7431: the link closed", agents=frozenset({C}))
+        return report
+
+    monkeypatch.setattr(fleet_failover, "deploy", third_pc_fails_first)
+    failover(relayed(B, A))
+    record = failover.replans[-1]
+    assert excluded == [frozenset(), frozenset({C})]  # B in both plans: it answered, and hosts its stage
+    assert record["lost_agent"] != B and "left out" not in str(record["blame_check"]).split(";")[0]
+    assert record["cut_short"] == ["agent ccc at 10.0.0.2:7431: the link closed"]
+    assert C in failover.lost and B not in failover.lost
