@@ -13,7 +13,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from deskfleet.common.arguments import path_argument
-from deskfleet.common.console import WatchedStream, open_missing_stderr, tolerate_unencodable, watched_stdout
+from deskfleet.common.console import (
+    WatchedStream,
+    flush_stdout,
+    open_missing_stderr,
+    silence_stdout,
+    tolerate_unencodable,
+    watched_stdout,
+)
 
 log = logging.getLogger("deskfleet.agent")
 
@@ -69,10 +76,10 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
     if not args.verbose:  # websockets says "connection open" and "connection closed" at info for every link: three
         logging.getLogger("websockets").setLevel(logging.WARNING)  # lines per `fleet ls`, per PC, for days
     try:
-        if args.command == "join":
-            return _join(args)
-        if args.command in ("pause", "resume"):
-            return _pause(args, paused=args.command == "pause")
+        if args.command in ("join", "pause", "resume"):
+            status = _join(args) if args.command == "join" else _pause(args, paused=args.command == "pause")
+            flush_stdout()  # inside the handlers below: a message still in the buffer meets a full disk here
+            return status
         if args.headless:
             if argv is None:  # this process's own command line: it may re-execute on jemalloc
                 _run_on_jemalloc(args)
@@ -85,6 +92,7 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
         if args.verbose:
             raise
         if stdout is not None and error is stdout.failure:  # every command writes there once it has done its work
+            silence_stdout()  # or the flush at exit fails again
             print(f"deskfleet-agent: error: could not write to standard output ({error.strerror or error}); the "
                   f"{args.command} itself was done", file=sys.stderr)
             return 1

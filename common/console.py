@@ -80,6 +80,14 @@ def watched_stdout() -> Iterator[WatchedStream | None]:
             sys.stdout = original
 
 
+def flush_stdout() -> None:
+    """Flush standard output now, where a command's error handling still runs: a short result written to a
+    file sits in its buffer, and a full disk then failed only at the interpreter's exit ("Exception ignored
+    ... OSError: No space left on device", exit status 120) after sys.stdout was put back."""
+    if sys.stdout is not None:
+        sys.stdout.flush()
+
+
 def silence_stdout() -> None:
     """Point standard output at the null device, so that Python's flush at exit does not fail on it again (a
     closed pipe, a full disk) and print a second error."""

@@ -14,6 +14,7 @@ from deskfleet.agent.allocator import run_on_jemalloc
 from deskfleet.common.arguments import path_argument
 from deskfleet.common.console import (
     WatchedStream,
+    flush_stdout,
     open_missing_stderr,
     silence_stdout,
     tolerate_unencodable,
@@ -272,8 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat_bench.add_argument("--turns", type=positive_int, default=8, help="user messages in the conversation")
     chat_bench.add_argument("--reply-tokens", type=positive_int, default=64, help="each reply's limit")
     chat_bench.add_argument("--messages-file", type=path_argument, default=None,
-                            help="one message per line, read as generate's --prompts-file (\\n a newline, \\t a "
-                                 "tab, \\\\ a backslash; default: the demo eval set's code prompts)")
+                            help="one message per line, read as generate's --prompts-file (a BOM skipped, blank "
+                                 "lines left out; chat takes a message a line, so each is sent as one line); "
+                                 "default: the demo eval set's code prompts")
     chat_bench.add_argument("--stages", type=positive_int, default=1, help="in-process pipeline stages")
     chat_bench.add_argument("--rounds", type=positive_int, default=3)
     _add_compile_options(chat_bench)
@@ -330,7 +332,9 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
             check_extras(args.extras)  # before anything runs, and before run_on_jemalloc re-executes
             if argv is None and args.runs_models:  # this process's own command line: it may re-execute
                 run_on_jemalloc(getattr(args, "device", "CPU"))
-            return handler(args)
+            status = handler(args)
+            flush_stdout()  # inside the handlers below: a result still in the buffer meets a full disk here
+            return status
         except ModuleNotFoundError as error:  # an import of a command that needs an extra it does not declare
             missing = missing_extra(error)
             if missing is None:

@@ -59,6 +59,8 @@ class ModelTokenizer:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as error:
             raise ValueError(f"{path} is not a valid tokenizer file: not UTF-8 text ({error})") from None
+        except OSError as error:
+            raise ValueError(f"{path} cannot be read: {error.strerror or error}") from None
         try:
             self._tokenizer = Tokenizer.from_str(text)
         except Exception as error:  # tokenizers raises a bare Exception for a file it cannot read

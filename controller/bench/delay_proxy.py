@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 * 1024
 MAX_DELAY_S = 10.0  # one way: a WAN round trip of 20 s is past any real link (and past the chain's timeouts)
+MIN_BANDWIDTH_BYTES_S = 1000.0  # 8 kbit/s: below it a step's few KB take seconds a hop (1e-300 was a hang)
 
 
 def check_link(delay_s: float, bandwidth_bytes_s: float | None) -> None:
@@ -38,9 +39,9 @@ def check_link(delay_s: float, bandwidth_bytes_s: float | None) -> None:
     a NaN delay delivered at once (the wait compared false) and an infinite one never."""
     if not 0.0 <= delay_s <= MAX_DELAY_S:  # NaN fails this too
         raise ValueError(f"a hop's delay must be from 0 to {MAX_DELAY_S:g} s, got {delay_s}")
-    if bandwidth_bytes_s is not None and not 0.0 < bandwidth_bytes_s < math.inf:
-        raise ValueError(f"a link's bandwidth must be a finite number of bytes a second above 0, "
-                         f"got {bandwidth_bytes_s}")
+    if bandwidth_bytes_s is not None and not MIN_BANDWIDTH_BYTES_S <= bandwidth_bytes_s < math.inf:
+        raise ValueError(f"a link's bandwidth must be a finite number of bytes a second, at least "
+                         f"{MIN_BANDWIDTH_BYTES_S:g}, got {bandwidth_bytes_s}")
 
 
 @dataclass

@@ -52,7 +52,7 @@ from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.planner import PlanOptions, PlanPolicy
 from deskfleet.common.wire import Precision, Role
 from deskfleet.controller.bench.arguments import check_genai_inputs, check_output_file
-from deskfleet.controller.bench.delay_proxy import MAX_DELAY_S, DelayProxy, ProxyThread
+from deskfleet.controller.bench.delay_proxy import MAX_DELAY_S, MIN_BANDWIDTH_BYTES_S, DelayProxy, ProxyThread
 from deskfleet.controller.bench.host import host_report
 from deskfleet.controller.bench.interruption import exit_status, signal_name, signals_held, signals_unwind
 from deskfleet.controller.bench.rounds import round_order
@@ -104,9 +104,11 @@ class FleetBenchOptions:
             raise ValueError(f"--warmup-rounds cannot be negative, not {self.warmup_rounds}")
         if not 0.0 <= self.wan_delay_s <= MAX_DELAY_S:  # NaN fails this too
             raise ValueError(f"--wan-delay-ms must be from 0 to {MAX_DELAY_S * 1000:g}, not {self.wan_delay_s * 1000}")
-        if self.wan_bandwidth_bytes_s is not None and not 0.0 < self.wan_bandwidth_bytes_s < math.inf:
-            raise ValueError(f"--wan-bandwidth-mbit must be a finite number above 0 (leave it out for no limit), "
-                             f"not {self.wan_bandwidth_bytes_s / 125_000}")
+        bandwidth = self.wan_bandwidth_bytes_s
+        if bandwidth is not None and not MIN_BANDWIDTH_BYTES_S <= bandwidth < math.inf:
+            least = MIN_BANDWIDTH_BYTES_S / 125_000
+            raise ValueError(f"--wan-bandwidth-mbit must be a finite number, at least {least:g} (leave it out for no "
+                             f"limit), not {bandwidth / 125_000}")
 
 
 @dataclass

@@ -47,7 +47,7 @@ def _reset_peak_rss() -> None:
 
 
 def _peak_rss() -> int:
-    with open("/proc/self/status") as handle:
+    with open("/proc/self/status", encoding="utf-8", errors="replace") as handle:  # its Name: is bytes
         for line in handle:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024

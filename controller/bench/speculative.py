@@ -53,9 +53,11 @@ from .parity import _read_properties, compare, summarize
 from .rounds import round_order
 
 # The demo model's evaluation folder in this source tree (the package's folders are the repo's: controller/bench/
-# is two below its root), whatever the current folder is; run from the repo root it is the same folder. An install
-# without the assets finds none there, and the benches say so (or use their built-in prompts).
-DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[2] / "assets" / "models" / "train"
+# is two below its root), whatever the current folder is; an installed copy of the package (pip install ., not
+# editable) has no assets beside it, and takes the folder under the current one, as the repo root has it. Where
+# neither is, the benches say so (or use their built-in prompts).
+_SOURCE_EVAL_DIR = Path(__file__).resolve().parents[2] / "assets" / "models" / "train"
+DEFAULT_EVAL_DIR = _SOURCE_EVAL_DIR if _SOURCE_EVAL_DIR.is_dir() else Path("assets") / "models" / "train"
 PROMPT_POOL_FILE = "heldout_prompts.json"  # heldout_prompt_pool() of the corpus's Python, shipped
 GOAL = 2.0
 

@@ -322,7 +322,7 @@ def _reset_peak_rss() -> None:
 
 def _peak_rss() -> int:
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path("/proc/self/status").read_text(encoding="utf-8", errors="replace").splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     except OSError:

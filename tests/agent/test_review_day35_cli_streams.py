@@ -17,6 +17,7 @@ from deskfleet.agent.cli import main
 from tests.agent.test_opt_out import joined
 
 AGENT = [sys.executable, "-m", "deskfleet.agent.cli"]
+BUFFERED = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}  # as a user's is
 
 
 def test_join_from_a_closed_standard_input_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -40,7 +41,7 @@ def test_a_pause_whose_message_cannot_be_written_says_it_was_done(tmp_path: Path
     data_dir = joined(tmp_path / "agent")
     with open("/dev/full", "wb") as full:
         done = subprocess.run([*AGENT, "pause", "--data-dir", str(data_dir)], stdout=full, stderr=subprocess.PIPE,
-                              text=True, timeout=120)
+                              text=True, timeout=120, env=BUFFERED)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip() == ("deskfleet-agent: error: could not write to standard output (No space left on "
                                    "device); the pause itself was done")
@@ -50,8 +51,8 @@ def test_a_pause_whose_message_cannot_be_written_says_it_was_done(tmp_path: Path
 def test_a_closed_standard_error_is_no_error(tmp_path: Path) -> None:
     data_dir = joined(tmp_path / "agent")
     done = subprocess.run([*AGENT, "pause", "--data-dir", str(data_dir)], stdout=subprocess.PIPE, text=True,
-                          timeout=120, preexec_fn=lambda: os.close(2))
+                          timeout=120, preexec_fn=lambda: os.close(2), env=BUFFERED)
     assert done.returncode == 0 and done.stdout.startswith("paused:")
     failed = subprocess.run([*AGENT, "pause", "--data-dir", str(tmp_path / "nobody")], stdout=subprocess.PIPE,
-                            text=True, timeout=120, preexec_fn=lambda: os.close(2))
+                            text=True, timeout=120, preexec_fn=lambda: os.close(2), env=BUFFERED)
     assert failed.returncode == 2 and failed.stdout == ""  # the error is not written into the output

@@ -39,3 +39,19 @@ def test_generate_runs_a_model_in_a_folder_whose_name_is_not_utf8(tiny_export: P
     ModelTokenizer(model)  # was "tokenizer.json is not a valid tokenizer file"
     assert cli.main(["generate", "--model", str(model), "--prompt", "hi", "--max-new-tokens", "3", "--json"]) == 0
     assert '"generated_tokens": 3' in capsys.readouterr().out
+
+
+def test_a_tokenizer_file_that_cannot_be_read_is_named(tiny_export: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_export, model)
+    read_text = Path.read_text
+
+    def refused(self: Path, *args: object, **kwargs: object) -> str:
+        if self.name == "tokenizer.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_text(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "read_text", refused)
+    with pytest.raises(ValueError, match=r"tokenizer\.json cannot be read: Permission denied"):
+        ModelTokenizer(model)  # a PermissionError went out of the CLI as a traceback

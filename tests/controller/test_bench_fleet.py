@@ -189,8 +189,9 @@ def test_without_a_draft_model_the_wan_row_runs_undrafted_and_lookup_rows_remain
     ("wan_delay_s", float("nan"), "--wan-delay-ms must be from 0 to 10000, not nan"),
     ("wan_delay_s", float("inf"), "--wan-delay-ms must be from 0 to 10000"),
     ("wan_delay_s", 1e9, "--wan-delay-ms must be from 0 to 10000"), ("wan_delay_s", -0.1, "--wan-delay-ms"),
-    ("wan_bandwidth_bytes_s", 0.0, "--wan-bandwidth-mbit must be a finite number above 0"),
-    ("wan_bandwidth_bytes_s", -125_000.0, "--wan-bandwidth-mbit must be a finite number above 0 .*, not -1.0"),
+    ("wan_bandwidth_bytes_s", 0.0, "--wan-bandwidth-mbit must be a finite number, at least 0.008"),
+    ("wan_bandwidth_bytes_s", -125_000.0, "--wan-bandwidth-mbit must be a finite number, .*, not -1.0"),
+    ("wan_bandwidth_bytes_s", 1e-300, "--wan-bandwidth-mbit must be a finite number, at least 0.008"),
     ("wan_bandwidth_bytes_s", float("nan"), "--wan-bandwidth-mbit")])
 def test_options_refuse_what_would_measure_nothing(field: str, value: float, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -202,7 +203,7 @@ def test_a_zero_bandwidth_on_the_command_line_is_refused_not_read_as_no_limit(
     from deskfleet.controller import cli
 
     assert cli.main(["bench", "fleet", "--model", str(MODEL), "--wan-bandwidth-mbit", "0"]) == 2
-    assert "--wan-bandwidth-mbit must be a finite number above 0" in capsys.readouterr().err
+    assert "--wan-bandwidth-mbit must be a finite number, at least 0.008" in capsys.readouterr().err
 
 
 # Arguments checked before the bench runs

@@ -56,7 +56,7 @@ def test_each_direction_is_delayed_and_bytes_arrive_intact() -> None:
 
 def test_a_delay_or_bandwidth_no_link_can_have_is_refused_also_when_changed() -> None:
     for delay, bandwidth in ((math.nan, None), (math.inf, None), (-1.0, None), (1e6, None), (0.1, 0.0),
-                             (0.1, -5.0), (0.1, math.nan), (0.1, math.inf)):
+                             (0.1, -5.0), (0.1, math.nan), (0.1, math.inf), (0.1, 1e-300)):
         with pytest.raises(ValueError):
             DelayProxy("127.0.0.1:9", delay, bandwidth)
     with ProxyThread([DelayProxy("127.0.0.1:9", 0.01)]) as proxies:

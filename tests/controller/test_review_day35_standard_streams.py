@@ -18,12 +18,16 @@ import pytest
 from deskfleet.common.console import WatchedStream, watched_stdout
 
 CLI = [sys.executable, "-m", "deskfleet.controller.cli"]
+# Block-buffered, as a user's is (PYTHONUNBUFFERED, set where these tests were written, hid a result that met the
+# full disk only at the interpreter's exit)
+BUFFERED = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
 
 
 def _run(args: list[str], stdin: str = "", close_stderr: bool = False,
          stdout: int | io.BufferedWriter = subprocess.PIPE) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], input=stdin, stdout=stdout, stderr=None if close_stderr else subprocess.PIPE,
-                          text=True, timeout=300, preexec_fn=(lambda: os.close(2)) if close_stderr else None)
+                          text=True, timeout=300, preexec_fn=(lambda: os.close(2)) if close_stderr else None,
+                          env=BUFFERED)
 
 
 def test_generate_with_standard_error_closed_writes_only_its_result_to_standard_output(tiny_export: Path) -> None:
