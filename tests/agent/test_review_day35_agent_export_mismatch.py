@@ -5,7 +5,6 @@ have left a healthy PC out for it."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -13,19 +12,10 @@ from typing import Any
 
 import pytest
 
-from deskfleet.common.model_spec import MANIFEST_NAME, load_manifest
-from deskfleet.common.wire import (
-    AssignStage,
-    ErrorCode,
-    ManifestEntry,
-    Precision,
-    Role,
-    ShardChunk,
-    ShardComplete,
-    ShardQuery,
-    StageRef,
-)
+from deskfleet.common.model_spec import MANIFEST_NAME
+from deskfleet.common.wire import ErrorCode, Role, ShardQuery
 from tests.agent.test_core import core, handle  # noqa: F401  (core: the fixture)
+from tests.agent.test_review_cache_race import _push_tiny_stage
 
 
 def test_an_export_whose_manifest_contradicts_its_files_is_refused_as_a_bad_message(
@@ -35,21 +25,10 @@ def test_an_export_whose_manifest_contradicts_its_files_is_refused_as_a_bad_mess
     body = json.loads((folder / MANIFEST_NAME).read_text())
     body["spec"]["vocab_size"] -= 12
     (folder / MANIFEST_NAME).write_text(json.dumps(body))
-    manifest = load_manifest(folder)
-    layers = manifest.spec.num_layers
-    names = [MANIFEST_NAME, *(name for stem in manifest.stage_ir_stems(0, layers) for name in manifest.ir_files(stem))]
-    entries = []
-    for name in names:
-        data = (folder / name).read_bytes()
-        digest = hashlib.sha256(data).hexdigest()
-        handle(core, Role.CONTROLLER, ShardChunk(digest, 0, len(data), data))
-        handle(core, Role.CONTROLLER, ShardComplete(digest))
-        entries.append(ManifestEntry(name, digest, len(data)))
-    assignment = AssignStage(StageRef("tiny@1", 0, layers), True, True, "CPU", Precision.DEVICE_DEFAULT, None,
-                             tuple(entries), None)
+    assignment = _push_tiny_stage(core, folder)
     with pytest.raises(Exception) as refused:
         handle(core, Role.CONTROLLER, assignment)
     assert refused.value.code is ErrorCode.BAD_MESSAGE  # type: ignore[attr-defined]
     assert "manifest.json says vocab_size" in str(refused.value)
-    held = handle(core, Role.CONTROLLER, ShardQuery(tuple(entry.sha256 for entry in entries)))
-    assert len(held.complete) == len(entries)  # nothing dropped as damaged
+    held = handle(core, Role.CONTROLLER, ShardQuery(tuple(entry.sha256 for entry in assignment.manifest)))
+    assert len(held.complete) == len(assignment.manifest)  # nothing dropped as damaged
