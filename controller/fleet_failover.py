@@ -107,6 +107,29 @@ class FleetFailover:
                     f"agent(s): {chain.describe()}")
         return chain
 
+    def start_run(self) -> None:
+        """A new run on the same chain (a chat's next reply): it gets the whole --max-failovers budget again, and
+        the PCs that failed before it may serve again (a re-plan surveys them anew: one still gone stays out).
+        Without this, a chat that outlived two dropped PCs in a day ended at the third, and a PC lost in its first
+        reply was never used again however long it had been back."""
+        self.run_start = len(self.chains)
+        self.failed_replans = 0
+        self.lost.clear()
+        self.kept.clear()
+        self.broken_links.clear()
+
+    def close(self) -> None:
+        for chain in self.chains:
+            chain.close()
+
+    def __enter__(self) -> FleetFailover:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # Private methods
+
     def _replan(self, error: ChainBroken, agent_id: str | None, cut_short: list[str]) -> FleetPipeline | None:
         """A new chain without the lost PCs; None when another PC failed while it was made (a link lost, no
         answer, a refusal while deploying; a PC of the new chain not reached when it opened): that PC is then
@@ -145,29 +168,6 @@ class FleetFailover:
                                 "run this again)") from error
         finally:
             self._blame = None
-
-    def start_run(self) -> None:
-        """A new run on the same chain (a chat's next reply): it gets the whole --max-failovers budget again, and
-        the PCs that failed before it may serve again (a re-plan surveys them anew: one still gone stays out).
-        Without this, a chat that outlived two dropped PCs in a day ended at the third, and a PC lost in its first
-        reply was never used again however long it had been back."""
-        self.run_start = len(self.chains)
-        self.failed_replans = 0
-        self.lost.clear()
-        self.kept.clear()
-        self.broken_links.clear()
-
-    def close(self) -> None:
-        for chain in self.chains:
-            chain.close()
-
-    def __enter__(self) -> FleetFailover:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    # Private methods
 
     async def _redeploy(self) -> DeployReport:
         settings = load_deploy_settings(self.store, self.model_dir)
