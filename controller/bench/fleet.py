@@ -15,6 +15,8 @@ shares the agents' cores, which counts against the fleet rows. `--pcs N` (2-4) a
 every group of N PCs takes the first N agent cores (groups run one at a time; an idle agent sleeps).
 The rows of 2 PCs serving N users also report their `ideal_split`: what two whole 1-PC servers of N/2
 users each make, measured in the same run, i.e. where the fleet would land with free hops (see _Row).
+`--model` gives the throughput rows and `--demo-target` (with `--demo-draft`) the drafting and WAN rows; either
+may be left out. Each drafting row runs with each of DRAFTERS.
 """
 
 from __future__ import annotations
@@ -81,8 +83,8 @@ DEMO_TEXTS = ('def read_config(path):\n    """Read a configuration file."""\n',
 
 @dataclass(frozen=True)
 class FleetBenchOptions:
-    model: Path  # the throughput model's export folder (~1B INT4 in the brief)
-    demo_target: Path | None = None  # the demo pair, for drafting rows
+    model: Path | None  # the throughput model's export folder (~1B INT4 in the brief); None: no throughput rows
+    demo_target: Path | None = None  # the drafting rows' target (the demo pair's, or any target with a draft)
     demo_draft: Path | None = None
     new_tokens: int = 32
     prompt_tokens: int = 16
@@ -97,6 +99,8 @@ class FleetBenchOptions:
     genai_python: Path | None = None  # the GenAI venv's python (scripts/genai_venv.sh)
 
     def __post_init__(self) -> None:
+        if self.model is None and self.demo_target is None:
+            raise ValueError("give --model (the throughput rows), --demo-target (the drafting rows), or both")
         for name in ("new_tokens", "prompt_tokens", "rounds", "threads_per_pc"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
@@ -118,7 +122,7 @@ class _Config:
     streams: int
     max_rows: int
     micro_batches: int
-    drafter: str | None = None  # "model" (the demo draft) or "lookup" (prompt lookup)
+    drafter: str | None = None  # one of DRAFTERS: the draft model, prompt lookup, or prompt lookup first
     return_logits: bool = False
     copies: int = 1  # independent chains run at once (group, group + "-b", ...)
     one_at_a_time: bool = False  # serve the streams one after another (a 1-stream baseline for their prompts)
@@ -143,6 +147,11 @@ class _Row:
 GROUP_OF_PCS = {1: "mono", 2: "pair", 3: "trio", 4: "quad"}
 GENAI_GROUP = "genai"  # no deployment: GenAI's ContinuousBatchingPipeline on the first PC's core
 WAN_GROUP = "wan"  # the demo target on two PCs reached through delay proxies
+# The drafting rows' drafters: config suffix -> (the rows' name for it, the drafter: `--demo-draft` or not, prompt
+# lookup or not; both is prompt lookup first, controller/lookup_first.py). Those that use the draft model run
+# only with `--demo-draft`.
+DRAFTERS = {"spec": ("draft model", True, False), "lookup": ("prompt lookup", False, True),
+            "first": ("lookup first", True, True)}
 USER_COUNTS = (2, 4, 8)  # the honest baseline: the same users on 1 PC with deskfleet's own batching
 MAX_PCS = max(GROUP_OF_PCS)
 
@@ -181,9 +190,9 @@ def fleet_rows(max_pcs: int) -> tuple[_Row, ...]:
     for pcs in range(2, MAX_PCS + 1):
         group = GROUP_OF_PCS[pcs]
         paper, goal = {2: ("1.79x", ">= 3.0x"), 3: ("2.64x", ">= 4.0x")}.get(pcs, ("-", "-"))
-        rows.append(_Row(f"demo target, 1 PC, the {pcs} streams' prompts one at a time", f"demo_mono_seq{pcs}",
-                         None, "1.00x", "1.00x"))
-        for drafter, suffix in (("demo pair", "spec"), ("prompt lookup, demo target", "lookup")):
+        rows.append(_Row(f"drafting target, 1 PC, the {pcs} streams' prompts one at a time",
+                         f"demo_mono_seq{pcs}", None, "1.00x", "1.00x"))
+        for suffix, (drafter, _, _) in DRAFTERS.items():
             rows += [
                 _Row(f"{pcs} PCs, {pcs} streams + speculative ({drafter})", f"demo_{group}_{pcs}_{suffix}",
                      f"demo_mono_seq{pcs}", *((paper, goal) if suffix == "spec" else ("-", "-"))),
@@ -193,8 +202,9 @@ def fleet_rows(max_pcs: int) -> tuple[_Row, ...]:
                      f"demo_{group}_{pcs}_{suffix}", f"demo_mono_{pcs}_{suffix}", "-", "-"),
             ]
     rows += [
-        _Row("100 ms per hop, full stack vs naive pipeline (demo pair)", "wan_full", "wan_naive", "4.04x", ">= 6x"),
-        _Row("100 ms per hop, token ids vs full logits back (demo target)", "wan_naive_ids", "wan_naive", "8.17x",
+        _Row("100 ms per hop, full stack vs naive pipeline (drafting pair)", "wan_full", "wan_naive", "4.04x",
+             ">= 6x"),
+        _Row("100 ms per hop, token ids vs full logits back (drafting target)", "wan_naive_ids", "wan_naive", "8.17x",
              "report"),
     ]
     return tuple(rows)
@@ -217,6 +227,7 @@ def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] 
     try:
         if options.genai_model is not None:  # on the first PC's core, as 1 PC serving the users itself
             # with the properties a PC's stage compiles with (--precision fast), so both run the same kernels
+            assert options.model is not None  # check_inputs: --genai-model needs --model
             properties = CompileSettings(device="CPU", precision=StagePrecision.FAST,
                                          num_threads=options.threads_per_pc).properties(
                 ov.Core(), export_weight_group_size(options.model))
@@ -254,7 +265,7 @@ def _run_rounds(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
         label = "warm-up" if round_index < 0 else f"round {round_index + 1}/{options.rounds}"
         for config in round_order(configs, round_index):
             if config.group == GENAI_GROUP:
-                assert genai is not None
+                assert genai is not None and options.model is not None
                 run = genai.run(_prompts(options.model, config.streams, options.prompt_tokens, False))
                 result = {"tok_s": run.tok_s, "tokens": float(run.generated), "wall_s": run.wall_s,
                           "mean_accepted": 0.0, "final_k": 0.0}
@@ -284,10 +295,13 @@ def check_inputs(options: FleetBenchOptions) -> None:
     """What would otherwise fail only once the simulated PCs are up, or after other configurations ran: the
     exports (manifests only, nothing compiled), the prompts' length against the model's context, the demo draft
     against the demo target, the GenAI inputs."""
-    context = load_manifest(options.model).spec.max_context
-    if options.prompt_tokens + options.new_tokens > context:
-        raise ValueError(f"--prompt-tokens {options.prompt_tokens} + --new-tokens {options.new_tokens} exceed the "
-                         f"context of --model {options.model} ({context} tokens)")
+    if options.model is not None:
+        context = load_manifest(options.model).spec.max_context
+        if options.prompt_tokens + options.new_tokens > context:
+            raise ValueError(f"--prompt-tokens {options.prompt_tokens} + --new-tokens {options.new_tokens} exceed "
+                             f"the context of --model {options.model} ({context} tokens)")
+    elif options.genai_model is not None:
+        raise ValueError("--genai-model needs --model (its GenAI rows serve --model's users)")
     if options.demo_draft is not None and options.demo_target is None:
         raise ValueError("--demo-draft needs --demo-target (the target it drafts for)")
     if options.demo_target is not None:
@@ -321,9 +335,11 @@ def split_cores(cores: Sequence[int], max_pcs: int, controller_cores: int,
 
 def bench_groups(options: FleetBenchOptions) -> dict[str, tuple[Path, list[str]]]:
     """Deployment group -> (model, its simulated PCs in stage order)."""
-    groups: dict[str, tuple[Path, list[str]]] = {"mono": (options.model, ["mono"]),
-                                                 "mono-b": (options.model, ["mono-b"])}
-    models = [("", options.model)] + ([("demo_", options.demo_target)] if options.demo_target else [])
+    groups: dict[str, tuple[Path, list[str]]] = {}
+    if options.model is not None:
+        groups |= {"mono": (options.model, ["mono"]), "mono-b": (options.model, ["mono-b"])}
+    models = [(prefix, model) for prefix, model in (("", options.model), ("demo_", options.demo_target))
+              if model is not None]
     for prefix, model in models:
         if prefix:
             groups[f"{prefix}mono"] = (model, [f"{prefix}mono"])
@@ -350,14 +366,16 @@ def agent_layout(groups: dict[str, tuple[Path, list[str]]], agent_cores: Sequenc
 
 def bench_configs(options: FleetBenchOptions) -> list[_Config]:
     """Every configuration to run, in the interleaving order of a round."""
-    configs = [_Config("mono_1", "mono", 1, 1, 1), _Config("copies_2", "mono", 1, 1, 1, copies=2)]
-    configs += [_Config(f"mono_{users}", "mono", users, users, 1) for users in USER_COUNTS]
-    configs += [_Config("pair_1", "pair", 1, 1, 1), _Config("pair_2", "pair", 2, 1, 2),
-                _Config("pair_4", "pair", 4, 2, 2), _Config("pair_8", "pair", 8, 4, 2)]
-    for pcs in range(3, options.max_pcs + 1):
-        group = GROUP_OF_PCS[pcs]
-        configs += [_Config(f"{group}_1", group, 1, 1, 1), _Config(f"{group}_{pcs}", group, pcs, 1, pcs),
-                    _Config(f"{group}_8", group, 8, -(-8 // pcs), pcs)]
+    configs: list[_Config] = []
+    if options.model is not None:
+        configs += [_Config("mono_1", "mono", 1, 1, 1), _Config("copies_2", "mono", 1, 1, 1, copies=2)]
+        configs += [_Config(f"mono_{users}", "mono", users, users, 1) for users in USER_COUNTS]
+        configs += [_Config("pair_1", "pair", 1, 1, 1), _Config("pair_2", "pair", 2, 1, 2),
+                    _Config("pair_4", "pair", 4, 2, 2), _Config("pair_8", "pair", 8, 4, 2)]
+        for pcs in range(3, options.max_pcs + 1):
+            group = GROUP_OF_PCS[pcs]
+            configs += [_Config(f"{group}_1", group, 1, 1, 1), _Config(f"{group}_{pcs}", group, pcs, 1, pcs),
+                        _Config(f"{group}_8", group, 8, -(-8 // pcs), pcs)]
     if options.genai_model is not None:
         configs += [_Config(f"genai_{users}", GENAI_GROUP, users, users, 1) for users in USER_COUNTS]
     if options.demo_target is not None:
@@ -365,15 +383,15 @@ def bench_configs(options: FleetBenchOptions) -> list[_Config]:
                     for streams in range(2, options.max_pcs + 1)]
         configs += [_Config("wan_naive", WAN_GROUP, 1, 1, 1, return_logits=True),
                     _Config("wan_naive_ids", WAN_GROUP, 1, 1, 1)]
-        drafters = [*(["model"] if options.demo_draft is not None else []), "lookup"]
-        for drafter in drafters:
-            suffix = "spec" if drafter == "model" else "lookup"
+        for suffix, (_, uses_model, _) in DRAFTERS.items():
+            if uses_model and options.demo_draft is None:
+                continue
             for pcs in range(2, options.max_pcs + 1):
                 group = f"demo_{GROUP_OF_PCS[pcs]}"
-                configs.append(_Config(f"{group}_{pcs}_{suffix}", group, pcs, 1, pcs, drafter=drafter))
-                configs.append(_Config(f"demo_mono_{pcs}_{suffix}", "demo_mono", pcs, pcs, 1, drafter=drafter))
+                configs.append(_Config(f"{group}_{pcs}_{suffix}", group, pcs, 1, pcs, drafter=suffix))
+                configs.append(_Config(f"demo_mono_{pcs}_{suffix}", "demo_mono", pcs, pcs, 1, drafter=suffix))
         configs.append(_Config("wan_full", WAN_GROUP, 8, 4, 2,
-                               drafter="model" if options.demo_draft is not None else None))
+                               drafter="spec" if options.demo_draft is not None else None))
     return configs
 
 
@@ -418,8 +436,9 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
 
     def run_one(index: int, group: str) -> None:
         if config.key not in drafters:  # one per configuration: its warm-up round warms it too
-            drafters[config.key] = open_drafter(options.demo_draft if config.drafter == "model" else None,
-                                                config.drafter == "lookup", over_fleet=True)
+            _, uses_model, uses_lookup = DRAFTERS[config.drafter] if config.drafter else ("", False, False)
+            drafters[config.key] = open_drafter(options.demo_draft if uses_model else None, uses_lookup,
+                                                over_fleet=True)
         draft = drafters[config.key]
         engine_options = EngineOptions(max_rows=config.max_rows, micro_batches=config.micro_batches)
         with FleetPipeline(placements[group], fleet.store.tls_files, return_logits=config.return_logits,
@@ -498,7 +517,7 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
                         "pc_cores": agent_cores, "platform": platform.platform(),
                         "event_loop": event_loop.chosen_loop()},
             "host": host_report(),  # allocator: the PCs' processes follow the same rule
-            "options": {"model": str(options.model), "demo_target": str(options.demo_target),
+            "options": {"model": str(options.model) if options.model else None, "demo_target": str(options.demo_target),
                         "demo_draft": str(options.demo_draft), "new_tokens": options.new_tokens,
                         "prompt_tokens": options.prompt_tokens, "rounds": options.rounds,
                         "warmup_rounds": options.warmup_rounds,
@@ -519,7 +538,9 @@ def _not_run_reason(row: _Row, options: FleetBenchOptions) -> str:
         return "not run: no --genai-model"
     if row.config.startswith(("demo_", "wan_")) and options.demo_target is None:
         return "not run: no --demo-target"
-    if row.config.endswith("_spec") and options.demo_draft is None:
+    if not row.config.startswith(("demo_", "wan_")) and options.model is None:
+        return "not run: no --model"
+    if row.config.endswith(("_spec", "_first")) and options.demo_draft is None:
         return "not run: no --demo-draft"
     return f"not run: needs --pcs {max(_pcs_needed(key) for key in (row.config, *_baselines(row)))} (one core " \
            "per simulated PC)"
@@ -706,11 +727,12 @@ def add_fleet_bench_command(benches: Any) -> None:
     from deskfleet.controller.decoding_options import non_negative_int, positive_int
 
     parser: argparse.ArgumentParser = benches.add_parser("fleet", help="the paper's fleet table on simulated PCs")
-    parser.add_argument("--model", type=path_argument, required=True, help="throughput model export (about 1B INT4)")
+    parser.add_argument("--model", type=path_argument, default=None,
+                        help="throughput model export (about 1B INT4); left out, only the drafting and WAN rows run")
     parser.add_argument("--demo-target", type=path_argument, default=None,
-                        help="demo pair target export (drafting rows)")
+                        help="the drafting and WAN rows' target export (the demo pair's, or a larger target)")
     parser.add_argument("--demo-draft", type=path_argument, default=None,
-                        help="demo pair draft export (the target's vocabulary, a context at least the target's)")
+                        help="its draft export (the target's vocabulary, a context at least the target's)")
     parser.add_argument("--new-tokens", type=positive_int, default=32)
     parser.add_argument("--prompt-tokens", type=positive_int, default=16)
     parser.add_argument("--rounds", type=positive_int, default=3)

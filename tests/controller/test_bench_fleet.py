@@ -133,8 +133,8 @@ def test_report_ratios_and_the_rows_left_unrun() -> None:
     assert rows["2 PCs, 2 streams vs two 1-PC copies"]["ratio"] == pytest.approx(0.95)
     assert rows["2 PCs vs 1 PC serving the same 8 users"]["ratio"] == pytest.approx(1.75)
     assert rows["2 PCs, 8 users (batched micro-batches)"]["tok_s"] == {"median": 70.0, "min": 63.0, "max": 77.0}
-    assert rows["3 PCs, 3 streams + speculative (demo pair)"]["ratio"] is None
-    assert "--demo-target" in rows["3 PCs, 3 streams + speculative (demo pair)"]["note"]
+    assert rows["3 PCs, 3 streams + speculative (draft model)"]["ratio"] is None
+    assert "--demo-target" in rows["3 PCs, 3 streams + speculative (draft model)"]["note"]
     assert report["machine"]["controller_cores"] == [0] and report["machine"]["pc_cores"] == [1, 2]
     assert report["machine"]["event_loop"] in {"uvloop", "asyncio"}
     assert report["host"]["cpu"] and "cpu_extensions" in report["host"]
@@ -169,7 +169,7 @@ def test_a_row_whose_group_ran_on_fewer_pcs_says_so() -> None:
                    "trio": {"pcs": 3, "stages": 3, "layers": [[0, 1], [1, 2], [2, 4]]}}
     report = build_report(options(3), configs, [], [0, 1, 2], deployments)
     rows = {row["row"]: row for row in report["rows"]}
-    assert rows["3 PCs, 3 streams + speculative (demo pair)"]["note"] == "the plan used 2 of its 3 PCs"
+    assert rows["3 PCs, 3 streams + speculative (draft model)"]["note"] == "the plan used 2 of its 3 PCs"
     assert "note" not in rows["3 PCs, 3 streams"]
     assert "1.00x (the plan used 2 of its 3 PCs)" in render_markdown(report)
     assert report["deployments"] == deployments
@@ -180,6 +180,52 @@ def test_without_a_draft_model_the_wan_row_runs_undrafted_and_lookup_rows_remain
     configs = {config.key: config for config in bench_configs(no_draft)}
     assert configs["wan_full"].drafter is None
     assert configs["demo_pair_2_lookup"].drafter == "lookup" and "demo_pair_2_spec" not in configs
+    assert "demo_pair_2_first" not in configs  # prompt lookup first needs the draft model for the rest
+
+
+def test_with_a_draft_model_each_drafting_row_runs_with_each_drafter() -> None:
+    configs = {config.key: config for config in bench_configs(options(3))}
+    assert {configs[f"demo_{group}_{pcs}_{suffix}"].drafter for group, pcs in (("pair", 2), ("trio", 3))
+            for suffix in ("spec", "lookup", "first")} == {"spec", "lookup", "first"}
+    assert configs["wan_full"].drafter == "spec"
+
+
+def test_prompt_lookup_first_drafts_with_both_the_model_and_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each drafter opens what its rows are named after: a drafter opened without the model (or without lookup)
+    # would still run, and its rows would measure another drafter under this one's name.
+    opened: list[tuple[Path | None, bool]] = []
+
+    def fake_open(draft: Path | None, prompt_lookup: bool, **kwargs: object) -> None:
+        opened.append((draft, prompt_lookup))
+        raise RuntimeError("opened")
+
+    monkeypatch.setattr(fleet_module, "open_drafter", fake_open)
+    fleet = SimpleNamespace(store=SimpleNamespace(tls_files=None))
+    for drafter in ("spec", "lookup", "first"):
+        config = _Config(f"demo_pair_2_{drafter}", "demo_pair", 2, 1, 2, drafter=drafter)
+        with pytest.raises(RuntimeError, match="opened"):
+            _run_config(fleet, {"demo_pair": ()}, config, options(2), {})  # type: ignore[arg-type]
+    assert opened == [(DRAFT, False), (None, True), (DRAFT, True)]
+
+
+def test_without_a_throughput_model_only_the_drafting_and_wan_rows_run() -> None:
+    drafting_only = FleetBenchOptions(None, TARGET, DRAFT, max_pcs=3)
+    configs = bench_configs(drafting_only)
+    assert configs and all(config.group.startswith("demo_") or config.group == WAN_GROUP for config in configs)
+    assert all(model == TARGET for model, _ in bench_groups(drafting_only).values())
+    for config in configs:
+        config.runs.append({"tok_s": 10.0, "mean_accepted": 0.0, "final_k": 0.0})
+    rows = {row["row"]: row for row in build_report(drafting_only, configs, [], [0, 1, 2])["rows"]}
+    assert rows["2 PCs, 1 stream"]["note"] == "not run: no --model"
+    assert rows["3 PCs, 3 streams + speculative (lookup first)"]["ratio"] == 1.0
+    assert rows["100 ms per hop, full stack vs naive pipeline (drafting pair)"]["ratio"] == 1.0
+    with pytest.raises(ValueError, match=r"give --model .*, --demo-target .*, or both"):
+        FleetBenchOptions(None)
+
+
+def test_genai_rows_without_a_throughput_model_are_refused_before_any_pc_starts() -> None:
+    with pytest.raises(ValueError, match="--genai-model needs --model"):
+        check_inputs(FleetBenchOptions(None, TARGET, genai_model=Path("g")))
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
@@ -328,7 +374,7 @@ def test_each_drafting_row_is_compared_with_one_pc_serving_the_same_prompts(max_
     configs = {config.key: config for config in bench_configs(options(max_pcs))}
     drafting = [row for row in fleet_rows(max_pcs) if row.config.startswith("demo_") and row.baseline
                 and row.config in configs and configs[row.config].drafter and "vs 1 PC" not in row.title]
-    assert len(drafting) == 2 * 2 * (max_pcs - 1)  # k PCs and 1 PC batched, each drafter, 2..max_pcs streams
+    assert len(drafting) == 2 * 3 * (max_pcs - 1)  # k PCs and 1 PC batched, each drafter, 2..max_pcs streams
     for row in drafting:
         baseline = configs[str(row.baseline)]
         assert baseline.one_at_a_time and baseline.streams == configs[row.config].streams, row.title
@@ -342,7 +388,7 @@ def test_each_drafting_row_has_one_pc_batching_the_same_streams_beside_it(max_pc
     configs = {config.key: config for config in bench_configs(options(max_pcs))}
     compared = [row for row in fleet_rows(max_pcs) if "vs 1 PC" in row.title and row.config.startswith("demo_")
                 and row.config in configs]
-    assert len(compared) == 2 * (max_pcs - 1)
+    assert len(compared) == 3 * (max_pcs - 1)
     for row in compared:
         pipeline, one_pc = configs[row.config], configs[str(row.baseline)]
         assert one_pc.group == "demo_mono" and not one_pc.one_at_a_time, row.title
@@ -369,8 +415,8 @@ def test_a_row_left_unrun_names_the_pcs_it_needs(max_pcs: int) -> None:
 def test_only_the_paper_s_drafting_rows_carry_its_figures_and_the_goals() -> None:
     labelled = {row.title: (row.paper, row.goal) for row in fleet_rows(4)
                 if "speculative" in row.title and "100 ms" not in row.title and (row.paper, row.goal) != ("-", "-")}
-    assert labelled == {"2 PCs, 2 streams + speculative (demo pair)": ("1.79x", ">= 3.0x"),
-                        "3 PCs, 3 streams + speculative (demo pair)": ("2.64x", ">= 4.0x")}
+    assert labelled == {"2 PCs, 2 streams + speculative (draft model)": ("1.79x", ">= 3.0x"),
+                        "3 PCs, 3 streams + speculative (draft model)": ("2.64x", ">= 4.0x")}
 
 
 class _FakeChain:
