@@ -53,6 +53,7 @@ from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.planner import PlanOptions, PlanPolicy
 from deskfleet.common.wire import Precision, Role
+from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.bench.arguments import check_genai_inputs, check_output_file
 from deskfleet.controller.bench.delay_proxy import MAX_DELAY_S, MIN_BANDWIDTH_BYTES_S, DelayProxy, ProxyThread
 from deskfleet.controller.bench.host import host_report
@@ -97,6 +98,7 @@ class FleetBenchOptions:
     controller_cores: int = 0  # cores reserved for the controller process; 0: not pinned
     genai_model: Path | None = None  # the throughput model exported by optimum-intel: GenAI CB rows
     genai_python: Path | None = None  # the GenAI venv's python (scripts/genai_venv.sh)
+    drafting_kv_cache: str | None = None  # the drafting and WAN rows' KV cache (`fleet deploy --kv-cache`)
 
     def __post_init__(self) -> None:
         if self.model is None and self.demo_target is None:
@@ -104,6 +106,9 @@ class FleetBenchOptions:
         for name in ("new_tokens", "prompt_tokens", "rounds", "threads_per_pc"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
+        if self.drafting_kv_cache not in (None, *KV_CACHE_PRECISIONS):
+            raise ValueError(f"--kv-cache must be one of {', '.join(KV_CACHE_PRECISIONS)}, "
+                             f"not {self.drafting_kv_cache}")
         if self.warmup_rounds < 0:
             raise ValueError(f"--warmup-rounds cannot be negative, not {self.warmup_rounds}")
         if not 0.0 <= self.wan_delay_s <= MAX_DELAY_S:  # NaN fails this too
@@ -239,7 +244,8 @@ def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] 
                        options.wan_bandwidth_bytes_s) as fleet:
             say(f"{len(fleet.names)} simulated PCs up; deploying")
             with fleet.naming_ended_pcs():
-                placements = {group: fleet.deploy(model, names) for group, (model, names) in groups.items()}
+                placements = {group: fleet.deploy(model, names, options.drafting_kv_cache if _drafting(group) else None)
+                              for group, (model, names) in groups.items()}
                 for group, stages in placements.items():
                     if len(stages) < len(groups[group][1]):
                         say(f"{group}: the plan uses {len(stages)} of its {len(groups[group][1])} PCs")
@@ -416,7 +422,7 @@ def _prompts(model: Path, count: int, length: int, demo: bool) -> list[list[int]
 
 def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]], config: _Config,
                 options: FleetBenchOptions, drafters: dict[str, Drafter | None]) -> dict[str, float]:
-    demo = config.group.startswith("demo") or config.group == WAN_GROUP
+    demo = _drafting(config.group)
     model = options.demo_target if demo else options.model
     assert model is not None
     groups = [config.group] if config.copies == 1 else [config.group, f"{config.group}-b"][: config.copies]
@@ -518,7 +524,8 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
                         "event_loop": event_loop.chosen_loop()},
             "host": host_report(),  # allocator: the PCs' processes follow the same rule
             "options": {"model": str(options.model) if options.model else None, "demo_target": str(options.demo_target),
-                        "demo_draft": str(options.demo_draft), "new_tokens": options.new_tokens,
+                        "demo_draft": str(options.demo_draft), "drafting_kv_cache": options.drafting_kv_cache,
+                        "new_tokens": options.new_tokens,
                         "prompt_tokens": options.prompt_tokens, "rounds": options.rounds,
                         "warmup_rounds": options.warmup_rounds,
                         "threads_per_pc": options.threads_per_pc, "wan_delay_s": options.wan_delay_s,
@@ -526,6 +533,11 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
                         "genai_model": str(options.genai_model) if options.genai_model else None,
                         "wan_bandwidth_bytes_s": options.wan_bandwidth_bytes_s},
             "configs": summary, "rows": rows, "deployments": deployments}
+
+
+def _drafting(group: str) -> bool:
+    """Whether a deployment group serves the drafting or WAN rows (--demo-target), not the throughput rows."""
+    return group.startswith("demo_") or group == WAN_GROUP
 
 
 def _baselines(row: _Row) -> tuple[str, ...]:
@@ -616,13 +628,14 @@ class _Fleet:
                  "--threads", str(threads), "--stop-on-stdin-eof"],
                 stdin=subprocess.PIPE, stdout=log_file, stderr=subprocess.STDOUT)
 
-    def deploy(self, model: Path, names: Sequence[str]) -> tuple[StagePlacement, ...]:
+    def deploy(self, model: Path, names: Sequence[str], kv_cache: str | None = None) -> tuple[StagePlacement, ...]:
 
         async def run() -> tuple[StagePlacement, ...]:
             peers = tuple(self.address_of[name] for name in names)
             found = await survey(self.store, SurveyOptions(peers=peers, discover_seconds=0, use_roster=False))
             try:
-                _, report = await deploy(self.store, model, found, PLAN_OPTIONS, Precision.DEVICE_DEFAULT)
+                _, report = await deploy(self.store, model, found, PLAN_OPTIONS, Precision.DEVICE_DEFAULT,
+                                         kv_cache=kv_cache)
             finally:
                 await found.close()
             return report.stages
@@ -733,6 +746,10 @@ def add_fleet_bench_command(benches: Any) -> None:
                         help="the drafting and WAN rows' target export (the demo pair's, or a larger target)")
     parser.add_argument("--demo-draft", type=path_argument, default=None,
                         help="its draft export (the target's vocabulary, a context at least the target's)")
+    parser.add_argument("--kv-cache", choices=KV_CACHE_PRECISIONS, default=None,
+                        help="the KV cache of the drafting and WAN rows' PCs, plain baselines included (as `fleet "
+                             "deploy --kv-cache`; default: the precision's own, u8 on a CPU). f32 makes a real "
+                             "target's verification calls cheaper on a CPU (README: --kv-cache under Generate)")
     parser.add_argument("--new-tokens", type=positive_int, default=32)
     parser.add_argument("--prompt-tokens", type=positive_int, default=16)
     parser.add_argument("--rounds", type=positive_int, default=3)
@@ -763,7 +780,7 @@ def _bench_command(args: Any) -> int:
         prompt_tokens=args.prompt_tokens, rounds=args.rounds, warmup_rounds=args.warmup_rounds,
         threads_per_pc=args.threads_per_pc,
         max_pcs=args.pcs, controller_cores=args.controller_cores, genai_model=args.genai_model,
-        genai_python=args.genai_python,
+        genai_python=args.genai_python, drafting_kv_cache=args.kv_cache,
         wan_delay_s=args.wan_delay_ms / 1000.0,
         wan_bandwidth_bytes_s=args.wan_bandwidth_mbit * 125_000 if args.wan_bandwidth_mbit is not None else None)
     try:

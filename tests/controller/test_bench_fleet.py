@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -480,3 +483,43 @@ def test_a_row_of_n_pcs_plans_its_model_over_those_pcs_whatever_a_hop_costs() ->
     assert len(plan(demo_target, pcs[:2], PlanOptions(policy=PlanPolicy.ALL_BY_SPEED)).stages) == 1
     for count in (2, 3, 4):
         assert len(plan(demo_target, pcs[:count], PLAN_OPTIONS).stages) >= min(count, 3)  # its head weighs 2 layers
+
+
+def test_kv_cache_is_the_drafting_and_wan_pcs_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `--kv-cache f32` is what README tells a user drafting for a real target on CPUs; the throughput rows keep
+    # the precision's own cache, so that they stay comparable with the runs before the option.
+    deployed: dict[str, str | None] = {}
+
+    class FakeFleet:
+        def __init__(self, *args: object) -> None:
+            self.names: list[str] = []
+
+        def __enter__(self) -> FakeFleet:
+            return self
+
+        def __exit__(self, *exc_info: object) -> None:
+            pass
+
+        @contextlib.contextmanager
+        def naming_ended_pcs(self) -> Iterator[None]:
+            yield
+
+        def deploy(self, model: Path, names: list[str], kv_cache: str | None = None) -> tuple[()]:
+            deployed[names[0]] = kv_cache
+            return ()
+
+    class Deployed(Exception):
+        pass
+
+    def stop(*args: object) -> None:
+        raise Deployed
+
+    monkeypatch.setattr(fleet_module, "_Fleet", FakeFleet)
+    monkeypatch.setattr(fleet_module, "check_inputs", lambda options: None)
+    monkeypatch.setattr(fleet_module, "_run_rounds", stop)
+    with pytest.raises(Deployed):
+        run_fleet_bench(replace(options(2), drafting_kv_cache="f32"))
+    assert deployed == {"mono": None, "mono-b": None, "pair0": None, "demo_mono": "f32", "demo_pair0": "f32",
+                        "wan0": "f32"}
+    with pytest.raises(ValueError, match=r"--kv-cache must be one of .*, not f64"):
+        replace(options(2), drafting_kv_cache="f64")
