@@ -6,7 +6,7 @@ prompts from TRAINING modules only (dedented function signature + docstring, as 
 held-out or validation modules), continued greedily by the target; the draft learns the target's tokens on
 the continuation positions (cross-entropy against the target's argmax = its greedy token).
 
-  python finetune_draft.py --models assets/models --out-log assets/models/train/finetune_log.json
+  python finetune_draft.py --models assets/models --out-log assets/models/train/finetune_log.json [--device cuda]
 
 Overwrites assets/models/draft/model.safetensors (fp16) in place.
 """
@@ -68,7 +68,7 @@ def generate(target, tok, prompts, new, batch, log, seconds=1e9, max_seqs=10**9)
     for n in sorted(buckets, reverse=True):  # longest prompts (most context) first
         group = buckets[n]
         for i in range(0, len(group), batch):
-            x = torch.tensor(group[i:i + batch])
+            x = torch.tensor(group[i:i + batch], device=target.device)
             y = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False,
                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
             seqs += [(n, row) for row in y.tolist()]
@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--max-seqs", type=int, default=192,
                     help="stop after this many continuations (the shipped draft: 192, i.e. 4 batches of 48)")
     ap.add_argument("--out-log", type=Path, default=HERE / "finetune_log.json")
+    ap.add_argument("--device", default="cpu", help="torch device for generation and training (cpu, cuda)")
     args = ap.parse_args()
     from transformers import AutoTokenizer, LlamaForCausalLM
     torch.manual_seed(args.seed)
@@ -104,8 +105,8 @@ def main() -> None:
         print(f"[{time.time() - t0:6.0f}s] {m}", flush=True)
 
     tok = AutoTokenizer.from_pretrained(args.models / "target")
-    target = LlamaForCausalLM.from_pretrained(args.models / "target", dtype=torch.float32).eval()
-    draft = LlamaForCausalLM.from_pretrained(args.models / "draft", dtype=torch.float32)
+    target = LlamaForCausalLM.from_pretrained(args.models / "target", dtype=torch.float32).to(args.device).eval()
+    draft = LlamaForCausalLM.from_pretrained(args.models / "draft", dtype=torch.float32).to(args.device)
     prompts = train_prompts(args.stdlib)
     rng = random.Random(args.seed)
     rng.shuffle(prompts)
@@ -135,9 +136,9 @@ def main() -> None:
         for i in range(0, len(examples), args.batch):
             chunk = examples[i:i + args.batch]
             width = max(len(r) for r, _ in chunk)
-            x = torch.tensor([r + [pad] * (width - len(r)) for r, _ in chunk])
-            y = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in chunk])
-            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _ in chunk])
+            x = torch.tensor([r + [pad] * (width - len(r)) for r, _ in chunk], device=args.device)
+            y = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in chunk], device=args.device)
+            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _ in chunk], device=args.device)
             lr = args.lr * 0.5 * (1 + math.cos(math.pi * step / steps))
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -153,7 +154,7 @@ def main() -> None:
                 log(f"epoch {ep} step {step}/{steps} loss {loss.item():.4f}")
     draft.eval()
     from safetensors.torch import save_file
-    sd = {k: v.detach().to(torch.float16).contiguous() for k, v in draft.state_dict().items()
+    sd = {k: v.detach().to(torch.float16).cpu().contiguous() for k, v in draft.state_dict().items()
           if k != "lm_head.weight"}  # tied to model.embed_tokens.weight, as in the exported file
     save_file(sd, str(args.models / "draft" / "model.safetensors"), metadata={"format": "pt"})
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
