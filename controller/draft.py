@@ -243,8 +243,10 @@ def open_drafter(draft: Path | None, prompt_lookup: bool, settings: CompileSetti
     first, the draft model where the context has no match: controller/lookup_first.py), or none.
 
     With `target`, a draft model that cannot draft for it is refused (ValueError) from its manifest, before
-    it compiles. `over_fleet`: the target runs on a chain of PCs, where prompt lookup also proposes from a
-    1-token match (controller/prompt_lookup.py says why)."""
+    it compiles. `over_fleet`: the target runs on a chain of PCs, where prompt lookup alone also proposes from a
+    1-token match (controller/prompt_lookup.py says why); prompt lookup first keeps its own minimum (2) there:
+    a row with no longer match gets the draft model's proposal, not a 1-token guess (chosen, not measured over
+    a fleet)."""
     if draft is not None:
         try:  # named as the draft's: with --model beside it, the folder alone may not say which one is wrong
             manifest = load_manifest(Path(draft))

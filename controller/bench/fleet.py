@@ -301,6 +301,9 @@ def check_inputs(options: FleetBenchOptions) -> None:
     """What would otherwise fail only once the simulated PCs are up, or after other configurations ran: the
     exports (manifests only, nothing compiled), the prompts' length against the model's context, the demo draft
     against the demo target, the GenAI inputs."""
+    if options.drafting_kv_cache is not None and options.demo_target is None:
+        raise ValueError("--kv-cache needs --demo-target (it is the drafting and WAN rows' cache; the throughput "
+                         "rows keep the precision's own)")
     if options.model is not None:
         context = load_manifest(options.model).spec.max_context
         if options.prompt_tokens + options.new_tokens > context:
@@ -517,22 +520,28 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
         deployed = deployments.get(by_key[row.config].group)
         if deployed is not None and deployed["stages"] < deployed["pcs"]:
             entry["note"] = f"the plan used {deployed['stages']} of its {deployed['pcs']} PCs"
+        elif row.config == "wan_full" and by_key[row.config].drafter is None:
+            entry["note"] = "no --demo-draft: the full stack ran without drafting"
         rows.append(entry)
     cpus = len(controller_cores) + len(agent_cores)
     return {"machine": {"cpus": cpus, "controller_cores": controller_cores or "not pinned (shares the PCs' cores)",
                         "pc_cores": agent_cores, "platform": platform.platform(),
                         "event_loop": event_loop.chosen_loop()},
             "host": host_report(),  # allocator: the PCs' processes follow the same rule
-            "options": {"model": str(options.model) if options.model else None, "demo_target": str(options.demo_target),
-                        "demo_draft": str(options.demo_draft), "drafting_kv_cache": options.drafting_kv_cache,
+            "options": {"model": _path_or_none(options.model), "demo_target": _path_or_none(options.demo_target),
+                        "demo_draft": _path_or_none(options.demo_draft), "drafting_kv_cache": options.drafting_kv_cache,
                         "new_tokens": options.new_tokens,
                         "prompt_tokens": options.prompt_tokens, "rounds": options.rounds,
                         "warmup_rounds": options.warmup_rounds,
                         "threads_per_pc": options.threads_per_pc, "wan_delay_s": options.wan_delay_s,
                         "max_pcs": options.max_pcs, "controller_cores": options.controller_cores,
-                        "genai_model": str(options.genai_model) if options.genai_model else None,
+                        "genai_model": _path_or_none(options.genai_model),
                         "wan_bandwidth_bytes_s": options.wan_bandwidth_bytes_s},
             "configs": summary, "rows": rows, "deployments": deployments}
+
+
+def _path_or_none(path: Path | None) -> str | None:
+    return None if path is None else str(path)
 
 
 def _drafting(group: str) -> bool:
@@ -545,13 +554,14 @@ def _baselines(row: _Row) -> tuple[str, ...]:
 
 
 def _not_run_reason(row: _Row, options: FleetBenchOptions) -> str:
-    if any(key.startswith(f"{GENAI_GROUP}_") for key in (row.config, *_baselines(row))) \
-            and options.genai_model is None:
-        return "not run: no --genai-model"
+    # the model first: without --model, --genai-model is refused (its rows serve --model's users)
     if row.config.startswith(("demo_", "wan_")) and options.demo_target is None:
         return "not run: no --demo-target"
     if not row.config.startswith(("demo_", "wan_")) and options.model is None:
         return "not run: no --model"
+    if any(key.startswith(f"{GENAI_GROUP}_") for key in (row.config, *_baselines(row))) \
+            and options.genai_model is None:
+        return "not run: no --genai-model"
     if row.config.endswith(("_spec", "_first")) and options.demo_draft is None:
         return "not run: no --demo-draft"
     return f"not run: needs --pcs {max(_pcs_needed(key) for key in (row.config, *_baselines(row)))} (one core " \

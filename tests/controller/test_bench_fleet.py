@@ -188,8 +188,10 @@ def test_without_a_draft_model_the_wan_row_runs_undrafted_and_lookup_rows_remain
 
 def test_with_a_draft_model_each_drafting_row_runs_with_each_drafter() -> None:
     configs = {config.key: config for config in bench_configs(options(3))}
-    assert {configs[f"demo_{group}_{pcs}_{suffix}"].drafter for group, pcs in (("pair", 2), ("trio", 3))
-            for suffix in ("spec", "lookup", "first")} == {"spec", "lookup", "first"}
+    for group, pcs in (("pair", 2), ("trio", 3)):
+        for suffix in ("spec", "lookup", "first"):
+            assert configs[f"demo_{group}_{pcs}_{suffix}"].drafter == suffix
+            assert configs[f"demo_mono_{pcs}_{suffix}"].drafter == suffix
     assert configs["wan_full"].drafter == "spec"
 
 
@@ -229,6 +231,28 @@ def test_without_a_throughput_model_only_the_drafting_and_wan_rows_run() -> None
 def test_genai_rows_without_a_throughput_model_are_refused_before_any_pc_starts() -> None:
     with pytest.raises(ValueError, match="--genai-model needs --model"):
         check_inputs(FleetBenchOptions(None, TARGET, genai_model=Path("g")))
+    # and a report without --model says that is what its GenAI rows lacked, not --genai-model
+    rows = {row["row"]: row for row in build_report(FleetBenchOptions(None, TARGET), [], [], [0, 1])["rows"]}
+    assert rows["1 PC, 2 users, OpenVINO GenAI continuous batching (no network)"]["note"] == "not run: no --model"
+    assert rows["2 PCs vs the faster 1 PC (deskfleet batching or GenAI CB), 8 users"]["note"] == "not run: no --model"
+
+
+def test_a_kv_cache_without_the_drafting_rows_is_refused_not_ignored() -> None:
+    with pytest.raises(ValueError, match="--kv-cache needs --demo-target"):
+        check_inputs(FleetBenchOptions(MODEL, drafting_kv_cache="f32"))
+
+
+def test_a_full_stack_row_run_without_a_draft_model_says_so() -> None:
+    no_draft = FleetBenchOptions(MODEL, TARGET, None)
+    configs = bench_configs(no_draft)
+    for config in configs:
+        config.runs.append({"tok_s": 10.0, "mean_accepted": 0.0, "final_k": 0.0})
+    report = build_report(no_draft, configs, [], [0, 1])
+    rows = {row["row"]: row for row in report["rows"]}
+    assert rows["100 ms per hop, full stack vs naive pipeline (drafting pair)"]["note"] == \
+        "no --demo-draft: the full stack ran without drafting"
+    assert "note" not in rows["100 ms per hop, token ids vs full logits back (drafting target)"]
+    assert report["options"]["demo_draft"] is None and report["options"]["demo_target"] == str(TARGET)
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
@@ -523,3 +547,30 @@ def test_kv_cache_is_the_drafting_and_wan_pcs_own(monkeypatch: pytest.MonkeyPatc
                         "wan0": "f32"}
     with pytest.raises(ValueError, match=r"--kv-cache must be one of .*, not f64"):
         replace(options(2), drafting_kv_cache="f64")
+
+
+def test_a_simulated_pc_deploys_with_the_kv_cache_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    # _Fleet.deploy is what carries `--kv-cache` to `fleet deploy`: the row above stops at its caller
+    deployed: list[tuple[Path, object, str | None]] = []
+
+    class Found:
+        async def close(self) -> None:
+            pass
+
+    async def fake_survey(store: object, survey_options: Any) -> Found:
+        assert survey_options.peers == ("127.0.0.1:7001",)
+        return Found()
+
+    async def fake_deploy(store: object, model: Path, found: Found, plan_options: object, precision: object,
+                          kv_cache: str | None = None) -> tuple[None, SimpleNamespace]:
+        deployed.append((model, precision, kv_cache))
+        return None, SimpleNamespace(stages=("stage",))
+
+    monkeypatch.setattr(fleet_module, "survey", fake_survey)
+    monkeypatch.setattr(fleet_module, "deploy", fake_deploy)
+    fleet = object.__new__(fleet_module._Fleet)
+    fleet.store = None  # type: ignore[assignment]
+    fleet.address_of = {"demo_pair0": "127.0.0.1:7001"}  # type: ignore[attr-defined]
+    assert fleet.deploy(TARGET, ["demo_pair0"], "f32") == ("stage",)
+    assert fleet.deploy(TARGET, ["demo_pair0"]) == ("stage",)
+    assert [kv_cache for _, _, kv_cache in deployed] == ["f32", None]
