@@ -7,7 +7,8 @@ the demo corpus, splits and tokenizer, so the same held-out prompts measure it. 
 not shipped (too large for the repository): README says how to rebuild it.
 
 Writes, under --out:
-  target-NN.safetensors, draft-NN.safetensors   fp16 state dicts (transformers LlamaForCausalLM names)
+  target-NN.safetensors, draft-NN.safetensors   fp16 state dicts (transformers LlamaForCausalLM names;
+                                                  no draft with --draft-seconds 0)
   train_log.json                                  settings, curves, and acceptance of each draft scored
   pack/chunk-NNN                                  the target's state dict as int4 (group --pack-group,
                                                   fp16 scales) in 15 MiB pieces, for a transfer that
@@ -34,6 +35,7 @@ from model import Llama, LlamaShape  # noqa: E402
 CODE_TARGET = LlamaShape(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4,
                          intermediate_size=2816)
 CHUNK_BYTES = 15 * 2**20
+MIN_DRAFT_SECONDS = 30  # a draft phase shorter than this may fit no validation pass (see main)
 
 
 def load_hf_folder(folder: Path) -> Llama:
@@ -80,6 +82,10 @@ def main() -> None:
     ap.add_argument("--pack-group", type=int, default=32)
     ap.add_argument("--small", action="store_true", help="tiny smoke-test shapes and times")
     args, rest = ap.parse_known_args()
+    # A phase measures its step time over its first 30 steps, then fits its steps and validations into the rest:
+    # a few seconds leave it no validation, so no step to keep, and the run crashed after the target's minutes.
+    if args.draft_seconds != 0 and not args.draft_seconds >= MIN_DRAFT_SECONDS:
+        ap.error(f"--draft-seconds must be 0 (no draft) or at least {MIN_DRAFT_SECONDS:g}, not {args.draft_seconds:g}")
     # the phases read train.py's settings (batch, seq, warm-up, weight decay, ...): its defaults, or `rest`
     targs = train.parser().parse_args(rest)
     targs.out, targs.data = args.out, args.data
@@ -112,7 +118,7 @@ def main() -> None:
     for p in target.parameters():
         p.requires_grad_(False)
     scores = {}
-    if args.draft_seconds > 0:  # (a few seconds fit no validation: the phase would have no step to keep)
+    if args.draft_seconds > 0:
         draft = train.train_phase("draft", dshape, data, targs, args.draft_seconds, 0, targs.draft_lr,
                                   teacher=target)
         train.save_fp16(draft, out, "draft")
