@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
 import re
@@ -58,14 +59,16 @@ def init_fleet(store: FleetStore, fleet_name: str, addresses: tuple[str, ...], n
                force: bool = False) -> pki.FleetCa:
     """Create the fleet CA and the controller certificate. Refuses a data dir that holds any of the store's
     files, a whole fleet or part of one (its CA key and roster would be lost), unless `force` (which would
-    orphan every enrolled agent). The check and the writes hold the store's lock: of two concurrent inits,
-    the second refuses."""
+    orphan every enrolled agent), and `force` is refused while `fleet serve` or a deploy runs on the data dir.
+    The check and the writes hold the store's lock: of two concurrent inits, the second refuses."""
     for address in addresses:
         parse_address(address)
     store.data_dir.mkdir(parents=True, exist_ok=True)
     store.data_dir.chmod(0o700)
     files = store.tls_files
-    with store.locked():
+    # --force under a running serve or deploy left it on the old CA: new tokens were refused by the old server
+    # ("not issued by this fleet's CA") and the enrolled agents by the new store, and nothing named the cause
+    with store.replacing() if force else contextlib.nullcontext(), store.locked():
         present = store.existing_files()
         if present and not force:
             try:

@@ -228,6 +228,16 @@ class FleetStore:
         return self._held(SERVE_LOCK, lambda pid: f"{self.data_dir} is served already by `deskfleet fleet serve` "
                                                   f"(pid {pid}): stop that one first, or serve another data dir")
 
+    @contextlib.contextmanager
+    def replacing(self) -> Iterator[None]:
+        """Hold the serve and deploy locks while `fleet init --force` replaces the fleet, or raise FleetStoreError
+        naming the pid of the serve or deploy that runs on it (which would go on with the old CA and keys)."""
+        with self._held(SERVE_LOCK, lambda pid: f"{self.data_dir} is served by `deskfleet fleet serve` (pid {pid}): "
+                                                "stop it before replacing its fleet, then serve the new one"), \
+                self._held(DEPLOY_LOCK, lambda pid: f"a deploy from {self.data_dir} is running (pid {pid}): let it "
+                                                    "finish before replacing its fleet"):
+            yield
+
     # Public methods: the roster
 
     def roster(self) -> dict[str, RosterEntry]:

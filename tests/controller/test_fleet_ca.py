@@ -326,3 +326,16 @@ def test_while_the_list_is_lost_new_agent_links_are_refused_and_the_live_ones_ke
         await link.close()
 
     with_server(store, scenario)
+
+
+@pytest.mark.parametrize(("held", "message"), [("serving", r"is served by `deskfleet fleet serve` \(pid \d+\)"),
+                                               ("deploying", r"a deploy from .* is running \(pid \d+\)")])
+def test_init_force_refuses_a_fleet_being_served_or_deployed(store: FleetStore, held: str, message: str) -> None:
+    # --force under a running serve replaced the CA the serve had loaded: it went on serving the old fleet, new
+    # tokens were refused by it and the enrolled agents by the new store, and no error named the cause
+    kept = {path.name: path.read_bytes() for path in store.data_dir.iterdir() if not path.name.startswith(".")}
+    with getattr(store, held)(), pytest.raises(FleetStoreError, match=message):
+        init_fleet(store, "again", ("127.0.0.1:1",), utc_now(), force=True)
+    assert {name: (store.data_dir / name).read_bytes() for name in kept} == kept
+    init_fleet(store, "again", ("127.0.0.1:1",), utc_now(), force=True)  # once it has stopped
+    assert store.tls_files.ca_path.read_bytes() != kept["ca.pem"]
