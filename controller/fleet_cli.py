@@ -29,6 +29,11 @@ from deskfleet.controller.fleet_store import MIN_ID_PREFIX, FleetStoreError
 
 _POLICIES = [policy.value for policy in PlanPolicy]
 _MAX_BROWSE_S = 600.0
+PAPER_OPTIONS = ("layers", "layer_bytes", "embed_bytes", "head_bytes", "kv_bytes_per_token", "context", "width")
+PAPER_CONTEXT = 4096
+# A plan holds a few objects per layer: 10^8 layers (--layers and --layer-bytes swapped) filled the memory for
+# minutes. The largest models have a few hundred.
+MAX_PAPER_LAYERS = 10_000
 
 
 # Public methods
@@ -82,7 +87,8 @@ def add_fleet_commands(subparsers: Any) -> None:
         if name in ("plan", "deploy"):
             parser.add_argument("--policy", choices=_POLICIES, default=PlanPolicy.FEWEST_AGENTS.value)
             parser.add_argument("--streams", type=int, default=1, help="streams whose KV to reserve")
-            parser.add_argument("--device", default="CPU", help="OpenVINO device on the agents")
+            parser.add_argument("--device", type=_device_name, default="CPU",
+                                help="OpenVINO device on the agents: CPU, GPU, GPU.1, NPU, AUTO:GPU,CPU ...")
             parser.add_argument("--hop-ms", type=_hop_ms, default=None, metavar="MS",
                                 help="what each stage's hop costs a token, under all_by_speed (default 1 ms, a LAN; "
                                      "over a WAN the hop's round trip)")
@@ -95,7 +101,7 @@ def add_fleet_commands(subparsers: Any) -> None:
             parser.add_argument("--model", type=path_argument, required=True, help="export folder")
         if name == "generate":
             parser.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
-            parser.add_argument("--max-new-tokens", type=int, default=16)
+            parser.add_argument("--max-new-tokens", type=positive_int, default=16)
             parser.add_argument("--ignore-eos", action="store_true")
         if name == "plan":
             _add_paper_model(parser)
@@ -112,6 +118,18 @@ def _hop_ms(text: str) -> float:
     if not 0 <= value <= 60_000:  # NaN fails this too
         raise argparse.ArgumentTypeError(f"must be 0 to 60000 ms, got {text}")
     return value
+
+
+def _device_name(text: str) -> str:
+    """argparse type: an OpenVINO device name, checked here: a typo was caught by the agents, after every shard
+    had been sent."""
+    from deskfleet.agent.paths import device_targets
+
+    try:
+        device_targets(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def _browse_seconds(text: str) -> float:
@@ -320,18 +338,31 @@ def _agent_json(agent: Any, undeployed: dict[str, list[Any]] | None = None) -> d
 
 def _add_paper_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=path_argument, default=None, help="export folder (or describe one on paper)")
-    parser.add_argument("--layers", type=positive_int, default=None, help="on paper: decoder layers")
+    # The on-paper options default to None so that one given beside --model is refused, not ignored.
+    parser.add_argument("--layers", type=_paper_layers, default=None,
+                        help=f"on paper: decoder layers (at most {MAX_PAPER_LAYERS})")
     parser.add_argument("--layer-bytes", type=byte_count, default=None, help="on paper: weight bytes per layer")
-    parser.add_argument("--embed-bytes", type=byte_count, default=0, help="on paper: embedding bytes")
-    parser.add_argument("--head-bytes", type=byte_count, default=0, help="on paper: final norm + lm_head bytes")
-    parser.add_argument("--kv-bytes-per-token", type=byte_count, default=0,
-                        help="on paper: KV bytes per token per layer")
-    parser.add_argument("--context", type=positive_int, default=4096, help="on paper: context to reserve KV for")
+    parser.add_argument("--embed-bytes", type=byte_count, default=None, help="on paper: embedding bytes (default 0)")
+    parser.add_argument("--head-bytes", type=byte_count, default=None,
+                        help="on paper: final norm + lm_head bytes (default 0)")
+    parser.add_argument("--kv-bytes-per-token", type=byte_count, default=None,
+                        help="on paper: KV bytes per token per layer (default 0)")
+    parser.add_argument("--context", type=positive_int, default=None,
+                        help=f"on paper: context to reserve KV for (default {PAPER_CONTEXT})")
     parser.add_argument("--width", type=positive_int, default=None, metavar="HIDDEN+INTERMEDIATE",
                         help="on paper: hidden_size + intermediate_size of a layer, to reserve the prefill scratch "
                              "a deploy reserves (without it none is counted)")
     parser.add_argument("--assume-agent", action="append", type=byte_count, default=[], metavar="FREE_BYTES",
                         help="plan for a hypothetical agent with this much free memory (repeatable)")
+
+
+def _paper_layers(text: str) -> int:
+    """argparse type: decoder layers of a model on paper, 1 to MAX_PAPER_LAYERS."""
+    layers = positive_int(text)
+    if layers > MAX_PAPER_LAYERS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_PAPER_LAYERS}, got {layers} (--layer-bytes takes "
+                                         "the bytes)")
+    return layers
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -340,6 +371,7 @@ def _plan(args: argparse.Namespace) -> int:
     from deskfleet.common.planner import AgentCandidate, plan, render_plan
     from deskfleet.common.wire import Precision
     from deskfleet.controller.fleet_deploy import (
+        check_deploy_settings,
         footprint_of,
         model_id_of,
         paper_footprint,
@@ -348,12 +380,17 @@ def _plan(args: argparse.Namespace) -> int:
     )
     from deskfleet.controller.fleet_survey import survey
 
+    check_deploy_settings(Precision(args.precision), args.kv_cache)  # what deploy would refuse
+    on_paper = [f"--{name.replace('_', '-')}" for name in PAPER_OPTIONS if getattr(args, name) is not None]
     if args.model is not None:
+        if on_paper:
+            raise ValueError(f"{', '.join(on_paper)} describe a model on paper: leave them out with --model (its "
+                             "export says what they would)")
         footprint = footprint_of(load_manifest(args.model), args.device, Precision(args.precision), args.kv_cache)
     elif args.layers is not None and args.layer_bytes is not None:
-        footprint = paper_footprint(args.layers, args.layer_bytes, args.embed_bytes, args.head_bytes,
-                                    args.kv_bytes_per_token, args.context, args.device, Precision(args.precision),
-                                    args.kv_cache, args.width)
+        footprint = paper_footprint(args.layers, args.layer_bytes, args.embed_bytes or 0, args.head_bytes or 0,
+                                    args.kv_bytes_per_token or 0, args.context or PAPER_CONTEXT, args.device,
+                                    Precision(args.precision), args.kv_cache, args.width)
     else:
         raise ValueError("give --model OUT_DIR, or --layers N and --layer-bytes B to plan on paper")
     assumed = [AgentCandidate(f"assumed-{index}", AgentState.AVAILABLE, size, 1.0)

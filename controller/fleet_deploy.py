@@ -276,14 +276,23 @@ def plan_survey(footprint: ModelFootprint, found: Survey, options: PlanOptions,
     return plan(footprint, [*assumed, *candidates_of(agents, model_id)], options, unreachable)
 
 
+def check_deploy_settings(precision: Precision, kv_cache: str | None) -> None:
+    """ValueError for settings a deploy refuses (`fleet plan` checks them too, so that it shows no plan that a
+    deploy would refuse)."""
+    if precision is Precision.F32 and kv_cache not in (None, "f32"):
+        raise ValueError(f"--precision f32 is exact and keeps the KV cache in f32, not {kv_cache}")
+
+
 async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: PlanOptions,
                  precision: Precision = Precision.DEVICE_DEFAULT, device: str = "CPU",
                  progress: Progress | None = None, exclude: frozenset[str] = frozenset(),
                  kv_cache: str | None = None) -> tuple[Plan, DeployReport]:
     """Plan over the surveyed agents (less those in `exclude`), push what each lacks, assign the stages.
     DeployError on failure, also at once when another deploy from this data dir is running."""
-    if precision is Precision.F32 and kv_cache not in (None, "f32"):
-        raise DeployError(f"--precision f32 is exact and keeps the KV cache in f32, not {kv_cache}")
+    try:
+        check_deploy_settings(precision, kv_cache)
+    except ValueError as error:
+        raise DeployError(str(error)) from None
     with contextlib.ExitStack() as held:
         try:
             held.enter_context(store.deploying())

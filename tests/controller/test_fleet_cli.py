@@ -55,3 +55,43 @@ def test_a_paper_plan_refuses_sizes_that_are_not_sizes(tmp_path: Path, capsys: p
         main(["fleet", "plan", *arguments, f"{option}={value}", "--data-dir", str(tmp_path / "ctl")])
     assert exit_.value.code == 2
     assert option in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    (["--layers", "450000000", "--layer-bytes", "80"], "argument --layers: must be at most 10000"),  # swapped
+    (["--layers", "4", "--layer-bytes", "1e9", "--device", "cpu"], "'cpu' is not an OpenVINO device name"),
+    (["--layers", "4", "--layer-bytes", "1e9", "--device", "GPU,CPU"], "not an OpenVINO device name"),
+])
+def test_a_plan_refuses_at_once_what_would_hang_or_fail_on_the_agents(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], arguments: list[str], message: str) -> None:
+    # 10^8 layers filled the memory for minutes; a mistyped device was caught by the agents after every shard
+    # had been sent (deploy takes the same --device)
+    with pytest.raises(SystemExit) as exit_:
+        main(["fleet", "plan", *arguments, "--assume-agent", "8e9", "--data-dir", str(tmp_path / "ctl")])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["fleet", "deploy", "--model", str(tmp_path), "--device", "cpu", "--data-dir", str(tmp_path / "ctl")])
+    assert "'cpu' is not an OpenVINO device name" in capsys.readouterr().err
+
+
+def test_a_plan_refuses_what_it_would_ignore_or_deploy_would_refuse(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_export: Path) -> None:
+    plan = ["fleet", "plan", "--assume-agent", "8e9", "--data-dir", str(tmp_path / "ctl")]
+    # on-paper sizes beside an export were ignored: the plan was the export's, and said nothing
+    assert main([*plan, "--model", str(tiny_export), "--context", "99999", "--layers", "3"]) == 2
+    error = capsys.readouterr().err
+    assert "--layers, --context describe a model on paper: leave them out with --model" in error
+    # a plan of an f32 deploy with a u8 cache looked fine; the deploy refused it
+    assert main([*plan, "--layers", "4", "--layer-bytes", "1e6", "--precision", "f32", "--kv-cache", "u8"]) == 2
+    assert "--precision f32 is exact and keeps the KV cache in f32, not u8" in capsys.readouterr().err
+    assert main([*plan, "--model", str(tiny_export), "--device", "AUTO:GPU,CPU"]) == 0
+    assert main([*plan, "--layers", "4", "--layer-bytes", "1e6", "--context", "4096"]) == 0
+
+
+def test_fleet_generate_refuses_no_new_tokens_naming_the_option(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    # it blamed the prompt: "--prompt-ids 1: max_new_tokens must be at least 1, got 0"
+    with pytest.raises(SystemExit):
+        main(["fleet", "generate", "--model", str(tmp_path), "--prompt-ids", "1", "--max-new-tokens", "0"])
+    assert "argument --max-new-tokens: must be 1 or more, got 0" in capsys.readouterr().err
