@@ -183,6 +183,34 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
         return _converse(options, tokenizer, manifest, lines, out, prompt_out, notes, on_reply, chain, as_json)
 
 
+def check_room(tokenizer: ModelTokenizer, system: list[ChatMessage], max_new_tokens: int, max_context: int,
+               option: str = "--max-new-tokens") -> None:
+    """Raise GenerationError, naming `option` (the reply's length, as the command calls it), when not even a
+    one-token message could get a reply."""
+    from .tokenizer import ChatMessage, check_utf8
+
+    if max_new_tokens < 1:
+        raise GenerationError(f"{option} must be at least 1, got {max_new_tokens}")
+    if system:
+        check_utf8(system[0].content, "--system")
+    template = len(tokenizer.encode_chat([*system, ChatMessage("user", "")]))  # the template's own tokens
+    if template + 1 + max_new_tokens <= max_context:
+        return
+    largest = max_context - template - 1  # the reply length that leaves room for a one-token message
+    if system:
+        excess = template + 1 + max_new_tokens - max_context  # what --system must lose to keep the reply length
+        remedy = f"shorten --system by at least {excess} tokens" + (
+            f", or give {option} {largest} or less" if largest >= 1 else "")
+        raise GenerationError(
+            f"--system takes {template} tokens with the chat template; with {option} {max_new_tokens} "
+            f"that leaves no room for a message in the model's context of {max_context} tokens ({remedy})")
+    remedy = (f"give {option} {largest} or less" if largest >= 1 else
+              "the template alone leaves no room for a reply: export with a larger --max-context")
+    raise GenerationError(
+        f"{option} {max_new_tokens} and the chat template's {template} tokens leave no room for a "
+        f"message in the model's context of {max_context} tokens ({remedy})")
+
+
 def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifest, lines: TextIO, out: TextIO,
               prompt_out: TextIO | None, notes: TextIO | None, on_reply: Callable[[ReplyStats], None] | None,
               chain: StageChain | None, as_json: bool) -> int:
@@ -191,7 +219,7 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
     from .tokenizer import ChatMessage, ChatTemplateError, NotUtf8Error, check_utf8
 
     system = [ChatMessage("system", options.system)] if options.system else []
-    _check_room(tokenizer, system, options.max_new_tokens, manifest.spec.max_context)
+    check_room(tokenizer, system, options.max_new_tokens, manifest.spec.max_context)
     end_of_turn = tokenizer.end_of_turn_ids()  # a reply ends there, whatever the generation config lists
     settings = options.target_settings()
     # a draft that cannot draft for the target is refused now, before anything compiles
@@ -339,33 +367,6 @@ class _KeptReply:
 
 
 # Private functions
-
-def _check_room(tokenizer: ModelTokenizer, system: list[ChatMessage], max_new_tokens: int,
-                max_context: int) -> None:
-    """Raise GenerationError, naming the option, when not even a one-token message could get a reply."""
-    from .tokenizer import ChatMessage, check_utf8
-
-    if max_new_tokens < 1:
-        raise GenerationError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    if system:
-        check_utf8(system[0].content, "--system")
-    template = len(tokenizer.encode_chat([*system, ChatMessage("user", "")]))  # the template's own tokens
-    if template + 1 + max_new_tokens <= max_context:
-        return
-    largest = max_context - template - 1  # the --max-new-tokens that leaves room for a one-token message
-    if system:
-        excess = template + 1 + max_new_tokens - max_context  # what --system must lose to keep --max-new-tokens
-        remedy = f"shorten --system by at least {excess} tokens" + (
-            f", or give --max-new-tokens {largest} or less" if largest >= 1 else "")
-        raise GenerationError(
-            f"--system takes {template} tokens with the chat template; with --max-new-tokens {max_new_tokens} "
-            f"that leaves no room for a message in the model's context of {max_context} tokens ({remedy})")
-    remedy = (f"give --max-new-tokens {largest} or less" if largest >= 1 else
-              "the template alone leaves no room for a reply: export with a larger --max-context")
-    raise GenerationError(
-        f"--max-new-tokens {max_new_tokens} and the chat template's {template} tokens leave no room for a "
-        f"message in the model's context of {max_context} tokens ({remedy})")
-
 
 def _fit_prompt(tokenizer: ModelTokenizer, system: list[ChatMessage], turns: list[ChatMessage],
                 message: ChatMessage, max_new_tokens: int, max_context: int) -> tuple[list[int], int]:

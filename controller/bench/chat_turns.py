@@ -27,7 +27,7 @@ from typing import Any
 from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.model_spec import load_manifest
 
-from ..chat import ChatOptions, ReplyStats, run_chat
+from ..chat import ChatOptions, ReplyStats, check_room, run_chat
 from ..pipeline import LocalPipeline
 from .arguments import check_at_least
 from .host import host_report
@@ -52,8 +52,10 @@ def run_chat_bench(model: Path, turns: int = 8, reply_tokens: int = 64, rounds: 
                          f"({sum(1 for line in lines if line)} non-empty)")
     from ..tokenizer import ChatTemplateError, ModelTokenizer
 
-    if not ModelTokenizer(model).chat_template:
+    tokenizer = ModelTokenizer(model)
+    if not tokenizer.chat_template:
         raise ChatTemplateError(f"{model} has no chat template, so it cannot chat")
+    check_room(tokenizer, [], reply_tokens, manifest.spec.max_context, "--reply-tokens")  # before compiling
     settings = settings or CompileSettings()
     started = time.perf_counter()
     samples: dict[str, list[list[ReplyStats]]] = {mode: [] for mode in MODES}

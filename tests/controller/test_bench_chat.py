@@ -66,6 +66,21 @@ def test_bad_inputs_are_refused_before_anything_compiles(tmp_path: Path, tiny_ex
         run_chat_bench(tmp_path / "nowhere", turns=2)
 
 
+def test_replies_too_long_for_the_context_are_refused_naming_reply_tokens(
+        tmp_path: Path, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # it said "--max-new-tokens", an option bench chat does not have, after compiling the model
+    from deskfleet.controller.bench import chat_turns
+    from deskfleet.controller.generation import GenerationError
+
+    def no_compiling(*args: object, **kwargs: object) -> None:
+        raise AssertionError("compiled before the check")
+
+    monkeypatch.setattr(chat_turns, "LocalPipeline", no_compiling)
+    with pytest.raises(GenerationError, match=r"^--reply-tokens 100000 and the chat template's \d+ tokens leave no "
+                                              r"room .*\(give --reply-tokens \d+ or less\)"):
+        run_chat_bench(_chat_model(tmp_path, tiny_export), turns=2, reply_tokens=100_000)
+
+
 def test_the_command_line(tmp_path: Path) -> None:
     args = cli.build_parser().parse_args(["bench", "chat", "--model", "m", "--turns", "4", "--reply-tokens", "16",
                                           "--messages-file", str(tmp_path / "messages.txt")])
