@@ -152,6 +152,10 @@ def issue_token(store: FleetStore, now: datetime.datetime, ttl: datetime.timedel
     store.require_initialised()
     addresses = addresses or fleet_addresses(store)
     if not addresses:
+        path = store.data_dir / "fleet.json"
+        if not path.exists():  # the addresses `fleet init --address` gave are in it: say so, not only the remedy
+            raise FleetStoreError(f"{path} is missing: it held the addresses agents reach the controller at (`fleet "
+                                  "init --address`); pass --address HOST:PORT, or restore the file from a backup")
         raise FleetStoreError("no controller address to put in the token: pass --address HOST:PORT")
     secret = join_tokens.new_secret()
     expires_at = (now + ttl).replace(microsecond=0)
@@ -305,7 +309,7 @@ class Revocations:
             try:
                 self._from_file = frozenset(_read_revoked(self.store))
             except FleetStoreError as error:  # a peer is refused, naming why, until the file is back
-                raise pki.PkiError(f"the fleet's list of removed agents cannot be read: {error}") from None
+                raise pki.PkiError(str(error)) from None  # it says what the list is and how to restore it
             self._stamp = stamp
             self._current = pki.RevocationSet(self._from_file | self._given_back)
         return self._current

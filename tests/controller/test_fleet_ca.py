@@ -289,6 +289,10 @@ def test_a_lost_list_of_removed_agents_is_never_read_as_nobody_removed(store: Fl
     with pytest.raises(FleetStoreError, match=r"revoked\.json is damaged.*Restore it") as damaged:
         remove_agent(store, "pc-9")
     assert "remove it" not in str(damaged.value).split(". Restore")[-1]
+    with pytest.raises(pki.PkiError) as refused:  # what a peer's refusal logs: said once, not twice over
+        revocations()
+    assert str(refused.value).startswith(f"{removed_file} is damaged, and the list of agents removed")
+    assert str(refused.value).count("cannot be read") == 1
     removed_file.write_text('{"format": 1, "body": []}')  # the recovery the message describes
     assert not revocations().agent_ids
 
@@ -339,3 +343,14 @@ def test_init_force_refuses_a_fleet_being_served_or_deployed(store: FleetStore, 
     assert {name: (store.data_dir / name).read_bytes() for name in kept} == kept
     init_fleet(store, "again", ("127.0.0.1:1",), utc_now(), force=True)  # once it has stopped
     assert store.tls_files.ca_path.read_bytes() != kept["ca.pem"]
+
+
+def test_a_token_without_fleet_json_names_the_missing_file(store: FleetStore) -> None:
+    # it said only "no controller address to put in the token", while every other command still worked
+    (store.data_dir / "fleet.json").unlink()
+    with pytest.raises(FleetStoreError, match=r"fleet\.json is missing: it held the addresses .* pass --address"):
+        issue_token(store, utc_now(), datetime.timedelta(hours=1), 1)
+    assert issue_token(store, utc_now(), datetime.timedelta(hours=1), 1, ("127.0.0.1:7341",)).controller_addresses
+    store.write("fleet", {"name": "test", "addresses": []})
+    with pytest.raises(FleetStoreError, match=r"^no controller address to put in the token: pass --address"):
+        issue_token(store, utc_now(), datetime.timedelta(hours=1), 1)
