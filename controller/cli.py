@@ -20,7 +20,7 @@ from deskfleet.common.console import (
     tolerate_unencodable,
     watched_stdout,
 )
-from deskfleet.common.model_spec import ManifestError, WeightFormat
+from deskfleet.common.model_spec import MAX_SPEC_VALUE, ManifestError, WeightFormat
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.chat import add_chat_command, add_fleet_option, check_fleet_options, fleet_max_failovers
 from deskfleet.controller.decoding_options import (
@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("model_dir", type=path_argument, help="checkpoint folder (config.json, safetensors, tokenizer)")
     export.add_argument("-o", "--output", type=path_argument, required=True, help="export folder to write")
     export.add_argument("--weights", choices=[f.value for f in WeightFormat], default=WeightFormat.INT4.value)
-    export.add_argument("--max-context", type=positive_int, default=None,
+    export.add_argument("--max-context", type=_max_context, default=None,
                         help="RoPE table length (default: min(config's max positions, 8192))")
     export.add_argument("--overwrite", action="store_true", help="replace an existing export folder")
     export.set_defaults(handler=_export, extras=("export",))
@@ -414,6 +414,21 @@ def _compile_settings(args: argparse.Namespace) -> CompileSettings:
                            kv_cache=args.kv_cache)
 
 
+def _max_context(text: str) -> int:
+    """argparse type: an export's context, as export_checkpoint takes it (0 was refused here as "must be 1 or more",
+    and 1 then by the export as "must be from 2")."""
+    from deskfleet.controller.export.hf_config import MIN_MAX_CONTEXT
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not MIN_MAX_CONTEXT <= value <= MAX_SPEC_VALUE:
+        raise argparse.ArgumentTypeError(f"must be from {MIN_MAX_CONTEXT} (a prompt token and a new one) to "
+                                         f"{MAX_SPEC_VALUE:,}, got {value}")
+    return value
+
+
 def _export(args: argparse.Namespace) -> int:
     from deskfleet.controller.export.exporter import export_checkpoint
 
@@ -486,9 +501,12 @@ def _bench_speculative(args: argparse.Namespace) -> int:
     from deskfleet.controller.bench.speculative import run_speculative_bench
     from deskfleet.controller.run import read_prompts_file
 
+    prompts = read_prompts_file(args.prompts_file) if args.prompts_file else None
+    if prompts == []:  # the bench said only "no prompts"
+        raise ValueError(f"--prompts-file {args.prompts_file} holds no prompt: every line is empty or blank")
     report = run_speculative_bench(
         args.model, args.draft, ks=args.k, adaptive=not args.no_adaptive, lookup=not args.no_lookup, k_max=args.k_max,
-        prompts=read_prompts_file(args.prompts_file) if args.prompts_file else None, eval_dir=args.eval_dir,
+        prompts=prompts, eval_dir=args.eval_dir,
         num_prompts=args.prompts, new_tokens=args.new_tokens, rounds=args.rounds, settings=_compile_settings(args))
     print(json.dumps(report, indent=2))
     return 0

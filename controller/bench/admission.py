@@ -99,7 +99,7 @@ def run_admission_bench(model: Path, prompt_tokens: int = 1024, chunks: list[int
     smallest = min((chunk for chunk in chunks if chunk), default=0)
     calls = -(-prompt_tokens // smallest) if smallest else 1
     if new_tokens < arrival_step + calls:
-        raise ValueError(f"new_tokens {new_tokens} ends the running streams before the newcomer's prompt is fed (it "
+        raise ValueError(f"--new-tokens {new_tokens} ends the running streams before the newcomer's prompt is fed (it "
                          f"arrives after {arrival_step} of their steps and takes {calls} calls in chunks of "
                          f"{smallest or prompt_tokens}): give at least {arrival_step + calls}")
     rng = random.Random(11)

@@ -344,3 +344,22 @@ def test_ctrl_c_while_the_commands_load_exits_130_without_a_traceback(monkeypatc
 
     monkeypatch.setattr(cli, "build_parser", interrupted)
     assert main(["export", "x", "-o", "y"]) == 130
+
+
+@pytest.mark.parametrize("context", ["0", "1", "16777217"])
+def test_export_refuses_a_context_out_of_range_as_one_range(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            context: str) -> None:
+    # 0 was "must be 1 or more", and 1 then "must be from 2" from the export
+    with pytest.raises(SystemExit):
+        main(["export", str(tmp_path), "-o", str(tmp_path / "out"), "--max-context", context])
+    assert f"argument --max-context: must be from 2 (a prompt token and a new one) to 16,777,216, got {context}" \
+        in capsys.readouterr().err
+
+
+def test_bench_speculative_names_an_empty_prompts_file(tiny_export: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n  \n")
+    code, _, err = run(capsys, "bench", "speculative", "--model", str(tiny_export), "--draft", str(tiny_export),
+                       "--prompts-file", str(path))
+    assert code == 2 and f"--prompts-file {path} holds no prompt: every line is empty or blank" in err

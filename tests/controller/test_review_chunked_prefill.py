@@ -19,7 +19,8 @@ def test_running_streams_that_end_before_the_prompt_is_fed_are_refused(tiny_expo
     """A 60-token prompt in chunks of 8 takes 8 calls after the running streams' 3rd step: they need 11 new
     tokens. With 10, its last chunk's stall went unmeasured; with 1 (no gap at all) the report failed on an
     empty max() once every round had run."""
-    with pytest.raises(ValueError, match=r"ends the running streams before the newcomer's prompt is fed.*at least 11"):
+    with pytest.raises(ValueError, match=rf"^--new-tokens {new_tokens} ends the running streams before the newcomer's "
+                                         r"prompt is fed.*at least 11"):
         run_admission_bench(tiny_export, prompt_tokens=60, chunks=[0, 8], running=2, running_prompt_tokens=6,
                             new_tokens=new_tokens, arrival_step=3, rounds=1, settings=F32, progress=False)
 
