@@ -90,6 +90,7 @@ from deskfleet.common.wire import (
     StatusRequest,
     is_agent_id,
 )
+from deskfleet.common.wire_messages import check_devices
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +139,13 @@ class AgentCore:
     def __init__(self, files: TlsFiles, settings: AgentSettings, cache: ShardCache,
                  monitor: SystemMonitor, num_threads: int | None = None,
                  speed_probe: Callable[[], SpeedMeasurement] | None = None,
-                 revocations_file: Path | None = None, opt_out_dir: Path | None = None) -> None:
+                 revocations_file: Path | None = None, opt_out_dir: Path | None = None,
+                 device_probe: Callable[[], tuple[str, ...]] | None = None) -> None:
         self.files = files
         self._speed_probe = speed_probe  # run once, off the event loop, at the first status request
         self._speed: SpeedMeasurement | None = None
+        self._device_probe = device_probe  # the devices OpenVINO finds: asked once, like the speed
+        self._devices: tuple[str, ...] = ()
         self.num_threads = num_threads  # inference threads per stage; None: the device's default
         self.settings = settings
         self.cache = cache
@@ -308,7 +312,20 @@ class AgentCore:
                 self._speed_probe = None
                 self._note_error(f"speed probe failed: {error}")
         speed = self._speed.weight_gb_per_s if self._speed is not None else None
-        return replace(snapshot.to_wire(), weight_gb_per_s=speed)
+        return replace(snapshot.to_wire(), weight_gb_per_s=speed, devices=await self._reported_devices())
+
+    async def _reported_devices(self) -> tuple[str, ...]:
+        """The devices OpenVINO finds, asked once (off the event loop); () when the probe failed or listed names
+        the wire cannot carry: reported as not known, which no plan leaves out."""
+        if self._device_probe is not None:
+            probe, self._device_probe = self._device_probe, None
+            try:
+                devices = tuple(await asyncio.to_thread(probe))
+                check_devices(devices)
+                self._devices = devices
+            except (RuntimeError, OSError, ValueError) as error:  # ProtocolError is a ValueError
+                self._note_error(f"cannot list the OpenVINO devices: {error}")
+        return self._devices
 
     async def _read_monitor(self) -> MonitorReading:
         """One monitor reading, in a worker thread, one at a time: a status request that came while the limits

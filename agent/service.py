@@ -36,6 +36,7 @@ from deskfleet.agent.monitor import HostMonitor, SystemMonitor
 from deskfleet.agent.paths import AgentPaths, AgentSettings, device_targets, load_settings
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement, cached_speed
+from deskfleet.agent.stage import openvino_devices
 from deskfleet.common import pki
 from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord
 from deskfleet.common.file_lock import pid_lock
@@ -88,7 +89,7 @@ class AgentService:
                               ShardCache(self.paths.shard_dir, self.settings.cache_limit_bytes),
                               monitor or HostMonitor(), speed_probe=self._speed,
                               revocations_file=self.paths.state_dir / REVOCATIONS_FILE,
-                              opt_out_dir=self.paths.state_dir)
+                              opt_out_dir=self.paths.state_dir, device_probe=openvino_devices)
         self.bound_port: int | None = None
         # the interfaces to look for a moved controller on (mDNS); tests give loopback's
         self.controller_search_interfaces: Callable[[], list[str]] = interface_addresses

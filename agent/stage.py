@@ -33,7 +33,7 @@ import openvino.opset13 as ops
 from openvino import passes
 
 from deskfleet.agent.paths import device_targets
-from deskfleet.common.devices import VIRTUAL, device_kind
+from deskfleet.common.devices import VIRTUAL, device_kind, lists_device
 from deskfleet.common.model_spec import (
     ExportMismatchError,
     Manifest,
@@ -114,7 +114,7 @@ class CompileSettings:
             wanted["INFERENCE_NUM_THREADS"] = str(self.num_threads)
         if device_kind(self.device) in VIRTUAL:
             return wanted
-        if not _is_available(self.device, core.available_devices):
+        if not lists_device(self.device, core.available_devices):
             raise ValueError(f"device {self.device} is not available on this PC (OpenVINO finds "
                              f"{', '.join(core.available_devices) or 'none'})")
         supported = set(core.get_property(self.device, "SUPPORTED_PROPERTIES"))
@@ -285,12 +285,9 @@ def stage_weight_bytes(manifest: Manifest, layers: LayerRange) -> int:
             + (manifest.head_bytes if layers.is_last else 0))
 
 
-def _is_available(device: str, available: list[str]) -> bool:
-    """Whether OpenVINO lists `device`: "GPU" when any GPU is ("GPU.0", "GPU.1"), "GPU.1" only when it is,
-    and "GPU.0" also for a lone GPU listed as "GPU"."""
-    kind = device_kind(device)
-    return device in available or (device == kind and any(device_kind(found) == kind for found in available)) \
-        or (device == f"{kind}.0" and kind in available)
+def openvino_devices() -> tuple[str, ...]:
+    """The devices OpenVINO finds on this PC ("CPU", "GPU.0", "NPU"), as the agent reports them to plans."""
+    return tuple(ov.Core().available_devices)
 
 
 def _check_rope_rows(rope: ov.Model, max_context: int) -> None:

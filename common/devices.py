@@ -12,3 +12,14 @@ VIRTUAL = frozenset({"AUTO", "MULTI", "HETERO", "BATCH"})  # devices that pick, 
 def device_kind(device: str) -> str:
     """ "CPU" for "CPU", "cpu" or "CPU.0"; "GPU" for "GPU.1"; "HETERO" for "HETERO:GPU,CPU"."""
     return device.split(":")[0].split(".")[0].strip().upper()
+
+
+def lists_device(device: str, available: tuple[str, ...] | list[str]) -> bool:
+    """Whether a host whose OpenVINO lists `available` has `device`: "GPU" when any GPU is listed ("GPU.0",
+    "GPU.1"), "GPU.1" only when it is, and "GPU.0" also for a lone GPU listed as "GPU". A virtual device
+    (AUTO, MULTI, ...) picks among what there is: True."""
+    kind = device_kind(device)
+    if kind in VIRTUAL:
+        return True
+    return device in available or (device == kind and any(device_kind(found) == kind for found in available)) \
+        or (device == f"{kind}.0" and kind in available)

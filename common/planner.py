@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from deskfleet.common.agent_state import AgentState, UnavailableReason
+from deskfleet.common.devices import lists_device
 from deskfleet.common.wire_messages import is_agent_id
 
 GB = 1_000_000_000
@@ -143,6 +144,7 @@ class AgentCandidate:
     # assigned a range it hosts keeps that stage as it is, so that range is planned with their weights and
     # runtime counted back (its KV cache must still fit), and a plan that keeps every hosted range is kept.
     hosted: tuple[tuple[int, int], ...] = ()
+    devices: tuple[str, ...] = ()  # the devices OpenVINO finds on it ("CPU", "GPU.0", "NPU"); (): not reported
 
 
 class PlanPolicy(str, Enum):
@@ -177,6 +179,9 @@ class PlanOptions:
     # two desks), so no plan puts `from` directly before `to`; `to` before `from` is another link, dialled the other
     # way. A failover adds one where a stage could not reach its next hop while the controller reaches both.
     broken_links: frozenset[tuple[str, str]] = frozenset()
+    # The device the stages will compile on: an agent whose OpenVINO lists none is left out (one that reports no
+    # devices, an older agent, is not). None: not checked (a plan on paper).
+    device: str | None = None
 
 
 # how much of a long list the plan's text shows (`--json` has it all)
@@ -194,6 +199,7 @@ class ExclusionReason(str, Enum):
     NOT_NEEDED = "not_needed"
     UNREACHABLE = "unreachable"  # found (roster, mDNS, --peer) but did not answer: never a candidate
     BROKEN_LINK = "broken_link"  # usable, but only in chains where a PC would dial one it cannot reach
+    NO_DEVICE = "no_device"  # OpenVINO finds no PlanOptions.device on it
 
 
 @dataclass(frozen=True)
@@ -418,6 +424,9 @@ def _screen(agent: AgentCandidate, options: PlanOptions, smallest: int, model: M
         why = agent.reason.describe() if agent.reason is not None else "reason not reported"
         detail = f" ({agent.detail})" if agent.detail else ""
         return Exclusion(agent.agent_id, ExclusionReason.UNAVAILABLE, f"unavailable: {why}{detail}")
+    if options.device is not None and agent.devices and not lists_device(options.device, agent.devices):
+        return Exclusion(agent.agent_id, ExclusionReason.NO_DEVICE,
+                         f"no {options.device}: OpenVINO finds {', '.join(agent.devices)} on it")
     if agent.state is AgentState.SERVING and not options.use_serving:
         return Exclusion(agent.agent_id, ExclusionReason.SERVING, "already serving (serving agents not used)")
     if not agent.speed > 0:

@@ -23,9 +23,11 @@ from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, che
 
 # 2: DraftInfo.one_hot; 3: Forward.layer_start, Error.micro_batch_id and agent_id; 4: Forward.model_id,
 # StatusReport.reasons and detail; 5: AssignStage.previous_agent_id; 6: RevocationUpdate as records signed by
-# the CA, KnownRemovals, Register.token_sha256
-PROTOCOL_VERSION = 6
+# the CA, KnownRemovals, Register.token_sha256; 7: StatusReport.devices
+PROTOCOL_VERSION = 7
 MAX_STATUS_DETAIL = 500
+MAX_DEVICES = 32  # a StatusReport's devices
+_DEVICE_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,15}(\.[0-9]{1,3})?")  # as OpenVINO lists them: "CPU", "GPU.1"
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # A removal on the wire: the removed agent's id (52 ASCII characters), then the CA's signature of its removal
@@ -80,6 +82,12 @@ def _port_number(text: str) -> int | None:
         return None
     digits = text.lstrip("0") or "0"
     return int(digits) if len(digits) <= 5 else None
+
+
+def check_devices(devices: tuple[str, ...]) -> None:
+    """ProtocolError unless `devices` are at most MAX_DEVICES device names as OpenVINO lists them."""
+    _require(len(devices) <= MAX_DEVICES and all(_DEVICE_NAME.fullmatch(name) for name in devices),
+             f"devices must be at most {MAX_DEVICES} OpenVINO device names, got {list(devices)[:8]!r}")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -313,8 +321,12 @@ class StatusReport:
     weight_gb_per_s: float | None = None  # measured decode speed (agent/speed_probe.py); None: not yet
     reasons: tuple[UnavailableReason, ...] = ()  # every limit crossed (also listed while paused)
     detail: str = ""  # the numbers behind `reasons`, for the plan's "left out" lines
+    # the devices OpenVINO finds on the PC ("CPU", "GPU.0", "NPU"): a plan for a device leaves out a PC without it
+    # (it was refused only once every shard had been sent); (): not known yet
+    devices: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        check_devices(self.devices)
         if self.last_error is not None:
             object.__setattr__(self, "last_error", wire_text(self.last_error))
         _non_negative("free_memory_bytes", self.free_memory_bytes)

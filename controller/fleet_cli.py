@@ -328,6 +328,7 @@ def _agent_json(agent: Any, undeployed: dict[str, list[Any]] | None = None) -> d
             "free_memory_bytes": report.free_memory_bytes if report else None,
             "reasons": [reason.value for reason in report.reasons] if report else [],
             "detail": report.detail if report else "",
+            "devices": list(report.devices) if report else [],  # what OpenVINO finds there; []: not reported
             "stages": [[s.model_id, s.layer_start, s.layer_end] for s in report.stages] if report else [],
             # hosted, but placed there by no deployment (see undeployed_stages): the next deploy releases them
             "stages_not_deployed": [[s.model_id, s.layer_start, s.layer_end]
@@ -395,7 +396,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError("give --model OUT_DIR, or --layers N and --layer-bytes B to plan on paper")
     assumed = [AgentCandidate(f"assumed-{index}", AgentState.AVAILABLE, size, 1.0)
                for index, size in enumerate(args.assume_agent)]
-    options = policy_options(args.policy, args.streams, args.hop_ms)
+    options = policy_options(args.policy, args.streams, args.hop_ms, args.device)
     if assumed and not args.peer:
         result = plan(footprint, assumed, options)
     else:

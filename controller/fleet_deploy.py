@@ -257,7 +257,8 @@ def candidates_of(agents: list[AgentView], model_id: str | None = None) -> list[
                                          report.reasons[0] if report.reasons else None, report.detail,
                                          agent.hostname,
                                          tuple((stage.layer_start, stage.layer_end) for stage in report.stages
-                                               if model_id is not None and stage.model_id == model_id)))
+                                               if model_id is not None and stage.model_id == model_id),
+                                         report.devices))
     return candidates
 
 
@@ -307,8 +308,8 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
     manifest = load_manifest(model_dir)
     model_id = model_id_of(model_dir)
     _deployments(store)  # a damaged file is named now, not after every byte was sent
-    result = plan_survey(footprint_of(manifest, device, precision, kv_cache), found, options, exclude,
-                         model_id=model_id)
+    result = plan_survey(footprint_of(manifest, device, precision, kv_cache), found, replace(options, device=device),
+                         exclude, model_id=model_id)
     if not result.feasible:
         answered = any(agent.agent_id not in exclude for agent in found.reachable())
         unreachable = any(e.reason is ExclusionReason.UNREACHABLE for e in result.exclusions)
@@ -609,8 +610,10 @@ def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, s
                               "deploy` again sends nothing)") from None
 
 
-def policy_options(policy: str, streams: int = 1, hop_ms: float | None = None) -> PlanOptions:
+def policy_options(policy: str, streams: int = 1, hop_ms: float | None = None,
+                   device: str | None = None) -> PlanOptions:
     """The options of `fleet plan` / `deploy`: `hop_ms` what a stage's hop costs a token (None: the planner's
-    default), in milliseconds as the CLI takes it (the planner's unit is bytes / (GB/s): nanoseconds)."""
-    options = PlanOptions(policy=PlanPolicy(policy), streams=streams)
+    default), in milliseconds as the CLI takes it (the planner's unit is bytes / (GB/s): nanoseconds); `device`
+    the one the stages compile on (agents that lack it are left out; a deploy sets it itself)."""
+    options = PlanOptions(policy=PlanPolicy(policy), streams=streams, device=device)
     return options if hop_ms is None else replace(options, hop_cost=hop_ms * 1e6)

@@ -33,6 +33,7 @@ from deskfleet.agent.monitor import HostMonitor
 from deskfleet.agent.paths import AgentSettings, Thresholds
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement
+from deskfleet.agent.stage import openvino_devices
 from deskfleet.common import event_loop
 from deskfleet.common.arguments import path_argument
 from deskfleet.common.atomic_file import write_atomic
@@ -53,7 +54,7 @@ async def serve(files: TlsFiles, listen: str, cache_dir: Path, threads: int, por
                                                    max_cpu_load=None))
     pinned = SpeedMeasurement(settings.device, "pinned for the bench", SIMULATED_PC_GB_PER_S, 0.0)
     core = AgentCore(files, settings, ShardCache(cache_dir, 16 << 30), HostMonitor(), num_threads=threads,
-                     speed_probe=lambda: pinned)
+                     speed_probe=lambda: pinned, device_probe=openvino_devices)
     host, port = parse_address(listen, any_port=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -123,12 +123,3 @@ def test_a_device_that_is_not_a_name_or_not_here_is_refused_by_name() -> None:
         CompileSettings(device=missing).properties(ov.Core())
     with pytest.raises(ValueError, match=r"device CPU\.7 is not available"):  # an index this PC lacks
         CompileSettings(device="CPU.7").properties(ov.Core())
-
-
-def test_a_device_is_available_by_kind_by_index_or_as_the_lone_one() -> None:
-    from deskfleet.agent.stage import _is_available
-
-    assert _is_available("GPU", ["CPU", "GPU.0", "GPU.1"]) and _is_available("GPU.1", ["CPU", "GPU.0", "GPU.1"])
-    assert _is_available("GPU.0", ["CPU", "GPU"]) and not _is_available("GPU.1", ["CPU", "GPU"])
-    assert not _is_available("NPU", ["CPU", "GPU"]) and _is_available("CPU", ["CPU"])
-

@@ -347,6 +347,37 @@ def test_a_failing_speed_probe_reports_no_speed_and_says_why(core: AgentCore) ->
     assert core.last_error is not None and "GPU device not found" in core.last_error
 
 
+def test_status_carries_the_devices_openvino_finds_asked_once(core: AgentCore) -> None:
+    from deskfleet.agent.stage import openvino_devices
+
+    probes: list[int] = []
+
+    def probe() -> tuple[str, ...]:
+        probes.append(1)
+        return openvino_devices()
+
+    core._device_probe = probe
+    for _ in range(2):
+        report = handle(core, Role.CONTROLLER, StatusRequest())
+        assert isinstance(report, StatusReport) and "CPU" in report.devices
+    assert probes == [1]
+
+
+@pytest.mark.parametrize(("listed", "why"), [(RuntimeError("plugin failed to load"), "plugin failed to load"),
+                                             (("CPU", "GPU,CPU"), "devices must be at most 32 OpenVINO device names")])
+def test_devices_that_cannot_be_listed_are_reported_as_not_known(core: AgentCore, listed: object, why: str) -> None:
+    # not known: no plan leaves the PC out for them, and the status itself still goes out
+    def probe() -> object:
+        if isinstance(listed, Exception):
+            raise listed
+        return listed
+
+    core._device_probe = probe  # type: ignore[assignment]
+    report = handle(core, Role.CONTROLLER, StatusRequest())
+    assert isinstance(report, StatusReport) and report.devices == ()
+    assert core.last_error is not None and why in core.last_error
+
+
 def _host_tiny_stage(core: AgentCore, tiny_export: Path, kv_cache: str | None = None, layers: int | None = None,
                      next_hop: NextHop | None = None) -> AssignStage:
     """Push the tiny model's shards to the core and assign it its first `layers` (default: the whole model)."""

@@ -1,4 +1,4 @@
-from deskfleet.common.devices import VIRTUAL, device_kind
+from deskfleet.common.devices import VIRTUAL, device_kind, lists_device
 
 
 def test_device_kind_drops_index_and_targets() -> None:
@@ -7,3 +7,12 @@ def test_device_kind_drops_index_and_targets() -> None:
     assert [device_kind(name) for name in ("AUTO", "HETERO:GPU,CPU", "MULTI:GPU.0,CPU")] == \
         ["AUTO", "HETERO", "MULTI"]
     assert {device_kind(name) for name in ("AUTO:CPU", "HETERO:GPU,CPU", "MULTI")} <= VIRTUAL
+
+
+def test_a_device_is_listed_by_kind_by_index_or_as_the_lone_one() -> None:
+    assert lists_device("GPU", ["CPU", "GPU.0", "GPU.1"]) and lists_device("GPU.1", ("CPU", "GPU.0", "GPU.1"))
+    assert lists_device("GPU.0", ["CPU", "GPU"]) and not lists_device("GPU.1", ["CPU", "GPU"])
+    assert not lists_device("NPU", ["CPU", "GPU"]) and lists_device("CPU", ["CPU"])
+    assert not lists_device("GPU", ["CPU"]) and not lists_device("GPU", [])
+    # a virtual device picks among what there is: not the planner's to refuse
+    assert lists_device("AUTO", ["CPU"]) and lists_device("AUTO:GPU,CPU", ["CPU"]) and lists_device("HETERO:GPU", [])

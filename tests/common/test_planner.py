@@ -132,6 +132,25 @@ def test_every_agent_left_out_is_explained_with_numbers() -> None:
     check_well_formed(result, agents, options)
 
 
+def test_an_agent_without_the_device_is_left_out_saying_what_it_has() -> None:
+    # `fleet deploy --device GPU` over a PC with no GPU was refused by that PC only once every shard was sent
+    fast = dataclasses.replace(available("no-gpu", 16, 9.0), devices=("CPU",))
+    gpu = dataclasses.replace(available("gpu", 16), devices=("CPU", "GPU.0", "NPU"))
+    older = available("older", 16, 5.0)  # an agent that reports no devices: not known, so not left out
+    agents = [fast, gpu, older]
+    result = plan(toy(), agents, dataclasses.replace(ALL, device="GPU"))
+    assert sorted(s.agent_id for s in result.stages) == ["gpu", "older"]
+    messages = {e.agent_id: (e.reason, e.message) for e in result.exclusions}
+    assert messages == {"no-gpu": (ExclusionReason.NO_DEVICE, "no GPU: OpenVINO finds CPU on it")}
+    check_well_formed(result, agents, dataclasses.replace(ALL, device="GPU"))
+    assert {s.agent_id for s in plan(toy(), agents, ALL).stages} == {"no-gpu", "gpu", "older"}  # none asked
+    assert {s.agent_id for s in plan(toy(), agents, dataclasses.replace(ALL, device="AUTO")).stages} == \
+        {"no-gpu", "gpu", "older"}  # AUTO takes what there is
+    alone = plan(toy(), [fast], dataclasses.replace(NO_MARGIN, device="NPU"))
+    assert not alone.feasible and "none of the 1 agent(s) that answered can take work" in alone.problems[0]
+    assert "no NPU: OpenVINO finds CPU on it" in render_plan(alone)
+
+
 def test_safety_margin_is_configurable() -> None:
     agent = available("a", 10)
     assert usable_bytes(agent, PlanOptions(margin_fraction=0.5, margin_min_bytes=0)) == 5 * GB

@@ -92,6 +92,7 @@ def all_messages() -> list[wire.Message]:
         StatusRequest(),
         StatusReport(AgentState.SERVING, 8 << 30, 0.25, 80.0, False, 61.5, None, (STAGE,), None),
         StatusReport(AgentState.PAUSED, 0, 1.0, None, None, None, 0.5, (), "compile failed"),
+        StatusReport(AgentState.AVAILABLE, 1, 0.0, None, None, None, None, (), None, devices=("CPU", "GPU.0", "NPU")),
         AssignStage(STAGE, False, True, "GPU", Precision.F32, NextHop("[fe80::1]:7443", AGENT),
                     (ManifestEntry("layer_004.xml", SHA, 1234), ManifestEntry("layer_004.bin", SHA, 0)),
                     previous_agent_id=AGENT),
@@ -215,6 +216,10 @@ def test_same_message_tells_tensors_apart() -> None:
     (lambda: ShardChunk(SHA, 10, 12, b"abc"), "total_size"),
     (lambda: StatusReport(AgentState.AVAILABLE, 1, 1.5, None, None, None, None, (), None), "cpu_load"),
     (lambda: StatusReport(AgentState.AVAILABLE, 1, 0.5, 101.0, None, None, None, (), None), "battery"),
+    (lambda: StatusReport(AgentState.AVAILABLE, 1, 0.5, None, None, None, None, (), None, devices=("cpu",)),
+     "devices"),
+    (lambda: StatusReport(AgentState.AVAILABLE, 1, 0.5, None, None, None, None, (), None, devices=("CPU",) * 33),
+     "devices"),
 ])
 def test_inconsistent_messages_are_refused_by_name(build: object, field: str) -> None:
     with pytest.raises(ProtocolError, match=field):
