@@ -313,6 +313,16 @@ def plan(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandid
                 options.streams)
 
 
+def left_out_text(result: Plan, shown: int = RENDER_CROWD) -> str:
+    """The agents the plan left out and why, on one line (for an error that shows no plan): "left out: ab12cd34ef56
+    (pc-1) no GPU: OpenVINO finds CPU on it; ..." and how many more past `shown`; "" when none was. The unreachable
+    ones are not listed: the problems name them."""
+    listed = [e for e in result.exclusions if e.reason is not ExclusionReason.UNREACHABLE]
+    parts = [f"{_label(e.agent_id, e.hostname)} {e.message}" for e in listed[:shown]]
+    more = len(listed) - shown
+    return "" if not parts else "left out: " + "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
 def render_plan(result: Plan) -> str:
     """The plan as text for `deskfleet fleet plan` and the controller window. Agents are shown as `fleet ls`
     shows them (the id's first 12 characters and the hostname), layers as the half-open [start:stop] that

@@ -37,6 +37,7 @@ from deskfleet.common.planner import (
     Plan,
     PlanOptions,
     PlanPolicy,
+    left_out_text,
     plan,
 )
 from deskfleet.common.wire import (
@@ -314,7 +315,8 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
         answered = any(agent.agent_id not in exclude for agent in found.reachable())
         unreachable = any(e.reason is ExclusionReason.UNREACHABLE for e in result.exclusions)
         cause = f"cannot deploy {model_id}: " if unreachable and not answered else "the model does not fit the fleet: "
-        raise DeployError(cause + "; ".join(result.problems))
+        left_out = left_out_text(result)  # the problem says "see the agents left out": a deploy shows no plan
+        raise DeployError(cause + "; ".join(result.problems) + (f" ({left_out})" if left_out else ""))
     addresses = {agent.agent_id: agent.address for agent in found.agents if agent.agent_id is not None}
     placements = tuple(StagePlacement(stage.agent_id, addresses[stage.agent_id], stage.first_layer,
                                       stage.stop_layer) for stage in result.stages)

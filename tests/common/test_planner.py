@@ -11,11 +11,13 @@ from deskfleet.common.agent_state import AgentState, UnavailableReason
 from deskfleet.common.planner import (
     GB,
     AgentCandidate,
+    Exclusion,
     ExclusionReason,
     ModelFootprint,
     Plan,
     PlanOptions,
     PlanPolicy,
+    left_out_text,
     plan,
     render_plan,
     usable_bytes,
@@ -149,6 +151,15 @@ def test_an_agent_without_the_device_is_left_out_saying_what_it_has() -> None:
     alone = plan(toy(), [fast], dataclasses.replace(NO_MARGIN, device="NPU"))
     assert not alone.feasible and "none of the 1 agent(s) that answered can take work" in alone.problems[0]
     assert "no NPU: OpenVINO finds CPU on it" in render_plan(alone)
+
+
+def test_left_out_text_lists_who_and_why_but_not_the_unreachable_the_problem_names() -> None:
+    paused = [AgentCandidate(f"p{index}", AgentState.PAUSED, GB, 1.0) for index in range(4)]
+    gone = Exclusion("g", ExclusionReason.UNREACHABLE, "unreachable at 10.0.0.9:7443: timed out")
+    result = plan(toy(), paused, NO_MARGIN, (gone,))
+    assert left_out_text(result, shown=2) == ("left out: p0 paused (by its user or in its settings); "
+                                              "p1 paused (by its user or in its settings); and 2 more")
+    assert left_out_text(plan(toy(), [], NO_MARGIN, (gone,))) == ""
 
 
 def test_safety_margin_is_configurable() -> None:

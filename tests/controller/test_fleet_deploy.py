@@ -60,7 +60,8 @@ def test_deploy_twice_and_generate(tmp_path: Path, tiny_export: Path) -> None:
         servers = []
         for index, port in enumerate(ports):
             files = make_member(ca, tmp_path / f"agent{index}", "agent")
-            core = AgentCore(files, settings, ShardCache(tmp_path / f"cache{index}", 1 << 30), FakeMonitor())
+            core = AgentCore(files, settings, ShardCache(tmp_path / f"cache{index}", 1 << 30), FakeMonitor(),
+                             device_probe=lambda: ("CPU",))
             servers.append(await start_server(core.serve_link, "127.0.0.1", port, files))
         options = SurveyOptions(peers=tuple(f"127.0.0.1:{port}" for port in ports), discover_seconds=0)
         # free hops: the tiny model's whole token computes in less than a hop, so with hops priced one PC takes it
@@ -76,6 +77,14 @@ def test_deploy_twice_and_generate(tmp_path: Path, tiny_export: Path) -> None:
             await deploy(store, tmp_path, found, policy)
         with pytest.raises(DeployError, match="f32 is exact"):
             await deploy(store, tiny_export, found, policy, Precision.F32, kv_cache="u8")
+        # a device no PC has: refused by the plan, naming each PC and what it has, before a byte is sent
+        with pytest.raises(DeployError, match=r"none of the 2 agent\(s\) that answered can take work.*left out: "
+                                              r"\w+ no GPU: OpenVINO finds CPU on it; \w+ no GPU: OpenVINO finds CPU"):
+            found = await survey(store, options)
+            try:
+                await deploy(store, tiny_export, found, policy, Precision.F32, "GPU", kv_cache="f32")
+            finally:
+                await found.close()
         assert load_deploy_settings(store, tiny_export) == DeploySettings(PlanPolicy.ALL_BY_SPEED, 1, Precision.F32,
                                                                           "CPU", "f32", hop_cost=0.0)
         # The first stage's agent broke the chain: the failover re-plans over the other one, found through
@@ -251,7 +260,8 @@ def test_fleet_plan_uses_the_live_agents_and_says_why_each_other_one_was_left_ou
         servers = []
         for index, (port, settings) in enumerate(zip(ports, (usable, starved), strict=True)):
             files = make_member(load_ca(store), tmp_path / f"agent{index}", "agent")
-            core = AgentCore(files, settings, ShardCache(tmp_path / f"cache{index}", 1 << 30), FakeMonitor())
+            core = AgentCore(files, settings, ShardCache(tmp_path / f"cache{index}", 1 << 30), FakeMonitor(),
+                             device_probe=lambda: ("CPU",))
             servers.append(await start_server(core.serve_link, "127.0.0.1", port, files))
         peers = [option for address in (*(f"127.0.0.1:{port}" for port in ports), dead)
                  for option in ("--peer", address)]
