@@ -70,6 +70,11 @@ class DecodingOptions:
             raise ValueError(f"--top-k must be 0 (off) or more, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be more than 0 and at most 1 (1: off), got {self.top_p}")
+        if self.temperature == 0 and (self.top_k or self.top_p != 1):  # ignored, the user would think they sample
+            given = " and ".join(option for option, on in (("--top-k", self.top_k), ("--top-p", self.top_p != 1)) if on)
+            verb = "act" if " and " in given else "acts"
+            raise ValueError(f"{given} {verb} only with a --temperature above 0: the default, 0, is greedy decoding "
+                             "(the most likely token every time), which they would not change")
         if self.seed < 0:
             raise ValueError(f"--seed must be 0 or more, got {self.seed}")
         if self.prefill_chunk < 0:

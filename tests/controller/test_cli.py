@@ -54,6 +54,9 @@ def test_generate_several_prompts(tiny_export: Path, capsys: pytest.CaptureFixtu
     (["--prompt-ids", "1,2", "--top-k", "-1"], "--top-k must be 0 (off) or more, got -1"),
     (["--prompt-ids", "1,2", "--top-p", "0"], "--top-p must be more than 0 and at most 1 (1: off), got 0.0"),
     (["--prompt-ids", "1,2", "--top-p", "1.5"], "--top-p must be more than 0 and at most 1 (1: off), got 1.5"),
+    # greedy decoding ignored them without a word: the user thought they were sampling
+    (["--prompt-ids", "1,2", "--top-k", "3"], "--top-k acts only with a --temperature above 0"),
+    (["--prompt-ids", "1,2", "--top-k", "3", "--top-p", "0.5"], "--top-k and --top-p act only with a --temperature"),
     (["--prompt-ids", "1,2", "--precision", "f32", "--kv-cache", "u8"], "f32 is exact"),
 ])
 def test_generate_errors(tiny_export: Path, capsys: pytest.CaptureFixture[str], args: list[str],
