@@ -33,6 +33,7 @@ from deskfleet.common.wire_messages import REMOVAL_SIGNATURE_BYTES, Role
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _CLOCK_SKEW = datetime.timedelta(minutes=5)
+MAX_FLEET_NAME = 64  # X.509's upper bound for an organization name (RFC 5280, ub-organization-name)
 _COMMON_NAME_MAX_CHARS = 64  # RFC 5280's ub-common-name
 # Nothing renews a certificate: `fleet ls` and the agent warn this many days before one (or the CA) runs out.
 EXPIRY_WARNING_DAYS = 60
@@ -145,8 +146,17 @@ def agent_id_for_key(public_key: ec.EllipticCurvePublicKey) -> str:
 
 # Public functions: creating keys and certificates
 
+def check_fleet_name(fleet_name: str) -> None:
+    """ValueError for a fleet name the CA certificate cannot carry as its organization name."""
+    if not fleet_name.strip() or len(fleet_name) > MAX_FLEET_NAME:
+        raise ValueError(f"a fleet name must be 1 to {MAX_FLEET_NAME} characters, not blank (it is the CA "
+                         f"certificate's organization name), got {len(fleet_name)}: {fleet_name[:40]!r}")
+
+
 def create_fleet_ca(fleet_name: str, now: datetime.datetime, valid_days: int = 3650) -> FleetCa:
-    """Make a new fleet CA (ECDSA P-256, self-signed, may sign leaf certificates only)."""
+    """Make a new fleet CA (ECDSA P-256, self-signed, may sign leaf certificates only). ValueError for a name
+    that is empty, blank or longer than X.509 lets an organization name be (64 characters)."""
+    check_fleet_name(fleet_name)
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "deskfleet fleet CA"),
                       x509.NameAttribute(NameOID.ORGANIZATION_NAME, fleet_name)])

@@ -61,6 +61,7 @@ def init_fleet(store: FleetStore, fleet_name: str, addresses: tuple[str, ...], n
     files, a whole fleet or part of one (its CA key and roster would be lost), unless `force` (which would
     orphan every enrolled agent), and `force` is refused while `fleet serve` or a deploy runs on the data dir.
     The check and the writes hold the store's lock: of two concurrent inits, the second refuses."""
+    pki.check_fleet_name(fleet_name)  # before anything is made
     for address in addresses:
         parse_address(address)
     store.data_dir.mkdir(parents=True, exist_ok=True)

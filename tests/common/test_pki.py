@@ -164,3 +164,11 @@ def test_a_removal_is_signed_by_the_ca_alone_and_for_one_agent_only(ca: pki.Flee
     for wrong in (signature[:-1] + bytes([signature[-1] ^ 1]), bytes(64), b"\xff" * 64):  # r or s out of range too
         with pytest.raises(pki.PkiError, match="not signed"):
             pki.check_removal(ca.certificate, agent_id, wrong)
+
+
+@pytest.mark.parametrize("name", ["", "   ", "x" * 65, "x" * 500])
+def test_a_fleet_name_x509_cannot_hold_is_refused(name: str) -> None:
+    # it went into the CA certificate's organization name, which X.509 bounds at 64 characters
+    with pytest.raises(ValueError, match=r"a fleet name must be 1 to 64 characters, not blank"):
+        pki.create_fleet_ca(name, datetime.datetime.now(datetime.UTC))
+    assert pki.create_fleet_ca("x" * 64, datetime.datetime.now(datetime.UTC)).certificate

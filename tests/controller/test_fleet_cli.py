@@ -95,3 +95,11 @@ def test_fleet_generate_refuses_no_new_tokens_naming_the_option(tmp_path: Path,
     with pytest.raises(SystemExit):
         main(["fleet", "generate", "--model", str(tmp_path), "--prompt-ids", "1", "--max-new-tokens", "0"])
     assert "argument --max-new-tokens: must be 1 or more, got 0" in capsys.readouterr().err
+
+
+def test_init_refuses_a_fleet_name_the_ca_cannot_carry_before_making_anything(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fleet", "init", "--name", "x" * 65, "--address", "10.0.0.5:1", "--data-dir",
+                 str(tmp_path / "ctl")]) == 2
+    assert "a fleet name must be 1 to 64 characters" in capsys.readouterr().err
+    assert not (tmp_path / "ctl").exists()
