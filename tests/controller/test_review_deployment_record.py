@@ -116,9 +116,10 @@ def test_stages_no_deployment_places_on_their_pc_are_found(store: FleetStore) ->
 
 def test_fleet_ls_marks_them(capsys: pytest.CaptureFixture[str]) -> None:
     report = SimpleNamespace(state=AgentState.SERVING, free_memory_bytes=8 << 30, reasons=(), detail="",
-                             stages=(StageRef("m@1", 0, 6), StageRef("m@1", 6, 8)))
+                             devices=("CPU",), stages=(StageRef("m@1", 0, 6), StageRef("m@1", 6, 8)))
     agent = SimpleNamespace(agent_id=AGENT, hostname="pc-bob", address="10.0.0.2:7431", sources=("registration",),
                             report=report, problem=None, certificate_expires=None)
     _print_agents([agent], {AGENT: [StageRef("m@1", 6, 8)]})
     assert capsys.readouterr().out.splitlines()[1].endswith("m@1[0:6], m@1[6:8] (not deployed)")
     assert _agent_json(agent, {AGENT: [StageRef("m@1", 6, 8)]})["stages_not_deployed"] == [["m@1", 6, 8]]
+    assert _agent_json(agent)["devices"] == ["CPU"]
