@@ -389,7 +389,7 @@ def _sign_join(store: FleetStore, request: JoinRequest, now: datetime.datetime) 
         if pki.RevocationSet(frozenset(_read_revoked(store))).is_revoked(agent_id):
             raise pki.PkiError(f"agent {agent_id[:12]} was removed from the fleet; join with a new key")
         roster = store.roster()  # before redeeming: a damaged roster costs no token use
-        ledger = _load_ledger(store)
+        ledger = _load_ledger(store, for_join=True)
         ledger.redeem(secret, now, agent_id)
         certificate = pki.sign_csr(ca, csr, now, role=Role.AGENT)
         _save_ledger(store, ledger)
@@ -427,9 +427,15 @@ async def _refuse(connection: ServerConnection, code: ErrorCode, text: str) -> N
         pass
 
 
-def _load_ledger(store: FleetStore) -> join_tokens.TokenLedger:
+def _load_ledger(store: FleetStore, *, for_join: bool = False) -> join_tokens.TokenLedger:
+    """tokens.json's ledger; FleetStoreError naming the file when it is malformed, or missing `for_join`: read
+    as empty, a lost file had refused every issued token as unknown, and nothing named why."""
     path = store.data_dir / "tokens.json"
-    body = store.read("tokens", [])
+    missing = object()
+    body = store.read("tokens", missing if for_join else [])
+    if body is missing:
+        raise FleetStoreError(f"{path} is missing (`fleet init` wrote it): every join token issued before it went "
+                              "is void; issue a new one with `deskfleet fleet token`, which writes the file again")
     if not isinstance(body, list):
         raise FleetStoreError(f"{path} must hold a list of issued secrets")
     try:

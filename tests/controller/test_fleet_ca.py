@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import logging
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -216,6 +217,20 @@ def test_a_join_while_the_roster_is_damaged_is_refused_and_spends_no_token(store
         assert '"uses_left": 1' in (store.data_dir / "tokens.json").read_text()
         store.write("agents", {})
         await join(text, tmp_path / "agent")  # the same token, once the roster is repaired
+
+    with_server(store, scenario)
+
+
+def test_a_join_after_tokens_json_is_lost_names_the_file(store: FleetStore, tmp_path: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario(server: FleetServer, address: str) -> None:
+        text = token_for(store, address)
+        (store.data_dir / "tokens.json").unlink()
+        with caplog.at_level(logging.ERROR), pytest.raises(EnrollmentError, match="needs repair"):
+            await join(text, tmp_path / "agent")
+        assert "tokens.json is missing" in caplog.text and "deskfleet fleet token" in caplog.text
+        assert not (store.data_dir / "tokens.json").exists()  # the join wrote no empty ledger in its place
+        await join(token_for(store, address), tmp_path / "agent")  # a new token writes the file again
 
     with_server(store, scenario)
 
