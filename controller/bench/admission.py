@@ -81,6 +81,11 @@ def run_admission_bench(model: Path, prompt_tokens: int = 1024, chunks: list[int
     if min(prompt_tokens, running, running_prompt_tokens, new_tokens, arrival_step, rounds) < 1:
         raise ValueError("prompt_tokens, running, running_prompt_tokens, new_tokens, arrival_step and rounds must be "
                          "at least 1")
+    whole = [chunk for chunk in chunks if chunk >= prompt_tokens]
+    if whole:
+        raise ValueError(f"chunk size(s) {', '.join(map(str, whole))} would feed the newcomer's prompt of "
+                         f"{prompt_tokens} tokens in one call, as chunk size 0 measures: give chunk sizes under "
+                         "--prompt-tokens")
     model = Path(model)
     manifest = load_manifest(model)
     spec = manifest.spec
