@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import platformdirs
 
 from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.availability import GIB, AvailabilityPolicy
-from deskfleet.common.devices import VIRTUAL, device_kind
+from deskfleet.common.devices import device_targets
 from deskfleet.common.wire import ProtocolError, parse_address
 
 APP_NAME = "deskfleet"
@@ -156,32 +155,6 @@ def load_settings(path: Path) -> AgentSettings:
     return AgentSettings.from_json(text, source=f"settings file {path}")
 
 
-def device_targets(device: str) -> tuple[str, ...]:
-    """The devices an OpenVINO device name runs on, as the discovery record lists them: "GPU.1" ->
-    ("GPU.1",); a virtual device's list -> its targets ("AUTO:GPU,CPU" and "HETERO:GPU,CPU" -> ("GPU",
-    "CPU")), those excluded with "-" ("AUTO:-NPU") and request counts ("MULTI:GPU(4),CPU") left out, and
-    the virtual device itself when none is left ("AUTO", "AUTO:-NPU" -> ("AUTO",)).
-
-    ValueError when `device` is not OpenVINO's syntax: an upper-case name with optional ".index"es, or
-    AUTO, MULTI, HETERO or BATCH with an optional ":" and a comma-separated list of such names.
-    """
-    kind, colon, listed = device.partition(":")
-    if not colon:
-        if not _is_device_name(device) or (device_kind(device) in VIRTUAL and device not in VIRTUAL):
-            raise ValueError(f"{device!r} is not an OpenVINO device name such as CPU, GPU.1 or AUTO:GPU,CPU")
-        return (device,)
-    if kind not in VIRTUAL:
-        raise ValueError(f"{device!r}: only {', '.join(sorted(VIRTUAL))} take a list of devices after ':'")
-    targets: list[str] = []
-    for item in listed.split(","):
-        target = _DEVICE_TARGET.fullmatch(item)
-        if target is None or not _is_device_name(target["name"]) or device_kind(target["name"]) in VIRTUAL:
-            raise ValueError(f"{device!r}: {item!r} is not a device name such as CPU or GPU.1")
-        if not target["excluded"] and target["name"] not in targets:
-            targets.append(target["name"])
-    return tuple(targets) or (kind,)
-
-
 def save_settings(path: Path, settings: AgentSettings) -> None:
     """Write `settings` to `path` atomically: a temp file in the same dir, fsynced, renamed over."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -190,9 +163,6 @@ def save_settings(path: Path, settings: AgentSettings) -> None:
 
 # Private functions
 
-_DEVICE_NAME = re.compile(r"[A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*")  # "GPU", "GPU.1", a tile "GPU.1.0"
-_DEVICE_NAME_CHARS = 32  # the longest name a discovery record carries
-_DEVICE_TARGET = re.compile(r"(?P<excluded>-?)(?P<name>" + _DEVICE_NAME.pattern + r")(?:\([0-9]{1,4}\))?")
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "bool": (bool,), "str": (str,), "int": (int,), "float": (int, float),
@@ -216,10 +186,6 @@ def _checked(kind: type, body: Any, source: str, skip: tuple[str, ...] = ()) -> 
         if isinstance(value, float) and not math.isfinite(value):  # 1e400 reads as inf
             raise SettingsError(f"{source}: field {name!r} must be a finite number, got {value!r}")
     return dict(body)
-
-
-def _is_device_name(name: str) -> bool:
-    return len(name) <= _DEVICE_NAME_CHARS and _DEVICE_NAME.fullmatch(name) is not None
 
 
 def _refuse_constant(name: str) -> Any:

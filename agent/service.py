@@ -33,11 +33,12 @@ from deskfleet.agent.core import AgentCore
 from deskfleet.agent.enroll import MEMBERSHIP_FILE, EnrollmentError, Membership, agent_tls_files
 from deskfleet.agent.link import Link, LinkError, LinkRefused, open_link, start_server, utc_now
 from deskfleet.agent.monitor import HostMonitor, SystemMonitor
-from deskfleet.agent.paths import AgentPaths, AgentSettings, device_targets, load_settings
+from deskfleet.agent.paths import AgentPaths, AgentSettings, load_settings
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement, cached_speed
 from deskfleet.agent.stage import openvino_devices
 from deskfleet.common import pki
+from deskfleet.common.devices import device_targets
 from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord
 from deskfleet.common.file_lock import pid_lock
 from deskfleet.common.version import software_version

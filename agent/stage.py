@@ -32,8 +32,7 @@ import openvino as ov
 import openvino.opset13 as ops
 from openvino import passes
 
-from deskfleet.agent.paths import device_targets
-from deskfleet.common.devices import VIRTUAL, device_kind, lists_device
+from deskfleet.common.devices import VIRTUAL, device_kind, device_targets, lists_device
 from deskfleet.common.model_spec import (
     ExportMismatchError,
     Manifest,

@@ -261,8 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     admission = benches.add_parser("admission", help="a long prompt arriving mid-run: what it stalls, chunked or not")
     admission.add_argument("--model", type=path_argument, required=True, help="export folder")
     admission.add_argument("--prompt-tokens", type=positive_int, default=1024, help="the newcomer's prompt")
-    admission.add_argument("--chunks", type=non_negative_int, nargs="+", default=[0, 64, 256],
-                           help="prefill chunk sizes to compare (0: the whole prompt in one call)")
+    admission.add_argument("--chunks", type=non_negative_int, nargs="+", default=None,
+                           help="prefill chunk sizes to compare (0: the whole prompt in one call; default: those of "
+                                "0 64 256 under --prompt-tokens)")
     admission.add_argument("--running", type=positive_int, default=2, help="streams decoding when it arrives")
     admission.add_argument("--new-tokens", type=positive_int, default=96, help="tokens each running stream makes")
     admission.add_argument("--rounds", type=positive_int, default=3)

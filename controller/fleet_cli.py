@@ -22,6 +22,7 @@ from typing import Any
 
 from deskfleet.common import event_loop
 from deskfleet.common.arguments import path_argument
+from deskfleet.common.devices import device_targets
 from deskfleet.common.planner import PlanPolicy
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.decoding_options import byte_count, parse_token_ids, positive_int
@@ -123,8 +124,6 @@ def _hop_ms(text: str) -> float:
 def _device_name(text: str) -> str:
     """argparse type: an OpenVINO device name, checked here: a typo was caught by the agents, after every shard
     had been sent."""
-    from deskfleet.agent.paths import device_targets
-
     try:
         device_targets(text)
     except ValueError as error:

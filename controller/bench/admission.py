@@ -36,6 +36,8 @@ from .host import host_report
 from .parity import summarize
 from .rounds import round_order
 
+DEFAULT_CHUNKS = (0, 64, 256)  # prefill chunk sizes compared (0: the whole prompt in one call)
+
 
 @dataclass
 class _Timeline:
@@ -75,16 +77,18 @@ def run_admission_bench(model: Path, prompt_tokens: int = 1024, chunks: list[int
                         running_prompt_tokens: int = 32, new_tokens: int = 96, arrival_step: int = 8,
                         rounds: int = 3, settings: CompileSettings | None = None,
                         progress: bool = True) -> dict[str, Any]:
-    chunks = list(dict.fromkeys(chunks if chunks is not None else [0, 64, 256]))
+    # the default sizes that chunk the prompt at all (a size of the prompt or more feeds it whole, as 0 does)
+    chunks = list(dict.fromkeys(chunks if chunks is not None
+                                else [chunk for chunk in DEFAULT_CHUNKS if chunk < prompt_tokens]))
     if any(chunk < 0 for chunk in chunks):
         raise ValueError(f"chunk sizes must be 0 (the whole prompt) or more, got {chunks}")
     if min(prompt_tokens, running, running_prompt_tokens, new_tokens, arrival_step, rounds) < 1:
         raise ValueError("prompt_tokens, running, running_prompt_tokens, new_tokens, arrival_step and rounds must be "
                          "at least 1")
-    whole = [chunk for chunk in chunks if chunk >= prompt_tokens]
-    if whole:
-        raise ValueError(f"chunk size(s) {', '.join(map(str, whole))} would feed the newcomer's prompt of "
-                         f"{prompt_tokens} tokens in one call, as chunk size 0 measures: give chunk sizes under "
+    unchunked = [chunk for chunk in chunks if chunk >= prompt_tokens]
+    if unchunked:
+        raise ValueError(f"--chunks {' '.join(map(str, unchunked))} would feed the newcomer's prompt of "
+                         f"{prompt_tokens} tokens in one call, as chunk size 0 measures: give --chunks under "
                          "--prompt-tokens")
     model = Path(model)
     manifest = load_manifest(model)

@@ -15,11 +15,11 @@ from deskfleet.agent.paths import (
     AgentSettings,
     SettingsError,
     Thresholds,
-    device_targets,
     load_settings,
     save_settings,
 )
 from deskfleet.common.agent_state import AgentState
+from deskfleet.common.devices import device_targets
 from deskfleet.common.discovery_record import AgentRecord
 from deskfleet.common.wire import StatusReport
 
