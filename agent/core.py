@@ -146,6 +146,7 @@ class AgentCore:
         self._speed: SpeedMeasurement | None = None
         self._device_probe = device_probe  # the devices OpenVINO finds: asked once, like the speed
         self._devices: tuple[str, ...] = ()
+        self._device_probe_lock = asyncio.Lock()
         self.num_threads = num_threads  # inference threads per stage; None: the device's default
         self.settings = settings
         self.cache = cache
@@ -316,15 +317,18 @@ class AgentCore:
 
     async def _reported_devices(self) -> tuple[str, ...]:
         """The devices OpenVINO finds, asked once (off the event loop); () when the probe failed or listed names
-        the wire cannot carry: reported as not known, which no plan leaves out."""
-        if self._device_probe is not None:
-            probe, self._device_probe = self._device_probe, None
-            try:
-                devices = tuple(await asyncio.to_thread(probe))
-                check_devices(devices)
-                self._devices = devices
-            except (RuntimeError, OSError, ValueError) as error:  # ProtocolError is a ValueError
-                self._note_error(f"cannot list the OpenVINO devices: {error}")
+        the wire cannot carry: reported as not known, which no plan leaves out. A status asked for while the
+        probe runs (the mDNS record's, a survey's, at start) waits for it: it was reported as () and a plan
+        for a device the PC lacks did not leave it out."""
+        async with self._device_probe_lock:
+            if self._device_probe is not None:
+                probe, self._device_probe = self._device_probe, None
+                try:
+                    devices = tuple(await asyncio.to_thread(probe))
+                    check_devices(devices)
+                    self._devices = devices
+                except (RuntimeError, OSError, ValueError) as error:  # ProtocolError is a ValueError
+                    self._note_error(f"cannot list the OpenVINO devices: {error}")
         return self._devices
 
     async def _read_monitor(self) -> MonitorReading:

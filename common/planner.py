@@ -180,7 +180,7 @@ class PlanOptions:
     # way. A failover adds one where a stage could not reach its next hop while the controller reaches both.
     broken_links: frozenset[tuple[str, str]] = frozenset()
     # The device the stages will compile on: an agent whose OpenVINO lists none is left out (one that reports no
-    # devices, an older agent, is not). None: not checked (a plan on paper).
+    # devices, its probe having failed, is not). None: not checked (a plan on paper).
     device: str | None = None
 
 

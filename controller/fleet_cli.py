@@ -328,6 +328,7 @@ def _agent_json(agent: Any, undeployed: dict[str, list[Any]] | None = None) -> d
             "reasons": [reason.value for reason in report.reasons] if report else [],
             "detail": report.detail if report else "",
             "devices": list(report.devices) if report else [],  # what OpenVINO finds there; []: not reported
+            "last_error": report.last_error if report else None,  # the agent's latest error (a failed probe, a stage)
             "stages": [[s.model_id, s.layer_start, s.layer_end] for s in report.stages] if report else [],
             # hosted, but placed there by no deployment (see undeployed_stages): the next deploy releases them
             "stages_not_deployed": [[s.model_id, s.layer_start, s.layer_end]

@@ -363,6 +363,28 @@ def test_status_carries_the_devices_openvino_finds_asked_once(core: AgentCore) -
     assert probes == [1]
 
 
+def test_a_status_asked_while_the_devices_are_listed_waits_for_them(core: AgentCore) -> None:
+    # at start the mDNS record and a survey ask at once: the second was reported as knowing no devices
+    started, release = threading.Event(), threading.Event()
+
+    def probe() -> tuple[str, ...]:
+        started.set()
+        release.wait(10)
+        return ("CPU", "GPU.0")
+
+    core._device_probe = probe
+
+    async def both() -> list[StatusReport]:
+        first = asyncio.create_task(core.status())
+        await asyncio.to_thread(started.wait, 10)
+        second = asyncio.create_task(core.status())
+        await asyncio.sleep(0.05)
+        release.set()
+        return list(await asyncio.gather(first, second))
+
+    assert [report.devices for report in asyncio.run(both())] == [("CPU", "GPU.0")] * 2
+
+
 @pytest.mark.parametrize(("listed", "why"), [(RuntimeError("plugin failed to load"), "plugin failed to load"),
                                              (("CPU", "GPU,CPU"), "devices must be at most 32 OpenVINO device names")])
 def test_devices_that_cannot_be_listed_are_reported_as_not_known(core: AgentCore, listed: object, why: str) -> None:
