@@ -35,7 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deskfleet-agent", description="The deskfleet agent of this PC.")
+    # allow_abbrev=False, as `deskfleet`'s: `--head` was taken for --headless and `join --host` for --hostname
+    parser = argparse.ArgumentParser(prog="deskfleet-agent", description="The deskfleet agent of this PC.",
+                                     allow_abbrev=False)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
     parser.add_argument("--headless", action="store_true", help="run the agent core without a tray")
     parser.add_argument("--data-dir", type=path_argument, default=None,
@@ -43,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--listen", default=None, metavar="HOST:PORT",
                         help="address to accept fleet links on (default: the settings file's)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    join = commands.add_parser("join", help="enroll this PC with a join token from the fleet's admin")
+    join = commands.add_parser("join", help="enroll this PC with a join token from the fleet's admin",
+                               allow_abbrev=False)
     join.add_argument("token", help="the token printed by `deskfleet fleet token`; - reads it from standard "
                                     "input (a token on the command line shows in the process list and history)")
     join.add_argument("--data-dir", type=path_argument, default=argparse.SUPPRESS, help="as above")
@@ -51,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (("pause", "opt this PC out: it serves no model until `resume` (a stage it hosts is given "
                                  "up within seconds; the generation goes on without it)"),
                        ("resume", "end a pause: the next plan may use this PC again")):
-        command = commands.add_parser(name, help=text)
+        command = commands.add_parser(name, help=text, allow_abbrev=False)
         command.add_argument("--data-dir", type=path_argument, default=argparse.SUPPRESS,
                              help="the agent's data dir, as given to `join` and `--headless`")
     return parser

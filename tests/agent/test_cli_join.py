@@ -33,3 +33,11 @@ def test_join_dash_with_nothing_on_standard_input_says_how_to_give_it(tmp_path: 
     monkeypatch.setattr("sys.stdin", io.StringIO("\n"))
     assert cli.main(["--data-dir", str(tmp_path), "join", "-"]) == 2
     assert "`join -` found no token on standard input: pipe it in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--head"], ["join", "dfj1.x", "--host", "pc"], ["pause", "--data", "d"]])
+def test_no_option_is_taken_by_an_abbreviation(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # as `deskfleet`'s: `--head` ran the agent as --headless, `join --host` named it as --hostname
+    with pytest.raises(SystemExit) as exit_code:
+        cli.build_parser().parse_args(argv)
+    assert exit_code.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
