@@ -1,4 +1,8 @@
-from deskfleet.common.devices import VIRTUAL, device_kind, lists_device
+import re
+
+import pytest
+
+from deskfleet.common.devices import VIRTUAL, device_kind, device_targets, lists_device
 
 
 def test_device_kind_drops_index_and_targets() -> None:
@@ -20,3 +24,11 @@ def test_a_device_is_listed_by_kind_by_index_or_as_the_lone_one() -> None:
     assert not lists_device("MULTI:GPU,NPU", ["CPU"]) and not lists_device("HETERO:GPU", [])
     assert not lists_device("BATCH:GPU(4)", ["CPU", "NPU"]) and lists_device("BATCH:GPU(4)", ["CPU", "GPU"])
     assert not lists_device("AUTO:GPU.1,-CPU", ["CPU", "GPU"])
+
+
+def test_device_targets_lists_what_a_name_runs_on_and_refuses_what_openvino_would_not_read() -> None:
+    assert device_targets("GPU.1") == ("GPU.1",) and device_targets("AUTO") == ("AUTO",)
+    assert device_targets("MULTI:GPU(4),CPU(2),GPU") == ("GPU", "CPU") and device_targets("AUTO:-NPU") == ("AUTO",)
+    for name in ("cpu", "GPU,CPU", "CPU:GPU", "AUTO:", "AUTO:MULTI", "X" * 33):
+        with pytest.raises(ValueError, match=re.escape(repr(name))):
+            device_targets(name)
