@@ -331,7 +331,7 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
                           agents=frozenset().union(*(error.agents for error in failed))) from None
     report = DeployReport(model_id, placements, sent, files)
     _save_deployment(store, model_dir, report, settings)
-    await _release_left_out(found, model_id, placements)
+    await _release_left_out(store, found, model_id)
     return result, report
 
 
@@ -355,31 +355,36 @@ async def _deploy_all(model_dir: Path, manifest: Manifest, model_id: str, placem
             tasks.create_task(_deploy_stage(link, model_dir, assignment, sent, files, progress))
 
 
-async def _release_left_out(found: Survey, model_id: str, placements: tuple[StagePlacement, ...]) -> None:
-    """Tell each surveyed agent outside `placements` to release the stages of `model_id` it reported (those
-    in the plan replaced theirs when assigned). A failure is logged: the deployment stands without it."""
-    placed = {placement.agent_id for placement in placements}
-    for agent in found.reachable():
-        if agent.agent_id is None or agent.agent_id in placed or agent.report is None:
-            continue
-        link = found.links[agent.agent_id]
-        for stage in agent.report.stages:
-            if stage.model_id != model_id:
+async def _release_left_out(store: FleetStore, found: Survey, model_id: str) -> None:
+    """Once `model_id`'s deployment is saved, tell each surveyed agent to release the stages of this model (of
+    this id, or an earlier export's of the same name) it reported that no deployment places on it: those the
+    new plan leaves out, those a failover left behind, those of the export this one replaced. A stage the plan
+    gave the PC again with other layers was replaced when assigned: releasing it does nothing. A failure is
+    logged: the deployment stands without it."""
+    hosted: dict[str, Sequence[StageRef]] = {agent.agent_id: agent.report.stages for agent in found.reachable()
+              if agent.agent_id is not None and agent.report is not None}
+    for agent_id, stale in undeployed_stages(store, hosted).items():
+        link = found.links[agent_id]
+        for stage in stale:
+            if _model_name(stage.model_id) != _model_name(model_id):
                 continue
+            why = "the new plan leaves it out" if stage.model_id == model_id else f"{model_id} replaces it"
             try:
                 await link.send(ReleaseStage(stage))
-                log.info("agent %s released %s[%d:%d]: the new plan leaves it out", agent.agent_id[:12],
-                         model_id, stage.layer_start, stage.layer_end)
+                log.info("agent %s released %s[%d:%d]: %s", agent_id[:12], stage.model_id, stage.layer_start,
+                         stage.layer_end, why)
             except LinkError as error:
                 log.warning("agent %s keeps its unused stage %s[%d:%d] (cannot tell it to release it: %s)",
-                            agent.agent_id[:12], model_id, stage.layer_start, stage.layer_end, error)
+                            agent_id[:12], stage.model_id, stage.layer_start, stage.layer_end, error)
 
 
 def undeployed_stages(store: FleetStore, hosted: dict[str, Sequence[StageRef]]) -> dict[str, list[StageRef]]:
     """Of the stages each agent hosts (by agent id), those deployments.json does not place on it: left by a
-    failover that re-planned without the PC while it was unreachable (it could not be told to release them), or
-    of a model no deployment names. Nothing drives them; the next deploy of the model releases them. A model
-    whose record is damaged counts as placing its stages (nothing is known of it). DeployError for a damaged file.
+    failover that re-planned without the PC while it was unreachable (it could not be told to release them), of
+    a model no deployment names, or of an export its folder no longer holds (exported again since: the folder's
+    model has another id, and nothing can drive the old one). Nothing drives them; the next deploy of the model
+    releases them. A model whose record is damaged, or whose folder cannot be read, counts as placing its stages
+    (nothing is known of it). DeployError for a damaged file.
     """
     placed: set[tuple[str, str, int, int]] = set()
     unknown: set[str] = set()
@@ -388,6 +393,8 @@ def undeployed_stages(store: FleetStore, hosted: dict[str, Sequence[StageRef]]) 
             stages = _placements_of(record.get("stages") if isinstance(record, dict) else None)
         except ValueError:
             unknown.add(model_id)
+            continue
+        if _exported_again(record, model_id):
             continue
         placed.update((stage.agent_id, model_id, stage.layer_start, stage.layer_end) for stage in stages)
     return {agent_id: stale for agent_id, refs in hosted.items()
@@ -433,6 +440,24 @@ def load_deploy_settings(store: FleetStore, model_dir: Path) -> DeploySettings:
 def _at(address: str) -> str:
     """" at ADDRESS", or nothing for an enrolled PC that never said where it listens."""
     return "" if address == NO_ADDRESS else f" at {address}"
+
+
+def _model_name(model_id: str) -> str:
+    """"target" of "target@3a5e4f65328a" (model_id_of): the name every export of a model shares."""
+    return model_id.rpartition("@")[0] or model_id
+
+
+def _exported_again(record: dict[str, Any], model_id: str) -> bool:
+    """Whether the folder a deployment record names now holds another export than `model_id` (exported again,
+    `--overwrite`, or another model in its place); False where that cannot be told (no folder named, none there,
+    or no readable export in it)."""
+    folder = record.get("model_dir")
+    if not isinstance(folder, str):
+        return False
+    try:
+        return model_id_of(Path(folder)) != model_id
+    except (OSError, ManifestError):
+        return False
 
 
 def _deployments(store: FleetStore) -> dict[str, Any]:
@@ -598,8 +623,13 @@ async def _expect(link: Link, kind: type[_M], timeout: float) -> _M:
 
 def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, settings: DeploySettings) -> None:
     with store.locked():
-        deployments = dict(_deployments(store))
-        deployments[report.model_id] = {"model_dir": str(model_dir.resolve()),
+        folder = str(model_dir.resolve())
+        # an earlier export's record of this folder: the folder holds this export now, so nothing can drive that
+        # one (its stages are released by the caller, or marked "not deployed" where they cannot be)
+        deployments = {model_id: record for model_id, record in _deployments(store).items()
+                       if model_id == report.model_id or not isinstance(record, dict)
+                       or record.get("model_dir") != folder}
+        deployments[report.model_id] = {"model_dir": folder,
                                         "stages": [asdict(stage) for stage in report.stages],
                                         "settings": {"policy": settings.policy.value, "streams": settings.streams,
                                                      "precision": settings.precision.value,

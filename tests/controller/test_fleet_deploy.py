@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from deskfleet.controller.fleet_deploy import (
     deploy,
     load_deploy_settings,
     load_deployment,
+    undeployed_stages,
 )
 from deskfleet.controller.fleet_failover import FleetFailover
 from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
@@ -341,3 +343,49 @@ def test_the_bytes_sent_are_read_through_the_handle_that_was_checked(tmp_path: P
         assert stream.read() == data
     with pytest.raises(DeployError, match=r"layer_000\.bin is a symbolic link"):
         _open_export_file(folder, entry)
+
+
+def test_a_re_export_deployed_again_releases_the_old_exports_stages(tmp_path: Path, tiny_export: Path) -> None:
+    # A re-export (a new id) deployed again left the old export's stages hosted on every PC, listed as serving,
+    # with deployments.json naming both ids for one folder: nothing could drive the old one or release it.
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    ca = load_ca(store)
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    model = tmp_path / "model"
+    shutil.copytree(tiny_export, model)
+    ports = [free_port(), free_port()]
+    policy = PlanOptions(policy=PlanPolicy.ALL_BY_SPEED, hop_cost=0.0)
+
+    async def scenario() -> None:
+        cores, servers = [], []
+        for index, port in enumerate(ports):
+            files = make_member(ca, tmp_path / f"agent{index}", "agent")
+            cores.append(AgentCore(files, settings, ShardCache(tmp_path / f"cache{index}", 1 << 30), FakeMonitor(),
+                                   device_probe=lambda: ("CPU",)))
+            servers.append(await start_server(cores[-1].serve_link, "127.0.0.1", port, files))
+        options = SurveyOptions(peers=tuple(f"127.0.0.1:{port}" for port in ports), discover_seconds=0)
+
+        async def deploy_once() -> str:
+            found = await survey(store, options)
+            try:
+                _, report = await deploy(store, model, found, policy)
+            finally:
+                await found.close()
+            return report.model_id
+
+        old = await deploy_once()
+        assert all({ref.model_id for ref in core.stages} == {old} for core in cores)
+        manifest = model / "manifest.json"  # exported again: the same model, a manifest of other bytes
+        manifest.write_text(manifest.read_text() + "\n")
+        hosted = {core.agent_id: list(core.stages) for core in cores}
+        assert undeployed_stages(store, hosted) == hosted  # the folder holds another export: marked, not serving
+        new = await deploy_once()
+        assert new != old
+        assert all({ref.model_id for ref in core.stages} == {new} for core in cores)
+        assert list(json.loads((store.data_dir / "deployments.json").read_text())["body"]) == [new]
+        for server in servers:
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(scenario())
