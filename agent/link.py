@@ -293,7 +293,7 @@ async def open_link(address: str, files: TlsFiles, expected_agent_id: str | None
                           f"{error.response.body.decode('utf-8', 'replace').strip()}",
                           error.response.status_code) from None
     except (OSError, TimeoutError, InvalidHandshake, ssl.SSLError) as error:
-        raise LinkError(f"cannot reach {address}: {error or type(error).__name__}") from None
+        raise LinkError(f"cannot reach {address}: {_connect_failure(error)}") from None
     try:
         peer = peer_identity(connection, files.ca_certificate(), revocations())
     except pki.PkiError as error:  # the peer is told why (an expired certificate: whose, since when, the fix)
@@ -409,6 +409,17 @@ def _remote(connection: Connection) -> str:
 
 def _uri_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+def _connect_failure(error: BaseException) -> str:
+    """Why a link could not open, never blank: a listener that drops the connection mid-handshake (not a fleet
+    member: another service on the port) raised ConnectionResetError with no text, and `fleet ls` said only
+    "cannot reach ADDRESS: "."""
+    text = str(error) or type(error).__name__
+    if isinstance(error, (ConnectionResetError, ssl.SSLEOFError, asyncio.IncompleteReadError)):
+        return f"{text}: it closed the connection during the TLS handshake (is a deskfleet agent or controller " \
+               "listening there, or another service?)"
+    return text
 
 
 __all__ = ["PING_INTERVAL_S", "PING_TIMEOUT_S", "Link", "LinkError", "LinkVersionError", "Role", "TlsFiles",

@@ -101,6 +101,24 @@ def test_a_foreign_certificate_fails_the_handshake(tmp_path: Path) -> None:
     run(scenario())
 
 
+def test_a_listener_that_drops_the_handshake_is_named_not_left_blank(tmp_path: Path) -> None:
+    # another service on the port, reading and closing: `fleet ls` said "cannot reach 127.0.0.1:PORT: " and no more
+    async def scenario() -> None:
+        async def read_and_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(100)
+            writer.close()
+
+        server = await asyncio.start_server(read_and_close, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        files = make_member(make_ca(tmp_path / "ca"), tmp_path / "controller", "controller")
+        async with server:
+            with pytest.raises(LinkError, match=rf"cannot reach 127\.0\.0\.1:{port}: \w+.* closed the connection "
+                                                "during the TLS handshake"):
+                await open_link(f"127.0.0.1:{port}", files)
+
+    run(scenario())
+
+
 def test_a_peer_that_skips_hello_never_reaches_the_handler(tmp_path: Path) -> None:
     async def scenario() -> None:
         from websockets.asyncio.client import connect
