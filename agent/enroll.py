@@ -135,7 +135,8 @@ async def join(token_text: str, state_dir: Path, hostname: str | None = None) ->
             membership = await asyncio.wait_for(_join_at(address, token, key, hostname, files), JOIN_TIMEOUT_S)
         except (EnrollmentError, TimeoutError) as error:
             problems.append(f"{address}: {str(error) or f'no answer within {JOIN_TIMEOUT_S:.0f} s'}")
-            log.warning("join via %s failed: %s", address, error)
+            if len(token.controller_addresses) > 1:  # the next address is tried; the error lists them all at the end
+                log.warning("join via %s failed: %s", address, error)
             continue
         membership.save(state_dir)
         return membership
@@ -175,7 +176,9 @@ async def _join_at(address: str, token: join_tokens.JoinToken, key: ec.EllipticC
                                    server_hostname=host,
                                    **(websocket_options() | {"max_size": ENROLLMENT_MAX_FRAME_BYTES}))
     except (OSError, InvalidHandshake, ssl.SSLError) as error:
-        raise EnrollmentError(f"cannot reach the controller: {error}") from None
+        # a join is answered by `fleet serve`: with it stopped, "Connection refused" named nothing to start
+        raise EnrollmentError(f"cannot reach the controller: {str(error) or type(error).__name__} (is `deskfleet "
+                              "fleet serve` running there?)") from None
     async with connection:
         try:
             offer = await _receive(connection)

@@ -372,7 +372,8 @@ async def _join_exchange(connection: ServerConnection, store: FleetStore) -> Non
                       else ErrorCode.BAD_MESSAGE, str(error))
     except join_tokens.TokenRejected as error:
         log.warning("join from %s refused: %s", remote, error)
-        await _refuse(connection, ErrorCode.JOIN_REFUSED, "the join token is unknown, expired or used up")
+        await _refuse(connection, ErrorCode.JOIN_REFUSED, "the join token is unknown, expired or used up: ask the "
+                      "fleet's admin for a new one (`deskfleet fleet token`)")
     except FleetStoreError as error:
         log.error("join from %s failed: %s", remote, error)
         await _refuse(connection, ErrorCode.INTERNAL, "the controller's data dir needs repair (see its log)")

@@ -193,7 +193,8 @@ def test_a_used_token_and_a_wrong_ca_are_refused(store: FleetStore, tmp_path: Pa
     async def scenario(server: FleetServer, address: str) -> None:
         text = token_for(store, address)
         await join(text, tmp_path / "first")
-        with pytest.raises(EnrollmentError, match="refused"):
+        with pytest.raises(EnrollmentError, match=r"refused: .*used up: ask the fleet's admin for a new one "
+                                                  r"\(`deskfleet fleet token`\)"):
             await join(text, tmp_path / "second")
         token = join_tokens.decode_join_token(token_for(store, address))
         forged = join_tokens.encode_join_token(dataclasses.replace(token, ca_fingerprint="0" * 64))
@@ -203,6 +204,16 @@ def test_a_used_token_and_a_wrong_ca_are_refused(store: FleetStore, tmp_path: Pa
         assert '"uses_left": 1' in ledger  # the forged attempt never spent the real token
 
     with_server(store, scenario)
+
+
+def test_a_join_while_fleet_serve_is_stopped_says_to_start_it(store: FleetStore, tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    # it said "cannot reach the controller: [Errno 111] Connect call failed", twice (a warning, then the error)
+    address = f"127.0.0.1:{free_port()}"
+    expected = rf"{address}: cannot reach the controller: .* \(is `deskfleet fleet serve` running there\?\)"
+    with caplog.at_level(logging.WARNING), pytest.raises(EnrollmentError, match=expected):
+        asyncio.run(join(token_for(store, address), tmp_path / "agent"))
+    assert "join via" not in caplog.text  # one address: the error alone says it
 
 
 def test_a_join_while_the_roster_is_damaged_is_refused_and_spends_no_token(store: FleetStore, tmp_path: Path) -> None:
