@@ -81,8 +81,10 @@ class Membership:
         try:
             body = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
+            # the usual cause once a PC has joined: the agent started without the --data-dir it joined with
             raise EnrollmentError(f"this agent has not joined a fleet ({path} is missing): run "
-                                  f"`{join_command}` first") from None
+                                  f"`{join_command}` first, or, if this PC joined with --data-dir D, give the agent "
+                                  "the same --data-dir D") from None
         except (OSError, ValueError) as error:
             raise EnrollmentError(f"{path} is unreadable: {error}") from None
         try:
