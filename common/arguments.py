@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+MAX_BROWSE_S = 600.0  # the longest mDNS browse a --discover-seconds asks for
+
 
 def path_argument(text: str) -> Path:
     """argparse type: a path, refused when empty. Path("") is the current folder, so an unset variable (`-o "$OUT"`)
@@ -12,3 +14,14 @@ def path_argument(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty (an unset variable?): give a path; . names the current folder")
     return Path(text)
+
+
+def browse_seconds(text: str) -> float:
+    """argparse type: how long to browse mDNS, 0 to MAX_BROWSE_S seconds (NaN, infinity, negatives refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value <= MAX_BROWSE_S:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"must be 0 to {MAX_BROWSE_S:.0f} seconds, got {text}")
+    return value

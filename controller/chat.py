@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from deskfleet.agent.stage import CompileSettings
-from deskfleet.common.arguments import path_argument
+from deskfleet.common.arguments import browse_seconds, path_argument
 from deskfleet.common.model_spec import Manifest, load_manifest
 from deskfleet.common.wire import MICRO_BATCH_IDLE_S
 
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_FAILOVERS = 2  # re-plans per run when a PC of the fleet drops out
+FAILOVER_BROWSE_S = 1.0  # a re-plan's mDNS browse for the PCs left, unless --discover-seconds says otherwise
 # A reply's KV state kept on the fleet is resumed by the next turn only within this: the agents free a micro-batch
 # idle for MICRO_BATCH_IDLE_S, and a step on a freed one fails (the failover then feeds the turn whole).
 FLEET_KEPT_KV_S = MICRO_BATCH_IDLE_S / 2
@@ -64,6 +65,7 @@ class ChatOptions(DecodingOptions):
     model: Path
     fleet_dir: Path | None = None  # the controller data dir: chat over the deployed chain; None: local
     max_failovers: int = DEFAULT_MAX_FAILOVERS  # fleet only: re-plans when a PC drops out mid-reply
+    discover_seconds: float | None = None  # fleet only: a re-plan's mDNS browse (None: FAILOVER_BROWSE_S)
     stages: int = 1  # local only
     system: str | None = None
     max_new_tokens: int = 256
@@ -115,12 +117,17 @@ def add_fleet_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-failovers", type=non_negative_int, default=None,
                         help="--fleet: when a PC drops out mid-generation, re-plan over the others and resume, "
                              f"at most this many times per run (0: fail at once; default {DEFAULT_MAX_FAILOVERS})")
+    # None: not given (FAILOVER_BROWSE_S), likewise
+    parser.add_argument("--discover-seconds", type=browse_seconds, default=None,
+                        help="--fleet: how long a re-plan browses mDNS for the PCs left (0: none, where multicast "
+                             f"is unwanted: registrations and the deployment's addresses only; default "
+                             f"{FAILOVER_BROWSE_S:g})")
 
 
 def check_fleet_options(args: argparse.Namespace) -> None:
     """Refuse (ValueError), naming it, an option of generate or chat that the run would ignore: --stages with
     --fleet (the deployment decides the stages), the compile options with --fleet but no --draft (they compile
-    only a draft model here), --data-dir and --max-failovers without --fleet."""
+    only a draft model here), --data-dir, --max-failovers and --discover-seconds without --fleet."""
     if args.fleet:
         if args.stages is not None:
             raise ValueError(f"--stages {args.stages} with --fleet: the fleet's deployed plan decides the stages "
@@ -132,7 +139,8 @@ def check_fleet_options(args: argparse.Namespace) -> None:
                              "as the model was deployed (`deskfleet fleet deploy --precision/--kv-cache/--device`); "
                              "leave them out")
         return
-    for name, option in (("data_dir", "--data-dir"), ("max_failovers", "--max-failovers")):
+    for name, option in (("data_dir", "--data-dir"), ("max_failovers", "--max-failovers"),
+                         ("discover_seconds", "--discover-seconds")):
         if getattr(args, name) is not None:
             raise ValueError(f"{option} without --fleet: it applies to runs on the fleet only; give --fleet or "
                              f"leave out {option}")
@@ -144,11 +152,12 @@ def fleet_max_failovers(args: argparse.Namespace) -> int:
 
 
 def generate_on_fleet(options: GenerateOptions, data_dir: Path | None, stream_text: bool = False,
-                      max_failovers: int = DEFAULT_MAX_FAILOVERS) -> dict[str, object]:
+                      max_failovers: int = DEFAULT_MAX_FAILOVERS,
+                      discover_seconds: float | None = None) -> dict[str, object]:
     """`deskfleet generate --fleet`: run_generate over the deployed chain of `options.model`, re-planned
-    (at most `max_failovers` times) when a PC drops out."""
+    (at most `max_failovers` times, each browsing mDNS for `discover_seconds`) when a PC drops out."""
     store = _store(data_dir)
-    with _open_fleet_chain(store, options.model, max_failovers) as (chain, failover):
+    with _open_fleet_chain(store, options.model, max_failovers, discover_seconds) as (chain, failover):
         report = run_generate(options, stream_text, chain=chain, chain_stages=chain.num_stages, recover=failover)
     report["fleet"] = True
     report["replans"] = failover.replans
@@ -446,15 +455,19 @@ def _store(data_dir: Path | None) -> FleetStore:
 
 
 @contextmanager
-def _open_fleet_chain(store: FleetStore, model: Path, max_failovers: int
+def _open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discover_seconds: float | None = None
                       ) -> Iterator[tuple[FleetPipeline, FleetFailover]]:
-    """The deployed chain of `model` and the failover that replaces it when a PC drops out. A PC that is
-    already gone when the chain opens counts as the first failover."""
+    """The deployed chain of `model` and the failover that replaces it when a PC drops out, its re-plans browsing
+    mDNS for `discover_seconds` (None: FAILOVER_BROWSE_S). A PC that is already gone when the chain opens counts
+    as the first failover."""
     from .fleet_failover import FleetFailover
     from .fleet_pipeline import ChainError, FleetPipeline
+    from .fleet_survey import SurveyOptions
 
+    browse = FAILOVER_BROWSE_S if discover_seconds is None else discover_seconds
     with ExitStack() as stack:
-        failover = stack.enter_context(FleetFailover(store, model, max_failovers))
+        failover = stack.enter_context(FleetFailover(store, model, max_failovers,
+                                                     survey_options=SurveyOptions(discover_seconds=browse)))
         try:
             chain = stack.enter_context(FleetPipeline.from_store(store, model))
         except ChainError as error:
@@ -468,7 +481,8 @@ def _open_chain(options: ChatOptions, settings: CompileSettings
                 ) -> AbstractContextManager[tuple[StageChain, FleetFailover | None]]:
     """The fleet's chain, or local stages compiled with `settings` (the run's target settings)."""
     if options.fleet_dir is not None:
-        return _open_fleet_chain(_store(options.fleet_dir), options.model, options.max_failovers)
+        return _open_fleet_chain(_store(options.fleet_dir), options.model, options.max_failovers,
+                                 options.discover_seconds)
     from .pipeline import LocalPipeline
 
     return _closing(LocalPipeline(options.model, options.stages, settings))
@@ -497,7 +511,8 @@ def _chat_command(args: argparse.Namespace) -> int:
     compile_settings = CompileSettings(device=args.device, precision=Precision(args.precision),
                                        num_threads=args.threads, kv_cache=args.kv_cache)
     options = ChatOptions(model=args.model, fleet_dir=(args.data_dir or default_data_dir()) if args.fleet else None,
-                          max_failovers=fleet_max_failovers(args), stages=args.stages or 1, system=args.system,
+                          max_failovers=fleet_max_failovers(args), discover_seconds=args.discover_seconds,
+                          stages=args.stages or 1, system=args.system,
                           max_new_tokens=args.max_new_tokens, reuse_kv=args.reuse_kv,
                           **decoding_arguments(args, compile_settings))
     if isinstance(sys.stdin, io.TextIOWrapper):  # a line that is not UTF-8 reaches run_chat, which refuses it alone

@@ -458,7 +458,7 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         if args.fleet:
             report = generate_on_fleet(options, args.data_dir, stream_text=not args.json,
-                                       max_failovers=fleet_max_failovers(args))
+                                       max_failovers=fleet_max_failovers(args), discover_seconds=args.discover_seconds)
         else:
             report = run_generate(options, stream_text=not args.json)
     except KeyboardInterrupt:

@@ -21,7 +21,7 @@ from collections import Counter
 from typing import Any
 
 from deskfleet.common import event_loop
-from deskfleet.common.arguments import path_argument
+from deskfleet.common.arguments import browse_seconds, path_argument
 from deskfleet.common.devices import device_targets
 from deskfleet.common.planner import PlanPolicy
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
@@ -29,7 +29,6 @@ from deskfleet.controller.decoding_options import byte_count, parse_token_ids, p
 from deskfleet.controller.fleet_store import MIN_ID_PREFIX, FleetStoreError
 
 _POLICIES = [policy.value for policy in PlanPolicy]
-_MAX_BROWSE_S = 600.0
 PAPER_OPTIONS = ("layers", "layer_bytes", "embed_bytes", "head_bytes", "kv_bytes_per_token", "context", "width")
 PAPER_CONTEXT = 4096
 # A plan holds a few objects per layer: 10^8 layers (--layers and --layer-bytes swapped) filled the memory for
@@ -81,7 +80,7 @@ def add_fleet_commands(subparsers: Any) -> None:
         parser = command(name, help_text)
         parser.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                             help="also dial this agent address (repeatable)")
-        parser.add_argument("--discover-seconds", type=_browse_seconds, default=2.0,
+        parser.add_argument("--discover-seconds", type=browse_seconds, default=2.0,
                             help="how long to browse mDNS for agents (0: registrations and --peer only)")
         parser.add_argument("--json", action="store_true", help="print JSON")
         parser.set_defaults(handler=handler)
@@ -129,17 +128,6 @@ def _device_name(text: str) -> str:
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return text
-
-
-def _browse_seconds(text: str) -> float:
-    """argparse type: how long to browse mDNS, 0 to _MAX_BROWSE_S seconds (NaN, infinity, negatives refused)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 <= value <= _MAX_BROWSE_S:  # NaN fails this too
-        raise argparse.ArgumentTypeError(f"must be 0 to {_MAX_BROWSE_S:.0f} seconds, got {text}")
-    return value
 
 
 # Private methods: trust

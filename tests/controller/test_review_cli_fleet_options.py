@@ -30,6 +30,8 @@ CHAT = ["chat", "--model", "m"]
     ([*GENERATE, "--max-failovers", "0"], "--max-failovers without --fleet"),
     ([*CHAT, "--data-dir", "d"], "--data-dir without --fleet"),
     ([*CHAT, "--max-failovers", "3"], "--max-failovers without --fleet"),
+    ([*GENERATE, "--discover-seconds", "0"], "--discover-seconds without --fleet"),
+    ([*CHAT, "--discover-seconds", "3"], "--discover-seconds without --fleet"),
     # without --draft they would compile nothing: the PCs compile as the model was deployed
     ([*GENERATE, "--fleet", "--precision", "f32"], "--precision with --fleet and no --draft"),
     ([*GENERATE, "--fleet", "--prompt-lookup", "--device", "GPU", "--threads", "2"],
@@ -51,17 +53,18 @@ def test_options_with_an_effect_on_the_fleet_are_taken(capsys: pytest.CaptureFix
     calls: list[tuple[Any, ...]] = []
 
     def generate_on_fleet(options: Any, data_dir: Path | None, stream_text: bool = False,
-                          max_failovers: int = -1) -> dict[str, object]:
-        calls.append((options, data_dir, max_failovers))
+                          max_failovers: int = -1, discover_seconds: float | None = -1.0) -> dict[str, object]:
+        calls.append((options, data_dir, max_failovers, discover_seconds))
         return {"generated_tokens": 0, "tok_s": 0.0, "stages": 2, "tokens": [], "text": ""}
 
     monkeypatch.setattr(chat, "generate_on_fleet", generate_on_fleet)
     draft = tmp_path / "draft"
     assert run(capsys, *GENERATE, "--fleet", "--json")[0] == 0
     assert run(capsys, *GENERATE, "--fleet", "--draft", str(draft), "--precision", "f32", "--threads", "2",
-               "--data-dir", str(tmp_path), "--max-failovers", "0", "--json")[0] == 0
-    (plain, plain_dir, plain_failovers), (drafting, data_dir, failovers) = calls
-    assert plain.stages == 1 and plain_dir is None and plain_failovers == 2
+               "--data-dir", str(tmp_path), "--max-failovers", "0", "--discover-seconds", "0", "--json")[0] == 0
+    (plain, plain_dir, plain_failovers, plain_browse), (drafting, data_dir, failovers, browse) = calls
+    assert plain.stages == 1 and plain_dir is None and plain_failovers == 2 and plain_browse is None
+    assert browse == 0.0
     assert plain.settings == CompileSettings()
     assert drafting.settings == CompileSettings(precision=Precision.F32, num_threads=2)
     assert (data_dir, failovers) == (tmp_path, 0)
@@ -83,3 +86,22 @@ def test_local_defaults_are_unchanged(tiny_export: Path, capsys: pytest.CaptureF
     assert run(capsys, *argv)[0] == 0
     assert run(capsys, *argv, "--stages", "2", "--precision", "f32")[0] == 0
     assert seen == [(1, CompileSettings()), (2, CompileSettings(precision=Precision.F32))]
+
+
+@pytest.mark.parametrize(("given", "browse"), [(None, 1.0), (0.0, 0.0), (5.0, 5.0)])
+def test_a_re_plan_browses_mdns_as_long_as_discover_seconds_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 given: float | None, browse: float) -> None:
+    # every failover browsed mDNS for 1 s, and a network where multicast is unwanted had no way to say no
+    import deskfleet.controller.chat as chat
+    import deskfleet.controller.fleet_failover as fleet_failover
+
+    seen: list[float] = []
+
+    def failover(store: Any, model: Path, max_failovers: int, survey_options: Any) -> Any:
+        seen.append(survey_options.discover_seconds)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(fleet_failover, "FleetFailover", failover)
+    with pytest.raises(RuntimeError, match="stop here"), chat._open_fleet_chain(None, tmp_path, 2, given):  # type: ignore[arg-type]
+        pass
+    assert seen == [browse]
