@@ -147,7 +147,9 @@ class FleetServer:
 
     async def _serve_agent(self, link: Link) -> None:
         if link.peer.role is not Role.AGENT:
-            await link.refuse(ErrorCode.UNAUTHORIZED, "only agents register with the controller")
+            # a survey given the controller's own address (`--peer` of `fleet serve`) lands here: say what it is
+            await link.refuse(ErrorCode.UNAUTHORIZED, "only agents register with the controller: this address is "
+                                                      "the fleet's controller (`deskfleet fleet serve`), not an agent")
             return
         try:
             message = await asyncio.wait_for(link.receive(), REGISTER_TIMEOUT_S)

@@ -30,6 +30,7 @@ from deskfleet.controller.registry import DiscoverySource, Registry, Sighting
 log = logging.getLogger(__name__)
 
 STATUS_TIMEOUT_S = 5.0
+REFUSAL_READ_S = 1.0  # a link closed at once: how long to look for what the peer said before the close
 MAX_ADDRESSES_PER_AGENT = 16  # dialled per agent: those an authenticated source gave first
 # Links being opened at a time, whatever the announcements claim. A dial to a PC that is off holds its place
 # for the whole open timeout (10 s): at 64, every 64 PCs that were off cost a survey another 10 s (150 of 300
@@ -261,8 +262,11 @@ async def _ask(store: FleetStore, revocations: Revocations, agent_id: str | None
     try:
         # The fleet's list of removed agents rides along: an agent that was off during a removal, or that never
         # meets `fleet serve` (which also sends it), refuses the removed agents' links from now on too.
-        await link.send(revocations.update())
-        await link.send(StatusRequest())
+        try:
+            await link.send(revocations.update())
+            await link.send(StatusRequest())
+        except LinkError as error:  # refused at once: what it said before it closed names why (see _refusal_of)
+            raise LinkError(await _refusal_of(link) or str(error)) from None
         taking_removals = True
         while True:
             message = await asyncio.wait_for(link.receive(), STATUS_TIMEOUT_S)
@@ -276,3 +280,14 @@ async def _ask(store: FleetStore, revocations: Revocations, agent_id: str | None
         with contextlib.suppress(LinkError):
             await link.close()
         return None, None, f"no status from {address}: {str(error) or 'timed out'}"
+
+
+async def _refusal_of(link: Link) -> str | None:
+    """What a peer that closed the link at once said first ("unauthorized: ... the fleet's controller, not an
+    agent"), read from what the link received before the close; None when it said nothing. The survey's first
+    send met the close, and the survey said only "closed: received 1008 (policy violation) unauthorized"."""
+    try:
+        message = await asyncio.wait_for(link.receive(), REFUSAL_READ_S)
+    except (LinkError, TimeoutError):
+        return None
+    return f"{message.code.value}: {message.message}" if isinstance(message, Error) else None

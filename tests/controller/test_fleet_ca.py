@@ -16,7 +16,7 @@ from deskfleet.agent.enroll import EnrollmentError, Membership, agent_tls_files,
 from deskfleet.agent.link import LinkError, open_link, utc_now
 from deskfleet.common import join_tokens, pki
 from deskfleet.common.wire import Register, RevocationUpdate
-from deskfleet.controller import fleet_server, fleet_store
+from deskfleet.controller import fleet_server, fleet_store, fleet_survey
 from deskfleet.controller.fleet_ca import (
     Revocations,
     init_fleet,
@@ -242,6 +242,21 @@ def test_a_join_after_tokens_json_is_lost_names_the_file(store: FleetStore, tmp_
         assert "tokens.json is missing" in caplog.text and "deskfleet fleet token" in caplog.text
         assert not (store.data_dir / "tokens.json").exists()  # the join wrote no empty ledger in its place
         await join(token_for(store, address), tmp_path / "agent")  # a new token writes the file again
+
+    with_server(store, scenario)
+
+
+def test_a_survey_of_the_controllers_own_address_is_told_what_it_reached(store: FleetStore) -> None:
+    # `fleet ls --peer` at fleet serve's address said only "unauthorized: only agents register with the controller"
+    async def scenario(server: FleetServer, address: str) -> None:
+        found = await fleet_survey.survey(store, fleet_survey.SurveyOptions(peers=(address,), discover_seconds=0,
+                                                                            use_roster=False))
+        try:
+            [view] = found.agents
+            assert view.report is None and view.problem is not None
+            assert "this address is the fleet's controller (`deskfleet fleet serve`), not an agent" in view.problem
+        finally:
+            await found.close()
 
     with_server(store, scenario)
 
