@@ -275,19 +275,20 @@ def peer_identity(connection: Connection, ca_certificate: x509.Certificate,
 # Public functions: connecting
 
 async def open_link(address: str, files: TlsFiles, expected_agent_id: str | None = None,
-                    revocations: RevocationSource = no_revocations) -> Link:
+                    revocations: RevocationSource = no_revocations, open_timeout: float = OPEN_TIMEOUT_S) -> Link:
     """Connect to a fleet member at host:port and exchange Hello.
 
     With `expected_agent_id` the TLS handshake itself pins the peer (its certificate must name that
     agent id); without it (a manual --peer) any fleet certificate is accepted and read afterwards.
-    Raises LinkError naming the address and the reason.
+    Raises LinkError naming the address and the reason; `open_timeout` bounds the TCP, TLS and websocket
+    opening (not the Hello, which HELLO_TIMEOUT_S bounds).
     """
     host, port = parse_address(address)
     context = files.client_context(pin_agent_id=expected_agent_id is not None)
     uri = f"wss://{_uri_host(host)}:{port}/"
     try:
         connection = await connect(uri, ssl=context, server_hostname=expected_agent_id or host,
-                                   open_timeout=OPEN_TIMEOUT_S, **websocket_options())
+                                   open_timeout=open_timeout, **websocket_options())
     except InvalidStatus as error:
         raise LinkRefused(f"{address} refused the link: HTTP {error.response.status_code} "
                           f"{error.response.body.decode('utf-8', 'replace').strip()}",

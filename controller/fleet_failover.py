@@ -192,7 +192,8 @@ class FleetFailover:
         except DeployError:
             deployed = ()
         survivors = [stage.address for stage in deployed if stage.agent_id not in self.lost]
-        return replace(self.survey_options, peers=tuple(dict.fromkeys([*self.survey_options.peers, *survivors])))
+        return replace(self.survey_options, peers=tuple(dict.fromkeys([*self.survey_options.peers, *survivors])),
+                       recheck=frozenset(self.lost))
 
     def _planned_apart(self, result: Plan, report: DeployReport) -> None:
         """Add to the verdict of a link found broken (_check_blame) what the re-plan made of its two ends: both in

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 
 from deskfleet.agent.advertise import interface_addresses
-from deskfleet.agent.link import Link, LinkError, LinkVersionError, TlsFiles, open_link
+from deskfleet.agent.link import OPEN_TIMEOUT_S, Link, LinkError, LinkVersionError, TlsFiles, open_link
 from deskfleet.common import pki
 from deskfleet.common.wire import Error, KnownRemovals, StatusReport, StatusRequest
 from deskfleet.controller.discovery import RESOLVE_TIMEOUT_MS, Discovery, ManualPeers, ZeroconfDiscovery
@@ -30,6 +30,7 @@ from deskfleet.controller.registry import DiscoverySource, Registry, Sighting
 log = logging.getLogger(__name__)
 
 STATUS_TIMEOUT_S = 5.0
+RECHECK_OPEN_TIMEOUT_S = 3.0  # SurveyOptions.recheck: a TLS handshake on a LAN takes milliseconds
 REFUSAL_READ_S = 1.0  # a link closed at once: how long to look for what the peer said before the close
 MAX_ADDRESSES_PER_AGENT = 16  # dialled per agent: those an authenticated source gave first
 # Links being opened at a time, whatever the announcements claim. A dial to a PC that is off holds its place
@@ -47,6 +48,10 @@ class SurveyOptions:
     peers: tuple[str, ...] = ()
     discover_seconds: float = 2.0  # 0: no mDNS browse
     use_roster: bool = True
+    # Agent ids dialled with RECHECK_OPEN_TIMEOUT_S, not the whole open timeout: the PCs a failover has just
+    # lost. One restarted answers within it; a frozen one (a stopped process, a hung PC) cost the re-plan the
+    # whole open timeout again, after the chain had already waited it out.
+    recheck: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,9 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
 
     targets = survey_targets(registry, set(roster), revocations())
     dials = asyncio.Semaphore(dials_at_once())
-    results = await asyncio.gather(*(_ask_at_any(store, revocations, target_id, addresses, dials)
+    results = await asyncio.gather(*(_ask_at_any(store, revocations, target_id, addresses, dials,
+                                                 RECHECK_OPEN_TIMEOUT_S if target_id in options.recheck
+                                                 else OPEN_TIMEOUT_S)
                                      for target_id, addresses, _ in targets))
 
     found = Survey([], {})
@@ -204,7 +211,7 @@ async def _run_for(sources: list[Discovery], seconds: float) -> None:
 
 
 async def _ask_at_any(store: FleetStore, revocations: Revocations, agent_id: str | None,
-                      addresses: tuple[str, ...], dials: asyncio.Semaphore
+                      addresses: tuple[str, ...], dials: asyncio.Semaphore, open_timeout: float = OPEN_TIMEOUT_S
                       ) -> tuple[str, Link | None, StatusReport | None, str | None, str | None]:
     """Ask the agent at all of `addresses` at once: (the first address to answer, its link, its report,
     None, its version), or (the first address, None, None, every address's problem, its version) when none
@@ -215,7 +222,7 @@ async def _ask_at_any(store: FleetStore, revocations: Revocations, agent_id: str
     versions: dict[str, str] = {}  # address -> the deskfleet version the agent there named
 
     async def ask(address: str) -> tuple[str, Link | None, StatusReport | None, str | None, str | None]:
-        link, report, problem = await _ask(store, revocations, agent_id, address, dials, versions)
+        link, report, problem = await _ask(store, revocations, agent_id, address, dials, versions, open_timeout)
         return address, link, report, problem, versions.get(address)
 
     tasks = [asyncio.ensure_future(ask(address)) for address in addresses]
@@ -242,14 +249,15 @@ async def _ask_at_any(store: FleetStore, revocations: Revocations, agent_id: str
 
 
 async def _ask(store: FleetStore, revocations: Revocations, agent_id: str | None, address: str,
-               dials: asyncio.Semaphore, versions: dict[str, str] | None = None
+               dials: asyncio.Semaphore, versions: dict[str, str] | None = None, open_timeout: float = OPEN_TIMEOUT_S
                ) -> tuple[Link | None, StatusReport | None, str | None]:
     """Open a link to `address`, holding one of `dials` while it opens (a link that opened is a fleet member's,
     its certificate checked: waiting for its status holds no place that a dial to another PC needs), and ask
     its status."""
     try:
         async with dials:
-            link = await open_link(address, store.tls_files, expected_agent_id=agent_id, revocations=revocations)
+            link = await open_link(address, store.tls_files, expected_agent_id=agent_id, revocations=revocations,
+                                   open_timeout=open_timeout)
     except LinkVersionError as error:  # listed with the version it runs, and which side to upgrade
         if versions is not None:
             versions[address] = error.peer_software or f"protocol {error.peer_protocol}"

@@ -38,6 +38,13 @@ def test_no_failover_allowed_gives_up_at_once_and_remembers_the_agent(store: Fle
     assert failover.lost == {"abc" * 17} and failover.chains == [] and failover.replans == []
 
 
+def test_a_re_plan_dials_the_pcs_this_run_lost_with_the_short_timeout(store: FleetStore, tiny_export: Path) -> None:
+    # a frozen PC: the chain waited out the open timeout, and the re-plan's survey waited it out again
+    failover = FleetFailover(store, tiny_export, max_failovers=2)
+    failover.lost.update({"abc" * 17, "def" * 17})
+    assert failover._survey_options().recheck == {"abc" * 17, "def" * 17}
+
+
 def test_a_fleet_with_no_agent_left_says_why_no_chain_was_made(store: FleetStore, tiny_export: Path) -> None:
     failover = FleetFailover(store, tiny_export, max_failovers=2)
     failover.survey_options = type(failover.survey_options)(discover_seconds=0)  # nobody registered

@@ -269,3 +269,29 @@ def test_an_agent_that_never_answers_the_status_request_is_said_to_have_timed_ou
     link, report, problem = asyncio.run(fleet_survey._ask(store, revocations, None, "10.0.0.9:7431",
                                                           asyncio.Semaphore(1)))
     assert (link, report, problem) == (None, None, "no status from 10.0.0.9:7431: timed out")
+
+
+def test_a_pc_the_run_just_lost_is_dialled_with_the_short_timeout(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # a frozen PC cost a failover the whole open timeout twice: the chain's, then the re-plan's survey's
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    lost, kept = _agent_id(31), _agent_id(32)
+    store.save_roster({lost: RosterEntry(lost, "pc-lost", "2026-01-01T00:00:00+00:00", ("10.0.0.31:7431",)),
+                       kept: RosterEntry(kept, "pc-kept", "2026-01-01T00:00:00+00:00", ("10.0.0.32:7431",))})
+    timeouts: dict[str, float] = {}
+
+    async def unreachable(address: str, *args: object, open_timeout: float, **kwargs: object) -> None:
+        timeouts[address] = open_timeout
+        raise fleet_survey.LinkError(f"cannot reach {address}: timed out")
+
+    monkeypatch.setattr(fleet_survey, "open_link", unreachable)
+
+    async def scenario() -> None:
+        found = await survey(store, SurveyOptions(discover_seconds=0, recheck=frozenset({lost})))
+        await found.close()
+
+    asyncio.run(scenario())
+    assert timeouts == {"10.0.0.31:7431": fleet_survey.RECHECK_OPEN_TIMEOUT_S,
+                        "10.0.0.32:7431": fleet_survey.OPEN_TIMEOUT_S}
+    assert fleet_survey.RECHECK_OPEN_TIMEOUT_S < fleet_survey.OPEN_TIMEOUT_S
