@@ -417,8 +417,8 @@ def _connect_failure(error: BaseException) -> str:
     member: another service on the port) raised ConnectionResetError with no text, and `fleet ls` said only
     "cannot reach ADDRESS: "."""
     text = str(error) or type(error).__name__
-    if isinstance(error, (ConnectionResetError, ssl.SSLEOFError, asyncio.IncompleteReadError)):
-        return f"{text}: it closed the connection during the TLS handshake (is a deskfleet agent or controller " \
+    if isinstance(error, (ConnectionResetError, ssl.SSLEOFError)):
+        return f"{text}: it closed the connection while the link was opening (is a deskfleet agent or controller " \
                "listening there, or another service?)"
     return text
 

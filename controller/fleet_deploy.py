@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
 REPLY_TIMEOUT_S = 60.0
 COMPILE_TIMEOUT_S = 300.0
+MAX_REPLACED = 16  # the earlier exports of a folder whose stages a deploy still looks for (newest first)
 
 _M = TypeVar("_M", bound=Message)
 
@@ -356,19 +357,23 @@ async def _deploy_all(model_dir: Path, manifest: Manifest, model_id: str, placem
 
 
 async def _release_left_out(store: FleetStore, found: Survey, model_id: str) -> None:
-    """Once `model_id`'s deployment is saved, tell each surveyed agent to release the stages of this model (of
-    this id, or an earlier export's of the same name) it reported that no deployment places on it: those the
-    new plan leaves out, those a failover left behind, those of the export this one replaced. A stage the plan
-    gave the PC again with other layers was replaced when assigned: releasing it does nothing. A failure is
-    logged: the deployment stands without it."""
+    """Once `model_id`'s deployment is saved, tell each surveyed agent to release the stages of this export, or
+    of an earlier export of its folder that it replaced (the record's `replaces`), that it reported and that no
+    deployment places on it: those the new plan leaves out, those a failover left behind, those of the exports
+    its folder held before. Only those ids: a stage of another folder's model is that deployment's to release.
+    A stage the plan gave the PC again with other layers was replaced when assigned: releasing it does nothing.
+    A failure is logged: the deployment stands without it."""
+    record = _deployments(store).get(model_id)
+    replaced = set(_replaced_ids(record))
     hosted: dict[str, Sequence[StageRef]] = {agent.agent_id: agent.report.stages for agent in found.reachable()
-              if agent.agent_id is not None and agent.report is not None}
+                                             if agent.agent_id is not None and agent.report is not None}
     for agent_id, stale in undeployed_stages(store, hosted).items():
         link = found.links[agent_id]
         for stage in stale:
-            if _model_name(stage.model_id) != _model_name(model_id):
+            if stage.model_id != model_id and stage.model_id not in replaced:
                 continue
-            why = "the new plan leaves it out" if stage.model_id == model_id else f"{model_id} replaces it"
+            why = "the new plan leaves it out" if stage.model_id == model_id else \
+                f"its folder holds {model_id} now"
             try:
                 await link.send(ReleaseStage(stage))
                 log.info("agent %s released %s[%d:%d]: %s", agent_id[:12], stage.model_id, stage.layer_start,
@@ -380,11 +385,10 @@ async def _release_left_out(store: FleetStore, found: Survey, model_id: str) -> 
 
 def undeployed_stages(store: FleetStore, hosted: dict[str, Sequence[StageRef]]) -> dict[str, list[StageRef]]:
     """Of the stages each agent hosts (by agent id), those deployments.json does not place on it: left by a
-    failover that re-planned without the PC while it was unreachable (it could not be told to release them), of
-    a model no deployment names, or of an export its folder no longer holds (exported again since: the folder's
-    model has another id, and nothing can drive the old one). Nothing drives them; the next deploy of the model
-    releases them. A model whose record is damaged, or whose folder cannot be read, counts as placing its stages
-    (nothing is known of it). DeployError for a damaged file.
+    failover that re-planned without the PC while it was unreachable (it could not be told to release them), or
+    of a model no deployment names (an export its folder's next deploy replaced, on a PC that deploy could not
+    reach). Nothing drives them; the next deploy of the model releases them. A model whose record is damaged
+    counts as placing its stages (nothing is known of it). DeployError for a damaged file.
     """
     placed: set[tuple[str, str, int, int]] = set()
     unknown: set[str] = set()
@@ -393,8 +397,6 @@ def undeployed_stages(store: FleetStore, hosted: dict[str, Sequence[StageRef]]) 
             stages = _placements_of(record.get("stages") if isinstance(record, dict) else None)
         except ValueError:
             unknown.add(model_id)
-            continue
-        if _exported_again(record, model_id):
             continue
         placed.update((stage.agent_id, model_id, stage.layer_start, stage.layer_end) for stage in stages)
     return {agent_id: stale for agent_id, refs in hosted.items()
@@ -442,22 +444,11 @@ def _at(address: str) -> str:
     return "" if address == NO_ADDRESS else f" at {address}"
 
 
-def _model_name(model_id: str) -> str:
-    """"target" of "target@3a5e4f65328a" (model_id_of): the name every export of a model shares."""
-    return model_id.rpartition("@")[0] or model_id
-
-
-def _exported_again(record: dict[str, Any], model_id: str) -> bool:
-    """Whether the folder a deployment record names now holds another export than `model_id` (exported again,
-    `--overwrite`, or another model in its place); False where that cannot be told (no folder named, none there,
-    or no readable export in it)."""
-    folder = record.get("model_dir")
-    if not isinstance(folder, str):
-        return False
-    try:
-        return model_id_of(Path(folder)) != model_id
-    except (OSError, ManifestError):
-        return False
+def _replaced_ids(record: object) -> list[str]:
+    """A record's `replaces`: the ids of the exports its folder held before, newest first; [] for none, a
+    record saved before it, or a damaged one (nothing is released for it)."""
+    ids = record.get("replaces") if isinstance(record, dict) else None
+    return [item for item in ids if isinstance(item, str)] if isinstance(ids, list) else []
 
 
 def _deployments(store: FleetStore) -> dict[str, Any]:
@@ -624,12 +615,19 @@ async def _expect(link: Link, kind: type[_M], timeout: float) -> _M:
 def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, settings: DeploySettings) -> None:
     with store.locked():
         folder = str(model_dir.resolve())
-        # an earlier export's record of this folder: the folder holds this export now, so nothing can drive that
-        # one (its stages are released by the caller, or marked "not deployed" where they cannot be)
-        deployments = {model_id: record for model_id, record in _deployments(store).items()
-                       if model_id == report.model_id or not isinstance(record, dict)
-                       or record.get("model_dir") != folder}
-        deployments[report.model_id] = {"model_dir": folder,
+        # The records of the exports this folder held before (exported again since): it holds this one now. They
+        # go, and their ids are kept in `replaces`, for this deploy and the next ones to release their stages on
+        # every PC they reach (a PC off now keeps its stage, marked "not deployed", until then). A copy of such an
+        # export in another folder is then no longer deployed: `fleet deploy` it to run it.
+        earlier = _deployments(store)
+        old = earlier.get(report.model_id)
+        replaced = [model_id for model_id, record in earlier.items()
+                    if model_id != report.model_id and isinstance(record, dict) and record.get("model_dir") == folder]
+        chain = [*replaced, *_replaced_ids(old),
+                 *(item for model_id in replaced for item in _replaced_ids(earlier[model_id]))]
+        replaces = [model_id for model_id in dict.fromkeys(chain) if model_id != report.model_id][:MAX_REPLACED]
+        deployments = {model_id: record for model_id, record in earlier.items() if model_id not in replaced}
+        deployments[report.model_id] = {"model_dir": folder, "replaces": replaces,
                                         "stages": [asdict(stage) for stage in report.stages],
                                         "settings": {"policy": settings.policy.value, "streams": settings.streams,
                                                      "precision": settings.precision.value,

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from deskfleet.common import event_loop, pki
+from deskfleet.common.model_spec import ManifestError
 from deskfleet.common.planner import ExclusionReason, Plan
 from deskfleet.common.wire import StageRef
 from deskfleet.controller.engine import ChainBroken
@@ -78,6 +79,14 @@ class FleetFailover:
     _verdict: str | None = field(default=None, repr=False)  # what that check found, in words
     _apart: tuple[str, str] | None = field(default=None, repr=False)  # the link that check found broken
     _blame_verdict: str | None = field(default=None, repr=False)  # _verdict as that check left it
+    # the export the run started on (None: its folder held none then, and the chain could not open either)
+    _model_id: str | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        try:
+            self._model_id = model_id_of(self.model_dir)
+        except (OSError, ManifestError):
+            self._model_id = None
 
     def __call__(self, error: ChainBroken) -> FleetPipeline:
         # the controller's own observation (a link closed, an agent not dialled) or a blame the chain checked
@@ -170,6 +179,12 @@ class FleetFailover:
             self._blame = None
 
     async def _redeploy(self) -> DeployReport:
+        if self._model_id is not None and model_id_of(self.model_dir) != self._model_id:
+            # exported again mid-run: a chain of the new export would carry on the run's streams with another
+            # model's weights (a re-plan prefills them with the tokens so far), so the run ends instead
+            raise FailoverError(f"{self.model_dir} was exported again during this run ({self._model_id} is now "
+                                f"{model_id_of(self.model_dir)}): the run cannot go on on another model; `fleet "
+                                "deploy` the new export and run this again")
         settings = load_deploy_settings(self.store, self.model_dir)
         found = await survey(self.store, self._survey_options())
         try:

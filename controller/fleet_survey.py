@@ -49,8 +49,8 @@ class SurveyOptions:
     discover_seconds: float = 2.0  # 0: no mDNS browse
     use_roster: bool = True
     # Agent ids dialled with RECHECK_OPEN_TIMEOUT_S, not the whole open timeout: the PCs a failover has just
-    # lost. One restarted answers within it; a frozen one (a stopped process, a hung PC) cost the re-plan the
-    # whole open timeout again, after the chain had already waited it out.
+    # lost or that a stage blamed. One restarted answers within it; a frozen one (a stopped process, a hung PC)
+    # cost the re-plan the whole open timeout again, after the chain had already waited it out.
     recheck: frozenset[str] = frozenset()
 
 

@@ -352,8 +352,10 @@ def test_a_re_export_deployed_again_releases_the_old_exports_stages(tmp_path: Pa
     init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
     ca = load_ca(store)
     settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
-    model = tmp_path / "model"
+    model, elsewhere = tmp_path / "model", tmp_path / "elsewhere" / "model"
     shutil.copytree(tiny_export, model)
+    shutil.copytree(tiny_export, elsewhere)  # the same model's name, another export: another folder's deployment
+    (elsewhere / "manifest.json").write_text((elsewhere / "manifest.json").read_text() + "\n\n")
     ports = [free_port(), free_port()]
     policy = PlanOptions(policy=PlanPolicy.ALL_BY_SPEED, hop_cost=0.0)
 
@@ -366,24 +368,26 @@ def test_a_re_export_deployed_again_releases_the_old_exports_stages(tmp_path: Pa
             servers.append(await start_server(cores[-1].serve_link, "127.0.0.1", port, files))
         options = SurveyOptions(peers=tuple(f"127.0.0.1:{port}" for port in ports), discover_seconds=0)
 
-        async def deploy_once() -> str:
+        async def deploy_once(folder: Path) -> str:
             found = await survey(store, options)
             try:
-                _, report = await deploy(store, model, found, policy)
+                _, report = await deploy(store, folder, found, policy)
             finally:
                 await found.close()
             return report.model_id
 
-        old = await deploy_once()
-        assert all({ref.model_id for ref in core.stages} == {old} for core in cores)
+        other = await deploy_once(elsewhere)
+        old = await deploy_once(model)
+        assert all({ref.model_id for ref in core.stages} == {other, old} for core in cores)
         manifest = model / "manifest.json"  # exported again: the same model, a manifest of other bytes
         manifest.write_text(manifest.read_text() + "\n")
-        hosted = {core.agent_id: list(core.stages) for core in cores}
-        assert undeployed_stages(store, hosted) == hosted  # the folder holds another export: marked, not serving
-        new = await deploy_once()
-        assert new != old
-        assert all({ref.model_id for ref in core.stages} == {new} for core in cores)
-        assert list(json.loads((store.data_dir / "deployments.json").read_text())["body"]) == [new]
+        new = await deploy_once(model)
+        assert len({other, old, new}) == 3
+        # the other folder's export is that deployment's: kept, and still placed
+        assert all({ref.model_id for ref in core.stages} == {other, new} for core in cores)
+        records = json.loads((store.data_dir / "deployments.json").read_text())["body"]
+        assert sorted(records) == sorted([other, new]) and records[new]["replaces"] == [old]
+        assert undeployed_stages(store, {core.agent_id: list(core.stages) for core in cores}) == {}
         for server in servers:
             server.close()
             await server.wait_closed()

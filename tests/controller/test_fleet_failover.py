@@ -45,6 +45,20 @@ def test_a_re_plan_dials_the_pcs_this_run_lost_with_the_short_timeout(store: Fle
     assert failover._survey_options().recheck == {"abc" * 17, "def" * 17}
 
 
+def test_a_folder_exported_again_mid_run_ends_the_run(store: FleetStore, tiny_export: Path, tmp_path: Path) -> None:
+    # the re-plan deployed the folder's new export and carried the run's streams on with another model's weights
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_export, model)
+    failover = FleetFailover(store, model, max_failovers=2)
+    (model / "manifest.json").write_text((model / "manifest.json").read_text() + "\n")
+    with pytest.raises(FailoverError, match=r"model was exported again during this run \(.* is now .*\): the run "
+                                            r"cannot go on on another model; `fleet deploy` the new export"):
+        failover(ChainError("agent abc: the link closed", "abc" * 17))
+    assert failover.chains == []
+
+
 def test_a_fleet_with_no_agent_left_says_why_no_chain_was_made(store: FleetStore, tiny_export: Path) -> None:
     failover = FleetFailover(store, tiny_export, max_failovers=2)
     failover.survey_options = type(failover.survey_options)(discover_seconds=0)  # nobody registered

@@ -123,3 +123,39 @@ def test_fleet_ls_marks_them(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.splitlines()[1].endswith("m@1[0:6], m@1[6:8] (not deployed)")
     assert _agent_json(agent, {AGENT: [StageRef("m@1", 6, 8)]})["stages_not_deployed"] == [["m@1", 6, 8]]
     assert _agent_json(agent)["devices"] == ["CPU"]
+
+
+def test_a_folders_earlier_exports_are_released_where_the_next_deploys_reach_them(store: FleetStore,
+                                                                                   tmp_path: Path) -> None:
+    # A PC off during the deploy that replaced its export keeps the old stage: a later deploy of the folder (its
+    # record's `replaces`) releases it when it reaches the PC; another folder's model of the same name is kept.
+    import asyncio
+
+    from deskfleet.common.planner import PlanPolicy
+    from deskfleet.common.wire import Precision
+    from deskfleet.controller import fleet_deploy
+
+    settings = fleet_deploy.DeploySettings(PlanPolicy.FEWEST_AGENTS, 1, Precision.F32, "CPU")
+    folder = tmp_path / "target"
+    other = "b" * 52
+    placed = (StagePlacement(AGENT, "127.0.0.1:7431", 0, 4),)
+    write_deployments(store, {"target@2": {"model_dir": "/elsewhere/target", "stages": [GOOD_STAGE]}})
+    for model_id in ("target@old", "target@mid", "target@new"):  # exported again twice, the PC off all along
+        fleet_deploy._save_deployment(store, folder, fleet_deploy.DeployReport(model_id, placed, {}, {}), settings)
+    records = json.loads((store.data_dir / "deployments.json").read_text())["body"]
+    assert sorted(records) == ["target@2", "target@new"] and records["target@new"]["replaces"] == ["target@mid",
+                                                                                                   "target@old"]
+    sent: list[object] = []
+
+    class Recording:
+        async def send(self, message: object) -> None:
+            sent.append(message)
+
+    hosted = (StageRef("target@old", 0, 4), StageRef("target@2", 0, 4), StageRef("target@2", 4, 8),
+              StageRef("target@new", 0, 4))
+    found = SimpleNamespace(reachable=lambda: [SimpleNamespace(agent_id=other, report=SimpleNamespace(stages=hosted))],
+                            links={other: Recording()})
+    asyncio.run(fleet_deploy._release_left_out(store, found, "target@new"))  # type: ignore[arg-type]
+    # the old export's and the new one's unplaced stages go; the other folder's, placed or not, are its own
+    assert [message.stage for message in sent] == [StageRef("target@old", 0, 4),  # type: ignore[attr-defined]
+                                                   StageRef("target@new", 0, 4)]
