@@ -152,12 +152,13 @@ def fleet_max_failovers(args: argparse.Namespace) -> int:
 
 
 def generate_on_fleet(options: GenerateOptions, data_dir: Path | None, stream_text: bool = False,
-                      max_failovers: int = DEFAULT_MAX_FAILOVERS,
-                      discover_seconds: float | None = None) -> dict[str, object]:
+                      max_failovers: int = DEFAULT_MAX_FAILOVERS, discover_seconds: float | None = None,
+                      peers: tuple[str, ...] = ()) -> dict[str, object]:
     """`deskfleet generate --fleet`: run_generate over the deployed chain of `options.model`, re-planned
-    (at most `max_failovers` times, each browsing mDNS for `discover_seconds`) when a PC drops out."""
+    (at most `max_failovers` times, each browsing mDNS for `discover_seconds` and dialling `peers` too) when a
+    PC drops out."""
     store = _store(data_dir)
-    with _open_fleet_chain(store, options.model, max_failovers, discover_seconds) as (chain, failover):
+    with _open_fleet_chain(store, options.model, max_failovers, discover_seconds, peers) as (chain, failover):
         report = run_generate(options, stream_text, chain=chain, chain_stages=chain.num_stages, recover=failover)
     report["fleet"] = True
     report["replans"] = failover.replans
@@ -455,19 +456,19 @@ def _store(data_dir: Path | None) -> FleetStore:
 
 
 @contextmanager
-def _open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discover_seconds: float | None = None
-                      ) -> Iterator[tuple[FleetPipeline, FleetFailover]]:
+def _open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discover_seconds: float | None = None,
+                      peers: tuple[str, ...] = ()) -> Iterator[tuple[FleetPipeline, FleetFailover]]:
     """The deployed chain of `model` and the failover that replaces it when a PC drops out, its re-plans browsing
-    mDNS for `discover_seconds` (None: FAILOVER_BROWSE_S). A PC that is already gone when the chain opens counts
-    as the first failover."""
+    mDNS for `discover_seconds` (None: FAILOVER_BROWSE_S) and dialling `peers` too. A PC that is already gone
+    when the chain opens counts as the first failover."""
     from .fleet_failover import FleetFailover
     from .fleet_pipeline import ChainError, FleetPipeline
     from .fleet_survey import SurveyOptions
 
     browse = FAILOVER_BROWSE_S if discover_seconds is None else discover_seconds
     with ExitStack() as stack:
-        failover = stack.enter_context(FleetFailover(store, model, max_failovers,
-                                                     survey_options=SurveyOptions(discover_seconds=browse)))
+        options = SurveyOptions(peers=peers, discover_seconds=browse)
+        failover = stack.enter_context(FleetFailover(store, model, max_failovers, survey_options=options))
         try:
             chain = stack.enter_context(FleetPipeline.from_store(store, model))
         except ChainError as error:

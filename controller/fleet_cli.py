@@ -449,7 +449,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     options = GenerateOptions(model=args.model, prompt_ids=[parse_token_ids(args.prompt_ids)],
                               max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
-    tokens = generate_on_fleet(options, args.data_dir)["tokens"]
+    # --peer and --discover-seconds: what a re-plan dials and browses when a PC drops out (they were ignored)
+    tokens = generate_on_fleet(options, args.data_dir, discover_seconds=args.discover_seconds,
+                               peers=tuple(args.peer))["tokens"]
     assert isinstance(tokens, list)
     print(json.dumps({"tokens": tokens}) if args.json else " ".join(map(str, tokens)))
     return 0

@@ -5,7 +5,7 @@ deployment decides the stages), the compile options on the fleet without --draft
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -95,13 +95,31 @@ def test_a_re_plan_browses_mdns_as_long_as_discover_seconds_says(tmp_path: Path,
     import deskfleet.controller.chat as chat
     import deskfleet.controller.fleet_failover as fleet_failover
 
-    seen: list[float] = []
+    seen: list[tuple[float, tuple[str, ...]]] = []
 
     def failover(store: Any, model: Path, max_failovers: int, survey_options: Any) -> Any:
-        seen.append(survey_options.discover_seconds)
+        seen.append((survey_options.discover_seconds, survey_options.peers))
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(fleet_failover, "FleetFailover", failover)
-    with pytest.raises(RuntimeError, match="stop here"), chat._open_fleet_chain(None, tmp_path, 2, given):  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="stop here"), \
+            chat._open_fleet_chain(cast(Any, None), tmp_path, 2, given, ("10.0.0.5:7431",)):
         pass
-    assert seen == [browse]
+    assert seen == [(browse, ("10.0.0.5:7431",))]
+
+
+def test_fleet_generate_re_plans_with_its_peers_and_browse(capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # `fleet generate --peer/--discover-seconds` were taken and ignored
+    import deskfleet.controller.chat as chat
+
+    calls: list[dict[str, Any]] = []
+
+    def generate_on_fleet(options: Any, data_dir: Path | None, **kwargs: Any) -> dict[str, object]:
+        calls.append(kwargs)
+        return {"tokens": [5, 6]}
+
+    monkeypatch.setattr(chat, "generate_on_fleet", generate_on_fleet)
+    code, _ = run(capsys, "fleet", "generate", "--model", "m", "--prompt-ids", "1,2", "--peer", "10.0.0.5:7431",
+                  "--discover-seconds", "0")
+    assert code == 0 and calls == [{"discover_seconds": 0.0, "peers": ("10.0.0.5:7431",)}]
