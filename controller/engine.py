@@ -236,6 +236,18 @@ class _InFlight:
     beside_prefill: bool = False
 
 
+@dataclass
+class EngineTimings:
+    """Where a run's driver thread spent its time, for benchmarks that ask why a configuration is as fast as it
+    is: proposing (the drafter, on the controller), waiting for the chain's next result, and the round trip of
+    each drafted step (sent to verified; not those beside a prefill)."""
+
+    draft_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    drafted_rounds: int = 0
+    round_trip_seconds: float = 0.0
+
+
 class Engine:
     """Runs streams to completion through `chain`. Call add() for each request, then run()."""
 
@@ -261,6 +273,7 @@ class Engine:
         self._started = 0.0
         self._on_token: TokenCallback | None = None
         self.failovers: list[Failover] = []
+        self.timings = EngineTimings()
         self._eos = frozenset(spec.eos_token_ids)
         self._kept: dict[int, KeptKV] = {}  # by stream id: finished keep_kv streams' micro-batches
         # by stream id: prompt tokens a stateful drafter still lacks (a resumed stream's kept prefix), fed to it a
@@ -362,7 +375,10 @@ class Engine:
                 self._collected += 1  # nothing runs until the next arrival: let time pass
                 return
             raise GenerationError("the engine has nothing in flight but streams are not done")
-        self._on_result(self.chain.collect())
+        waited_from = time.perf_counter()
+        result = self.chain.collect()
+        self.timings.wait_seconds += time.perf_counter() - waited_from
+        self._on_result(result)
 
     def _resume_on(self, chain: StageChain, error: ChainBroken) -> None:
         """Forget every micro-batch and queue every unfinished stream that had started for a prefill of its
@@ -626,6 +642,7 @@ class Engine:
         if not any(row.k for row in rows):
             return None
         proposal = self.draft.propose(track.micro_batch_id, rows)
+        self.timings.draft_seconds += proposal.seconds
         return proposal if any(proposal.tokens.values()) else None  # nothing proposed: a plain step
 
     def _room(self, stream: _Stream) -> int:
@@ -743,6 +760,8 @@ class Engine:
     def _record_cost(self, flight: _InFlight) -> None:
         proposed = max(len(tokens) for tokens in flight.drafts)
         round_trip = time.perf_counter() - flight.sent_at
+        self.timings.drafted_rounds += 1
+        self.timings.round_trip_seconds += round_trip
         self.k_policy.record_cost(RoundCost(fixed_seconds=round_trip,
                                             draft_seconds_per_token=flight.draft_seconds / max(proposed, 1)))
 

@@ -279,7 +279,10 @@ def _run_rounds(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
                 result = _run_config(fleet, placements, config, options, drafters)
             if round_index >= 0:
                 config.runs.append(result)
-            say(f"{label} {config.key}: {result['tok_s']:.1f} tok/s")
+            timing = (f" (accepted {result['mean_accepted']:.2f}, round trip {result['round_trip_ms']:.1f} ms, "
+                      f"drafting {result['draft_share']:.0%} and waiting {result['wait_share']:.0%} of the wall)"
+                      if result.get("round_trip_ms") else "")
+            say(f"{label} {config.key}: {result['tok_s']:.1f} tok/s{timing}")
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -468,7 +471,8 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
             ended = time.perf_counter()
         results[index] = {"tokens": float(sum(len(s.tokens) for s in streams)), "started": started, "ended": ended,
                           "mean_accepted": engines[0].mean_accepted() if draft else 0.0,
-                          "final_k": float(engines[0].k_policy.k) if draft else 0.0}
+                          "final_k": float(engines[0].k_policy.k) if draft else 0.0,
+                          **_driver_times(engines, ended - started)}
 
     threads = [threading.Thread(target=one, args=(index, group)) for index, group in enumerate(groups)]
     for thread in threads:
@@ -484,7 +488,22 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
     tokens = sum(result["tokens"] for result in results)
     wall = max(result["ended"] for result in results) - min(result["started"] for result in results)
     return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": round(wall, 4),
-            "mean_accepted": results[0]["mean_accepted"], "final_k": results[0]["final_k"]}
+            "mean_accepted": results[0]["mean_accepted"], "final_k": results[0]["final_k"],
+            **{key: results[0][key] for key in DRIVER_TIMES}}
+
+
+DRIVER_TIMES = ("draft_share", "wait_share", "round_trip_ms")
+
+
+def _driver_times(engines: Sequence[Engine], wall: float) -> dict[str, float]:
+    """Where the controller's driver thread spent a run (controller/engine.py, EngineTimings): the share of the
+    wall proposing draft tokens and waiting for the chain, and a drafted step's mean round trip (0 when none)."""
+    draft = sum(engine.timings.draft_seconds for engine in engines)
+    wait = sum(engine.timings.wait_seconds for engine in engines)
+    rounds = sum(engine.timings.drafted_rounds for engine in engines)
+    trips = sum(engine.timings.round_trip_seconds for engine in engines)
+    return {"draft_share": draft / wall if wall > 0 else 0.0, "wait_share": wait / wall if wall > 0 else 0.0,
+            "round_trip_ms": 1000.0 * trips / rounds if rounds else 0.0}
 
 
 def build_report(options: FleetBenchOptions, configs: list[_Config], controller_cores: list[int],
@@ -499,7 +518,9 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
         summary[config.key] = {"median": statistics.median(speeds), "min": min(speeds), "max": max(speeds),
                                "runs": [round(speed, 3) for speed in speeds],
                                "mean_accepted": statistics.median(run["mean_accepted"] for run in config.runs),
-                               "final_k": statistics.median(run["final_k"] for run in config.runs)}
+                               "final_k": statistics.median(run["final_k"] for run in config.runs),
+                               **{key: round(statistics.median(run.get(key, 0.0) for run in config.runs), 4)
+                                  for key in DRIVER_TIMES}}
     rows: list[dict[str, Any]] = []
     delay = f"{options.wan_delay_s * 1000:.0f} ms per hop"
     for row in (replace(row, title=row.title.replace("100 ms per hop", delay)) for row in fleet_rows(MAX_PCS)):

@@ -32,6 +32,7 @@ from deskfleet.controller.bench.fleet import (
     split_cores,
 )
 from deskfleet.controller.cli import main
+from deskfleet.controller.engine import EngineTimings
 
 MODEL, TARGET, DRAFT = Path("m"), Path("t"), Path("d")
 
@@ -470,6 +471,7 @@ def test_copies_start_together_and_their_wall_spans_first_start_to_last_end(monk
     class FakeEngine:
         def __init__(self, *args: object) -> None:
             self.k_policy = SimpleNamespace(k=0)
+            self.timings = EngineTimings(wait_seconds=0.1)  # half of its run's wall
 
         def add(self, request: object) -> None:
             pass
@@ -493,6 +495,8 @@ def test_copies_start_together_and_their_wall_spans_first_start_to_last_end(monk
     assert second_start - first_start < 0.1
     wall = max(first_end, second_end) - min(first_start, second_start)
     assert result["wall_s"] == pytest.approx(wall, abs=0.01) and result["tok_s"] == pytest.approx(20 / wall, rel=0.05)
+    # where the driver spent it: the first copy's engine, against its own run's wall
+    assert result["wait_share"] == pytest.approx(0.5, rel=0.2) and result["round_trip_ms"] == 0.0
 
 
 def test_a_row_of_n_pcs_plans_its_model_over_those_pcs_whatever_a_hop_costs() -> None:
@@ -574,3 +578,15 @@ def test_a_simulated_pc_deploys_with_the_kv_cache_it_is_given(monkeypatch: pytes
     assert fleet.deploy(TARGET, ["demo_pair0"], "f32") == ("stage",)
     assert fleet.deploy(TARGET, ["demo_pair0"]) == ("stage",)
     assert [kv_cache for _, _, kv_cache in deployed] == ["f32", None]
+
+
+def test_each_configuration_reports_the_median_of_where_its_driver_spent_the_runs() -> None:
+    configs = bench_configs(options(2))
+    for config in configs:
+        for share in (0.1, 0.3, 0.2):
+            config.runs.append({"tok_s": 10.0, "mean_accepted": 2.0, "final_k": 4.0, "draft_share": share,
+                                "wait_share": 1.0 - share, "round_trip_ms": 100.0 * share})
+    summary = build_report(options(2), configs, [], [0, 1])["configs"]
+    assert summary["demo_pair_2_spec"]["draft_share"] == pytest.approx(0.2)
+    assert summary["demo_pair_2_spec"]["wait_share"] == pytest.approx(0.8)
+    assert summary["demo_pair_2_spec"]["round_trip_ms"] == pytest.approx(20.0)
