@@ -282,6 +282,8 @@ def _run_rounds(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
             timing = (f" (accepted {result['mean_accepted']:.2f}, round trip {result['round_trip_ms']:.1f} ms, "
                       f"drafting {result['draft_share']:.0%} and waiting {result['wait_share']:.0%} of the wall)"
                       if result.get("round_trip_ms") else "")
+            if result.get("steady_tok_s"):
+                timing += f", steady {result['steady_tok_s']:.1f} tok/s"
             say(f"{label} {config.key}: {result['tok_s']:.1f} tok/s{timing}")
 
 
@@ -466,13 +468,15 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
                 for prompt in batch:
                     engine.add(StreamRequest(prompt, max_new_tokens=options.new_tokens, ignore_eos=True))
             start_together.wait(timeout=STEP_TIMEOUT_S)
+            clocks: list[dict[int, list[float]]] = [{} for _ in engines]  # per engine: each stream's token times
             started = time.perf_counter()
-            streams = [stream for engine in engines for stream in engine.run().values()]
+            streams = [stream for engine, clock in zip(engines, clocks, strict=True)
+                       for stream in engine.run(on_token=_token_clock(clock)).values()]
             ended = time.perf_counter()
         results[index] = {"tokens": float(sum(len(s.tokens) for s in streams)), "started": started, "ended": ended,
                           "mean_accepted": engines[0].mean_accepted() if draft else 0.0,
                           "final_k": float(engines[0].k_policy.k) if draft else 0.0,
-                          **_driver_times(engines, ended - started)}
+                          "steady_tok_s": steady_rate(clocks), **_driver_times(engines, ended - started)}
 
     threads = [threading.Thread(target=one, args=(index, group)) for index, group in enumerate(groups)]
     for thread in threads:
@@ -489,10 +493,40 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
     wall = max(result["ended"] for result in results) - min(result["started"] for result in results)
     return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": round(wall, 4),
             "mean_accepted": results[0]["mean_accepted"], "final_k": results[0]["final_k"],
+            # copies run at once: their steady rates add up
+            "steady_tok_s": sum(result["steady_tok_s"] for result in results),
             **{key: results[0][key] for key in DRIVER_TIMES}}
 
 
 DRIVER_TIMES = ("draft_share", "wait_share", "round_trip_ms")
+
+
+def _token_clock(clock: dict[int, list[float]]) -> Callable[[int, int], None]:
+    """An engine's on_token callback that records when each stream's every token came (perf_counter)."""
+    def record(stream_id: int, token: int) -> None:
+        clock.setdefault(stream_id, []).append(time.perf_counter())
+    return record
+
+
+def steady_rate(clocks: Sequence[dict[int, list[float]]]) -> float:
+    """Tokens a second while every stream of a run was generating: from the moment the last stream's first
+    token came (every prompt prefilled, every stream running) to the moment the first stream's last one did
+    (before any ended and left the pipeline part empty), for runs of engines one after another (`clocks`: per
+    engine, each stream's token times). That is the rate a server with a steady flow of users would run at,
+    without a short run's start and end; 0.0 when no engine had such a window (a stream that ended before
+    another began)."""
+    tokens, seconds = 0, 0.0
+    for clock in clocks:
+        times = [stream_times for stream_times in clock.values() if stream_times]
+        if not times:
+            continue
+        begin = max(stream_times[0] for stream_times in times)
+        end = min(stream_times[-1] for stream_times in times)
+        if end <= begin:
+            continue
+        tokens += sum(1 for stream_times in times for moment in stream_times if begin < moment <= end)
+        seconds += end - begin
+    return tokens / seconds if seconds > 0 else 0.0
 
 
 def _driver_times(engines: Sequence[Engine], wall: float) -> dict[str, float]:
@@ -520,7 +554,7 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
                                "mean_accepted": statistics.median(run["mean_accepted"] for run in config.runs),
                                "final_k": statistics.median(run["final_k"] for run in config.runs),
                                **{key: round(statistics.median(run.get(key, 0.0) for run in config.runs), 4)
-                                  for key in DRIVER_TIMES}}
+                                  for key in ("steady_tok_s", *DRIVER_TIMES)}}
     rows: list[dict[str, Any]] = []
     delay = f"{options.wan_delay_s * 1000:.0f} ms per hop"
     for row in (replace(row, title=row.title.replace("100 ms per hop", delay)) for row in fleet_rows(MAX_PCS)):
@@ -535,6 +569,9 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
         entry = {"row": row.title, "paper": row.paper, "goal": row.goal, "ratio": round(ratio, 3),
                  "tok_s": {key: round(tok[key], 3) for key in ("median", "min", "max")},
                  "config": row.config, "baseline": baseline}
+        if baseline is not None and tok["steady_tok_s"] > 0 and summary[baseline]["steady_tok_s"] > 0:
+            # the same ratio between the two configurations' steady rates (steady_rate): reported, not the goal's
+            entry["steady_ratio"] = round(tok["steady_tok_s"] / summary[baseline]["steady_tok_s"], 3)
         if row.ideal_split is not None and baseline is not None and row.ideal_split[1] in summary:
             factor, reference = row.ideal_split
             entry["ideal_split"] = round(factor * summary[reference]["median"] / summary[baseline]["median"], 3)

@@ -30,6 +30,7 @@ from deskfleet.controller.bench.fleet import (
     render_markdown,
     run_fleet_bench,
     split_cores,
+    steady_rate,
 )
 from deskfleet.controller.cli import main
 from deskfleet.controller.engine import EngineTimings
@@ -476,9 +477,11 @@ def test_copies_start_together_and_their_wall_spans_first_start_to_last_end(monk
         def add(self, request: object) -> None:
             pass
 
-        def run(self) -> dict[int, Any]:
+        def run(self, on_token: Any = None) -> dict[int, Any]:
             started = time.perf_counter()
-            time.sleep(0.2)
+            for _ in range(10):  # one stream, a token every 20 ms: steady at 50 tok/s
+                time.sleep(0.02)
+                on_token(0, 1)
             runs.append((started, time.perf_counter()))
             return {0: SimpleNamespace(tokens=[1] * 10)}
 
@@ -497,6 +500,7 @@ def test_copies_start_together_and_their_wall_spans_first_start_to_last_end(monk
     assert result["wall_s"] == pytest.approx(wall, abs=0.01) and result["tok_s"] == pytest.approx(20 / wall, rel=0.05)
     # where the driver spent it: the first copy's engine, against its own run's wall
     assert result["wait_share"] == pytest.approx(0.5, rel=0.2) and result["round_trip_ms"] == 0.0
+    assert result["steady_tok_s"] == pytest.approx(2 * 50.0, rel=0.2)  # the two copies' rates add up
 
 
 def test_a_row_of_n_pcs_plans_its_model_over_those_pcs_whatever_a_hop_costs() -> None:
@@ -590,3 +594,32 @@ def test_each_configuration_reports_the_median_of_where_its_driver_spent_the_run
     assert summary["demo_pair_2_spec"]["draft_share"] == pytest.approx(0.2)
     assert summary["demo_pair_2_spec"]["wait_share"] == pytest.approx(0.8)
     assert summary["demo_pair_2_spec"]["round_trip_ms"] == pytest.approx(20.0)
+
+
+def test_the_steady_rate_counts_the_tokens_while_every_stream_runs() -> None:
+    # stream 0 runs from 0 to 10 s, stream 1 from 2 to 8 s: the window is (2, 8]
+    clock = {0: [float(moment) for moment in range(11)], 1: [2.0, 4.0, 6.0, 8.0]}
+    # stream 0's tokens at 3-8 s (6) and stream 1's at 4, 6 and 8 s (3), over 6 s
+    assert steady_rate([clock]) == pytest.approx(9 / 6)
+    # engines one after another (a 1-PC baseline): their windows' tokens over their windows' seconds
+    solo_a, solo_b = {0: [0.0, 1.0, 2.0]}, {0: [10.0, 10.5, 11.0, 11.5, 12.0]}
+    assert steady_rate([solo_a, solo_b]) == pytest.approx((2 + 4) / (2.0 + 2.0))
+
+
+def test_a_run_without_a_moment_when_every_stream_ran_has_no_steady_rate() -> None:
+    assert steady_rate([{0: [0.0, 1.0], 1: [2.0, 3.0]}]) == 0.0  # one ended before the other began
+    assert steady_rate([{0: [5.0]}]) == 0.0  # a single token: no interval
+    assert steady_rate([{}, {0: []}]) == 0.0
+
+
+def test_rows_report_the_ratio_of_steady_rates_beside_the_ratio_of_walls() -> None:
+    configs = bench_configs(options(3))
+    steady = {"demo_trio_3_spec": 300.0, "demo_mono_seq3": 60.0}
+    for config in configs:
+        config.runs.append({"tok_s": 10.0, "mean_accepted": 0.0, "final_k": 0.0,
+                            "steady_tok_s": steady.get(config.key, 0.0)})
+    rows = {row["row"]: row for row in build_report(options(3), configs, [], [0, 1, 2])["rows"]}
+    assert rows["3 PCs, 3 streams + speculative (draft model)"]["steady_ratio"] == pytest.approx(5.0)
+    assert rows["3 PCs, 3 streams + speculative (draft model)"]["ratio"] == pytest.approx(1.0)
+    # a configuration without a steady rate (here 1 PC batched) gives its rows none
+    assert "steady_ratio" not in rows["3 PCs vs 1 PC, 3 streams batched + speculative (draft model)"]
