@@ -4,13 +4,9 @@
 `PromptLookupDraft` (controller/prompt_lookup.py: copies from the stream's own context) and
 `LookupFirstDraft` (controller/lookup_first.py: copies where it can, the draft model elsewhere) implement it.
 
-The draft model prefills each stream alone, then holds every running stream as a row of ONE batched state (its
-pool), whatever micro-batch the stream runs in on the target: a round's proposals for the rows of several
-micro-batches are one call of the draft model per token. Over a fleet the driver runs a micro-batch per PC, a row
-each, and drafted them one micro-batch at a time: the controller spent 52-71% of the wall drafting on 2-4 PCs
-with the demo pair (run S5), against 34% on 1 PC, whose one micro-batch drafts all rows at once. Per stream it
-remembers how many confirmed tokens its KV cache holds; each round feeds the confirmed tokens it has not seen
-(one, or two after a fully accepted round), then its own proposals one at a time.
+Its micro-batches mirror the target's by stream id (only speculative streams have a draft row). Per
+stream it remembers how many confirmed tokens its KV cache holds; each round feeds the confirmed tokens
+it has not seen (one, or two after a fully accepted round), then its own proposals one at a time.
 """
 
 from __future__ import annotations
@@ -88,8 +84,7 @@ class Drafter(Protocol):
     def propose(self, micro_batch_id: int, rows: list[DraftRow]) -> Proposal:
         """Up to row.k draft tokens per row. A drafter with state of its own (DraftModel) proposes exactly
         row.k; a stateless one may propose fewer or none: the engine then calls after_verify with k = the
-        number proposed, and not at all for a row that proposed nothing. A drafter whose `pools_micro_batches`
-        is true also takes, in one call, rows of several micro-batches (`micro_batch_id` names one of them)."""
+        number proposed, and not at all for a row that proposed nothing."""
 
     def after_verify(self, micro_batch_id: int, stream_id: int, confirmed_before: int, k: int,
                      accepted: int) -> None:
@@ -102,27 +97,16 @@ class Drafter(Protocol):
     def compact(self, micro_batch_id: int, policy: CompactionPolicy) -> None: ...
 
 
-POOL_BATCH = 2**31 - 1  # the draft model's own id for its pool of running rows (the engine numbers up from 0)
-
-
 class DraftModel:
-    """A one-stage model run in this process. Not thread-safe: the driver's thread calls it.
-
-    A stream is prefilled in a one-row micro-batch of its own (the target's prefill id), and joins the pool, one
-    batched state of every running stream, when it is first asked to propose (or when the engine merges it into a
-    running micro-batch): the pool's rows are streams of any of the target's micro-batches."""
-
-    pools_micro_batches = True
+    """A one-stage model run in this process. Not thread-safe: the driver's thread calls it."""
 
     def __init__(self, model_dir: Path, settings: CompileSettings | None = None) -> None:
         manifest = load_manifest(Path(model_dir))
         self.spec = manifest.spec
         stage = Stage(Path(model_dir), manifest, LayerRange(0, self.spec.num_layers, self.spec.num_layers), settings)
         self._executor = StageExecutor(stage, self.spec.max_context)
-        self._tracks: dict[int, BatchTrack] = {}  # POOL_BATCH, and one-row prefills by the target's micro-batch id
-        self._seen: dict[int, int] = {}  # by stream: confirmed tokens its cache holds
-        self._home: dict[int, int] = {}  # by stream: the track holding its row (its prefill's id, or POOL_BATCH)
-        self._batch_of: dict[int, int] = {}  # by stream: the target's micro-batch it runs in
+        self._tracks: dict[int, BatchTrack] = {}
+        self._seen: dict[int, int] = {}
 
     def check_compatible(self, target: ModelSpec) -> None:
         check_draft_spec(self.spec, target)
@@ -131,43 +115,37 @@ class DraftModel:
 
     def prefill(self, micro_batch_id: int, stream_id: int, prompt: list[int]) -> None:
         """Fill a new one-row micro-batch with the prompt, or its first chunk (its output token is not needed)."""
-        if micro_batch_id == POOL_BATCH or micro_batch_id in self._tracks:
-            raise ValueError(f"the draft model already holds micro-batch {micro_batch_id}")
         track = self._tracks[micro_batch_id] = BatchTrack(micro_batch_id, self.spec.max_context)
         track.add_row(stream_id)
-        self._home[stream_id] = self._batch_of[stream_id] = micro_batch_id
         self._executor.run(track.step([prompt]))
         self._seen[stream_id] = len(prompt)
 
     def extend(self, micro_batch_id: int, stream_id: int, tokens: list[int]) -> None:
-        """Feed the next chunk of the prompt of a stream that prefill() began (alone: the other rows of its track,
-        if it is in the pool, feed nothing)."""
-        if self._batch_of.get(stream_id) != micro_batch_id:
-            raise ValueError(f"stream {stream_id} is not a prefill of micro-batch {micro_batch_id} in the draft model")
-        track = self._tracks[self._home[stream_id]]
-        self._run(track, [tokens if stream == stream_id else [] for stream in track.stream_ids])
+        """Feed the next chunk of the prompt of a one-row micro-batch that prefill() began."""
+        track = self._tracks.get(micro_batch_id)
+        if track is None or track.stream_ids != [stream_id]:
+            raise ValueError(f"micro-batch {micro_batch_id} is not the one-row prefill of stream {stream_id}")
+        self._executor.run(track.step([tokens]))
         self._seen[stream_id] += len(tokens)
 
     def merge(self, target_batch: int, stream_id: int, source_batch: int) -> None:
-        """The stream prefilled in `source_batch` runs in the target's `target_batch` now: it joins the pool."""
-        if self._home.get(stream_id) != source_batch:
-            raise ValueError(f"stream {stream_id} is not the prefill of micro-batch {source_batch} in the draft model")
-        self._batch_of[stream_id] = target_batch
-        self._join_pool(stream_id)
+        """Queue the admission of a prefilled one-row micro-batch into `target_batch`."""
+        source = self._tracks.pop(source_batch)
+        track = self._tracks.get(target_batch)
+        if track is None:
+            track = self._tracks[target_batch] = BatchTrack(target_batch, self.spec.max_context)
+        track.admit(stream_id, source_batch, int(source.ledger.next_positions[0]))
 
     def has_batch(self, micro_batch_id: int) -> bool:
-        return micro_batch_id in self._batch_of.values()
+        return micro_batch_id in self._tracks
 
     def propose(self, micro_batch_id: int, rows: list[DraftRow]) -> Proposal:
-        """k draft tokens for each row: rows of any of the target's micro-batches, drafted together in the pool."""
+        """k draft tokens for each row (rows in the draft track's order, a subset of the target's)."""
         started = time.perf_counter()
+        track = self._tracks[micro_batch_id]
         by_stream = {row.stream_id: row for row in rows}
-        unknown = sorted(set(by_stream) - set(self._home))
-        if unknown:
-            raise ValueError(f"draft rows name streams the draft model does not hold: {unknown}")
-        for stream in by_stream:
-            self._join_pool(stream)
-        track = self._tracks[POOL_BATCH]
+        if not set(by_stream) <= set(track.stream_ids):
+            raise ValueError("draft rows name streams the draft micro-batch does not hold")
         # A stream left out this round feeds nothing; it catches up on its confirmed tokens when next asked.
         ordered = [by_stream.get(stream, DraftRow(stream, [], 0, None, 0)) for stream in track.stream_ids]
         width = max((row.k for row in ordered), default=0)
@@ -183,7 +161,15 @@ class DraftModel:
                     feed.append(row.confirmed[self._seen[row.stream_id]:])
                 else:
                     feed.append([tokens[index][-1]])
-            result = self._run(track, feed, return_logits=probs is not None)
+            message = track.step(feed)
+            try:
+                result = self._executor.run(message, return_logits=probs is not None)
+            except BaseException:  # the step took its admitted sources off the track: free them here
+                for source in message.admit_from:
+                    self._executor.release(source)
+                raise
+            if not isinstance(result, ForwardResult):
+                raise TypeError("the draft model's single stage must return a ForwardResult")
             self._take(result, ordered, feed, tokens, probs, step, track)
         sampled = {row.stream_id: probs[index, : row.k] for index, row in enumerate(ordered)
                    if probs is not None and row.sampling is not None}
@@ -194,70 +180,34 @@ class DraftModel:
     def after_verify(self, micro_batch_id: int, stream_id: int, confirmed_before: int, k: int, accepted: int) -> None:
         """Roll back the draft tokens the target rejected (the draft fed its first k-1 proposals)."""
         kept = min(accepted, k - 1)
-        self._tracks[self._home[stream_id]].reject(stream_id, (k - 1) - kept)
+        self._tracks[micro_batch_id].reject(stream_id, (k - 1) - kept)
         self._seen[stream_id] = confirmed_before + kept
 
     def drop(self, micro_batch_id: int, stream_ids: set[int]) -> None:
-        """The streams left the target's micro-batch: their rows go (a track left with none is released)."""
-        by_track: dict[int, set[int]] = {}
+        track = self._tracks.get(micro_batch_id)
+        if track is None:
+            return
+        track.drop(stream_ids)
         for stream in stream_ids:
-            if self._batch_of.get(stream) == micro_batch_id:
-                by_track.setdefault(self._home.pop(stream), set()).add(stream)
-                del self._batch_of[stream]
-                self._seen.pop(stream, None)
-        for track_id, streams in by_track.items():
-            track = self._tracks[track_id]
-            track.drop(streams)
-            if track.rows == 0:
-                self._release_track(track_id)
+            self._seen.pop(stream, None)
+        if track.rows == 0:
+            self.release(micro_batch_id)
 
     def release(self, micro_batch_id: int) -> None:
-        """The target released the micro-batch: every row of its streams goes (a finished keep_kv stream's
-        micro-batch is released, not dropped)."""
-        self.drop(micro_batch_id, {stream for stream, batch in self._batch_of.items() if batch == micro_batch_id})
+        track = self._tracks.pop(micro_batch_id, None)
+        if track is not None:
+            for stream in track.stream_ids:  # a finished keep_kv stream's micro-batch is released, not dropped
+                self._seen.pop(stream, None)
+            for source in track.admit_from:  # merged streams whose admission never stepped: their prefill
+                self._executor.release(source)
+        self._executor.release(micro_batch_id)
 
     def compact(self, micro_batch_id: int, policy: CompactionPolicy) -> None:
-        """Compact the pool where the policy finds it pays, if it holds a stream of the micro-batch (only the pool's
-        rows roll back: a prefill's track has no dead slots, and one compacted would join the pool out of step)."""
-        pool = self._tracks.get(POOL_BATCH)
-        if pool is not None and any(batch == micro_batch_id and self._home[stream] == POOL_BATCH
-                                    for stream, batch in self._batch_of.items()):
-            pool.compact(policy)
+        track = self._tracks.get(micro_batch_id)
+        if track is not None:
+            track.compact(policy)
 
     # Private methods
-
-    def _join_pool(self, stream_id: int) -> None:
-        """Queue the admission of the stream's one-row prefill into the pool (done at the pool's next step)."""
-        source_id = self._home[stream_id]
-        if source_id == POOL_BATCH:
-            return
-        source = self._tracks[source_id]
-        if source.pending:  # its state would not be what its ledger says (nothing queues deltas on a prefill)
-            raise RuntimeError(f"the draft model's prefill of stream {stream_id} has deltas it never ran")
-        del self._tracks[source_id]
-        pool = self._tracks.get(POOL_BATCH)
-        if pool is None:
-            pool = self._tracks[POOL_BATCH] = BatchTrack(POOL_BATCH, self.spec.max_context)
-        pool.admit(stream_id, source_id, int(source.ledger.next_positions[0]))
-        self._home[stream_id] = POOL_BATCH
-
-    def _run(self, track: BatchTrack, feed: list[list[int]], return_logits: bool = False) -> ForwardResult:
-        message = track.step(feed)
-        try:
-            result = self._executor.run(message, return_logits=return_logits)
-        except BaseException:  # the step took its admitted sources off the track: free them here
-            for source in message.admit_from:
-                self._executor.release(source)
-            raise
-        if not isinstance(result, ForwardResult):
-            raise TypeError("the draft model's single stage must return a ForwardResult")
-        return result
-
-    def _release_track(self, track_id: int) -> None:
-        track = self._tracks.pop(track_id)
-        for source in track.admit_from:  # admissions the track never stepped: their prefills
-            self._executor.release(source)
-        self._executor.release(track_id)
 
     def _take(self, result: ForwardResult, ordered: list[DraftRow], feed: list[list[int]],
               tokens: list[list[int]], probs: npt.NDArray[np.float32] | None, step: int, track: BatchTrack) -> None:

@@ -379,11 +379,6 @@ class Engine:
         result = self.chain.collect()
         self.timings.wait_seconds += time.perf_counter() - waited_from
         self._on_result(result)
-        if self._pools_drafts():
-            # take every result already waiting too, so that their micro-batches draft together next
-            poll = getattr(self.chain, "poll", None)  # chains that can say so without waiting (both pipelines)
-            while poll is not None and self._in_flight and (ready := poll()) is not None:
-                self._on_result(ready)
 
     def _resume_on(self, chain: StageChain, error: ChainBroken) -> None:
         """Forget every micro-batch and queue every unfinished stream that had started for a prefill of its
@@ -607,65 +602,46 @@ class Engine:
         return min(open_tracks, key=lambda track: track.rows, default=None)
 
     def _launch_idle(self) -> None:
-        idle = [(track, [self._streams[stream_id] for stream_id in track.stream_ids])
-                for track in self._tracks.values() if track.micro_batch_id not in self._in_flight and track.rows > 0]
-        if len(idle) > 1 and self._pools_drafts():
-            # one call of the drafter per token for the rows of every waiting micro-batch (controller/draft.py)
-            shared = self._propose(idle)
-            for track, streams in idle:
-                self._send_decode(track, streams, shared)
-            return
-        for track, streams in idle:
-            self._send_decode(track, streams, self._propose([(track, streams)]))
+        for track in self._tracks.values():
+            if track.micro_batch_id in self._in_flight or track.rows == 0:
+                continue
+            streams = [self._streams[stream_id] for stream_id in track.stream_ids]
+            self._send_decode(track, streams)
 
-    def _pools_drafts(self) -> bool:
-        """Whether the drafter takes the rows of several micro-batches in one call (a draft model does)."""
-        return bool(getattr(self.draft, "pools_micro_batches", False))
-
-    def _send_decode(self, track: BatchTrack, streams: list[_Stream], proposal: Proposal | None) -> None:
-        """A decode step of the micro-batch, its rows' drafts taken from `proposal` (which may hold other
-        micro-batches' rows too)."""
+    def _send_decode(self, track: BatchTrack, streams: list[_Stream]) -> None:
+        proposal = self._propose(track, streams)
         drafts = [proposal.tokens.get(stream.stream_id, []) if proposal else [] for stream in streams]
         feed = [[stream.tokens[-1], *drafts[index]] for index, stream in enumerate(streams)]
         draft_info = None
-        if proposal is not None and any(drafts):
+        if proposal is not None:
             width = max(len(tokens) for tokens in drafts)
             ids = np.zeros((len(streams), width), dtype=np.int64)  # [B, K]
             for row, tokens in enumerate(drafts):
                 ids[row, : len(tokens)] = tokens
             probs = None
-            if any(stream.stream_id in proposal.probs for stream in streams):
+            if proposal.probs:
                 probs = np.zeros((len(streams), width, self.spec.vocab_size), dtype=np.float32)  # [B, K, V]
                 for row, stream in enumerate(streams):
                     if stream.stream_id in proposal.probs:
                         q = proposal.probs[stream.stream_id]
                         probs[row, : q.shape[0]] = q
-            # one_hot: every sampled row of the call was copied; said only where this micro-batch samples
-            one_hot = proposal.one_hot and any(not stream.request.sampling.greedy for stream in streams)
-            draft_info = DraftInfo(tuple(len(tokens) for tokens in drafts), ids, probs, one_hot=one_hot)
+            draft_info = DraftInfo(tuple(len(tokens) for tokens in drafts), ids, probs, one_hot=proposal.one_hot)
         self._send(track, feed, prefill=False, draft=draft_info, drafts=drafts,
-                   draft_seconds=proposal.seconds if draft_info is not None and proposal is not None else 0.0)
+                   draft_seconds=proposal.seconds if proposal else 0.0)
 
-    def _propose(self, idle: list[tuple[BatchTrack, list[_Stream]]]) -> Proposal | None:
-        """One call of the drafter for the speculative rows of these micro-batches (one, unless it pools them)."""
-        if self.draft is None:
+    def _propose(self, track: BatchTrack, streams: list[_Stream]) -> Proposal | None:
+        if self.draft is None or not self.draft.has_batch(track.micro_batch_id):
             return None
-        rows: list[DraftRow] = []
-        named: int | None = None  # the micro-batch the call names (a pooling drafter takes rows of any)
+        for stream in streams:
+            if stream.stream_id in self._draft_unfed:
+                self._catch_up_draft(track, stream)
         k = self.k_policy.k
-        for track, streams in idle:
-            if not self.draft.has_batch(track.micro_batch_id):
-                continue
-            for stream in streams:
-                if stream.stream_id in self._draft_unfed:
-                    self._catch_up_draft(track, stream)
-            named = track.micro_batch_id if named is None else named
-            rows += [DraftRow(stream.stream_id, stream.confirmed, min(k, self._room(stream)),
-                              None if stream.request.sampling.greedy else stream.request.sampling, stream.request.seed)
-                     for stream in streams if self._uses_draft(stream) and stream.stream_id not in self._draft_unfed]
-        if named is None or not any(row.k for row in rows):
+        rows = [DraftRow(stream.stream_id, stream.confirmed, min(k, self._room(stream)),
+                         None if stream.request.sampling.greedy else stream.request.sampling, stream.request.seed)
+                for stream in streams if self._uses_draft(stream) and stream.stream_id not in self._draft_unfed]
+        if not any(row.k for row in rows):
             return None
-        proposal = self.draft.propose(named, rows)
+        proposal = self.draft.propose(track.micro_batch_id, rows)
         self.timings.draft_seconds += proposal.seconds
         return proposal if any(proposal.tokens.values()) else None  # nothing proposed: a plain step
 

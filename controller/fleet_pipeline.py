@@ -160,34 +160,17 @@ class FleetPipeline:
             except queue.Empty:
                 raise ChainError(f"no result within {wait:.0f} s with {self._ids.in_flight} step(s) in flight on "
                                  f"{self.describe()}: an agent may be stuck") from None
-            if (result := self._take(item)) is not None:
+            if isinstance(item, ChainError):
+                self._failure = item
+                raise item
+            if (result := self._ids.receive(item)) is not None:
                 return result
-
-    def poll(self) -> ForwardResult | None:
-        """A finished step if one has come, else None at once (raises as collect() does)."""
-        self._check_open()
-        while True:
-            try:
-                item = self._results.get_nowait()
-            except queue.Empty:
-                return None
-            if (result := self._take(item)) is not None:
-                return result
-
-    def _take(self, item: ForwardResult | ChainError) -> ForwardResult | None:
-        """The result an item from the last link carries; None for one this driver has no step in flight for."""
-        if isinstance(item, ChainError):
-            self._failure = item
-            raise item
-        if (result := self._ids.receive(item)) is not None:
-            return result
-        if self._ids.from_earlier_run(item.micro_batch_id):
-            log.debug("dropped the late result of a run stopped early (wire micro-batch %d step %d)",
-                      item.micro_batch_id, item.step_id)
-        else:
-            log.warning("dropped a result for wire micro-batch %d step %d: no such step in flight here "
-                        "(another driver's, or a duplicate)", item.micro_batch_id, item.step_id)
-        return None
+            if self._ids.from_earlier_run(item.micro_batch_id):
+                log.debug("dropped the late result of a run stopped early (wire micro-batch %d step %d)",
+                          item.micro_batch_id, item.step_id)
+            else:
+                log.warning("dropped a result for wire micro-batch %d step %d: no such step in flight here "
+                            "(another driver's, or a duplicate)", item.micro_batch_id, item.step_id)
 
     def release(self, batch_id: int) -> None:
         """Free a micro-batch's KV state on every stage (in order, after its last step). A step of it still in

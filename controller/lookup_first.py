@@ -30,8 +30,6 @@ DEFAULT_MIN_NGRAM = 2  # 279M code target, adaptive K, one round each: min 1 / 2
 class LookupFirstDraft:
     """A Drafter: prompt lookup where it finds a match of `min_ngram` tokens or more, else `model`."""
 
-    pools_micro_batches = True  # the model drafts rows of several micro-batches in one call
-
     def __init__(self, model: DraftModel, max_ngram: int = DEFAULT_MAX_NGRAM,
                  min_ngram: int = DEFAULT_MIN_NGRAM) -> None:
         check_ngrams(max_ngram, min_ngram)

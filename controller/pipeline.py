@@ -171,38 +171,18 @@ class LocalPipeline:
                 message = self._done.popleft()
             else:
                 message = self._queues[-1].get(timeout=timeout)
-            if (result := self._take(message)) is not None:
+            if isinstance(message, ForwardResult):
+                if (result := self._ids.receive(message)) is None:
+                    continue
                 return result
-
-    def poll(self) -> ForwardResult | None:
-        """A finished step if one is waiting, else None at once (raises as collect() does)."""
-        while True:
-            message: object
-            if self._inline is not None:
-                if not self._done:
-                    return None
-                message = self._done.popleft()
-            else:
-                try:
-                    message = self._queues[-1].get_nowait()
-                except queue.Empty:
-                    return None
-            if (result := self._take(message)) is not None:
-                return result
-
-    def _take(self, message: object) -> ForwardResult | None:
-        """The result a message from the last stage carries; None for one nobody awaits (dropped)."""
-        if isinstance(message, ForwardResult):
-            return self._ids.receive(message)
-        if isinstance(message, _Failure):
-            if not self._ids.fail(message.batch_id):
-                return None
-            stage = message.stage_index
-            raise PipelineError(f"stage {stage} ({_layers(self.ranges[stage])}) failed on micro-batch "
-                                f"{self._ids.engine_id(message.batch_id)}: {message.error}") from message.error
-        if message is _STOP:
-            raise PipelineError("the pipeline stopped")
-        return None
+            if isinstance(message, _Failure):
+                if not self._ids.fail(message.batch_id):
+                    continue
+                stage = message.stage_index
+                raise PipelineError(f"stage {stage} ({_layers(self.ranges[stage])}) failed on micro-batch "
+                                    f"{self._ids.engine_id(message.batch_id)}: {message.error}") from message.error
+            if message is _STOP:
+                raise PipelineError("the pipeline stopped")
 
     def step(self, message: Forward) -> ForwardResult:
         """submit() then collect(); only for callers with one step in flight."""

@@ -145,7 +145,7 @@ def test_a_draft_model_prefills_chunk_for_chunk(target: Path, other_draft: Path)
     widths.clear()
     assert chunked == _run(target, requests, EngineOptions(max_rows=3, prefill_chunk=0), drafter=draft)[0]
     assert max(widths) == 90
-    with pytest.raises(ValueError, match="stream 5 is not a prefill of micro-batch 1"):
+    with pytest.raises(ValueError, match="not the one-row prefill of stream 5"):
         draft.extend(1, 5, [1, 2])
 
 

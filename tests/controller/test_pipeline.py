@@ -95,26 +95,3 @@ def test_a_micro_batch_released_with_a_step_in_flight_drops_its_result(tiny_expo
         assert (result.micro_batch_id, result.step_id, result.next_token_ids) == (1, 0, expected)
         pipeline.release(1)
     assert pipeline.micro_batches == (0,) * stages
-
-
-@pytest.mark.parametrize("stages", [1, 2])
-def test_poll_gives_a_finished_step_or_none_without_waiting(tiny_export: Path, stages: int) -> None:
-    import time
-
-    manifest = load_manifest(tiny_export)
-    with LocalPipeline(tiny_export, stages, F32, manifest) as pipeline:
-        assert pipeline.poll() is None  # nothing in flight: None at once, no error
-        pipeline.submit(_prefill(1, [1, 5, 9], manifest.spec.max_context))
-        deadline = time.monotonic() + 60
-        while (result := pipeline.poll()) is None:
-            assert time.monotonic() < deadline, "the step never finished"
-            time.sleep(0.005)
-        assert result.micro_batch_id == 1 and result.next_token_ids
-        assert pipeline.poll() is None
-        bad = _prefill(2, [1, 5, 9], manifest.spec.max_context)
-        pipeline.submit(replace(bad, position_ids=bad.position_ids + 1))
-        deadline = time.monotonic() + 60
-        with pytest.raises(PipelineError, match=r"micro-batch 2: .*desync"):  # a failure raises, as collect's does
-            while pipeline.poll() is None:
-                assert time.monotonic() < deadline, "the step never failed"
-                time.sleep(0.005)
