@@ -303,7 +303,13 @@ def _print_agents(agents: list[Any], undeployed: dict[str, list[Any]] | None = N
     counts = Counter(_state(agent) for agent in agents)
     states = sorted(counts, key=lambda state: (state not in _STATES_IN_ORDER,
                                                _STATES_IN_ORDER.index(state) if state in _STATES_IN_ORDER else 0))
-    print(f"{len(agents)} agent(s): " + ", ".join(f"{counts[state]} {state}" for state in states))
+    # "serving" is the agent's own word for hosting a stage; one whose every stage is marked (not deployed) runs
+    # nothing, which the count says rather than let it pass for a PC at work
+    idle = sum(1 for agent in agents if _state(agent) == "serving" and agent.report.stages
+               and all(stage in (undeployed or {}).get(agent.agent_id, []) for stage in agent.report.stages))
+    print(f"{len(agents)} agent(s): " + ", ".join(
+        f"{counts[state]} {state}" + (f" ({idle} of them holding only stages not deployed)"
+                                      if state == "serving" and idle else "") for state in states))
 
 
 def _agent_json(agent: Any, undeployed: dict[str, list[Any]] | None = None) -> dict[str, Any]:

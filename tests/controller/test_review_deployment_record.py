@@ -120,7 +120,13 @@ def test_fleet_ls_marks_them(capsys: pytest.CaptureFixture[str]) -> None:
     agent = SimpleNamespace(agent_id=AGENT, hostname="pc-bob", address="10.0.0.2:7431", sources=("registration",),
                             report=report, problem=None, certificate_expires=None)
     _print_agents([agent], {AGENT: [StageRef("m@1", 6, 8)]})
-    assert capsys.readouterr().out.splitlines()[1].endswith("m@1[0:6], m@1[6:8] (not deployed)")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].endswith("m@1[0:6], m@1[6:8] (not deployed)")
+    assert lines[-1] == "1 agent(s): 1 serving"  # one of its stages runs
+    # every stage of the PC marked: it runs nothing, and the count says so instead of calling it a PC at work
+    _print_agents([agent], {AGENT: [StageRef("m@1", 0, 6), StageRef("m@1", 6, 8)]})
+    assert capsys.readouterr().out.splitlines()[-1] == \
+        "1 agent(s): 1 serving (1 of them holding only stages not deployed)"
     assert _agent_json(agent, {AGENT: [StageRef("m@1", 6, 8)]})["stages_not_deployed"] == [["m@1", 6, 8]]
     assert _agent_json(agent)["devices"] == ["CPU"]
 
