@@ -179,12 +179,12 @@ class FleetFailover:
             self._blame = None
 
     async def _redeploy(self) -> DeployReport:
-        if self._model_id is not None and model_id_of(self.model_dir) != self._model_id:
+        if self._model_id is not None and (now := model_id_of(self.model_dir)) != self._model_id:
             # exported again mid-run: a chain of the new export would carry on the run's streams with another
             # model's weights (a re-plan prefills them with the tokens so far), so the run ends instead
             raise FailoverError(f"{self.model_dir} was exported again during this run ({self._model_id} is now "
-                                f"{model_id_of(self.model_dir)}): the run cannot go on on another model; `fleet "
-                                "deploy` the new export and run this again")
+                                f"{now}): the run cannot go on on another model; `fleet deploy` the new export and "
+                                "run this again")
         settings = load_deploy_settings(self.store, self.model_dir)
         found = await survey(self.store, self._survey_options())
         try:
