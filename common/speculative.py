@@ -153,14 +153,29 @@ def _one_hot_argmax(x: FloatArray) -> FloatArray:
 
 @dataclass(frozen=True)
 class RoundCost:
-    """Seconds one round costs: fixed + K * draft_per_token + (K+1) * verify_per_token."""
+    """Seconds one micro-batch's round costs, the longer of two bounds:
+
+    - its own latency: fixed + K * draft_per_token + (K+1) * verify_per_token + driver_seconds;
+    - the driver's turn: one driver thread serves every drafting micro-batch a round, so a round comes
+      around no sooner than `drafting_batches * (K * draft_per_token + driver_seconds)`.
+
+    With one micro-batch the first bound holds. With N in flight over a ring of PCs the driver's drafting
+    is N times a round's (measured, lent 16-core Xeon, demo pair: the controller drafted 61-71% of the wall
+    on 3-4 PCs): a K chosen by the latency alone grew to 7-8 there, each unit of it costing N draft steps
+    of everyone's round. `fixed_seconds` is the chain's part only (sent to the result's arrival), so the
+    time a result waits for the busy driver does not read as a slower chain (which would argue for a
+    larger K and feed itself)."""
 
     fixed_seconds: float  # the chain's round trip + one target pass, whatever K is
     draft_seconds_per_token: float  # one draft model step
     verify_seconds_per_token: float = 0.0  # what each extra verified position adds to the target pass
+    drafting_batches: float = 1.0  # micro-batches the driver drafts for, each round
+    driver_seconds: float = 0.0  # the driver's own time a round besides drafting (results, masks, sending)
 
     def seconds(self, k: int) -> float:
-        return self.fixed_seconds + k * self.draft_seconds_per_token + (k + 1) * self.verify_seconds_per_token
+        drafting = k * self.draft_seconds_per_token
+        latency = self.fixed_seconds + drafting + (k + 1) * self.verify_seconds_per_token + self.driver_seconds
+        return max(latency, self.drafting_batches * (drafting + self.driver_seconds))
 
 
 # The most draft tokens a round may propose. A verification of K+1 positions is one call, and AdaptiveK weighs every
@@ -261,7 +276,9 @@ class AdaptiveK:
         self._cost = RoundCost(
             blend(self._cost.fixed_seconds, measured.fixed_seconds),
             blend(self._cost.draft_seconds_per_token, measured.draft_seconds_per_token),
-            blend(self._cost.verify_seconds_per_token, measured.verify_seconds_per_token))
+            blend(self._cost.verify_seconds_per_token, measured.verify_seconds_per_token),
+            blend(self._cost.drafting_batches, measured.drafting_batches),
+            blend(self._cost.driver_seconds, measured.driver_seconds))
         self._choose_k()
 
     def _choose_k(self) -> None:

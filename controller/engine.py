@@ -72,7 +72,10 @@ Recover = Callable[[ChainBroken], "StageChain"]  # a new chain to resume on; rai
 class StageChain(Protocol):
     """Where the engine sends steps. A chain that several engines use one after the other (a chat's) also has
     renumber(): fresh micro-batch ids for the next engine, whose ids start at 1 again while steps of a run
-    stopped early may still be in flight (LocalPipeline and FleetPipeline have it)."""
+    stopped early may still be in flight (LocalPipeline and FleetPipeline have it). A chain whose results cross a
+    thread or a network may also have `last_arrival_s`: the perf_counter time the result collect() returned last
+    reached the controller (FleetPipeline has it), so that adaptive K tells the chain's round trip from the time
+    a result waited for the driver; without it, the driver's own collect time stands in."""
 
     def submit(self, message: Forward) -> None: ...
 
@@ -274,6 +277,7 @@ class Engine:
         self._on_token: TokenCallback | None = None
         self.failovers: list[Failover] = []
         self.timings = EngineTimings()
+        self._driver_busy = _DriverBusy()
         self._eos = frozenset(spec.eos_token_ids)
         self._kept: dict[int, KeptKV] = {}  # by stream id: finished keep_kv streams' micro-batches
         # by stream id: prompt tokens a stateful drafter still lacks (a resumed stream's kept prefix), fed to it a
@@ -377,8 +381,10 @@ class Engine:
             raise GenerationError("the engine has nothing in flight but streams are not done")
         waited_from = time.perf_counter()
         result = self.chain.collect()
-        self.timings.wait_seconds += time.perf_counter() - waited_from
-        self._on_result(result)
+        collected_at = time.perf_counter()
+        self.timings.wait_seconds += collected_at - waited_from
+        arrived_at = getattr(self.chain, "last_arrival_s", None)
+        self._on_result(result, arrived_at if isinstance(arrived_at, float) and arrived_at > 0 else collected_at)
 
     def _resume_on(self, chain: StageChain, error: ChainBroken) -> None:
         """Forget every micro-batch and queue every unfinished stream that had started for a prefill of its
@@ -681,7 +687,8 @@ class Engine:
 
     # Private methods: results
 
-    def _on_result(self, result: ForwardResult) -> None:
+    def _on_result(self, result: ForwardResult, arrived_at: float) -> None:
+        """Take one step's result; `arrived_at`: when it reached the controller (perf_counter)."""
         flight = self._in_flight.pop(result.micro_batch_id)
         self._collected += 1
         now = time.perf_counter() - self._started
@@ -704,7 +711,7 @@ class Engine:
             if self._extend(stream, [*proposed[:accepted], result.next_token_ids[row]], now):
                 finished.add(stream_id)
         if any(flight.drafts) and not flight.prefill and not flight.beside_prefill:
-            self._record_cost(flight)
+            self._record_cost(flight, arrived_at)
         self._retire(track, finished)
 
     def _extend(self, stream: _Stream, tokens: list[int], now: float) -> bool:
@@ -757,13 +764,37 @@ class Engine:
             self.draft.release(track.micro_batch_id)  # the drafter's state is prefilled again on resume
         self._kept[stream.stream_id] = KeptKV(self.chain, track, fed)
 
-    def _record_cost(self, flight: _InFlight) -> None:
+    def _record_cost(self, flight: _InFlight, arrived_at: float) -> None:
+        """Tell adaptive K what this drafted round cost: the chain's round trip (sent to the result's arrival),
+        the draft model's time a token, and the driver's share (common/speculative.py RoundCost): how many
+        micro-batches it drafts for, and its own time a round besides drafting, over the steps since the last
+        drafted round."""
         proposed = max(len(tokens) for tokens in flight.drafts)
-        round_trip = time.perf_counter() - flight.sent_at
+        round_trip = max(arrived_at - flight.sent_at, 0.0)
         self.timings.drafted_rounds += 1
         self.timings.round_trip_seconds += round_trip
+        now = time.perf_counter()
+        busy = self._driver_busy.update(now, self.timings, self._collected)
+        drafting = sum(1 for batch_id in self._tracks if self.draft is not None and self.draft.has_batch(batch_id))
         self.k_policy.record_cost(RoundCost(fixed_seconds=round_trip,
-                                            draft_seconds_per_token=flight.draft_seconds / max(proposed, 1)))
+                                            draft_seconds_per_token=flight.draft_seconds / max(proposed, 1),
+                                            drafting_batches=max(drafting, 1), driver_seconds=busy))
+
+
+class _DriverBusy:
+    """The driver thread's own time a step besides drafting and waiting for the chain (taking results, masks,
+    building and sending steps), from the engine's timings between two drafted rounds."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, float, float, int] | None = None  # (time, wait, draft, steps collected)
+
+    def update(self, now: float, timings: EngineTimings, collected: int) -> float:
+        """Seconds a step since the previous call (0.0 on the first)."""
+        last, self._last = self._last, (now, timings.wait_seconds, timings.draft_seconds, collected)
+        if last is None or collected <= last[3]:
+            return 0.0
+        busy = (now - last[0]) - (timings.wait_seconds - last[1]) - (timings.draft_seconds - last[2])
+        return max(busy, 0.0) / (collected - last[3])
 
 
 def _release_quietly(holder: StageChain | Drafter, batch_id: int) -> None:

@@ -99,7 +99,9 @@ class FleetPipeline:
         self.return_logits = return_logits
         self.model_id = model_id
         self._ids = ChainIds(_ID_SPAN, lambda: secrets.randbelow(1 << 30) * _ID_SPAN)
-        self._results: queue.Queue[ForwardResult | ChainError] = queue.Queue()
+        # results with the perf_counter time they reached this process (the network thread's receipt)
+        self._results: queue.Queue[tuple[float, ForwardResult] | ChainError] = queue.Queue()
+        self.last_arrival_s = 0.0  # when the result collect() returned last reached this process
         self._failure: ChainError | None = None
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -156,14 +158,16 @@ class FleetPipeline:
         deadline = time.monotonic() + wait
         while True:
             try:
-                item = self._results.get(timeout=max(deadline - time.monotonic(), 0.0))
+                entry = self._results.get(timeout=max(deadline - time.monotonic(), 0.0))
             except queue.Empty:
                 raise ChainError(f"no result within {wait:.0f} s with {self._ids.in_flight} step(s) in flight on "
                                  f"{self.describe()}: an agent may be stuck") from None
-            if isinstance(item, ChainError):
-                self._failure = item
-                raise item
+            if isinstance(entry, ChainError):
+                self._failure = entry
+                raise entry
+            arrived, item = entry
             if (result := self._ids.receive(item)) is not None:
+                self.last_arrival_s = arrived
                 return result
             if self._ids.from_earlier_run(item.micro_batch_id):
                 log.debug("dropped the late result of a run stopped early (wire micro-batch %d step %d)",
@@ -311,7 +315,7 @@ class FleetPipeline:
             except LinkError as error:
                 raise self._stage_error(index, f"the link closed: {error}") from None
             if isinstance(message, ForwardResult):
-                self._results.put(message)
+                self._results.put((time.perf_counter(), message))
             elif isinstance(message, Error):
                 if message.micro_batch_id is not None and not self._ids.is_awaited(message.micro_batch_id):
                     # another run's: an agent dropped from this chain that woke up and relayed its old steps

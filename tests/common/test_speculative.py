@@ -265,6 +265,25 @@ def test_best_k_grows_with_acceptance_and_with_the_round_trip() -> None:
         assert ks == sorted(ks)
 
 
+def test_a_round_costs_the_longer_of_its_latency_and_the_drivers_turn() -> None:
+    alone = RoundCost(fixed_seconds=0.004, draft_seconds_per_token=0.001, driver_seconds=0.0005)
+    assert alone.seconds(3) == pytest.approx(0.004 + 0.003 + 0.0005)
+    shared = RoundCost(fixed_seconds=0.004, draft_seconds_per_token=0.001, drafting_batches=4, driver_seconds=0.0002)
+    assert shared.seconds(1) == pytest.approx(0.004 + 0.001 + 0.0002)  # latency: 5.2 ms > 4 * 1.2 ms
+    assert shared.seconds(3) == pytest.approx(4 * (0.003 + 0.0002))  # the driver's turn: 12.8 ms > 7.2 ms
+    # the driver drafting for four micro-batches makes a long K dear: K falls where one micro-batch keeps it
+    assert best_k(0.7, shared, 1, 8) < best_k(0.7, alone, 1, 8)
+    slow_chain = RoundCost(fixed_seconds=0.2, draft_seconds_per_token=0.001, drafting_batches=4)
+    assert best_k(0.7, slow_chain, 1, 8) == best_k(0.7, RoundCost(0.2, 0.001), 1, 8)  # the latency still rules
+
+
+def test_adaptive_k_blends_the_drivers_share_too() -> None:
+    controller = AdaptiveK(1, 8, initial_cost=RoundCost(0.01, 0.001))
+    controller.record_cost(RoundCost(0.01, 0.001, drafting_batches=3.0, driver_seconds=0.002))
+    assert controller.cost.drafting_batches == pytest.approx(0.9 * 1.0 + 0.1 * 3.0)
+    assert controller.cost.driver_seconds == pytest.approx(0.1 * 0.002)
+
+
 def test_adaptive_k_follows_measured_acceptance_and_cost() -> None:
     controller = AdaptiveK(2, 10, initial_cost=RoundCost(fixed_seconds=0.2, draft_seconds_per_token=0.01))
     start = controller.k

@@ -83,6 +83,26 @@ def test_another_drivers_result_is_dropped_and_ours_still_arrives(
     assert (result.micro_batch_id, result.step_id, result.next_token_ids) == (3, 7, (1,))
 
 
+def test_a_result_is_stamped_with_when_it_arrived_not_when_the_driver_took_it(
+        scripted_chain: Callable[[Reply], FleetPipeline]) -> None:
+    # Adaptive K times the chain's round trip to this stamp: a result that waited for a busy driver must not
+    # read as a slow chain.
+    answered = threading.Event()
+
+    async def reply(link: Link, message: Forward) -> None:
+        await link.send(ForwardResult(message.micro_batch_id, message.step_id, (1,), None, None))
+        answered.set()
+
+    chain = scripted_chain(reply)
+    sent = time.perf_counter()
+    chain.submit(one_step())
+    assert answered.wait(10)
+    time.sleep(0.3)  # the driver is busy elsewhere
+    chain.collect()
+    taken = time.perf_counter()
+    assert sent < chain.last_arrival_s < taken - 0.25
+
+
 def test_a_duplicated_result_is_handed_over_once(scripted_chain: Callable[[Reply], FleetPipeline]) -> None:
     async def reply(link: Link, message: Forward) -> None:
         for _ in range(2):
