@@ -52,6 +52,7 @@ from deskfleet.common.arguments import path_argument
 from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.planner import PlanOptions, PlanPolicy
+from deskfleet.common.speculative import MAX_K
 from deskfleet.common.wire import Precision, Role
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.bench.arguments import check_genai_inputs, check_output_file
@@ -99,6 +100,9 @@ class FleetBenchOptions:
     genai_model: Path | None = None  # the throughput model exported by optimum-intel: GenAI CB rows
     genai_python: Path | None = None  # the GenAI venv's python (scripts/genai_venv.sh)
     drafting_kv_cache: str | None = None  # the drafting and WAN rows' KV cache (`fleet deploy --kv-cache`)
+    # extra draft-model rows with K fixed at each of these, beside adaptive K's, at every PC count: where the K
+    # that adaptive K chose stands against the best fixed one, measured side by side
+    fixed_ks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.model is None and self.demo_target is None:
@@ -111,6 +115,13 @@ class FleetBenchOptions:
                              f"not {self.drafting_kv_cache}")
         if self.warmup_rounds < 0:
             raise ValueError(f"--warmup-rounds cannot be negative, not {self.warmup_rounds}")
+        for k in self.fixed_ks:
+            if not 1 <= k <= MAX_K:
+                raise ValueError(f"--fixed-k takes draft lengths from 1 to {MAX_K}, not {k}")
+        if len(set(self.fixed_ks)) != len(self.fixed_ks):
+            raise ValueError(f"--fixed-k names a K twice: {' '.join(map(str, self.fixed_ks))}")
+        if self.fixed_ks and self.demo_draft is None:
+            raise ValueError("--fixed-k needs --demo-draft (its rows draft with the draft model)")
         if not 0.0 <= self.wan_delay_s <= MAX_DELAY_S:  # NaN fails this too
             raise ValueError(f"--wan-delay-ms must be from 0 to {MAX_DELAY_S * 1000:g}, not {self.wan_delay_s * 1000}")
         bandwidth = self.wan_bandwidth_bytes_s
@@ -131,6 +142,7 @@ class _Config:
     return_logits: bool = False
     copies: int = 1  # independent chains run at once (group, group + "-b", ...)
     one_at_a_time: bool = False  # serve the streams one after another (a 1-stream baseline for their prompts)
+    fixed_k: int | None = None  # the drafter proposes exactly this many tokens a round (None: adaptive K)
     runs: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -161,8 +173,9 @@ USER_COUNTS = (2, 4, 8)  # the honest baseline: the same users on 1 PC with desk
 MAX_PCS = max(GROUP_OF_PCS)
 
 
-def fleet_rows(max_pcs: int) -> tuple[_Row, ...]:
-    """The report's rows: the paper's table, the honest 1-PC baselines, and the 3-4 PC rows up to max_pcs."""
+def fleet_rows(max_pcs: int, fixed_ks: Sequence[int] = ()) -> tuple[_Row, ...]:
+    """The report's rows: the paper's table, the honest 1-PC baselines, the 3-4 PC rows up to max_pcs, and a
+    draft-model row with K fixed at each of `fixed_ks` beside each adaptive one."""
     rows = [
         _Row("1 PC (monolithic)", "mono_1", None, "1.00x", "1.00x"),
         _Row("2 PCs, 1 stream", "pair_1", "mono_1", "0.67x", ">= 0.95x"),
@@ -206,6 +219,8 @@ def fleet_rows(max_pcs: int) -> tuple[_Row, ...]:
                 _Row(f"{pcs} PCs vs 1 PC, {pcs} streams batched + speculative ({drafter})",
                      f"demo_{group}_{pcs}_{suffix}", f"demo_mono_{pcs}_{suffix}", "-", "-"),
             ]
+        rows += [_Row(f"{pcs} PCs, {pcs} streams + speculative (draft model, K fixed at {k})",
+                      f"demo_{group}_{pcs}_spec_k{k}", f"demo_mono_seq{pcs}", "-", "-") for k in fixed_ks]
     rows += [
         _Row("100 ms per hop, full stack vs naive pipeline (drafting pair)", "wan_full", "wan_naive", "4.04x",
              ">= 6x"),
@@ -404,6 +419,9 @@ def bench_configs(options: FleetBenchOptions) -> list[_Config]:
                 group = f"demo_{GROUP_OF_PCS[pcs]}"
                 configs.append(_Config(f"{group}_{pcs}_{suffix}", group, pcs, 1, pcs, drafter=suffix))
                 configs.append(_Config(f"demo_mono_{pcs}_{suffix}", "demo_mono", pcs, pcs, 1, drafter=suffix))
+                if suffix == "spec":
+                    configs += [_Config(f"{group}_{pcs}_spec_k{k}", group, pcs, 1, pcs, drafter=suffix, fixed_k=k)
+                                for k in options.fixed_ks]
         configs.append(_Config("wan_full", WAN_GROUP, 8, 4, 2,
                                drafter="spec" if options.demo_draft is not None else None))
     return configs
@@ -454,7 +472,8 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
             drafters[config.key] = open_drafter(options.demo_draft if uses_model else None, uses_lookup,
                                                 over_fleet=True)
         draft = drafters[config.key]
-        engine_options = EngineOptions(max_rows=config.max_rows, micro_batches=config.micro_batches)
+        engine_options = EngineOptions(max_rows=config.max_rows, micro_batches=config.micro_batches,
+                                       fixed_k=config.fixed_k)
         with FleetPipeline(placements[group], fleet.store.tls_files, return_logits=config.return_logits,
                            model_id=model_id_of(model)) as chain:
             spec = load_manifest(model).spec
@@ -557,7 +576,8 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
                                   for key in ("steady_tok_s", *DRIVER_TIMES)}}
     rows: list[dict[str, Any]] = []
     delay = f"{options.wan_delay_s * 1000:.0f} ms per hop"
-    for row in (replace(row, title=row.title.replace("100 ms per hop", delay)) for row in fleet_rows(MAX_PCS)):
+    for row in (replace(row, title=row.title.replace("100 ms per hop", delay))
+                for row in fleet_rows(MAX_PCS, options.fixed_ks)):
         baselines = _baselines(row)
         if row.config not in by_key or any(baseline not in by_key for baseline in baselines):
             rows.append({"row": row.title, "paper": row.paper, "goal": row.goal, "ratio": None, "tok_s": None,
@@ -594,7 +614,8 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
                         "threads_per_pc": options.threads_per_pc, "wan_delay_s": options.wan_delay_s,
                         "max_pcs": options.max_pcs, "controller_cores": options.controller_cores,
                         "genai_model": _path_or_none(options.genai_model),
-                        "wan_bandwidth_bytes_s": options.wan_bandwidth_bytes_s},
+                        "wan_bandwidth_bytes_s": options.wan_bandwidth_bytes_s,
+                        "fixed_ks": list(options.fixed_ks)},
             "configs": summary, "rows": rows, "deployments": deployments}
 
 
@@ -833,6 +854,9 @@ def add_fleet_bench_command(benches: Any) -> None:
     parser.add_argument("--genai-model", type=path_argument, default=None,
                         help="--model's checkpoint exported by optimum-intel: adds GenAI continuous-batching rows")
     parser.add_argument("--genai-python", type=path_argument, default=None, help="the GenAI venv's python")
+    parser.add_argument("--fixed-k", type=positive_int, nargs="+", default=[], metavar="K",
+                        help="also run the draft model's rows with K fixed at each of these, beside adaptive K's, "
+                             "at every PC count (does adaptive K find the best K on this fleet?)")
     parser.add_argument("--json-out", type=path_argument, default=None,
                         help="also write the JSON here (checked before the bench runs; written whole or not at all)")
     parser.add_argument("--markdown-out", type=path_argument, default=None, help="also write the markdown table here")
@@ -848,7 +872,7 @@ def _bench_command(args: Any) -> int:
         prompt_tokens=args.prompt_tokens, rounds=args.rounds, warmup_rounds=args.warmup_rounds,
         threads_per_pc=args.threads_per_pc,
         max_pcs=args.pcs, controller_cores=args.controller_cores, genai_model=args.genai_model,
-        genai_python=args.genai_python, drafting_kv_cache=args.kv_cache,
+        genai_python=args.genai_python, drafting_kv_cache=args.kv_cache, fixed_ks=tuple(args.fixed_k),
         wan_delay_s=args.wan_delay_ms / 1000.0,
         wan_bandwidth_bytes_s=args.wan_bandwidth_mbit * 125_000 if args.wan_bandwidth_mbit is not None else None)
     try:

@@ -623,3 +623,55 @@ def test_rows_report_the_ratio_of_steady_rates_beside_the_ratio_of_walls() -> No
     assert rows["3 PCs, 3 streams + speculative (draft model)"]["ratio"] == pytest.approx(1.0)
     # a configuration without a steady rate (here 1 PC batched) gives its rows none
     assert "steady_ratio" not in rows["3 PCs vs 1 PC, 3 streams batched + speculative (draft model)"]
+
+
+def test_fixed_k_rows_run_the_draft_model_with_that_k_beside_adaptive_k(monkeypatch: pytest.MonkeyPatch) -> None:
+    fixed = replace(options(3), fixed_ks=(2, 5))
+    configs = {config.key: config for config in bench_configs(fixed)}
+    for pcs, group in ((2, "pair"), (3, "trio")):
+        assert configs[f"demo_{group}_{pcs}_spec"].fixed_k is None  # adaptive, as without --fixed-k
+        for k in (2, 5):
+            config = configs[f"demo_{group}_{pcs}_spec_k{k}"]
+            assert (config.drafter, config.fixed_k, config.micro_batches, config.streams) == ("spec", k, pcs, pcs)
+    assert not any(config.fixed_k for config in bench_configs(options(3)))
+    rows = {row.title: row for row in fleet_rows(3, (2, 5))}
+    row = rows["3 PCs, 3 streams + speculative (draft model, K fixed at 5)"]
+    assert (row.config, row.baseline, row.goal) == ("demo_trio_3_spec_k5", "demo_mono_seq3", "-")
+    assert not any("K fixed" in row.title for row in fleet_rows(4))
+    # the configuration's K reaches the engine that runs it
+    seen: list[Any] = []
+
+    class FakeEngine:
+        def __init__(self, chain: object, spec: object, draft: object, engine_options: Any) -> None:
+            seen.append(engine_options)
+            self.k_policy = SimpleNamespace(k=engine_options.fixed_k)
+            self.timings = EngineTimings()
+
+        def add(self, request: object) -> None:
+            pass
+
+        def run(self, on_token: Any = None) -> dict[int, Any]:
+            on_token(0, 1)
+            return {0: SimpleNamespace(tokens=[1])}
+
+    monkeypatch.setattr(fleet_module, "FleetPipeline", _FakeChain)
+    monkeypatch.setattr(fleet_module, "Engine", FakeEngine)
+    monkeypatch.setattr(fleet_module, "model_id_of", lambda model: "m@0")
+    monkeypatch.setattr(fleet_module, "load_manifest", lambda model: SimpleNamespace(spec=None))
+    monkeypatch.setattr(fleet_module, "_prompts", lambda *args: [[1, 2]])
+    fleet = SimpleNamespace(store=SimpleNamespace(tls_files=None))
+    config = configs["demo_pair_2_spec_k5"]
+    _run_config(fleet, {"demo_pair": (0.0,)}, config, fixed, {config.key: None})  # type: ignore[arg-type]
+    assert [engine_options.fixed_k for engine_options in seen] == [5]
+
+
+@pytest.mark.parametrize(("ks", "message"), [((0,), "from 1 to 64, not 0"), ((65,), "from 1 to 64, not 65"),
+                                             ((3, 3), "names a K twice: 3 3")])
+def test_fixed_k_out_of_range_is_refused(ks: tuple[int, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=f"--fixed-k .*{message}"):
+        replace(options(2), fixed_ks=ks)
+
+
+def test_fixed_k_without_the_draft_model_is_refused_before_any_pc_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "fleet", "--model", str(MODEL), "--fixed-k", "3"]) == 2
+    assert "--fixed-k needs --demo-draft" in capsys.readouterr().err
