@@ -445,9 +445,16 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stream_done(stream: dict[str, object], max_new_tokens: int) -> bool:
+    tokens = stream["tokens"]
+    assert isinstance(tokens, list)
+    return bool(stream["stopped_by_eos"]) or len(tokens) >= max_new_tokens
+
+
 def _generate(args: argparse.Namespace) -> int:
     from deskfleet.controller.chat import generate_on_fleet
-    from deskfleet.controller.run import GenerateOptions, run_generate
+    from deskfleet.controller.fleet_failover import FailoverError
+    from deskfleet.controller.run import GenerateOptions, GenerationStopped, run_generate
 
     check_fleet_options(args)
     options = GenerateOptions(
@@ -467,6 +474,22 @@ def _generate(args: argparse.Namespace) -> int:
         # (not a stray line where a JSON object is expected), so there the line ends on stderr.
         _end_line(sys.stderr if args.json else sys.stdout)
         raise
+    except FailoverError as error:  # the chain could not be opened nor re-planned: a failed run, not a usage error
+        print(f"deskfleet: error: {error}", file=sys.stderr)
+        return 1
+    except GenerationStopped as stopped:
+        # The run broke after it began (a fleet run that gave up re-planning): exit status 1, not a usage
+        # error's 2, and what the streams had made is not lost: the text streamed or printed above, and under
+        # --json the report of tokens so far with "stopped" saying why.
+        if args.json:
+            print(json.dumps(stopped.report))
+        streams = stopped.report["streams"]
+        assert isinstance(streams, list)
+        done = sum(1 for stream in streams if _stream_done(stream, args.max_new_tokens))
+        print(f"deskfleet: error: {stopped} ({done} of {len(streams)} stream(s) had finished; "
+              f"{stopped.report['generated_tokens']} tokens in all, "
+              + ("in the JSON on standard output)" if args.json else "above)"), file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(report))
     else:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from deskfleet.common.model_spec import load_manifest
 
 from .decoding_options import DecodingOptions
-from .engine import Engine, Recover, StageChain, StreamRequest
+from .engine import Engine, Recover, StageChain, StreamRequest, StreamResult
 from .generation import GenerationError, check_request
 from .pipeline import LocalPipeline, split_layers
 
@@ -110,7 +110,7 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
     `chain` (e.g. the fleet, with `chain_stages` stages) replaces the local pipeline; the caller closes it.
     `recover` makes a new chain when that one breaks (Engine.run); the report then lists the failovers.
     """
-    from .text_printer import TextPrinter, is_terminal, visible_controls
+    from .text_printer import TextPrinter
     from .tokenizer import ModelTokenizer
 
     manifest = load_manifest(options.model)
@@ -142,14 +142,40 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
         started = time.perf_counter()
         try:
             results = engine.run(on_token=printer.push if printer else None, recover=recover)
-        except Exception:
+        except Exception as error:
             if printer is not None and printer.text and not printer.text.endswith("\n"):
                 printer.out.write("\n")  # the error that follows starts a line of its own
                 printer.out.flush()
-            raise
+            if not isinstance(error, RuntimeError):
+                raise
+            # The chain broke past what recover could mend (a fleet run that gave up re-planning): what the
+            # streams had made is not thrown away with the error.
+            wall = time.perf_counter() - started
+            partial = _report(engine, tokenizer, engine.results(), wall, stages, pipeline, stream_text)
+            partial["stopped"] = str(error)
+            _add_drafting(partial, engine, draft is not None, recover is not None)
+            raise GenerationStopped(str(error), partial) from error
         wall = time.perf_counter() - started
     if printer is not None:
         printer.finish()
+    report = _report(engine, tokenizer, results, wall, stages, pipeline, stream_text)
+    _add_drafting(report, engine, draft is not None, recover is not None)
+    return report
+
+
+class GenerationStopped(RuntimeError):
+    """A run that broke after it began (the chain, past what failover could mend): `report` is the report
+    run_generate would have returned, with each stream's tokens so far and `"stopped"`: why."""
+
+    def __init__(self, message: str, report: dict[str, object]) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+def _report(engine: Engine, tokenizer: ModelTokenizer, results: dict[int, StreamResult], wall: float, stages: int,
+            pipeline: StageChain, print_streams: bool) -> dict[str, object]:
+    from .text_printer import is_terminal, visible_controls
+
     streams = [{"tokens": result.tokens, "text": tokenizer.decode(result.tokens),
                 "tok_s": round(result.decode_tok_s, 3), "prompt_tokens": result.prompt_tokens,
                 "first_token_s": round(result.first_token_s, 4), "stopped_by_eos": result.stopped_by_eos}
@@ -163,16 +189,19 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
         report.update({key: streams[0][key] for key in ("tokens", "text", "tok_s")})
     else:
         report["tok_s"] = round(generated / wall, 3) if wall > 0 else 0.0
-        if stream_text:
+        if print_streams:
             shown = visible_controls if is_terminal(sys.stdout) else str  # a model's ESC sequences, not obeyed
             for index, stream in enumerate(streams):
                 print(f"--- stream {index}\n{shown(str(stream['text']))}")
-    if recover is not None:
+    return report
+
+
+def _add_drafting(report: dict[str, object], engine: Engine, drafted: bool, recovered: bool) -> None:
+    if recovered:
         report["failovers"] = [asdict(failover) for failover in engine.failovers]
-    if draft is not None:
+    if drafted:
         report["accepted_histogram"] = {str(k): v for k, v in engine.accepted_histogram().items()}
         report["mean_accepted"] = round(engine.mean_accepted(), 4)
-    return report
 
 
 def _unescape(match: re.Match[str]) -> str:
