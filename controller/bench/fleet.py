@@ -103,6 +103,8 @@ class FleetBenchOptions:
     # extra draft-model rows with K fixed at each of these, beside adaptive K's, at every PC count: where the K
     # that adaptive K chose stands against the best fixed one, measured side by side
     fixed_ks: tuple[int, ...] = ()
+    drafters: tuple[str, ...] = ()  # the drafting rows' drafters (DRAFTERS' keys); empty: every one
+    wan: bool = True  # the WAN rows (the naive pipeline over 100 ms hops is the slowest configuration by far)
 
     def __post_init__(self) -> None:
         if self.model is None and self.demo_target is None:
@@ -122,6 +124,11 @@ class FleetBenchOptions:
             raise ValueError(f"--fixed-k names a K twice: {' '.join(map(str, self.fixed_ks))}")
         if self.fixed_ks and self.demo_draft is None:
             raise ValueError("--fixed-k needs --demo-draft (its rows draft with the draft model)")
+        unknown = sorted(set(self.drafters) - set(DRAFTERS))
+        if unknown:
+            raise ValueError(f"--drafters: unknown {', '.join(unknown)}; choose from {', '.join(DRAFTERS)}")
+        if self.fixed_ks and self.drafters and "spec" not in self.drafters:
+            raise ValueError("--fixed-k runs the draft model's rows: --drafters must keep spec")
         if not 0.0 <= self.wan_delay_s <= MAX_DELAY_S:  # NaN fails this too
             raise ValueError(f"--wan-delay-ms must be from 0 to {MAX_DELAY_S * 1000:g}, not {self.wan_delay_s * 1000}")
         bandwidth = self.wan_bandwidth_bytes_s
@@ -129,6 +136,10 @@ class FleetBenchOptions:
             least = MIN_BANDWIDTH_BYTES_S / 125_000
             raise ValueError(f"--wan-bandwidth-mbit must be a finite number, at least {least:g} (leave it out for no "
                              f"limit), not {bandwidth / 125_000}")
+
+    def runs_drafter(self, suffix: str) -> bool:
+        """Whether the drafting rows run with this drafter (DRAFTERS' key)."""
+        return not self.drafters or suffix in self.drafters
 
 
 @dataclass
@@ -375,7 +386,7 @@ def bench_groups(options: FleetBenchOptions) -> dict[str, tuple[Path, list[str]]
         for pcs in range(2, options.max_pcs + 1):
             group = f"{prefix}{GROUP_OF_PCS[pcs]}"
             groups[group] = (model, [f"{group}{index}" for index in range(pcs)])
-    if options.demo_target is not None:
+    if options.demo_target is not None and options.wan:
         groups[WAN_GROUP] = (options.demo_target, [f"{WAN_GROUP}0", f"{WAN_GROUP}1"])
     return groups
 
@@ -410,10 +421,11 @@ def bench_configs(options: FleetBenchOptions) -> list[_Config]:
     if options.demo_target is not None:
         configs += [_Config(f"demo_mono_seq{streams}", "demo_mono", streams, 1, 1, one_at_a_time=True)
                     for streams in range(2, options.max_pcs + 1)]
-        configs += [_Config("wan_naive", WAN_GROUP, 1, 1, 1, return_logits=True),
-                    _Config("wan_naive_ids", WAN_GROUP, 1, 1, 1)]
+        if options.wan:
+            configs += [_Config("wan_naive", WAN_GROUP, 1, 1, 1, return_logits=True),
+                        _Config("wan_naive_ids", WAN_GROUP, 1, 1, 1)]
         for suffix, (_, uses_model, _) in DRAFTERS.items():
-            if uses_model and options.demo_draft is None:
+            if (uses_model and options.demo_draft is None) or not options.runs_drafter(suffix):
                 continue
             for pcs in range(2, options.max_pcs + 1):
                 group = f"demo_{GROUP_OF_PCS[pcs]}"
@@ -422,8 +434,9 @@ def bench_configs(options: FleetBenchOptions) -> list[_Config]:
                 if suffix == "spec":
                     configs += [_Config(f"{group}_{pcs}_spec_k{k}", group, pcs, 1, pcs, drafter=suffix, fixed_k=k)
                                 for k in options.fixed_ks]
-        configs.append(_Config("wan_full", WAN_GROUP, 8, 4, 2,
-                               drafter="spec" if options.demo_draft is not None else None))
+        if options.wan:
+            configs.append(_Config("wan_full", WAN_GROUP, 8, 4, 2,
+                                   drafter="spec" if options.demo_draft is not None else None))
     return configs
 
 
@@ -615,7 +628,8 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
                         "max_pcs": options.max_pcs, "controller_cores": options.controller_cores,
                         "genai_model": _path_or_none(options.genai_model),
                         "wan_bandwidth_bytes_s": options.wan_bandwidth_bytes_s,
-                        "fixed_ks": list(options.fixed_ks)},
+                        "fixed_ks": list(options.fixed_ks), "drafters": list(options.drafters or DRAFTERS),
+                        "wan": options.wan},
             "configs": summary, "rows": rows, "deployments": deployments}
 
 
@@ -636,6 +650,8 @@ def _not_run_reason(row: _Row, options: FleetBenchOptions) -> str:
     # the model first: without --model, --genai-model is refused (its rows serve --model's users)
     if row.config.startswith(("demo_", "wan_")) and options.demo_target is None:
         return "not run: no --demo-target"
+    if row.config.startswith("wan_") and not options.wan:
+        return "not run: --no-wan"
     if not row.config.startswith(("demo_", "wan_")) and options.model is None:
         return "not run: no --model"
     if any(key.startswith(f"{GENAI_GROUP}_") for key in (row.config, *_baselines(row))) \
@@ -643,6 +659,9 @@ def _not_run_reason(row: _Row, options: FleetBenchOptions) -> str:
         return "not run: no --genai-model"
     if row.config.endswith(("_spec", "_first")) and options.demo_draft is None:
         return "not run: no --demo-draft"
+    drafted = re.fullmatch(r"demo_\w+?_\d+_(spec|lookup|first)(?:_k\d+)?", row.config)
+    if drafted and not options.runs_drafter(drafted.group(1)):
+        return f"not run: --drafters leaves out {drafted.group(1)}"
     return f"not run: needs --pcs {max(_pcs_needed(key) for key in (row.config, *_baselines(row)))} (one core " \
            "per simulated PC)"
 
@@ -854,6 +873,11 @@ def add_fleet_bench_command(benches: Any) -> None:
     parser.add_argument("--genai-model", type=path_argument, default=None,
                         help="--model's checkpoint exported by optimum-intel: adds GenAI continuous-batching rows")
     parser.add_argument("--genai-python", type=path_argument, default=None, help="the GenAI venv's python")
+    parser.add_argument("--no-wan", dest="wan", action="store_false",
+                        help="leave out the WAN rows (their naive pipeline, ~3 tok/s over 100 ms hops, takes longest)")
+    parser.add_argument("--drafters", nargs="+", choices=list(DRAFTERS), default=[],
+                        help="run the drafting rows with these drafters only (default: all; spec: the draft model, "
+                             "lookup: prompt lookup, first: prompt lookup first)")
     parser.add_argument("--fixed-k", type=positive_int, nargs="+", default=[], metavar="K",
                         help="also run the draft model's rows with K fixed at each of these, beside adaptive K's, "
                              "at every PC count (does adaptive K find the best K on this fleet?)")
@@ -873,6 +897,7 @@ def _bench_command(args: Any) -> int:
         threads_per_pc=args.threads_per_pc,
         max_pcs=args.pcs, controller_cores=args.controller_cores, genai_model=args.genai_model,
         genai_python=args.genai_python, drafting_kv_cache=args.kv_cache, fixed_ks=tuple(args.fixed_k),
+        drafters=tuple(args.drafters), wan=args.wan,
         wan_delay_s=args.wan_delay_ms / 1000.0,
         wan_bandwidth_bytes_s=args.wan_bandwidth_mbit * 125_000 if args.wan_bandwidth_mbit is not None else None)
     try:

@@ -675,3 +675,56 @@ def test_fixed_k_out_of_range_is_refused(ks: tuple[int, ...], message: str) -> N
 def test_fixed_k_without_the_draft_model_is_refused_before_any_pc_starts(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "fleet", "--model", str(MODEL), "--fixed-k", "3"]) == 2
     assert "--fixed-k needs --demo-draft" in capsys.readouterr().err
+
+
+def test_drafters_limits_the_drafting_rows_and_says_so_of_those_left_out() -> None:
+    only_model = replace(options(2), drafters=("spec",), fixed_ks=(4,))
+    configs = bench_configs(only_model)
+    keys = {config.key for config in configs}
+    assert {"demo_pair_2_spec", "demo_mono_2_spec", "demo_pair_2_spec_k4"} <= keys
+    assert not any(key.endswith(("_lookup", "_first")) for key in keys)
+    for config in configs:
+        config.runs.append({"tok_s": 10.0, "mean_accepted": 1.0, "final_k": 4.0})
+    report = build_report(only_model, configs, [0], [1, 2])
+    rows = {row["row"]: row for row in report["rows"]}
+    assert rows["2 PCs, 2 streams + speculative (draft model)"]["ratio"] == 1.0
+    assert rows["2 PCs, 2 streams + speculative (prompt lookup)"]["note"] == "not run: --drafters leaves out lookup"
+    assert rows["1 PC, 2 streams batched + speculative (lookup first)"]["note"] == \
+        "not run: --drafters leaves out first"
+    assert report["options"]["drafters"] == ["spec"]
+    assert any(key.endswith("_lookup") for key in (config.key for config in bench_configs(options(2))))
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    (dict(drafters=("spec", "medusa")), "--drafters: unknown medusa; choose from spec, lookup, first"),
+    (dict(drafters=("lookup",), fixed_ks=(3,)), "--fixed-k runs the draft model's rows: --drafters must keep spec")])
+def test_drafters_that_cannot_run_are_refused(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        replace(options(2), **fields)
+
+
+def test_no_wan_leaves_out_the_wan_rows_and_their_pcs() -> None:
+    no_wan = replace(options(2), wan=False)
+    assert not any(config.group == "wan" for config in bench_configs(no_wan))
+    assert "wan" not in bench_groups(no_wan) and "wan" in bench_groups(options(2))
+    configs = bench_configs(no_wan)
+    for config in configs:
+        config.runs.append({"tok_s": 10.0, "mean_accepted": 1.0, "final_k": 4.0})
+    rows = {row["row"]: row for row in build_report(no_wan, configs, [0], [1, 2])["rows"]}
+    assert rows["100 ms per hop, full stack vs naive pipeline (drafting pair)"]["note"] == "not run: --no-wan"
+    assert rows["2 PCs, 2 streams + speculative (draft model)"]["ratio"] == 1.0
+
+
+def test_the_command_line_passes_the_row_choices_on(monkeypatch: pytest.MonkeyPatch, tiny_export: Path) -> None:
+    seen: list[FleetBenchOptions] = []
+
+    def recorded(options: FleetBenchOptions, progress: Any = None) -> dict[str, Any]:
+        seen.append(options)
+        return FAKE_REPORT
+
+    monkeypatch.setattr(fleet_module, "run_fleet_bench", recorded)
+    monkeypatch.setattr(fleet_module, "render_markdown", lambda report: "")
+    argv = ["bench", "fleet", "--demo-target", str(tiny_export), "--demo-draft", str(tiny_export)]
+    assert main([*argv, "--no-wan", "--drafters", "spec", "lookup", "--fixed-k", "2", "5"]) == 0
+    assert main(argv) == 0
+    assert [(o.wan, o.drafters, o.fixed_ks) for o in seen] == [(False, ("spec", "lookup"), (2, 5)), (True, (), ())]
