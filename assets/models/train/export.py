@@ -57,7 +57,12 @@ def export(run: Path, name: str, tok_dir: Path, dest: Path) -> None:
         a = ours(x)
         b = hf.float()(x).logits
     diff = (a - b).abs().max().item()
-    assert diff < 2e-2 and bool((a.argmax(-1) == b.argmax(-1)).all()), diff  # fp32 summation-order noise
+    assert diff < 2e-2, diff  # fp32 summation-order noise
+    # The argmax agrees wherever the top two logits are further apart than that noise: on random tokens a briefly
+    # trained model has near-ties (run S9's 150 s code target differed at one position with diff 0.004).
+    top2 = a.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * diff
+    assert bool((a.argmax(-1) == b.argmax(-1))[clear].all()), diff
     hf = hf.to(torch.float16)
 
     out = dest / name
