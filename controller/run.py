@@ -153,13 +153,13 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
             wall = time.perf_counter() - started
             partial = _report(engine, tokenizer, engine.results(), wall, stages, pipeline, stream_text)
             partial["stopped"] = str(error)
-            _add_drafting(partial, engine, draft is not None, recover is not None)
+            _add_engine_figures(partial, engine, draft is not None, recover is not None)
             raise GenerationStopped(str(error), partial) from error
         wall = time.perf_counter() - started
     if printer is not None:
         printer.finish()
     report = _report(engine, tokenizer, results, wall, stages, pipeline, stream_text)
-    _add_drafting(report, engine, draft is not None, recover is not None)
+    _add_engine_figures(report, engine, draft is not None, recover is not None)
     return report
 
 
@@ -196,7 +196,8 @@ def _report(engine: Engine, tokenizer: ModelTokenizer, results: dict[int, Stream
     return report
 
 
-def _add_drafting(report: dict[str, object], engine: Engine, drafted: bool, recovered: bool) -> None:
+def _add_engine_figures(report: dict[str, object], engine: Engine, drafted: bool, recovered: bool) -> None:
+    """The run's failovers (a run that could recover) and its drafting figures (a run that drafted)."""
     if recovered:
         report["failovers"] = [asdict(failover) for failover in engine.failovers]
     if drafted:
