@@ -464,6 +464,17 @@ class _FakeChain:
         pass
 
 
+def _fake_fleet(monkeypatch: pytest.MonkeyPatch, engine: type) -> SimpleNamespace:
+    """_run_config's world faked: chains that open at once, `engine` for the engine, one two-token prompt a stream;
+    returns the fleet to pass it."""
+    monkeypatch.setattr(fleet_module, "FleetPipeline", _FakeChain)
+    monkeypatch.setattr(fleet_module, "Engine", engine)
+    monkeypatch.setattr(fleet_module, "model_id_of", lambda model: "m@0")
+    monkeypatch.setattr(fleet_module, "load_manifest", lambda model: SimpleNamespace(spec=None))
+    monkeypatch.setattr(fleet_module, "_prompts", lambda *args: [[1, 2]])
+    return SimpleNamespace(store=SimpleNamespace(tls_files=None))
+
+
 def test_copies_start_together_and_their_wall_spans_first_start_to_last_end(monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
@@ -485,12 +496,7 @@ def test_copies_start_together_and_their_wall_spans_first_start_to_last_end(monk
             runs.append((started, time.perf_counter()))
             return {0: SimpleNamespace(tokens=[1] * 10)}
 
-    monkeypatch.setattr(fleet_module, "FleetPipeline", _FakeChain)
-    monkeypatch.setattr(fleet_module, "Engine", FakeEngine)
-    monkeypatch.setattr(fleet_module, "model_id_of", lambda model: "m@0")
-    monkeypatch.setattr(fleet_module, "load_manifest", lambda model: SimpleNamespace(spec=None))
-    monkeypatch.setattr(fleet_module, "_prompts", lambda *args: [[1, 2]])
-    fleet = SimpleNamespace(store=SimpleNamespace(tls_files=None))
+    fleet = _fake_fleet(monkeypatch, FakeEngine)
     config = _Config("copies_2", "mono", 1, 1, 1, copies=2)
     # the second copy's chain takes 0.3 s longer to open: it must not start generating late
     result = _run_config(fleet, {"mono": (0.0,), "mono-b": (0.3,)}, config, FleetBenchOptions(MODEL), {})  # type: ignore[arg-type]
@@ -654,12 +660,7 @@ def test_fixed_k_rows_run_the_draft_model_with_that_k_beside_adaptive_k(monkeypa
             on_token(0, 1)
             return {0: SimpleNamespace(tokens=[1])}
 
-    monkeypatch.setattr(fleet_module, "FleetPipeline", _FakeChain)
-    monkeypatch.setattr(fleet_module, "Engine", FakeEngine)
-    monkeypatch.setattr(fleet_module, "model_id_of", lambda model: "m@0")
-    monkeypatch.setattr(fleet_module, "load_manifest", lambda model: SimpleNamespace(spec=None))
-    monkeypatch.setattr(fleet_module, "_prompts", lambda *args: [[1, 2]])
-    fleet = SimpleNamespace(store=SimpleNamespace(tls_files=None))
+    fleet = _fake_fleet(monkeypatch, FakeEngine)
     config = configs["demo_pair_2_spec_k5"]
     _run_config(fleet, {"demo_pair": (0.0,)}, config, fixed, {config.key: None})  # type: ignore[arg-type]
     assert [engine_options.fixed_k for engine_options in seen] == [5]
