@@ -465,7 +465,8 @@ class _FakeChain:
 
 
 def _fake_fleet(monkeypatch: pytest.MonkeyPatch, engine: type) -> SimpleNamespace:
-    """_run_config's world faked: chains that open at once, `engine` for the engine, one two-token prompt a stream;
+    """_run_config's world faked: chains that open after the seconds their placements name, `engine` for the engine,
+    one two-token prompt a stream;
     returns the fleet to pass it."""
     monkeypatch.setattr(fleet_module, "FleetPipeline", _FakeChain)
     monkeypatch.setattr(fleet_module, "Engine", engine)
