@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 MAX_BROWSE_S = 600.0  # the longest mDNS browse a --discover-seconds asks for
+FAILOVER_BROWSE_S = 1.0  # a re-plan's mDNS browse for the PCs left, unless --discover-seconds says otherwise
 
 
 def path_argument(text: str) -> Path:

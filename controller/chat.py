@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from deskfleet.agent.stage import CompileSettings
-from deskfleet.common.arguments import browse_seconds, path_argument
+from deskfleet.common.arguments import FAILOVER_BROWSE_S, browse_seconds, path_argument
 from deskfleet.common.model_spec import Manifest, load_manifest
 from deskfleet.common.wire import MICRO_BATCH_IDLE_S
 
@@ -54,7 +54,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_FAILOVERS = 2  # re-plans per run when a PC of the fleet drops out
-FAILOVER_BROWSE_S = 1.0  # a re-plan's mDNS browse for the PCs left, unless --discover-seconds says otherwise
 # A reply's KV state kept on the fleet is resumed by the next turn only within this: the agents free a micro-batch
 # idle for MICRO_BATCH_IDLE_S, and a step on a freed one fails (the failover then feeds the turn whole).
 FLEET_KEPT_KV_S = MICRO_BATCH_IDLE_S / 2

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from deskfleet.common import event_loop, pki
+from deskfleet.common.arguments import FAILOVER_BROWSE_S
 from deskfleet.common.model_spec import ManifestError
 from deskfleet.common.planner import ExclusionReason, Plan
 from deskfleet.common.wire import StageRef
@@ -63,7 +64,7 @@ class FleetFailover:
     store: FleetStore
     model_dir: Path
     max_failovers: int
-    survey_options: SurveyOptions = field(default_factory=lambda: SurveyOptions(discover_seconds=1.0))
+    survey_options: SurveyOptions = field(default_factory=lambda: SurveyOptions(discover_seconds=FAILOVER_BROWSE_S))
     notify: Callable[[str], None] = log.warning  # told what broke and where the run goes on
     lost: set[str] = field(default_factory=set)  # agent ids that failed in this run
     chains: list[FleetPipeline] = field(default_factory=list)
