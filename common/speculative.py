@@ -230,6 +230,7 @@ class AdaptiveK:
         self._cost = initial_cost or RoundCost(fixed_seconds=1.0, draft_seconds_per_token=0.1)
         self._cost_known = initial_cost is not None  # the first measurement replaces a guessed default
         self._histogram: Counter[int] = Counter()
+        self._proposed = 0  # draft tokens proposed over the rounds of the histogram
         self._switch_margin = switch_margin
         self._k = best_k(self.alpha, self._cost, k_min, k_max)
 
@@ -258,6 +259,7 @@ class AdaptiveK:
         if not 0 <= accepted <= proposed:
             raise ValueError(f"accepted {accepted} of {proposed} proposed draft tokens")
         self._histogram[accepted] += 1
+        self._proposed += proposed
         if proposed == 0:
             return
         self._accepted = self._accepted * self._decay + accepted
@@ -296,3 +298,9 @@ class AdaptiveK:
     def mean_accepted(self) -> float:
         rounds = sum(self._histogram.values())
         return sum(a * n for a, n in self._histogram.items()) / rounds if rounds else 0.0
+
+    def mean_proposed(self) -> float:
+        """Draft tokens proposed a round on average: the K the rounds ran at (adaptive K's final K says only
+        where it ended; a run's first rounds go to learning the acceptance, at a K of their own)."""
+        rounds = sum(self._histogram.values())
+        return self._proposed / rounds if rounds else 0.0

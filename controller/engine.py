@@ -366,6 +366,10 @@ class Engine:
     def mean_accepted(self) -> float:
         return self.k_policy.mean_accepted()
 
+    def mean_k(self) -> float:
+        """Draft tokens proposed a drafted round, on average over the run."""
+        return self.k_policy.mean_proposed()
+
     # Private methods: scheduling
 
     def _advance(self) -> None:

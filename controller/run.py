@@ -203,6 +203,7 @@ def _add_engine_figures(report: dict[str, object], engine: Engine, drafted: bool
     if drafted:
         report["accepted_histogram"] = {str(k): v for k, v in engine.accepted_histogram().items()}
         report["mean_accepted"] = round(engine.mean_accepted(), 4)
+        report["mean_k"] = round(engine.mean_k(), 4)
 
 
 def _unescape(match: re.Match[str]) -> str:

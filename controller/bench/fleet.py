@@ -300,12 +300,13 @@ def _run_rounds(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
                 assert genai is not None and options.model is not None
                 run = genai.run(_prompts(options.model, config.streams, options.prompt_tokens, False))
                 result = {"tok_s": run.tok_s, "tokens": float(run.generated), "wall_s": run.wall_s,
-                          "mean_accepted": 0.0, "final_k": 0.0}
+                          "mean_accepted": 0.0, "mean_k": 0.0, "final_k": 0.0}
             else:
                 result = _run_config(fleet, placements, config, options, drafters)
             if round_index >= 0:
                 config.runs.append(result)
-            timing = (f" (accepted {result['mean_accepted']:.2f}, round trip {result['round_trip_ms']:.1f} ms, "
+            timing = (f" (accepted {result['mean_accepted']:.2f} of K {result['mean_k']:.2f} a round, "
+                      f"round trip {result['round_trip_ms']:.1f} ms, "
                       f"drafting {result['draft_share']:.0%} and waiting {result['wait_share']:.0%} of the wall)"
                       if result.get("round_trip_ms") else "")
             if result.get("steady_tok_s"):
@@ -507,6 +508,7 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
             ended = time.perf_counter()
         results[index] = {"tokens": float(sum(len(s.tokens) for s in streams)), "started": started, "ended": ended,
                           "mean_accepted": engines[0].mean_accepted() if draft else 0.0,
+                          "mean_k": engines[0].mean_k() if draft else 0.0,
                           "final_k": float(engines[0].k_policy.k) if draft else 0.0,
                           "steady_tok_s": steady_rate(clocks), **_driver_times(engines, ended - started)}
 
@@ -524,7 +526,8 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
     tokens = sum(result["tokens"] for result in results)
     wall = max(result["ended"] for result in results) - min(result["started"] for result in results)
     return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": round(wall, 4),
-            "mean_accepted": results[0]["mean_accepted"], "final_k": results[0]["final_k"],
+            "mean_accepted": results[0]["mean_accepted"], "mean_k": results[0]["mean_k"],
+            "final_k": results[0]["final_k"],
             # copies run at once: their steady rates add up
             "steady_tok_s": sum(result["steady_tok_s"] for result in results),
             **{key: results[0][key] for key in DRIVER_TIMES}}
@@ -584,6 +587,7 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
         summary[config.key] = {"median": statistics.median(speeds), "min": min(speeds), "max": max(speeds),
                                "runs": [round(speed, 3) for speed in speeds],
                                "mean_accepted": statistics.median(run["mean_accepted"] for run in config.runs),
+                               "mean_k": statistics.median(run.get("mean_k", 0.0) for run in config.runs),
                                "final_k": statistics.median(run["final_k"] for run in config.runs),
                                **{key: round(statistics.median(run.get(key, 0.0) for run in config.runs), 4)
                                   for key in ("steady_tok_s", *DRIVER_TIMES)}}

@@ -339,7 +339,17 @@ def test_fixed_k_and_metrics() -> None:
         assert controller.k == 4
     assert controller.accepted_histogram() == {0: 1, 2: 1, 4: 2}
     assert controller.mean_accepted() == 2.5
-    assert AdaptiveK().mean_accepted() == 0.0
+    assert controller.mean_proposed() == 4.0
+    assert AdaptiveK().mean_accepted() == 0.0 and AdaptiveK().mean_proposed() == 0.0
+
+
+def test_mean_proposed_is_the_k_the_rounds_ran_at_not_the_last_one() -> None:
+    # a stateless drafter may propose fewer than K: the engine records what was proposed
+    controller = AdaptiveK(1, 8)
+    for proposed, accepted in ((2, 1), (6, 6), (1, 0), (7, 3)):
+        controller.record_round(proposed, accepted)
+    assert controller.mean_proposed() == pytest.approx(16 / 4)
+    assert controller.mean_accepted() == pytest.approx(10 / 4)
 
 
 def test_adaptive_k_refuses_bad_input() -> None:

@@ -595,12 +595,13 @@ def test_each_configuration_reports_the_median_of_where_its_driver_spent_the_run
     configs = bench_configs(options(2))
     for config in configs:
         for share in (0.1, 0.3, 0.2):
-            config.runs.append({"tok_s": 10.0, "mean_accepted": 2.0, "final_k": 4.0, "draft_share": share,
-                                "wait_share": 1.0 - share, "round_trip_ms": 100.0 * share})
+            config.runs.append({"tok_s": 10.0, "mean_accepted": 2.0, "mean_k": 30.0 * share, "final_k": 4.0,
+                                "draft_share": share, "wait_share": 1.0 - share, "round_trip_ms": 100.0 * share})
     summary = build_report(options(2), configs, [], [0, 1])["configs"]
     assert summary["demo_pair_2_spec"]["draft_share"] == pytest.approx(0.2)
     assert summary["demo_pair_2_spec"]["wait_share"] == pytest.approx(0.8)
     assert summary["demo_pair_2_spec"]["round_trip_ms"] == pytest.approx(20.0)
+    assert summary["demo_pair_2_spec"]["mean_k"] == pytest.approx(6.0)  # the K its rounds ran at, a median
 
 
 def test_the_steady_rate_counts_the_tokens_while_every_stream_runs() -> None:
@@ -730,3 +731,31 @@ def test_the_command_line_passes_the_row_choices_on(monkeypatch: pytest.MonkeyPa
     assert main([*argv, "--no-wan", "--drafters", "spec", "lookup", "--fixed-k", "2", "5"]) == 0
     assert main(argv) == 0
     assert [(o.wan, o.drafters, o.fixed_ks) for o in seen] == [(False, ("spec", "lookup"), (2, 5)), (True, (), ())]
+
+
+def test_a_drafted_configuration_reports_the_k_its_rounds_ran_at_beside_the_last(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # adaptive K ends at 8 after rounds at 3 and 5: its final K alone would hide the rounds it spent learning
+    class FakeEngine:
+        def __init__(self, *args: object) -> None:
+            self.k_policy = SimpleNamespace(k=8)
+            self.timings = EngineTimings()
+
+        def add(self, request: object) -> None:
+            pass
+
+        def run(self, on_token: Any = None) -> dict[int, Any]:
+            on_token(0, 1)
+            return {0: SimpleNamespace(tokens=[1])}
+
+        def mean_accepted(self) -> float:
+            return 2.5
+
+        def mean_k(self) -> float:
+            return 16 / 3
+
+    fleet = _fake_fleet(monkeypatch, FakeEngine)
+    config = bench_configs(options(2))
+    spec = next(c for c in config if c.key == "demo_pair_2_spec")
+    result = _run_config(fleet, {"demo_pair": (0.0,)}, spec, options(2), {spec.key: object()})  # type: ignore[arg-type,dict-item]
+    assert (result["mean_k"], result["final_k"], result["mean_accepted"]) == (pytest.approx(16 / 3), 8.0, 2.5)

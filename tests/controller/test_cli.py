@@ -84,6 +84,7 @@ def test_generate_with_prompt_lookup_reports_its_rounds(tiny_export: Path,
     report = json.loads(drafted)
     assert report["tokens"] == json.loads(plain)["tokens"]
     assert sum(report["accepted_histogram"].values()) > 0 and "mean_accepted" in report
+    assert 1.0 <= report["mean_k"] <= 3.0  # lookup proposes up to K (3) tokens a round, never none in a round
 
 
 def test_draft_and_prompt_lookup_together_copy_first(tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
