@@ -16,6 +16,7 @@ Pure code: numpy only; randomness only from the numpy Generator the caller passe
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -239,6 +240,16 @@ class AdaptiveK:
     @classmethod
     def fixed(cls, k: int) -> AdaptiveK:
         return cls(k, k)
+
+    def carried(self) -> AdaptiveK:
+        """A controller for the next run of the same draft and chain (a chat's next turn): what this one learned
+        (acceptance, costs, K) goes on, its per-run figures (histogram, mean proposed) start empty. A run's first
+        rounds otherwise go to learning the acceptance from the prior again: over 64-token streams of the 279M
+        code target (run S11) adaptive K accepted 2.4-2.9 tokens a round, K fixed at the K it ended at 3.8."""
+        successor = copy.copy(self)
+        successor._histogram = Counter()
+        successor._proposed = 0
+        return successor
 
     @property
     def alpha(self) -> float:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, TextIO
 from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.arguments import FAILOVER_BROWSE_S, browse_seconds, path_argument
 from deskfleet.common.model_spec import Manifest, load_manifest
+from deskfleet.common.speculative import AdaptiveK
 from deskfleet.common.wire import MICRO_BATCH_IDLE_S
 
 from .decoding_options import DecodingOptions, add_decoding_options, decoding_arguments, non_negative_int, positive_int
@@ -237,6 +238,7 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
     turns: list[ChatMessage] = []  # user and assistant messages, alternating
     replies = 0
     kept = _KeptReply(options.fleet_dir is not None)
+    learned_k: AdaptiveK | None = None  # adaptive K goes on from turn to turn (the same drafter and chain)
     opened = _without_failover(chain) if chain is not None else _open_chain(options, settings)
     with opened as (chain, failover), kept:
         micro_batches = getattr(chain, "num_stages", 1)
@@ -279,7 +281,7 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                     renumber = getattr(chain, "renumber", None)
                     if callable(renumber):
                         renumber()
-                engine = Engine(chain, manifest.spec, draft, engine_options)
+                engine = Engine(chain, manifest.spec, draft, engine_options, learned_k)
                 engine.add(StreamRequest(prompt, options.max_new_tokens, sampling=sampling,
                                          seed=options.seed + replies, stop_token_ids=end_of_turn,
                                          keep_kv=options.reuse_kv, resume=resume))
@@ -312,6 +314,8 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 interrupted = True
             if engine.failovers:
                 chain = engine.chain  # the next turns run on the chain this one ended on
+            if draft is not None:
+                learned_k = engine.k_policy
             kept.hold(engine.kept_kv(0))  # None when interrupted (the engine freed what it had taken)
             printer.finish()
             result = engine.results()[0]

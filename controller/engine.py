@@ -255,7 +255,10 @@ class Engine:
     """Runs streams to completion through `chain`. Call add() for each request, then run()."""
 
     def __init__(self, chain: StageChain, spec: ModelSpec, draft: Drafter | None = None,
-                 options: EngineOptions | None = None) -> None:
+                 options: EngineOptions | None = None, learned_k: AdaptiveK | None = None) -> None:
+        """learned_k: the adaptive K of an earlier run with the same drafter and chain (a chat's previous turn):
+        this run goes on from what it learned (AdaptiveK.carried) instead of from the prior, unless K is fixed or
+        its bounds differ from `options`'."""
         self.chain = chain
         self.spec = spec
         self.draft = draft
@@ -263,7 +266,12 @@ class Engine:
         if draft is not None:
             draft.check_compatible(spec)
         fixed = options.fixed_k
-        self.k_policy = AdaptiveK.fixed(fixed) if fixed is not None else AdaptiveK(options.k_min, options.k_max)
+        if fixed is not None:
+            self.k_policy = AdaptiveK.fixed(fixed)
+        elif learned_k is not None and (learned_k.k_min, learned_k.k_max) == (options.k_min, options.k_max):
+            self.k_policy = learned_k.carried()
+        else:
+            self.k_policy = AdaptiveK(options.k_min, options.k_max)
         self._streams: dict[int, _Stream] = {}
         self._unstarted: dict[int, _Stream] = {}  # streams waiting for a prefill, by id (arrival order)
         self._unfinished = 0

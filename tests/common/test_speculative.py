@@ -343,6 +343,21 @@ def test_fixed_k_and_metrics() -> None:
     assert AdaptiveK().mean_accepted() == 0.0 and AdaptiveK().mean_proposed() == 0.0
 
 
+def test_a_carried_controller_goes_on_from_what_it_learned_with_figures_of_its_own() -> None:
+    learned = AdaptiveK(1, 8)
+    learned.record_cost(RoundCost(0.03, 0.001))
+    for _ in range(12):
+        learned.record_round(learned.k, learned.k)  # every draft accepted: the acceptance rises, K climbs
+    assert learned.k == 8 and learned.alpha > 0.9
+    assert AdaptiveK(1, 8).k < 8  # a fresh one starts from the prior, lower
+    carried = learned.carried()
+    assert (carried.k, carried.alpha, carried.cost) == (learned.k, learned.alpha, learned.cost)
+    assert carried.accepted_histogram() == {} and carried.mean_proposed() == 0.0 and carried.mean_accepted() == 0.0
+    carried.record_round(8, 0)
+    carried.record_cost(RoundCost(0.5, 0.001))
+    assert carried.alpha < learned.alpha and carried.cost != learned.cost  # the two go their own ways
+    assert sum(learned.accepted_histogram().values()) == 12 and learned.mean_proposed() > 1.0
+
 def test_mean_proposed_is_the_k_the_rounds_ran_at_not_the_last_one() -> None:
     # a stateless drafter may propose fewer than K: the engine records what was proposed
     controller = AdaptiveK(1, 8)

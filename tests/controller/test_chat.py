@@ -528,3 +528,41 @@ def test_a_mistyped_command_is_not_sent_and_a_message_starting_with_a_slash_is(t
     assert answered["reply_tokens"] == 3
     assert notes_but_cuts(notes) == "[/rest is no command (/reset, /quit, /exit): not sent; the conversation is " \
                                     "unchanged]\n"
+
+
+def test_adaptive_k_goes_on_from_turn_to_turn(tmp_path: Path, tiny_export: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each turn is a run of its own; its first rounds would learn the acceptance from the prior again
+    model = _chat_model(tmp_path, tiny_export)
+    engines: list[tuple[chat.Engine, float, int]] = []  # each turn's engine, its acceptance and K at its start
+
+    class RecordedEngine(chat.Engine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            engines.append((self, self.k_policy.alpha, self.k_policy.k))
+
+    monkeypatch.setattr(chat, "Engine", RecordedEngine)
+    settings = CompileSettings(precision=Precision.F32)
+    run_chat(ChatOptions(model=model, max_new_tokens=16, prompt_lookup=True, settings=settings),
+             io.StringIO("say it again and again and again\nand again\n/quit\n"), io.StringIO())
+    (first, first_alpha, _), (second, second_alpha, second_k) = engines
+    assert first_alpha == pytest.approx(0.6)  # the prior
+    assert sum(first.accepted_histogram().values()) > 0  # the first turn drafted, so it learned something
+    # the second turn starts from the first's end (its own figures start empty: AdaptiveK.carried)
+    assert second_alpha == pytest.approx(first.k_policy.alpha) and second_alpha != pytest.approx(0.6)
+    assert second_k == first.k_policy.k and second is not first
+
+
+def test_a_fixed_k_or_other_bounds_start_afresh(tiny_export: Path) -> None:
+    from deskfleet.common.speculative import AdaptiveK
+    from deskfleet.controller.engine import Engine, EngineOptions
+
+    spec = load_manifest(tiny_export).spec
+    learned = AdaptiveK(1, 8)
+    for _ in range(6):
+        learned.record_round(learned.k, 0)  # nothing accepted: the acceptance falls
+    chain: Any = object()
+    assert Engine(chain, spec, None, EngineOptions(), learned).k_policy.alpha == pytest.approx(learned.alpha)
+    assert Engine(chain, spec, None, EngineOptions(k_max=6), learned).k_policy.alpha == pytest.approx(0.6)
+    fixed = Engine(chain, spec, None, EngineOptions(fixed_k=3), learned).k_policy
+    assert (fixed.k_min, fixed.k_max, fixed.alpha) == (3, 3, pytest.approx(0.6))
