@@ -65,36 +65,66 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     try:
         result = runner.run(main)
     except KeyboardInterrupt:  # Ctrl-C, or a bench's SIGTERM (a KeyboardInterrupt): it must reach the caller
-        try:
-            runner.close()
-        except RuntimeError:
-            # Raised by a signal handler while uvloop ran, a KeyboardInterrupt once left that loop marked running
-            # (a CI run of `bench fleet` stopped while it deployed): closing it raised "Cannot close a running
-            # event loop", which replaced the interrupt, so the bench said that and exited 2 instead of 130.
-            _close_unstarted_tasks(runner)
+        _close(runner, interrupted=True)
         raise
     except BaseException:
-        runner.close()
+        _close(runner, interrupted=False)
         raise
     finally:
         # a no-op once it ran; one that a signal (Ctrl-C, a bench's SIGTERM) stopped before it started would
         # print "coroutine ... was never awaited" after the command's last line
         main.close()
-    runner.close()
+    _close(runner, interrupted=False)
     return result
 
 
-def _close_unstarted_tasks(runner: asyncio.Runner) -> None:
+def _close(runner: asyncio.Runner, interrupted: bool) -> None:
+    """runner.close() (which cancels the tasks left and runs them to their end), quietly after an interrupt, also
+    one that comes while it closes: the command has said how it stopped and is on its way out."""
+    loop = _loop_of(runner)
+    try:
+        runner.close()
+    except RuntimeError:
+        if not interrupted:
+            raise
+        # Raised by a signal handler while uvloop ran, a KeyboardInterrupt once left that loop marked running
+        # (a CI run of `bench fleet` stopped while it deployed): closing it raised "Cannot close a running
+        # event loop", which replaced the interrupt, so the bench said that and exited 2 instead of 130.
+        if loop is not None:
+            _close_unstarted_tasks(loop)
+    except KeyboardInterrupt:  # a signal while the close ran the cancelled tasks (or the run had just ended)
+        interrupted = True
+        raise
+    finally:
+        if interrupted and loop is not None:
+            _quiet_pending_tasks(loop)
+
+
+def _loop_of(runner: asyncio.Runner) -> asyncio.AbstractEventLoop | None:
+    try:
+        return runner.get_loop()
+    except RuntimeError:  # closed already
+        return None
+
+
+def _close_unstarted_tasks(loop: asyncio.AbstractEventLoop) -> None:
     """Close the coroutines of the tasks that never started on a loop that could not be closed. Closing the loop
     would have cancelled and run them; left as they are, each printed "coroutine ... was never awaited" when it
     was collected, after the command's last line (`bench fleet` stopped by SIGTERM while its survey asked every
-    address of a PC at once: a CI run). A task that did start is left alone: its coroutine cannot run its
-    clean-up without the loop."""
-    try:
-        loop = runner.get_loop()
-    except RuntimeError:  # closed after all
-        return
+    address of a PC at once: a CI run). A task that did start is left to _quiet_pending_tasks: its coroutine
+    cannot run its clean-up without the loop."""
     for task in asyncio.all_tasks(loop):
         coroutine = task.get_coro()
         if inspect.iscoroutine(coroutine) and inspect.getcoroutinestate(coroutine) == inspect.CORO_CREATED:
             coroutine.close()
+
+
+def _quiet_pending_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """Tell the tasks still pending after an interrupt not to log "Task was destroyed but it is pending!" when they
+    are collected: the command has said how it stopped and is on its way out (CI runs of `bench fleet` stopped by
+    SIGINT, SIGHUP or SIGTERM as it deployed printed it after their last line: the run's own task left cancelling,
+    or a survey's task that the close was running when the signal came).
+    The clean-up that matters there (its PCs and folder) runs outside the loop, in the caller's finally."""
+    for task in asyncio.all_tasks(loop):
+        if not task.done():
+            task._log_destroy_pending = False  # type: ignore[attr-defined]  # asyncio's own switch for this message
