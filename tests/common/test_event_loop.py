@@ -97,22 +97,10 @@ def test_a_loop_that_cannot_be_closed_leaves_no_coroutine_unawaited(monkeypatch:
     # A CI run of `bench fleet` stopped by SIGTERM while its survey had just made a task per address of a PC: the
     # loop could not be closed (see above), so no one cancelled and ran those tasks, and the never-started
     # coroutine printed "coroutine '_ask_at_any.<locals>.ask' was never awaited" after the bench's last line.
-    runners: list[asyncio.Runner] = []
     started: list[object] = []
-    real_close = asyncio.Runner.close  # event_loop.asyncio is asyncio: the patch below replaces it everywhere
-
-    class StuckRunner(asyncio.Runner):
-        def __init__(self, **kwargs: object) -> None:
-            super().__init__(**kwargs)  # type: ignore[arg-type]
-            runners.append(self)
-
-        def close(self) -> None:
-            raise RuntimeError("Cannot close a running event loop")
-
-    monkeypatch.setattr(event_loop.asyncio, "Runner", StuckRunner)
     # the standard loop stops at once on the interrupt; uvloop runs the rest of the iteration's callbacks first
     # (the unstarted task too), so only there would the loop's own leftovers be unclear
-    monkeypatch.setenv(ENV_VAR, "asyncio")
+    runners, real_close = _closes_raising(monkeypatch, RuntimeError("Cannot close a running event loop"))
 
     async def ask() -> None:
         await asyncio.sleep(0)
@@ -158,55 +146,38 @@ def test_run_uses_uvloop_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _loop_module().startswith("uvloop")
 
 
-def _closes_interrupted(monkeypatch: pytest.MonkeyPatch) -> tuple[list[asyncio.Runner], Any]:
-    """Runners on the standard loop whose close() a signal interrupts (KeyboardInterrupt): the runners made, and
-    the real close to call on them after the test."""
+def _closes_raising(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> tuple[list[asyncio.Runner], Any]:
+    """Runners on the standard loop whose close() raises `error` (a stuck loop's RuntimeError, a signal's
+    KeyboardInterrupt): the runners made, and the real close to call on them after the test."""
     runners: list[asyncio.Runner] = []
     real_close = asyncio.Runner.close  # event_loop.asyncio is asyncio: the patch below replaces it everywhere
 
-    class InterruptedClose(asyncio.Runner):
+    class FailingClose(asyncio.Runner):
         def __init__(self, **kwargs: object) -> None:
             super().__init__(**kwargs)  # type: ignore[arg-type]
             runners.append(self)
 
         def close(self) -> None:
-            raise KeyboardInterrupt
+            raise error
 
-    monkeypatch.setattr(event_loop.asyncio, "Runner", InterruptedClose)
+    monkeypatch.setattr(event_loop.asyncio, "Runner", FailingClose)
     monkeypatch.setenv(ENV_VAR, "asyncio")
     return runners, real_close
 
+@pytest.mark.parametrize("run_ends", ["interrupted", "finished"])
 def test_an_interrupted_close_leaves_no_pending_task_to_complain_after_the_last_line(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # CI runs of `bench fleet` stopped by SIGINT / SIGHUP as they deployed printed "Task was destroyed but it is
-    # pending!" after their one-line message: the run's task was left cancelling when the loop went
-    runners, real_close = _closes_interrupted(monkeypatch)
+        monkeypatch: pytest.MonkeyPatch, run_ends: str) -> None:
+    # CI runs of `bench fleet` stopped by a signal as they deployed printed "Task was destroyed but it is pending!"
+    # after their one-line message: the run's task left cancelling (a second signal while the close ran the
+    # cancelled tasks), or a survey's task the close was running when the signal came just as the run had ended
+    runners, real_close = _closes_raising(monkeypatch, KeyboardInterrupt())
     tasks: list[asyncio.Task[None]] = []
 
     async def main() -> None:
-        tasks.append(asyncio.ensure_future(asyncio.sleep(60)))
-        await asyncio.sleep(0)
-        raise KeyboardInterrupt
-
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            event_loop.run(main())
-        assert not tasks[0].done() and tasks[0]._log_destroy_pending is False  # type: ignore[attr-defined]
-    finally:
-        real_close(runners[0])
-
-
-def test_a_signal_while_a_finished_run_closes_leaves_no_pending_task_to_complain(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # The run had just ended when SIGTERM came, while the close ran a survey's task it had cancelled (a CI run of
-    # `bench fleet`): that task was left pending and complained after the bench's last line
-    runners, real_close = _closes_interrupted(monkeypatch)
-    tasks: list[asyncio.Task[None]] = []
-
-    async def main() -> str:
         tasks.append(asyncio.ensure_future(asyncio.sleep(60)))  # a background task the run leaves behind
         await asyncio.sleep(0)
-        return "done"
+        if run_ends == "interrupted":
+            raise KeyboardInterrupt
 
     try:
         with pytest.raises(KeyboardInterrupt):

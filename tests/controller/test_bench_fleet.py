@@ -476,6 +476,16 @@ def _fake_fleet(monkeypatch: pytest.MonkeyPatch, engine: type) -> SimpleNamespac
     return SimpleNamespace(store=SimpleNamespace(tls_files=None))
 
 
+class _OneTokenEngine:
+    """An engine for _fake_fleet whose run gives one stream one token; subclasses set k_policy and timings."""
+
+    def add(self, request: object) -> None:
+        pass
+
+    def run(self, on_token: Any = None) -> dict[int, Any]:
+        on_token(0, 1)
+        return {0: SimpleNamespace(tokens=[1])}
+
 def test_copies_start_together_and_their_wall_spans_first_start_to_last_end(monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
@@ -649,18 +659,11 @@ def test_fixed_k_rows_run_the_draft_model_with_that_k_beside_adaptive_k(monkeypa
     # the configuration's K reaches the engine that runs it
     seen: list[Any] = []
 
-    class FakeEngine:
+    class FakeEngine(_OneTokenEngine):
         def __init__(self, chain: object, spec: object, draft: object, engine_options: Any) -> None:
             seen.append(engine_options)
             self.k_policy = SimpleNamespace(k=engine_options.fixed_k)
             self.timings = EngineTimings()
-
-        def add(self, request: object) -> None:
-            pass
-
-        def run(self, on_token: Any = None) -> dict[int, Any]:
-            on_token(0, 1)
-            return {0: SimpleNamespace(tokens=[1])}
 
     fleet = _fake_fleet(monkeypatch, FakeEngine)
     config = configs["demo_pair_2_spec_k5"]
@@ -736,17 +739,10 @@ def test_the_command_line_passes_the_row_choices_on(monkeypatch: pytest.MonkeyPa
 def test_a_drafted_configuration_reports_the_k_its_rounds_ran_at_beside_the_last(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # adaptive K ends at 8 after rounds at 3 and 5: its final K alone would hide the rounds it spent learning
-    class FakeEngine:
+    class FakeEngine(_OneTokenEngine):
         def __init__(self, *args: object) -> None:
             self.k_policy = SimpleNamespace(k=8)
             self.timings = EngineTimings()
-
-        def add(self, request: object) -> None:
-            pass
-
-        def run(self, on_token: Any = None) -> dict[int, Any]:
-            on_token(0, 1)
-            return {0: SimpleNamespace(tokens=[1])}
 
         def mean_accepted(self) -> float:
             return 2.5
