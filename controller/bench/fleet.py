@@ -52,7 +52,7 @@ from deskfleet.common.arguments import path_argument
 from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.planner import PlanOptions, PlanPolicy
-from deskfleet.common.speculative import MAX_K
+from deskfleet.common.speculative import MAX_K, AdaptiveK
 from deskfleet.common.wire import Precision, Role
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.bench.arguments import check_genai_inputs, check_output_file
@@ -105,6 +105,9 @@ class FleetBenchOptions:
     fixed_ks: tuple[int, ...] = ()
     drafters: tuple[str, ...] = ()  # the drafting rows' drafters (DRAFTERS' keys); empty: every one
     wan: bool = True  # the WAN rows (the naive pipeline over 100 ms hops is the slowest configuration by far)
+    # each drafting configuration's adaptive K goes on from its previous round (its warm-up first), as a chat's turns
+    # or a long-running server's requests would, instead of learning from the prior in every round
+    carry_k: bool = False
 
     def __post_init__(self) -> None:
         if self.model is None and self.demo_target is None:
@@ -293,6 +296,7 @@ def _run_rounds(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
                 options: FleetBenchOptions, genai: GenAIUsers | None, say: Callable[[str], None]) -> None:
     """The warm-up rounds, then the timed ones (recorded in each config's `runs`), each in its rotated order."""
     drafters: dict[str, Drafter | None] = {}
+    learned_ks: dict[str, AdaptiveK] = {}  # with --carry-k: each configuration's adaptive K, round to round
     for round_index in range(-options.warmup_rounds, options.rounds):
         label = "warm-up" if round_index < 0 else f"round {round_index + 1}/{options.rounds}"
         for config in round_order(configs, round_index):
@@ -302,7 +306,7 @@ def _run_rounds(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
                 result = {"tok_s": run.tok_s, "tokens": float(run.generated), "wall_s": run.wall_s,
                           "mean_accepted": 0.0, "mean_k": 0.0, "final_k": 0.0}
             else:
-                result = _run_config(fleet, placements, config, options, drafters)
+                result = _run_config(fleet, placements, config, options, drafters, learned_ks)
             if round_index >= 0:
                 config.runs.append(result)
             timing = (f" (accepted {result['mean_accepted']:.2f} of K {result['mean_k']:.2f} a round, "
@@ -461,7 +465,10 @@ def _prompts(model: Path, count: int, length: int, demo: bool) -> list[list[int]
 
 
 def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]], config: _Config,
-                options: FleetBenchOptions, drafters: dict[str, Drafter | None]) -> dict[str, float]:
+                options: FleetBenchOptions, drafters: dict[str, Drafter | None],
+                learned_ks: dict[str, AdaptiveK] | None = None) -> dict[str, float]:
+    """One run of a configuration. `drafters` and `learned_ks` (adaptive K's, with --carry-k) are kept by
+    configuration from round to round."""
     demo = _drafting(config.group)
     model = options.demo_target if demo else options.model
     assert model is not None
@@ -496,7 +503,8 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
             # engine per stream, run back to back.
             batches = [prompts[index:index + 1] for index in range(len(prompts))] if config.one_at_a_time \
                 else [prompts]
-            engines = [Engine(chain, spec, draft, engine_options) for _ in batches]
+            learned = learned_ks.get(config.key) if options.carry_k and learned_ks is not None else None
+            engines = [Engine(chain, spec, draft, engine_options, learned) for _ in batches]
             for engine, batch in zip(engines, batches, strict=True):
                 for prompt in batch:
                     engine.add(StreamRequest(prompt, max_new_tokens=options.new_tokens, ignore_eos=True))
@@ -506,6 +514,8 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
             streams = [stream for engine, clock in zip(engines, clocks, strict=True)
                        for stream in engine.run(on_token=_token_clock(clock)).values()]
             ended = time.perf_counter()
+        if options.carry_k and draft is not None and learned_ks is not None:
+            learned_ks[config.key] = engines[-1].k_policy
         results[index] = {"tokens": float(sum(len(s.tokens) for s in streams)), "started": started, "ended": ended,
                           "mean_accepted": engines[0].mean_accepted() if draft else 0.0,
                           "mean_k": engines[0].mean_k() if draft else 0.0,
@@ -633,7 +643,7 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
                         "genai_model": _path_or_none(options.genai_model),
                         "wan_bandwidth_bytes_s": options.wan_bandwidth_bytes_s,
                         "fixed_ks": list(options.fixed_ks), "drafters": list(options.drafters or DRAFTERS),
-                        "wan": options.wan},
+                        "wan": options.wan, "carry_k": options.carry_k},
             "configs": summary, "rows": rows, "deployments": deployments}
 
 
@@ -885,6 +895,9 @@ def add_fleet_bench_command(benches: Any) -> None:
     parser.add_argument("--fixed-k", type=positive_int, nargs="+", default=[], metavar="K",
                         help="also run the draft model's rows with K fixed at each of these, beside adaptive K's, "
                              "at every PC count (does adaptive K find the best K on this fleet?)")
+    parser.add_argument("--carry-k", action="store_true",
+                        help="each drafting configuration's adaptive K goes on from its previous round (as a chat's "
+                             "turns or a server's requests would) instead of learning from the prior every round")
     parser.add_argument("--json-out", type=path_argument, default=None,
                         help="also write the JSON here (checked before the bench runs; written whole or not at all)")
     parser.add_argument("--markdown-out", type=path_argument, default=None, help="also write the markdown table here")
@@ -901,7 +914,7 @@ def _bench_command(args: Any) -> int:
         threads_per_pc=args.threads_per_pc,
         max_pcs=args.pcs, controller_cores=args.controller_cores, genai_model=args.genai_model,
         genai_python=args.genai_python, drafting_kv_cache=args.kv_cache, fixed_ks=tuple(args.fixed_k),
-        drafters=tuple(args.drafters), wan=args.wan,
+        drafters=tuple(args.drafters), wan=args.wan, carry_k=args.carry_k,
         wan_delay_s=args.wan_delay_ms / 1000.0,
         wan_bandwidth_bytes_s=args.wan_bandwidth_mbit * 125_000 if args.wan_bandwidth_mbit is not None else None)
     try:

@@ -660,7 +660,8 @@ def test_fixed_k_rows_run_the_draft_model_with_that_k_beside_adaptive_k(monkeypa
     seen: list[Any] = []
 
     class FakeEngine(_OneTokenEngine):
-        def __init__(self, chain: object, spec: object, draft: object, engine_options: Any) -> None:
+        def __init__(self, chain: object, spec: object, draft: object, engine_options: Any,
+                     learned_k: object = None) -> None:
             seen.append(engine_options)
             self.k_policy = SimpleNamespace(k=engine_options.fixed_k)
             self.timings = EngineTimings()
@@ -697,7 +698,7 @@ def test_drafters_limits_the_drafting_rows_and_says_so_of_those_left_out() -> No
     assert rows["2 PCs, 2 streams + speculative (prompt lookup)"]["note"] == "not run: --drafters leaves out lookup"
     assert rows["1 PC, 2 streams batched + speculative (lookup first)"]["note"] == \
         "not run: --drafters leaves out first"
-    assert report["options"]["drafters"] == ["spec"]
+    assert report["options"]["drafters"] == ["spec"] and report["options"]["carry_k"] is False
     assert any(key.endswith("_lookup") for key in (config.key for config in bench_configs(options(2))))
 
 
@@ -731,9 +732,10 @@ def test_the_command_line_passes_the_row_choices_on(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(fleet_module, "run_fleet_bench", recorded)
     monkeypatch.setattr(fleet_module, "render_markdown", lambda report: "")
     argv = ["bench", "fleet", "--demo-target", str(tiny_export), "--demo-draft", str(tiny_export)]
-    assert main([*argv, "--no-wan", "--drafters", "spec", "lookup", "--fixed-k", "2", "5"]) == 0
+    assert main([*argv, "--no-wan", "--drafters", "spec", "lookup", "--fixed-k", "2", "5", "--carry-k"]) == 0
     assert main(argv) == 0
-    assert [(o.wan, o.drafters, o.fixed_ks) for o in seen] == [(False, ("spec", "lookup"), (2, 5)), (True, (), ())]
+    assert [(o.wan, o.drafters, o.fixed_ks, o.carry_k) for o in seen] == [
+        (False, ("spec", "lookup"), (2, 5), True), (True, (), (), False)]
 
 
 def test_a_drafted_configuration_reports_the_k_its_rounds_ran_at_beside_the_last(
@@ -755,3 +757,35 @@ def test_a_drafted_configuration_reports_the_k_its_rounds_ran_at_beside_the_last
     spec = next(c for c in config if c.key == "demo_pair_2_spec")
     result = _run_config(fleet, {"demo_pair": (0.0,)}, spec, options(2), {spec.key: object()})  # type: ignore[arg-type,dict-item]
     assert (result["mean_k"], result["final_k"], result["mean_accepted"]) == (pytest.approx(16 / 3), 8.0, 2.5)
+
+
+@pytest.mark.parametrize("carry", [True, False])
+def test_carry_k_hands_each_round_the_adaptive_k_its_configuration_learned_the_round_before(
+        monkeypatch: pytest.MonkeyPatch, carry: bool) -> None:
+    handed: list[object] = []
+
+    class FakeEngine(_OneTokenEngine):
+        def __init__(self, chain: object, spec: object, draft: object, engine_options: Any,
+                     learned_k: object = None) -> None:
+            handed.append(learned_k)
+            self.k_policy = SimpleNamespace(k=4, run=len(handed))  # what this run learned
+            self.timings = EngineTimings()
+
+        def mean_accepted(self) -> float:
+            return 1.0
+
+        def mean_k(self) -> float:
+            return 4.0
+
+    fleet = _fake_fleet(monkeypatch, FakeEngine)
+    bench = replace(options(2), carry_k=carry)
+    configs = {config.key: config for config in bench_configs(bench)}
+    drafters: dict[str, Any] = {"demo_pair_2_spec": object(), "demo_pair_2_lookup": object()}
+    learned: dict[str, Any] = {}
+    for _ in range(2):
+        for key in ("demo_pair_2_spec", "demo_pair_2_lookup"):
+            _run_config(fleet, {"demo_pair": (0.0,)}, configs[key], bench, drafters, learned)  # type: ignore[arg-type]
+    if carry:  # each configuration's second round goes on from its own first
+        assert handed[:2] == [None, None] and [k.run for k in handed[2:]] == [1, 2]  # type: ignore[attr-defined]
+    else:
+        assert handed == [None] * 4 and learned == {}
