@@ -101,10 +101,10 @@ def _close(runner: asyncio.Runner, interrupted: bool) -> None:
 
 
 def _loop_of(runner: asyncio.Runner) -> asyncio.AbstractEventLoop | None:
-    try:
-        return runner.get_loop()
-    except RuntimeError:  # closed already
-        return None
+    """The runner's loop, None if it made none: get_loop() would make one, and a run refused before it began
+    (called inside a running loop, given no coroutine) must raise its own error, not one of a loop made to close."""
+    loop: asyncio.AbstractEventLoop | None = getattr(runner, "_loop", None)  # asyncio.Runner's own attribute
+    return loop
 
 
 def _close_unstarted_tasks(loop: asyncio.AbstractEventLoop) -> None:

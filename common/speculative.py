@@ -311,7 +311,8 @@ class AdaptiveK:
         return sum(a * n for a, n in self._histogram.items()) / rounds if rounds else 0.0
 
     def mean_proposed(self) -> float:
-        """Draft tokens proposed a round on average: the K the rounds ran at (adaptive K's final K says only
-        where it ended; a run's first rounds go to learning the acceptance, at a K of their own)."""
+        """Draft tokens a row's round proposed on average: at most the K the rounds ran at (a stream's last rounds
+        and prompt lookup propose fewer). Beside adaptive K's final K, which says only where it ended: a run's
+        first rounds go to learning the acceptance, at a K of their own."""
         rounds = sum(self._histogram.values())
         return self._proposed / rounds if rounds else 0.0

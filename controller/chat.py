@@ -314,8 +314,8 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 interrupted = True
             if engine.failovers:
                 chain = engine.chain  # the next turns run on the chain this one ended on
-            if draft is not None:
-                learned_k = engine.k_policy
+            # adaptive K goes on with the same drafter and chain; a failover's new chain has costs of its own
+            learned_k = engine.k_policy if draft is not None and not engine.failovers else None
             kept.hold(engine.kept_kv(0))  # None when interrupted (the engine freed what it had taken)
             printer.finish()
             result = engine.results()[0]

@@ -375,7 +375,7 @@ class Engine:
         return self.k_policy.mean_accepted()
 
     def mean_k(self) -> float:
-        """Draft tokens proposed a drafted round, on average over the run."""
+        """Draft tokens a row's drafted round proposed, on average over the run (AdaptiveK.mean_proposed)."""
         return self.k_policy.mean_proposed()
 
     # Private methods: scheduling

@@ -309,7 +309,7 @@ def _run_rounds(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
                 result = _run_config(fleet, placements, config, options, drafters, learned_ks)
             if round_index >= 0:
                 config.runs.append(result)
-            timing = (f" (accepted {result['mean_accepted']:.2f} of K {result['mean_k']:.2f} a round, "
+            timing = (f" (accepted {result['mean_accepted']:.2f} of {result['mean_k']:.2f} proposed a round, "
                       f"round trip {result['round_trip_ms']:.1f} ms, "
                       f"drafting {result['draft_share']:.0%} and waiting {result['wait_share']:.0%} of the wall)"
                       if result.get("round_trip_ms") else "")
@@ -897,7 +897,8 @@ def add_fleet_bench_command(benches: Any) -> None:
                              "at every PC count (does adaptive K find the best K on this fleet?)")
     parser.add_argument("--carry-k", action="store_true",
                         help="each drafting configuration's adaptive K goes on from its previous round (as a chat's "
-                             "turns or a server's requests would) instead of learning from the prior every round")
+                             "turns or a server's requests would) instead of learning from the prior every round; "
+                             "the rounds run the same prompts, so it has learned on the text it runs again")
     parser.add_argument("--json-out", type=path_argument, default=None,
                         help="also write the JSON here (checked before the bench runs; written whole or not at all)")
     parser.add_argument("--markdown-out", type=path_argument, default=None, help="also write the markdown table here")

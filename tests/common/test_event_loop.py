@@ -185,3 +185,18 @@ def test_an_interrupted_close_leaves_no_pending_task_to_complain_after_the_last_
         assert not tasks[0].done() and tasks[0]._log_destroy_pending is False  # type: ignore[attr-defined]
     finally:
         real_close(runners[0])
+
+
+def test_a_run_refused_before_it_began_raises_its_own_error() -> None:
+    # run() inside a running loop is refused by asyncio.Runner before it makes a loop: closing must not make one
+    # (which replaced the error with "Cannot run the event loop while another loop is running")
+    async def inner() -> None:
+        async def nothing() -> None:
+            pass
+
+        coroutine = nothing()
+        with pytest.raises(RuntimeError, match="cannot be called from a running event loop"):
+            event_loop.run(coroutine)
+        assert coroutine.cr_frame is None  # closed: no "never awaited" warning
+
+    asyncio.run(inner())

@@ -87,32 +87,44 @@ def test_a_chat_whose_chain_breaks_resumes_and_keeps_the_new_chain(tmp_path: Pat
     plain = io.StringIO()
     run_chat(ChatOptions(model=model, max_new_tokens=10, settings=settings), io.StringIO(turns), plain)
 
-    recovered: list[ChainBroken] = []
-    runs_started = [0]
-
-    class Failover:
-        def __init__(self, second: LocalPipeline) -> None:
-            self.second = second
-
-        def __call__(self, error: ChainBroken) -> BreakingChain:
-            recovered.append(error)
-            return BreakingChain(self.second, None)
-
-        def start_run(self) -> None:  # each reply gets the whole --max-failovers budget
-            runs_started[0] += 1
-
-    @contextmanager
-    def breaking_chain(options: ChatOptions, chain_settings: CompileSettings
-                       ) -> Iterator[tuple[BreakingChain, Failover]]:
-        with LocalPipeline(model, 2, settings) as first, LocalPipeline(model, 1, settings) as second:
-            yield BreakingChain(first, 4), Failover(second)
-
-    monkeypatch.setattr(chat, "_open_chain", breaking_chain)
+    failover = _chain_that_fails_over(monkeypatch, model, settings)
     out = io.StringIO()
     assert run_chat(ChatOptions(model=model, max_new_tokens=10, settings=settings), io.StringIO(turns), out) == 2
     assert out.getvalue() == plain.getvalue()
-    assert len(recovered) == 1  # the second turn ran on the new chain, not the broken one
-    assert runs_started == [2]
+    assert len(failover.recovered) == 1  # the second turn ran on the new chain, not the broken one
+    assert failover.runs_started == 2
+
+
+class _Failover:
+    """The fleet's failover, played by a local pipeline: a broken chain is replaced by `second`."""
+
+    def __init__(self) -> None:
+        self.second: LocalPipeline | None = None
+        self.recovered: list[ChainBroken] = []
+        self.runs_started = 0
+
+    def __call__(self, error: ChainBroken) -> BreakingChain:
+        assert self.second is not None
+        self.recovered.append(error)
+        return BreakingChain(self.second, None)
+
+    def start_run(self) -> None:  # each reply gets the whole --max-failovers budget
+        self.runs_started += 1
+
+
+def _chain_that_fails_over(monkeypatch: pytest.MonkeyPatch, model: Path, settings: CompileSettings) -> _Failover:
+    """The chat's chain: 2 local stages that break at the 4th step, then a 1-stage one for good."""
+    failover = _Failover()
+
+    @contextmanager
+    def breaking_chain(options: ChatOptions, chain_settings: CompileSettings
+                       ) -> Iterator[tuple[BreakingChain, _Failover]]:
+        with LocalPipeline(model, 2, settings) as first, LocalPipeline(model, 1, settings) as second:
+            failover.second = second
+            yield BreakingChain(first, 4), failover
+
+    monkeypatch.setattr(chat, "_open_chain", breaking_chain)
+    return failover
 
 
 def _chat_model(tmp_path: Path, tiny_export: Path) -> Path:
@@ -566,3 +578,26 @@ def test_a_fixed_k_or_other_bounds_start_afresh(tiny_export: Path) -> None:
     assert Engine(chain, spec, None, EngineOptions(k_max=6), learned).k_policy.alpha == pytest.approx(0.6)
     fixed = Engine(chain, spec, None, EngineOptions(fixed_k=3), learned).k_policy
     assert (fixed.k_min, fixed.k_max, fixed.alpha) == (3, 3, pytest.approx(0.6))
+
+
+def test_after_a_failover_the_next_turn_learns_adaptive_k_afresh(tmp_path: Path, tiny_export: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # The new chain's round trips are its own: the costs learned on the broken chain would mislead the next turn
+    model = _chat_model(tmp_path, tiny_export)
+    settings = CompileSettings(precision=Precision.F32)
+    handed: list[object] = []
+
+    class RecordedEngine(chat.Engine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            handed.append(args[4] if len(args) > 4 else kwargs.get("learned_k"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(chat, "Engine", RecordedEngine)
+    failover = _chain_that_fails_over(monkeypatch, model, settings)
+    turns = "say it again and again and again\nand again\nonce more\n/quit\n"
+    assert run_chat(ChatOptions(model=model, max_new_tokens=12, prompt_lookup=True, settings=settings),
+                    io.StringIO(turns), io.StringIO()) == 3
+    first, second, third = handed
+    assert len(failover.recovered) == 1
+    assert first is None and second is None  # the first turn broke its chain and failed over
+    assert third is not None  # the second ran on one chain throughout: the third goes on from it
