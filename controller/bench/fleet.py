@@ -306,7 +306,8 @@ def _run_rounds(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
                 result = {"tok_s": run.tok_s, "tokens": float(run.generated), "wall_s": run.wall_s,
                           "mean_accepted": 0.0, "mean_k": 0.0, "final_k": 0.0}
             else:
-                result = _run_config(fleet, placements, config, options, drafters, learned_ks)
+                result = _run_config(fleet, placements, config, options, drafters,
+                                     learned_ks if options.carry_k else None)
             if round_index >= 0:
                 config.runs.append(result)
             timing = (f" (accepted {result['mean_accepted']:.2f} of {result['mean_k']:.2f} proposed a round, "
@@ -467,8 +468,8 @@ def _prompts(model: Path, count: int, length: int, demo: bool) -> list[list[int]
 def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]], config: _Config,
                 options: FleetBenchOptions, drafters: dict[str, Drafter | None],
                 learned_ks: dict[str, AdaptiveK] | None = None) -> dict[str, float]:
-    """One run of a configuration. `drafters` and `learned_ks` (adaptive K's, with --carry-k) are kept by
-    configuration from round to round."""
+    """One run of a configuration. `drafters` and `learned_ks` (adaptive K's, given only with --carry-k) are kept
+    by configuration from round to round."""
     demo = _drafting(config.group)
     model = options.demo_target if demo else options.model
     assert model is not None
@@ -503,7 +504,7 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
             # engine per stream, run back to back.
             batches = [prompts[index:index + 1] for index in range(len(prompts))] if config.one_at_a_time \
                 else [prompts]
-            learned = learned_ks.get(config.key) if options.carry_k and learned_ks is not None else None
+            learned = learned_ks.get(config.key) if learned_ks is not None else None
             engines = [Engine(chain, spec, draft, engine_options, learned) for _ in batches]
             for engine, batch in zip(engines, batches, strict=True):
                 for prompt in batch:
@@ -514,7 +515,7 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
             streams = [stream for engine, clock in zip(engines, clocks, strict=True)
                        for stream in engine.run(on_token=_token_clock(clock)).values()]
             ended = time.perf_counter()
-        if options.carry_k and draft is not None and learned_ks is not None:
+        if draft is not None and learned_ks is not None:
             learned_ks[config.key] = engines[-1].k_policy
         results[index] = {"tokens": float(sum(len(s.tokens) for s in streams)), "started": started, "ended": ended,
                           "mean_accepted": engines[0].mean_accepted() if draft else 0.0,
