@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -199,12 +199,26 @@ def best_k(alpha: float, cost: RoundCost, k_min: int, k_max: int) -> int:
     return k_min + int(np.argmax(rates))
 
 
+# A verified width's mean round trip enters the fit of what a verified position costs once this many (decayed)
+# rounds measured it. A round at another width than the round before is left out of the fit: it also pays the
+# CPU plugin's re-preparation for its shape (1-5 ms on the demo target, more than the 9-token call's extra cost),
+# and one such round at a new width, in the fit, made the line 4x too steep and K fall to 1 (bench speculative).
+MIN_WIDTH_ROUNDS = 1.5
+
+
 class AdaptiveK:
     """Chooses K from what rounds measured. Pure: the caller measures time and reports it.
 
     The caller must, each round: propose `k` tokens, then `record_round(proposed, accepted)` and, when it
-    measured one, `record_cost(RoundCost(...))`. Acceptance and costs are exponentially weighted
+    measured one, `record_cost(RoundCost(...), verified=...)`. Acceptance and costs are exponentially weighted
     (`decay` per round) so K follows a change of prompt or network. k_min == k_max fixes K (`--k K`).
+
+    What a verified position costs is learned too, when `record_cost` is told the round's width: a line through
+    the mean round trip of each width measured recently (0 until two widths were), so a longer round costs the
+    verification it adds as well as its drafting. Taken as fixed, the round trip measured at a long K made every
+    shorter K look as dear, and at a short K every longer one cheaper than it is: on the 279M code target the
+    round trip grew 1.8-2.1 ms a verified token (S9: 24.9 / 28.2 / 34.0 ms at K 3 / 5 / 8 on 2 PCs), and adaptive
+    K settled at 7-8 where K fixed at 3 or 5 made 1.06-1.22x its tokens per second (S13).
 
     K only moves when the best K's expected tokens per second beat the current K's by more than
     `switch_margin`: a verification call of a new width costs extra on the CPU plugin (it re-prepares
@@ -230,10 +244,15 @@ class AdaptiveK:
         self._rejected = 0.0  # decayed count of rejections (at most one per round)
         self._cost = initial_cost or RoundCost(fixed_seconds=1.0, draft_seconds_per_token=0.1)
         self._cost_known = initial_cost is not None  # the first measurement replaces a guessed default
+        self._width_rounds = np.zeros(MAX_K + 2)  # [w]: decayed drafted rounds that verified w positions
+        self._width_seconds = np.zeros(MAX_K + 2)  # [w]: ... and the sum of their round trips
+        self._verified = 0.0  # decayed mean of the verified widths behind the cost's round trip
+        self._verify_slope: float | None = None  # seconds a verified position adds, once two widths were measured
+        self._last_width = 0  # the width of the last drafted round recorded
         self._histogram: Counter[int] = Counter()
         self._proposed = 0  # draft tokens proposed over the rounds of the histogram
         self._switch_margin = switch_margin
-        self._k = best_k(self.alpha, self._cost, k_min, k_max)
+        self._k = best_k(self.alpha, self.cost, k_min, k_max)
 
     # Public methods
 
@@ -246,7 +265,7 @@ class AdaptiveK:
         (acceptance, costs, K) goes on, its per-run figures (histogram, mean proposed) start empty. A run's first
         rounds otherwise go to learning the acceptance from the prior again: over 64-token streams of the 279M
         code target (run S11) adaptive K accepted 2.4-2.9 tokens a round, K fixed at the K it ended at 3.8."""
-        successor = copy.copy(self)
+        successor = copy.deepcopy(self)
         successor._histogram = Counter()
         successor._proposed = 0
         return successor
@@ -259,7 +278,11 @@ class AdaptiveK:
 
     @property
     def cost(self) -> RoundCost:
-        return self._cost
+        if self._verify_slope is None:
+            return self._cost
+        # The blended round trip less what its verified positions cost: the chain's part that K does not change
+        fixed = max(self._cost.fixed_seconds - self._verify_slope * self._verified, 0.0)
+        return replace(self._cost, fixed_seconds=fixed, verify_seconds_per_token=self._verify_slope)
 
     @property
     def k(self) -> int:
@@ -277,15 +300,23 @@ class AdaptiveK:
         self._rejected = self._rejected * self._decay + (1 if accepted < proposed else 0)
         self._choose_k()
 
-    def record_cost(self, measured: RoundCost) -> None:
+    def record_cost(self, measured: RoundCost, verified: int | None = None) -> None:
+        """Blend in one drafted round's cost; `verified`: the positions its verification scored (its longest
+        proposal plus one), from which what a verified position costs is learned (otherwise 0, as measured)."""
+        if verified is not None:
+            if not 1 <= verified < len(self._width_rounds):
+                raise ValueError(f"a round verifies 1 to {len(self._width_rounds) - 1} positions, got {verified}")
+            self._learn_verify_slope(measured.fixed_seconds, verified)
         if not self._cost_known:
             self._cost, self._cost_known = measured, True
+            self._verified = float(verified or 0)
             self._choose_k()
             return
 
         def blend(old: float, new: float) -> float:
             return old * self._decay + new * (1.0 - self._decay)
 
+        self._verified = blend(self._verified, float(verified or 0))
         self._cost = RoundCost(
             blend(self._cost.fixed_seconds, measured.fixed_seconds),
             blend(self._cost.draft_seconds_per_token, measured.draft_seconds_per_token),
@@ -294,13 +325,34 @@ class AdaptiveK:
             blend(self._cost.driver_seconds, measured.driver_seconds))
         self._choose_k()
 
+    def _learn_verify_slope(self, round_trip: float, verified: int) -> None:
+        """Weighted least squares through each recently measured width's mean round trip, rounds of a changed width
+        left out; kept as it was while fewer than two widths have MIN_WIDTH_ROUNDS of rounds (K steady), never
+        below 0, and never so steep that the chain's own part (the line at width 0) would be negative."""
+        changed, self._last_width = verified != self._last_width, verified
+        if changed:
+            return
+        self._width_rounds *= self._decay
+        self._width_seconds *= self._decay
+        self._width_rounds[verified] += 1.0
+        self._width_seconds[verified] += round_trip
+        widths = np.flatnonzero(self._width_rounds >= MIN_WIDTH_ROUNDS)
+        if len(widths) < 2:
+            return
+        weights = self._width_rounds[widths]
+        means = self._width_seconds[widths] / weights
+        x_mean = float(np.average(widths, weights=weights))
+        y_mean = float(np.average(means, weights=weights))
+        slope = float(np.sum(weights * (widths - x_mean) * (means - y_mean)) / np.sum(weights * (widths - x_mean) ** 2))
+        self._verify_slope = min(max(slope, 0.0), float(np.min(means / widths)))
+
     def _choose_k(self) -> None:
-        best = best_k(self.alpha, self._cost, self.k_min, self.k_max)
+        best = best_k(self.alpha, self.cost, self.k_min, self.k_max)
         if best != self._k and self._rate(best) > self._rate(self._k) * (1.0 + self._switch_margin):
             self._k = best
 
     def _rate(self, k: int) -> float:
-        return expected_tokens(self.alpha, k) / self._cost.seconds(k)
+        return expected_tokens(self.alpha, k) / self.cost.seconds(k)
 
     def accepted_histogram(self) -> dict[int, int]:
         """Rounds by number of accepted draft tokens, for the run's metrics."""

@@ -790,7 +790,8 @@ class Engine:
         drafting = sum(1 for batch_id in self._tracks if self.draft is not None and self.draft.has_batch(batch_id))
         self.k_policy.record_cost(RoundCost(fixed_seconds=round_trip,
                                             draft_seconds_per_token=flight.draft_seconds / max(proposed, 1),
-                                            drafting_batches=max(drafting, 1), driver_seconds=busy))
+                                            drafting_batches=max(drafting, 1), driver_seconds=busy),
+                                  verified=proposed + 1)
 
 
 class _DriverBusy:

@@ -314,6 +314,8 @@ def _run_rounds(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
                       f"round trip {result['round_trip_ms']:.1f} ms, "
                       f"drafting {result['draft_share']:.0%} and waiting {result['wait_share']:.0%} of the wall)"
                       if result.get("round_trip_ms") else "")
+            if result.get("verify_ms"):
+                timing += f", {result['verify_ms']:.2f} ms a verified position (adaptive K's fit)"
             if result.get("steady_tok_s"):
                 timing += f", steady {result['steady_tok_s']:.1f} tok/s"
             say(f"{label} {config.key}: {result['tok_s']:.1f} tok/s{timing}")
@@ -521,6 +523,8 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
                           "mean_accepted": engines[0].mean_accepted() if draft else 0.0,
                           "mean_k": engines[0].mean_k() if draft else 0.0,
                           "final_k": float(engines[0].k_policy.k) if draft else 0.0,
+                          # what adaptive K learned a verified position costs (0 until two widths were measured)
+                          "verify_ms": engines[0].k_policy.cost.verify_seconds_per_token * 1000 if draft else 0.0,
                           "steady_tok_s": steady_rate(clocks), **_driver_times(engines, ended - started)}
 
     threads = [threading.Thread(target=one, args=(index, group)) for index, group in enumerate(groups)]
@@ -538,7 +542,7 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
     wall = max(result["ended"] for result in results) - min(result["started"] for result in results)
     return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": round(wall, 4),
             "mean_accepted": results[0]["mean_accepted"], "mean_k": results[0]["mean_k"],
-            "final_k": results[0]["final_k"],
+            "final_k": results[0]["final_k"], "verify_ms": results[0]["verify_ms"],
             # copies run at once: their steady rates add up
             "steady_tok_s": sum(result["steady_tok_s"] for result in results),
             **{key: results[0][key] for key in DRIVER_TIMES}}
@@ -601,7 +605,7 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
                                "mean_k": statistics.median(run.get("mean_k", 0.0) for run in config.runs),
                                "final_k": statistics.median(run["final_k"] for run in config.runs),
                                **{key: round(statistics.median(run.get(key, 0.0) for run in config.runs), 4)
-                                  for key in ("steady_tok_s", *DRIVER_TIMES)}}
+                                  for key in ("steady_tok_s", "verify_ms", *DRIVER_TIMES)}}
     rows: list[dict[str, Any]] = []
     delay = f"{options.wan_delay_s * 1000:.0f} ms per hop"
     for row in (replace(row, title=row.title.replace("100 ms per hop", delay))

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 
@@ -294,8 +295,9 @@ def test_adaptive_k_follows_measured_acceptance_and_cost() -> None:
         controller.record_round(controller.k, 0)  # the draft stopped guessing right
     assert controller.alpha < 0.4 and controller.k <= 3
     assert rate(controller, best_k(controller.alpha, controller.cost, 2, 10)) <= rate(controller, controller.k) * 1.05
-    for _ in range(30):
-        controller.record_round(4, 3)
+    rng = np.random.default_rng(0)
+    for _ in range(30):  # each draft token accepted with probability 0.7
+        controller.record_round(controller.k, _accepted_of(rng, controller.k, 0.7))
     mid = controller.k
     for _ in range(40):
         controller.record_cost(RoundCost(fixed_seconds=0.01, draft_seconds_per_token=0.01))
@@ -304,6 +306,11 @@ def test_adaptive_k_follows_measured_acceptance_and_cost() -> None:
 
 def rate(controller: AdaptiveK, k: int) -> float:
     return expected_tokens(controller.alpha, k) / controller.cost.seconds(k)
+
+
+def _accepted_of(rng: np.random.Generator, k: int, alpha: float) -> int:
+    """Draft tokens a round of k accepts when each is accepted with probability alpha (up to the first rejected)."""
+    return int(np.argmin(np.append(rng.random(k) < alpha, False)))
 
 
 def test_adaptive_k_keeps_its_k_through_small_wobbles() -> None:
@@ -315,7 +322,7 @@ def test_adaptive_k_keeps_its_k_through_small_wobbles() -> None:
     for _ in range(300):  # each draft token accepted with probability 0.7, round after round
         for name, controller in (("sticky", sticky), ("eager", eager)):
             k = controller.k
-            controller.record_round(k, int(np.argmin(np.append(rng.random(k) < 0.7, False))))
+            controller.record_round(k, _accepted_of(rng, k, 0.7))
             changes[name] += controller.k != k
     assert changes["eager"] > 5 * max(changes["sticky"], 1)  # 95 changes vs 7 with this seed
     # ... and still moves for a real change: the draft stops guessing right
@@ -382,3 +389,72 @@ def test_adaptive_k_bounds_k_max() -> None:
     assert AdaptiveK(1, MAX_K).k_max == MAX_K
     with pytest.raises(ValueError, match=f"k_max <= {MAX_K}"):
         AdaptiveK(1, MAX_K + 1)  # it weighs every K up to k_max each round: 1e9 hung the run, filling the memory
+
+
+def test_adaptive_k_learns_what_a_verified_position_costs_from_two_widths() -> None:
+    controller = AdaptiveK(1, 8, initial_cost=RoundCost(0.02, 0.001))
+    for _ in range(5):  # one width only: nothing to fit, the round trip is taken as fixed
+        controller.record_cost(RoundCost(0.02 + 0.004 * 4, 0.001), verified=4)
+    assert controller.cost.verify_seconds_per_token == 0.0
+    for _ in range(5):
+        controller.record_cost(RoundCost(0.02 + 0.004 * 9, 0.001), verified=9)
+    assert controller.cost.verify_seconds_per_token == pytest.approx(0.004)
+    assert controller.cost.fixed_seconds == pytest.approx(0.02)  # the chain's part, whatever the width
+    for _ in range(40):  # K steady for long: the other width's rounds fade, the slope stays what it was
+        controller.record_cost(RoundCost(0.02 + 0.004 * 9, 0.001), verified=9)
+    assert controller.cost.verify_seconds_per_token == pytest.approx(0.004)
+    # never negative, never steeper than leaves the chain's part at 0
+    falling = AdaptiveK(1, 8, initial_cost=RoundCost(0.02, 0.001))
+    for verified, seconds in ((2, 0.05),) * 3 + ((6, 0.03),) * 3:
+        falling.record_cost(RoundCost(seconds, 0.001), verified=verified)
+    assert falling.cost.verify_seconds_per_token == 0.0
+    steep = AdaptiveK(1, 8, initial_cost=RoundCost(0.02, 0.001))
+    for verified, seconds in ((2, 0.002),) * 3 + ((6, 0.05),) * 3:
+        steep.record_cost(RoundCost(seconds, 0.001), verified=verified)
+    assert steep.cost.verify_seconds_per_token == pytest.approx(0.001) and steep.cost.fixed_seconds >= 0.0
+    # the first round at another width pays the plugin's re-preparation for the new shape: left out of the fit
+    controller.record_cost(RoundCost(0.02 + 0.004 * 6 + 0.005, 0.001), verified=6)
+    assert controller.cost.verify_seconds_per_token == pytest.approx(0.004)
+    with pytest.raises(ValueError, match="verifies 1 to 65 positions, got 0"):
+        controller.record_cost(RoundCost(0.02, 0.001), verified=0)
+
+
+def test_adaptive_k_told_the_widths_stops_where_longer_verification_stops_paying() -> None:
+    # A chain whose round trip grows 4 ms a verified position (a large target on every stage): taken as fixed,
+    # the round trip of a long round makes short ones look as dear, and K climbs past the best.
+    def round_trip(k: int) -> float:
+        return 0.01 + 0.004 * (k + 1)
+
+    def true_rate(k: int) -> float:
+        return expected_tokens(0.8, k) / (round_trip(k) + 0.0005 * k)
+
+    told, untold = AdaptiveK(1, 8), AdaptiveK(1, 8)
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        for controller, verified in ((told, True), (untold, False)):
+            k = controller.k
+            controller.record_round(k, _accepted_of(rng, k, 0.8))
+            controller.record_cost(RoundCost(round_trip(k), 0.0005), verified=k + 1 if verified else None)
+    best = max(range(1, 9), key=true_rate)
+    assert told.k < untold.k and abs(told.k - best) <= 1
+    assert true_rate(told.k) > 1.05 * true_rate(untold.k)
+
+
+def test_a_carried_controller_learns_apart_from_the_one_it_came_from() -> None:
+    learned = AdaptiveK(1, 8)
+    for _ in range(10):
+        learned.record_round(4, 2)
+        learned.record_cost(RoundCost(0.02, 0.001), verified=5)
+    for _ in range(3):
+        learned.record_cost(RoundCost(0.03, 0.001), verified=7)
+    cost = learned.cost
+    assert cost.verify_seconds_per_token > 0
+    untouched = copy.deepcopy(learned)
+    carried = learned.carried()
+    assert carried.cost == cost
+    for _ in range(10):
+        carried.record_cost(RoundCost(0.09, 0.001), verified=3)
+    assert learned.cost == cost and carried.cost != cost
+    for controller in (learned, untouched):  # the widths' round trips were copied, not shared: the next fit agrees
+        controller.record_cost(RoundCost(0.025, 0.001), verified=6)
+    assert learned.cost == untouched.cost

@@ -214,9 +214,9 @@ def test_adaptive_k_learns_no_round_cost_from_steps_that_waited_for_a_prefill(ta
         recorded: list[RoundCost] = []
         record_cost = engine.k_policy.record_cost
 
-        def recording(cost: RoundCost) -> None:
+        def recording(cost: RoundCost, verified: int | None = None) -> None:
             recorded.append(cost)
-            record_cost(cost)
+            record_cost(cost, verified)
 
         engine.k_policy.record_cost = recording  # type: ignore[method-assign]
         for request in requests:
