@@ -200,9 +200,12 @@ def best_k(alpha: float, cost: RoundCost, k_min: int, k_max: int) -> int:
 
 
 # A verified width's mean round trip enters the fit of what a verified position costs once this many (decayed)
-# rounds measured it. A round at another width than the round before is left out of the fit: it also pays the
-# CPU plugin's re-preparation for its shape (1-5 ms on the demo target, more than the 9-token call's extra cost),
-# and one such round at a new width, in the fit, made the line 4x too steep and K fall to 1 (bench speculative).
+# rounds measured it: in practice three drafted rounds in a row at that width, the first being left out. A round at
+# another width than the drafted round recorded before it is left out of the fit: it also pays the CPU plugin's
+# re-preparation for its shape (1-5 ms on the demo target, more than the 9-token call's extra cost), and one such
+# round at a new width, in the fit, made the line 4x too steep and K fall to 1 (bench speculative). Only drafted
+# rounds are seen here: a plain step, a prefill or another micro-batch's round between two of the same width can
+# change the shape unseen, a noise the fit's averaging has to absorb.
 MIN_WIDTH_ROUNDS = 1.5
 
 
@@ -268,6 +271,7 @@ class AdaptiveK:
         successor = copy.deepcopy(self)
         successor._histogram = Counter()
         successor._proposed = 0
+        successor._last_width = 0  # the next run's first round prepares its shape again
         return successor
 
     @property
@@ -302,7 +306,9 @@ class AdaptiveK:
 
     def record_cost(self, measured: RoundCost, verified: int | None = None) -> None:
         """Blend in one drafted round's cost; `verified`: the positions its verification scored (its longest
-        proposal plus one), from which what a verified position costs is learned (otherwise 0, as measured)."""
+        proposal plus one), from which what a verified position costs is learned. A caller that never gives it
+        keeps the round trip whole as the fixed part (verification taken as free, as the rounds' measured
+        `verify_seconds_per_token` says); give it always or never."""
         if verified is not None:
             if not 1 <= verified < len(self._width_rounds):
                 raise ValueError(f"a round verifies 1 to {len(self._width_rounds) - 1} positions, got {verified}")
@@ -316,7 +322,8 @@ class AdaptiveK:
         def blend(old: float, new: float) -> float:
             return old * self._decay + new * (1.0 - self._decay)
 
-        self._verified = blend(self._verified, float(verified or 0))
+        if verified is not None:
+            self._verified = blend(self._verified, float(verified))
         self._cost = RoundCost(
             blend(self._cost.fixed_seconds, measured.fixed_seconds),
             blend(self._cost.draft_seconds_per_token, measured.draft_seconds_per_token),
@@ -329,11 +336,11 @@ class AdaptiveK:
         """Weighted least squares through each recently measured width's mean round trip, rounds of a changed width
         left out; kept as it was while fewer than two widths have MIN_WIDTH_ROUNDS of rounds (K steady), never
         below 0, and never so steep that the chain's own part (the line at width 0) would be negative."""
+        self._width_rounds *= self._decay  # on every round's clock, as the other estimates
+        self._width_seconds *= self._decay
         changed, self._last_width = verified != self._last_width, verified
         if changed:
             return
-        self._width_rounds *= self._decay
-        self._width_seconds *= self._decay
         self._width_rounds[verified] += 1.0
         self._width_seconds[verified] += round_trip
         widths = np.flatnonzero(self._width_rounds >= MIN_WIDTH_ROUNDS)

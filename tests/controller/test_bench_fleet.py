@@ -767,13 +767,14 @@ def test_a_drafted_configuration_reports_the_k_its_rounds_ran_at_beside_the_last
 @pytest.mark.parametrize("carry", [True, False])
 def test_carry_k_hands_each_round_the_adaptive_k_its_configuration_learned_the_round_before(
         monkeypatch: pytest.MonkeyPatch, carry: bool) -> None:
-    handed: list[object] = []
+    handed: list[tuple[object, Any]] = []  # (the configuration's drafter, the adaptive K the engine was handed)
 
     class FakeEngine(_OneTokenEngine):
         def __init__(self, chain: object, spec: object, draft: object, engine_options: Any,
                      learned_k: object = None) -> None:
-            handed.append(learned_k)
-            self.k_policy = SimpleNamespace(k=4, run=len(handed), cost=RoundCost(0.02, 0.001))  # what it learned
+            handed.append((draft, learned_k))
+            # what this run learned: tagged with its configuration's drafter
+            self.k_policy = SimpleNamespace(k=4, drafter=draft, cost=RoundCost(0.02, 0.001))
             self.timings = EngineTimings()
 
         def mean_accepted(self) -> float:
@@ -785,9 +786,11 @@ def test_carry_k_hands_each_round_the_adaptive_k_its_configuration_learned_the_r
     fleet = _fake_fleet(monkeypatch, FakeEngine)
     bench = replace(options(2), carry_k=carry, rounds=1, warmup_rounds=1)
     configs = [config for config in bench_configs(bench) if config.key in ("demo_pair_2_spec", "demo_pair_2_lookup")]
-    monkeypatch.setattr(fleet_module, "open_drafter", lambda *args, **kwargs: object())
+    monkeypatch.setattr(fleet_module, "open_drafter", lambda *args, **kwargs: object())  # one per configuration
     _run_rounds(fleet, {"demo_pair": (0.0,)}, configs, bench, None, lambda line: None)  # type: ignore[arg-type]
-    if carry:  # each configuration's second round goes on from its own first (round_order rotates the order)
-        assert handed[:2] == [None, None] and sorted(k.run for k in handed[2:]) == [1, 2]  # type: ignore[attr-defined]
+    assert len(handed) == 4 and len({id(draft) for draft, _ in handed}) == 2
+    assert [learned for _, learned in handed[:2]] == [None, None]  # the warm-up round learns from the prior
+    if carry:  # each configuration's second round goes on from what its own first learned
+        assert all(learned is not None and learned.drafter is draft for draft, learned in handed[2:])
     else:
-        assert handed == [None] * 4
+        assert [learned for _, learned in handed[2:]] == [None, None]
