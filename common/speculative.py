@@ -207,6 +207,12 @@ def best_k(alpha: float, cost: RoundCost, k_min: int, k_max: int) -> int:
 # rounds are seen here: a plain step, a prefill or another micro-batch's round between two of the same width can
 # change the shape unseen, a noise the fit's averaging has to absorb.
 MIN_WIDTH_ROUNDS = 1.5
+# The fitted slope is drawn towards 0 as by this many rounds two positions apart (a ridge: the weighted spread of
+# the widths, sum of weight * (width - mean width)^2, plus this, divides the covariance): a line through
+# neighbouring widths is mostly the round trips' noise (run S15, the demo pair's draft model at K 1-2 on 2 / 3 PCs:
+# 0.97 / 0.75 ms a position fitted through neighbouring widths where the fixed K's round trips grew 0.50 / 0.37 ms,
+# and its rounds' mean K fell from 1.8-2.0 to 1.3-1.6), one through widths several apart is mostly the slope.
+SLOPE_PRIOR = 6.0
 
 
 class AdaptiveK:
@@ -334,8 +340,9 @@ class AdaptiveK:
 
     def _learn_verify_slope(self, round_trip: float, verified: int) -> None:
         """Weighted least squares through each recently measured width's mean round trip, rounds of a changed width
-        left out; kept as it was while fewer than two widths have MIN_WIDTH_ROUNDS of rounds (K steady), never
-        below 0, and never so steep that the chain's own part (the line at width 0) would be negative."""
+        left out and the slope drawn towards 0 by SLOPE_PRIOR; kept as it was while fewer than two widths have
+        MIN_WIDTH_ROUNDS of rounds (K steady), never below 0, and never so steep that the chain's own part (the line
+        at width 0) would be negative."""
         self._width_rounds *= self._decay  # on every round's clock, as the other estimates
         self._width_seconds *= self._decay
         changed, self._last_width = verified != self._last_width, verified
@@ -350,7 +357,8 @@ class AdaptiveK:
         means = self._width_seconds[widths] / weights
         x_mean = float(np.average(widths, weights=weights))
         y_mean = float(np.average(means, weights=weights))
-        slope = float(np.sum(weights * (widths - x_mean) * (means - y_mean)) / np.sum(weights * (widths - x_mean) ** 2))
+        spread = float(np.sum(weights * (widths - x_mean) ** 2))
+        slope = float(np.sum(weights * (widths - x_mean) * (means - y_mean))) / (spread + SLOPE_PRIOR)
         self._verify_slope = min(max(slope, 0.0), float(np.min(means / widths)))
 
     def _choose_k(self) -> None:

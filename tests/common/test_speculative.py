@@ -391,24 +391,29 @@ def test_adaptive_k_bounds_k_max() -> None:
         AdaptiveK(1, MAX_K + 1)  # it weighs every K up to k_max each round: 1e9 hung the run, filling the memory
 
 
+def _round_trip(verified: int) -> float:
+    """A chain whose round trip is 20 ms plus 4 ms a verified position."""
+    return 0.02 + 0.004 * verified
+
+
 def test_adaptive_k_learns_what_a_verified_position_costs_from_two_widths() -> None:
     controller = AdaptiveK(1, 8, initial_cost=RoundCost(0.02, 0.001))
     for _ in range(5):  # one width only: nothing to fit, the round trip is taken as fixed
-        controller.record_cost(RoundCost(0.02 + 0.004 * 4, 0.001), verified=4)
+        controller.record_cost(RoundCost(_round_trip(4), 0.001), verified=4)
     assert controller.cost.verify_seconds_per_token == 0.0
     for _ in range(5):
-        controller.record_cost(RoundCost(0.02 + 0.004 * 9, 0.001), verified=9)
-    assert controller.cost.verify_seconds_per_token == pytest.approx(0.004)
-    assert controller.cost.fixed_seconds == pytest.approx(0.02)  # the chain's part, whatever the width
+        controller.record_cost(RoundCost(_round_trip(9), 0.001), verified=9)
+    slope = controller.cost.verify_seconds_per_token
+    assert 0.6 * 0.004 < slope < 0.004  # drawn towards 0, as a few rounds' line is, never past the data
     # back to width 4, still in the fit: the first round there pays the plugin's re-preparation for the shape and is
-    # left out, or the line would flatten
-    controller.record_cost(RoundCost(0.02 + 0.004 * 4 + 0.005, 0.001), verified=4)
-    assert controller.cost.verify_seconds_per_token == pytest.approx(0.004)
-    controller.record_cost(RoundCost(0.02 + 0.004 * 4, 0.001), verified=4)
-    assert controller.cost.verify_seconds_per_token == pytest.approx(0.004)
-    for _ in range(40):  # K steady for long: the other width's rounds fade, the slope stays what it was
-        controller.record_cost(RoundCost(0.02 + 0.004 * 9, 0.001), verified=9)
-    assert controller.cost.verify_seconds_per_token == pytest.approx(0.004)
+    # left out (a twin given the same round without the penalty fits the same line), or the line would flatten
+    twin = copy.deepcopy(controller)
+    controller.record_cost(RoundCost(_round_trip(4) + 0.005, 0.001), verified=4)
+    twin.record_cost(RoundCost(_round_trip(4), 0.001), verified=4)
+    assert controller.cost.verify_seconds_per_token == twin.cost.verify_seconds_per_token  # (its round trip counts)
+    for _ in range(40):  # K steady for long: the other width's rounds fade, the slope stays what it last was
+        controller.record_cost(RoundCost(_round_trip(9), 0.001), verified=9)
+    assert controller.cost.verify_seconds_per_token > 0.5 * 0.004
     # never negative, never steeper than leaves the chain's part at 0
     falling = AdaptiveK(1, 8, initial_cost=RoundCost(0.02, 0.001))
     for verified, seconds in ((2, 0.05),) * 4 + ((6, 0.03),) * 4:
@@ -422,25 +427,43 @@ def test_adaptive_k_learns_what_a_verified_position_costs_from_two_widths() -> N
         controller.record_cost(RoundCost(0.02, 0.001), verified=0)
 
 
+def test_a_line_through_neighbouring_widths_is_drawn_towards_zero_one_through_distant_widths_is_not() -> None:
+    # the same chain measured at widths 4 / 5 and at widths 2 / 9, many rounds each
+    near, far = AdaptiveK(1, 8), AdaptiveK(1, 8)
+    for controller, widths in ((near, (4, 5)), (far, (2, 9))):
+        for verified in widths:
+            for _ in range(8):
+                controller.record_cost(RoundCost(_round_trip(verified), 0.001), verified=verified)
+    assert near.cost.verify_seconds_per_token < 0.3 * 0.004  # a width apart, the line is mostly the noise's
+    assert far.cost.verify_seconds_per_token > 0.85 * 0.004
+
+
 def test_adaptive_k_told_the_widths_stops_where_longer_verification_stops_paying() -> None:
-    # A chain whose round trip grows 4 ms a verified position (a large target on every stage): taken as fixed,
-    # the round trip of a long round makes short ones look as dear, and K climbs past the best.
+    # A chain whose round trip grows 4 ms a verified position (a large target on every stage), measured with 10%
+    # noise; the draft accepted 40% of the time, then 80%. Taken as fixed, the round trip of a long round makes
+    # short ones look as dear, and K climbs past the best.
     def round_trip(k: int) -> float:
         return 0.01 + 0.004 * (k + 1)
 
     def true_rate(k: int) -> float:
         return expected_tokens(0.8, k) / (round_trip(k) + 0.0005 * k)
 
-    told, untold = AdaptiveK(1, 8), AdaptiveK(1, 8)
-    rng = np.random.default_rng(1)
-    for _ in range(200):
-        for controller, verified in ((told, True), (untold, False)):
-            k = controller.k
-            controller.record_round(k, _accepted_of(rng, k, 0.8))
-            controller.record_cost(RoundCost(round_trip(k), 0.0005), verified=k + 1 if verified else None)
-    best = max(range(1, 9), key=true_rate)
-    assert told.k < untold.k and abs(told.k - best) <= 1
-    assert true_rate(told.k) > 1.05 * true_rate(untold.k)
+    best = max(true_rate(k) for k in range(1, 9))
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for seed in range(6):
+        told, untold = AdaptiveK(1, 8), AdaptiveK(1, 8)
+        rng = np.random.default_rng(seed)
+        for index in range(240):
+            alpha = 0.4 if index < 40 else 0.8
+            for controller, verified in ((told, True), (untold, False)):
+                k = controller.k
+                controller.record_round(k, _accepted_of(rng, k, alpha))
+                measured = round_trip(k) * (1.0 + 0.1 * rng.standard_normal())
+                controller.record_cost(RoundCost(measured, 0.0005), verified=k + 1 if verified else None)
+                if index >= 80:
+                    rates[verified].append(true_rate(controller.k) / best)
+    assert np.mean(rates[True]) > 0.93  # 0.94-1.00 by seed
+    assert np.mean(rates[True]) > 1.1 * np.mean(rates[False])  # K 8 makes 0.81 of the best
 
 
 def test_a_carried_controller_learns_apart_from_the_one_it_came_from() -> None:
@@ -449,7 +472,7 @@ def test_a_carried_controller_learns_apart_from_the_one_it_came_from() -> None:
         learned.record_round(4, 2)
         learned.record_cost(RoundCost(0.025, 0.001), verified=5)
     for _ in range(3):
-        learned.record_cost(RoundCost(0.027, 0.001), verified=7)
+        learned.record_cost(RoundCost(0.028, 0.001), verified=8)
     cost = learned.cost
     assert cost.verify_seconds_per_token > 0
     untouched = copy.deepcopy(learned)
@@ -459,10 +482,10 @@ def test_a_carried_controller_learns_apart_from_the_one_it_came_from() -> None:
         carried.record_cost(RoundCost(0.09, 0.001), verified=3)
     assert learned.cost == cost and carried.cost != cost
     for controller in (learned, untouched):  # the widths' round trips were copied, not shared: the next fit agrees
-        controller.record_cost(RoundCost(0.027, 0.001), verified=7)
+        controller.record_cost(RoundCost(0.028, 0.001), verified=8)
     assert learned.cost == untouched.cost
     # a next run's first round prepares its shape again, whatever the width the last run ended at: left out of the fit
     slope = learned.cost.verify_seconds_per_token
     next_run = learned.carried()
-    next_run.record_cost(RoundCost(0.5, 0.001), verified=7)
-    assert next_run.cost.verify_seconds_per_token == pytest.approx(slope) == pytest.approx(0.001)
+    next_run.record_cost(RoundCost(0.5, 0.001), verified=8)
+    assert slope > 0 and next_run.cost.verify_seconds_per_token == pytest.approx(slope)
