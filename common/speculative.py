@@ -223,11 +223,12 @@ class AdaptiveK:
     (`decay` per round) so K follows a change of prompt or network. k_min == k_max fixes K (`--k K`).
 
     What a verified position costs is learned too, when `record_cost` is told the round's width: a line through
-    the mean round trip of each width measured recently (0 until two widths were), so a longer round costs the
-    verification it adds as well as its drafting. Taken as fixed, the round trip measured at a long K made every
-    shorter K look as dear, and at a short K every longer one cheaper than it is: on the 279M code target the
-    round trip grew 1.8-2.1 ms a verified token (S9: 24.9 / 28.2 / 34.0 ms at K 3 / 5 / 8 on 2 PCs), and adaptive
-    K settled at 7-8 where K fixed at 3 or 5 made 1.06-1.22x its tokens per second (S13).
+    the mean round trip of each width measured recently (0 until two widths were; drawn towards 0 where the widths
+    are close, see SLOPE_PRIOR), so a longer round costs the verification it adds as well as its drafting. Taken
+    as fixed, the round trip measured at a long K made every shorter K look as dear, and at a short K every longer
+    one cheaper than it is: on the 279M code target the round trip grew 1.8-2.1 ms a verified token (S9: 24.9 /
+    28.2 / 34.0 ms at K 3 / 5 / 8 on 2 PCs), and adaptive K settled at 7-8 where K fixed at 3 or 5 made 1.06-1.22x
+    its tokens per second (S13).
 
     K only moves when the best K's expected tokens per second beat the current K's by more than
     `switch_margin`: a verification call of a new width costs extra on the CPU plugin (it re-prepares
@@ -313,8 +314,8 @@ class AdaptiveK:
     def record_cost(self, measured: RoundCost, verified: int | None = None) -> None:
         """Blend in one drafted round's cost; `verified`: the positions its verification scored (its longest
         proposal plus one), from which what a verified position costs is learned. A caller that never gives it
-        keeps the round trip whole as the fixed part (verification taken as free, as the rounds' measured
-        `verify_seconds_per_token` says); give it always or never."""
+        keeps the round trip whole as the fixed part and the `verify_seconds_per_token` its measurements carry (0
+        from the engine): give it always or never."""
         if verified is not None:
             if not 1 <= verified < len(self._width_rounds):
                 raise ValueError(f"a round verifies 1 to {len(self._width_rounds) - 1} positions, got {verified}")
