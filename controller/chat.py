@@ -158,7 +158,8 @@ def generate_on_fleet(options: GenerateOptions, data_dir: Path | None, stream_te
     (at most `max_failovers` times, each browsing mDNS for `discover_seconds` and dialling `peers` too) when a
     PC drops out."""
     store = _store(data_dir)
-    with _open_fleet_chain(store, options.model, max_failovers, discover_seconds, peers) as (chain, failover):
+    with _open_fleet_chain(store, options.model, max_failovers, discover_seconds, peers,
+                           drafting=options.draft is not None or options.prompt_lookup) as (chain, failover):
         report = run_generate(options, stream_text, chain=chain, chain_stages=chain.num_stages, recover=failover)
     report["fleet"] = True
     report["replans"] = failover.replans
@@ -460,14 +461,18 @@ def _store(data_dir: Path | None) -> FleetStore:
 
 @contextmanager
 def _open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discover_seconds: float | None = None,
-                      peers: tuple[str, ...] = ()) -> Iterator[tuple[FleetPipeline, FleetFailover]]:
+                      peers: tuple[str, ...] = (), drafting: bool = False
+                      ) -> Iterator[tuple[FleetPipeline, FleetFailover]]:
     """The deployed chain of `model` and the failover that replaces it when a PC drops out, its re-plans browsing
     mDNS for `discover_seconds` (None: FAILOVER_BROWSE_S) and dialling `peers` too. A PC that is already gone
-    when the chain opens counts as the first failover."""
+    when the chain opens counts as the first failover. `drafting`: the run will verify drafts (warned of when the
+    deployment's KV cache makes that inexact)."""
     from .fleet_failover import FleetFailover
     from .fleet_pipeline import ChainError, FleetPipeline
     from .fleet_survey import SurveyOptions
 
+    if drafting:
+        _warn_of_an_inexact_cache(store, model)
     browse = FAILOVER_BROWSE_S if discover_seconds is None else discover_seconds
     with ExitStack() as stack:
         options = SurveyOptions(peers=peers, discover_seconds=browse)
@@ -481,12 +486,32 @@ def _open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discov
         yield chain, failover
 
 
+def _warn_of_an_inexact_cache(store: FleetStore, model: Path) -> None:
+    """A drafted run over stages deployed with a KV cache other than f32 is not token-identical to plain decoding:
+    a verification of K+1 positions reads the u8 (or f16) cache in another order than one-token steps do, and a
+    near-tie can go the other way (a local run switches its cache to f32 for drafting by itself; a deploy cannot
+    know that later runs will draft): a fleet deployed with the defaults gave the demo target other text with
+    --draft than the local run did."""
+    from .fleet_deploy import DeployError, kv_cache_precision, load_deploy_settings
+
+    try:
+        settings = load_deploy_settings(store, model)
+    except DeployError:
+        return  # opening the chain names what is wrong with the deployment
+    cache = kv_cache_precision(settings.precision, settings.device, settings.kv_cache)
+    if cache is not None and cache != "f32":
+        log.warning("the fleet's stages of %s keep a %s KV cache, as it was deployed: drafted output can part from "
+                    "plain decoding, and verification is slower there; `deskfleet fleet deploy --model %s "
+                    "--kv-cache f32` for token-identical output", model, cache, model)
+
+
 def _open_chain(options: ChatOptions, settings: CompileSettings
                 ) -> AbstractContextManager[tuple[StageChain, FleetFailover | None]]:
     """The fleet's chain, or local stages compiled with `settings` (the run's target settings)."""
     if options.fleet_dir is not None:
         return _open_fleet_chain(_store(options.fleet_dir), options.model, options.max_failovers,
-                                 options.discover_seconds)
+                                 options.discover_seconds,
+                                 drafting=options.draft is not None or options.prompt_lookup)
     from .pipeline import LocalPipeline
 
     return _closing(LocalPipeline(options.model, options.stages, settings))

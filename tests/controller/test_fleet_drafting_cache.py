@@ -1,0 +1,105 @@
+"""A drafted run over the fleet warns when the deployment's KV cache is not f32 (its output can then part from plain
+decoding, where a local run switches to f32 for drafting by itself)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import pytest
+
+from deskfleet.agent.stage import CompileSettings
+from deskfleet.common.wire_messages import Precision
+from deskfleet.controller import chat, fleet_deploy, fleet_failover, fleet_pipeline
+from deskfleet.controller.chat import ChatOptions
+from deskfleet.controller.fleet_deploy import DeployError, DeploySettings
+from deskfleet.controller.fleet_pipeline import ChainError
+from deskfleet.controller.run import GenerateOptions
+
+MODEL = Path("/models/target-int4")
+
+
+@pytest.mark.parametrize(("settings", "cache"), [
+    (DeploySettings(), "u8"),  # the defaults on a CPU: the fast precision's u8 cache
+    (DeploySettings(kv_cache="f16"), "f16"),
+    (DeploySettings(kv_cache="f32"), None),
+    (DeploySettings(precision=Precision.F32), None),  # exact: f32 compute and cache
+    (DeploySettings(device="GPU"), None),  # the device's own cache, not known here: nothing claimed
+])
+def test_a_drafted_run_is_warned_of_a_deployed_cache_other_than_f32(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, settings: DeploySettings,
+        cache: str | None) -> None:
+    monkeypatch.setattr(fleet_deploy, "load_deploy_settings", lambda store, model: settings)
+    with caplog.at_level(logging.WARNING):
+        chat._warn_of_an_inexact_cache(object(), MODEL)  # type: ignore[arg-type]
+    if cache is None:
+        assert caplog.records == []
+    else:
+        (record,) = caplog.records
+        message = record.getMessage()
+        assert f"keep a {cache} KV cache" in message and "drafted output can part from plain decoding" in message
+        assert f"fleet deploy --model {MODEL} --kv-cache f32" in message
+
+
+def test_an_unreadable_deployment_is_left_to_opening_the_chain(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def unreadable(store: object, model: Path) -> DeploySettings:
+        raise DeployError("unreadable settings")
+
+    monkeypatch.setattr(fleet_deploy, "load_deploy_settings", unreadable)
+    with caplog.at_level(logging.WARNING):
+        chat._warn_of_an_inexact_cache(object(), MODEL)  # type: ignore[arg-type]
+    assert caplog.records == []
+
+
+class _Failover:
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __enter__(self) -> _Failover:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("decoding", "warned"), [
+    ({"draft": Path("/models/draft-int4")}, True),
+    ({"prompt_lookup": True}, True),
+    ({}, False),
+])
+def test_generate_on_the_fleet_checks_the_cache_only_when_it_drafts(
+        monkeypatch: pytest.MonkeyPatch, decoding: dict[str, Any], warned: bool) -> None:
+    checked: list[Path] = []
+    monkeypatch.setattr(chat, "_store", lambda data_dir: object())
+    monkeypatch.setattr(chat, "_warn_of_an_inexact_cache", lambda store, model: checked.append(model))
+    monkeypatch.setattr(fleet_failover, "FleetFailover", _Failover)
+
+    def never_deployed(store: object, model: Path) -> object:
+        raise ChainError(f"{model} is not deployed")
+
+    monkeypatch.setattr(fleet_pipeline.FleetPipeline, "from_store", staticmethod(never_deployed))
+    with pytest.raises(ChainError, match="is not deployed"):
+        chat.generate_on_fleet(GenerateOptions(model=MODEL, prompts=["x"], **decoding), None)
+    assert checked == ([MODEL] if warned else [])
+
+
+@pytest.mark.parametrize(("decoding", "warned"), [({"draft": Path("/models/draft-int4")}, True), ({}, False)])
+def test_a_chat_on_the_fleet_checks_the_cache_only_when_it_drafts(
+        monkeypatch: pytest.MonkeyPatch, decoding: dict[str, Any], warned: bool) -> None:
+    checked: list[Path] = []
+    monkeypatch.setattr(chat, "_store", lambda data_dir: object())
+    monkeypatch.setattr(chat, "_warn_of_an_inexact_cache", lambda store, model: checked.append(model))
+    monkeypatch.setattr(fleet_failover, "FleetFailover", _Failover)
+
+    def never_deployed(store: object, model: Path) -> object:
+        raise ChainError(f"{model} is not deployed")
+
+    monkeypatch.setattr(fleet_pipeline.FleetPipeline, "from_store", staticmethod(never_deployed))
+    options = ChatOptions(model=MODEL, fleet_dir=Path("/fleet"), **decoding)
+    with pytest.raises(ChainError, match="is not deployed"), chat._open_chain(options, CompileSettings()):
+        pass
+    assert checked == ([MODEL] if warned else [])
