@@ -182,13 +182,12 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
     open) instead of opening the fleet's or local stages from `options`; nothing re-plans when it breaks.
     """
     from .chat_template import TemplateRenderer
-    from .tokenizer import ChatTemplateError, ModelTokenizer
+    from .tokenizer import ModelTokenizer
 
     manifest = load_manifest(options.model)
     tokenizer = ModelTokenizer(options.model)
-    if not tokenizer.chat_template:
-        raise ChatTemplateError(f"{options.model} has no chat template, so it cannot chat: use "
-                                "`deskfleet generate --prompt TEXT` with it instead")
+    tokenizer.require_chat_template(f"{options.model} has no chat template, so it cannot chat: use "
+                                    "`deskfleet generate --prompt TEXT` with it instead")
     with TemplateRenderer() as renderer:  # one child renders every turn
         tokenizer.renderer = renderer
         return _converse(options, tokenizer, manifest, lines, out, prompt_out, notes, on_reply, chain, as_json)

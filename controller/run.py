@@ -52,7 +52,7 @@ class GenerateOptions(DecodingOptions):
 def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[tuple[str, list[int]]]:
     """Each prompt's token ids, with the label that an error about it starts with: "--prompt 2",
     "line 37 of --prompts-file F" or "--prompt-ids 1"."""
-    from .tokenizer import ChatMessage, ChatTemplateError, check_utf8
+    from .tokenizer import ChatMessage, check_utf8
 
     if options.prompt_ids is not None:
         return [(f"--prompt-ids {number}", ids) for number, ids in enumerate(options.prompt_ids, start=1)]
@@ -68,9 +68,8 @@ def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[
     for what, text in texts:
         check_utf8(text, what)
     if options.chat:
-        if not tokenizer.chat_template:
-            raise ChatTemplateError(f"--chat: {options.model} has no chat template; leave out --chat to give it "
-                                    "the prompts as written")
+        tokenizer.require_chat_template(f"--chat: {options.model} has no chat template; leave out --chat to give "
+                                        "it the prompts as written")
         rendered = tokenizer.render_chats([[ChatMessage("user", text)] for _, text in texts])  # one child process
         return [(what, tokenizer.encode(text, add_special_tokens=False))
                 for (what, _), text in zip(texts, rendered, strict=True)]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from deskfleet.common.json_file import read_json_object
+from deskfleet.common.json_file import JsonFileError, read_json_object
 from deskfleet.common.model_spec import model_file
 
 from .chat_template import ChatTemplateError, TemplateRenderer, render_isolated
@@ -82,8 +82,21 @@ class ModelTokenizer:
                                               else _configured_template(config.get("chat_template"), config_path))
         except UnicodeDecodeError as error:
             raise ChatTemplateError(f"{template_path} is not UTF-8 text: {error}") from None
+        # an export whose manifest names the template file that is gone: damaged, not a model without a template
+        self._lost_template = template_path if self.chat_template is None and not template_path.exists() \
+            and _manifest_names(model_dir, template_path.name) else None
         # where the template renders: a child process of its own for each call, or the one a chat keeps
         self.renderer: TemplateRenderer | None = None
+
+    def require_chat_template(self, refusal: str) -> None:
+        """ChatTemplateError unless the model has a chat template: `refusal` (the caller says what to do instead)
+        for a model that has none, or, for an export that lost the file its manifest names, that it is incomplete
+        (it said the model had no template, and generate ran on without a word)."""
+        if self._lost_template is not None:
+            raise ChatTemplateError(f"{self._lost_template} is missing, though the export's manifest.json names it: "
+                                    "the export is incomplete (export the model again, or copy the file back)")
+        if not self.chat_template:
+            raise ChatTemplateError(refusal)
 
     @property
     def vocab_size(self) -> int:
@@ -215,6 +228,15 @@ def _token_text(value: object) -> str | None:
         content = value.get("content")
         return str(content) if content is not None else None
     return str(value) if value is not None else None
+
+
+def _manifest_names(model_dir: Path, name: str) -> bool:
+    """Whether `model_dir`'s manifest.json (an export's) names the file `name`; False where there is none to read."""
+    try:
+        files = read_json_object(model_dir / "manifest.json").get("files")
+    except (FileNotFoundError, JsonFileError):
+        return False  # not an export, or one whose manifest loading the model names the fault of
+    return isinstance(files, dict) and name in files
 
 
 def _configured_template(value: object, config_path: Path) -> str | None:

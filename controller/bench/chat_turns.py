@@ -50,11 +50,10 @@ def run_chat_bench(model: Path, turns: int = 8, reply_tokens: int = 64, rounds: 
     if len(lines) < turns or not all(lines):
         raise ValueError(f"{turns} turns need {turns} non-empty messages, got {len(lines)} "
                          f"({sum(1 for line in lines if line)} non-empty)")
-    from ..tokenizer import ChatTemplateError, ModelTokenizer
+    from ..tokenizer import ModelTokenizer
 
     tokenizer = ModelTokenizer(model)
-    if not tokenizer.chat_template:
-        raise ChatTemplateError(f"{model} has no chat template, so it cannot chat")
+    tokenizer.require_chat_template(f"{model} has no chat template, so it cannot chat")
     check_room(tokenizer, [], reply_tokens, manifest.spec.max_context, "--reply-tokens")  # before compiling
     settings = settings or CompileSettings()
     started = time.perf_counter()

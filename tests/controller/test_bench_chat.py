@@ -16,6 +16,7 @@ from deskfleet.controller import cli
 from deskfleet.controller.bench.chat_turns import run_chat_bench
 from deskfleet.controller.export.random_checkpoint import CHAT_TEMPLATE
 from deskfleet.controller.tokenizer import ChatTemplateError
+from tests.controller.test_chat import strip_chat_template
 
 F32 = CompileSettings(precision=Precision.F32)
 
@@ -50,10 +51,7 @@ def test_bad_inputs_are_refused_before_anything_compiles(tmp_path: Path, tiny_ex
     model = _chat_model(tmp_path, tiny_export)
     bare = tmp_path / "bare"
     shutil.copytree(model, bare)
-    (bare / "chat_template.jinja").unlink()
-    config = json.loads((bare / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    strip_chat_template(bare)
     with pytest.raises(ChatTemplateError, match="no chat template"):
         run_chat_bench(bare, turns=2)
     with pytest.raises(ValueError, match="3 turns need 3 non-empty messages, got 2"):

@@ -202,17 +202,13 @@ def test_a_line_ended_by_ctrl_d_gets_its_reply_on_a_line_of_its_own(tiny_export:
 
 def test_chat_on_a_model_without_a_chat_template_points_to_generate(
         tmp_path: Path, tiny_export: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    import json
     import sys
 
     from deskfleet.controller.cli import main
 
     model = tmp_path / "model"
     shutil.copytree(tiny_export, model)
-    (model / "chat_template.jinja").unlink(missing_ok=True)
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    strip_chat_template(model)
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
     assert main(["chat", "--model", str(model)]) == 2
     assert (f"deskfleet: error: {model} has no chat template, so it cannot chat: use `deskfleet generate --prompt "
@@ -220,6 +216,45 @@ def test_chat_on_a_model_without_a_chat_template_points_to_generate(
     assert main(["generate", "--model", str(model), "--prompt", "hi", "--chat"]) == 2
     assert (f"deskfleet: error: --chat: {model} has no chat template; leave out --chat to give it the prompts as "
             "written") in capsys.readouterr().err
+
+
+def strip_chat_template(model: Path) -> None:
+    """Make the export `model` one of a checkpoint without a chat template: the file, tokenizer_config.json's
+    entry and the manifest's mention of it gone (the manifest's entry for tokenizer_config.json kept true)."""
+    import hashlib
+    import json
+
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    manifest = json.loads((model / "manifest.json").read_text())
+    manifest["files"].pop("chat_template.jinja", None)
+    data = (model / "tokenizer_config.json").read_bytes()
+    manifest["files"]["tokenizer_config.json"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    manifest["tokenizer_files"] = [name for name in manifest["tokenizer_files"] if name != "chat_template.jinja"]
+    (model / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_an_export_that_lost_its_chat_template_file_says_it_is_incomplete(
+        tmp_path: Path, tiny_export: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    from deskfleet.controller.cli import main
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_export, model)
+    assert (model / "chat_template.jinja").is_file()
+    (model / "chat_template.jinja").unlink()  # its manifest still names it: the export is damaged
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    incomplete = (f"deskfleet: error: {model / 'chat_template.jinja'} is missing, though the export's manifest.json "
+                  "names it: the export is incomplete")
+    assert main(["chat", "--model", str(model)]) == 2
+    assert incomplete in capsys.readouterr().err
+    assert main(["generate", "--model", str(model), "--prompt", "hi", "--chat"]) == 2
+    assert incomplete in capsys.readouterr().err
+    # a prompt given as written needs no template: generate still runs
+    assert main(["generate", "--model", str(model), "--prompt", "hi", "--max-new-tokens", "2", "--json"]) == 0
 
 
 def test_the_chat_command_exits_2_when_no_message_fits(tiny_export: Path, capsys: pytest.CaptureFixture[str],
