@@ -66,13 +66,9 @@ class _Failover:
         pass
 
 
-@pytest.mark.parametrize(("decoding", "warned"), [
-    ({"draft": Path("/models/draft-int4")}, True),
-    ({"prompt_lookup": True}, True),
-    ({}, False),
-])
-def test_generate_on_the_fleet_checks_the_cache_only_when_it_drafts(
-        monkeypatch: pytest.MonkeyPatch, decoding: dict[str, Any], warned: bool) -> None:
+def _undeployed_fleet(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """A fleet whose chain of any model fails to open (never deployed) after the cache check; returns the models
+    the check was run for."""
     checked: list[Path] = []
     monkeypatch.setattr(chat, "_store", lambda data_dir: object())
     monkeypatch.setattr(chat, "_warn_of_an_inexact_cache", lambda store, model: checked.append(model))
@@ -82,6 +78,17 @@ def test_generate_on_the_fleet_checks_the_cache_only_when_it_drafts(
         raise ChainError(f"{model} is not deployed")
 
     monkeypatch.setattr(fleet_pipeline.FleetPipeline, "from_store", staticmethod(never_deployed))
+    return checked
+
+
+@pytest.mark.parametrize(("decoding", "warned"), [
+    ({"draft": Path("/models/draft-int4")}, True),
+    ({"prompt_lookup": True}, True),
+    ({}, False),
+])
+def test_generate_on_the_fleet_checks_the_cache_only_when_it_drafts(
+        monkeypatch: pytest.MonkeyPatch, decoding: dict[str, Any], warned: bool) -> None:
+    checked = _undeployed_fleet(monkeypatch)
     with pytest.raises(ChainError, match="is not deployed"):
         chat.generate_on_fleet(GenerateOptions(model=MODEL, prompts=["x"], **decoding), None)
     assert checked == ([MODEL] if warned else [])
@@ -90,15 +97,7 @@ def test_generate_on_the_fleet_checks_the_cache_only_when_it_drafts(
 @pytest.mark.parametrize(("decoding", "warned"), [({"draft": Path("/models/draft-int4")}, True), ({}, False)])
 def test_a_chat_on_the_fleet_checks_the_cache_only_when_it_drafts(
         monkeypatch: pytest.MonkeyPatch, decoding: dict[str, Any], warned: bool) -> None:
-    checked: list[Path] = []
-    monkeypatch.setattr(chat, "_store", lambda data_dir: object())
-    monkeypatch.setattr(chat, "_warn_of_an_inexact_cache", lambda store, model: checked.append(model))
-    monkeypatch.setattr(fleet_failover, "FleetFailover", _Failover)
-
-    def never_deployed(store: object, model: Path) -> object:
-        raise ChainError(f"{model} is not deployed")
-
-    monkeypatch.setattr(fleet_pipeline.FleetPipeline, "from_store", staticmethod(never_deployed))
+    checked = _undeployed_fleet(monkeypatch)
     options = ChatOptions(model=MODEL, fleet_dir=Path("/fleet"), **decoding)
     with pytest.raises(ChainError, match="is not deployed"), chat._open_chain(options, CompileSettings()):
         pass
