@@ -462,7 +462,7 @@ def test_adaptive_k_told_the_widths_stops_where_longer_verification_stops_paying
                 controller.record_cost(RoundCost(measured, 0.0005), verified=k + 1 if verified else None)
                 if index >= 80:
                     rates[verified].append(true_rate(controller.k) / best)
-    assert np.mean(rates[True]) > 0.93  # 0.94-1.00 by seed
+    assert np.mean(rates[True]) > 0.93  # 0.85-1.00 by seed
     assert np.mean(rates[True]) > 1.1 * np.mean(rates[False])  # K 8 makes 0.81 of the best
 
 
