@@ -363,12 +363,14 @@ class AdaptiveK:
         self._verify_slope = min(max(slope, 0.0), float(np.min(means / widths)))
 
     def _choose_k(self) -> None:
-        best = best_k(self.alpha, self.cost, self.k_min, self.k_max)
-        if best != self._k and self._rate(best) > self._rate(self._k) * (1.0 + self._switch_margin):
-            self._k = best
+        alpha, cost = self.alpha, self.cost  # each a computation: once a round, not once a K weighed
 
-    def _rate(self, k: int) -> float:
-        return expected_tokens(self.alpha, k) / self.cost.seconds(k)
+        def rate(k: int) -> float:
+            return expected_tokens(alpha, k) / cost.seconds(k)
+
+        best = best_k(alpha, cost, self.k_min, self.k_max)
+        if best != self._k and rate(best) > rate(self._k) * (1.0 + self._switch_margin):
+            self._k = best
 
     def accepted_histogram(self) -> dict[int, int]:
         """Rounds by number of accepted draft tokens, for the run's metrics."""
