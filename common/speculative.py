@@ -199,20 +199,36 @@ def best_k(alpha: float, cost: RoundCost, k_min: int, k_max: int) -> int:
     return k_min + int(np.argmax(rates))
 
 
-# A verified width's mean round trip enters the fit of what a verified position costs once this many (decayed)
-# rounds measured it: in practice three drafted rounds in a row at that width, the first being left out. A round at
-# another width than the drafted round recorded before it is left out of the fit: it also pays the CPU plugin's
-# re-preparation for its shape (1-5 ms on the demo target, more than the 9-token call's extra cost), and one such
-# round at a new width, in the fit, made the line 4x too steep and K fall to 1 (bench speculative). Only drafted
-# rounds are seen here: a plain step, a prefill or another micro-batch's round between two of the same width can
-# change the shape unseen, a noise the fit's averaging has to absorb.
-MIN_WIDTH_ROUNDS = 1.5
+# What a verified position costs is fitted as round trip = chain + slope * width + penalty * (width changed), over
+# each recent (width, changed) pair's mean round trip. A round at another width than the drafted round recorded
+# before it pays the CPU plugin's re-preparation for its shape (1-5 ms on the demo target, more than the 9-token
+# call's extra cost): fitted apart, so every round counts. Left out instead, a run whose K climbed a step a round and
+# then held measured one width only and never fitted (run S16: no fit on 2 PCs in any round, K 5.7 on average where
+# K fixed at 3 made 1.22x its tokens per second); taken as a plain round, one such round made the line 4x too steep
+# and K fall to 1 (bench speculative). Only drafted rounds are seen here: a plain step, a prefill or another
+# micro-batch's round between two of the same width can change the shape unseen, a noise the fit has to absorb.
+# The line is fitted once two widths have this many (decayed) rounds each: one round in the last six or so.
+MIN_WIDTH_ROUNDS = 0.5
 # The fitted slope is drawn towards 0 as by this many rounds two positions apart (a ridge: the weighted spread of
 # the widths, sum of weight * (width - mean width)^2, plus this, divides the covariance): a line through
 # neighbouring widths is mostly the round trips' noise (run S15, the demo pair's draft model at K 1-2 on 2 / 3 PCs:
-# 0.97 / 0.75 ms a position fitted through neighbouring widths where the fixed K's round trips grew 0.50 / 0.37 ms,
-# and its rounds' mean K fell from 1.8-2.0 to 1.3-1.6), one through widths several apart is mostly the slope.
-SLOPE_PRIOR = 6.0
+# 0.97 / 0.75 ms a position fitted through neighbouring widths where the fixed K's round trips grew 0.50 / 0.37 ms),
+# one through widths several apart is mostly the slope. At 6 it held the code target's slope near 0 where K's
+# widths were close (S16: 0-0.2 ms fitted where the fixed K's round trips grew 1.8-2.5 ms a position). In a simulated
+# chain (docs/runs/s16-simulation.py: 64-token runs, round trips of 16 ms + 1.8 ms a position and 1.5 ms a change of
+# width as on the code target, or 4.5 + 0.45 and 1.2 ms as on the demo pair, acceptance 0.4-0.75, 60 seeds) this fit
+# with 2 made 0.94-0.98x of the best fixed K's rate (mean 0.96) where the version with 6 and the changed rounds left
+# out made 0.91-0.98x (mean 0.94), at 10% noise; 0.93-0.97x (0.95) against 0.91-0.98x (0.94) at 25%.
+SLOPE_PRIOR = 2.0
+# The penalty for a changed width is drawn towards 0 as by half a round: it keeps the fit solvable when every
+# round measured at some width changed it.
+PENALTY_PRIOR = 0.5
+# With no line fitted yet, a K held for this many drafted rounds is tried once at another width (half of it, or two
+# more where it is small): one round there is enough for a line, and a K that climbed while every position looked
+# free, then held, is otherwise never questioned (run S16). In the simulated chain it moved the worst case (the demo
+# pair at acceptance 0.4) from 0.93 / 0.92x of the best K's rate to 0.94 / 0.93x (10% / 25% noise), and cost
+# 0.006-0.009x where a position costs nothing.
+PROBE_AFTER_ROUNDS = 8
 
 
 class AdaptiveK:
@@ -223,8 +239,9 @@ class AdaptiveK:
     (`decay` per round) so K follows a change of prompt or network. k_min == k_max fixes K (`--k K`).
 
     What a verified position costs is learned too, when `record_cost` is told the round's width: a line through
-    the mean round trip of each width measured recently (0 until two widths were; drawn towards 0 where the widths
-    are close, see SLOPE_PRIOR), so a longer round costs the verification it adds as well as its drafting. Taken
+    the mean round trip of each width measured recently, a changed width's re-preparation fitted apart (0 until two
+    widths were: a K held that long is tried once at another width, PROBE_AFTER_ROUNDS; drawn towards 0 where the
+    widths are close, SLOPE_PRIOR), so a longer round costs the verification it adds as well as its drafting. Taken
     as fixed, the round trip measured at a long K made every shorter K look as dear, and at a short K every longer
     one cheaper than it is: on the 279M code target the round trip grew 1.8-2.1 ms a verified token (S9: 24.9 /
     28.2 / 34.0 ms at K 3 / 5 / 8 on 2 PCs), and adaptive K settled at 7-8 where K fixed at 3 or 5 made 1.06-1.22x
@@ -254,11 +271,14 @@ class AdaptiveK:
         self._rejected = 0.0  # decayed count of rejections (at most one per round)
         self._cost = initial_cost or RoundCost(fixed_seconds=1.0, draft_seconds_per_token=0.1)
         self._cost_known = initial_cost is not None  # the first measurement replaces a guessed default
-        self._width_rounds = np.zeros(MAX_K + 2)  # [w]: decayed drafted rounds that verified w positions
-        self._width_seconds = np.zeros(MAX_K + 2)  # [w]: ... and the sum of their round trips
+        # [w, changed]: decayed drafted rounds that verified w positions, after a round of the same width (0) or
+        # another (1), and the sum of their round trips
+        self._width_rounds = np.zeros((MAX_K + 2, 2))
+        self._width_seconds = np.zeros((MAX_K + 2, 2))
         self._verified = 0.0  # decayed mean of the verified widths behind the cost's round trip
         self._verify_slope: float | None = None  # seconds a verified position adds, once two widths were measured
         self._last_width = 0  # the width of the last drafted round recorded
+        self._blind_rounds = 0  # drafted rounds at this K with widths told and no line fitted (PROBE_AFTER_ROUNDS)
         self._histogram: Counter[int] = Counter()
         self._proposed = 0  # draft tokens proposed over the rounds of the histogram
         self._switch_margin = switch_margin
@@ -279,6 +299,7 @@ class AdaptiveK:
         successor._histogram = Counter()
         successor._proposed = 0
         successor._last_width = 0  # the next run's first round prepares its shape again
+        successor._blind_rounds = 0
         return successor
 
     @property
@@ -324,6 +345,7 @@ class AdaptiveK:
             self._cost, self._cost_known = measured, True
             self._verified = float(verified or 0)
             self._choose_k()
+            self._probe_if_blind(verified)
             return
 
         def blend(old: float, new: float) -> float:
@@ -338,29 +360,39 @@ class AdaptiveK:
             blend(self._cost.drafting_batches, measured.drafting_batches),
             blend(self._cost.driver_seconds, measured.driver_seconds))
         self._choose_k()
+        self._probe_if_blind(verified)
 
     def _learn_verify_slope(self, round_trip: float, verified: int) -> None:
-        """Weighted least squares through each recently measured width's mean round trip, rounds of a changed width
-        left out and the slope drawn towards 0 by SLOPE_PRIOR; kept as it was while fewer than two widths have
-        MIN_WIDTH_ROUNDS of rounds (K steady), never below 0, and never so steep that the chain's own part (the line
-        at width 0) would be negative."""
+        """Weighted least squares, round trip = chain + slope * width + penalty * changed, through each recently
+        measured (width, changed) pair's mean round trip, the slope drawn towards 0 by SLOPE_PRIOR and the penalty by
+        PENALTY_PRIOR; kept as it was while fewer than two widths have MIN_WIDTH_ROUNDS of rounds (K steady), never
+        below 0, and never so steep that the chain's own part (the line at width 0) would be negative."""
         self._width_rounds *= self._decay  # on every round's clock, as the other estimates
         self._width_seconds *= self._decay
-        changed, self._last_width = verified != self._last_width, verified
-        if changed:
+        changed, self._last_width = int(verified != self._last_width), verified
+        self._width_rounds[verified, changed] += 1.0
+        self._width_seconds[verified, changed] += round_trip
+        if np.count_nonzero(self._width_rounds.sum(axis=1) >= MIN_WIDTH_ROUNDS) < 2:
             return
-        self._width_rounds[verified] += 1.0
-        self._width_seconds[verified] += round_trip
-        widths = np.flatnonzero(self._width_rounds >= MIN_WIDTH_ROUNDS)
-        if len(widths) < 2:
-            return
-        weights = self._width_rounds[widths]
-        means = self._width_seconds[widths] / weights
-        x_mean = float(np.average(widths, weights=weights))
-        y_mean = float(np.average(means, weights=weights))
-        spread = float(np.sum(weights * (widths - x_mean) ** 2))
-        slope = float(np.sum(weights * (widths - x_mean) * (means - y_mean))) / (spread + SLOPE_PRIOR)
+        widths, changes = np.nonzero(self._width_rounds)
+        weights = self._width_rounds[widths, changes]
+        means = self._width_seconds[widths, changes] / weights
+        design = np.stack([np.ones(len(widths)), widths, changes], axis=1)
+        normal = design.T @ (design * weights[:, None]) + np.diag([0.0, SLOPE_PRIOR, PENALTY_PRIOR])
+        slope = float(np.linalg.solve(normal, design.T @ (weights * means))[1])
         self._verify_slope = min(max(slope, 0.0), float(np.min(means / widths)))
+
+    def _probe_if_blind(self, verified: int | None) -> None:
+        """With widths told and no line fitted yet, try a K held for PROBE_AFTER_ROUNDS rounds once at another
+        width: half of it, or two more where it is small. Last in a round, so that the next proposal runs it."""
+        if verified is None or self._verify_slope is not None or self.k_min == self.k_max:
+            return
+        self._blind_rounds = self._blind_rounds + 1 if verified == self._k + 1 else 0
+        if self._blind_rounds < PROBE_AFTER_ROUNDS:
+            return
+        self._blind_rounds = 0
+        probe = (self._k + 1) // 2 if self._k > self.k_min + 1 else self._k + 2
+        self._k = min(max(probe, self.k_min), self.k_max)
 
     def _choose_k(self) -> None:
         alpha, cost = self.alpha, self.cost  # each a computation: once a round, not once a K weighed
