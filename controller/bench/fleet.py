@@ -354,6 +354,11 @@ def check_inputs(options: FleetBenchOptions) -> None:
         raise ValueError("--demo-draft needs --demo-target (the target it drafts for)")
     if options.demo_target is not None:
         target = load_manifest(options.demo_target).spec
+        # the drafting and WAN rows' prompts are the held-out ones, as many as their most streams (8 over the WAN)
+        longest = max(map(len, _prompts(options.demo_target, max(MAX_PCS, *USER_COUNTS), 0, demo=True)))
+        if longest + options.new_tokens > target.max_context:
+            raise ValueError(f"--new-tokens {options.new_tokens} + the longest demo prompt ({longest} tokens) exceed "
+                             f"the context of --demo-target {options.demo_target} ({target.max_context} tokens)")
         if options.demo_draft is not None:
             try:
                 check_draft_spec(load_manifest(options.demo_draft).spec, target)

@@ -366,6 +366,10 @@ def test_the_other_inputs_are_checked_before_any_pc_starts(tiny_export: Path, tm
     context = load_manifest(tiny_export).spec.max_context
     with pytest.raises(ValueError, match=f"--prompt-tokens {context} \\+ --new-tokens 32 exceed the context"):
         run_fleet_bench(FleetBenchOptions(tiny_export, prompt_tokens=context))
+    with pytest.raises(ValueError, match=f"--new-tokens {context} \\+ the longest demo prompt \\(\\d+ tokens\\) exceed "
+                                         f"the context of --demo-target"):
+        run_fleet_bench(FleetBenchOptions(None, tiny_export, new_tokens=context))
+    check_inputs(FleetBenchOptions(None, tiny_export, new_tokens=32))
 
 
 def test_a_failed_copy_is_named_not_the_copy_it_released_from_the_start_barrier(
