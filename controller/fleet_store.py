@@ -96,9 +96,9 @@ def check_data_dir(data_dir: Path) -> Path:
             return data_dir
         if part.exists() or part.is_symlink():
             what = "a file" if part.exists() else "a link to nothing"
-            where = f"it is {what}" if part == data_dir else f"{part} is {what}"
-            raise FleetStoreError(f"the controller data dir {data_dir} cannot be a folder: {where} (--data-dir or "
-                                  f"${ENV_DATA_DIR} names a folder, new or a fleet's)")
+            where = f"is {what}, not a folder" if part == data_dir else f"cannot be made: {part} is {what}"
+            raise FleetStoreError(f"the controller data dir {data_dir} {where} (--data-dir or ${ENV_DATA_DIR} "
+                                  "names a folder, new or a fleet's)")
     return data_dir
 
 

@@ -18,8 +18,8 @@ def test_a_data_dir_that_is_a_file_is_named(tmp_path: Path, capsys: pytest.Captu
     data_dir = existing / under if under else existing
     assert main(["fleet", command, "--data-dir", str(data_dir)]) == 2
     error = capsys.readouterr().err
-    where = "it is a file" if not under else f"{existing} is a file"
-    assert f"deskfleet: error: the controller data dir {data_dir} cannot be a folder: {where}" in error
+    where = "is a file, not a folder" if not under else f"cannot be made: {existing} is a file"
+    assert f"deskfleet: error: the controller data dir {data_dir} {where}" in error
     assert "Traceback" not in error and existing.read_text() == "not a fleet"
 
 
@@ -27,4 +27,4 @@ def test_a_data_dir_that_is_a_dangling_link_is_named(tmp_path: Path, capsys: pyt
     link = tmp_path / "ctl"
     link.symlink_to(tmp_path / "gone")
     assert main(["fleet", "init", "--data-dir", str(link)]) == 2
-    assert "it is a link to nothing" in capsys.readouterr().err
+    assert "is a link to nothing, not a folder" in capsys.readouterr().err
