@@ -9,7 +9,9 @@ The settings file is versioned JSON. `load_settings` rejects a bad file with a S
 the file and the field, and never rewrites it; `save_settings` writes a temp file and renames it over
 the old one, so a crash mid-write leaves the old file whole. A value the agent would trip over later is
 a bad file too: every number finite (no NaN or Infinity) and in the range the status and the planner
-take, and `device` in OpenVINO's syntax (`device_targets`).
+take, and `device` in OpenVINO's syntax (`device_targets`). So is a field written twice: json would keep
+the last without a word, and the admin who added the second may be reading the first. A UTF-8 BOM is
+skipped: Windows PowerShell 5.1's `Set-Content -Encoding UTF8` and older Notepad write one.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ MAX_SPEED_GB_PER_S = 1e5  # a pinned speed is below this, as StatusReport.weight
 
 class SettingsError(ValueError):
     """The settings file is unreadable or malformed; the message names the file and what is wrong."""
+
+
+class _RepeatedFieldError(ValueError):
+    """An object in the settings holds a field twice (args[0]: its name); from_json names the file."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +119,9 @@ class AgentSettings:
     def from_json(cls, text: str, source: str = "settings") -> AgentSettings:
         """Parse and check; SettingsError naming `source` and the field on anything wrong."""
         try:
-            body = json.loads(text, parse_constant=_refuse_constant)
+            body = json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_refuse_repeated_fields)
+        except _RepeatedFieldError as error:
+            raise SettingsError(f"{source} has the field {error.args[0]!r} twice; keep the one you mean") from None
         except ValueError as error:  # JSONDecodeError, NaN/Infinity, an integer of too many digits
             raise SettingsError(f"{source} is not valid JSON: {error}") from error
         except RecursionError:
@@ -147,7 +155,7 @@ class AgentSettings:
 def load_settings(path: Path) -> AgentSettings:
     """The settings in `path`, or the defaults when the file does not exist yet. Never writes."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # json refuses the BOM some Windows tools write
     except FileNotFoundError:
         return AgentSettings()
     except (OSError, UnicodeDecodeError) as error:
@@ -191,6 +199,16 @@ def _checked(kind: type, body: Any, source: str, skip: tuple[str, ...] = ()) -> 
 def _refuse_constant(name: str) -> Any:
     """json's hook for NaN, Infinity and -Infinity, which Python reads but JSON does not allow."""
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _refuse_repeated_fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's hook for each object, given its fields in file order: a field written twice is refused."""
+    seen: set[str] = set()
+    for name, _ in pairs:
+        if name in seen:
+            raise _RepeatedFieldError(name)
+        seen.add(name)
+    return dict(pairs)
 
 
 def _check_address(address: str, source: str) -> None:

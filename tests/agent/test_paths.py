@@ -160,3 +160,28 @@ def test_a_hand_written_file_may_leave_the_format_version_out() -> None:
     settings = AgentSettings.from_json('{"device": "GPU", "thresholds": {"release_stages_after_s": 60}}')
     assert settings.device == "GPU" and settings.thresholds.release_stages_after_s == 60
     assert settings.thresholds.max_temperature_c == 90.0  # the rest are the defaults
+
+
+def test_a_file_saved_with_a_utf8_bom_is_read(tmp_path: Path) -> None:
+    # Windows PowerShell 5.1's `Set-Content -Encoding UTF8` and older Notepad write one; json refused it
+    # ("Unexpected UTF-8 BOM"), so an admin's script pushing the file left every agent unable to start
+    path = tmp_path / "settings.json"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"format_version": 1, "device": "GPU"}')
+    assert load_settings(path).device == "GPU"
+    save_settings(path, AgentSettings(device="NPU"))
+    assert not path.read_bytes().startswith(b"\xef\xbb\xbf")  # what the agent writes stays plain UTF-8
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ('{"device": "CPU", "device": "GPU"}', "device"),
+    ('{"format_version": 1, "format_version": 1}', "format_version"),  # twice the same value is refused too
+    ('{"thresholds": {"max_temperature_c": 80, "require_ac_power": false, "max_temperature_c": 95}}',
+     "max_temperature_c"),
+])
+def test_a_field_written_twice_is_refused_by_name(tmp_path: Path, body: str, field: str) -> None:
+    # json keeps the last silently; the admin who added the second may be reading the first
+    path = tmp_path / "settings.json"
+    path.write_text(body)
+    with pytest.raises(SettingsError) as caught:
+        load_settings(path)
+    assert str(caught.value) == f"settings file {path} has the field {field!r} twice; keep the one you mean"
