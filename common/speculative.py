@@ -209,8 +209,9 @@ def best_k(alpha: float, cost: RoundCost, k_min: int, k_max: int) -> int:
 # micro-batch's round between two of the same width can change the shape unseen, a noise the fit has to absorb.
 # The line is fitted once two widths have this many (decayed) rounds each: one round in the last six or so.
 MIN_WIDTH_ROUNDS = 0.5
-# The fitted slope is drawn towards 0 as by this many rounds two positions apart (a ridge: the weighted spread of
-# the widths, sum of weight * (width - mean width)^2, plus this, divides the covariance): a line through
+# The fitted slope is drawn towards 0 as by this many rounds two positions apart (a ridge on the slope in the fit's
+# normal equations: with every round of one kind, changed or not, the weighted spread of the widths, sum of
+# weight * (width - mean width)^2, plus this, divides the covariance): a line through
 # neighbouring widths is mostly the round trips' noise (run S15, the demo pair's draft model at K 1-2 on 2 / 3 PCs:
 # 0.97 / 0.75 ms a position fitted through neighbouring widths where the fixed K's round trips grew 0.50 / 0.37 ms),
 # one through widths several apart is mostly the slope. At 6 it held the code target's slope near 0 where K's
