@@ -41,7 +41,7 @@ from cryptography import x509
 
 from deskfleet.agent.link import Link, LinkError, TlsFiles, open_link
 from deskfleet.agent.monitor import SystemMonitor
-from deskfleet.agent.opt_out import OptOutReader
+from deskfleet.agent.opt_out import OPT_OUT_FILE, OptOutReader
 from deskfleet.agent.paths import AgentSettings
 from deskfleet.agent.shard_cache import CacheFull, ShardCache, ShardCacheError
 from deskfleet.agent.speed_probe import SpeedMeasurement
@@ -564,6 +564,9 @@ class AgentCore:
     def _paused_by(self) -> str:
         if self.settings.paused:
             return "in its settings (paused: true)"
+        if self._opt_out.read().problem is not None:  # not the employee's wish: the admin must see the file is bad
+            return (f"as its {OPT_OUT_FILE} cannot be read (this agent's log says why; "
+                    "`deskfleet-agent resume` or `pause` writes it anew)")
         return "by its user (`deskfleet-agent resume` ends that)"
 
     def _stage_for(self, message: Forward) -> HostedStage:

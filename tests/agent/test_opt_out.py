@@ -144,3 +144,12 @@ def test_the_report_says_who_paused_the_pc(desk: tuple[AgentCore, Path], tmp_pat
     admins = AgentCore(core.files, AgentSettings(paused=True), ShardCache(tmp_path / "cache2", 1 << 30),
                        PluggedInDesktop(), opt_out_dir=state)
     assert status(admins).detail == "paused in its settings (paused: true)"
+
+
+def test_the_report_tells_a_damaged_opt_out_file_from_the_users_pause(desk: tuple[AgentCore, Path]) -> None:
+    # A damaged file counts as paused, but `fleet ls` said "paused by its user": the admin went to ask the employee.
+    core, state = desk
+    (state / OPT_OUT_FILE).write_text('{"paused": tru')
+    assert status(core).detail.startswith(f"paused as its {OPT_OUT_FILE} cannot be read")
+    write_opt_out(state, True, "now")  # rewritten by `deskfleet-agent pause`: the user's pause again
+    assert status(core).detail == "paused by its user (`deskfleet-agent resume` ends that)"
