@@ -90,7 +90,7 @@ class Availability:
 
     state: AgentState
     reasons: tuple[UnavailableReason, ...]
-    detail: str  # for humans: "battery 41%, unplugged; CPU 97 °C"; empty when nothing is wrong
+    detail: str  # for humans, each crossed limit's numbers and setting: "CPU 97 °C (max_temperature_c 90)"; "": none
 
     @property
     def reason(self) -> UnavailableReason | None:
@@ -113,17 +113,19 @@ def decide_availability(reading: MonitorReading, policy: AvailabilityPolicy, ser
         found.append((UnavailableReason.ON_BATTERY, power))
     hottest = reading.max_temperature_c
     if policy.max_temperature_c is not None and hottest is not None and hottest > policy.max_temperature_c:
-        found.append((UnavailableReason.TOO_HOT, f"{_hottest_label(reading)} {hottest:.0f} °C"))
+        found.append((UnavailableReason.TOO_HOT,
+                      f"{_hottest_label(reading)} {hottest:.0f} °C (max_temperature_c {policy.max_temperature_c:g})"))
     if (policy.min_free_memory_bytes is not None
             and reading.memory_free_bytes < policy.min_free_memory_bytes):
         found.append((UnavailableReason.LOW_MEMORY,
-                      f"{reading.memory_free_bytes / GIB:.1f} GiB free of {reading.memory_total_bytes / GIB:.1f}"))
+                      f"{reading.memory_free_bytes / GIB:.1f} GiB free of {reading.memory_total_bytes / GIB:.1f} "
+                      f"(min_free_memory_bytes {policy.min_free_memory_bytes / GIB:.1f} GiB)"))
     busy = []  # one USER_BUSY reason, however many of the employee's processors are busy
     if policy.max_cpu_load is not None and reading.cpu_load > policy.max_cpu_load:
-        busy.append(f"CPU {reading.cpu_load:.0%} busy")
+        busy.append(f"CPU {reading.cpu_load:.0%} busy (max_cpu_load {policy.max_cpu_load:.0%})")
     if (policy.max_igpu_busy is not None and reading.igpu_busy is not None
             and reading.igpu_busy > policy.max_igpu_busy):
-        busy.append(f"iGPU {reading.igpu_busy:.0%} busy")
+        busy.append(f"iGPU {reading.igpu_busy:.0%} busy (max_igpu_busy {policy.max_igpu_busy:.0%})")
     if busy:
         found.append((UnavailableReason.USER_BUSY, ", ".join(busy)))
     reasons = tuple(reason for reason, _ in found)
@@ -179,15 +181,18 @@ class StageReleaseWatch:
 # Private functions
 
 def _power_problem(reading: MonitorReading, policy: AvailabilityPolicy) -> str:
-    """A description of the power problem, or "" when there is none or the sensors do not tell."""
+    """A description of the power problem and the setting it crosses, or "" when there is none or the sensors do
+    not tell."""
     percent = reading.battery_percent
     unplugged = reading.on_ac_power is False
     if unplugged and policy.require_ac_power:
-        return f"battery {percent:.0f}%, unplugged" if percent is not None else "unplugged"
+        return f"battery {percent:.0f}%, unplugged (require_ac_power)" if percent is not None else \
+            "unplugged (require_ac_power)"
     low = policy.min_battery_percent is not None and percent is not None and percent < policy.min_battery_percent
     # Unknown AC with a low battery: low charge alone is evidence enough not to drain it further.
     if low and reading.on_ac_power is not True:
-        return f"battery {percent:.0f}%, {'unplugged' if unplugged else 'power source unknown'}"
+        return (f"battery {percent:.0f}%, {'unplugged' if unplugged else 'power source unknown'} "
+                f"(min_battery_percent {policy.min_battery_percent:g})")
     return ""
 
 

@@ -56,7 +56,8 @@ def test_a_pc_left_on_battery_gives_its_stage_up_and_the_next_step_names_it(
     assert core.stages == {}
     core.cache.evict(0)
     assert not any(core.cache.has(entry.sha256) for entry in assignment.manifest)  # nothing pinned any more
-    with pytest.raises(CommandError, match=r"gave its stages up: battery 41%, unplugged for 30 s") as refused:
+    with pytest.raises(CommandError,
+                       match=r"gave its stages up: battery 41%, unplugged \(require_ac_power\) for 30 s") as refused:
         handle(core, Role.AGENT, replace(_one_step(), model_id=assignment.stage.model_id))
     assert refused.value.code is ErrorCode.NOT_ASSIGNED and refused.value.agent_id == core.agent_id
     report = handle(core, Role.CONTROLLER, StatusRequest())

@@ -37,7 +37,7 @@ def test_unplugged_laptop_is_on_battery_when_ac_required() -> None:
     result = decide_availability(reading(battery_percent=95.0, on_ac_power=False), AvailabilityPolicy(), False)
     assert result.state is AgentState.UNAVAILABLE
     assert result.reasons == (UnavailableReason.ON_BATTERY,)
-    assert result.detail == "battery 95%, unplugged"
+    assert result.detail == "battery 95%, unplugged (require_ac_power)"
 
 
 def test_battery_threshold_when_ac_not_required() -> None:
@@ -49,14 +49,15 @@ def test_battery_threshold_when_ac_not_required() -> None:
     assert decide_availability(reading(battery_percent=10.0, on_ac_power=True), policy, False).reasons == ()
     # Power source unknown but charge low: the low charge is the evidence.
     unknown = decide_availability(reading(battery_percent=10.0, on_ac_power=None), policy, False)
-    assert unknown.reasons == (UnavailableReason.ON_BATTERY,) and "unknown" in unknown.detail
+    assert unknown.reasons == (UnavailableReason.ON_BATTERY,)
+    assert unknown.detail == "battery 10%, power source unknown (min_battery_percent 40)"
 
 
 def test_too_hot_names_the_hottest_sensor() -> None:
     sensors = (TemperatureReading("acpitz/temp1", 50.0), TemperatureReading("coretemp/Package id 0", 97.4))
     result = decide_availability(reading(temperatures=sensors), AvailabilityPolicy(max_temperature_c=90.0), False)
     assert result.reasons == (UnavailableReason.TOO_HOT,)
-    assert result.detail == "coretemp/Package id 0 97 °C"
+    assert result.detail == "coretemp/Package id 0 97 °C (max_temperature_c 90)"
 
 
 def test_low_memory_and_user_busy_and_all_reasons_in_fixed_order() -> None:
@@ -69,19 +70,21 @@ def test_low_memory_and_user_busy_and_all_reasons_in_fixed_order() -> None:
     assert result.reasons == (UnavailableReason.ON_BATTERY, UnavailableReason.TOO_HOT,
                               UnavailableReason.LOW_MEMORY, UnavailableReason.USER_BUSY)
     assert result.detail.count(";") == 3
+    assert "GiB free of 16.0 (min_free_memory_bytes 2.0 GiB)" in result.detail  # the setting it fell under
 
 
 def test_a_busy_igpu_is_the_user_busy_when_its_limit_is_set_and_never_when_unknown() -> None:
     policy = AvailabilityPolicy(max_igpu_busy=0.5)
     busy = decide_availability(reading(igpu_busy=0.85), policy, serving=False)
     assert (busy.state, busy.reasons, busy.detail) == (AgentState.UNAVAILABLE, (UnavailableReason.USER_BUSY,),
-                                                       "iGPU 85% busy")
+                                                       "iGPU 85% busy (max_igpu_busy 50%)")
     assert decide_availability(reading(igpu_busy=0.3), policy, False).state is AgentState.AVAILABLE
     assert decide_availability(reading(igpu_busy=None), policy, False).state is AgentState.AVAILABLE
     assert decide_availability(reading(igpu_busy=1.0), AvailabilityPolicy(), False).state is AgentState.AVAILABLE
     both = decide_availability(reading(igpu_busy=0.9, cpu_load=0.95), AvailabilityPolicy(max_cpu_load=0.8,
                                                                                           max_igpu_busy=0.5), False)
-    assert both.reasons == (UnavailableReason.USER_BUSY,) and both.detail == "CPU 95% busy, iGPU 90% busy"
+    assert both.reasons == (UnavailableReason.USER_BUSY,)
+    assert both.detail == "CPU 95% busy (max_cpu_load 80%), iGPU 90% busy (max_igpu_busy 50%)"
 
 
 def test_paused_wins_and_still_lists_reasons() -> None:
@@ -146,14 +149,15 @@ def test_stages_are_given_up_only_after_the_pc_stayed_on_battery_or_hot_for_the_
     plugged, unplugged = reading(on_ac_power=True), reading(on_ac_power=False, battery_percent=41.0)
     hot = reading(temperatures=(TemperatureReading("coretemp/Package id 0", 97.0),))
     assert _watch([(0, plugged), (5, unplugged), (20, unplugged), (34, unplugged), (35, unplugged)], policy) == [
-        None, None, None, None, "battery 41%, unplugged for 30 s"]
+        None, None, None, None, "battery 41%, unplugged (require_ac_power) for 30 s"]
     # plugged back in for a while (CLEAR_ENDS_SPELL_S): the clock starts again
     assert _watch([(0, unplugged), (20, plugged), (32, plugged), (35, unplugged), (60, unplugged),
-                   (65, unplugged)], policy) == [None, None, None, None, None, "battery 41%, unplugged for 30 s"]
+                   (65, unplugged)], policy) == [None, None, None, None, None,
+                                                 "battery 41%, unplugged (require_ac_power) for 30 s"]
     # plugged in for a moment only: the same spell goes on
     assert _watch([(0, unplugged), (20, plugged), (25, unplugged), (30, unplugged)], policy) == [
-        None, None, None, "battery 41%, unplugged for 30 s"]
-    assert _watch([(0, hot), (31, hot)], policy)[-1] == "coretemp/Package id 0 97 °C for 31 s"
+        None, None, None, "battery 41%, unplugged (require_ac_power) for 30 s"]
+    assert _watch([(0, hot), (31, hot)], policy)[-1] == "coretemp/Package id 0 97 °C (max_temperature_c 90) for 31 s"
     assert _watch([(0, unplugged), (0, unplugged)], AvailabilityPolicy(release_stages_after_s=0.0))[0] is not None
 
 
@@ -165,8 +169,8 @@ def test_a_sensor_that_dips_below_the_limit_now_and_then_does_not_keep_the_stage
     released = [t for (t, _), said in zip(checks, _watch(checks, policy), strict=True) if said is not None]
     assert released and released[0] == 30.0
     # readings far apart: a clear one, then a crossed one long after it, starts a new spell
-    assert _watch([(0, hot), (25, cool), (40, hot), (60, hot), (70, hot)], policy) == [None, None, None, None,
-                                                                                     "cpu 97 °C for 30 s"]
+    assert _watch([(0, hot), (25, cool), (40, hot), (60, hot), (70, hot)], policy) == [
+        None, None, None, None, "cpu 97 °C (max_temperature_c 90) for 30 s"]
 
 
 def test_memory_cpu_load_an_idle_agent_or_no_release_time_never_give_stages_up() -> None:

@@ -280,9 +280,10 @@ def test_fleet_plan_uses_the_live_agents_and_says_why_each_other_one_was_left_ou
     assert asyncio.run(scenario()) == 0
     out = capsys.readouterr().out
     assert "1 stage(s):" in out
-    assert "unavailable: low memory (8.0 GiB free of 16.0)" in out
-    assert any(line.split()[3:4] == ["unavailable"] and line.endswith("(8.0 GiB free of 16.0)")
-               for line in out.splitlines())  # `fleet ls` says why too
+    assert "unavailable: low memory (8.0 GiB free of 16.0 (min_free_memory_bytes 64.0 GiB))" in out
+    # `fleet ls` says why too: the numbers and the setting they cross
+    assert any(line.split()[3:4] == ["unavailable"] and line.endswith("(8.0 GiB free of 16.0 (min_free_memory_bytes "
+                                                                      "64.0 GiB))") for line in out.splitlines())
     assert f"unreachable at {dead}: cannot reach" in out
 
 
