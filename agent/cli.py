@@ -112,8 +112,10 @@ def _join(args: argparse.Namespace) -> int:
     token = _token_from_stdin() if args.token == "-" else args.token
     read_join_token(token)  # a mistyped or expired token is named before any folder is made for it
     paths = AgentPaths.resolve(args.data_dir)
-    paths.create()
+    # the settings and cache folders only once joined: a failed join leaves only the state folder's key, which a
+    # retry reuses (the same agent id, where the controller registered the first attempt but its answer was lost)
     membership = event_loop.run(join(token, paths.state_dir, args.hostname))
+    paths.create()
     print(f"joined fleet {membership.fleet_id} as agent {membership.agent_id}")
     print(f"start it with: deskfleet-agent --headless{_data_dir_flag(args.data_dir)}")
     return 0

@@ -3,12 +3,16 @@ process list and the shell's history); nothing there is an error that says how t
 
 from __future__ import annotations
 
+import datetime
 import io
 from pathlib import Path
 
 import pytest
 
 from deskfleet.agent import cli, enroll
+from deskfleet.agent.link import utc_now
+from deskfleet.common import join_tokens
+from tests.ports import free_port
 
 
 def test_join_dash_reads_the_token_from_standard_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -41,3 +45,15 @@ def test_no_option_is_taken_by_an_abbreviation(argv: list[str], capsys: pytest.C
     with pytest.raises(SystemExit) as exit_code:
         cli.build_parser().parse_args(argv)
     assert exit_code.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_a_failed_join_makes_no_settings_or_cache_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A join to a controller that is not there left data/settings and data/cache behind, empty, beside the key.
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    token = join_tokens.JoinToken((address,), "0" * 64, join_tokens.new_secret(),
+                                  (utc_now() + datetime.timedelta(hours=1)).replace(microsecond=0))
+    data = tmp_path / "data"
+    assert cli.main(["--data-dir", str(data), "join", join_tokens.encode_join_token(token)]) == 2
+    assert f"could not join: {address}" in capsys.readouterr().err
+    assert sorted(path.name for path in data.iterdir()) == ["state"]
+    assert [path.name for path in (data / "state").iterdir()] == ["agent-key.pem"]  # kept: a retry keeps its agent id
