@@ -50,13 +50,14 @@ class GenerateOptions(DecodingOptions):
 
 
 def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[tuple[str, list[int]]]:
-    """Each prompt's token ids, with the label that an error about it starts with: "--prompt 2",
-    "line 37 of --prompts-file F" or "--prompt-ids 1"."""
+    """Each prompt's token ids, with the label that an error about it starts with: "--prompt", "--prompt #2"
+    (the second of several), "line 37 of --prompts-file F" or "--prompt-ids #1"."""
     from .tokenizer import ChatMessage, check_utf8
 
     if options.prompt_ids is not None:
-        return [(f"--prompt-ids {number}", ids) for number, ids in enumerate(options.prompt_ids, start=1)]
-    texts = [(f"--prompt {number}", text) for number, text in enumerate(options.prompts or [], start=1)]
+        return list(zip(_option_labels("--prompt-ids", len(options.prompt_ids)), options.prompt_ids, strict=True))
+    prompts = options.prompts or []
+    texts = list(zip(_option_labels("--prompt", len(prompts)), prompts, strict=True))
     if options.prompts_file is not None:
         lines = read_numbered_prompts(options.prompts_file)
         if not lines:
@@ -207,3 +208,9 @@ def _add_engine_figures(report: dict[str, object], engine: Engine, drafted: bool
 
 def _unescape(match: re.Match[str]) -> str:
     return _PROMPT_ESCAPES.get(match[1], match[0])
+
+
+def _option_labels(option: str, count: int) -> list[str]:
+    """How errors name each of `count` repeated options: the option alone when given once, else "#N" after it
+    ("--prompt-ids 2" read as the value 2)."""
+    return [option] if count == 1 else [f"{option} #{number}" for number in range(1, count + 1)]

@@ -245,10 +245,11 @@ def test_a_request_error_names_its_prompt_before_the_stages_compile(
     path.write_text(f"ok\n\n  \nfine\n{'x' * 600}\n")
     model = ["generate", "--model", str(tiny_export)]
     for args, message in [
-        (["--prompt", "ok", "--prompt", "x" * 600], "--prompt 2: 601 prompt tokens + 64 new tokens"),
+        (["--prompt", "ok", "--prompt", "x" * 600], "--prompt #2: 601 prompt tokens + 64 new tokens"),
         (["--prompts-file", str(path)], f"line 5 of --prompts-file {path}: 601 prompt tokens + 64 new tokens"),
-        (["--prompt-ids", "1,2", "--prompt-ids", "1,99999"], "--prompt-ids 2: prompt id 99999 at position 1 is "
+        (["--prompt-ids", "1,2", "--prompt-ids", "1,99999"], "--prompt-ids #2: prompt id 99999 at position 1 is "
                                                              "outside the vocabulary"),
+        (["--prompt-ids", ""], "--prompt-ids: the prompt is empty"),  # was "--prompt-ids 1:", read as the value 1
     ]:
         code, _, err = run(capsys, *model, *args)
         assert code == 2 and f"deskfleet: error: {message}" in err
@@ -266,7 +267,7 @@ def test_a_prompts_file_without_a_prompt_is_named(tiny_export: Path, tmp_path: P
 def test_a_prompt_that_is_not_utf8_is_named(tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # A byte that is not UTF-8 on the command line reaches Python as a lone surrogate (surrogateescape).
     code, _, err = run(capsys, "generate", "--model", str(tiny_export), "--prompt", "ok", "--prompt", "def f\udcff():")
-    assert code == 2 and "--prompt 2 is not valid UTF-8 text (byte 0xff at character 5)" in err
+    assert code == 2 and "--prompt #2 is not valid UTF-8 text (byte 0xff at character 5)" in err
 
 
 def test_a_closed_output_pipe_ends_the_run_quietly(tiny_export: Path, capsys: pytest.CaptureFixture[str],

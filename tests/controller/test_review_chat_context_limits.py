@@ -25,6 +25,6 @@ def test_a_prompt_past_the_context_is_told_what_fits(tiny_export: Path, capsys: 
     assert main(["generate", "--model", str(tiny_export), "--prompt-ids", ids,
                  "--max-new-tokens", str(max_new_tokens)]) == 2
     assert capsys.readouterr().err == (
-        f"deskfleet: error: --prompt-ids 1: {prompt_tokens} prompt tokens + {max_new_tokens} new tokens = "
+        f"deskfleet: error: --prompt-ids: {prompt_tokens} prompt tokens + {max_new_tokens} new tokens = "
         f"{prompt_tokens + max_new_tokens} exceed the model's context of 512 {remedy}\n")
 
