@@ -240,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "\\t a tab, \\\\ a backslash); default: the demo eval set")
     speculative.add_argument("--eval-dir", type=path_argument, default=None,
                              help="folder of the demo model's evaluate.py (default assets/models/train)")
-    speculative.add_argument("--prompts", type=positive_int, default=12, help="how many prompts")
+    speculative.add_argument("--prompts", type=positive_int, default=None,
+                             help="how many prompts (default: 12 of the held-out set, or all of --prompts-file)")
     speculative.add_argument("--new-tokens", type=positive_int, default=64)
     speculative.add_argument("--rounds", type=positive_int, default=3)
     _add_compile_options(speculative)

@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.model_spec import load_manifest
@@ -59,7 +59,9 @@ from .rounds import round_order
 _SOURCE_EVAL_DIR = Path(__file__).resolve().parents[2] / "assets" / "models" / "train"
 DEFAULT_EVAL_DIR = _SOURCE_EVAL_DIR if _SOURCE_EVAL_DIR.is_dir() else Path("assets") / "models" / "train"
 PROMPT_POOL_FILE = "heldout_prompts.json"  # heldout_prompt_pool() of the corpus's Python, shipped
+DEFAULT_HELDOUT_PROMPTS = 12  # how many of them `bench speculative` takes when not told
 GOAL = 2.0
+_Item = TypeVar("_Item")
 
 
 @dataclass
@@ -189,7 +191,9 @@ def heldout_code_prompts(eval_dir: Path, count: int, stdlib: Path | None = None)
             else heldout_prompt_pool(eval_dir, stdlib or Path(sysconfig.get_paths()["stdlib"]))[0])
     if not pool:
         raise ValueError(f"no held-out prompts found in {eval_dir}")
-    return list(random.Random(4).sample(pool, min(count, len(pool))))
+    if count > len(pool):  # taking all of them instead ran a bench other than the one asked for, unsaid
+        raise ValueError(f"{count} prompts asked for, but the held-out set of {eval_dir} holds {len(pool)}")
+    return list(random.Random(4).sample(pool, count))
 
 
 def heldout_prompt_pool(eval_dir: Path, stdlib: Path) -> tuple[list[str], bool]:
@@ -307,10 +311,13 @@ def _best(variants: dict[str, Any], names: list[str]) -> dict[str, Any] | None:
 def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = (2, 4, 6), adaptive: bool = True,
                           lookup: bool = True, k_max: int = 8, prompts: list[str] | None = None,
                           prompt_ids: list[list[int]] | None = None, eval_dir: Path | None = None,
-                          num_prompts: int = 12, new_tokens: int = 64,
+                          num_prompts: int | None = None, new_tokens: int = 64,
                           rounds: int = 3, settings: CompileSettings | None = None,
                           progress: bool = True) -> dict[str, Any]:
     """Run the speculative benchmark; prompts from `prompt_ids`, else `prompts`, else the eval set.
+
+    `num_prompts`: how many of them (None: every prompt given, or DEFAULT_HELDOUT_PROMPTS of the eval set); more
+    than there are is refused, naming how many there are.
 
     `draft` None: only the prompt-lookup variants (then `lookup` must be on)."""
     from deskfleet.controller.draft import DraftModel
@@ -329,7 +336,9 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
                          f"variant (always run)")
     if any(k > MAX_K for k in ks):
         raise ValueError(f"--k values must be at most {MAX_K}, got {list(ks)}")
-    check_at_least(1, k_max=k_max, prompts=num_prompts, new_tokens=new_tokens, rounds=rounds)
+    check_at_least(1, k_max=k_max, new_tokens=new_tokens, rounds=rounds)
+    if num_prompts is not None:
+        check_at_least(1, prompts=num_prompts)
     if k_max > MAX_K:
         raise ValueError(f"--k-max must be at most {MAX_K}, got {k_max}")
     target = Path(target)
@@ -344,14 +353,15 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
     source = "prompt_ids"
     if prompt_ids is None:
         if prompts is None:
-            prompts = heldout_code_prompts(eval_dir or DEFAULT_EVAL_DIR, num_prompts)
+            prompts = heldout_code_prompts(eval_dir or DEFAULT_EVAL_DIR, num_prompts or DEFAULT_HELDOUT_PROMPTS)
             pool_file = Path(eval_dir or DEFAULT_EVAL_DIR) / PROMPT_POOL_FILE
             origin = pool_file if pool_file.is_file() else pool_file.with_name("evaluate.py")
             source = f"held-out code prompts of {origin}"
         else:
             source = "prompts file"
         tokenizer = ModelTokenizer(target)
-        prompt_ids = [tokenizer.encode(text) for text in prompts[:num_prompts]]
+        prompt_ids = [tokenizer.encode(text) for text in _first(prompts, num_prompts, source)]
+    prompt_ids = _first(prompt_ids, num_prompts, source)
     if not prompt_ids:
         raise ValueError("no prompts")
     longest = max(len(ids) for ids in prompt_ids)
@@ -422,6 +432,14 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
 
 
 # Private methods
+
+def _first(items: list[_Item], count: int | None, source: str) -> list[_Item]:
+    """The first `count` items (None: all); more than there are is refused: a bench of fewer prompts than asked
+    for, unsaid, is not the bench asked for."""
+    if count is not None and count > len(items):
+        raise ValueError(f"--prompts {count}: there are only {len(items)} ({source})")
+    return items[:count]
+
 
 def _mean_call(runs: list[VariantStats], kind: str) -> float | None:
     calls = sum(stats.target_calls[kind] for stats in runs)

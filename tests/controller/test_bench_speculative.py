@@ -166,6 +166,8 @@ def test_the_prompt_pool_file_decides_the_prompts_on_any_python(tmp_path: Path) 
     (tmp_path / PROMPT_POOL_FILE).write_text(json.dumps(pool))
     picked = heldout_code_prompts(tmp_path, 4)  # no evaluate.py here: the file alone
     assert len(picked) == 4 and set(picked) <= set(pool)
+    with pytest.raises(ValueError, match=f"11 prompts asked for, but the held-out set of {tmp_path} holds 10"):
+        heldout_code_prompts(tmp_path, 11)  # it took all 10, unsaid
     (tmp_path / PROMPT_POOL_FILE).write_text('{"not": "a list"}')
     with pytest.raises(ValueError, match="not a JSON list of prompt strings"):
         heldout_code_prompts(tmp_path, 4)
@@ -210,6 +212,16 @@ def test_widths_whose_timing_outgrows_the_context_are_refused_before_any_run(
     assert 8 * (k + 1) > context
     with pytest.raises(ValueError, match=f"more than the model's context {context}: give smaller --k"):
         run_speculative_bench(target, None, ks=[k], adaptive=False, prompt_ids=[[1, 2]], new_tokens=2)
+
+
+def test_more_prompts_than_given_are_refused_naming_how_many_there_are(
+        checkpoint_factory: Callable[..., Path], export_factory: Callable[[Path, str], Path]) -> None:
+    # `--prompts 999` took every prompt there was (161 held out; a file's 5), unsaid
+    target = export_factory(checkpoint_factory("spec-bench-target", num_hidden_layers=2), "f32")
+    with pytest.raises(ValueError, match=r"--prompts 3: there are only 2 \(prompts file\)"):
+        run_speculative_bench(target, None, prompts=["def f():", "def g():"], num_prompts=3, new_tokens=2)
+    with pytest.raises(ValueError, match=r"--prompts 3: there are only 2 \(prompt_ids\)"):
+        run_speculative_bench(target, None, prompt_ids=[[1, 2], [1, 3]], num_prompts=3, new_tokens=2)
 
 
 def test_a_bench_with_nothing_to_compare_is_refused(tmp_path: Path) -> None:
