@@ -325,7 +325,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = ["| row | the paper (iGPU, 2 PCs) | our goal | measured (median) | tok/s median (min-max) |",
              "|---|---|---|---|---|"]
     for row in report["rows"]:
-        ratio = f"{row['ratio']:.2f}x" if row.get("ratio") is not None else "not run"
+        # a row not run says why ("not run: needs --pcs 3 ..."), as the JSON's note does
+        ratio = f"{row['ratio']:.2f}x" if row.get("ratio") is not None else row.get("note") or "not run"
         tok = row.get("tok_s")
         spread = f"{tok['median']:.1f} ({tok['min']:.1f}-{tok['max']:.1f})" if tok else "-"
         if row.get("ideal_split") is not None:

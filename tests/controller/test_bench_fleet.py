@@ -147,6 +147,7 @@ def test_report_ratios_and_the_rows_left_unrun() -> None:
     assert report["host"]["cpu"] and "cpu_extensions" in report["host"]
     table = render_markdown(report)
     assert "| 2 PCs, 1 stream | 0.67x | >= 0.95x | 0.95x | 9.5 (8.6-10.4) |" in table
+    assert "| 2.64x | >= 4.0x | not run: no --demo-target | - |" in table  # it said "not run", not why
 
 
 def test_the_users_rows_report_where_a_free_split_would_land() -> None:
