@@ -34,6 +34,7 @@ from deskfleet.common.discovery_record import ControllerRecord
 from deskfleet.common.wire import Error, ErrorCode, KnownRemovals, Register, Role, parse_address
 from deskfleet.controller.fleet_ca import Revocations, serve_enrollment, spend_token_again, take_known_removals
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry
+from deskfleet.controller.shared_identity import SharedIdentityWatch
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ class FleetServer:
         except pki.PkiError as error:
             raise FleetStoreError(str(error)) from None
         self.live: dict[str, Link] = {}  # agent id -> its registration link
+        self._live_at: dict[str, tuple[str, ...]] = {}  # agent id -> the listen addresses its live link registered
+        self._shared_identities = SharedIdentityWatch()  # two PCs of one identity taking turns (a cloned disk)
         self._joins_counted: set[tuple[str, str]] = set()  # (agent id, token sha256) checked against tokens.json
         self.bound_port: int | None = None
         self._on_change = on_change
@@ -177,7 +180,12 @@ class FleetServer:
         previous = self.live.get(agent_id)
         self.live[agent_id] = link
         if previous is not None and previous is not link:
+            clash = self._shared_identities.takeover(agent_id, self._live_at.get(agent_id, ()),
+                                                     message.listen_addresses)
+            if clash is not None:
+                log.warning("%s", clash)
             await previous.close()
+        self._live_at[agent_id] = message.listen_addresses
         log.info("agent %s registered at %s", agent_id[:12], ", ".join(message.listen_addresses))
         self._changed()
         try:
@@ -197,6 +205,7 @@ class FleetServer:
         finally:
             if self.live.get(agent_id) is link:
                 del self.live[agent_id]
+                self._live_at.pop(agent_id, None)
                 log.info("agent %s went away", agent_id[:12])
                 self._changed()
 
@@ -322,6 +331,7 @@ class FleetServer:
                     log.warning("agent %s was removed from the fleet: dropping its link", agent_id[:12])
                     await link.refuse(ErrorCode.UNAUTHORIZED, "this agent was removed from the fleet")
                     self.live.pop(agent_id, None)
+                    self._live_at.pop(agent_id, None)
                     self._changed()
             await asyncio.sleep(REVOCATION_POLL_S)
 
