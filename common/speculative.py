@@ -280,6 +280,8 @@ class AdaptiveK:
         self._verify_slope: float | None = None  # seconds a verified position adds, once two widths were measured
         self._last_width = 0  # the width of the last drafted round recorded
         self._blind_rounds = 0  # drafted rounds at this K with widths told and no line fitted (PROBE_AFTER_ROUNDS)
+        self._width_told = 0  # drafted rounds of this run whose width was told, and those at another width than the
+        self._width_changed = 0  # round before them (each re-prepared its shape at every stage): changed_width_share
         self._histogram: Counter[int] = Counter()
         self._proposed = 0  # draft tokens proposed over the rounds of the histogram
         self._switch_margin = switch_margin
@@ -301,6 +303,7 @@ class AdaptiveK:
         successor._proposed = 0
         successor._last_width = 0  # the next run's first round prepares its shape again
         successor._blind_rounds = 0
+        successor._width_told = successor._width_changed = 0
         return successor
 
     @property
@@ -371,6 +374,8 @@ class AdaptiveK:
         self._width_rounds *= self._decay  # on every round's clock, as the other estimates
         self._width_seconds *= self._decay
         changed, self._last_width = int(verified != self._last_width), verified
+        self._width_told += 1
+        self._width_changed += changed
         self._width_rounds[verified, changed] += 1.0
         self._width_seconds[verified, changed] += round_trip
         if np.count_nonzero(self._width_rounds.sum(axis=1) >= MIN_WIDTH_ROUNDS) < 2:
@@ -404,6 +409,12 @@ class AdaptiveK:
         best = best_k(alpha, cost, self.k_min, self.k_max)
         if best != self._k and rate(best) > rate(self._k) * (1.0 + self._switch_margin):
             self._k = best
+
+    def changed_width_share(self) -> float:
+        """The share of this run's drafted rounds (widths told) that verified another width than the round before
+        them, the first one included: what the re-preparations of K's changes, and of rows proposing fewer, cost
+        is in these rounds. 0.0 before any."""
+        return self._width_changed / self._width_told if self._width_told else 0.0
 
     def accepted_histogram(self) -> dict[int, int]:
         """Rounds by number of accepted draft tokens, for the run's metrics."""

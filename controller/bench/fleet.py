@@ -316,6 +316,8 @@ def _run_rounds(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
                       if result.get("round_trip_ms") else "")
             if result.get("verify_ms"):
                 timing += f", {result['verify_ms']:.2f} ms a verified position (adaptive K's fit)"
+            if result.get("changed_share"):
+                timing += f", {result['changed_share']:.0%} of rounds at a changed width"
             if result.get("steady_tok_s"):
                 timing += f", steady {result['steady_tok_s']:.1f} tok/s"
             say(f"{label} {config.key}: {result['tok_s']:.1f} tok/s{timing}")
@@ -531,6 +533,8 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
                           "final_k": float(engines[0].k_policy.k) if draft else 0.0,
                           # what adaptive K learned a verified position costs (0 until two widths were measured)
                           "verify_ms": engines[0].k_policy.cost.verify_seconds_per_token * 1000 if draft else 0.0,
+                          # drafted rounds at another width than the one before (each re-prepared at every stage)
+                          "changed_share": engines[0].k_policy.changed_width_share() if draft else 0.0,
                           "steady_tok_s": steady_rate(clocks), **_driver_times(engines, ended - started)}
 
     threads = [threading.Thread(target=one, args=(index, group)) for index, group in enumerate(groups)]
@@ -549,6 +553,7 @@ def _run_config(fleet: _Fleet, placements: dict[str, tuple[StagePlacement, ...]]
     return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": round(wall, 4),
             "mean_accepted": results[0]["mean_accepted"], "mean_k": results[0]["mean_k"],
             "final_k": results[0]["final_k"], "verify_ms": results[0]["verify_ms"],
+            "changed_share": results[0]["changed_share"],
             # copies run at once: their steady rates add up
             "steady_tok_s": sum(result["steady_tok_s"] for result in results),
             **{key: results[0][key] for key in DRIVER_TIMES}}
@@ -611,7 +616,7 @@ def build_report(options: FleetBenchOptions, configs: list[_Config], controller_
                                "mean_k": statistics.median(run.get("mean_k", 0.0) for run in config.runs),
                                "final_k": statistics.median(run["final_k"] for run in config.runs),
                                **{key: round(statistics.median(run.get(key, 0.0) for run in config.runs), 4)
-                                  for key in ("steady_tok_s", "verify_ms", *DRIVER_TIMES)}}
+                                  for key in ("steady_tok_s", "verify_ms", "changed_share", *DRIVER_TIMES)}}
     rows: list[dict[str, Any]] = []
     delay = f"{options.wan_delay_s * 1000:.0f} ms per hop"
     for row in (replace(row, title=row.title.replace("100 ms per hop", delay))

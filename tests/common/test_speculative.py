@@ -365,6 +365,21 @@ def test_a_carried_controller_goes_on_from_what_it_learned_with_figures_of_its_o
     assert carried.alpha < learned.alpha and carried.cost != learned.cost  # the two go their own ways
     assert sum(learned.accepted_histogram().values()) == 12 and learned.mean_proposed() > 1.0
 
+def test_the_share_of_rounds_at_a_changed_width_counts_this_run_only() -> None:
+    controller = AdaptiveK(1, 8)
+    assert controller.changed_width_share() == 0.0
+    for width in (4, 4, 5, 5, 5, 3, 4, 4):  # changes: the first round, 4 -> 5, 5 -> 3, 3 -> 4
+        controller.record_cost(RoundCost(0.02, 0.001), verified=width)
+    assert controller.changed_width_share() == pytest.approx(4 / 8)
+    carried = controller.carried()
+    assert carried.changed_width_share() == 0.0
+    carried.record_cost(RoundCost(0.02, 0.001), verified=4)  # the next run's first round prepares its shape again
+    carried.record_cost(RoundCost(0.02, 0.001), verified=4)
+    assert carried.changed_width_share() == pytest.approx(1 / 2)
+    controller.record_cost(RoundCost(0.02, 0.001))  # no width told: not counted
+    assert controller.changed_width_share() == pytest.approx(4 / 8)
+
+
 def test_mean_proposed_is_the_k_the_rounds_ran_at_not_the_last_one() -> None:
     # a stateless drafter may propose fewer than K: the engine records what was proposed
     controller = AdaptiveK(1, 8)

@@ -614,13 +614,14 @@ def test_each_configuration_reports_the_median_of_where_its_driver_spent_the_run
         for share in (0.1, 0.3, 0.2):
             config.runs.append({"tok_s": 10.0, "mean_accepted": 2.0, "mean_k": 30.0 * share, "final_k": 4.0,
                                 "draft_share": share, "wait_share": 1.0 - share, "round_trip_ms": 100.0 * share,
-                                "verify_ms": 10.0 * share})
+                                "verify_ms": 10.0 * share, "changed_share": share})
     summary = build_report(options(2), configs, [], [0, 1])["configs"]
     assert summary["demo_pair_2_spec"]["draft_share"] == pytest.approx(0.2)
     assert summary["demo_pair_2_spec"]["wait_share"] == pytest.approx(0.8)
     assert summary["demo_pair_2_spec"]["round_trip_ms"] == pytest.approx(20.0)
     assert summary["demo_pair_2_spec"]["mean_k"] == pytest.approx(6.0)  # the K its rounds ran at, a median
     assert summary["demo_pair_2_spec"]["verify_ms"] == pytest.approx(2.0)
+    assert summary["demo_pair_2_spec"]["changed_share"] == pytest.approx(0.2)
 
 
 def test_the_steady_rate_counts_the_tokens_while_every_stream_runs() -> None:
@@ -752,7 +753,8 @@ def test_a_drafted_configuration_reports_the_k_its_rounds_ran_at_beside_the_last
     # adaptive K ends at 8 after rounds at 3 and 5: its final K alone would hide the rounds it spent learning
     class FakeEngine(_OneTokenEngine):
         def __init__(self, *args: object) -> None:
-            self.k_policy = SimpleNamespace(k=8, cost=RoundCost(0.02, 0.001, verify_seconds_per_token=0.0015))
+            self.k_policy = SimpleNamespace(k=8, cost=RoundCost(0.02, 0.001, verify_seconds_per_token=0.0015),
+                                            changed_width_share=lambda: 0.25)
             self.timings = EngineTimings()
 
         def mean_accepted(self) -> float:
@@ -767,6 +769,7 @@ def test_a_drafted_configuration_reports_the_k_its_rounds_ran_at_beside_the_last
     result = _run_config(fleet, {"demo_pair": (0.0,)}, spec, options(2), {spec.key: object()})  # type: ignore[arg-type,dict-item]
     assert (result["mean_k"], result["final_k"], result["mean_accepted"]) == (pytest.approx(16 / 3), 8.0, 2.5)
     assert result["verify_ms"] == pytest.approx(1.5)  # what it learned a verified position costs
+    assert result["changed_share"] == pytest.approx(0.25)  # its rounds that re-prepared a new width
 
 
 @pytest.mark.parametrize("carry", [True, False])
@@ -779,7 +782,8 @@ def test_carry_k_hands_each_round_the_adaptive_k_its_configuration_learned_the_r
                      learned_k: object = None) -> None:
             handed.append((draft, learned_k))
             # what this run learned: tagged with its configuration's drafter
-            self.k_policy = SimpleNamespace(k=4, drafter=draft, cost=RoundCost(0.02, 0.001))
+            self.k_policy = SimpleNamespace(k=4, drafter=draft, cost=RoundCost(0.02, 0.001),
+                                            changed_width_share=lambda: 0.0)
             self.timings = EngineTimings()
 
         def mean_accepted(self) -> float:
