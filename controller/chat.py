@@ -257,7 +257,7 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 _end_prompt_line(prompt_out)
             if first_line:  # a file saved by a Windows editor starts with a BOM, as --prompts-file may
                 line, first_line = line.removeprefix("\ufeff"), False
-            if not line or line.strip() in ("/quit", "/exit"):
+            if not line or line.strip().replace("\0", "") in ("/quit", "/exit"):  # UTF-16's "/quit" too
                 break
             text = line.strip()
             if not text:
@@ -273,6 +273,8 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
             message = ChatMessage("user", text)
             try:
                 check_utf8(text, "this message")
+                if "\0" in text:  # UTF-16 input read as UTF-8: a NUL between every character, sent as such
+                    raise NotUtf8Error("this message holds NUL characters (UTF-16 input?): send UTF-8 text")
                 started = time.perf_counter()
                 prompt, dropped = _fit_prompt(tokenizer, system, turns, message, options.max_new_tokens,
                                                manifest.spec.max_context)

@@ -23,8 +23,13 @@ def check_request(spec: ModelSpec, prompt_ids: list[int], max_new_tokens: int) -
     if needed > spec.max_context:
         room = spec.max_context - len(prompt_ids)  # new tokens that fit after this prompt
         # The remedy that can work: fewer new tokens help only where at least one fits after the prompt.
-        remedy = (f"ask for at most {room} new tokens (--max-new-tokens {room})" if room >= 1 else
-                  f"the prompt alone fills it: shorten the prompt to at most {spec.max_context - 1} tokens")
+        if room >= 1:
+            remedy = f"ask for at most {room} new tokens (--max-new-tokens {room})"
+        elif max_new_tokens < spec.max_context:  # the prompt must leave room for the new tokens asked for
+            remedy = (f"the prompt alone fills it: shorten the prompt to at most {spec.max_context - max_new_tokens} "
+                      "tokens")
+        else:
+            remedy = "the prompt alone fills it, and so would the new tokens: shorten the prompt and ask for fewer"
         raise GenerationError(
             f"{len(prompt_ids)} prompt tokens + {max_new_tokens} new tokens = {needed} exceed the model's "
             f"context of {spec.max_context} ({remedy}, or export with a larger --max-context)")

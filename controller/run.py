@@ -67,6 +67,8 @@ def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[
     if not texts:
         raise GenerationError("no prompt given")
     for what, text in texts:
+        if not text:  # `--prompt "$P"` with P unset: a run from BOS alone, of text nobody asked for
+            raise GenerationError(f"{what}: the prompt is empty")
         check_utf8(text, what)
     if options.chat:
         tokenizer.require_chat_template(f"--chat: {options.model} has no chat template; leave out --chat to give "
@@ -91,6 +93,9 @@ def read_numbered_prompts(path: Path, option: str = "--prompts-file") -> list[tu
         data = Path(path).read_bytes()
     except OSError as error:
         raise ValueError(f"{option} {path}: {error.strerror or error}") from None
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in data[:4096]:
+        # UTF-16 (PowerShell 5's `>` writes it): without a BOM it decodes as UTF-8 with a NUL every other byte
+        raise ValueError(f"{option} {path} is UTF-16 text (or holds NUL bytes), not UTF-8: save the file as UTF-8")
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as error:

@@ -83,9 +83,9 @@ def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> C
         # MAX_SPEC_VALUE the manifest was written and then refused as a tampered one, naming no option
         raise ValueError(f"--max-context must be from {MIN_MAX_CONTEXT} (a prompt token and a new one) to "
                          f"{MAX_SPEC_VALUE:,}, got {max_context}")
-    if max_context is None and config_max <= 0:
-        raise UnsupportedModelError(f"config field max_position_embeddings={config_max} must be positive "
-                                    "(or give --max-context)")
+    if max_context is None and config_max < MIN_MAX_CONTEXT:  # 1: an export in which no prompt can be answered
+        raise UnsupportedModelError(f"config field max_position_embeddings={config_max} must be at least "
+                                    f"{MIN_MAX_CONTEXT} (a prompt token and a new one), or give --max-context")
     context = max_context if max_context is not None else min(config_max, DEFAULT_MAX_CONTEXT_CAP)
     if context > config_max:
         log.warning("--max-context %d is past the model's max_position_embeddings (%d): positions beyond it were "

@@ -268,7 +268,9 @@ def test_a_config_with_more_layers_than_the_weights_is_refused(checkpoint_factor
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, UnsupportedModelError,
      "quantization_config \\(quant_method='gptq'\\)"),
     ({"num_key_value_heads": 0}, ManifestError, "num_kv_heads"),
-    ({"max_position_embeddings": 0}, UnsupportedModelError, "max_position_embeddings=0 must be positive"),
+    ({"max_position_embeddings": 0}, UnsupportedModelError, "max_position_embeddings=0 must be at least 2"),
+    # 1 exported a model no prompt could be answered by ("shorten the prompt to at most 0 tokens")
+    ({"max_position_embeddings": 1}, UnsupportedModelError, "max_position_embeddings=1 must be at least 2"),
     ({"rms_norm_eps": "small"}, UnsupportedModelError, "config.json is refused by transformers"),
 ])
 def test_impossible_configs_are_refused_by_name(checkpoint_factory: Callable[..., Path], tmp_path: Path,

@@ -16,8 +16,10 @@ from deskfleet.controller.cli import main
     # a prompt that fills the context: fewer new tokens cannot help ("ask for fewer tokens" said they would)
     (512, 1, "(the prompt alone fills it: shorten the prompt to at most 511 tokens, or export with a larger "
              "--max-context)"),
-    (2000, 64, "(the prompt alone fills it: shorten the prompt to at most 511 tokens, or export with a larger "
-               "--max-context)"),
+    (2000, 64, "(the prompt alone fills it: shorten the prompt to at most 448 tokens, or export with a larger "
+               "--max-context)"),  # it said 511, which 64 new tokens do not fit after
+    (600, 512, "(the prompt alone fills it, and so would the new tokens: shorten the prompt and ask for fewer, or "
+               "export with a larger --max-context)"),
 ])
 def test_a_prompt_past_the_context_is_told_what_fits(tiny_export: Path, capsys: pytest.CaptureFixture[str],
                                                     prompt_tokens: int, max_new_tokens: int, remedy: str) -> None:

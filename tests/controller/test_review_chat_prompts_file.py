@@ -25,3 +25,21 @@ def test_a_prompts_file_line_that_is_not_utf8_is_named(tiny_export: Path, tmp_pa
     assert err.startswith(f"deskfleet: error: line {line} of --prompts-file {path}: not UTF-8 text (it holds the "
                           "byte 0x")
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("content", [
+    "def f():\nimport os\n".encode("utf-16"),  # with its BOM, as PowerShell 5's `>` writes it
+    "def f():\n".encode("utf-16-be"),  # no BOM: it decoded as UTF-8 with a NUL every other byte, a garbled prompt
+])
+def test_a_utf16_prompts_file_is_named_as_such(tiny_export: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str], content: bytes) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_bytes(content)
+    assert main(["generate", "--model", str(tiny_export), "--prompts-file", str(path)]) == 2
+    assert f"--prompts-file {path} is UTF-16 text (or holds NUL bytes), not UTF-8" in capsys.readouterr().err
+
+
+def test_an_empty_prompt_is_refused_naming_it(tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # `--prompt "$P"` with P unset generated from BOS alone, text nobody asked for
+    assert main(["generate", "--model", str(tiny_export), "--prompt", "ok", "--prompt", ""]) == 2
+    assert "deskfleet: error: --prompt #2: the prompt is empty" in capsys.readouterr().err
