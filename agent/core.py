@@ -356,16 +356,18 @@ class AgentCore:
             return ()
         policy = self.policy()
         if policy.paused:  # the PC's user wants it back: at once, not after release_stages_after_s
-            return await self._give_up_stages(f"paused {self._paused_by()}")
+            return await self.give_up_stages(f"paused {self._paused_by()}")
         reading = await self._read_monitor()
         availability = decide_availability(reading, policy, serving=bool(self.stages))
         because = self._release_watch.update(availability, policy, bool(self.stages),
                                              time.monotonic() if now is None else now)
         if because is None:
             return ()
-        return await self._give_up_stages(because)
+        return await self.give_up_stages(because)
 
-    async def _give_up_stages(self, because: str) -> tuple[StageRef, ...]:
+    async def give_up_stages(self, because: str) -> tuple[StageRef, ...]:
+        """Release every hosted stage (a step under way finishes first), say why in the error the next step gets
+        and in `last_error`; returns what was released."""
         released = tuple(self.stages)
         for ref in released:
             hosted = self.stages.get(ref)

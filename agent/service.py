@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 RETRY_MIN_S = 1.0
 RETRY_MAX_S = 30.0
+# A PC removed from the fleet asks again this seldom (not every RETRY_MAX_S: the controller logged each refusal, every
+# 30 s, for as long as the PC ran): only a controller restored from a backup older than the removal lets it back in.
+REMOVED_RETRY_S = 3600.0
 REGISTERED_STABLE_S = 30.0  # a controller link that lasted this long resets the retry delay
 LOCK_FILE = "agent.lock"  # in the state folder: one agent per data dir
 REVOCATIONS_FILE = "revoked.json"  # in the state folder: the controller's last list of removed agents
@@ -262,7 +265,7 @@ class AgentService:
         its first attempt fails, and once more when the agent is registered again (attempts and seconds):
         the failures between are debug lines, not a warning every retry for as long as the controller is off."""
         delay = RETRY_MIN_S
-        told_removed = False
+        told_removed = removed = False
         self._outage = outage = _Outage()
         search_after = 0.0  # time.monotonic() of the next look for a moved controller over mDNS
         while True:
@@ -278,9 +281,12 @@ class AgentService:
                         told_removed = True
                         log.error("the controller refuses this PC: %s", "; ".join(expired))
                     elif error.status == HTTPStatus.FORBIDDEN and not told_removed:  # said once, not every retry
-                        told_removed = True
+                        told_removed = removed = True
+                        # its stages too: no PC of the fleet takes its links any more, and they held the memory
+                        released = await self.core.give_up_stages("this PC was removed from the fleet")
                         log.error("the controller refuses this PC (%s): it was removed from the fleet and serves no "
-                                  "one; to serve again, delete %s and join with a new token", error,
+                                  "one (%d stage(s) released; asking again every %.0f minutes); to serve again, "
+                                  "delete %s and join with a new token", error, len(released), REMOVED_RETRY_S / 60,
                                   self.files.key_path)
                     elif error.status != HTTPStatus.FORBIDDEN:
                         outage.failed(error)
@@ -288,7 +294,7 @@ class AgentService:
                 except LinkError as error:
                     outage.failed(error)
                     continue
-                told_removed = False
+                told_removed = removed = False
                 answered = True
                 started = time.monotonic()
                 await self._registered(link)
@@ -302,11 +308,11 @@ class AgentService:
                     log.exception("the search for the controller over mDNS failed")
                     moved = None
                 if moved is not None:
-                    told_removed = False
+                    told_removed = removed = False
                     await self._registered(moved)
                     delay = RETRY_MIN_S
                     continue  # the membership's addresses again, the found one first when it was saved
-            await asyncio.sleep(delay)
+            await asyncio.sleep(REMOVED_RETRY_S if removed else delay)
             delay = min(delay * 2, RETRY_MAX_S)
 
     async def _find_moved_controller(self) -> Link | None:

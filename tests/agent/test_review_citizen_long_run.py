@@ -95,6 +95,6 @@ def test_a_stage_given_up_closes_its_link_and_a_kept_one_stays_open(core: AgentC
     _step(core, tiny_export, assignment.stage.model_id)
     _step(core, tiny_export, assignment.stage.model_id)  # the open link is used again, not dialled again
     assert len(dialled) == 1 and not dialled[0].closed
-    asyncio.run(core._give_up_stages("battery 41%, unplugged for 30 s"))
+    asyncio.run(core.give_up_stages("battery 41%, unplugged for 30 s"))
     assert dialled[0].closed
     assert cast(Link, dialled[0]) not in core._next_hops.values()

@@ -208,9 +208,16 @@ def test_a_removed_pc_is_told_once_what_happened_and_how_to_serve_again(monkeypa
         if len(sleeps) == 4:
             raise asyncio.CancelledError
 
+    given_up: list[str] = []
+
+    async def give_up_stages(because: str) -> tuple[str, ...]:
+        given_up.append(because)
+        return ("target[0:8]",)
+
     service = AgentService.__new__(AgentService)
     service.membership = SimpleNamespace(controller_addresses=("127.0.0.1:1",), controller_id="c")  # type: ignore[assignment]
     service.files = TlsFiles.in_folder(Path("/data/state"), "agent")  # nothing there: no expiry to blame
+    service.core = SimpleNamespace(give_up_stages=give_up_stages)  # type: ignore[assignment]
     monkeypatch.setattr(service_module, "open_link", refused)
     monkeypatch.setattr(service_module.asyncio, "sleep", record)
     told: list[str] = []
@@ -219,6 +226,10 @@ def test_a_removed_pc_is_told_once_what_happened_and_how_to_serve_again(monkeypa
         asyncio.run(service._register_forever())
     assert len(told) == 1 and "removed from the fleet and serves no one" in told[0]
     assert "delete /data/state/agent-key.pem and join with a new token" in told[0]
+    # its stages went (they held the memory, and no PC takes its links), and it asks again hourly, not every 30 s
+    # (the controller logged every refusal)
+    assert given_up == ["this PC was removed from the fleet"] and "1 stage(s) released" in told[0]
+    assert sleeps == [service_module.REMOVED_RETRY_S] * 4
 
 
 def test_a_background_check_that_raises_anything_does_not_stop_the_agent(monkeypatch: pytest.MonkeyPatch) -> None:
