@@ -23,6 +23,8 @@ from deskfleet.common.console import (
 )
 
 log = logging.getLogger("deskfleet.agent")
+# What only a controller's data dir holds (controller/fleet_store.py): an agent joined into one mixed the two
+CONTROLLER_FILES = ("fleet.json", "ca-key.pem")
 
 
 # Public methods
@@ -105,17 +107,39 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
 
 
 def _join(args: argparse.Namespace) -> int:
-    from deskfleet.agent.enroll import join, read_join_token
+    import contextlib
+
+    from deskfleet.agent.enroll import EnrollmentError, Membership, join, read_join_token
     from deskfleet.agent.paths import AgentPaths
+    from deskfleet.agent.service import LOCK_FILE
     from deskfleet.common import event_loop
+    from deskfleet.common.file_lock import pid_lock
 
     token = _token_from_stdin() if args.token == "-" else args.token
     read_join_token(token)  # a mistyped or expired token is named before any folder is made for it
     paths = AgentPaths.resolve(args.data_dir)
-    # the settings and cache folders only once joined: a failed join leaves only the state folder's key, which a
-    # retry reuses (the same agent id, where the controller registered the first attempt but its answer was lost)
-    membership = event_loop.run(join(token, paths.state_dir, args.hostname))
+    root = paths.state_dir.parent
+    controllers = [name for name in CONTROLLER_FILES if (root / name).exists()] if args.data_dir is not None else []
+    if controllers:
+        raise EnrollmentError(f"{root} is a controller's data dir (it holds {controllers[0]}): give the agent a "
+                              "--data-dir of its own")
+    try:
+        before: Membership | None = Membership.load(paths.state_dir)
+    except EnrollmentError:
+        before = None
+    # While an agent runs on this data dir its state must not change under it (it went on in the old fleet's limbo);
+    # none can start meanwhile. A data dir that never joined has no state folder, and no agent.
+    held = pid_lock(paths.state_dir / LOCK_FILE, lambda pid: EnrollmentError(
+        f"an agent runs on {paths.state_dir.parent} (pid {pid}): stop it, join, then start it again")) \
+        if paths.state_dir.is_dir() else contextlib.nullcontext()
+    with held:
+        # the settings and cache folders only once joined: a failed join leaves only the state folder's key, which
+        # a retry reuses (the same agent id, where the controller registered the first attempt but its answer was
+        # lost)
+        membership = event_loop.run(join(token, paths.state_dir, args.hostname))
     paths.create()
+    if before is not None and before.fleet_id != membership.fleet_id:
+        print(f"this PC left fleet {before.fleet_id} (its stages and removals there no longer apply)")
     print(f"joined fleet {membership.fleet_id} as agent {membership.agent_id}")
     print(f"start it with: deskfleet-agent --headless{_data_dir_flag(args.data_dir)}")
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import os
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,47 @@ def test_a_failed_join_makes_no_settings_or_cache_folder(tmp_path: Path, capsys:
     assert f"could not join: {address}" in capsys.readouterr().err
     assert sorted(path.name for path in data.iterdir()) == ["state"]
     assert [path.name for path in (data / "state").iterdir()] == ["agent-key.pem"]  # kept: a retry keeps its agent id
+
+
+def _token(address: str) -> str:
+    expires = (utc_now() + datetime.timedelta(hours=1)).replace(microsecond=0)
+    return join_tokens.encode_join_token(join_tokens.JoinToken((address,), "0" * 64, join_tokens.new_secret(), expires))
+
+
+def test_joining_a_controllers_data_dir_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # it joined, and the agent served from beside the fleet CA's key
+    (tmp_path / "ca-key.pem").write_text("key")
+    assert cli.main(["--data-dir", str(tmp_path), "join", _token("127.0.0.1:1")]) == 2
+    assert f"{tmp_path} is a controller's data dir (it holds ca-key.pem)" in capsys.readouterr().err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ca-key.pem"]
+
+
+def test_a_join_while_the_agent_runs_is_refused_naming_its_pid(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    # it switched the running agent's membership under it: the agent went on in the old fleet's limbo
+    from deskfleet.agent.service import LOCK_FILE
+    from deskfleet.common.file_lock import pid_lock
+
+    state = tmp_path / "state"
+    state.mkdir()
+    with pid_lock(state / LOCK_FILE, RuntimeError):
+        assert cli.main(["--data-dir", str(tmp_path), "join", _token(f"127.0.0.1:{free_port()}")]) == 2
+    assert f"an agent runs on {tmp_path} (pid {os.getpid()}): stop it, join, then start it again" in \
+        capsys.readouterr().err
+
+
+def test_a_join_to_another_fleet_says_which_fleet_the_pc_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    enroll.Membership("a" * 16, "agent-1", "c" * 52, ("127.0.0.1:1",)).save(state)
+
+    async def joined_b(token_text: str, state_dir: Path, hostname: str | None = None) -> enroll.Membership:
+        membership = enroll.Membership("b" * 16, "agent-1", "d" * 52, ("127.0.0.1:2",))
+        membership.save(state_dir)
+        return membership
+
+    monkeypatch.setattr(enroll, "join", joined_b)
+    assert cli.main(["--data-dir", str(tmp_path), "join", _token("127.0.0.1:2")]) == 0
+    out = capsys.readouterr().out
+    assert f"this PC left fleet {'a' * 16}" in out and f"joined fleet {'b' * 16}" in out
