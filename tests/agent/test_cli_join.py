@@ -51,10 +51,8 @@ def test_no_option_is_taken_by_an_abbreviation(argv: list[str], capsys: pytest.C
 def test_a_failed_join_makes_no_settings_or_cache_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # A join to a controller that is not there left data/settings and data/cache behind, empty, beside the key.
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
-    token = join_tokens.JoinToken((address,), "0" * 64, join_tokens.new_secret(),
-                                  (utc_now() + datetime.timedelta(hours=1)).replace(microsecond=0))
     data = tmp_path / "data"
-    assert cli.main(["--data-dir", str(data), "join", join_tokens.encode_join_token(token)]) == 2
+    assert cli.main(["--data-dir", str(data), "join", _token(address)]) == 2
     assert f"could not join: {address}" in capsys.readouterr().err
     assert sorted(path.name for path in data.iterdir()) == ["state"]
     assert [path.name for path in (data / "state").iterdir()] == ["agent-key.pem"]  # kept: a retry keeps its agent id
