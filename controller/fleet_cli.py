@@ -451,13 +451,18 @@ def _deploy(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from deskfleet.controller.chat import generate_on_fleet
-    from deskfleet.controller.run import GenerateOptions
+    from deskfleet.controller.fleet_failover import FailoverError
+    from deskfleet.controller.run import GenerateOptions, GenerationStopped
 
     options = GenerateOptions(model=args.model, prompt_ids=[parse_token_ids(args.prompt_ids)],
                               max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
-    # --peer and --discover-seconds: what a re-plan dials and browses when a PC drops out (they were ignored)
-    tokens = generate_on_fleet(options, args.data_dir, discover_seconds=args.discover_seconds,
-                               peers=tuple(args.peer))["tokens"]
+    try:
+        # --peer and --discover-seconds: what a re-plan dials and browses when a PC drops out (they were ignored)
+        tokens = generate_on_fleet(options, args.data_dir, discover_seconds=args.discover_seconds,
+                                   peers=tuple(args.peer))["tokens"]
+    except (FailoverError, GenerationStopped) as error:  # a failed run (exit 1), as `generate --fleet`'s: not usage
+        print(f"deskfleet: error: {error}", file=sys.stderr)
+        return 1
     assert isinstance(tokens, list)
     print(json.dumps({"tokens": tokens}) if args.json else " ".join(map(str, tokens)))
     return 0

@@ -123,3 +123,17 @@ def test_fleet_generate_re_plans_with_its_peers_and_browse(capsys: pytest.Captur
     code, _ = run(capsys, "fleet", "generate", "--model", "m", "--prompt-ids", "1,2", "--peer", "10.0.0.5:7431",
                   "--discover-seconds", "0")
     assert code == 0 and calls == [{"discover_seconds": 0.0, "peers": ("10.0.0.5:7431",)}]
+
+
+def test_fleet_generate_that_runs_out_of_pcs_is_a_failed_run_as_generate_fleet_says(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # `fleet generate` exited 2, a usage error's status, where `generate --fleet` exits 1 for the same failure
+    import deskfleet.controller.chat as chat
+    from deskfleet.controller.fleet_failover import FailoverError
+
+    def out_of_pcs(*args: Any, **kwargs: Any) -> dict[str, object]:
+        raise FailoverError("no agent can take work (test)")
+
+    monkeypatch.setattr(chat, "generate_on_fleet", out_of_pcs)
+    assert main(["fleet", "generate", "--model", "m", "--prompt-ids", "1,2", "--discover-seconds", "0"]) == 1
+    assert capsys.readouterr().err == "deskfleet: error: no agent can take work (test)\n"
