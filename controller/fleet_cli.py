@@ -231,7 +231,7 @@ def _survey_options(args: argparse.Namespace) -> Any:
 def _ls(args: argparse.Namespace) -> int:
     from deskfleet.agent.link import utc_now
     from deskfleet.controller.fleet_deploy import DeployError, undeployed_stages
-    from deskfleet.controller.fleet_survey import expiry_warnings, survey
+    from deskfleet.controller.fleet_survey import NEVER_REGISTERED, expiry_warnings, survey
 
     store = _store(args)
 
@@ -242,6 +242,10 @@ def _ls(args: argparse.Namespace) -> int:
 
     agents = event_loop.run(run())
     warnings = [f"warning: {line}" for line in expiry_warnings(agents, store.tls_files, utc_now())]
+    # without `fleet serve` agents cannot register: one listed as never having called in may well be running
+    if (not agents or any(agent.problem == NEVER_REGISTERED for agent in agents)) and not store.served():
+        warnings.append(f"warning: no `deskfleet fleet serve` runs on {store.data_dir}: agents cannot register with "
+                        "the controller (a PC listed as never having called in may be running); start it")
     try:
         undeployed = undeployed_stages(store, {agent.agent_id: agent.report.stages for agent in agents
                                                if agent.agent_id is not None and agent.report is not None})

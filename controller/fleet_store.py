@@ -228,6 +228,15 @@ class FleetStore:
         return self._held(SERVE_LOCK, lambda pid: f"{self.data_dir} is served already by `deskfleet fleet serve` "
                                                   f"(pid {pid}): stop that one first, or serve another data dir")
 
+    def served(self) -> bool:
+        """Whether a `fleet serve` runs on this data dir, found by taking its serve lock for an instant (a serve
+        that starts in that instant is refused, naming this process: rare, and said)."""
+        try:
+            with self._held(SERVE_LOCK, lambda pid: pid):
+                return False
+        except FleetStoreError:
+            return True
+
     @contextlib.contextmanager
     def replacing(self) -> Iterator[None]:
         """Hold the serve and deploy locks while `fleet init --force` replaces the fleet, or raise FleetStoreError

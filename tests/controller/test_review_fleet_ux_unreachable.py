@@ -97,3 +97,18 @@ def test_a_pc_that_never_called_in_is_not_said_to_be_at_a_placeholder(
           "--data-dir", str(store.data_dir)])
     out = capsys.readouterr().out
     assert "aaaaaaaaaaaa (pc1) unreachable: joined, but its agent never called in" in out and " at -" not in out
+
+
+def test_fleet_ls_says_when_no_serve_runs_to_take_the_registrations(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # with `fleet serve` stopped, a running agent was listed as "never called in: start deskfleet-agent"
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    store.save_roster({PC1: RosterEntry(PC1, "pc1", utc_now().isoformat())})
+    ls = ["fleet", "ls", "--discover-seconds", "0", "--data-dir", str(store.data_dir)]
+    assert main(ls) == 0
+    assert f"warning: no `deskfleet fleet serve` runs on {store.data_dir}: agents cannot register" in \
+        capsys.readouterr().out
+    with store.serving():  # as `fleet serve` holds it
+        assert main(ls) == 0
+    assert "no `deskfleet fleet serve` runs" not in capsys.readouterr().out
