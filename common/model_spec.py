@@ -304,10 +304,11 @@ def verify_files(model_dir: Path, manifest: Manifest, names: list[str] | None = 
         path = model_file(model_dir, name)
         size = path.stat().st_size
         if size != entry.size:
-            raise ManifestError(f"{path} has {size} bytes, the manifest says {entry.size}")
+            raise ManifestError(f"{path} has {size} bytes, the manifest says {entry.size}: export the model again")
         digest = sha256_of(path)
         if digest != entry.sha256:
-            raise ManifestError(f"{path} is corrupted: sha256 {digest[:12]}…, the manifest says {entry.sha256[:12]}…")
+            raise ManifestError(f"{path} is corrupted: sha256 {digest[:12]}…, the manifest says {entry.sha256[:12]}…: "
+                                "export the model again")
 
 
 class TensorNames:

@@ -9,7 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from deskfleet.common.json_file import JsonFileError, read_json_object
-from deskfleet.common.model_spec import model_file
+from deskfleet.common.model_spec import load_manifest, model_file, verify_files
 
 from .chat_template import ChatTemplateError, TemplateRenderer, render_isolated
 
@@ -43,6 +43,9 @@ class RenderedChat(str):
         return rendered
 
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
 class ModelTokenizer:
     """Encodes prompts, decodes tokens and renders the chat template of an export folder."""
 
@@ -53,6 +56,8 @@ class ModelTokenizer:
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             if (model_dir / name).exists() or (model_dir / name).is_symlink():
                 model_file(model_dir, name)  # the prompt must never take in a file a folder links to
+        if (model_dir / "manifest.json").is_file():
+            _verify_tokenizer_files(model_dir)
         # Read here, parsed from the text: Tokenizer.from_file takes the path as UTF-8, and a folder name that is
         # not (undecodable bytes, which Python keeps as surrogates) was reported as a broken tokenizer file.
         try:
@@ -228,6 +233,19 @@ def _token_text(value: object) -> str | None:
         content = value.get("content")
         return str(content) if content is not None else None
     return str(value) if value is not None else None
+
+
+def _verify_tokenizer_files(model_dir: Path) -> None:
+    """An export's tokenizer files against its manifest: only the IR files were checked, so a lost or damaged
+    tokenizer_config.json silently dropped the template's BOS and end tokens. Not chat_template.jinja: the one file
+    an admin may edit in place (a template's fix); a lost one is named once a template is needed."""
+    manifest = load_manifest(model_dir)
+    names = [name for name in manifest.tokenizer_files if name in manifest.files and name != CHAT_TEMPLATE_FILE]
+    for name in names:
+        if not (model_dir / name).exists():
+            raise FileNotFoundError(f"{model_dir / name} is missing, though the export's manifest.json names it: the "
+                                    "export is incomplete (export the model again, or copy the file back)")
+    verify_files(model_dir, manifest, names)
 
 
 def _manifest_names(model_dir: Path, name: str) -> bool:

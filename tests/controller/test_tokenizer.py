@@ -106,3 +106,23 @@ def test_transformers_list_of_named_templates_uses_the_default(tiny_export: Path
         config.write_text(json.dumps({"chat_template": value}))
         with pytest.raises(ChatTemplateError, match=f"{re.escape(str(config))}: chat_template"):
             ModelTokenizer(tmp_path)
+
+
+def test_an_exports_tokenizer_files_are_checked_against_its_manifest(tiny_export: Path, tmp_path: Path) -> None:
+    # only the IR files were: without tokenizer_config.json the template lost its BOS and end tokens, unsaid
+    import shutil
+
+    from deskfleet.common.model_spec import ManifestError
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_export, model)
+    config = (model / "tokenizer_config.json").read_text()
+    (model / "tokenizer_config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"tokenizer_config.json is missing, though the export's manifest"):
+        ModelTokenizer(model)
+    (model / "tokenizer_config.json").write_text(config.replace("}", ', "x": 1}', 1))
+    with pytest.raises(ManifestError, match=r"tokenizer_config.json has \d+ bytes, the manifest says \d+: export"):
+        ModelTokenizer(model)
+    (model / "tokenizer_config.json").write_text(config)
+    (model / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")  # a template's fix: allowed
+    assert ModelTokenizer(model).chat_template == "{{ messages[0]['content'] }}"
