@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -307,7 +308,7 @@ def plan(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandid
             exclusions.append(_cut_off(agent, eligible, options) if agent.agent_id in apart
                               else _not_needed(agent, best, options))
     problems = () if best is not None else (_no_chain_apart(eligible, options, unreachable),) if free else \
-        _diagnose(model, agents, eligible, options, unreachable)
+        _diagnose(model, agents, eligible, options, unreachable, exclusions)
     usable = tuple((agent.agent_id, usable_bytes(agent, options)) for agent in eligible)
     return Plan(model, options.policy, tuple(best or ()), (*exclusions, *unreachable), problems, usable,
                 options.streams)
@@ -893,7 +894,7 @@ def _no_chain_apart(eligible: list[AgentCandidate], options: PlanOptions, unreac
 
 def _diagnose(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandidate, ...],
               eligible: list[AgentCandidate], options: PlanOptions,
-              unreachable: Sequence[Exclusion] = ()) -> tuple[str, ...]:
+              unreachable: Sequence[Exclusion] = (), excluded: Sequence[Exclusion] = ()) -> tuple[str, ...]:
     if not agents and unreachable:
         return (f"no reachable agents: {len(unreachable)} found but unreachable ("
                 + "; ".join(f"{_label(e.agent_id, e.hostname)} {e.message}" for e in unreachable)
@@ -902,8 +903,14 @@ def _diagnose(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentC
         return ("no agents in the fleet",)
     silent = (f", and {len(unreachable)} more found did not answer (start `deskfleet-agent --headless` on them)"
               if unreachable else "")
-    if not eligible:
-        return (f"none of the {len(agents)} agent(s) that answered can take work{silent} (see the agents left out)",)
+    if not eligible:  # what keeps them out, counted: "the model does not fit" alone read as a size problem
+        reasons = Counter(exclusion.reason.value.replace("_", " ") for exclusion in excluded)
+        counted = f" ({', '.join(f'{count} {reason}' for reason, count in sorted(reasons.items()))})" if reasons \
+            else ""
+        resume = " (`deskfleet-agent resume` on a PC its user paused)" if ExclusionReason.PAUSED.value in reasons \
+            else ""
+        return (f"none of the {len(agents)} agent(s) that answered can take work{counted}{resume}{silent} (see "
+                "the agents left out)",)
     kv_total = model.num_layers * model.kv_bytes_per_layer(options.streams)
     weights = model.resident(sum(model.layer_bytes) + model.embed_bytes + model.head_bytes)
     need = weights + kv_total + _chain_stage_bytes(model, options, len(eligible))

@@ -315,7 +315,8 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
     if not result.feasible:
         answered = any(agent.agent_id not in exclude for agent in found.reachable())
         unreachable = any(e.reason is ExclusionReason.UNREACHABLE for e in result.exclusions)
-        cause = f"cannot deploy {model_id}: " if unreachable and not answered else "the model does not fit the fleet: "
+        cause = f"cannot deploy {model_id}: " if (unreachable and not answered) or not result.usable else \
+            "the model does not fit the fleet: "
         left_out = left_out_text(result)  # the problem says "see the agents left out": a deploy shows no plan
         raise DeployError(cause + "; ".join(result.problems) + (f" ({left_out})" if left_out else ""))
     addresses = {agent.agent_id: agent.address for agent in found.agents if agent.agent_id is not None}

@@ -132,6 +132,11 @@ def test_every_agent_left_out_is_explained_with_numbers() -> None:
     assert reason is ExclusionReason.TOO_LITTLE_MEMORY
     assert "0.60 GB free" in message and "0.06 GB usable" in message and "needs 0.20 GB" in message
     check_well_formed(result, agents, options)
+    # none left: what keeps each out, counted ("the model does not fit" alone read as a matter of size)
+    nobody = plan(toy(), agents[:6], options)
+    assert nobody.problems == ("none of the 6 agent(s) that answered can take work (2 paused, 1 serving, 1 speed "
+                               "unknown, 2 unavailable) (`deskfleet-agent resume` on a PC its user paused) (see the "
+                               "agents left out)",)
 
 
 def test_an_agent_without_the_device_is_left_out_saying_what_it_has() -> None:
@@ -149,7 +154,8 @@ def test_an_agent_without_the_device_is_left_out_saying_what_it_has() -> None:
     assert {s.agent_id for s in plan(toy(), agents, dataclasses.replace(ALL, device="AUTO")).stages} == \
         {"no-gpu", "gpu", "older"}  # AUTO takes what there is
     alone = plan(toy(), [fast], dataclasses.replace(NO_MARGIN, device="NPU"))
-    assert not alone.feasible and "none of the 1 agent(s) that answered can take work" in alone.problems[0]
+    assert not alone.feasible and "none of the 1 agent(s) that answered can take work (1 no device)" in \
+        alone.problems[0]
     assert "no NPU: OpenVINO finds CPU on it" in render_plan(alone)
 
 

@@ -80,7 +80,8 @@ def test_deploy_twice_and_generate(tmp_path: Path, tiny_export: Path) -> None:
         with pytest.raises(DeployError, match="f32 is exact"):
             await deploy(store, tiny_export, found, policy, Precision.F32, kv_cache="u8")
         # a device no PC has: refused by the plan, naming each PC and what it has, before a byte is sent
-        with pytest.raises(DeployError, match=r"none of the 2 agent\(s\) that answered can take work.*left out: "
+        with pytest.raises(DeployError, match=r"cannot deploy .*: none of the 2 agent\(s\) that answered can take "
+                                              r"work \(2 no device\).*left out: "
                                               r"\w+ no GPU: OpenVINO finds CPU on it; \w+ no GPU: OpenVINO finds CPU"):
             found = await survey(store, options)
             try:
