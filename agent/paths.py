@@ -58,6 +58,8 @@ class AgentPaths:
         """The dirs under `data_dir` when given (the `--data-dir` option), else the platform's."""
         if data_dir is not None:
             root = data_dir.expanduser().resolve()
+            if root.exists() and not root.is_dir():  # every command said "[Errno 20] Not a directory" of a file in it
+                raise SettingsError(f"the agent's data dir {root} is a file, not a folder: give --data-dir a folder")
             return cls(root / "settings", root / "state", root / "cache")
         return cls(
             Path(platformdirs.user_config_dir(APP_NAME, appauthor=False)),

@@ -33,6 +33,25 @@ def test_data_dir_puts_everything_under_it(tmp_path: Path) -> None:
     assert stat.S_IMODE(paths.state_dir.stat().st_mode) == 0o700
 
 
+@pytest.mark.parametrize("command", [["--headless"], ["join", "dfj1.x"], ["pause"], ["resume"]])
+def test_a_data_dir_that_is_a_file_is_named_by_every_command(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             command: list[str]) -> None:
+    # each said "[Errno 20] Not a directory" of a file inside it
+    from deskfleet.agent import enroll
+    from deskfleet.agent.cli import main
+
+    data = tmp_path / "afile"
+    data.write_text("")
+    if command[0] == "join":
+        monkeypatch.setattr(enroll, "read_join_token", lambda token: None)
+    argv = ["--data-dir", str(data), *command] if command[0] == "--headless" else [command[0], *command[1:],
+                                                                                  "--data-dir", str(data)]
+    assert main(argv) == 2
+    assert f"the agent's data dir {data} is a file, not a folder" in capsys.readouterr().err
+    assert data.read_text() == ""
+
+
 def test_platform_dirs_are_separate() -> None:
     paths = AgentPaths.resolve()
     assert len({paths.settings_dir, paths.state_dir, paths.cache_dir}) == 3
