@@ -116,10 +116,13 @@ def make_staging_folder(out_dir: Path) -> Path:
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     if os.path.lexists(staging):  # a finished export kept by an earlier call in this process
         raise ExportError(f"{staging} is in the way (an earlier export to {out_dir}): move or remove it")
+    blocking = next((part for part in (out_dir.parent, *out_dir.parent.parents) if part.exists()), None)
+    if blocking is not None and not blocking.is_dir():  # "[Errno 20] Not a directory" of the hidden staging folder
+        raise ExportError(f"cannot write the export at {out_dir}: {blocking} is a file, not a folder")
     try:
         staging.mkdir(parents=True)
     except OSError as error:
-        raise ExportError(f"cannot write the export next to {out_dir}: {error}") from None
+        raise ExportError(f"cannot write the export next to {out_dir}: {error.strerror or error}") from None
     return staging
 
 

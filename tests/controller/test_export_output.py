@@ -397,3 +397,12 @@ def test_an_export_given_where_the_checkpoint_belongs_is_named_as_one(tiny_expor
                                           r"Hugging Face checkpoint folder"):
         export_checkpoint(tiny_export, tmp_path / "again")
     assert not (tmp_path / "again").exists()
+
+
+def test_an_output_path_below_a_file_is_named_as_such(tmp_path: Path) -> None:
+    # "cannot write the export next to afile/sub: [Errno 20] Not a directory: 'afile/.sub.partial-6892'"
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ExportError, match=rf"at {tmp_path / 'afile' / 'x' / 'sub'}: {tmp_path / 'afile'} is a "
+                                          "file, not a folder"):
+        output_folder.make_staging_folder(tmp_path / "afile" / "x" / "sub")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["afile"]
