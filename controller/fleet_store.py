@@ -271,7 +271,9 @@ class FleetStore:
         if len(matches) == 1:
             return matches.pop()
         if matches:
-            raise FleetStoreError(f"{name!r} matches {len(matches)} agents: give more of the agent id")
+            listed = ", ".join(f"{agent_id[:12]} ({roster[agent_id].hostname})" for agent_id in sorted(matches)[:8])
+            more = f" and {len(matches) - 8} more" if len(matches) > 8 else ""
+            raise FleetStoreError(f"{name!r} matches {len(matches)} agents: {listed}{more}; give more of the agent id")
         if is_agent_id(name):
             return name
         if len(name) < MIN_ID_PREFIX and any(agent_id.startswith(name.lower()) for agent_id in roster):

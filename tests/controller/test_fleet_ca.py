@@ -273,6 +273,15 @@ def test_remove_names_what_it_cannot_find(store: FleetStore) -> None:
         remove_agent(store, "nobody")
 
 
+def test_a_name_that_matches_several_agents_lists_them(store: FleetStore) -> None:
+    # "'vm' matches 2 agents: give more of the agent id", and which they were the admin had to find out
+    first, second = "vm" + "a" * 50, "vm" + "b" * 50
+    store.save_roster({agent_id: RosterEntry(agent_id, "desk", utc_now().isoformat()) for agent_id in (first, second)})
+    with pytest.raises(FleetStoreError, match=rf"'desk' matches 2 agents: {first[:12]} \(desk\), {second[:12]} "
+                                              r"\(desk\); give more of the agent id"):
+        store.resolve_agent("desk")
+
+
 def test_a_client_without_a_certificate_may_send_only_small_frames_and_only_so_many_at_once(
         store: FleetStore, tmp_path: Path) -> None:
     # Anyone on the LAN can open the enrollment side: at the fleet's frame limit, three such clients made the
