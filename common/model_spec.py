@@ -295,6 +295,21 @@ def load_manifest(model_dir: Path) -> Manifest:
                             "again") from None
 
 
+def check_sizes(model_dir: Path, manifest: Manifest) -> None:
+    """Every file the manifest lists is there with its size (no hashing: cheap enough for every deploy, which sends
+    and hashes only the files a PC lacks, so a folder missing a layer deployed fine to PCs that held it)."""
+    for name in sorted(manifest.files):
+        path = model_dir / name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise ManifestError(f"{path} is missing, though the export's manifest.json names it: the export is "
+                                "incomplete (export the model again, or copy the file back)") from None
+        if size != manifest.files[name].size:
+            raise ManifestError(f"{path} has {size} bytes, the manifest says {manifest.files[name].size}: export "
+                                "the model again")
+
+
 def verify_files(model_dir: Path, manifest: Manifest, names: list[str] | None = None) -> None:
     """Check that each named file (default: all) exists with the size and sha256 the manifest says."""
     for name in names if names is not None else sorted(manifest.files):

@@ -28,7 +28,14 @@ from typing import Any, BinaryIO, TypeVar
 
 from deskfleet.agent.link import Link, LinkError
 from deskfleet.common.devices import device_kind
-from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, ManifestError, load_manifest, model_file
+from deskfleet.common.model_spec import (
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    check_sizes,
+    load_manifest,
+    model_file,
+)
 from deskfleet.common.planner import (
     AgentCandidate,
     Exclusion,
@@ -308,6 +315,7 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
                          precision: Precision, device: str, progress: Progress | None, exclude: frozenset[str],
                          kv_cache: str | None) -> tuple[Plan, DeployReport]:
     manifest = load_manifest(model_dir)
+    check_sizes(model_dir, manifest)  # a lost or cut file, before a plan: not only where a PC lacks it
     model_id = model_id_of(model_dir)
     _deployments(store)  # a damaged file is named now, not after every byte was sent
     result = plan_survey(footprint_of(manifest, device, precision, kv_cache), found, replace(options, device=device),

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -395,3 +396,22 @@ def test_a_re_export_deployed_again_releases_the_old_exports_stages(tmp_path: Pa
             await server.wait_closed()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("damage", ["lost", "cut"])
+def test_a_deploy_checks_every_file_of_the_export_not_only_those_it_sends(tmp_path: Path, tiny_export: Path,
+                                                                         damage: str) -> None:
+    # an export missing layer_006.xml deployed ("0 bytes in 0 file(s) sent") where every PC held the file
+    damaged = tmp_path / "export"
+    shutil.copytree(tiny_export, damaged)
+    layer = damaged / "layer_001.xml"
+    if damage == "lost":
+        layer.unlink()
+    else:
+        layer.write_bytes(layer.read_bytes()[:100])
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    said = "is missing, though the export's manifest.json names it" if damage == "lost" else \
+        r"has 100 bytes, the manifest says \d+: export the model again"
+    with pytest.raises(ManifestError, match=said):  # before any agent is asked
+        asyncio.run(deploy(store, damaged, cast(Any, None), PlanOptions(), Precision.F32, kv_cache="f32"))
