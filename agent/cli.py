@@ -149,12 +149,16 @@ def _pause(args: argparse.Namespace, paused: bool) -> int:
     """The employee's opt-out (agent/opt_out.py): the running agent reads it within a few seconds."""
     from deskfleet.agent.enroll import Membership
     from deskfleet.agent.link import utc_now
-    from deskfleet.agent.opt_out import write_opt_out
+    from deskfleet.agent.opt_out import read_opt_out, write_opt_out
     from deskfleet.agent.paths import AgentPaths, SettingsError, load_settings
 
     paths = AgentPaths.resolve(args.data_dir)
     # the agent's own data dir, not a mistyped one: a pause nobody reads must not look like one that works
     Membership.load(paths.state_dir, "deskfleet-agent join TOKEN" + _data_dir_flag(args.data_dir))
+    before = read_opt_out(paths.state_dir)
+    if paused and before.paused and before.problem is None:  # a second `pause` moved the pause's time, unsaid
+        print(f"this PC was already paused{f' since {before.since}' if before.since else ''}: nothing changed")
+        return 0
     write_opt_out(paths.state_dir, paused, utc_now().isoformat())
     if paused:
         print("paused: this PC serves no model until `deskfleet-agent resume`; a stage it hosts is given up "
@@ -168,6 +172,8 @@ def _pause(args: argparse.Namespace, paused: bool) -> int:
     if admin_paused:
         print(f"resumed, but {paths.settings_file} says paused: true, so this PC stays out until its admin "
               "changes that")
+    elif not before.paused:
+        print("this PC was not paused by its user: nothing changed; the next plan may use it")
     else:
         print("resumed: the next plan (the next deploy, or a running generation's re-plan) may use this PC again")
     return 0

@@ -137,6 +137,8 @@ def decode_join_token(text: str) -> JoinToken:
     Does not check expiry: call `is_expired(now)`.
     """
     text = text.strip()
+    if not text:  # `join "$TOKEN"` with TOKEN unset
+        raise JoinTokenError("the join token is empty: give the one `deskfleet fleet token` printed")
     if not text.startswith(TOKEN_PREFIX):
         raise JoinTokenError(f"a join token starts with {TOKEN_PREFIX!r}")
     raw = _b64_decode(text[len(TOKEN_PREFIX):], "join token")

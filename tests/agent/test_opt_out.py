@@ -14,7 +14,7 @@ from deskfleet.agent import opt_out as opt_out_module
 from deskfleet.agent.cli import main
 from deskfleet.agent.core import AgentCore, CommandError
 from deskfleet.agent.enroll import Membership
-from deskfleet.agent.opt_out import OPT_OUT_FILE, OptOutReader, read_opt_out, write_opt_out
+from deskfleet.agent.opt_out import OPT_OUT_FILE, OptOut, OptOutReader, read_opt_out, write_opt_out
 from deskfleet.agent.paths import AgentSettings, save_settings
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common.agent_state import AgentState
@@ -115,6 +115,19 @@ def test_pause_and_resume_commands_write_what_the_agent_reads(tmp_path: Path,
     save_settings(tmp_path / "settings" / "agent-settings.json", AgentSettings(paused=True))
     assert main(["resume", "--data-dir", str(tmp_path)]) == 0
     assert "stays out until its admin" in capsys.readouterr().out
+
+
+def test_a_pause_or_resume_that_changes_nothing_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # a second `pause` said "paused" again and moved the pause's time; a `resume` of a PC never paused "resumed"
+    joined(tmp_path)
+    assert main(["resume", "--data-dir", str(tmp_path)]) == 0
+    assert "this PC was not paused by its user: nothing changed" in capsys.readouterr().out
+    assert main(["pause", "--data-dir", str(tmp_path)]) == 0
+    since = read_opt_out(tmp_path / "state").since
+    capsys.readouterr()
+    assert main(["pause", "--data-dir", str(tmp_path)]) == 0
+    assert f"this PC was already paused since {since}: nothing changed" in capsys.readouterr().out
+    assert read_opt_out(tmp_path / "state") == OptOut(True, since)
 
 
 def test_pausing_a_data_dir_that_never_joined_is_refused_and_makes_nothing(tmp_path: Path,

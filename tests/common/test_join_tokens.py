@@ -37,7 +37,8 @@ def reencode(raw: bytes, fix_checksum: bool = True) -> str:
 
 
 @pytest.mark.parametrize("text, message", [
-    ("", "starts with"),
+    ("", "the join token is empty"),  # an unset variable: "starts with dfj." said nothing of it
+    ("  \n", "the join token is empty"),
     ("dfj.abc+def", "outside base64url"),
     ("dfj.é", "outside base64url"),
     ("dfj.a", "not base64url"),
