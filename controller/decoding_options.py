@@ -162,6 +162,8 @@ def parse_token_ids(text: str) -> list[int]:
     if not text.strip():
         return []
     try:
+        if not text.isascii():  # int() takes other scripts' digits ("１,２"): ids typed so are not what was meant
+            raise ValueError
         return [int(part) for part in text.split(",")]
     except ValueError:
         raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None

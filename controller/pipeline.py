@@ -59,7 +59,7 @@ def split_layers(num_layers: int, num_stages: int) -> list[LayerRange]:
     """Contiguous ranges whose sizes differ by at most one."""
     if not 1 <= num_stages <= num_layers:
         raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages "
-                         f"(stages must be between 1 and the number of layers)")
+                         f"(--stages must be between 1 and the number of layers)")
     base, extra = divmod(num_layers, num_stages)
     ranges, start = [], 0
     for index in range(num_stages):

@@ -41,8 +41,9 @@ def test_generate_several_prompts(tiny_export: Path, capsys: pytest.CaptureFixtu
     (["--prompt-ids", "1,x"], "comma-separated integers"),
     (["--prompt-ids", "1,,2"], "comma-separated integers, got '1,,2'"),  # was read as 1,2
     (["--prompt-ids", "1,2,"], "comma-separated integers, got '1,2,'"),
+    (["--prompt-ids", "\uff11,\uff12"], "comma-separated integers, got"),  # full-width digits: int() took them
     (["--prompt-ids", "1,2", "--max-new-tokens", "100000"], "exceed the model's context"),
-    (["--prompt-ids", "1,2", "--stages", "9"], "cannot split 4 layers into 9 stages"),
+    (["--prompt-ids", "1,2", "--stages", "9"], "cannot split 4 layers into 9 stages (--stages must"),
     (["--prompt-ids", "1,2", "--chat"], "--chat wraps text prompts"),
     (["--prompt-ids", "1,2", "--k", "0", "--draft", "d"], "--k 0 drafts no tokens"),
     (["--prompt-ids", "1,2", "--k", "0", "--prompt-lookup"], "--k 0 drafts no tokens"),
