@@ -63,7 +63,7 @@ def test_a_fleet_with_no_agent_left_says_why_no_chain_was_made(store: FleetStore
     failover = FleetFailover(store, tiny_export, max_failovers=2)
     failover.survey_options = type(failover.survey_options)(discover_seconds=0)  # nobody registered
     with pytest.raises(FailoverError, match=r"the link closed; no new chain without the lost agent\(s\): "
-                                            r"the model does not fit the fleet.* \(what to do: bring the lost PC "
+                                            r"cannot deploy .*: no agents in the fleet \(what to do: bring the lost PC "
                                             r"back, or join more PCs, then run this again\)$"):
         failover(ChainError("agent abc: the link closed", "abc" * 17))
 
