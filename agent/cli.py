@@ -130,7 +130,7 @@ def _join(args: argparse.Namespace) -> int:
     # While an agent runs on this data dir its state must not change under it (it went on in the old fleet's limbo);
     # none can start meanwhile. A data dir that never joined has no state folder, and no agent.
     held = pid_lock(paths.state_dir / LOCK_FILE, lambda pid: EnrollmentError(
-        f"an agent runs on {paths.state_dir.parent} (pid {pid}): stop it, join, then start it again")) \
+        f"an agent runs on {root} (pid {pid}): stop it, join, then start it again")) \
         if paths.state_dir.is_dir() else contextlib.nullcontext()
     with held:
         # the settings and cache folders only once joined: a failed join leaves only the state folder's key, which

@@ -295,6 +295,12 @@ def load_manifest(model_dir: Path) -> Manifest:
                             "again") from None
 
 
+def incomplete_export(path: Path) -> str:
+    """What to say of a file an export's manifest names and its folder lacks."""
+    return (f"{path} is missing, though the export's manifest.json names it: the export is incomplete (export the "
+            "model again, or copy the file back)")
+
+
 def check_sizes(model_dir: Path, manifest: Manifest) -> None:
     """Every file the manifest lists is there with its size (no hashing: cheap enough for every deploy, which sends
     and hashes only the files a PC lacks, so a folder missing a layer deployed fine to PCs that held it)."""
@@ -303,8 +309,7 @@ def check_sizes(model_dir: Path, manifest: Manifest) -> None:
         try:
             size = path.stat().st_size
         except FileNotFoundError:
-            raise ManifestError(f"{path} is missing, though the export's manifest.json names it: the export is "
-                                "incomplete (export the model again, or copy the file back)") from None
+            raise ManifestError(incomplete_export(path)) from None
         if size != manifest.files[name].size:
             raise ManifestError(f"{path} has {size} bytes, the manifest says {manifest.files[name].size}: export "
                                 "the model again")

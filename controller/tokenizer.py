@@ -9,7 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from deskfleet.common.json_file import JsonFileError, read_json_object
-from deskfleet.common.model_spec import load_manifest, model_file, verify_files
+from deskfleet.common.model_spec import incomplete_export, load_manifest, model_file, verify_files
 
 from .chat_template import ChatTemplateError, TemplateRenderer, render_isolated
 
@@ -53,7 +53,7 @@ class ModelTokenizer:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
-        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        for name in ("tokenizer.json", "tokenizer_config.json", CHAT_TEMPLATE_FILE):
             if (model_dir / name).exists() or (model_dir / name).is_symlink():
                 model_file(model_dir, name)  # the prompt must never take in a file a folder links to
         if (model_dir / "manifest.json").is_file():
@@ -81,7 +81,7 @@ class ModelTokenizer:
         config = read_json_object(config_path) if config_path.is_file() else {}
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
-        template_path = model_dir / "chat_template.jinja"
+        template_path = model_dir / CHAT_TEMPLATE_FILE
         try:
             self.chat_template: str | None = (template_path.read_text(encoding="utf-8") if template_path.is_file()
                                               else _configured_template(config.get("chat_template"), config_path))
@@ -98,8 +98,7 @@ class ModelTokenizer:
         for a model that has none, or, for an export that lost the file its manifest names, that it is incomplete
         (it said the model had no template, and generate ran on without a word)."""
         if self._lost_template is not None:
-            raise ChatTemplateError(f"{self._lost_template} is missing, though the export's manifest.json names it: "
-                                    "the export is incomplete (export the model again, or copy the file back)")
+            raise ChatTemplateError(incomplete_export(self._lost_template))
         if not self.chat_template:
             raise ChatTemplateError(refusal)
 
@@ -243,8 +242,7 @@ def _verify_tokenizer_files(model_dir: Path) -> None:
     names = [name for name in manifest.tokenizer_files if name in manifest.files and name != CHAT_TEMPLATE_FILE]
     for name in names:
         if not (model_dir / name).exists():
-            raise FileNotFoundError(f"{model_dir / name} is missing, though the export's manifest.json names it: the "
-                                    "export is incomplete (export the model again, or copy the file back)")
+            raise FileNotFoundError(incomplete_export(model_dir / name))
     verify_files(model_dir, manifest, names)
 
 

@@ -13,7 +13,7 @@ exception raised inside the loop's own callbacks was lost or hung the loop. uvlo
 protocol's data_received to the loop's exception handler (logged as "Fatal error on transport", the transport
 closed), so the websocket library saw a dropped link, the bench carried on and exited 0 (a fresh-clone CI run,
 SIGHUP while deploying); a test script that echoes over a websocket while SIGHUP arrives lost the signal in 4
-of 14 runs on uvloop and hung in 2 (4 of 14 on the standard loop), and none with the callback (28 of 28). A
+of 14 runs on uvloop and hung in 2 (4 of 14 on the standard loop), and none with the callback (240 of 240). A
 signal scheduled so, whose loop stopped before running it, is raised when `signals_unwind`'s block ends.
 
 Two places must not be cut in two, Ctrl-C included:
