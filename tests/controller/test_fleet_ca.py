@@ -293,7 +293,10 @@ def test_a_client_without_a_certificate_may_send_only_small_frames_and_only_so_m
     from deskfleet.common import tls
 
     async def stranger(address: str) -> object:
-        return await connect(f"wss://{address}/", ssl=tls.enrollment_client_context(), server_hostname="127.0.0.1")
+        # a minute to open, not websockets' 10 s: a fresh-clone CI run on a busy 2-core host timed out one of the
+        # MAX_CONCURRENT_JOINS handshakes opened in turn here (the limits under test do not depend on it)
+        return await connect(f"wss://{address}/", ssl=tls.enrollment_client_context(), server_hostname="127.0.0.1",
+                             open_timeout=60)
 
     async def scenario(server: FleetServer, address: str) -> None:
         big = await stranger(address)
