@@ -40,7 +40,7 @@ from deskfleet.common.wire import MICRO_BATCH_IDLE_S
 
 from .decoding_options import DecodingOptions, add_decoding_options, decoding_arguments, non_negative_int, positive_int
 from .engine import Engine, KeptKV, StageChain, StreamRequest
-from .generation import GenerationError
+from .generation import GenerationError, check_tokenized
 from .run import GenerateOptions, run_generate
 
 if TYPE_CHECKING:
@@ -278,6 +278,7 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 started = time.perf_counter()
                 prompt, dropped = _fit_prompt(tokenizer, system, turns, message, options.max_new_tokens,
                                                manifest.spec.max_context)
+                check_tokenized(manifest.spec, prompt)
                 resume = kept.resumable(chain)
                 if resume is None:  # a kept state's id must stay valid: fresh ids only when none is resumed
                     renumber = getattr(chain, "renumber", None)

@@ -9,6 +9,19 @@ class GenerationError(ValueError):
     """The request cannot be run as given (bad prompt id, context overflow, ...)."""
 
 
+def check_tokenized(spec: ModelSpec, prompt_ids: list[int]) -> None:
+    """GenerationError when the tokenizer encoded a text prompt with a token id past the model's vocabulary:
+    not the prompt's fault (check_request would name the prompt id as if it were), but the export's: a
+    tokenizer with tokens added after the model was made (export warns of those), or a manifest.json whose
+    vocab_size was edited."""
+    for position, token in enumerate(prompt_ids):
+        if not 0 <= token < spec.vocab_size:
+            raise GenerationError(
+                f"the tokenizer encodes this text with token id {token} (at position {position}), past the model's "
+                f"vocabulary of {spec.vocab_size} (manifest.json's vocab_size): the tokenizer holds tokens the "
+                "model was not exported with, or manifest.json was edited; export the model again")
+
+
 def check_request(spec: ModelSpec, prompt_ids: list[int], max_new_tokens: int) -> None:
     """Raise GenerationError naming what is wrong with a prompt before any stage runs."""
     if not prompt_ids:

@@ -14,7 +14,7 @@ from deskfleet.common.model_spec import load_manifest
 
 from .decoding_options import DecodingOptions
 from .engine import Engine, Recover, StageChain, StreamRequest, StreamResult
-from .generation import GenerationError, check_request
+from .generation import GenerationError, check_request, check_tokenized
 from .pipeline import LocalPipeline, split_layers
 
 if TYPE_CHECKING:  # imported where used: the tokenizers package comes with the controller extra only
@@ -124,6 +124,8 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
     stop = tokenizer.end_of_turn_ids() if options.chat else frozenset()  # --chat: the reply's turn ends there
     for what, prompt in prompts:  # before the stages compile, and naming the prompt among several
         try:
+            if options.prompt_ids is None:  # the tokenizer's ids: one outside the vocabulary is the export's fault
+                check_tokenized(manifest.spec, prompt)
             check_request(manifest.spec, prompt, options.max_new_tokens)
         except GenerationError as error:
             raise GenerationError(f"{what}: {error}") from None

@@ -127,6 +127,32 @@ def _chain_that_fails_over(monkeypatch: pytest.MonkeyPatch, model: Path, setting
     return failover
 
 
+def test_a_message_the_tokenizer_encodes_past_the_vocabulary_blames_the_export(
+        tmp_path: Path, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A tokenizer with a token the model lacks (added after the model was made; export warns of it): the
+    # message that holds it is refused naming the export, not the user's text, and the chat goes on.
+    model = _chat_model(tmp_path, tiny_export)
+    vocab = load_manifest(model).spec.vocab_size
+    options = ChatOptions(model=model, max_new_tokens=6, settings=CompileSettings(precision=Precision.F32))
+    plain = io.StringIO()
+    run_chat(options, io.StringIO("hello there\nagain, please\n"), plain, notes=io.StringIO())
+    encode = ModelTokenizer.encode
+
+    def added_token(self: ModelTokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = encode(self, text, add_special_tokens)
+        return [*ids, vocab] if "\N{SNOWMAN}" in text else ids
+
+    monkeypatch.setattr(ModelTokenizer, "encode", added_token)
+    out, notes = io.StringIO(), io.StringIO()
+    lines = io.StringIO("hello there\nlet it \N{SNOWMAN}\nagain, please\n")
+    assert run_chat(options, lines, out, notes=notes) == 2
+    assert out.getvalue() == plain.getvalue()
+    note = notes_but_cuts(notes)
+    assert f"[the tokenizer encodes this text with token id {vocab} (at position " in note
+    assert f"past the model's vocabulary of {vocab} (manifest.json's vocab_size)" in note
+    assert note.rstrip().endswith("export the model again: not sent; the conversation is unchanged]")
+
+
 def _chat_model(tmp_path: Path, tiny_export: Path) -> Path:
     model = tmp_path / "model"
     shutil.copytree(tiny_export, model)

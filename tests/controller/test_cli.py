@@ -369,3 +369,28 @@ def test_bench_speculative_names_an_empty_prompts_file(tiny_export: Path, tmp_pa
     code, _, err = run(capsys, "bench", "speculative", "--model", str(tiny_export), "--draft", str(tiny_export),
                        "--prompts-file", str(path))
     assert code == 2 and f"--prompts-file {path} holds no prompt: every line is empty or blank" in err
+
+
+def test_a_text_prompt_past_an_edited_vocabulary_blames_the_export_not_the_prompt(
+        tiny_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # A manifest.json whose vocab_size was edited down: the tokenizer's ids for an ordinary prompt fall past it.
+    # The user's prompt is not at fault; before, the error read "prompt id 101 at position 1 is outside the
+    # vocabulary", as it does (rightly) for --prompt-ids.
+    import shutil
+
+    import deskfleet.controller.run as run_module
+
+    def no_compile(*args: Any) -> None:
+        raise AssertionError("the stages compiled before the prompts were checked")
+
+    monkeypatch.setattr(run_module, "LocalPipeline", no_compile)
+    edited = tmp_path / "edited"
+    shutil.copytree(tiny_export, edited)
+    manifest = json.loads((edited / "manifest.json").read_text())
+    manifest["spec"]["vocab_size"] = 100
+    (edited / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = run(capsys, "generate", "--model", str(edited), "--prompt", "caf\u00e9")
+    assert code == 2 and "deskfleet: error: --prompt: the tokenizer encodes this text with token id " in err
+    assert "past the model's vocabulary of 100 (manifest.json's vocab_size)" in err and "export the model again" in err
+    code, _, err = run(capsys, "generate", "--model", str(edited), "--prompt-ids", "1,150")
+    assert code == 2 and "--prompt-ids: prompt id 150 at position 1 is outside the vocabulary (size 100)" in err
