@@ -140,6 +140,7 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
     context: AbstractContextManager[StageChain] = (
         nullcontext(chain) if chain is not None
         else LocalPipeline(options.model, options.stages, settings, manifest))
+    labels = [what for what, _ in prompts]
     with context as pipeline:
         engine = Engine(pipeline, manifest.spec, draft, engine_options)
         for index, (_, prompt) in enumerate(prompts):
@@ -158,14 +159,14 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
             # The chain broke past what recover could mend (a fleet run that gave up re-planning): what the
             # streams had made is not thrown away with the error.
             wall = time.perf_counter() - started
-            partial = _report(engine, tokenizer, engine.results(), wall, stages, pipeline, stream_text)
+            partial = _report(engine, tokenizer, engine.results(), wall, stages, pipeline, stream_text, labels)
             partial["stopped"] = str(error)
             _add_engine_figures(partial, engine, draft is not None, recover is not None)
             raise GenerationStopped(str(error), partial) from error
         wall = time.perf_counter() - started
     if printer is not None:
         printer.finish()
-    report = _report(engine, tokenizer, results, wall, stages, pipeline, stream_text)
+    report = _report(engine, tokenizer, results, wall, stages, pipeline, stream_text, labels)
     _add_engine_figures(report, engine, draft is not None, recover is not None)
     return report
 
@@ -180,7 +181,9 @@ class GenerationStopped(RuntimeError):
 
 
 def _report(engine: Engine, tokenizer: ModelTokenizer, results: dict[int, StreamResult], wall: float, stages: int,
-            pipeline: StageChain, print_streams: bool) -> dict[str, object]:
+            pipeline: StageChain, print_streams: bool, labels: list[str]) -> dict[str, object]:
+    """The report; with `print_streams`, each stream's text printed under the label that errors call its prompt
+    by (encode_prompts: "--prompt #2", "line 5 of --prompts-file F"), in the order the prompts were given."""
     from .text_printer import is_terminal, visible_controls
 
     streams = [{"tokens": result.tokens, "text": tokenizer.decode(result.tokens),
@@ -198,8 +201,8 @@ def _report(engine: Engine, tokenizer: ModelTokenizer, results: dict[int, Stream
         report["tok_s"] = round(generated / wall, 3) if wall > 0 else 0.0
         if print_streams:
             shown = visible_controls if is_terminal(sys.stdout) else str  # a model's ESC sequences, not obeyed
-            for index, stream in enumerate(streams):
-                print(f"--- stream {index}\n{shown(str(stream['text']))}")
+            for label, stream in zip(labels, streams, strict=True):
+                print(f"--- {label}\n{shown(str(stream['text']))}")
     return report
 
 

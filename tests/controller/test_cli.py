@@ -394,3 +394,20 @@ def test_a_text_prompt_past_an_edited_vocabulary_blames_the_export_not_the_promp
     assert "past the model's vocabulary of 100 (manifest.json's vocab_size)" in err and "export the model again" in err
     code, _, err = run(capsys, "generate", "--model", str(edited), "--prompt-ids", "1,150")
     assert code == 2 and "--prompt-ids: prompt id 150 at position 1 is outside the vocabulary (size 100)" in err
+
+
+def test_several_streams_print_under_the_names_errors_give_their_prompts(
+        tiny_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Errors call a prompt "--prompt #2" or "line 3 of --prompts-file F" (1-based, as the user counts them);
+    # the texts were headed "stream 0", "stream 1", ..., which matched neither.
+    path = tmp_path / "prompts.txt"
+    path.write_text("first\n\nsecond\n")
+    code, out, _ = run(capsys, "generate", "--model", str(tiny_export), "--prompts-file", str(path),
+                       "--max-new-tokens", "3", "--ignore-eos")
+    assert code == 0
+    headers = [line for line in out.splitlines() if line.startswith("--- ")]
+    assert headers == [f"--- line 1 of --prompts-file {path}", f"--- line 3 of --prompts-file {path}"]
+    code, out, _ = run(capsys, "generate", "--model", str(tiny_export), "--prompt", "a", "--prompt", "b",
+                       "--max-new-tokens", "3", "--ignore-eos")
+    assert code == 0 and [line for line in out.splitlines() if line.startswith("--- ")] == [
+        "--- --prompt #1", "--- --prompt #2"]

@@ -158,4 +158,4 @@ def test_generate_on_a_terminal_shows_each_streams_escapes(tiny_export: Path, mo
     assert one["text"] == HOSTILE  # --json gives the text itself
     monkeypatch.setattr(sys, "stdout", Terminal())
     run_generate(GenerateOptions(model=tiny_export, prompts=["a", "b"], max_new_tokens=200), stream_text=True)
-    assert sys.stdout.getvalue() == "".join(f"--- stream {i}\n{visible_controls(HOSTILE)}\n" for i in range(2))
+    assert sys.stdout.getvalue() == "".join(f"--- --prompt #{i}\n{visible_controls(HOSTILE)}\n" for i in (1, 2))
