@@ -171,11 +171,10 @@ class FleetFailover:
                 raise FailoverError(f"{error}; while re-planning, {failure} (gave up: {replans} re-plan(s) "
                                     f"already in this run, --max-failovers {self.max_failovers})") from error
             checked = f" ({self._verdict})" if self._verdict else ""
-            # a blame that left no one out (a link marked broken, a PC kept) may still leave no chain
-            without, remedy = (" without the lost agent(s)", "bring the lost PC back, or join more PCs") if self.lost \
-                else ("", "mend what the reason names, or join more PCs")
-            raise FailoverError(f"{error}{checked}; no new chain{without}: {failure} (what to do: {remedy}, then "
-                                "run this again)") from error
+            without = " without the lost agent(s)" if self.lost else ""
+            left_out = failure.left_out if isinstance(failure, DeployError) else frozenset()
+            raise FailoverError(f"{error}{checked}; no new chain{without}: {failure} (what to do: "
+                                f"{_remedy(bool(self.lost), left_out)}, then run this again)") from error
         finally:
             self._blame = None
 
@@ -329,3 +328,17 @@ class FleetFailover:
         self._verdict = (f"agent {accused[:12]} answers the controller{why}: it is kept in the plan (blamed again "
                          "in this run, it is left out)")
         log.warning("%s", self._verdict)
+
+
+def _remedy(lost: bool, left_out: frozenset[ExclusionReason]) -> str:
+    """What a user can do when a failover found no new chain: first for the PCs the plan left out that could
+    take work again (a paused one was not lost: bringing it back is not the step), then for the lost ones (a
+    blame that left no one out, a link marked broken, may still leave no chain: the reason names what)."""
+    steps = []
+    if ExclusionReason.PAUSED in left_out:
+        steps.append("resume a paused PC (`deskfleet-agent resume` on it)")
+    if ExclusionReason.UNAVAILABLE in left_out:
+        steps.append("wait until a PC left out as unavailable is free again (the reason says what it is waiting "
+                     "for)")
+    steps.append("bring the lost PC back" if lost else "mend what the reason names")
+    return ", ".join(steps) + ", or join more PCs"

@@ -9,14 +9,16 @@ from types import SimpleNamespace
 
 import pytest
 
+from deskfleet.common.agent_state import AgentState
 from deskfleet.common.planner import PlanPolicy
-from deskfleet.common.wire import Precision
+from deskfleet.common.wire import Precision, StatusReport
 from deskfleet.controller import fleet_failover
 from deskfleet.controller.chat import add_fleet_option
 from deskfleet.controller.fleet_deploy import DeployError, DeploySettings, load_deploy_settings, model_id_of
 from deskfleet.controller.fleet_failover import FailoverError, FleetFailover
 from deskfleet.controller.fleet_pipeline import ChainError
 from deskfleet.controller.fleet_store import FleetStore
+from deskfleet.controller.fleet_survey import AgentView, Survey
 
 
 class NewChain:
@@ -66,6 +68,33 @@ def test_a_fleet_with_no_agent_left_says_why_no_chain_was_made(store: FleetStore
                                             r"cannot deploy .*: no agents in the fleet \(what to do: bring the lost PC "
                                             r"back, or join more PCs, then run this again\)$"):
         failover(ChainError("agent abc: the link closed", "abc" * 17))
+
+
+@pytest.mark.parametrize(("state", "remedy"), [
+    # a paused PC is not lost: "bring the lost PC back" sent the user after the wrong one
+    (AgentState.PAUSED, r"resume a paused PC \(`deskfleet-agent resume` on it\), bring the lost PC back"),
+    (AgentState.UNAVAILABLE, r"wait until a PC left out as unavailable is free again \(the reason says what it is "
+                             r"waiting for\), bring the lost PC back"),
+])
+def test_a_fleet_whose_other_pcs_cannot_take_work_says_what_would_let_them(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch, state: AgentState,
+        remedy: str) -> None:
+    class Link:
+        async def close(self) -> None:
+            pass
+
+    async def others(*args: object) -> Survey:  # the lost PC gone, the other two paused or unavailable
+        agents = [AgentView(agent_id, f"10.0.0.{index}:7431", f"pc-{index}", ("peer",),
+                            StatusReport(state, 8 << 30, 0.1, None, None, None, None, (), None, weight_gb_per_s=5.0),
+                            None)
+                  for index, agent_id in enumerate(("b" * 52, "c" * 52))]
+        return Survey(agents, {agent.agent_id: Link() for agent in agents})  # type: ignore[misc]
+
+    monkeypatch.setattr(fleet_failover, "survey", others)
+    failover = FleetFailover(store, tiny_export, max_failovers=2)
+    with pytest.raises(FailoverError, match=rf"no new chain without the lost agent\(s\): cannot deploy .* \(what to "
+                                            rf"do: {remedy}, or join more PCs, then run this again\)$"):
+        failover(ChainError("agent abc: the link closed", "a" * 52))
 
 
 def test_deploy_settings_of_an_older_record_are_the_defaults_and_a_bad_one_is_refused(
