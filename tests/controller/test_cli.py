@@ -232,16 +232,22 @@ def test_an_unreadable_prompts_file_is_named(tiny_export: Path, tmp_path: Path, 
     assert ("Is a directory" if content is None else "not UTF-8 text (it holds the byte 0xff)") in err
 
 
-def test_a_request_error_names_its_prompt_before_the_stages_compile(
-        tiny_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    # Among several prompts, the one too long for the context (512 tokens) or holding an id outside the
-    # vocabulary is named as the user gave it: its --prompt number, or its line in the file.
+@pytest.fixture
+def no_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that compiles its stages fails the test: its prompts are to be checked before."""
     import deskfleet.controller.run as run_module
 
-    def no_compile(*args: Any) -> None:
+    def refuse(*args: Any) -> None:
         raise AssertionError("the stages compiled before the prompts were checked")
 
-    monkeypatch.setattr(run_module, "LocalPipeline", no_compile)
+    monkeypatch.setattr(run_module, "LocalPipeline", refuse)
+
+
+@pytest.mark.usefixtures("no_compile")
+def test_a_request_error_names_its_prompt_before_the_stages_compile(
+        tiny_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Among several prompts, the one too long for the context (512 tokens) or holding an id outside the
+    # vocabulary is named as the user gave it: its --prompt number, or its line in the file.
     path = tmp_path / "prompts.txt"
     path.write_text(f"ok\n\n  \nfine\n{'x' * 600}\n")
     model = ["generate", "--model", str(tiny_export)]
@@ -371,19 +377,14 @@ def test_bench_speculative_names_an_empty_prompts_file(tiny_export: Path, tmp_pa
     assert code == 2 and f"--prompts-file {path} holds no prompt: every line is empty or blank" in err
 
 
+@pytest.mark.usefixtures("no_compile")
 def test_a_text_prompt_past_an_edited_vocabulary_blames_the_export_not_the_prompt(
-        tiny_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # A manifest.json whose vocab_size was edited down: the tokenizer's ids for an ordinary prompt fall past it.
     # The user's prompt is not at fault; before, the error read "prompt id 101 at position 1 is outside the
     # vocabulary", as it does (rightly) for --prompt-ids.
     import shutil
 
-    import deskfleet.controller.run as run_module
-
-    def no_compile(*args: Any) -> None:
-        raise AssertionError("the stages compiled before the prompts were checked")
-
-    monkeypatch.setattr(run_module, "LocalPipeline", no_compile)
     edited = tmp_path / "edited"
     shutil.copytree(tiny_export, edited)
     manifest = json.loads((edited / "manifest.json").read_text())
