@@ -37,6 +37,7 @@ from deskfleet.controller.fleet_cli import add_fleet_commands
 
 if TYPE_CHECKING:
     from deskfleet.agent.stage import CompileSettings
+    from deskfleet.controller.run import GenerationInterrupted
 
 log = logging.getLogger("deskfleet")
 
@@ -452,10 +453,34 @@ def _stream_done(stream: dict[str, object], max_new_tokens: int) -> bool:
     return bool(stream["stopped_by_eos"]) or len(tokens) >= max_new_tokens
 
 
+def _print_interrupted(interrupted: GenerationInterrupted, args: argparse.Namespace) -> None:
+    """What a generate run interrupted by Ctrl-C had made (run.GenerationInterrupted): under --json the report
+    with each stream's tokens so far and "stopped": "interrupted"; else each stream's text so far, where it was
+    not streamed as it came (several prompts), and on stderr how many streams had finished."""
+    from deskfleet.controller.run import print_stream_texts
+
+    report = interrupted.report
+    streams = report["streams"]
+    assert isinstance(streams, list)
+    try:
+        if args.json:
+            print(json.dumps(report), flush=True)
+        elif not interrupted.streamed:
+            print_stream_texts(streams, interrupted.labels)
+            sys.stdout.flush()
+    except (OSError, ValueError):  # a closed pipe or file: nobody to show it to
+        return
+    if args.json or not interrupted.streamed:
+        done = sum(1 for stream in streams if _stream_done(stream, args.max_new_tokens))
+        print(f"deskfleet: interrupted ({done} of {len(streams)} stream(s) had finished; "
+              f"{report['generated_tokens']} tokens in all, "
+              + ("in the JSON on standard output)" if args.json else "above)"), file=sys.stderr)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from deskfleet.controller.chat import generate_on_fleet
     from deskfleet.controller.fleet_failover import FailoverError
-    from deskfleet.controller.run import GenerateOptions, GenerationStopped, run_generate
+    from deskfleet.controller.run import GenerateOptions, GenerationInterrupted, GenerationStopped, run_generate
 
     check_fleet_options(args)
     options = GenerateOptions(
@@ -469,11 +494,13 @@ def _generate(args: argparse.Namespace) -> int:
                                        max_failovers=fleet_max_failovers(args), discover_seconds=args.discover_seconds)
         else:
             report = run_generate(options, stream_text=not args.json)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupted:
         # The text stops mid-line, where the terminal echoes ^C: end that line, as a finished run does, so
-        # the shell's prompt starts on its own. --json has written nothing to stdout: it must stay empty
-        # (not a stray line where a JSON object is expected), so there the line ends on stderr.
+        # the shell's prompt starts on its own. --json has written nothing to stdout: nothing but the report may
+        # go there (not a stray line where a JSON object is expected), so there the line ends on stderr.
         _end_line(sys.stderr if args.json else sys.stdout)
+        if isinstance(interrupted, GenerationInterrupted):  # the streams had begun: what they made is kept
+            _print_interrupted(interrupted, args)
         raise
     except FailoverError as error:  # the chain could not be opened nor re-planned: a failed run, not a usage error
         print(f"deskfleet: error: {error}", file=sys.stderr)

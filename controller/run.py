@@ -163,6 +163,14 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
             partial["stopped"] = str(error)
             _add_engine_figures(partial, engine, draft is not None, recover is not None)
             raise GenerationStopped(str(error), partial) from error
+        except KeyboardInterrupt:
+            # Ctrl-C: what the streams had made is not thrown away with it (a long --prompts-file run stopped
+            # near its end lost every finished stream); the caller prints it and ends the run as interrupted
+            wall = time.perf_counter() - started
+            partial = _report(engine, tokenizer, engine.results(), wall, stages, pipeline, False, labels)
+            partial["stopped"] = "interrupted"
+            _add_engine_figures(partial, engine, draft is not None, recover is not None)
+            raise GenerationInterrupted(partial, labels, streamed=printer is not None) from None
         wall = time.perf_counter() - started
     if printer is not None:
         printer.finish()
@@ -180,12 +188,32 @@ class GenerationStopped(RuntimeError):
         self.report = report
 
 
-def _report(engine: Engine, tokenizer: ModelTokenizer, results: dict[int, StreamResult], wall: float, stages: int,
-            pipeline: StageChain, print_streams: bool, labels: list[str]) -> dict[str, object]:
-    """The report; with `print_streams`, each stream's text printed under the label that errors call its prompt
-    by (encode_prompts: "--prompt #2", "line 5 of --prompts-file F"), in the order the prompts were given."""
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C while the streams ran: `report` is the report run_generate would have returned, with each stream's
+    tokens so far and `"stopped": "interrupted"`; `labels` name the streams' prompts (print_stream_texts);
+    `streamed`: the one stream's text was printed as it came."""
+
+    def __init__(self, report: dict[str, object], labels: list[str], streamed: bool) -> None:
+        super().__init__()
+        self.report = report
+        self.labels = labels
+        self.streamed = streamed
+
+
+def print_stream_texts(streams: list[dict[str, object]], labels: list[str]) -> None:
+    """Each stream's text under the label that errors call its prompt by (encode_prompts: "--prompt #2", "line 5
+    of --prompts-file F"), in the order the prompts were given; a model's control characters made visible on a
+    terminal, not obeyed."""
     from .text_printer import is_terminal, visible_controls
 
+    shown = visible_controls if is_terminal(sys.stdout) else str
+    for label, stream in zip(labels, streams, strict=True):
+        print(f"--- {label}\n{shown(str(stream['text']))}")
+
+
+def _report(engine: Engine, tokenizer: ModelTokenizer, results: dict[int, StreamResult], wall: float, stages: int,
+            pipeline: StageChain, print_streams: bool, labels: list[str]) -> dict[str, object]:
+    """The report; with `print_streams`, each stream's text printed (print_stream_texts) where there are several."""
     streams = [{"tokens": result.tokens, "text": tokenizer.decode(result.tokens),
                 "tok_s": round(result.decode_tok_s, 3), "prompt_tokens": result.prompt_tokens,
                 "first_token_s": round(result.first_token_s, 4), "stopped_by_eos": result.stopped_by_eos}
@@ -200,9 +228,7 @@ def _report(engine: Engine, tokenizer: ModelTokenizer, results: dict[int, Stream
     else:
         report["tok_s"] = round(generated / wall, 3) if wall > 0 else 0.0
         if print_streams:
-            shown = visible_controls if is_terminal(sys.stdout) else str  # a model's ESC sequences, not obeyed
-            for label, stream in zip(labels, streams, strict=True):
-                print(f"--- {label}\n{shown(str(stream['text']))}")
+            print_stream_texts(streams, labels)
     return report
 
 

@@ -412,3 +412,42 @@ def test_several_streams_print_under_the_names_errors_give_their_prompts(
                        "--max-new-tokens", "3", "--ignore-eos")
     assert code == 0 and [line for line in out.splitlines() if line.startswith("--- ")] == [
         "--- --prompt #1", "--- --prompt #2"]
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_with_several_prompts_keeps_what_the_streams_made(
+        tiny_export: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, as_json: bool) -> None:
+    # Several prompts print when all are done: Ctrl-C threw every stream's text away, finished ones too (a long
+    # --prompts-file stopped near its end left nothing). Now each stream's text so far is printed under its
+    # label (or, with --json, the report with "stopped": "interrupted"), and the run still exits 130.
+    import deskfleet.controller.run as run_module
+    from deskfleet.controller.pipeline import LocalPipeline
+
+    argv = ["generate", "--model", str(tiny_export), "--prompt", "def f(x):", "--prompt", "import", "--max-new-tokens",
+            "12", "--ignore-eos", "--json"]
+    code, out, _ = run(capsys, *argv)
+    whole = [stream["tokens"] for stream in json.loads(out)["streams"]]
+
+    class CtrlCAtTheTenthResult(LocalPipeline):
+        calls = 0
+
+        def collect(self, timeout: float | None = None) -> Any:
+            CtrlCAtTheTenthResult.calls += 1
+            if CtrlCAtTheTenthResult.calls == 10:
+                raise KeyboardInterrupt
+            return super().collect(timeout)
+
+    monkeypatch.setattr(run_module, "LocalPipeline", CtrlCAtTheTenthResult)
+    code, out, err = run(capsys, *(argv if as_json else argv[:-1]))
+    assert code == 130
+    if as_json:
+        report = json.loads(out)
+        assert report["stopped"] == "interrupted"
+        made = [stream["tokens"] for stream in report["streams"]]
+        for tokens, full in zip(made, whole, strict=True):
+            assert 0 < len(tokens) < 12 and tokens == full[:len(tokens)]
+        assert err.startswith("\ndeskfleet: interrupted (0 of 2 stream(s) had finished; ")
+        assert err.endswith(" tokens in all, in the JSON on standard output)\n")
+    else:
+        assert [line for line in out.splitlines() if line.startswith("--- ")] == ["--- --prompt #1", "--- --prompt #2"]
+        assert err.startswith("deskfleet: interrupted (0 of 2 stream(s) had finished; ") and err.endswith("above)\n")
