@@ -286,7 +286,7 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                         renumber()
                 engine = Engine(chain, manifest.spec, draft, engine_options, learned_k)
                 engine.add(StreamRequest(prompt, options.max_new_tokens, sampling=sampling,
-                                         seed=options.seed + replies, stop_token_ids=end_of_turn,
+                                         seed=options.base_seed + replies, stop_token_ids=end_of_turn,
                                          keep_kv=options.reuse_kv, resume=resume))
             except (GenerationError, NotUtf8Error, ChatTemplateError) as error:
                 # ChatTemplateError: the template refused this conversation (its raise_exception) or rendered
@@ -327,7 +327,8 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 _write_json(out, True, {"reply": printer.text, "stopped": stopped, "reply_tokens": len(result.tokens),
                                         "prompt_tokens": len(prompt), "reused_tokens": result.reused_tokens,
                                         "seconds": round(time.perf_counter() - started, 3),
-                                        "failovers": len(engine.failovers), "dropped_exchanges": dropped // 2})
+                                        "failovers": len(engine.failovers), "dropped_exchanges": dropped // 2,
+                                        **({"seed": options.base_seed + replies} if options.seed is not None else {})})
             else:
                 out.write("\n")
                 out.flush()

@@ -523,7 +523,8 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         print()
         print(f"[{report['generated_tokens']} tokens, {report['tok_s']:.1f} tok/s, {report['stages']} stage(s)"
-              + (f", mean accepted {report['mean_accepted']:.2f}" if "mean_accepted" in report else "") + "]",
+              + (f", mean accepted {report['mean_accepted']:.2f}" if "mean_accepted" in report else "")
+              + (f", seed {report['seed']}" if "seed" in report else "") + "]",
               file=sys.stderr)
     return 0
 

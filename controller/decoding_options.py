@@ -8,6 +8,7 @@ and `positive_int` are the argparse types of the CLI's whole-number options.
 from __future__ import annotations
 
 import argparse
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,9 @@ class DecodingOptions:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0
     top_p: float = 1.0
-    seed: int = 0  # stream i (or reply i) samples with seed + i
+    # stream i (or reply i) samples with seed + i; None: not given, and one is drawn at random where it samples
+    # (runs of the same prompt then differ, as a user who samples expects; the report says which was drawn)
+    seed: int | None = None
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens a call at most; 0: whole prompts
     settings: CompileSettings = field(default_factory=CompileSettings)
 
@@ -75,10 +78,20 @@ class DecodingOptions:
             verb = "act" if " and " in given else "acts"
             raise ValueError(f"{given} {verb} only with a --temperature above 0: the default, 0, is greedy decoding "
                              "(the most likely token every time), which they would not change")
-        if self.seed < 0:
+        if self.seed is not None and self.seed < 0:
             raise ValueError(f"--seed must be 0 or more, got {self.seed}")
+        if self.temperature == 0 and self.seed is not None:
+            raise ValueError("--seed acts only with a --temperature above 0: the default, 0, is greedy decoding, "
+                             "which draws nothing")
+        if self.temperature > 0 and self.seed is None:
+            object.__setattr__(self, "seed", random_seed())
         if self.prefill_chunk < 0:
             raise ValueError(f"--prefill-chunk must be 0 (whole prompts) or more, got {self.prefill_chunk}")
+
+    @property
+    def base_seed(self) -> int:
+        """The seed stream (or reply) 0 samples with: the one given or drawn; 0 where nothing samples."""
+        return self.seed or 0
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
@@ -116,7 +129,9 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy; at most {MAX_TEMPERATURE:g}")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="stream (or reply) i samples with seed + i")
+    parser.add_argument("--seed", type=non_negative_int, default=None,
+                        help="stream (or reply) i samples with seed + i (default: one drawn at random, which "
+                             "--json reports)")
     parser.add_argument("--prefill-chunk", type=non_negative_int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
                         help="while other streams run, feed a prompt N tokens a call, between their steps, so a "
                              "long prompt does not stall them for its whole length (default "
@@ -128,6 +143,11 @@ def decoding_arguments(args: argparse.Namespace, settings: CompileSettings) -> d
     return {"draft": args.draft, "prompt_lookup": args.prompt_lookup, "k": args.k, "k_max": args.k_max,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
             "prefill_chunk": args.prefill_chunk, "settings": settings}
+
+
+def random_seed() -> int:
+    """A seed for a run that samples without --seed: any of the 2**31 a --seed can also give."""
+    return secrets.randbelow(2**31)
 
 
 def non_negative_int(text: str) -> int:

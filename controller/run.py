@@ -146,7 +146,7 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
         for index, (_, prompt) in enumerate(prompts):
             engine.add(StreamRequest(prompt_ids=prompt, max_new_tokens=options.max_new_tokens,
                                      ignore_eos=options.ignore_eos, stop_token_ids=stop, sampling=sampling,
-                                     seed=options.seed + index))
+                                     seed=options.base_seed + index))
         started = time.perf_counter()
         try:
             results = engine.run(on_token=printer.push if printer else None, recover=recover)
@@ -176,6 +176,8 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
         printer.finish()
     report = _report(engine, tokenizer, results, wall, stages, pipeline, stream_text, labels)
     _add_engine_figures(report, engine, draft is not None, recover is not None)
+    if options.seed is not None:  # it samples: the seed given, or the one drawn, to run it again with --seed
+        report["seed"] = options.seed
     return report
 
 

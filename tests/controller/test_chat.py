@@ -17,7 +17,7 @@ import pytest
 
 from deskfleet.agent.stage import CompileSettings, Precision
 from deskfleet.common.model_spec import load_manifest
-from deskfleet.controller import chat
+from deskfleet.controller import chat, decoding_options
 from deskfleet.controller.chat import ChatOptions, run_chat
 from deskfleet.controller.cli import main
 from deskfleet.controller.engine import ChainBroken, StreamRequest
@@ -662,3 +662,21 @@ def test_after_a_failover_the_next_turn_learns_adaptive_k_afresh(tmp_path: Path,
     assert len(failover.recovered) == 1
     assert first is None and second is None  # the first turn broke its chain and failed over
     assert third is not None  # the second ran on one chain throughout: the third goes on from it
+
+
+def test_a_sampling_chat_reports_each_replys_seed(tmp_path: Path, tiny_export: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # Reply i samples with seed + i; without --seed one is drawn per chat (it was 0: every restarted chat gave
+    # the same replies), and --json says which, so a reply can be had again.
+    model = _chat_model(tmp_path, tiny_export)
+    monkeypatch.setattr(decoding_options, "random_seed", lambda: 40)
+
+    def seeds(**fields: Any) -> list[Any]:
+        out = io.StringIO()
+        run_chat(ChatOptions(model=model, max_new_tokens=3, **fields), io.StringIO("hi\nagain\n"), out,
+                 notes=io.StringIO(), as_json=True)
+        return [json.loads(line).get("seed") for line in out.getvalue().splitlines()]
+
+    assert seeds(temperature=1.0, seed=7) == [7, 8]
+    assert seeds(temperature=1.0) == [40, 41]
+    assert seeds() == [None, None]  # greedy: nothing drawn, nothing reported

@@ -181,7 +181,8 @@ def test_decoding_options_refuse_what_the_cli_refuses() -> None:
                             ({"k": 2}, "--k needs --draft or --prompt-lookup"),
                             ({"k_max": 4}, "--k-max needs --draft or --prompt-lookup"),
                             ({"k": 2, "k_max": 4, "prompt_lookup": True}, "--k and --k-max together"),
-                            ({"top_p": 0.0}, "--top-p must be more than 0")]:
+                            ({"top_p": 0.0}, "--top-p must be more than 0"),
+                            ({"seed": 3}, "--seed acts only with a --temperature above 0")]:
         with pytest.raises(ValueError, match=message):
             DecodingOptions(**fields)  # type: ignore[arg-type]
     assert DecodingOptions(k=0).engine_options(1).fixed_k == 0  # no drafter: K is moot, not an error
@@ -451,3 +452,24 @@ def test_ctrl_c_with_several_prompts_keeps_what_the_streams_made(
     else:
         assert [line for line in out.splitlines() if line.startswith("--- ")] == ["--- --prompt #1", "--- --prompt #2"]
         assert err.startswith("deskfleet: interrupted (0 of 2 stream(s) had finished; ") and err.endswith("above)\n")
+
+
+def test_sampling_without_a_seed_draws_one_and_reports_it(tiny_export: Path, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # The seed was 0 unless given: every sampled run of a prompt, every restarted chat, gave the same text.
+    from deskfleet.controller import decoding_options
+
+    argv = ["generate", "--model", str(tiny_export), "--prompt", "def f(x):", "--temperature", "1.5",
+            "--max-new-tokens", "16", "--ignore-eos", "--json"]
+    drawn = [json.loads(run(capsys, *argv)[1])["seed"] for _ in range(2)]
+    assert drawn[0] != drawn[1]  # two of 2**31
+    monkeypatch.setattr(decoding_options, "random_seed", lambda: 11)
+    code, _, err = run(capsys, *argv[:-1])
+    assert code == 0 and err.rstrip().endswith(", seed 11]")
+    unseeded = json.loads(run(capsys, *argv)[1])
+    seeded = json.loads(run(capsys, *argv, "--seed", "11")[1])
+    assert unseeded["seed"] == seeded["seed"] == 11 and unseeded["tokens"] == seeded["tokens"]
+    greedy = json.loads(run(capsys, *argv[:5], "--max-new-tokens", "4", "--json")[1])
+    assert "seed" not in greedy  # nothing drawn where nothing samples
+    code, _, err = run(capsys, *argv[:5], "--seed", "4")
+    assert code == 2 and "--seed acts only with a --temperature above 0" in err
