@@ -177,9 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="in-process pipeline stages (default 1; not with --fleet)")
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append", help="prompt text; repeat for concurrent streams")
-    prompt.add_argument("--prompts-file", type=path_argument,
-                        help="UTF-8 file, one prompt per line, run as concurrent streams; in a line \\n is a "
-                             "newline, \\t a tab, \\\\ a backslash")
+    prompt.add_argument("--prompts-file", type=path_argument, action="append",
+                        help="UTF-8 file, one prompt per line, run as concurrent streams (repeatable; - reads "
+                             "standard input); in a line \\n is a newline, \\t a tab, \\\\ a backslash")
     prompt.add_argument("--prompt-ids", action="append", help="comma-separated token ids, e.g. 1,2,3; repeatable")
     generate.add_argument("--chat", action="store_true",
                           help="wrap each text prompt in the model's chat template (not with --prompt-ids)")
@@ -484,7 +484,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     check_fleet_options(args)
     options = GenerateOptions(
-        model=args.model, stages=args.stages or 1, prompts=args.prompt, prompts_file=args.prompts_file,
+        model=args.model, stages=args.stages or 1, prompts=args.prompt,
+        prompts_files=tuple(args.prompts_file or ()),
         prompt_ids=[parse_token_ids(text) for text in args.prompt_ids] if args.prompt_ids else None,
         chat=args.chat, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, max_rows=args.max_rows,
         micro_batches=args.micro_batches, **decoding_arguments(args, _compile_settings(args)))

@@ -34,7 +34,7 @@ class GenerateOptions(DecodingOptions):
     model: Path
     stages: int = 1
     prompts: list[str] | None = None
-    prompts_file: Path | None = None
+    prompts_files: tuple[Path, ...] = ()  # each read as read_prompts_file reads it, in turn
     prompt_ids: list[list[int]] | None = None
     chat: bool = False
     max_new_tokens: int = 64
@@ -58,12 +58,11 @@ def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[
         return list(zip(_option_labels("--prompt-ids", len(options.prompt_ids)), options.prompt_ids, strict=True))
     prompts = options.prompts or []
     texts = list(zip(_option_labels("--prompt", len(prompts)), prompts, strict=True))
-    if options.prompts_file is not None:
-        lines = read_numbered_prompts(options.prompts_file)
+    for path in options.prompts_files:
+        lines = read_numbered_prompts(path)
         if not lines:
-            raise GenerationError(f"--prompts-file {options.prompts_file} holds no prompt: every line is empty "
-                                  "or blank")
-        texts += [(f"line {number} of --prompts-file {options.prompts_file}", text) for number, text in lines]
+            raise GenerationError(f"--prompts-file {path} holds no prompt: every line is empty or blank")
+        texts += [(f"line {number} of --prompts-file {path}", text) for number, text in lines]
     if not texts:
         raise GenerationError("no prompt given")
     for what, text in texts:
@@ -79,6 +78,9 @@ def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[
     return [(what, tokenizer.encode(text)) for what, text in texts]
 
 
+STDIN_PATH = "-"  # a prompts file of this name is standard input (`... | deskfleet generate --prompts-file -`)
+
+
 def read_prompts_file(path: Path, option: str = "--prompts-file") -> list[str]:
     """One prompt per non-empty line of a UTF-8 file (a BOM is skipped; a line ends at \\r\\n, \\n or \\r),
     with escapes for what a line cannot hold: `\\n` a newline, `\\t` a tab, `\\\\` a backslash; any other
@@ -88,9 +90,10 @@ def read_prompts_file(path: Path, option: str = "--prompts-file") -> list[str]:
 
 
 def read_numbered_prompts(path: Path, option: str = "--prompts-file") -> list[tuple[int, str]]:
-    """read_prompts_file's prompts, each with the number of its line in the file (the first is 1)."""
+    """read_prompts_file's prompts, each with the number of its line in the file (the first is 1). The path `-`
+    reads standard input."""
     try:
-        data = Path(path).read_bytes()
+        data = sys.stdin.buffer.read() if str(path) == STDIN_PATH else Path(path).read_bytes()
     except OSError as error:
         raise ValueError(f"{option} {path}: {error.strerror or error}") from None
     if data.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in data[:4096]:

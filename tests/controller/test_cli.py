@@ -473,3 +473,27 @@ def test_sampling_without_a_seed_draws_one_and_reports_it(tiny_export: Path, cap
     assert "seed" not in greedy  # nothing drawn where nothing samples
     code, _, err = run(capsys, *argv[:5], "--seed", "4")
     assert code == 2 and "--seed acts only with a --temperature above 0" in err
+
+
+def test_prompts_files_add_up_and_a_dash_reads_standard_input(
+        tiny_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # A second --prompts-file replaced the first without a word (argparse keeps the last); "-" was looked for as
+    # a file of that name.
+    import io
+    import sys
+
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text("one\n")
+    second.write_text("two\n\nthree\n")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("\ufefffour\\tand\n".encode())))
+    code, out, _ = run(capsys, "generate", "--model", str(tiny_export), "--prompts-file", str(first), "--prompts-file",
+                       str(second), "--prompts-file", "-", "--max-new-tokens", "2", "--ignore-eos", "--json")
+    assert code == 0
+    solo = json.loads(run(capsys, "generate", "--model", str(tiny_export), "--prompt", "four\tand",
+                          "--max-new-tokens", "2", "--ignore-eos", "--json")[1])
+    streams = json.loads(out)["streams"]
+    assert len(streams) == 4 and streams[3]["tokens"] == solo["tokens"]
+    assert streams[3]["prompt_tokens"] == solo["streams"][0]["prompt_tokens"]
+    code, _, err = run(capsys, "generate", "--model", str(tiny_export), "--prompts-file", str(first),
+                       "--prompts-file", str(tmp_path / "missing.txt"))
+    assert code == 2 and f"--prompts-file {tmp_path / 'missing.txt'}: No such file or directory" in err
