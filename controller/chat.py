@@ -71,6 +71,13 @@ class ChatOptions(DecodingOptions):
     max_new_tokens: int = 256
     reuse_kv: bool = True  # resume the KV state the last reply left; False: feed the whole conversation each turn
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # `--system "$SYSTEM"` with SYSTEM unset ran the chat without one, as if no --system had been given
+        if self.system is not None and not self.system.strip():
+            raise ValueError("--system is empty or blank (an unset variable?): give the system prompt, or leave out "
+                             "--system for none")
+
 
 @dataclass(frozen=True)
 class ReplyStats:

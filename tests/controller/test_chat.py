@@ -680,3 +680,14 @@ def test_a_sampling_chat_reports_each_replys_seed(tmp_path: Path, tiny_export: P
     assert seeds(temperature=1.0, seed=7) == [7, 8]
     assert seeds(temperature=1.0) == [40, 41]
     assert seeds() == [None, None]  # greedy: nothing drawn, nothing reported
+
+
+@pytest.mark.parametrize("system", ["", " \n\t"])
+def test_an_empty_system_prompt_is_refused(tiny_export: Path, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch, system: str) -> None:
+    # `--system "$SYSTEM"` with SYSTEM unset chatted without a system prompt, as `--prompt ""` no longer runs
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--model", str(tiny_export), "--system", system]) == 2
+    assert "deskfleet: error: --system is empty or blank (an unset variable?)" in capsys.readouterr().err
