@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +63,18 @@ def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> C
         raise UnsupportedModelError(
             f"config field quantization_config (quant_method={method!r}): the checkpoint's weights are already "
             "quantized; export from the unquantized (f16/bf16/f32) checkpoint, deskfleet compresses it itself")
+    auto_map = raw.get("auto_map")
+    if auto_map:
+        # transformers, told never to run it, builds the standard class of model_type instead: not necessarily the
+        # model the checkpoint's code describes, so the export would pass for it without a word
+        named = ", ".join(sorted({str(entry) for value in (auto_map.values() if isinstance(auto_map, dict)
+                                                            else [auto_map])
+                                  for entry in (value if isinstance(value, list) else [value]) if entry}))
+        raise UnsupportedModelError(
+            f"config field auto_map names the checkpoint's own code ({named:.200}): deskfleet never runs it, and the "
+            f"standard {model_type} it would export instead may not be that model; export a checkpoint made for "
+            "transformers' own classes")
+    _check_sizes(raw, config_path)
     try:
         # never the checkpoint's own code (an auto_map in config.json), nor transformers' prompt asking to run it
         hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
@@ -76,6 +89,8 @@ def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> C
         raise UnsupportedModelError(
             f"config field rope_scaling.rope_type={rope_type!r} is not supported "
             f"(supported: {', '.join(sorted(STATIC_ROPE_TYPES))}; its table depends on the sequence length)")
+
+    _check_rope_and_norm(hf_config, rope_type)
 
     config_max = int(getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_CONTEXT_CAP))
     if max_context is not None and not MIN_MAX_CONTEXT <= max_context <= MAX_SPEC_VALUE:
@@ -130,6 +145,48 @@ def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> C
         rms_norm_eps=float(hf_config.rms_norm_eps),
         hf_config=hf_config,
     )
+
+
+# The config's sizes, by its own field names: checked before transformers reads them (num_attention_heads 0 was
+# refused as "integer modulo by zero", num_hidden_layers 0 as the manifest's "num_layers").
+_SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "vocab_size")
+
+
+def _check_sizes(raw: dict[str, object], config_path: Path) -> None:
+    for name in _SIZE_FIELDS:
+        value = raw.get(name)
+        if value is None and name in ("num_key_value_heads", "head_dim"):  # optional: MHA, hidden / heads
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SPEC_VALUE:
+            raise UnsupportedModelError(f"config field {name}={value!r} in {config_path} must be a whole number "
+                                        f"from 1 to {MAX_SPEC_VALUE:,}")
+    heads, kv_heads = raw["num_attention_heads"], raw.get("num_key_value_heads")
+    assert isinstance(heads, int)
+    if isinstance(kv_heads, int) and heads % kv_heads:
+        raise UnsupportedModelError(f"config field num_attention_heads={heads} is not a multiple of "
+                                    f"num_key_value_heads={kv_heads} in {config_path}: each KV head serves a whole "
+                                    "group of heads")
+
+
+def _check_rope_and_norm(hf_config: object, rope_type: str) -> None:
+    """UnsupportedModelError naming the field where rope_theta, a rope scaling factor or rms_norm_eps is a value no
+    model has: an export went through with them and its RoPE table or norms were NaN (rope_theta 0: 63,488 of the
+    table's 65,536 values), so every generate step failed on logits that were not finite."""
+    parameters = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    theta = parameters.get("rope_theta", getattr(hf_config, "rope_theta", None)) if isinstance(parameters, dict) \
+        else getattr(hf_config, "rope_theta", None)
+    checks: list[tuple[str, object, float]] = [("rope_theta", theta, 0.0),
+                                               ("rms_norm_eps", getattr(hf_config, "rms_norm_eps", None), 0.0)]
+    if rope_type != "default" and isinstance(parameters, dict):
+        checks.append(("rope_scaling.factor", parameters.get("factor"), 1.0))
+    for name, value, low in checks:
+        if value is None and name == "rope_theta":
+            continue  # transformers' default applies
+        number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+        if not (math.isfinite(number) and (number >= low if low else number > 0)):
+            bound = f"at least {low:g}" if low else "a finite number above 0"
+            raise UnsupportedModelError(f"config field {name}={value!r} must be {bound}")
 
 
 def _eos_token_ids(model_dir: Path, hf_config: object) -> tuple[int, ...]:

@@ -6,7 +6,7 @@ import importlib
 
 import torch
 
-from .hf_config import CheckpointConfig
+from .hf_config import CheckpointConfig, UnsupportedModelError
 
 _ROTARY_CLASS = {"llama": "LlamaRotaryEmbedding", "mistral": "MistralRotaryEmbedding",
                  "qwen2": "Qwen2RotaryEmbedding"}
@@ -25,4 +25,10 @@ def rope_tables(config: CheckpointConfig) -> tuple[torch.Tensor, torch.Tensor]:
     positions = torch.arange(config.spec.max_context, dtype=torch.int64)[None, :]
     with torch.no_grad():
         cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    for name, table in (("cos", cos), ("sin", sin)):
+        # read_checkpoint_config refuses the values known to do it; any other mix of rope settings that overflows
+        # is named here, not at every generate step as logits that are not finite
+        if not bool(torch.isfinite(table).all()):
+            raise UnsupportedModelError(f"the RoPE {name} table that the config's rope settings give holds values that "
+                                        f"are not finite ({int((~torch.isfinite(table)).sum())} of {table.numel()})")
     return cos[0].to(torch.float32).contiguous(), sin[0].to(torch.float32).contiguous()

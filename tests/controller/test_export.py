@@ -7,6 +7,7 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import openvino as ov
@@ -267,7 +268,18 @@ def test_a_config_with_more_layers_than_the_weights_is_refused(checkpoint_factor
 @pytest.mark.parametrize(("changes", "error", "says"), [
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, UnsupportedModelError,
      "quantization_config \\(quant_method='gptq'\\)"),
-    ({"num_key_value_heads": 0}, ManifestError, "num_kv_heads"),
+    # the config's own field names, checked before transformers (num_attention_heads 0: "integer modulo by zero")
+    ({"num_key_value_heads": 0}, UnsupportedModelError, "num_key_value_heads=0 in .* must be a whole number from 1"),
+    ({"num_hidden_layers": 0}, UnsupportedModelError, "num_hidden_layers=0 in .* must be a whole number from 1"),
+    ({"num_attention_heads": 0}, UnsupportedModelError, "num_attention_heads=0 in .* must be a whole number from 1"),
+    ({"num_key_value_heads": 3}, UnsupportedModelError, "num_attention_heads=4 is not a multiple of "
+                                                        "num_key_value_heads=3"),
+    # values that exported and made NaN RoPE tables or norms, so every generate step failed
+    ({"rms_norm_eps": -1.0}, UnsupportedModelError, "rms_norm_eps=-1.0 must be a finite number above 0"),
+    ({"rope_theta": 0, "rope_parameters": {"rope_type": "default", "rope_theta": 0}}, UnsupportedModelError,
+     "rope_theta=0 must be a finite number above 0"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 0.5, "rope_theta": 10000.0}}, UnsupportedModelError,
+     "rope_scaling.factor=0.5 must be at least 1"),
     ({"max_position_embeddings": 0}, UnsupportedModelError, "max_position_embeddings=0 must be at least 2"),
     # 1 exported a model no prompt could be answered by ("shorten the prompt to at most 0 tokens")
     ({"max_position_embeddings": 1}, UnsupportedModelError, "max_position_embeddings=1 must be at least 2"),
@@ -440,3 +452,17 @@ def test_a_context_past_the_trained_one_is_a_warning(checkpoint_factory: Callabl
                         "were never trained, so text there may degrade"]
     read_checkpoint_config(checkpoint, max_context=512)
     assert len(warnings) == 1
+
+
+def test_a_rope_table_that_is_not_finite_is_refused(checkpoint_factory: Callable[..., Path]) -> None:
+    # what read_checkpoint_config does not know to refuse still never reaches rope.xml as NaN
+    from deskfleet.controller.export.rope import rope_tables
+
+    config = read_checkpoint_config(checkpoint_factory("tiny", num_hidden_layers=4))
+    hf_config: Any = config.hf_config
+    if isinstance(getattr(hf_config, "rope_parameters", None), dict):
+        hf_config.rope_parameters["rope_theta"] = 0.0
+    hf_config.rope_theta = 0.0
+    with pytest.raises(UnsupportedModelError, match=r"the RoPE cos table .* holds values that are not finite "
+                                                    r"\(\d+ of \d+\)"):
+        rope_tables(config)

@@ -14,6 +14,7 @@ import pytest
 
 from deskfleet.common.model_spec import WeightFormat
 from deskfleet.controller.export.exporter import ExportError, export_checkpoint
+from deskfleet.controller.export.hf_config import UnsupportedModelError
 
 
 def with_custom_tokenizer_code(source: Path, tmp_path: Path, marker: Path) -> Path:
@@ -41,4 +42,19 @@ def test_a_tokenizer_that_is_custom_code_is_refused_and_never_run(
         export_checkpoint(checkpoint, tmp_path / "export", WeightFormat.F32)
     assert not marker.exists(), "the checkpoint's code ran"
     assert "\n" not in str(caught.value) and "trust_remote_code" not in str(caught.value)
+    assert not (tmp_path / "export").exists()
+
+
+def test_a_config_that_names_custom_model_code_is_refused(
+        checkpoint_factory: Callable[..., Path], tmp_path: Path) -> None:
+    # Told never to run it, transformers built the standard llama instead and the export went through: the
+    # README said such a config was refused; the model may not be the one the code describes.
+    checkpoint = tmp_path / "custom-model"
+    shutil.copytree(checkpoint_factory("review-remote-code", num_hidden_layers=1), checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+    config["auto_map"] = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"}
+    (checkpoint / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    with pytest.raises(UnsupportedModelError, match=r"config field auto_map names the checkpoint's own code "
+                                          r"\(configuration_x.XConfig, modeling_x.XModel\): deskfleet never runs it"):
+        export_checkpoint(checkpoint, tmp_path / "export", WeightFormat.F32)
     assert not (tmp_path / "export").exists()
