@@ -86,6 +86,11 @@ def check_output(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
         return
     if not out_dir.is_dir():
         raise ExportError(f"{out_dir} exists and is not a folder")
+    if os.path.ismount(out_dir):
+        # the export is written beside OUT_DIR and renamed into place, which a mount point refuses: with
+        # --overwrite the whole export ran, on the parent's disk, and failed only then ("Device or resource busy")
+        raise ExportError(f"{out_dir} is a mount point (a drive or share mounted there): an export is renamed into "
+                          f"place, which cannot replace it; give a folder inside it, e.g. -o {out_dir / 'model'}")
     if not overwrite:
         raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it")
     _check_replaceable(out_dir, out_dir)

@@ -69,6 +69,22 @@ def test_a_symbolic_link_as_output_is_refused(checkpoint: Path, tmp_path: Path, 
     assert (tmp_path / "current").readlink() == Path("v1") and names(tmp_path / "v1") == names(tiny_export)
 
 
+def test_a_mount_point_as_output_is_refused_before_any_work(checkpoint: Path, tmp_path: Path, no_conversion: None,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # a USB drive or share mounted at OUT_DIR: with --overwrite the whole export ran, on the parent's disk, and
+    # then could not move the mount point aside ("Device or resource busy")
+    mount = tmp_path / "usb"
+    mount.mkdir()
+    (mount / "notes.txt").write_text("mine")
+    is_mount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == mount or is_mount(path))
+    for overwrite in (True, False):
+        with pytest.raises(ExportError, match=rf"{mount} is a mount point \(a drive or share mounted there\): .* give "
+                                              rf"a folder inside it, e.g. -o {mount / 'model'}"):
+            export_checkpoint(checkpoint, mount, WeightFormat.F32, overwrite=overwrite)
+    assert names(tmp_path) == ["usb"] and names(mount) == ["notes.txt"]
+
+
 # A folder made at OUT_DIR while the export runs (the output check at the start saw nothing there).
 
 def _kept_staging(parent: Path, message: str) -> Path:
