@@ -14,7 +14,7 @@ import io
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -224,7 +224,7 @@ def _convert(module: torch.nn.Module, example: tuple[torch.Tensor, ...], shapes:
              input_names: list[str], output_names: list[str]) -> ov.Model:
     """Trace `module` with the given input shapes (-1 = dynamic) and name its inputs and outputs."""
     module.eval()
-    with torch.no_grad():
+    with torch.no_grad(), _root_logger_kept():
         model = ov.convert_model(module, example_input=example,
                                  input=[ov.PartialShape(shape) for shape in shapes])
     for port, name in zip(model.inputs, input_names, strict=True):
@@ -233,6 +233,20 @@ def _convert(module: torch.nn.Module, example: tuple[torch.Tensor, ...], shapes:
     for port, name in zip(model.outputs, output_names, strict=True):
         port.get_tensor().set_names({name})
     return model
+
+
+@contextlib.contextmanager
+def _root_logger_kept() -> Iterator[None]:
+    """Put the root logger back as it was, however convert_model ends. OpenVINO's converter sets the root logger's
+    level to ERROR while it runs and restores it only when it returns: a SIGTERM or Ctrl-C during a conversion
+    left it at ERROR, and the export's "stopped by SIGTERM; no unfinished export is left behind" was never shown."""
+    root = logging.getLogger()
+    level, filters, handlers = root.level, list(root.filters), list(root.handlers)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+        root.filters[:], root.handlers[:] = filters, handlers
 
 
 def _save(model: ov.Model, path: Path, weight_format: WeightFormat, is_decoder_layer: bool) -> None:

@@ -422,3 +422,25 @@ def test_an_output_path_below_a_file_is_named_as_such(tmp_path: Path) -> None:
                                           "file, not a folder"):
         output_folder.make_staging_folder(tmp_path / "afile" / "x" / "sub")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["afile"]
+
+
+def test_a_conversion_that_is_interrupted_leaves_the_root_logger_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    # OpenVINO's converter sets the root logger to ERROR while it runs and puts it back only when it returns:
+    # after a SIGTERM during a conversion the export's "stopped by SIGTERM; no unfinished export is left behind"
+    # warning was filtered out
+    import logging
+
+    import torch
+
+    def converter_stopped(*args: object, **kwargs: object) -> None:
+        root = logging.getLogger()
+        root.setLevel("ERROR")
+        root.addHandler(logging.NullHandler())
+        raise KeyboardInterrupt
+
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    monkeypatch.setattr(exporter.ov, "convert_model", converter_stopped)
+    with pytest.raises(KeyboardInterrupt):
+        exporter._convert(torch.nn.Identity(), (torch.zeros(1),), [[-1]], ["x"], ["y"])
+    assert (root.level, root.handlers) == (level, handlers)
