@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from deskfleet.common.file_lock import try_lock_file
-from deskfleet.common.model_spec import MANIFEST_NAME, ManifestError, load_manifest
+from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, ManifestError, load_manifest
 
 # The exporter's logger, as before these moved here: the lines on stderr keep the name they had.
 log = logging.getLogger("deskfleet.controller.export.exporter")
@@ -289,22 +289,24 @@ def _check_replaceable(folder: Path, shown: Path) -> None:
     if not (folder / MANIFEST_NAME).is_file():
         raise ExportError(f"{shown} holds files but no {MANIFEST_NAME}: --overwrite replaces only a deskfleet "
                           "export or an empty folder; remove it yourself or choose another folder")
-    try:
-        manifest = load_manifest(folder)
+    try:  # read here, not by load_manifest, whose "export the model again" is no advice for another app's file
+        manifest = Manifest.from_json((folder / MANIFEST_NAME).read_text(encoding="utf-8"))
     except (ManifestError, OSError, ValueError) as error:
-        raise ExportError(f"{shown}/{MANIFEST_NAME} is not a deskfleet manifest ({error}): --overwrite replaces "
+        reason = error.strerror if isinstance(error, OSError) else error
+        raise ExportError(f"{shown}/{MANIFEST_NAME} is not a deskfleet manifest ({reason}): --overwrite replaces "
                           "only a deskfleet export or an empty folder; remove it yourself or choose another "
                           "folder") from None
     # An export holds its manifest and the files it lists, nothing else: anything more was put there since
-    # (notes, a log, another export in a subfolder) and would be deleted with the old export.
+    # (notes, a log, another export in a subfolder) and would be deleted with the old export. A listed name that
+    # is a folder (or a link) is not the file it lists: a hand-edited manifest listing a folder had it deleted.
     unlisted = sorted(path.name for path in folder.iterdir()
-                      if path.name not in manifest.files and path.name != MANIFEST_NAME
-                      and path.name not in FOLDER_LITTER)
+                      if (path.name not in manifest.files or path.is_symlink() or not path.is_file())
+                      and path.name != MANIFEST_NAME and path.name not in FOLDER_LITTER)
     if unlisted:
         more = f" and {len(unlisted) - UNLISTED_SHOWN} more" if len(unlisted) > UNLISTED_SHOWN else ""
         raise ExportError(f"{shown} is an export, but also holds {', '.join(unlisted[:UNLISTED_SHOWN])}{more}, which "
-                          f"its {MANIFEST_NAME} does not list: --overwrite would delete them with the old export; "
-                          "move them out first, or choose another folder")
+                          f"are not files its {MANIFEST_NAME} lists: --overwrite would delete them with the old "
+                          "export; move them out first, or choose another folder")
 
 
 def _put_back(retired: Path, out_dir: Path) -> str:

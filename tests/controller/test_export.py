@@ -405,8 +405,9 @@ def test_overwrite_never_deletes_the_checkpoint_or_a_folder_that_is_not_an_expor
     with pytest.raises(ExportError, match=r"other holds files but no manifest\.json: --overwrite replaces only"):
         export_checkpoint(checkpoint, other, WeightFormat.F32, overwrite=True)
     (other / "manifest.json").write_text('{"manifest_version": 3, "name": "a browser extension"}')
-    with pytest.raises(ExportError, match=r"other/manifest\.json is not a deskfleet manifest"):
+    with pytest.raises(ExportError, match=r"other/manifest\.json is not a deskfleet manifest") as foreign:
         export_checkpoint(checkpoint, other, WeightFormat.F32, overwrite=True)
+    assert "export the model again" not in str(foreign.value)  # no advice for a browser extension's file
     (other / "manifest.json").unlink()
     with pytest.raises(ExportError, match=r"notes\.txt exists and is not a folder"):
         export_checkpoint(checkpoint, parent / "notes.txt", WeightFormat.F32, overwrite=True)

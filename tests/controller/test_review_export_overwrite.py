@@ -45,13 +45,28 @@ def test_an_export_holding_files_of_the_user_is_not_replaced(
     out = tmp_path / "out"
     old_export_with(tiny_export, out, *extra)
     before = sorted(path.name for path in out.iterdir())
-    with pytest.raises(ExportError, match="does not list: --overwrite would delete them") as raised:
+    with pytest.raises(ExportError, match=r"are not files its manifest\.json lists: --overwrite would delete them") \
+            as raised:
         export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
     assert extra[0].rstrip("/") in str(raised.value)
     if len(extra) > 5:
         assert "and 2 more" in str(raised.value)
     assert sorted(path.name for path in out.iterdir()) == before
     assert [path.name for path in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_folder_at_a_name_the_manifest_lists_is_not_replaced(
+        checkpoint: Path, tiny_export: Path, tmp_path: Path, no_conversion: None) -> None:
+    # a hand-edited manifest.json listing a folder of the user's as one of its files had --overwrite delete it
+    out = tmp_path / "out"
+    old_export_with(tiny_export, out)
+    listed = next(name for name in load_manifest(out).files if name.endswith(".bin"))
+    (out / listed).unlink()
+    (out / listed).mkdir()
+    (out / listed / "thesis.tex").write_text("four years")
+    with pytest.raises(ExportError, match=rf"also holds {listed}, which are not files its manifest\.json lists"):
+        export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
+    assert (out / listed / "thesis.tex").read_text() == "four years"
 
 
 def test_a_file_put_into_the_old_export_during_the_export_keeps_it(
