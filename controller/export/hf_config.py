@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,17 @@ class CheckpointConfig:
     hf_config: object  # transformers.PretrainedConfig
 
 
+def not_a_file(path: Path) -> str | None:
+    """What is at `path` where a checkpoint's file was expected and none could be read: "is a broken link (to
+    ...)" (a half-copied Hugging Face cache folder holds those) or "is a folder, not a file"; None where nothing
+    is there, for the caller's own "has no ..." (which read as a lie beside an `ls` that showed the name)."""
+    if path.is_symlink() and not path.exists():
+        return f"is a broken link (to {os.readlink(path)}): copy the file it names, not the link"
+    if path.is_dir():
+        return "is a folder, not a file"
+    return None
+
+
 def _rope_type(hf_config: object) -> str:
     parameters = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     rope_type = parameters.get("rope_type", parameters.get("type", "default")) if parameters else "default"
@@ -50,6 +62,8 @@ def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> C
 
     config_path = model_dir / "config.json"
     if not config_path.is_file():
+        if (found := not_a_file(config_path)) is not None:
+            raise FileNotFoundError(f"{config_path} {found}")
         raise FileNotFoundError(f"{model_dir} has no config.json: it is not a Hugging Face checkpoint folder")
     raw = _read_json_object(config_path)
     model_type = raw.get("model_type")

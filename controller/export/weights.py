@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from deskfleet.common.json_file import JsonFileError, read_json_object
 
-from .hf_config import CheckpointConfig
+from .hf_config import CheckpointConfig, not_a_file
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -44,6 +44,9 @@ class CheckpointWeights:
         elif (model_dir / SINGLE_NAME).is_file():
             weight_map = {}
         else:
+            for name in (INDEX_NAME, SINGLE_NAME):
+                if (found := not_a_file(model_dir / name)) is not None:
+                    raise FileNotFoundError(f"{model_dir / name} {found}")
             pickles = sorted(path.name for path in model_dir.glob("pytorch_model*.bin"))
             pickled = "" if not pickles else (
                 f": it holds {', '.join(pickles[:2])}{' ...' if len(pickles) > 2 else ''}, PyTorch pickles, which "

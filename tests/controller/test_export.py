@@ -467,3 +467,22 @@ def test_a_rope_table_that_is_not_finite_is_refused(checkpoint_factory: Callable
     with pytest.raises(UnsupportedModelError, match=r"the RoPE cos table .* holds values that are not finite "
                                                     r"\(\d+ of \d+\)"):
         rope_tables(config)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+@pytest.mark.parametrize("kind", ["broken link", "folder"])
+def test_a_checkpoint_file_that_is_a_broken_link_or_a_folder_is_named_as_such(
+        checkpoint_factory: Callable[..., Path], tmp_path: Path, name: str, kind: str) -> None:
+    # "has no model.safetensors" beside an `ls` that lists it (a half-copied Hugging Face cache holds links)
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(checkpoint_factory("tiny", num_hidden_layers=4), checkpoint)
+    (checkpoint / name).unlink()
+    if kind == "folder":
+        (checkpoint / name).mkdir()
+        says = rf"{checkpoint / name} is a folder, not a file$"
+    else:
+        (checkpoint / name).symlink_to(tmp_path / "blobs" / "a1b2")
+        says = rf"{checkpoint / name} is a broken link \(to {tmp_path / 'blobs' / 'a1b2'}\): copy the file it names"
+    with pytest.raises(FileNotFoundError, match=says):
+        export_checkpoint(checkpoint, tmp_path / "out", WeightFormat.F32)
+    assert not (tmp_path / "out").exists()
