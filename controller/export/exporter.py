@@ -35,6 +35,7 @@ from .modules import DecoderLayer, Embed, Head, RopeAndMask
 from .output_folder import (
     ExportError,
     FinishedExportKept,
+    check_no_running_export,
     check_output,
     ending_signals_clean_up,
     flush_to_disk,
@@ -93,6 +94,7 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
         raise ExportError(f"{model_dir} is already a deskfleet export (it holds {MANIFEST_NAME}): give the Hugging "
                           "Face checkpoint folder it was exported from")
     check_output(model_dir, out_dir, overwrite)
+    check_no_running_export(out_dir)
     config = read_checkpoint_config(model_dir, max_context)
     tokenizer = _load_tokenizer(model_dir)
     if len(tokenizer) > config.spec.vocab_size:  # e.g. a special token added without resizing the model
@@ -115,6 +117,7 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
 
         with held(staging):
             try:
+                check_no_running_export(out_dir)  # again, now that this one's folder is held: one began meanwhile
                 manifest = _export_into(model_dir, staging, config, weight_format, tokenizer, report)
                 try:
                     flush_to_disk(staging)

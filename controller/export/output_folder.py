@@ -249,6 +249,26 @@ def held(folder: Path) -> Iterator[None]:
         os.close(descriptor)
 
 
+def check_no_running_export(out_dir: Path) -> None:
+    """ExportError when another export to `out_dir` is running (an unfinished `.NAME.partial-PID` whose lock is
+    held, or whose process is alive): both ran to the end before, and the second then kept its finished export
+    aside with the advice to pass --overwrite, its work wasted. One left by a process that is gone is
+    remove_stale_folders'."""
+    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.partial-([0-9]{{1,10}})")
+    try:
+        entries = sorted(out_dir.parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is None or entry.is_symlink() or not entry.is_dir() or (entry / MANIFEST_NAME).is_file():
+            continue
+        pid = int(match[1])
+        if pid != os.getpid() and (_lock_held(entry) or _process_alive(pid)):
+            raise ExportError(f"another export to {out_dir} is running (process {pid}, writing {entry}): wait for it "
+                              f"to finish, or export to another folder; if no export runs, remove {entry}")
+
+
 def remove_stale_folders(out_dir: Path) -> None:
     """Remove what exports to `out_dir` that were killed (SIGKILL, a power cut) left beside it: unfinished
     staging folders, and an old export moved aside once the new one was in place. Only a dead process's (by
@@ -401,6 +421,20 @@ def _is_export(folder: Path) -> bool:
     except (ManifestError, OSError, ValueError):
         return False
     return not folder.is_symlink()
+
+
+def _lock_held(folder: Path) -> bool:
+    """Whether another export holds `folder`'s lock (False where it cannot be told: no lock, no such folder)."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return not try_lock_file(descriptor)  # taken here, it goes with the close
+    except OSError:
+        return False
+    finally:
+        os.close(descriptor)
 
 
 def _remove_unheld(folder: Path) -> None:

@@ -444,3 +444,32 @@ def test_a_conversion_that_is_interrupted_leaves_the_root_logger_as_it_was(monke
     with pytest.raises(KeyboardInterrupt):
         exporter._convert(torch.nn.Identity(), (torch.zeros(1),), [[-1]], ["x"], ["y"])
     assert (root.level, root.handlers) == (level, handlers)
+
+
+@pytest.mark.parametrize("how", ["held", "alive"])
+def test_an_export_to_a_folder_another_export_is_writing_is_refused_at_once(
+        checkpoint: Path, tmp_path: Path, no_conversion: None, how: str) -> None:
+    # both ran to the end, and the second kept its finished export aside, telling the user to pass --overwrite
+    out = tmp_path / "out"
+    if how == "alive":
+        writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        pid = writer.pid
+    else:
+        ended = subprocess.Popen([sys.executable, "-c", "pass"])
+        ended.wait()
+        pid = ended.pid  # no such process now: only the lock says an export holds it (another machine's, say)
+    staging = tmp_path / f".out.partial-{pid}"
+    staging.mkdir()
+    descriptor = os.open(staging, os.O_RDONLY)
+    try:
+        if how == "held":
+            assert try_lock_file(descriptor)
+        with pytest.raises(ExportError, match=rf"another export to {out} is running \(process {pid}, writing "
+                                              rf"{staging}\): wait for it to finish"):
+            export_checkpoint(checkpoint, out, WeightFormat.F32)
+    finally:
+        os.close(descriptor)
+        if how == "alive":
+            writer.kill()
+            writer.wait()
+    assert names(tmp_path) == [f".out.partial-{pid}"]
