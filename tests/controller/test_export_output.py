@@ -363,7 +363,7 @@ def test_what_killed_exports_left_is_removed_only_when_dead_unheld_and_unfinishe
     held = os.open(work / folders["held"], os.O_RDONLY)  # an export on another machine sharing the folder
     try:
         assert try_lock_file(held)
-        export_checkpoint(checkpoint, work / "out", WeightFormat.F32)
+        output_folder.remove_stale_folders(work / "out")
         left = set(names(work))
         assert folders["unfinished"] not in left
         assert {folders[kind] for kind in ("live", "held", "finished", "old", "other name")} <= left
@@ -371,11 +371,18 @@ def test_what_killed_exports_left_is_removed_only_when_dead_unheld_and_unfinishe
         # the old export's replacement never arrived: it may be the only copy, so it is named, not removed
         assert any(f"{work / folders['old']} holds what was at {work / 'out'}" in text for text in warnings)
         assert any(f"{work / folders['finished']} holds a finished export" in text for text in warnings)
-        export_checkpoint(checkpoint, work / "out", WeightFormat.F32, overwrite=True)
-        assert folders["old"] not in names(work)  # now an export is in place at out, it is garbage
-        assert {folders[kind] for kind in ("live", "held", "finished", "other name")} <= set(names(work))
+        # an export to out while those two may still be writing it is refused, and removes nothing
+        with pytest.raises(ExportError, match=r"another export to .*out is running"):
+            export_checkpoint(checkpoint, work / "out", WeightFormat.F32)
+        assert left == set(names(work))
     finally:
         os.close(held)
+    shutil.rmtree(work / folders["live"])  # its export ended; the held one's lock went with the close
+    export_checkpoint(checkpoint, work / "out", WeightFormat.F32)
+    assert folders["held"] not in names(work)  # dead and no longer held: removed
+    export_checkpoint(checkpoint, work / "out", WeightFormat.F32, overwrite=True)
+    assert folders["old"] not in names(work)  # now an export is in place at out, it is garbage
+    assert {folders[kind] for kind in ("finished", "other name")} <= set(names(work))
 
 
 @pytest.mark.parametrize("interrupted_after", [1, 2])
