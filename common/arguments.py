@@ -17,6 +17,16 @@ def path_argument(text: str) -> Path:
     return Path(text)
 
 
+STDIN_PATH = "-"  # a prompts file of this name is standard input (`... | deskfleet generate --prompts-file -`)
+
+
+def prompts_file_argument(text: str) -> Path:
+    """argparse type of a prompts file: `-` is standard input; `./-` (or `-/`), which pathlib reads as `-` too, is
+    the file of that name in the working folder, made absolute so that it stays one."""
+    path = path_argument(text)
+    return path if text == STDIN_PATH or str(path) != STDIN_PATH else Path.cwd() / STDIN_PATH
+
+
 def browse_seconds(text: str) -> float:
     """argparse type: how long to browse mDNS, 0 to MAX_BROWSE_S seconds (NaN, infinity, negatives refused)."""
     try:

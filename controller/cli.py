@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from deskfleet.agent.allocator import run_on_jemalloc
-from deskfleet.common.arguments import path_argument
+from deskfleet.common.arguments import path_argument, prompts_file_argument
 from deskfleet.common.console import (
     WatchedStream,
     flush_stdout,
@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="in-process pipeline stages (default 1; not with --fleet)")
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append", help="prompt text; repeat for concurrent streams")
-    prompt.add_argument("--prompts-file", type=path_argument, action="append",
+    prompt.add_argument("--prompts-file", type=prompts_file_argument, action="append",
                         help="UTF-8 file, one prompt per line, run as concurrent streams (repeatable; - reads "
                              "standard input); in a line \\n is a newline, \\t a tab, \\\\ a backslash")
     prompt.add_argument("--prompt-ids", action="append", help="comma-separated token ids, e.g. 1,2,3; repeatable")
@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
                              help="fixed K values (1 or more) to time")
     speculative.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-K variant")
     speculative.add_argument("--k-max", type=draft_count(1), default=8, help="upper bound of adaptive K")
-    speculative.add_argument("--prompts-file", type=path_argument, default=None,
+    speculative.add_argument("--prompts-file", type=prompts_file_argument, default=None,
                              help="one prompt per line, read as generate's --prompts-file (\\n a newline, "
                                   "\\t a tab, \\\\ a backslash); default: the demo eval set")
     speculative.add_argument("--eval-dir", type=path_argument, default=None,
@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat_bench.add_argument("--model", type=path_argument, required=True, help="export folder (with its chat template)")
     chat_bench.add_argument("--turns", type=positive_int, default=8, help="user messages in the conversation")
     chat_bench.add_argument("--reply-tokens", type=positive_int, default=64, help="each reply's limit")
-    chat_bench.add_argument("--messages-file", type=path_argument, default=None,
+    chat_bench.add_argument("--messages-file", type=prompts_file_argument, default=None,
                             help="one message per line, read as generate's --prompts-file (a BOM skipped, blank "
                                  "lines left out; chat takes a message a line, so each is sent as one line); "
                                  "default: the demo eval set's code prompts")

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from deskfleet.common.arguments import STDIN_PATH
 from deskfleet.common.model_spec import load_manifest
 
 from .decoding_options import DecodingOptions
@@ -58,6 +59,9 @@ def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[
         return list(zip(_option_labels("--prompt-ids", len(options.prompt_ids)), options.prompt_ids, strict=True))
     prompts = options.prompts or []
     texts = list(zip(_option_labels("--prompt", len(prompts)), prompts, strict=True))
+    for index, path in enumerate(options.prompts_files):
+        if path in options.prompts_files[:index]:  # standard input twice read nothing the second time
+            raise GenerationError(f"--prompts-file {path} is given twice: give each file once")
     for path in options.prompts_files:
         lines = read_numbered_prompts(path)
         if not lines:
@@ -78,7 +82,6 @@ def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[
     return [(what, tokenizer.encode(text)) for what, text in texts]
 
 
-STDIN_PATH = "-"  # a prompts file of this name is standard input (`... | deskfleet generate --prompts-file -`)
 
 
 def read_prompts_file(path: Path, option: str = "--prompts-file") -> list[str]:
@@ -92,6 +95,8 @@ def read_prompts_file(path: Path, option: str = "--prompts-file") -> list[str]:
 def read_numbered_prompts(path: Path, option: str = "--prompts-file") -> list[tuple[int, str]]:
     """read_prompts_file's prompts, each with the number of its line in the file (the first is 1). The path `-`
     reads standard input."""
+    if str(path) == STDIN_PATH and sys.stdin is None:  # started with standard input closed (`<&-`)
+        raise ValueError(f"{option} -: standard input is closed; give the prompts' file, or pipe them in")
     try:
         data = sys.stdin.buffer.read() if str(path) == STDIN_PATH else Path(path).read_bytes()
     except OSError as error:

@@ -1,5 +1,5 @@
 """The shared argparse types: an empty path is refused (Path("") would be the current folder); an mDNS browse
-is 0 to 600 seconds."""
+is 0 to 600 seconds; a prompts file of `-` is standard input, and only that spelling."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from deskfleet.common.arguments import MAX_BROWSE_S, browse_seconds, path_argument
+from deskfleet.common.arguments import MAX_BROWSE_S, STDIN_PATH, browse_seconds, path_argument, prompts_file_argument
 
 
 def test_a_path_is_taken_as_given_and_an_empty_one_is_refused() -> None:
@@ -24,3 +24,13 @@ def test_a_browse_is_0_to_600_seconds_and_nothing_else() -> None:
                      ("inf", "must be 0 to 600"), ("2s", "expected a number of seconds, got '2s'")):
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             browse_seconds(bad)
+
+
+def test_only_a_bare_dash_is_standard_input_as_a_prompts_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert str(prompts_file_argument("-")) == STDIN_PATH
+    for spelling in ("./-", "-/", "./-/"):  # pathlib reads each as "-": the file of that name, made absolute
+        assert prompts_file_argument(spelling) == tmp_path / "-"
+    assert prompts_file_argument("prompts.txt") == Path("prompts.txt")
+    with pytest.raises(argparse.ArgumentTypeError, match="is empty"):
+        prompts_file_argument("")

@@ -497,3 +497,19 @@ def test_prompts_files_add_up_and_a_dash_reads_standard_input(
     code, _, err = run(capsys, "generate", "--model", str(tiny_export), "--prompts-file", str(first),
                        "--prompts-file", str(tmp_path / "missing.txt"))
     assert code == 2 and f"--prompts-file {tmp_path / 'missing.txt'}: No such file or directory" in err
+
+
+def test_a_prompts_file_given_twice_or_standard_input_closed_is_refused(
+        tiny_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    path = tmp_path / "a.txt"
+    path.write_text("one\n")
+    code, _, err = run(capsys, "generate", "--model", str(tiny_export), "--prompts-file", "-", "--prompts-file", "-")
+    assert code == 2 and "--prompts-file - is given twice: give each file once" in err  # stdin read empty again
+    code, _, err = run(capsys, "generate", "--model", str(tiny_export), "--prompts-file", str(path), "--prompts-file",
+                       str(path))
+    assert code == 2 and f"--prompts-file {path} is given twice" in err
+    monkeypatch.setattr(sys, "stdin", None)  # started with `<&-`: an AttributeError's traceback
+    code, _, err = run(capsys, "generate", "--model", str(tiny_export), "--prompts-file", "-")
+    assert code == 2 and "--prompts-file -: standard input is closed" in err and "Traceback" not in err
