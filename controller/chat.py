@@ -251,6 +251,9 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
         micro_batches = getattr(chain, "num_stages", 1)
         engine_options = options.engine_options(micro_batches)
         first_line = True
+        if options.seed_drawn:  # the replies can be had again only with the seed: say it where a person reads
+            _note(notes, f"[sampling with seed {options.seed}, drawn at random: --seed {options.seed} gives these "
+                         "replies again]")
         while True:
             if prompt_out is not None:
                 prompt_out.write("you> ")

@@ -470,11 +470,14 @@ def _print_interrupted(interrupted: GenerationInterrupted, args: argparse.Namesp
             sys.stdout.flush()
     except (OSError, ValueError):  # a closed pipe or file: nobody to show it to
         return
+    seed = f"; seed {report['seed']}" if "seed" in report else ""  # to sample the same again
     if args.json or not interrupted.streamed:
         done = sum(1 for stream in streams if _stream_done(stream, args.max_new_tokens))
         print(f"deskfleet: interrupted ({done} of {len(streams)} stream(s) had finished; "
               f"{report['generated_tokens']} tokens in all, "
-              + ("in the JSON on standard output)" if args.json else "above)"), file=sys.stderr)
+              + ("in the JSON on standard output" if args.json else "above") + f"{seed})", file=sys.stderr)
+    elif seed:
+        print(f"deskfleet: interrupted ({seed.removeprefix('; ')})", file=sys.stderr)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -515,9 +518,10 @@ def _generate(args: argparse.Namespace) -> int:
         streams = stopped.report["streams"]
         assert isinstance(streams, list)
         done = sum(1 for stream in streams if _stream_done(stream, args.max_new_tokens))
+        seed = f"; seed {stopped.report['seed']}" if "seed" in stopped.report else ""
         print(f"deskfleet: error: {stopped} ({done} of {len(streams)} stream(s) had finished; "
               f"{stopped.report['generated_tokens']} tokens in all, "
-              + ("in the JSON on standard output)" if args.json else "above)"), file=sys.stderr)
+              + ("in the JSON on standard output" if args.json else "above") + f"{seed})", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(report))

@@ -43,6 +43,7 @@ class DecodingOptions:
     seed: int | None = None
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens a call at most; 0: whole prompts
     settings: CompileSettings = field(default_factory=CompileSettings)
+    seed_drawn: bool = field(default=False, init=False, compare=False)  # `seed` was drawn, not given
 
     def __post_init__(self) -> None:
         """Refuse options that contradict each other, would be ignored or could only fail later, naming the
@@ -85,6 +86,7 @@ class DecodingOptions:
                              "which draws nothing")
         if self.temperature > 0 and self.seed is None:
             object.__setattr__(self, "seed", random_seed())
+            object.__setattr__(self, "seed_drawn", True)
         if self.prefill_chunk < 0:
             raise ValueError(f"--prefill-chunk must be 0 (whole prompts) or more, got {self.prefill_chunk}")
 

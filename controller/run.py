@@ -169,7 +169,7 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
             wall = time.perf_counter() - started
             partial = _report(engine, tokenizer, engine.results(), wall, stages, pipeline, stream_text, labels)
             partial["stopped"] = str(error)
-            _add_engine_figures(partial, engine, draft is not None, recover is not None)
+            _add_run_figures(partial, engine, options, draft is not None, recover is not None)
             raise GenerationStopped(str(error), partial) from error
         except KeyboardInterrupt:
             # Ctrl-C: what the streams had made is not thrown away with it (a long --prompts-file run stopped
@@ -177,15 +177,13 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
             wall = time.perf_counter() - started
             partial = _report(engine, tokenizer, engine.results(), wall, stages, pipeline, False, labels)
             partial["stopped"] = "interrupted"
-            _add_engine_figures(partial, engine, draft is not None, recover is not None)
+            _add_run_figures(partial, engine, options, draft is not None, recover is not None)
             raise GenerationInterrupted(partial, labels, streamed=printer is not None) from None
         wall = time.perf_counter() - started
     if printer is not None:
         printer.finish()
     report = _report(engine, tokenizer, results, wall, stages, pipeline, stream_text, labels)
-    _add_engine_figures(report, engine, draft is not None, recover is not None)
-    if options.seed is not None:  # it samples: the seed given, or the one drawn, to run it again with --seed
-        report["seed"] = options.seed
+    _add_run_figures(report, engine, options, draft is not None, recover is not None)
     return report
 
 
@@ -224,10 +222,10 @@ def print_stream_texts(streams: list[dict[str, object]], labels: list[str]) -> N
 def _report(engine: Engine, tokenizer: ModelTokenizer, results: dict[int, StreamResult], wall: float, stages: int,
             pipeline: StageChain, print_streams: bool, labels: list[str]) -> dict[str, object]:
     """The report; with `print_streams`, each stream's text printed (print_stream_texts) where there are several."""
-    streams = [{"tokens": result.tokens, "text": tokenizer.decode(result.tokens),
+    streams = [{"prompt": label, "tokens": result.tokens, "text": tokenizer.decode(result.tokens),
                 "tok_s": round(result.decode_tok_s, 3), "prompt_tokens": result.prompt_tokens,
                 "first_token_s": round(result.first_token_s, 4), "stopped_by_eos": result.stopped_by_eos}
-               for result in results.values()]
+               for label, result in zip(labels, results.values(), strict=True)]
     generated = sum(len(result.tokens) for result in results.values())
     # after a failover the run finished on the new chain: its stages, not the first chain's
     finished_on = getattr(engine.chain, "num_stages", stages) if engine.chain is not pipeline else stages
@@ -242,8 +240,12 @@ def _report(engine: Engine, tokenizer: ModelTokenizer, results: dict[int, Stream
     return report
 
 
-def _add_engine_figures(report: dict[str, object], engine: Engine, drafted: bool, recovered: bool) -> None:
-    """The run's failovers (a run that could recover) and its drafting figures (a run that drafted)."""
+def _add_run_figures(report: dict[str, object], engine: Engine, options: GenerateOptions, drafted: bool,
+                     recovered: bool) -> None:
+    """The run's seed (a run that samples: the one given or drawn, to run it again with --seed), its failovers (a
+    run that could recover) and its drafting figures (a run that drafted); in every report, a stopped one's too."""
+    if options.seed is not None:
+        report["seed"] = options.seed
     if recovered:
         report["failovers"] = [asdict(failover) for failover in engine.failovers]
     if drafted:

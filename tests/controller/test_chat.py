@@ -671,15 +671,20 @@ def test_a_sampling_chat_reports_each_replys_seed(tmp_path: Path, tiny_export: P
     model = _chat_model(tmp_path, tiny_export)
     monkeypatch.setattr(decoding_options, "random_seed", lambda: 40)
 
-    def seeds(**fields: Any) -> list[Any]:
-        out = io.StringIO()
-        run_chat(ChatOptions(model=model, max_new_tokens=3, **fields), io.StringIO("hi\nagain\n"), out,
-                 notes=io.StringIO(), as_json=True)
-        return [json.loads(line).get("seed") for line in out.getvalue().splitlines()]
+    def replies(**fields: Any) -> tuple[list[tuple[Any, str]], str]:
+        out, notes = io.StringIO(), io.StringIO()
+        run_chat(ChatOptions(model=model, max_new_tokens=8, **fields), io.StringIO("hi\nagain\n"), out,
+                 notes=notes, as_json=True)
+        return [(reply.get("seed"), reply["reply"]) for reply in map(json.loads, out.getvalue().splitlines())], \
+            notes.getvalue()
 
-    assert seeds(temperature=1.0, seed=7) == [7, 8]
-    assert seeds(temperature=1.0) == [40, 41]
-    assert seeds() == [None, None]  # greedy: nothing drawn, nothing reported
+    seeded, notes = replies(temperature=1.5, seed=7)
+    assert [seed for seed, _ in seeded] == [7, 8] and "drawn at random" not in notes
+    seeded, _ = replies(temperature=1.5, seed=40)
+    drawn, notes = replies(temperature=1.5)
+    assert drawn == seeded and [seed for seed, _ in drawn] == [40, 41]  # the replies the seed reported gives
+    assert "[sampling with seed 40, drawn at random: --seed 40 gives these replies again]" in notes
+    assert [seed for seed, _ in replies()[0]] == [None, None]  # greedy: nothing drawn, nothing reported
 
 
 @pytest.mark.parametrize("system", ["", " \n\t"])

@@ -415,6 +415,22 @@ def test_several_streams_print_under_the_names_errors_give_their_prompts(
         "--- --prompt #1", "--- --prompt #2"]
 
 
+def ctrl_c_at_result(count: int) -> type:
+    """A LocalPipeline whose `count`-th collect() raises KeyboardInterrupt (Ctrl-C) while the streams run."""
+    from deskfleet.controller.pipeline import LocalPipeline
+
+    class CtrlCAtResult(LocalPipeline):
+        calls = 0
+
+        def collect(self, timeout: float | None = None) -> Any:
+            CtrlCAtResult.calls += 1
+            if CtrlCAtResult.calls == count:
+                raise KeyboardInterrupt
+            return super().collect(timeout)
+
+    return CtrlCAtResult
+
+
 @pytest.mark.parametrize("as_json", [False, True])
 def test_ctrl_c_with_several_prompts_keeps_what_the_streams_made(
         tiny_export: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, as_json: bool) -> None:
@@ -422,28 +438,19 @@ def test_ctrl_c_with_several_prompts_keeps_what_the_streams_made(
     # --prompts-file stopped near its end left nothing). Now each stream's text so far is printed under its
     # label (or, with --json, the report with "stopped": "interrupted"), and the run still exits 130.
     import deskfleet.controller.run as run_module
-    from deskfleet.controller.pipeline import LocalPipeline
 
     argv = ["generate", "--model", str(tiny_export), "--prompt", "def f(x):", "--prompt", "import", "--max-new-tokens",
             "12", "--ignore-eos", "--json"]
     code, out, _ = run(capsys, *argv)
     whole = [stream["tokens"] for stream in json.loads(out)["streams"]]
 
-    class CtrlCAtTheTenthResult(LocalPipeline):
-        calls = 0
-
-        def collect(self, timeout: float | None = None) -> Any:
-            CtrlCAtTheTenthResult.calls += 1
-            if CtrlCAtTheTenthResult.calls == 10:
-                raise KeyboardInterrupt
-            return super().collect(timeout)
-
-    monkeypatch.setattr(run_module, "LocalPipeline", CtrlCAtTheTenthResult)
+    monkeypatch.setattr(run_module, "LocalPipeline", ctrl_c_at_result(10))
     code, out, err = run(capsys, *(argv if as_json else argv[:-1]))
     assert code == 130
     if as_json:
         report = json.loads(out)
-        assert report["stopped"] == "interrupted"
+        assert report["stopped"] == "interrupted" and [stream["prompt"] for stream in report["streams"]] == [
+            "--prompt #1", "--prompt #2"]
         made = [stream["tokens"] for stream in report["streams"]]
         for tokens, full in zip(made, whole, strict=True):
             assert 0 < len(tokens) < 12 and tokens == full[:len(tokens)]
@@ -513,3 +520,29 @@ def test_a_prompts_file_given_twice_or_standard_input_closed_is_refused(
     monkeypatch.setattr(sys, "stdin", None)  # started with `<&-`: an AttributeError's traceback
     code, _, err = run(capsys, "generate", "--model", str(tiny_export), "--prompts-file", "-")
     assert code == 2 and "--prompts-file -: standard input is closed" in err and "Traceback" not in err
+
+
+def test_a_sampled_run_that_is_interrupted_still_reports_its_seed(
+        tiny_export: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # the seed drawn for the run the user stopped is the one to run it again with: it was in the finished report only
+    from deskfleet.controller import decoding_options
+    from deskfleet.controller.text_printer import TextPrinter
+
+    monkeypatch.setattr(decoding_options, "random_seed", lambda: 23)
+    push = TextPrinter.push
+
+    def ctrl_c_at_the_fifth_token(self: TextPrinter, stream_id: int, token: int) -> None:
+        push(self, stream_id, token)
+        if len(self.tokens) == 5:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(TextPrinter, "push", ctrl_c_at_the_fifth_token)
+    argv = ["generate", "--model", str(tiny_export), "--prompt", "def f(x):", "--temperature", "1.5",
+            "--max-new-tokens", "20", "--ignore-eos"]
+    code, _, err = run(capsys, *argv)
+    assert code == 130 and err == "deskfleet: interrupted (seed 23)\n"
+    import deskfleet.controller.run as run_module
+
+    monkeypatch.setattr(run_module, "LocalPipeline", ctrl_c_at_result(10))
+    code, out, err = run(capsys, *argv, "--prompt", "import", "--json")
+    assert code == 130 and json.loads(out)["seed"] == 23 and err.rstrip().endswith("; seed 23)")
