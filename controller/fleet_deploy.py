@@ -84,15 +84,15 @@ Progress = Callable[[str, str, int, int], None]  # agent id, file name, bytes se
 class DeployError(RuntimeError):
     """The deployment cannot go on; the message names the agent and the step. `code`: the agent's refusal;
     `agents`: the ids of the PCs whose failure it was (a link lost, no answer, a refusal), none where the fault
-    is not a PC's (a damaged export, a plan that does not fit); `left_out`: why the plan left PCs out, where no
+    is not a PC's (a damaged export, a plan that does not fit); `exclusion_reasons`: why the plan left PCs out, where no
     plan could be made (a failover's remedy depends on it: a paused PC is resumed, not brought back)."""
 
     def __init__(self, message: str, code: ErrorCode | None = None, agents: frozenset[str] = frozenset(),
-                 left_out: frozenset[ExclusionReason] = frozenset()) -> None:
+                 exclusion_reasons: frozenset[ExclusionReason] = frozenset()) -> None:
         super().__init__(message)
         self.code = code
         self.agents = agents
-        self.left_out = left_out
+        self.exclusion_reasons = exclusion_reasons
 
 
 @dataclass(frozen=True)
@@ -330,7 +330,7 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
             "the model does not fit the fleet: "
         left_out = left_out_text(result)  # the problem says "see the agents left out": a deploy shows no plan
         raise DeployError(cause + "; ".join(result.problems) + (f" ({left_out})" if left_out else ""),
-                          left_out=frozenset(exclusion.reason for exclusion in result.exclusions))
+                          exclusion_reasons=frozenset(exclusion.reason for exclusion in result.exclusions))
     addresses = {agent.agent_id: agent.address for agent in found.agents if agent.agent_id is not None}
     placements = tuple(StagePlacement(stage.agent_id, addresses[stage.agent_id], stage.first_layer,
                                       stage.stop_layer) for stage in result.stages)

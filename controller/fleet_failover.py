@@ -172,9 +172,9 @@ class FleetFailover:
                                     f"already in this run, --max-failovers {self.max_failovers})") from error
             checked = f" ({self._verdict})" if self._verdict else ""
             without = " without the lost agent(s)" if self.lost else ""
-            left_out = failure.left_out if isinstance(failure, DeployError) else frozenset()
+            reasons = failure.exclusion_reasons if isinstance(failure, DeployError) else frozenset()
             raise FailoverError(f"{error}{checked}; no new chain{without}: {failure} (what to do: "
-                                f"{_remedy(bool(self.lost), left_out)}, then run this again)") from error
+                                f"{_remedy(bool(self.lost), reasons)}, then run this again)") from error
         finally:
             self._blame = None
 
@@ -330,14 +330,15 @@ class FleetFailover:
         log.warning("%s", self._verdict)
 
 
-def _remedy(lost: bool, left_out: frozenset[ExclusionReason]) -> str:
+def _remedy(lost: bool, reasons: frozenset[ExclusionReason]) -> str:
     """What a user can do when a failover found no new chain: first for the PCs the plan left out that could
     take work again (a paused one was not lost: bringing it back is not the step), then for the lost ones (a
     blame that left no one out, a link marked broken, may still leave no chain: the reason names what)."""
     steps = []
-    if ExclusionReason.PAUSED in left_out:
-        steps.append("resume a paused PC (`deskfleet-agent resume` on it)")
-    if ExclusionReason.UNAVAILABLE in left_out:
+    if ExclusionReason.PAUSED in reasons:
+        steps.append("resume a paused PC (`deskfleet-agent resume` on it; one its admin paused, `paused: true` in its "
+                     "settings, only there)")
+    if ExclusionReason.UNAVAILABLE in reasons:
         steps.append("wait until a PC left out as unavailable is free again (the reason says what it is waiting "
                      "for)")
     steps.append("bring the lost PC back" if lost else "mend what the reason names")

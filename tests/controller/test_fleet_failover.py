@@ -72,7 +72,8 @@ def test_a_fleet_with_no_agent_left_says_why_no_chain_was_made(store: FleetStore
 
 @pytest.mark.parametrize(("state", "remedy"), [
     # a paused PC is not lost: "bring the lost PC back" sent the user after the wrong one
-    (AgentState.PAUSED, r"resume a paused PC \(`deskfleet-agent resume` on it\), bring the lost PC back"),
+    (AgentState.PAUSED, r"resume a paused PC \(`deskfleet-agent resume` on it; one its admin paused, `paused: true` "
+                         r"in its settings, only there\), bring the lost PC back"),
     (AgentState.UNAVAILABLE, r"wait until a PC left out as unavailable is free again \(the reason says what it is "
                              r"waiting for\), bring the lost PC back"),
 ])
