@@ -107,6 +107,10 @@ def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> C
     _check_rope_and_norm(hf_config, rope_type)
 
     config_max = int(getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_CONTEXT_CAP))
+    if max_context is None and "max_position_embeddings" not in raw:  # transformers filled in its own default
+        log.warning("%s has no max_position_embeddings: the context is %d, transformers' default for %s, which may "
+                    "not be what the model was trained for; give --max-context to choose it", config_path,
+                    min(config_max, DEFAULT_MAX_CONTEXT_CAP), model_type)
     if max_context is not None and not MIN_MAX_CONTEXT <= max_context <= MAX_SPEC_VALUE:
         # 1 left no room for a prompt and a reply (generate then said "shorten the prompt to at most 0 tokens"); past
         # MAX_SPEC_VALUE the manifest was written and then refused as a tampered one, naming no option
@@ -146,6 +150,9 @@ def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> C
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
     )
     spec.validate()
+    if not spec.eos_token_ids:
+        log.warning("neither config.json nor generation_config.json of %s gives an eos_token_id: generate will stop "
+                    "only at --max-new-tokens (chat at the chat template's end of turn)", model_dir)
     # Which projections have a bias is the architecture's, as transformers builds it: only Llama reads
     # attention_bias (q, k, v and o) and mlp_bias; Qwen2 always has q, k and v biases and no others; Mistral
     # none. A stray field in a Mistral or Qwen2 config.json is ignored by transformers, biases stored or not.

@@ -8,6 +8,7 @@ embedding), so a checkpoint that cannot be exported is refused before any work.
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path, PurePath
 from types import TracebackType
@@ -19,6 +20,8 @@ from safetensors import safe_open
 from deskfleet.common.json_file import JsonFileError, read_json_object
 
 from .hf_config import CheckpointConfig, not_a_file
+
+log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -110,6 +113,12 @@ class CheckpointWeights:
             more = f" (and {len(problems) - PROBLEMS_SHOWN} more)" if len(problems) > PROBLEMS_SHOWN else ""
             raise MalformedCheckpointError(
                 f"the checkpoint's weights do not match its config.json: {'; '.join(problems[:PROBLEMS_SHOWN])}{more}")
+        if f"model.layers.{layers}.input_layernorm.weight" in self:  # an edited num_hidden_layers, or a truncation
+            stored = layers + 1
+            while f"model.layers.{stored}.input_layernorm.weight" in self:
+                stored += 1
+            extra = f"layer {layers} is" if stored == layers + 1 else f"layers {layers} to {stored - 1} are"
+            log.warning("config.json gives %d layers, but the weights hold %d: %s not exported", layers, stored, extra)
 
     def _same_values(self, first: str, second: str) -> bool:
         """Whether two tensors hold the same values as export reads them (float32), compared a block of rows

@@ -486,3 +486,33 @@ def test_a_checkpoint_file_that_is_a_broken_link_or_a_folder_is_named_as_such(
     with pytest.raises(FileNotFoundError, match=says):
         export_checkpoint(checkpoint, tmp_path / "out", WeightFormat.F32)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_config_that_leaves_out_the_context_or_eos_or_layers_is_warned_of(
+        checkpoint_factory: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # each exported without a word: a context of transformers' default, a model that never stops, layers dropped
+    from deskfleet.controller.export import hf_config, weights
+    from deskfleet.controller.export.weights import CheckpointWeights
+
+    warnings: list[str] = []
+    for module in (hf_config, weights):
+        monkeypatch.setattr(module.log, "warning", lambda text, *args: warnings.append(text % args))
+    checkpoint = edited_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), tmp_path, num_hidden_layers=2,
+                                   eos_token_id=None)
+    config_path = checkpoint / "config.json"
+    config = json.loads(config_path.read_text())
+    del config["max_position_embeddings"]
+    config_path.write_text(json.dumps(config))
+    (checkpoint / "generation_config.json").unlink(missing_ok=True)
+    config_read = read_checkpoint_config(checkpoint)
+    with CheckpointWeights(checkpoint) as held:
+        held.check(config_read)
+    assert warnings == [
+        f"{config_path} has no max_position_embeddings: the context is {config_read.spec.max_context}, transformers' "
+        "default for llama, which may not be what the model was trained for; give --max-context to choose it",
+        f"neither config.json nor generation_config.json of {checkpoint} gives an eos_token_id: generate will stop "
+        "only at --max-new-tokens (chat at the chat template's end of turn)",
+        "config.json gives 2 layers, but the weights hold 4: layers 2 to 3 are not exported"]
+    warnings.clear()
+    read_checkpoint_config(checkpoint, max_context=64)  # a context chosen: nothing to warn of there
+    assert not any("max_position_embeddings" in text for text in warnings)
