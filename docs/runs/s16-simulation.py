@@ -32,13 +32,16 @@ SEEDS = 60
 
 
 def tokens_per_second(module: ModuleType, policy: object, scenario: tuple, seed: int, noise: float) -> float:
+    """`scenario`'s alpha: the acceptance of every position, or a function of the position (1, 2, ...) giving each
+    its own (docs/runs/s39-perposition-simulation.py)."""
     _, alpha, chain, slope, change, draft = scenario
+    accepts = alpha if callable(alpha) else (lambda position: alpha)
     rng = random.Random(seed)
     seconds, tokens, last_width = 0.0, 0, 0
     while tokens < 64:
         k = policy.k
         accepted = 0
-        while accepted < k and rng.random() < alpha:
+        while accepted < k and rng.random() < accepts(accepted + 1):
             accepted += 1
         width = k + 1
         round_trip = (chain + slope * width + (change if width != last_width else 0.0)) * (1 + rng.gauss(0, noise))

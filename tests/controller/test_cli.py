@@ -320,8 +320,8 @@ def test_bench_counts_are_refused_when_parsed(capsys: pytest.CaptureFixture[str]
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_ctrl_c_while_text_streams_ends_its_line(tiny_export: Path, capsys: pytest.CaptureFixture[str],
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def ctrl_c_at_the_fifth_printed_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while the one stream's text is printed as it comes, at its fifth token."""
     from deskfleet.controller.text_printer import TextPrinter
 
     push = TextPrinter.push
@@ -332,6 +332,11 @@ def test_ctrl_c_while_text_streams_ends_its_line(tiny_export: Path, capsys: pyte
             raise KeyboardInterrupt
 
     monkeypatch.setattr(TextPrinter, "push", ctrl_c_at_the_fifth_token)
+
+
+def test_ctrl_c_while_text_streams_ends_its_line(tiny_export: Path, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    ctrl_c_at_the_fifth_printed_token(monkeypatch)
     code, out, err = run(capsys, "generate", "--model", str(tiny_export), "--prompt", "def f(x):",
                          "--max-new-tokens", "20", "--ignore-eos")
     assert code == 130 and out.endswith("\n") and out.strip() and err == ""
@@ -526,17 +531,9 @@ def test_a_sampled_run_that_is_interrupted_still_reports_its_seed(
         tiny_export: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     # the seed drawn for the run the user stopped is the one to run it again with: it was in the finished report only
     from deskfleet.controller import decoding_options
-    from deskfleet.controller.text_printer import TextPrinter
 
     monkeypatch.setattr(decoding_options, "random_seed", lambda: 23)
-    push = TextPrinter.push
-
-    def ctrl_c_at_the_fifth_token(self: TextPrinter, stream_id: int, token: int) -> None:
-        push(self, stream_id, token)
-        if len(self.tokens) == 5:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(TextPrinter, "push", ctrl_c_at_the_fifth_token)
+    ctrl_c_at_the_fifth_printed_token(monkeypatch)
     argv = ["generate", "--model", str(tiny_export), "--prompt", "def f(x):", "--temperature", "1.5",
             "--max-new-tokens", "20", "--ignore-eos"]
     code, _, err = run(capsys, *argv)
