@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -543,3 +544,13 @@ def test_a_sampled_run_that_is_interrupted_still_reports_its_seed(
     monkeypatch.setattr(run_module, "LocalPipeline", ctrl_c_at_result(10))
     code, out, err = run(capsys, *argv, "--prompt", "import", "--json")
     assert code == 130 and json.loads(out)["seed"] == 23 and err.rstrip().endswith("; seed 23)")
+
+
+def test_the_closing_line_of_a_one_token_run_shows_no_speed(tiny_export: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # a stream's speed is its decoding's, after the first token: "[1 tokens, 0.0 tok/s, ...]" read as a stalled run
+    code, _, err = run(capsys, "generate", "--model", str(tiny_export), "--prompt", "x", "--max-new-tokens", "1")
+    assert code == 0 and err.splitlines()[-1] == "[1 token, 1 stage(s)]"
+    code, _, err = run(capsys, "generate", "--model", str(tiny_export), "--prompt", "x", "--max-new-tokens", "3",
+                       "--ignore-eos")
+    assert code == 0 and re.fullmatch(r"\[3 tokens, [0-9.]+ tok/s, 1 stage\(s\)\]", err.splitlines()[-1])
