@@ -149,41 +149,50 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
         nullcontext(chain) if chain is not None
         else LocalPipeline(options.model, options.stages, settings, manifest))
     labels = [what for what, _ in prompts]
-    with context as pipeline:
-        engine = Engine(pipeline, manifest.spec, draft, engine_options)
-        for index, (_, prompt) in enumerate(prompts):
-            engine.add(StreamRequest(prompt_ids=prompt, max_new_tokens=options.max_new_tokens,
-                                     ignore_eos=options.ignore_eos, stop_token_ids=stop, sampling=sampling,
-                                     seed=options.base_seed + index))
-        started = time.perf_counter()
-        try:
-            results = engine.run(on_token=printer.push if printer else None, recover=recover)
-        except Exception as error:
-            if printer is not None and printer.text and not printer.text.endswith("\n"):
-                printer.out.write("\n")  # the error that follows starts a line of its own
-                printer.out.flush()
-            if not isinstance(error, RuntimeError):
-                raise
-            # The chain broke past what recover could mend (a fleet run that gave up re-planning): what the
-            # streams had made is not thrown away with the error.
+    report: dict[str, object] | None = None
+    try:
+        with context as pipeline:
+            engine = Engine(pipeline, manifest.spec, draft, engine_options)
+            for index, (_, prompt) in enumerate(prompts):
+                engine.add(StreamRequest(prompt_ids=prompt, max_new_tokens=options.max_new_tokens,
+                                         ignore_eos=options.ignore_eos, stop_token_ids=stop, sampling=sampling,
+                                         seed=options.base_seed + index))
+            started = time.perf_counter()
+            try:
+                results = engine.run(on_token=printer.push if printer else None, recover=recover)
+            except Exception as error:
+                if printer is not None and printer.text and not printer.text.endswith("\n"):
+                    printer.out.write("\n")  # the error that follows starts a line of its own
+                    printer.out.flush()
+                if not isinstance(error, RuntimeError):
+                    raise
+                # The chain broke past what recover could mend (a fleet run that gave up re-planning): what the
+                # streams had made is not thrown away with the error.
+                wall = time.perf_counter() - started
+                partial = _report(engine, tokenizer, engine.results(), wall, stages, pipeline, stream_text, labels)
+                partial["stopped"] = str(error)
+                _add_run_figures(partial, engine, options, draft is not None, recover is not None)
+                raise GenerationStopped(str(error), partial) from error
+            except KeyboardInterrupt:
+                # Ctrl-C: what the streams had made is not thrown away with it (a long --prompts-file run stopped
+                # near its end lost every finished stream); the caller prints it and ends the run as interrupted
+                wall = time.perf_counter() - started
+                partial = _report(engine, tokenizer, engine.results(), wall, stages, pipeline, False, labels)
+                partial["stopped"] = "interrupted"
+                _add_run_figures(partial, engine, options, draft is not None, recover is not None)
+                raise GenerationInterrupted(partial, labels, streamed=printer is not None) from None
             wall = time.perf_counter() - started
-            partial = _report(engine, tokenizer, engine.results(), wall, stages, pipeline, stream_text, labels)
-            partial["stopped"] = str(error)
-            _add_run_figures(partial, engine, options, draft is not None, recover is not None)
-            raise GenerationStopped(str(error), partial) from error
-        except KeyboardInterrupt:
-            # Ctrl-C: what the streams had made is not thrown away with it (a long --prompts-file run stopped
-            # near its end lost every finished stream); the caller prints it and ends the run as interrupted
-            wall = time.perf_counter() - started
-            partial = _report(engine, tokenizer, engine.results(), wall, stages, pipeline, False, labels)
-            partial["stopped"] = "interrupted"
-            _add_run_figures(partial, engine, options, draft is not None, recover is not None)
-            raise GenerationInterrupted(partial, labels, streamed=printer is not None) from None
-        wall = time.perf_counter() - started
-    if printer is not None:
-        printer.finish()
-    report = _report(engine, tokenizer, results, wall, stages, pipeline, stream_text, labels)
-    _add_run_figures(report, engine, options, draft is not None, recover is not None)
+            if printer is not None:
+                printer.finish()
+            # made before the chain closes (stages released, over the fleet a round trip each), so that a Ctrl-C
+            # meanwhile does not lose a finished run
+            report = _report(engine, tokenizer, results, wall, stages, pipeline, stream_text, labels)
+            _add_run_figures(report, engine, options, draft is not None, recover is not None)
+    except KeyboardInterrupt as interrupted:
+        if report is None or isinstance(interrupted, GenerationInterrupted):
+            raise
+        # the run had finished, its texts printed: the caller prints the report under --json, and ends as interrupted
+        raise GenerationInterrupted(report, labels, streamed=True) from None
     return report
 
 

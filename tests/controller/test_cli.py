@@ -554,3 +554,30 @@ def test_the_closing_line_of_a_one_token_run_shows_no_speed(tiny_export: Path,
     code, _, err = run(capsys, "generate", "--model", str(tiny_export), "--prompt", "x", "--max-new-tokens", "3",
                        "--ignore-eos")
     assert code == 0 and re.fullmatch(r"\[3 tokens, [0-9.]+ tok/s, 1 stage\(s\)\]", err.splitlines()[-1])
+
+
+def test_ctrl_c_while_the_stages_close_after_a_finished_run_keeps_its_report(
+        tiny_export: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # the report was made after the chain closed (over the fleet, a release round trip to each stage): a Ctrl-C
+    # there lost a run whose every stream had finished
+    import deskfleet.controller.run as run_module
+    from deskfleet.controller.pipeline import LocalPipeline
+
+    argv = ["generate", "--model", str(tiny_export), "--prompt", "def f(x):", "--prompt", "import", "--max-new-tokens",
+            "6", "--ignore-eos", "--json"]
+    whole = json.loads(run(capsys, *argv)[1])
+
+    class CtrlCWhileClosing(LocalPipeline):
+        def __exit__(self, *exc_info: Any) -> None:
+            super().__exit__(*exc_info)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "LocalPipeline", CtrlCWhileClosing)
+    code, out, err = run(capsys, *argv)
+    report = json.loads(out)
+    assert code == 130 and "stopped" not in report
+    assert [stream["tokens"] for stream in report["streams"]] == [stream["tokens"] for stream in whole["streams"]]
+    assert "deskfleet: interrupted (2 of 2 stream(s) had finished; 12 tokens in all, in the JSON" in err
+    code, out, err = run(capsys, *argv[:-1])  # the texts were printed before the chain closed, and only then
+    assert code == 130 and [line for line in out.splitlines() if line.startswith("--- ")] == [
+        "--- --prompt #1", "--- --prompt #2"]
