@@ -453,6 +453,11 @@ def _stream_done(stream: dict[str, object], max_new_tokens: int) -> bool:
     return bool(stream["stopped_by_eos"]) or len(tokens) >= max_new_tokens
 
 
+def _seed_note(report: dict[str, object]) -> str:
+    """"; seed N" for a note on a sampled run that ended early: the seed to sample the same again; "" for greedy."""
+    return f"; seed {report['seed']}" if "seed" in report else ""
+
+
 def _print_interrupted(interrupted: GenerationInterrupted, args: argparse.Namespace) -> None:
     """What a generate run interrupted by Ctrl-C had made (run.GenerationInterrupted): under --json the report
     with each stream's tokens so far and "stopped": "interrupted"; else each stream's text so far, where it was
@@ -470,7 +475,7 @@ def _print_interrupted(interrupted: GenerationInterrupted, args: argparse.Namesp
             sys.stdout.flush()
     except (OSError, ValueError):  # a closed pipe or file: nobody to show it to
         return
-    seed = f"; seed {report['seed']}" if "seed" in report else ""  # to sample the same again
+    seed = _seed_note(report)
     if args.json or not interrupted.streamed:
         done = sum(1 for stream in streams if _stream_done(stream, args.max_new_tokens))
         print(f"deskfleet: interrupted ({done} of {len(streams)} stream(s) had finished; "
@@ -518,7 +523,7 @@ def _generate(args: argparse.Namespace) -> int:
         streams = stopped.report["streams"]
         assert isinstance(streams, list)
         done = sum(1 for stream in streams if _stream_done(stream, args.max_new_tokens))
-        seed = f"; seed {stopped.report['seed']}" if "seed" in stopped.report else ""
+        seed = _seed_note(stopped.report)
         print(f"deskfleet: error: {stopped} ({done} of {len(streams)} stream(s) had finished; "
               f"{stopped.report['generated_tokens']} tokens in all, "
               + ("in the JSON on standard output" if args.json else "above") + f"{seed})", file=sys.stderr)

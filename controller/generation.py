@@ -14,12 +14,12 @@ def check_tokenized(spec: ModelSpec, prompt_ids: list[int]) -> None:
     not the prompt's fault (check_request would name the prompt id as if it were), but the export's: a
     tokenizer with tokens added after the model was made (export warns of those), or a manifest.json whose
     vocab_size was edited."""
-    for position, token in enumerate(prompt_ids):
-        if not 0 <= token < spec.vocab_size:
-            raise GenerationError(
-                f"the tokenizer encodes this text with token id {token} (at position {position}), past the model's "
-                f"vocabulary of {spec.vocab_size} (manifest.json's vocab_size): the tokenizer holds tokens the "
-                "model was not exported with, or manifest.json was edited; export the model again")
+    if (outside := _outside_vocabulary(spec, prompt_ids)) is not None:
+        position, token = outside
+        raise GenerationError(
+            f"the tokenizer encodes this text with token id {token} (at position {position}), past the model's "
+            f"vocabulary of {spec.vocab_size} (manifest.json's vocab_size): the tokenizer holds tokens the "
+            "model was not exported with, or manifest.json was edited; export the model again")
 
 
 def check_request(spec: ModelSpec, prompt_ids: list[int], max_new_tokens: int) -> None:
@@ -28,10 +28,10 @@ def check_request(spec: ModelSpec, prompt_ids: list[int], max_new_tokens: int) -
         raise GenerationError("the prompt is empty")
     if max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    for position, token in enumerate(prompt_ids):
-        if not 0 <= token < spec.vocab_size:
-            raise GenerationError(
-                f"prompt id {token} at position {position} is outside the vocabulary (size {spec.vocab_size})")
+    if (outside := _outside_vocabulary(spec, prompt_ids)) is not None:
+        position, token = outside
+        raise GenerationError(
+            f"prompt id {token} at position {position} is outside the vocabulary (size {spec.vocab_size})")
     needed = len(prompt_ids) + max_new_tokens
     if needed > spec.max_context:
         room = spec.max_context - len(prompt_ids)  # new tokens that fit after this prompt
@@ -46,3 +46,9 @@ def check_request(spec: ModelSpec, prompt_ids: list[int], max_new_tokens: int) -
         raise GenerationError(
             f"{len(prompt_ids)} prompt tokens + {max_new_tokens} new tokens = {needed} exceed the model's "
             f"context of {spec.max_context} ({remedy}, or export with a larger --max-context)")
+
+
+def _outside_vocabulary(spec: ModelSpec, prompt_ids: list[int]) -> tuple[int, int] | None:
+    """The first (position, id) of `prompt_ids` outside the model's vocabulary, or None."""
+    return next(((position, token) for position, token in enumerate(prompt_ids)
+                 if not 0 <= token < spec.vocab_size), None)

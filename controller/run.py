@@ -82,8 +82,6 @@ def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[
     return [(what, tokenizer.encode(text)) for what, text in texts]
 
 
-
-
 def read_prompts_file(path: Path, option: str = "--prompts-file") -> list[str]:
     """One prompt per non-empty line of a UTF-8 file (a BOM is skipped; a line ends at \\r\\n, \\n or \\r),
     with escapes for what a line cannot hold: `\\n` a newline, `\\t` a tab, `\\\\` a backslash; any other

@@ -254,16 +254,9 @@ def check_no_running_export(out_dir: Path) -> None:
     held, or whose process is alive): both ran to the end before, and the second then kept its finished export
     aside with the advice to pass --overwrite, its work wasted. One left by a process that is gone is
     remove_stale_folders'."""
-    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.partial-([0-9]{{1,10}})")
-    try:
-        entries = sorted(out_dir.parent.iterdir())
-    except OSError:
-        return
-    for entry in entries:
-        match = pattern.fullmatch(entry.name)
-        if match is None or entry.is_symlink() or not entry.is_dir() or (entry / MANIFEST_NAME).is_file():
+    for entry, kind, pid in _left_beside(out_dir):
+        if kind != "partial" or (entry / MANIFEST_NAME).is_file():
             continue
-        pid = int(match[1])
         if pid != os.getpid() and (_lock_held(entry) or _process_alive(pid)):
             raise ExportError(f"another export to {out_dir} is running (process {pid}, writing {entry}): wait for it "
                               f"to finish, or export to another folder; if no export runs, remove {entry}")
@@ -274,16 +267,10 @@ def remove_stale_folders(out_dir: Path) -> None:
     staging folders, and an old export moved aside once the new one was in place. Only a dead process's (by
     the PID in the name), and only a staging folder nobody holds the lock of. A finished export that was kept,
     and an old export whose replacement never arrived, are the user's: named in a warning, never removed."""
-    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.(partial|old)-([0-9]{{1,10}})")
-    try:
-        entries = sorted(out_dir.parent.iterdir())
-    except OSError:  # no parent folder yet: it is made with the staging folder
-        return
-    for entry in entries:
-        match = pattern.fullmatch(entry.name)
-        if match is None or entry.is_symlink() or not entry.is_dir() or _process_alive(int(match[2])):
+    for entry, kind, pid in _left_beside(out_dir):
+        if _process_alive(pid):
             continue
-        if match[1] == "old":
+        if kind == "old":
             if _is_export(out_dir):  # the export that replaced it is in place
                 shutil.rmtree(entry, ignore_errors=True)
             else:
@@ -421,6 +408,20 @@ def _is_export(folder: Path) -> bool:
     except (ManifestError, OSError, ValueError):
         return False
     return not folder.is_symlink()
+
+
+def _left_beside(out_dir: Path) -> Iterator[tuple[Path, str, int]]:
+    """The folders exports to `out_dir` made beside it, in name order: each with its kind ("partial", the staging
+    folder an export writes; "old", an old export moved aside) and the PID in its name. Links are never one."""
+    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.(partial|old)-([0-9]{{1,10}})")
+    try:
+        entries = sorted(out_dir.parent.iterdir())
+    except OSError:  # no parent folder yet: it is made with the staging folder
+        return
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is not None and not entry.is_symlink() and entry.is_dir():
+            yield entry, match[1], int(match[2])
 
 
 def _lock_held(folder: Path) -> bool:
