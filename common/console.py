@@ -1,11 +1,13 @@
-"""Standard streams that cannot fail on a character their encoding lacks, a closed standard error, and a
-standard output that cannot take what was written to it."""
+"""Standard streams that cannot fail on a character their encoding lacks, a closed standard error, a
+standard output that cannot take what was written to it, and lines a Ctrl-C cannot cut."""
 
 from __future__ import annotations
 
 import io
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO, cast
@@ -98,3 +100,32 @@ def silence_stdout() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, descriptor)
     os.close(devnull)
+
+
+@contextmanager
+def ctrl_c_held() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) that arrives during the block until the block is done, then deliver it to whatever
+    handles SIGINT outside the block (Python's own raises KeyboardInterrupt there).
+
+    For output that must come out whole: a report printed after a run (minutes of a benchmark, or the streams a
+    first Ctrl-C stopped) was cut mid-line by a Ctrl-C during the print, and a script reading the JSON got
+    half an object. Off the main thread (where Python runs no signal handler), or where SIGINT's handler was
+    not set from Python (it could not be put back), the block runs as it is.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield
+        return
+    arrived: list[int] = []
+    outside = signal.signal(signal.SIGINT, lambda signum, frame: arrived.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, outside)
+        if arrived:
+            signal.raise_signal(signal.SIGINT)
+
+
+def print_whole(text: str, file: TextIO | None = None) -> None:
+    """print(text, flush=True), as one line a Ctrl-C cannot cut (see ctrl_c_held)."""
+    with ctrl_c_held():
+        print(text, file=file, flush=True)

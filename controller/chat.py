@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.arguments import FAILOVER_BROWSE_S, browse_seconds, path_argument
+from deskfleet.common.console import print_whole
 from deskfleet.common.model_spec import Manifest, load_manifest
 from deskfleet.common.speculative import AdaptiveK
 from deskfleet.common.wire import MICRO_BATCH_IDLE_S
@@ -450,8 +451,7 @@ def _end_prompt_line(prompt_out: TextIO | None) -> None:
 def _write_json(out: TextIO, as_json: bool, body: dict[str, object]) -> None:
     """One line of `chat --json` (nothing without it), flushed: a script reads it before sending the next message."""
     if as_json:
-        out.write(json.dumps(body) + "\n")
-        out.flush()
+        print_whole(json.dumps(body), file=out)
 
 
 def _note(notes: TextIO | None, text: str) -> None:

@@ -14,8 +14,10 @@ from deskfleet.agent.allocator import run_on_jemalloc
 from deskfleet.common.arguments import path_argument, prompts_file_argument
 from deskfleet.common.console import (
     WatchedStream,
+    ctrl_c_held,
     flush_stdout,
     open_missing_stderr,
+    print_whole,
     silence_stdout,
     tolerate_unencodable,
     watched_stdout,
@@ -467,22 +469,23 @@ def _print_interrupted(interrupted: GenerationInterrupted, args: argparse.Namesp
     report = interrupted.report
     streams = report["streams"]
     assert isinstance(streams, list)
-    try:
-        if args.json:
-            print(json.dumps(report), flush=True)
-        elif not interrupted.streamed:
-            print_stream_texts(streams, interrupted.labels)
-            sys.stdout.flush()
-    except (OSError, ValueError):  # a closed pipe or file: nobody to show it to
-        return
-    seed = _seed_note(report)
-    if args.json or not interrupted.streamed:
-        done = sum(1 for stream in streams if _stream_done(stream, args.max_new_tokens))
-        print(f"deskfleet: interrupted ({done} of {len(streams)} stream(s) had finished; "
-              f"{report['generated_tokens']} tokens in all, "
-              + ("in the JSON on standard output" if args.json else "above") + f"{seed})", file=sys.stderr)
-    elif seed:
-        print(f"deskfleet: interrupted ({seed.removeprefix('; ')})", file=sys.stderr)
+    with ctrl_c_held():  # a second Ctrl-C: after the report (exit 130 all the same), not in the middle of it
+        try:
+            if args.json:
+                print(json.dumps(report), flush=True)
+            elif not interrupted.streamed:
+                print_stream_texts(streams, interrupted.labels)
+                sys.stdout.flush()
+        except (OSError, ValueError):  # a closed pipe or file: nobody to show it to
+            return
+        seed = _seed_note(report)
+        if args.json or not interrupted.streamed:
+            done = sum(1 for stream in streams if _stream_done(stream, args.max_new_tokens))
+            print(f"deskfleet: interrupted ({done} of {len(streams)} stream(s) had finished; "
+                  f"{report['generated_tokens']} tokens in all, "
+                  + ("in the JSON on standard output" if args.json else "above") + f"{seed})", file=sys.stderr)
+        elif seed:
+            print(f"deskfleet: interrupted ({seed.removeprefix('; ')})", file=sys.stderr)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -519,7 +522,7 @@ def _generate(args: argparse.Namespace) -> int:
         # error's 2, and what the streams had made is not lost: the text streamed or printed above, and under
         # --json the report of tokens so far with "stopped" saying why.
         if args.json:
-            print(json.dumps(stopped.report))
+            print_whole(json.dumps(stopped.report))
         streams = stopped.report["streams"]
         assert isinstance(streams, list)
         done = sum(1 for stream in streams if _stream_done(stream, args.max_new_tokens))
@@ -529,7 +532,7 @@ def _generate(args: argparse.Namespace) -> int:
               + ("in the JSON on standard output" if args.json else "above") + f"{seed})", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(report))
+        print_whole(json.dumps(report))
     else:
         print()
         tokens, tok_s = report["generated_tokens"], report["tok_s"]
@@ -551,7 +554,7 @@ def _bench_parity(args: argparse.Namespace) -> int:
                               rounds=args.rounds, stage_counts=args.stages,
                               settings=_compile_settings(args), genai_backends=args.genai_backends,
                               isolation=args.isolation, huge_pages_ablation=args.huge_pages_ablation)
-    print(json.dumps(report, indent=2))
+    print_whole(json.dumps(report, indent=2))
     return 0
 
 
@@ -560,7 +563,7 @@ def _bench_rollback(args: argparse.Namespace) -> int:
 
     report = run_rollback_bench(args.model, contexts=args.contexts, rejected=args.rejected,
                                 dead_slots=args.dead_slots, rounds=args.rounds, settings=_compile_settings(args))
-    print(json.dumps(report, indent=2))
+    print_whole(json.dumps(report, indent=2))
     return 0
 
 
@@ -575,7 +578,7 @@ def _bench_speculative(args: argparse.Namespace) -> int:
         args.model, args.draft, ks=args.k, adaptive=not args.no_adaptive, lookup=not args.no_lookup, k_max=args.k_max,
         prompts=prompts, eval_dir=args.eval_dir,
         num_prompts=args.prompts, new_tokens=args.new_tokens, rounds=args.rounds, settings=_compile_settings(args))
-    print(json.dumps(report, indent=2))
+    print_whole(json.dumps(report, indent=2))
     return 0
 
 
@@ -584,7 +587,7 @@ def _bench_admission(args: argparse.Namespace) -> int:
 
     report = run_admission_bench(args.model, prompt_tokens=args.prompt_tokens, chunks=args.chunks, running=args.running,
                                  new_tokens=args.new_tokens, rounds=args.rounds, settings=_compile_settings(args))
-    print(json.dumps(report, indent=2))
+    print_whole(json.dumps(report, indent=2))
     return 0
 
 
@@ -595,7 +598,7 @@ def _bench_chat(args: argparse.Namespace) -> int:
     messages = None if args.messages_file is None else read_prompts_file(args.messages_file, "--messages-file")
     report = run_chat_bench(args.model, turns=args.turns, reply_tokens=args.reply_tokens, rounds=args.rounds,
                             stages=args.stages, messages=messages, settings=_compile_settings(args))
-    print(json.dumps(report, indent=2))
+    print_whole(json.dumps(report, indent=2))
     return 0
 
 
@@ -605,7 +608,7 @@ def _bench_streams(args: argparse.Namespace) -> int:
     report = run_streams_bench(args.model, genai_model=args.genai_model, genai_python=args.genai_python,
                                users=args.users, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                                rounds=args.rounds, core=args.core, settings=_compile_settings(args))
-    print(json.dumps(report, indent=2))
+    print_whole(json.dumps(report, indent=2))
     return 0
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from typing import Any
 
 from deskfleet.common import event_loop
 from deskfleet.common.arguments import browse_seconds, path_argument
+from deskfleet.common.console import print_whole
 from deskfleet.common.devices import device_targets
 from deskfleet.common.planner import PlanPolicy
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
@@ -259,7 +260,7 @@ def _ls(args: argparse.Namespace) -> int:
                         "them; the next `deskfleet fleet deploy` of their model releases them, as does restarting "
                         "the agent")
     if args.json:  # the list stays a list of agents: the controller's and the CA's dates go to stderr
-        print(json.dumps([_agent_json(agent, undeployed) for agent in agents], indent=2))
+        print_whole(json.dumps([_agent_json(agent, undeployed) for agent in agents], indent=2))
         for line in warnings:
             print(line, file=sys.stderr)
         return 0
@@ -409,7 +410,7 @@ def _plan(args: argparse.Namespace) -> int:
 
         result = event_loop.run(run())
     if args.json:
-        print(json.dumps({"feasible": result.feasible, "problems": list(result.problems),
+        print_whole(json.dumps({"feasible": result.feasible, "problems": list(result.problems),
                           "stages": [[s.agent_id, s.first_layer, s.stop_layer] for s in result.stages],
                           "left_out": [[e.agent_id, e.reason.value, e.message] for e in result.exclusions]}))
     else:
@@ -442,7 +443,7 @@ def _deploy(args: argparse.Namespace) -> int:
 
     result, report = event_loop.run(run())
     if args.json:
-        print(json.dumps({"model_id": report.model_id, "bytes_sent": report.bytes_sent,
+        print_whole(json.dumps({"model_id": report.model_id, "bytes_sent": report.bytes_sent,
                           "files_sent": report.files_sent,
                           "stages": [[s.agent_id, s.address, s.layer_start, s.layer_end] for s in report.stages]}))
     else:
@@ -468,5 +469,5 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"deskfleet: error: {error}", file=sys.stderr)
         return 1
     assert isinstance(tokens, list)
-    print(json.dumps({"tokens": tokens}) if args.json else " ".join(map(str, tokens)))
+    print_whole(json.dumps({"tokens": tokens}) if args.json else " ".join(map(str, tokens)))
     return 0

@@ -36,3 +36,65 @@ def test_a_stream_with_its_own_error_handling_or_not_a_text_wrapper_is_left_alon
     tolerate_unencodable(text)
     text.write(TEXT)
     assert text.getvalue() == TEXT
+
+
+def test_a_ctrl_c_during_a_held_block_comes_after_it() -> None:
+    import os
+    import signal
+
+    from deskfleet.common.console import ctrl_c_held
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with ctrl_c_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # Python runs a signal's handler between bytecodes: plenty of chances here
+                pass
+            done.append("the rest of the block")
+    assert done == ["the rest of the block"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as it was before the block
+    with ctrl_c_held():  # no Ctrl-C: nothing raised
+        done.append("again")
+    assert done[-1] == "again"
+
+
+def test_a_held_ctrl_c_goes_to_the_handler_outside_the_block() -> None:
+    import os
+    import signal
+
+    from deskfleet.common.console import ctrl_c_held
+
+    seen: list[int] = []
+    outside = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    try:
+        with ctrl_c_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+            assert seen == []
+        for _ in range(1000):
+            pass
+        assert seen == [signal.SIGINT]
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with ctrl_c_held():
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # ignored outside: ignored after it too
+    finally:
+        signal.signal(signal.SIGINT, outside)
+
+
+def test_print_whole_writes_its_line_whole_through_a_ctrl_c() -> None:
+    import os
+    import signal
+
+    from deskfleet.common.console import print_whole
+
+    class CtrlCWhileWriting(io.StringIO):
+        def write(self, text: str) -> int:  # the Ctrl-C lands while the line is being written
+            os.kill(os.getpid(), signal.SIGINT)
+            return super().write(text)
+
+    out = CtrlCWhileWriting()
+    with pytest.raises(KeyboardInterrupt):
+        print_whole('{"a": 1}', file=out)
+    assert out.getvalue() == '{"a": 1}\n'

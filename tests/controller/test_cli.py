@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -581,3 +583,38 @@ def test_ctrl_c_while_the_stages_close_after_a_finished_run_keeps_its_report(
     code, out, err = run(capsys, *argv[:-1])  # the texts were printed before the chain closed, and only then
     assert code == 130 and [line for line in out.splitlines() if line.startswith("--- ")] == [
         "--- --prompt #1", "--- --prompt #2"]
+
+
+class CtrlCWhileTheJsonIsWritten(io.StringIO):
+    """Standard output that gets a Ctrl-C (a real SIGINT) the first time a JSON object is written to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = False
+
+    def write(self, text: str) -> int:
+        if not self.sent and text.startswith("{"):
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # Python runs the handler between bytecodes: here, before the text is kept
+                pass
+        return super().write(text)
+
+
+def test_a_ctrl_c_while_the_report_is_written_leaves_it_whole(
+        tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the report came out cut where the Ctrl-C landed, and a script reading it got half a JSON object
+    import sys
+
+    import deskfleet.controller.run as run_module
+
+    argv = ["generate", "--model", str(tiny_export), "--prompt", "def f(x):", "--prompt", "import",
+            "--max-new-tokens", "6", "--ignore-eos", "--json"]
+    for ctrl_c_first in (False, True):  # a finished run's report; the one a first Ctrl-C made, cut by a second
+        if ctrl_c_first:
+            monkeypatch.setattr(run_module, "LocalPipeline", ctrl_c_at_result(6))
+        out = CtrlCWhileTheJsonIsWritten()
+        monkeypatch.setattr(sys, "stdout", out)
+        assert main(argv) == 130 and out.sent
+        report = json.loads(out.getvalue())
+        assert len(report["streams"]) == 2 and ("stopped" in report) == ctrl_c_first
