@@ -11,7 +11,8 @@ order and acts on them:
   hidden states go to the next hop over an agent-to-agent link, or the ForwardResult to the controller;
 - ReleaseMicroBatch -> free that micro-batch's KV state, then relay it to the next hop (it travels
   the chain behind the micro-batch's last Forward);
-- ResultsHere -> this controller link receives the ForwardResults (the driver's return path);
+- ResultsHere -> this controller link receives the ForwardResults of the micro-batch ids it names (the
+  driver's return path; several drivers may run on one deployment, each in its own id range);
 - RevocationUpdate -> links from removed agents are dropped, and their Forwards refused.
 Only a peer with the controller role may command; an agent peer (the previous stage) may only send
 Forward, ReleaseMicroBatch and Error. A stage failure travels DOWN the chain as an Error (relayed by
@@ -156,7 +157,7 @@ class AgentCore:
         self.last_error: str | None = None
         self._controller_links: list[Link] = []
         self._registration_links: set[Link] = set()  # this agent's own links to `fleet serve`: never a driver
-        self._results_link: Link | None = None
+        self._results_links: dict[Link, ResultsHere] = {}  # each driver's return path, the latest last
         self._links: set[Link] = set()  # every link being served
         # every removal the controllers told of, kept across restarts (a restarted agent refuses them even while
         # the controller is out of reach), with the CA's signature of each (none for a list saved before
@@ -239,8 +240,7 @@ class AgentCore:
             if link in self._controller_links:
                 self._controller_links.remove(link)
             self._registration_links.discard(link)
-            if self._results_link is link:
-                self._results_link = None
+            self._results_links.pop(link, None)
 
     async def handle(self, link: Link, message: Message) -> Message | None:
         """Act on one message; return the reply (if any). CommandError for a refusal."""
@@ -258,7 +258,8 @@ class AgentCore:
             raise CommandError(ErrorCode.UNAUTHORIZED, f"only the controller may send {type(message).__name__}; "
                                "agents send Forward, ReleaseMicroBatch and Error")
         if isinstance(message, ResultsHere):
-            self._results_link = link
+            self._results_links.pop(link, None)  # said again: its range now, and the latest
+            self._results_links[link] = message
             return None
         if isinstance(message, RevocationUpdate):
             await self._revoke(message)
@@ -739,15 +740,34 @@ class AgentCore:
                     raise CommandError(ErrorCode.INTERNAL, text, agent_id=hop.agent_id) from None
 
     async def _tell_controller(self, message: Message) -> None:
-        """Send to the driver's results link, else the open controller link that spoke last; log when none.
+        """Send to the driver of the message's micro-batch (the results link whose ResultsHere holds its id), else
+        the open controller link that spoke last; log when none.
 
-        The registration link comes last: a middle stage hears nothing from its driver after the Hello, so a
-        registration that `fleet serve` answered after the chain opened (the agent registered again, another
-        PC was removed) spoke last, and a paused stage's refusal went there, where it was only logged, while
-        the driver waited out its step timeout."""
-        links = sorted(reversed(self._controller_links), key=lambda link: link in self._registration_links)
-        if self._results_link is not None:
-            links.insert(0, self._results_link)
+        Another driver's link never gets it: one user's tokens are not another's to see. An Error that names
+        no micro-batch (this stage failed as a whole) goes to every driver: each one's chain is broken. Where
+        no driver's range holds the id (a ResultsHere still on its way), the driver that said ResultsHere last
+        comes first, as when there was one results link. The registration link comes
+        last: a middle stage hears nothing from its driver after the Hello, so a registration that `fleet
+        serve` answered after the chain opened (the agent registered again, another PC was removed) spoke
+        last, and a paused stage's refusal went there, where it was only logged, while the driver waited out
+        its step timeout."""
+        micro_batch_id = getattr(message, "micro_batch_id", None)
+        drivers = list(reversed(self._results_links))
+        if micro_batch_id is None and isinstance(message, Error) and len(drivers) > 1:
+            for link in drivers:
+                await self._send_to_controller([link], message)
+            return
+        if micro_batch_id is not None:
+            owners = [link for link in drivers if self._results_links[link].holds(micro_batch_id)]
+            if owners:
+                await self._send_to_controller(owners, message)
+                return
+        others = sorted(reversed(self._controller_links), key=lambda link: link in self._registration_links)
+        await self._send_to_controller(drivers + [link for link in others if link not in self._results_links],
+                                       message)
+
+    async def _send_to_controller(self, links: list[Link], message: Message) -> None:
+        """Send on the first of `links` that takes it; log when none does."""
         for link in links:
             try:
                 await link.send(message)

@@ -23,8 +23,8 @@ from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, che
 
 # 2: DraftInfo.one_hot; 3: Forward.layer_start, Error.micro_batch_id and agent_id; 4: Forward.model_id,
 # StatusReport.reasons and detail; 5: AssignStage.previous_agent_id; 6: RevocationUpdate as records signed by
-# the CA, KnownRemovals, Register.token_sha256; 7: StatusReport.devices
-PROTOCOL_VERSION = 7
+# the CA, KnownRemovals, Register.token_sha256; 7: StatusReport.devices; 8: ResultsHere's micro-batch id range
+PROTOCOL_VERSION = 8
 MAX_STATUS_DETAIL = 500
 MAX_DEVICES = 32  # a StatusReport's devices
 _DEVICE_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,15}(\.[0-9]{1,3})?")  # as OpenVINO lists them: "CPU", "GPU.1"
@@ -530,8 +530,24 @@ class ReleaseMicroBatch:
 
 @dataclass(frozen=True)
 class ResultsHere:
-    """A driver tells the last stage's agent: send ForwardResults, and Errors relayed down the chain,
-    on this link (until it closes or another driver says the same)."""
+    """A driver tells the last stage's agent: send the ForwardResults, and the Errors relayed down the chain,
+    of the wire micro-batch ids [first_micro_batch_id, stop_micro_batch_id) on this link, until it closes.
+
+    Each driver of a deployment numbers its micro-batches in a range of its own (controller/fleet_pipeline.py),
+    and several drivers may run on one deployment at once (two users, a chat beside a script): with one results
+    link per agent, the last driver to say ResultsHere got every driver's results, and the others waited out
+    their step timeout."""
+
+    first_micro_batch_id: int
+    stop_micro_batch_id: int
+
+    def __post_init__(self) -> None:
+        _non_negative("first_micro_batch_id", self.first_micro_batch_id)
+        _require(self.stop_micro_batch_id > self.first_micro_batch_id,
+                 f"ResultsHere's range [{self.first_micro_batch_id}, {self.stop_micro_batch_id}) is empty")
+
+    def holds(self, micro_batch_id: int) -> bool:
+        return self.first_micro_batch_id <= micro_batch_id < self.stop_micro_batch_id
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,16 @@ websocket pings notice within link.PING_INTERVAL_S + PING_TIMEOUT_S + CLOSE_TIME
 PC; at once for a killed one) and collect() raises ChainError
 naming that agent, its stage and its address; an Error a stage reports travels down the chain to here.
 
-Micro-batch ids on the wire are the engine's ids plus a random per-session base, so two drivers (or
-two chat turns) never address each other's KV state on a stage.
+Micro-batch ids on the wire are the engine's ids plus a base: each chain draws a random range of its own
+(_REGION_IDS ids) and takes the next base in it at every renumber (each chat turn), so two drivers, or two
+turns, never address each other's KV state on a stage, and the last stage's agent sends each driver the
+results of its own range (ResultsHere names it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import secrets
@@ -65,6 +68,9 @@ class ChainError(ChainBroken):
 
 OPEN_TIMEOUT_S = 30.0
 _ID_SPAN = 1 << 24  # engine micro-batch ids stay below this
+_REGION_BASES = 1 << 23  # bases (renumbers) in a chain's range, taken in turn: its ids never repeat in practice
+_REGION_IDS = _REGION_BASES * _ID_SPAN
+_REGIONS = (1 << 63) // _REGION_IDS - 1  # ranges to draw from; every wire id stays an int64
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,9 @@ class FleetPipeline:
         self.step_timeout_s = step_timeout_s
         self.return_logits = return_logits
         self.model_id = model_id
-        self._ids = ChainIds(_ID_SPAN, lambda: secrets.randbelow(1 << 30) * _ID_SPAN)
+        self._first_id = secrets.randbelow(_REGIONS) * _REGION_IDS  # this driver's range of wire ids
+        bases = itertools.count()
+        self._ids = ChainIds(_ID_SPAN, lambda: self._first_id + next(bases) % _REGION_BASES * _ID_SPAN)
         # results with the perf_counter time they reached this process (the network thread's receipt)
         self._results: queue.Queue[tuple[float, ForwardResult] | ChainError] = queue.Queue()
         self.last_arrival_s = 0.0  # when the result collect() returned last reached this process
@@ -291,7 +299,7 @@ class FleetPipeline:
                         raise ChainError(f"cannot reach agent {stage.agent_id[:12]} (stage {index}, layers "
                                          f"[{stage.layer_start}:{stage.layer_end}]): {error}",
                                          stage.agent_id, stages=self.stages) from None
-                await links[-1].send(ResultsHere())
+                await links[-1].send(ResultsHere(self._first_id, self._first_id + _REGION_IDS))
         except (ChainError, LinkError, TimeoutError) as error:
             for link in links:
                 await link.close()

@@ -170,7 +170,7 @@ def test_results_and_relayed_errors_go_to_the_driver_that_said_results_here(core
     async def scenario() -> tuple[RecordingLink, RecordingLink]:
         driver, other = RecordingLink(Role.CONTROLLER), RecordingLink(Role.CONTROLLER)
         core._controller_links += [cast(Link, driver), cast(Link, other)]  # other spoke last
-        await core.handle(cast(Link, driver), ResultsHere())
+        await core.handle(cast(Link, driver), ResultsHere(0, 1 << 62))
         # a failure upstream arrives from the previous stage: this agent (the last stage) hands it back
         last = AssignStage(StageRef("m@1", 2, 4), False, True, "CPU", Precision.F32, None, (),
                            previous_agent_id="b" * 52)
@@ -446,7 +446,7 @@ def test_decode_steps_run_on_the_loop_thread_and_prompts_in_a_worker(core: Agent
     async def scenario() -> tuple[str, list[Message]]:
         driver = RecordingLink(Role.CONTROLLER)
         core._controller_links.append(cast(Link, driver))
-        await core.handle(cast(Link, driver), ResultsHere())
+        await core.handle(cast(Link, driver), ResultsHere(0, 1 << 62))
         await core.handle(cast(Link, driver), track.step([prompt]))
         first = driver.sent[-1]
         assert isinstance(first, ForwardResult)
@@ -585,3 +585,29 @@ def test_a_shard_sent_by_two_deploys_at_once_is_taken_from_the_first(core: Agent
     send(second, ShardChunk(other_digest, 1000, len(other), other[1000:]))
     send(second, ShardComplete(other_digest))
     assert core.cache.has(other_digest)
+
+
+def test_two_drivers_on_one_stage_each_get_their_own_results(core: AgentCore, tiny_export: Path) -> None:
+    # One results link per agent: the driver that said ResultsHere last got every driver's results, and the
+    # other waited out its step timeout. Now each gets the results of its own range, and only those.
+    _host_tiny_stage(core, tiny_export)
+    mine, theirs = BatchTrack(5, 64), BatchTrack(1 << 40, 64)
+    for track in (mine, theirs):
+        track.add_row(0)
+
+    async def scenario() -> tuple[RecordingLink, RecordingLink, RecordingLink]:
+        first, second, other = (RecordingLink(Role.CONTROLLER) for _ in range(3))
+        core._controller_links += [cast(Link, first), cast(Link, second), cast(Link, other)]  # other spoke last
+        await core.handle(cast(Link, first), ResultsHere(0, 1 << 40))
+        await core.handle(cast(Link, second), ResultsHere(1 << 40, 1 << 41))  # the later driver
+        await core.handle(cast(Link, first), mine.step([[3, 4, 5]]))
+        await core.handle(cast(Link, second), theirs.step([[6, 7]]))
+        await core._tell_controller(Error(ErrorCode.INTERNAL, "the stage failed as a whole"))  # no micro-batch
+        await core._tell_controller(ForwardResult((1 << 41) + 3, 0, (1,), None, None))  # nobody's: the latest
+        return first, second, other
+
+    first, second, other = asyncio.run(scenario())
+    assert [(type(m), getattr(m, "micro_batch_id", None)) for m in first.sent] == [(ForwardResult, 5), (Error, None)]
+    assert [(type(m), getattr(m, "micro_batch_id", None)) for m in second.sent] == [
+        (ForwardResult, 1 << 40), (Error, None), (ForwardResult, (1 << 41) + 3)]
+    assert other.sent == []

@@ -143,7 +143,7 @@ def test_a_strangers_forward_is_refused_and_the_previous_hops_next_step_still_ru
 
     async def scenario() -> tuple[dict[int, list[int]], list[FakeLink]]:
         last._controller_links.append(cast(Link, driver))
-        await last.handle(cast(Link, driver), ResultsHere())
+        await last.handle(cast(Link, driver), ResultsHere(0, 1 << 62))
         tokens: dict[int, list[int]] = {1: [], 2: []}
         strangers = []
         for index in range(4):
@@ -198,7 +198,7 @@ def test_the_previous_hop_of_one_stage_is_refused_on_another_and_its_link_kept(t
 
     async def scenario() -> None:
         core._controller_links.append(cast(Link, driver))
-        await core.handle(cast(Link, driver), ResultsHere())
+        await core.handle(cast(Link, driver), ResultsHere(0, 1 << 62))
         await core.serve_link(cast(Link, previous))
 
     asyncio.run(scenario())

@@ -119,7 +119,7 @@ def all_messages() -> list[wire.Message]:
         Register(AGENT, ("192.168.1.20:7443", "desk-42.local:7443")),
         Register(AGENT, ("192.168.1.20:7443",), SHA),
         ReleaseMicroBatch(7),
-        ResultsHere(),
+        ResultsHere(0, 1 << 62),
         RevocationUpdate.of((AGENT,), (SIGNATURE,)),
         RevocationUpdate(b""),
         KnownRemovals.of((AGENT, "b" * 52), (SIGNATURE, bytes(64))),

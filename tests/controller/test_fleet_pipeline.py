@@ -15,13 +15,14 @@ import pytest
 
 from deskfleet.agent.link import Link, LinkError, start_server
 from deskfleet.common.kv_ledger import AppendSlots
-from deskfleet.common.wire import Error, ErrorCode, Forward, ForwardResult, Role
+from deskfleet.common.wire import Error, ErrorCode, Forward, ForwardResult, Message, ResultsHere, Role
 from deskfleet.controller import fleet_pipeline
 from deskfleet.controller.fleet_deploy import StagePlacement
 from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
 from tests.fleet_pki import make_ca, make_member
 
 Reply = Callable[[Link, Forward], Awaitable[None]]
+SEEN: list[Message] = []  # what the scripted agent of the test running received, in order
 
 
 @pytest.fixture
@@ -32,6 +33,7 @@ def scripted_chain(tmp_path: Path) -> Iterator[Callable[[Reply], FleetPipeline]]
     driver_files = make_member(ca, tmp_path / "driver", "driver", Role.CONTROLLER)
     chains: list[FleetPipeline] = []
     stop = threading.Event()
+    SEEN.clear()
 
     def open_chain(reply: Reply) -> FleetPipeline:
         started = threading.Event()
@@ -41,6 +43,7 @@ def scripted_chain(tmp_path: Path) -> Iterator[Callable[[Reply], FleetPipeline]]
             try:
                 while True:
                     message = await link.receive()
+                    SEEN.append(message)
                     if isinstance(message, Forward):
                         await reply(link, message)
             except LinkError:
@@ -229,3 +232,26 @@ def test_a_step_of_many_tokens_is_given_time_for_them_and_a_decode_step_is_not(
     chain.submit(step_of(1, micro_batch_id=1))  # one token: 0.35 s
     with pytest.raises(ChainError, match="no result within 0 s"):
         chain.collect()
+
+
+def test_the_results_range_a_driver_names_holds_every_id_it_sends_and_no_other_drivers(
+        scripted_chain: Callable[[Reply], FleetPipeline]) -> None:
+    # The last stage's agent sends each driver the results of the range its ResultsHere names: with one results
+    # link per agent, a second driver on the same deployment took the first one's results, and the first
+    # waited out its step timeout ("an agent may be stuck") while nothing was stuck
+    async def reply(link: Link, message: Forward) -> None:
+        await link.send(ForwardResult(message.micro_batch_id, message.step_id, (1,), None, None))
+
+    first, second = scripted_chain(reply), scripted_chain(reply)
+    for chain in (first, second, first):
+        for _ in range(3):  # a chat's turns: each renumbers
+            chain.submit(one_step(micro_batch_id=(1 << 24) - 1))  # the largest engine id
+            chain.collect()
+            chain.renumber()
+    ranges = [message for message in SEEN if isinstance(message, ResultsHere)]
+    assert len(ranges) == 2 and not ranges[0].holds(ranges[1].first_micro_batch_id)
+    assert not ranges[1].holds(ranges[0].first_micro_batch_id)
+    ids = [message.micro_batch_id for message in SEEN if isinstance(message, Forward)]
+    assert len(set(ids)) == 9  # never an id twice
+    assert all(ranges[0].holds(wire_id) for wire_id in ids[:3] + ids[6:])
+    assert all(ranges[1].holds(wire_id) for wire_id in ids[3:6])

@@ -344,6 +344,12 @@ def test_turns_that_resume_the_kept_kv_state_over_the_fleet_give_the_local_whole
     assert out["fed"] == [out["prompt_lengths"][0], 1 + 3, out["prompt_lengths"][2] - 6]
 
 
+def test_two_drivers_on_one_deployment_each_get_their_own_results(fleet: Fleet, tiny_export: Path) -> None:
+    out = json.loads(fleet.run(fleet.controller, sys.executable, "-m", "tests.integration.fleet_two_drivers",
+                               str(fleet.controller_dir), str(tiny_export)))
+    assert out["runs"] == [out["local"]] * 3 and len(out["local"]) == 10
+
+
 def test_strangers_are_refused_and_reach_no_stage(fleet: Fleet, tiny_export: Path) -> None:
     target = fleet.agent_addresses[0]
     out = fleet.run(fleet.controller, sys.executable, "-m", "tests.integration.fleet_probe", "strangers", target,
