@@ -436,10 +436,23 @@ class AgentCore:
         except ShardCacheError as error:
             raise CommandError(ErrorCode.SHARD_MISMATCH, str(error)) from None
         except OSError as error:  # the cache's disk full or not writable: what was received so far stays
-            raise CommandError(ErrorCode.OUT_OF_MEMORY if error.errno == errno.ENOSPC else ErrorCode.INTERNAL,
-                               f"cannot store shard {chunk.sha256[:12]}… (bytes {chunk.offset} to "
-                               f"{chunk.offset + len(chunk.data)} of {chunk.total_size}) in the shard cache "
-                               f"{self.cache.root}: {error.strerror or error}") from None
+            raise self._cache_refusal(error, f"cannot store shard {chunk.sha256[:12]}… (bytes {chunk.offset} to "
+                                             f"{chunk.offset + len(chunk.data)} of {chunk.total_size})") from None
+
+    def _cache_refusal(self, error: OSError, what: str) -> CommandError:
+        """The refusal of a write into the shard cache that the disk refused: full (DISK_FULL) or not writable,
+        naming the cache's folder and what this PC's owner can do."""
+        if error.errno == errno.ENOSPC:
+            return CommandError(ErrorCode.DISK_FULL, f"{what}: the disk of this PC's shard cache {self.cache.root} "
+                                f"is full ({error.strerror or error}): free space there, or lower cache_limit_bytes "
+                                f"in the agent's settings below what the disk has free; until then pause this PC "
+                                f"(`deskfleet-agent pause`) to deploy without it")
+        if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return CommandError(ErrorCode.INTERNAL, f"{what}: this PC's shard cache {self.cache.root} is not "
+                                f"writable ({error.strerror or error}): make it writable, or start the agent with "
+                                f"a --data-dir on a writable disk")
+        return CommandError(ErrorCode.INTERNAL, f"{what} in the shard cache {self.cache.root}: "
+                                                f"{error.strerror or error}")
 
     async def _assign(self, message: AssignStage) -> StageReady:
         if self.policy().paused:  # a plan made before the pause: that deploy fails naming this PC
@@ -469,6 +482,9 @@ class AgentCore:
                 # OSError: the cache's disk is full or not writable while the view is made
                 self.cache.unpin(key)
                 self.cache.remove_view(key)
+                if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES,
+                                                                   errno.EPERM):
+                    raise self._cache_refusal(error, f"cannot host {_stage_key(message.stage)}") from None
                 if isinstance(error, ExportMismatchError):  # the export's fault: its files are as sent
                     raise CommandError(ErrorCode.BAD_MESSAGE, f"cannot host {_stage_key(message.stage)}: {error}"
                                        ) from None

@@ -100,6 +100,18 @@ class AgentService:
         self._outage = _Outage()  # registration attempts failing since the controller link was lost
         self._stopping = asyncio.Event()
 
+    def _prepare_cache(self) -> None:
+        """Tidy the shard cache (a lowered cache limit, and views of the last run's stages), and warn when it cannot
+        be written: the agent still starts, and serves from what is cached, but every deploy that must write there
+        will be refused."""
+        try:
+            self.core.cache.tidy()
+        except OSError as error:  # the cache is tidied again by the next deploy's eviction
+            log.warning("cannot tidy the shard cache %s: %s", self.core.cache.root, error)
+        if (unwritable := self.core.cache.unwritable()) is not None:
+            log.warning("the shard cache %s cannot be written (%s): a deploy that must send this PC a file, or "
+                        "build a stage's folder, is refused until it can", self.core.cache.root, unwritable)
+
     def _speed(self) -> SpeedMeasurement:
         """The admin's pinned speed, else the measured one (cached in the state folder)."""
         if self.settings.speed_gb_per_s is not None:
@@ -111,10 +123,7 @@ class AgentService:
     async def run(self) -> None:
         host, port = parse_address(self.listen)
         with self._data_dir_lock():
-            try:
-                self.core.cache.tidy()  # a lowered cache limit, and views of the last run's stages
-            except OSError as error:  # the cache is tidied again by the next deploy's eviction
-                log.warning("cannot tidy the shard cache %s: %s", self.core.cache.root, error)
+            self._prepare_cache()
             try:
                 server = await start_server(self.core.serve_link, host, port, self.files,
                                             revocations=self.core.revocations)

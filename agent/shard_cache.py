@@ -351,6 +351,14 @@ class ShardCache:
         with self._lock:
             _delete_tree(self._views / view_name, ignore_errors=True)
 
+    def unwritable(self) -> str | None:
+        """Why nothing can be written into the cache (a read-only disk, no permission), or None when a file can."""
+        try:
+            with tempfile.NamedTemporaryFile(dir=self._partials, prefix=".write-check-"):
+                return None
+        except OSError as error:
+            return error.strerror or str(error)
+
     def tidy(self) -> list[str]:
         """For an agent that starts, holding no stage yet: remove every view folder (a previous run's stages,
         which this run does not hold; an assignment builds its view again) and evict least recently used
@@ -430,8 +438,14 @@ class ShardCache:
         return next(self._partials.glob(f"{sha256}-*.part"), None)
 
     def _touch(self, path: Path) -> None:
+        """Mark a file used now (eviction takes the least recently used first). Best effort: on a cache that cannot
+        be written (a read-only disk) a verified shard can still be read, and a deploy that needs nothing sent still
+        builds its stage; what needs writing there is refused, naming the cache."""
         now = self._clock()
-        os.utime(path, (now, now))
+        try:
+            os.utime(path, (now, now))
+        except OSError as error:
+            logger.debug("cannot mark %s used: %s", path, error)
 
     def _make_room(self, needed: int, keep: str) -> None:
         if self.usage().used_bytes + needed <= self.limit_bytes:

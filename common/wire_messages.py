@@ -23,7 +23,8 @@ from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, che
 
 # 2: DraftInfo.one_hot; 3: Forward.layer_start, Error.micro_batch_id and agent_id; 4: Forward.model_id,
 # StatusReport.reasons and detail; 5: AssignStage.previous_agent_id; 6: RevocationUpdate as records signed by
-# the CA, KnownRemovals, Register.token_sha256; 7: StatusReport.devices; 8: ResultsHere's micro-batch id range
+# the CA, KnownRemovals, Register.token_sha256; 7: StatusReport.devices; 8: ResultsHere's micro-batch id range,
+# ErrorCode.DISK_FULL
 PROTOCOL_VERSION = 8
 MAX_STATUS_DETAIL = 500
 MAX_DEVICES = 32  # a StatusReport's devices
@@ -132,6 +133,7 @@ class ErrorCode(str, Enum):
     NOT_ASSIGNED = "not_assigned"
     BUSY = "busy"
     OUT_OF_MEMORY = "out_of_memory"
+    DISK_FULL = "disk_full"  # the disk under the agent's shard cache has no room left (protocol 8)
     SHARD_MISMATCH = "shard_mismatch"
     JOIN_REFUSED = "join_refused"
     INTERNAL = "internal"

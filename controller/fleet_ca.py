@@ -268,7 +268,7 @@ def _read_revoked(store: FleetStore) -> list[str]:
     missing = object()
     try:
         body = store.read("revoked", missing)
-    except FleetStoreError as error:  # its own message says "fix or remove it": removing this one loses it
+    except FleetStoreError as error:  # its message says "fix it, or restore it from a backup": then how to write it
         raise FleetStoreError(f"{path} is damaged, and the list of agents removed from this fleet cannot be read: "
                               f"{error}. {restore}") from None
     if body is missing:

@@ -411,8 +411,8 @@ def _plan(args: argparse.Namespace) -> int:
         result = event_loop.run(run())
     if args.json:
         print_whole(json.dumps({"feasible": result.feasible, "problems": list(result.problems),
-                          "stages": [[s.agent_id, s.first_layer, s.stop_layer] for s in result.stages],
-                          "left_out": [[e.agent_id, e.reason.value, e.message] for e in result.exclusions]}))
+                                "stages": [[s.agent_id, s.first_layer, s.stop_layer] for s in result.stages],
+                                "left_out": [[e.agent_id, e.reason.value, e.message] for e in result.exclusions]}))
     else:
         print(render_plan(result))
     return 0 if result.feasible else 1
@@ -421,7 +421,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _deploy(args: argparse.Namespace) -> int:
     from deskfleet.common.planner import render_plan
     from deskfleet.common.wire import Precision
-    from deskfleet.controller.fleet_deploy import deploy, policy_options
+    from deskfleet.controller.fleet_deploy import DeployError, deploy, policy_options
     from deskfleet.controller.fleet_survey import survey
 
     store = _store(args)
@@ -441,11 +441,18 @@ def _deploy(args: argparse.Namespace) -> int:
         finally:
             await found.close()
 
-    result, report = event_loop.run(run())
+    try:
+        result, report = event_loop.run(run())
+    except DeployError as error:
+        if not error.of_the_fleet:  # what the user gave: a usage error's exit status 2
+            raise
+        print(f"deskfleet: error: {error}", file=sys.stderr)  # a PC failed it, or the PCs cannot hold the plan
+        return 1
     if args.json:
         print_whole(json.dumps({"model_id": report.model_id, "bytes_sent": report.bytes_sent,
-                          "files_sent": report.files_sent,
-                          "stages": [[s.agent_id, s.address, s.layer_start, s.layer_end] for s in report.stages]}))
+                                "files_sent": report.files_sent,
+                                "stages": [[s.agent_id, s.address, s.layer_start, s.layer_end]
+                                           for s in report.stages]}))
     else:
         print(render_plan(result))
         total = sum(report.bytes_sent.values())

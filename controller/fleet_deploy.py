@@ -85,14 +85,17 @@ class DeployError(RuntimeError):
     """The deployment cannot go on; the message names the agent and the step. `code`: the agent's refusal;
     `agents`: the ids of the PCs whose failure it was (a link lost, no answer, a refusal), none where the fault
     is not a PC's (a damaged export, a plan that does not fit); `exclusion_reasons`: why the plan left PCs out, where no
-    plan could be made (a failover's remedy depends on it: a paused PC is resumed, not brought back)."""
+    plan could be made (a failover's remedy depends on it: a paused PC is resumed, not brought back).
+    `of_the_fleet`: the fleet failed it (a PC, or a plan the PCs cannot hold), not what the user gave (an export,
+    the controller's files): `fleet deploy` exits 1 for the one, 2 for the other, as `generate` does."""
 
     def __init__(self, message: str, code: ErrorCode | None = None, agents: frozenset[str] = frozenset(),
-                 exclusion_reasons: frozenset[ExclusionReason] = frozenset()) -> None:
+                 exclusion_reasons: frozenset[ExclusionReason] = frozenset(), no_plan: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.agents = agents
         self.exclusion_reasons = exclusion_reasons
+        self.of_the_fleet = no_plan or bool(agents)
 
 
 @dataclass(frozen=True)
@@ -330,7 +333,8 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
             "the model does not fit the fleet: "
         left_out = left_out_text(result)  # the problem says "see the agents left out": a deploy shows no plan
         raise DeployError(cause + "; ".join(result.problems) + (f" ({left_out})" if left_out else ""),
-                          exclusion_reasons=frozenset(exclusion.reason for exclusion in result.exclusions))
+                          exclusion_reasons=frozenset(exclusion.reason for exclusion in result.exclusions),
+                          no_plan=True)
     addresses = {agent.agent_id: agent.address for agent in found.agents if agent.agent_id is not None}
     placements = tuple(StagePlacement(stage.agent_id, addresses[stage.agent_id], stage.first_layer,
                                       stage.stop_layer) for stage in result.stages)
@@ -555,6 +559,19 @@ async def _deploy_stage(link: Link, model_dir: Path, assignment: AssignStage, se
                 log.warning("agent %s: %s; sending what it dropped again", agent_id[:12], error)
     except LinkError as error:
         raise DeployError(f"agent {agent_id[:12]} at {link.address}: {error}", agents=frozenset({agent_id})) from None
+    except DeployError as error:
+        named = _name_shards(str(error), by_sha)
+        if named == str(error):
+            raise
+        raise DeployError(named, error.code, error.agents, error.exclusion_reasons) from None
+
+
+def _name_shards(text: str, by_sha: dict[str, ManifestEntry]) -> str:
+    """`text` (an agent's refusal) with the export's file name after each shard it names by its sha256's start: an
+    agent knows shards by content only."""
+    for sha256, entry in by_sha.items():
+        text = text.replace(f"shard {sha256[:12]}…", f"shard {sha256[:12]}… ({entry.file_name})")
+    return text
 
 
 def _open_export_file(model_dir: Path, entry: ManifestEntry) -> BinaryIO:

@@ -43,6 +43,15 @@ log = logging.getLogger(__name__)
 
 ENV_DATA_DIR = "DESKFLEET_CONTROLLER_DIR"
 STORE_FORMAT = 1
+# What to do about a damaged controller file, and what removing it costs (a file not listed: fix or restore it;
+# revoked.json's own message adds how to write it again, as removing it would let removed agents back in).
+_FIXES = {
+    "agents": "fix it, or remove it: `fleet ls` then lists each agent again only once it registers with `fleet serve` "
+              "(when the agent starts or reconnects), its host shown as '?' until then",
+    "deployments": "fix it, or remove it and deploy the models again",
+    "tokens": "fix it, or remove it: every join token issued so far is then void (issue new ones with "
+              "`deskfleet fleet token`)",
+}
 DEPLOY_LOCK = ".deploy.lock"
 SERVE_LOCK = ".serve.lock"
 DEFAULT_PORT = 7341
@@ -168,15 +177,16 @@ class FleetStore:
     def read(self, name: str, default: object) -> object:
         """The body of `name` (e.g. "tokens"), or `default` when the file does not exist."""
         path = self.data_dir / f"{name}.json"
+        fix = _FIXES.get(name, "fix it, or restore it from a backup")
         try:
             document = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return default
         except (OSError, ValueError) as error:
-            raise FleetStoreError(f"{path} is unreadable or not JSON ({error}); fix or remove it") from None
+            raise FleetStoreError(f"{path} is unreadable or not JSON ({error}); {fix}") from None
         except RecursionError:
             raise FleetStoreError(f"{path} is not a deskfleet controller file: its JSON nests too deeply; "
-                                  "fix or remove it") from None
+                                  f"{fix}") from None
         if not isinstance(document, dict) or document.get("format") != STORE_FORMAT or "body" not in document:
             raise FleetStoreError(f"{path} is not a deskfleet controller file of format {STORE_FORMAT}")
         return document["body"]

@@ -31,8 +31,10 @@ def test_a_disk_error_while_preparing_a_stage_is_refused_and_unpins_its_files(
     assignment = _host_tiny_stage(core, tiny_export)
     handle(core, Role.CONTROLLER, ReleaseStage(assignment.stage))  # its files stay cached, unpinned
     monkeypatch.setattr(core.cache, "materialize_manifest", _disk_full)
-    with pytest.raises(CommandError, match=r"cannot host tiny_1-0-\d+: .*No space left on device"):
+    with pytest.raises(CommandError, match=r"cannot host tiny_1-0-\d+: the disk of this PC's shard cache .* is "
+                                           r"full \(No space left on device\): free space there") as refused:
         handle(core, Role.CONTROLLER, assignment)
+    assert refused.value.code is ErrorCode.DISK_FULL
     assert assignment.stage not in core.stages
     assert _unpinned(core, assignment)  # nothing hosted keeps them: the next deploy may evict them
 
@@ -61,11 +63,50 @@ def test_a_shard_that_the_disk_cannot_take_is_refused_naming_it_and_what_arrived
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(core.cache, "write", disk_full)
-    with pytest.raises(CommandError, match=rf"cannot store shard {digest[:12]}… \(bytes 4000 to 10240 of 10240\) "
-                                           r"in the shard cache .*: No space left on device") as refused:
+    with pytest.raises(CommandError, match=rf"cannot store shard {digest[:12]}… \(bytes 4000 to 10240 of 10240\): "
+                                           r"the disk of this PC's shard cache .* is full \(No space left on device\)"
+                                           r".*pause this PC") as refused:
         handle(core, Role.CONTROLLER, ShardChunk(digest, 4000, len(data), data[4000:]))
-    assert refused.value.code is ErrorCode.OUT_OF_MEMORY
+    assert refused.value.code is ErrorCode.DISK_FULL
     monkeypatch.setattr(core.cache, "write", write)  # space freed: the deploy resumes where it stopped
     handle(core, Role.CONTROLLER, ShardChunk(digest, 4000, len(data), data[4000:]))
     handle(core, Role.CONTROLLER, ShardComplete(digest))
     assert core.cache.has(digest)
+
+
+def test_a_shard_cache_that_cannot_be_written_is_named_with_the_fix(
+        core: AgentCore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    # a read-only cache: the refusal was "internal: [Errno 30] Read-only file system", naming no folder, from an
+    # unhandled error where a cached shard was marked used, with a traceback in the agent's log
+    import deskfleet.agent.shard_cache as shard_cache
+
+    assignment = _host_tiny_stage(core, tiny_export)
+    handle(core, Role.CONTROLLER, ReleaseStage(assignment.stage))
+
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    assert core.cache.unwritable() is None
+    monkeypatch.setattr(shard_cache.os, "utime", read_only)  # marking a shard used: best effort, never a refusal
+    monkeypatch.setattr(shard_cache.tempfile, "NamedTemporaryFile", read_only)
+    assert core.cache.unwritable() == "Read-only file system"  # what the agent warns of when it starts
+    monkeypatch.setattr(core.cache, "materialize_manifest", read_only)
+    with pytest.raises(CommandError, match=r"cannot host tiny_1-0-\d+: this PC's shard cache .* is not writable "
+                                           r"\(Read-only file system\): make it writable, or start the agent with a "
+                                           r"--data-dir on a writable disk"):
+        handle(core, Role.CONTROLLER, assignment)
+
+
+def test_an_agent_that_starts_on_a_cache_it_cannot_write_says_so(
+        core: AgentCore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    # it started without a word, and the first deploy failed with an unnamed "Read-only file system"
+    from deskfleet.agent.service import AgentService
+
+    service = AgentService.__new__(AgentService)
+    service.core = core
+    service._prepare_cache()
+    assert not any("cannot be written" in record.getMessage() for record in caplog.records)
+    monkeypatch.setattr(core.cache, "unwritable", lambda: "Read-only file system")
+    service._prepare_cache()
+    assert any(f"the shard cache {core.cache.root} cannot be written (Read-only file system)" in record.getMessage()
+               for record in caplog.records)

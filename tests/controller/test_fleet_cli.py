@@ -103,3 +103,15 @@ def test_init_refuses_a_fleet_name_the_ca_cannot_carry_before_making_anything(
                  str(tmp_path / "ctl")]) == 2
     assert "a fleet name must be 1 to 64 characters" in capsys.readouterr().err
     assert not (tmp_path / "ctl").exists()
+
+
+def test_a_deploy_the_fleet_cannot_take_exits_1_and_a_usage_error_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_export: Path) -> None:
+    # every failed deploy exited 2, a usage error's status: a script could not tell a typo from a PC that failed
+    data = ["--data-dir", str(tmp_path / "ctl"), "--discover-seconds", "0"]
+    assert main(["fleet", "init", "--address", "127.0.0.1:1", "--data-dir", str(tmp_path / "ctl")]) == 0
+    capsys.readouterr()
+    assert main(["fleet", "deploy", "--model", str(tiny_export), *data]) == 1  # no PC to take it
+    assert "no agents in the fleet" in capsys.readouterr().err
+    assert main(["fleet", "deploy", "--model", str(tmp_path), *data]) == 2  # not an export
+    assert "manifest.json" in capsys.readouterr().err

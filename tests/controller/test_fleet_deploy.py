@@ -415,3 +415,15 @@ def test_a_deploy_checks_every_file_of_the_export_not_only_those_it_sends(tmp_pa
         r"has 100 bytes, the manifest says \d+: export the model again"
     with pytest.raises(ManifestError, match=said):  # before any agent is asked
         asyncio.run(deploy(store, damaged, cast(Any, None), PlanOptions(), Precision.F32, kv_cache="f32"))
+
+
+def test_an_agents_refusal_names_the_files_of_the_shards_it_names() -> None:
+    # an agent knows shards by content only: "cannot store shard c8f2a7394e6c… ... disk full" named no file
+    from deskfleet.common.wire import ManifestEntry
+    from deskfleet.controller.fleet_deploy import _name_shards
+
+    head, layer = "c8f2a7394e6c" + "0" * 52, "ab" * 32
+    by_sha = {head: ManifestEntry("head.bin", head, 10), layer: ManifestEntry("layer_000.bin", layer, 10)}
+    named = _name_shards(f"refused: disk_full: cannot store shard {head[:12]}… (bytes 0 to 4 of 10): full", by_sha)
+    assert named == f"refused: disk_full: cannot store shard {head[:12]}… (head.bin) (bytes 0 to 4 of 10): full"
+    assert _name_shards("refused: busy: another deploy", by_sha) == "refused: busy: another deploy"

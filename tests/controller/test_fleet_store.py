@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import re
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,17 @@ def test_an_expired_controller_certificate_or_ca_is_named_with_its_day_and_the_f
                                               r".*`deskfleet fleet init --force`") as expired:
         ancient.require_initialised()
     assert "delete it" not in str(expired.value)
+
+
+@pytest.mark.parametrize(("name", "fix"), [
+    ("agents", "fix it, or remove it: `fleet ls` then lists each agent again only once it registers"),
+    ("deployments", "fix it, or remove it and deploy the models again"),
+    ("tokens", "fix it, or remove it: every join token issued so far is then void"),
+    ("fleet", "fix it, or restore it from a backup"),
+])
+def test_a_damaged_file_says_what_removing_it_costs(store: FleetStore, name: str, fix: str) -> None:
+    # "fix or remove it" for every file: a removed agents.json hid the whole fleet ("no agents found") until each
+    # agent registered again, and nothing said so
+    (store.data_dir / f"{name}.json").write_text('{"format": 1, "body": {')
+    with pytest.raises(FleetStoreError, match=rf"{name}\.json is unreadable or not JSON \(.*\); {re.escape(fix)}"):
+        store.read(name, {})
