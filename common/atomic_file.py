@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import tempfile
 import time
@@ -16,7 +17,15 @@ REPLACE_RETRY_S = 2.0
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write `path` whole or not at all, mode 0600 (tempfile's default); the old file stays on failure."""
+    """Write `path` whole or not at all, mode 0600 (tempfile's default); the old file stays on failure.
+
+    A symbolic link is written through: its target is replaced, the link stays (the rename replaced the link with
+    a file, and a file an admin had linked to a managed copy, or `--json-out` given a link, came apart from it).
+    Anything else that is not a regular file (a FIFO, a device such as /dev/null, a folder) is refused with
+    OSError and left as it is: the rename replaced it, and as root even /dev/full became a file."""
+    path = Path(os.path.realpath(path)) if path.is_symlink() else path
+    if path.exists() and not path.is_file():
+        raise OSError(f"{path} is {_kind(path)}, not a regular file: it is left as it is")
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -29,6 +38,17 @@ def write_atomic(path: Path, data: bytes) -> None:
         Path(temporary).unlink(missing_ok=True)
         raise
     sync_folder(path.parent)
+
+
+def _kind(path: Path) -> str:
+    """What a path that is not a regular file is, in words."""
+    mode = path.stat().st_mode
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "no regular file"
 
 
 def _replace(source: str, target: Path) -> None:

@@ -208,9 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--prompt-tokens", type=positive_int, default=32)
     parity.add_argument("--new-tokens", type=positive_int, default=64)
     parity.add_argument("--rounds", type=positive_int, default=3)
-    parity.add_argument("--genai-backends", nargs="+", choices=["default", "SDPA", "PA"],
-                        default=["default", "SDPA"],
-                        help="LLMPipeline ATTENTION_BACKEND per GenAI run (default: GenAI's own choice)")
+    parity.add_argument("--genai-backends", nargs="+", choices=["default", "SDPA", "PA"], default=None,
+                        help="LLMPipeline ATTENTION_BACKEND per GenAI run (default: default SDPA; needs "
+                             "--genai-model)")
     parity.add_argument("--stages", type=positive_int, nargs="*", default=[2, 3, 4],
                         help="stage counts to compare with 1 (each at most the model's layers)")
     parity.add_argument("--isolation", choices=["process", "shared"], default="process",
@@ -552,10 +552,17 @@ def _bench_parity(args: argparse.Namespace) -> int:
     report = run_parity_bench(args.model, genai_model=args.genai_model, genai_python=args.genai_python,
                               prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                               rounds=args.rounds, stage_counts=args.stages,
-                              settings=_compile_settings(args), genai_backends=args.genai_backends,
+                              settings=_compile_settings(args), genai_backends=_genai_backends(args),
                               isolation=args.isolation, huge_pages_ablation=args.huge_pages_ablation)
     print_whole(json.dumps(report, indent=2))
     return 0
+
+
+def _genai_backends(args: argparse.Namespace) -> list[str]:
+    """--genai-backends, or the default pair; refused without --genai-model (the bench ran without GenAI, unsaid)."""
+    if args.genai_backends is not None and args.genai_model is None:
+        raise ValueError("--genai-backends needs --genai-model (without it no GenAI variant runs)")
+    return args.genai_backends or ["default", "SDPA"]
 
 
 def _bench_rollback(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -57,16 +58,39 @@ def check_genai_inputs(genai_model: Path | None, genai_python: Path | None) -> N
 
 
 def check_output_file(option: str, path: Path | None) -> None:
-    """`path` can be written: not a folder, in an existing folder this process may write in."""
+    """`path` can be written whole (common/atomic_file.write_atomic): a regular file or none yet (a link: its
+    target), in an existing folder where a file can be made. Tried by making one there: os.access says yes to
+    root everywhere (a path under /proc failed only once the benchmark had run)."""
     if path is None:
         return
-    if path.is_dir():
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    if target.is_dir():
         raise ValueError(f"{option} {path} is a folder: give a file name")
-    parent = path.parent
+    if target.exists() and not target.is_file():
+        raise ValueError(f"{option} {path} is not a regular file (a device, a named pipe): give a file name")
+    parent = target.parent
     if not parent.is_dir():
         raise FileNotFoundError(f"{option} {path}: the folder {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{option} {path}: the folder {parent} is not writable")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{target.name}.", suffix=".check"):
+            pass
+    except OSError as error:
+        raise ValueError(f"{option} {path}: no file can be made in the folder {parent} "
+                         f"({error.strerror or error})") from None
+
+
+def check_output_files(**paths: Path | None) -> None:
+    """check_output_file for each option (`json_out=...`), and no two naming one file: the last written replaced
+    the other's report without a word."""
+    seen: dict[Path, str] = {}
+    for name, path in paths.items():
+        check_output_file(_option(name), path)
+        if path is None:
+            continue
+        key = Path(os.path.realpath(path))
+        if key in seen:
+            raise ValueError(f"{seen[key]} and {_option(name)} name one file, {path}: give each its own")
+        seen[key] = _option(name)
 
 
 def _option(name: str) -> str:

@@ -45,7 +45,7 @@ def run_chat_bench(model: Path, turns: int = 8, reply_tokens: int = 64, rounds: 
     model = Path(model)
     manifest = load_manifest(model)  # a wrong folder fails here, naming it
     if messages is None:
-        messages = heldout_code_prompts(DEFAULT_EVAL_DIR, turns)
+        messages = heldout_code_prompts(DEFAULT_EVAL_DIR, turns, option="--turns")
     lines = [" ".join(message.split()) for message in messages[:turns]]
     if len(lines) < turns or not all(lines):
         raise ValueError(f"{turns} turns need {turns} non-empty messages, got {len(lines)} "
@@ -55,6 +55,7 @@ def run_chat_bench(model: Path, turns: int = 8, reply_tokens: int = 64, rounds: 
     tokenizer = ModelTokenizer(model)
     tokenizer.require_chat_template(f"{model} has no chat template, so it cannot chat")
     check_room(tokenizer, [], reply_tokens, manifest.spec.max_context, "--reply-tokens")  # before compiling
+    _check_each_message_fits(tokenizer, lines, reply_tokens, manifest.spec.max_context)
     settings = settings or CompileSettings()
     started = time.perf_counter()
     samples: dict[str, list[list[ReplyStats]]] = {mode: [] for mode in MODES}
@@ -66,10 +67,13 @@ def run_chat_bench(model: Path, turns: int = 8, reply_tokens: int = 64, rounds: 
                 out = io.StringIO()
                 options = ChatOptions(model=model, stages=stages, max_new_tokens=reply_tokens, settings=settings,
                                       reuse_kv=mode == "resumed")
-                given = run_chat(options, io.StringIO("\n".join(lines) + "\n"), out, notes=io.StringIO(),
+                notes = io.StringIO()
+                given = run_chat(options, io.StringIO("\n".join(lines) + "\n"), out, notes=notes,
                                  on_reply=stats.append, chain=pipeline)
                 if given != turns:
-                    raise RuntimeError(f"the chat answered {given} of {turns} messages ({mode})")
+                    said = [line for line in notes.getvalue().splitlines() if line.strip()]
+                    raise RuntimeError(f"the chat answered {given} of {turns} messages ({mode})"
+                                       + (f": {said[-1].strip('[]')}" if said else ""))
                 if index == 0:
                     replies[mode] = out.getvalue()
                 else:
@@ -83,6 +87,21 @@ def run_chat_bench(model: Path, turns: int = 8, reply_tokens: int = 64, rounds: 
         "precision": settings.precision.value, "host": host_report(),
         "replies_identical": replies["resumed"] == replies["whole"],
         "bench_s": round(time.perf_counter() - started, 1)})
+
+
+def _check_each_message_fits(tokenizer: Any, lines: list[str], reply_tokens: int, max_context: int) -> None:
+    """ValueError naming --reply-tokens when a message alone, with the chat template and the reply, outgrows the
+    context: the chat would not send it, and the bench found out only after compiling and running turns."""
+    from ..tokenizer import ChatMessage
+
+    for number, line in enumerate(lines, 1):
+        prompt = len(tokenizer.encode_chat([ChatMessage("user", line)]))
+        if prompt + reply_tokens > max_context:
+            room = max_context - prompt
+            raise ValueError(f"--reply-tokens {reply_tokens}: message {number} alone takes {prompt} tokens with the "
+                             f"chat template, and the model's context is {max_context} tokens"
+                             + (f" (give --reply-tokens {room} or less)" if room >= 1 else
+                                " (give shorter messages)"))
 
 
 def build_report(samples: dict[str, list[list[ReplyStats]]], meta: dict[str, Any]) -> dict[str, Any]:

@@ -56,7 +56,7 @@ from deskfleet.common.planner import PlanOptions, PlanPolicy
 from deskfleet.common.speculative import MAX_K, AdaptiveK
 from deskfleet.common.wire import Precision, Role
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
-from deskfleet.controller.bench.arguments import check_genai_inputs, check_output_file
+from deskfleet.controller.bench.arguments import check_genai_inputs, check_output_files
 from deskfleet.controller.bench.delay_proxy import MAX_DELAY_S, MIN_BANDWIDTH_BYTES_S, DelayProxy, ProxyThread
 from deskfleet.controller.bench.host import host_report
 from deskfleet.controller.bench.interruption import exit_status, signal_name, signals_held, signals_unwind
@@ -131,6 +131,9 @@ class FleetBenchOptions:
         unknown = sorted(set(self.drafters) - set(DRAFTERS))
         if unknown:
             raise ValueError(f"--drafters: unknown {', '.join(unknown)}; choose from {', '.join(DRAFTERS)}")
+        needing = [name for name in self.drafters if DRAFTERS.get(name, ("", False))[1]]
+        if needing and self.demo_draft is None:  # their rows were skipped, each "not run: no --demo-draft"
+            raise ValueError(f"--drafters {' '.join(needing)} needs --demo-draft (the draft model drafts those rows)")
         if self.fixed_ks and self.drafters and "spec" not in self.drafters:
             raise ValueError("--fixed-k runs the draft model's rows: --drafters must keep spec")
         if not 0.0 <= self.wan_delay_s <= MAX_DELAY_S:  # NaN fails this too
@@ -924,8 +927,7 @@ def add_fleet_bench_command(benches: Any) -> None:
 
 def _bench_command(args: Any) -> int:
     # Checked before the bench runs: a path found wrong only afterwards would lose the whole run.
-    check_output_file("--json-out", args.json_out)
-    check_output_file("--markdown-out", args.markdown_out)
+    check_output_files(json_out=args.json_out, markdown_out=args.markdown_out)
     options = FleetBenchOptions(
         model=args.model, demo_target=args.demo_target, demo_draft=args.demo_draft, new_tokens=args.new_tokens,
         prompt_tokens=args.prompt_tokens, rounds=args.rounds, warmup_rounds=args.warmup_rounds,

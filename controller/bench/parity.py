@@ -234,7 +234,8 @@ def run_parity_bench(model: Path, genai_model: Path | None = None, genai_python:
     check_genai_inputs(genai_model, genai_python)
     prompt = bench_prompt(spec.vocab_size, prompt_tokens, spec.bos_token_id)
     if prompt_tokens + new_tokens > spec.max_context:
-        raise ValueError(f"{prompt_tokens} + {new_tokens} tokens exceed the model's context {spec.max_context}")
+        raise ValueError(f"--prompt-tokens {prompt_tokens} + --new-tokens {new_tokens} exceed the model's context "
+                         f"of {spec.max_context} tokens")
     whole_xml = Path(genai_model) / "openvino_model.xml" if genai_model is not None else None
     if whole_xml is not None and direct and not whole_xml.is_file():
         raise FileNotFoundError(f"{whole_xml} not found: is {whole_xml.parent} an optimum-intel export?")

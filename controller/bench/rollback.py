@@ -179,7 +179,8 @@ def run_rollback_bench(model: Path, contexts: Sequence[int] = (256, 1024, 2048),
     check_each_at_least(1, "--dead-slots", dead_slots)  # 0 dead slots is the live stream: nothing to compare
     if dead_slots and max(dead_slots) > min(contexts):  # the dead slots are the prompt's tokens fed again
         raise ValueError(f"--dead-slots {max(dead_slots)} is more than the shortest of --contexts "
-                         f"({min(contexts)}): dead slots per row can be at most the context")
+                         f"({min(contexts)}): dead slots per row can be at most the context (give --dead-slots "
+                         f"{min(contexts)} or less)")
     check_at_least(1, rejected=rejected, rounds=rounds)
     model = Path(model)
     settings = settings or CompileSettings()

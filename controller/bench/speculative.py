@@ -179,7 +179,8 @@ def variant_fixed_k(name: str) -> int | None:
     return int(k) if k else None
 
 
-def heldout_code_prompts(eval_dir: Path, count: int, stdlib: Path | None = None) -> list[str]:
+def heldout_code_prompts(eval_dir: Path, count: int, stdlib: Path | None = None,
+                         option: str = "--prompts") -> list[str]:
     """The demo model's held-out code prompts: evaluate.py's acceptance pick (random.Random(4).sample).
 
     The pool comes from `eval_dir/heldout_prompts.json` (built from the corpus's Python, 3.11.7), so every
@@ -192,7 +193,7 @@ def heldout_code_prompts(eval_dir: Path, count: int, stdlib: Path | None = None)
     if not pool:
         raise ValueError(f"no held-out prompts found in {eval_dir}")
     if count > len(pool):  # taking all of them instead ran a bench other than the one asked for, unsaid
-        raise ValueError(f"{count} prompts asked for, but the held-out set of {eval_dir} holds {len(pool)}")
+        raise ValueError(f"{option} {count}: the held-out set of {eval_dir} holds {len(pool)} prompts")
     return list(random.Random(4).sample(pool, count))
 
 
@@ -366,7 +367,9 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
         raise ValueError("no prompts")
     longest = max(len(ids) for ids in prompt_ids)
     if longest + new_tokens > spec.max_context:
-        raise ValueError(f"a prompt of {longest} tokens + {new_tokens} exceeds the context {spec.max_context}")
+        raise ValueError(f"--new-tokens {new_tokens}: with the longest prompt's {longest} tokens that exceeds the "
+                         f"model's context of {spec.max_context} tokens (give --new-tokens "
+                         f"{spec.max_context - longest} or less)")
     names = variant_names(ks, adaptive, draft_model=draft is not None, lookup=lookup)
     options = {name: EngineOptions(max_rows=1, micro_batches=1, k_max=k_max, fixed_k=variant_fixed_k(name))
                for name in names}

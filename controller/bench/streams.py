@@ -175,7 +175,8 @@ def _run_pinned(model: Path, genai_model: Path | None, genai_python: Path | None
     manifest = load_manifest(model)
     spec = manifest.spec
     if prompt_tokens + new_tokens > spec.max_context:
-        raise ValueError(f"{prompt_tokens} + {new_tokens} tokens exceed the model's context {spec.max_context}")
+        raise ValueError(f"--prompt-tokens {prompt_tokens} + --new-tokens {new_tokens} exceed the model's context "
+                         f"of {spec.max_context} tokens")
     counts = sorted(set(users))
     prompts = user_prompts(spec.vocab_size, max(counts), prompt_tokens, spec.bos_token_id)
     started = time.perf_counter()

@@ -61,3 +61,28 @@ def test_a_folder_that_cannot_be_synced_does_not_fail_the_write(tmp_path: Path,
     target = tmp_path / "f.json"
     write_atomic(target, b"x")
     assert target.read_bytes() == b"x"
+
+
+@pytest.mark.skipif(os.name == "nt", reason="symbolic links and FIFOs as POSIX makes them")
+def test_a_link_is_written_through_and_what_is_no_regular_file_is_left_alone(tmp_path: Path) -> None:
+    # the rename replaced whatever was at the path: a link to a managed file came apart from it, a FIFO became a file,
+    # and as root `bench fleet --json-out /dev/full` made /dev/full a regular file
+    target = tmp_path / "real.json"
+    target.write_bytes(b"old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target.name)
+    write_atomic(link, b"new")
+    assert link.is_symlink() and target.read_bytes() == b"new"
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to("made-on-write.json")
+    write_atomic(dangling, b"made")
+    assert dangling.is_symlink() and (tmp_path / "made-on-write.json").read_bytes() == b"made"
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match=r"fifo\.json is a named pipe \(FIFO\), not a regular file"):
+        write_atomic(fifo, b"x")
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    with pytest.raises(OSError, match=r"is a folder, not a regular file"):
+        write_atomic(tmp_path, b"x")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["dangling.json", "fifo.json", "link.json",
+                                                                 "made-on-write.json", "real.json"]  # no temp left

@@ -77,6 +77,19 @@ def test_replies_too_long_for_the_context_are_refused_naming_reply_tokens(
     with pytest.raises(GenerationError, match=r"^--reply-tokens 100000 and the chat template's \d+ tokens leave no "
                                               r"room .*\(give --reply-tokens \d+ or less\)"):
         run_chat_bench(_chat_model(tmp_path, tiny_export), turns=2, reply_tokens=100_000)
+    # room for an empty message, none for the second message given: it ran, then "answered 1 of 2 messages"
+    model = _chat_model(tmp_path / "2", tiny_export)
+    from deskfleet.common.model_spec import load_manifest
+    from deskfleet.controller.tokenizer import ChatMessage, ModelTokenizer
+
+    context = load_manifest(model).spec.max_context
+    tokenizer = ModelTokenizer(model)
+    long_message = "def f(x): return x " * 20
+    prompt = len(tokenizer.encode_chat([ChatMessage("user", " ".join(long_message.split()))]))
+    room = context - prompt
+    with pytest.raises(ValueError, match=rf"^--reply-tokens {room + 1}: message 2 alone takes {prompt} tokens with "
+                                         rf"the chat template, .* \(give --reply-tokens {room} or less\)"):
+        run_chat_bench(model, turns=2, reply_tokens=room + 1, messages=["x", long_message])
 
 
 def test_the_command_line(tmp_path: Path) -> None:

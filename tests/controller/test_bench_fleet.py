@@ -309,6 +309,35 @@ def test_output_paths_are_checked_before_the_bench_runs(tmp_path: Path, monkeypa
     assert re.search(message, captured.err), captured.err
 
 
+def test_an_output_no_file_can_be_made_at_or_two_outputs_at_one_file_are_refused_before_the_bench_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # os.access said yes to root for /proc (the bench ran 80 s, then could not write); a FIFO or /dev/full was
+    # replaced by a regular file; --json-out and --markdown-out at one file kept only the Markdown
+    import errno
+    import os
+
+    from deskfleet.controller.bench import arguments
+
+    monkeypatch.setattr(fleet_module, "run_fleet_bench", never_run)
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    report = tmp_path / "r.json"
+    link = tmp_path / "link.json"
+    link.symlink_to(report.name)
+    for argv, message in [(["--json-out", str(fifo)], "is not a regular file"),
+                          (["--json-out", str(report), "--markdown-out", str(link)],
+                           "--json-out and --markdown-out name one file")]:
+        assert main(["bench", "fleet", "--model", "m", *argv]) == 2
+        assert message in capsys.readouterr().err
+
+    def no_file_here(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOENT, "No such file or directory")
+
+    monkeypatch.setattr(arguments.tempfile, "NamedTemporaryFile", no_file_here)
+    assert main(["bench", "fleet", "--model", "m", "--json-out", str(report)]) == 2
+    assert "no file can be made in the folder" in capsys.readouterr().err
+
+
 def test_the_report_is_printed_first_and_a_failed_write_leaves_the_old_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(fleet_module, "run_fleet_bench", lambda options, progress: FAKE_REPORT)
@@ -692,6 +721,15 @@ def test_fixed_k_out_of_range_is_refused(ks: tuple[int, ...], message: str) -> N
 def test_fixed_k_without_the_draft_model_is_refused_before_any_pc_starts(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "fleet", "--model", str(MODEL), "--fixed-k", "3"]) == 2
     assert "--fixed-k needs --demo-draft" in capsys.readouterr().err
+
+
+def test_drafters_that_need_the_draft_model_without_it_are_refused_before_any_pc_starts(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # every row they asked for was skipped ("not run: no --demo-draft") and the bench exited 0
+    for drafters in (["spec"], ["lookup", "first"]):
+        assert main(["bench", "fleet", "--model", str(MODEL), "--drafters", *drafters]) == 2
+        assert f"--drafters {drafters[-1]} needs --demo-draft" in capsys.readouterr().err
+    assert replace(options(2), drafters=("lookup",)).drafters == ("lookup",)  # lookup needs no draft model
 
 
 def test_drafters_limits_the_drafting_rows_and_says_so_of_those_left_out() -> None:

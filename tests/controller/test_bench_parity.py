@@ -199,3 +199,11 @@ def test_parity_bench_checks_its_arguments_before_any_variant(tiny_export: Path,
     monkeypatch.setattr(parity, "FusedDirectVariant", never_start)
     with pytest.raises(error, match=message):
         run_parity_bench(tiny_export, isolation=isolation, progress=False, **arguments)  # type: ignore[arg-type]
+
+
+def test_genai_backends_without_a_genai_model_is_refused(tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the bench ran ~30 s without any GenAI variant and said nothing of the option
+    from deskfleet.controller.cli import main
+
+    assert main(["bench", "parity", "--model", str(tiny_export), "--genai-backends", "PA"]) == 2
+    assert "--genai-backends needs --genai-model" in capsys.readouterr().err

@@ -166,7 +166,7 @@ def test_the_prompt_pool_file_decides_the_prompts_on_any_python(tmp_path: Path) 
     (tmp_path / PROMPT_POOL_FILE).write_text(json.dumps(pool))
     picked = heldout_code_prompts(tmp_path, 4)  # no evaluate.py here: the file alone
     assert len(picked) == 4 and set(picked) <= set(pool)
-    with pytest.raises(ValueError, match=f"11 prompts asked for, but the held-out set of {tmp_path} holds 10"):
+    with pytest.raises(ValueError, match=f"--prompts 11: the held-out set of {tmp_path} holds 10 prompts"):
         heldout_code_prompts(tmp_path, 11)  # it took all 10, unsaid
     (tmp_path / PROMPT_POOL_FILE).write_text('{"not": "a list"}')
     with pytest.raises(ValueError, match="not a JSON list of prompt strings"):
