@@ -221,7 +221,8 @@ class AgentCore:
                     self._note_error(f"{type(message).__name__} from {link.describe()}: {error}")
                     code = error.code if isinstance(error, CommandError) else ErrorCode.INTERNAL
                     reply = Error(code, f"agent {self.agent_id[:12]}: {error}",
-                                  micro_batch_id=message.micro_batch_id if isinstance(message, Forward) else None,
+                                  micro_batch_id=message.micro_batch_id
+                                  if isinstance(message, Forward | ReleaseMicroBatch) else None,
                                   agent_id=error.agent_id if isinstance(error, CommandError) else None)
                     if link.peer.role is Role.AGENT:  # the previous stage reads nothing back: tell the driver
                         await self._send_down(reply)
@@ -259,6 +260,10 @@ class AgentCore:
                                "agents send Forward, ReleaseMicroBatch and Error")
         if isinstance(message, ResultsHere):
             self._results_links.pop(link, None)  # said again: its range now, and the latest
+            for other, claimed in self._results_links.items():
+                if claimed.holds(message.first_micro_batch_id) or message.holds(claimed.first_micro_batch_id):
+                    log.warning("%s and %s drive one range of micro-batch ids (one in 8 million): their results "
+                                "may cross; run one of them again", link.describe(), other.describe())
             self._results_links[link] = message
             return None
         if isinstance(message, RevocationUpdate):
@@ -436,12 +441,14 @@ class AgentCore:
         except ShardCacheError as error:
             raise CommandError(ErrorCode.SHARD_MISMATCH, str(error)) from None
         except OSError as error:  # the cache's disk full or not writable: what was received so far stays
-            raise self._cache_refusal(error, f"cannot store shard {chunk.sha256[:12]}… (bytes {chunk.offset} to "
-                                             f"{chunk.offset + len(chunk.data)} of {chunk.total_size})") from None
+            what = (f"cannot store shard {chunk.sha256[:12]}… (bytes {chunk.offset} to "
+                    f"{chunk.offset + len(chunk.data)} of {chunk.total_size})")
+            raise self._cache_refusal(error, what) or CommandError(
+                ErrorCode.INTERNAL, f"{what} in the shard cache {self.cache.root}: {error.strerror or error}") from None
 
-    def _cache_refusal(self, error: OSError, what: str) -> CommandError:
-        """The refusal of a write into the shard cache that the disk refused: full (DISK_FULL) or not writable,
-        naming the cache's folder and what this PC's owner can do."""
+    def _cache_refusal(self, error: OSError, what: str) -> CommandError | None:
+        """The refusal of a write into the shard cache that its disk refused: full (DISK_FULL) or not writable,
+        naming the cache's folder and what this PC's owner can do; None for another OSError."""
         if error.errno == errno.ENOSPC:
             return CommandError(ErrorCode.DISK_FULL, f"{what}: the disk of this PC's shard cache {self.cache.root} "
                                 f"is full ({error.strerror or error}): free space there, or lower cache_limit_bytes "
@@ -451,8 +458,7 @@ class AgentCore:
             return CommandError(ErrorCode.INTERNAL, f"{what}: this PC's shard cache {self.cache.root} is not "
                                 f"writable ({error.strerror or error}): make it writable, or start the agent with "
                                 f"a --data-dir on a writable disk")
-        return CommandError(ErrorCode.INTERNAL, f"{what} in the shard cache {self.cache.root}: "
-                                                f"{error.strerror or error}")
+        return None
 
     async def _assign(self, message: AssignStage) -> StageReady:
         if self.policy().paused:  # a plan made before the pause: that deploy fails naming this PC
@@ -482,9 +488,9 @@ class AgentCore:
                 # OSError: the cache's disk is full or not writable while the view is made
                 self.cache.unpin(key)
                 self.cache.remove_view(key)
-                if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES,
-                                                                   errno.EPERM):
-                    raise self._cache_refusal(error, f"cannot host {_stage_key(message.stage)}") from None
+                if isinstance(error, OSError) and (
+                        refusal := self._cache_refusal(error, f"cannot host {_stage_key(message.stage)}")) is not None:
+                    raise refusal from None
                 if isinstance(error, ExportMismatchError):  # the export's fault: its files are as sent
                     raise CommandError(ErrorCode.BAD_MESSAGE, f"cannot host {_stage_key(message.stage)}: {error}"
                                        ) from None
@@ -756,28 +762,31 @@ class AgentCore:
                     raise CommandError(ErrorCode.INTERNAL, text, agent_id=hop.agent_id) from None
 
     async def _tell_controller(self, message: Message) -> None:
-        """Send to the driver of the message's micro-batch (the results link whose ResultsHere holds its id), else
-        the open controller link that spoke last; log when none.
+        """Send a ForwardResult, or an Error travelling down the chain, back to its driver.
 
-        Another driver's link never gets it: one user's tokens are not another's to see. An Error that names
-        no micro-batch (this stage failed as a whole) goes to every driver: each one's chain is broken. Where
-        no driver's range holds the id (a ResultsHere still on its way), the driver that said ResultsHere last
-        comes first, as when there was one results link. The registration link comes
-        last: a middle stage hears nothing from its driver after the Hello, so a registration that `fleet
-        serve` answered after the chain opened (the agent registered again, another PC was removed) spoke
-        last, and a paused stage's refusal went there, where it was only logged, while the driver waited out
-        its step timeout."""
+        - It names a micro-batch and drivers said ResultsHere: to the driver whose range holds the id and to no
+          other (one user's tokens are not another's to see); where none does (the late result of a driver
+          gone), it is dropped.
+        - An Error that names no micro-batch (this stage failed as a whole): to every driver, whose chains it
+          breaks.
+        - No driver said ResultsHere: the open controller links, the one that spoke last first, and this agent's
+          own registration link last (a registration that `fleet serve` answered after a chain opened spoke
+          last, and a paused stage's refusal went there, where it was only logged, while the driver waited out
+          its step timeout). Log when no link takes it."""
         micro_batch_id = getattr(message, "micro_batch_id", None)
         drivers = list(reversed(self._results_links))
         if micro_batch_id is None and isinstance(message, Error) and len(drivers) > 1:
             for link in drivers:
                 await self._send_to_controller([link], message)
             return
-        if micro_batch_id is not None:
+        if micro_batch_id is not None and drivers:
             owners = [link for link in drivers if self._results_links[link].holds(micro_batch_id)]
             if owners:
                 await self._send_to_controller(owners, message)
-                return
+            else:
+                log.debug("dropped a %s for micro-batch %d: no driver's range holds it (its driver is gone)",
+                          type(message).__name__, micro_batch_id)
+            return
         others = sorted(reversed(self._controller_links), key=lambda link: link in self._registration_links)
         await self._send_to_controller(drivers + [link for link in others if link not in self._results_links],
                                        message)

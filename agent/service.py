@@ -109,8 +109,8 @@ class AgentService:
         except OSError as error:  # the cache is tidied again by the next deploy's eviction
             log.warning("cannot tidy the shard cache %s: %s", self.core.cache.root, error)
         if (unwritable := self.core.cache.unwritable()) is not None:
-            log.warning("the shard cache %s cannot be written (%s): a deploy that must send this PC a file, or "
-                        "build a stage's folder, is refused until it can", self.core.cache.root, unwritable)
+            log.warning("the shard cache %s cannot be written (%s): this PC takes no new stage until it can (a "
+                        "stage's folder is made there)", self.core.cache.root, unwritable)
 
     def _speed(self) -> SpeedMeasurement:
         """The admin's pinned speed, else the measured one (cached in the state folder)."""

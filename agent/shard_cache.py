@@ -43,6 +43,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from deskfleet.common.atomic_file import cannot_make_file_in
 from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, sha256_of
 from deskfleet.common.wire import ShardChunk, ShardHave, ShardOffset
 
@@ -353,11 +354,7 @@ class ShardCache:
 
     def unwritable(self) -> str | None:
         """Why nothing can be written into the cache (a read-only disk, no permission), or None when a file can."""
-        try:
-            with tempfile.NamedTemporaryFile(dir=self._partials, prefix=".write-check-"):
-                return None
-        except OSError as error:
-            return error.strerror or str(error)
+        return cannot_make_file_in(self._partials)
 
     def tidy(self) -> list[str]:
         """For an agent that starts, holding no stage yet: remove every view folder (a previous run's stages,
@@ -439,8 +436,8 @@ class ShardCache:
 
     def _touch(self, path: Path) -> None:
         """Mark a file used now (eviction takes the least recently used first). Best effort: on a cache that cannot
-        be written (a read-only disk) a verified shard can still be read, and a deploy that needs nothing sent still
-        builds its stage; what needs writing there is refused, naming the cache."""
+        be written (a read-only disk) this failed first, with a bare errno; what must write there (a shard
+        received, a stage's folder) is refused instead, naming the cache and its fix."""
         now = self._clock()
         try:
             os.utime(path, (now, now))

@@ -19,13 +19,14 @@ REPLACE_RETRY_S = 2.0
 def write_atomic(path: Path, data: bytes) -> None:
     """Write `path` whole or not at all, mode 0600 (tempfile's default); the old file stays on failure.
 
-    A symbolic link is written through: its target is replaced, the link stays (the rename replaced the link with
-    a file, and a file an admin had linked to a managed copy, or `--json-out` given a link, came apart from it).
-    Anything else that is not a regular file (a FIFO, a device such as /dev/null, a folder) is refused with
-    OSError and left as it is: the rename replaced it, and as root even /dev/full became a file."""
-    path = Path(os.path.realpath(path)) if path.is_symlink() else path
-    if path.exists() and not path.is_file():
-        raise OSError(f"{path} is {_kind(path)}, not a regular file: it is left as it is")
+    A symbolic link is written through: its target is replaced, keeping the target's mode, and the link stays
+    (the rename replaced the link with a file, and a file an admin had linked to a managed copy, or `--json-out`
+    given a link, came apart from it). Anything else that is not a regular file (a FIFO, a device such as
+    /dev/null, a folder) is refused with OSError and left as it is: the rename replaced it, and as root even
+    /dev/full became a file."""
+    linked = path.is_symlink()
+    path = regular_file_target(path)
+    mode = stat.S_IMODE(path.stat().st_mode) if linked and path.exists() else None
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -33,11 +34,32 @@ def write_atomic(path: Path, data: bytes) -> None:
             stream.write(data)
             stream.flush()
             os.fsync(stream.fileno())
+        if mode is not None:
+            os.chmod(temporary, mode)
         _replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
     sync_folder(path.parent)
+
+
+def regular_file_target(path: Path) -> Path:
+    """Where write_atomic writes `path`: the path, or a link's target; OSError naming it when that exists and is
+    no regular file (a folder, a FIFO, a device)."""
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    if target.exists() and not target.is_file():
+        raise OSError(f"{target} is {_kind(target)}, not a regular file: it is left as it is")
+    return target
+
+
+def cannot_make_file_in(folder: Path) -> str | None:
+    """Why no file can be made in `folder` (a read-only disk, no permission, a folder of /proc), or None when one
+    can: tried by making one, as os.access says yes to root everywhere."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
+            return None
+    except OSError as error:
+        return error.strerror or str(error)
 
 
 def _kind(path: Path) -> str:

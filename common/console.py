@@ -105,24 +105,34 @@ def silence_stdout() -> None:
 @contextmanager
 def ctrl_c_held() -> Iterator[None]:
     """Hold a Ctrl-C (SIGINT) that arrives during the block until the block is done, then deliver it to whatever
-    handles SIGINT outside the block (Python's own raises KeyboardInterrupt there).
+    handles SIGINT outside the block (Python's own raises KeyboardInterrupt there). A second Ctrl-C is delivered
+    at once: a print stuck on a reader that stopped reading (`| less` paused) can still be stopped.
 
     For output that must come out whole: a report printed after a run (minutes of a benchmark, or the streams a
     first Ctrl-C stopped) was cut mid-line by a Ctrl-C during the print, and a script reading the JSON got
     half an object. Off the main thread (where Python runs no signal handler), or where SIGINT's handler was
-    not set from Python (it could not be put back), the block runs as it is.
+    not set from Python (it could not be put back), the block runs as it is. (`bench fleet`, whose SIGTERM and
+    SIGHUP unwind too, holds all three with bench/interruption.signals_held.)
     """
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
         yield
         return
     arrived: list[int] = []
-    outside = signal.signal(signal.SIGINT, lambda signum, frame: arrived.append(signum))
+
+    def hold(signum: int, frame: object) -> None:
+        arrived.append(signum)
+        if len(arrived) > 1:  # asked twice: now
+            signal.signal(signal.SIGINT, outside)
+            signal.raise_signal(signal.SIGINT)
+
+    outside = signal.signal(signal.SIGINT, hold)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, outside)
-        if arrived:
-            signal.raise_signal(signal.SIGINT)
+        if signal.getsignal(signal.SIGINT) is hold:
+            signal.signal(signal.SIGINT, outside)
+            if arrived:
+                signal.raise_signal(signal.SIGINT)
 
 
 def print_whole(text: str, file: TextIO | None = None) -> None:

@@ -4,8 +4,9 @@ An engine numbers its micro-batches from 1, and the next engine on the same chai
 starts at 1 again while steps of a run stopped early (Ctrl-C, a stage's failure) may still be in flight.
 So a chain shifts every id by a base of its own and takes a fresh base at renumber(): the stages then
 never see an old id again, and a late result of the old run matches no step awaited now and is dropped.
-Both chains, LocalPipeline (an incrementing base) and FleetPipeline (a random one, so that two drivers
-on one fleet never meet either), keep their ids here.
+Both chains, LocalPipeline (an incrementing base) and FleetPipeline (bases in turn inside a random range of
+its own, so that two drivers on one fleet never meet either, and the agents send each its own results), keep
+their ids here.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class ChainIds:
 
     def receive(self, result: ForwardResult) -> ForwardResult | None:
         """The engine's form of a result, no longer awaited; None when no such step is awaited (a released
-        micro-batch's, a run's stopped early, another driver's, a duplicate): the caller drops it."""
+        micro-batch's, a run's stopped early, a duplicate): the caller drops it."""
         if self._awaited.get(result.micro_batch_id) != result.step_id:
             return None
         del self._awaited[result.micro_batch_id]
@@ -85,7 +86,7 @@ class ChainIds:
         return wire_id - self._base
 
     def from_earlier_run(self, wire_id: int) -> bool:
-        """Whether the id is of a run before the last renumber() (a late result, not another driver's)."""
+        """Whether the id is of a run before the last renumber() (a late result, not a duplicate)."""
         return wire_id - wire_id % self.span in self._earlier_bases
 
     def renumber(self) -> None:

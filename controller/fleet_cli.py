@@ -444,7 +444,7 @@ def _deploy(args: argparse.Namespace) -> int:
     try:
         result, report = event_loop.run(run())
     except DeployError as error:
-        if not error.of_the_fleet:  # what the user gave: a usage error's exit status 2
+        if not error.failed_run or args.verbose:  # what the user gave: a usage error's exit status 2
             raise
         print(f"deskfleet: error: {error}", file=sys.stderr)  # a PC failed it, or the PCs cannot hold the plan
         return 1

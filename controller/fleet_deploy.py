@@ -86,16 +86,17 @@ class DeployError(RuntimeError):
     `agents`: the ids of the PCs whose failure it was (a link lost, no answer, a refusal), none where the fault
     is not a PC's (a damaged export, a plan that does not fit); `exclusion_reasons`: why the plan left PCs out, where no
     plan could be made (a failover's remedy depends on it: a paused PC is resumed, not brought back).
-    `of_the_fleet`: the fleet failed it (a PC, or a plan the PCs cannot hold), not what the user gave (an export,
-    the controller's files): `fleet deploy` exits 1 for the one, 2 for the other, as `generate` does."""
+    `failed_run`: the run failed (a PC, a plan the PCs cannot hold, another deploy running, the record not
+    written), not what the user gave (an export, the controller's files): `fleet deploy` exits 1 for the one, 2 for
+    the other, as `generate` does. A PC's failure (`agents`) is always a failed run."""
 
     def __init__(self, message: str, code: ErrorCode | None = None, agents: frozenset[str] = frozenset(),
-                 exclusion_reasons: frozenset[ExclusionReason] = frozenset(), no_plan: bool = False) -> None:
+                 exclusion_reasons: frozenset[ExclusionReason] = frozenset(), failed_run: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.agents = agents
         self.exclusion_reasons = exclusion_reasons
-        self.of_the_fleet = no_plan or bool(agents)
+        self.failed_run = failed_run or bool(agents)
 
 
 @dataclass(frozen=True)
@@ -313,7 +314,7 @@ async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: Pla
         try:
             held.enter_context(store.deploying())
         except FleetStoreError as error:  # another deploy from this data dir (a failover's too) is running
-            raise DeployError(str(error)) from None
+            raise DeployError(str(error), failed_run=True) from None
         return await _deploy_locked(store, model_dir, found, options, precision, device, progress, exclude, kv_cache)
 
 
@@ -334,7 +335,7 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
         left_out = left_out_text(result)  # the problem says "see the agents left out": a deploy shows no plan
         raise DeployError(cause + "; ".join(result.problems) + (f" ({left_out})" if left_out else ""),
                           exclusion_reasons=frozenset(exclusion.reason for exclusion in result.exclusions),
-                          no_plan=True)
+                          failed_run=True)
     addresses = {agent.agent_id: agent.address for agent in found.agents if agent.agent_id is not None}
     placements = tuple(StagePlacement(stage.agent_id, addresses[stage.agent_id], stage.first_layer,
                                       stage.stop_layer) for stage in result.stages)
@@ -563,7 +564,7 @@ async def _deploy_stage(link: Link, model_dir: Path, assignment: AssignStage, se
         named = _name_shards(str(error), by_sha)
         if named == str(error):
             raise
-        raise DeployError(named, error.code, error.agents, error.exclusion_reasons) from None
+        raise DeployError(named, error.code, error.agents, error.exclusion_reasons, error.failed_run) from None
 
 
 def _name_shards(text: str, by_sha: dict[str, ManifestEntry]) -> str:
@@ -667,7 +668,7 @@ def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, s
             store.write("deployments", deployments)
         except FleetStoreError as error:  # a full disk: the stages are assigned, and that must not read as "nothing"
             raise DeployError(f"the stages are assigned, but the deployment could not be recorded: {error} (`fleet "
-                              "deploy` again sends nothing)") from None
+                              "deploy` again sends nothing)", failed_run=True) from None
 
 
 def policy_options(policy: str, streams: int = 1, hop_ms: float | None = None,

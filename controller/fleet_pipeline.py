@@ -68,9 +68,12 @@ class ChainError(ChainBroken):
 
 OPEN_TIMEOUT_S = 30.0
 _ID_SPAN = 1 << 24  # engine micro-batch ids stay below this
-_REGION_BASES = 1 << 23  # bases (renumbers) in a chain's range, taken in turn: its ids never repeat in practice
+# A chain's range of wire ids: _REGION_BASES bases (one a run: a chat's turn), taken in turn from a random one and
+# wrapping around (ChainIds knows the late results of earlier runs). 2^23 ranges to draw from: two drivers on one
+# deployment draw the same one once in 8 million (they would then share micro-batches); every id stays an int64.
+_REGION_BASES = 1 << 16
 _REGION_IDS = _REGION_BASES * _ID_SPAN
-_REGIONS = (1 << 63) // _REGION_IDS - 1  # ranges to draw from; every wire id stays an int64
+_REGIONS = (1 << 63) // _REGION_IDS - 1
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,7 @@ class FleetPipeline:
         self.return_logits = return_logits
         self.model_id = model_id
         self._first_id = secrets.randbelow(_REGIONS) * _REGION_IDS  # this driver's range of wire ids
-        bases = itertools.count()
+        bases = itertools.count(secrets.randbelow(_REGION_BASES))
         self._ids = ChainIds(_ID_SPAN, lambda: self._first_id + next(bases) % _REGION_BASES * _ID_SPAN)
         # results with the perf_counter time they reached this process (the network thread's receipt)
         self._results: queue.Queue[tuple[float, ForwardResult] | ChainError] = queue.Queue()
@@ -158,8 +161,8 @@ class FleetPipeline:
     def collect(self, timeout: float | None = None) -> ForwardResult:
         """The next finished step (any micro-batch). ChainError naming the agent when one failed.
 
-        A result this driver has no step in flight for (another driver's that reached this link, or a
-        duplicate) is logged and dropped, never handed to the engine."""
+        A result this driver has no step in flight for (a run stopped early, a duplicate) is logged and
+        dropped, never handed to the engine."""
         self._check_open()  # closed: no result can come, so none is awaited (nor an agent blamed)
         wait = (self.step_timeout_s + STEP_TIMEOUT_S_PER_TOKEN * self._ids.largest_step_in_flight
                 if timeout is None else timeout)
@@ -182,7 +185,7 @@ class FleetPipeline:
                           item.micro_batch_id, item.step_id)
             else:
                 log.warning("dropped a result for wire micro-batch %d step %d: no such step in flight here "
-                            "(another driver's, or a duplicate)", item.micro_batch_id, item.step_id)
+                            "(a duplicate?)", item.micro_batch_id, item.step_id)
 
     def release(self, batch_id: int) -> None:
         """Free a micro-batch's KV state on every stage (in order, after its last step). A step of it still in
@@ -299,7 +302,10 @@ class FleetPipeline:
                         raise ChainError(f"cannot reach agent {stage.agent_id[:12]} (stage {index}, layers "
                                          f"[{stage.layer_start}:{stage.layer_end}]): {error}",
                                          stage.agent_id, stages=self.stages) from None
-                await links[-1].send(ResultsHere(self._first_id, self._first_id + _REGION_IDS))
+                # every stage's agent: the last sends the results, and any stage whose refusal has no next hop to
+                # travel down (a paused middle stage) sends it back to the driver of its micro-batch
+                for link in links:
+                    await link.send(ResultsHere(self._first_id, self._first_id + _REGION_IDS))
         except (ChainError, LinkError, TimeoutError) as error:
             for link in links:
                 await link.close()

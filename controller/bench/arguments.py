@@ -7,9 +7,10 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+
+from deskfleet.common.atomic_file import cannot_make_file_in, regular_file_target
 
 GENAI_IMPORT_TIMEOUT_S = 120.0  # openvino and its GenAI library load in 1-3 s; a cold disk takes longer
 
@@ -59,24 +60,21 @@ def check_genai_inputs(genai_model: Path | None, genai_python: Path | None) -> N
 
 def check_output_file(option: str, path: Path | None) -> None:
     """`path` can be written whole (common/atomic_file.write_atomic): a regular file or none yet (a link: its
-    target), in an existing folder where a file can be made. Tried by making one there: os.access says yes to
-    root everywhere (a path under /proc failed only once the benchmark had run)."""
+    target), in an existing folder where a file can be made (a path under /proc failed only once the benchmark had
+    run: os.access says yes to root everywhere)."""
     if path is None:
         return
-    target = Path(os.path.realpath(path)) if path.is_symlink() else path
-    if target.is_dir():
+    if path.is_dir():
         raise ValueError(f"{option} {path} is a folder: give a file name")
-    if target.exists() and not target.is_file():
-        raise ValueError(f"{option} {path} is not a regular file (a device, a named pipe): give a file name")
+    try:
+        target = regular_file_target(path)
+    except OSError as error:
+        raise ValueError(f"{option} {path}: {error}: give a file name") from None
     parent = target.parent
     if not parent.is_dir():
         raise FileNotFoundError(f"{option} {path}: the folder {parent} does not exist")
-    try:
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{target.name}.", suffix=".check"):
-            pass
-    except OSError as error:
-        raise ValueError(f"{option} {path}: no file can be made in the folder {parent} "
-                         f"({error.strerror or error})") from None
+    if (why := cannot_make_file_in(parent)) is not None:
+        raise ValueError(f"{option} {path}: no file can be made in the folder {parent} ({why})")
 
 
 def check_output_files(**paths: Path | None) -> None:

@@ -50,7 +50,6 @@ from deskfleet.agent.stage import Precision as StagePrecision
 from deskfleet.common import event_loop, pki
 from deskfleet.common.arguments import path_argument
 from deskfleet.common.atomic_file import write_atomic
-from deskfleet.common.console import print_whole
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.planner import PlanOptions, PlanPolicy
 from deskfleet.common.speculative import MAX_K, AdaptiveK
@@ -940,7 +939,8 @@ def _bench_command(args: Any) -> int:
     try:
         with signals_unwind():  # SIGTERM and SIGHUP unwind as Ctrl-C does: the simulated PCs stop
             report = run_fleet_bench(options, progress=lambda text: print(text, file=sys.stderr, flush=True))
-            print_whole(json.dumps(report, indent=2))  # first: a file that cannot be written loses nothing
+            with signals_held():  # a Ctrl-C, SIGTERM or SIGHUP meanwhile: after the report is out whole
+                print(json.dumps(report, indent=2), flush=True)  # first: a file that cannot be written loses nothing
             print(render_markdown(report), file=sys.stderr)
             write_outputs(report, args.json_out, args.markdown_out)
     except KeyboardInterrupt as stopped:

@@ -602,12 +602,14 @@ def test_two_drivers_on_one_stage_each_get_their_own_results(core: AgentCore, ti
         await core.handle(cast(Link, second), ResultsHere(1 << 40, 1 << 41))  # the later driver
         await core.handle(cast(Link, first), mine.step([[3, 4, 5]]))
         await core.handle(cast(Link, second), theirs.step([[6, 7]]))
+        await core._tell_controller(Error(ErrorCode.NOT_ASSIGNED, "paused", micro_batch_id=7))  # a refusal: its own
         await core._tell_controller(Error(ErrorCode.INTERNAL, "the stage failed as a whole"))  # no micro-batch
-        await core._tell_controller(ForwardResult((1 << 41) + 3, 0, (1,), None, None))  # nobody's: the latest
+        await core._tell_controller(ForwardResult((1 << 41) + 3, 0, (1,), None, None))  # a driver gone: dropped
         return first, second, other
 
     first, second, other = asyncio.run(scenario())
-    assert [(type(m), getattr(m, "micro_batch_id", None)) for m in first.sent] == [(ForwardResult, 5), (Error, None)]
-    assert [(type(m), getattr(m, "micro_batch_id", None)) for m in second.sent] == [
-        (ForwardResult, 1 << 40), (Error, None), (ForwardResult, (1 << 41) + 3)]
+    assert [(type(m), getattr(m, "micro_batch_id", None)) for m in first.sent] == [(ForwardResult, 5), (Error, 7),
+                                                                                    (Error, None)]
+    assert [(type(m), getattr(m, "micro_batch_id", None)) for m in second.sent] == [(ForwardResult, 1 << 40),
+                                                                                     (Error, None)]
     assert other.sent == []

@@ -69,10 +69,12 @@ def test_a_link_is_written_through_and_what_is_no_regular_file_is_left_alone(tmp
     # and as root `bench fleet --json-out /dev/full` made /dev/full a regular file
     target = tmp_path / "real.json"
     target.write_bytes(b"old")
+    target.chmod(0o644)  # a managed copy others read
     link = tmp_path / "link.json"
     link.symlink_to(target.name)
     write_atomic(link, b"new")
     assert link.is_symlink() and target.read_bytes() == b"new"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644  # its mode kept, not tempfile's 0600
     dangling = tmp_path / "dangling.json"
     dangling.symlink_to("made-on-write.json")
     write_atomic(dangling, b"made")

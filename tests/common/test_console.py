@@ -91,10 +91,33 @@ def test_print_whole_writes_its_line_whole_through_a_ctrl_c() -> None:
 
     class CtrlCWhileWriting(io.StringIO):
         def write(self, text: str) -> int:  # the Ctrl-C lands while the line is being written
-            os.kill(os.getpid(), signal.SIGINT)
+            if not self.getvalue():
+                os.kill(os.getpid(), signal.SIGINT)
             return super().write(text)
 
     out = CtrlCWhileWriting()
     with pytest.raises(KeyboardInterrupt):
         print_whole('{"a": 1}', file=out)
     assert out.getvalue() == '{"a": 1}\n'
+
+
+def test_a_second_ctrl_c_during_a_held_block_is_delivered_at_once() -> None:
+    # a print stuck on a reader that stopped reading could not be stopped by any number of Ctrl-C
+    import os
+    import signal
+
+    from deskfleet.common.console import ctrl_c_held
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with ctrl_c_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+            done.append("held once")
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+            done.append("never: the second one ends the block")
+    assert done == ["held once"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -316,7 +316,7 @@ def test_an_output_no_file_can_be_made_at_or_two_outputs_at_one_file_are_refused
     import errno
     import os
 
-    from deskfleet.controller.bench import arguments
+    from deskfleet.common import atomic_file
 
     monkeypatch.setattr(fleet_module, "run_fleet_bench", never_run)
     fifo = tmp_path / "fifo.json"
@@ -324,7 +324,7 @@ def test_an_output_no_file_can_be_made_at_or_two_outputs_at_one_file_are_refused
     report = tmp_path / "r.json"
     link = tmp_path / "link.json"
     link.symlink_to(report.name)
-    for argv, message in [(["--json-out", str(fifo)], "is not a regular file"),
+    for argv, message in [(["--json-out", str(fifo)], "is a named pipe (FIFO), not a regular file"),
                           (["--json-out", str(report), "--markdown-out", str(link)],
                            "--json-out and --markdown-out name one file")]:
         assert main(["bench", "fleet", "--model", "m", *argv]) == 2
@@ -333,7 +333,7 @@ def test_an_output_no_file_can_be_made_at_or_two_outputs_at_one_file_are_refused
     def no_file_here(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOENT, "No such file or directory")
 
-    monkeypatch.setattr(arguments.tempfile, "NamedTemporaryFile", no_file_here)
+    monkeypatch.setattr(atomic_file.tempfile, "NamedTemporaryFile", no_file_here)
     assert main(["bench", "fleet", "--model", "m", "--json-out", str(report)]) == 2
     assert "no file can be made in the folder" in capsys.readouterr().err
 

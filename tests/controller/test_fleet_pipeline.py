@@ -255,3 +255,19 @@ def test_the_results_range_a_driver_names_holds_every_id_it_sends_and_no_other_d
     assert len(set(ids)) == 9  # never an id twice
     assert all(ranges[0].holds(wire_id) for wire_id in ids[:3] + ids[6:])
     assert all(ranges[1].holds(wire_id) for wire_id in ids[3:6])
+
+
+def test_the_last_range_and_its_largest_id_cross_the_wire(scripted_chain: Callable[[Reply], FleetPipeline],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # every wire id must stay an int64 (the codec's integers): the last range a driver can draw, its last base
+    async def reply(link: Link, message: Forward) -> None:
+        await link.send(ForwardResult(message.micro_batch_id, message.step_id, (1,), None, None))
+
+    monkeypatch.setattr(fleet_pipeline.secrets, "randbelow", lambda bound: bound - 1)
+    chain = scripted_chain(reply)
+    chain.submit(one_step(micro_batch_id=(1 << 24) - 1))
+    assert chain.collect().next_token_ids == (1,)
+    (claimed,) = [message for message in SEEN if isinstance(message, ResultsHere)]
+    (forward,) = [message for message in SEEN if isinstance(message, Forward)]
+    assert claimed.holds(forward.micro_batch_id) and claimed.stop_micro_batch_id < 1 << 63
+    assert forward.micro_batch_id == claimed.stop_micro_batch_id - 1  # the range's very last id
