@@ -158,6 +158,8 @@ class AgentCore:
         self._controller_links: list[Link] = []
         self._registration_links: set[Link] = set()  # this agent's own links to `fleet serve`: never a driver
         self._results_links: dict[Link, ResultsHere] = {}  # each driver's return path, the latest last
+        # (link, shard) whose chunk was refused: the chunks already on their way after it are dropped unanswered
+        self._refused_streams: set[tuple[Link, str]] = set()
         self._links: set[Link] = set()  # every link being served
         # every removal the controllers told of, kept across restarts (a restarted agent refuses them even while
         # the controller is out of reach), with the CA's signature of each (none for a list saved before
@@ -238,6 +240,7 @@ class AgentCore:
             self._links.discard(link)
             for sha256 in [sha256 for sha256, writer in self._shard_writers.items() if writer is link]:
                 del self._shard_writers[sha256]  # a later deploy resumes the shard from what arrived
+            self._refused_streams = {(writer, sha256) for writer, sha256 in self._refused_streams if writer is not link}
             if link in self._controller_links:
                 self._controller_links.remove(link)
             self._registration_links.discard(link)
@@ -272,7 +275,8 @@ class AgentCore:
             return None
         if isinstance(message, StatusRequest):
             return await self.status()
-        if isinstance(message, ShardQuery):
+        if isinstance(message, ShardQuery):  # a deploy's new round: it sends from what the answer says is held
+            self._refused_streams = {(writer, sha256) for writer, sha256 in self._refused_streams if writer is not link}
             if message.sizes:  # a deploy's stage: keep all of it until assigned, or refuse it whole now
                 try:
                     self.cache.reserve(_deploy_pin(link), dict(zip(message.sha256s, message.sizes, strict=True)))
@@ -283,6 +287,9 @@ class AgentCore:
             self._receive_chunk(link, message)
             return None
         if isinstance(message, ShardComplete):
+            if (link, message.sha256) in self._refused_streams:  # its refusal was the answer
+                self._refused_streams.discard((link, message.sha256))
+                return None
             self._check_shard_writer(link, message.sha256)
             self._shard_writers.pop(message.sha256, None)
             try:
@@ -432,8 +439,25 @@ class AgentCore:
                                                "(another deploy to this PC): deploy again once it has finished")
 
     def _receive_chunk(self, link: Link, chunk: ShardChunk) -> None:
+        """Store a chunk; a refusal is answered once per shard and stream: the deploy sends a shard's chunks without
+        waiting, so the ones after a refused chunk (a full disk) were each refused again as out of order, a warning
+        in the agent's log per megabyte. They are dropped until the stream resumes where the cache stopped."""
+        stream = (link, chunk.sha256)
+        if stream in self._refused_streams:
+            if chunk.offset != (self.cache.partial_offset(chunk.sha256) or 0):
+                log.debug("dropped a chunk of shard %s… at %d after its stream was refused", chunk.sha256[:12],
+                          chunk.offset)
+                return
+            self._refused_streams.discard(stream)
         self._check_shard_writer(link, chunk.sha256)
         self._shard_writers[chunk.sha256] = link
+        try:
+            self._store_chunk(chunk)
+        except CommandError:
+            self._refused_streams.add(stream)
+            raise
+
+    def _store_chunk(self, chunk: ShardChunk) -> None:
         try:
             self.cache.receive(chunk)
         except CacheFull as error:  # what hosted stages, deploys and builds hold leaves it no room

@@ -110,3 +110,47 @@ def test_an_agent_that_starts_on_a_cache_it_cannot_write_says_so(
     service._prepare_cache()
     assert any(f"the shard cache {core.cache.root} cannot be written (Read-only file system)" in record.getMessage()
                for record in caplog.records)
+
+
+def test_the_chunks_after_a_refused_one_are_dropped_unanswered_until_the_stream_resumes(
+        core: AgentCore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    # a deploy sends a shard's chunks without waiting: on a full disk each later chunk was refused again ("out of
+    # order"), one warning in the agent's log and one Error back per megabyte
+    from typing import cast
+
+    from deskfleet.agent.link import Link
+    from deskfleet.common.wire import ShardHave, ShardQuery
+    from tests.agent.test_core import RecordingLink
+
+    data = bytes(range(256)) * 40
+    digest = hashlib.sha256(data).hexdigest()
+    chunks = [ShardChunk(digest, offset, len(data), data[offset:offset + 2048]) for offset in range(0, len(data), 2048)]
+    write = core.cache.write
+
+    def disk_full(*args: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    link = RecordingLink(Role.CONTROLLER)  # one deploy's link, both rounds
+    core._controller_links.append(cast(Link, link))
+
+    async def deploy(sends: list[object]) -> RecordingLink:
+        link.sent.clear()
+        for message in sends:
+            try:
+                reply = await core.handle(cast(Link, link), message)  # type: ignore[arg-type]
+            except CommandError as refusal:
+                reply = refusal.code
+            if reply is not None:
+                link.sent.append(reply)  # type: ignore[arg-type]
+        return link
+
+    import asyncio
+
+    handle(core, Role.CONTROLLER, chunks[0])
+    monkeypatch.setattr(core.cache, "write", disk_full)
+    asyncio.run(deploy([*chunks[1:], ShardComplete(digest)]))
+    assert link.sent == [ErrorCode.DISK_FULL]  # once, for the first chunk the disk refused
+    assert not any("out of order" in record.getMessage() for record in caplog.records)
+    monkeypatch.setattr(core.cache, "write", write)  # space freed: the deploy's next round resumes where it stopped
+    asyncio.run(deploy([ShardQuery((digest,)), *chunks[1:], ShardComplete(digest)]))
+    assert core.cache.has(digest) and [type(reply) for reply in link.sent] == [ShardHave]
