@@ -532,7 +532,7 @@ class ReleaseMicroBatch:
 
 @dataclass(frozen=True)
 class ResultsHere:
-    """A driver tells the last stage's agent: send the ForwardResults, and the Errors relayed down the chain,
+    """A driver tells each stage's agent: send the ForwardResults, and the Errors relayed down the chain,
     of the wire micro-batch ids [first_micro_batch_id, stop_micro_batch_id) on this link, until it closes.
 
     Each driver of a deployment numbers its micro-batches in a range of its own (controller/fleet_pipeline.py),

@@ -14,8 +14,8 @@ naming that agent, its stage and its address; an Error a stage reports travels d
 
 Micro-batch ids on the wire are the engine's ids plus a base: each chain draws a random range of its own
 (_REGION_IDS ids) and takes the next base in it at every renumber (each chat turn), so two drivers, or two
-turns, never address each other's KV state on a stage, and the last stage's agent sends each driver the
-results of its own range (ResultsHere names it).
+turns, never address each other's KV state on a stage, and the agents send each driver the results and
+refusals of its own range (ResultsHere names it to every stage's agent).
 """
 
 from __future__ import annotations
