@@ -148,6 +148,23 @@ def utc_now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
+def why_closed(error: ConnectionClosed) -> str:
+    """What ended a link, in words an admin can act on, with websockets' own account in brackets.
+
+    websockets says "no close frame received or sent" for a peer whose process ended or whose network dropped
+    the connection, and "sent 1011 (internal error) keepalive ping timeout; no close frame received" for one
+    that stopped answering (asleep, stopped, or cut off without a reset): neither said that the PC went away,
+    nor that the second was a timeout."""
+    sent, received = error.sent, error.rcvd
+    if received is None and sent is not None and sent.reason == "keepalive ping timeout":
+        return (f"the peer answered no keepalive ping within {PING_TIMEOUT_S:g} s: it stopped, slept or lost its "
+                f"network [{error}]")
+    if received is None and sent is None:
+        return f"the connection ended without a websocket close: the peer's process ended or its network " \
+               f"dropped the connection [{error}]"
+    return str(error)
+
+
 def no_revocations() -> pki.RevocationSet:
     return pki.RevocationSet()
 
@@ -167,7 +184,7 @@ class Link:
         try:
             await self.connection.send(encode(message))
         except ConnectionClosed as error:
-            raise LinkError(f"link to {self.describe()} closed: {error}") from None
+            raise LinkError(f"link to {self.describe()} closed: {why_closed(error)}") from None
 
     async def receive(self) -> Message:
         """The next message. A malformed one is answered with Error(BAD_MESSAGE), the link closed, and
@@ -178,7 +195,7 @@ class Link:
         try:
             frame = await self.connection.recv()
         except ConnectionClosed as error:
-            raise LinkError(f"link to {self.describe()} closed: {error}") from None
+            raise LinkError(f"link to {self.describe()} closed: {why_closed(error)}") from None
         if isinstance(frame, str):
             await self.refuse(ErrorCode.BAD_MESSAGE, "text frames are not part of the protocol")
             raise LinkError(f"{self.describe()} sent a text frame")

@@ -164,6 +164,53 @@ def test_a_malformed_frame_is_answered_and_the_link_closed(tmp_path: Path) -> No
     run(scenario())
 
 
+def test_a_peer_whose_connection_is_cut_is_named_as_gone_not_as_a_missing_close_frame(tmp_path: Path) -> None:
+    """A killed peer's socket closes with no websocket close: websockets' "no close frame received or sent" said
+    nothing an admin could act on."""
+    async def scenario() -> None:
+        ca = make_ca(tmp_path / "ca")
+        server_files = make_member(ca, tmp_path / "server", "server")
+
+        async def handler(link: Link) -> None:
+            link.connection.transport.abort()  # as the kernel does for a process that was killed
+
+        server = await start_server(handler, "127.0.0.1", 0, server_files)
+        async with server:
+            files = make_member(ca, tmp_path / "client", "client")
+            link = await open_link(f"127.0.0.1:{server.sockets[0].getsockname()[1]}", files)
+            with pytest.raises(LinkError, match="ended without a websocket close: the peer's process ended or its "
+                                                "network dropped the connection"):
+                await link.receive()
+
+    run(scenario())
+
+
+def test_a_peer_that_stops_answering_is_named_as_timed_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(link_module, "PING_INTERVAL_S", 0.2)
+    monkeypatch.setattr(link_module, "PING_TIMEOUT_S", 0.4)
+    monkeypatch.setattr(link_module, "CLOSE_TIMEOUT_S", 0.2)
+
+    async def scenario() -> None:
+        ca = make_ca(tmp_path / "ca")
+        server_files = make_member(ca, tmp_path / "server", "server")
+        done = asyncio.Event()
+
+        async def handler(link: Link) -> None:
+            link.connection.transport.pause_reading()  # a stopped process: no pong, no close frame
+            await done.wait()
+
+        server = await start_server(handler, "127.0.0.1", 0, server_files)
+        async with server:
+            files = make_member(ca, tmp_path / "client", "client")
+            link = await open_link(f"127.0.0.1:{server.sockets[0].getsockname()[1]}", files)
+            with pytest.raises(LinkError, match=r"answered no keepalive ping within 0\.4 s: it stopped, slept or lost "
+                                                r"its network \[sent 1011"):
+                await asyncio.wait_for(link.receive(), timeout=4.0)
+            done.set()
+
+    run(scenario())
+
+
 def test_a_peer_that_never_says_hello_is_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(link_module, "HELLO_TIMEOUT_S", 0.5)
 
