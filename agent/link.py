@@ -148,6 +148,9 @@ def utc_now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
+KEEPALIVE_TIMEOUT_REASON = "keepalive ping timeout"  # the close reason websockets gives a missed pong
+
+
 def why_closed(error: ConnectionClosed) -> str:
     """What ended a link, in words an admin can act on, with websockets' own account in brackets.
 
@@ -156,9 +159,12 @@ def why_closed(error: ConnectionClosed) -> str:
     that stopped answering (asleep, stopped, or cut off without a reset): neither said that the PC went away,
     nor that the second was a timeout."""
     sent, received = error.sent, error.rcvd
-    if received is None and sent is not None and sent.reason == "keepalive ping timeout":
+    if received is None and sent is not None and sent.reason == KEEPALIVE_TIMEOUT_REASON:
         return (f"the peer answered no keepalive ping within {PING_TIMEOUT_S:g} s: it stopped, slept or lost its "
                 f"network [{error}]")
+    if received is not None and received.reason == KEEPALIVE_TIMEOUT_REASON:
+        return (f"the peer had no answer to its keepalive pings within its timeout: this process was too busy to "
+                f"answer, or the network between dropped [{error}]")
     if received is None and sent is None:
         return f"the connection ended without a websocket close: the peer's process ended or its network " \
                f"dropped the connection [{error}]"
@@ -441,4 +447,4 @@ def _connect_failure(error: BaseException) -> str:
 
 
 __all__ = ["PING_INTERVAL_S", "PING_TIMEOUT_S", "Link", "LinkError", "LinkVersionError", "Role", "TlsFiles",
-           "open_link", "peer_identity", "start_server", "utc_now"]
+           "open_link", "peer_identity", "start_server", "utc_now", "why_closed"]

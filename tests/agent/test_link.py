@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import Server
+from websockets.exceptions import ConnectionClosed
+from websockets.frames import Close, CloseCode
 
 from deskfleet.agent import link as link_module
-from deskfleet.agent.link import Link, LinkError, LinkRefused, open_link, start_server, utc_now
+from deskfleet.agent.link import Link, LinkError, LinkRefused, open_link, start_server, utc_now, why_closed
 from deskfleet.common import pki
 from deskfleet.common.wire import Error, ErrorCode, Role, StatusRequest, decode, encode
 from tests.fleet_pki import make_ca, make_member
@@ -197,18 +199,33 @@ def test_a_peer_that_stops_answering_is_named_as_timed_out(tmp_path: Path, monke
 
         async def handler(link: Link) -> None:
             link.connection.transport.pause_reading()  # a stopped process: no pong, no close frame
+            assert link.connection.keepalive_task is not None
+            link.connection.keepalive_task.cancel()  # and no ping of its own to time out first
             await done.wait()
 
         server = await start_server(handler, "127.0.0.1", 0, server_files)
         async with server:
             files = make_member(ca, tmp_path / "client", "client")
             link = await open_link(f"127.0.0.1:{server.sockets[0].getsockname()[1]}", files)
-            with pytest.raises(LinkError, match=r"answered no keepalive ping within 0\.4 s: it stopped, slept or lost "
-                                                r"its network \[sent 1011"):
-                await asyncio.wait_for(link.receive(), timeout=4.0)
-            done.set()
+            try:
+                with pytest.raises(LinkError, match=r"answered no keepalive ping within 0\.4 s: it stopped, slept or "
+                                                    r"lost its network \[sent 1011"):
+                    await asyncio.wait_for(link.receive(), timeout=4.0)
+            finally:
+                done.set()  # else the server waits for its handler forever
 
     run(scenario())
+
+
+def test_a_peer_that_timed_out_on_this_side_says_this_side_was_silent() -> None:
+    closed = ConnectionClosed(Close(CloseCode.INTERNAL_ERROR, "keepalive ping timeout"),
+                              Close(CloseCode.INTERNAL_ERROR, "keepalive ping timeout"), True)
+    assert why_closed(closed) == ("the peer had no answer to its keepalive pings within its timeout: this process was "
+                                  "too busy to answer, or the network between dropped [received 1011 (internal "
+                                  "error) keepalive ping timeout; then sent 1011 (internal error) keepalive ping "
+                                  "timeout]")
+    refused = ConnectionClosed(Close(CloseCode.POLICY_VIOLATION, "busy"), None)  # the peer's own words stand
+    assert why_closed(refused) == "received 1008 (policy violation) busy; no close frame sent"
 
 
 def test_a_peer_that_never_says_hello_is_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
