@@ -40,6 +40,7 @@ from pathlib import Path
 
 from cryptography import x509
 
+from deskfleet.agent.cache_health import UNWRITABLE_ERRNOS, CacheHealth
 from deskfleet.agent.link import Link, LinkError, TlsFiles, open_link
 from deskfleet.agent.monitor import SystemMonitor
 from deskfleet.agent.opt_out import OPT_OUT_FILE, OptOutReader
@@ -151,6 +152,7 @@ class AgentCore:
         self.num_threads = num_threads  # inference threads per stage; None: the device's default
         self.settings = settings
         self.cache = cache
+        self.cache_health = CacheHealth(cache)  # a disk that refused the cache's writes, in the status until it passes
         self.monitor = monitor
         self.agent_id = files.own_identity().agent_id
         self.stages: dict[StageRef, HostedStage] = {}
@@ -316,9 +318,10 @@ class AgentCore:
         reading = await self._read_monitor()
         policy = self.policy()
         snapshot = make_status(reading, policy, tuple(self.stages), self.cache.usage(), self.last_error, time.time())
-        if policy.paused:  # who paused it, first: the admin's `fleet ls` and plan tell a user's opt-out from theirs
-            snapshot = replace(snapshot, detail="; ".join(part for part in (f"paused {self._paused_by()}",
-                                                                            snapshot.detail) if part))
+        # who paused it, first: the admin's `fleet ls` and plan tell a user's opt-out from theirs; then the limits'
+        # numbers, then a disk that refused the shard cache's writes
+        parts = (f"paused {self._paused_by()}" if policy.paused else "", snapshot.detail, self.cache_health.note())
+        snapshot = replace(snapshot, detail="; ".join(part for part in parts if part))
         if self._speed is None and self._speed_probe is not None:
             try:
                 self._speed = await asyncio.to_thread(self._speed_probe)
@@ -460,11 +463,13 @@ class AgentCore:
     def _store_chunk(self, chunk: ShardChunk) -> None:
         try:
             self.cache.receive(chunk)
+            self.cache_health.stored()
         except CacheFull as error:  # what hosted stages, deploys and builds hold leaves it no room
             raise CommandError(ErrorCode.OUT_OF_MEMORY, str(error)) from None
         except ShardCacheError as error:
             raise CommandError(ErrorCode.SHARD_MISMATCH, str(error)) from None
         except OSError as error:  # the cache's disk full or not writable: what was received so far stays
+            self.cache_health.refused(error, chunk.total_size - chunk.offset)
             what = (f"cannot store shard {chunk.sha256[:12]}… (bytes {chunk.offset} to "
                     f"{chunk.offset + len(chunk.data)} of {chunk.total_size})")
             raise self._cache_refusal(error, what) or CommandError(
@@ -478,7 +483,7 @@ class AgentCore:
                                 f"is full ({error.strerror or error}): free space there, or lower cache_limit_bytes "
                                 f"in the agent's settings below what the disk has free; until then pause this PC "
                                 f"(`deskfleet-agent pause`) to deploy without it")
-        if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        if error.errno in UNWRITABLE_ERRNOS:
             return CommandError(ErrorCode.INTERNAL, f"{what}: this PC's shard cache {self.cache.root} is not "
                                 f"writable ({error.strerror or error}): make it writable, or start the agent with "
                                 f"a --data-dir on a writable disk")
@@ -512,6 +517,9 @@ class AgentCore:
                 # OSError: the cache's disk is full or not writable while the view is made
                 self.cache.unpin(key)
                 self.cache.remove_view(key)
+                if isinstance(error, OSError):  # at most the stage's files, copied into its view
+                    self.cache_health.refused(error, sum(manifest.files[name].size for name in names
+                                                         if name in manifest.files))
                 if isinstance(error, OSError) and (
                         refusal := self._cache_refusal(error, f"cannot host {_stage_key(message.stage)}")) is not None:
                     raise refusal from None
@@ -523,6 +531,7 @@ class AgentCore:
                 raise CommandError(ErrorCode.SHARD_MISMATCH if isinstance(error, ShardCacheError | ManifestError)
                                    else ErrorCode.INTERNAL, f"cannot host {_stage_key(message.stage)}: {error}"
                                    ) from None
+            self.cache_health.stored()  # its view was made in the cache
             for other in [ref for ref in self.stages if ref.model_id == message.stage.model_id]:
                 self._release(other)  # a re-plan of the same model replaces what this agent held
             self.stages[message.stage] = HostedStage(message, StageExecutor(stage, manifest.spec.max_context),
