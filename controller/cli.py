@@ -536,9 +536,9 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         print()
         tokens, tok_s = report["generated_tokens"], report["tok_s"]
-        assert isinstance(tokens, int) and isinstance(tok_s, float)
-        # one stream's speed is its decoding's, after the first token: none to show for a 1-token run (not 0.0)
-        print(f"[{tokens} token{'' if tokens == 1 else 's'}" + (f", {tok_s:.1f} tok/s" if tok_s > 0 else "")
+        assert isinstance(tokens, int) and (tok_s is None or isinstance(tok_s, float))
+        # one stream's speed is its decoding's, after the first token: none to show for a 1-token run (null)
+        print(f"[{tokens} token{'' if tokens == 1 else 's'}" + (f", {tok_s:.1f} tok/s" if tok_s else "")
               + f", {report['stages']} stage(s)"
               + (f", mean accepted {report['mean_accepted']:.2f}" if "mean_accepted" in report else "")
               + (f", seed {report['seed']}" if "seed" in report else "") + "]",

@@ -153,15 +153,17 @@ class StreamResult:
     tokens: list[int]
     prompt_tokens: int
     first_token_s: float  # from the engine's start
-    finished_s: float
+    last_token_s: float  # from the engine's start: its last token, or its latest where it was stopped (Ctrl-C)
     stopped_by_eos: bool
     reused_tokens: int = 0  # of the prompt, held by the kept KV state it resumed (not fed)
 
     @property
-    def decode_tok_s(self) -> float:
+    def decode_tok_s(self) -> float | None:
+        """Tokens a second after the first (which the prompt's prefill makes); None with fewer than two tokens,
+        where there is no decoding to time. A stream stopped early is timed to its latest token (it said 0.0)."""
         decoded = len(self.tokens) - 1
-        span = self.finished_s - self.first_token_s
-        return decoded / span if decoded > 0 and span > 0 else 0.0
+        span = self.last_token_s - self.first_token_s
+        return decoded / span if decoded > 0 and span > 0 else None
 
 
 @dataclass(frozen=True)
@@ -193,7 +195,7 @@ class _Stream:
     tokens: list[int] = field(default_factory=list)
     batch: int | None = None
     first_token_s: float = 0.0
-    finished_s: float = 0.0
+    last_token_s: float = 0.0
     done: bool = False
     stopped_by_eos: bool = False
     started: bool = False
@@ -364,7 +366,7 @@ class Engine:
         """Every stream's tokens so far, by stream id (after run(): the whole generation; after a run that
         raised, e.g. on Ctrl-C: what was generated before it stopped)."""
         return {stream.stream_id: StreamResult(stream.stream_id, list(stream.tokens), len(stream.request.prompt_ids),
-                                               stream.first_token_s, stream.finished_s, stream.stopped_by_eos,
+                                               stream.first_token_s, stream.last_token_s, stream.stopped_by_eos,
                                                stream.reused)
                 for stream in self._streams.values()}
 
@@ -731,11 +733,12 @@ class Engine:
         eos = self._eos
         for token in tokens:
             stream.tokens.append(int(token))
+            stream.last_token_s = now
             hit_eos = (int(token) in eos or int(token) in stream.request.stop_token_ids) \
                 and not stream.request.ignore_eos
             done = hit_eos or len(stream.tokens) >= stream.request.max_new_tokens
             if done:  # before the callback: one that raises must leave results() consistent with the tokens
-                stream.done, stream.stopped_by_eos, stream.finished_s = True, hit_eos, now
+                stream.done, stream.stopped_by_eos = True, hit_eos
                 self._unfinished -= 1
             if self._on_token is not None:
                 self._on_token(stream.stream_id, int(token))

@@ -229,10 +229,11 @@ def print_stream_texts(streams: list[dict[str, object]], labels: list[str]) -> N
 def _report(engine: Engine, tokenizer: ModelTokenizer, results: dict[int, StreamResult], wall: float, stages: int,
             pipeline: StageChain, print_streams: bool, labels: list[str]) -> dict[str, object]:
     """The report; with `print_streams`, each stream's text printed (print_stream_texts) where there are several."""
-    streams = [{"prompt": label, "tokens": result.tokens, "text": tokenizer.decode(result.tokens),
-                "tok_s": round(result.decode_tok_s, 3), "prompt_tokens": result.prompt_tokens,
-                "first_token_s": round(result.first_token_s, 4), "stopped_by_eos": result.stopped_by_eos}
-               for label, result in zip(labels, results.values(), strict=True)]
+    streams: list[dict[str, object]] = [
+        {"prompt": label, "tokens": result.tokens, "text": tokenizer.decode(result.tokens),
+         "tok_s": _rounded(result.decode_tok_s), "prompt_tokens": result.prompt_tokens,
+         "first_token_s": round(result.first_token_s, 4), "stopped_by_eos": result.stopped_by_eos}
+        for label, result in zip(labels, results.values(), strict=True)]
     generated = sum(len(result.tokens) for result in results.values())
     # after a failover the run finished on the new chain: its stages, not the first chain's
     finished_on = getattr(engine.chain, "num_stages", stages) if engine.chain is not pipeline else stages
@@ -245,6 +246,10 @@ def _report(engine: Engine, tokenizer: ModelTokenizer, results: dict[int, Stream
         if print_streams:
             print_stream_texts(streams, labels)
     return report
+
+
+def _rounded(tok_s: float | None) -> float | None:
+    return round(tok_s, 3) if tok_s is not None else None
 
 
 def _add_run_figures(report: dict[str, object], engine: Engine, options: GenerateOptions, drafted: bool,

@@ -557,7 +557,9 @@ def _generate_once(pipeline: LocalPipeline, prompt: list[int], new_tokens: int) 
     engine = Engine(pipeline, pipeline.manifest.spec)
     engine.add(StreamRequest(list(prompt), max_new_tokens=new_tokens, ignore_eos=True))
     (stream,) = engine.run().values()
-    return list(stream.tokens), float(stream.decode_tok_s), float(stream.first_token_s)
+    if stream.decode_tok_s is None:
+        raise ValueError(f"a parity run needs at least 2 new tokens to time decoding, got {new_tokens}")
+    return list(stream.tokens), stream.decode_tok_s, float(stream.first_token_s)
 
 
 def _read_properties(compiled: Any) -> dict[str, str]:

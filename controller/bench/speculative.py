@@ -400,7 +400,7 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
                     stats.wall_s += time.perf_counter() - began
                     stats.generated_tokens += len(result.tokens)
                     stats.decoded_tokens += len(result.tokens) - 1
-                    stats.decode_s += result.finished_s - result.first_token_s
+                    stats.decode_s += result.last_token_s - result.first_token_s
                     stats.histogram.update(engine.accepted_histogram())
                     if index == 0:
                         tokens_by_variant[name].append(result.tokens)

@@ -90,4 +90,30 @@ def test_a_callback_failing_on_the_last_token_leaves_the_stream_finished(target:
         with pytest.raises(BrokenPipeError):
             engine.run(closed_stdout)
         result = engine.results()[0]
-    assert result.tokens[-1] == eos and result.stopped_by_eos and result.finished_s >= result.first_token_s > 0
+    assert result.tokens[-1] == eos and result.stopped_by_eos and result.last_token_s >= result.first_token_s > 0
+
+
+def test_a_stream_stopped_early_is_timed_to_its_latest_token_and_one_token_has_no_rate(target: Path) -> None:
+    # `generate --json` said "tok_s": 0.0 for a stream a Ctrl-C stopped (it was timed to a finish it never had),
+    # and for a 1-token run, whose only token comes from the prefill (nothing decoded to time)
+    manifest = load_manifest(target)
+    with LocalPipeline(target, 1, F32, manifest) as pipeline:
+        engine = Engine(pipeline, manifest.spec)
+        engine.add(StreamRequest(FIRST, max_new_tokens=50, ignore_eos=True))
+        seen: list[int] = []
+
+        def ctrl_c_at_the_sixth(stream_id: int, token: int) -> None:
+            seen.append(token)
+            if len(seen) == 6:
+                raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            engine.run(ctrl_c_at_the_sixth)
+        stopped = engine.results()[0]
+        single = Engine(pipeline, manifest.spec)
+        single.add(StreamRequest(FIRST, max_new_tokens=1, ignore_eos=True))
+        (one,) = single.run().values()
+    assert len(stopped.tokens) >= 6 and stopped.last_token_s > stopped.first_token_s
+    assert stopped.decode_tok_s == pytest.approx((len(stopped.tokens) - 1)
+                                                 / (stopped.last_token_s - stopped.first_token_s))
+    assert len(one.tokens) == 1 and one.decode_tok_s is None
