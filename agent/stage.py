@@ -112,6 +112,14 @@ class CompileSettings:
         if self.num_threads:
             wanted["INFERENCE_NUM_THREADS"] = str(self.num_threads)
         if device_kind(self.device) in VIRTUAL:
+            # each device named in the list must be here: OpenVINO's AUTO:GPU,CPU on a PC without a GPU driver
+            # failed in compile_model with the GPU plugin's library error, not by falling back on the CPU
+            missing = [target for target in device_targets(self.device)  # a bare AUTO's own name: nothing to find
+                       if target not in VIRTUAL and not lists_device(target, core.available_devices)]
+            if missing:
+                raise ValueError(f"device {self.device} lists {', '.join(missing)}, not available on this PC "
+                                 f"(OpenVINO finds {', '.join(core.available_devices) or 'none'}): leave "
+                                 f"{'it' if len(missing) == 1 else 'them'} out of the list")
             return wanted
         if not lists_device(self.device, core.available_devices):
             raise ValueError(f"device {self.device} is not available on this PC (OpenVINO finds "

@@ -22,13 +22,14 @@ def device_kind(device: str) -> str:
 def lists_device(device: str, available: tuple[str, ...] | list[str]) -> bool:
     """Whether a host whose OpenVINO lists `available` has `device`: "GPU" when any GPU is listed ("GPU.0",
     "GPU.1"), "GPU.1" only when it is, and "GPU.0" also for a lone GPU listed as "GPU". A virtual device with
-    targets ("AUTO:GPU,CPU", "MULTI:GPU,NPU") when any of them is listed: with none of them no virtual device
-    compiles, and which of them each one needs is OpenVINO's to say; a bare one ("AUTO") picks among what there
+    targets ("AUTO:GPU,CPU", "MULTI:GPU,NPU") when every one of them is listed: OpenVINO's AUTO:GPU,CPU on a PC
+    without a GPU driver failed to compile with the GPU plugin's library error rather than fall back on the CPU,
+    and the agent refuses it by name (agent/stage.py); a bare one ("AUTO", "AUTO:-NPU") picks among what there
     is: True. `device` in OpenVINO's syntax (device_targets)."""
     kind = device_kind(device)
     if kind in VIRTUAL:
         targets = device_targets(device)
-        return targets == (kind,) or any(lists_device(target, available) for target in targets)
+        return targets == (kind,) or all(lists_device(target, available) for target in targets)
     return device in available or (device == kind and any(device_kind(found) == kind for found in available)) \
         or (device == f"{kind}.0" and kind in available)
 
@@ -45,7 +46,8 @@ def device_targets(device: str) -> tuple[str, ...]:
     kind, colon, listed = device.partition(":")
     if not colon:
         if not _is_device_name(device) or (device_kind(device) in VIRTUAL and device not in VIRTUAL):
-            raise ValueError(f"{device!r} is not an OpenVINO device name such as CPU, GPU.1 or AUTO:GPU,CPU")
+            upper = f" (names are upper case: {device.upper()})" if _is_device_name(device.upper()) else ""
+            raise ValueError(f"{device!r} is not an OpenVINO device name such as CPU, GPU.1 or AUTO:GPU,CPU{upper}")
         return (device,)
     if kind not in VIRTUAL:
         raise ValueError(f"{device!r}: only {', '.join(sorted(VIRTUAL))} take a list of devices after ':'")

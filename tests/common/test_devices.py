@@ -18,9 +18,12 @@ def test_a_device_is_listed_by_kind_by_index_or_as_the_lone_one() -> None:
     assert lists_device("GPU.0", ["CPU", "GPU"]) and not lists_device("GPU.1", ["CPU", "GPU"])
     assert not lists_device("NPU", ["CPU", "GPU"]) and lists_device("CPU", ["CPU"])
     assert not lists_device("GPU", ["CPU"]) and not lists_device("GPU", [])
-    # a bare virtual device picks among what there is; one with targets needs one of them at least
+    # a bare virtual device picks among what there is; one with targets needs every one of them (OpenVINO's
+    # AUTO:GPU,CPU failed on a PC without a GPU driver rather than run on the CPU)
     assert lists_device("AUTO", ["CPU"]) and lists_device("MULTI", []) and lists_device("AUTO:-NPU", ["CPU"])
-    assert lists_device("AUTO:GPU,CPU", ["CPU"]) and lists_device("HETERO:GPU.1,CPU", ["GPU.0", "GPU.1"])
+    assert not lists_device("AUTO:GPU,CPU", ["CPU"]) and lists_device("AUTO:GPU,CPU", ["GPU", "CPU"])
+    assert not lists_device("HETERO:GPU.1,CPU", ["GPU.0", "GPU.1"]) and lists_device("HETERO:GPU.1,CPU",
+                                                                                    ["CPU", "GPU.0", "GPU.1"])
     assert not lists_device("MULTI:GPU,NPU", ["CPU"]) and not lists_device("HETERO:GPU", [])
     assert not lists_device("BATCH:GPU(4)", ["CPU", "NPU"]) and lists_device("BATCH:GPU(4)", ["CPU", "GPU"])
     assert not lists_device("AUTO:GPU.1,-CPU", ["CPU", "GPU"])
