@@ -25,6 +25,10 @@ class ManifestError(ValueError):
     """The manifest or a file it names is missing, malformed or does not match its checksum."""
 
 
+class NewerManifestError(ManifestError):
+    """The manifest is of a format a later deskfleet writes: the fix is an upgrade, not a new export."""
+
+
 class ExportMismatchError(ManifestError):
     """The export's IR files, each matching its checksum, hold other sizes than its manifest says (the manifest
     edited, or files of two exports mixed): a fault of the export, not of a copy of its files. An agent must not
@@ -168,9 +172,14 @@ class Manifest:
             body = json.loads(text)
             if not isinstance(body, dict):
                 raise ManifestError(f"a manifest is a JSON object, not {type(body).__name__}")
-            if body.get("format_version") != MANIFEST_FORMAT:
-                raise ManifestError(
-                    f"manifest format_version {body.get('format_version')!r} is not {MANIFEST_FORMAT}")
+            version = body.get("format_version")
+            if isinstance(version, int) and not isinstance(version, bool) and version > MANIFEST_FORMAT:
+                raise NewerManifestError(f"the export was made by a newer deskfleet (manifest format_version "
+                                         f"{version}; this deskfleet reads {MANIFEST_FORMAT}): upgrade deskfleet here, "
+                                         "or export the model again with this one")
+            if version != MANIFEST_FORMAT:
+                raise ManifestError("the manifest has no format_version" if version is None else
+                                    f"manifest format_version {version!r} is not {MANIFEST_FORMAT}")
             spec_body = dict(body["spec"])
             spec_body["eos_token_ids"] = tuple(spec_body["eos_token_ids"])
             spec = ModelSpec(**spec_body)
@@ -190,8 +199,12 @@ class Manifest:
             spec.validate()
         except ManifestError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as error:
-            raise ManifestError(f"malformed manifest: {error!r:.200}") from None
+        except KeyError as error:
+            raise ManifestError(f"malformed manifest: it has no {error.args[0]!r:.100}") from None
+        except json.JSONDecodeError as error:
+            raise ManifestError(f"malformed manifest: not JSON ({error})") from None
+        except (TypeError, ValueError, AttributeError, RecursionError) as error:
+            raise ManifestError(f"malformed manifest: {error!s:.200}") from None
         if len(manifest.layer_bytes) != spec.num_layers:
             raise ManifestError(
                 f"manifest lists {len(manifest.layer_bytes)} layer sizes for {spec.num_layers} layers")
@@ -288,6 +301,8 @@ def load_manifest(model_dir: Path) -> Manifest:
             f"{model_dir} has no {MANIFEST_NAME}: it is not a deskfleet export (run `deskfleet export` first)")
     try:
         return Manifest.from_json(path.read_text(encoding="utf-8"))
+    except NewerManifestError as error:  # its fix is said: an upgrade, first
+        raise NewerManifestError(f"{path}: {error}") from None
     except ManifestError as error:  # a truncated or edited file: named, with the fix
         raise ManifestError(f"{path}: {error} (export the model again)") from None
     except UnicodeDecodeError as error:
@@ -321,6 +336,8 @@ def verify_files(model_dir: Path, manifest: Manifest, names: list[str] | None = 
         entry = manifest.files.get(name)
         if entry is None:
             raise ManifestError(f"{name} is not listed in the manifest of {model_dir}")
+        if not (model_dir / name).exists() and not (model_dir / name).is_symlink():
+            raise ManifestError(incomplete_export(model_dir / name))  # "is missing" alone gave no fix
         path = model_file(model_dir, name)
         size = path.stat().st_size
         if size != entry.size:

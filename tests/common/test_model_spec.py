@@ -14,6 +14,7 @@ from deskfleet.common.model_spec import (
     Manifest,
     ManifestError,
     ModelSpec,
+    NewerManifestError,
     WeightFormat,
     load_manifest,
     sha256_of,
@@ -61,14 +62,23 @@ def test_validation_names_the_field(change: dict[str, object], message: str) -> 
 
 def test_malformed_manifests_are_refused() -> None:
     body = json.loads(manifest().to_json())
-    with pytest.raises(ManifestError, match="format_version"):
+    # a later deskfleet's export: the fix is an upgrade (it said "format_version 2 is not 1 (export the model again)")
+    with pytest.raises(NewerManifestError, match=r"made by a newer deskfleet \(manifest format_version 99; this "
+                                                 r"deskfleet reads 1\): upgrade deskfleet here"):
         Manifest.from_json(json.dumps({**body, "format_version": 99}))
-    with pytest.raises(ManifestError, match="malformed"):
+    with pytest.raises(ManifestError, match=r"^the manifest has no format_version$"):  # it said "None is not 1"
+        Manifest.from_json(json.dumps({k: v for k, v in body.items() if k != "format_version"}))
+    with pytest.raises(ManifestError, match="format_version 0 is not 1"):
+        Manifest.from_json(json.dumps({**body, "format_version": 0}))
+    with pytest.raises(ManifestError, match=r"^malformed manifest: it has no 'spec'$"):
         Manifest.from_json(json.dumps({k: v for k, v in body.items() if k != "spec"}))
     with pytest.raises(ManifestError, match="layer sizes"):
         Manifest.from_json(json.dumps({**body, "layer_bytes": [1]}))
-    with pytest.raises(ManifestError, match="malformed"):
+    # reprs such as JSONDecodeError('Expecting ...') and ValueError("'int3' is not a valid WeightFormat") are gone
+    with pytest.raises(ManifestError, match=r"^malformed manifest: not JSON \(Expecting ',' delimiter"):
         Manifest.from_json("[1, 2")
+    with pytest.raises(ManifestError, match=r"^malformed manifest: 'int3' is not a valid WeightFormat$"):
+        Manifest.from_json(json.dumps({**body, "weight_format": "int3"}))
 
 
 def test_a_manifest_whose_planning_sizes_are_not_its_files_is_refused() -> None:
@@ -106,6 +116,10 @@ def test_load_and_verify(tmp_path: Path) -> None:
         with pytest.raises(ManifestError, match=f"^{re.escape(str(tmp_path / 'manifest.json'))}: .*export the model "
                                                 "again"):
             load_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({**json.loads(manifest().to_json()), "format_version": 2}))
+    with pytest.raises(NewerManifestError, match=f"^{re.escape(str(tmp_path / 'manifest.json'))}: the export was made "
+                                                 r"by a newer deskfleet .*again with this one$"):
+        load_manifest(tmp_path)
     (tmp_path / "manifest.json").write_bytes(b"\xff{}")
     with pytest.raises(ManifestError, match=r"manifest\.json is not UTF-8 text"):
         load_manifest(tmp_path)
@@ -114,7 +128,8 @@ def test_load_and_verify(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text(m.to_json())
     assert load_manifest(tmp_path) == m
     verify_files(tmp_path, m, ["a.bin"])
-    with pytest.raises(ManifestError, match="missing"):
+    with pytest.raises(ManifestError, match=r"b\.bin is missing, though the export's manifest.json names it: the "
+                                            r"export is incomplete \(export the model again, or copy the file back"):
         verify_files(tmp_path, m, ["b.bin"])
     with pytest.raises(ManifestError, match="not listed"):
         verify_files(tmp_path, m, ["c.bin"])
