@@ -205,13 +205,23 @@ def check_room(tokenizer: ModelTokenizer, system: list[ChatMessage], max_new_tok
                option: str = "--max-new-tokens") -> None:
     """Raise GenerationError, naming `option` (the reply's length, as the command calls it), when not even a
     one-token message could get a reply."""
-    from .tokenizer import ChatMessage, check_utf8
+    from .tokenizer import ChatMessage, ChatTemplateError, check_utf8
 
     if max_new_tokens < 1:
         raise GenerationError(f"{option} must be at least 1, got {max_new_tokens}")
     if system:
         check_utf8(system[0].content, "--system")
-    template = len(tokenizer.encode_chat([*system, ChatMessage("user", "")]))  # the template's own tokens
+    try:
+        template = len(tokenizer.encode_chat([*system, ChatMessage("user", "")]))  # the template's own tokens
+    except ChatTemplateError as error:
+        if not system:
+            raise
+        try:  # the first turns do not even render: a template refusing --system ("roles must alternate")?
+            tokenizer.render_chat([ChatMessage("user", "")])
+        except ChatTemplateError:
+            raise error from None
+        raise ChatTemplateError(f"{error} (it takes the conversation without --system: this template takes no "
+                                "system turn; leave out --system, or put it in your first message)") from None
     if template + 1 + max_new_tokens <= max_context:
         return
     largest = max_context - template - 1  # the reply length that leaves room for a one-token message

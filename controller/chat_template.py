@@ -43,6 +43,11 @@ class ChatTemplateError(ValueError):
     """The model has no usable chat template, or the template failed or refused the conversation."""
 
 
+class ChatTemplateRefusal(ChatTemplateError):
+    """The template refused the conversation with its own words (its raise_exception, e.g. "roles must
+    alternate"): a message for the user about the conversation, not a fault of the template file."""
+
+
 def render_isolated(template: str, conversations: list[dict[str, Any]]) -> list[str]:
     """Each conversation's `template.render(**conversation)`, rendered in child processes (one per batch)."""
     return [text for batch in _batches(conversations) for text in _render_in_child(template, batch)]
@@ -117,7 +122,7 @@ class TemplateRenderer:
         if answer.get("ended"):  # the child answered and left (a MemoryError leaves it unsure of its state)
             self.close()
         if "error" in answer:
-            raise ChatTemplateError(str(answer["error"]))
+            raise _error_of(answer)
         return [str(text) for text in answer["texts"]]
 
     def _started(self) -> subprocess.Popen[str]:
@@ -192,8 +197,13 @@ def _render_in_child(template: str, conversations: list[dict[str, Any]]) -> list
                                 f"{RENDER_MEMORY_BYTES >> 30} GiB): {done.stderr.strip()[-300:] or done.returncode}"
                                 ) from None
     if "error" in answer:
-        raise ChatTemplateError(str(answer["error"]))
+        raise _error_of(answer)
     return [str(text) for text in answer["texts"]]
+
+
+def _error_of(answer: dict[str, Any]) -> ChatTemplateError:
+    """The error a child's answer carries, a refusal as such."""
+    return (ChatTemplateRefusal if answer.get("refused") else ChatTemplateError)(str(answer["error"]))
 
 
 # The child's side
@@ -222,7 +232,7 @@ def _render_all(template: str, conversations: list[dict[str, Any]]) -> list[str]
                 chunks.append(chunk)
             texts.append("".join(chunks))
     except TemplateRaised as error:  # the template's own refusal, e.g. roles that do not alternate
-        raise ChatTemplateError(str(error)) from None
+        raise ChatTemplateRefusal(f"the chat template refused the conversation: {error}") from None
     except (TemplateError, ArithmeticError, TypeError, ValueError, LookupError, AttributeError,
             RecursionError) as error:  # a MemoryError goes up to main(): the cap, said as such
         if isinstance(error, ChatTemplateError):
@@ -257,7 +267,7 @@ def _answer(request_text: str) -> dict[str, Any]:
     try:
         return {"texts": _render_all(request["template"], request["conversations"])}
     except ChatTemplateError as error:
-        return {"error": str(error)}
+        return {"error": str(error), "refused": isinstance(error, ChatTemplateRefusal)}
     except MemoryError:  # the child ends after answering: what the failed allocations left is not to be trusted
         return {"error": f"the chat template needed more than {RENDER_MEMORY_BYTES >> 30} GiB to render", "ended": True}
 

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 from deskfleet.common.json_file import JsonFileError, read_json_object
 from deskfleet.common.model_spec import incomplete_export, load_manifest, model_file, verify_files
 
-from .chat_template import ChatTemplateError, TemplateRenderer, render_isolated
+from .chat_template import ChatTemplateError, ChatTemplateRefusal, TemplateRenderer, render_isolated
 
 __all__ = ["ChatMessage", "ChatTemplateError", "ModelTokenizer", "NotUtf8Error", "RenderedChat", "check_utf8"]
 
@@ -87,6 +87,8 @@ class ModelTokenizer:
                                               else _configured_template(config.get("chat_template"), config_path))
         except UnicodeDecodeError as error:
             raise ChatTemplateError(f"{template_path} is not UTF-8 text: {error}") from None
+        # what errors name the template by: its file, or the tokenizer config that holds it
+        self._template_source = str(template_path) if template_path.is_file() else f"chat_template of {config_path}"
         # an export whose manifest names the template file that is gone: damaged, not a model without a template
         self._lost_template = template_path if self.chat_template is None and not template_path.exists() \
             and _manifest_names(model_dir, template_path.name) else None
@@ -142,10 +144,15 @@ class ModelTokenizer:
         typed = self._special_text is not None and any(self._special_text.search(text) for text in contents)
         base = _stand_in_base(len(self._specials), [self.chat_template, *contents]) if typed else None
         render = self.renderer.render if self.renderer is not None else render_isolated
-        texts = render(self.chat_template, [
-            {"messages": [{"role": m.role, "content": self._stand_ins(m.content, base)} for m in messages],
-             "add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token or "",
-             "eos_token": self.eos_token or ""} for messages in conversations])
+        try:
+            texts = render(self.chat_template, [
+                {"messages": [{"role": m.role, "content": self._stand_ins(m.content, base)} for m in messages],
+                 "add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token or "",
+                 "eos_token": self.eos_token or ""} for messages in conversations])
+        except ChatTemplateRefusal:  # the template's words about the conversation: no file to fix
+            raise
+        except ChatTemplateError as error:  # which file to fix: "TemplateSyntaxError: ..." alone named none
+            raise ChatTemplateError(f"{self._template_source}: {error}") from None
         return [self._restored(text, base) for text in texts]
 
     def end_of_turn_ids(self) -> frozenset[int]:

@@ -455,9 +455,10 @@ def test_a_message_the_chat_template_refuses_keeps_the_conversation(tmp_path: Pa
     assert run_chat(options, lines, out, notes=notes) == 2
     assert out.getvalue() == plain.getvalue()
     assert notes_but_cuts(notes).splitlines() == [
-        "[this template refuses boom: not sent; the conversation is unchanged]",
-        f"[the chat template renders more than {MAX_RENDERED_CHARS} characters: not sent; the conversation is "
-        "unchanged]"]
+        "[the chat template refused the conversation: this template refuses boom: not sent; the conversation is "
+        "unchanged]",
+        f"[{model / 'chat_template.jinja'}: the chat template renders more than {MAX_RENDERED_CHARS} characters: not "
+        "sent; the conversation is unchanged]"]
 
 
 def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(tmp_path: Path, tiny_export: Path,
@@ -696,3 +697,25 @@ def test_an_empty_system_prompt_is_refused(tiny_export: Path, capsys: pytest.Cap
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
     assert main(["chat", "--model", str(tiny_export), "--system", system]) == 2
     assert "deskfleet: error: --system is empty or blank (an unset variable?)" in capsys.readouterr().err
+
+
+def test_a_template_that_takes_no_system_turn_says_so_when_given_system(
+        tmp_path: Path, tiny_export: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # it said "deskfleet: error: roles must alternate", naming neither the template nor --system
+    import sys
+
+    model = _chat_model(tmp_path, tiny_export)
+    (model / "chat_template.jinja").write_text(
+        "{% if messages[0].role == 'system' %}{{ raise_exception('roles must alternate') }}{% endif %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--model", str(model), "--system", "be brief"]) == 2
+    err = capsys.readouterr().err
+    assert ("deskfleet: error: the chat template refused the conversation: roles "
+            "must alternate (it takes the conversation without --system: this template takes no system turn; leave "
+            "out --system, or put it in your first message)") in err
+    (model / "chat_template.jinja").write_text("{{ raise_exception('no chat here') }}")  # refuses every conversation
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--model", str(model), "--system", "be brief"]) == 2
+    err = capsys.readouterr().err
+    assert "refused the conversation: no chat here" in err and "--system" not in err

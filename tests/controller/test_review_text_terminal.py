@@ -127,7 +127,8 @@ def test_a_note_on_a_terminal_shows_the_templates_escapes(tmp_path: Path, tiny_e
     notes = Terminal()
     assert run_chat(ChatOptions(model=model, max_new_tokens=2), io.StringIO("boom\n"), io.StringIO(),
                     notes=notes) == 0
-    assert notes.getvalue() == "[no\\x1b]0;owned\\x07: not sent; the conversation is unchanged]\n"
+    assert notes.getvalue() == ("[the chat template refused the conversation: no\\x1b]0;owned\\x07: not sent; the "
+                                "conversation is unchanged]\n")
 
 
 def test_a_reply_stopped_by_ctrl_c_stays_in_the_history_as_it_was_shown(

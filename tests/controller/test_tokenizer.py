@@ -71,7 +71,9 @@ def test_a_model_folder_cannot_link_its_tokenizer_files_to_files_elsewhere(tiny_
 
 @pytest.mark.parametrize(("template", "message"), [
     ("{{ 1/0 }}", "ZeroDivisionError"), ("{{ 1 + 'a' }}", "TypeError"), ("{% include 'x' %}", "no loader"),
-    ("{{ raise_exception('roles must alternate') }}", "roles must alternate"),
+    ("{{ raise_exception('roles must alternate') }}", "the chat template refused the conversation: roles must "
+                                                      "alternate"),
+    ("{{ broken", "the chat template failed: TemplateSyntaxError"),
     ("{% for i in range(100000) %}{% for j in range(100000) %}xxxx{% endfor %}{% endfor %}", "renders more than"),
     ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
     # what fills the memory before anything is written: refused by the child's memory cap
@@ -89,7 +91,9 @@ def test_a_chat_template_from_elsewhere_fails_by_name_not_by_traceback_or_memory
         monkeypatch.setattr(chat_template, "RENDER_TIMEOUT_S", 120.0)
     (tmp_path / "tokenizer.json").write_bytes((tiny_export / "tokenizer.json").read_bytes())
     (tmp_path / "chat_template.jinja").write_text(template)
-    with pytest.raises(ChatTemplateError, match=re.escape(message)):
+    # the file to fix comes first ("TemplateSyntaxError: ..." alone named none), but for the template's own words
+    source = "" if "refused" in message else re.escape(f"{tmp_path / 'chat_template.jinja'}: ") + ".*"
+    with pytest.raises(ChatTemplateError, match=f"^{source}" + re.escape(message)):
         ModelTokenizer(tmp_path).render_chat([ChatMessage("user", "hi")])
 
 
