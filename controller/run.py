@@ -90,6 +90,18 @@ def read_prompts_file(path: Path, option: str = "--prompts-file") -> list[str]:
     return [text for _, text in read_numbered_prompts(path, option)]
 
 
+def _looks_utf16(head: bytes) -> bool:
+    """Whether text without a byte order mark is UTF-16: a NUL at every other byte of the start, as ASCII text
+    encoded so has (at least 90% of one parity's bytes NUL, the other's none)."""
+    even, odd = head[0::2], head[1::2]
+    if len(odd) < 2:
+        return False
+    for nuls, others in ((even, odd), (odd, even)):
+        if nuls.count(0) >= 0.9 * len(nuls) and 0 not in others:
+            return True
+    return False
+
+
 def read_numbered_prompts(path: Path, option: str = "--prompts-file") -> list[tuple[int, str]]:
     """read_prompts_file's prompts, each with the number of its line in the file (the first is 1). The path `-`
     reads standard input."""
@@ -99,9 +111,12 @@ def read_numbered_prompts(path: Path, option: str = "--prompts-file") -> list[tu
         data = sys.stdin.buffer.read() if str(path) == STDIN_PATH else Path(path).read_bytes()
     except OSError as error:
         raise ValueError(f"{option} {path}: {error.strerror or error}") from None
-    if data.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in data[:4096]:
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")) or _looks_utf16(data[:4096]):
         # UTF-16 (PowerShell 5's `>` writes it): without a BOM it decodes as UTF-8 with a NUL every other byte
-        raise ValueError(f"{option} {path} is UTF-16 text (or holds NUL bytes), not UTF-8: save the file as UTF-8")
+        raise ValueError(f"{option} {path} is UTF-16 text, not UTF-8: save the file as UTF-8")
+    if (nul := data.find(0)) >= 0:  # a binary file: called UTF-16 (as any NUL was), it got the wrong fix
+        raise ValueError(f"{option} {path} holds NUL bytes at byte {nul}: it is not a text file (a binary file given "
+                         "by mistake?)")
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as error:

@@ -30,13 +30,25 @@ def test_a_prompts_file_line_that_is_not_utf8_is_named(tiny_export: Path, tmp_pa
 @pytest.mark.parametrize("content", [
     "def f():\nimport os\n".encode("utf-16"),  # with its BOM, as PowerShell 5's `>` writes it
     "def f():\n".encode("utf-16-be"),  # no BOM: it decoded as UTF-8 with a NUL every other byte, a garbled prompt
+    "def f():\n".encode("utf-16-le"),
 ])
 def test_a_utf16_prompts_file_is_named_as_such(tiny_export: Path, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str], content: bytes) -> None:
     path = tmp_path / "prompts.txt"
     path.write_bytes(content)
     assert main(["generate", "--model", str(tiny_export), "--prompts-file", str(path)]) == 2
-    assert f"--prompts-file {path} is UTF-16 text (or holds NUL bytes), not UTF-8" in capsys.readouterr().err
+    assert f"--prompts-file {path} is UTF-16 text, not UTF-8: save the file as UTF-8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [bytes(range(256)) * 8, b"def f():\n    return 1\x00\n"])
+def test_a_binary_prompts_file_is_not_called_utf16(tiny_export: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str], content: bytes) -> None:
+    # random bytes were "UTF-16 text (or holds NUL bytes)": the fix it gave, saving as UTF-8, was not the one
+    path = tmp_path / "prompts.bin"
+    path.write_bytes(content)
+    assert main(["generate", "--model", str(tiny_export), "--prompts-file", str(path)]) == 2
+    assert (f"--prompts-file {path} holds NUL bytes at byte {content.index(0)}: it is not a text file (a binary file "
+            "given by mistake?)") in capsys.readouterr().err
 
 
 def test_an_empty_prompt_is_refused_naming_it(tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
