@@ -381,6 +381,23 @@ def _add_fleet_bench_command(benches: argparse._SubParsersAction[argparse.Argume
     add_fleet_bench_command(benches)
 
 
+def _end_interrupted_line(interrupted: KeyboardInterrupt, as_json: bool) -> None:
+    """End the line a Ctrl-C left: the streamed text's (mid-line), as a finished run does, and the terminal's, where
+    it echoed ^C, so that the shell's prompt starts on its own. --json has written nothing to stdout, where nothing
+    but the report may go (not a stray line where a JSON object is expected): the terminal's line ends on stderr.
+    Nothing is written where nobody sees a ^C: stdout to a file or pipe that got no text began with a blank line
+    (several prompts) or held nothing but one (a Ctrl-C before the first token)."""
+    from deskfleet.controller.run import GenerationInterrupted
+    from deskfleet.controller.text_printer import is_terminal
+
+    streamed = isinstance(interrupted, GenerationInterrupted) and interrupted.streamed
+    text = str(interrupted.report.get("text", "")) if streamed else ""
+    if not as_json and ((text and not text.endswith("\n")) or is_terminal(sys.stdout)):
+        _end_line(sys.stdout)
+    elif is_terminal(sys.stderr):
+        _end_line(sys.stderr)
+
+
 def _end_line(stream: TextIO) -> None:
     try:
         stream.write("\n")
@@ -507,10 +524,7 @@ def _generate(args: argparse.Namespace) -> int:
         else:
             report = run_generate(options, stream_text=not args.json)
     except KeyboardInterrupt as interrupted:
-        # The text stops mid-line, where the terminal echoes ^C: end that line, as a finished run does, so
-        # the shell's prompt starts on its own. --json has written nothing to stdout: nothing but the report may
-        # go there (not a stray line where a JSON object is expected), so there the line ends on stderr.
-        _end_line(sys.stderr if args.json else sys.stdout)
+        _end_interrupted_line(interrupted, args.json)
         if isinstance(interrupted, GenerationInterrupted):  # the streams had begun: what they made is kept
             _print_interrupted(interrupted, args)
         raise

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -354,7 +355,24 @@ def test_ctrl_c_under_json_keeps_stdout_empty(tiny_export: Path, capsys: pytest.
 
     monkeypatch.setattr(run_module, "LocalPipeline", ctrl_c_while_compiling)
     code, out, err = run(capsys, "generate", "--model", str(tiny_export), "--prompt", "x", "--json")
-    assert (code, out, err) == (130, "", "\n")
+    assert (code, out, err) == (130, "", "")  # no terminal echoed ^C: no line to end
+
+
+def test_ctrl_c_before_any_text_writes_no_stray_line_where_no_terminal_shows_it(
+        tiny_export: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # stdout to a file held a lone "\n" after a Ctrl-C before the first token; on a terminal it ends the ^C line
+    import deskfleet.controller.run as run_module
+    from deskfleet.controller import text_printer
+
+    def ctrl_c_while_compiling(*args: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "LocalPipeline", ctrl_c_while_compiling)
+    assert run(capsys, "generate", "--model", str(tiny_export), "--prompt", "x") == (130, "", "")
+    monkeypatch.setattr(text_printer, "is_terminal", lambda out: out is sys.stdout)
+    assert run(capsys, "generate", "--model", str(tiny_export), "--prompt", "x") == (130, "\n", "")
+    monkeypatch.setattr(text_printer, "is_terminal", lambda out: out is sys.stderr)
+    assert run(capsys, "generate", "--model", str(tiny_export), "--prompt", "x", "--json") == (130, "", "\n")
 
 
 def test_ctrl_c_while_the_commands_load_exits_130_without_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -462,9 +480,10 @@ def test_ctrl_c_with_several_prompts_keeps_what_the_streams_made(
         made = [stream["tokens"] for stream in report["streams"]]
         for tokens, full in zip(made, whole, strict=True):
             assert 0 < len(tokens) < 12 and tokens == full[:len(tokens)]
-        assert err.startswith("\ndeskfleet: interrupted (0 of 2 stream(s) had finished; ")
+        assert err.startswith("deskfleet: interrupted (0 of 2 stream(s) had finished; ")
         assert err.endswith(" tokens in all, in the JSON on standard output)\n")
     else:
+        assert out.startswith("--- --prompt #1\n")  # not after a blank line
         assert [line for line in out.splitlines() if line.startswith("--- ")] == ["--- --prompt #1", "--- --prompt #2"]
         assert err.startswith("deskfleet: interrupted (0 of 2 stream(s) had finished; ") and err.endswith("above)\n")
 
