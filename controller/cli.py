@@ -390,8 +390,8 @@ def _end_interrupted_line(interrupted: KeyboardInterrupt, as_json: bool) -> None
     from deskfleet.controller.run import GenerationInterrupted
     from deskfleet.controller.text_printer import is_terminal
 
-    streamed = isinstance(interrupted, GenerationInterrupted) and interrupted.streamed
-    text = str(interrupted.report.get("text", "")) if streamed else ""
+    text = str(interrupted.report.get("text", "")) \
+        if isinstance(interrupted, GenerationInterrupted) and interrupted.streamed else ""
     if not as_json and ((text and not text.endswith("\n")) or is_terminal(sys.stdout)):
         _end_line(sys.stdout)
     elif is_terminal(sys.stderr):
