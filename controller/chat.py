@@ -143,9 +143,12 @@ def check_fleet_options(args: argparse.Namespace) -> None:
         compiled_here = sorted(option for option in getattr(args, "given", ())
                                if option in ("--precision", "--kv-cache", "--device", "--threads"))
         if compiled_here and args.draft is None:  # they compile only a draft model, on this PC
+            deployed = [option for option in compiled_here if option != "--threads"]
+            how = ", ".join(
+                ([f"as the model was deployed (`deskfleet fleet deploy {' '.join(deployed)}`)"] if deployed else [])
+                + (["each with its device's own thread count"] if "--threads" in compiled_here else []))
             raise ValueError(f"{', '.join(compiled_here)} with --fleet and no --draft: the PCs compile their stages "
-                             "as the model was deployed (`deskfleet fleet deploy --precision/--kv-cache/--device`); "
-                             "leave them out")
+                             f"{how}; leave {'it' if len(compiled_here) == 1 else 'them'} out")
         return
     for name, option in (("data_dir", "--data-dir"), ("max_failovers", "--max-failovers"),
                          ("discover_seconds", "--discover-seconds")):

@@ -33,9 +33,13 @@ CHAT = ["chat", "--model", "m"]
     ([*GENERATE, "--discover-seconds", "0"], "--discover-seconds without --fleet"),
     ([*CHAT, "--discover-seconds", "3"], "--discover-seconds without --fleet"),
     # without --draft they would compile nothing: the PCs compile as the model was deployed
-    ([*GENERATE, "--fleet", "--precision", "f32"], "--precision with --fleet and no --draft"),
+    ([*GENERATE, "--fleet", "--precision", "f32"], "--precision with --fleet and no --draft: the PCs compile their "
+     "stages as the model was deployed (`deskfleet fleet deploy --precision`); leave it out"),
     ([*GENERATE, "--fleet", "--prompt-lookup", "--device", "GPU", "--threads", "2"],
-     "--device, --threads with --fleet and no --draft"),
+     "--device, --threads with --fleet and no --draft: the PCs compile their stages as the model was deployed "
+     "(`deskfleet fleet deploy --device`), each with its device's own thread count; leave them out"),
+    ([*CHAT, "--fleet", "--threads", "2"], "--threads with --fleet and no --draft: the PCs compile their stages each "
+     "with its device's own thread count; leave it out"),  # fleet deploy has no --threads: it named it there
     ([*CHAT, "--fleet", "--kv-cache", "f32"], "--kv-cache with --fleet and no --draft"),
     ([*GENERATE, "--fleet", "--precision", "fast"], "--precision with --fleet and no --draft"),  # even the default
 ])
