@@ -185,10 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-ids", action="append", help="comma-separated token ids, e.g. 1,2,3; repeatable")
     generate.add_argument("--chat", action="store_true",
                           help="wrap each text prompt in the model's chat template (not with --prompt-ids)")
-    generate.add_argument("--max-new-tokens", type=positive_int, default=64)
+    generate.add_argument("--max-new-tokens", type=positive_int, default=64, help="each stream's limit (default 64)")
     generate.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     add_decoding_options(generate)
-    generate.add_argument("--max-rows", type=positive_int, default=8, help="streams per micro-batch")
+    generate.add_argument("--max-rows", type=positive_int, default=8, help="streams per micro-batch (default 8)")
     generate.add_argument("--micro-batches", type=positive_int, default=None,
                           help="micro-batches in flight (default: the number of stages)")
     _add_compile_options(generate)
@@ -418,11 +418,12 @@ class _Given(argparse.Action):
 
 def _add_compile_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=["f32", "fast"], default="fast", action=_Given,
-                        help="f32: exact (f32 compute and KV cache); fast: on a CPU f32 compute with int8 "
-                             "dynamic quantization and a u8 KV cache, elsewhere the device's default")
-    parser.add_argument("--device", default="CPU", action=_Given, help="OpenVINO device: CPU, GPU, NPU, AUTO")
+                        help="f32: exact (f32 compute and KV cache); fast (the default): on a CPU f32 compute "
+                             "with int8 dynamic quantization and a u8 KV cache, elsewhere the device's default")
+    parser.add_argument("--device", default="CPU", action=_Given,
+                        help="OpenVINO device: CPU (the default), GPU, NPU, AUTO, or a list such as AUTO:GPU,CPU")
     parser.add_argument("--threads", type=thread_count, default=None, action=_Given,
-                        help=f"inference threads per stage (1 to {MAX_THREADS})")
+                        help=f"inference threads per stage (1 to {MAX_THREADS}; default: the device's own choice)")
     parser.set_defaults(runs_models=True)
     parser.add_argument("--kv-cache", choices=KV_CACHE_PRECISIONS, default=None, action=_Given,
                         help="KV cache precision (default: f32 under --precision f32; under fast the device's "

@@ -128,9 +128,13 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     # from a default of 8.
     k.add_argument("--k-max", type=draft_count(1), default=None,
                    help=f"upper bound of adaptive K, at most {MAX_K} (default {DEFAULT_K_MAX})")
-    parser.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy; at most {MAX_TEMPERATURE:g}")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help=f"0 = greedy (the default); above 0 samples, at most {MAX_TEMPERATURE:g}")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="sample among the K likeliest tokens only (default 0: all); needs --temperature")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample among the likeliest tokens whose probabilities add up to P, in (0, 1] (default "
+                             "1: all); needs --temperature")
     parser.add_argument("--seed", type=non_negative_int, default=None,
                         help="stream (or reply) i samples with seed + i (default: one drawn at random, which "
                              "--json reports)")

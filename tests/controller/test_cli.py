@@ -637,3 +637,16 @@ def test_a_ctrl_c_while_the_report_is_written_leaves_it_whole(
         assert main(argv) == 130 and out.sent
         report = json.loads(out.getvalue())
         assert len(report["streams"]) == 2 and ("stopped" in report) == ctrl_c_first
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_every_option_of_generate_and_chat_says_what_it_does(command: str) -> None:
+    # --max-new-tokens, --top-k and --top-p had no help, so `--help` hid their defaults (64, 0 and 1)
+    import argparse
+
+    from deskfleet.controller.cli import build_parser
+
+    subcommands = next(action for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction))
+    silent = [action.option_strings[0] for action in subcommands.choices[command]._actions
+              if action.option_strings and action.help in (None, "")]
+    assert silent == []
