@@ -261,5 +261,13 @@ def open_drafter(draft: Path | None, prompt_lookup: bool, settings: CompileSetti
             return PromptLookupDraft(min_ngram=FLEET_MIN_NGRAM if over_fleet else DEFAULT_MIN_NGRAM)
         from .lookup_first import LookupFirstDraft
 
-        return LookupFirstDraft(DraftModel(draft, settings))
-    return DraftModel(draft, settings) if draft is not None else None
+        return LookupFirstDraft(_draft_model(draft, settings))
+    return _draft_model(draft, settings) if draft is not None else None
+
+
+def _draft_model(draft: Path, settings: CompileSettings | None) -> DraftModel:
+    """DraftModel(draft, settings), a damaged file (a truncated .bin) named as the draft's, as its manifest is."""
+    try:
+        return DraftModel(draft, settings)
+    except ManifestError as error:
+        raise ManifestError(f"--draft: {error}") from None

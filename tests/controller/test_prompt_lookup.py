@@ -103,3 +103,16 @@ def test_a_draft_folder_that_is_no_export_is_named_as_the_draft(tmp_path: Path) 
         open_drafter(tmp_path / "nowhere", False)
     with pytest.raises(ManifestError, match=r"^--draft: .*it is not a deskfleet export"):
         open_drafter(tmp_path, True)
+
+
+@pytest.mark.parametrize("prompt_lookup", [False, True])
+def test_a_damaged_draft_file_is_named_as_the_draft(tmp_path: Path, other_draft: Path, prompt_lookup: bool) -> None:
+    # a truncated draft .bin said "... has N bytes, the manifest says M" without the --draft: its manifest has
+    import shutil
+
+    draft = tmp_path / "draft"
+    shutil.copytree(other_draft, draft)
+    with (draft / "layer_000.bin").open("r+b") as layer:
+        layer.truncate(10)
+    with pytest.raises(ManifestError, match=r"^--draft: .*layer_000\.bin has 10 bytes"):
+        open_drafter(draft, prompt_lookup)
