@@ -144,8 +144,10 @@ def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> C
         intermediate_size=int(hf_config.intermediate_size),
         vocab_size=int(hf_config.vocab_size),
         max_context=context,
-        bos_token_id=getattr(hf_config, "bos_token_id", None),
-        eos_token_ids=_eos_token_ids(model_dir, hf_config),
+        # the checkpoint's own ids, never transformers' class defaults (LlamaConfig's bos 1 and eos 2 were exported
+        # for a config without them, and the warning below never came: a Llama 3 would stop on the wrong token)
+        bos_token_id=_token_id(raw.get("bos_token_id")),
+        eos_token_ids=_eos_token_ids(model_dir, raw),
         rope_type=rope_type,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
     )
@@ -210,10 +212,16 @@ def _check_rope_and_norm(hf_config: object, rope_type: str) -> None:
             raise UnsupportedModelError(f"config field {name}={value!r} must be {bound}")
 
 
-def _eos_token_ids(model_dir: Path, hf_config: object) -> tuple[int, ...]:
+def _token_id(value: object) -> int | None:
+    """A config's token id, None where it gives none (a JSON true is an int to Python, but no token id)."""
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _eos_token_ids(model_dir: Path, raw: dict[str, object]) -> tuple[int, ...]:
+    """The eos ids of generation_config.json, then those of config.json (`raw`, as written)."""
     ids: list[int] = []
     generation_path = model_dir / "generation_config.json"
-    sources: list[object] = [getattr(hf_config, "eos_token_id", None)]
+    sources: list[object] = [raw.get("eos_token_id")]
     if generation_path.is_file():
         sources.insert(0, _read_json_object(generation_path).get("eos_token_id"))
     for source in sources:

@@ -516,3 +516,10 @@ def test_a_config_that_leaves_out_the_context_or_eos_or_layers_is_warned_of(
     warnings.clear()
     read_checkpoint_config(checkpoint, max_context=64)  # a context chosen: nothing to warn of there
     assert not any("max_position_embeddings" in text for text in warnings)
+    # no eos_token_id (or bos) key at all: LlamaConfig's defaults (eos 2, bos 1) were exported, with no warning
+    del config["eos_token_id"], config["bos_token_id"]
+    config_path.write_text(json.dumps(config))
+    warnings.clear()
+    spec = read_checkpoint_config(checkpoint).spec
+    assert spec.eos_token_ids == () and spec.bos_token_id is None
+    assert any("gives an eos_token_id" in text for text in warnings)
