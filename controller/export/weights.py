@@ -102,7 +102,8 @@ class CheckpointWeights:
             elif (shape := self.shape(name)) != expected:
                 problems.append(f"{name} has shape {list(shape)} where the config gives {list(expected)}")
             elif (dtype := self.dtype(name)) not in FLOAT_DTYPES:
-                problems.append(f"{name} is {dtype} (quantized or not a weight; f16, bf16, f32 or f64 export)")
+                problems.append(f"{name} is {dtype}: only f16, bf16, f32 and f64 tensors can be exported (a "
+                                f"quantized checkpoint? export from the unquantized one)")
         embedding, head = "model.embed_tokens.weight", "lm_head.weight"
         tied_but_stored = config.spec.tie_word_embeddings and head in self
         if not problems and tied_but_stored and not self._same_values(embedding, head):

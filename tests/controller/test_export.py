@@ -199,7 +199,7 @@ def no_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
     (lambda t: t.update({"model.embed_tokens.weight": np.zeros((600, 64), np.float32)}),
      r"model.embed_tokens.weight has shape \[600, 64\] where the config gives \[512, 64\]"),
     (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": np.zeros((128, 64), np.int8)}),
-     "model.layers.0.mlp.up_proj.weight is I8"),
+     "model.layers.0.mlp.up_proj.weight is I8: only f16, bf16, f32 and f64 tensors can be exported"),
 ])
 def test_weights_that_do_not_match_the_config_are_refused_before_any_work(
         checkpoint_factory: Callable[..., Path], tmp_path: Path, no_conversion: None,
@@ -465,7 +465,7 @@ def test_a_rope_table_that_is_not_finite_is_refused(checkpoint_factory: Callable
         hf_config.rope_parameters["rope_theta"] = 0.0
     hf_config.rope_theta = 0.0
     with pytest.raises(UnsupportedModelError, match=r"the RoPE cos table .* holds values that are not finite "
-                                                    r"\(\d+ of \d+\)"):
+                                                    r"\(\d+ of \d+\): check config.json's rope_theta \(0.0\)"):
         rope_tables(config)
 
 
