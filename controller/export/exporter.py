@@ -106,7 +106,7 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
         remove_stale_folders(out_dir)
         made = missing_parents(out_dir)  # `-o new/a/b/out`: an export that fails leaves no empty new/a/b
         try:
-            staging = make_staging_folder(out_dir)
+            staging = make_staging_folder(out_dir, overwrite)
         except ExportError:
             remove_empty_folders(made)
             raise

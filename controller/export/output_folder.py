@@ -6,10 +6,11 @@ What it guarantees:
 - SIGTERM and SIGHUP remove that folder before they end the process (only where their handling is the
   default: a program's own handler, or the SIG_IGN that nohup sets for SIGHUP, is left as it is); the process
   then ends as it would have.
-- What exports that were killed (SIGKILL, a power cut) left beside `out_dir` goes with the next export to it:
-  only a dead process's (by the PID in the name), and only a staging folder nobody holds the lock of. A
-  finished export that was kept, and an old export whose replacement never arrived, are the user's: named in
-  a warning, never removed.
+- What exports that were killed (SIGKILL, a power cut) left unfinished beside `out_dir` goes with the next
+  export to it: only a dead process's (by the PID in the name), and only a staging folder nobody holds the lock
+  of. A finished export that was kept, and an old export a killed `--overwrite` had moved aside (whether or not
+  its replacement arrived), are the user's: named in a warning by every export to `out_dir`, never removed.
+  An export removes only the old export it moved aside itself, once its own is in place.
 - An output folder whose replacement would delete the checkpoint, a symbolic link, or anything not a folder
   is refused. An existing `out_dir` is replaced only with `overwrite` and only when it is empty or a deskfleet
   export holding nothing its manifest does not list, checked again at the end; what is moved aside is checked
@@ -116,11 +117,23 @@ def remove_empty_folders(folders: list[Path]) -> None:
             return
 
 
-def make_staging_folder(out_dir: Path) -> Path:
-    """Make the hidden folder beside `out_dir` that this process writes the export into."""
+def set_aside_folder(out_dir: Path) -> Path:
+    """Where this process moves the old export at `out_dir` aside with --overwrite, until its own is in place."""
+    return out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+
+
+def make_staging_folder(out_dir: Path, overwrite: bool = False) -> Path:
+    """Make the hidden folder beside `out_dir` that this process writes the export into; with `overwrite`, first
+    make sure the name the old export is moved aside to at the end is free."""
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     if os.path.lexists(staging):  # a finished export kept by an earlier call in this process
         raise ExportError(f"{staging} is in the way (an earlier export to {out_dir}): move or remove it")
+    set_aside = set_aside_folder(out_dir)
+    if overwrite and os.path.lexists(set_aside):
+        # An earlier process of this PID, killed with --overwrite, left it (never removed: it is the user's).
+        # Moving the old export aside would fail on the name at the very end, after all the export's work.
+        raise ExportError(f"{set_aside} is in the way (what was at {out_dir} before an earlier export with "
+                          "--overwrite was killed): move it back or remove it, then export again")
     blocking = next((part for part in (out_dir.parent, *out_dir.parent.parents) if part.exists()), None)
     if blocking is not None and not blocking.is_dir():  # "[Errno 20] Not a directory" of the hidden staging folder
         raise ExportError(f"cannot write the export at {out_dir}: {blocking} is a file, not a folder")
@@ -152,8 +165,7 @@ def move_into_place(model_dir: Path, staging: Path, out_dir: Path, overwrite: bo
         check_output(model_dir, out_dir, overwrite)  # again: out_dir may have been made or filled meanwhile
     except ExportError as error:
         raise FinishedExportKept(f"{error}{kept}") from None
-    retired = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}" if overwrite and os.path.lexists(out_dir) \
-        else None
+    retired = set_aside_folder(out_dir) if overwrite and os.path.lexists(out_dir) else None
     try:
         if retired is not None:
             try:
@@ -263,19 +275,21 @@ def check_no_running_export(out_dir: Path) -> None:
 
 
 def remove_stale_folders(out_dir: Path) -> None:
-    """Remove what exports to `out_dir` that were killed (SIGKILL, a power cut) left beside it: unfinished
-    staging folders, and an old export moved aside once the new one was in place. Only a dead process's (by
-    the PID in the name), and only a staging folder nobody holds the lock of. A finished export that was kept,
-    and an old export whose replacement never arrived, are the user's: named in a warning, never removed."""
+    """Remove the unfinished staging folders that exports to `out_dir` that were killed (SIGKILL, a power cut)
+    left beside it: only a dead process's (by the PID in the name), and only one nobody holds the lock of. A
+    finished export that was kept, and an old export a killed `--overwrite` had moved aside, are the user's:
+    named in a warning, never removed."""
     for entry, kind, pid in _left_beside(out_dir):
         if _process_alive(pid):
             continue
         if kind == "old":
-            if _is_export(out_dir):  # the export that replaced it is in place
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                log.warning("%s holds what was at %s before an export with --overwrite was killed; it is left "
-                            "for you to move back or remove", entry, out_dir)
+            # Never removed here, not even once an export is in place at out_dir: the warning a run printed when
+            # it found the folder told the user it was theirs to move back or remove, and a later --overwrite
+            # deleted it without a line (an export at out_dir may be one they put back by hand, or another).
+            replaced = (f" ({out_dir} holds an export now, most likely the one that replaced it)"
+                        if _is_export(out_dir) else "")
+            log.warning("%s holds what was at %s before an export with --overwrite was killed%s; it is left for "
+                        "you to move back or remove", entry, out_dir, replaced)
         elif (entry / MANIFEST_NAME).is_file():
             log.warning("%s holds a finished export that was never moved into %s; it is left for you to move "
                         "or remove", entry, out_dir)

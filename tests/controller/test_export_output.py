@@ -380,9 +380,12 @@ def test_what_killed_exports_left_is_removed_only_when_dead_unheld_and_unfinishe
     shutil.rmtree(work / folders["live"])  # its export ended; the held one's lock went with the close
     export_checkpoint(checkpoint, work / "out", WeightFormat.F32)
     assert folders["held"] not in names(work)  # dead and no longer held: removed
+    warnings.clear()
     export_checkpoint(checkpoint, work / "out", WeightFormat.F32, overwrite=True)
-    assert folders["old"] not in names(work)  # now an export is in place at out, it is garbage
-    assert {folders[kind] for kind in ("finished", "other name")} <= set(names(work))
+    # an export is in place at out now, but the warning told the user the old one is theirs: it stays, named again
+    assert {folders[kind] for kind in ("old", "finished", "other name")} <= set(names(work))
+    assert any(f"{work / folders['old']} holds what was at {work / 'out'}" in text and "holds an export now" in text
+               for text in warnings)
 
 
 @pytest.mark.parametrize("interrupted_after", [1, 2])

@@ -3,6 +3,7 @@ appears at its folder is on disk whole."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -118,3 +119,36 @@ def test_every_file_is_on_disk_before_the_export_appears(checkpoint: Path, tmp_p
     assert {path.name for path in out.iterdir()} <= synced_before  # manifest.json included
     assert any(Path(path).name.startswith(".out.partial-") for kind, path in events[:moved])  # the folder too
     assert ("fsync", str(tmp_path)) in events[moved:]  # and the rename itself
+
+
+def test_an_old_export_a_killed_overwrite_set_aside_is_never_deleted_silently(
+        checkpoint: Path, tiny_export: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # `cp -r EXPORT o/.sw.old-99999; deskfleet export ... -o o/sw --overwrite` deleted it without a line (even
+    # under -v), though the export before had named it as the user's "to move back or remove"
+    out = tmp_path / "out"
+    shutil.copytree(tiny_export, out)
+    left = tmp_path / ".out.old-99999"  # a PID no process has: the killed export's
+    shutil.copytree(tiny_export, left)
+    (left / "layer_notes.txt").write_text("what the user kept in it")
+    for _ in range(2):  # every export to out names it again, and removes only the old export it moved aside
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
+        assert sorted(path.name for path in tmp_path.iterdir()) == [".out.old-99999", "out"]
+        assert (left / "layer_notes.txt").read_text() == "what the user kept in it"
+        warned = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+        assert any(f"{left} holds what was at {out} before an export with --overwrite was killed" in text
+                   and "left for you to move back or remove" in text for text in warned), warned
+
+
+def test_an_old_export_set_aside_under_this_process_s_number_is_in_the_way_before_any_work(
+        checkpoint: Path, tiny_export: Path, tmp_path: Path, no_conversion: None) -> None:
+    # left by an earlier process of the same PID: moving the old export aside to that name would fail at the end
+    out = tmp_path / "out"
+    shutil.copytree(tiny_export, out)
+    left = tmp_path / f".out.old-{os.getpid()}"
+    shutil.copytree(tiny_export, left)
+    with pytest.raises(ExportError, match=rf"{left} is in the way \(what was at {out} before an earlier export "
+                                          r"with --overwrite was killed\): move it back or remove it"):
+        export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [left.name, "out"]
