@@ -92,9 +92,12 @@ def check_output(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
         # --overwrite the whole export ran, on the parent's disk, and failed only then ("Device or resource busy")
         raise ExportError(f"{out_dir} is a mount point (a drive or share mounted there): an export is renamed into "
                           f"place, which cannot replace it; give a folder inside it, e.g. -o {out_dir / 'model'}")
+    # --overwrite is advised only where it would replace the folder: otherwise _check_replaceable's error says
+    # why it would not, and what to do (a folder of the user's files was told to pass --overwrite, which then
+    # refused it)
+    _check_replaceable(out_dir, out_dir)
     if not overwrite:
         raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it")
-    _check_replaceable(out_dir, out_dir)
 
 
 def missing_parents(out_dir: Path) -> list[Path]:
@@ -164,6 +167,14 @@ def move_into_place(model_dir: Path, staging: Path, out_dir: Path, overwrite: bo
     try:
         check_output(model_dir, out_dir, overwrite)  # again: out_dir may have been made or filled meanwhile
     except ExportError as error:
+        if not overwrite and os.path.lexists(out_dir):
+            # Without --overwrite an existing out_dir was refused at the start: this was made while the export
+            # ran. "pass --overwrite" is no advice here: it would run the whole export again to replace what
+            # may be the user's (and a folder holding files is refused even then).
+            raise FinishedExportKept(
+                f"{out_dir} was made while the export ran and is left as it is; the finished export is kept at "
+                f"{staging}: move what is at {out_dir} out of the way and move the export into place yourself, "
+                "or remove it") from None
         raise FinishedExportKept(f"{error}{kept}") from None
     retired = set_aside_folder(out_dir) if overwrite and os.path.lexists(out_dir) else None
     try:

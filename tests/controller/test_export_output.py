@@ -109,8 +109,11 @@ def test_a_folder_made_during_the_export_is_kept_without_overwrite(
         return manifest
 
     monkeypatch.setattr(exporter, "_export_into", user_makes_the_folder)
-    with pytest.raises(ExportError, match=f"{out} already exists; pass --overwrite to replace it") as raised:
+    with pytest.raises(ExportError, match=f"{out} was made while the export ran and is left as it is; the "
+                                          "finished export is kept at") as raised:
         export_checkpoint(checkpoint, out, WeightFormat.F32)
+    # --overwrite would run the whole export again (and refuse a folder of the user's files): not advised
+    assert "--overwrite" not in str(raised.value)
     assert names(out) == (["thesis.txt"] if holds_a_file else [])
     if holds_a_file:
         assert (out / "thesis.txt").read_text() == "my only copy"

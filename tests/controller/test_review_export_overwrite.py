@@ -152,3 +152,25 @@ def test_an_old_export_set_aside_under_this_process_s_number_is_in_the_way_befor
                                           r"with --overwrite was killed\): move it back or remove it"):
         export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
     assert sorted(path.name for path in tmp_path.iterdir()) == [left.name, "out"]
+
+
+@pytest.mark.parametrize(("holds", "says"), [
+    ("thesis.txt", r"holds files but no manifest\.json: --overwrite replaces only a deskfleet export or an empty "
+                   r"folder; remove it yourself or choose another folder"),
+    ("export+notes.txt", r"is an export, but also holds notes\.txt, .* --overwrite would delete"),
+    ("export", r"already exists; pass --overwrite to replace it"),
+    ("", r"already exists; pass --overwrite to replace it"),
+])
+def test_overwrite_is_advised_only_where_it_would_replace_the_folder(
+        checkpoint: Path, tiny_export: Path, tmp_path: Path, no_conversion: None, holds: str, says: str) -> None:
+    # "already exists; pass --overwrite to replace it" was said of a folder --overwrite then refused as well
+    out = tmp_path / "out"
+    if holds.startswith("export"):
+        old_export_with(tiny_export, out, *holds.split("+")[1:])
+    else:
+        out.mkdir()
+        if holds:
+            (out / holds).write_text("my only copy")
+    with pytest.raises(ExportError, match=says) as raised:
+        export_checkpoint(checkpoint, out, WeightFormat.F32)
+    assert ("pass --overwrite" in str(raised.value)) == (holds in ("export", ""))
