@@ -316,7 +316,7 @@ def _check_replaceable(folder: Path, shown: Path) -> None:
     if folder.is_symlink() or not folder.is_dir():
         raise ExportError(f"{shown} is not a folder any more: --overwrite replaces only a deskfleet export or an "
                           "empty folder")
-    if not any(folder.iterdir()):
+    if all(_is_litter(path) for path in folder.iterdir()):  # empty, as the README has it: litter does not count
         return
     if not (folder / MANIFEST_NAME).is_file():
         raise ExportError(f"{shown} holds files but no {MANIFEST_NAME}: --overwrite replaces only a deskfleet "
@@ -333,12 +333,18 @@ def _check_replaceable(folder: Path, shown: Path) -> None:
     # is a folder (or a link) is not the file it lists: a hand-edited manifest listing a folder had it deleted.
     unlisted = sorted(path.name for path in folder.iterdir()
                       if (path.name not in manifest.files or path.is_symlink() or not path.is_file())
-                      and path.name != MANIFEST_NAME and path.name not in FOLDER_LITTER)
+                      and path.name != MANIFEST_NAME and not _is_litter(path))
     if unlisted:
         more = f" and {len(unlisted) - UNLISTED_SHOWN} more" if len(unlisted) > UNLISTED_SHOWN else ""
         raise ExportError(f"{shown} is an export, but also holds {', '.join(unlisted[:UNLISTED_SHOWN])}{more}, which "
                           f"are not files its {MANIFEST_NAME} lists: --overwrite would delete them with the old "
                           "export; move them out first, or choose another folder")
+
+
+def _is_litter(path: Path) -> bool:
+    """Whether `path` is a file manager's litter (FOLDER_LITTER): a plain file of one of those names, not a folder
+    or link that only bears one (what is in it would be deleted with the folder)."""
+    return path.name in FOLDER_LITTER and path.is_file() and not path.is_symlink()
 
 
 def _put_back(retired: Path, out_dir: Path) -> str:

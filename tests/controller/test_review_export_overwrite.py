@@ -95,6 +95,28 @@ def test_a_file_manager_s_litter_does_not_stop_overwrite(checkpoint: Path, tiny_
     assert load_manifest(out).spec.num_layers == 1
 
 
+def test_a_folder_holding_only_a_file_manager_s_litter_is_empty(checkpoint: Path, tmp_path: Path) -> None:
+    # the README says they "do not count"; the emptiness check counted them: "holds files but no manifest.json"
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("Thumbs.db", ".DS_Store", "desktop.ini"):
+        (out / name).write_bytes(b"\0\1")
+    with pytest.raises(ExportError, match=r"already exists; pass --overwrite to replace it"):
+        export_checkpoint(checkpoint, out, WeightFormat.F32)
+    export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
+    verify_files(out, load_manifest(out))
+    assert [path.name for path in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_folder_named_as_litter_is_not_litter(checkpoint: Path, tmp_path: Path, no_conversion: None) -> None:
+    out = tmp_path / "out"
+    (out / "desktop.ini").mkdir(parents=True)
+    (out / "desktop.ini" / "thesis.tex").write_text("four years")
+    with pytest.raises(ExportError, match=r"holds files but no manifest\.json"):
+        export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
+    assert (out / "desktop.ini" / "thesis.tex").read_text() == "four years"
+
+
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names descriptors through /proc")
 def test_every_file_is_on_disk_before_the_export_appears(checkpoint: Path, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
