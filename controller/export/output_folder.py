@@ -336,9 +336,10 @@ def _check_replaceable(folder: Path, shown: Path) -> None:
                       and path.name != MANIFEST_NAME and not _is_litter(path))
     if unlisted:
         more = f" and {len(unlisted) - UNLISTED_SHOWN} more" if len(unlisted) > UNLISTED_SHOWN else ""
+        is_not, them = ("is not a file", "it") if len(unlisted) == 1 else ("are not files", "them")
         raise ExportError(f"{shown} is an export, but also holds {', '.join(unlisted[:UNLISTED_SHOWN])}{more}, which "
-                          f"are not files its {MANIFEST_NAME} lists: --overwrite would delete them with the old "
-                          "export; move them out first, or choose another folder")
+                          f"{is_not} its {MANIFEST_NAME} lists: --overwrite would delete {them} with the old "
+                          f"export; move {them} out first, or choose another folder")
 
 
 def _is_litter(path: Path) -> bool:

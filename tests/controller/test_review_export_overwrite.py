@@ -46,8 +46,12 @@ def test_an_export_holding_files_of_the_user_is_not_replaced(
     out = tmp_path / "out"
     old_export_with(tiny_export, out, *extra)
     before = sorted(path.name for path in out.iterdir())
-    with pytest.raises(ExportError, match=r"are not files its manifest\.json lists: --overwrite would delete them") \
-            as raised:
+    # "holds notes.txt, which are not files ... delete them": one name, one file
+    grammar = (r"is not a file its manifest\.json lists: --overwrite would delete it with the old export; move it "
+               r"out first" if len(extra) == 1 else
+               r"are not files its manifest\.json lists: --overwrite would delete them with the old export; move "
+               r"them out first")
+    with pytest.raises(ExportError, match=grammar) as raised:
         export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
     assert extra[0].rstrip("/") in str(raised.value)
     if len(extra) > 5:
@@ -65,7 +69,7 @@ def test_a_folder_at_a_name_the_manifest_lists_is_not_replaced(
     (out / listed).unlink()
     (out / listed).mkdir()
     (out / listed / "thesis.tex").write_text("four years")
-    with pytest.raises(ExportError, match=rf"also holds {listed}, which are not files its manifest\.json lists"):
+    with pytest.raises(ExportError, match=rf"also holds {listed}, which is not a file its manifest\.json lists"):
         export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
     assert (out / listed / "thesis.tex").read_text() == "four years"
 
@@ -179,7 +183,8 @@ def test_an_old_export_set_aside_under_this_process_s_number_is_in_the_way_befor
 @pytest.mark.parametrize(("holds", "says"), [
     ("thesis.txt", r"holds files but no manifest\.json: --overwrite replaces only a deskfleet export or an empty "
                    r"folder; remove it yourself or choose another folder"),
-    ("export+notes.txt", r"is an export, but also holds notes\.txt, .* --overwrite would delete"),
+    ("export+notes.txt", r"is an export, but also holds notes\.txt, which is not a file its manifest\.json lists: "
+                         r"--overwrite would delete it"),
     ("export", r"already exists; pass --overwrite to replace it"),
     ("", r"already exists; pass --overwrite to replace it"),
 ])
