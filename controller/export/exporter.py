@@ -81,7 +81,7 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
         raise ExportError(f"cannot tell where {out_dir} is: the working directory no longer exists (cd into "
                           "it again)") from None
     if not model_dir.is_dir():
-        raise ExportError(f"{model_dir} is not a folder")
+        raise ExportError(_not_a_checkpoint_folder(model_dir))
     for what, path in (("checkpoint folder", model_dir.absolute()), ("output folder", out_dir)):
         try:
             str(path).encode("utf-8")
@@ -136,6 +136,22 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
 
 
 # Private methods
+
+def _not_a_checkpoint_folder(model_dir: Path) -> str:
+    """Why `model_dir`, no folder, cannot be exported. A Hugging Face model name given as MODEL_DIR (`deskfleet export
+    meta-llama/Llama-3.1-8B`) was told it "is not a folder", as if something were there: export downloads nothing."""
+    if model_dir.is_symlink() and not model_dir.exists():
+        return f"{model_dir} is a broken link (to {os.readlink(model_dir)}): give the checkpoint folder it should name"
+    if os.path.lexists(model_dir):
+        return f"{model_dir} is not a folder: give the Hugging Face checkpoint folder (the one holding config.json)"
+    parts = model_dir.parts
+    looks_like_a_name = len(parts) == 2 and not model_dir.is_absolute() and not {".", ".."} & set(parts)
+    name = model_dir.as_posix() if looks_like_a_name else "ORG/MODEL"
+    return (f"{model_dir} does not exist: export takes a Hugging Face model folder already downloaded to this PC "
+            f"(config.json, safetensors, tokenizer), and downloads nothing itself; download it first, e.g. "
+            f"`hf download {name} --local-dir models/{model_dir.name if looks_like_a_name else 'MODEL'}`, and give "
+            "that folder")
+
 
 def _export_into(model_dir: Path, staging: Path, config: CheckpointConfig, weight_format: WeightFormat,
                  tokenizer: PreTrainedTokenizerBase, progress: ProgressCallback | None) -> Manifest:
