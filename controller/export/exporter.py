@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import openvino as ov
 import torch
 
+from deskfleet.common.console import ctrl_c_held
 from deskfleet.common.model_spec import (
     MANIFEST_NAME,
     FileEntry,
@@ -127,8 +128,11 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
             except FinishedExportKept:
                 raise  # hours of work, named in the message: the user may still move it into place
             except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
-                remove_empty_folders(made)
+                # A second Ctrl-C waits for the end of this (a third stops it): cut short, it would leave half an
+                # export behind the "no unfinished export is left behind" that the first one's line then says
+                with ctrl_c_held():
+                    shutil.rmtree(staging, ignore_errors=True)
+                    remove_empty_folders(made)
                 raise
     log.info("exported %s (%d layers, %s) to %s", model_dir.name, config.spec.num_layers,
              weight_format.value, out_dir)

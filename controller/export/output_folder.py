@@ -215,7 +215,8 @@ def ending_signals_clean_up() -> Iterator[Callable[[], None]]:
     """While the export runs, SIGTERM and SIGHUP raise ExportInterrupted instead of ending the process at
     once, so the cleanup runs; then the signal is raised again under its old handling, and the process ends
     as it would have. Only where that handling is the default: a program's own handler, or the SIG_IGN that
-    nohup sets for SIGHUP, is left as it is.
+    nohup sets for SIGHUP, is left as it is. Ctrl-C's KeyboardInterrupt runs the same cleanup, and is said in
+    the same kind of line.
 
     Yields a check to call between steps: it raises ExportInterrupted again once a signal came. Python may
     run the handler inside a finalizer (__del__) or a library's catch-all, which reports or drops the
@@ -241,8 +242,14 @@ def ending_signals_clean_up() -> Iterator[Callable[[], None]]:
 
     previous = {signum: signal.signal(signum, interrupt) for signum in ENDING_SIGNALS
                 if signal.getsignal(signum) is signal.SIG_DFL}
+    ctrl_c = False
     try:
         yield stop_if_signalled
+    except KeyboardInterrupt:
+        # Ctrl-C unwinds through the export's own cleanup (Python's KeyboardInterrupt), which has removed the
+        # unfinished export by now: said as SIGTERM's is, where it ended the export with exit 130 and no line
+        ctrl_c = True
+        raise
     finally:
         finishing = True
         for signum, handler in previous.items():
@@ -252,6 +259,8 @@ def ending_signals_clean_up() -> Iterator[Callable[[], None]]:
                         signal.Signals(received[0]).name)
             signal.raise_signal(received[0])  # the default handling again: the process ends here
             raise SystemExit(128 + received[0])  # reached only while the signal is blocked in this thread
+        if ctrl_c:
+            log.warning("export stopped by Ctrl-C (SIGINT); no unfinished export is left behind")
 
 
 @contextlib.contextmanager
