@@ -387,6 +387,20 @@ def _without_tokenizer_json(model_dir: Path) -> str:
             "model's tokenizer.json beside it")
 
 
+def _warn_dropped_chat_templates(model_dir: Path, names: list[str]) -> None:
+    """Say which of a tokenizer's named chat templates the export leaves out: all but "default"."""
+    dropped = ", ".join(name for name in names if name != "default")
+    if "default" not in names:
+        log.warning("the tokenizer of %s has named chat templates (%s) but none named \"default\", the only one an "
+                    "export keeps: the export has no chat template, so `generate --chat` and `chat` will refuse it; "
+                    "to chat with one of them, make it the \"default\" one (its name in tokenizer_config.json's "
+                    "list, or the file chat_template.jinja) and export again",
+                    model_dir, dropped)
+    elif dropped:
+        log.warning("the tokenizer of %s has named chat templates: the export keeps only \"default\" (the one "
+                    "`generate --chat` and `chat` render) and leaves out %s", model_dir, dropped)
+
+
 def _one_line(error: BaseException) -> str:
     """An error's message on one line (transformers' span several, with blank ones between)."""
     return " ".join(str(error).split())
@@ -397,9 +411,10 @@ def _save_tokenizer(model_dir: Path, tokenizer: PreTrainedTokenizerBase, staging
     if isinstance(templates, dict):
         # Named templates (a list in tokenizer_config.json, or additional_chat_templates/*.jinja): transformers
         # saves all but "default" into a subfolder, which no export holds (every file is listed and hashed).
-        # Chat renders only the default, so only it is kept, as chat_template.jinja.
-        log.info("the tokenizer of %s has named chat templates (%s): the export keeps only \"default\"",
-                 model_dir, ", ".join(map(str, templates)))
+        # Chat renders only the default, so only it is kept, as chat_template.jinja. What is dropped is a
+        # warning, not an info line: with no "default" the export has no chat template at all, and only
+        # `generate --chat`, later, said so ("has no chat template").
+        _warn_dropped_chat_templates(model_dir, [str(name) for name in templates])
         tokenizer.chat_template = templates.get("default")
     before = {path.name for path in staging.iterdir()}
     try:

@@ -6,6 +6,7 @@ transformers does."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -36,18 +37,46 @@ def with_named_templates(source: Path, tmp_path: Path, layout: str) -> Path:
     return checkpoint
 
 
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+
+
 @pytest.mark.parametrize("layout", ["config-list", "jinja-files"])
 def test_named_chat_templates_export_with_the_default_one(checkpoint_factory: Callable[..., Path], tmp_path: Path,
-                                                          layout: str) -> None:
+                                                          layout: str, caplog: pytest.LogCaptureFixture) -> None:
     from transformers import AutoTokenizer
 
     checkpoint = with_named_templates(checkpoint_factory("review-named-templates", num_hidden_layers=1), tmp_path,
                                       layout)
     export = tmp_path / "export"
-    export_checkpoint(checkpoint, export, WeightFormat.F32)
+    with caplog.at_level(logging.WARNING):
+        export_checkpoint(checkpoint, export, WeightFormat.F32)
+    # the templates left out are named at the default log level (an info line said it, unseen)
+    assert [text for text in warnings_of(caplog) if "chat templates" in text] == [
+        f'the tokenizer of {checkpoint} has named chat templates: the export keeps only "default" (the one '
+        "`generate --chat` and `chat` render) and leaves out tool_use"]
     verify_files(export, load_manifest(export))
     assert all(path.is_file() for path in export.iterdir())
     messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi there")]
     expected = AutoTokenizer.from_pretrained(checkpoint).apply_chat_template(
         [{"role": m.role, "content": m.content} for m in messages], tokenize=False, add_generation_prompt=True)
     assert ModelTokenizer(export).render_chat(messages) == expected
+
+
+def test_named_chat_templates_without_a_default_one_are_named_in_a_warning(
+        checkpoint_factory: Callable[..., Path], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # none named "default": the export had no chat template, said only at INFO; `generate --chat` found out later
+    checkpoint = with_named_templates(checkpoint_factory("review-named-templates", num_hidden_layers=1), tmp_path,
+                                      "config-list")
+    config_path = checkpoint / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["chat_template"] = [{"name": "tool_use", "template": TOOL_TEMPLATE},
+                               {"name": "rag", "template": TOOL_TEMPLATE}]
+    config_path.write_text(json.dumps(config), encoding="utf-8")
+    export = tmp_path / "export"
+    with caplog.at_level(logging.WARNING):
+        export_checkpoint(checkpoint, export, WeightFormat.F32)
+    (warned,) = [text for text in warnings_of(caplog) if "chat templates" in text]
+    assert warned.startswith(f'the tokenizer of {checkpoint} has named chat templates (tool_use, rag) but none named '
+                             '"default", the only one an export keeps: the export has no chat template'), warned
+    assert not ModelTokenizer(export).chat_template
