@@ -22,6 +22,7 @@ import openvino as ov
 import torch
 
 from deskfleet.common.console import ctrl_c_held
+from deskfleet.common.json_file import JsonFileError, read_json_object
 from deskfleet.common.model_spec import (
     MANIFEST_NAME,
     FileEntry,
@@ -31,7 +32,7 @@ from deskfleet.common.model_spec import (
     sha256_of,
 )
 
-from .hf_config import CheckpointConfig, read_checkpoint_config
+from .hf_config import CheckpointConfig, not_a_file, read_checkpoint_config
 from .modules import DecoderLayer, Embed, Head, RopeAndMask
 from .output_folder import (
     ExportError,
@@ -349,6 +350,8 @@ def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
                 f"the tokenizer of {model_dir} is custom code (tokenizer_config.json's auto_map names a Python file "
                 "of the folder): deskfleet runs no code from a checkpoint; export a checkpoint whose tokenizer is a "
                 "standard one with a tokenizer.json") from None
+        if (unreadable := _unreadable_tokenizer_file(model_dir)) is not None:
+            raise ExportError(f"cannot load the tokenizer of {model_dir}: {unreadable}") from error
         if not (model_dir / "tokenizer.json").is_file():
             raise ExportError(f"cannot load the tokenizer of {model_dir}: {_without_tokenizer_json(model_dir)}") \
                 from error
@@ -363,6 +366,24 @@ def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     if not tokenizer.is_fast:
         raise ExportError(f"the tokenizer of {model_dir} has no fast (tokenizer.json) form")
     return tokenizer
+
+
+def _unreadable_tokenizer_file(model_dir: Path) -> str | None:
+    """Which of the tokenizer's JSON files stopped its load, and why, or None where each is absent or reads. The
+    load's own errors named no file ("EOF while parsing a string at line 27 column 8" for a tokenizer.json cut
+    short, "Expecting property name enclosed in double quotes" for a bad tokenizer_config.json), and a
+    tokenizer.json that is a folder or a broken link was said to be missing."""
+    for name in ("tokenizer_config.json", "tokenizer.json"):
+        path = model_dir / name
+        if (found := not_a_file(path)) is not None:
+            return f"{path} {found}"
+        try:
+            read_json_object(path)
+        except FileNotFoundError:
+            continue
+        except JsonFileError as error:  # names the file
+            return f"{error}: fix it, or copy it from the model again (a download or copy cut short leaves it so)"
+    return None
 
 
 def _without_tokenizer_json(model_dir: Path) -> str:

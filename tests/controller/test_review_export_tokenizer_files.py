@@ -6,6 +6,7 @@ ids. The export's error is one line naming the files and what to do."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -60,3 +61,34 @@ def test_a_tokenizer_config_without_a_vocabulary_file_is_refused(
     config_path.write_text(json.dumps(config), encoding="utf-8")
     with pytest.raises(ExportError, match=rf"none of the files its {tokenizer_class} reads \(.*vocab\.json"):
         export_checkpoint(checkpoint, tmp_path / "export", WeightFormat.F32)
+
+
+@pytest.mark.parametrize(("damage", "says"), [
+    ("tokenizer.json cut short", r"tokenizer\.json is not valid JSON: .*: fix it, or copy it from the model again"),
+    ("tokenizer_config.json bad", r"tokenizer_config\.json is not valid JSON: Expecting property name"),
+    ("tokenizer.json a folder", r"tokenizer\.json is a folder, not a file"),
+    ("tokenizer.json a broken link", r"tokenizer\.json is a broken link \(to blobs/0a1b2c\)"),
+])
+def test_a_damaged_tokenizer_file_is_named(damage: str, says: str, checkpoint_factory: Callable[..., Path],
+                                           tmp_path: Path) -> None:
+    # "cannot load the tokenizer of DIR: EOF while parsing a string at line 27 column 8" named no file, nor did
+    # "Expecting property name enclosed in double quotes"; a folder or a broken link was said to be missing
+    checkpoint = tmp_path / "damaged"
+    shutil.copytree(checkpoint_factory("review-tokenizer-files", num_hidden_layers=1), checkpoint)
+    name = damage.split()[0]
+    path = checkpoint / name
+    if damage.endswith("cut short"):
+        path.write_bytes(path.read_bytes()[:500])
+    elif damage.endswith("bad"):
+        path.write_text("{bad", encoding="utf-8")
+    else:
+        path.unlink()
+        if damage.endswith("folder"):
+            path.mkdir()
+        else:
+            path.symlink_to("blobs/0a1b2c")
+    folder = re.escape(str(checkpoint))
+    with pytest.raises(ExportError, match=rf"cannot load the tokenizer of {folder}: {folder}/{says}") as caught:
+        export_checkpoint(checkpoint, tmp_path / "export", WeightFormat.F32)
+    assert "has no tokenizer.json" not in str(caught.value)
+    assert not (tmp_path / "export").exists()
