@@ -339,6 +339,7 @@ def _warn_per_channel(channels: frozenset[int]) -> None:
 def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
+    _refuse_tokenizer_code(model_dir)
     try:
         # trust_remote_code=False, not transformers' default None: with None, a tokenizer_config.json whose
         # auto_map names a .py file of the folder makes transformers ask on the terminal whether to run it,
@@ -366,6 +367,28 @@ def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     if not tokenizer.is_fast:
         raise ExportError(f"the tokenizer of {model_dir} has no fast (tokenizer.json) form")
     return tokenizer
+
+
+def _refuse_tokenizer_code(model_dir: Path) -> None:
+    """ExportError where tokenizer_config.json's auto_map names the checkpoint's own tokenizer code, as
+    read_checkpoint_config refuses config.json's: transformers, told never to run it, loads a standard tokenizer
+    class instead where tokenizer_class names one, which may not split text as that code does; it exported
+    without a word (refused only where tokenizer_class named the custom class)."""
+    path = model_dir / "tokenizer_config.json"
+    if not path.is_file() or path.is_symlink():
+        return
+    try:
+        auto_map = read_json_object(path).get("auto_map")
+    except JsonFileError:
+        return  # the load below names the file
+    entries = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else auto_map
+    named = [str(entry) for entry in (entries if isinstance(entries, list) else [entries]) if entry]
+    if named:
+        raise ExportError(
+            f"the tokenizer of {model_dir} is custom code (tokenizer_config.json's auto_map names "
+            f"{', '.join(named)[:200]}): deskfleet runs no code from a checkpoint, and the standard tokenizer it "
+            "would load instead may not split text as that code does; export a checkpoint whose tokenizer is a "
+            "standard one with a tokenizer.json")
 
 
 def _unreadable_tokenizer_file(model_dir: Path) -> str | None:

@@ -58,3 +58,21 @@ def test_a_config_that_names_custom_model_code_is_refused(
                                           r"\(configuration_x.XConfig, modeling_x.XModel\): deskfleet never runs it"):
         export_checkpoint(checkpoint, tmp_path / "export", WeightFormat.F32)
     assert not (tmp_path / "export").exists()
+
+
+def test_a_tokenizer_config_whose_auto_map_names_code_is_refused_even_with_a_standard_class(
+        checkpoint_factory: Callable[..., Path], tmp_path: Path) -> None:
+    # with tokenizer_class left standard, the export went through without a word on the standard tokenizer, which
+    # may not split text as the named code does (the README said any such auto_map was refused)
+    marker = tmp_path / "ran.txt"
+    checkpoint = with_custom_tokenizer_code(checkpoint_factory("review-remote-code", num_hidden_layers=1), tmp_path,
+                                            marker)
+    config_path = checkpoint / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["auto_map"] = {"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None]}
+    config_path.write_text(json.dumps(config), encoding="utf-8")
+    with pytest.raises(ExportError, match=r"tokenizer_config.json's auto_map names "
+                                          r"tokenization_custom.CustomTokenizer\): deskfleet runs no code"):
+        export_checkpoint(checkpoint, tmp_path / "export", WeightFormat.F32)
+    assert not marker.exists() and not (tmp_path / "export").exists()
