@@ -73,7 +73,8 @@ class CompileSettings:
             raise ValueError(f"unknown KV cache precision {self.kv_cache!r}: "
                              f"choose one of {', '.join(KV_CACHE_PRECISIONS)}")
         if self.precision is Precision.F32 and self.kv_cache not in (None, "f32"):
-            raise ValueError(f"--precision f32 is exact and keeps the KV cache in f32, not {self.kv_cache}")
+            raise ValueError(f"--precision f32 is exact and keeps the KV cache in f32, not {self.kv_cache}: leave "
+                             f"out --kv-cache, or give --precision fast for a {self.kv_cache} cache")
 
     def for_drafting(self) -> CompileSettings:
         """The settings of a target that verifies drafts (K+1 tokens a call). A fast CPU stage with no KV

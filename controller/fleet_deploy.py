@@ -298,7 +298,7 @@ def check_deploy_settings(precision: Precision, kv_cache: str | None) -> None:
     deploy would refuse)."""
     if precision is Precision.F32 and kv_cache not in (None, "f32"):
         raise ValueError(f"--precision f32 is exact and keeps the KV cache in f32, not {kv_cache}: leave out "
-                         f"--kv-cache, or give --precision fast for a {kv_cache} cache")
+                         f"--kv-cache, or give --precision device_default for a {kv_cache} cache")
 
 
 async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: PlanOptions,

@@ -92,7 +92,8 @@ def test_a_chosen_kv_cache_precision_is_asked_for(kv_cache: str) -> None:
 def test_unknown_or_inexact_kv_cache_precisions_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown KV cache precision 'i4'"):
         CompileSettings(kv_cache="i4")
-    with pytest.raises(ValueError, match="f32 is exact"):
+    with pytest.raises(ValueError, match="f32 is exact and keeps the KV cache in f32, not u8: leave out --kv-cache, "
+                                         "or give --precision fast for a u8 cache"):
         CompileSettings(precision=Precision.F32, kv_cache="u8")
     assert CompileSettings(precision=Precision.F32, kv_cache="f32").properties(ov.Core())["KV_CACHE_PRECISION"] == "f32"
 

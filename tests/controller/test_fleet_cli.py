@@ -85,7 +85,7 @@ def test_a_plan_refuses_what_it_would_ignore_or_deploy_would_refuse(
     # a plan of an f32 deploy with a u8 cache looked fine; the deploy refused it
     assert main([*plan, "--layers", "4", "--layer-bytes", "1e6", "--precision", "f32", "--kv-cache", "u8"]) == 2
     assert ("--precision f32 is exact and keeps the KV cache in f32, not u8: leave out --kv-cache, or give "
-            "--precision fast for a u8 cache") in capsys.readouterr().err
+            "--precision device_default for a u8 cache") in capsys.readouterr().err  # fleet plan has no fast
     assert main([*plan, "--model", str(tiny_export), "--device", "AUTO:GPU,CPU"]) == 0
     assert main([*plan, "--layers", "4", "--layer-bytes", "1e6", "--context", "4096"]) == 0
 
