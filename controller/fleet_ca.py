@@ -64,6 +64,7 @@ def init_fleet(store: FleetStore, fleet_name: str, addresses: tuple[str, ...], n
     pki.check_fleet_name(fleet_name)  # before anything is made
     for address in addresses:
         parse_address(address)
+    store.refuse_agent_folder()  # with --force too: an agent's keys are not a fleet's to replace
     store.data_dir.mkdir(parents=True, exist_ok=True)
     store.data_dir.chmod(0o700)
     files = store.tls_files

@@ -33,7 +33,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from deskfleet.agent.enroll import MEMBERSHIP_FILE
 from deskfleet.agent.link import TlsFiles, utc_now
+from deskfleet.agent.paths import SETTINGS_FILE
 from deskfleet.common import pki
 from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.file_lock import lock_file, pid_lock, unlock_file
@@ -138,10 +140,26 @@ class FleetStore:
         return [name for name in STORE_FILES
                 if (self.data_dir / name).exists() or (self.data_dir / name).is_symlink()]
 
+    def refuse_agent_folder(self) -> None:
+        """FleetStoreError where the data dir is an agent's (its --data-dir, or its state or settings folder):
+        `fleet init` made a fleet there, beside a running agent's keys, after `fleet ls` said to (the agent's
+        own `join` then refused the folder as a controller's), and `fleet serve` on an agent's state folder was
+        told to `fleet init --force` there."""
+        for relative, what in ((f"state/{MEMBERSHIP_FILE}", "an agent's data dir"),
+                               ("state/agent-key.pem", "an agent's data dir"),
+                               (f"settings/{SETTINGS_FILE}", "an agent's data dir"),
+                               (MEMBERSHIP_FILE, "an agent's state folder"),
+                               ("agent-key.pem", "an agent's state folder"),
+                               (SETTINGS_FILE, "an agent's settings folder")):
+            if os.path.lexists(self.data_dir / relative):
+                raise FleetStoreError(f"{self.data_dir} is {what} (it holds {relative}), not a controller's: give the "
+                                      f"controller a --data-dir of its own (or set {ENV_DATA_DIR})")
+
     def require_initialised(self) -> None:
         """Raise FleetStoreError unless the data dir holds a whole fleet: its keys and certificates load and
         belong together. The error names the file and how to recover it. A missing controller.pem is issued
         again from the kept keys (agents pin the CA and the controller's key, not this certificate)."""
+        self.refuse_agent_folder()
         present = self.existing_files()
         if not present:
             raise FleetStoreError(f"{self.data_dir} holds no fleet: run `deskfleet fleet init` first "

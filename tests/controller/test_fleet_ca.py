@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import datetime
 import logging
+import re
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -91,6 +92,30 @@ def test_init_refuses_a_data_dir_holding_any_store_file(tmp_path: Path) -> None:
     assert sorted(path.name for path in store.data_dir.iterdir()) == [".lock", "agents.json"]
     init_fleet(store, "test", ("127.0.0.1:1",), utc_now(), force=True)
     store.require_initialised()
+
+
+@pytest.mark.parametrize(("made", "given", "what"), [
+    ("state/membership.json", "", "an agent's data dir (it holds state/membership.json)"),
+    ("state/agent-key.pem", "", "an agent's data dir (it holds state/agent-key.pem)"),  # a join that failed
+    ("settings/agent-settings.json", "", "an agent's data dir (it holds settings/agent-settings.json)"),
+    ("state/membership.json", "state", "an agent's state folder (it holds membership.json)"),
+    ("settings/agent-settings.json", "settings", "an agent's settings folder (it holds agent-settings.json)"),
+])
+def test_an_agents_folder_is_never_taken_for_a_controllers(tmp_path: Path, made: str, given: str, what: str) -> None:
+    # `fleet ls --data-dir AGENT_DIR` said to `fleet init` there, and init made a fleet beside the running agent's
+    # keys; `fleet serve` on an agent's state folder (it holds ca.pem) said to `fleet init --force` there
+    agent_dir = tmp_path / "agent"
+    (agent_dir / made).parent.mkdir(parents=True)
+    (agent_dir / made).write_text("{}")
+    store = FleetStore(agent_dir / given)
+    before = sorted(path.relative_to(tmp_path) for path in tmp_path.rglob("*"))
+    message = re.escape(f"{store.data_dir} is {what}, not a controller's: give the controller a --data-dir of its own")
+    with pytest.raises(FleetStoreError, match=message):
+        store.require_initialised()
+    for force in (False, True):
+        with pytest.raises(FleetStoreError, match=message):
+            init_fleet(store, "test", ("127.0.0.1:1",), utc_now(), force=force)
+    assert sorted(path.relative_to(tmp_path) for path in tmp_path.rglob("*")) == before
 
 
 def test_a_lost_file_is_named_and_a_lost_controller_certificate_issued_again(store: FleetStore) -> None:
