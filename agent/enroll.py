@@ -85,8 +85,9 @@ class Membership:
             raise EnrollmentError(f"this agent has not joined a fleet ({path} is missing): run "
                                   f"`{join_command}` first, or, if this PC joined with --data-dir D, give the agent "
                                   "the same --data-dir D") from None
-        except (OSError, ValueError) as error:
-            raise EnrollmentError(f"{path} is unreadable: {error}") from None
+        except (OSError, ValueError) as error:  # a damaged agent.pem said to join again; this said no fix
+            raise EnrollmentError(f"{path} is unreadable ({error}): join the fleet again (`{join_command}`, with a "
+                                  "new token from the admin); this PC keeps its key, and so its agent id") from None
         try:
             if body.pop("format_version") != MEMBERSHIP_FORMAT:
                 raise ValueError("unknown format_version")
@@ -104,7 +105,9 @@ class Membership:
             return cls(str(body["fleet_id"]), str(body["agent_id"]), str(body["controller_id"]), tuple(addresses),
                        token_sha256, hostname)
         except (KeyError, TypeError, ValueError, AttributeError) as error:
-            raise EnrollmentError(f"{path} is malformed ({error!r}): join again") from None
+            why = f"it has no {error.args[0]!r:.60}" if isinstance(error, KeyError) else str(error)
+            raise EnrollmentError(f"{path} is malformed ({why}): join the fleet again (`{join_command}`, with a new "
+                                  "token from the admin); this PC keeps its key, and so its agent id") from None
 
 
 def agent_tls_files(state_dir: Path) -> TlsFiles:

@@ -33,7 +33,7 @@ def test_a_membership_with_bad_controller_addresses_says_join_again(tmp_path: Pa
     body = {"format_version": enroll.MEMBERSHIP_FORMAT, "fleet_id": "f", "agent_id": "a", "controller_id": "c",
             "controller_addresses": addresses}
     (tmp_path / enroll.MEMBERSHIP_FILE).write_text(json.dumps(body))
-    with pytest.raises(EnrollmentError, match=r"membership\.json is malformed .*join again"):
+    with pytest.raises(EnrollmentError, match=r"membership\.json is malformed .*join the fleet again"):
         Membership.load(tmp_path)
 
 
@@ -47,12 +47,27 @@ def test_a_membership_keeps_the_token_it_joined_with_and_one_saved_before_reads_
     assert Membership.load(tmp_path).token_sha256 is None
     assert Membership.load(tmp_path).hostname is None  # nor the name it joined with
     (tmp_path / enroll.MEMBERSHIP_FILE).write_text(json.dumps({**body, "hostname": 7}))
-    with pytest.raises(EnrollmentError, match=r"membership\.json is malformed .*hostname.*join again"):
+    with pytest.raises(EnrollmentError, match=r"membership\.json is malformed .*hostname.*join the fleet again"):
         Membership.load(tmp_path)
     for damaged in ("short", 7, "0123456789ABCDEF" * 4):
         (tmp_path / enroll.MEMBERSHIP_FILE).write_text(json.dumps({**body, "token_sha256": damaged}))
-        with pytest.raises(EnrollmentError, match=r"membership\.json is malformed .*token_sha256.*join again"):
+        with pytest.raises(EnrollmentError, match=r"membership\.json is malformed .*token_sha256.*join the fleet again"):
             Membership.load(tmp_path)
+
+
+def test_a_membership_that_is_not_json_or_lacks_a_field_says_join_again(tmp_path: Path) -> None:
+    # '{"broken' was "membership.json is unreadable: Invalid control character ...", with no fix (a damaged
+    # agent.pem said to join again), and a missing field was shown as a KeyError repr
+    (tmp_path / enroll.MEMBERSHIP_FILE).write_text('{"broken')
+    with pytest.raises(EnrollmentError, match=r"membership\.json is unreadable \(.*\): join the fleet again "
+                                              r"\(`deskfleet-agent join TOKEN`, with a new token from the admin\); "
+                                              "this PC keeps its key, and so its agent id"):
+        Membership.load(tmp_path)
+    (tmp_path / enroll.MEMBERSHIP_FILE).write_text(json.dumps({"format_version": enroll.MEMBERSHIP_FORMAT,
+                                                               "controller_addresses": ["127.0.0.1:7341"]}))
+    with pytest.raises(EnrollmentError, match=r"membership\.json is malformed \(it has no 'fleet_id'\): join the "
+                                              "fleet again"):
+        Membership.load(tmp_path)
 
 
 def test_damaged_credentials_are_named(tmp_path: Path) -> None:
