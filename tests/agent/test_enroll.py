@@ -51,7 +51,8 @@ def test_a_membership_keeps_the_token_it_joined_with_and_one_saved_before_reads_
         Membership.load(tmp_path)
     for damaged in ("short", 7, "0123456789ABCDEF" * 4):
         (tmp_path / enroll.MEMBERSHIP_FILE).write_text(json.dumps({**body, "token_sha256": damaged}))
-        with pytest.raises(EnrollmentError, match=r"membership\.json is malformed .*token_sha256.*join the fleet again"):
+        with pytest.raises(EnrollmentError, match=r"membership\.json is malformed .*token_sha256.*join the"
+                                                  r" fleet again"):
             Membership.load(tmp_path)
 
 
