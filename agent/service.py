@@ -87,6 +87,10 @@ class AgentService:
         if missing := self.files.missing():
             raise EnrollmentError(f"{', '.join(str(path) for path in missing)} missing: this PC's fleet credentials "
                                   f"are incomplete; join again with a new token: `{join}`")
+        if (mode := pki.open_key_mode(self.files.key_path)) is not None:  # the controller's keys were warned of alone
+            log.warning("%s (this PC's fleet key) is open to other users (mode %03o): whoever reads it can pose as "
+                        "this PC to the fleet, and be sent the stages and prompts it would get; run `chmod 600 %s`",
+                        self.files.key_path, mode, self.files.key_path)
         self.listen = options.listen or self.settings.listen_address
         parse_address(self.listen)
         self.core = AgentCore(self.files, self.settings,

@@ -17,6 +17,7 @@ import base64
 import datetime
 import hashlib
 import ipaddress
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -376,6 +377,19 @@ def load_private_key_pem(data: bytes) -> ec.EllipticCurvePrivateKey:
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise PkiError("private key is not ECDSA")
     return key
+
+
+def open_key_mode(path: Path) -> int | None:
+    """The permission bits of a private key file that users other than its owner may read or write (a backup
+    restored from a zip or a USB stick, a copy by a tool that drops modes), None when only the owner may, when the
+    file cannot be read (its load names that), or on Windows, where the bits say nothing."""
+    if os.name == "nt":
+        return None
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        return None
+    return mode if mode & 0o077 else None
 
 
 def write_private_key(path: Path, private_key: ec.EllipticCurvePrivateKey) -> None:

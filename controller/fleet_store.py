@@ -329,11 +329,7 @@ class FleetStore:
             self._warn_if_outside_profile(os.environ.get("USERPROFILE"))
             return
         for path in (self.ca_key_path, self.tls_files.key_path):
-            try:
-                mode = path.stat().st_mode & 0o777
-            except OSError:  # a missing key is named by the load that follows
-                continue
-            if mode & 0o077 and path not in _WARNED_MODES:
+            if (mode := pki.open_key_mode(path)) is not None and path not in _WARNED_MODES:
                 _WARNED_MODES.add(path)
                 harm = "make certificates that every agent trusts" if path == self.ca_key_path \
                     else "pose as this controller to every agent"

@@ -110,3 +110,21 @@ def test_a_pc_whose_certificate_ran_out_is_told_so_not_that_it_was_removed(
     assert len(told) == 1 and "removed" not in told[0]
     assert told[0].startswith("the controller refuses this PC: this PC's fleet certificate "
                               f"({service.files.cert_path}) expired on {day}: nothing renews it; join the fleet again")
+
+
+def test_a_fleet_key_open_to_other_users_is_warned_of_at_start(tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    # the controller's keys were warned of; this PC's key, restored 0644 from a backup, passed without a word
+    joined(tmp_path)
+    key = AgentPaths.resolve(tmp_path).state_dir / "agent-key.pem"
+    with caplog.at_level(logging.WARNING, logger="deskfleet"):
+        AgentService(AgentOptions(tmp_path, listen=free_address()), monitor=FakeMonitor())
+        assert not any("open to other users" in record.getMessage() for record in caplog.records)
+        key.chmod(0o644)
+        AgentService(AgentOptions(tmp_path, listen=free_address()), monitor=FakeMonitor())
+    assert [record.getMessage() for record in caplog.records if "open to other users" in record.getMessage()] == [
+        f"{key} (this PC's fleet key) is open to other users (mode 644): whoever reads it can pose as this PC to "
+        f"the fleet, and be sent the stages and prompts it would get; run `chmod 600 {key}`"]
+    assert pki.open_key_mode(key) == 0o644
+    key.chmod(0o600)
+    assert pki.open_key_mode(key) is None and pki.open_key_mode(tmp_path / "missing.pem") is None
