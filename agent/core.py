@@ -283,7 +283,7 @@ class AgentCore:
                 try:
                     self.cache.reserve(_deploy_pin(link), dict(zip(message.sha256s, message.sizes, strict=True)))
                 except CacheFull as error:
-                    raise CommandError(ErrorCode.OUT_OF_MEMORY, str(error)) from None
+                    raise _cache_limit_refusal(error) from None
             return self.cache.have(message.sha256s)
         if isinstance(message, ShardChunk):
             self._receive_chunk(link, message)
@@ -465,7 +465,7 @@ class AgentCore:
             self.cache.receive(chunk)
             self.cache_health.stored()
         except CacheFull as error:  # what hosted stages, deploys and builds hold leaves it no room
-            raise CommandError(ErrorCode.OUT_OF_MEMORY, str(error)) from None
+            raise _cache_limit_refusal(error) from None
         except ShardCacheError as error:
             raise CommandError(ErrorCode.SHARD_MISMATCH, str(error)) from None
         except OSError as error:  # the cache's disk full or not writable: what was received so far stays
@@ -837,6 +837,13 @@ class AgentCore:
     def _note_error(self, text: str) -> None:
         self.last_error = text[:500]
         log.warning("%s", text)
+
+
+def _cache_limit_refusal(error: CacheFull) -> CommandError:
+    """The refusal of shards the shard cache's limit has no room for: a disk budget, so DISK_FULL (it was
+    OUT_OF_MEMORY, which sent the admin looking at the PC's memory), with what the PC's owner can do."""
+    return CommandError(ErrorCode.DISK_FULL, f"{error}; raise cache_limit_bytes in the agent's settings (and restart "
+                                             "it), or pause this PC (`deskfleet-agent pause`) to deploy without it")
 
 
 def runs_inline(message: Forward) -> bool:

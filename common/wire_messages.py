@@ -133,7 +133,8 @@ class ErrorCode(str, Enum):
     NOT_ASSIGNED = "not_assigned"
     BUSY = "busy"
     OUT_OF_MEMORY = "out_of_memory"
-    DISK_FULL = "disk_full"  # the disk under the agent's shard cache has no room left (protocol 8)
+    # the disk under the agent's shard cache has no room left, or the cache's cache_limit_bytes (protocol 8)
+    DISK_FULL = "disk_full"
     SHARD_MISMATCH = "shard_mismatch"
     JOIN_REFUSED = "join_refused"
     INTERNAL = "internal"

@@ -201,15 +201,17 @@ def test_a_deploy_that_evicts_while_the_agent_builds_a_stage_does_not_break_the_
     assert core.cache.partial_offset(new_sha) == 1000
 
 
-def test_a_chunk_that_held_shards_leave_no_room_for_is_refused_as_out_of_memory(
+def test_a_chunk_that_held_shards_leave_no_room_for_is_refused_as_a_full_cache(
         core: AgentCore, tiny_export: Path) -> None:  # noqa: F811
     assignment = _push_tiny_stage(core, tiny_export)
     assert isinstance(handle(core, Role.CONTROLLER, assignment), StageReady)
     core.cache.limit_bytes = core.cache.usage().used_bytes + 100
     data, digest = blob(12, 1000)
-    with pytest.raises(CommandError, match=r"pinned by hosted stages.*nothing was evicted") as refused:
+    with pytest.raises(CommandError, match=r"pinned by hosted stages.*nothing was evicted; raise cache_limit_bytes in "
+                                           r"the agent's settings \(and restart it\), or pause this PC") as refused:
         handle(core, Role.CONTROLLER, ShardChunk(digest, 0, len(data), data))
-    assert refused.value.code is ErrorCode.OUT_OF_MEMORY  # was shard_mismatch: "send it again" for a full cache
+    # was shard_mismatch ("send it again"), then out_of_memory (the PC's memory is not what is short)
+    assert refused.value.code is ErrorCode.DISK_FULL
     assert all(core.cache.has(entry.sha256) for entry in assignment.manifest)
     view = core.cache.root / "views" / core.stages[assignment.stage].cache_key
     assert view.is_dir() and not core.cache.have([digest]).partial
