@@ -320,7 +320,7 @@ class AgentCore:
         snapshot = make_status(reading, policy, tuple(self.stages), self.cache.usage(), self.last_error, time.time())
         # who paused it, first: the admin's `fleet ls` and plan tell a user's opt-out from theirs; then the limits'
         # numbers, then a disk that refused the shard cache's writes
-        parts = (f"paused {self._paused_by()}" if policy.paused else "", snapshot.detail, self.cache_health.note())
+        parts = (f"paused {self.paused_by()}" if policy.paused else "", snapshot.detail, self.cache_health.note())
         snapshot = replace(snapshot, detail="; ".join(part for part in parts if part))
         if self._speed is None and self._speed_probe is not None:
             try:
@@ -372,7 +372,7 @@ class AgentCore:
             return ()
         policy = self.policy()
         if policy.paused:  # the PC's user wants it back: at once, not after release_stages_after_s
-            return await self.give_up_stages(f"paused {self._paused_by()}")
+            return await self.give_up_stages(f"paused {self.paused_by()}")
         reading = await self._read_monitor()
         availability = decide_availability(reading, policy, serving=bool(self.stages))
         because = self._release_watch.update(availability, policy, bool(self.stages),
@@ -491,7 +491,7 @@ class AgentCore:
 
     async def _assign(self, message: AssignStage) -> StageReady:
         if self.policy().paused:  # a plan made before the pause: that deploy fails naming this PC
-            raise CommandError(ErrorCode.BUSY, f"this PC is paused {self._paused_by()}: it takes no stage",
+            raise CommandError(ErrorCode.BUSY, f"this PC is paused {self.paused_by()}: it takes no stage",
                                agent_id=self.agent_id)
         async with self._assign_lock:
             hosted = self.stages.get(message.stage)
@@ -619,7 +619,7 @@ class AgentCore:
         reading = await self._read_monitor()
         return decide_availability(reading, policy, serving=False).state is AgentState.UNAVAILABLE
 
-    def _paused_by(self) -> str:
+    def paused_by(self) -> str:
         if self.settings.paused:
             return "in its settings (paused: true)"
         if self._opt_out.read().problem is not None:  # not the employee's wish: the admin must see the file is bad

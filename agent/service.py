@@ -172,9 +172,8 @@ class AgentService:
         if self.core.settings.paused:
             log.info("this PC is paused by its settings (paused: true in %s): it serves no model",
                      self.paths.settings_file)
-        elif self.core.policy().paused:
-            log.info("this PC is paused by its user (deskfleet-agent pause): it serves no model until "
-                     "`deskfleet-agent resume`")
+        elif self.core.policy().paused:  # its user's, or an unreadable opt-out file's (core.paused_by says which)
+            log.info("this PC is paused %s: it serves no model", self.core.paused_by())
 
     def _install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()

@@ -29,8 +29,19 @@ def started_log(service: service_module.AgentService, caplog: pytest.LogCaptureF
 def test_an_agent_started_paused_by_its_user_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     service = joined(tmp_path)
     write_opt_out(AgentPaths.resolve(tmp_path).state_dir, paused=True, now="2026-12-01T09:00:00+00:00")
-    assert started_log(service, caplog) == ["this PC is paused by its user (deskfleet-agent pause): it serves no "
-                                            "model until `deskfleet-agent resume`"]
+    assert started_log(service, caplog) == ["this PC is paused by its user (`deskfleet-agent resume` ends that): it "
+                                            "serves no model"]
+
+
+def test_an_agent_started_with_an_unreadable_opt_out_file_says_that_not_its_user(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # it logged "taken as paused" for the damaged file, then "paused by its user (deskfleet-agent pause)"
+    service = joined(tmp_path)
+    (AgentPaths.resolve(tmp_path).state_dir / "opt_out.json").write_text('{"broken')
+    said = started_log(service, caplog)
+    assert "this PC is paused as its opt_out.json cannot be read (this agent's log says why; `deskfleet-agent " \
+           "resume` or `pause` writes it anew): it serves no model" in said
+    assert not any("by its user" in line for line in said)
 
 
 def test_an_agent_not_paused_says_nothing_of_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
