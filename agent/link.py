@@ -440,6 +440,10 @@ def _connect_failure(error: BaseException) -> str:
     member: another service on the port) raised ConnectionResetError with no text, and `fleet ls` said only
     "cannot reach ADDRESS: "."""
     text = str(error) or type(error).__name__
+    if isinstance(error, ssl.SSLCertVerificationError):  # an agent of a fleet made anew retried with this alone
+        return f"{text}: its certificate is not signed by this PC's fleet CA: it belongs to another fleet, or the " \
+               "fleet was made anew (`deskfleet fleet init --force`), after which every PC must join again with a " \
+               "new token"
     if isinstance(error, (ConnectionResetError, ssl.SSLEOFError)):
         return f"{text}: it closed the connection while the link was opening (is a deskfleet agent or controller " \
                "listening there, or another service?)"

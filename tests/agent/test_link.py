@@ -96,7 +96,11 @@ def test_a_foreign_certificate_fails_the_handshake(tmp_path: Path) -> None:
         async with server:
             other_ca = make_ca(tmp_path / "other")
             stranger = make_member(other_ca, tmp_path / "stranger", "stranger")
-            with pytest.raises(LinkError):
+            # as an agent of a fleet made anew (`fleet init --force`) saw it: a bare "certificate verify failed"
+            with pytest.raises(LinkError, match=r"certificate verify failed.*: its certificate is not signed by this "
+                                                r"PC's fleet CA: it belongs to another fleet, or the fleet was made "
+                                                r"anew \(`deskfleet fleet init --force`\), after which every PC must "
+                                                "join again"):
                 await open_link(f"127.0.0.1:{port}", stranger)
         assert seen == []
 
