@@ -464,17 +464,35 @@ def _deploy(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from deskfleet.controller.chat import generate_on_fleet
     from deskfleet.controller.fleet_failover import FailoverError
-    from deskfleet.controller.run import GenerateOptions, GenerationStopped
+    from deskfleet.controller.run import GenerateOptions, GenerationInterrupted, GenerationStopped
 
     options = GenerateOptions(model=args.model, prompt_ids=[parse_token_ids(args.prompt_ids)],
                               max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
     try:
         # --peer and --discover-seconds: what a re-plan dials and browses when a PC drops out (they were ignored)
-        tokens = generate_on_fleet(options, args.data_dir, discover_seconds=args.discover_seconds,
-                                   peers=tuple(args.peer))["tokens"]
-    except (FailoverError, GenerationStopped) as error:  # a failed run (exit 1), as `generate --fleet`'s: not usage
+        report = generate_on_fleet(options, args.data_dir, discover_seconds=args.discover_seconds,
+                                   peers=tuple(args.peer))
+    except GenerationInterrupted as interrupted:  # Ctrl-C: the tokens made so far are printed, then exit 130
+        print_whole(_generated(interrupted.report, args.json))
+        raise
+    except GenerationStopped as stopped:  # a failed run (exit 1), as `generate --fleet`'s: what it made is kept
+        print_whole(_generated(stopped.report, args.json))
+        print(f"deskfleet: error: {stopped}", file=sys.stderr)
+        return 1
+    except FailoverError as error:  # the chain could not be opened nor re-planned: nothing was made
         print(f"deskfleet: error: {error}", file=sys.stderr)
         return 1
-    assert isinstance(tokens, list)
-    print_whole(json.dumps({"tokens": tokens}) if args.json else " ".join(map(str, tokens)))
+    print_whole(_generated(report, args.json))
     return 0
+
+
+def _generated(report: dict[str, Any], as_json: bool) -> str:
+    """`fleet generate`'s output of a run's report: the token ids, space-separated, or under --json an object of
+    them with the re-plans and failovers a PC that dropped out caused, and why the run stopped early (Ctrl-C,
+    or a chain past mending) where it did. A stopped run printed nothing: its tokens were lost."""
+    tokens = report["tokens"]
+    assert isinstance(tokens, list)
+    if not as_json:
+        return " ".join(map(str, tokens))
+    return json.dumps({"tokens": tokens, **{key: report[key] for key in ("replans", "failovers", "stopped")
+                                            if key in report}})

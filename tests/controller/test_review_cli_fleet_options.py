@@ -141,3 +141,33 @@ def test_fleet_generate_that_runs_out_of_pcs_is_a_failed_run_as_generate_fleet_s
     monkeypatch.setattr(chat, "generate_on_fleet", out_of_pcs)
     assert main(["fleet", "generate", "--model", "m", "--prompt-ids", "1,2", "--discover-seconds", "0"]) == 1
     assert capsys.readouterr().err == "deskfleet: error: no agent can take work (test)\n"
+
+
+def test_fleet_generate_keeps_what_a_stopped_run_made_and_reports_its_replans(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # a run the chain broke under, or a Ctrl-C, printed nothing: its tokens were lost; --json had no re-plans
+    import deskfleet.controller.chat as chat
+    from deskfleet.controller.run import GenerationInterrupted, GenerationStopped
+
+    replan = {"lost_agent": "a" * 52, "seconds": 1.2}
+    outcomes: list[Any] = []
+
+    def generate_on_fleet(*args: Any, **kwargs: Any) -> dict[str, object]:
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return cast(dict[str, object], outcome)
+
+    monkeypatch.setattr(chat, "generate_on_fleet", generate_on_fleet)
+    argv = ["fleet", "generate", "--model", "m", "--prompt-ids", "1,2"]
+    outcomes.append({"tokens": [7, 8, 9], "replans": [replan], "failovers": [], "text": "x"})
+    assert main([*argv, "--json"]) == 0
+    assert capsys.readouterr().out == '{"tokens": [7, 8, 9], "replans": [{"lost_agent": "' + "a" * 52 + \
+        '", "seconds": 1.2}], "failovers": []}\n'
+    outcomes.append(GenerationStopped("the chain broke", {"tokens": [7, 8], "stopped": "the chain broke"}))
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    assert out == "7 8\n" and err == "deskfleet: error: the chain broke\n"
+    outcomes.append(GenerationInterrupted({"tokens": [7], "stopped": "interrupted"}, ["--prompt-ids"], False))
+    assert main([*argv, "--json"]) == 130
+    assert capsys.readouterr().out == '{"tokens": [7], "stopped": "interrupted"}\n'
