@@ -178,6 +178,10 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "bool": (bool,), "str": (str,), "int": (int,), "float": (int, float),
     "float | None": (int, float, type(None)), "int | None": (int, type(None)),
 }
+# what each type is called in an error: a settings file's author reads JSON, not Python ("must be float | None")
+_JSON_NAMES = {"bool": "true or false", "str": "a string in quotes", "int": "a whole number",
+               "float": "a number", "float | None": "a number, or null for none",
+               "int | None": "a whole number, or null for none"}
 
 
 def _checked(kind: type, body: Any, source: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -188,14 +192,19 @@ def _checked(kind: type, body: Any, source: str, skip: tuple[str, ...] = ()) -> 
     unknown = sorted(set(body) - set(known))
     if unknown:
         raise SettingsError(f"{source} has unknown field(s) {', '.join(unknown)}")
+    checked = dict(body)
     for name, value in body.items():
         allowed = _TYPES[known[name]]
         is_bool = isinstance(value, bool)
+        if int in allowed and float not in allowed and isinstance(value, float) and value.is_integer() \
+                and abs(value) < 2 ** 63:
+            checked[name] = value = int(value)  # 5e10 bytes, as a person may write a size: JSON reads it as a float
         if not isinstance(value, allowed) or (is_bool and bool not in allowed):
-            raise SettingsError(f"{source}: field {name!r} must be {known[name]}, got {value!r}")
+            raise SettingsError(f"{source}: field {name!r} must be {_JSON_NAMES[known[name]]}, got "
+                                f"{json.dumps(value)}")
         if isinstance(value, float) and not math.isfinite(value):  # 1e400 reads as inf
             raise SettingsError(f"{source}: field {name!r} must be a finite number, got {value!r}")
-    return dict(body)
+    return checked
 
 
 def _refuse_constant(name: str) -> Any:

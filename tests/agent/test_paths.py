@@ -74,8 +74,13 @@ def test_missing_file_gives_defaults_and_round_trip(tmp_path: Path) -> None:
     ("[]", "JSON object"),
     ('{"format_version": 99}', "format_version 99"),
     ('{"format_version": 1, "colour": "red"}', "unknown field.*colour"),
-    ('{"format_version": 1, "paused": "yes"}', "'paused' must be bool"),
-    ('{"format_version": 1, "cache_limit_bytes": true}', "'cache_limit_bytes' must be int"),
+    # in JSON's words, not Python's ("must be float | None, got '80'")
+    ('{"format_version": 1, "paused": "yes"}', "'paused' must be true or false, got \"yes\""),
+    ('{"format_version": 1, "cache_limit_bytes": true}', "'cache_limit_bytes' must be a whole number, got true"),
+    ('{"format_version": 1, "cache_limit_bytes": 1500000000.5}', "'cache_limit_bytes' must be a whole number, got "
+                                                          "1500000000.5"),
+    ('{"format_version": 1, "thresholds": {"max_temperature_c": "80"}}', "'max_temperature_c' must be a number, or "
+                                                                         "null for none, got \"80\""),
     ('{"format_version": 1, "cache_limit_bytes": 0}', "cache_limit_bytes must be positive"),
     ('{"format_version": 1, "listen_address": "nowhere"}', "listen_address"),
     ('{"format_version": 1, "thresholds": {"min_battery_percent": 150}}', "min_battery_percent"),
@@ -90,6 +95,14 @@ def test_bad_files_are_rejected_by_name_and_kept(tmp_path: Path, body: str, mess
         load_settings(path)
     assert str(path) in str(caught.value)
     assert path.read_text() == body
+
+
+def test_a_size_written_with_an_exponent_is_a_whole_number(tmp_path: Path) -> None:
+    # 5e10 bytes, as a person may write a size, is a float to JSON: it was refused as "must be int"
+    path = tmp_path / "settings.json"
+    path.write_text('{"format_version": 1, "cache_limit_bytes": 5e10}')
+    settings = load_settings(path)
+    assert settings.cache_limit_bytes == 50_000_000_000 and isinstance(settings.cache_limit_bytes, int)
 
 
 def test_failed_save_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
