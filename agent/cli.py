@@ -81,6 +81,7 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
     if not args.verbose:  # websockets says "connection open" and "connection closed" at info for every link: three
         logging.getLogger("websockets").setLevel(logging.WARNING)  # lines per `fleet ls`, per PC, for days
     try:
+        _refuse_controller_dir(args.data_dir)
         if args.command in ("join", "pause", "resume"):
             status = _join(args) if args.command == "join" else _pause(args, paused=args.command == "pause")
             flush_stdout()  # inside the handlers below: a message still in the buffer meets a full disk here
@@ -119,10 +120,6 @@ def _join(args: argparse.Namespace) -> int:
     read_join_token(token)  # a mistyped or expired token is named before any folder is made for it
     paths = AgentPaths.resolve(args.data_dir)
     root = paths.state_dir.parent
-    controllers = [name for name in CONTROLLER_FILES if (root / name).exists()] if args.data_dir is not None else []
-    if controllers:
-        raise EnrollmentError(f"{root} is a controller's data dir (it holds {controllers[0]}): give the agent a "
-                              "--data-dir of its own")
     try:
         before: Membership | None = Membership.load(paths.state_dir)
     except EnrollmentError:
@@ -177,6 +174,21 @@ def _pause(args: argparse.Namespace, paused: bool) -> int:
     else:
         print("resumed: the next plan (the next deploy, or a running generation's re-plan) may use this PC again")
     return 0
+
+
+def _refuse_controller_dir(data_dir: Path | None) -> None:
+    """EnrollmentError where --data-dir is a controller's: every command, not join alone (`pause --data-dir` on a
+    controller's dir said to `join TOKEN --data-dir` there, which join then refused)."""
+    from deskfleet.agent.enroll import EnrollmentError
+    from deskfleet.agent.paths import AgentPaths
+
+    if data_dir is None:
+        return
+    root = AgentPaths.resolve(data_dir).state_dir.parent
+    controllers = [name for name in CONTROLLER_FILES if (root / name).exists()]
+    if controllers:
+        raise EnrollmentError(f"{root} is a controller's data dir (it holds {controllers[0]}): give the agent a "
+                              "--data-dir of its own")
 
 
 def _token_from_stdin() -> str:

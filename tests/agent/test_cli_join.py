@@ -68,6 +68,11 @@ def test_joining_a_controllers_data_dir_is_refused(tmp_path: Path, capsys: pytes
     (tmp_path / "ca-key.pem").write_text("key")
     assert cli.main(["--data-dir", str(tmp_path), "join", _token("127.0.0.1:1")]) == 2
     assert f"{tmp_path} is a controller's data dir (it holds ca-key.pem)" in capsys.readouterr().err
+    # every command: `pause` there said to `join TOKEN --data-dir` it, which join then refused
+    for command in (["pause"], ["resume"], ["--headless"]):
+        assert cli.main(["--data-dir", str(tmp_path), *command]) == 2
+        assert f"{tmp_path} is a controller's data dir (it holds ca-key.pem): give the agent a --data-dir of its " \
+               "own" in capsys.readouterr().err
     assert sorted(path.name for path in tmp_path.iterdir()) == ["ca-key.pem"]
 
 
