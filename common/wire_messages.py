@@ -68,7 +68,9 @@ def parse_address(text: str, any_port: bool = False) -> tuple[str, int]:
     `any_port`: an address to listen on, where port 0 asks for any free port."""
     host, separator, port_text = text.rpartition(":")
     if not separator or _HOST.fullmatch(host) is None:
-        raise ProtocolError(f"address {text[:300]!r} is not host:port")
+        bracketed = f" (an IPv6 host goes in brackets: [{host}]:{port_text})" \
+            if separator and ":" in host and not host.startswith("[") else ""
+        raise ProtocolError(f"address {text[:300]!r} is not host:port{bracketed[:200]}")
     lowest = 0 if any_port else 1
     port = _port_number(port_text)
     if port is None or not lowest <= port < 65536:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 import numpy as np
@@ -495,6 +496,12 @@ def test_addresses_need_a_port_and_port_zero_only_to_listen() -> None:
             wire.parse_address(text)
     with pytest.raises(ProtocolError, match="between 0 and 65535"):
         wire.parse_address("host:x", any_port=True)
+    # an IPv6 address without its brackets: said how to write it
+    with pytest.raises(ProtocolError, match=re.escape("address '::1:7341' is not host:port (an IPv6 host goes in "
+                                                      "brackets: [::1]:7341)")):
+        wire.parse_address("::1:7341")
+    with pytest.raises(ProtocolError, match=r"^address 'a b:1' is not host:port$"):
+        wire.parse_address("a b:1")
 
 
 def test_the_most_known_removals_a_message_carries_fit_the_frames_the_controllers_port_reads() -> None:
