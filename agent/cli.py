@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("token", help="the token printed by `deskfleet fleet token`; - reads it from standard "
                                     "input (a token on the command line shows in the process list and history)")
     join.add_argument("--data-dir", type=path_argument, default=argparse.SUPPRESS, help="as above")
-    join.add_argument("--hostname", default=None, help="name to show the admin (default: this PC's)")
+    join.add_argument("--hostname", type=_hostname_argument, default=None,
+                      help="name to show the admin (default: this PC's)")
     for name, text in (("pause", "opt this PC out: it serves no model until `resume` (a stage it hosts is given "
                                  "up within seconds; the generation goes on without it)"),
                        ("resume", "end a pause: the next plan may use this PC again")):
@@ -174,6 +175,14 @@ def _pause(args: argparse.Namespace, paused: bool) -> int:
     else:
         print("resumed: the next plan (the next deploy, or a running generation's re-plan) may use this PC again")
     return 0
+
+
+def _hostname_argument(text: str) -> str:
+    """argparse type of --hostname: a name, not a blank (`--hostname "$NAME"` with NAME unset kept the old one)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty or blank (an unset variable?): give the name, or leave out "
+                                         "--hostname for this PC's own")
+    return text
 
 
 def _refuse_controller_dir(data_dir: Path | None) -> None:

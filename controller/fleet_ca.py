@@ -161,8 +161,12 @@ def issue_token(store: FleetStore, now: datetime.datetime, ttl: datetime.timedel
         raise FleetStoreError("no controller address to put in the token: pass --address HOST:PORT")
     secret = join_tokens.new_secret()
     expires_at = (now + ttl).replace(microsecond=0)
-    token = join_tokens.JoinToken(addresses, pki.certificate_fingerprint(store.tls_files.ca_certificate()),
-                                  secret, expires_at)
+    ca_certificate = store.tls_files.ca_certificate()
+    ca_ends = ca_certificate.not_valid_after_utc
+    if expires_at > ca_ends:  # `--ttl 99999d` was valid until 2300: a join after the CA's end cannot be signed
+        raise ValueError(f"--ttl reaches {expires_at.date().isoformat()}, past the fleet CA's end on "
+                         f"{ca_ends.date().isoformat()}, after which no PC can join: give a shorter --ttl")
+    token = join_tokens.JoinToken(addresses, pki.certificate_fingerprint(ca_certificate), secret, expires_at)
     join_tokens.encode_join_token(token)  # refuse an unencodable token before recording its secret
     with store.locked():
         ledger = _load_ledger(store)

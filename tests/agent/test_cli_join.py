@@ -105,3 +105,13 @@ def test_a_join_to_another_fleet_says_which_fleet_the_pc_left(tmp_path: Path, mo
     assert cli.main(["--data-dir", str(tmp_path), "join", _token("127.0.0.1:2")]) == 0
     out = capsys.readouterr().out
     assert f"this PC left fleet {'a' * 16}" in out and f"joined fleet {'b' * 16}" in out
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_a_blank_hostname_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str) -> None:
+    # `--hostname "$NAME"` with NAME unset joined under the old name, without a word
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--data-dir", str(tmp_path), "join", _token("127.0.0.1:1"), "--hostname", name])
+    assert exited.value.code == 2
+    assert "argument --hostname: is empty or blank (an unset variable?)" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

@@ -190,6 +190,18 @@ def test_tokens_are_persisted_as_hashes(store: FleetStore) -> None:
     assert join_tokens.secret_to_text(secret) not in on_disk and '"uses_left": 2' in on_disk
 
 
+def test_a_token_valid_past_the_cas_end_is_refused(store: FleetStore) -> None:
+    # `fleet token --ttl 99999d` was valid until 2300, long after the CA (10 years) can sign a joining PC
+    ends = store.tls_files.ca_certificate().not_valid_after_utc
+    ledger = (store.data_dir / "tokens.json").read_text()
+    with pytest.raises(ValueError, match=rf"--ttl reaches \d{{4}}-\d\d-\d\d, past the fleet CA's end on "
+                                         rf"{ends.date().isoformat()}, after which no PC can join: give a shorter "
+                                         "--ttl"):
+        issue_token(store, utc_now(), datetime.timedelta(days=99999), 1, ("127.0.0.1:9",))
+    assert (store.data_dir / "tokens.json").read_text() == ledger  # nothing recorded
+    issue_token(store, utc_now(), ends - utc_now() - datetime.timedelta(days=1), 1, ("127.0.0.1:9",))
+
+
 def test_join_then_register_then_remove(store: FleetStore, tmp_path: Path) -> None:
     async def scenario(server: FleetServer, address: str) -> None:
         membership = await join(token_for(store, address), tmp_path / "agent", "pc-1")
