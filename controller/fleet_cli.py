@@ -294,7 +294,8 @@ def _print_agents(agents: list[Any], undeployed: dict[str, list[Any]] | None = N
     for agent in sorted(agents, key=order):
         report = agent.report
         state = _state(agent)
-        free = f"{report.free_memory_bytes / 1e9:.1f}G" if report else "-"
+        # GiB, as the limits beside it say theirs ("8.0 GiB free of 16.0"): "8.6G" next to them read as more
+        free = f"{report.free_memory_bytes / 2 ** 30:.1f}GiB" if report else "-"
         stale = (undeployed or {}).get(agent.agent_id, [])
         stages = ", ".join(f"{s.model_id}[{s.layer_start}:{s.layer_end}]{' (not deployed)' if s in stale else ''}"
                            for s in report.stages) if report else ""

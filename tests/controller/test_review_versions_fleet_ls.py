@@ -87,3 +87,17 @@ def test_fleet_ls_shows_each_agent_s_version_and_whom_to_upgrade(
     assert rows["pc-old"][5] == installed and rows["pc-new"][5] == "0.2.0"
     listed = {entry["hostname"]: entry for entry in json.loads(json.dumps([_agent_json(a) for a in found.agents]))}
     assert listed["pc-old"]["version"] == installed and listed["pc-new"]["version"] == "0.2.0"
+
+
+def test_the_free_column_is_in_gib_as_the_limits_beside_it(capsys: pytest.CaptureFixture[str]) -> None:
+    # "8.6G" in the column beside "(8.0 GiB free of 16.0 ...)" in the notes: one number, two units
+    from types import SimpleNamespace
+
+    from deskfleet.common.agent_state import AgentState
+
+    report = SimpleNamespace(state=AgentState.AVAILABLE, free_memory_bytes=8 << 30, stages=(), reasons=(), detail="")
+    agent = SimpleNamespace(agent_id="a" * 52, hostname="pc-ann", address="10.0.0.5:7341", report=report,
+                            sources=("registered",), problem=None, version="1.0")
+    _print_agents([agent])
+    row = capsys.readouterr().out.splitlines()[1].split()
+    assert row[4] == "8.0GiB"
