@@ -243,10 +243,14 @@ def _ls(args: argparse.Namespace) -> int:
 
     agents = event_loop.run(run())
     warnings = [f"warning: {line}" for line in expiry_warnings(agents, store.tls_files, utc_now())]
-    # without `fleet serve` agents cannot register: one listed as never having called in may well be running
-    if (not agents or any(agent.problem == NEVER_REGISTERED for agent in agents)) and not store.served():
+    # without `fleet serve` agents cannot register, nor new PCs join: said whatever the list shows (it was said only
+    # where a PC was listed as never having called in, so an admin whose PCs all answered did not learn that the
+    # next join would fail)
+    if not store.served():
+        never = " (a PC listed as never having called in may be running)" \
+            if not agents or any(agent.problem == NEVER_REGISTERED for agent in agents) else ""
         warnings.append(f"warning: no `deskfleet fleet serve` runs on {store.data_dir}: agents cannot register with "
-                        "the controller (a PC listed as never having called in may be running); start it")
+                        f"the controller{never}, nor new PCs join; start it")
     try:
         undeployed = undeployed_stages(store, {agent.agent_id: agent.report.stages for agent in agents
                                                if agent.agent_id is not None and agent.report is not None})

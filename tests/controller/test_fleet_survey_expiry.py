@@ -26,7 +26,7 @@ DAY = datetime.timedelta(days=1)
 
 
 def ls_with_one_agent(tmp_path: Path, agent_valid_days: int, controller_age_days: int,
-                      *options: str) -> tuple[str, str, str]:
+                      *options: str, serving: bool = True) -> tuple[str, str, str]:
     """(stdout, stderr, agent id) of `fleet ls` on a fleet made `controller_age_days` ago whose one agent's
     certificate, made now, is valid for `agent_valid_days`."""
     store = FleetStore(tmp_path / "controller")
@@ -43,8 +43,9 @@ def ls_with_one_agent(tmp_path: Path, agent_valid_days: int, controller_age_days
         store.save_roster({core.agent_id: RosterEntry(core.agent_id, "pc-042", utc_now().isoformat(),
                                                       (f"127.0.0.1:{port}",))})
         async with server:
-            assert await asyncio.to_thread(main, ["fleet", "ls", "--discover-seconds", "0", "--data-dir",
-                                                  str(store.data_dir), *options]) == 0
+            with store.serving() if serving else contextlib.nullcontext():  # as `fleet serve` holds it
+                assert await asyncio.to_thread(main, ["fleet", "ls", "--discover-seconds", "0", "--data-dir",
+                                                      str(store.data_dir), *options]) == 0
 
     with contextlib.redirect_stdout(io.StringIO()) as stdout, contextlib.redirect_stderr(io.StringIO()) as stderr:
         asyncio.run(scenario())
@@ -70,6 +71,14 @@ def test_fleet_ls_warns_of_an_agent_and_the_controller_certificate_running_out(t
 def test_fleet_ls_says_nothing_of_certificates_with_more_than_60_days_to_go(tmp_path: Path) -> None:
     out, _, _ = ls_with_one_agent(tmp_path, 62, 0)
     assert "pc-042" in out and "warning" not in out
+
+
+def test_fleet_ls_says_no_serve_runs_even_where_every_pc_answered(tmp_path: Path) -> None:
+    # it was said only beside a PC never heard from: an admin whose PCs all answered learnt at the next join
+    out, _, _ = ls_with_one_agent(tmp_path, 62, 0, serving=False)
+    assert "pc-042" in out
+    assert out.splitlines()[-1] == (f"warning: no `deskfleet fleet serve` runs on {tmp_path / 'controller'}: agents "
+                                    "cannot register with the controller, nor new PCs join; start it")
 
 
 def test_fleet_ls_json_carries_each_agent_s_certificate_expiry_and_warns_on_stderr(tmp_path: Path) -> None:
