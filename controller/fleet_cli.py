@@ -453,6 +453,11 @@ def _deploy(args: argparse.Namespace) -> int:
             raise
         print(f"deskfleet: error: {error}", file=sys.stderr)  # a PC failed it, or the PCs cannot hold the plan
         return 1
+    except KeyboardInterrupt:  # it ended with exit 130 and not a word: was anything lost, or half deployed?
+        print("deskfleet: deploy stopped by Ctrl-C: the files the PCs received stay in their caches, and the next "
+              "`deskfleet fleet deploy` sends only the rest; the model's deployment on record is the one before "
+              "(it is written once every stage is ready)", file=sys.stderr)
+        raise
     if args.json:
         print_whole(json.dumps({"model_id": report.model_id, "bytes_sent": report.bytes_sent,
                                 "files_sent": report.files_sent,

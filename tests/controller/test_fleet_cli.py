@@ -116,3 +116,22 @@ def test_a_deploy_the_fleet_cannot_take_exits_1_and_a_usage_error_2(
     assert "no agents in the fleet" in capsys.readouterr().err
     assert main(["fleet", "deploy", "--model", str(tmp_path), *data]) == 2  # not an export
     assert "manifest.json" in capsys.readouterr().err
+
+
+def test_a_deploy_stopped_by_ctrl_c_says_what_it_left(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # it exited 130 without a word: whether anything was lost, or half deployed, was left to guess
+    import deskfleet.controller.fleet_deploy as fleet_deploy
+
+    async def ctrl_c(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fleet_deploy, "deploy", ctrl_c)
+    assert main(["fleet", "init", "--address", "127.0.0.1:1", "--data-dir", str(tmp_path / "ctl")]) == 0
+    capsys.readouterr()
+    assert main(["fleet", "deploy", "--model", str(tiny_export), "--data-dir", str(tmp_path / "ctl"),
+                 "--discover-seconds", "0"]) == 130
+    assert capsys.readouterr().err == (
+        "deskfleet: deploy stopped by Ctrl-C: the files the PCs received stay in their caches, and the next "
+        "`deskfleet fleet deploy` sends only the rest; the model's deployment on record is the one before (it is "
+        "written once every stage is ready)\n")
