@@ -11,6 +11,7 @@ it has not seen (one, or two after a fully accepted round), then its own proposa
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from deskfleet.common.speculative import SamplingParams, sample, sampling_probs
 from deskfleet.common.wire import ForwardResult
 
 from .batch_track import BatchTrack
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,19 @@ def check_draft_spec(draft: ModelSpec, target: ModelSpec) -> None:
         raise ValueError(f"the draft's context ({draft.max_context} positions) is shorter than the "
                          f"target's ({target.max_context}): a stream would outgrow the draft mid-generation; "
                          f"export the draft with --max-context {target.max_context}")
+
+
+def _warn_if_not_smaller(draft: ModelSpec, target: ModelSpec) -> None:
+    """Warn where the draft model multiplies as many weights a token as the target, or more (the target given as
+    its own draft, or the two swapped): every round then costs more than the tokens it can save, and the run went
+    on slower than plain decoding without a word."""
+    def weights(spec: ModelSpec) -> int:
+        return spec.num_layers * spec.layer_parameters + spec.head_parameters
+
+    if weights(draft) >= weights(target):
+        log.warning("--draft is not smaller than the target (%.0fM against %.0fM weights a token): drafting with it "
+                    "is slower than decoding plainly; give a much smaller draft model (the same tokenizer), or "
+                    "--prompt-lookup", weights(draft) / 1e6, weights(target) / 1e6)
 
 
 def mix_seed(seed: int, position: int, salt: int) -> int:
@@ -254,6 +270,7 @@ def open_drafter(draft: Path | None, prompt_lookup: bool, settings: CompileSetti
             raise ManifestError(f"--draft: {error}") from None
         if target is not None:
             check_draft_spec(manifest.spec, target)
+            _warn_if_not_smaller(manifest.spec, target)
     if prompt_lookup:
         from .prompt_lookup import DEFAULT_MIN_NGRAM, FLEET_MIN_NGRAM, PromptLookupDraft
 

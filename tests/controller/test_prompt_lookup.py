@@ -116,3 +116,19 @@ def test_a_damaged_draft_file_is_named_as_the_draft(tmp_path: Path, other_draft:
         layer.truncate(10)
     with pytest.raises(ManifestError, match=r"^--draft: .*layer_000\.bin has 10 bytes"):
         open_drafter(draft, prompt_lookup)
+
+
+def test_a_draft_model_no_smaller_than_the_target_is_warned_of(target: Path, other_draft: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    # `--draft` given the target itself, or the two swapped, ran slower than plain decoding without a word
+    import logging
+
+    from deskfleet.common.model_spec import load_manifest
+
+    spec = load_manifest(target).spec
+    with caplog.at_level(logging.WARNING, logger="deskfleet"):
+        open_drafter(other_draft, False, target=spec)
+        assert not any("not smaller" in record.getMessage() for record in caplog.records)
+        open_drafter(target, False, target=spec)
+    assert any(record.getMessage().startswith("--draft is not smaller than the target (") and "--prompt-lookup" in
+               record.getMessage() for record in caplog.records)
