@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from deskfleet.common.console import ctrl_c_held
 from deskfleet.common.file_lock import try_lock_file
 from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, ManifestError, load_manifest
 
@@ -192,7 +193,7 @@ def move_into_place(model_dir: Path, staging: Path, out_dir: Path, overwrite: bo
         # handler when the call returns. So what is on disk says how far the move got, not which line raised.
         if not os.path.lexists(staging) and os.path.lexists(out_dir):  # the new export is in place: done
             if retired is not None:
-                shutil.rmtree(retired, ignore_errors=True)
+                _discard(retired, out_dir)
             raise
         moved_aside = retired is not None and os.path.lexists(retired) and not os.path.lexists(out_dir)
         restored = _put_back(retired, out_dir) if moved_aside and retired is not None else ""
@@ -207,7 +208,7 @@ def move_into_place(model_dir: Path, staging: Path, out_dir: Path, overwrite: bo
     with contextlib.suppress(OSError):  # the rename itself, on disk; it has happened either way
         _fsync(out_dir.parent, os.O_RDONLY)
     if retired is not None:
-        shutil.rmtree(retired, ignore_errors=True)
+        _discard(retired, out_dir)
 
 
 @contextlib.contextmanager
@@ -302,7 +303,9 @@ def remove_stale_folders(out_dir: Path) -> None:
     for entry, kind, pid in _left_beside(out_dir):
         if _process_alive(pid):
             continue
-        if kind == "old":
+        if kind == "deleting":  # an old export whose replacement was in place, its deletion cut short
+            shutil.rmtree(entry, ignore_errors=True)
+        elif kind == "old":
             # Never removed here, not even once an export is in place at out_dir: the warning a run printed when
             # it found the folder told the user it was theirs to move back or remove, and a later --overwrite
             # deleted it without a line (an export at out_dir may be one they put back by hand, or another).
@@ -318,6 +321,20 @@ def remove_stale_folders(out_dir: Path) -> None:
 
 
 # Private methods
+
+def _discard(retired: Path, out_dir: Path) -> None:
+    """Delete the old export this export moved aside, now that its own is in place: first renamed to a name that
+    only ever means that (`.NAME.deleting-PID`), which remove_stale_folders removes without asking, so that a
+    deletion cut short (a power cut, a second Ctrl-C) leaves no half export under the `.old-` name the user is told
+    to move back. A first Ctrl-C meanwhile waits for the deletion."""
+    with ctrl_c_held():
+        deleting = retired.with_name(f".{out_dir.name}.deleting-{os.getpid()}")
+        try:
+            os.rename(retired, deleting)
+        except OSError:  # a folder of that name left by an earlier run of this PID: delete in place
+            deleting = retired
+        shutil.rmtree(deleting, ignore_errors=True)
+
 
 def _check_replaceable(folder: Path, shown: Path) -> None:
     """Refuse to replace `folder` (named `shown` to the user) unless it is empty or a deskfleet export holding
@@ -453,8 +470,9 @@ def _is_export(folder: Path) -> bool:
 
 def _left_beside(out_dir: Path) -> Iterator[tuple[Path, str, int]]:
     """The folders exports to `out_dir` made beside it, in name order: each with its kind ("partial", the staging
-    folder an export writes; "old", an old export moved aside) and the PID in its name. Links are never one."""
-    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.(partial|old)-([0-9]{{1,10}})")
+    folder an export writes; "old", an old export moved aside; "deleting", one being deleted once its replacement
+    was in place) and the PID in its name. Links are never one."""
+    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.(partial|old|deleting)-([0-9]{{1,10}})")
     try:
         entries = sorted(out_dir.parent.iterdir())
     except OSError:  # no parent folder yet: it is made with the staging folder

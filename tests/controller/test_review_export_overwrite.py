@@ -167,6 +167,33 @@ def test_an_old_export_a_killed_overwrite_set_aside_is_never_deleted_silently(
                    and "left for you to move back or remove" in text for text in warned), warned
 
 
+def test_an_old_export_is_deleted_under_a_name_of_its_own_and_a_deletion_cut_short_goes_next_time(
+        checkpoint: Path, tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # deleted under its .old- name, a deletion cut short (a power cut) left half an export that every later
+    # export offered back as "what was at OUT before ... to move back"
+    from deskfleet.controller.export import output_folder
+
+    out = tmp_path / "out"
+    shutil.copytree(tiny_export, out)
+    deleted: list[str] = []
+    rmtree = shutil.rmtree
+
+    def power_cut_mid_delete(path: Path, *args: object, **kwargs: object) -> None:
+        deleted.append(Path(path).name)
+        (Path(path) / "manifest.json").unlink(missing_ok=True)  # as far as the deletion got
+
+    monkeypatch.setattr(output_folder.shutil, "rmtree", power_cut_mid_delete)
+    export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
+    assert deleted == [f".out.deleting-{os.getpid()}"]  # renamed before the deletion began
+    half = tmp_path / f".out.deleting-{os.getpid()}"
+    assert half.is_dir() and not (tmp_path / f".out.old-{os.getpid()}").exists()
+    monkeypatch.setattr(output_folder.shutil, "rmtree", rmtree)
+    dead = tmp_path / ".out.deleting-99999"  # a PID no process has, as the next run finds it
+    half.rename(dead)
+    export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]
+
+
 def test_an_old_export_set_aside_under_this_process_s_number_is_in_the_way_before_any_work(
         checkpoint: Path, tiny_export: Path, tmp_path: Path, no_conversion: None) -> None:
     # left by an earlier process of the same PID: moving the old export aside to that name would fail at the end
