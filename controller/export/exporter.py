@@ -375,7 +375,7 @@ def _refuse_tokenizer_code(model_dir: Path) -> None:
     class instead where tokenizer_class names one, which may not split text as that code does; it exported
     without a word (refused only where tokenizer_class named the custom class)."""
     path = model_dir / "tokenizer_config.json"
-    if not path.is_file() or path.is_symlink():
+    if not path.is_file():  # a link to a file is read (a Hugging Face cache snapshot is all links)
         return
     try:
         auto_map = read_json_object(path).get("auto_map")
@@ -388,7 +388,8 @@ def _refuse_tokenizer_code(model_dir: Path) -> None:
             f"the tokenizer of {model_dir} is custom code (tokenizer_config.json's auto_map names "
             f"{', '.join(named)[:200]}): deskfleet runs no code from a checkpoint, and the standard tokenizer it "
             "would load instead may not split text as that code does; export a checkpoint whose tokenizer is a "
-            "standard one with a tokenizer.json")
+            "standard one with a tokenizer.json (where the model's tokenizer.json is known to split text as that "
+            "code does, remove auto_map from a copy of tokenizer_config.json)")
 
 
 def _unreadable_tokenizer_file(model_dir: Path) -> str | None:

@@ -76,3 +76,9 @@ def test_a_tokenizer_config_whose_auto_map_names_code_is_refused_even_with_a_sta
                                           r"tokenization_custom.CustomTokenizer\): deskfleet runs no code"):
         export_checkpoint(checkpoint, tmp_path / "export", WeightFormat.F32)
     assert not marker.exists() and not (tmp_path / "export").exists()
+    # a Hugging Face cache snapshot holds links to its blobs: the file a link names is read all the same
+    blob = tmp_path / "blob.json"
+    config_path.rename(blob)
+    config_path.symlink_to(blob)
+    with pytest.raises(ExportError, match=r"tokenizer_config.json's auto_map names"):
+        export_checkpoint(checkpoint, tmp_path / "export", WeightFormat.F32)
