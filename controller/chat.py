@@ -42,7 +42,7 @@ from deskfleet.common.wire import MICRO_BATCH_IDLE_S
 from .decoding_options import DecodingOptions, add_decoding_options, decoding_arguments, non_negative_int, positive_int
 from .engine import Engine, KeptKV, StageChain, StreamRequest
 from .generation import GenerationError, check_tokenized
-from .run import GenerateOptions, run_generate
+from .run import GenerateOptions, GenerationInterrupted, GenerationStopped, run_generate
 
 if TYPE_CHECKING:
     # .tokenizer and .text_printer are imported where used: the tokenizers package comes with the controller
@@ -171,7 +171,11 @@ def generate_on_fleet(options: GenerateOptions, data_dir: Path | None, stream_te
     store = _store(data_dir)
     with _open_fleet_chain(store, options.model, max_failovers, discover_seconds, peers,
                            drafting=options.draft is not None or options.prompt_lookup) as (chain, failover):
-        report = run_generate(options, stream_text, chain=chain, chain_stages=chain.num_stages, recover=failover)
+        try:
+            report = run_generate(options, stream_text, chain=chain, chain_stages=chain.num_stages, recover=failover)
+        except (GenerationStopped, GenerationInterrupted) as stopped:  # the runs whose re-plans matter most
+            stopped.report.update({"fleet": True, "replans": failover.replans})
+            raise
     report["fleet"] = True
     report["replans"] = failover.replans
     return report

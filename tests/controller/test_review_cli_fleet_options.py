@@ -171,3 +171,33 @@ def test_fleet_generate_keeps_what_a_stopped_run_made_and_reports_its_replans(
     outcomes.append(GenerationInterrupted({"tokens": [7], "stopped": "interrupted"}, ["--prompt-ids"], False))
     assert main([*argv, "--json"]) == 130
     assert capsys.readouterr().out == '{"tokens": [7], "stopped": "interrupted"}\n'
+
+
+@pytest.mark.parametrize("stop", ["broken", "ctrl_c"])
+def test_a_fleet_run_that_stops_reports_its_replans(monkeypatch: pytest.MonkeyPatch, stop: str) -> None:
+    # the re-plans were added only to a run that finished: a stopped one, where they matter most, had none
+    import contextlib
+    from collections.abc import Iterator
+    from types import SimpleNamespace
+
+    import deskfleet.controller.chat as chat
+    from deskfleet.controller.run import GenerateOptions, GenerationInterrupted, GenerationStopped
+
+    replans = [{"lost_agent": "b" * 52}]
+
+    @contextlib.contextmanager
+    def fleet_chain(*args: Any, **kwargs: Any) -> Iterator[tuple[Any, Any]]:
+        yield SimpleNamespace(num_stages=2), SimpleNamespace(replans=replans)
+
+    def run_generate(*args: Any, **kwargs: Any) -> dict[str, object]:
+        report: dict[str, object] = {"tokens": [4], "stopped": stop}
+        if stop == "broken":
+            raise GenerationStopped("the chain broke", report)
+        raise GenerationInterrupted(report, ["--prompt-ids"], False)
+
+    monkeypatch.setattr(chat, "_store", lambda data_dir: None)
+    monkeypatch.setattr(chat, "_open_fleet_chain", fleet_chain)
+    monkeypatch.setattr(chat, "run_generate", run_generate)
+    with pytest.raises((GenerationStopped, GenerationInterrupted)) as stopped:
+        chat.generate_on_fleet(GenerateOptions(model=Path("m"), prompt_ids=[[1]]), None)
+    assert stopped.value.report == {"tokens": [4], "stopped": stop, "fleet": True, "replans": replans}
