@@ -91,13 +91,17 @@ def read_prompts_file(path: Path, option: str = "--prompts-file") -> list[str]:
 
 
 def _looks_utf16(head: bytes) -> bool:
-    """Whether text without a byte order mark is UTF-16: a NUL at every other byte of the start, as ASCII text
-    encoded so has (at least 90% of one parity's bytes NUL, the other's none)."""
-    even, odd = head[0::2], head[1::2]
-    if len(odd) < 2:
-        return False
-    for nuls, others in ((even, odd), (odd, even)):
-        if nuls.count(0) >= 0.9 * len(nuls) and 0 not in others:
+    """Whether text without a byte order mark is UTF-16: the start decodes as UTF-16 (either byte order) to text
+    that is almost all printable characters. A NUL every other byte was the test before, and text outside ASCII
+    (Cyrillic, Japanese) was then called a binary file."""
+    head = head[:len(head) - len(head) % 2]
+    for encoding in ("utf-16-le", "utf-16-be"):
+        try:
+            text = head.decode(encoding)
+        except UnicodeDecodeError:  # a lone surrogate: not this byte order (a cut at the end is left out above)
+            continue
+        readable = sum(1 for char in text if char.isprintable() or char in "\t\r\n")
+        if text and readable >= 0.95 * len(text):
             return True
     return False
 
@@ -111,7 +115,9 @@ def read_numbered_prompts(path: Path, option: str = "--prompts-file") -> list[tu
         data = sys.stdin.buffer.read() if str(path) == STDIN_PATH else Path(path).read_bytes()
     except OSError as error:
         raise ValueError(f"{option} {path}: {error.strerror or error}") from None
-    if data.startswith((b"\xff\xfe", b"\xfe\xff")) or _looks_utf16(data[:4096]):
+    # a NUL is no UTF-8 text's: UTF-16 (most text has one every other byte there) or a binary file; without
+    # any, almost every byte string decodes as UTF-16 to printable CJK, so the test is only made where one is
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")) or (b"\x00" in data[:4096] and _looks_utf16(data[:4096])):
         # UTF-16 (PowerShell 5's `>` writes it): without a BOM it decodes as UTF-8 with a NUL every other byte
         raise ValueError(f"{option} {path} is UTF-16 text, not UTF-8: save the file as UTF-8")
     if (nul := data.find(0)) >= 0:  # a binary file: called UTF-16 (as any NUL was), it got the wrong fix
