@@ -193,8 +193,13 @@ def _refuse_controller_dir(data_dir: Path | None) -> None:
 
     if data_dir is None:
         return
-    root = AgentPaths.resolve(data_dir).state_dir.parent
+    paths = AgentPaths.resolve(data_dir)
+    root = paths.state_dir.parent
     controllers = [name for name in CONTROLLER_FILES if (root / name).exists()]
+    if controllers and paths.state_dir.is_dir():  # one an earlier deskfleet let `fleet init` share with this agent
+        raise EnrollmentError(f"{root} is also a controller's data dir (it holds {controllers[0]}): move the agent's "
+                              f"folders ({paths.settings_dir.name}, {paths.state_dir.name}, {paths.cache_dir.name}) "
+                              "into a folder of their own and give that as --data-dir; the PC stays in its fleet")
     if controllers:
         raise EnrollmentError(f"{root} is a controller's data dir (it holds {controllers[0]}): give the agent a "
                               "--data-dir of its own")

@@ -151,9 +151,15 @@ class FleetStore:
                                (MEMBERSHIP_FILE, "an agent's state folder"),
                                ("agent-key.pem", "an agent's state folder"),
                                (SETTINGS_FILE, "an agent's settings folder")):
-            if os.path.lexists(self.data_dir / relative):
-                raise FleetStoreError(f"{self.data_dir} is {what} (it holds {relative}), not a controller's: give the "
-                                      f"controller a --data-dir of its own (or set {ENV_DATA_DIR})")
+            if not os.path.lexists(self.data_dir / relative):
+                continue
+            if present := self.existing_files():  # one an earlier deskfleet let `fleet init` share with an agent
+                raise FleetStoreError(
+                    f"{self.data_dir} holds both an agent's files ({relative}) and a controller's "
+                    f"({', '.join(present)}): move the controller's files into a folder of their own and give that "
+                    f"as --data-dir (or set {ENV_DATA_DIR}); the fleet, its CA and its PCs stay as they are")
+            raise FleetStoreError(f"{self.data_dir} is {what} (it holds {relative}), not a controller's: give the "
+                                  f"controller a --data-dir of its own (or set {ENV_DATA_DIR})")
 
     def require_initialised(self) -> None:
         """Raise FleetStoreError unless the data dir holds a whole fleet: its keys and certificates load and

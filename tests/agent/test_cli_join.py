@@ -115,3 +115,13 @@ def test_a_blank_hostname_is_refused(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert exited.value.code == 2
     assert "argument --hostname: is empty or blank (an unset variable?)" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_a_data_dir_an_earlier_fleet_init_shared_says_how_to_part_them(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "ca-key.pem").write_text("key")
+    (tmp_path / "state").mkdir()  # the agent's, joined before `fleet init` was let in
+    assert cli.main(["--data-dir", str(tmp_path), "--headless"]) == 2
+    assert (f"{tmp_path} is also a controller's data dir (it holds ca-key.pem): move the agent's folders (settings, "
+            "state, cache) into a folder of their own and give that as --data-dir; the PC stays in its fleet"
+            ) in capsys.readouterr().err

@@ -444,3 +444,17 @@ def test_a_token_without_fleet_json_names_the_missing_file(store: FleetStore) ->
     store.write("fleet", {"name": "test", "addresses": []})
     with pytest.raises(FleetStoreError, match=r"^no controller address to put in the token: pass --address"):
         issue_token(store, utc_now(), datetime.timedelta(hours=1), 1)
+
+
+def test_a_folder_an_earlier_fleet_init_shared_with_an_agent_says_how_to_part_them(tmp_path: Path) -> None:
+    # an earlier deskfleet let `fleet init` into an agent's data dir: "give the controller a --data-dir of its own"
+    # would have the admin make a new fleet, and every PC join again
+    store = FleetStore(tmp_path / "shared")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    (store.data_dir / "state").mkdir()
+    (store.data_dir / "state" / "membership.json").write_text("{}")
+    with pytest.raises(FleetStoreError, match=re.escape(
+            f"{store.data_dir} holds both an agent's files (state/membership.json) and a controller's (")
+            + r".*ca-key\.pem.*\): move the controller's files into a folder of their own and give that as "
+            r"--data-dir .*; the fleet, its CA and its PCs stay as they are"):
+        store.require_initialised()
