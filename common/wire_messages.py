@@ -11,6 +11,7 @@ that wants to write into one must copy it first.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,14 +69,31 @@ def parse_address(text: str, any_port: bool = False) -> tuple[str, int]:
     `any_port`: an address to listen on, where port 0 asks for any free port."""
     host, separator, port_text = text.rpartition(":")
     if not separator or _HOST.fullmatch(host) is None:
-        bracketed = f" (an IPv6 host goes in brackets: [{host}]:{port_text})" \
-            if separator and ":" in host and not host.startswith("[") else ""
-        raise ProtocolError(f"address {text[:300]!r} is not host:port{bracketed[:200]}")
+        raise ProtocolError(f"address {text[:300]!r} is not host:port{_bracket_hint(text)}")
     lowest = 0 if any_port else 1
     port = _port_number(port_text)
     if port is None or not lowest <= port < 65536:
         raise ProtocolError(f"address {text[:300]!r} has no port between {lowest} and 65535")
     return host.strip("[]"), port
+
+
+def _bracket_hint(text: str) -> str:
+    """How to write an IPv6 address that was given without its brackets ("::1:7341"), or "": the last group may
+    be its port ([::1]:7341), or the whole text the address itself, with no port yet ([fe80::1]:PORT)."""
+    host, _, port = text.rpartition(":")
+    forms = []
+    if _is_ipv6(host) and _port_number(port) is not None:
+        forms.append(f"[{host}]:{port}")
+    if _is_ipv6(text):
+        forms.append(f"[{text}]:PORT")
+    return f" (an IPv6 host goes in brackets: {' or '.join(forms)})"[:300] if forms else ""
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(text), ipaddress.IPv6Address)
+    except ValueError:
+        return False
 
 
 def _port_number(text: str) -> int | None:

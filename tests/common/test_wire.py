@@ -497,11 +497,13 @@ def test_addresses_need_a_port_and_port_zero_only_to_listen() -> None:
     with pytest.raises(ProtocolError, match="between 0 and 65535"):
         wire.parse_address("host:x", any_port=True)
     # an IPv6 address without its brackets: said how to write it
-    with pytest.raises(ProtocolError, match=re.escape("address '::1:7341' is not host:port (an IPv6 host goes in "
-                                                      "brackets: [::1]:7341)")):
-        wire.parse_address("::1:7341")
-    with pytest.raises(ProtocolError, match=r"^address 'a b:1' is not host:port$"):
-        wire.parse_address("a b:1")
+    for text, hint in (("::1:7341", " (an IPv6 host goes in brackets: [::1]:7341 or [::1:7341]:PORT)"),
+                       ("fe80::1", " (an IPv6 host goes in brackets: [fe80::1]:PORT)"),  # no port given
+                       ("2001:db8::5:8765", " (an IPv6 host goes in brackets: [2001:db8::5]:8765 or "
+                                            "[2001:db8::5:8765]:PORT)"),
+                       ("::", " (an IPv6 host goes in brackets: [::]:PORT)"), ("host:name:80", ""), ("a b:1", "")):
+        with pytest.raises(ProtocolError, match=f"^{re.escape(f'address {text!r} is not host:port{hint}')}$"):
+            wire.parse_address(text)
 
 
 def test_the_most_known_removals_a_message_carries_fit_the_frames_the_controllers_port_reads() -> None:
