@@ -35,7 +35,9 @@ class CacheHealth:
         self._unwritable = cache.unwritable() is not None  # a read-only cache is noted from the start
 
     def refused(self, error: OSError, needed_bytes: int) -> None:
-        """A write into the cache failed with `error`, wanting `needed_bytes` more on its disk."""
+        """A write into the cache failed with `error`, wanting `needed_bytes` more on its disk (the rest of the
+        shard being received, or a stage's files: what one write needed, not the whole deploy, so a note that
+        went may come back at the deploy's next shard)."""
         if error.errno == errno.ENOSPC:
             self._needed_bytes = max(needed_bytes, self._needed_bytes or 0, 1)
         elif error.errno in UNWRITABLE_ERRNOS:
@@ -62,8 +64,8 @@ class CacheHealth:
             if free >= self._needed_bytes:
                 self._needed_bytes = None
             else:
-                return (f"shard cache disk full: {_gb(free)} free at {root}, a deploy needed {_gb(self._needed_bytes)}"
-                        " (free space there, or lower cache_limit_bytes)")
+                return (f"shard cache disk full: {_gb(free)} free at {root}, a shard being received needed "
+                        f"{_gb(self._needed_bytes)} more (free space there, or lower cache_limit_bytes)")
         return ""
 
 

@@ -318,9 +318,10 @@ class AgentCore:
         reading = await self._read_monitor()
         policy = self.policy()
         snapshot = make_status(reading, policy, tuple(self.stages), self.cache.usage(), self.last_error, time.time())
-        # who paused it, first: the admin's `fleet ls` and plan tell a user's opt-out from theirs; then the limits'
-        # numbers, then a disk that refused the shard cache's writes
-        parts = (f"paused {self.paused_by()}" if policy.paused else "", snapshot.detail, self.cache_health.note())
+        # who paused it, first: the admin's `fleet ls` and plan tell a user's opt-out from theirs; then a disk that
+        # refused the shard cache's writes, then the limits' numbers (the wire keeps MAX_STATUS_DETAIL characters:
+        # what is cut is the end, and the numbers are what the reasons also say)
+        parts = (f"paused {self.paused_by()}" if policy.paused else "", self.cache_health.note(), snapshot.detail)
         snapshot = replace(snapshot, detail="; ".join(part for part in parts if part))
         if self._speed is None and self._speed_probe is not None:
             try:

@@ -34,8 +34,8 @@ def test_a_full_disk_is_noted_until_it_has_room_for_what_was_refused(tmp_path: P
     health = CacheHealth(cache, disk)
     assert health.note() == ""
     health.refused(FULL, 250_000_000)
-    assert health.note() == (f"shard cache disk full: 3.00 MB free at {cache.root}, a deploy needed 0.25 GB (free "
-                             "space there, or lower cache_limit_bytes)")
+    assert health.note() == (f"shard cache disk full: 3.00 MB free at {cache.root}, a shard being received needed "
+                             "0.25 GB more (free space there, or lower cache_limit_bytes)")
     disk.free = 249_999_999
     assert health.note().startswith("shard cache disk full: 0.25 GB free")
     disk.free = 250_000_000  # freed: the note goes, and stays gone
@@ -94,8 +94,8 @@ def test_the_agent_reports_a_shard_the_disk_could_not_take_in_its_status_detail(
     monkeypatch.setattr(core.cache, "write", disk_full)
     with pytest.raises(CommandError):
         handle(core, Role.CONTROLLER, ShardChunk(digest, 4000, len(data), data[4000:]))
-    assert _status(core).detail == (f"shard cache disk full: 0.00 MB free at {core.cache.root}, a deploy needed "
-                                    "0.01 MB (free space there, or lower cache_limit_bytes)")
+    assert _status(core).detail == (f"shard cache disk full: 0.00 MB free at {core.cache.root}, a shard being "
+                                    "received needed 0.01 MB more (free space there, or lower cache_limit_bytes)")
     monkeypatch.setattr(core.cache, "write", write)  # the next deploy's chunk goes through: the note goes
     disk.free = 0
     handle(core, Role.CONTROLLER, ShardChunk(digest, 4000, len(data), data[4000:]))
@@ -115,6 +115,6 @@ def test_a_stage_the_disk_could_not_take_is_noted_and_paused_comes_first(
     with pytest.raises(CommandError):
         handle(core, Role.CONTROLLER, assignment)
     detail = _status(core).detail
-    assert detail.startswith("shard cache disk full: 0.00 MB free") and "a deploy needed" in detail
+    assert detail.startswith("shard cache disk full: 0.00 MB free") and "a shard being received needed" in detail
     core.settings = replace(core.settings, paused=True)
     assert _status(core).detail.startswith("paused in its settings (paused: true); shard cache disk full")
