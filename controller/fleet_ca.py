@@ -145,6 +145,8 @@ def parse_duration(text: str) -> datetime.timedelta:
     seconds = sum(int(number) * _UNITS[unit] for number, unit in parts)
     if seconds <= 0:
         raise ValueError(f"duration {text!r} must be longer than zero")
+    if seconds > 100 * 366 * 86400:  # past what a timedelta holds (a traceback), and past any CA's life
+        raise ValueError(f"duration {text!r} is longer than 100 years")
     return datetime.timedelta(seconds=seconds)
 
 
@@ -160,12 +162,13 @@ def issue_token(store: FleetStore, now: datetime.datetime, ttl: datetime.timedel
                                   "init --address`); pass --address HOST:PORT, or restore the file from a backup")
         raise FleetStoreError("no controller address to put in the token: pass --address HOST:PORT")
     secret = join_tokens.new_secret()
-    expires_at = (now + ttl).replace(microsecond=0)
     ca_certificate = store.tls_files.ca_certificate()
     ca_ends = ca_certificate.not_valid_after_utc
-    if expires_at > ca_ends:  # `--ttl 99999d` was valid until 2300: a join after the CA's end cannot be signed
-        raise ValueError(f"--ttl reaches {expires_at.date().isoformat()}, past the fleet CA's end on "
-                         f"{ca_ends.date().isoformat()}, after which no PC can join: give a shorter --ttl")
+    if ttl > ca_ends - now:  # `--ttl 99999d` was valid until 2300: a join after the CA's end cannot be signed
+        # (compared before now + ttl is made: 3000000d overflowed the year 9999 with a traceback)
+        raise ValueError(f"--ttl {ttl.days} days reaches past the fleet CA's end on {ca_ends.date().isoformat()}, "
+                         "after which no PC can join: give a shorter --ttl")
+    expires_at = (now + ttl).replace(microsecond=0)
     token = join_tokens.JoinToken(addresses, pki.certificate_fingerprint(ca_certificate), secret, expires_at)
     join_tokens.encode_join_token(token)  # refuse an unencodable token before recording its secret
     with store.locked():

@@ -194,11 +194,14 @@ def test_a_token_valid_past_the_cas_end_is_refused(store: FleetStore) -> None:
     # `fleet token --ttl 99999d` was valid until 2300, long after the CA (10 years) can sign a joining PC
     ends = store.tls_files.ca_certificate().not_valid_after_utc
     ledger = (store.data_dir / "tokens.json").read_text()
-    with pytest.raises(ValueError, match=rf"--ttl reaches \d{{4}}-\d\d-\d\d, past the fleet CA's end on "
-                                         rf"{ends.date().isoformat()}, after which no PC can join: give a shorter "
-                                         "--ttl"):
-        issue_token(store, utc_now(), datetime.timedelta(days=99999), 1, ("127.0.0.1:9",))
+    for days in (99999, 3_000_000):  # the second overflowed the year 9999 with a traceback
+        with pytest.raises(ValueError, match=rf"--ttl {days} days reaches past the fleet CA's end on "
+                                             rf"{ends.date().isoformat()}, after which no PC can join: give a shorter "
+                                             "--ttl"):
+            issue_token(store, utc_now(), datetime.timedelta(days=days), 1, ("127.0.0.1:9",))
     assert (store.data_dir / "tokens.json").read_text() == ledger  # nothing recorded
+    with pytest.raises(ValueError, match="duration '99999999999d' is longer than 100 years"):
+        parse_duration("99999999999d")  # past what a timedelta holds: an OverflowError traceback
     issue_token(store, utc_now(), ends - utc_now() - datetime.timedelta(days=1), 1, ("127.0.0.1:9",))
 
 
