@@ -200,8 +200,9 @@ def _checked(kind: type, body: Any, source: str, skip: tuple[str, ...] = ()) -> 
                 and abs(value) < 2 ** 63:
             checked[name] = value = int(value)  # 5e10 bytes, as a person may write a size: JSON reads it as a float
         if not isinstance(value, allowed) or (is_bool and bool not in allowed):
+            too_large = " (too large)" if isinstance(value, float) and value.is_integer() else ""
             raise SettingsError(f"{source}: field {name!r} must be {_JSON_NAMES[known[name]]}, got "
-                                f"{json.dumps(value)}")
+                                f"{json.dumps(value, ensure_ascii=False)}{too_large}")
         if isinstance(value, float) and not math.isfinite(value):  # 1e400 reads as inf
             raise SettingsError(f"{source}: field {name!r} must be a finite number, got {value!r}")
     return checked

@@ -50,7 +50,8 @@ def device_targets(device: str) -> tuple[str, ...]:
             raise ValueError(f"{device!r} is not an OpenVINO device name such as CPU, GPU.1 or AUTO:GPU,CPU{upper}")
         return (device,)
     if kind not in VIRTUAL:
-        raise ValueError(f"{device!r}: only {', '.join(sorted(VIRTUAL))} take a list of devices after ':'")
+        upper = f" (names are upper case: {device.upper()})" if kind.upper() in VIRTUAL else ""
+        raise ValueError(f"{device!r}: only {', '.join(sorted(VIRTUAL))} take a list of devices after ':'{upper}")
     targets: list[str] = []
     for item in listed.split(","):
         target = _DEVICE_TARGET.fullmatch(item)

@@ -263,7 +263,7 @@ def _report(engine: Engine, tokenizer: ModelTokenizer, results: dict[int, Stream
     if len(streams) == 1:
         report.update({key: streams[0][key] for key in ("tokens", "text", "tok_s")})
     else:
-        report["tok_s"] = round(generated / wall, 3) if wall > 0 else 0.0
+        report["tok_s"] = round(generated / wall, 3) if wall > 0 else None  # as a stream's with nothing to time
         if print_streams:
             print_stream_texts(streams, labels)
     return report

@@ -186,7 +186,7 @@ def test_a_peer_whose_connection_is_cut_is_named_as_gone_not_as_a_missing_close_
             link = await open_link(f"127.0.0.1:{server.sockets[0].getsockname()[1]}", files)
             with pytest.raises(LinkError, match="ended without a websocket close: the peer's process ended or its "
                                                 "network dropped the connection"):
-                await link.receive()
+                await asyncio.wait_for(link.receive(), timeout=10.0)  # a regression fails, not hangs
 
     run(scenario())
 

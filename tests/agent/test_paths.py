@@ -81,6 +81,10 @@ def test_missing_file_gives_defaults_and_round_trip(tmp_path: Path) -> None:
                                                           "1500000000.5"),
     ('{"format_version": 1, "thresholds": {"max_temperature_c": "80"}}', "'max_temperature_c' must be a number, or "
                                                                          "null for none, got \"80\""),
+    ('{"format_version": 1, "cache_limit_bytes": 1e300}', r"'cache_limit_bytes' must be a whole number, got 1e\+300 "
+                                                          r"\(too large\)"),
+    ('{"format_version": 1, "device": 7}', "'device' must be a string in quotes, got 7"),
+    ('{"format_version": 1, "paused": "é"}', "'paused' must be true or false, got \"é\""),
     ('{"format_version": 1, "cache_limit_bytes": 0}', "cache_limit_bytes must be positive"),
     ('{"format_version": 1, "listen_address": "nowhere"}', "listen_address"),
     ('{"format_version": 1, "thresholds": {"min_battery_percent": 150}}', "min_battery_percent"),

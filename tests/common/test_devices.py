@@ -35,3 +35,5 @@ def test_device_targets_lists_what_a_name_runs_on_and_refuses_what_openvino_woul
     for name in ("cpu", "GPU,CPU", "CPU:GPU", "AUTO:", "AUTO:MULTI", "X" * 33):
         with pytest.raises(ValueError, match=re.escape(repr(name))):
             device_targets(name)
+    with pytest.raises(ValueError, match=re.escape("(names are upper case: AUTO:GPU,CPU)")):
+        device_targets("auto:gpu,cpu")
