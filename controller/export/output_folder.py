@@ -39,7 +39,7 @@ from typing import Any
 
 from deskfleet.common.console import ctrl_c_held
 from deskfleet.common.file_lock import try_lock_file
-from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, ManifestError, load_manifest
+from deskfleet.common.model_spec import MANIFEST_NAME, Manifest, ManifestError, NewerManifestError, load_manifest
 
 # The exporter's logger, as before these moved here: the lines on stderr keep the name they had.
 log = logging.getLogger("deskfleet.controller.export.exporter")
@@ -349,6 +349,9 @@ def _check_replaceable(folder: Path, shown: Path) -> None:
                           "export or an empty folder; remove it yourself or choose another folder")
     try:  # read here, not by load_manifest, whose "export the model again" is no advice for another app's file
         manifest = Manifest.from_json((folder / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except NewerManifestError:  # "not a deskfleet manifest (... made by a newer deskfleet ...)" said both
+        raise ExportError(f"{shown} holds an export made by a newer deskfleet, which this one cannot check for files "
+                          "of yours before deleting it: remove it yourself, or choose another folder") from None
     except (ManifestError, OSError, ValueError) as error:
         reason = error.strerror if isinstance(error, OSError) else error
         raise ExportError(f"{shown}/{MANIFEST_NAME} is not a deskfleet manifest ({reason}): --overwrite replaces "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -228,3 +229,19 @@ def test_overwrite_is_advised_only_where_it_would_replace_the_folder(
     with pytest.raises(ExportError, match=says) as raised:
         export_checkpoint(checkpoint, out, WeightFormat.F32)
     assert ("pass --overwrite" in str(raised.value)) == (holds in ("export", ""))
+
+
+def test_an_export_of_a_newer_deskfleet_is_named_as_such_not_as_no_deskfleet_manifest(
+        checkpoint: Path, tiny_export: Path, tmp_path: Path, no_conversion: None) -> None:
+    # "out/manifest.json is not a deskfleet manifest (the export was made by a newer deskfleet ...)" said both
+    import json
+
+    out = tmp_path / "out"
+    shutil.copytree(tiny_export, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "format_version": manifest["format_version"] + 1}))
+    for overwrite in (False, True):
+        with pytest.raises(ExportError, match=rf"^{re.escape(str(out))} holds an export made by a newer deskfleet, "
+                                              "which this one cannot check for files of yours before deleting it"):
+            export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=overwrite)
+    assert json.loads((out / "manifest.json").read_text())["format_version"] == manifest["format_version"] + 1
