@@ -93,6 +93,10 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
             return _headless(args)
         parser.error("give a command (join, pause, resume) or --headless (the tray is not part of this build)")
     except KeyboardInterrupt:
+        if args.command == "join":  # it ended with exit 130 and not a word: joined or not?
+            print("deskfleet-agent: join stopped by Ctrl-C: this PC has not joined (its key is kept for the next "
+                  "try); run the join again, with a new token if the controller says this one is used up",
+                  file=sys.stderr)
         return 130
     except (EnrollmentError, SettingsError, JoinTokenError, PkiError, ProtocolError, EventLoopError,
             OSError, ValueError) as error:

@@ -7,6 +7,7 @@ import datetime
 import io
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -125,3 +126,20 @@ def test_a_data_dir_an_earlier_fleet_init_shared_says_how_to_part_them(tmp_path:
     assert (f"{tmp_path} is also a controller's data dir (it holds ca-key.pem): move the agent's folders (settings, "
             "state, cache) into a folder of their own and give that as --data-dir; the PC stays in its fleet"
             ) in capsys.readouterr().err
+
+
+def test_a_join_stopped_by_ctrl_c_says_the_pc_has_not_joined(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # it exited 130 without a word: joined or not?
+    from deskfleet.common import event_loop
+
+    def ctrl_c(coroutine: Any) -> None:
+        coroutine.close()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(event_loop, "run", ctrl_c)
+    assert cli.main(["--data-dir", str(tmp_path), "join", _token("127.0.0.1:1")]) == 130
+    assert capsys.readouterr().err == (
+        "deskfleet-agent: join stopped by Ctrl-C: this PC has not joined (its key is kept for the next try); run the "
+        "join again, with a new token if the controller says this one is used up\n")
+    assert not (tmp_path / "state" / "membership.json").exists()
