@@ -93,10 +93,6 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
             return _headless(args)
         parser.error("give a command (join, pause, resume) or --headless (the tray is not part of this build)")
     except KeyboardInterrupt:
-        if args.command == "join":  # it ended with exit 130 and not a word: joined or not?
-            print("deskfleet-agent: join stopped by Ctrl-C: this PC has not joined (its key is kept for the next "
-                  "try); run the join again, with a new token if the controller says this one is used up",
-                  file=sys.stderr)
         return 130
     except (EnrollmentError, SettingsError, JoinTokenError, PkiError, ProtocolError, EventLoopError,
             OSError, ValueError) as error:
@@ -138,7 +134,13 @@ def _join(args: argparse.Namespace) -> int:
         # the settings and cache folders only once joined: a failed join leaves only the state folder's key, which
         # a retry reuses (the same agent id, where the controller registered the first attempt but its answer was
         # lost)
-        membership = event_loop.run(join(token, paths.state_dir, args.hostname))
+        try:
+            membership = event_loop.run(join(token, paths.state_dir, args.hostname))
+        except KeyboardInterrupt:  # it ended with exit 130 and not a word: joined or not?
+            print("deskfleet-agent: join stopped by Ctrl-C: this PC has not joined (its key is kept for the next "
+                  "try); run the join again, with a new token if the controller says this one is used up",
+                  file=sys.stderr)
+            raise
     paths.create()
     if before is not None and before.fleet_id != membership.fleet_id:
         print(f"this PC left fleet {before.fleet_id} (its stages and removals there no longer apply)")
