@@ -16,6 +16,7 @@ SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 DEFAULT_MAX_CONTEXT_CAP = 8192
 MIN_MAX_CONTEXT = 2  # positions: the shortest context a prompt and its first new token fit in
+ROPE_WARN_BYTES = 128 << 20  # a RoPE table past this (a context of 256k positions at head_dim 64) is warned of
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,11 @@ def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> C
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
     )
     spec.validate()
+    rope_bytes = 2 * context * head_dim * 4  # cos and sin, f32: rope.bin, built in memory and loaded by every stage
+    if rope_bytes > ROPE_WARN_BYTES:  # --max-context 1048576 took 1.6 GB to export the 3M-weight demo draft
+        log.warning("--max-context %d makes a RoPE table of %.0f MB (rope.bin, built in memory now and loaded by "
+                    "every stage), and each stage reserves its KV cache for that many positions: give the context "
+                    "the model will be used at", context, rope_bytes / 1e6)
     if not spec.eos_token_ids:
         log.warning("neither config.json nor generation_config.json of %s gives an eos_token_id: generate will stop "
                     "only at --max-new-tokens (chat at the chat template's end of turn)", model_dir)

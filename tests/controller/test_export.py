@@ -523,3 +523,19 @@ def test_a_config_that_leaves_out_the_context_or_eos_or_layers_is_warned_of(
     spec = read_checkpoint_config(checkpoint).spec
     assert spec.eos_token_ids == () and spec.bos_token_id is None
     assert any("gives an eos_token_id" in text for text in warnings)
+
+
+def test_a_max_context_whose_rope_table_is_huge_is_warned_of(checkpoint_factory: Callable[..., Path],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # --max-context 1048576 exported without a word, building a 517 MB rope.bin in 1.6 GB of memory
+    from deskfleet.controller.export import hf_config
+
+    warnings: list[str] = []
+    monkeypatch.setattr(hf_config.log, "warning", lambda text, *args: warnings.append(text % args))
+    checkpoint = checkpoint_factory("tiny", num_hidden_layers=4)
+    read_checkpoint_config(checkpoint, max_context=4096)
+    assert not any("RoPE table" in text for text in warnings)
+    spec = read_checkpoint_config(checkpoint, max_context=1 << 22).spec  # head_dim 16: 537 MB
+    rope_mb = 2 * (1 << 22) * spec.head_dim * 4 / 1e6
+    assert any(text.startswith(f"--max-context 4194304 makes a RoPE table of {rope_mb:.0f} MB (rope.bin") for text in
+               warnings), warnings
