@@ -52,6 +52,7 @@ AT_FDCWD = -100  # renameat2's "relative to the working directory" (linux/fcntl.
 # What a file manager leaves in a folder it has shown (thumbnails, view settings): no reason to refuse --overwrite
 FOLDER_LITTER = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})
 UNLISTED_SHOWN = 5
+NAME_MAX_BYTES = 255  # the longest name a folder may have on ext4, APFS (bytes) and NTFS (UTF-16 units)
 
 
 class ExportError(RuntimeError):
@@ -129,6 +130,12 @@ def set_aside_folder(out_dir: Path) -> Path:
 def make_staging_folder(out_dir: Path, overwrite: bool = False) -> Path:
     """Make the hidden folder beside `out_dir` that this process writes the export into; with `overwrite`, first
     make sure the name the old export is moved aside to at the end is free."""
+    longest = f".{out_dir.name}.deleting-{'9' * 10}"  # of the names made beside it, with the longest PID
+    if len(os.fsencode(longest)) > NAME_MAX_BYTES:  # it failed as "File name too long" of a name the user never gave
+        spare = NAME_MAX_BYTES - (len(os.fsencode(longest)) - len(os.fsencode(out_dir.name)))
+        raise ExportError(f"the output folder's name is too long: the export works beside it in hidden folders whose "
+                          f"names add {NAME_MAX_BYTES - spare} bytes to it, past the {NAME_MAX_BYTES} a name may "
+                          f"have; give -o a name of at most {spare} bytes")
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     if os.path.lexists(staging):  # a finished export kept by an earlier call in this process
         raise ExportError(f"{staging} is in the way (an earlier export to {out_dir}): move or remove it")

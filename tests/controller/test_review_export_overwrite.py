@@ -245,3 +245,18 @@ def test_an_export_of_a_newer_deskfleet_is_named_as_such_not_as_no_deskfleet_man
                                               "which this one cannot check for files of yours before deleting it"):
             export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=overwrite)
     assert json.loads((out / "manifest.json").read_text())["format_version"] == manifest["format_version"] + 1
+
+
+def test_an_output_name_too_long_for_the_folders_beside_it_is_refused_before_any_work(
+        checkpoint: Path, tmp_path: Path, no_conversion: None) -> None:
+    # a 245-character -o failed with "File name too long" of the hidden .NAME.partial-PID, a name never given
+    out = tmp_path / ("m" * 245)
+    with pytest.raises(ExportError, match=r"^the output folder's name is too long: the export works beside it in "
+                                          r"hidden folders whose names add 21 bytes to it, past the 255 a name may "
+                                          r"have; give -o a name of at most 234 bytes$"):
+        export_checkpoint(checkpoint, out, WeightFormat.F32)
+    assert list(tmp_path.iterdir()) == []
+    from deskfleet.controller.export.output_folder import make_staging_folder
+
+    staging = make_staging_folder(tmp_path / ("m" * 234))  # the longest name that fits
+    assert staging.is_dir()
