@@ -7,6 +7,7 @@ import io
 import pytest
 
 from deskfleet.common.console import tolerate_unencodable
+from tests.signals import signal_main_thread
 
 TEXT = "営業部-PC 🙂 done\n"
 
@@ -39,7 +40,6 @@ def test_a_stream_with_its_own_error_handling_or_not_a_text_wrapper_is_left_alon
 
 
 def test_a_ctrl_c_during_a_held_block_comes_after_it() -> None:
-    import os
     import signal
 
     from deskfleet.common.console import ctrl_c_held
@@ -47,7 +47,7 @@ def test_a_ctrl_c_during_a_held_block_comes_after_it() -> None:
     done = []
     with pytest.raises(KeyboardInterrupt):
         with ctrl_c_held():
-            os.kill(os.getpid(), signal.SIGINT)
+            signal_main_thread()
             for _ in range(1000):  # Python runs a signal's handler between bytecodes: plenty of chances here
                 pass
             done.append("the rest of the block")
@@ -59,7 +59,6 @@ def test_a_ctrl_c_during_a_held_block_comes_after_it() -> None:
 
 
 def test_a_held_ctrl_c_goes_to_the_handler_outside_the_block() -> None:
-    import os
     import signal
 
     from deskfleet.common.console import ctrl_c_held
@@ -68,7 +67,7 @@ def test_a_held_ctrl_c_goes_to_the_handler_outside_the_block() -> None:
     outside = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
     try:
         with ctrl_c_held():
-            os.kill(os.getpid(), signal.SIGINT)
+            signal_main_thread()
             for _ in range(1000):
                 pass
             assert seen == []
@@ -77,22 +76,20 @@ def test_a_held_ctrl_c_goes_to_the_handler_outside_the_block() -> None:
         assert seen == [signal.SIGINT]
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         with ctrl_c_held():
-            os.kill(os.getpid(), signal.SIGINT)
+            signal_main_thread()
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # ignored outside: ignored after it too
     finally:
         signal.signal(signal.SIGINT, outside)
 
 
 def test_print_whole_writes_its_line_whole_through_a_ctrl_c() -> None:
-    import os
-    import signal
 
     from deskfleet.common.console import print_whole
 
     class CtrlCWhileWriting(io.StringIO):
         def write(self, text: str) -> int:  # the Ctrl-C lands while the line is being written
             if not self.getvalue():
-                os.kill(os.getpid(), signal.SIGINT)
+                signal_main_thread()
             return super().write(text)
 
     out = CtrlCWhileWriting()
@@ -103,7 +100,6 @@ def test_print_whole_writes_its_line_whole_through_a_ctrl_c() -> None:
 
 def test_a_second_ctrl_c_during_a_held_block_is_delivered_at_once() -> None:
     # a print stuck on a reader that stopped reading could not be stopped by any number of Ctrl-C
-    import os
     import signal
 
     from deskfleet.common.console import ctrl_c_held
@@ -111,11 +107,11 @@ def test_a_second_ctrl_c_during_a_held_block_is_delivered_at_once() -> None:
     done = []
     with pytest.raises(KeyboardInterrupt):
         with ctrl_c_held():
-            os.kill(os.getpid(), signal.SIGINT)
+            signal_main_thread()
             for _ in range(1000):
                 pass
             done.append("held once")
-            os.kill(os.getpid(), signal.SIGINT)
+            signal_main_thread()
             for _ in range(1000):
                 pass
             done.append("never: the second one ends the block")

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,6 +12,7 @@ from typing import Any
 import pytest
 
 from deskfleet.controller.cli import main
+from tests.signals import signal_main_thread
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -614,7 +613,7 @@ class CtrlCWhileTheJsonIsWritten(io.StringIO):
     def write(self, text: str) -> int:
         if not self.sent and text.startswith("{"):
             self.sent = True
-            os.kill(os.getpid(), signal.SIGINT)
+            signal_main_thread()
             for _ in range(1000):  # Python runs the handler between bytecodes: here, before the text is kept
                 pass
         return super().write(text)
