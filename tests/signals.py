@@ -1,11 +1,12 @@
 """Signals a test sends its own process, to the main thread only.
 
-`os.kill(os.getpid(), SIGINT)` lets the kernel hand the signal to any thread that does not block it: with an
-OpenVINO stage or a transformers model loaded earlier in the run, that may be one of their worker threads,
-interrupted in native code. A fresh-clone CI run died with a segmentation fault at the first such test
-(tests/common/test_console.py, after the agent tests), which passes alone and passed in the runs before; the
-likeliest cause is that. Python runs the handler on the main thread either way, so sending it there tests the
-same thing without the risk.
+`os.kill(os.getpid(), SIGINT)` lets the kernel hand the signal to another thread that does not block it (Linux
+prefers the main thread, but not when a signal is already pending there): with an OpenVINO stage or a
+transformers model loaded earlier in the run, one of their worker threads, interrupted in native code. A
+fresh-clone CI run died with a segmentation fault at the first such test (tests/common/test_console.py, after
+the agent tests); it passed in every run before and after, and 4 runs of tests/agent + tests/common in a row did
+not bring it back, so the cause is not known, and this is only the likeliest one we could see. Python runs the
+handler on the main thread either way, so sending it there tests the same thing without that risk.
 """
 
 from __future__ import annotations
