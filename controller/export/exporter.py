@@ -32,7 +32,7 @@ from deskfleet.common.model_spec import (
     sha256_of,
 )
 
-from .hf_config import CheckpointConfig, not_a_file, read_checkpoint_config
+from .hf_config import CheckpointConfig, auto_map_code, not_a_file, read_checkpoint_config
 from .modules import DecoderLayer, Embed, Head, RopeAndMask
 from .output_folder import (
     ExportError,
@@ -381,9 +381,7 @@ def _refuse_tokenizer_code(model_dir: Path) -> None:
         auto_map = read_json_object(path).get("auto_map")
     except JsonFileError:
         return  # the load below names the file
-    entries = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else auto_map
-    named = [str(entry) for entry in (entries if isinstance(entries, list) else [entries]) if entry]
-    if named:
+    if named := auto_map_code(auto_map, only="AutoTokenizer"):
         raise ExportError(
             f"the tokenizer of {model_dir} is custom code (tokenizer_config.json's auto_map names "
             f"{', '.join(named)[:200]}): deskfleet runs no code from a checkpoint, and the standard tokenizer it "

@@ -82,9 +82,7 @@ def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> C
     if auto_map:
         # transformers, told never to run it, builds the standard class of model_type instead: not necessarily the
         # model the checkpoint's code describes, so the export would pass for it without a word
-        named = ", ".join(sorted({str(entry) for value in (auto_map.values() if isinstance(auto_map, dict)
-                                                            else [auto_map])
-                                  for entry in (value if isinstance(value, list) else [value]) if entry}))
+        named = ", ".join(sorted(set(auto_map_code(auto_map))))
         raise UnsupportedModelError(
             f"config field auto_map names the checkpoint's own code ({named:.200}): deskfleet never runs it, and the "
             f"standard {model_type} it would export instead may not be that model; export a checkpoint made for "
@@ -198,14 +196,27 @@ def _check_sizes(raw: dict[str, object], config_path: Path) -> None:
                                     "group of heads")
 
 
+def auto_map_code(auto_map: object, only: str | None = None) -> list[str]:
+    """The checkpoint code an `auto_map` names ("module.Class"), for every class or for `only` (AutoTokenizer)."""
+    values = ([auto_map.get(only)] if only is not None else list(auto_map.values())) \
+        if isinstance(auto_map, dict) else [auto_map]
+    return [str(entry) for value in values for entry in (value if isinstance(value, list) else [value]) if entry]
+
+
+def rope_theta(hf_config: object) -> object:
+    """The config's rope_theta, where transformers keeps it (rope_parameters in newer releases); None: not set."""
+    parameters = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if isinstance(parameters, dict):
+        return parameters.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    return getattr(hf_config, "rope_theta", None)
+
+
 def _check_rope_and_norm(hf_config: object, rope_type: str) -> None:
     """UnsupportedModelError naming the field where rope_theta, a rope scaling factor or rms_norm_eps is a value no
     model has: an export went through with them and its RoPE table or norms were NaN (rope_theta 0: 63,488 of the
     table's 65,536 values), so every generate step failed on logits that were not finite."""
     parameters = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    theta = parameters.get("rope_theta", getattr(hf_config, "rope_theta", None)) if isinstance(parameters, dict) \
-        else getattr(hf_config, "rope_theta", None)
-    checks: list[tuple[str, object, float]] = [("rope_theta", theta, 0.0),
+    checks: list[tuple[str, object, float]] = [("rope_theta", rope_theta(hf_config), 0.0),
                                                ("rms_norm_eps", getattr(hf_config, "rms_norm_eps", None), 0.0)]
     if rope_type != "default" and isinstance(parameters, dict):
         checks.append(("rope_scaling.factor", parameters.get("factor"), 1.0))

@@ -6,7 +6,7 @@ import importlib
 
 import torch
 
-from .hf_config import CheckpointConfig, UnsupportedModelError
+from .hf_config import CheckpointConfig, UnsupportedModelError, rope_theta
 
 _ROTARY_CLASS = {"llama": "LlamaRotaryEmbedding", "mistral": "MistralRotaryEmbedding",
                  "qwen2": "Qwen2RotaryEmbedding"}
@@ -31,14 +31,6 @@ def rope_tables(config: CheckpointConfig) -> tuple[torch.Tensor, torch.Tensor]:
         if not bool(torch.isfinite(table).all()):
             raise UnsupportedModelError(f"the RoPE {name} table that the config's rope settings give holds values that "
                                         f"are not finite ({int((~torch.isfinite(table)).sum())} of {table.numel()}): "
-                                        f"check config.json's rope_theta ({_rope_theta(config.hf_config)}) and "
+                                        f"check config.json's rope_theta ({rope_theta(config.hf_config)}) and "
                                         "rope_scaling against the model's published config")
     return cos[0].to(torch.float32).contiguous(), sin[0].to(torch.float32).contiguous()
-
-
-def _rope_theta(hf_config: object) -> object:
-    """The config's rope_theta, where transformers keeps it (rope_parameters in newer releases)."""
-    parameters = getattr(hf_config, "rope_parameters", None)
-    if isinstance(parameters, dict) and "rope_theta" in parameters:
-        return parameters["rope_theta"]
-    return getattr(hf_config, "rope_theta", None)
