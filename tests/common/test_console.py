@@ -7,7 +7,7 @@ import io
 import pytest
 
 from deskfleet.common.console import tolerate_unencodable
-from tests.signals import signal_main_thread
+from tests.signals import in_fresh_process, signal_main_thread
 
 TEXT = "営業部-PC 🙂 done\n"
 
@@ -39,6 +39,7 @@ def test_a_stream_with_its_own_error_handling_or_not_a_text_wrapper_is_left_alon
     assert text.getvalue() == TEXT
 
 
+@in_fresh_process
 def test_a_ctrl_c_during_a_held_block_comes_after_it() -> None:
     import signal
 
@@ -58,6 +59,7 @@ def test_a_ctrl_c_during_a_held_block_comes_after_it() -> None:
     assert done[-1] == "again"
 
 
+@in_fresh_process
 def test_a_held_ctrl_c_goes_to_the_handler_outside_the_block() -> None:
     import signal
 
@@ -82,6 +84,7 @@ def test_a_held_ctrl_c_goes_to_the_handler_outside_the_block() -> None:
         signal.signal(signal.SIGINT, outside)
 
 
+@in_fresh_process
 def test_print_whole_writes_its_line_whole_through_a_ctrl_c() -> None:
 
     from deskfleet.common.console import print_whole
@@ -98,6 +101,7 @@ def test_print_whole_writes_its_line_whole_through_a_ctrl_c() -> None:
     assert out.getvalue() == '{"a": 1}\n'
 
 
+@in_fresh_process
 def test_a_second_ctrl_c_during_a_held_block_is_delivered_at_once() -> None:
     # a print stuck on a reader that stopped reading could not be stopped by any number of Ctrl-C
     import signal
