@@ -26,6 +26,8 @@ import psutil
 
 from deskfleet.common.atomic_file import write_atomic
 
+from .openvino_core import openvino_core
+
 log = logging.getLogger(__name__)
 
 CACHE_NAME = "speed_probe.json"
@@ -50,7 +52,7 @@ def measure_speed(device: str = "CPU", weight_bytes: int = 64 << 20, calls: int 
     vector = ops.parameter(ov.PartialShape([1, columns]), ov.Type.f32, name="x")
     product = ops.matmul(vector, ops.convert(ops.constant(weights), ov.Type.f32), False, False)
     model = ov.Model([ops.result(product)], [vector], "speed-probe")
-    core = ov.Core()
+    core = openvino_core()
     config = {"PERFORMANCE_HINT": "LATENCY"}
     if num_threads:
         config["INFERENCE_NUM_THREADS"] = str(num_threads)

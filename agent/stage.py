@@ -43,6 +43,7 @@ from deskfleet.common.model_spec import (
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 
 from . import huge_pages
+from .openvino_core import openvino_core
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class CompileSettings:
             return replace(self, kv_cache="f32")
         return self
 
-    def properties(self, core: ov.Core, weight_group_size: int | None = None) -> dict[str, str]:
+    def properties(self, weight_group_size: int | None = None) -> dict[str, str]:
         """OpenVINO properties for this device, dropping those the device does not support.
 
         weight_group_size: the group of the model's 4-bit weights (`weight_group_size(model)`). A fast CPU
@@ -97,6 +98,7 @@ class CompileSettings:
         18.279 -> 18.271 (f32 exact: 18.272), its argmax equal to the exact f32 one at 99.1% of positions
         instead of 99.3%.
         """
+        core = openvino_core()
         wanted: dict[str, str] = {"PERFORMANCE_HINT": "LATENCY"}
         if self.precision is Precision.FAST and device_kind(self.device) == "CPU":
             wanted["INFERENCE_PRECISION_HINT"] = "f32"  # not bf16 on AMX CPUs: see Precision.FAST
@@ -170,9 +172,8 @@ def build_stage_model(model_dir: Path, manifest: Manifest, layers: LayerRange, v
     stems = manifest.stage_ir_stems(layers.start, layers.stop)
     if verify:
         verify_files(model_dir, manifest, [name for stem in stems for name in manifest.ir_files(stem)])
-    core = ov.Core()
-    core.set_property({"ENABLE_MMAP": map_weights})
-    units = {stem: core.read_model(model_dir / f"{stem}.xml") for stem in stems}
+    core = openvino_core()
+    units = {stem: core.read_model(model_dir / f"{stem}.xml", config={"ENABLE_MMAP": map_weights}) for stem in stems}
     spec = manifest.spec
 
     attention_mask = _parameter(TensorNames.ATTENTION_MASK, [-1, -1], ov.Type.i64)
@@ -295,7 +296,7 @@ def stage_weight_bytes(manifest: Manifest, layers: LayerRange) -> int:
 
 def openvino_devices() -> tuple[str, ...]:
     """The devices OpenVINO finds on this PC ("CPU", "GPU.0", "NPU"), as the agent reports them to plans."""
-    return tuple(ov.Core().available_devices)
+    return tuple(openvino_core().available_devices)
 
 
 def _check_rope_rows(rope: ov.Model, max_context: int) -> None:
@@ -369,7 +370,7 @@ def weight_group_size(model: ov.Model) -> int | None:
 
 def export_weight_group_size(model_dir: Path) -> int | None:
     """weight_group_size of an export, read from its first decoder layer (every layer has the same policy)."""
-    return weight_group_size(ov.Core().read_model(Path(model_dir) / f"{Manifest.layer_ir(0)}.xml"))
+    return weight_group_size(openvino_core().read_model(Path(model_dir) / f"{Manifest.layer_ir(0)}.xml"))
 
 
 def first_max_index(logits: ov.Output, vocab_size: int) -> ov.Output:
@@ -391,13 +392,13 @@ class Stage:
     """A compiled stage. Each session (one InferRequest) holds the KV state of one micro-batch."""
 
     def __init__(self, model_dir: Path, manifest: Manifest, layers: LayerRange,
-                 settings: CompileSettings | None = None, core: ov.Core | None = None) -> None:
+                 settings: CompileSettings | None = None) -> None:
         self.layers = layers
         self.hidden_size = manifest.spec.hidden_size
         self.vocab_size = manifest.spec.vocab_size
         self._idle_sessions: list[StageSession] = []  # recycled, KV state dropped (see recycle)
         self.settings = settings = settings or CompileSettings()
-        core = core or ov.Core()
+        core = openvino_core()
         on_cpu = device_kind(settings.device) == "CPU"
         memory_before = huge_pages.snapshot() if on_cpu else None
         # A CPU stage maps its weight files first (see weights_were_repacked); other devices read them
@@ -412,7 +413,7 @@ class Stage:
                             WEIGHTS_ENV_VAR, WEIGHTS_MAPPED)
             weights = WEIGHTS_READ
         model = build_stage_model(model_dir, manifest, layers, map_weights=weights != WEIGHTS_READ)
-        properties = settings.properties(core, weight_group_size(model))
+        properties = settings.properties(weight_group_size(model))
         self.compiled = core.compile_model(model, settings.device, properties)
         log.info("compiled layers [%d, %d) on %s (%s)", layers.start, layers.stop, settings.device,
                  settings.precision.value)

@@ -1,12 +1,13 @@
 """Signals a test sends its own process, and a fresh process to send them in.
 
 Twice, a fresh-clone CI run died with a segmentation fault (exit 139, no Python traceback) at the first test that
-sends the pytest process a SIGINT (tests/common/test_console.py), right after the agent tests, which load
-OpenVINO stages and leave their native worker threads behind; the same tests pass alone, and in that order in
-local runs. Sending the signal to the main thread (`signal_main_thread`) did not help, so the cause lies in the
-state those earlier tests leave in the process, not known more closely. The tests of signal handling itself run
-in a fresh Python process (`in_fresh_process`): what they test is how one process takes a Ctrl-C, and a child
-with nothing loaded before is that process.
+sent the pytest process a SIGINT (tests/common/test_console.py), right after the agent tests. The cause, found
+later: every ov.Core loaded a CPU plugin of its own, which gives its thread an alternate signal stack and unmaps
+it when destroyed; Cores released out of order or on another thread left the main thread's alternate stack
+unmapped, and Python runs signal handlers there (agent/openvino_core.py, which now gives the process one Core,
+and tests/agent/test_openvino_core.py). The tests of signal handling itself still run in a fresh Python process
+(`in_fresh_process`): what they test is how one process takes a Ctrl-C, and a child with nothing loaded before
+is that process.
 """
 
 from __future__ import annotations

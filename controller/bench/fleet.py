@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import openvino as ov
 
 from deskfleet.agent.link import TlsFiles, utc_now
 from deskfleet.agent.stage import CompileSettings, export_weight_group_size
@@ -267,7 +266,7 @@ def run_fleet_bench(options: FleetBenchOptions, progress: Callable[[str], None] 
             assert options.model is not None  # check_inputs: --genai-model needs --model
             properties = CompileSettings(device="CPU", precision=StagePrecision.FAST,
                                          num_threads=options.threads_per_pc).properties(
-                ov.Core(), export_weight_group_size(options.model))
+                export_weight_group_size(options.model))
             genai = GenAIUsers(options.genai_model, options.genai_python, "CPU", properties, options.new_tokens,
                                set(agent_cores[:options.threads_per_pc]))
         with tempfile.TemporaryDirectory(prefix="deskfleet-bench-") as work, \

@@ -45,6 +45,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from deskfleet.agent import allocator
+from deskfleet.agent.openvino_core import openvino_core
 from deskfleet.agent.stage import CompileSettings, LayerRange, Stage, StageSession
 from deskfleet.common.model_spec import Manifest, load_manifest
 from deskfleet.controller.engine import Engine, StreamRequest
@@ -216,8 +217,6 @@ def run_parity_bench(model: Path, genai_model: Path | None = None, genai_python:
     GenAI 2026), "SDPA" is the stateful path deskfleet's stages also take. `isolation`: see the module
     docstring. `huge_pages_ablation` (process isolation) adds deskfleet-1 without huge pages.
     """
-    import openvino as ov
-
     if isolation not in ISOLATIONS:
         raise ValueError(f"isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
     if huge_pages_ablation and isolation != "process":
@@ -247,8 +246,7 @@ def run_parity_bench(model: Path, genai_model: Path | None = None, genai_python:
                                                     huge_pages_ablation)
         else:
             compiled, variants = _shared_variants(model, manifest, genai_model, genai_python, whole_xml, prompt,
-                                                  new_tokens, stage_counts, settings, genai_backends, direct,
-                                                  ov.Core())
+                                                  new_tokens, stage_counts, settings, genai_backends, direct)
 
         def show(index: int, name: str, record: RunRecord) -> None:
             if progress:
@@ -288,14 +286,14 @@ def run_parity_bench(model: Path, genai_model: Path | None = None, genai_python:
 
 def _shared_variants(model: Path, manifest: Manifest, genai_model: Path | None, genai_python: Path | None,
                      whole_xml: Path | None, prompt: list[int], new_tokens: int, stage_counts: Sequence[int],
-                     settings: CompileSettings, genai_backends: Sequence[str], direct: bool, core: Any
+                     settings: CompileSettings, genai_backends: Sequence[str], direct: bool
                      ) -> tuple[dict[str, str], list[Variant]]:
     """deskfleet's variants loaded into this process, GenAI's in their runners (loaded once)."""
     variants: list[Variant] = []
     try:
         # The fused 1-stage model run directly is built first: deskfleet's compiled settings are read
         # off it and handed to GenAI, so that both run with the same precision, KV cache and threads.
-        fused = FusedDirectVariant(model, manifest, settings, core, prompt, new_tokens)
+        fused = FusedDirectVariant(model, manifest, settings, prompt, new_tokens)
         compiled = fused.compiled_properties
         variants.append(PipelineVariant(model, 1, settings, manifest, prompt, new_tokens))
         if genai_model is not None:
@@ -306,7 +304,7 @@ def _shared_variants(model: Path, manifest: Manifest, genai_model: Path | None, 
         if direct:
             variants.append(fused)
             if whole_xml is not None:
-                variants.append(WholeDirectVariant(whole_xml, settings, core, prompt, new_tokens))
+                variants.append(WholeDirectVariant(whole_xml, settings, prompt, new_tokens))
         else:
             fused.close()
         for k in stage_counts:
@@ -466,11 +464,11 @@ class FusedDirectVariant(_DirectLoop):
 
     name = "fused-direct"
 
-    def __init__(self, model: Path, manifest: Manifest, settings: CompileSettings, core: Any,
-                 prompt: list[int], new_tokens: int) -> None:
+    def __init__(self, model: Path, manifest: Manifest, settings: CompileSettings, prompt: list[int],
+                 new_tokens: int) -> None:
         super().__init__(prompt, new_tokens)
         layers = LayerRange(0, manifest.spec.num_layers, manifest.spec.num_layers)
-        stage = Stage(model, manifest, layers, settings, core)
+        stage = Stage(model, manifest, layers, settings)
         self.compiled_properties = _read_properties(stage.compiled)
         self.session: StageSession | None = stage.open_session()
         self.beam = np.zeros(1, dtype=np.int32)
@@ -494,10 +492,10 @@ class WholeDirectVariant(_DirectLoop):
 
     name = "whole-direct"
 
-    def __init__(self, xml: Path, settings: CompileSettings, core: Any, prompt: list[int],
-                 new_tokens: int) -> None:
+    def __init__(self, xml: Path, settings: CompileSettings, prompt: list[int], new_tokens: int) -> None:
         super().__init__(prompt, new_tokens)
-        compiled = core.compile_model(core.read_model(xml), settings.device, settings.properties(core))
+        core = openvino_core()
+        compiled = core.compile_model(core.read_model(xml), settings.device, settings.properties())
         self.request = compiled.create_infer_request()
         self.inputs = {port.get_any_name() for port in compiled.inputs}
         self.beam = np.zeros(1, dtype=np.int32)

@@ -28,8 +28,6 @@ from deskfleet.controller.bench.parity import FusedDirectVariant, PipelineVarian
 
 def load_variant(request: dict[str, Any]) -> tuple[Variant, dict[str, Any]]:
     """The variant a configuration line asks for, loaded, and what its ready answer adds."""
-    import openvino as ov
-
     model = Path(request["model"])
     manifest = load_manifest(model)
     raw = request.get("settings", {})
@@ -42,10 +40,10 @@ def load_variant(request: dict[str, Any]) -> tuple[Variant, dict[str, Any]]:
         pipeline = PipelineVariant(model, int(request.get("stages", 1)), settings, manifest, prompt, new_tokens)
         return pipeline, {"compiled_properties": pipeline.compiled_properties()}
     if kind == "fused-direct":
-        fused = FusedDirectVariant(model, manifest, settings, ov.Core(), prompt, new_tokens)
+        fused = FusedDirectVariant(model, manifest, settings, prompt, new_tokens)
         return fused, {"compiled_properties": fused.compiled_properties}
     if kind == "whole-direct":
-        return WholeDirectVariant(Path(request["whole_model_xml"]), settings, ov.Core(), prompt, new_tokens), {}
+        return WholeDirectVariant(Path(request["whole_model_xml"]), settings, prompt, new_tokens), {}
     raise ValueError(f"unknown variant {kind!r} (deskfleet, fused-direct, whole-direct)")
 
 

@@ -10,6 +10,7 @@ import openvino as ov
 import openvino.opset13 as ops
 import pytest
 
+from deskfleet.agent.openvino_core import openvino_core
 from deskfleet.agent.stage import (
     CompileSettings,
     LayerRange,
@@ -22,17 +23,16 @@ from deskfleet.common.model_spec import load_manifest
 
 
 def test_fast_on_a_cpu_asks_for_f32_arithmetic_and_leaves_quantization_on() -> None:
-    wanted = CompileSettings(device="CPU", precision=Precision.FAST).properties(ov.Core())
+    wanted = CompileSettings(device="CPU", precision=Precision.FAST).properties()
     assert wanted["INFERENCE_PRECISION_HINT"] == "f32"  # not the bf16 default of AMX CPUs
     assert "KV_CACHE_PRECISION" not in wanted and "DYNAMIC_QUANTIZATION_GROUP_SIZE" not in wanted
 
 
 def test_fast_on_a_cpu_quantizes_activations_in_groups_of_the_weights_groups() -> None:
-    core = ov.Core()
-    assert CompileSettings(device="CPU").properties(core, 128)["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == "128"
+    assert CompileSettings(device="CPU").properties(128)["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == "128"
     assert CompileSettings(device="CPU", precision=Precision.F32).properties(
-        core, 128)["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == "0"  # exact: none at all
-    assert "DYNAMIC_QUANTIZATION_GROUP_SIZE" not in CompileSettings(device="AUTO").properties(core, 128)
+        128)["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == "0"  # exact: none at all
+    assert "DYNAMIC_QUANTIZATION_GROUP_SIZE" not in CompileSettings(device="AUTO").properties(128)
 
 
 def _u4_constants(*shapes: tuple[int, ...]) -> ov.Model:
@@ -61,7 +61,7 @@ def test_an_int4_stage_compiles_with_its_weights_group_size(checkpoint_factory: 
 
 
 def test_exact_on_a_cpu_asks_for_f32_everywhere_and_no_quantization() -> None:
-    wanted = CompileSettings(device="CPU", precision=Precision.F32).properties(ov.Core())
+    wanted = CompileSettings(device="CPU", precision=Precision.F32).properties()
     assert (wanted["INFERENCE_PRECISION_HINT"], wanted["KV_CACHE_PRECISION"],
             wanted["DYNAMIC_QUANTIZATION_GROUP_SIZE"]) == ("f32", "f32", "0")
 
@@ -69,7 +69,7 @@ def test_exact_on_a_cpu_asks_for_f32_everywhere_and_no_quantization() -> None:
 @pytest.mark.parametrize("device", ["AUTO", "HETERO:CPU", "MULTI:CPU"])
 def test_fast_leaves_other_devices_at_their_own_default(device: str) -> None:
     # AUTO may pick the GPU, whose fast default (f16) must not be forced to f32.
-    wanted = CompileSettings(device=device, precision=Precision.FAST, num_threads=2).properties(ov.Core())
+    wanted = CompileSettings(device=device, precision=Precision.FAST, num_threads=2).properties()
     assert wanted == {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": "2"}
 
 
@@ -85,7 +85,7 @@ def test_a_fast_cpu_stage_runs_f32_with_a_u8_kv_cache_and_dynamic_quantization(t
 
 @pytest.mark.parametrize("kv_cache", ["u8", "f16", "f32"])
 def test_a_chosen_kv_cache_precision_is_asked_for(kv_cache: str) -> None:
-    wanted = CompileSettings(device="CPU", precision=Precision.FAST, kv_cache=kv_cache).properties(ov.Core())
+    wanted = CompileSettings(device="CPU", precision=Precision.FAST, kv_cache=kv_cache).properties()
     assert wanted["KV_CACHE_PRECISION"] == kv_cache
 
 
@@ -95,7 +95,7 @@ def test_unknown_or_inexact_kv_cache_precisions_are_refused() -> None:
     with pytest.raises(ValueError, match="f32 is exact and keeps the KV cache in f32, not u8: leave out --kv-cache, "
                                          "or give --precision fast for a u8 cache"):
         CompileSettings(precision=Precision.F32, kv_cache="u8")
-    assert CompileSettings(precision=Precision.F32, kv_cache="f32").properties(ov.Core())["KV_CACHE_PRECISION"] == "f32"
+    assert CompileSettings(precision=Precision.F32, kv_cache="f32").properties()["KV_CACHE_PRECISION"] == "f32"
 
 
 def test_drafting_on_a_fast_cpu_keeps_an_f32_kv_cache() -> None:
@@ -115,18 +115,16 @@ def test_a_drafting_cpu_stage_reads_back_an_f32_kv_cache(tiny_export: Path) -> N
 
 def test_a_device_that_is_not_a_name_or_not_here_is_refused_by_name() -> None:
     # `--device cpu` and `--device GPU` on a PC without one printed OpenVINO's internal exceptions
-    import openvino as ov
-
     with pytest.raises(ValueError, match=r"'cpu' is not an OpenVINO device name .* \(names are upper case: CPU\)"):
         CompileSettings(device="cpu")
-    missing = next(name for name in ("NPU", "GPU", "XPU") if name not in ov.Core().available_devices)
+    missing = next(name for name in ("NPU", "GPU", "XPU") if name not in openvino_core().available_devices)
     with pytest.raises(ValueError, match=f"device {missing} is not available on this PC \\(OpenVINO finds"):
-        CompileSettings(device=missing).properties(ov.Core())
+        CompileSettings(device=missing).properties()
     with pytest.raises(ValueError, match=r"device CPU\.7 is not available"):  # an index this PC lacks
-        CompileSettings(device="CPU.7").properties(ov.Core())
+        CompileSettings(device="CPU.7").properties()
     # a virtual device's list: every device it names must be here (AUTO:GPU,CPU printed the GPU plugin's error)
     with pytest.raises(ValueError, match=rf"device AUTO:{missing},CPU lists {missing}, not available on this PC "
                                          r"\(OpenVINO finds .*\): leave it out of the list"):
-        CompileSettings(device=f"AUTO:{missing},CPU").properties(ov.Core())
-    assert CompileSettings(device=f"AUTO:CPU,-{missing}").properties(ov.Core())  # excluded: nothing to find
-    assert CompileSettings(device="AUTO").properties(ov.Core())
+        CompileSettings(device=f"AUTO:{missing},CPU").properties()
+    assert CompileSettings(device=f"AUTO:CPU,-{missing}").properties()  # excluded: nothing to find
+    assert CompileSettings(device="AUTO").properties()

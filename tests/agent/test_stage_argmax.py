@@ -8,6 +8,7 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
+from deskfleet.agent.openvino_core import openvino_core
 from deskfleet.agent.stage import (
     CompileSettings,
     LayerRange,
@@ -23,7 +24,7 @@ from deskfleet.common.model_spec import load_manifest
 def _compiled_argmax(vocab_size: int) -> ov.CompiledModel:
     logits = ops.parameter(ov.PartialShape([-1, -1, vocab_size]), ov.Type.f32, name="logits")
     model = ov.Model([ops.result(first_max_index(logits.output(0), vocab_size))], [logits], "argmax")
-    return ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    return openvino_core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
 
 
 def test_first_max_index_matches_numpy_on_random_and_tied_rows() -> None:

@@ -277,7 +277,8 @@ def test_a_terminating_signal_removes_the_unfinished_export_then_ends_the_proces
 
 
 # In a fresh interpreter: signals sent to the test process itself crashed it (SIGSEGV inside kill) after some
-# earlier tests in the same process had run OpenVINO and asyncio loops (seen with `-k` selections only).
+# earlier tests in the same process had run OpenVINO and asyncio loops (seen with `-k` selections only; the cause,
+# OpenVINO Cores unmapping a thread's alternate signal stack, is in agent/openvino_core.py).
 HANDLERS_KEPT = """
 import os, signal, sys
 from pathlib import Path

@@ -160,7 +160,8 @@ def test_ctrl_c_among_the_starts_of_the_simulated_pcs_stops_those_already_starte
 
 
 # In a fresh interpreter: a real signal raised in the test process crashed it (SIGSEGV) once earlier tests had
-# run OpenVINO and asyncio there (a fresh-clone CI run; test_export_output.py saw the same with kill).
+# run OpenVINO and asyncio there (a fresh-clone CI run; test_export_output.py saw the same with kill; the cause,
+# OpenVINO Cores unmapping a thread's alternate signal stack, is in agent/openvino_core.py).
 HELD_BLOCK = """
 import signal
 from deskfleet.controller.bench.interruption import signals_held, signals_unwind
