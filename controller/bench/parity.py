@@ -53,6 +53,7 @@ from deskfleet.controller.pipeline import LocalPipeline
 
 from .arguments import check_at_least, check_genai_inputs
 from .host import host_report
+from .rounds import round_order
 from .runner_process import RunnerProcess
 
 log = logging.getLogger(__name__)
@@ -86,12 +87,13 @@ class Variant(Protocol):
 # Public methods: pure parts
 
 def interleaved_order(names: Sequence[str], rounds: int) -> list[tuple[int, str]]:
-    """(round, variant) in the order they run: every variant once per round, the same order each round."""
+    """(round, variant) in the order they run: every variant once per round, each round starting one variant
+    further along `names` (rounds.round_order), so that none always runs first or always follows the same one."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     if len(set(names)) != len(names):
         raise ValueError(f"variant names must be unique, got {list(names)}")
-    return [(index, name) for index in range(rounds) for name in names]
+    return [(index, name) for index in range(rounds) for name in round_order(names, index)]
 
 
 def summarize(values: Sequence[float]) -> dict[str, Any]:

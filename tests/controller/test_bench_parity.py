@@ -60,8 +60,9 @@ def test_compare_gives_ratio_of_medians_and_paired_ratios() -> None:
         compare([1.0], [1.0, 2.0])
 
 
-def test_interleaved_order_alternates_variants_each_round() -> None:
-    assert interleaved_order(["a", "b"], 3) == [(0, "a"), (0, "b"), (1, "a"), (1, "b"), (2, "a"), (2, "b")]
+def test_interleaved_order_starts_each_round_one_variant_further_along() -> None:
+    assert interleaved_order(["a", "b"], 3) == [(0, "a"), (0, "b"), (1, "b"), (1, "a"), (2, "a"), (2, "b")]
+    assert [name for _, name in interleaved_order(["a", "b", "c"], 3)] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     with pytest.raises(ValueError):
         interleaved_order(["a", "a"], 1)
     with pytest.raises(ValueError):
@@ -72,7 +73,7 @@ def test_run_rounds_warms_up_then_interleaves() -> None:
     log: list[str] = []
     variants = [FakeVariant("deskfleet-1", [0.0, 10.0, 11.0], log), FakeVariant("genai", [0.0, 9.0, 10.0], log)]
     records = run_rounds(variants, rounds=2, warmup=1)
-    assert log == ["deskfleet-1", "genai"] * 3  # one warm-up round, then A B A B
+    assert log == ["deskfleet-1", "genai"] * 2 + ["genai", "deskfleet-1"]  # a warm-up round, then A B, B A
     assert [record.decode_tok_s for record in records["deskfleet-1"]] == [10.0, 11.0]  # warm-up dropped
     assert [record.decode_tok_s for record in records["genai"]] == [9.0, 10.0]
 
