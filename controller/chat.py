@@ -183,7 +183,7 @@ def generate_on_fleet(options: GenerateOptions, data_dir: Path | None, stream_te
 
 def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextIO | None = None,
              notes: TextIO | None = None, on_reply: Callable[[ReplyStats], None] | None = None,
-             chain: StageChain | None = None, as_json: bool = False) -> int:
+             chain: StageChain | None = None, as_json: bool = False, ctrl_c_ends_chat: bool = False) -> int:
     """Converse until `lines` ends or says /quit; returns the number of replies given.
 
     `as_json`: instead of streaming each reply's text, write one JSON object a line for every message sent:
@@ -195,6 +195,8 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
     a message that cannot be sent is refused and the conversation kept. Those notes go to `notes` (stderr).
     `on_reply` hears each finished reply's figures (benchmarks). `chain`: run on this chain (the caller's, left
     open) instead of opening the fleet's or local stages from `options`; nothing re-plans when it breaks.
+    `ctrl_c_ends_chat`: a Ctrl-C anywhere raises KeyboardInterrupt (a scripted conversation being timed, as
+    `bench chat` runs, stops); by default it stops the reply or cancels the message at hand, and the chat goes on.
     """
     from .chat_template import TemplateRenderer
     from .tokenizer import ModelTokenizer
@@ -205,7 +207,8 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
                                     "`deskfleet generate --prompt TEXT` with it instead")
     with TemplateRenderer() as renderer:  # one child renders every turn
         tokenizer.renderer = renderer
-        return _converse(options, tokenizer, manifest, lines, out, prompt_out, notes, on_reply, chain, as_json)
+        return _converse(options, tokenizer, manifest, lines, out, prompt_out, notes, on_reply, chain, as_json,
+                         ctrl_c_ends_chat)
 
 
 def check_room(tokenizer: ModelTokenizer, system: list[ChatMessage], max_new_tokens: int, max_context: int,
@@ -248,7 +251,7 @@ def check_room(tokenizer: ModelTokenizer, system: list[ChatMessage], max_new_tok
 
 def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifest, lines: TextIO, out: TextIO,
               prompt_out: TextIO | None, notes: TextIO | None, on_reply: Callable[[ReplyStats], None] | None,
-              chain: StageChain | None, as_json: bool) -> int:
+              chain: StageChain | None, as_json: bool, ctrl_c_ends_chat: bool) -> int:
     """run_chat's conversation, once the tokenizer renders in a child kept for the chat."""
     from .text_printer import TextPrinter
     from .tokenizer import ChatMessage, ChatTemplateError, NotUtf8Error, check_utf8
@@ -323,6 +326,8 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 _write_json(out, as_json, {"error": f"{error}: not sent; the conversation is unchanged"})
                 continue
             except KeyboardInterrupt:  # Ctrl-C while the prompt was made (a long render): this message only
+                if ctrl_c_ends_chat:
+                    raise
                 _end_prompt_line(prompt_out)  # the terminal's ^C echo; a reply's Ctrl-C ends its own line
                 _note(notes, "[interrupted before the reply began: not sent; the conversation is unchanged]")
                 _write_json(out, as_json, {"error": "interrupted before the reply began: not sent; the conversation "
@@ -342,6 +347,8 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 run_started = time.perf_counter()
                 engine.run(on_token=printer.push, recover=failover)
             except KeyboardInterrupt:  # Ctrl-C stops this reply (the engine freed its micro-batches), not the chat
+                if ctrl_c_ends_chat:
+                    raise
                 interrupted = True
             if engine.failovers:
                 chain = engine.chain  # the next turns run on the chain this one ended on

@@ -564,13 +564,11 @@ def _generate(args: argparse.Namespace) -> int:
 def _bench_parity(args: argparse.Namespace) -> int:
     from deskfleet.controller.bench.parity import run_parity_bench
 
-    report = run_parity_bench(args.model, genai_model=args.genai_model, genai_python=args.genai_python,
-                              prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                              rounds=args.rounds, stage_counts=args.stages,
-                              settings=_compile_settings(args), genai_backends=_genai_backends(args),
-                              isolation=args.isolation, huge_pages_ablation=args.huge_pages_ablation)
-    print_whole(json.dumps(report, indent=2))
-    return 0
+    backends = _genai_backends(args)
+    return _run_bench("parity", lambda: run_parity_bench(
+        args.model, genai_model=args.genai_model, genai_python=args.genai_python, prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens, rounds=args.rounds, stage_counts=args.stages, settings=_compile_settings(args),
+        genai_backends=backends, isolation=args.isolation, huge_pages_ablation=args.huge_pages_ablation))
 
 
 def _genai_backends(args: argparse.Namespace) -> list[str]:
@@ -583,10 +581,9 @@ def _genai_backends(args: argparse.Namespace) -> list[str]:
 def _bench_rollback(args: argparse.Namespace) -> int:
     from deskfleet.controller.bench.rollback import run_rollback_bench
 
-    report = run_rollback_bench(args.model, contexts=args.contexts, rejected=args.rejected,
-                                dead_slots=args.dead_slots, rounds=args.rounds, settings=_compile_settings(args))
-    print_whole(json.dumps(report, indent=2))
-    return 0
+    return _run_bench("rollback", lambda: run_rollback_bench(
+        args.model, contexts=args.contexts, rejected=args.rejected, dead_slots=args.dead_slots, rounds=args.rounds,
+        settings=_compile_settings(args)))
 
 
 def _bench_speculative(args: argparse.Namespace) -> int:
@@ -596,21 +593,18 @@ def _bench_speculative(args: argparse.Namespace) -> int:
     prompts = read_prompts_file(args.prompts_file) if args.prompts_file else None
     if prompts == []:  # the bench said only "no prompts"
         raise ValueError(f"--prompts-file {args.prompts_file} holds no prompt: every line is empty or blank")
-    report = run_speculative_bench(
+    return _run_bench("speculative", lambda: run_speculative_bench(
         args.model, args.draft, ks=args.k, adaptive=not args.no_adaptive, lookup=not args.no_lookup, k_max=args.k_max,
         prompts=prompts, eval_dir=args.eval_dir,
-        num_prompts=args.prompts, new_tokens=args.new_tokens, rounds=args.rounds, settings=_compile_settings(args))
-    print_whole(json.dumps(report, indent=2))
-    return 0
+        num_prompts=args.prompts, new_tokens=args.new_tokens, rounds=args.rounds, settings=_compile_settings(args)))
 
 
 def _bench_admission(args: argparse.Namespace) -> int:
     from deskfleet.controller.bench.admission import run_admission_bench
 
-    report = run_admission_bench(args.model, prompt_tokens=args.prompt_tokens, chunks=args.chunks, running=args.running,
-                                 new_tokens=args.new_tokens, rounds=args.rounds, settings=_compile_settings(args))
-    print_whole(json.dumps(report, indent=2))
-    return 0
+    return _run_bench("admission", lambda: run_admission_bench(
+        args.model, prompt_tokens=args.prompt_tokens, chunks=args.chunks, running=args.running,
+        new_tokens=args.new_tokens, rounds=args.rounds, settings=_compile_settings(args)))
 
 
 def _bench_chat(args: argparse.Namespace) -> int:
@@ -618,19 +612,35 @@ def _bench_chat(args: argparse.Namespace) -> int:
     from deskfleet.controller.run import read_prompts_file
 
     messages = None if args.messages_file is None else read_prompts_file(args.messages_file, "--messages-file")
-    report = run_chat_bench(args.model, turns=args.turns, reply_tokens=args.reply_tokens, rounds=args.rounds,
-                            stages=args.stages, messages=messages, settings=_compile_settings(args))
-    print_whole(json.dumps(report, indent=2))
-    return 0
+    return _run_bench("chat", lambda: run_chat_bench(
+        args.model, turns=args.turns, reply_tokens=args.reply_tokens, rounds=args.rounds, stages=args.stages,
+        messages=messages, settings=_compile_settings(args)))
 
 
 def _bench_streams(args: argparse.Namespace) -> int:
     from deskfleet.controller.bench.streams import run_streams_bench
 
-    report = run_streams_bench(args.model, genai_model=args.genai_model, genai_python=args.genai_python,
-                               users=args.users, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                               rounds=args.rounds, core=args.core, settings=_compile_settings(args))
-    print_whole(json.dumps(report, indent=2))
+    return _run_bench("streams", lambda: run_streams_bench(
+        args.model, genai_model=args.genai_model, genai_python=args.genai_python, users=args.users,
+        prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, rounds=args.rounds, core=args.core,
+        settings=_compile_settings(args)))
+
+
+def _run_bench(name: str, run: Callable[[], dict[str, Any]]) -> int:
+    """Run a bench (not `bench fleet`, which has its own) and print its report. Stopped by Ctrl-C, SIGTERM or
+    SIGHUP, it unwinds as on Ctrl-C (the runner processes of GenAI and of parity's variants are stopped; without
+    this, SIGTERM and SIGHUP ended the process on the spot), says so in one line, prints no report and exits
+    130 / 143 / 129."""
+    from deskfleet.controller.bench.interruption import exit_status, signal_name, signals_held, signals_unwind
+
+    try:
+        with signals_unwind():
+            report = run()
+            with signals_held():  # a signal meanwhile: after the report is out whole
+                print_whole(json.dumps(report, indent=2))
+    except KeyboardInterrupt as stopped:
+        print(f"deskfleet: bench {name} stopped by {signal_name(stopped)}: no report", file=sys.stderr, flush=True)
+        return exit_status(stopped)
     return 0
 
 if __name__ == "__main__":

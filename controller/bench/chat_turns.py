@@ -69,7 +69,7 @@ def run_chat_bench(model: Path, turns: int = 8, reply_tokens: int = 64, rounds: 
                                       reuse_kv=mode == "resumed")
                 notes = io.StringIO()
                 given = run_chat(options, io.StringIO("\n".join(lines) + "\n"), out, notes=notes,
-                                 on_reply=stats.append, chain=pipeline)
+                                 on_reply=stats.append, chain=pipeline, ctrl_c_ends_chat=True)
                 if given != turns:
                     said = [line for line in notes.getvalue().splitlines() if line.strip()]
                     raise RuntimeError(f"the chat answered {given} of {turns} messages ({mode})"

@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from .interruption import signals_held
+
 
 class RunnerProcess:
     """The runner `script` under `python` (default: this interpreter). Call close() when done."""
@@ -22,8 +24,9 @@ class RunnerProcess:
     def __init__(self, script: Path, python: Path | None, environment: dict[str, str] | None = None) -> None:
         self.python = str(python or sys.executable)
         self.script = Path(script).name
-        self.process = subprocess.Popen([self.python, str(script)], env=environment, stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True, bufsize=1)
+        with signals_held():  # a Ctrl-C inside Popen, after its fork, would leave a child nothing stops
+            self.process = subprocess.Popen([self.python, str(script)], env=environment, stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, text=True, bufsize=1)
 
     def send_line(self, line: str) -> None:
         assert self.process.stdin is not None

@@ -118,3 +118,24 @@ def test_the_messages_file_is_read_as_a_prompts_file_and_named_in_its_errors(
     messages.write_bytes("\ufeffdef f():\\n    return 1\n\n  \nsecond".encode())
     assert cli.main(["bench", "chat", "--model", str(tmp_path), "--messages-file", str(messages)]) == 0
     assert given == [["def f():\n    return 1", "second"]]  # no BOM, escapes read, blank lines skipped
+
+
+def test_a_ctrl_c_stops_the_bench_instead_of_one_reply(tmp_path: Path, tiny_export: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # run_chat stops a reply on Ctrl-C and goes on (a person at the terminal); the bench timed the cut reply
+    # as a whole one, finished its rounds and exited 0 with the report
+    from deskfleet.controller import chat
+
+    model = _chat_model(tmp_path, tiny_export)
+    real_run, calls = chat.Engine.run, itertools.count()
+
+    def interrupted_third_reply(engine: chat.Engine, *args: object, **kwargs: object) -> object:
+        if next(calls) == 2:
+            raise KeyboardInterrupt
+        return real_run(engine, *args, **kwargs)
+
+    monkeypatch.setattr(chat.Engine, "run", interrupted_third_reply)
+    with pytest.raises(KeyboardInterrupt):
+        run_chat_bench(model, turns=2, reply_tokens=3, rounds=2, settings=F32, progress=False,
+                       messages=["a", "b"])
+    assert next(calls) == 3  # nothing ran after it
