@@ -81,6 +81,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(argv, stdout)
 
 
+ROUNDS_HELP = "timed rounds, each running every configuration once (after an untimed warm-up)"
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that gives each option's default as "(default X)" where its text does not already say it (the benches:
+    their many counts and lists are what a user reproducing a figure must match)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if not action.option_strings or action.nargs == 0 or "default" in text or default in (None, [], ()) \
+                or default is argparse.SUPPRESS or text == argparse.SUPPRESS:  # nargs 0: a flag, on or off
+            return action.help
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default {shown.replace('%', '%%')})".lstrip()
+
+
 class CommandParser(argparse.ArgumentParser):
     """The parser of `deskfleet` and, through add_subparsers, of each of its commands.
 
@@ -205,9 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the same checkpoint exported by optimum-intel (omit to skip GenAI)")
     parity.add_argument("--genai-python", type=path_argument, default=None,
                         help="python of a venv with openvino-genai (it pins other versions)")
-    parity.add_argument("--prompt-tokens", type=positive_int, default=32)
-    parity.add_argument("--new-tokens", type=positive_int, default=64)
-    parity.add_argument("--rounds", type=positive_int, default=3)
+    parity.add_argument("--prompt-tokens", type=positive_int, default=32, help="random prompt length")
+    parity.add_argument("--new-tokens", type=positive_int, default=64, help="tokens each run generates")
+    parity.add_argument("--rounds", type=positive_int, default=3, help=ROUNDS_HELP)
     parity.add_argument("--genai-backends", nargs="+", choices=["default", "SDPA", "PA"], default=None,
                         help="LLMPipeline ATTENTION_BACKEND per GenAI run (default: default SDPA; needs "
                              "--genai-model)")
@@ -221,12 +238,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile_options(parity)
     parity.set_defaults(handler=_bench_parity)
     rollback = benches.add_parser("rollback", help="mask rollback vs physical trim, and dead slots in a decode step")
-    rollback.add_argument("--model", type=path_argument, required=True, help="export folder (context >= 2048 + 100)")
-    rollback.add_argument("--contexts", type=positive_int, nargs="+", default=[256, 1024, 2048])
+    rollback.add_argument("--model", type=path_argument, required=True,
+                          help="export folder (its context must hold the longest --contexts plus --rounds x 6 + the "
+                               "most --dead-slots + --rejected + 1 slots: 2159 with the defaults)")
+    rollback.add_argument("--contexts", type=positive_int, nargs="+", default=[256, 1024, 2048],
+                          help="prompt lengths (slots) to time a rollback and a decode step at")
     rollback.add_argument("--rejected", type=positive_int, default=4, help="draft tokens rejected per rollback")
     rollback.add_argument("--dead-slots", type=positive_int, nargs="+", default=[4, 64],
                           help="dead slots per row to time a decode step with (1 up to the shortest context)")
-    rollback.add_argument("--rounds", type=positive_int, default=7)
+    rollback.add_argument("--rounds", type=positive_int, default=7, help="timed rounds of decode steps (6 steps each)")
     _add_compile_options(rollback)
     rollback.set_defaults(handler=_bench_rollback)
     speculative = benches.add_parser("speculative", help="one stage, code completion with and without a draft")
@@ -245,8 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
                              help="folder of the demo model's evaluate.py (default assets/models/train)")
     speculative.add_argument("--prompts", type=positive_int, default=None,
                              help="how many prompts (default: 12 of the held-out set, or all of --prompts-file)")
-    speculative.add_argument("--new-tokens", type=positive_int, default=64)
-    speculative.add_argument("--rounds", type=positive_int, default=3)
+    speculative.add_argument("--new-tokens", type=positive_int, default=64, help="tokens generated per prompt")
+    speculative.add_argument("--rounds", type=positive_int, default=3, help=ROUNDS_HELP)
     _add_compile_options(speculative)
     speculative.set_defaults(handler=_bench_speculative)
     streams = benches.add_parser("streams", help="1..N users on one core: deskfleet vs GenAI continuous batching")
@@ -254,13 +274,16 @@ def build_parser() -> argparse.ArgumentParser:
     streams.add_argument("--genai-model", type=path_argument, default=None,
                          help="the same checkpoint exported by optimum-intel (omit to skip GenAI)")
     streams.add_argument("--genai-python", type=path_argument, default=None, help="python of the GenAI venv")
-    streams.add_argument("--users", type=positive_int, nargs="+", default=[1, 2, 4, 8])
-    streams.add_argument("--prompt-tokens", type=positive_int, default=32)
-    streams.add_argument("--new-tokens", type=positive_int, default=64)
-    streams.add_argument("--rounds", type=positive_int, default=3)
+    streams.add_argument("--users", type=positive_int, nargs="+", default=[1, 2, 4, 8],
+                         help="user counts to compare")
+    streams.add_argument("--prompt-tokens", type=positive_int, default=32, help="each user's random prompt length")
+    streams.add_argument("--new-tokens", type=positive_int, default=64, help="tokens each user generates")
+    streams.add_argument("--rounds", type=positive_int, default=3, help=ROUNDS_HELP)
     streams.add_argument("--core", type=non_negative_int, default=None,
                          help="the CPU core to pin to (default: the last)")
     _add_compile_options(streams)
+    next(action for action in streams._actions if action.dest == "threads").help = \
+        "inference threads: this bench runs one, on one core, on both sides (1 is the only value taken)"
     streams.set_defaults(handler=_bench_streams)
     admission = benches.add_parser("admission", help="a long prompt arriving mid-run: what it stalls, chunked or not")
     admission.add_argument("--model", type=path_argument, required=True, help="export folder")
@@ -270,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "0 64 256 under --prompt-tokens)")
     admission.add_argument("--running", type=positive_int, default=2, help="streams decoding when it arrives")
     admission.add_argument("--new-tokens", type=positive_int, default=96, help="tokens each running stream makes")
-    admission.add_argument("--rounds", type=positive_int, default=3)
+    admission.add_argument("--rounds", type=positive_int, default=3, help=ROUNDS_HELP)
     _add_compile_options(admission)
     admission.set_defaults(handler=_bench_admission)
     chat_bench = benches.add_parser("chat", help="a chat's turns resuming the last reply's KV state vs fed whole")
@@ -282,10 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
                                  "lines left out; chat takes a message a line, so each is sent as one line); "
                                  "default: the demo eval set's code prompts")
     chat_bench.add_argument("--stages", type=positive_int, default=1, help="in-process pipeline stages")
-    chat_bench.add_argument("--rounds", type=positive_int, default=3)
+    chat_bench.add_argument("--rounds", type=positive_int, default=3, help=ROUNDS_HELP)
     _add_compile_options(chat_bench)
     chat_bench.set_defaults(handler=_bench_chat)
     _add_fleet_bench_command(benches)
+    for bench_parser in benches.choices.values():
+        bench_parser.formatter_class = DefaultsHelpFormatter
     add_fleet_commands(commands)
     return parser
 

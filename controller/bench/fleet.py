@@ -890,9 +890,11 @@ def add_fleet_bench_command(benches: Any) -> None:
                         help="the KV cache of the drafting and WAN rows' PCs, plain baselines included (as `fleet "
                              "deploy --kv-cache`; default: the precision's own, u8 on a CPU). f32 makes a real "
                              "target's verification calls cheaper on a CPU (README: --kv-cache under Generate)")
-    parser.add_argument("--new-tokens", type=positive_int, default=32)
-    parser.add_argument("--prompt-tokens", type=positive_int, default=16)
-    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--new-tokens", type=positive_int, default=32, help="tokens each stream generates")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=16,
+                        help="random prompt length of the --model rows (the demo rows use the held-out prompts)")
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="timed rounds, each running every configuration once")
     parser.add_argument("--warmup-rounds", type=non_negative_int, default=1,
                         help="untimed rounds before the timed ones")
     parser.add_argument("--threads-per-pc", type=positive_int, default=1,
