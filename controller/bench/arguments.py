@@ -37,7 +37,8 @@ def check_genai_inputs(genai_model: Path | None, genai_python: Path | None) -> N
     deskfleet's had run, with the runner's traceback. A --genai-python without a --genai-model is refused, not
     ignored."""
     if genai_model is not None and not Path(genai_model).is_dir():
-        raise FileNotFoundError(f"--genai-model {genai_model}: no such folder (an optimum-intel export)")
+        what = "not a folder" if Path(genai_model).exists() else "no such folder"
+        raise FileNotFoundError(f"--genai-model {genai_model}: {what} (an optimum-intel export)")
     if genai_python is not None and shutil.which(str(genai_python)) is None:
         raise FileNotFoundError(f"--genai-python {genai_python}: not an executable file (the python of the "
                                 f"GenAI venv, e.g. made by scripts/genai_venv.sh)")

@@ -48,8 +48,8 @@ def run_chat_bench(model: Path, turns: int = 8, reply_tokens: int = 64, rounds: 
         messages = heldout_code_prompts(DEFAULT_EVAL_DIR, turns, option="--turns")
     lines = [" ".join(message.split()) for message in messages[:turns]]
     if len(lines) < turns or not all(lines):
-        raise ValueError(f"{turns} turns need {turns} non-empty messages, got {len(lines)} "
-                         f"({sum(1 for line in lines if line)} non-empty)")
+        raise ValueError(f"--turns {turns} needs {turns} non-empty message{'s' if turns > 1 else ''}, got "
+                         f"{len(lines)} ({sum(1 for line in lines if line)} non-empty)")
     from ..tokenizer import ModelTokenizer
 
     tokenizer = ModelTokenizer(model)

@@ -80,7 +80,8 @@ def pick_core(requested: int | None) -> int:
     if requested is None:
         return allowed[-1]
     if requested not in allowed:
-        raise ValueError(f"core {requested} is not one this process may run on: {allowed}")
+        raise ValueError(f"--core {requested} is not a core this process may run on (it may run on "
+                         f"{', '.join(map(str, allowed))})")
     return requested
 
 

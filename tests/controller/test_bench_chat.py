@@ -54,7 +54,7 @@ def test_bad_inputs_are_refused_before_anything_compiles(tmp_path: Path, tiny_ex
     strip_chat_template(bare)
     with pytest.raises(ChatTemplateError, match="no chat template"):
         run_chat_bench(bare, turns=2)
-    with pytest.raises(ValueError, match="3 turns need 3 non-empty messages, got 2"):
+    with pytest.raises(ValueError, match="--turns 3 needs 3 non-empty messages, got 2"):
         run_chat_bench(model, turns=3, messages=["a", "b"])
     with pytest.raises(ValueError, match="non-empty"):
         run_chat_bench(model, turns=2, messages=["a", "  \n "])

@@ -41,7 +41,8 @@ def test_pick_core() -> None:
     allowed = sorted(os.sched_getaffinity(0))
     assert pick_core(None) == allowed[-1]
     assert pick_core(allowed[0]) == allowed[0]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=rf"^--core 10000 is not a core this process may run on \(it may run on "
+                                         rf"{', '.join(map(str, allowed))}\)$"):
         pick_core(10_000)
 
 
@@ -81,7 +82,8 @@ def test_streams_bench_on_a_tiny_model_without_genai(tiny_export: Path) -> None:
 
 
 @pytest.mark.parametrize(("arguments", "error", "message"), [
-    ({"genai_model": Path("/nonexistent")}, FileNotFoundError, "--genai-model /nonexistent"),
+    ({"genai_model": Path("/nonexistent")}, FileNotFoundError, "--genai-model /nonexistent: no such folder"),
+    ({"genai_model": Path(__file__)}, FileNotFoundError, "--genai-model .*: not a folder"),
     ({"genai_model": Path("."), "genai_python": Path("/nonexistent/python")}, FileNotFoundError,
      "--genai-python /nonexistent/python"),
     ({"rounds": 0}, ValueError, "--rounds must be 1 or more, got 0"),
