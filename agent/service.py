@@ -42,7 +42,7 @@ from deskfleet.common.devices import device_targets
 from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord
 from deskfleet.common.file_lock import pid_lock
 from deskfleet.common.version import software_version
-from deskfleet.common.wire import Register, parse_address
+from deskfleet.common.wire import ProtocolError, Register, parse_address
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,13 @@ class AgentService:
             log.warning("%s (this PC's fleet key) is open to other users (mode %03o): whoever reads it can pose as "
                         "this PC to the fleet, and be sent the stages and prompts it would get; run `chmod 600 %s`",
                         self.files.key_path, mode, self.files.key_path)
-        self.listen = options.listen or self.settings.listen_address
-        parse_address(self.listen)
+        # an empty --listen (an unset variable's) is refused, not taken for the settings' address, which may be
+        # every interface where the user meant one
+        self.listen = self.settings.listen_address if options.listen is None else options.listen
+        try:
+            parse_address(self.listen)
+        except ProtocolError as error:
+            raise ProtocolError(f"--listen: {error}" if options.listen is not None else str(error)) from None
         self.core = AgentCore(self.files, self.settings,
                               ShardCache(self.paths.shard_dir, self.settings.cache_limit_bytes),
                               monitor or HostMonitor(), speed_probe=self._speed,
@@ -151,8 +156,10 @@ class AgentService:
             except* _Stop:
                 pass
             finally:
+                hosted = [f"{ref.model_id} layers [{ref.layer_start}, {ref.layer_end})" for ref in self.core.stages]
                 await self.core.close()
-                log.info("agent %s stopped", self.core.agent_id[:12])
+                log.info("agent %s stopped%s", self.core.agent_id[:12],
+                         f"; the stage(s) it hosted go with it: {', '.join(hosted)}" if hosted else "")
 
     def stop(self) -> None:
         self._stopping.set()
