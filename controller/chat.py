@@ -27,7 +27,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -78,6 +78,10 @@ class ChatOptions(DecodingOptions):
         if self.system is not None and not self.system.strip():
             raise ValueError("--system is empty or blank (an unset variable?): give the system prompt, or leave out "
                              "--system for none")
+
+
+class InputGone(Exception):
+    """The chat's messages could no longer be read (its terminal closed under it)."""
 
 
 @dataclass(frozen=True)
@@ -284,6 +288,11 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
             except KeyboardInterrupt:  # Ctrl-C at the prompt leaves the chat
                 _end_prompt_line(prompt_out)
                 raise
+            except OSError as error:  # EIO: the terminal went away (a closed window or SSH session, no SIGHUP)
+                with suppress(OSError):  # the prompt's line may be on that terminal too
+                    _end_prompt_line(prompt_out)
+                raise InputGone(f"standard input could not be read ({error.strerror or error}): the terminal or pipe "
+                                "the messages came from is gone; the chat ended there") from error
             if not line.endswith("\n"):  # Ctrl-D: the cursor stayed on the prompt's line
                 _end_prompt_line(prompt_out)
             if first_line:  # a file saved by a Windows editor starts with a BOM, as --prompts-file may
@@ -584,5 +593,11 @@ def _chat_command(args: argparse.Namespace) -> int:
     if isinstance(sys.stdin, io.TextIOWrapper):  # a line that is not UTF-8 reaches run_chat, which refuses it alone
         sys.stdin.reconfigure(errors="surrogateescape")
     interactive = sys.stdin.isatty()
-    run_chat(options, sys.stdin, sys.stdout, prompt_out=sys.stderr if interactive else None, as_json=args.json)
+    try:
+        run_chat(options, sys.stdin, sys.stdout, prompt_out=sys.stderr if interactive else None, as_json=args.json)
+    except InputGone as error:
+        if args.verbose:
+            raise
+        print(f"deskfleet: error: {error}", file=sys.stderr)
+        return 1
     return 0

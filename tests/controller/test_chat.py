@@ -719,3 +719,27 @@ def test_a_template_that_takes_no_system_turn_says_so_when_given_system(
     assert main(["chat", "--model", str(model), "--system", "be brief"]) == 2
     err = capsys.readouterr().err
     assert "refused the conversation: no chat here" in err and "--system" not in err
+
+
+class _TerminalGoneAfter(io.StringIO):
+    """Messages that end with the read failing as a tty whose window or SSH session closed does (EIO)."""
+
+    def readline(self, size: int | None = -1) -> str:
+        line = super().readline()
+        if not line:
+            raise OSError(5, "Input/output error")
+        return line
+
+
+def test_a_terminal_gone_mid_chat_ends_it_in_one_line(tmp_path: Path, tiny_export: Path,
+                                                      capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # reading the next message raised OSError EIO up through the command: a Python traceback
+    model = tmp_path / "model"
+    shutil.copytree(tiny_export, model)
+    (model / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    monkeypatch.setattr("sys.stdin", _TerminalGoneAfter("hello\n"))
+    assert main(["chat", "--model", str(model), "--max-new-tokens", "2"]) == 1
+    assert capsys.readouterr().err.endswith(
+        "deskfleet: error: standard input could not be read (Input/output error): the terminal or pipe the "
+        "messages came from is gone; the chat ended there\n")
