@@ -157,11 +157,22 @@ class AgentSettings:
 def load_settings(path: Path) -> AgentSettings:
     """The settings in `path`, or the defaults when the file does not exist yet. Never writes."""
     try:
-        text = path.read_text(encoding="utf-8-sig")  # json refuses the BOM some Windows tools write
+        data = path.read_bytes()
     except FileNotFoundError:
         return AgentSettings()
-    except (OSError, UnicodeDecodeError) as error:
-        raise SettingsError(f"cannot read settings file {path}: {error}") from error
+    except OSError as error:
+        raise SettingsError(f"cannot read settings file {path}: {error.strerror or error}") from error
+    # UTF-8, with or without the BOM some Windows tools write (json refuses it), or UTF-16 with its BOM, which
+    # Windows PowerShell 5.1's `>` and Out-File write
+    encoding = "utf-16" if data.startswith((b"\xff\xfe", b"\xfe\xff")) else "utf-8-sig"
+    try:
+        text = data.decode(encoding)
+    except UnicodeDecodeError as error:
+        raise SettingsError(f"settings file {path} is not {'UTF-16' if encoding == 'utf-16' else 'UTF-8'} text "
+                            f"({error.reason} at byte {error.start}): save it as UTF-8") from error
+    if not text.strip():
+        raise SettingsError(f"settings file {path} is empty: write a JSON object in it ({{}} for the defaults), or "
+                            "delete it")
     return AgentSettings.from_json(text, source=f"settings file {path}")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -221,3 +222,22 @@ def test_a_field_written_twice_is_refused_by_name(tmp_path: Path, body: str, fie
     with pytest.raises(SettingsError) as caught:
         load_settings(path)
     assert str(caught.value) == f"settings file {path} has the field {field!r} twice; keep the one you mean"
+
+
+def test_a_file_saved_as_utf16_is_read_and_an_empty_one_is_named(tmp_path: Path) -> None:
+    # PowerShell 5.1's `>` and Out-File write UTF-16 with a BOM: "'utf-8' codec can't decode byte 0xff"; an empty
+    # file was "not valid JSON: Expecting value: line 1 column 1 (char 0)"
+    path = tmp_path / "settings.json"
+    for encoding in ("utf-16-le", "utf-16-be"):
+        bom = b"\xff\xfe" if encoding == "utf-16-le" else b"\xfe\xff"
+        path.write_bytes(bom + '{"format_version": 1, "device": "GPU"}'.encode(encoding))
+        assert load_settings(path).device == "GPU"
+    for empty in (b"", b" \n", b"\xef\xbb\xbf"):
+        path.write_bytes(empty)
+        with pytest.raises(SettingsError, match=rf"^settings file {re.escape(str(path))} is empty: write a JSON "
+                                                r"object in it \({} for the defaults\), or delete it$"):
+            load_settings(path)
+    path.write_bytes(b'{"device": "\xe9"}')  # Latin-1
+    with pytest.raises(SettingsError, match=r"is not UTF-8 text \(invalid continuation byte at byte 12\): save it "
+                                            "as UTF-8$"):
+        load_settings(path)
