@@ -87,7 +87,8 @@ def add_fleet_commands(subparsers: Any) -> None:
         parser.set_defaults(handler=handler)
         if name in ("plan", "deploy"):
             parser.add_argument("--policy", choices=_POLICIES, default=PlanPolicy.FEWEST_AGENTS.value)
-            parser.add_argument("--streams", type=int, default=1, help="streams whose KV to reserve")
+            parser.add_argument("--streams", type=positive_int, default=1,
+                                help="streams whose KV to reserve (default 1)")
             parser.add_argument("--device", type=_device_name, default="CPU",
                                 help="OpenVINO device on the agents: CPU, GPU, GPU.1, NPU, AUTO:GPU,CPU ...")
             parser.add_argument("--hop-ms", type=_hop_ms, default=None, metavar="MS",

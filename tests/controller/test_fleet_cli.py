@@ -98,6 +98,15 @@ def test_fleet_generate_refuses_no_new_tokens_naming_the_option(tmp_path: Path,
     assert "argument --max-new-tokens: must be 1 or more, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["plan", "deploy"])
+def test_no_streams_is_refused_naming_the_option(command: str, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    # it said "streams must be at least 1, got 0", naming no option
+    with pytest.raises(SystemExit):
+        main(["fleet", command, "--model", str(tmp_path), "--streams", "0"])
+    assert "argument --streams: must be 1 or more, got 0" in capsys.readouterr().err
+
+
 def test_init_refuses_a_fleet_name_the_ca_cannot_carry_before_making_anything(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["fleet", "init", "--name", "x" * 65, "--address", "10.0.0.5:1", "--data-dir",
