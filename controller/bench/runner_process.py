@@ -24,9 +24,11 @@ class RunnerProcess:
     def __init__(self, script: Path, python: Path | None, environment: dict[str, str] | None = None) -> None:
         self.python = str(python or sys.executable)
         self.script = Path(script).name
+        # A session of its own: a Ctrl-C at the terminal reaches only the bench, which stops its runners as it
+        # unwinds (close()); sent to the runners too, each printed a KeyboardInterrupt traceback under its line.
         with signals_held():  # a Ctrl-C inside Popen, after its fork, would leave a child nothing stops
             self.process = subprocess.Popen([self.python, str(script)], env=environment, stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, text=True, bufsize=1)
+                                            stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
 
     def send_line(self, line: str) -> None:
         assert self.process.stdin is not None

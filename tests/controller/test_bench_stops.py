@@ -61,3 +61,18 @@ def test_sigterm_mid_run_unwinds_instead_of_ending_the_process_on_the_spot(tiny_
     said = stderr_path.read_text(errors="replace")
     assert process.returncode == 143, said[-2000:]
     assert out == b"" and said.endswith("deskfleet: bench speculative stopped by SIGTERM: no report\n")
+
+
+def test_runner_processes_are_out_of_reach_of_the_terminals_ctrl_c(tmp_path: Path) -> None:
+    # the terminal's Ctrl-C reached `bench parity`'s runners too: each printed a KeyboardInterrupt traceback
+    # under the bench's one line; the bench stops them itself as it unwinds
+    from deskfleet.controller.bench.runner_process import RunnerProcess
+
+    script = tmp_path / "runner.py"
+    script.write_text("import sys\nsys.stdin.readline()\n")
+    runner = RunnerProcess(script, None)
+    try:
+        assert os.getsid(runner.process.pid) != os.getsid(0)
+    finally:
+        runner.close("quit")
+    assert runner.process.returncode == 0
