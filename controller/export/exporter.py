@@ -306,12 +306,31 @@ def _compress_int4(model: ov.Model, is_decoder_layer: bool) -> ov.Model:
 
     # Its progress bar ("Applying Weight Compression", one per IR) is no log line: rich writes it to whatever
     # sys.stdout is, where `deskfleet export` prints only its result. Its log handler keeps the real stdout.
-    with contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()), _numpy_compression():
         if not is_decoder_layer:
             # embed and head: 8-bit per channel, the usual backup precision for the vocabulary matrices.
             return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
         return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT4_ASYM, ratio=1.0,
                                      group_size=_group_size(model), all_layers=True)
+
+
+@contextlib.contextmanager
+def _numpy_compression() -> Iterator[None]:
+    """NNCF's weight lowering in numpy instead of its "optimized" path, which compiles small models with
+    ov.compile_model: a Core of its own each (50 on the 170M model), which OpenVINO's CPU plugin makes unsafe to
+    release out of order, as NNCF's cache does (see agent/openvino_core.py: a Ctrl-C, which the export handles,
+    then hit an unmapped signal stack). The exported bytes are the same either way (170M model, every file
+    compared), and numpy was no slower (14.3 s against 15.8 s for the whole export)."""
+    name = "NNCF_DISABLE_OPTIMIZED_COMPRESSION"
+    before = os.environ.get(name)
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def _group_size(model: ov.Model) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -539,3 +540,21 @@ def test_a_max_context_whose_rope_table_is_huge_is_warned_of(checkpoint_factory:
     rope_mb = 2 * (1 << 22) * spec.head_dim * 4 / 1e6
     assert any(text.startswith(f"--max-context 4194304 makes a RoPE table of {rope_mb:.0f} MB (rope.bin") for text in
                warnings), warnings
+
+
+def test_int4_compression_compiles_nothing(checkpoint_factory: Callable[..., Path], tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # NNCF's "optimized" lowering compiled small models with ov.compile_model, a Core of its own each, released in
+    # its cache's order: OpenVINO's CPU plugin then left the main thread's signal stack unmapped, and the export's
+    # Ctrl-C handling could crash (agent/openvino_core.py). Its numpy lowering writes the same bytes.
+    import nncf.openvino.optimized_functions.models as optimized
+
+    from deskfleet.common.model_spec import WeightFormat
+    from deskfleet.controller.export.exporter import export_checkpoint
+
+    compiled: list[object] = []
+    monkeypatch.setattr(optimized.ov, "compile_model", lambda *args, **kwargs: compiled.append(args))
+    export_checkpoint(checkpoint_factory("nncf-lowering", num_hidden_layers=1, hidden_size=128,
+                                        intermediate_size=256), tmp_path / "out", WeightFormat.INT4)
+    assert compiled == []
+    assert "NNCF_DISABLE_OPTIMIZED_COMPRESSION" not in os.environ  # set for the compression only
