@@ -658,13 +658,16 @@ def _run_bench(name: str, run: Callable[[], dict[str, Any]]) -> int:
     130 / 143 / 129."""
     from deskfleet.controller.bench.interruption import exit_status, signal_name, signals_held, signals_unwind
 
+    printed = False
     try:
         with signals_unwind():
             report = run()
             with signals_held():  # a signal meanwhile: after the report is out whole
                 print_whole(json.dumps(report, indent=2))
+                printed = True
     except KeyboardInterrupt as stopped:
-        print(f"deskfleet: bench {name} stopped by {signal_name(stopped)}: no report", file=sys.stderr, flush=True)
+        print(f"deskfleet: bench {name} stopped by {signal_name(stopped)}"
+              f"{' after its report was printed whole' if printed else ': no report'}", file=sys.stderr, flush=True)
         return exit_status(stopped)
     return 0
 

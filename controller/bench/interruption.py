@@ -128,6 +128,13 @@ def signals_held() -> Iterator[None]:
         unwinding.raise_received()
 
 
+def stopping() -> bool:
+    """Whether a signal is stopping the bench (received under `signals_unwind`): what is still running should end
+    at once, not finish its work first."""
+    unwinding = _unwinding
+    return unwinding is not None and unwinding.received is not None
+
+
 def exit_status(error: KeyboardInterrupt) -> int:
     """What a shell reports for a process ended by the signal: 128 + its number (130 for Ctrl-C)."""
     return 128 + (error.signum if isinstance(error, BenchTerminated) else signal.SIGINT)

@@ -395,8 +395,7 @@ class IsolatedVariant:
         pass  # nothing outlives run()
 
     def _start(self, runner: RunnerProcess) -> dict[str, Any]:
-        runner.send_line(json.dumps(self.config))
-        ready = runner.receive()
+        ready = runner.start(json.dumps(self.config))
         self.meta = {key: value for key, value in ready.items() if key != "ready"}
         self.meta["python"] = runner.python
         self.meta["properties"] = self.config.get("properties")
@@ -526,9 +525,8 @@ class GenAIVariant:
             raise FileNotFoundError(f"GenAI model folder {model} not found")
         # GenAI as it ships: glibc's malloc
         self.runner = RunnerProcess(GENAI_RUNNER, python, allocator.system_environment())
-        self.runner.send_line(json.dumps({"model": str(model), "device": device, "properties": properties,
-                                          "prompt_ids": prompt, "new_tokens": new_tokens}))
-        ready = self.runner.receive()
+        ready = self.runner.start(json.dumps({"model": str(model), "device": device, "properties": properties,
+                                              "prompt_ids": prompt, "new_tokens": new_tokens}))
         self.meta: dict[str, Any] = {"properties": properties, "load_s": round(ready.get("load_s", 0.0), 2),
                                      "versions": ready.get("versions"), "python": self.runner.python}
 

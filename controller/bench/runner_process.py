@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .interruption import signals_held
+from .interruption import signals_held, stopping
 
 
 class RunnerProcess:
@@ -26,9 +26,26 @@ class RunnerProcess:
         self.script = Path(script).name
         # A session of its own: a Ctrl-C at the terminal reaches only the bench, which stops its runners as it
         # unwinds (close()); sent to the runners too, each printed a KeyboardInterrupt traceback under its line.
-        with signals_held():  # a Ctrl-C inside Popen, after its fork, would leave a child nothing stops
-            self.process = subprocess.Popen([self.python, str(script)], env=environment, stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
+        process: subprocess.Popen[str] | None = None
+        try:
+            with signals_held():  # a Ctrl-C inside Popen, after its fork, would leave a child nothing stops
+                process = subprocess.Popen([self.python, str(script)], env=environment, stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
+        except BaseException:  # the held signal, raised as the block ends: no caller gets this object to close
+            if process is not None:
+                _end(process)
+            raise
+        self.process = process
+
+    def start(self, config_line: str) -> dict[str, Any]:
+        """Send the runner its configuration and wait for its ready answer (a model's load: seconds); a failure
+        or a signal meanwhile ends the runner, whose object the caller may not have kept yet."""
+        try:
+            self.send_line(config_line)
+            return self.receive()
+        except BaseException:
+            _end(self.process)
+            raise
 
     def send_line(self, line: str) -> None:
         assert self.process.stdin is not None
@@ -48,13 +65,21 @@ class RunnerProcess:
         return reply
 
     def close(self, quit_line: str) -> None:
-        if self.process.poll() is None:
+        """Ask the runner to quit, once it has finished what it is doing; when a signal is stopping the bench, end
+        it at once instead (a runner busy with a long generation reads its quit line only when that is done)."""
+        if self.process.poll() is None and stopping():
+            _end(self.process)
+        elif self.process.poll() is None:
             try:
                 self.send_line(quit_line)
                 self.process.wait(timeout=30)
             except (OSError, subprocess.TimeoutExpired):
                 self.process.kill()
                 self.process.wait()
+
+
+def _end(process: subprocess.Popen[Any]) -> None:
+    stop_processes([process], timeout=5.0)
 
 
 def stop_processes(processes: Iterable[subprocess.Popen[Any]], timeout: float = 10.0) -> None:

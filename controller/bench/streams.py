@@ -296,9 +296,8 @@ class GenAIUsers:
         environment = allocator.system_environment()  # GenAI as it ships: glibc's malloc
         environment["DESKFLEET_BENCH_CORES"] = ",".join(str(core) for core in sorted(cores))
         self.runner = RunnerProcess(GENAI_CB_RUNNER, python, environment)
-        self.runner.send_line(json.dumps({"model": str(model), "device": device, "properties": properties,
-                                          "new_tokens": new_tokens}))
-        ready = self.runner.receive()
+        ready = self.runner.start(json.dumps({"model": str(model), "device": device, "properties": properties,
+                                              "new_tokens": new_tokens}))
         self.meta: dict[str, Any] = {"properties": properties, "load_s": round(ready.get("load_s", 0.0), 2),
                                      "affinity": ready.get("affinity"), "versions": ready.get("versions"),
                                      "python": self.runner.python}

@@ -76,3 +76,69 @@ def test_runner_processes_are_out_of_reach_of_the_terminals_ctrl_c(tmp_path: Pat
     finally:
         runner.close("quit")
     assert runner.process.returncode == 0
+
+
+def _runner_script(tmp_path: Path, body: str) -> Path:
+    script = tmp_path / "runner.py"
+    script.write_text(body)
+    return script
+
+
+def test_a_signal_held_while_a_runner_starts_ends_that_runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # raised as the held block ended, inside RunnerProcess(): no caller had the object to close, and the runner,
+    # in a session of its own, outlived the bench
+    from deskfleet.controller.bench import runner_process
+    from deskfleet.controller.bench.interruption import signals_unwind
+
+    started: list[subprocess.Popen[str]] = []
+    real_popen = subprocess.Popen
+
+    def popen_then_ctrl_c(*args: object, **kwargs: object) -> subprocess.Popen[str]:
+        started.append(real_popen(*args, **kwargs))  # type: ignore[call-overload]
+        signal.raise_signal(signal.SIGINT)  # held until the Popen block ends
+        return started[-1]
+
+    monkeypatch.setattr(runner_process.subprocess, "Popen", popen_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt), signals_unwind():
+        runner_process.RunnerProcess(_runner_script(tmp_path, "import time\ntime.sleep(60)\n"), None)
+    assert started and started[0].poll() is not None
+
+
+def test_a_runner_that_never_gets_ready_is_ended_with_its_start(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from deskfleet.controller.bench.runner_process import RunnerProcess
+
+    runner = RunnerProcess(_runner_script(tmp_path, "import sys, time\nsys.stdin.readline()\ntime.sleep(60)\n"), None)
+    monkeypatch.setattr(runner, "receive", _stopping_bench(KeyboardInterrupt()))  # a Ctrl-C while it loads
+    with pytest.raises(KeyboardInterrupt):
+        runner.start("{}")
+    assert runner.process.poll() is not None
+
+
+def test_a_stopping_bench_ends_a_busy_runner_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # close() sent "quit" and waited up to 30 s for a runner busy with a generation, while further Ctrl-Cs
+    # were ignored
+    from deskfleet.controller.bench import runner_process
+
+    runner = runner_process.RunnerProcess(_runner_script(tmp_path, "import time\ntime.sleep(60)\n"), None)
+    monkeypatch.setattr(runner_process, "stopping", lambda: True)
+    began = time.monotonic()
+    runner.close("quit")
+    assert runner.process.poll() is not None and time.monotonic() - began < 10
+
+
+def test_a_signal_after_the_report_says_the_report_is_whole(monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from deskfleet.controller import cli as cli_module
+
+    monkeypatch.setattr(speculative, "run_speculative_bench", lambda *args, **kwargs: {"figure": 1})
+
+    def print_then_sigterm(text: str) -> None:
+        print(text)
+        signal.raise_signal(signal.SIGTERM)  # held until the report is out
+
+    monkeypatch.setattr(cli_module, "print_whole", print_then_sigterm)
+    assert cli.main(["bench", "speculative", "--model", "m"]) == 143
+    captured = capsys.readouterr()
+    assert '"figure": 1' in captured.out
+    assert captured.err == "deskfleet: bench speculative stopped by SIGTERM after its report was printed whole\n"
