@@ -163,13 +163,21 @@ def load_settings(path: Path) -> AgentSettings:
     except OSError as error:
         raise SettingsError(f"cannot read settings file {path}: {error.strerror or error}") from error
     # UTF-8, with or without the BOM some Windows tools write (json refuses it), or UTF-16 with its BOM, which
-    # Windows PowerShell 5.1's `>` and Out-File write
-    encoding = "utf-16" if data.startswith((b"\xff\xfe", b"\xfe\xff")) else "utf-8-sig"
+    # Windows PowerShell 5.1's `>` and Out-File write (UTF-32's BOM starts as UTF-16 LE's: looked for first)
+    if data.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
+        encoding = "UTF-32"
+    elif data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        encoding = "UTF-16"
+    elif b"\x00" in data:  # no JSON text holds a NUL
+        raise SettingsError(f"settings file {path} holds NUL bytes, so it is not UTF-8 text (UTF-16 without a byte "
+                            "order mark?): save it as UTF-8")
+    else:
+        encoding = "UTF-8"
     try:
-        text = data.decode(encoding)
+        text = data.decode("utf-8-sig" if encoding == "UTF-8" else encoding.lower())
     except UnicodeDecodeError as error:
-        raise SettingsError(f"settings file {path} is not {'UTF-16' if encoding == 'utf-16' else 'UTF-8'} text "
-                            f"({error.reason} at byte {error.start}): save it as UTF-8") from error
+        raise SettingsError(f"settings file {path} is not {encoding} text ({error.reason} at byte {error.start}): "
+                            "save it as UTF-8") from error
     if not text.strip():
         raise SettingsError(f"settings file {path} is empty: write a JSON object in it ({{}} for the defaults), or "
                             "delete it")

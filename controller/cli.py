@@ -281,9 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     streams.add_argument("--rounds", type=positive_int, default=3, help=ROUNDS_HELP)
     streams.add_argument("--core", type=non_negative_int, default=None,
                          help="the CPU core to pin to (default: the last)")
-    _add_compile_options(streams)
-    next(action for action in streams._actions if action.dest == "threads").help = \
-        "inference threads: this bench runs one, on one core, on both sides (1 is the only value taken)"
+    _add_compile_options(streams, threads_help="inference threads: this bench runs one, on one core, on both sides "
+                                               "(1 is the only value taken)")
     streams.set_defaults(handler=_bench_streams)
     admission = benches.add_parser("admission", help="a long prompt arriving mid-run: what it stalls, chunked or not")
     admission.add_argument("--model", type=path_argument, required=True, help="export folder")
@@ -441,14 +440,15 @@ class _Given(argparse.Action):
         namespace.given = {*getattr(namespace, "given", ()), option_string or self.dest}
 
 
-def _add_compile_options(parser: argparse.ArgumentParser) -> None:
+def _add_compile_options(parser: argparse.ArgumentParser, threads_help: str | None = None) -> None:
     parser.add_argument("--precision", choices=["f32", "fast"], default="fast", action=_Given,
                         help="f32: exact (f32 compute and KV cache); fast (the default): on a CPU f32 compute "
                              "with int8 dynamic quantization and a u8 KV cache, elsewhere the device's default")
     parser.add_argument("--device", default="CPU", action=_Given,
                         help="OpenVINO device: CPU (the default), GPU, NPU, AUTO, or a list such as AUTO:GPU,CPU")
     parser.add_argument("--threads", type=thread_count, default=None, action=_Given,
-                        help=f"inference threads per stage (1 to {MAX_THREADS}; default: the device's own choice)")
+                        help=threads_help or f"inference threads per stage (1 to {MAX_THREADS}; default: the "
+                                             "device's own choice)")
     parser.set_defaults(runs_models=True)
     parser.add_argument("--kv-cache", choices=KV_CACHE_PRECISIONS, default=None, action=_Given,
                         help="KV cache precision (default: f32 under --precision f32; under fast the device's "

@@ -6,7 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
+
+import pytest
 
 from deskfleet.agent.openvino_core import openvino_core
 
@@ -54,11 +57,23 @@ def test_a_ctrl_c_after_a_stage_was_released_on_another_thread_is_handled(tiny_e
     assert (done.returncode, done.stdout.strip()) == (0, "handled"), done.stderr[-2000:]  # was -11
 
 
-def test_every_thread_gets_the_same_core() -> None:
-    seen = []
+def test_threads_asking_at_once_share_one_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    # two Cores made at once would be two CPU plugins again, the very case the module exists to prevent
+    from deskfleet.agent import openvino_core as module
+
+    made: list[object] = []
+
+    def slow_core() -> object:
+        time.sleep(0.05)  # every thread arrives while the first is still making it
+        made.append(object())
+        return made[-1]
+
+    monkeypatch.setattr(module, "_core", None)
+    monkeypatch.setattr(module.ov, "Core", slow_core)
+    seen: list[object] = []
     threads = [threading.Thread(target=lambda: seen.append(openvino_core())) for _ in range(8)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert len(seen) == 8 and all(core is openvino_core() for core in seen)
+    assert len(made) == 1 and seen == made * 8

@@ -228,10 +228,14 @@ def test_a_file_saved_as_utf16_is_read_and_an_empty_one_is_named(tmp_path: Path)
     # PowerShell 5.1's `>` and Out-File write UTF-16 with a BOM: "'utf-8' codec can't decode byte 0xff"; an empty
     # file was "not valid JSON: Expecting value: line 1 column 1 (char 0)"
     path = tmp_path / "settings.json"
-    for encoding in ("utf-16-le", "utf-16-be"):
-        bom = b"\xff\xfe" if encoding == "utf-16-le" else b"\xfe\xff"
+    for encoding in ("utf-16", "utf-16-le", "utf-16-be", "utf-32"):  # utf-16 / utf-32: with this host's BOM
+        bom = {"utf-16-le": b"\xff\xfe", "utf-16-be": b"\xfe\xff"}.get(encoding, b"")
         path.write_bytes(bom + '{"format_version": 1, "device": "GPU"}'.encode(encoding))
         assert load_settings(path).device == "GPU"
+    path.write_bytes('{"device": "GPU"}'.encode("utf-16-le"))  # no BOM
+    with pytest.raises(SettingsError, match=r"holds NUL bytes, so it is not UTF-8 text \(UTF-16 without a byte order "
+                                            r"mark\?\): save it as UTF-8$"):
+        load_settings(path)
     for empty in (b"", b" \n", b"\xef\xbb\xbf"):
         path.write_bytes(empty)
         with pytest.raises(SettingsError, match=rf"^settings file {re.escape(str(path))} is empty: write a JSON "

@@ -128,4 +128,3 @@ def test_a_fleet_key_open_to_other_users_is_warned_of_at_start(tmp_path: Path,
     assert pki.open_key_mode(key) == 0o644
     key.chmod(0o600)
     assert pki.open_key_mode(key) is None and pki.open_key_mode(tmp_path / "missing.pem") is None
-
