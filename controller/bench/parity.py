@@ -86,14 +86,15 @@ class Variant(Protocol):
 
 # Public methods: pure parts
 
-def interleaved_order(names: Sequence[str], rounds: int) -> list[tuple[int, str]]:
+def interleaved_order(names: Sequence[str], rounds: int, after: int = 0) -> list[tuple[int, str]]:
     """(round, variant) in the order they run: every variant once per round, each round starting one variant
-    further along `names` (rounds.round_order), so that none always runs first or always follows the same one."""
+    further along `names` (rounds.round_order), so that none always runs first or always follows the same one.
+    `after`: untimed rounds run before in `names`' own order (a warm-up), which the rotation counts on from."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     if len(set(names)) != len(names):
         raise ValueError(f"variant names must be unique, got {list(names)}")
-    return [(index, name) for index in range(rounds) for name in round_order(names, index)]
+    return [(index, name) for index in range(rounds) for name in round_order(names, index + after)]
 
 
 def summarize(values: Sequence[float]) -> dict[str, Any]:
@@ -156,7 +157,7 @@ def run_rounds(variants: Sequence[Variant], rounds: int, warmup: int = 1,
         for variant in variants:
             variant.run()
     records: dict[str, list[RunRecord]] = {variant.name: [] for variant in variants}
-    for index, name in interleaved_order(list(by_name), rounds):
+    for index, name in interleaved_order(list(by_name), rounds, after=warmup):
         record = by_name[name].run()
         records[name].append(record)
         if on_run is not None:

@@ -63,6 +63,7 @@ def test_compare_gives_ratio_of_medians_and_paired_ratios() -> None:
 def test_interleaved_order_starts_each_round_one_variant_further_along() -> None:
     assert interleaved_order(["a", "b"], 3) == [(0, "a"), (0, "b"), (1, "b"), (1, "a"), (2, "a"), (2, "b")]
     assert [name for _, name in interleaved_order(["a", "b", "c"], 3)] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [name for _, name in interleaved_order(["a", "b"], 2, after=1)] == ["b", "a", "a", "b"]
     with pytest.raises(ValueError):
         interleaved_order(["a", "a"], 1)
     with pytest.raises(ValueError):
@@ -73,7 +74,7 @@ def test_run_rounds_warms_up_then_interleaves() -> None:
     log: list[str] = []
     variants = [FakeVariant("deskfleet-1", [0.0, 10.0, 11.0], log), FakeVariant("genai", [0.0, 9.0, 10.0], log)]
     records = run_rounds(variants, rounds=2, warmup=1)
-    assert log == ["deskfleet-1", "genai"] * 2 + ["genai", "deskfleet-1"]  # a warm-up round, then A B, B A
+    assert log == ["deskfleet-1", "genai", "genai", "deskfleet-1", "deskfleet-1", "genai"]  # warm-up A B: B A, A B
     assert [record.decode_tok_s for record in records["deskfleet-1"]] == [10.0, 11.0]  # warm-up dropped
     assert [record.decode_tok_s for record in records["genai"]] == [9.0, 10.0]
 
