@@ -67,8 +67,8 @@ class RunnerProcess:
     def close(self, quit_line: str) -> None:
         """Ask the runner to quit, once it has finished what it is doing; when a signal is stopping the bench, end
         it at once instead (a runner busy with a long generation reads its quit line only when that is done)."""
-        if self.process.poll() is None and stopping():
-            _end(self.process)
+        if stopping():
+            _end(self.process)  # nothing to do for one that has exited
         elif self.process.poll() is None:
             try:
                 self.send_line(quit_line)
