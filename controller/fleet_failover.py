@@ -46,7 +46,7 @@ from deskfleet.controller.fleet_deploy import (
     model_id_of,
 )
 from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
-from deskfleet.controller.fleet_store import FleetStore
+from deskfleet.controller.fleet_store import FleetStore, agent_label
 from deskfleet.controller.fleet_survey import Survey, SurveyOptions, survey
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ class FleetFailover:
     # (from, to): links found broken in this run (a stage that could not reach its next hop, which answers the
     # controller); every re-plan of the run keeps their ends apart
     broken_links: set[tuple[str, str]] = field(default_factory=set)
+    hostnames: dict[str, str] = field(default_factory=dict)  # the roster's (read at each re-plan), for messages
     _blame: ChainError | None = field(default=None, repr=False)  # the blame the re-plan under way checks
     _left_out: str | None = field(default=None, repr=False)  # whom that check left out
     _verdict: str | None = field(default=None, repr=False)  # what that check found, in words
@@ -84,6 +85,7 @@ class FleetFailover:
     _model_id: str | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.hostnames = self.store.hostnames()
         try:
             self._model_id = model_id_of(self.model_dir)
         except (OSError, ManifestError):
@@ -155,7 +157,7 @@ class FleetFailover:
         try:
             report = event_loop.run(self._redeploy())
             return FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store),
-                                 model_id=report.model_id)
+                                 model_id=report.model_id, hostnames=self.hostnames)
         except (DeployError, ChainError) as failure:
             failed = failure.agents if isinstance(failure, DeployError) else \
                 frozenset({failure.agent_id} if failure.agent_id is not None else ())
@@ -166,7 +168,7 @@ class FleetFailover:
                 replans = len(self.chains) - self.run_start + self.failed_replans
                 if replans < self.max_failovers:
                     self.notify(f"the chain broke ({error}); while re-planning, {failure}: re-planning without "
-                                f"{', '.join(f'agent {agent[:12]}' for agent in sorted(failed))} too")
+                                f"{', '.join(self._name(agent) for agent in sorted(failed))} too")
                     return None
                 raise FailoverError(f"{error}; while re-planning, {failure} (gave up: {replans} re-plan(s) "
                                     f"already in this run, --max-failovers {self.max_failovers})") from error
@@ -186,6 +188,7 @@ class FleetFailover:
                                 f"{now}): the run cannot go on on another model; `fleet deploy` the new export and "
                                 "run this again")
         settings = load_deploy_settings(self.store, self.model_dir)
+        self.hostnames = self.store.hostnames()  # a PC that joined since the run began may be in the new chain
         found = await survey(self.store, self._survey_options())
         try:
             self._check_blame(found)
@@ -198,6 +201,9 @@ class FleetFailover:
             await found.close()
         self._planned_apart(result, report)
         return report
+
+    def _name(self, agent_id: str) -> str:
+        return agent_label(agent_id, self.hostnames)
 
     def _survey_options(self) -> SurveyOptions:
         """The survey's, plus the addresses of the chain's surviving PCs: they are dialled even when
@@ -219,10 +225,10 @@ class FleetFailover:
         at = {agent_id: index for index, agent_id in enumerate(placed)}
         reporter, accused = self._apart
         if reporter in at and accused in at:
-            where = (f"agent {accused[:12]} (stage {at[accused]}) now comes before agent {reporter[:12]} "
+            where = (f"{self._name(accused)} (stage {at[accused]}) now comes before {self._name(reporter)} "
                      f"(stage {at[reporter]})" if at[accused] < at[reporter] else
-                     f"agents {reporter[:12]} (stage {at[reporter]}) and {accused[:12]} (stage {at[accused]}) are "
-                     "no longer neighbours")
+                     f"{self._name(reporter)} (stage {at[reporter]}) and {self._name(accused)} (stage "
+                     f"{at[accused]}) are no longer neighbours")
             self._verdict += f"; the new chain keeps both: {where}"
             return
         for agent_id in (reporter, accused):
@@ -230,11 +236,11 @@ class FleetFailover:
                 continue
             why = next((exclusion for exclusion in result.exclusions if exclusion.agent_id == agent_id), None)
             if why is None:
-                self._verdict += f"; agent {agent_id[:12]} is not in the new chain"
+                self._verdict += f"; {self._name(agent_id)} is not in the new chain"
                 continue
             if why.reason is ExclusionReason.BROKEN_LINK:
                 self._left_out = agent_id
-            self._verdict += f"; the new plan leaves agent {agent_id[:12]} out ({why.message})"
+            self._verdict += f"; the new plan leaves {self._name(agent_id)} out ({why.message})"
 
     def _was_removed(self, agent_id: str) -> bool:
         """Whether `fleet remove` removed it (a survey does not reach a removed PC: no other word for its silence)."""
@@ -271,9 +277,9 @@ class FleetFailover:
         answered = next((agent for agent in found.reachable() if agent.agent_id == accused), None)
         if answered is None or answered.report is None:
             if reporter is not None and self._was_removed(accused):
-                self._verdict = f"agent {accused[:12]} was removed from the fleet: it is left out"
+                self._verdict = f"{self._name(accused)} was removed from the fleet: it is left out"
             elif reporter is not None:
-                self._verdict = f"agent {accused[:12]} does not answer the controller either: it is left out"
+                self._verdict = f"{self._name(accused)} does not answer the controller either: it is left out"
             return
         positions = {stage.agent_id: index for index, stage in enumerate(error.stages)}
         hosting = accused in positions and StageRef(model_id_of(self.model_dir),
@@ -291,41 +297,41 @@ class FleetFailover:
             if reporter_at is not None and accused_at == reporter_at + 1 and earlier:
                 self.lost.add(reporter)
                 self._left_out = reporter
-                self._verdict = (f"agent {reporter[:12]} (stage {reporter_at}) reported its next hop agent "
-                                 f"{accused[:12]} (stage {accused_at}) at fault, but that agent answers the "
-                                 f"controller and still hosts its stage, and agent {reporter[:12]} could not reach "
-                                 f"agent {', '.join(target[:12] for target in earlier)} either earlier in this run: "
-                                 f"agent {reporter[:12]} itself is at fault, so it is left out of the next plan and "
-                                 f"agent {accused[:12]} is kept")
+                self._verdict = (f"{self._name(reporter)} (stage {reporter_at}) reported its next hop "
+                                 f"{self._name(accused)} (stage {accused_at}) at fault, but that agent answers the "
+                                 f"controller and still hosts its stage, and {self._name(reporter)} could not reach "
+                                 f"{', '.join(self._name(target) for target in earlier)} either earlier in this run: "
+                                 f"{self._name(reporter)} itself is at fault, so it is left out of the next plan and "
+                                 f"{self._name(accused)} is kept")
             elif reporter_at is not None and accused_at == reporter_at + 1:
                 self.broken_links.add((reporter, accused))
                 self._apart = (reporter, accused)
                 self._left_out = None
-                self._verdict = (f"agent {reporter[:12]} (stage {reporter_at}) reported its next hop agent "
-                                 f"{accused[:12]} (stage {accused_at}) at fault, but that agent answers the "
+                self._verdict = (f"{self._name(reporter)} (stage {reporter_at}) reported its next hop "
+                                 f"{self._name(accused)} (stage {accused_at}) at fault, but that agent answers the "
                                  f"controller and still hosts its stage: the link from {reporter[:12]} to "
                                  f"{accused[:12]} (a firewall or network fault between those two PCs), or agent "
                                  f"{reporter[:12]} itself, is at fault, so that link is marked broken for this run "
-                                 f"and the re-plan weighs both (never with agent {reporter[:12]} directly before "
-                                 f"agent {accused[:12]})")
+                                 f"and the re-plan weighs both (never with {self._name(reporter)} directly before "
+                                 f"{self._name(accused)})")
             else:
                 self._left_out = None
-                self._verdict = (f"the error that stage {reporter_at}'s agent {reporter[:12]} passed on blamed agent "
-                                 f"{accused[:12]} (stage {accused_at}), but that agent answers the controller and "
-                                 "still hosts its stage: the blame was relayed, and which stage made it cannot be "
-                                 "told, so nobody is left out for it")
+                self._verdict = (f"the error that stage {reporter_at}'s {self._name(reporter)} passed on blamed "
+                                 f"{self._name(accused)} (stage {accused_at}), but that agent answers the controller "
+                                 "and still hosts its stage: the blame was relayed, and which stage made it cannot "
+                                 "be told, so nobody is left out for it")
             log.warning("%s", self._verdict)
             return
         why = "" if accused not in positions else " and still hosts its stage" if hosting else \
             ", but no longer hosts its stage (restarted?)"
         if accused in self.kept:
-            self._verdict = (f"agent {accused[:12]} answers the controller{why}, but it was blamed and kept once "
+            self._verdict = (f"{self._name(accused)} answers the controller{why}, but it was blamed and kept once "
                              "already in this run: it is left out")
             return
         self.kept.add(accused)
         self.lost.discard(accused)
         self._left_out = None
-        self._verdict = (f"agent {accused[:12]} answers the controller{why}: it is kept in the plan (blamed again "
+        self._verdict = (f"{self._name(accused)} answers the controller{why}: it is kept in the plan (blamed again "
                          "in this run, it is left out)")
         log.warning("%s", self._verdict)
 

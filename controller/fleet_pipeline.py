@@ -9,8 +9,8 @@ this driver said ResultsHere. n+1 hops a step, and several micro-batches in flig
 The links live on an asyncio loop in a background thread; every task there is owned by one TaskGroup.
 The driver also holds a link to every middle stage's agent: when an agent dies its link closes (the
 websocket pings notice within link.PING_INTERVAL_S + PING_TIMEOUT_S + CLOSE_TIMEOUT_S, 17 s, for a stopped
-PC; at once for a killed one) and collect() raises ChainError
-naming that agent, its stage and its address; an Error a stage reports travels down the chain to here.
+PC; at once for a killed one) and collect() raises ChainError naming that agent (and its hostname), its stage
+and its address; an Error a stage reports travels down the chain to here.
 
 Micro-batch ids on the wire are the engine's ids plus a base: each chain draws a random range of its own
 (_REGION_IDS ids) and takes the next base in it at every renumber (each chat turn), so two drivers, or two
@@ -27,7 +27,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +37,7 @@ from deskfleet.common.wire import Error, Forward, ForwardResult, ReleaseMicroBat
 from deskfleet.controller.chain_ids import ChainIds
 from deskfleet.controller.engine import ChainBroken
 from deskfleet.controller.fleet_deploy import DeployError, StagePlacement, load_deployment, model_id_of
-from deskfleet.controller.fleet_store import FleetStore
+from deskfleet.controller.fleet_store import FleetStore, agent_label
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +90,14 @@ class FleetPipeline:
     `addresses` overrides where to dial each stage (e.g. a delay proxy in front of it); the agent id
     is still pinned by TLS. `return_logits` asks the last stage for the full logits too (benchmarks
     only: it is what top-1 compression saves). `model_id` (the deployment's) names the model in every
-    step, so that an agent hosting stages of several models runs each on the right one.
+    step, so that an agent hosting stages of several models runs each on the right one. `hostnames` (agent id ->
+    the hostname it enrolled with: FleetStore.hostnames) names the PCs in errors and in describe().
     """
 
     def __init__(self, stages: Sequence[StagePlacement], files: TlsFiles,
                  revocations: RevocationSource = no_revocations, addresses: Sequence[str] | None = None,
-                 step_timeout_s: float = STEP_TIMEOUT_S, return_logits: bool = False, model_id: str = "") -> None:
+                 step_timeout_s: float = STEP_TIMEOUT_S, return_logits: bool = False, model_id: str = "",
+                 hostnames: Mapping[str, str] | None = None) -> None:
         if not stages:
             raise ChainError("the deployment has no stages")
         self.stages = tuple(stages)
@@ -107,6 +109,7 @@ class FleetPipeline:
         self.step_timeout_s = step_timeout_s
         self.return_logits = return_logits
         self.model_id = model_id
+        self.hostnames = dict(hostnames or {})
         self._first_id = secrets.randbelow(_REGIONS) * _REGION_IDS  # this driver's range of wire ids
         bases = itertools.count(secrets.randbelow(_REGION_BASES))
         self._ids = ChainIds(_ID_SPAN, lambda: self._first_id + next(bases) % _REGION_BASES * _ID_SPAN)
@@ -144,7 +147,7 @@ class FleetPipeline:
         except DeployError as error:
             raise ChainError(str(error)) from None
         return cls(stages, store.tls_files, Revocations(store), model_id=model_id_of(model_dir),
-                   **options)  # type: ignore[arg-type]
+                   hostnames=store.hostnames(), **options)  # type: ignore[arg-type]
 
     @property
     def num_stages(self) -> int:
@@ -202,9 +205,9 @@ class FleetPipeline:
         self._ids.renumber()
 
     def describe(self) -> str:
-        return " -> ".join(f"stage {index} [{stage.layer_start}:{stage.layer_end}] on agent {stage.agent_id[:12]} "
-                           f"at {address}" for index, (stage, address) in enumerate(zip(self.stages, self.addresses,
-                                                                                         strict=True)))
+        return " -> ".join(f"stage {index} [{stage.layer_start}:{stage.layer_end}] on "
+                           f"{agent_label(stage.agent_id, self.hostnames)} at {address}"
+                           for index, (stage, address) in enumerate(zip(self.stages, self.addresses, strict=True)))
 
     def close(self) -> None:
         if self._closed:
@@ -299,8 +302,8 @@ class FleetPipeline:
                     try:
                         links.append(await open_link(address, self.files, stage.agent_id, self.revocations))
                     except LinkError as error:
-                        raise ChainError(f"cannot reach agent {stage.agent_id[:12]} (stage {index}, layers "
-                                         f"[{stage.layer_start}:{stage.layer_end}]): {error}",
+                        raise ChainError(f"cannot reach {agent_label(stage.agent_id, self.hostnames)} (stage "
+                                         f"{index}, layers [{stage.layer_start}:{stage.layer_end}]): {error}",
                                          stage.agent_id, stages=self.stages) from None
                 # every stage's agent: the last sends the results, and any stage whose refusal has no next hop to
                 # travel down (a paused middle stage) sends it back to the driver of its micro-batch
@@ -361,14 +364,14 @@ class FleetPipeline:
         stage = self.stages[index]
         where = "is in no stage of this chain" if blamed not in [other.agent_id for other in self.stages] \
             else "hosts a later stage than its next hop"
-        note = (f" [its blame of agent {blamed[:12]} was ignored: that agent {where}, so agent "
-                f"{stage.agent_id[:12]} (stage {index}) cannot know it to be at fault]")
-        log.warning("stage %d's agent %s reported an error blaming agent %s, which %s: the blame is ignored", index,
-                    stage.agent_id[:12], blamed[:12], where)
+        note = (f" [its blame of {agent_label(blamed, self.hostnames)} was ignored: that agent {where}, so "
+                f"{agent_label(stage.agent_id, self.hostnames)} (stage {index}) cannot know it to be at fault]")
+        log.warning("stage %d's %s reported an error blaming %s, which %s: the blame is ignored", index,
+                    agent_label(stage.agent_id, self.hostnames), agent_label(blamed, self.hostnames), where)
         return None, note
 
     def _stage_error(self, index: int, text: str) -> ChainError:
         stage = self.stages[index]
-        return ChainError(f"agent {stage.agent_id[:12]} (stage {index}, layers [{stage.layer_start}:"
+        return ChainError(f"{agent_label(stage.agent_id, self.hostnames)} (stage {index}, layers [{stage.layer_start}:"
                           f"{stage.layer_end}]) at {self.addresses[index]}: {text}", stage.agent_id,
                           stages=self.stages)

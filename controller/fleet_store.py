@@ -23,7 +23,7 @@ import logging
 import os
 import shlex
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TypeVar
@@ -89,6 +89,13 @@ class RosterEntry:
     enrolled_at: str  # ISO 8601 UTC
     addresses: tuple[str, ...] = ()  # where it last said it listens (Register)
     registered_at: str | None = None
+
+
+def agent_label(agent_id: str, hostnames: Mapping[str, str]) -> str:
+    """How messages name an agent: its id's first 12 characters, and the hostname it enrolled with where known
+    ("agent 3f2a9b8c1d0e on alice-pc"): an admin knows the desk by the name, the fleet by the id."""
+    hostname = hostnames.get(agent_id)
+    return f"agent {agent_id[:12]} on {hostname}" if hostname else f"agent {agent_id[:12]}"
 
 
 def default_data_dir() -> Path:
@@ -290,6 +297,15 @@ class FleetStore:
         if not isinstance(body, dict):
             raise FleetStoreError(f"{path} must hold an object of agents")
         return {agent_id: _roster_entry(path, agent_id, entry) for agent_id, entry in body.items()}
+
+    def hostnames(self) -> dict[str, str]:
+        """Each enrolled agent's hostname, for messages (agent_label); {} when the roster cannot be read: a
+        message then names agents by id alone, and whatever needs the roster says what is wrong with it."""
+        try:
+            return {agent_id: entry.hostname for agent_id, entry in self.roster().items()}
+        except FleetStoreError as error:
+            log.debug("agents named by id alone: %s", error)
+            return {}
 
     def save_roster(self, entries: dict[str, RosterEntry]) -> None:
         self.write("agents", {agent_id: {**asdict(entry), "addresses": list(entry.addresses)}

@@ -9,6 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from deskfleet.agent.link import utc_now
+from deskfleet.common import event_loop
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.planner import PlanPolicy
 from deskfleet.common.wire import Precision, StatusReport
@@ -17,7 +19,7 @@ from deskfleet.controller.chat import add_fleet_option
 from deskfleet.controller.fleet_deploy import DeployError, DeploySettings, load_deploy_settings, model_id_of
 from deskfleet.controller.fleet_failover import FailoverError, FleetFailover
 from deskfleet.controller.fleet_pipeline import ChainError
-from deskfleet.controller.fleet_store import FleetStore
+from deskfleet.controller.fleet_store import FleetStore, RosterEntry
 from deskfleet.controller.fleet_survey import AgentView, Survey
 
 
@@ -175,6 +177,35 @@ def test_a_pc_lost_while_re_planning_is_left_out_of_another_re_plan_within_the_b
         failover(ChainError("agent c: the link closed", "c" * 52))
     failover.start_run()
     assert failover.failed_replans == 0
+
+
+def test_the_failovers_notes_name_the_pcs_by_their_hostnames(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    notes: list[str] = []
+    store.save_roster({"b" * 52: RosterEntry("b" * 52, "bob-pc", utc_now().isoformat())})
+    monkeypatch.setattr(fleet_failover, "FleetPipeline", NewChain)
+    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=notes.append)
+    redeploys = _Redeploys(failover, [DeployError("the link closed", agents=frozenset({"b" * 52})), None])
+    monkeypatch.setattr(failover, "_redeploy", redeploys)
+    failover(ChainError("agent a: the link closed", "a" * 52))
+    assert "re-planning without agent bbbbbbbbbbbb on bob-pc too" in notes[0]
+
+
+def test_a_re_plan_reads_the_roster_again_so_a_pc_that_joined_since_the_run_began_is_named(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    class SurveyReached(Exception):
+        pass
+
+    async def survey(*args: object, **kwargs: object) -> None:
+        raise SurveyReached
+
+    monkeypatch.setattr(fleet_failover, "load_deploy_settings", lambda *args: DeploySettings())
+    monkeypatch.setattr(fleet_failover, "survey", survey)
+    failover = FleetFailover(store, tiny_export, max_failovers=2)
+    store.save_roster({"b" * 52: RosterEntry("b" * 52, "bob-pc", utc_now().isoformat())})  # joined mid-run
+    with pytest.raises(SurveyReached):
+        event_loop.run(failover._redeploy())
+    assert failover.hostnames == {"b" * 52: "bob-pc"}
 
 
 def test_a_pc_that_fails_the_new_chain_as_it_opens_is_left_out_too(

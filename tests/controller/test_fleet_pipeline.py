@@ -20,6 +20,7 @@ from deskfleet.controller import fleet_pipeline
 from deskfleet.controller.fleet_deploy import StagePlacement
 from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
 from tests.fleet_pki import make_ca, make_member
+from tests.ports import free_address
 
 Reply = Callable[[Link, Forward], Awaitable[None]]
 SEEN: list[Message] = []  # what the scripted agent of the test running received, in order
@@ -271,3 +272,28 @@ def test_the_last_range_and_its_largest_id_cross_the_wire(scripted_chain: Callab
     (forward,) = [message for message in SEEN if isinstance(message, Forward)]
     assert claimed.holds(forward.micro_batch_id) and claimed.stop_micro_batch_id < 1 << 63
     assert forward.micro_batch_id == claimed.stop_micro_batch_id - 1  # the range's very last id
+
+
+def test_a_pc_that_cannot_be_reached_is_named_by_its_hostname_too(tmp_path: Path) -> None:
+    ca = make_ca(tmp_path / "ca")
+    agent_id = make_member(ca, tmp_path / "agent", "agent").own_identity().agent_id
+    driver_files = make_member(ca, tmp_path / "driver", "driver", Role.CONTROLLER)
+    address = free_address()  # nothing listens there
+    with pytest.raises(ChainError) as caught:
+        FleetPipeline([StagePlacement(agent_id, address, 0, 4)], driver_files, hostnames={agent_id: "alice-pc"})
+    assert f"cannot reach agent {agent_id[:12]} on alice-pc (stage 0, layers [0:4])" in str(caught.value)
+    assert caught.value.agent_id == agent_id
+
+
+def test_a_link_that_closes_names_the_pc_by_its_hostname(scripted_chain: Callable[[Reply], FleetPipeline]) -> None:
+    async def reply(link: Link, message: Forward) -> None:
+        await link.close()
+
+    chain = scripted_chain(reply)
+    agent_id = chain.stages[0].agent_id
+    chain.hostnames[agent_id] = "alice-pc"
+    assert f"on agent {agent_id[:12]} on alice-pc at 127.0.0.1:" in chain.describe()
+    chain.submit(one_step())
+    with pytest.raises(ChainError) as caught:
+        chain.collect()
+    assert str(caught.value).startswith(f"agent {agent_id[:12]} on alice-pc (stage 0, layers [0:4]) at 127.0.0.1:")

@@ -12,7 +12,7 @@ from deskfleet.agent.link import utc_now
 from deskfleet.common import pki
 from deskfleet.controller.cli import main
 from deskfleet.controller.fleet_ca import init_fleet
-from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry
+from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry, agent_label
 
 
 def new_agent_id() -> str:
@@ -64,6 +64,22 @@ def test_a_good_roster_reads_back_as_written(store: FleetStore) -> None:
     assert store.roster() == {agent_id: entry}
     store.write("agents", {agent_id: {"agent_id": agent_id, "hostname": "pc-1", "enrolled_at": "x"}})
     assert store.roster()[agent_id].addresses == ()  # written before agents registered an address
+
+
+def test_messages_name_an_agent_by_its_hostname_where_the_roster_has_it(store: FleetStore) -> None:
+    known, stranger = new_agent_id(), new_agent_id()
+    store.save_roster({known: RosterEntry(known, "alice-pc", utc_now().isoformat())})
+    hostnames = store.hostnames()
+    assert hostnames == {known: "alice-pc"}
+    assert agent_label(known, hostnames) == f"agent {known[:12]} on alice-pc"
+    assert agent_label(stranger, hostnames) == f"agent {stranger[:12]}"  # not enrolled here: the id alone
+
+
+def test_a_damaged_roster_names_agents_by_id_alone_and_is_still_named_where_it_is_needed(store: FleetStore) -> None:
+    (store.data_dir / "agents.json").write_text("{not json", encoding="utf-8")
+    assert store.hostnames() == {}  # a message's label does not end a run
+    with pytest.raises(FleetStoreError, match=r"agents\.json"):
+        store.roster()
 
 
 def test_json_nested_too_deeply_names_the_file(store: FleetStore) -> None:

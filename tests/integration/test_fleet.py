@@ -214,7 +214,8 @@ def test_agents_join_and_are_discovered(fleet: Fleet) -> None:
     token = fleet.deskfleet("fleet", "token", "--uses", str(AGENTS), "--ttl", "10m").strip()
     for index, node in enumerate(fleet.agents):
         data_dir = fleet.agent_dir(index)
-        out = fleet.run(node, str(BIN / "deskfleet-agent"), "join", token, "--data-dir", str(data_dir))
+        out = fleet.run(node, str(BIN / "deskfleet-agent"), "join", token, "--data-dir", str(data_dir),
+                        "--hostname", f"desk-{index}")
         assert "joined fleet" in out
         assert (data_dir / "state" / "agent-key.pem").stat().st_mode & 0o077 == 0
         (data_dir / "settings").mkdir(exist_ok=True)
@@ -401,6 +402,7 @@ def test_a_pc_that_drops_out_mid_generation_is_replanned_around(fleet: Fleet, ti
     assert run.returncode == 0, stderr
     assert first + rest == local.encode()  # not a token lost, repeated or changed
     assert victim[:12] in stderr and re.search(r"re-planned in [0-9.]+ s over 2 agent\(s\)", stderr), stderr
+    assert f"agent {victim[:12]} on desk-{index} (stage " in stderr, stderr  # named as the admin knows the PC
     stages = _deployed_stages(fleet)
     assert len(stages) == 2 and victim not in {stage["agent_id"] for stage in stages}
     _start_agent(fleet, index)  # switched on again: it rejoins on its own
