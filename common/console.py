@@ -111,8 +111,8 @@ def ctrl_c_held() -> Iterator[None]:
     For output that must come out whole: a report printed after a run (minutes of a benchmark, or the streams a
     first Ctrl-C stopped) was cut mid-line by a Ctrl-C during the print, and a script reading the JSON got
     half an object. Off the main thread (where Python runs no signal handler), or where SIGINT's handler was
-    not set from Python (it could not be put back), the block runs as it is. (`bench fleet`, whose SIGTERM and
-    SIGHUP unwind too, holds all three with bench/interruption.signals_held.)
+    not set from Python (it could not be put back), the block runs as it is. (The benches, whose SIGTERM and
+    SIGHUP unwind too, hold all three with bench/interruption.signals_held.)
     """
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
         yield

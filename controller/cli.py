@@ -652,24 +652,12 @@ def _bench_streams(args: argparse.Namespace) -> int:
 
 
 def _run_bench(name: str, run: Callable[[], dict[str, Any]]) -> int:
-    """Run a bench (not `bench fleet`, which has its own) and print its report. Stopped by Ctrl-C, SIGTERM or
-    SIGHUP, it unwinds as on Ctrl-C (the runner processes of GenAI and of parity's variants are stopped; without
-    this, SIGTERM and SIGHUP ended the process on the spot), says so in one line, prints no report and exits
-    130 / 143 / 129."""
-    from deskfleet.controller.bench.interruption import exit_status, signal_name, signals_held, signals_unwind
+    """Run a bench (not `bench fleet`, which writes files too) and print its report as JSON; a signal unwinds it
+    (its runner processes stopped) with one line and exit status 128 + the signal's (bench/interruption.py)."""
+    from deskfleet.controller.bench.interruption import run_bench
 
-    printed = False
-    try:
-        with signals_unwind():
-            report = run()
-            with signals_held():  # a signal meanwhile: after the report is out whole
-                print_whole(json.dumps(report, indent=2))
-                printed = True
-    except KeyboardInterrupt as stopped:
-        print(f"deskfleet: bench {name} stopped by {signal_name(stopped)}"
-              f"{' after its report was printed whole' if printed else ': no report'}", file=sys.stderr, flush=True)
-        return exit_status(stopped)
-    return 0
+    return run_bench(name, run, lambda report: print_whole(json.dumps(report, indent=2)))
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -57,7 +57,7 @@ from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.bench.arguments import check_genai_inputs, check_output_files
 from deskfleet.controller.bench.delay_proxy import MAX_DELAY_S, MIN_BANDWIDTH_BYTES_S, DelayProxy, ProxyThread
 from deskfleet.controller.bench.host import host_report
-from deskfleet.controller.bench.interruption import exit_status, signal_name, signals_held, signals_unwind
+from deskfleet.controller.bench.interruption import run_bench, signals_held
 from deskfleet.controller.bench.rounds import round_order
 from deskfleet.controller.bench.runner_process import stop_processes
 from deskfleet.controller.bench.speculative import DEFAULT_EVAL_DIR, heldout_code_prompts
@@ -937,15 +937,15 @@ def _bench_command(args: Any) -> int:
         drafters=tuple(args.drafters), wan=args.wan, carry_k=args.carry_k,
         wan_delay_s=args.wan_delay_ms / 1000.0,
         wan_bandwidth_bytes_s=args.wan_bandwidth_mbit * 125_000 if args.wan_bandwidth_mbit is not None else None)
-    try:
-        with signals_unwind():  # SIGTERM and SIGHUP unwind as Ctrl-C does: the simulated PCs stop
-            report = run_fleet_bench(options, progress=lambda text: print(text, file=sys.stderr, flush=True))
-            with signals_held():  # a Ctrl-C, SIGTERM or SIGHUP meanwhile: after the report is out whole
-                print(json.dumps(report, indent=2), flush=True)  # first: a file that cannot be written loses nothing
-            print(render_markdown(report), file=sys.stderr)
-            write_outputs(report, args.json_out, args.markdown_out)
-    except KeyboardInterrupt as stopped:
-        print(f"deskfleet: bench fleet stopped by {signal_name(stopped)}; its simulated PCs are stopped and its "
-              f"temporary folder removed", file=sys.stderr, flush=True)
-        return exit_status(stopped)
-    return 0
+    # the JSON first, whole: a file that cannot be written then loses nothing
+    return run_bench("fleet", lambda: run_fleet_bench(options, progress=lambda text: print(text, file=sys.stderr,
+                                                                                            flush=True)),
+                     lambda report: print(json.dumps(report, indent=2), flush=True),
+                     then=lambda report: _write_markdown_and_files(report, args.json_out, args.markdown_out),
+                     then_what="the markdown table and the --json-out / --markdown-out files",
+                     cleaned_up="; its simulated PCs are stopped and its temporary folder removed")
+
+
+def _write_markdown_and_files(report: dict[str, Any], json_out: Path | None, markdown_out: Path | None) -> None:
+    print(render_markdown(report), file=sys.stderr)
+    write_outputs(report, json_out, markdown_out)

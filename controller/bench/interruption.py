@@ -29,12 +29,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import TypeVar
 
 # What kill, timeout, systemd and a closed terminal send; SIGINT already raises KeyboardInterrupt.
 ENDING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+_Report = TypeVar("_Report")
 
 
 class BenchTerminated(KeyboardInterrupt):
@@ -143,3 +148,28 @@ def exit_status(error: KeyboardInterrupt) -> int:
 def signal_name(error: KeyboardInterrupt) -> str:
     """The signal that stopped the bench, as a user would name it."""
     return signal.Signals(error.signum).name if isinstance(error, BenchTerminated) else "SIGINT (Ctrl-C)"
+
+
+def run_bench(name: str, run: Callable[[], _Report], print_report: Callable[[_Report], None],
+              then: Callable[[_Report], None] | None = None, then_what: str = "", cleaned_up: str = "") -> int:
+    """Run a bench under `signals_unwind`, print its report whole (`signals_held`), then do `then` (write its
+    files). Stopped by Ctrl-C, SIGTERM or SIGHUP it unwinds (what it started is stopped), says in one line on
+    stderr by which signal and how far it got (no report; or the report printed whole, and `then_what` not done),
+    and returns 130 / 143 / 129; 0 when it ran to the end."""
+    printed = False
+    try:
+        with signals_unwind():
+            report = run()
+            with signals_held():  # a signal meanwhile: after the report is out whole
+                print_report(report)
+                printed = True
+            if then is not None:
+                then(report)
+    except KeyboardInterrupt as stopped:
+        if not printed:
+            how_far = f": no report{cleaned_up}"
+        else:
+            how_far = " after its report was printed whole" + (f", before {then_what}" if then is not None else "")
+        print(f"deskfleet: bench {name} stopped by {signal_name(stopped)}{how_far}", file=sys.stderr, flush=True)
+        return exit_status(stopped)
+    return 0

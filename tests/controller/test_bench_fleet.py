@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import signal
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -359,6 +360,31 @@ def test_the_report_is_printed_first_and_a_failed_write_leaves_the_old_file(
     markdown = tmp_path / "table.md"
     assert main(["bench", "fleet", "--model", "m", "--json-out", str(old), "--markdown-out", str(markdown)]) == 0
     assert json.loads(old.read_text()) == FAKE_REPORT and markdown.read_text().startswith("| row |")
+
+
+def test_a_signal_after_the_json_says_the_report_is_whole_and_which_files_were_not_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(fleet_module, "run_fleet_bench", lambda options, progress: FAKE_REPORT)
+
+    def sigterm_while_rendering(report: dict[str, Any]) -> str:
+        signal.raise_signal(signal.SIGTERM)  # raised here: the JSON is out, the files are not written
+        return "| row |"
+
+    monkeypatch.setattr(fleet_module, "render_markdown", sigterm_while_rendering)
+    assert main(["bench", "fleet", "--model", "m", "--json-out", str(tmp_path / "report.json")]) == 143
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == FAKE_REPORT
+    assert captured.err.endswith("deskfleet: bench fleet stopped by SIGTERM after its report was printed whole, "
+                                 "before the markdown table and the --json-out / --markdown-out files\n")
+    assert list(tmp_path.iterdir()) == []
+
+    def ctrl_c(options: object, progress: object) -> dict[str, Any]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fleet_module, "run_fleet_bench", ctrl_c)
+    assert main(["bench", "fleet", "--model", "m"]) == 130
+    assert capsys.readouterr().err.endswith("deskfleet: bench fleet stopped by SIGINT (Ctrl-C): no report; its "
+                                            "simulated PCs are stopped and its temporary folder removed\n")
 
 
 def fake_export(folder: Path, source: Path, **spec: int) -> Path:
