@@ -183,6 +183,10 @@ class RoundCost:
 # K up to its bound every round: an unbounded --k-max (1e9) hung the run while that list filled the memory. Past a
 # few dozen, a round's expected tokens stop growing (0.9 acceptance: 9.99 at K=64, 10 at any K).
 MAX_K = 64
+# What AdaptiveK takes a draft token's chance of acceptance to be before any round has measured it, worth
+# `prior_weight` rounds' rejections: a draft model's (the demo pair's accepts 0.74 at K=4, a weaker pairing less).
+# Drafters that know better say so (Drafter.prior_acceptance: prompt lookup's proposals are accepted far more).
+DEFAULT_PRIOR_ACCEPTANCE = 0.6
 SWITCH_MARGIN = 0.05  # AdaptiveK moves K only for more than this gain in expected tokens per second
 
 
@@ -257,7 +261,7 @@ class AdaptiveK:
     """
 
     def __init__(self, k_min: int = 1, k_max: int = 8, *, initial_cost: RoundCost | None = None,
-                 decay: float = 0.9, prior_alpha: float = 0.6, prior_weight: float = 2.0,
+                 decay: float = 0.9, prior_alpha: float = DEFAULT_PRIOR_ACCEPTANCE, prior_weight: float = 2.0,
                  switch_margin: float = SWITCH_MARGIN) -> None:
         if not 0 <= k_min <= k_max <= MAX_K:
             raise ValueError(f"K bounds must satisfy 0 <= k_min <= k_max <= {MAX_K}, got [{k_min}, {k_max}]")

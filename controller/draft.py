@@ -24,7 +24,7 @@ from deskfleet.agent.stage import CompileSettings, LayerRange, Stage
 from deskfleet.agent.stage_executor import StageExecutor
 from deskfleet.common.kv_ledger import CompactionPolicy
 from deskfleet.common.model_spec import ManifestError, ModelSpec, load_manifest
-from deskfleet.common.speculative import SamplingParams, sample, sampling_probs
+from deskfleet.common.speculative import DEFAULT_PRIOR_ACCEPTANCE, SamplingParams, sample, sampling_probs
 from deskfleet.common.wire import ForwardResult
 
 from .batch_track import BatchTrack
@@ -80,7 +80,12 @@ def mix_seed(seed: int, position: int, salt: int) -> int:
 
 class Drafter(Protocol):
     """What the engine asks of a drafter. Micro-batches mirror the target's by stream id (only speculative
-    streams have a draft row); calls come from the driver's thread."""
+    streams have a draft row); calls come from the driver's thread.
+
+    `prior_acceptance`: the chance that one of its draft tokens is accepted, as adaptive K assumes it until the
+    rounds have measured it (AdaptiveK's prior_alpha); it sets the K of a stream's first rounds."""
+
+    prior_acceptance: float
 
     def check_compatible(self, target: ModelSpec) -> None:
         """Refuse a target it cannot draft for (ValueError naming why)."""
@@ -115,6 +120,8 @@ class Drafter(Protocol):
 
 class DraftModel:
     """A one-stage model run in this process. Not thread-safe: the driver's thread calls it."""
+
+    prior_acceptance = DEFAULT_PRIOR_ACCEPTANCE
 
     def __init__(self, model_dir: Path, settings: CompileSettings | None = None) -> None:
         manifest = load_manifest(Path(model_dir))

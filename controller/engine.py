@@ -35,7 +35,7 @@ import numpy as np
 
 from deskfleet.common.kv_ledger import CompactionPolicy
 from deskfleet.common.model_spec import ModelSpec
-from deskfleet.common.speculative import MAX_K, AdaptiveK, RoundCost, SamplingParams
+from deskfleet.common.speculative import DEFAULT_PRIOR_ACCEPTANCE, MAX_K, AdaptiveK, RoundCost, SamplingParams
 from deskfleet.common.wire import DraftInfo, Forward, ForwardResult, SamplingInfo
 
 from .batch_track import BatchTrack
@@ -273,7 +273,8 @@ class Engine:
         elif learned_k is not None and (learned_k.k_min, learned_k.k_max) == (options.k_min, options.k_max):
             self.k_policy = learned_k.carried()
         else:
-            self.k_policy = AdaptiveK(options.k_min, options.k_max)
+            self.k_policy = AdaptiveK(options.k_min, options.k_max, prior_alpha=draft.prior_acceptance
+                                      if draft is not None else DEFAULT_PRIOR_ACCEPTANCE)
         self._streams: dict[int, _Stream] = {}
         self._unstarted: dict[int, _Stream] = {}  # streams waiting for a prefill, by id (arrival order)
         self._unfinished = 0

@@ -39,6 +39,8 @@ class LookupFirstDraft:
         self._copied: set[int] = set()  # streams whose last proposal was copied, not drafted
         self.copied_rounds = 0
         self.drafted_rounds = 0
+        # the draft model's: until its rounds are measured, K suits the rounds it drafts, the dearer ones
+        self.prior_acceptance = model.prior_acceptance
 
     # Public methods: the model's bookkeeping, unchanged
 

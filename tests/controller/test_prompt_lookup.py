@@ -8,10 +8,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deskfleet.common.model_spec import ManifestError
-from deskfleet.common.speculative import SamplingParams
-from deskfleet.controller.draft import DraftRow, open_drafter
-from deskfleet.controller.prompt_lookup import PromptLookupDraft, lookup_continuation
+from deskfleet.agent.stage import CompileSettings, Precision
+from deskfleet.common.model_spec import ManifestError, load_manifest
+from deskfleet.common.speculative import DEFAULT_PRIOR_ACCEPTANCE, SamplingParams
+from deskfleet.controller.draft import DraftRow, Proposal, open_drafter
+from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
+from deskfleet.controller.pipeline import LocalPipeline
+from deskfleet.controller.prompt_lookup import LOOKUP_PRIOR_ACCEPTANCE, PromptLookupDraft, lookup_continuation
 
 
 def test_the_longest_suffix_picks_the_continuation() -> None:
@@ -132,3 +135,30 @@ def test_a_draft_model_no_smaller_than_the_target_is_warned_of(target: Path, oth
         open_drafter(target, False, target=spec)
     assert any(record.getMessage().startswith("--draft is not smaller than the target (") and "--prompt-lookup" in
                record.getMessage() for record in caplog.records)
+
+
+class KRecordingLookup(PromptLookupDraft):
+    """Prompt lookup that records the K each round asked of it."""
+
+    def __init__(self, prior_acceptance: float) -> None:
+        super().__init__()
+        self.prior_acceptance = prior_acceptance
+        self.asked: list[int] = []
+
+    def propose(self, micro_batch_id: int, rows: list[DraftRow]) -> Proposal:
+        self.asked.extend(row.k for row in rows)
+        return super().propose(micro_batch_id, rows)
+
+
+@pytest.mark.parametrize(("prior", "first_k"), [(LOOKUP_PRIOR_ACCEPTANCE, 8), (DEFAULT_PRIOR_ACCEPTANCE, 3)])
+def test_a_lookup_streams_first_rounds_run_at_the_k_its_own_prior_gives(target: Path, prior: float,
+                                                                        first_k: int) -> None:
+    # From a draft model's prior (0.6) a lookup stream's first rounds asked for 3 tokens and climbed, where a
+    # copied token is accepted ~0.9 of the time (demo pair: adaptive K 1.73x of plain decoding, 1.83x with this)
+    manifest = load_manifest(target)
+    drafter = KRecordingLookup(prior)
+    with LocalPipeline(target, 1, CompileSettings(precision=Precision.F32), manifest) as pipeline:
+        engine = Engine(pipeline, manifest.spec, drafter, EngineOptions(max_rows=1, micro_batches=1, k_max=8))
+        engine.add(StreamRequest([1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6], max_new_tokens=20, ignore_eos=True))
+        engine.run()
+    assert drafter.asked[0] == first_k
