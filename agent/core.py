@@ -602,8 +602,16 @@ class AgentCore:
             text = f"agent {self.agent_id[:12]}: micro-batch {message.micro_batch_id} step {message.step_id} " \
                    f"failed on {_stage_key(hosted.assignment.stage)}: {error}"
             self._note_error(text)
-            await self._send_down(Error(ErrorCode.BAD_MESSAGE if isinstance(error, LedgerError | ProtocolError)
-                                        else ErrorCode.INTERNAL, text, micro_batch_id=message.micro_batch_id), hosted)
+            failure = Error(ErrorCode.BAD_MESSAGE if isinstance(error, LedgerError | ProtocolError)
+                            else ErrorCode.INTERNAL, text, micro_batch_id=message.micro_batch_id)
+            if link.peer.role is Role.CONTROLLER:
+                # a first stage: its sender is the step's driver, told at once. Sent down the chain instead, the
+                # error reached a driver only through stages that knew it: a deploy that reshaped the chain
+                # under a running generate gave this stage a new next hop, which had no driver of that run and
+                # passed the error to `fleet serve`, while the run waited out its 120 s step timeout
+                await self._answer(link, failure)
+            else:
+                await self._send_down(failure, hosted)
             return
         if isinstance(output, ForwardResult):
             await self._tell_controller(output)
@@ -709,6 +717,13 @@ class AgentCore:
             log.info("%s", error)
             return False
         return True
+
+    async def _answer(self, link: Link, error: Error) -> None:
+        """Send `error` back on `link`; a link gone meanwhile is logged (its driver's run has ended)."""
+        try:
+            await link.send(error)
+        except LinkError as gone:
+            log.info("%s", gone)
 
     async def _send_down(self, error: Error, hosted: HostedStage | None = None) -> None:
         """Send an Error toward the driver: to the next hop when this is a middle stage, else back."""

@@ -613,3 +613,26 @@ def test_two_drivers_on_one_stage_each_get_their_own_results(core: AgentCore, ti
     assert [(type(m), getattr(m, "micro_batch_id", None)) for m in second.sent] == [(ForwardResult, 1 << 40),
                                                                                      (Error, None)]
     assert other.sent == []
+
+
+def test_a_first_stages_refused_step_is_answered_to_its_driver_not_sent_down_the_chain(
+        core: AgentCore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A deploy reshaped the chain under a running generate: this PC's stage became the first of two, with a new
+    # next hop that knew nothing of the run. The run's next step did not fit the new stage, and its error went
+    # down the chain to that hop, which passed it to `fleet serve`: the driver waited out its step timeout (120 s).
+    relayed: list[Message] = []
+
+    async def send_next(hop: NextHop, message: Message) -> None:
+        relayed.append(message)
+
+    monkeypatch.setattr(core, "_send_next", send_next)
+    _host_tiny_stage(core, tiny_export, layers=2, next_hop=NextHop("127.0.0.1:9", "c" * 52))
+    track = BatchTrack(1, load_manifest(tiny_export).spec.max_context)
+    track.add_row(0)
+    track.step([[1, 5, 9]])  # the prompt went to the stage this PC hosted before the deploy
+    driver = ScriptedLink(Role.CONTROLLER, [track.step([[7]])])
+    asyncio.run(core.serve_link(cast(Link, driver)))
+    assert relayed == []
+    (error,) = driver.sent
+    assert isinstance(error, Error) and error.code is ErrorCode.BAD_MESSAGE and error.micro_batch_id == 1
+    assert f"agent {core.agent_id[:12]}: micro-batch 1 step 1 failed on " in error.message
