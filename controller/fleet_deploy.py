@@ -304,16 +304,18 @@ def check_deploy_settings(precision: Precision, kv_cache: str | None) -> None:
 async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: PlanOptions,
                  precision: Precision = Precision.DEVICE_DEFAULT, device: str = "CPU",
                  progress: Progress | None = None, exclude: frozenset[str] = frozenset(),
-                 kv_cache: str | None = None) -> tuple[Plan, DeployReport]:
+                 kv_cache: str | None = None, lock_held: bool = False) -> tuple[Plan, DeployReport]:
     """Plan over the surveyed agents (less those in `exclude`), push what each lacks, assign the stages.
-    DeployError on failure, also at once when another deploy from this data dir is running."""
+    DeployError on failure, also at once when another deploy from this data dir is running (`lock_held`: the
+    caller holds the store's deploy lock already, as a failover does while it weighs the saved deployment)."""
     try:
         check_deploy_settings(precision, kv_cache)
     except ValueError as error:
         raise DeployError(str(error)) from None
     with contextlib.ExitStack() as held:
         try:
-            held.enter_context(store.deploying())
+            if not lock_held:
+                held.enter_context(store.deploying())
         except FleetStoreError as error:  # another deploy from this data dir (a failover's too) is running
             raise DeployError(str(error), failed_run=True) from None
         return await _deploy_locked(store, model_dir, found, options, precision, device, progress, exclude, kv_cache)

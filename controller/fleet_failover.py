@@ -24,9 +24,11 @@ run. A stage's blame of itself (it gave its stages up) is taken at its word.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -40,16 +42,22 @@ from deskfleet.controller.fleet_ca import Revocations
 from deskfleet.controller.fleet_deploy import (
     DeployError,
     DeployReport,
+    StagePlacement,
     deploy,
     load_deploy_settings,
     load_deployment,
     model_id_of,
 )
 from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
-from deskfleet.controller.fleet_store import FleetStore, agent_label
+from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, agent_label
 from deskfleet.controller.fleet_survey import Survey, SurveyOptions, survey
 
 log = logging.getLogger(__name__)
+
+# How long a re-plan waits for another deploy from the data dir (an admin's `fleet deploy`, another run's failover)
+# to finish before it gives up: the run's chain is broken meanwhile, and what that deploy saves may be the way on.
+DEPLOY_LOCK_WAIT_S = 600.0
+_LOCK_POLL_S = 0.25
 
 
 class FailoverError(RuntimeError):
@@ -83,6 +91,10 @@ class FleetFailover:
     _blame_verdict: str | None = field(default=None, repr=False)  # _verdict as that check left it
     # the export the run started on (None: its folder held none then, and the chain could not open either)
     _model_id: str | None = field(default=None, init=False, repr=False)
+    # the deployment the run's chain was opened on (the saved one at the start, then each of its re-plans'), to
+    # tell a deployment saved meanwhile by someone else: another run's failover, or an admin's deploy
+    _known: tuple[StagePlacement, ...] | None = field(default=None, init=False, repr=False)
+    _adopted: bool = field(default=False, init=False, repr=False)  # the re-plan under way took one of those
 
     def __post_init__(self) -> None:
         self.hostnames = self.store.hostnames()
@@ -90,6 +102,10 @@ class FleetFailover:
             self._model_id = model_id_of(self.model_dir)
         except (OSError, ManifestError):
             self._model_id = None
+        try:
+            self._known = load_deployment(self.store, self.model_dir)
+        except (DeployError, OSError, ManifestError):
+            self._known = None
 
     def __call__(self, error: ChainBroken) -> FleetPipeline:
         # the controller's own observation (a link closed, an agent not dialled) or a blame the chain checked
@@ -113,10 +129,11 @@ class FleetFailover:
         seconds = round(time.perf_counter() - started, 3)
         self.replans.append({"error": str(error), "lost_agent": self._left_out, "blamed_agent": agent_id,
                              "blame_check": self._verdict, "stages": stages, "seconds": seconds,
-                             "cut_short": cut_short})
+                             "cut_short": cut_short, "adopted": self._adopted})
         checked = f"; {self._verdict}" if self._verdict else ""
-        self.notify(f"the chain broke ({error}){checked}; re-planned in {seconds:.1f} s over {chain.num_stages} "
-                    f"agent(s): {chain.describe()}")
+        how = ("went on in {seconds:.1f} s on the deployment saved meanwhile (another run's re-plan, or a `fleet "
+               "deploy`)" if self._adopted else "re-planned in {seconds:.1f} s").format(seconds=seconds)
+        self.notify(f"the chain broke ({error}){checked}; {how} over {chain.num_stages} agent(s): {chain.describe()}")
         return chain
 
     def start_run(self) -> None:
@@ -156,8 +173,10 @@ class FleetFailover:
             self._verdict = self._blame_verdict
         try:
             report = event_loop.run(self._redeploy())
-            return FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store),
-                                 model_id=report.model_id, hostnames=self.hostnames)
+            chain = FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store),
+                                  model_id=report.model_id, hostnames=self.hostnames)
+            self._known = report.stages
+            return chain
         except (DeployError, ChainError) as failure:
             failed = failure.agents if isinstance(failure, DeployError) else \
                 frozenset({failure.agent_id} if failure.agent_id is not None else ())
@@ -181,26 +200,71 @@ class FleetFailover:
             self._blame = None
 
     async def _redeploy(self) -> DeployReport:
+        """The deployment to go on with, under the data dir's deploy lock (waited for: another deploy may be saving
+        the way on): one saved since this run's chain was opened that leaves out every PC lost in this run (another
+        run on the same deployment re-planned first, or an admin deployed anew), else a re-plan with the settings
+        saved last. Before, a second run's failover was refused at once while the first one's re-plan deployed,
+        and ended; and a re-plan that read the settings before an admin's deploy saved its own overwrote it."""
+        self._adopted = False
         if self._model_id is not None and (now := model_id_of(self.model_dir)) != self._model_id:
             # exported again mid-run: a chain of the new export would carry on the run's streams with another
             # model's weights (a re-plan prefills them with the tokens so far), so the run ends instead
             raise FailoverError(f"{self.model_dir} was exported again during this run ({self._model_id} is now "
                                 f"{now}): the run cannot go on on another model; `fleet deploy` the new export and "
                                 "run this again")
-        settings = load_deploy_settings(self.store, self.model_dir)
-        self.hostnames = self.store.hostnames()  # a PC that joined since the run began may be in the new chain
-        found = await survey(self.store, self._survey_options())
-        try:
-            self._check_blame(found)
-            self._blame_verdict = self._verdict
-            options = replace(settings.plan_options(), broken_links=frozenset(self.broken_links))
-            result, report = await deploy(self.store, self.model_dir, found, options,
-                                          settings.precision, settings.device, exclude=frozenset(self.lost),
-                                          kv_cache=settings.kv_cache)
-        finally:
-            await found.close()
+        async with self._deploy_lock():
+            self.hostnames = self.store.hostnames()  # a PC that joined since the run began may be in the new chain
+            adopted = self._deployed_meanwhile()
+            if adopted is not None:
+                return adopted
+            settings = load_deploy_settings(self.store, self.model_dir)
+            found = await survey(self.store, self._survey_options())
+            try:
+                self._check_blame(found)
+                self._blame_verdict = self._verdict
+                options = replace(settings.plan_options(), broken_links=frozenset(self.broken_links))
+                result, report = await deploy(self.store, self.model_dir, found, options,
+                                              settings.precision, settings.device, exclude=frozenset(self.lost),
+                                              kv_cache=settings.kv_cache, lock_held=True)
+            finally:
+                await found.close()
         self._planned_apart(result, report)
         return report
+
+    @contextlib.asynccontextmanager
+    async def _deploy_lock(self) -> AsyncIterator[None]:
+        """Hold the data dir's deploy lock, waiting up to DEPLOY_LOCK_WAIT_S for another deploy to let it go
+        (said once); FailoverError when it does not."""
+        held = contextlib.ExitStack()
+        deadline = time.monotonic() + DEPLOY_LOCK_WAIT_S
+        waiting = False
+        while True:
+            try:
+                held.enter_context(self.store.deploying())
+                break
+            except FleetStoreError as busy:
+                if time.monotonic() >= deadline:
+                    raise FailoverError(f"{busy}: this run waited {DEPLOY_LOCK_WAIT_S:.0f} s for it to finish, with "
+                                        "its chain broken; run this again once it has") from None
+                if not waiting:
+                    waiting = True
+                    self.notify(f"the chain broke; its re-plan waits for another deploy from this data dir to "
+                                f"finish ({busy})")
+                await asyncio.sleep(_LOCK_POLL_S)
+        with held:
+            yield
+
+    def _deployed_meanwhile(self) -> DeployReport | None:
+        """The model's saved deployment when it is not the one this run's chain was opened on and places no PC
+        lost in this run; None otherwise (or when none can be read: the re-plan then says what is wrong)."""
+        try:
+            saved = load_deployment(self.store, self.model_dir)
+        except DeployError:
+            return None
+        if saved == self._known or any(stage.agent_id in self.lost for stage in saved):
+            return None
+        self._adopted = True
+        return DeployReport(model_id_of(self.model_dir), saved, {}, {})
 
     def _name(self, agent_id: str) -> str:
         return agent_label(agent_id, self.hostnames)

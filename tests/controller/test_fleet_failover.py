@@ -4,8 +4,12 @@ test_fleet_deploy.py and, with a PC switched off mid-generation, in the integrat
 from __future__ import annotations
 
 import argparse
+import contextlib
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 
@@ -14,9 +18,17 @@ from deskfleet.common import event_loop
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.planner import PlanPolicy
 from deskfleet.common.wire import Precision, StatusReport
-from deskfleet.controller import fleet_failover
+from deskfleet.controller import fleet_deploy, fleet_failover
 from deskfleet.controller.chat import add_fleet_option
-from deskfleet.controller.fleet_deploy import DeployError, DeploySettings, load_deploy_settings, model_id_of
+from deskfleet.controller.fleet_deploy import (
+    DeployError,
+    DeployReport,
+    DeploySettings,
+    StagePlacement,
+    load_deploy_settings,
+    load_deployment,
+    model_id_of,
+)
 from deskfleet.controller.fleet_failover import FailoverError, FleetFailover
 from deskfleet.controller.fleet_pipeline import ChainError
 from deskfleet.controller.fleet_store import FleetStore, RosterEntry
@@ -312,3 +324,85 @@ def test_a_re_plan_cut_short_weighs_the_blame_once(store: FleetStore, tiny_expor
     assert record["lost_agent"] != B and "left out" not in str(record["blame_check"]).split(";")[0]
     assert record["cut_short"] == ["agent ccc at 10.0.0.2:7431: the link closed"]
     assert C in failover.lost and B not in failover.lost
+
+
+def _saved(store: FleetStore, model: Path, stages: tuple[StagePlacement, ...],
+           settings: DeploySettings | None = None) -> None:
+    fleet_deploy._save_deployment(store, model, DeployReport(model_id_of(model), stages, {}, {}),
+                                  settings or DeploySettings())
+
+
+class OpenedChain(NewChain):
+    opened: ClassVar[list[tuple[StagePlacement, ...]]] = []
+
+    def __init__(self, stages: tuple[StagePlacement, ...], *args: object, **kwargs: object) -> None:
+        super().__init__()
+        self.stages = stages
+        OpenedChain.opened.append(stages)
+
+
+A, B, C = "a" * 52, "b" * 52, "c" * 52
+BEFORE = (StagePlacement(A, "127.0.0.1:7431", 0, 2), StagePlacement(B, "127.0.0.1:7432", 2, 4))
+MEANWHILE = (StagePlacement(A, "127.0.0.1:7431", 0, 3), StagePlacement(C, "127.0.0.1:7433", 3, 4))
+
+
+def test_a_re_plan_waits_for_another_deploy_and_goes_on_on_what_it_saved(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two runs on one deployment lost a PC: the second run's re-plan was refused at once ("another deploy ... is
+    # running") while the first one's deployed, and the second run ended with 0 of its 2 re-plans used. And a
+    # re-plan that read the deploy settings before an admin's `fleet deploy` saved its own overwrote that deploy.
+    async def no_survey(*args: object, **kwargs: object) -> None:
+        raise AssertionError("surveyed: the deployment saved meanwhile was the way on")
+
+    _saved(store, tiny_export, BEFORE)
+    notes: list[str] = []
+    OpenedChain.opened = []
+    monkeypatch.setattr(fleet_failover, "FleetPipeline", OpenedChain)
+    monkeypatch.setattr(fleet_failover, "survey", no_survey)
+    monkeypatch.setattr(fleet_failover, "_LOCK_POLL_S", 0.02)
+    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=notes.append)
+    other_deploy = contextlib.ExitStack()
+    other_deploy.enter_context(store.deploying())  # another run's re-plan, or an admin's deploy, under way
+
+    def finish_it() -> None:
+        time.sleep(0.3)
+        _saved(store, tiny_export, MEANWHILE, DeploySettings(policy=PlanPolicy.ALL_BY_SPEED))
+        other_deploy.close()
+
+    finisher = threading.Thread(target=finish_it)
+    finisher.start()
+    failover(ChainError("agent b: the link closed", B))
+    finisher.join()
+    assert OpenedChain.opened == [MEANWHILE]
+    assert failover.replans[-1]["adopted"] is True and failover.replans[-1]["stages"] == [[A, 0, 3], [C, 3, 4]]
+    assert "its re-plan waits for another deploy from this data dir to finish" in notes[0]
+    assert "went on in" in notes[1] and "on the deployment saved meanwhile" in notes[1]
+    assert load_deployment(store, tiny_export) == MEANWHILE  # the other deploy's stands, with its settings
+    assert load_deploy_settings(store, tiny_export).policy is PlanPolicy.ALL_BY_SPEED
+
+
+def test_a_deployment_saved_meanwhile_that_places_a_lost_pc_is_not_taken(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    class Surveyed(Exception):
+        pass
+
+    async def survey(*args: object, **kwargs: object) -> None:
+        raise Surveyed
+
+    _saved(store, tiny_export, BEFORE)
+    monkeypatch.setattr(fleet_failover, "survey", survey)
+    failover = FleetFailover(store, tiny_export, max_failovers=2)
+    _saved(store, tiny_export, (StagePlacement(B, "127.0.0.1:7432", 0, 4),))  # B again, which this run lost
+    with pytest.raises(Surveyed):
+        failover(ChainError("agent b: the link closed", B))
+    assert failover.replans == []
+
+
+def test_a_re_plan_that_waits_too_long_for_another_deploy_says_so(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fleet_failover, "DEPLOY_LOCK_WAIT_S", 0.2)
+    monkeypatch.setattr(fleet_failover, "_LOCK_POLL_S", 0.02)
+    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=lambda text: None)
+    with store.deploying(), pytest.raises(FailoverError, match=r"another deploy from .* is running .*: this run "
+                                                                r"waited 0 s for it to finish"):
+        failover(ChainError("agent b: the link closed", B))
