@@ -75,7 +75,12 @@ RevocationSource = Callable[[], pki.RevocationSet]
 
 
 class LinkError(ConnectionError):
-    """The link failed or was refused; the message names the peer and the reason."""
+    """The link failed or was refused; the message names the peer and the reason. `closed_because`: where an open
+    link closed, why, in words (why_closed), for a message that names the peer already."""
+
+    def __init__(self, message: str, closed_because: str | None = None) -> None:
+        super().__init__(message)
+        self.closed_because = closed_because
 
 
 class LinkVersionError(LinkError):
@@ -144,6 +149,11 @@ class TlsFiles:
                                "join the fleet again (the controller: restore its data dir)") from None
 
 
+def _closed(link: Link, error: ConnectionClosed) -> LinkError:
+    why = why_closed(error)
+    return LinkError(f"link to {link.describe()} closed: {why}", closed_because=why)
+
+
 def utc_now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
@@ -190,7 +200,7 @@ class Link:
         try:
             await self.connection.send(encode(message))
         except ConnectionClosed as error:
-            raise LinkError(f"link to {self.describe()} closed: {why_closed(error)}") from None
+            raise _closed(self, error) from None
 
     async def receive(self) -> Message:
         """The next message. A malformed one is answered with Error(BAD_MESSAGE), the link closed, and
@@ -201,7 +211,7 @@ class Link:
         try:
             frame = await self.connection.recv()
         except ConnectionClosed as error:
-            raise LinkError(f"link to {self.describe()} closed: {why_closed(error)}") from None
+            raise _closed(self, error) from None
         if isinstance(frame, str):
             await self.refuse(ErrorCode.BAD_MESSAGE, "text frames are not part of the protocol")
             raise LinkError(f"{self.describe()} sent a text frame")

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from deskfleet.agent.link import Link, LinkError, RevocationSource, TlsFiles, no_revocations, open_link
 from deskfleet.common import event_loop
-from deskfleet.common.wire import Error, Forward, ForwardResult, ReleaseMicroBatch, ResultsHere
+from deskfleet.common.wire import Error, ErrorCode, Forward, ForwardResult, ReleaseMicroBatch, ResultsHere
 from deskfleet.controller.chain_ids import ChainIds
 from deskfleet.controller.engine import ChainBroken
 from deskfleet.controller.fleet_deploy import DeployError, StagePlacement, load_deployment, model_id_of
@@ -82,6 +82,25 @@ class _Stop:
 
 
 _Outgoing = Forward | ReleaseMicroBatch | _Stop
+
+
+# What an agent's Error says happened, in the words a ChainError gives it
+_ERROR_WORDS = {
+    ErrorCode.BAD_MESSAGE: "a step it refused",
+    ErrorCode.NOT_ASSIGNED: "no stage for the step",
+    ErrorCode.INTERNAL: "a failure",
+    ErrorCode.UNAUTHORIZED: "a sender it refused",
+    ErrorCode.BUSY: "that it is busy",
+    ErrorCode.OUT_OF_MEMORY: "that it ran out of memory",
+    ErrorCode.DISK_FULL: "a full disk",
+    ErrorCode.SHARD_MISMATCH: "files that do not match the model",
+    ErrorCode.UNSUPPORTED_VERSION: "another protocol version",
+}
+
+
+def _link_failure(error: LinkError) -> str:
+    """Why a stage's link failed, for _stage_error (which names the agent and its address already)."""
+    return f"its link closed: {error.closed_because}" if error.closed_because else str(error)
 
 
 class FleetPipeline:
@@ -205,9 +224,7 @@ class FleetPipeline:
         self._ids.renumber()
 
     def describe(self) -> str:
-        return " -> ".join(f"stage {index} [{stage.layer_start}:{stage.layer_end}] on "
-                           f"{agent_label(stage.agent_id, self.hostnames)} at {address}"
-                           for index, (stage, address) in enumerate(zip(self.stages, self.addresses, strict=True)))
+        return " -> ".join(self._stage_at(index) for index in range(len(self.stages)))
 
     def close(self) -> None:
         if self._closed:
@@ -323,14 +340,14 @@ class FleetPipeline:
             try:
                 await first.send(item)
             except LinkError as error:
-                raise self._stage_error(0, f"the link closed: {error}") from None
+                raise self._stage_error(0, _link_failure(error)) from None
 
     async def _receive(self, index: int, link: Link) -> None:
         while True:
             try:
                 message = await link.receive()
             except LinkError as error:
-                raise self._stage_error(index, f"the link closed: {error}") from None
+                raise self._stage_error(index, _link_failure(error)) from None
             if isinstance(message, ForwardResult):
                 self._results.put((time.perf_counter(), message))
             elif isinstance(message, Error):
@@ -340,8 +357,11 @@ class FleetPipeline:
                                 message.micro_batch_id, message.message)
                     continue
                 blamed, ignored = self._accepted_blame(index, message)
-                raise ChainError(f"{message.code.value} from the chain (reported to stage {index}'s link): "
-                                 f"{message.message}{ignored}", blamed, self.stages[index].agent_id, self.stages)
+                # which stage's link the error came back on (it may have begun earlier in the chain: the text
+                # names the agent that made it), and what kind of error it is, in words
+                what = _ERROR_WORDS.get(message.code, message.code.value)
+                raise ChainError(f"{self._stage_at(index)} reported {what}: {message.message}{ignored}", blamed,
+                                 self.stages[index].agent_id, self.stages)
             else:
                 log.debug("ignoring %s from %s", type(message).__name__, link.describe())
 
@@ -369,6 +389,11 @@ class FleetPipeline:
         log.warning("stage %d's %s reported an error blaming %s, which %s: the blame is ignored", index,
                     agent_label(stage.agent_id, self.hostnames), agent_label(blamed, self.hostnames), where)
         return None, note
+
+    def _stage_at(self, index: int) -> str:
+        stage = self.stages[index]
+        return (f"stage {index} [{stage.layer_start}:{stage.layer_end}] on "
+                f"{agent_label(stage.agent_id, self.hostnames)} at {self.addresses[index]}")
 
     def _stage_error(self, index: int, text: str) -> ChainError:
         stage = self.stages[index]

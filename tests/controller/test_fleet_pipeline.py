@@ -180,6 +180,9 @@ def test_an_error_about_a_step_in_flight_breaks_the_chain_naming_the_agent_at_fa
     with pytest.raises(ChainError, match="gave its stages up") as caught:
         chain.collect()
     assert caught.value.agent_id == blamed[0]
+    # the stage, its layers and address, and the kind of error in words (it said "not_assigned from the chain")
+    assert str(caught.value).startswith(f"stage 0 [0:4] on agent {blamed[0][:12]} at 127.0.0.1:")
+    assert " reported no stage for the step: this agent gave its stages up" in str(caught.value)
 
 
 def test_a_closed_chain_wakes_a_waiting_collect_and_refuses_the_next_at_once(
@@ -297,3 +300,4 @@ def test_a_link_that_closes_names_the_pc_by_its_hostname(scripted_chain: Callabl
     with pytest.raises(ChainError) as caught:
         chain.collect()
     assert str(caught.value).startswith(f"agent {agent_id[:12]} on alice-pc (stage 0, layers [0:4]) at 127.0.0.1:")
+    assert ": its link closed: " in str(caught.value) and "link to" not in str(caught.value)  # said once, not twice
