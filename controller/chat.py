@@ -39,6 +39,7 @@ from deskfleet.common.model_spec import Manifest, load_manifest
 from deskfleet.common.speculative import AdaptiveK
 from deskfleet.common.wire import MICRO_BATCH_IDLE_S
 
+from .bench.interruption import BenchTerminated, signals_unwind
 from .decoding_options import DecodingOptions, add_decoding_options, decoding_arguments, non_negative_int, positive_int
 from .engine import Engine, KeptKV, StageChain, StreamRequest
 from .generation import GenerationError, check_tokenized
@@ -334,8 +335,8 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 _note(notes, f"[{error}: not sent; the conversation is unchanged]")
                 _write_json(out, as_json, {"error": f"{error}: not sent; the conversation is unchanged"})
                 continue
-            except KeyboardInterrupt:  # Ctrl-C while the prompt was made (a long render): this message only
-                if ctrl_c_ends_chat:
+            except KeyboardInterrupt as stopping:  # Ctrl-C while the prompt was made (a long render): this one only
+                if ctrl_c_ends_chat or isinstance(stopping, BenchTerminated):  # SIGTERM / SIGHUP end the chat
                     raise
                 _end_prompt_line(prompt_out)  # the terminal's ^C echo; a reply's Ctrl-C ends its own line
                 _note(notes, "[interrupted before the reply began: not sent; the conversation is unchanged]")
@@ -355,7 +356,10 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                     failover.start_run()
                 run_started = time.perf_counter()
                 engine.run(on_token=printer.push, recover=failover)
-            except KeyboardInterrupt:  # Ctrl-C stops this reply (the engine freed its micro-batches), not the chat
+            except KeyboardInterrupt as stopping:  # Ctrl-C stops this reply (its batches freed), not the chat
+                if isinstance(stopping, BenchTerminated):  # SIGTERM / SIGHUP end the chat, its reply's line ended
+                    printer.finish()
+                    raise
                 if ctrl_c_ends_chat:
                     raise
                 interrupted = True
@@ -594,7 +598,11 @@ def _chat_command(args: argparse.Namespace) -> int:
         sys.stdin.reconfigure(errors="surrogateescape")
     interactive = sys.stdin.isatty()
     try:
-        run_chat(options, sys.stdin, sys.stdout, prompt_out=sys.stderr if interactive else None, as_json=args.json)
+        # SIGTERM and SIGHUP (a closed terminal) end the chat as Ctrl-C at its prompt does: the reply under way
+        # stopped, its micro-batches freed and the chain's links closed (they ended the process on the spot)
+        with signals_unwind(ctrl_c=False):
+            run_chat(options, sys.stdin, sys.stdout, prompt_out=sys.stderr if interactive else None,
+                     as_json=args.json)
     except InputGone as error:
         if args.verbose:
             raise

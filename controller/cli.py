@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
@@ -24,6 +25,7 @@ from deskfleet.common.console import (
 )
 from deskfleet.common.model_spec import MAX_SPEC_VALUE, ManifestError, WeightFormat
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
+from deskfleet.controller.bench.interruption import exit_status, run_bench, signal_name, signals_unwind
 from deskfleet.controller.chat import add_chat_command, add_fleet_option, check_fleet_options, fleet_max_failovers
 from deskfleet.controller.decoding_options import (
     MAX_THREADS,
@@ -369,8 +371,8 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
             if missing is None:
                 raise
             raise missing from error
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as stopped:  # Ctrl-C: 130; SIGTERM / SIGHUP where a command unwinds on them: 143 / 129
+        return exit_status(stopped)
     except BrokenPipeError:  # the reader of our output left (e.g. `| head`): stop quietly, as `yes | head` does
         silence_stdout()
         return BROKEN_PIPE_EXIT
@@ -522,13 +524,17 @@ def _print_interrupted(interrupted: GenerationInterrupted, args: argparse.Namesp
         except (OSError, ValueError):  # a closed pipe or file: nobody to show it to
             return
         seed = _seed_note(report)
+        by_ctrl_c = interrupted.signum == signal.SIGINT
+        how = "interrupted" if by_ctrl_c else f"stopped by {signal_name(interrupted)}"
         if args.json or not interrupted.streamed:
             done = sum(1 for stream in streams if _stream_done(stream, args.max_new_tokens))
-            print(f"deskfleet: interrupted ({done} of {len(streams)} stream(s) had finished; "
+            print(f"deskfleet: {how} ({done} of {len(streams)} stream(s) had finished; "
                   f"{report['generated_tokens']} tokens in all, "
                   + ("in the JSON on standard output" if args.json else "above") + f"{seed})", file=sys.stderr)
         elif seed:
-            print(f"deskfleet: interrupted ({seed.removeprefix('; ')})", file=sys.stderr)
+            print(f"deskfleet: {how} ({seed.removeprefix('; ')})", file=sys.stderr)
+        elif not by_ctrl_c:  # a Ctrl-C shows on the terminal that typed it; a SIGTERM from elsewhere does not
+            print(f"deskfleet: {how}", file=sys.stderr)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -544,11 +550,16 @@ def _generate(args: argparse.Namespace) -> int:
         chat=args.chat, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, max_rows=args.max_rows,
         micro_batches=args.micro_batches, **decoding_arguments(args, _compile_settings(args)))
     try:
-        if args.fleet:
-            report = generate_on_fleet(options, args.data_dir, stream_text=not args.json,
-                                       max_failovers=fleet_max_failovers(args), discover_seconds=args.discover_seconds)
-        else:
-            report = run_generate(options, stream_text=not args.json)
+        # SIGTERM (kill, systemd, a CI runner's cancel) and SIGHUP (a closed terminal) stop the run as Ctrl-C does:
+        # the chain's links closed, its micro-batches freed, what the streams made kept; they ended the process on
+        # the spot, the streamed line cut and the agents left to notice a dropped connection
+        with signals_unwind(ctrl_c=False):
+            if args.fleet:
+                report = generate_on_fleet(options, args.data_dir, stream_text=not args.json,
+                                           max_failovers=fleet_max_failovers(args),
+                                           discover_seconds=args.discover_seconds)
+            else:
+                report = run_generate(options, stream_text=not args.json)
     except KeyboardInterrupt as interrupted:
         _end_interrupted_line(interrupted, args.json)
         if isinstance(interrupted, GenerationInterrupted):  # the streams had begun: what they made is kept
@@ -654,8 +665,6 @@ def _bench_streams(args: argparse.Namespace) -> int:
 def _run_bench(name: str, run: Callable[[], dict[str, Any]]) -> int:
     """Run a bench (not `bench fleet`, which writes files too) and print its report as JSON; a signal unwinds it
     (its runner processes stopped) with one line and exit status 128 + the signal's (bench/interruption.py)."""
-    from deskfleet.controller.bench.interruption import run_bench
-
     return run_bench(name, run, lambda report: print_whole(json.dumps(report, indent=2)))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import signal
 import sys
 import time
 from contextlib import AbstractContextManager, nullcontext
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 from deskfleet.common.arguments import STDIN_PATH
 from deskfleet.common.model_spec import load_manifest
 
+from .bench.interruption import stopping_signal
 from .decoding_options import DecodingOptions
 from .engine import Engine, Recover, StageChain, StreamRequest, StreamResult
 from .generation import GenerationError, check_request, check_tokenized
@@ -192,14 +194,15 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
                 partial["stopped"] = str(error)
                 _add_run_figures(partial, engine, options, draft is not None, recover is not None)
                 raise GenerationStopped(str(error), partial) from error
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as stopping:
                 # Ctrl-C: what the streams had made is not thrown away with it (a long --prompts-file run stopped
                 # near its end lost every finished stream); the caller prints it and ends the run as interrupted
                 wall = time.perf_counter() - started
                 partial = _report(engine, tokenizer, engine.results(), wall, stages, pipeline, False, labels)
                 partial["stopped"] = "interrupted"
                 _add_run_figures(partial, engine, options, draft is not None, recover is not None)
-                raise GenerationInterrupted(partial, labels, streamed=printer is not None) from None
+                raise GenerationInterrupted(partial, labels, streamed=printer is not None,
+                                            signum=stopping_signal(stopping)) from None
             wall = time.perf_counter() - started
             if printer is not None:
                 printer.finish()
@@ -211,7 +214,7 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
         if report is None or isinstance(interrupted, GenerationInterrupted):
             raise
         # the run had finished, its texts printed: the caller prints the report under --json, and ends as interrupted
-        raise GenerationInterrupted(report, labels, streamed=True) from None
+        raise GenerationInterrupted(report, labels, streamed=True, signum=stopping_signal(interrupted)) from None
     return report
 
 
@@ -225,15 +228,17 @@ class GenerationStopped(RuntimeError):
 
 
 class GenerationInterrupted(KeyboardInterrupt):
-    """Ctrl-C while the streams ran: `report` is the report run_generate would have returned, with each stream's
-    tokens so far and `"stopped": "interrupted"`; `labels` name the streams' prompts (print_stream_texts);
-    `streamed`: the one stream's text was printed as it came."""
+    """Ctrl-C (or SIGTERM / SIGHUP: `signum`) while the streams ran: `report` is the report run_generate would have
+    returned, with each stream's tokens so far and `"stopped": "interrupted"`; `labels` name the streams' prompts
+    (print_stream_texts); `streamed`: the one stream's text was printed as it came."""
 
-    def __init__(self, report: dict[str, object], labels: list[str], streamed: bool) -> None:
+    def __init__(self, report: dict[str, object], labels: list[str], streamed: bool,
+                 signum: int = signal.SIGINT) -> None:
         super().__init__()
         self.report = report
         self.labels = labels
         self.streamed = streamed
+        self.signum = signum
 
 
 def print_stream_texts(streams: list[dict[str, object]], labels: list[str]) -> None:

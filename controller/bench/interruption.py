@@ -90,18 +90,19 @@ _unwinding: _Unwinding | None = None  # set while `signals_unwind` runs (in the 
 
 
 @contextlib.contextmanager
-def signals_unwind() -> Iterator[None]:
+def signals_unwind(ctrl_c: bool = True) -> Iterator[None]:
     """While the block runs, SIGTERM and SIGHUP raise BenchTerminated and Ctrl-C KeyboardInterrupt, except in
     a `signals_held` block (raised at its end); after the first of them every further one is ignored until
     the block has exited. Only where a signal's handling is Python's default: a program's own handler, or the
-    SIG_IGN that nohup sets for SIGHUP, is left as it is."""
+    SIG_IGN that nohup sets for SIGHUP, is left as it is. `ctrl_c` False leaves SIGINT to Python's own handler
+    (`generate` and `chat`, where a Ctrl-C stops a reply and the next one may stop the next)."""
     global _unwinding
     if threading.current_thread() is not threading.main_thread() or _unwinding is not None:
         yield  # only the main thread may set handlers (Python runs them there); an outer block handles them
         return
     unwinding = _Unwinding()
     handled = [signum for signum in ENDING_SIGNALS if signal.getsignal(signum) is signal.SIG_DFL]
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where Ctrl-C is ignored
+    if ctrl_c and signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where Ctrl-C is ignored
         handled.append(signal.SIGINT)
     previous = {signum: signal.signal(signum, unwinding.handle) for signum in handled}
     _unwinding = unwinding
@@ -140,14 +141,22 @@ def stopping() -> bool:
     return unwinding is not None and unwinding.received is not None
 
 
+def stopping_signal(error: KeyboardInterrupt) -> int:
+    """The signal behind a KeyboardInterrupt: a BenchTerminated's, or one that says which (`signum`, as
+    run.GenerationInterrupted carries it on), else SIGINT."""
+    signum = getattr(error, "signum", None)
+    return signum if isinstance(signum, int) else signal.SIGINT
+
+
 def exit_status(error: KeyboardInterrupt) -> int:
     """What a shell reports for a process ended by the signal: 128 + its number (130 for Ctrl-C)."""
-    return 128 + (error.signum if isinstance(error, BenchTerminated) else signal.SIGINT)
+    return 128 + stopping_signal(error)
 
 
 def signal_name(error: KeyboardInterrupt) -> str:
-    """The signal that stopped the bench, as a user would name it."""
-    return signal.Signals(error.signum).name if isinstance(error, BenchTerminated) else "SIGINT (Ctrl-C)"
+    """The signal that stopped the command, as a user would name it."""
+    signum = stopping_signal(error)
+    return "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
 
 
 def run_bench(name: str, run: Callable[[], _Report], print_report: Callable[[_Report], None],

@@ -24,6 +24,7 @@ from deskfleet.controller.engine import ChainBroken, StreamRequest
 from deskfleet.controller.export.random_checkpoint import CHAT_TEMPLATE
 from deskfleet.controller.generation import GenerationError
 from deskfleet.controller.pipeline import LocalPipeline
+from deskfleet.controller.prompt_lookup import LOOKUP_PRIOR_ACCEPTANCE
 from deskfleet.controller.run import GenerateOptions, run_generate
 from deskfleet.controller.tokenizer import ChatMessage, ModelTokenizer
 from tests.controller.test_engine_failover import BreakingChain
@@ -620,10 +621,11 @@ def test_adaptive_k_goes_on_from_turn_to_turn(tmp_path: Path, tiny_export: Path,
     run_chat(ChatOptions(model=model, max_new_tokens=16, prompt_lookup=True, settings=settings),
              io.StringIO("say it again and again and again\nand again\n/quit\n"), io.StringIO())
     (first, first_alpha, _), (second, second_alpha, second_k) = engines
-    assert first_alpha == pytest.approx(0.6)  # the prior
+    assert first_alpha == pytest.approx(LOOKUP_PRIOR_ACCEPTANCE)  # prompt lookup's prior
     assert sum(first.accepted_histogram().values()) > 0  # the first turn drafted, so it learned something
     # the second turn starts from the first's end (its own figures start empty: AdaptiveK.carried)
-    assert second_alpha == pytest.approx(first.k_policy.alpha) and second_alpha != pytest.approx(0.6)
+    assert second_alpha == pytest.approx(first.k_policy.alpha)
+    assert second_alpha != pytest.approx(LOOKUP_PRIOR_ACCEPTANCE)
     assert second_k == first.k_policy.k and second is not first
 
 
