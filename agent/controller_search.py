@@ -18,13 +18,37 @@ from collections.abc import Sequence
 
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-from deskfleet.agent.advertise import ip_version_of
+from deskfleet.agent.advertise import interface_addresses, ip_version_of
 from deskfleet.common.discovery_record import CONTROLLER_SERVICE_TYPE, ControllerRecord, RecordError
+from deskfleet.common.wire import ProtocolError, parse_address
 
 log = logging.getLogger(__name__)
 
 SEARCH_S = 3.0  # a live responder answers within ~120 ms (RFC 6762), the rest is zeroconf's query retries
 MAX_ADDRESSES = 8  # addresses handed back to dial
+
+
+def interfaces_to_search(listen: str, controller_addresses: Sequence[str]) -> list[str]:
+    """The interfaces to look for a moved controller on: none where no announcement can help, every interface's
+    (interface_addresses) otherwise. None when this agent listens on loopback only (no controller elsewhere could
+    reach it), or when every address it knows its controller by is loopback (a `fleet serve` on this PC that
+    listens there announces nothing): before, such an agent sent its mDNS queries out of every interface of the
+    PC, onto the LAN, each time its controller was down."""
+    def loopback(address: str) -> bool:
+        try:
+            host, _ = parse_address(address)
+        except ProtocolError:
+            return False
+        if host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:  # a host name: it may resolve anywhere
+            return False
+
+    if loopback(listen) or (controller_addresses and all(loopback(address) for address in controller_addresses)):
+        return []
+    return interface_addresses()
 
 
 async def find_controller(fleet_id: str, controller_id: str, interfaces: Sequence[str],

@@ -25,10 +25,9 @@ from deskfleet.agent.advertise import (
     Announcement,
     addresses_to_advertise,
     advertise_while_serving,
-    interface_addresses,
     never_changes,
 )
-from deskfleet.agent.controller_search import find_controller
+from deskfleet.agent.controller_search import find_controller, interfaces_to_search
 from deskfleet.agent.core import AgentCore
 from deskfleet.agent.enroll import MEMBERSHIP_FILE, EnrollmentError, Membership, agent_tls_files
 from deskfleet.agent.link import Link, LinkError, LinkRefused, open_link, start_server, utc_now
@@ -105,7 +104,8 @@ class AgentService:
                               opt_out_dir=self.paths.state_dir, device_probe=openvino_devices)
         self.bound_port: int | None = None
         # the interfaces to look for a moved controller on (mDNS); tests give loopback's
-        self.controller_search_interfaces: Callable[[], list[str]] = interface_addresses
+        self.controller_search_interfaces: Callable[[], list[str]] = lambda: interfaces_to_search(
+            self.listen, self.membership.controller_addresses)
         self._outage = _Outage()  # registration attempts failing since the controller link was lost
         self._stopping = asyncio.Event()
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
+from deskfleet.agent import controller_search
 from deskfleet.agent import service as service_module
 from deskfleet.agent.advertise import Advertiser
-from deskfleet.agent.controller_search import find_controller
+from deskfleet.agent.controller_search import find_controller, interfaces_to_search
 from deskfleet.agent.enroll import Membership, join
 from deskfleet.agent.link import utc_now
 from deskfleet.agent.paths import AgentPaths
@@ -103,6 +104,7 @@ def test_an_agent_whose_controller_moved_finds_it_registers_and_saves_the_new_ad
             membership = await join(token_for(store, address), state_dir, "pc-1")
             dataclasses.replace(membership, controller_addresses=(dead,)).save(state_dir)  # the old address
             agent = AgentService(AgentOptions(data_dir, listen=f"{LOOPBACK}:{free_port()}"), monitor=FakeMonitor())
+            assert agent.controller_search_interfaces() == []  # on loopback, the agent itself would not search
             agent.controller_search_interfaces = lambda: [LOOPBACK]
             running = tasks.create_task(agent.run())
             try:
@@ -138,3 +140,18 @@ def test_moves_to_new_ip_addresses_never_push_out_a_host_name() -> None:
     assert addresses_after_move("10.0.0.9:7341", names) == ("10.0.0.9:7341", *names)  # names are all kept
     assert addresses_after_move("10.0.0.4:7341", ("10.0.0.3:7341", "10.0.0.4:7341")) == \
         ("10.0.0.4:7341", "10.0.0.3:7341")  # no duplicate
+
+
+@pytest.mark.parametrize(("listen", "controllers", "searched"), [
+    ("127.0.0.1:7431", ("10.0.0.5:7341",), False),  # listening on loopback: no controller elsewhere reaches it
+    ("0.0.0.0:7431", ("127.0.0.1:7341",), False),  # a controller on this PC, on loopback: it announces nothing
+    ("0.0.0.0:7431", ("localhost:7341", "[::1]:7341"), False),
+    ("0.0.0.0:7431", ("127.0.0.1:7341", "10.0.0.5:7341"), True),  # one address off this PC: it may have moved
+    ("0.0.0.0:7431", ("ctl.example.com:7341",), True),  # a name resolves anywhere
+    ("10.0.0.7:7431", ("10.0.0.5:7341",), True),
+])
+def test_a_moved_controller_is_looked_for_only_where_an_announcement_can_help(
+        listen: str, controllers: tuple[str, ...], searched: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An agent on loopback whose controller was down sent mDNS queries out of every interface of the PC
+    monkeypatch.setattr(controller_search, "interface_addresses", lambda: ["10.0.0.7"])
+    assert interfaces_to_search(listen, controllers) == (["10.0.0.7"] if searched else [])
