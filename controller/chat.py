@@ -193,7 +193,8 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
 
     `as_json`: instead of streaming each reply's text, write one JSON object a line for every message sent:
     {"reply", "stopped" ("end", "max_new_tokens" or "interrupted"), "reply_tokens", "prompt_tokens",
-    "reused_tokens", "seconds", "failovers"}, or {"error"} for a message that was not sent.
+    "reused_tokens", "seconds", "failovers", and over the fleet "replans": the re-plans since the reply before,
+    the chain's opening's among the first reply's}, or {"error"} for a message that was not sent.
 
     Raises before reading a line when no message could ever fit the model's context (--max-new-tokens,
     --system). A conversation that outgrows the context loses its oldest exchanges (the system turn stays);
@@ -274,6 +275,7 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
     learned_k: AdaptiveK | None = None  # adaptive K goes on from turn to turn (the same drafter and chain)
     opened = _without_failover(chain) if chain is not None else _open_chain(options, settings)
     with opened as (chain, failover), kept:
+        replans_told = 0  # of failover.replans, those a reply's JSON gave (a re-plan as the chain opened: the first)
         micro_batches = getattr(chain, "num_stages", 1)
         engine_options = options.engine_options(micro_batches)
         first_line = True
@@ -376,7 +378,10 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                                         "prompt_tokens": len(prompt), "reused_tokens": result.reused_tokens,
                                         "seconds": round(time.perf_counter() - started, 3),
                                         "failovers": len(engine.failovers), "dropped_exchanges": dropped // 2,
-                                        **({"seed": options.base_seed + replies} if options.seed is not None else {})})
+                                        **({"seed": options.base_seed + replies} if options.seed is not None else {}),
+                                        **({"replans": failover.replans[replans_told:]} if failover is not None
+                                           else {})})
+                replans_told = len(failover.replans) if failover is not None else 0
             else:
                 out.write("\n")
                 out.flush()

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -745,3 +745,27 @@ def test_a_terminal_gone_mid_chat_ends_it_in_one_line(tmp_path: Path, tiny_expor
     assert capsys.readouterr().err.endswith(
         "deskfleet: error: standard input could not be read (Input/output error): the terminal or pipe the "
         "messages came from is gone; the chat ended there\n")
+
+
+def test_a_fleet_replies_json_gives_the_re_plans_since_the_reply_before(tmp_path: Path, tiny_export: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A re-plan as the chain opened (a PC gone since the deploy) was warned of, but no reply's JSON said so
+    model = _chat_model(tmp_path, tiny_export)
+
+    class OpenedAfterAReplan:
+        replans: ClassVar[list[dict[str, object]]] = [{"error": "agent a: the link closed", "adopted": False}]
+
+        def start_run(self) -> None:
+            pass
+
+    @contextmanager
+    def fleet_chain(options: ChatOptions, settings: CompileSettings) -> Iterator[tuple[LocalPipeline, object]]:
+        with LocalPipeline(model, 1, settings) as pipeline:
+            yield pipeline, OpenedAfterAReplan()
+
+    monkeypatch.setattr(chat, "_open_chain", fleet_chain)
+    out = io.StringIO()
+    run_chat(ChatOptions(model=model, max_new_tokens=3, settings=CompileSettings(precision=Precision.F32)),
+             io.StringIO("hello\nagain\n"), out, as_json=True)
+    first, second = map(json.loads, out.getvalue().splitlines())
+    assert first["replans"] == OpenedAfterAReplan.replans and second["replans"] == []
