@@ -116,20 +116,27 @@ class FleetFailover:
             self.lost.add(agent_id)
         started = time.perf_counter()
         cut_short: list[str] = []  # what failed each re-plan of this break that another PC's failure cut short
-        while True:
-            replans = len(self.chains) - self.run_start + self.failed_replans
-            if replans >= self.max_failovers:
-                raise FailoverError(f"{error} (gave up: {replans} re-plan(s) already in this run, "
-                                    f"--max-failovers {self.max_failovers})") from error
-            chain = self._replan(error, agent_id, cut_short)
-            if chain is not None:
-                break
+        try:
+            while True:
+                replans = len(self.chains) - self.run_start + self.failed_replans
+                if replans >= self.max_failovers:
+                    raise FailoverError(f"{error} (gave up: {replans} re-plan(s) already in this run, "
+                                        f"--max-failovers {self.max_failovers})") from error
+                chain = self._replan(error, agent_id, cut_short)
+                if chain is not None:
+                    break
+        except KeyboardInterrupt:  # Ctrl-C mid-re-plan: the report still says what broke, and whom it lost
+            self.replans.append({"error": str(error), "lost_agent": self._left_out, "blamed_agent": agent_id,
+                                 "blame_check": self._verdict, "stages": [],
+                                 "seconds": round(time.perf_counter() - started, 3), "cut_short": cut_short,
+                                 "adopted": False, "interrupted": True})
+            raise
         self.chains.append(chain)
         stages = [[stage.agent_id, stage.layer_start, stage.layer_end] for stage in chain.stages]
         seconds = round(time.perf_counter() - started, 3)
         self.replans.append({"error": str(error), "lost_agent": self._left_out, "blamed_agent": agent_id,
                              "blame_check": self._verdict, "stages": stages, "seconds": seconds,
-                             "cut_short": cut_short, "adopted": self._adopted})
+                             "cut_short": cut_short, "adopted": self._adopted, "interrupted": False})
         checked = f"; {self._verdict}" if self._verdict else ""
         how = ("went on in {seconds:.1f} s on the deployment saved meanwhile (another run's re-plan, or a `fleet "
                "deploy`)" if self._adopted else "re-planned in {seconds:.1f} s").format(seconds=seconds)

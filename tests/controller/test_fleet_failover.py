@@ -406,3 +406,18 @@ def test_a_re_plan_that_waits_too_long_for_another_deploy_says_so(
     with store.deploying(), pytest.raises(FailoverError, match=r"another deploy from .* is running .*: this run "
                                                                 r"waited 0 s for it to finish"):
         failover(ChainError("agent b: the link closed", B))
+
+
+def test_a_re_plan_stopped_by_ctrl_c_is_still_in_the_runs_report(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the report of a run stopped mid-re-plan had "replans": [], the PC it lost and the break unrecorded
+    async def ctrl_c() -> None:
+        raise KeyboardInterrupt
+
+    failover = FleetFailover(store, tiny_export, max_failovers=2)
+    monkeypatch.setattr(failover, "_redeploy", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        failover(ChainError("agent a: the link closed", A))
+    (record,) = failover.replans
+    assert record["interrupted"] is True and record["lost_agent"] == A and record["stages"] == []
+    assert record["error"] == "agent a: the link closed"
