@@ -537,7 +537,7 @@ def _open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discov
         except ChainError as error:
             if error.agent_id is None:
                 raise  # not an agent's fault (e.g. never deployed): nothing to re-plan around
-            chain = failover(error)  # with --max-failovers 0 this gives up at once, naming the agent
+            chain = failover(error, opening=True)  # with --max-failovers 0 this gives up at once, naming the agent
         yield chain, failover
 
 

@@ -95,6 +95,7 @@ class FleetFailover:
     # tell a deployment saved meanwhile by someone else: another run's failover, or an admin's deploy
     _known: tuple[StagePlacement, ...] | None = field(default=None, init=False, repr=False)
     _adopted: bool = field(default=False, init=False, repr=False)  # the re-plan under way took one of those
+    _broke: str = field(default="the chain broke", init=False, repr=False)  # what the notes say happened
 
     def __post_init__(self) -> None:
         self.hostnames = self.store.hostnames()
@@ -107,7 +108,10 @@ class FleetFailover:
         except (DeployError, OSError, ManifestError):
             self._known = None
 
-    def __call__(self, error: ChainBroken) -> FleetPipeline:
+    def __call__(self, error: ChainBroken, opening: bool = False) -> FleetPipeline:
+        """A new chain after `error` broke the old one; `opening`: the deployed chain could not be opened (a PC gone
+        since the deploy), which the notes say instead of "the chain broke"."""
+        self._broke = "the deployed chain could not open" if opening else "the chain broke"
         # the controller's own observation (a link closed, an agent not dialled) or a blame the chain checked
         # against the reporting stage's place in it (FleetPipeline._accepted_blame): never a bystander's id.
         # Left out until the re-plan's survey has checked it (_check_blame).
@@ -140,7 +144,7 @@ class FleetFailover:
         checked = f"; {self._verdict}" if self._verdict else ""
         how = ("went on in {seconds:.1f} s on the deployment saved meanwhile (another run's re-plan, or a `fleet "
                "deploy`)" if self._adopted else "re-planned in {seconds:.1f} s").format(seconds=seconds)
-        self.notify(f"the chain broke ({error}){checked}; {how} over {chain.num_stages} agent(s): {chain.describe()}")
+        self.notify(f"{self._broke} ({error}){checked}; {how} over {chain.num_stages} agent(s): {chain.describe()}")
         return chain
 
     def start_run(self) -> None:
@@ -193,7 +197,7 @@ class FleetFailover:
                 cut_short.append(str(failure))
                 replans = len(self.chains) - self.run_start + self.failed_replans
                 if replans < self.max_failovers:
-                    self.notify(f"the chain broke ({error}); while re-planning, {failure}: re-planning without "
+                    self.notify(f"{self._broke} ({error}); while re-planning, {failure}: re-planning without "
                                 f"{', '.join(self._name(agent) for agent in sorted(failed))} too")
                     return None
                 raise FailoverError(f"{error}; while re-planning, {failure} (gave up: {replans} re-plan(s) "
@@ -255,7 +259,7 @@ class FleetFailover:
                                         "its chain broken; run this again once it has") from None
                 if not waiting:
                     waiting = True
-                    self.notify(f"the chain broke; its re-plan waits for another deploy from this data dir to "
+                    self.notify(f"{self._broke}; its re-plan waits for another deploy from this data dir to "
                                 f"finish ({busy})")
                 await asyncio.sleep(_LOCK_POLL_S)
         with held:

@@ -421,3 +421,15 @@ def test_a_re_plan_stopped_by_ctrl_c_is_still_in_the_runs_report(
     (record,) = failover.replans
     assert record["interrupted"] is True and record["lost_agent"] == A and record["stages"] == []
     assert record["error"] == "agent a: the link closed"
+
+
+def test_a_chain_that_could_not_open_is_not_said_to_have_broken(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    notes: list[str] = []
+    monkeypatch.setattr(fleet_failover, "FleetPipeline", NewChain)
+    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=notes.append)
+    monkeypatch.setattr(failover, "_redeploy", _Redeploys(failover, [None, None]))
+    failover(ChainError("cannot reach agent a (stage 0, layers [0:4])", A), opening=True)
+    failover(ChainError("agent a: the link closed", A))  # a later break mid-run is one
+    assert notes[0].startswith("the deployed chain could not open (cannot reach agent a ")
+    assert notes[1].startswith("the chain broke (agent a: the link closed)")
