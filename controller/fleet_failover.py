@@ -96,6 +96,7 @@ class FleetFailover:
     _known: tuple[StagePlacement, ...] | None = field(default=None, init=False, repr=False)
     _adopted: bool = field(default=False, init=False, repr=False)  # the re-plan under way took one of those
     _broke: str = field(default="the chain broke", init=False, repr=False)  # what the notes say happened
+    _break_text: str = field(default="", init=False, repr=False)  # the error behind it
 
     def __post_init__(self) -> None:
         self.hostnames = self.store.hostnames()
@@ -112,6 +113,7 @@ class FleetFailover:
         """A new chain after `error` broke the old one; `opening`: the deployed chain could not be opened (a PC gone
         since the deploy), which the notes say instead of "the chain broke"."""
         self._broke = "the deployed chain could not open" if opening else "the chain broke"
+        self._break_text = str(error)
         # the controller's own observation (a link closed, an agent not dialled) or a blame the chain checked
         # against the reporting stage's place in it (FleetPipeline._accepted_blame): never a bystander's id.
         # Left out until the re-plan's survey has checked it (_check_blame).
@@ -259,8 +261,10 @@ class FleetFailover:
                                         "its chain broken; run this again once it has") from None
                 if not waiting:
                     waiting = True
-                    self.notify(f"{self._broke}; its re-plan waits for another deploy from this data dir to "
-                                f"finish ({busy})")
+                    # not the lock's own words ("let it finish, then deploy again": advice for `fleet deploy`),
+                    # nor its pid, which a holder that has just taken it may not have written yet
+                    self.notify(f"{self._broke} ({self._break_text}); its re-plan waits for the deploy under way from "
+                                f"{self.store.data_dir} (another run's re-plan, or a `fleet deploy`) to finish")
                 await asyncio.sleep(_LOCK_POLL_S)
         with held:
             yield

@@ -375,7 +375,8 @@ def test_a_re_plan_waits_for_another_deploy_and_goes_on_on_what_it_saved(
     finisher.join()
     assert OpenedChain.opened == [MEANWHILE]
     assert failover.replans[-1]["adopted"] is True and failover.replans[-1]["stages"] == [[A, 0, 3], [C, 3, 4]]
-    assert "its re-plan waits for another deploy from this data dir to finish" in notes[0]
+    assert notes[0].startswith("the chain broke (agent b: the link closed); its re-plan waits for the deploy under way")
+    assert "let it finish, then deploy again" not in notes[0]
     assert "went on in" in notes[1] and "on the deployment saved meanwhile" in notes[1]
     assert load_deployment(store, tiny_export) == MEANWHILE  # the other deploy's stands, with its settings
     assert load_deploy_settings(store, tiny_export).policy is PlanPolicy.ALL_BY_SPEED
