@@ -130,10 +130,15 @@ class StageExecutor:
         before = batch.mirror.fork()
         try:
             payload, inputs = self._prepare(batch, message)
-        except LedgerError:
+        except LedgerError as error:
             batch.mirror = before
             if created:
                 self.stage.recycle(batch.session)
+                if message.step_id > 0:  # "append for 1 rows, the micro-batch has 0" alone read as a bad message
+                    raise LedgerError(f"{error}: this stage holds nothing of micro-batch {message.micro_batch_id}, "
+                                      f"whose step {message.step_id} is not its first (the stage was assigned anew, "
+                                      "by a deploy or a re-plan, or rebuilt since its earlier steps, or it freed the "
+                                      "micro-batch as idle)") from None
             raise
         except Exception as error:  # the plugin failed while editing the KV state: it is unknown now
             if created:

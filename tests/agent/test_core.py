@@ -636,3 +636,6 @@ def test_a_first_stages_refused_step_is_answered_to_its_driver_not_sent_down_the
     (error,) = driver.sent
     assert isinstance(error, Error) and error.code is ErrorCode.BAD_MESSAGE and error.micro_batch_id == 1
     assert f"agent {core.agent_id[:12]}: micro-batch 1 step 1 failed on " in error.message
+    assert error.message.endswith("this stage holds nothing of micro-batch 1, whose step 1 is not its first (the stage "
+                                  "was assigned anew, by a deploy or a re-plan, or rebuilt since its earlier steps, "
+                                  "or it freed the micro-batch as idle)")
