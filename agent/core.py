@@ -726,7 +726,8 @@ class AgentCore:
             log.info("%s", gone)
 
     async def _send_down(self, error: Error, hosted: HostedStage | None = None) -> None:
-        """Send an Error toward the driver: to the next hop when this is a middle stage, else back."""
+        """Send an Error toward the driver: to the next hop when this stage has one, else back (a first stage's
+        refusal of its driver's step goes back on the driver's own link instead: see _forward)."""
         if hosted is None and len(self.stages) == 1:
             hosted = next(iter(self.stages.values()))
         hop = hosted.assignment.next_hop if hosted is not None else None

@@ -6,7 +6,10 @@ PCs), leaves out every agent that has failed in this run, plans over the others 
 the model's last deploy (policy, streams, precision, device), pushes only what the new stages lack (the
 surviving PCs usually hold their layers already) and opens the new chain; the engine then prefills
 every unfinished stream with its prompt and the tokens it had, so the output is what an uninterrupted
-run gives. The new plan is saved as the model's deployment. After `max_failovers` re-plans in one run,
+run gives. The new plan is saved as the model's deployment. A re-plan holds the data dir's deploy lock, waiting for
+another deploy to finish first (another run's re-plan, an admin's `fleet deploy`); when that one saved a deployment
+that places none of the PCs this run lost nor a link it found broken, the run goes on on it instead of re-planning
+(several runs on one deployment that lose the same PC make one new plan). After `max_failovers` re-plans in one run,
 or when the model no longer fits the PCs that are left, it raises FailoverError naming what was lost
 and why no new chain could be made.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -83,7 +87,7 @@ class FleetFailover:
     # (from, to): links found broken in this run (a stage that could not reach its next hop, which answers the
     # controller); every re-plan of the run keeps their ends apart
     broken_links: set[tuple[str, str]] = field(default_factory=set)
-    hostnames: dict[str, str] = field(default_factory=dict)  # the roster's (read at each re-plan), for messages
+    hostnames: dict[str, str] = field(default_factory=dict, init=False)  # the roster's (read at each re-plan)
     _blame: ChainError | None = field(default=None, repr=False)  # the blame the re-plan under way checks
     _left_out: str | None = field(default=None, repr=False)  # whom that check left out
     _verdict: str | None = field(default=None, repr=False)  # what that check found, in words
@@ -122,6 +126,17 @@ class FleetFailover:
             self.lost.add(agent_id)
         started = time.perf_counter()
         cut_short: list[str] = []  # what failed each re-plan of this break that another PC's failure cut short
+
+        def record(chain: FleetPipeline | None) -> float:
+            seconds = round(time.perf_counter() - started, 3)
+            self.replans.append({
+                "error": str(error), "lost_agent": self._left_out, "blamed_agent": agent_id,
+                "blame_check": self._verdict, "seconds": seconds, "cut_short": cut_short,
+                "stages": [[stage.agent_id, stage.layer_start, stage.layer_end] for stage in chain.stages]
+                if chain is not None else [],
+                "adopted": self._adopted and chain is not None, "interrupted": chain is None})
+            return seconds
+
         try:
             while True:
                 replans = len(self.chains) - self.run_start + self.failed_replans
@@ -132,17 +147,12 @@ class FleetFailover:
                 if chain is not None:
                     break
         except KeyboardInterrupt:  # Ctrl-C mid-re-plan: the report still says what broke, and whom it lost
-            self.replans.append({"error": str(error), "lost_agent": self._left_out, "blamed_agent": agent_id,
-                                 "blame_check": self._verdict, "stages": [],
-                                 "seconds": round(time.perf_counter() - started, 3), "cut_short": cut_short,
-                                 "adopted": False, "interrupted": True})
+            record(None)
             raise
+        finally:
+            self._blame = None  # weighed by this break's first re-plan that surveyed (or by none)
         self.chains.append(chain)
-        stages = [[stage.agent_id, stage.layer_start, stage.layer_end] for stage in chain.stages]
-        seconds = round(time.perf_counter() - started, 3)
-        self.replans.append({"error": str(error), "lost_agent": self._left_out, "blamed_agent": agent_id,
-                             "blame_check": self._verdict, "stages": stages, "seconds": seconds,
-                             "cut_short": cut_short, "adopted": self._adopted, "interrupted": False})
+        seconds = record(chain)
         checked = f"; {self._verdict}" if self._verdict else ""
         how = ("went on in {seconds:.1f} s on the deployment saved meanwhile (another run's re-plan, or a `fleet "
                "deploy`)" if self._adopted else "re-planned in {seconds:.1f} s").format(seconds=seconds)
@@ -181,8 +191,9 @@ class FleetFailover:
         by the first attempt only: weighed again, a blamed PC kept the first time read as blamed twice."""
         if not cut_short:
             self._blame = error if isinstance(error, ChainError) and agent_id is not None else None
-            self._left_out, self._verdict, self._apart = agent_id, None, None
-        else:  # what the first attempt's survey made of the blame, without what its plan added (_planned_apart)
+            self._left_out, self._verdict, self._apart, self._blame_verdict = agent_id, None, None, None
+        else:  # what the first survey made of the blame, without what its plan added (_planned_apart); none when
+            # the first attempt took a deployment saved meanwhile (it surveyed nothing: this attempt weighs it)
             self._verdict = self._blame_verdict
         try:
             report = event_loop.run(self._redeploy())
@@ -209,8 +220,6 @@ class FleetFailover:
             reasons = failure.exclusion_reasons if isinstance(failure, DeployError) else frozenset()
             raise FailoverError(f"{error}{checked}; no new chain{without}: {failure} (what to do: "
                                 f"{_remedy(bool(self.lost), reasons)}, then run this again)") from error
-        finally:
-            self._blame = None
 
     async def _redeploy(self) -> DeployReport:
         """The deployment to go on with, under the data dir's deploy lock (waited for: another deploy may be saving
@@ -234,6 +243,7 @@ class FleetFailover:
             found = await survey(self.store, self._survey_options())
             try:
                 self._check_blame(found)
+                self._blame = None  # weighed once a break: a retry after another PC failed meanwhile does not
                 self._blame_verdict = self._verdict
                 options = replace(settings.plan_options(), broken_links=frozenset(self.broken_links))
                 result, report = await deploy(self.store, self.model_dir, found, options,
@@ -248,25 +258,24 @@ class FleetFailover:
     async def _deploy_lock(self) -> AsyncIterator[None]:
         """Hold the data dir's deploy lock, waiting up to DEPLOY_LOCK_WAIT_S for another deploy to let it go
         (said once); FailoverError when it does not."""
-        held = contextlib.ExitStack()
+        # not the lock's own words ("let it finish, then deploy again": advice for `fleet deploy`), nor its pid, which
+        # a holder that has just taken the lock may not have written yet
+        under_way = f"the deploy under way from {self.store.data_dir} (another run's re-plan, or a `fleet deploy`)"
         deadline = time.monotonic() + DEPLOY_LOCK_WAIT_S
         waiting = False
-        while True:
-            try:
-                held.enter_context(self.store.deploying())
-                break
-            except FleetStoreError as busy:
-                if time.monotonic() >= deadline:
-                    raise FailoverError(f"{busy}: this run waited {DEPLOY_LOCK_WAIT_S:.0f} s for it to finish, with "
-                                        "its chain broken; run this again once it has") from None
-                if not waiting:
-                    waiting = True
-                    # not the lock's own words ("let it finish, then deploy again": advice for `fleet deploy`),
-                    # nor its pid, which a holder that has just taken it may not have written yet
-                    self.notify(f"{self._broke} ({self._break_text}); its re-plan waits for the deploy under way from "
-                                f"{self.store.data_dir} (another run's re-plan, or a `fleet deploy`) to finish")
-                await asyncio.sleep(_LOCK_POLL_S)
-        with held:
+        with contextlib.ExitStack() as held:
+            while True:
+                try:
+                    held.enter_context(self.store.deploying())
+                    break
+                except FleetStoreError:
+                    if time.monotonic() >= deadline:
+                        raise FailoverError(f"{self._break_text}; its re-plan waited {DEPLOY_LOCK_WAIT_S:.0f} s for "
+                                            f"{under_way} to finish: run this again once it has") from None
+                    if not waiting:
+                        waiting = True
+                        self.notify(f"{self._broke} ({self._break_text}); its re-plan waits for {under_way} to finish")
+                    await asyncio.sleep(_LOCK_POLL_S)
             yield
 
     def _deployed_meanwhile(self) -> DeployReport | None:
@@ -278,6 +287,8 @@ class FleetFailover:
             return None
         if saved == self._known or any(stage.agent_id in self.lost for stage in saved):
             return None
+        if any((before.agent_id, after.agent_id) in self.broken_links for before, after in itertools.pairwise(saved)):
+            return None  # a link this run found broken, which whoever saved it did not know of
         self._adopted = True
         return DeployReport(model_id_of(self.model_dir), saved, {}, {})
 
@@ -389,9 +400,9 @@ class FleetFailover:
                 self._verdict = (f"{self._name(reporter)} (stage {reporter_at}) reported its next hop "
                                  f"{self._name(accused)} (stage {accused_at}) at fault, but that agent answers the "
                                  f"controller and still hosts its stage: the link from {reporter[:12]} to "
-                                 f"{accused[:12]} (a firewall or network fault between those two PCs), or agent "
-                                 f"{reporter[:12]} itself, is at fault, so that link is marked broken for this run "
-                                 f"and the re-plan weighs both (never with {self._name(reporter)} directly before "
+                                 f"{accused[:12]} (a firewall or network fault between those two PCs), or "
+                                 f"{self._name(reporter)} itself, is at fault, so that link is marked broken for this "
+                                 f"run and the re-plan weighs both (never with {self._name(reporter)} directly before "
                                  f"{self._name(accused)})")
             else:
                 self._left_out = None

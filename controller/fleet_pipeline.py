@@ -10,7 +10,8 @@ The links live on an asyncio loop in a background thread; every task there is ow
 The driver also holds a link to every middle stage's agent: when an agent dies its link closes (the
 websocket pings notice within link.PING_INTERVAL_S + PING_TIMEOUT_S + CLOSE_TIMEOUT_S, 17 s, for a stopped
 PC; at once for a killed one) and collect() raises ChainError naming that agent (and its hostname), its stage
-and its address; an Error a stage reports travels down the chain to here.
+and its address; an Error a stage reports travels down the chain to here (a first stage answers a step it refuses
+on this driver's own link to it).
 
 Micro-batch ids on the wire are the engine's ids plus a base: each chain draws a random range of its own
 (_REGION_IDS ids) and takes the next base in it at every renumber (each chat turn), so two drivers, or two

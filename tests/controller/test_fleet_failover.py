@@ -404,9 +404,11 @@ def test_a_re_plan_that_waits_too_long_for_another_deploy_says_so(
     monkeypatch.setattr(fleet_failover, "DEPLOY_LOCK_WAIT_S", 0.2)
     monkeypatch.setattr(fleet_failover, "_LOCK_POLL_S", 0.02)
     failover = FleetFailover(store, tiny_export, max_failovers=2, notify=lambda text: None)
-    with store.deploying(), pytest.raises(FailoverError, match=r"another deploy from .* is running .*: this run "
-                                                                r"waited 0 s for it to finish"):
+    with store.deploying(), pytest.raises(FailoverError) as gave_up:
         failover(ChainError("agent b: the link closed", B))
+    assert str(gave_up.value) == (f"agent b: the link closed; its re-plan waited 0 s for the deploy under way from "
+                                  f"{store.data_dir} (another run's re-plan, or a `fleet deploy`) to finish: run this "
+                                  "again once it has")
 
 
 def test_a_re_plan_stopped_by_ctrl_c_is_still_in_the_runs_report(
@@ -434,3 +436,61 @@ def test_a_chain_that_could_not_open_is_not_said_to_have_broken(
     failover(ChainError("agent a: the link closed", A))  # a later break mid-run is one
     assert notes[0].startswith("the deployed chain could not open (cannot reach agent a ")
     assert notes[1].startswith("the chain broke (agent a: the link closed)")
+
+
+def test_a_blame_is_still_weighed_when_the_deployment_taken_first_could_not_open(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first attempt took a deployment saved meanwhile and skipped the survey; its chain did not open (C gone),
+    # and the retry weighed no blame at all (the blamed PC stayed lost) and showed an earlier break's verdict.
+    weighed: list[ChainError | None] = []
+    check_blame = FleetFailover._check_blame
+
+    def recording_check(self: FleetFailover, found: Survey) -> None:
+        weighed.append(self._blame)
+        check_blame(self, found)
+
+    class CannotReachC(OpenedChain):
+        def __init__(self, stages: tuple[StagePlacement, ...], *args: object, **kwargs: object) -> None:
+            if any(stage.agent_id == C for stage in stages):
+                raise ChainError("cannot reach agent c", C)
+            super().__init__(stages)
+
+    async def nobody(*args: object, **kwargs: object) -> Survey:
+        return Survey([], {})
+
+    async def deployed(store: FleetStore, model: Path, *args: object, **kwargs: object) -> tuple[object, DeployReport]:
+        return SimpleNamespace(exclusions=()), DeployReport(model_id_of(model), (StagePlacement(A, "a:1", 0, 4),), {},
+                                                            {})
+
+    _saved(store, tiny_export, BEFORE)
+    notes: list[str] = []
+    monkeypatch.setattr(FleetFailover, "_check_blame", recording_check)
+    monkeypatch.setattr(fleet_failover, "FleetPipeline", CannotReachC)
+    monkeypatch.setattr(fleet_failover, "survey", nobody)
+    monkeypatch.setattr(fleet_failover, "deploy", deployed)
+    failover = FleetFailover(store, tiny_export, max_failovers=3, notify=notes.append)
+    failover._blame_verdict = "the verdict of an earlier break"
+    _saved(store, tiny_export, MEANWHILE)  # A -> C, saved by another run
+    blame = ChainError("stage 0 reported a failure: next hop agent b is unreachable", B, A, BEFORE)
+    failover(blame)
+    assert weighed == [blame]  # weighed once, by the attempt that surveyed
+    assert "earlier break" not in " ".join(notes) and failover.replans[-1]["blame_check"] != \
+        "the verdict of an earlier break"
+
+
+def test_a_deployment_saved_meanwhile_over_a_link_this_run_found_broken_is_not_taken(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    class Surveyed(Exception):
+        pass
+
+    async def survey(*args: object, **kwargs: object) -> None:
+        raise Surveyed
+
+    _saved(store, tiny_export, BEFORE)
+    monkeypatch.setattr(fleet_failover, "survey", survey)
+    monkeypatch.setattr(fleet_failover, "FleetPipeline", OpenedChain)  # taken, it would open
+    failover = FleetFailover(store, tiny_export, max_failovers=2)
+    failover.broken_links.add((A, C))  # an earlier break of this run: A could not reach C, which answered
+    _saved(store, tiny_export, MEANWHILE)  # A directly before C, by someone who did not know
+    with pytest.raises(Surveyed):
+        failover(ChainError("agent b: the link closed", B))
