@@ -39,7 +39,7 @@ from deskfleet.common.model_spec import Manifest, load_manifest
 from deskfleet.common.speculative import AdaptiveK
 from deskfleet.common.wire import MICRO_BATCH_IDLE_S
 
-from .bench.interruption import BenchTerminated, signals_unwind
+from .bench.interruption import BenchTerminated, signal_name, signals_unwind
 from .decoding_options import DecodingOptions, add_decoding_options, decoding_arguments, non_negative_int, positive_int
 from .engine import Engine, KeptKV, StageChain, StreamRequest
 from .generation import GenerationError, check_tokenized
@@ -353,24 +353,24 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
             printer = TextPrinter(tokenizer, io.StringIO(), show_controls=False) if as_json \
                 else TextPrinter(tokenizer, out)
             interrupted = False
+            ending: BenchTerminated | None = None  # SIGTERM / SIGHUP: the chat ends once this reply is written out
             try:
                 if failover is not None:
                     failover.start_run()
                 run_started = time.perf_counter()
                 engine.run(on_token=printer.push, recover=failover)
             except KeyboardInterrupt as stopping:  # Ctrl-C stops this reply (its batches freed), not the chat
-                if isinstance(stopping, BenchTerminated):  # SIGTERM / SIGHUP end the chat, its reply's line ended
-                    printer.finish()
-                    raise
-                if ctrl_c_ends_chat:
+                if ctrl_c_ends_chat and not isinstance(stopping, BenchTerminated):
                     raise
                 interrupted = True
+                ending = stopping if isinstance(stopping, BenchTerminated) else None
             if engine.failovers:
                 chain = engine.chain  # the next turns run on the chain this one ended on
             # adaptive K goes on with the same drafter and chain; a failover's new chain has costs of its own
             learned_k = engine.k_policy if draft is not None and not engine.failovers else None
             kept.hold(engine.kept_kv(0))  # None when interrupted (the engine freed what it had taken)
-            printer.finish()
+            with suppress(*((OSError, ValueError) if ending is not None else ())):  # a hung-up terminal (SIGHUP)
+                printer.finish()
             result = engine.results()[0]
             if as_json:
                 stopped = "interrupted" if interrupted else "end" if result.stopped_by_eos else "max_new_tokens"
@@ -383,8 +383,11 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                                            else {})})
                 replans_told = len(failover.replans) if failover is not None else 0
             else:
-                out.write("\n")
-                out.flush()
+                with suppress(OSError, ValueError):  # a terminal that hung up (SIGHUP) takes no more
+                    out.write("\n")
+                    out.flush()
+            if ending is not None:
+                raise ending
             if interrupted:
                 _note(notes, "[interrupted: the reply so far stays in the conversation; Ctrl-C at the prompt leaves]")
             elif not result.stopped_by_eos:  # else the reply just stops mid-sentence, unexplained
@@ -608,6 +611,10 @@ def _chat_command(args: argparse.Namespace) -> int:
         with signals_unwind(ctrl_c=False):
             run_chat(options, sys.stdin, sys.stdout, prompt_out=sys.stderr if interactive else None,
                      as_json=args.json)
+    except BenchTerminated as stopped:
+        with suppress(OSError, ValueError):  # a terminal that hung up (SIGHUP) shows nothing more
+            print(f"deskfleet: chat stopped by {signal_name(stopped)}", file=sys.stderr, flush=True)
+        raise
     except InputGone as error:
         if args.verbose:
             raise

@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from deskfleet.agent.allocator import run_on_jemalloc
@@ -25,7 +26,13 @@ from deskfleet.common.console import (
 )
 from deskfleet.common.model_spec import MAX_SPEC_VALUE, ManifestError, WeightFormat
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
-from deskfleet.controller.bench.interruption import exit_status, run_bench, signal_name, signals_unwind
+from deskfleet.controller.bench.interruption import (
+    BenchTerminated,
+    exit_status,
+    run_bench,
+    signal_name,
+    signals_unwind,
+)
 from deskfleet.controller.chat import add_chat_command, add_fleet_option, check_fleet_options, fleet_max_failovers
 from deskfleet.controller.decoding_options import (
     MAX_THREADS,
@@ -526,15 +533,16 @@ def _print_interrupted(interrupted: GenerationInterrupted, args: argparse.Namesp
         seed = _seed_note(report)
         by_ctrl_c = interrupted.signum == signal.SIGINT
         how = "interrupted" if by_ctrl_c else f"stopped by {signal_name(interrupted)}"
-        if args.json or not interrupted.streamed:
-            done = sum(1 for stream in streams if _stream_done(stream, args.max_new_tokens))
-            print(f"deskfleet: {how} ({done} of {len(streams)} stream(s) had finished; "
-                  f"{report['generated_tokens']} tokens in all, "
-                  + ("in the JSON on standard output" if args.json else "above") + f"{seed})", file=sys.stderr)
-        elif seed:
-            print(f"deskfleet: {how} ({seed.removeprefix('; ')})", file=sys.stderr)
-        elif not by_ctrl_c:  # a Ctrl-C shows on the terminal that typed it; a SIGTERM from elsewhere does not
-            print(f"deskfleet: {how}", file=sys.stderr)
+        with suppress(OSError, ValueError):  # a terminal that hung up (SIGHUP): the exit status says it
+            if args.json or not interrupted.streamed:
+                done = sum(1 for stream in streams if _stream_done(stream, args.max_new_tokens))
+                print(f"deskfleet: {how} ({done} of {len(streams)} stream(s) had finished; "
+                      f"{report['generated_tokens']} tokens in all, "
+                      + ("in the JSON on standard output" if args.json else "above") + f"{seed})", file=sys.stderr)
+            elif seed:
+                print(f"deskfleet: {how} ({seed.removeprefix('; ')})", file=sys.stderr)
+            elif not by_ctrl_c:  # a Ctrl-C shows on the terminal that typed it; a SIGTERM from elsewhere does not
+                print(f"deskfleet: {how}", file=sys.stderr)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -564,6 +572,9 @@ def _generate(args: argparse.Namespace) -> int:
         _end_interrupted_line(interrupted, args.json)
         if isinstance(interrupted, GenerationInterrupted):  # the streams had begun: what they made is kept
             _print_interrupted(interrupted, args)
+        elif isinstance(interrupted, BenchTerminated):  # before they began (compiling, opening the chain)
+            with suppress(OSError, ValueError):  # a terminal that hung up (SIGHUP) shows nothing more
+                print(f"deskfleet: stopped by {signal_name(interrupted)}", file=sys.stderr, flush=True)
         raise
     except FailoverError as error:  # the chain could not be opened nor re-planned: a failed run, not a usage error
         print(f"deskfleet: error: {error}", file=sys.stderr)

@@ -26,6 +26,7 @@ from deskfleet.common.console import print_whole
 from deskfleet.common.devices import device_targets
 from deskfleet.common.planner import PlanPolicy
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
+from deskfleet.controller.bench.interruption import signals_unwind
 from deskfleet.controller.decoding_options import byte_count, parse_token_ids, positive_int
 from deskfleet.controller.fleet_store import MIN_ID_PREFIX, FleetStoreError
 
@@ -480,9 +481,10 @@ def _generate(args: argparse.Namespace) -> int:
     options = GenerateOptions(model=args.model, prompt_ids=[parse_token_ids(args.prompt_ids)],
                               max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
     try:
-        # --peer and --discover-seconds: what a re-plan dials and browses when a PC drops out (they were ignored)
-        report = generate_on_fleet(options, args.data_dir, discover_seconds=args.discover_seconds,
-                                   peers=tuple(args.peer))
+        with signals_unwind(ctrl_c=False):  # SIGTERM and SIGHUP stop it as Ctrl-C does (exit 143 / 129)
+            # --peer and --discover-seconds: what a re-plan dials and browses when a PC drops out (they were ignored)
+            report = generate_on_fleet(options, args.data_dir, discover_seconds=args.discover_seconds,
+                                       peers=tuple(args.peer))
     except GenerationInterrupted as interrupted:  # Ctrl-C: the tokens made so far are printed, then exit 130
         print_whole(_generated(interrupted.report, args.json))
         raise

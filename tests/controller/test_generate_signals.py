@@ -6,11 +6,14 @@ and the chat goes on."""
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +22,23 @@ from deskfleet.controller import cli
 from deskfleet.controller.pipeline import LocalPipeline
 from deskfleet.controller.text_printer import TextPrinter
 from tests.controller.test_chat import _chat_model
+
+
+@pytest.fixture(autouse=True)
+def default_handlers() -> Iterator[None]:
+    """SIGTERM and SIGHUP as Python leaves them (the commands unwind only where they are): under nohup, SIGHUP is
+    ignored, and the SIGHUP cases would test nothing."""
+    before = {signum: signal.signal(signum, signal.SIG_DFL) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
+
+
+class HungUp(io.StringIO):
+    """A terminal that hung up: every write fails as a tty's does after SIGHUP (EIO)."""
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EIO, "Input/output error")
 
 
 def _signal_at_token(monkeypatch: pytest.MonkeyPatch, signum: int, at: int) -> None:
@@ -67,6 +87,30 @@ def test_generate_stopped_by_sigterm_or_sighup_unwinds_and_keeps_what_it_made(
     assert signal.getsignal(signum) is signal.SIG_DFL  # put back as it was
 
 
+def test_a_hung_up_terminal_does_not_turn_the_sighup_into_an_error(
+        tiny_export: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _signal_at_step(monkeypatch, signal.SIGHUP, at=4)
+    monkeypatch.setattr(sys, "stderr", HungUp())
+    argv = ["generate", "--model", str(tiny_export), "--prompt-ids", "1,5,9", "--max-new-tokens", "50", "--ignore-eos",
+            "--json"]
+    assert cli.main(argv) == 129  # was an OSError (EIO) from the stop line, exit 1
+
+
+def test_generate_stopped_before_its_streams_began_says_so(
+        tiny_export: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    open_stage = LocalPipeline.__init__
+
+    def compiled_then_sigterm(self: LocalPipeline, *args: Any, **kwargs: Any) -> None:
+        open_stage(self, *args, **kwargs)
+        signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(LocalPipeline, "__init__", compiled_then_sigterm)
+    argv = ["generate", "--model", str(tiny_export), "--prompt-ids", "1,5,9", "--max-new-tokens", "5", "--json"]
+    assert cli.main(argv) == 143
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == "deskfleet: stopped by SIGTERM\n"
+
+
 def test_generate_streaming_its_text_ends_the_line_and_says_what_stopped_it(
         tiny_export: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     _signal_at_step(monkeypatch, signal.SIGTERM, at=4)
@@ -87,4 +131,20 @@ def test_chat_ends_on_sigterm_mid_reply_where_ctrl_c_stops_only_the_reply(
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nand again\n"))
     _signal_at_token(monkeypatch, signal.SIGTERM, at=2)
     assert cli.main(["chat", "--model", str(model), "--max-new-tokens", "6", "--precision", "f32", "--json"]) == 143
-    assert capsys.readouterr().out == ""  # ended in its first reply: the second message is never answered
+    captured = capsys.readouterr()
+    # ended in its first reply, which is written out as stopped; the second message is never answered
+    (reply,) = map(json.loads, captured.out.splitlines())
+    assert reply["stopped"] == "interrupted" and reply["reply_tokens"] >= 2
+    assert captured.err.endswith("deskfleet: chat stopped by SIGTERM\n")
+
+
+def test_chat_stopped_mid_reply_ends_the_replys_line(tmp_path: Path, tiny_export: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    model = _chat_model(tmp_path, tiny_export)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nand again\n"))
+    _signal_at_token(monkeypatch, signal.SIGHUP, at=2)
+    assert cli.main(["chat", "--model", str(model), "--max-new-tokens", "6", "--precision", "f32"]) == 129
+    captured = capsys.readouterr()
+    assert captured.out.endswith("\n") and captured.out.count("\n") == 1
+    assert captured.err.endswith("deskfleet: chat stopped by SIGHUP\n")
