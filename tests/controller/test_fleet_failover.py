@@ -382,23 +382,6 @@ def test_a_re_plan_waits_for_another_deploy_and_goes_on_on_what_it_saved(
     assert load_deploy_settings(store, tiny_export).policy is PlanPolicy.ALL_BY_SPEED
 
 
-def test_a_deployment_saved_meanwhile_that_places_a_lost_pc_is_not_taken(
-        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    class Surveyed(Exception):
-        pass
-
-    async def survey(*args: object, **kwargs: object) -> None:
-        raise Surveyed
-
-    _saved(store, tiny_export, BEFORE)
-    monkeypatch.setattr(fleet_failover, "survey", survey)
-    failover = FleetFailover(store, tiny_export, max_failovers=2)
-    _saved(store, tiny_export, (StagePlacement(B, "127.0.0.1:7432", 0, 4),))  # B again, which this run lost
-    with pytest.raises(Surveyed):
-        failover(ChainError("agent b: the link closed", B))
-    assert failover.replans == []
-
-
 def test_a_re_plan_that_waits_too_long_for_another_deploy_says_so(
         store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fleet_failover, "DEPLOY_LOCK_WAIT_S", 0.2)
@@ -478,8 +461,13 @@ def test_a_blame_is_still_weighed_when_the_deployment_taken_first_could_not_open
         "the verdict of an earlier break"
 
 
-def test_a_deployment_saved_meanwhile_over_a_link_this_run_found_broken_is_not_taken(
-        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("saved", "broken_links"), [
+    ((StagePlacement(B, "127.0.0.1:7432", 0, 4),), set()),  # B again, which this run lost
+    (MEANWHILE, {(A, C)}),  # A right before C, a link an earlier break of this run found broken
+])
+def test_a_deployment_saved_meanwhile_is_not_taken_over_a_lost_pc_or_a_broken_link(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch, saved: tuple[StagePlacement, ...],
+        broken_links: set[tuple[str, str]]) -> None:
     class Surveyed(Exception):
         pass
 
@@ -490,7 +478,8 @@ def test_a_deployment_saved_meanwhile_over_a_link_this_run_found_broken_is_not_t
     monkeypatch.setattr(fleet_failover, "survey", survey)
     monkeypatch.setattr(fleet_failover, "FleetPipeline", OpenedChain)  # taken, it would open
     failover = FleetFailover(store, tiny_export, max_failovers=2)
-    failover.broken_links.add((A, C))  # an earlier break of this run: A could not reach C, which answered
-    _saved(store, tiny_export, MEANWHILE)  # A directly before C, by someone who did not know
-    with pytest.raises(Surveyed):
+    failover.broken_links |= broken_links
+    _saved(store, tiny_export, saved)
+    with pytest.raises(Surveyed):  # re-planned instead
         failover(ChainError("agent b: the link closed", B))
+    assert failover.replans == []
