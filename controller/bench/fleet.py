@@ -938,14 +938,36 @@ def _bench_command(args: Any) -> int:
         wan_delay_s=args.wan_delay_ms / 1000.0,
         wan_bandwidth_bytes_s=args.wan_bandwidth_mbit * 125_000 if args.wan_bandwidth_mbit is not None else None)
     # the JSON first, whole: a file that cannot be written then loses nothing
+    outputs = _AfterTheJson(args.json_out, args.markdown_out)
     return run_bench("fleet", lambda: run_fleet_bench(options, progress=lambda text: print(text, file=sys.stderr,
                                                                                             flush=True)),
                      lambda report: print(json.dumps(report, indent=2), flush=True),
-                     then=lambda report: _write_markdown_and_files(report, args.json_out, args.markdown_out),
-                     then_what="the markdown table and the --json-out / --markdown-out files",
+                     then=outputs.write, then_what=outputs.left,
                      cleaned_up="; its simulated PCs are stopped and its temporary folder removed")
 
 
-def _write_markdown_and_files(report: dict[str, Any], json_out: Path | None, markdown_out: Path | None) -> None:
-    print(render_markdown(report), file=sys.stderr)
-    write_outputs(report, json_out, markdown_out)
+@dataclass
+class _AfterTheJson:
+    """What `bench fleet` writes once its JSON is out, in order, and what a signal kept it from (`left`)."""
+
+    json_out: Path | None
+    markdown_out: Path | None
+    done: int = 0  # of the steps below
+
+    def steps(self) -> list[tuple[str, Callable[[dict[str, Any]], None]]]:
+        steps: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
+            ("the markdown table", lambda report: print(render_markdown(report), file=sys.stderr))]
+        if self.json_out is not None:
+            steps.append((f"--json-out {self.json_out}", lambda report: write_outputs(report, self.json_out, None)))
+        if self.markdown_out is not None:
+            steps.append((f"--markdown-out {self.markdown_out}",
+                          lambda report: write_outputs(report, None, self.markdown_out)))
+        return steps
+
+    def write(self, report: dict[str, Any]) -> None:
+        for _, step in self.steps()[self.done:]:
+            step(report)
+            self.done += 1
+
+    def left(self) -> str:
+        return " and ".join(name for name, _ in self.steps()[self.done:])

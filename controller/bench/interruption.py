@@ -160,11 +160,12 @@ def signal_name(error: KeyboardInterrupt) -> str:
 
 
 def run_bench(name: str, run: Callable[[], _Report], print_report: Callable[[_Report], None],
-              then: Callable[[_Report], None] | None = None, then_what: str = "", cleaned_up: str = "") -> int:
+              then: Callable[[_Report], None] | None = None, then_what: Callable[[], str] | None = None,
+              cleaned_up: str = "") -> int:
     """Run a bench under `signals_unwind`, print its report whole (`signals_held`), then do `then` (write its
     files). Stopped by Ctrl-C, SIGTERM or SIGHUP it unwinds (what it started is stopped), says in one line on
-    stderr by which signal and how far it got (no report; or the report printed whole, and `then_what` not done),
-    and returns 130 / 143 / 129; 0 when it ran to the end."""
+    stderr by which signal and how far it got (no report; or the report printed whole, and what `then_what` says
+    `then` had not done yet), and returns 130 / 143 / 129; 0 when it ran to the end."""
     printed = False
     try:
         with signals_unwind():
@@ -178,7 +179,8 @@ def run_bench(name: str, run: Callable[[], _Report], print_report: Callable[[_Re
         if not printed:
             how_far = f": no report{cleaned_up}"
         else:
-            how_far = " after its report was printed whole" + (f", before {then_what}" if then is not None else "")
+            left = then_what() if then_what is not None else ""
+            how_far = " after its report was printed whole" + (f", before {left}" if left else "")
         print(f"deskfleet: bench {name} stopped by {signal_name(stopped)}{how_far}", file=sys.stderr, flush=True)
         return exit_status(stopped)
     return 0

@@ -371,12 +371,28 @@ def test_a_signal_after_the_json_says_the_report_is_whole_and_which_files_were_n
         return "| row |"
 
     monkeypatch.setattr(fleet_module, "render_markdown", sigterm_while_rendering)
-    assert main(["bench", "fleet", "--model", "m", "--json-out", str(tmp_path / "report.json")]) == 143
+    report = tmp_path / "report.json"
+    assert main(["bench", "fleet", "--model", "m", "--json-out", str(report)]) == 143
     captured = capsys.readouterr()
     assert json.loads(captured.out) == FAKE_REPORT
     assert captured.err.endswith("deskfleet: bench fleet stopped by SIGTERM after its report was printed whole, "
-                                 "before the markdown table and the --json-out / --markdown-out files\n")
+                                 f"before the markdown table and --json-out {report}\n")
     assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    monkeypatch.setattr(fleet_module, "run_fleet_bench", lambda options, progress: FAKE_REPORT)
+    write_outputs = fleet_module.write_outputs
+
+    def sigterm_while_writing_the_table(report: dict[str, Any], json_path: Path | None, markdown_path: Path | None
+                                        ) -> None:
+        if markdown_path is not None:
+            signal.raise_signal(signal.SIGTERM)
+        write_outputs(report, json_path, markdown_path)
+
+    monkeypatch.setattr(fleet_module, "write_outputs", sigterm_while_writing_the_table)
+    table = tmp_path / "table.md"
+    assert main(["bench", "fleet", "--model", "m", "--json-out", str(report), "--markdown-out", str(table)]) == 143
+    assert capsys.readouterr().err.endswith(f"report was printed whole, before --markdown-out {table}\n")
+    assert [path.name for path in tmp_path.iterdir()] == ["report.json"]  # written before the signal, and said so
 
     def ctrl_c(options: object, progress: object) -> dict[str, Any]:
         raise KeyboardInterrupt
