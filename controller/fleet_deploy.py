@@ -37,6 +37,7 @@ from deskfleet.common.model_spec import (
     model_file,
 )
 from deskfleet.common.planner import (
+    SEE_LEFT_OUT,
     AgentCandidate,
     Exclusion,
     ExclusionReason,
@@ -335,8 +336,10 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
         unreachable = any(e.reason is ExclusionReason.UNREACHABLE for e in result.exclusions)
         cause = f"cannot deploy {model_id}: " if (unreachable and not answered) or not result.usable else \
             "the model does not fit the fleet: "
-        left_out = left_out_text(result)  # the problem says "see the agents left out": a deploy shows no plan
-        raise DeployError(cause + "; ".join(result.problems) + (f" ({left_out})" if left_out else ""),
+        # a deploy shows no plan: the list follows the problem, in place of its pointer to it
+        left_out = left_out_text(result)
+        problems = [problem.replace(SEE_LEFT_OUT, "") for problem in result.problems] if left_out else result.problems
+        raise DeployError(cause + "; ".join(problems) + (f" ({left_out})" if left_out else ""),
                           exclusion_reasons=frozenset(exclusion.reason for exclusion in result.exclusions),
                           failed_run=True)
     addresses = {agent.agent_id: agent.address for agent in found.agents if agent.agent_id is not None}

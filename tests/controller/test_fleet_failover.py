@@ -16,7 +16,7 @@ import pytest
 from deskfleet.agent.link import utc_now
 from deskfleet.common import event_loop
 from deskfleet.common.agent_state import AgentState
-from deskfleet.common.planner import PlanPolicy
+from deskfleet.common.planner import SEE_LEFT_OUT, PlanPolicy
 from deskfleet.common.wire import Precision, StatusReport
 from deskfleet.controller import fleet_deploy, fleet_failover
 from deskfleet.controller.chat import add_fleet_option
@@ -108,8 +108,10 @@ def test_a_fleet_whose_other_pcs_cannot_take_work_says_what_would_let_them(
     monkeypatch.setattr(fleet_failover, "survey", others)
     failover = FleetFailover(store, tiny_export, max_failovers=2)
     with pytest.raises(FailoverError, match=rf"no new chain without the lost agent\(s\): cannot deploy .* \(what to "
-                                            rf"do: {remedy}, or join more PCs, then run this again\)$"):
+                                            rf"do: {remedy}, or join more PCs, then run this again\)$") as gave_up:
         failover(ChainError("agent abc: the link closed", "a" * 52))
+    # the agents left out are listed in the error, not pointed to as in `fleet plan`'s table
+    assert "(left out: bbbbbbbbbbbb" in str(gave_up.value) and SEE_LEFT_OUT not in str(gave_up.value)
 
 
 def test_deploy_settings_of_an_older_record_are_the_defaults_and_a_bad_one_is_refused(
