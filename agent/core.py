@@ -170,6 +170,7 @@ class AgentCore:
         self._revoked, self._removal_signatures, self._revocations_unknown = _load_revocations(
             revocations_file, files.ca_certificate())
         self._next_hops: dict[str, Link] = {}
+        self._hop_watchers: set[asyncio.Task[None]] = set()  # one reader on each next-hop link (_watch_next_hop)
         self._assign_lock = asyncio.Lock()
         self._shard_writers: dict[str, Link] = {}  # shard being received -> the link sending it
         self._release_watch = StageReleaseWatch()
@@ -392,8 +393,8 @@ class AgentCore:
                 async with hosted.lock:  # a step under way finishes first
                     self._release(ref)
         self._released_because = because
-        self._note_error(f"gave up {len(released)} stage(s) ({', '.join(_stage_key(ref) for ref in released)}): "
-                         f"{because}")
+        which = f" ({', '.join(_stage_key(ref) for ref in released)})" if released else ""
+        self._note_error(f"gave up {len(released)} stage(s){which}: {because}")
         await self.close_unused_next_hops()
         return released
 
@@ -431,6 +432,7 @@ class AgentCore:
         for link in list(self._next_hops.values()):
             await link.close()
         self._next_hops.clear()
+        await asyncio.gather(*self._hop_watchers, return_exceptions=True)  # each ends as its link closes
 
     # Private methods: shards and stages
 
@@ -803,6 +805,9 @@ class AgentCore:
                     link = await open_link(hop.address, self.files, expected_agent_id=hop.agent_id,
                                            revocations=self.revocations)
                     self._next_hops[hop.agent_id] = link
+                    watcher = asyncio.create_task(self._watch_next_hop(hop, link))
+                    self._hop_watchers.add(watcher)
+                    watcher.add_done_callback(self._hop_watchers.discard)
                 await link.send(message)
                 return
             except LinkError as error:
@@ -810,6 +815,25 @@ class AgentCore:
                 if attempt:  # the Error that answers it starts with this agent's id
                     text = f"next hop agent {hop.agent_id[:12]} at {hop.address} is unreachable: {error}"
                     raise CommandError(ErrorCode.INTERNAL, text, agent_id=hop.agent_id) from None
+
+    async def _watch_next_hop(self, hop: NextHop, link: Link) -> None:
+        """Read what the next hop sends back on the link this agent opened to it: only a refusal comes (its stage
+        takes steps from another previous hop now), and the steps it refused are lost there, so the drivers are told
+        at once: of the micro-batch it names, else every driver of this agent, whose chains through it are stale.
+        Before, nobody read the link: a deploy that made this stage's next hop a first stage, while the old stage
+        here still forwarded the steps in flight, left the run waiting out its 120 s step timeout."""
+        try:
+            while True:
+                message = await link.receive()
+                if isinstance(message, Error):
+                    await self._tell_controller(Error(
+                        message.code, f"agent {self.agent_id[:12]}: next hop agent {hop.agent_id[:12]} at "
+                                      f"{hop.address} refused this stage's step: {message.message}",
+                        micro_batch_id=message.micro_batch_id))
+                else:
+                    log.debug("ignoring %s from next hop %s", type(message).__name__, link.describe())
+        except LinkError:
+            return  # closed, by this agent (a stage released or re-planned) or by the next hop: a send reopens it
 
     async def _tell_controller(self, message: Message) -> None:
         """Send a ForwardResult, or an Error travelling down the chain, back to its driver.

@@ -13,6 +13,7 @@ from typing import cast
 import numpy as np
 import pytest
 
+from deskfleet.agent import core as core_module
 from deskfleet.agent.core import INLINE_STEP_TOKENS, AgentCore, CommandError, HostedStage, runs_inline
 from deskfleet.agent.link import Link, LinkError
 from deskfleet.agent.paths import AgentSettings, Thresholds
@@ -639,3 +640,37 @@ def test_a_first_stages_refused_step_is_answered_to_its_driver_not_sent_down_the
     assert error.message.endswith("this stage holds nothing of micro-batch 1, whose step 1 is not its first (the stage "
                                   "was assigned anew, by a deploy or a re-plan, or rebuilt since its earlier steps, "
                                   "or it freed the micro-batch as idle)")
+
+
+def test_a_refusal_by_the_next_hop_reaches_the_drivers_at_once(core: AgentCore,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # A deploy made this stage's next hop a first stage while the old stage here still forwarded the steps in
+    # flight: the next hop refused them on the link this agent opened, which nobody read, and the run waited out
+    # its 120 s step timeout
+    hop = NextHop("127.0.0.1:9", "n" * 52)
+    refusal = Error(ErrorCode.UNAUTHORIZED, f"agent {'n' * 12}: Forward refused: this agent's stage takes steps only "
+                                            "from the controller")
+    class NextHopLink(ScriptedLink):
+        async def close(self) -> None:
+            pass
+
+    next_hop = NextHopLink(Role.AGENT, [refusal])
+
+    async def open_link(*args: object, **kwargs: object) -> Link:
+        return cast(Link, next_hop)
+
+    monkeypatch.setattr(core_module, "open_link", open_link)
+
+    async def scenario() -> RecordingLink:
+        driver = RecordingLink(Role.CONTROLLER)
+        core._controller_links.append(cast(Link, driver))
+        await core.handle(cast(Link, driver), ResultsHere(0, 1 << 62))
+        await core._send_next(hop, ReleaseMicroBatch(7))
+        await core.close()  # after the watcher has read the refusal and the link's close
+        return driver
+
+    driver = asyncio.run(scenario())
+    (told,) = driver.sent
+    assert isinstance(told, Error) and told.code is ErrorCode.UNAUTHORIZED
+    assert told.message == (f"agent {core.agent_id[:12]}: next hop agent {'n' * 12} at 127.0.0.1:9 refused this "
+                            f"stage's step: {refusal.message}")

@@ -4,6 +4,7 @@ deployment decides the stages), the compile options on the fleet without --draft
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any, cast
 
@@ -201,3 +202,22 @@ def test_a_fleet_run_that_stops_reports_its_replans(monkeypatch: pytest.MonkeyPa
     with pytest.raises((GenerationStopped, GenerationInterrupted)) as stopped:
         chat.generate_on_fleet(GenerateOptions(model=Path("m"), prompt_ids=[[1]]), None)
     assert stopped.value.report == {"tokens": [4], "stopped": stop, "fleet": True, "replans": replans}
+
+
+@pytest.mark.parametrize(("signum", "status", "said"), [(signal.SIGTERM, 143, "deskfleet: stopped by SIGTERM\n"),
+                                                        (signal.SIGINT, 130, "")])
+def test_fleet_generate_stopped_by_a_signal_from_elsewhere_says_which(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, signum: int, status: int,
+        said: str) -> None:
+    # a SIGTERM ended it with exit 143 and not a word; a Ctrl-C shows on the terminal that typed it
+    import deskfleet.controller.chat as chat
+    from deskfleet.controller.run import GenerationInterrupted
+
+    def stopped(*args: Any, **kwargs: Any) -> dict[str, object]:
+        raise GenerationInterrupted({"tokens": [5, 6], "stopped": "interrupted"}, ["--prompt-ids"], streamed=False,
+                                    signum=signum)
+
+    monkeypatch.setattr(chat, "generate_on_fleet", stopped)
+    assert main(["fleet", "generate", "--model", "m", "--prompt-ids", "1,2", "--discover-seconds", "0"]) == status
+    captured = capsys.readouterr()
+    assert captured.out == "5 6\n" and captured.err == said
