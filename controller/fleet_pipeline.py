@@ -87,10 +87,10 @@ _Outgoing = Forward | ReleaseMicroBatch | _Stop
 
 # What an agent's Error says happened, in the words a ChainError gives it
 _ERROR_WORDS = {
-    ErrorCode.BAD_MESSAGE: "a step it refused",
+    ErrorCode.BAD_MESSAGE: "a refused step",
     ErrorCode.NOT_ASSIGNED: "no stage for the step",
     ErrorCode.INTERNAL: "a failure",
-    ErrorCode.UNAUTHORIZED: "a sender it refused",
+    ErrorCode.UNAUTHORIZED: "a refused sender",
     ErrorCode.BUSY: "that it is busy",
     ErrorCode.OUT_OF_MEMORY: "that it ran out of memory",
     ErrorCode.DISK_FULL: "a full disk",
