@@ -338,7 +338,11 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 _write_json(out, as_json, {"error": f"{error}: not sent; the conversation is unchanged"})
                 continue
             except KeyboardInterrupt as stopping:  # Ctrl-C while the prompt was made (a long render): this one only
-                if ctrl_c_ends_chat or isinstance(stopping, BenchTerminated):  # SIGTERM / SIGHUP end the chat
+                if isinstance(stopping, BenchTerminated):  # SIGTERM / SIGHUP: the chat ends, said to a script
+                    _write_json(out, as_json, {"error": f"stopped by {signal_name(stopping)} before the reply began: "
+                                                        "not sent"})
+                    raise
+                if ctrl_c_ends_chat:
                     raise
                 _end_prompt_line(prompt_out)  # the terminal's ^C echo; a reply's Ctrl-C ends its own line
                 _note(notes, "[interrupted before the reply began: not sent; the conversation is unchanged]")

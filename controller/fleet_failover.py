@@ -101,6 +101,7 @@ class FleetFailover:
     _adopted: bool = field(default=False, init=False, repr=False)  # the re-plan under way took one of those
     _broke: str = field(default="the chain broke", init=False, repr=False)  # what the notes say happened
     _break_text: str = field(default="", init=False, repr=False)  # the error behind it
+    _break_told: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.hostnames = self.store.hostnames()
@@ -118,6 +119,7 @@ class FleetFailover:
         since the deploy), which the notes say instead of "the chain broke"."""
         self._broke = "the deployed chain could not open" if opening else "the chain broke"
         self._break_text = str(error)
+        self._break_told = False  # a note of this break gave its error already (the wait for another deploy)
         # the controller's own observation (a link closed, an agent not dialled) or a blame the chain checked
         # against the reporting stage's place in it (FleetPipeline._accepted_blame): never a bystander's id.
         # Left out until the re-plan's survey has checked it (_check_blame).
@@ -156,7 +158,8 @@ class FleetFailover:
         checked = f"; {self._verdict}" if self._verdict else ""
         how = ("went on in {seconds:.1f} s on the deployment saved meanwhile (another run's re-plan, or a `fleet "
                "deploy`)" if self._adopted else "re-planned in {seconds:.1f} s").format(seconds=seconds)
-        self.notify(f"{self._broke} ({error}){checked}; {how} over {chain.num_stages} agent(s): {chain.describe()}")
+        broke = f"{self._broke} (as above)" if self._break_told else f"{self._broke} ({error})"
+        self.notify(f"{broke}{checked}; {how} over {chain.num_stages} agent(s): {chain.describe()}")
         return chain
 
     def start_run(self) -> None:
@@ -275,6 +278,7 @@ class FleetFailover:
                     if not waiting:
                         waiting = True
                         self.notify(f"{self._broke} ({self._break_text}); its re-plan waits for {under_way} to finish")
+                        self._break_told = True
                     await asyncio.sleep(_LOCK_POLL_S)
             yield
 

@@ -380,6 +380,7 @@ def test_a_re_plan_waits_for_another_deploy_and_goes_on_on_what_it_saved(
     assert notes[0].startswith("the chain broke (agent b: the link closed); its re-plan waits for the deploy under way")
     assert "let it finish, then deploy again" not in notes[0]
     assert "went on in" in notes[1] and "on the deployment saved meanwhile" in notes[1]
+    assert notes[1].startswith("the chain broke (as above); went on in ")  # the error is not given twice
     assert load_deployment(store, tiny_export) == MEANWHILE  # the other deploy's stands, with its settings
     assert load_deploy_settings(store, tiny_export).policy is PlanPolicy.ALL_BY_SPEED
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from deskfleet.common.wire import ForwardResult
-from deskfleet.controller import cli
+from deskfleet.controller import chat, cli
 from deskfleet.controller.pipeline import LocalPipeline
 from deskfleet.controller.text_printer import TextPrinter
 from tests.controller.test_chat import _chat_model
@@ -148,3 +148,22 @@ def test_chat_stopped_mid_reply_ends_the_replys_line(tmp_path: Path, tiny_export
     captured = capsys.readouterr()
     assert captured.out.endswith("\n") and captured.out.count("\n") == 1
     assert captured.err.endswith("deskfleet: chat stopped by SIGHUP\n")
+
+
+def test_chat_stopped_while_the_prompt_is_made_tells_a_script_its_message_was_not_sent(
+        tmp_path: Path, tiny_export: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # under --json a message read but stopped before its reply began had no line: a script could not tell
+    model = _chat_model(tmp_path, tiny_export)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    fit_prompt = chat._fit_prompt
+
+    def fit_then_sigterm(*args: Any, **kwargs: Any) -> Any:
+        signal.raise_signal(signal.SIGTERM)  # raised here, inside the message's preparation
+        return fit_prompt(*args, **kwargs)
+
+    monkeypatch.setattr(chat, "_fit_prompt", fit_then_sigterm)
+    assert cli.main(["chat", "--model", str(model), "--max-new-tokens", "4", "--json"]) == 143
+    captured = capsys.readouterr()
+    assert [json.loads(line) for line in captured.out.splitlines()] == [
+        {"error": "stopped by SIGTERM before the reply began: not sent"}]
+    assert captured.err.endswith("deskfleet: chat stopped by SIGTERM\n")
