@@ -39,7 +39,7 @@ from deskfleet.common.model_spec import Manifest, load_manifest
 from deskfleet.common.speculative import AdaptiveK
 from deskfleet.common.wire import MICRO_BATCH_IDLE_S
 
-from .bench.interruption import BenchTerminated, signal_name, signals_unwind
+from .bench.interruption import BenchTerminated, say_stopped, signal_name, signals_unwind
 from .decoding_options import DecodingOptions, add_decoding_options, decoding_arguments, non_negative_int, positive_int
 from .engine import Engine, KeptKV, StageChain, StreamRequest
 from .generation import GenerationError, check_tokenized
@@ -616,8 +616,7 @@ def _chat_command(args: argparse.Namespace) -> int:
             run_chat(options, sys.stdin, sys.stdout, prompt_out=sys.stderr if interactive else None,
                      as_json=args.json)
     except BenchTerminated as stopped:
-        with suppress(OSError, ValueError):  # a terminal that hung up (SIGHUP) shows nothing more
-            print(f"deskfleet: chat stopped by {signal_name(stopped)}", file=sys.stderr, flush=True)
+        say_stopped(f"deskfleet: chat stopped by {signal_name(stopped)}")
         raise
     except InputGone as error:
         if args.verbose:

@@ -30,6 +30,7 @@ from deskfleet.controller.bench.interruption import (
     BenchTerminated,
     exit_status,
     run_bench,
+    say_stopped,
     signal_name,
     signals_unwind,
 )
@@ -573,8 +574,7 @@ def _generate(args: argparse.Namespace) -> int:
         if isinstance(interrupted, GenerationInterrupted):  # the streams had begun: what they made is kept
             _print_interrupted(interrupted, args)
         elif isinstance(interrupted, BenchTerminated):  # before they began (compiling, opening the chain)
-            with suppress(OSError, ValueError):  # a terminal that hung up (SIGHUP) shows nothing more
-                print(f"deskfleet: stopped by {signal_name(interrupted)}", file=sys.stderr, flush=True)
+            say_stopped(f"deskfleet: stopped by {signal_name(interrupted)}")
         raise
     except FailoverError as error:  # the chain could not be opened nor re-planned: a failed run, not a usage error
         print(f"deskfleet: error: {error}", file=sys.stderr)

@@ -19,7 +19,6 @@ import json
 import signal
 import sys
 from collections import Counter
-from contextlib import suppress
 from typing import Any
 
 from deskfleet.common import event_loop
@@ -28,7 +27,7 @@ from deskfleet.common.console import print_whole
 from deskfleet.common.devices import device_targets
 from deskfleet.common.planner import PlanPolicy
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
-from deskfleet.controller.bench.interruption import signal_name, signals_unwind
+from deskfleet.controller.bench.interruption import say_stopped, signal_name, signals_unwind
 from deskfleet.controller.decoding_options import byte_count, parse_token_ids, positive_int
 from deskfleet.controller.fleet_store import MIN_ID_PREFIX, FleetStoreError
 
@@ -490,8 +489,7 @@ def _generate(args: argparse.Namespace) -> int:
     except GenerationInterrupted as interrupted:  # Ctrl-C: the tokens made so far are printed, then exit 130
         print_whole(_generated(interrupted.report, args.json))
         if interrupted.signum != signal.SIGINT:  # a Ctrl-C shows where it was typed; a SIGTERM from elsewhere does not
-            with suppress(OSError, ValueError):  # a terminal that hung up (SIGHUP) shows nothing more
-                print(f"deskfleet: stopped by {signal_name(interrupted)}", file=sys.stderr, flush=True)
+            say_stopped(f"deskfleet: stopped by {signal_name(interrupted)}")
         raise
     except GenerationStopped as stopped:  # a failed run (exit 1), as `generate --fleet`'s: what it made is kept
         print_whole(_generated(stopped.report, args.json))

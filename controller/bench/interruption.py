@@ -159,6 +159,13 @@ def signal_name(error: KeyboardInterrupt) -> str:
     return "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
 
 
+def say_stopped(line: str) -> None:
+    """`line` (what stopped a command) on stderr; a terminal that hung up (SIGHUP) takes nothing, and the exit
+    status says it instead."""
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
+
+
 def run_bench(name: str, run: Callable[[], _Report], print_report: Callable[[_Report], None],
               then: Callable[[_Report], None] | None = None, then_what: Callable[[], str] | None = None,
               cleaned_up: str = "") -> int:
