@@ -294,7 +294,8 @@ class FleetFailover:
         if any((before.agent_id, after.agent_id) in self.broken_links for before, after in itertools.pairwise(saved)):
             return None  # a link this run found broken, which whoever saved it did not know of
         self._adopted = True
-        return DeployReport(model_id_of(self.model_dir), saved, {}, {})
+        model_id = self._model_id if self._model_id is not None else model_id_of(self.model_dir)  # checked at start
+        return DeployReport(model_id, saved, {}, {})
 
     def _name(self, agent_id: str) -> str:
         return agent_label(agent_id, self.hostnames)
