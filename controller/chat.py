@@ -528,17 +528,17 @@ def _open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discov
     """The deployed chain of `model` and the failover that replaces it when a PC drops out, its re-plans browsing
     mDNS for `discover_seconds` (None: FAILOVER_BROWSE_S) and dialling `peers` too. A PC that is already gone
     when the chain opens counts as the first failover. `drafting`: the run will verify drafts (warned of when the
-    deployment's KV cache makes that inexact)."""
+    deployment's KV cache makes that inexact, and again when a re-plan goes on on one that does)."""
     from .fleet_failover import FleetFailover
     from .fleet_pipeline import ChainError, FleetPipeline
     from .fleet_survey import SurveyOptions
 
-    if drafting:
-        _warn_of_an_inexact_cache(store, model)
     browse = FAILOVER_BROWSE_S if discover_seconds is None else discover_seconds
     with ExitStack() as stack:
         options = SurveyOptions(peers=peers, discover_seconds=browse)
-        failover = stack.enter_context(FleetFailover(store, model, max_failovers, survey_options=options))
+        failover = stack.enter_context(FleetFailover(store, model, max_failovers, survey_options=options,
+                                                     drafting=drafting))
+        failover.check_cache()
         try:
             chain = stack.enter_context(FleetPipeline.from_store(store, model))
         except ChainError as error:
@@ -546,25 +546,6 @@ def _open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discov
                 raise  # not an agent's fault (e.g. never deployed): nothing to re-plan around
             chain = failover(error, opening=True)  # with --max-failovers 0 this gives up at once, naming the agent
         yield chain, failover
-
-
-def _warn_of_an_inexact_cache(store: FleetStore, model: Path) -> None:
-    """A drafted run over stages deployed with a KV cache other than f32 is not token-identical to plain decoding:
-    a verification of K+1 positions reads the u8 (or f16) cache in another order than one-token steps do, and a
-    near-tie can go the other way (a local run switches its cache to f32 for drafting by itself; a deploy cannot
-    know that later runs will draft): a fleet deployed with the defaults gave the demo target other text with
-    --draft than the local run did."""
-    from .fleet_deploy import DeployError, kv_cache_precision, load_deploy_settings
-
-    try:
-        settings = load_deploy_settings(store, model)
-    except DeployError:
-        return  # opening the chain names what is wrong with the deployment
-    cache = kv_cache_precision(settings.precision, settings.device, settings.kv_cache)
-    if cache is not None and cache != "f32":
-        log.warning("the fleet's stages of %s keep a %s KV cache, as it was deployed: drafted output can part from "
-                    "plain decoding, and verification is slower there; `deskfleet fleet deploy --model %s "
-                    "--kv-cache f32` for token-identical output", model, cache, model)
 
 
 def _open_chain(options: ChatOptions, settings: CompileSettings

@@ -461,6 +461,26 @@ def load_deploy_settings(store: FleetStore, model_dir: Path) -> DeploySettings:
                           "deploy it again") from None
 
 
+def inexact_cache_note(store: FleetStore, model_dir: Path) -> str | None:
+    """What a drafted run over the saved deployment of `model_dir` is told when its stages keep a KV cache other
+    than f32; None when they keep f32, the device's own cache is not known here, or the settings cannot be read
+    (opening the chain then names what is wrong). Such a run is not token-identical to plain decoding: a
+    verification of K+1 positions reads the u8 (or f16) cache in another order than one-token steps do, and a
+    near-tie can go the other way (a local run switches its cache to f32 for drafting by itself; a deploy cannot
+    know that later runs will draft): a fleet deployed with the defaults gave the demo target other text with
+    --draft than the local run did."""
+    try:
+        settings = load_deploy_settings(store, model_dir)
+    except DeployError:
+        return None
+    cache = kv_cache_precision(settings.precision, settings.device, settings.kv_cache)
+    if cache is None or cache == "f32":
+        return None
+    return (f"the fleet's stages of {model_dir} keep a {cache} KV cache, as it was deployed: drafted output can part "
+            f"from plain decoding, and verification is slower there; `deskfleet fleet deploy --model {model_dir} "
+            "--kv-cache f32` for token-identical output")
+
+
 # Private functions
 
 def _at(address: str) -> str:

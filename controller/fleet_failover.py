@@ -48,6 +48,7 @@ from deskfleet.controller.fleet_deploy import (
     DeployReport,
     StagePlacement,
     deploy,
+    inexact_cache_note,
     load_deploy_settings,
     load_deployment,
     model_id_of,
@@ -87,6 +88,7 @@ class FleetFailover:
     # (from, to): links found broken in this run (a stage that could not reach its next hop, which answers the
     # controller); every re-plan of the run keeps their ends apart
     broken_links: set[tuple[str, str]] = field(default_factory=set)
+    drafting: bool = False  # the run verifies drafts: told when a deployment it goes on on keeps an inexact cache
     hostnames: dict[str, str] = field(default_factory=dict, init=False)  # the roster's (read at each re-plan)
     _blame: ChainError | None = field(default=None, repr=False)  # the blame the re-plan under way checks
     _left_out: str | None = field(default=None, repr=False)  # whom that check left out
@@ -102,6 +104,7 @@ class FleetFailover:
     _broke: str = field(default="the chain broke", init=False, repr=False)  # what the notes say happened
     _break_text: str = field(default="", init=False, repr=False)  # the error behind it
     _break_told: bool = field(default=False, init=False, repr=False)
+    _cache_note: str | None = field(default=None, init=False, repr=False)  # what check_cache told last
 
     def __post_init__(self) -> None:
         self.hostnames = self.store.hostnames()
@@ -160,7 +163,18 @@ class FleetFailover:
                "deploy`)" if self._adopted else "re-planned in {seconds:.1f} s").format(seconds=seconds)
         broke = f"{self._broke} (as above)" if self._break_told else f"{self._broke} ({error})"
         self.notify(f"{broke}{checked}; {how} over {chain.num_stages} agent(s): {chain.describe()}")
+        self.check_cache()  # an admin's deploy saved meanwhile may keep another cache than the run began on
         return chain
+
+    def check_cache(self) -> None:
+        """Tell a drafting run when the saved deployment's stages keep a KV cache that makes drafted output part from
+        plain decoding (fleet_deploy.inexact_cache_note): at the start, and after a re-plan when that changed."""
+        if not self.drafting:
+            return
+        note = inexact_cache_note(self.store, self.model_dir)
+        if note is not None and note != self._cache_note:
+            self.notify(note)
+        self._cache_note = note
 
     def start_run(self) -> None:
         """A new run on the same chain (a chat's next reply): it gets the whole --max-failovers budget again, and

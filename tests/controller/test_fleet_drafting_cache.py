@@ -1,12 +1,13 @@
 """A drafted run over the fleet warns when the deployment's KV cache is not f32 (its output can then part from plain
-decoding, where a local run switches to f32 for drafting by itself)."""
+decoding, where a local run switches to f32 for drafting by itself): at the start, and when a re-plan goes on on a
+deployment that keeps another cache."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -15,7 +16,9 @@ from deskfleet.common.wire_messages import Precision
 from deskfleet.controller import chat, fleet_deploy, fleet_failover, fleet_pipeline
 from deskfleet.controller.chat import ChatOptions
 from deskfleet.controller.fleet_deploy import DeployError, DeploySettings
+from deskfleet.controller.fleet_failover import FleetFailover
 from deskfleet.controller.fleet_pipeline import ChainError
+from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.run import GenerateOptions
 
 MODEL = Path("/models/target-int4")
@@ -29,11 +32,12 @@ MODEL = Path("/models/target-int4")
     (DeploySettings(device="GPU"), None),  # the device's own cache, not known here: nothing claimed
 ])
 def test_a_drafted_run_is_warned_of_a_deployed_cache_other_than_f32(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, settings: DeploySettings,
-        cache: str | None) -> None:
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, store: FleetStore,
+        settings: DeploySettings, cache: str | None) -> None:
     monkeypatch.setattr(fleet_deploy, "load_deploy_settings", lambda store, model: settings)
     with caplog.at_level(logging.WARNING):
-        chat._warn_of_an_inexact_cache(object(), MODEL)  # type: ignore[arg-type]
+        FleetFailover(store, MODEL, 1, drafting=True).check_cache()
+        FleetFailover(store, MODEL, 1).check_cache()  # a plain run: never told
     if cache is None:
         assert caplog.records == []
     else:
@@ -49,14 +53,17 @@ def test_an_unreadable_deployment_is_left_to_opening_the_chain(
         raise DeployError("unreadable settings")
 
     monkeypatch.setattr(fleet_deploy, "load_deploy_settings", unreadable)
-    with caplog.at_level(logging.WARNING):
-        chat._warn_of_an_inexact_cache(object(), MODEL)  # type: ignore[arg-type]
-    assert caplog.records == []
+    assert fleet_deploy.inexact_cache_note(object(), MODEL) is None  # type: ignore[arg-type]
 
 
 class _Failover:
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        pass
+    checked: ClassVar[list[bool]] = []  # the drafting flag of every cache check
+
+    def __init__(self, *args: object, drafting: bool = False, **kwargs: object) -> None:
+        self.drafting = drafting
+
+    def check_cache(self) -> None:
+        _Failover.checked.append(self.drafting)
 
     def __enter__(self) -> _Failover:
         return self
@@ -66,19 +73,18 @@ class _Failover:
         pass
 
 
-def _undeployed_fleet(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
-    """A fleet whose chain of any model fails to open (never deployed) after the cache check; returns the models
-    the check was run for."""
-    checked: list[Path] = []
+def _undeployed_fleet(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """A fleet whose chain of any model fails to open (never deployed) after the cache check; returns the drafting
+    flag of every cache check made (one a run)."""
+    _Failover.checked = []
     monkeypatch.setattr(chat, "_store", lambda data_dir: object())
-    monkeypatch.setattr(chat, "_warn_of_an_inexact_cache", lambda store, model: checked.append(model))
     monkeypatch.setattr(fleet_failover, "FleetFailover", _Failover)
 
     def never_deployed(store: object, model: Path) -> object:
         raise ChainError(f"{model} is not deployed")
 
     monkeypatch.setattr(fleet_pipeline.FleetPipeline, "from_store", staticmethod(never_deployed))
-    return checked
+    return _Failover.checked
 
 
 @pytest.mark.parametrize(("decoding", "warned"), [
@@ -91,7 +97,7 @@ def test_generate_on_the_fleet_checks_the_cache_only_when_it_drafts(
     checked = _undeployed_fleet(monkeypatch)
     with pytest.raises(ChainError, match="is not deployed"):
         chat.generate_on_fleet(GenerateOptions(model=MODEL, prompts=["x"], **decoding), None)
-    assert checked == ([MODEL] if warned else [])
+    assert checked == [warned]
 
 
 @pytest.mark.parametrize(("decoding", "warned"), [({"draft": Path("/models/draft-int4")}, True), ({}, False)])
@@ -101,4 +107,4 @@ def test_a_chat_on_the_fleet_checks_the_cache_only_when_it_drafts(
     options = ChatOptions(model=MODEL, fleet_dir=Path("/fleet"), **decoding)
     with pytest.raises(ChainError, match="is not deployed"), chat._open_chain(options, CompileSettings()):
         pass
-    assert checked == ([MODEL] if warned else [])
+    assert checked == [warned]

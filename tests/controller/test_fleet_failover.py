@@ -385,6 +385,31 @@ def test_a_re_plan_waits_for_another_deploy_and_goes_on_on_what_it_saved(
     assert load_deploy_settings(store, tiny_export).policy is PlanPolicy.ALL_BY_SPEED
 
 
+@pytest.mark.parametrize(("meanwhile", "told"), [(DeploySettings(kv_cache="u8"), True),
+                                                  (DeploySettings(kv_cache="f32"), False)])
+def test_a_drafting_run_that_goes_on_on_a_deployment_with_an_inexact_cache_is_told(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch, meanwhile: DeploySettings,
+        told: bool) -> None:
+    # The run began on an f32 deployment (no warning); an admin deployed anew with a u8 cache meanwhile, and the
+    # run went on on it without a word, its drafted output no longer token-identical to plain decoding.
+    _saved(store, tiny_export, BEFORE, DeploySettings(kv_cache="f32"))
+    notes: list[str] = []
+    monkeypatch.setattr(fleet_failover, "FleetPipeline", OpenedChain)
+    failover = FleetFailover(store, tiny_export, max_failovers=3, notify=notes.append, drafting=True)
+    failover.check_cache()
+    assert notes == []
+    _saved(store, tiny_export, MEANWHILE, meanwhile)
+    failover(ChainError("agent b: the link closed", B))
+    assert failover.replans[-1]["adopted"] is True
+    cache_notes = [note for note in notes if "KV cache" in note]
+    assert cache_notes == ([f"the fleet's stages of {tiny_export} keep a u8 KV cache, as it was deployed: drafted "
+                            f"output can part from plain decoding, and verification is slower there; `deskfleet fleet "
+                            f"deploy --model {tiny_export} --kv-cache f32` for token-identical output"] if told else [])
+    _saved(store, tiny_export, (StagePlacement(A, "127.0.0.1:7431", 0, 4),), meanwhile)  # the same cache again
+    failover(ChainError("agent c: the link closed", C))
+    assert [note for note in notes if "KV cache" in note] == cache_notes
+
+
 def test_a_re_plan_that_waits_too_long_for_another_deploy_says_so(
         store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fleet_failover, "DEPLOY_LOCK_WAIT_S", 0.2)
