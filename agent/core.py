@@ -568,7 +568,7 @@ class AgentCore:
         stage = message.stage
         if not stage.layer_end <= manifest.spec.num_layers or message.is_last != (
                 stage.layer_end == manifest.spec.num_layers) or message.is_first != (stage.layer_start == 0):
-            raise CommandError(ErrorCode.BAD_MESSAGE, f"layers [{stage.layer_start}, {stage.layer_end}) and the "
+            raise CommandError(ErrorCode.BAD_MESSAGE, f"layers [{stage.layer_start}:{stage.layer_end}] and the "
                                f"first/last flags do not fit a {manifest.spec.num_layers}-layer model")
         return manifest, names
 

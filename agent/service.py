@@ -156,7 +156,7 @@ class AgentService:
             except* _Stop:
                 pass
             finally:
-                hosted = [f"{ref.model_id} layers [{ref.layer_start}, {ref.layer_end})" for ref in self.core.stages]
+                hosted = [f"{ref.model_id} layers [{ref.layer_start}:{ref.layer_end}]" for ref in self.core.stages]
                 await self.core.close()
                 log.info("agent %s stopped%s", self.core.agent_id[:12],
                          f"; the stage(s) it hosted go with it: {', '.join(hosted)}" if hosted else "")

@@ -206,7 +206,7 @@ class StageExecutor:
         layers = self.stage.layers
         if message.layer_start != layers.start:
             raise LedgerError(f"micro-batch {message.micro_batch_id} step {message.step_id} is for the stage from "
-                              f"layer {message.layer_start}, this stage runs layers [{layers.start}, {layers.stop}): "
+                              f"layer {message.layer_start}, this stage runs layers [{layers.start}:{layers.stop}]: "
                               "the chain's stages do not follow each other")
         if layers.is_first != (message.input_ids is not None):
             raise LedgerError("the first stage takes input_ids, later stages hidden_states")

@@ -47,4 +47,4 @@ def test_a_stopped_agent_names_the_stages_that_go_with_it(tmp_path: Path, monkey
     with caplog.at_level(logging.INFO, logger=service_module.log.name):
         asyncio.run(serve_then_stop())
     assert f"agent {agent.core.agent_id[:12]} stopped; the stage(s) it hosted go with it: demo-target layers " \
-           "[4, 8)" in caplog.messages
+           "[4:8]" in caplog.messages

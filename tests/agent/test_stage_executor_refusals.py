@@ -169,7 +169,7 @@ def test_a_step_for_another_stage_is_refused(tiny_export: Path, whole: Stage, se
     assert isinstance(hidden, Forward) and hidden.layer_start == layers // 2
     misplaced = StageExecutor(last_quarter, 256)
     with pytest.raises(LedgerError, match=rf"is for the stage from layer {layers // 2}, this stage runs layers "
-                                          rf"\[{layers - 1}, {layers}\)"):
+                                          rf"\[{layers - 1}:{layers}\]"):
         misplaced.run(hidden)
     assert misplaced.micro_batches == 0
     assert isinstance(StageExecutor(second_half, 256).run(hidden), ForwardResult)
