@@ -188,6 +188,7 @@ class PlanOptions:
 # how much of a long list the plan's text shows (`--json` has it all)
 RENDER_USABLE = 12  # agents listed on an infeasible plan's Usable line
 SEE_LEFT_OUT = " (see the agents left out)"  # a problem's pointer to the plan's list; an error that lists them drops it
+RESUME_COMMAND = "`deskfleet-agent resume`"  # what lets a PC its user paused take work again
 RENDER_CROWD = 8  # agents left out for one reason listed one per row; more show the first few and a count
 RENDER_CROWD_SHOWN = 3
 
@@ -908,8 +909,7 @@ def _diagnose(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentC
         reasons = Counter(exclusion.reason.value.replace("_", " ") for exclusion in excluded)
         counted = f" ({', '.join(f'{count} {reason}' for reason, count in sorted(reasons.items()))})" if reasons \
             else ""
-        resume = " (`deskfleet-agent resume` on a PC its user paused)" if ExclusionReason.PAUSED.value in reasons \
-            else ""
+        resume = f" ({RESUME_COMMAND} on a PC its user paused)" if ExclusionReason.PAUSED.value in reasons else ""
         return (f"none of the {len(agents)} agent(s) that answered can take work{counted}{resume}{silent}"
                 f"{SEE_LEFT_OUT}",)
     kv_total = model.num_layers * model.kv_bytes_per_layer(options.streams)

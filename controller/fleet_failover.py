@@ -39,7 +39,7 @@ from pathlib import Path
 from deskfleet.common import event_loop, pki
 from deskfleet.common.arguments import FAILOVER_BROWSE_S
 from deskfleet.common.model_spec import ManifestError
-from deskfleet.common.planner import ExclusionReason, Plan
+from deskfleet.common.planner import RESUME_COMMAND, ExclusionReason, Plan
 from deskfleet.common.wire import StageRef
 from deskfleet.controller.engine import ChainBroken
 from deskfleet.controller.fleet_ca import Revocations
@@ -236,7 +236,7 @@ class FleetFailover:
             without = " without the lost agent(s)" if self.lost else ""
             reasons = failure.exclusion_reasons if isinstance(failure, DeployError) else frozenset()
             raise FailoverError(f"{error}{checked}; no new chain{without}: {failure} (what to do: "
-                                f"{_remedy(bool(self.lost), reasons)}, then run this again)") from error
+                                f"{_remedy(bool(self.lost), reasons, str(failure))}, then run this again)") from error
 
     async def _redeploy(self) -> DeployReport:
         """The deployment to go on with, under the data dir's deploy lock (waited for: another deploy may be saving
@@ -445,14 +445,15 @@ class FleetFailover:
         log.warning("%s", self._verdict)
 
 
-def _remedy(lost: bool, reasons: frozenset[ExclusionReason]) -> str:
+def _remedy(lost: bool, reasons: frozenset[ExclusionReason], said: str = "") -> str:
     """What a user can do when a failover found no new chain: first for the PCs the plan left out that could
     take work again (a paused one was not lost: bringing it back is not the step), then for the lost ones (a
-    blame that left no one out, a link marked broken, may still leave no chain: the reason names what)."""
+    blame that left no one out, a link marked broken, may still leave no chain: the reason names what). `said`:
+    the deploy's error, whose command to resume a PC (the planner's, when no PC could take work) is not repeated."""
     steps = []
     if ExclusionReason.PAUSED in reasons:
-        steps.append("resume a paused PC (`deskfleet-agent resume` on it; one its admin paused, `paused: true` in its "
-                     "settings, only there)")
+        how = "as above" if RESUME_COMMAND in said else f"{RESUME_COMMAND} on it"
+        steps.append(f"resume a paused PC ({how}; one its admin paused, `paused: true` in its settings, only there)")
     if ExclusionReason.UNAVAILABLE in reasons:
         steps.append("wait until a PC left out as unavailable is free again (the reason says what it is waiting "
                      "for)")

@@ -16,7 +16,7 @@ import pytest
 from deskfleet.agent.link import utc_now
 from deskfleet.common import event_loop
 from deskfleet.common.agent_state import AgentState
-from deskfleet.common.planner import SEE_LEFT_OUT, PlanPolicy
+from deskfleet.common.planner import SEE_LEFT_OUT, ExclusionReason, PlanPolicy
 from deskfleet.common.wire import Precision, StatusReport
 from deskfleet.controller import fleet_deploy, fleet_failover
 from deskfleet.controller.chat import add_fleet_option
@@ -86,7 +86,8 @@ def test_a_fleet_with_no_agent_left_says_why_no_chain_was_made(store: FleetStore
 
 @pytest.mark.parametrize(("state", "remedy"), [
     # a paused PC is not lost: "bring the lost PC back" sent the user after the wrong one
-    (AgentState.PAUSED, r"resume a paused PC \(`deskfleet-agent resume` on it; one its admin paused, `paused: true` "
+    # the planner's error names the command already (no PC could take work): it is not given twice
+    (AgentState.PAUSED, r"resume a paused PC \(as above; one its admin paused, `paused: true` "
                          r"in its settings, only there\), bring the lost PC back"),
     (AgentState.UNAVAILABLE, r"wait until a PC left out as unavailable is free again \(the reason says what it is "
                              r"waiting for\), bring the lost PC back"),
@@ -112,6 +113,16 @@ def test_a_fleet_whose_other_pcs_cannot_take_work_says_what_would_let_them(
         failover(ChainError("agent abc: the link closed", "a" * 52))
     # the agents left out are listed in the error, not pointed to as in `fleet plan`'s table
     assert "(left out: bbbbbbbbbbbb" in str(gave_up.value) and SEE_LEFT_OUT not in str(gave_up.value)
+    assert str(gave_up.value).count("`deskfleet-agent resume`") == (state is AgentState.PAUSED)
+
+
+def test_the_remedy_names_the_resume_command_where_the_error_does_not() -> None:
+    # a paused PC left out while the others could take work (the model did not fit them): no command above
+    paused = frozenset({ExclusionReason.PAUSED})
+    assert fleet_failover._remedy(True, paused, "cannot deploy m: memory short by 2 GB").startswith(
+        "resume a paused PC (`deskfleet-agent resume` on it; ")
+    assert fleet_failover._remedy(True, paused, "none can take work (`deskfleet-agent resume` on a PC its user "
+                                               "paused)").startswith("resume a paused PC (as above; ")
 
 
 def test_deploy_settings_of_an_older_record_are_the_defaults_and_a_bad_one_is_refused(
