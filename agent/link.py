@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import logging
 import ssl
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -63,9 +64,12 @@ OPEN_TIMEOUT_S = 10.0
 HELLO_TIMEOUT_S = OPEN_TIMEOUT_S  # a peer that opened a websocket but says no Hello is dropped after this
 # The join exchange's messages are a few KB (a CSR, a token, certificates): a client with no certificate
 # may send no more, and no more than this many such clients are served at once (anyone on the LAN can
-# open one; at the fleet's frame limit three of them made the controller buffer 1.2 GB).
+# open one; at the fleet's frame limit three of them made the controller buffer 1.2 GB), nor more than
+# MAX_JOINS_PER_HOST from one address: one host holding every slot open (the controller's JoinRequest wait,
+# fleet_ca.JOIN_REQUEST_TIMEOUT_S, ended each after 30 s, and it opened another) blocked every join of the fleet.
 ENROLLMENT_MAX_FRAME_BYTES = 64 * 1024
 MAX_CONCURRENT_JOINS = 16
+MAX_JOINS_PER_HOST = 4
 
 
 SOFTWARE_VERSION = software_version()  # said in every Hello: `fleet ls` shows each agent's
@@ -257,7 +261,7 @@ async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, po
     context = files.server_context()
     if enrollment is not None:
         context.verify_mode = ssl.CERT_OPTIONAL
-    joins = 0  # certificate-less clients being served now
+    joins: Counter[str] = Counter()  # certificate-less clients being served now, by their address
 
     def check_peer(connection: ServerConnection, request: Request) -> Response | None:
         if enrollment is not None and not _has_peer_certificate(connection):
@@ -270,17 +274,21 @@ async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, po
         return None
 
     async def on_connection(connection: ServerConnection) -> None:
-        nonlocal joins
         if enrollment is not None and not _has_peer_certificate(connection):
-            if joins >= MAX_CONCURRENT_JOINS:
-                log.warning("refused a join from %s: %d joins in progress", _remote(connection), joins)
-                await connection.close(CloseCode.TRY_AGAIN_LATER, "too many joins in progress")
+            host = _remote_host(connection)
+            busy = ("joins in progress" if joins.total() >= MAX_CONCURRENT_JOINS else
+                    f"joins in progress from {host}" if joins[host] >= MAX_JOINS_PER_HOST else None)
+            if busy is not None:
+                log.warning("refused a join from %s: too many %s", _remote(connection), busy)
+                await connection.close(CloseCode.TRY_AGAIN_LATER, f"too many {busy}")
                 return
-            joins += 1
+            joins[host] += 1
             try:
                 await enrollment(connection)
             finally:
-                joins -= 1
+                joins[host] -= 1
+                if not joins[host]:
+                    del joins[host]
             return
         peer = peer_identity(connection, ca_certificate, revocations())
         link = Link(connection, peer, _remote(connection))
@@ -431,6 +439,12 @@ async def _refuse_version(link: Link, own: pki.PeerIdentity, theirs: int, their_
     raise LinkVersionError(f"{peer} at {link.address} speaks fleet protocol {theirs} ({software}), this "
                            f"{own.role.value} {PROTOCOL_VERSION} (deskfleet {SOFTWARE_VERSION}): {upgrade} (the "
                            "controller and every agent must speak one protocol)", theirs, their_software)
+
+
+def _remote_host(connection: Connection) -> str:
+    """The peer's address without its port ("?" when unknown)."""
+    address = connection.remote_address
+    return str(address[0]) if address else "?"
 
 
 def _remote(connection: Connection) -> str:

@@ -48,6 +48,9 @@ from deskfleet.controller.fleet_store import DEFAULT_PORT, FleetStore, FleetStor
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 30.0
+# An agent sends its JoinRequest as soon as it has checked the JoinOffer (milliseconds): a client that has not by
+# then holds one of the few join slots (agent/link.py MAX_CONCURRENT_JOINS) for nothing.
+JOIN_REQUEST_TIMEOUT_S = 5.0
 HOSTNAME_MAX_CHARS = 200  # what the roster keeps of the hostname a joining agent gives
 _DURATION = re.compile(r"(\d+)([smhd])")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -364,7 +367,13 @@ async def _join_exchange(connection: ServerConnection, store: FleetStore) -> Non
         files = store.tls_files
         ca_certificate = files.ca_certificate()
         await connection.send(encode(JoinOffer(files.ca_path.read_text("ascii"), pki.fleet_id(ca_certificate))))
-        frame = await connection.recv()
+        try:
+            frame = await asyncio.wait_for(connection.recv(), JOIN_REQUEST_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("join from %s dropped: no JoinRequest within %.0f s of the offer", remote,
+                        JOIN_REQUEST_TIMEOUT_S)
+            await connection.close(1008, "no JoinRequest in time")
+            return
         if isinstance(frame, str):
             raise ProtocolError("text frames are not part of the protocol")
         request = decode(frame)

@@ -8,14 +8,17 @@ import datetime
 import logging
 import re
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
 
 from deskfleet.agent.enroll import EnrollmentError, Membership, agent_tls_files, join
 from deskfleet.agent.link import LinkError, open_link, utc_now
-from deskfleet.common import join_tokens, pki
+from deskfleet.common import join_tokens, pki, tls
 from deskfleet.common.wire import Register, RevocationUpdate
 from deskfleet.controller import fleet_server, fleet_store, fleet_survey
 from deskfleet.controller.fleet_ca import (
@@ -325,33 +328,29 @@ def test_a_name_that_matches_several_agents_lists_them(store: FleetStore) -> Non
 def test_a_client_without_a_certificate_may_send_only_small_frames_and_only_so_many_at_once(
         store: FleetStore, tmp_path: Path) -> None:
     # Anyone on the LAN can open the enrollment side: at the fleet's frame limit, three such clients made the
-    # controller buffer 1.2 GB. They get the join exchange's few KB, and MAX_CONCURRENT_JOINS of them at a time.
-    from websockets.asyncio.client import connect
-    from websockets.exceptions import ConnectionClosed
+    # controller buffer 1.2 GB. They get the join exchange's few KB, MAX_CONCURRENT_JOINS of them at a time, and
+    # MAX_JOINS_PER_HOST from one address: one host holding all 16 slots open blocked every join of the fleet.
+    from deskfleet.agent.link import ENROLLMENT_MAX_FRAME_BYTES, MAX_CONCURRENT_JOINS, MAX_JOINS_PER_HOST
 
-    from deskfleet.agent.link import ENROLLMENT_MAX_FRAME_BYTES, MAX_CONCURRENT_JOINS
-    from deskfleet.common import tls
-
-    async def stranger(address: str) -> object:
-        # a minute to open, not websockets' 10 s: a fresh-clone CI run on a busy 2-core host timed out one of the
-        # MAX_CONCURRENT_JOINS handshakes opened in turn here (the limits under test do not depend on it)
-        return await connect(f"wss://{address}/", ssl=tls.enrollment_client_context(), server_hostname="127.0.0.1",
-                             open_timeout=60)
+    hosts = MAX_CONCURRENT_JOINS // MAX_JOINS_PER_HOST  # loopback's 127.0.0.2.. as that many hosts
 
     async def scenario(server: FleetServer, address: str) -> None:
-        big = await stranger(address)
+        big = await _stranger(address)
         await big.recv()  # the JoinOffer
         await big.send(b"\0" * (ENROLLMENT_MAX_FRAME_BYTES + 1))
         with pytest.raises(ConnectionClosed) as closed:
             await big.recv()
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009  # message too big
-        idle = [await stranger(address) for _ in range(MAX_CONCURRENT_JOINS)]
+        idle = [await _stranger(address, f"127.0.0.{2 + index // MAX_JOINS_PER_HOST}")
+                for index in range(MAX_JOINS_PER_HOST)]
         for connection in idle:
             await connection.recv()  # each is being served: it got its JoinOffer
-        extra = await stranger(address)
-        with pytest.raises(ConnectionClosed) as closed:
-            await extra.recv()
-        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1013  # try again later
+        await _refused_for_now(await _stranger(address, "127.0.0.2"), "too many joins in progress from 127.0.0.2")
+        idle += [await _stranger(address, f"127.0.0.{2 + index // MAX_JOINS_PER_HOST}")
+                 for index in range(MAX_JOINS_PER_HOST, MAX_CONCURRENT_JOINS)]  # the other hosts are served
+        for connection in idle[MAX_JOINS_PER_HOST:]:
+            await connection.recv()
+        await _refused_for_now(await _stranger(address, f"127.0.0.{2 + hosts}"), "too many joins in progress")
         for connection in idle:
             await connection.close()
         await asyncio.sleep(0.1)
@@ -359,6 +358,42 @@ def test_a_client_without_a_certificate_may_send_only_small_frames_and_only_so_m
         assert store.roster()[membership.agent_id].hostname == "pc-1"
 
     with_server(store, scenario)
+
+
+def test_a_client_that_sends_no_join_request_is_dropped_soon(store: FleetStore, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # a silent client kept its join slot for the whole JOIN_TIMEOUT_S (30 s), and simply opened another then
+    from deskfleet.controller import fleet_ca
+
+    monkeypatch.setattr(fleet_ca, "JOIN_REQUEST_TIMEOUT_S", 0.3)
+
+    async def scenario(server: FleetServer, address: str) -> None:
+        silent = await _stranger(address)
+        await silent.recv()  # the JoinOffer, then nothing
+        began = time.monotonic()
+        with pytest.raises(ConnectionClosed) as closed:
+            await silent.recv()
+        assert time.monotonic() - began < 5
+        assert closed.value.rcvd is not None and closed.value.rcvd.reason == "no JoinRequest in time"
+        membership = await join(token_for(store, address), tmp_path / "agent", "pc-1")  # a real one is in time
+        assert store.roster()[membership.agent_id].hostname == "pc-1"
+
+    with_server(store, scenario)
+
+
+async def _stranger(address: str, source: str = "127.0.0.1") -> ClientConnection:
+    """A certificate-less client of the enrollment side, from `source` (any of loopback's 127.0.0.0/8)."""
+    # a minute to open, not websockets' 10 s: a fresh-clone CI run on a busy 2-core host timed out one of the
+    # MAX_CONCURRENT_JOINS handshakes opened in turn here (the limits under test do not depend on it)
+    return await connect(f"wss://{address}/", ssl=tls.enrollment_client_context(), server_hostname="127.0.0.1",
+                         open_timeout=60, local_addr=(source, 0))
+
+
+async def _refused_for_now(connection: ClientConnection, reason: str) -> None:
+    with pytest.raises(ConnectionClosed) as closed:
+        await connection.recv()
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1013  # try again later
+    assert closed.value.rcvd.reason == reason
 
 
 def test_a_lost_list_of_removed_agents_is_never_read_as_nobody_removed(store: FleetStore, tmp_path: Path) -> None:
