@@ -17,11 +17,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import socket
 import ssl
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric import ec
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
@@ -116,6 +119,57 @@ def agent_tls_files(state_dir: Path) -> TlsFiles:
 
 # Public functions
 
+def secure_state_dir(state_dir: Path) -> None:
+    """Make the agent's state folder when missing, readable by its owner only, and make sure of one that was there:
+    one open to other users is closed (mode 0700, with a warning), one another user owns is refused, and so is a
+    credential in it that is a symbolic link. Whoever can write the folder, or a file a link points to, can read
+    this PC's key or swap the CA it trusts: a state folder made beforehand with mode 0777 and a link in place of
+    agent-key.pem had the key written to the link's target, and the agent started with another fleet's ca.pem.
+    (On Windows file modes mean nothing: the folder is in the user's profile by default.)"""
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    files = agent_tls_files(state_dir)
+    for path in (files.ca_path, files.cert_path, files.key_path, state_dir / MEMBERSHIP_FILE):
+        if path.is_symlink():
+            raise EnrollmentError(f"{path} is a symbolic link (to {os.readlink(path)}): this PC's fleet credentials "
+                                  "must be files of their own in its state folder; remove the link and join the "
+                                  "fleet again with a new token")
+    if os.name == "nt":
+        return
+    status = state_dir.stat()
+    if status.st_uid != os.geteuid():
+        raise EnrollmentError(f"the agent's state folder {state_dir} belongs to another user (uid {status.st_uid}), "
+                              f"not to the one running the agent (uid {os.geteuid()}): whoever owns it can read this "
+                              "PC's fleet key; give the agent a --data-dir of its own user")
+    if (mode := stat.S_IMODE(status.st_mode)) & 0o077:
+        state_dir.chmod(0o700)
+        log.warning("the agent's state folder %s was open to other users (mode %03o): made it readable by its owner "
+                    "only (0700); check that no one else put a file there", state_dir, mode)
+
+
+def check_credentials(files: TlsFiles, membership: Membership, join_command: str) -> None:
+    """EnrollmentError when the state folder's CA, certificate and membership are not one fleet's and one agent's:
+    a ca.pem of another fleet would let that fleet's controller command this PC (an agent started so, logging only
+    that it dropped its saved removals as another fleet's)."""
+    again = f"join the fleet again with a new token from its admin: `{join_command}`"
+    try:
+        ca_certificate = files.ca_certificate()
+        certificate = pki.load_certificate_pem(files.cert_path.read_bytes())
+    except (OSError, pki.PkiError) as error:
+        raise EnrollmentError(f"{error}") from None
+    if (ca_fleet := pki.fleet_id(ca_certificate)) != membership.fleet_id:
+        raise EnrollmentError(f"{files.ca_path} is the CA of fleet {ca_fleet[:12]}, not of fleet "
+                              f"{membership.fleet_id[:12]} this PC joined (its {MEMBERSHIP_FILE}): the state folder "
+                              f"was altered; {again}")
+    try:
+        certificate.verify_directly_issued_by(ca_certificate)
+    except (ValueError, TypeError, InvalidSignature):
+        raise EnrollmentError(f"{files.cert_path} was not issued by the fleet's CA ({files.ca_path}): the state folder "
+                              f"was altered; {again}") from None
+    if (agent_id := pki.certificate_identity(certificate).agent_id) != membership.agent_id:
+        raise EnrollmentError(f"{files.cert_path} names agent {agent_id[:12]}, not agent {membership.agent_id[:12]} "
+                              f"of its {MEMBERSHIP_FILE}: the state folder was altered; {again}")
+
+
 def read_join_token(token_text: str) -> join_tokens.JoinToken:
     """The token, decoded; EnrollmentError naming the problem when it is malformed or has expired."""
     try:
@@ -131,7 +185,7 @@ async def join(token_text: str, state_dir: Path, hostname: str | None = None) ->
     """Enroll with the controller named in the token; tries each of its addresses in turn."""
     token = read_join_token(token_text)
     files = agent_tls_files(state_dir)
-    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    secure_state_dir(state_dir)
     key = _load_or_create_key(files.key_path)
     hostname = hostname or _earlier_hostname(state_dir) or socket.gethostname()
     problems: list[str] = []

@@ -29,7 +29,14 @@ from deskfleet.agent.advertise import (
 )
 from deskfleet.agent.controller_search import find_controller, interfaces_to_search
 from deskfleet.agent.core import AgentCore
-from deskfleet.agent.enroll import MEMBERSHIP_FILE, EnrollmentError, Membership, agent_tls_files
+from deskfleet.agent.enroll import (
+    MEMBERSHIP_FILE,
+    EnrollmentError,
+    Membership,
+    agent_tls_files,
+    check_credentials,
+    secure_state_dir,
+)
 from deskfleet.agent.link import Link, LinkError, LinkRefused, open_link, start_server, utc_now
 from deskfleet.agent.monitor import HostMonitor, SystemMonitor
 from deskfleet.agent.paths import AgentPaths, AgentSettings, load_settings
@@ -82,10 +89,12 @@ class AgentService:
         # before anything is made: a mistyped --data-dir is named, not filled with empty folders
         self.membership = Membership.load(self.paths.state_dir, join)
         self.paths.create()
+        secure_state_dir(self.paths.state_dir)
         self.files = agent_tls_files(self.paths.state_dir)
         if missing := self.files.missing():
             raise EnrollmentError(f"{', '.join(str(path) for path in missing)} missing: this PC's fleet credentials "
                                   f"are incomplete; join again with a new token: `{join}`")
+        check_credentials(self.files, self.membership, join)
         if (mode := pki.open_key_mode(self.files.key_path)) is not None:  # the controller's keys were warned of alone
             log.warning("%s (this PC's fleet key) is open to other users (mode %03o): whoever reads it can pose as "
                         "this PC to the fleet, and be sent the stages and prompts it would get; run `chmod 600 %s`",

@@ -15,7 +15,7 @@ from deskfleet.agent import cli
 from deskfleet.agent.enroll import Membership
 from deskfleet.agent.paths import AgentPaths
 from deskfleet.agent.service import LOCK_FILE, AgentService
-from deskfleet.common import file_lock
+from deskfleet.common import file_lock, pki
 from tests.fleet_pki import make_ca, make_member
 
 
@@ -30,7 +30,8 @@ def joined(data_dir: Path) -> AgentPaths:
     paths = AgentPaths.resolve(data_dir)
     paths.create()
     files = make_member(make_ca(data_dir / "ca"), paths.state_dir, "agent")
-    Membership("0123456789abcdef", files.own_identity().agent_id, "c" * 52, ("127.0.0.1:1",)).save(paths.state_dir)
+    Membership(pki.fleet_id(files.ca_certificate()), files.own_identity().agent_id, "c" * 52,
+               ("127.0.0.1:1",)).save(paths.state_dir)
     return paths
 
 

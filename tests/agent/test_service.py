@@ -17,6 +17,7 @@ from deskfleet.agent import service as service_module
 from deskfleet.agent.advertise import advertised_addresses
 from deskfleet.agent.paths import AgentSettings
 from deskfleet.agent.service import AgentService
+from deskfleet.common import pki
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.discovery_record import AgentRecord
 from deskfleet.common.wire import ProtocolError, StatusReport
@@ -187,7 +188,8 @@ def test_an_agent_not_joined_or_missing_a_credential_says_which_file_and_how_to_
         AgentService(AgentOptions(tmp_path))
     state = AgentPaths.resolve(tmp_path).state_dir
     files = make_member(make_ca(tmp_path / "ca"), state, "agent")
-    Membership("0123456789abcdef", files.own_identity().agent_id, "c" * 52, ("127.0.0.1:7341",)).save(state)
+    Membership(pki.fleet_id(files.ca_certificate()), files.own_identity().agent_id, "c" * 52,
+               ("127.0.0.1:7341",)).save(state)
     files.key_path.unlink()  # lost: the certificate alone cannot prove who this PC is
     with pytest.raises(EnrollmentError, match=f"{files.key_path} missing: .* join again with a new token: "
                                               f"`deskfleet-agent join TOKEN --data-dir {tmp_path}`"):

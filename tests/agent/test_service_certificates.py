@@ -28,7 +28,9 @@ def joined(data_dir: Path, valid_days: int = 825, ca_valid_days: int = 3650,
     state = AgentPaths.resolve(data_dir).state_dir
     files = make_member(make_ca(data_dir / "ca", now=made, valid_days=ca_valid_days), state, "agent", now=made,
                         valid_days=valid_days)
-    Membership("0123456789abcdef", files.own_identity().agent_id, "c" * 52, ("127.0.0.1:1",)).save(state)
+    state.chmod(0o700)  # as a join makes it
+    Membership(pki.fleet_id(files.ca_certificate()), files.own_identity().agent_id, "c" * 52,
+               ("127.0.0.1:1",)).save(state)
     return AgentService(AgentOptions(data_dir, listen=free_address()), monitor=FakeMonitor())
 
 
