@@ -44,6 +44,7 @@ from deskfleet.common.wire import (
     ShardComplete,
     StageReady,
     StageRef,
+    StatusRequest,
 )
 from deskfleet.controller.batch_track import BatchTrack
 from tests.agent.test_core import FakeMonitor
@@ -209,9 +210,9 @@ def test_the_previous_hop_of_one_stage_is_refused_on_another_and_its_link_kept(t
     assert f"from agent {UPSTREAM[:12]}" in previous.sent[0].message and "n_1-1-2" in previous.sent[0].message
 
 
-def relay(core: AgentCore, sender: str, error: Error, monkeypatch: pytest.MonkeyPatch) -> tuple[list[Message],
-                                                                                                FakeLink]:
-    """Serve a link from `sender` that brings `error`; what the stage sent on to its next hop, and the link."""
+def relay(core: AgentCore, sender: str, message: Message, monkeypatch: pytest.MonkeyPatch
+          ) -> tuple[list[Message], FakeLink]:
+    """Serve a link from `sender` that brings `message`; what the stage sent on to its next hop, and the link."""
     onward: list[Message] = []
 
     async def send_next(hop: NextHop, message: Message) -> None:
@@ -219,7 +220,7 @@ def relay(core: AgentCore, sender: str, error: Error, monkeypatch: pytest.Monkey
         onward.append(message)
 
     monkeypatch.setattr(core, "_send_next", send_next)
-    link = FakeLink(Role.AGENT, sender, [error])
+    link = FakeLink(Role.AGENT, sender, [message])
     asyncio.run(core.serve_link(cast(Link, link)))
     return onward, link
 
@@ -266,3 +267,20 @@ def test_an_agent_hosting_no_stage_relays_no_error(tmp_path: Path) -> None:
     link = FakeLink(Role.AGENT, STRANGER, [Error(ErrorCode.INTERNAL, "gone", agent_id=PREVIOUS)])
     asyncio.run(core.serve_link(cast(Link, link)))
     assert driver.sent == [] and link.refused is not None and "hosts no stage" in link.refused
+
+
+@pytest.mark.parametrize("sender", [STRANGER, PREVIOUS])
+@pytest.mark.parametrize("next_hop", [NEXT, None])
+def test_what_only_the_controller_sends_is_refused_to_an_agent_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sender: str, next_hop: str | None) -> None:
+    # A walk's rogue PC sent a StatusRequest to a serving stage every 0.2 s: the refusal ("only the controller may
+    # send StatusRequest") went down the chain naming no micro-batch, every driver read it as a broken chain, and a
+    # 400-prompt `generate --fleet` re-planned twice onto the same PC and ended.
+    core = make_core(tmp_path, "agent")
+    fake_stage(core, "m@1", PREVIOUS, next_hop)
+    driver = FakeLink(Role.CONTROLLER, "c" * 52)
+    core._controller_links.append(cast(Link, driver))
+    onward, link = relay(core, sender, StatusRequest(), monkeypatch)
+    assert onward == [] and driver.sent == []
+    assert link.refused is not None and link.refused.startswith("unauthorized: ")
+    assert "only the controller may send StatusRequest" in link.refused
