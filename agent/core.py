@@ -225,11 +225,11 @@ class AgentCore:
                         log.exception("%s from %s failed", type(message).__name__, link.describe())
                     self._note_error(f"{type(message).__name__} from {link.describe()}: {error}")
                     code = error.code if isinstance(error, CommandError) else ErrorCode.INTERNAL
-                    chain_step = isinstance(message, Forward | ReleaseMicroBatch)
+                    chain_step = message if isinstance(message, Forward | ReleaseMicroBatch) else None
                     reply = Error(code, f"agent {self.agent_id[:12]}: {error}",
-                                  micro_batch_id=message.micro_batch_id if chain_step else None,
+                                  micro_batch_id=chain_step.micro_batch_id if chain_step is not None else None,
                                   agent_id=error.agent_id if isinstance(error, CommandError) else None)
-                    if link.peer.role is Role.AGENT and not chain_step:
+                    if link.peer.role is Role.AGENT and chain_step is None:
                         # what no previous hop sends (a StatusRequest, an AssignStage...): refused to the sender
                         # alone. Sent down the chain, it named no micro-batch and so broke every driver's run: any
                         # enrolled PC could end every generation through this one, again after each re-plan.
