@@ -44,6 +44,7 @@ from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement, cached_speed
 from deskfleet.agent.stage import openvino_devices
 from deskfleet.common import pki
+from deskfleet.common.console import stopping_signals
 from deskfleet.common.devices import device_targets
 from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord
 from deskfleet.common.file_lock import pid_lock
@@ -193,7 +194,9 @@ class AgentService:
 
     def _install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP too: a terminal or SSH session that closes sends it to an agent started from it, whose default
+        # ended the process on the spot (stages, links and the lock file as they were)
+        for signum in stopping_signals():
             try:
                 loop.add_signal_handler(signum, self.stop)
             except (NotImplementedError, RuntimeError):  # Windows, or not the main thread

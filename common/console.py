@@ -102,6 +102,17 @@ def silence_stdout() -> None:
     os.close(devnull)
 
 
+def stopping_signals() -> list[int]:
+    """The signals a long-running service (the agent, `fleet serve`) stops cleanly on: SIGINT, SIGTERM, and SIGHUP
+    where there is one and its handling is the default (a terminal or SSH session that closes sends it, which
+    ended the process on the spot); under nohup, which sets SIGHUP to be ignored, the service keeps running."""
+    signals: list[int] = [signal.SIGINT, signal.SIGTERM]
+    hangup = getattr(signal, "SIGHUP", None)
+    if hangup is not None and signal.getsignal(hangup) is signal.SIG_DFL:
+        signals.append(hangup)
+    return signals
+
+
 @contextmanager
 def ctrl_c_held() -> Iterator[None]:
     """Hold a Ctrl-C (SIGINT) that arrives during the block until the block is done, then deliver it to whatever

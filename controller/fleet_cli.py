@@ -23,7 +23,7 @@ from typing import Any
 
 from deskfleet.common import event_loop
 from deskfleet.common.arguments import browse_seconds, path_argument
-from deskfleet.common.console import print_whole
+from deskfleet.common.console import print_whole, stopping_signals
 from deskfleet.common.devices import device_targets
 from deskfleet.common.planner import PlanPolicy
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
@@ -208,9 +208,15 @@ def _serve(args: argparse.Namespace) -> int:
 
         loop = asyncio.get_running_loop()
         handled = []
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        stopped_by: list[int] = []
+
+        def stop(signum: int) -> None:
+            stopped_by.append(signum)
+            server.stop()
+
+        for signum in stopping_signals():  # SIGHUP: the terminal or SSH session it was started from closed
             try:
-                loop.add_signal_handler(signum, server.stop)
+                loop.add_signal_handler(signum, stop, signum)
                 handled.append(signum)
             except (NotImplementedError, RuntimeError):
                 pass
@@ -219,6 +225,8 @@ def _serve(args: argparse.Namespace) -> int:
         finally:  # uvloop leaves its handlers installed after it closes: later signals would be swallowed
             for signum in handled:
                 loop.remove_signal_handler(signum)
+        if stopped_by:
+            logging.getLogger(__name__).info("fleet serve stopped by %s", signal.Signals(stopped_by[0]).name)
 
     event_loop.run(run())
     return 0

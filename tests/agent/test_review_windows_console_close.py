@@ -69,4 +69,4 @@ def test_without_sigbreak_no_handler_is_installed_by_hand(monkeypatch: pytest.Mo
         assert installed == []
 
     asyncio.run(scenario())
-    assert sorted(added) == sorted([signal.SIGINT, signal.SIGTERM])
+    assert sorted(added) == sorted([signal.SIGINT, signal.SIGTERM, signal.SIGHUP])  # SIGHUP: a closed terminal

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import io
+import signal
 
 import pytest
 
-from deskfleet.common.console import tolerate_unencodable
+from deskfleet.common.console import stopping_signals, tolerate_unencodable
 from tests.signals import in_fresh_process, signal_main_thread
 
 TEXT = "営業部-PC 🙂 done\n"
@@ -121,3 +122,15 @@ def test_a_second_ctrl_c_during_a_held_block_is_delivered_at_once() -> None:
             done.append("never: the second one ends the block")
     assert done == ["held once"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on Windows")
+def test_a_service_stops_on_sighup_unless_nohup_ignores_it() -> None:
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        assert stopping_signals() == [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does
+        assert stopping_signals() == [signal.SIGINT, signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGHUP, before)
