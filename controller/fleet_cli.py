@@ -271,7 +271,8 @@ def _ls(args: argparse.Namespace) -> int:
     if undeployed:
         warnings.append(f"warning: {sum(map(len, undeployed.values()))} stage(s) marked 'not deployed' are held by "
                         "PCs that no deployment in deployments.json places them on (a failover re-planned without "
-                        "the PC while it was unreachable, or the model was exported again since): nothing runs on "
+                        "the PC while it was unreachable, the model was exported again since, or a deploy that did "
+                        "not finish could not reach the PC to release it): nothing runs on "
                         "them; the next `deskfleet fleet deploy` of their model releases them, as does restarting "
                         "the agent")
     if args.json:  # the list stays a list of agents: the controller's and the CA's dates go to stderr
@@ -467,7 +468,8 @@ def _deploy(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # it ended with exit 130 and not a word: was anything lost, or half deployed?
         print("deskfleet: deploy stopped by Ctrl-C: the files the PCs received stay in their caches, and the next "
               "`deskfleet fleet deploy` sends only the rest; the model's deployment on record is the one before "
-              "(it is written once every stage is ready)", file=sys.stderr)
+              "(it is written once every stage is ready), and the PCs were told to release the stages this deploy "
+              "gave them", file=sys.stderr)
         raise
     if args.json:
         print_whole(json.dumps({"model_id": report.model_id, "bytes_sent": report.bytes_sent,

@@ -72,6 +72,8 @@ from deskfleet.controller.fleet_survey import NO_ADDRESS, AgentView, Survey
 
 log = logging.getLogger(__name__)
 
+RELEASE_UNSAVED_TIMEOUT_S = 2.0  # a deploy that did not finish tells each PC to release its stage within this
+
 CHUNK_BYTES = 1 << 20
 REPLY_TIMEOUT_S = 60.0
 COMPILE_TIMEOUT_S = 300.0
@@ -348,12 +350,17 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
     settings = DeploySettings(options.policy, options.streams, precision, device, kv_cache, options.hop_cost)
     sent: dict[str, int] = {}
     files: dict[str, int] = {}
+    before = _placed_before(store, model_dir)
     try:
-        await _deploy_all(model_dir, manifest, model_id, placements, settings, found, sent, files, progress)
-    except* DeployError as errors:
-        failed = [error for error in errors.exceptions if isinstance(error, DeployError)]
-        raise DeployError("; ".join(str(error) for error in errors.exceptions),
-                          agents=frozenset().union(*(error.agents for error in failed))) from None
+        try:
+            await _deploy_all(model_dir, manifest, model_id, placements, settings, found, sent, files, progress)
+        except* DeployError as errors:
+            failed = [error for error in errors.exceptions if isinstance(error, DeployError)]
+            raise DeployError("; ".join(str(error) for error in errors.exceptions),
+                              agents=frozenset().union(*(error.agents for error in failed))) from None
+    except BaseException:  # an agent failed, or Ctrl-C: the deployment on record stays, and so must its stages only
+        await _release_unsaved(model_id, placements, before, found)
+        raise
     report = DeployReport(model_id, placements, sent, files)
     _save_deployment(store, model_dir, report, settings)
     await _release_left_out(store, found, model_id)
@@ -378,6 +385,41 @@ async def _deploy_all(model_dir: Path, manifest: Manifest, model_id: str, placem
                                      settings.device, settings.precision, next_hop, entries, settings.kv_cache,
                                      previous_agent_id)
             tasks.create_task(_deploy_stage(link, model_dir, assignment, sent, files, progress))
+
+
+def _placed_before(store: FleetStore, model_dir: Path) -> frozenset[tuple[str, int, int]]:
+    """(agent id, first layer, stop layer) of every stage the deployment on record places (none when there is none,
+    or it cannot be read: the deploy names that)."""
+    try:
+        return frozenset((stage.agent_id, stage.layer_start, stage.layer_end)
+                         for stage in load_deployment(store, model_dir))
+    except (DeployError, OSError, ManifestError):
+        return frozenset()
+
+
+async def _release_unsaved(model_id: str, placements: tuple[StagePlacement, ...],
+                           before: frozenset[tuple[str, int, int]], found: Survey) -> None:
+    """A deploy that did not finish (an agent failed, Ctrl-C): tell each PC of its plan to release the stage it
+    was (or was being) assigned, unless the deployment on record places that stage there. A stage kept held
+    its memory and cache pins, unused, until the agent restarted, `fleet ls` listed it as not deployed, and only
+    a deploy of a model the admin had just cancelled released it. An agent takes its link's messages in order,
+    so a release sent while it compiles the stage comes after it. Bounded: the deploy's own error or Ctrl-C is
+    what the user is waiting for."""
+    for placement in placements:
+        if (placement.agent_id, placement.layer_start, placement.layer_end) in before:
+            continue
+        link = found.links.get(placement.agent_id)
+        if link is None:
+            continue
+        stage = StageRef(model_id, placement.layer_start, placement.layer_end)
+        try:
+            await asyncio.wait_for(link.send(ReleaseStage(stage)), RELEASE_UNSAVED_TIMEOUT_S)
+            log.info("agent %s told to release %s[%d:%d]: the deploy did not finish", placement.agent_id[:12],
+                     model_id, placement.layer_start, placement.layer_end)
+        except (LinkError, TimeoutError) as error:
+            log.warning("agent %s may keep the unused stage %s[%d:%d] of the deploy that did not finish (cannot tell "
+                        "it to release it: %s): restarting the agent releases it", placement.agent_id[:12], model_id,
+                        placement.layer_start, placement.layer_end, error or "no answer")
 
 
 async def _release_left_out(store: FleetStore, found: Survey, model_id: str) -> None:

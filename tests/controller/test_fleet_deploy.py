@@ -427,3 +427,73 @@ def test_an_agents_refusal_names_the_files_of_the_shards_it_names() -> None:
     named = _name_shards(f"refused: disk_full: cannot store shard {head[:12]}… (bytes 0 to 4 of 10): full", by_sha)
     assert named == f"refused: disk_full: cannot store shard {head[:12]}… (head.bin) (bytes 0 to 4 of 10): full"
     assert _name_shards("refused: busy: another deploy", by_sha) == "refused: busy: another deploy"
+
+
+@pytest.mark.parametrize("stop", ["an agent failed", "Ctrl-C"])
+def test_a_deploy_that_does_not_finish_releases_the_stages_it_assigned(
+        tmp_path: Path, tiny_export: Path, monkeypatch: pytest.MonkeyPatch, stop: str) -> None:
+    # A walk's deploy stopped by Ctrl-C left a compiled stage on an employee's PC until the agent restarted: `fleet
+    # ls` listed it as not deployed, and said only a deploy of that model (the one just cancelled) would release it.
+    import deskfleet.controller.fleet_deploy as fleet_deploy
+
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    ca = load_ca(store)
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    ports = [free_port(), free_port()]
+    real_deploy_stage = fleet_deploy._deploy_stage
+    assigned: list[str] = []
+
+    async def second_stage_fails(link: Any, *args: Any, **kwargs: Any) -> None:
+        if link.peer.agent_id == order[1]:
+            while not assigned:  # the first stage's agent holds its stage by now
+                await asyncio.sleep(0.01)
+            if stop == "Ctrl-C":
+                await asyncio.Event().wait()  # the deploy's task is cancelled meanwhile, as a Ctrl-C does
+            raise DeployError("agent b: the link closed", agents=frozenset({order[1]}))
+        await real_deploy_stage(link, *args, **kwargs)
+        assigned.append(link.peer.agent_id)
+
+    monkeypatch.setattr(fleet_deploy, "_deploy_stage", second_stage_fails)
+    order: list[str] = []
+
+    async def scenario() -> list[AgentCore]:
+        cores, servers = [], []
+        for index, port in enumerate(ports):
+            files = make_member(ca, tmp_path / f"agent{index}", "agent")
+            core = AgentCore(files, settings, ShardCache(tmp_path / f"cache{index}", 1 << 30), FakeMonitor(),
+                             device_probe=lambda: ("CPU",))
+            cores.append(core)
+            servers.append(await start_server(core.serve_link, "127.0.0.1", port, files))
+        found = await survey(store, SurveyOptions(peers=tuple(f"127.0.0.1:{port}" for port in ports),
+                                                  discover_seconds=0))
+        plan = fleet_deploy.plan_survey(fleet_deploy.footprint_of(load_manifest(tiny_export), "CPU", Precision.F32,
+                                                                  "f32"), found,
+                                        PlanOptions(policy=PlanPolicy.ALL_BY_SPEED, hop_cost=0.0))
+        order.extend(stage.agent_id for stage in plan.stages)
+        assert len(order) == 2
+        try:
+            deploying = asyncio.create_task(deploy(store, tiny_export, found, PlanOptions(
+                policy=PlanPolicy.ALL_BY_SPEED, hop_cost=0.0), Precision.F32, kv_cache="f32"))
+            if stop == "Ctrl-C":
+                while not assigned:
+                    await asyncio.sleep(0.01)
+                deploying.cancel()
+            with pytest.raises(DeployError if stop == "an agent failed" else asyncio.CancelledError):
+                await deploying
+            first = next(core for core in cores if core.agent_id == order[0])
+            for _ in range(200):  # the release arrives on the link after the assignment
+                if not first.stages:
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            await found.close()
+            for server in servers:
+                server.close()
+                await server.wait_closed()
+        return cores
+
+    cores = asyncio.run(scenario())
+    assert assigned and all(not core.stages for core in cores)
+    with pytest.raises(DeployError, match="has not been deployed"):
+        load_deployment(store, tiny_export)
