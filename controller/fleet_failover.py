@@ -236,7 +236,8 @@ class FleetFailover:
             without = " without the lost agent(s)" if self.lost else ""
             reasons = failure.exclusion_reasons if isinstance(failure, DeployError) else frozenset()
             raise FailoverError(f"{error}{checked}; no new chain{without}: {failure} (what to do: "
-                                f"{_remedy(bool(self.lost), reasons, str(failure))}, then run this again)") from error
+                                f"{_remedy(bool(self.lost), reasons, f'{error} {failure}')}, then run this again)"
+                                ) from error
 
     async def _redeploy(self) -> DeployReport:
         """The deployment to go on with, under the data dir's deploy lock (waited for: another deploy may be saving
@@ -449,9 +450,10 @@ def _remedy(lost: bool, reasons: frozenset[ExclusionReason], said: str = "") -> 
     """What a user can do when a failover found no new chain: first for the PCs the plan left out that could
     take work again (a paused one was not lost: bringing it back is not the step), then for the lost ones (a
     blame that left no one out, a link marked broken, may still leave no chain: the reason names what). `said`:
-    the deploy's error, whose command to resume a PC (the planner's, when no PC could take work) is not repeated."""
+    the break's error and the deploy's, whose command to resume a PC (a lost PC's own word that its user paused it,
+    or the planner's, when no PC could take work) is not repeated."""
     steps = []
-    if ExclusionReason.PAUSED in reasons:
+    if ExclusionReason.PAUSED in reasons or (lost and RESUME_COMMAND in said):  # the latter: lost as its user paused it
         how = "as above" if RESUME_COMMAND in said else f"{RESUME_COMMAND} on it"
         steps.append(f"resume a paused PC ({how}; one its admin paused, `paused: true` in its settings, only there)")
     if ExclusionReason.UNAVAILABLE in reasons:

@@ -123,6 +123,15 @@ def test_the_remedy_names_the_resume_command_where_the_error_does_not() -> None:
         "resume a paused PC (`deskfleet-agent resume` on it; ")
     assert fleet_failover._remedy(True, paused, "none can take work (`deskfleet-agent resume` on a PC its user "
                                                "paused)").startswith("resume a paused PC (as above; ")
+    # the lost PC was paused by its user mid-run (it gave its stages up, saying so), the others are gone: a walk
+    # was told only to "bring the lost PC back"
+    gone = frozenset({ExclusionReason.UNREACHABLE})
+    assert fleet_failover._remedy(True, gone, "stage 0 [0:8] on agent a1 reported no stage for the step: this agent "
+                                              "gave its stages up: paused by its user (`deskfleet-agent resume` ends "
+                                              "that) cannot deploy m: no reachable agents") == (
+        "resume a paused PC (as above; one its admin paused, `paused: true` in its settings, only there), bring the "
+        "lost PC back, or join more PCs")
+    assert fleet_failover._remedy(True, gone, "agent a: the link closed") == "bring the lost PC back, or join more PCs"
 
 
 def test_deploy_settings_of_an_older_record_are_the_defaults_and_a_bad_one_is_refused(
