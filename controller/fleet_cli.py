@@ -19,7 +19,8 @@ import json
 import signal
 import sys
 from collections import Counter
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from deskfleet.common import event_loop
 from deskfleet.common.arguments import browse_seconds, path_argument
@@ -29,7 +30,10 @@ from deskfleet.common.planner import PlanPolicy
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.bench.interruption import say_stopped, signal_name, signals_unwind
 from deskfleet.controller.decoding_options import byte_count, parse_token_ids, positive_int
-from deskfleet.controller.fleet_store import MIN_ID_PREFIX, FleetStoreError
+from deskfleet.controller.fleet_store import MIN_ID_PREFIX, FleetStore, FleetStoreError
+
+if TYPE_CHECKING:
+    from deskfleet.controller.fleet_deploy import DeploySettings
 
 _POLICIES = [policy.value for policy in PlanPolicy]
 PAPER_OPTIONS = ("layers", "layer_bytes", "embed_bytes", "head_bytes", "kv_bytes_per_token", "context", "width")
@@ -438,10 +442,11 @@ def _plan(args: argparse.Namespace) -> int:
 def _deploy(args: argparse.Namespace) -> int:
     from deskfleet.common.planner import render_plan
     from deskfleet.common.wire import Precision
-    from deskfleet.controller.fleet_deploy import DeployError, deploy, policy_options
+    from deskfleet.controller.fleet_deploy import DeployError, deploy, load_deploy_settings, policy_options
     from deskfleet.controller.fleet_survey import survey
 
     store = _store(args)
+    before = _deployed_settings(store, args.model)
     last_percent: dict[tuple[str, str], int] = {}
 
     def progress(agent_id: str, file_name: str, sent: int, total: int) -> None:
@@ -481,7 +486,25 @@ def _deploy(args: argparse.Namespace) -> int:
         total = sum(report.bytes_sent.values())
         print(f"deployed {report.model_id}: {len(report.stages)} stage(s) ready, {total} bytes in "
               f"{sum(report.files_sent.values())} file(s) sent")
+    if before is not None and (changes := load_deploy_settings(store, args.model).changes_from(before)):
+        # a deploy run again with fewer options re-planned with the defaults (precision f32 became device_default)
+        # and said nothing: "running it again sends nothing" read as "nothing changes"
+        print(f"note: deployed with other settings than the deployment before it: {', '.join(changes)} (a deploy "
+              "takes no option from the one before: give them again to keep them)", file=sys.stderr)
     return 0
+
+
+def _deployed_settings(store: FleetStore, model: Path) -> DeploySettings | None:
+    """The settings of the model's deployment on record, or None when there is none (or it, or
+    the export, cannot be read: the deploy names that)."""
+    from deskfleet.common.model_spec import ManifestError
+    from deskfleet.controller.fleet_deploy import DeployError, load_deploy_settings, load_deployment
+
+    try:
+        load_deployment(store, model)
+        return load_deploy_settings(store, model)
+    except (DeployError, OSError, ManifestError):
+        return None
 
 
 def _generate(args: argparse.Namespace) -> int:

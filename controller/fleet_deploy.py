@@ -21,6 +21,7 @@ import hashlib
 import logging
 import math
 import os
+import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -124,6 +125,27 @@ class DeploySettings:
     def plan_options(self) -> PlanOptions:
         """The options a re-plan of this deployment plans with."""
         return PlanOptions(policy=self.policy, streams=self.streams, hop_cost=self.hop_cost)
+
+    def options_given(self) -> dict[str, str]:
+        """`fleet deploy`'s options that make these settings, those that differ from its defaults (option: value)."""
+        default = DeploySettings()
+        given = {"--policy": self.policy.value if self.policy is not default.policy else None,
+                 "--streams": str(self.streams) if self.streams != default.streams else None,
+                 "--device": self.device if self.device != default.device else None,
+                 "--hop-ms": f"{self.hop_cost / 1e6:g}" if self.hop_cost != default.hop_cost else None,
+                 "--precision": self.precision.value if self.precision is not default.precision else None,
+                 "--kv-cache": self.kv_cache}
+        return {option: value for option, value in given.items() if value is not None}
+
+    def command_options(self) -> str:
+        """options_given as a command line takes them (" --policy all_by_speed --hop-ms 0"), or ""."""
+        return "".join(f" {option} {shlex.quote(value)}" for option, value in self.options_given().items())
+
+    def changes_from(self, before: DeploySettings) -> list[str]:
+        """What differs from `before`, in the options' words: ["--precision f32 -> device_default", ...]."""
+        now, then = self.options_given(), before.options_given()
+        return [f"{option} {then.get(option, 'default')} -> {now.get(option, 'default')}"
+                for option in dict.fromkeys([*then, *now]) if now.get(option) != then.get(option)]
 
 
 @dataclass(frozen=True)
@@ -518,9 +540,10 @@ def inexact_cache_note(store: FleetStore, model_dir: Path) -> str | None:
     cache = kv_cache_precision(settings.precision, settings.device, settings.kv_cache)
     if cache is None or cache == "f32":
         return None
+    exact = replace(settings, kv_cache="f32").command_options()  # the deploy's other options kept
     return (f"the fleet's stages of {model_dir} keep a {cache} KV cache, as it was deployed: drafted output can part "
-            f"from plain decoding, and verification is slower there; `deskfleet fleet deploy --model {model_dir} "
-            "--kv-cache f32` for token-identical output")
+            f"from plain decoding, and verification is slower there; `deskfleet fleet deploy --model "
+            f"{shlex.quote(str(model_dir))}{store.data_dir_option}{exact}` for token-identical output")
 
 
 # Private functions

@@ -144,3 +144,39 @@ def test_a_deploy_stopped_by_ctrl_c_says_what_it_left(
         "deskfleet: deploy stopped by Ctrl-C: the files the PCs received stay in their caches, and the next "
         "`deskfleet fleet deploy` sends only the rest; the model's deployment on record is the one before (it is "
         "written once every stage is ready), and the PCs were told to release the stages this deploy gave them\n")
+
+
+@pytest.mark.parametrize(("again", "note"), [
+    ([], "note: deployed with other settings than the deployment before it: --policy all_by_speed -> default, "
+         "--hop-ms 0 -> default, --precision f32 -> default (a deploy takes no option from the one before: give them "
+         "again to keep them)\n"),
+    (["--policy", "all_by_speed", "--hop-ms", "0", "--precision", "f32"], ""),
+])
+def test_a_deploy_with_other_settings_than_the_one_before_says_what_changed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_export: Path, monkeypatch: pytest.MonkeyPatch,
+        again: list[str], note: str) -> None:
+    # run again with fewer options, a deploy re-planned with the defaults (f32 became device_default) without a word
+    import deskfleet.controller.fleet_deploy as fleet_deploy
+    from deskfleet.common.planner import PlanPolicy
+    from deskfleet.common.wire import Precision
+    from deskfleet.controller.fleet_deploy import DeployReport, DeploySettings, StagePlacement, model_id_of
+    from deskfleet.controller.fleet_store import FleetStore
+
+    store = FleetStore(tmp_path / "ctl")
+    report = DeployReport(model_id_of(tiny_export), (StagePlacement("a" * 52, "127.0.0.1:2", 0, 4),), {}, {})
+
+    async def deployed(store: FleetStore, model: Path, found: object, options: object, precision: Precision,
+                       device: str, *args: object, **kwargs: object) -> tuple[object, DeployReport]:
+        settings = DeploySettings(options.policy, options.streams, precision, device,  # type: ignore[attr-defined]
+                                  kwargs.get("kv_cache"), options.hop_cost)  # type: ignore[attr-defined, arg-type]
+        fleet_deploy._save_deployment(store, model, report, settings)
+        return None, report
+
+    assert main(["fleet", "init", "--address", "127.0.0.1:1", "--data-dir", str(store.data_dir)]) == 0
+    fleet_deploy._save_deployment(store, tiny_export, report, DeploySettings(PlanPolicy.ALL_BY_SPEED, 1, Precision.F32,
+                                                                             hop_cost=0.0))
+    monkeypatch.setattr(fleet_deploy, "deploy", deployed)
+    capsys.readouterr()
+    assert main(["fleet", "deploy", "--model", str(tiny_export), "--data-dir", str(store.data_dir),
+                 "--discover-seconds", "0", "--json", *again]) == 0
+    assert capsys.readouterr().err == note

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import pytest
 
 from deskfleet.agent.stage import CompileSettings
+from deskfleet.common.planner import PlanPolicy
 from deskfleet.common.wire_messages import Precision
 from deskfleet.controller import chat, fleet_deploy, fleet_failover, fleet_pipeline
 from deskfleet.controller.chat import ChatOptions
@@ -24,16 +25,16 @@ from deskfleet.controller.run import GenerateOptions
 MODEL = Path("/models/target-int4")
 
 
-@pytest.mark.parametrize(("settings", "cache"), [
-    (DeploySettings(), "u8"),  # the defaults on a CPU: the fast precision's u8 cache
-    (DeploySettings(kv_cache="f16"), "f16"),
-    (DeploySettings(kv_cache="f32"), None),
-    (DeploySettings(precision=Precision.F32), None),  # exact: f32 compute and cache
-    (DeploySettings(device="GPU"), None),  # the device's own cache, not known here: nothing claimed
+@pytest.mark.parametrize(("settings", "cache", "kept"), [
+    (DeploySettings(), "u8", ""),  # the defaults on a CPU: the fast precision's u8 cache
+    (DeploySettings(PlanPolicy.ALL_BY_SPEED, kv_cache="f16", hop_cost=0.0), "f16", " --policy all_by_speed --hop-ms 0"),
+    (DeploySettings(kv_cache="f32"), None, ""),
+    (DeploySettings(precision=Precision.F32), None, ""),  # exact: f32 compute and cache
+    (DeploySettings(device="GPU"), None, ""),  # the device's own cache, not known here: nothing claimed
 ])
 def test_a_drafted_run_is_warned_of_a_deployed_cache_other_than_f32(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, store: FleetStore,
-        settings: DeploySettings, cache: str | None) -> None:
+        settings: DeploySettings, cache: str | None, kept: str) -> None:
     monkeypatch.setattr(fleet_deploy, "load_deploy_settings", lambda store, model: settings)
     with caplog.at_level(logging.WARNING):
         FleetFailover(store, MODEL, 1, drafting=True).check_cache()
@@ -44,7 +45,9 @@ def test_a_drafted_run_is_warned_of_a_deployed_cache_other_than_f32(
         (record,) = caplog.records
         message = record.getMessage()
         assert f"keep a {cache} KV cache" in message and "drafted output can part from plain decoding" in message
-        assert f"fleet deploy --model {MODEL} --kv-cache f32" in message
+        # a command to paste: this data dir, and the deploy's other options kept (a walk's paste hit the platform's
+        # default data dir, and would have re-planned with the default policy)
+        assert f"fleet deploy --model {MODEL} --data-dir {store.data_dir}{kept} --kv-cache f32`" in message
 
 
 def test_an_unreadable_deployment_is_left_to_opening_the_chain(

@@ -424,7 +424,8 @@ def test_a_drafting_run_that_goes_on_on_a_deployment_with_an_inexact_cache_is_to
     cache_notes = [note for note in notes if "KV cache" in note]
     assert cache_notes == ([f"the fleet's stages of {tiny_export} keep a u8 KV cache, as it was deployed: drafted "
                             f"output can part from plain decoding, and verification is slower there; `deskfleet fleet "
-                            f"deploy --model {tiny_export} --kv-cache f32` for token-identical output"] if told else [])
+                            f"deploy --model {tiny_export} --data-dir {store.data_dir} --kv-cache f32` for "
+                            "token-identical output"] if told else [])
     _saved(store, tiny_export, (StagePlacement(A, "127.0.0.1:7431", 0, 4),), meanwhile)  # the same cache again
     failover(ChainError("agent c: the link closed", C))
     assert [note for note in notes if "KV cache" in note] == cache_notes
