@@ -42,6 +42,7 @@ from pathlib import Path
 
 from deskfleet.agent.huge_pages import read_maps
 from deskfleet.common.devices import device_kind
+from deskfleet.common.launch import block_across_exec, restore_default_signals
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,11 @@ def run_on_jemalloc(device: str) -> None:
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:  # None when the shell closed it (`>&-`): nothing to flush
             stream.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
+    block_across_exec()  # a SIGTERM while the new interpreter starts is then said by its launcher
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
+    finally:  # reached only when the exec failed
+        restore_default_signals()
 
 
 def system_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -21,6 +21,7 @@ from deskfleet.common.console import (
     tolerate_unencodable,
     watched_stdout,
 )
+from deskfleet.common.launch import restore_default_signals
 
 log = logging.getLogger("deskfleet.agent")
 # What only a controller's data dir holds (controller/fleet_store.py): an agent joined into one mixed the two
@@ -77,6 +78,7 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
         return 130
     parser = build_parser()
     args = parser.parse_args(argv)
+    restore_default_signals()  # SIGTERM / SIGHUP: the launcher's while the modules loaded, the agent's from here
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.verbose:  # websockets says "connection open" and "connection closed" at info for every link: three

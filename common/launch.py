@@ -2,28 +2,88 @@
 
 A command's modules take a second or two to import (OpenVINO, numpy, the commands themselves); a Ctrl-C in
 that time ends the command as a Ctrl-C anywhere else in it does, with exit status 130, not with a traceback
-of the import. This module imports nothing heavy itself.
+of the import. SIGTERM and SIGHUP in that time (where their handling is the default: nohup's ignored SIGHUP
+stays ignored) end it with one line naming the signal and exit status 143 / 129, as they do once a command runs:
+`deskfleet generate` killed in its first second ended without a word (a run re-executes itself once, with
+jemalloc, and goes through here again). The command's main() puts their default handling back
+(restore_default_signals) once its arguments are read, just before the command runs: each command installs its own
+(or relies on the default's, as an export's cleanup checks). This module imports nothing heavy itself.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 from collections.abc import Callable
+from types import FrameType
 
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, as the shell reports it
 
 
 def deskfleet() -> int:
-    return _run("deskfleet.controller.cli")
+    return _run("deskfleet.controller.cli", "deskfleet")
 
 
 def deskfleet_agent() -> int:
-    return _run("deskfleet.agent.cli")
+    return _run("deskfleet.agent.cli", "deskfleet-agent")
 
 
-def _run(module: str) -> int:
+_installed: list[int] = []  # the signals _stop_while_loading handles now
+
+
+def restore_default_signals() -> None:
+    """Give SIGTERM and SIGHUP their default handling back where this module changed it (no-op otherwise: a main()
+    called from elsewhere, or called again), and take them out of the blocked set (see block_across_exec)."""
+    while _installed:
+        signal.signal(_installed.pop(), signal.SIG_DFL)
+    _unblock()
+
+
+def block_across_exec() -> None:
+    """Block SIGTERM and SIGHUP before this process re-executes itself (agent/allocator.py, onto jemalloc): the
+    blocked set and what is pending survive the exec, and the new process's launcher takes them out of it once its
+    handlers are in, so that one that came while the new interpreter started is said, not the default's silent end."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, _stopping())
+
+
+def _run(module: str, program: str) -> int:
+    _stop_while_loading(program)
     try:
         main: Callable[[], int] = importlib.import_module(module).main
-    except KeyboardInterrupt:
-        return INTERRUPTED_EXIT
-    return main()
+    except BaseException as error:
+        restore_default_signals()
+        if isinstance(error, KeyboardInterrupt):
+            return INTERRUPTED_EXIT
+        raise
+    return main()  # which calls restore_default_signals once its arguments are read
+
+
+def _stop_while_loading(program: str) -> None:
+    """Make SIGTERM and SIGHUP, where their handling is the default, end the process with a line naming them; then
+    take them out of the blocked set, where one that came before (blocked across a re-execution) is delivered. The
+    handler ends the process where it is, raising nothing: an exception raised from a handler in the middle of a
+    library's import can be swallowed by the library (a SIGTERM so lost let the whole run go on), and nothing is
+    under way yet that needs unwinding."""
+    def stop(signum: int, frame: FrameType | None) -> None:
+        try:
+            os.write(2, f"{program}: stopped by {signal.Signals(signum).name}\n".encode())
+        except OSError:  # a terminal that hung up: the exit status says it
+            pass
+        os._exit(128 + signum)
+
+    for signum in _stopping():
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            signal.signal(signum, stop)
+            _installed.append(signum)
+    _unblock()
+
+
+def _stopping() -> list[int]:
+    return [signum for name in ("SIGTERM", "SIGHUP") if (signum := getattr(signal, name, None)) is not None]
+
+
+def _unblock() -> None:
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _stopping())

@@ -24,6 +24,7 @@ from deskfleet.common.console import (
     tolerate_unencodable,
     watched_stdout,
 )
+from deskfleet.common.launch import restore_default_signals
 from deskfleet.common.model_spec import MAX_SPEC_VALUE, ManifestError, WeightFormat
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.bench.interruption import (
@@ -359,6 +360,7 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
         print(f"deskfleet: error: {missing}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    restore_default_signals()  # SIGTERM / SIGHUP: the launcher's while the modules loaded, each command's from here
     if sys.stdout is None:  # started with standard output closed (`>&-`): every command's text or JSON goes there
         print("deskfleet: error: standard output is closed, and every command writes its result there: run it "
               "with standard output open (to discard it: > /dev/null)", file=sys.stderr)
@@ -551,18 +553,19 @@ def _generate(args: argparse.Namespace) -> int:
     from deskfleet.controller.fleet_failover import FailoverError
     from deskfleet.controller.run import GenerateOptions, GenerationInterrupted, GenerationStopped, run_generate
 
-    check_fleet_options(args)
-    options = GenerateOptions(
-        model=args.model, stages=args.stages or 1, prompts=args.prompt,
-        prompts_files=tuple(args.prompts_file or ()),
-        prompt_ids=[parse_token_ids(text) for text in args.prompt_ids] if args.prompt_ids else None,
-        chat=args.chat, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, max_rows=args.max_rows,
-        micro_batches=args.micro_batches, **decoding_arguments(args, _compile_settings(args)))
     try:
         # SIGTERM (kill, systemd, a CI runner's cancel) and SIGHUP (a closed terminal) stop the run as Ctrl-C does:
         # the chain's links closed, its micro-batches freed, what the streams made kept; they ended the process on
         # the spot, the streamed line cut and the agents left to notice a dropped connection
         with signals_unwind(ctrl_c=False):
+            check_fleet_options(args)
+            options = GenerateOptions(
+                model=args.model, stages=args.stages or 1, prompts=args.prompt,
+                prompts_files=tuple(args.prompts_file or ()),
+                prompt_ids=[parse_token_ids(text) for text in args.prompt_ids] if args.prompt_ids else None,
+                chat=args.chat, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos,
+                max_rows=args.max_rows, micro_batches=args.micro_batches,
+                **decoding_arguments(args, _compile_settings(args)))
             if args.fleet:
                 report = generate_on_fleet(options, args.data_dir, stream_text=not args.json,
                                            max_failovers=fleet_max_failovers(args),

@@ -1,15 +1,25 @@
-"""The console scripts' entry points: a Ctrl-C while a command's modules import ends it with 130, quietly."""
+"""The console scripts' entry points: a Ctrl-C while a command's modules import ends it with 130, quietly; SIGTERM
+and SIGHUP with one line and 143 / 129."""
 
 from __future__ import annotations
 
 import importlib
+import signal
 import subprocess
 import sys
 import types
+from collections.abc import Iterator
 
 import pytest
 
 from deskfleet.common import launch
+
+
+@pytest.fixture(autouse=True)
+def _default_signals_after() -> Iterator[None]:
+    """A main() faked here does not give SIGTERM and SIGHUP their default handling back, as a command's does."""
+    yield
+    launch.restore_default_signals()
 
 
 def test_a_ctrl_c_while_the_command_imports_exits_130(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -33,3 +43,50 @@ def test_launching_imports_nothing_heavy() -> None:
            "('openvino', 'numpy', 'websockets', 'cryptography')))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "[]"
+
+
+_IMPORT_THEN = """
+import importlib, os, signal, sys, time, types
+from deskfleet.common import launch
+
+def import_module(name):
+    {during}
+    time.sleep(0.5)  # a signal the handler takes arrives by now
+    # a command's main() reads its arguments, then gives SIGTERM its default handling back for the command
+    return types.SimpleNamespace(main=lambda: (launch.restore_default_signals(),
+                                               0 if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL else 9)[1])
+
+importlib.import_module = import_module
+sys.exit(launch.deskfleet())
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on Windows")
+@pytest.mark.parametrize(("signum", "status", "said"), [(signal.SIGTERM, 143, "deskfleet: stopped by SIGTERM\n"),
+                                                        (signal.SIGHUP, 129, "deskfleet: stopped by SIGHUP\n")])
+def test_sigterm_or_sighup_while_the_command_imports_says_so(signum: int, status: int, said: str) -> None:
+    # `deskfleet generate` killed in its first second ended with exit 143 and not a word (the default handling)
+    code = _IMPORT_THEN.format(during=f"os.kill(os.getpid(), {int(signum)})")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (run.returncode, run.stderr) == (status, said)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on Windows")
+def test_an_ignored_sighup_stays_ignored_and_the_command_runs_with_the_default_handling() -> None:
+    # under nohup (SIGHUP ignored) the command goes on; and it runs with SIGTERM's handling the default again: an
+    # export removes its unfinished folder on SIGTERM only where that handling is the default
+    code = _IMPORT_THEN.format(during="os.kill(os.getpid(), signal.SIGHUP)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    assert (run.returncode, run.stderr) == (0, "")
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no signal masks on Windows")
+def test_a_sigterm_as_the_process_re_executes_itself_is_said_by_the_new_one() -> None:
+    # a run re-executes itself onto jemalloc: a SIGTERM while the new interpreter started ended it without a word
+    after = _IMPORT_THEN.format(during="pass")
+    code = ("import os, signal, sys\nfrom deskfleet.common import launch\nlaunch.block_across_exec()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)  # pending, across the exec\n"
+            f"os.execv(sys.executable, [sys.executable, '-c', {after!r}])\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (run.returncode, run.stderr) == (143, "deskfleet: stopped by SIGTERM\n")
