@@ -11,6 +11,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, NoReturn
 
 from deskfleet.common.arguments import path_argument
 from deskfleet.common.console import (
@@ -37,10 +38,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(argv, stdout)
 
 
+class AgentParser(argparse.ArgumentParser):
+    """argparse's, but an option no parser of the agent knows is named before any other error: `--data_dir D` read D
+    as the command ("argument COMMAND: invalid choice: 'D'"), and the typo went unnamed."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._arguments: list[str] = []  # what the last parse_known_args was given
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        self._arguments = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(self._arguments, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        known = _option_strings(self)
+        unknown = [argument for argument in self._arguments
+                   if argument.startswith("--") and argument.split("=", 1)[0] not in known]
+        super().error(f"unrecognized arguments: {' '.join(unknown)}" if unknown else message)
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option `parser` and its commands take."""
+    options: set[str] = set()
+    for action in parser._actions:
+        options.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                options |= _option_strings(command)
+    return options
+
+
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False, as `deskfleet`'s: `--head` was taken for --headless and `join --host` for --hostname
-    parser = argparse.ArgumentParser(prog="deskfleet-agent", description="The deskfleet agent of this PC.",
-                                     allow_abbrev=False)
+    parser = AgentParser(prog="deskfleet-agent", description="The deskfleet agent of this PC.", allow_abbrev=False)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
     parser.add_argument("--headless", action="store_true", help="run the agent core without a tray")
     parser.add_argument("--data-dir", type=path_argument, default=None,
@@ -214,13 +245,19 @@ def _refuse_controller_dir(data_dir: Path | None) -> None:
 
 
 def _token_from_stdin() -> str:
-    """The join token from standard input: its first line, without surrounding blanks."""
+    """The join token from standard input: its first line that is not blank (of the first 64), without surrounding
+    blanks (a token file or a paste that began with an empty line was "no token")."""
     from deskfleet.common.join_tokens import JoinTokenError
 
     if sys.stdin is None:  # started with standard input closed (`<&-`)
         raise JoinTokenError("`join -` reads the token from standard input, which is closed: pipe it in, e.g. "
                              "`deskfleet-agent join - < token.txt`")
-    token = sys.stdin.readline(1 << 16).strip()
+    token = ""
+    for _ in range(64):
+        line = sys.stdin.readline(1 << 16)
+        token = line.strip()
+        if token or not line:  # a token, or the end of the input
+            break
     if not token:
         raise JoinTokenError("`join -` found no token on standard input: pipe it in, e.g. "
                              "`deskfleet-agent join - < token.txt`")

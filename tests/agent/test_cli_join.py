@@ -143,3 +143,19 @@ def test_a_join_stopped_by_ctrl_c_says_the_pc_has_not_joined(tmp_path: Path, cap
         "deskfleet-agent: join stopped by Ctrl-C: this PC has not joined (its key is kept for the next try); run the "
         "join again, with a new token if the controller says this one is used up\n")
     assert not (tmp_path / "state" / "membership.json").exists()
+
+
+def test_join_dash_skips_blank_lines_before_the_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a token file, or a paste, that began with an empty line was "found no token"
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n  \n dfj1.token \nsecond line\n"))
+    assert cli._token_from_stdin() == "dfj1.token"
+
+
+@pytest.mark.parametrize("argv", [["--headless", "--data_dir", "/tmp/agent"], ["--listn", "127.0.0.1:1"],
+                                  ["join", "--data_dir", "/tmp/agent", "dfj1.x"]])
+def test_a_mistyped_option_is_named(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # `--data_dir D` read D as the command: "argument COMMAND: invalid choice: 'D'", the typo unnamed
+    with pytest.raises(SystemExit) as exit_code:
+        cli.build_parser().parse_args(argv)
+    assert exit_code.value.code == 2
+    assert f"error: unrecognized arguments: {argv[-3] if argv[0] == 'join' else argv[-2]}\n" in capsys.readouterr().err
