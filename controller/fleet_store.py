@@ -160,7 +160,10 @@ class FleetStore:
                                (SETTINGS_FILE, "an agent's settings folder")):
             if not os.path.lexists(self.data_dir / relative):
                 continue
-            if present := self.existing_files():  # one an earlier deskfleet let `fleet init` share with an agent
+            present = self.existing_files()
+            if "/" not in relative:  # the agent's own state folder, which keeps its copy of the fleet's ca.pem
+                present = [name for name in present if name != "ca.pem"]
+            if present:  # one an earlier deskfleet let `fleet init` share with an agent
                 raise FleetStoreError(
                     f"{self.data_dir} holds both an agent's files ({relative}) and a controller's "
                     f"({', '.join(present)}): move the controller's files into a folder of their own and give that "

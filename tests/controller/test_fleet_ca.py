@@ -496,3 +496,16 @@ def test_a_folder_an_earlier_fleet_init_shared_with_an_agent_says_how_to_part_th
             + r".*ca-key\.pem.*\): move the controller's files into a folder of their own and give that as "
             r"--data-dir .*; the fleet, its CA and its PCs stay as they are"):
         store.require_initialised()
+
+
+def test_an_agents_state_folder_is_not_said_to_hold_a_controllers_files(tmp_path: Path) -> None:
+    # `fleet init --data-dir AGENT/state` said the folder held a controller's files too (its ca.pem), to be moved:
+    # that ca.pem is the agent's own copy of the fleet's CA certificate
+    state = tmp_path / "agent" / "state"
+    state.mkdir(parents=True)
+    for name in ("membership.json", "agent-key.pem", "agent.pem", "ca.pem"):
+        (state / name).write_text("x")
+    with pytest.raises(FleetStoreError, match=re.escape(
+            f"{state} is an agent's state folder (it holds membership.json), not a controller's: give the controller "
+            "a --data-dir of its own")):
+        FleetStore(state).refuse_agent_folder()
