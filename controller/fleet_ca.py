@@ -405,7 +405,9 @@ def _sign_join(store: FleetStore, request: JoinRequest, now: datetime.datetime) 
     ca = load_ca(store)
     with store.locked():
         if pki.RevocationSet(frozenset(_read_revoked(store))).is_revoked(agent_id):
-            raise pki.PkiError(f"agent {agent_id[:12]} was removed from the fleet; join with a new key")
+            raise pki.PkiError(f"agent {agent_id[:12]} was removed from the fleet: a PC can join again only as a new "
+                               "agent, with a new key (delete agent-key.pem in the agent's state folder, then join "
+                               "with a new token)")
         roster = store.roster()  # before redeeming: a damaged roster costs no token use
         ledger = _load_ledger(store, for_join=True)
         ledger.redeem(secret, now, agent_id)

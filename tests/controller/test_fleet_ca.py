@@ -509,3 +509,19 @@ def test_an_agents_state_folder_is_not_said_to_hold_a_controllers_files(tmp_path
             f"{state} is an agent's state folder (it holds membership.json), not a controller's: give the controller "
             "a --data-dir of its own")):
         FleetStore(state).refuse_agent_folder()
+
+
+def test_a_removed_pc_that_joins_again_is_told_how(store: FleetStore, tmp_path: Path) -> None:
+    # it was told "join with a new key", and not how a PC gets one
+    async def scenario(server: FleetServer, address: str) -> None:
+        membership = await join(token_for(store, address), tmp_path / "agent", "pc-1")
+        remove_agent(store, membership.agent_id)
+        with pytest.raises(EnrollmentError, match=rf"agent {membership.agent_id[:12]} was removed from the fleet: a "
+                                                  r"PC can join again only as a new agent, with a new key \(delete "
+                                                  r"agent-key\.pem in the agent's state folder, then join with a new "
+                                                  r"token\)"):
+            await join(token_for(store, address), tmp_path / "agent", "pc-1")
+        (tmp_path / "agent" / "agent-key.pem").unlink()  # as it says: a new key, a new agent
+        assert (await join(token_for(store, address), tmp_path / "agent", "pc-1")).agent_id != membership.agent_id
+
+    with_server(store, scenario)
