@@ -101,6 +101,9 @@ def agent_label(agent_id: str, hostnames: Mapping[str, str]) -> str:
 def default_data_dir() -> Path:
     """--data-dir wins, then $DESKFLEET_CONTROLLER_DIR, then the platform's user data dir."""
     override = os.environ.get(ENV_DATA_DIR)
+    if override is not None and not override.strip():  # as --data-dir "" is refused: not the platform's folder
+        raise FleetStoreError(f"${ENV_DATA_DIR} is set but empty (an unset variable?): give it the controller's data "
+                              "dir, or unset it for the platform's own")
     if override:
         return Path(override)
     return Path(platformdirs.user_data_dir("deskfleet", appauthor=False)) / "controller"
@@ -132,7 +135,11 @@ class FleetStore:
     def data_dir_option(self) -> str:
         """" --data-dir D" where this is not the data dir a command finds by itself (default_data_dir()), else "":
         a command an error tells the admin to run, said so that it acts on this data dir."""
-        return "" if self.data_dir == default_data_dir() else f" --data-dir {shlex.quote(str(self.data_dir))}"
+        try:
+            default = default_data_dir()
+        except FleetStoreError:  # the variable set but empty: the option says where
+            default = None
+        return "" if self.data_dir == default else f" --data-dir {shlex.quote(str(self.data_dir))}"
 
     @property
     def tls_files(self) -> TlsFiles:

@@ -525,3 +525,14 @@ def test_a_removed_pc_that_joins_again_is_told_how(store: FleetStore, tmp_path: 
         assert (await join(token_for(store, address), tmp_path / "agent", "pc-1")).agent_id != membership.agent_id
 
     with_server(store, scenario)
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_controller_dir_variable_is_refused_not_taken_for_the_platforms(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], value: str) -> None:
+    # as --data-dir "" is refused: an unset variable's empty value silently meant the platform's folder
+    from deskfleet.controller.cli import main
+
+    monkeypatch.setenv("DESKFLEET_CONTROLLER_DIR", value)
+    assert main(["fleet", "ls", "--discover-seconds", "0"]) == 2
+    assert "$DESKFLEET_CONTROLLER_DIR is set but empty (an unset variable?)" in capsys.readouterr().err
