@@ -114,7 +114,8 @@ def test_two_pcs_that_hold_the_model_only_together_and_cannot_dial_each_other_ar
 @POLICIES
 def test_three_pcs_keep_all_three_with_the_broken_link_apart(options: PlanOptions) -> None:
     agents = [pc("a", 5, 3.0), pc("b", 5, 2.0), pc("c", 5, 1.0)]  # all three needed: 11 GB over 3 x 4 GB usable
-    assert chain(plan(MODEL, agents, options)) == ["a", "b", "c"]
+    # by speed, where the fewest are taken; all_by_speed weighs every order of a small fleet (the head on the fastest)
+    assert chain(plan(MODEL, agents, options)) == (["a", "b", "c"] if options is FEWEST else ["c", "a", "b"])
     for links in ([("a", "b")], [("b", "c")], [("a", "b"), ("b", "a")], [("a", "b"), ("b", "c")],
                   [("a", "b"), ("b", "a"), ("c", "b")], [("a", "b"), ("b", "c"), ("c", "a")]):
         result = plan(MODEL, agents, apart(options, *links))
@@ -149,7 +150,7 @@ def test_a_long_chain_keeps_every_pc_with_the_broken_link_apart() -> None:
             result = plan(MODEL, agents, apart(options, *links))
             assert sorted(chain(result)) == list("abcdefg"), links
             assert joined(result, frozenset(links)) == []
-            if expected is not None:
+            if expected is not None and options is FEWEST:  # all_by_speed weighs other orders too (ten PCs at most)
                 assert "".join(chain(result)) == expected, links
 
 
@@ -249,14 +250,8 @@ def test_every_plan_respects_the_broken_links_and_is_the_fastest_that_does(
     result = plan(model, agents, fastest)
     check_well_formed(result, agents, fastest)
     assert joined(result, broken) == []
-    # Where the order by speed puts a link's source before its target, every order is weighed (4 PCs at most);
-    # else the order by speed when a split fits, as without links
-    place = {agent.agent_id: index for index, agent in
-             enumerate(sorted(agents, key=lambda a: (-a.speed, a.agent_id)))}
-    forward = any(x in place and y in place and place[x] < place[y] for x, y in broken)
-    expected = None if forward else _brute_force_pace(model, agents, broken, any_order=False)
-    if expected is None:
-        expected = _brute_force_pace(model, agents, broken)
+    # every order is weighed (4 PCs at most), with the links as without
+    expected = _brute_force_pace(model, agents, broken)
     if expected is None:
         assert not result.feasible
     else:

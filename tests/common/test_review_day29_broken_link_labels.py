@@ -48,16 +48,15 @@ def test_an_agent_at_neither_end_of_a_broken_link_is_not_left_out_for_one(
 
 
 def test_an_end_of_a_link_that_costs_the_plan_nothing_is_not_left_out_for_it() -> None:
-    # the search with the link a0 -> a3 weighs every order of the four and finds a1, a2 (pace 1.0 + 2 hops)
-    # better than the order by speed's a2, a3 (1.33 + 2 hops) that the plan without links takes: a3 is an end of
-    # the link, but the link cost nothing
+    # the search weighs every order of the four and finds a1, a2 (pace 1.0 + 2 hops) better than the order by
+    # speed's a2, a3 (1.33 + 2 hops), with the link a0 -> a3 as without it: a3 is an end of the link, but the link
+    # cost nothing
     options = dataclasses.replace(NO_MARGIN, policy=PlanPolicy.ALL_BY_SPEED, hop_cost=0.5)
     model = ModelFootprint("r", (1, 4), 4, 0, 0, 1)
     agents = agents_of(("a0", 3, 5.0), ("a1", 6, 3.0), ("a2", 7, 4.0), ("a3", 8, 3.0))
     free = plan(model, agents, options)
     result = plan(model, agents, dataclasses.replace(options, broken_links=frozenset({("a0", "a3")})))
-    assert [stage.agent_id for stage in free.stages] == ["a2", "a3"]
+    assert [stage.agent_id for stage in free.stages] == ["a1", "a2"]
     assert [stage.agent_id for stage in result.stages] == ["a1", "a2"]
-    assert max(stage.relative_time for stage in result.stages) < max(stage.relative_time for stage in free.stages)
     reasons = {exclusion.agent_id: exclusion.reason for exclusion in result.exclusions}
     assert reasons == {"a0": ExclusionReason.NOT_NEEDED, "a3": ExclusionReason.NOT_NEEDED}
