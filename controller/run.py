@@ -96,6 +96,8 @@ def _looks_utf16(head: bytes) -> bool:
     """Whether text without a byte order mark is UTF-16: the start decodes as UTF-16 (either byte order) to text
     that is almost all printable characters. A NUL every other byte was the test before, and text outside ASCII
     (Cyrillic, Japanese) was then called a binary file."""
+    if head.count(0) < 0.1 * len(head) and _utf8_but_nuls(head):  # UTF-8 text with a stray NUL: a few bytes of it
+        return False  # read as UTF-16 are printable CJK too, and it was told to "save the file as UTF-8"
     head = head[:len(head) - len(head) % 2]
     for encoding in ("utf-16-le", "utf-16-be"):
         try:
@@ -105,6 +107,19 @@ def _looks_utf16(head: bytes) -> bool:
         readable = sum(1 for char in text if char.isprintable() or char in "\t\r\n")
         if text and readable >= 0.95 * len(text):
             return True
+    return False
+
+
+def _utf8_but_nuls(head: bytes) -> bool:
+    """Whether `head` is UTF-8 once its NULs are taken out (a character cut at its end allowed). UTF-16 text with
+    few NULs (Japanese, Cyrillic: a NUL only in its ASCII characters) almost never is."""
+    data = head.replace(b"\x00", b"")
+    for cut in range(4):
+        try:
+            data[:len(data) - cut].decode("utf-8")
+            return True
+        except UnicodeDecodeError:
+            continue
     return False
 
 

@@ -42,7 +42,8 @@ def test_a_utf16_prompts_file_is_named_as_such(tiny_export: Path, tmp_path: Path
     assert f"--prompts-file {path} is UTF-16 text, not UTF-8: save the file as UTF-8" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("content", [bytes(range(256)) * 8, b"def f():\n    return 1\x00\n"])
+@pytest.mark.parametrize("content", [bytes(range(256)) * 8, b"def f():\n    return 1\x00\n",
+                                     b"hel\x00lo\nworld\n"])  # short: read as UTF-16, printable CJK
 def test_a_binary_prompts_file_is_not_called_utf16(tiny_export: Path, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str], content: bytes) -> None:
     # random bytes were "UTF-16 text (or holds NUL bytes)": the fix it gave, saving as UTF-8, was not the one
