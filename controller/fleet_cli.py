@@ -169,8 +169,9 @@ def _token(args: argparse.Namespace) -> int:
         raise ValueError(f"--uses must be at least 1, got {args.uses}")
     token = issue_token(_store(args), utc_now(), parse_duration(args.ttl), args.uses, tuple(args.address or ()))
     print(encode_join_token(token))
+    # `join -` first: a token on the command line shows in the PC's process list and shell history
     print(f"valid until {token.expires_at.isoformat()} for {args.uses} join(s); on the PC run: "
-          "deskfleet-agent join TOKEN", file=sys.stderr)
+          "deskfleet-agent join - (then paste the token), or deskfleet-agent join - < token.txt", file=sys.stderr)
     return 0
 
 

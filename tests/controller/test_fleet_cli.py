@@ -16,7 +16,10 @@ def test_init_token_and_a_paper_plan(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["fleet", "init", "--address", "10.0.0.5:7341", *data]) == 0
     capsys.readouterr()
     assert main(["fleet", "token", "--ttl", "2h", "--uses", "3", *data]) == 0
-    token = join_tokens.decode_join_token(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    token = join_tokens.decode_join_token(printed.out)
+    # the way that keeps the token out of the PC's process list and shell history: it said `join TOKEN`
+    assert "on the PC run: deskfleet-agent join - (then paste the token)" in printed.err
     assert token.controller_addresses == ("10.0.0.5:7341",)
     gb = 1_000_000_000
     model = ["fleet", "plan", "--layers", "80", "--layer-bytes", str(0.45 * gb), "--embed-bytes", str(gb),
