@@ -17,7 +17,10 @@ skipped: Windows PowerShell 5.1's `Set-Content -Encoding UTF8` and older Notepad
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
+import stat
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,8 @@ from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.availability import GIB, AvailabilityPolicy
 from deskfleet.common.devices import device_targets
 from deskfleet.common.wire import ProtocolError, parse_address
+
+log = logging.getLogger(__name__)
 
 APP_NAME = "deskfleet"
 SETTINGS_FORMAT = 1
@@ -77,10 +82,20 @@ class AgentPaths:
         return self.cache_dir / "shards"
 
     def create(self) -> None:
-        """Make the dirs; state (keys) readable by the owner only."""
+        """Make the dirs; state (keys) and cache (the models' weights, which may be confidential: a security walk
+        found every local user could read them) readable by the owner only. A cache folder made before, open to
+        others, is closed (on POSIX: Windows keeps it in the user's profile by default)."""
         self.settings_dir.mkdir(parents=True, exist_ok=True)
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if os.name != "nt" and (mode := stat.S_IMODE(self.cache_dir.stat().st_mode)) & 0o077:
+            try:
+                self.cache_dir.chmod(0o700)
+                log.info("the shard cache folder %s was open to other users (mode %03o): made it 0700", self.cache_dir,
+                         mode)
+            except OSError as error:  # another user's folder: the agent still runs, the weights readable as before
+                log.warning("the shard cache folder %s is open to other users (mode %03o) and cannot be closed (%s): "
+                            "they can read the models this PC hosts", self.cache_dir, mode, error.strerror or error)
 
 
 @dataclass(frozen=True)

@@ -114,3 +114,14 @@ def test_an_agent_whose_certificate_is_another_agents_or_another_cas_does_not_st
     (state / "agent.pem").write_bytes(foreign.cert_path.read_bytes())
     with pytest.raises(EnrollmentError, match=r"agent\.pem was not issued by the fleet's CA"):
         _start(tmp_path)
+
+
+@posix_only
+def test_the_shard_cache_is_readable_by_its_owner_only(tmp_path: Path) -> None:
+    # the models' weights sat in 0444 files in 0755 folders: every local user could read them
+    paths = AgentPaths.resolve(tmp_path / "agent")
+    paths.create()
+    assert (paths.cache_dir.stat().st_mode & 0o777) == 0o700
+    paths.cache_dir.chmod(0o755)  # made by an earlier deskfleet
+    paths.create()
+    assert (paths.cache_dir.stat().st_mode & 0o777) == 0o700
