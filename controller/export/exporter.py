@@ -42,6 +42,7 @@ from .output_folder import (
     ending_signals_clean_up,
     flush_to_disk,
     held,
+    is_empty_folder,
     make_staging_folder,
     missing_parents,
     move_into_place,
@@ -95,6 +96,9 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
     if (model_dir / MANIFEST_NAME).is_file():
         raise ExportError(f"{model_dir} is already a deskfleet export (it holds {MANIFEST_NAME}): give the Hugging "
                           "Face checkpoint folder it was exported from")
+    # an empty folder the user made for the export is filled, not refused ("already exists; pass --overwrite"); it
+    # is replaced as --overwrite replaces one, so that one filled meanwhile is left as it is, the export kept beside
+    overwrite = overwrite or is_empty_folder(out_dir)
     check_output(model_dir, out_dir, overwrite)
     check_no_running_export(out_dir)
     config = read_checkpoint_config(model_dir, max_context)

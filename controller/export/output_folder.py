@@ -102,6 +102,16 @@ def check_output(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
         raise ExportError(f"{out_dir} already exists; pass --overwrite to replace it")
 
 
+def is_empty_folder(path: Path) -> bool:
+    """Whether `path` is a folder (not a link to one, nor a mount point) with nothing in it but a file manager's
+    litter, which does not count."""
+    try:
+        return not path.is_symlink() and path.is_dir() and not os.path.ismount(path) \
+            and all(_is_litter(entry) for entry in path.iterdir())
+    except OSError:
+        return False
+
+
 def missing_parents(out_dir: Path) -> list[Path]:
     """The folders above `out_dir` that do not exist yet (the nearest first): make_staging_folder makes them, and
     an export that fails removes them again (remove_empty_folders), as it found the disk."""

@@ -106,9 +106,7 @@ def test_a_folder_holding_only_a_file_manager_s_litter_is_empty(checkpoint: Path
     out.mkdir()
     for name in ("Thumbs.db", ".DS_Store", "desktop.ini"):
         (out / name).write_bytes(b"\0\1")
-    with pytest.raises(ExportError, match=r"already exists; pass --overwrite to replace it"):
-        export_checkpoint(checkpoint, out, WeightFormat.F32)
-    export_checkpoint(checkpoint, out, WeightFormat.F32, overwrite=True)
+    export_checkpoint(checkpoint, out, WeightFormat.F32)  # as empty: filled, without --overwrite
     verify_files(out, load_manifest(out))
     assert [path.name for path in tmp_path.iterdir()] == ["out"]
 
@@ -214,7 +212,6 @@ def test_an_old_export_set_aside_under_this_process_s_number_is_in_the_way_befor
     ("export+notes.txt", r"is an export, but also holds notes\.txt, which is not a file its manifest\.json lists: "
                          r"--overwrite would delete it"),
     ("export", r"already exists; pass --overwrite to replace it"),
-    ("", r"already exists; pass --overwrite to replace it"),
 ])
 def test_overwrite_is_advised_only_where_it_would_replace_the_folder(
         checkpoint: Path, tiny_export: Path, tmp_path: Path, no_conversion: None, holds: str, says: str) -> None:
@@ -228,7 +225,20 @@ def test_overwrite_is_advised_only_where_it_would_replace_the_folder(
             (out / holds).write_text("my only copy")
     with pytest.raises(ExportError, match=says) as raised:
         export_checkpoint(checkpoint, out, WeightFormat.F32)
-    assert ("pass --overwrite" in str(raised.value)) == (holds in ("export", ""))
+    assert ("pass --overwrite" in str(raised.value)) == (holds == "export")
+
+
+@pytest.mark.parametrize("litter", [(), ("Thumbs.db", ".DS_Store")])
+def test_an_empty_folder_made_for_the_export_is_filled(checkpoint: Path, tmp_path: Path,
+                                                       litter: tuple[str, ...]) -> None:
+    # `mkdir out` then `export -o out` said "already exists; pass --overwrite to replace it"
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in litter:
+        (out / name).write_bytes(b"\0")
+    export_checkpoint(checkpoint, out, WeightFormat.F32)
+    verify_files(out, load_manifest(out))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]  # no staging or old folder left beside it
 
 
 def test_an_export_of_a_newer_deskfleet_is_named_as_such_not_as_no_deskfleet_manifest(
