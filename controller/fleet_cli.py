@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import signal
 import sys
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from deskfleet.controller.fleet_deploy import DeploySettings
 
 _POLICIES = [policy.value for policy in PlanPolicy]
+LONG_TOKEN_TTL = datetime.timedelta(days=7)  # `fleet token --ttl` past this is warned of
 PAPER_OPTIONS = ("layers", "layer_bytes", "embed_bytes", "head_bytes", "kv_bytes_per_token", "context", "width")
 PAPER_CONTEXT = 4096
 # A plan holds a few objects per layer: 10^8 layers (--layers and --layer-bytes swapped) filled the memory for
@@ -167,8 +169,16 @@ def _token(args: argparse.Namespace) -> int:
 
     if args.uses < 1:
         raise ValueError(f"--uses must be at least 1, got {args.uses}")
-    token = issue_token(_store(args), utc_now(), parse_duration(args.ttl), args.uses, tuple(args.address or ()))
+    store = _store(args)
+    lifetime = parse_duration(args.ttl)
+    token = issue_token(store, utc_now(), lifetime, args.uses, tuple(args.address or ()))
     print(encode_join_token(token))
+    if lifetime > LONG_TOKEN_TTL:  # a bearer credential: whoever holds it joins a PC, for as long as it lasts
+        print(f"warning: this token lets whoever holds it join {args.uses} PC(s) for {lifetime.days} days: keep it as "
+              "a password (the default is 24h)", file=sys.stderr)
+    if not store.served():  # the join would fail with "cannot reach the controller" and no word of why
+        print(f"warning: no `deskfleet fleet serve` runs on {store.data_dir}: a PC can join only while it runs; "
+              "start it", file=sys.stderr)
     # `join -` first: a token on the command line shows in the PC's process list and shell history
     print(f"valid until {token.expires_at.isoformat()} for {args.uses} join(s); on the PC run: "
           "deskfleet-agent join - (then paste the token), or deskfleet-agent join - < token.txt", file=sys.stderr)

@@ -183,3 +183,20 @@ def test_a_deploy_with_other_settings_than_the_one_before_says_what_changed(
     assert main(["fleet", "deploy", "--model", str(tiny_export), "--data-dir", str(store.data_dir),
                  "--discover-seconds", "0", "--json", *again]) == 0
     assert capsys.readouterr().err == note
+
+
+def test_a_token_warns_of_a_long_life_and_of_no_fleet_serve(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # `--ttl 400d` was taken without a word, and a token made while no `fleet serve` ran gave joins that failed
+    from deskfleet.controller.fleet_store import FleetStore
+
+    data = ["--data-dir", str(tmp_path / "ctl")]
+    assert main(["fleet", "init", "--address", "10.0.0.5:7341", *data]) == 0
+    capsys.readouterr()
+    assert main(["fleet", "token", "--ttl", "400d", *data]) == 0
+    err = capsys.readouterr().err
+    assert "warning: this token lets whoever holds it join 1 PC(s) for 400 days: keep it as a password" in err
+    assert f"warning: no `deskfleet fleet serve` runs on {tmp_path / 'ctl'}: a PC can join only while it runs" in err
+    with FleetStore(tmp_path / "ctl").serving():  # as `fleet serve` holds it
+        assert main(["fleet", "token", *data]) == 0
+    assert "warning" not in capsys.readouterr().err
