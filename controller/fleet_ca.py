@@ -418,7 +418,13 @@ def _sign_join(store: FleetStore, request: JoinRequest, now: datetime.datetime) 
         entry = RosterEntry(agent_id, hostname, now.isoformat())
         roster[agent_id] = replace(previous, hostname=hostname) if previous else entry
         store.save_roster(roster)
+        namesakes = sorted(other[:12] for other, kept in roster.items()
+                           if other != agent_id and kept.hostname == hostname)
     log.info("enrolled agent %s (%s)", agent_id[:12], hostname)
+    if namesakes:  # a name is a label the token holder chose: `fleet remove NAME` then asks which agent is meant
+        log.warning("agent %s joined as %s, the name agent(s) %s have too: `fleet ls` and `fleet remove` tell them "
+                    "apart by agent id (join again with --hostname for a name of its own)", agent_id[:12], hostname,
+                    ", ".join(namesakes))
     return JoinResponse(pki.certificate_pem(certificate).decode("ascii"),
                         pki.certificate_pem(ca.certificate).decode("ascii"), pki.fleet_id(ca.certificate))
 

@@ -536,3 +536,17 @@ def test_an_empty_controller_dir_variable_is_refused_not_taken_for_the_platforms
     monkeypatch.setenv("DESKFLEET_CONTROLLER_DIR", value)
     assert main(["fleet", "ls", "--discover-seconds", "0"]) == 2
     assert "$DESKFLEET_CONTROLLER_DIR is set but empty (an unset variable?)" in capsys.readouterr().err
+
+
+def test_a_pc_that_joins_with_another_pcs_name_is_logged(store: FleetStore, tmp_path: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    # a second `bob-pc` joined without a word; `fleet remove bob-pc` then asked which one was meant
+    async def scenario(server: FleetServer, address: str) -> None:
+        first = await join(token_for(store, address), tmp_path / "first", "bob-pc")
+        with caplog.at_level(logging.WARNING):
+            second = await join(token_for(store, address), tmp_path / "second", "bob-pc")
+        assert [record.getMessage() for record in caplog.records if "joined as" in record.getMessage()] == [
+            f"agent {second.agent_id[:12]} joined as bob-pc, the name agent(s) {first.agent_id[:12]} have too: `fleet "
+            "ls` and `fleet remove` tell them apart by agent id (join again with --hostname for a name of its own)"]
+
+    with_server(store, scenario)
