@@ -42,7 +42,7 @@ from pathlib import Path
 
 from deskfleet.agent.huge_pages import read_maps
 from deskfleet.common.devices import device_kind
-from deskfleet.common.launch import block_across_exec, restore_default_signals
+from deskfleet.common.launch import block_across_exec, restore_default_signals, unblock_stopping_signals
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ def run_on_jemalloc(device: str) -> None:
     """Re-execute this process on jemalloc when `jemalloc_environment` says so; otherwise return. Call it
     before anything is printed or started: the process image is replaced (same PID and command line)."""
     environment = jemalloc_environment(device)
-    if environment is None:
+    if environment is None:  # on jemalloc already (re-executed), or not wanted
+        unblock_stopping_signals()  # blocked across the re-exec: a main() without the launcher takes them from here
         return
     log.debug("re-executing on %s", environment[PRELOADED_VAR])
     for stream in (sys.stdout, sys.stderr):

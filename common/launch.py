@@ -37,13 +37,15 @@ def restore_default_signals() -> None:
     called from elsewhere, or called again), and take them out of the blocked set (see block_across_exec)."""
     while _installed:
         signal.signal(_installed.pop(), signal.SIG_DFL)
-    _unblock()
+    unblock_stopping_signals()
 
 
 def block_across_exec() -> None:
     """Block SIGTERM and SIGHUP before this process re-executes itself (agent/allocator.py, onto jemalloc): the
     blocked set and what is pending survive the exec, and the new process's launcher takes them out of it once its
-    handlers are in, so that one that came while the new interpreter started is said, not the default's silent end."""
+    handlers are in, so that one that came while the new interpreter started is said, not the default's silent end
+    (a process started otherwise, such as `bench fleet`'s simulated PCs, takes them out where run_on_jemalloc
+    returns: left blocked, their SIGTERM was ignored and each PC's stop waited 10 s for a SIGKILL)."""
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_BLOCK, _stopping())
 
@@ -77,13 +79,13 @@ def _stop_while_loading(program: str) -> None:
         if signal.getsignal(signum) is signal.SIG_DFL:
             signal.signal(signum, stop)
             _installed.append(signum)
-    _unblock()
+    unblock_stopping_signals()
 
 
 def _stopping() -> list[int]:
     return [signum for name in ("SIGTERM", "SIGHUP") if (signum := getattr(signal, name, None)) is not None]
 
 
-def _unblock() -> None:
+def unblock_stopping_signals() -> None:
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _stopping())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -147,3 +148,20 @@ def test_the_headless_agent_picks_the_allocator_by_its_settings_device(monkeypat
     monkeypatch.setattr(sys, "argv", ["deskfleet-agent", *headless])
     assert agent_cli.main() == 2
     assert calls == ["GPU.1"]
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no signal masks on Windows")
+def test_sigterm_blocked_across_the_re_exec_is_taken_again_where_no_re_exec_is_due() -> None:
+    # `bench fleet`'s simulated PCs re-execute onto jemalloc through run_on_jemalloc, not the launcher: SIGTERM
+    # stayed blocked for their whole life, and each stop waited 10 s for a SIGKILL
+    code = textwrap.dedent("""
+        import signal
+        from deskfleet.agent import allocator
+        from deskfleet.common.launch import block_across_exec
+        block_across_exec()  # as before the exec
+        allocator.jemalloc_environment = lambda device: None  # the new process: on jemalloc already
+        allocator.run_on_jemalloc("CPU")
+        print(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert json.loads(run.stdout) == []
