@@ -111,15 +111,16 @@ def _looks_utf16(head: bytes) -> bool:
 
 
 def _utf8_but_nuls(head: bytes) -> bool:
-    """Whether `head` is UTF-8 once its NULs are taken out (a character cut at its end allowed). UTF-16 text with
-    few NULs (Japanese, Cyrillic: a NUL only in its ASCII characters) almost never is."""
+    """Whether `head` is UTF-8 text once its NULs are taken out (a character cut at its end allowed): it decodes, to
+    almost all printable characters. UTF-16 text with few NULs (a NUL only in its ASCII characters) seldom decodes,
+    and where it does (Cyrillic's bytes are 0x10-0x4F, then 0x04) it decodes to control characters."""
     data = head.replace(b"\x00", b"")
     for cut in range(4):
         try:
-            data[:len(data) - cut].decode("utf-8")
-            return True
+            text = data[:len(data) - cut].decode("utf-8")
         except UnicodeDecodeError:
             continue
+        return sum(1 for char in text if char.isprintable() or char in "\t\r\n") >= 0.95 * len(text)
     return False
 
 

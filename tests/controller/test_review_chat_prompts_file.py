@@ -33,6 +33,8 @@ def test_a_prompts_file_line_that_is_not_utf8_is_named(tiny_export: Path, tmp_pa
     "def f():\n".encode("utf-16-le"),
     # text outside ASCII, without a BOM: not a NUL every other byte, and it was called a binary file
     "Привет, мир\nпечать(1)\n".encode("utf-16-le"), "def 一():\n".encode("utf-16-be"),
+    # few NULs (under 10%), and ASCII bytes once they are taken out: read as UTF-8 with a stray NUL, "not a text file"
+    "Съешь же ещё этих мягких французских булок\n".encode("utf-16-le"),
 ])
 def test_a_utf16_prompts_file_is_named_as_such(tiny_export: Path, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str], content: bytes) -> None:
