@@ -229,10 +229,11 @@ class AgentCore:
                     reply = Error(code, f"agent {self.agent_id[:12]}: {error}",
                                   micro_batch_id=chain_step.micro_batch_id if chain_step is not None else None,
                                   agent_id=error.agent_id if isinstance(error, CommandError) else None)
-                    if link.peer.role is Role.AGENT and chain_step is None:
-                        # what no previous hop sends (a StatusRequest, an AssignStage...): refused to the sender
-                        # alone. Sent down the chain, it named no micro-batch and so broke every driver's run: any
-                        # enrolled PC could end every generation through this one, again after each re-plan.
+                    if link.peer.role is Role.AGENT and chain_step is None and not isinstance(message, Error):
+                        # what no previous hop sends (a StatusRequest, an AssignStage...; it relays Errors): refused
+                        # to the sender alone. Sent down the chain, it named no micro-batch and so broke every
+                        # driver's run: any enrolled PC could end every generation through this one, again after
+                        # each re-plan.
                         await link.refuse(code, reply.message)
                         return
                     if link.peer.role is Role.AGENT:  # the previous stage reads nothing back: tell the driver

@@ -484,7 +484,7 @@ def _deploy(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # it ended with exit 130 and not a word: was anything lost, or half deployed?
         print("deskfleet: deploy stopped by Ctrl-C: the files the PCs received stay in their caches, and the next "
               "`deskfleet fleet deploy` sends only the rest; the model's deployment on record is the one before "
-              "(it is written once every stage is ready), and the PCs were told to release the stages this deploy "
+              "(it is written once every stage is ready), and the PCs were asked to release the stages this deploy "
               "gave them", file=sys.stderr)
         raise
     if args.json:

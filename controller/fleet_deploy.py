@@ -380,11 +380,11 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
             failed = [error for error in errors.exceptions if isinstance(error, DeployError)]
             raise DeployError("; ".join(str(error) for error in errors.exceptions),
                               agents=frozenset().union(*(error.agents for error in failed))) from None
+        report = DeployReport(model_id, placements, sent, files)
+        _save_deployment(store, model_dir, report, settings)  # a save that fails leaves the stages unrecorded too
     except BaseException:  # an agent failed, or Ctrl-C: the deployment on record stays, and so must its stages only
         await _release_unsaved(model_id, placements, before, found)
         raise
-    report = DeployReport(model_id, placements, sent, files)
-    _save_deployment(store, model_dir, report, settings)
     await _release_left_out(store, found, model_id)
     return result, report
 
@@ -421,27 +421,33 @@ def _placed_before(store: FleetStore, model_dir: Path) -> frozenset[tuple[str, i
 
 async def _release_unsaved(model_id: str, placements: tuple[StagePlacement, ...],
                            before: frozenset[tuple[str, int, int]], found: Survey) -> None:
-    """A deploy that did not finish (an agent failed, Ctrl-C): tell each PC of its plan to release the stage it
-    was (or was being) assigned, unless the deployment on record places that stage there. A stage kept held
-    its memory and cache pins, unused, until the agent restarted, `fleet ls` listed it as not deployed, and only
-    a deploy of a model the admin had just cancelled released it. An agent takes its link's messages in order,
-    so a release sent while it compiles the stage comes after it. Bounded: the deploy's own error or Ctrl-C is
-    what the user is waiting for."""
-    for placement in placements:
-        if (placement.agent_id, placement.layer_start, placement.layer_end) in before:
-            continue
+    """A deploy that did not finish (an agent failed, Ctrl-C, its record not saved): ask each PC of its plan to
+    release the stage it was (or was being) assigned, unless the deployment on record places that stage there. A
+    stage kept held its memory and cache pins, unused, until the agent restarted, `fleet ls` listed it as not
+    deployed, and only a deploy of a model the admin had just cancelled released it. An agent takes its link's
+    messages in order, so a release sent while it compiles the stage comes after it. The sends go together, bounded
+    as a whole: the deploy's own error or Ctrl-C is what the user is waiting for."""
+    async def release(placement: StagePlacement) -> None:
         link = found.links.get(placement.agent_id)
         if link is None:
-            continue
-        stage = StageRef(model_id, placement.layer_start, placement.layer_end)
+            return
         try:
-            await asyncio.wait_for(link.send(ReleaseStage(stage)), RELEASE_UNSAVED_TIMEOUT_S)
-            log.info("agent %s told to release %s[%d:%d]: the deploy did not finish", placement.agent_id[:12],
+            await link.send(ReleaseStage(StageRef(model_id, placement.layer_start, placement.layer_end)))
+            log.info("agent %s asked to release %s[%d:%d]: the deploy did not finish", placement.agent_id[:12],
                      model_id, placement.layer_start, placement.layer_end)
-        except (LinkError, TimeoutError) as error:
+        except LinkError as error:
             log.warning("agent %s may keep the unused stage %s[%d:%d] of the deploy that did not finish (cannot tell "
                         "it to release it: %s): restarting the agent releases it", placement.agent_id[:12], model_id,
-                        placement.layer_start, placement.layer_end, error or "no answer")
+                        placement.layer_start, placement.layer_end, error)
+
+    unsaved = [placement for placement in placements
+               if (placement.agent_id, placement.layer_start, placement.layer_end) not in before]
+    try:
+        async with asyncio.timeout(RELEASE_UNSAVED_TIMEOUT_S):
+            await asyncio.gather(*(release(placement) for placement in unsaved))
+    except TimeoutError:
+        log.warning("not every PC of the deploy that did not finish could be asked within %.0f s to release its "
+                    "stage: `deskfleet fleet ls` lists what they keep as not deployed", RELEASE_UNSAVED_TIMEOUT_S)
 
 
 async def _release_left_out(store: FleetStore, found: Survey, model_id: str) -> None:

@@ -284,3 +284,19 @@ def test_what_only_the_controller_sends_is_refused_to_an_agent_alone(
     assert onward == [] and driver.sent == []
     assert link.refused is not None and link.refused.startswith("unauthorized: ")
     assert "only the controller may send StatusRequest" in link.refused
+
+
+def test_an_error_relayed_by_the_previous_hop_that_fails_here_still_goes_down(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the rightful previous hop relays Errors: one that failed here must reach the driver, not close that hop's link
+    core = make_core(tmp_path, "agent")
+    fake_stage(core, "m@1", PREVIOUS, NEXT)
+
+    def fails(*args: object) -> Error:
+        raise RuntimeError("a fault of ours")
+
+    monkeypatch.setattr(core, "_checked_blame", fails)
+    onward, link = relay(core, PREVIOUS, Error(ErrorCode.INTERNAL, "stage 0 failed"), monkeypatch)
+    assert link.refused is None
+    (sent,) = onward
+    assert isinstance(sent, Error) and "a fault of ours" in sent.message

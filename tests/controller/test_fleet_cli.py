@@ -146,7 +146,7 @@ def test_a_deploy_stopped_by_ctrl_c_says_what_it_left(
     assert capsys.readouterr().err == (
         "deskfleet: deploy stopped by Ctrl-C: the files the PCs received stay in their caches, and the next "
         "`deskfleet fleet deploy` sends only the rest; the model's deployment on record is the one before (it is "
-        "written once every stage is ready), and the PCs were told to release the stages this deploy gave them\n")
+        "written once every stage is ready), and the PCs were asked to release the stages this deploy gave them\n")
 
 
 @pytest.mark.parametrize(("again", "note"), [
