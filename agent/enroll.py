@@ -128,7 +128,8 @@ def secure_state_dir(state_dir: Path) -> None:
     (On Windows file modes mean nothing: the folder is in the user's profile by default.)"""
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     files = agent_tls_files(state_dir)
-    for path in (files.ca_path, files.cert_path, files.key_path, state_dir / MEMBERSHIP_FILE):
+    credentials = (files.ca_path, files.cert_path, files.key_path, state_dir / MEMBERSHIP_FILE)
+    for path in credentials:
         if path.is_symlink():
             raise EnrollmentError(f"{path} is a symbolic link (to {os.readlink(path)}): this PC's fleet credentials "
                                   "must be files of their own in its state folder; remove the link and join the "
@@ -140,10 +141,18 @@ def secure_state_dir(state_dir: Path) -> None:
         raise EnrollmentError(f"the agent's state folder {state_dir} belongs to another user (uid {status.st_uid}), "
                               f"not to the one running the agent (uid {os.geteuid()}): whoever owns it can read this "
                               "PC's fleet key; give the agent a --data-dir of its own user")
+    for path in credentials:
+        if path.exists() and (owner := path.stat().st_uid) != os.geteuid():  # put there while the folder was open
+            raise EnrollmentError(f"{path} belongs to another user (uid {owner}): this PC's fleet credentials must be "
+                                  "its own; remove it and join the fleet again with a new token")
     if (mode := stat.S_IMODE(status.st_mode)) & 0o077:
         state_dir.chmod(0o700)
-        log.warning("the agent's state folder %s was open to other users (mode %03o): made it readable by its owner "
-                    "only (0700); check that no one else put a file there", state_dir, mode)
+        if stat.S_IMODE(state_dir.stat().st_mode) & 0o077:  # a file system without modes (vfat, a share)
+            log.warning("the agent's state folder %s is open to other users (mode %03o) and its file system keeps "
+                        "no modes: keep the agent's --data-dir on a disk that does", state_dir, mode)
+        else:
+            log.warning("the agent's state folder %s was open to other users (mode %03o): made it readable by its "
+                        "owner only (0700); check that no one else put a file there", state_dir, mode)
 
 
 def check_credentials(files: TlsFiles, membership: Membership, join_command: str) -> None:

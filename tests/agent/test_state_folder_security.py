@@ -84,13 +84,24 @@ def test_an_agent_whose_credential_is_a_link_does_not_start(tmp_path: Path, name
 
 
 @posix_only
-@pytest.mark.skipif(os.name == "nt" or os.geteuid() != 0, reason="giving a folder to another user takes root")
-def test_a_state_folder_of_another_user_is_refused(tmp_path: Path) -> None:
+def test_a_state_folder_of_another_user_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
-    os.chown(state, 65534, 65534)
-    with pytest.raises(EnrollmentError, match=rf"state folder {state} belongs to another user \(uid 65534\)"):
+    mine = os.geteuid()
+    monkeypatch.setattr(os, "geteuid", lambda: mine + 1)  # the agent runs as another user than the folder's
+    with pytest.raises(EnrollmentError, match=rf"state folder {state} belongs to another user \(uid {mine}\), not to "
+                                              rf"the one running the agent \(uid {mine + 1}\)"):
         secure_state_dir(state)
+
+
+@posix_only
+@pytest.mark.skipif(os.name == "nt" or os.geteuid() != 0, reason="giving a file to another user takes root")
+def test_a_credential_another_user_put_in_the_folder_is_refused(tmp_path: Path) -> None:
+    # planted while the folder was open: a consistent ca.pem, agent.pem and membership.json pass every other check
+    state = _joined(tmp_path)
+    os.chown(state / "ca.pem", 65534, 65534)
+    with pytest.raises(EnrollmentError, match=rf"{state / 'ca.pem'} belongs to another user \(uid 65534\)"):
+        _start(tmp_path)
 
 
 def test_an_agent_with_another_fleets_ca_does_not_start(tmp_path: Path) -> None:
