@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import ipaddress
 import logging
 import ssl
 from collections import Counter
@@ -442,9 +443,20 @@ async def _refuse_version(link: Link, own: pki.PeerIdentity, theirs: int, their_
 
 
 def _remote_host(connection: Connection) -> str:
-    """The peer's address without its port ("?" when unknown)."""
+    """Who the peer is, for the per-host join limit: its IPv4 address (an IPv4-mapped IPv6 one as IPv4), the /64 of
+    an IPv6 one (a host on an IPv6 LAN can take any address of its /64), or "?" when unknown."""
     address = connection.remote_address
-    return str(address[0]) if address else "?"
+    if not address:
+        return "?"
+    try:
+        ip = ipaddress.ip_address(str(address[0]).split("%", 1)[0])  # without a zone: fe80::1%eth0
+    except ValueError:
+        return str(address[0])
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
 
 
 def _remote(connection: Connection) -> str:

@@ -301,3 +301,20 @@ def test_a_fleet_whose_ca_expired_is_named_with_the_day_and_fleet_init_force(tmp
                                 expected_agent_id=agent.own_identity().agent_id)
 
     run(scenario())
+
+
+@pytest.mark.parametrize(("address", "host"), [
+    (("10.0.0.7", 51234), "10.0.0.7"),
+    (("::ffff:10.0.0.7", 51234, 0, 0), "10.0.0.7"),  # IPv4-mapped: the same host as over IPv4
+    (("2001:db8:1:2:aaaa::1", 51234, 0, 0), "2001:db8:1:2::/64"),  # any address of its /64 is the same host
+    (("2001:db8:1:2:bbbb::9", 51234, 0, 0), "2001:db8:1:2::/64"),
+    (("fe80::1%eth0", 51234, 0, 2), "fe80::/64"),
+    (None, "?"),
+])
+def test_the_join_limit_counts_a_host_by_its_address_or_its_ipv6_64(address: object, host: str) -> None:
+    # keyed by the address alone, one IPv6 host could open every join slot from addresses of its /64
+    from types import SimpleNamespace
+
+    from deskfleet.agent.link import _remote_host
+
+    assert _remote_host(SimpleNamespace(remote_address=address)) == host  # type: ignore[arg-type]
