@@ -52,20 +52,29 @@ class AgentParser(argparse.ArgumentParser):
         return super().parse_known_args(self._arguments, namespace)
 
     def error(self, message: str) -> NoReturn:
-        known = _option_strings(self)
-        unknown = [argument for argument in self._arguments
-                   if argument.startswith("--") and argument.split("=", 1)[0] not in known]
+        known = _options(self)
+        unknown, value_next = [], False
+        for argument in self._arguments:
+            if argument == "--":  # what follows is no option
+                break
+            if value_next:  # the value of the option before (`--hostname --x`: argparse's own error says it)
+                value_next = False
+                continue
+            name = argument.split("=", 1)[0]
+            if argument.startswith("--") and name not in known:
+                unknown.append(argument)
+            value_next = known.get(name, False) and "=" not in argument
         super().error(f"unrecognized arguments: {' '.join(unknown)}" if unknown else message)
 
 
-def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
-    """Every option `parser` and its commands take."""
-    options: set[str] = set()
+def _options(parser: argparse.ArgumentParser) -> dict[str, bool]:
+    """Every option `parser` and its commands take, and whether it takes a value."""
+    options: dict[str, bool] = {}
     for action in parser._actions:
-        options.update(action.option_strings)
+        options.update(dict.fromkeys(action.option_strings, action.nargs != 0))
         if isinstance(action, argparse._SubParsersAction):
             for command in action.choices.values():
-                options |= _option_strings(command)
+                options.update(_options(command))
     return options
 
 

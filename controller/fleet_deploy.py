@@ -129,10 +129,11 @@ class DeploySettings:
     def options_given(self) -> dict[str, str]:
         """`fleet deploy`'s options that make these settings, those that differ from its defaults (option: value)."""
         default = DeploySettings()
+        hops_priced = self.policy is PlanPolicy.ALL_BY_SPEED  # the fewest agents' plan prices no hop
         given = {"--policy": self.policy.value if self.policy is not default.policy else None,
                  "--streams": str(self.streams) if self.streams != default.streams else None,
                  "--device": self.device if self.device != default.device else None,
-                 "--hop-ms": f"{self.hop_cost / 1e6:g}" if self.hop_cost != default.hop_cost else None,
+                 "--hop-ms": f"{self.hop_cost / 1e6:g}" if hops_priced and self.hop_cost != default.hop_cost else None,
                  "--precision": self.precision.value if self.precision is not default.precision else None,
                  "--kv-cache": self.kv_cache}
         return {option: value for option, value in given.items() if value is not None}
@@ -142,7 +143,7 @@ class DeploySettings:
         return "".join(f" {option} {shlex.quote(value)}" for option, value in self.options_given().items())
 
     def changes_from(self, before: DeploySettings) -> list[str]:
-        """What differs from `before`, in the options' words: ["--precision f32 -> device_default", ...]."""
+        """What differs from `before`, in the options' words: ["--precision f32 -> default", ...]."""
         now, then = self.options_given(), before.options_given()
         return [f"{option} {then.get(option, 'default')} -> {now.get(option, 'default')}"
                 for option in dict.fromkeys([*then, *now]) if now.get(option) != then.get(option)]

@@ -159,3 +159,10 @@ def test_a_mistyped_option_is_named(argv: list[str], capsys: pytest.CaptureFixtu
         cli.build_parser().parse_args(argv)
     assert exit_code.value.code == 2
     assert f"error: unrecognized arguments: {argv[-3] if argv[0] == 'join' else argv[-2]}\n" in capsys.readouterr().err
+
+
+def test_an_options_missing_value_is_not_called_an_unknown_option(capsys: pytest.CaptureFixture[str]) -> None:
+    # `--hostname --x`: the value is missing, which argparse says; --x is no option the user meant
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["join", "dfj1.x", "--hostname", "--x"])
+    assert "argument --hostname: expected one argument" in capsys.readouterr().err

@@ -200,3 +200,18 @@ def test_a_token_warns_of_a_long_life_and_of_no_fleet_serve(tmp_path: Path,
     with FleetStore(tmp_path / "ctl").serving():  # as `fleet serve` holds it
         assert main(["fleet", "token", *data]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_deploy_settings_name_the_options_that_make_them() -> None:
+    from deskfleet.common.planner import PlanPolicy
+    from deskfleet.common.wire import Precision
+    from deskfleet.controller.fleet_deploy import DeploySettings
+
+    assert DeploySettings().command_options() == ""
+    assert DeploySettings(hop_cost=0.0).options_given() == {}  # the fewest agents' plan prices no hop
+    fast = DeploySettings(PlanPolicy.ALL_BY_SPEED, 2, Precision.F32, "GPU.1", "f32", hop_cost=2.5e6)
+    assert fast.command_options() == (" --policy all_by_speed --streams 2 --device GPU.1 --hop-ms 2.5 --precision f32 "
+                                      "--kv-cache f32")
+    assert DeploySettings().changes_from(fast) == ["--policy all_by_speed -> default", "--streams 2 -> default",
+                                                   "--device GPU.1 -> default", "--hop-ms 2.5 -> default",
+                                                   "--precision f32 -> default", "--kv-cache f32 -> default"]
