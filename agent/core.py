@@ -223,13 +223,18 @@ class AgentCore:
                 except Exception as error:  # a refusal (CommandError), or a fault of ours: answer, keep serving
                     if not isinstance(error, CommandError):
                         log.exception("%s from %s failed", type(message).__name__, link.describe())
-                    self._note_error(f"{type(message).__name__} from {link.describe()}: {error}")
-                    code = error.code if isinstance(error, CommandError) else ErrorCode.INTERNAL
                     chain_step = message if isinstance(message, Forward | ReleaseMicroBatch) else None
+                    refused = link.peer.role is Role.AGENT and chain_step is None and not isinstance(message, Error)
+                    said = (link.peer.agent_id, type(message).__name__)
+                    if not (refused and said in self._refusals_logged):  # a PC refused so again and again is logged
+                        self._note_error(f"{type(message).__name__} from {link.describe()}: {error}")  # once: a
+                    if refused:  # walk's rogue PC wrote 1,344 lines in 24 s
+                        self._refusals_logged.add(said)
+                    code = error.code if isinstance(error, CommandError) else ErrorCode.INTERNAL
                     reply = Error(code, f"agent {self.agent_id[:12]}: {error}",
                                   micro_batch_id=chain_step.micro_batch_id if chain_step is not None else None,
                                   agent_id=error.agent_id if isinstance(error, CommandError) else None)
-                    if link.peer.role is Role.AGENT and chain_step is None and not isinstance(message, Error):
+                    if refused:
                         # what no previous hop sends (a StatusRequest, an AssignStage...; it relays Errors): refused
                         # to the sender alone. Sent down the chain, it named no micro-batch and so broke every
                         # driver's run: any enrolled PC could end every generation through this one, again after
@@ -243,8 +248,11 @@ class AgentCore:
                     try:
                         await link.send(reply)
                     except LinkError as error:
+                        # what the peer sent before it closed is still read (the next receive ends the loop once
+                        # none is left): a deploy stopped by Ctrl-C while this agent compiled its stage closed the
+                        # link after asking it to release that stage, and the stage stayed, unused, as the release
+                        # was never read
                         log.info("%s", error)
-                        return
         finally:
             self.cache.unpin(_deploy_pin(link))
             self._links.discard(link)

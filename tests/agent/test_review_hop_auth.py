@@ -38,6 +38,7 @@ from deskfleet.common.wire import (
     NextHop,
     Precision,
     ReleaseMicroBatch,
+    ReleaseStage,
     ResultsHere,
     Role,
     ShardChunk,
@@ -300,3 +301,30 @@ def test_an_error_relayed_by_the_previous_hop_that_fails_here_still_goes_down(
     assert link.refused is None
     (sent,) = onward
     assert isinstance(sent, Error) and "a fault of ours" in sent.message
+
+
+def test_what_a_closed_link_sent_before_it_closed_is_still_read(tmp_path: Path, tiny_export: Path) -> None:
+    # a deploy stopped by Ctrl-C while this agent compiled its stage asked it to release the stage, then closed the
+    # link: the StageReady the agent answered could not be sent, it stopped reading, and the stage stayed, unused
+    class ClosedLink(FakeLink):
+        async def send(self, message: Message) -> None:
+            raise LinkError("link to controller cccccccccccc closed: the peer went away")
+
+    core = make_core(tmp_path, "agent")
+    layers = load_manifest(tiny_export).spec.num_layers
+    assignment = host(core, tiny_export, 0, layers, None)
+    assert core.stages
+    link = ClosedLink(Role.CONTROLLER, "c" * 52, [StatusRequest(), ReleaseStage(assignment.stage)])
+    asyncio.run(core.serve_link(cast(Link, link)))
+    assert not core.stages
+
+
+def test_a_pc_refused_again_and_again_is_logged_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    # a walk's rogue PC, refused and reconnecting, wrote 1,344 warning lines in 24 s
+    core = make_core(tmp_path, "agent")
+    fake_stage(core, "m@1", PREVIOUS, None)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(5):
+            relay(core, STRANGER, StatusRequest(), monkeypatch)
+    assert len([record for record in caplog.records if "StatusRequest from" in record.getMessage()]) == 1
