@@ -74,8 +74,11 @@ def pid_lock(path: Path, refusal: Callable[[str], Exception]) -> Iterator[None]:
     A lock file that cannot be opened (created on a full disk, say) is named in the OSError; a pid that cannot
     be written into it (the disk is full) is left out, logged: the lock holds all the same, and the next comer
     is told "unknown" for the pid (it used to stop the agent, with an OSError naming no file)."""
+    if path.is_symlink():  # the pid would be written through it, over whatever file it names (as its user: root)
+        raise OSError(f"the lock file {path} is a symbolic link (to {os.readlink(path)}): remove it")
     try:
-        handle = open(path, "a+b", buffering=0)  # unbuffered: nothing is left to write (and fail) at close
+        # not through a link made meanwhile either; unbuffered: nothing is left to write (and fail) at close
+        handle = open(path, "a+b", buffering=0, opener=_not_through_a_link)
     except OSError as error:
         raise OSError(f"cannot open the lock file {path}: {error.strerror or error}") from None
     with handle:
@@ -92,6 +95,11 @@ def pid_lock(path: Path, refusal: Callable[[str], Exception]) -> Iterator[None]:
             yield
         finally:
             unlock_file(handle.fileno())
+
+
+def _not_through_a_link(path: str, flags: int) -> int:
+    """os.open for open(): a link at `path` is refused (ELOOP) where the platform can tell (O_NOFOLLOW)."""
+    return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o600)
 
 
 def _holder(handle: BinaryIO) -> str:

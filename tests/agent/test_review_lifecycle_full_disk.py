@@ -46,7 +46,8 @@ def test_an_agent_on_a_full_disk_holds_its_data_dir_without_writing_its_pid(
     # Writing the pid after the lock raised ENOSPC and the agent stopped ("error: [Errno 28] No space left on
     # device"), though a full disk only keeps it from taking new shards: the stages in its cache still serve.
     joined(tmp_path)
-    monkeypatch.setattr(file_lock, "open", lambda path, mode, buffering=-1: FullDisk(path, "a+"), raising=False)
+    monkeypatch.setattr(file_lock, "open", lambda path, mode, buffering=-1, opener=None: FullDisk(path, "a+"),
+                        raising=False)
     first, second = service_on(tmp_path), service_on(tmp_path)
     with first._data_dir_lock():
         assert any("cannot write this process's id" in record.getMessage() and LOCK_FILE in record.getMessage()
@@ -62,7 +63,7 @@ def test_a_lock_file_that_cannot_be_created_is_named(tmp_path: Path, monkeypatch
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     paths = joined(tmp_path)
 
-    def no_room(path: Path, mode: str, buffering: int = -1) -> Any:
+    def no_room(path: Path, mode: str, buffering: int = -1, opener: Any = None) -> Any:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(file_lock, "open", no_room, raising=False)

@@ -50,3 +50,16 @@ def test_a_pid_lock_names_its_holder_to_the_next_comer_and_is_free_again_after(t
     assert refused == [str(os.getpid())]
     with pid_lock(path, refusal):  # let go: taken at once
         pass
+
+
+@pytest.mark.skipif(os.name == "nt", reason="symbolic links need privileges on Windows")
+def test_a_lock_file_that_is_a_link_is_refused_and_nothing_is_written_through_it(tmp_path: Path) -> None:
+    # a link planted as an agent's state/agent.lock had the agent (as root) write its pid over the file it named
+    victim = tmp_path / "victim"
+    victim.write_text("VICTIM-CONTENT")
+    lock = tmp_path / "agent.lock"
+    lock.symlink_to(victim)
+    with pytest.raises(OSError, match=rf"the lock file {lock} is a symbolic link \(to {victim}\): remove it"), \
+            pid_lock(lock, lambda pid: RuntimeError(pid)):
+        pass
+    assert victim.read_text() == "VICTIM-CONTENT"
