@@ -79,27 +79,45 @@ def _options(parser: argparse.ArgumentParser) -> dict[str, bool]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from deskfleet.agent.paths import DEFAULT_AGENT_PORT
+
     # allow_abbrev=False, as `deskfleet`'s: `--head` was taken for --headless and `join --host` for --hostname
-    parser = AgentParser(prog="deskfleet-agent", description="The deskfleet agent of this PC.", allow_abbrev=False)
+    parser = AgentParser(
+        prog="deskfleet-agent", allow_abbrev=False,
+        description="The deskfleet agent of this PC: it hosts a stage of a model when the fleet's controller asks. "
+                    "Once: `deskfleet-agent join -` (the token from `deskfleet fleet token` on standard input); then "
+                    "run it with `deskfleet-agent --headless` (it runs in the foreground until Ctrl-C, SIGTERM or "
+                    "SIGHUP). Its user can `pause` it (and `resume`) at any time.",
+        usage="deskfleet-agent [-h] [-v] [--data-dir DIR] (--headless [--listen HOST:PORT] | COMMAND ...)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
-    parser.add_argument("--headless", action="store_true", help="run the agent core without a tray")
-    parser.add_argument("--data-dir", type=path_argument, default=None,
-                        help="keep settings, state (key, certificate) and shard cache under this folder")
+    parser.add_argument("--headless", action="store_true",
+                        help="run the agent (in the foreground, logging to standard error: the tray is not part of "
+                             "this build)")
+    parser.add_argument("--data-dir", type=path_argument, default=None, metavar="DIR",
+                        help="keep settings, state (key, certificate) and shard cache under DIR (DIR/settings, "
+                             "DIR/state, DIR/cache; default: the platform's config, state and cache folders); give "
+                             "every command the same")
     parser.add_argument("--listen", default=None, metavar="HOST:PORT",
-                        help="address to accept fleet links on (default: the settings file's)")
+                        help="address to accept fleet links on (default: listen_address in the settings file, "
+                             f"agent-settings.json in the settings folder, else 0.0.0.0:{DEFAULT_AGENT_PORT}: every "
+                             "interface; the agent announces itself over mDNS unless it listens on loopback)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     join = commands.add_parser("join", help="enroll this PC with a join token from the fleet's admin",
+                               description="Enroll this PC with a join token from the fleet's admin (`deskfleet "
+                                           "fleet token`), then start it with `deskfleet-agent --headless`.",
                                allow_abbrev=False)
     join.add_argument("token", help="the token printed by `deskfleet fleet token`; - reads it from standard "
                                     "input (a token on the command line shows in the process list and history)")
-    join.add_argument("--data-dir", type=path_argument, default=argparse.SUPPRESS, help="as above")
+    join.add_argument("--data-dir", type=path_argument, default=argparse.SUPPRESS, metavar="DIR",
+                      help="the agent's data dir (default: the platform's folders), as `--headless` will be given")
     join.add_argument("--hostname", type=_hostname_argument, default=None,
                       help="name to show the admin (default: this PC's)")
     for name, text in (("pause", "opt this PC out: it serves no model until `resume` (a stage it hosts is given "
                                  "up within seconds; the generation goes on without it)"),
                        ("resume", "end a pause: the next plan may use this PC again")):
-        command = commands.add_parser(name, help=text, allow_abbrev=False)
-        command.add_argument("--data-dir", type=path_argument, default=argparse.SUPPRESS,
+        command = commands.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}.",
+                                      allow_abbrev=False)
+        command.add_argument("--data-dir", type=path_argument, default=argparse.SUPPRESS, metavar="DIR",
                              help="the agent's data dir, as given to `join` and `--headless`")
     return parser
 

@@ -889,12 +889,12 @@ def _stage(model: ModelFootprint, prefix: list[int], agent: AgentCandidate, star
 
 
 def _not_needed(agent: AgentCandidate, stages: list[Stage], options: PlanOptions) -> Exclusion:
-    if options.policy is PlanPolicy.FEWEST_AGENTS:
-        message = f"not needed: {len(stages)} agent(s) hold the model"
+    if options.policy is PlanPolicy.FEWEST_AGENTS:  # what to give to use it anyway: a walk found no way from --help
+        message = f"not needed: {len(stages)} agent(s) hold the model (--policy all_by_speed splits it over more)"
     else:
         slowest = max(stage.relative_time for stage in stages)
-        hop = (f" by more than a hop costs ({_share_of_slowest(_hop(options), slowest):.2f} of the slowest stage)"
-               if _hop(options) else "")
+        hop = (f" by more than a hop costs ({_share_of_slowest(_hop(options), slowest):.2f} of the slowest stage; "
+               "--hop-ms 0 counts hops as free)" if _hop(options) else "")
         message = (f"not used: with speed {agent.speed:.3g} and {_gb(usable_bytes(agent, options))} usable, "
                    f"a share of the layers would not shorten the slowest stage{hop}")
     return Exclusion(agent.agent_id, ExclusionReason.NOT_NEEDED, message, agent.hostname)

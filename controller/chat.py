@@ -102,7 +102,12 @@ class ReplyStats:
 def add_chat_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
                      add_compile_options: Callable[[argparse.ArgumentParser], None]) -> None:
     """`deskfleet chat`; `add_compile_options(parser)` adds the CLI's shared --precision/--device/--threads."""
-    chat = subparsers.add_parser("chat", help="a terminal chat with streaming output (local or --fleet)")
+    chat = subparsers.add_parser(
+        "chat", help="a terminal chat with streaming output (local or --fleet)",
+        description="A terminal chat with streaming output (local or --fleet). Type a message a line; each reply "
+                    "streams as it is made. /reset forgets the conversation, /quit or /exit (or the end of the input, "
+                    "Ctrl-D) leaves; Ctrl-C during a reply stops that reply only. Messages can be piped in, one a "
+                    "line.")
     chat.add_argument("--model", type=path_argument, required=True, help="export folder (with its tokenizer)")
     add_fleet_option(chat)
     # None: not given (1), which --fleet needs to tell: there its deployment decides the stages.

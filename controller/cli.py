@@ -194,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="export a Hugging Face checkpoint to per-layer OpenVINO IR")
     export.add_argument("model_dir", type=path_argument, help="checkpoint folder (config.json, safetensors, tokenizer)")
     export.add_argument("-o", "--output", type=path_argument, required=True, help="export folder to write")
-    export.add_argument("--weights", choices=[f.value for f in WeightFormat], default=WeightFormat.INT4.value)
+    export.add_argument("--weights", choices=[f.value for f in WeightFormat], default=WeightFormat.INT4.value,
+                        help="the layers' weights: int4 (the default; groups of 128, the embedding and head int8), "
+                             "f16 or f32")
     export.add_argument("--max-context", type=_max_context, default=None,
                         help="RoPE table length (default: min(config's max positions, 8192))")
     export.add_argument("--overwrite", action="store_true", help="replace an existing export folder")
@@ -322,7 +324,21 @@ def build_parser() -> argparse.ArgumentParser:
     for bench_parser in benches.choices.values():
         bench_parser.formatter_class = DefaultsHelpFormatter
     add_fleet_commands(commands)
+    describe_commands(parser)
     return parser
+
+
+def describe_commands(parser: argparse.ArgumentParser) -> None:
+    """Give each command's own --help page the line that describes it in its parent's list, where it has no
+    description of its own (every page began with its usage and options alone)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            said = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, command in action.choices.items():
+                if not command.description and said.get(name):
+                    text = str(said[name])
+                    command.description = f"{text[0].upper()}{text[1:]}."
+                describe_commands(command)
 
 
 def missing_extra(error: ModuleNotFoundError) -> MissingExtraError | None:

@@ -49,52 +49,76 @@ MAX_PAPER_LAYERS = 10_000
 
 def add_fleet_commands(subparsers: Any) -> None:
     """Add `fleet` and its subcommands to the controller's argparse subparsers."""
-    fleet = subparsers.add_parser("fleet", help="manage the fleet: trust, agents, plans, deployment")
+    fleet = subparsers.add_parser(
+        "fleet", help="manage the fleet: trust, agents, plans, deployment",
+        description="The office PCs that run a model together. The steps, once: `fleet init` (the fleet's CA, on "
+                    "this PC), keep `fleet serve` running, `fleet token`, and on each PC `deskfleet-agent join -` (the "
+                    "token on standard input) then `deskfleet-agent --headless` (the agent, in the foreground). Then "
+                    "`fleet ls`, `fleet plan --model M`, `fleet deploy --model M`, and `deskfleet generate --fleet "
+                    "--model M` or `deskfleet chat --fleet --model M`.")
     commands = fleet.add_subparsers(dest="fleet_command", required=True, metavar="FLEET_COMMAND")
 
-    def command(name: str, help_text: str) -> argparse.ArgumentParser:
-        parser: argparse.ArgumentParser = commands.add_parser(name, help=help_text)
+    def command(name: str, help_text: str, details: str = "") -> argparse.ArgumentParser:
+        description = f"{help_text[0].upper()}{help_text[1:]}." + (f" {details}" if details else "")
+        parser: argparse.ArgumentParser = commands.add_parser(name, help=help_text, description=description)
         parser.add_argument("--data-dir", type=path_argument, default=None,
                             help="controller data dir (default: $DESKFLEET_CONTROLLER_DIR or the platform's)")
         return parser
 
-    init = command("init", "create the fleet CA and this controller's certificate")
+    init = command("init", "create the fleet CA and this controller's certificate",
+                   "Then keep `fleet serve` running, and make a token for each PC with `fleet token`.")
     init.add_argument("--name", default="deskfleet", help="fleet name in the CA certificate")
     init.add_argument("--address", action="append", default=None, metavar="HOST:PORT",
-                      help="where agents reach this controller (repeatable; default: this PC's address)")
+                      help="where agents reach this controller (repeatable; default: this PC's address, port "
+                           "7341)")
     init.add_argument("--force", action="store_true", help="replace an existing fleet (every agent must rejoin)")
     init.set_defaults(handler=_init)
 
-    token = command("token", "print a join token")
-    token.add_argument("--ttl", default="24h", help="validity, e.g. 24h, 30m, 7d (default 24h)")
+    token = command("token", "print a join token",
+                    "A PC joins with it: `deskfleet-agent join -` there, the token on standard input. Whoever holds "
+                    "it can join a PC while it lasts: keep it as a password. Joins need `fleet serve` running.")
+    token.add_argument("--ttl", default="24h", help="validity: a number and s, m, h or d, or several (90s, 30m, "
+                                                    "1h30m, 7d; default 24h)")
     token.add_argument("--uses", type=int, default=1, help="how many agents may join with it (default 1)")
     token.add_argument("--address", action="append", default=None, metavar="HOST:PORT",
                        help="controller address(es) to put in the token (default: those given to init)")
     token.set_defaults(handler=_token)
 
-    remove = command("remove", "remove an agent from the fleet (revokes its certificate)")
+    remove = command("remove", "remove an agent from the fleet (revokes its certificate)",
+                     "For good: the PC can join again only as a new agent, with a new key (delete agent-key.pem in "
+                     "the agent's state folder, then join with a new token).")
     remove.add_argument("agent", help=f"agent id, a unique prefix of it (at least {MIN_ID_PREFIX} characters), "
                                       "or its hostname")
     remove.set_defaults(handler=_remove)
 
-    serve = command("serve", "run the enrollment and registration endpoint")
+    serve = command("serve", "run the enrollment and registration endpoint",
+                    "It runs in the foreground until Ctrl-C, SIGTERM or SIGHUP; PCs join and agents register only "
+                    "while it runs, and it announces the controller over mDNS unless it listens on loopback.")
     serve.add_argument("--listen", default=None, metavar="HOST:PORT",
-                       help="default: 0.0.0.0 and the port of the first init address")
+                       help="where to listen (default: every interface, 0.0.0.0, at the port of the first init "
+                            "address)")
     serve.set_defaults(handler=_serve, log_times=True)  # it runs for days: each log line says when
 
     for name, help_text, handler in (("ls", "list agents, states and stages", _ls),
                                      ("plan", "show how a model would be split over the agents", _plan),
                                      ("deploy", "push a model's shards and assign its stages", _deploy),
-                                     ("generate", "greedy tokens through the deployed chain", _generate)):
+                                     ("generate", "greedy token ids through the deployed chain (low level: for "
+                                                  "text, sampling, drafting and chat, `deskfleet generate --fleet` "
+                                                  "and `deskfleet chat --fleet`)", _generate)):
         parser = command(name, help_text)
         parser.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                             help="also dial this agent address (repeatable)")
         parser.add_argument("--discover-seconds", type=browse_seconds, default=2.0,
-                            help="how long to browse mDNS for agents (0: registrations and --peer only)")
+                            help="how long to browse mDNS for agents on the LAN (default 2; 0: no multicast, the "
+                                 "agents registered with `fleet serve` and --peer only)")
         parser.add_argument("--json", action="store_true", help="print JSON")
         parser.set_defaults(handler=handler)
         if name in ("plan", "deploy"):
-            parser.add_argument("--policy", choices=_POLICIES, default=PlanPolicy.FEWEST_AGENTS.value)
+            parser.add_argument("--policy", choices=_POLICIES, default=PlanPolicy.FEWEST_AGENTS.value,
+                                help="fewest_agents (the default): the fewest PCs that hold the model, so one that "
+                                     "holds it gets it all; all_by_speed: every PC whose share shortens the "
+                                     "slowest stage by more than a hop costs (see --hop-ms; 0 uses every PC that "
+                                     "helps at all)")
             parser.add_argument("--streams", type=positive_int, default=1,
                                 help="streams whose KV to reserve (default 1)")
             parser.add_argument("--device", type=_device_name, default="CPU",
@@ -103,7 +127,10 @@ def add_fleet_commands(subparsers: Any) -> None:
                                 help="what each stage's hop costs a token, under all_by_speed (default 1 ms, a LAN; "
                                      "over a WAN the hop's round trip)")
             # plan takes them too: the KV cache a plan reserves depends on them (f32 holds 4x what u8 does)
-            parser.add_argument("--precision", choices=["device_default", "f16", "f32"], default="device_default")
+            parser.add_argument("--precision", choices=["device_default", "f16", "f32"], default="device_default",
+                                help="how the agents compute: device_default (the default; on a CPU what generate's "
+                                     "`fast` is: f32 arithmetic, int8 dynamic quantization, a u8 KV cache), f16, or "
+                                     "f32 (exact, as generate's `f32`)")
             parser.add_argument("--kv-cache", choices=KV_CACHE_PRECISIONS, default=None,
                                 help="the agents' KV cache precision (default: the precision's own; f32 makes "
                                      "verifying drafts cheaper on CPUs, at 4x the memory of u8)")
@@ -111,8 +138,9 @@ def add_fleet_commands(subparsers: Any) -> None:
             parser.add_argument("--model", type=path_argument, required=True, help="export folder")
         if name == "generate":
             parser.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
-            parser.add_argument("--max-new-tokens", type=positive_int, default=16)
-            parser.add_argument("--ignore-eos", action="store_true")
+            parser.add_argument("--max-new-tokens", type=positive_int, default=16,
+                                help="tokens to generate (default 16)")
+            parser.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
         if name == "plan":
             _add_paper_model(parser)
 
