@@ -68,7 +68,7 @@ from deskfleet.common.wire import (
     is_agent_id,
     parse_address,
 )
-from deskfleet.controller.fleet_store import FleetStore, FleetStoreError
+from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, agent_label
 from deskfleet.controller.fleet_survey import NO_ADDRESS, AgentView, Survey
 
 log = logging.getLogger(__name__)
@@ -364,6 +364,13 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
         # a deploy shows no plan: the list follows the problem, in place of its pointer to it
         left_out = left_out_text(result)
         problems = [problem.replace(SEE_LEFT_OUT, "") for problem in result.problems] if left_out else result.problems
+        lost = [agent for agent in found.reachable() if agent.agent_id in exclude]
+        if lost and not answered:  # "no agents in the fleet" of a fleet whose PCs answered, but were lost in the run
+            problems = [f"no agent left: the {len(lost)} that answered ("
+                        + ", ".join(agent_label(agent.agent_id or "?", {agent.agent_id or "?": agent.hostname})
+                                    for agent in lost)
+                        + ") failed in this run" if problem == "no agents in the fleet" else problem
+                        for problem in problems]
         raise DeployError(cause + "; ".join(problems) + (f" ({left_out})" if left_out else ""),
                           exclusion_reasons=frozenset(exclusion.reason for exclusion in result.exclusions),
                           failed_run=True)

@@ -185,8 +185,8 @@ class FleetStore:
         self.refuse_agent_folder()
         present = self.existing_files()
         if not present:
-            raise FleetStoreError(f"{self.data_dir} holds no fleet: run `deskfleet fleet init` first "
-                                  f"(or pass --data-dir / set {ENV_DATA_DIR})")
+            raise FleetStoreError(f"{self.data_dir} holds no fleet: run `deskfleet fleet init{self.data_dir_option}` "
+                                  f"first (or pass --data-dir / set {ENV_DATA_DIR} for another)")
         missing = [name for name in PEM_FILES if name not in present]
         if missing and missing != ["controller.pem"]:
             raise FleetStoreError(f"{self.data_dir} lacks " + "; ".join(f"{name} ({_ROLES[name]})" for name in missing)

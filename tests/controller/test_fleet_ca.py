@@ -550,3 +550,13 @@ def test_a_pc_that_joins_with_another_pcs_name_is_logged(store: FleetStore, tmp_
             "ls` and `fleet remove` tell them apart by agent id (join again with --hostname for a name of its own)"]
 
     with_server(store, scenario)
+
+
+def test_a_data_dir_without_a_fleet_says_the_init_that_makes_one_there(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    # `fleet token --data-dir EMPTY` said "run `deskfleet fleet init` first", which would make the fleet elsewhere
+    from deskfleet.controller.cli import main
+
+    assert main(["fleet", "token", "--data-dir", str(tmp_path / "empty")]) == 2
+    said = capsys.readouterr().err
+    assert f"holds no fleet: run `deskfleet fleet init --data-dir {tmp_path / 'empty'}` first" in said

@@ -116,6 +116,31 @@ def test_a_fleet_whose_other_pcs_cannot_take_work_says_what_would_let_them(
     assert str(gave_up.value).count("`deskfleet-agent resume`") == (state is AgentState.PAUSED)
 
 
+def test_a_fleet_whose_only_pc_its_user_paused_says_so_not_no_agents(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a walk's only PC, paused by its user mid-run: "no agents in the fleet", and "bring the lost PC back"
+    class Link:
+        async def close(self) -> None:
+            pass
+
+    async def the_paused_pc(*args: object) -> Survey:
+        agent = AgentView("a" * 52, "pc-1", "10.0.0.1:7431", ("peer",),
+                          StatusReport(AgentState.PAUSED, 8 << 30, 0.1, None, None, None, None, (), None,
+                                       weight_gb_per_s=5.0), None)
+        return Survey([agent], {agent.agent_id: Link()})  # type: ignore[dict-item]
+
+    monkeypatch.setattr(fleet_failover, "survey", the_paused_pc)
+    failover = FleetFailover(store, tiny_export, max_failovers=2)
+    with pytest.raises(FailoverError) as gave_up:
+        failover(ChainError("stage 0 [0:4] on agent aaaaaaaaaaaa reported no stage for the step: this agent gave its "
+                            "stages up: paused by its user (`deskfleet-agent resume` ends that)", "a" * 52, "a" * 52,
+                            (StagePlacement("a" * 52, "10.0.0.1:7431", 0, 4),)))  # its word of itself
+    said = str(gave_up.value)
+    assert "no agent left: the 1 that answered (agent aaaaaaaaaaaa on pc-1) failed in this run" in said
+    assert "no agents in the fleet" not in said
+    assert "(what to do: resume a paused PC (as above; " in said
+
+
 def test_the_remedy_names_the_resume_command_where_the_error_does_not() -> None:
     # a paused PC left out while the others could take work (the model did not fit them): no command above
     paused = frozenset({ExclusionReason.PAUSED})
