@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from deskfleet.common.arguments import path_argument
+from deskfleet.common.arguments import path_argument, verbose_anywhere
 from deskfleet.common.console import (
     WatchedStream,
     flush_stdout,
@@ -119,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       allow_abbrev=False)
         command.add_argument("--data-dir", type=path_argument, default=argparse.SUPPRESS, metavar="DIR",
                              help="the agent's data dir, as given to `join` and `--headless`")
+    verbose_anywhere(parser)
     return parser
 
 

@@ -36,3 +36,15 @@ def browse_seconds(text: str) -> float:
     if not 0 <= value <= MAX_BROWSE_S:  # NaN fails this too
         raise argparse.ArgumentTypeError(f"must be 0 to {MAX_BROWSE_S:.0f} seconds, got {text}")
     return value
+
+
+def verbose_anywhere(parser: argparse.ArgumentParser) -> None:
+    """Let each command of `parser` take its -v/--verbose too (`deskfleet fleet ls -v` was "unrecognized
+    arguments: -v": only `deskfleet -v fleet ls` took it). Not given there, the one before the command stands."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                if "--verbose" not in command._option_string_actions:
+                    command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                                         help="debug logging and full tracebacks")
+                verbose_anywhere(command)

@@ -13,7 +13,7 @@ from contextlib import suppress
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from deskfleet.agent.allocator import run_on_jemalloc
-from deskfleet.common.arguments import path_argument, prompts_file_argument
+from deskfleet.common.arguments import path_argument, prompts_file_argument, verbose_anywhere
 from deskfleet.common.console import (
     WatchedStream,
     ctrl_c_held,
@@ -325,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
         bench_parser.formatter_class = DefaultsHelpFormatter
     add_fleet_commands(commands)
     describe_commands(parser)
+    verbose_anywhere(parser)
     return parser
 
 

@@ -41,3 +41,11 @@ def test_the_help_says_how_to_spread_a_model_and_how_to_run_an_agent() -> None:
     assert "then run it with `deskfleet-agent --headless`" in agent
     steps = " ".join(dict(PAGES)[("deskfleet", "fleet")].format_help().split())
     assert "`fleet init`" in steps and "`deskfleet-agent join -`" in steps and "`fleet deploy --model M`" in steps
+
+
+@pytest.mark.parametrize("argv", [["fleet", "ls", "-v"], ["-v", "fleet", "ls"], ["fleet", "ls"]])
+def test_verbose_is_taken_before_or_after_the_command(argv: list[str]) -> None:
+    # `deskfleet fleet ls -v` was "unrecognized arguments: -v"
+    assert controller_parser().parse_args(argv).verbose is ("-v" in argv)
+    agent_argv = ["pause", *argv[2:]] if argv[0] == "fleet" else ["-v", "pause"]
+    assert agent_parser().parse_args(agent_argv).verbose is ("-v" in agent_argv)
