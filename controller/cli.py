@@ -239,8 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--new-tokens", type=positive_int, default=64, help="tokens each run generates")
     parity.add_argument("--rounds", type=positive_int, default=3, help=ROUNDS_HELP)
     parity.add_argument("--genai-backends", nargs="+", choices=["default", "SDPA", "PA"], default=None,
-                        help="LLMPipeline ATTENTION_BACKEND per GenAI run (default: default SDPA; needs "
-                             "--genai-model)")
+                        help="the ATTENTION_BACKEND values of GenAI's LLMPipeline to run, one variant each (default: "
+                             "two variants, the pipeline's own default and SDPA; needs --genai-model)")
     parity.add_argument("--stages", type=positive_int, nargs="*", default=[2, 3, 4],
                         help="stage counts to compare with 1 (each at most the model's layers)")
     parity.add_argument("--isolation", choices=["process", "shared"], default="process",
@@ -275,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
                              help="one prompt per line, read as generate's --prompts-file (\\n a newline, "
                                   "\\t a tab, \\\\ a backslash); default: the demo eval set")
     speculative.add_argument("--eval-dir", type=path_argument, default=None,
-                             help="folder of the demo model's evaluate.py (default assets/models/train)")
+                             help="folder of the demo model's held-out prompts (heldout_prompts.json, or its "
+                                  "evaluate.py; default: the ones shipped with deskfleet, assets/models/train)")
     speculative.add_argument("--prompts", type=positive_int, default=None,
                              help="how many prompts (default: 12 of the held-out set, or all of --prompts-file)")
     speculative.add_argument("--new-tokens", type=positive_int, default=64, help="tokens generated per prompt")
@@ -294,8 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     streams.add_argument("--rounds", type=positive_int, default=3, help=ROUNDS_HELP)
     streams.add_argument("--core", type=non_negative_int, default=None,
                          help="the CPU core to pin to (default: the last)")
-    _add_compile_options(streams, threads_help="inference threads: this bench runs one, on one core, on both sides "
-                                               "(1 is the only value taken)")
+    _add_compile_options(streams, threads_help="inference threads: this bench compares one thread on one core with "
+                                               "GenAI's on the same core, so 1 is the only value it takes")
     streams.set_defaults(handler=_bench_streams)
     admission = benches.add_parser("admission", help="a long prompt arriving mid-run: what it stalls, chunked or not")
     admission.add_argument("--model", type=path_argument, required=True, help="export folder")
@@ -426,7 +427,8 @@ def _add_fleet_bench_command(benches: argparse._SubParsersAction[argparse.Argume
         missing = missing_extra(error)
         if missing is None:
             raise
-        stand_in = benches.add_parser("fleet", help=f"the paper's fleet table on simulated PCs (needs the "
+        stand_in = benches.add_parser("fleet", help=f"the fleet's throughput table (1-4 PCs, streams, drafting, WAN "
+                                                    f"hops) on simulated PCs (needs the "
                                                     f"{missing.extra} extra)", add_help=False)
         assert isinstance(stand_in, CommandParser)
         stand_in.missing_extra = missing  # refuses any arguments, --help included

@@ -879,7 +879,8 @@ def add_fleet_bench_command(benches: Any) -> None:
 
     from deskfleet.controller.decoding_options import non_negative_int, positive_int
 
-    parser: argparse.ArgumentParser = benches.add_parser("fleet", help="the paper's fleet table on simulated PCs")
+    parser: argparse.ArgumentParser = benches.add_parser(
+        "fleet", help="the fleet's throughput table (1-4 PCs, streams, drafting, WAN hops) on simulated PCs")
     parser.add_argument("--model", type=path_argument, default=None,
                         help="throughput model export (about 1B INT4); left out, only the drafting and WAN rows run")
     parser.add_argument("--demo-target", type=path_argument, default=None,
@@ -889,7 +890,8 @@ def add_fleet_bench_command(benches: Any) -> None:
     parser.add_argument("--kv-cache", choices=KV_CACHE_PRECISIONS, default=None,
                         help="the KV cache of the drafting and WAN rows' PCs, plain baselines included (as `fleet "
                              "deploy --kv-cache`; default: the precision's own, u8 on a CPU). f32 makes a real "
-                             "target's verification calls cheaper on a CPU (README: --kv-cache under Generate)")
+                             "target's verification calls cheaper on a CPU, and drafted output token-identical to "
+                             "plain decoding")
     parser.add_argument("--new-tokens", type=positive_int, default=32, help="tokens each stream generates")
     parser.add_argument("--prompt-tokens", type=positive_int, default=16,
                         help="random prompt length of the --model rows (the demo rows use the held-out prompts)")
