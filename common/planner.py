@@ -895,7 +895,7 @@ def _not_needed(agent: AgentCandidate, stages: list[Stage], options: PlanOptions
         slowest = max(stage.relative_time for stage in stages)
         hop = (f" by more than a hop costs ({_share_of_slowest(_hop(options), slowest):.2f} of the slowest stage; "
                "--hop-ms 0 counts hops as free)" if _hop(options) else "")
-        message = (f"not used: with speed {agent.speed:.3g} and {_gb(usable_bytes(agent, options))} usable, "
+        message = (f"not used: with speed {agent.speed:.3g} GB/s and {_gb(usable_bytes(agent, options))} usable, "
                    f"a share of the layers would not shorten the slowest stage{hop}")
     return Exclusion(agent.agent_id, ExclusionReason.NOT_NEEDED, message, agent.hostname)
 

@@ -322,7 +322,7 @@ def test_a_speed_left_out_is_said_in_three_figures() -> None:
     agents = [available("fast", 64, 300.0), available("slow", 64, 4.59524)]
     result = plan(toy(), agents, PlanOptions(policy=PlanPolicy.ALL_BY_SPEED, hop_cost=1.0))
     (left_out,) = [e for e in result.exclusions if e.agent_id == "slow"]
-    assert left_out.reason is ExclusionReason.NOT_NEEDED and "not used: with speed 4.6 and " in left_out.message
+    assert left_out.reason is ExclusionReason.NOT_NEEDED and "not used: with speed 4.6 GB/s and " in left_out.message
 
 
 def test_all_by_speed_with_free_hops_ends_on_the_fastest_pc_where_the_head_is_dear() -> None:
