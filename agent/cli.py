@@ -212,7 +212,7 @@ def _join(args: argparse.Namespace) -> int:
 
 def _pause(args: argparse.Namespace, paused: bool) -> int:
     """The employee's opt-out (agent/opt_out.py): the running agent reads it within a few seconds."""
-    from deskfleet.agent.enroll import Membership
+    from deskfleet.agent.enroll import Membership, agent_tls_files, removed_seen
     from deskfleet.agent.link import utc_now
     from deskfleet.agent.opt_out import read_opt_out, write_opt_out
     from deskfleet.agent.paths import AgentPaths, SettingsError, load_settings
@@ -220,6 +220,11 @@ def _pause(args: argparse.Namespace, paused: bool) -> int:
     paths = AgentPaths.resolve(args.data_dir)
     # the agent's own data dir, not a mistyped one: a pause nobody reads must not look like one that works
     Membership.load(paths.state_dir, "deskfleet-agent join TOKEN" + _data_dir_flag(args.data_dir))
+    if (seen := removed_seen(paths.state_dir)) is not None:  # "resumed: the next plan may use this PC" was false
+        print(f"this PC was removed from the fleet (its controller refused it, {seen}): pausing or resuming changes "
+              "nothing until it joins again as a new agent (delete "
+              f"{agent_tls_files(paths.state_dir).key_path}, then join with a new token)")
+        return 1
     before = read_opt_out(paths.state_dir)
     if paused and before.paused and before.problem is None:  # a second `pause` moved the pause's time, unsaid
         print(f"this PC was already paused{f' since {before.since}' if before.since else ''}: nothing changed")

@@ -31,6 +31,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from deskfleet.agent.link import ENROLLMENT_MAX_FRAME_BYTES, SOFTWARE_VERSION, TlsFiles, utc_now, websocket_options
 from deskfleet.common import join_tokens, pki, tls
+from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.wire import (
     PROTOCOL_VERSION,
     Error,
@@ -49,6 +50,9 @@ from deskfleet.common.wire import (
 log = logging.getLogger(__name__)
 
 MEMBERSHIP_FILE = "membership.json"
+# in the state folder: written when the controller refused this PC as removed (agent/service.py), read by `pause`
+# and `resume` (which said "the next plan may use this PC again" of a PC the fleet refuses), gone at the next join
+REMOVED_FILE = "removed.json"
 MEMBERSHIP_FORMAT = 1
 JOIN_TIMEOUT_S = 20.0
 
@@ -111,6 +115,23 @@ class Membership:
             why = f"it has no {error.args[0]!r:.60}" if isinstance(error, KeyError) else str(error)
             raise EnrollmentError(f"{path} is malformed ({why}): join the fleet again (`{join_command}`, with a new "
                                   "token from the admin); this PC keeps its key, and so its agent id") from None
+
+
+def note_removed(state_dir: Path, when: str) -> None:
+    """Keep that the controller refused this PC as removed from the fleet (see REMOVED_FILE); a failure is logged."""
+    try:
+        write_atomic(state_dir / REMOVED_FILE, json.dumps({"removed_seen": when}).encode("utf-8"))
+    except OSError as error:
+        log.warning("cannot note in %s that this PC was removed (%s)", state_dir, error.strerror or error)
+
+
+def removed_seen(state_dir: Path) -> str | None:
+    """When the running agent was last refused as removed (an ISO date), or None: not removed, as far as it saw."""
+    try:
+        seen = json.loads((state_dir / REMOVED_FILE).read_text(encoding="utf-8")).get("removed_seen")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return seen if isinstance(seen, str) else "an earlier run"
 
 
 def agent_tls_files(state_dir: Path) -> TlsFiles:
@@ -207,6 +228,7 @@ async def join(token_text: str, state_dir: Path, hostname: str | None = None) ->
                 log.warning("join via %s failed: %s", address, error)
             continue
         membership.save(state_dir)
+        (state_dir / REMOVED_FILE).unlink(missing_ok=True)  # a member again (a removed PC joins with a new key)
         return membership
     raise EnrollmentError("could not join: " + "; ".join(problems))
 

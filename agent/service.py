@@ -35,6 +35,7 @@ from deskfleet.agent.enroll import (
     Membership,
     agent_tls_files,
     check_credentials,
+    note_removed,
     secure_state_dir,
 )
 from deskfleet.agent.link import Link, LinkError, LinkRefused, open_link, start_server, utc_now
@@ -315,6 +316,7 @@ class AgentService:
                         told_removed = removed = True
                         # its stages too: no PC of the fleet takes its links any more, and they held the memory
                         released = await self.core.give_up_stages("this PC was removed from the fleet")
+                        note_removed(self.paths.state_dir, utc_now().isoformat(timespec="seconds"))
                         log.error("the controller refuses this PC (%s): it was removed from the fleet and serves no "
                                   "one (%d stage(s) released; asking again every %.0f minutes); to serve again, "
                                   "delete %s and join with a new token", error, len(released), REMOVED_RETRY_S / 60,

@@ -166,3 +166,20 @@ def test_the_report_tells_a_damaged_opt_out_file_from_the_users_pause(desk: tupl
     assert status(core).detail.startswith(f"paused as its {OPT_OUT_FILE} cannot be read")
     write_opt_out(state, True, "now")  # rewritten by `deskfleet-agent pause`: the user's pause again
     assert status(core).detail == "paused by its user (`deskfleet-agent resume` ends that)"
+
+
+@pytest.mark.parametrize("command", ["pause", "resume"])
+def test_pause_and_resume_of_a_removed_pc_say_it_was_removed(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             command: str) -> None:
+    # `resume` on a removed PC said "resumed: the next plan ... may use this PC again"; the fleet refuses it
+    from deskfleet.agent import cli
+    from deskfleet.agent.enroll import Membership, note_removed
+
+    state = tmp_path / "state"
+    state.mkdir()
+    Membership("0123456789abcdef", "a" * 52, "c" * 52, ("127.0.0.1:7341",)).save(state)
+    note_removed(state, "2026-12-05T01:00:00+00:00")
+    assert cli.main([command, "--data-dir", str(tmp_path)]) == 1
+    said = capsys.readouterr().out
+    assert said.startswith("this PC was removed from the fleet (its controller refused it, 2026-12-05T01:00:00+00:00)")
+    assert f"delete {state / 'agent-key.pem'}, then join with a new token" in said

@@ -196,7 +196,8 @@ def test_an_agent_not_joined_or_missing_a_credential_says_which_file_and_how_to_
         AgentService(AgentOptions(tmp_path))
 
 
-def test_a_removed_pc_is_told_once_what_happened_and_how_to_serve_again(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_removed_pc_is_told_once_what_happened_and_how_to_serve_again(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
     # It retried registration every 30 s forever, logging only "cannot register ... HTTP 403"
     from deskfleet.agent.link import LinkRefused, TlsFiles
 
@@ -216,9 +217,14 @@ def test_a_removed_pc_is_told_once_what_happened_and_how_to_serve_again(monkeypa
         given_up.append(because)
         return ("target[0:8]",)
 
+    from deskfleet.agent.enroll import removed_seen
+    from deskfleet.agent.paths import AgentPaths
+
     service = AgentService.__new__(AgentService)
     service.membership = SimpleNamespace(controller_addresses=("127.0.0.1:1",), controller_id="c")  # type: ignore[assignment]
     service.files = TlsFiles.in_folder(Path("/data/state"), "agent")  # nothing there: no expiry to blame
+    service.paths = AgentPaths.resolve(tmp_path)
+    service.paths.state_dir.mkdir(parents=True)
     service.core = SimpleNamespace(give_up_stages=give_up_stages)  # type: ignore[assignment]
     monkeypatch.setattr(service_module, "open_link", refused)
     monkeypatch.setattr(service_module.asyncio, "sleep", record)
@@ -232,6 +238,7 @@ def test_a_removed_pc_is_told_once_what_happened_and_how_to_serve_again(monkeypa
     # (the controller logged every refusal)
     assert given_up == ["this PC was removed from the fleet"] and "1 stage(s) released" in told[0]
     assert sleeps == [service_module.REMOVED_RETRY_S] * 4
+    assert removed_seen(service.paths.state_dir) is not None  # for `resume`, which said the next plan may use it
 
 
 def test_a_background_check_that_raises_anything_does_not_stop_the_agent(monkeypatch: pytest.MonkeyPatch) -> None:

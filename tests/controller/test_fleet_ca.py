@@ -16,7 +16,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from deskfleet.agent.enroll import EnrollmentError, Membership, agent_tls_files, join
+from deskfleet.agent.enroll import EnrollmentError, Membership, agent_tls_files, join, note_removed, removed_seen
 from deskfleet.agent.link import LinkError, open_link, utc_now
 from deskfleet.common import join_tokens, pki, tls
 from deskfleet.common.wire import Register, RevocationUpdate
@@ -522,7 +522,9 @@ def test_a_removed_pc_that_joins_again_is_told_how(store: FleetStore, tmp_path: 
                                                   r"token\)"):
             await join(token_for(store, address), tmp_path / "agent", "pc-1")
         (tmp_path / "agent" / "agent-key.pem").unlink()  # as it says: a new key, a new agent
+        note_removed(tmp_path / "agent", "2026-12-05T01:00:00+00:00")  # as the running agent noted the refusal
         assert (await join(token_for(store, address), tmp_path / "agent", "pc-1")).agent_id != membership.agent_id
+        assert removed_seen(tmp_path / "agent") is None  # a member again: `resume` is not told otherwise
 
     with_server(store, scenario)
 
