@@ -22,7 +22,9 @@ import contextlib
 import datetime
 import ipaddress
 import logging
+import math
 import ssl
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -71,6 +73,7 @@ HELLO_TIMEOUT_S = OPEN_TIMEOUT_S  # a peer that opened a websocket but says no H
 ENROLLMENT_MAX_FRAME_BYTES = 64 * 1024
 MAX_CONCURRENT_JOINS = 16
 MAX_JOINS_PER_HOST = 4
+REFUSAL_LOG_EVERY_S = 60.0  # a join refused as one too many is logged once this often per host
 
 
 SOFTWARE_VERSION = software_version()  # said in every Hello: `fleet ls` shows each agent's
@@ -263,6 +266,7 @@ async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, po
     if enrollment is not None:
         context.verify_mode = ssl.CERT_OPTIONAL
     joins: Counter[str] = Counter()  # certificate-less clients being served now, by their address
+    refusals_said: dict[str, float] = {}  # host: when a join refused as too many was last logged (time.monotonic)
 
     def check_peer(connection: ServerConnection, request: Request) -> Response | None:
         if enrollment is not None and not _has_peer_certificate(connection):
@@ -280,7 +284,13 @@ async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, po
             busy = ("joins in progress" if joins.total() >= MAX_CONCURRENT_JOINS else
                     f"joins in progress from {host}" if joins[host] >= MAX_JOINS_PER_HOST else None)
             if busy is not None:
-                log.warning("refused a join from %s: too many %s", _remote(connection), busy)
+                # once a minute a host: one that reopens its connections at once wrote 1,671 lines in 30 s
+                now = time.monotonic()
+                level = logging.WARNING if now - refusals_said.get(host, -math.inf) >= REFUSAL_LOG_EVERY_S \
+                    else logging.DEBUG
+                if level == logging.WARNING:
+                    refusals_said[host] = now
+                log.log(level, "refused a join from %s: too many %s (said once a minute)", _remote(connection), busy)
                 await connection.close(CloseCode.TRY_AGAIN_LATER, f"too many {busy}")
                 return
             joins[host] += 1

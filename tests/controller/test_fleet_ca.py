@@ -562,3 +562,22 @@ def test_a_data_dir_without_a_fleet_says_the_init_that_makes_one_there(tmp_path:
     assert main(["fleet", "token", "--data-dir", str(tmp_path / "empty")]) == 2
     said = capsys.readouterr().err
     assert f"holds no fleet: run `deskfleet fleet init --data-dir {tmp_path / 'empty'}` first" in said
+
+
+def test_joins_refused_as_too_many_are_logged_once_a_minute_a_host(store: FleetStore,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    # a host that reopened its connections at once wrote 1,671 warning lines in 30 s
+    from deskfleet.agent.link import MAX_JOINS_PER_HOST
+
+    async def scenario(server: FleetServer, address: str) -> None:
+        idle = [await _stranger(address) for _ in range(MAX_JOINS_PER_HOST)]
+        for connection in idle:
+            await connection.recv()
+        with caplog.at_level(logging.WARNING, logger="deskfleet.agent.link"):
+            for _ in range(3):
+                await _refused_for_now(await _stranger(address), "too many joins in progress from 127.0.0.1")
+        for connection in idle:
+            await connection.close()
+
+    with_server(store, scenario)
+    assert len([record for record in caplog.records if "refused a join from" in record.getMessage()]) == 1
