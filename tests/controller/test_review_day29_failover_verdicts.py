@@ -25,7 +25,9 @@ from tests.controller.test_review_broken_links_failover import (
 )
 
 D, E = "d" * 52, "e" * 52
-FOUR_NEEDED = ModelFootprint.uniform("big", 4, 5 * GB, GB, GB, 0, 1024)  # a 5 GB layer a PC (8 GiB free)
+# a 5 GB layer a PC (8 GiB free), and no head to weigh: a chain that ends on A, the fastest, is no faster, so A stays
+# before another PC (with a head, all_by_speed put A last after the first failover, where it dials nobody)
+FOUR_NEEDED = ModelFootprint.uniform("big", 4, 5 * GB, GB, 0, 0, 1024)
 
 
 def test_a_reporter_that_cannot_dial_two_pcs_the_controller_reaches_is_left_out_and_the_run_goes_on(
