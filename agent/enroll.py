@@ -18,9 +18,11 @@ import asyncio
 import json
 import logging
 import os
+import random
 import socket
 import ssl
 import stat
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric import ec
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
+from websockets.frames import CloseCode
 
 from deskfleet.agent.link import ENROLLMENT_MAX_FRAME_BYTES, SOFTWARE_VERSION, TlsFiles, utc_now, websocket_options
 from deskfleet.common import join_tokens, pki, tls
@@ -55,10 +58,15 @@ MEMBERSHIP_FILE = "membership.json"
 REMOVED_FILE = "removed.json"
 MEMBERSHIP_FORMAT = 1
 JOIN_TIMEOUT_S = 20.0
+JOIN_BUSY_WAIT_S = 60.0  # how long a join tries again while the controller is busy with other joins
 
 
 class EnrollmentError(RuntimeError):
     """Joining failed; the message says at which step and why."""
+
+
+class ControllerBusy(EnrollmentError):
+    """The controller refused the join for now: it serves a few joins at a time (agent/link.py)."""
 
 
 @dataclass(frozen=True)
@@ -221,7 +229,7 @@ async def join(token_text: str, state_dir: Path, hostname: str | None = None) ->
     problems: list[str] = []
     for address in token.controller_addresses:
         try:
-            membership = await asyncio.wait_for(_join_at(address, token, key, hostname, files), JOIN_TIMEOUT_S)
+            membership = await _join_when_free(address, token, key, hostname, files)
         except (EnrollmentError, TimeoutError) as error:
             problems.append(f"{address}: {str(error) or f'no answer within {JOIN_TIMEOUT_S:.0f} s'}")
             if len(token.controller_addresses) > 1:  # the next address is tried; the error lists them all at the end
@@ -234,6 +242,25 @@ async def join(token_text: str, state_dir: Path, hostname: str | None = None) ->
 
 
 # Private functions
+
+async def _join_when_free(address: str, token: join_tokens.JoinToken, key: ec.EllipticCurvePrivateKey, hostname: str,
+                          files: TlsFiles) -> Membership:
+    """_join_at, tried again while the controller says it is busy with other joins (it serves a few at a time: an
+    office's PCs joined by one script at once were refused, each with exit 2), for up to JOIN_BUSY_WAIT_S, after a
+    growing, jittered pause (so that the PCs refused together do not come back together)."""
+    deadline = time.monotonic() + JOIN_BUSY_WAIT_S
+    pause = 1.0
+    while True:
+        try:
+            return await asyncio.wait_for(_join_at(address, token, key, hostname, files), JOIN_TIMEOUT_S)
+        except ControllerBusy as busy:
+            wait = random.uniform(pause, 2 * pause)
+            if time.monotonic() + wait > deadline:
+                raise ControllerBusy(f"{busy}, for {JOIN_BUSY_WAIT_S:.0f} s: join again later") from None
+            log.info("%s at %s: trying again in %.0f s", busy, address, wait)
+            await asyncio.sleep(wait)
+            pause = min(2 * pause, 8.0)
+
 
 def _earlier_hostname(state_dir: Path) -> str | None:
     """The name this PC joined with before (a join again: a new controller address, a renewal), so that it keeps
@@ -285,6 +312,8 @@ async def _join_at(address: str, token: join_tokens.JoinToken, key: ec.EllipticC
             await connection.send(encode(JoinRequest(join_tokens.secret_to_text(token.secret), csr, hostname)))
             response = await _receive(connection)
         except ConnectionClosed as error:
+            if error.rcvd is not None and error.rcvd.code == CloseCode.TRY_AGAIN_LATER:
+                raise ControllerBusy(f"the controller is busy with other joins ({error.rcvd.reason})") from None
             raise EnrollmentError(f"the controller closed the link: {error}") from None
     if isinstance(response, Error):
         raise EnrollmentError(f"the controller refused: {response.message}")

@@ -581,3 +581,36 @@ def test_joins_refused_as_too_many_are_logged_once_a_minute_a_host(store: FleetS
 
     with_server(store, scenario)
     assert len([record for record in caplog.records if "refused a join from" in record.getMessage()]) == 1
+
+
+def test_a_join_refused_while_the_controller_is_busy_tries_again(store: FleetStore, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # an office's PCs joined by one script at once were refused ("too many joins in progress"), each with exit 2
+    from deskfleet.agent import enroll
+    from deskfleet.agent.link import MAX_JOINS_PER_HOST
+
+    async def scenario(server: FleetServer, address: str) -> None:
+        idle = [await _stranger(address) for _ in range(MAX_JOINS_PER_HOST)]  # the slots of this host, taken
+        for connection in idle:
+            await connection.recv()
+
+        async def free_them() -> None:
+            await asyncio.sleep(0.5)
+            for connection in idle:
+                await connection.close()
+
+        freeing = asyncio.create_task(free_them())
+        membership = await join(token_for(store, address), tmp_path / "agent", "pc-1")  # tried again, joined
+        await freeing
+        assert store.roster()[membership.agent_id].hostname == "pc-1"
+        idle = [await _stranger(address) for _ in range(MAX_JOINS_PER_HOST)]
+        for connection in idle:
+            await connection.recv()
+        monkeypatch.setattr(enroll, "JOIN_BUSY_WAIT_S", 1.5)
+        with pytest.raises(EnrollmentError, match=r"the controller is busy with other joins \(too many joins in "
+                                                  r"progress from 127\.0\.0\.1\), for 2 s: join again later"):
+            await join(token_for(store, address), tmp_path / "other", "pc-2")
+        for connection in idle:
+            await connection.close()
+
+    with_server(store, scenario)
