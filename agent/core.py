@@ -103,6 +103,15 @@ _REMOVAL_SIGNATURE_HEX = re.compile(r"[0-9a-f]{128}")  # a removal's signature a
 # Rows x new tokens of the largest step that runs on the event loop's thread (runs_inline): 8 rows verifying
 # 7 draft tokens each, or 64 rows of plain decoding.
 INLINE_STEP_TOKENS = 64
+# A send to the next hop that makes no progress for this long gives the hop up as unreachable: a firewall that cut an
+# established link mid-run left the sends waiting for a peer that acknowledged nothing (websockets' keepalive waits
+# on the same full buffer), the run stalled 6 minutes and failed without naming the link. A step's hidden states
+# (a long prompt's, tens of MB) cross a LAN in a few seconds.
+HOP_SEND_TIMEOUT_S = 30.0
+# A next hop found unreachable is not dialled again for this long (or until a stage is assigned anew): every queued
+# step dialled it anew (two 10 s dials each), so the new chain's step waited behind the old chain's for minutes
+# before its Error reached the driver.
+HOP_RETRY_AFTER_S = 3.0
 
 
 class CommandError(Exception):
@@ -170,6 +179,8 @@ class AgentCore:
         self._revoked, self._removal_signatures, self._revocations_unknown = _load_revocations(
             revocations_file, files.ca_certificate())
         self._next_hops: dict[str, Link] = {}
+        # next hops found unreachable: agent id -> (time.monotonic(), the error said), not dialled again for a while
+        self._unreachable_hops: dict[str, tuple[float, str]] = {}
         self._hop_watchers: set[asyncio.Task[None]] = set()  # one reader on each next-hop link (_watch_next_hop)
         self._assign_lock = asyncio.Lock()
         self._shard_writers: dict[str, Link] = {}  # shard being received -> the link sending it
@@ -516,6 +527,7 @@ class AgentCore:
             if hosted is not None and _builds_the_same_stage(hosted.assignment, message):
                 self.stages[message.stage] = replace(hosted, assignment=message)  # new neighbours at most
                 self._refusals_logged.clear()
+                self._unreachable_hops.clear()  # a re-plan's chain dials its next hop afresh
                 return StageReady(message.stage)
             manifest, names = self._check_assignment(message)
             # A rebuild of a hosted stage pins and materializes under a key of its own, so that a failure
@@ -556,6 +568,7 @@ class AgentCore:
                                                      asyncio.Lock(), key)
             self._released_because = None
             self._refusals_logged.clear()
+            self._unreachable_hops.clear()
             log.info("hosting %s", key)
             return StageReady(message.stage)
 
@@ -809,6 +822,9 @@ class AgentCore:
                 return
 
     async def _send_next(self, hop: NextHop, message: Forward | ReleaseMicroBatch | Error) -> None:
+        failed = self._unreachable_hops.get(hop.agent_id)
+        if failed is not None and time.monotonic() - failed[0] < HOP_RETRY_AFTER_S:
+            raise CommandError(ErrorCode.INTERNAL, failed[1], agent_id=hop.agent_id)
         for attempt in range(2):  # a cached link may have died since the last step: reconnect once
             link = self._next_hops.get(hop.agent_id)
             try:
@@ -823,13 +839,30 @@ class AgentCore:
                     watcher = asyncio.create_task(self._watch_next_hop(hop, link))
                     self._hop_watchers.add(watcher)
                     watcher.add_done_callback(self._hop_watchers.discard)
-                await link.send(message)
+                try:
+                    await asyncio.wait_for(link.send(message), HOP_SEND_TIMEOUT_S)
+                except TimeoutError:
+                    await self._drop_hop_link(hop, link)
+                    raise LinkError(f"a step sent to it made no progress in {HOP_SEND_TIMEOUT_S:.0f} s (it "
+                                    "acknowledges nothing: a firewall or a network fault between the two "
+                                    "PCs?)") from None
+                self._unreachable_hops.pop(hop.agent_id, None)
                 return
             except LinkError as error:
                 self._next_hops.pop(hop.agent_id, None)
                 if attempt:  # the Error that answers it starts with this agent's id
                     text = f"next hop agent {hop.agent_id[:12]} at {hop.address} is unreachable: {error}"
+                    self._unreachable_hops[hop.agent_id] = (time.monotonic(), text)
                     raise CommandError(ErrorCode.INTERNAL, text, agent_id=hop.agent_id) from None
+
+    async def _drop_hop_link(self, hop: NextHop, link: Link) -> None:
+        """Give up a next-hop link that stalled: a send cut mid-frame leaves it unusable, and a close handshake waits
+        on the same full buffer (bounded by the link's close timeout)."""
+        self._next_hops.pop(hop.agent_id, None)
+        try:
+            await asyncio.wait_for(link.close(), 5.0)
+        except (TimeoutError, LinkError, OSError):
+            link.connection.transport.abort()
 
     async def _watch_next_hop(self, hop: NextHop, link: Link) -> None:
         """Read what the next hop sends back on the link this agent opened to it: only a refusal comes (its stage

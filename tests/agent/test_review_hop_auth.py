@@ -328,3 +328,46 @@ def test_a_pc_refused_again_and_again_is_logged_once(tmp_path: Path, monkeypatch
         for _ in range(5):
             relay(core, STRANGER, StatusRequest(), monkeypatch)
     assert len([record for record in caplog.records if "StatusRequest from" in record.getMessage()]) == 1
+
+
+def test_a_next_hop_that_acknowledges_nothing_is_given_up_and_not_dialled_again_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A firewall cut an established hop mid-run: the send waited on a peer that acknowledged nothing, for good (the
+    # keepalive waits on the same full buffer), and each queued step then dialled the hop anew (two 10 s dials), so
+    # the run stalled 6 minutes and failed without naming the link.
+    from deskfleet.agent import core as core_module
+
+    class StalledLink(FakeLink):
+        closed = False
+
+        async def send(self, message: Message) -> None:
+            await asyncio.Event().wait()  # the peer's window never opens
+
+        async def close(self) -> None:
+            StalledLink.closed = True
+
+    dials: list[str] = []
+
+    async def dial(address: str, *args: object, **kwargs: object) -> StalledLink:
+        dials.append(address)
+        return StalledLink(Role.AGENT, NEXT)
+
+    monkeypatch.setattr(core_module, "open_link", dial)
+    monkeypatch.setattr(core_module, "HOP_SEND_TIMEOUT_S", 0.2)
+    core = make_core(tmp_path, "agent")
+    hop = NextHop("10.0.0.9:7431", NEXT)
+
+    async def scenario() -> list[str]:
+        said = []
+        for _ in range(3):  # the stalled step, then two queued behind it
+            with pytest.raises(CommandError) as refused:
+                await core._send_next(hop, ReleaseMicroBatch(7))
+            said.append(str(refused.value))
+            assert refused.value.agent_id == NEXT
+        await core.close()
+        return said
+
+    said = asyncio.run(scenario())
+    assert "made no progress in 0 s" in said[0] and "a firewall or a network fault between the two PCs?" in said[0]
+    assert said[1] == said[2] == said[0]  # the queued ones told at once, from what the first found
+    assert len(dials) == 2 and StalledLink.closed  # the stalled link given up, dialled once more, then not again
