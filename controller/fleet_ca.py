@@ -127,6 +127,25 @@ def fleet_addresses(store: FleetStore) -> tuple[str, ...]:
     return checked_addresses(body.get("addresses", []), f"{path}:")
 
 
+def addresses_elsewhere(addresses: tuple[str, ...]) -> bool:
+    """Whether none of `addresses` (host:port) names this PC: no IP of its interfaces, and no name that resolves to
+    one. A controller moved to another address kept fleet.json's old ones, and `fleet token` put them in new tokens
+    without a word (agents already joined find a moved controller over mDNS; a joining PC cannot)."""
+    import psutil
+
+    here = {str(entry.address).split("%", 1)[0] for entries in psutil.net_if_addrs().values() for entry in entries
+            if entry.family in (socket.AF_INET, socket.AF_INET6)}
+    for address in addresses:
+        host = parse_address(address)[0]
+        try:
+            found = {str(info[4][0]).split("%", 1)[0] for info in socket.getaddrinfo(host, None)}
+        except OSError:
+            continue  # a name that does not resolve here: not this PC's, as far as can be told
+        if found & here:
+            return False
+    return True
+
+
 def default_address() -> str:
     """This machine's address on the network that reaches the default route, with the default port."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:

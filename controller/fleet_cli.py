@@ -193,7 +193,7 @@ def _init(args: argparse.Namespace) -> int:
 def _token(args: argparse.Namespace) -> int:
     from deskfleet.agent.link import utc_now
     from deskfleet.common.join_tokens import encode_join_token
-    from deskfleet.controller.fleet_ca import issue_token, parse_duration
+    from deskfleet.controller.fleet_ca import addresses_elsewhere, issue_token, parse_duration
 
     if args.uses < 1:
         raise ValueError(f"--uses must be at least 1, got {args.uses}")
@@ -204,6 +204,10 @@ def _token(args: argparse.Namespace) -> int:
     if lifetime > LONG_TOKEN_TTL:  # a bearer credential: whoever holds it joins a PC, for as long as it lasts
         print(f"warning: this token lets whoever holds it join {args.uses} PC(s) for {lifetime.days} days: keep it as "
               "a password (the default is 24h)", file=sys.stderr)
+    if addresses_elsewhere(token.controller_addresses):
+        print(f"warning: the token's controller address(es) ({', '.join(token.controller_addresses)}) are not this "
+              "PC's: a PC joins only if one reaches this controller; moved, give --address HOST:PORT (or edit "
+              f"`addresses` in {store.data_dir / 'fleet.json'})", file=sys.stderr)
     if not store.served():  # the join would fail with "cannot reach the controller" and no word of why
         print(f"warning: no `deskfleet fleet serve` runs on {store.data_dir}: a PC can join only while it runs; "
               "start it", file=sys.stderr)
@@ -235,14 +239,19 @@ def _serve(args: argparse.Namespace) -> int:
     import logging
 
     from deskfleet.common.wire import parse_address
-    from deskfleet.controller.fleet_ca import fleet_addresses
+    from deskfleet.controller.fleet_ca import addresses_elsewhere, fleet_addresses
     from deskfleet.controller.fleet_server import FleetServer
 
     logging.getLogger("deskfleet").setLevel(logging.INFO)
     store = _store(args)
+    addresses = fleet_addresses(store)
+    if addresses and addresses_elsewhere(addresses):  # a controller moved: agents find it over mDNS, new PCs cannot
+        logging.getLogger(__name__).warning(
+            "none of the addresses agents are told to reach this controller at (%s, in %s) is this PC's: a PC "
+            "joining with a new token dials them; `deskfleet fleet token --address HOST:PORT` gives the new one",
+            ", ".join(addresses), store.data_dir / "fleet.json")
     listen = args.listen
     if listen is None:
-        addresses = fleet_addresses(store)
         listen = f"0.0.0.0:{parse_address(addresses[0])[1] if addresses else 7341}"
     server = FleetServer(store, listen)
 

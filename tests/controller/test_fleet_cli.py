@@ -191,7 +191,7 @@ def test_a_token_warns_of_a_long_life_and_of_no_fleet_serve(tmp_path: Path,
     from deskfleet.controller.fleet_store import FleetStore
 
     data = ["--data-dir", str(tmp_path / "ctl")]
-    assert main(["fleet", "init", "--address", "10.0.0.5:7341", *data]) == 0
+    assert main(["fleet", "init", "--address", "127.0.0.1:7341", *data]) == 0
     capsys.readouterr()
     assert main(["fleet", "token", "--ttl", "400d", *data]) == 0
     err = capsys.readouterr().err
@@ -215,3 +215,16 @@ def test_deploy_settings_name_the_options_that_make_them() -> None:
     assert DeploySettings().changes_from(fast) == ["--policy all_by_speed -> default", "--streams 2 -> default",
                                                    "--device GPU.1 -> default", "--hop-ms 2.5 -> default",
                                                    "--precision f32 -> default", "--kv-cache f32 -> default"]
+
+
+def test_a_token_for_addresses_that_are_not_this_pcs_is_warned_of(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # a controller moved to another address kept fleet.json's old one, and new tokens named it without a word
+    data = ["--data-dir", str(tmp_path / "ctl")]
+    assert main(["fleet", "init", "--address", "198.51.100.77:7341", *data]) == 0  # TEST-NET-2: no PC's
+    capsys.readouterr()
+    assert main(["fleet", "token", *data]) == 0
+    assert ("warning: the token's controller address(es) (198.51.100.77:7341) are not this PC's: a PC joins only if "
+            "one reaches this controller; moved, give --address HOST:PORT") in capsys.readouterr().err
+    assert main(["fleet", "token", "--address", "127.0.0.1:7341", *data]) == 0
+    assert "are not this PC's" not in capsys.readouterr().err
