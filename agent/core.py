@@ -921,7 +921,11 @@ class AgentCore:
                 return
             except LinkError:
                 continue
-        self._note_error(f"no controller link for {type(message).__name__}")
+        what = "a step's result" if isinstance(message, ForwardResult) else "an error report"
+        batch = getattr(message, "micro_batch_id", None)
+        of = f" of micro-batch {batch}" if batch is not None else ""
+        self._note_error(f"dropped {what}{of}: no link to a controller is open to take it (the run it belonged to has "
+                         "ended or moved on, e.g. while this PC did not answer); nothing to do")
 
     def _note_error(self, text: str) -> None:
         self.last_error = text[:500]

@@ -371,3 +371,12 @@ def test_a_next_hop_that_acknowledges_nothing_is_given_up_and_not_dialled_again_
     assert "made no progress in 0 s" in said[0] and "a firewall or a network fault between the two PCs?" in said[0]
     assert said[1] == said[2] == said[0]  # the queued ones told at once, from what the first found
     assert len(dials) == 2 and StalledLink.closed  # the stalled link given up, dialled once more, then not again
+
+
+def test_a_report_no_controller_link_takes_is_said_in_words(tmp_path: Path) -> None:
+    # "no controller link for ForwardResult": internal names, no cause, no action
+    core = make_core(tmp_path, "agent")
+    asyncio.run(core._tell_controller(Error(ErrorCode.INTERNAL, "stage failed", micro_batch_id=5)))
+    assert core.last_error == ("dropped an error report of micro-batch 5: no link to a controller is open to take it "
+                               "(the run it belonged to has ended or moved on, e.g. while this PC did not answer); "
+                               "nothing to do")
