@@ -40,7 +40,7 @@ from deskfleet.agent.enroll import (
 )
 from deskfleet.agent.link import Link, LinkError, LinkRefused, open_link, start_server, utc_now
 from deskfleet.agent.monitor import HostMonitor, SystemMonitor
-from deskfleet.agent.paths import AgentPaths, AgentSettings, load_settings
+from deskfleet.agent.paths import DEFAULT_AGENT_PORT, AgentPaths, AgentSettings, load_settings
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement, cached_speed
 from deskfleet.agent.stage import openvino_devices
@@ -50,7 +50,7 @@ from deskfleet.common.devices import device_targets
 from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord
 from deskfleet.common.file_lock import pid_lock
 from deskfleet.common.version import software_version
-from deskfleet.common.wire import ProtocolError, Register, parse_address
+from deskfleet.common.wire import ProtocolError, Register, parse_address, with_default_port
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,8 @@ class AgentService:
                         self.files.key_path, mode, self.files.key_path)
         # an empty --listen (an unset variable's) is refused, not taken for the settings' address, which may be
         # every interface where the user meant one
-        self.listen = self.settings.listen_address if options.listen is None else options.listen
+        self.listen = self.settings.listen_address if options.listen is None else \
+            with_default_port(options.listen, DEFAULT_AGENT_PORT)  # `--listen 10.0.0.5`: the agent's usual port
         try:
             parse_address(self.listen)
         except ProtocolError as error:

@@ -51,6 +51,7 @@ from deskfleet.common.wire_messages import (
     is_agent_id,
     is_sha256_hex,
     parse_address,
+    with_default_port,
 )
 from deskfleet.common.wire_tensors import (
     MAX_RANK,
@@ -124,4 +125,5 @@ __all__ = [
     "peek_version",
     "same_message",
     "wire_dtype_name",
+    "with_default_port",
 ]

@@ -77,6 +77,14 @@ def parse_address(text: str, any_port: bool = False) -> tuple[str, int]:
     return host.strip("[]"), port
 
 
+def with_default_port(text: str, port: int) -> str:
+    """`text` with `port` added where it names a host alone ("10.0.0.5", "pc-7", "[fe80::1]"): `--listen 10.0.0.5`
+    was refused as "not host:port", the port being the one the command would pick anyway. Anything else is returned
+    as it is, for parse_address to take or refuse."""
+    bracketed = text.startswith("[") and text.endswith("]")
+    return f"{text}:{port}" if text.strip() and (bracketed or ":" not in text) else text
+
+
 def _bracket_hint(text: str) -> str:
     """How to write an IPv6 address that was given without its brackets ("::1:7341"), or "": the last group may
     be its port ([::1]:7341), or the whole text the address itself, with no port yet ([fe80::1]:PORT)."""

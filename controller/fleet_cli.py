@@ -28,10 +28,11 @@ from deskfleet.common.arguments import browse_seconds, path_argument
 from deskfleet.common.console import print_whole, stopping_signals
 from deskfleet.common.devices import device_targets
 from deskfleet.common.planner import PlanPolicy
+from deskfleet.common.wire import with_default_port
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.bench.interruption import say_stopped, signal_name, signals_unwind
 from deskfleet.controller.decoding_options import byte_count, parse_token_ids, positive_int
-from deskfleet.controller.fleet_store import MIN_ID_PREFIX, FleetStore, FleetStoreError
+from deskfleet.controller.fleet_store import DEFAULT_PORT, MIN_ID_PREFIX, FleetStore, FleetStoreError
 
 if TYPE_CHECKING:
     from deskfleet.controller.fleet_deploy import DeploySettings
@@ -182,7 +183,7 @@ def _init(args: argparse.Namespace) -> int:
     from deskfleet.controller.fleet_ca import default_address, init_fleet
 
     store = _store(args)
-    addresses = tuple(args.address or [default_address()])
+    addresses = tuple(with_default_port(address, DEFAULT_PORT) for address in args.address or [default_address()])
     ca = init_fleet(store, args.name, addresses, utc_now(), force=args.force)
     print(f"fleet {pki.fleet_id(ca.certificate)} created in {store.data_dir}")
     data_dir = f" --data-dir {args.data_dir}" if args.data_dir else ""
@@ -199,7 +200,8 @@ def _token(args: argparse.Namespace) -> int:
         raise ValueError(f"--uses must be at least 1, got {args.uses}")
     store = _store(args)
     lifetime = parse_duration(args.ttl)
-    token = issue_token(store, utc_now(), lifetime, args.uses, tuple(args.address or ()))
+    token = issue_token(store, utc_now(), lifetime, args.uses,
+                        tuple(with_default_port(address, DEFAULT_PORT) for address in args.address or ()))
     print(encode_join_token(token))
     if lifetime > LONG_TOKEN_TTL:  # a bearer credential: whoever holds it joins a PC, for as long as it lasts
         print(f"warning: this token lets whoever holds it join {args.uses} PC(s) for {lifetime.days} days: keep it as "
@@ -250,7 +252,7 @@ def _serve(args: argparse.Namespace) -> int:
             "none of the addresses agents are told to reach this controller at (%s, in %s) is this PC's: a PC "
             "joining with a new token dials them; `deskfleet fleet token --address HOST:PORT` gives the new one",
             ", ".join(addresses), store.data_dir / "fleet.json")
-    listen = args.listen
+    listen = None if args.listen is None else with_default_port(args.listen, DEFAULT_PORT)
     if listen is None:
         listen = f"0.0.0.0:{parse_address(addresses[0])[1] if addresses else 7341}"
     server = FleetServer(store, listen)

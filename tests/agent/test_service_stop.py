@@ -19,9 +19,11 @@ def test_an_empty_listen_is_refused_not_taken_for_the_settings_address(tmp_path:
     from deskfleet.common.wire import ProtocolError
 
     joined(tmp_path)  # enrolled
-    for listen in ("", "nope"):
-        with pytest.raises(ProtocolError, match=f"^--listen: address '{listen}' is not host:port"):
+    for listen in ("", "10.0.0.5:"):
+        with pytest.raises(ProtocolError, match=f"^--listen: address '{listen}' "):
             AgentService(AgentOptions(tmp_path, listen=listen), monitor=FakeMonitor())
+    # a host alone takes the agent's port (`--listen 10.0.0.5` was refused as "not host:port")
+    assert AgentService(AgentOptions(tmp_path, listen="127.0.0.1"), monitor=FakeMonitor()).listen == "127.0.0.1:7431"
 
 
 def test_a_stopped_agent_names_the_stages_that_go_with_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -511,3 +511,18 @@ def test_the_most_known_removals_a_message_carries_fit_the_frames_the_controller
 
     most = KnownRemovals.of(("z" * 52,) * MAX_KNOWN_REMOVALS, (b"\xff" * 64,) * MAX_KNOWN_REMOVALS)
     assert len(encode(most)) <= ENROLLMENT_MAX_FRAME_BYTES
+
+
+@pytest.mark.parametrize(("given", "taken"), [
+    ("10.0.0.5", "10.0.0.5:7431"),  # `--listen 10.0.0.5` was "not host:port"
+    ("pc-7.office.lan", "pc-7.office.lan:7431"),
+    ("[fe80::1]", "[fe80::1]:7431"),
+    ("10.0.0.5:9000", "10.0.0.5:9000"),  # a port given stays
+    ("[::1]:9000", "[::1]:9000"),
+    ("::1", "::1"),  # an IPv6 address without its brackets: left for parse_address to refuse, with its hint
+    ("", ""),  # an unset variable's: refused as before, never taken for every interface
+])
+def test_a_host_without_its_port_takes_the_default_one(given: str, taken: str) -> None:
+    from deskfleet.common.wire import with_default_port
+
+    assert with_default_port(given, 7431) == taken
