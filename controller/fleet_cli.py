@@ -252,9 +252,8 @@ def _serve(args: argparse.Namespace) -> int:
             "none of the addresses agents are told to reach this controller at (%s, in %s) is this PC's: a PC "
             "joining with a new token dials them; `deskfleet fleet token --address HOST:PORT` gives the new one",
             ", ".join(addresses), store.data_dir / "fleet.json")
-    listen = None if args.listen is None else with_default_port(args.listen, DEFAULT_PORT)
-    if listen is None:
-        listen = f"0.0.0.0:{parse_address(addresses[0])[1] if addresses else 7341}"
+    port = parse_address(addresses[0])[1] if addresses else DEFAULT_PORT  # where the agents are told to come
+    listen = f"0.0.0.0:{port}" if args.listen is None else with_default_port(args.listen, port)
     server = FleetServer(store, listen)
 
     async def run() -> None:
