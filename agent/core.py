@@ -28,15 +28,17 @@ per hop too (_checked_blame).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import json
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import TypeVar
 
 from cryptography import x509
 
@@ -95,6 +97,7 @@ from deskfleet.common.wire import (
 from deskfleet.common.wire_messages import check_devices
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # A stage key keeps this much of a longer model id, then a digest of all of it (see _stage_key)
 _STAGE_KEY_NAME_CHARS = 80
@@ -179,6 +182,7 @@ class AgentCore:
         self._revoked, self._removal_signatures, self._revocations_unknown = _load_revocations(
             revocations_file, files.ca_certificate())
         self._next_hops: dict[str, Link] = {}
+        self._closing = asyncio.Event()  # close() began: no next hop is dialled or waited on any more
         # next hops found unreachable: agent id -> (time.monotonic(), the error said), not dialled again for a while
         self._unreachable_hops: dict[str, tuple[float, str]] = {}
         self._hop_watchers: set[asyncio.Task[None]] = set()  # one reader on each next-hop link (_watch_next_hop)
@@ -454,11 +458,36 @@ class AgentCore:
                 freed += len(idle)
         return freed
 
+    def begin_closing(self) -> None:
+        """From now on no next hop is dialled or waited on: a step stuck so gives up (see _unless_closing). The
+        service calls it as it stops, before its server waits for the links' handlers to end."""
+        self._closing.set()
+
     async def close(self) -> None:
+        self.begin_closing()
         for link in list(self._next_hops.values()):
             await link.close()
         self._next_hops.clear()
         await asyncio.gather(*self._hop_watchers, return_exceptions=True)  # each ends as its link closes
+
+    async def _unless_closing(self, work: Awaitable[_T], timeout: float | None) -> _T:
+        """`work`, or TimeoutError after `timeout` (None: none), or LinkError as soon as close() begins: a stopping
+        agent waited for every queued step's dial of an unreachable next hop (10 s each), and ignored SIGTERM for
+        minutes."""
+        task = asyncio.ensure_future(work)
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            done, _ = await asyncio.wait({task, closing}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        if closing in done:
+            raise LinkError("this agent is stopping")
+        raise TimeoutError
 
     # Private methods: shards and stages
 
@@ -832,15 +861,17 @@ class AgentCore:
                     raise LinkError("it was removed from the fleet")
                 if self._revocations_unknown is not None:
                     raise LinkError(f"next hop {hop.agent_id[:12]} not dialled: {self._revocations_unknown}")
+                if self._closing.is_set():
+                    raise LinkError("this agent is stopping")
                 if link is None:
-                    link = await open_link(hop.address, self.files, expected_agent_id=hop.agent_id,
-                                           revocations=self.revocations)
+                    link = await self._unless_closing(open_link(hop.address, self.files, expected_agent_id=hop.agent_id,
+                                                                revocations=self.revocations), None)
                     self._next_hops[hop.agent_id] = link
                     watcher = asyncio.create_task(self._watch_next_hop(hop, link))
                     self._hop_watchers.add(watcher)
                     watcher.add_done_callback(self._hop_watchers.discard)
                 try:
-                    await asyncio.wait_for(link.send(message), HOP_SEND_TIMEOUT_S)
+                    await self._unless_closing(link.send(message), HOP_SEND_TIMEOUT_S)
                 except TimeoutError:
                     await self._drop_hop_link(hop, link)
                     raise LinkError(f"a step sent to it made no progress in {HOP_SEND_TIMEOUT_S:.0f} s (it "

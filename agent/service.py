@@ -164,6 +164,7 @@ class AgentService:
                     tasks.create_task(self._sweep_idle_forever(), name="sweep-idle")
                     tasks.create_task(self._enforce_limits_forever(), name="enforce-limits")
                     await self._stopping.wait()
+                    self.core.begin_closing()  # before the server waits for its links' handlers: one may be dialling
                     raise _Stop
             except* _Stop:
                 pass

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from pathlib import Path
 from typing import cast
 
@@ -380,3 +381,27 @@ def test_a_report_no_controller_link_takes_is_said_in_words(tmp_path: Path) -> N
     assert core.last_error == ("dropped an error report of micro-batch 5: no link to a controller is open to take it "
                                "(the run it belonged to has ended or moved on, e.g. while this PC did not answer); "
                                "nothing to do")
+
+
+def test_a_stopping_agent_gives_up_a_step_stuck_dialling_its_next_hop(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # an agent stuck dialling an unreachable next hop (10 s a dial, a step after another) ignored SIGTERM for minutes
+    from deskfleet.agent import core as core_module
+
+    async def hangs(*args: object, **kwargs: object) -> Link:
+        await asyncio.Event().wait()
+        raise AssertionError("never")
+
+    monkeypatch.setattr(core_module, "open_link", hangs)
+    core = make_core(tmp_path, "agent")
+
+    async def scenario() -> float:
+        stuck = asyncio.create_task(core._send_next(NextHop("10.0.0.9:7431", NEXT), ReleaseMicroBatch(7)))
+        await asyncio.sleep(0.1)
+        began = time.monotonic()
+        await core.close()
+        with pytest.raises(CommandError, match="this agent is stopping"):
+            await asyncio.wait_for(stuck, 5)
+        return time.monotonic() - began
+
+    assert asyncio.run(scenario()) < 2
