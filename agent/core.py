@@ -465,9 +465,9 @@ class AgentCore:
 
     async def close(self) -> None:
         self.begin_closing()
-        for link in list(self._next_hops.values()):
+        links, self._next_hops = list(self._next_hops.values()), {}
+        for link in links:
             await link.close()
-        self._next_hops.clear()
         await asyncio.gather(*self._hop_watchers, return_exceptions=True)  # each ends as its link closes
 
     async def _unless_closing(self, work: Awaitable[_T], timeout: float | None) -> _T:
@@ -911,8 +911,27 @@ class AgentCore:
                         micro_batch_id=message.micro_batch_id))
                 else:
                     log.debug("ignoring %s from next hop %s", type(message).__name__, link.describe())
-        except LinkError:
-            return  # closed, by this agent (a stage released or re-planned) or by the next hop: a send reopens it
+        except LinkError as error:
+            if self._closing.is_set() or self._next_hops.get(hop.agent_id) is not link:
+                return  # closed here: a stage released or re-planned, the agent stopping, or a send that said so
+            self._next_hops.pop(hop.agent_id, None)  # the next step dials it anew
+            await self._report_lost_hop(hop, error)
+
+    async def _report_lost_hop(self, hop: NextHop, error: LinkError) -> None:
+        """Tell the drivers of the micro-batches this agent's stages hold, whose steps went to `hop`, that the link to
+        it died under them (its keepalive went unanswered: a firewall that cut it mid-run, a PC gone): the steps sent
+        on it are lost. Before, a link whose last steps had fitted in the send buffer died without a word, the run
+        waited out its 120 s step timeout and re-planned onto the same chain, and only a second re-plan found the
+        link. The driver weighs the blame (the controller reaching both PCs marks the link broken)."""
+        text = (f"agent {self.agent_id[:12]}: next hop agent {hop.agent_id[:12]} at {hop.address} is unreachable: "
+                f"the link to it died with steps in flight ({error})")
+        for hosted in list(self.stages.values()):
+            next_hop = hosted.assignment.next_hop
+            if next_hop is None or next_hop.agent_id != hop.agent_id:
+                continue
+            for micro_batch_id in hosted.executor.micro_batch_ids():
+                await self._tell_controller(Error(ErrorCode.INTERNAL, text, micro_batch_id=micro_batch_id,
+                                                  agent_id=hop.agent_id))
 
     async def _tell_controller(self, message: Message) -> None:
         """Send a ForwardResult, or an Error travelling down the chain, back to its driver.

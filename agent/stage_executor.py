@@ -110,6 +110,10 @@ class StageExecutor:
     def micro_batches(self) -> int:
         return len(self._batches)
 
+    def micro_batch_ids(self) -> list[int]:
+        """The micro-batches this stage holds state of."""
+        return list(self._batches)
+
     # Public methods
 
     def run(self, message: Forward, return_logits: bool = False) -> Forward | ForwardResult:

@@ -405,3 +405,32 @@ def test_a_stopping_agent_gives_up_a_step_stuck_dialling_its_next_hop(tmp_path: 
         return time.monotonic() - began
 
     assert asyncio.run(scenario()) < 2
+
+
+@pytest.mark.parametrize("closed_here", [False, True])
+def test_a_next_hop_link_that_dies_under_steps_is_reported_to_their_drivers(tmp_path: Path,
+                                                                              closed_here: bool) -> None:
+    # A firewall cut the hop mid-run; the steps had fitted in the send buffer, so no send failed: the link died by
+    # its keepalive without a word, the run waited out its 120 s step timeout, re-planned onto the same chain, and
+    # only a second re-plan found the link (netns walk: 143 s to go on).
+    class Holding:
+        def micro_batch_ids(self) -> list[int]:
+            return [3, 4]
+
+    core = make_core(tmp_path, "agent")
+    assignment = AssignStage(StageRef("m@1", 1, 2), False, False, "CPU", Precision.F32, NextHop("10.0.0.9:7431", NEXT),
+                             (), None, PREVIOUS)
+    core.stages[assignment.stage] = HostedStage(assignment, cast(StageExecutor, Holding()), asyncio.Lock(), "m-1-2")
+    driver = FakeLink(Role.CONTROLLER, "c" * 52)
+    core._controller_links.append(cast(Link, driver))
+    dead = FakeLink(Role.AGENT, NEXT)  # its receive fails at once: the link closed
+    if not closed_here:
+        core._next_hops[NEXT] = cast(Link, dead)
+    asyncio.run(core._watch_next_hop(assignment.next_hop, cast(Link, dead)))  # type: ignore[arg-type]
+    if closed_here:  # a stage released or re-planned: this agent closed it, nobody is told
+        assert driver.sent == []
+        return
+    assert [(error.micro_batch_id, error.agent_id) for error in driver.sent] == [(3, NEXT), (4, NEXT)]  # type: ignore[attr-defined]
+    assert all("next hop agent nnnnnnnnnnnn at 10.0.0.9:7431 is unreachable: the link to it died with steps in "
+               "flight" in error.message for error in driver.sent)  # type: ignore[attr-defined]
+    assert NEXT not in core._next_hops  # the next step dials it anew
