@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from deskfleet.common.arguments import path_argument, verbose_anywhere
+from deskfleet.common.arguments import describe_commands, path_argument, verbose_anywhere
 from deskfleet.common.console import (
     WatchedStream,
     flush_stdout,
@@ -115,10 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (("pause", "opt this PC out: it serves no model until `resume` (a stage it hosts is given "
                                  "up within seconds; the generation goes on without it)"),
                        ("resume", "end a pause: the next plan may use this PC again")):
-        command = commands.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}.",
-                                      allow_abbrev=False)
+        command = commands.add_parser(name, help=text, allow_abbrev=False)
         command.add_argument("--data-dir", type=path_argument, default=argparse.SUPPRESS, metavar="DIR",
                              help="the agent's data dir, as given to `join` and `--headless`")
+    describe_commands(parser)
     verbose_anywhere(parser)
     return parser
 

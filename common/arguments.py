@@ -48,3 +48,16 @@ def verbose_anywhere(parser: argparse.ArgumentParser) -> None:
                     command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                                          help="debug logging and full tracebacks")
                 verbose_anywhere(command)
+
+
+def describe_commands(parser: argparse.ArgumentParser) -> None:
+    """Give each command's own --help page the line that describes it in its parent's list, where it has no
+    description of its own (every page began with its usage and options alone)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            said = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, command in action.choices.items():
+                if not command.description and said.get(name):
+                    text = str(said[name])
+                    command.description = f"{text[0].upper()}{text[1:]}."
+                describe_commands(command)

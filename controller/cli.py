@@ -13,7 +13,7 @@ from contextlib import suppress
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from deskfleet.agent.allocator import run_on_jemalloc
-from deskfleet.common.arguments import path_argument, prompts_file_argument, verbose_anywhere
+from deskfleet.common.arguments import describe_commands, path_argument, prompts_file_argument, verbose_anywhere
 from deskfleet.common.console import (
     WatchedStream,
     ctrl_c_held,
@@ -328,19 +328,6 @@ def build_parser() -> argparse.ArgumentParser:
     describe_commands(parser)
     verbose_anywhere(parser)
     return parser
-
-
-def describe_commands(parser: argparse.ArgumentParser) -> None:
-    """Give each command's own --help page the line that describes it in its parent's list, where it has no
-    description of its own (every page began with its usage and options alone)."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            said = {choice.dest: choice.help for choice in action._choices_actions}
-            for name, command in action.choices.items():
-                if not command.description and said.get(name):
-                    text = str(said[name])
-                    command.description = f"{text[0].upper()}{text[1:]}."
-                describe_commands(command)
 
 
 def missing_extra(error: ModuleNotFoundError) -> MissingExtraError | None:
