@@ -236,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--genai-python", type=path_argument, default=None,
                         help="python of a venv with openvino-genai (it pins other versions)")
     parity.add_argument("--prompt-tokens", type=positive_int, default=32, help="random prompt length")
-    parity.add_argument("--new-tokens", type=positive_int, default=64, help="tokens each run generates")
+    parity.add_argument("--new-tokens", "--max-new-tokens", dest="new_tokens", type=positive_int, default=64,
+                              help="tokens each run generates")
     parity.add_argument("--rounds", type=positive_int, default=3, help=ROUNDS_HELP)
     parity.add_argument("--genai-backends", nargs="+", choices=["default", "SDPA", "PA"], default=None,
                         help="the ATTENTION_BACKEND values of GenAI's LLMPipeline to run, one variant each (default: "
@@ -279,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "evaluate.py; default: the ones shipped with deskfleet, assets/models/train)")
     speculative.add_argument("--prompts", type=positive_int, default=None,
                              help="how many prompts (default: 12 of the held-out set, or all of --prompts-file)")
-    speculative.add_argument("--new-tokens", type=positive_int, default=64, help="tokens generated per prompt")
+    speculative.add_argument("--new-tokens", "--max-new-tokens", dest="new_tokens", type=positive_int, default=64,
+                                   help="tokens generated per prompt")
     speculative.add_argument("--rounds", type=positive_int, default=3, help=ROUNDS_HELP)
     _add_compile_options(speculative)
     speculative.set_defaults(handler=_bench_speculative)
@@ -291,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     streams.add_argument("--users", type=positive_int, nargs="+", default=[1, 2, 4, 8],
                          help="user counts to compare")
     streams.add_argument("--prompt-tokens", type=positive_int, default=32, help="each user's random prompt length")
-    streams.add_argument("--new-tokens", type=positive_int, default=64, help="tokens each user generates")
+    streams.add_argument("--new-tokens", "--max-new-tokens", dest="new_tokens", type=positive_int, default=64,
+                               help="tokens each user generates")
     streams.add_argument("--rounds", type=positive_int, default=3, help=ROUNDS_HELP)
     streams.add_argument("--core", type=non_negative_int, default=None,
                          help="the CPU core to pin to (default: the last)")
@@ -305,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="prefill chunk sizes to compare (0: the whole prompt in one call; default: those of "
                                 "0 64 256 under --prompt-tokens)")
     admission.add_argument("--running", type=positive_int, default=2, help="streams decoding when it arrives")
-    admission.add_argument("--new-tokens", type=positive_int, default=96, help="tokens each running stream makes")
+    admission.add_argument("--new-tokens", "--max-new-tokens", dest="new_tokens", type=positive_int, default=96,
+                                 help="tokens each running stream makes")
     admission.add_argument("--rounds", type=positive_int, default=3, help=ROUNDS_HELP)
     _add_compile_options(admission)
     admission.set_defaults(handler=_bench_admission)

@@ -49,3 +49,14 @@ def test_verbose_is_taken_before_or_after_the_command(argv: list[str]) -> None:
     assert controller_parser().parse_args(argv).verbose is ("-v" in argv)
     agent_argv = ["pause", *argv[2:]] if argv[0] == "fleet" else ["-v", "pause"]
     assert agent_parser().parse_args(agent_argv).verbose is ("-v" in agent_argv)
+
+
+@pytest.mark.parametrize("bench", ["parity", "speculative", "streams", "admission", "fleet"])
+def test_every_bench_takes_generates_token_limit_option_too(bench: str) -> None:
+    # generate says --max-new-tokens, the benches --new-tokens: one copied from the other was refused
+    page = dict(PAGES)[("deskfleet", "bench", bench)]
+    required = [argument for action in page._actions if action.required and action.option_strings
+                for argument in (action.option_strings[0], "m")]
+    parser = controller_parser()
+    assert parser.parse_args(["bench", bench, *required, "--max-new-tokens", "7"]).new_tokens == 7
+    assert parser.parse_args(["bench", bench, *required, "--new-tokens", "9"]).new_tokens == 9

@@ -892,7 +892,8 @@ def add_fleet_bench_command(benches: Any) -> None:
                              "deploy --kv-cache`; default: the precision's own, u8 on a CPU). f32 makes a real "
                              "target's verification calls cheaper on a CPU, and drafted output token-identical to "
                              "plain decoding")
-    parser.add_argument("--new-tokens", type=positive_int, default=32, help="tokens each stream generates")
+    parser.add_argument("--new-tokens", "--max-new-tokens", dest="new_tokens", type=positive_int, default=32,
+                              help="tokens each stream generates")
     parser.add_argument("--prompt-tokens", type=positive_int, default=16,
                         help="random prompt length of the --model rows (the demo rows use the held-out prompts)")
     parser.add_argument("--rounds", type=positive_int, default=3,
