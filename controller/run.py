@@ -272,7 +272,7 @@ def _report(engine: Engine, tokenizer: ModelTokenizer, results: dict[int, Stream
             pipeline: StageChain, print_streams: bool, labels: list[str]) -> dict[str, object]:
     """The report; with `print_streams`, each stream's text printed (print_stream_texts) where there are several."""
     streams: list[dict[str, object]] = [
-        {"prompt": label, "tokens": result.tokens, "text": tokenizer.decode(result.tokens),
+        {"label": label, "tokens": result.tokens, "text": tokenizer.decode(result.tokens),
          "tok_s": _rounded(result.decode_tok_s), "prompt_tokens": result.prompt_tokens,
          "first_token_s": round(result.first_token_s, 4), "stopped_by_eos": result.stopped_by_eos}
         for label, result in zip(labels, results.values(), strict=True)]

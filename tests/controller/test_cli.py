@@ -474,7 +474,7 @@ def test_ctrl_c_with_several_prompts_keeps_what_the_streams_made(
     assert code == 130
     if as_json:
         report = json.loads(out)
-        assert report["stopped"] == "interrupted" and [stream["prompt"] for stream in report["streams"]] == [
+        assert report["stopped"] == "interrupted" and [stream["label"] for stream in report["streams"]] == [
             "--prompt #1", "--prompt #2"]
         made = [stream["tokens"] for stream in report["streams"]]
         for tokens, full in zip(made, whole, strict=True):
