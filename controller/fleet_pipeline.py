@@ -68,6 +68,7 @@ class ChainError(ChainBroken):
         self.stages = tuple(stages)
 
 OPEN_TIMEOUT_S = 30.0
+STRAY_ERROR_LOG_S = 60.0  # how often a stage's link logs the count of errors about other runs' micro-batches
 _ID_SPAN = 1 << 24  # engine micro-batch ids stay below this
 # A chain's range of wire ids: _REGION_BASES bases (one a run: a chat's turn), taken in turn from a random one and
 # wrapping around (ChainIds knows the late results of earlier runs). 2^23 ranges to draw from: two drivers on one
@@ -141,6 +142,9 @@ class FleetPipeline:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: asyncio.Queue[_Outgoing] | None = None
         self._closed = False
+        # errors about another run's micro-batches dropped, and when that was last logged, by stage (_drop_stray_error)
+        self._stray_errors: dict[int, int] = {}
+        self._stray_logged_at: dict[int, float] = {}
         self._thread = threading.Thread(target=self._thread_main, name="fleet-chain", daemon=True)
         try:
             # start() inside: a Ctrl-C that comes once the thread runs but before the wait (a busy machine) must
@@ -354,8 +358,7 @@ class FleetPipeline:
             elif isinstance(message, Error):
                 if message.micro_batch_id is not None and not self._ids.is_awaited(message.micro_batch_id):
                     # another run's: an agent dropped from this chain that woke up and relayed its old steps
-                    log.warning("dropped an error about wire micro-batch %d, which has no step in flight here: %s",
-                                message.micro_batch_id, message.message)
+                    self._drop_stray_error(index, message)
                     continue
                 blamed, ignored = self._accepted_blame(index, message)
                 # which stage's link the error came back on (it may have begun earlier in the chain: the text
@@ -365,6 +368,26 @@ class FleetPipeline:
                                  self.stages[index].agent_id, self.stages)
             else:
                 log.debug("ignoring %s from %s", type(message).__name__, link.describe())
+
+    def _drop_stray_error(self, index: int, error: Error) -> None:
+        """Log an Error about a micro-batch with no step in flight here: the first of each stage's link in full, the
+        rest at debug level, counted, with one line a minute of how many (a woken agent that relayed a whole run's
+        steps wrote one warning per micro-batch, the same text each time)."""
+        now = time.monotonic()
+        count = self._stray_errors.get(index, 0)
+        self._stray_errors[index] = count + 1
+        if count == 0:
+            log.warning("%s: dropped an error about wire micro-batch %d, which has no step in flight here (another "
+                        "run's; any more such are counted): %s", self._stage_at(index), error.micro_batch_id,
+                        error.message)
+        elif now - self._stray_logged_at.get(index, 0.0) >= STRAY_ERROR_LOG_S:
+            log.warning("%s: %d errors about micro-batches with no step in flight here dropped so far, the latest "
+                        "about wire micro-batch %d: %s", self._stage_at(index), count + 1, error.micro_batch_id,
+                        error.message)
+        else:
+            log.debug("dropped an error about wire micro-batch %d: %s", error.micro_batch_id, error.message)
+            return
+        self._stray_logged_at[index] = now
 
     def _accepted_blame(self, index: int, error: Error) -> tuple[str | None, str]:
         """The agent that `error`, arrived on stage `index`'s link, may name as at fault (the failover leaves it

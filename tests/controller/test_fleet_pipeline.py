@@ -164,6 +164,31 @@ def test_an_error_about_another_runs_micro_batch_is_dropped(scripted_chain: Call
     assert chain.collect().next_token_ids == (1,)
 
 
+def test_errors_about_other_runs_micro_batches_are_logged_once_then_counted(
+        scripted_chain: Callable[[Reply], FleetPipeline], caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A woken agent relays a whole old run: one warning per micro-batch, the same text, filled the log
+    async def reply(link: Link, message: Forward) -> None:
+        for stray in range(30):
+            await link.send(Error(ErrorCode.BAD_MESSAGE, "append for 1 rows, the micro-batch has 0",
+                                  micro_batch_id=message.micro_batch_id + 100 + stray))
+        await link.send(ForwardResult(message.micro_batch_id, message.step_id, (1,), None, None))
+
+    chain = scripted_chain(reply)
+    with caplog.at_level(logging.DEBUG, logger=fleet_pipeline.log.name):
+        chain.submit(one_step(micro_batch_id=3))
+        assert chain.collect().next_token_ids == (1,)
+        warnings = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and "dropped an error about wire micro-batch" in warnings[0]
+        assert "any more such are counted" in warnings[0] and "stage 0" in warnings[0]
+        monkeypatch.setattr(fleet_pipeline, "STRAY_ERROR_LOG_S", 0.0)  # a minute later: the count
+        caplog.clear()
+        chain.submit(one_step(micro_batch_id=4))
+        assert chain.collect().next_token_ids == (1,)
+    counts = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    assert "31 errors about micro-batches with no step in flight here dropped so far" in counts[0]
+
+
 def test_an_error_about_a_step_in_flight_breaks_the_chain_naming_the_agent_at_fault(
         scripted_chain: Callable[[Reply], FleetPipeline]) -> None:
     # (the blame must fit the stage's place in the chain: here the one stage blames itself, having given its
