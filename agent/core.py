@@ -43,8 +43,9 @@ from typing import TypeVar
 from cryptography import x509
 
 from deskfleet.agent.cache_health import UNWRITABLE_ERRNOS, CacheHealth
+from deskfleet.agent.kv_memory_guard import KvMemoryGuard, KvMemoryRefused
 from deskfleet.agent.link import Link, LinkError, TlsFiles, open_link
-from deskfleet.agent.monitor import SystemMonitor
+from deskfleet.agent.monitor import SystemMonitor, available_memory_reader
 from deskfleet.agent.opt_out import OPT_OUT_FILE, OptOutReader
 from deskfleet.agent.paths import AgentSettings
 from deskfleet.agent.shard_cache import CacheFull, ShardCache, ShardCacheError
@@ -63,6 +64,7 @@ from deskfleet.common.availability import (
     decide_availability,
 )
 from deskfleet.common.json_file import JsonFileError, read_json_object
+from deskfleet.common.kv_cache_size import kv_cache_bytes_per_token_per_layer, kv_cache_precision
 from deskfleet.common.kv_ledger import Compact, LedgerError
 from deskfleet.common.model_spec import MANIFEST_NAME, ExportMismatchError, Manifest, ManifestError
 from deskfleet.common.wire import (
@@ -166,6 +168,8 @@ class AgentCore:
         self.cache = cache
         self.cache_health = CacheHealth(cache)  # a disk that refused the cache's writes, in the status until it passes
         self.monitor = monitor
+        # every stage's KV cache growth is asked of it first: no step may take the PC's last memory
+        self.kv_memory = KvMemoryGuard(available_memory_reader(monitor))
         self.agent_id = files.own_identity().agent_id
         self.stages: dict[StageRef, HostedStage] = {}
         self.last_error: str | None = None
@@ -593,8 +597,11 @@ class AgentCore:
             self.cache_health.stored()  # its view was made in the cache
             for other in [ref for ref in self.stages if ref.model_id == message.stage.model_id]:
                 self._release(other)  # a re-plan of the same model replaces what this agent held
-            self.stages[message.stage] = HostedStage(message, StageExecutor(stage, manifest.spec.max_context),
-                                                     asyncio.Lock(), key)
+            kv_per_token = kv_cache_bytes_per_token_per_layer(manifest.spec, kv_cache_precision(
+                message.precision, message.device, message.kv_cache))
+            executor = StageExecutor(stage, manifest.spec.max_context, self.kv_memory,
+                                     kv_per_token * (layers.stop - layers.start))
+            self.stages[message.stage] = HostedStage(message, executor, asyncio.Lock(), key)
             self._released_because = None
             self._refusals_logged.clear()
             self._unreachable_hops.clear()
@@ -656,13 +663,17 @@ class AgentCore:
                 else:
                     output = await asyncio.to_thread(hosted.executor.run, message, message.return_logits)
         except Exception as error:  # refused (LedgerError, ProtocolError) or failed: the driver hears why
-            if not isinstance(error, LedgerError | ProtocolError | ValueError | RuntimeError):
+            if not isinstance(error, LedgerError | ProtocolError | ValueError | RuntimeError | KvMemoryRefused):
                 log.exception("micro-batch %d step %d failed", message.micro_batch_id, message.step_id)
             text = f"agent {self.agent_id[:12]}: micro-batch {message.micro_batch_id} step {message.step_id} " \
                    f"failed on {_stage_key(hosted.assignment.stage)}: {error}"
             self._note_error(text)
-            failure = Error(ErrorCode.BAD_MESSAGE if isinstance(error, LedgerError | ProtocolError)
-                            else ErrorCode.INTERNAL, text, micro_batch_id=message.micro_batch_id)
+            if isinstance(error, KvMemoryRefused):  # this PC has no room for the run: the re-plan leaves it out
+                failure = Error(ErrorCode.OUT_OF_MEMORY, text, micro_batch_id=message.micro_batch_id,
+                                agent_id=self.agent_id)
+            else:
+                failure = Error(ErrorCode.BAD_MESSAGE if isinstance(error, LedgerError | ProtocolError)
+                                else ErrorCode.INTERNAL, text, micro_batch_id=message.micro_batch_id)
             if link.peer.role is Role.CONTROLLER:
                 # a first stage: its sender is the step's driver, told at once. Sent down the chain instead, the
                 # error reached a driver only through stages that knew it: a deploy that reshaped the chain

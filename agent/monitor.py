@@ -190,6 +190,26 @@ class HostMonitor:
 
 # Linux: hwmon and drm sysfs
 
+def available_memory_reader(monitor: SystemMonitor) -> Callable[[], int | None]:
+    """What the agent's KV memory guard reads (agent/kv_memory_guard.py): the bytes available to new allocations
+    without swapping, None where unknown (a probe that failed, a total of 0), which refuses nothing. For a
+    HostMonitor its memory probe alone: its read() also looks at the GPU's clients, and is taken one thread at a
+    time (AgentCore._read_monitor), while the guard is asked from the stages' worker threads; any other monitor
+    (a test's) is read whole."""
+    if isinstance(monitor, HostMonitor):
+        host = monitor
+
+        def host_memory() -> int | None:
+            free, total = host._probe("memory", host.probes.memory, (0, 0))  # a failure logged once, as read's
+            return free if total > 0 else None
+        return host_memory
+
+    def read_whole() -> int | None:
+        reading = monitor.read()
+        return reading.memory_free_bytes if reading.memory_total_bytes > 0 else None
+    return read_whole
+
+
 def read_hwmon_temperatures(sysfs_root: Path) -> tuple[TemperatureReading, ...]:
     """Every plausible `temp*_input` under class/hwmon (thermal zones if hwmon has none), in °C."""
     found: list[TemperatureReading] = []

@@ -39,6 +39,7 @@ from deskfleet.common.speculative import (
 )
 from deskfleet.common.wire import DraftInfo, Forward, ForwardResult, SamplingInfo
 
+from .kv_memory_guard import SLOT_GROWTH, KvGrowth, KvMemoryGuard, KvMemoryRefused
 from .stage import Stage, StageSession
 
 log = logging.getLogger(__name__)
@@ -101,9 +102,14 @@ class _MicroBatch:
 class StageExecutor:
     """One stage's micro-batches. Not thread-safe: one worker calls run() and release()."""
 
-    def __init__(self, stage: Stage, max_positions: int) -> None:
+    def __init__(self, stage: Stage, max_positions: int, memory_guard: KvMemoryGuard | None = None,
+                 kv_bytes_per_slot: int = 0) -> None:
+        """`memory_guard` (an agent's): asked before a step grows the KV cache, at `kv_bytes_per_slot` (one row's
+        token in every layer of the stage) a slot; a step it refuses raises KvMemoryRefused and changes nothing."""
         self.stage = stage
         self.max_positions = max_positions
+        self.memory_guard = memory_guard
+        self.kv_bytes_per_slot = kv_bytes_per_slot
         self._batches: dict[int, _MicroBatch] = {}
 
     @property
@@ -123,9 +129,9 @@ class StageExecutor:
         [B, N, V] at the positions `logits_positions` chose; over the network no logits travel.
 
         A refused step (LedgerError naming the fault: deltas out of sync, inputs of the wrong shape or out
-        of range) changes nothing: the micro-batch, its mirror and KV state, and any micro-batch it would
-        have admitted stay as they were. A step whose infer call fails drops its micro-batch (its KV state
-        is then unknown) and says so.
+        of range; KvMemoryRefused: the PC has no memory for the KV cache it would grow) changes nothing: the
+        micro-batch, its mirror and KV state, and any micro-batch it would have admitted stay as they were. A
+        step whose infer call fails drops its micro-batch (its KV state is then unknown) and says so.
         """
         batch = self._batches.get(message.micro_batch_id)
         created = batch is None
@@ -143,6 +149,11 @@ class StageExecutor:
                                       f"whose step {message.step_id} is not its first (the stage was assigned anew, "
                                       "by a deploy or a re-plan, or rebuilt since its earlier steps, or it freed the "
                                       "micro-batch as idle)") from None
+            raise
+        except KvMemoryRefused:  # asked before any KV state was edited
+            batch.mirror = before
+            if created:
+                self.stage.recycle(batch.session)
             raise
         except Exception as error:  # the plugin failed while editing the KV state: it is unknown now
             if created:
@@ -219,6 +230,11 @@ class StageExecutor:
             # before any delta is replayed: a step's size is the tensors it carries, not a count it claims
             raise LedgerError(f"position_ids of shape {list(message.position_ids.shape)} for an append of "
                               f"{len(call.live_counts)} rows x {call.count} slots")
+        if isinstance(call, AppendSlots) and self.memory_guard is not None:
+            growth = KvGrowth(len(call.live_counts), call.count, batch.mirror.rows, batch.mirror.slots)
+            self.memory_guard.admit(growth.slot_count * self.kv_bytes_per_slot * SLOT_GROWTH,
+                                    lambda: f"micro-batch {message.micro_batch_id} step {message.step_id} "
+                                            f"({growth.rows} rows x {growth.slots + growth.new_slots} slots)")
         admits = sum(isinstance(delta, AdmitRow) for delta in message.slot_deltas)
         if admits != len(message.admit_from):
             raise LedgerError(f"{admits} AdmitRow deltas for {len(message.admit_from)} micro-batches to admit")

@@ -29,6 +29,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from deskfleet.agent.link import Link, LinkError
 from deskfleet.common.devices import device_kind
+from deskfleet.common.kv_cache_size import kv_cache_bytes_per_token_per_layer, kv_cache_precision
 from deskfleet.common.model_spec import (
     MANIFEST_NAME,
     Manifest,
@@ -189,7 +190,7 @@ def footprint_of(manifest: Manifest, device: str = "CPU", precision: Precision =
     kv = kv_cache_precision(precision, device, kv_cache)
     growth, scratch, first_scratch = _held_beside_weights(device, kv, spec.hidden_size + spec.intermediate_size)
     return ModelFootprint(manifest.model_name, manifest.layer_bytes, manifest.embed_bytes, manifest.head_bytes,
-                          kv_cache_bytes_per_token_per_layer(manifest, kv), spec.max_context, head_work,
+                          kv_cache_bytes_per_token_per_layer(manifest.spec, kv), spec.max_context, head_work,
                           resident_factor(device), growth, scratch, kv or "the device's own, counted as f32",
                           first_scratch)
 
@@ -216,32 +217,6 @@ def _held_beside_weights(device: str, kv: str | None, width: int) -> tuple[float
         return 1.0, 0, 0
     growth = KV_GROWTH_F32 if kv == "f32" else KV_GROWTH
     return growth, math.ceil(PREFILL_SCRATCH * width), math.ceil(PREFILL_SCRATCH_FIRST * width)
-
-
-def kv_cache_precision(precision: Precision, device: str, kv_cache: str | None) -> str | None:
-    """The KV cache precision the agents will compile a stage with (agent/core.py, agent/stage.py): the one
-    named; f32 for --precision f32; else (the fast precision) the device's own, u8 on a CPU. None: a device's
-    own that is not known here (GPU, NPU...). A fleet's stages never switch to f32 for drafting: the draft runs
-    on the controller, and the stages keep what the deploy said."""
-    if kv_cache is not None:
-        return kv_cache
-    if precision is Precision.F32:
-        return "f32"
-    return "u8" if device_kind(device) == "CPU" else None
-
-
-KV_SCALE_BYTES = 8  # u8: a f32 scale and zero point for every token of every KV head, keys and values each
-
-
-def kv_cache_bytes_per_token_per_layer(manifest: Manifest, kv_cache: str | None) -> int:
-    """The bytes one token takes in one layer's KV cache of precision `kv_cache` (None: counted as f32).
-
-    u8 stores each head's key (and value) of a token as head_dim bytes plus its f32 scale and zero point
-    (the CPU plugin's scaled_attn: scale_zp [L, B, H, 2]): 72 bytes for head_dim 64, 1.125 a value."""
-    spec = manifest.spec
-    if kv_cache == "u8":
-        return 2 * spec.num_kv_heads * (spec.head_dim + KV_SCALE_BYTES)
-    return spec.kv_bytes_per_token_per_layer(2 if kv_cache in ("f16", "bf16") else 4)
 
 
 # The CPU plugin grows a KV cache by reallocating it at twice the tokens it must hold whenever it is full

@@ -674,3 +674,57 @@ def test_a_refusal_by_the_next_hop_reaches_the_drivers_at_once(core: AgentCore,
     assert isinstance(told, Error) and told.code is ErrorCode.UNAUTHORIZED
     assert told.message == (f"agent {core.agent_id[:12]}: next hop agent {'n' * 12} at 127.0.0.1:9 refused this "
                             f"stage's step: {refusal.message}")
+
+
+def test_a_step_the_pcs_memory_has_no_room_for_is_refused_blaming_this_pc_and_changes_nothing(
+        core: AgentCore, tiny_export: Path) -> None:
+    # A driver with more streams than planned, or a hostile previous hop claiming thousands of rows, grew a stage's
+    # KV cache until the PC swapped or the kernel killed a process, perhaps the employee's own
+    from deskfleet.agent.kv_memory_guard import KvMemoryGuard
+
+    assignment = _host_tiny_stage(core, tiny_export)
+    spec = load_manifest(tiny_export).spec
+    context = spec.max_context
+    # a slot of the whole model in its u8 cache: every layer's keys and values, head_dim bytes and a scale and zero
+    assert core.stages[assignment.stage].executor.kv_bytes_per_slot == spec.num_layers * 2 * spec.num_kv_heads * (
+        spec.head_dim + 8)
+    free = [8 << 30]
+    guard = core.kv_memory
+    assert isinstance(guard, KvMemoryGuard)
+    guard.free_memory = lambda: free[0]
+    guard.recheck_s = 0.0
+
+    def decode(micro_batch_id: int, refuse_at: int | None) -> tuple[list[int], list[Message]]:
+        track = BatchTrack(micro_batch_id, context)
+        track.add_row(0)
+        tokens, refusals = [], []
+        message = track.step([[1, 5, 9]])
+        for step in range(4):
+            driver = RecordingLink(Role.CONTROLLER)
+            free[0] = guard.floor_bytes + 1 if step == refuse_at else 8 << 30
+            asyncio.run(core.handle(cast(Link, driver), ResultsHere(0, 1 << 62)))
+            core._controller_links.append(cast(Link, driver))
+            asyncio.run(core.handle(cast(Link, driver), message))
+            core._controller_links.remove(cast(Link, driver))
+            (answer,) = driver.sent
+            if isinstance(answer, Error):
+                refusals.append(answer)
+                free[0] = 8 << 30
+                driver.sent.clear()
+                core._controller_links.append(cast(Link, driver))
+                asyncio.run(core.handle(cast(Link, driver), message))  # the same step again: nothing was changed
+                core._controller_links.remove(cast(Link, driver))
+                (answer,) = driver.sent
+            assert isinstance(answer, ForwardResult)
+            tokens.append(answer.next_token_ids[0])
+            message = track.step([[answer.next_token_ids[0]]])
+        return tokens, refusals
+
+    plain, none = decode(1, refuse_at=None)
+    assert none == []
+    prompt_refused, (refusal,) = decode(2, refuse_at=0)
+    decode_refused, _ = decode(3, refuse_at=2)
+    assert prompt_refused == plain and decode_refused == plain
+    assert isinstance(refusal, Error) and refusal.code is ErrorCode.OUT_OF_MEMORY and refusal.micro_batch_id == 2
+    assert refusal.agent_id == core.agent_id  # the re-plan leaves this PC out
+    assert "micro-batch 2 step 0 (1 rows x 3 slots) would grow this PC's KV cache by up to" in refusal.message

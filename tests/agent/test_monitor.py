@@ -15,12 +15,13 @@ from deskfleet.agent.monitor import (
     HostProbes,
     SystemMonitor,
     TemperatureReading,
+    available_memory_reader,
     read_drm_busy_percent,
     read_hwmon_temperatures,
 )
 from deskfleet.agent.shard_cache import CacheUsage
 from deskfleet.agent.status import make_status
-from deskfleet.common.availability import AvailabilityPolicy
+from deskfleet.common.availability import AvailabilityPolicy, MonitorReading
 
 
 def write(path: Path, text: str) -> None:
@@ -165,3 +166,31 @@ def test_real_host_reading_is_plausible() -> None:
     reading = HostMonitor().read()
     assert 0.0 <= reading.cpu_load <= 1.0
     assert 0 < reading.memory_free_bytes <= reading.memory_total_bytes
+
+
+def test_the_kv_memory_guard_reads_the_memory_probe_alone_and_unknown_is_none(tmp_path: Path) -> None:
+    # the guard is asked from the stages' worker threads: HostMonitor.read (the GPU's clients too) is not for them
+    def no_gpu_reading() -> float:
+        raise AssertionError("the whole monitor was read")
+
+    monitor = HostMonitor(sysfs_root=tmp_path, proc_root=tmp_path, platform="linux", probes=fake_probes(),
+                          clock=FakeClock())
+    monitor._igpu_busy = no_gpu_reading  # type: ignore[method-assign]
+    assert available_memory_reader(monitor)() == 3
+
+    def refused() -> tuple[int, int]:
+        raise OSError("no /proc/meminfo")
+
+    broken = HostMonitor(sysfs_root=tmp_path, proc_root=tmp_path, platform="linux",
+                         probes=HostProbes(cpu_load=lambda: 0.0, memory=refused), clock=FakeClock())
+    assert available_memory_reader(broken)() is None  # unknown: the guard refuses nothing
+
+    class Fake:
+        def __init__(self, free: int, total: int) -> None:
+            self.reading = MonitorReading(0.0, free, total, None, None, (), None)
+
+        def read(self) -> MonitorReading:
+            return self.reading
+
+    assert available_memory_reader(Fake(5, 10))() == 5
+    assert available_memory_reader(Fake(0, 0))() is None

@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 
 from deskfleet.common.agent_state import AgentState
+from deskfleet.common.kv_cache_size import kv_cache_precision
 from deskfleet.common.model_spec import Manifest, load_manifest
 from deskfleet.common.planner import AgentCandidate, PlanOptions, plan
 from deskfleet.common.wire import Precision
 from deskfleet.controller import fleet_deploy
-from deskfleet.controller.fleet_deploy import footprint_of, kv_cache_precision
+from deskfleet.controller.fleet_deploy import footprint_of
 
 MB = 1_000_000
 BARE = PlanOptions(margin_fraction=0.0, margin_min_bytes=0, stage_overhead_bytes=0)

@@ -1,0 +1,91 @@
+"""Keeps the KV caches of an agent's stages from taking the PC's last memory.
+
+A stage's KV cache grows with every step: rows (streams) times slots (tokens) times what a slot holds in the
+stage's layers. The planner reserves room for a deployment's `--streams` at full context, but nothing held a
+driver to that: more streams than planned, or a step from a faulty or hostile previous hop claiming thousands
+of rows (a step's header may list 50,000 new rows), grew the cache until the PC swapped or the kernel's
+out-of-memory killer ended a process, perhaps the employee's own. So every step that would grow a stage's cache
+asks this guard first, and a step that would leave the PC less than `floor_bytes` of available memory is
+refused (the driver hears OUT_OF_MEMORY naming the micro-batch, and re-plans without this PC) before anything
+is allocated.
+
+What a step may grow a cache by is bounded from the step alone (KvGrowth), with no replay of its deltas: its
+rows, times the micro-batch's slots plus the step's new ones, less what the micro-batch held. The CPU plugin
+grows a cache by reallocating it at twice the tokens it must hold when it is full, so a slot is counted twice.
+Available memory is read at most once a `recheck_s` while the estimates fit in what the last reading left
+(one read of /proc/meminfo, ~30 us); memory that released micro-batches gave back counts from the next reading.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+MIB = 1 << 20
+KV_MEMORY_FLOOR_BYTES = 512 * MIB  # a step that would leave the PC less available memory than this is refused
+RECHECK_S = 1.0
+# the CPU plugin reallocates a full cache at twice the tokens it must hold (controller/fleet_deploy.py, KV_GROWTH)
+SLOT_GROWTH = 2
+
+
+class KvMemoryRefused(Exception):
+    """A step whose KV cache growth the PC has no memory for; its text says how much, and what to do."""
+
+
+@dataclass(frozen=True)
+class KvGrowth:
+    """What one step may add to a micro-batch's KV cache, in slots summed over rows: `rows` after the step times
+    the slots it may then hold (the micro-batch's `slots` plus the step's `new_slots`), less the `held_rows` x
+    `slots` before it; never below 0 (a step that drops rows or compacts frees memory, counted at the next
+    reading)."""
+
+    rows: int
+    new_slots: int
+    held_rows: int
+    slots: int
+
+    @property
+    def slot_count(self) -> int:
+        return max(0, self.rows * (self.slots + self.new_slots) - self.held_rows * self.slots)
+
+
+class KvMemoryGuard:
+    """One per agent (the memory is the PC's, shared by its stages); thread-safe: stages' steps run on worker
+    threads. `free_memory` reads the bytes available to new allocations without swapping (psutil's
+    `available`; agent/monitor.py, available_memory_reader), None where that is unknown: nothing is refused
+    then, as an unknown sensor makes no agent unavailable."""
+
+    def __init__(self, free_memory: Callable[[], int | None], floor_bytes: int = KV_MEMORY_FLOOR_BYTES,
+                 recheck_s: float = RECHECK_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.free_memory = free_memory
+        self.floor_bytes = floor_bytes
+        self.recheck_s = recheck_s
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._headroom = 0  # what the last reading left above the floor, less what steps were let grow since
+        self._read_at: float | None = None
+
+    def admit(self, growth_bytes: int, what: Callable[[], str]) -> None:
+        """Let a step grow a cache by `growth_bytes`, or raise KvMemoryRefused naming the step as `what()` says
+        (called only then: this runs every step)."""
+        if growth_bytes <= 0:
+            return
+        with self._lock:
+            now = self.clock()
+            if growth_bytes > self._headroom or self._read_at is None or now - self._read_at >= self.recheck_s:
+                free = self.free_memory()
+                self._read_at = now
+                if free is None:
+                    self._headroom = 0  # read again at the next step that grows a cache
+                    return
+                self._headroom = free - self.floor_bytes
+                if growth_bytes > self._headroom:
+                    raise KvMemoryRefused(
+                        f"{what()} would grow this PC's KV cache by up to {growth_bytes / MIB:,.0f} MiB with "
+                        f"{free / MIB:,.0f} MiB of its memory available, leaving less than the "
+                        f"{self.floor_bytes / MIB:,.0f} MiB this agent keeps free: run fewer or shorter streams "
+                        "(generate --max-rows, fewer prompts, a smaller --max-new-tokens), or deploy over more "
+                        "PCs or PCs with more memory")
+            self._headroom -= growth_bytes

@@ -1,0 +1,74 @@
+"""The agent's KV memory guard: a step that would grow a stage's KV cache past what the PC has available (less a
+floor) is refused before anything is allocated, and the available memory is read seldom."""
+
+from __future__ import annotations
+
+import pytest
+
+from deskfleet.agent.kv_memory_guard import MIB, KvGrowth, KvMemoryGuard, KvMemoryRefused
+
+
+class Memory:
+    """Available memory a test sets, counting the reads."""
+
+    def __init__(self, free: int | None) -> None:
+        self.free = free
+        self.reads = 0
+
+    def __call__(self) -> int | None:
+        self.reads += 1
+        return self.free
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_growth_is_bounded_from_the_step_alone() -> None:
+    assert KvGrowth(rows=1, new_slots=40, held_rows=0, slots=0).slot_count == 40  # a first prompt
+    assert KvGrowth(rows=4, new_slots=1, held_rows=4, slots=100).slot_count == 4  # a decode step of 4 rows
+    assert KvGrowth(rows=5, new_slots=1, held_rows=4, slots=100).slot_count == 105  # a row admitted: padded to 101
+    assert KvGrowth(rows=2, new_slots=1, held_rows=4, slots=100).slot_count == 0  # rows dropped: it frees memory
+    assert KvGrowth(rows=50_000, new_slots=1, held_rows=1, slots=10).slot_count == 549_990  # a hostile header
+
+
+def test_steps_within_the_last_reading_are_let_grow_without_reading_again() -> None:
+    memory, clock = Memory(1024 * MIB), Clock()
+    guard = KvMemoryGuard(memory, floor_bytes=512 * MIB, recheck_s=1.0, clock=clock)
+    for _ in range(5):
+        guard.admit(100 * MIB, lambda: "a step")  # 500 of the 512 MiB above the floor
+    assert memory.reads == 1
+    clock.now += 1.0  # a second on: what other programs took since counts too
+    memory.free = 600 * MIB
+    guard.admit(50 * MIB, lambda: "a step")
+    assert memory.reads == 2
+    memory.free = 560 * MIB  # the cache took 40 of the 50 MiB counted
+    with pytest.raises(KvMemoryRefused) as refused:
+        guard.admit(60 * MIB, lambda: "micro-batch 7 step 3 (4 rows x 900 slots)")  # 48 MiB left above the floor
+    assert memory.reads == 3  # read afresh before refusing: the estimates since the last reading may overstate
+    assert str(refused.value).startswith("micro-batch 7 step 3 (4 rows x 900 slots) would grow this PC's KV cache "
+                                         "by up to 60 MiB with 560 MiB of its memory available, leaving less than "
+                                         "the 512 MiB this agent keeps free: run fewer or shorter streams")
+    guard.admit(0, lambda: "a step that grows nothing")  # nothing asked of the memory
+    assert memory.reads == 3
+
+
+def test_memory_given_back_counts_from_the_next_reading() -> None:
+    memory, clock = Memory(600 * MIB), Clock()
+    guard = KvMemoryGuard(memory, floor_bytes=512 * MIB, clock=clock)
+    guard.admit(80 * MIB, lambda: "a step")
+    memory.free = 2048 * MIB  # a micro-batch released
+    guard.admit(80 * MIB, lambda: "a step")  # more than the first reading left: read again, and let grow
+    assert memory.reads == 2
+
+
+def test_unknown_memory_refuses_nothing() -> None:
+    memory = Memory(None)
+    guard = KvMemoryGuard(memory, floor_bytes=512 * MIB)
+    guard.admit(64 << 30, lambda: "a step")
+    guard.admit(64 << 30, lambda: "a step")
+    assert memory.reads == 2  # asked again each time: a sensor that comes back is used
