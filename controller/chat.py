@@ -283,7 +283,6 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
         replans_told = 0  # of failover.replans, those a reply's JSON gave (a re-plan as the chain opened: the first)
         micro_batches = getattr(chain, "num_stages", 1)
         engine_options = options.engine_options(micro_batches)
-        first_line = True
         if options.seed_drawn:  # the replies can be had again only with the seed: say it where a person reads
             _note(notes, f"[sampling with seed {options.seed}, drawn at random: --seed {options.seed} gives these "
                          "replies again]")
@@ -303,8 +302,9 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                                 "the messages came from is gone; the chat ended there") from error
             if not line.endswith("\n"):  # Ctrl-D: the cursor stayed on the prompt's line
                 _end_prompt_line(prompt_out)
-            if first_line:  # a file saved by a Windows editor starts with a BOM, as --prompts-file may
-                line, first_line = line.removeprefix("\ufeff"), False
+            # a file saved by a Windows editor starts with a BOM, as --prompts-file may, and two joined by `cat a b`
+            # have one at the start of a later line too
+            line = line.removeprefix("\ufeff")
             if not line or line.strip().replace("\0", "") in ("/quit", "/exit"):  # UTF-16's "/quit" too
                 break
             text = line.strip()

@@ -149,8 +149,10 @@ def read_numbered_prompts(path: Path, option: str = "--prompts-file") -> list[tu
         line = len(_LINE_END.split(error.object[:error.start].decode("utf-8")))
         raise ValueError(f"line {line} of {option} {path}: not UTF-8 text (it holds the byte "
                          f"0x{error.object[error.start]:02x}); save the file as UTF-8") from None
-    return [(number, _PROMPT_ESCAPE.sub(_unescape, line))
-            for number, line in enumerate(_LINE_END.split(text), start=1) if line.strip()]
+    # a BOM at the start of any line, not only the first: two files saved by a Windows editor, joined by `cat a b`
+    # (`removeprefix`: a zero-width no-break space within a line is text, and kept)
+    return [(number, _PROMPT_ESCAPE.sub(_unescape, line.removeprefix("\ufeff")))
+            for number, line in enumerate(_LINE_END.split(text), start=1) if line.removeprefix("\ufeff").strip()]
 
 
 def run_generate(options: GenerateOptions, stream_text: bool = False, chain: StageChain | None = None,

@@ -584,12 +584,12 @@ def test_a_bom_before_the_first_message_is_not_sent(tmp_path: Path, tiny_export:
     model = _chat_model(tmp_path, tiny_export)
     options = ChatOptions(model=model, max_new_tokens=3, settings=CompileSettings(precision=Precision.F32))
     replies = []
-    for lines in ("hello\nagain\n", "\ufeffhello\nagain\n"):
+    for lines in ("hello\nagain\n", "\ufeffhello\nagain\n", "\ufeffhello\n\ufeffagain\n"):  # `cat a b`: two BOMs
         out = io.StringIO()
         run_chat(options, io.StringIO(lines), out, notes=io.StringIO(), as_json=True)
         replies.append([(reply["reply"], reply["prompt_tokens"])
                         for reply in map(json.loads, out.getvalue().splitlines())])
-    assert replies[1] == replies[0] and len(replies[0]) == 2
+    assert replies[2] == replies[1] == replies[0] and len(replies[0]) == 2
 
 
 def test_a_mistyped_command_is_not_sent_and_a_message_starting_with_a_slash_is(tmp_path: Path,

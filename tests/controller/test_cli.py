@@ -211,6 +211,9 @@ def test_prompts_file_skips_a_bom_and_has_complete_escapes(tmp_path: Path) -> No
     path = tmp_path / "prompts.txt"
     path.write_bytes("\ufeffdef f():\\n\\treturn 1\n\n".encode() + rb"C:\\new\\x \d \\\n \ " + b"\r\n")
     assert read_prompts_file(path) == ["def f():\n\treturn 1", "C:\\new\\x \\d \\\n \\ "]
+    # two such files joined (`cat a b`): the second's BOM starts a line, and a line of a BOM alone is blank
+    path.write_bytes("\ufeffone\n\ufefftwo\n\ufeff\nthree \ufeff four\n".encode())
+    assert read_prompts_file(path) == ["one", "two", "three \ufeff four"]
 
 
 def test_a_prompts_file_line_ends_only_at_a_newline(tmp_path: Path) -> None:
