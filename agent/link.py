@@ -23,6 +23,7 @@ import datetime
 import ipaddress
 import logging
 import math
+import re
 import ssl
 import time
 from collections import Counter
@@ -186,6 +187,8 @@ def why_closed(error: ConnectionClosed) -> str:
     if received is None and sent is None:
         return f"the connection ended without a websocket close: the peer's process ended or its network " \
                f"dropped the connection [{error}]"
+    if received is not None and sent is not None and (sent.code, sent.reason) == (received.code, received.reason):
+        return f"received {received}"  # the close echoed: websockets' "...; then sent" repeated the peer's reason
     return str(error)
 
 
@@ -410,11 +413,22 @@ async def _hello(link: Link, own: pki.PeerIdentity, expect_first: bool) -> None:
     ours = Hello(PROTOCOL_VERSION, own.agent_id, SOFTWARE_VERSION, own.role)
     if not expect_first:
         await link.send(ours)
-    frame = await link._receive_frame()
+    try:
+        frame = await link._receive_frame()
+    except LinkError as error:
+        # a peer of another version that closed at our Hello: its close reason says its protocol (any version
+        # since the first writes it so), which `fleet ls` shows, and which side to upgrade
+        refused = _VERSION_REFUSAL.search(error.closed_because or "")
+        if refused is None:
+            raise
+        raise _version_error(link, own, int(refused["protocol"]), refused["software"]) from None
     # A peer of another version is told apart before decoding: the codec refuses every frame of another version,
     # its Hello (or its refusal of ours) too, and that read as "sent a malformed message" on both ends.
     peeked = peek_version(frame)
     if peeked is not None and peeked[0] != PROTOCOL_VERSION:
+        if expect_first:  # our Hello first, though the peer cannot decode it: it peeks our protocol and software
+            with contextlib.suppress(LinkError):
+                await link.send(ours)
         await _refuse_version(link, own, *peeked)
     message = await link._decode(frame)
     if isinstance(message, Error):
@@ -443,13 +457,24 @@ async def _refuse_version(link: Link, own: pki.PeerIdentity, theirs: int, their_
     reason = (f"{own.role.value} speaks protocol {PROTOCOL_VERSION} (deskfleet {SOFTWARE_VERSION[:16]}), "
               f"you {theirs}: upgrade deskfleet on {where}")
     await link.connection.close(1008, _close_reason(reason))
+    raise _version_error(link, own, theirs, their_software)
+
+
+def _version_error(link: Link, own: pki.PeerIdentity, theirs: int, their_software: str | None) -> LinkVersionError:
+    """The error of a link whose peer speaks protocol `theirs` (deskfleet `their_software`, where known)."""
     peer = f"{link.peer.role.value} {link.peer.agent_id[:12]}"
     software = f"deskfleet {their_software}" if their_software else "another deskfleet version"
     upgrade = f"upgrade deskfleet on {peer}" if theirs < PROTOCOL_VERSION else \
         f"upgrade deskfleet on this {own.role.value} to the {peer}'s version"
-    raise LinkVersionError(f"{peer} at {link.address} speaks fleet protocol {theirs} ({software}), this "
-                           f"{own.role.value} {PROTOCOL_VERSION} (deskfleet {SOFTWARE_VERSION}): {upgrade} (the "
-                           "controller and every agent must speak one protocol)", theirs, their_software)
+    return LinkVersionError(f"{peer} at {link.address} speaks fleet protocol {theirs} ({software}), this "
+                            f"{own.role.value} {PROTOCOL_VERSION} (deskfleet {SOFTWARE_VERSION}): {upgrade} (the "
+                            "controller and every agent must speak one protocol)", theirs, their_software)
+
+
+# The close reason of a peer that refused our Hello's protocol (_refuse_version's, in every version so far):
+# "agent speaks protocol 7 (deskfleet 0.1.0), you 8: upgrade deskfleet on ..."
+_VERSION_REFUSAL = re.compile(r"\b(?:agent|controller) speaks protocol (?P<protocol>\d{1,9}) \(deskfleet "
+                              r"(?P<software>[^()\s]{1,40})\), you \d{1,9}: upgrade deskfleet on ")
 
 
 def _remote_host(connection: Connection) -> str:

@@ -28,7 +28,7 @@ from deskfleet.common.arguments import browse_seconds, path_argument
 from deskfleet.common.console import print_whole, stopping_signals
 from deskfleet.common.devices import device_targets
 from deskfleet.common.planner import PlanPolicy
-from deskfleet.common.wire import with_default_port
+from deskfleet.common.wire import PROTOCOL_VERSION, with_default_port
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.bench.interruption import say_stopped, signal_name, signals_unwind
 from deskfleet.controller.decoding_options import byte_count, parse_token_ids, positive_int
@@ -330,7 +330,7 @@ def _ls(args: argparse.Namespace) -> int:
                         "the agent")
     if args.json:  # the list stays a list of agents: the controller's and the CA's dates go to stderr
         print_whole(json.dumps([_agent_json(agent, undeployed) for agent in agents], indent=2))
-        for line in warnings:
+        for line in _upgrade_advice(agents) + warnings:
             print(line, file=sys.stderr)
         return 0
     if not agents:
@@ -342,11 +342,36 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
-_STATES_IN_ORDER = ("serving", "available", "paused", "unavailable", "unreachable")
+_STATES_IN_ORDER = ("serving", "available", "paused", "unavailable", "outdated", "newer", "unreachable")
 
 
 def _state(agent: Any) -> str:
-    return str(agent.report.state.value) if agent.report else "unreachable"
+    """Its report's state; "outdated" or "newer" for an agent that speaks an older or newer fleet protocol than this
+    controller (it takes no stage until one of the two is upgraded: it was listed "unreachable", as if it were off);
+    "unreachable" for one that did not answer."""
+    if agent.report:
+        return str(agent.report.state.value)
+    other = getattr(agent, "other_protocol", None)
+    if other is not None:
+        return "outdated" if other < PROTOCOL_VERSION else "newer"
+    return "unreachable"
+
+
+def _upgrade_advice(agents: list[Any]) -> list[str]:
+    """A line for the PCs of an older protocol and one for those of a newer, saying what to upgrade: a rollout
+    over hundreds of PCs has to know how many are left, and in which direction."""
+    lines = []
+    outdated = sum(1 for agent in agents if _state(agent) == "outdated")
+    newer = sum(1 for agent in agents if _state(agent) == "newer")
+    if outdated:
+        lines.append(f"{outdated} PC(s) run a deskfleet of an older fleet protocol than this controller's "
+                     f"({PROTOCOL_VERSION}): upgrade deskfleet on them (and restart their agent); they take no "
+                     "stage until then")
+    if newer:
+        lines.append(f"{newer} PC(s) run a deskfleet of a newer fleet protocol than this controller's "
+                     f"({PROTOCOL_VERSION}): upgrade deskfleet here (and restart `deskfleet fleet serve`); they "
+                     "take no stage until then")
+    return lines
 
 
 def _print_agents(agents: list[Any], undeployed: dict[str, list[Any]] | None = None) -> None:
@@ -385,6 +410,8 @@ def _print_agents(agents: list[Any], undeployed: dict[str, list[Any]] | None = N
     print(f"{len(agents)} agent(s): " + ", ".join(
         f"{counts[state]} {state}" + (f" ({idle} of them holding only stages not deployed)"
                                       if state == "serving" and idle else "") for state in states))
+    for line in _upgrade_advice(agents):
+        print(line)
 
 
 def _agent_json(agent: Any, undeployed: dict[str, list[Any]] | None = None) -> dict[str, Any]:
@@ -392,7 +419,10 @@ def _agent_json(agent: Any, undeployed: dict[str, list[Any]] | None = None) -> d
     return {"agent_id": agent.agent_id, "hostname": agent.hostname, "address": agent.address,
             "sources": list(agent.sources), "problem": agent.problem,
             "version": getattr(agent, "version", None),  # the deskfleet version its Hello named; null: none
-            "state": report.state.value if report else None,
+            # null: it did not answer; "outdated" / "newer": it speaks another fleet protocol (see "protocol")
+            "state": report.state.value if report else (_state(agent) if _state(agent) != "unreachable" else None),
+            # the fleet protocol it speaks, where known: this controller's for one that answered
+            "protocol": PROTOCOL_VERSION if report else getattr(agent, "other_protocol", None),
             "free_memory_bytes": report.free_memory_bytes if report else None,
             "reasons": [reason.value for reason in report.reasons] if report else [],
             "detail": report.detail if report else "",

@@ -230,6 +230,11 @@ def test_a_peer_that_timed_out_on_this_side_says_this_side_was_silent() -> None:
                                   "timeout]")
     refused = ConnectionClosed(Close(CloseCode.POLICY_VIOLATION, "busy"), None)  # the peer's own words stand
     assert why_closed(refused) == "received 1008 (policy violation) busy; no close frame sent"
+    # the close echoed back: the peer's reason once ("...; then sent" repeated it, and `fleet plan` ran past 300
+    # characters a line)
+    echoed = ConnectionClosed(Close(CloseCode.POLICY_VIOLATION, "speaks protocol 7"),
+                              Close(CloseCode.POLICY_VIOLATION, "speaks protocol 7"), True)
+    assert why_closed(echoed) == "received 1008 (policy violation) speaks protocol 7"
 
 
 def test_a_peer_that_never_says_hello_is_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -55,10 +55,10 @@ def test_an_older_controller_is_told_to_upgrade_by_name_and_the_agent_logs_which
             async with connect(f"wss://{LOOPBACK}:{port}/", ssl=controller_files.client_context(pin_agent_id=False),
                                server_hostname=LOOPBACK) as old:
                 await old.send(hello(controller_files, PROTOCOL_VERSION - 1, "0.0.9"))
+                # our Hello first: an old controller's codec refuses it, but it peeks our protocol and software
+                assert peek_version(await old.recv()) == (PROTOCOL_VERSION, link_module.SOFTWARE_VERSION)
                 with pytest.raises(ConnectionClosed) as closed:
-                    while True:
-                        frame = await old.recv()  # an old controller's codec refuses any frame of this version
-                        assert peek_version(frame) == (PROTOCOL_VERSION - 1, None), "a frame it cannot read"
+                    await old.recv()
                 assert closed.value.rcvd is not None
                 return closed.value.rcvd.reason
 
@@ -173,3 +173,34 @@ def test_a_frame_that_is_not_deskfleet_s_is_still_malformed(tmp_path: Path) -> N
 
     error = asyncio.run(scenario())
     assert not isinstance(error, LinkVersionError) and "malformed" in str(error)
+
+
+@pytest.mark.parametrize(("theirs", "software", "upgrade"), [
+    (PROTOCOL_VERSION - 1, "0.1.0", "upgrade deskfleet on agent"),
+    (PROTOCOL_VERSION + 1, "0.9.2", "upgrade deskfleet on this controller to the agent"),
+])
+def test_an_agent_that_closes_at_our_hello_is_known_by_the_protocol_its_close_reason_names(
+        tmp_path: Path, theirs: int, software: str, upgrade: str) -> None:
+    # A released agent of another protocol answers our Hello with a close alone, its reason in words: `fleet ls`
+    # listed it "unreachable", with no version, and deploy and generate said to start `deskfleet-agent` on it
+    ca = make_ca(tmp_path / "ca")
+    agent_files = make_member(ca, tmp_path / "agent", "agent")
+    controller_files = make_member(ca, tmp_path / "controller", "controller", Role.CONTROLLER)
+    agent_id = agent_files.own_identity().agent_id[:12]
+    reason = (f"agent speaks protocol {theirs} (deskfleet {software}), you {PROTOCOL_VERSION}: upgrade deskfleet on "
+              f"{'the agent ' + agent_id if theirs < PROTOCOL_VERSION else 'your PC'}")
+
+    async def handler(connection: ServerConnection) -> None:
+        await connection.recv()
+        await connection.close(1008, reason)
+
+    async def scenario() -> LinkVersionError:
+        server = await serve(handler, LOOPBACK, 0, ssl=agent_files.server_context())
+        async with server:
+            with pytest.raises(LinkVersionError) as refused:
+                await open_link(f"{LOOPBACK}:{server.sockets[0].getsockname()[1]}", controller_files)
+        return refused.value
+
+    error = asyncio.run(scenario())
+    assert (error.peer_protocol, error.peer_software) == (theirs, software)
+    assert f"speaks fleet protocol {theirs} (deskfleet {software})" in str(error) and upgrade in str(error)

@@ -49,6 +49,13 @@ def test_fleet_ls_shows_each_agent_s_version_and_whom_to_upgrade(
     settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
     core = AgentCore(current_files, settings, ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor())
     newer_id = newer_files.own_identity().agent_id
+    older_files = make_member(load_ca(store), tmp_path / "older", "agent")
+    older_id = older_files.own_identity().agent_id
+
+    async def older_agent(connection: ServerConnection) -> None:  # a released agent: it closes at our Hello
+        await connection.recv()
+        await connection.close(1008, f"agent speaks protocol {PROTOCOL_VERSION - 1} (deskfleet 0.1.0), you "
+                                     f"{PROTOCOL_VERSION}: upgrade deskfleet on the agent {older_id[:12]}")
 
     async def newer_agent(connection: ServerConnection) -> None:  # a PC already on the next release
         await connection.recv()
@@ -61,11 +68,13 @@ def test_fleet_ls_shows_each_agent_s_version_and_whom_to_upgrade(
     async def scenario() -> fleet_survey.Survey:
         current = await start_server(core.serve_link, LOOPBACK, 0, current_files)
         newer = await serve(newer_agent, LOOPBACK, 0, ssl=newer_files.server_context())
-        async with current, newer:
+        older = await serve(older_agent, LOOPBACK, 0, ssl=older_files.server_context())
+        async with current, newer, older:
             addresses = {agent_id: (f"{LOOPBACK}:{server.sockets[0].getsockname()[1]}",)
-                         for agent_id, server in ((core.agent_id, current), (newer_id, newer))}
+                         for agent_id, server in ((core.agent_id, current), (newer_id, newer), (older_id, older))}
             store.save_roster({core.agent_id: RosterEntry(core.agent_id, "pc-old", ENROLLED, addresses[core.agent_id]),
-                               newer_id: RosterEntry(newer_id, "pc-new", ENROLLED, addresses[newer_id])})
+                               newer_id: RosterEntry(newer_id, "pc-new", ENROLLED, addresses[newer_id]),
+                               older_id: RosterEntry(older_id, "pc-older", ENROLLED, addresses[older_id])})
             found = await survey(store, SurveyOptions(discover_seconds=0))
             await found.close()
         return found
@@ -80,13 +89,24 @@ def test_fleet_ls_shows_each_agent_s_version_and_whom_to_upgrade(
     assert f"speaks fleet protocol {PROTOCOL_VERSION + 1} (deskfleet 0.2.0)" in newer.problem
     assert "upgrade deskfleet on this controller" in newer.problem
 
+    older = agents[older_id]  # known by its close reason: it was "unreachable", with no version
+    assert older.report is None and (older.version, older.other_protocol) == ("0.1.0", PROTOCOL_VERSION - 1)
+    assert f"upgrade deskfleet on agent {older_id[:12]}" in str(older.problem)
+
     _print_agents(found.agents)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[5] == "version"
-    rows = {row.split()[1]: row.split() for row in lines[1:-1]}
-    assert rows["pc-old"][5] == installed and rows["pc-new"][5] == "0.2.0"
+    rows = {row.split()[1]: row.split() for row in lines[1:4]}
+    assert rows["pc-old"][5] == installed and rows["pc-new"][5] == "0.2.0" and rows["pc-older"][5] == "0.1.0"
+    assert [rows[host][3] for host in ("pc-old", "pc-older", "pc-new")] == ["available", "outdated", "newer"]
+    assert lines[4] == "3 agent(s): 1 available, 1 outdated, 1 newer"
+    assert lines[5].startswith(f"1 PC(s) run a deskfleet of an older fleet protocol than this controller's "
+                               f"({PROTOCOL_VERSION}): upgrade deskfleet on them")
+    assert lines[6].startswith("1 PC(s) run a deskfleet of a newer fleet protocol than this controller's")
     listed = {entry["hostname"]: entry for entry in json.loads(json.dumps([_agent_json(a) for a in found.agents]))}
     assert listed["pc-old"]["version"] == installed and listed["pc-new"]["version"] == "0.2.0"
+    assert [(listed[host]["state"], listed[host]["protocol"]) for host in ("pc-old", "pc-older", "pc-new")] == [
+        ("available", PROTOCOL_VERSION), ("outdated", PROTOCOL_VERSION - 1), ("newer", PROTOCOL_VERSION + 1)]
 
 
 def test_the_free_column_is_in_gib_as_the_limits_beside_it(capsys: pytest.CaptureFixture[str]) -> None:
