@@ -467,33 +467,48 @@ async def _periodically(interval: Callable[[], float], what: str, step: Callable
                 log.exception("cannot %s (this agent goes on; logged once for each kind of failure)", what)
 
 class _Outage:
-    """The registration attempts that failed since the agent was last registered: the first is a warning,
-    the others debug lines, and the registration that ends them says how many and for how long."""
+    """The registration attempts that failed since the agent was last registered: the first is a warning, and so
+    is the first of another kind (the controller, off at first, now answers but refuses this PC's protocol: the
+    log said only "connection refused" while it refused every attempt for minutes), the others debug lines; the
+    registration that ends them says how many and for how long."""
 
     def __init__(self) -> None:
         self.since: float | None = None  # time.monotonic() when the controller link was lost; None: registered
         self.attempts = 0
+        self._warned: tuple[object, ...] | None = None  # the kind of failure last warned of (_failure_kind)
 
     def began(self) -> None:
-        self.since, self.attempts = time.monotonic(), 0
+        self.since, self.attempts, self._warned = time.monotonic(), 0, None
 
     def failed(self, error: Exception) -> None:
         if self.since is None:
             self.began()
         self.attempts += 1
+        kind = _failure_kind(error)
         if self.attempts == 1:
             log.warning("cannot register with the controller: %s; retrying every %.0f s at most, quietly until it "
                         "answers", error, RETRY_MAX_S)
+        elif kind != self._warned:
+            log.warning("cannot register with the controller, now for another reason (attempt %d): %s",
+                        self.attempts, error)
         else:
             log.debug("cannot register with the controller (attempt %d): %s", self.attempts, error)
+        self._warned = kind
 
     def ended(self) -> str:
         """' after ...' for the log line of the registration that ends an outage ('' when none failed)."""
         since, attempts = self.since, self.attempts
-        self.since, self.attempts = None, 0
+        self.since, self.attempts, self._warned = None, 0, None
         if since is None or not attempts:
             return ""
         return f" (after {attempts} failed attempt{'s' if attempts != 1 else ''} over {time.monotonic() - since:.0f} s)"
+
+
+def _failure_kind(error: Exception) -> tuple[object, ...]:
+    """What tells two failed registrations apart for the log: the error's type, with the protocol a controller of
+    another version speaks and the HTTP status of a refusal (a message's text differs from one try to the next:
+    addresses, timings)."""
+    return (type(error).__name__, getattr(error, "peer_protocol", None), getattr(error, "status", None))
 
 
 class _Stop(Exception):

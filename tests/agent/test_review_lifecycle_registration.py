@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from deskfleet.agent import service as service_module
-from deskfleet.agent.link import LinkError
+from deskfleet.agent.link import LinkError, LinkVersionError
 from deskfleet.agent.service import AgentService
 
 
@@ -43,6 +43,10 @@ def registering_service(outcomes: list[str], monkeypatch: pytest.MonkeyPatch) ->
             raise asyncio.CancelledError
         if outcome == "fail":
             raise LinkError("cannot reach 10.0.0.1:7341: [Errno 111] Connect call failed")
+        if outcome == "version":
+            raise LinkVersionError("controller cccccccccccc at 10.0.0.1:7341 speaks fleet protocol 7 (deskfleet "
+                                   "0.1.0), this agent 8 (deskfleet 0.8.0): upgrade deskfleet on controller "
+                                   "cccccccccccc", 7, "0.1.0")
         return FakeLink()
 
     async def no_wait(delay: float) -> None:
@@ -83,6 +87,21 @@ def test_a_controller_that_is_off_is_logged_once_per_outage_not_per_retry(
              if record.levelno == logging.DEBUG and "attempt" in record.getMessage()]
     assert len(quiet) == 11 + 2
     assert max(sleeps) == service_module.RETRY_MAX_S  # it still backs off, to 30 s at most
+
+
+def test_a_controller_that_answers_again_but_refuses_this_pc_s_protocol_is_warned_of(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # `fleet serve` restarted on an older release: the log said only "connection refused" (its first failure)
+    # while the controller refused every attempt for minutes, the reason at debug level
+    caplog.set_level(logging.DEBUG, logger=service_module.log.name)
+    registering_service(["ok"] + ["fail"] * 3 + ["version"] * 4 + ["fail"] * 2 + ["ok"], monkeypatch)
+    warnings = [record.getMessage() for record in caplog.records
+                if record.levelno >= logging.WARNING and "cannot register" in record.getMessage()]
+    assert len(warnings) == 3, warnings  # the first failure, then each change of reason
+    assert "Connect call failed" in warnings[0]
+    assert warnings[1].startswith("cannot register with the controller, now for another reason (attempt 4): ")
+    assert "upgrade deskfleet on controller cccccccccccc" in warnings[1]
+    assert "(attempt 8): cannot reach" in warnings[2]
 
 
 def test_the_agent_does_not_log_every_link_websockets_opens_and_closes(
