@@ -202,8 +202,13 @@ class ExclusionReason(str, Enum):
     TOO_LITTLE_MEMORY = "too_little_memory"
     NOT_NEEDED = "not_needed"
     UNREACHABLE = "unreachable"  # found (roster, mDNS, --peer) but did not answer: never a candidate
+    OTHER_PROTOCOL = "other_protocol"  # answered in another fleet protocol (one side is to upgrade): never a candidate
     BROKEN_LINK = "broken_link"  # usable, but only in chains where a PC would dial one it cannot reach
     NO_DEVICE = "no_device"  # OpenVINO finds no PlanOptions.device on it
+
+
+# the agents a plan lists as left out without having asked them anything (plan's `unreachable`)
+NOT_ASKED = (ExclusionReason.UNREACHABLE, ExclusionReason.OTHER_PROTOCOL)
 
 
 @dataclass(frozen=True)
@@ -321,7 +326,7 @@ def left_out_text(result: Plan, shown: int = RENDER_CROWD) -> str:
     """The agents the plan left out and why, on one line (for an error that shows no plan): "left out: ab12cd34ef56
     (pc-1) no GPU: OpenVINO finds CPU on it; ..." and how many more past `shown`; "" when none was. The unreachable
     ones are not listed: the problems name them."""
-    listed = [e for e in result.exclusions if e.reason is not ExclusionReason.UNREACHABLE]
+    listed = [e for e in result.exclusions if e.reason not in NOT_ASKED]
     parts = [f"{_label(e.agent_id, e.hostname)} {e.message}" for e in listed[:shown]]
     more = len(listed) - shown
     return "" if not parts else "left out: " + "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
@@ -920,16 +925,27 @@ def _no_chain_apart(eligible: list[AgentCandidate], options: PlanOptions, unreac
             f"reach (broken links: {links}){silent}: mend the network between those PCs, or join more PCs")
 
 
+def _not_asked_remedy(unreachable: Sequence[Exclusion]) -> str:
+    """What to do about the agents found but not asked: start those that did not answer; upgrade deskfleet where one
+    speaks another protocol (its message says on which side: it was told to start an agent that was running)."""
+    steps = []
+    if any(e.reason is not ExclusionReason.OTHER_PROTOCOL for e in unreachable):
+        steps.append("start `deskfleet-agent --headless` on them")
+    if any(e.reason is ExclusionReason.OTHER_PROTOCOL for e in unreachable):
+        steps.append("upgrade deskfleet where one speaks another fleet protocol, as its message says")
+    return "; ".join(steps)
+
+
 def _diagnose(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentCandidate, ...],
               eligible: list[AgentCandidate], options: PlanOptions,
               unreachable: Sequence[Exclusion] = (), excluded: Sequence[Exclusion] = ()) -> tuple[str, ...]:
     if not agents and unreachable:
         return (f"no reachable agents: {len(unreachable)} found but unreachable ("
                 + "; ".join(f"{_label(e.agent_id, e.hostname)} {e.message}" for e in unreachable)
-                + "): start `deskfleet-agent --headless` on them",)
+                + f"): {_not_asked_remedy(unreachable)}",)
     if not agents:
         return ("no agents in the fleet",)
-    silent = (f", and {len(unreachable)} more found did not answer (start `deskfleet-agent --headless` on them)"
+    silent = (f", and {len(unreachable)} more found did not answer ({_not_asked_remedy(unreachable)})"
               if unreachable else "")
     if not eligible:  # what keeps them out, counted: "the model does not fit" alone read as a size problem
         reasons = Counter(exclusion.reason.value.replace("_", " ") for exclusion in excluded)

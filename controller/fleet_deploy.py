@@ -39,6 +39,7 @@ from deskfleet.common.model_spec import (
     model_file,
 )
 from deskfleet.common.planner import (
+    NOT_ASKED,
     SEE_LEFT_OUT,
     AgentCandidate,
     Exclusion,
@@ -288,9 +289,13 @@ def plan_survey(footprint: ModelFootprint, found: Survey, options: PlanOptions,
     back and a deployed split that is still as good is kept."""
     agents = [agent for agent in found.reachable() if agent.agent_id not in exclude]
     answered = {agent.agent_id for agent in found.reachable()}
-    unreachable = tuple(Exclusion(agent.agent_id or agent.address, ExclusionReason.UNREACHABLE,
-                                  f"unreachable{_at(agent.address)}: {agent.problem or 'no status'}", agent.hostname)
-                        for agent in found.agents if agent.agent_id not in answered)
+    unreachable = tuple(
+        Exclusion(agent.agent_id or agent.address, ExclusionReason.OTHER_PROTOCOL,
+                  f"speaks fleet protocol {agent.other_protocol}{_at(agent.address)}: {agent.problem}", agent.hostname)
+        if agent.other_protocol is not None else
+        Exclusion(agent.agent_id or agent.address, ExclusionReason.UNREACHABLE,
+                  f"unreachable{_at(agent.address)}: {agent.problem or 'no status'}", agent.hostname)
+        for agent in found.agents if agent.agent_id not in answered)
     return plan(footprint, [*assumed, *candidates_of(agents, model_id)], options, unreachable)
 
 
@@ -333,7 +338,7 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
                          exclude, model_id=model_id)
     if not result.feasible:
         answered = any(agent.agent_id not in exclude for agent in found.reachable())
-        unreachable = any(e.reason is ExclusionReason.UNREACHABLE for e in result.exclusions)
+        unreachable = any(e.reason in NOT_ASKED for e in result.exclusions)
         cause = f"cannot deploy {model_id}: " if (unreachable and not answered) or not result.usable else \
             "the model does not fit the fleet: "
         # a deploy shows no plan: the list follows the problem, in place of its pointer to it

@@ -459,5 +459,7 @@ def _remedy(lost: bool, reasons: frozenset[ExclusionReason], said: str = "") -> 
     if ExclusionReason.UNAVAILABLE in reasons:
         steps.append("wait until a PC left out as unavailable is free again (the reason says what it is waiting "
                      "for)")
+    if ExclusionReason.OTHER_PROTOCOL in reasons:  # running, but of another release: starting them does nothing
+        steps.append("upgrade deskfleet where a PC speaks another fleet protocol (the reason says on which side)")
     steps.append("bring the lost PC back" if lost else "mend what the reason names")
     return ", ".join(steps) + ", or join more PCs"

@@ -168,6 +168,23 @@ def test_left_out_text_lists_who_and_why_but_not_the_unreachable_the_problem_nam
     assert left_out_text(plan(toy(), [], NO_MARGIN, (gone,))) == ""
 
 
+def test_pcs_of_another_protocol_are_told_to_upgrade_not_to_start_their_agent() -> None:
+    # an old release's agent, running, closes our Hello: the plan said "start `deskfleet-agent --headless` on them"
+    old = Exclusion("o", ExclusionReason.OTHER_PROTOCOL, "speaks fleet protocol 7 at 10.0.0.8:7431: ... upgrade "
+                                                         "deskfleet on agent o")
+    gone = Exclusion("g", ExclusionReason.UNREACHABLE, "unreachable at 10.0.0.9:7443: timed out")
+    (alone,) = plan(toy(), [], NO_MARGIN, (old,)).problems
+    assert alone.startswith("no reachable agents: 1 found but unreachable (o speaks fleet protocol 7")
+    assert alone.endswith("): upgrade deskfleet where one speaks another fleet protocol, as its message says")
+    (both,) = plan(toy(), [], NO_MARGIN, (old, gone)).problems
+    assert both.endswith("): start `deskfleet-agent --headless` on them; upgrade deskfleet where one speaks another "
+                         "fleet protocol, as its message says")
+    paused = [AgentCandidate("p", AgentState.PAUSED, GB, 1.0)]
+    (silent,) = plan(toy(), paused, NO_MARGIN, (old,)).problems
+    assert "1 more found did not answer (upgrade deskfleet where one speaks another" in silent
+    assert left_out_text(plan(toy(), paused, NO_MARGIN, (old,))).startswith("left out: p paused")  # o: the problem's
+
+
 def test_safety_margin_is_configurable() -> None:
     agent = available("a", 10)
     assert usable_bytes(agent, PlanOptions(margin_fraction=0.5, margin_min_bytes=0)) == 5 * GB
