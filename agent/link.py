@@ -75,6 +75,9 @@ ENROLLMENT_MAX_FRAME_BYTES = 64 * 1024
 MAX_CONCURRENT_JOINS = 16
 MAX_JOINS_PER_HOST = 4
 REFUSAL_LOG_EVERY_S = 60.0  # a join refused as one too many is logged once this often per host
+# a member dropped at Hello (another protocol, most often: a PC not upgraded yet retries every 30 s) is logged as a
+# warning once this often per member and kind of failure, at debug level between
+HELLO_FAILURE_LOG_EVERY_S = 600.0
 
 
 SOFTWARE_VERSION = software_version()  # said in every Hello: `fleet ls` shows each agent's
@@ -270,6 +273,7 @@ async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, po
         context.verify_mode = ssl.CERT_OPTIONAL
     joins: Counter[str] = Counter()  # certificate-less clients being served now, by their address
     refusals_said: dict[str, float] = {}  # host: when a join refused as too many was last logged (time.monotonic)
+    hello_failures_said: dict[tuple[str, str], float] = {}  # (member, kind of failure): when last logged as a warning
 
     def check_peer(connection: ServerConnection, request: Request) -> Response | None:
         if enrollment is not None and not _has_peer_certificate(connection):
@@ -309,7 +313,13 @@ async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, po
         try:
             await _exchange_hello(link, own, expect_first=True)
         except LinkError as error:
-            log.warning("dropped %s before hello: %s", link.address, error)
+            # an office of PCs not upgraded yet, each retrying every 30 s, wrote a warning a PC a retry
+            now, said = time.monotonic(), (peer.agent_id, type(error).__name__)
+            warn = now - hello_failures_said.get(said, -math.inf) >= HELLO_FAILURE_LOG_EVERY_S
+            if warn:
+                hello_failures_said[said] = now
+            log.log(logging.WARNING if warn else logging.DEBUG, "dropped %s before hello: %s%s", link.address, error,
+                    f" (said again every {HELLO_FAILURE_LOG_EVERY_S / 60:.0f} minutes at most)" if warn else "")
             return
         await handler(link)
 

@@ -204,3 +204,41 @@ def test_an_agent_that_closes_at_our_hello_is_known_by_the_protocol_its_close_re
     error = asyncio.run(scenario())
     assert (error.peer_protocol, error.peer_software) == (theirs, software)
     assert f"speaks fleet protocol {theirs} (deskfleet {software})" in str(error) and upgrade in str(error)
+
+
+def test_a_member_of_another_protocol_retrying_is_warned_of_once_a_while_not_at_every_retry(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `fleet serve` wrote a warning per PC not upgraded yet per retry (every 30 s each: 600 lines a minute for 300)
+    ca = make_ca(tmp_path / "ca")
+    agent_files = make_member(ca, tmp_path / "agent", "agent")
+    controller_files = make_member(ca, tmp_path / "controller", "controller", Role.CONTROLLER)
+
+    async def handler(link: Link) -> None:
+        pass
+
+    async def retries() -> None:
+        server = await start_server(handler, LOOPBACK, 0, controller_files)
+        async with server:
+            port = server.sockets[0].getsockname()[1]
+            for attempt in range(4):
+                if attempt == 3:  # ten minutes on
+                    for _ in range(100):  # the server logs after the close the client saw
+                        if len(dropped()) == 3:
+                            break
+                        await asyncio.sleep(0.02)
+                    assert [record.levelno for record in dropped()] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
+                    monkeypatch.setattr(link_module, "HELLO_FAILURE_LOG_EVERY_S", 0.0)
+                async with connect(f"wss://{LOOPBACK}:{port}/", ssl=agent_files.client_context(pin_agent_id=False),
+                                   server_hostname=LOOPBACK) as old:
+                    await old.send(hello(agent_files, PROTOCOL_VERSION - 1, "0.1.0"))
+                    with pytest.raises(ConnectionClosed):
+                        while True:
+                            await old.recv()
+
+    def dropped() -> list[logging.LogRecord]:
+        return [record for record in caplog.records if "before hello" in record.getMessage()]
+
+    with caplog.at_level(logging.DEBUG, logger="deskfleet.agent.link"):
+        asyncio.run(retries())  # the server closes (async with) only once its handlers are done: all four logged
+    assert [record.levelno for record in dropped()] == [logging.WARNING] + [logging.DEBUG] * 2 + [logging.WARNING]
+    assert dropped()[0].getMessage().endswith("(said again every 10 minutes at most)")
