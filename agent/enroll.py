@@ -15,6 +15,7 @@ id, the controller's agent id and addresses), which the headless agent reads to 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -336,6 +337,11 @@ async def _receive(connection: ClientConnection) -> Message:
     peeked = peek_version(frame)  # the codec refuses any frame of another version: "malformed", said nothing more
     if peeked is not None and peeked[0] != PROTOCOL_VERSION:
         upgrade = "this PC" if peeked[0] > PROTOCOL_VERSION else "the controller"
+        # the controller's log says why the join ended, as a refused Hello's close reason does (agent/link.py)
+        with contextlib.suppress(ConnectionClosed):
+            await connection.close(1008, f"agent speaks protocol {PROTOCOL_VERSION} (deskfleet "
+                                         f"{SOFTWARE_VERSION[:16]}), you {peeked[0]}: upgrade deskfleet on "
+                                         f"{'your PC' if peeked[0] < PROTOCOL_VERSION else 'the joining agent'}")
         raise EnrollmentError(f"the controller speaks fleet protocol {peeked[0]} and this agent {PROTOCOL_VERSION} "
                               f"(deskfleet {SOFTWARE_VERSION}): upgrade deskfleet on {upgrade}, so that both run "
                               "the same version, then join again with the same token")

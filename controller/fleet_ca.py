@@ -413,8 +413,11 @@ async def _join_exchange(connection: ServerConnection, store: FleetStore) -> Non
     except FleetStoreError as error:
         log.error("join from %s failed: %s", remote, error)
         await _refuse(connection, ErrorCode.INTERNAL, "the controller's data dir needs repair (see its log)")
-    except ConnectionClosed:
-        log.info("join client %s went away", remote)
+    except ConnectionClosed as closed:
+        if closed.rcvd is not None and closed.rcvd.reason:  # the joining PC said why: another protocol, most often
+            log.warning("join from %s ended by the joining PC: %s", remote, closed.rcvd.reason)
+        else:
+            log.info("join client %s went away", remote)
 
 
 def _sign_join(store: FleetStore, request: JoinRequest, now: datetime.datetime) -> JoinResponse:

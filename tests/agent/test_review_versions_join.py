@@ -15,7 +15,7 @@ import pytest
 from websockets.asyncio.server import ServerConnection, serve
 
 from deskfleet.agent.enroll import EnrollmentError, join
-from deskfleet.agent.link import utc_now
+from deskfleet.agent.link import SOFTWARE_VERSION, utc_now
 from deskfleet.common import join_tokens, pki
 from deskfleet.common.wire import PROTOCOL_VERSION, JoinOffer, Role, encode
 from tests.fleet_pki import make_ca, make_member
@@ -32,9 +32,12 @@ def test_a_controller_of_another_version_is_named_with_the_side_to_upgrade(tmp_p
     frame = encode(JoinOffer(pki.certificate_pem(ca.certificate).decode("ascii"), pki.fleet_id(ca.certificate)))
     offer = frame[:4] + struct.pack("<H", version) + frame[6:]
 
+    heard: list[str | None] = []
+
     async def controller_of_another_version(connection: ServerConnection) -> None:
         await connection.send(offer)
         await connection.wait_closed()
+        heard.append(connection.close_reason)
 
     context = controller.server_context()
     context.verify_mode = ssl.CERT_OPTIONAL  # as the controller's port: a joining PC has no certificate yet
@@ -53,3 +56,6 @@ def test_a_controller_of_another_version_is_named_with_the_side_to_upgrade(tmp_p
     assert "malformed" not in error
     assert f"the controller speaks fleet protocol {version} and this agent {PROTOCOL_VERSION}" in error
     assert f"upgrade deskfleet on {upgrade}" in error and "join again with the same token" in error
+    # and the controller is told why the join ended, for its log: it said only "join client ... went away"
+    assert heard == [f"agent speaks protocol {PROTOCOL_VERSION} (deskfleet {SOFTWARE_VERSION[:16]}), you {version}: "
+                     f"upgrade deskfleet on {'your PC' if offset < 0 else 'the joining agent'}"]
