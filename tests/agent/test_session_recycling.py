@@ -139,3 +139,29 @@ def test_recycled_sessions_serve_a_batch_in_fast_precision_like_new_ones(tiny_ex
     with LocalPipeline(tiny_export, 1, settings, manifest) as reused:
         generate(reused, 1)  # its session goes back to the stage's idle pool
         assert generate(reused, 2) == expected
+
+
+def test_a_stage_dropped_with_idle_sessions_is_freed_at_once_not_at_a_full_collection(tiny_export: Path) -> None:
+    # A session held its stage and the stage its idle sessions: a cycle only Python's full collection frees, seldom
+    # in a busy agent. Every stage an agent released kept its compiled model, weight files and their mappings for
+    # many minutes (6 redeploys of the demo target: 314 -> 650 MB, 38 -> 80 file handles)
+    import gc
+    import weakref
+
+    manifest = load_manifest(tiny_export)
+    layers = manifest.spec.num_layers
+    stage = Stage(tiny_export, manifest, LayerRange(0, layers, layers), CompileSettings(precision=Precision.F32))
+    executor = StageExecutor(stage, manifest.spec.max_context)
+    track = BatchTrack(1, manifest.spec.max_context)
+    track.add_row(0)
+    executor.run(track.step([[1, 5, 9]]))  # a micro-batch's session, running
+    stage.recycle(stage.open_session())  # and one idle
+    gone = weakref.ref(stage)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del stage, executor
+        assert gone() is None
+    finally:
+        if was_enabled:
+            gc.enable()
