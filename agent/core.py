@@ -224,7 +224,8 @@ class AgentCore:
                 try:
                     message = await link.receive()
                 except LinkError as error:
-                    log.info("%s", error)
+                    # a driver's link closed at the end of its run: every run's, two thirds of an agent's log lines
+                    log.log(logging.DEBUG if error.closed_normally else logging.INFO, "%s", error)
                     return
                 if self._revoked.is_revoked(link.peer.agent_id):
                     self._note_error(f"refused {type(message).__name__} from removed {link.describe()}")

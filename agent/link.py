@@ -88,11 +88,13 @@ RevocationSource = Callable[[], pki.RevocationSet]
 
 class LinkError(ConnectionError):
     """The link failed or was refused; the message names the peer and the reason. `closed_because`: where an open
-    link closed, why, in words (why_closed), for a message that names the peer already."""
+    link closed, why, in words (why_closed), for a message that names the peer already; `closed_normally`: the peer
+    closed it as done (1000 OK, 1001 going away), as a driver does at the end of every run."""
 
-    def __init__(self, message: str, closed_because: str | None = None) -> None:
+    def __init__(self, message: str, closed_because: str | None = None, closed_normally: bool = False) -> None:
         super().__init__(message)
         self.closed_because = closed_because
+        self.closed_normally = closed_normally
 
 
 class LinkVersionError(LinkError):
@@ -163,7 +165,8 @@ class TlsFiles:
 
 def _closed(link: Link, error: ConnectionClosed) -> LinkError:
     why = why_closed(error)
-    return LinkError(f"link to {link.describe()} closed: {why}", closed_because=why)
+    normally = error.rcvd is not None and error.rcvd.code in (CloseCode.NORMAL_CLOSURE, CloseCode.GOING_AWAY)
+    return LinkError(f"link to {link.describe()} closed: {why}", closed_because=why, closed_normally=normally)
 
 
 def utc_now() -> datetime.datetime:

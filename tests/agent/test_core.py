@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -754,3 +755,16 @@ def test_a_stage_the_agent_lets_go_of_is_freed_at_once(core: AgentCore, tiny_exp
     finally:
         if was_enabled:
             gc.enable()
+
+
+@pytest.mark.parametrize("normally", [True, False])
+def test_a_driver_link_closed_at_the_end_of_its_run_is_not_logged_at_info(
+        core: AgentCore, caplog: pytest.LogCaptureFixture, normally: bool) -> None:
+    class ClosingLink(RecordingLink):
+        async def receive(self) -> Message:
+            raise LinkError("link to controller cccccccccccc closed: received 1000 (OK)", closed_normally=normally)
+
+    with caplog.at_level(logging.DEBUG, logger="deskfleet.agent.core"):
+        asyncio.run(core.serve_link(cast(Link, ClosingLink(Role.CONTROLLER))))
+    (record,) = [record for record in caplog.records if "closed: received" in record.getMessage()]
+    assert record.levelno == (logging.DEBUG if normally else logging.INFO)

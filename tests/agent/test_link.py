@@ -323,3 +323,20 @@ def test_the_join_limit_counts_a_host_by_its_address_or_its_ipv6_64(address: obj
     from deskfleet.agent.link import _remote_host
 
     assert _remote_host(SimpleNamespace(remote_address=address)) == host  # type: ignore[arg-type]
+
+
+def test_a_link_the_peer_closed_as_done_is_told_apart_from_one_that_failed() -> None:
+    # every run's driver closes its links with 1000 at its end: logged at INFO, two thirds of an agent's log lines
+    from types import SimpleNamespace
+
+    from deskfleet.agent.link import _closed
+
+    link = SimpleNamespace(describe=lambda: "controller cccccccccccc at 10.0.0.1:50000")
+    done = _closed(link, ConnectionClosed(Close(CloseCode.NORMAL_CLOSURE, ""), Close(CloseCode.NORMAL_CLOSURE, ""),
+                                          True))  # type: ignore[arg-type]
+    going = _closed(link, ConnectionClosed(Close(CloseCode.GOING_AWAY, ""), None))  # type: ignore[arg-type]
+    refused = _closed(link, ConnectionClosed(Close(CloseCode.POLICY_VIOLATION, "no"), None))  # type: ignore[arg-type]
+    dropped = _closed(link, ConnectionClosed(None, None))  # type: ignore[arg-type]
+    assert done.closed_normally and going.closed_normally
+    assert not refused.closed_normally and not dropped.closed_normally
+    assert str(done) == "link to controller cccccccccccc at 10.0.0.1:50000 closed: received 1000 (OK)"
