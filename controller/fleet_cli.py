@@ -420,7 +420,7 @@ def _agent_json(agent: Any, undeployed: dict[str, list[Any]] | None = None) -> d
             "sources": list(agent.sources), "problem": agent.problem,
             "version": getattr(agent, "version", None),  # the deskfleet version its Hello named; null: none
             # null: it did not answer; "outdated" / "newer": it speaks another fleet protocol (see "protocol")
-            "state": report.state.value if report else (_state(agent) if _state(agent) != "unreachable" else None),
+            "state": None if _state(agent) == "unreachable" else _state(agent),
             # the fleet protocol it speaks, where known: this controller's for one that answered
             "protocol": PROTOCOL_VERSION if report else getattr(agent, "other_protocol", None),
             "free_memory_bytes": report.free_memory_bytes if report else None,
