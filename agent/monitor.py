@@ -2,7 +2,8 @@
 
 `SystemMonitor` is the interface the agent core depends on; tests give it a fake. `HostMonitor` reads
 the real machine:
-- CPU load and memory: psutil. Battery and AC: on Linux the power_supply sysfs class (every system
+- CPU load and memory: psutil, the memory under the tightest limit of the agent's control groups where that is
+  less (agent/cgroup_memory.py). Battery and AC: on Linux the power_supply sysfs class (every system
   battery together; a wireless mouse's or headset's battery, scope "Device", is not the PC's), elsewhere
   psutil; None on a PC without a battery.
 - Temperatures: on Linux the hwmon sysfs tree (thermal zones when hwmon has none); elsewhere
@@ -38,6 +39,7 @@ from typing import Protocol, TypeVar
 
 import psutil
 
+from deskfleet.agent.cgroup_memory import read_memory_limit
 from deskfleet.agent.windows_gpu import PdhApi, PdhSampler, windows_pdh
 from deskfleet.common.availability import (
     PLAUSIBLE_CELSIUS,
@@ -134,7 +136,7 @@ class HostMonitor:
 
     def read(self) -> MonitorReading:
         """One reading of every sensor; a sensor that fails to read is None (logged the first time)."""
-        free, total = self._probe("memory", self.probes.memory, (0, 0))
+        free, total = self.memory()
         percent, on_ac = self._probe("battery", self._battery_probe(), None) or (None, None)
         if percent is not None:
             percent = min(100.0, max(0.0, percent)) if math.isfinite(percent) else None
@@ -160,6 +162,17 @@ class HostMonitor:
             else:
                 logger.debug("cannot read the %s: %s: %s", name, type(error).__name__, error)
             return unknown
+
+    def memory(self) -> tuple[int, int]:
+        """(bytes available, total) to this agent: the machine's, or under the tightest memory limit of its control
+        groups where that is less (agent/cgroup_memory.py: a service capped with systemd's MemoryMax= reported the
+        whole PC's free memory, and was given a stage it was killed for); (0, 0) when the probe fails."""
+        free, total = self._probe("memory", self.probes.memory, (0, 0))
+        if total and self.platform.startswith("linux"):
+            limit = read_memory_limit(self.proc_root, self.sysfs_root)
+            if limit is not None:
+                free, total = min(free, limit.available_bytes), min(total, limit.limit_bytes)
+        return free, total
 
     def _battery_probe(self) -> Callable[[], tuple[float | None, bool | None] | None]:
         if self.probes.battery is not None:
@@ -200,7 +213,7 @@ def available_memory_reader(monitor: SystemMonitor) -> Callable[[], int | None]:
         host = monitor
 
         def host_memory() -> int | None:
-            free, total = host._probe("memory", host.probes.memory, (0, 0))  # a failure logged once, as read's
+            free, total = host.memory()  # a failure logged once, as read's; under a cgroup's limit where there is one
             return free if total > 0 else None
         return host_memory
 

@@ -1,0 +1,106 @@
+"""The memory limit the agent's control groups put on it (Linux), so that what it reports free is what it may use.
+
+An IT department that runs the agent as a service may cap its memory (systemd's `MemoryMax=` on the unit, or a
+slice's, a container's limit). psutil reads the whole machine's memory, so an agent capped at 4 GiB on a 32 GiB PC
+reported 20 GiB free: the planner gave it a stage of 10 GiB, and the kernel killed it at its first prompt.
+
+Every control group from the agent's own up to the root may hold a limit; the tightest counts. What is left under
+a limit is the limit less the group's working set: its usage less the page cache the kernel can drop
+(`inactive_file`), as the kernel itself reclaims that before it kills. Both cgroup versions are read: v2 (the
+unified tree: `memory.max`, `memory.current`, `memory.stat`) and v1 (the memory controller's own tree:
+`memory.limit_in_bytes`, `memory.usage_in_bytes`, `memory.stat`'s `total_inactive_file`). Anything that cannot be
+read is no limit: the machine's own figures stand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+NO_LIMIT_FROM = 1 << 62  # cgroup v1 writes "no limit" as the largest page-aligned int64, 9223372036854771712
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """The tightest limit over the agent's control groups: `limit_bytes`, and `available_bytes` left under it."""
+
+    limit_bytes: int
+    available_bytes: int
+
+
+def read_memory_limit(proc_root: Path = Path("/proc"), sysfs_root: Path = Path("/sys")) -> MemoryLimit | None:
+    """The tightest memory limit on this process's control groups, or None where there is none (or none can be
+    read: not Linux, no cgroup file system)."""
+    try:
+        lines = (proc_root / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    limits: list[MemoryLimit] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":  # v2: "0::/user.slice/..."
+            found = _tightest(sysfs_root / "fs" / "cgroup", path, _v2_limit)
+        elif "memory" in controllers.split(","):  # v1: "4:memory:/..."
+            found = _tightest(sysfs_root / "fs" / "cgroup" / "memory", path, _v1_limit)
+        else:
+            continue
+        if found is not None:
+            limits.append(found)
+    return min(limits, key=lambda limit: limit.available_bytes, default=None)
+
+
+def _tightest(root: Path, path: str, read: Callable[[Path], MemoryLimit | None]) -> MemoryLimit | None:
+    """The tightest limit of the group at `path` under `root` and of every group above it."""
+    limits = []
+    group = PurePosixPath(path)
+    for level in [group, *group.parents]:
+        folder = root.joinpath(*level.parts[1:])  # "/" itself: the root group
+        if not folder.is_dir():
+            continue
+        limit = read(folder)
+        if limit is not None:
+            limits.append(limit)
+    return min(limits, key=lambda limit: limit.available_bytes, default=None)
+
+
+def _v2_limit(folder: Path) -> MemoryLimit | None:
+    limit = _read_int(folder / "memory.max")  # "max": none
+    current = _read_int(folder / "memory.current")
+    if limit is None or current is None:
+        return None
+    return MemoryLimit(limit, _left(limit, current, _stat(folder / "memory.stat", "inactive_file")))
+
+
+def _v1_limit(folder: Path) -> MemoryLimit | None:
+    limit = _read_int(folder / "memory.limit_in_bytes")
+    usage = _read_int(folder / "memory.usage_in_bytes")
+    if limit is None or usage is None or limit >= NO_LIMIT_FROM:
+        return None
+    return MemoryLimit(limit, _left(limit, usage, _stat(folder / "memory.stat", "total_inactive_file")))
+
+
+def _left(limit: int, usage: int, reclaimable: int) -> int:
+    return max(0, limit - max(0, usage - reclaimable))
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _stat(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key and value.strip().isdigit():
+                return int(value)
+    except OSError:
+        pass
+    return 0
