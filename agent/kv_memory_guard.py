@@ -5,9 +5,10 @@ stage's layers. The planner reserves room for a deployment's `--streams` at full
 driver to that: more streams than planned, or a step from a faulty or hostile previous hop claiming thousands
 of rows (a step's header may list 50,000 new rows), grew the cache until the PC swapped or the kernel's
 out-of-memory killer ended a process, perhaps the employee's own. So every step that would grow a stage's cache
-asks this guard first, and a step that would leave the PC less than `floor_bytes` of available memory is
-refused (the driver hears OUT_OF_MEMORY naming the micro-batch, and re-plans without this PC) before anything
-is allocated.
+asks this guard first, and a step that would leave the PC less than a floor of available memory (an eighth of
+the memory the agent may use, at most 512 MiB: an agent capped at 640 MiB by its service kept 512 of them free and
+could run nothing) is refused before anything is allocated: the driver hears OUT_OF_MEMORY naming the
+micro-batch, and re-plans without this PC.
 
 What a step may grow a cache by is bounded from the step alone (KvGrowth), with no replay of its deltas: its
 rows, times the micro-batch's slots plus the step's new ones, less what the micro-batch held. The CPU plugin
@@ -24,7 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 MIB = 1 << 20
-KV_MEMORY_FLOOR_BYTES = 512 * MIB  # a step that would leave the PC less available memory than this is refused
+# a step that would leave the PC less available memory than this is refused: at most this, at most a FLOOR_SHARE
+# of the memory the agent may use (the PC's, or its control groups' limit: agent/cgroup_memory.py)
+KV_MEMORY_FLOOR_BYTES = 512 * MIB
+FLOOR_SHARE = 1 / 8
 RECHECK_S = 1.0
 # the CPU plugin reallocates a full cache at twice the tokens it must hold (controller/fleet_deploy.py, KV_GROWTH)
 SLOT_GROWTH = 2
@@ -53,11 +57,12 @@ class KvGrowth:
 
 class KvMemoryGuard:
     """One per agent (the memory is the PC's, shared by its stages); thread-safe: stages' steps run on worker
-    threads. `free_memory` reads the bytes available to new allocations without swapping (psutil's
-    `available`; agent/monitor.py, available_memory_reader), None where that is unknown: nothing is refused
-    then, as an unknown sensor makes no agent unavailable."""
+    threads. `free_memory` reads (the bytes available to new allocations without swapping, the total the agent
+    may use) (agent/monitor.py, available_memory_reader), None where that is unknown: nothing is refused then, as
+    an unknown sensor makes no agent unavailable. The floor kept free is `floor_bytes`, or a FLOOR_SHARE of the
+    total where that is less."""
 
-    def __init__(self, free_memory: Callable[[], int | None], floor_bytes: int = KV_MEMORY_FLOOR_BYTES,
+    def __init__(self, free_memory: Callable[[], tuple[int, int] | None], floor_bytes: int = KV_MEMORY_FLOOR_BYTES,
                  recheck_s: float = RECHECK_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.free_memory = free_memory
         self.floor_bytes = floor_bytes
@@ -75,17 +80,19 @@ class KvMemoryGuard:
         with self._lock:
             now = self.clock()
             if growth_bytes > self._headroom or self._read_at is None or now - self._read_at >= self.recheck_s:
-                free = self.free_memory()
+                reading = self.free_memory()
                 self._read_at = now
-                if free is None:
+                if reading is None:
                     self._headroom = 0  # read again at the next step that grows a cache
                     return
-                self._headroom = free - self.floor_bytes
+                free, total = reading
+                floor = min(self.floor_bytes, int(total * FLOOR_SHARE))
+                self._headroom = free - floor
                 if growth_bytes > self._headroom:
                     raise KvMemoryRefused(
                         f"{what()} would grow this PC's KV cache by up to {growth_bytes / MIB:,.0f} MiB with "
-                        f"{free / MIB:,.0f} MiB of its memory available, leaving less than the "
-                        f"{self.floor_bytes / MIB:,.0f} MiB this agent keeps free: run fewer or shorter streams "
+                        f"{free / MIB:,.0f} MiB of the {total / MIB:,.0f} MiB it may use available, leaving less "
+                        f"than the {floor / MIB:,.0f} MiB this agent keeps free: run fewer or shorter streams "
                         "(generate --max-rows, fewer prompts, a smaller --max-new-tokens), or deploy over more "
                         "PCs or PCs with more memory")
             self._headroom -= growth_bytes

@@ -203,23 +203,24 @@ class HostMonitor:
 
 # Linux: hwmon and drm sysfs
 
-def available_memory_reader(monitor: SystemMonitor) -> Callable[[], int | None]:
-    """What the agent's KV memory guard reads (agent/kv_memory_guard.py): the bytes available to new allocations
-    without swapping, None where unknown (a probe that failed, a total of 0), which refuses nothing. For a
+def available_memory_reader(monitor: SystemMonitor) -> Callable[[], tuple[int, int] | None]:
+    """What the agent's KV memory guard reads (agent/kv_memory_guard.py): (the bytes available to new allocations
+    without swapping, the total the agent may use), None where unknown (a probe that failed, a total of 0), which
+    refuses nothing. For a
     HostMonitor its memory probe alone: its read() also looks at the GPU's clients, and is taken one thread at a
     time (AgentCore._read_monitor), while the guard is asked from the stages' worker threads; any other monitor
     (a test's) is read whole."""
     if isinstance(monitor, HostMonitor):
         host = monitor
 
-        def host_memory() -> int | None:
+        def host_memory() -> tuple[int, int] | None:
             free, total = host.memory()  # a failure logged once, as read's; under a cgroup's limit where there is one
-            return free if total > 0 else None
+            return (free, total) if total > 0 else None
         return host_memory
 
-    def read_whole() -> int | None:
+    def read_whole() -> tuple[int, int] | None:
         reading = monitor.read()
-        return reading.memory_free_bytes if reading.memory_total_bytes > 0 else None
+        return (reading.memory_free_bytes, reading.memory_total_bytes) if reading.memory_total_bytes > 0 else None
     return read_whole
 
 

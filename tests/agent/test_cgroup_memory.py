@@ -80,7 +80,7 @@ def test_the_monitor_and_the_kv_guard_report_what_the_limit_leaves(tmp_path: Pat
                           probes=HostProbes(cpu_load=lambda: 0.0, memory=lambda: (20 * GIB, 32 * GIB)))
     reading = monitor.read()
     assert (reading.memory_free_bytes, reading.memory_total_bytes) == (GIB, 4 * GIB)
-    assert available_memory_reader(monitor)() == GIB
+    assert available_memory_reader(monitor)() == (GIB, 4 * GIB)
     roomy = HostMonitor(sysfs_root=sysfs, proc_root=proc, platform="linux",
                         probes=HostProbes(cpu_load=lambda: 0.0, memory=lambda: (GIB // 2, 32 * GIB)))
     assert roomy.read().memory_free_bytes == GIB // 2  # the machine has less left than the limit: that counts

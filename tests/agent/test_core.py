@@ -692,7 +692,7 @@ def test_a_step_the_pcs_memory_has_no_room_for_is_refused_blaming_this_pc_and_ch
     free = [8 << 30]
     guard = core.kv_memory
     assert isinstance(guard, KvMemoryGuard)
-    guard.free_memory = lambda: free[0]
+    guard.free_memory = lambda: (free[0], 16 << 30)
     guard.recheck_s = 0.0
 
     def decode(micro_batch_id: int, refuse_at: int | None) -> tuple[list[int], list[Message]]:

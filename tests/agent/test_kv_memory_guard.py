@@ -9,15 +9,16 @@ from deskfleet.agent.kv_memory_guard import MIB, KvGrowth, KvMemoryGuard, KvMemo
 
 
 class Memory:
-    """Available memory a test sets, counting the reads."""
+    """Available memory a test sets (of `total`, 16 GiB unless given), counting the reads."""
 
-    def __init__(self, free: int | None) -> None:
+    def __init__(self, free: int | None, total: int = 16 << 30) -> None:
         self.free = free
+        self.total = total
         self.reads = 0
 
-    def __call__(self) -> int | None:
+    def __call__(self) -> tuple[int, int] | None:
         self.reads += 1
-        return self.free
+        return None if self.free is None else (self.free, self.total)
 
 
 class Clock:
@@ -51,8 +52,9 @@ def test_steps_within_the_last_reading_are_let_grow_without_reading_again() -> N
         guard.admit(60 * MIB, lambda: "micro-batch 7 step 3 (4 rows x 900 slots)")  # 48 MiB left above the floor
     assert memory.reads == 3  # read afresh before refusing: the estimates since the last reading may overstate
     assert str(refused.value).startswith("micro-batch 7 step 3 (4 rows x 900 slots) would grow this PC's KV cache "
-                                         "by up to 60 MiB with 560 MiB of its memory available, leaving less than "
-                                         "the 512 MiB this agent keeps free: run fewer or shorter streams")
+                                         "by up to 60 MiB with 560 MiB of the 16,384 MiB it may use available, leaving "
+                                         "less than the 512 MiB this agent keeps free: run fewer or shorter "
+                                         "streams")
     guard.admit(0, lambda: "a step that grows nothing")  # nothing asked of the memory
     assert memory.reads == 3
 
@@ -72,3 +74,14 @@ def test_unknown_memory_refuses_nothing() -> None:
     guard.admit(64 << 30, lambda: "a step")
     guard.admit(64 << 30, lambda: "a step")
     assert memory.reads == 2  # asked again each time: a sensor that comes back is used
+
+
+def test_an_agent_capped_to_little_memory_keeps_an_eighth_of_it_free_not_512_mib() -> None:
+    # capped at 640 MiB by its service, 486 MiB available: with 512 MiB kept free it refused every step
+    memory = Memory(486 * MIB, total=640 * MIB)
+    guard = KvMemoryGuard(memory, floor_bytes=512 * MIB)
+    guard.admit(300 * MIB, lambda: "a step")  # 486 - 80 = 406 MiB above the floor
+    memory.free = 186 * MIB  # the cache took them
+    with pytest.raises(KvMemoryRefused, match="with 186 MiB of the 640 MiB it may use available, leaving less than "
+                                              "the 80 MiB this agent keeps free"):
+        guard.admit(200 * MIB, lambda: "a step")

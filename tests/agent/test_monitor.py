@@ -176,7 +176,7 @@ def test_the_kv_memory_guard_reads_the_memory_probe_alone_and_unknown_is_none(tm
     monitor = HostMonitor(sysfs_root=tmp_path, proc_root=tmp_path, platform="linux", probes=fake_probes(),
                           clock=FakeClock())
     monitor._igpu_busy = no_gpu_reading  # type: ignore[method-assign]
-    assert available_memory_reader(monitor)() == 3
+    assert available_memory_reader(monitor)() == (3, 10)
 
     def refused() -> tuple[int, int]:
         raise OSError("no /proc/meminfo")
@@ -192,5 +192,5 @@ def test_the_kv_memory_guard_reads_the_memory_probe_alone_and_unknown_is_none(tm
         def read(self) -> MonitorReading:
             return self.reading
 
-    assert available_memory_reader(Fake(5, 10))() == 5
+    assert available_memory_reader(Fake(5, 10))() == (5, 10)
     assert available_memory_reader(Fake(0, 0))() is None
