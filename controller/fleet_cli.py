@@ -244,7 +244,8 @@ def _serve(args: argparse.Namespace) -> int:
     from deskfleet.controller.fleet_ca import addresses_elsewhere, fleet_addresses
     from deskfleet.controller.fleet_server import FleetServer
 
-    logging.getLogger("deskfleet").setLevel(logging.INFO)
+    if not args.verbose:  # -v's DEBUG stands: setting INFO here hid deskfleet's own debug lines under -v
+        logging.getLogger("deskfleet").setLevel(logging.INFO)
     store = _store(args)
     addresses = fleet_addresses(store)
     if addresses and addresses_elsewhere(addresses):  # a controller moved: agents find it over mDNS, new PCs cannot

@@ -41,3 +41,25 @@ def test_discover_seconds_must_be_a_browse_time(data_dir: Path, capsys: pytest.C
         main(["fleet", "ls", "--data-dir", str(data_dir), "--discover-seconds", seconds])
     assert exited.value.code == 2
     assert "--discover-seconds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("verbose", [True, False])
+def test_serve_with_v_logs_deskfleet_s_own_debug_lines(data_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       verbose: bool) -> None:
+    # `fleet serve` set deskfleet's loggers to INFO over -v's DEBUG: -v showed websockets' frames, none of its own
+    import logging
+
+    from deskfleet.controller.fleet_server import FleetServer
+
+    seen: list[int] = []
+
+    async def run(self: FleetServer) -> None:
+        seen.append(logging.getLogger("deskfleet").level)
+
+    monkeypatch.setattr(FleetServer, "run", run)
+    deskfleet_logger = logging.getLogger("deskfleet")
+    monkeypatch.setattr(deskfleet_logger, "level", logging.NOTSET)  # and put back after the test
+    argv = ["fleet", "serve", "--data-dir", str(data_dir), "--listen", "127.0.0.1:1"]
+    assert main(["-v", *argv] if verbose else argv) == 0
+    # with -v, the root's DEBUG (logging.basicConfig) governs; without, serve's INFO lines show over the WARNING
+    assert seen == [logging.NOTSET if verbose else logging.INFO]
