@@ -99,12 +99,15 @@ class LinkError(ConnectionError):
 
 class LinkVersionError(LinkError):
     """The peer speaks another protocol version (`peer_protocol`; its deskfleet `peer_software` where its Hello
-    said): one of the two must be upgraded, and the message says which."""
+    said): one of the two must be upgraded, and the message says which. `peer_agent_id`: the id its certificate
+    showed, where the link got that far."""
 
-    def __init__(self, message: str, peer_protocol: int, peer_software: str | None) -> None:
+    def __init__(self, message: str, peer_protocol: int, peer_software: str | None,
+                 peer_agent_id: str | None = None) -> None:
         super().__init__(message)
         self.peer_protocol = peer_protocol
         self.peer_software = peer_software
+        self.peer_agent_id = peer_agent_id
 
 
 class LinkRefused(LinkError):
@@ -481,7 +484,8 @@ def _version_error(link: Link, own: pki.PeerIdentity, theirs: int, their_softwar
         f"upgrade deskfleet on this {own.role.value} to the {peer}'s version"
     return LinkVersionError(f"{peer} at {link.address} speaks fleet protocol {theirs} ({software}), this "
                             f"{own.role.value} {PROTOCOL_VERSION} (deskfleet {SOFTWARE_VERSION}): {upgrade} (the "
-                            "controller and every agent must speak one protocol)", theirs, their_software)
+                            "controller and every agent must speak one protocol)", theirs, their_software,
+                            link.peer.agent_id)
 
 
 # The close reason of a peer that refused our Hello's protocol (_refuse_version's, in every version so far):

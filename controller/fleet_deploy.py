@@ -290,8 +290,8 @@ def plan_survey(footprint: ModelFootprint, found: Survey, options: PlanOptions,
     agents = [agent for agent in found.reachable() if agent.agent_id not in exclude]
     answered = {agent.agent_id for agent in found.reachable()}
     unreachable = tuple(
-        Exclusion(agent.agent_id or agent.address, ExclusionReason.OTHER_PROTOCOL,
-                  f"speaks fleet protocol {agent.other_protocol}{_at(agent.address)}: {agent.problem}", agent.hostname)
+        Exclusion(agent.agent_id or agent.address, ExclusionReason.OTHER_PROTOCOL,  # its problem says it all
+                  agent.problem or f"speaks fleet protocol {agent.other_protocol}{_at(agent.address)}", agent.hostname)
         if agent.other_protocol is not None else
         Exclusion(agent.agent_id or agent.address, ExclusionReason.UNREACHABLE,
                   f"unreachable{_at(agent.address)}: {agent.problem or 'no status'}", agent.hostname)

@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from deskfleet.agent.advertise import interface_addresses
 from deskfleet.agent.link import OPEN_TIMEOUT_S, Link, LinkError, LinkVersionError, TlsFiles, open_link
@@ -69,6 +70,18 @@ class AgentView:
     other_protocol: int | None = None  # the fleet protocol it speaks where that is not this controller's
 
 
+class PeerVersion(NamedTuple):
+    """What an agent said of its version: the deskfleet version its Hello (or its refusal of ours) named, the fleet
+    protocol it speaks where that is not ours, and its id where only a refusal showed it (no link stays open)."""
+
+    software: str | None
+    other_protocol: int | None
+    agent_id: str | None
+
+
+UNKNOWN_VERSION = PeerVersion(None, None, None)
+
+
 @dataclass
 class Survey:
     """The agents found; `links` stay open for the caller (deploy) until `close()`."""
@@ -113,9 +126,10 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
 
     found = Survey([], {})
     removed = revocations()  # with the removals agents gave back (a data dir restored from an older backup)
-    for (target_id, _, source_names), (address, link, report, problem, (version, other_protocol)) in zip(
-            targets, results, strict=True):
-        known_id = link.peer.agent_id if link is not None else target_id
+    for (target_id, _, source_names), (address, link, report, problem, peer) in zip(targets, results, strict=True):
+        # a PC of another protocol is known by the certificate its link showed before it closed: a --peer address
+        # of a roster member was listed twice, once as "?"
+        known_id = link.peer.agent_id if link is not None else target_id or peer.agent_id
         if known_id is not None and removed.is_revoked(known_id):  # removed again by what another agent said
             if link is not None:
                 await link.close()
@@ -127,8 +141,8 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
             found.links[known_id] = link
         hostname = roster[known_id].hostname if known_id is not None and known_id in roster else "?"
         expires = link.peer.not_valid_after if link is not None else None
-        found.agents.append(AgentView(known_id, hostname, address, source_names, report, problem, expires, version,
-                                      other_protocol))
+        found.agents.append(AgentView(known_id, hostname, address, source_names, report, problem, expires,
+                                      peer.software, peer.other_protocol))
     if options.use_roster:  # members that joined but whose agent never called in: listed, so the admin sees them
         listed = {agent.agent_id for agent in found.agents}
         for agent_id, member in roster.items():
@@ -214,24 +228,23 @@ async def _run_for(sources: list[Discovery], seconds: float) -> None:
 
 async def _ask_at_any(store: FleetStore, revocations: Revocations, agent_id: str | None,
                       addresses: tuple[str, ...], dials: asyncio.Semaphore, open_timeout: float = OPEN_TIMEOUT_S
-                      ) -> tuple[str, Link | None, StatusReport | None, str | None, tuple[str | None, int | None]]:
+                      ) -> tuple[str, Link | None, StatusReport | None, str | None, PeerVersion]:
     """Ask the agent at all of `addresses` at once: (the first address to answer, its link, its report,
     None, its version), or (the first address, None, None, every address's problem, its version) when none
     did. TLS pins the agent's id, so any answer is its own; asking in turn made a stale registered address (a
     PC that changed IP) cost the whole open timeout before its live mDNS address was tried. The version is
     (the deskfleet version the agent's Hello or its refusal of ours named, where one did; the fleet protocol it
     speaks where that is not ours): `fleet ls` shows who is not upgraded."""
-    versions: dict[str, tuple[str | None, int | None]] = {}  # address -> (deskfleet version, another protocol)
+    versions: dict[str, PeerVersion] = {}  # address -> what the agent there said of its version
 
-    async def ask(address: str) -> tuple[str, Link | None, StatusReport | None, str | None,
-                                         tuple[str | None, int | None]]:
+    async def ask(address: str) -> tuple[str, Link | None, StatusReport | None, str | None, PeerVersion]:
         link, report, problem = await _ask(store, revocations, agent_id, address, dials, versions, open_timeout)
-        return address, link, report, problem, versions.get(address, (None, None))
+        return address, link, report, problem, versions.get(address, UNKNOWN_VERSION)
 
     tasks = [asyncio.ensure_future(ask(address)) for address in addresses]
     problems: dict[str, str] = {}
-    version: tuple[str | None, int | None] = (None, None)
-    winner: tuple[str, Link | None, StatusReport | None, str | None, tuple[str | None, int | None]] | None = None
+    version = UNKNOWN_VERSION
+    winner: tuple[str, Link | None, StatusReport | None, str | None, PeerVersion] | None = None
     try:
         for next_answer in asyncio.as_completed(tasks):
             answer = await next_answer
@@ -239,7 +252,7 @@ async def _ask_at_any(store: FleetStore, revocations: Revocations, agent_id: str
                 winner = answer
                 break
             problems[answer[0]] = str(answer[3])
-            version = version if version != (None, None) else answer[4]
+            version = version if version != UNKNOWN_VERSION else answer[4]
     finally:
         for task in tasks:
             task.cancel()
@@ -252,7 +265,7 @@ async def _ask_at_any(store: FleetStore, revocations: Revocations, agent_id: str
 
 
 async def _ask(store: FleetStore, revocations: Revocations, agent_id: str | None, address: str,
-               dials: asyncio.Semaphore, versions: dict[str, tuple[str | None, int | None]] | None = None,
+               dials: asyncio.Semaphore, versions: dict[str, PeerVersion] | None = None,
                open_timeout: float = OPEN_TIMEOUT_S) -> tuple[Link | None, StatusReport | None, str | None]:
     """Open a link to `address`, holding one of `dials` while it opens (a link that opened is a fleet member's,
     its certificate checked: waiting for its status holds no place that a dial to another PC needs), and ask
@@ -263,13 +276,13 @@ async def _ask(store: FleetStore, revocations: Revocations, agent_id: str | None
                                    open_timeout=open_timeout)
     except LinkVersionError as error:  # listed with the version it runs, and which side to upgrade
         if versions is not None:
-            versions[address] = (error.peer_software, error.peer_protocol)
+            versions[address] = PeerVersion(error.peer_software, error.peer_protocol, error.peer_agent_id)
         return None, None, str(error)
     except LinkError as error:
         return None, None, str(error)
     software = getattr(link, "peer_software", None)  # (a test's stand-in link has none)
     if versions is not None and software:
-        versions[address] = (software, None)
+        versions[address] = PeerVersion(software, None, None)
     try:
         # The fleet's list of removed agents rides along: an agent that was off during a removal, or that never
         # meets `fleet serve` (which also sends it), refuses the removed agents' links from now on too.

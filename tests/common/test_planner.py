@@ -170,11 +170,12 @@ def test_left_out_text_lists_who_and_why_but_not_the_unreachable_the_problem_nam
 
 def test_pcs_of_another_protocol_are_told_to_upgrade_not_to_start_their_agent() -> None:
     # an old release's agent, running, closes our Hello: the plan said "start `deskfleet-agent --headless` on them"
-    old = Exclusion("o", ExclusionReason.OTHER_PROTOCOL, "speaks fleet protocol 7 at 10.0.0.8:7431: ... upgrade "
-                                                         "deskfleet on agent o")
+    old = Exclusion("o", ExclusionReason.OTHER_PROTOCOL, "agent o at 10.0.0.8:7431 speaks fleet protocol 7 ...: "
+                                                         "upgrade deskfleet on agent o")
     gone = Exclusion("g", ExclusionReason.UNREACHABLE, "unreachable at 10.0.0.9:7443: timed out")
     (alone,) = plan(toy(), [], NO_MARGIN, (old,)).problems
-    assert alone.startswith("no reachable agents: 1 found but unreachable (o speaks fleet protocol 7")
+    assert alone.startswith("no reachable agents: 1 found but unreachable (o agent o at 10.0.0.8:7431 speaks fleet "
+                            "protocol 7")
     assert alone.endswith("): upgrade deskfleet where one speaks another fleet protocol, as its message says")
     (both,) = plan(toy(), [], NO_MARGIN, (old, gone)).problems
     assert both.endswith("): start `deskfleet-agent --headless` on them; upgrade deskfleet where one speaks another "

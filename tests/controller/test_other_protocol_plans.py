@@ -18,7 +18,7 @@ def test_a_surveyed_pc_of_another_protocol_is_left_out_as_such() -> None:
     result = plan_survey(model, Survey([old, off], {}), PlanOptions())
     reasons = {exclusion.agent_id: (exclusion.reason, exclusion.message) for exclusion in result.exclusions}
     assert reasons["o" * 52][0] is ExclusionReason.OTHER_PROTOCOL
-    assert reasons["o" * 52][1].startswith("speaks fleet protocol 7 at 10.0.0.8:7431: agent oooooooooooo")
+    assert reasons["o" * 52][1].startswith("agent oooooooooooo at 10.0.0.8:7431 speaks fleet protocol 7")
     assert reasons["f" * 52][0] is ExclusionReason.UNREACHABLE
     (problem,) = result.problems
     assert problem.endswith("start `deskfleet-agent --headless` on them; upgrade deskfleet where one speaks another "

@@ -121,3 +121,30 @@ def test_the_free_column_is_in_gib_as_the_limits_beside_it(capsys: pytest.Captur
     _print_agents([agent])
     row = capsys.readouterr().out.splitlines()[1].split()
     assert row[4] == "8.0GiB"
+
+
+def test_a_pc_of_another_protocol_given_by_peer_is_listed_once_under_its_roster_name(tmp_path: Path) -> None:
+    # A downgraded PC that never registered, asked with --peer: listed twice, as "?" (outdated) and as its roster
+    # entry ("never called in: start `deskfleet-agent`"), and counted as two PCs to upgrade
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    older_files = make_member(load_ca(store), tmp_path / "older", "agent")
+    older_id = older_files.own_identity().agent_id
+
+    async def older_agent(connection: ServerConnection) -> None:
+        await connection.recv()
+        await connection.close(1008, f"agent speaks protocol {PROTOCOL_VERSION - 1} (deskfleet 0.7.0), you "
+                                     f"{PROTOCOL_VERSION}: upgrade deskfleet on the agent {older_id[:12]}")
+
+    async def scenario() -> fleet_survey.Survey:
+        older = await serve(older_agent, LOOPBACK, 0, ssl=older_files.server_context())
+        async with older:
+            store.save_roster({older_id: RosterEntry(older_id, "pc-down", ENROLLED)})  # no address: never registered
+            found = await survey(store, SurveyOptions(peers=(f"{LOOPBACK}:{older.sockets[0].getsockname()[1]}",),
+                                                      discover_seconds=0))
+            await found.close()
+        return found
+
+    (agent,) = asyncio.run(scenario()).agents
+    assert (agent.agent_id, agent.hostname, agent.version, agent.other_protocol) == (
+        older_id, "pc-down", "0.7.0", PROTOCOL_VERSION - 1)
