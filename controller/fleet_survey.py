@@ -41,7 +41,8 @@ MAX_ADDRESSES_PER_AGENT = 16  # dialled per agent: those an authenticated source
 MAX_DIALS_AT_ONCE = 256
 NO_ADDRESS = "-"  # the address of an enrolled PC that never said where it listens
 NEVER_REGISTERED = ("joined, but its agent never called in: start `deskfleet-agent --headless` (with the join's "
-                    "--data-dir) on that PC")
+                    "--data-dir) on that PC; if it runs, `fleet serve`'s log says why it was refused (a PC of "
+                    "another deskfleet release is, at Hello: upgrade one of the two)")
 
 
 @dataclass(frozen=True)
