@@ -31,7 +31,14 @@ class MemoryLimit:
 
 def read_memory_limit(proc_root: Path = Path("/proc"), sysfs_root: Path = Path("/sys")) -> MemoryLimit | None:
     """The tightest memory limit on this process's control groups, or None where there is none (or none can be
-    read: not Linux, no cgroup file system)."""
+    read: not Linux, no cgroup file system, a file the agent may not read, a group name that is not UTF-8)."""
+    try:
+        return _read_memory_limit(proc_root, sysfs_root)
+    except (OSError, ValueError):  # is_dir() raises PermissionError (AppArmor, SELinux); a name UnicodeDecodeError
+        return None
+
+
+def _read_memory_limit(proc_root: Path, sysfs_root: Path) -> MemoryLimit | None:
     try:
         lines = (proc_root / "self" / "cgroup").read_text().splitlines()
     except OSError:

@@ -66,7 +66,7 @@ from deskfleet.common.availability import (
 from deskfleet.common.json_file import JsonFileError, read_json_object
 from deskfleet.common.kv_cache_size import kv_cache_bytes_per_token_per_layer, kv_cache_precision
 from deskfleet.common.kv_ledger import Compact, LedgerError
-from deskfleet.common.model_spec import MANIFEST_NAME, ExportMismatchError, Manifest, ManifestError
+from deskfleet.common.model_spec import MANIFEST_NAME, ExportMismatchError, Manifest, ManifestError, ModelSpec
 from deskfleet.common.wire import (
     MAX_KNOWN_REMOVALS,
     MICRO_BATCH_IDLE_S,
@@ -598,10 +598,8 @@ class AgentCore:
             self.cache_health.stored()  # its view was made in the cache
             for other in [ref for ref in self.stages if ref.model_id == message.stage.model_id]:
                 self._release(other)  # a re-plan of the same model replaces what this agent held
-            kv_per_token = kv_cache_bytes_per_token_per_layer(manifest.spec, kv_cache_precision(
-                message.precision, message.device, message.kv_cache))
             executor = StageExecutor(stage, manifest.spec.max_context, self.kv_memory,
-                                     kv_per_token * (layers.stop - layers.start))
+                                     kv_bytes_per_slot(message, manifest.spec))
             self.stages[message.stage] = HostedStage(message, executor, asyncio.Lock(), key)
             self._released_because = None
             self._refusals_logged.clear()
@@ -999,6 +997,15 @@ def _cache_limit_refusal(error: CacheFull) -> CommandError:
     OUT_OF_MEMORY, which sent the admin looking at the PC's memory), with what the PC's owner can do."""
     return CommandError(ErrorCode.DISK_FULL, f"{error}; raise cache_limit_bytes in the agent's settings (and restart "
                                              "it), or pause this PC (`deskfleet-agent pause`) to deploy without it")
+
+
+def kv_bytes_per_slot(assignment: AssignStage, spec: ModelSpec) -> int:
+    """What one row's token takes in the KV cache of every layer of the stage `assignment` asks for, as the agent's
+    KV memory guard counts it. A GPU's or NPU's own precision is f16 (counted as f32, the guard refused early); an
+    AI PC's iGPU and NPU keep their caches in the PC's shared memory, which the guard reads."""
+    precision = kv_cache_precision(assignment.precision, assignment.device, assignment.kv_cache) or "f16"
+    layers = assignment.stage.layer_end - assignment.stage.layer_start
+    return kv_cache_bytes_per_token_per_layer(spec, precision) * layers
 
 
 def runs_inline(message: Forward) -> bool:

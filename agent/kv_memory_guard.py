@@ -11,7 +11,9 @@ could run nothing) is refused before anything is allocated: the driver hears OUT
 micro-batch, and re-plans without this PC.
 
 What a step may grow a cache by is bounded from the step alone (KvGrowth), with no replay of its deltas: its
-rows, times the micro-batch's slots plus the step's new ones, less what the micro-batch held. The CPU plugin
+rows, times the micro-batch's slots plus the step's new ones, less what the micro-batch held; a step that admits a
+row or compacts is rehearsed on a copy of the mirror anyway, and its rows and slots after are taken from there (an
+admitted row pads every row to its slots). The CPU plugin
 grows a cache by reallocating it at twice the tokens it must hold when it is full, so a slot is counted twice.
 Available memory is read at most once a `recheck_s` while the estimates fit in what the last reading left
 (one read of /proc/meminfo, ~30 us); memory that released micro-batches gave back counts from the next reading.
@@ -19,10 +21,14 @@ Available memory is read at most once a `recheck_s` while the estimates fit in w
 
 from __future__ import annotations
 
+import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 MIB = 1 << 20
 # a step that would leave the PC less available memory than this is refused: at most this, at most a FLOOR_SHARE
@@ -40,19 +46,18 @@ class KvMemoryRefused(Exception):
 
 @dataclass(frozen=True)
 class KvGrowth:
-    """What one step may add to a micro-batch's KV cache, in slots summed over rows: `rows` after the step times
-    the slots it may then hold (the micro-batch's `slots` plus the step's `new_slots`), less the `held_rows` x
-    `slots` before it; never below 0 (a step that drops rows or compacts frees memory, counted at the next
-    reading)."""
+    """What one step may add to a micro-batch's KV cache, in slots summed over rows: the `rows` x `slots` it may
+    hold after the step, less the `held_rows` x `held_slots` before it; never below 0 (a step that drops rows or
+    compacts frees memory, counted at the next reading)."""
 
     rows: int
-    new_slots: int
-    held_rows: int
     slots: int
+    held_rows: int
+    held_slots: int
 
     @property
     def slot_count(self) -> int:
-        return max(0, self.rows * (self.slots + self.new_slots) - self.held_rows * self.slots)
+        return max(0, self.rows * self.slots - self.held_rows * self.held_slots)
 
 
 class KvMemoryGuard:
@@ -71,6 +76,7 @@ class KvMemoryGuard:
         self._lock = threading.Lock()
         self._headroom = 0  # what the last reading left above the floor, less what steps were let grow since
         self._read_at: float | None = None
+        self._failure_logged = False
 
     def admit(self, growth_bytes: int, what: Callable[[], str]) -> None:
         """Let a step grow a cache by `growth_bytes`, or raise KvMemoryRefused naming the step as `what()` says
@@ -80,10 +86,16 @@ class KvMemoryGuard:
         with self._lock:
             now = self.clock()
             if growth_bytes > self._headroom or self._read_at is None or now - self._read_at >= self.recheck_s:
-                reading = self.free_memory()
+                try:
+                    reading = self.free_memory()
+                except Exception:  # a sensor that fails is unknown, and unknown refuses nothing
+                    if not self._failure_logged:
+                        log.exception("cannot read the memory available (logged once): no step is refused for it")
+                        self._failure_logged = True
+                    reading = None
                 self._read_at = now
                 if reading is None:
-                    self._headroom = 0  # read again at the next step that grows a cache
+                    self._headroom = sys.maxsize  # nothing refused; read again a recheck_s on
                     return
                 free, total = reading
                 floor = min(self.floor_bytes, int(total * FLOOR_SHARE))

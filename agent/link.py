@@ -197,7 +197,8 @@ def why_closed(error: ConnectionClosed) -> str:
         return f"the connection ended without a websocket close: the peer's process ended or its network " \
                f"dropped the connection [{error}]"
     if received is not None and sent is not None and (sent.code, sent.reason) == (received.code, received.reason):
-        return f"received {received}"  # the close echoed: websockets' "...; then sent" repeated the peer's reason
+        # the close echoed: websockets' "...; then sent" repeated the reason; said once, by whoever said it first
+        return f"received {received}" if error.rcvd_then_sent else f"sent {sent}, and the peer echoed it"
     return str(error)
 
 

@@ -475,10 +475,12 @@ class _Outage:
     def __init__(self) -> None:
         self.since: float | None = None  # time.monotonic() when the controller link was lost; None: registered
         self.attempts = 0
-        self._warned: tuple[object, ...] | None = None  # the kind of failure last warned of (_failure_kind)
+        # the kinds of failure warned of in this outage (_failure_kind): a set, as the attempts at a moved
+        # controller's old and new addresses alternate between two kinds, and each pass warned twice
+        self._warned: set[tuple[object, ...]] = set()
 
     def began(self) -> None:
-        self.since, self.attempts, self._warned = time.monotonic(), 0, None
+        self.since, self.attempts, self._warned = time.monotonic(), 0, set()
 
     def failed(self, error: Exception) -> None:
         if self.since is None:
@@ -488,17 +490,17 @@ class _Outage:
         if self.attempts == 1:
             log.warning("cannot register with the controller: %s; retrying every %.0f s at most, quietly until it "
                         "answers", error, RETRY_MAX_S)
-        elif kind != self._warned:
+        elif kind not in self._warned:
             log.warning("cannot register with the controller, now for another reason (attempt %d): %s",
                         self.attempts, error)
         else:
             log.debug("cannot register with the controller (attempt %d): %s", self.attempts, error)
-        self._warned = kind
+        self._warned.add(kind)
 
     def ended(self) -> str:
         """' after ...' for the log line of the registration that ends an outage ('' when none failed)."""
         since, attempts = self.since, self.attempts
-        self.since, self.attempts, self._warned = None, 0, None
+        self.since, self.attempts, self._warned = None, 0, set()
         if since is None or not attempts:
             return ""
         return f" (after {attempts} failed attempt{'s' if attempts != 1 else ''} over {time.monotonic() - since:.0f} s)"

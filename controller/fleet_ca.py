@@ -15,8 +15,10 @@ import asyncio
 import contextlib
 import datetime
 import logging
+import math
 import re
 import socket
+import time
 from dataclasses import replace
 
 from cryptography import x509
@@ -369,6 +371,10 @@ class Revocations:
 
 # Public functions: enrollment
 
+JOIN_END_LOG_EVERY_S = 60.0  # a join the joining PC ended, saying why, is a warning once this often a host
+_join_ends_said: dict[str, float] = {}  # host -> when that was last a warning (time.monotonic)
+
+
 async def serve_enrollment(connection: ServerConnection, store: FleetStore) -> None:
     """Run the join exchange with a certificate-less client, then close. Acts on nothing else."""
     remote = connection.remote_address
@@ -415,7 +421,17 @@ async def _join_exchange(connection: ServerConnection, store: FleetStore) -> Non
         await _refuse(connection, ErrorCode.INTERNAL, "the controller's data dir needs repair (see its log)")
     except ConnectionClosed as closed:
         if closed.rcvd is not None and closed.rcvd.reason:  # the joining PC said why: another protocol, most often
-            log.warning("join from %s ended by the joining PC: %s", remote, closed.rcvd.reason)
+            # a stranger's words: printable only (no forged log lines), and once a minute a host at WARNING
+            reason = "".join(char if char.isprintable() else "?" for char in closed.rcvd.reason)
+            host = str(remote[0]) if isinstance(remote, tuple) and remote else str(remote)
+            now = time.monotonic()
+            warn = now - _join_ends_said.get(host, -math.inf) >= JOIN_END_LOG_EVERY_S
+            if warn:
+                if len(_join_ends_said) >= 1024:  # hosts that came once: forgotten, not kept for good
+                    _join_ends_said.clear()
+                _join_ends_said[host] = now
+            log.log(logging.WARNING if warn else logging.DEBUG, "join from %s ended by the joining PC: %s", remote,
+                    reason)
         else:
             log.info("join client %s went away", remote)
 

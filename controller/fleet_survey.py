@@ -126,6 +126,7 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
                                      for target_id, addresses, _ in targets))
 
     found = Survey([], {})
+    listed_at: dict[str, int] = {}  # agent id -> its place in found.agents
     removed = revocations()  # with the removals agents gave back (a data dir restored from an older backup)
     for (target_id, _, source_names), (address, link, report, problem, peer) in zip(targets, results, strict=True):
         # a PC of another protocol is known by the certificate its link showed before it closed: a --peer address
@@ -138,12 +139,23 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
         if link is not None and known_id in found.links:  # the same agent by two routes
             await link.close()
             continue
+        # the same agent by two routes that did not open a link (a PC of another protocol at its registered address
+        # and at a --peer alias of it): listed once, the route that reached it kept
+        earlier = listed_at.get(known_id) if known_id is not None else None
+        if earlier is not None and (link is None or found.agents[earlier].report is not None):
+            continue
         if link is not None and known_id is not None:
             found.links[known_id] = link
         hostname = roster[known_id].hostname if known_id is not None and known_id in roster else "?"
         expires = link.peer.not_valid_after if link is not None else None
-        found.agents.append(AgentView(known_id, hostname, address, source_names, report, problem, expires,
-                                      peer.software, peer.other_protocol))
+        view = AgentView(known_id, hostname, address, source_names, report, problem, expires, peer.software,
+                         peer.other_protocol)
+        if earlier is not None:
+            found.agents[earlier] = view
+        else:
+            if known_id is not None:
+                listed_at[known_id] = len(found.agents)
+            found.agents.append(view)
     if options.use_roster:  # members that joined but whose agent never called in: listed, so the admin sees them
         listed = {agent.agent_id for agent in found.agents}
         for agent_id, member in roster.items():

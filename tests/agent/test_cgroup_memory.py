@@ -72,6 +72,24 @@ def test_no_limit_or_nothing_to_read_leaves_the_machine_s_figures(tmp_path: Path
     assert read_memory_limit(proc, sysfs) is None
 
 
+def test_a_group_the_agent_may_not_look_into_or_cannot_name_is_no_limit(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # is_dir() raises PermissionError (AppArmor, SELinux, even as root), and a group name that is not UTF-8 raises
+    # UnicodeDecodeError: either broke the monitor's every reading, and through the KV guard every step
+    proc, sysfs = tmp_path / "proc", tmp_path / "sys"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self/cgroup").write_bytes(b"0::/caf\xe9\n")
+    assert read_memory_limit(proc, sysfs) is None
+    write(proc / "self/cgroup", "0::/capped\n")
+    v2_group(sysfs, "capped", str(GIB), 0)
+
+    def denied(self: Path) -> bool:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "is_dir", denied)
+    assert read_memory_limit(proc, sysfs) is None
+
+
 def test_the_monitor_and_the_kv_guard_report_what_the_limit_leaves(tmp_path: Path) -> None:
     proc, sysfs = tmp_path / "proc", tmp_path / "sys"
     write(proc / "self/cgroup", "0::/capped\n")

@@ -768,3 +768,21 @@ def test_a_driver_link_closed_at_the_end_of_its_run_is_not_logged_at_info(
         asyncio.run(core.serve_link(cast(Link, ClosingLink(Role.CONTROLLER))))
     (record,) = [record for record in caplog.records if "closed: received" in record.getMessage()]
     assert record.levelno == (logging.DEBUG if normally else logging.INFO)
+
+
+def test_the_kv_bytes_the_guard_counts_follow_the_stage_s_cache_precision_and_layers(tiny_export: Path) -> None:
+    from deskfleet.agent.core import kv_bytes_per_slot
+
+    spec = load_manifest(tiny_export).spec
+    per_head = spec.num_kv_heads * spec.head_dim  # keys and values: twice this a token and layer
+
+    def assignment(device: str, precision: Precision, kv_cache: str | None, layers: int) -> AssignStage:
+        return AssignStage(StageRef("tiny@1", 0, layers), True, layers == spec.num_layers, device, precision, None,
+                           (), kv_cache)
+
+    assert kv_bytes_per_slot(assignment("CPU", Precision.DEVICE_DEFAULT, None, 2), spec) == \
+        2 * 2 * spec.num_kv_heads * (spec.head_dim + 8)  # u8 with a scale and zero point
+    assert kv_bytes_per_slot(assignment("CPU", Precision.F32, None, 1), spec) == 2 * per_head * 4
+    # a GPU's own precision is f16: counted as f32, its steps were refused at half the memory they needed
+    assert kv_bytes_per_slot(assignment("GPU", Precision.DEVICE_DEFAULT, None, 1), spec) == 2 * per_head * 2
+    assert kv_bytes_per_slot(assignment("GPU", Precision.DEVICE_DEFAULT, "f32", 3), spec) == 3 * 2 * per_head * 4

@@ -30,11 +30,11 @@ class Clock:
 
 
 def test_growth_is_bounded_from_the_step_alone() -> None:
-    assert KvGrowth(rows=1, new_slots=40, held_rows=0, slots=0).slot_count == 40  # a first prompt
-    assert KvGrowth(rows=4, new_slots=1, held_rows=4, slots=100).slot_count == 4  # a decode step of 4 rows
-    assert KvGrowth(rows=5, new_slots=1, held_rows=4, slots=100).slot_count == 105  # a row admitted: padded to 101
-    assert KvGrowth(rows=2, new_slots=1, held_rows=4, slots=100).slot_count == 0  # rows dropped: it frees memory
-    assert KvGrowth(rows=50_000, new_slots=1, held_rows=1, slots=10).slot_count == 549_990  # a hostile header
+    assert KvGrowth(rows=1, slots=40, held_rows=0, held_slots=0).slot_count == 40  # a first prompt
+    assert KvGrowth(rows=4, slots=101, held_rows=4, held_slots=100).slot_count == 4  # a decode step of 4 rows
+    assert KvGrowth(rows=5, slots=101, held_rows=4, held_slots=100).slot_count == 105  # a row added, padded to 101
+    assert KvGrowth(rows=2, slots=101, held_rows=4, held_slots=100).slot_count == 0  # rows dropped: memory freed
+    assert KvGrowth(rows=50_000, slots=11, held_rows=1, held_slots=10).slot_count == 549_990  # a hostile header
 
 
 def test_steps_within_the_last_reading_are_let_grow_without_reading_again() -> None:
@@ -68,12 +68,31 @@ def test_memory_given_back_counts_from_the_next_reading() -> None:
     assert memory.reads == 2
 
 
-def test_unknown_memory_refuses_nothing() -> None:
-    memory = Memory(None)
-    guard = KvMemoryGuard(memory, floor_bytes=512 * MIB)
+def test_unknown_memory_refuses_nothing_and_is_asked_again_a_second_on() -> None:
+    memory, clock = Memory(None), Clock()
+    guard = KvMemoryGuard(memory, floor_bytes=512 * MIB, clock=clock)
     guard.admit(64 << 30, lambda: "a step")
     guard.admit(64 << 30, lambda: "a step")
-    assert memory.reads == 2  # asked again each time: a sensor that comes back is used
+    assert memory.reads == 1
+    clock.now += 1.0
+    memory.free = 1024 * MIB  # a sensor that comes back is used
+    with pytest.raises(KvMemoryRefused):
+        guard.admit(64 << 30, lambda: "a step")
+    assert memory.reads == 2
+
+
+def test_a_memory_reading_that_fails_refuses_nothing_and_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    # a cgroup file the agent may not read raised through the guard, and the executor dropped the micro-batch
+    def broken() -> tuple[int, int]:
+        raise PermissionError(13, "Permission denied", "/sys/fs/cgroup/x/memory.max")
+
+    clock = Clock()
+    guard = KvMemoryGuard(broken, floor_bytes=512 * MIB, clock=clock)
+    for _ in range(3):
+        guard.admit(64 << 30, lambda: "a step")
+        clock.now += 1.0
+    assert [record.getMessage() for record in caplog.records] == [
+        "cannot read the memory available (logged once): no step is refused for it"]
 
 
 def test_an_agent_capped_to_little_memory_keeps_an_eighth_of_it_free_not_512_mib() -> None:

@@ -235,6 +235,9 @@ def test_a_peer_that_timed_out_on_this_side_says_this_side_was_silent() -> None:
     echoed = ConnectionClosed(Close(CloseCode.POLICY_VIOLATION, "speaks protocol 7"),
                               Close(CloseCode.POLICY_VIOLATION, "speaks protocol 7"), True)
     assert why_closed(echoed) == "received 1008 (policy violation) speaks protocol 7"
+    ours = ConnectionClosed(Close(CloseCode.POLICY_VIOLATION, "speaks protocol 7"),
+                            Close(CloseCode.POLICY_VIOLATION, "speaks protocol 7"), False)  # we closed first
+    assert why_closed(ours) == "sent 1008 (policy violation) speaks protocol 7, and the peer echoed it"
 
 
 def test_a_peer_that_never_says_hello_is_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -97,11 +97,20 @@ def test_a_controller_that_answers_again_but_refuses_this_pc_s_protocol_is_warne
     registering_service(["ok"] + ["fail"] * 3 + ["version"] * 4 + ["fail"] * 2 + ["ok"], monkeypatch)
     warnings = [record.getMessage() for record in caplog.records
                 if record.levelno >= logging.WARNING and "cannot register" in record.getMessage()]
-    assert len(warnings) == 3, warnings  # the first failure, then each change of reason
+    assert len(warnings) == 2, warnings  # the first failure, then the other reason (once each in an outage)
     assert "Connect call failed" in warnings[0]
     assert warnings[1].startswith("cannot register with the controller, now for another reason (attempt 4): ")
     assert "upgrade deskfleet on controller cccccccccccc" in warnings[1]
-    assert "(attempt 8): cannot reach" in warnings[2]
+
+
+def test_attempts_alternating_between_two_reasons_are_warned_of_once_each(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # a moved and upgraded controller: its old address refuses the connection, its new one the protocol, in turn
+    caplog.set_level(logging.DEBUG, logger=service_module.log.name)
+    registering_service(["ok"] + ["fail", "version"] * 5 + ["ok"], monkeypatch)
+    warnings = [record.getMessage() for record in caplog.records
+                if record.levelno >= logging.WARNING and "cannot register" in record.getMessage()]
+    assert len(warnings) == 2, warnings
 
 
 def test_the_agent_does_not_log_every_link_websockets_opens_and_closes(

@@ -220,3 +220,31 @@ def test_a_token_outside_the_vocabulary_from_the_call_is_named_and_an_idle_rows_
     with pytest.raises(RuntimeError, match=rf"step 1: the stage chose tokens \[{vocab + 5}\] outside the vocabulary "
                                            rf"of {vocab} at \(row, position\) \[\[1, 0\]\]"):
         executor.run(track.step(feed, draft=draft))
+
+
+class RecordingGuard:
+    """A KV memory guard that lets everything grow, keeping what each step asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def admit(self, growth_bytes: int, what: object) -> None:
+        self.asked.append(growth_bytes)
+
+
+def test_the_memory_guard_is_asked_for_the_padding_an_admitted_row_brings(whole: Stage) -> None:
+    # rows x (slots + new ones) said 3 slots for a step that padded two rows of 4 slots to a newcomer's 40
+    from deskfleet.agent.kv_memory_guard import SLOT_GROWTH
+
+    guard = RecordingGuard()
+    executor = StageExecutor(whole, 256, guard, kv_bytes_per_slot=1)  # type: ignore[arg-type]
+    host = BatchTrack(1, 256)
+    host.add_row(0)
+    host.add_row(1)
+    result(executor, host.step([PROMPT, PROMPT]))  # 2 rows x 4 slots
+    newcomer = BatchTrack(2, 256)
+    newcomer.add_row(2)
+    result(executor, newcomer.step([list(range(3, 43))]))  # 1 row x 40 slots
+    host.admit(2, 2, newcomer.next_position(2))
+    result(executor, host.step([[9], [10], [11]]))  # 3 rows x 41 slots
+    assert guard.asked == [8 * SLOT_GROWTH, 40 * SLOT_GROWTH, (3 * 41 - 2 * 4) * SLOT_GROWTH]

@@ -148,3 +148,28 @@ def test_a_pc_of_another_protocol_given_by_peer_is_listed_once_under_its_roster_
     (agent,) = asyncio.run(scenario()).agents
     assert (agent.agent_id, agent.hostname, agent.version, agent.other_protocol) == (
         older_id, "pc-down", "0.7.0", PROTOCOL_VERSION - 1)
+
+
+def test_a_pc_of_another_protocol_at_two_addresses_is_listed_once(tmp_path: Path) -> None:
+    # registered at one address and given by --peer at an alias of it: two rows, "2 PC(s) to upgrade"
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    older_files = make_member(load_ca(store), tmp_path / "older", "agent")
+    older_id = older_files.own_identity().agent_id
+
+    async def older_agent(connection: ServerConnection) -> None:
+        await connection.recv()
+        await connection.close(1008, f"agent speaks protocol {PROTOCOL_VERSION - 1} (deskfleet 0.7.0), you "
+                                     f"{PROTOCOL_VERSION}: upgrade deskfleet on the agent {older_id[:12]}")
+
+    async def scenario() -> fleet_survey.Survey:
+        older = await serve(older_agent, LOOPBACK, 0, ssl=older_files.server_context())
+        async with older:
+            port = older.sockets[0].getsockname()[1]
+            store.save_roster({older_id: RosterEntry(older_id, "pc-old", ENROLLED, (f"{LOOPBACK}:{port}",))})
+            found = await survey(store, SurveyOptions(peers=(f"localhost:{port}",), discover_seconds=0))
+            await found.close()
+        return found
+
+    (agent,) = asyncio.run(scenario()).agents
+    assert (agent.agent_id, agent.hostname, agent.other_protocol) == (older_id, "pc-old", PROTOCOL_VERSION - 1)
