@@ -11,6 +11,7 @@ import asyncio
 import importlib.metadata
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -123,35 +124,10 @@ def test_the_free_column_is_in_gib_as_the_limits_beside_it(capsys: pytest.Captur
     assert row[4] == "8.0GiB"
 
 
-def test_a_pc_of_another_protocol_given_by_peer_is_listed_once_under_its_roster_name(tmp_path: Path) -> None:
-    # A downgraded PC that never registered, asked with --peer: listed twice, as "?" (outdated) and as its roster
-    # entry ("never called in: start `deskfleet-agent`"), and counted as two PCs to upgrade
-    store = FleetStore(tmp_path / "controller")
-    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
-    older_files = make_member(load_ca(store), tmp_path / "older", "agent")
-    older_id = older_files.own_identity().agent_id
-
-    async def older_agent(connection: ServerConnection) -> None:
-        await connection.recv()
-        await connection.close(1008, f"agent speaks protocol {PROTOCOL_VERSION - 1} (deskfleet 0.7.0), you "
-                                     f"{PROTOCOL_VERSION}: upgrade deskfleet on the agent {older_id[:12]}")
-
-    async def scenario() -> fleet_survey.Survey:
-        older = await serve(older_agent, LOOPBACK, 0, ssl=older_files.server_context())
-        async with older:
-            store.save_roster({older_id: RosterEntry(older_id, "pc-down", ENROLLED)})  # no address: never registered
-            found = await survey(store, SurveyOptions(peers=(f"{LOOPBACK}:{older.sockets[0].getsockname()[1]}",),
-                                                      discover_seconds=0))
-            await found.close()
-        return found
-
-    (agent,) = asyncio.run(scenario()).agents
-    assert (agent.agent_id, agent.hostname, agent.version, agent.other_protocol) == (
-        older_id, "pc-down", "0.7.0", PROTOCOL_VERSION - 1)
-
-
-def test_a_pc_of_another_protocol_at_two_addresses_is_listed_once(tmp_path: Path) -> None:
-    # registered at one address and given by --peer at an alias of it: two rows, "2 PC(s) to upgrade"
+def survey_an_older_agent(tmp_path: Path, roster: Callable[[str, str], RosterEntry],
+                          peer: Callable[[str], str]) -> tuple[str, list[fleet_survey.AgentView]]:
+    """A released agent of the previous protocol (it closes at our Hello, its version in the reason), listed in the
+    roster as `roster(its id, its address)` says and asked at `peer(its port)`: (its id, the agents surveyed)."""
     store = FleetStore(tmp_path / "controller")
     init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
     older_files = make_member(load_ca(store), tmp_path / "older", "agent")
@@ -166,10 +142,27 @@ def test_a_pc_of_another_protocol_at_two_addresses_is_listed_once(tmp_path: Path
         older = await serve(older_agent, LOOPBACK, 0, ssl=older_files.server_context())
         async with older:
             port = older.sockets[0].getsockname()[1]
-            store.save_roster({older_id: RosterEntry(older_id, "pc-old", ENROLLED, (f"{LOOPBACK}:{port}",))})
-            found = await survey(store, SurveyOptions(peers=(f"localhost:{port}",), discover_seconds=0))
+            store.save_roster({older_id: roster(older_id, f"{LOOPBACK}:{port}")})
+            found = await survey(store, SurveyOptions(peers=(peer(port),), discover_seconds=0))
             await found.close()
         return found
 
-    (agent,) = asyncio.run(scenario()).agents
+    return older_id, asyncio.run(scenario()).agents
+
+
+def test_a_pc_of_another_protocol_given_by_peer_is_listed_once_under_its_roster_name(tmp_path: Path) -> None:
+    # A downgraded PC that never registered, asked with --peer: listed twice, as "?" (outdated) and as its roster
+    # entry ("never called in: start `deskfleet-agent`"), and counted as two PCs to upgrade
+    older_id, (agent,) = survey_an_older_agent(
+        tmp_path, lambda agent_id, _: RosterEntry(agent_id, "pc-down", ENROLLED),  # no address: never registered
+        lambda port: f"{LOOPBACK}:{port}")
+    assert (agent.agent_id, agent.hostname, agent.version, agent.other_protocol) == (
+        older_id, "pc-down", "0.7.0", PROTOCOL_VERSION - 1)
+
+
+def test_a_pc_of_another_protocol_at_two_addresses_is_listed_once(tmp_path: Path) -> None:
+    # registered at one address and given by --peer at an alias of it: two rows, "2 PC(s) to upgrade"
+    older_id, (agent,) = survey_an_older_agent(
+        tmp_path, lambda agent_id, address: RosterEntry(agent_id, "pc-old", ENROLLED, (address,)),
+        lambda port: f"localhost:{port}")
     assert (agent.agent_id, agent.hostname, agent.other_protocol) == (older_id, "pc-old", PROTOCOL_VERSION - 1)
