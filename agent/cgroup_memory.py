@@ -14,6 +14,7 @@ read is no limit: the machine's own figures stand.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -49,15 +50,64 @@ def _read_memory_limit(proc_root: Path, sysfs_root: Path) -> MemoryLimit | None:
         if len(parts) != 3:
             continue
         _, controllers, path = parts
+        mounts = _cgroup_mounts(proc_root, sysfs_root)
         if controllers == "":  # v2: "0::/user.slice/..."
-            found = _tightest(sysfs_root / "fs" / "cgroup", path, _v2_limit)
+            root, mounted_at = mounts.get(_V2, ("/", sysfs_root / "fs" / "cgroup"))
+            found = _tightest(mounted_at, _below(path, root), _v2_limit)
         elif "memory" in controllers.split(","):  # v1: "4:memory:/..."
-            found = _tightest(sysfs_root / "fs" / "cgroup" / "memory", path, _v1_limit)
+            root, mounted_at = mounts.get(_V1_MEMORY, ("/", sysfs_root / "fs" / "cgroup" / "memory"))
+            found = _tightest(mounted_at, _below(path, root), _v1_limit)
         else:
             continue
         if found is not None:
             limits.append(found)
     return min(limits, key=lambda limit: limit.available_bytes, default=None)
+
+
+_V2, _V1_MEMORY = "cgroup2", "memory"
+
+
+def _cgroup_mounts(proc_root: Path, sysfs_root: Path) -> dict[str, tuple[str, Path]]:
+    """Where the cgroup v2 tree and the v1 memory controller are mounted, from /proc/self/mountinfo: kind -> (the
+    part of the hierarchy mounted, the mount point). The v1 memory controller may be mounted with others
+    (`/sys/fs/cgroup/cpu,memory`) or outside /sys (`/cgroup/memory` on old systems); a mount point under /sys is
+    taken under `sysfs_root` (a test's tree). Empty where mountinfo cannot be read: the usual places are tried."""
+    try:
+        lines = (proc_root / "self" / "mountinfo").read_text().splitlines()
+    except OSError:
+        return {}
+    mounts: dict[str, tuple[str, Path]] = {}
+    for line in lines:
+        fields = line.split()
+        if "-" not in fields[6:]:
+            continue
+        separator = fields.index("-", 6)
+        if len(fields) < separator + 4 or len(fields) < 5:
+            continue
+        fstype, options = fields[separator + 1], fields[separator + 3].split(",")
+        kind = _V2 if fstype == "cgroup2" else _V1_MEMORY if fstype == "cgroup" and "memory" in options else None
+        if kind is None or kind in mounts:
+            continue
+        root, point = _unescape(fields[3]), _unescape(fields[4])
+        mounted_at = sysfs_root / point.removeprefix("/sys/") if point.startswith("/sys/") else Path(point)
+        mounts[kind] = (root, mounted_at)
+    return mounts
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path: spaces, tabs, newlines and backslashes are written as octal escapes (\\040)."""
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
+
+
+def _below(path: str, root: str) -> str:
+    """The group at `path` (as /proc/self/cgroup names it) within a mount of the hierarchy's `root` subtree."""
+    if root in ("", "/"):
+        return path
+    inside = PurePosixPath(path)
+    try:
+        return "/" + str(inside.relative_to(root)).removeprefix(".")
+    except ValueError:  # a group outside the mounted part (a container's view): the mount's own root
+        return "/"
 
 
 def _tightest(root: Path, path: str, read: Callable[[Path], MemoryLimit | None]) -> MemoryLimit | None:

@@ -61,6 +61,34 @@ def test_a_v1_memory_controller_is_read_and_its_no_limit_is_none(tmp_path: Path)
     assert read_memory_limit(proc, sysfs) is None
 
 
+def mountinfo(proc: Path, *mounts: tuple[str, str, str, str]) -> None:
+    """/proc/self/mountinfo with a line per (root, mount point, fstype, super options)."""
+    write(proc / "self/mountinfo", "".join(
+        f"{30 + index} 25 0:{26 + index} {root} {point} rw,nosuid shared:{index} - {fstype} cgroup {options}\n"
+        for index, (root, point, fstype, options) in enumerate(mounts)))
+
+
+def test_a_v1_memory_controller_mounted_with_others_or_elsewhere_is_found_by_mountinfo(tmp_path: Path) -> None:
+    # /sys/fs/cgroup/memory was assumed: a memory controller co-mounted with cpu, or under /cgroup, read as no limit
+    proc, sysfs = tmp_path / "proc", tmp_path / "sys"
+    write(proc / "self/cgroup", "5:cpu,memory:/office/agent\n")
+    mountinfo(proc, ("/", "/sys/fs/cgroup/cpu,memory", "cgroup", "rw,cpu,memory"),
+              ("/", "/sys/fs/cgroup/pids", "cgroup", "rw,pids"))
+    folder = sysfs / "fs/cgroup/cpu,memory/office/agent"
+    write(folder / "memory.limit_in_bytes", f"{2 * GIB}\n")
+    write(folder / "memory.usage_in_bytes", f"{GIB}\n")
+    assert read_memory_limit(proc, sysfs) == MemoryLimit(2 * GIB, GIB)
+
+
+def test_a_container_s_mount_of_its_own_subtree_reads_the_mount_s_root(tmp_path: Path) -> None:
+    # the container sees its group's own subtree mounted as the whole tree (a mount whose root is /docker/abc)
+    proc, sysfs = tmp_path / "proc", tmp_path / "sys"
+    write(proc / "self/cgroup", "0::/docker/abc\n")
+    mountinfo(proc, ("/docker/abc", "/sys/fs/cgroup", "cgroup2", "rw,nsdelegate"))
+    v2_group(sysfs, "", str(3 * GIB), GIB)  # the mount point is the group itself
+    assert read_memory_limit(proc, sysfs) == MemoryLimit(3 * GIB, 2 * GIB)
+
+
 def test_no_limit_or_nothing_to_read_leaves_the_machine_s_figures(tmp_path: Path) -> None:
     proc, sysfs = tmp_path / "proc", tmp_path / "sys"
     assert read_memory_limit(proc, sysfs) is None  # no /proc/self/cgroup: not Linux
