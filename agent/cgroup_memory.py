@@ -45,12 +45,12 @@ def _read_memory_limit(proc_root: Path, sysfs_root: Path) -> MemoryLimit | None:
     except OSError:
         return None
     limits: list[MemoryLimit] = []
+    mounts = _cgroup_mounts(proc_root, sysfs_root)
     for line in lines:
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
         _, controllers, path = parts
-        mounts = _cgroup_mounts(proc_root, sysfs_root)
         if controllers == "":  # v2: "0::/user.slice/..."
             root, mounted_at = mounts.get(_V2, ("/", sysfs_root / "fs" / "cgroup"))
             found = _tightest(mounted_at, _below(path, root), _v2_limit)
