@@ -2,7 +2,7 @@
 
 An IT department that runs the agent as a service may cap its memory (systemd's `MemoryMax=` on the unit, or a
 slice's, a container's limit). psutil reads the whole machine's memory, so an agent capped at 4 GiB on a 32 GiB PC
-reported 20 GiB free: the planner gave it a stage of 10 GiB, and the kernel killed it at its first prompt.
+would report the PC's 20 GiB free, be given a stage of 10 GiB, and be killed by the kernel at its first prompt.
 
 Every control group from the agent's own up to the root may hold a limit; the tightest counts. What is left under
 a limit is the limit less the group's working set: its usage less the page cache the kernel can drop

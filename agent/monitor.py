@@ -166,7 +166,7 @@ class HostMonitor:
     def memory(self) -> tuple[int, int]:
         """(bytes available, total) to this agent: the machine's, or under the tightest memory limit of its control
         groups where that is less (agent/cgroup_memory.py: a service capped with systemd's MemoryMax= reported the
-        whole PC's free memory, and was given a stage it was killed for); (0, 0) when the probe fails."""
+        whole PC's free memory, and could be given a stage it is killed for); (0, 0) when the probe fails."""
         free, total = self._probe("memory", self.probes.memory, (0, 0))
         if total and self.platform.startswith("linux"):
             limit = read_memory_limit(self.proc_root, self.sysfs_root)

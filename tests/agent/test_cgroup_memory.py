@@ -1,5 +1,5 @@
 """The agent reports the memory its control groups leave it: a service capped with systemd's MemoryMax= reported the
-whole PC's free memory, and the planner gave it a stage the kernel killed it for."""
+whole PC's free memory, and the planner could give it a stage the kernel kills it for."""
 
 from __future__ import annotations
 
