@@ -22,10 +22,8 @@ import contextlib
 import datetime
 import ipaddress
 import logging
-import math
 import re
 import ssl
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -41,6 +39,7 @@ from websockets.frames import CloseCode
 from websockets.http11 import Request, Response
 
 from deskfleet.common import pki, tls
+from deskfleet.common.log_limit import LogEvery
 from deskfleet.common.version import software_version
 from deskfleet.common.wire import (
     DEFAULT_LIMITS,
@@ -279,8 +278,8 @@ async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, po
     if enrollment is not None:
         context.verify_mode = ssl.CERT_OPTIONAL
     joins: Counter[str] = Counter()  # certificate-less clients being served now, by their address
-    refusals_said: dict[str, float] = {}  # host: when a join refused as too many was last logged (time.monotonic)
-    hello_failures_said: dict[tuple[str, str], float] = {}  # (member, kind of failure): when last logged as a warning
+    refusals_said = LogEvery()  # by host: a join refused as too many
+    hello_failures_said = LogEvery()  # by (member, kind of failure): a member dropped at Hello
 
     def check_peer(connection: ServerConnection, request: Request) -> Response | None:
         if enrollment is not None and not _has_peer_certificate(connection):
@@ -299,11 +298,7 @@ async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, po
                     f"joins in progress from {host}" if joins[host] >= MAX_JOINS_PER_HOST else None)
             if busy is not None:
                 # once a minute a host: one that reopens its connections at once wrote 1,671 lines in 30 s
-                now = time.monotonic()
-                level = logging.WARNING if now - refusals_said.get(host, -math.inf) >= REFUSAL_LOG_EVERY_S \
-                    else logging.DEBUG
-                if level == logging.WARNING:
-                    refusals_said[host] = now
+                level = logging.WARNING if refusals_said.due(host, REFUSAL_LOG_EVERY_S) else logging.DEBUG
                 log.log(level, "refused a join from %s: too many %s (said once a minute)", _remote(connection), busy)
                 await connection.close(CloseCode.TRY_AGAIN_LATER, f"too many {busy}")
                 return
@@ -321,10 +316,7 @@ async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, po
             await _exchange_hello(link, own, expect_first=True)
         except LinkError as error:
             # an office of PCs not upgraded yet, each retrying every 30 s, wrote a warning a PC a retry
-            now, said = time.monotonic(), (peer.agent_id, type(error).__name__)
-            warn = now - hello_failures_said.get(said, -math.inf) >= HELLO_FAILURE_LOG_EVERY_S
-            if warn:
-                hello_failures_said[said] = now
+            warn = hello_failures_said.due((peer.agent_id, type(error).__name__), HELLO_FAILURE_LOG_EVERY_S)
             log.log(logging.WARNING if warn else logging.DEBUG, "dropped %s before hello: %s%s", link.address, error,
                     f" (said again every {HELLO_FAILURE_LOG_EVERY_S / 60:.0f} minutes at most)" if warn else "")
             return

@@ -15,10 +15,8 @@ import asyncio
 import contextlib
 import datetime
 import logging
-import math
 import re
 import socket
-import time
 from dataclasses import replace
 
 from cryptography import x509
@@ -29,6 +27,7 @@ from websockets.exceptions import ConnectionClosed
 
 from deskfleet.agent.link import utc_now
 from deskfleet.common import join_tokens, pki
+from deskfleet.common.log_limit import LogEvery
 from deskfleet.common.wire import (
     Error,
     ErrorCode,
@@ -372,7 +371,7 @@ class Revocations:
 # Public functions: enrollment
 
 JOIN_END_LOG_EVERY_S = 60.0  # a join the joining PC ended, saying why, is a warning once this often a host
-_join_ends_said: dict[str, float] = {}  # host -> when that was last a warning (time.monotonic)
+_join_ends_said = LogEvery()  # by host
 
 
 async def serve_enrollment(connection: ServerConnection, store: FleetStore) -> None:
@@ -424,14 +423,8 @@ async def _join_exchange(connection: ServerConnection, store: FleetStore) -> Non
             # a stranger's words: printable only (no forged log lines), and once a minute a host at WARNING
             reason = "".join(char if char.isprintable() else "?" for char in closed.rcvd.reason)
             host = str(remote[0]) if isinstance(remote, tuple) and remote else str(remote)
-            now = time.monotonic()
-            warn = now - _join_ends_said.get(host, -math.inf) >= JOIN_END_LOG_EVERY_S
-            if warn:
-                if len(_join_ends_said) >= 1024:  # hosts that came once: forgotten, not kept for good
-                    _join_ends_said.clear()
-                _join_ends_said[host] = now
-            log.log(logging.WARNING if warn else logging.DEBUG, "join from %s ended by the joining PC: %s", remote,
-                    reason)
+            level = logging.WARNING if _join_ends_said.due(host, JOIN_END_LOG_EVERY_S) else logging.DEBUG
+            log.log(level, "join from %s ended by the joining PC: %s", remote, reason)
         else:
             log.info("join client %s went away", remote)
 

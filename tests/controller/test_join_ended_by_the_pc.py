@@ -34,7 +34,7 @@ class ClosingPc:
                                     "joining agent", ""])
 def test_a_join_the_pc_ended_is_logged_with_its_reason(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                        monkeypatch: pytest.MonkeyPatch, reason: str) -> None:
-    monkeypatch.setattr(fleet_ca, "_join_ends_said", {})
+    monkeypatch.setattr(fleet_ca, "_join_ends_said", fleet_ca.LogEvery())
     store = FleetStore(tmp_path / "controller")
     init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
     with caplog.at_level(logging.INFO, logger="deskfleet.controller.fleet_ca"):
@@ -50,7 +50,7 @@ def test_a_join_the_pc_ended_is_logged_with_its_reason(tmp_path: Path, caplog: p
 def test_a_stranger_s_close_reason_forges_no_log_line_and_is_a_warning_once_a_minute(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     # the joining side has no certificate: anyone on the LAN could write lines into the controller's log, at will
-    monkeypatch.setattr(fleet_ca, "_join_ends_said", {})
+    monkeypatch.setattr(fleet_ca, "_join_ends_said", fleet_ca.LogEvery())
     store = FleetStore(tmp_path / "controller")
     init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
     with caplog.at_level(logging.DEBUG, logger="deskfleet.controller.fleet_ca"):
