@@ -184,10 +184,11 @@ def generate_on_fleet(options: GenerateOptions, data_dir: Path | None, stream_te
         try:
             report = run_generate(options, stream_text, chain=chain, chain_stages=chain.num_stages, recover=failover)
         except (GenerationStopped, GenerationInterrupted) as stopped:  # the runs whose re-plans matter most
-            stopped.report.update({"fleet": True, "replans": failover.replans})
+            stopped.report.update({"fleet": True, "replans": failover.replans, "rejoined": failover.rejoined})
             raise
     report["fleet"] = True
     report["replans"] = failover.replans
+    report["rejoined"] = failover.rejoined
     return report
 
 
@@ -199,7 +200,8 @@ def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextI
     `as_json`: instead of streaming each reply's text, write one JSON object a line for every message sent:
     {"reply", "stopped" ("end", "max_new_tokens" or "interrupted"), "reply_tokens", "prompt_tokens",
     "reused_tokens", "seconds", "failovers", and over the fleet "replans": the re-plans since the reply before,
-    the chain's opening's among the first reply's}, or {"error"} for a message that was not sent.
+    the chain's opening's among the first reply's, and in the first reply "rejoined" where the chain's opening
+    re-planned for PCs that were back (FleetFailover.rejoin)}, or {"error"} for a message that was not sent.
 
     Raises before reading a line when no message could ever fit the model's context (--max-new-tokens,
     --system). A conversation that outgrows the context loses its oldest exchanges (the system turn stays);
@@ -281,6 +283,7 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
     opened = _without_failover(chain) if chain is not None else _open_chain(options, settings)
     with opened as (chain, failover), kept:
         replans_told = 0  # of failover.replans, those a reply's JSON gave (a re-plan as the chain opened: the first)
+        replies_told = 0  # replies whose JSON was written (the first also gives what the chain's opening rejoined)
         micro_batches = getattr(chain, "num_stages", 1)
         engine_options = options.engine_options(micro_batches)
         if options.seed_drawn:  # the replies can be had again only with the seed: say it where a person reads
@@ -389,8 +392,11 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                                         "failovers": len(engine.failovers), "dropped_exchanges": dropped // 2,
                                         **({"seed": options.base_seed + replies} if options.seed is not None else {}),
                                         **({"replans": failover.replans[replans_told:]} if failover is not None
-                                           else {})})
+                                           else {}),
+                                        **({"rejoined": failover.rejoined} if failover is not None and not replies_told
+                                           and failover.rejoined else {})})
                 replans_told = len(failover.replans) if failover is not None else 0
+                replies_told += 1
             else:
                 with suppress(OSError, ValueError):  # a terminal that hung up (SIGHUP) takes no more
                     out.write("\n")
@@ -544,6 +550,11 @@ def _open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discov
         failover = stack.enter_context(FleetFailover(store, model, max_failovers, survey_options=options,
                                                      drafting=drafting))
         failover.check_cache()
+        # a PC a run's re-plan left out that has called in since is taken back first (none: the deployed chain)
+        rejoined = failover.rejoin()
+        if rejoined is not None:
+            yield rejoined, failover
+            return
         try:
             chain = stack.enter_context(FleetPipeline.from_store(store, model))
         except ChainError as error:

@@ -623,5 +623,5 @@ def _generated(report: dict[str, Any], as_json: bool) -> str:
     assert isinstance(tokens, list)
     if not as_json:
         return " ".join(map(str, tokens))
-    return json.dumps({"tokens": tokens, **{key: report[key] for key in ("replans", "failovers", "stopped")
+    return json.dumps({"tokens": tokens, **{key: report[key] for key in ("replans", "rejoined", "failovers", "stopped")
                                             if key in report}})

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import hashlib
 import logging
 import math
@@ -27,7 +28,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
-from deskfleet.agent.link import Link, LinkError
+from deskfleet.agent.link import Link, LinkError, utc_now
 from deskfleet.common.devices import device_kind
 from deskfleet.common.kv_cache_size import kv_cache_bytes_per_token_per_layer, kv_cache_precision
 from deskfleet.common.model_spec import (
@@ -103,6 +104,11 @@ class DeployError(RuntimeError):
         self.agents = agents
         self.exclusion_reasons = exclusion_reasons
         self.failed_run = failed_run or bool(agents)
+
+
+class NotPlaced(DeployError):
+    """A deploy asked to place certain PCs (deploy's `placing`) found a plan that places none of them: nothing
+    was sent or assigned; the message says why the plan leaves them out."""
 
 
 @dataclass(frozen=True)
@@ -310,10 +316,16 @@ def check_deploy_settings(precision: Precision, kv_cache: str | None) -> None:
 async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: PlanOptions,
                  precision: Precision = Precision.DEVICE_DEFAULT, device: str = "CPU",
                  progress: Progress | None = None, exclude: frozenset[str] = frozenset(),
-                 kv_cache: str | None = None, lock_held: bool = False) -> tuple[Plan, DeployReport]:
+                 kv_cache: str | None = None, lock_held: bool = False, replan: bool = False,
+                 placing: frozenset[str] = frozenset()) -> tuple[Plan, DeployReport]:
     """Plan over the surveyed agents (less those in `exclude`), push what each lacks, assign the stages.
     DeployError on failure, also at once when another deploy from this data dir is running (`lock_held`: the
-    caller holds the store's deploy lock already, as a failover does while it weighs the saved deployment)."""
+    caller holds the store's deploy lock already, as a failover does while it weighs the saved deployment).
+
+    `replan`: a run's re-plan, not an admin's deploy: the record keeps the PCs the admin's deploy placed
+    (`deployed_agents`) and says when (`replanned_at`), so that a later run can tell which of them are back
+    (pcs_back). `placing`: deploy only a plan that places at least one of these agents, else NotPlaced with
+    nothing sent (a run's start that would re-plan for a PC that is back, when the plan leaves it out)."""
     try:
         check_deploy_settings(precision, kv_cache)
     except ValueError as error:
@@ -324,12 +336,13 @@ async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: Pla
                 held.enter_context(store.deploying())
         except FleetStoreError as error:  # another deploy from this data dir (a failover's too) is running
             raise DeployError(str(error), failed_run=True) from None
-        return await _deploy_locked(store, model_dir, found, options, precision, device, progress, exclude, kv_cache)
+        return await _deploy_locked(store, model_dir, found, options, precision, device, progress, exclude, kv_cache,
+                                    replan, placing)
 
 
 async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, options: PlanOptions,
                          precision: Precision, device: str, progress: Progress | None, exclude: frozenset[str],
-                         kv_cache: str | None) -> tuple[Plan, DeployReport]:
+                         kv_cache: str | None, replan: bool, placing: frozenset[str]) -> tuple[Plan, DeployReport]:
     manifest = load_manifest(model_dir)
     check_sizes(model_dir, manifest)  # a lost or cut file, before a plan: not only where a PC lacks it
     model_id = model_id_of(model_dir)
@@ -354,6 +367,13 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
         raise DeployError(cause + "; ".join(problems) + (f" ({left_out})" if left_out else ""),
                           exclusion_reasons=frozenset(exclusion.reason for exclusion in result.exclusions),
                           failed_run=True)
+    if placing and not placing & {stage.agent_id for stage in result.stages}:
+        hostnames = {agent.agent_id: agent.hostname for agent in found.agents if agent.agent_id is not None}
+        why = [f"{agent_label(exclusion.agent_id, hostnames)}: {exclusion.message}" for exclusion in result.exclusions
+               if exclusion.agent_id in placing]
+        raise NotPlaced("the plan over the fleet leaves " + ", ".join(sorted(agent_label(agent_id, hostnames)
+                                                                               for agent_id in placing))
+                        + " out" + (f" ({'; '.join(why)})" if why else ""))
     addresses = {agent.agent_id: agent.address for agent in found.agents if agent.agent_id is not None}
     placements = tuple(StagePlacement(stage.agent_id, addresses[stage.agent_id], stage.first_layer,
                                       stage.stop_layer) for stage in result.stages)
@@ -369,7 +389,7 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
             raise DeployError("; ".join(str(error) for error in errors.exceptions),
                               agents=frozenset().union(*(error.agents for error in failed))) from None
         report = DeployReport(model_id, placements, sent, files)
-        _save_deployment(store, model_dir, report, settings)  # a save that fails leaves the stages unrecorded too
+        _save_deployment(store, model_dir, report, settings, replan)  # a failed save leaves the stages unrecorded too
     except BaseException:  # an agent failed, or Ctrl-C: the deployment on record stays, and so must its stages only
         await _release_unsaved(model_id, placements, before, found)
         raise
@@ -540,7 +560,71 @@ def inexact_cache_note(store: FleetStore, model_dir: Path) -> str | None:
             f"{shlex.quote(str(model_dir))}{store.data_dir_option}{exact}` for token-identical output")
 
 
+@dataclass(frozen=True)
+class PcsBack:
+    """PCs an admin's deploy placed that a run's re-plan left out, which called in since (pcs_back)."""
+
+    agents: tuple[str, ...]
+    replanned_at: str  # ISO 8601 UTC: when the re-plan that left them out saved the deployment
+
+
+def pcs_back(store: FleetStore, model_dir: Path) -> PcsBack | None:
+    """The PCs of the model's last admin deploy that the deployment on record leaves out (a run's re-plan went on
+    without them) and whose agent registered with `fleet serve` since that re-plan: restarted, or back on the
+    network. None when there are none, the record is an admin's deploy, or it cannot be read (the chain's opening
+    then says what is wrong). A PC that comes back without registering again (a pause its user ended, a link
+    that stayed up through a freeze) is not seen here: `fleet deploy` takes it."""
+    try:
+        record = _deployment_record(store, model_dir)
+        roster = store.roster()
+    except (DeployError, FleetStoreError, OSError, ManifestError):
+        return None
+    replanned_at = record.get("replanned_at") if record is not None else None
+    if record is None or not isinstance(replanned_at, str):
+        return None
+    try:
+        since = _utc_time(replanned_at)
+        placed = {stage.agent_id for stage in _placements_of(record.get("stages"))}
+    except ValueError:
+        return None
+    back = []
+    for agent_id in _deployed_agents(record):
+        entry = roster.get(agent_id)
+        if agent_id in placed or entry is None or entry.registered_at is None:
+            continue
+        try:
+            if _utc_time(entry.registered_at) > since:
+                back.append(agent_id)
+        except ValueError:
+            continue
+    return PcsBack(tuple(back), replanned_at) if back else None
+
+
 # Private functions
+
+def _deployed_agents(record: object) -> list[str]:
+    """A record's `deployed_agents` (the PCs the admin's deploy placed); [] for none, a record saved before it,
+    or a damaged one."""
+    agents = record.get("deployed_agents") if isinstance(record, dict) else None
+    return [item for item in agents if isinstance(item, str) and is_agent_id(item)] if isinstance(agents, list) else []
+
+
+def _placed_agents(record: object) -> list[str]:
+    """The agents a record's stages place, in chain order; [] for none or a damaged record."""
+    try:
+        return list(dict.fromkeys(stage.agent_id for stage in _placements_of(
+            record.get("stages") if isinstance(record, dict) else None)))
+    except ValueError:
+        return []
+
+
+def _utc_time(text: str) -> datetime.datetime:
+    """An ISO 8601 time as the store writes it (utc_now); ValueError for anything else, or one without a zone."""
+    moment = datetime.datetime.fromisoformat(text)
+    if moment.tzinfo is None:
+        raise ValueError(f"{text!r} has no time zone")
+    return moment
+
 
 def _at(address: str) -> str:
     """" at ADDRESS", or nothing for an enrolled PC that never said where it listens."""
@@ -728,7 +812,8 @@ async def _expect(link: Link, kind: type[_M], timeout: float) -> _M:
             return message
 
 
-def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, settings: DeploySettings) -> None:
+def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, settings: DeploySettings,
+                     replan: bool = False) -> None:
     with store.locked():
         folder = str(model_dir.resolve())
         # The records of the exports this folder held before (exported again since): it holds this one now. They
@@ -743,7 +828,11 @@ def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, s
                  *(item for model_id in replaced for item in _replaced_ids(earlier[model_id]))]
         replaces = [model_id for model_id in dict.fromkeys(chain) if model_id != report.model_id][:MAX_REPLACED]
         deployments = {model_id: record for model_id, record in earlier.items() if model_id not in replaced}
-        deployments[report.model_id] = {"model_dir": folder, "replaces": replaces,
+        placed = list(dict.fromkeys(stage.agent_id for stage in report.stages))
+        # an admin's deploy places its PCs; a re-plan keeps the ones the admin's deploy placed (pcs_back)
+        admins = (_deployed_agents(old) or _placed_agents(old) or placed) if replan else placed
+        extra: dict[str, object] = {"replanned_at": utc_now().isoformat()} if replan else {}
+        deployments[report.model_id] = {"model_dir": folder, "replaces": replaces, "deployed_agents": admins, **extra,
                                         "stages": [asdict(stage) for stage in report.stages],
                                         "settings": {"policy": settings.policy.value, "streams": settings.streams,
                                                      "precision": settings.precision.value,

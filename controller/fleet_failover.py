@@ -52,6 +52,7 @@ from deskfleet.controller.fleet_deploy import (
     load_deploy_settings,
     load_deployment,
     model_id_of,
+    pcs_back,
 )
 from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, agent_label
@@ -105,6 +106,9 @@ class FleetFailover:
     _break_text: str = field(default="", init=False, repr=False)  # the error behind it
     _break_told: bool = field(default=False, init=False, repr=False)
     _cache_note: str | None = field(default=None, init=False, repr=False)  # what check_cache told last
+    # a run's start that re-planned for PCs back since a re-plan left them out (rejoin): what it found and made
+    rejoined: list[dict[str, object]] = field(default_factory=list)
+    _rejoining: frozenset[str] = field(default=frozenset(), init=False, repr=False)  # the re-plan under way's
 
     def __post_init__(self) -> None:
         self.hostnames = self.store.hostnames()
@@ -176,6 +180,46 @@ class FleetFailover:
             self.notify(note)
         self._cache_note = note
 
+    def rejoin(self) -> FleetPipeline | None:
+        """At a run's start, before the deployed chain opens: when a run's re-plan left out PCs of the admin's
+        deploy and one of them has called in since (fleet_deploy.pcs_back: restarted, or back on the network),
+        re-plan over the fleet with the deployment's settings, as a failover would, so that the run and the
+        ones after it have that PC again; the new chain, or None where there is nothing to do or the re-plan
+        does not place a PC that is back (then the run goes on on the deployment on record, as before). Told in a
+        note either way. A re-plan here is not a failure: it spends none of the run's --max-failovers. Before, a
+        PC lost once stayed out of its model's chain until an admin deployed again."""
+        back = pcs_back(self.store, self.model_dir)
+        if back is None:
+            return None
+        started = time.perf_counter()
+        names = ", ".join(self._name(agent_id) for agent_id in back.agents)
+        since = f"since the re-plan at {back.replanned_at[:19].replace('T', ' ')} UTC that left them out"
+        entry: dict[str, object] = {"agents": list(back.agents), "replanned_at": back.replanned_at}
+        self._broke, self._break_text, self._break_told = f"{names} called in {since}", "a re-plan to use them", False
+        self._rejoining = frozenset(back.agents)
+        try:
+            report = event_loop.run(self._redeploy(wait=False))
+            chain = FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store),
+                                  model_id=report.model_id, hostnames=self.hostnames)
+        except (DeployError, ChainError, FailoverError) as failure:
+            entry.update(seconds=round(time.perf_counter() - started, 3), stages=[], problem=str(failure))
+            self.rejoined.append(entry)
+            self.notify(f"{names} called in {since}, but the run goes on on the deployment on record: {failure}")
+            return None
+        finally:
+            self._rejoining = frozenset()
+        self._known = report.stages
+        self.chains.append(chain)
+        self.run_start = len(self.chains)  # not a failure: the run's budget is whole
+        seconds = round(time.perf_counter() - started, 3)
+        entry.update(seconds=seconds, adopted=self._adopted,
+                     stages=[[stage.agent_id, stage.layer_start, stage.layer_end] for stage in chain.stages])
+        self.rejoined.append(entry)
+        how = "went on on the deployment saved meanwhile" if self._adopted else f"re-planned in {seconds:.1f} s"
+        self.notify(f"{names} called in {since}: {how} over {chain.num_stages} agent(s): {chain.describe()}")
+        self.check_cache()
+        return chain
+
     def start_run(self) -> None:
         """A new run on the same chain (a chat's next reply): it gets the whole --max-failovers budget again, and
         the PCs that failed before it may serve again (a re-plan surveys them anew: one still gone stays out).
@@ -239,12 +283,14 @@ class FleetFailover:
                                 f"{_remedy(bool(self.lost), reasons, f'{error} {failure}')}, then run this again)"
                                 ) from error
 
-    async def _redeploy(self) -> DeployReport:
+    async def _redeploy(self, wait: bool = True) -> DeployReport:
         """The deployment to go on with, under the data dir's deploy lock (waited for: another deploy may be saving
         the way on): one saved since this run's chain was opened that leaves out every PC lost in this run (another
         run on the same deployment re-planned first, or an admin deployed anew), else a re-plan with the settings
         saved last. Before, a second run's failover was refused at once while the first one's re-plan deployed,
-        and ended; and a re-plan that read the settings before an admin's deploy saved its own overwrote it."""
+        and ended; and a re-plan that read the settings before an admin's deploy saved its own overwrote it.
+        `wait` False (a run's start re-planning for PCs that are back): FailoverError at once while another deploy
+        runs, which will save a deployment of its own."""
         self._adopted = False
         if self._model_id is not None and (now := model_id_of(self.model_dir)) != self._model_id:
             # exported again mid-run: a chain of the new export would carry on the run's streams with another
@@ -252,7 +298,7 @@ class FleetFailover:
             raise FailoverError(f"{self.model_dir} was exported again during this run ({self._model_id} is now "
                                 f"{now}): the run cannot go on on another model; `fleet deploy` the new export and "
                                 "run this again")
-        async with self._deploy_lock():
+        async with self._deploy_lock(wait):
             self.hostnames = self.store.hostnames()  # a PC that joined since the run began may be in the new chain
             adopted = self._deployed_meanwhile()
             if adopted is not None:
@@ -266,16 +312,17 @@ class FleetFailover:
                 options = replace(settings.plan_options(), broken_links=frozenset(self.broken_links))
                 result, report = await deploy(self.store, self.model_dir, found, options,
                                               settings.precision, settings.device, exclude=frozenset(self.lost),
-                                              kv_cache=settings.kv_cache, lock_held=True)
+                                              kv_cache=settings.kv_cache, lock_held=True, replan=True,
+                                              placing=self._rejoining)
             finally:
                 await found.close()
         self._planned_apart(result, report)
         return report
 
     @contextlib.asynccontextmanager
-    async def _deploy_lock(self) -> AsyncIterator[None]:
+    async def _deploy_lock(self, wait: bool = True) -> AsyncIterator[None]:
         """Hold the data dir's deploy lock, waiting up to DEPLOY_LOCK_WAIT_S for another deploy to let it go
-        (said once); FailoverError when it does not."""
+        (said once); FailoverError when it does not (at once, `wait` False)."""
         # not the lock's own words ("let it finish, then deploy again": advice for `fleet deploy`), nor its pid, which
         # a holder that has just taken the lock may not have written yet
         under_way = f"the deploy under way from {self.store.data_dir} (another run's re-plan, or a `fleet deploy`)"
@@ -287,6 +334,8 @@ class FleetFailover:
                     held.enter_context(self.store.deploying())
                     break
                 except FleetStoreError:
+                    if not wait:
+                        raise FailoverError(f"{under_way} is not finished") from None
                     if time.monotonic() >= deadline:
                         raise FailoverError(f"{self._break_text}; its re-plan waited {DEPLOY_LOCK_WAIT_S:.0f} s for "
                                             f"{under_way} to finish: run this again once it has") from None
@@ -323,8 +372,10 @@ class FleetFailover:
         except DeployError:
             deployed = ()
         survivors = [stage.address for stage in deployed if stage.agent_id not in self.lost]
+        # the PCs a run's start re-plans for (rejoin) get the short timeout too: one that called in and went again
+        # must not hold the run up for the whole open timeout
         return replace(self.survey_options, peers=tuple(dict.fromkeys([*self.survey_options.peers, *survivors])),
-                       recheck=frozenset(self.lost))
+                       recheck=frozenset(self.lost) | self._rejoining)
 
     def _planned_apart(self, result: Plan, report: DeployReport) -> None:
         """Add to the verdict of a link found broken (_check_blame) what the re-plan made of its two ends: both in

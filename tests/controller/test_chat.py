@@ -754,6 +754,8 @@ def test_a_fleet_replies_json_gives_the_re_plans_since_the_reply_before(tmp_path
 
     class OpenedAfterAReplan:
         replans: ClassVar[list[dict[str, object]]] = [{"error": "agent a: the link closed", "adopted": False}]
+        # and a PC left out by an earlier run's re-plan taken back first (FleetFailover.rejoin)
+        rejoined: ClassVar[list[dict[str, object]]] = [{"agents": ["b" * 52], "stages": [["b" * 52, 0, 4]]}]
 
         def start_run(self) -> None:
             pass
@@ -769,3 +771,4 @@ def test_a_fleet_replies_json_gives_the_re_plans_since_the_reply_before(tmp_path
              io.StringIO("hello\nagain\n"), out, as_json=True)
     first, second = map(json.loads, out.getvalue().splitlines())
     assert first["replans"] == OpenedAfterAReplan.replans and second["replans"] == []
+    assert first["rejoined"] == OpenedAfterAReplan.rejoined and "rejoined" not in second

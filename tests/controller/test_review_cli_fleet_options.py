@@ -185,10 +185,11 @@ def test_a_fleet_run_that_stops_reports_its_replans(monkeypatch: pytest.MonkeyPa
     from deskfleet.controller.run import GenerateOptions, GenerationInterrupted, GenerationStopped
 
     replans = [{"lost_agent": "b" * 52}]
+    rejoined = [{"agents": ["c" * 52]}]  # the run's start took back a PC an earlier run's re-plan left out
 
     @contextlib.contextmanager
     def fleet_chain(*args: Any, **kwargs: Any) -> Iterator[tuple[Any, Any]]:
-        yield SimpleNamespace(num_stages=2), SimpleNamespace(replans=replans)
+        yield SimpleNamespace(num_stages=2), SimpleNamespace(replans=replans, rejoined=rejoined)
 
     def run_generate(*args: Any, **kwargs: Any) -> dict[str, object]:
         report: dict[str, object] = {"tokens": [4], "stopped": stop}
@@ -201,7 +202,8 @@ def test_a_fleet_run_that_stops_reports_its_replans(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(chat, "run_generate", run_generate)
     with pytest.raises((GenerationStopped, GenerationInterrupted)) as stopped:
         chat.generate_on_fleet(GenerateOptions(model=Path("m"), prompt_ids=[[1]]), None)
-    assert stopped.value.report == {"tokens": [4], "stopped": stop, "fleet": True, "replans": replans}
+    assert stopped.value.report == {"tokens": [4], "stopped": stop, "fleet": True, "replans": replans,
+                                    "rejoined": rejoined}
 
 
 @pytest.mark.parametrize(("signum", "status", "said"), [(signal.SIGTERM, 143, "deskfleet: stopped by SIGTERM\n"),

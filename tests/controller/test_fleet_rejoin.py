@@ -1,0 +1,299 @@
+"""A PC that a run's re-plan left out, back at the next run's start: the deployment record says which PCs the admin
+deployed and when a run re-planned without some (fleet_deploy), pcs_back finds those that called in since, and
+FleetFailover.rejoin re-plans to take them back before the chain opens (the whole run, with agents, in the
+integration fleet)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from pathlib import Path
+
+import pytest
+
+from deskfleet.common import event_loop
+from deskfleet.common.agent_state import AgentState
+from deskfleet.common.planner import PlanOptions
+from deskfleet.common.wire import StatusReport
+from deskfleet.controller import fleet_deploy, fleet_failover
+from deskfleet.controller.fleet_deploy import (
+    DeployReport,
+    DeploySettings,
+    NotPlaced,
+    PcsBack,
+    StagePlacement,
+    load_deployment,
+    model_id_of,
+    pcs_back,
+)
+from deskfleet.controller.fleet_failover import FailoverError, FleetFailover
+from deskfleet.controller.fleet_store import FleetStore, RosterEntry
+from deskfleet.controller.fleet_survey import AgentView, Survey, SurveyOptions
+
+A, B, C = "a" * 52, "b" * 52, "c" * 52
+ADMINS = (StagePlacement(A, "127.0.0.1:7431", 0, 2), StagePlacement(B, "127.0.0.1:7432", 2, 4))
+WITHOUT_B = (StagePlacement(A, "127.0.0.1:7431", 0, 4),)
+EARLY, LATE = "2026-12-05T08:00:00+00:00", "2026-12-05T09:30:00+00:00"
+
+
+def _save(store: FleetStore, model: Path, stages: tuple[StagePlacement, ...], replan: bool) -> None:
+    fleet_deploy._save_deployment(store, model, DeployReport(model_id_of(model), stages, {}, {}), DeploySettings(),
+                                  replan)
+
+
+def _deployments(store: FleetStore) -> dict[str, dict[str, object]]:
+    deployments = store.read("deployments", {})
+    assert isinstance(deployments, dict)
+    return deployments
+
+
+def _record(store: FleetStore, model: Path) -> dict[str, object]:
+    record = _deployments(store)[model_id_of(model)]
+    assert isinstance(record, dict)
+    return record
+
+
+def _set_replanned_at(store: FleetStore, model: Path, when: object) -> None:
+    deployments = _deployments(store)
+    deployments[model_id_of(model)]["replanned_at"] = when
+    store.write("deployments", deployments)
+
+
+def _registered(store: FleetStore, agent_id: str, when: str | None) -> None:
+    roster = store.roster()
+    roster[agent_id] = RosterEntry(agent_id, f"desk-{agent_id[0]}", EARLY, ("127.0.0.1:7432",), when)
+    store.save_roster(roster)
+
+
+def _left_out_b_at(store: FleetStore, model: Path, replanned_at: str) -> None:
+    """The admin deployed A and B; a run's re-plan went on without B at `replanned_at`."""
+    _save(store, model, ADMINS, replan=False)
+    _save(store, model, WITHOUT_B, replan=True)
+    _set_replanned_at(store, model, replanned_at)
+
+
+def test_an_admins_deploy_records_its_pcs_and_a_re_plan_keeps_them(store: FleetStore, tiny_export: Path) -> None:
+    _save(store, tiny_export, ADMINS, replan=False)
+    assert _record(store, tiny_export)["deployed_agents"] == [A, B]
+    assert "replanned_at" not in _record(store, tiny_export)
+    _save(store, tiny_export, WITHOUT_B, replan=True)
+    record = _record(store, tiny_export)
+    assert record["deployed_agents"] == [A, B]  # the admin's, not the re-plan's
+    replanned = datetime.datetime.fromisoformat(str(record["replanned_at"]))
+    assert abs((datetime.datetime.now(datetime.UTC) - replanned).total_seconds()) < 60
+    _save(store, tiny_export, (StagePlacement(C, "127.0.0.1:7433", 0, 4),), replan=True)  # a second re-plan
+    assert _record(store, tiny_export)["deployed_agents"] == [A, B]
+    _save(store, tiny_export, (StagePlacement(C, "127.0.0.1:7433", 0, 4),), replan=False)  # the admin again
+    assert _record(store, tiny_export)["deployed_agents"] == [C]
+    assert "replanned_at" not in _record(store, tiny_export)
+
+
+def test_a_re_plan_of_a_record_saved_before_deployed_agents_keeps_its_stages_pcs(store: FleetStore,
+                                                                               tiny_export: Path) -> None:
+    _save(store, tiny_export, ADMINS, replan=False)
+    deployments = _deployments(store)
+    del deployments[model_id_of(tiny_export)]["deployed_agents"]  # as an earlier release wrote it
+    store.write("deployments", deployments)
+    _save(store, tiny_export, WITHOUT_B, replan=True)
+    assert _record(store, tiny_export)["deployed_agents"] == [A, B]
+
+
+def test_a_pc_left_out_is_back_once_it_registers_after_the_re_plan(store: FleetStore, tiny_export: Path) -> None:
+    _left_out_b_at(store, tiny_export, EARLY)
+    assert pcs_back(store, tiny_export) is None  # never registered
+    _registered(store, B, "2026-12-05T07:59:59+00:00")  # registered before the re-plan left it out: still gone
+    assert pcs_back(store, tiny_export) is None
+    _registered(store, B, LATE)
+    assert pcs_back(store, tiny_export) == PcsBack((B,), EARLY)
+    _registered(store, A, LATE)  # a PC the deployment places is not "back"
+    assert pcs_back(store, tiny_export) == PcsBack((B,), EARLY)
+
+
+def test_nothing_is_back_after_an_admins_deploy_or_in_a_record_that_cannot_be_read(store: FleetStore,
+                                                                                     tiny_export: Path) -> None:
+    assert pcs_back(store, tiny_export) is None  # never deployed
+    _save(store, tiny_export, WITHOUT_B, replan=False)
+    _registered(store, B, LATE)
+    assert pcs_back(store, tiny_export) is None  # the admin deployed without B: B is not missed
+    _left_out_b_at(store, tiny_export, EARLY)
+    assert pcs_back(store, tiny_export) is not None
+    for damaged in ("yesterday", "2026-12-05T08:00:00", 7, None):  # not a time, no time zone, not a string
+        _set_replanned_at(store, tiny_export, damaged)
+        assert pcs_back(store, tiny_export) is None
+    _set_replanned_at(store, tiny_export, EARLY)
+    _registered(store, B, "soon")
+    assert pcs_back(store, tiny_export) is None
+    store.write("deployments", [])
+    assert pcs_back(store, tiny_export) is None
+
+
+class _Link:
+    async def close(self) -> None:
+        pass
+
+
+def _fleet_of(*agents: tuple[str, AgentState]) -> Survey:
+    views = [AgentView(agent_id, f"desk-{agent_id[0]}", f"127.0.0.{index + 1}:7431", ("registration",),
+                       StatusReport(state, 8 << 30, 0.1, None, None, None, None, (), None, weight_gb_per_s=5.0), None)
+             for index, (agent_id, state) in enumerate(agents)]
+    return Survey(views, {view.agent_id: _Link() for view in views})  # type: ignore[misc]
+
+
+def test_a_deploy_for_pcs_back_sends_nothing_when_its_plan_leaves_them_out(store: FleetStore,
+                                                                             tiny_export: Path) -> None:
+    found = _fleet_of((A, AgentState.AVAILABLE), (B, AgentState.PAUSED))
+    with pytest.raises(NotPlaced, match=r"the plan over the fleet leaves agent bbbbbbbbbbbb on desk-b out \(agent "
+                                        r"bbbbbbbbbbbb on desk-b: .*paused"):
+        event_loop.run(fleet_deploy.deploy(store, tiny_export, found, PlanOptions(), placing=frozenset({B})))
+    assert not (store.data_dir / "deployments.json").exists()  # nothing assigned, nothing saved
+
+
+class _Chain:
+    def __init__(self, stages: tuple[StagePlacement, ...], *args: object, **kwargs: object) -> None:
+        self.stages = stages
+        self.num_stages = len(stages)
+
+    def describe(self) -> str:
+        return " -> ".join(stage.agent_id[:4] for stage in self.stages)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def b_is_back(store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
+    """B was left out by a run's re-plan and has registered since; the survey finds A and B; deploys are recorded
+    (what they were asked) and place both."""
+    _left_out_b_at(store, tiny_export, EARLY)
+    _registered(store, B, LATE)
+    asked: list[dict[str, object]] = []
+
+    async def both(store: FleetStore, options: SurveyOptions) -> Survey:
+        asked.append({"recheck": options.recheck})
+        return _fleet_of((A, AgentState.AVAILABLE), (B, AgentState.AVAILABLE))
+
+    async def deploy(store: FleetStore, model: Path, found: Survey, options: PlanOptions, *args: object,
+                     **kwargs: object) -> tuple[None, DeployReport]:
+        asked.append(kwargs)
+        _save(store, model, ADMINS, replan=bool(kwargs.get("replan")))
+        return None, DeployReport(model_id_of(model), ADMINS, {}, {})
+
+    monkeypatch.setattr(fleet_failover, "survey", both)
+    monkeypatch.setattr(fleet_failover, "deploy", deploy)
+    monkeypatch.setattr(fleet_failover, "FleetPipeline", _Chain)
+    return asked
+
+
+def test_a_run_starts_by_re_planning_for_a_pc_that_is_back(store: FleetStore, tiny_export: Path,
+                                                           b_is_back: list[dict[str, object]]) -> None:
+    notes: list[str] = []
+    failover = FleetFailover(store, tiny_export, max_failovers=1, notify=notes.append)
+    chain = failover.rejoin()
+    assert chain is not None and chain.stages == ADMINS
+    # B was dialled with the short timeout: one that called in and went again must not hold the run up
+    assert b_is_back == [{"recheck": {B}}, {"exclude": frozenset(), "kv_cache": None, "lock_held": True,
+                                            "replan": True, "placing": frozenset({B})}]
+    assert failover._survey_options().recheck == frozenset()  # once that re-plan is over
+    assert notes == [f"agent bbbbbbbbbbbb on desk-b called in since the re-plan at 2026-12-05 08:00:00 UTC that left "
+                     f"them out: re-planned in {failover.rejoined[0]['seconds']:.1f} s over 2 agent(s): aaaa -> bbbb"]
+    assert failover.rejoined == [{"agents": [B], "replanned_at": EARLY, "seconds": failover.rejoined[0]["seconds"],
+                                  "adopted": False, "stages": [[A, 0, 2], [B, 2, 4]]}]
+    assert failover.replans == []  # not a failover
+    assert load_deployment(store, tiny_export) == ADMINS and pcs_back(store, tiny_export) is None
+    # the run's whole --max-failovers budget is left: a PC dropping out later is still re-planned around
+    assert len(failover.chains) - failover.run_start + failover.failed_replans == 0
+
+
+def test_a_run_goes_on_on_the_deployment_on_record_when_the_re_plan_for_a_pc_back_cannot_be_made(
+        store: FleetStore, tiny_export: Path, b_is_back: list[dict[str, object]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async def leaves_b_out(*args: object, **kwargs: object) -> None:
+        raise NotPlaced("the plan over the fleet leaves agent bbbbbbbbbbbb on desk-b out (paused)")
+
+    monkeypatch.setattr(fleet_failover, "deploy", leaves_b_out)
+    notes: list[str] = []
+    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=notes.append)
+    assert failover.rejoin() is None
+    assert notes == ["agent bbbbbbbbbbbb on desk-b called in since the re-plan at 2026-12-05 08:00:00 UTC that left "
+                     "them out, but the run goes on on the deployment on record: the plan over the fleet leaves agent "
+                     "bbbbbbbbbbbb on desk-b out (paused)"]
+    assert failover.rejoined[0]["stages"] == [] and "paused" in str(failover.rejoined[0]["problem"])
+    assert failover.chains == [] and load_deployment(store, tiny_export) == WITHOUT_B
+    assert failover._survey_options().recheck == frozenset()
+
+
+def test_a_run_does_not_wait_for_another_deploy_to_take_a_pc_back(store: FleetStore, tiny_export: Path,
+                                                                   b_is_back: list[dict[str, object]]) -> None:
+    notes: list[str] = []
+    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=notes.append)
+    with contextlib.ExitStack() as other_deploy:
+        other_deploy.enter_context(store.deploying())  # an admin's deploy under way saves a deployment of its own
+        assert failover.rejoin() is None
+    assert b_is_back == []
+    assert len(notes) == 1 and notes[0].endswith("the run goes on on the deployment on record: the deploy under way "
+                                                 f"from {store.data_dir} (another run's re-plan, or a `fleet deploy`) "
+                                                 "is not finished"), notes
+
+
+def test_a_run_starts_on_the_deployed_chain_when_no_pc_is_back(store: FleetStore, tiny_export: Path,
+                                                               b_is_back: list[dict[str, object]]) -> None:
+    _registered(store, B, "2026-12-05T07:00:00+00:00")  # its last registration is older than the re-plan
+    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=pytest.fail)
+    assert failover.rejoin() is None and failover.rejoined == [] and b_is_back == []  # nothing surveyed
+
+
+def test_an_admins_deploy_since_the_re_plan_leaves_nothing_to_take_back(
+        store: FleetStore, tiny_export: Path, b_is_back: list[dict[str, object]]) -> None:
+    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=pytest.fail)
+    _save(store, tiny_export, (StagePlacement(C, "127.0.0.1:7433", 0, 4),), replan=False)  # without B: the admin's say
+    assert failover.rejoin() is None and b_is_back == []
+
+
+def test_a_deployment_another_run_saved_meanwhile_is_taken(store: FleetStore, tiny_export: Path,
+                                                           b_is_back: list[dict[str, object]]) -> None:
+    notes: list[str] = []
+    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=notes.append)
+    _save(store, tiny_export, (StagePlacement(C, "127.0.0.1:7433", 0, 4),), replan=True)  # another run's re-plan
+    _set_replanned_at(store, tiny_export, EARLY)
+    chain = failover.rejoin()
+    assert chain is not None and chain.stages == (StagePlacement(C, "127.0.0.1:7433", 0, 4),)
+    assert b_is_back == []  # neither surveyed nor deployed: the newest deployment stands, the next run looks again
+    assert failover.rejoined[0]["adopted"] is True and "went on on the deployment saved meanwhile" in notes[0]
+
+
+def test_the_rejoined_entry_is_in_generates_json_over_the_fleet(store: FleetStore, tiny_export: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from deskfleet.controller import chat
+
+    class Rejoining:
+        def __init__(self) -> None:
+            self.replans: list[object] = []
+            self.rejoined = [{"agents": [B]}]
+
+    class Chain:
+        num_stages = 2
+
+    @contextlib.contextmanager
+    def opened(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        yield Chain(), Rejoining()
+
+    monkeypatch.setattr(chat, "_open_fleet_chain", opened)
+    monkeypatch.setattr(chat, "run_generate", lambda *args, **kwargs: {"tokens": [1]})
+    report = chat.generate_on_fleet(type("Options", (), {"model": tiny_export, "draft": None,  # type: ignore[arg-type]
+                                                         "prompt_lookup": False})(), store.data_dir)
+    assert report["rejoined"] == [{"agents": [B]}] and report["fleet"] is True
+
+
+def test_a_re_plan_for_a_pc_back_that_fails_is_no_failure_of_the_run(store: FleetStore, tiny_export: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # rejoin must never cost the run: a FailoverError (here the survey's; the export's check: exported again) is a note
+    _left_out_b_at(store, tiny_export, EARLY)
+    _registered(store, B, LATE)
+
+    async def broken(*args: object, **kwargs: object) -> None:
+        raise FailoverError("the survey failed")
+
+    monkeypatch.setattr(FleetFailover, "_redeploy", lambda self, wait=True: broken())
+    notes: list[str] = []
+    assert FleetFailover(store, tiny_export, max_failovers=2, notify=notes.append).rejoin() is None
+    assert notes[0].endswith("the run goes on on the deployment on record: the survey failed")
