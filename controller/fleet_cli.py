@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import shlex
 import signal
 import sys
 from collections import Counter
@@ -32,7 +33,7 @@ from deskfleet.common.wire import PROTOCOL_VERSION, with_default_port
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.bench.interruption import say_stopped, signal_name, signals_unwind
 from deskfleet.controller.decoding_options import byte_count, parse_token_ids, positive_int
-from deskfleet.controller.fleet_store import DEFAULT_PORT, MIN_ID_PREFIX, FleetStore, FleetStoreError
+from deskfleet.controller.fleet_store import DEFAULT_PORT, MIN_ID_PREFIX, FleetStore, FleetStoreError, agent_label
 
 if TYPE_CHECKING:
     from deskfleet.controller.fleet_deploy import DeploySettings
@@ -329,18 +330,44 @@ def _ls(args: argparse.Namespace) -> int:
                         "not finish could not reach the PC to release it): nothing runs on "
                         "them; the next `deskfleet fleet deploy` of their model releases them, as does restarting "
                         "the agent")
+    notes = _left_out_notes(store, agents)
     if args.json:  # the list stays a list of agents: the controller's and the CA's dates go to stderr
         print_whole(json.dumps([_agent_json(agent, undeployed) for agent in agents], indent=2))
-        for line in _upgrade_advice(agents) + warnings:
+        for line in _upgrade_advice(agents) + notes + warnings:
             print(line, file=sys.stderr)
         return 0
     if not agents:
         print("no agents found (is `deskfleet fleet serve` running, and have agents joined?)")
     else:
         _print_agents(agents, undeployed)
-    for line in warnings:
+    for line in notes + warnings:
         print(line)
     return 0
+
+
+def _left_out_notes(store: FleetStore, agents: list[Any]) -> list[str]:
+    """A line for each model whose deployment a run's re-plan saved without PCs of its admin's deploy: which, how
+    each is now, and what takes it back (the next run on the model, for one that called in since; else a deploy).
+    Such a model ran on fewer PCs than deployed with nothing in the list to say so."""
+    from deskfleet.controller.fleet_deploy import left_out_by_replans
+
+    found = {agent.agent_id: agent for agent in agents if agent.agent_id is not None}
+    hostnames = store.hostnames()
+    lines = []
+    for record in left_out_by_replans(store):
+        pcs = []
+        for agent_id in record.left_out:
+            agent = found.get(agent_id)
+            state = _state(agent) if agent is not None else "not found"
+            called_in = ", called in since: the next run on the model takes it back if it can take work" \
+                if agent_id in record.called_in else ""
+            pcs.append(f"{agent_label(agent_id, hostnames)} ({state}{called_in})")
+        placed = len(record.deployed) - len(record.left_out)
+        lines.append(f"note: {record.model_id} runs on {placed} of the {len(record.deployed)} PCs its `fleet deploy` "
+                     f"placed: a run's re-plan at {record.replanned_at[:19].replace('T', ' ')} UTC went on without "
+                     f"{', '.join(pcs)}; `deskfleet fleet deploy --model {shlex.quote(record.model_dir)}"
+                     f"{store.data_dir_option}{record.deploy_options}` plans over every PC that answers")
+    return lines
 
 
 _STATES_IN_ORDER = ("serving", "available", "paused", "unavailable", "outdated", "newer", "unreachable")

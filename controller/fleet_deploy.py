@@ -71,7 +71,7 @@ from deskfleet.common.wire import (
     is_agent_id,
     parse_address,
 )
-from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, agent_label
+from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry, agent_label
 from deskfleet.controller.fleet_survey import NO_ADDRESS, AgentView, Survey
 
 log = logging.getLogger(__name__)
@@ -522,8 +522,12 @@ def load_deployment(store: FleetStore, model_dir: Path) -> tuple[StagePlacement,
 
 def load_deploy_settings(store: FleetStore, model_dir: Path) -> DeploySettings:
     """The settings of the last deploy of this model (the defaults for a record saved without them)."""
-    record = _deployment_record(store, model_dir)
-    settings = record.get("settings") if record is not None else None
+    return _settings_of(_deployment_record(store, model_dir), model_dir)
+
+
+def _settings_of(record: object, model_dir: Path | str) -> DeploySettings:
+    """A record's deploy settings (the defaults for one saved without them); DeployError when they cannot be read."""
+    settings = record.get("settings") if isinstance(record, dict) else None
     if not isinstance(settings, dict):
         return DeploySettings()
     try:
@@ -561,6 +565,19 @@ def inexact_cache_note(store: FleetStore, model_dir: Path) -> str | None:
 
 
 @dataclass(frozen=True)
+class LeftOut:
+    """A deployment that a run's re-plan saved without some of the PCs the admin's `fleet deploy` placed."""
+
+    model_id: str
+    model_dir: str  # the export folder the record names
+    deployed: tuple[str, ...]  # the PCs the admin's deploy placed
+    left_out: tuple[str, ...]  # those the deployment on record does not place
+    replanned_at: str  # ISO 8601 UTC: when the re-plan saved it
+    called_in: tuple[str, ...]  # of `left_out`, those whose agent registered with `fleet serve` since
+    deploy_options: str = ""  # the deploy's options as `fleet deploy` takes them (DeploySettings.command_options)
+
+
+@dataclass(frozen=True)
 class PcsBack:
     """PCs an admin's deploy placed that a run's re-plan left out, which called in since (pcs_back)."""
 
@@ -577,30 +594,58 @@ def pcs_back(store: FleetStore, model_dir: Path) -> PcsBack | None:
     try:
         record = _deployment_record(store, model_dir)
         roster = store.roster()
+        left_out = _left_out(model_id_of(model_dir), record, roster)
     except (DeployError, FleetStoreError, OSError, ManifestError):
         return None
-    replanned_at = record.get("replanned_at") if record is not None else None
-    if record is None or not isinstance(replanned_at, str):
+    return PcsBack(left_out.called_in, left_out.replanned_at) if left_out and left_out.called_in else None
+
+
+def left_out_by_replans(store: FleetStore) -> list[LeftOut]:
+    """Every deployment on record that a run's re-plan saved without some of its admin's PCs (`fleet ls` says
+    which, and whether they will be taken back); records that cannot be read are passed over (`fleet ls` names
+    a damaged deployments.json by itself)."""
+    try:
+        deployments = _deployments(store)
+        roster = store.roster()
+    except (DeployError, FleetStoreError):
+        return []
+    found = (_left_out(model_id, record, roster) for model_id, record in sorted(deployments.items()))
+    return [left_out for left_out in found if left_out is not None]
+
+
+# Private functions
+
+def _left_out(model_id: str, record: object, roster: dict[str, RosterEntry]) -> LeftOut | None:
+    """What a record's re-plan left out of its admin's PCs (LeftOut); None for an admin's deploy, a re-plan that
+    kept them all, or a record whose `replanned_at` or stages cannot be read."""
+    replanned_at = record.get("replanned_at") if isinstance(record, dict) else None
+    if not isinstance(record, dict) or not isinstance(replanned_at, str):
         return None
     try:
         since = _utc_time(replanned_at)
         placed = {stage.agent_id for stage in _placements_of(record.get("stages"))}
     except ValueError:
         return None
-    back = []
-    for agent_id in _deployed_agents(record):
+    deployed = _deployed_agents(record)
+    left_out = tuple(agent_id for agent_id in deployed if agent_id not in placed)
+    if not left_out:
+        return None
+    called_in = []
+    for agent_id in left_out:
         entry = roster.get(agent_id)
-        if agent_id in placed or entry is None or entry.registered_at is None:
-            continue
         try:
-            if _utc_time(entry.registered_at) > since:
-                back.append(agent_id)
+            if entry is not None and entry.registered_at is not None and _utc_time(entry.registered_at) > since:
+                called_in.append(agent_id)
         except ValueError:
             continue
-    return PcsBack(tuple(back), replanned_at) if back else None
+    folder = record.get("model_dir")
+    try:
+        settings = _settings_of(record, str(folder)).command_options()
+    except DeployError:
+        settings = ""
+    return LeftOut(model_id, folder if isinstance(folder, str) else "?", tuple(deployed), left_out, replanned_at,
+                   tuple(called_in), settings)
 
-
-# Private functions
 
 def _deployed_agents(record: object) -> list[str]:
     """A record's `deployed_agents` (the PCs the admin's deploy placed); [] for none, a record saved before it,

@@ -14,7 +14,7 @@ import pytest
 from deskfleet.common import event_loop
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.planner import PlanOptions
-from deskfleet.common.wire import StatusReport
+from deskfleet.common.wire import Precision, StatusReport
 from deskfleet.controller import fleet_deploy, fleet_failover
 from deskfleet.controller.fleet_deploy import (
     DeployReport,
@@ -297,3 +297,36 @@ def test_a_re_plan_for_a_pc_back_that_fails_is_no_failure_of_the_run(store: Flee
     notes: list[str] = []
     assert FleetFailover(store, tiny_export, max_failovers=2, notify=notes.append).rejoin() is None
     assert notes[0].endswith("the run goes on on the deployment on record: the survey failed")
+
+
+def test_fleet_ls_says_which_pcs_a_re_plan_left_out_and_what_takes_them_back(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # the model ran on 1 of its 2 PCs with nothing in `fleet ls` to say so
+    from deskfleet.controller import fleet_survey
+    from deskfleet.controller.cli import main
+
+    fleet_deploy._save_deployment(store, tiny_export, DeployReport(model_id_of(tiny_export), ADMINS, {}, {}),
+                                  DeploySettings(precision=Precision.F32), False)
+    fleet_deploy._save_deployment(store, tiny_export, DeployReport(model_id_of(tiny_export), WITHOUT_B, {}, {}),
+                                  DeploySettings(precision=Precision.F32), True)
+    _set_replanned_at(store, tiny_export, EARLY)
+    _registered(store, B, LATE)
+
+    async def survey(*args: object) -> Survey:
+        return _fleet_of((A, AgentState.SERVING), (B, AgentState.AVAILABLE))
+
+    monkeypatch.setattr(fleet_survey, "survey", survey)
+    assert main(["fleet", "ls", "--data-dir", str(store.data_dir), "--discover-seconds", "0"]) == 0
+    out = capsys.readouterr().out
+    assert (f"note: {model_id_of(tiny_export)} runs on 1 of the 2 PCs its `fleet deploy` placed: a run's re-plan at "
+            "2026-12-05 08:00:00 UTC went on without agent bbbbbbbbbbbb on desk-b (available, called in since: the "
+            "next run on the model takes it back if it can take work); `deskfleet fleet deploy --model "
+            f"{tiny_export} --data-dir {store.data_dir} --precision f32` plans over every PC that answers") in out, out
+    _registered(store, B, "2026-12-05T07:00:00+00:00")  # back, but it has not called in since: a deploy takes it
+    assert main(["fleet", "ls", "--data-dir", str(store.data_dir), "--discover-seconds", "0", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "went on without agent bbbbbbbbbbbb on desk-b (available); `deskfleet fleet deploy" in err, err
+    _save(store, tiny_export, ADMINS, replan=False)  # the admin deployed again: nothing left out
+    assert main(["fleet", "ls", "--data-dir", str(store.data_dir), "--discover-seconds", "0"]) == 0
+    assert "note:" not in capsys.readouterr().out
