@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
-from deskfleet.agent.link import Link, LinkError, utc_now
+from deskfleet.agent.link import Link, LinkError
+from deskfleet.common import pki
 from deskfleet.common.devices import device_kind
 from deskfleet.common.kv_cache_size import kv_cache_bytes_per_token_per_layer, kv_cache_precision
 from deskfleet.common.model_spec import (
@@ -71,6 +72,7 @@ from deskfleet.common.wire import (
     is_agent_id,
     parse_address,
 )
+from deskfleet.controller.fleet_ca import Revocations
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry, agent_label
 from deskfleet.controller.fleet_survey import NO_ADDRESS, AgentView, Survey
 
@@ -316,16 +318,19 @@ def check_deploy_settings(precision: Precision, kv_cache: str | None) -> None:
 async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: PlanOptions,
                  precision: Precision = Precision.DEVICE_DEFAULT, device: str = "CPU",
                  progress: Progress | None = None, exclude: frozenset[str] = frozenset(),
-                 kv_cache: str | None = None, lock_held: bool = False, replan: bool = False,
+                 kv_cache: str | None = None, lock_held: bool = False,
+                 replanned_at: datetime.datetime | None = None,
                  placing: frozenset[str] = frozenset()) -> tuple[Plan, DeployReport]:
     """Plan over the surveyed agents (less those in `exclude`), push what each lacks, assign the stages.
     DeployError on failure, also at once when another deploy from this data dir is running (`lock_held`: the
     caller holds the store's deploy lock already, as a failover does while it weighs the saved deployment).
 
-    `replan`: a run's re-plan, not an admin's deploy: the record keeps the PCs the admin's deploy placed
-    (`deployed_agents`) and says when (`replanned_at`), so that a later run can tell which of them are back
-    (pcs_back). `placing`: deploy only a plan that places at least one of these agents, else NotPlaced with
-    nothing sent (a run's start that would re-plan for a PC that is back, when the plan leaves it out)."""
+    `replanned_at`: a run's re-plan, not an admin's deploy, whose survey began then: the record keeps the PCs the
+    admin's deploy placed (`deployed_agents`) and that time (`replanned_at`), so that a later run can tell which of
+    them called in since (pcs_back; a PC that registered while the re-plan pushed its shards answered its survey, or
+    did not, and is counted back). `placing`: deploy only a plan that places at least one of these agents, else
+    NotPlaced with nothing sent (a run's start that would re-plan for a PC that is back, when the plan leaves it
+    out)."""
     try:
         check_deploy_settings(precision, kv_cache)
     except ValueError as error:
@@ -337,12 +342,13 @@ async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: Pla
         except FleetStoreError as error:  # another deploy from this data dir (a failover's too) is running
             raise DeployError(str(error), failed_run=True) from None
         return await _deploy_locked(store, model_dir, found, options, precision, device, progress, exclude, kv_cache,
-                                    replan, placing)
+                                    replanned_at, placing)
 
 
 async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, options: PlanOptions,
                          precision: Precision, device: str, progress: Progress | None, exclude: frozenset[str],
-                         kv_cache: str | None, replan: bool, placing: frozenset[str]) -> tuple[Plan, DeployReport]:
+                         kv_cache: str | None, replanned_at: datetime.datetime | None, placing: frozenset[str]
+                         ) -> tuple[Plan, DeployReport]:
     manifest = load_manifest(model_dir)
     check_sizes(model_dir, manifest)  # a lost or cut file, before a plan: not only where a PC lacks it
     model_id = model_id_of(model_dir)
@@ -389,7 +395,7 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
             raise DeployError("; ".join(str(error) for error in errors.exceptions),
                               agents=frozenset().union(*(error.agents for error in failed))) from None
         report = DeployReport(model_id, placements, sent, files)
-        _save_deployment(store, model_dir, report, settings, replan)  # a failed save leaves the stages unrecorded too
+        _save_deployment(store, model_dir, report, settings, replanned_at)  # a failed save: the stages unrecorded too
     except BaseException:  # an agent failed, or Ctrl-C: the deployment on record stays, and so must its stages only
         await _release_unsaved(model_id, placements, before, found)
         raise
@@ -582,22 +588,40 @@ class PcsBack:
     """PCs an admin's deploy placed that a run's re-plan left out, which called in since (pcs_back)."""
 
     agents: tuple[str, ...]
-    replanned_at: str  # ISO 8601 UTC: when the re-plan that left them out saved the deployment
+    replanned_at: str  # ISO 8601 UTC: when the survey of the re-plan that left them out began
+    left_out: tuple[str, ...]  # every PC of the admin's deploy the deployment leaves out (`agents` among them)
 
 
 def pcs_back(store: FleetStore, model_dir: Path) -> PcsBack | None:
     """The PCs of the model's last admin deploy that the deployment on record leaves out (a run's re-plan went on
     without them) and whose agent registered with `fleet serve` since that re-plan: restarted, or back on the
-    network. None when there are none, the record is an admin's deploy, or it cannot be read (the chain's opening
-    then says what is wrong). A PC that comes back without registering again (a pause its user ended, a link
-    that stayed up through a freeze) is not seen here: `fleet deploy` takes it."""
+    network. A PC removed from the fleet (`fleet remove`) is not missed, and one a run's start already tried to take
+    back (note_rejoin_tried) is back only once it registers again after that. None when there are none, the record
+    is an admin's deploy, or it (or the roster, or revoked.json) cannot be read: the chain's opening then says what
+    is wrong. A PC that comes back without registering again (a pause its user ended, a link that stayed up
+    through a freeze) is not seen here: `fleet deploy` takes it."""
     try:
         record = _deployment_record(store, model_dir)
-        roster = store.roster()
-        left_out = _left_out(model_id_of(model_dir), record, roster)
-    except (DeployError, FleetStoreError, OSError, ManifestError):
+        left_out = _left_out(model_id_of(model_dir), record, store.roster(), Revocations(store)())
+    except (DeployError, FleetStoreError, OSError, ManifestError, pki.PkiError):
         return None
-    return PcsBack(left_out.called_in, left_out.replanned_at) if left_out and left_out.called_in else None
+    if left_out is None or not left_out.called_in:
+        return None
+    return PcsBack(left_out.called_in, left_out.replanned_at, left_out.left_out)
+
+
+def note_rejoin_tried(store: FleetStore, model_dir: Path, when: datetime.datetime) -> None:
+    """Record in the model's deployment that a run's start tried to take back its PCs at `when` and could not (the
+    plan left them out, or the re-plan failed): pcs_back then waits for a registration after it, instead of every
+    run surveying the fleet again for a PC that is paused, short of memory, or gone again. Best effort: a record
+    that cannot be written is left as it was (the next run tries again)."""
+    with contextlib.suppress(DeployError, FleetStoreError, OSError, ManifestError):
+        with store.locked():
+            deployments = _deployments(store)
+            record = deployments.get(model_id_of(model_dir))
+            if isinstance(record, dict) and isinstance(record.get("replanned_at"), str):
+                record["rejoin_tried_at"] = when.isoformat()
+                store.write("deployments", deployments)
 
 
 def left_out_by_replans(store: FleetStore) -> list[LeftOut]:
@@ -607,17 +631,21 @@ def left_out_by_replans(store: FleetStore) -> list[LeftOut]:
     try:
         deployments = _deployments(store)
         roster = store.roster()
-    except (DeployError, FleetStoreError):
+        removed = Revocations(store)()
+    except (DeployError, FleetStoreError, pki.PkiError):
         return []
-    found = (_left_out(model_id, record, roster) for model_id, record in sorted(deployments.items()))
+    found = (_left_out(model_id, record, roster, removed) for model_id, record in sorted(deployments.items()))
     return [left_out for left_out in found if left_out is not None]
 
 
 # Private functions
 
-def _left_out(model_id: str, record: object, roster: dict[str, RosterEntry]) -> LeftOut | None:
-    """What a record's re-plan left out of its admin's PCs (LeftOut); None for an admin's deploy, a re-plan that
-    kept them all, or a record whose `replanned_at` or stages cannot be read."""
+def _left_out(model_id: str, record: object, roster: dict[str, RosterEntry],
+              removed: pki.RevocationSet) -> LeftOut | None:
+    """What a record's re-plan left out of its admin's PCs (LeftOut; a PC since removed from the fleet is no longer
+    one of them); None for an admin's deploy, a re-plan that kept them all, or a record whose `replanned_at` or
+    stages cannot be read. A PC counts as called in when it registered after the re-plan's survey began and after
+    the last time a run's start tried to take it back (`rejoin_tried_at`)."""
     replanned_at = record.get("replanned_at") if isinstance(record, dict) else None
     if not isinstance(record, dict) or not isinstance(replanned_at, str):
         return None
@@ -626,7 +654,9 @@ def _left_out(model_id: str, record: object, roster: dict[str, RosterEntry]) -> 
         placed = {stage.agent_id for stage in _placements_of(record.get("stages"))}
     except ValueError:
         return None
-    deployed = _deployed_agents(record)
+    with contextlib.suppress(ValueError, TypeError):  # absent or damaged: the re-plan's time stands
+        since = max(since, _utc_time(record.get("rejoin_tried_at")))  # type: ignore[arg-type]
+    deployed = [agent_id for agent_id in _deployed_agents(record) if not removed.is_revoked(agent_id)]
     left_out = tuple(agent_id for agent_id in deployed if agent_id not in placed)
     if not left_out:
         return None
@@ -664,7 +694,8 @@ def _placed_agents(record: object) -> list[str]:
 
 
 def _utc_time(text: str) -> datetime.datetime:
-    """An ISO 8601 time as the store writes it (utc_now); ValueError for anything else, or one without a zone."""
+    """An ISO 8601 time as the store writes it (utc_now); ValueError for anything else, or one without a zone
+    (TypeError for what is no string)."""
     moment = datetime.datetime.fromisoformat(text)
     if moment.tzinfo is None:
         raise ValueError(f"{text!r} has no time zone")
@@ -858,7 +889,7 @@ async def _expect(link: Link, kind: type[_M], timeout: float) -> _M:
 
 
 def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, settings: DeploySettings,
-                     replan: bool = False) -> None:
+                     replanned_at: datetime.datetime | None = None) -> None:
     with store.locked():
         folder = str(model_dir.resolve())
         # The records of the exports this folder held before (exported again since): it holds this one now. They
@@ -875,8 +906,8 @@ def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, s
         deployments = {model_id: record for model_id, record in earlier.items() if model_id not in replaced}
         placed = list(dict.fromkeys(stage.agent_id for stage in report.stages))
         # an admin's deploy places its PCs; a re-plan keeps the ones the admin's deploy placed (pcs_back)
-        admins = (_deployed_agents(old) or _placed_agents(old) or placed) if replan else placed
-        extra: dict[str, object] = {"replanned_at": utc_now().isoformat()} if replan else {}
+        admins = (_deployed_agents(old) or _placed_agents(old) or placed) if replanned_at is not None else placed
+        extra: dict[str, object] = {"replanned_at": replanned_at.isoformat()} if replanned_at is not None else {}
         deployments[report.model_id] = {"model_dir": folder, "replaces": replaces, "deployed_agents": admins, **extra,
                                         "stages": [asdict(stage) for stage in report.stages],
                                         "settings": {"policy": settings.policy.value, "streams": settings.streams,

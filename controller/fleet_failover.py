@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import itertools
 import logging
 import time
@@ -36,6 +37,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from deskfleet.agent.link import utc_now
 from deskfleet.common import event_loop, pki
 from deskfleet.common.arguments import FAILOVER_BROWSE_S
 from deskfleet.common.model_spec import ManifestError
@@ -46,12 +48,14 @@ from deskfleet.controller.fleet_ca import Revocations
 from deskfleet.controller.fleet_deploy import (
     DeployError,
     DeployReport,
+    NotPlaced,
     StagePlacement,
     deploy,
     inexact_cache_note,
     load_deploy_settings,
     load_deployment,
     model_id_of,
+    note_rejoin_tried,
     pcs_back,
 )
 from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
@@ -68,6 +72,10 @@ _LOCK_POLL_S = 0.25
 
 class FailoverError(RuntimeError):
     """The chain broke and no new one could be made; the message says what broke and why."""
+
+
+class _DeployUnderWay(FailoverError):
+    """A run's start found another deploy from the data dir under way (FleetFailover.rejoin does not wait)."""
 
 
 @dataclass
@@ -109,6 +117,8 @@ class FleetFailover:
     # a run's start that re-planned for PCs back since a re-plan left them out (rejoin): what it found and made
     rejoined: list[dict[str, object]] = field(default_factory=list)
     _rejoining: frozenset[str] = field(default=frozenset(), init=False, repr=False)  # the re-plan under way's
+    _recheck_too: frozenset[str] = field(default=frozenset(), init=False, repr=False)  # its PCs still gone
+    _credit: int = field(default=0, init=False, repr=False)  # re-plans of this run not counted (rejoin says which)
 
     def __post_init__(self) -> None:
         self.hostnames = self.store.hostnames()
@@ -148,7 +158,7 @@ class FleetFailover:
 
         try:
             while True:
-                replans = len(self.chains) - self.run_start + self.failed_replans
+                replans = self._spent()
                 if replans >= self.max_failovers:
                     raise FailoverError(f"{error} (gave up: {replans} re-plan(s) already in this run, "
                                         f"--max-failovers {self.max_failovers})") from error
@@ -184,41 +194,74 @@ class FleetFailover:
         """At a run's start, before the deployed chain opens: when a run's re-plan left out PCs of the admin's
         deploy and one of them has called in since (fleet_deploy.pcs_back: restarted, or back on the network),
         re-plan over the fleet with the deployment's settings, as a failover would, so that the run and the
-        ones after it have that PC again; the new chain, or None where there is nothing to do or the re-plan
-        does not place a PC that is back (then the run goes on on the deployment on record, as before). Told in a
-        note either way. A re-plan here is not a failure: it spends none of the run's --max-failovers. Before, a
-        PC lost once stayed out of its model's chain until an admin deployed again."""
+        ones after it have that PC again. Returns the new chain, or None to open the deployment on record: nothing
+        is back, another deploy from the data dir is under way (what it saves comes next), or the re-plan did not
+        place a PC that is back or failed (said in a note, and noted in the record so that the next runs wait for
+        that PC's next registration). A re-plan here is not a failure: it spends none of the run's
+        --max-failovers, and where it failed after agents were told anything (their stages of the chain on record
+        may be gone), or left the run to open a chain that another run's start is replacing, the run's first
+        failover is not counted either. Before, a PC lost once stayed out of its model's chain until an admin
+        deployed again."""
         back = pcs_back(self.store, self.model_dir)
         if back is None:
             return None
-        started = time.perf_counter()
+        started, tried_at = time.perf_counter(), utc_now()
         names = ", ".join(self._name(agent_id) for agent_id in back.agents)
-        since = f"since the re-plan at {back.replanned_at[:19].replace('T', ' ')} UTC that left them out"
+        since = (f"since the re-plan at {_utc_text(back.replanned_at)} that left "
+                 f"{'it' if len(back.agents) == 1 else 'them'} out")
         entry: dict[str, object] = {"agents": list(back.agents), "replanned_at": back.replanned_at}
-        self._broke, self._break_text, self._break_told = f"{names} called in {since}", "a re-plan to use them", False
+
+        def record(**fields: object) -> None:
+            entry.update(seconds=round(time.perf_counter() - started, 3), **fields)
+            self.rejoined.append(entry)
+
         self._rejoining = frozenset(back.agents)
+        self._recheck_too = frozenset(back.left_out)  # the admin's PCs still gone: the short timeout too
         try:
             report = event_loop.run(self._redeploy(wait=False))
-            chain = FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store),
-                                  model_id=report.model_id, hostnames=self.hostnames)
-        except (DeployError, ChainError, FailoverError) as failure:
-            entry.update(seconds=round(time.perf_counter() - started, 3), stages=[], problem=str(failure))
-            self.rejoined.append(entry)
+        except KeyboardInterrupt:
+            record(stages=[], interrupted=True)
+            raise
+        except _DeployUnderWay as busy:  # its deploy may replace the chain on record under this run: not its fault
+            self._credit = 1
+            record(stages=[], problem=str(busy))
+            self.notify(f"{names} called in {since}, but the run goes on on the deployment on record: {busy}")
+            return None
+        except (DeployError, ChainError, FailoverError, ManifestError, OSError, FleetStoreError,
+                pki.PkiError) as failure:
+            note_rejoin_tried(self.store, self.model_dir, tried_at)
+            if not isinstance(failure, NotPlaced):  # agents may have been told of a plan that was not saved
+                self._credit = 1
+            record(stages=[], problem=str(failure))
             self.notify(f"{names} called in {since}, but the run goes on on the deployment on record: {failure}")
             return None
         finally:
-            self._rejoining = frozenset()
+            self._rejoining = self._recheck_too = frozenset()
         self._known = report.stages
+        if self._adopted:  # another deploy saved one meanwhile: the run opens it, as it would have without a PC back
+            self._adopted = False
+            log.debug("a deployment of %s was saved meanwhile: the run opens it", self.model_dir)
+            return None
+        try:
+            chain = FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store),
+                                  model_id=report.model_id, hostnames=self.hostnames)
+        except ChainError as error:  # the new chain did not open: re-planned around, as a chain gone at the start is
+            record(stages=[[stage.agent_id, stage.layer_start, stage.layer_end] for stage in report.stages],
+                   problem=f"the new chain did not open: {error}")
+            self._credit = 1
+            return self(error, opening=True)
         self.chains.append(chain)
         self.run_start = len(self.chains)  # not a failure: the run's budget is whole
-        seconds = round(time.perf_counter() - started, 3)
-        entry.update(seconds=seconds, adopted=self._adopted,
-                     stages=[[stage.agent_id, stage.layer_start, stage.layer_end] for stage in chain.stages])
-        self.rejoined.append(entry)
-        how = "went on on the deployment saved meanwhile" if self._adopted else f"re-planned in {seconds:.1f} s"
-        self.notify(f"{names} called in {since}: {how} over {chain.num_stages} agent(s): {chain.describe()}")
+        record(stages=[[stage.agent_id, stage.layer_start, stage.layer_end] for stage in chain.stages])
+        self.notify(f"{names} called in {since}: re-planned in {entry['seconds']:.1f} s over {chain.num_stages} "
+                    f"agent(s): {chain.describe()}")
         self.check_cache()
         return chain
+
+    def _spent(self) -> int:
+        """The re-plans this run has spent of --max-failovers; -1 while the credit for a re-plan that rejoin's failure
+        may cause is unspent (with --max-failovers 0 too, that re-plan is made)."""
+        return len(self.chains) - self.run_start + self.failed_replans - self._credit
 
     def start_run(self) -> None:
         """A new run on the same chain (a chat's next reply): it gets the whole --max-failovers budget again, and
@@ -227,6 +270,7 @@ class FleetFailover:
         reply was never used again however long it had been back."""
         self.run_start = len(self.chains)
         self.failed_replans = 0
+        self._credit = 0
         self.lost.clear()
         self.kept.clear()
         self.broken_links.clear()
@@ -269,7 +313,7 @@ class FleetFailover:
                 self.lost |= failed
                 self.failed_replans += 1
                 cut_short.append(str(failure))
-                replans = len(self.chains) - self.run_start + self.failed_replans
+                replans = self._spent()
                 if replans < self.max_failovers:
                     self.notify(f"{self._broke} ({error}); while re-planning, {failure}: re-planning without "
                                 f"{', '.join(self._name(agent) for agent in sorted(failed))} too")
@@ -304,6 +348,7 @@ class FleetFailover:
             if adopted is not None:
                 return adopted
             settings = load_deploy_settings(self.store, self.model_dir)
+            surveyed_at = utc_now()  # a PC that registers after this is "back" for the runs after (pcs_back)
             found = await survey(self.store, self._survey_options())
             try:
                 self._check_blame(found)
@@ -312,8 +357,8 @@ class FleetFailover:
                 options = replace(settings.plan_options(), broken_links=frozenset(self.broken_links))
                 result, report = await deploy(self.store, self.model_dir, found, options,
                                               settings.precision, settings.device, exclude=frozenset(self.lost),
-                                              kv_cache=settings.kv_cache, lock_held=True, replan=True,
-                                              placing=self._rejoining)
+                                              kv_cache=settings.kv_cache, lock_held=True,
+                                              replanned_at=surveyed_at, placing=self._rejoining)
             finally:
                 await found.close()
         self._planned_apart(result, report)
@@ -335,7 +380,7 @@ class FleetFailover:
                     break
                 except FleetStoreError:
                     if not wait:
-                        raise FailoverError(f"{under_way} is not finished") from None
+                        raise _DeployUnderWay(f"{under_way} is not finished") from None
                     if time.monotonic() >= deadline:
                         raise FailoverError(f"{self._break_text}; its re-plan waited {DEPLOY_LOCK_WAIT_S:.0f} s for "
                                             f"{under_way} to finish: run this again once it has") from None
@@ -375,7 +420,7 @@ class FleetFailover:
         # the PCs a run's start re-plans for (rejoin) get the short timeout too: one that called in and went again
         # must not hold the run up for the whole open timeout
         return replace(self.survey_options, peers=tuple(dict.fromkeys([*self.survey_options.peers, *survivors])),
-                       recheck=frozenset(self.lost) | self._rejoining)
+                       recheck=frozenset(self.lost) | self._rejoining | self._recheck_too)
 
     def _planned_apart(self, result: Plan, report: DeployReport) -> None:
         """Add to the verdict of a link found broken (_check_blame) what the re-plan made of its two ends: both in
@@ -495,6 +540,17 @@ class FleetFailover:
         self._verdict = (f"{self._name(accused)} answers the controller{why}: it is kept in the plan (blamed again "
                          "in this run, it is left out)")
         log.warning("%s", self._verdict)
+
+
+def _utc_text(iso: str) -> str:
+    """An ISO 8601 time as notes give it: "2026-12-05 08:00:00 UTC" (the text as it is where it cannot be read)."""
+    try:
+        moment = datetime.datetime.fromisoformat(iso)
+    except ValueError:
+        return iso
+    if moment.tzinfo is None:
+        return iso
+    return moment.astimezone(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _remedy(lost: bool, reasons: frozenset[ExclusionReason], said: str = "") -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from deskfleet.agent.link import utc_now
 from deskfleet.common import event_loop
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.planner import PlanOptions
@@ -33,12 +34,13 @@ from deskfleet.controller.fleet_survey import AgentView, Survey, SurveyOptions
 A, B, C = "a" * 52, "b" * 52, "c" * 52
 ADMINS = (StagePlacement(A, "127.0.0.1:7431", 0, 2), StagePlacement(B, "127.0.0.1:7432", 2, 4))
 WITHOUT_B = (StagePlacement(A, "127.0.0.1:7431", 0, 4),)
-EARLY, LATE = "2026-12-05T08:00:00+00:00", "2026-12-05T09:30:00+00:00"
+EARLY, LATE = "2026-12-01T08:00:00+00:00", "2026-12-01T09:30:00+00:00"
 
 
 def _save(store: FleetStore, model: Path, stages: tuple[StagePlacement, ...], replan: bool) -> None:
+    """An admin's deploy (`replan` False) or a run's re-plan whose survey began now, saved."""
     fleet_deploy._save_deployment(store, model, DeployReport(model_id_of(model), stages, {}, {}), DeploySettings(),
-                                  replan)
+                                  utc_now() if replan else None)
 
 
 def _deployments(store: FleetStore) -> dict[str, dict[str, object]]:
@@ -101,12 +103,12 @@ def test_a_re_plan_of_a_record_saved_before_deployed_agents_keeps_its_stages_pcs
 def test_a_pc_left_out_is_back_once_it_registers_after_the_re_plan(store: FleetStore, tiny_export: Path) -> None:
     _left_out_b_at(store, tiny_export, EARLY)
     assert pcs_back(store, tiny_export) is None  # never registered
-    _registered(store, B, "2026-12-05T07:59:59+00:00")  # registered before the re-plan left it out: still gone
+    _registered(store, B, "2026-12-01T07:59:59+00:00")  # registered before the re-plan left it out: still gone
     assert pcs_back(store, tiny_export) is None
     _registered(store, B, LATE)
-    assert pcs_back(store, tiny_export) == PcsBack((B,), EARLY)
+    assert pcs_back(store, tiny_export) == PcsBack((B,), EARLY, (B,))
     _registered(store, A, LATE)  # a PC the deployment places is not "back"
-    assert pcs_back(store, tiny_export) == PcsBack((B,), EARLY)
+    assert pcs_back(store, tiny_export) == PcsBack((B,), EARLY, (B,))
 
 
 def test_nothing_is_back_after_an_admins_deploy_or_in_a_record_that_cannot_be_read(store: FleetStore,
@@ -175,7 +177,7 @@ def b_is_back(store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPa
     async def deploy(store: FleetStore, model: Path, found: Survey, options: PlanOptions, *args: object,
                      **kwargs: object) -> tuple[None, DeployReport]:
         asked.append(kwargs)
-        _save(store, model, ADMINS, replan=bool(kwargs.get("replan")))
+        _save(store, model, ADMINS, replan=kwargs.get("replanned_at") is not None)
         return None, DeployReport(model_id_of(model), ADMINS, {}, {})
 
     monkeypatch.setattr(fleet_failover, "survey", both)
@@ -191,13 +193,15 @@ def test_a_run_starts_by_re_planning_for_a_pc_that_is_back(store: FleetStore, ti
     chain = failover.rejoin()
     assert chain is not None and chain.stages == ADMINS
     # B was dialled with the short timeout: one that called in and went again must not hold the run up
+    surveyed_at = b_is_back[1].pop("replanned_at")  # when its survey began: a registration after it is "back"
+    assert isinstance(surveyed_at, datetime.datetime) and surveyed_at.tzinfo is not None
     assert b_is_back == [{"recheck": {B}}, {"exclude": frozenset(), "kv_cache": None, "lock_held": True,
-                                            "replan": True, "placing": frozenset({B})}]
+                                            "placing": frozenset({B})}]
     assert failover._survey_options().recheck == frozenset()  # once that re-plan is over
-    assert notes == [f"agent bbbbbbbbbbbb on desk-b called in since the re-plan at 2026-12-05 08:00:00 UTC that left "
-                     f"them out: re-planned in {failover.rejoined[0]['seconds']:.1f} s over 2 agent(s): aaaa -> bbbb"]
+    assert notes == [f"agent bbbbbbbbbbbb on desk-b called in since the re-plan at 2026-12-01 08:00:00 UTC that left "
+                     f"it out: re-planned in {failover.rejoined[0]['seconds']:.1f} s over 2 agent(s): aaaa -> bbbb"]
     assert failover.rejoined == [{"agents": [B], "replanned_at": EARLY, "seconds": failover.rejoined[0]["seconds"],
-                                  "adopted": False, "stages": [[A, 0, 2], [B, 2, 4]]}]
+                                  "stages": [[A, 0, 2], [B, 2, 4]]}]
     assert failover.replans == []  # not a failover
     assert load_deployment(store, tiny_export) == ADMINS and pcs_back(store, tiny_export) is None
     # the run's whole --max-failovers budget is left: a PC dropping out later is still re-planned around
@@ -214,8 +218,8 @@ def test_a_run_goes_on_on_the_deployment_on_record_when_the_re_plan_for_a_pc_bac
     notes: list[str] = []
     failover = FleetFailover(store, tiny_export, max_failovers=2, notify=notes.append)
     assert failover.rejoin() is None
-    assert notes == ["agent bbbbbbbbbbbb on desk-b called in since the re-plan at 2026-12-05 08:00:00 UTC that left "
-                     "them out, but the run goes on on the deployment on record: the plan over the fleet leaves agent "
+    assert notes == ["agent bbbbbbbbbbbb on desk-b called in since the re-plan at 2026-12-01 08:00:00 UTC that left "
+                     "it out, but the run goes on on the deployment on record: the plan over the fleet leaves agent "
                      "bbbbbbbbbbbb on desk-b out (paused)"]
     assert failover.rejoined[0]["stages"] == [] and "paused" in str(failover.rejoined[0]["problem"])
     assert failover.chains == [] and load_deployment(store, tiny_export) == WITHOUT_B
@@ -237,7 +241,7 @@ def test_a_run_does_not_wait_for_another_deploy_to_take_a_pc_back(store: FleetSt
 
 def test_a_run_starts_on_the_deployed_chain_when_no_pc_is_back(store: FleetStore, tiny_export: Path,
                                                                b_is_back: list[dict[str, object]]) -> None:
-    _registered(store, B, "2026-12-05T07:00:00+00:00")  # its last registration is older than the re-plan
+    _registered(store, B, "2026-12-01T07:00:00+00:00")  # its last registration is older than the re-plan
     failover = FleetFailover(store, tiny_export, max_failovers=2, notify=pytest.fail)
     assert failover.rejoin() is None and failover.rejoined == [] and b_is_back == []  # nothing surveyed
 
@@ -249,16 +253,15 @@ def test_an_admins_deploy_since_the_re_plan_leaves_nothing_to_take_back(
     assert failover.rejoin() is None and b_is_back == []
 
 
-def test_a_deployment_another_run_saved_meanwhile_is_taken(store: FleetStore, tiny_export: Path,
-                                                           b_is_back: list[dict[str, object]]) -> None:
-    notes: list[str] = []
-    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=notes.append)
+def test_a_deployment_another_run_saved_meanwhile_is_opened_as_it_is(store: FleetStore, tiny_export: Path,
+                                                                      b_is_back: list[dict[str, object]]) -> None:
+    # it may place none of the PCs back: "B called in ...: went on on the deployment saved meanwhile" read as if
+    # B had been taken back; the run opens the newest deployment, as it would have, and the next run looks again
+    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=pytest.fail)
     _save(store, tiny_export, (StagePlacement(C, "127.0.0.1:7433", 0, 4),), replan=True)  # another run's re-plan
     _set_replanned_at(store, tiny_export, EARLY)
-    chain = failover.rejoin()
-    assert chain is not None and chain.stages == (StagePlacement(C, "127.0.0.1:7433", 0, 4),)
-    assert b_is_back == []  # neither surveyed nor deployed: the newest deployment stands, the next run looks again
-    assert failover.rejoined[0]["adopted"] is True and "went on on the deployment saved meanwhile" in notes[0]
+    assert failover.rejoin() is None and b_is_back == [] and failover.rejoined == []
+    assert failover._known == (StagePlacement(C, "127.0.0.1:7433", 0, 4),)
 
 
 def test_the_rejoined_entry_is_in_generates_json_over_the_fleet(store: FleetStore, tiny_export: Path,
@@ -307,9 +310,9 @@ def test_fleet_ls_says_which_pcs_a_re_plan_left_out_and_what_takes_them_back(
     from deskfleet.controller.cli import main
 
     fleet_deploy._save_deployment(store, tiny_export, DeployReport(model_id_of(tiny_export), ADMINS, {}, {}),
-                                  DeploySettings(precision=Precision.F32), False)
+                                  DeploySettings(precision=Precision.F32), None)
     fleet_deploy._save_deployment(store, tiny_export, DeployReport(model_id_of(tiny_export), WITHOUT_B, {}, {}),
-                                  DeploySettings(precision=Precision.F32), True)
+                                  DeploySettings(precision=Precision.F32), utc_now())
     _set_replanned_at(store, tiny_export, EARLY)
     _registered(store, B, LATE)
 
@@ -320,13 +323,105 @@ def test_fleet_ls_says_which_pcs_a_re_plan_left_out_and_what_takes_them_back(
     assert main(["fleet", "ls", "--data-dir", str(store.data_dir), "--discover-seconds", "0"]) == 0
     out = capsys.readouterr().out
     assert (f"note: {model_id_of(tiny_export)} runs on 1 of the 2 PCs its `fleet deploy` placed: a run's re-plan at "
-            "2026-12-05 08:00:00 UTC went on without agent bbbbbbbbbbbb on desk-b (available, called in since: the "
+            "2026-12-01 08:00:00 UTC went on without agent bbbbbbbbbbbb on desk-b (available, called in since: the "
             "next run on the model takes it back if it can take work); `deskfleet fleet deploy --model "
             f"{tiny_export} --data-dir {store.data_dir} --precision f32` plans over every PC that answers") in out, out
-    _registered(store, B, "2026-12-05T07:00:00+00:00")  # back, but it has not called in since: a deploy takes it
+    _registered(store, B, "2026-12-01T07:00:00+00:00")  # back, but it has not called in since: a deploy takes it
     assert main(["fleet", "ls", "--data-dir", str(store.data_dir), "--discover-seconds", "0", "--json"]) == 0
     err = capsys.readouterr().err
     assert "went on without agent bbbbbbbbbbbb on desk-b (available); `deskfleet fleet deploy" in err, err
     _save(store, tiny_export, ADMINS, replan=False)  # the admin deployed again: nothing left out
     assert main(["fleet", "ls", "--data-dir", str(store.data_dir), "--discover-seconds", "0"]) == 0
     assert "note:" not in capsys.readouterr().out
+
+
+def test_a_pc_removed_from_the_fleet_is_not_missed(store: FleetStore, tiny_export: Path) -> None:
+    # `fleet remove` keeps it in the roster with its registration: every run surveyed the fleet for it, in vain
+    _left_out_b_at(store, tiny_export, EARLY)
+    _registered(store, B, LATE)
+    assert pcs_back(store, tiny_export) is not None
+    store.write("revoked", [B])
+    assert pcs_back(store, tiny_export) is None
+    assert fleet_deploy.left_out_by_replans(store) == []  # and `fleet ls` counts it no more
+
+
+def test_a_pc_a_run_could_not_take_back_is_tried_again_only_after_it_registers_again(
+        store: FleetStore, tiny_export: Path, b_is_back: list[dict[str, object]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # paused, short of memory, or gone again: every run surveyed the whole fleet for it (10 s for each PC that is off)
+    async def leaves_b_out(*args: object, **kwargs: object) -> None:
+        raise NotPlaced("the plan over the fleet leaves agent bbbbbbbbbbbb on desk-b out (paused)")
+
+    monkeypatch.setattr(fleet_failover, "deploy", leaves_b_out)
+    _registered(store, B, (datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=60)).isoformat())
+    assert FleetFailover(store, tiny_export, max_failovers=2, notify=lambda note: None).rejoin() is None
+    assert pcs_back(store, tiny_export) is None  # the next run opens the chain on record at once
+    assert FleetFailover(store, tiny_export, max_failovers=2, notify=pytest.fail).rejoin() is None
+    _registered(store, B, (datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=5)).isoformat())
+    assert pcs_back(store, tiny_export) is not None  # it called in again: worth another try
+
+
+def test_a_run_opening_a_chain_another_runs_start_replaces_has_its_first_failover_free(
+        store: FleetStore, tiny_export: Path, b_is_back: list[dict[str, object]]) -> None:
+    failover = FleetFailover(store, tiny_export, max_failovers=0, notify=lambda note: None)
+    with contextlib.ExitStack() as other_deploy:
+        other_deploy.enter_context(store.deploying())
+        assert failover.rejoin() is None
+    assert failover._spent() == -1
+    chain = failover(fleet_failover.ChainError("agent aaaaaaaaaaaa: the link closed", A), opening=True)
+    assert chain.stages == ADMINS  # re-planned (the fixture's deploy), --max-failovers 0 notwithstanding
+    assert failover._spent() == 0 and pcs_back(store, tiny_export) is None  # the credit is spent, nothing is back
+
+
+def test_a_new_chain_that_does_not_open_is_re_planned_around_without_costing_the_budget(
+        store: FleetStore, tiny_export: Path, b_is_back: list[dict[str, object]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the record is the new chain by then: "goes on on the deployment on record" waited 30 s for the same chain
+    opened: list[tuple[StagePlacement, ...]] = []
+
+    class FailsOnce(_Chain):
+        def __init__(self, stages: tuple[StagePlacement, ...], *args: object, **kwargs: object) -> None:
+            opened.append(stages)
+            if len(opened) == 1:
+                raise fleet_failover.ChainError("agent bbbbbbbbbbbb: no answer", B)
+            super().__init__(stages)
+
+    monkeypatch.setattr(fleet_failover, "FleetPipeline", FailsOnce)
+    notes: list[str] = []
+    failover = FleetFailover(store, tiny_export, max_failovers=0, notify=notes.append)
+    chain = failover.rejoin()
+    assert chain is not None and len(opened) == 2  # a failover's re-plan (B answers its survey: kept once)
+    assert "the new chain did not open" in str(failover.rejoined[0]["problem"]) and failover._spent() == 0
+    assert notes[-1].startswith("the deployed chain could not open (agent bbbbbbbbbbbb: no answer); ")
+
+
+@pytest.mark.parametrize("failure", [OSError("the deploy lock could not be opened"),
+                                     fleet_deploy.FleetStoreError("agents.json is damaged"),
+                                     fleet_deploy.ManifestError("layer_002.bin is missing"),
+                                     fleet_deploy.pki.PkiError("revoked.json is damaged")])
+def test_no_error_of_the_re_plan_for_a_pc_back_ends_the_run(store: FleetStore, tiny_export: Path,
+                                                            b_is_back: list[dict[str, object]],
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            failure: Exception) -> None:
+    async def fails(*args: object, **kwargs: object) -> None:
+        raise failure
+
+    monkeypatch.setattr(fleet_failover, "survey", fails)
+    notes: list[str] = []
+    failover = FleetFailover(store, tiny_export, max_failovers=0, notify=notes.append)
+    assert failover.rejoin() is None
+    assert notes[0].endswith(f"the run goes on on the deployment on record: {failure}")
+    assert failover._spent() == -1 and failover._credit == 1
+
+
+def test_a_ctrl_c_during_the_re_plan_for_a_pc_back_is_in_the_report(store: FleetStore, tiny_export: Path,
+                                                                    b_is_back: list[dict[str, object]],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    async def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fleet_failover, "survey", interrupted)
+    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=pytest.fail)
+    with pytest.raises(KeyboardInterrupt):
+        failover.rejoin()
+    assert failover.rejoined[0]["interrupted"] is True and failover.rejoined[0]["stages"] == []

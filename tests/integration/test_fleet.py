@@ -441,7 +441,7 @@ def test_a_pc_back_after_a_re_plan_left_it_out_is_taken_back_at_the_next_run(fle
     assert report["tokens"] == local["tokens"] and report["replans"] == []
     assert [entry["agents"] for entry in report["rejoined"]] == [[back]], report["rejoined"]
     assert report["stages"] == AGENTS and len(_deployed_stages(fleet)) == AGENTS
-    assert re.search(rf"agent {back[:12]} on desk-\d called in since the re-plan at .* UTC that left them out: "
+    assert re.search(rf"agent {back[:12]} on desk-\d called in since the re-plan at .* UTC that left it out: "
                      rf"re-planned in [0-9.]+ s over {AGENTS} agent\(s\)", stderr), stderr
     again = json.loads(fleet.deskfleet("generate", "--fleet", "--model", str(tiny_export), "--prompt-ids", PROMPTS[1],
                                        "--max-new-tokens", "12", "--ignore-eos", "--json"))
