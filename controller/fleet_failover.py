@@ -59,6 +59,7 @@ from deskfleet.controller.fleet_deploy import (
     pcs_back,
 )
 from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
+from deskfleet.controller.fleet_runs import others_driving
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, agent_label
 from deskfleet.controller.fleet_survey import Survey, SurveyOptions, survey
 
@@ -215,6 +216,15 @@ class FleetFailover:
             entry.update(seconds=round(time.perf_counter() - started, 3), **fields)
             self.rejoined.append(entry)
 
+        busy = others_driving(self.store, self._model_id) if self._model_id is not None else 0
+        if busy:  # a re-plan now would replace the stages under their streams: a run that starts alone does it
+            if self._deploying_now():  # someone's deploy may replace the chain this run opens: not this run's fault
+                self._credit = 1
+            record(stages=[], problem=f"{busy} other run(s) drive the model")
+            self.notify(f"{names} called in {since}: it is taken back by a run that starts while no other drives the "
+                        f"model ({busy} other run(s) do now)")
+            return None
+
         self._rejoining = frozenset(back.agents)
         self._recheck_too = frozenset(back.left_out)  # the admin's PCs still gone: the short timeout too
         try:
@@ -257,6 +267,14 @@ class FleetFailover:
                     f"agent(s): {chain.describe()}")
         self.check_cache()
         return chain
+
+    def _deploying_now(self) -> bool:
+        """Whether a deploy from the data dir (an admin's, another run's re-plan) holds the deploy lock now."""
+        try:
+            with self.store.deploying():
+                return False
+        except (FleetStoreError, OSError):
+            return True
 
     def _spent(self) -> int:
         """The re-plans this run has spent of --max-failovers; -1 while the credit for a re-plan that rejoin's failure

@@ -425,3 +425,23 @@ def test_a_ctrl_c_during_the_re_plan_for_a_pc_back_is_in_the_report(store: Fleet
     with pytest.raises(KeyboardInterrupt):
         failover.rejoin()
     assert failover.rejoined[0]["interrupted"] is True and failover.rejoined[0]["stages"] == []
+
+
+def test_a_run_does_not_re_plan_under_another_runs_streams(store: FleetStore, tiny_export: Path,
+                                                           b_is_back: list[dict[str, object]],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # a long run in flight lost its stages to the re-plan of a run that started beside it (and failed over, twice);
+    # the starting run's own deploy met the other's steps and failed partway
+    monkeypatch.setattr(fleet_failover, "others_driving", lambda store, model_id: 1)
+    notes: list[str] = []
+    failover = FleetFailover(store, tiny_export, max_failovers=0, notify=notes.append)
+    assert failover.rejoin() is None and b_is_back == []  # neither surveyed nor deployed
+    assert notes == ["agent bbbbbbbbbbbb on desk-b called in since the re-plan at 2026-12-01 08:00:00 UTC that left "
+                     "it out: it is taken back by a run that starts while no other drives the model (1 other run(s) "
+                     "do now)"]
+    assert pcs_back(store, tiny_export) is not None  # not a try: the next run that starts alone takes it back
+    assert failover._spent() == 0  # nobody is deploying: the chain on record opens as it is
+    with contextlib.ExitStack() as other_deploy:  # the other run is taking it back right now
+        other_deploy.enter_context(store.deploying())
+        again = FleetFailover(store, tiny_export, max_failovers=0, notify=notes.append)
+        assert again.rejoin() is None and again._spent() == -1  # its chain may be replaced: a failover is free

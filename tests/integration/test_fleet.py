@@ -408,30 +408,40 @@ def test_a_pc_that_drops_out_mid_generation_is_replanned_around(fleet: Fleet, ti
     assert f"agent {victim[:12]} on desk-{index}" in stderr, stderr
     stages = _deployed_stages(fleet)
     assert len(stages) == 2 and victim not in {stage["agent_id"] for stage in stages}
-    _start_agent(fleet, index)  # switched on again: it rejoins on its own
-
-    def all_answer() -> bool:
-        return sum(agent["state"] in ("available", "serving") for agent in _ls(fleet)) == AGENTS
-
-    _wait_for("the restarted agent to answer", all_answer, timeout=60)
 
 
 def test_a_pc_back_after_a_re_plan_left_it_out_is_taken_back_at_the_next_run(fleet: Fleet,
                                                                             tiny_export: Path) -> None:
-    # The PC switched off above was restarted and called in; its model ran on 2 PCs until an admin deployed again.
+    # The PC switched off above is started again and calls in; its model ran on 2 PCs until an admin deployed again.
     record = next(iter(json.loads((fleet.controller_dir / "deployments.json").read_text())["body"].values()))
     placed = {stage["agent_id"] for stage in record["stages"]}
     (back,) = set(record["deployed_agents"]) - placed
     since = record["replanned_at"]
+    argv = ["generate", "--model", str(tiny_export), "--prompt-ids", PROMPTS[1], "--max-new-tokens", "12",
+            "--ignore-eos", "--json"]
+    local = json.loads(fleet.run(fleet.controller, str(BIN / "deskfleet"), *argv, "--precision", "f32"))
+    # A run in flight when the PC comes back keeps its chain, and one that starts beside it leaves the PC for later:
+    # a re-plan then cost the run in flight its stages, and failovers.
+    holder = subprocess.Popen(fleet.controller.command(sys.executable, "-m", "tests.integration.fleet_holder",
+                                                       str(fleet.controller_dir), str(tiny_export)),
+                              cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_environment())
+    assert holder.stdin is not None and holder.stdout is not None
+    assert holder.stdout.readline() == b"open 2\n"
+    _start_agent(fleet, _agent_index(fleet, back))  # switched on again: it calls in on its own
 
     def registered_since() -> bool:  # fleet serve writes registrations in batches
         registered = json.loads((fleet.controller_dir / "agents.json").read_text())["body"][back]["registered_at"]
         return registered is not None and datetime.fromisoformat(registered) > datetime.fromisoformat(since)
 
-    _wait_for("the restarted agent's registration to be recorded", registered_since, timeout=30)
-    argv = ["generate", "--model", str(tiny_export), "--prompt-ids", PROMPTS[1], "--max-new-tokens", "12",
-            "--ignore-eos", "--json"]
-    local = json.loads(fleet.run(fleet.controller, str(BIN / "deskfleet"), *argv, "--precision", "f32"))
+    _wait_for("the restarted agent's registration to be recorded", registered_since, timeout=60)
+    deployed = _deployed_stages(fleet)
+    beside = json.loads(fleet.deskfleet(*argv, "--fleet"))
+    assert beside["tokens"] == local["tokens"] and beside["stages"] == AGENTS - 1
+    assert "1 other run(s) drive the model" in beside["rejoined"][0]["problem"], beside["rejoined"]
+    assert _deployed_stages(fleet) == deployed  # the run in flight's chain is as it was
+    holder.stdin.close()
+    assert holder.wait(timeout=60) == 0
+    # the next run that starts alone takes it back
     done = subprocess.run(fleet.controller.command(str(BIN / "deskfleet"), *argv, "--fleet", "--data-dir",
                                                    str(fleet.controller_dir)),
                           cwd=REPO, capture_output=True, timeout=120, env=_environment())
@@ -443,9 +453,13 @@ def test_a_pc_back_after_a_re_plan_left_it_out_is_taken_back_at_the_next_run(fle
     assert report["stages"] == AGENTS and len(_deployed_stages(fleet)) == AGENTS
     assert re.search(rf"agent {back[:12]} on desk-\d called in since the re-plan at .* UTC that left it out: "
                      rf"re-planned in [0-9.]+ s over {AGENTS} agent\(s\)", stderr), stderr
-    again = json.loads(fleet.deskfleet("generate", "--fleet", "--model", str(tiny_export), "--prompt-ids", PROMPTS[1],
-                                       "--max-new-tokens", "12", "--ignore-eos", "--json"))
+    again = json.loads(fleet.deskfleet(*argv, "--fleet"))
     assert again["rejoined"] == [] and again["tokens"] == local["tokens"]  # taken back once: the next run just runs
+
+    def all_answer() -> bool:
+        return sum(agent["state"] in ("available", "serving") for agent in _ls(fleet)) == AGENTS
+
+    _wait_for("every agent to answer", all_answer, timeout=60)
 
 
 def test_removed_agent_is_dropped_and_refused(fleet: Fleet) -> None:
