@@ -578,7 +578,7 @@ class LeftOut:
     model_dir: str  # the export folder the record names
     deployed: tuple[str, ...]  # the PCs the admin's deploy placed
     left_out: tuple[str, ...]  # those the deployment on record does not place
-    replanned_at: str  # ISO 8601 UTC: when the re-plan saved it
+    replanned_at: str  # ISO 8601 UTC: when the survey of the re-plan that saved it began
     called_in: tuple[str, ...]  # of `left_out`, those whose agent registered with `fleet serve` since
     deploy_options: str = ""  # the deploy's options as `fleet deploy` takes them (DeploySettings.command_options)
 

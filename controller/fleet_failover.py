@@ -23,6 +23,10 @@ directly before the accused; where no chain over both does as well, the planner 
 and a relayed one, whose maker cannot be told, leaves no one out. A PC the controller saw fail
 itself (its link closed) that answers the survey (restarted, or a moment's network fault) is kept once per
 run. A stage's blame of itself (it gave its stages up) is taken at its word.
+
+At a run's start, `rejoin` takes back PCs that a run's re-plan left out and that have called in since (restarted, or
+back on the network), by a re-plan of the same kind, unless other runs drive the model (their stages would be replaced
+under their streams).
 """
 
 from __future__ import annotations
@@ -117,8 +121,10 @@ class FleetFailover:
     _cache_note: str | None = field(default=None, init=False, repr=False)  # what check_cache told last
     # a run's start that re-planned for PCs back since a re-plan left them out (rejoin): what it found and made
     rejoined: list[dict[str, object]] = field(default_factory=list)
-    _rejoining: frozenset[str] = field(default=frozenset(), init=False, repr=False)  # the re-plan under way's
-    _recheck_too: frozenset[str] = field(default=frozenset(), init=False, repr=False)  # its PCs still gone
+    # the PCs back that rejoin's re-plan under way must place, and the left-out PCs its survey dials with the short
+    # timeout (those still gone among them)
+    _rejoining: frozenset[str] = field(default=frozenset(), init=False, repr=False)
+    _recheck_too: frozenset[str] = field(default=frozenset(), init=False, repr=False)
     _credit: int = field(default=0, init=False, repr=False)  # re-plans of this run not counted (rejoin says which)
 
     def __post_init__(self) -> None:
@@ -269,7 +275,9 @@ class FleetFailover:
         return chain
 
     def _deploying_now(self) -> bool:
-        """Whether a deploy from the data dir (an admin's, another run's re-plan) holds the deploy lock now."""
+        """Whether a deploy from the data dir (an admin's, another run's re-plan) holds the deploy lock now, found by
+        taking it for an instant (a `fleet deploy` that starts in that instant is refused, naming this process, and
+        can be run again at once: rare, and said; a failover's re-plan waits for the lock)."""
         try:
             with self.store.deploying():
                 return False
