@@ -196,6 +196,11 @@ class AgentCore:
         self._monitor_lock = asyncio.Lock()  # the monitor is read from one thread at a time (agent/monitor.py)
         self._opt_out = OptOutReader(opt_out_dir)  # the employee's pause (agent/opt_out.py); None: never paused
         self._released_because: str | None = None  # why the stages were given up, until the next assignment
+        # the controller link whose AssignStage made or last confirmed each hosted stage, and the stages each open
+        # controller link assigned: a ReleaseStage that undoes a link's own assignment after another link assigned
+        # the stage again is stale (_superseded_release)
+        self._assigned_by: dict[StageRef, Link] = {}
+        self._assigned_over: dict[Link, set[StageRef]] = {}
         self._refusals_logged: set[tuple[str, str]] = set()  # (peer, what) refused and logged since the last assign
 
     # Public methods
@@ -281,6 +286,9 @@ class AgentCore:
             self._refused_streams = {(writer, sha256) for writer, sha256 in self._refused_streams if writer is not link}
             if link in self._controller_links:
                 self._controller_links.remove(link)
+            self._assigned_over.pop(link, None)
+            for ref in [ref for ref, by in self._assigned_by.items() if by is link]:
+                del self._assigned_by[ref]
             self._registration_links.discard(link)
             self._results_links.pop(link, None)
 
@@ -337,11 +345,18 @@ class AgentCore:
             return None
         if isinstance(message, AssignStage):
             try:
-                return await self._assign(message)
+                ready = await self._assign(message)
             finally:
                 self.cache.unpin(_deploy_pin(link))  # the stage pins its own files now, or failed
                 await self.close_unused_next_hops()  # a re-plan may have given this stage another next hop
+            self._assigned_by[message.stage] = link
+            self._assigned_over.setdefault(link, set()).add(message.stage)
+            return ready
         if isinstance(message, ReleaseStage):
+            if self._superseded_release(link, message.stage):
+                log.info("kept %s: %s asked to release the stage it had assigned, but another deploy has assigned it "
+                         "again since", _stage_key(message.stage), link.describe())
+                return None
             self._release(message.stage)
             await self.close_unused_next_hops()
             return None
@@ -635,7 +650,18 @@ class AgentCore:
                                f"first/last flags do not fit a {manifest.spec.num_layers}-layer model")
         return manifest, names
 
+    def _superseded_release(self, link: Link, ref: StageRef) -> bool:
+        """Whether `link`'s ReleaseStage of `ref` undoes an assignment of its own that another controller link has
+        made again since. A deploy that fails releases the stages it assigned, and its release is read after its
+        last assignment, however long that took to build: a failover's re-plan that began meanwhile found the stage
+        hosted, was told it was ready, and saved a chain whose stage the old release then took away (two runs
+        starting together after a PC came back: both ended). A release from a link that never assigned the stage
+        (a later deploy that leaves this PC out) is not such a one."""
+        by = self._assigned_by.get(ref)
+        return ref in self.stages and ref in self._assigned_over.get(link, ()) and by is not None and by is not link
+
     def _release(self, ref: StageRef) -> None:
+        self._assigned_by.pop(ref, None)
         hosted = self.stages.pop(ref, None)
         if hosted is not None:
             self.cache.unpin(hosted.cache_key)

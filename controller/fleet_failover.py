@@ -223,9 +223,15 @@ class FleetFailover:
             self.rejoined.append(entry)
 
         busy = others_driving(self.store, self._model_id) if self._model_id is not None else 0
-        if busy:  # a re-plan now would replace the stages under their streams: a run that starts alone does it
-            if self._deploying_now():  # someone's deploy may replace the chain this run opens: not this run's fault
+        if busy and self._deploying_now():  # another run's start taking it back (or an admin's deploy): what it
+            # saves is what this run opens; stepping on the chain it replaces made that deploy fail partway
+            self.notify(f"{names} called in {since}: the run waits for the deploy under way from {self.store.data_dir} "
+                        "(another run's, or a `fleet deploy`) to finish")
+            if not self._wait_for_deploy():  # the chain it opens may still be replaced: not this run's fault
                 self._credit = 1
+            if pcs_back(self.store, self.model_dir) is None:  # taken back meanwhile
+                return None
+        if busy:  # a re-plan now would replace the stages under their streams: a run that starts alone does it
             record(stages=[], problem=f"{busy} other run(s) drive the model")
             self.notify(f"{names} called in {since}: it is taken back by a run that starts while no other drives the "
                         f"model ({busy} other run(s) do now)")
@@ -283,6 +289,15 @@ class FleetFailover:
                 return False
         except (FleetStoreError, OSError):
             return True
+
+    def _wait_for_deploy(self) -> bool:
+        """Wait up to DEPLOY_LOCK_WAIT_S for the deploy under way to finish; whether it did."""
+        deadline = time.monotonic() + DEPLOY_LOCK_WAIT_S
+        while self._deploying_now():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_LOCK_POLL_S)
+        return True
 
     def _spent(self) -> int:
         """The re-plans this run has spent of --max-failovers; -1 while the credit for a re-plan that rejoin's failure

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -441,7 +443,31 @@ def test_a_run_does_not_re_plan_under_another_runs_streams(store: FleetStore, ti
                      "do now)"]
     assert pcs_back(store, tiny_export) is not None  # not a try: the next run that starts alone takes it back
     assert failover._spent() == 0  # nobody is deploying: the chain on record opens as it is
-    with contextlib.ExitStack() as other_deploy:  # the other run is taking it back right now
-        other_deploy.enter_context(store.deploying())
-        again = FleetFailover(store, tiny_export, max_failovers=0, notify=notes.append)
-        assert again.rejoin() is None and again._spent() == -1  # its chain may be replaced: a failover is free
+
+
+def test_a_run_beside_another_runs_start_that_takes_a_pc_back_waits_for_it(
+        store: FleetStore, tiny_export: Path, b_is_back: list[dict[str, object]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # it stepped on the chain the other run's deploy was replacing: that deploy failed partway, and both runs ended
+    monkeypatch.setattr(fleet_failover, "others_driving", lambda store, model_id: 1)
+    monkeypatch.setattr(fleet_failover, "_LOCK_POLL_S", 0.02)
+    other_deploy = contextlib.ExitStack()
+    other_deploy.enter_context(store.deploying())  # the other run is taking B back right now
+
+    def finish_it() -> None:
+        time.sleep(0.3)
+        _save(store, tiny_export, ADMINS, replan=True)  # B is placed again
+        other_deploy.close()
+
+    finisher = threading.Thread(target=finish_it)
+    finisher.start()
+    notes: list[str] = []
+    failover = FleetFailover(store, tiny_export, max_failovers=0, notify=notes.append)
+    began = time.monotonic()
+    assert failover.rejoin() is None  # the run opens what the other saved
+    finisher.join()
+    assert time.monotonic() - began >= 0.25 and b_is_back == [] and failover.rejoined == []
+    assert notes == [f"agent bbbbbbbbbbbb on desk-b called in since the re-plan at 2026-12-01 08:00:00 UTC that left "
+                     f"it out: the run waits for the deploy under way from {store.data_dir} (another run's, or a "
+                     f"`fleet deploy`) to finish"]
+    assert failover._spent() == 0 and load_deployment(store, tiny_export) == ADMINS
