@@ -350,16 +350,20 @@ def _left_out_notes(store: FleetStore, agents: list[Any]) -> list[str]:
     each is now, and what takes it back (the next run on the model, for one that called in since; else a deploy).
     Such a model ran on fewer PCs than deployed with nothing in the list to say so."""
     from deskfleet.controller.fleet_deploy import left_out_by_replans
+    from deskfleet.controller.fleet_runs import others_driving
 
     found = {agent.agent_id: agent for agent in agents if agent.agent_id is not None}
     hostnames = store.hostnames()
     lines = []
     for record in left_out_by_replans(store):
+        driving = others_driving(store, record.model_id)
+        who = f"the first run that starts while none drives the model ({driving} do now)" if driving else \
+            "the next run on the model"
         pcs = []
         for agent_id in record.left_out:
             agent = found.get(agent_id)
             state = _state(agent) if agent is not None else "not found"
-            called_in = ", called in since: the next run on the model takes it back if it can take work" \
+            called_in = f", called in since: {who} takes it back if it can take work" \
                 if agent_id in record.called_in else ""
             pcs.append(f"{agent_label(agent_id, hostnames)} ({state}{called_in})")
         placed = len(record.deployed) - len(record.left_out)

@@ -328,6 +328,12 @@ def test_fleet_ls_says_which_pcs_a_re_plan_left_out_and_what_takes_them_back(
             "2026-12-01 08:00:00 UTC went on without agent bbbbbbbbbbbb on desk-b (available, called in since: the "
             "next run on the model takes it back if it can take work); `deskfleet fleet deploy --model "
             f"{tiny_export} --data-dir {store.data_dir} --precision f32` plans over every PC that answers") in out, out
+    from deskfleet.controller import fleet_runs
+
+    monkeypatch.setattr(fleet_runs, "others_driving", lambda store, model_id: 2)  # a run in flight leaves it be
+    assert main(["fleet", "ls", "--data-dir", str(store.data_dir), "--discover-seconds", "0"]) == 0
+    assert ("(available, called in since: the first run that starts while none drives the model (2 do now) takes it "
+            "back if it can take work)") in capsys.readouterr().out
     _registered(store, B, "2026-12-01T07:00:00+00:00")  # back, but it has not called in since: a deploy takes it
     assert main(["fleet", "ls", "--data-dir", str(store.data_dir), "--discover-seconds", "0", "--json"]) == 0
     err = capsys.readouterr().err
