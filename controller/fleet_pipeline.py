@@ -22,6 +22,7 @@ refusals of its own range (ResultsHere names it to every stage's agent).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -237,7 +238,10 @@ class FleetPipeline:
         self._closed = True
         self._results.put(ChainError("the chain is closed"))  # wakes a collect() waiting in another thread
         if self._thread.is_alive():
-            self._post(_Stop())
+            # the network thread may end between the check and the post (a link closed, failing the chain): the
+            # post then raises that failure, which the closing of a broken chain must not (it did, in a teardown)
+            with contextlib.suppress(ChainError):
+                self._post(_Stop())
             self._thread.join(timeout=30.0)
 
     def __enter__(self) -> FleetPipeline:

@@ -326,3 +326,23 @@ def test_a_link_that_closes_names_the_pc_by_its_hostname(scripted_chain: Callabl
         chain.collect()
     assert str(caught.value).startswith(f"agent {agent_id[:12]} on alice-pc (stage 0, layers [0:4]) at 127.0.0.1:")
     assert ": its link closed: " in str(caught.value) and "link to" not in str(caught.value)  # said once, not twice
+
+
+def test_closing_a_chain_whose_network_thread_ends_meanwhile_raises_nothing(
+        scripted_chain: Callable[[Reply], FleetPipeline], monkeypatch: pytest.MonkeyPatch) -> None:
+    # the thread ended between close()'s check that it was alive and its post of the stop: the post raised the
+    # chain's failure out of close() (a CI teardown, on a busy host)
+    async def reply(link: Link, message: Forward) -> None:
+        await link.close()
+
+    chain = scripted_chain(reply)
+    chain.submit(one_step())
+    with pytest.raises(ChainError) as caught:
+        chain.collect()
+
+    def loop_gone(item: object) -> None:
+        raise caught.value
+
+    monkeypatch.setattr(chain, "_post", loop_gone)
+    monkeypatch.setattr(chain._thread, "is_alive", lambda: True)
+    chain.close()  # no error
