@@ -79,10 +79,6 @@ class FailoverError(RuntimeError):
     """The chain broke and no new one could be made; the message says what broke and why."""
 
 
-class _DeployUnderWay(FailoverError):
-    """A run's start found another deploy from the data dir under way (FleetFailover.rejoin does not wait)."""
-
-
 @dataclass
 class FleetFailover:
     """Makes a new chain for the engine each time the old one breaks. Close it when the run is over: it
@@ -201,14 +197,18 @@ class FleetFailover:
         """At a run's start, before the deployed chain opens: when a run's re-plan left out PCs of the admin's
         deploy and one of them has called in since (fleet_deploy.pcs_back: restarted, or back on the network),
         re-plan over the fleet with the deployment's settings, as a failover would, so that the run and the
-        ones after it have that PC again. Returns the new chain, or None to open the deployment on record: nothing
-        is back, another deploy from the data dir is under way (what it saves comes next), or the re-plan did not
-        place a PC that is back or failed (said in a note, and noted in the record so that the next runs wait for
-        that PC's next registration). A re-plan here is not a failure: it spends none of the run's
-        --max-failovers, and where it failed after agents were told anything (their stages of the chain on record
-        may be gone), or left the run to open a chain that another run's start is replacing, the run's first
-        failover is not counted either. Before, a PC lost once stayed out of its model's chain until an admin
-        deployed again."""
+        ones after it have that PC again. Returns the new chain, or None to open the deployment on record.
+
+        The data dir's deploy lock is taken first and held through the re-plan: a deploy under way (another run's
+        start taking the PC back, an admin's) is waited for, and what it saved is opened; then, where other runs
+        drive the model (fleet_runs), nothing is re-planned under their streams: a run that starts while none does
+        takes the PC back. Counted before the lock was held, a run starting a moment after another's count took
+        the old chain, which that one's deploy then replaced under it. A re-plan that does not place a PC that is
+        back, or fails, is said in a note and noted in the record, so that the next runs wait for that PC's next
+        registration. A re-plan here is not a failure: it spends none of the run's --max-failovers; and where it
+        failed after agents were told anything (their stages of the chain on record may be gone), or the deploy
+        waited for did not finish, the run's first failover is not counted either. Before, a PC lost once stayed
+        out of its model's chain until an admin deployed again."""
         back = pcs_back(self.store, self.model_dir)
         if back is None:
             return None
@@ -222,43 +222,52 @@ class FleetFailover:
             entry.update(seconds=round(time.perf_counter() - started, 3), **fields)
             self.rejoined.append(entry)
 
-        busy = others_driving(self.store, self._model_id) if self._model_id is not None else 0
-        if busy and self._deploying_now():  # another run's start taking it back (or an admin's deploy): what it
-            # saves is what this run opens; stepping on the chain it replaces made that deploy fail partway
-            self.notify(f"{names} called in {since}: the run waits for the deploy under way from {self.store.data_dir} "
-                        "(another run's, or a `fleet deploy`) to finish")
-            if not self._wait_for_deploy():  # the chain it opens may still be replaced: not this run's fault
-                self._credit = 1
-            if pcs_back(self.store, self.model_dir) is None:  # taken back meanwhile
+        with contextlib.ExitStack() as held:
+            deadline = time.monotonic() + DEPLOY_LOCK_WAIT_S
+            waiting = False
+            while True:
+                try:
+                    held.enter_context(self.store.deploying())
+                    break
+                except OSError as error:  # its lock file cannot be opened: no deploy can run, nor this re-plan
+                    record(stages=[], problem=str(error))
+                    self.notify(f"{names} called in {since}, but the run goes on on the deployment on record: {error}")
+                    return None
+                except FleetStoreError:  # a deploy under way: what it saves is what this run opens
+                    if not waiting:
+                        waiting = True
+                        self.notify(f"{names} called in {since}: the run waits for the deploy under way from "
+                                    f"{self.store.data_dir} (another run's, or a `fleet deploy`) to finish")
+                    if time.monotonic() >= deadline:  # the chain it opens may still be replaced: not its fault
+                        self._credit = 1
+                        record(stages=[], problem=f"the deploy under way did not finish in {DEPLOY_LOCK_WAIT_S:.0f} s")
+                        return None
+                    time.sleep(_LOCK_POLL_S)
+                    if pcs_back(self.store, self.model_dir) is None:  # taken back meanwhile, or deployed anew
+                        return None
+            busy = others_driving(self.store, self._model_id) if self._model_id is not None else 0
+            if busy:  # a re-plan now would replace the stages under their streams: a run that starts alone does it
+                record(stages=[], problem=f"{busy} other run(s) drive the model")
+                self.notify(f"{names} called in {since}: it is taken back by a run that starts while no other "
+                            f"drives the model ({busy} other run(s) do now)")
                 return None
-        if busy:  # a re-plan now would replace the stages under their streams: a run that starts alone does it
-            record(stages=[], problem=f"{busy} other run(s) drive the model")
-            self.notify(f"{names} called in {since}: it is taken back by a run that starts while no other drives the "
-                        f"model ({busy} other run(s) do now)")
-            return None
-
-        self._rejoining = frozenset(back.agents)
-        self._recheck_too = frozenset(back.left_out)  # the admin's PCs still gone: the short timeout too
-        try:
-            report = event_loop.run(self._redeploy(wait=False))
-        except KeyboardInterrupt:
-            record(stages=[], interrupted=True)
-            raise
-        except _DeployUnderWay as busy:  # its deploy may replace the chain on record under this run: not its fault
-            self._credit = 1
-            record(stages=[], problem=str(busy))
-            self.notify(f"{names} called in {since}, but the run goes on on the deployment on record: {busy}")
-            return None
-        except (DeployError, ChainError, FailoverError, ManifestError, OSError, FleetStoreError,
-                pki.PkiError) as failure:
-            note_rejoin_tried(self.store, self.model_dir, tried_at)
-            if not isinstance(failure, NotPlaced):  # agents may have been told of a plan that was not saved
-                self._credit = 1
-            record(stages=[], problem=str(failure))
-            self.notify(f"{names} called in {since}, but the run goes on on the deployment on record: {failure}")
-            return None
-        finally:
-            self._rejoining = self._recheck_too = frozenset()
+            self._rejoining = frozenset(back.agents)
+            self._recheck_too = frozenset(back.left_out)  # the admin's PCs still gone: the short timeout too
+            try:
+                report = event_loop.run(self._redeploy(lock_held=True))
+            except KeyboardInterrupt:
+                record(stages=[], interrupted=True)
+                raise
+            except (DeployError, ChainError, FailoverError, ManifestError, OSError, FleetStoreError,
+                    pki.PkiError) as failure:
+                note_rejoin_tried(self.store, self.model_dir, tried_at)
+                if not isinstance(failure, NotPlaced):  # agents may have been told of a plan that was not saved
+                    self._credit = 1
+                record(stages=[], problem=str(failure))
+                self.notify(f"{names} called in {since}, but the run goes on on the deployment on record: {failure}")
+                return None
+            finally:
+                self._rejoining = self._recheck_too = frozenset()
         self._known = report.stages
         if self._adopted:  # another deploy saved one meanwhile: the run opens it, as it would have without a PC back
             self._adopted = False
@@ -279,25 +288,6 @@ class FleetFailover:
                     f"agent(s): {chain.describe()}")
         self.check_cache()
         return chain
-
-    def _deploying_now(self) -> bool:
-        """Whether a deploy from the data dir (an admin's, another run's re-plan) holds the deploy lock now, found by
-        taking it for an instant (a `fleet deploy` that starts in that instant is refused, naming this process, and
-        can be run again at once: rare, and said; a failover's re-plan waits for the lock)."""
-        try:
-            with self.store.deploying():
-                return False
-        except (FleetStoreError, OSError):
-            return True
-
-    def _wait_for_deploy(self) -> bool:
-        """Wait up to DEPLOY_LOCK_WAIT_S for the deploy under way to finish; whether it did."""
-        deadline = time.monotonic() + DEPLOY_LOCK_WAIT_S
-        while self._deploying_now():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(_LOCK_POLL_S)
-        return True
 
     def _spent(self) -> int:
         """The re-plans this run has spent of --max-failovers; -1 while the credit for a re-plan that rejoin's failure
@@ -368,14 +358,13 @@ class FleetFailover:
                                 f"{_remedy(bool(self.lost), reasons, f'{error} {failure}')}, then run this again)"
                                 ) from error
 
-    async def _redeploy(self, wait: bool = True) -> DeployReport:
+    async def _redeploy(self, lock_held: bool = False) -> DeployReport:
         """The deployment to go on with, under the data dir's deploy lock (waited for: another deploy may be saving
         the way on): one saved since this run's chain was opened that leaves out every PC lost in this run (another
         run on the same deployment re-planned first, or an admin deployed anew), else a re-plan with the settings
         saved last. Before, a second run's failover was refused at once while the first one's re-plan deployed,
         and ended; and a re-plan that read the settings before an admin's deploy saved its own overwrote it.
-        `wait` False (a run's start re-planning for PCs that are back): FailoverError at once while another deploy
-        runs, which will save a deployment of its own."""
+        `lock_held`: the caller holds the deploy lock already (a run's start re-planning for PCs that are back)."""
         self._adopted = False
         if self._model_id is not None and (now := model_id_of(self.model_dir)) != self._model_id:
             # exported again mid-run: a chain of the new export would carry on the run's streams with another
@@ -383,7 +372,7 @@ class FleetFailover:
             raise FailoverError(f"{self.model_dir} was exported again during this run ({self._model_id} is now "
                                 f"{now}): the run cannot go on on another model; `fleet deploy` the new export and "
                                 "run this again")
-        async with self._deploy_lock(wait):
+        async with contextlib.nullcontext() if lock_held else self._deploy_lock():
             self.hostnames = self.store.hostnames()  # a PC that joined since the run began may be in the new chain
             adopted = self._deployed_meanwhile()
             if adopted is not None:
@@ -406,9 +395,9 @@ class FleetFailover:
         return report
 
     @contextlib.asynccontextmanager
-    async def _deploy_lock(self, wait: bool = True) -> AsyncIterator[None]:
+    async def _deploy_lock(self) -> AsyncIterator[None]:
         """Hold the data dir's deploy lock, waiting up to DEPLOY_LOCK_WAIT_S for another deploy to let it go
-        (said once); FailoverError when it does not (at once, `wait` False)."""
+        (said once); FailoverError when it does not."""
         # not the lock's own words ("let it finish, then deploy again": advice for `fleet deploy`), nor its pid, which
         # a holder that has just taken the lock may not have written yet
         under_way = f"the deploy under way from {self.store.data_dir} (another run's re-plan, or a `fleet deploy`)"
@@ -420,8 +409,6 @@ class FleetFailover:
                     held.enter_context(self.store.deploying())
                     break
                 except FleetStoreError:
-                    if not wait:
-                        raise _DeployUnderWay(f"{under_way} is not finished") from None
                     if time.monotonic() >= deadline:
                         raise FailoverError(f"{self._break_text}; its re-plan waited {DEPLOY_LOCK_WAIT_S:.0f} s for "
                                             f"{under_way} to finish: run this again once it has") from None

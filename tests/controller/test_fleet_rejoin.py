@@ -228,19 +228,6 @@ def test_a_run_goes_on_on_the_deployment_on_record_when_the_re_plan_for_a_pc_bac
     assert failover._survey_options().recheck == frozenset()
 
 
-def test_a_run_does_not_wait_for_another_deploy_to_take_a_pc_back(store: FleetStore, tiny_export: Path,
-                                                                   b_is_back: list[dict[str, object]]) -> None:
-    notes: list[str] = []
-    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=notes.append)
-    with contextlib.ExitStack() as other_deploy:
-        other_deploy.enter_context(store.deploying())  # an admin's deploy under way saves a deployment of its own
-        assert failover.rejoin() is None
-    assert b_is_back == []
-    assert len(notes) == 1 and notes[0].endswith("the run goes on on the deployment on record: the deploy under way "
-                                                 f"from {store.data_dir} (another run's re-plan, or a `fleet deploy`) "
-                                                 "is not finished"), notes
-
-
 def test_a_run_starts_on_the_deployed_chain_when_no_pc_is_back(store: FleetStore, tiny_export: Path,
                                                                b_is_back: list[dict[str, object]]) -> None:
     _registered(store, B, "2026-12-01T07:00:00+00:00")  # its last registration is older than the re-plan
@@ -298,7 +285,7 @@ def test_a_re_plan_for_a_pc_back_that_fails_is_no_failure_of_the_run(store: Flee
     async def broken(*args: object, **kwargs: object) -> None:
         raise FailoverError("the survey failed")
 
-    monkeypatch.setattr(FleetFailover, "_redeploy", lambda self, wait=True: broken())
+    monkeypatch.setattr(FleetFailover, "_redeploy", lambda self, lock_held=False: broken())
     notes: list[str] = []
     assert FleetFailover(store, tiny_export, max_failovers=2, notify=notes.append).rejoin() is None
     assert notes[0].endswith("the run goes on on the deployment on record: the survey failed")
@@ -369,16 +356,56 @@ def test_a_pc_a_run_could_not_take_back_is_tried_again_only_after_it_registers_a
     assert pcs_back(store, tiny_export) is not None  # it called in again: worth another try
 
 
-def test_a_run_opening_a_chain_another_runs_start_replaces_has_its_first_failover_free(
-        store: FleetStore, tiny_export: Path, b_is_back: list[dict[str, object]]) -> None:
-    failover = FleetFailover(store, tiny_export, max_failovers=0, notify=lambda note: None)
+def test_a_deploy_that_does_not_finish_in_time_leaves_the_run_its_first_failover_free(
+        store: FleetStore, tiny_export: Path, b_is_back: list[dict[str, object]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fleet_failover, "DEPLOY_LOCK_WAIT_S", 0.2)
+    monkeypatch.setattr(fleet_failover, "_LOCK_POLL_S", 0.02)
+    notes: list[str] = []
+    failover = FleetFailover(store, tiny_export, max_failovers=0, notify=notes.append)
     with contextlib.ExitStack() as other_deploy:
-        other_deploy.enter_context(store.deploying())
+        other_deploy.enter_context(store.deploying())  # a long deploy under way: it may replace what the run opens
         assert failover.rejoin() is None
+    assert b_is_back == [] and failover.rejoined[0]["problem"] == "the deploy under way did not finish in 0 s"
+    assert notes == [f"agent bbbbbbbbbbbb on desk-b called in since the re-plan at 2026-12-01 08:00:00 UTC that left "
+                     f"it out: the run waits for the deploy under way from {store.data_dir} (another run's, or a "
+                     f"`fleet deploy`) to finish"]
     assert failover._spent() == -1
     chain = failover(fleet_failover.ChainError("agent aaaaaaaaaaaa: the link closed", A), opening=True)
     assert chain.stages == ADMINS  # re-planned (the fixture's deploy), --max-failovers 0 notwithstanding
     assert failover._spent() == 0 and pcs_back(store, tiny_export) is None  # the credit is spent, nothing is back
+
+
+def test_the_deploy_lock_is_held_from_the_count_of_runs_to_the_end_of_the_re_plan(
+        store: FleetStore, tiny_export: Path, b_is_back: list[dict[str, object]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # counted before the lock was taken, a run starting a moment after another's count opened the old chain, which
+    # that one's deploy then replaced under it (1 of 12 pairs started together, in a walk)
+    held_when: list[bool] = []
+
+    def count(store: FleetStore, model_id: str) -> int:
+        with contextlib.suppress(fleet_deploy.FleetStoreError):
+            with store.deploying():
+                held_when.append(False)
+                return 0
+        held_when.append(True)
+        return 0
+
+    monkeypatch.setattr(fleet_failover, "others_driving", count)
+    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=lambda note: None)
+    assert failover.rejoin() is not None
+    assert held_when == [True] and len(b_is_back) == 2  # counted under the lock, then surveyed and deployed
+
+
+def test_a_deploy_lock_that_cannot_be_opened_is_a_note(store: FleetStore, tiny_export: Path,
+                                                       b_is_back: list[dict[str, object]]) -> None:
+    from deskfleet.controller.fleet_store import DEPLOY_LOCK
+
+    (store.data_dir / DEPLOY_LOCK).unlink(missing_ok=True)
+    (store.data_dir / DEPLOY_LOCK).symlink_to(store.data_dir / "elsewhere")  # refused: a link
+    notes: list[str] = []
+    assert FleetFailover(store, tiny_export, max_failovers=2, notify=notes.append).rejoin() is None
+    assert b_is_back == [] and "the run goes on on the deployment on record: the lock file" in notes[0]
 
 
 def test_a_new_chain_that_does_not_open_is_re_planned_around_without_costing_the_budget(
