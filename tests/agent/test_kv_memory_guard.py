@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from deskfleet.agent.kv_memory_guard import MIB, KvGrowth, KvMemoryGuard, KvMemoryRefused
+from tests.fake_clock import FakeClock
 
 
 class Memory:
@@ -21,14 +22,6 @@ class Memory:
         return None if self.free is None else (self.free, self.total)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_growth_is_bounded_from_the_step_alone() -> None:
     assert KvGrowth(rows=1, slots=40, held_rows=0, held_slots=0).slot_count == 40  # a first prompt
     assert KvGrowth(rows=4, slots=101, held_rows=4, held_slots=100).slot_count == 4  # a decode step of 4 rows
@@ -38,7 +31,7 @@ def test_growth_is_bounded_from_the_step_alone() -> None:
 
 
 def test_steps_within_the_last_reading_are_let_grow_without_reading_again() -> None:
-    memory, clock = Memory(1024 * MIB), Clock()
+    memory, clock = Memory(1024 * MIB), FakeClock(100.0)
     guard = KvMemoryGuard(memory, floor_bytes=512 * MIB, recheck_s=1.0, clock=clock)
     for _ in range(5):
         guard.admit(100 * MIB, lambda: "a step")  # 500 of the 512 MiB above the floor
@@ -60,7 +53,7 @@ def test_steps_within_the_last_reading_are_let_grow_without_reading_again() -> N
 
 
 def test_memory_given_back_counts_from_the_next_reading() -> None:
-    memory, clock = Memory(600 * MIB), Clock()
+    memory, clock = Memory(600 * MIB), FakeClock(100.0)
     guard = KvMemoryGuard(memory, floor_bytes=512 * MIB, clock=clock)
     guard.admit(80 * MIB, lambda: "a step")
     memory.free = 2048 * MIB  # a micro-batch released
@@ -69,7 +62,7 @@ def test_memory_given_back_counts_from_the_next_reading() -> None:
 
 
 def test_unknown_memory_refuses_nothing_and_is_asked_again_a_second_on() -> None:
-    memory, clock = Memory(None), Clock()
+    memory, clock = Memory(None), FakeClock(100.0)
     guard = KvMemoryGuard(memory, floor_bytes=512 * MIB, clock=clock)
     guard.admit(64 << 30, lambda: "a step")
     guard.admit(64 << 30, lambda: "a step")
@@ -86,7 +79,7 @@ def test_a_memory_reading_that_fails_refuses_nothing_and_is_logged_once(caplog: 
     def broken() -> tuple[int, int]:
         raise PermissionError(13, "Permission denied", "/sys/fs/cgroup/x/memory.max")
 
-    clock = Clock()
+    clock = FakeClock(100.0)
     guard = KvMemoryGuard(broken, floor_bytes=512 * MIB, clock=clock)
     for _ in range(3):
         guard.admit(64 << 30, lambda: "a step")

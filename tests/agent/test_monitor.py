@@ -22,19 +22,12 @@ from deskfleet.agent.monitor import (
 from deskfleet.agent.shard_cache import CacheUsage
 from deskfleet.agent.status import make_status
 from deskfleet.common.availability import AvailabilityPolicy, MonitorReading
+from tests.fake_clock import FakeClock
 
 
 def write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def fake_probes(battery: tuple[float | None, bool | None] | None = (80.0, True)) -> HostProbes:
@@ -78,7 +71,7 @@ def add_client(proc: Path, pid: int, fd: int, fdinfo: str) -> None:
 
 
 def test_fdinfo_i915_engine_busy_rate(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     sampler = DrmFdinfoSampler(tmp_path, clock)
     assert sampler.sample() is None  # nothing visible
     (tmp_path / "77" / "fd").mkdir(parents=True)
@@ -95,7 +88,7 @@ def test_fdinfo_i915_engine_busy_rate(tmp_path: Path) -> None:
 
 
 def test_fdinfo_xe_cycles_rate(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     sampler = DrmFdinfoSampler(tmp_path, clock)
     client = "drm-driver: xe\ndrm-client-id: 3\ndrm-cycles-rcs: {c}\ndrm-total-cycles-rcs: {t}\n"
     add_client(tmp_path, 20, 3, client.format(c=100, t=1000))
@@ -109,7 +102,7 @@ def test_host_monitor_on_linux_reads_the_fake_tree(tmp_path: Path) -> None:
     write(tmp_path / "sys/class/hwmon/hwmon0/temp1_input", "70000")
     write(tmp_path / "sys/class/drm/card0/device/gpu_busy_percent", "55")
     monitor: SystemMonitor = HostMonitor(sysfs_root=tmp_path / "sys", proc_root=tmp_path / "proc",
-                                         platform="linux", probes=fake_probes(), clock=FakeClock())
+                                         platform="linux", probes=fake_probes(), clock=FakeClock(100.0))
     reading = monitor.read()
     assert (reading.cpu_load, reading.memory_free_bytes, reading.memory_total_bytes) == (0.25, 3, 10)
     assert (reading.battery_percent, reading.on_ac_power) == (80.0, True)
@@ -119,14 +112,14 @@ def test_host_monitor_on_linux_reads_the_fake_tree(tmp_path: Path) -> None:
 
 def test_missing_sensors_are_unknown(tmp_path: Path) -> None:
     monitor = HostMonitor(sysfs_root=tmp_path, proc_root=tmp_path, platform="linux",
-                          probes=fake_probes(battery=None), clock=FakeClock())
+                          probes=fake_probes(battery=None), clock=FakeClock(100.0))
     reading = monitor.read()
     assert (reading.battery_percent, reading.on_ac_power, reading.igpu_busy) == (None, None, None)
     assert reading.temperatures == () and reading.max_temperature_c is None
 
 
 def test_other_platforms_use_psutil_temperatures(tmp_path: Path) -> None:
-    monitor = HostMonitor(sysfs_root=tmp_path, platform="darwin", probes=fake_probes(), clock=FakeClock())
+    monitor = HostMonitor(sysfs_root=tmp_path, platform="darwin", probes=fake_probes(), clock=FakeClock(100.0))
     reading = monitor.read()
     assert reading.temperatures == (TemperatureReading("psutil/x", 40.0),) and reading.igpu_busy is None
 
@@ -136,7 +129,7 @@ def test_other_platforms_use_psutil_temperatures(tmp_path: Path) -> None:
 def test_battery_percent_is_clamped_and_reaches_the_wire(tmp_path: Path, percent: float | None,
                                                         shown: float | None) -> None:
     monitor = HostMonitor(sysfs_root=tmp_path, proc_root=tmp_path, platform="linux",
-                          probes=fake_probes(battery=(percent, False)), clock=FakeClock())
+                          probes=fake_probes(battery=(percent, False)), clock=FakeClock(100.0))
     reading = monitor.read()
     assert (reading.battery_percent, reading.on_ac_power) == (shown, False)
     cache = CacheUsage(used_bytes=0, limit_bytes=1, shard_count=0, partial_count=0, pinned_bytes=0)
@@ -151,7 +144,7 @@ def test_a_probe_that_raises_is_unknown_and_logged_once(tmp_path: Path, caplog: 
                         temperatures=lambda: ())
     caplog.set_level(logging.DEBUG, logger="deskfleet.agent.monitor")
     monitor = HostMonitor(sysfs_root=tmp_path, proc_root=tmp_path, platform="linux", probes=probes,
-                          clock=FakeClock())
+                          clock=FakeClock(100.0))
     for _ in range(3):
         reading = monitor.read()
         assert (reading.battery_percent, reading.on_ac_power) == (None, None)
@@ -174,7 +167,7 @@ def test_the_kv_memory_guard_reads_the_memory_probe_alone_and_unknown_is_none(tm
         raise AssertionError("the whole monitor was read")
 
     monitor = HostMonitor(sysfs_root=tmp_path, proc_root=tmp_path, platform="linux", probes=fake_probes(),
-                          clock=FakeClock())
+                          clock=FakeClock(100.0))
     monitor._igpu_busy = no_gpu_reading  # type: ignore[method-assign]
     assert available_memory_reader(monitor)() == (3, 10)
 
@@ -182,7 +175,7 @@ def test_the_kv_memory_guard_reads_the_memory_probe_alone_and_unknown_is_none(tm
         raise OSError("no /proc/meminfo")
 
     broken = HostMonitor(sysfs_root=tmp_path, proc_root=tmp_path, platform="linux",
-                         probes=HostProbes(cpu_load=lambda: 0.0, memory=refused), clock=FakeClock())
+                         probes=HostProbes(cpu_load=lambda: 0.0, memory=refused), clock=FakeClock(100.0))
     assert available_memory_reader(broken)() is None  # unknown: the guard refuses nothing
 
     class Fake:

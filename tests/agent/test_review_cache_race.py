@@ -40,17 +40,9 @@ from deskfleet.common.wire import (
     StageRef,
 )
 from tests.agent.test_core import FakeLink, core, handle  # noqa: F401 (the core fixture)
+from tests.fake_clock import FakeClock
 
 WAIT_S = 30.0  # only a bound for a broken run: the events, not this, order the two operations
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
 
 
 class LinkGate:
@@ -104,7 +96,7 @@ def build_stopped_in_its_first_link(pool: ThreadPoolExecutor, gate: LinkGate, ca
 
 def test_an_eviction_while_a_view_is_built_leaves_the_half_built_folder_alone(
         tmp_path: Path, gate: LinkGate, worker: ThreadPoolExecutor) -> None:
-    cache = ShardCache(tmp_path, 3000, FakeClock())
+    cache = ShardCache(tmp_path, 3000, FakeClock(1_000_000.0, tick=1.0))
     (weights, weights_sha), (old, old_sha) = blob(1, 1000), blob(2, 1000)
     fill(cache, old, old_sha)  # another model's shard, unpinned and least recently used
     fill(cache, weights, weights_sha)
@@ -123,7 +115,7 @@ def test_an_eviction_while_a_view_is_built_leaves_the_half_built_folder_alone(
 
 def test_the_shards_a_build_links_are_held_and_a_shard_needing_their_room_is_refused_naming_why(
         tmp_path: Path, gate: LinkGate, worker: ThreadPoolExecutor) -> None:
-    cache = ShardCache(tmp_path, 2000, FakeClock())
+    cache = ShardCache(tmp_path, 2000, FakeClock(1_000_000.0, tick=1.0))
     weights, weights_sha = blob(4, 1000)
     fill(cache, weights, weights_sha)  # nobody pins it: only the build in progress uses it
     building = build_stopped_in_its_first_link(worker, gate, cache, "stage-0-2", {"w.bin": weights_sha})
@@ -148,7 +140,7 @@ def test_copies_in_a_held_view_count_as_held_and_nothing_is_evicted_for_a_shard_
     def no_links(*args: object) -> None:
         raise OSError(errno.EPERM, "hard links not supported")
 
-    cache = ShardCache(tmp_path, 3000, FakeClock())
+    cache = ShardCache(tmp_path, 3000, FakeClock(1_000_000.0, tick=1.0))
     (weights, weights_sha), (old, old_sha) = blob(6, 1000), blob(7, 500)
     fill(cache, weights, weights_sha)
     fill(cache, old, old_sha)

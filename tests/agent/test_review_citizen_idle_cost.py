@@ -15,18 +15,11 @@ import pytest
 
 from deskfleet.agent import monitor as monitor_module
 from deskfleet.agent.monitor import HostMonitor, HostProbes
+from tests.fake_clock import FakeClock
 
 PROCESSES = 150
 FDS_EACH = 20
 CLIENT = "drm-driver:\ti915\ndrm-pdev:\t0000:00:02.0\ndrm-client-id:\t{client}\ndrm-engine-render:\t{busy} ns\n"
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def desktop_processes(proc: Path) -> None:
@@ -78,7 +71,7 @@ def test_a_pc_without_an_intel_gpu_reads_no_process_file_handles(tmp_path: Path,
     desktop_processes(tmp_path / "proc")
     (tmp_path / "sys").mkdir()
     calls = count_readlinks(monkeypatch)
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     host = monitor(tmp_path, clock)
     for _ in range(30):  # a minute of limits checks while serving
         clock.now += 2.0
@@ -93,7 +86,7 @@ def test_an_intel_gpu_client_is_measured_without_walking_every_handle_every_read
     intel_gpu(sysfs)
     gpu_client(proc, 500, client=7, busy_ns=10_000_000_000)
     calls = count_readlinks(monkeypatch)
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     host = monitor(tmp_path, clock)
     busy = 10_000_000_000
     readings = []
@@ -113,7 +106,7 @@ def test_a_gpu_client_first_seen_late_is_not_counted_busy_for_its_whole_life(tmp
     proc, sysfs = tmp_path / "proc", tmp_path / "sys"
     intel_gpu(sysfs, driver="xe")
     (proc / "1").mkdir(parents=True)
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     host = monitor(tmp_path, clock)
     readings = []
     for step in range(40):

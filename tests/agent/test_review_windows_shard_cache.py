@@ -16,6 +16,7 @@ import pytest
 
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common.wire import ShardChunk
+from tests.fake_clock import FakeClock
 
 _real_unlink = os.unlink
 
@@ -33,15 +34,6 @@ def windows(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "remove", _windows_unlink)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
-
-
 def shard(cache: ShardCache, seed: int, size: int = 1000) -> str:
     data = random.Random(seed).randbytes(size)
     sha = hashlib.sha256(data).hexdigest()
@@ -51,7 +43,7 @@ def shard(cache: ShardCache, seed: int, size: int = 1000) -> str:
 
 
 def test_a_full_cache_evicts_its_oldest_shard_on_windows(tmp_path: Path, windows: None) -> None:
-    cache = ShardCache(tmp_path, 2500, Clock())
+    cache = ShardCache(tmp_path, 2500, FakeClock(1_000_000.0, tick=1.0))
     first, second = shard(cache, 1), shard(cache, 2)
     third = shard(cache, 3)  # room for it: the first goes
     assert not cache.has(first) and cache.has(second) and cache.has(third)
@@ -59,7 +51,7 @@ def test_a_full_cache_evicts_its_oldest_shard_on_windows(tmp_path: Path, windows
 
 def test_a_released_stages_view_goes_and_the_stage_can_be_built_again_on_windows(tmp_path: Path,
                                                                                   windows: None) -> None:
-    cache = ShardCache(tmp_path, 1 << 20, Clock())
+    cache = ShardCache(tmp_path, 1 << 20, FakeClock(1_000_000.0, tick=1.0))
     sha = shard(cache, 1)
     view = cache.materialize("model-0-2", {"layer_0.bin": sha})
     cache.remove_view("model-0-2")  # the stage released
@@ -71,7 +63,7 @@ def test_a_released_stages_view_goes_and_the_stage_can_be_built_again_on_windows
 
 def test_a_cache_an_earlier_version_marked_read_only_is_tidied_and_evicted_on_windows(tmp_path: Path,
                                                                                        windows: None) -> None:
-    cache = ShardCache(tmp_path, 1 << 20, Clock())
+    cache = ShardCache(tmp_path, 1 << 20, FakeClock(1_000_000.0, tick=1.0))
     old, corrupted = shard(cache, 1), shard(cache, 2)
     view = cache.materialize("model-0-2", {"layer_0.bin": old})
     for sha in (old, corrupted):
@@ -87,5 +79,5 @@ def test_a_cache_an_earlier_version_marked_read_only_is_tidied_and_evicted_on_wi
 
 
 def test_blobs_stay_read_only_off_windows(tmp_path: Path) -> None:
-    cache = ShardCache(tmp_path, 1 << 20, Clock())
+    cache = ShardCache(tmp_path, 1 << 20, FakeClock(1_000_000.0, tick=1.0))
     assert stat.S_IMODE(cache.path(shard(cache, 1)).stat().st_mode) == 0o444

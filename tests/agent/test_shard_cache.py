@@ -11,15 +11,7 @@ import pytest
 from deskfleet.agent.shard_cache import CacheFull, ShardCache, ShardCacheError, ShardMismatch
 from deskfleet.common.model_spec import Manifest, load_manifest
 from deskfleet.common.wire import ShardChunk, ShardOffset
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
+from tests.fake_clock import FakeClock
 
 
 def blob(seed: int, size: int) -> tuple[bytes, str]:
@@ -34,13 +26,13 @@ def fill(cache: ShardCache, data: bytes, sha: str, chunk: int = 100) -> None:
 
 
 def test_chunks_resume_and_verify(tmp_path: Path) -> None:
-    cache = ShardCache(tmp_path, 10_000, FakeClock())
+    cache = ShardCache(tmp_path, 10_000, FakeClock(1_000_000.0, tick=1.0))
     data, sha = blob(1, 1000)
     assert cache.begin(sha, 1000) == 0
     assert cache.write(sha, 0, data[:300]) == 300
     assert cache.have([sha]).partial == (ShardOffset(sha, 300),)
     # A new cache over the same dir (agent restart) resumes at the same offset.
-    cache = ShardCache(tmp_path, 10_000, FakeClock())
+    cache = ShardCache(tmp_path, 10_000, FakeClock(1_000_000.0, tick=1.0))
     assert cache.partial_offset(sha) == 300 and cache.begin(sha, 1000) == 300
     assert cache.write(sha, 300, data[300:]) == 1000
     path = cache.complete(sha)
@@ -50,7 +42,7 @@ def test_chunks_resume_and_verify(tmp_path: Path) -> None:
 
 
 def test_out_of_order_overflow_and_unbegun_chunks_are_rejected(tmp_path: Path) -> None:
-    cache = ShardCache(tmp_path, 10_000, FakeClock())
+    cache = ShardCache(tmp_path, 10_000, FakeClock(1_000_000.0, tick=1.0))
     data, sha = blob(2, 500)
     with pytest.raises(ShardCacheError, match="not begun"):
         cache.write(sha, 0, data)
@@ -70,7 +62,7 @@ def test_out_of_order_overflow_and_unbegun_chunks_are_rejected(tmp_path: Path) -
 
 
 def test_corrupted_shard_is_discarded(tmp_path: Path) -> None:
-    cache = ShardCache(tmp_path, 10_000, FakeClock())
+    cache = ShardCache(tmp_path, 10_000, FakeClock(1_000_000.0, tick=1.0))
     data, sha = blob(3, 200)
     cache.begin(sha, 200)
     cache.write(sha, 0, bytes(200))
@@ -82,7 +74,7 @@ def test_corrupted_shard_is_discarded(tmp_path: Path) -> None:
 
 
 def test_size_change_restarts_the_partial(tmp_path: Path) -> None:
-    cache = ShardCache(tmp_path, 10_000, FakeClock())
+    cache = ShardCache(tmp_path, 10_000, FakeClock(1_000_000.0, tick=1.0))
     _, sha = blob(4, 100)
     cache.begin(sha, 100)
     cache.write(sha, 0, b"x" * 50)
@@ -90,7 +82,7 @@ def test_size_change_restarts_the_partial(tmp_path: Path) -> None:
 
 
 def test_lru_eviction_skips_pinned_and_recently_used(tmp_path: Path) -> None:
-    cache = ShardCache(tmp_path, 3000, FakeClock())
+    cache = ShardCache(tmp_path, 3000, FakeClock(1_000_000.0, tick=1.0))
     shards = [blob(10 + index, 1000) for index in range(3)]
     for data, sha in shards:
         fill(cache, data, sha)
@@ -111,13 +103,13 @@ def test_lru_eviction_skips_pinned_and_recently_used(tmp_path: Path) -> None:
 
 
 def test_limit_smaller_than_a_shard(tmp_path: Path) -> None:
-    cache = ShardCache(tmp_path, 100, FakeClock())
+    cache = ShardCache(tmp_path, 100, FakeClock(1_000_000.0, tick=1.0))
     with pytest.raises(CacheFull, match="limit is 100"):
         cache.begin(blob(5, 101)[1], 101)
 
 
 def test_materialize_names_files_as_the_manifest_does(tmp_path: Path) -> None:
-    cache = ShardCache(tmp_path / "cache", 10_000, FakeClock())
+    cache = ShardCache(tmp_path / "cache", 10_000, FakeClock(1_000_000.0, tick=1.0))
     xml, xml_sha = blob(30, 300)
     weights, bin_sha = blob(31, 400)
     fill(cache, xml, xml_sha)
@@ -139,7 +131,7 @@ def test_materialize_names_files_as_the_manifest_does(tmp_path: Path) -> None:
 def test_materialize_manifest_gives_a_folder_the_stage_can_load(tmp_path: Path) -> None:
     from deskfleet.common.model_spec import FileEntry, ModelSpec, WeightFormat
 
-    cache = ShardCache(tmp_path / "cache", 10_000, FakeClock())
+    cache = ShardCache(tmp_path / "cache", 10_000, FakeClock(1_000_000.0, tick=1.0))
     files = {}
     for index, name in enumerate(("rope.xml", "rope.bin", "embed.xml", "embed.bin")):
         data, sha = blob(40 + index, 50)
@@ -156,7 +148,7 @@ def test_materialize_manifest_gives_a_folder_the_stage_can_load(tmp_path: Path) 
 
 
 def test_import_file(tmp_path: Path) -> None:
-    cache = ShardCache(tmp_path / "cache", 10_000, FakeClock())
+    cache = ShardCache(tmp_path / "cache", 10_000, FakeClock(1_000_000.0, tick=1.0))
     source = tmp_path / "f.bin"
     data, sha = blob(50, 123)
     source.write_bytes(data)
@@ -164,7 +156,7 @@ def test_import_file(tmp_path: Path) -> None:
 
 
 def test_a_shard_that_cannot_fit_is_refused_before_anything_is_evicted(tmp_path: Path) -> None:
-    cache = ShardCache(tmp_path, 3000, FakeClock())
+    cache = ShardCache(tmp_path, 3000, FakeClock(1_000_000.0, tick=1.0))
     shards = [blob(30 + index, 1000) for index in range(3)]
     for data, sha in shards:
         fill(cache, data, sha)
@@ -182,7 +174,7 @@ def test_interleaved_shards_reserve_their_whole_size_and_cannot_pass_the_limit(t
     # Begun with a first byte each, then filled: counting only the bytes held let 4 shards of the limit's size
     # each land on disk (4x the limit). A partial shard now holds room for all of itself from the start.
     limit = 4000
-    cache = ShardCache(tmp_path, limit, FakeClock())
+    cache = ShardCache(tmp_path, limit, FakeClock(1_000_000.0, tick=1.0))
     first, first_sha = blob(1, 3000)
     second, second_sha = blob(2, 3000)
     assert cache.begin(first_sha, len(first)) == 0
@@ -203,7 +195,7 @@ def test_interleaved_shards_reserve_their_whole_size_and_cannot_pass_the_limit(t
 def test_a_stage_too_big_for_the_cache_is_refused_whole_before_anything_is_evicted(tmp_path: Path) -> None:
     # Pushed file by file, such a stage evicted another model's shard and its own first files, then failed
     # with "did not keep ...". Reserved whole, it is refused at once; one that fits keeps its files.
-    cache = ShardCache(tmp_path, 1000, FakeClock())
+    cache = ShardCache(tmp_path, 1000, FakeClock(1_000_000.0, tick=1.0))
     other, other_sha = blob(1, 300)
     fill(cache, other, other_sha)
     stage = [blob(10 + index, 400) for index in range(3)]

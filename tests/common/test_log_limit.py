@@ -1,18 +1,11 @@
 from __future__ import annotations
 
 from deskfleet.common.log_limit import LogEvery
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fake_clock import FakeClock
 
 
 def test_a_key_is_due_first_then_once_an_interval_each_key_on_its_own() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     limit = LogEvery(clock)
     assert limit.due("pc1", 60.0) and not limit.due("pc1", 60.0)
     assert limit.due("pc2", 60.0)  # another key: due at once
@@ -24,7 +17,7 @@ def test_a_key_is_due_first_then_once_an_interval_each_key_on_its_own() -> None:
 
 
 def test_past_its_bound_it_forgets_every_key() -> None:
-    limit = LogEvery(Clock(), max_keys=2)
+    limit = LogEvery(FakeClock(100.0), max_keys=2)
     assert limit.due("a", 60.0) and limit.due("b", 60.0)
     assert limit.due("c", 60.0)  # a third key: the two before are forgotten
     assert limit.due("a", 60.0) and not limit.due("c", 60.0)

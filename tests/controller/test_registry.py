@@ -8,20 +8,13 @@ from deskfleet.common.agent_state import AgentState
 from deskfleet.common.discovery_record import AgentRecord
 from deskfleet.common.wire import ProtocolError
 from deskfleet.controller.registry import DiscoverySource, Registry, Sighting
+from tests.fake_clock import FakeClock
 
 A, B = "a" * 52, "b" * 52
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def make(ttl: float = 10.0) -> tuple[Registry, FakeClock]:
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     return Registry(ttl_s=ttl, clock=clock), clock
 
 

@@ -17,21 +17,14 @@ from deskfleet.controller.fleet_server import FleetServer
 from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.shared_identity import SharedIdentityWatch
 from tests.controller.test_fleet_ca import with_server
+from tests.fake_clock import FakeClock
 from tests.fleet_pki import make_member
 
 DESK_A, DESK_B = ("10.0.0.5:7341",), ("10.0.0.9:7341",)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_two_pcs_taking_turns_are_named_once_a_window() -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     watch = SharedIdentityWatch(window_s=600.0, clock=clock)
     assert watch.takeover("a" * 64, DESK_A, DESK_B) is None  # one move: a laptop on another network
     clock.now += 5
@@ -48,7 +41,7 @@ def test_two_pcs_taking_turns_are_named_once_a_window() -> None:
 
 
 def test_a_pc_calling_in_again_or_moving_away_and_back_slowly_is_not_a_clash() -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     watch = SharedIdentityWatch(window_s=600.0, clock=clock)
     for _ in range(5):  # its old link not yet found dead: the same addresses
         assert watch.takeover("b" * 64, DESK_A, DESK_A) is None
