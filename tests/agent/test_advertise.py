@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import socket
 import threading
 
@@ -19,12 +18,13 @@ from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 from deskfleet.agent.advertise import Advertiser, interface_addresses
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.discovery_record import MEMORY_STEP_BYTES, SERVICE_TYPE, AgentRecord
+from tests.run_ids import run_random
 
 LOOPBACK = "127.0.0.1"
 
 
 def make_record(seed: int, **overrides: object) -> AgentRecord:
-    generator = random.Random(seed)
+    generator = run_random(seed)
     fields: dict[str, object] = dict(
         agent_id="".join(generator.choice("abcdefghijklmnopqrstuvwxyz234567") for _ in range(52)),
         fleet_id="".join(generator.choice("0123456789abcdef") for _ in range(16)), version="0.1.0",

@@ -28,10 +28,14 @@ from deskfleet.controller.fleet_store import FleetStore
 from tests.agent.test_core import FakeMonitor
 from tests.controller.test_fleet_ca import token_for
 from tests.ports import free_port
+from tests.run_ids import RUN, run_agent_id, run_fleet_id
 
 LOOPBACK = "127.0.0.1"
-FLEET = "0123456789abcdef"
-CONTROLLER = "c" * 52
+FLEET = run_fleet_id("fleet")
+CONTROLLER = run_agent_id("controller")
+FORGED = run_agent_id("forged")
+OTHER_CONTROLLER, OTHER_FLEETS = run_agent_id("another controller"), run_agent_id("another fleet's")
+OTHER_FLEET = run_fleet_id("another fleet")
 
 
 def test_a_controller_record_round_trips_and_refuses_what_is_not_one() -> None:
@@ -51,19 +55,19 @@ def test_a_controller_record_round_trips_and_refuses_what_is_not_one() -> None:
 
 def test_the_search_returns_only_this_fleets_controller() -> None:
     async def scenario() -> tuple[list[str], list[str], list[str]]:
-        others = [Advertiser(ControllerRecord("d" * 52, FLEET), 7001, [LOOPBACK]),  # another controller id
-                  Advertiser(ControllerRecord("e" * 52, "fedcba9876543210"), 7002, [LOOPBACK])]  # another fleet
+        others = [Advertiser(ControllerRecord(OTHER_CONTROLLER, FLEET), 7001, [LOOPBACK]),  # another controller id
+                  Advertiser(ControllerRecord(OTHER_FLEETS, OTHER_FLEET), 7002, [LOOPBACK])]  # another fleet
         forged = AsyncZeroconf(interfaces=[LOOPBACK])  # this controller's name with a TXT that is not a record
         await (await forged.async_register_service(AsyncServiceInfo(
-            CONTROLLER_SERVICE_TYPE, f"{'f' * 52}.{CONTROLLER_SERVICE_TYPE}", addresses=[bytes([127, 0, 0, 1])],
-            port=7003, properties={"id": "f" * 52, "fleet": FLEET, "proto": "many"}, server="forged.local.")))
+            CONTROLLER_SERVICE_TYPE, f"{FORGED}.{CONTROLLER_SERVICE_TYPE}", addresses=[bytes([127, 0, 0, 1])],
+            port=7003, properties={"id": FORGED, "fleet": FLEET, "proto": "many"}, server=f"forged-{RUN}.local.")))
         try:
             for other in others:
                 await other.start()
             before = await find_controller(FLEET, CONTROLLER, [LOOPBACK], search_s=1.5)
             async with Advertiser(ControllerRecord(CONTROLLER, FLEET), 7000, [LOOPBACK]):
                 found = await find_controller(FLEET, CONTROLLER, [LOOPBACK])
-            forged_id = await find_controller(FLEET, "f" * 52, [LOOPBACK], search_s=1.5)
+            forged_id = await find_controller(FLEET, FORGED, [LOOPBACK], search_s=1.5)
         finally:
             for other in others:
                 await other.close()

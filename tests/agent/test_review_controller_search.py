@@ -33,10 +33,11 @@ from deskfleet.controller.fleet_store import FleetStore
 from tests.agent.test_core import FakeMonitor
 from tests.controller.test_fleet_ca import token_for
 from tests.ports import free_port
+from tests.run_ids import RUN, run_agent_id, run_fleet_id
 
 LOOPBACK = "127.0.0.1"
-FLEET = "0123456789abcdef"
-CONTROLLER = "c" * 52
+FLEET = run_fleet_id("fleet")
+CONTROLLER = run_agent_id("controller")
 
 Result = TypeVar("Result")
 
@@ -66,7 +67,7 @@ def test_a_flood_of_other_announcements_does_not_hide_the_controller() -> None:
     async def scenario() -> list[str]:
         flood = AsyncZeroconf(interfaces=[LOOPBACK])
         try:
-            await asyncio.gather(*(_register(flood, f"flood{n}", 7100 + n, [], {"id": "x"}) for n in range(12)))
+            await asyncio.gather(*(_register(flood, f"f{n}-{RUN}", 7100 + n, [], {"id": "x"}) for n in range(12)))
             search = asyncio.create_task(find_controller(FLEET, CONTROLLER, [LOOPBACK], search_s=10.0))
             await asyncio.sleep(0.3)
             async with Advertiser(ControllerRecord(CONTROLLER, FLEET), 7000, [LOOPBACK]):

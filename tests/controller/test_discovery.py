@@ -23,6 +23,7 @@ from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord
 from deskfleet.common.wire import Register
 from deskfleet.controller.discovery import ManualPeers, RegistrationDiscovery, ZeroconfDiscovery
 from deskfleet.controller.registry import DiscoverySource, Registry
+from tests.run_ids import RUN, run_random
 
 LOOPBACK = "127.0.0.1"
 
@@ -45,7 +46,7 @@ async def announced(records: list[AgentRecord], port: int, addresses: list[bytes
     """Announce `records` on loopback as anyone could: any port, any addresses (none: it never resolves)."""
     zeroconf = AsyncZeroconf(interfaces=[LOOPBACK], ip_version=IPVersion.V4Only)
     infos = [AsyncServiceInfo(SERVICE_TYPE, record.instance_name, addresses=addresses, port=port,
-                              properties=record.to_txt(), server=f"stranger-{index}.local.")
+                              properties=record.to_txt(), server=f"stranger-{RUN}-{index}.local.")
              for index, record in enumerate(records)]
     try:  # no probing first: a stranger would not
         await asyncio.gather(*[await zeroconf.async_register_service(info, cooperating_responders=True)
@@ -59,7 +60,7 @@ async def announced(records: list[AgentRecord], port: int, addresses: list[bytes
 def test_registration_checks_the_tls_identity() -> None:
     registry = Registry()
     source = RegistrationDiscovery(registry)
-    generator = random.Random(1)
+    generator = run_random(1)
     me, other = agent_id(generator), agent_id(generator)
     source.accept(Register(me, ("10.1.1.1:7431",)), peer_agent_id=me)
     entry = registry.get(me)
@@ -87,7 +88,7 @@ def test_manual_peers_become_dial_targets() -> None:
 
 
 def test_mdns_advertise_browse_update_and_goodbye_on_loopback() -> None:
-    generator = random.Random(2)
+    generator = run_random(2)
     fleet = "".join(generator.choice("0123456789abcdef") for _ in range(16))
     me, stranger = agent_id(generator), agent_id(generator)
     registry = Registry(ttl_s=60.0)
@@ -114,7 +115,7 @@ def test_mdns_advertise_browse_update_and_goodbye_on_loopback() -> None:
 
 def test_an_announcement_with_port_0_is_ignored_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     # It used to end the browse with a ProtocolError, and with it `fleet ls`, plan, deploy and failover.
-    generator = random.Random(3)
+    generator = run_random(3)
     fleet = "".join(generator.choice("0123456789abcdef") for _ in range(16))
     bad, good = (AgentRecord(agent_id(generator), fleet, "0.1.0", ("CPU",), 8 << 30, AgentState.AVAILABLE)
                  for _ in range(2))
@@ -141,7 +142,7 @@ def test_an_announcement_with_port_0_is_ignored_with_a_warning(caplog: pytest.Lo
 
 def test_announcements_that_never_resolve_delay_no_other() -> None:
     # Resolved one at a time for up to 3 s each, one of them kept a real agent out of a 2 s browse.
-    generator = random.Random(4)
+    generator = run_random(4)
     fleet = "".join(generator.choice("0123456789abcdef") for _ in range(16))
     ghosts = [AgentRecord(agent_id(generator), fleet, "0.1.0", ("CPU",), 8 << 30, AgentState.AVAILABLE)
               for _ in range(8)]

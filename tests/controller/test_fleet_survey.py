@@ -7,7 +7,6 @@ test_discovery.py)."""
 from __future__ import annotations
 
 import asyncio
-import random
 import socket
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,6 +31,7 @@ from deskfleet.controller.registry import DiscoverySource, Registry, Sighting
 from tests.agent.test_core import FakeMonitor
 from tests.fleet_pki import make_member
 from tests.ports import free_port
+from tests.run_ids import run_random
 
 LOOPBACK = "127.0.0.1"
 
@@ -47,7 +47,7 @@ def test_every_address_is_tried_and_a_fake_announcement_hides_no_agent(
     files = make_member(load_ca(store), tmp_path / "agent", "agent")
     settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
     core = AgentCore(files, settings, ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor())
-    generator = random.Random(5)
+    generator = run_random(5)
     gone = "".join(generator.choice("abcdefghijklmnopqrstuvwxyz234567") for _ in range(52))  # switched off
     port, stale, gone_port = free_port(), f"{LOOPBACK}:{free_port()}", f"{LOOPBACK}:{free_port()}"
     live = f"{LOOPBACK}:{port}"
@@ -139,7 +139,7 @@ class NobodyRemoved:
 
 
 def _agent_id(seed: int) -> str:
-    generator = random.Random(seed)
+    generator = run_random(seed)
     return "".join(generator.choice("abcdefghijklmnopqrstuvwxyz234567") for _ in range(52))
 
 

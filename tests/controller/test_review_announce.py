@@ -18,6 +18,7 @@ from deskfleet.common.discovery_record import CONTROLLER_SERVICE_TYPE
 from deskfleet.controller.fleet_server import FleetServer
 from deskfleet.controller.fleet_store import FleetStore
 from tests.ports import free_port
+from tests.run_ids import RUN
 
 LOOPBACK = "127.0.0.1"
 
@@ -38,7 +39,7 @@ def test_a_stranger_announcing_the_controllers_name_does_not_stop_fleet_serve(
     async def scenario() -> bool:
         squatter = AsyncZeroconf(interfaces=[LOOPBACK])
         squatted = AsyncServiceInfo(CONTROLLER_SERVICE_TYPE, name, addresses=[bytes([127, 0, 0, 1])], port=9,
-                                    properties={"x": "y"}, server="squatter.local.")
+                                    properties={"x": "y"}, server=f"squatter-{RUN}.local.")
         await (await squatter.async_register_service(squatted))
 
         async def announce_again() -> None:
