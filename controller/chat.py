@@ -540,9 +540,6 @@ def _open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discov
     mDNS for `discover_seconds` (None: FAILOVER_BROWSE_S) and dialling `peers` too. A PC that is already gone
     when the chain opens counts as the first failover. `drafting`: the run will verify drafts (warned of when the
     deployment's KV cache makes that inexact, and again when a re-plan goes on on one that does)."""
-    from deskfleet.common.model_spec import ManifestError
-
-    from .fleet_deploy import model_id_of
     from .fleet_failover import FleetFailover
     from .fleet_pipeline import ChainError, FleetPipeline
     from .fleet_runs import driving
@@ -554,9 +551,9 @@ def _open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discov
         failover = stack.enter_context(FleetFailover(store, model, max_failovers, survey_options=options,
                                                      drafting=drafting))
         failover.check_cache()
-        with suppress(OSError, ManifestError):  # no export there: opening the chain says so
+        if failover.model_id is not None:  # none: no export there, which opening the chain says
             # counted while the chain is open: a run's start does not re-plan under another's streams (rejoin)
-            stack.enter_context(driving(store, model_id_of(model)))
+            stack.enter_context(driving(store, failover.model_id))
         # a PC a run's re-plan left out that has called in since is taken back first (none: the deployed chain)
         rejoined = failover.rejoin()
         if rejoined is not None:

@@ -349,7 +349,7 @@ def _left_out_notes(store: FleetStore, agents: list[Any]) -> list[str]:
     """A line for each model whose deployment a run's re-plan saved without PCs of its admin's deploy: which, how
     each is now, and what takes it back (the next run on the model, for one that called in since; else a deploy).
     Such a model ran on fewer PCs than deployed with nothing in the list to say so."""
-    from deskfleet.controller.fleet_deploy import left_out_by_replans
+    from deskfleet.controller.fleet_deploy import left_out_by_replans, utc_text
     from deskfleet.controller.fleet_runs import others_driving
 
     found = {agent.agent_id: agent for agent in agents if agent.agent_id is not None}
@@ -368,7 +368,7 @@ def _left_out_notes(store: FleetStore, agents: list[Any]) -> list[str]:
             pcs.append(f"{agent_label(agent_id, hostnames)} ({state}{called_in})")
         placed = len(record.deployed) - len(record.left_out)
         lines.append(f"note: {record.model_id} runs on {placed} of the {len(record.deployed)} PCs its `fleet deploy` "
-                     f"placed: a run's re-plan at {record.replanned_at[:19].replace('T', ' ')} UTC went on without "
+                     f"placed: a run's re-plan at {utc_text(record.replanned_at)} went on without "
                      f"{', '.join(pcs)}; `deskfleet fleet deploy --model {shlex.quote(record.model_dir)}"
                      f"{store.data_dir_option}{record.deploy_options}` plans over every PC that answers")
     return lines

@@ -638,6 +638,15 @@ def left_out_by_replans(store: FleetStore) -> list[LeftOut]:
     return [left_out for left_out in found if left_out is not None]
 
 
+def utc_text(iso: str) -> str:
+    """A time the store wrote (ISO 8601) as notes give it: "2026-12-05 08:00:00 UTC"; the text as it is where it
+    cannot be read as one with a zone."""
+    try:
+        return _utc_time(iso).astimezone(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (ValueError, TypeError):
+        return iso
+
+
 # Private functions
 
 def _left_out(model_id: str, record: object, roster: dict[str, RosterEntry],

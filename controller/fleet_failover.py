@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import itertools
 import logging
 import time
@@ -61,6 +60,7 @@ from deskfleet.controller.fleet_deploy import (
     model_id_of,
     note_rejoin_tried,
     pcs_back,
+    utc_text,
 )
 from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
 from deskfleet.controller.fleet_runs import others_driving
@@ -193,6 +193,11 @@ class FleetFailover:
             self.notify(note)
         self._cache_note = note
 
+    @property
+    def model_id(self) -> str | None:
+        """The export the run started on (None: its folder held none then)."""
+        return self._model_id
+
     def rejoin(self) -> FleetPipeline | None:
         """At a run's start, before the deployed chain opens: when a run's re-plan left out PCs of the admin's
         deploy and one of them has called in since (fleet_deploy.pcs_back: restarted, or back on the network),
@@ -214,7 +219,7 @@ class FleetFailover:
             return None
         started, tried_at = time.perf_counter(), utc_now()
         names = ", ".join(self._name(agent_id) for agent_id in back.agents)
-        since = (f"since the re-plan at {_utc_text(back.replanned_at)} that left "
+        since = (f"since the re-plan at {utc_text(back.replanned_at)} that left "
                  f"{'it' if len(back.agents) == 1 else 'them'} out")
         entry: dict[str, object] = {"agents": list(back.agents), "replanned_at": back.replanned_at}
 
@@ -568,17 +573,6 @@ class FleetFailover:
         self._verdict = (f"{self._name(accused)} answers the controller{why}: it is kept in the plan (blamed again "
                          "in this run, it is left out)")
         log.warning("%s", self._verdict)
-
-
-def _utc_text(iso: str) -> str:
-    """An ISO 8601 time as notes give it: "2026-12-05 08:00:00 UTC" (the text as it is where it cannot be read)."""
-    try:
-        moment = datetime.datetime.fromisoformat(iso)
-    except ValueError:
-        return iso
-    if moment.tzinfo is None:
-        return iso
-    return moment.astimezone(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _remedy(lost: bool, reasons: frozenset[ExclusionReason], said: str = "") -> str:

@@ -64,6 +64,7 @@ class _Failover:
 
     def __init__(self, *args: object, drafting: bool = False, **kwargs: object) -> None:
         self.drafting = drafting
+        self.model_id: str | None = None  # the run is not counted among those driving the model
 
     def check_cache(self) -> None:
         _Failover.checked.append(self.drafting)
