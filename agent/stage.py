@@ -416,7 +416,7 @@ class Stage:
         model = build_stage_model(model_dir, manifest, layers, map_weights=weights != WEIGHTS_READ)
         properties = settings.properties(weight_group_size(model))
         self.compiled = core.compile_model(model, settings.device, properties)
-        log.info("compiled layers [%d, %d) on %s (%s)", layers.start, layers.stop, settings.device,
+        log.info("compiled layers [%d:%d] on %s (%s)", layers.start, layers.stop, settings.device,
                  settings.precision.value)
         self.weights_mapped = weights != WEIGHTS_READ
         if on_cpu:
@@ -436,7 +436,7 @@ class Stage:
                 self.compiled = core.compile_model(model, settings.device, properties)
                 self.weights_mapped = False
                 self.warm_up()
-            log.debug("layers [%d, %d): weights %s", layers.start, layers.stop,
+            log.debug("layers [%d:%d]: weights %s", layers.start, layers.stop,
                       "mapped (repacked by the plugin)" if self.weights_mapped else "read into memory")
             huge_pages.collapse_new_regions(memory_before)
 

@@ -151,7 +151,7 @@ class Manifest:
         """The IR stems a stage holding layers [start, stop) needs, in graph order."""
         if not 0 <= start < stop <= self.spec.num_layers:
             raise ManifestError(
-                f"layer range [{start}, {stop}) is outside the model's {self.spec.num_layers} layers")
+                f"layers [{start}:{stop}] are outside the model's {self.spec.num_layers} layers")
         stems = [self.ROPE_IR]
         if start == 0:
             stems.append(self.EMBED_IR)

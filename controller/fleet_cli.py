@@ -69,7 +69,7 @@ def add_fleet_commands(subparsers: Any) -> None:
 
     init = command("init", "create the fleet CA and this controller's certificate",
                    "Then keep `fleet serve` running, and make a token for each PC with `fleet token`.")
-    init.add_argument("--name", default="deskfleet", help="fleet name in the CA certificate")
+    init.add_argument("--name", default="deskfleet", help="fleet name in the CA certificate (default: deskfleet)")
     init.add_argument("--address", action="append", default=None, metavar="HOST:PORT",
                       help="where agents reach this controller (repeatable; default: this PC's address, port "
                            "7341)")
@@ -367,8 +367,11 @@ def _left_out_notes(store: FleetStore, agents: list[Any]) -> list[str]:
                 if agent_id in record.called_in else ""
             pcs.append(f"{agent_label(agent_id, hostnames)} ({state}{called_in})")
         placed = len(record.deployed) - len(record.left_out)
+        # a re-plan may have moved stages to PCs the deploy did not place: "runs on 0 of the 1 PCs" said nothing of them
+        elsewhere = f", and on {', '.join(agent_label(agent_id, hostnames) for agent_id in record.added)}, which " \
+            "it did not" if record.added else ""
         lines.append(f"note: {record.model_id} runs on {placed} of the {len(record.deployed)} PCs its `fleet deploy` "
-                     f"placed: a run's re-plan at {utc_text(record.replanned_at)} went on without "
+                     f"placed{elsewhere}: a run's re-plan at {utc_text(record.replanned_at)} went on without "
                      f"{', '.join(pcs)}; `deskfleet fleet deploy --model {shlex.quote(record.model_dir)}"
                      f"{store.data_dir_option}{record.deploy_options}` plans over every PC that answers")
     return lines
@@ -485,7 +488,8 @@ def _add_paper_model(parser: argparse.ArgumentParser) -> None:
                         help="on paper: hidden_size + intermediate_size of a layer, to reserve the prefill scratch "
                              "a deploy reserves (without it none is counted)")
     parser.add_argument("--assume-agent", action="append", type=byte_count, default=[], metavar="FREE_BYTES",
-                        help="plan for a hypothetical agent with this much free memory (repeatable)")
+                        help="plan for a hypothetical agent with this much free memory (repeatable); alone, the plan "
+                             "is over these only; with --peer, over them and the fleet a survey finds")
 
 
 def _paper_layers(text: str) -> int:

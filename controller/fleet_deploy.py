@@ -581,6 +581,7 @@ class LeftOut:
     replanned_at: str  # ISO 8601 UTC: when the survey of the re-plan that saved it began
     called_in: tuple[str, ...]  # of `left_out`, those whose agent registered with `fleet serve` since
     deploy_options: str = ""  # the deploy's options as `fleet deploy` takes them (DeploySettings.command_options)
+    added: tuple[str, ...] = ()  # the PCs the deployment on record places that the admin's deploy did not
 
 
 @dataclass(frozen=True)
@@ -682,8 +683,9 @@ def _left_out(model_id: str, record: object, roster: dict[str, RosterEntry],
         settings = _settings_of(record, str(folder)).command_options()
     except DeployError:
         settings = ""
+    added = tuple(sorted(placed - set(_deployed_agents(record))))
     return LeftOut(model_id, folder if isinstance(folder, str) else "?", tuple(deployed), left_out, replanned_at,
-                   tuple(called_in), settings)
+                   tuple(called_in), settings, added)
 
 
 def _deployed_agents(record: object) -> list[str]:

@@ -98,7 +98,8 @@ def test_stage_stems() -> None:
     m = manifest()
     assert m.stage_ir_stems(0, 4) == ["rope", "embed", "layer_000", "layer_001", "layer_002", "layer_003", "head"]
     assert m.stage_ir_stems(1, 3) == ["rope", "layer_001", "layer_002"]
-    with pytest.raises(ManifestError, match="outside"):
+    # written as every other message writes a stage's layers: [start:stop] (it said "[2, 5)")
+    with pytest.raises(ManifestError, match=r"layers \[2:5\] are outside the model's 4 layers"):
         m.stage_ir_stems(2, 5)
 
 

@@ -504,3 +504,26 @@ def test_a_run_beside_another_runs_start_that_takes_a_pc_back_waits_for_it(
                      f"it out: the run waits for the deploy under way from {store.data_dir} (another run's, or a "
                      f"`fleet deploy`) to finish"]
     assert failover._spent() == 0 and load_deployment(store, tiny_export) == ADMINS
+
+
+def test_fleet_ls_names_the_pcs_a_re_plan_moved_stages_to(store: FleetStore, tiny_export: Path,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    # a 1-PC deployment re-planned onto another PC read "runs on 0 of the 1 PCs its `fleet deploy` placed", as if
+    # the model ran nowhere
+    from deskfleet.controller import fleet_survey
+    from deskfleet.controller.cli import main
+
+    _save(store, tiny_export, (StagePlacement(A, "127.0.0.1:7431", 0, 4),), replan=False)
+    _save(store, tiny_export, (StagePlacement(C, "127.0.0.1:7433", 0, 4),), replan=True)
+    _registered(store, C, EARLY)
+
+    async def survey(*args: object) -> Survey:
+        return _fleet_of((C, AgentState.SERVING))
+
+    monkeypatch.setattr(fleet_survey, "survey", survey)
+    assert main(["fleet", "ls", "--data-dir", str(store.data_dir), "--discover-seconds", "0"]) == 0
+    out = capsys.readouterr().out
+    assert (f"note: {model_id_of(tiny_export)} runs on 0 of the 1 PCs its `fleet deploy` placed, and on agent "
+            "cccccccccccc on desk-c, which it did not: a run's re-plan at ") in out, out
+    assert "went on without agent aaaaaaaaaaaa (not found)" in out, out
