@@ -45,6 +45,9 @@ from .generation import GenerationError, check_request
 log = logging.getLogger(__name__)
 
 TokenCallback = Callable[[int, int], None]  # (stream id, token)
+# Called by run() on its own thread before every step, with whether every stream is done: it may add() and cancel()
+# streams; with nothing left to run it waits for work; False ends the run (a server's feed: EngineService)
+Feed = Callable[[bool], bool]
 
 # While streams run, a prompt is fed in calls of at most this many tokens, each between their steps. `bench
 # admission`, 1.1B INT4 on 2 cores, a 1024-token prompt arriving while 2 streams decode: their longest wait for a
@@ -276,6 +279,8 @@ class Engine:
             self.k_policy = AdaptiveK(options.k_min, options.k_max, prior_alpha=draft.prior_acceptance
                                       if draft is not None else DEFAULT_PRIOR_ACCEPTANCE)
         self._streams: dict[int, _Stream] = {}
+        self._next_stream = 0
+        self._cancelled: set[int] = set()  # started streams to end at their next result (cancel)
         self._unstarted: dict[int, _Stream] = {}  # streams waiting for a prefill, by id (arrival order)
         self._unfinished = 0
         self._tracks: dict[int, BatchTrack] = {}  # running micro-batches
@@ -301,7 +306,8 @@ class Engine:
         """Queue a stream; raises GenerationError naming what is wrong with it (ValueError: a `resume` of another
         chain's, or one resumed already)."""
         check_request(self.spec, request.prompt_ids, request.max_new_tokens)
-        stream_id = len(self._streams)
+        stream_id = self._next_stream
+        self._next_stream += 1
         stream = _Stream(stream_id, request)
         if request.resume is not None:
             kept = request.resume
@@ -315,22 +321,63 @@ class Engine:
         self._unfinished += 1
         return stream_id
 
+    def cancel(self, stream_id: int) -> None:
+        """End a stream before its end (its client went away). One not started yet is dropped at once; one that
+        has started ends at its next result (one being prefilled, once its prompt is in), its row dropped as a
+        finished stream's is, its token of that step not taken. Its result keeps the tokens made before. Call it
+        where add() may be called during a run: on the run's thread, from its `feed`."""
+        stream = self._streams.get(stream_id)
+        if stream is None or stream.done:
+            return
+        if stream_id in self._unstarted:
+            del self._unstarted[stream_id]
+            if stream.resume is not None:
+                stream.resume.release()
+                stream.resume = None
+            stream.done = True
+            self._unfinished -= 1
+            return
+        self._cancelled.add(stream_id)
+
+    def is_done(self, stream_id: int) -> bool:
+        """Whether a stream of this engine has ended (its last token, or cancelled); False for one it forgot."""
+        stream = self._streams.get(stream_id)
+        return stream is not None and stream.done
+
+    def forget(self, stream_id: int) -> StreamResult:
+        """A finished stream's result, after which the engine holds nothing of it (a server's run is never over:
+        every stream it ever ran stayed in results()). ValueError for a stream that is not done."""
+        stream = self._streams.get(stream_id)
+        if stream is None or not stream.done:
+            raise ValueError(f"stream {stream_id} is not a finished stream of this engine")
+        result = self._result_of(stream)
+        del self._streams[stream_id]
+        self._kept.pop(stream_id, None)
+        return result
+
     def kept_kv(self, stream_id: int) -> KeptKV | None:
         """The KV state a finished keep_kv stream left on the chain (once; None if it did not finish in this run,
         e.g. stopped by Ctrl-C, whose run releases it)."""
         return self._kept.pop(stream_id, None)
 
-    def run(self, on_token: TokenCallback | None = None, recover: Recover | None = None) -> dict[int, StreamResult]:
+    def run(self, on_token: TokenCallback | None = None, recover: Recover | None = None,
+            feed: Feed | None = None) -> dict[int, StreamResult]:
         """Generate every queued stream to its end; results by stream id.
 
         When the chain raises ChainBroken: without `recover` the error propagates; with it, the engine
         resumes every unfinished stream on the chain `recover(error)` returns (which may raise to give up).
+        With `feed`, the run goes on until feed returns False (Feed): streams come and go while it runs; what is
+        unfinished then is released from the chain.
         """
         self._on_token = on_token
         self._started = time.perf_counter()
         try:
             self._take_resumed()
-            while self._unfinished:
+            while feed is None or feed(not self._unfinished):
+                if not self._unfinished:
+                    if feed is None:
+                        break
+                    continue
                 try:
                     self._advance()
                 except ChainBroken as error:
@@ -338,6 +385,9 @@ class Engine:
                         raise
                     log.info("the chain broke after %d steps: %s", self._collected, error)
                     self._resume_on(recover(error), error)
+            else:
+                if self._unfinished:  # the feed ended the run under streams still running
+                    self._abandon()
         except BaseException:  # a stage's failure, a bad result, Ctrl-C: free what this run holds, then raise
             self._abandon()
             raise
@@ -366,10 +416,12 @@ class Engine:
     def results(self) -> dict[int, StreamResult]:
         """Every stream's tokens so far, by stream id (after run(): the whole generation; after a run that
         raised, e.g. on Ctrl-C: what was generated before it stopped)."""
-        return {stream.stream_id: StreamResult(stream.stream_id, list(stream.tokens), len(stream.request.prompt_ids),
-                                               stream.first_token_s, stream.last_token_s, stream.stopped_by_eos,
-                                               stream.reused)
-                for stream in self._streams.values()}
+        return {stream.stream_id: self._result_of(stream) for stream in self._streams.values()}
+
+    @staticmethod
+    def _result_of(stream: _Stream) -> StreamResult:
+        return StreamResult(stream.stream_id, list(stream.tokens), len(stream.request.prompt_ids), stream.first_token_s,
+                            stream.last_token_s, stream.stopped_by_eos, stream.reused)
 
     def accepted_histogram(self) -> dict[int, int]:
         return self.k_policy.accepted_histogram()
@@ -713,6 +765,12 @@ class Engine:
             if flight.takes_token is not None and not flight.takes_token[row]:
                 continue  # a prefill chunk that did not end this row's prompt
             stream = self._streams[stream_id]
+            if stream_id in self._cancelled:  # its client went away: the row goes, as a finished stream's does
+                self._cancelled.discard(stream_id)
+                stream.done = True
+                self._unfinished -= 1
+                finished.add(stream_id)
+                continue
             proposed = flight.drafts[row]
             accepted = result.accepted_counts[row] if result.accepted_counts is not None else 0
             confirmed_before = stream.confirmed_count

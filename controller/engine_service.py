@@ -1,0 +1,262 @@
+"""One engine that runs streams as they come, on a thread of its own: what `deskfleet serve` puts its requests on.
+
+Every request is a stream of the same running engine (Engine.run with a feed), so streams that arrive while
+others run are admitted between their steps and batched with them, as `generate`'s prompts are; a stream whose
+client went away is cancelled and its row dropped. The chain (local stages, or the fleet's, which re-plans when
+a PC drops out) opens once, at start(). If a run fails past what it can mend, every stream it held ends with the
+error and the chain opens again for the next request.
+
+Sinks are called on the engine's thread: they must return at once and not raise (a server hands the tokens to
+its event loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from deskfleet.common.model_spec import ModelSpec
+
+from .draft import Drafter
+from .engine import Engine, EngineOptions, Recover, StageChain, StreamRequest, StreamResult
+
+log = logging.getLogger(__name__)
+
+# What a chain opener gives: the chain, and the failover that replaces it when it breaks (None: none)
+ChainOpener = Callable[[], AbstractContextManager[tuple[StageChain, Recover | None]]]
+
+
+class ServiceBusy(RuntimeError):
+    """As many streams as the service takes are running or waiting."""
+
+
+class ServiceClosed(RuntimeError):
+    """The service is stopping or stopped, or its chain could not be opened."""
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """How a stream ended: `result` (its tokens; None where it never started), `error` (why it failed), and
+    whether it was cancelled."""
+
+    result: StreamResult | None
+    error: str | None = None
+    cancelled: bool = False
+
+
+class StreamSink(Protocol):
+    def token(self, token: int) -> None: ...
+
+    def end(self, end: StreamEnd) -> None: ...
+
+
+@dataclass
+class _Ticket:
+    request: StreamRequest
+    sink: StreamSink
+    stream_id: int | None = None  # once the engine took it
+    cancel_asked: bool = False
+    ended: bool = False
+
+
+@dataclass
+class _Inbox:
+    """What the engine's thread takes before its next step; guarded by EngineService._lock."""
+
+    new: list[_Ticket] = field(default_factory=list)
+    cancelled: list[_Ticket] = field(default_factory=list)
+
+
+class EngineService:
+    def __init__(self, open_chain: ChainOpener, spec: ModelSpec, draft: Drafter | None, options: EngineOptions,
+                 max_streams: int = 64) -> None:
+        if max_streams < 1:
+            raise ValueError(f"max_streams must be at least 1, got {max_streams}")
+        self._open_chain = open_chain
+        self.spec = spec
+        self.draft = draft
+        self.options = options
+        self.max_streams = max_streams
+        self._lock = threading.Condition()
+        self._inbox = _Inbox()
+        self._live: dict[int, _Ticket] = {}  # every stream submitted and not ended, by ticket id
+        self._by_stream: dict[int, _Ticket] = {}  # the running engine's streams (its thread's own)
+        self._next_ticket = 0
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self._chain_open = threading.Event()
+        self._open_error: BaseException | None = None
+        self.runs_failed = 0  # runs that failed past what their chain could mend (the chain was opened again)
+
+    # Public methods
+
+    def start(self, timeout: float | None = None) -> None:
+        """Open the chain (compile the local stages, or open the fleet's) and start taking streams; raises
+        ServiceClosed naming why the chain did not open."""
+        if self._thread is not None:
+            raise RuntimeError("the service was started already")
+        self._thread = threading.Thread(target=self._main, name="deskfleet-engine", daemon=True)
+        self._thread.start()
+        if not self._chain_open.wait(timeout):
+            self.close()
+            raise ServiceClosed(f"the chain did not open in {timeout:g} s")
+        if self._open_error is not None:
+            self.close()
+            raise ServiceClosed(f"the chain could not be opened: {self._open_error}") from self._open_error
+
+    def submit(self, request: StreamRequest, sink: StreamSink) -> int:
+        """Queue a stream; its tokens and its end go to `sink`. Returns its ticket (for cancel). ServiceBusy where
+        max_streams are live, ServiceClosed once close() began. A request the engine refuses (a prompt past the
+        context) ends at once with the error."""
+        with self._lock:
+            if self._closing:
+                raise ServiceClosed("the server is stopping")
+            if len(self._live) >= self.max_streams:
+                raise ServiceBusy(f"{len(self._live)} streams are running or waiting, as many as this server takes "
+                                  f"(--max-streams {self.max_streams})")
+            ticket_id = self._next_ticket
+            self._next_ticket += 1
+            ticket = self._live[ticket_id] = _Ticket(request, sink)
+            self._inbox.new.append(ticket)
+            self._lock.notify_all()
+        return ticket_id
+
+    def cancel(self, ticket_id: int) -> None:
+        """End a stream early (its client went away); its sink hears the end, with what it made. No-op for a
+        stream that ended."""
+        with self._lock:
+            ticket = self._live.get(ticket_id)
+            if ticket is not None and not ticket.cancel_asked:
+                ticket.cancel_asked = True
+                self._inbox.cancelled.append(ticket)
+                self._lock.notify_all()
+
+    @property
+    def live_streams(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop: streams still running end with an error, the chain closes. Safe to call more than once."""
+        with self._lock:
+            self._closing = True
+            self._lock.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._end_all("the server stopped")
+
+    def __enter__(self) -> EngineService:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # Private methods
+
+    def _main(self) -> None:
+        first = True
+        while True:
+            if not first and not self._wait_for_work():
+                return
+            opened = False
+            try:
+                with self._open_chain() as (chain, recover):
+                    opened = True
+                    if first:
+                        self._chain_open.set()
+                        first = False
+                    self._run(Engine(chain, self.spec, self.draft, self.options), recover)
+                    return  # the feed ended the run: closing
+            except Exception as error:  # a run's failure ends its streams, not the server
+                if first:
+                    self._open_error = error
+                    self._chain_open.set()
+                    return
+                self.runs_failed += 1
+                if opened:
+                    log.warning("a run failed; its streams end with the error, and the chain opens again for the "
+                                "next request: %s", error)
+                    self._end_all(f"the run failed: {error}", only_started=True)
+                else:  # the streams waiting would wait for a chain that does not open: they end too
+                    log.warning("the chain could not be opened again: %s", error)
+                    self._end_all(f"the chain could not be opened: {error}")
+
+    def _run(self, engine: Engine, recover: Recover | None) -> None:
+        self._by_stream.clear()
+        engine.run(on_token=self._on_token, recover=recover, feed=lambda idle: self._feed(engine, idle))
+        self._reap(engine)
+
+    def _wait_for_work(self) -> bool:
+        """After a failed run: wait for a stream to run (True) or for close() (False)."""
+        with self._lock:
+            while not self._inbox.new and not self._closing:
+                self._lock.wait()
+            return not self._closing
+
+    def _feed(self, engine: Engine, idle: bool) -> bool:
+        """Engine.run's feed: end the streams that finished, take the new and the cancelled; with nothing to run,
+        wait for work. False (ends the run) once close() began."""
+        self._reap(engine)
+        with self._lock:
+            while idle and not self._inbox.new and not self._inbox.cancelled and not self._closing:
+                self._lock.wait()
+            if self._closing:
+                return False
+            inbox, self._inbox = self._inbox, _Inbox()
+        for ticket in inbox.new:
+            if ticket.ended:  # close() ended it meanwhile
+                continue
+            try:
+                ticket.stream_id = engine.add(ticket.request)
+            except ValueError as error:  # GenerationError: a prompt past the context, a bad id
+                self._end(ticket, StreamEnd(None, str(error)))
+                continue
+            self._by_stream[ticket.stream_id] = ticket
+        for ticket in inbox.cancelled:
+            if ticket.stream_id is not None:
+                engine.cancel(ticket.stream_id)  # a stream not started yet is done at once: reaped below
+        self._reap(engine)
+        return True
+
+    def _on_token(self, stream_id: int, token: int) -> None:
+        ticket = self._by_stream.get(stream_id)
+        if ticket is not None:
+            try:
+                ticket.sink.token(token)
+            except Exception:  # a sink's fault must not stop the other streams
+                log.exception("a stream's sink failed on a token")
+
+    def _reap(self, engine: Engine) -> None:
+        """End every stream the engine has finished, and forget it there."""
+        for stream_id, ticket in list(self._by_stream.items()):
+            if engine.is_done(stream_id):
+                del self._by_stream[stream_id]
+                self._end(ticket, StreamEnd(engine.forget(stream_id), cancelled=ticket.cancel_asked))
+
+    def _end(self, ticket: _Ticket, end: StreamEnd) -> None:
+        with self._lock:
+            if ticket.ended:
+                return
+            ticket.ended = True
+            for ticket_id, live in list(self._live.items()):
+                if live is ticket:
+                    del self._live[ticket_id]
+        try:
+            ticket.sink.end(end)
+        except Exception:
+            log.exception("a stream's sink failed on its end")
+
+    def _end_all(self, error: str, only_started: bool = False) -> None:
+        """End every live stream with `error` (only those the failed engine had taken, with `only_started`: those
+        still in the inbox run on the next chain)."""
+        with self._lock:
+            tickets = [ticket for ticket in self._live.values() if not only_started or ticket.stream_id is not None]
+            if only_started:
+                self._inbox.cancelled = [ticket for ticket in self._inbox.cancelled if ticket not in tickets]
+        for ticket in tickets:
+            self._end(ticket, StreamEnd(None, error))

@@ -1,0 +1,185 @@
+"""EngineService: streams submitted from other threads while others run are exact, cancellable, and a failed run
+costs only its own streams."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from deskfleet.common.model_spec import load_manifest
+from deskfleet.controller.engine import ChainBroken, EngineOptions, Recover, StageChain, StreamRequest
+from deskfleet.controller.engine_service import EngineService, ServiceBusy, ServiceClosed, StreamEnd
+from deskfleet.controller.pipeline import LocalPipeline
+from deskfleet.controller.prompt_lookup import PromptLookupDraft
+
+from .test_engine import F32, run_streams
+
+PROMPTS = [[1, 5, 9, 2, 7], [1, 3, 3, 3, 3, 3, 3, 3], [1, 8], [1, 4, 6, 4, 6, 4, 6], [1, 2, 11, 13, 17, 19, 23],
+           [1, 30, 31]]
+WAIT_S = 120
+
+
+class Sink:
+    def __init__(self, first_tokens: int = 0) -> None:
+        self.tokens: list[int] = []
+        self.ended = threading.Event()
+        self.end_of: StreamEnd | None = None
+        self.got_tokens = threading.Event()
+        self._first_tokens = first_tokens
+
+    def token(self, token: int) -> None:
+        self.tokens.append(token)
+        if len(self.tokens) >= self._first_tokens:
+            self.got_tokens.set()
+
+    def end(self, end: StreamEnd) -> None:
+        self.end_of = end
+        self.ended.set()
+
+    def wait(self) -> StreamEnd:
+        assert self.ended.wait(WAIT_S), "the stream did not end"
+        assert self.end_of is not None
+        return self.end_of
+
+
+def _local(model: Path, stages: int, opened: list[int] | None = None):  # type: ignore[no-untyped-def]
+    manifest = load_manifest(model)
+
+    @contextmanager
+    def open_chain() -> Iterator[tuple[StageChain, Recover | None]]:
+        if opened is not None:
+            opened.append(1)
+        with LocalPipeline(model, stages, F32, manifest) as pipeline:
+            yield pipeline, None
+
+    return open_chain
+
+
+def _service(model: Path, stages: int = 2, max_streams: int = 64, draft: PromptLookupDraft | None = None,
+             opener=None) -> EngineService:  # type: ignore[no-untyped-def]
+    return EngineService(opener or _local(model, stages), load_manifest(model).spec, draft,
+                         EngineOptions(max_rows=3, micro_batches=2), max_streams=max_streams)
+
+
+def _solo(model: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    return run_streams(model, [StreamRequest(prompt, max_new_tokens=max_new_tokens, ignore_eos=True)])[0]
+
+
+def test_streams_that_arrive_while_others_run_give_their_solo_tokens(target: Path) -> None:
+    # every request is a stream of the one running engine: admitted between the others' steps, batched with them,
+    # some drafted by prompt lookup and some not; each must give what it gives alone on one stage
+    lengths = [24, 40, 8, 30, 16, 12]
+    with _service(target, draft=PromptLookupDraft()) as service:
+        sinks = [Sink(first_tokens=3) for _ in PROMPTS]
+        for index, (prompt, sink) in enumerate(zip(PROMPTS, sinks, strict=True)):
+            service.submit(StreamRequest(prompt, max_new_tokens=lengths[index], ignore_eos=True,
+                                         speculative=index % 2 == 0), sink)
+            if index in (1, 3):  # the next ones arrive once the earlier ones run
+                assert sink.got_tokens.wait(WAIT_S)
+        ends = [sink.wait() for sink in sinks]
+        assert service.live_streams == 0
+    for index, (prompt, sink, end) in enumerate(zip(PROMPTS, sinks, ends, strict=True)):
+        assert end.error is None and not end.cancelled and end.result is not None
+        assert end.result.tokens == sink.tokens == _solo(target, prompt, lengths[index]), index
+
+
+def test_a_cancelled_stream_ends_with_what_it_made_and_the_others_go_on(target: Path) -> None:
+    with _service(target) as service:
+        long, short = Sink(first_tokens=5), Sink()
+        ticket = service.submit(StreamRequest(PROMPTS[0], max_new_tokens=400, ignore_eos=True), long)
+        service.submit(StreamRequest(PROMPTS[1], max_new_tokens=30, ignore_eos=True), short)
+        assert long.got_tokens.wait(WAIT_S)
+        service.cancel(ticket)
+        end = long.wait()
+        assert end.cancelled and end.error is None and end.result is not None
+        made = end.result.tokens
+        assert 5 <= len(made) < 400 and made == long.tokens
+        assert made == _solo(target, PROMPTS[0], len(made))
+        assert short.wait().result.tokens == _solo(target, PROMPTS[1], 30)  # type: ignore[union-attr]
+        # the cancelled row is gone from the chain: a newcomer runs as it does alone
+        later = Sink()
+        service.submit(StreamRequest(PROMPTS[2], max_new_tokens=20, ignore_eos=True), later)
+        assert later.wait().result.tokens == _solo(target, PROMPTS[2], 20)  # type: ignore[union-attr]
+        service.cancel(ticket)  # ended already: nothing
+        assert service.live_streams == 0
+
+
+def test_a_request_the_engine_refuses_ends_with_its_error_and_busy_and_closed_are_refused(target: Path) -> None:
+    context = load_manifest(target).spec.max_context
+    with _service(target, max_streams=2) as service:
+        refused = Sink()
+        service.submit(StreamRequest(PROMPTS[0], max_new_tokens=context), refused)
+        end = refused.wait()
+        assert end.result is None and end.error is not None and "context" in end.error
+        first, second = Sink(first_tokens=1), Sink()
+        service.submit(StreamRequest(PROMPTS[0], max_new_tokens=300, ignore_eos=True), first)
+        service.submit(StreamRequest(PROMPTS[1], max_new_tokens=300, ignore_eos=True), second)
+        with pytest.raises(ServiceBusy, match="--max-streams 2"):
+            service.submit(StreamRequest(PROMPTS[2], max_new_tokens=4), Sink())
+        assert first.got_tokens.wait(WAIT_S)
+    # closed under two running streams: both end, saying so
+    for sink in (first, second):
+        assert sink.wait().error == "the server stopped"
+    with pytest.raises(ServiceClosed):
+        service.submit(StreamRequest(PROMPTS[2], max_new_tokens=4), Sink())
+
+
+class BreakingChain:
+    """A chain whose collect() breaks once `breaks` is set."""
+
+    def __init__(self, pipeline: LocalPipeline) -> None:
+        self.pipeline = pipeline
+        self.breaks = threading.Event()
+
+    def submit(self, message: object) -> None:
+        self.pipeline.submit(message)  # type: ignore[arg-type]
+
+    def collect(self, timeout: float | None = None) -> object:
+        result = self.pipeline.collect(timeout)
+        if self.breaks.is_set():
+            raise ChainBroken("a stage went away")
+        return result
+
+    def release(self, batch_id: int) -> None:
+        self.pipeline.release(batch_id)
+
+    def renumber(self) -> None:
+        self.pipeline.renumber()
+
+
+def test_a_failed_run_ends_its_streams_and_the_next_request_opens_the_chain_again(target: Path) -> None:
+    manifest = load_manifest(target)
+    chains: list[BreakingChain] = []
+
+    @contextmanager
+    def open_chain() -> Iterator[tuple[StageChain, Recover | None]]:
+        with LocalPipeline(target, 2, F32, manifest) as pipeline:
+            chains.append(BreakingChain(pipeline))
+            yield chains[-1], None  # type: ignore[misc]
+
+    with _service(target, opener=open_chain) as service:
+        broken = Sink(first_tokens=3)
+        service.submit(StreamRequest(PROMPTS[0], max_new_tokens=300, ignore_eos=True), broken)
+        assert broken.got_tokens.wait(WAIT_S)
+        chains[0].breaks.set()
+        end = broken.wait()
+        assert end.error is not None and "a stage went away" in end.error
+        after = Sink()
+        service.submit(StreamRequest(PROMPTS[3], max_new_tokens=20, ignore_eos=True), after)
+        assert after.wait().result.tokens == _solo(target, PROMPTS[3], 20)  # type: ignore[union-attr]
+        assert len(chains) == 2 and service.runs_failed == 1
+
+
+def test_a_chain_that_does_not_open_fails_the_start(target: Path) -> None:
+    @contextmanager
+    def no_chain() -> Iterator[tuple[StageChain, Recover | None]]:
+        raise RuntimeError("the model was never deployed")
+        yield  # type: ignore[unreachable]
+
+    service = _service(target, opener=no_chain)
+    with pytest.raises(ServiceClosed, match="the chain could not be opened: the model was never deployed"):
+        service.start()
