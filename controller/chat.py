@@ -178,8 +178,8 @@ def generate_on_fleet(options: GenerateOptions, data_dir: Path | None, stream_te
     """`deskfleet generate --fleet`: run_generate over the deployed chain of `options.model`, re-planned
     (at most `max_failovers` times, each browsing mDNS for `discover_seconds` and dialling `peers` too) when a
     PC drops out."""
-    store = _store(data_dir)
-    with _open_fleet_chain(store, options.model, max_failovers, discover_seconds, peers,
+    store = controller_store(data_dir)
+    with open_fleet_chain(store, options.model, max_failovers, discover_seconds, peers,
                            drafting=options.draft is not None or options.prompt_lookup) as (chain, failover):
         try:
             report = run_generate(options, stream_text, chain=chain, chain_stages=chain.num_stages, recover=failover)
@@ -524,7 +524,7 @@ def _note(notes: TextIO | None, text: str) -> None:
     stream.flush()
 
 
-def _store(data_dir: Path | None) -> FleetStore:
+def controller_store(data_dir: Path | None) -> FleetStore:
     from .fleet_store import FleetStore, default_data_dir
 
     store = FleetStore(data_dir or default_data_dir())
@@ -533,7 +533,7 @@ def _store(data_dir: Path | None) -> FleetStore:
 
 
 @contextmanager
-def _open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discover_seconds: float | None = None,
+def open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discover_seconds: float | None = None,
                       peers: tuple[str, ...] = (), drafting: bool = False
                       ) -> Iterator[tuple[FleetPipeline, FleetFailover]]:
     """The deployed chain of `model` and the failover that replaces it when a PC drops out, its re-plans browsing
@@ -572,7 +572,7 @@ def _open_chain(options: ChatOptions, settings: CompileSettings
                 ) -> AbstractContextManager[tuple[StageChain, FleetFailover | None]]:
     """The fleet's chain, or local stages compiled with `settings` (the run's target settings)."""
     if options.fleet_dir is not None:
-        return _open_fleet_chain(_store(options.fleet_dir), options.model, options.max_failovers,
+        return open_fleet_chain(controller_store(options.fleet_dir), options.model, options.max_failovers,
                                  options.discover_seconds,
                                  drafting=options.draft is not None or options.prompt_lookup)
     from .pipeline import LocalPipeline

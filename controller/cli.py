@@ -47,6 +47,7 @@ from deskfleet.controller.decoding_options import (
     thread_count,
 )
 from deskfleet.controller.fleet_cli import add_fleet_commands
+from deskfleet.controller.serve_cli import add_serve_command
 
 if TYPE_CHECKING:
     from deskfleet.agent.stage import CompileSettings
@@ -57,7 +58,7 @@ log = logging.getLogger("deskfleet")
 # The optional extras of pyproject.toml and the modules each brings (an agent-only `pip install .` has none):
 # a command that needs one that is missing names the extra to install, not a ModuleNotFoundError's traceback.
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
-    "controller": ("tokenizers", "jinja2"),
+    "controller": ("tokenizers", "jinja2", "aiohttp"),
     "export": ("torch", "transformers", "safetensors", "nncf"),
 }
 
@@ -226,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fleet_option(generate)
     generate.set_defaults(handler=_generate, extras=("controller",))
     add_chat_command(commands, _add_compile_options)
+    add_serve_command(commands, _add_compile_options)
 
     bench = commands.add_parser("bench", help="benchmarks that print JSON")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")

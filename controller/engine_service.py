@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 # What a chain opener gives: the chain, and the failover that replaces it when it breaks (None: none)
 ChainOpener = Callable[[], AbstractContextManager[tuple[StageChain, Recover | None]]]
+# The engine's options for the chain opened (a fleet's number of stages is known once its chain is open)
+OptionsFor = Callable[[StageChain], EngineOptions]
 
 
 class ServiceBusy(RuntimeError):
@@ -72,7 +74,7 @@ class _Inbox:
 
 
 class EngineService:
-    def __init__(self, open_chain: ChainOpener, spec: ModelSpec, draft: Drafter | None, options: EngineOptions,
+    def __init__(self, open_chain: ChainOpener, spec: ModelSpec, draft: Drafter | None, options: OptionsFor,
                  max_streams: int = 64) -> None:
         if max_streams < 1:
             raise ValueError(f"max_streams must be at least 1, got {max_streams}")
@@ -91,6 +93,7 @@ class EngineService:
         self._chain_open = threading.Event()
         self._open_error: BaseException | None = None
         self.runs_failed = 0  # runs that failed past what their chain could mend (the chain was opened again)
+        self.streams_cancelled = 0  # streams that ended cancelled (their client went away, a stop sequence met)
 
     # Public methods
 
@@ -170,7 +173,7 @@ class EngineService:
                     if first:
                         self._chain_open.set()
                         first = False
-                    self._run(Engine(chain, self.spec, self.draft, self.options), recover)
+                    self._run(Engine(chain, self.spec, self.draft, self.options(chain)), recover)
                     return  # the feed ended the run: closing
             except Exception as error:  # a run's failure ends its streams, not the server
                 if first:
@@ -236,7 +239,12 @@ class EngineService:
         for stream_id, ticket in list(self._by_stream.items()):
             if engine.is_done(stream_id):
                 del self._by_stream[stream_id]
-                self._end(ticket, StreamEnd(engine.forget(stream_id), cancelled=ticket.cancel_asked))
+                result = engine.forget(stream_id)
+                # cancelled: asked, and ended before its last token (a cancel that came too late changes nothing)
+                cancelled = ticket.cancel_asked and len(result.tokens) < ticket.request.max_new_tokens \
+                    and not result.stopped_by_eos
+                self.streams_cancelled += cancelled
+                self._end(ticket, StreamEnd(result, cancelled=cancelled))
 
     def _end(self, ticket: _Ticket, end: StreamEnd) -> None:
         with self._lock:

@@ -62,7 +62,7 @@ def _local(model: Path, stages: int, opened: list[int] | None = None):  # type: 
 def _service(model: Path, stages: int = 2, max_streams: int = 64, draft: PromptLookupDraft | None = None,
              opener=None) -> EngineService:  # type: ignore[no-untyped-def]
     return EngineService(opener or _local(model, stages), load_manifest(model).spec, draft,
-                         EngineOptions(max_rows=3, micro_batches=2), max_streams=max_streams)
+                         lambda chain: EngineOptions(max_rows=3, micro_batches=2), max_streams=max_streams)
 
 
 def _solo(model: Path, prompt: list[int], max_new_tokens: int) -> list[int]:

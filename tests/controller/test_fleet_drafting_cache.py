@@ -84,7 +84,7 @@ def _undeployed_fleet(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """A fleet whose chain of any model fails to open (never deployed) after the cache check; returns the drafting
     flag of every cache check made (one a run)."""
     _Failover.checked = []
-    monkeypatch.setattr(chat, "_store", lambda data_dir: object())
+    monkeypatch.setattr(chat, "controller_store", lambda data_dir: object())
     monkeypatch.setattr(fleet_failover, "FleetFailover", _Failover)
 
     def never_deployed(store: object, model: Path) -> object:

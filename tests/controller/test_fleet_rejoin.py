@@ -269,7 +269,7 @@ def test_the_rejoined_entry_is_in_generates_json_over_the_fleet(store: FleetStor
     def opened(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
         yield Chain(), Rejoining()
 
-    monkeypatch.setattr(chat, "_open_fleet_chain", opened)
+    monkeypatch.setattr(chat, "open_fleet_chain", opened)
     monkeypatch.setattr(chat, "run_generate", lambda *args, **kwargs: {"tokens": [1]})
     report = chat.generate_on_fleet(type("Options", (), {"model": tiny_export, "draft": None,  # type: ignore[arg-type]
                                                          "prompt_lookup": False})(), store.data_dir)

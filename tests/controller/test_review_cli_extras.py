@@ -12,7 +12,7 @@ import pytest
 
 from deskfleet.controller import cli
 
-CONTROLLER = ("tokenizers", "jinja2")
+CONTROLLER = ("tokenizers", "jinja2", "aiohttp")
 EXPORT = ("torch", "transformers", "safetensors", "nncf")
 # A fresh interpreter in which the given packages cannot be imported (None in sys.modules), as on an install
 # without them, running the CLI's main() on the rest of its arguments.
@@ -43,6 +43,7 @@ def test_help_works_without_any_extra() -> None:
 @pytest.mark.parametrize("argv", [
     ["generate", "--model", "no-such-export", "--prompt", "hi"],
     ["chat", "--model", "no-such-export"],
+    ["serve", "--model", "no-such-export"],
     ["bench", "fleet", "--model", "no-such-export"],
     ["bench", "fleet", "--help"],
 ])
@@ -57,6 +58,13 @@ def test_jinja2_alone_missing_is_the_controller_extra_too() -> None:
     result = run_without(("jinja2",), "chat", "--model", "no-such-export")
     assert result.returncode == 2
     assert '"deskfleet[controller]"' in result.stderr and "jinja2" in result.stderr
+
+
+def test_aiohttp_alone_missing_is_the_controller_extra_too() -> None:
+    # what `deskfleet serve` listens with
+    result = run_without(("aiohttp",), "serve", "--model", "no-such-export")
+    assert result.returncode == 2
+    assert '"deskfleet[controller]"' in result.stderr and "aiohttp" in result.stderr
 
 
 def test_export_with_the_controller_extra_only_names_the_export_extra(tmp_path: Path) -> None:

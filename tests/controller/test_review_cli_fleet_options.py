@@ -108,7 +108,7 @@ def test_a_re_plan_browses_mdns_as_long_as_discover_seconds_says(tmp_path: Path,
 
     monkeypatch.setattr(fleet_failover, "FleetFailover", failover)
     with pytest.raises(RuntimeError, match="stop here"), \
-            chat._open_fleet_chain(cast(Any, None), tmp_path, 2, given, ("10.0.0.5:7431",)):
+            chat.open_fleet_chain(cast(Any, None), tmp_path, 2, given, ("10.0.0.5:7431",)):
         pass
     assert seen == [(browse, ("10.0.0.5:7431",))]
 
@@ -197,8 +197,8 @@ def test_a_fleet_run_that_stops_reports_its_replans(monkeypatch: pytest.MonkeyPa
             raise GenerationStopped("the chain broke", report)
         raise GenerationInterrupted(report, ["--prompt-ids"], False)
 
-    monkeypatch.setattr(chat, "_store", lambda data_dir: None)
-    monkeypatch.setattr(chat, "_open_fleet_chain", fleet_chain)
+    monkeypatch.setattr(chat, "controller_store", lambda data_dir: None)
+    monkeypatch.setattr(chat, "open_fleet_chain", fleet_chain)
     monkeypatch.setattr(chat, "run_generate", run_generate)
     with pytest.raises((GenerationStopped, GenerationInterrupted)) as stopped:
         chat.generate_on_fleet(GenerateOptions(model=Path("m"), prompt_ids=[[1]]), None)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from deskfleet.controller.chat import _open_fleet_chain, _store
+from deskfleet.controller.chat import controller_store, open_fleet_chain
 
 
 def main(argv: list[str]) -> int:
     data_dir, model = Path(argv[0]), Path(argv[1])
-    with _open_fleet_chain(_store(data_dir), model, max_failovers=0, discover_seconds=0) as (chain, _):
+    with open_fleet_chain(controller_store(data_dir), model, max_failovers=0, discover_seconds=0) as (chain, _):
         print(f"open {chain.num_stages}", flush=True)
         sys.stdin.read()
     return 0

@@ -1,0 +1,380 @@
+"""An OpenAI-compatible HTTP API over an EngineService: what `deskfleet serve` listens with.
+
+GET /v1/models, POST /v1/completions and POST /v1/chat/completions (whole or streamed as server-sent events),
+and GET /health. Every request is a stream of the service's one running engine: requests that arrive together
+are batched, a client that goes away has its stream cancelled. With an API key, every /v1 request must carry it
+as `Authorization: Bearer KEY`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+from aiohttp import web
+
+from deskfleet.common.model_spec import ModelSpec
+from deskfleet.common.speculative import SamplingParams
+
+from .chat_template import ChatTemplateError
+from .decoding_options import random_seed
+from .engine import StreamRequest
+from .engine_service import EngineService, ServiceBusy, ServiceClosed, StreamEnd
+from .generation import GenerationError, check_request
+from .openai_requests import ApiError, ChatRequest, CompletionRequest, Decoding, parse_chat, parse_completion
+from .text_printer import TextPrinter
+from .tokenizer import ModelTokenizer, NotUtf8Error
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body: a long conversation's text, far from the model's context in bytes
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    prompt_ids: list[int]
+    decoding: Decoding
+    max_tokens: int
+    stop_ids: frozenset[int]
+
+
+class ReplyText:
+    """A reply's text as its tokens arrive, cut at the first stop sequence: what each new token adds that can be
+    sent (the last characters that could begin a stop sequence are held back until the text goes on past them)."""
+
+    def __init__(self, tokenizer: ModelTokenizer, stops: tuple[str, ...]) -> None:
+        self._stops = stops
+        self._hold = max((len(stop) for stop in stops), default=1) - 1
+        self._text: list[str] = []
+        self._length = 0
+        self._joined = ""
+        self._sent = 0
+        self.stopped = False  # a stop sequence was met: nothing more is sent
+        self._printer = TextPrinter(tokenizer, cast(Any, self), show_controls=False)
+
+    def write(self, text: str) -> None:  # TextPrinter's output
+        self._text.append(text)
+        self._length += len(text)
+
+    def flush(self) -> None:
+        pass
+
+    @property
+    def text(self) -> str:
+        """The reply as sent so far (and, once finished, the whole reply up to any stop sequence)."""
+        return self._full()[:self._sent]
+
+    def push(self, token: int) -> str:
+        if self.stopped:
+            return ""
+        self._printer.push(0, token)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        if self.stopped:
+            return ""
+        self._printer.finish()
+        return self._release(final=True)
+
+    def _full(self) -> str:
+        if len(self._joined) != self._length:
+            self._joined = "".join(self._text)
+            self._text = [self._joined]
+        return self._joined
+
+    def _release(self, final: bool) -> str:
+        text = self._full()
+        start = max(0, self._sent - self._hold)
+        found = [at for at in (text.find(stop, start) for stop in self._stops) if at >= 0]
+        if found:
+            end = min(found)
+            self.stopped = True
+        else:
+            end = len(text) if final else max(self._sent, len(text) - self._hold)
+        piece, self._sent = text[self._sent:end], max(self._sent, end)
+        return piece
+
+
+class _Bridge:
+    """A stream's sink: hands its tokens and its end from the engine's thread to the request's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.events: asyncio.Queue[int | StreamEnd] = asyncio.Queue()
+
+    def token(self, token: int) -> None:
+        self._put(token)
+
+    def end(self, end: StreamEnd) -> None:
+        self._put(end)
+
+    def _put(self, event: int | StreamEnd) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop closed: the server stopped under the stream
+            pass
+
+
+class OpenAiApi:
+    """The API's routes over `service`; `model_name` is the id clients give as `model`."""
+
+    def __init__(self, service: EngineService, tokenizer: ModelTokenizer, spec: ModelSpec, model_name: str,
+                 api_key: str | None = None) -> None:
+        self.service = service
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.model_name = model_name
+        self._api_key = api_key.encode() if api_key else None
+        self._created = int(time.time())
+        self._render_lock = threading.Lock()  # the chat template renders in one child process, a request at a time
+        self._end_of_turn: frozenset[int] | None = None
+
+    @property
+    def has_api_key(self) -> bool:
+        return self._api_key is not None
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_BODY_BYTES)
+        app.add_routes([web.get("/v1/models", self._models), web.get("/v1/models/{model}", self._model),
+                        web.post("/v1/completions", self._completions),
+                        web.post("/v1/chat/completions", self._chat_completions), web.get("/health", self._health)])
+        return app
+
+    # Middlewares
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return cast(web.StreamResponse, await handler(request))
+        except ApiError as error:
+            return web.json_response(error.body(), status=error.status)
+        except web.HTTPException as error:  # aiohttp's own: unknown path, wrong method, body too large
+            if error.status < 400:
+                raise
+            kind = "not_found_error" if error.status == 404 else "invalid_request_error"
+            return web.json_response(ApiError(error.status, error.reason, kind=kind).body(), status=error.status)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self._api_key is not None and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "")
+            scheme, _, key = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self._api_key):
+                raise ApiError(401, "a valid API key is required: Authorization: Bearer KEY",
+                               kind="authentication_error", code="invalid_api_key")
+        return cast(web.StreamResponse, await handler(request))
+
+    # Routes
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_object()]})
+
+    async def _model(self, request: web.Request) -> web.Response:
+        if request.match_info["model"] != self.model_name:
+            raise ApiError(404, f"the model {request.match_info['model']!r} does not exist here: this server runs "
+                                f"{self.model_name!r}", "model", kind="not_found_error", code="model_not_found")
+        return web.json_response(self._model_object())
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "model": self.model_name, "live_streams": self.service.live_streams,
+                                  "streams_cancelled": self.service.streams_cancelled,
+                                  "runs_failed": self.service.runs_failed})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        parsed = parse_completion(await self._json(request), self.model_name)
+        prepared = await self._prepare_completion(parsed)
+        return await self._respond(request, prepared, chat=False)
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        parsed = parse_chat(await self._json(request), self.model_name)
+        prepared = await asyncio.to_thread(self._prepare_chat, parsed)
+        return await self._respond(request, prepared, chat=True)
+
+    # Private methods
+
+    def _model_object(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "deskfleet",
+                "max_context": self.spec.max_context}
+
+    @staticmethod
+    async def _json(request: web.Request) -> object:
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ApiError(400, f"the request body is not JSON: {error}") from None
+
+    async def _prepare_completion(self, parsed: CompletionRequest) -> _Prepared:
+        if isinstance(parsed.prompt, str):
+            try:
+                ids = self.tokenizer.encode(parsed.prompt)
+            except (NotUtf8Error, ValueError) as error:
+                raise ApiError(400, f"prompt: {error}", "prompt") from None
+        else:
+            ids = list(parsed.prompt)
+            bad = [token for token in ids if not 0 <= token < self.spec.vocab_size]
+            if bad:
+                raise ApiError(400, f"prompt: token id {bad[0]} is outside the model's vocabulary of "
+                                    f"{self.spec.vocab_size}", "prompt")
+        return self._prepared(ids, parsed.decoding, frozenset())
+
+    def _prepare_chat(self, parsed: ChatRequest) -> _Prepared:
+        """Render and encode the conversation (in a worker thread: the template renders in a child process)."""
+        with self._render_lock:
+            try:
+                self.tokenizer.require_chat_template("this model has no chat template: use /v1/completions")
+                ids = self.tokenizer.encode_chat(list(parsed.messages))
+                if self._end_of_turn is None:
+                    self._end_of_turn = self.tokenizer.end_of_turn_ids()
+            except (ChatTemplateError, NotUtf8Error) as error:
+                raise ApiError(400, f"messages: {error}", "messages") from None
+        return self._prepared(ids, parsed.decoding, self._end_of_turn)
+
+    def _prepared(self, ids: list[int], decoding: Decoding, stop_ids: frozenset[int]) -> _Prepared:
+        room = self.spec.max_context - len(ids)
+        if room < 1:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens: the model's context is {self.spec.max_context}, "
+                                "which leaves no room for a reply", "messages", code="context_length_exceeded")
+        max_tokens = decoding.max_tokens if decoding.max_tokens is not None else room
+        if max_tokens > room:  # said in the API's words: check_request names the CLI's --max-new-tokens
+            raise ApiError(400, f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the model's context of "
+                                f"{self.spec.max_context}: ask for at most {room}", "max_tokens",
+                           code="context_length_exceeded")
+        try:
+            check_request(self.spec, ids, max_tokens)
+        except GenerationError as error:
+            raise ApiError(400, f"{error}", "prompt") from None
+        return _Prepared(ids, decoding, max_tokens, stop_ids)
+
+    async def _respond(self, request: web.Request, prepared: _Prepared, chat: bool) -> web.StreamResponse:
+        decoding = prepared.decoding
+        sampling = SamplingParams(temperature=decoding.temperature, top_k=decoding.top_k if decoding.temperature else 0,
+                                  top_p=decoding.top_p if decoding.temperature else 1.0)
+        seed = decoding.seed if decoding.seed is not None else (random_seed() if decoding.temperature else 0)
+        stream_request = StreamRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=prepared.max_tokens,
+                                       stop_token_ids=prepared.stop_ids, sampling=sampling, seed=seed)
+        bridge = _Bridge(asyncio.get_running_loop())
+        try:
+            ticket = self.service.submit(stream_request, bridge)
+        except ServiceBusy as error:
+            raise ApiError(429, str(error), kind="server_busy") from None
+        except ServiceClosed as error:
+            raise ApiError(503, str(error), kind="server_error") from None
+        reply = ReplyText(self.tokenizer, decoding.stop)
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
+        ended = False
+        try:
+            if decoding.stream:
+                response = await self._stream(request, bridge, reply, ident, chat, ticket, decoding,
+                                              len(prepared.prompt_ids))
+            else:
+                end, tokens = await self._gather(bridge, reply, ticket)
+                response = web.json_response(self._whole(ident, chat, reply.text, end, tokens,
+                                                         len(prepared.prompt_ids), reply.stopped))
+            ended = True
+            return response
+        except ConnectionResetError:  # the client went away while its reply was written: nothing more reaches it
+            return web.Response(status=499)
+        finally:
+            if not ended:  # the client went away (the handler was cancelled) or writing to it failed
+                self.service.cancel(ticket)
+
+    async def _gather(self, bridge: _Bridge, reply: ReplyText, ticket: int) -> tuple[StreamEnd, int]:
+        tokens = 0
+        while True:
+            event = await bridge.events.get()
+            if isinstance(event, StreamEnd):
+                if event.error is not None:
+                    raise ApiError(503, f"the generation failed: {event.error}", kind="server_error")
+                reply.finish()
+                return event, tokens
+            tokens += 1
+            reply.push(event)
+            if reply.stopped:
+                self.service.cancel(ticket)  # a stop sequence: the rest is not wanted
+
+    async def _stream(self, request: web.Request, bridge: _Bridge, reply: ReplyText, ident: str, chat: bool,
+                      ticket: int, decoding: Decoding, prompt_tokens: int) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no"})
+        await response.prepare(request)
+        created = int(time.time())
+        if chat:
+            await self._event(response, self._chunk(ident, created, chat, {"role": "assistant", "content": ""}))
+        tokens = 0
+        async for piece, end in self._pieces(bridge, reply, ticket):
+            if end is None:
+                tokens += 1
+                if piece:
+                    await self._event(response, self._chunk(ident, created, chat, piece))
+                continue
+            if end.error is not None:
+                await self._event(response, ApiError(503, f"the generation failed: {end.error}",
+                                                     kind="server_error").body())
+                break
+            if piece:
+                await self._event(response, self._chunk(ident, created, chat, piece))
+            finish = "stop" if reply.stopped or (end.result is not None and end.result.stopped_by_eos) else "length"
+            await self._event(response, self._chunk(ident, created, chat, None, finish))
+            if decoding.include_usage:
+                await self._event(response, {"id": ident, "object": self._chunk_kind(chat), "created": created,
+                                             "model": self.model_name, "choices": [],
+                                             "usage": _usage(prompt_tokens, tokens)})
+            break
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _pieces(self, bridge: _Bridge, reply: ReplyText,
+                      ticket: int) -> AsyncIterator[tuple[str, StreamEnd | None]]:
+        """(text to send, None) for each token, then (the text held back, the end)."""
+        while True:
+            event = await bridge.events.get()
+            if isinstance(event, StreamEnd):
+                yield (reply.finish() if event.error is None else ""), event
+                return
+            piece = reply.push(event)
+            if reply.stopped:
+                self.service.cancel(ticket)
+            yield piece, None
+
+    @staticmethod
+    async def _event(response: web.StreamResponse, body: dict[str, Any]) -> None:
+        await response.write(b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n")
+
+    def _chunk(self, ident: str, created: int, chat: bool, piece: str | dict[str, str] | None,
+               finish: str | None = None) -> dict[str, Any]:
+        if chat:
+            delta: dict[str, str] = piece if isinstance(piece, dict) else ({"content": piece} if piece else {})
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+        return {"id": ident, "object": self._chunk_kind(chat), "created": created, "model": self.model_name,
+                "choices": [choice]}
+
+    @staticmethod
+    def _chunk_kind(chat: bool) -> str:
+        return "chat.completion.chunk" if chat else "text_completion"
+
+    def _whole(self, ident: str, chat: bool, text: str, end: StreamEnd, tokens: int, prompt_tokens: int,
+               stopped: bool) -> dict[str, Any]:
+        finish = "stop" if stopped or (end.result is not None and end.result.stopped_by_eos) else "length"
+        if chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": [choice], "usage": _usage(prompt_tokens, tokens)}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,221 @@
+"""The OpenAI API's completion and chat-completion requests, read and checked: pure code, no I/O.
+
+Every field the API defines is either honoured or, where deskfleet cannot do what it asks (several choices, log
+probabilities, penalties, tools), refused naming the field; a field the API does not define is refused too, so a
+client's typo is not silently ignored. A refusal is an ApiError, which the server sends as the API's error body.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .tokenizer import ChatMessage
+
+DEFAULT_COMPLETION_TOKENS = 16  # the API's default max_tokens for /v1/completions
+MAX_STOPS = 4  # the API takes up to 4 stop sequences
+MAX_API_TEMPERATURE = 2.0  # the API's range is 0 to 2
+MAX_SEED = 2**63 - 1
+
+# Fields each request may carry that change nothing here when at these values (the API's defaults): any other
+# value asks for what deskfleet does not do, and is refused naming the field.
+_NEUTRAL: dict[str, tuple[object, ...]] = {
+    "n": (1, None), "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
+    "logprobs": (False, None), "top_logprobs": (0, None), "logit_bias": (None, {}), "echo": (False, None),
+    "best_of": (1, None), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, False, True), "functions": (None, []), "function_call": (None, "none")}
+_IGNORED = {"user", "metadata", "store", "service_tier"}  # about the caller, not the text: taken and unused
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options"}
+_COMPLETION_FIELDS = _COMMON | {"prompt", "n", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
+                                "echo", "best_of", "suffix"} | _IGNORED
+_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "n", "presence_penalty", "frequency_penalty",
+                          "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "parallel_tool_calls",
+                          "functions", "function_call", "response_format"} | _IGNORED
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class ApiError(Exception):
+    """A request the server refuses, as the API's error body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.kind = kind
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Decoding:
+    max_tokens: int | None  # None: up to the model's context
+    temperature: float
+    top_p: float
+    top_k: int  # 0: all
+    seed: int | None  # None: drawn where it samples
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompt: str | tuple[int, ...]  # text, or token ids
+    decoding: Decoding
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: tuple[ChatMessage, ...]
+    decoding: Decoding
+
+
+def parse_completion(body: object, model_name: str) -> CompletionRequest:
+    fields = _object(body, _COMPLETION_FIELDS)
+    _check_model(fields, model_name)
+    prompt = _prompt(fields.get("prompt"))
+    return CompletionRequest(prompt, _decoding(fields, fields.get("max_tokens", DEFAULT_COMPLETION_TOKENS),
+                                               "max_tokens"))
+
+
+def parse_chat(body: object, model_name: str) -> ChatRequest:
+    fields = _object(body, _CHAT_FIELDS)
+    _check_model(fields, model_name)
+    format_ = fields.get("response_format")
+    if format_ is not None and format_ != {"type": "text"}:
+        raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported (no JSON mode)",
+                       "response_format")
+    if "max_completion_tokens" in fields and fields.get("max_tokens") is not None:
+        raise ApiError(400, "give max_completion_tokens or max_tokens, not both", "max_completion_tokens")
+    name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
+    return ChatRequest(_messages(fields.get("messages")), _decoding(fields, fields.get(name), name))
+
+
+# Private functions
+
+def _object(body: object, allowed: set[str]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise ApiError(400, f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+    for name, neutral in _NEUTRAL.items():
+        if name in body and not any(body[name] == value and type(body[name]) is type(value) for value in neutral):
+            raise ApiError(400, f"{name}={body[name]!r} is not supported by deskfleet (it generates one choice, "
+                                "without log probabilities, penalties, tools or an echo of the prompt)", name)
+    return body
+
+
+def _check_model(fields: dict[str, Any], model_name: str) -> None:
+    model = fields.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "model is required: the name GET /v1/models lists", "model")
+    if model != model_name:
+        raise ApiError(404, f"the model {model!r} does not exist here: this server runs {model_name!r}", "model",
+                       code="model_not_found")
+
+
+def _prompt(value: object) -> str | tuple[int, ...]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]  # a list of one prompt
+    if isinstance(value, str):
+        if not value:
+            raise ApiError(400, "prompt is empty", "prompt")
+        return value
+    if isinstance(value, list) and value and all(isinstance(token, int) and not isinstance(token, bool)
+                                                 for token in value):
+        return tuple(value)
+    if isinstance(value, list) and len(value) > 1:
+        raise ApiError(400, "one prompt a request: send several requests at once instead (they run as concurrent "
+                            "streams, batched)", "prompt")
+    raise ApiError(400, "prompt must be a non-empty string or a non-empty list of token ids", "prompt")
+
+
+def _messages(value: object) -> tuple[ChatMessage, ...]:
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "messages must be a non-empty list", "messages")
+    messages = []
+    for index, message in enumerate(value):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise ApiError(400, f"{where} must be an object with a role and a content", where)
+        role = message.get("role")
+        if role not in _ROLES:
+            raise ApiError(400, f"{where}.role must be one of {', '.join(sorted(_ROLES))}, got {role!r} (tools are "
+                                "not supported)", f"{where}.role")
+        messages.append(ChatMessage(_ROLES[role], _content(message.get("content"), f"{where}.content")))
+    return tuple(messages)
+
+
+def _content(value: object, where: str) -> str:
+    """A message's text: a string, or a list of text parts (their texts joined)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for index, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"{where}[{index}] must be a text part ({{\"type\": \"text\", \"text\": ...}}): "
+                                    "images and audio are not supported", f"{where}[{index}]")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ApiError(400, f"{where} must be a string or a list of text parts", where)
+
+
+def _decoding(fields: dict[str, Any], max_tokens: object, max_name: str) -> Decoding:
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):  # type: ignore[operator]
+        raise ApiError(400, f"{max_name} must be a whole number of at least 1", max_name)
+    temperature = _number(fields, "temperature", 1.0, 0.0, MAX_API_TEMPERATURE)
+    top_p = _number(fields, "top_p", 1.0, 0.0, 1.0)
+    if top_p <= 0:
+        raise ApiError(400, "top_p must be above 0 and at most 1", "top_p")
+    top_k = fields.get("top_k", 0)
+    if top_k is None:
+        top_k = 0
+    if not _is_int(top_k) or top_k < 0:
+        raise ApiError(400, "top_k must be a whole number, 0 (all) or more", "top_k")
+    seed = fields.get("seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
+        raise ApiError(400, f"seed must be a whole number from 0 to {MAX_SEED}", "seed")
+    stream = fields.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be true or false", "stream")
+    options = fields.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise ApiError(400, "stream_options takes only include_usage (true or false), and only with stream",
+                       "stream_options")
+    return Decoding(max_tokens if max_tokens is not None else None, temperature,  # type: ignore[arg-type]
+                    top_p, top_k, seed, _stops(fields.get("stop")), stream,
+                    bool(options and options.get("include_usage")))
+
+
+def _stops(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not 1 <= len(stops) <= MAX_STOPS or \
+            not all(isinstance(stop, str) and stop for stop in stops):
+        raise ApiError(400, f"stop must be a non-empty string or a list of 1 to {MAX_STOPS} of them", "stop")
+    return tuple(stops)
+
+
+def _number(fields: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = fields.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise ApiError(400, f"{name} must be a number from {low:g} to {high:g}", name)
+    return float(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,231 @@
+"""`deskfleet serve`: the OpenAI-compatible HTTP API over local stages or the fleet's deployed chain."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import math
+import os
+import stat
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from deskfleet.common import event_loop
+from deskfleet.common.arguments import path_argument
+from deskfleet.common.console import stopping_signals
+from deskfleet.common.wire import parse_address, with_default_port
+
+from .chat import add_fleet_option, check_fleet_options, controller_store, fleet_max_failovers, open_fleet_chain
+from .decoding_options import DecodingOptions, draft_count, non_negative_int, positive_int
+from .engine import DEFAULT_PREFILL_CHUNK
+
+if TYPE_CHECKING:
+    from deskfleet.agent.stage import CompileSettings
+    from deskfleet.common.model_spec import Manifest
+
+    from .engine import ChainBroken, EngineOptions, Recover, StageChain
+    from .engine_service import ChainOpener
+    from .fleet_failover import FleetFailover
+    from .openai_api import OpenAiApi
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 8000
+API_KEY_ENV = "DESKFLEET_API_KEY"
+DEFAULT_MAX_STREAMS = 64
+# A server's one run never ends: --max-failovers bounds the re-plans within this long of each other (a storm of
+# failures), not over the server's life, after which the streams running would fail at the next PC that drops out
+FAILOVER_WINDOW_S = 600.0
+
+
+def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+                      add_compile_options: Callable[[argparse.ArgumentParser], None]) -> None:
+    serve = subparsers.add_parser(
+        "serve", help="an OpenAI-compatible HTTP API (local stages or --fleet)",
+        description="An OpenAI-compatible HTTP API: GET /v1/models, POST /v1/completions and /v1/chat/completions "
+                    "(streamed with \"stream\": true), GET /health. Requests that arrive together run as concurrent "
+                    "streams of one engine, batched. It runs in the foreground until Ctrl-C, SIGTERM or SIGHUP.")
+    serve.add_argument("--model", type=path_argument, required=True, help="export folder (with its tokenizer)")
+    add_fleet_option(serve)
+    serve.add_argument("--stages", type=positive_int, default=None,
+                       help="in-process pipeline stages (default 1; local only)")
+    serve.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT",
+                       help=f"where to listen (default 127.0.0.1:{DEFAULT_PORT}, this PC only; another address needs "
+                            f"an API key, or --no-api-key)")
+    serve.add_argument("--api-key-file", type=path_argument, default=None, metavar="FILE",
+                       help=f"a file holding the API key clients must send as `Authorization: Bearer KEY` (default: "
+                            f"${API_KEY_ENV}, else none)")
+    serve.add_argument("--no-api-key", action="store_true",
+                       help="serve without an API key on an address other than loopback: anyone who reaches the "
+                            "port can use the model")
+    serve.add_argument("--model-name", default=None,
+                       help="the model's id, which clients give as `model` (default: the export folder's name)")
+    serve.add_argument("--max-streams", type=positive_int, default=DEFAULT_MAX_STREAMS,
+                       help="requests running or waiting at once; more are answered 429 (default "
+                            f"{DEFAULT_MAX_STREAMS})")
+    serve.add_argument("--max-rows", type=positive_int, default=8, help="streams per micro-batch (default 8)")
+    serve.add_argument("--draft", type=path_argument, default=None,
+                       help="export folder of a draft model (speculative)")
+    serve.add_argument("--prompt-lookup", action="store_true",
+                       help="speculative with drafts copied from the context (with --draft: lookup first)")
+    k = serve.add_mutually_exclusive_group()
+    k.add_argument("--k", type=draft_count(0), default=None, help="fixed number of draft tokens (default: adaptive)")
+    k.add_argument("--k-max", type=draft_count(1), default=None, help="upper bound of adaptive K (default 8)")
+    serve.add_argument("--prefill-chunk", type=non_negative_int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                       help=f"feed a prompt N tokens a call between the running streams' steps (default "
+                            f"{DEFAULT_PREFILL_CHUNK}; 0: whole)")
+    add_compile_options(serve)
+    serve.set_defaults(handler=_serve_command, extras=("controller",), log_times=True)
+
+
+def read_api_key(path: Path | None, environ: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
+    """The API key from `path` (its first line), else from $DESKFLEET_API_KEY; None where neither gives one.
+    ValueError for a file that cannot be read, is empty, or others may read (the key would be theirs too)."""
+    if path is None:
+        key = environ.get(API_KEY_ENV, "").strip()
+        return key or None
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--api-key-file {path}: cannot be read: {error}") from None
+    if os.name == "posix" and mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ValueError(f"--api-key-file {path}: others can read it (mode {stat.S_IMODE(mode):o}): "
+                         f"`chmod 600 {path}` first")
+    key = text.strip().splitlines()[0].strip() if text.strip() else ""
+    if not key:
+        raise ValueError(f"--api-key-file {path} is empty: put the key on its first line")
+    return key
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _serve_command(args: argparse.Namespace) -> int:
+    from deskfleet.agent.stage import CompileSettings, Precision
+    from deskfleet.common.model_spec import load_manifest
+
+    from .chat_template import TemplateRenderer
+    from .engine_service import EngineService
+    from .openai_api import OpenAiApi
+    from .tokenizer import ModelTokenizer
+
+    check_fleet_options(args)
+    host, port = parse_address(with_default_port(args.listen, DEFAULT_PORT), any_port=True)
+    api_key = read_api_key(args.api_key_file)
+    if api_key is None and not is_loopback(host) and not args.no_api_key:
+        raise ValueError(f"--listen {args.listen} reaches beyond this PC, and no API key is set: give --api-key-file "
+                         f"(or ${API_KEY_ENV}), or --no-api-key to let anyone who reaches the port use the model")
+    if api_key is not None and args.no_api_key:
+        raise ValueError("--no-api-key with an API key given (--api-key-file or $DESKFLEET_API_KEY): leave one out")
+    manifest = load_manifest(args.model)
+    tokenizer = ModelTokenizer(args.model)
+    settings = CompileSettings(device=args.device, precision=Precision(args.precision), num_threads=args.threads,
+                               kv_cache=args.kv_cache)
+    decoding = DecodingOptions(draft=args.draft, prompt_lookup=args.prompt_lookup, k=args.k, k_max=args.k_max,
+                               prefill_chunk=args.prefill_chunk, settings=settings)
+    target = decoding.target_settings()
+    draft = decoding.open_drafter(target, manifest.spec, over_fleet=args.fleet)
+    stages = args.stages or 1
+
+    def options_for(chain: StageChain) -> EngineOptions:
+        return decoding.engine_options(getattr(chain, "num_stages", stages), max_rows=args.max_rows)
+
+    opener = _fleet_opener(args, decoding) if args.fleet else _local_opener(args.model, stages, target, manifest)
+    name = args.model_name or args.model.resolve().name
+    print(f"deskfleet: opening {name} ({'the fleet' if args.fleet else f'{stages} local stage(s)'}) ...",
+          file=sys.stderr, flush=True)
+    service = EngineService(opener, manifest.spec, draft, options_for, max_streams=args.max_streams)
+    service.start()
+    try:
+        with TemplateRenderer() as renderer:
+            tokenizer.renderer = renderer
+            api = OpenAiApi(service, tokenizer, manifest.spec, name, api_key)
+            event_loop.run(_listen(api, host, port))
+    finally:
+        service.close()
+    return 0
+
+
+async def _listen(api: OpenAiApi, host: str, port: int) -> None:
+    from aiohttp import web
+
+    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0][1] if runner.addresses else port
+        shown = f"[{host}]" if ":" in host else host
+        key = "an API key" if api.has_api_key else "no API key"
+        print(f"deskfleet: serving {api.model_name} at http://{shown}:{bound}/v1 ({key}); Ctrl-C stops",
+              file=sys.stderr, flush=True)
+        loop = asyncio.get_running_loop()
+        stopped = asyncio.Event()
+        handled = []
+        for signum in stopping_signals():
+            try:
+                loop.add_signal_handler(signum, stopped.set)
+                handled.append(signum)
+            except (NotImplementedError, RuntimeError):
+                pass
+        try:
+            await stopped.wait()
+        finally:
+            for signum in handled:
+                loop.remove_signal_handler(signum)
+        log.info("serve stopping: %d stream(s) running", api.service.live_streams)
+    finally:
+        await runner.cleanup()
+
+
+def _local_opener(model: Path, stages: int, settings: CompileSettings, manifest: Manifest) -> ChainOpener:
+    from .pipeline import LocalPipeline
+
+    @contextmanager
+    def open_local() -> Iterator[tuple[StageChain, Recover | None]]:
+        with LocalPipeline(model, stages, settings, manifest) as pipeline:
+            yield pipeline, None
+
+    return open_local
+
+
+def _fleet_opener(args: argparse.Namespace, decoding: DecodingOptions) -> ChainOpener:
+    store = controller_store(args.data_dir)
+    drafting = decoding.draft is not None or decoding.prompt_lookup
+
+    @contextmanager
+    def open_fleet() -> Iterator[tuple[StageChain, Recover | None]]:
+        with open_fleet_chain(store, args.model, fleet_max_failovers(args), args.discover_seconds,
+                              drafting=drafting) as (chain, failover):
+            yield chain, windowed(failover)
+
+    return open_fleet
+
+
+def windowed(failover: FleetFailover, window_s: float = FAILOVER_WINDOW_S,
+             clock: Callable[[], float] = time.monotonic) -> Recover:
+    """`failover`, whose --max-failovers budget is whole again once `window_s` passed since its last re-plan (as a
+    chat's next reply gets it whole: FleetFailover.start_run)."""
+    last = [-math.inf]
+
+    def recover(error: ChainBroken) -> StageChain:
+        now = clock()
+        if now - last[0] > window_s:
+            failover.start_run()
+        last[0] = now
+        return failover(error)
+
+    return recover

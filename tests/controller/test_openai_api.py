@@ -1,0 +1,310 @@
+"""`deskfleet serve`'s OpenAI-compatible API over a real EngineService (f32, 2 local stages), through HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from deskfleet.common.model_spec import load_manifest
+from deskfleet.controller.engine import EngineOptions, Recover, StageChain, StreamRequest
+from deskfleet.controller.engine_service import ChainOpener, EngineService
+from deskfleet.controller.openai_api import OpenAiApi, ReplyText
+from deskfleet.controller.pipeline import LocalPipeline
+from deskfleet.controller.tokenizer import ChatMessage, ModelTokenizer
+
+from .test_engine import F32, run_streams
+from .test_engine_service import _local
+
+MODEL = "tiny"
+
+
+@contextmanager
+def serving(model: Path, api_key: str | None = None, max_streams: int = 64,
+            opener: ChainOpener | None = None) -> Iterator[tuple[str, EngineService]]:
+    """The API on 127.0.0.1 at a free port, its event loop on a thread of its own; yields its base URL."""
+    manifest = load_manifest(model)
+    service = EngineService(opener or _local(model, 2), manifest.spec, None,
+                            lambda chain: EngineOptions(max_rows=4, micro_batches=2), max_streams=max_streams)
+    service.start()
+    api = OpenAiApi(service, ModelTokenizer(model), manifest.spec, MODEL, api_key)
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    state: dict[str, Any] = {}
+
+    async def run() -> None:
+        runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        state["port"] = runner.addresses[0][1]
+        state["stop"] = stop = asyncio.Event()
+        started.set()
+        await stop.wait()
+        await runner.cleanup()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(run(),), daemon=True)
+    thread.start()
+    assert started.wait(30)
+    try:
+        yield f"http://127.0.0.1:{state['port']}", service
+    finally:
+        loop.call_soon_threadsafe(state["stop"].set)
+        thread.join(30)
+        service.close()
+
+
+def post(url: str, body: object, key: str | None = None) -> tuple[int, dict[str, Any]]:
+    data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def events(url: str, body: dict[str, Any]) -> list[Any]:
+    """A streamed request's server-sent events, decoded ("[DONE]" as the string)."""
+    with urllib.request.urlopen(urllib.request.Request(url, json.dumps({**body, "stream": True}).encode()),
+                                timeout=120) as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        lines = response.read().decode().split("\n\n")
+    found = [line.removeprefix("data: ") for line in lines if line]
+    return [item if item == "[DONE]" else json.loads(item) for item in found]
+
+
+def greedy(model: Path, prompt: list[int], tokens: int) -> list[int]:
+    return run_streams(model, [StreamRequest(prompt, max_new_tokens=tokens)])[0]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_export: Path) -> Iterator[tuple[str, EngineService]]:
+    with serving(tiny_export) as server:
+        yield server
+
+
+def test_completions_give_what_the_engine_gives_alone_whole_streamed_and_concurrent(
+        served: tuple[str, EngineService], tiny_export: Path) -> None:
+    url, service = served
+    tokenizer = ModelTokenizer(tiny_export)
+    prompts = ["def add(a, b):", "import os\n", "class Point:", "x = [1, 2,"]
+    expected = [tokenizer.decode(greedy(tiny_export, tokenizer.encode(text), 20)) for text in prompts]
+    status, body = post(f"{url}/v1/completions", {"model": MODEL, "prompt": prompts[0], "max_tokens": 20,
+                                                  "temperature": 0})
+    assert status == 200, body
+    assert body["object"] == "text_completion" and body["model"] == MODEL
+    assert body["choices"][0]["text"] == expected[0]
+    assert body["usage"]["prompt_tokens"] == len(tokenizer.encode(prompts[0]))
+    assert body["usage"]["completion_tokens"] + body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"]
+    # token ids as the prompt
+    ids = tokenizer.encode(prompts[1])
+    status, body = post(f"{url}/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 20, "temperature": 0})
+    assert status == 200 and body["choices"][0]["text"] == expected[1]
+    # four at once: streams of one engine, batched, each as alone
+    with ThreadPoolExecutor(4) as pool:
+        bodies = list(pool.map(lambda text: post(f"{url}/v1/completions", {"model": MODEL, "prompt": text,
+                                                                          "max_tokens": 20, "temperature": 0}),
+                               prompts))
+    assert [body["choices"][0]["text"] for _, body in bodies] == expected
+    # streamed: the pieces add up to the same text, then the finish, the usage and [DONE]
+    found = events(f"{url}/v1/completions", {"model": MODEL, "prompt": prompts[2], "max_tokens": 20,
+                                             "temperature": 0, "stream_options": {"include_usage": True}})
+    assert found[-1] == "[DONE]"
+    chunks = [item for item in found[:-1] if item["choices"]]
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == expected[2]
+    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks][-1] in ("stop", "length")
+    assert all(chunk["choices"][0]["finish_reason"] is None for chunk in chunks[:-1])
+    assert found[-2]["choices"] == [] and found[-2]["usage"]["prompt_tokens"] == len(tokenizer.encode(prompts[2]))
+    assert service.live_streams == 0
+
+
+def test_chat_completions_render_the_template_and_stream_the_reply(served: tuple[str, EngineService],
+                                                                  tiny_export: Path) -> None:
+    url, _ = served
+    tokenizer = ModelTokenizer(tiny_export)
+    messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "Say something.")]
+    stop = tokenizer.end_of_turn_ids()
+    ids = tokenizer.encode_chat(messages)
+    tokens = run_streams(tiny_export, [StreamRequest(ids, max_new_tokens=16, stop_token_ids=stop)])[0]
+    expected = tokenizer.decode(tokens)
+    body = {"model": MODEL, "messages": [{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": [{"type": "text", "text": "Say "},
+                                                                      {"type": "text", "text": "something."}]}],
+            "max_completion_tokens": 16, "temperature": 0}
+    status, reply = post(f"{url}/v1/chat/completions", body)
+    assert status == 200, reply
+    assert reply["object"] == "chat.completion"
+    assert reply["choices"][0]["message"] == {"role": "assistant", "content": expected}
+    assert reply["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
+                              "total_tokens": len(ids) + len(tokens)}
+    found = events(f"{url}/v1/chat/completions", body)
+    assert found[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert found[-1] == "[DONE]"
+    assert "".join(item["choices"][0]["delta"].get("content", "") for item in found[:-1]) == expected
+
+
+def test_a_stop_sequence_cuts_the_text_whole_and_streamed(served: tuple[str, EngineService],
+                                                         tiny_export: Path) -> None:
+    url, _ = served
+    tokenizer = ModelTokenizer(tiny_export)
+    full = tokenizer.decode(greedy(tiny_export, tokenizer.encode("def add(a, b):"), 40))
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip(), "the random model's text has no stop sequence to pick"
+    expected = full[:full.find(stop)]
+    request = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 40, "temperature": 0,
+               "stop": [stop, "\x00never"]}
+    status, body = post(f"{url}/v1/completions", request)
+    assert status == 200 and body["choices"][0]["text"] == expected
+    assert body["choices"][0]["finish_reason"] == "stop"
+    found = events(f"{url}/v1/completions", request)
+    assert "".join(item["choices"][0]["text"] for item in found[:-1]) == expected
+    assert found[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_sampling_with_a_seed_is_reproducible(served: tuple[str, EngineService]) -> None:
+    url, _ = served
+    request = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 24, "temperature": 1.0, "top_p": 0.9,
+               "seed": 7}
+    first, second = (post(f"{url}/v1/completions", request)[1]["choices"][0]["text"] for _ in range(2))
+    assert first == second
+    other = post(f"{url}/v1/completions", {**request, "seed": 8})[1]["choices"][0]["text"]
+    assert other != first
+
+
+@pytest.mark.parametrize(("body", "status", "says"), [
+    ("not json", 400, "not JSON"),
+    ({"model": MODEL, "prompt": "x", "bogus": 1}, 400, "unrecognized request argument(s): bogus"),
+    ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n=2 is not supported"),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "'gpt-4' does not exist here"),
+    ({"prompt": "x"}, 400, "model is required"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 10**6}, 400, "exceed the model's context"),
+    ({"model": MODEL, "prompt": [1, 2, 10**7]}, 400, "outside the model's vocabulary"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "one prompt a request"),
+    ({"model": MODEL, "prompt": "x", "temperature": 3}, 400, "temperature must be a number from 0 to 2"),
+    ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "list of 1 to 4"),
+    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "only with stream"),
+])
+def test_a_bad_request_gets_the_apis_error_naming_what_is_wrong(served: tuple[str, EngineService], body: object,
+                                                               status: int, says: str) -> None:
+    url, service = served
+    got, answer = post(f"{url}/v1/completions", body)
+    assert got == status and says in answer["error"]["message"], answer
+    assert set(answer["error"]) == {"message", "type", "param", "code"}
+    assert service.live_streams == 0
+
+
+def test_chat_errors(served: tuple[str, EngineService]) -> None:
+    url, _ = served
+    status, answer = post(f"{url}/v1/chat/completions", {"model": MODEL, "messages": [{"role": "tool",
+                                                                                      "content": "x"}]})
+    assert status == 400 and answer["error"]["param"] == "messages[0].role"
+    status, answer = post(f"{url}/v1/chat/completions", {"model": MODEL, "messages": []})
+    assert status == 400 and "non-empty list" in answer["error"]["message"]
+    status, answer = post(f"{url}/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert status == 400 and "images and audio are not supported" in answer["error"]["message"]
+    status, answer = post(f"{url}/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                        "response_format": {"type": "json_object"}})
+    assert status == 400 and answer["error"]["param"] == "response_format"
+
+
+def test_models_health_and_unknown_paths(served: tuple[str, EngineService]) -> None:
+    url, _ = served
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
+        listed = json.loads(response.read())
+    assert [model["id"] for model in listed["data"]] == [MODEL]
+    with urllib.request.urlopen(f"{url}/health", timeout=30) as response:
+        assert json.loads(response.read())["status"] == "ok"
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(f"{url}/v1/embeddings", timeout=30)
+    assert missing.value.code == 404 and json.loads(missing.value.read())["error"]["type"] == "not_found_error"
+
+
+def test_an_api_key_is_required_once_set(tiny_export: Path) -> None:
+    with serving(tiny_export, api_key="s3cret") as (url, _):
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "temperature": 0}
+        assert post(f"{url}/v1/completions", body)[0] == 401
+        status, answer = post(f"{url}/v1/completions", body, key="wrong")
+        assert status == 401 and answer["error"]["code"] == "invalid_api_key"
+        assert post(f"{url}/v1/completions", body, key="s3cret")[0] == 200
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{url}/v1/models", timeout=30)
+        assert refused.value.code == 401
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as response:  # says nothing a client sends
+            assert response.status == 200
+
+
+class SlowChain:
+    """A local chain whose every step takes 20 ms more: a reply of hundreds of tokens outlasts the test's client."""
+
+    def __init__(self, pipeline: LocalPipeline) -> None:
+        self.pipeline = pipeline
+
+    def submit(self, message: object) -> None:
+        self.pipeline.submit(message)  # type: ignore[arg-type]
+
+    def collect(self, timeout: float | None = None) -> object:
+        time.sleep(0.02)
+        return self.pipeline.collect(timeout)
+
+    def release(self, batch_id: int) -> None:
+        self.pipeline.release(batch_id)
+
+    def renumber(self) -> None:
+        self.pipeline.renumber()
+
+
+def test_a_client_that_goes_away_has_its_stream_cancelled_and_a_full_server_says_429(tiny_export: Path) -> None:
+    manifest = load_manifest(tiny_export)
+
+    @contextmanager
+    def slow() -> Iterator[tuple[StageChain, Recover | None]]:
+        with LocalPipeline(tiny_export, 2, F32, manifest) as pipeline:
+            yield SlowChain(pipeline), None  # type: ignore[misc]
+
+    with serving(tiny_export, max_streams=1, opener=slow) as (url, service):
+        port = int(url.rsplit(":", 1)[1])
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        connection.request("POST", "/v1/completions", json.dumps({
+            "model": MODEL, "prompt": [1, 2, 3], "max_tokens": service.spec.max_context - 3, "temperature": 0,
+            "stream": True}))
+        response = connection.getresponse()
+        assert response.status == 200
+        assert response.readline().startswith(b"data: ")  # it runs
+        status, answer = post(f"{url}/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert status == 429 and "--max-streams 1" in answer["error"]["message"]
+        assert service.live_streams == 1
+        connection.close()  # the client goes away mid-reply
+        deadline = time.monotonic() + 30
+        while service.live_streams and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert service.live_streams == 0 and service.streams_cancelled == 1, "the stream of a client that went " \
+            "away ran on"
+        assert post(f"{url}/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                              "temperature": 0})[0] == 200
+
+
+def test_reply_text_holds_back_what_may_begin_a_stop_sequence(tiny_export: Path) -> None:
+    tokenizer = ModelTokenizer(tiny_export)
+    ids = tokenizer.encode("alpha beta gamma delta", add_special_tokens=False)
+    whole = tokenizer.decode(ids)
+    reply = ReplyText(tokenizer, ("gamma",))
+    sent = "".join(reply.push(token) for token in ids) + reply.finish()
+    assert sent == whole[:whole.find("gamma")] and reply.stopped
+    plain = ReplyText(tokenizer, ())
+    assert "".join(plain.push(token) for token in ids) + plain.finish() == whole
+    assert plain.text == whole and not plain.stopped
+
