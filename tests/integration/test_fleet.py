@@ -301,6 +301,16 @@ def test_engine_streams_on_the_fleet_equal_local(fleet: Fleet, tiny_export: Path
     assert len(remote) == len(PROMPTS) and all(len(tokens) == 12 for tokens in remote)
 
 
+def test_the_api_server_on_the_fleet_answers_requests_at_once_as_local_runs(fleet: Fleet, tiny_export: Path) -> None:
+    # `deskfleet serve --fleet`: the prompts sent at once run as streams of one engine over the deployed chain
+    out = json.loads(fleet.run(fleet.controller, sys.executable, "-m", "tests.integration.fleet_api",
+                               str(fleet.controller_dir), str(tiny_export), *PROMPTS, timeout=300))
+    argv = ["generate", "--model", str(tiny_export), *[a for p in PROMPTS for a in ("--prompt-ids", p)],
+            "--max-new-tokens", "12", "--precision", "f32", "--json"]
+    local = json.loads(fleet.run(fleet.controller, str(BIN / "deskfleet"), *argv))
+    assert out["texts"] == [stream["text"] for stream in local["streams"]] and out["exit"] == 0
+
+
 def test_speculative_on_the_fleet_equals_plain_local(fleet: Fleet, tiny_export: Path, tiny_draft: Path) -> None:
     remote = _engine_run(fleet, tiny_export, "--draft", str(tiny_draft), "--k", "3", on_fleet=True)
     assert remote == _engine_run(fleet, tiny_export, on_fleet=False)  # greedy drafting changes no token

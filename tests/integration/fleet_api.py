@@ -1,0 +1,60 @@
+"""`deskfleet serve --fleet` for test_fleet.py; run as a process inside the controller's namespace:
+
+    python -m tests.integration.fleet_api CONTROLLER_DATA_DIR MODEL_DIR PROMPT_IDS...
+
+Starts the server on the deployed chain (loopback, a free port), sends every prompt (comma-separated token ids)
+at once as a greedy completion of 12 tokens, then stops the server with SIGTERM. Prints one JSON object: each
+completion's text, and the server's exit status.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+def complete(port: int, prompt: str) -> str:
+    body = {"model": "served", "prompt": [int(token) for token in prompt.split(",")], "max_tokens": 12,
+            "temperature": 0}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return str(json.loads(response.read())["choices"][0]["text"])
+
+
+def main() -> None:
+    data_dir, model, prompts = sys.argv[1], sys.argv[2], sys.argv[3:]
+    server = subprocess.Popen([str(BIN / "deskfleet"), "serve", "--fleet", "--model", model, "--data-dir", data_dir,
+                               "--listen", "127.0.0.1:0", "--discover-seconds", "0", "--model-name", "served"],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stderr is not None
+        said = ""
+        for line in server.stderr:
+            said += line
+            if "serving" in line:
+                break
+        found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", said)
+        if found is None:
+            raise SystemExit(f"the server did not start: {said}")
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(lambda prompt: complete(int(found[1]), prompt), prompts))
+        server.send_signal(signal.SIGTERM)
+        status = server.wait(60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    print(json.dumps({"texts": texts, "exit": status}))
+
+
+if __name__ == "__main__":
+    main()
