@@ -322,10 +322,12 @@ class Engine:
         return stream_id
 
     def cancel(self, stream_id: int) -> None:
-        """End a stream before its end (its client went away). One not started yet is dropped at once; one that
-        has started ends at its next result (one being prefilled, once its prompt is in), its row dropped as a
-        finished stream's is, its token of that step not taken. Its result keeps the tokens made before. Call it
-        where add() may be called during a run: on the run's thread, from its `feed`."""
+        """End a stream before its end (its client went away). One not started yet, or whose micro-batch has no
+        step in flight and no prompt left to feed (between steps, or prefilled and waiting for a row to free up),
+        is dropped at once; one with a step in flight ends at that step's result (one being prefilled, once its
+        prompt is in), its token of that step not taken. Its row goes as a finished stream's does; its result keeps
+        the tokens made before. Call it where add() may be called during a run: on the run's thread, from its
+        `feed`."""
         stream = self._streams.get(stream_id)
         if stream is None or stream.done:
             return
@@ -334,9 +336,19 @@ class Engine:
             if stream.resume is not None:
                 stream.resume.release()
                 stream.resume = None
+            if stream.resumed is not None:  # a kept micro-batch this run took for it: nobody else frees it
+                _release_quietly(self.chain, stream.resumed.micro_batch_id)
+                stream.resumed = None
             stream.done = True
             self._unfinished -= 1
             return
+        for track in [*self._tracks.values(), *self._prefills.values()]:
+            if stream_id in track.stream_ids and track.micro_batch_id not in self._in_flight \
+                    and not self._feeding(track):
+                stream.done = True
+                self._unfinished -= 1
+                self._retire(track, {stream_id})
+                return
         self._cancelled.add(stream_id)
 
     def is_done(self, stream_id: int) -> bool:
@@ -352,7 +364,9 @@ class Engine:
             raise ValueError(f"stream {stream_id} is not a finished stream of this engine")
         result = self._result_of(stream)
         del self._streams[stream_id]
-        self._kept.pop(stream_id, None)
+        kept = self._kept.pop(stream_id, None)
+        if kept is not None:  # nobody can take it now
+            kept.release()
         return result
 
     def kept_kv(self, stream_id: int) -> KeptKV | None:
@@ -470,10 +484,15 @@ class Engine:
         resumed = 0
         for stream in self._streams.values():
             stream.resumed, stream.reused = None, 0  # a kept KV state stays on the old chain (released there)
+            if stream.stream_id in self._cancelled:  # its client went away: not fed again on the new chain
+                stream.done = True
+                self._unfinished -= 1
+                continue
             if stream.started and not stream.done:
                 stream.started, stream.batch = False, None
                 self._unstarted[stream.stream_id] = stream
                 resumed += 1
+        self._cancelled.clear()
         self._unstarted = dict(sorted(self._unstarted.items()))  # arrival order
         self.chain = chain
         self.failovers.append(Failover(str(error), self._collected, resumed))

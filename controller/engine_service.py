@@ -94,6 +94,7 @@ class EngineService:
         self._open_error: BaseException | None = None
         self.runs_failed = 0  # runs that failed past what their chain could mend (the chain was opened again)
         self.streams_cancelled = 0  # streams that ended cancelled (their client went away, a stop sequence met)
+        self._fed = False  # the current run has taken its inbox at least once (a failure then ends only its streams)
 
     # Public methods
 
@@ -166,10 +167,9 @@ class EngineService:
         while True:
             if not first and not self._wait_for_work():
                 return
-            opened = False
+            self._fed = False
             try:
                 with self._open_chain() as (chain, recover):
-                    opened = True
                     if first:
                         self._chain_open.set()
                         first = False
@@ -181,11 +181,11 @@ class EngineService:
                     self._chain_open.set()
                     return
                 self.runs_failed += 1
-                if opened:
+                if self._fed:
                     log.warning("a run failed; its streams end with the error, and the chain opens again for the "
                                 "next request: %s", error)
                     self._end_all(f"the run failed: {error}", only_started=True)
-                else:  # the streams waiting would wait for a chain that does not open: they end too
+                else:  # the chain did not open, or no run began on it: the streams waiting would wait for ever
                     log.warning("the chain could not be opened again: %s", error)
                     self._end_all(f"the chain could not be opened: {error}")
 
@@ -195,15 +195,17 @@ class EngineService:
         self._reap(engine)
 
     def _wait_for_work(self) -> bool:
-        """After a failed run: wait for a stream to run (True) or for close() (False)."""
+        """After a failed run: wait for a stream to run (True) or for close() (False). The chain opens again only
+        for a stream that waits: a chain that does not open is not dialled again and again meanwhile."""
         with self._lock:
-            while not self._inbox.new and not self._closing:
+            while not any(not ticket.ended for ticket in self._inbox.new) and not self._closing:
                 self._lock.wait()
             return not self._closing
 
     def _feed(self, engine: Engine, idle: bool) -> bool:
         """Engine.run's feed: end the streams that finished, take the new and the cancelled; with nothing to run,
         wait for work. False (ends the run) once close() began."""
+        self._fed = True
         self._reap(engine)
         with self._lock:
             while idle and not self._inbox.new and not self._inbox.cancelled and not self._closing:
@@ -264,7 +266,8 @@ class EngineService:
         still in the inbox run on the next chain)."""
         with self._lock:
             tickets = [ticket for ticket in self._live.values() if not only_started or ticket.stream_id is not None]
-            if only_started:
-                self._inbox.cancelled = [ticket for ticket in self._inbox.cancelled if ticket not in tickets]
         for ticket in tickets:
             self._end(ticket, StreamEnd(None, error))
+        with self._lock:  # an ended ticket is no work: left in the inbox, it would open the chain again for nothing
+            self._inbox.new = [ticket for ticket in self._inbox.new if not ticket.ended]
+            self._inbox.cancelled = [ticket for ticket in self._inbox.cancelled if not ticket.ended]

@@ -4,6 +4,7 @@ costs only its own streams."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -183,3 +184,74 @@ def test_a_chain_that_does_not_open_fails_the_start(target: Path) -> None:
     service = _service(target, opener=no_chain)
     with pytest.raises(ServiceClosed, match="the chain could not be opened: the model was never deployed"):
         service.start()
+
+
+def test_a_stream_prefilled_and_waiting_for_a_row_is_dropped_at_once_when_cancelled(target: Path) -> None:
+    # one row a micro-batch, one micro-batch: a newcomer is prefilled and then waits for the running stream's row.
+    # Cancelled there, it waited (holding its KV and a place under max_streams) until that long stream ended.
+    manifest = load_manifest(target)
+    service = EngineService(_local(target, 1), manifest.spec, None,
+                            lambda chain: EngineOptions(max_rows=1, micro_batches=1))
+    with service:
+        running, waiting = Sink(first_tokens=3), Sink()
+        service.submit(StreamRequest(PROMPTS[0], max_new_tokens=manifest.spec.max_context - 10, ignore_eos=True),
+                       running)
+        assert running.got_tokens.wait(WAIT_S)
+        ticket = service.submit(StreamRequest(PROMPTS[1], max_new_tokens=50, ignore_eos=True), waiting)
+        deadline = time.monotonic() + WAIT_S
+        while not waiting.tokens and time.monotonic() < deadline:  # its prefill gives it its first token
+            time.sleep(0.005)
+        service.cancel(ticket)
+        end = waiting.wait()
+        assert end.cancelled and end.result is not None and end.result.tokens == waiting.tokens[:1]
+        assert not running.ended.is_set(), "the cancelled stream waited for the running one to end"
+        assert service.live_streams == 1
+
+
+class FailingOpener:
+    """Opens `target`'s chain the first time, which then breaks; every later open fails."""
+
+    def __init__(self, target: Path, fail_options: bool = False) -> None:
+        self.manifest = load_manifest(target)
+        self.target = target
+        self.opens = 0
+        self.chain: BreakingChain | None = None
+        self.fail_options = fail_options
+
+    @contextmanager
+    def __call__(self) -> Iterator[tuple[StageChain, Recover | None]]:
+        self.opens += 1
+        if self.opens > 1 and not self.fail_options:
+            raise RuntimeError("no PC answers")
+        with LocalPipeline(self.target, 1, F32, self.manifest) as pipeline:
+            self.chain = BreakingChain(pipeline)
+            yield self.chain, None  # type: ignore[misc]
+
+    def options(self, chain: object) -> EngineOptions:
+        if self.opens > 1 and self.fail_options:
+            raise RuntimeError("the engine cannot be set up")
+        return EngineOptions()
+
+
+@pytest.mark.parametrize("fail_options", [False, True])
+def test_a_chain_that_does_not_open_again_ends_the_waiting_streams_and_is_not_dialled_in_a_loop(
+        target: Path, fail_options: bool) -> None:
+    # the waiting stream's ticket stayed in the inbox after it was ended: the chain was opened again 196 times in
+    # 2 s, and (where the failure came after the open) the stream never ended
+    opener = FailingOpener(target, fail_options)
+    service = EngineService(opener, load_manifest(target).spec, None, opener.options)
+    with service:
+        first = Sink(first_tokens=2)
+        service.submit(StreamRequest(PROMPTS[0], max_new_tokens=300, ignore_eos=True), first)
+        assert first.got_tokens.wait(WAIT_S)
+        assert opener.chain is not None
+        opener.chain.breaks.set()
+        assert first.wait().error is not None
+        waiting = Sink()
+        service.submit(StreamRequest(PROMPTS[1], max_new_tokens=5), waiting)
+        end = waiting.wait()
+        assert end.error is not None and "could not be opened" in end.error
+        opens = opener.opens
+        time.sleep(0.5)
+        assert opener.opens == opens, "the chain was opened again with nothing to run"
+        assert service.live_streams == 0
