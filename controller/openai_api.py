@@ -36,6 +36,9 @@ from .tokenizer import ModelTokenizer, NotUtf8Error
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body: a long conversation's text, far from the model's context in bytes
+# A prompt's characters a token of the model's context at most: more cannot fit (tokens are rarely under one
+# character), and tokenizing a few MB holds the event loop, every client's stream with it, for seconds
+MAX_CHARS_PER_TOKEN = 32
 
 
 @dataclass(frozen=True)
@@ -127,8 +130,11 @@ class OpenAiApi:
     """The API's routes over `service`; `model_name` is the id clients give as `model`."""
 
     def __init__(self, service: EngineService, tokenizer: ModelTokenizer, spec: ModelSpec, model_name: str,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, hosts: frozenset[str] | None = None) -> None:
+        """`hosts`: the Host header names a request may carry (a keyless server on loopback: its own names, so a
+        web page cannot reach it through a DNS name that resolves to 127.0.0.1); None: any."""
         self.service = service
+        self._hosts = hosts
         self.tokenizer = tokenizer
         self.spec = spec
         self.model_name = model_name
@@ -143,7 +149,7 @@ class OpenAiApi:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_BODY_BYTES)
-        app.add_routes([web.get("/v1/models", self._models), web.get("/v1/models/{model}", self._model),
+        app.add_routes([web.get("/v1/models", self._models), web.get("/v1/models/{model:.+}", self._model),
                         web.post("/v1/completions", self._completions),
                         web.post("/v1/chat/completions", self._chat_completions), web.get("/health", self._health)])
         return app
@@ -164,10 +170,18 @@ class OpenAiApi:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self._hosts is not None and _host_name(request.host) not in self._hosts:
+            raise ApiError(403, f"the Host {request.host[:100]!r} is not this server's: a request through another name "
+                                "(a web page's, by DNS rebinding) is refused", kind="permission_error")
+        if request.method == "POST" and request.content_type != "application/json":
+            # a web page can POST text/plain or a form to any address without asking first; JSON it cannot
+            raise ApiError(415, f"the request body must be JSON, sent as Content-Type: application/json (got "
+                                f"{request.content_type!r})")
         if self._api_key is not None and request.path.startswith("/v1/"):
             given = request.headers.get("Authorization", "")
             scheme, _, key = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self._api_key):
+            if scheme.lower() != "bearer" or \
+                    not hmac.compare_digest(key.strip().encode("utf-8", "surrogateescape"), self._api_key):
                 raise ApiError(401, "a valid API key is required: Authorization: Bearer KEY",
                                kind="authentication_error", code="invalid_api_key")
         return cast(web.StreamResponse, await handler(request))
@@ -208,11 +222,12 @@ class OpenAiApi:
     async def _json(request: web.Request) -> object:
         try:
             return await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ApiError(400, f"the request body is not JSON: {error}") from None
+        except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, a number past int's digits, too deep
+            raise ApiError(400, f"the request body is not JSON that can be read: {str(error)[:200]}") from None
 
     async def _prepare_completion(self, parsed: CompletionRequest) -> _Prepared:
         if isinstance(parsed.prompt, str):
+            self._check_length(len(parsed.prompt), "prompt")
             try:
                 ids = self.tokenizer.encode(parsed.prompt)
             except (NotUtf8Error, ValueError) as error:
@@ -223,10 +238,11 @@ class OpenAiApi:
             if bad:
                 raise ApiError(400, f"prompt: token id {bad[0]} is outside the model's vocabulary of "
                                     f"{self.spec.vocab_size}", "prompt")
-        return self._prepared(ids, parsed.decoding, frozenset())
+        return self._prepared(ids, parsed.decoding, frozenset(), "prompt")
 
     def _prepare_chat(self, parsed: ChatRequest) -> _Prepared:
         """Render and encode the conversation (in a worker thread: the template renders in a child process)."""
+        self._check_length(sum(len(message.content) for message in parsed.messages), "messages")
         with self._render_lock:
             try:
                 self.tokenizer.require_chat_template("this model has no chat template: use /v1/completions")
@@ -235,13 +251,18 @@ class OpenAiApi:
                     self._end_of_turn = self.tokenizer.end_of_turn_ids()
             except (ChatTemplateError, NotUtf8Error) as error:
                 raise ApiError(400, f"messages: {error}", "messages") from None
-        return self._prepared(ids, parsed.decoding, self._end_of_turn)
+        return self._prepared(ids, parsed.decoding, self._end_of_turn, "messages")
 
-    def _prepared(self, ids: list[int], decoding: Decoding, stop_ids: frozenset[int]) -> _Prepared:
+    def _check_length(self, chars: int, param: str) -> None:
+        if chars > MAX_CHARS_PER_TOKEN * self.spec.max_context:
+            raise ApiError(400, f"{param}: {chars} characters cannot fit the model's context of "
+                                f"{self.spec.max_context} tokens", param, code="context_length_exceeded")
+
+    def _prepared(self, ids: list[int], decoding: Decoding, stop_ids: frozenset[int], param: str) -> _Prepared:
         room = self.spec.max_context - len(ids)
         if room < 1:
             raise ApiError(400, f"the prompt is {len(ids)} tokens: the model's context is {self.spec.max_context}, "
-                                "which leaves no room for a reply", "messages", code="context_length_exceeded")
+                                "which leaves no room for a reply", param, code="context_length_exceeded")
         max_tokens = decoding.max_tokens if decoding.max_tokens is not None else room
         if max_tokens > room:  # said in the API's words: check_request names the CLI's --max-new-tokens
             raise ApiError(400, f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the model's context of "
@@ -250,7 +271,7 @@ class OpenAiApi:
         try:
             check_request(self.spec, ids, max_tokens)
         except GenerationError as error:
-            raise ApiError(400, f"{error}", "prompt") from None
+            raise ApiError(400, f"{error}", param) from None
         return _Prepared(ids, decoding, max_tokens, stop_ids)
 
     async def _respond(self, request: web.Request, prepared: _Prepared, chat: bool) -> web.StreamResponse:
@@ -373,6 +394,13 @@ class OpenAiApi:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": [choice], "usage": _usage(prompt_tokens, tokens)}
+
+
+def _host_name(host: str) -> str:
+    """A Host header's name without its port ("127.0.0.1:8000" -> "127.0.0.1", "[::1]:8000" -> "::1")."""
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

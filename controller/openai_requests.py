@@ -79,7 +79,8 @@ def parse_completion(body: object, model_name: str) -> CompletionRequest:
     fields = _object(body, _COMPLETION_FIELDS)
     _check_model(fields, model_name)
     prompt = _prompt(fields.get("prompt"))
-    return CompletionRequest(prompt, _decoding(fields, fields.get("max_tokens", DEFAULT_COMPLETION_TOKENS),
+    max_tokens = fields.get("max_tokens")
+    return CompletionRequest(prompt, _decoding(fields, DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens,
                                                "max_tokens"))
 
 
@@ -90,9 +91,9 @@ def parse_chat(body: object, model_name: str) -> ChatRequest:
     if format_ is not None and format_ != {"type": "text"}:
         raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported (no JSON mode)",
                        "response_format")
-    if "max_completion_tokens" in fields and fields.get("max_tokens") is not None:
+    if fields.get("max_completion_tokens") is not None and fields.get("max_tokens") is not None:
         raise ApiError(400, "give max_completion_tokens or max_tokens, not both", "max_completion_tokens")
-    name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
+    name = "max_completion_tokens" if fields.get("max_completion_tokens") is not None else "max_tokens"
     return ChatRequest(_messages(fields.get("messages")), _decoding(fields, fields.get(name), name))
 
 
@@ -144,6 +145,10 @@ def _messages(value: object) -> tuple[ChatMessage, ...]:
         where = f"messages[{index}]"
         if not isinstance(message, dict):
             raise ApiError(400, f"{where} must be an object with a role and a content", where)
+        unknown = sorted(set(message) - {"role", "content", "name"})
+        if unknown:
+            raise ApiError(400, f"{where}: unrecognized field(s) {', '.join(map(str, unknown))} (tool calls are not "
+                                "supported)", f"{where}.{unknown[0]}")
         role = message.get("role")
         if role not in _ROLES:
             raise ApiError(400, f"{where}.role must be one of {', '.join(sorted(_ROLES))}, got {role!r} (tools are "

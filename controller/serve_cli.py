@@ -118,7 +118,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     from deskfleet.common.model_spec import load_manifest
 
     from .chat_template import TemplateRenderer
-    from .engine_service import EngineService
+    from .engine_service import EngineService, ServiceClosed
     from .openai_api import OpenAiApi
     from .tokenizer import ModelTokenizer
 
@@ -145,49 +145,63 @@ def _serve_command(args: argparse.Namespace) -> int:
 
     opener = _fleet_opener(args, decoding) if args.fleet else _local_opener(args.model, stages, target, manifest)
     name = args.model_name or args.model.resolve().name
-    print(f"deskfleet: opening {name} ({'the fleet' if args.fleet else f'{stages} local stage(s)'}) ...",
-          file=sys.stderr, flush=True)
     service = EngineService(opener, manifest.spec, draft, options_for, max_streams=args.max_streams)
-    service.start()
+    # a keyless server on loopback answers its own names only (a web page could reach it through another)
+    hosts = frozenset({"127.0.0.1", "localhost", "::1", host}) if api_key is None and is_loopback(host) else None
     try:
         with TemplateRenderer() as renderer:
             tokenizer.renderer = renderer
-            api = OpenAiApi(service, tokenizer, manifest.spec, name, api_key)
-            event_loop.run(_listen(api, host, port))
+            api = OpenAiApi(service, tokenizer, manifest.spec, name, api_key, hosts)
+            event_loop.run(_listen(api, host, port, "the fleet" if args.fleet else f"{stages} local stage(s)"))
+    except ServiceClosed as error:  # the chain did not open
+        print(f"deskfleet: error: {error}", file=sys.stderr)
+        return 1
     finally:
         service.close()
     return 0
 
 
-async def _listen(api: OpenAiApi, host: str, port: int) -> None:
+async def _listen(api: OpenAiApi, host: str, port: int, where: str) -> None:
+    """Listen first (a port in use is said before anything compiles), then open the chain, then serve until a
+    stopping signal; then the streams running end with an error, which their clients get, and the server stops."""
     from aiohttp import web
 
-    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
+    loop = asyncio.get_running_loop()
+    stopped = asyncio.Event()
+    handled = []
+    for signum in stopping_signals():
+        try:
+            loop.add_signal_handler(signum, stopped.set)
+            handled.append(signum)
+        except (NotImplementedError, RuntimeError):
+            pass
     try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as error:
+            raise ValueError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+        print(f"deskfleet: opening {api.model_name} ({where}) ...", file=sys.stderr, flush=True)
+        starting = asyncio.ensure_future(asyncio.to_thread(api.service.start))
+        waiting = asyncio.ensure_future(stopped.wait())
+        await asyncio.wait([starting, waiting], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # stopped while the stages compile: that cannot be cut short
+            await starting
+            return
+        waiting.cancel()
+        starting.result()  # ServiceClosed: the chain did not open
         bound = runner.addresses[0][1] if runner.addresses else port
         shown = f"[{host}]" if ":" in host else host
         key = "an API key" if api.has_api_key else "no API key"
         print(f"deskfleet: serving {api.model_name} at http://{shown}:{bound}/v1 ({key}); Ctrl-C stops",
               file=sys.stderr, flush=True)
-        loop = asyncio.get_running_loop()
-        stopped = asyncio.Event()
-        handled = []
-        for signum in stopping_signals():
-            try:
-                loop.add_signal_handler(signum, stopped.set)
-                handled.append(signum)
-            except (NotImplementedError, RuntimeError):
-                pass
-        try:
-            await stopped.wait()
-        finally:
-            for signum in handled:
-                loop.remove_signal_handler(signum)
+        await stopped.wait()
         log.info("serve stopping: %d stream(s) running", api.service.live_streams)
     finally:
+        for signum in handled:
+            loop.remove_signal_handler(signum)
+        await asyncio.to_thread(api.service.close)  # the streams running end: their handlers answer and return
         await runner.cleanup()
 
 

@@ -32,14 +32,14 @@ MODEL = "tiny"
 
 
 @contextmanager
-def serving(model: Path, api_key: str | None = None, max_streams: int = 64,
-            opener: ChainOpener | None = None) -> Iterator[tuple[str, EngineService]]:
+def serving(model: Path, api_key: str | None = None, max_streams: int = 64, opener: ChainOpener | None = None,
+            hosts: frozenset[str] | None = None, name: str = "tiny") -> Iterator[tuple[str, EngineService]]:
     """The API on 127.0.0.1 at a free port, its event loop on a thread of its own; yields its base URL."""
     manifest = load_manifest(model)
     service = EngineService(opener or _local(model, 2), manifest.spec, None,
                             lambda chain: EngineOptions(max_rows=4, micro_batches=2), max_streams=max_streams)
     service.start()
-    api = OpenAiApi(service, ModelTokenizer(model), manifest.spec, MODEL, api_key)
+    api = OpenAiApi(service, ModelTokenizer(model), manifest.spec, name, api_key, hosts)
     loop = asyncio.new_event_loop()
     started = threading.Event()
     state: dict[str, Any] = {}
@@ -78,8 +78,9 @@ def post(url: str, body: object, key: str | None = None) -> tuple[int, dict[str,
 
 def events(url: str, body: dict[str, Any]) -> list[Any]:
     """A streamed request's server-sent events, decoded ("[DONE]" as the string)."""
-    with urllib.request.urlopen(urllib.request.Request(url, json.dumps({**body, "stream": True}).encode()),
-                                timeout=120) as response:
+    request = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
         assert response.headers["Content-Type"].startswith("text/event-stream")
         lines = response.read().decode().split("\n\n")
     found = [line.removeprefix("data: ") for line in lines if line]
@@ -196,6 +197,9 @@ def test_sampling_with_a_seed_is_reproducible(served: tuple[str, EngineService])
     ({"model": MODEL, "prompt": "x", "temperature": 3}, 400, "temperature must be a number from 0 to 2"),
     ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "list of 1 to 4"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "only with stream"),
+    ("[" * 100_000 + "]" * 100_000, 400, "not JSON that can be read"),
+    ('{"model": "tiny", "prompt": "x", "max_tokens": ' + "9" * 5000 + "}", 400, "not JSON that can be read"),
+    ({"model": MODEL, "prompt": "x" * 10**6}, 400, "characters cannot fit the model's context"),
 ])
 def test_a_bad_request_gets_the_apis_error_naming_what_is_wrong(served: tuple[str, EngineService], body: object,
                                                                status: int, says: str) -> None:
@@ -208,6 +212,12 @@ def test_a_bad_request_gets_the_apis_error_naming_what_is_wrong(served: tuple[st
 
 def test_chat_errors(served: tuple[str, EngineService]) -> None:
     url, _ = served
+    status, answer = post(f"{url}/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "assistant", "content": "x", "tool_calls": []}]})
+    assert status == 400 and answer["error"]["param"] == "messages[0].tool_calls"
+    status, answer = post(f"{url}/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": "x" * 10**6}]})
+    assert status == 400 and "characters cannot fit" in answer["error"]["message"]
     status, answer = post(f"{url}/v1/chat/completions", {"model": MODEL, "messages": [{"role": "tool",
                                                                                       "content": "x"}]})
     assert status == 400 and answer["error"]["param"] == "messages[0].role"
@@ -233,6 +243,36 @@ def test_models_health_and_unknown_paths(served: tuple[str, EngineService]) -> N
     assert missing.value.code == 404 and json.loads(missing.value.read())["error"]["type"] == "not_found_error"
 
 
+def test_a_completions_max_tokens_of_null_is_the_apis_default(served: tuple[str, EngineService]) -> None:
+    url, _ = served
+    status, body = post(f"{url}/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": None,
+                                                  "temperature": 0})
+    assert status == 200 and body["usage"]["completion_tokens"] <= 16
+    assert body["choices"][0]["finish_reason"] == "length" or body["usage"]["completion_tokens"] < 16
+
+
+def test_a_web_page_cannot_drive_a_keyless_server(tiny_export: Path) -> None:
+    # no key on loopback: a page's form or text/plain POST needs no preflight, and a DNS name rebound to 127.0.0.1
+    # reaches the port with its own Host
+    body = json.dumps({"model": "org/model-1", "prompt": "x", "max_tokens": 2, "temperature": 0}).encode()
+    with serving(tiny_export, hosts=frozenset({"127.0.0.1", "localhost", "::1"}), name="org/model-1") as (url, _):
+        request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "text/plain"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 415
+        request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json",
+                                                                        "Host": "evil.example:8000"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 403 and "DNS rebinding" in json.loads(refused.value.read())["error"]["message"]
+        request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json",
+                                                                        "Host": "localhost"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+        with urllib.request.urlopen(f"{url}/v1/models/org/model-1", timeout=30) as response:  # an id with a slash
+            assert json.loads(response.read())["id"] == "org/model-1"
+
+
 def test_an_api_key_is_required_once_set(tiny_export: Path) -> None:
     with serving(tiny_export, api_key="s3cret") as (url, _):
         body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "temperature": 0}
@@ -240,6 +280,15 @@ def test_an_api_key_is_required_once_set(tiny_export: Path) -> None:
         status, answer = post(f"{url}/v1/completions", body, key="wrong")
         assert status == 401 and answer["error"]["code"] == "invalid_api_key"
         assert post(f"{url}/v1/completions", body, key="s3cret")[0] == 200
+        port = int(url.rsplit(":", 1)[1])
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        connection.putrequest("POST", "/v1/completions")
+        connection.putheader("Content-Type", "application/json")
+        connection.putheader("Authorization", b"Bearer \xff")  # not ASCII: refused, not a server error
+        connection.putheader("Content-Length", str(len(json.dumps(body))))
+        connection.endheaders(json.dumps(body).encode())
+        assert connection.getresponse().status == 401
+        connection.close()
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(f"{url}/v1/models", timeout=30)
         assert refused.value.code == 401
@@ -280,7 +329,7 @@ def test_a_client_that_goes_away_has_its_stream_cancelled_and_a_full_server_says
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         connection.request("POST", "/v1/completions", json.dumps({
             "model": MODEL, "prompt": [1, 2, 3], "max_tokens": service.spec.max_context - 3, "temperature": 0,
-            "stream": True}))
+            "stream": True}), {"Content-Type": "application/json"})
         response = connection.getresponse()
         assert response.status == 200
         assert response.readline().startswith(b"data: ")  # it runs
@@ -308,3 +357,25 @@ def test_reply_text_holds_back_what_may_begin_a_stop_sequence(tiny_export: Path)
     assert "".join(plain.push(token) for token in ids) + plain.finish() == whole
     assert plain.text == whole and not plain.stopped
 
+
+
+def test_streams_running_when_the_server_stops_end_with_an_error_their_clients_get(tiny_export: Path) -> None:
+    manifest = load_manifest(tiny_export)
+
+    @contextmanager
+    def slow() -> Iterator[tuple[StageChain, Recover | None]]:
+        with LocalPipeline(tiny_export, 2, F32, manifest) as pipeline:
+            yield SlowChain(pipeline), None  # type: ignore[misc]
+
+    with serving(tiny_export, opener=slow) as (url, service):
+        port = int(url.rsplit(":", 1)[1])
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        connection.request("POST", "/v1/completions", json.dumps({
+            "model": MODEL, "prompt": [1, 2, 3], "max_tokens": manifest.spec.max_context - 3, "temperature": 0,
+            "stream": True}), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.readline().startswith(b"data: ")
+        service.close()  # what `deskfleet serve` does first on SIGTERM
+        rest = response.read().decode()
+        connection.close()
+    assert '"error"' in rest and "the server stopped" in rest and rest.rstrip().endswith("data: [DONE]")

@@ -135,3 +135,15 @@ def test_a_servers_failover_budget_is_whole_again_after_a_quiet_window() -> None
     clock.now += 601  # quiet for longer than the window: a whole budget
     recover(None)  # type: ignore[arg-type]
     assert failover.started == 2
+
+
+def test_a_port_in_use_is_said_before_anything_compiles(tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(tiny_export), "--listen", f"127.0.0.1:{port}"]) == 2
+    said = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in said and "opening" not in said
