@@ -130,16 +130,18 @@ def test_a_request_the_engine_refuses_ends_with_its_error_and_busy_and_closed_ar
 
 
 class BreakingChain:
-    """A chain whose collect() breaks once `breaks` is set."""
+    """A local chain whose collect() breaks once `breaks` is set, and takes `delay` seconds more a step."""
 
-    def __init__(self, pipeline: LocalPipeline) -> None:
+    def __init__(self, pipeline: LocalPipeline, delay: float = 0.0) -> None:
         self.pipeline = pipeline
         self.breaks = threading.Event()
+        self.delay = delay
 
     def submit(self, message: object) -> None:
         self.pipeline.submit(message)  # type: ignore[arg-type]
 
     def collect(self, timeout: float | None = None) -> object:
+        time.sleep(self.delay)
         result = self.pipeline.collect(timeout)
         if self.breaks.is_set():
             raise ChainBroken("a stage went away")

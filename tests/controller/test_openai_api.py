@@ -26,7 +26,7 @@ from deskfleet.controller.pipeline import LocalPipeline
 from deskfleet.controller.tokenizer import ChatMessage, ModelTokenizer
 
 from .test_engine import F32, run_streams
-from .test_engine_service import _local
+from .test_engine_service import BreakingChain, _local
 
 MODEL = "tiny"
 
@@ -296,43 +296,33 @@ def test_an_api_key_is_required_once_set(tiny_export: Path) -> None:
             assert response.status == 200
 
 
-class SlowChain:
-    """A local chain whose every step takes 20 ms more: a reply of hundreds of tokens outlasts the test's client."""
+def slow(model: Path) -> ChainOpener:
+    """Local stages whose every step takes 20 ms more: a reply of hundreds of tokens outlasts the test's client."""
+    manifest = load_manifest(model)
 
-    def __init__(self, pipeline: LocalPipeline) -> None:
-        self.pipeline = pipeline
+    @contextmanager
+    def open_slow() -> Iterator[tuple[StageChain, Recover | None]]:
+        with LocalPipeline(model, 2, F32, manifest) as pipeline:
+            yield BreakingChain(pipeline, delay=0.02), None  # type: ignore[misc]
 
-    def submit(self, message: object) -> None:
-        self.pipeline.submit(message)  # type: ignore[arg-type]
+    return open_slow
 
-    def collect(self, timeout: float | None = None) -> object:
-        time.sleep(0.02)
-        return self.pipeline.collect(timeout)
 
-    def release(self, batch_id: int) -> None:
-        self.pipeline.release(batch_id)
-
-    def renumber(self) -> None:
-        self.pipeline.renumber()
+def long_stream(url: str, service: EngineService) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """A streamed completion to the context's end, once its first event came."""
+    connection = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps({
+        "model": MODEL, "prompt": [1, 2, 3], "max_tokens": service.spec.max_context - 3, "temperature": 0,
+        "stream": True}), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")  # it runs
+    return connection, response
 
 
 def test_a_client_that_goes_away_has_its_stream_cancelled_and_a_full_server_says_429(tiny_export: Path) -> None:
-    manifest = load_manifest(tiny_export)
-
-    @contextmanager
-    def slow() -> Iterator[tuple[StageChain, Recover | None]]:
-        with LocalPipeline(tiny_export, 2, F32, manifest) as pipeline:
-            yield SlowChain(pipeline), None  # type: ignore[misc]
-
-    with serving(tiny_export, max_streams=1, opener=slow) as (url, service):
-        port = int(url.rsplit(":", 1)[1])
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        connection.request("POST", "/v1/completions", json.dumps({
-            "model": MODEL, "prompt": [1, 2, 3], "max_tokens": service.spec.max_context - 3, "temperature": 0,
-            "stream": True}), {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        assert response.status == 200
-        assert response.readline().startswith(b"data: ")  # it runs
+    with serving(tiny_export, max_streams=1, opener=slow(tiny_export)) as (url, service):
+        connection, _ = long_stream(url, service)
         status, answer = post(f"{url}/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert status == 429 and "--max-streams 1" in answer["error"]["message"]
         assert service.live_streams == 1
@@ -358,23 +348,9 @@ def test_reply_text_holds_back_what_may_begin_a_stop_sequence(tiny_export: Path)
     assert plain.text == whole and not plain.stopped
 
 
-
 def test_streams_running_when_the_server_stops_end_with_an_error_their_clients_get(tiny_export: Path) -> None:
-    manifest = load_manifest(tiny_export)
-
-    @contextmanager
-    def slow() -> Iterator[tuple[StageChain, Recover | None]]:
-        with LocalPipeline(tiny_export, 2, F32, manifest) as pipeline:
-            yield SlowChain(pipeline), None  # type: ignore[misc]
-
-    with serving(tiny_export, opener=slow) as (url, service):
-        port = int(url.rsplit(":", 1)[1])
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        connection.request("POST", "/v1/completions", json.dumps({
-            "model": MODEL, "prompt": [1, 2, 3], "max_tokens": manifest.spec.max_context - 3, "temperature": 0,
-            "stream": True}), {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        assert response.readline().startswith(b"data: ")
+    with serving(tiny_export, opener=slow(tiny_export)) as (url, service):
+        connection, response = long_stream(url, service)
         service.close()  # what `deskfleet serve` does first on SIGTERM
         rest = response.read().decode()
         connection.close()
