@@ -221,7 +221,8 @@ class OpenAiApi:
     @staticmethod
     async def _json(request: web.Request) -> object:
         try:
-            return await request.json()
+            # UTF-8 whatever charset the header names (JSON is UTF-8; an unknown one was a 500, latin-1 garbled text)
+            return json.loads((await request.read()).decode("utf-8"))
         except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, a number past int's digits, too deep
             raise ApiError(400, f"the request body is not JSON that can be read: {str(error)[:200]}") from None
 
@@ -397,7 +398,8 @@ class OpenAiApi:
 
 
 def _host_name(host: str) -> str:
-    """A Host header's name without its port ("127.0.0.1:8000" -> "127.0.0.1", "[::1]:8000" -> "::1")."""
+    """A Host header's name without its port, lowercase ("LocalHost:8000" -> "localhost", "[::1]:8000" -> "::1")."""
+    host = host.lower()
     if host.startswith("["):
         return host[1:].partition("]")[0]
     return host.rpartition(":")[0] if host.count(":") == 1 else host

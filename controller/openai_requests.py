@@ -32,6 +32,8 @@ _COMPLETION_FIELDS = _COMMON | {"prompt", "n", "presence_penalty", "frequency_pe
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "n", "presence_penalty", "frequency_penalty",
                           "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "parallel_tool_calls",
                           "functions", "function_call", "response_format"} | _IGNORED
+# a message's fields that clients send as placeholders (null or empty) for what deskfleet does not do
+_EMPTY_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "function_call", "refusal", "audio")
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -145,10 +147,14 @@ def _messages(value: object) -> tuple[ChatMessage, ...]:
         where = f"messages[{index}]"
         if not isinstance(message, dict):
             raise ApiError(400, f"{where} must be an object with a role and a content", where)
-        unknown = sorted(set(message) - {"role", "content", "name"})
+        unknown = sorted(set(message) - {"role", "content", "name"} - set(_EMPTY_MESSAGE_FIELDS))
         if unknown:
-            raise ApiError(400, f"{where}: unrecognized field(s) {', '.join(map(str, unknown))} (tool calls are not "
-                                "supported)", f"{where}.{unknown[0]}")
+            raise ApiError(400, f"{where}: unrecognized field(s) {', '.join(map(str, unknown))}",
+                           f"{where}.{unknown[0]}")
+        for name in _EMPTY_MESSAGE_FIELDS:
+            if message.get(name) not in (None, [], ""):
+                raise ApiError(400, f"{where}.{name} is not supported by deskfleet (no tools, function calls or "
+                                    "audio): leave it out, or null", f"{where}.{name}")
         role = message.get("role")
         if role not in _ROLES:
             raise ApiError(400, f"{where}.role must be one of {', '.join(sorted(_ROLES))}, got {role!r} (tools are "

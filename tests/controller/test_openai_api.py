@@ -213,8 +213,17 @@ def test_a_bad_request_gets_the_apis_error_naming_what_is_wrong(served: tuple[st
 def test_chat_errors(served: tuple[str, EngineService]) -> None:
     url, _ = served
     status, answer = post(f"{url}/v1/chat/completions", {"model": MODEL, "messages": [
-        {"role": "assistant", "content": "x", "tool_calls": []}]})
+        {"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]})
     assert status == 400 and answer["error"]["param"] == "messages[0].tool_calls"
+    status, answer = post(f"{url}/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "assistant", "content": "x", "colour": "red"}]})
+    assert status == 400 and answer["error"]["param"] == "messages[0].colour"
+    # the placeholders clients send for what is not used: taken
+    status, answer = post(f"{url}/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "x", "name": "ann"},
+        {"role": "assistant", "content": "y", "tool_calls": [], "refusal": None, "audio": None},
+        {"role": "user", "content": "z"}]})
+    assert status == 200, answer
     status, answer = post(f"{url}/v1/chat/completions", {"model": MODEL, "messages": [
         {"role": "user", "content": "x" * 10**6}]})
     assert status == 400 and "characters cannot fit" in answer["error"]["message"]
@@ -266,7 +275,12 @@ def test_a_web_page_cannot_drive_a_keyless_server(tiny_export: Path) -> None:
             urllib.request.urlopen(request, timeout=30)
         assert refused.value.code == 403 and "DNS rebinding" in json.loads(refused.value.read())["error"]["message"]
         request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json",
-                                                                        "Host": "localhost"})
+                                                                        "Host": "LocalHost"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+        # the body is read as UTF-8 whatever charset the header names: an unknown one was a server error
+        request = urllib.request.Request(f"{url}/v1/completions", body, {
+            "Content-Type": "application/json; charset=bogus"})
         with urllib.request.urlopen(request, timeout=30) as response:
             assert response.status == 200
         with urllib.request.urlopen(f"{url}/v1/models/org/model-1", timeout=30) as response:  # an id with a slash
