@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,3 +157,50 @@ def test_enrollment_pins_the_ca_from_the_token(fleet: dict[str, Member]) -> None
     assert fake_der is not None
     with pytest.raises(pki.PkiError):
         pki.verify_enrollment_peer(fake_der, ca_pem, fingerprint, NOW)
+
+
+def test_a_refused_handshake_is_logged_saying_why_at_most_once_a_minute_a_kind(
+        fleet: dict[str, Member], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the event loop's TLS layer drops a failed handshake without a word: strangers at a fleet port left no trace
+    from deskfleet.common.log_limit import LogEvery
+    from tests.fake_clock import FakeClock
+
+    clock = FakeClock(1000.0)
+    monkeypatch.setattr(tls, "_refusals_said", LogEvery(clock))
+    agent, stranger = fleet["agent"], fleet["stranger"]
+    bare = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    bare.load_verify_locations(cafile=str(agent.ca_path))
+    impostor = tls.client_context(ca_path=agent.ca_path, cert_path=stranger.cert_path, key_path=stranger.key_path)
+    caplog.set_level(logging.DEBUG, logger="deskfleet.common.tls")
+
+    def refusals() -> list[tuple[int, str]]:
+        found = [(record.levelno, record.getMessage()) for record in caplog.records
+                 if record.name == "deskfleet.common.tls"]
+        caplog.clear()
+        return found
+
+    for context in (bare, bare):
+        with pytest.raises(ssl.SSLError):
+            handshake(context, server(agent), agent.agent_id)
+    assert refusals() == [
+        (logging.WARNING, "refused a connection: a TLS client without a certificate (only this fleet's members "
+                          "connect)"),
+        (logging.DEBUG, "refused a connection: a TLS client without a certificate (only this fleet's members "
+                        "connect)")]
+    with pytest.raises(ssl.SSLError):  # another kind: a warning of its own
+        handshake(impostor, server(agent), agent.agent_id)
+    assert refusals() == [(logging.WARNING, "refused a connection: a certificate this fleet's CA did not sign (only "
+                                            "this fleet's members connect)")]
+    clock.now += tls.REFUSAL_LOG_INTERVAL_S + 1
+    with pytest.raises(ssl.SSLError):
+        handshake(bare, server(agent), agent.agent_id)
+    assert [level for level, _ in refusals()] == [logging.WARNING]
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    plain = server(agent).wrap_bio(incoming, outgoing, server_side=True)
+    incoming.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    with pytest.raises(ssl.SSLError):
+        plain.do_handshake()
+    assert refusals() == [(logging.WARNING, "refused a connection: plain HTTP, not TLS (only this fleet's members "
+                                            "connect)")]
+    handshake(client(fleet["controller"]), server(agent), agent.agent_id)  # a member: nothing said
+    assert refusals() == []
