@@ -303,6 +303,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile_options(streams, threads_help="inference threads: this bench compares one thread on one core with "
                                                "GenAI's on the same core, so 1 is the only value it takes")
     streams.set_defaults(handler=_bench_streams)
+    serve = benches.add_parser("serve", help="what the OpenAI-compatible API costs over the engine, 1..N users")
+    serve.add_argument("--model", type=path_argument, required=True, help="export folder")
+    serve.add_argument("--users", type=positive_int, nargs="+", default=[1, 4, 8], help="user counts to compare")
+    serve.add_argument("--prompt-tokens", type=positive_int, default=32, help="each user's random prompt length")
+    serve.add_argument("--new-tokens", "--max-new-tokens", dest="new_tokens", type=positive_int, default=64,
+                       help="tokens each user generates")
+    serve.add_argument("--rounds", type=positive_int, default=3, help=ROUNDS_HELP)
+    serve.add_argument("--stages", type=positive_int, default=1, help="in-process pipeline stages (default 1)")
+    _add_compile_options(serve)
+    serve.set_defaults(handler=_bench_serve)
     admission = benches.add_parser("admission", help="a long prompt arriving mid-run: what it stalls, chunked or not")
     admission.add_argument("--model", type=path_argument, required=True, help="export folder")
     admission.add_argument("--prompt-tokens", type=positive_int, default=1024, help="the newcomer's prompt")
@@ -667,6 +677,14 @@ def _bench_admission(args: argparse.Namespace) -> int:
     return _run_bench("admission", lambda: run_admission_bench(
         args.model, prompt_tokens=args.prompt_tokens, chunks=args.chunks, running=args.running,
         new_tokens=args.new_tokens, rounds=args.rounds, settings=_compile_settings(args)))
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from deskfleet.controller.bench.serve import run_serve_bench
+
+    return _run_bench("serve", lambda: run_serve_bench(
+        args.model, users=args.users, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+        rounds=args.rounds, stages=args.stages, settings=_compile_settings(args)))
 
 
 def _bench_chat(args: argparse.Namespace) -> int:

@@ -26,7 +26,8 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "best_of": (1, None), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, False, True), "functions": (None, []), "function_call": (None, "none")}
 _IGNORED = {"user", "metadata", "store", "service_tier"}  # about the caller, not the text: taken and unused
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options"}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
+           "ignore_eos"}
 _COMPLETION_FIELDS = _COMMON | {"prompt", "n", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
                                 "echo", "best_of", "suffix"} | _IGNORED
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "n", "presence_penalty", "frequency_penalty",
@@ -63,6 +64,7 @@ class Decoding:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    ignore_eos: bool = False  # non-standard, as vLLM's: run to max_tokens past the end of the text (benchmarks)
 
 
 @dataclass(frozen=True)
@@ -203,9 +205,14 @@ def _decoding(fields: dict[str, Any], max_tokens: object, max_name: str) -> Deco
                                 or not isinstance(options.get("include_usage", False), bool)):
         raise ApiError(400, "stream_options takes only include_usage (true or false), and only with stream",
                        "stream_options")
+    ignore_eos = fields.get("ignore_eos", False)
+    if ignore_eos is None:
+        ignore_eos = False
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(400, "ignore_eos must be true or false", "ignore_eos")
     return Decoding(max_tokens if max_tokens is not None else None, temperature,  # type: ignore[arg-type]
                     top_p, top_k, seed, _stops(fields.get("stop")), stream,
-                    bool(options and options.get("include_usage")))
+                    bool(options and options.get("include_usage")), ignore_eos)
 
 
 def _stops(value: object) -> tuple[str, ...]:

@@ -257,3 +257,43 @@ def test_a_chain_that_does_not_open_again_ends_the_waiting_streams_and_is_not_di
         time.sleep(0.5)
         assert opener.opens == opens, "the chain was opened again with nothing to run"
         assert service.live_streams == 0
+
+
+class RecordingChain(BreakingChain):
+    """Records how many rows each step it is given carries."""
+
+    def __init__(self, pipeline: LocalPipeline) -> None:
+        super().__init__(pipeline)
+        self.rows: list[int] = []
+
+    def submit(self, message: object) -> None:
+        self.rows.append(len(message.stream_ids))  # type: ignore[attr-defined]
+        super().submit(message)
+
+
+def test_a_burst_of_requests_to_an_idle_engine_starts_as_one_prefill_group(target: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # requests sent at once reach the engine a little apart (a server handles them one after the other): the first
+    # started alone, and the rest were prefilled one at a time and admitted one at a time into its micro-batch
+    from deskfleet.controller import engine_service
+
+    monkeypatch.setattr(engine_service, "GATHER_S", 0.05)  # the 1 ms gaps below stay under it on a loaded host
+    monkeypatch.setattr(engine_service, "GATHER_MAX_S", 1.0)
+    manifest = load_manifest(target)
+    chains: list[RecordingChain] = []
+
+    @contextmanager
+    def open_chain() -> Iterator[tuple[StageChain, Recover | None]]:
+        with LocalPipeline(target, 1, F32, manifest) as pipeline:
+            chains.append(RecordingChain(pipeline))
+            yield chains[-1], None  # type: ignore[misc]
+
+    with EngineService(open_chain, manifest.spec, None, lambda chain: EngineOptions(max_rows=8)) as service:
+        sinks = [Sink() for _ in range(4)]
+        for prompt, sink in zip(PROMPTS, sinks, strict=False):
+            service.submit(StreamRequest(prompt, max_new_tokens=8, ignore_eos=True), sink)
+            time.sleep(0.001)
+        ends = [sink.wait() for sink in sinks]
+    assert chains[0].rows[0] == 4, chains[0].rows
+    for prompt, end in zip(PROMPTS, ends, strict=False):
+        assert end.result is not None and end.result.tokens == _solo(target, prompt, 8)

@@ -252,6 +252,18 @@ def test_models_health_and_unknown_paths(served: tuple[str, EngineService]) -> N
     assert missing.value.code == 404 and json.loads(missing.value.read())["error"]["type"] == "not_found_error"
 
 
+def test_ignore_eos_runs_to_max_tokens(served: tuple[str, EngineService], tiny_export: Path) -> None:
+    # non-standard, as vLLM's: what a benchmark needs for every user to make the same number of tokens
+    url, _ = served
+    status, body = post(f"{url}/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 40,
+                                                  "temperature": 0, "ignore_eos": True})
+    assert status == 200 and body["usage"]["completion_tokens"] == 40
+    tokens = run_streams(tiny_export, [StreamRequest([1, 2, 3], max_new_tokens=40, ignore_eos=True)])[0]
+    assert body["choices"][0]["text"] == ModelTokenizer(tiny_export).decode(tokens)
+    status, body = post(f"{url}/v1/completions", {"model": MODEL, "prompt": "x", "ignore_eos": "yes"})
+    assert status == 400 and body["error"]["param"] == "ignore_eos"
+
+
 def test_a_completions_max_tokens_of_null_is_the_apis_default(served: tuple[str, EngineService]) -> None:
     url, _ = served
     status, body = post(f"{url}/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": None,
