@@ -2,7 +2,8 @@
 
 One EngineService on local stages serves both variants, round by round in turn (bench/rounds.py):
 - `api`: N clients, each a thread with its own HTTP connection, send their streamed completion at once to the
-  server (`deskfleet serve`'s app, on loopback, in this process);
+  server (`deskfleet serve`'s app, on loopback, in this process); the clients run in a process of their own
+  (api_clients.py), as a server's clients do;
 - `direct`: the same N requests submitted to the service itself, no HTTP.
 Each request is a random prompt of token ids with `ignore_eos`, so every user makes the same number of tokens.
 Reported per user count: the aggregate tok/s of each variant and their ratio, and each variant's median time to a
@@ -12,7 +13,6 @@ user's first token. In f32 the two variants' tokens must match; the report says 
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import random
 import statistics
@@ -20,8 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from ..tokenizer import ModelTokenizer
 from .host import host_report
 from .parity import summarize
 from .rounds import round_order
+from .runner_process import RunnerProcess
 
 MODEL_NAME = "bench"
 
@@ -100,10 +100,10 @@ def run_serve_bench(model: Path, users: list[int] | None = None, prompt_tokens: 
     texts: dict[str, list[str]] = {}
     configs = [(variant, count) for count in users for variant in ("api", "direct")]
     tokenizer = ModelTokenizer(model)
-    with service, _Server(service, tokenizer, spec) as port:
+    with service, _Server(service, tokenizer, spec) as port, closing(_Clients(port)) as clients:
         for index in range(rounds + 1):  # round 0 warms up, untimed
             for variant, count in round_order(configs, index):
-                timed = (_api if variant == "api" else _direct)(service, port, prompts[:count], new_tokens)
+                timed = (clients if variant == "api" else _direct)(service, port, prompts[:count], new_tokens)
                 key = f"{variant}/{count}"
                 texts.setdefault(key, [one.text or tokenizer.decode(one.tokens) for one in timed])
                 if index == 0:
@@ -146,40 +146,23 @@ def _direct(service: EngineService, port: int, prompts: list[list[int]], new_tok
     return timed
 
 
-def _api(service: EngineService, port: int, prompts: list[list[int]], new_tokens: int) -> list[_Timed]:
-    start = threading.Barrier(len(prompts))
+class _Clients:
+    """The `api` variant's clients, in a process of their own (api_clients.py)."""
 
-    def user(prompt: list[int]) -> _Timed:
-        one = _Timed()
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-        body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
-                           "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
-        start.wait()
-        one.sent = time.perf_counter()
-        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        if response.status != 200:
-            raise RuntimeError(f"the API answered {response.status}: {response.read()[:300]!r}")
-        pieces: list[str] = []
-        for line in response:
-            if not line.startswith(b"data: {"):
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"the API's stream failed: {event['error']['message']}")
-            if event.get("usage"):
-                one.made = event["usage"]["completion_tokens"]
-            elif event["choices"][0]["text"]:
-                if not pieces:
-                    one.first = time.perf_counter()
-                pieces.append(event["choices"][0]["text"])
-        one.ended = time.perf_counter()
-        connection.close()
-        one.text = "".join(pieces)
-        return one
+    def __init__(self, port: int) -> None:
+        from . import api_clients
 
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(user, prompts))
+        self._runner = RunnerProcess(Path(api_clients.__file__), None)
+        self._runner.start(json.dumps({"port": port, "model": MODEL_NAME}))
+
+    def __call__(self, service: EngineService, port: int, prompts: list[list[int]],
+                 new_tokens: int) -> list[_Timed]:
+        self._runner.send_line(json.dumps({"run": prompts, "new_tokens": new_tokens}))
+        return [_Timed(sent=user["sent"], first=user["first"], ended=user["ended"], made=user["made"],
+                       text=user["text"]) for user in self._runner.receive()["users"]]
+
+    def close(self) -> None:
+        self._runner.close(json.dumps("quit"))
 
 
 class _Server:
