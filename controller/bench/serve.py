@@ -5,16 +5,16 @@ One EngineService on local stages serves both variants, round by round in turn (
   server (`deskfleet serve`'s app, on loopback, in this process); the clients run in a process of their own
   (api_clients.py), as a server's clients do;
 - `direct`: the same N requests submitted to the service itself, no HTTP.
-Each request is a random prompt of token ids with `ignore_eos`, so every user makes the same number of tokens.
-Reported per user count: the aggregate tok/s of each variant and their ratio, and each variant's median time to a
-user's first token. In f32 the two variants' tokens must match; the report says whether they did.
+Each request is a pseudo-random prompt of token ids (`bench streams`' prompts) with `ignore_eos`, so every user
+makes the same number of tokens. Reported per user count: the aggregate tok/s of each variant and their ratio, and
+each variant's median time to a user's first token, and whether the two variants' texts were the same (in f32 they
+must be; in `fast` a burst that reaches the engine as two groups may round differently).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import random
 import statistics
 import sys
 import threading
@@ -36,6 +36,7 @@ from .host import host_report
 from .parity import summarize
 from .rounds import round_order
 from .runner_process import RunnerProcess
+from .streams import user_prompts
 
 MODEL_NAME = "bench"
 
@@ -83,8 +84,7 @@ def run_serve_bench(model: Path, users: list[int] | None = None, prompt_tokens: 
     if prompt_tokens + new_tokens > spec.max_context:
         raise ValueError(f"{prompt_tokens} prompt tokens and {new_tokens} new ones do not fit the model's context of "
                          f"{spec.max_context}: give fewer --new-tokens or --prompt-tokens")
-    rng = random.Random(5)
-    prompts = [[rng.randrange(1, spec.vocab_size) for _ in range(prompt_tokens)] for _ in range(max(users))]
+    prompts = user_prompts(spec.vocab_size, max(users), prompt_tokens, spec.bos_token_id)  # as `bench streams`'
     chosen = settings or CompileSettings()
 
     @contextmanager
