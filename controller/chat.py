@@ -40,7 +40,14 @@ from deskfleet.common.speculative import AdaptiveK
 from deskfleet.common.wire import MICRO_BATCH_IDLE_S
 
 from .bench.interruption import BenchTerminated, say_stopped, signal_name, signals_unwind
-from .decoding_options import DecodingOptions, add_decoding_options, decoding_arguments, non_negative_int, positive_int
+from .decoding_options import (
+    DecodingOptions,
+    add_decoding_options,
+    compile_settings,
+    decoding_arguments,
+    non_negative_int,
+    positive_int,
+)
 from .engine import Engine, KeptKV, StageChain, StreamRequest
 from .generation import GenerationError, check_tokenized
 from .run import GenerateOptions, GenerationInterrupted, GenerationStopped, run_generate
@@ -592,21 +599,17 @@ def _without_failover(chain: StageChain) -> Iterator[tuple[StageChain, None]]:
 
 
 def _chat_command(args: argparse.Namespace) -> int:
-    from deskfleet.agent.stage import Precision
-
     from .fleet_store import default_data_dir
 
     check_fleet_options(args)
     if sys.stdin is None:  # started with standard input closed (`<&-`): Python has no stream to read from
         raise ValueError("standard input is closed, and chat reads its messages from it: run it in a terminal "
                          "or give it the messages on standard input (a pipe or a file)")
-    compile_settings = CompileSettings(device=args.device, precision=Precision(args.precision),
-                                       num_threads=args.threads, kv_cache=args.kv_cache)
     options = ChatOptions(model=args.model, fleet_dir=(args.data_dir or default_data_dir()) if args.fleet else None,
                           max_failovers=fleet_max_failovers(args), discover_seconds=args.discover_seconds,
                           stages=args.stages or 1, system=args.system,
                           max_new_tokens=args.max_new_tokens, reuse_kv=args.reuse_kv,
-                          **decoding_arguments(args, compile_settings))
+                          **decoding_arguments(args, compile_settings(args)))
     if isinstance(sys.stdin, io.TextIOWrapper):  # a line that is not UTF-8 reaches run_chat, which refuses it alone
         sys.stdin.reconfigure(errors="surrogateescape")
     interactive = sys.stdin.isatty()

@@ -39,6 +39,7 @@ from deskfleet.controller.chat import add_chat_command, add_fleet_option, check_
 from deskfleet.controller.decoding_options import (
     MAX_THREADS,
     add_decoding_options,
+    compile_settings,
     decoding_arguments,
     draft_count,
     non_negative_int,
@@ -50,7 +51,6 @@ from deskfleet.controller.fleet_cli import add_fleet_commands
 from deskfleet.controller.serve_cli import add_serve_command
 
 if TYPE_CHECKING:
-    from deskfleet.agent.stage import CompileSettings
     from deskfleet.controller.run import GenerationInterrupted
 
 log = logging.getLogger("deskfleet")
@@ -489,13 +489,6 @@ def _add_compile_options(parser: argparse.ArgumentParser, threads_help: str | No
                              "own, u8 on a CPU, except f32 on a CPU when drafting with --draft/--prompt-lookup)")
 
 
-def _compile_settings(args: argparse.Namespace) -> CompileSettings:
-    from deskfleet.agent.stage import CompileSettings, Precision
-
-    return CompileSettings(device=args.device, precision=Precision(args.precision), num_threads=args.threads,
-                           kv_cache=args.kv_cache)
-
-
 def _max_context(text: str) -> int:
     """argparse type: an export's context, as export_checkpoint takes it (0 was refused here as "must be 1 or more",
     and 1 then by the export as "must be from 2")."""
@@ -587,7 +580,7 @@ def _generate(args: argparse.Namespace) -> int:
                 prompt_ids=[parse_token_ids(text) for text in args.prompt_ids] if args.prompt_ids else None,
                 chat=args.chat, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos,
                 max_rows=args.max_rows, micro_batches=args.micro_batches,
-                **decoding_arguments(args, _compile_settings(args)))
+                **decoding_arguments(args, compile_settings(args)))
             if args.fleet:
                 report = generate_on_fleet(options, args.data_dir, stream_text=not args.json,
                                            max_failovers=fleet_max_failovers(args),
@@ -639,7 +632,7 @@ def _bench_parity(args: argparse.Namespace) -> int:
     backends = _genai_backends(args)
     return _run_bench("parity", lambda: run_parity_bench(
         args.model, genai_model=args.genai_model, genai_python=args.genai_python, prompt_tokens=args.prompt_tokens,
-        new_tokens=args.new_tokens, rounds=args.rounds, stage_counts=args.stages, settings=_compile_settings(args),
+        new_tokens=args.new_tokens, rounds=args.rounds, stage_counts=args.stages, settings=compile_settings(args),
         genai_backends=backends, isolation=args.isolation, huge_pages_ablation=args.huge_pages_ablation))
 
 
@@ -655,7 +648,7 @@ def _bench_rollback(args: argparse.Namespace) -> int:
 
     return _run_bench("rollback", lambda: run_rollback_bench(
         args.model, contexts=args.contexts, rejected=args.rejected, dead_slots=args.dead_slots, rounds=args.rounds,
-        settings=_compile_settings(args)))
+        settings=compile_settings(args)))
 
 
 def _bench_speculative(args: argparse.Namespace) -> int:
@@ -668,7 +661,7 @@ def _bench_speculative(args: argparse.Namespace) -> int:
     return _run_bench("speculative", lambda: run_speculative_bench(
         args.model, args.draft, ks=args.k, adaptive=not args.no_adaptive, lookup=not args.no_lookup, k_max=args.k_max,
         prompts=prompts, eval_dir=args.eval_dir,
-        num_prompts=args.prompts, new_tokens=args.new_tokens, rounds=args.rounds, settings=_compile_settings(args)))
+        num_prompts=args.prompts, new_tokens=args.new_tokens, rounds=args.rounds, settings=compile_settings(args)))
 
 
 def _bench_admission(args: argparse.Namespace) -> int:
@@ -676,7 +669,7 @@ def _bench_admission(args: argparse.Namespace) -> int:
 
     return _run_bench("admission", lambda: run_admission_bench(
         args.model, prompt_tokens=args.prompt_tokens, chunks=args.chunks, running=args.running,
-        new_tokens=args.new_tokens, rounds=args.rounds, settings=_compile_settings(args)))
+        new_tokens=args.new_tokens, rounds=args.rounds, settings=compile_settings(args)))
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
@@ -684,7 +677,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
     return _run_bench("serve", lambda: run_serve_bench(
         args.model, users=args.users, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-        rounds=args.rounds, stages=args.stages, settings=_compile_settings(args)))
+        rounds=args.rounds, stages=args.stages, settings=compile_settings(args)))
 
 
 def _bench_chat(args: argparse.Namespace) -> int:
@@ -694,7 +687,7 @@ def _bench_chat(args: argparse.Namespace) -> int:
     messages = None if args.messages_file is None else read_prompts_file(args.messages_file, "--messages-file")
     return _run_bench("chat", lambda: run_chat_bench(
         args.model, turns=args.turns, reply_tokens=args.reply_tokens, rounds=args.rounds, stages=args.stages,
-        messages=messages, settings=_compile_settings(args)))
+        messages=messages, settings=compile_settings(args)))
 
 
 def _bench_streams(args: argparse.Namespace) -> int:
@@ -703,7 +696,7 @@ def _bench_streams(args: argparse.Namespace) -> int:
     return _run_bench("streams", lambda: run_streams_bench(
         args.model, genai_model=args.genai_model, genai_python=args.genai_python, users=args.users,
         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, rounds=args.rounds, core=args.core,
-        settings=_compile_settings(args)))
+        settings=compile_settings(args)))
 
 
 def _run_bench(name: str, run: Callable[[], dict[str, Any]]) -> int:

@@ -115,6 +115,24 @@ class DecodingOptions:
 
 
 def add_decoding_options(parser: argparse.ArgumentParser) -> None:
+    """generate's and chat's: drafting, sampling and the prefill chunk."""
+    add_drafting_options(parser)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help=f"0 = greedy (the default); above 0 samples, at most {MAX_TEMPERATURE:g}")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="sample among the K likeliest tokens only (default 0: all); needs --temperature")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample among the likeliest tokens whose probabilities add up to P, in (0, 1] (default "
+                             "1: all); needs --temperature")
+    parser.add_argument("--seed", type=non_negative_int, default=None,
+                        help="stream (or reply) i samples with seed + i (default: one drawn at random, which "
+                             "--json reports)")
+    add_prefill_option(parser)
+
+
+def add_drafting_options(parser: argparse.ArgumentParser) -> None:
+    """--draft, --prompt-lookup and --k / --k-max (`serve` takes these without the sampling options: its requests
+    say how they sample)."""
     parser.add_argument("--draft", type=path_argument, default=None,
                         help="export folder of a draft model (speculative)")
     parser.add_argument("--prompt-lookup", action="store_true",
@@ -128,20 +146,21 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     # from a default of 8.
     k.add_argument("--k-max", type=draft_count(1), default=None,
                    help=f"upper bound of adaptive K, at most {MAX_K} (default {DEFAULT_K_MAX})")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help=f"0 = greedy (the default); above 0 samples, at most {MAX_TEMPERATURE:g}")
-    parser.add_argument("--top-k", type=int, default=0,
-                        help="sample among the K likeliest tokens only (default 0: all); needs --temperature")
-    parser.add_argument("--top-p", type=float, default=1.0,
-                        help="sample among the likeliest tokens whose probabilities add up to P, in (0, 1] (default "
-                             "1: all); needs --temperature")
-    parser.add_argument("--seed", type=non_negative_int, default=None,
-                        help="stream (or reply) i samples with seed + i (default: one drawn at random, which "
-                             "--json reports)")
+
+
+def add_prefill_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk", type=non_negative_int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
                         help="while other streams run, feed a prompt N tokens a call, between their steps, so a "
                              "long prompt does not stall them for its whole length (default "
                              f"{DEFAULT_PREFILL_CHUNK}; 0: each prompt in one call)")
+
+
+def compile_settings(args: argparse.Namespace) -> CompileSettings:
+    """The target's compile settings from the CLI's --device, --precision, --threads and --kv-cache."""
+    from deskfleet.agent.stage import Precision
+
+    return CompileSettings(device=args.device, precision=Precision(args.precision), num_threads=args.threads,
+                           kv_cache=args.kv_cache)
 
 
 def decoding_arguments(args: argparse.Namespace, settings: CompileSettings) -> dict[str, Any]:

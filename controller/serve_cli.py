@@ -22,8 +22,7 @@ from deskfleet.common.console import stopping_signals
 from deskfleet.common.wire import parse_address, with_default_port
 
 from .chat import add_fleet_option, check_fleet_options, controller_store, fleet_max_failovers, open_fleet_chain
-from .decoding_options import DecodingOptions, draft_count, non_negative_int, positive_int
-from .engine import DEFAULT_PREFILL_CHUNK
+from .decoding_options import DecodingOptions, add_drafting_options, add_prefill_option, compile_settings, positive_int
 
 if TYPE_CHECKING:
     from deskfleet.agent.stage import CompileSettings
@@ -70,16 +69,8 @@ def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
                        help="requests running or waiting at once; more are answered 429 (default "
                             f"{DEFAULT_MAX_STREAMS})")
     serve.add_argument("--max-rows", type=positive_int, default=8, help="streams per micro-batch (default 8)")
-    serve.add_argument("--draft", type=path_argument, default=None,
-                       help="export folder of a draft model (speculative)")
-    serve.add_argument("--prompt-lookup", action="store_true",
-                       help="speculative with drafts copied from the context (with --draft: lookup first)")
-    k = serve.add_mutually_exclusive_group()
-    k.add_argument("--k", type=draft_count(0), default=None, help="fixed number of draft tokens (default: adaptive)")
-    k.add_argument("--k-max", type=draft_count(1), default=None, help="upper bound of adaptive K (default 8)")
-    serve.add_argument("--prefill-chunk", type=non_negative_int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
-                       help=f"feed a prompt N tokens a call between the running streams' steps (default "
-                            f"{DEFAULT_PREFILL_CHUNK}; 0: whole)")
+    add_drafting_options(serve)  # a request says how it samples
+    add_prefill_option(serve)
     add_compile_options(serve)
     serve.set_defaults(handler=_serve_command, extras=("controller",), log_times=True)
 
@@ -114,7 +105,6 @@ def is_loopback(host: str) -> bool:
 
 
 def _serve_command(args: argparse.Namespace) -> int:
-    from deskfleet.agent.stage import CompileSettings, Precision
     from deskfleet.common.model_spec import load_manifest
 
     from .chat_template import TemplateRenderer
@@ -132,10 +122,8 @@ def _serve_command(args: argparse.Namespace) -> int:
         raise ValueError("--no-api-key with an API key given (--api-key-file or $DESKFLEET_API_KEY): leave one out")
     manifest = load_manifest(args.model)
     tokenizer = ModelTokenizer(args.model)
-    settings = CompileSettings(device=args.device, precision=Precision(args.precision), num_threads=args.threads,
-                               kv_cache=args.kv_cache)
     decoding = DecodingOptions(draft=args.draft, prompt_lookup=args.prompt_lookup, k=args.k, k_max=args.k_max,
-                               prefill_chunk=args.prefill_chunk, settings=settings)
+                               prefill_chunk=args.prefill_chunk, settings=compile_settings(args))
     target = decoding.target_settings()
     draft = decoding.open_drafter(target, manifest.spec, over_fleet=args.fleet)
     stages = args.stages or 1

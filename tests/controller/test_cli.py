@@ -125,18 +125,18 @@ def test_drafting_compiles_the_target_with_an_f32_kv_cache(tiny_export: Path, ca
 
 
 def test_generate_and_chat_read_the_same_decoding_options() -> None:
-    from deskfleet.controller.cli import _compile_settings, build_parser
-    from deskfleet.controller.decoding_options import DecodingOptions, decoding_arguments
+    from deskfleet.controller.cli import build_parser
+    from deskfleet.controller.decoding_options import DecodingOptions, compile_settings, decoding_arguments
 
     decoding = ["--draft", "d", "--prompt-lookup", "--k", "3", "--temperature", "0.7",
                 "--top-k", "5", "--top-p", "0.9", "--seed", "11"]
     parser = build_parser()
     generate = parser.parse_args(["generate", "--model", "m", "--prompt", "p", *decoding])
     chat = parser.parse_args(["chat", "--model", "m", *decoding])
-    options = [DecodingOptions(**decoding_arguments(args, _compile_settings(args))) for args in (generate, chat)]
+    options = [DecodingOptions(**decoding_arguments(args, compile_settings(args))) for args in (generate, chat)]
     assert options[0] == options[1]
     assert options[0] == DecodingOptions(draft=Path("d"), prompt_lookup=True, k=3, temperature=0.7,
-                                         top_k=5, top_p=0.9, seed=11, settings=_compile_settings(generate))
+                                         top_k=5, top_p=0.9, seed=11, settings=compile_settings(generate))
     assert options[0].target_settings().kv_cache == "f32"  # a fast CPU target that drafts keeps an f32 cache
     assert options[0].engine_options(2).fixed_k == 3
 
