@@ -67,6 +67,7 @@ class StreamSink(Protocol):
 
 @dataclass
 class _Ticket:
+    ticket_id: int
     request: StreamRequest
     sink: StreamSink
     stream_id: int | None = None  # once the engine took it
@@ -133,7 +134,7 @@ class EngineService:
                                   f"(--max-streams {self.max_streams})")
             ticket_id = self._next_ticket
             self._next_ticket += 1
-            ticket = self._live[ticket_id] = _Ticket(request, sink)
+            ticket = self._live[ticket_id] = _Ticket(ticket_id, request, sink)
             self._inbox.new.append(ticket)
             self._lock.notify_all()
         return ticket_id
@@ -239,10 +240,11 @@ class EngineService:
                 self._end(ticket, StreamEnd(None, str(error)))
                 continue
             self._by_stream[ticket.stream_id] = ticket
-        for ticket in inbox.cancelled:
-            if ticket.stream_id is not None:
-                engine.cancel(ticket.stream_id)  # a stream not started yet is done at once: reaped below
-        self._reap(engine)
+        if inbox.cancelled:  # a cancelled stream with no step in flight is done at once: it ends now, not a step on
+            for ticket in inbox.cancelled:
+                if ticket.stream_id is not None:
+                    engine.cancel(ticket.stream_id)
+            self._reap(engine)
         return True
 
     def _on_token(self, stream_id: int, token: int) -> None:
@@ -270,9 +272,7 @@ class EngineService:
             if ticket.ended:
                 return
             ticket.ended = True
-            for ticket_id, live in list(self._live.items()):
-                if live is ticket:
-                    del self._live[ticket_id]
+            self._live.pop(ticket.ticket_id, None)
         try:
             ticket.sink.end(end)
         except Exception:

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.controller.engine import ChainBroken, EngineOptions, Recover, StageChain, StreamRequest
-from deskfleet.controller.engine_service import EngineService, ServiceBusy, ServiceClosed, StreamEnd
+from deskfleet.controller.engine_service import ChainOpener, EngineService, ServiceBusy, ServiceClosed, StreamEnd
 from deskfleet.controller.pipeline import LocalPipeline
 from deskfleet.controller.prompt_lookup import PromptLookupDraft
 
@@ -58,6 +59,20 @@ def _local(model: Path, stages: int, opened: list[int] | None = None):  # type: 
             yield pipeline, None
 
     return open_chain
+
+
+def _wrapped(model: Path, stages: int, wrap: Callable[[LocalPipeline], Any]) -> tuple[ChainOpener, list[Any]]:
+    """An opener of local stages whose chain is `wrap(pipeline)`, and the list of the chains it opened."""
+    manifest = load_manifest(model)
+    chains: list[Any] = []
+
+    @contextmanager
+    def open_chain() -> Iterator[tuple[StageChain, Recover | None]]:
+        with LocalPipeline(model, stages, F32, manifest) as pipeline:
+            chains.append(wrap(pipeline))
+            yield chains[-1], None
+
+    return open_chain, chains
 
 
 def _service(model: Path, stages: int = 2, max_streams: int = 64, draft: PromptLookupDraft | None = None,
@@ -155,15 +170,7 @@ class BreakingChain:
 
 
 def test_a_failed_run_ends_its_streams_and_the_next_request_opens_the_chain_again(target: Path) -> None:
-    manifest = load_manifest(target)
-    chains: list[BreakingChain] = []
-
-    @contextmanager
-    def open_chain() -> Iterator[tuple[StageChain, Recover | None]]:
-        with LocalPipeline(target, 2, F32, manifest) as pipeline:
-            chains.append(BreakingChain(pipeline))
-            yield chains[-1], None  # type: ignore[misc]
-
+    open_chain, chains = _wrapped(target, 2, BreakingChain)
     with _service(target, opener=open_chain) as service:
         broken = Sink(first_tokens=3)
         service.submit(StreamRequest(PROMPTS[0], max_new_tokens=300, ignore_eos=True), broken)
@@ -280,14 +287,7 @@ def test_a_burst_of_requests_to_an_idle_engine_starts_as_one_prefill_group(targe
     monkeypatch.setattr(engine_service, "GATHER_S", 0.05)  # the 1 ms gaps below stay under it on a loaded host
     monkeypatch.setattr(engine_service, "GATHER_MAX_S", 1.0)
     manifest = load_manifest(target)
-    chains: list[RecordingChain] = []
-
-    @contextmanager
-    def open_chain() -> Iterator[tuple[StageChain, Recover | None]]:
-        with LocalPipeline(target, 1, F32, manifest) as pipeline:
-            chains.append(RecordingChain(pipeline))
-            yield chains[-1], None  # type: ignore[misc]
-
+    open_chain, chains = _wrapped(target, 1, RecordingChain)
     with EngineService(open_chain, manifest.spec, None, lambda chain: EngineOptions(max_rows=8)) as service:
         sinks = [Sink() for _ in range(4)]
         for prompt, sink in zip(PROMPTS, sinks, strict=False):

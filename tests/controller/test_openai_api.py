@@ -19,14 +19,13 @@ import pytest
 from aiohttp import web
 
 from deskfleet.common.model_spec import load_manifest
-from deskfleet.controller.engine import EngineOptions, Recover, StageChain, StreamRequest
+from deskfleet.controller.engine import EngineOptions, StreamRequest
 from deskfleet.controller.engine_service import ChainOpener, EngineService
 from deskfleet.controller.openai_api import OpenAiApi, ReplyText
-from deskfleet.controller.pipeline import LocalPipeline
 from deskfleet.controller.tokenizer import ChatMessage, ModelTokenizer
 
-from .test_engine import F32, run_streams
-from .test_engine_service import BreakingChain, _local
+from .test_engine import run_streams
+from .test_engine_service import BreakingChain, _local, _wrapped
 
 MODEL = "tiny"
 
@@ -324,14 +323,7 @@ def test_an_api_key_is_required_once_set(tiny_export: Path) -> None:
 
 def slow(model: Path) -> ChainOpener:
     """Local stages whose every step takes 20 ms more: a reply of hundreds of tokens outlasts the test's client."""
-    manifest = load_manifest(model)
-
-    @contextmanager
-    def open_slow() -> Iterator[tuple[StageChain, Recover | None]]:
-        with LocalPipeline(model, 2, F32, manifest) as pipeline:
-            yield BreakingChain(pipeline, delay=0.02), None  # type: ignore[misc]
-
-    return open_slow
+    return _wrapped(model, 2, lambda pipeline: BreakingChain(pipeline, delay=0.02))[0]
 
 
 def long_stream(url: str, service: EngineService) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
