@@ -672,7 +672,7 @@ class AgentCore:
 
     async def _forward(self, link: Link, message: Forward) -> None:
         fed = self._fed_by(link, message)
-        if not self.stages and self._released_because is not None and not await self._unavailable_now():
+        if not self.stages and self._released_because is not None and not await self.unavailable_now():
             # it gave its stages up, and the reason has passed (resumed, plugged in again): the refusal below
             # blames no one, so the driver's re-plan may give this PC a stage again
             self._released_because = None
@@ -716,12 +716,20 @@ class AgentCore:
             raise CommandError(ErrorCode.INTERNAL, "a middle stage has no next hop")
         await self._send_next(hop, output)
 
-    async def _unavailable_now(self) -> bool:
+    async def unavailable_now(self) -> bool:
+        """Whether a plan would leave this PC out now: paused (no sensor read), or a limit crossed."""
         policy = self.policy()
         if policy.paused:
             return True
         reading = await self._read_monitor()
         return decide_availability(reading, policy, serving=False).state is AgentState.UNAVAILABLE
+
+    async def takes_stages_now(self) -> bool:
+        """Whether this PC is in the fleet's service now: hosting a stage (its own inference crosses the CPU and
+        memory limits, which is no reason to call in again), or free to take one; never while paused."""
+        if self.policy().paused:
+            return False
+        return bool(self.stages) or not await self.unavailable_now()
 
     def paused_by(self) -> str:
         if self.settings.paused:

@@ -45,6 +45,7 @@ from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement, cached_speed
 from deskfleet.agent.stage import openvino_devices
 from deskfleet.common import pki
+from deskfleet.common.availability import CallInWatch
 from deskfleet.common.console import stopping_signals
 from deskfleet.common.devices import device_targets
 from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord
@@ -69,6 +70,9 @@ CONTROLLER_SEARCH_INTERVAL_S = 30.0
 SAVED_CONTROLLER_ADDRESSES = 4  # addresses membership.json keeps (host names always): see addresses_after_move
 IDLE_SWEEP_S = 60.0  # how often micro-batches left behind by a vanished driver are looked for
 LIMITS_CHECK_S = 2.0  # how often a serving agent reads its sensors against the employee's limits
+# how often the agent looks whether it is available again after a spell of not being (CallInWatch): a pause ended
+# is seen without a sensor read, the rest with one more monitor read each time (the mDNS refresh makes the other)
+AVAILABILITY_CHECK_S = 10.0
 CERTIFICATE_CHECK_S = 86400.0  # how often (after start) the certificate and the CA are checked for their end
 
 
@@ -119,6 +123,8 @@ class AgentService:
         self.controller_search_interfaces: Callable[[], list[str]] = lambda: interfaces_to_search(
             self.listen, self.membership.controller_addresses)
         self._outage = _Outage()  # registration attempts failing since the controller link was lost
+        self._registration: Link | None = None  # the live link to `fleet serve`, once registered on it
+        self._call_in = CallInWatch()
         self._stopping = asyncio.Event()
 
     def _prepare_cache(self) -> None:
@@ -163,6 +169,7 @@ class AgentService:
                     tasks.create_task(self._advertise_forever(host), name="advertise")
                     tasks.create_task(self._sweep_idle_forever(), name="sweep-idle")
                     tasks.create_task(self._enforce_limits_forever(), name="enforce-limits")
+                    tasks.create_task(self._call_in_when_available_forever(), name="call-in")
                     await self._stopping.wait()
                     self.core.begin_closing()  # before the server waits for its links' handlers: one may be dialling
                     raise _Stop
@@ -278,6 +285,31 @@ class AgentService:
         """Give the stages up when the PC has been on battery or too hot for too long (AgentCore.enforce_limits);
         a sensor read that fails is logged and read again at the next check."""
         await _periodically(lambda: LIMITS_CHECK_S, "check the PC against its limits", self.core.enforce_limits)
+
+    async def _call_in_when_available_forever(self) -> None:
+        """Tell the controller when this PC can take stages again (CallInWatch): a pause its user ended, a PC
+        plugged in again or cooled down. A re-plan that went on without it is then undone by the next fleet run,
+        which, before, waited for this agent's next restart or an admin's `fleet deploy`."""
+        await _periodically(lambda: AVAILABILITY_CHECK_S, "check whether this PC is available again",
+                            self.call_in_if_available_again)
+
+    async def call_in_if_available_again(self, now: float | None = None) -> bool:
+        """One look (AVAILABILITY_CHECK_S); True when it called in: its Register sent again on the registration
+        link. Without a live link the next registration says it, as every registration does."""
+        available = await self.core.takes_stages_now()
+        if not self._call_in.update(available, time.monotonic() if now is None else now):
+            return False
+        link = self._registration
+        if link is None:
+            return False
+        try:
+            await link.send(self._register_message(link))
+        except LinkError as error:  # the registration loop hears of the link's end and registers again
+            log.info("cannot tell the controller this PC is available again: %s", error)
+            return False
+        log.info("available again: told the controller at %s, so that the next fleet run can take this PC back",
+                 link.address)
+        return True
 
     async def _current_record(self) -> AgentRecord | None:
         """The record to advertise now, or None (logged) when the status cannot be read this time: the
@@ -408,20 +440,30 @@ class AgentService:
     async def _registered(self, link: Link) -> None:
         """Say where we listen, then serve the link like any controller link until it closes."""
         outage = self._outage
+        message = self._register_message(link)
+        try:
+            await link.send(message)
+        except LinkError as error:
+            outage.failed(error)
+            return
+        log.info("registered with the controller at %s as %s%s", link.address, message.listen_addresses[0],
+                 outage.ended())
+        self._call_in.registered(time.monotonic())
+        self._registration = link
+        try:
+            await self.core.serve_link(link, registration=True)
+        finally:
+            self._registration = None
+        log.warning("the controller link closed; registering again")
+        outage.began()
+
+    def _register_message(self, link: Link) -> Register:
+        """This agent's Register on `link`: where it listens, as the controller reaches it."""
         host, _ = parse_address(self.listen)
         if host in ("0.0.0.0", "::", ""):
             host = str(link.connection.transport.get_extra_info("sockname")[0])
         shown = f"[{host}]" if ":" in host else host
-        try:
-            await link.send(Register(self.core.agent_id, (f"{shown}:{self.bound_port}",), self.membership.token_sha256))
-        except LinkError as error:
-            outage.failed(error)
-            return
-        log.info("registered with the controller at %s as %s:%s%s", link.address, shown, self.bound_port,
-                 outage.ended())
-        await self.core.serve_link(link, registration=True)
-        log.warning("the controller link closed; registering again")
-        outage.began()
+        return Register(self.core.agent_id, (f"{shown}:{self.bound_port}",), self.membership.token_sha256)
 
 
 

@@ -21,6 +21,7 @@ MAX_RELEASE_AFTER_S = 3600.0
 # inference would cross them, and giving the stage up would only bring it back at the next plan.
 RELEASE_REASONS = (UnavailableReason.ON_BATTERY, UnavailableReason.TOO_HOT)
 CLEAR_ENDS_SPELL_S = 10.0  # that long within the limits ends a spell of crossing them (StageReleaseWatch)
+CALL_IN_MIN_INTERVAL_S = 60.0  # an agent tells the controller it is available again at most this often
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,36 @@ class StageReleaseWatch:
             return None
         self._since = None
         return f"{availability.detail} for {held:.0f} s"
+
+
+class CallInWatch:
+    """When an agent tells the controller it can take stages again: once it is available after a spell of not
+    being (paused by its user or its admin, on battery, too hot, short of memory, busy), so that the next fleet run
+    takes back a PC a re-plan left out meanwhile (controller/fleet_deploy.py, pcs_back). A registration is such a
+    word too. At most one in CALL_IN_MIN_INTERVAL_S: a PC that flickers (a busy CPU crossing its limit now and then)
+    calls in once a minute, not at every reading; the one owed meanwhile is said once the interval has passed,
+    if the PC is still available then. Pure: the caller passes each reading's verdict and the time."""
+
+    def __init__(self) -> None:
+        self._was_available: bool | None = None  # None: no reading yet (the registration said the rest)
+        self._owed = False
+        self._last: float | None = None  # when the agent last called in (or registered)
+
+    def registered(self, now: float) -> None:
+        """The agent registered at `now`: that tells the controller all a call-in would."""
+        self._last, self._owed = now, False
+
+    def update(self, available: bool, now: float) -> bool:
+        """Whether to call in now, from whether the PC is available at `now`."""
+        if not available:
+            self._owed = False
+        elif self._was_available is False:
+            self._owed = True
+        self._was_available = available
+        if not self._owed or (self._last is not None and now - self._last < CALL_IN_MIN_INTERVAL_S):
+            return False
+        self._owed, self._last = False, now
+        return True
 
 
 # Private functions

@@ -241,11 +241,28 @@ class FleetServer:
             if isinstance(message, KnownRemovals) and taking_removals:
                 taken = await take_known_removals(self.store, self.revocations, message, link.peer.agent_id)
                 taking_removals = taken is not None
+            elif isinstance(message, Register) and message.agent_id == link.peer.agent_id:
+                await self._called_in(link, message)
             elif isinstance(message, Error):  # a stage's failure with no driver connected to hear it
                 text = "".join(char if char.isprintable() else "?" for char in message.message[:500])  # no forged lines
                 log.warning("agent %s reports: %s: %s", link.peer.agent_id[:12], message.code.value, text)
             else:
                 log.debug("agent %s said %s on its registration link", link.peer.agent_id[:12], type(message).__name__)
+
+    async def _called_in(self, link: Link, message: Register) -> None:
+        """A registered agent's Register again: it can take stages again (its user resumed it, it was plugged in
+        or cooled down). Recorded as a registration is (`registered_at`), so that the next fleet run takes back a
+        PC that a re-plan left out meanwhile (fleet_deploy.pcs_back). The agent says so at most once a minute."""
+        agent_id = link.peer.agent_id
+        try:
+            await self._record(agent_id, message.listen_addresses)
+        except (OSError, FleetStoreError) as error:
+            log.error("cannot record in %s that agent %s is available again: %s", self.store.data_dir / "agents.json",
+                      agent_id[:12], error.strerror or error if isinstance(error, OSError) else error)
+            return
+        log.info("agent %s is available again at %s", agent_id[:12], ", ".join(message.listen_addresses))
+        if self.live.get(agent_id) is link:
+            self._live_at[agent_id] = message.listen_addresses
 
     async def _record(self, agent_id: str, addresses: tuple[str, ...]) -> None:
         """Record in the roster where the agent listens; returns once agents.json says so, or raises what the

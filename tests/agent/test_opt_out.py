@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,10 +17,11 @@ from deskfleet.agent.core import AgentCore, CommandError
 from deskfleet.agent.enroll import Membership
 from deskfleet.agent.opt_out import OPT_OUT_FILE, OptOut, OptOutReader, read_opt_out, write_opt_out
 from deskfleet.agent.paths import AgentSettings, save_settings
+from deskfleet.agent.service import AgentService
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common.agent_state import AgentState
-from deskfleet.common.availability import GIB, MonitorReading
-from deskfleet.common.wire import ErrorCode, Role, StatusReport, StatusRequest
+from deskfleet.common.availability import CALL_IN_MIN_INTERVAL_S, GIB, CallInWatch, MonitorReading
+from deskfleet.common.wire import ErrorCode, Register, Role, StatusReport, StatusRequest
 from tests.agent.test_core import _host_tiny_stage, handle
 from tests.agent.test_stage_release import _one_step
 from tests.fleet_pki import make_ca, make_member
@@ -183,3 +185,75 @@ def test_pause_and_resume_of_a_removed_pc_say_it_was_removed(tmp_path: Path, cap
     said = capsys.readouterr().out
     assert said.startswith("this PC was removed from the fleet (its controller refused it, 2026-12-05T01:00:00+00:00)")
     assert f"delete {state / 'agent-key.pem'}, then join with a new token" in said
+
+
+class RegistrationLink:
+    address = "127.0.0.1:7341"
+
+    def __init__(self) -> None:
+        self.connection = SimpleNamespace(transport=SimpleNamespace(get_extra_info=lambda name: ("10.0.0.7", 50000)))
+        self.sent: list[object] = []
+
+    async def send(self, message: object) -> None:
+        self.sent.append(message)
+
+
+def registered_service(core: AgentCore, link: RegistrationLink | None) -> AgentService:
+    """An AgentService around `core`, registered at time 0 on `link` (None: its link is down)."""
+    service = AgentService.__new__(AgentService)
+    service.core = core
+    service.membership = SimpleNamespace(token_sha256=None)  # type: ignore[assignment]
+    service.listen, service.bound_port = "0.0.0.0:7431", 7431
+    service._registration = link  # type: ignore[assignment]
+    service._call_in = CallInWatch()
+    service._call_in.registered(0.0)
+    return service
+
+
+def test_a_resumed_pc_calls_in_on_its_registration_link(desk: tuple[AgentCore, Path]) -> None:
+    # A PC its user paused and resumed stayed out of the chain the failover made without it until an admin
+    # deployed again: the controller heard nothing of the resume (fleet_deploy.pcs_back waits for a registration).
+    core, state = desk
+    link = RegistrationLink()
+    service = registered_service(core, link)
+
+    async def looks() -> list[bool]:
+        write_opt_out(state, True, "now")
+        said = [await service.call_in_if_available_again(now=100.0),
+                await service.call_in_if_available_again(now=110.0)]
+        write_opt_out(state, False, "now")
+        said += [await service.call_in_if_available_again(now=120.0),
+                 await service.call_in_if_available_again(now=130.0)]  # said once
+        return said
+
+    assert asyncio.run(looks()) == [False, False, True, False]
+    assert link.sent == [Register(core.agent_id, ("10.0.0.7:7431",), None)]
+
+
+def test_a_pc_hosting_a_stage_does_not_call_in_when_its_own_inference_crosses_the_limits(
+        desk: tuple[AgentCore, Path], tiny_export: Path) -> None:
+    core, _ = desk
+    link = RegistrationLink()
+    service = registered_service(core, link)
+    busy = replace(PluggedInDesktop().read(), cpu_load=0.99)
+    core.monitor = SimpleNamespace(read=lambda: busy)  # type: ignore[assignment]
+    core.settings = replace(core.settings, thresholds=replace(core.settings.thresholds, max_cpu_load=0.5))
+    assert asyncio.run(core.unavailable_now())
+    assert asyncio.run(core.takes_stages_now()) is False
+    _host_tiny_stage(core, tiny_export)  # now its own inference is what keeps the CPU busy
+    assert asyncio.run(core.takes_stages_now())
+    assert asyncio.run(service.call_in_if_available_again(now=100.0)) is False
+
+
+def test_a_pc_whose_registration_link_is_down_leaves_it_to_its_next_registration(
+        desk: tuple[AgentCore, Path]) -> None:
+    core, state = desk
+    service = registered_service(core, None)
+
+    async def looks() -> list[bool]:
+        write_opt_out(state, True, "now")
+        first = await service.call_in_if_available_again(now=CALL_IN_MIN_INTERVAL_S)
+        write_opt_out(state, False, "now")
+        return [first, await service.call_in_if_available_again(now=2 * CALL_IN_MIN_INTERVAL_S)]
+
+    assert asyncio.run(looks()) == [False, False]

@@ -12,6 +12,7 @@ import pytest
 from deskfleet.agent import service as service_module
 from deskfleet.agent.link import LinkError, LinkVersionError
 from deskfleet.agent.service import AgentService
+from deskfleet.common.availability import CallInWatch
 
 
 class FakeLink:
@@ -60,6 +61,7 @@ def registering_service(outcomes: list[str], monkeypatch: pytest.MonkeyPatch) ->
     service.listen = "0.0.0.0:7431"
     service.bound_port = 7431
     service.core = FakeCore()  # type: ignore[assignment]
+    service._call_in = CallInWatch()
     monkeypatch.setattr(service_module, "open_link", dial)
     monkeypatch.setattr(service_module.asyncio, "sleep", no_wait)
     with pytest.raises(asyncio.CancelledError):

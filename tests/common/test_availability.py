@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
 from deskfleet.common.agent_state import AgentState, UnavailableReason
 from deskfleet.common.availability import (
+    CALL_IN_MIN_INTERVAL_S,
     GIB,
     AvailabilityPolicy,
+    CallInWatch,
     MonitorReading,
     StageReleaseWatch,
     TemperatureReading,
@@ -182,3 +185,34 @@ def test_memory_cpu_load_an_idle_agent_or_no_release_time_never_give_stages_up()
     unplugged = reading(on_ac_power=False)
     assert _watch([(0, unplugged), (100, unplugged)], policy, serving=False) == [None, None]
     assert _watch([(0, unplugged), (100, unplugged)], AvailabilityPolicy(release_stages_after_s=None)) == [None, None]
+
+
+def _call_ins(looks: list[tuple[float, bool]], registered_at: float | None = None) -> list[float]:
+    """The times CallInWatch calls in over (time, available) looks."""
+    watch = CallInWatch()
+    if registered_at is not None:
+        watch.registered(registered_at)
+    return [now for now, available in looks if watch.update(available, now)]
+
+
+def test_an_agent_calls_in_once_it_is_available_after_a_spell_of_not_being() -> None:
+    # a pause its user ended (or a PC plugged in again): the next fleet run takes it back only if it says so
+    assert _call_ins([(0, True), (10, False), (20, False), (30, True), (40, True)]) == [30]
+    # available all along, or never again: nothing to say (its registration said it)
+    assert _call_ins([(0, True), (10, True)], registered_at=0) == []
+    assert _call_ins([(0, False), (10, False)]) == []
+    # the first look has no spell before it: the registration that came with it said it all
+    assert _call_ins([(0, True)]) == []
+
+
+def test_a_pc_that_flickers_calls_in_once_a_minute_and_the_one_owed_is_said_later() -> None:
+    gap = CALL_IN_MIN_INTERVAL_S
+    looks = [(float(t), t % 20 != 10) for t in range(0, 200, 10)]  # unavailable every other look
+    said = _call_ins(looks)
+    assert said[0] == 20 and all(later - earlier >= gap for earlier, later in itertools.pairwise(said))
+    assert len(said) >= 3, said
+    # owed at 30 (the registration at 0 was too recent), said at 60 while still available
+    assert _call_ins([(10, False), (30, True), (40, True), (60, True)], registered_at=0) == [60]
+    # owed, but unavailable again before the interval passed: nothing to say, the spell starts anew
+    assert _call_ins([(10, False), (30, True), (40, False), (60, False)], registered_at=0) == []
+    assert _call_ins([(10, False), (30, True), (40, False), (70, True)], registered_at=0) == [70]

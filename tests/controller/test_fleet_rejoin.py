@@ -9,6 +9,7 @@ import contextlib
 import datetime
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -69,9 +70,9 @@ def _registered(store: FleetStore, agent_id: str, when: str | None) -> None:
     store.save_roster(roster)
 
 
-def _left_out_b_at(store: FleetStore, model: Path, replanned_at: str) -> None:
-    """The admin deployed A and B; a run's re-plan went on without B at `replanned_at`."""
-    _save(store, model, ADMINS, replan=False)
+def _left_out_b_at(store: FleetStore, model: Path, replanned_at: str, left_out: str = B) -> None:
+    """The admin deployed A and B (`left_out`); a run's re-plan went on without B at `replanned_at`."""
+    _save(store, model, (ADMINS[0], replace(ADMINS[1], agent_id=left_out)), replan=False)
     _save(store, model, WITHOUT_B, replan=True)
     _set_replanned_at(store, model, replanned_at)
 
@@ -319,8 +320,8 @@ def test_fleet_ls_says_which_pcs_a_re_plan_left_out_and_what_takes_them_back(
 
     monkeypatch.setattr(fleet_runs, "others_driving", lambda store, model_id: 2)  # a run in flight leaves it be
     assert main(["fleet", "ls", "--data-dir", str(store.data_dir), "--discover-seconds", "0"]) == 0
-    assert ("(available, called in since: the first run that starts while none drives the model (2 do now) takes it "
-            "back if it can take work)") in capsys.readouterr().out
+    assert ("(available, called in since: the first run that starts while none drives the model, or a `serve --fleet` "
+            "that alone drives it, once idle (2 do now) takes it back if it can take work)") in capsys.readouterr().out
     _registered(store, B, "2026-12-01T07:00:00+00:00")  # back, but it has not called in since: a deploy takes it
     assert main(["fleet", "ls", "--data-dir", str(store.data_dir), "--discover-seconds", "0", "--json"]) == 0
     err = capsys.readouterr().err
