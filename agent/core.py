@@ -59,6 +59,7 @@ from deskfleet.common.agent_state import AgentState
 from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.availability import (
     AvailabilityPolicy,
+    CallInWatch,
     MonitorReading,
     StageReleaseWatch,
     decide_availability,
@@ -195,6 +196,8 @@ class AgentCore:
         self._release_watch = StageReleaseWatch()
         self._monitor_lock = asyncio.Lock()  # the monitor is read from one thread at a time (agent/monitor.py)
         self._opt_out = OptOutReader(opt_out_dir)  # the employee's pause (agent/opt_out.py); None: never paused
+        # when to tell the controller this PC can take stages again (the service says it on its registration link)
+        self.call_in = CallInWatch()
         self._released_because: str | None = None  # why the stages were given up, until the next assignment
         # the controller link whose AssignStage made or last confirmed each hosted stage, and the stages each open
         # controller link assigned: a ReleaseStage that undoes a link's own assignment after another link assigned
@@ -381,6 +384,9 @@ class AgentCore:
                 self._speed_probe = None
                 self._note_error(f"speed probe failed: {error}")
         speed = self._speed.weight_gb_per_s if self._speed is not None else None
+        # a plan that asked now leaves it out (a stage's own inference crossing the limits leaves it where it is)
+        if snapshot.state is AgentState.PAUSED or (snapshot.state is AgentState.UNAVAILABLE and not self.stages):
+            self.call_in.went_away()
         return replace(snapshot.to_wire(), weight_gb_per_s=speed, devices=await self._reported_devices())
 
     async def _reported_devices(self) -> tuple[str, ...]:
@@ -443,6 +449,7 @@ class AgentCore:
                 async with hosted.lock:  # a step under way finishes first
                     self._release(ref)
         self._released_because = because
+        self.call_in.went_away()
         which = f" ({', '.join(_stage_key(ref) for ref in released)})" if released else ""
         self._note_error(f"gave up {len(released)} stage(s){which}: {because}")
         await self.close_unused_next_hops()

@@ -45,7 +45,6 @@ from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement, cached_speed
 from deskfleet.agent.stage import openvino_devices
 from deskfleet.common import pki
-from deskfleet.common.availability import CallInWatch
 from deskfleet.common.console import stopping_signals
 from deskfleet.common.devices import device_targets
 from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord
@@ -124,7 +123,6 @@ class AgentService:
             self.listen, self.membership.controller_addresses)
         self._outage = _Outage()  # registration attempts failing since the controller link was lost
         self._registration: Link | None = None  # the live link to `fleet serve`, once registered on it
-        self._call_in = CallInWatch()
         self._stopping = asyncio.Event()
 
     def _prepare_cache(self) -> None:
@@ -297,7 +295,7 @@ class AgentService:
         """One look (AVAILABILITY_CHECK_S); True when it called in: its Register sent again on the registration
         link. Without a live link the next registration says it, as every registration does."""
         available = await self.core.takes_stages_now()
-        if not self._call_in.update(available, time.monotonic() if now is None else now):
+        if not self.core.call_in.update(available, time.monotonic() if now is None else now):
             return False
         link = self._registration
         if link is None:
@@ -448,7 +446,7 @@ class AgentService:
             return
         log.info("registered with the controller at %s as %s%s", link.address, message.listen_addresses[0],
                  outage.ended())
-        self._call_in.registered(time.monotonic())
+        self.core.call_in.registered(time.monotonic())
         self._registration = link
         try:
             await self.core.serve_link(link, registration=True)

@@ -196,6 +196,11 @@ class CallInWatch:
         """The agent registered at `now`: that tells the controller all a call-in would."""
         self._last, self._owed = now, False
 
+    def went_away(self) -> None:
+        """The fleet saw the PC unable to take stages between two looks (it gave its stages up, a status said it
+        was paused or unavailable): a pause ended within seconds is a spell too, once a plan may have left it out."""
+        self._was_available, self._owed = False, False
+
     def update(self, available: bool, now: float) -> bool:
         """Whether to call in now, from whether the PC is available at `now`."""
         if not available:

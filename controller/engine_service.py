@@ -3,8 +3,9 @@
 Every request is a stream of the same running engine (Engine.run with a feed), so streams that arrive while
 others run are admitted between their steps and batched with them, as `generate`'s prompts are; a stream whose
 client went away is cancelled and its row dropped. The chain (local stages, or the fleet's, which re-plans when
-a PC drops out) opens once, at start(). If a run fails past what it can mend, every stream it held ends with the
-error and the chain opens again for the next request.
+a PC drops out) opens at start(). If a run fails past what it can mend, every stream it held ends with the
+error and the chain opens again for the next request. An idle service opens it again when its take-back check
+says so: a fleet's opening takes back a PC that a re-plan left out and that has called in since.
 
 Sinks are called on the engine's thread: they must return at once and not raise (a server hands the tokens to
 its event loop).
@@ -39,6 +40,9 @@ OptionsFor = Callable[[StageChain], EngineOptions]
 # cost 8 users sent at once through the API half their tokens a second over 64 tokens (`bench serve`)
 GATHER_S = 0.003
 GATHER_MAX_S = 0.02
+# An idle service with a take-back check (a fleet's: a PC a re-plan left out has called in since) asks it this
+# often, and opens its chain again when it says so: the opening takes the PC back
+TAKE_BACK_POLL_S = 10.0
 
 
 class ServiceBusy(RuntimeError):
@@ -85,10 +89,14 @@ class _Inbox:
 
 class EngineService:
     def __init__(self, open_chain: ChainOpener, spec: ModelSpec, draft: Drafter | None, options: OptionsFor,
-                 max_streams: int = 64) -> None:
+                 max_streams: int = 64, take_back: Callable[[], bool] | None = None) -> None:
+        """`take_back`: asked every TAKE_BACK_POLL_S while no stream runs; True opens the chain again (a fleet's
+        opening takes back a PC that a re-plan left out: open_fleet_chain). None: the chain stays as it opened."""
         if max_streams < 1:
             raise ValueError(f"max_streams must be at least 1, got {max_streams}")
         self._open_chain = open_chain
+        self._take_back = take_back
+        self._reopening = False  # the feed ended the run to open the chain again (take_back said so)
         self.spec = spec
         self.draft = draft
         self.options = options
@@ -175,7 +183,8 @@ class EngineService:
     def _main(self) -> None:
         first = True
         while True:
-            if not first and not self._wait_for_work():
+            reopening, self._reopening = self._reopening, False
+            if not first and not reopening and not self._wait_for_work():
                 return
             self._fed = False
             try:
@@ -184,7 +193,9 @@ class EngineService:
                         self._chain_open.set()
                         first = False
                     self._run(Engine(chain, self.spec, self.draft, self.options(chain)), recover)
+                if not self._reopening:
                     return  # the feed ended the run: closing
+                log.info("no stream runs and the chain can take a PC back: it opens again")
             except Exception as error:  # a run's failure ends its streams, not the server
                 if first:
                     self._open_error = error
@@ -217,9 +228,10 @@ class EngineService:
         wait for work. False (ends the run) once close() began."""
         self._fed = True
         self._reap(engine)
+        if idle and self._idle_until_work():
+            self._reopening = True
+            return False
         with self._lock:
-            while idle and not self._inbox.new and not self._inbox.cancelled and not self._closing:
-                self._lock.wait()
             if idle and self._inbox.new:  # a burst's first request: let the rest of it come (GATHER_S)
                 deadline = time.monotonic() + GATHER_MAX_S
                 arrived = len(self._inbox.new)
@@ -246,6 +258,29 @@ class EngineService:
                     engine.cancel(ticket.stream_id)
             self._reap(engine)
         return True
+
+    def _idle_until_work(self) -> bool:
+        """With no stream running: wait for one to come, a cancel, or close() (False); True where take_back says,
+        meanwhile, that the chain should open again."""
+        next_look = time.monotonic() + TAKE_BACK_POLL_S
+        while True:
+            with self._lock:
+                while not self._inbox.new and not self._inbox.cancelled and not self._closing:
+                    if self._take_back is None:
+                        self._lock.wait()
+                        continue
+                    wait = next_look - time.monotonic()
+                    if wait <= 0:
+                        break
+                    self._lock.wait(wait)
+                else:
+                    return False
+            next_look = time.monotonic() + TAKE_BACK_POLL_S
+            try:
+                if self._take_back is not None and self._take_back():
+                    return True
+            except Exception:  # a look that fails (a file being written) is taken again at the next poll
+                log.debug("the look for a PC to take back failed", exc_info=True)
 
     def _on_token(self, stream_id: int, token: int) -> None:
         ticket = self._by_stream.get(stream_id)

@@ -357,8 +357,8 @@ def _left_out_notes(store: FleetStore, agents: list[Any]) -> list[str]:
     lines = []
     for record in left_out_by_replans(store):
         driving = others_driving(store, record.model_id)
-        who = f"the first run that starts while none drives the model ({driving} do now)" if driving else \
-            "the next run on the model"
+        who = f"the first run that starts while none drives the model, or a `serve --fleet` that alone drives it, " \
+            f"once idle ({driving} do now)" if driving else "the next run on the model"
         pcs = []
         for agent_id in record.left_out:
             agent = found.get(agent_id)

@@ -133,7 +133,8 @@ def _serve_command(args: argparse.Namespace) -> int:
 
     opener = _fleet_opener(args, decoding) if args.fleet else _local_opener(args.model, stages, target, manifest)
     name = args.model_name or args.model.resolve().name
-    service = EngineService(opener, manifest.spec, draft, options_for, max_streams=args.max_streams)
+    service = EngineService(opener, manifest.spec, draft, options_for, max_streams=args.max_streams,
+                            take_back=_pc_to_take_back(args) if args.fleet else None)
     # a keyless server on loopback answers its own names only (a web page could reach it through another)
     hosts = frozenset({"127.0.0.1", "localhost", "::1", host}) if api_key is None and is_loopback(host) else None
     try:
@@ -215,6 +216,23 @@ def _fleet_opener(args: argparse.Namespace, decoding: DecodingOptions) -> ChainO
             yield chain, windowed(failover)
 
     return open_fleet
+
+
+def _pc_to_take_back(args: argparse.Namespace) -> Callable[[], bool]:
+    """Whether the fleet has a PC back that the server's chain lacks (a re-plan left it out, and it called in since:
+    restarted, resumed by its user, plugged in again) and no other run drives the model: the service, idle, then
+    opens its chain again, and the opening re-plans to take the PC back (FleetFailover.rejoin). A few small files
+    read, no dial."""
+    from .fleet_deploy import model_id_of, pcs_back
+    from .fleet_runs import others_driving
+
+    store = controller_store(args.data_dir)
+    model_id = model_id_of(args.model)
+
+    def pc_back() -> bool:
+        return pcs_back(store, args.model) is not None and others_driving(store, model_id) == 0
+
+    return pc_back
 
 
 def windowed(failover: FleetFailover, window_s: float = FAILOVER_WINDOW_S,

@@ -20,7 +20,7 @@ from deskfleet.agent.paths import AgentSettings, save_settings
 from deskfleet.agent.service import AgentService
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common.agent_state import AgentState
-from deskfleet.common.availability import CALL_IN_MIN_INTERVAL_S, GIB, CallInWatch, MonitorReading
+from deskfleet.common.availability import CALL_IN_MIN_INTERVAL_S, GIB, MonitorReading
 from deskfleet.common.wire import ErrorCode, Register, Role, StatusReport, StatusRequest
 from tests.agent.test_core import _host_tiny_stage, handle
 from tests.agent.test_stage_release import _one_step
@@ -205,8 +205,7 @@ def registered_service(core: AgentCore, link: RegistrationLink | None) -> AgentS
     service.membership = SimpleNamespace(token_sha256=None)  # type: ignore[assignment]
     service.listen, service.bound_port = "0.0.0.0:7431", 7431
     service._registration = link  # type: ignore[assignment]
-    service._call_in = CallInWatch()
-    service._call_in.registered(0.0)
+    core.call_in.registered(0.0)
     return service
 
 
@@ -257,3 +256,31 @@ def test_a_pc_whose_registration_link_is_down_leaves_it_to_its_next_registration
         return [first, await service.call_in_if_available_again(now=2 * CALL_IN_MIN_INTERVAL_S)]
 
     assert asyncio.run(looks()) == [False, False]
+
+
+def test_a_pause_ended_between_two_looks_still_calls_in(desk: tuple[AgentCore, Path], tiny_export: Path) -> None:
+    # paused and resumed within a second: the looks every 10 s never saw it paused, but the stage it gave up meanwhile
+    # had a re-plan leave it out (the integration fleet's resume went unsaid)
+    core, state = desk
+    link = RegistrationLink()
+    service = registered_service(core, link)
+    _host_tiny_stage(core, tiny_export)
+
+    async def stage_given_up() -> list[bool]:
+        said = [await service.call_in_if_available_again(now=100.0)]
+        write_opt_out(state, True, "now")
+        await core.enforce_limits(0.0)
+        write_opt_out(state, False, "later")
+        return [*said, await service.call_in_if_available_again(now=110.0)]
+
+    assert asyncio.run(stage_given_up()) == [False, True]
+
+    async def seen_paused() -> list[bool]:  # a survey's status saw it paused: a plan then may have left it out
+        write_opt_out(state, True, "now")
+        assert (await core.status()).state is AgentState.PAUSED
+        write_opt_out(state, False, "later")
+        return [await service.call_in_if_available_again(now=200.0),
+                await service.call_in_if_available_again(now=300.0)]
+
+    assert asyncio.run(seen_paused()) == [True, False]
+    assert len(link.sent) == 2

@@ -16,7 +16,6 @@ from deskfleet.agent.link import Link, LinkError
 from deskfleet.agent.opt_out import write_opt_out
 from deskfleet.agent.service import AgentService
 from deskfleet.agent.stage_executor import StageExecutor
-from deskfleet.common.availability import CallInWatch
 from deskfleet.common.wire import (
     AssignStage,
     Error,
@@ -66,7 +65,6 @@ def test_a_paused_middle_stage_tells_the_driver_not_fleet_serve(desk: tuple[Agen
         service = AgentService.__new__(AgentService)
         service.core, service.listen, service.bound_port = core, "0.0.0.0:7431", 7431
         service.membership = SimpleNamespace(token_sha256=None)  # type: ignore[assignment]
-        service._call_in = CallInWatch()
         service._outage = SimpleNamespace(failed=lambda error: None, ended=lambda: "",  # type: ignore[assignment]
                                           began=lambda: None)
         served = [asyncio.create_task(core.serve_link(cast(Link, driver)))]

@@ -28,6 +28,7 @@ class FakeLink:
 
 class FakeCore:
     agent_id = "a" * 52
+    call_in = CallInWatch()
 
     async def serve_link(self, link: object, registration: bool = False) -> None:
         return None  # the controller went away at once
@@ -61,7 +62,6 @@ def registering_service(outcomes: list[str], monkeypatch: pytest.MonkeyPatch) ->
     service.listen = "0.0.0.0:7431"
     service.bound_port = 7431
     service.core = FakeCore()  # type: ignore[assignment]
-    service._call_in = CallInWatch()
     monkeypatch.setattr(service_module, "open_link", dial)
     monkeypatch.setattr(service_module.asyncio, "sleep", no_wait)
     with pytest.raises(asyncio.CancelledError):

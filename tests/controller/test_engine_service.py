@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from deskfleet.common.model_spec import load_manifest
+from deskfleet.controller import engine_service
 from deskfleet.controller.engine import ChainBroken, EngineOptions, Recover, StageChain, StreamRequest
 from deskfleet.controller.engine_service import ChainOpener, EngineService, ServiceBusy, ServiceClosed, StreamEnd
 from deskfleet.controller.pipeline import LocalPipeline
@@ -297,3 +298,43 @@ def test_a_burst_of_requests_to_an_idle_engine_starts_as_one_prefill_group(targe
     assert chains[0].rows[0] == 4, chains[0].rows
     for prompt, end in zip(PROMPTS, ends, strict=False):
         assert end.result is not None and end.result.tokens == _solo(target, prompt, 8)
+
+
+def test_an_idle_service_opens_its_chain_again_when_a_pc_can_be_taken_back(
+        target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `serve --fleet` took back a PC that a re-plan left out only when the server started: a PC its user paused
+    # and resumed, or one restarted, stayed out of the chain for as long as the server ran
+    monkeypatch.setattr(engine_service, "TAKE_BACK_POLL_S", 0.2)
+    opened: list[int] = []
+    looks: list[bool] = []  # whether a stream ran at each look
+    back = threading.Event()
+    running = threading.Event()
+
+    def take_back() -> bool:
+        looks.append(running.is_set())
+        return back.is_set()
+
+    service = EngineService(_local(target, 2, opened), load_manifest(target).spec, None,
+                            lambda chain: EngineOptions(max_rows=3, micro_batches=2), take_back=take_back)
+    with service:
+        time.sleep(0.5)
+        assert len(opened) == 1 and len(looks) >= 2  # nothing back: the chain stays as it opened
+        sink = Sink(first_tokens=1)
+        service.submit(StreamRequest(PROMPTS[0], max_new_tokens=200, ignore_eos=True), sink)
+        assert sink.got_tokens.wait(WAIT_S)
+        running.set()
+        back.set()  # a PC called in while the stream runs: nothing is opened under it
+        assert sink.wait().result is not None and len(opened) == 1
+        running.clear()
+        deadline = time.monotonic() + WAIT_S
+        while len(opened) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        back.clear()
+        assert len(opened) == 2  # idle: it opened again, and the opening takes the PC back
+        assert not any(looks), "the take-back was asked while a stream ran"
+        again = Sink()
+        service.submit(StreamRequest(PROMPTS[1], max_new_tokens=12, ignore_eos=True), again)
+        end = again.wait()
+        assert end.error is None and end.result is not None and end.result.tokens == _solo(target, PROMPTS[1], 12)
+        time.sleep(0.5)
+        assert len(opened) == 2  # taken back once

@@ -30,23 +30,32 @@ def complete(port: int, prompt: str) -> str:
         return str(json.loads(response.read())["choices"][0]["text"])
 
 
-def main() -> None:
-    data_dir, model, prompts = sys.argv[1], sys.argv[2], sys.argv[3:]
+def start_server(data_dir: str, model: str) -> tuple[subprocess.Popen[str], int]:
+    """`deskfleet serve --fleet` on a free loopback port, once it serves; its port. SystemExit where it did not
+    start, saying what it said."""
     server = subprocess.Popen([str(BIN / "deskfleet"), "serve", "--fleet", "--model", model, "--data-dir", data_dir,
                                "--listen", "127.0.0.1:0", "--discover-seconds", "0", "--model-name", "served"],
                               stderr=subprocess.PIPE, text=True)
+    assert server.stderr is not None
+    said = ""
+    for line in server.stderr:
+        said += line
+        if "serving" in line:
+            break
+    found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", said)
+    if found is None:
+        server.kill()
+        server.wait()
+        raise SystemExit(f"the server did not start: {said}")
+    return server, int(found[1])
+
+
+def main() -> None:
+    data_dir, model, prompts = sys.argv[1], sys.argv[2], sys.argv[3:]
+    server, port = start_server(data_dir, model)
     try:
-        assert server.stderr is not None
-        said = ""
-        for line in server.stderr:
-            said += line
-            if "serving" in line:
-                break
-        found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", said)
-        if found is None:
-            raise SystemExit(f"the server did not start: {said}")
         with ThreadPoolExecutor(len(prompts)) as pool:
-            texts = list(pool.map(lambda prompt: complete(int(found[1]), prompt), prompts))
+            texts = list(pool.map(lambda prompt: complete(port, prompt), prompts))
         server.send_signal(signal.SIGTERM)
         status = server.wait(60)
     finally:

@@ -387,6 +387,12 @@ def _agent_index(fleet: Fleet, agent_id: str) -> int:
         (fleet.agent_dir(i) / "state" / "membership.json").read_text())["agent_id"] == agent_id)
 
 
+def _called_in_since(fleet: Fleet, agent_id: str, since: str) -> bool:
+    """Whether agents.json says the agent registered, or called in, after `since` (fleet serve writes in batches)."""
+    registered = json.loads((fleet.controller_dir / "agents.json").read_text())["body"][agent_id]["registered_at"]
+    return registered is not None and datetime.fromisoformat(registered) > datetime.fromisoformat(since)
+
+
 def _deployed_stages(fleet: Fleet) -> list[dict[str, object]]:
     deployments = json.loads((fleet.controller_dir / "deployments.json").read_text())["body"]
     stages = next(iter(deployments.values()))["stages"]
@@ -443,11 +449,8 @@ def test_a_pc_back_after_a_re_plan_left_it_out_is_taken_back_at_the_next_run(fle
     assert holder.stdout.readline() == b"open 2\n"
     _start_agent(fleet, _agent_index(fleet, back))  # switched on again: it calls in on its own
 
-    def registered_since() -> bool:  # fleet serve writes registrations in batches
-        registered = json.loads((fleet.controller_dir / "agents.json").read_text())["body"][back]["registered_at"]
-        return registered is not None and datetime.fromisoformat(registered) > datetime.fromisoformat(since)
-
-    _wait_for("the restarted agent's registration to be recorded", registered_since, timeout=60)
+    _wait_for("the restarted agent's registration to be recorded", lambda: _called_in_since(fleet, back, since),
+              timeout=60)
     deployed = _deployed_stages(fleet)
     beside = json.loads(fleet.deskfleet(*argv, "--fleet"))
     assert beside["tokens"] == local["tokens"] and beside["stages"] == AGENTS - 1
@@ -474,6 +477,56 @@ def test_a_pc_back_after_a_re_plan_left_it_out_is_taken_back_at_the_next_run(fle
         return sum(agent["state"] in ("available", "serving") for agent in _ls(fleet)) == AGENTS
 
     _wait_for("every agent to answer", all_answer, timeout=60)
+
+
+def test_a_pc_its_user_pauses_is_re_planned_around_and_the_server_takes_it_back_once_resumed(
+        fleet: Fleet, tiny_export: Path) -> None:
+    # The employee's opt-out, paused and resumed: the agent said nothing of the resume, so its PC stayed out of the
+    # chain the re-plan made without it until an admin deployed again; and `serve` took PCs back only at its start.
+    argv = ["generate", "--model", str(tiny_export), *[a for p in PROMPTS[:2] for a in ("--prompt-ids", p)],
+            "--max-new-tokens", "12", "--precision", "f32", "--json"]
+    local = [stream["text"] for stream in json.loads(fleet.run(fleet.controller, str(BIN / "deskfleet"),
+                                                                *argv))["streams"]]
+    assert len(_deployed_stages(fleet)) == AGENTS
+    victim = str(_deployed_stages(fleet)[-1]["agent_id"])
+    index = _agent_index(fleet, victim)
+    agent_cli = [str(BIN / "deskfleet-agent"), "--data-dir", str(fleet.agent_dir(index))]
+    session = subprocess.Popen(fleet.controller.command(sys.executable, "-m", "tests.integration.fleet_api_session",
+                                                        str(fleet.controller_dir), str(tiny_export)),
+                               cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_environment(), text=True)
+    assert session.stdin is not None and session.stdout is not None
+
+    def complete(prompt: str) -> str:
+        assert session.stdin is not None and session.stdout is not None
+        session.stdin.write(prompt + "\n")
+        session.stdin.flush()
+        return str(json.loads(session.stdout.readline()))
+
+    try:
+        assert session.stdout.readline() == "serving\n"
+        fleet.run(fleet.agents[index], *agent_cli, "pause")
+        _wait_for("the paused PC to give its stage up",
+                  lambda: "paused by its user" in fleet.log(fleet.agents[index].name), timeout=30)
+        assert complete(PROMPTS[0]) == local[0]  # re-planned around the paused PC
+        stages = _deployed_stages(fleet)
+        assert len(stages) == AGENTS - 1 and victim not in {stage["agent_id"] for stage in stages}
+        since = next(iter(json.loads((fleet.controller_dir / "deployments.json").read_text())["body"].values()))[
+            "replanned_at"]
+        fleet.run(fleet.agents[index], *agent_cli, "resume")
+        _wait_for("the resumed agent to call in", lambda: _called_in_since(fleet, victim, since), timeout=120)
+        _wait_for("the idle server to take the PC back", lambda: len(_deployed_stages(fleet)) == AGENTS, timeout=60)
+        assert complete(PROMPTS[1]) == local[1]
+        session.stdin.close()
+        end = json.loads(session.stdout.readline())
+        assert session.wait(timeout=60) == 0
+    finally:
+        if session.poll() is None:
+            session.kill()
+            session.wait()
+    assert end["exit"] == 0, end["stderr"]
+    assert re.search(rf"agent {victim[:12]} on desk-\d called in since the re-plan at .* UTC that left it out: "
+                     rf"re-planned in [0-9.]+ s over {AGENTS} agent\(s\)", end["stderr"]), end["stderr"]
+    assert f"agent {victim[:12]} is available again" in fleet.log("controller")
 
 
 def test_removed_agent_is_dropped_and_refused(fleet: Fleet) -> None:
