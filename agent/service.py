@@ -294,8 +294,9 @@ class AgentService:
     async def call_in_if_available_again(self, now: float | None = None) -> bool:
         """One look (AVAILABILITY_CHECK_S); True when it called in: its Register sent again on the registration
         link. Without a live link the next registration says it, as every registration does."""
+        mark = self.core.call_in.mark()
         available = await self.core.takes_stages_now()
-        if not self.core.call_in.update(available, time.monotonic() if now is None else now):
+        if not self.core.call_in.update(available, time.monotonic() if now is None else now, mark):
             return False
         link = self._registration
         if link is None:

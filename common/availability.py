@@ -22,6 +22,7 @@ MAX_RELEASE_AFTER_S = 3600.0
 RELEASE_REASONS = (UnavailableReason.ON_BATTERY, UnavailableReason.TOO_HOT)
 CLEAR_ENDS_SPELL_S = 10.0  # that long within the limits ends a spell of crossing them (StageReleaseWatch)
 CALL_IN_MIN_INTERVAL_S = 60.0  # an agent tells the controller it is available again at most this often
+CALL_IN_SETTLE_S = 20.0  # and only once it has been available this long (CallInWatch)
 
 
 @dataclass(frozen=True)
@@ -180,37 +181,49 @@ class StageReleaseWatch:
 
 
 class CallInWatch:
-    """When an agent tells the controller it can take stages again: once it is available after a spell of not
-    being (paused by its user or its admin, on battery, too hot, short of memory, busy), so that the next fleet run
-    takes back a PC a re-plan left out meanwhile (controller/fleet_deploy.py, pcs_back). A registration is such a
-    word too. At most one in CALL_IN_MIN_INTERVAL_S: a PC that flickers (a busy CPU crossing its limit now and then)
-    calls in once a minute, not at every reading; the one owed meanwhile is said once the interval has passed,
-    if the PC is still available then. Pure: the caller passes each reading's verdict and the time."""
+    """When an agent tells the controller it can take stages again: once it has been available for CALL_IN_SETTLE_S
+    after a spell of not being (paused by its user or its admin, on battery, too hot, short of memory, busy), so
+    that the next fleet run takes back a PC a re-plan left out meanwhile (controller/fleet_deploy.py, pcs_back). A
+    registration is such a word too. At most one in CALL_IN_MIN_INTERVAL_S, and none for an availability that does
+    not last CALL_IN_SETTLE_S: a PC whose free memory hovers about its limit, or whose CPU crosses it now and then,
+    would otherwise have every idle `serve --fleet` re-plan for it once a minute. The one owed is said once both
+    have passed, if the PC is still available then. Pure: the caller passes each look's verdict and the time."""
 
     def __init__(self) -> None:
-        self._was_available: bool | None = None  # None: no reading yet (the registration said the rest)
-        self._owed = False
+        self._available_since: float | None = None  # start of the current available streak after a spell
+        self._was_available: bool | None = None  # None: no look yet (the registration said the rest)
         self._last: float | None = None  # when the agent last called in (or registered)
+        self._spells = 0  # went_away() calls: a look that began before one is no evidence of availability
 
     def registered(self, now: float) -> None:
         """The agent registered at `now`: that tells the controller all a call-in would."""
-        self._last, self._owed = now, False
+        self._last, self._available_since = now, None
 
     def went_away(self) -> None:
         """The fleet saw the PC unable to take stages between two looks (it gave its stages up, a status said it
         was paused or unavailable): a pause ended within seconds is a spell too, once a plan may have left it out."""
-        self._was_available, self._owed = False, False
+        self._was_available, self._available_since = False, None
+        self._spells += 1
 
-    def update(self, available: bool, now: float) -> bool:
-        """Whether to call in now, from whether the PC is available at `now`."""
+    def mark(self) -> int:
+        """Taken as a look begins (before its sensor read): update() counts a look that a spell overtook as not
+        available, so a reading begun before a pause does not call in for the paused PC."""
+        return self._spells
+
+    def update(self, available: bool, now: float, mark: int | None = None) -> bool:
+        """Whether to call in now, from whether the PC is available at `now` (a look begun at `mark`)."""
+        if mark is not None and mark != self._spells:
+            available = False
         if not available:
-            self._owed = False
+            self._available_since = None
         elif self._was_available is False:
-            self._owed = True
+            self._available_since = now
         self._was_available = available
-        if not self._owed or (self._last is not None and now - self._last < CALL_IN_MIN_INTERVAL_S):
+        since = self._available_since
+        if since is None or now - since < CALL_IN_SETTLE_S or \
+                (self._last is not None and now - self._last < CALL_IN_MIN_INTERVAL_S):
             return False
-        self._owed, self._last = False, now
+        self._available_since, self._last = None, now
         return True
 
 

@@ -14,6 +14,7 @@ its event loop).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -97,6 +98,7 @@ class EngineService:
         self._open_chain = open_chain
         self._take_back = take_back
         self._reopening = False  # the feed ended the run to open the chain again (take_back said so)
+        self._last_look = time.monotonic()  # when take_back was last asked
         self.spec = spec
         self.draft = draft
         self.options = options
@@ -184,6 +186,8 @@ class EngineService:
         first = True
         while True:
             reopening, self._reopening = self._reopening, False
+            if reopening and self._closing:  # close() came as the run ended: nothing is opened for no one
+                return
             if not first and not reopening and not self._wait_for_work():
                 return
             self._fed = False
@@ -261,26 +265,37 @@ class EngineService:
 
     def _idle_until_work(self) -> bool:
         """With no stream running: wait for one to come, a cancel, or close() (False); True where take_back says,
-        meanwhile, that the chain should open again."""
-        next_look = time.monotonic() + TAKE_BACK_POLL_S
+        meanwhile, that the chain should open again. It is asked once TAKE_BACK_POLL_S passed since it was last
+        asked, counted across idle spells (requests that come more often than that would otherwise keep it from
+        ever being asked), and its True stands only where no work and no close() came while it looked."""
         while True:
             with self._lock:
-                while not self._inbox.new and not self._inbox.cancelled and not self._closing:
+                while not self._has_work():
                     if self._take_back is None:
                         self._lock.wait()
                         continue
-                    wait = next_look - time.monotonic()
+                    wait = self._last_look + TAKE_BACK_POLL_S - time.monotonic()
                     if wait <= 0:
                         break
                     self._lock.wait(wait)
                 else:
                     return False
-            next_look = time.monotonic() + TAKE_BACK_POLL_S
+            self._last_look = time.monotonic()
             try:
-                if self._take_back is not None and self._take_back():
-                    return True
+                assert self._take_back is not None
+                wanted = self._take_back()
             except Exception:  # a look that fails (a file being written) is taken again at the next poll
                 log.debug("the look for a PC to take back failed", exc_info=True)
+                wanted = False
+            if wanted:
+                with self._lock:  # work that came while it looked goes first: the next idle moment looks again
+                    if not self._has_work():
+                        return True
+                self._last_look = -math.inf
+
+    def _has_work(self) -> bool:
+        """Whether a stream, a cancel or close() waits; under self._lock."""
+        return bool(self._inbox.new or self._inbox.cancelled or self._closing)
 
     def _on_token(self, stream_id: int, token: int) -> None:
         ticket = self._by_stream.get(stream_id)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
@@ -30,6 +31,7 @@ from websockets.asyncio.server import ServerConnection
 from deskfleet.agent.advertise import Announcement, addresses_to_advertise, advertise_while_serving, never_changes
 from deskfleet.agent.link import Link, LinkError, start_server, utc_now
 from deskfleet.common import pki
+from deskfleet.common.availability import CALL_IN_MIN_INTERVAL_S
 from deskfleet.common.discovery_record import ControllerRecord
 from deskfleet.common.wire import Error, ErrorCode, KnownRemovals, Register, Role, parse_address
 from deskfleet.controller.fleet_ca import Revocations, serve_enrollment, spend_token_again, take_known_removals
@@ -73,6 +75,7 @@ class FleetServer:
             raise FleetStoreError(str(error)) from None
         self.live: dict[str, Link] = {}  # agent id -> its registration link
         self._live_at: dict[str, tuple[str, ...]] = {}  # agent id -> the listen addresses its live link registered
+        self._heard_at: dict[str, float] = {}  # agent id -> when it last registered or called in (time.monotonic)
         self._shared_identities = SharedIdentityWatch()  # two PCs of one identity taking turns (a cloned disk)
         self._joins_counted: set[tuple[str, str]] = set()  # (agent id, token sha256) checked against tokens.json
         self.bound_port: int | None = None
@@ -186,6 +189,7 @@ class FleetServer:
                 log.warning("%s", clash)
             await previous.close()
         self._live_at[agent_id] = message.listen_addresses
+        self._heard_at[agent_id] = time.monotonic()
         log.info("agent %s registered at %s", agent_id[:12], ", ".join(message.listen_addresses))
         self._changed()
         try:
@@ -252,8 +256,20 @@ class FleetServer:
     async def _called_in(self, link: Link, message: Register) -> None:
         """A registered agent's Register again: it can take stages again (its user resumed it, it was plugged in
         or cooled down). Recorded as a registration is (`registered_at`), so that the next fleet run takes back a
-        PC that a re-plan left out meanwhile (fleet_deploy.pcs_back). The agent says so at most once a minute."""
+        PC that a re-plan left out meanwhile (fleet_deploy.pcs_back). An agent calls in at most once a minute
+        (CallInWatch); one that calls in sooner after its last registration or call-in (a member spamming its
+        link: each would rewrite agents.json, and every fleet run's start would re-plan for it) is not heard."""
         agent_id = link.peer.agent_id
+        now = time.monotonic()
+        if now - self._heard_at.get(agent_id, -CALL_IN_MIN_INTERVAL_S) < CALL_IN_MIN_INTERVAL_S / 2:
+            log.debug("agent %s called in again within %.0f s: not heard", agent_id[:12], CALL_IN_MIN_INTERVAL_S / 2)
+            return
+        try:
+            if self.revocations().is_revoked(agent_id):  # the watcher drops its link at its next look
+                return
+        except pki.PkiError:
+            return
+        self._heard_at[agent_id] = now
         try:
             await self._record(agent_id, message.listen_addresses)
         except (OSError, FleetStoreError) as error:

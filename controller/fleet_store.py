@@ -272,6 +272,15 @@ class FleetStore:
         return self._held(DEPLOY_LOCK, lambda pid: f"another deploy from {self.data_dir} is running (pid {pid}): "
                                                    "let it finish, then deploy again")
 
+    def deploy_under_way(self) -> bool:
+        """Whether a deploy (an admin's, or a run's re-plan) holds the data dir's deploy lock now, found by taking it
+        for an instant, as served() does; True also where its lock file cannot be opened (no deploy can run)."""
+        try:
+            with self.deploying():
+                return False
+        except (FleetStoreError, OSError):
+            return True
+
     def serving(self) -> contextlib.AbstractContextManager[None]:
         """Hold the data dir's serve lock while `fleet serve` runs, or raise FleetStoreError naming the pid of
         the serve that holds it. Two serves of one data dir (on two ports) both wrote the roster and told the

@@ -219,18 +219,31 @@ def _fleet_opener(args: argparse.Namespace, decoding: DecodingOptions) -> ChainO
 
 
 def _pc_to_take_back(args: argparse.Namespace) -> Callable[[], bool]:
-    """Whether the fleet has a PC back that the server's chain lacks (a re-plan left it out, and it called in since:
-    restarted, resumed by its user, plugged in again) and no other run drives the model: the service, idle, then
-    opens its chain again, and the opening re-plans to take the PC back (FleetFailover.rejoin). A few small files
-    read, no dial."""
+    """Whether the idle server should open its chain again to take a PC back (EngineService's take_back): a PC a
+    re-plan left out has called in since (restarted, resumed by its user, plugged in again: fleet_deploy.pcs_back),
+    no other run drives the model, and no deploy is under way (the opening would wait for it while requests
+    queue). Each call-in is acted on once: where the opening did not take the PC back (its re-plan left it out or
+    failed, which the record notes, or the deploy lock could not be opened), the server waits for the PC's next
+    call-in instead of opening its chain again every look. A few small files read a look, no dial."""
     from .fleet_deploy import model_id_of, pcs_back
     from .fleet_runs import others_driving
 
     store = controller_store(args.data_dir)
     model_id = model_id_of(args.model)
+    acted_on: tuple[object, ...] | None = None  # the evidence of the last take-back: PCs, re-plan, their call-ins
 
     def pc_back() -> bool:
-        return pcs_back(store, args.model) is not None and others_driving(store, model_id) == 0
+        nonlocal acted_on
+        back = pcs_back(store, args.model)
+        if back is None or others_driving(store, model_id) or store.deploy_under_way():
+            return False
+        roster = store.roster()
+        evidence = (back.agents, back.replanned_at,
+                    tuple(entry.registered_at if (entry := roster.get(agent_id)) else None for agent_id in back.agents))
+        if evidence == acted_on:
+            return False
+        acted_on = evidence
+        return True
 
     return pc_back
 

@@ -20,7 +20,7 @@ from deskfleet.agent.paths import AgentSettings, save_settings
 from deskfleet.agent.service import AgentService
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common.agent_state import AgentState
-from deskfleet.common.availability import CALL_IN_MIN_INTERVAL_S, GIB, MonitorReading
+from deskfleet.common.availability import CALL_IN_MIN_INTERVAL_S, CALL_IN_SETTLE_S, GIB, MonitorReading
 from deskfleet.common.wire import ErrorCode, Register, Role, StatusReport, StatusRequest
 from tests.agent.test_core import _host_tiny_stage, handle
 from tests.agent.test_stage_release import _one_step
@@ -221,11 +221,12 @@ def test_a_resumed_pc_calls_in_on_its_registration_link(desk: tuple[AgentCore, P
         said = [await service.call_in_if_available_again(now=100.0),
                 await service.call_in_if_available_again(now=110.0)]
         write_opt_out(state, False, "now")
-        said += [await service.call_in_if_available_again(now=120.0),
-                 await service.call_in_if_available_again(now=130.0)]  # said once
+        said += [await service.call_in_if_available_again(now=120.0),  # resumed: said once it lasted
+                 await service.call_in_if_available_again(now=120.0 + CALL_IN_SETTLE_S),
+                 await service.call_in_if_available_again(now=200.0)]  # said once
         return said
 
-    assert asyncio.run(looks()) == [False, False, True, False]
+    assert asyncio.run(looks()) == [False, False, False, True, False]
     assert link.sent == [Register(core.agent_id, ("10.0.0.7:7431",), None)]
 
 
@@ -241,7 +242,14 @@ def test_a_pc_hosting_a_stage_does_not_call_in_when_its_own_inference_crosses_th
     assert asyncio.run(core.takes_stages_now()) is False
     _host_tiny_stage(core, tiny_export)  # now its own inference is what keeps the CPU busy
     assert asyncio.run(core.takes_stages_now())
-    assert asyncio.run(service.call_in_if_available_again(now=100.0)) is False
+
+    async def looks() -> list[bool]:
+        said = [await service.call_in_if_available_again(now=100.0)]
+        assert (await core.status()).state is AgentState.UNAVAILABLE  # a survey sees it so: no spell of its own
+        return [*said, await service.call_in_if_available_again(now=110.0),
+                await service.call_in_if_available_again(now=200.0)]
+
+    assert asyncio.run(looks()) == [False, False, False] and link.sent == []
 
 
 def test_a_pc_whose_registration_link_is_down_leaves_it_to_its_next_registration(
@@ -251,11 +259,12 @@ def test_a_pc_whose_registration_link_is_down_leaves_it_to_its_next_registration
 
     async def looks() -> list[bool]:
         write_opt_out(state, True, "now")
-        first = await service.call_in_if_available_again(now=CALL_IN_MIN_INTERVAL_S)
+        await service.call_in_if_available_again(now=CALL_IN_MIN_INTERVAL_S)
         write_opt_out(state, False, "now")
-        return [first, await service.call_in_if_available_again(now=2 * CALL_IN_MIN_INTERVAL_S)]
+        await service.call_in_if_available_again(now=2 * CALL_IN_MIN_INTERVAL_S)
+        return [await service.call_in_if_available_again(now=2 * CALL_IN_MIN_INTERVAL_S + CALL_IN_SETTLE_S)]
 
-    assert asyncio.run(looks()) == [False, False]
+    assert asyncio.run(looks()) == [False]  # the look that would call in, with no link to say it on
 
 
 def test_a_pause_ended_between_two_looks_still_calls_in(desk: tuple[AgentCore, Path], tiny_export: Path) -> None:
@@ -271,16 +280,18 @@ def test_a_pause_ended_between_two_looks_still_calls_in(desk: tuple[AgentCore, P
         write_opt_out(state, True, "now")
         await core.enforce_limits(0.0)
         write_opt_out(state, False, "later")
-        return [*said, await service.call_in_if_available_again(now=110.0)]
+        return [*said, await service.call_in_if_available_again(now=110.0),
+                await service.call_in_if_available_again(now=110.0 + CALL_IN_SETTLE_S)]
 
-    assert asyncio.run(stage_given_up()) == [False, True]
+    assert asyncio.run(stage_given_up()) == [False, False, True]
 
     async def seen_paused() -> list[bool]:  # a survey's status saw it paused: a plan then may have left it out
         write_opt_out(state, True, "now")
         assert (await core.status()).state is AgentState.PAUSED
         write_opt_out(state, False, "later")
         return [await service.call_in_if_available_again(now=200.0),
+                await service.call_in_if_available_again(now=200.0 + CALL_IN_SETTLE_S),
                 await service.call_in_if_available_again(now=300.0)]
 
-    assert asyncio.run(seen_paused()) == [True, False]
+    assert asyncio.run(seen_paused()) == [False, True, False]
     assert len(link.sent) == 2

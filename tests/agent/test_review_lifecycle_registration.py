@@ -28,7 +28,9 @@ class FakeLink:
 
 class FakeCore:
     agent_id = "a" * 52
-    call_in = CallInWatch()
+
+    def __init__(self) -> None:
+        self.call_in = CallInWatch()
 
     async def serve_link(self, link: object, registration: bool = False) -> None:
         return None  # the controller went away at once

@@ -10,6 +10,7 @@ import pytest
 from deskfleet.common.agent_state import AgentState, UnavailableReason
 from deskfleet.common.availability import (
     CALL_IN_MIN_INTERVAL_S,
+    CALL_IN_SETTLE_S,
     GIB,
     AvailabilityPolicy,
     CallInWatch,
@@ -195,24 +196,40 @@ def _call_ins(looks: list[tuple[float, bool]], registered_at: float | None = Non
     return [now for now, available in looks if watch.update(available, now)]
 
 
-def test_an_agent_calls_in_once_it_is_available_after_a_spell_of_not_being() -> None:
+def test_an_agent_calls_in_once_it_has_been_available_a_while_after_a_spell_of_not_being() -> None:
+    settle = CALL_IN_SETTLE_S
     # a pause its user ended (or a PC plugged in again): the next fleet run takes it back only if it says so
-    assert _call_ins([(0, True), (10, False), (20, False), (30, True), (40, True)]) == [30]
+    assert _call_ins([(0, True), (10, False), (20, False), (30, True), (40, True), (30 + settle, True),
+                      (40 + settle, True)]) == [30 + settle]
     # available all along, or never again: nothing to say (its registration said it)
-    assert _call_ins([(0, True), (10, True)], registered_at=0) == []
-    assert _call_ins([(0, False), (10, False)]) == []
+    assert _call_ins([(0, True), (10, True), (100, True)], registered_at=0) == []
+    assert _call_ins([(0, False), (10, False), (100, False)]) == []
     # the first look has no spell before it: the registration that came with it said it all
-    assert _call_ins([(0, True)]) == []
+    assert _call_ins([(0, True), (100, True)]) == []
+    # available again for less than CALL_IN_SETTLE_S, then not: nothing said (memory hovering about its limit)
+    assert _call_ins([(0, False), (10, True), (10 + settle - 1, True), (10 + settle, False), (100, False)]) == []
 
 
-def test_a_pc_that_flickers_calls_in_once_a_minute_and_the_one_owed_is_said_later() -> None:
-    gap = CALL_IN_MIN_INTERVAL_S
-    looks = [(float(t), t % 20 != 10) for t in range(0, 200, 10)]  # unavailable every other look
+def test_a_pc_that_flickers_calls_in_at_most_once_a_minute() -> None:
+    gap, settle = CALL_IN_MIN_INTERVAL_S, CALL_IN_SETTLE_S
+    # away for a moment every 40 s: each streak lasts long enough, but the calls are a minute apart at least
+    looks = [(float(t), t % 40 != 0) for t in range(0, 400, 5)]
     said = _call_ins(looks)
-    assert said[0] == 20 and all(later - earlier >= gap for earlier, later in itertools.pairwise(said))
-    assert len(said) >= 3, said
-    # owed at 30 (the registration at 0 was too recent), said at 60 while still available
-    assert _call_ins([(10, False), (30, True), (40, True), (60, True)], registered_at=0) == [60]
-    # owed, but unavailable again before the interval passed: nothing to say, the spell starts anew
-    assert _call_ins([(10, False), (30, True), (40, False), (60, False)], registered_at=0) == []
-    assert _call_ins([(10, False), (30, True), (40, False), (70, True)], registered_at=0) == [70]
+    assert said and all(later - earlier >= gap for earlier, later in itertools.pairwise(said)), said
+    assert said[0] == 5 + settle and len(said) >= 3, said
+    # owed once settled (the registration at 0 too recent), said once a minute has passed since it
+    assert _call_ins([(10, False), (20, True), (45, True), (60, True)], registered_at=0) == [60]
+
+
+def test_a_spell_the_fleet_saw_between_two_looks_counts_and_a_look_it_overtook_is_no_evidence() -> None:
+    settle = CALL_IN_SETTLE_S
+    watch = CallInWatch()
+    watch.registered(0.0)
+    assert not watch.update(True, 100.0)
+    watch.went_away()  # it gave its stages up (a pause of a second, unseen by the looks)
+    assert not watch.update(True, 110.0) and watch.update(True, 110.0 + settle)
+    # a look begun before a spell the fleet saw (the user paused as the sensors were read) reads as not available
+    mark = watch.mark()
+    watch.went_away()
+    assert not watch.update(True, 300.0, mark)
+    assert not watch.update(True, 310.0) and watch.update(True, 310.0 + settle)

@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from deskfleet.agent.link import open_link, utc_now
 from deskfleet.common.wire import Register, RevocationUpdate
+from deskfleet.controller import fleet_server
 from deskfleet.controller.fleet_ca import load_ca
 from deskfleet.controller.fleet_deploy import pcs_back
 from deskfleet.controller.fleet_server import FleetServer
@@ -21,14 +24,22 @@ from tests.controller.test_fleet_rejoin import ADMINS, _left_out_b_at
 from tests.fleet_pki import make_member
 
 
-def test_a_registered_agent_that_calls_in_again_is_back_for_the_next_run(store: FleetStore, tiny_export: Path,
-                                                                          tmp_path: Path) -> None:
+def test_a_registered_agent_that_calls_in_again_is_back_for_the_next_run(
+        store: FleetStore, tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fleet_server, "CALL_IN_MIN_INTERVAL_S", 1.0)  # a call-in within 0.5 s is not heard
     member = make_member(load_ca(store), tmp_path / "agent-b", "agent")
     b = member.own_identity().agent_id
     other = make_member(load_ca(store), tmp_path / "agent-c", "agent")
     a = ADMINS[0].agent_id
     store.save_roster({agent_id: RosterEntry(agent_id, f"desk-{agent_id[0]}", utc_now().isoformat())
                        for agent_id in (a, b)})
+
+    async def heard() -> bool:
+        for _ in range(20):
+            if pcs_back(store, tiny_export) is not None:
+                return True
+            await asyncio.sleep(0.05)
+        return False
 
     async def scenario(server: FleetServer, address: str) -> None:
         link = await open_link(address, member, expected_agent_id=None)
@@ -37,15 +48,14 @@ def test_a_registered_agent_that_calls_in_again_is_back_for_the_next_run(store: 
         # B registered, then a run's re-plan went on without it (its user paused it): not back yet
         _left_out_b_at(store, tiny_export, utc_now().isoformat(), left_out=b)
         assert pcs_back(store, tiny_export) is None
+        await link.send(Register(b, ("127.0.0.1:7432",)))  # too soon after its registration: a member spamming
+        assert not await heard()
+        await asyncio.sleep(0.5)
         # another agent's id on B's link is not B calling in
         await link.send(Register(other.own_identity().agent_id, ("127.0.0.1:7433",)))
-        await asyncio.sleep(0.5)
-        assert pcs_back(store, tiny_export) is None
+        assert not await heard()
         await link.send(Register(b, ("127.0.0.1:7432",)))  # resumed: it calls in on the same link
-        for _ in range(100):
-            if pcs_back(store, tiny_export) is not None:
-                break
-            await asyncio.sleep(0.05)
+        assert await heard()
         back = pcs_back(store, tiny_export)
         assert back is not None and back.agents == (b,)
         assert server.live[b] is not None  # the link stays up

@@ -300,41 +300,140 @@ def test_a_burst_of_requests_to_an_idle_engine_starts_as_one_prefill_group(targe
         assert end.result is not None and end.result.tokens == _solo(target, prompt, 8)
 
 
+def _taking_back(target: Path, take_back: Callable[[], bool], opened: list[int]) -> EngineService:
+    return EngineService(_local(target, 2, opened), load_manifest(target).spec, None,
+                         lambda chain: EngineOptions(max_rows=3, micro_batches=2), take_back=take_back)
+
+
+def _wait_until(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+class GatedSink(Sink):
+    """A sink whose first token holds the engine's thread until `go` is set: a stream that runs as long as a test
+    needs."""
+
+    def __init__(self) -> None:
+        super().__init__(first_tokens=1)
+        self.go = threading.Event()
+
+    def token(self, token: int) -> None:
+        super().token(token)
+        assert self.go.wait(WAIT_S)
+
+
 def test_an_idle_service_opens_its_chain_again_when_a_pc_can_be_taken_back(
         target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # `serve --fleet` took back a PC that a re-plan left out only when the server started: a PC its user paused
     # and resumed, or one restarted, stayed out of the chain for as long as the server ran
-    monkeypatch.setattr(engine_service, "TAKE_BACK_POLL_S", 0.2)
+    monkeypatch.setattr(engine_service, "TAKE_BACK_POLL_S", 0.05)
     opened: list[int] = []
-    looks: list[bool] = []  # whether a stream ran at each look
+    running_at_looks: list[int] = []
     back = threading.Event()
-    running = threading.Event()
 
     def take_back() -> bool:
-        looks.append(running.is_set())
+        running_at_looks.append(len(service._by_stream))  # the engine's own streams, on its own thread
         return back.is_set()
 
-    service = EngineService(_local(target, 2, opened), load_manifest(target).spec, None,
-                            lambda chain: EngineOptions(max_rows=3, micro_batches=2), take_back=take_back)
+    service = _taking_back(target, take_back, opened)
     with service:
-        time.sleep(0.5)
-        assert len(opened) == 1 and len(looks) >= 2  # nothing back: the chain stays as it opened
-        sink = Sink(first_tokens=1)
-        service.submit(StreamRequest(PROMPTS[0], max_new_tokens=200, ignore_eos=True), sink)
+        _wait_until(lambda: len(running_at_looks) >= 3, "three looks")
+        assert len(opened) == 1  # nothing back: the chain stays as it opened
+        sink = GatedSink()
+        service.submit(StreamRequest(PROMPTS[0], max_new_tokens=8, ignore_eos=True), sink)
         assert sink.got_tokens.wait(WAIT_S)
-        running.set()
         back.set()  # a PC called in while the stream runs: nothing is opened under it
-        assert sink.wait().result is not None and len(opened) == 1
-        running.clear()
-        deadline = time.monotonic() + WAIT_S
-        while len(opened) < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        time.sleep(0.3)
+        assert len(opened) == 1
+        sink.go.set()
+        assert sink.wait().result is not None
+        _wait_until(lambda: len(opened) == 2, "the chain to open again")
         back.clear()
-        assert len(opened) == 2  # idle: it opened again, and the opening takes the PC back
-        assert not any(looks), "the take-back was asked while a stream ran"
+        assert not any(running_at_looks), "the take-back was asked while a stream ran"
         again = Sink()
         service.submit(StreamRequest(PROMPTS[1], max_new_tokens=12, ignore_eos=True), again)
         end = again.wait()
         assert end.error is None and end.result is not None and end.result.tokens == _solo(target, PROMPTS[1], 12)
-        time.sleep(0.5)
+        looks = len(running_at_looks)
+        _wait_until(lambda: len(running_at_looks) >= looks + 2, "two more looks")
         assert len(opened) == 2  # taken back once
+
+
+def test_a_request_that_comes_while_the_service_looks_goes_first(target: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # the look said "take a PC back" as a request arrived: the request waited for the whole re-plan (and, where
+    # the new chain did not open, failed on a server that worked)
+    monkeypatch.setattr(engine_service, "TAKE_BACK_POLL_S", 0.05)
+    opened: list[int] = []
+    sink = Sink()
+    opened_when_served: list[int] = []
+    end_of = sink.end
+
+    def served(end: StreamEnd) -> None:
+        opened_when_served.append(len(opened))
+        end_of(end)
+
+    sink.end = served  # type: ignore[method-assign]
+    looks = 0
+
+    def take_back() -> bool:
+        nonlocal looks
+        looks += 1
+        if looks == 1:
+            service.submit(StreamRequest(PROMPTS[2], max_new_tokens=6, ignore_eos=True), sink)
+        return True
+
+    service = _taking_back(target, take_back, opened)
+    with service:
+        end = sink.wait()
+        assert end.error is None and end.result is not None and end.result.tokens == _solo(target, PROMPTS[2], 6)
+        assert opened_when_served == [1]  # served on the chain it came to
+        _wait_until(lambda: len(opened) == 2, "the next idle moment's look to open the chain again")
+
+
+def test_a_close_that_comes_while_the_service_looks_opens_nothing(target: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # SIGTERM as the look read its files: the server re-planned the fleet (a survey, pushes) on its way out
+    monkeypatch.setattr(engine_service, "TAKE_BACK_POLL_S", 0.05)
+    opened: list[int] = []
+    looking = threading.Event()
+    closing = threading.Event()
+
+    def take_back() -> bool:
+        looking.set()
+        assert closing.wait(WAIT_S)
+        _wait_until(lambda: service._closing, "close() to begin")
+        return True
+
+    service = _taking_back(target, take_back, opened)
+    service.start()
+    assert looking.wait(WAIT_S)
+    closer = threading.Thread(target=service.close)
+    closer.start()
+    closing.set()
+    closer.join(WAIT_S)
+    assert not closer.is_alive() and len(opened) == 1
+
+
+def test_a_server_whose_requests_keep_coming_still_looks(target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the poll's clock started again at every idle spell: requests that came more often than it kept a server
+    # from ever looking, however idle it was between them
+    monkeypatch.setattr(engine_service, "TAKE_BACK_POLL_S", 0.3)
+    looks: list[float] = []
+
+    def take_back() -> bool:
+        looks.append(time.monotonic())
+        return False
+
+    service = _taking_back(target, take_back, [])
+    with service:
+        started = time.monotonic()
+        while time.monotonic() - started < 1.5:
+            sink = Sink()
+            service.submit(StreamRequest(PROMPTS[2], max_new_tokens=2, ignore_eos=True), sink)
+            sink.wait()
+            time.sleep(0.05)
+    assert len(looks) >= 3, looks

@@ -5,6 +5,7 @@ integration fleet)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import threading
@@ -528,3 +529,28 @@ def test_fleet_ls_names_the_pcs_a_re_plan_moved_stages_to(store: FleetStore, tin
     assert (f"note: {model_id_of(tiny_export)} runs on 0 of the 1 PCs its `fleet deploy` placed, and on agent "
             "cccccccccccc on desk-c, which it did not: a run's re-plan at ") in out, out
     assert "went on without agent aaaaaaaaaaaa (not found)" in out, out
+
+
+def test_an_idle_server_opens_its_chain_again_once_for_each_call_in_of_a_pc_back(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `serve --fleet`'s take-back look (serve_cli._pc_to_take_back): where a reopening did not take the PC back
+    # (a re-plan that left it out again noted; a deploy lock that could not be opened did not), the look said
+    # "open again" every 10 s for ever, each time closing the chain and surveying the fleet
+    from deskfleet.controller import fleet_runs
+    from deskfleet.controller.serve_cli import _pc_to_take_back
+
+    driving = [0]
+    monkeypatch.setattr(fleet_runs, "others_driving", lambda store, model_id: driving[0])
+    look = _pc_to_take_back(argparse.Namespace(data_dir=store.data_dir, model=tiny_export))
+    _left_out_b_at(store, tiny_export, EARLY)
+    assert not look()  # B has not called in
+    _registered(store, B, LATE)
+    driving[0] = 1
+    assert not look()  # another run drives the model: a re-plan would replace the stages under its streams
+    driving[0] = 0
+    with store.deploying():
+        assert not look()  # a deploy under way: the opening would wait for it while requests queue
+    assert look()
+    assert not look()  # acted on: the next look waits for B's next call-in
+    _registered(store, B, "2026-12-01T09:45:00+00:00")
+    assert look()
