@@ -9,6 +9,7 @@ completion's text, and the server's exit status.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 import signal
@@ -19,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def complete(port: int, prompt: str) -> str:
@@ -30,12 +32,18 @@ def complete(port: int, prompt: str) -> str:
         return str(json.loads(response.read())["choices"][0]["text"])
 
 
+def _ends_with_parent() -> None:
+    """In the server's child process: SIGTERM it when this helper dies, however (a test that failed kills the
+    helper, whose own cleanup then never runs: its server lived on, idle, after the test run)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def start_server(data_dir: str, model: str) -> tuple[subprocess.Popen[str], int]:
     """`deskfleet serve --fleet` on a free loopback port, once it serves; its port. SystemExit where it did not
     start, saying what it said."""
     server = subprocess.Popen([str(BIN / "deskfleet"), "serve", "--fleet", "--model", model, "--data-dir", data_dir,
                                "--listen", "127.0.0.1:0", "--discover-seconds", "0", "--model-name", "served"],
-                              stderr=subprocess.PIPE, text=True)
+                              stderr=subprocess.PIPE, text=True, preexec_fn=_ends_with_parent)
     assert server.stderr is not None
     said = ""
     for line in server.stderr:
