@@ -288,9 +288,12 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
     kept = _KeptReply(options.fleet_dir is not None)
     learned_k: AdaptiveK | None = None  # adaptive K goes on from turn to turn (the same drafter and chain)
     opened = _without_failover(chain) if chain is not None else _open_chain(options, settings)
-    with opened as (chain, failover), kept:
+    # between replies, a PC a re-plan left out that has called in since is taken back, as the chat's start does
+    take_back = _take_back_look(options) if chain is None else None
+    with ExitStack() as chain_held, kept:
+        chain, failover = chain_held.enter_context(opened)
         replans_told = 0  # of failover.replans, those a reply's JSON gave (a re-plan as the chain opened: the first)
-        replies_told = 0  # replies whose JSON was written (the first also gives what the chain's opening rejoined)
+        rejoined_told = False  # whether a reply's JSON gave what the chain's opening rejoined (the first reply's)
         micro_batches = getattr(chain, "num_stages", 1)
         engine_options = options.engine_options(micro_batches)
         if options.seed_drawn:  # the replies can be had again only with the seed: say it where a person reads
@@ -329,6 +332,13 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 _write_json(out, as_json, {"error": unknown})
                 continue
             message = ChatMessage("user", text)
+            if take_back is not None and take_back():  # the chain opens again: its opening re-plans to take it back
+                kept.hold(None)  # the last reply's KV state is on the chain that closes
+                chain_held.close()
+                chain, failover = chain_held.enter_context(_open_chain(options, settings))
+                replans_told, rejoined_told, learned_k = 0, False, None
+                micro_batches = getattr(chain, "num_stages", 1)
+                engine_options = options.engine_options(micro_batches)
             try:
                 check_utf8(text, "this message")
                 if "\0" in text:  # UTF-16 input read as UTF-8: a NUL between every character, sent as such
@@ -400,10 +410,10 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                                         **({"seed": options.base_seed + replies} if options.seed is not None else {}),
                                         **({"replans": failover.replans[replans_told:]} if failover is not None
                                            else {}),
-                                        **({"rejoined": failover.rejoined} if failover is not None and not replies_told
+                                        **({"rejoined": failover.rejoined} if failover is not None and not rejoined_told
                                            and failover.rejoined else {})})
                 replans_told = len(failover.replans) if failover is not None else 0
-                replies_told += 1
+                rejoined_told = True
             else:
                 with suppress(OSError, ValueError):  # a terminal that hung up (SIGHUP) takes no more
                     out.write("\n")
@@ -573,6 +583,21 @@ def open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discove
                 raise  # not an agent's fault (e.g. never deployed): nothing to re-plan around
             chain = failover(error, opening=True)  # with --max-failovers 0 this gives up at once, naming the agent
         yield chain, failover
+
+
+def _take_back_look(options: ChatOptions) -> Callable[[], bool] | None:
+    """The fleet chat's look for a PC to take back between replies (TakeBackLook); None for local stages, or a
+    model that is no export (opening the chain says so)."""
+    if options.fleet_dir is None:
+        return None
+    from deskfleet.common.model_spec import ManifestError
+
+    from .fleet_failover import TakeBackLook
+
+    try:
+        return TakeBackLook(controller_store(options.fleet_dir), options.model)
+    except (ManifestError, OSError):
+        return None
 
 
 def _open_chain(options: ChatOptions, settings: CompileSettings

@@ -575,6 +575,34 @@ class FleetFailover:
         log.warning("%s", self._verdict)
 
 
+class TakeBackLook:
+    """Whether a run that holds its chain open (`serve --fleet` while idle, `chat --fleet` between replies) should
+    open it again to take a PC back: a PC a re-plan left out has called in since (restarted, resumed by its user,
+    plugged in again: fleet_deploy.pcs_back), no other run drives the model, and no deploy is under way (the opening
+    would wait for it). The opening re-plans to include the PC (FleetFailover.rejoin). Each call-in is acted on
+    once: where the opening did not take the PC back (its re-plan left it out or failed, which the record notes; a
+    deploy lock that could not be opened, which it does not), the run waits for the PC's next call-in instead of
+    opening its chain again at every look. A few small files read a look, no dial."""
+
+    def __init__(self, store: FleetStore, model_dir: Path) -> None:
+        self.store = store
+        self.model_dir = model_dir
+        self._model_id = model_id_of(model_dir)
+        self._acted_on: tuple[object, ...] | None = None  # the last take-back's evidence: PCs, re-plan, call-ins
+
+    def __call__(self) -> bool:
+        back = pcs_back(self.store, self.model_dir)
+        if back is None or others_driving(self.store, self._model_id) or self.store.deploy_under_way():
+            return False
+        roster = self.store.roster()
+        evidence = (back.agents, back.replanned_at,
+                    tuple(entry.registered_at if (entry := roster.get(agent_id)) else None for agent_id in back.agents))
+        if evidence == self._acted_on:
+            return False
+        self._acted_on = evidence
+        return True
+
+
 def _remedy(lost: bool, reasons: frozenset[ExclusionReason], said: str = "") -> str:
     """What a user can do when a failover found no new chain: first for the PCs the plan left out that could
     take work again (a paused one was not lost: bringing it back is not the step), then for the lost ones (a

@@ -134,7 +134,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     opener = _fleet_opener(args, decoding) if args.fleet else _local_opener(args.model, stages, target, manifest)
     name = args.model_name or args.model.resolve().name
     service = EngineService(opener, manifest.spec, draft, options_for, max_streams=args.max_streams,
-                            take_back=_pc_to_take_back(args) if args.fleet else None)
+                            take_back=_take_back_look(args) if args.fleet else None)
     # a keyless server on loopback answers its own names only (a web page could reach it through another)
     hosts = frozenset({"127.0.0.1", "localhost", "::1", host}) if api_key is None and is_loopback(host) else None
     try:
@@ -218,34 +218,10 @@ def _fleet_opener(args: argparse.Namespace, decoding: DecodingOptions) -> ChainO
     return open_fleet
 
 
-def _pc_to_take_back(args: argparse.Namespace) -> Callable[[], bool]:
-    """Whether the idle server should open its chain again to take a PC back (EngineService's take_back): a PC a
-    re-plan left out has called in since (restarted, resumed by its user, plugged in again: fleet_deploy.pcs_back),
-    no other run drives the model, and no deploy is under way (the opening would wait for it while requests
-    queue). Each call-in is acted on once: where the opening did not take the PC back (its re-plan left it out or
-    failed, which the record notes, or the deploy lock could not be opened), the server waits for the PC's next
-    call-in instead of opening its chain again every look. A few small files read a look, no dial."""
-    from .fleet_deploy import model_id_of, pcs_back
-    from .fleet_runs import others_driving
+def _take_back_look(args: argparse.Namespace) -> Callable[[], bool]:
+    from .fleet_failover import TakeBackLook
 
-    store = controller_store(args.data_dir)
-    model_id = model_id_of(args.model)
-    acted_on: tuple[object, ...] | None = None  # the evidence of the last take-back: PCs, re-plan, their call-ins
-
-    def pc_back() -> bool:
-        nonlocal acted_on
-        back = pcs_back(store, args.model)
-        if back is None or others_driving(store, model_id) or store.deploy_under_way():
-            return False
-        roster = store.roster()
-        evidence = (back.agents, back.replanned_at,
-                    tuple(entry.registered_at if (entry := roster.get(agent_id)) else None for agent_id in back.agents))
-        if evidence == acted_on:
-            return False
-        acted_on = evidence
-        return True
-
-    return pc_back
+    return TakeBackLook(controller_store(args.data_dir), args.model)
 
 
 def windowed(failover: FleetFailover, window_s: float = FAILOVER_WINDOW_S,

@@ -23,6 +23,7 @@ from deskfleet.common.agent_state import AgentState
 from deskfleet.common.availability import CALL_IN_MIN_INTERVAL_S, CALL_IN_SETTLE_S, GIB, MonitorReading
 from deskfleet.common.wire import ErrorCode, Register, Role, StatusReport, StatusRequest
 from tests.agent.test_core import _host_tiny_stage, handle
+from tests.agent.test_review_lifecycle_registration import FakeLink as RegistrationLink
 from tests.agent.test_stage_release import _one_step
 from tests.fleet_pki import make_ca, make_member
 
@@ -185,17 +186,6 @@ def test_pause_and_resume_of_a_removed_pc_say_it_was_removed(tmp_path: Path, cap
     said = capsys.readouterr().out
     assert said.startswith("this PC was removed from the fleet (its controller refused it, 2026-12-05T01:00:00+00:00)")
     assert f"delete {state / 'agent-key.pem'}, then join with a new token" in said
-
-
-class RegistrationLink:
-    address = "127.0.0.1:7341"
-
-    def __init__(self) -> None:
-        self.connection = SimpleNamespace(transport=SimpleNamespace(get_extra_info=lambda name: ("10.0.0.7", 50000)))
-        self.sent: list[object] = []
-
-    async def send(self, message: object) -> None:
-        self.sent.append(message)
 
 
 def registered_service(core: AgentCore, link: RegistrationLink | None) -> AgentService:

@@ -772,3 +772,49 @@ def test_a_fleet_replies_json_gives_the_re_plans_since_the_reply_before(tmp_path
     first, second = map(json.loads, out.getvalue().splitlines())
     assert first["replans"] == OpenedAfterAReplan.replans and second["replans"] == []
     assert first["rejoined"] == OpenedAfterAReplan.rejoined and "rejoined" not in second
+
+
+def test_a_fleet_chat_takes_a_pc_back_between_replies(tmp_path: Path, tiny_export: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # A chat took PCs back only when it started: a PC its user paused and resumed stayed out of a long chat's chain
+    model = _chat_model(tmp_path, tiny_export)
+    opened: list[int] = []
+    looks: list[int] = []
+
+    class Reopened:
+        replans: ClassVar[list[dict[str, object]]] = []
+
+        def __init__(self) -> None:
+            self.rejoined = [{"agents": ["b" * 52]}] if opened else []  # the second opening took B back
+
+        def start_run(self) -> None:
+            pass
+
+    @contextmanager
+    def fleet_chain(options: ChatOptions, settings: CompileSettings) -> Iterator[tuple[LocalPipeline, object]]:
+        with LocalPipeline(model, 1, settings) as pipeline:
+            failover = Reopened()
+            opened.append(1)
+            yield pipeline, failover
+
+    def look() -> bool:
+        looks.append(len(opened))
+        return len(looks) == 2  # B called in after the first reply
+
+    monkeypatch.setattr(chat, "_open_chain", fleet_chain)
+    monkeypatch.setattr(chat, "_take_back_look", lambda options: look)
+    options = ChatOptions(model=model, max_new_tokens=4, reuse_kv=True, fleet_dir=tmp_path / "fleet",
+                          settings=CompileSettings(precision=Precision.F32))
+    out = io.StringIO()
+    run_chat(options, io.StringIO("hello\nagain\nand again\n"), out, as_json=True)
+    replies = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert looks == [1, 1, 2] and len(opened) == 2  # a look before each message; the second reopened the chain
+    assert "rejoined" not in replies[0] and replies[1]["rejoined"] == [{"agents": ["b" * 52]}]
+    assert "rejoined" not in replies[2]
+    assert replies[1]["reused_tokens"] == 0 and replies[2]["reused_tokens"] > 0  # the kept state went with the chain
+    monkeypatch.setattr(chat, "_take_back_look", lambda options: None)
+    local = io.StringIO()
+    run_chat(ChatOptions(model=model, max_new_tokens=4, settings=CompileSettings(precision=Precision.F32)),
+             io.StringIO("hello\nagain\nand again\n"), local, as_json=True)
+    assert [reply["reply"] for reply in replies] == [json.loads(line)["reply"]
+                                                     for line in local.getvalue().splitlines()]

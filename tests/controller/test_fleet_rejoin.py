@@ -5,7 +5,6 @@ integration fleet)."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import threading
@@ -531,17 +530,14 @@ def test_fleet_ls_names_the_pcs_a_re_plan_moved_stages_to(store: FleetStore, tin
     assert "went on without agent aaaaaaaaaaaa (not found)" in out, out
 
 
-def test_an_idle_server_opens_its_chain_again_once_for_each_call_in_of_a_pc_back(
+def test_a_run_holding_its_chain_opens_it_again_once_for_each_call_in_of_a_pc_back(
         store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # `serve --fleet`'s take-back look (serve_cli._pc_to_take_back): where a reopening did not take the PC back
-    # (a re-plan that left it out again noted; a deploy lock that could not be opened did not), the look said
+    # the take-back look of `serve --fleet` and `chat --fleet` (TakeBackLook): where a reopening did not take the PC
+    # back (a re-plan that left it out again noted; a deploy lock that could not be opened did not), the look said
     # "open again" every 10 s for ever, each time closing the chain and surveying the fleet
-    from deskfleet.controller import fleet_runs
-    from deskfleet.controller.serve_cli import _pc_to_take_back
-
     driving = [0]
-    monkeypatch.setattr(fleet_runs, "others_driving", lambda store, model_id: driving[0])
-    look = _pc_to_take_back(argparse.Namespace(data_dir=store.data_dir, model=tiny_export))
+    monkeypatch.setattr(fleet_failover, "others_driving", lambda store, model_id: driving[0])
+    look = fleet_failover.TakeBackLook(store, tiny_export)
     _left_out_b_at(store, tiny_export, EARLY)
     assert not look()  # B has not called in
     _registered(store, B, LATE)

@@ -16,7 +16,9 @@ import signal
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
@@ -58,18 +60,30 @@ def start_server(data_dir: str, model: str) -> tuple[subprocess.Popen[str], int]
     return server, int(found[1])
 
 
-def main() -> None:
-    data_dir, model, prompts = sys.argv[1], sys.argv[2], sys.argv[3:]
+@contextmanager
+def served(data_dir: str, model: str) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """start_server's server and port; killed on the way out where it still runs."""
     server, port = start_server(data_dir, model)
     try:
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            texts = list(pool.map(lambda prompt: complete(port, prompt), prompts))
-        server.send_signal(signal.SIGTERM)
-        status = server.wait(60)
+        yield server, port
     finally:
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def stop(server: subprocess.Popen[str]) -> int:
+    """Stop the server as a service manager does (SIGTERM); its exit status."""
+    server.send_signal(signal.SIGTERM)
+    return server.wait(60)
+
+
+def main() -> None:
+    data_dir, model, prompts = sys.argv[1], sys.argv[2], sys.argv[3:]
+    with served(data_dir, model) as (server, port):
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(lambda prompt: complete(port, prompt), prompts))
+        status = stop(server)
     print(json.dumps({"texts": texts, "exit": status}))
 
 

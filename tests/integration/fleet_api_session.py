@@ -12,29 +12,21 @@ it wrote on stderr.
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import threading
 
-from tests.integration.fleet_api import complete, start_server
+from tests.integration.fleet_api import complete, served, stop
 
 
 def main() -> None:
-    server, port = start_server(sys.argv[1], sys.argv[2])
-    said: list[str] = []
-    assert server.stderr is not None
-    reader = threading.Thread(target=lambda: said.extend(server.stderr or ()), daemon=True)
-    reader.start()  # the server's stderr is read all along: a full pipe would stall it
-    try:
+    with served(sys.argv[1], sys.argv[2]) as (server, port):
+        said: list[str] = []
+        reader = threading.Thread(target=lambda: said.extend(server.stderr or ()), daemon=True)
+        reader.start()  # the server's stderr is read all along: a full pipe would stall it
         print("serving", flush=True)
         for line in sys.stdin:
             print(json.dumps(complete(port, line.strip())), flush=True)
-        server.send_signal(signal.SIGTERM)
-        status = server.wait(60)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+        status = stop(server)
     reader.join(10)
     print(json.dumps({"exit": status, "stderr": "".join(said)}), flush=True)
 
