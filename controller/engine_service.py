@@ -114,6 +114,8 @@ class EngineService:
         self._open_error: BaseException | None = None
         self.runs_failed = 0  # runs that failed past what their chain could mend (the chain was opened again)
         self.streams_cancelled = 0  # streams that ended cancelled (their client went away, a stop sequence met)
+        self.chains_reopened = 0  # times an idle service opened its chain again to take a PC back (take_back)
+        self._engine: Engine | None = None  # the running engine (its chain is the one a failover went on on)
         self._fed = False  # the current run has taken its inbox at least once (a failure then ends only its streams)
 
     # Public methods
@@ -160,6 +162,12 @@ class EngineService:
                 self._lock.notify_all()
 
     @property
+    def chain_stages(self) -> int | None:
+        """The stages of the chain the service runs on now (after any failover); None while none is open."""
+        engine = self._engine
+        return getattr(engine.chain, "num_stages", None) if engine is not None else None
+
+    @property
     def live_streams(self) -> int:
         with self._lock:
             return len(self._live)
@@ -193,6 +201,7 @@ class EngineService:
             self._fed = False
             try:
                 with self._open_chain() as (chain, recover):
+                    self.chains_reopened += reopening
                     if first:
                         self._chain_open.set()
                         first = False
@@ -216,8 +225,12 @@ class EngineService:
 
     def _run(self, engine: Engine, recover: Recover | None) -> None:
         self._by_stream.clear()
-        engine.run(on_token=self._on_token, recover=recover, feed=lambda idle: self._feed(engine, idle))
-        self._reap(engine)
+        self._engine = engine
+        try:
+            engine.run(on_token=self._on_token, recover=recover, feed=lambda idle: self._feed(engine, idle))
+            self._reap(engine)
+        finally:
+            self._engine = None
 
     def _wait_for_work(self) -> bool:
         """After a failed run: wait for a stream to run (True) or for close() (False). The chain opens again only

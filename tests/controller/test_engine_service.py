@@ -359,7 +359,8 @@ def test_an_idle_service_opens_its_chain_again_when_a_pc_can_be_taken_back(
         assert end.error is None and end.result is not None and end.result.tokens == _solo(target, PROMPTS[1], 12)
         looks = len(running_at_looks)
         _wait_until(lambda: len(running_at_looks) >= looks + 2, "two more looks")
-        assert len(opened) == 2  # taken back once
+        assert len(opened) == 2 and service.chains_reopened == 1  # taken back once
+        assert service.chain_stages == 2
 
 
 def test_a_request_that_comes_while_the_service_looks_goes_first(target: Path,

@@ -28,6 +28,7 @@ from .test_engine import run_streams
 from .test_engine_service import BreakingChain, _local, _wrapped
 
 MODEL = "tiny"
+STAGES = 2
 
 
 @contextmanager
@@ -35,7 +36,7 @@ def serving(model: Path, api_key: str | None = None, max_streams: int = 64, open
             hosts: frozenset[str] | None = None, name: str = "tiny") -> Iterator[tuple[str, EngineService]]:
     """The API on 127.0.0.1 at a free port, its event loop on a thread of its own; yields its base URL."""
     manifest = load_manifest(model)
-    service = EngineService(opener or _local(model, 2), manifest.spec, None,
+    service = EngineService(opener or _local(model, STAGES), manifest.spec, None,
                             lambda chain: EngineOptions(max_rows=4, micro_batches=2), max_streams=max_streams)
     service.start()
     api = OpenAiApi(service, ModelTokenizer(model), manifest.spec, name, api_key, hosts)
@@ -245,7 +246,9 @@ def test_models_health_and_unknown_paths(served: tuple[str, EngineService]) -> N
         listed = json.loads(response.read())
     assert [model["id"] for model in listed["data"]] == [MODEL]
     with urllib.request.urlopen(f"{url}/health", timeout=30) as response:
-        assert json.loads(response.read())["status"] == "ok"
+        health = json.loads(response.read())
+    assert health["status"] == "ok" and health["chains_reopened"] == 0
+    assert health["stages"] == STAGES  # the chain it runs on now: a fleet's after a failover or a take-back
     with pytest.raises(urllib.error.HTTPError) as missing:
         urllib.request.urlopen(f"{url}/v1/embeddings", timeout=30)
     assert missing.value.code == 404 and json.loads(missing.value.read())["error"]["type"] == "not_found_error"
