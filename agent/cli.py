@@ -245,7 +245,9 @@ def _pause(args: argparse.Namespace, paused: bool) -> int:
     elif not before.paused:
         print("this PC was not paused by its user: nothing changed; the next plan may use it")
     else:
-        print("resumed: the next plan (the next deploy, or a running generation's re-plan) may use this PC again")
+        print("resumed: once this PC has been available for 20 s its agent tells the controller, and the next fleet "
+              "run takes it back into the chain it left (a running `serve --fleet` when idle, a chat before its next "
+              "message); the next deploy may use it too")
     return 0
 
 

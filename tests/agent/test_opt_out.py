@@ -114,7 +114,8 @@ def test_pause_and_resume_commands_write_what_the_agent_reads(tmp_path: Path,
     assert main(["pause", "--data-dir", str(tmp_path)]) == 0
     assert read_opt_out(tmp_path / "state").paused and "until `deskfleet-agent resume`" in capsys.readouterr().out
     assert main(["resume", "--data-dir", str(tmp_path)]) == 0
-    assert not read_opt_out(tmp_path / "state").paused and "resumed" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert not read_opt_out(tmp_path / "state").paused and said.startswith("resumed: once this PC has been available")
     save_settings(tmp_path / "settings" / "agent-settings.json", AgentSettings(paused=True))
     assert main(["resume", "--data-dir", str(tmp_path)]) == 0
     assert "stays out until its admin" in capsys.readouterr().out
