@@ -744,7 +744,7 @@ class AgentCore:
         if self._opt_out.read().problem is not None:  # not the employee's wish: the admin must see the file is bad
             return (f"as its {OPT_OUT_FILE} cannot be read (this agent's log says why; "
                     "`deskfleet-agent resume` or `pause` writes it anew)")
-        return "by its user (`deskfleet-agent resume` ends that)"
+        return "by its user, until `deskfleet-agent resume`"
 
     def _stage_for(self, message: Forward) -> HostedStage:
         if not self.stages:

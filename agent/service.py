@@ -294,6 +294,9 @@ class AgentService:
     async def call_in_if_available_again(self, now: float | None = None) -> bool:
         """One look (AVAILABILITY_CHECK_S); True when it called in: its Register sent again on the registration
         link. Without a live link the next registration says it, as every registration does."""
+        if self.core.stages:  # placed again (a re-plan, a deploy) before it called in: nothing to tell
+            self.core.call_in.placed()
+            return False
         mark = self.core.call_in.mark()
         available = await self.core.takes_stages_now()
         if not self.core.call_in.update(available, time.monotonic() if now is None else now, mark):

@@ -357,14 +357,20 @@ def _left_out_notes(store: FleetStore, agents: list[Any]) -> list[str]:
     lines = []
     for record in left_out_by_replans(store):
         driving = others_driving(store, record.model_id)
-        who = f"the first run that starts while none drives the model, or a `serve --fleet` that alone drives it, " \
-            f"once idle ({driving} do now)" if driving else "the next run on the model"
+        who = (f"the run that drives the model, if it is the only one (a `serve --fleet` when idle, a chat before its "
+               f"next message), or else the first run that starts while none does ({driving} run(s) drive it now)"
+               if driving else "the next run on the model")
         pcs = []
         for agent_id in record.left_out:
             agent = found.get(agent_id)
             state = _state(agent) if agent is not None else "not found"
-            called_in = f", called in since: {who} takes it back if it can take work" \
-                if agent_id in record.called_in else ""
+            if agent_id in record.called_in:
+                called_in = f", called in since: {who} takes it back if it can take work"
+            elif state == "available":  # a PC its user resumed calls in once it has been available 20 s
+                called_in = ", not called in since: taken back once its agent calls in (one its user resumed does " \
+                            "within a minute), or by the deploy below"
+            else:
+                called_in = ""
             pcs.append(f"{agent_label(agent_id, hostnames)} ({state}{called_in})")
         placed = len(record.deployed) - len(record.left_out)
         # a re-plan may have moved stages to PCs the deploy did not place: "runs on 0 of the 1 PCs" said nothing of them

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import itertools
 import logging
 import time
@@ -122,6 +123,9 @@ class FleetFailover:
     _rejoining: frozenset[str] = field(default=frozenset(), init=False, repr=False)
     _recheck_too: frozenset[str] = field(default=frozenset(), init=False, repr=False)
     _credit: int = field(default=0, init=False, repr=False)  # re-plans of this run not counted (rejoin says which)
+    # when each PC in `lost` was first lost: one that has called in since (registered again, or said it can take
+    # stages again) is lost no more (_forgive_called_in)
+    _lost_at: dict[str, datetime.datetime] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.hostnames = self.store.hostnames()
@@ -144,8 +148,9 @@ class FleetFailover:
         # against the reporting stage's place in it (FleetPipeline._accepted_blame): never a bystander's id.
         # Left out until the re-plan's survey has checked it (_check_blame).
         agent_id = error.agent_id if isinstance(error, ChainError) else None
+        self._forgive_called_in()
         if agent_id is not None:
-            self.lost.add(agent_id)
+            self._lose(agent_id)
         started = time.perf_counter()
         cut_short: list[str] = []  # what failed each re-plan of this break that another PC's failure cut short
 
@@ -308,8 +313,40 @@ class FleetFailover:
         self.failed_replans = 0
         self._credit = 0
         self.lost.clear()
+        self._lost_at.clear()
         self.kept.clear()
         self.broken_links.clear()
+
+    def _lose(self, agent_id: str) -> None:
+        """Leave `agent_id` out of this run's re-plans, from now until it calls in (or the run ends)."""
+        if agent_id not in self.lost:
+            self._lost_at[agent_id] = utc_now()
+        self.lost.add(agent_id)
+
+    def _forgive_called_in(self) -> None:
+        """Take back into this run's re-plans the lost PCs whose agent has called in since it was lost (the roster's
+        `registered_at`: registered again, or resumed by its user, plugged in again): a PC that was paused, resumed
+        and called in was left out of every later re-plan of a long run (a `serve --fleet` within its 10-minute
+        window, a chat's reply), though it stood available. A roster that cannot be read forgives no one."""
+        if not self.lost:
+            return
+        try:
+            roster = self.store.roster()
+        except (FleetStoreError, OSError):
+            return
+        for agent_id in list(self.lost):
+            entry, lost_at = roster.get(agent_id), self._lost_at.get(agent_id)
+            if entry is None or entry.registered_at is None or lost_at is None:
+                continue
+            try:
+                called_in = datetime.datetime.fromisoformat(entry.registered_at) > lost_at
+            except (ValueError, TypeError):
+                continue
+            if called_in:
+                self.lost.discard(agent_id)
+                del self._lost_at[agent_id]
+                log.info("%s called in since this run lost it: the next re-plan may place it again",
+                         self._name(agent_id))
 
     def close(self) -> None:
         for chain in self.chains:
@@ -346,7 +383,8 @@ class FleetFailover:
             failed = failure.agents if isinstance(failure, DeployError) else \
                 frozenset({failure.agent_id} if failure.agent_id is not None else ())
             if failed - self.lost:  # a PC failed while the chain was made: re-planned without it, budget allowing
-                self.lost |= failed
+                for agent_id in failed:
+                    self._lose(agent_id)
                 self.failed_replans += 1
                 cut_short.append(str(failure))
                 replans = self._spent()
@@ -534,7 +572,7 @@ class FleetFailover:
             # another PC until --max-failovers ended the run
             earlier = sorted(target for source, target in self.broken_links if source == reporter and target != accused)
             if reporter_at is not None and accused_at == reporter_at + 1 and earlier:
-                self.lost.add(reporter)
+                self._lose(reporter)
                 self._left_out = reporter
                 self._verdict = (f"{self._name(reporter)} (stage {reporter_at}) reported its next hop "
                                  f"{self._name(accused)} (stage {accused_at}) at fault, but that agent answers the "

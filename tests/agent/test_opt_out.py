@@ -157,7 +157,7 @@ def test_the_report_says_who_paused_the_pc(desk: tuple[AgentCore, Path], tmp_pat
     core, state = desk
     assert status(core).detail == ""
     write_opt_out(state, True, "now")
-    assert status(core).detail == "paused by its user (`deskfleet-agent resume` ends that)"
+    assert status(core).detail == "paused by its user, until `deskfleet-agent resume`"
     admins = AgentCore(core.files, AgentSettings(paused=True), ShardCache(tmp_path / "cache2", 1 << 30),
                        PluggedInDesktop(), opt_out_dir=state)
     assert status(admins).detail == "paused in its settings (paused: true)"
@@ -169,7 +169,7 @@ def test_the_report_tells_a_damaged_opt_out_file_from_the_users_pause(desk: tupl
     (state / OPT_OUT_FILE).write_text('{"paused": tru')
     assert status(core).detail.startswith(f"paused as its {OPT_OUT_FILE} cannot be read")
     write_opt_out(state, True, "now")  # rewritten by `deskfleet-agent pause`: the user's pause again
-    assert status(core).detail == "paused by its user (`deskfleet-agent resume` ends that)"
+    assert status(core).detail == "paused by its user, until `deskfleet-agent resume`"
 
 
 @pytest.mark.parametrize("command", ["pause", "resume"])
@@ -286,3 +286,25 @@ def test_a_pause_ended_between_two_looks_still_calls_in(desk: tuple[AgentCore, P
 
     assert asyncio.run(seen_paused()) == [False, True, False]
     assert len(link.sent) == 2
+
+
+def test_a_pc_placed_again_before_it_called_in_says_nothing(desk: tuple[AgentCore, Path], tiny_export: Path) -> None:
+    # a loopback walk: agents called in ("so that the next fleet run can take this PC back") while hosting their
+    # stage again, a re-plan having placed them meanwhile
+    core, state = desk
+    link = RegistrationLink()
+    service = registered_service(core, link)
+
+    async def paused_and_resumed() -> list[bool]:
+        write_opt_out(state, True, "now")
+        said = [await service.call_in_if_available_again(now=100.0)]
+        write_opt_out(state, False, "later")
+        return [*said, await service.call_in_if_available_again(now=110.0)]
+
+    async def placed() -> list[bool]:
+        return [await service.call_in_if_available_again(now=110.0 + CALL_IN_SETTLE_S),
+                await service.call_in_if_available_again(now=300.0)]
+
+    assert asyncio.run(paused_and_resumed()) == [False, False]
+    _host_tiny_stage(core, tiny_export)  # a re-plan placed it
+    assert asyncio.run(placed()) == [False, False] and link.sent == []

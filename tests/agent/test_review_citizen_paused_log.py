@@ -29,7 +29,7 @@ def started_log(service: service_module.AgentService, caplog: pytest.LogCaptureF
 def test_an_agent_started_paused_by_its_user_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     service = joined(tmp_path)
     write_opt_out(AgentPaths.resolve(tmp_path).state_dir, paused=True, now="2026-12-01T09:00:00+00:00")
-    assert started_log(service, caplog) == ["this PC is paused by its user (`deskfleet-agent resume` ends that): it "
+    assert started_log(service, caplog) == ["this PC is paused by its user, until `deskfleet-agent resume`: it "
                                             "serves no model"]
 
 

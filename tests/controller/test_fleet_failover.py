@@ -133,7 +133,7 @@ def test_a_fleet_whose_only_pc_its_user_paused_says_so_not_no_agents(
     failover = FleetFailover(store, tiny_export, max_failovers=2)
     with pytest.raises(FailoverError) as gave_up:
         failover(ChainError("stage 0 [0:4] on agent aaaaaaaaaaaa reported no stage for the step: this agent gave its "
-                            "stages up: paused by its user (`deskfleet-agent resume` ends that)", "a" * 52, "a" * 52,
+                            "stages up: paused by its user, until `deskfleet-agent resume`", "a" * 52, "a" * 52,
                             (StagePlacement("a" * 52, "10.0.0.1:7431", 0, 4),)))  # its word of itself
     said = str(gave_up.value)
     assert "no agent left: the 1 that answered (agent aaaaaaaaaaaa on pc-1) failed in this run" in said
@@ -557,3 +557,23 @@ def test_a_deployment_saved_meanwhile_is_not_taken_over_a_lost_pc_or_a_broken_li
     with pytest.raises(Surveyed):  # re-planned instead
         failover(ChainError("agent b: the link closed", B))
     assert failover.replans == []
+
+
+def test_a_pc_lost_in_a_run_that_calls_in_again_may_be_placed_by_the_runs_next_re_plan(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A loopback walk: pc1 paused under `serve --fleet` was re-planned around, resumed, and called in; then pc3 paused,
+    # and the re-plan went on on 1 PC with pc1 available, left out as lost within the server's 10-minute window
+    a, b = "a" * 52, "b" * 52
+    monkeypatch.setattr(fleet_failover, "FleetPipeline", NewChain)
+    failover = FleetFailover(store, tiny_export, max_failovers=3, notify=lambda text: None)
+    redeploys = _Redeploys(failover, [None, None, None])
+    monkeypatch.setattr(failover, "_redeploy", redeploys)
+    store.save_roster({agent_id: RosterEntry(agent_id, f"desk-{agent_id[0]}", "2026-12-01T08:00:00+00:00", (),
+                                             "2026-12-01T08:00:00+00:00") for agent_id in (a, b)})
+    failover(ChainError("agent a: paused by its user", a))
+    failover(ChainError("agent b: the link closed", b))  # A has not called in: still left out
+    roster = store.roster()
+    roster[a] = RosterEntry(a, "desk-a", "2026-12-01T08:00:00+00:00", (), utc_now().isoformat())  # resumed: called in
+    store.save_roster(roster)
+    failover(ChainError("agent b: the link closed again", b))
+    assert redeploys.excluded == [{a}, {a, b}, {b}]

@@ -39,6 +39,6 @@ def test_300_rows_are_grouped_by_state_and_hostname_and_counted(capsys: pytest.C
 
 def test_a_paused_row_says_who_paused_it(capsys: pytest.CaptureFixture[str]) -> None:
     paused = agent("a" * 52, "desk-001", AgentState.PAUSED)
-    paused.report.detail = "paused by its user (`deskfleet-agent resume` ends that)"  # no limit crossed: no reasons
+    paused.report.detail = "paused by its user, until `deskfleet-agent resume`"  # no limit crossed: no reasons
     _print_agents([paused])
-    assert capsys.readouterr().out.splitlines()[1].endswith("(paused by its user (`deskfleet-agent resume` ends that))")
+    assert capsys.readouterr().out.splitlines()[1].endswith("(paused by its user, until `deskfleet-agent resume`)")
