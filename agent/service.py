@@ -294,9 +294,6 @@ class AgentService:
     async def call_in_if_available_again(self, now: float | None = None) -> bool:
         """One look (AVAILABILITY_CHECK_S); True when it called in: its Register sent again on the registration
         link. Without a live link the next registration says it, as every registration does."""
-        if self.core.stages:  # placed again (a re-plan, a deploy) before it called in: nothing to tell
-            self.core.call_in.placed()
-            return False
         mark = self.core.call_in.mark()
         available = await self.core.takes_stages_now()
         if not self.core.call_in.update(available, time.monotonic() if now is None else now, mark):
@@ -309,7 +306,9 @@ class AgentService:
         except LinkError as error:  # the registration loop hears of the link's end and registers again
             log.info("cannot tell the controller this PC is available again: %s", error)
             return False
-        log.info("available again: told the controller at %s, so that the next fleet run can take this PC back",
+        # said also where a re-plan placed it again meanwhile: the runs of another model, or another run of this one
+        # (whose re-plan a PC it lost is kept out of until it calls in), may still have it left out
+        log.info("available again: told the controller at %s (the runs that left this PC out may take it back)",
                  link.address)
         return True
 

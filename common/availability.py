@@ -205,10 +205,6 @@ class CallInWatch:
         self._was_available, self._available_since = False, None
         self._spells += 1
 
-    def placed(self) -> None:
-        """The PC hosts a stage again (a re-plan or a deploy placed it): the fleet has it, nothing is owed."""
-        self._was_available, self._available_since = True, None
-
     def mark(self) -> int:
         """Taken as a look begins (before its sensor read): update() counts a look that a spell overtook as not
         available, so a reading begun before a pause does not call in for the paused PC."""

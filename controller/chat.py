@@ -294,6 +294,7 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
         chain, failover = chain_held.enter_context(opened)
         replans_told = 0  # of failover.replans, those a reply's JSON gave (a re-plan as the chain opened: the first)
         rejoined_told = False  # whether a reply's JSON gave what the chain's opening rejoined (the first reply's)
+        closed = False  # the chain was closed to take a PC back, and is not open again yet
         micro_batches = getattr(chain, "num_stages", 1)
         engine_options = options.engine_options(micro_batches)
         if options.seed_drawn:  # the replies can be had again only with the seed: say it where a person reads
@@ -332,10 +333,28 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 _write_json(out, as_json, {"error": unknown})
                 continue
             message = ChatMessage("user", text)
-            if take_back is not None and take_back():  # the chain opens again: its opening re-plans to take it back
+            if not closed and take_back is not None and _looked(take_back):
                 kept.hold(None)  # the last reply's KV state is on the chain that closes
                 chain_held.close()
-                chain, failover = chain_held.enter_context(_open_chain(options, settings))
+                closed = True  # the chain opens again now: its opening re-plans to take the PC back
+            if closed:
+                try:
+                    chain, failover = chain_held.enter_context(_open_chain(options, settings))
+                except KeyboardInterrupt as stopping:
+                    if isinstance(stopping, BenchTerminated) or ctrl_c_ends_chat:
+                        raise
+                    _end_prompt_line(prompt_out)
+                    unsent = "interrupted while the chain opened again: not sent; the conversation is unchanged"
+                    _note(notes, f"[{unsent}]")
+                    _write_json(out, as_json, {"error": unsent})
+                    continue
+                except Exception as error:  # a chain that worked was closed for the PC back: the chat goes on
+                    unsent = (f"the chain could not be opened again ({error}): not sent; the conversation is "
+                              "unchanged, and the next message tries again")
+                    _note(notes, f"[{unsent}]")
+                    _write_json(out, as_json, {"error": unsent})
+                    continue
+                closed = False
                 replans_told, rejoined_told, learned_k = 0, False, None
                 micro_batches = getattr(chain, "num_stages", 1)
                 engine_options = options.engine_options(micro_batches)
@@ -583,6 +602,15 @@ def open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discove
                 raise  # not an agent's fault (e.g. never deployed): nothing to re-plan around
             chain = failover(error, opening=True)  # with --max-failovers 0 this gives up at once, naming the agent
         yield chain, failover
+
+
+def _looked(take_back: Callable[[], bool]) -> bool:
+    """What a take-back look says; False where it failed (a file being written): the next message looks again."""
+    try:
+        return take_back()
+    except Exception:
+        log.debug("the look for a PC to take back failed", exc_info=True)
+        return False
 
 
 def _take_back_look(options: ChatOptions) -> Callable[[], bool] | None:

@@ -357,9 +357,9 @@ def _left_out_notes(store: FleetStore, agents: list[Any]) -> list[str]:
     lines = []
     for record in left_out_by_replans(store):
         driving = others_driving(store, record.model_id)
-        who = (f"the run that drives the model, if it is the only one (a `serve --fleet` when idle, a chat before its "
-               f"next message), or else the first run that starts while none does ({driving} run(s) drive it now)"
-               if driving else "the next run on the model")
+        who = (f"the run that drives the model now, if it is the only one and a `serve --fleet` (when idle) or a chat "
+               f"(before its next message), else the first run that starts while none does ({driving} run(s) drive "
+               "it now)" if driving else "the next run on the model")
         pcs = []
         for agent_id in record.left_out:
             agent = found.get(agent_id)
@@ -367,8 +367,8 @@ def _left_out_notes(store: FleetStore, agents: list[Any]) -> list[str]:
             if agent_id in record.called_in:
                 called_in = f", called in since: {who} takes it back if it can take work"
             elif state == "available":  # a PC its user resumed calls in once it has been available 20 s
-                called_in = ", not called in since: taken back once its agent calls in (one its user resumed does " \
-                            "within a minute), or by the deploy below"
+                called_in = ", not called in since: taken back if its agent calls in (one its user resumed does, " \
+                            "within a minute), else by the deploy below"
             else:
                 called_in = ""
             pcs.append(f"{agent_label(agent_id, hostnames)} ({state}{called_in})")

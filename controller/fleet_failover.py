@@ -126,6 +126,9 @@ class FleetFailover:
     # when each PC in `lost` was first lost: one that has called in since (registered again, or said it can take
     # stages again) is lost no more (_forgive_called_in)
     _lost_at: dict[str, datetime.datetime] = field(default_factory=dict, init=False, repr=False)
+    # forgiven once in this run already: a PC whose link flaps re-registers after every loss, and forgiven each time
+    # it would spend a re-plan of --max-failovers at every other break
+    _forgiven: set[str] = field(default_factory=set, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.hostnames = self.store.hostnames()
@@ -314,6 +317,7 @@ class FleetFailover:
         self._credit = 0
         self.lost.clear()
         self._lost_at.clear()
+        self._forgiven.clear()
         self.kept.clear()
         self.broken_links.clear()
 
@@ -327,14 +331,15 @@ class FleetFailover:
         """Take back into this run's re-plans the lost PCs whose agent has called in since it was lost (the roster's
         `registered_at`: registered again, or resumed by its user, plugged in again): a PC that was paused, resumed
         and called in was left out of every later re-plan of a long run (a `serve --fleet` within its 10-minute
-        window, a chat's reply), though it stood available. A roster that cannot be read forgives no one."""
+        window, a chat's reply), though it stood available. Once a run each (a link that flaps re-registers after
+        every loss). A roster that cannot be read forgives no one."""
         if not self.lost:
             return
         try:
             roster = self.store.roster()
         except (FleetStoreError, OSError):
             return
-        for agent_id in list(self.lost):
+        for agent_id in list(self.lost - self._forgiven):
             entry, lost_at = roster.get(agent_id), self._lost_at.get(agent_id)
             if entry is None or entry.registered_at is None or lost_at is None:
                 continue
@@ -344,6 +349,7 @@ class FleetFailover:
                 continue
             if called_in:
                 self.lost.discard(agent_id)
+                self._forgiven.add(agent_id)
                 del self._lost_at[agent_id]
                 log.info("%s called in since this run lost it: the next re-plan may place it again",
                          self._name(agent_id))
@@ -491,7 +497,7 @@ class FleetFailover:
         # the PCs a run's start re-plans for (rejoin) get the short timeout too: one that called in and went again
         # must not hold the run up for the whole open timeout
         return replace(self.survey_options, peers=tuple(dict.fromkeys([*self.survey_options.peers, *survivors])),
-                       recheck=frozenset(self.lost) | self._rejoining | self._recheck_too)
+                       recheck=frozenset(self.lost | self._forgiven) | self._rejoining | self._recheck_too)
 
     def _planned_apart(self, result: Plan, report: DeployReport) -> None:
         """Add to the verdict of a link found broken (_check_blame) what the re-plan made of its two ends: both in

@@ -81,7 +81,9 @@ class FleetServer:
         self.bound_port: int | None = None
         self._on_change = on_change
         self._stopping = asyncio.Event()
-        self._unrecorded: dict[str, tuple[str, ...]] = {}  # agent id -> addresses, for the next write of the roster
+        # agent id -> (addresses, when they came), for the next write of the roster: `registered_at` is the arrival,
+        # not the write, which a data dir's lock held elsewhere can delay past a run's loss of that PC
+        self._unrecorded: dict[str, tuple[tuple[str, ...], str]] = {}
         self._recorded: asyncio.Future[None] | None = None  # that write, done or failed
         self._next_write: asyncio.TimerHandle | None = None
         self._writes: set[asyncio.Task[None]] = set()  # roster writes under way (kept from the garbage collector)
@@ -283,7 +285,7 @@ class FleetServer:
     async def _record(self, agent_id: str, addresses: tuple[str, ...]) -> None:
         """Record in the roster where the agent listens; returns once agents.json says so, or raises what the
         write raised (OSError, FleetStoreError). The registrations of ROSTER_BATCH_S share one write."""
-        self._unrecorded[agent_id] = addresses
+        self._unrecorded[agent_id] = (addresses, utc_now().isoformat())
         if self._recorded is None:
             loop = asyncio.get_running_loop()
             self._recorded = loop.create_future()
@@ -311,19 +313,18 @@ class FleetServer:
             if recorded is not None:
                 recorded.set_result(None)
 
-    def _save_addresses(self, unrecorded: dict[str, tuple[str, ...]]) -> None:
+    def _save_addresses(self, unrecorded: dict[str, tuple[tuple[str, ...], str]]) -> None:
         with self.store.locked():
             roster = self.store.roster()
-            now = utc_now().isoformat()
-            for agent_id, addresses in unrecorded.items():
+            for agent_id, (addresses, came_at) in unrecorded.items():
                 entry = roster.get(agent_id)
                 if entry is None:  # its certificate is the fleet's: the roster lost it, or never had it
                     log.warning("agent %s registered, but %s does not list it: the data dir was restored from an "
                                 "older backup made before it joined, or the file was lost; it is listed from now on "
                                 "with host '?' (join it again to name it)", agent_id[:12],
                                 self.store.data_dir / "agents.json")
-                    entry = RosterEntry(agent_id, "?", now)
-                roster[agent_id] = replace(entry, addresses=addresses, registered_at=now)
+                    entry = RosterEntry(agent_id, "?", came_at)
+                roster[agent_id] = replace(entry, addresses=addresses, registered_at=came_at)
             self.store.save_roster(roster)
 
     async def _watch_revocations(self) -> None:

@@ -288,9 +288,9 @@ def test_a_pause_ended_between_two_looks_still_calls_in(desk: tuple[AgentCore, P
     assert len(link.sent) == 2
 
 
-def test_a_pc_placed_again_before_it_called_in_says_nothing(desk: tuple[AgentCore, Path], tiny_export: Path) -> None:
-    # a loopback walk: agents called in ("so that the next fleet run can take this PC back") while hosting their
-    # stage again, a re-plan having placed them meanwhile
+def test_a_pc_placed_again_before_it_called_in_still_calls_in(desk: tuple[AgentCore, Path], tiny_export: Path) -> None:
+    # one model's re-plan placing it again says nothing to the runs of another model, nor to another run of this one
+    # (a run keeps a PC it lost out of its re-plans until that PC calls in): its call-in is still owed
     core, state = desk
     link = RegistrationLink()
     service = registered_service(core, link)
@@ -307,4 +307,4 @@ def test_a_pc_placed_again_before_it_called_in_says_nothing(desk: tuple[AgentCor
 
     assert asyncio.run(paused_and_resumed()) == [False, False]
     _host_tiny_stage(core, tiny_export)  # a re-plan placed it
-    assert asyncio.run(placed()) == [False, False] and link.sent == []
+    assert asyncio.run(placed()) == [True, False] and len(link.sent) == 1

@@ -22,6 +22,7 @@ from deskfleet.controller.chat import ChatOptions, run_chat
 from deskfleet.controller.cli import main
 from deskfleet.controller.engine import ChainBroken, StreamRequest
 from deskfleet.controller.export.random_checkpoint import CHAT_TEMPLATE
+from deskfleet.controller.fleet_pipeline import ChainError
 from deskfleet.controller.generation import GenerationError
 from deskfleet.controller.pipeline import LocalPipeline
 from deskfleet.controller.prompt_lookup import LOOKUP_PRIOR_ACCEPTANCE
@@ -818,3 +819,45 @@ def test_a_fleet_chat_takes_a_pc_back_between_replies(tmp_path: Path, tiny_expor
              io.StringIO("hello\nagain\nand again\n"), local, as_json=True)
     assert [reply["reply"] for reply in replies] == [json.loads(line)["reply"]
                                                      for line in local.getvalue().splitlines()]
+
+
+def test_a_chain_that_does_not_open_again_for_a_pc_back_costs_one_message_not_the_chat(
+        tmp_path: Path, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the chain that worked was closed for the PC back; a reopening that failed (the re-plan, a chain that did not
+    # open) ended the whole chat, its conversation lost; a look that raised did too
+    model = _chat_model(tmp_path, tiny_export)
+    opened: list[int] = []
+
+    class Failover:
+        replans: ClassVar[list[dict[str, object]]] = []
+        rejoined: ClassVar[list[dict[str, object]]] = []
+
+        def start_run(self) -> None:
+            pass
+
+    @contextmanager
+    def fleet_chain(options: ChatOptions, settings: CompileSettings) -> Iterator[tuple[LocalPipeline, object]]:
+        opened.append(1)
+        if len(opened) == 2:
+            raise ChainError("agent b: cannot reach 127.0.0.1:7432", "b" * 52)
+        with LocalPipeline(model, 1, settings) as pipeline:
+            yield pipeline, Failover()
+
+    looks = iter([False, True, OSError("agents.json is being written"), False])
+
+    def look() -> bool:
+        said = next(looks)
+        if isinstance(said, Exception):
+            raise said
+        return said
+
+    monkeypatch.setattr(chat, "_open_chain", fleet_chain)
+    monkeypatch.setattr(chat, "_take_back_look", lambda options: look)
+    options = ChatOptions(model=model, max_new_tokens=4, fleet_dir=tmp_path / "fleet",
+                          settings=CompileSettings(precision=Precision.F32))
+    out = io.StringIO()
+    assert run_chat(options, io.StringIO("hello\nagain\nagain\nand again\n"), out, as_json=True) == 3
+    replies = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert "reply" in replies[0] and "reply" in replies[2] and "reply" in replies[3]
+    assert replies[1]["error"].startswith("the chain could not be opened again (agent b: cannot reach")
+    assert len(opened) == 3  # the message after the failed reopening opened it again

@@ -565,15 +565,25 @@ def test_a_pc_lost_in_a_run_that_calls_in_again_may_be_placed_by_the_runs_next_r
     # and the re-plan went on on 1 PC with pc1 available, left out as lost within the server's 10-minute window
     a, b = "a" * 52, "b" * 52
     monkeypatch.setattr(fleet_failover, "FleetPipeline", NewChain)
-    failover = FleetFailover(store, tiny_export, max_failovers=3, notify=lambda text: None)
-    redeploys = _Redeploys(failover, [None, None, None])
+    failover = FleetFailover(store, tiny_export, max_failovers=5, notify=lambda text: None)
+    redeploys = _Redeploys(failover, [None] * 5)
     monkeypatch.setattr(failover, "_redeploy", redeploys)
-    store.save_roster({agent_id: RosterEntry(agent_id, f"desk-{agent_id[0]}", "2026-12-01T08:00:00+00:00", (),
-                                             "2026-12-01T08:00:00+00:00") for agent_id in (a, b)})
+    long_ago = "2000-01-01T08:00:00+00:00"
+    store.save_roster({agent_id: RosterEntry(agent_id, f"desk-{agent_id[0]}", long_ago, (), long_ago)
+                       for agent_id in (a, b)})
+
+    def called_in(agent_id: str) -> None:
+        roster = store.roster()
+        roster[agent_id] = RosterEntry(agent_id, f"desk-{agent_id[0]}", long_ago, (), utc_now().isoformat())
+        store.save_roster(roster)
+
     failover(ChainError("agent a: paused by its user", a))
     failover(ChainError("agent b: the link closed", b))  # A has not called in: still left out
-    roster = store.roster()
-    roster[a] = RosterEntry(a, "desk-a", "2026-12-01T08:00:00+00:00", (), utc_now().isoformat())  # resumed: called in
-    store.save_roster(roster)
+    called_in(a)  # resumed
     failover(ChainError("agent b: the link closed again", b))
     assert redeploys.excluded == [{a}, {a, b}, {b}]
+    # lost again, and registered again at once (a link that flaps): forgiven once a run, not at every break
+    failover(ChainError("agent a: the link closed", a))
+    called_in(a)
+    failover(ChainError("agent b: the link closed once more", b))
+    assert redeploys.excluded[3:] == [{a, b}, {a, b}]

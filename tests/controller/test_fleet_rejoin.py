@@ -320,15 +320,15 @@ def test_fleet_ls_says_which_pcs_a_re_plan_left_out_and_what_takes_them_back(
 
     monkeypatch.setattr(fleet_runs, "others_driving", lambda store, model_id: 2)  # a run in flight leaves it be
     assert main(["fleet", "ls", "--data-dir", str(store.data_dir), "--discover-seconds", "0"]) == 0
-    assert ("(available, called in since: the run that drives the model, if it is the only one (a `serve --fleet` when "
-            "idle, a chat before its next message), or else the first run that starts while none does (2 run(s) drive "
-            "it now) takes it back if it can take work)") in capsys.readouterr().out
+    assert ("(available, called in since: the run that drives the model now, if it is the only one and a `serve "
+            "--fleet` (when idle) or a chat (before its next message), else the first run that starts while none does "
+            "(2 run(s) drive it now) takes it back if it can take work)") in capsys.readouterr().out
     _registered(store, B, "2026-12-01T07:00:00+00:00")  # back, but it has not called in since: a deploy takes it
     assert main(["fleet", "ls", "--data-dir", str(store.data_dir), "--discover-seconds", "0", "--json"]) == 0
     err = capsys.readouterr().err
-    assert ("went on without agent bbbbbbbbbbbb on desk-b (available, not called in since: taken back once its agent "
-            "calls in (one its user resumed does within a minute), or by the deploy below); `deskfleet fleet deploy") \
-        in err, err
+    assert ("went on without agent bbbbbbbbbbbb on desk-b (available, not called in since: taken back if its agent "
+            "calls in (one its user resumed does, within a minute), else by the deploy below); `deskfleet fleet "
+            "deploy") in err, err
     _save(store, tiny_export, ADMINS, replan=False)  # the admin deployed again: nothing left out
     assert main(["fleet", "ls", "--data-dir", str(store.data_dir), "--discover-seconds", "0"]) == 0
     assert "note:" not in capsys.readouterr().out
