@@ -441,4 +441,4 @@ def test_a_server_whose_requests_keep_coming_still_looks(target: Path, monkeypat
             service.submit(StreamRequest(PROMPTS[2], max_new_tokens=2, ignore_eos=True), sink)
             sink.wait()
             time.sleep(0.05)
-    assert len(looks) >= 3, looks
+    assert len(looks) >= 2, looks  # none before: every idle spell started the 0.3 s anew
