@@ -639,6 +639,17 @@ def left_out_by_replans(store: FleetStore) -> list[LeftOut]:
     return [left_out for left_out in found if left_out is not None]
 
 
+def called_in_since(entry: RosterEntry | None, moment: datetime.datetime) -> bool:
+    """Whether the roster says the agent registered, or called in, after `moment`; False for none on record or a
+    time that cannot be read."""
+    if entry is None or entry.registered_at is None:
+        return False
+    try:
+        return _utc_time(entry.registered_at) > moment
+    except ValueError:
+        return False
+
+
 def utc_text(iso: str) -> str:
     """A time the store wrote (ISO 8601) as notes give it: "2026-12-05 08:00:00 UTC"; the text as it is where it
     cannot be read as one with a zone."""
@@ -670,14 +681,7 @@ def _left_out(model_id: str, record: object, roster: dict[str, RosterEntry],
     left_out = tuple(agent_id for agent_id in deployed if agent_id not in placed)
     if not left_out:
         return None
-    called_in = []
-    for agent_id in left_out:
-        entry = roster.get(agent_id)
-        try:
-            if entry is not None and entry.registered_at is not None and _utc_time(entry.registered_at) > since:
-                called_in.append(agent_id)
-        except ValueError:
-            continue
+    called_in = [agent_id for agent_id in left_out if called_in_since(roster.get(agent_id), since)]
     folder = record.get("model_dir")
     try:
         settings = _settings_of(record, str(folder)).command_options()

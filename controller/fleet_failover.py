@@ -54,6 +54,7 @@ from deskfleet.controller.fleet_deploy import (
     DeployReport,
     NotPlaced,
     StagePlacement,
+    called_in_since,
     deploy,
     inexact_cache_note,
     load_deploy_settings,
@@ -340,14 +341,8 @@ class FleetFailover:
         except (FleetStoreError, OSError):
             return
         for agent_id in list(self.lost - self._forgiven):
-            entry, lost_at = roster.get(agent_id), self._lost_at.get(agent_id)
-            if entry is None or entry.registered_at is None or lost_at is None:
-                continue
-            try:
-                called_in = datetime.datetime.fromisoformat(entry.registered_at) > lost_at
-            except (ValueError, TypeError):
-                continue
-            if called_in:
+            lost_at = self._lost_at.get(agent_id)
+            if lost_at is not None and called_in_since(roster.get(agent_id), lost_at):
                 self.lost.discard(agent_id)
                 self._forgiven.add(agent_id)
                 del self._lost_at[agent_id]
