@@ -54,6 +54,9 @@ class SurveyOptions:
     # lost or that a stage blamed. One restarted answers within it; a frozen one (a stopped process, a hung PC)
     # cost the re-plan the whole open timeout again, after the chain had already waited it out.
     recheck: frozenset[str] = frozenset()
+    # Agent ids: dial only these (a run's start asking the PCs of its chain that called in whether they still host
+    # their stage), no roster member, mDNS record or --peer beside them; None: every one
+    only: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,8 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
     await _run_for(sources, options.discover_seconds if len(sources) > 1 else 0.0)
 
     targets = survey_targets(registry, set(roster), revocations())
+    if options.only is not None:
+        targets = [target for target in targets if target[0] in options.only]
     dials = asyncio.Semaphore(dials_at_once())
     results = await asyncio.gather(*(_ask_at_any(store, revocations, target_id, addresses, dials,
                                                  RECHECK_OPEN_TIMEOUT_S if target_id in options.recheck
@@ -156,7 +161,8 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
             if known_id is not None:
                 listed_at[known_id] = len(found.agents)
             found.agents.append(view)
-    if options.use_roster:  # members that joined but whose agent never called in: listed, so the admin sees them
+    if options.use_roster and options.only is None:
+        # members that joined but whose agent never called in: listed, so the admin sees them
         listed = {agent.agent_id for agent in found.agents}
         for agent_id, member in roster.items():
             if not member.addresses and agent_id not in listed and not revocations().is_revoked(agent_id):

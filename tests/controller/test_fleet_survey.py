@@ -295,3 +295,33 @@ def test_a_pc_the_run_just_lost_is_dialled_with_the_short_timeout(tmp_path: Path
     assert timeouts == {"10.0.0.31:7431": fleet_survey.RECHECK_OPEN_TIMEOUT_S,
                         "10.0.0.32:7431": fleet_survey.OPEN_TIMEOUT_S}
     assert fleet_survey.RECHECK_OPEN_TIMEOUT_S < fleet_survey.OPEN_TIMEOUT_S
+
+
+def test_a_survey_of_some_pcs_dials_only_those(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a run's start asks the PCs of its chain that called in whether they still host their stage: not the whole
+    # roster, nor the --peer addresses, nor members that never registered
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    asked, other, silent = _agent_id(41), _agent_id(42), _agent_id(43)
+    store.save_roster({asked: RosterEntry(asked, "pc-asked", "2026-01-01T00:00:00+00:00", ("10.0.0.41:7431",)),
+                       other: RosterEntry(other, "pc-other", "2026-01-01T00:00:00+00:00", ("10.0.0.42:7431",)),
+                       silent: RosterEntry(silent, "pc-silent", "2026-01-01T00:00:00+00:00", ())})
+    dialled: list[str] = []
+
+    async def unreachable(address: str, *args: object, **kwargs: object) -> None:
+        dialled.append(address)
+        raise fleet_survey.LinkError(f"cannot reach {address}: timed out")
+
+    monkeypatch.setattr(fleet_survey, "open_link", unreachable)
+
+    async def scenario(options: SurveyOptions) -> list[str | None]:
+        found = await survey(store, options)
+        await found.close()
+        return [agent.agent_id for agent in found.agents]
+
+    listed = asyncio.run(scenario(SurveyOptions(peers=("10.0.0.50:7431",), discover_seconds=0,
+                                                only=frozenset({asked}))))
+    assert dialled == ["10.0.0.41:7431"] and listed == [asked]
+    dialled.clear()
+    assert sorted(map(str, asyncio.run(scenario(SurveyOptions(discover_seconds=0))))) == sorted([asked, other, silent])
+    assert sorted(dialled) == ["10.0.0.41:7431", "10.0.0.42:7431"]
