@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
-from deskfleet.agent.link import Link, LinkError
+from deskfleet.agent.link import Link, LinkError, utc_now
 from deskfleet.common import pki
 from deskfleet.common.devices import device_kind
 from deskfleet.common.kv_cache_size import kv_cache_bytes_per_token_per_layer, kv_cache_precision
@@ -387,6 +387,7 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
     sent: dict[str, int] = {}
     files: dict[str, int] = {}
     before = _placed_before(store, model_dir)
+    assigned_at = utc_now()
     try:
         try:
             await _deploy_all(model_dir, manifest, model_id, placements, settings, found, sent, files, progress)
@@ -395,7 +396,8 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
             raise DeployError("; ".join(str(error) for error in errors.exceptions),
                               agents=frozenset().union(*(error.agents for error in failed))) from None
         report = DeployReport(model_id, placements, sent, files)
-        _save_deployment(store, model_dir, report, settings, replanned_at)  # a failed save: the stages unrecorded too
+        # a save that fails leaves the stages unrecorded too
+        _save_deployment(store, model_dir, report, settings, replanned_at, assigned_at)
     except BaseException:  # an agent failed, or Ctrl-C: the deployment on record stays, and so must its stages only
         await _release_unsaved(model_id, placements, before, found)
         raise
@@ -616,13 +618,48 @@ def note_rejoin_tried(store: FleetStore, model_dir: Path, when: datetime.datetim
     plan left them out, or the re-plan failed): pcs_back then waits for a registration after it, instead of every
     run surveying the fleet again for a PC that is paused, short of memory, or gone again. Best effort: a record
     that cannot be written is left as it was (the next run tries again)."""
-    with contextlib.suppress(DeployError, FleetStoreError, OSError, ManifestError):
-        with store.locked():
-            deployments = _deployments(store)
-            record = deployments.get(model_id_of(model_dir))
-            if isinstance(record, dict) and isinstance(record.get("replanned_at"), str):
-                record["rejoin_tried_at"] = when.isoformat()
-                store.write("deployments", deployments)
+    _note_time(store, model_dir, "rejoin_tried_at", when, only_replanned=True)
+
+
+@dataclass(frozen=True)
+class CalledInSinceAssigned:
+    """Stages of a deployment on record whose PC's agent called in since they were assigned (placed_pcs_called_in)."""
+
+    stages: tuple[StagePlacement, ...]
+    assigned_at: str | None  # ISO 8601 UTC: when the deploy began assigning them; None: a record older than that
+
+
+def placed_pcs_called_in(store: FleetStore, model_dir: Path) -> CalledInSinceAssigned | None:
+    """The stages of the model's deployment on record whose PC's agent called in to `fleet serve` since the deploy (or
+    re-plan) that saved it began assigning them, and since a run's start last asked them (note_hosting_checked):
+    restarted, resumed by its user, plugged in again, each of which may have cost the PC its stage (a restarted agent
+    hosts none, a paused one gives its stages up), which the chain would learn only at its first step. The roster's
+    `registered_at`, no dial. None when there are none, or the record or roster cannot be read (the chain's opening
+    says what is wrong). A record saved before deskfleet kept `assigned_at` counts every call-in on record, once."""
+    try:
+        record = _deployment_record(store, model_dir)
+        if record is None:
+            return None
+        stages = _placements_of(record.get("stages"))
+        roster = store.roster()
+    except (DeployError, FleetStoreError, OSError, ManifestError, ValueError):
+        return None
+    assigned_at, since = record.get("assigned_at"), datetime.datetime.min.replace(tzinfo=datetime.UTC)
+    try:
+        since = _utc_time(assigned_at)  # type: ignore[arg-type]
+    except (ValueError, TypeError):  # absent or damaged: every call-in on record counts
+        assigned_at = None
+    with contextlib.suppress(ValueError, TypeError):
+        since = max(since, _utc_time(record.get("hosting_checked_at")))  # type: ignore[arg-type]
+    called_in = tuple(stage for stage in stages if called_in_since(roster.get(stage.agent_id), since))
+    return CalledInSinceAssigned(called_in, assigned_at) if called_in else None
+
+
+def note_hosting_checked(store: FleetStore, model_dir: Path, when: datetime.datetime) -> None:
+    """Record in the model's deployment that a run's start asked the PCs placed_pcs_called_in named at `when`
+    whether they still host their stages: only a call-in after it is asked about again, not one at every run's start.
+    Best effort, as note_rejoin_tried."""
+    _note_time(store, model_dir, "hosting_checked_at", when)
 
 
 def left_out_by_replans(store: FleetStore) -> list[LeftOut]:
@@ -660,6 +697,19 @@ def utc_text(iso: str) -> str:
 
 
 # Private functions
+
+def _note_time(store: FleetStore, model_dir: Path, key: str, when: datetime.datetime,
+               only_replanned: bool = False) -> None:
+    """Set `key` of the model's deployment record to `when` (`only_replanned`: only on a record a run's re-plan
+    saved); a record that cannot be read or written is left as it was."""
+    with contextlib.suppress(DeployError, FleetStoreError, OSError, ManifestError):
+        with store.locked():
+            deployments = _deployments(store)
+            record = deployments.get(model_id_of(model_dir))
+            if isinstance(record, dict) and (not only_replanned or isinstance(record.get("replanned_at"), str)):
+                record[key] = when.isoformat()
+                store.write("deployments", deployments)
+
 
 def _left_out(model_id: str, record: object, roster: dict[str, RosterEntry],
               removed: pki.RevocationSet) -> LeftOut | None:
@@ -904,7 +954,10 @@ async def _expect(link: Link, kind: type[_M], timeout: float) -> _M:
 
 
 def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, settings: DeploySettings,
-                     replanned_at: datetime.datetime | None = None) -> None:
+                     replanned_at: datetime.datetime | None = None, assigned_at: datetime.datetime | None = None
+                     ) -> None:
+    """Save the model's deployment: `replanned_at` a run's re-plan's (whose survey began then), `assigned_at` when
+    its stages began to be assigned (None: now)."""
     with store.locked():
         folder = str(model_dir.resolve())
         # The records of the exports this folder held before (exported again since): it holds this one now. They
@@ -923,6 +976,8 @@ def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, s
         # an admin's deploy places its PCs; a re-plan keeps the ones the admin's deploy placed (pcs_back)
         admins = (_deployed_agents(old) or _placed_agents(old) or placed) if replanned_at is not None else placed
         extra: dict[str, object] = {"replanned_at": replanned_at.isoformat()} if replanned_at is not None else {}
+        # when its stages were assigned: a PC of it that calls in after may have lost its stage (placed_pcs_called_in)
+        extra["assigned_at"] = (assigned_at or utc_now()).isoformat()
         deployments[report.model_id] = {"model_dir": folder, "replaces": replaces, "deployed_agents": admins, **extra,
                                         "stages": [asdict(stage) for stage in report.stages],
                                         "settings": {"policy": settings.policy.value, "streams": settings.streams,

@@ -26,7 +26,8 @@ run. A stage's blame of itself (it gave its stages up) is taken at its word.
 
 At a run's start, `rejoin` takes back PCs that a run's re-plan left out and that have called in since (restarted, or
 back on the network), by a re-plan of the same kind, unless other runs drive the model (their stages would be replaced
-under their streams).
+under their streams); and PCs of the deployed chain that called in since their stage was assigned and, asked, no
+longer host it (restarted, or paused and resumed while no run drove the model).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from pathlib import Path
 
 from deskfleet.agent.link import utc_now
 from deskfleet.common import event_loop, pki
+from deskfleet.common.agent_state import AgentState
 from deskfleet.common.arguments import FAILOVER_BROWSE_S
 from deskfleet.common.model_spec import ManifestError
 from deskfleet.common.planner import RESUME_COMMAND, ExclusionReason, Plan
@@ -60,14 +62,16 @@ from deskfleet.controller.fleet_deploy import (
     load_deploy_settings,
     load_deployment,
     model_id_of,
+    note_hosting_checked,
     note_rejoin_tried,
     pcs_back,
+    placed_pcs_called_in,
     utc_text,
 )
 from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
 from deskfleet.controller.fleet_runs import others_driving
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, agent_label
-from deskfleet.controller.fleet_survey import Survey, SurveyOptions, survey
+from deskfleet.controller.fleet_survey import AgentView, Survey, SurveyOptions, survey
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,9 @@ log = logging.getLogger(__name__)
 # to finish before it gives up: the run's chain is broken meanwhile, and what that deploy saves may be the way on.
 DEPLOY_LOCK_WAIT_S = 600.0
 _LOCK_POLL_S = 0.25
+# What an agent's status says when it can take a stage now: a paused or unavailable PC that lost its stage is left to
+# the chain's failover
+_CAN_TAKE_STAGES = frozenset({AgentState.AVAILABLE, AgentState.SERVING})
 
 
 class FailoverError(RuntimeError):
@@ -208,29 +215,93 @@ class FleetFailover:
         return self._model_id
 
     def rejoin(self) -> FleetPipeline | None:
-        """At a run's start, before the deployed chain opens: when a run's re-plan left out PCs of the admin's
-        deploy and one of them has called in since (fleet_deploy.pcs_back: restarted, or back on the network),
-        re-plan over the fleet with the deployment's settings, as a failover would, so that the run and the
-        ones after it have that PC again. Returns the new chain, or None to open the deployment on record.
+        """At a run's start, before the deployed chain opens, take back the PCs that can serve the model again, by a
+        re-plan with the deployment's settings, as a failover would, so that the run and the ones after it have them:
+        - PCs of the admin's deploy that a run's re-plan left out and that have called in since
+          (fleet_deploy.pcs_back: restarted, back on the network, resumed by their user);
+        - PCs of the deployed chain that called in since their stage was assigned and, asked, no longer host it
+          (_stages_gone: restarted, or paused and resumed while no run drove the model). The chain learnt that only at
+          its first step, and spent a failover on it (with --max-failovers 0 the run failed).
+        Returns the new chain, or None to open the deployment on record.
 
         The data dir's deploy lock is taken first and held through the re-plan: a deploy under way (another run's
-        start taking the PC back, an admin's) is waited for, and what it saved is opened; then, where other runs
-        drive the model (fleet_runs), nothing is re-planned under their streams: a run that starts while none does
-        takes the PC back. Counted before the lock was held, a run starting a moment after another's count took
-        the old chain, which that one's deploy then replaced under it. A re-plan that does not place a PC that is
-        back, or fails, is said in a note and noted in the record, so that the next runs wait for that PC's next
-        registration. A re-plan here is not a failure: it spends none of the run's --max-failovers; and where it
-        failed after agents were told anything (their stages of the chain on record may be gone), or the deploy
-        waited for did not finish, the run's first failover is not counted either. Before, a PC lost once stayed
-        out of its model's chain until an admin deployed again."""
+        start taking the PC back, an admin's) is waited for, and what it saved is opened. Where other runs drive the
+        model (fleet_runs), nothing is re-planned under their streams for a PC left out: a run that starts while none
+        does takes it back (counted before the lock was held, a run starting a moment after another's count took the
+        old chain, which that one's deploy then replaced under it). A stage gone is gone under their streams too, and
+        is re-planned for all the same. A re-plan that does not place a PC left out, or fails, is said in a note and
+        noted in the record, so that the next runs wait for that PC's next call-in. A re-plan here is not a failure:
+        it spends none of the run's --max-failovers; and where it failed after agents were told anything (their
+        stages of the chain on record may be gone), a stage is known gone, or the deploy waited for did not finish,
+        the run's first failover is not counted either."""
         back = pcs_back(self.store, self.model_dir)
-        if back is None:
+        if back is not None:
+            since = (f"since the re-plan at {utc_text(back.replanned_at)} that left "
+                     f"{'it' if len(back.agents) == 1 else 'them'} out")
+            return self._take_back(back.agents, f"called in {since}",
+                                   {"agents": list(back.agents), "replanned_at": back.replanned_at},
+                                   still_wanted=lambda: pcs_back(self.store, self.model_dir) is not None,
+                                   recheck=frozenset(back.left_out), stage_gone=False)
+        gone = self._stages_gone()
+        if gone is None:
             return None
+        agents, assigned_at = gone
+        at = f" at {utc_text(assigned_at)}" if assigned_at is not None else ""
+        said = (f"no longer hosts its stage (it called in since the stage was assigned{at})" if len(agents) == 1 else
+                f"no longer host their stages (they called in since the stages were assigned{at})")
+        known = self._known
+        return self._take_back(agents, said, {"agents": list(agents), "assigned_at": assigned_at},
+                               still_wanted=lambda: self._saved_deployment() == known, recheck=frozenset(),
+                               stage_gone=True)
+
+    def _stages_gone(self) -> tuple[tuple[str, ...], str | None] | None:
+        """(the PCs, when their stages were assigned) of the deployed chain whose agent called in since its stage was
+        assigned (fleet_deploy.placed_pcs_called_in) and that answer now, able to take stages, without it; None for
+        none. Only those PCs are dialled, with the short timeout, and only after such a call-in: a run on a chain
+        whose PCs said nothing starts as fast as before. The ask is noted in the record (note_hosting_checked), so a
+        call-in is asked about once: a PC that did not answer, or was paused again, is left to the chain's failover."""
+        called_in = placed_pcs_called_in(self.store, self.model_dir)
+        if called_in is None or self._model_id is None:
+            return None
+        asked_at = utc_now()
+        agents = frozenset(stage.agent_id for stage in called_in.stages)
+        options = SurveyOptions(discover_seconds=0.0, only=agents, recheck=agents)
+
+        async def ask() -> list[AgentView]:
+            found = await survey(self.store, options)
+            answered = found.reachable()  # those with a link: close() lets them go
+            await found.close()
+            return answered
+
+        try:
+            answered = {agent.agent_id: agent.report for agent in event_loop.run(ask())}
+        except (FleetStoreError, OSError, pki.PkiError) as error:
+            log.warning("could not ask the PCs that called in since their stage was assigned whether they still host "
+                        "it: %s (the chain's first step tells)", error)
+            return None
+        note_hosting_checked(self.store, self.model_dir, asked_at)
+        gone = tuple(dict.fromkeys(
+            stage.agent_id for stage in called_in.stages
+            if (report := answered.get(stage.agent_id)) is not None and report.state in _CAN_TAKE_STAGES
+            and StageRef(self._model_id, stage.layer_start, stage.layer_end) not in report.stages))
+        return (gone, called_in.assigned_at) if gone else None
+
+    def _saved_deployment(self) -> tuple[StagePlacement, ...] | None:
+        try:
+            return load_deployment(self.store, self.model_dir)
+        except (DeployError, OSError, ManifestError):
+            return None
+
+    def _take_back(self, agents: tuple[str, ...], said: str, entry: dict[str, object], still_wanted: Callable[[], bool],
+                   recheck: frozenset[str], stage_gone: bool) -> FleetPipeline | None:
+        """rejoin's re-plan placing `agents` (of which the notes say: "NAMES {said}"), recorded in `rejoined` as
+        `entry`; `still_wanted` is asked after waiting for a deploy under way (None is returned when it says no: that
+        deploy did the work), `recheck` the PCs the survey dials with the short timeout besides `agents`, and
+        `stage_gone` whether the chain on record is known to lack a stage (its first failover is then free whatever
+        happens here, and other runs driving the model do not stop the re-plan)."""
         started, tried_at = time.perf_counter(), utc_now()
-        names = ", ".join(self._name(agent_id) for agent_id in back.agents)
-        since = (f"since the re-plan at {utc_text(back.replanned_at)} that left "
-                 f"{'it' if len(back.agents) == 1 else 'them'} out")
-        entry: dict[str, object] = {"agents": list(back.agents), "replanned_at": back.replanned_at}
+        names = ", ".join(self._name(agent_id) for agent_id in agents)
+        said = f"{names} {said}"
 
         def record(**fields: object) -> None:
             entry.update(seconds=round(time.perf_counter() - started, 3), **fields)
@@ -244,29 +315,30 @@ class FleetFailover:
                     held.enter_context(self.store.deploying())
                     break
                 except OSError as error:  # its lock file cannot be opened: no deploy can run, nor this re-plan
+                    self._credit = 1 if stage_gone else self._credit
                     record(stages=[], problem=str(error))
-                    self.notify(f"{names} called in {since}, but the run goes on on the deployment on record: {error}")
+                    self.notify(f"{said}, but the run goes on on the deployment on record: {error}")
                     return None
                 except FleetStoreError:  # a deploy under way: what it saves is what this run opens
                     if not waiting:
                         waiting = True
-                        self.notify(f"{names} called in {since}: the run waits for the deploy under way from "
-                                    f"{self.store.data_dir} (another run's, or a `fleet deploy`) to finish")
+                        self.notify(f"{said}: the run waits for the deploy under way from {self.store.data_dir} "
+                                    "(another run's, or a `fleet deploy`) to finish")
                     if time.monotonic() >= deadline:  # the chain it opens may still be replaced: not its fault
                         self._credit = 1
                         record(stages=[], problem=f"the deploy under way did not finish in {DEPLOY_LOCK_WAIT_S:.0f} s")
                         return None
                     time.sleep(_LOCK_POLL_S)
-                    if pcs_back(self.store, self.model_dir) is None:  # taken back meanwhile, or deployed anew
+                    if not still_wanted():  # taken back meanwhile, or deployed anew
                         return None
-            busy = others_driving(self.store, self._model_id) if self._model_id is not None else 0
+            busy = others_driving(self.store, self._model_id) if self._model_id is not None and not stage_gone else 0
             if busy:  # a re-plan now would replace the stages under their streams: a run that starts alone does it
                 record(stages=[], problem=f"{busy} other run(s) drive the model")
-                self.notify(f"{names} called in {since}: it is taken back by a run that starts while no other "
-                            f"drives the model ({busy} other run(s) do now)")
+                self.notify(f"{said}: it is taken back by a run that starts while no other drives the model ({busy} "
+                            "other run(s) do now)")
                 return None
-            self._rejoining = frozenset(back.agents)
-            self._recheck_too = frozenset(back.left_out)  # the admin's PCs still gone: the short timeout too
+            self._rejoining = frozenset(agents)
+            self._recheck_too = recheck  # the admin's PCs still gone: the short timeout too
             try:
                 report = event_loop.run(self._redeploy(lock_held=True))
             except KeyboardInterrupt:
@@ -274,11 +346,12 @@ class FleetFailover:
                 raise
             except (DeployError, ChainError, FailoverError, ManifestError, OSError, FleetStoreError,
                     pki.PkiError) as failure:
-                note_rejoin_tried(self.store, self.model_dir, tried_at)
-                if not isinstance(failure, NotPlaced):  # agents may have been told of a plan that was not saved
+                if not stage_gone:  # a PC gone again, or still short of memory: its next call-in is looked at
+                    note_rejoin_tried(self.store, self.model_dir, tried_at)
+                if stage_gone or not isinstance(failure, NotPlaced):  # agents may have been told of a plan not saved
                     self._credit = 1
                 record(stages=[], problem=str(failure))
-                self.notify(f"{names} called in {since}, but the run goes on on the deployment on record: {failure}")
+                self.notify(f"{said}, but the run goes on on the deployment on record: {failure}")
                 return None
             finally:
                 self._rejoining = self._recheck_too = frozenset()
@@ -298,8 +371,8 @@ class FleetFailover:
         self.chains.append(chain)
         self.run_start = len(self.chains)  # not a failure: the run's budget is whole
         record(stages=[[stage.agent_id, stage.layer_start, stage.layer_end] for stage in chain.stages])
-        self.notify(f"{names} called in {since}: re-planned in {entry['seconds']:.1f} s over {chain.num_stages} "
-                    f"agent(s): {chain.describe()}")
+        self.notify(f"{said}: re-planned in {entry['seconds']:.1f} s over {chain.num_stages} agent(s): "
+                    f"{chain.describe()}")
         self.check_cache()
         return chain
 

@@ -529,6 +529,42 @@ def test_a_pc_its_user_pauses_is_re_planned_around_and_the_server_takes_it_back_
     assert f"agent {victim[:12]} is available again" in fleet.log("controller")
 
 
+def test_a_pc_paused_and_resumed_while_no_run_drives_its_model_hosts_its_stage_again_at_the_next_run(
+        fleet: Fleet, tiny_export: Path) -> None:
+    # Paused over lunch while nobody ran the model, then resumed: the PC gave its stage up and called in, and the
+    # next run's first step found the stage gone and spent a failover on it (with --max-failovers 0 the run failed).
+    stages = _deployed_stages(fleet)
+    assert len(stages) == AGENTS
+    victim = str(stages[0]["agent_id"])
+    index = _agent_index(fleet, victim)
+    name = fleet.agents[index].name
+    agent_cli = [str(BIN / "deskfleet-agent"), "--data-dir", str(fleet.agent_dir(index))]
+    argv = ["generate", "--model", str(tiny_export), "--prompt-ids", PROMPTS[2], "--max-new-tokens", "12",
+            "--ignore-eos", "--json"]
+    local = json.loads(fleet.run(fleet.controller, str(BIN / "deskfleet"), *argv, "--precision", "f32"))
+    given_up = fleet.log(name).count("gave up 1 stage(s)")
+    since = datetime.now().astimezone().isoformat()
+    fleet.run(fleet.agents[index], *agent_cli, "pause")
+    _wait_for("the paused PC to give its stage up", lambda: fleet.log(name).count("gave up 1 stage(s)") > given_up,
+              timeout=30)
+    fleet.run(fleet.agents[index], *agent_cli, "resume")
+    _wait_for("the resumed agent to call in", lambda: _called_in_since(fleet, victim, since), timeout=120)
+    done = subprocess.run(fleet.controller.command(str(BIN / "deskfleet"), *argv, "--fleet", "--max-failovers", "0",
+                                                   "--data-dir", str(fleet.controller_dir)),
+                          cwd=REPO, capture_output=True, timeout=120, env=_environment())
+    stderr = done.stderr.decode()
+    assert done.returncode == 0, stderr
+    report = json.loads(done.stdout)
+    assert report["tokens"] == local["tokens"] and report["replans"] == []
+    assert [entry["agents"] for entry in report["rejoined"]] == [[victim]], report["rejoined"]
+    assert report["stages"] == AGENTS and victim in {stage["agent_id"] for stage in _deployed_stages(fleet)}
+    assert re.search(rf"agent {victim[:12]} on desk-{index} no longer hosts its stage \(it called in since the stage "
+                     rf"was assigned at .* UTC\): re-planned in [0-9.]+ s over {AGENTS} agent\(s\)",
+                     stderr), stderr
+    again = json.loads(fleet.deskfleet(*argv, "--fleet", "--max-failovers", "0"))
+    assert again["rejoined"] == [] and again["replans"] == [] and again["tokens"] == local["tokens"]
+
+
 def test_removed_agent_is_dropped_and_refused(fleet: Fleet) -> None:
     membership = json.loads((fleet.agent_dir(2) / "state" / "membership.json").read_text())
     fleet.deskfleet("fleet", "remove", membership["agent_id"][:10])
