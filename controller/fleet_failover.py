@@ -689,30 +689,49 @@ class FleetFailover:
 
 class TakeBackLook:
     """Whether a run that holds its chain open (`serve --fleet` while idle, `chat --fleet` between replies) should
-    open it again to take a PC back: a PC a re-plan left out has called in since (restarted, resumed by its user,
-    plugged in again: fleet_deploy.pcs_back), no other run drives the model, and no deploy is under way (the opening
-    would wait for it). The opening re-plans to include the PC (FleetFailover.rejoin). Each call-in is acted on
-    once: where the opening did not take the PC back (its re-plan left it out or failed, which the record notes; a
-    deploy lock that could not be opened, which it does not), the run waits for the PC's next call-in instead of
-    opening its chain again at every look. A few small files read a look, no dial."""
+    open it again to take a PC back, no deploy being under way (the opening would wait for it):
+    - a PC a re-plan left out has called in since (restarted, resumed by its user, plugged in again:
+      fleet_deploy.pcs_back) and no other run drives the model: the opening re-plans to include it;
+    - a PC of the deployed chain has called in since its stage was assigned (fleet_deploy.placed_pcs_called_in):
+      restarted, or paused and resumed while the run was idle, it may have lost its stage, and the opening asks it
+      and re-plans for it if so (FleetFailover.rejoin), before a request's first step spends a failover on it.
+    Each call-in is acted on once: where the opening did not take the PC back (its re-plan left it out or failed,
+    which the record notes; a deploy lock that could not be opened, which it does not), the run waits for the PC's
+    next call-in instead of opening its chain again at every look. A few small files read a look, no dial."""
 
     def __init__(self, store: FleetStore, model_dir: Path) -> None:
         self.store = store
         self.model_dir = model_dir
         self._model_id = model_id_of(model_dir)
-        self._acted_on: tuple[object, ...] | None = None  # the last take-back's evidence: PCs, re-plan, call-ins
+        self._acted_on: set[tuple[object, ...]] = set()  # the evidence of each take-back: PCs, when, call-ins
 
     def __call__(self) -> bool:
-        back = pcs_back(self.store, self.model_dir)
-        if back is None or others_driving(self.store, self._model_id) or self.store.deploy_under_way():
+        if self.store.deploy_under_way():
             return False
-        roster = self.store.roster()
-        evidence = (back.agents, back.replanned_at,
-                    tuple(entry.registered_at if (entry := roster.get(agent_id)) else None for agent_id in back.agents))
-        if evidence == self._acted_on:
+        evidence = self._left_out_back()
+        if evidence is None:
+            evidence = self._placed_called_in()
+        if evidence is None or evidence in self._acted_on:
             return False
-        self._acted_on = evidence
+        self._acted_on.add(evidence)
         return True
+
+    def _left_out_back(self) -> tuple[object, ...] | None:
+        back = pcs_back(self.store, self.model_dir)
+        if back is None or others_driving(self.store, self._model_id):
+            return None
+        roster = self.store.roster()
+        return ("left out", back.agents, back.replanned_at,
+                tuple(entry.registered_at if (entry := roster.get(agent_id)) else None for agent_id in back.agents))
+
+    def _placed_called_in(self) -> tuple[object, ...] | None:
+        called_in = placed_pcs_called_in(self.store, self.model_dir)
+        if called_in is None:
+            return None
+        roster = self.store.roster()
+        return ("placed", called_in.assigned_at,
+                tuple((stage.agent_id, entry.registered_at if (entry := roster.get(stage.agent_id)) else None)
+                      for stage in called_in.stages))
 
 
 def _remedy(lost: bool, reasons: frozenset[ExclusionReason], said: str = "") -> str:

@@ -207,3 +207,23 @@ def test_a_survey_that_fails_leaves_the_chain_to_its_first_step(store: FleetStor
     assert FleetFailover(store, tiny_export, max_failovers=2, notify=pytest.fail).rejoin() is None
     assert "whether they still host it: too many open files" in caplog.text
 
+
+def test_a_run_holding_its_chain_opens_it_again_once_for_each_call_in_of_a_pc_of_the_chain(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An idle `serve --fleet` (or a chat between replies) whose PC was paused and resumed: before, its next request's
+    # first step found the stage gone and spent a failover on it. The look opens the chain again, and the opening
+    # asks the PC (FleetFailover.rejoin) and re-plans for it if its stage is gone.
+    monkeypatch.setattr(fleet_failover, "others_driving", lambda store, model_id: 1)  # a stage gone is gone for all
+    _deployed(store, tiny_export)
+    look = fleet_failover.TakeBackLook(store, tiny_export)
+    _registered(store, A, "2026-12-01T07:00:00+00:00")  # before its stage was assigned
+    assert not look()
+    _registered(store, B, LATE)
+    with store.deploying():
+        assert not look()  # a deploy under way: the opening would wait for it while requests queue
+    assert look()
+    assert not look()  # acted on: the next look waits for B's next call-in
+    note_hosting_checked(store, tiny_export, datetime.datetime.fromisoformat("2026-12-01T09:31:00+00:00"))
+    assert not look()  # the opening asked B
+    _registered(store, B, "2026-12-01T10:00:00+00:00")
+    assert look()
