@@ -618,7 +618,13 @@ def note_rejoin_tried(store: FleetStore, model_dir: Path, when: datetime.datetim
     plan left them out, or the re-plan failed): pcs_back then waits for a registration after it, instead of every
     run surveying the fleet again for a PC that is paused, short of memory, or gone again. Best effort: a record
     that cannot be written is left as it was (the next run tries again)."""
-    _note_time(store, model_dir, "rejoin_tried_at", when, only_replanned=True)
+    with contextlib.suppress(DeployError, FleetStoreError, OSError, ManifestError):
+        with store.locked():
+            deployments = _deployments(store)
+            record = deployments.get(model_id_of(model_dir))
+            if isinstance(record, dict) and isinstance(record.get("replanned_at"), str):
+                record["rejoin_tried_at"] = when.isoformat()
+                store.write("deployments", deployments)
 
 
 @dataclass(frozen=True)
@@ -627,11 +633,12 @@ class CalledInSinceAssigned:
 
     stages: tuple[StagePlacement, ...]
     assigned_at: str | None  # ISO 8601 UTC: when the deploy began assigning them; None: a record older than that
+    call_ins: tuple[str, ...]  # each stage's PC's call-in (the roster's registered_at), in the order of `stages`
 
 
 def placed_pcs_called_in(store: FleetStore, model_dir: Path) -> CalledInSinceAssigned | None:
     """The stages of the model's deployment on record whose PC's agent called in to `fleet serve` since the deploy (or
-    re-plan) that saved it began assigning them, and since a run's start last asked them (note_hosting_checked):
+    re-plan) that saved it began assigning them, each with a call-in no run has asked about yet (note_hosting_checked):
     restarted, resumed by its user, plugged in again, each of which may have cost the PC its stage (a restarted agent
     hosts none, a paused one gives its stages up), which the chain would learn only at its first step. The roster's
     `registered_at`, no dial. None when there are none, or the record or roster cannot be read (the chain's opening
@@ -649,17 +656,33 @@ def placed_pcs_called_in(store: FleetStore, model_dir: Path) -> CalledInSinceAss
         since = _utc_time(assigned_at)  # type: ignore[arg-type]
     except (ValueError, TypeError):  # absent or damaged: every call-in on record counts
         assigned_at = None
-    with contextlib.suppress(ValueError, TypeError):
-        since = max(since, _utc_time(record.get("hosting_checked_at")))  # type: ignore[arg-type]
-    called_in = tuple(stage for stage in stages if called_in_since(roster.get(stage.agent_id), since))
-    return CalledInSinceAssigned(called_in, assigned_at) if called_in else None
+    asked = _hosting_checked(record)
+    called_in = [(stage, entry.registered_at) for stage in stages
+                 if called_in_since(entry := roster.get(stage.agent_id), since) and entry is not None
+                 and entry.registered_at is not None and asked.get(stage.agent_id) != entry.registered_at]
+    if not called_in:
+        return None
+    return CalledInSinceAssigned(tuple(stage for stage, _ in called_in), assigned_at,
+                                 tuple(call_in for _, call_in in called_in))
 
 
-def note_hosting_checked(store: FleetStore, model_dir: Path, when: datetime.datetime) -> None:
-    """Record in the model's deployment that a run's start asked the PCs placed_pcs_called_in named at `when`
-    whether they still host their stages: only a call-in after it is asked about again, not one at every run's start.
-    Best effort, as note_rejoin_tried."""
-    _note_time(store, model_dir, "hosting_checked_at", when)
+def note_hosting_checked(store: FleetStore, model_dir: Path, called_in: CalledInSinceAssigned) -> None:
+    """Record in the model's deployment that a run asked the PCs of `called_in` whether they still host their stages
+    (`hosting_checked`: each PC's call-in asked about): placed_pcs_called_in then names a PC again only once it calls
+    in again, not at every run's start. Per PC: a call-in that came while another PC was asked about is still asked
+    about. Best effort, as note_rejoin_tried; a record since saved anew (other stages) is left as it is."""
+    with contextlib.suppress(DeployError, FleetStoreError, OSError, ManifestError):
+        with store.locked():
+            deployments = _deployments(store)
+            record = deployments.get(model_id_of(model_dir))
+            if not isinstance(record, dict) or (called_in.assigned_at is not None
+                                                and record.get("assigned_at") != called_in.assigned_at):
+                return
+            asked = _hosting_checked(record)
+            asked.update((stage.agent_id, call_in) for stage, call_in in zip(called_in.stages, called_in.call_ins,
+                                                                             strict=True))
+            record["hosting_checked"] = asked
+            store.write("deployments", deployments)
 
 
 def left_out_by_replans(store: FleetStore) -> list[LeftOut]:
@@ -698,17 +721,13 @@ def utc_text(iso: str) -> str:
 
 # Private functions
 
-def _note_time(store: FleetStore, model_dir: Path, key: str, when: datetime.datetime,
-               only_replanned: bool = False) -> None:
-    """Set `key` of the model's deployment record to `when` (`only_replanned`: only on a record a run's re-plan
-    saved); a record that cannot be read or written is left as it was."""
-    with contextlib.suppress(DeployError, FleetStoreError, OSError, ManifestError):
-        with store.locked():
-            deployments = _deployments(store)
-            record = deployments.get(model_id_of(model_dir))
-            if isinstance(record, dict) and (not only_replanned or isinstance(record.get("replanned_at"), str)):
-                record[key] = when.isoformat()
-                store.write("deployments", deployments)
+def _hosting_checked(record: dict[str, Any]) -> dict[str, str]:
+    """A record's `hosting_checked` (agent id -> the call-in a run asked it about); {} for none or a damaged one."""
+    asked = record.get("hosting_checked")
+    if not isinstance(asked, dict):
+        return {}
+    return {agent_id: call_in for agent_id, call_in in asked.items()
+            if isinstance(agent_id, str) and isinstance(call_in, str)}
 
 
 def _left_out(model_id: str, record: object, roster: dict[str, RosterEntry],

@@ -52,6 +52,7 @@ from deskfleet.common.wire import StageRef
 from deskfleet.controller.engine import ChainBroken
 from deskfleet.controller.fleet_ca import Revocations
 from deskfleet.controller.fleet_deploy import (
+    CalledInSinceAssigned,
     DeployError,
     DeployReport,
     NotPlaced,
@@ -82,6 +83,7 @@ _LOCK_POLL_S = 0.25
 # What an agent's status says when it can take a stage now: a paused or unavailable PC that lost its stage is left to
 # the chain's failover
 _CAN_TAKE_STAGES = frozenset({AgentState.AVAILABLE, AgentState.SERVING})
+_ACTED_ON_KEPT = 64  # call-ins a take-back look remembers acting on (a server runs for months)
 
 
 class FailoverError(RuntimeError):
@@ -129,6 +131,7 @@ class FleetFailover:
     # the PCs back that rejoin's re-plan under way must place, and the left-out PCs its survey dials with the short
     # timeout (those still gone among them)
     _rejoining: frozenset[str] = field(default=frozenset(), init=False, repr=False)
+    _must_place: bool = field(default=True, init=False, repr=False)  # its plan must place one of them (else NotPlaced)
     _recheck_too: frozenset[str] = field(default=frozenset(), init=False, repr=False)
     _credit: int = field(default=0, init=False, repr=False)  # re-plans of this run not counted (rejoin says which)
     # when each PC in `lost` was first lost: one that has called in since (registered again, or said it can take
@@ -220,7 +223,7 @@ class FleetFailover:
         - PCs of the admin's deploy that a run's re-plan left out and that have called in since
           (fleet_deploy.pcs_back: restarted, back on the network, resumed by their user);
         - PCs of the deployed chain that called in since their stage was assigned and, asked, no longer host it
-          (_stages_gone: restarted, or paused and resumed while no run drove the model). The chain learnt that only at
+          (stages_gone: restarted, or paused and resumed while no run drove the model). The chain learnt that only at
           its first step, and spent a failover on it (with --max-failovers 0 the run failed).
         Returns the new chain, or None to open the deployment on record.
 
@@ -238,53 +241,32 @@ class FleetFailover:
         if back is not None:
             since = (f"since the re-plan at {utc_text(back.replanned_at)} that left "
                      f"{'it' if len(back.agents) == 1 else 'them'} out")
-            return self._take_back(back.agents, f"called in {since}",
-                                   {"agents": list(back.agents), "replanned_at": back.replanned_at},
-                                   still_wanted=lambda: pcs_back(self.store, self.model_dir) is not None,
-                                   recheck=frozenset(back.left_out), stage_gone=False)
-        gone = self._stages_gone()
-        if gone is None:
-            return None
-        agents, assigned_at = gone
-        at = f" at {utc_text(assigned_at)}" if assigned_at is not None else ""
-        said = (f"no longer hosts its stage (it called in since the stage was assigned{at})" if len(agents) == 1 else
-                f"no longer host their stages (they called in since the stages were assigned{at})")
-        known = self._known
-        return self._take_back(agents, said, {"agents": list(agents), "assigned_at": assigned_at},
-                               still_wanted=lambda: self._saved_deployment() == known, recheck=frozenset(),
-                               stage_gone=True)
-
-    def _stages_gone(self) -> tuple[tuple[str, ...], str | None] | None:
-        """(the PCs, when their stages were assigned) of the deployed chain whose agent called in since its stage was
-        assigned (fleet_deploy.placed_pcs_called_in) and that answer now, able to take stages, without it; None for
-        none. Only those PCs are dialled, with the short timeout, and only after such a call-in: a run on a chain
-        whose PCs said nothing starts as fast as before. The ask is noted in the record (note_hosting_checked), so a
-        call-in is asked about once: a PC that did not answer, or was paused again, is left to the chain's failover."""
+            chain = self._take_back(back.agents, f"called in {since}",
+                                    {"agents": list(back.agents), "replanned_at": back.replanned_at},
+                                    still_wanted=lambda: pcs_back(self.store, self.model_dir) is not None,
+                                    recheck=frozenset(back.left_out),
+                                    tried=lambda when: note_rejoin_tried(self.store, self.model_dir, when))
+            if chain is not None:
+                return chain
+        # (a PC left out that was not taken back leaves the chain on record to open: its stages are asked about too)
         called_in = placed_pcs_called_in(self.store, self.model_dir)
         if called_in is None or self._model_id is None:
             return None
-        asked_at = utc_now()
-        agents = frozenset(stage.agent_id for stage in called_in.stages)
-        options = SurveyOptions(discover_seconds=0.0, only=agents, recheck=agents)
-
-        async def ask() -> list[AgentView]:
-            found = await survey(self.store, options)
-            answered = found.reachable()  # those with a link: close() lets them go
-            await found.close()
-            return answered
-
-        try:
-            answered = {agent.agent_id: agent.report for agent in event_loop.run(ask())}
-        except (FleetStoreError, OSError, pki.PkiError) as error:
-            log.warning("could not ask the PCs that called in since their stage was assigned whether they still host "
-                        "it: %s (the chain's first step tells)", error)
+        gone = stages_gone(self.store, self._model_id, called_in)
+        if gone is None:  # could not ask: the chain's first step tells
             return None
-        note_hosting_checked(self.store, self.model_dir, asked_at)
-        gone = tuple(dict.fromkeys(
-            stage.agent_id for stage in called_in.stages
-            if (report := answered.get(stage.agent_id)) is not None and report.state in _CAN_TAKE_STAGES
-            and StageRef(self._model_id, stage.layer_start, stage.layer_end) not in report.stages))
-        return (gone, called_in.assigned_at) if gone else None
+        if not gone:
+            note_hosting_checked(self.store, self.model_dir, called_in)
+            return None
+        # not noted here: a run that starts while this one re-plans asks too, and waits for the re-plan's deploy
+        at = f" at {utc_text(called_in.assigned_at)}" if called_in.assigned_at is not None else ""
+        said = (f"no longer hosts its stage (it called in since the stage was assigned{at})" if len(gone) == 1 else
+                f"no longer host their stages (they called in since the stages were assigned{at})")
+        known = self._known
+        return self._take_back(gone, said, {"agents": list(gone), "assigned_at": called_in.assigned_at},
+                               still_wanted=lambda: self._saved_deployment() == known, recheck=frozenset(),
+                               tried=lambda when: note_hosting_checked(self.store, self.model_dir, called_in),
+                               stage_gone=True)
 
     def _saved_deployment(self) -> tuple[StagePlacement, ...] | None:
         try:
@@ -293,12 +275,15 @@ class FleetFailover:
             return None
 
     def _take_back(self, agents: tuple[str, ...], said: str, entry: dict[str, object], still_wanted: Callable[[], bool],
-                   recheck: frozenset[str], stage_gone: bool) -> FleetPipeline | None:
-        """rejoin's re-plan placing `agents` (of which the notes say: "NAMES {said}"), recorded in `rejoined` as
-        `entry`; `still_wanted` is asked after waiting for a deploy under way (None is returned when it says no: that
-        deploy did the work), `recheck` the PCs the survey dials with the short timeout besides `agents`, and
-        `stage_gone` whether the chain on record is known to lack a stage (its first failover is then free whatever
-        happens here, and other runs driving the model do not stop the re-plan)."""
+                   recheck: frozenset[str], tried: Callable[[datetime.datetime], None],
+                   stage_gone: bool = False) -> FleetPipeline | None:
+        """rejoin's re-plan for `agents` (of which the notes say: "NAMES {said}"), recorded in `rejoined` as `entry`;
+        `still_wanted` is asked after waiting for a deploy under way (None is returned when it says no: that deploy did
+        the work), `recheck` the PCs the survey dials with the short timeout besides `agents`, and `tried` notes a
+        re-plan that failed (given when it began), so that the runs after wait for the PCs' next call-in. `stage_gone`:
+        the chain on record is known to lack a stage of `agents`, so its first failover is free whatever happens here,
+        other runs driving the model do not stop the re-plan, and a plan that leaves those PCs out is deployed all the
+        same (a PC left out is taken back only by a plan that places it)."""
         started, tried_at = time.perf_counter(), utc_now()
         names = ", ".join(self._name(agent_id) for agent_id in agents)
         said = f"{names} {said}"
@@ -337,7 +322,7 @@ class FleetFailover:
                 self.notify(f"{said}: it is taken back by a run that starts while no other drives the model ({busy} "
                             "other run(s) do now)")
                 return None
-            self._rejoining = frozenset(agents)
+            self._rejoining, self._must_place = frozenset(agents), not stage_gone
             self._recheck_too = recheck  # the admin's PCs still gone: the short timeout too
             try:
                 report = event_loop.run(self._redeploy(lock_held=True))
@@ -346,8 +331,7 @@ class FleetFailover:
                 raise
             except (DeployError, ChainError, FailoverError, ManifestError, OSError, FleetStoreError,
                     pki.PkiError) as failure:
-                if not stage_gone:  # a PC gone again, or still short of memory: its next call-in is looked at
-                    note_rejoin_tried(self.store, self.model_dir, tried_at)
+                tried(tried_at)  # a PC gone again, or still short of memory: its next call-in is looked at
                 if stage_gone or not isinstance(failure, NotPlaced):  # agents may have been told of a plan not saved
                     self._credit = 1
                 record(stages=[], problem=str(failure))
@@ -505,7 +489,8 @@ class FleetFailover:
                 result, report = await deploy(self.store, self.model_dir, found, options,
                                               settings.precision, settings.device, exclude=frozenset(self.lost),
                                               kv_cache=settings.kv_cache, lock_held=True,
-                                              replanned_at=surveyed_at, placing=self._rejoining)
+                                              replanned_at=surveyed_at,
+                                              placing=self._rejoining if self._must_place else frozenset())
             finally:
                 await found.close()
         self._planned_apart(result, report)
@@ -687,34 +672,67 @@ class FleetFailover:
         log.warning("%s", self._verdict)
 
 
+def stages_gone(store: FleetStore, model_id: str, called_in: CalledInSinceAssigned) -> tuple[str, ...] | None:
+    """Of the PCs of `called_in` (fleet_deploy.placed_pcs_called_in), those that answer now, able to take stages,
+    without their stage of it; None where they could not be asked. Only they are dialled, with the short timeout,
+    no mDNS browse: a PC that does not answer, or is paused again, is left to the chain's failover. Never raises: the
+    ask is a help to a run that would start without it."""
+    agents = frozenset(stage.agent_id for stage in called_in.stages)
+    options = SurveyOptions(discover_seconds=0.0, only=agents, recheck=agents)
+
+    async def ask() -> list[AgentView]:
+        found = await survey(store, options)
+        answered = found.reachable()  # those with a link: close() lets them go
+        await found.close()
+        return answered
+
+    try:
+        answered = {agent.agent_id: agent.report for agent in event_loop.run(ask())}
+    except Exception as error:
+        log.warning("could not ask the PCs that called in since their stage was assigned whether they still host it: "
+                    "%s (the chain's first step tells)", error, exc_info=log.isEnabledFor(logging.DEBUG))
+        return None
+    return tuple(dict.fromkeys(
+        stage.agent_id for stage in called_in.stages
+        if (report := answered.get(stage.agent_id)) is not None and report.state in _CAN_TAKE_STAGES
+        and StageRef(model_id, stage.layer_start, stage.layer_end) not in report.stages))
+
+
 class TakeBackLook:
     """Whether a run that holds its chain open (`serve --fleet` while idle, `chat --fleet` between replies) should
     open it again to take a PC back, no deploy being under way (the opening would wait for it):
     - a PC a re-plan left out has called in since (restarted, resumed by its user, plugged in again:
       fleet_deploy.pcs_back) and no other run drives the model: the opening re-plans to include it;
-    - a PC of the deployed chain has called in since its stage was assigned (fleet_deploy.placed_pcs_called_in):
-      restarted, or paused and resumed while the run was idle, it may have lost its stage, and the opening asks it
-      and re-plans for it if so (FleetFailover.rejoin), before a request's first step spends a failover on it.
+    - a PC of the deployed chain has called in since its stage was assigned (fleet_deploy.placed_pcs_called_in)
+      and, asked (stages_gone: that PC alone is dialled), no longer hosts it: restarted, or paused and resumed while
+      the run was idle. The opening re-plans for it (FleetFailover.rejoin) before a request's first step spends a
+      failover on it. A PC that still hosts its stage (its link came back, `fleet serve` restarted) costs the run
+      nothing: a chat reopened for it would feed its whole conversation again.
     Each call-in is acted on once: where the opening did not take the PC back (its re-plan left it out or failed,
     which the record notes; a deploy lock that could not be opened, which it does not), the run waits for the PC's
-    next call-in instead of opening its chain again at every look. A few small files read a look, no dial."""
+    next call-in instead of opening its chain again at every look. A few small files read a look, and a dial only
+    after a call-in of a PC of the chain."""
 
     def __init__(self, store: FleetStore, model_dir: Path) -> None:
         self.store = store
         self.model_dir = model_dir
         self._model_id = model_id_of(model_dir)
-        self._acted_on: set[tuple[object, ...]] = set()  # the evidence of each take-back: PCs, when, call-ins
+        # the evidence of each call-in acted on (which PCs, since when, their call-ins), oldest first
+        self._acted_on: dict[tuple[object, ...], None] = {}
 
     def __call__(self) -> bool:
         if self.store.deploy_under_way():
             return False
-        evidence = self._left_out_back()
-        if evidence is None:
-            evidence = self._placed_called_in()
-        if evidence is None or evidence in self._acted_on:
+        left_out = self._left_out_back()
+        if left_out is not None and self._first_time(left_out):
+            return True
+        called_in = placed_pcs_called_in(self.store, self.model_dir)
+        if called_in is None or not self._first_time(("placed", called_in)):
             return False
-        self._acted_on.add(evidence)
-        return True
+        gone = stages_gone(self.store, self._model_id, called_in)
+        if gone == ():  # every one still hosts its stage: asked about once
+            note_hosting_checked(self.store, self.model_dir, called_in)
+        return bool(gone)
 
     def _left_out_back(self) -> tuple[object, ...] | None:
         back = pcs_back(self.store, self.model_dir)
@@ -724,14 +742,14 @@ class TakeBackLook:
         return ("left out", back.agents, back.replanned_at,
                 tuple(entry.registered_at if (entry := roster.get(agent_id)) else None for agent_id in back.agents))
 
-    def _placed_called_in(self) -> tuple[object, ...] | None:
-        called_in = placed_pcs_called_in(self.store, self.model_dir)
-        if called_in is None:
-            return None
-        roster = self.store.roster()
-        return ("placed", called_in.assigned_at,
-                tuple((stage.agent_id, entry.registered_at if (entry := roster.get(stage.agent_id)) else None)
-                      for stage in called_in.stages))
+    def _first_time(self, evidence: tuple[object, ...]) -> bool:
+        """Whether `evidence` was not acted on before (it is now); the oldest are forgotten past _ACTED_ON_KEPT."""
+        if evidence in self._acted_on:
+            return False
+        self._acted_on[evidence] = None
+        while len(self._acted_on) > _ACTED_ON_KEPT:
+            del self._acted_on[next(iter(self._acted_on))]
+        return True
 
 
 def _remedy(lost: bool, reasons: frozenset[ExclusionReason], said: str = "") -> str:

@@ -1,13 +1,14 @@
 """A PC of the deployed chain that lost its stage while no run drove the model (paused and resumed, restarted), found
 at the next run's start: the deployment record says when its stages were assigned (fleet_deploy), placed_pcs_called_in
-names the PCs that called in since, FleetFailover.rejoin asks only those whether they still host their stage and
-re-plans for those that do not, spending no failover (the whole run, with agents, in the integration fleet). And a
-stage's word that it gave its stages up no longer leaves out a PC the re-plan's survey finds able to take them again.
+names the PCs that called in since, and FleetFailover.rejoin asks only those whether they still host their stage and
+re-plans for those that do not, spending no failover; TakeBackLook does the same for a run that holds its chain open
+(the whole run, with agents, in the integration fleet).
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,9 @@ from deskfleet.common.wire import StageRef, StatusReport
 from deskfleet.controller import fleet_deploy, fleet_failover
 from deskfleet.controller.fleet_deploy import (
     CalledInSinceAssigned,
+    DeployError,
     DeployReport,
     DeploySettings,
-    NotPlaced,
     load_deployment,
     model_id_of,
     note_hosting_checked,
@@ -30,6 +31,7 @@ from deskfleet.controller.fleet_failover import FleetFailover
 from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.fleet_survey import AgentView, Survey, SurveyOptions
 from tests.controller.test_fleet_rejoin import ADMINS, EARLY, LATE, A, B, _Chain, _deployments, _Link, _registered
+from tests.log_records import records_of
 
 ASSIGNED = datetime.datetime.fromisoformat(EARLY)  # when the admin's deploy assigned the stages
 
@@ -52,11 +54,20 @@ def test_a_deploy_records_when_it_assigned_the_stages_and_which_pcs_called_in_si
     _registered(store, B, None)  # enrolled, never registered
     assert placed_pcs_called_in(store, tiny_export) is None
     _registered(store, B, LATE)
-    assert placed_pcs_called_in(store, tiny_export) == CalledInSinceAssigned((ADMINS[1],), EARLY)
-    note_hosting_checked(store, tiny_export, datetime.datetime.fromisoformat(LATE) + datetime.timedelta(seconds=1))
-    assert placed_pcs_called_in(store, tiny_export) is None  # asked about once
+    called_in = placed_pcs_called_in(store, tiny_export)
+    assert called_in == CalledInSinceAssigned((ADMINS[1],), EARLY, (LATE,))
+    _registered(store, A, "2026-12-01T09:40:00+00:00")  # A calls in while a run asks B about its call-in
+    note_hosting_checked(store, tiny_export, called_in)
+    # B's call-in was asked about; A's was not, though it came before the ask was noted
+    assert placed_pcs_called_in(store, tiny_export) == CalledInSinceAssigned((ADMINS[0],), EARLY,
+                                                                             ("2026-12-01T09:40:00+00:00",))
     _registered(store, B, "2026-12-01T10:00:00+00:00")  # the next call-in is asked about again
-    assert placed_pcs_called_in(store, tiny_export) == CalledInSinceAssigned((ADMINS[1],), EARLY)
+    assert placed_pcs_called_in(store, tiny_export) == CalledInSinceAssigned(
+        ADMINS, EARLY, ("2026-12-01T09:40:00+00:00", "2026-12-01T10:00:00+00:00"))
+    # an ask noted against stages since assigned anew is not theirs
+    _deployed(store, tiny_export, datetime.datetime.fromisoformat("2026-12-01T08:30:00+00:00"))
+    note_hosting_checked(store, tiny_export, called_in)
+    assert "hosting_checked" not in _record(store, tiny_export)
     # a save without a time given stamps now
     fleet_deploy._save_deployment(store, tiny_export, DeployReport(model_id_of(tiny_export), ADMINS, {}, {}),
                                   DeploySettings())
@@ -77,9 +88,14 @@ def test_a_record_older_than_assigned_at_counts_every_call_in_once_and_a_damaged
         else:
             deployments[model_id_of(tiny_export)]["assigned_at"] = older
         store.write("deployments", deployments)
-        assert placed_pcs_called_in(store, tiny_export) == CalledInSinceAssigned(ADMINS, None)
-    note_hosting_checked(store, tiny_export, datetime.datetime.fromisoformat(LATE))
+        called_in = placed_pcs_called_in(store, tiny_export)
+        assert called_in == CalledInSinceAssigned(ADMINS, None, (EARLY, LATE))
+    note_hosting_checked(store, tiny_export, called_in)
     assert placed_pcs_called_in(store, tiny_export) is None
+    deployments = _deployments(store)
+    deployments[model_id_of(tiny_export)]["hosting_checked"] = ["damaged"]
+    store.write("deployments", deployments)
+    assert placed_pcs_called_in(store, tiny_export) == called_in  # asked about by nobody, as far as can be read
     deployments = _deployments(store)
     deployments[model_id_of(tiny_export)]["stages"] = "two"
     store.write("deployments", deployments)
@@ -139,7 +155,8 @@ def test_a_pc_that_called_in_without_its_stage_is_re_planned_for_at_the_runs_sta
     assert asked.only == {B} and asked.recheck == {B} and asked.discover_seconds == 0
     assert len(fleet["surveys"]) == 2  # type: ignore[arg-type]  # then the re-plan's own survey
     (deployed,) = fleet["deploys"]  # type: ignore[misc]
-    assert deployed["placing"] == {B} and deployed["exclude"] == frozenset()
+    # any plan is better than the chain on record, which lacks B's stage: one that leaves B out too
+    assert deployed["placing"] == frozenset() and deployed["exclude"] == frozenset()
     assert notes == [f"agent bbbbbbbbbbbb on desk-b no longer hosts its stage (it called in since the stage was "
                      f"assigned at 2026-12-01 08:00:00 UTC): re-planned in {failover.rejoined[0]['seconds']:.1f} s "
                      f"over 2 agent(s): aaaa -> bbbb"]
@@ -149,6 +166,39 @@ def test_a_pc_that_called_in_without_its_stage_is_re_planned_for_at_the_runs_sta
     # the new deployment's stages were assigned after the call-in: the next run asks nobody
     assert placed_pcs_called_in(store, tiny_export) is None
     assert FleetFailover(store, tiny_export, max_failovers=0, notify=pytest.fail).rejoin() is None
+
+
+def test_a_run_that_starts_during_the_re_plan_for_a_stage_gone_asks_too_and_opens_what_it_saved(
+        store: FleetStore, tiny_export: Path, fleet: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
+    # the ask was noted before the re-plan: a run starting meanwhile opened the chain on record, which lacked the stage
+    replanning = fleet_failover.deploy
+    seen: list[object] = []
+
+    async def deploy(*args: object, **kwargs: object) -> object:
+        seen.append(placed_pcs_called_in(store, tiny_export))  # what a run that starts now finds
+        return await replanning(*args, **kwargs)  # type: ignore[operator]
+
+    monkeypatch.setattr(fleet_failover, "deploy", deploy)
+    assert FleetFailover(store, tiny_export, max_failovers=0, notify=lambda text: None).rejoin() is not None
+    assert seen == [CalledInSinceAssigned((ADMINS[1],), EARLY, (LATE,))]
+
+
+def test_a_pc_left_out_that_is_not_taken_back_leaves_the_stages_of_the_chain_on_record_asked_about(
+        store: FleetStore, tiny_export: Path, fleet: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
+    # PCs rebooted overnight: C, left out by yesterday's re-plan, and B of the chain on record. C waits while another
+    # run drives the model; B's stage is gone for that run and this one alike.
+    from tests.controller.test_fleet_rejoin import C
+
+    deployments = _deployments(store)
+    deployments[model_id_of(tiny_export)].update(replanned_at=EARLY, deployed_agents=[A, B, C])
+    store.write("deployments", deployments)
+    _registered(store, C, LATE)
+    monkeypatch.setattr(fleet_failover, "others_driving", lambda store, model_id: 1)
+    notes: list[str] = []
+    failover = FleetFailover(store, tiny_export, max_failovers=0, notify=notes.append)
+    assert failover.rejoin() is not None
+    assert [entry["agents"] for entry in failover.rejoined] == [[C], [B]]
+    assert "1 other run(s) do now" in notes[0] and "no longer hosts its stage" in notes[1]
 
 
 @pytest.mark.parametrize(("answers", "why"), [
@@ -181,49 +231,60 @@ def test_a_stage_gone_is_re_planned_for_under_other_runs_too(store: FleetStore, 
 
 def test_a_re_plan_for_a_stage_gone_that_fails_leaves_the_run_its_first_failover_free(
         store: FleetStore, tiny_export: Path, fleet: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
-    async def leaves_b_out(*args: object, **kwargs: object) -> None:
-        raise NotPlaced("the plan over the fleet leaves agent bbbbbbbbbbbb on desk-b out (too little memory)")
+    async def no_plan(*args: object, **kwargs: object) -> None:
+        raise DeployError("the model does not fit the fleet: too little memory")
 
-    monkeypatch.setattr(fleet_failover, "deploy", leaves_b_out)
+    monkeypatch.setattr(fleet_failover, "deploy", no_plan)
     notes: list[str] = []
     failover = FleetFailover(store, tiny_export, max_failovers=0, notify=notes.append)
     assert failover.rejoin() is None
     assert notes == ["agent bbbbbbbbbbbb on desk-b no longer hosts its stage (it called in since the stage was "
-                     "assigned at 2026-12-01 08:00:00 UTC), but the run goes on on the deployment on record: the plan "
-                     "over the fleet leaves agent bbbbbbbbbbbb on desk-b out (too little memory)"]
+                     "assigned at 2026-12-01 08:00:00 UTC), but the run goes on on the deployment on record: the model "
+                     "does not fit the fleet: too little memory"]
     # the chain on record lacks B's stage: the failover its first step costs is not the run's
     assert failover._spent() == -1
-    assert "rejoin_tried_at" not in _record(store, tiny_export)  # that note is pcs_back's, for PCs left out
+    record = _record(store, tiny_export)
+    assert "rejoin_tried_at" not in record and record["hosting_checked"] == {B: LATE}  # asked about once
 
 
 def test_a_survey_that_fails_leaves_the_chain_to_its_first_step(store: FleetStore, tiny_export: Path,
                                                                 fleet: dict[str, object],
-                                                                monkeypatch: pytest.MonkeyPatch,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
-    async def fails(*args: object) -> None:
-        raise OSError("too many open files")
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    for failure in (OSError("too many open files"), RuntimeError("no interfaces")):
+        async def fails(*args: object, failure: Exception = failure) -> None:
+            raise failure
 
-    monkeypatch.setattr(fleet_failover, "survey", fails)
-    assert FleetFailover(store, tiny_export, max_failovers=2, notify=pytest.fail).rejoin() is None
-    assert "whether they still host it: too many open files" in caplog.text
+        monkeypatch.setattr(fleet_failover, "survey", fails)
+        with records_of(fleet_failover.__name__, logging.WARNING) as logged:
+            assert FleetFailover(store, tiny_export, max_failovers=2, notify=pytest.fail).rejoin() is None
+        assert any(f"whether they still host it: {failure}" in line for line in logged.messages())
+    assert "hosting_checked" not in _record(store, tiny_export)  # the next run asks again
 
 
-def test_a_run_holding_its_chain_opens_it_again_once_for_each_call_in_of_a_pc_of_the_chain(
-        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_run_holding_its_chain_opens_it_again_once_for_a_pc_of_the_chain_that_lost_its_stage(
+        store: FleetStore, tiny_export: Path, fleet: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
     # An idle `serve --fleet` (or a chat between replies) whose PC was paused and resumed: before, its next request's
-    # first step found the stage gone and spent a failover on it. The look opens the chain again, and the opening
-    # asks the PC (FleetFailover.rejoin) and re-plans for it if its stage is gone.
+    # first step found the stage gone and spent a failover on it. The look asks the PC that called in, and opens the
+    # chain again where it lost its stage; the opening re-plans for it (FleetFailover.rejoin).
     monkeypatch.setattr(fleet_failover, "others_driving", lambda store, model_id: 1)  # a stage gone is gone for all
-    _deployed(store, tiny_export)
     look = fleet_failover.TakeBackLook(store, tiny_export)
-    _registered(store, A, "2026-12-01T07:00:00+00:00")  # before its stage was assigned
-    assert not look()
-    _registered(store, B, LATE)
     with store.deploying():
         assert not look()  # a deploy under way: the opening would wait for it while requests queue
+    assert fleet["surveys"] == []
     assert look()
+    assert fleet["surveys"][0].only == {B}  # type: ignore[index]
     assert not look()  # acted on: the next look waits for B's next call-in
-    note_hosting_checked(store, tiny_export, datetime.datetime.fromisoformat("2026-12-01T09:31:00+00:00"))
-    assert not look()  # the opening asked B
+    assert len(fleet["surveys"]) == 1  # type: ignore[arg-type]
     _registered(store, B, "2026-12-01T10:00:00+00:00")
     assert look()
+
+
+def test_a_pc_of_the_chain_that_called_in_with_its_stage_costs_the_run_holding_it_nothing(
+        store: FleetStore, tiny_export: Path, fleet: dict[str, object]) -> None:
+    # a link that came back, or `fleet serve` restarted (every agent registers again): reopened for it, a chat fed its
+    # whole conversation again
+    fleet["answers"] = {A: (AgentState.SERVING, True), B: (AgentState.SERVING, True)}
+    look = fleet_failover.TakeBackLook(store, tiny_export)
+    assert not look() and len(fleet["surveys"]) == 1  # type: ignore[arg-type]
+    assert not look() and len(fleet["surveys"]) == 1  # type: ignore[arg-type]
+    assert placed_pcs_called_in(store, tiny_export) is None  # noted: the runs that start next ask nobody
