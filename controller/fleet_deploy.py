@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import shlex
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -83,6 +84,7 @@ RELEASE_UNSAVED_TIMEOUT_S = 2.0  # a deploy that did not finish tells each PC to
 CHUNK_BYTES = 1 << 20
 REPLY_TIMEOUT_S = 60.0
 COMPILE_TIMEOUT_S = 300.0
+DEPLOYMENT_WATCH_S = 0.5  # how often a running chain looks whether its deployment on record was replaced
 MAX_REPLACED = 16  # the earlier exports of a folder whose stages a deploy still looks for (newest first)
 
 _M = TypeVar("_M", bound=Message)
@@ -526,6 +528,42 @@ def load_deployment(store: FleetStore, model_dir: Path) -> tuple[StagePlacement,
         raise DeployError(f"{store.data_dir / 'deployments.json'}: the deployment of {model_id_of(model_dir)} is "
                           f"damaged ({error}): run `deskfleet fleet deploy --model {model_dir}{store.data_dir_option}` "
                           "again") from None
+
+
+class DeploymentWatch:
+    """Whether the model's deployment on record still places `stages`, the chain a run drives (FleetPipeline asks
+    while it runs): an admin's `fleet deploy`, or another run's re-plan, that saved another one has moved or released
+    stages under it, and a stage the chain never told where its results go may now be the last one (its results were
+    dropped, and the run waited out its 120 s step timeout). A look is a stat of deployments.json at most every
+    DEPLOYMENT_WATCH_S, the file read only when it changed; a record that cannot be read tells nothing."""
+
+    def __init__(self, store: FleetStore, model_dir: Path, stages: Sequence[StagePlacement],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.model_dir = model_dir
+        self.stages = tuple(stages)
+        self._clock = clock
+        self._looked_at = -math.inf  # the clock's time of the last stat
+        self._seen: tuple[int, int] | None = None  # deployments.json's (mtime_ns, size) when last read
+
+    def __call__(self) -> bool:
+        """Whether the deployment on record places other stages now (False too while it cannot be read)."""
+        now = self._clock()
+        if now - self._looked_at < DEPLOYMENT_WATCH_S:
+            return False
+        self._looked_at = now
+        try:
+            status = (self.store.data_dir / "deployments.json").stat()
+        except OSError:
+            return False
+        seen = (status.st_mtime_ns, status.st_size)
+        if seen == self._seen:
+            return False
+        self._seen = seen
+        try:
+            return load_deployment(self.store, self.model_dir) != self.stages
+        except (DeployError, OSError, ManifestError):
+            return False
 
 
 def load_deploy_settings(store: FleetStore, model_dir: Path) -> DeploySettings:

@@ -54,6 +54,7 @@ from deskfleet.controller.fleet_ca import Revocations
 from deskfleet.controller.fleet_deploy import (
     CalledInSinceAssigned,
     DeployError,
+    DeploymentWatch,
     DeployReport,
     NotPlaced,
     StagePlacement,
@@ -268,6 +269,12 @@ class FleetFailover:
                                tried=lambda when: note_hosting_checked(self.store, self.model_dir, called_in),
                                stage_gone=True)
 
+    def _chain_of(self, report: DeployReport) -> FleetPipeline:
+        """The chain of a deployment this run goes on on, watching the record for another one replacing it."""
+        return FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store), model_id=report.model_id,
+                             hostnames=self.hostnames,
+                             replaced=DeploymentWatch(self.store, self.model_dir, report.stages))
+
     def _saved_deployment(self) -> tuple[StagePlacement, ...] | None:
         try:
             return load_deployment(self.store, self.model_dir)
@@ -345,8 +352,7 @@ class FleetFailover:
             log.debug("a deployment of %s was saved meanwhile: the run opens it", self.model_dir)
             return None
         try:
-            chain = FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store),
-                                  model_id=report.model_id, hostnames=self.hostnames)
+            chain = self._chain_of(report)
         except ChainError as error:  # the new chain did not open: re-planned around, as a chain gone at the start is
             record(stages=[[stage.agent_id, stage.layer_start, stage.layer_end] for stage in report.stages],
                    problem=f"the new chain did not open: {error}")
@@ -433,8 +439,7 @@ class FleetFailover:
             self._verdict = self._blame_verdict
         try:
             report = event_loop.run(self._redeploy())
-            chain = FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store),
-                                  model_id=report.model_id, hostnames=self.hostnames)
+            chain = self._chain_of(report)
             self._known = report.stages
             return chain
         except (DeployError, ChainError) as failure:

@@ -29,7 +29,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,12 +38,19 @@ from deskfleet.common import event_loop
 from deskfleet.common.wire import Error, ErrorCode, Forward, ForwardResult, ReleaseMicroBatch, ResultsHere
 from deskfleet.controller.chain_ids import ChainIds
 from deskfleet.controller.engine import ChainBroken
-from deskfleet.controller.fleet_deploy import DeployError, StagePlacement, load_deployment, model_id_of
+from deskfleet.controller.fleet_deploy import (
+    DeployError,
+    DeploymentWatch,
+    StagePlacement,
+    load_deployment,
+    model_id_of,
+)
 from deskfleet.controller.fleet_store import FleetStore, agent_label
 
 log = logging.getLogger(__name__)
 
 STEP_TIMEOUT_S = 120.0
+REPLACED_POLL_S = 1.0  # how often a collect() that waits for a result looks whether the deployment was replaced
 # A step's wait grows with the tokens it feeds: a prompt (or a failover's resume: prompt plus the tokens so far)
 # is one step, and a long one through slow PCs may take minutes where a decode step takes milliseconds; a fixed
 # wait made such a prefill look like a stuck agent, and the re-plan (blaming no one) ran it again and again.
@@ -113,13 +120,17 @@ class FleetPipeline:
     is still pinned by TLS. `return_logits` asks the last stage for the full logits too (benchmarks
     only: it is what top-1 compression saves). `model_id` (the deployment's) names the model in every
     step, so that an agent hosting stages of several models runs each on the right one. `hostnames` (agent id ->
-    the hostname it enrolled with: FleetStore.hostnames) names the PCs in errors and in describe().
+    the hostname it enrolled with: FleetStore.hostnames) names the PCs in errors and in describe(). `replaced`
+    (fleet_deploy.DeploymentWatch) says whether the deployment on record no longer places these stages: submit()
+    and a collect() that waits then fail the chain at once, blaming no one, and the run's failover goes on on the new
+    deployment.
     """
 
     def __init__(self, stages: Sequence[StagePlacement], files: TlsFiles,
                  revocations: RevocationSource = no_revocations, addresses: Sequence[str] | None = None,
                  step_timeout_s: float = STEP_TIMEOUT_S, return_logits: bool = False, model_id: str = "",
-                 hostnames: Mapping[str, str] | None = None) -> None:
+                 hostnames: Mapping[str, str] | None = None, replaced: Callable[[], bool] | None = None
+                 ) -> None:
         if not stages:
             raise ChainError("the deployment has no stages")
         self.stages = tuple(stages)
@@ -132,6 +143,7 @@ class FleetPipeline:
         self.return_logits = return_logits
         self.model_id = model_id
         self.hostnames = dict(hostnames or {})
+        self.replaced = replaced
         self._first_id = secrets.randbelow(_REGIONS) * _REGION_IDS  # this driver's range of wire ids
         bases = itertools.count(secrets.randbelow(_REGION_BASES))
         self._ids = ChainIds(_ID_SPAN, lambda: self._first_id + next(bases) % _REGION_BASES * _ID_SPAN)
@@ -172,7 +184,8 @@ class FleetPipeline:
         except DeployError as error:
             raise ChainError(str(error)) from None
         return cls(stages, store.tls_files, Revocations(store), model_id=model_id_of(model_dir),
-                   hostnames=store.hostnames(), **options)  # type: ignore[arg-type]
+                   hostnames=store.hostnames(), replaced=DeploymentWatch(store, model_dir, stages),
+                   **options)  # type: ignore[arg-type]
 
     @property
     def num_stages(self) -> int:
@@ -183,6 +196,7 @@ class FleetPipeline:
     def submit(self, message: Forward) -> None:
         """Send one step; its result comes out of collect()."""
         self._check_open()
+        self._check_deployment()
         self._post(self._ids.send(message, return_logits=self.return_logits or message.return_logits,
                                   model_id=self.model_id))
 
@@ -196,9 +210,13 @@ class FleetPipeline:
                 if timeout is None else timeout)
         deadline = time.monotonic() + wait
         while True:
+            left = max(deadline - time.monotonic(), 0.0)
             try:
-                entry = self._results.get(timeout=max(deadline - time.monotonic(), 0.0))
+                entry = self._results.get(timeout=left if self.replaced is None else min(left, REPLACED_POLL_S))
             except queue.Empty:
+                if time.monotonic() < deadline:  # a look whether the deployment was replaced under the steps
+                    self._check_deployment()
+                    continue
                 raise ChainError(f"no result within {wait:.0f} s with {self._ids.in_flight} step(s) in flight on "
                                  f"{self.describe()}: an agent may be stuck") from None
             if isinstance(entry, ChainError):
@@ -257,6 +275,17 @@ class FleetPipeline:
             raise ChainError("the chain is closed")
         if self._failure is not None:
             raise self._failure
+
+    def _check_deployment(self) -> None:
+        """Fail the chain when its deployment on record was replaced (`replaced`): before, a deploy that made another
+        PC the last stage, which this driver never told where its results go, had them dropped, and the run (an idle
+        `serve --fleet` at its next request) waited out its step timeout, then failed over, 120 s later."""
+        if self.replaced is None or not self.replaced():
+            return
+        error = ChainError("the deployment on record was replaced under the chain (an admin's `fleet deploy`, or "
+                           "another run's re-plan)", stages=self.stages)
+        self._fail(error)
+        raise error
 
     def _give_up_opening(self) -> None:
         """The constructor leaves without a chain: the network thread closes the links it has opened or is

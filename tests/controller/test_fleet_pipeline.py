@@ -346,3 +346,39 @@ def test_closing_a_chain_whose_network_thread_ends_meanwhile_raises_nothing(
     monkeypatch.setattr(chain, "_post", loop_gone)
     monkeypatch.setattr(chain._thread, "is_alive", lambda: True)
     chain.close()  # no error
+
+
+def test_a_chain_whose_deployment_was_replaced_fails_at_its_next_step_blaming_no_one(
+        scripted_chain: Callable[[Reply], FleetPipeline]) -> None:
+    # an admin's `fleet deploy` under an idle `serve --fleet`: before, the next request's step went to stages the
+    # deploy had reshaped, its result was dropped by a last stage that never heard of this driver, and the request
+    # waited out the step timeout
+    async def silent(link: Link, message: Forward) -> None:
+        pass
+
+    chain = scripted_chain(silent)
+    replaced = [True]
+    chain.replaced = lambda: replaced[0]
+    with pytest.raises(ChainError, match=r"^the deployment on record was replaced under the chain \(an admin's "
+                                         r"`fleet deploy`, or another run's re-plan\)$") as raised:
+        chain.submit(one_step())
+    assert raised.value.agent_id is None and raised.value.stages == chain.stages
+    assert not any(isinstance(message, Forward) for message in SEEN)  # nothing sent to the stages it no longer has
+    with pytest.raises(ChainError, match="replaced"):
+        chain.collect()  # the chain stays failed
+
+
+def test_a_step_in_flight_when_the_deployment_is_replaced_is_given_up_within_a_second(
+        scripted_chain: Callable[[Reply], FleetPipeline]) -> None:
+    async def silent(link: Link, message: Forward) -> None:  # its result went to a stage that dropped it
+        pass
+
+    chain = scripted_chain(silent)
+    replaced = [False]
+    chain.replaced = lambda: replaced[0]
+    chain.submit(one_step())
+    threading.Timer(0.3, lambda: replaced.__setitem__(0, True)).start()
+    started = time.monotonic()
+    with pytest.raises(ChainError, match="replaced under the chain"):
+        chain.collect()  # the step timeout is 5 s
+    assert time.monotonic() - started < fleet_pipeline.REPLACED_POLL_S + 2.0

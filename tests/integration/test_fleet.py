@@ -565,6 +565,59 @@ def test_a_pc_paused_and_resumed_while_no_run_drives_its_model_hosts_its_stage_a
     assert again["rejoined"] == [] and again["replans"] == [] and again["tokens"] == local["tokens"]
 
 
+def test_an_admins_deploy_under_a_running_server_is_what_the_server_goes_on_on(fleet: Fleet,
+                                                                            tiny_export: Path) -> None:
+    # An admin's `fleet deploy` while `serve --fleet` holds the chain: the deploy moves and releases stages under it.
+    # The server goes on on the admin's deployment at its next request (not its own re-plan). Before, a deploy that
+    # added PCs made one the last stage, which dropped the results of a driver it had never heard of: the request
+    # timed out.
+    argv = ["generate", "--model", str(tiny_export), *[a for p in PROMPTS for a in ("--prompt-ids", p)],
+            "--max-new-tokens", "12", "--precision", "f32", "--json"]
+    local = [stream["text"] for stream in json.loads(fleet.run(fleet.controller, str(BIN / "deskfleet"),
+                                                                *argv))["streams"]]
+    deploy = ["fleet", "deploy", "--model", str(tiny_export), "--precision", "f32", "--json", "--discover-seconds", "0"]
+    assert len(json.loads(fleet.deskfleet(*deploy, "--policy", "fewest_agents"))["stages"]) == 1
+    session = subprocess.Popen(fleet.controller.command(sys.executable, "-m", "tests.integration.fleet_api_session",
+                                                        str(fleet.controller_dir), str(tiny_export)),
+                               cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_environment(), text=True)
+    assert session.stdin is not None and session.stdout is not None
+
+    def complete(prompt: str) -> str:
+        assert session.stdin is not None and session.stdout is not None
+        session.stdin.write(prompt + "\n")
+        session.stdin.flush()
+        return str(json.loads(session.stdout.readline()))
+
+    def record() -> dict[str, object]:
+        return next(iter(json.loads((fleet.controller_dir / "deployments.json").read_text())["body"].values()))
+
+    try:
+        assert session.stdout.readline() == "serving\n"
+        assert complete(PROMPTS[0]) == local[0]
+        # the admin adds PCs under the server: the new stages' last PC never heard of the server's chain
+        three = json.loads(fleet.deskfleet(*deploy, "--policy", "all_by_speed", "--hop-ms", "0"))
+        assert len(three["stages"]) == AGENTS
+        assert complete(PROMPTS[1]) == local[1]
+        assert "replanned_at" not in record() and len(_deployed_stages(fleet)) == AGENTS  # the admin's, as it was
+        one = json.loads(fleet.deskfleet(*deploy, "--policy", "fewest_agents"))  # and takes them away again
+        assert complete(PROMPTS[2]) == local[2]
+        assert "replanned_at" not in record() and _deployed_stages(fleet) == [
+            dict(zip(("agent_id", "address", "layer_start", "layer_end"), stage, strict=True))
+            for stage in one["stages"]]
+        session.stdin.close()
+        end = json.loads(session.stdout.readline())
+        assert session.wait(timeout=60) == 0
+    finally:
+        if session.poll() is None:
+            session.kill()
+            session.wait()
+        fleet.deskfleet(*deploy, "--policy", "all_by_speed", "--hop-ms", "0")  # the 3 stages the tests after need
+    assert end["exit"] == 0, end["stderr"]
+    # each deploy was seen at the next request, which went on on it at once (it had waited out a 120 s step timeout)
+    assert end["stderr"].count("the deployment on record was replaced under the chain") == 2, end["stderr"]
+    assert end["stderr"].count("on the deployment saved meanwhile") == 2, end["stderr"]
+
+
 def test_removed_agent_is_dropped_and_refused(fleet: Fleet) -> None:
     membership = json.loads((fleet.agent_dir(2) / "state" / "membership.json").read_text())
     fleet.deskfleet("fleet", "remove", membership["agent_id"][:10])
