@@ -8,6 +8,7 @@ import ipaddress
 import logging
 import math
 import os
+import ssl
 import stat
 import sys
 import time
@@ -63,6 +64,11 @@ def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     serve.add_argument("--no-api-key", action="store_true",
                        help="serve without an API key on an address other than loopback: anyone who reaches the "
                             "port can use the model")
+    serve.add_argument("--tls-cert", type=path_argument, default=None, metavar="FILE",
+                       help="serve HTTPS with this PEM certificate (its chain after it), with --tls-key: the API key "
+                            "and every prompt and reply cross the network encrypted")
+    serve.add_argument("--tls-key", type=path_argument, default=None, metavar="FILE",
+                       help="the certificate's private key (PEM, unencrypted, readable by this user only)")
     serve.add_argument("--model-name", default=None,
                        help="the model's id, which clients give as `model` (default: the export folder's name)")
     serve.add_argument("--max-streams", type=positive_int, default=DEFAULT_MAX_STREAMS,
@@ -82,17 +88,53 @@ def read_api_key(path: Path | None, environ: dict[str, str] | os._Environ[str] =
         key = environ.get(API_KEY_ENV, "").strip()
         return key or None
     try:
-        mode = path.stat().st_mode
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"--api-key-file {path}: cannot be read: {error}") from None
-    if os.name == "posix" and mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError(f"--api-key-file {path}: others can read it (mode {stat.S_IMODE(mode):o}): "
-                         f"`chmod 600 {path}` first")
+    _check_private("--api-key-file", path)
     key = text.strip().splitlines()[0].strip() if text.strip() else ""
     if not key:
         raise ValueError(f"--api-key-file {path} is empty: put the key on its first line")
     return key
+
+
+def server_tls(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
+    """The TLS context `serve` listens with (TLS 1.2 at least), from --tls-cert and --tls-key; None for neither.
+    ValueError naming the file and what is wrong: one of the two alone, a file that cannot be read, a key others may
+    read, an encrypted key (a server started by systemd has nobody to type its passphrase), or a certificate and a
+    key that do not belong together."""
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise ValueError(f"{'--tls-cert' if key is None else '--tls-key'} without "
+                         f"{'--tls-key' if key is None else '--tls-cert'}: HTTPS needs the certificate and its key")
+    for option, path in (("--tls-cert", cert), ("--tls-key", key)):
+        try:
+            with path.open("rb"):
+                pass
+        except OSError as error:
+            raise ValueError(f"{option} {path}: cannot be read: {error.strerror or error}") from None
+    _check_private("--tls-key", key)
+
+    def no_passphrase() -> str:
+        raise ValueError(f"--tls-key {key} is encrypted: give the key unencrypted (`openssl pkey -in {key} -out "
+                         "KEY`), readable by this user only")
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key, password=no_passphrase)
+    except ssl.SSLError as error:
+        raise ValueError(f"--tls-cert {cert} and --tls-key {key}: {error.reason or error} (a PEM certificate, then "
+                         "its chain, and the private key it was made for)") from None
+    return context
+
+
+def _check_private(option: str, path: Path) -> None:
+    """ValueError where others than this user may read `path` (POSIX): a secret they could read is theirs too."""
+    mode = path.stat().st_mode
+    if os.name == "posix" and mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ValueError(f"{option} {path}: others can read it (mode {stat.S_IMODE(mode):o}): `chmod 600 {path}` first")
 
 
 def is_loopback(host: str) -> bool:
@@ -120,6 +162,11 @@ def _serve_command(args: argparse.Namespace) -> int:
                          f"(or ${API_KEY_ENV}), or --no-api-key to let anyone who reaches the port use the model")
     if api_key is not None and args.no_api_key:
         raise ValueError("--no-api-key with an API key given (--api-key-file or $DESKFLEET_API_KEY): leave one out")
+    tls = server_tls(args.tls_cert, args.tls_key)
+    if tls is None and not is_loopback(host):
+        print(f"deskfleet: note: --listen {args.listen} serves plain HTTP: the API key and every prompt and reply "
+              "cross the network readable by anyone on the way; give --tls-cert and --tls-key for HTTPS",
+              file=sys.stderr)
     manifest = load_manifest(args.model)
     tokenizer = ModelTokenizer(args.model)
     decoding = DecodingOptions(draft=args.draft, prompt_lookup=args.prompt_lookup, k=args.k, k_max=args.k_max,
@@ -141,7 +188,7 @@ def _serve_command(args: argparse.Namespace) -> int:
         with TemplateRenderer() as renderer:
             tokenizer.renderer = renderer
             api = OpenAiApi(service, tokenizer, manifest.spec, name, api_key, hosts)
-            event_loop.run(_listen(api, host, port, "the fleet" if args.fleet else f"{stages} local stage(s)"))
+            event_loop.run(_listen(api, host, port, "the fleet" if args.fleet else f"{stages} local stage(s)", tls))
     except ServiceClosed as error:  # the chain did not open
         print(f"deskfleet: error: {error}", file=sys.stderr)
         return 1
@@ -150,9 +197,10 @@ def _serve_command(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _listen(api: OpenAiApi, host: str, port: int, where: str) -> None:
+async def _listen(api: OpenAiApi, host: str, port: int, where: str, tls: ssl.SSLContext | None = None) -> None:
     """Listen first (a port in use is said before anything compiles), then open the chain, then serve until a
-    stopping signal; then the streams running end with an error, which their clients get, and the server stops."""
+    stopping signal; then the streams running end with an error, which their clients get, and the server stops.
+    `tls`: serve HTTPS with it (server_tls)."""
     from aiohttp import web
 
     runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
@@ -168,7 +216,7 @@ async def _listen(api: OpenAiApi, host: str, port: int, where: str) -> None:
             pass
     try:
         try:
-            await web.TCPSite(runner, host, port).start()
+            await web.TCPSite(runner, host, port, ssl_context=tls).start()
         except OSError as error:
             raise ValueError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
         print(f"deskfleet: opening {api.model_name} ({where}) ...", file=sys.stderr, flush=True)
@@ -183,7 +231,8 @@ async def _listen(api: OpenAiApi, host: str, port: int, where: str) -> None:
         bound = runner.addresses[0][1] if runner.addresses else port
         shown = f"[{host}]" if ":" in host else host
         key = "an API key" if api.has_api_key else "no API key"
-        print(f"deskfleet: serving {api.model_name} at http://{shown}:{bound}/v1 ({key}); Ctrl-C stops",
+        scheme = "http" if tls is None else "https"
+        print(f"deskfleet: serving {api.model_name} at {scheme}://{shown}:{bound}/v1 ({key}); Ctrl-C stops",
               file=sys.stderr, flush=True)
         await stopped.wait()
         log.info("serve stopping: %d stream(s) running", api.service.live_streams)

@@ -3,20 +3,54 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from deskfleet.controller.cli import main
-from deskfleet.controller.serve_cli import API_KEY_ENV, is_loopback, read_api_key
+from deskfleet.controller.serve_cli import API_KEY_ENV, is_loopback, read_api_key, server_tls
 from tests.fake_clock import FakeClock
+
+
+def self_signed(folder: Path, passphrase: bytes | None = None) -> tuple[Path, Path]:
+    """(certificate, key) PEM files of a self-signed certificate for localhost and 127.0.0.1, the key 0600."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    folder.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                               x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                                  critical=False)
+                   .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                   .sign(key, hashes.SHA256()))
+    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
+    cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    encryption = (serialization.BestAvailableEncryption(passphrase) if passphrase is not None
+                  else serialization.NoEncryption())
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption))
+    key_file.chmod(0o600)
+    return cert_file, key_file
 
 
 def test_read_api_key(tmp_path: Path) -> None:
@@ -37,6 +71,35 @@ def test_read_api_key(tmp_path: Path) -> None:
     assert read_api_key(None, {API_KEY_ENV: " from-env "}) == "from-env"
     assert read_api_key(None, {API_KEY_ENV: "  "}) is None
     assert read_api_key(None, {}) is None
+
+
+def test_server_tls_is_made_of_a_certificate_and_its_key_and_refuses_what_is_wrong_naming_it(tmp_path: Path) -> None:
+    cert, key = self_signed(tmp_path / "good")
+    assert server_tls(None, None) is None  # plain HTTP
+    context = server_tls(cert, key)
+    assert context is not None and context.minimum_version >= ssl.TLSVersion.TLSv1_2
+    with pytest.raises(ValueError, match=r"^--tls-cert without --tls-key: HTTPS needs the certificate and its key$"):
+        server_tls(cert, None)
+    with pytest.raises(ValueError, match=r"^--tls-key without --tls-cert"):
+        server_tls(None, key)
+    missing = re.escape(str(tmp_path / "missing.pem"))
+    with pytest.raises(ValueError, match=f"^--tls-cert {missing}: cannot be read: No such"):
+        server_tls(tmp_path / "missing.pem", key)
+    key.chmod(0o640)  # the key is the server's identity: readable by others, anyone of them could pose as it
+    with pytest.raises(ValueError, match=r"--tls-key .*key.pem: others can read it \(mode 640\): `chmod 600 "):
+        server_tls(cert, key)
+    key.chmod(0o600)
+    _, other_key = self_signed(tmp_path / "other")
+    with pytest.raises(ValueError, match=r"^--tls-cert .*cert.pem and --tls-key .*other/key.pem: KEY_VALUES_MISMATCH "
+                                         r"\(a PEM certificate, then its chain, and the private key it was made "
+                                         r"for\)$"):
+        server_tls(cert, other_key)
+    with pytest.raises(ValueError, match=r"and the private key it was made for"):
+        server_tls(key, key)  # a key given as the certificate
+    locked_cert, locked_key = self_signed(tmp_path / "locked", passphrase=b"secret")
+    # never a prompt on the terminal: a server started by systemd has nobody to type it
+    with pytest.raises(ValueError, match=r"--tls-key .*locked/key.pem is encrypted: give the key unencrypted"):
+        server_tls(locked_cert, locked_key)
 
 
 def test_is_loopback() -> None:
@@ -105,6 +168,60 @@ def test_serve_runs_answers_as_generate_does_and_stops_on_sigterm(tiny_export: P
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+@pytest.mark.slow
+def test_serve_over_https_answers_a_client_that_trusts_its_certificate_and_no_plain_http(tiny_export: Path,
+                                                                                          tmp_path: Path) -> None:
+    cert, key = self_signed(tmp_path / "tls")
+    env = {**os.environ, "DESKFLEET_ALLOCATOR": "system"}
+    env.pop(API_KEY_ENV, None)
+    server = subprocess.Popen([sys.executable, "-m", "deskfleet.controller.cli", "serve", "--model", str(tiny_export),
+                               "--precision", "f32", "--listen", "127.0.0.1:0", "--tls-cert", str(cert),
+                               "--tls-key", str(key), "--model-name", "tiny-model"],
+                              stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert server.stderr is not None
+        lines = []
+        for line in server.stderr:
+            lines.append(line)
+            if "serving" in line:
+                break
+        found = re.search(r"serving tiny-model at https://127\.0\.0\.1:(\d+)/v1 \(no API key\)", "".join(lines))
+        assert found, "".join(lines)
+        body = json.dumps({"model": "tiny-model", "prompt": "def add(a, b):", "max_tokens": 4, "temperature": 0})
+        request = urllib.request.Request(f"https://127.0.0.1:{found[1]}/v1/completions", body.encode(),
+                                         {"Content-Type": "application/json"})
+        trusting = ssl.create_default_context(cafile=str(cert))
+        with urllib.request.urlopen(request, timeout=120, context=trusting) as response:
+            assert len(json.loads(response.read())["choices"][0]["text"]) > 0
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):  # a client that does not trust it
+            urllib.request.urlopen(request, timeout=30, context=ssl.create_default_context())
+        plain = urllib.request.Request(f"http://127.0.0.1:{found[1]}/v1/models")
+        with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+            urllib.request.urlopen(plain, timeout=30)
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+def test_plain_http_beyond_this_pc_is_noted(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    not_an_export = tmp_path / "empty"  # refused after the note: nothing compiles
+    not_an_export.mkdir()
+    argv = ["serve", "--model", str(not_an_export), "--listen", "0.0.0.0:0", "--no-api-key"]
+    assert main(argv) != 0
+    assert ("note: --listen 0.0.0.0:0 serves plain HTTP: the API key and every prompt and reply cross the network "
+            "readable by anyone on the way; give --tls-cert and --tls-key for HTTPS") in capsys.readouterr().err
+    cert, key = self_signed(tmp_path / "tls")
+    assert main([*argv, "--tls-cert", str(cert), "--tls-key", str(key)]) != 0
+    assert "plain HTTP" not in capsys.readouterr().err
+    assert main(["serve", "--model", str(not_an_export), "--listen", "127.0.0.1:0"]) != 0
+    assert "plain HTTP" not in capsys.readouterr().err  # this PC only
 
 
 def test_a_servers_failover_budget_is_whole_again_after_a_quiet_window() -> None:
