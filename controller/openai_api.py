@@ -29,7 +29,15 @@ from .decoding_options import random_seed
 from .engine import StreamRequest
 from .engine_service import EngineService, ServiceBusy, ServiceClosed, StreamEnd
 from .generation import GenerationError, check_request
-from .openai_requests import ApiError, ChatRequest, CompletionRequest, Decoding, parse_chat, parse_completion
+from .openai_requests import (
+    MAX_SEED,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Decoding,
+    parse_chat,
+    parse_completion,
+)
 from .text_printer import TextPrinter
 from .tokenizer import ModelTokenizer, NotUtf8Error
 
@@ -296,100 +304,137 @@ class OpenAiApi:
 
     async def _respond(self, request: web.Request, prepared: _Prepared, chat: bool) -> web.StreamResponse:
         decoding = prepared.decoding
-        sampling = SamplingParams(temperature=decoding.temperature, top_k=decoding.top_k if decoding.temperature else 0,
-                                  top_p=decoding.top_p if decoding.temperature else 1.0)
-        seed = decoding.seed if decoding.seed is not None else (random_seed() if decoding.temperature else 0)
-        stream_request = StreamRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=prepared.max_tokens,
-                                       ignore_eos=decoding.ignore_eos, stop_token_ids=prepared.stop_ids,
-                                       sampling=sampling, seed=seed)
-        bridge = _Bridge(asyncio.get_running_loop())
-        try:
-            ticket = self.service.submit(stream_request, bridge)
-        except ServiceBusy as error:
-            raise ApiError(429, str(error), kind="server_busy") from None
-        except ServiceClosed as error:
-            raise ApiError(503, str(error), kind="server_error") from None
-        reply = ReplyText(self.tokenizer, decoding.stop)
+        choices = self._submit(prepared)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         ended = False
         try:
             if decoding.stream:
-                response = await self._stream(request, bridge, reply, ident, chat, ticket, decoding,
-                                              len(prepared.prompt_ids))
+                response = await self._stream(request, choices, ident, chat, decoding, len(prepared.prompt_ids))
             else:
-                end, tokens = await self._gather(bridge, reply, ticket)
-                response = web.json_response(self._whole(ident, chat, reply.text, end, tokens,
-                                                         len(prepared.prompt_ids), reply.stopped))
+                try:
+                    async with asyncio.TaskGroup() as group:
+                        gathering = [group.create_task(self._gather(choice)) for choice in choices]
+                except* ApiError as errors:  # a choice's generation failed: the others are cancelled below
+                    raise errors.exceptions[0] from None
+                response = web.json_response(self._whole(ident, chat, [(choice, *task.result()) for choice, task
+                                                                       in zip(choices, gathering, strict=True)],
+                                                         len(prepared.prompt_ids)))
             ended = True
             return response
         except ConnectionResetError:  # the client went away while its reply was written: nothing more reaches it
             return web.Response(status=499)
         finally:
-            if not ended:  # the client went away (the handler was cancelled) or writing to it failed
-                self.service.cancel(ticket)
+            if not ended:  # the client went away (the handler was cancelled), writing to it failed, or a choice failed
+                for choice in choices:
+                    self.service.cancel(choice.ticket)
 
-    async def _gather(self, bridge: _Bridge, reply: ReplyText, ticket: int) -> tuple[StreamEnd, int]:
+    def _submit(self, prepared: _Prepared) -> list[_Choice]:
+        """A stream for each of the request's `n` choices (choice i samples with the seed + i); ApiError 429 or 503
+        where the service takes not all of them, the ones it took cancelled."""
+        decoding = prepared.decoding
+        sampling = SamplingParams(temperature=decoding.temperature, top_k=decoding.top_k if decoding.temperature else 0,
+                                  top_p=decoding.top_p if decoding.temperature else 1.0)
+        loop = asyncio.get_running_loop()
+        choices: list[_Choice] = []
+        try:
+            for index in range(decoding.n):
+                seed = (decoding.seed + index) % (MAX_SEED + 1) if decoding.seed is not None else \
+                    (random_seed() if decoding.temperature else 0)
+                stream_request = StreamRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=prepared.max_tokens,
+                                               ignore_eos=decoding.ignore_eos, stop_token_ids=prepared.stop_ids,
+                                               sampling=sampling, seed=seed)
+                bridge = _Bridge(loop)
+                ticket = self.service.submit(stream_request, bridge)
+                choices.append(_Choice(index, ticket, bridge, ReplyText(self.tokenizer, decoding.stop)))
+        except (ServiceBusy, ServiceClosed) as error:
+            for choice in choices:
+                self.service.cancel(choice.ticket)
+            busy = isinstance(error, ServiceBusy)
+            raise ApiError(429 if busy else 503, str(error), kind="server_busy" if busy else "server_error") from None
+        return choices
+
+    async def _gather(self, choice: _Choice) -> tuple[StreamEnd, int]:
         tokens = 0
         while True:
-            for event in await bridge.take():
+            for event in await choice.bridge.take():
                 if isinstance(event, StreamEnd):
                     if event.error is not None:
                         raise ApiError(503, f"the generation failed: {event.error}", kind="server_error")
-                    reply.finish()
+                    choice.reply.finish()
                     return event, tokens
                 tokens += 1
-                reply.push(event)
-                if reply.stopped:
-                    self.service.cancel(ticket)  # a stop sequence: the rest is not wanted
+                choice.reply.push(event)
+                if choice.reply.stopped:
+                    self.service.cancel(choice.ticket)  # a stop sequence: the rest is not wanted
 
-    async def _stream(self, request: web.Request, bridge: _Bridge, reply: ReplyText, ident: str, chat: bool,
-                      ticket: int, decoding: Decoding, prompt_tokens: int) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, choices: list[_Choice], ident: str, chat: bool,
+                      decoding: Decoding, prompt_tokens: int) -> web.StreamResponse:
+        """The choices' chunks as their tokens come, each naming its choice's index; each choice's last chunk gives
+        its finish_reason, and [DONE] follows the last choice's (a failed choice: an error event, then [DONE])."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no"})
         await response.prepare(request)
         created = int(time.time())
         if chat:
-            await self._event(response, self._chunk(ident, created, chat, {"role": "assistant", "content": ""}))
-        tokens = 0
-        async for piece, count, end in self._pieces(bridge, reply, ticket):
-            if end is None:
-                tokens += count
+            for choice in choices:
+                await self._event(response, self._chunk(ident, created, chat, {"role": "assistant", "content": ""},
+                                                        index=choice.index))
+        arrived: asyncio.Queue[tuple[_Choice, str, int, StreamEnd | None]] = asyncio.Queue()
+
+        async def pump(choice: _Choice) -> None:
+            async for piece, count, end in self._pieces(choice):
+                arrived.put_nowait((choice, piece, count, end))
+
+        pumps = [asyncio.create_task(pump(choice)) for choice in choices]
+        finished: set[int] = set()  # the choices whose stream has ended
+        try:
+            tokens = 0
+            while len(finished) < len(choices):
+                choice, piece, count, end = await arrived.get()
+                if end is None:
+                    tokens += count
+                    if piece:
+                        await self._event(response, self._chunk(ident, created, chat, piece, index=choice.index))
+                    continue
+                finished.add(choice.index)
+                if end.error is not None:
+                    await self._event(response, ApiError(503, f"the generation failed: {end.error}",
+                                                         kind="server_error").body())
+                    break
                 if piece:
-                    await self._event(response, self._chunk(ident, created, chat, piece))
-                continue
-            if end.error is not None:
-                await self._event(response, ApiError(503, f"the generation failed: {end.error}",
-                                                     kind="server_error").body())
-                break
-            if piece:
-                await self._event(response, self._chunk(ident, created, chat, piece))
-            finish = "stop" if reply.stopped or (end.result is not None and end.result.stopped_by_eos) else "length"
-            await self._event(response, self._chunk(ident, created, chat, None, finish))
-            if decoding.include_usage:
-                await self._event(response, {"id": ident, "object": self._chunk_kind(chat), "created": created,
-                                             "model": self.model_name, "choices": [],
-                                             "usage": _usage(prompt_tokens, tokens)})
-            break
+                    await self._event(response, self._chunk(ident, created, chat, piece, index=choice.index))
+                await self._event(response, self._chunk(ident, created, chat, None, _finish(choice, end),
+                                                        index=choice.index))
+            else:
+                if decoding.include_usage:
+                    await self._event(response, {"id": ident, "object": self._chunk_kind(chat), "created": created,
+                                                 "model": self.model_name, "choices": [],
+                                                 "usage": _usage(prompt_tokens, tokens)})
+        finally:
+            for task in pumps:
+                task.cancel()
+            for choice in choices:  # a failed choice ends the reply: the others are not wanted
+                if choice.index not in finished:
+                    self.service.cancel(choice.ticket)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
-    async def _pieces(self, bridge: _Bridge, reply: ReplyText,
-                      ticket: int) -> AsyncIterator[tuple[str, int, StreamEnd | None]]:
+    async def _pieces(self, choice: _Choice) -> AsyncIterator[tuple[str, int, StreamEnd | None]]:
         """(text to send, tokens, None) for the tokens that came together, then (the text held back, 0, the end)."""
         while True:
             pieces: list[str] = []
             count = 0
-            for event in await bridge.take():
+            for event in await choice.bridge.take():
                 if isinstance(event, StreamEnd):
                     if count:
                         yield "".join(pieces), count, None
-                    yield (reply.finish() if event.error is None else ""), 0, event
+                    yield (choice.reply.finish() if event.error is None else ""), 0, event
                     return
                 count += 1
-                pieces.append(reply.push(event))
-                if reply.stopped:
-                    self.service.cancel(ticket)
+                pieces.append(choice.reply.push(event))
+                if choice.reply.stopped:
+                    self.service.cancel(choice.ticket)
             yield "".join(pieces), count, None
 
     @staticmethod
@@ -397,12 +442,12 @@ class OpenAiApi:
         await response.write(b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n")
 
     def _chunk(self, ident: str, created: int, chat: bool, piece: str | dict[str, str] | None,
-               finish: str | None = None) -> dict[str, Any]:
+               finish: str | None = None, index: int = 0) -> dict[str, Any]:
         if chat:
             delta: dict[str, str] = piece if isinstance(piece, dict) else ({"content": piece} if piece else {})
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": piece or "", "logprobs": None, "finish_reason": finish}
         return {"id": ident, "object": self._chunk_kind(chat), "created": created, "model": self.model_name,
                 "choices": [choice]}
 
@@ -410,16 +455,34 @@ class OpenAiApi:
     def _chunk_kind(chat: bool) -> str:
         return "chat.completion.chunk" if chat else "text_completion"
 
-    def _whole(self, ident: str, chat: bool, text: str, end: StreamEnd, tokens: int, prompt_tokens: int,
-               stopped: bool) -> dict[str, Any]:
-        finish = "stop" if stopped or (end.result is not None and end.result.stopped_by_eos) else "length"
-        if chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                      "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def _whole(self, ident: str, chat: bool, ended: list[tuple[_Choice, StreamEnd, int]],
+               prompt_tokens: int) -> dict[str, Any]:
+        choices: list[dict[str, Any]] = []
+        for choice, end, _ in ended:
+            if chat:
+                choices.append({"index": choice.index, "message": {"role": "assistant", "content": choice.reply.text},
+                                "finish_reason": _finish(choice, end)})
+            else:
+                choices.append({"index": choice.index, "text": choice.reply.text, "logprobs": None,
+                                "finish_reason": _finish(choice, end)})
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": [choice], "usage": _usage(prompt_tokens, tokens)}
+                "model": self.model_name, "choices": choices,
+                "usage": _usage(prompt_tokens, sum(tokens for _, _, tokens in ended))}
+
+
+@dataclass
+class _Choice:
+    """One of a request's choices: its stream's ticket and sink, and its text as far as it goes."""
+
+    index: int
+    ticket: int
+    bridge: _Bridge
+    reply: ReplyText
+
+
+def _finish(choice: _Choice, end: StreamEnd) -> str:
+    """The API's finish_reason: "stop" (a stop sequence, or the end of the text) or "length"."""
+    return "stop" if choice.reply.stopped or (end.result is not None and end.result.stopped_by_eos) else "length"
 
 
 def _host_name(host: str) -> str:

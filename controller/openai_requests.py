@@ -1,7 +1,7 @@
 """The OpenAI API's completion and chat-completion requests, read and checked: pure code, no I/O.
 
-Every field the API defines is either honoured or, where deskfleet cannot do what it asks (several choices, log
-probabilities, penalties, tools), refused naming the field; a field the API does not define is refused too, so a
+Every field the API defines is either honoured or, where deskfleet cannot do what it asks (log probabilities,
+penalties, tools), refused naming the field; a field the API does not define is refused too, so a
 client's typo is not silently ignored. A refusal is an ApiError, which the server sends as the API's error body.
 """
 
@@ -17,11 +17,12 @@ DEFAULT_COMPLETION_TOKENS = 16  # the API's default max_tokens for /v1/completio
 MAX_STOPS = 4  # the API takes up to 4 stop sequences
 MAX_API_TEMPERATURE = 2.0  # the API's range is 0 to 2
 MAX_SEED = 2**63 - 1
+MAX_CHOICES = 16  # a request's `n`: each choice is a stream of its own, batched with the others
 
 # Fields each request may carry that change nothing here when at these values (the API's defaults): any other
 # value asks for what deskfleet does not do, and is refused naming the field.
 _NEUTRAL: dict[str, tuple[object, ...]] = {
-    "n": (1, None), "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
+    "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
     "logprobs": (False, None), "top_logprobs": (0, None), "logit_bias": (None, {}), "echo": (False, None),
     "best_of": (1, None), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, False, True), "functions": (None, []), "function_call": (None, "none")}
@@ -65,6 +66,7 @@ class Decoding:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     ignore_eos: bool = False  # non-standard, as vLLM's: run to max_tokens past the end of the text (benchmarks)
+    n: int = 1  # choices: streams of the one prompt (choice i samples with seed + i)
 
 
 @dataclass(frozen=True)
@@ -111,8 +113,8 @@ def _object(body: object, allowed: set[str]) -> dict[str, Any]:
         raise ApiError(400, f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
     for name, neutral in _NEUTRAL.items():
         if name in body and not any(body[name] == value and type(body[name]) is type(value) for value in neutral):
-            raise ApiError(400, f"{name}={body[name]!r} is not supported by deskfleet (it generates one choice, "
-                                "without log probabilities, penalties, tools or an echo of the prompt)", name)
+            raise ApiError(400, f"{name}={body[name]!r} is not supported by deskfleet (it generates without log "
+                                "probabilities, penalties, tools or an echo of the prompt)", name)
     return body
 
 
@@ -210,9 +212,14 @@ def _decoding(fields: dict[str, Any], max_tokens: object, max_name: str) -> Deco
         ignore_eos = False
     if not isinstance(ignore_eos, bool):
         raise ApiError(400, "ignore_eos must be true or false", "ignore_eos")
+    n = fields.get("n", 1)
+    if n is None:
+        n = 1
+    if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"n must be a whole number from 1 to {MAX_CHOICES}", "n")
     return Decoding(max_tokens if max_tokens is not None else None, temperature,  # type: ignore[arg-type]
                     top_p, top_k, seed, _stops(fields.get("stop")), stream,
-                    bool(options and options.get("include_usage")), ignore_eos)
+                    bool(options and options.get("include_usage")), ignore_eos, n)
 
 
 def _stops(value: object) -> tuple[str, ...]:

@@ -185,10 +185,54 @@ def test_sampling_with_a_seed_is_reproducible(served: tuple[str, EngineService])
     assert other != first
 
 
+def test_several_choices_are_streams_of_one_prompt_each_as_a_request_alone(served: tuple[str, EngineService],
+                                                                            tiny_export: Path) -> None:
+    url, service = served
+    tokenizer = ModelTokenizer(tiny_export)
+    tokens = greedy(tiny_export, tokenizer.encode("def add(a, b):"), 12)
+    expected = tokenizer.decode(tokens)
+    status, body = post(f"{url}/v1/completions", {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 12,
+                                                  "temperature": 0, "n": 3})
+    assert status == 200, body
+    assert [choice["index"] for choice in body["choices"]] == [0, 1, 2]
+    assert [choice["text"] for choice in body["choices"]] == [expected] * 3
+    assert body["usage"]["prompt_tokens"] == len(tokenizer.encode("def add(a, b):"))  # the prompt counted once
+    assert body["usage"]["completion_tokens"] == 3 * len(tokens)
+    # sampled: choice i draws as a request alone with the seed + i
+    request = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 16, "temperature": 1.0, "seed": 7}
+    several = [choice["text"] for choice in post(f"{url}/v1/completions", {**request, "n": 2})[1]["choices"]]
+    alone = [post(f"{url}/v1/completions", {**request, "seed": seed})[1]["choices"][0]["text"] for seed in (7, 8)]
+    assert several == alone and alone[0] != alone[1]
+    # streamed chat: each choice's chunks name its index, each ends with its finish; one usage, then [DONE]
+    found = events(f"{url}/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                  "max_tokens": 10, "temperature": 1.0, "seed": 3, "n": 2,
+                                                  "stream_options": {"include_usage": True}})
+    assert found[-1] == "[DONE]" and found[-2]["choices"] == []
+    chunks = [item["choices"][0] for item in found[:-2]]
+    assert all(len(item["choices"]) == 1 for item in found[:-2])
+    made = 0
+    for index in (0, 1):
+        mine = [chunk for chunk in chunks if chunk["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert mine[-1]["finish_reason"] in ("stop", "length") and mine[-1]["delta"] == {}
+        assert all(chunk["finish_reason"] is None for chunk in mine[:-1])
+        alone_chat = post(f"{url}/v1/chat/completions", {"model": MODEL, "max_tokens": 10, "temperature": 1.0,
+                                                         "seed": 3 + index,
+                                                         "messages": [{"role": "user", "content": "hi"}]})[1]
+        assert "".join(chunk["delta"].get("content", "") for chunk in mine) == \
+            alone_chat["choices"][0]["message"]["content"]
+        made += alone_chat["usage"]["completion_tokens"]
+    assert found[-2]["usage"]["completion_tokens"] == made
+    assert service.live_streams == 0
+
+
 @pytest.mark.parametrize(("body", "status", "says"), [
     ("not json", 400, "not JSON"),
     ({"model": MODEL, "prompt": "x", "bogus": 1}, 400, "unrecognized request argument(s): bogus"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n=2 is not supported"),
+    ({"model": MODEL, "prompt": "x", "n": 17}, 400, "n must be a whole number from 1 to 16"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n must be a whole number from 1 to 16"),
+    ({"model": MODEL, "prompt": "x", "n": True}, 400, "n must be a whole number from 1 to 16"),
+    ({"model": MODEL, "prompt": "x", "best_of": 2}, 400, "best_of=2 is not supported"),
     ({"model": "gpt-4", "prompt": "x"}, 404, "'gpt-4' does not exist here"),
     ({"prompt": "x"}, 400, "model is required"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 10**6}, 400, "exceed the model's context"),
@@ -355,6 +399,26 @@ def test_a_client_that_goes_away_has_its_stream_cancelled_and_a_full_server_says
             "away ran on"
         assert post(f"{url}/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2,
                                               "temperature": 0})[0] == 200
+
+
+def test_choices_more_than_the_server_takes_are_429_and_a_client_that_goes_away_cancels_them_all(
+        tiny_export: Path) -> None:
+    with serving(tiny_export, max_streams=2, opener=slow(tiny_export)) as (url, service):
+        status, answer = post(f"{url}/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "n": 3})
+        assert status == 429 and "--max-streams 2" in answer["error"]["message"]
+        assert service.live_streams == 0  # the two it took were cancelled
+        connection = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=60)
+        connection.request("POST", "/v1/completions", json.dumps({
+            "model": MODEL, "prompt": [1, 2, 3], "max_tokens": service.spec.max_context - 3, "temperature": 0,
+            "stream": True, "n": 2}), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data: ")
+        assert service.live_streams == 2
+        connection.close()  # the client goes away mid-reply
+        deadline = time.monotonic() + 30
+        while service.live_streams and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert service.live_streams == 0 and service.streams_cancelled >= 2
 
 
 def test_reply_text_holds_back_what_may_begin_a_stop_sequence(tiny_export: Path) -> None:
