@@ -17,7 +17,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -138,18 +138,29 @@ class EngineService:
         """Queue a stream; its tokens and its end go to `sink`. Returns its ticket (for cancel). ServiceBusy where
         max_streams are live, ServiceClosed once close() began. A request the engine refuses (a prompt past the
         context) ends at once with the error."""
+        return self.submit_all([(request, sink)])[0]
+
+    def submit_all(self, streams: Sequence[tuple[StreamRequest, StreamSink]]) -> list[int]:
+        """Queue several streams at once, all or none (an API request's choices): ServiceBusy where they would pass
+        max_streams with those live, and none is queued. Their tickets, in order."""
         with self._lock:
             if self._closing:
                 raise ServiceClosed("the server is stopping")
-            if len(self._live) >= self.max_streams:
+            if len(self._live) + len(streams) > self.max_streams:
+                if len(streams) > 1:
+                    raise ServiceBusy(f"{len(self._live)} streams are running or waiting: {len(streams)} more would "
+                                      f"pass what this server takes (--max-streams {self.max_streams})")
                 raise ServiceBusy(f"{len(self._live)} streams are running or waiting, as many as this server takes "
                                   f"(--max-streams {self.max_streams})")
-            ticket_id = self._next_ticket
-            self._next_ticket += 1
-            ticket = self._live[ticket_id] = _Ticket(ticket_id, request, sink)
-            self._inbox.new.append(ticket)
+            tickets = []
+            for request, sink in streams:
+                ticket_id = self._next_ticket
+                self._next_ticket += 1
+                ticket = self._live[ticket_id] = _Ticket(ticket_id, request, sink)
+                self._inbox.new.append(ticket)
+                tickets.append(ticket_id)
             self._lock.notify_all()
-        return ticket_id
+        return tickets
 
     def cancel(self, ticket_id: int) -> None:
         """End a stream early (its client went away); its sink hears the end, with what it made. No-op for a

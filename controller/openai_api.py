@@ -329,28 +329,31 @@ class OpenAiApi:
                     self.service.cancel(choice.ticket)
 
     def _submit(self, prepared: _Prepared) -> list[_Choice]:
-        """A stream for each of the request's `n` choices (choice i samples with the seed + i); ApiError 429 or 503
-        where the service takes not all of them, the ones it took cancelled."""
+        """A stream for each of the request's `n` choices (choice i samples with the seed + i), queued all or none:
+        ApiError 400 for more choices than the server ever takes, 429 or 503 where it takes none now."""
         decoding = prepared.decoding
+        if decoding.n > self.service.max_streams:
+            raise ApiError(400, f"n={decoding.n} choices are more streams than this server takes at once "
+                                f"(--max-streams {self.service.max_streams})", "n")
         sampling = SamplingParams(temperature=decoding.temperature, top_k=decoding.top_k if decoding.temperature else 0,
                                   top_p=decoding.top_p if decoding.temperature else 1.0)
         loop = asyncio.get_running_loop()
         choices: list[_Choice] = []
+        for index in range(decoding.n):
+            seed = (decoding.seed + index) % (MAX_SEED + 1) if decoding.seed is not None else \
+                (random_seed() if decoding.temperature else 0)
+            request = StreamRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=prepared.max_tokens,
+                                    ignore_eos=decoding.ignore_eos, stop_token_ids=prepared.stop_ids,
+                                    sampling=sampling, seed=seed)
+            choices.append(_Choice(index, request, _Bridge(loop), ReplyText(self.tokenizer, decoding.stop)))
         try:
-            for index in range(decoding.n):
-                seed = (decoding.seed + index) % (MAX_SEED + 1) if decoding.seed is not None else \
-                    (random_seed() if decoding.temperature else 0)
-                stream_request = StreamRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=prepared.max_tokens,
-                                               ignore_eos=decoding.ignore_eos, stop_token_ids=prepared.stop_ids,
-                                               sampling=sampling, seed=seed)
-                bridge = _Bridge(loop)
-                ticket = self.service.submit(stream_request, bridge)
-                choices.append(_Choice(index, ticket, bridge, ReplyText(self.tokenizer, decoding.stop)))
-        except (ServiceBusy, ServiceClosed) as error:
-            for choice in choices:
-                self.service.cancel(choice.ticket)
-            busy = isinstance(error, ServiceBusy)
-            raise ApiError(429 if busy else 503, str(error), kind="server_busy" if busy else "server_error") from None
+            tickets = self.service.submit_all([(choice.request, choice.bridge) for choice in choices])
+        except ServiceBusy as error:
+            raise ApiError(429, str(error), kind="server_busy") from None
+        except ServiceClosed as error:
+            raise ApiError(503, str(error), kind="server_error") from None
+        for choice, ticket in zip(choices, tickets, strict=True):
+            choice.ticket = ticket
         return choices
 
     async def _gather(self, choice: _Choice) -> tuple[StreamEnd, int]:
@@ -382,8 +385,12 @@ class OpenAiApi:
         arrived: asyncio.Queue[tuple[_Choice, str, int, StreamEnd | None]] = asyncio.Queue()
 
         async def pump(choice: _Choice) -> None:
-            async for piece, count, end in self._pieces(choice):
-                arrived.put_nowait((choice, piece, count, end))
+            try:
+                async for piece, count, end in self._pieces(choice):
+                    arrived.put_nowait((choice, piece, count, end))
+            except Exception as error:  # the reply ends with it, not waits for a choice that will say nothing more
+                log.exception("choice %d of %s failed", choice.index, ident)
+                arrived.put_nowait((choice, "", 0, StreamEnd(None, f"{type(error).__name__}: {error}")))
 
         pumps = [asyncio.create_task(pump(choice)) for choice in choices]
         finished: set[int] = set()  # the choices whose stream has ended
@@ -472,12 +479,13 @@ class OpenAiApi:
 
 @dataclass
 class _Choice:
-    """One of a request's choices: its stream's ticket and sink, and its text as far as it goes."""
+    """One of a request's choices: its stream's request, sink and ticket, and its text as far as it goes."""
 
     index: int
-    ticket: int
+    request: StreamRequest
     bridge: _Bridge
     reply: ReplyText
+    ticket: int = -1  # the service's, once submitted
 
 
 def _finish(choice: _Choice, end: StreamEnd) -> str:

@@ -117,8 +117,8 @@ def server_tls(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
     _check_private("--tls-key", key)
 
     def no_passphrase() -> str:
-        raise ValueError(f"--tls-key {key} is encrypted: give the key unencrypted (`openssl pkey -in {key} -out "
-                         "KEY`), readable by this user only")
+        raise ValueError(f"--tls-key {key} is encrypted: give the key unencrypted, readable by this user only "
+                         f"(`(umask 077; openssl pkey -in {key} -out KEY)`)")
 
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.minimum_version = ssl.TLSVersion.TLSv1_2

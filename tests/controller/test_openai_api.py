@@ -9,7 +9,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -401,12 +401,20 @@ def test_a_client_that_goes_away_has_its_stream_cancelled_and_a_full_server_says
                                               "temperature": 0})[0] == 200
 
 
-def test_choices_more_than_the_server_takes_are_429_and_a_client_that_goes_away_cancels_them_all(
-        tiny_export: Path) -> None:
+def test_choices_are_taken_all_or_none_and_a_client_that_goes_away_cancels_them_all(tiny_export: Path) -> None:
     with serving(tiny_export, max_streams=2, opener=slow(tiny_export)) as (url, service):
         status, answer = post(f"{url}/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "n": 3})
-        assert status == 429 and "--max-streams 2" in answer["error"]["message"]
-        assert service.live_streams == 0  # the two it took were cancelled
+        assert status == 400 and answer["error"]["param"] == "n"  # never fits: no use retrying it
+        assert "n=3 choices are more streams than this server takes at once (--max-streams 2)" in \
+            answer["error"]["message"]
+        connection, _ = long_stream(url, service)  # 1 of 2 taken
+        status, answer = post(f"{url}/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "n": 2})
+        assert status == 429 and "1 streams are running or waiting: 2 more would pass what this server takes " \
+            "(--max-streams 2)" in answer["error"]["message"]
+        assert service.live_streams == 1 and service.streams_cancelled == 0  # none of the 2 was queued
+        connection.close()
+        _wait_until_idle(service)
+        before = service.streams_cancelled
         connection = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=60)
         connection.request("POST", "/v1/completions", json.dumps({
             "model": MODEL, "prompt": [1, 2, 3], "max_tokens": service.spec.max_context - 3, "temperature": 0,
@@ -415,10 +423,49 @@ def test_choices_more_than_the_server_takes_are_429_and_a_client_that_goes_away_
         assert response.status == 200 and response.readline().startswith(b"data: ")
         assert service.live_streams == 2
         connection.close()  # the client goes away mid-reply
-        deadline = time.monotonic() + 30
-        while service.live_streams and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert service.live_streams == 0 and service.streams_cancelled >= 2
+        _wait_until_idle(service)
+        assert service.streams_cancelled == before + 2, "a choice of a client that went away ran on"
+
+
+def test_choices_running_when_the_server_stops_end_the_reply_with_an_error(tiny_export: Path) -> None:
+    with serving(tiny_export, opener=slow(tiny_export)) as (url, service):
+        connection = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=60)
+        connection.request("POST", "/v1/completions", json.dumps({
+            "model": MODEL, "prompt": [1, 2, 3], "max_tokens": service.spec.max_context - 3, "temperature": 0,
+            "stream": True, "n": 3}), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data: ")
+        service.close()
+        rest = response.read().decode()
+        connection.close()
+    assert rest.count('"error"') == 1 and "the server stopped" in rest  # said once, not once a choice
+    assert rest.rstrip().endswith("data: [DONE]")
+
+
+def test_a_choice_whose_reply_fails_ends_the_stream_with_its_error_not_a_hang(tiny_export: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    pieces = OpenAiApi._pieces
+
+    async def failing(self: OpenAiApi, choice: Any) -> AsyncIterator[Any]:
+        if choice.index == 1:
+            raise RuntimeError("boom")
+        async for item in pieces(self, choice):
+            yield item
+
+    monkeypatch.setattr(OpenAiApi, "_pieces", failing)
+    with serving(tiny_export) as (url, service):
+        found = events(f"{url}/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 8,
+                                                 "temperature": 0, "n": 2})
+        _wait_until_idle(service)  # the other choice is cancelled, not left running
+    errors = [item["error"]["message"] for item in found[:-1] if "error" in item]
+    assert errors == ["the generation failed: RuntimeError: boom"] and found[-1] == "[DONE]"
+
+
+def _wait_until_idle(service: EngineService) -> None:
+    deadline = time.monotonic() + 30
+    while service.live_streams and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert service.live_streams == 0
 
 
 def test_reply_text_holds_back_what_may_begin_a_stop_sequence(tiny_export: Path) -> None:
