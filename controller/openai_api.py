@@ -33,7 +33,6 @@ from .openai_requests import (
     MAX_SEED,
     ApiError,
     ChatRequest,
-    CompletionRequest,
     Decoding,
     parse_chat,
     parse_completion,
@@ -231,13 +230,14 @@ class OpenAiApi:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         parsed = parse_completion(await self._json(request), self.model_name)
-        prepared = await self._prepare_completion(parsed)
+        prepared = [self._prepare_prompt(prompt, parsed.decoding, "prompt" if len(parsed.prompts) == 1 else
+                                         f"prompt[{index}]") for index, prompt in enumerate(parsed.prompts)]
         return await self._respond(request, prepared, chat=False)
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         parsed = parse_chat(await self._json(request), self.model_name)
         prepared = await asyncio.to_thread(self._prepare_chat, parsed)
-        return await self._respond(request, prepared, chat=True)
+        return await self._respond(request, [prepared], chat=True)
 
     # Private methods
 
@@ -253,20 +253,22 @@ class OpenAiApi:
         except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, a number past int's digits, too deep
             raise ApiError(400, f"the request body is not JSON that can be read: {str(error)[:200]}") from None
 
-    async def _prepare_completion(self, parsed: CompletionRequest) -> _Prepared:
-        if isinstance(parsed.prompt, str):
-            self._check_length(len(parsed.prompt), "prompt")
+    def _prepare_prompt(self, prompt: str | tuple[int, ...], decoding: Decoding, where: str) -> _Prepared:
+        """One prompt of a completion request, encoded and checked against the context (`where`: how the errors
+        name it, "prompt" or "prompt[i]")."""
+        if isinstance(prompt, str):
+            self._check_length(len(prompt), "prompt", where)
             try:
-                ids = self.tokenizer.encode(parsed.prompt)
+                ids = self.tokenizer.encode(prompt)
             except (NotUtf8Error, ValueError) as error:
-                raise ApiError(400, f"prompt: {error}", "prompt") from None
+                raise ApiError(400, f"{where}: {error}", "prompt") from None
         else:
-            ids = list(parsed.prompt)
+            ids = list(prompt)
             bad = [token for token in ids if not 0 <= token < self.spec.vocab_size]
             if bad:
-                raise ApiError(400, f"prompt: token id {bad[0]} is outside the model's vocabulary of "
+                raise ApiError(400, f"{where}: token id {bad[0]} is outside the model's vocabulary of "
                                     f"{self.spec.vocab_size}", "prompt")
-        return self._prepared(ids, parsed.decoding, frozenset(), "prompt")
+        return self._prepared(ids, decoding, frozenset(), "prompt", where)
 
     def _prepare_chat(self, parsed: ChatRequest) -> _Prepared:
         """Render and encode the conversation (in a worker thread: the template renders in a child process)."""
@@ -281,35 +283,41 @@ class OpenAiApi:
                 raise ApiError(400, f"messages: {error}", "messages") from None
         return self._prepared(ids, parsed.decoding, self._end_of_turn, "messages")
 
-    def _check_length(self, chars: int, param: str) -> None:
+    def _check_length(self, chars: int, param: str, where: str | None = None) -> None:
         if chars > MAX_CHARS_PER_TOKEN * self.spec.max_context:
-            raise ApiError(400, f"{param}: {chars} characters cannot fit the model's context of "
+            raise ApiError(400, f"{where or param}: {chars} characters cannot fit the model's context of "
                                 f"{self.spec.max_context} tokens", param, code="context_length_exceeded")
 
-    def _prepared(self, ids: list[int], decoding: Decoding, stop_ids: frozenset[int], param: str) -> _Prepared:
+    def _prepared(self, ids: list[int], decoding: Decoding, stop_ids: frozenset[int], param: str,
+                  where: str | None = None) -> _Prepared:
+        """`where`: how the errors name the prompt where a request has several ("prompt[2]")."""
+        which = f"{where}: " if where is not None and where != param else ""
         room = self.spec.max_context - len(ids)
         if room < 1:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens: the model's context is {self.spec.max_context}, "
-                                "which leaves no room for a reply", param, code="context_length_exceeded")
+            raise ApiError(400, f"{which}the prompt is {len(ids)} tokens: the model's context is "
+                                f"{self.spec.max_context}, which leaves no room for a reply", param,
+                           code="context_length_exceeded")
         max_tokens = decoding.max_tokens if decoding.max_tokens is not None else room
         if max_tokens > room:  # said in the API's words: check_request names the CLI's --max-new-tokens
-            raise ApiError(400, f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the model's context of "
-                                f"{self.spec.max_context}: ask for at most {room}", "max_tokens",
+            raise ApiError(400, f"{which}{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the model's "
+                                f"context of {self.spec.max_context}: ask for at most {room}", "max_tokens",
                            code="context_length_exceeded")
         try:
             check_request(self.spec, ids, max_tokens)
         except GenerationError as error:
-            raise ApiError(400, f"{error}", param) from None
+            raise ApiError(400, f"{which}{error}", param) from None
         return _Prepared(ids, decoding, max_tokens, stop_ids)
 
-    async def _respond(self, request: web.Request, prepared: _Prepared, chat: bool) -> web.StreamResponse:
-        decoding = prepared.decoding
-        choices = self._submit(prepared)
+    async def _respond(self, request: web.Request, prompts: list[_Prepared], chat: bool) -> web.StreamResponse:
+        """Run each prompt's `n` choices (a chat has one prompt) and answer with them all, whole or streamed."""
+        decoding = prompts[0].decoding
+        prompt_tokens = sum(len(prepared.prompt_ids) for prepared in prompts)  # each counted once, not per choice
+        choices = self._submit(prompts)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         ended = False
         try:
             if decoding.stream:
-                response = await self._stream(request, choices, ident, chat, decoding, len(prepared.prompt_ids))
+                response = await self._stream(request, choices, ident, chat, decoding, prompt_tokens)
             else:
                 try:
                     async with asyncio.TaskGroup() as group:
@@ -318,7 +326,7 @@ class OpenAiApi:
                     raise errors.exceptions[0] from None
                 response = web.json_response(self._whole(ident, chat, [(choice, *task.result()) for choice, task
                                                                        in zip(choices, gathering, strict=True)],
-                                                         len(prepared.prompt_ids)))
+                                                         prompt_tokens))
             ended = True
             return response
         except ConnectionResetError:  # the client went away while its reply was written: nothing more reaches it
@@ -328,24 +336,29 @@ class OpenAiApi:
                 for choice in choices:
                     self.service.cancel(choice.ticket)
 
-    def _submit(self, prepared: _Prepared) -> list[_Choice]:
-        """A stream for each of the request's `n` choices (choice i samples with the seed + i), queued all or none:
-        ApiError 400 for more choices than the server ever takes, 429 or 503 where it takes none now."""
-        decoding = prepared.decoding
-        if decoding.n > self.service.max_streams:
-            raise ApiError(400, f"n={decoding.n} choices are more streams than this server takes at once "
-                                f"(--max-streams {self.service.max_streams})", "n")
+    def _submit(self, prompts: list[_Prepared]) -> list[_Choice]:
+        """A stream for each of the `n` choices of each prompt (choice j of a prompt samples with the seed + j, as a
+        request alone with that seed would; indexes run prompt by prompt, as the API's), queued all or none: ApiError
+        400 for more choices than the server ever takes, 429 or 503 where it takes none now."""
+        decoding = prompts[0].decoding
+        total = len(prompts) * decoding.n
+        if total > self.service.max_streams:
+            asked = f"n={decoding.n} choices" if len(prompts) == 1 else \
+                f"{len(prompts)} prompts of n={decoding.n} choices each"
+            raise ApiError(400, f"{asked} are more streams than this server takes at once (--max-streams "
+                                f"{self.service.max_streams})", "n" if len(prompts) == 1 else "prompt")
         sampling = SamplingParams(temperature=decoding.temperature, top_k=decoding.top_k if decoding.temperature else 0,
                                   top_p=decoding.top_p if decoding.temperature else 1.0)
         loop = asyncio.get_running_loop()
         choices: list[_Choice] = []
-        for index in range(decoding.n):
-            seed = (decoding.seed + index) % (MAX_SEED + 1) if decoding.seed is not None else \
-                (random_seed() if decoding.temperature else 0)
-            request = StreamRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=prepared.max_tokens,
-                                    ignore_eos=decoding.ignore_eos, stop_token_ids=prepared.stop_ids,
-                                    sampling=sampling, seed=seed)
-            choices.append(_Choice(index, request, _Bridge(loop), ReplyText(self.tokenizer, decoding.stop)))
+        for prepared in prompts:
+            for index in range(decoding.n):
+                seed = (decoding.seed + index) % (MAX_SEED + 1) if decoding.seed is not None else \
+                    (random_seed() if decoding.temperature else 0)
+                request = StreamRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=prepared.max_tokens,
+                                        ignore_eos=decoding.ignore_eos, stop_token_ids=prepared.stop_ids,
+                                        sampling=sampling, seed=seed)
+                choices.append(_Choice(len(choices), request, _Bridge(loop), ReplyText(self.tokenizer, decoding.stop)))
         try:
             tickets = self.service.submit_all([(choice.request, choice.bridge) for choice in choices])
         except ServiceBusy as error:

@@ -18,6 +18,7 @@ MAX_STOPS = 4  # the API takes up to 4 stop sequences
 MAX_API_TEMPERATURE = 2.0  # the API's range is 0 to 2
 MAX_SEED = 2**63 - 1
 MAX_CHOICES = 16  # a request's `n`: each choice is a stream of its own, batched with the others
+MAX_PROMPTS = 64  # a completion request's prompts (each with its `n` choices)
 
 # Fields each request may carry that change nothing here when at these values (the API's defaults): any other
 # value asks for what deskfleet does not do, and is refused naming the field.
@@ -71,7 +72,7 @@ class Decoding:
 
 @dataclass(frozen=True)
 class CompletionRequest:
-    prompt: str | tuple[int, ...]  # text, or token ids
+    prompts: tuple[str | tuple[int, ...], ...]  # each text, or token ids
     decoding: Decoding
 
 
@@ -84,9 +85,9 @@ class ChatRequest:
 def parse_completion(body: object, model_name: str) -> CompletionRequest:
     fields = _object(body, _COMPLETION_FIELDS)
     _check_model(fields, model_name)
-    prompt = _prompt(fields.get("prompt"))
+    prompts = _prompts(fields.get("prompt"))
     max_tokens = fields.get("max_tokens")
-    return CompletionRequest(prompt, _decoding(fields, DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens,
+    return CompletionRequest(prompts, _decoding(fields, DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens,
                                                "max_tokens"))
 
 
@@ -127,20 +128,27 @@ def _check_model(fields: dict[str, Any], model_name: str) -> None:
                        code="model_not_found")
 
 
-def _prompt(value: object) -> str | tuple[int, ...]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]  # a list of one prompt
+def _prompts(value: object) -> tuple[str | tuple[int, ...], ...]:
+    """The prompts of a completion request: a string, a list of token ids, or a list of up to MAX_PROMPTS of
+    either."""
+    if isinstance(value, str) or (isinstance(value, list) and value and all(_is_int(token) for token in value)):
+        return (_prompt(value, "prompt"),)
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "prompt must be a non-empty string, a non-empty list of token ids, or a list of such "
+                            "prompts", "prompt")
+    if len(value) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt lists {len(value)} prompts: at most {MAX_PROMPTS} a request", "prompt")
+    return tuple(_prompt(item, f"prompt[{index}]") for index, item in enumerate(value))
+
+
+def _prompt(value: object, where: str) -> str | tuple[int, ...]:
     if isinstance(value, str):
         if not value:
-            raise ApiError(400, "prompt is empty", "prompt")
+            raise ApiError(400, f"{where} is empty", "prompt")
         return value
-    if isinstance(value, list) and value and all(isinstance(token, int) and not isinstance(token, bool)
-                                                 for token in value):
+    if isinstance(value, list) and value and all(_is_int(token) for token in value):
         return tuple(value)
-    if isinstance(value, list) and len(value) > 1:
-        raise ApiError(400, "one prompt a request: send several requests at once instead (they run as concurrent "
-                            "streams, batched)", "prompt")
-    raise ApiError(400, "prompt must be a non-empty string or a non-empty list of token ids", "prompt")
+    raise ApiError(400, f"{where} must be a non-empty string or a non-empty list of token ids", "prompt")
 
 
 def _messages(value: object) -> tuple[ChatMessage, ...]:

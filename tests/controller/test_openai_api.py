@@ -226,6 +226,30 @@ def test_several_choices_are_streams_of_one_prompt_each_as_a_request_alone(serve
     assert service.live_streams == 0
 
 
+def test_several_prompts_each_get_their_choices_in_order_each_as_a_request_alone(served: tuple[str, EngineService],
+                                                                                  tiny_export: Path) -> None:
+    # as OpenAI's completions take a batch: evaluation harnesses send their prompts so
+    url, service = served
+    tokenizer = ModelTokenizer(tiny_export)
+    prompts = ["def add(a, b):", "import os\n", [5, 6, 7]]
+    ids = [tokenizer.encode(prompt) if isinstance(prompt, str) else prompt for prompt in prompts]
+    expected = [greedy(tiny_export, prompt_ids, 10) for prompt_ids in ids]
+    status, body = post(f"{url}/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 10,
+                                                  "temperature": 0, "n": 2})
+    assert status == 200, body
+    assert [choice["index"] for choice in body["choices"]] == list(range(6))  # prompt by prompt, as the API's
+    assert [choice["text"] for choice in body["choices"]] == [tokenizer.decode(tokens) for tokens in expected
+                                                              for _ in range(2)]
+    assert body["usage"]["prompt_tokens"] == sum(map(len, ids))  # each prompt once
+    assert body["usage"]["completion_tokens"] == 2 * sum(map(len, expected))
+    found = events(f"{url}/v1/completions", {"model": MODEL, "prompt": prompts[:2], "max_tokens": 10,
+                                             "temperature": 0})
+    for index in (0, 1):
+        assert "".join(item["choices"][0]["text"] for item in found[:-1]
+                       if item["choices"][0]["index"] == index) == tokenizer.decode(expected[index])
+    assert service.live_streams == 0
+
+
 @pytest.mark.parametrize(("body", "status", "says"), [
     ("not json", 400, "not JSON"),
     ({"model": MODEL, "prompt": "x", "bogus": 1}, 400, "unrecognized request argument(s): bogus"),
@@ -237,7 +261,11 @@ def test_several_choices_are_streams_of_one_prompt_each_as_a_request_alone(serve
     ({"prompt": "x"}, 400, "model is required"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 10**6}, 400, "exceed the model's context"),
     ({"model": MODEL, "prompt": [1, 2, 10**7]}, 400, "outside the model's vocabulary"),
-    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "one prompt a request"),
+    ({"model": MODEL, "prompt": ["a", ""]}, 400, "prompt[1] is empty"),
+    ({"model": MODEL, "prompt": ["a"] * 65}, 400, "prompt lists 65 prompts: at most 64 a request"),
+    ({"model": MODEL, "prompt": [[1, 2], "x", 5]}, 400, "prompt[2] must be a non-empty string or a non-empty list"),
+    ({"model": MODEL, "prompt": [[1, 2], [3, 10**7]]}, 400, "prompt[1]: token id 10000000 is outside the model's"),
+    ({"model": MODEL, "prompt": []}, 400, "prompt must be a non-empty string, a non-empty list of token ids, or"),
     ({"model": MODEL, "prompt": "x", "temperature": 3}, 400, "temperature must be a number from 0 to 2"),
     ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "list of 1 to 4"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "only with stream"),
@@ -406,6 +434,10 @@ def test_choices_are_taken_all_or_none_and_a_client_that_goes_away_cancels_them_
         status, answer = post(f"{url}/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "n": 3})
         assert status == 400 and answer["error"]["param"] == "n"  # never fits: no use retrying it
         assert "n=3 choices are more streams than this server takes at once (--max-streams 2)" in \
+            answer["error"]["message"]
+        status, answer = post(f"{url}/v1/completions", {"model": MODEL, "prompt": ["x", "y", "z"], "max_tokens": 2})
+        assert status == 400 and answer["error"]["param"] == "prompt"
+        assert "3 prompts of n=1 choices each are more streams than this server takes at once" in \
             answer["error"]["message"]
         connection, _ = long_stream(url, service)  # 1 of 2 taken
         status, answer = post(f"{url}/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "n": 2})
