@@ -618,6 +618,66 @@ def test_an_admins_deploy_under_a_running_server_is_what_the_server_goes_on_on(f
     assert end["stderr"].count("on the deployment saved meanwhile") == 2, end["stderr"]
 
 
+def test_a_pc_paused_and_resumed_under_an_idle_server_has_its_stage_back_before_the_next_request(
+        fleet: Fleet, tiny_export: Path) -> None:
+    # The server holds its chain, idle, while a PC of it is paused and resumed: before, the next request's first
+    # step found the stage gone and spent a failover on it while the request waited. The idle server's look asks
+    # the PC that called in, and its reopening re-plans for it first.
+    stages = _deployed_stages(fleet)
+    assert len(stages) == AGENTS
+    roster = json.loads((fleet.controller_dir / "agents.json").read_text())["body"]
+    # the PC whose last call-in is oldest: an agent calls in at most once a minute
+    victim = str(min((stage["agent_id"] for stage in stages), key=lambda agent: roster[agent]["registered_at"] or ""))
+    index = _agent_index(fleet, victim)
+    name = fleet.agents[index].name
+    agent_cli = [str(BIN / "deskfleet-agent"), "--data-dir", str(fleet.agent_dir(index))]
+    argv = ["generate", "--model", str(tiny_export), *[a for p in PROMPTS[:2] for a in ("--prompt-ids", p)],
+            "--max-new-tokens", "12", "--precision", "f32", "--json"]
+    local = [stream["text"] for stream in json.loads(fleet.run(fleet.controller, str(BIN / "deskfleet"),
+                                                                *argv))["streams"]]
+    session = subprocess.Popen(fleet.controller.command(sys.executable, "-m", "tests.integration.fleet_api_session",
+                                                        str(fleet.controller_dir), str(tiny_export)),
+                               cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_environment(), text=True)
+    assert session.stdin is not None and session.stdout is not None
+
+    def complete(prompt: str) -> str:
+        assert session.stdin is not None and session.stdout is not None
+        session.stdin.write(prompt + "\n")
+        session.stdin.flush()
+        return str(json.loads(session.stdout.readline()))
+
+    def assigned_at() -> object:
+        return next(iter(json.loads((fleet.controller_dir / "deployments.json").read_text())["body"].values())).get(
+            "assigned_at")
+
+    try:
+        assert session.stdout.readline() == "serving\n"
+        assert complete(PROMPTS[0]) == local[0]
+        assigned = assigned_at()
+        given_up = fleet.log(name).count("gave up 1 stage(s)")
+        since = datetime.now().astimezone().isoformat()
+        fleet.run(fleet.agents[index], *agent_cli, "pause")
+        _wait_for("the paused PC to give its stage up",
+                  lambda: fleet.log(name).count("gave up 1 stage(s)") > given_up, timeout=30)
+        fleet.run(fleet.agents[index], *agent_cli, "resume")
+        _wait_for("the resumed agent to call in", lambda: _called_in_since(fleet, victim, since), timeout=120)
+        _wait_for("the idle server to re-plan for the PC's stage", lambda: assigned_at() != assigned, timeout=60)
+        assert complete(PROMPTS[1]) == local[1]
+        session.stdin.close()
+        end = json.loads(session.stdout.readline())
+        assert session.wait(timeout=60) == 0
+    finally:
+        if session.poll() is None:
+            session.kill()
+            session.wait()
+    assert end["exit"] == 0, end["stderr"]
+    assert re.search(rf"agent {victim[:12]} on desk-{index} no longer hosts its stage \(it called in since the stage "
+                     rf"was assigned at .* UTC\): re-planned in [0-9.]+ s over {AGENTS} agent\(s\)", end["stderr"]), \
+        end["stderr"]
+    assert "the chain broke" not in end["stderr"], end["stderr"]  # no request spent a failover on it
+    assert victim in {stage["agent_id"] for stage in _deployed_stages(fleet)}
+
+
 def test_removed_agent_is_dropped_and_refused(fleet: Fleet) -> None:
     membership = json.loads((fleet.agent_dir(2) / "state" / "membership.json").read_text())
     fleet.deskfleet("fleet", "remove", membership["agent_id"][:10])
