@@ -401,12 +401,13 @@ def slow(model: Path) -> ChainOpener:
     return _wrapped(model, 2, lambda pipeline: BreakingChain(pipeline, delay=0.02))[0]
 
 
-def long_stream(url: str, service: EngineService) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-    """A streamed completion to the context's end, once its first event came."""
+def long_stream(url: str, service: EngineService,
+                n: int = 1) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """A streamed completion (of `n` choices) to the context's end, once its first event came."""
     connection = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=60)
     connection.request("POST", "/v1/completions", json.dumps({
         "model": MODEL, "prompt": [1, 2, 3], "max_tokens": service.spec.max_context - 3, "temperature": 0,
-        "stream": True}), {"Content-Type": "application/json"})
+        "stream": True, "n": n}), {"Content-Type": "application/json"})
     response = connection.getresponse()
     assert response.status == 200
     assert response.readline().startswith(b"data: ")  # it runs
@@ -447,12 +448,7 @@ def test_choices_are_taken_all_or_none_and_a_client_that_goes_away_cancels_them_
         connection.close()
         _wait_until_idle(service)
         before = service.streams_cancelled
-        connection = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=60)
-        connection.request("POST", "/v1/completions", json.dumps({
-            "model": MODEL, "prompt": [1, 2, 3], "max_tokens": service.spec.max_context - 3, "temperature": 0,
-            "stream": True, "n": 2}), {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        assert response.status == 200 and response.readline().startswith(b"data: ")
+        connection, _ = long_stream(url, service, n=2)
         assert service.live_streams == 2
         connection.close()  # the client goes away mid-reply
         _wait_until_idle(service)
@@ -461,12 +457,7 @@ def test_choices_are_taken_all_or_none_and_a_client_that_goes_away_cancels_them_
 
 def test_choices_running_when_the_server_stops_end_the_reply_with_an_error(tiny_export: Path) -> None:
     with serving(tiny_export, opener=slow(tiny_export)) as (url, service):
-        connection = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=60)
-        connection.request("POST", "/v1/completions", json.dumps({
-            "model": MODEL, "prompt": [1, 2, 3], "max_tokens": service.spec.max_context - 3, "temperature": 0,
-            "stream": True, "n": 3}), {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        assert response.status == 200 and response.readline().startswith(b"data: ")
+        connection, response = long_stream(url, service, n=3)
         service.close()
         rest = response.read().decode()
         connection.close()

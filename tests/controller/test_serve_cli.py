@@ -13,6 +13,8 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -130,16 +132,13 @@ def test_no_api_key_with_a_key_is_refused(tiny_export: Path, capsys: pytest.Capt
     assert "--no-api-key with an API key given" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_serve_runs_answers_as_generate_does_and_stops_on_sigterm(tiny_export: Path, tmp_path: Path) -> None:
-    key_file = tmp_path / "key"
-    key_file.write_text("sesame\n")
-    key_file.chmod(0o600)
+@contextmanager
+def serve_process(*argv: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`deskfleet serve ARGV` in a process of its own, until it said where it serves: (the process, the start line);
+    killed at the end where it still runs."""
     env = {**os.environ, "DESKFLEET_ALLOCATOR": "system"}
     env.pop(API_KEY_ENV, None)
-    server = subprocess.Popen([sys.executable, "-m", "deskfleet.controller.cli", "serve", "--model", str(tiny_export),
-                               "--stages", "2", "--precision", "f32", "--listen", "127.0.0.1:0",
-                               "--api-key-file", str(key_file), "--model-name", "tiny-model"],
+    server = subprocess.Popen([sys.executable, "-m", "deskfleet.controller.cli", "serve", *argv],
                               stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert server.stderr is not None
@@ -148,8 +147,24 @@ def test_serve_runs_answers_as_generate_does_and_stops_on_sigterm(tiny_export: P
             lines.append(line)
             if "serving" in line:
                 break
-        found = re.search(r"serving tiny-model at http://127\.0\.0\.1:(\d+)/v1 \(an API key\)", "".join(lines))
-        assert found, "".join(lines)
+        yield server, "".join(lines)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+@pytest.mark.slow
+def test_serve_runs_answers_as_generate_does_and_stops_on_sigterm(tiny_export: Path, tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("sesame\n")
+    key_file.chmod(0o600)
+    env = {**os.environ, "DESKFLEET_ALLOCATOR": "system"}
+    env.pop(API_KEY_ENV, None)
+    with serve_process("--model", str(tiny_export), "--stages", "2", "--precision", "f32", "--listen", "127.0.0.1:0",
+                       "--api-key-file", str(key_file), "--model-name", "tiny-model") as (server, said):
+        found = re.search(r"serving tiny-model at http://127\.0\.0\.1:(\d+)/v1 \(an API key\)", said)
+        assert found, said
         request = urllib.request.Request(
             f"http://127.0.0.1:{found[1]}/v1/completions",
             json.dumps({"model": "tiny-model", "prompt": "def add(a, b):", "max_tokens": 12,
@@ -164,31 +179,16 @@ def test_serve_runs_answers_as_generate_does_and_stops_on_sigterm(tiny_export: P
         assert text == json.loads(generated.stdout)["text"]
         server.send_signal(signal.SIGTERM)
         assert server.wait(60) == 0
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
 
 
 @pytest.mark.slow
 def test_serve_over_https_answers_a_client_that_trusts_its_certificate_and_no_plain_http(tiny_export: Path,
                                                                                           tmp_path: Path) -> None:
     cert, key = self_signed(tmp_path / "tls")
-    env = {**os.environ, "DESKFLEET_ALLOCATOR": "system"}
-    env.pop(API_KEY_ENV, None)
-    server = subprocess.Popen([sys.executable, "-m", "deskfleet.controller.cli", "serve", "--model", str(tiny_export),
-                               "--precision", "f32", "--listen", "127.0.0.1:0", "--tls-cert", str(cert),
-                               "--tls-key", str(key), "--model-name", "tiny-model"],
-                              stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        assert server.stderr is not None
-        lines = []
-        for line in server.stderr:
-            lines.append(line)
-            if "serving" in line:
-                break
-        found = re.search(r"serving tiny-model at https://127\.0\.0\.1:(\d+)/v1 \(no API key\)", "".join(lines))
-        assert found, "".join(lines)
+    with serve_process("--model", str(tiny_export), "--precision", "f32", "--listen", "127.0.0.1:0", "--tls-cert",
+                       str(cert), "--tls-key", str(key), "--model-name", "tiny-model") as (server, said):
+        found = re.search(r"serving tiny-model at https://127\.0\.0\.1:(\d+)/v1 \(no API key\)", said)
+        assert found, said
         body = json.dumps({"model": "tiny-model", "prompt": "def add(a, b):", "max_tokens": 4, "temperature": 0})
         request = urllib.request.Request(f"https://127.0.0.1:{found[1]}/v1/completions", body.encode(),
                                          {"Content-Type": "application/json"})
@@ -202,10 +202,6 @@ def test_serve_over_https_answers_a_client_that_trusts_its_certificate_and_no_pl
             urllib.request.urlopen(plain, timeout=30)
         server.send_signal(signal.SIGTERM)
         assert server.wait(60) == 0
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
 
 
 def test_plain_http_beyond_this_pc_is_noted(tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -13,6 +13,7 @@ re-planned around.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,10 +21,11 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -400,6 +402,65 @@ def _deployed_stages(fleet: Fleet) -> list[dict[str, object]]:
     return stages
 
 
+class _ApiSession:
+    """`serve --fleet` driven line by line (tests.integration.fleet_api_session), started and serving."""
+
+    def __init__(self, fleet: Fleet, model: Path) -> None:
+        self.process = subprocess.Popen(
+            fleet.controller.command(sys.executable, "-m", "tests.integration.fleet_api_session",
+                                     str(fleet.controller_dir), str(model)),
+            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_environment(), text=True)
+        assert self.process.stdout is not None and self.process.stdout.readline() == "serving\n"
+
+    def complete(self, prompt: str) -> str:
+        """A greedy completion of 12 tokens of `prompt` (comma-separated token ids)."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(prompt + "\n")
+        self.process.stdin.flush()
+        return str(json.loads(self.process.stdout.readline()))
+
+    def end(self) -> dict[str, Any]:
+        """Stop the server: its exit status and what it wrote on stderr ({"exit", "stderr"})."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.close()
+        end = json.loads(self.process.stdout.readline())
+        assert self.process.wait(timeout=60) == 0
+        return dict(end)
+
+
+@contextlib.contextmanager
+def _api_session(fleet: Fleet, model: Path) -> Iterator[_ApiSession]:
+    session = _ApiSession(fleet, model)
+    try:
+        yield session
+    finally:
+        if session.process.poll() is None:
+            session.process.kill()
+            session.process.wait()
+
+
+def _local_texts(fleet: Fleet, model: Path, prompts: Sequence[str]) -> list[str]:
+    """What a local f32 run gives each prompt in 12 tokens: what the fleet's must give."""
+    argv = ["generate", "--model", str(model), *[a for p in prompts for a in ("--prompt-ids", p)],
+            "--max-new-tokens", "12", "--precision", "f32", "--json"]
+    return [stream["text"] for stream in json.loads(fleet.run(fleet.controller, str(BIN / "deskfleet"),
+                                                               *argv))["streams"]]
+
+
+def _pause_and_resume(fleet: Fleet, agent_id: str) -> None:
+    """Its user pauses the PC and resumes it once it gave its stage up; returns once it called in again."""
+    index = _agent_index(fleet, agent_id)
+    name = fleet.agents[index].name
+    agent_cli = [str(BIN / "deskfleet-agent"), "--data-dir", str(fleet.agent_dir(index))]
+    given_up = fleet.log(name).count("gave up 1 stage(s)")
+    since = datetime.now().astimezone().isoformat()
+    fleet.run(fleet.agents[index], *agent_cli, "pause")
+    _wait_for("the paused PC to give its stage up", lambda: fleet.log(name).count("gave up 1 stage(s)") > given_up,
+              timeout=30)
+    fleet.run(fleet.agents[index], *agent_cli, "resume")
+    _wait_for("the resumed agent to call in", lambda: _called_in_since(fleet, agent_id, since), timeout=120)
+
+
 def _start_agent(fleet: Fleet, index: int) -> None:
     node = fleet.agents[index]
     fleet.start(node.name, node, str(BIN / "deskfleet-agent"), "--headless", "--data-dir", str(fleet.agent_dir(index)),
@@ -483,31 +544,16 @@ def test_a_pc_its_user_pauses_is_re_planned_around_and_the_server_takes_it_back_
         fleet: Fleet, tiny_export: Path) -> None:
     # The employee's opt-out, paused and resumed: the agent said nothing of the resume, so its PC stayed out of the
     # chain the re-plan made without it until an admin deployed again; and `serve` took PCs back only at its start.
-    argv = ["generate", "--model", str(tiny_export), *[a for p in PROMPTS[:2] for a in ("--prompt-ids", p)],
-            "--max-new-tokens", "12", "--precision", "f32", "--json"]
-    local = [stream["text"] for stream in json.loads(fleet.run(fleet.controller, str(BIN / "deskfleet"),
-                                                                *argv))["streams"]]
+    local = _local_texts(fleet, tiny_export, PROMPTS[:2])
     assert len(_deployed_stages(fleet)) == AGENTS
     victim = str(_deployed_stages(fleet)[-1]["agent_id"])
     index = _agent_index(fleet, victim)
     agent_cli = [str(BIN / "deskfleet-agent"), "--data-dir", str(fleet.agent_dir(index))]
-    session = subprocess.Popen(fleet.controller.command(sys.executable, "-m", "tests.integration.fleet_api_session",
-                                                        str(fleet.controller_dir), str(tiny_export)),
-                               cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_environment(), text=True)
-    assert session.stdin is not None and session.stdout is not None
-
-    def complete(prompt: str) -> str:
-        assert session.stdin is not None and session.stdout is not None
-        session.stdin.write(prompt + "\n")
-        session.stdin.flush()
-        return str(json.loads(session.stdout.readline()))
-
-    try:
-        assert session.stdout.readline() == "serving\n"
+    with _api_session(fleet, tiny_export) as session:
         fleet.run(fleet.agents[index], *agent_cli, "pause")
         _wait_for("the paused PC to give its stage up",
                   lambda: "paused by its user" in fleet.log(fleet.agents[index].name), timeout=30)
-        assert complete(PROMPTS[0]) == local[0]  # re-planned around the paused PC
+        assert session.complete(PROMPTS[0]) == local[0]  # re-planned around the paused PC
         stages = _deployed_stages(fleet)
         assert len(stages) == AGENTS - 1 and victim not in {stage["agent_id"] for stage in stages}
         since = next(iter(json.loads((fleet.controller_dir / "deployments.json").read_text())["body"].values()))[
@@ -515,14 +561,8 @@ def test_a_pc_its_user_pauses_is_re_planned_around_and_the_server_takes_it_back_
         fleet.run(fleet.agents[index], *agent_cli, "resume")
         _wait_for("the resumed agent to call in", lambda: _called_in_since(fleet, victim, since), timeout=120)
         _wait_for("the idle server to take the PC back", lambda: len(_deployed_stages(fleet)) == AGENTS, timeout=60)
-        assert complete(PROMPTS[1]) == local[1]
-        session.stdin.close()
-        end = json.loads(session.stdout.readline())
-        assert session.wait(timeout=60) == 0
-    finally:
-        if session.poll() is None:
-            session.kill()
-            session.wait()
+        assert session.complete(PROMPTS[1]) == local[1]
+        end = session.end()
     assert end["exit"] == 0, end["stderr"]
     assert re.search(rf"agent {victim[:12]} on desk-\d called in since the re-plan at .* UTC that left it out: "
                      rf"re-planned in [0-9.]+ s over {AGENTS} agent\(s\)", end["stderr"]), end["stderr"]
@@ -537,18 +577,10 @@ def test_a_pc_paused_and_resumed_while_no_run_drives_its_model_hosts_its_stage_a
     assert len(stages) == AGENTS
     victim = str(stages[0]["agent_id"])
     index = _agent_index(fleet, victim)
-    name = fleet.agents[index].name
-    agent_cli = [str(BIN / "deskfleet-agent"), "--data-dir", str(fleet.agent_dir(index))]
     argv = ["generate", "--model", str(tiny_export), "--prompt-ids", PROMPTS[2], "--max-new-tokens", "12",
             "--ignore-eos", "--json"]
     local = json.loads(fleet.run(fleet.controller, str(BIN / "deskfleet"), *argv, "--precision", "f32"))
-    given_up = fleet.log(name).count("gave up 1 stage(s)")
-    since = datetime.now().astimezone().isoformat()
-    fleet.run(fleet.agents[index], *agent_cli, "pause")
-    _wait_for("the paused PC to give its stage up", lambda: fleet.log(name).count("gave up 1 stage(s)") > given_up,
-              timeout=30)
-    fleet.run(fleet.agents[index], *agent_cli, "resume")
-    _wait_for("the resumed agent to call in", lambda: _called_in_since(fleet, victim, since), timeout=120)
+    _pause_and_resume(fleet, victim)
     done = subprocess.run(fleet.controller.command(str(BIN / "deskfleet"), *argv, "--fleet", "--max-failovers", "0",
                                                    "--data-dir", str(fleet.controller_dir)),
                           cwd=REPO, capture_output=True, timeout=120, env=_environment())
@@ -571,46 +603,28 @@ def test_an_admins_deploy_under_a_running_server_is_what_the_server_goes_on_on(f
     # The server goes on on the admin's deployment at its next request (not its own re-plan). Before, a deploy that
     # added PCs made one the last stage, which dropped the results of a driver it had never heard of: the request
     # timed out.
-    argv = ["generate", "--model", str(tiny_export), *[a for p in PROMPTS for a in ("--prompt-ids", p)],
-            "--max-new-tokens", "12", "--precision", "f32", "--json"]
-    local = [stream["text"] for stream in json.loads(fleet.run(fleet.controller, str(BIN / "deskfleet"),
-                                                                *argv))["streams"]]
+    local = _local_texts(fleet, tiny_export, PROMPTS)
     deploy = ["fleet", "deploy", "--model", str(tiny_export), "--precision", "f32", "--json", "--discover-seconds", "0"]
     assert len(json.loads(fleet.deskfleet(*deploy, "--policy", "fewest_agents"))["stages"]) == 1
-    session = subprocess.Popen(fleet.controller.command(sys.executable, "-m", "tests.integration.fleet_api_session",
-                                                        str(fleet.controller_dir), str(tiny_export)),
-                               cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_environment(), text=True)
-    assert session.stdin is not None and session.stdout is not None
-
-    def complete(prompt: str) -> str:
-        assert session.stdin is not None and session.stdout is not None
-        session.stdin.write(prompt + "\n")
-        session.stdin.flush()
-        return str(json.loads(session.stdout.readline()))
 
     def record() -> dict[str, object]:
         return next(iter(json.loads((fleet.controller_dir / "deployments.json").read_text())["body"].values()))
 
     try:
-        assert session.stdout.readline() == "serving\n"
-        assert complete(PROMPTS[0]) == local[0]
-        # the admin adds PCs under the server: the new stages' last PC never heard of the server's chain
-        three = json.loads(fleet.deskfleet(*deploy, "--policy", "all_by_speed", "--hop-ms", "0"))
-        assert len(three["stages"]) == AGENTS
-        assert complete(PROMPTS[1]) == local[1]
-        assert "replanned_at" not in record() and len(_deployed_stages(fleet)) == AGENTS  # the admin's, as it was
-        one = json.loads(fleet.deskfleet(*deploy, "--policy", "fewest_agents"))  # and takes them away again
-        assert complete(PROMPTS[2]) == local[2]
-        assert "replanned_at" not in record() and _deployed_stages(fleet) == [
-            dict(zip(("agent_id", "address", "layer_start", "layer_end"), stage, strict=True))
-            for stage in one["stages"]]
-        session.stdin.close()
-        end = json.loads(session.stdout.readline())
-        assert session.wait(timeout=60) == 0
+        with _api_session(fleet, tiny_export) as session:
+            assert session.complete(PROMPTS[0]) == local[0]
+            # the admin adds PCs under the server: the new stages' last PC never heard of the server's chain
+            three = json.loads(fleet.deskfleet(*deploy, "--policy", "all_by_speed", "--hop-ms", "0"))
+            assert len(three["stages"]) == AGENTS
+            assert session.complete(PROMPTS[1]) == local[1]
+            assert "replanned_at" not in record() and len(_deployed_stages(fleet)) == AGENTS  # the admin's, as it was
+            one = json.loads(fleet.deskfleet(*deploy, "--policy", "fewest_agents"))  # and takes them away again
+            assert session.complete(PROMPTS[2]) == local[2]
+            assert "replanned_at" not in record() and _deployed_stages(fleet) == [
+                dict(zip(("agent_id", "address", "layer_start", "layer_end"), stage, strict=True))
+                for stage in one["stages"]]
+            end = session.end()
     finally:
-        if session.poll() is None:
-            session.kill()
-            session.wait()
         fleet.deskfleet(*deploy, "--policy", "all_by_speed", "--hop-ms", "0")  # the 3 stages the tests after need
     assert end["exit"] == 0, end["stderr"]
     # each deploy was seen at the next request, which went on on it at once (it had waited out a 120 s step timeout)
@@ -628,52 +642,23 @@ def test_a_pc_paused_and_resumed_under_an_idle_server_has_its_stage_back_before_
     roster = json.loads((fleet.controller_dir / "agents.json").read_text())["body"]
     # the PC whose last call-in is oldest: an agent calls in at most once a minute
     victim = str(min((stage["agent_id"] for stage in stages), key=lambda agent: roster[agent]["registered_at"] or ""))
-    index = _agent_index(fleet, victim)
-    name = fleet.agents[index].name
-    agent_cli = [str(BIN / "deskfleet-agent"), "--data-dir", str(fleet.agent_dir(index))]
-    argv = ["generate", "--model", str(tiny_export), *[a for p in PROMPTS[:2] for a in ("--prompt-ids", p)],
-            "--max-new-tokens", "12", "--precision", "f32", "--json"]
-    local = [stream["text"] for stream in json.loads(fleet.run(fleet.controller, str(BIN / "deskfleet"),
-                                                                *argv))["streams"]]
-    session = subprocess.Popen(fleet.controller.command(sys.executable, "-m", "tests.integration.fleet_api_session",
-                                                        str(fleet.controller_dir), str(tiny_export)),
-                               cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_environment(), text=True)
-    assert session.stdin is not None and session.stdout is not None
-
-    def complete(prompt: str) -> str:
-        assert session.stdin is not None and session.stdout is not None
-        session.stdin.write(prompt + "\n")
-        session.stdin.flush()
-        return str(json.loads(session.stdout.readline()))
+    local = _local_texts(fleet, tiny_export, PROMPTS[:2])
 
     def assigned_at() -> object:
         return next(iter(json.loads((fleet.controller_dir / "deployments.json").read_text())["body"].values())).get(
             "assigned_at")
 
-    try:
-        assert session.stdout.readline() == "serving\n"
-        assert complete(PROMPTS[0]) == local[0]
+    with _api_session(fleet, tiny_export) as session:
+        assert session.complete(PROMPTS[0]) == local[0]
         assigned = assigned_at()
-        given_up = fleet.log(name).count("gave up 1 stage(s)")
-        since = datetime.now().astimezone().isoformat()
-        fleet.run(fleet.agents[index], *agent_cli, "pause")
-        _wait_for("the paused PC to give its stage up",
-                  lambda: fleet.log(name).count("gave up 1 stage(s)") > given_up, timeout=30)
-        fleet.run(fleet.agents[index], *agent_cli, "resume")
-        _wait_for("the resumed agent to call in", lambda: _called_in_since(fleet, victim, since), timeout=120)
+        _pause_and_resume(fleet, victim)
         _wait_for("the idle server to re-plan for the PC's stage", lambda: assigned_at() != assigned, timeout=60)
-        assert complete(PROMPTS[1]) == local[1]
-        session.stdin.close()
-        end = json.loads(session.stdout.readline())
-        assert session.wait(timeout=60) == 0
-    finally:
-        if session.poll() is None:
-            session.kill()
-            session.wait()
+        assert session.complete(PROMPTS[1]) == local[1]
+        end = session.end()
     assert end["exit"] == 0, end["stderr"]
-    assert re.search(rf"agent {victim[:12]} on desk-{index} no longer hosts its stage \(it called in since the stage "
-                     rf"was assigned at .* UTC\): re-planned in [0-9.]+ s over {AGENTS} agent\(s\)", end["stderr"]), \
-        end["stderr"]
+    assert re.search(rf"agent {victim[:12]} on desk-{_agent_index(fleet, victim)} no longer hosts its stage \(it "
+                     rf"called in since the stage was assigned at .* UTC\): re-planned in [0-9.]+ s over {AGENTS} "
+                     rf"agent\(s\)", end["stderr"]), end["stderr"]
     assert "the chain broke" not in end["stderr"], end["stderr"]  # no request spent a failover on it
     assert victim in {stage["agent_id"] for stage in _deployed_stages(fleet)}
 
