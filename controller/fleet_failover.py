@@ -70,7 +70,7 @@ from deskfleet.controller.fleet_deploy import (
     placed_pcs_called_in,
     utc_text,
 )
-from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
+from deskfleet.controller.fleet_pipeline import ChainError, DeploymentReplaced, FleetPipeline
 from deskfleet.controller.fleet_runs import others_driving
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, agent_label
 from deskfleet.controller.fleet_survey import AgentView, Survey, SurveyOptions, survey
@@ -163,6 +163,8 @@ class FleetFailover:
         # against the reporting stage's place in it (FleetPipeline._accepted_blame): never a bystander's id.
         # Left out until the re-plan's survey has checked it (_check_blame).
         agent_id = error.agent_id if isinstance(error, ChainError) else None
+        if isinstance(error, DeploymentReplaced):  # no PC failed: the new deployment is gone on on for free
+            self._credit += 1
         self._forgive_called_in()
         if agent_id is not None:
             self._lose(agent_id)

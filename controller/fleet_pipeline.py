@@ -75,6 +75,12 @@ class ChainError(ChainBroken):
         self.reported_by = reported_by if agent_id is not None else None
         self.stages = tuple(stages)
 
+
+class DeploymentReplaced(ChainError):
+    """The chain's deployment on record was replaced under it (an admin's `fleet deploy`, another run's re-plan): no PC
+    failed, and going on on the new one spends none of the run's --max-failovers."""
+
+
 OPEN_TIMEOUT_S = 30.0
 STRAY_ERROR_LOG_S = 60.0  # how often a stage's link logs the count of errors about other runs' micro-batches
 _ID_SPAN = 1 << 24  # engine micro-batch ids stay below this
@@ -282,8 +288,8 @@ class FleetPipeline:
         `serve --fleet` at its next request) waited out its step timeout, then failed over, 120 s later."""
         if self.replaced is None or not self.replaced():
             return
-        error = ChainError("the deployment on record was replaced under the chain (an admin's `fleet deploy`, or "
-                           "another run's re-plan)", stages=self.stages)
+        error = DeploymentReplaced("the deployment on record was replaced under the chain (an admin's `fleet "
+                                   "deploy`, or another run's re-plan)", stages=self.stages)
         self._fail(error)
         raise error
 

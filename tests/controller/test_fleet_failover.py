@@ -18,7 +18,7 @@ from deskfleet.common import event_loop
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.planner import SEE_LEFT_OUT, ExclusionReason, PlanPolicy
 from deskfleet.common.wire import Precision, StatusReport
-from deskfleet.controller import fleet_deploy, fleet_failover
+from deskfleet.controller import fleet_deploy, fleet_failover, fleet_pipeline
 from deskfleet.controller.chat import add_fleet_option
 from deskfleet.controller.fleet_deploy import (
     DeployError,
@@ -587,3 +587,19 @@ def test_a_pc_lost_in_a_run_that_calls_in_again_may_be_placed_by_the_runs_next_r
     called_in(a)
     failover(ChainError("agent b: the link closed once more", b))
     assert redeploys.excluded[3:] == [{a, b}, {a, b}]
+
+
+def test_a_deployment_replaced_under_the_chain_is_gone_on_on_spending_no_failover(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # an admin's `fleet deploy` under a running run (the chain's DeploymentWatch saw it): with --max-failovers 0 the
+    # run ended, though no PC had failed
+    _saved(store, tiny_export, BEFORE)
+    monkeypatch.setattr(fleet_failover, "FleetPipeline", OpenedChain)
+    failover = FleetFailover(store, tiny_export, max_failovers=0, notify=lambda text: None)
+    _saved(store, tiny_export, MEANWHILE)
+    replaced = fleet_pipeline.DeploymentReplaced("the deployment on record was replaced under the chain",
+                                                 stages=BEFORE)
+    assert failover(replaced).stages == MEANWHILE
+    assert failover._spent() == 0  # the budget is whole: a PC that fails next is still re-planned around (or not)
+    with pytest.raises(FailoverError, match="--max-failovers 0"):
+        failover(ChainError("agent a: the link closed", A))  # a real failure spends it

@@ -362,6 +362,7 @@ def test_a_chain_whose_deployment_was_replaced_fails_at_its_next_step_blaming_no
     with pytest.raises(ChainError, match=r"^the deployment on record was replaced under the chain \(an admin's "
                                          r"`fleet deploy`, or another run's re-plan\)$") as raised:
         chain.submit(one_step())
+    assert isinstance(raised.value, fleet_pipeline.DeploymentReplaced)  # no PC failed: the failover spends nothing
     assert raised.value.agent_id is None and raised.value.stages == chain.stages
     assert not any(isinstance(message, Forward) for message in SEEN)  # nothing sent to the stages it no longer has
     with pytest.raises(ChainError, match="replaced"):
