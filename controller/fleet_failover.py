@@ -255,13 +255,9 @@ class FleetFailover:
         called_in = placed_pcs_called_in(self.store, self.model_dir)
         if called_in is None or self._model_id is None:
             return None
-        gone = stages_gone(self.store, self._model_id, called_in)
-        if gone is None:  # could not ask: the chain's first step tells
+        gone = stages_gone(self.store, self.model_dir, self._model_id, called_in)
+        if not gone:  # none gone (asked about once), or they could not be asked: the chain's first step tells
             return None
-        if not gone:
-            note_hosting_checked(self.store, self.model_dir, called_in)
-            return None
-        # not noted here: a run that starts while this one re-plans asks too, and waits for the re-plan's deploy
         at = f" at {utc_text(called_in.assigned_at)}" if called_in.assigned_at is not None else ""
         said = (f"no longer hosts its stage (it called in since the stage was assigned{at})" if len(gone) == 1 else
                 f"no longer host their stages (they called in since the stages were assigned{at})")
@@ -679,11 +675,14 @@ class FleetFailover:
         log.warning("%s", self._verdict)
 
 
-def stages_gone(store: FleetStore, model_id: str, called_in: CalledInSinceAssigned) -> tuple[str, ...] | None:
+def stages_gone(store: FleetStore, model_dir: Path, model_id: str,
+                called_in: CalledInSinceAssigned) -> tuple[str, ...] | None:
     """Of the PCs of `called_in` (fleet_deploy.placed_pcs_called_in), those that answer now, able to take stages,
     without their stage of it; None where they could not be asked. Only they are dialled, with the short timeout,
-    no mDNS browse: a PC that does not answer, or is paused again, is left to the chain's failover. Never raises: the
-    ask is a help to a run that would start without it."""
+    no mDNS browse: a PC that does not answer, or is paused again, is left to the chain's failover. Where none is
+    gone, the ask is noted (note_hosting_checked): those call-ins are not asked about again. Where one is, it is not
+    (a run that starts while the stage is re-planned for asks too). Never raises: the ask is a help to a run that
+    would start without it."""
     agents = frozenset(stage.agent_id for stage in called_in.stages)
     options = SurveyOptions(discover_seconds=0.0, only=agents, recheck=agents)
 
@@ -699,10 +698,13 @@ def stages_gone(store: FleetStore, model_id: str, called_in: CalledInSinceAssign
         log.warning("could not ask the PCs that called in since their stage was assigned whether they still host it: "
                     "%s (the chain's first step tells)", error, exc_info=log.isEnabledFor(logging.DEBUG))
         return None
-    return tuple(dict.fromkeys(
+    gone = tuple(dict.fromkeys(
         stage.agent_id for stage in called_in.stages
         if (report := answered.get(stage.agent_id)) is not None and report.state in _CAN_TAKE_STAGES
         and StageRef(model_id, stage.layer_start, stage.layer_end) not in report.stages))
+    if not gone:
+        note_hosting_checked(store, model_dir, called_in)
+    return gone
 
 
 class TakeBackLook:
@@ -736,10 +738,7 @@ class TakeBackLook:
         called_in = placed_pcs_called_in(self.store, self.model_dir)
         if called_in is None or not self._first_time(("placed", called_in)):
             return False
-        gone = stages_gone(self.store, self._model_id, called_in)
-        if gone == ():  # every one still hosts its stage: asked about once
-            note_hosting_checked(self.store, self.model_dir, called_in)
-        return bool(gone)
+        return bool(stages_gone(self.store, self.model_dir, self._model_id, called_in))
 
     def _left_out_back(self) -> tuple[object, ...] | None:
         back = pcs_back(self.store, self.model_dir)
