@@ -4,7 +4,8 @@ The driver never sends a mask. Each Forward carries the ledger deltas since the 
 step, ending with the AppendSlots of this call; the executor replays them on its Mirror (editing the KV
 state on the host where a delta needs it: admitting a prefilled stream, compacting dead slots), then runs
 the stage with the mask, positions and beam_idx the mirror gives. The last stage verifies draft tokens
-(greedy or exact rejection sampling) and returns only the next token and the accepted count per row.
+(greedy or exact rejection sampling) and returns only the next token and the accepted count per row (and, for
+the rows that ask, the log-probabilities of the tokens it returns: common/logprobs.py).
 
 No torch here: this runs on every employee PC and, in-process, in the controller's local pipeline.
 """
@@ -30,6 +31,7 @@ from deskfleet.common.kv_ledger import (
     SlotDelta,
     position_ids,
 )
+from deskfleet.common.logprobs import chosen_and_top
 from deskfleet.common.speculative import (
     SamplingParams,
     greedy_accept,
@@ -166,11 +168,13 @@ class StageExecutor:
             self._batches[message.micro_batch_id] = batch
         batch.last_used = time.monotonic()
         sampled = message.sampling is not None and any(t > 0 for t in message.sampling.temperatures)
+        asks_logprobs = message.logprobs is not None and any(top >= 0 for top in message.logprobs)
         positions = logits_positions(inputs.append, message.draft) if self.stage.layers.is_last else None
         try:
             # the mirror's bool mask as it is: the request's int64 input tensor takes it in one casting copy
             output = batch.session.forward(payload, batch.mirror.mask, inputs.position_ids, inputs.beam_idx,
-                                           want_logits=sampled or return_logits, logits_positions=positions)
+                                           want_logits=sampled or return_logits or asks_logprobs,
+                                           logits_positions=positions)
         except RuntimeError as error:
             self.release(message.micro_batch_id)
             raise RuntimeError(f"{error} (micro-batch {message.micro_batch_id} was dropped: its KV state is "
@@ -190,9 +194,15 @@ class StageExecutor:
                                "finite)")
         next_tokens, accepted = verify(inputs.append, output.next_tokens, output.logits, message.draft,
                                        message.sampling)
-        return ForwardResult(micro_batch_id=message.micro_batch_id, step_id=message.step_id,
-                             next_token_ids=next_tokens, accepted_counts=accepted,
-                             logits=output.logits if return_logits else None)
+        result = ForwardResult(micro_batch_id=message.micro_batch_id, step_id=message.step_id,
+                               next_token_ids=next_tokens, accepted_counts=accepted,
+                               logits=output.logits if return_logits else None)
+        if asks_logprobs:
+            assert message.logprobs is not None and output.logits is not None
+            chosen, top_ids, top_logps = returned_logprobs(inputs.append, output.logits, message.draft, next_tokens,
+                                                           accepted, message.logprobs)
+            result = replace(result, token_logprobs=chosen, top_logprob_ids=top_ids, top_logprobs=top_logps)
+        return result
 
     def release(self, micro_batch_id: int) -> None:
         batch = self._batches.pop(micro_batch_id, None)
@@ -407,6 +417,36 @@ def verify(append: AppendSlots, next_tokens: npt.NDArray[np.int64], logits: npt.
             chosen.append(sample(sampling_probs(logits[row, last: last + 1], params)[0], rng))
             accepted.append(0)
     return tuple(chosen), (tuple(accepted) if draft is not None else None)
+
+
+def returned_logprobs(append: AppendSlots, logits: npt.NDArray[np.float32], draft: DraftInfo | None,
+                     next_tokens: tuple[int, ...], accepted: tuple[int, ...] | None, asked: tuple[int, ...]
+                     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+    """ForwardResult's token_logprobs [B, T], top_logprob_ids and top_logprobs [B, T, N]: for each row that asks
+    (asked[r] >= 0), the log-probabilities of the tokens the step returns it, its accepted draft tokens then its next
+    token, in columns 0.. (N: the most alternatives any row asked). A drafting row's token i follows its fed token i
+    (logits column i); any other row's one token follows its last live position (column 0 without a draft, where
+    the logits are that position's alone)."""
+    rows = len(append.live_counts)
+    top = max(asked)
+    width = 1 + (max(accepted) if accepted is not None else 0)
+    chosen = np.zeros((rows, width), dtype=np.float32)
+    top_ids = np.zeros((rows, width, top), dtype=np.int64)
+    top_logps = np.zeros((rows, width, top), dtype=np.float32)
+    for row in range(rows):
+        live = append.live_counts[row]
+        if asked[row] < 0 or live == 0:
+            continue
+        k = draft.counts[row] if draft is not None else 0
+        kept = accepted[row] if accepted is not None else 0
+        assert draft is not None or kept == 0
+        tokens = [*(draft.draft_token_ids[row, :kept].tolist() if draft is not None else []), next_tokens[row]]
+        first = 0 if draft is None else live - 1 - k
+        picked, ids, logps = chosen_and_top(logits[row, first: first + len(tokens)], np.array(tokens), top)
+        chosen[row, : len(tokens)] = picked
+        top_ids[row, : len(tokens)] = ids
+        top_logps[row, : len(tokens)] = logps
+    return chosen, top_ids, top_logps
 
 
 # Private functions

@@ -20,13 +20,14 @@ from typing import Self, TypeGuard
 
 from deskfleet.common.agent_state import AgentState, UnavailableReason
 from deskfleet.common.kv_ledger import AdmitRow, SlotDelta
+from deskfleet.common.logprobs import MAX_TOP_LOGPROBS
 from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, check_tensor
 
 # 2: DraftInfo.one_hot; 3: Forward.layer_start, Error.micro_batch_id and agent_id; 4: Forward.model_id,
 # StatusReport.reasons and detail; 5: AssignStage.previous_agent_id; 6: RevocationUpdate as records signed by
 # the CA, KnownRemovals, Register.token_sha256; 7: StatusReport.devices; 8: ResultsHere's micro-batch id range,
 # ErrorCode.DISK_FULL
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 MAX_STATUS_DETAIL = 500
 MAX_DEVICES = 32  # a StatusReport's devices
 _DEVICE_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,15}(\.[0-9]{1,3})?")  # as OpenVINO lists them: "CPU", "GPU.1"
@@ -188,6 +189,9 @@ _BEAM_IDX = TensorSpec(("int64", "int32"), ("B",))
 _TOKENS_BY_ROW = TensorSpec(("int64",), ("B", "T"))  # position_ids, input_ids
 _HIDDEN_STATES = TensorSpec(("float32", "float16"), ("B", "T", "H"))
 _LOGITS = TensorSpec(("float32", "float16"), ("B", "T", "V"))
+_TOKEN_LOGPROBS = TensorSpec(("float32",), ("B", "T"))
+_TOP_LOGPROB_IDS = TensorSpec(("int64",), ("B", "T", "N"))
+_TOP_LOGPROBS = TensorSpec(("float32",), ("B", "T", "N"))
 
 
 # Shared parts
@@ -498,6 +502,9 @@ class Forward:
     # the deployed model the step is for (StageRef.model_id): an agent hosting stages of several models runs
     # it on that model's stage; "" (a chain that does not know it) only where the agent's choice is unique
     model_id: str = ""
+    # per row, the log-probabilities the last stage returns with the row's tokens (common/logprobs.py): -1 none,
+    # n >= 0 the chosen token's and the n most likely tokens' (at most MAX_TOP_LOGPROBS); None: no row asks
+    logprobs: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _non_negative("micro_batch_id", self.micro_batch_id)
@@ -523,6 +530,10 @@ class Forward:
         _require(len(self.admit_from) == admits, f"{admits} AdmitRow deltas but {len(self.admit_from)} sources")
         for source in self.admit_from:
             _non_negative("admit_from", source)
+        if self.logprobs is not None:
+            _require(len(self.logprobs) == rows, "logprobs rows differ from stream_ids")
+            for top in self.logprobs:
+                _require(-1 <= top <= MAX_TOP_LOGPROBS, f"a row's logprobs must be -1 to {MAX_TOP_LOGPROBS}, not {top}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -534,6 +545,12 @@ class ForwardResult:
     next_token_ids: tuple[int, ...]  # one per row
     accepted_counts: tuple[int, ...] | None  # draft tokens accepted per row, when verifying
     logits: Tensor | None  # [B, T, V] float32 or float16, only when asked for
+    # where the step's Forward.logprobs asked (common/logprobs.chosen_and_top): [B, T] the log-probability of each
+    # token a row returns (its accepted draft tokens, then its next token, from column 0), and [B, T, N] the N most
+    # likely tokens at each and theirs (N: the most any row asked); columns past a row's tokens are 0
+    token_logprobs: Tensor | None = None
+    top_logprob_ids: Tensor | None = None
+    top_logprobs: Tensor | None = None
 
     def __post_init__(self) -> None:
         _non_negative("micro_batch_id", self.micro_batch_id)
@@ -546,6 +563,15 @@ class ForwardResult:
         if self.logits is not None:
             check_tensor("logits", self.logits, _LOGITS,
                          {"B": rows})
+        asked = (self.token_logprobs, self.top_logprob_ids, self.top_logprobs)
+        _require(all(part is None for part in asked) or all(part is not None for part in asked),
+                 "token_logprobs, top_logprob_ids and top_logprobs come together")
+        if self.token_logprobs is not None:
+            sizes = check_tensor("token_logprobs", self.token_logprobs, _TOKEN_LOGPROBS, {"B": rows})
+            sizes = check_tensor("top_logprob_ids", self.top_logprob_ids, _TOP_LOGPROB_IDS, sizes)
+            check_tensor("top_logprobs", self.top_logprobs, _TOP_LOGPROBS, sizes)
+            _require(sizes["N"] <= MAX_TOP_LOGPROBS, f"top_logprobs has {sizes['N']} alternatives, at most "
+                                                     f"{MAX_TOP_LOGPROBS}")
 
 
 @dataclass(frozen=True)

@@ -75,8 +75,9 @@ class BatchTrack:
         return int(self.ledger.next_positions[self.stream_ids.index(stream_id)])
 
     def step(self, tokens: list[list[int]], draft: DraftInfo | None = None,
-             sampling: SamplingInfo | None = None) -> Forward:
-        """The Forward that feeds row r the tokens[r] (possibly none) and takes every queued delta."""
+             sampling: SamplingInfo | None = None, logprobs: tuple[int, ...] | None = None) -> Forward:
+        """The Forward that feeds row r the tokens[r] (possibly none) and takes every queued delta; `logprobs`:
+        Forward.logprobs."""
         if len(tokens) != self.rows:
             raise ValueError(f"{len(tokens)} token rows for a micro-batch of {self.rows}")
         width = max((len(row) for row in tokens), default=0)
@@ -94,7 +95,7 @@ class BatchTrack:
                           slot_deltas=tuple(self.pending), beam_idx=self.order.take(self.ledger.rows),
                           position_ids=position_ids(append),
                           input_ids=input_ids, hidden_states=None, draft=draft, admit_from=tuple(self.admit_from),
-                          sampling=sampling)
+                          sampling=sampling, logprobs=logprobs)
         self.pending.clear()
         self.admit_from.clear()
         self.steps += 1

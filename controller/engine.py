@@ -34,6 +34,7 @@ from typing import Protocol
 import numpy as np
 
 from deskfleet.common.kv_ledger import CompactionPolicy
+from deskfleet.common.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, entries
 from deskfleet.common.model_spec import ModelSpec
 from deskfleet.common.speculative import DEFAULT_PRIOR_ACCEPTANCE, MAX_K, AdaptiveK, RoundCost, SamplingParams
 from deskfleet.common.wire import DraftInfo, Forward, ForwardResult, SamplingInfo
@@ -104,6 +105,9 @@ class StreamRequest:
     keep_kv: bool = False
     # A KeptKV of an earlier run on this engine's chain: only the prompt after the prefix it shares is fed.
     resume: KeptKV | None = None
+    # The log-probability of each generated token, and of the `logprobs` most likely tokens at each (0 to
+    # MAX_TOP_LOGPROBS; None: none), computed by the last stage (StreamResult.logprobs, Engine.latest_logprob)
+    logprobs: int | None = None
 
 
 class KeptKV:
@@ -159,6 +163,7 @@ class StreamResult:
     last_token_s: float  # from the engine's start: its last token, or its latest where it was stopped (Ctrl-C)
     stopped_by_eos: bool
     reused_tokens: int = 0  # of the prompt, held by the kept KV state it resumed (not fed)
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one for each token, where the request asked
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -205,6 +210,7 @@ class _Stream:
     resume: KeptKV | None = None  # StreamRequest.resume until run() takes (or releases) it
     resumed: BatchTrack | None = None  # the kept micro-batch it starts from, once taken
     reused: int = 0  # prompt tokens already in that micro-batch's KV state
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one a token, where the request asked
 
     @property
     def keeps_own_batch(self) -> bool:
@@ -306,6 +312,8 @@ class Engine:
         """Queue a stream; raises GenerationError naming what is wrong with it (ValueError: a `resume` of another
         chain's, or one resumed already)."""
         check_request(self.spec, request.prompt_ids, request.max_new_tokens)
+        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
+            raise GenerationError(f"logprobs must be 0-{MAX_TOP_LOGPROBS} most likely tokens, not {request.logprobs}")
         stream_id = self._next_stream
         self._next_stream += 1
         stream = _Stream(stream_id, request)
@@ -432,10 +440,17 @@ class Engine:
         raised, e.g. on Ctrl-C: what was generated before it stopped)."""
         return {stream.stream_id: self._result_of(stream) for stream in self._streams.values()}
 
+    def latest_logprob(self, stream_id: int) -> TokenLogprob | None:
+        """The log-probabilities of the stream's latest token (for an on_token callback); None where its request
+        did not ask, or before its first token."""
+        stream = self._streams[stream_id]
+        return stream.logprobs[-1] if stream.request.logprobs is not None and stream.logprobs else None
+
     @staticmethod
     def _result_of(stream: _Stream) -> StreamResult:
         return StreamResult(stream.stream_id, list(stream.tokens), len(stream.request.prompt_ids), stream.first_token_s,
-                            stream.last_token_s, stream.stopped_by_eos, stream.reused)
+                            stream.last_token_s, stream.stopped_by_eos, stream.reused,
+                            tuple(stream.logprobs) if stream.request.logprobs is not None else None)
 
     def accepted_histogram(self) -> dict[int, int]:
         return self.k_policy.accepted_histogram()
@@ -747,7 +762,9 @@ class Engine:
               drafts: list[list[int]] | None = None, draft_seconds: float = 0.0,
               takes_token: list[bool] | None = None) -> None:
         streams = [self._streams[stream_id] for stream_id in track.stream_ids]
-        message = track.step(feed, draft=draft, sampling=self._sampling(track, streams))
+        asked = tuple(-1 if stream.request.logprobs is None else stream.request.logprobs for stream in streams)
+        message = track.step(feed, draft=draft, sampling=self._sampling(track, streams),
+                             logprobs=asked if max(asked, default=-1) >= 0 else None)
         if prefill:
             for flight in self._in_flight.values():
                 flight.beside_prefill = True
@@ -800,17 +817,33 @@ class Engine:
                 self.k_policy.record_round(len(proposed), accepted)
             if not stream.tokens:
                 stream.first_token_s = now
-            if self._extend(stream, [*proposed[:accepted], result.next_token_ids[row]], now):
+            tokens = [*proposed[:accepted], result.next_token_ids[row]]
+            if self._extend(stream, tokens, now, self._logprobs_of(result, row, tokens, stream.request.logprobs)):
                 finished.add(stream_id)
         if any(flight.drafts) and not flight.prefill and not flight.beside_prefill:
             self._record_cost(flight, arrived_at)
         self._retire(track, finished)
 
-    def _extend(self, stream: _Stream, tokens: list[int], now: float) -> bool:
-        """Append tokens up to EOS (or a stop token of the stream) or max_new_tokens; True when the stream is done."""
+    @staticmethod
+    def _logprobs_of(result: ForwardResult, row: int, tokens: list[int], top: int | None) -> list[TokenLogprob] | None:
+        """The log-probabilities the last stage returned with a row's tokens, where its stream asked."""
+        if top is None:
+            return None
+        if result.token_logprobs is None or result.top_logprob_ids is None or result.top_logprobs is None \
+                or result.token_logprobs.shape[1] < len(tokens) or result.top_logprobs.shape[2] < top:
+            raise RuntimeError(f"the last stage returned no log-probabilities for the {len(tokens)} token(s) of "
+                               f"micro-batch {result.micro_batch_id} step {result.step_id} row {row}")
+        return entries(tokens, result.token_logprobs[row], result.top_logprob_ids[row], result.top_logprobs[row], top)
+
+    def _extend(self, stream: _Stream, tokens: list[int], now: float,
+                logprobs: list[TokenLogprob] | None = None) -> bool:
+        """Append tokens (and their log-probabilities, where the stream asked) up to EOS (or a stop token of the
+        stream) or max_new_tokens; True when the stream is done."""
         eos = self._eos
-        for token in tokens:
+        for at, token in enumerate(tokens):
             stream.tokens.append(int(token))
+            if logprobs is not None:
+                stream.logprobs.append(logprobs[at])
             stream.last_token_s = now
             hit_eos = (int(token) in eos or int(token) in stream.request.stop_token_ids) \
                 and not stream.request.ignore_eos

@@ -22,6 +22,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from deskfleet.common.logprobs import TokenLogprob
 from deskfleet.common.model_spec import ModelSpec
 
 from .draft import Drafter
@@ -65,7 +66,8 @@ class StreamEnd:
 
 
 class StreamSink(Protocol):
-    def token(self, token: int) -> None: ...
+    def token(self, token: int, logprob: TokenLogprob | None) -> None:
+        """A generated token, and its log-probabilities where the request asked (StreamRequest.logprobs)."""
 
     def end(self, end: StreamEnd) -> None: ...
 
@@ -238,7 +240,8 @@ class EngineService:
         self._by_stream.clear()
         self._engine = engine
         try:
-            engine.run(on_token=self._on_token, recover=recover, feed=lambda idle: self._feed(engine, idle))
+            engine.run(on_token=lambda stream_id, token: self._on_token(engine, stream_id, token), recover=recover,
+                       feed=lambda idle: self._feed(engine, idle))
             self._reap(engine)
         finally:
             self._engine = None
@@ -321,11 +324,11 @@ class EngineService:
         """Whether a stream, a cancel or close() waits; under self._lock."""
         return bool(self._inbox.new or self._inbox.cancelled or self._closing)
 
-    def _on_token(self, stream_id: int, token: int) -> None:
+    def _on_token(self, engine: Engine, stream_id: int, token: int) -> None:
         ticket = self._by_stream.get(stream_id)
         if ticket is not None:
             try:
-                ticket.sink.token(token)
+                ticket.sink.token(token, engine.latest_logprob(stream_id))
             except Exception:  # a sink's fault must not stop the other streams
                 log.exception("a stream's sink failed on a token")
 

@@ -16,11 +16,12 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from aiohttp import web
 
+from deskfleet.common.logprobs import TokenLogprob
 from deskfleet.common.model_spec import ModelSpec
 from deskfleet.common.speculative import SamplingParams
 
@@ -29,6 +30,7 @@ from .decoding_options import random_seed
 from .engine import StreamRequest
 from .engine_service import EngineService, ServiceBusy, ServiceClosed, StreamEnd
 from .generation import GenerationError, check_request
+from .openai_logprobs import chat_logprobs, completion_logprobs
 from .openai_requests import (
     MAX_SEED,
     ApiError,
@@ -41,6 +43,7 @@ from .text_printer import TextPrinter
 from .tokenizer import ModelTokenizer, NotUtf8Error
 
 log = logging.getLogger(__name__)
+_Token = tuple[int, "TokenLogprob | None"]  # a token from the engine's thread, and its log-probabilities where asked
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body: a long conversation's text, far from the model's context in bytes
 # A prompt's characters a token of the model's context at most: more cannot fit (tokens are rarely under one
@@ -121,16 +124,16 @@ class _Bridge:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._lock = threading.Lock()
-        self._pending: list[int | StreamEnd] = []
+        self._pending: list[_Token | StreamEnd] = []
         self._ready = asyncio.Event()
 
-    def token(self, token: int) -> None:
-        self._put(token)
+    def token(self, token: int, logprob: TokenLogprob | None) -> None:
+        self._put((token, logprob))
 
     def end(self, end: StreamEnd) -> None:
         self._put(end)
 
-    async def take(self) -> list[int | StreamEnd]:
+    async def take(self) -> list[_Token | StreamEnd]:
         """Every token (and the end) that came since the last take; at least one."""
         while True:
             await self._ready.wait()
@@ -140,7 +143,7 @@ class _Bridge:
             if events:
                 return events
 
-    def _put(self, event: int | StreamEnd) -> None:
+    def _put(self, event: _Token | StreamEnd) -> None:
         with self._lock:
             self._pending.append(event)
             if len(self._pending) > 1:  # the wake-up of the first is on its way
@@ -357,7 +360,7 @@ class OpenAiApi:
                     (random_seed() if decoding.temperature else 0)
                 request = StreamRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=prepared.max_tokens,
                                         ignore_eos=decoding.ignore_eos, stop_token_ids=prepared.stop_ids,
-                                        sampling=sampling, seed=seed)
+                                        sampling=sampling, seed=seed, logprobs=decoding.logprobs)
                 choices.append(_Choice(len(choices), request, _Bridge(loop), ReplyText(self.tokenizer, decoding.stop)))
         try:
             tickets = self.service.submit_all([(choice.request, choice.bridge) for choice in choices])
@@ -379,7 +382,7 @@ class OpenAiApi:
                     choice.reply.finish()
                     return event, tokens
                 tokens += 1
-                choice.reply.push(event)
+                choice.take(event)
                 if choice.reply.stopped:
                     self.service.cancel(choice.ticket)  # a stop sequence: the rest is not wanted
 
@@ -395,26 +398,27 @@ class OpenAiApi:
             for choice in choices:
                 await self._event(response, self._chunk(ident, created, chat, {"role": "assistant", "content": ""},
                                                         index=choice.index))
-        arrived: asyncio.Queue[tuple[_Choice, str, int, StreamEnd | None]] = asyncio.Queue()
+        arrived: asyncio.Queue[tuple[_Choice, str, int, list[TokenLogprob], StreamEnd | None]] = asyncio.Queue()
 
         async def pump(choice: _Choice) -> None:
             try:
-                async for piece, count, end in self._pieces(choice):
-                    arrived.put_nowait((choice, piece, count, end))
+                async for piece, count, logprobs, end in self._pieces(choice):
+                    arrived.put_nowait((choice, piece, count, logprobs, end))
             except Exception as error:  # the reply ends with it, not waits for a choice that will say nothing more
                 log.exception("choice %d of %s failed", choice.index, ident)
-                arrived.put_nowait((choice, "", 0, StreamEnd(None, f"{type(error).__name__}: {error}")))
+                arrived.put_nowait((choice, "", 0, [], StreamEnd(None, f"{type(error).__name__}: {error}")))
 
         pumps = [asyncio.create_task(pump(choice)) for choice in choices]
         finished: set[int] = set()  # the choices whose stream has ended
         try:
             tokens = 0
             while len(finished) < len(choices):
-                choice, piece, count, end = await arrived.get()
+                choice, piece, count, logprobs, end = await arrived.get()
                 if end is None:
                     tokens += count
-                    if piece:
-                        await self._event(response, self._chunk(ident, created, chat, piece, index=choice.index))
+                    if piece or logprobs:
+                        await self._event(response, self._chunk(ident, created, chat, piece, index=choice.index,
+                                                                logprobs=self._logprobs(choice, chat, logprobs)))
                     continue
                 finished.add(choice.index)
                 if end.error is not None:
@@ -440,36 +444,58 @@ class OpenAiApi:
         await response.write_eof()
         return response
 
-    async def _pieces(self, choice: _Choice) -> AsyncIterator[tuple[str, int, StreamEnd | None]]:
-        """(text to send, tokens, None) for the tokens that came together, then (the text held back, 0, the end)."""
+    async def _pieces(self, choice: _Choice) -> AsyncIterator[tuple[str, int, list[TokenLogprob], StreamEnd | None]]:
+        """(text to send, tokens, their log-probabilities where asked, None) for the tokens that came together, then
+        (the text held back, 0, [], the end)."""
         while True:
             pieces: list[str] = []
             count = 0
+            taken = len(choice.logprobs)
             for event in await choice.bridge.take():
                 if isinstance(event, StreamEnd):
                     if count:
-                        yield "".join(pieces), count, None
-                    yield (choice.reply.finish() if event.error is None else ""), 0, event
+                        yield "".join(pieces), count, choice.logprobs[taken:], None
+                    yield (choice.reply.finish() if event.error is None else ""), 0, [], event
                     return
                 count += 1
-                pieces.append(choice.reply.push(event))
+                pieces.append(choice.take(event))
                 if choice.reply.stopped:
                     self.service.cancel(choice.ticket)
-            yield "".join(pieces), count, None
+            yield "".join(pieces), count, choice.logprobs[taken:], None
 
     @staticmethod
     async def _event(response: web.StreamResponse, body: dict[str, Any]) -> None:
         await response.write(b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n")
 
     def _chunk(self, ident: str, created: int, chat: bool, piece: str | dict[str, str] | None,
-               finish: str | None = None, index: int = 0) -> dict[str, Any]:
+               finish: str | None = None, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if chat:
             delta: dict[str, str] = piece if isinstance(piece, dict) else ({"content": piece} if piece else {})
             choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
+            if logprobs is not None:
+                choice["logprobs"] = logprobs
         else:
-            choice = {"index": index, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": piece or "", "logprobs": logprobs, "finish_reason": finish}
         return {"id": ident, "object": self._chunk_kind(chat), "created": created, "model": self.model_name,
                 "choices": [choice]}
+
+    def _logprobs(self, choice: _Choice, chat: bool, entries: list[TokenLogprob],
+                  streamed: bool = True) -> dict[str, Any] | None:
+        """The API's `logprobs` of a choice's tokens `entries` (None where its request did not ask): a streamed
+        chunk's, whose completion text_offset goes on from the choice's earlier chunks, or (streamed=False) the
+        whole reply's."""
+        if choice.request.logprobs is None:
+            return None
+        if chat:
+            return chat_logprobs(entries, self._token_text)
+        if not streamed:
+            return completion_logprobs(entries, self._token_text)
+        shown = completion_logprobs(entries, self._token_text, choice.text_offset)
+        choice.text_offset += sum(len(text) for text in shown["tokens"])
+        return shown
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     @staticmethod
     def _chunk_kind(chat: bool) -> str:
@@ -479,11 +505,12 @@ class OpenAiApi:
                prompt_tokens: int) -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
         for choice, end, _ in ended:
+            logprobs = self._logprobs(choice, chat, choice.logprobs, streamed=False)
             if chat:
                 choices.append({"index": choice.index, "message": {"role": "assistant", "content": choice.reply.text},
-                                "finish_reason": _finish(choice, end)})
+                                "logprobs": logprobs, "finish_reason": _finish(choice, end)})
             else:
-                choices.append({"index": choice.index, "text": choice.reply.text, "logprobs": None,
+                choices.append({"index": choice.index, "text": choice.reply.text, "logprobs": logprobs,
                                 "finish_reason": _finish(choice, end)})
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
@@ -499,6 +526,16 @@ class _Choice:
     bridge: _Bridge
     reply: ReplyText
     ticket: int = -1  # the service's, once submitted
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # its tokens', where the request asked
+    text_offset: int = 0  # a streamed completion's: where its next chunk's first token's text begins
+
+    def take(self, event: _Token) -> str:
+        """A token that arrived: its log-probabilities kept (up to the token that completes a stop sequence), its
+        text given to the reply; the text it adds."""
+        token, logprob = event
+        if logprob is not None and not self.reply.stopped:
+            self.logprobs.append(logprob)
+        return self.reply.push(token)
 
 
 def _finish(choice: _Choice, end: StreamEnd) -> str:

@@ -1,15 +1,17 @@
 """The OpenAI API's completion and chat-completion requests, read and checked: pure code, no I/O.
 
-Every field the API defines is either honoured or, where deskfleet cannot do what it asks (log probabilities,
-penalties, tools), refused naming the field; a field the API does not define is refused too, so a
+Every field the API defines is either honoured or, where deskfleet cannot do what it asks (penalties, tools, an
+echo of the prompt), refused naming the field; a field the API does not define is refused too, so a
 client's typo is not silently ignored. A refusal is an ApiError, which the server sends as the API's error body.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+from deskfleet.common.logprobs import MAX_TOP_LOGPROBS
 
 from .tokenizer import ChatMessage
 
@@ -24,7 +26,7 @@ MAX_PROMPTS = 64  # a completion request's prompts (each with its `n` choices)
 # value asks for what deskfleet does not do, and is refused naming the field.
 _NEUTRAL: dict[str, tuple[object, ...]] = {
     "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
-    "logprobs": (False, None), "top_logprobs": (0, None), "logit_bias": (None, {}), "echo": (False, None),
+    "logit_bias": (None, {}), "echo": (False, None),
     "best_of": (1, None), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, False, True), "functions": (None, []), "function_call": (None, "none")}
 _IGNORED = {"user", "metadata", "store", "service_tier"}  # about the caller, not the text: taken and unused
@@ -68,6 +70,9 @@ class Decoding:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     ignore_eos: bool = False  # non-standard, as vLLM's: run to max_tokens past the end of the text (benchmarks)
     n: int = 1  # choices: streams of the one prompt (choice i samples with seed + i)
+    # each generated token's log-probability and those of the `logprobs` most likely tokens (None: none): a
+    # completion's logprobs, a chat's logprobs + top_logprobs
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -87,8 +92,12 @@ def parse_completion(body: object, model_name: str) -> CompletionRequest:
     _check_model(fields, model_name)
     prompts = _prompts(fields.get("prompt"))
     max_tokens = fields.get("max_tokens")
-    return CompletionRequest(prompts, _decoding(fields, DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens,
-                                               "max_tokens"))
+    logprobs = fields.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise ApiError(400, f"logprobs must be null or a whole number from 0 to {MAX_TOP_LOGPROBS} (the most likely "
+                            "tokens listed beside each generated one)", "logprobs")
+    decoding = _decoding(fields, DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens, "max_tokens")
+    return CompletionRequest(prompts, replace(decoding, logprobs=logprobs))
 
 
 def parse_chat(body: object, model_name: str) -> ChatRequest:
@@ -101,10 +110,24 @@ def parse_chat(body: object, model_name: str) -> ChatRequest:
     if fields.get("max_completion_tokens") is not None and fields.get("max_tokens") is not None:
         raise ApiError(400, "give max_completion_tokens or max_tokens, not both", "max_completion_tokens")
     name = "max_completion_tokens" if fields.get("max_completion_tokens") is not None else "max_tokens"
-    return ChatRequest(_messages(fields.get("messages")), _decoding(fields, fields.get(name), name))
+    decoding = _decoding(fields, fields.get(name), name)
+    return ChatRequest(_messages(fields.get("messages")), replace(decoding, logprobs=_chat_logprobs(fields)))
 
 
 # Private functions
+
+def _chat_logprobs(fields: dict[str, Any]) -> int | None:
+    """A chat request's logprobs (true or false) and top_logprobs (0 to MAX_TOP_LOGPROBS, only with logprobs)."""
+    asked = fields.get("logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise ApiError(400, "logprobs must be true or false", "logprobs")
+    top = fields.get("top_logprobs")
+    if top is not None and (not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise ApiError(400, f"top_logprobs must be a whole number from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs")
+    if top and not asked:  # 0 alone is the API's default, which clients send as it is
+        raise ApiError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+    return (top or 0) if asked else None
+
 
 def _object(body: object, allowed: set[str]) -> dict[str, Any]:
     if not isinstance(body, dict):
@@ -114,8 +137,8 @@ def _object(body: object, allowed: set[str]) -> dict[str, Any]:
         raise ApiError(400, f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
     for name, neutral in _NEUTRAL.items():
         if name in body and not any(body[name] == value and type(body[name]) is type(value) for value in neutral):
-            raise ApiError(400, f"{name}={body[name]!r} is not supported by deskfleet (it generates without log "
-                                "probabilities, penalties, tools or an echo of the prompt)", name)
+            raise ApiError(400, f"{name}={body[name]!r} is not supported by deskfleet (it generates without "
+                                "penalties, logit biases, tools or an echo of the prompt)", name)
     return body
 
 

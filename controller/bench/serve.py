@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from deskfleet.agent.stage import CompileSettings
+from deskfleet.common.logprobs import TokenLogprob
 from deskfleet.common.model_spec import load_manifest
 
 from ..engine import EngineOptions, Recover, StageChain, StreamRequest
@@ -60,7 +61,7 @@ class _DirectSink:
         self.done = threading.Event()
         self.error: str | None = None
 
-    def token(self, token: int) -> None:
+    def token(self, token: int, logprob: TokenLogprob | None) -> None:
         if not self.timed.tokens:
             self.timed.first = time.perf_counter()
         self.timed.tokens.append(token)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from deskfleet.common.logprobs import TokenLogprob
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.controller import engine_service
 from deskfleet.controller.engine import ChainBroken, EngineOptions, Recover, StageChain, StreamRequest
@@ -29,13 +30,15 @@ WAIT_S = 120
 class Sink:
     def __init__(self, first_tokens: int = 0) -> None:
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob | None] = []
         self.ended = threading.Event()
         self.end_of: StreamEnd | None = None
         self.got_tokens = threading.Event()
         self._first_tokens = first_tokens
 
-    def token(self, token: int) -> None:
+    def token(self, token: int, logprob: TokenLogprob | None) -> None:
         self.tokens.append(token)
+        self.logprobs.append(logprob)
         if len(self.tokens) >= self._first_tokens:
             self.got_tokens.set()
 
@@ -320,8 +323,8 @@ class GatedSink(Sink):
         super().__init__(first_tokens=1)
         self.go = threading.Event()
 
-    def token(self, token: int) -> None:
-        super().token(token)
+    def token(self, token: int, logprob: TokenLogprob | None) -> None:
+        super().token(token, logprob)
         assert self.go.wait(WAIT_S)
 
 

@@ -1,0 +1,144 @@
+"""`deskfleet serve`'s log-probabilities: a completion's `logprobs` and a chat's `logprobs` + `top_logprobs` give the
+engine's figures (themselves transformers', test_engine_logprobs.py) in the API's shapes, whole and streamed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deskfleet.common.logprobs import TokenLogprob
+from deskfleet.common.model_spec import load_manifest
+from deskfleet.controller.engine import Engine, StreamRequest
+from deskfleet.controller.engine_service import EngineService
+from deskfleet.controller.pipeline import LocalPipeline
+from deskfleet.controller.tokenizer import ChatMessage, ModelTokenizer
+
+from .test_engine import F32
+from .test_openai_api import MODEL, events, post, serving
+
+
+@pytest.fixture(scope="module")
+def served(tiny_export: Path) -> Iterator[tuple[str, EngineService]]:
+    with serving(tiny_export) as server:
+        yield server
+
+
+def engine_logprobs(model: Path, request: StreamRequest) -> tuple[list[int], list[TokenLogprob]]:
+    """The request run alone on one local stage: its tokens and their log-probabilities."""
+    manifest = load_manifest(model)
+    with LocalPipeline(model, 1, F32, manifest) as pipeline:
+        engine = Engine(pipeline, manifest.spec)
+        engine.add(request)
+        result = engine.run()[0]
+    assert result.logprobs is not None
+    return result.tokens, list(result.logprobs)
+
+
+def test_a_completions_logprobs_are_the_engines_whole_and_streamed(served: tuple[str, EngineService],
+                                                                   tiny_export: Path) -> None:
+    url, service = served
+    tokenizer = ModelTokenizer(tiny_export)
+    prompt = "def add(a, b):"
+    tokens, expected = engine_logprobs(tiny_export, StreamRequest(tokenizer.encode(prompt), max_new_tokens=12,
+                                                                  logprobs=3))
+    text_of = [tokenizer.decode([token], skip_special_tokens=False) for token in tokens]
+    request = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 3}
+    status, body = post(f"{url}/v1/completions", request)
+    assert status == 200, body
+    logprobs = body["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == text_of
+    assert logprobs["token_logprobs"] == pytest.approx([entry.logprob for entry in expected], abs=1e-5)
+    offsets = [sum(len(text) for text in text_of[:at]) for at in range(len(text_of))]
+    assert logprobs["text_offset"] == offsets
+    for top, entry, text in zip(logprobs["top_logprobs"], expected, text_of, strict=True):
+        # the 3 most likely and the chosen one (greedy: the most likely, so 3 in all), by text
+        shown = {tokenizer.decode([token], skip_special_tokens=False): value for token, value in entry.top}
+        assert top == pytest.approx({**shown, text: entry.logprob}, abs=1e-5)
+        assert text in top and max(top.values()) == pytest.approx(top[text])
+    # streamed: the chunks' logprobs add up to the whole reply's, the offsets going on from chunk to chunk
+    found = [item for item in events(f"{url}/v1/completions", request)[:-1] if item["choices"]]
+    pieces = [item["choices"][0]["logprobs"] for item in found if item["choices"][0]["logprobs"]]
+    assert len(pieces) >= 2, "one chunk: the offsets' carrying over is not tested"
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [value for piece in pieces for value in piece[name]] == logprobs[name], name
+    assert service.live_streams == 0
+
+
+def test_a_chats_logprobs_and_top_logprobs_are_the_engines_whole_and_streamed(served: tuple[str, EngineService],
+                                                                             tiny_export: Path) -> None:
+    url, _ = served
+    tokenizer = ModelTokenizer(tiny_export)
+    ids = tokenizer.encode_chat([ChatMessage("user", "Say something.")])
+    tokens, expected = engine_logprobs(tiny_export, StreamRequest(ids, max_new_tokens=10, logprobs=2,
+                                                                  stop_token_ids=tokenizer.end_of_turn_ids()))
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 10,
+               "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    status, body = post(f"{url}/v1/chat/completions", request)
+    assert status == 200, body
+    content = body["choices"][0]["logprobs"]["content"]
+    assert body["choices"][0]["logprobs"]["refusal"] is None
+    assert len(content) == len(tokens)
+    for shown, token, entry in zip(content, tokens, expected, strict=True):
+        text = tokenizer.decode([token], skip_special_tokens=False)
+        assert shown["token"] == text and shown["bytes"] == list(text.encode())
+        assert shown["logprob"] == pytest.approx(entry.logprob, abs=1e-5)
+        assert [alternative["token"] for alternative in shown["top_logprobs"]] == \
+            [tokenizer.decode([token], skip_special_tokens=False) for token, _ in entry.top]
+        assert [alternative["logprob"] for alternative in shown["top_logprobs"]] == \
+            pytest.approx([value for _, value in entry.top], abs=1e-5)
+    streamed: list[dict[str, Any]] = [entry for item in events(f"{url}/v1/chat/completions", request)[:-1]
+                                      for entry in (item["choices"][0].get("logprobs") or {}).get("content", [])]
+    assert streamed == content
+
+
+def test_no_logprobs_unless_asked(served: tuple[str, EngineService]) -> None:
+    url, _ = served
+    status, body = post(f"{url}/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3})
+    assert status == 200 and body["choices"][0]["logprobs"] is None
+    # top_logprobs 0 is the API's default, which some clients send as it is
+    status, body = post(f"{url}/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                       "max_tokens": 3, "logprobs": False, "top_logprobs": 0})
+    assert status == 200 and body["choices"][0]["logprobs"] is None
+    found = events(f"{url}/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                  "max_tokens": 3})
+    assert all("logprobs" not in item["choices"][0] for item in found[:-1] if item["choices"])
+
+
+@pytest.mark.parametrize(("path", "body", "says"), [
+    ("completions", {"prompt": "x", "logprobs": 21}, "logprobs must be null or a whole number from 0 to 20"),
+    ("completions", {"prompt": "x", "logprobs": True}, "logprobs must be null or a whole number from 0 to 20"),
+    ("completions", {"prompt": "x", "logprobs": 2, "echo": True}, "echo=True is not supported"),
+    ("chat/completions", {"logprobs": 1}, "logprobs must be true or false"),
+    ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs must be a whole number from 0 to 20"),
+    ("chat/completions", {"top_logprobs": 3}, "top_logprobs needs logprobs set to true"),
+])
+def test_bad_logprobs_are_named(served: tuple[str, EngineService], path: str, body: dict[str, Any],
+                                says: str) -> None:
+    url, _ = served
+    messages = {"messages": [{"role": "user", "content": "x"}]} if path.startswith("chat") else {}
+    status, answer = post(f"{url}/v1/{path}", {"model": MODEL, **messages, **body})
+    assert status == 400 and says in answer["error"]["message"], answer
+
+
+def test_a_stop_sequence_ends_the_logprobs_with_the_token_that_completes_it(served: tuple[str, EngineService],
+                                                                           tiny_export: Path) -> None:
+    url, _ = served
+    tokenizer = ModelTokenizer(tiny_export)
+    tokens, expected = engine_logprobs(tiny_export, StreamRequest(tokenizer.encode("def add(a, b):"),
+                                                                  max_new_tokens=40, logprobs=0))
+    full = tokenizer.decode(tokens)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip(), "the random model's text has no stop sequence to pick"
+    through = next(count for count in range(1, len(tokens) + 1) if stop in tokenizer.decode(tokens[:count]))
+    request = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 40, "temperature": 0, "stop": [stop],
+               "logprobs": 0}
+    status, body = post(f"{url}/v1/completions", request)
+    assert status == 200 and body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["logprobs"]["token_logprobs"] == \
+        pytest.approx([entry.logprob for entry in expected[:through]], abs=1e-5)
+    streamed = [value for item in events(f"{url}/v1/completions", request)[:-1] if item["choices"]
+                for value in (item["choices"][0]["logprobs"] or {}).get("token_logprobs", [])]
+    assert streamed == body["choices"][0]["logprobs"]["token_logprobs"]
