@@ -26,7 +26,7 @@ from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, che
 # 2: DraftInfo.one_hot; 3: Forward.layer_start, Error.micro_batch_id and agent_id; 4: Forward.model_id,
 # StatusReport.reasons and detail; 5: AssignStage.previous_agent_id; 6: RevocationUpdate as records signed by
 # the CA, KnownRemovals, Register.token_sha256; 7: StatusReport.devices; 8: ResultsHere's micro-batch id range,
-# ErrorCode.DISK_FULL
+# ErrorCode.DISK_FULL; 9: Forward.logprobs, ForwardResult.token_logprobs, top_logprob_ids and top_logprobs
 PROTOCOL_VERSION = 9
 MAX_STATUS_DETAIL = 500
 MAX_DEVICES = 32  # a StatusReport's devices
@@ -568,6 +568,9 @@ class ForwardResult:
                  "token_logprobs, top_logprob_ids and top_logprobs come together")
         if self.token_logprobs is not None:
             sizes = check_tensor("token_logprobs", self.token_logprobs, _TOKEN_LOGPROBS, {"B": rows})
+            returned = 1 + max(self.accepted_counts or (0,))
+            _require(sizes["T"] >= returned, f"token_logprobs has {sizes['T']} columns for the {returned} tokens a "
+                                             "row returns")
             sizes = check_tensor("top_logprob_ids", self.top_logprob_ids, _TOP_LOGPROB_IDS, sizes)
             check_tensor("top_logprobs", self.top_logprobs, _TOP_LOGPROBS, sizes)
             _require(sizes["N"] <= MAX_TOP_LOGPROBS, f"top_logprobs has {sizes['N']} alternatives, at most "

@@ -762,7 +762,9 @@ class Engine:
               drafts: list[list[int]] | None = None, draft_seconds: float = 0.0,
               takes_token: list[bool] | None = None) -> None:
         streams = [self._streams[stream_id] for stream_id in track.stream_ids]
-        asked = tuple(-1 if stream.request.logprobs is None else stream.request.logprobs for stream in streams)
+        # a prefill chunk that does not end a row's prompt returns it no token: nothing to ask for
+        asked = tuple(-1 if stream.request.logprobs is None or (takes_token is not None and not takes_token[row])
+                      else stream.request.logprobs for row, stream in enumerate(streams))
         message = track.step(feed, draft=draft, sampling=self._sampling(track, streams),
                              logprobs=asked if max(asked, default=-1) >= 0 else None)
         if prefill:
@@ -829,10 +831,13 @@ class Engine:
         """The log-probabilities the last stage returned with a row's tokens, where its stream asked."""
         if top is None:
             return None
-        if result.token_logprobs is None or result.top_logprob_ids is None or result.top_logprobs is None \
-                or result.token_logprobs.shape[1] < len(tokens) or result.top_logprobs.shape[2] < top:
-            raise RuntimeError(f"the last stage returned no log-probabilities for the {len(tokens)} token(s) of "
-                               f"micro-batch {result.micro_batch_id} step {result.step_id} row {row}")
+        if result.token_logprobs is None or result.top_logprob_ids is None or result.top_logprobs is None:
+            raise RuntimeError(f"the last stage returned no log-probabilities for micro-batch {result.micro_batch_id} "
+                               f"step {result.step_id}, whose row {row} asked for them")
+        if result.top_logprobs.shape[2] < top:
+            raise RuntimeError(f"the last stage returned {result.top_logprobs.shape[2]} likeliest tokens for "
+                               f"micro-batch {result.micro_batch_id} step {result.step_id}, whose row {row} asked "
+                               f"for {top}")
         return entries(tokens, result.token_logprobs[row], result.top_logprob_ids[row], result.top_logprobs[row], top)
 
     def _extend(self, stream: _Stream, tokens: list[int], now: float,

@@ -361,7 +361,9 @@ class OpenAiApi:
                 request = StreamRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=prepared.max_tokens,
                                         ignore_eos=decoding.ignore_eos, stop_token_ids=prepared.stop_ids,
                                         sampling=sampling, seed=seed, logprobs=decoding.logprobs)
-                choices.append(_Choice(len(choices), request, _Bridge(loop), ReplyText(self.tokenizer, decoding.stop)))
+                ends = frozenset() if decoding.ignore_eos else frozenset(self.spec.eos_token_ids) | prepared.stop_ids
+                choices.append(_Choice(len(choices), request, _Bridge(loop), ReplyText(self.tokenizer, decoding.stop),
+                                       ends=ends))
         try:
             tickets = self.service.submit_all([(choice.request, choice.bridge) for choice in choices])
         except ServiceBusy as error:
@@ -425,10 +427,12 @@ class OpenAiApi:
                     await self._event(response, ApiError(503, f"the generation failed: {end.error}",
                                                          kind="server_error").body())
                     break
+                none = self._logprobs(choice, chat, [])  # a chunk of no tokens: empty where asked, not null
                 if piece:
-                    await self._event(response, self._chunk(ident, created, chat, piece, index=choice.index))
+                    await self._event(response, self._chunk(ident, created, chat, piece, index=choice.index,
+                                                            logprobs=none))
                 await self._event(response, self._chunk(ident, created, chat, None, _finish(choice, end),
-                                                        index=choice.index))
+                                                        index=choice.index, logprobs=none))
             else:
                 if decoding.include_usage:
                     await self._event(response, {"id": ident, "object": self._chunk_kind(chat), "created": created,
@@ -488,11 +492,15 @@ class OpenAiApi:
             return None
         if chat:
             return chat_logprobs(entries, self._token_text)
-        if not streamed:
-            return completion_logprobs(entries, self._token_text)
-        shown = completion_logprobs(entries, self._token_text, choice.text_offset)
-        choice.text_offset += sum(len(text) for text in shown["tokens"])
-        return shown
+        first = len(choice.logprobs) - len(entries) if streamed else 0
+        return completion_logprobs(entries, self._token_text, self._text_offsets(choice, first, len(entries)))
+
+    def _text_offsets(self, choice: _Choice, first: int, count: int) -> list[int]:
+        """Where the text of each of a choice's tokens first..first+count starts in its completion's text: the length
+        of the text its tokens before it decode to together (a token's text alone, counted, goes astray where
+        a character spans tokens or a tokenizer drops a word's leading space)."""
+        tokens = [entry.token for entry in choice.logprobs]
+        return [len(self.tokenizer.decode(tokens[:at])) for at in range(first, first + count)]
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
@@ -526,14 +534,14 @@ class _Choice:
     bridge: _Bridge
     reply: ReplyText
     ticket: int = -1  # the service's, once submitted
+    ends: frozenset[int] = frozenset()  # the tokens that end its text unseen (EOS, a chat's end of turn)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # its tokens', where the request asked
-    text_offset: int = 0  # a streamed completion's: where its next chunk's first token's text begins
 
     def take(self, event: _Token) -> str:
-        """A token that arrived: its log-probabilities kept (up to the token that completes a stop sequence), its
-        text given to the reply; the text it adds."""
+        """A token that arrived: its log-probabilities kept (up to the token that completes a stop sequence, and not
+        for a token that ends the text unseen), its text given to the reply; the text it adds."""
         token, logprob = event
-        if logprob is not None and not self.reply.stopped:
+        if logprob is not None and not self.reply.stopped and token not in self.ends:
             self.logprobs.append(logprob)
         return self.reply.push(token)
 

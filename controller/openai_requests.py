@@ -93,6 +93,8 @@ def parse_completion(body: object, model_name: str) -> CompletionRequest:
     prompts = _prompts(fields.get("prompt"))
     max_tokens = fields.get("max_tokens")
     logprobs = fields.get("logprobs")
+    if logprobs is False:  # taken as "none" before the field was honoured: clients send it
+        logprobs = None
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
         raise ApiError(400, f"logprobs must be null or a whole number from 0 to {MAX_TOP_LOGPROBS} (the most likely "
                             "tokens listed beside each generated one)", "logprobs")

@@ -196,6 +196,8 @@ def test_same_message_tells_tensors_apart() -> None:
     (lambda: forward(logprobs=(0, 21)), "logprobs must be -1 to 20, not 21"),
     (lambda: forward(logprobs=(-2, 0)), "logprobs must be -1 to 20, not -2"),
     (lambda: ForwardResult(1, 1, (1,), None, None, token_logprobs=np.zeros((1, 1), np.float32)), "come together"),
+    (lambda: ForwardResult(1, 1, (1,), (2,), None, np.zeros((1, 2), np.float32), np.zeros((1, 2, 1), np.int64),
+                           np.zeros((1, 2, 1), np.float32)), "token_logprobs has 2 columns for the 3 tokens"),
     (lambda: ForwardResult(1, 1, (1,), None, None, np.zeros((2, 1), np.float32), np.zeros((2, 1, 2), np.int64),
                            np.zeros((2, 1, 2), np.float32)), "token_logprobs dim 0"),
     (lambda: ForwardResult(1, 1, (1,), None, None, np.zeros((1, 2), np.float32), np.zeros((1, 1, 2), np.int64),

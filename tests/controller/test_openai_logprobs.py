@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -13,6 +14,8 @@ from deskfleet.common.logprobs import TokenLogprob
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.controller.engine import Engine, StreamRequest
 from deskfleet.controller.engine_service import EngineService
+from deskfleet.controller.openai_api import OpenAiApi, ReplyText, _Choice
+from deskfleet.controller.openai_logprobs import UNLIKELY, chat_logprobs, completion_logprobs
 from deskfleet.controller.pipeline import LocalPipeline
 from deskfleet.controller.tokenizer import ChatMessage, ModelTokenizer
 
@@ -51,8 +54,9 @@ def test_a_completions_logprobs_are_the_engines_whole_and_streamed(served: tuple
     logprobs = body["choices"][0]["logprobs"]
     assert logprobs["tokens"] == text_of
     assert logprobs["token_logprobs"] == pytest.approx([entry.logprob for entry in expected], abs=1e-5)
-    offsets = [sum(len(text) for text in text_of[:at]) for at in range(len(text_of))]
-    assert logprobs["text_offset"] == offsets
+    # where each token's text starts in the completion's text: the length of what the tokens before it decode to
+    assert logprobs["text_offset"] == [len(tokenizer.decode(tokens[:at])) for at in range(len(tokens))]
+    assert logprobs["text_offset"][-1] <= len(body["choices"][0]["text"])
     for top, entry, text in zip(logprobs["top_logprobs"], expected, text_of, strict=True):
         # the 3 most likely and the chosen one (greedy: the most likely, so 3 in all), by text
         shown = {tokenizer.decode([token], skip_special_tokens=False): value for token, value in entry.top}
@@ -60,8 +64,9 @@ def test_a_completions_logprobs_are_the_engines_whole_and_streamed(served: tuple
         assert text in top and max(top.values()) == pytest.approx(top[text])
     # streamed: the chunks' logprobs add up to the whole reply's, the offsets going on from chunk to chunk
     found = [item for item in events(f"{url}/v1/completions", request)[:-1] if item["choices"]]
-    pieces = [item["choices"][0]["logprobs"] for item in found if item["choices"][0]["logprobs"]]
-    assert len(pieces) >= 2, "one chunk: the offsets' carrying over is not tested"
+    pieces = [item["choices"][0]["logprobs"] for item in found]
+    assert all(piece is not None for piece in pieces), "a chunk said null where the request asked"
+    assert sum(bool(piece["tokens"]) for piece in pieces) >= 2, "one chunk: the offsets' carrying over is not tested"
     for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         assert [value for piece in pieces for value in piece[name]] == logprobs[name], name
     assert service.live_streams == 0
@@ -107,6 +112,31 @@ def test_no_logprobs_unless_asked(served: tuple[str, EngineService]) -> None:
     assert all("logprobs" not in item["choices"][0] for item in found[:-1] if item["choices"])
 
 
+def test_a_completions_logprobs_false_asks_for_none(served: tuple[str, EngineService]) -> None:
+    url, _ = served
+    status, body = post(f"{url}/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "logprobs": False})
+    assert status == 200 and body["choices"][0]["logprobs"] is None
+
+
+def test_a_token_that_ends_the_text_unseen_gets_no_entry(tiny_export: Path) -> None:
+    """EOS or a chat's end of turn ends the reply without text: no entry, as the reply shows no token for it."""
+    tokenizer = ModelTokenizer(tiny_export)
+    choice = _Choice(0, StreamRequest([1], logprobs=0), None, ReplyText(tokenizer, ()),  # type: ignore[arg-type]
+                     ends=frozenset({2}))
+    choice.take((65, TokenLogprob(65, -0.5)))
+    choice.take((2, TokenLogprob(2, -0.1)))
+    assert choice.logprobs == [TokenLogprob(65, -0.5)]
+
+
+def test_a_value_the_model_rules_out_is_shown_as_openai_shows_it() -> None:
+    entries = [TokenLogprob(3, float("-inf"), ((4, -0.1), (5, float("nan"))))]
+    chat = chat_logprobs(entries, str)
+    assert chat["content"][0]["logprob"] == UNLIKELY and chat["content"][0]["top_logprobs"][1]["logprob"] == UNLIKELY
+    completion = completion_logprobs(entries, str, [0])
+    assert completion["token_logprobs"] == [UNLIKELY] and completion["top_logprobs"] == [{"4": -0.1, "5": UNLIKELY,
+                                                                                           "3": UNLIKELY}]
+
+
 @pytest.mark.parametrize(("path", "body", "says"), [
     ("completions", {"prompt": "x", "logprobs": 21}, "logprobs must be null or a whole number from 0 to 20"),
     ("completions", {"prompt": "x", "logprobs": True}, "logprobs must be null or a whole number from 0 to 20"),
@@ -142,3 +172,17 @@ def test_a_stop_sequence_ends_the_logprobs_with_the_token_that_completes_it(serv
     streamed = [value for item in events(f"{url}/v1/completions", request)[:-1] if item["choices"]
                 for value in (item["choices"][0]["logprobs"] or {}).get("token_logprobs", [])]
     assert streamed == body["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def test_text_offsets_point_into_the_text_where_a_character_spans_tokens(tiny_export: Path) -> None:
+    """Each token's text_offset is where its text starts in the completion: counting the tokens' own texts would put
+    " b" at 5 in "aé b" (é's two bytes each decode alone to U+FFFD, and "é" is one character)."""
+    tokenizer = ModelTokenizer(tiny_export)
+    text = "aé b"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text), "the tokenizer holds é in one token: the test proves nothing"
+    choice = _Choice(0, StreamRequest([1], logprobs=0), None, ReplyText(tokenizer, ()))  # type: ignore[arg-type]
+    choice.logprobs = [TokenLogprob(token, -1.0) for token in ids]
+    offsets = OpenAiApi._text_offsets(SimpleNamespace(tokenizer=tokenizer), choice, 0, len(ids))  # type: ignore[arg-type]
+    assert len(ids) == 5 and offsets == [0, 1, 2, 2, 3]  # a, é's two bytes (the second within "a" + U+FFFD), " ", b
+    assert text[offsets[-1]:] == "b" and text[offsets[-2]:] == " b"
