@@ -31,7 +31,7 @@ from deskfleet.common.kv_ledger import (
     SlotDelta,
     position_ids,
 )
-from deskfleet.common.logprobs import chosen_and_top
+from deskfleet.common.logprobs import SCORED_LOGITS_BYTES, chosen_and_top
 from deskfleet.common.speculative import (
     SamplingParams,
     greedy_accept,
@@ -169,7 +169,9 @@ class StageExecutor:
         batch.last_used = time.monotonic()
         sampled = message.sampling is not None and any(t > 0 for t in message.sampling.temperatures)
         asks_logprobs = message.logprobs is not None and any(top >= 0 for top in message.logprobs)
-        positions = logits_positions(inputs.append, message.draft) if self.stage.layers.is_last else None
+        scores = message.scored_ids is not None and bool((np.asarray(message.scored_ids, dtype=np.int64) >= 0).any())
+        positions = logits_positions(inputs.append, message.draft, every=scores) if self.stage.layers.is_last \
+            else None
         try:
             # the mirror's bool mask as it is: the request's int64 input tensor takes it in one casting copy
             output = batch.session.forward(payload, batch.mirror.mask, inputs.position_ids, inputs.beam_idx,
@@ -193,15 +195,21 @@ class StageExecutor:
                                f"call with live counts {list(inputs.append.live_counts)} (its logits were not "
                                "finite)")
         next_tokens, accepted = verify(inputs.append, output.next_tokens, output.logits, message.draft,
-                                       message.sampling)
+                                       message.sampling, every=scores)
         result = ForwardResult(micro_batch_id=message.micro_batch_id, step_id=message.step_id,
                                next_token_ids=next_tokens, accepted_counts=accepted,
                                logits=output.logits if return_logits else None)
         if asks_logprobs:
             assert message.logprobs is not None and output.logits is not None
             chosen, top_ids, top_logps = returned_logprobs(inputs.append, output.logits, message.draft, next_tokens,
-                                                           accepted, message.logprobs)
+                                                           accepted, message.logprobs, every=scores)
             result = replace(result, token_logprobs=chosen, top_logprob_ids=top_ids, top_logprobs=top_logps)
+        if scores:
+            assert message.logprobs is not None and message.scored_ids is not None and output.logits is not None
+            scored, scored_ids, scored_logps = scored_logprobs(
+                output.logits, np.asarray(message.scored_ids, dtype=np.int64), message.logprobs)
+            result = replace(result, scored_logprobs=scored, scored_top_ids=scored_ids,
+                             scored_top_logprobs=scored_logps)
         return result
 
     def release(self, micro_batch_id: int) -> None:
@@ -301,6 +309,14 @@ class StageExecutor:
         rows = len(inputs.append.live_counts)
         if message.sampling is not None and len(message.sampling.temperatures) != rows:
             raise LedgerError(f"sampling for {len(message.sampling.temperatures)} rows, the call has {rows}")
+        if message.scored_ids is not None and message.scored_ids.size \
+                and int(message.scored_ids.max()) >= self.stage.vocab_size:
+            raise LedgerError(f"scored tokens outside the vocabulary of {self.stage.vocab_size} tokens")
+        if message.scored_ids is not None and message.scored_ids.size * self.stage.vocab_size * 4 > SCORED_LOGITS_BYTES:
+            raise LedgerError(f"a call that scores {message.scored_ids.shape[1]} positions of {rows} row(s) would take "
+                              f"{message.scored_ids.size * self.stage.vocab_size * 4 / 2**20:.1f} MiB of logits, past "
+                              f"the {SCORED_LOGITS_BYTES / 2**20:.1f} MiB a scored call may take: feed the prompt in "
+                              "smaller chunks")
         draft = message.draft
         if draft is None:
             return
@@ -349,27 +365,28 @@ class StageExecutor:
         self.stage.recycle(source.session)
 
 
-def logits_positions(append: AppendSlots, draft: DraftInfo | None) -> npt.NDArray[np.int64]:
-    """logits_positions: [B, N] for the last stage: all T positions when the step verifies drafts, else
-    only each row's last live one (N = 1), so a prompt's other positions skip the vocabulary projection."""
+def logits_positions(append: AppendSlots, draft: DraftInfo | None, every: bool = False) -> npt.NDArray[np.int64]:
+    """logits_positions: [B, N] for the last stage: all T positions when the step verifies drafts or scores its fed
+    tokens (`every`: Forward.scored_ids), else only each row's last live one (N = 1), so a prompt's other positions
+    skip the vocabulary projection."""
     live = np.array(append.live_counts, dtype=np.int64)  # [B]
-    if draft is not None:
+    if draft is not None or every:
         return np.broadcast_to(np.arange(append.count, dtype=np.int64), (len(live), append.count))
     return np.maximum(live - 1, 0)[:, None]
 
 
 def verify(append: AppendSlots, next_tokens: npt.NDArray[np.int64], logits: npt.NDArray[np.float32] | None,
-           draft: DraftInfo | None, sampling: SamplingInfo | None
+           draft: DraftInfo | None, sampling: SamplingInfo | None, every: bool = False
            ) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     """The next token of every row and, when drafting, how many draft tokens each row accepted.
 
     A drafting row fed live_counts[r] = k+1 tokens: its last accepted token and k draft tokens; any other
     row fed its prompt or last token, and its next token follows its last live position. next_tokens
     [B, N] is the in-graph argmax and logits [B, N, V] (only needed by sampled rows), at the positions
-    `logits_positions` chose: all T with a draft, else the last live one alone (column 0).
+    `logits_positions` chose: all T with a draft or `every`, else the last live one alone (column 0).
     """
     rows = len(append.live_counts)
-    last_only = draft is None
+    last_only = draft is None and not every
     if last_only and (sampling is None or not any(sampling.temperatures)):  # plain greedy: every row's argmax
         return tuple(token if live else 0 for token, live in zip(next_tokens[:, 0].tolist(), append.live_counts,
                                                                   strict=True)), None
@@ -420,13 +437,14 @@ def verify(append: AppendSlots, next_tokens: npt.NDArray[np.int64], logits: npt.
 
 
 def returned_logprobs(append: AppendSlots, logits: npt.NDArray[np.float32], draft: DraftInfo | None,
-                     next_tokens: tuple[int, ...], accepted: tuple[int, ...] | None, asked: tuple[int, ...]
+                     next_tokens: tuple[int, ...], accepted: tuple[int, ...] | None, asked: tuple[int, ...],
+                     every: bool = False
                      ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64], npt.NDArray[np.float32]]:
     """ForwardResult's token_logprobs [B, T], top_logprob_ids and top_logprobs [B, T, N]: for each row that asks
     (asked[r] >= 0), the log-probabilities of the tokens the step returns it, its accepted draft tokens then its next
     token, in columns 0.. (N: the most alternatives any row asked). A drafting row's token i follows its fed token i
-    (logits column i); any other row's one token follows its last live position (column 0 without a draft, where
-    the logits are that position's alone)."""
+    (logits column i); any other row's one token follows its last live position (column 0 without a draft or
+    `every` (logits_positions), where the logits are that position's alone)."""
     rows = len(append.live_counts)
     top = max(asked)
     width = 1 + (max(accepted) if accepted is not None else 0)
@@ -441,11 +459,32 @@ def returned_logprobs(append: AppendSlots, logits: npt.NDArray[np.float32], draf
         kept = accepted[row] if accepted is not None else 0
         assert draft is not None or kept == 0
         tokens = [*(draft.draft_token_ids[row, :kept].tolist() if draft is not None else []), next_tokens[row]]
-        first = 0 if draft is None else live - 1 - k
+        first = live - 1 - k if draft is not None or every else 0
         picked, ids, logps = chosen_and_top(logits[row, first: first + len(tokens)], np.array(tokens), top)
         chosen[row, : len(tokens)] = picked
         top_ids[row, : len(tokens)] = ids
         top_logps[row, : len(tokens)] = logps
+    return chosen, top_ids, top_logps
+
+
+def scored_logprobs(logits: npt.NDArray[np.float32], scored_ids: npt.NDArray[np.int64], asked: tuple[int, ...]
+                    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+    """ForwardResult's scored_logprobs [B, T], scored_top_ids and scored_top_logprobs [B, T, N]: at each fed
+    position whose scored_ids names a token (a prompt's next one), that token's log-probability and the asked[r]
+    most likely tokens' (logits [B, T, V] at every position: logits_positions with `every`)."""
+    rows, width = scored_ids.shape
+    top = max(asked)
+    chosen = np.zeros((rows, width), dtype=np.float32)
+    top_ids = np.zeros((rows, width, top), dtype=np.int64)
+    top_logps = np.zeros((rows, width, top), dtype=np.float32)
+    for row in range(rows):
+        columns = np.flatnonzero(scored_ids[row] >= 0)
+        if not len(columns):
+            continue
+        picked, ids, logps = chosen_and_top(logits[row, columns], scored_ids[row, columns], top)
+        chosen[row, columns] = picked
+        top_ids[row, columns] = ids
+        top_logps[row, columns] = logps
     return chosen, top_ids, top_logps
 
 

@@ -14,6 +14,10 @@ import numpy as np
 import numpy.typing as npt
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a token reports (the OpenAI API's top_logprobs limit)
+# Scoring a prompt takes the logits of every fed position: a call's [B, T, V] float32 logits at most this big (a
+# 128k vocabulary's 2,048-token prompt would be 1 GiB on the last stage's PC). The driver feeds a scored prompt in
+# chunks that fit (SCORED_LOGITS_BYTES // 4V tokens a row), and a last stage refuses a call that would not.
+SCORED_LOGITS_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Self, TypeGuard
 
+import numpy as np
+
 from deskfleet.common.agent_state import AgentState, UnavailableReason
 from deskfleet.common.kv_ledger import AdmitRow, SlotDelta
 from deskfleet.common.logprobs import MAX_TOP_LOGPROBS
@@ -26,7 +28,8 @@ from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, che
 # 2: DraftInfo.one_hot; 3: Forward.layer_start, Error.micro_batch_id and agent_id; 4: Forward.model_id,
 # StatusReport.reasons and detail; 5: AssignStage.previous_agent_id; 6: RevocationUpdate as records signed by
 # the CA, KnownRemovals, Register.token_sha256; 7: StatusReport.devices; 8: ResultsHere's micro-batch id range,
-# ErrorCode.DISK_FULL; 9: Forward.logprobs, ForwardResult.token_logprobs, top_logprob_ids and top_logprobs
+# ErrorCode.DISK_FULL; 9: Forward.logprobs and scored_ids, ForwardResult.token_logprobs, top_logprob_ids,
+# top_logprobs, scored_logprobs, scored_top_ids and scored_top_logprobs
 PROTOCOL_VERSION = 9
 MAX_STATUS_DETAIL = 500
 MAX_DEVICES = 32  # a StatusReport's devices
@@ -505,6 +508,9 @@ class Forward:
     # per row, the log-probabilities the last stage returns with the row's tokens (common/logprobs.py): -1 none,
     # n >= 0 the chosen token's and the n most likely tokens' (at most MAX_TOP_LOGPROBS); None: no row asks
     logprobs: tuple[int, ...] | None = None
+    # [B, T] int64: the token whose log-probability the last stage returns at each fed position (a prompt's next
+    # token, for an echo of the prompt's log-probabilities), -1 none; rows with any need logprobs >= 0
+    scored_ids: Tensor | None = None
 
     def __post_init__(self) -> None:
         _non_negative("micro_batch_id", self.micro_batch_id)
@@ -534,6 +540,13 @@ class Forward:
             _require(len(self.logprobs) == rows, "logprobs rows differ from stream_ids")
             for top in self.logprobs:
                 _require(-1 <= top <= MAX_TOP_LOGPROBS, f"a row's logprobs must be -1 to {MAX_TOP_LOGPROBS}, not {top}")
+        if self.scored_ids is not None:
+            check_tensor("scored_ids", self.scored_ids, _TOKENS_BY_ROW, sizes)
+            scored = np.asarray(self.scored_ids, dtype=np.int64)
+            _require(self.logprobs is not None and all(
+                top >= 0 for top, row in zip(self.logprobs, scored, strict=True) if (row >= 0).any()),
+                "scored_ids rows need logprobs of 0 or more")
+            _require(bool((scored >= -1).all()), "scored_ids must be token ids or -1")
 
 
 @dataclass(frozen=True, eq=False)
@@ -551,6 +564,11 @@ class ForwardResult:
     token_logprobs: Tensor | None = None
     top_logprob_ids: Tensor | None = None
     top_logprobs: Tensor | None = None
+    # where the step's Forward.scored_ids named tokens: [B, T] their log-probabilities at the fed positions, and
+    # [B, T, N] the N most likely tokens at each and theirs; 0 where a position named none
+    scored_logprobs: Tensor | None = None
+    scored_top_ids: Tensor | None = None
+    scored_top_logprobs: Tensor | None = None
 
     def __post_init__(self) -> None:
         _non_negative("micro_batch_id", self.micro_batch_id)
@@ -574,6 +592,15 @@ class ForwardResult:
             sizes = check_tensor("top_logprob_ids", self.top_logprob_ids, _TOP_LOGPROB_IDS, sizes)
             check_tensor("top_logprobs", self.top_logprobs, _TOP_LOGPROBS, sizes)
             _require(sizes["N"] <= MAX_TOP_LOGPROBS, f"top_logprobs has {sizes['N']} alternatives, at most "
+                                                     f"{MAX_TOP_LOGPROBS}")
+        scored = (self.scored_logprobs, self.scored_top_ids, self.scored_top_logprobs)
+        _require(all(part is None for part in scored) or all(part is not None for part in scored),
+                 "scored_logprobs, scored_top_ids and scored_top_logprobs come together")
+        if self.scored_logprobs is not None:
+            sizes = check_tensor("scored_logprobs", self.scored_logprobs, _TOKEN_LOGPROBS, {"B": rows})
+            sizes = check_tensor("scored_top_ids", self.scored_top_ids, _TOP_LOGPROB_IDS, sizes)
+            check_tensor("scored_top_logprobs", self.scored_top_logprobs, _TOP_LOGPROBS, sizes)
+            _require(sizes["N"] <= MAX_TOP_LOGPROBS, f"scored_top_logprobs has {sizes['N']} alternatives, at most "
                                                      f"{MAX_TOP_LOGPROBS}")
 
 

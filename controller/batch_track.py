@@ -75,9 +75,10 @@ class BatchTrack:
         return int(self.ledger.next_positions[self.stream_ids.index(stream_id)])
 
     def step(self, tokens: list[list[int]], draft: DraftInfo | None = None,
-             sampling: SamplingInfo | None = None, logprobs: tuple[int, ...] | None = None) -> Forward:
-        """The Forward that feeds row r the tokens[r] (possibly none) and takes every queued delta; `logprobs`:
-        Forward.logprobs."""
+             sampling: SamplingInfo | None = None, logprobs: tuple[int, ...] | None = None,
+             scored_ids: np.ndarray | None = None) -> Forward:
+        """The Forward that feeds row r the tokens[r] (possibly none) and takes every queued delta; `logprobs`,
+        `scored_ids`: Forward's."""
         if len(tokens) != self.rows:
             raise ValueError(f"{len(tokens)} token rows for a micro-batch of {self.rows}")
         width = max((len(row) for row in tokens), default=0)
@@ -95,7 +96,7 @@ class BatchTrack:
                           slot_deltas=tuple(self.pending), beam_idx=self.order.take(self.ledger.rows),
                           position_ids=position_ids(append),
                           input_ids=input_ids, hidden_states=None, draft=draft, admit_from=tuple(self.admit_from),
-                          sampling=sampling, logprobs=logprobs)
+                          sampling=sampling, logprobs=logprobs, scored_ids=scored_ids)
         self.pending.clear()
         self.admit_from.clear()
         self.steps += 1

@@ -34,7 +34,7 @@ from typing import Protocol
 import numpy as np
 
 from deskfleet.common.kv_ledger import CompactionPolicy
-from deskfleet.common.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, entries
+from deskfleet.common.logprobs import MAX_TOP_LOGPROBS, SCORED_LOGITS_BYTES, TokenLogprob, entries
 from deskfleet.common.model_spec import ModelSpec
 from deskfleet.common.speculative import DEFAULT_PRIOR_ACCEPTANCE, MAX_K, AdaptiveK, RoundCost, SamplingParams
 from deskfleet.common.wire import DraftInfo, Forward, ForwardResult, SamplingInfo
@@ -108,6 +108,9 @@ class StreamRequest:
     # The log-probability of each generated token, and of the `logprobs` most likely tokens at each (0 to
     # MAX_TOP_LOGPROBS; None: none), computed by the last stage (StreamResult.logprobs, Engine.latest_logprob)
     logprobs: int | None = None
+    # Also each prompt token's after the first, as the prompt is fed (StreamResult.prompt_logprobs: an echo of the
+    # prompt's log-probabilities, to score a text); needs `logprobs`, and no `resume` (its prefix is not fed)
+    prompt_logprobs: bool = False
 
 
 class KeptKV:
@@ -164,6 +167,7 @@ class StreamResult:
     stopped_by_eos: bool
     reused_tokens: int = 0  # of the prompt, held by the kept KV state it resumed (not fed)
     logprobs: tuple[TokenLogprob, ...] | None = None  # one for each token, where the request asked
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # one for each prompt token after the first, where asked
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -211,6 +215,7 @@ class _Stream:
     resumed: BatchTrack | None = None  # the kept micro-batch it starts from, once taken
     reused: int = 0  # prompt tokens already in that micro-batch's KV state
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one a token, where the request asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., where the request asked
 
     @property
     def keeps_own_batch(self) -> bool:
@@ -314,6 +319,9 @@ class Engine:
         check_request(self.spec, request.prompt_ids, request.max_new_tokens)
         if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
             raise GenerationError(f"logprobs must be 0-{MAX_TOP_LOGPROBS} most likely tokens, not {request.logprobs}")
+        if request.prompt_logprobs and (request.logprobs is None or request.resume is not None):
+            raise GenerationError("the prompt's log-probabilities need logprobs (0 or more most likely tokens), and "
+                                  "the whole prompt fed (no kept KV state to resume)")
         stream_id = self._next_stream
         self._next_stream += 1
         stream = _Stream(stream_id, request)
@@ -450,7 +458,8 @@ class Engine:
     def _result_of(stream: _Stream) -> StreamResult:
         return StreamResult(stream.stream_id, list(stream.tokens), len(stream.request.prompt_ids), stream.first_token_s,
                             stream.last_token_s, stream.stopped_by_eos, stream.reused,
-                            tuple(stream.logprobs) if stream.request.logprobs is not None else None)
+                            tuple(stream.logprobs) if stream.request.logprobs is not None else None,
+                            tuple(stream.prompt_logprobs) if stream.request.prompt_logprobs else None)
 
     def accepted_histogram(self) -> dict[int, int]:
         return self.k_policy.accepted_histogram()
@@ -602,18 +611,26 @@ class Engine:
         With nothing running nobody waits for the prompt, and chunks would only make it dearer (see
         DEFAULT_PREFILL_CHUNK)."""
         chunk = self.options.prefill_chunk if self._tracks else 0
+        if any(self._streams[stream_id].request.prompt_logprobs for stream_id in track.stream_ids):
+            # every fed position's logits come back to be scored: a chunk whose logits fit SCORED_LOGITS_BYTES
+            fits = max(1, SCORED_LOGITS_BYTES // (4 * self.spec.vocab_size * track.rows))
+            chunk = min(chunk, fits) if chunk else fits
         feed: list[list[int]] = []
         takes_token: list[bool] = []
+        scored: list[list[int]] = []
         for stream_id in track.stream_ids:
+            stream = self._streams[stream_id]
             left = self._unfed.pop(stream_id, [])
             piece, rest = (left[:chunk], left[chunk:]) if chunk else (left, [])
             if rest:
                 self._unfed[stream_id] = rest
             feed.append(piece)
             takes_token.append(bool(piece) and not rest)
+            scored.append(_scored_ids(stream, stream.confirmed_count - len(left), len(piece)))
         if len(feed) == 1 and self._uses_draft(self._streams[track.stream_ids[0]]):
             self._feed_draft(track, feed[0])  # only streams prefilled alone draft (see _prefill_groups)
-        self._send(track, feed, prefill=True, takes_token=takes_token)
+        self._send(track, feed, prefill=True, takes_token=takes_token,
+                   scored=scored if any(token >= 0 for row in scored for token in row) else None)
 
     def _feed_draft(self, track: BatchTrack, tokens: list[int]) -> None:
         """The drafter's share of a prefill call, chunk for chunk: a draft model prefills in the driver's thread,
@@ -760,13 +777,18 @@ class Engine:
 
     def _send(self, track: BatchTrack, feed: list[list[int]], prefill: bool, draft: DraftInfo | None = None,
               drafts: list[list[int]] | None = None, draft_seconds: float = 0.0,
-              takes_token: list[bool] | None = None) -> None:
+              takes_token: list[bool] | None = None, scored: list[list[int]] | None = None) -> None:
+        """`scored`: per row, the token whose log-probability each fed position returns, -1 none
+        (Forward.scored_ids); None: no row's."""
         streams = [self._streams[stream_id] for stream_id in track.stream_ids]
-        # a prefill chunk that does not end a row's prompt returns it no token: nothing to ask for
-        asked = tuple(-1 if stream.request.logprobs is None or (takes_token is not None and not takes_token[row])
-                      else stream.request.logprobs for row, stream in enumerate(streams))
+        # a prefill chunk that does not end a row's prompt returns it no token: nothing to ask for, unless the row
+        # scores its prompt tokens
+        asked = tuple(-1 if stream.request.logprobs is None or (
+            takes_token is not None and not takes_token[row] and not (scored and max(scored[row], default=-1) >= 0))
+            else stream.request.logprobs for row, stream in enumerate(streams))
         message = track.step(feed, draft=draft, sampling=self._sampling(track, streams),
-                             logprobs=asked if max(asked, default=-1) >= 0 else None)
+                             logprobs=asked if max(asked, default=-1) >= 0 or scored else None,
+                             scored_ids=_padded(scored, max((len(row) for row in feed), default=0)) if scored else None)
         if prefill:
             for flight in self._in_flight.values():
                 flight.beside_prefill = True
@@ -800,9 +822,11 @@ class Engine:
         track = self._tracks.get(result.micro_batch_id) or self._prefills[result.micro_batch_id]
         finished: set[int] = set()
         for row, stream_id in enumerate(flight.message.stream_ids):
+            stream = self._streams[stream_id]
+            if flight.message.scored_ids is not None and stream_id not in self._cancelled:
+                stream.prompt_logprobs += _scored_of(result, row, flight.message.scored_ids[row], stream.request)
             if flight.takes_token is not None and not flight.takes_token[row]:
                 continue  # a prefill chunk that did not end this row's prompt
-            stream = self._streams[stream_id]
             if stream_id in self._cancelled:  # its client went away: the row goes, as a finished stream's does
                 self._cancelled.discard(stream_id)
                 stream.done = True
@@ -911,6 +935,44 @@ class Engine:
                                             draft_seconds_per_token=flight.draft_seconds / max(proposed, 1),
                                             drafting_batches=max(drafting, 1), driver_seconds=busy),
                                   verified=proposed + 1)
+
+
+def _scored_ids(stream: _Stream, start: int, count: int) -> list[int]:
+    """A prefill call's Forward.scored_ids row for `stream` fed its confirmed tokens [start, start + count): at each
+    position, the prompt token that follows it where the request asks for the prompt's log-probabilities and it is
+    not scored yet (a prompt fed again on a new chain is scored once), else -1."""
+    prompt = stream.request.prompt_ids
+    if not stream.request.prompt_logprobs:
+        return [-1] * count
+    scored_up_to = len(stream.prompt_logprobs)  # prompt tokens 1..scored_up_to have theirs
+    return [prompt[at + 1] if scored_up_to < at + 1 < len(prompt) else -1 for at in range(start, start + count)]
+
+
+def _padded(rows: list[list[int]], width: int) -> np.ndarray:
+    """[B, width] int64 of each row, -1 past its end."""
+    out = np.full((len(rows), width), -1, dtype=np.int64)
+    for row, values in enumerate(rows):
+        out[row, : len(values)] = values
+    return out
+
+
+def _scored_of(result: ForwardResult, row: int, scored_ids: np.ndarray, request: StreamRequest) -> list[TokenLogprob]:
+    """The log-probabilities the last stage returned at a row's scored positions (Forward.scored_ids)."""
+    columns = np.flatnonzero(scored_ids >= 0)
+    if not len(columns):
+        return []
+    if result.scored_logprobs is None or result.scored_top_ids is None or result.scored_top_logprobs is None \
+            or result.scored_logprobs.shape[1] < len(scored_ids):
+        raise RuntimeError(f"the last stage returned no log-probabilities of the prompt for micro-batch "
+                           f"{result.micro_batch_id} step {result.step_id}, whose row {row} asked for them at "
+                           f"{len(columns)} positions")
+    top = request.logprobs or 0
+    if result.scored_top_logprobs.shape[2] < top:
+        raise RuntimeError(f"the last stage returned {result.scored_top_logprobs.shape[2]} likeliest tokens of the "
+                           f"prompt for micro-batch {result.micro_batch_id} step {result.step_id}, whose row {row} "
+                           f"asked for {top}")
+    return entries(scored_ids[columns].tolist(), result.scored_logprobs[row, columns],
+                   result.scored_top_ids[row, columns], result.scored_top_logprobs[row, columns], top)
 
 
 class _DriverBusy:

@@ -16,7 +16,7 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from aiohttp import web
@@ -55,8 +55,9 @@ MAX_CHARS_PER_TOKEN = 32
 class _Prepared:
     prompt_ids: list[int]
     decoding: Decoding
-    max_tokens: int
+    max_tokens: int  # 0: an echo that only scores the prompt (one token is made and not shown)
     stop_ids: frozenset[int]
+    prompt_text: str | None = None  # a completion's prompt as sent, where it was text (what an echo shows)
 
 
 class ReplyText:
@@ -271,7 +272,8 @@ class OpenAiApi:
             if bad:
                 raise ApiError(400, f"{where}: token id {bad[0]} is outside the model's vocabulary of "
                                     f"{self.spec.vocab_size}", "prompt")
-        return self._prepared(ids, decoding, frozenset(), "prompt", where)
+        prepared = self._prepared(ids, decoding, frozenset(), "prompt", where)
+        return replace(prepared, prompt_text=prompt if isinstance(prompt, str) else None)
 
     def _prepare_chat(self, parsed: ChatRequest) -> _Prepared:
         """Render and encode the conversation (in a worker thread: the template renders in a child process)."""
@@ -306,7 +308,7 @@ class OpenAiApi:
                                 f"context of {self.spec.max_context}: ask for at most {room}", "max_tokens",
                            code="context_length_exceeded")
         try:
-            check_request(self.spec, ids, max_tokens)
+            check_request(self.spec, ids, max(1, max_tokens))  # 0: an echo that makes one token and shows none
         except GenerationError as error:
             raise ApiError(400, f"{which}{error}", param) from None
         return _Prepared(ids, decoding, max_tokens, stop_ids)
@@ -358,12 +360,15 @@ class OpenAiApi:
             for index in range(decoding.n):
                 seed = (decoding.seed + index) % (MAX_SEED + 1) if decoding.seed is not None else \
                     (random_seed() if decoding.temperature else 0)
-                request = StreamRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=prepared.max_tokens,
+                request = StreamRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=max(1, prepared.max_tokens),
                                         ignore_eos=decoding.ignore_eos, stop_token_ids=prepared.stop_ids,
-                                        sampling=sampling, seed=seed, logprobs=decoding.logprobs)
+                                        sampling=sampling, seed=seed, logprobs=decoding.logprobs,
+                                        prompt_logprobs=decoding.echo and decoding.logprobs is not None)
                 ends = frozenset() if decoding.ignore_eos else frozenset(self.spec.eos_token_ids) | prepared.stop_ids
+                echoed = (prepared.prompt_text if prepared.prompt_text is not None
+                          else self.tokenizer.decode(prepared.prompt_ids)) if decoding.echo else ""
                 choices.append(_Choice(len(choices), request, _Bridge(loop), ReplyText(self.tokenizer, decoding.stop),
-                                       ends=ends))
+                                       ends=ends, echoed=echoed, hidden=prepared.max_tokens == 0))
         try:
             tickets = self.service.submit_all([(choice.request, choice.bridge) for choice in choices])
         except ServiceBusy as error:
@@ -383,7 +388,7 @@ class OpenAiApi:
                         raise ApiError(503, f"the generation failed: {event.error}", kind="server_error")
                     choice.reply.finish()
                     return event, tokens
-                tokens += 1
+                tokens += not choice.hidden
                 choice.take(event)
                 if choice.reply.stopped:
                     self.service.cancel(choice.ticket)  # a stop sequence: the rest is not wanted
@@ -396,10 +401,13 @@ class OpenAiApi:
                                                "X-Accel-Buffering": "no"})
         await response.prepare(request)
         created = int(time.time())
-        if chat:
-            for choice in choices:
+        for choice in choices:
+            if chat:
                 await self._event(response, self._chunk(ident, created, chat, {"role": "assistant", "content": ""},
                                                         index=choice.index))
+            elif choice.echoed:  # an echo's prompt first (with logprobs an echo is answered whole)
+                await self._event(response, self._chunk(ident, created, chat, choice.echoed, index=choice.index,
+                                                        logprobs=self._logprobs(choice, chat, [])))
         arrived: asyncio.Queue[tuple[_Choice, str, int, list[TokenLogprob], StreamEnd | None]] = asyncio.Queue()
 
         async def pump(choice: _Choice) -> None:
@@ -461,7 +469,7 @@ class OpenAiApi:
                         yield "".join(pieces), count, choice.logprobs[taken:], None
                     yield (choice.reply.finish() if event.error is None else ""), 0, [], event
                     return
-                count += 1
+                count += not choice.hidden
                 pieces.append(choice.take(event))
                 if choice.reply.stopped:
                     self.service.cancel(choice.ticket)
@@ -495,6 +503,22 @@ class OpenAiApi:
         first = len(choice.logprobs) - len(entries) if streamed else 0
         return completion_logprobs(entries, self._token_text, self._text_offsets(choice, first, len(entries)))
 
+    def _completion_logprobs(self, choice: _Choice, end: StreamEnd) -> dict[str, Any] | None:
+        """A whole completion's `logprobs`; with an echo, the prompt's tokens first (the first has no log-probability:
+        nothing comes before it), then the generated ones, offsets counted in the echoed text."""
+        shown = self._logprobs(choice, False, choice.logprobs, streamed=False)
+        if shown is None or not choice.request.prompt_logprobs:
+            return shown
+        prompt = choice.request.prompt_ids
+        scored = list(end.result.prompt_logprobs or ()) if end.result is not None else []
+        head = completion_logprobs(scored, self._token_text,
+                                   [len(self.tokenizer.decode(prompt[:at])) for at in range(1, len(prompt))])
+        first = self._token_text(prompt[0])
+        return {"tokens": [first, *head["tokens"], *shown["tokens"]],
+                "token_logprobs": [None, *head["token_logprobs"], *shown["token_logprobs"]],
+                "top_logprobs": [None, *head["top_logprobs"], *shown["top_logprobs"]],
+                "text_offset": [0, *head["text_offset"], *(len(choice.echoed) + at for at in shown["text_offset"])]}
+
     def _text_offsets(self, choice: _Choice, first: int, count: int) -> list[int]:
         """Where the text of each of a choice's tokens first..first+count starts in its completion's text: the length
         of the text its tokens before it decode to together (a token's text alone, counted, goes astray where
@@ -513,12 +537,13 @@ class OpenAiApi:
                prompt_tokens: int) -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
         for choice, end, _ in ended:
-            logprobs = self._logprobs(choice, chat, choice.logprobs, streamed=False)
             if chat:
                 choices.append({"index": choice.index, "message": {"role": "assistant", "content": choice.reply.text},
-                                "logprobs": logprobs, "finish_reason": _finish(choice, end)})
+                                "logprobs": self._logprobs(choice, chat, choice.logprobs, streamed=False),
+                                "finish_reason": _finish(choice, end)})
             else:
-                choices.append({"index": choice.index, "text": choice.reply.text, "logprobs": logprobs,
+                choices.append({"index": choice.index, "text": choice.echoed + choice.reply.text,
+                                "logprobs": self._completion_logprobs(choice, end),
                                 "finish_reason": _finish(choice, end)})
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
@@ -535,19 +560,26 @@ class _Choice:
     reply: ReplyText
     ticket: int = -1  # the service's, once submitted
     ends: frozenset[int] = frozenset()  # the tokens that end its text unseen (EOS, a chat's end of turn)
+    echoed: str = ""  # an echo's prompt text, which its text begins with
+    hidden: bool = False  # an echo of max_tokens 0: the one token made is not shown
     logprobs: list[TokenLogprob] = field(default_factory=list)  # its tokens', where the request asked
 
     def take(self, event: _Token) -> str:
         """A token that arrived: its log-probabilities kept (up to the token that completes a stop sequence, and not
         for a token that ends the text unseen), its text given to the reply; the text it adds."""
         token, logprob = event
+        if self.hidden:
+            return ""
         if logprob is not None and not self.reply.stopped and token not in self.ends:
             self.logprobs.append(logprob)
         return self.reply.push(token)
 
 
 def _finish(choice: _Choice, end: StreamEnd) -> str:
-    """The API's finish_reason: "stop" (a stop sequence, or the end of the text) or "length"."""
+    """The API's finish_reason: "stop" (a stop sequence, or the end of the text) or "length" (an echo of max_tokens
+    0 too)."""
+    if choice.hidden:
+        return "length"
     return "stop" if choice.reply.stopped or (end.result is not None and end.result.stopped_by_eos) else "length"
 
 

@@ -1,7 +1,7 @@
 """The OpenAI API's completion and chat-completion requests, read and checked: pure code, no I/O.
 
-Every field the API defines is either honoured or, where deskfleet cannot do what it asks (penalties, tools, an
-echo of the prompt), refused naming the field; a field the API does not define is refused too, so a
+Every field the API defines is either honoured or, where deskfleet cannot do what it asks (penalties, tools),
+refused naming the field; a field the API does not define is refused too, so a
 client's typo is not silently ignored. A refusal is an ApiError, which the server sends as the API's error body.
 """
 
@@ -26,7 +26,7 @@ MAX_PROMPTS = 64  # a completion request's prompts (each with its `n` choices)
 # value asks for what deskfleet does not do, and is refused naming the field.
 _NEUTRAL: dict[str, tuple[object, ...]] = {
     "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
-    "logit_bias": (None, {}), "echo": (False, None),
+    "logit_bias": (None, {}),
     "best_of": (1, None), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, False, True), "functions": (None, []), "function_call": (None, "none")}
 _IGNORED = {"user", "metadata", "store", "service_tier"}  # about the caller, not the text: taken and unused
@@ -73,6 +73,9 @@ class Decoding:
     # each generated token's log-probability and those of the `logprobs` most likely tokens (None: none): a
     # completion's logprobs, a chat's logprobs + top_logprobs
     logprobs: int | None = None
+    # a completion's echo: its text (and, with logprobs, its log-probabilities) begins with the prompt's; max_tokens
+    # may then be 0 (the prompt scored, nothing generated)
+    echo: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,8 +101,19 @@ def parse_completion(body: object, model_name: str) -> CompletionRequest:
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
         raise ApiError(400, f"logprobs must be null or a whole number from 0 to {MAX_TOP_LOGPROBS} (the most likely "
                             "tokens listed beside each generated one)", "logprobs")
-    decoding = _decoding(fields, DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens, "max_tokens")
-    return CompletionRequest(prompts, replace(decoding, logprobs=logprobs))
+    echo = fields.get("echo", False)
+    if echo is None:
+        echo = False
+    if not isinstance(echo, bool):
+        raise ApiError(400, "echo must be true or false", "echo")
+    scores_only = echo and max_tokens == 0 and _is_int(max_tokens)  # the prompt scored, nothing generated
+    decoding = _decoding(fields, 1 if scores_only else DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens,
+                         "max_tokens")
+    if echo and logprobs is not None and decoding.stream:
+        raise ApiError(400, "echo with logprobs is answered whole: send it with stream false (the prompt's "
+                            "log-probabilities come once it is fed)", "echo")
+    return CompletionRequest(prompts, replace(decoding, logprobs=logprobs, echo=echo,
+                                              max_tokens=0 if scores_only else decoding.max_tokens))
 
 
 def parse_chat(body: object, model_name: str) -> ChatRequest:
@@ -140,7 +154,7 @@ def _object(body: object, allowed: set[str]) -> dict[str, Any]:
     for name, neutral in _NEUTRAL.items():
         if name in body and not any(body[name] == value and type(body[name]) is type(value) for value in neutral):
             raise ApiError(400, f"{name}={body[name]!r} is not supported by deskfleet (it generates without "
-                                "penalties, logit biases, tools or an echo of the prompt)", name)
+                                "penalties, logit biases or tools)", name)
     return body
 
 

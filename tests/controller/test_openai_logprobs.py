@@ -140,7 +140,10 @@ def test_a_value_the_model_rules_out_is_shown_as_openai_shows_it() -> None:
 @pytest.mark.parametrize(("path", "body", "says"), [
     ("completions", {"prompt": "x", "logprobs": 21}, "logprobs must be null or a whole number from 0 to 20"),
     ("completions", {"prompt": "x", "logprobs": True}, "logprobs must be null or a whole number from 0 to 20"),
-    ("completions", {"prompt": "x", "logprobs": 2, "echo": True}, "echo=True is not supported"),
+    ("completions", {"prompt": "x", "logprobs": 2, "echo": True, "stream": True}, "echo with logprobs is answered "
+                                                                                  "whole"),
+    ("completions", {"prompt": "x", "echo": "yes"}, "echo must be true or false"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens must be a whole number of at least 1"),
     ("chat/completions", {"logprobs": 1}, "logprobs must be true or false"),
     ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs must be a whole number from 0 to 20"),
     ("chat/completions", {"top_logprobs": 3}, "top_logprobs needs logprobs set to true"),
@@ -186,3 +189,56 @@ def test_text_offsets_point_into_the_text_where_a_character_spans_tokens(tiny_ex
     offsets = OpenAiApi._text_offsets(SimpleNamespace(tokenizer=tokenizer), choice, 0, len(ids))  # type: ignore[arg-type]
     assert len(ids) == 5 and offsets == [0, 1, 2, 2, 3]  # a, é's two bytes (the second within "a" + U+FFFD), " ", b
     assert text[offsets[-1]:] == "b" and text[offsets[-2]:] == " b"
+
+
+def test_an_echo_of_max_tokens_0_scores_the_prompt_as_evaluation_harnesses_ask(served: tuple[str, EngineService],
+                                                                              tiny_export: Path) -> None:
+    """lm-evaluation-harness's loglikelihood request: the prompt's tokens and log-probabilities (the first none),
+    nothing generated."""
+    url, service = served
+    tokenizer = ModelTokenizer(tiny_export)
+    prompt = "def add(a, b):\n    return a + b"
+    ids = tokenizer.encode(prompt)
+    manifest = load_manifest(tiny_export)
+    with LocalPipeline(tiny_export, 1, F32, manifest) as pipeline:
+        engine = Engine(pipeline, manifest.spec)
+        engine.add(StreamRequest(ids, max_new_tokens=1, logprobs=1, prompt_logprobs=True))
+        scored = engine.run()[0].prompt_logprobs
+    assert scored is not None and len(scored) == len(ids) - 1
+    for sent in (prompt, ids):
+        status, body = post(f"{url}/v1/completions", {"model": MODEL, "prompt": sent, "max_tokens": 0, "echo": True,
+                                                      "logprobs": 1, "temperature": 0})
+        assert status == 200, body
+        choice = body["choices"][0]
+        assert choice["text"] == (prompt if isinstance(sent, str) else tokenizer.decode(ids))
+        assert choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 0
+        logprobs = choice["logprobs"]
+        assert logprobs["tokens"] == [tokenizer.decode([token], skip_special_tokens=False) for token in ids]
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        assert logprobs["token_logprobs"][1:] == pytest.approx([entry.logprob for entry in scored], abs=1e-5)
+        assert logprobs["text_offset"] == [len(tokenizer.decode(ids[:at])) for at in range(len(ids))]
+        assert all(len(top) <= 2 for top in logprobs["top_logprobs"][1:])
+    assert service.live_streams == 0
+
+
+def test_an_echo_begins_the_text_and_logprobs_with_the_prompts(served: tuple[str, EngineService],
+                                                              tiny_export: Path) -> None:
+    url, _ = served
+    tokenizer = ModelTokenizer(tiny_export)
+    prompt = "import os\n"
+    ids = tokenizer.encode(prompt)
+    request = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    _, plain = post(f"{url}/v1/completions", request)
+    status, echoed = post(f"{url}/v1/completions", {**request, "echo": True})
+    assert status == 200, echoed
+    assert echoed["choices"][0]["text"] == prompt + plain["choices"][0]["text"]
+    mine, theirs = echoed["choices"][0]["logprobs"], plain["choices"][0]["logprobs"]
+    assert mine["tokens"][len(ids):] == theirs["tokens"]
+    assert mine["token_logprobs"][len(ids):] == theirs["token_logprobs"]
+    assert mine["text_offset"][len(ids):] == [len(prompt) + at for at in theirs["text_offset"]]
+    assert len(mine["tokens"]) == len(ids) + len(theirs["tokens"]) and mine["token_logprobs"][0] is None
+    # streamed, without logprobs: the prompt's text first, then the reply's
+    found = events(f"{url}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                             "echo": True})
+    chunks = [item["choices"][0]["text"] for item in found[:-1] if item["choices"]]
+    assert chunks[0] == prompt and "".join(chunks) == echoed["choices"][0]["text"]

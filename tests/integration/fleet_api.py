@@ -3,8 +3,9 @@
     python -m tests.integration.fleet_api CONTROLLER_DATA_DIR MODEL_DIR PROMPT_IDS...
 
 Starts the server on the deployed chain (loopback, a free port), sends every prompt (comma-separated token ids)
-at once as a greedy completion of 12 tokens, then stops the server with SIGTERM. Prints one JSON object: each
-completion's text, and the server's exit status.
+at once as a greedy completion of 12 tokens, then the first again asking for log-probabilities, then stops the
+server with SIGTERM; then asks a local f32 server (one stage) for the same log-probabilities. Prints one JSON
+object: each completion's text, the server's exit status, and both servers' `logprobs` of the first prompt.
 """
 
 from __future__ import annotations
@@ -26,12 +27,21 @@ PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def complete(port: int, prompt: str) -> str:
+    return str(_completion(port, prompt)["text"])
+
+
+def logprobs(port: int, prompt: str) -> object:
+    """A greedy completion's `logprobs` with the 3 most likely tokens at each position."""
+    return _completion(port, prompt, logprobs=3)["logprobs"]
+
+
+def _completion(port: int, prompt: str, **fields: object) -> dict[str, object]:
     body = {"model": "served", "prompt": [int(token) for token in prompt.split(",")], "max_tokens": 12,
-            "temperature": 0}
+            "temperature": 0, **fields}
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
-        return str(json.loads(response.read())["choices"][0]["text"])
+        return dict(json.loads(response.read())["choices"][0])
 
 
 def _ends_with_parent() -> None:
@@ -40,11 +50,12 @@ def _ends_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def start_server(data_dir: str, model: str) -> tuple[subprocess.Popen[str], int]:
-    """`deskfleet serve --fleet` on a free loopback port, once it serves; its port. SystemExit where it did not
-    start, saying what it said."""
-    server = subprocess.Popen([str(BIN / "deskfleet"), "serve", "--fleet", "--model", model, "--data-dir", data_dir,
-                               "--listen", "127.0.0.1:0", "--discover-seconds", "0", "--model-name", "served"],
+def start_server(data_dir: str, model: str, fleet: bool = True) -> tuple[subprocess.Popen[str], int]:
+    """`deskfleet serve --fleet` (or, not `fleet`, on one local stage in f32) on a free loopback port, once it
+    serves; its port. SystemExit where it did not start, saying what it said."""
+    where = ["--fleet", "--data-dir", data_dir, "--discover-seconds", "0"] if fleet else ["--precision", "f32"]
+    server = subprocess.Popen([str(BIN / "deskfleet"), "serve", "--model", model, *where, "--listen", "127.0.0.1:0",
+                               "--model-name", "served"],
                               stderr=subprocess.PIPE, text=True, preexec_fn=_ends_with_parent)
     assert server.stderr is not None
     said = ""
@@ -61,9 +72,9 @@ def start_server(data_dir: str, model: str) -> tuple[subprocess.Popen[str], int]
 
 
 @contextmanager
-def served(data_dir: str, model: str) -> Iterator[tuple[subprocess.Popen[str], int]]:
+def served(data_dir: str, model: str, fleet: bool = True) -> Iterator[tuple[subprocess.Popen[str], int]]:
     """start_server's server and port; killed on the way out where it still runs."""
-    server, port = start_server(data_dir, model)
+    server, port = start_server(data_dir, model, fleet)
     try:
         yield server, port
     finally:
@@ -83,8 +94,12 @@ def main() -> None:
     with served(data_dir, model) as (server, port):
         with ThreadPoolExecutor(len(prompts)) as pool:
             texts = list(pool.map(lambda prompt: complete(port, prompt), prompts))
+        on_fleet = logprobs(port, prompts[0])
         status = stop(server)
-    print(json.dumps({"texts": texts, "exit": status}))
+    with served(data_dir, model, fleet=False) as (server, port):
+        local = logprobs(port, prompts[0])
+        stop(server)
+    print(json.dumps({"texts": texts, "exit": status, "logprobs": {"fleet": on_fleet, "local": local}}))
 
 
 if __name__ == "__main__":

@@ -311,6 +311,13 @@ def test_the_api_server_on_the_fleet_answers_requests_at_once_as_local_runs(flee
             "--max-new-tokens", "12", "--precision", "f32", "--json"]
     local = json.loads(fleet.run(fleet.controller, str(BIN / "deskfleet"), *argv))
     assert out["texts"] == [stream["text"] for stream in local["streams"]] and out["exit"] == 0
+    # log-probabilities cross the chain as numbers: the fleet's equal a local f32 server's
+    on_fleet, alone = out["logprobs"]["fleet"], out["logprobs"]["local"]
+    assert len(on_fleet["tokens"]) == 12 and on_fleet["tokens"] == alone["tokens"]
+    assert on_fleet["token_logprobs"] == pytest.approx(alone["token_logprobs"], abs=1e-4)
+    for fleet_top, local_top in zip(on_fleet["top_logprobs"], alone["top_logprobs"], strict=True):
+        assert fleet_top.keys() == local_top.keys()
+        assert list(fleet_top.values()) == pytest.approx(list(local_top.values()), abs=1e-4)
 
 
 def test_speculative_on_the_fleet_equals_plain_local(fleet: Fleet, tiny_export: Path, tiny_draft: Path) -> None:
