@@ -129,6 +129,11 @@ def all_messages() -> list[wire.Message]:
         KnownRemovals.of((AGENT,) * MAX_KNOWN_REMOVALS, (SIGNATURE,) * MAX_KNOWN_REMOVALS),
         forward(return_logits=True),
         forward(logprobs=(-1, 20)),
+        forward(logprobs=(2, -1), scored_ids=np.array([[5, 6, -1], [-1, -1, -1]], np.int64)),
+        ForwardResult(7, 45, (11,), None, None, np.zeros((1, 1), np.float32), np.zeros((1, 1, 2), np.int64),
+                      np.zeros((1, 1, 2), np.float32), scored_logprobs=-RNG.random((1, 3), np.float32),
+                      scored_top_ids=np.arange(6).reshape(1, 3, 2),
+                      scored_top_logprobs=np.zeros((1, 3, 2), np.float32)),
     ]
 
 
@@ -195,6 +200,11 @@ def test_same_message_tells_tensors_apart() -> None:
     (lambda: forward(logprobs=(0,)), "logprobs rows"),
     (lambda: forward(logprobs=(0, 21)), "logprobs must be -1 to 20, not 21"),
     (lambda: forward(logprobs=(-2, 0)), "logprobs must be -1 to 20, not -2"),
+    (lambda: forward(logprobs=(-1, 0), scored_ids=np.array([[5, -1, -1], [-1, -1, -1]])), "need logprobs of 0"),
+    (lambda: forward(scored_ids=np.array([[5, -1, -1], [-1, -1, -1]])), "need logprobs of 0"),
+    (lambda: forward(logprobs=(0, 0), scored_ids=np.array([[5, -2, -1], [-1, -1, -1]])), "token ids or -1"),
+    (lambda: forward(logprobs=(0, 0), scored_ids=np.zeros((2, 4), np.int64)), "scored_ids dim 1"),
+    (lambda: ForwardResult(1, 1, (1,), None, None, scored_logprobs=np.zeros((1, 1), np.float32)), "scored_logprobs, "),
     (lambda: ForwardResult(1, 1, (1,), None, None, token_logprobs=np.zeros((1, 1), np.float32)), "come together"),
     (lambda: ForwardResult(1, 1, (1,), (2,), None, np.zeros((1, 2), np.float32), np.zeros((1, 2, 1), np.int64),
                            np.zeros((1, 2, 1), np.float32)), "token_logprobs has 2 columns for the 3 tokens"),
