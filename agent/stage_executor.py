@@ -312,6 +312,11 @@ class StageExecutor:
         if message.scored_ids is not None and message.scored_ids.size \
                 and int(message.scored_ids.max()) >= self.stage.vocab_size:
             raise LedgerError(f"scored tokens outside the vocabulary of {self.stage.vocab_size} tokens")
+        if message.scored_ids is not None:
+            scored = np.asarray(message.scored_ids, dtype=np.int64)
+            fed = np.arange(scored.shape[1])[None, :] < np.array(inputs.append.live_counts)[:, None]
+            if ((scored >= 0) & ~fed).any():
+                raise LedgerError("scored tokens at positions the call does not feed (past a row's live tokens)")
         if message.scored_ids is not None and message.scored_ids.size * self.stage.vocab_size * 4 > SCORED_LOGITS_BYTES:
             raise LedgerError(f"a call that scores {message.scored_ids.shape[1]} positions of {rows} row(s) would take "
                               f"{message.scored_ids.size * self.stage.vocab_size * 4 / 2**20:.1f} MiB of logits, past "

@@ -53,16 +53,18 @@ def chosen_and_top(logits: npt.NDArray[np.floating], tokens: npt.NDArray[np.int6
         raise ValueError(f"{chosen.shape[0]} chosen tokens for {positions} positions")
     if ((chosen < 0) | (chosen >= vocab)).any():
         raise ValueError(f"chosen tokens {chosen.tolist()} outside the vocabulary of {vocab}")
-    logp = log_softmax(rows)  # [T, V]
-    picked = logp[np.arange(positions), chosen].astype(np.float32)
-    if top == 0:
-        return picked, np.zeros((positions, 0), dtype=np.int64), np.zeros((positions, 0), dtype=np.float32)
     count = min(top, vocab)
-    order = np.stack([_most_likely(row, count) for row in logp])  # [T, count]
+    picked = np.zeros(positions, dtype=np.float32)
     top_ids = np.zeros((positions, top), dtype=np.int64)
     top_logps = np.full((positions, top), -np.inf, dtype=np.float32)
-    top_ids[:, :count] = order
-    top_logps[:, :count] = np.take_along_axis(logp, order, axis=1)
+    # one position's float64 copies at a time: a scored prompt's whole [T, V] would take several times its logits
+    for at in range(positions):
+        logp = log_softmax(rows[at])
+        picked[at] = logp[chosen[at]]
+        if count:
+            order = _most_likely(logp, count)
+            top_ids[at, :count] = order
+            top_logps[at, :count] = logp[order]
     return picked, top_ids, top_logps
 
 

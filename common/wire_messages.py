@@ -28,9 +28,9 @@ from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, che
 # 2: DraftInfo.one_hot; 3: Forward.layer_start, Error.micro_batch_id and agent_id; 4: Forward.model_id,
 # StatusReport.reasons and detail; 5: AssignStage.previous_agent_id; 6: RevocationUpdate as records signed by
 # the CA, KnownRemovals, Register.token_sha256; 7: StatusReport.devices; 8: ResultsHere's micro-batch id range,
-# ErrorCode.DISK_FULL; 9: Forward.logprobs and scored_ids, ForwardResult.token_logprobs, top_logprob_ids,
-# top_logprobs, scored_logprobs, scored_top_ids and scored_top_logprobs
-PROTOCOL_VERSION = 9
+# ErrorCode.DISK_FULL; 9: Forward.logprobs, ForwardResult.token_logprobs, top_logprob_ids and top_logprobs;
+# 10: Forward.scored_ids, ForwardResult.scored_logprobs, scored_top_ids and scored_top_logprobs
+PROTOCOL_VERSION = 10
 MAX_STATUS_DETAIL = 500
 MAX_DEVICES = 32  # a StatusReport's devices
 _DEVICE_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,15}(\.[0-9]{1,3})?")  # as OpenVINO lists them: "CPU", "GPU.1"

@@ -364,11 +364,12 @@ class OpenAiApi:
                                         ignore_eos=decoding.ignore_eos, stop_token_ids=prepared.stop_ids,
                                         sampling=sampling, seed=seed, logprobs=decoding.logprobs,
                                         prompt_logprobs=decoding.echo and decoding.logprobs is not None)
-                ends = frozenset() if decoding.ignore_eos else frozenset(self.spec.eos_token_ids) | prepared.stop_ids
+                ends = unseen_ends(self.spec, decoding, prepared.stop_ids)
                 echoed = (prepared.prompt_text if prepared.prompt_text is not None
                           else self.tokenizer.decode(prepared.prompt_ids)) if decoding.echo else ""
                 choices.append(_Choice(len(choices), request, _Bridge(loop), ReplyText(self.tokenizer, decoding.stop),
-                                       ends=ends, echoed=echoed, hidden=prepared.max_tokens == 0))
+                                       ends=ends, echoed=echoed, prompt_text=prepared.prompt_text if decoding.echo
+                                       else None, hidden=prepared.max_tokens == 0))
         try:
             tickets = self.service.submit_all([(choice.request, choice.bridge) for choice in choices])
         except ServiceBusy as error:
@@ -511,13 +512,17 @@ class OpenAiApi:
             return shown
         prompt = choice.request.prompt_ids
         scored = list(end.result.prompt_logprobs or ()) if end.result is not None else []
-        head = completion_logprobs(scored, self._token_text,
-                                   [len(self.tokenizer.decode(prompt[:at])) for at in range(1, len(prompt))])
+        # a prompt sent as text: where its tokenizer put each token in it; as token ids: what the ids before decode to
+        starts = self.tokenizer.token_starts(choice.prompt_text) if choice.prompt_text is not None else []
+        if len(starts) != len(prompt):
+            starts = [len(self.tokenizer.decode(prompt[:at])) for at in range(len(prompt))]
+        head = completion_logprobs(scored, self._token_text, starts[1:])
         first = self._token_text(prompt[0])
         return {"tokens": [first, *head["tokens"], *shown["tokens"]],
                 "token_logprobs": [None, *head["token_logprobs"], *shown["token_logprobs"]],
                 "top_logprobs": [None, *head["top_logprobs"], *shown["top_logprobs"]],
-                "text_offset": [0, *head["text_offset"], *(len(choice.echoed) + at for at in shown["text_offset"])]}
+                "text_offset": [starts[0], *head["text_offset"],
+                                *(len(choice.echoed) + at for at in shown["text_offset"])]}
 
     def _text_offsets(self, choice: _Choice, first: int, count: int) -> list[int]:
         """Where the text of each of a choice's tokens first..first+count starts in its completion's text: the length
@@ -561,6 +566,7 @@ class _Choice:
     ticket: int = -1  # the service's, once submitted
     ends: frozenset[int] = frozenset()  # the tokens that end its text unseen (EOS, a chat's end of turn)
     echoed: str = ""  # an echo's prompt text, which its text begins with
+    prompt_text: str | None = None  # an echo's prompt as sent, where it was text (None: token ids)
     hidden: bool = False  # an echo of max_tokens 0: the one token made is not shown
     logprobs: list[TokenLogprob] = field(default_factory=list)  # its tokens', where the request asked
 
@@ -573,6 +579,15 @@ class _Choice:
         if logprob is not None and not self.reply.stopped and token not in self.ends:
             self.logprobs.append(logprob)
         return self.reply.push(token)
+
+
+def unseen_ends(spec: ModelSpec, decoding: Decoding, stop_ids: frozenset[int]) -> frozenset[int]:
+    """The tokens that end a reply's text unseen (EOS, a chat's end of turn), which get no log-probability entry;
+    none with an echo, whose entries evaluation harnesses read up to the last, the one generated token's
+    (lm-evaluation-harness: token_logprobs[ctxlen:-1]), or where the reply runs past them (ignore_eos)."""
+    if decoding.ignore_eos or decoding.echo:
+        return frozenset()
+    return frozenset(spec.eos_token_ids) | stop_ids
 
 
 def _finish(choice: _Choice, end: StreamEnd) -> str:

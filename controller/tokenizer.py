@@ -124,6 +124,11 @@ class ModelTokenizer:
                 ids.append(token)
         return ids
 
+    def token_starts(self, text: str) -> list[int]:
+        """Where each token of encode(text) starts in `text`, in characters (a token the tokenizer adds, such as
+        BOS, at 0); for plain text, not a RenderedChat."""
+        return [start for start, _ in self._tokenizer.encode(text, add_special_tokens=True).offsets]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 

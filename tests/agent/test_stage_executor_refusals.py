@@ -248,3 +248,24 @@ def test_the_memory_guard_is_asked_for_the_padding_an_admitted_row_brings(whole:
     host.admit(2, 2, newcomer.next_position(2))
     result(executor, host.step([[9], [10], [11]]))  # 3 rows x 41 slots
     assert guard.asked == [8 * SLOT_GROWTH, 40 * SLOT_GROWTH, (3 * 41 - 2 * 4) * SLOT_GROWTH]
+
+
+@pytest.mark.parametrize(("scored", "says"), [
+    ([[6, 7, 8, -1], [4, -1, -1, 9]], "scored tokens at positions the call does not feed"),  # row 1 feeds 2
+    ([[6, 7, 8, 10**6], [-1, -1, -1, -1]], "scored tokens outside the vocabulary"),
+])
+def test_a_scored_step_of_positions_it_does_not_feed_or_tokens_outside_the_vocabulary_is_refused(
+        whole: Stage, scored: list[list[int]], says: str) -> None:
+    """Scoring a pad position would return the log-probability of nothing; both refused before the call, so the
+    micro-batch's next good step computes as if the bad one never came."""
+    executor = StageExecutor(whole, 256)
+    track = BatchTrack(1, 256)
+    track.add_row(0)
+    track.add_row(1)
+    bad = track.step([PROMPT, [3, 4]], logprobs=(0, 0), scored_ids=np.array(scored, dtype=np.int64))
+    with pytest.raises(LedgerError, match=says):
+        executor.run(bad)
+    good = replace(bad, scored_ids=np.array([[6, 7, 8, -1], [-1, -1, -1, -1]], dtype=np.int64))
+    output = result(executor, good)
+    assert output.scored_logprobs is not None and (output.scored_logprobs[0, :3] < 0).all()
+    assert (output.scored_logprobs[0, 3:] == 0).all() and (output.scored_logprobs[1] == 0).all()

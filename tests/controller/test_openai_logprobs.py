@@ -14,8 +14,9 @@ from deskfleet.common.logprobs import TokenLogprob
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.controller.engine import Engine, StreamRequest
 from deskfleet.controller.engine_service import EngineService
-from deskfleet.controller.openai_api import OpenAiApi, ReplyText, _Choice
+from deskfleet.controller.openai_api import OpenAiApi, ReplyText, _Choice, unseen_ends
 from deskfleet.controller.openai_logprobs import UNLIKELY, chat_logprobs, completion_logprobs
+from deskfleet.controller.openai_requests import parse_completion
 from deskfleet.controller.pipeline import LocalPipeline
 from deskfleet.controller.tokenizer import ChatMessage, ModelTokenizer
 
@@ -242,3 +243,33 @@ def test_an_echo_begins_the_text_and_logprobs_with_the_prompts(served: tuple[str
                                              "echo": True})
     chunks = [item["choices"][0]["text"] for item in found[:-1] if item["choices"]]
     assert chunks[0] == prompt and "".join(chunks) == echoed["choices"][0]["text"]
+
+
+def test_an_echo_keeps_the_entry_of_a_token_that_ends_the_text(tiny_export: Path) -> None:
+    """lm-evaluation-harness sends max_tokens 1 with echo and drops the last entry as the generated token's: an EOS
+    made there must keep its entry, or the prompt's last token would be dropped instead."""
+    spec = load_manifest(tiny_export).spec
+    def decoding(**fields: Any) -> Any:
+        return parse_completion({"model": "m", "prompt": "x", **fields}, "m").decoding
+    assert unseen_ends(spec, decoding(logprobs=1), frozenset({7})) == frozenset(spec.eos_token_ids) | {7}
+    assert unseen_ends(spec, decoding(logprobs=1, echo=True, max_tokens=1), frozenset()) == frozenset()
+    assert unseen_ends(spec, decoding(ignore_eos=True), frozenset({7})) == frozenset()
+
+
+def test_an_echoed_text_prompts_offsets_are_where_its_tokens_are_in_it(served: tuple[str, EngineService],
+                                                                      tiny_export: Path) -> None:
+    """A special token's text in the prompt is that token: it shows in the echoed text, and the tokens after it
+    start past it (offsets decoded without special tokens put "there" at 2)."""
+    url, _ = served
+    tokenizer = ModelTokenizer(tiny_export)
+    prompt = "Hi</s>there"
+    ids = tokenizer.encode(prompt)
+    assert 2 in ids, "the tokenizer does not take </s> in text as its token: the test proves nothing"
+    status, body = post(f"{url}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1, "echo": True,
+                                                  "logprobs": 0, "temperature": 0})
+    assert status == 200, body
+    logprobs, text = body["choices"][0]["logprobs"], body["choices"][0]["text"]
+    assert text.startswith(prompt) and len(logprobs["tokens"]) == len(ids) + 1
+    starts = logprobs["text_offset"][: len(ids)]
+    assert text[starts[ids.index(2)]:].startswith("</s>there")
+    assert text[starts[ids.index(2) + 1]:].startswith("there")
