@@ -3,9 +3,10 @@
     python -m tests.integration.fleet_api CONTROLLER_DATA_DIR MODEL_DIR PROMPT_IDS...
 
 Starts the server on the deployed chain (loopback, a free port), sends every prompt (comma-separated token ids)
-at once as a greedy completion of 12 tokens, then the first again asking for log-probabilities, then stops the
-server with SIGTERM; then asks a local f32 server (one stage) for the same log-probabilities. Prints one JSON
-object: each completion's text, the server's exit status, and both servers' `logprobs` of the first prompt.
+at once as a greedy completion of 12 tokens, then the first again asking for log-probabilities, and for its
+prompt's scores (an echo of max_tokens 0), then stops the server with SIGTERM; then asks a local f32 server (one
+stage) the same. Prints one JSON object: each completion's text, the server's exit status, and both servers'
+`logprobs` of the first prompt and of its echo.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def complete(port: int, prompt: str) -> str:
 def logprobs(port: int, prompt: str) -> object:
     """A greedy completion's `logprobs` with the 3 most likely tokens at each position."""
     return _completion(port, prompt, logprobs=3)["logprobs"]
+
+
+def scores(port: int, prompt: str) -> object:
+    """The prompt's own `logprobs` (an echo of max_tokens 0, as evaluation harnesses score a text)."""
+    return _completion(port, prompt, logprobs=1, echo=True, max_tokens=0)["logprobs"]
 
 
 def _completion(port: int, prompt: str, **fields: object) -> dict[str, object]:
@@ -94,12 +100,13 @@ def main() -> None:
     with served(data_dir, model) as (server, port):
         with ThreadPoolExecutor(len(prompts)) as pool:
             texts = list(pool.map(lambda prompt: complete(port, prompt), prompts))
-        on_fleet = logprobs(port, prompts[0])
+        on_fleet = logprobs(port, prompts[0]), scores(port, prompts[0])
         status = stop(server)
     with served(data_dir, model, fleet=False) as (server, port):
-        local = logprobs(port, prompts[0])
+        local = logprobs(port, prompts[0]), scores(port, prompts[0])
         stop(server)
-    print(json.dumps({"texts": texts, "exit": status, "logprobs": {"fleet": on_fleet, "local": local}}))
+    print(json.dumps({"texts": texts, "exit": status, "logprobs": {"fleet": on_fleet[0], "local": local[0]},
+                      "scores": {"fleet": on_fleet[1], "local": local[1]}}))
 
 
 if __name__ == "__main__":

@@ -318,6 +318,11 @@ def test_the_api_server_on_the_fleet_answers_requests_at_once_as_local_runs(flee
     for fleet_top, local_top in zip(on_fleet["top_logprobs"], alone["top_logprobs"], strict=True):
         assert fleet_top.keys() == local_top.keys()
         assert list(fleet_top.values()) == pytest.approx(list(local_top.values()), abs=1e-4)
+    # and a prompt scored on the chain's last stage (an echo of max_tokens 0): the local server's figures
+    on_fleet, alone = out["scores"]["fleet"], out["scores"]["local"]
+    assert len(on_fleet["tokens"]) == len(PROMPTS[0].split(",")) and on_fleet["tokens"] == alone["tokens"]
+    assert on_fleet["token_logprobs"][0] is None and alone["token_logprobs"][0] is None
+    assert on_fleet["token_logprobs"][1:] == pytest.approx(alone["token_logprobs"][1:], abs=1e-4)
 
 
 def test_speculative_on_the_fleet_equals_plain_local(fleet: Fleet, tiny_export: Path, tiny_draft: Path) -> None:
