@@ -32,8 +32,9 @@ def test_chosen_and_top_agree_with_a_full_sort(logits: np.ndarray, top: int, dat
     assert chosen == pytest.approx(reference[np.arange(positions), tokens], abs=1e-5)
     assert top_ids.shape == top_logps.shape == (positions, top)
     for at in range(positions):
-        # most likely first, ties: the lower id first (stable on the negated values)
-        expected = np.argsort(-reference[at], kind="stable")[:top]
+        # most likely first (by the logits themselves: their log-softmax can round two apart into a tie), ties: the
+        # lower id first (stable on the negated values)
+        expected = np.argsort(-logits[at].astype(np.float64), kind="stable")[:top]
         assert top_ids[at, : len(expected)].tolist() == expected.tolist()
         assert top_logps[at, : len(expected)] == pytest.approx(reference[at, expected], abs=1e-5)
         assert np.isneginf(top_logps[at, len(expected):]).all()  # more asked than the vocabulary holds
@@ -66,3 +67,15 @@ def test_entries_take_the_first_top_alternatives_and_skip_padding() -> None:
     assert [token for token, _ in made[0].top] == [0, 1, 2]  # 4 asked, 3 in the vocabulary: no padding entry
     assert made[1].top[0] == (1, pytest.approx(math.log(0.6), abs=1e-6))
     assert entries([2], chosen, top_ids, top_logps, 0) == [TokenLogprob(2, made[0].logprob, ())]
+
+
+def test_a_large_vocabularys_figures_match_a_float64_log_softmax() -> None:
+    """The logsumexp taken in the logits' float32 (summed in float64) agrees with a float64 log-softmax over a 152k
+    vocabulary, and a token the model rules out (minus infinity) stays minus infinity."""
+    logits = (np.random.default_rng(3).standard_normal((2, 151_936)) * 6).astype(np.float32)
+    logits[1, 7] = -np.inf
+    chosen, top_ids, top_logps = chosen_and_top(logits, np.array([11, 7]), 5)
+    reference = log_softmax(logits)
+    assert chosen[0] == pytest.approx(reference[0, 11], abs=1e-5) and chosen[1] == -np.inf
+    assert top_logps == pytest.approx(np.take_along_axis(reference, top_ids, axis=1), abs=1e-5)
+    assert top_ids[0].tolist() == np.argsort(-logits[0], kind="stable")[:5].tolist()
