@@ -25,6 +25,7 @@ from deskfleet.common.console import (
     watched_stdout,
 )
 from deskfleet.common.launch import restore_default_signals
+from deskfleet.common.logprobs import MAX_TOP_LOGPROBS
 from deskfleet.common.model_spec import MAX_SPEC_VALUE, ManifestError, WeightFormat
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.bench.interruption import (
@@ -224,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="micro-batches in flight (default: the number of stages)")
     _add_compile_options(generate)
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    generate.add_argument("--logprobs", type=_logprobs_count, default=None, metavar="N",
+                          help="with --json: each generated token's log-probability and the N (0-20) most likely "
+                               "tokens' at its position, computed on the last stage")
     add_fleet_option(generate)
     generate.set_defaults(handler=_generate, extras=("controller",))
     add_chat_command(commands, _add_compile_options)
@@ -504,6 +508,17 @@ def _max_context(text: str) -> int:
     return value
 
 
+def _logprobs_count(text: str) -> int:
+    """argparse type: --logprobs N, the most likely tokens listed beside each generated one."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise argparse.ArgumentTypeError(f"must be from 0 to {MAX_TOP_LOGPROBS}, got {value}")
+    return value
+
+
 def _export(args: argparse.Namespace) -> int:
     from deskfleet.controller.export.exporter import export_checkpoint
 
@@ -574,12 +589,14 @@ def _generate(args: argparse.Namespace) -> int:
         # the spot, the streamed line cut and the agents left to notice a dropped connection
         with signals_unwind(ctrl_c=False):
             check_fleet_options(args)
+            if args.logprobs is not None and not args.json:
+                raise ValueError(f"--logprobs {args.logprobs} reports the log-probabilities in the JSON: add --json")
             options = GenerateOptions(
                 model=args.model, stages=args.stages or 1, prompts=args.prompt,
                 prompts_files=tuple(args.prompts_file or ()),
                 prompt_ids=[parse_token_ids(text) for text in args.prompt_ids] if args.prompt_ids else None,
                 chat=args.chat, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos,
-                max_rows=args.max_rows, micro_batches=args.micro_batches,
+                max_rows=args.max_rows, micro_batches=args.micro_batches, logprobs=args.logprobs,
                 **decoding_arguments(args, compile_settings(args)))
             if args.fleet:
                 report = generate_on_fleet(options, args.data_dir, stream_text=not args.json,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deskfleet.common.arguments import STDIN_PATH
+from deskfleet.common.logprobs import MAX_TOP_LOGPROBS
 from deskfleet.common.model_spec import load_manifest
 
 from .bench.interruption import stopping_signal
@@ -44,9 +45,12 @@ class GenerateOptions(DecodingOptions):
     ignore_eos: bool = False
     max_rows: int = 8
     micro_batches: int | None = None
+    logprobs: int | None = None  # each generated token's log-probability and the N most likely tokens' (the JSON's)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"--logprobs must be 0 to {MAX_TOP_LOGPROBS} most likely tokens, not {self.logprobs}")
         if self.chat and self.prompt_ids is not None:
             raise ValueError("--chat wraps text prompts in the chat template; --prompt-ids are used as given: "
                              "give text prompts with --chat, or leave out --chat")
@@ -195,7 +199,7 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
             for index, (_, prompt) in enumerate(prompts):
                 engine.add(StreamRequest(prompt_ids=prompt, max_new_tokens=options.max_new_tokens,
                                          ignore_eos=options.ignore_eos, stop_token_ids=stop, sampling=sampling,
-                                         seed=options.base_seed + index))
+                                         seed=options.base_seed + index, logprobs=options.logprobs))
             started = time.perf_counter()
             try:
                 results = engine.run(on_token=printer.push if printer else None, recover=recover)
@@ -278,6 +282,11 @@ def _report(engine: Engine, tokenizer: ModelTokenizer, results: dict[int, Stream
          "tok_s": _rounded(result.decode_tok_s), "prompt_tokens": result.prompt_tokens,
          "first_token_s": round(result.first_token_s, 4), "stopped_by_eos": result.stopped_by_eos}
         for label, result in zip(labels, results.values(), strict=True)]
+    for stream, result in zip(streams, results.values(), strict=True):
+        if result.logprobs is not None:  # --logprobs: one entry a token, the alternatives most likely first
+            stream["logprobs"] = [{"token": entry.token, "logprob": entry.logprob,
+                                   "top": [[token, logprob] for token, logprob in entry.top]}
+                                  for entry in result.logprobs]
     generated = sum(len(result.tokens) for result in results.values())
     # after a failover the run finished on the new chain: its stages, not the first chain's
     finished_on = getattr(engine.chain, "num_stages", stages) if engine.chain is not pipeline else stages

@@ -31,6 +31,37 @@ def test_generate_json_has_the_documented_fields(tiny_export: Path, capsys: pyte
     assert report["stages"] == 2 and report["tok_s"] > 0
 
 
+def test_generate_json_reports_log_probabilities_where_asked(tiny_export: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """--logprobs N: each stream's tokens with their log-probabilities and the N most likely tokens', as the engine
+    gives them (the API's figures; test_engine_logprobs.py holds them to transformers')."""
+    from deskfleet.common.model_spec import load_manifest
+    from deskfleet.controller.engine import Engine, StreamRequest
+    from deskfleet.controller.pipeline import LocalPipeline
+
+    from .test_engine import F32
+
+    code, out, _ = run(capsys, "generate", "--model", str(tiny_export), "--prompt-ids", "1,5,6", "--prompt-ids",
+                       "1,9", "--max-new-tokens", "5", "--ignore-eos", "--precision", "f32", "--json",
+                       "--logprobs", "2")
+    assert code == 0
+    streams = json.loads(out)["streams"]
+    manifest = load_manifest(tiny_export)
+    for stream, prompt in zip(streams, ([1, 5, 6], [1, 9]), strict=True):
+        with LocalPipeline(tiny_export, 1, F32, manifest) as pipeline:
+            engine = Engine(pipeline, manifest.spec)
+            engine.add(StreamRequest(prompt, max_new_tokens=5, ignore_eos=True, logprobs=2))
+            expected = engine.run()[0].logprobs or ()
+        assert [entry["token"] for entry in stream["logprobs"]] == stream["tokens"]
+        assert [entry["logprob"] for entry in stream["logprobs"]] == \
+            pytest.approx([entry.logprob for entry in expected], abs=1e-5)
+        assert [[token for token, _ in entry["top"]] for entry in stream["logprobs"]] == \
+            [[token for token, _ in entry.top] for entry in expected]
+    code, out, _ = run(capsys, "generate", "--model", str(tiny_export), "--prompt-ids", "1,5,6", "--max-new-tokens",
+                       "2", "--json")
+    assert code == 0 and "logprobs" not in json.loads(out)["streams"][0]
+
+
 def test_generate_several_prompts(tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "generate", "--model", str(tiny_export), "--prompt", "a", "--prompt", "bc",
                        "--max-new-tokens", "4", "--ignore-eos", "--json")
@@ -62,6 +93,7 @@ def test_generate_several_prompts(tiny_export: Path, capsys: pytest.CaptureFixtu
     (["--prompt-ids", "1,2", "--top-k", "3"], "--top-k acts only with a --temperature above 0"),
     (["--prompt-ids", "1,2", "--top-k", "3", "--top-p", "0.5"], "--top-k and --top-p act only with a --temperature"),
     (["--prompt-ids", "1,2", "--precision", "f32", "--kv-cache", "u8"], "f32 is exact"),
+    (["--prompt-ids", "1,2", "--logprobs", "2"], "--logprobs 2 reports the log-probabilities in the JSON: add --json"),
 ])
 def test_generate_errors(tiny_export: Path, capsys: pytest.CaptureFixture[str], args: list[str],
                          message: str) -> None:
@@ -155,6 +187,8 @@ def test_generate_and_chat_read_the_same_decoding_options() -> None:
     ("generate", ["--k", "2", "--k-max", "4"], "argument --k-max: not allowed with argument --k"),
     ("generate", ["--k-max", "1000000000"], "argument --k-max: must be at most 64, got 1000000000"),
     ("generate", ["--k", "65"], "argument --k: must be at most 64, got 65"),
+    ("generate", ["--logprobs", "21"], "argument --logprobs: must be from 0 to 20, got 21"),
+    ("generate", ["--logprobs", "x"], "argument --logprobs: expected a whole number, got 'x'"),
     ("chat", ["--k-max", "65"], "argument --k-max: must be at most 64, got 65"),
     ("bench speculative", ["--k-max", "10000000000"], "argument --k-max: must be at most 64"),
     ("bench speculative", ["--k", "2", "65"], "argument --k: must be at most 64, got 65"),
