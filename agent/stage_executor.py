@@ -309,19 +309,8 @@ class StageExecutor:
         rows = len(inputs.append.live_counts)
         if message.sampling is not None and len(message.sampling.temperatures) != rows:
             raise LedgerError(f"sampling for {len(message.sampling.temperatures)} rows, the call has {rows}")
-        if message.scored_ids is not None and message.scored_ids.size \
-                and int(message.scored_ids.max()) >= self.stage.vocab_size:
-            raise LedgerError(f"scored tokens outside the vocabulary of {self.stage.vocab_size} tokens")
         if message.scored_ids is not None:
-            scored = np.asarray(message.scored_ids, dtype=np.int64)
-            fed = np.arange(scored.shape[1])[None, :] < np.array(inputs.append.live_counts)[:, None]
-            if ((scored >= 0) & ~fed).any():
-                raise LedgerError("scored tokens at positions the call does not feed (past a row's live tokens)")
-        if message.scored_ids is not None and message.scored_ids.size * self.stage.vocab_size * 4 > SCORED_LOGITS_BYTES:
-            raise LedgerError(f"a call that scores {message.scored_ids.shape[1]} positions of {rows} row(s) would take "
-                              f"{message.scored_ids.size * self.stage.vocab_size * 4 / 2**20:.1f} MiB of logits, past "
-                              f"the {SCORED_LOGITS_BYTES / 2**20:.1f} MiB a scored call may take: feed the prompt in "
-                              "smaller chunks")
+            self._check_scored(np.asarray(message.scored_ids, dtype=np.int64), inputs.append.live_counts)
         draft = message.draft
         if draft is None:
             return
@@ -337,6 +326,21 @@ class StageExecutor:
             raise LedgerError(f"draft probabilities over {np.asarray(draft.draft_probs).shape[-1]} tokens, the "
                               f"vocabulary has {self.stage.vocab_size}")
         _check_sampled_drafts(draft, message.sampling)
+
+    def _check_scored(self, scored: npt.NDArray[np.int64], live_counts: tuple[int, ...]) -> None:
+        """Forward.scored_ids must name tokens of the vocabulary at fed positions, and their logits fit
+        SCORED_LOGITS_BYTES."""
+        if scored.size and int(scored.max()) >= self.stage.vocab_size:
+            raise LedgerError(f"scored tokens outside the vocabulary of {self.stage.vocab_size} tokens")
+        fed = np.arange(scored.shape[1])[None, :] < np.array(live_counts)[:, None]
+        if ((scored >= 0) & ~fed).any():
+            raise LedgerError("scored tokens at positions the call does not feed (past a row's live tokens)")
+        logits_bytes = scored.size * self.stage.vocab_size * 4
+        if logits_bytes > SCORED_LOGITS_BYTES:
+            raise LedgerError(f"a call that scores {scored.shape[1]} positions of {scored.shape[0]} row(s) would take "
+                              f"{logits_bytes / 2**20:.1f} MiB of logits, past the "
+                              f"{SCORED_LOGITS_BYTES / 2**20:.1f} MiB a scored call may take: feed the prompt in "
+                              "smaller chunks")
 
     def _check_source(self, micro_batch_id: int) -> None:
         source = self._batches.get(micro_batch_id)
@@ -450,14 +454,8 @@ def returned_logprobs(append: AppendSlots, logits: npt.NDArray[np.float32], draf
     token, in columns 0.. (N: the most alternatives any row asked). A drafting row's token i follows its fed token i
     (logits column i); any other row's one token follows its last live position (column 0 without a draft or
     `every` (logits_positions), where the logits are that position's alone)."""
-    rows = len(append.live_counts)
-    top = max(asked)
-    width = 1 + (max(accepted) if accepted is not None else 0)
-    chosen = np.zeros((rows, width), dtype=np.float32)
-    top_ids = np.zeros((rows, width, top), dtype=np.int64)
-    top_logps = np.zeros((rows, width, top), dtype=np.float32)
-    for row in range(rows):
-        live = append.live_counts[row]
+    picks: list[_Pick] = []
+    for row, live in enumerate(append.live_counts):
         if asked[row] < 0 or live == 0:
             continue
         k = draft.counts[row] if draft is not None else 0
@@ -465,11 +463,8 @@ def returned_logprobs(append: AppendSlots, logits: npt.NDArray[np.float32], draf
         assert draft is not None or kept == 0
         tokens = [*(draft.draft_token_ids[row, :kept].tolist() if draft is not None else []), next_tokens[row]]
         first = live - 1 - k if draft is not None or every else 0
-        picked, ids, logps = chosen_and_top(logits[row, first: first + len(tokens)], np.array(tokens), top)
-        chosen[row, : len(tokens)] = picked
-        top_ids[row, : len(tokens)] = ids
-        top_logps[row, : len(tokens)] = logps
-    return chosen, top_ids, top_logps
+        picks.append(_Pick(row, np.arange(first, first + len(tokens)), np.array(tokens), np.arange(len(tokens))))
+    return _logprob_tensors(logits, picks, len(append.live_counts), 1 + max(accepted or (0,)), max(asked))
 
 
 def scored_logprobs(logits: npt.NDArray[np.float32], scored_ids: npt.NDArray[np.int64], asked: tuple[int, ...]
@@ -478,22 +473,37 @@ def scored_logprobs(logits: npt.NDArray[np.float32], scored_ids: npt.NDArray[np.
     position whose scored_ids names a token (a prompt's next one), that token's log-probability and the asked[r]
     most likely tokens' (logits [B, T, V] at every position: logits_positions with `every`)."""
     rows, width = scored_ids.shape
-    top = max(asked)
-    chosen = np.zeros((rows, width), dtype=np.float32)
-    top_ids = np.zeros((rows, width, top), dtype=np.int64)
-    top_logps = np.zeros((rows, width, top), dtype=np.float32)
-    for row in range(rows):
-        columns = np.flatnonzero(scored_ids[row] >= 0)
-        if not len(columns):
-            continue
-        picked, ids, logps = chosen_and_top(logits[row, columns], scored_ids[row, columns], top)
-        chosen[row, columns] = picked
-        top_ids[row, columns] = ids
-        top_logps[row, columns] = logps
-    return chosen, top_ids, top_logps
+    picks = [_Pick(row, columns, scored_ids[row, columns], columns)
+             for row, columns in enumerate(np.flatnonzero(row_ids >= 0) for row_ids in scored_ids) if len(columns)]
+    return _logprob_tensors(logits, picks, rows, width, max(asked))
 
 
 # Private functions
+
+@dataclass(frozen=True)
+class _Pick:
+    """One row's tokens to report: the logits columns they follow, and the result columns they go to."""
+
+    row: int
+    columns: npt.NDArray[np.int64]
+    tokens: npt.NDArray[np.int64]
+    out: npt.NDArray[np.int64]
+
+
+def _logprob_tensors(logits: npt.NDArray[np.float32], picks: list[_Pick], rows: int, width: int, top: int
+                     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+    """[rows, width] log-probabilities and [rows, width, top] most likely tokens and theirs, each pick's at its
+    result columns (chosen_and_top of its logits columns); 0 elsewhere."""
+    chosen = np.zeros((rows, width), dtype=np.float32)
+    top_ids = np.zeros((rows, width, top), dtype=np.int64)
+    top_logps = np.zeros((rows, width, top), dtype=np.float32)
+    for pick in picks:
+        picked, ids, logps = chosen_and_top(logits[pick.row, pick.columns], pick.tokens, top)
+        chosen[pick.row, pick.out] = picked
+        top_ids[pick.row, pick.out] = ids
+        top_logps[pick.row, pick.out] = logps
+    return chosen, top_ids, top_logps
+
 
 def _row_params(sampling: SamplingInfo | None, row: int) -> SamplingParams | None:
     if sampling is None or sampling.temperatures[row] == 0.0:
