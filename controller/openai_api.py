@@ -502,7 +502,8 @@ class OpenAiApi:
         if chat:
             return chat_logprobs(entries, self._token_text)
         first = len(choice.logprobs) - len(entries) if streamed else 0
-        return completion_logprobs(entries, self._token_text, self._text_offsets(choice, first, len(entries)))
+        tokens = [entry.token for entry in choice.logprobs]
+        return completion_logprobs(entries, self._token_text, self._decoded_lengths(tokens, first, len(entries)))
 
     def _completion_logprobs(self, choice: _Choice, end: StreamEnd) -> dict[str, Any] | None:
         """A whole completion's `logprobs`; with an echo, the prompt's tokens first (the first has no log-probability:
@@ -515,7 +516,7 @@ class OpenAiApi:
         # a prompt sent as text: where its tokenizer put each token in it; as token ids: what the ids before decode to
         starts = self.tokenizer.token_starts(choice.prompt_text) if choice.prompt_text is not None else []
         if len(starts) != len(prompt):
-            starts = [len(self.tokenizer.decode(prompt[:at])) for at in range(len(prompt))]
+            starts = self._decoded_lengths(prompt, 0, len(prompt))
         head = completion_logprobs(scored, self._token_text, starts[1:])
         first = self._token_text(prompt[0])
         return {"tokens": [first, *head["tokens"], *shown["tokens"]],
@@ -524,11 +525,10 @@ class OpenAiApi:
                 "text_offset": [starts[0], *head["text_offset"],
                                 *(len(choice.echoed) + at for at in shown["text_offset"])]}
 
-    def _text_offsets(self, choice: _Choice, first: int, count: int) -> list[int]:
-        """Where the text of each of a choice's tokens first..first+count starts in its completion's text: the length
-        of the text its tokens before it decode to together (a token's text alone, counted, goes astray where
-        a character spans tokens or a tokenizer drops a word's leading space)."""
-        tokens = [entry.token for entry in choice.logprobs]
+    def _decoded_lengths(self, tokens: list[int], first: int, count: int) -> list[int]:
+        """Where the text of each of tokens first..first+count starts in the text they make: the length of the text
+        the tokens before it decode to together (a token's text alone, counted, goes astray where a character spans
+        tokens or a tokenizer drops a word's leading space)."""
         return [len(self.tokenizer.decode(tokens[:at])) for at in range(first, first + count)]
 
     def _token_text(self, token: int) -> str:

@@ -185,9 +185,7 @@ def test_text_offsets_point_into_the_text_where_a_character_spans_tokens(tiny_ex
     text = "aé b"
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert len(ids) > len(text), "the tokenizer holds é in one token: the test proves nothing"
-    choice = _Choice(0, StreamRequest([1], logprobs=0), None, ReplyText(tokenizer, ()))  # type: ignore[arg-type]
-    choice.logprobs = [TokenLogprob(token, -1.0) for token in ids]
-    offsets = OpenAiApi._text_offsets(SimpleNamespace(tokenizer=tokenizer), choice, 0, len(ids))  # type: ignore[arg-type]
+    offsets = OpenAiApi._decoded_lengths(SimpleNamespace(tokenizer=tokenizer), ids, 0, len(ids))  # type: ignore[arg-type]
     assert len(ids) == 5 and offsets == [0, 1, 2, 2, 3]  # a, é's two bytes (the second within "a" + U+FFFD), " ", b
     assert text[offsets[-1]:] == "b" and text[offsets[-2]:] == " b"
 
