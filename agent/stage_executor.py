@@ -253,8 +253,7 @@ class StageExecutor:
             raise LedgerError(f"{admits} AdmitRow deltas for {len(message.admit_from)} micro-batches to admit")
         rehearsed: Mirror | None = None
         if admits or any(isinstance(delta, Compact) for delta in message.slot_deltas):
-            for source in message.admit_from:
-                self._check_source(source)
+            self._check_sources(message)
             rehearsed = batch.mirror.fork()
             self._checked_step(message, replay_deltas(rehearsed, message.slot_deltas))
         if isinstance(call, AppendSlots) and self.memory_guard is not None:
@@ -266,11 +265,13 @@ class StageExecutor:
             self.memory_guard.admit(growth.slot_count * self.kv_bytes_per_slot * SLOT_GROWTH,
                                     lambda: f"micro-batch {message.micro_batch_id} step {message.step_id} "
                                             f"({growth.rows} rows x {growth.slots} slots)")
-        sources = [self._take_source(source) for source in message.admit_from]
+        keeps = message.keep_sources or (False,) * len(message.admit_from)
+        sources = [self._batches[source] if keep else self._batches.pop(source)
+                   for source, keep in zip(message.admit_from, keeps, strict=True)]
         inputs = replay_deltas(
             batch.mirror, message.slot_deltas,
             gather_rows=lambda rows: _edit_state(batch.session, lambda state: state[rows]),
-            admit=lambda delta, ordinal: self._admit(batch, sources[ordinal], delta),
+            admit=lambda delta, ordinal: self._admit(batch, sources[ordinal], delta, keep=keeps[ordinal]),
             compact=lambda delta: _edit_state(batch.session, lambda state: _gather_slots(state, delta)))
         return self._checked_step(message, inputs), inputs
 
@@ -342,20 +343,34 @@ class StageExecutor:
                               f"{SCORED_LOGITS_BYTES / 2**20:.1f} MiB a scored call may take: feed the prompt in "
                               "smaller chunks")
 
-    def _check_source(self, micro_batch_id: int) -> None:
-        source = self._batches.get(micro_batch_id)
-        if source is None:
-            raise LedgerError(f"admission from micro-batch {micro_batch_id}, which this stage does not hold")
-        if source.mirror.rows != 1:
-            raise LedgerError(f"admission from micro-batch {micro_batch_id} of {source.mirror.rows} rows (needs 1)")
+    def _check_sources(self, message: Forward) -> None:
+        """Each AdmitRow's source must be a micro-batch this stage holds, of one row whose live slots are its first
+        `live_slots` and no others (the row is copied as those slots: a row with dead slots among them, or live ones
+        past them, would be merged wrong without a word)."""
+        admits = [delta for delta in message.slot_deltas if isinstance(delta, AdmitRow)]
+        for micro_batch_id, delta in zip(message.admit_from, admits, strict=True):
+            source = self._batches.get(micro_batch_id)
+            if source is None:
+                raise LedgerError(f"admission from micro-batch {micro_batch_id}, which this stage does not hold")
+            if source.mirror.rows != 1:
+                raise LedgerError(f"admission from micro-batch {micro_batch_id} of {source.mirror.rows} rows "
+                                  "(needs 1)")
+            if source.mirror.rows_pending():
+                raise LedgerError(f"admission from micro-batch {micro_batch_id}, whose row reorder is not run yet")
+            live = source.mirror.mask[0]
+            if int(source.mirror.next_positions[0]) != delta.live_slots or not live[: delta.live_slots].all() \
+                    or live[delta.live_slots:].any():
+                raise LedgerError(f"admission of {delta.live_slots} slots from micro-batch {micro_batch_id}, whose "
+                                  f"row holds {int(live.sum())} live slots of {live.size} at next position "
+                                  f"{int(source.mirror.next_positions[0])}: it must hold exactly its first "
+                                  f"{delta.live_slots} (compact it first)")
 
-    def _take_source(self, micro_batch_id: int) -> _MicroBatch:
-        self._check_source(micro_batch_id)
-        return self._batches.pop(micro_batch_id)
-
-    def _admit(self, batch: _MicroBatch, source: _MicroBatch, delta: AdmitRow) -> None:
-        """Append the source's single row to the batch state (the mirror already holds the new row)."""
-        if batch.steps == 0 and batch.mirror.rows == 1:
+    def _admit(self, batch: _MicroBatch, source: _MicroBatch, delta: AdmitRow, keep: bool = False) -> None:
+        """Append the source's single row to the batch state (the mirror already holds the new row); the source is
+        freed, or with `keep` left as it was (Forward.keep_sources)."""
+        if keep:
+            source.last_used = time.monotonic()
+        elif batch.steps == 0 and batch.mirror.rows == 1:
             unused, batch.session = batch.session, source.session  # an empty batch adopts the prefilled session
             batch.steps = source.steps
             self.stage.recycle(unused)
@@ -371,7 +386,8 @@ class StageExecutor:
             grown[-1, :, : delta.live_slots] = row[0, :, : delta.live_slots]
             merged[name] = grown
         batch.session.set_state(merged)
-        self.stage.recycle(source.session)
+        if not keep:
+            self.stage.recycle(source.session)
 
 
 def logits_positions(append: AppendSlots, draft: DraftInfo | None, every: bool = False) -> npt.NDArray[np.int64]:

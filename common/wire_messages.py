@@ -29,8 +29,9 @@ from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, che
 # StatusReport.reasons and detail; 5: AssignStage.previous_agent_id; 6: RevocationUpdate as records signed by
 # the CA, KnownRemovals, Register.token_sha256; 7: StatusReport.devices; 8: ResultsHere's micro-batch id range,
 # ErrorCode.DISK_FULL; 9: Forward.logprobs, ForwardResult.token_logprobs, top_logprob_ids and top_logprobs;
-# 10: Forward.scored_ids, ForwardResult.scored_logprobs, scored_top_ids and scored_top_logprobs
-PROTOCOL_VERSION = 10
+# 10: Forward.scored_ids, ForwardResult.scored_logprobs, scored_top_ids and scored_top_logprobs; 11:
+# Forward.keep_sources (an admitted row's source micro-batch kept: a prefix cache's entry)
+PROTOCOL_VERSION = 11
 MAX_STATUS_DETAIL = 500
 MAX_DEVICES = 32  # a StatusReport's devices
 _DEVICE_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,15}(\.[0-9]{1,3})?")  # as OpenVINO lists them: "CPU", "GPU.1"
@@ -511,6 +512,9 @@ class Forward:
     # [B, T] int64: the token whose log-probability the last stage returns at each fed position (a prompt's next
     # token, for an echo of the prompt's log-probabilities), -1 none; rows with any need logprobs >= 0
     scored_ids: Tensor | None = None
+    # per admit_from entry, whether its source micro-batch stays on the stage after its row is copied (the driver
+    # keeps the prompt's KV state for later requests that share it: a prefix cache); () or False: it is freed
+    keep_sources: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         _non_negative("micro_batch_id", self.micro_batch_id)
@@ -536,6 +540,8 @@ class Forward:
         _require(len(self.admit_from) == admits, f"{admits} AdmitRow deltas but {len(self.admit_from)} sources")
         for source in self.admit_from:
             _non_negative("admit_from", source)
+        _require(not self.keep_sources or len(self.keep_sources) == len(self.admit_from),
+                 f"{len(self.keep_sources)} keep_sources for {len(self.admit_from)} admitted sources")
         if self.logprobs is not None:
             _require(len(self.logprobs) == rows, "logprobs rows differ from stream_ids")
             for top in self.logprobs:

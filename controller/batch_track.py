@@ -25,6 +25,7 @@ class BatchTrack:
     stream_ids: list[int] = field(default_factory=list)
     pending: list[SlotDelta] = field(default_factory=list)
     admit_from: list[int] = field(default_factory=list)
+    keep_sources: list[bool] = field(default_factory=list)  # per admit_from: the stages keep the source (a cache's)
     steps: int = 0
     in_flight: bool = False
 
@@ -45,11 +46,13 @@ class BatchTrack:
         self.pending.append(delta)
         self.stream_ids.append(stream_id)
 
-    def admit(self, stream_id: int, source_batch: int, live_slots: int) -> None:
-        """Queue the merge of a stream prefilled alone in `source_batch` as the new last row."""
+    def admit(self, stream_id: int, source_batch: int, live_slots: int, keep_source: bool = False) -> None:
+        """Queue the merge of a stream prefilled alone in `source_batch` as the new last row; with `keep_source` the
+        stages keep that micro-batch as it was (Forward.keep_sources), else they free it."""
         self.pending.append(self.ledger.admit(live_slots))
         self.order.gathered(self.ledger.rows)  # the stages gather pending reorders on the host to admit
         self.admit_from.append(source_batch)
+        self.keep_sources.append(keep_source)
         self.stream_ids.append(stream_id)
 
     def drop(self, stream_ids: set[int]) -> None:
@@ -96,8 +99,10 @@ class BatchTrack:
                           slot_deltas=tuple(self.pending), beam_idx=self.order.take(self.ledger.rows),
                           position_ids=position_ids(append),
                           input_ids=input_ids, hidden_states=None, draft=draft, admit_from=tuple(self.admit_from),
+                          keep_sources=tuple(self.keep_sources) if any(self.keep_sources) else (),
                           sampling=sampling, logprobs=logprobs, scored_ids=scored_ids)
         self.pending.clear()
         self.admit_from.clear()
+        self.keep_sources.clear()
         self.steps += 1
         return message

@@ -88,6 +88,45 @@ def test_a_refused_admission_keeps_the_micro_batch_it_would_have_admitted(whole:
     np.testing.assert_array_equal(merged.logits[0], reference_logits(whole, [PROMPT, [9]])[0])
 
 
+def test_a_kept_source_stays_as_it_was_after_its_row_is_copied_and_serves_a_later_prompt(whole: Stage) -> None:
+    """Forward.keep_sources: the admitted row's source micro-batch stays (a prefix cache's entry), and a later step on
+    it computes what a fresh prefill of its tokens plus the new ones computes."""
+    executor = StageExecutor(whole, 256)
+    host = BatchTrack(1, 256)
+    host.add_row(0)
+    result(executor, host.step([PROMPT]))
+    newcomer = BatchTrack(2, 256)
+    newcomer.add_row(1)
+    result(executor, newcomer.step([[3, 4, 5]]))
+    host.admit(1, 2, newcomer.next_position(1), keep_source=True)
+    merged = result(executor, host.step([[9], [10]]))
+    assert executor.micro_batches == 2  # the source is kept
+    assert merged.logits is not None
+    # the copied row beside the host's (its padding sums in another order): within f32 rounding
+    np.testing.assert_allclose(merged.logits[1], reference_logits(whole, [[3, 4, 5], [10]])[0], rtol=1e-4, atol=1e-5)
+    resumed = result(executor, newcomer.step([[11]]))  # the kept source goes on as it was
+    assert resumed.logits is not None
+    np.testing.assert_array_equal(resumed.logits, reference_logits(whole, [[3, 4, 5], [11]]))
+
+
+def test_a_source_whose_row_is_not_its_first_slots_alone_is_refused_by_name(whole: Stage) -> None:
+    """An admitted row is copied as its source's first live_slots: a source with a dead slot among them (a rolled back
+    draft not compacted) would merge wrong, so the step is refused and nothing changes."""
+    executor = StageExecutor(whole, 256)
+    host = BatchTrack(1, 256)
+    host.add_row(0)
+    result(executor, host.step([PROMPT]))
+    newcomer = BatchTrack(2, 256)
+    newcomer.add_row(1)
+    result(executor, newcomer.step([[3, 4, 5]]))
+    newcomer.reject(1, 1)
+    result(executor, newcomer.step([[6]]))  # slots 0, 1 and 3 live, 2 dead
+    host.admit(1, 2, newcomer.next_position(1))
+    with pytest.raises(LedgerError, match="admission of 3 slots from micro-batch 2, whose row holds 3 live slots of 4"):
+        executor.run(host.step([[9], [10]]))
+    assert executor.micro_batches == 2
+
+
 def test_a_refused_first_step_leaves_no_micro_batch_behind(whole: Stage) -> None:
     executor = StageExecutor(whole, 256)
     for batch_id in range(1, 50):

@@ -131,7 +131,8 @@ def _forwards(draw: st.DrawFn) -> Forward:
         _tensor(draw, (rows,), draw(st.sampled_from(["<i8", "<i4", ">i8"]))), _tensor(draw, (rows, tokens), "<i8"),
         _tensor(draw, (rows, tokens), "<i8") if first_stage else None,
         None if first_stage else _tensor(draw, (rows, tokens, hidden), draw(st.sampled_from(["<f4", "<f2", ">f4"]))),
-        None, tuple(draw(_UINT63) for _ in range(admits)), None, draw(st.booleans()), draw(_UINT63), draw(st.text()))
+        None, tuple(draw(_UINT63) for _ in range(admits)), None, draw(st.booleans()), draw(_UINT63), draw(st.text()),
+        keep_sources=tuple(draw(st.booleans()) for _ in range(admits)) if draw(st.booleans()) else ())
 
 
 @st.composite

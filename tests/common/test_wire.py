@@ -491,6 +491,15 @@ def test_admit_rows_need_one_source_each() -> None:
         forward(admit_from=())
 
 
+def test_kept_sources_round_trip_one_flag_per_admitted_source() -> None:
+    message = forward(keep_sources=(True,))
+    decoded = decode(encode(message))
+    assert decoded.keep_sources == (True,) and same_message(decoded, message)
+    assert decode(encode(forward())).keep_sources == ()
+    with pytest.raises(ProtocolError, match="2 keep_sources for 1 admitted sources"):
+        forward(keep_sources=(True, False))
+
+
 def test_sampling_rows_must_match_the_stream_count() -> None:
     with pytest.raises(ProtocolError, match="sampling rows differ"):
         forward(sampling=SamplingInfo((0.7,), (0,), (1.0,), (1,)))
