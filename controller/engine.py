@@ -18,6 +18,9 @@
 - A stream asked to keep its KV state (`keep_kv`, a chat's reply) leaves its micro-batch on the chain when
   it ends, as a KeptKV; the next request that `resume`s it (the chat's next turn, whose prompt repeats the
   conversation so far) rolls it back by mask to the prefix the two share and is fed only the rest.
+- With a prefix cache (`prefix_cache_tokens`, a server's), prompts prefilled alone and streams that end as the
+  last row of their micro-batch leave their KV state on the chain, and a newcomer whose prompt begins with the
+  same tokens starts from it (controller/prefix_cache.py), then is admitted into a running micro-batch as any.
 
 The chain is anything with submit/collect/release of Forward messages: the local threaded pipeline or
 the fleet over TLS websockets.
@@ -37,11 +40,12 @@ from deskfleet.common.kv_ledger import CompactionPolicy
 from deskfleet.common.logprobs import MAX_TOP_LOGPROBS, SCORED_LOGITS_BYTES, TokenLogprob, entries
 from deskfleet.common.model_spec import ModelSpec
 from deskfleet.common.speculative import DEFAULT_PRIOR_ACCEPTANCE, MAX_K, AdaptiveK, RoundCost, SamplingParams
-from deskfleet.common.wire import DraftInfo, Forward, ForwardResult, SamplingInfo
+from deskfleet.common.wire import MICRO_BATCH_IDLE_S, DraftInfo, Forward, ForwardResult, SamplingInfo
 
 from .batch_track import BatchTrack
 from .draft import Drafter, DraftRow, Proposal, mix_seed
 from .generation import GenerationError, check_request
+from .prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,12 @@ DEFAULT_PREFILL_CHUNK = 256
 # (`bench admission`: 1.3-1.5x), and a resumed turn that fed 1,000 of 1,283 tokens on a 1.1B model took 5.7 s against
 # 4.2 s whole (`bench chat`, a random model whose replies re-encode to other tokens).
 RESUME_MIN_SHARED = 0.5
+# A prefix cache's entry is given up this long after it was kept: a fleet's agents free a micro-batch idle for
+# MICRO_BATCH_IDLE_S, and a step on a freed one fails
+PREFIX_CACHE_MAX_AGE_S = MICRO_BATCH_IDLE_S / 2
+# A state taken from the prefix cache is compacted to its live slots, whatever their number: its row is then copied
+# into a running micro-batch as its first live slots (AdmitRow)
+_PACKED = CompactionPolicy(min_dead_slots=1, min_dead_fraction=0.0)
 
 
 class ChainBroken(RuntimeError):
@@ -187,6 +197,9 @@ class EngineOptions:
     fixed_k: int | None = None
     compaction: CompactionPolicy = field(default_factory=CompactionPolicy)
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens a call at most; 0: a whole prompt in one call
+    # Tokens of finished prompts' KV states kept on the chain for later requests that share their prefix
+    # (controller/prefix_cache.py); 0: none kept
+    prefix_cache_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_rows < 1 or self.micro_batches < 1:
@@ -198,6 +211,8 @@ class EngineOptions:
             raise ValueError(f"fixed_k must be from 0 to {MAX_K}, got {self.fixed_k}")
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be 0 (whole prompts) or more, got {self.prefill_chunk}")
+        if self.prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be 0 (no prefix cache) or more, got {self.prefix_cache_tokens}")
 
 
 @dataclass
@@ -214,13 +229,19 @@ class _Stream:
     resume: KeptKV | None = None  # StreamRequest.resume until run() takes (or releases) it
     resumed: BatchTrack | None = None  # the kept micro-batch it starts from, once taken
     reused: int = 0  # prompt tokens already in that micro-batch's KV state
+    cached: bool = False  # that micro-batch came from the prefix cache: once prefilled, admitted as any newcomer
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one a token, where the request asked
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., where the request asked
 
     @property
+    def resumes(self) -> bool:
+        """Starts from a kept KV state (its request's `resume`, or the prefix cache's)."""
+        return self.resumed is not None or self.resume is not None
+
+    @property
     def keeps_own_batch(self) -> bool:
-        """Runs alone in its micro-batch: its KV state is kept, or it starts from a kept one."""
-        return self.request.keep_kv or self.resumed is not None or self.resume is not None
+        """Runs alone in its micro-batch: its KV state is kept, or it starts from one its request gave."""
+        return self.request.keep_kv or (self.resumes and not self.cached)
 
     @property
     def confirmed(self) -> list[int]:
@@ -307,6 +328,9 @@ class Engine:
         self._driver_busy = _DriverBusy()
         self._eos = frozenset(spec.eos_token_ids)
         self._kept: dict[int, KeptKV] = {}  # by stream id: finished keep_kv streams' micro-batches
+        self.prefix_cache = PrefixCache(options.prefix_cache_tokens, PREFIX_CACHE_MAX_AGE_S, RESUME_MIN_SHARED)
+        # by source micro-batch id: prompts kept at their admission, cached once the admitting step has run
+        self._cache_pending: dict[int, KeptKV] = {}
         # by stream id: prompt tokens a stateful drafter still lacks (a resumed stream's kept prefix), fed to it a
         # chunk a call while other streams run; the stream drafts nothing until it has them
         self._draft_unfed: dict[int, list[int]] = {}
@@ -418,6 +442,7 @@ class Engine:
             else:
                 if self._unfinished:  # the feed ended the run under streams still running
                     self._abandon()
+            self.prefix_cache.clear()  # the states it kept on the chain are of no use past this run
         except BaseException:  # a stage's failure, a bad result, Ctrl-C: free what this run holds, then raise
             self._abandon()
             raise
@@ -437,11 +462,31 @@ class Engine:
             if shared < RESUME_MIN_SHARED * len(prompt):
                 kept.release()
                 continue
-            stream.reused = shared
-            track = stream.resumed = kept.take()
-            track.stream_ids = [stream.stream_id]
-            track.reject(stream.stream_id, len(kept.tokens) - shared)
-            track.compact(self.options.compaction)
+            self._start_from(stream, kept, shared, self.options.compaction)
+
+    def _start_from(self, stream: _Stream, kept: KeptKV, shared: int, compaction: CompactionPolicy) -> None:
+        """Make a kept micro-batch the stream's, rolled back by mask to the `shared` first tokens of its prompt and
+        compacted where `compaction` says."""
+        stream.reused = shared
+        track = stream.resumed = kept.take()
+        track.stream_ids = [stream.stream_id]
+        track.reject(stream.stream_id, len(kept.tokens) - shared)
+        track.compact(compaction)
+
+    def _start_cached(self, stream: _Stream) -> None:
+        """Start a newcomer from the prefix cache's entry that shares the most of its prompt, where one shares
+        enough (PrefixCache.take); its prefill then feeds only the rest."""
+        request = stream.request
+        if not self.prefix_cache.enabled or stream.resumes or stream.tokens or request.keep_kv \
+                or request.prompt_logprobs:
+            return
+        hit = self.prefix_cache.take(request.prompt_ids)
+        if hit is None:
+            return
+        kept, shared = hit
+        assert isinstance(kept, KeptKV)
+        stream.cached = True
+        self._start_from(stream, kept, shared, _PACKED)
 
     def results(self) -> dict[int, StreamResult]:
         """Every stream's tokens so far, by stream id (after run(): the whole generation; after a run that
@@ -548,6 +593,9 @@ class Engine:
         # the kept micro-batches of streams that ended in this run, and those of queued streams not started yet
         tracks += [kept.take() for kept in self._kept.values()]
         self._kept.clear()
+        tracks += [kept.take() for kept in self._cache_pending.values()]
+        self._cache_pending.clear()
+        self.prefix_cache.clear()
         tracks += [stream.resumed for stream in self._unstarted.values() if stream.resumed is not None]
         # A step in flight that admits a prefilled stream has taken that source off its track: a stage that
         # refused the step (or a Ctrl-C before the stage ran it) still holds it, and only this names it.
@@ -574,6 +622,8 @@ class Engine:
             return
         arrived = [stream for stream in self._unstarted.values()
                    if stream.request.arrival_step <= self._collected][:room]
+        for stream in arrived:
+            self._start_cached(stream)
         for group in self._prefill_groups(arrived):
             resumed = group[0].resumed  # a stream that starts from a kept KV state is alone in its group
             track = resumed or BatchTrack(self._new_batch_id(), self.spec.max_context)
@@ -685,7 +735,8 @@ class Engine:
         """
         if self._tracks or self._prefills or len(arrived) < 2:
             return [[stream] for stream in arrived]
-        plain = [stream for stream in arrived if not self._uses_draft(stream) and not stream.keeps_own_batch]
+        plain = [stream for stream in arrived if not self._uses_draft(stream) and not stream.resumes
+                 and not stream.request.keep_kv]
         count = min(self.options.micro_batches, len(plain))
         grouped = plain[: count * self.options.max_rows]
         groups: list[list[_Stream]] = [grouped[index::count] for index in range(count)] if count else []
@@ -702,8 +753,9 @@ class Engine:
             # A group prefilled together runs as its own micro-batch, and so does one with deltas the
             # stages have not seen (a row of its group finished at once): admission moves a whole
             # one-row state, which the stages' copy of this micro-batch would not be.
-            if track.rows > 1 or track.pending or stream.keeps_own_batch or \
-                    (target is None and len(self._tracks) < self.options.micro_batches):
+            # So does a stream whose drafter still lacks part of its prompt (fed with its own steps).
+            if track.rows > 1 or track.pending or stream.keeps_own_batch or stream.stream_id in self._draft_unfed \
+                    or (target is None and len(self._tracks) < self.options.micro_batches):
                 del self._prefills[batch_id]
                 self._tracks[batch_id] = track
                 for stream_id in track.stream_ids:
@@ -712,7 +764,11 @@ class Engine:
             if target is None:
                 continue  # every micro-batch is full: wait for a row to free up
             del self._prefills[batch_id]
-            target.admit(stream.stream_id, batch_id, track.next_position(stream.stream_id))
+            fed = track.next_position(stream.stream_id)
+            keep = self.prefix_cache.enabled and not stream.request.keep_kv
+            target.admit(stream.stream_id, batch_id, fed, keep_source=keep)
+            if keep:  # the stages keep the prompt's micro-batch: cached once the admitting step has run
+                self._cache_pending[batch_id] = KeptKV(self.chain, track, stream.confirmed[:fed])
             stream.batch = target.micro_batch_id
             if self._uses_draft(stream):
                 assert self.draft is not None
@@ -720,7 +776,8 @@ class Engine:
 
     def _pick_target(self) -> BatchTrack | None:
         open_tracks = [track for track in self._tracks.values() if track.rows < self.options.max_rows
-                       and not any(self._streams[stream_id].keeps_own_batch for stream_id in track.stream_ids)]
+                       and not any(self._streams[stream_id].keeps_own_batch or stream_id in self._draft_unfed
+                                   for stream_id in track.stream_ids)]
         if len(self._tracks) < self.options.micro_batches:
             return None  # better: start another micro-batch to keep the stages busy
         return min(open_tracks, key=lambda track: track.rows, default=None)
@@ -848,6 +905,10 @@ class Engine:
                 finished.add(stream_id)
         if any(flight.drafts) and not flight.prefill and not flight.beside_prefill:
             self._record_cost(flight, arrived_at)
+        for source in flight.message.admit_from:  # every stage has copied its row now: the source may be resumed
+            kept = self._cache_pending.pop(source, None)
+            if kept is not None:
+                self.prefix_cache.put(kept)
         self._retire(track, finished)
 
     @staticmethod
@@ -890,7 +951,18 @@ class Engine:
         batch_id = track.micro_batch_id
         kept = [stream_id for stream_id in finished if self._streams[stream_id].request.keep_kv]
         if kept:  # alone in its micro-batch (keeps_own_batch)
-            self._keep(track, self._streams[kept[0]])
+            self._kept[kept[0]] = self._keep(track, self._streams[kept[0]])
+            return
+        cached = self._cached_end(track, finished)
+        if cached is not None:  # the micro-batch's last rows end: the longest stays, as the prefix cache's
+            finished.discard(cached.stream_id)
+            if finished:
+                track.drop(finished)
+                if self.draft is not None:
+                    self.draft.drop(batch_id, finished)
+            for stream_id in finished:
+                self._draft_unfed.pop(stream_id, None)
+            self.prefix_cache.put(self._keep(track, cached))
             return
         if finished:
             track.drop(finished)
@@ -907,9 +979,20 @@ class Engine:
         if self.draft is not None:
             self.draft.compact(batch_id, self.options.compaction)
 
-    def _keep(self, track: BatchTrack, stream: _Stream) -> None:
-        """Leave a finished keep_kv stream's micro-batch on the chain, holding its confirmed tokens but the last
-        (never fed): drafts accepted past its end (an EOS or stop token inside a round) are rolled back."""
+    def _cached_end(self, track: BatchTrack, finished: set[int]) -> _Stream | None:
+        """Of streams that end a micro-batch's last rows, the one whose KV state the prefix cache keeps: the one
+        holding the most tokens, of those fed all their confirmed tokens but the last (not one cancelled mid-prompt);
+        None where the cache is off or rows go on."""
+        if not self.prefix_cache.enabled or not finished or len(finished) < track.rows:
+            return None
+        ends = [self._streams[stream_id] for stream_id in finished]
+        ends = [stream for stream in ends
+                if track.next_position(stream.stream_id) >= stream.confirmed_count - 1 and stream.tokens]
+        return max(ends, key=lambda stream: stream.confirmed_count, default=None)
+
+    def _keep(self, track: BatchTrack, stream: _Stream) -> KeptKV:
+        """Leave a finished stream's micro-batch on the chain, holding its confirmed tokens but the last (never
+        fed): drafts accepted past its end (an EOS or stop token inside a round) are rolled back."""
         self._tracks.pop(track.micro_batch_id, None)
         self._prefills.pop(track.micro_batch_id, None)
         self._draft_unfed.pop(stream.stream_id, None)
@@ -917,7 +1000,7 @@ class Engine:
         track.reject(stream.stream_id, track.next_position(stream.stream_id) - len(fed))
         if self.draft is not None and self.draft.has_batch(track.micro_batch_id):
             self.draft.release(track.micro_batch_id)  # the drafter's state is prefilled again on resume
-        self._kept[stream.stream_id] = KeptKV(self.chain, track, fed)
+        return KeptKV(self.chain, track, fed)
 
     def _record_cost(self, flight: _InFlight, arrived_at: float) -> None:
         """Tell adaptive K what this drafted round cost: the chain's round trip (sent to the result's arrival),

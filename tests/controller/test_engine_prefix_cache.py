@@ -1,0 +1,176 @@
+"""The engine's prefix cache (EngineOptions.prefix_cache_tokens): a prompt prefilled alone and admitted into a running
+micro-batch leaves its micro-batch on the stages, and so does a stream that ends as the last row of its micro-batch; a
+later stream whose prompt begins with the same tokens starts from that state and is fed only the rest, with the
+tokens of a fresh run (f32: greedy, sampled, drafted by prompt lookup and by a draft model, 1 and 2 stages), and is
+then admitted into a running micro-batch as any newcomer. Entries past the capacity are released, as is every entry
+when the run ends; a stream scoring its prompt feeds it whole."""
+
+from __future__ import annotations
+
+import random
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from deskfleet.agent.stage import CompileSettings, Precision
+from deskfleet.common.model_spec import load_manifest
+from deskfleet.common.speculative import SamplingParams
+from deskfleet.common.wire import Forward
+from deskfleet.controller.draft import Drafter, DraftModel
+from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
+from deskfleet.controller.pipeline import LocalPipeline
+from deskfleet.controller.prompt_lookup import PromptLookupDraft
+from tests.controller.test_engine_kept_kv import ReleaseRecordingChain
+
+F32 = CompileSettings(precision=Precision.F32)
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95)
+CACHE = 4096
+
+
+class MessageChain(ReleaseRecordingChain):
+    """ReleaseRecordingChain that also keeps every step it was given."""
+
+    def __init__(self, pipeline: LocalPipeline) -> None:
+        super().__init__(pipeline)
+        self.messages: list[Forward] = []
+
+    def submit(self, message: Forward) -> None:
+        super().submit(message)
+        self.messages.append(message)
+
+
+def _tokens(seed: int, length: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    motif = [rng.randrange(1, vocab) for _ in range(5)]  # repeats, so that prompt lookup finds matches
+    return [motif[i % 5] if rng.random() < 0.5 else rng.randrange(1, vocab) for i in range(length)]
+
+
+def _fresh(model: Path, request: StreamRequest, stages: int, drafter: Drafter | None = None) -> list[int]:
+    """The stream alone on a new pipeline, its whole prompt fed."""
+    with LocalPipeline(model, stages, F32) as pipeline:
+        engine = Engine(pipeline, load_manifest(model).spec, drafter, EngineOptions())
+        engine.add(request)
+        return engine.run()[0].tokens
+
+
+def _drafter(drafting: str | None, draft_model: Path) -> Drafter | None:
+    if drafting == "lookup":
+        return PromptLookupDraft(min_ngram=1)
+    return DraftModel(draft_model, F32) if drafting == "model" else None
+
+
+@pytest.mark.parametrize(("stages", "drafting", "sampling"), [
+    (1, None, GREEDY), (2, None, GREEDY), (1, None, SAMPLED), (2, "lookup", GREEDY), (1, "model", GREEDY)])
+def test_a_prompt_admitted_into_a_running_batch_serves_a_later_prompt_that_begins_with_it(
+        target: Path, other_draft: Path, stages: int, drafting: str | None, sampling: SamplingParams) -> None:
+    vocab = load_manifest(target).spec.vocab_size
+    long_runner = StreamRequest(_tokens(1, 12, vocab), max_new_tokens=40, ignore_eos=True)
+    shared = _tokens(2, 30, vocab)
+    first = StreamRequest(shared, max_new_tokens=6, ignore_eos=True, sampling=sampling, seed=5, arrival_step=2)
+    later = StreamRequest(shared + _tokens(3, 9, vocab), max_new_tokens=8, ignore_eos=True, sampling=sampling,
+                          seed=7, arrival_step=16)
+    with ExitStack() as stack:
+        pipeline = stack.enter_context(LocalPipeline(target, stages, F32))
+        chain = MessageChain(pipeline)
+        engine = Engine(chain, load_manifest(target).spec, _drafter(drafting, other_draft),
+                        EngineOptions(micro_batches=1, prefix_cache_tokens=CACHE))
+        ids = [engine.add(request) for request in (long_runner, first, later)]
+        results = engine.run()
+    assert pipeline.micro_batches == (0,) * stages  # the run released what its cache kept (read once closed)
+    # the first prompt was admitted into the running micro-batch and kept; the later one started from it, fed only
+    # what follows, and was admitted in turn
+    assert results[ids[1]].reused_tokens == 0
+    assert results[ids[2]].reused_tokens == len(shared)
+    assert engine.prefix_cache.hits == 1
+    admitted = [message for message in chain.messages if message.admit_from]
+    assert [message.keep_sources for message in admitted] == [(True,), (True,)]
+    assert all(message.stream_ids == (ids[0], ids[1]) for message in admitted[:1])
+    resumed_prefill = [message for message in chain.messages if message.stream_ids == (ids[2],)]
+    assert resumed_prefill and resumed_prefill[0].input_ids is not None
+    assert resumed_prefill[0].input_ids.shape[1] == len(later.prompt_ids) - len(shared)
+    assert resumed_prefill[0].micro_batch_id == admitted[0].admit_from[0]  # the first prompt's micro-batch
+    for stream_id, request in zip(ids, (long_runner, first, later), strict=True):
+        assert results[stream_id].tokens == _fresh(target, request, stages, _drafter(drafting, other_draft))
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_prompt_that_parts_from_an_entry_inside_it_is_rolled_back_compacted_and_admitted(
+        target: Path, stages: int) -> None:
+    """The entry's tokens past the shared prefix die by mask, and the state is compacted to its live slots before
+    the rest of the prompt is fed: only a row that holds exactly its first slots can be copied into a batch."""
+    vocab = load_manifest(target).spec.vocab_size
+    long_runner = StreamRequest(_tokens(1, 12, vocab), max_new_tokens=40, ignore_eos=True)
+    shared = _tokens(2, 30, vocab)
+    first = StreamRequest(shared, max_new_tokens=6, ignore_eos=True, arrival_step=2)
+    later = StreamRequest(shared[:24] + _tokens(3, 12, vocab), max_new_tokens=8, ignore_eos=True, arrival_step=16)
+    with LocalPipeline(target, stages, F32) as pipeline:
+        chain = MessageChain(pipeline)
+        engine = Engine(chain, load_manifest(target).spec, None,
+                        EngineOptions(micro_batches=1, prefix_cache_tokens=CACHE))
+        ids = [engine.add(request) for request in (long_runner, first, later)]
+        results = engine.run()
+    assert results[ids[2]].reused_tokens == 24
+    resumed = [message for message in chain.messages if message.stream_ids == (ids[2],)]
+    assert [type(delta).__name__ for delta in resumed[0].slot_deltas] == ["InvalidateSlots", "Compact", "AppendSlots"]
+    assert [message.keep_sources for message in chain.messages if message.admit_from] == [(True,), (True,)]
+    for stream_id, request in zip(ids, (long_runner, first, later), strict=True):
+        assert results[stream_id].tokens == _fresh(target, request, stages)
+
+
+def test_a_stream_that_ends_its_micro_batch_serves_the_next_turn_with_its_reply(target: Path) -> None:
+    """A chat's next turn repeats the conversation: the state the last reply left holds its prompt and reply."""
+    vocab = load_manifest(target).spec.vocab_size
+    turn = StreamRequest(_tokens(4, 40, vocab), max_new_tokens=10, ignore_eos=True)
+    with LocalPipeline(target, 2, F32) as pipeline:
+        engine = Engine(pipeline, load_manifest(target).spec, None, EngineOptions(prefix_cache_tokens=CACHE))
+        first_id = engine.add(turn)
+        reply = _fresh(target, turn, 1)
+        next_turn = StreamRequest(turn.prompt_ids + reply + _tokens(5, 6, vocab), max_new_tokens=10,
+                                  ignore_eos=True, arrival_step=30)
+        next_id = engine.add(next_turn)
+        results = engine.run()
+    assert pipeline.micro_batches == (0, 0)
+    assert results[first_id].tokens == reply
+    # the kept state holds the prompt and the reply but its last token, which was never fed
+    assert results[next_id].reused_tokens == len(turn.prompt_ids) + len(reply) - 1
+    assert results[next_id].tokens == _fresh(target, next_turn, 1)
+
+
+def test_entries_past_the_capacity_are_released_least_recently_kept_first(target: Path) -> None:
+    vocab = load_manifest(target).spec.vocab_size
+    prompts = [_tokens(10 + index, 30, vocab) for index in range(3)]
+    requests = [StreamRequest(prompt, max_new_tokens=4, ignore_eos=True, arrival_step=12 * index)
+                for index, prompt in enumerate(prompts)]
+    with LocalPipeline(target, 1, F32) as pipeline:
+        chain = ReleaseRecordingChain(pipeline)
+        engine = Engine(chain, load_manifest(target).spec, None, EngineOptions(prefix_cache_tokens=70))
+        kept_sizes: list[tuple[int, int]] = []
+
+        def watch(stream_id: int, token: int) -> None:
+            kept_sizes.append((len(engine.prefix_cache), engine.prefix_cache.tokens))
+
+        for request in requests:
+            engine.add(request)
+        later = engine.add(StreamRequest(prompts[0] + [1, 2], max_new_tokens=2, ignore_eos=True, arrival_step=40))
+        results = engine.run(on_token=watch)
+    # each stream ended its micro-batch (33 tokens kept): the third pushed the first out
+    assert max(tokens for _, tokens in kept_sizes) <= 70
+    assert max(entries for entries, _ in kept_sizes) == 2
+    assert results[later].reused_tokens == 0  # the first prompt's state was given up
+    assert len(chain.released) >= 4  # the first one evicted, then the rest at the run's end
+
+
+def test_a_stream_that_scores_its_prompt_feeds_it_whole(target: Path) -> None:
+    vocab = load_manifest(target).spec.vocab_size
+    prompt = _tokens(20, 30, vocab)
+    with LocalPipeline(target, 1, F32) as pipeline:
+        engine = Engine(pipeline, load_manifest(target).spec, None, EngineOptions(prefix_cache_tokens=CACHE))
+        engine.add(StreamRequest(prompt, max_new_tokens=4, ignore_eos=True))
+        scored = engine.add(StreamRequest([*prompt, 3, 4], max_new_tokens=2, ignore_eos=True, logprobs=0,
+                                          prompt_logprobs=True, arrival_step=10))
+        results = engine.run()
+    assert results[scored].reused_tokens == 0
+    assert results[scored].prompt_logprobs is not None and len(results[scored].prompt_logprobs) == len(prompt) + 1
+    assert engine.prefix_cache.hits == 0
