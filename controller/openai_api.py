@@ -368,6 +368,7 @@ class OpenAiApi:
                 echoed = (prepared.prompt_text if prepared.prompt_text is not None
                           else self.tokenizer.decode(prepared.prompt_ids)) if decoding.echo else ""
                 choices.append(_Choice(len(choices), request, _Bridge(loop), ReplyText(self.tokenizer, decoding.stop),
+                                       prompt_index=len(choices) // decoding.n,
                                        ends=ends, echoed=echoed, prompt_text=prepared.prompt_text if decoding.echo
                                        else None, hidden=prepared.max_tokens == 0))
         try:
@@ -421,6 +422,7 @@ class OpenAiApi:
 
         pumps = [asyncio.create_task(pump(choice)) for choice in choices]
         finished: set[int] = set()  # the choices whose stream has ended
+        reused: dict[int, int] = {}  # by choice: prompt tokens its stream took from the prefix cache
         try:
             tokens = 0
             while len(finished) < len(choices):
@@ -432,6 +434,7 @@ class OpenAiApi:
                                                                 logprobs=self._logprobs(choice, chat, logprobs)))
                     continue
                 finished.add(choice.index)
+                reused[choice.index] = end.result.reused_tokens if end.result is not None else 0
                 if end.error is not None:
                     await self._event(response, ApiError(503, f"the generation failed: {end.error}",
                                                          kind="server_error").body())
@@ -446,7 +449,8 @@ class OpenAiApi:
                 if decoding.include_usage:
                     await self._event(response, {"id": ident, "object": self._chunk_kind(chat), "created": created,
                                                  "model": self.model_name, "choices": [],
-                                                 "usage": _usage(prompt_tokens, tokens)})
+                                                 "usage": _usage(prompt_tokens, tokens,
+                                                                 _cached_tokens(choices, reused))})
         finally:
             for task in pumps:
                 task.cancel()
@@ -552,7 +556,10 @@ class OpenAiApi:
                                 "finish_reason": _finish(choice, end)})
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
-                "usage": _usage(prompt_tokens, sum(tokens for _, _, tokens in ended))}
+                "usage": _usage(prompt_tokens, sum(tokens for _, _, tokens in ended), _cached_tokens(
+                    [choice for choice, _, _ in ended],
+                    {choice.index: end.result.reused_tokens if end.result is not None else 0
+                     for choice, end, _ in ended}))}
 
 
 @dataclass
@@ -563,6 +570,7 @@ class _Choice:
     request: StreamRequest
     bridge: _Bridge
     reply: ReplyText
+    prompt_index: int = 0  # which of the request's prompts it answers
     ticket: int = -1  # the service's, once submitted
     ends: frozenset[int] = frozenset()  # the tokens that end its text unseen (EOS, a chat's end of turn)
     echoed: str = ""  # an echo's prompt text, which its text begins with
@@ -606,6 +614,16 @@ def _host_name(host: str) -> str:
     return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def _cached_tokens(choices: list[_Choice], reused: dict[int, int]) -> int:
+    """The prompt tokens the request's streams took from the prefix cache (usage.prompt_tokens_details.cached_tokens):
+    a prompt's, counted once as its prompt_tokens are, is the most any of its choices took."""
+    by_prompt: dict[int, int] = {}
+    for choice in choices:
+        by_prompt[choice.prompt_index] = max(by_prompt.get(choice.prompt_index, 0), reused.get(choice.index, 0))
+    return sum(by_prompt.values())
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}

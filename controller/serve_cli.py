@@ -23,7 +23,14 @@ from deskfleet.common.console import stopping_signals
 from deskfleet.common.wire import parse_address, with_default_port
 
 from .chat import add_fleet_option, check_fleet_options, controller_store, fleet_max_failovers, open_fleet_chain
-from .decoding_options import DecodingOptions, add_drafting_options, add_prefill_option, compile_settings, positive_int
+from .decoding_options import (
+    DecodingOptions,
+    add_drafting_options,
+    add_prefill_option,
+    compile_settings,
+    non_negative_int,
+    positive_int,
+)
 
 if TYPE_CHECKING:
     from deskfleet.agent.stage import CompileSettings
@@ -39,6 +46,9 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 8000
 API_KEY_ENV = "DESKFLEET_API_KEY"
 DEFAULT_MAX_STREAMS = 64
+# Prompt tokens whose KV state a server keeps for later requests that share their prefix: with an 8B model's KV
+# cache in u8 (64 KB a token over all its layers) 512 MB across the fleet's PCs
+DEFAULT_PREFIX_CACHE_TOKENS = 8192
 # A server's one run never ends: --max-failovers bounds the re-plans within this long of each other (a storm of
 # failures), not over the server's life, after which the streams running would fail at the next PC that drops out
 FAILOVER_WINDOW_S = 600.0
@@ -75,6 +85,11 @@ def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
                        help="requests running or waiting at once; more are answered 429 (default "
                             f"{DEFAULT_MAX_STREAMS})")
     serve.add_argument("--max-rows", type=positive_int, default=8, help="streams per micro-batch (default 8)")
+    serve.add_argument("--prefix-cache-tokens", type=non_negative_int, default=DEFAULT_PREFIX_CACHE_TOKENS,
+                       metavar="N",
+                       help="prompt tokens whose KV state stays on the stages for later requests that begin with the "
+                            "same tokens (a chat's next turn, a shared system prompt), which then feed only the rest; "
+                            f"0: none kept (default {DEFAULT_PREFIX_CACHE_TOKENS})")
     add_drafting_options(serve)  # a request says how it samples
     add_prefill_option(serve)
     add_compile_options(serve)
@@ -176,7 +191,8 @@ def _serve_command(args: argparse.Namespace) -> int:
     stages = args.stages or 1
 
     def options_for(chain: StageChain) -> EngineOptions:
-        return decoding.engine_options(getattr(chain, "num_stages", stages), max_rows=args.max_rows)
+        return decoding.engine_options(getattr(chain, "num_stages", stages), max_rows=args.max_rows,
+                                       prefix_cache_tokens=args.prefix_cache_tokens)
 
     opener = _fleet_opener(args, decoding) if args.fleet else _local_opener(args.model, stages, target, manifest)
     name = args.model_name or args.model.resolve().name

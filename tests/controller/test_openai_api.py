@@ -33,11 +33,13 @@ STAGES = 2
 
 @contextmanager
 def serving(model: Path, api_key: str | None = None, max_streams: int = 64, opener: ChainOpener | None = None,
-            hosts: frozenset[str] | None = None, name: str = "tiny") -> Iterator[tuple[str, EngineService]]:
+            hosts: frozenset[str] | None = None, name: str = "tiny", options: EngineOptions | None = None
+            ) -> Iterator[tuple[str, EngineService]]:
     """The API on 127.0.0.1 at a free port, its event loop on a thread of its own; yields its base URL."""
     manifest = load_manifest(model)
+    engine_options = options or EngineOptions(max_rows=4, micro_batches=2)
     service = EngineService(opener or _local(model, STAGES), manifest.spec, None,
-                            lambda chain: EngineOptions(max_rows=4, micro_batches=2), max_streams=max_streams)
+                            lambda chain: engine_options, max_streams=max_streams)
     service.start()
     api = OpenAiApi(service, ModelTokenizer(model), manifest.spec, name, api_key, hosts)
     loop = asyncio.new_event_loop()
@@ -150,7 +152,7 @@ def test_chat_completions_render_the_template_and_stream_the_reply(served: tuple
     assert reply["object"] == "chat.completion"
     assert reply["choices"][0]["message"] == {"role": "assistant", "content": expected}
     assert reply["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
-                              "total_tokens": len(ids) + len(tokens)}
+                              "total_tokens": len(ids) + len(tokens), "prompt_tokens_details": {"cached_tokens": 0}}
     found = events(f"{url}/v1/chat/completions", body)
     assert found[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert found[-1] == "[DONE]"

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 BIN = Path(sys.executable).parent
 PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -41,13 +42,23 @@ def scores(port: int, prompt: str) -> object:
     return _completion(port, prompt, logprobs=1, echo=True, max_tokens=0)["logprobs"]
 
 
+def cached(port: int, prompt: str) -> tuple[str, int]:
+    """A greedy completion's text, and how many of its prompt tokens came from the server's prefix cache."""
+    body = _request(port, prompt)
+    return str(body["choices"][0]["text"]), int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
 def _completion(port: int, prompt: str, **fields: object) -> dict[str, object]:
+    return dict(_request(port, prompt, **fields)["choices"][0])
+
+
+def _request(port: int, prompt: str, **fields: object) -> dict[str, Any]:
     body = {"model": "served", "prompt": [int(token) for token in prompt.split(",")], "max_tokens": 12,
             "temperature": 0, **fields}
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
-        return dict(json.loads(response.read())["choices"][0])
+        return dict(json.loads(response.read()))
 
 
 def _ends_with_parent() -> None:
@@ -101,12 +112,14 @@ def main() -> None:
         with ThreadPoolExecutor(len(prompts)) as pool:
             texts = list(pool.map(lambda prompt: complete(port, prompt), prompts))
         on_fleet = logprobs(port, prompts[0]), scores(port, prompts[0])
+        # the same prompt twice in turn: the second starts from the state the first left on the PCs
+        repeated = [cached(port, prompts[1]) for _ in range(2)]
         status = stop(server)
     with served(data_dir, model, fleet=False) as (server, port):
         local = logprobs(port, prompts[0]), scores(port, prompts[0])
         stop(server)
     print(json.dumps({"texts": texts, "exit": status, "logprobs": {"fleet": on_fleet[0], "local": local[0]},
-                      "scores": {"fleet": on_fleet[1], "local": local[1]}}))
+                      "scores": {"fleet": on_fleet[1], "local": local[1]}, "repeated": repeated}))
 
 
 if __name__ == "__main__":

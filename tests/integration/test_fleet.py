@@ -323,6 +323,10 @@ def test_the_api_server_on_the_fleet_answers_requests_at_once_as_local_runs(flee
     assert len(on_fleet["tokens"]) == len(PROMPTS[0].split(",")) and on_fleet["tokens"] == alone["tokens"]
     assert on_fleet["token_logprobs"][0] is None and alone["token_logprobs"][0] is None
     assert on_fleet["token_logprobs"][1:] == pytest.approx(alone["token_logprobs"][1:], abs=1e-4)
+    # the prefix cache over the chain: a prompt sent again is fed its last token alone, its text unchanged
+    (first, _), (again, again_cached) = out["repeated"]
+    assert first == again == local["streams"][1]["text"]
+    assert again_cached == len(PROMPTS[1].split(",")) - 1
 
 
 def test_speculative_on_the_fleet_equals_plain_local(fleet: Fleet, tiny_export: Path, tiny_draft: Path) -> None:
