@@ -442,7 +442,7 @@ class Engine:
             else:
                 if self._unfinished:  # the feed ended the run under streams still running
                     self._abandon()
-            self.prefix_cache.clear()  # the states it kept on the chain are of no use past this run
+            self._release_cache()  # the states it kept on the chain are of no use past this run
         except BaseException:  # a stage's failure, a bad result, Ctrl-C: free what this run holds, then raise
             self._abandon()
             raise
@@ -606,6 +606,13 @@ class Engine:
             if self.draft is not None and self.draft.has_batch(batch_id):
                 _release_quietly(self.draft, batch_id)
             _release_quietly(self.chain, batch_id)
+
+    def _release_cache(self) -> None:
+        """Free every KV state the prefix cache holds, and those it was to hold once their admission ran."""
+        for kept in self._cache_pending.values():
+            kept.release()
+        self._cache_pending.clear()
+        self.prefix_cache.clear()
 
     def _new_batch_id(self) -> int:
         self._next_batch += 1
@@ -974,6 +981,9 @@ class Engine:
             self._tracks.pop(batch_id, None)
             self._prefills.pop(batch_id, None)
             self.chain.release(batch_id)
+            for source in track.admit_from:  # prefills whose admission never stepped (their streams left first)
+                self._cache_pending.pop(source, None)
+                self.chain.release(source)
             return
         track.compact(self.options.compaction)
         if self.draft is not None:
