@@ -102,6 +102,11 @@ class Drafter(Protocol):
 
     def has_batch(self, micro_batch_id: int) -> bool: ...
 
+    def holds(self, micro_batch_id: int) -> bool:
+        """Whether it still holds state under this id, its own or as the source of an admission not stepped yet (a
+        draft model frees a merged prefill at its next step on the micro-batch it joined): a new micro-batch of
+        that id must wait (the prefix cache's entries keep the ids of the prefills they were)."""
+
     def propose(self, micro_batch_id: int, rows: list[DraftRow]) -> Proposal:
         """Up to row.k draft tokens per row. A drafter with state of its own (DraftModel) proposes exactly
         row.k; a stateless one may propose fewer or none: the engine then calls after_verify with k = the
@@ -161,6 +166,10 @@ class DraftModel:
 
     def has_batch(self, micro_batch_id: int) -> bool:
         return micro_batch_id in self._tracks
+
+    def holds(self, micro_batch_id: int) -> bool:
+        return micro_batch_id in self._executor.micro_batch_ids() or \
+            any(micro_batch_id in track.admit_from for track in self._tracks.values())
 
     def propose(self, micro_batch_id: int, rows: list[DraftRow]) -> Proposal:
         """k draft tokens for each row (rows in the draft track's order, a subset of the target's)."""

@@ -480,7 +480,10 @@ class Engine:
         if not self.prefix_cache.enabled or stream.resumes or stream.tokens or request.keep_kv \
                 or request.prompt_logprobs:
             return
-        hit = self.prefix_cache.take(request.prompt_ids)
+        # a stream the drafter drafts prefills it under the entry's id, which a draft model may hold still
+        drafter = self.draft if self._uses_draft(stream) else None
+        hit = self.prefix_cache.take(request.prompt_ids, lambda kept: drafter is None or not drafter.holds(
+            kept.micro_batch_id if isinstance(kept, KeptKV) else -1))
         if hit is None:
             return
         kept, shared = hit
@@ -961,14 +964,7 @@ class Engine:
             self._kept[kept[0]] = self._keep(track, self._streams[kept[0]])
             return
         cached = self._cached_end(track, finished)
-        if cached is not None:  # the micro-batch's last rows end: the longest stays, as the prefix cache's
-            finished.discard(cached.stream_id)
-            if finished:
-                track.drop(finished)
-                if self.draft is not None:
-                    self.draft.drop(batch_id, finished)
-            for stream_id in finished:
-                self._draft_unfed.pop(stream_id, None)
+        if cached is not None:  # the micro-batch's last row ends: it stays, as the prefix cache's
             self.prefix_cache.put(self._keep(track, cached))
             return
         if finished:
@@ -990,15 +986,15 @@ class Engine:
             self.draft.compact(batch_id, self.options.compaction)
 
     def _cached_end(self, track: BatchTrack, finished: set[int]) -> _Stream | None:
-        """Of streams that end a micro-batch's last rows, the one whose KV state the prefix cache keeps: the one
-        holding the most tokens, of those fed all their confirmed tokens but the last (not one cancelled mid-prompt);
-        None where the cache is off or rows go on."""
-        if not self.prefix_cache.enabled or not finished or len(finished) < track.rows:
+        """The stream whose end leaves its micro-batch to the prefix cache: the micro-batch's one row, where it was fed
+        all its confirmed tokens but the last (not one cancelled mid-prompt); None where the cache is off or rows go
+        on. A micro-batch of several rows is not kept (its state would keep them all until a next step, which a kept
+        one never has), nor one with admissions it has not stepped."""
+        if not self.prefix_cache.enabled or track.rows != 1 or len(finished) != 1 or track.admit_from:
             return None
-        ends = [self._streams[stream_id] for stream_id in finished]
-        ends = [stream for stream in ends
-                if track.next_position(stream.stream_id) >= stream.confirmed_count - 1 and stream.tokens]
-        return max(ends, key=lambda stream: stream.confirmed_count, default=None)
+        stream = self._streams[next(iter(finished))]
+        fed_enough = track.next_position(stream.stream_id) >= stream.confirmed_count - 1
+        return stream if fed_enough and stream.tokens else None
 
     def _keep(self, track: BatchTrack, stream: _Stream) -> KeptKV:
         """Leave a finished stream's micro-batch on the chain, holding its confirmed tokens but the last (never

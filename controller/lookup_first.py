@@ -59,6 +59,9 @@ class LookupFirstDraft:
     def has_batch(self, micro_batch_id: int) -> bool:
         return self.model.has_batch(micro_batch_id)
 
+    def holds(self, micro_batch_id: int) -> bool:
+        return self.model.holds(micro_batch_id)
+
     def drop(self, micro_batch_id: int, stream_ids: set[int]) -> None:
         self._copied -= stream_ids
         self.model.drop(micro_batch_id, stream_ids)

@@ -88,17 +88,19 @@ class PrefixCache:
         while self.tokens > self.capacity_tokens:
             self._drop(min(self._entries, key=lambda entry: entry.used))
 
-    def take(self, prompt_ids: Sequence[int]) -> tuple[KeptState, int] | None:
-        """The entry sharing the longest prefix with the prompt, and that prefix's length (at most all but the
-        prompt's last token, which must be fed for the first token), where it is at least `min_shared` of the
+    def take(self, prompt_ids: Sequence[int], usable: Callable[[KeptState], bool] = lambda state: True
+             ) -> tuple[KeptState, int] | None:
+        """The `usable` entry sharing the longest prefix with the prompt, and that prefix's length (at most all but
+        the prompt's last token, which must be fed for the first token), where it is at least `min_shared` of the
         prompt; the entry then leaves the cache. None where no entry shares enough."""
         self._expire()
-        if not self._entries or len(prompt_ids) < 2:
+        entries = [entry for entry in self._entries if usable(entry.state)]
+        if not entries or len(prompt_ids) < 2:
             if self.enabled:
                 self.misses += 1
             return None
         prompt = np.asarray(prompt_ids[:-1], dtype=np.int64)
-        shared, best = max(((_shared(entry.tokens, prompt), entry) for entry in self._entries),
+        shared, best = max(((_shared(entry.tokens, prompt), entry) for entry in entries),
                            key=lambda pair: (pair[0], pair[1].used))
         if shared == 0 or shared < self.min_shared * len(prompt_ids):
             self.misses += 1

@@ -109,6 +109,9 @@ class PromptLookupDraft:
     def has_batch(self, micro_batch_id: int) -> bool:
         return micro_batch_id in self._batches
 
+    def holds(self, micro_batch_id: int) -> bool:
+        return micro_batch_id in self._batches  # bookkeeping only, freed at once
+
     def drop(self, micro_batch_id: int, stream_ids: set[int]) -> None:
         streams = self._batches.get(micro_batch_id)
         if streams is None:

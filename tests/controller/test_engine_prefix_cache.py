@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 
+import deskfleet.controller.lookup_first as lookup_first
 from deskfleet.agent.stage import CompileSettings, Precision
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.speculative import SamplingParams
 from deskfleet.common.wire import Forward
 from deskfleet.controller.draft import Drafter, DraftModel
 from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
+from deskfleet.controller.lookup_first import LookupFirstDraft
 from deskfleet.controller.pipeline import LocalPipeline
 from deskfleet.controller.prompt_lookup import PromptLookupDraft
 from tests.controller.test_engine_kept_kv import ReleaseRecordingChain
@@ -174,3 +176,37 @@ def test_a_stream_that_scores_its_prompt_feeds_it_whole(target: Path) -> None:
     assert results[scored].reused_tokens == 0
     assert results[scored].prompt_logprobs is not None and len(results[scored].prompt_logprobs) == len(prompt) + 1
     assert engine.prefix_cache.hits == 0
+
+
+def test_an_entry_the_draft_model_still_holds_is_not_taken_by_a_drafted_stream(
+        target: Path, other_draft: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft model frees a merged prefill only at its next step on the micro-batch it joined, which lookup first
+    skips when prompt lookup proposes for every row: a drafted newcomer must not prefill the draft model under the
+    entry's id meanwhile (it raised "micro-batch 2 step 0 came after step 0" and failed every stream)."""
+    monkeypatch.setattr(lookup_first, "lookup_continuation", lambda context, k, *args: [int(context[-1])] * k)
+    vocab = load_manifest(target).spec.vocab_size
+    shared = _tokens(2, 30, vocab)
+    requests = [StreamRequest(_tokens(1, 12, vocab), max_new_tokens=40, ignore_eos=True),
+                StreamRequest(shared, max_new_tokens=6, ignore_eos=True, arrival_step=2),
+                StreamRequest(shared + _tokens(3, 9, vocab), max_new_tokens=8, ignore_eos=True, arrival_step=16)]
+    with LocalPipeline(target, 1, F32) as pipeline:
+        engine = Engine(pipeline, load_manifest(target).spec, LookupFirstDraft(DraftModel(other_draft, F32)),
+                        EngineOptions(micro_batches=1, prefix_cache_tokens=CACHE))
+        ids = [engine.add(request) for request in requests]
+        results = engine.run()
+    for stream_id, request in zip(ids, requests, strict=True):
+        assert results[stream_id].tokens == _fresh(target, request, 1)
+
+
+def test_a_micro_batch_whose_rows_end_together_is_not_kept(target: Path) -> None:
+    """Its state would hold every row until a next step, which a kept micro-batch never has: 8 times the tokens the
+    cache counts."""
+    vocab = load_manifest(target).spec.vocab_size
+    prompt = _tokens(7, 40, vocab)
+    with LocalPipeline(target, 1, F32) as pipeline:
+        engine = Engine(pipeline, load_manifest(target).spec, None, EngineOptions(prefix_cache_tokens=CACHE))
+        for seed in range(4):
+            engine.add(StreamRequest(prompt, max_new_tokens=6, ignore_eos=True, seed=seed))
+        later = engine.add(StreamRequest([*prompt, 5], max_new_tokens=2, ignore_eos=True, arrival_step=20))
+        results = engine.run()
+    assert results[later].reused_tokens == 0 and engine.prefix_cache.hits == 0
