@@ -88,16 +88,22 @@ def test_a_refused_admission_keeps_the_micro_batch_it_would_have_admitted(whole:
     np.testing.assert_array_equal(merged.logits[0], reference_logits(whole, [PROMPT, [9]])[0])
 
 
-def test_a_kept_source_stays_as_it_was_after_its_row_is_copied_and_serves_a_later_prompt(whole: Stage) -> None:
-    """Forward.keep_sources: the admitted row's source micro-batch stays (a prefix cache's entry), and a later step on
-    it computes what a fresh prefill of its tokens plus the new ones computes."""
-    executor = StageExecutor(whole, 256)
+def _host_and_newcomer(stage: Stage) -> tuple[StageExecutor, BatchTrack, BatchTrack]:
+    """An executor running micro-batch 1 (one row, PROMPT fed) and micro-batch 2 (one row prefilled with 3, 4, 5)."""
+    executor = StageExecutor(stage, 256)
     host = BatchTrack(1, 256)
     host.add_row(0)
     result(executor, host.step([PROMPT]))
     newcomer = BatchTrack(2, 256)
     newcomer.add_row(1)
     result(executor, newcomer.step([[3, 4, 5]]))
+    return executor, host, newcomer
+
+
+def test_a_kept_source_stays_as_it_was_after_its_row_is_copied_and_serves_a_later_prompt(whole: Stage) -> None:
+    """Forward.keep_sources: the admitted row's source micro-batch stays (a prefix cache's entry), and a later step on
+    it computes what a fresh prefill of its tokens plus the new ones computes."""
+    executor, host, newcomer = _host_and_newcomer(whole)
     host.admit(1, 2, newcomer.next_position(1), keep_source=True)
     merged = result(executor, host.step([[9], [10]]))
     assert executor.micro_batches == 2  # the source is kept
@@ -112,13 +118,7 @@ def test_a_kept_source_stays_as_it_was_after_its_row_is_copied_and_serves_a_late
 def test_a_source_whose_row_is_not_its_first_slots_alone_is_refused_by_name(whole: Stage) -> None:
     """An admitted row is copied as its source's first live_slots: a source with a dead slot among them (a rolled back
     draft not compacted) would merge wrong, so the step is refused and nothing changes."""
-    executor = StageExecutor(whole, 256)
-    host = BatchTrack(1, 256)
-    host.add_row(0)
-    result(executor, host.step([PROMPT]))
-    newcomer = BatchTrack(2, 256)
-    newcomer.add_row(1)
-    result(executor, newcomer.step([[3, 4, 5]]))
+    executor, host, newcomer = _host_and_newcomer(whole)
     newcomer.reject(1, 1)
     result(executor, newcomer.step([[6]]))  # slots 0, 1 and 3 live, 2 dead
     host.admit(1, 2, newcomer.next_position(1))
