@@ -31,6 +31,7 @@ from deskfleet.common.kv_ledger import (
     SlotDelta,
     position_ids,
 )
+from deskfleet.common.logits_adjust import adjusted_logits
 from deskfleet.common.logprobs import SCORED_LOGITS_BYTES, chosen_and_top
 from deskfleet.common.speculative import (
     SamplingParams,
@@ -39,7 +40,7 @@ from deskfleet.common.speculative import (
     sampling_probs,
     speculative_accept,
 )
-from deskfleet.common.wire import DraftInfo, Forward, ForwardResult, SamplingInfo
+from deskfleet.common.wire import DraftInfo, Forward, ForwardResult, LogitsAdjust, SamplingInfo
 
 from .kv_memory_guard import SLOT_GROWTH, KvGrowth, KvMemoryGuard, KvMemoryRefused
 from .stage import Stage, StageSession
@@ -175,7 +176,8 @@ class StageExecutor:
         try:
             # the mirror's bool mask as it is: the request's int64 input tensor takes it in one casting copy
             output = batch.session.forward(payload, batch.mirror.mask, inputs.position_ids, inputs.beam_idx,
-                                           want_logits=sampled or return_logits or asks_logprobs,
+                                           want_logits=sampled or return_logits or asks_logprobs
+                                           or message.adjust is not None,
                                            logits_positions=positions)
         except RuntimeError as error:
             self.release(message.micro_batch_id)
@@ -194,8 +196,11 @@ class StageExecutor:
                                f"{self.stage.vocab_size} at (row, position) {np.argwhere(outside).tolist()} of a "
                                f"call with live counts {list(inputs.append.live_counts)} (its logits were not "
                                "finite)")
-        next_tokens, accepted = verify(inputs.append, output.next_tokens, output.logits, message.draft,
-                                       message.sampling, every=scores)
+        logits, argmax = output.logits, output.next_tokens
+        if message.adjust is not None:
+            assert logits is not None
+            logits, argmax = adjusted(inputs.append, logits, argmax, message.draft, message.adjust)
+        next_tokens, accepted = verify(inputs.append, argmax, logits, message.draft, message.sampling, every=scores)
         result = ForwardResult(micro_batch_id=message.micro_batch_id, step_id=message.step_id,
                                next_token_ids=next_tokens, accepted_counts=accepted,
                                logits=output.logits if return_logits else None)
@@ -310,6 +315,13 @@ class StageExecutor:
         rows = len(inputs.append.live_counts)
         if message.sampling is not None and len(message.sampling.temperatures) != rows:
             raise LedgerError(f"sampling for {len(message.sampling.temperatures)} rows, the call has {rows}")
+        if message.adjust is not None:
+            if len(message.adjust.presence) != rows:
+                raise LedgerError(f"logits adjustments for {len(message.adjust.presence)} rows, the call has {rows}")
+            ids = np.concatenate([np.asarray(message.adjust.counted_ids), np.asarray(message.adjust.bias_ids)])
+            if ids.size and int(ids.max()) >= self.stage.vocab_size:
+                raise LedgerError(f"penalized or biased tokens outside the vocabulary of {self.stage.vocab_size} "
+                                  "tokens")
         if message.scored_ids is not None:
             self._check_scored(np.asarray(message.scored_ids, dtype=np.int64), inputs.append.live_counts)
         draft = message.draft
@@ -388,6 +400,26 @@ class StageExecutor:
         batch.session.set_state(merged)
         if not keep:
             self.stage.recycle(source.session)
+
+
+def adjusted(append: AppendSlots, logits: npt.NDArray[np.float32], argmax: npt.NDArray[np.int64],
+             draft: DraftInfo | None, adjust: LogitsAdjust) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
+    """The logits [B, N, V] and their argmax [B, N] after each row's penalties and logit bias (Forward.adjust;
+    common/logits_adjust.py), for verify(): a drafting row's column j follows its draft tokens before j, which count
+    as generated there. Rows without an adjustment, and the log-probabilities (taken from the raw logits), are left
+    as they were."""
+    out_logits, out_argmax = logits, argmax
+    for row, live in enumerate(append.live_counts):
+        row_adjust = adjust.row(row)
+        if row_adjust is None or live == 0:
+            continue
+        if out_logits is logits:  # copies, once: the plugin's buffers, and the raw logits the log-probabilities read
+            out_logits, out_argmax = np.array(logits, dtype=np.float32), np.array(argmax, dtype=np.int64)
+        k = draft.counts[row] if draft is not None else 0
+        drafts = np.asarray(draft.draft_token_ids[row, :k], dtype=np.int64) if draft is not None and k else None
+        out_logits[row] = adjusted_logits(logits[row], row_adjust, drafts)
+        out_argmax[row] = out_logits[row].argmax(axis=-1)  # the first maximum, as the in-graph argmax takes it
+    return out_logits, out_argmax
 
 
 def logits_positions(append: AppendSlots, draft: DraftInfo | None, every: bool = False) -> npt.NDArray[np.int64]:

@@ -12,6 +12,7 @@ that wants to write into one must copy it first.
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import numpy as np
 
 from deskfleet.common.agent_state import AgentState, UnavailableReason
 from deskfleet.common.kv_ledger import AdmitRow, SlotDelta
+from deskfleet.common.logits_adjust import MAX_BIAS, MAX_BIASED_TOKENS, MAX_PENALTY, RowAdjust
 from deskfleet.common.logprobs import MAX_TOP_LOGPROBS
 from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, check_tensor
 
@@ -30,8 +32,9 @@ from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, che
 # the CA, KnownRemovals, Register.token_sha256; 7: StatusReport.devices; 8: ResultsHere's micro-batch id range,
 # ErrorCode.DISK_FULL; 9: Forward.logprobs, ForwardResult.token_logprobs, top_logprob_ids and top_logprobs;
 # 10: Forward.scored_ids, ForwardResult.scored_logprobs, scored_top_ids and scored_top_logprobs; 11:
-# Forward.keep_sources (an admitted row's source micro-batch kept: a prefix cache's entry)
-PROTOCOL_VERSION = 11
+# Forward.keep_sources (an admitted row's source micro-batch kept: a prefix cache's entry); 12: Forward.adjust
+# (presence and frequency penalties, logit bias)
+PROTOCOL_VERSION = 12
 MAX_STATUS_DETAIL = 500
 MAX_DEVICES = 32  # a StatusReport's devices
 _DEVICE_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,15}(\.[0-9]{1,3})?")  # as OpenVINO lists them: "CPU", "GPU.1"
@@ -196,6 +199,8 @@ _LOGITS = TensorSpec(("float32", "float16"), ("B", "T", "V"))
 _TOKEN_LOGPROBS = TensorSpec(("float32",), ("B", "T"))
 _TOP_LOGPROB_IDS = TensorSpec(("int64",), ("B", "T", "N"))
 _TOP_LOGPROBS = TensorSpec(("float32",), ("B", "T", "N"))
+_IDS = TensorSpec(("int64",), ("N",))
+_BIASES = TensorSpec(("float32",), ("N",))
 
 
 # Shared parts
@@ -303,6 +308,90 @@ class SamplingInfo:
             _non_negative("top_k", count)
         for seed in self.seeds:
             _non_negative("seed", seed)
+
+
+@dataclass(frozen=True, eq=False)
+class LogitsAdjust:
+    """Per row, what the last stage does to the logits before it picks or samples (common/logits_adjust.py): the
+    presence and frequency penalties over the tokens the row generated, and a logit bias. Row r's counted tokens are
+    counted_ids[count_ends[r-1]:count_ends[r]] (each `counts` times), its biased ones bias_ids[bias_ends[r-1]:
+    bias_ends[r]] (by `biases`); a row with neither penalty nor bias changes nothing."""
+
+    presence: tuple[float, ...]
+    frequency: tuple[float, ...]
+    count_ends: tuple[int, ...]
+    counted_ids: Tensor  # [N] int64
+    counts: Tensor  # [N] int64
+    bias_ends: tuple[int, ...]
+    bias_ids: Tensor  # [M] int64
+    biases: Tensor  # [M] float32
+
+    def __post_init__(self) -> None:
+        rows = len(self.presence)
+        _require(len(self.frequency) == len(self.count_ends) == len(self.bias_ends) == rows,
+                 "logits adjustment fields have different row counts")
+        for value in (*self.presence, *self.frequency):
+            _require(math.isfinite(value) and abs(value) <= MAX_PENALTY,
+                     f"a penalty must be from {-MAX_PENALTY} to {MAX_PENALTY}, not {value}")
+        counted = check_tensor("counted_ids", self.counted_ids, _IDS)["N"]
+        check_tensor("counts", self.counts, _IDS, {"N": counted})
+        biased = check_tensor("bias_ids", self.bias_ids, _IDS)["N"]
+        check_tensor("biases", self.biases, _BIASES, {"N": biased})
+        _check_ends("count_ends", self.count_ends, counted)
+        _check_ends("bias_ends", self.bias_ends, biased)
+        counted_ids = np.asarray(self.counted_ids, dtype=np.int64)
+        bias_ids = np.asarray(self.bias_ids, dtype=np.int64)
+        _require(bool((counted_ids >= 0).all()) and bool((bias_ids >= 0).all()), "adjusted token ids must be 0 or more")
+        _require(bool((np.asarray(self.counts, dtype=np.int64) >= 1).all()),
+                 "a counted token's count must be at least 1")
+        biases = np.asarray(self.biases)
+        _require(bool(np.isfinite(biases).all()) and bool((np.abs(biases) <= MAX_BIAS).all()),
+                 f"a logit bias must be from {-MAX_BIAS} to {MAX_BIAS}")
+        for ids, ends, what in ((counted_ids, self.count_ends, "counted"), (bias_ids, self.bias_ends, "biased")):
+            for start, end in zip((0, *ends[:-1]), ends, strict=True):
+                _require(np.unique(ids[start:end]).size == end - start, f"a row's {what} tokens repeat a token")
+        starts = (0, *self.bias_ends[:-1])
+        _require(all(end - start <= MAX_BIASED_TOKENS for start, end in zip(starts, self.bias_ends, strict=True)),
+                 f"a row biases at most {MAX_BIASED_TOKENS} tokens")
+
+    def row(self, row: int) -> RowAdjust | None:
+        """Row `row`'s adjustment; None where it changes nothing."""
+        count_start = self.count_ends[row - 1] if row else 0
+        bias_start = self.bias_ends[row - 1] if row else 0
+        adjust = RowAdjust(self.presence[row], self.frequency[row],
+                           np.asarray(self.counted_ids[count_start:self.count_ends[row]], dtype=np.int64),
+                           np.asarray(self.counts[count_start:self.count_ends[row]], dtype=np.int64),
+                           np.asarray(self.bias_ids[bias_start:self.bias_ends[row]], dtype=np.int64),
+                           np.asarray(self.biases[bias_start:self.bias_ends[row]], dtype=np.float32))
+        return adjust if adjust.penalizes or adjust.bias_ids.size else None
+
+    @staticmethod
+    def of(rows: list[RowAdjust | None]) -> LogitsAdjust | None:
+        """The wire form of each row's adjustment (None: none); None where no row has one."""
+        if all(row is None for row in rows):
+            return None
+        kept = [row or _NO_ADJUST for row in rows]
+        return LogitsAdjust(
+            presence=tuple(row.presence for row in kept), frequency=tuple(row.frequency for row in kept),
+            count_ends=tuple(int(end) for end in np.cumsum([row.counted_ids.size for row in kept])),
+            counted_ids=np.concatenate([row.counted_ids for row in kept]).astype(np.int64),
+            counts=np.concatenate([row.counts for row in kept]).astype(np.int64),
+            bias_ends=tuple(int(end) for end in np.cumsum([row.bias_ids.size for row in kept])),
+            bias_ids=np.concatenate([row.bias_ids for row in kept]).astype(np.int64),
+            biases=np.concatenate([row.biases for row in kept]).astype(np.float32))
+
+
+_NO_ADJUST = RowAdjust(0.0, 0.0, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
+                       np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32))
+
+
+def _check_ends(name: str, ends: tuple[int, ...], size: int) -> None:
+    """Row ends of a flat array of `size` items: non-decreasing, from 0, the last at its end."""
+    previous = 0
+    for end in ends:
+        _require(previous <= end, f"{name} must not decrease")
+        previous = end
+    _require(previous == size, f"{name} end at {previous}, the array has {size} items")
 
 
 # Messages
@@ -515,6 +604,8 @@ class Forward:
     # per admit_from entry, whether its source micro-batch stays on the stage after its row is copied (the driver
     # keeps the prompt's KV state for later requests that share it: a prefix cache); () or False: it is freed
     keep_sources: tuple[bool, ...] = ()
+    # per row, the penalties and logit bias the last stage applies before it picks or samples; None: no row has any
+    adjust: LogitsAdjust | None = None
 
     def __post_init__(self) -> None:
         _non_negative("micro_batch_id", self.micro_batch_id)
@@ -540,6 +631,8 @@ class Forward:
         _require(len(self.admit_from) == admits, f"{admits} AdmitRow deltas but {len(self.admit_from)} sources")
         for source in self.admit_from:
             _non_negative("admit_from", source)
+        if self.adjust is not None:
+            _require(len(self.adjust.presence) == rows, "logits adjustment rows differ from stream_ids")
         _require(not self.keep_sources or len(self.keep_sources) == len(self.admit_from),
                  f"{len(self.keep_sources)} keep_sources for {len(self.admit_from)} admitted sources")
         if self.logprobs is not None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deskfleet.common.kv_ledger import CompactionPolicy, Ledger, RowOrder, SlotDelta, position_ids
-from deskfleet.common.wire import DraftInfo, Forward, SamplingInfo
+from deskfleet.common.wire import DraftInfo, Forward, LogitsAdjust, SamplingInfo
 
 
 @dataclass
@@ -79,9 +79,9 @@ class BatchTrack:
 
     def step(self, tokens: list[list[int]], draft: DraftInfo | None = None,
              sampling: SamplingInfo | None = None, logprobs: tuple[int, ...] | None = None,
-             scored_ids: np.ndarray | None = None) -> Forward:
+             scored_ids: np.ndarray | None = None, adjust: LogitsAdjust | None = None) -> Forward:
         """The Forward that feeds row r the tokens[r] (possibly none) and takes every queued delta; `logprobs`,
-        `scored_ids`: Forward's."""
+        `scored_ids`, `adjust`: Forward's."""
         if len(tokens) != self.rows:
             raise ValueError(f"{len(tokens)} token rows for a micro-batch of {self.rows}")
         width = max((len(row) for row in tokens), default=0)
@@ -100,7 +100,7 @@ class BatchTrack:
                           position_ids=position_ids(append),
                           input_ids=input_ids, hidden_states=None, draft=draft, admit_from=tuple(self.admit_from),
                           keep_sources=tuple(self.keep_sources) if any(self.keep_sources) else (),
-                          sampling=sampling, logprobs=logprobs, scored_ids=scored_ids)
+                          sampling=sampling, logprobs=logprobs, scored_ids=scored_ids, adjust=adjust)
         self.pending.clear()
         self.admit_from.clear()
         self.keep_sources.clear()

@@ -29,6 +29,7 @@ the fleet over TLS websockets.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,10 +38,11 @@ from typing import Protocol
 import numpy as np
 
 from deskfleet.common.kv_ledger import CompactionPolicy
+from deskfleet.common.logits_adjust import MAX_BIAS, MAX_BIASED_TOKENS, MAX_PENALTY, RowAdjust
 from deskfleet.common.logprobs import MAX_TOP_LOGPROBS, SCORED_LOGITS_BYTES, TokenLogprob, entries
 from deskfleet.common.model_spec import ModelSpec
 from deskfleet.common.speculative import DEFAULT_PRIOR_ACCEPTANCE, MAX_K, AdaptiveK, RoundCost, SamplingParams
-from deskfleet.common.wire import MICRO_BATCH_IDLE_S, DraftInfo, Forward, ForwardResult, SamplingInfo
+from deskfleet.common.wire import MICRO_BATCH_IDLE_S, DraftInfo, Forward, ForwardResult, LogitsAdjust, SamplingInfo
 
 from .batch_track import BatchTrack
 from .draft import Drafter, DraftRow, Proposal, mix_seed
@@ -121,6 +123,15 @@ class StreamRequest:
     # Also each prompt token's after the first, as the prompt is fed (StreamResult.prompt_logprobs: an echo of the
     # prompt's log-probabilities, to score a text); needs `logprobs`, and no `resume` (its prefix is not fed)
     prompt_logprobs: bool = False
+    # The API's penalties over the tokens generated so far and its logit bias (token id, bias), which the last stage
+    # applies to the logits before it picks or samples (common/logits_adjust.py); the log-probabilities stay the raw
+    # distribution's
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def adjusts(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 class KeptKV:
@@ -343,6 +354,7 @@ class Engine:
         check_request(self.spec, request.prompt_ids, request.max_new_tokens)
         if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
             raise GenerationError(f"logprobs must be 0-{MAX_TOP_LOGPROBS} most likely tokens, not {request.logprobs}")
+        _check_adjust(self.spec, request)
         if request.prompt_logprobs and (request.logprobs is None or request.resume is not None):
             raise GenerationError("the prompt's log-probabilities need logprobs (0 or more most likely tokens), and "
                                   "the whole prompt fed (no kept KV state to resume)")
@@ -853,7 +865,9 @@ class Engine:
         asked = tuple(-1 if stream.request.logprobs is None or (
             takes_token is not None and not takes_token[row] and not (scored and max(scored[row], default=-1) >= 0))
             else stream.request.logprobs for row, stream in enumerate(streams))
-        message = track.step(feed, draft=draft, sampling=self._sampling(track, streams),
+        adjust = LogitsAdjust.of([_row_adjust(stream) for stream in streams]) \
+            if any(stream.request.adjusts() for stream in streams) else None
+        message = track.step(feed, draft=draft, sampling=self._sampling(track, streams), adjust=adjust,
                              logprobs=asked if max(asked, default=-1) >= 0 or scored else None,
                              scored_ids=_padded(scored, max((len(row) for row in feed), default=0)) if scored else None)
         if prefill:
@@ -1024,6 +1038,37 @@ class Engine:
                                             draft_seconds_per_token=flight.draft_seconds / max(proposed, 1),
                                             drafting_batches=max(drafting, 1), driver_seconds=busy),
                                   verified=proposed + 1)
+
+
+def _check_adjust(spec: ModelSpec, request: StreamRequest) -> None:
+    """GenerationError naming a penalty or logit bias out of the API's range or the vocabulary."""
+    for name, value in (("presence_penalty", request.presence_penalty),
+                        ("frequency_penalty", request.frequency_penalty)):
+        if not (math.isfinite(value) and abs(value) <= MAX_PENALTY):
+            raise GenerationError(f"{name} must be from {-MAX_PENALTY} to {MAX_PENALTY}, not {value}")
+    if len(request.logit_bias) > MAX_BIASED_TOKENS:
+        raise GenerationError(f"logit_bias takes at most {MAX_BIASED_TOKENS} tokens, not {len(request.logit_bias)}")
+    if len({token for token, _ in request.logit_bias}) != len(request.logit_bias):
+        raise GenerationError("logit_bias names a token twice")
+    for token, bias in request.logit_bias:
+        if not 0 <= token < spec.vocab_size:
+            raise GenerationError(f"logit_bias token {token} is outside the vocabulary (size {spec.vocab_size})")
+        if not (math.isfinite(bias) and abs(bias) <= MAX_BIAS):
+            raise GenerationError(f"logit_bias of token {token} must be from {-MAX_BIAS} to {MAX_BIAS}, not {bias}")
+
+
+def _row_adjust(stream: _Stream) -> RowAdjust | None:
+    """A stream's penalties over the tokens it generated so far, and its logit bias (Forward.adjust); None: none."""
+    request = stream.request
+    if not request.adjusts():
+        return None
+    if request.presence_penalty or request.frequency_penalty:
+        counted, counts = np.unique(np.asarray(stream.tokens, dtype=np.int64), return_counts=True)
+    else:
+        counted = counts = np.zeros(0, dtype=np.int64)
+    return RowAdjust(request.presence_penalty, request.frequency_penalty, counted, counts.astype(np.int64),
+                     np.array([token for token, _ in request.logit_bias], dtype=np.int64),
+                     np.array([bias for _, bias in request.logit_bias], dtype=np.float32))
 
 
 def _scored_ids(stream: _Stream, start: int, count: int) -> list[int]:

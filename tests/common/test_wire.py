@@ -500,6 +500,32 @@ def test_kept_sources_round_trip_one_flag_per_admitted_source() -> None:
         forward(keep_sources=(True, False))
 
 
+def test_logits_adjustments_round_trip_and_are_checked_by_name() -> None:
+    from deskfleet.common.logits_adjust import RowAdjust
+    from deskfleet.common.wire import LogitsAdjust
+    row = RowAdjust(0.5, -1.0, np.array([3, 9]), np.array([1, 4]), np.array([7]), np.array([2.5], dtype=np.float32))
+    adjust = LogitsAdjust.of([row, None])
+    assert adjust is not None and adjust.row(1) is None
+    message = forward(adjust=adjust)
+    decoded = decode(encode(message))
+    assert same_message(decoded, message) and decoded.adjust is not None
+    again = decoded.adjust.row(0)
+    assert again is not None and again.counted_ids.tolist() == [3, 9] and again.counts.tolist() == [1, 4]
+    assert again.bias_ids.tolist() == [7] and again.biases.tolist() == [2.5] and again.frequency == -1.0
+    assert LogitsAdjust.of([None, None]) is None
+    with pytest.raises(ProtocolError, match="logits adjustment rows differ"):
+        forward(adjust=LogitsAdjust.of([row]))
+    with pytest.raises(ProtocolError, match=r"a penalty must be from -2\.0 to 2\.0"):
+        LogitsAdjust.of([RowAdjust(3.0, 0.0, row.counted_ids, row.counts, row.bias_ids, row.biases)])
+    with pytest.raises(ProtocolError, match="counted tokens repeat a token"):
+        LogitsAdjust.of([RowAdjust(0.5, 0.0, np.array([3, 3]), row.counts, row.bias_ids, row.biases)])
+    with pytest.raises(ProtocolError, match="a logit bias must be from"):
+        LogitsAdjust.of([RowAdjust(0.5, 0.0, row.counted_ids, row.counts, row.bias_ids,
+                                   np.array([150.0], dtype=np.float32))])
+    with pytest.raises(ProtocolError, match="count must be at least 1"):
+        LogitsAdjust.of([RowAdjust(0.5, 0.0, row.counted_ids, np.array([0, 1]), row.bias_ids, row.biases)])
+
+
 def test_sampling_rows_must_match_the_stream_count() -> None:
     with pytest.raises(ProtocolError, match="sampling rows differ"):
         forward(sampling=SamplingInfo((0.7,), (0,), (1.0,), (1,)))
