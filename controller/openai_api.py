@@ -311,6 +311,10 @@ class OpenAiApi:
             check_request(self.spec, ids, max(1, max_tokens))  # 0: an echo that makes one token and shows none
         except GenerationError as error:
             raise ApiError(400, f"{which}{error}", param) from None
+        outside = [token for token, _ in decoding.logit_bias if token >= self.spec.vocab_size]
+        if outside:
+            raise ApiError(400, f"logit_bias token {outside[0]} is outside the model's vocabulary of "
+                                f"{self.spec.vocab_size}", "logit_bias")
         return _Prepared(ids, decoding, max_tokens, stop_ids)
 
     async def _respond(self, request: web.Request, prompts: list[_Prepared], chat: bool) -> web.StreamResponse:
@@ -363,6 +367,8 @@ class OpenAiApi:
                 request = StreamRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=max(1, prepared.max_tokens),
                                         ignore_eos=decoding.ignore_eos, stop_token_ids=prepared.stop_ids,
                                         sampling=sampling, seed=seed, logprobs=decoding.logprobs,
+                                        presence_penalty=decoding.presence_penalty,
+                                        frequency_penalty=decoding.frequency_penalty, logit_bias=decoding.logit_bias,
                                         prompt_logprobs=decoding.echo and decoding.logprobs is not None)
                 ends = unseen_ends(self.spec, decoding, prepared.stop_ids)
                 echoed = (prepared.prompt_text if prepared.prompt_text is not None

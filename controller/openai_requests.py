@@ -1,6 +1,6 @@
 """The OpenAI API's completion and chat-completion requests, read and checked: pure code, no I/O.
 
-Every field the API defines is either honoured or, where deskfleet cannot do what it asks (penalties, tools),
+Every field the API defines is either honoured or, where deskfleet cannot do what it asks (best_of, tools),
 refused naming the field; a field the API does not define is refused too, so a
 client's typo is not silently ignored. A refusal is an ApiError, which the server sends as the API's error body.
 """
@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from deskfleet.common.logits_adjust import MAX_BIAS, MAX_BIASED_TOKENS, MAX_PENALTY
 from deskfleet.common.logprobs import MAX_TOP_LOGPROBS
 
 from .tokenizer import ChatMessage
@@ -25,8 +26,6 @@ MAX_PROMPTS = 64  # a completion request's prompts (each with its `n` choices)
 # Fields each request may carry that change nothing here when at these values (the API's defaults): any other
 # value asks for what deskfleet does not do, and is refused naming the field.
 _NEUTRAL: dict[str, tuple[object, ...]] = {
-    "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
-    "logit_bias": (None, {}),
     "best_of": (1, None), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, False, True), "functions": (None, []), "function_call": (None, "none")}
 _IGNORED = {"user", "metadata", "store", "service_tier"}  # about the caller, not the text: taken and unused
@@ -76,6 +75,9 @@ class Decoding:
     # a completion's echo: its text (and, with logprobs, its log-probabilities) begins with the prompt's; max_tokens
     # may then be 0 (the prompt scored, nothing generated)
     echo: bool = False
+    presence_penalty: float = 0.0  # -2 to 2, as the API's: off the logit of each token generated so far
+    frequency_penalty: float = 0.0  # -2 to 2: off the logit of each token generated, times its count
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100 to 100) added to its logit
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,7 @@ def _object(body: object, allowed: set[str]) -> dict[str, Any]:
     for name, neutral in _NEUTRAL.items():
         if name in body and not any(body[name] == value and type(body[name]) is type(value) for value in neutral):
             raise ApiError(400, f"{name}={body[name]!r} is not supported by deskfleet (it generates without "
-                                "penalties, logit biases or tools)", name)
+                                "best_of, suffix or tools)", name)
     return body
 
 
@@ -266,7 +268,33 @@ def _decoding(fields: dict[str, Any], max_tokens: object, max_name: str) -> Deco
         raise ApiError(400, f"n must be a whole number from 1 to {MAX_CHOICES}", "n")
     return Decoding(max_tokens if max_tokens is not None else None, temperature,  # type: ignore[arg-type]
                     top_p, top_k, seed, _stops(fields.get("stop")), stream,
-                    bool(options and options.get("include_usage")), ignore_eos, n)
+                    bool(options and options.get("include_usage")), ignore_eos, n,
+                    presence_penalty=_number(fields, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+                    frequency_penalty=_number(fields, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+                    logit_bias=_logit_bias(fields.get("logit_bias")))
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias: an object of up to MAX_BIASED_TOKENS token ids (as JSON keys, strings) to biases from -100 to
+    100; null or {} for none. The ids are checked against the vocabulary where the prompt is."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_BIASED_TOKENS:
+        raise ApiError(400, f"logit_bias must be an object of at most {MAX_BIASED_TOKENS} token ids to biases",
+                       "logit_bias")
+    biases: dict[int, float] = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+        if token is None or token > MAX_SEED:
+            raise ApiError(400, f"logit_bias key {key[:40]!r} is not a token id", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias) \
+                or abs(bias) > MAX_BIAS:
+            raise ApiError(400, f"logit_bias of token {token} must be a number from {-MAX_BIAS:g} to {MAX_BIAS:g}",
+                           "logit_bias")
+        if token in biases:
+            raise ApiError(400, f"logit_bias names token {token} twice", "logit_bias")
+        biases[token] = float(bias)
+    return tuple(biases.items())
 
 
 def _stops(value: object) -> tuple[str, ...]:
