@@ -34,6 +34,29 @@ def other_draft(checkpoint_factory: Callable[..., Path], export_factory: Callabl
     return export_factory(checkpoint_factory("engine-draft", num_hidden_layers=1), "f32")
 
 
+@pytest.fixture(scope="module")
+def near_draft(checkpoint_factory: Callable[..., Path], export_factory: Callable[[Path, str], Path],
+               tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target with noise on every weight: its distributions overlap the target's but differ."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    source = checkpoint_factory("engine-target", num_hidden_layers=4)
+    out = tmp_path_factory.mktemp("near-draft")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+    return export_factory(out, "f32")
+
+
 @pytest.fixture
 def no_controller_search(monkeypatch: pytest.MonkeyPatch) -> None:
     """Agents look for a moved controller over mDNS in vain (nothing is announced in these tests)."""

@@ -198,29 +198,6 @@ def test_draft_with_another_vocabulary_is_refused(target: Path, checkpoint_facto
         Engine(pipeline, manifest.spec, DraftModel(small, F32))
 
 
-@pytest.fixture(scope="module")
-def near_draft(checkpoint_factory: Callable[..., Path], export_factory: Callable[[Path, str], Path],
-               tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The target with noise on every weight: its distributions overlap the target's but differ."""
-    import shutil
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    source = checkpoint_factory("engine-target", num_hidden_layers=4)
-    out = tmp_path_factory.mktemp("near-draft")
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.05 * torch.randn_like(parameter))
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
-        if (source / name).is_file():
-            shutil.copyfile(source / name, out / name)
-    return export_factory(out, "f32")
-
-
 def _exact_joint(checkpoint: Path, prompt: list[int], params: SamplingParams,
                  depth: int) -> dict[tuple[int, ...], float]:
     """P(t1..t_depth) of sampling with `params`, from transformers' own logits."""
