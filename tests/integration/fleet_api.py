@@ -48,6 +48,11 @@ def cached(port: int, prompt: str) -> tuple[str, int]:
     return str(body["choices"][0]["text"]), int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
+def penalties(port: int, prompt: str) -> str:
+    """A greedy completion's text with presence and frequency penalties and a logit bias, applied on the last stage."""
+    return str(_completion(port, prompt, presence_penalty=0.5, frequency_penalty=1.0, logit_bias={"7": 2.0})["text"])
+
+
 def _completion(port: int, prompt: str, **fields: object) -> dict[str, object]:
     return dict(_request(port, prompt, **fields)["choices"][0])
 
@@ -114,12 +119,15 @@ def main() -> None:
         on_fleet = logprobs(port, prompts[0]), scores(port, prompts[0])
         # the same prompt twice in turn: the second starts from the state the first left on the PCs
         repeated = [cached(port, prompts[1]) for _ in range(2)]
+        penalized = penalties(port, prompts[2])
         status = stop(server)
     with served(data_dir, model, fleet=False) as (server, port):
         local = logprobs(port, prompts[0]), scores(port, prompts[0])
+        local_penalized = penalties(port, prompts[2])
         stop(server)
     print(json.dumps({"texts": texts, "exit": status, "logprobs": {"fleet": on_fleet[0], "local": local[0]},
-                      "scores": {"fleet": on_fleet[1], "local": local[1]}, "repeated": repeated}))
+                      "scores": {"fleet": on_fleet[1], "local": local[1]}, "repeated": repeated,
+                      "penalized": {"fleet": penalized, "local": local_penalized}}))
 
 
 if __name__ == "__main__":

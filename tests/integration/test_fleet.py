@@ -327,6 +327,8 @@ def test_the_api_server_on_the_fleet_answers_requests_at_once_as_local_runs(flee
     (first, _), (again, again_cached) = out["repeated"]
     assert first == again == local["streams"][1]["text"]
     assert again_cached == len(PROMPTS[1].split(",")) - 1
+    # penalties and a logit bias applied on the chain's last stage: the local server's text, not the plain one
+    assert out["penalized"]["fleet"] == out["penalized"]["local"] != local["streams"][2]["text"]
 
 
 def test_speculative_on_the_fleet_equals_plain_local(fleet: Fleet, tiny_export: Path, tiny_draft: Path) -> None:
