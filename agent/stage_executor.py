@@ -318,7 +318,7 @@ class StageExecutor:
         if message.adjust is not None:
             if len(message.adjust.presence) != rows:
                 raise LedgerError(f"logits adjustments for {len(message.adjust.presence)} rows, the call has {rows}")
-            ids = np.concatenate([np.asarray(message.adjust.counted_ids), np.asarray(message.adjust.bias_ids)])
+            ids = np.concatenate([np.asarray(message.adjust.counted)[0], np.asarray(message.adjust.bias_ids)])
             if ids.size and int(ids.max()) >= self.stage.vocab_size:
                 raise LedgerError(f"penalized or biased tokens outside the vocabulary of {self.stage.vocab_size} "
                                   "tokens")

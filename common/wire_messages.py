@@ -200,6 +200,8 @@ _TOKEN_LOGPROBS = TensorSpec(("float32",), ("B", "T"))
 _TOP_LOGPROB_IDS = TensorSpec(("int64",), ("B", "T", "N"))
 _TOP_LOGPROBS = TensorSpec(("float32",), ("B", "T", "N"))
 _IDS = TensorSpec(("int64",), ("N",))
+_COUNTED = TensorSpec(("int64",), (2, "N"))
+MAX_COUNT = 1 << 32  # a token generated more often than any context holds is a forged count
 _BIASES = TensorSpec(("float32",), ("N",))
 
 
@@ -314,14 +316,15 @@ class SamplingInfo:
 class LogitsAdjust:
     """Per row, what the last stage does to the logits before it picks or samples (common/logits_adjust.py): the
     presence and frequency penalties over the tokens the row generated, and a logit bias. Row r's counted tokens are
-    counted_ids[count_ends[r-1]:count_ends[r]] (each `counts` times), its biased ones bias_ids[bias_ends[r-1]:
-    bias_ends[r]] (by `biases`); a row with neither penalty nor bias changes nothing."""
+    counted[0, count_ends[r-1]:count_ends[r]], each counted[1] times at the same index, its biased ones
+    bias_ids[bias_ends[r-1]:bias_ends[r]] (by `biases`); a row with neither penalty nor bias changes nothing. Three
+    tensors: a Forward carries at most 8 (wire_codec's Limits), and a sampled step drafted by a draft model carries 5
+    of its own."""
 
     presence: tuple[float, ...]
     frequency: tuple[float, ...]
     count_ends: tuple[int, ...]
-    counted_ids: Tensor  # [N] int64
-    counts: Tensor  # [N] int64
+    counted: Tensor  # [2, N] int64: token ids, then how many times each was generated
     bias_ends: tuple[int, ...]
     bias_ids: Tensor  # [M] int64
     biases: Tensor  # [M] float32
@@ -333,17 +336,16 @@ class LogitsAdjust:
         for value in (*self.presence, *self.frequency):
             _require(math.isfinite(value) and abs(value) <= MAX_PENALTY,
                      f"a penalty must be from {-MAX_PENALTY} to {MAX_PENALTY}, not {value}")
-        counted = check_tensor("counted_ids", self.counted_ids, _IDS)["N"]
-        check_tensor("counts", self.counts, _IDS, {"N": counted})
+        counted = check_tensor("counted", self.counted, _COUNTED)["N"]
         biased = check_tensor("bias_ids", self.bias_ids, _IDS)["N"]
         check_tensor("biases", self.biases, _BIASES, {"N": biased})
         _check_ends("count_ends", self.count_ends, counted)
         _check_ends("bias_ends", self.bias_ends, biased)
-        counted_ids = np.asarray(self.counted_ids, dtype=np.int64)
+        counted_ids, counts = np.asarray(self.counted, dtype=np.int64)
         bias_ids = np.asarray(self.bias_ids, dtype=np.int64)
         _require(bool((counted_ids >= 0).all()) and bool((bias_ids >= 0).all()), "adjusted token ids must be 0 or more")
-        _require(bool((np.asarray(self.counts, dtype=np.int64) >= 1).all()),
-                 "a counted token's count must be at least 1")
+        _require(bool((counts >= 1).all()) and bool((counts <= MAX_COUNT).all()),
+                 f"a counted token's count must be from 1 to {MAX_COUNT}")
         biases = np.asarray(self.biases)
         _require(bool(np.isfinite(biases).all()) and bool((np.abs(biases) <= MAX_BIAS).all()),
                  f"a logit bias must be from {-MAX_BIAS} to {MAX_BIAS}")
@@ -359,8 +361,8 @@ class LogitsAdjust:
         count_start = self.count_ends[row - 1] if row else 0
         bias_start = self.bias_ends[row - 1] if row else 0
         adjust = RowAdjust(self.presence[row], self.frequency[row],
-                           np.asarray(self.counted_ids[count_start:self.count_ends[row]], dtype=np.int64),
-                           np.asarray(self.counts[count_start:self.count_ends[row]], dtype=np.int64),
+                           np.asarray(self.counted[0, count_start:self.count_ends[row]], dtype=np.int64),
+                           np.asarray(self.counted[1, count_start:self.count_ends[row]], dtype=np.int64),
                            np.asarray(self.bias_ids[bias_start:self.bias_ends[row]], dtype=np.int64),
                            np.asarray(self.biases[bias_start:self.bias_ends[row]], dtype=np.float32))
         return adjust if adjust.penalizes or adjust.bias_ids.size else None
@@ -374,8 +376,8 @@ class LogitsAdjust:
         return LogitsAdjust(
             presence=tuple(row.presence for row in kept), frequency=tuple(row.frequency for row in kept),
             count_ends=tuple(int(end) for end in np.cumsum([row.counted_ids.size for row in kept])),
-            counted_ids=np.concatenate([row.counted_ids for row in kept]).astype(np.int64),
-            counts=np.concatenate([row.counts for row in kept]).astype(np.int64),
+            counted=np.stack([np.concatenate([row.counted_ids for row in kept]),
+                              np.concatenate([row.counts for row in kept])]).astype(np.int64),
             bias_ends=tuple(int(end) for end in np.cumsum([row.bias_ids.size for row in kept])),
             bias_ids=np.concatenate([row.bias_ids for row in kept]).astype(np.int64),
             biases=np.concatenate([row.biases for row in kept]).astype(np.float32))

@@ -866,7 +866,7 @@ class Engine:
             takes_token is not None and not takes_token[row] and not (scored and max(scored[row], default=-1) >= 0))
             else stream.request.logprobs for row, stream in enumerate(streams))
         adjust = LogitsAdjust.of([_row_adjust(stream) for stream in streams]) \
-            if any(stream.request.adjusts() for stream in streams) else None
+            if any(stream.request.adjusts() for stream in streams) else None  # None too where no row changes
         message = track.step(feed, draft=draft, sampling=self._sampling(track, streams), adjust=adjust,
                              logprobs=asked if max(asked, default=-1) >= 0 or scored else None,
                              scored_ids=_padded(scored, max((len(row) for row in feed), default=0)) if scored else None)
@@ -1060,8 +1060,8 @@ def _check_adjust(spec: ModelSpec, request: StreamRequest) -> None:
 def _row_adjust(stream: _Stream) -> RowAdjust | None:
     """A stream's penalties over the tokens it generated so far, and its logit bias (Forward.adjust); None: none."""
     request = stream.request
-    if not request.adjusts():
-        return None
+    if not request.logit_bias and not (stream.tokens and (request.presence_penalty or request.frequency_penalty)):
+        return None  # nothing to change (a prompt's prefill: no token generated yet), nor logits to fetch for it
     if request.presence_penalty or request.frequency_penalty:
         counted, counts = np.unique(np.asarray(stream.tokens, dtype=np.int64), return_counts=True)
     else:

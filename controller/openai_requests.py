@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeGuard
 
 from deskfleet.common.logits_adjust import MAX_BIAS, MAX_BIASED_TOKENS, MAX_PENALTY
 from deskfleet.common.logprobs import MAX_TOP_LOGPROBS
@@ -284,11 +284,11 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
                        "logit_bias")
     biases: dict[int, float] = {}
     for key, bias in value.items():
-        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+        # at most 19 digits: int() of a longer string is slow, and past 4,300 digits refused with a ValueError
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19 else None
         if token is None or token > MAX_SEED:
             raise ApiError(400, f"logit_bias key {key[:40]!r} is not a token id", "logit_bias")
-        if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias) \
-                or abs(bias) > MAX_BIAS:
+        if not _finite_number(bias) or abs(bias) > MAX_BIAS:
             raise ApiError(400, f"logit_bias of token {token} must be a number from {-MAX_BIAS:g} to {MAX_BIAS:g}",
                            "logit_bias")
         if token in biases:
@@ -311,10 +311,17 @@ def _number(fields: dict[str, Any], name: str, default: float, low: float, high:
     value = fields.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-            or not low <= value <= high:
+    if not _finite_number(value) or not low <= value <= high:
         raise ApiError(400, f"{name} must be a number from {low:g} to {high:g}", name)
     return float(value)
+
+
+def _finite_number(value: object) -> TypeGuard[int | float]:
+    """A JSON number that is not a bool, infinite or NaN (an integer of 400 digits too: math.isfinite raised
+    OverflowError on it, a 500)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return abs(value) < 2**63 if isinstance(value, int) else math.isfinite(value)
 
 
 def _is_int(value: object) -> bool:

@@ -522,8 +522,21 @@ def test_logits_adjustments_round_trip_and_are_checked_by_name() -> None:
     with pytest.raises(ProtocolError, match="a logit bias must be from"):
         LogitsAdjust.of([RowAdjust(0.5, 0.0, row.counted_ids, row.counts, row.bias_ids,
                                    np.array([150.0], dtype=np.float32))])
-    with pytest.raises(ProtocolError, match="count must be at least 1"):
+    with pytest.raises(ProtocolError, match="count must be from 1 to"):
         LogitsAdjust.of([RowAdjust(0.5, 0.0, row.counted_ids, np.array([0, 1]), row.bias_ids, row.biases)])
+
+
+def test_the_largest_step_a_driver_sends_fits_the_codecs_tensor_limit() -> None:
+    """A sampled step drafted by a draft model (its q travels) with penalties and a bias, between two stages: the
+    adjustment's three tensors on top of the step's five stay within DEFAULT_LIMITS (8 tensors: with the counts and
+    their ids apart it took 9, and the fleet's network thread failed on it)."""
+    from deskfleet.common.logits_adjust import RowAdjust
+    from deskfleet.common.wire import LogitsAdjust
+    row = RowAdjust(0.5, 1.0, np.array([3, 9]), np.array([1, 4]), np.array([7]), np.array([2.5], dtype=np.float32))
+    draft = DraftInfo((2, 0), np.array([[5, 6], [0, 0]], dtype=np.int64), RNG.random((2, 2, 11), dtype=np.float32))
+    message = forward(hidden=16, draft=draft, sampling=SamplingInfo((0.7, 1.0), (0, 5), (0.9, 1.0), (1, 2)),
+                      adjust=LogitsAdjust.of([row, row]))  # (scored_ids ride on prefill steps, which never draft)
+    assert same_message(decode(encode(message)), message)
 
 
 def test_sampling_rows_must_match_the_stream_count() -> None:
