@@ -39,22 +39,20 @@ def adjusted_logits(logits: npt.NDArray[np.float32], adjust: RowAdjust,
                     drafts: npt.NDArray[np.int64] | None = None) -> npt.NDArray[np.float32]:
     """logits: [C, V] of one row's positions, column j following the row's generated tokens and drafts[:j] (a
     drafted row's verification; without drafts every column follows the generated tokens alone) -> the adjusted
-    [C, V], a new float32 array."""
+    [C, V], a new float32 array. Only the counted and biased tokens' logits are touched: the work grows with them,
+    not with the vocabulary."""
     out = np.array(logits, dtype=np.float32, copy=True)
-    vocab = out.shape[-1]
     if adjust.penalizes:
-        count = np.zeros(vocab, dtype=np.int64)
-        count[adjust.counted_ids] = adjust.counts
-        penalty = np.zeros(vocab, dtype=np.float32)
-        seen = adjust.counted_ids
-        penalty[seen] = adjust.frequency * count[seen] + adjust.presence
-        extra = drafts if drafts is not None else np.zeros(0, dtype=np.int64)
+        counts = dict(zip(adjust.counted_ids.tolist(), adjust.counts.tolist(), strict=True))
+        extra = drafts.tolist() if drafts is not None else []
         for column in range(out.shape[0]):
-            if 0 < column <= extra.size:  # the draft token before this position counts from here on
-                token = int(extra[column - 1])
-                count[token] += 1
-                penalty[token] = adjust.frequency * count[token] + adjust.presence
-            out[column] -= penalty
+            if 0 < column <= len(extra):  # the draft token before this position counts from here on
+                token = extra[column - 1]
+                counts[token] = counts.get(token, 0) + 1
+            if counts:
+                ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+                times = np.fromiter(counts.values(), dtype=np.int64, count=len(counts))
+                out[column, ids] -= (adjust.frequency * times + adjust.presence).astype(np.float32)
     if adjust.bias_ids.size:
         out[:, adjust.bias_ids] += adjust.biases
     return out

@@ -202,6 +202,7 @@ _TOP_LOGPROBS = TensorSpec(("float32",), ("B", "T", "N"))
 _IDS = TensorSpec(("int64",), ("N",))
 _COUNTED = TensorSpec(("int64",), (2, "N"))
 MAX_COUNT = 1 << 32  # a token generated more often than any context holds is a forged count
+MAX_TOKEN_ID = 1 << 32  # past any vocabulary (the stage checks its own); keeps (row, id) keys within int64
 _BIASES = TensorSpec(("float32",), ("N",))
 
 
@@ -343,15 +344,18 @@ class LogitsAdjust:
         _check_ends("bias_ends", self.bias_ends, biased)
         counted_ids, counts = np.asarray(self.counted, dtype=np.int64)
         bias_ids = np.asarray(self.bias_ids, dtype=np.int64)
-        _require(bool((counted_ids >= 0).all()) and bool((bias_ids >= 0).all()), "adjusted token ids must be 0 or more")
+        _require(all(bool(((ids >= 0) & (ids < MAX_TOKEN_ID)).all()) for ids in (counted_ids, bias_ids)),
+                 f"adjusted token ids must be from 0 to {MAX_TOKEN_ID - 1}")
         _require(bool((counts >= 1).all()) and bool((counts <= MAX_COUNT).all()),
                  f"a counted token's count must be from 1 to {MAX_COUNT}")
         biases = np.asarray(self.biases)
         _require(bool(np.isfinite(biases).all()) and bool((np.abs(biases) <= MAX_BIAS).all()),
                  f"a logit bias must be from {-MAX_BIAS} to {MAX_BIAS}")
         for ids, ends, what in ((counted_ids, self.count_ends, "counted"), (bias_ids, self.bias_ends, "biased")):
-            for start, end in zip((0, *ends[:-1]), ends, strict=True):
-                _require(np.unique(ids[start:end]).size == end - start, f"a row's {what} tokens repeat a token")
+            if ids.size:  # one check for every row: (row, id) pairs are distinct
+                rows_of = np.repeat(np.arange(rows, dtype=np.int64), np.diff((0, *ends)))
+                keyed = rows_of * (int(ids.max()) + 1) + ids
+                _require(np.unique(keyed).size == ids.size, f"a row's {what} tokens repeat a token")
         starts = (0, *self.bias_ends[:-1])
         _require(all(end - start <= MAX_BIASED_TOKENS for start, end in zip(starts, self.bias_ends, strict=True)),
                  f"a row biases at most {MAX_BIASED_TOKENS} tokens")

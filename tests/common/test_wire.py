@@ -522,6 +522,12 @@ def test_logits_adjustments_round_trip_and_are_checked_by_name() -> None:
     with pytest.raises(ProtocolError, match="a logit bias must be from"):
         LogitsAdjust.of([RowAdjust(0.5, 0.0, row.counted_ids, row.counts, row.bias_ids,
                                    np.array([150.0], dtype=np.float32))])
+    with pytest.raises(ProtocolError, match="adjusted token ids must be from 0 to"):
+        LogitsAdjust.of([RowAdjust(0.5, 0.0, np.array([3, 2**62]), row.counts, row.bias_ids, row.biases)])
+    with pytest.raises(ProtocolError, match="biased tokens repeat a token"):
+        LogitsAdjust.of([row, RowAdjust(0.0, 0.0, row.counted_ids, row.counts, np.array([4, 4]),
+                                        np.array([1.0, 2.0], dtype=np.float32))])
+    assert LogitsAdjust.of([row, row]) is not None  # the same tokens in two rows are no repeat
     with pytest.raises(ProtocolError, match="count must be from 1 to"):
         LogitsAdjust.of([RowAdjust(0.5, 0.0, row.counted_ids, np.array([0, 1]), row.bias_ids, row.biases)])
 
