@@ -259,7 +259,7 @@ class EngineService:
         wait for work. False (ends the run) once close() began."""
         self._fed = True
         self._reap(engine)
-        if idle and self._idle_until_work():
+        if idle and self._idle_until_work(engine):
             self._reopening = True
             return False
         with self._lock:
@@ -290,23 +290,29 @@ class EngineService:
             self._reap(engine)
         return True
 
-    def _idle_until_work(self) -> bool:
+    def _idle_until_work(self, engine: Engine) -> bool:
         """With no stream running: wait for one to come, a cancel, or close() (False); True where take_back says,
         meanwhile, that the chain should open again. It is asked once TAKE_BACK_POLL_S passed since it was last
         asked, counted across idle spells (requests that come more often than that would otherwise keep it from
-        ever being asked), and its True stands only where no work and no close() came while it looked."""
+        ever being asked), and its True stands only where no work and no close() came while it looked. Meanwhile
+        the engine's prefix cache gives up its entries as they pass their age (their KV state freed on the stages)."""
+        cache = engine.prefix_cache
         while True:
             with self._lock:
                 while not self._has_work():
-                    if self._take_back is None:
+                    look = self._last_look + TAKE_BACK_POLL_S - time.monotonic() if self._take_back else None
+                    waits = [wait for wait in (look, cache.seconds_to_expiry()) if wait is not None]
+                    if not waits:
                         self._lock.wait()
                         continue
-                    wait = self._last_look + TAKE_BACK_POLL_S - time.monotonic()
-                    if wait <= 0:
+                    if min(waits) <= 0:
                         break
-                    self._lock.wait(wait)
+                    self._lock.wait(min(waits))
                 else:
                     return False
+            if (expiry := cache.seconds_to_expiry()) is not None and expiry <= 0:
+                cache.expire()  # on the engine's thread, as every release of its micro-batches
+                continue
             self._last_look = time.monotonic()
             try:
                 assert self._take_back is not None

@@ -13,7 +13,7 @@ request): the engine rolls it back by mask to the shared prefix and feeds only t
 This module is the bookkeeping alone: which entries exist, the best one for a prompt, and which to give up when
 they hold more tokens than the capacity or grew older than `max_age_s` (a fleet's agents free a micro-batch idle
 for MICRO_BATCH_IDLE_S: a step on a freed one fails). An entry given up is released (its KV state freed on every
-stage) here.
+stage) here. Entries expire when a request looks, and an idle server (EngineService) expires them on time.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class PrefixCache:
             state.release()
             return
         tokens = np.asarray(state.tokens, dtype=np.int64)
-        self._expire()
+        self.expire()
         for entry in [entry for entry in self._entries if _shared(entry.tokens, tokens) == entry.tokens.size]:
             self._drop(entry)
         self._puts += 1
@@ -88,12 +88,25 @@ class PrefixCache:
         while self.tokens > self.capacity_tokens:
             self._drop(min(self._entries, key=lambda entry: entry.used))
 
+    def seconds_to_expiry(self) -> float | None:
+        """Seconds until the oldest entry passes its age (0 or less: it has); None with no entries. An idle server
+        waits this long, then expire()s: entries are otherwise given up only when a request looks."""
+        if not self._entries:
+            return None
+        return min(entry.since for entry in self._entries) + self.max_age_s - self._clock()
+
+    def expire(self) -> None:
+        """Release the entries kept longer than max_age_s."""
+        now = self._clock()
+        for entry in [entry for entry in self._entries if now - entry.since > self.max_age_s]:
+            self._drop(entry)
+
     def take(self, prompt_ids: Sequence[int], usable: Callable[[KeptState], bool] = lambda state: True
              ) -> tuple[KeptState, int] | None:
         """The `usable` entry sharing the longest prefix with the prompt, and that prefix's length (at most all but
         the prompt's last token, which must be fed for the first token), where it is at least `min_shared` of the
         prompt; the entry then leaves the cache. None where no entry shares enough."""
-        self._expire()
+        self.expire()
         entries = [entry for entry in self._entries if usable(entry.state)]
         if not entries or len(prompt_ids) < 2:
             if self.enabled:
@@ -116,11 +129,6 @@ class PrefixCache:
             self._drop(entry)
 
     # Private methods
-
-    def _expire(self) -> None:
-        now = self._clock()
-        for entry in [entry for entry in self._entries if now - entry.since > self.max_age_s]:
-            self._drop(entry)
 
     def _drop(self, entry: _Entry) -> None:
         self._entries.remove(entry)

@@ -8,7 +8,9 @@ when the run ends; a stream scoring its prompt feeds it whole."""
 from __future__ import annotations
 
 import random
-from contextlib import ExitStack
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -18,12 +20,15 @@ from deskfleet.agent.stage import CompileSettings, Precision
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.speculative import SamplingParams
 from deskfleet.common.wire import Forward
+from deskfleet.controller import engine as engine_module
 from deskfleet.controller.draft import Drafter, DraftModel
-from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
+from deskfleet.controller.engine import Engine, EngineOptions, Recover, StageChain, StreamRequest
+from deskfleet.controller.engine_service import EngineService
 from deskfleet.controller.lookup_first import LookupFirstDraft
 from deskfleet.controller.pipeline import LocalPipeline
 from deskfleet.controller.prompt_lookup import PromptLookupDraft
 from tests.controller.test_engine_kept_kv import ReleaseRecordingChain
+from tests.controller.test_engine_service import Sink
 
 F32 = CompileSettings(precision=Precision.F32)
 GREEDY = SamplingParams(temperature=0.0)
@@ -210,3 +215,29 @@ def test_a_micro_batch_whose_rows_end_together_is_not_kept(target: Path) -> None
         later = engine.add(StreamRequest([*prompt, 5], max_new_tokens=2, ignore_eos=True, arrival_step=20))
         results = engine.run()
     assert results[later].reused_tokens == 0 and engine.prefix_cache.hits == 0
+
+
+def test_an_idle_server_frees_its_entries_as_they_pass_their_age(target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entries are given up when a request looks, and an idle server's engine, waiting for one, gives them up on
+    time: their KV state does not stay on the stages for as long as nobody asks."""
+    monkeypatch.setattr(engine_module, "PREFIX_CACHE_MAX_AGE_S", 0.5)
+    vocab = load_manifest(target).spec.vocab_size
+    opened: list[LocalPipeline] = []
+
+    @contextmanager
+    def open_chain() -> Iterator[tuple[StageChain, Recover | None]]:
+        with LocalPipeline(target, 1, F32) as pipeline:
+            opened.append(pipeline)
+            yield pipeline, None
+
+    service = EngineService(open_chain, load_manifest(target).spec, None,
+                            lambda chain: EngineOptions(prefix_cache_tokens=CACHE))
+    with service:
+        sink = Sink()
+        service.submit(StreamRequest(_tokens(30, 20, vocab), max_new_tokens=4, ignore_eos=True), sink)
+        assert sink.ended.wait(60)
+        held = opened[0].micro_batches  # the stream ended its micro-batch: kept (one stage, run inline)
+        deadline = time.monotonic() + 30
+        while opened[0].micro_batches != (0,) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert held == (1,) and opened[0].micro_batches == (0,)

@@ -58,8 +58,12 @@ def test_entries_past_their_age_are_released_and_an_off_cache_keeps_nothing() ->
     clock = FakeClock()
     cache = PrefixCache(100, 30.0, 0.5, clock=clock)
     old = Kept(1, 2, 3, 4)
+    assert cache.seconds_to_expiry() is None
     cache.put(old)
-    clock.now += 31.0
+    clock.now += 10.0
+    assert cache.seconds_to_expiry() == 20.0
+    clock.now += 21.0
+    assert cache.seconds_to_expiry() == -1.0
     assert cache.take([1, 2, 3, 4, 5]) is None
     assert old.released == 1
     off = PrefixCache(0, 30.0, 0.5)
