@@ -374,7 +374,9 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 engine = Engine(chain, manifest.spec, draft, engine_options, learned_k)
                 engine.add(StreamRequest(prompt, options.max_new_tokens, sampling=sampling,
                                          seed=options.base_seed + replies, stop_token_ids=end_of_turn,
-                                         keep_kv=options.reuse_kv, resume=resume))
+                                         keep_kv=options.reuse_kv, resume=resume,
+                                         presence_penalty=options.presence_penalty,
+                                         frequency_penalty=options.frequency_penalty))
             except (GenerationError, NotUtf8Error, ChatTemplateError) as error:
                 # ChatTemplateError: the template refused this conversation (its raise_exception) or rendered
                 # it too long; the conversation before this message may still be fine to go on with.

@@ -16,6 +16,7 @@ from typing import Any
 
 from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.arguments import path_argument
+from deskfleet.common.logits_adjust import MAX_PENALTY
 from deskfleet.common.model_spec import ModelSpec
 from deskfleet.common.speculative import MAX_K, SamplingParams
 
@@ -42,6 +43,9 @@ class DecodingOptions:
     # (runs of the same prompt then differ, as a user who samples expects; the report says which was drawn)
     seed: int | None = None
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens a call at most; 0: whole prompts
+    # the API's penalties, -2 to 2: off the logit of each token generated so far (times its count, for frequency)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     settings: CompileSettings = field(default_factory=CompileSettings)
     seed_drawn: bool = field(default=False, init=False, compare=False)  # `seed` was drawn, not given
 
@@ -89,6 +93,10 @@ class DecodingOptions:
             object.__setattr__(self, "seed_drawn", True)
         if self.prefill_chunk < 0:
             raise ValueError(f"--prefill-chunk must be 0 (whole prompts) or more, got {self.prefill_chunk}")
+        for option, value in (("--presence-penalty", self.presence_penalty),
+                              ("--frequency-penalty", self.frequency_penalty)):
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails this too
+                raise ValueError(f"{option} must be from {-MAX_PENALTY:g} to {MAX_PENALTY:g}, got {value}")
 
     @property
     def base_seed(self) -> int:
@@ -127,6 +135,12 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=non_negative_int, default=None,
                         help="stream (or reply) i samples with seed + i (default: one drawn at random, which "
                              "--json reports)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, metavar="P",
+                        help=f"take P off the logit of every token the reply has generated so far (-{MAX_PENALTY:g} "
+                             f"to {MAX_PENALTY:g}, default 0), as the OpenAI API's presence_penalty")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                        help="take F times its count off the logit of every token the reply has generated so far "
+                             f"(-{MAX_PENALTY:g} to {MAX_PENALTY:g}, default 0), as the API's frequency_penalty")
     add_prefill_option(parser)
 
 
@@ -167,7 +181,8 @@ def decoding_arguments(args: argparse.Namespace, settings: CompileSettings) -> d
     """DecodingOptions' fields from what `add_decoding_options` parsed, and the compile settings."""
     return {"draft": args.draft, "prompt_lookup": args.prompt_lookup, "k": args.k, "k_max": args.k_max,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-            "prefill_chunk": args.prefill_chunk, "settings": settings}
+            "prefill_chunk": args.prefill_chunk, "presence_penalty": args.presence_penalty,
+            "frequency_penalty": args.frequency_penalty, "settings": settings}
 
 
 def random_seed() -> int:

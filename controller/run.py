@@ -199,7 +199,9 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
             for index, (_, prompt) in enumerate(prompts):
                 engine.add(StreamRequest(prompt_ids=prompt, max_new_tokens=options.max_new_tokens,
                                          ignore_eos=options.ignore_eos, stop_token_ids=stop, sampling=sampling,
-                                         seed=options.base_seed + index, logprobs=options.logprobs))
+                                         seed=options.base_seed + index, logprobs=options.logprobs,
+                                         presence_penalty=options.presence_penalty,
+                                         frequency_penalty=options.frequency_penalty))
             started = time.perf_counter()
             try:
                 results = engine.run(on_token=printer.push if printer else None, recover=recover)

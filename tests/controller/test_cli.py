@@ -686,3 +686,23 @@ def test_every_option_of_generate_and_chat_says_what_it_does(command: str) -> No
     silent = [action.option_strings[0] for action in subcommands.choices[command]._actions
               if action.option_strings and action.help in (None, "")]
     assert silent == []
+
+
+def test_generate_takes_the_apis_penalties(tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--presence-penalty / --frequency-penalty give the engine's tokens with the same penalties (not the plain ones);
+    a value out of range is refused naming the option."""
+    from deskfleet.controller.engine import StreamRequest
+
+    from .test_engine import run_streams
+
+    argv = ["generate", "--model", str(tiny_export), "--prompt-ids", "1,5,6", "--max-new-tokens", "12", "--ignore-eos",
+            "--precision", "f32", "--json"]
+    code, out, _ = run(capsys, *argv, "--presence-penalty", "0.5", "--frequency-penalty", "1.5")
+    assert code == 0
+    tokens = json.loads(out)["streams"][0]["tokens"]
+    request = StreamRequest([1, 5, 6], max_new_tokens=12, ignore_eos=True)
+    assert tokens == run_streams(tiny_export, [StreamRequest([1, 5, 6], max_new_tokens=12, ignore_eos=True,
+                                                             presence_penalty=0.5, frequency_penalty=1.5)])[0]
+    assert tokens != run_streams(tiny_export, [request])[0]
+    code, _, err = run(capsys, *argv, "--frequency-penalty", "3")
+    assert code == 2 and "--frequency-penalty must be from -2 to 2, got 3.0" in err
