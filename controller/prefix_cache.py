@@ -96,9 +96,9 @@ class PrefixCache:
         return min(entry.since for entry in self._entries) + self.max_age_s - self._clock()
 
     def expire(self) -> None:
-        """Release the entries kept longer than max_age_s."""
+        """Release the entries kept max_age_s or longer (seconds_to_expiry() <= 0: none is left to wake for)."""
         now = self._clock()
-        for entry in [entry for entry in self._entries if now - entry.since > self.max_age_s]:
+        for entry in [entry for entry in self._entries if now - entry.since >= self.max_age_s]:
             self._drop(entry)
 
     def take(self, prompt_ids: Sequence[int], usable: Callable[[KeptState], bool] = lambda state: True

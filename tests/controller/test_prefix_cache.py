@@ -66,6 +66,12 @@ def test_entries_past_their_age_are_released_and_an_off_cache_keeps_nothing() ->
     assert cache.seconds_to_expiry() == -1.0
     assert cache.take([1, 2, 3, 4, 5]) is None
     assert old.released == 1
+    edge = Kept(7, 8)
+    cache.put(edge)
+    clock.now += 30.0  # exactly its age: seconds_to_expiry says 0, so expire() must free it (an idle server spun)
+    assert cache.seconds_to_expiry() == 0.0
+    cache.expire()
+    assert edge.released == 1 and cache.seconds_to_expiry() is None
     off = PrefixCache(0, 30.0, 0.5)
     kept = Kept(1, 2)
     off.put(kept)
