@@ -93,7 +93,10 @@ class PrefixCache:
         waits this long, then expire()s: entries are otherwise given up only when a request looks."""
         if not self._entries:
             return None
-        return min(entry.since for entry in self._entries) + self.max_age_s - self._clock()
+        # the age as expire() reckons it (now - since): (since + max_age) - now can round to 0 while expire() still
+        # finds the entry younger than max_age, and an idle server would wake for it until the clock moved on
+        now = self._clock()
+        return self.max_age_s - max(now - entry.since for entry in self._entries)
 
     def expire(self) -> None:
         """Release the entries kept max_age_s or longer (seconds_to_expiry() <= 0: none is left to wake for)."""

@@ -220,7 +220,7 @@ def test_a_micro_batch_whose_rows_end_together_is_not_kept(target: Path) -> None
 def test_an_idle_server_frees_its_entries_as_they_pass_their_age(target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Entries are given up when a request looks, and an idle server's engine, waiting for one, gives them up on
     time: their KV state does not stay on the stages for as long as nobody asks."""
-    monkeypatch.setattr(engine_module, "PREFIX_CACHE_MAX_AGE_S", 0.5)
+    monkeypatch.setattr(engine_module, "PREFIX_CACHE_MAX_AGE_S", 2.0)  # long enough to see it held first
     vocab = load_manifest(target).spec.vocab_size
     opened: list[LocalPipeline] = []
 

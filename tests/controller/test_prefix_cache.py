@@ -72,6 +72,13 @@ def test_entries_past_their_age_are_released_and_an_off_cache_keeps_nothing() ->
     assert cache.seconds_to_expiry() == 0.0
     cache.expire()
     assert edge.released == 1 and cache.seconds_to_expiry() is None
+    clock.now = 724.004  # (724.004 + 300) - 1024.004 is 0.0, 1024.004 - 724.004 under 300: the two must agree
+    late = PrefixCache(100, 300.0, 0.5, clock=clock)
+    late.put(Kept(5, 6))
+    clock.now = 1024.004
+    if late.seconds_to_expiry() <= 0:  # type: ignore[operator]
+        late.expire()
+        assert len(late) == 0
     off = PrefixCache(0, 30.0, 0.5)
     kept = Kept(1, 2)
     off.put(kept)
