@@ -1055,11 +1055,11 @@ def runs_inline(message: Forward) -> bool:
     Decoding and verification steps (a few tokens a row) do: their calls are short, and the hand-off to a
     worker thread and back cost a step as much as a tenth of its time (demo pair over the fleet, one core
     per PC: 1 PC 283 -> 311 tok/s, 2 PCs with prompt lookup 648 -> 698 tok/s inline). Prompts, and steps
-    that edit KV state on the host (admitting a prefilled row, compacting), go to a worker thread: a long
-    call on the loop's thread would leave the links' pings unanswered (PING_TIMEOUT_S) and status late.
+    that edit KV state on the host (admitting a prefilled row, compacting, copying a row out), go to a worker
+    thread: a long call on the loop's thread would leave the links' pings unanswered (PING_TIMEOUT_S) and status late.
     """
     rows, tokens = message.position_ids.shape
-    if rows * tokens > INLINE_STEP_TOKENS or message.admit_from:
+    if rows * tokens > INLINE_STEP_TOKENS or message.admit_from or message.copy_into:
         return False
     return not any(isinstance(delta, Compact) for delta in message.slot_deltas)
 

@@ -24,6 +24,7 @@ from deskfleet.common.kv_ledger import (
     AdmitRow,
     AppendSlots,
     Compact,
+    CopyRow,
     InvalidateSlots,
     LedgerError,
     Mirror,
@@ -61,19 +62,21 @@ class StepInputs:
 def replay_deltas(mirror: Mirror, deltas: tuple[SlotDelta, ...],
                   gather_rows: Callable[[npt.NDArray[np.int64]], None] | None = None,
                   admit: Callable[[AdmitRow, int], None] | None = None,
-                  compact: Callable[[Compact], None] | None = None) -> StepInputs:
+                  compact: Callable[[Compact], None] | None = None,
+                  copy: Callable[[CopyRow, int, npt.NDArray[np.bool_]], None] | None = None) -> StepInputs:
     """Apply one step's deltas to `mirror` in order and return what to feed the stage.
 
-    The callbacks edit the KV state on the host where the mirror's contract asks for it: `gather_rows`
-    with a pending beam_idx before an AdmitRow or Compact, `admit(delta, ordinal)` and `compact(delta)`
-    right after the mirror took those deltas. The driver computes the beam_idx and positions it sends
-    from its ledger and a RowOrder (controller/batch_track.py); the stage checks them against this.
+    The callbacks edit the KV state on the host where the mirror's contract asks for it: `gather_rows` with a
+    pending beam_idx before an AdmitRow, Compact or CopyRow; `admit(delta, ordinal)` and `compact(delta)` right
+    after the mirror took those deltas; `copy(delta, ordinal, live)` with the copied row's mask. The driver
+    computes the beam_idx and positions it sends from its ledger and a RowOrder (controller/batch_track.py); the
+    stage checks them against this.
     """
     if not deltas or not isinstance(deltas[-1], AppendSlots):
         raise LedgerError("a step's deltas must end with the AppendSlots of its call")
-    admitted = 0
+    admitted = copied = 0
     for delta in deltas:
-        if isinstance(delta, AdmitRow | Compact) and mirror.rows_pending():
+        if isinstance(delta, AdmitRow | Compact | CopyRow) and mirror.rows_pending():
             pending = mirror.take_beam_idx()
             if gather_rows is not None:
                 gather_rows(pending)
@@ -84,9 +87,13 @@ def replay_deltas(mirror: Mirror, deltas: tuple[SlotDelta, ...],
             admitted += 1
         elif isinstance(delta, Compact) and compact is not None:
             compact(delta)
+        elif isinstance(delta, CopyRow):
+            if copy is not None:
+                copy(delta, copied, mirror.mask[delta.row])
+            copied += 1
         elif isinstance(delta, AppendSlots) and delta is not deltas[-1]:
             raise LedgerError("AppendSlots must be the last delta of a step")
-        elif not isinstance(delta, AppendSlots | ReorderRows | InvalidateSlots | AdmitRow | Compact):
+        elif not isinstance(delta, AppendSlots | ReorderRows | InvalidateSlots | AdmitRow | Compact | CopyRow):
             raise LedgerError(f"unknown slot delta {type(delta).__name__}")
     append = deltas[-1]
     assert isinstance(append, AppendSlots)
@@ -256,20 +263,30 @@ class StageExecutor:
         admits = sum(isinstance(delta, AdmitRow) for delta in message.slot_deltas)
         if admits != len(message.admit_from):
             raise LedgerError(f"{admits} AdmitRow deltas for {len(message.admit_from)} micro-batches to admit")
+        copies = sum(isinstance(delta, CopyRow) for delta in message.slot_deltas)
+        if copies != len(message.copy_into):
+            raise LedgerError(f"{copies} CopyRow deltas for {len(message.copy_into)} new micro-batches")
+        for target in message.copy_into:
+            if target in self._batches or target == message.micro_batch_id:
+                raise LedgerError(f"a row copied into micro-batch {target}, which this stage holds already")
         rehearsed: Mirror | None = None
-        if admits or any(isinstance(delta, Compact) for delta in message.slot_deltas):
+        copied_slots: list[int] = []
+        if admits or copies or any(isinstance(delta, Compact) for delta in message.slot_deltas):
             self._check_sources(message)
             rehearsed = batch.mirror.fork()
-            self._checked_step(message, replay_deltas(rehearsed, message.slot_deltas))
+            self._checked_step(message, replay_deltas(
+                rehearsed, message.slot_deltas,
+                copy=lambda delta, ordinal, live: copied_slots.append(int(live.sum()))))
         if isinstance(call, AppendSlots) and self.memory_guard is not None:
             # after the rehearsal, where there was one: an admitted row pads every row to its slots (8 rows of 100
             # slots admitting a 2,000-slot stream grow by 17,209 slots, where rows x (slots + new ones) said 109)
             growth = KvGrowth(rehearsed.rows, rehearsed.slots, batch.mirror.rows, batch.mirror.slots) \
                 if rehearsed is not None else \
                 KvGrowth(len(call.live_counts), batch.mirror.slots + call.count, batch.mirror.rows, batch.mirror.slots)
-            self.memory_guard.admit(growth.slot_count * self.kv_bytes_per_slot * SLOT_GROWTH,
+            self.memory_guard.admit((growth.slot_count + sum(copied_slots)) * self.kv_bytes_per_slot * SLOT_GROWTH,
                                     lambda: f"micro-batch {message.micro_batch_id} step {message.step_id} "
-                                            f"({growth.rows} rows x {growth.slots} slots)")
+                                            f"({growth.rows} rows x {growth.slots} slots"
+                                            + (f", {sum(copied_slots)} copied" if copied_slots else "") + ")")
         keeps = message.keep_sources or (False,) * len(message.admit_from)
         sources = [self._batches[source] if keep else self._batches.pop(source)
                    for source, keep in zip(message.admit_from, keeps, strict=True)]
@@ -277,7 +294,8 @@ class StageExecutor:
             batch.mirror, message.slot_deltas,
             gather_rows=lambda rows: _edit_state(batch.session, lambda state: state[rows]),
             admit=lambda delta, ordinal: self._admit(batch, sources[ordinal], delta, keep=keeps[ordinal]),
-            compact=lambda delta: _edit_state(batch.session, lambda state: _gather_slots(state, delta)))
+            compact=lambda delta: _edit_state(batch.session, lambda state: _gather_slots(state, delta)),
+            copy=lambda delta, ordinal, live: self._copy(batch, delta, live, message.copy_into[ordinal]))
         return self._checked_step(message, inputs), inputs
 
     def _checked_step(self, message: Forward, inputs: StepInputs) -> np.ndarray:
@@ -354,6 +372,21 @@ class StageExecutor:
                               f"{logits_bytes / 2**20:.1f} MiB of logits, past the "
                               f"{SCORED_LOGITS_BYTES / 2**20:.1f} MiB a scored call may take: feed the prompt in "
                               "smaller chunks")
+
+    def _copy(self, batch: _MicroBatch, delta: CopyRow, live: npt.NDArray[np.bool_], target: int) -> None:
+        """A new one-row micro-batch `target` holding the batch row's live slots, in order (CopyRow)."""
+        slots = np.flatnonzero(live)
+        state = batch.session.query_state()
+        session = self.stage.open_session()
+        try:
+            session.set_state({name: np.ascontiguousarray(tensor[delta.row: delta.row + 1][:, :, slots])
+                               for name, tensor in state.items()})
+        except BaseException:
+            self.stage.recycle(session)
+            raise
+        mirror = Mirror(self.max_positions)
+        mirror.apply(AdmitRow(live_slots=int(slots.size)))
+        self._batches[target] = _MicroBatch(mirror, session)
 
     def _check_sources(self, message: Forward) -> None:
         """Each AdmitRow's source must be a micro-batch this stage holds, of one row whose live slots are its first

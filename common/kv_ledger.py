@@ -13,6 +13,8 @@ Deltas, in the order the driver produced them:
   The stage feeds it as beam_idx at its next call (the in-graph Gather), so no state is copied.
 - `AdmitRow`: a stream prefilled alone (B=1) is merged as a new last row (host-side set_state).
 - `Compact`: physical trim of dead slots (host-side query_state, gather, set_state).
+- `CopyRow`: a row's live slots copied into a new one-row micro-batch (a finished stream's state kept for later
+  requests while its micro-batch runs on); this micro-batch's table is unchanged.
 
 Invariant kept by every delta: row r's live slots, in physical order, hold its accepted tokens in order,
 at logical positions 0..next_positions[r]-1. Physical order of older slots never matters to attention;
@@ -120,7 +122,16 @@ class Compact:
         return columns if len(columns) == self.new_slots else None
 
 
-SlotDelta = AppendSlots | InvalidateSlots | ReorderRows | AdmitRow | Compact
+@dataclass(frozen=True)
+class CopyRow:
+    """Copy row `row`'s live slots, in order, into a new one-row micro-batch whose id the step names
+    (Forward.copy_into): its next position is the row's, its slots exactly its live ones. This table is unchanged
+    (the row is usually dropped right after, by a ReorderRows)."""
+
+    row: int
+
+
+SlotDelta = AppendSlots | InvalidateSlots | ReorderRows | AdmitRow | Compact | CopyRow
 
 
 # Compaction policy
@@ -221,6 +232,9 @@ class SlotTable:
             self._admit(delta)
         elif isinstance(delta, Compact):
             self._compact(delta)
+        elif isinstance(delta, CopyRow):
+            if not 0 <= delta.row < self.rows:
+                raise LedgerError(f"copy of row {delta.row}: the micro-batch has {self.rows} rows")
         else:
             raise LedgerError(f"unknown slot delta {type(delta).__name__}")
 
@@ -355,6 +369,12 @@ class Ledger(SlotTable):
         """Drop finished streams; the others keep their order."""
         return self.reorder([r for r in range(self.rows) if r not in set(rows)])
 
+    def copy_row(self, row: int) -> CopyRow:
+        """Row `row`'s live slots go into a new one-row micro-batch (this table is unchanged)."""
+        delta = CopyRow(row=row)
+        self.apply(delta)
+        return delta
+
     def admit(self, live_slots: int) -> AdmitRow:
         """A stream prefilled alone with live_slots tokens becomes the last row."""
         delta = AdmitRow(live_slots=live_slots)
@@ -412,7 +432,7 @@ class Mirror(SlotTable):
     """A stage's copy of the ledger, rebuilt from deltas alone.
 
     The caller (the stage) must, for each delta in order: on ReorderRows, only apply it (the gather is
-    deferred to the next call); on AdmitRow or Compact, first gather its state rows on the host with
+    deferred to the next call); on AdmitRow, Compact or CopyRow, first gather its state rows on the host with
     `take_beam_idx()` when `rows_pending()`, then apply, then edit the state; on AppendSlots, apply, then
     run the call with `take_beam_idx()`, `attention_mask()` and `position_ids(delta)`.
     """
@@ -440,7 +460,7 @@ class Mirror(SlotTable):
         return self._order.take(self.rows)
 
     def apply(self, delta: SlotDelta) -> None:
-        if isinstance(delta, AdmitRow | Compact) and self.rows_pending():
+        if isinstance(delta, AdmitRow | Compact | CopyRow) and self.rows_pending():
             raise LedgerError(f"{type(delta).__name__} with a row reorder pending: take_beam_idx() first")
         super().apply(delta)
         if isinstance(delta, ReorderRows):

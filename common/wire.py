@@ -8,7 +8,7 @@ timing and what to do with a ProtocolError (answer Error(BAD_MESSAGE) and close)
 from __future__ import annotations
 
 from deskfleet.common.agent_state import AgentState
-from deskfleet.common.kv_ledger import AdmitRow, AppendSlots, Compact, InvalidateSlots, ReorderRows, SlotDelta
+from deskfleet.common.kv_ledger import AdmitRow, AppendSlots, Compact, CopyRow, InvalidateSlots, ReorderRows, SlotDelta
 from deskfleet.common.wire_codec import DEFAULT_LIMITS, MAGIC, Limits, decode, encode, peek_version, same_message
 from deskfleet.common.wire_messages import (
     MAX_KNOWN_REMOVALS,
@@ -80,6 +80,7 @@ __all__ = [
     "AppendSlots",
     "AssignStage",
     "Compact",
+    "CopyRow",
     "DraftInfo",
     "Error",
     "ErrorCode",

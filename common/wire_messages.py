@@ -22,7 +22,7 @@ from typing import Self, TypeGuard
 import numpy as np
 
 from deskfleet.common.agent_state import AgentState, UnavailableReason
-from deskfleet.common.kv_ledger import AdmitRow, SlotDelta
+from deskfleet.common.kv_ledger import AdmitRow, CopyRow, SlotDelta
 from deskfleet.common.logits_adjust import MAX_BIAS, MAX_BIASED_TOKENS, MAX_PENALTY, RowAdjust
 from deskfleet.common.logprobs import MAX_TOP_LOGPROBS
 from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, check_tensor
@@ -33,7 +33,7 @@ from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, che
 # ErrorCode.DISK_FULL; 9: Forward.logprobs, ForwardResult.token_logprobs, top_logprob_ids and top_logprobs;
 # 10: Forward.scored_ids, ForwardResult.scored_logprobs, scored_top_ids and scored_top_logprobs; 11:
 # Forward.keep_sources (an admitted row's source micro-batch kept: a prefix cache's entry); 12: Forward.adjust
-# (presence and frequency penalties, logit bias)
+# (presence and frequency penalties, logit bias), CopyRow and Forward.copy_into (a finished row's state kept)
 PROTOCOL_VERSION = 12
 MAX_STATUS_DETAIL = 500
 MAX_DEVICES = 32  # a StatusReport's devices
@@ -612,6 +612,8 @@ class Forward:
     keep_sources: tuple[bool, ...] = ()
     # per row, the penalties and logit bias the last stage applies before it picks or samples; None: no row has any
     adjust: LogitsAdjust | None = None
+    # the new micro-batch ids the CopyRow deltas copy their rows into, one per CopyRow, in order
+    copy_into: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _non_negative("micro_batch_id", self.micro_batch_id)
@@ -639,6 +641,12 @@ class Forward:
             _non_negative("admit_from", source)
         if self.adjust is not None:
             _require(len(self.adjust.presence) == rows, "logits adjustment rows differ from stream_ids")
+        copies = sum(isinstance(delta, CopyRow) for delta in self.slot_deltas)
+        _require(len(self.copy_into) == copies, f"{copies} CopyRow deltas but {len(self.copy_into)} new micro-batches")
+        for target in self.copy_into:
+            _non_negative("copy_into", target)
+        _require(len(set(self.copy_into)) == copies and self.micro_batch_id not in self.copy_into,
+                 "copy_into repeats a micro-batch, or names the step's own")
         _require(not self.keep_sources or len(self.keep_sources) == len(self.admit_from),
                  f"{len(self.keep_sources)} keep_sources for {len(self.admit_from)} admitted sources")
         if self.logprobs is not None:

@@ -26,6 +26,7 @@ class BatchTrack:
     pending: list[SlotDelta] = field(default_factory=list)
     admit_from: list[int] = field(default_factory=list)
     keep_sources: list[bool] = field(default_factory=list)  # per admit_from: the stages keep the source (a cache's)
+    copy_into: list[int] = field(default_factory=list)  # per CopyRow delta pending: the new micro-batch's id
     steps: int = 0
     in_flight: bool = False
 
@@ -54,6 +55,21 @@ class BatchTrack:
         self.admit_from.append(source_batch)
         self.keep_sources.append(keep_source)
         self.stream_ids.append(stream_id)
+
+    def copy_row(self, stream_id: int, new_batch: int) -> None:
+        """Queue a copy of the stream's row (its live slots) into a new one-row micro-batch `new_batch`."""
+        self.pending.append(self.ledger.copy_row(self.stream_ids.index(stream_id)))
+        self.order.gathered(self.ledger.rows)  # the stages gather pending reorders on the host to copy
+        self.copy_into.append(new_batch)
+
+    @classmethod
+    def copied(cls, micro_batch_id: int, max_positions: int, stream_id: int, live_slots: int) -> BatchTrack:
+        """The driver's view of the one-row micro-batch a copy_row() makes on the stages once its step runs."""
+        track = cls(micro_batch_id, max_positions)
+        track.ledger.admit(live_slots)
+        track.order.gathered(1)
+        track.stream_ids.append(stream_id)
+        return track
 
     def drop(self, stream_ids: set[int]) -> None:
         rows = [row for row, stream in enumerate(self.stream_ids) if stream in stream_ids]
@@ -100,9 +116,11 @@ class BatchTrack:
                           position_ids=position_ids(append),
                           input_ids=input_ids, hidden_states=None, draft=draft, admit_from=tuple(self.admit_from),
                           keep_sources=tuple(self.keep_sources) if any(self.keep_sources) else (),
+                          copy_into=tuple(self.copy_into),
                           sampling=sampling, logprobs=logprobs, scored_ids=scored_ids, adjust=adjust)
         self.pending.clear()
         self.admit_from.clear()
         self.keep_sources.clear()
+        self.copy_into.clear()
         self.steps += 1
         return message

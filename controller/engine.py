@@ -929,7 +929,8 @@ class Engine:
                 finished.add(stream_id)
         if any(flight.drafts) and not flight.prefill and not flight.beside_prefill:
             self._record_cost(flight, arrived_at)
-        for source in flight.message.admit_from:  # every stage has copied its row now: the source may be resumed
+        # every stage has copied those rows now: the kept micro-batches may be resumed
+        for source in (*flight.message.admit_from, *flight.message.copy_into):
             kept = self._cache_pending.pop(source, None)
             if kept is not None:
                 self.prefix_cache.put(kept)
@@ -982,6 +983,9 @@ class Engine:
             self.prefix_cache.put(self._keep(track, cached))
             return
         if finished:
+            if len(finished) < track.rows:  # rows go on: a step will carry copies of the ended rows out
+                for stream_id in sorted(finished):
+                    self._copy_out(track, self._streams[stream_id])
             track.drop(finished)
             for stream_id in finished:
                 self._draft_unfed.pop(stream_id, None)
@@ -994,6 +998,8 @@ class Engine:
             for source in track.admit_from:  # prefills whose admission never stepped (their streams left first)
                 self._cache_pending.pop(source, None)
                 self.chain.release(source)
+            for copy in track.copy_into:  # copies of rows never stepped: nothing of them is on the stages
+                self._cache_pending.pop(copy, None)
             return
         track.compact(self.options.compaction)
         if self.draft is not None:
@@ -1009,6 +1015,20 @@ class Engine:
         stream = self._streams[next(iter(finished))]
         fed_enough = track.next_position(stream.stream_id) >= stream.confirmed_count - 1
         return stream if fed_enough and stream.tokens else None
+
+    def _copy_out(self, track: BatchTrack, stream: _Stream) -> None:
+        """For the prefix cache, a stream that ended beside rows that go on: its row, holding its confirmed tokens
+        but the last, is copied into a micro-batch of its own by the track's next step (CopyRow), and cached once
+        that step has run. Not a keep_kv stream's (its own micro-batch is kept), nor one cancelled mid-prompt."""
+        if not self.prefix_cache.enabled or stream.request.keep_kv or not stream.tokens \
+                or track.next_position(stream.stream_id) < stream.confirmed_count - 1:
+            return
+        fed = stream.confirmed[:-1]
+        track.reject(stream.stream_id, track.next_position(stream.stream_id) - len(fed))
+        copy_id = self._new_batch_id()
+        track.copy_row(stream.stream_id, copy_id)
+        self._cache_pending[copy_id] = KeptKV(
+            self.chain, BatchTrack.copied(copy_id, self.spec.max_context, stream.stream_id, len(fed)), fed)
 
     def _keep(self, track: BatchTrack, stream: _Stream) -> KeptKV:
         """Leave a finished stream's micro-batch on the chain, holding its confirmed tokens but the last (never

@@ -127,6 +127,29 @@ def test_a_source_whose_row_is_not_its_first_slots_alone_is_refused_by_name(whol
     assert executor.micro_batches == 2
 
 
+def test_a_row_copied_out_holds_its_live_slots_alone_and_goes_on_as_a_micro_batch_of_its_own(whole: Stage) -> None:
+    """CopyRow (Forward.copy_into): row 1 of a two-row micro-batch, a rejected token dead in its middle, is copied
+    into micro-batch 5 as its live slots alone; a step there computes what a fresh run of its tokens computes."""
+    executor, host, newcomer = _host_and_newcomer(whole)
+    host.admit(1, 2, newcomer.next_position(1))
+    result(executor, host.step([[9], [10, 11]]))  # row 1: 3, 4, 5, 10, 11
+    host.reject(1, 1)  # 11 dies
+    result(executor, host.step([[12], [13]]))  # row 1: 3, 4, 5, 10, 13 with a dead slot before 13
+    host.copy_row(1, 5)
+    host.drop({1})
+    result(executor, host.step([[14]]))
+    assert sorted(executor.micro_batch_ids()) == [1, 5]
+    copied = BatchTrack.copied(5, 256, 1, 5)
+    resumed = result(executor, copied.step([[15]]))
+    assert resumed.logits is not None
+    np.testing.assert_allclose(resumed.logits, reference_logits(whole, [[3, 4, 5, 10, 13], [15]]),
+                               rtol=1e-4, atol=1e-5)
+    host.copy_row(0, 5)  # into a micro-batch the stage holds: refused, nothing changes
+    with pytest.raises(LedgerError, match="a row copied into micro-batch 5, which this stage holds already"):
+        executor.run(host.step([[16]]))
+    assert sorted(executor.micro_batch_ids()) == [1, 5]
+
+
 def test_a_refused_first_step_leaves_no_micro_batch_behind(whole: Stage) -> None:
     executor = StageExecutor(whole, 256)
     for batch_id in range(1, 50):

@@ -12,6 +12,7 @@ from deskfleet.common.kv_ledger import (
     Compact,
     CompactionMode,
     CompactionPolicy,
+    CopyRow,
     InvalidateSlots,
     Ledger,
     LedgerError,
@@ -178,6 +179,7 @@ def test_invalidating_a_slot_before_live_ones_is_refused_and_changes_nothing() -
         (Compact(new_slots=2, keep=(((1, 2), (0, 1)),)), "ascending"),
         (Compact(new_slots=1, keep=(((0, 1),),)), "drop live"),
         (Compact(new_slots=3, keep=(((0, 2),),)), "compaction to 3"),
+        (CopyRow(row=1), "copy of row 1"),
     ],
 )
 def test_bad_deltas_name_the_problem(delta: SlotDelta, message: str) -> None:
@@ -221,6 +223,21 @@ def test_mirror_refuses_host_edits_while_a_reorder_is_pending() -> None:
     mirror.take_beam_idx()
     mirror.apply(AdmitRow(live_slots=1))
     assert mirror.rows == 3
+
+
+def test_a_copied_row_leaves_the_table_as_it_was_and_waits_for_a_pending_reorder() -> None:
+    ledger, mirror = Ledger(), Mirror()
+    for count in (2, 3):
+        mirror.apply(ledger.admit(count))
+    before = ledger.mask.copy()
+    mirror.apply(ledger.copy_row(1))
+    assert np.array_equal(ledger.mask, before) and np.array_equal(mirror.mask, before)
+    mirror.apply(ledger.reorder([1, 0]))
+    with pytest.raises(LedgerError, match="take_beam_idx"):
+        mirror.apply(CopyRow(row=0))
+    mirror.take_beam_idx()
+    mirror.apply(CopyRow(row=0))
+    assert mirror.next_positions.tolist() == [3, 2]
 
 
 def test_reorder_beam_idx_maps_new_rows_to_row_zero() -> None:

@@ -545,6 +545,19 @@ def test_the_largest_step_a_driver_sends_fits_the_codecs_tensor_limit() -> None:
     assert same_message(decode(encode(message)), message)
 
 
+def test_copied_rows_round_trip_with_their_new_micro_batches() -> None:
+    from deskfleet.common.wire import CopyRow
+    deltas = (CopyRow(1), ReorderRows((0,)), AppendSlots(3, (3,), (9,)))
+    message = forward(rows=1, slot_deltas=deltas, copy_into=(12,))
+    decoded = decode(encode(message))
+    assert same_message(decoded, message) and decoded.copy_into == (12,)
+    assert isinstance(decoded.slot_deltas[0], CopyRow) and decoded.slot_deltas[0].row == 1
+    with pytest.raises(ProtocolError, match="1 CopyRow deltas but 0 new micro-batches"):
+        forward(rows=1, slot_deltas=deltas)
+    with pytest.raises(ProtocolError, match="copy_into repeats a micro-batch, or names the step's own"):
+        forward(rows=1, slot_deltas=deltas, copy_into=(7,))
+
+
 def test_sampling_rows_must_match_the_stream_count() -> None:
     with pytest.raises(ProtocolError, match="sampling rows differ"):
         forward(sampling=SamplingInfo((0.7,), (0,), (1.0,), (1,)))

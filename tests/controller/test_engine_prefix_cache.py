@@ -97,7 +97,10 @@ def test_a_prompt_admitted_into_a_running_batch_serves_a_later_prompt_that_begin
     resumed_prefill = [message for message in chain.messages if message.stream_ids == (ids[2],)]
     assert resumed_prefill and resumed_prefill[0].input_ids is not None
     assert resumed_prefill[0].input_ids.shape[1] == len(later.prompt_ids) - len(shared)
-    assert resumed_prefill[0].micro_batch_id == admitted[0].admit_from[0]  # the first prompt's micro-batch
+    # the first prompt's micro-batch, kept at its admission, gave way to the copy of the first stream's row when that
+    # stream ended (its prompt and reply, which begin with the prompt): the later stream starts from the copy
+    copied = [message.copy_into[0] for message in chain.messages if message.copy_into]
+    assert resumed_prefill[0].micro_batch_id == copied[0] != admitted[0].admit_from[0]
     for stream_id, request in zip(ids, (long_runner, first, later), strict=True):
         assert results[stream_id].tokens == _fresh(target, request, stages, _drafter(drafting, other_draft))
 
@@ -241,3 +244,34 @@ def test_an_idle_server_frees_its_entries_as_they_pass_their_age(target: Path, m
         while opened[0].micro_batches != (0,) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert held == (1,) and opened[0].micro_batches == (0,)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_stream_that_ends_beside_others_leaves_its_prompt_and_reply_for_the_next_turn(
+        target: Path, stages: int) -> None:
+    """Its row is copied out of the running micro-batch (CopyRow) by that micro-batch's next step: the next turn,
+    which repeats the prompt and the reply, is fed only what follows them, and is admitted into the batch in turn."""
+    vocab = load_manifest(target).spec.vocab_size
+    long_runner = StreamRequest(_tokens(1, 12, vocab), max_new_tokens=50, ignore_eos=True)
+    turn = StreamRequest(_tokens(2, 30, vocab), max_new_tokens=8, ignore_eos=True, arrival_step=2)
+    reply = _fresh(target, turn, 1)
+    follow_up = StreamRequest(turn.prompt_ids + reply + _tokens(3, 6, vocab), max_new_tokens=8, ignore_eos=True,
+                              arrival_step=24)
+    with LocalPipeline(target, stages, F32) as pipeline:
+        chain = MessageChain(pipeline)
+        engine = Engine(chain, load_manifest(target).spec, None,
+                        EngineOptions(micro_batches=1, prefix_cache_tokens=CACHE))
+        ids = [engine.add(request) for request in (long_runner, turn, follow_up)]
+        results = engine.run()
+    assert pipeline.micro_batches == (0,) * stages
+    copies = [message for message in chain.messages if message.copy_into]
+    assert len(copies) == 2  # the turn's row, then the follow-up's, each copied out as it ended beside the other
+    assert copies[0].stream_ids == (ids[0],)  # the step after the turn ended: its row copied, then dropped
+    kinds = [type(delta).__name__ for delta in copies[0].slot_deltas]
+    assert kinds.index("CopyRow") < kinds.index("ReorderRows") and kinds[-1] == "AppendSlots"
+    assert results[ids[2]].reused_tokens == len(turn.prompt_ids) + len(reply) - 1
+    resumed = [message for message in chain.messages if message.stream_ids == (ids[2],)]
+    assert resumed[0].micro_batch_id == copies[0].copy_into[0]
+    assert results[ids[1]].tokens == reply
+    for stream_id, request in zip(ids, (long_runner, turn, follow_up), strict=True):
+        assert results[stream_id].tokens == _fresh(target, request, stages)
