@@ -160,10 +160,10 @@ class KeptKV:
         """How many of the prompt's first tokens its KV holds already (at most all but the prompt's last, which
         must be fed for the first token)."""
         limit = min(len(self.tokens), len(prompt_ids) - 1)
-        shared = 0
-        while shared < limit and self.tokens[shared] == prompt_ids[shared]:
-            shared += 1
-        return shared
+        if limit <= 0:
+            return 0
+        differ = np.flatnonzero(np.asarray(self.tokens[:limit]) != np.asarray(prompt_ids[:limit]))
+        return int(differ[0]) if differ.size else limit
 
     def take(self) -> BatchTrack:
         """The micro-batch, for the engine that resumes it (once)."""
@@ -342,6 +342,8 @@ class Engine:
         self.prefix_cache = PrefixCache(options.prefix_cache_tokens, PREFIX_CACHE_MAX_AGE_S, RESUME_MIN_SHARED)
         # by source micro-batch id: prompts kept at their admission, cached once the admitting step has run
         self._cache_pending: dict[int, KeptKV] = {}
+        # by micro-batch id: micro-batches whose rows all ended, stepped once more to copy them out (_flush)
+        self._flushing: dict[int, BatchTrack] = {}
         # by stream id: prompt tokens a stateful drafter still lacks (a resumed stream's kept prefix), fed to it a
         # chunk a call while other streams run; the stream drafts nothing until it has them
         self._draft_unfed: dict[int, list[int]] = {}
@@ -439,8 +441,9 @@ class Engine:
         self._started = time.perf_counter()
         try:
             self._take_resumed()
-            while feed is None or feed(not self._unfinished):
-                if not self._unfinished:
+            # a step that copies ended rows out for the prefix cache (_flush) is collected before the run idles or ends
+            while feed is None or feed(not self._unfinished and not self._flushing):
+                if not self._unfinished and not self._flushing:
                     if feed is None:
                         break
                     continue
@@ -485,12 +488,28 @@ class Engine:
         track.reject(stream.stream_id, len(kept.tokens) - shared)
         track.compact(compaction)
 
+    def _awaits_entry(self, stream: _Stream) -> bool:
+        """Whether a newcomer waits for a KV state the prefix cache is about to keep (a prompt's or an ended row's,
+        cached once the step copying it has run: a step or two) because it holds more of its prompt than any entry
+        now: a chat's next turn, sent the moment its reply ended, starts from that reply's state."""
+        if not self._cache_pending or not self._takes_cache(stream):
+            return False
+        prompt = stream.request.prompt_ids
+        pending = max(kept.shared_prefix(prompt) for kept in self._cache_pending.values())
+        return pending >= RESUME_MIN_SHARED * len(prompt) and pending > self.prefix_cache.best_shared(prompt)
+
+    def _takes_cache(self, stream: _Stream) -> bool:
+        """Whether a newcomer may start from the prefix cache: not one that resumes a state its request gave, keeps
+        its own, scores its prompt (fed whole), or was resumed after a failover (its tokens are not its prompt's)."""
+        request = stream.request
+        return self.prefix_cache.enabled and not (stream.resumes or stream.tokens or request.keep_kv
+                                                  or request.prompt_logprobs)
+
     def _start_cached(self, stream: _Stream) -> None:
         """Start a newcomer from the prefix cache's entry that shares the most of its prompt, where one shares
         enough (PrefixCache.take); its prefill then feeds only the rest."""
         request = stream.request
-        if not self.prefix_cache.enabled or stream.resumes or stream.tokens or request.keep_kv \
-                or request.prompt_logprobs:
+        if not self._takes_cache(stream):
             return
         # a stream the drafter drafts prefills it under the entry's id, which a draft model may hold still
         drafter = self.draft if self._uses_draft(stream) else None
@@ -610,6 +629,8 @@ class Engine:
         self._kept.clear()
         tracks += [kept.take() for kept in self._cache_pending.values()]
         self._cache_pending.clear()
+        tracks += list(self._flushing.values())
+        self._flushing.clear()
         self.prefix_cache.clear()
         tracks += [stream.resumed for stream in self._unstarted.values() if stream.resumed is not None]
         # A step in flight that admits a prefilled stream has taken that source off its track: a stage that
@@ -642,8 +663,12 @@ class Engine:
         room = self._admission_room()
         if room <= 0:
             return
-        arrived = [stream for stream in self._unstarted.values()
-                   if stream.request.arrival_step <= self._collected][:room]
+        arrived: list[_Stream] = []
+        for stream in self._unstarted.values():
+            if len(arrived) == room:
+                break
+            if stream.request.arrival_step <= self._collected and not self._awaits_entry(stream):
+                arrived.append(stream)
         for stream in arrived:
             self._start_cached(stream)
         for group in self._prefill_groups(arrived):
@@ -900,6 +925,14 @@ class Engine:
         flight = self._in_flight.pop(result.micro_batch_id)
         self._collected += 1
         now = time.perf_counter() - self._started
+        if result.micro_batch_id in self._flushing:  # its rows' copies are made: they may be resumed now
+            for copy in flight.message.copy_into:
+                kept = self._cache_pending.pop(copy, None)
+                if kept is not None:
+                    self.prefix_cache.put(kept)
+            del self._flushing[result.micro_batch_id]
+            self.chain.release(result.micro_batch_id)
+            return
         track = self._tracks.get(result.micro_batch_id) or self._prefills[result.micro_batch_id]
         finished: set[int] = set()
         for row, stream_id in enumerate(flight.message.stream_ids):
@@ -982,6 +1015,8 @@ class Engine:
         if cached is not None:  # the micro-batch's last row ends: it stays, as the prefix cache's
             self.prefix_cache.put(self._keep(track, cached))
             return
+        if self._flush(track, finished):
+            return
         if finished:
             if len(finished) < track.rows:  # rows go on: a step will carry copies of the ended rows out
                 for stream_id in sorted(finished):
@@ -1013,15 +1048,47 @@ class Engine:
         if not self.prefix_cache.enabled or track.rows != 1 or len(finished) != 1 or track.admit_from:
             return None
         stream = self._streams[next(iter(finished))]
-        fed_enough = track.next_position(stream.stream_id) >= stream.confirmed_count - 1
-        return stream if fed_enough and stream.tokens else None
+        return stream if self._keeps_end(track, stream) else None
+
+    def _flush(self, track: BatchTrack, finished: set[int]) -> bool:
+        """Where every row of a micro-batch of several ends at once, copy each one the prefix cache may keep out of it
+        (_copy_out) with one more step, which feeds one of them its last token (never fed: the copies are taken
+        before) and whose result is dropped; the micro-batch is released after it. False where the cache is off or
+        nothing is to be kept (the caller releases the micro-batch)."""
+        if not self.prefix_cache.enabled or track.rows < 2 or len(finished) < track.rows or track.admit_from:
+            return False
+        ends = [self._streams[stream_id] for stream_id in sorted(finished)]
+        ends = [stream for stream in ends if self._keeps_end(track, stream)]
+        if not ends:
+            return False
+        for stream in ends:
+            self._copy_out(track, stream)
+        fed = ends[0]
+        track.drop(finished - {fed.stream_id})
+        batch_id = track.micro_batch_id
+        self._tracks.pop(batch_id, None)
+        self._prefills.pop(batch_id, None)
+        if self.draft is not None and self.draft.has_batch(batch_id):
+            self.draft.release(batch_id)
+        for stream_id in finished:
+            self._draft_unfed.pop(stream_id, None)
+        self._flushing[batch_id] = track
+        message = track.step([[fed.confirmed[-1]]])
+        self._in_flight[batch_id] = _InFlight(message, [[]], time.perf_counter(), 0.0, prefill=False)
+        self.chain.submit(message)
+        return True
+
+    def _keeps_end(self, track: BatchTrack, stream: _Stream) -> bool:
+        """Whether the prefix cache keeps a stream that ended: not a keep_kv stream's (its own micro-batch is kept),
+        nor one cancelled mid-prompt (its KV state holds less than its confirmed tokens but the last)."""
+        return self.prefix_cache.enabled and not stream.request.keep_kv and bool(stream.tokens) \
+            and track.next_position(stream.stream_id) >= stream.confirmed_count - 1
 
     def _copy_out(self, track: BatchTrack, stream: _Stream) -> None:
         """For the prefix cache, a stream that ended beside rows that go on: its row, holding its confirmed tokens
         but the last, is copied into a micro-batch of its own by the track's next step (CopyRow), and cached once
         that step has run. Not a keep_kv stream's (its own micro-batch is kept), nor one cancelled mid-prompt."""
-        if not self.prefix_cache.enabled or stream.request.keep_kv or not stream.tokens \
-                or track.next_position(stream.stream_id) < stream.confirmed_count - 1:
+        if not self._keeps_end(track, stream):
             return
         fed = stream.confirmed[:-1]
         track.reject(stream.stream_id, track.next_position(stream.stream_id) - len(fed))

@@ -104,6 +104,13 @@ class PrefixCache:
         for entry in [entry for entry in self._entries if now - entry.since >= self.max_age_s]:
             self._drop(entry)
 
+    def best_shared(self, prompt_ids: Sequence[int]) -> int:
+        """The most of the prompt's first tokens (all but its last at most) any entry holds; 0 with none."""
+        if not self._entries or len(prompt_ids) < 2:
+            return 0
+        prompt = np.asarray(prompt_ids[:-1], dtype=np.int64)
+        return max(_shared(entry.tokens, prompt) for entry in self._entries)
+
     def take(self, prompt_ids: Sequence[int], usable: Callable[[KeptState], bool] = lambda state: True
              ) -> tuple[KeptState, int] | None:
         """The `usable` entry sharing the longest prefix with the prompt, and that prefix's length (at most all but
