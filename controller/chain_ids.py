@@ -46,14 +46,16 @@ class ChainIds:
     def send(self, message: Forward, **changes: Any) -> Forward:
         """The wire form of an engine's step (`changes` applied too), now awaited. ValueError if its
         micro-batch id is out of range or the micro-batch already has a step in flight."""
-        if not 0 <= message.micro_batch_id < self.span:
-            raise ValueError(f"micro-batch id {message.micro_batch_id} outside [0, {self.span})")
+        for batch_id in (message.micro_batch_id, *message.copy_into):
+            if not 0 <= batch_id < self.span:
+                raise ValueError(f"micro-batch id {batch_id} outside [0, {self.span})")
         wire_id = self._base + message.micro_batch_id
         if wire_id in self._awaited:
             raise ValueError(f"micro-batch {message.micro_batch_id} already has a step in flight")
         if self._base or changes:  # a first local run sends the engine's own message: no copy per step
             message = replace(message, micro_batch_id=wire_id,
-                              admit_from=tuple(self._base + source for source in message.admit_from), **changes)
+                              admit_from=tuple(self._base + source for source in message.admit_from),
+                              copy_into=tuple(self._base + copy for copy in message.copy_into), **changes)
         self._awaited[wire_id] = message.step_id
         self._tokens[wire_id] = message.position_ids.size
         return message

@@ -455,7 +455,7 @@ class Engine:
                     log.info("the chain broke after %d steps: %s", self._collected, error)
                     self._resume_on(recover(error), error)
             else:
-                if self._unfinished:  # the feed ended the run under streams still running
+                if self._unfinished or self._flushing:  # the feed ended the run under steps still running
                     self._abandon()
             self._release_cache()  # the states it kept on the chain are of no use past this run
         except BaseException:  # a stage's failure, a bad result, Ctrl-C: free what this run holds, then raise
@@ -1045,7 +1045,8 @@ class Engine:
         all its confirmed tokens but the last (not one cancelled mid-prompt); None where the cache is off or rows go
         on. A micro-batch of several rows is not kept (its state would keep them all until a next step, which a kept
         one never has), nor one with admissions it has not stepped."""
-        if not self.prefix_cache.enabled or track.rows != 1 or len(finished) != 1 or track.admit_from:
+        if not self.prefix_cache.enabled or track.rows != 1 or len(finished) != 1 or track.admit_from \
+                or track.copy_into:  # its copies would wait for a step a kept micro-batch may never have
             return None
         stream = self._streams[next(iter(finished))]
         return stream if self._keeps_end(track, stream) else None
@@ -1061,9 +1062,10 @@ class Engine:
         ends = [stream for stream in ends if self._keeps_end(track, stream)]
         if not ends:
             return False
-        for stream in ends:
-            self._copy_out(track, stream)
-        fed = ends[0]
+        copied = [stream for stream in ends if self._copy_out(track, stream)]
+        if not copied:  # none fits the cache: nothing for the step to make
+            return False
+        fed = copied[0]  # rolled back to its confirmed tokens but the last: that one goes in at a position it has
         track.drop(finished - {fed.stream_id})
         batch_id = track.micro_batch_id
         self._tracks.pop(batch_id, None)
@@ -1084,18 +1086,20 @@ class Engine:
         return self.prefix_cache.enabled and not stream.request.keep_kv and bool(stream.tokens) \
             and track.next_position(stream.stream_id) >= stream.confirmed_count - 1
 
-    def _copy_out(self, track: BatchTrack, stream: _Stream) -> None:
+    def _copy_out(self, track: BatchTrack, stream: _Stream) -> bool:
         """For the prefix cache, a stream that ended beside rows that go on: its row, holding its confirmed tokens
         but the last, is copied into a micro-batch of its own by the track's next step (CopyRow), and cached once
-        that step has run. Not a keep_kv stream's (its own micro-batch is kept), nor one cancelled mid-prompt."""
-        if not self._keeps_end(track, stream):
-            return
+        that step has run. Not a keep_kv stream's (its own micro-batch is kept), nor one cancelled mid-prompt; True
+        where the copy is queued."""
+        if not self._keeps_end(track, stream) or stream.confirmed_count - 1 > self.prefix_cache.capacity_tokens:
+            return False  # (a state larger than the whole cache would be released as soon as it was made)
         fed = stream.confirmed[:-1]
         track.reject(stream.stream_id, track.next_position(stream.stream_id) - len(fed))
         copy_id = self._new_batch_id()
         track.copy_row(stream.stream_id, copy_id)
         self._cache_pending[copy_id] = KeptKV(
             self.chain, BatchTrack.copied(copy_id, self.spec.max_context, stream.stream_id, len(fed)), fed)
+        return True
 
     def _keep(self, track: BatchTrack, stream: _Stream) -> KeptKV:
         """Leave a finished stream's micro-batch on the chain, holding its confirmed tokens but the last (never

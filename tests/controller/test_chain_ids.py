@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from deskfleet.common.kv_ledger import AdmitRow, AppendSlots
+from deskfleet.common.kv_ledger import AdmitRow, AppendSlots, CopyRow
 from deskfleet.common.wire import Forward, ForwardResult
 from deskfleet.controller.chain_ids import ChainIds
 
@@ -43,6 +44,18 @@ def test_after_renumber_every_id_is_shifted_and_shifted_back() -> None:
     result = ids.receive(ForwardResult(SPAN + 3, 2, (7,), None, None))
     assert result is not None and result.micro_batch_id == 3
     assert ids.engine_id(SPAN + 3) == 3
+
+
+def test_copies_go_to_shifted_ids_too_and_ids_out_of_range_are_refused() -> None:
+    """A row copied out for the prefix cache lands on the stages under the id the engine later resumes or releases
+    through this chain: shifted as the step's own (the fleet's base is never 0)."""
+    ids = incrementing()
+    ids.renumber()
+    message = replace(step(3), slot_deltas=(CopyRow(0), AppendSlots(1, (1,), (0,))), copy_into=(9,))
+    wire = ids.send(message)
+    assert wire.copy_into == (SPAN + 9,)
+    with pytest.raises(ValueError, match="outside"):
+        ids.send(replace(step(4), slot_deltas=(CopyRow(0), AppendSlots(1, (1,), (0,))), copy_into=(SPAN,)))
 
 
 def test_changes_are_applied_even_at_base_zero() -> None:
