@@ -287,3 +287,31 @@ def test_a_stream_that_ends_beside_others_leaves_its_prompt_and_reply_for_the_ne
     assert results[ids[1]].tokens == reply
     for stream_id, request in zip(ids, (long_runner, turn, follow_up), strict=True):
         assert results[stream_id].tokens == _fresh(target, request, stages)
+
+
+def test_a_cancel_that_empties_a_micro_batch_before_its_copy_stepped_drops_the_copy_and_the_next_turn_runs(
+        target: Path) -> None:
+    """A ends beside B, so A's row waits for the micro-batch's next step to be copied out; B's client goes away before
+    that step: the micro-batch goes (not kept whole with a copy no step will make), and A's next turn, which would
+    have waited for that copy, runs, its prompt fed whole."""
+    vocab = load_manifest(target).spec.vocab_size
+    first = StreamRequest(_tokens(50, 20, vocab), max_new_tokens=4, ignore_eos=True)
+    reply = _fresh(target, first, 1)
+    follow_up = StreamRequest(first.prompt_ids + reply + [5, 6], max_new_tokens=3, ignore_eos=True)
+    with LocalPipeline(target, 1, F32) as pipeline:
+        engine = Engine(pipeline, load_manifest(target).spec, None,
+                        EngineOptions(micro_batches=1, prefix_cache_tokens=CACHE))
+        a = engine.add(first)
+        b = engine.add(StreamRequest(_tokens(51, 20, vocab), max_new_tokens=40, ignore_eos=True))
+        later: list[int] = []
+
+        def feed(idle: bool) -> bool:
+            if not later and engine.is_done(a):
+                assert engine._cache_pending  # A's copy waits for the micro-batch's next step
+                engine.cancel(b)
+                later.append(engine.add(follow_up))
+            return not (idle and later and engine.is_done(later[0]))
+
+        results = engine.run(feed=feed)
+    assert pipeline.micro_batches == (0,)
+    assert results[later[0]].reused_tokens == 0 and results[later[0]].tokens == _fresh(target, follow_up, 1)
