@@ -47,7 +47,7 @@ from deskfleet.common.wire import MICRO_BATCH_IDLE_S, DraftInfo, Forward, Forwar
 from .batch_track import BatchTrack
 from .draft import Drafter, DraftRow, Proposal, mix_seed
 from .generation import GenerationError, check_request
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, shared_prefix
 
 log = logging.getLogger(__name__)
 
@@ -159,11 +159,7 @@ class KeptKV:
     def shared_prefix(self, prompt_ids: list[int]) -> int:
         """How many of the prompt's first tokens its KV holds already (at most all but the prompt's last, which
         must be fed for the first token)."""
-        limit = min(len(self.tokens), len(prompt_ids) - 1)
-        if limit <= 0:
-            return 0
-        differ = np.flatnonzero(np.asarray(self.tokens[:limit]) != np.asarray(prompt_ids[:limit]))
-        return int(differ[0]) if differ.size else limit
+        return shared_prefix(self.tokens, prompt_ids)
 
     def take(self) -> BatchTrack:
         """The micro-batch, for the engine that resumes it (once)."""

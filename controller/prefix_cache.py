@@ -81,7 +81,8 @@ class PrefixCache:
             return
         tokens = np.asarray(state.tokens, dtype=np.int64)
         self.expire()
-        for entry in [entry for entry in self._entries if _shared(entry.tokens, tokens) == entry.tokens.size]:
+        for entry in [entry for entry in self._entries
+                      if entry.tokens.size <= tokens.size and np.array_equal(tokens[:entry.tokens.size], entry.tokens)]:
             self._drop(entry)
         self._puts += 1
         self._entries.append(_Entry(state, tokens, self._clock(), self._puts))
@@ -106,10 +107,7 @@ class PrefixCache:
 
     def best_shared(self, prompt_ids: Sequence[int]) -> int:
         """The most of the prompt's first tokens (all but its last at most) any entry holds; 0 with none."""
-        if not self._entries or len(prompt_ids) < 2:
-            return 0
-        prompt = np.asarray(prompt_ids[:-1], dtype=np.int64)
-        return max(_shared(entry.tokens, prompt) for entry in self._entries)
+        return max((shared_prefix(entry.tokens, prompt_ids) for entry in self._entries), default=0)
 
     def take(self, prompt_ids: Sequence[int], usable: Callable[[KeptState], bool] = lambda state: True
              ) -> tuple[KeptState, int] | None:
@@ -122,8 +120,7 @@ class PrefixCache:
             if self.enabled:
                 self.misses += 1
             return None
-        prompt = np.asarray(prompt_ids[:-1], dtype=np.int64)
-        shared, best = max(((_shared(entry.tokens, prompt), entry) for entry in entries),
+        shared, best = max(((shared_prefix(entry.tokens, prompt_ids), entry) for entry in entries),
                            key=lambda pair: (pair[0], pair[1].used))
         if shared == 0 or shared < self.min_shared * len(prompt_ids):
             self.misses += 1
@@ -145,8 +142,11 @@ class PrefixCache:
         entry.state.release()
 
 
-def _shared(a: npt.NDArray[np.int64], b: npt.NDArray[np.int64]) -> int:
-    """How many first tokens two sequences share."""
-    length = min(a.size, b.size)
-    differ = np.flatnonzero(a[:length] != b[:length])
-    return int(differ[0]) if differ.size else length
+def shared_prefix(tokens: Sequence[int] | npt.NDArray[np.int64], prompt_ids: Sequence[int]) -> int:
+    """How many of the prompt's first tokens a kept state holds (`tokens` begins with them): at most all but the
+    prompt's last, which must be fed for the first token."""
+    limit = min(len(tokens), len(prompt_ids) - 1)
+    if limit <= 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(tokens[:limit]) != np.asarray(prompt_ids[:limit]))
+    return int(differ[0]) if differ.size else limit

@@ -198,9 +198,11 @@ def test_draft_with_another_vocabulary_is_refused(target: Path, checkpoint_facto
         Engine(pipeline, manifest.spec, DraftModel(small, F32))
 
 
-def _exact_joint(checkpoint: Path, prompt: list[int], params: SamplingParams,
-                 depth: int) -> dict[tuple[int, ...], float]:
-    """P(t1..t_depth) of sampling with `params`, from transformers' own logits."""
+def _exact_joint(checkpoint: Path, prompt: list[int], params: SamplingParams, depth: int,
+                 adjust: Callable[[tuple[int, ...], np.ndarray], np.ndarray] | None = None
+                 ) -> dict[tuple[int, ...], float]:
+    """P(t1..t_depth) of sampling with `params`, from transformers' own logits (first passed through
+    `adjust(prefix, logits)` where given: the tokens sampled so far, the float32 logits of the next)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -213,6 +215,8 @@ def _exact_joint(checkpoint: Path, prompt: list[int], params: SamplingParams,
             return
         with torch.no_grad():
             logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1].numpy()
+        if adjust is not None:
+            logits = adjust(prefix, logits)
         probs = sampling_probs(logits[None, :], params)[0]
         for token in np.flatnonzero(probs > 0):
             expand((*prefix, int(token)), probability * float(probs[token]))

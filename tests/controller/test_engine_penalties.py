@@ -15,14 +15,14 @@ import pytest
 from deskfleet.agent.stage_executor import adjusted
 from deskfleet.common.kv_ledger import AppendSlots
 from deskfleet.common.logits_adjust import RowAdjust
-from deskfleet.common.speculative import SamplingParams, sampling_probs
+from deskfleet.common.speculative import SamplingParams
 from deskfleet.common.wire import DraftInfo, LogitsAdjust
 from deskfleet.controller.draft import DraftModel
 from deskfleet.controller.engine import EngineOptions, StreamRequest
 from deskfleet.controller.generation import GenerationError
 from deskfleet.controller.prompt_lookup import PromptLookupDraft
 
-from .test_engine import F32, PROMPTS, _chi_square, _critical, run_streams
+from .test_engine import F32, PROMPTS, _chi_square, _critical, _exact_joint, run_streams
 from .test_engine_kept_kv import OracleDraft
 from .test_engine_logprobs import _reference, _run
 
@@ -121,31 +121,17 @@ def test_penalties_and_biases_out_of_range_are_refused_by_name(changes: dict[str
         _run(target, [StreamRequest(PROMPTS[0], max_new_tokens=2, **changes)])  # type: ignore[arg-type]
 
 
-def _exact_adjusted_joint(checkpoint: Path, prompt: list[int], params: SamplingParams, depth: int,
-                          bias: dict[int, float]) -> dict[tuple[int, ...], float]:
-    """P(t1..t_depth) of sampling with `params` from transformers' logits after the penalties and bias."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    joint: dict[tuple[int, ...], float] = {}
-
-    def expand(prefix: tuple[int, ...], probability: float) -> None:
-        if len(prefix) == depth:
-            joint[prefix] = probability
-            return
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1].double().numpy()
+def _adjusted(bias: dict[int, float]) -> Callable[[tuple[int, ...], np.ndarray], np.ndarray]:
+    """The penalties of the tokens sampled so far and the bias, on float32 logits (summed in float64)."""
+    def adjust(prefix: tuple[int, ...], logits: np.ndarray) -> np.ndarray:
+        out = logits.astype(np.float64)
         for token, times in Counter(prefix).items():
-            logits[token] -= FREQUENCY * times + PRESENCE
+            out[token] -= FREQUENCY * times + PRESENCE
         for token, value in bias.items():
-            logits[token] += value
-        probs = sampling_probs(logits[None, :].astype(np.float32), params)[0]
-        for token in np.flatnonzero(probs > 0):
-            expand((*prefix, int(token)), probability * float(probs[token]))
+            out[token] += value
+        return out.astype(np.float32)
 
-    expand((), 1.0)
-    return joint
+    return adjust
 
 
 @pytest.mark.slow
@@ -158,7 +144,7 @@ def test_sampling_with_penalties_draws_from_the_adjusted_distribution_drafted_or
     prompt = PROMPTS[1]
     plain = _run(target, [StreamRequest(prompt, max_new_tokens=1, ignore_eos=True)])[0].tokens
     bias = {plain[0] + 1: 1.5}
-    joint = _exact_adjusted_joint(checkpoint, prompt, params, 3, bias)
+    joint = _exact_joint(checkpoint, prompt, params, 3, _adjusted(bias))
     total = 600
     requests = [StreamRequest(prompt, max_new_tokens=3, ignore_eos=True, sampling=params, seed=seed,
                               presence_penalty=PRESENCE, frequency_penalty=FREQUENCY, logit_bias=tuple(bias.items()))
