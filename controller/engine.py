@@ -14,7 +14,9 @@
 - Finished rows are dropped (beam_idx), dead slots compacted when the policy says it pays.
 - When the chain breaks (ChainBroken: a PC of the fleet died) and run() was given `recover`, the engine
   takes the new chain recover() returns and resumes every unfinished stream on it: each is prefilled
-  again with its prompt plus the tokens it has generated, so no token is lost or repeated.
+  again with its prompt plus the tokens it has generated, so no token is lost or repeated. A feed may ask for
+  the same move onto a chain of its choosing (switch_chain: a busy server taking back a PC that came back),
+  made between two steps once the steps in flight are collected.
 - A stream asked to keep its KV state (`keep_kv`, a chat's reply) leaves its micro-batch on the chain when
   it ends, as a KeptKV; the next request that `resume`s it (the chat's next turn, whose prompt repeats the
   conversation so far) rolls it back by mask to the prefix the two share and is fed only the rest.
@@ -83,6 +85,8 @@ class ChainBroken(RuntimeError):
 
 
 Recover = Callable[[ChainBroken], "StageChain"]  # a new chain to resume on; raises to give up
+# switch_chain's opener: the chain to move the run onto, or None to stay on the one it runs on
+ChainSwitch = Callable[[], "StageChain | None"]
 
 
 class StageChain(Protocol):
@@ -261,11 +265,13 @@ class _Stream:
 
 @dataclass(frozen=True)
 class Failover:
-    """One recovery during run(): what broke, and how many streams resumed on the new chain."""
+    """One move onto a new chain during run(): what broke (or, for a switch_chain, why it moved), and how many
+    streams resumed on the new chain."""
 
     error: str
     after_steps: int  # steps collected before the chain broke
     resumed_streams: int
+    switched: bool = False  # asked for (switch_chain), not a break
 
 
 @dataclass
@@ -331,6 +337,7 @@ class Engine:
         self._started = 0.0
         self._on_token: TokenCallback | None = None
         self.failovers: list[Failover] = []
+        self._switch: tuple[ChainSwitch, str] | None = None  # a move onto another chain asked for (switch_chain)
         self.timings = EngineTimings()
         self._driver_busy = _DriverBusy()
         self._eos = frozenset(spec.eos_token_ids)
@@ -439,17 +446,20 @@ class Engine:
             self._take_resumed()
             # a step that copies ended rows out for the prefix cache (_flush) is collected before the run idles or ends
             while feed is None or feed(not self._unfinished and not self._flushing):
-                if not self._unfinished and not self._flushing:
+                if not self._unfinished and not self._flushing and self._switch is None:
                     if feed is None:
                         break
                     continue
                 try:
+                    if self._switch is not None:
+                        self._switch_now()
+                        continue
                     self._advance()
                 except ChainBroken as error:
                     if recover is None:
                         raise
                     log.info("the chain broke after %d steps: %s", self._collected, error)
-                    self._resume_on(recover(error), error)
+                    self._resume_on(recover(error), str(error))
             else:
                 if self._unfinished or self._flushing:  # the feed ended the run under steps still running
                     self._abandon()
@@ -559,6 +569,10 @@ class Engine:
                 self._collected += 1  # nothing runs until the next arrival: let time pass
                 return
             raise GenerationError("the engine has nothing in flight but streams are not done")
+        self._collect_one()
+
+    def _collect_one(self) -> None:
+        """Take the next step's result from the chain (waiting for it)."""
         waited_from = time.perf_counter()
         result = self.chain.collect()
         collected_at = time.perf_counter()
@@ -566,9 +580,30 @@ class Engine:
         arrived_at = getattr(self.chain, "last_arrival_s", None)
         self._on_result(result, arrived_at if isinstance(arrived_at, float) and arrived_at > 0 else collected_at)
 
-    def _resume_on(self, chain: StageChain, error: ChainBroken) -> None:
+    def switch_chain(self, open_new: ChainSwitch, why: str) -> None:
+        """Ask run() to move onto the chain `open_new` gives (a feed's call, on run()'s thread): before its next
+        step, run() collects every step in flight (their tokens count), then asks `open_new`; with a chain, every
+        unfinished stream resumes on it as after a failover (prefilled with its prompt and tokens so far; `why` is
+        what the failover record says), its micro-batches released on the old chain, which the caller closes; with
+        None, the run goes on on its chain, having lost only the overlap of the steps it let finish. A chain that
+        breaks meanwhile goes to run()'s `recover` as any break does."""
+        self._switch = (open_new, why)
+
+    def _switch_now(self) -> None:
+        """switch_chain's move, between two steps."""
+        assert self._switch is not None
+        open_new, why = self._switch
+        self._switch = None
+        while self._in_flight:  # a flush step one of them starts is collected too
+            self._collect_one()
+        chain = open_new()
+        if chain is None:
+            return
+        self._resume_on(chain, why, switched=True)
+
+    def _resume_on(self, chain: StageChain, error: str, switched: bool = False) -> None:
         """Forget every micro-batch and queue every unfinished stream that had started for a prefill of its
-        prompt plus its tokens so far on `chain`.
+        prompt plus its tokens so far on `chain`; `error`: what broke the old one (or why the run moved).
 
         The micro-batches are released on the old chain first: a chain that broke by timing out (the fleet's
         step timeout: its links are open, the agents alive) still holds their KV state on every stage, for the
@@ -594,7 +629,7 @@ class Engine:
         self._cancelled.clear()
         self._unstarted = dict(sorted(self._unstarted.items()))  # arrival order
         self.chain = chain
-        self.failovers.append(Failover(str(error), self._collected, resumed))
+        self.failovers.append(Failover(error, self._collected, resumed, switched))
 
     def _abandon(self) -> None:
         """After run() stopped early: release every micro-batch this run opened on the chain and in the drafter
