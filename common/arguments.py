@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 MAX_BROWSE_S = 600.0  # the longest mDNS browse a --discover-seconds asks for
@@ -27,15 +28,22 @@ def prompts_file_argument(text: str) -> Path:
     return path if text == STDIN_PATH or str(path) != STDIN_PATH else Path.cwd() / STDIN_PATH
 
 
-def browse_seconds(text: str) -> float:
-    """argparse type: how long to browse mDNS, 0 to MAX_BROWSE_S seconds (NaN, infinity, negatives refused)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 <= value <= MAX_BROWSE_S:  # NaN fails this too
-        raise argparse.ArgumentTypeError(f"must be 0 to {MAX_BROWSE_S:.0f} seconds, got {text}")
-    return value
+def seconds_up_to(maximum: float) -> Callable[[str], float]:
+    """argparse type: a number of seconds, 0 to `maximum` (NaN, infinity, negatives refused)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+        if not 0 <= value <= maximum:  # NaN fails this too
+            raise argparse.ArgumentTypeError(f"must be 0 to {maximum:.0f} seconds, got {text}")
+        return value
+
+    return parse
+
+
+# argparse type: how long to browse mDNS
+browse_seconds = seconds_up_to(MAX_BROWSE_S)
 
 
 def verbose_anywhere(parser: argparse.ArgumentParser) -> None:

@@ -4,8 +4,10 @@ Every request is a stream of the same running engine (Engine.run with a feed), s
 others run are admitted between their steps and batched with them, as `generate`'s prompts are; a stream whose
 client went away is cancelled and its row dropped. The chain (local stages, or the fleet's, which re-plans when
 a PC drops out) opens at start(). If a run fails past what it can mend, every stream it held ends with the
-error and the chain opens again for the next request. An idle service opens it again when its take-back check
-says so: a fleet's opening takes back a PC that a re-plan left out and that has called in since.
+error and the chain opens again for the next request. When its take-back check says so (a fleet's: a PC that a
+re-plan left out has called in since), the service takes the PC back: at its next idle moment by opening the chain
+again, or, where streams keep running for TAKE_BACK_BUSY_S, by moving them onto the chain the opener's `take_back`
+makes (Engine.switch_chain), as after a failover.
 
 Sinks are called on the engine's thread: they must return at once and not raise (a server hands the tokens to
 its event loop).
@@ -14,7 +16,6 @@ its event loop).
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,12 +27,24 @@ from deskfleet.common.logprobs import TokenLogprob
 from deskfleet.common.model_spec import ModelSpec
 
 from .draft import Drafter
-from .engine import Engine, EngineOptions, Recover, StageChain, StreamRequest, StreamResult
+from .engine import ChainSwitch, Engine, EngineOptions, Recover, StageChain, StreamRequest, StreamResult
 
 log = logging.getLogger(__name__)
 
-# What a chain opener gives: the chain, and the failover that replaces it when it breaks (None: none)
-ChainOpener = Callable[[], AbstractContextManager[tuple[StageChain, Recover | None]]]
+
+
+@dataclass(frozen=True)
+class OpenedChain:
+    """What a chain opener gives: the chain, the failover that replaces it when it breaks (None: none), and what
+    makes a chain that takes back the PCs the take-back check found while streams run (a fleet's
+    FleetFailover.rejoin: None where nothing could be taken back; the opener closes the chains it made)."""
+
+    chain: StageChain
+    recover: Recover | None = None
+    take_back: ChainSwitch | None = None
+
+
+ChainOpener = Callable[[], AbstractContextManager[OpenedChain]]
 # The engine's options for the chain opened (a fleet's number of stages is known once its chain is open)
 OptionsFor = Callable[[StageChain], EngineOptions]
 
@@ -42,9 +55,13 @@ OptionsFor = Callable[[StageChain], EngineOptions]
 # cost 8 users sent at once through the API half their tokens a second over 64 tokens (`bench serve`)
 GATHER_S = 0.003
 GATHER_MAX_S = 0.02
-# An idle service with a take-back check (a fleet's: a PC a re-plan left out has called in since) asks it this
-# often, and opens its chain again when it says so: the opening takes the PC back
+# A service with a take-back check (a fleet's: a PC a re-plan left out has called in since) asks it this often;
+# where it says so, an idle service opens its chain again (the opening takes the PC back)
 TAKE_BACK_POLL_S = 10.0
+# ... and one whose streams keep running this long after it said so moves them onto a chain that takes the PC back
+# (OpenedChain.take_back): every stream waits for that re-plan and is prefilled again on the new chain, as after a
+# failover, a cost a server busy for a minute repays many times over the hours it would otherwise run short of a PC
+TAKE_BACK_BUSY_S = 60.0
 
 
 class ServiceBusy(RuntimeError):
@@ -92,15 +109,20 @@ class _Inbox:
 
 class EngineService:
     def __init__(self, open_chain: ChainOpener, spec: ModelSpec, draft: Drafter | None, options: OptionsFor,
-                 max_streams: int = 64, take_back: Callable[[], bool] | None = None) -> None:
-        """`take_back`: asked every TAKE_BACK_POLL_S while no stream runs; True opens the chain again (a fleet's
-        opening takes back a PC that a re-plan left out: open_fleet_chain). None: the chain stays as it opened."""
+                 max_streams: int = 64, take_back: Callable[[], bool] | None = None,
+                 take_back_busy_s: float = TAKE_BACK_BUSY_S) -> None:
+        """`take_back`: asked every TAKE_BACK_POLL_S; where it says True, the service opens the chain again at its
+        next idle moment (a fleet's opening takes back a PC that a re-plan left out: open_fleet_chain), or, where
+        streams run for `take_back_busy_s` meanwhile, moves them onto the chain its opener's take_back makes. None:
+        the chain stays as it opened."""
         if max_streams < 1:
             raise ValueError(f"max_streams must be at least 1, got {max_streams}")
         self._open_chain = open_chain
         self._take_back = take_back
         self._reopening = False  # the feed ended the run to open the chain again (take_back said so)
         self._last_look = time.monotonic()  # when take_back was last asked
+        self._back_since: float | None = None  # when take_back last said True, not acted on yet
+        self.take_back_busy_s = take_back_busy_s
         self.spec = spec
         self.draft = draft
         self.options = options
@@ -117,6 +139,7 @@ class EngineService:
         self.runs_failed = 0  # runs that failed past what their chain could mend (the chain was opened again)
         self.streams_cancelled = 0  # streams that ended cancelled (their client went away, a stop sequence met)
         self.chains_reopened = 0  # times an idle service opened its chain again to take a PC back (take_back)
+        self.chains_switched = 0  # times running streams moved onto a chain that took a PC back (take_back)
         self._engine: Engine | None = None  # the running engine (its chain is the one a failover went on on)
         self._fed = False  # the current run has taken its inbox at least once (a failure then ends only its streams)
 
@@ -213,12 +236,13 @@ class EngineService:
                 return
             self._fed = False
             try:
-                with self._open_chain() as (chain, recover):
+                with self._open_chain() as opened:
                     self.chains_reopened += reopening
+                    self._back_since = None  # the opening took back what there was (the next look finds the rest)
                     if first:
                         self._chain_open.set()
                         first = False
-                    self._run(Engine(chain, self.spec, self.draft, self.options(chain)), recover)
+                    self._run(Engine(opened.chain, self.spec, self.draft, self.options(opened.chain)), opened)
                 if not self._reopening:
                     return  # the feed ended the run: closing
                 log.info("no stream runs and the chain can take a PC back: it opens again")
@@ -236,12 +260,12 @@ class EngineService:
                     log.warning("the chain could not be opened again: %s", error)
                     self._end_all(f"the chain could not be opened: {error}")
 
-    def _run(self, engine: Engine, recover: Recover | None) -> None:
+    def _run(self, engine: Engine, opened: OpenedChain) -> None:
         self._by_stream.clear()
         self._engine = engine
         try:
-            engine.run(on_token=lambda stream_id, token: self._on_token(engine, stream_id, token), recover=recover,
-                       feed=lambda idle: self._feed(engine, idle))
+            engine.run(on_token=lambda stream_id, token: self._on_token(engine, stream_id, token),
+                       recover=opened.recover, feed=lambda idle: self._feed(engine, idle, opened.take_back))
             self._reap(engine)
         finally:
             self._engine = None
@@ -254,14 +278,17 @@ class EngineService:
                 self._lock.wait()
             return not self._closing
 
-    def _feed(self, engine: Engine, idle: bool) -> bool:
+    def _feed(self, engine: Engine, idle: bool, take_back: ChainSwitch | None) -> bool:
         """Engine.run's feed: end the streams that finished, take the new and the cancelled; with nothing to run,
-        wait for work. False (ends the run) once close() began."""
+        wait for work. False (ends the run) once close() began. While streams run, look for a PC to take back
+        (_look_while_busy)."""
         self._fed = True
         self._reap(engine)
         if idle and self._idle_until_work(engine):
             self._reopening = True
             return False
+        if not idle and self._take_back is not None:
+            self._look_while_busy(engine, take_back)
         with self._lock:
             if idle and self._inbox.new:  # a burst's first request: let the rest of it come (GATHER_S)
                 deadline = time.monotonic() + GATHER_MAX_S
@@ -290,17 +317,54 @@ class EngineService:
             self._reap(engine)
         return True
 
+    def _look_while_busy(self, engine: Engine, take_back: ChainSwitch | None) -> None:
+        """Between steps while streams run: ask the take-back check once TAKE_BACK_POLL_S passed since it was last
+        asked, and remember a True (the check says so once per call-in); once streams have kept running for
+        take_back_busy_s since, move them onto the chain `take_back` makes (Engine.switch_chain: before the next
+        step). An idle moment meanwhile opens the chain again instead (_idle_until_work)."""
+        now = time.monotonic()
+        if self._back_since is None:
+            if now - self._last_look < TAKE_BACK_POLL_S:
+                return
+            self._last_look = now
+            if self._looked():
+                self._back_since = now
+            return
+        if take_back is not None and now - self._back_since >= self.take_back_busy_s:
+            self._back_since = None
+            log.info("streams have run for %.0f s since a PC could be taken back: they move onto a chain that "
+                     "takes it", now - self._last_look)
+            engine.switch_chain(lambda: self._switched(take_back), "a PC was taken back while streams ran")
+
+    def _switched(self, take_back: ChainSwitch) -> StageChain | None:
+        """switch_chain's opener: the chain `take_back` makes, counted."""
+        chain = take_back()
+        self.chains_switched += chain is not None
+        return chain
+
+    def _looked(self) -> bool:
+        """What the take-back check says; False where it failed (a file being written: the next poll asks again)."""
+        try:
+            assert self._take_back is not None
+            return self._take_back()
+        except Exception:
+            log.debug("the look for a PC to take back failed", exc_info=True)
+            return False
+
     def _idle_until_work(self, engine: Engine) -> bool:
         """With no stream running: wait for one to come, a cancel, or close() (False); True where take_back says,
-        meanwhile, that the chain should open again. It is asked once TAKE_BACK_POLL_S passed since it was last
-        asked, counted across idle spells (requests that come more often than that would otherwise keep it from
-        ever being asked), and its True stands only where no work and no close() came while it looked. Meanwhile
-        the engine's prefix cache gives up its entries as they pass their age (their KV state freed on the stages)."""
+        meanwhile or while streams ran (_look_while_busy), that the chain should open again. It is asked once
+        TAKE_BACK_POLL_S passed since it was last asked, counted across idle spells (requests that come more often
+        than that would otherwise keep it from ever being asked), and its True is acted on where no work and no
+        close() came while it looked (else at the next idle moment, or by a move while busy). Meanwhile the engine's
+        prefix cache gives up its entries as they pass their age (their KV state freed on the stages)."""
         cache = engine.prefix_cache
         while True:
             with self._lock:
                 while not self._has_work():
                     look = self._last_look + TAKE_BACK_POLL_S - time.monotonic() if self._take_back else None
+                    if self._back_since is not None:
+                        look = 0.0  # a PC to take back was found while streams ran
                     waits = [wait for wait in (look, cache.seconds_to_expiry()) if wait is not None]
                     if not waits:
                         self._lock.wait()
@@ -313,18 +377,14 @@ class EngineService:
             if (expiry := cache.seconds_to_expiry()) is not None and expiry <= 0:
                 cache.expire()  # on the engine's thread, as every release of its micro-batches
                 continue
-            self._last_look = time.monotonic()
-            try:
-                assert self._take_back is not None
-                wanted = self._take_back()
-            except Exception:  # a look that fails (a file being written) is taken again at the next poll
-                log.debug("the look for a PC to take back failed", exc_info=True)
-                wanted = False
-            if wanted:
-                with self._lock:  # work that came while it looked goes first: the next idle moment looks again
+            if self._back_since is None:
+                self._last_look = time.monotonic()
+                if self._looked():
+                    self._back_since = self._last_look
+            if self._back_since is not None:
+                with self._lock:  # work that came while it looked goes first: the PC is taken back after it
                     if not self._has_work():
                         return True
-                self._last_look = -math.inf
 
     def _has_work(self) -> bool:
         """Whether a stream, a cancel or close() waits; under self._lock."""

@@ -195,7 +195,7 @@ class FleetFailover:
             raise
         finally:
             self._blame = None  # weighed by this break's first re-plan that surveyed (or by none)
-        self.chains.append(chain)
+        self._add_chain(chain)
         seconds = record(chain)
         checked = f"; {self._verdict}" if self._verdict else ""
         how = ("went on in {seconds:.1f} s on the deployment saved meanwhile (another run's re-plan, or a `fleet "
@@ -239,7 +239,12 @@ class FleetFailover:
         noted in the record, so that the next runs wait for that PC's next call-in. A re-plan here is not a failure:
         it spends none of the run's --max-failovers; and where it failed after agents were told anything (their
         stages of the chain on record may be gone), a stage is known gone, or the deploy waited for did not finish,
-        the run's first failover is not counted either."""
+        the run's first failover is not counted either.
+
+        A run that holds its chain (a busy `serve --fleet`: EngineService moves its streams onto the chain this gives)
+        may have lost the PC itself, in a failover when its user paused it: a PC lost in this run that has called in
+        since is forgiven first, as a failover's re-plan does (once a run), or the plan would leave it out."""
+        self._forgive_called_in()
         back = pcs_back(self.store, self.model_dir)
         if back is not None:
             since = (f"since the re-plan at {utc_text(back.replanned_at)} that left "
@@ -356,13 +361,21 @@ class FleetFailover:
                    problem=f"the new chain did not open: {error}")
             self._credit = 1
             return self(error, opening=True)
-        self.chains.append(chain)
+        self._add_chain(chain)
         self.run_start = len(self.chains)  # not a failure: the run's budget is whole
         record(stages=[[stage.agent_id, stage.layer_start, stage.layer_end] for stage in chain.stages])
         self.notify(f"{said}: re-planned in {entry['seconds']:.1f} s over {chain.num_stages} agent(s): "
                     f"{chain.describe()}")
         self.check_cache()
         return chain
+
+    def _add_chain(self, chain: FleetPipeline) -> None:
+        """Own `chain`, the run's new one, and close those it made before the one `chain` replaces (the engine releases
+        its micro-batches on that one as it moves): a server that runs for months re-plans many times, and each
+        chain kept open held its links to the agents."""
+        self.chains.append(chain)
+        for replaced in self.chains[:-2]:
+            replaced.close()
 
     def _spent(self) -> int:
         """The re-plans this run has spent of --max-failovers; -1 while the credit for a re-plan that rejoin's failure

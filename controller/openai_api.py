@@ -230,7 +230,8 @@ class OpenAiApi:
         return web.json_response({"status": "ok", "model": self.model_name, "live_streams": self.service.live_streams,
                                   "streams_cancelled": self.service.streams_cancelled,
                                   "runs_failed": self.service.runs_failed, "stages": self.service.chain_stages,
-                                  "chains_reopened": self.service.chains_reopened})
+                                  "chains_reopened": self.service.chains_reopened,
+                                  "chains_switched": self.service.chains_switched})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         parsed = parse_completion(await self._json(request), self.model_name)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deskfleet.common import event_loop
-from deskfleet.common.arguments import path_argument
+from deskfleet.common.arguments import path_argument, seconds_up_to
 from deskfleet.common.console import stopping_signals
 from deskfleet.common.wire import parse_address, with_default_port
 
@@ -31,6 +31,7 @@ from .decoding_options import (
     non_negative_int,
     positive_int,
 )
+from .engine_service import TAKE_BACK_BUSY_S
 
 if TYPE_CHECKING:
     from deskfleet.agent.stage import CompileSettings
@@ -52,6 +53,7 @@ DEFAULT_PREFIX_CACHE_TOKENS = 8192
 # A server's one run never ends: --max-failovers bounds the re-plans within this long of each other (a storm of
 # failures), not over the server's life, after which the streams running would fail at the next PC that drops out
 FAILOVER_WINDOW_S = 600.0
+MAX_TAKE_BACK_WAIT_S = 86400.0  # --take-back-wait: past a day, say so rather than a typo's years
 
 
 def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
@@ -90,6 +92,11 @@ def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
                        help="prompt tokens whose KV state stays on the stages for later requests that begin with the "
                             "same tokens (a chat's next turn, a shared system prompt), which then feed only the rest; "
                             f"0: none kept (default {DEFAULT_PREFIX_CACHE_TOKENS})")
+    serve.add_argument("--take-back-wait", type=seconds_up_to(MAX_TAKE_BACK_WAIT_S), default=None, metavar="SECONDS",
+                       help="--fleet: a PC a re-plan left out that calls in again is taken back at the server's next "
+                            "idle moment, or, where streams keep running this long, by moving them onto a chain that "
+                            "takes it (each waits for the re-plan and is prefilled again, as after a failover); 0: at "
+                            f"once (default {TAKE_BACK_BUSY_S:.0f})")
     add_drafting_options(serve)  # a request says how it samples
     add_prefill_option(serve)
     add_compile_options(serve)
@@ -170,6 +177,9 @@ def _serve_command(args: argparse.Namespace) -> int:
     from .tokenizer import ModelTokenizer
 
     check_fleet_options(args)
+    if args.take_back_wait is not None and not args.fleet:
+        raise ValueError("--take-back-wait without --fleet: local stages have no PC to take back; give --fleet or "
+                         "leave out --take-back-wait")
     host, port = parse_address(with_default_port(args.listen, DEFAULT_PORT), any_port=True)
     api_key = read_api_key(args.api_key_file)
     if api_key is None and not is_loopback(host) and not args.no_api_key:
@@ -197,7 +207,9 @@ def _serve_command(args: argparse.Namespace) -> int:
     opener = _fleet_opener(args, decoding) if args.fleet else _local_opener(args.model, stages, target, manifest)
     name = args.model_name or args.model.resolve().name
     service = EngineService(opener, manifest.spec, draft, options_for, max_streams=args.max_streams,
-                            take_back=_take_back_look(args) if args.fleet else None)
+                            take_back=_take_back_look(args) if args.fleet else None,
+                            take_back_busy_s=TAKE_BACK_BUSY_S if args.take_back_wait is None
+                            else args.take_back_wait)
     # a keyless server on loopback answers its own names only (a web page could reach it through another)
     hosts = frozenset({"127.0.0.1", "localhost", "::1", host}) if api_key is None and is_loopback(host) else None
     try:
@@ -260,25 +272,30 @@ async def _listen(api: OpenAiApi, host: str, port: int, where: str, tls: ssl.SSL
 
 
 def _local_opener(model: Path, stages: int, settings: CompileSettings, manifest: Manifest) -> ChainOpener:
+    from .engine_service import OpenedChain
     from .pipeline import LocalPipeline
 
     @contextmanager
-    def open_local() -> Iterator[tuple[StageChain, Recover | None]]:
+    def open_local() -> Iterator[OpenedChain]:
         with LocalPipeline(model, stages, settings, manifest) as pipeline:
-            yield pipeline, None
+            yield OpenedChain(pipeline)
 
     return open_local
 
 
 def _fleet_opener(args: argparse.Namespace, decoding: DecodingOptions) -> ChainOpener:
+    from .engine_service import OpenedChain
+
     store = controller_store(args.data_dir)
     drafting = decoding.draft is not None or decoding.prompt_lookup
 
     @contextmanager
-    def open_fleet() -> Iterator[tuple[StageChain, Recover | None]]:
+    def open_fleet() -> Iterator[OpenedChain]:
         with open_fleet_chain(store, args.model, fleet_max_failovers(args), args.discover_seconds,
                               drafting=drafting) as (chain, failover):
-            yield chain, windowed(failover)
+            # a PC back while streams run is taken back by the re-plan a run's start makes (the failover closes the
+            # chains it made, those it replaced too)
+            yield OpenedChain(chain, windowed(failover), failover.rejoin)
 
     return open_fleet
 

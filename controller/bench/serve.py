@@ -29,8 +29,8 @@ from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.logprobs import TokenLogprob
 from deskfleet.common.model_spec import load_manifest
 
-from ..engine import EngineOptions, Recover, StageChain, StreamRequest
-from ..engine_service import EngineService, StreamEnd
+from ..engine import EngineOptions, StreamRequest
+from ..engine_service import EngineService, OpenedChain, StreamEnd
 from ..pipeline import LocalPipeline
 from ..tokenizer import ModelTokenizer
 from .host import host_report
@@ -89,9 +89,9 @@ def run_serve_bench(model: Path, users: list[int] | None = None, prompt_tokens: 
     chosen = settings or CompileSettings()
 
     @contextmanager
-    def open_chain() -> Iterator[tuple[StageChain, Recover | None]]:
+    def open_chain() -> Iterator[OpenedChain]:
         with LocalPipeline(model, stages, chosen, manifest) as pipeline:
-            yield pipeline, None
+            yield OpenedChain(pipeline)
 
     service = EngineService(open_chain, spec, None,
                             lambda chain: EngineOptions(max_rows=max(users), micro_batches=stages),

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from deskfleet.common.arguments import MAX_BROWSE_S, STDIN_PATH, browse_seconds, path_argument, prompts_file_argument
+from deskfleet.common.arguments import (
+    MAX_BROWSE_S,
+    STDIN_PATH,
+    browse_seconds,
+    path_argument,
+    prompts_file_argument,
+    seconds_up_to,
+)
 
 
 def test_a_path_is_taken_as_given_and_an_empty_one_is_refused() -> None:
@@ -24,6 +31,13 @@ def test_a_browse_is_0_to_600_seconds_and_nothing_else() -> None:
                      ("inf", "must be 0 to 600"), ("2s", "expected a number of seconds, got '2s'")):
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             browse_seconds(bad)
+
+
+def test_seconds_up_to_a_bound_take_that_bound_and_name_it() -> None:
+    day = seconds_up_to(86400)
+    assert day("0") == 0.0 and day("86400") == 86400.0 and day("2.5") == 2.5
+    with pytest.raises(argparse.ArgumentTypeError, match="must be 0 to 86400 seconds, got 86401"):
+        day("86401")
 
 
 def test_only_a_bare_dash_is_standard_input_as_a_prompts_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,8 +22,8 @@ from deskfleet.common.speculative import SamplingParams
 from deskfleet.common.wire import Forward
 from deskfleet.controller import engine as engine_module
 from deskfleet.controller.draft import Drafter, DraftModel
-from deskfleet.controller.engine import Engine, EngineOptions, Recover, StageChain, StreamRequest
-from deskfleet.controller.engine_service import EngineService
+from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
+from deskfleet.controller.engine_service import EngineService, OpenedChain
 from deskfleet.controller.lookup_first import LookupFirstDraft
 from deskfleet.controller.pipeline import LocalPipeline
 from deskfleet.controller.prompt_lookup import PromptLookupDraft
@@ -240,10 +240,10 @@ def test_an_idle_server_frees_its_entries_as_they_pass_their_age(target: Path, m
     opened: list[LocalPipeline] = []
 
     @contextmanager
-    def open_chain() -> Iterator[tuple[StageChain, Recover | None]]:
+    def open_chain() -> Iterator[OpenedChain]:
         with LocalPipeline(target, 1, F32) as pipeline:
             opened.append(pipeline)
-            yield pipeline, None
+            yield OpenedChain(pipeline)
 
     service = EngineService(open_chain, load_manifest(target).spec, None,
                             lambda chain: EngineOptions(prefix_cache_tokens=CACHE))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +15,15 @@ import pytest
 from deskfleet.common.logprobs import TokenLogprob
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.controller import engine_service
-from deskfleet.controller.engine import ChainBroken, EngineOptions, Recover, StageChain, StreamRequest
-from deskfleet.controller.engine_service import ChainOpener, EngineService, ServiceBusy, ServiceClosed, StreamEnd
+from deskfleet.controller.engine import ChainBroken, EngineOptions, StreamRequest
+from deskfleet.controller.engine_service import (
+    ChainOpener,
+    EngineService,
+    OpenedChain,
+    ServiceBusy,
+    ServiceClosed,
+    StreamEnd,
+)
 from deskfleet.controller.pipeline import LocalPipeline
 from deskfleet.controller.prompt_lookup import PromptLookupDraft
 
@@ -56,11 +63,11 @@ def _local(model: Path, stages: int, opened: list[int] | None = None):  # type: 
     manifest = load_manifest(model)
 
     @contextmanager
-    def open_chain() -> Iterator[tuple[StageChain, Recover | None]]:
+    def open_chain() -> Iterator[OpenedChain]:
         if opened is not None:
             opened.append(1)
         with LocalPipeline(model, stages, F32, manifest) as pipeline:
-            yield pipeline, None
+            yield OpenedChain(pipeline)
 
     return open_chain
 
@@ -71,10 +78,10 @@ def _wrapped(model: Path, stages: int, wrap: Callable[[LocalPipeline], Any]) -> 
     chains: list[Any] = []
 
     @contextmanager
-    def open_chain() -> Iterator[tuple[StageChain, Recover | None]]:
+    def open_chain() -> Iterator[OpenedChain]:
         with LocalPipeline(model, stages, F32, manifest) as pipeline:
             chains.append(wrap(pipeline))
-            yield chains[-1], None
+            yield OpenedChain(chains[-1])
 
     return open_chain, chains
 
@@ -172,6 +179,10 @@ class BreakingChain:
     def renumber(self) -> None:
         self.pipeline.renumber()
 
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline.num_stages
+
 
 def test_a_failed_run_ends_its_streams_and_the_next_request_opens_the_chain_again(target: Path) -> None:
     open_chain, chains = _wrapped(target, 2, BreakingChain)
@@ -190,7 +201,7 @@ def test_a_failed_run_ends_its_streams_and_the_next_request_opens_the_chain_agai
 
 def test_a_chain_that_does_not_open_fails_the_start(target: Path) -> None:
     @contextmanager
-    def no_chain() -> Iterator[tuple[StageChain, Recover | None]]:
+    def no_chain() -> Iterator[OpenedChain]:
         raise RuntimeError("the model was never deployed")
         yield  # type: ignore[unreachable]
 
@@ -232,13 +243,13 @@ class FailingOpener:
         self.fail_options = fail_options
 
     @contextmanager
-    def __call__(self) -> Iterator[tuple[StageChain, Recover | None]]:
+    def __call__(self) -> Iterator[OpenedChain]:
         self.opens += 1
         if self.opens > 1 and not self.fail_options:
             raise RuntimeError("no PC answers")
         with LocalPipeline(self.target, 1, F32, self.manifest) as pipeline:
             self.chain = BreakingChain(pipeline)
-            yield self.chain, None  # type: ignore[misc]
+            yield OpenedChain(self.chain)  # type: ignore[arg-type]
 
     def options(self, chain: object) -> EngineOptions:
         if self.opens > 1 and self.fail_options:
@@ -357,7 +368,6 @@ def test_an_idle_service_opens_its_chain_again_when_a_pc_can_be_taken_back(
         sink.go.set()
         assert sink.wait().result is not None
         _wait_until(lambda: len(opened) >= 2, "the chain to open again")
-        assert not any(running_at_looks), "the take-back was asked while a stream ran"
         again = Sink()
         service.submit(StreamRequest(PROMPTS[1], max_new_tokens=12, ignore_eos=True), again)
         end = again.wait()
@@ -366,6 +376,103 @@ def test_an_idle_service_opens_its_chain_again_when_a_pc_can_be_taken_back(
         _wait_until(lambda: len(running_at_looks) >= looks + 2, "two more looks")
         assert len(opened) == 2 and service.chains_reopened == 1  # taken back once
         assert service.chain_stages == 2
+
+
+def _moving(target: Path, take_back: Callable[[], bool], moves: list[int], gives_chain: bool = True,
+            busy_s: float = engine_service.TAKE_BACK_BUSY_S) -> tuple[EngineService, list[int]]:
+    """A service on 2 local stages slowed to 10 ms a step (streams that outlast the polls), whose opener's
+    take_back gives a 1-stage chain (or, without `gives_chain`, none), noting the live streams at each call; and
+    the list of the chains it opened."""
+    manifest = load_manifest(target)
+    opened: list[int] = []
+
+    @contextmanager
+    def open_chain() -> Iterator[OpenedChain]:
+        with ExitStack() as pipelines:
+            opened.append(1)
+            chain = BreakingChain(pipelines.enter_context(LocalPipeline(target, 2, F32, manifest)), delay=0.01)
+
+            def take_back_now() -> LocalPipeline | None:
+                moves.append(len(service._by_stream))
+                return pipelines.enter_context(LocalPipeline(target, 1, F32, manifest)) if gives_chain else None
+
+            yield OpenedChain(chain, None, take_back_now)  # type: ignore[arg-type]
+
+    service = EngineService(open_chain, manifest.spec, None, lambda chain: EngineOptions(max_rows=3, micro_batches=2),
+                            take_back=take_back, take_back_busy_s=busy_s)
+    return service, opened
+
+
+def _once(back: threading.Event) -> Callable[[], bool]:
+    """A take-back check that says True once after `back` is set (a PC calls in once)."""
+    def take_back() -> bool:
+        if not back.is_set():
+            return False
+        back.clear()
+        return True
+
+    return take_back
+
+
+@pytest.mark.parametrize("gives_chain", [True, False])
+def test_a_busy_service_moves_its_streams_onto_a_chain_that_takes_the_pc_back(
+        target: Path, monkeypatch: pytest.MonkeyPatch, gives_chain: bool) -> None:
+    # a server whose streams never all ended at once never took back a PC a re-plan left out: it ran short of a PC
+    # for as long as it stayed busy
+    monkeypatch.setattr(engine_service, "TAKE_BACK_POLL_S", 0.05)
+    back = threading.Event()
+    moves: list[int] = []
+    service, opened = _moving(target, _once(back), moves, gives_chain, busy_s=0.3)
+    with service:
+        sinks = [Sink(first_tokens=3) for _ in range(2)]
+        for prompt, sink in zip(PROMPTS, sinks, strict=False):
+            service.submit(StreamRequest(prompt, max_new_tokens=90, ignore_eos=True), sink)
+        assert sinks[0].got_tokens.wait(WAIT_S)
+        back.set()
+        ends = [sink.wait() for sink in sinks]
+        for prompt, sink, end in zip(PROMPTS, sinks, ends, strict=False):
+            assert end.error is None and end.result is not None
+            assert end.result.tokens == sink.tokens == _solo(target, prompt, 90)
+        assert moves == [2]  # asked once, while both streams ran
+        time.sleep(0.3)  # idle: the PC found while busy is not taken back again
+        assert len(opened) == 1
+        assert service.chains_switched == int(gives_chain) and service.chains_reopened == 0
+        assert service.chain_stages == (1 if gives_chain else 2)
+        later = Sink()
+        service.submit(StreamRequest(PROMPTS[2], max_new_tokens=12, ignore_eos=True), later)
+        assert later.wait().result.tokens == _solo(target, PROMPTS[2], 12)  # type: ignore[union-attr]
+
+
+def test_a_pc_found_while_busy_is_taken_back_at_the_next_idle_moment_before_the_busy_limit(
+        target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_service, "TAKE_BACK_POLL_S", 0.05)  # the busy limit stays a minute
+    back = threading.Event()
+    looks_while_busy: list[bool] = []
+    once = _once(back)
+
+    def take_back() -> bool:
+        said = once()
+        if service._by_stream:
+            looks_while_busy.append(said)
+            if said:  # the idle moment must not wait for a next look
+                monkeypatch.setattr(engine_service, "TAKE_BACK_POLL_S", 30.0)
+        return said
+
+    moves: list[int] = []
+    service, opened = _moving(target, take_back, moves)
+    with service:
+        sink = Sink(first_tokens=3)
+        service.submit(StreamRequest(PROMPTS[0], max_new_tokens=60, ignore_eos=True), sink)
+        assert sink.got_tokens.wait(WAIT_S)
+        back.set()
+        end = sink.wait()
+        assert end.result is not None and end.result.tokens == _solo(target, PROMPTS[0], 60)
+        assert True in looks_while_busy  # found while the stream ran
+        deadline = time.monotonic() + 10
+        while service.chains_reopened < 1:
+            assert time.monotonic() < deadline, "the idle moment waited for the next look"
+            time.sleep(0.01)
+        assert moves == [] and len(opened) == 2 and service.chains_switched == 0
 
 
 def test_a_request_that_comes_while_the_service_looks_goes_first(target: Path,
@@ -390,7 +497,8 @@ def test_a_request_that_comes_while_the_service_looks_goes_first(target: Path,
         looks += 1
         if looks == 1:
             service.submit(StreamRequest(PROMPTS[2], max_new_tokens=6, ignore_eos=True), sink)
-        return looks <= 2  # then nothing more to take back (always True reopened every look: 2 could go unseen)
+        return looks == 1  # a PC calls in once: its True is acted on after the request (always True reopened
+        # every look)
 
     service = _taking_back(target, take_back, opened)
     with service:

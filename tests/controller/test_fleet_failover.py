@@ -202,6 +202,32 @@ def test_each_run_of_a_chat_gets_the_whole_budget_and_may_use_a_pc_lost_before(
     assert len(failover.chains) == 2
 
 
+class ClosingChain(NewChain):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__()
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_re_plan_closes_the_chains_before_the_one_it_replaces(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a server that ran for months kept every chain its re-plans and take-backs had replaced open, with their links
+    async def redeploy() -> SimpleNamespace:
+        return SimpleNamespace(stages=(), model_id="m")
+
+    monkeypatch.setattr(fleet_failover, "FleetPipeline", ClosingChain)
+    failover = FleetFailover(store, tiny_export, max_failovers=3, notify=lambda text: None)
+    monkeypatch.setattr(failover, "_redeploy", redeploy)
+    for agent in "abc":
+        failover(ChainError(f"agent {agent}: the link closed", agent * 52))
+    # the newest runs; the one before it has its micro-batches released by the engine as it moves: both stay open
+    assert [chain.closed for chain in failover.chains] == [True, False, False]  # type: ignore[attr-defined]
+    failover.close()
+    assert all(chain.closed for chain in failover.chains)  # type: ignore[attr-defined]
+
+
 class _Redeploys:
     """Stands for FleetFailover._redeploy: each call records whom it left out and raises the next of `failures`
     (None: a chain is made)."""

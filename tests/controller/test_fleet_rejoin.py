@@ -211,6 +211,21 @@ def test_a_run_starts_by_re_planning_for_a_pc_that_is_back(store: FleetStore, ti
     assert len(failover.chains) - failover.run_start + failover.failed_replans == 0
 
 
+@pytest.mark.parametrize("called_in_since_lost", [True, False])
+def test_a_running_server_takes_back_a_pc_it_lost_itself_once_it_called_in_since(
+        store: FleetStore, tiny_export: Path, b_is_back: list[dict[str, object]], called_in_since_lost: bool) -> None:
+    # a busy `serve --fleet` lost B in one of its own failovers (its user paused it) and asks to take it back while its
+    # run goes on: B stayed in the run's lost PCs, so every plan left it out, however long it had been back
+    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=lambda text: None)
+    failover._lose(B)
+    failover._lost_at[B] = datetime.datetime.fromisoformat("2026-12-01T09:00:00+00:00" if called_in_since_lost
+                                                           else "2026-12-01T10:00:00+00:00")  # B called in at 09:30
+    failover.rejoin()
+    deployed = b_is_back[-1]
+    assert deployed["exclude"] == (frozenset() if called_in_since_lost else frozenset({B}))
+    assert (B in failover.lost) is not called_in_since_lost
+
+
 def test_a_run_goes_on_on_the_deployment_on_record_when_the_re_plan_for_a_pc_back_cannot_be_made(
         store: FleetStore, tiny_export: Path, b_is_back: list[dict[str, object]],
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from deskfleet.controller.cli import main
+from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.serve_cli import API_KEY_ENV, is_loopback, read_api_key, server_tls
 from tests.fake_clock import FakeClock
 
@@ -115,6 +116,7 @@ def test_is_loopback() -> None:
     (["--listen", "nonsense:port"], "has no port"),
     (["--stages", "2", "--fleet"], "--stages 2 with --fleet"),
     (["--data-dir", "/tmp/x"], "--data-dir without --fleet"),
+    (["--take-back-wait", "5"], "--take-back-wait without --fleet"),
     (["--k", "3"], "--k needs --draft or --prompt-lookup"),
 ])
 def test_serve_refuses_before_anything_compiles(tiny_export: Path, argv: list[str], says: str,
@@ -248,6 +250,47 @@ def test_a_servers_failover_budget_is_whole_again_after_a_quiet_window() -> None
     clock.now += 601  # quiet for longer than the window: a whole budget
     recover(None)  # type: ignore[arg-type]
     assert failover.started == 2
+
+
+def test_the_fleet_opener_gives_the_failover_and_its_take_back(store: FleetStore, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # a busy server moves its streams onto the chain the run's failover makes as a run's start does (rejoin)
+    import argparse
+
+    from deskfleet.controller import serve_cli
+    from deskfleet.controller.decoding_options import DecodingOptions
+
+    class Failover:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def start_run(self) -> None:
+            pass
+
+        def __call__(self, error: object) -> str:
+            self.calls.append("recover")
+            return "a re-planned chain"
+
+        def rejoin(self) -> str | None:
+            self.calls.append("rejoin")
+            return "a chain that took the PC back"
+
+    failover = Failover()
+    opened_with: list[tuple[object, ...]] = []
+
+    @contextmanager
+    def open_fleet_chain(*args: object, **kwargs: object) -> Iterator[tuple[str, Failover]]:
+        opened_with.append(args)
+        yield "the deployed chain", failover
+
+    monkeypatch.setattr(serve_cli, "open_fleet_chain", open_fleet_chain)
+    args = argparse.Namespace(data_dir=store.data_dir, model=tmp_path / "model", max_failovers=None,
+                              discover_seconds=None)
+    with serve_cli._fleet_opener(args, DecodingOptions())() as opened:
+        assert opened.chain == "the deployed chain" and opened.take_back is not None and opened.recover is not None
+        assert opened.take_back() == "a chain that took the PC back"
+        assert opened.recover(None) == "a re-planned chain"  # type: ignore[arg-type]
+    assert failover.calls == ["rejoin", "recover"] and len(opened_with) == 1
 
 
 def test_a_port_in_use_is_said_before_anything_compiles(tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:

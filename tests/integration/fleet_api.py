@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,6 +53,16 @@ def penalties(port: int, prompt: str) -> str:
     return str(_completion(port, prompt, presence_penalty=0.5, frequency_penalty=1.0, logit_bias={"7": 2.0})["text"])
 
 
+def health(port: int) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as response:
+        return dict(json.loads(response.read()))
+
+
+def completion_text(port: int, prompt: str, **fields: object) -> str:
+    """A greedy completion's text, with the request's `fields` (max_tokens, ignore_eos, ...)."""
+    return str(_completion(port, prompt, **fields)["text"])
+
+
 def _completion(port: int, prompt: str, **fields: object) -> dict[str, object]:
     return dict(_request(port, prompt, **fields)["choices"][0])
 
@@ -72,12 +82,13 @@ def _ends_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def start_server(data_dir: str, model: str, fleet: bool = True) -> tuple[subprocess.Popen[str], int]:
-    """`deskfleet serve --fleet` (or, not `fleet`, on one local stage in f32) on a free loopback port, once it
-    serves; its port. SystemExit where it did not start, saying what it said."""
+def start_server(data_dir: str, model: str, fleet: bool = True,
+                 options: Sequence[str] = ()) -> tuple[subprocess.Popen[str], int]:
+    """`deskfleet serve --fleet` (or, not `fleet`, on one local stage in f32) on a free loopback port with `options`,
+    once it serves; its port. SystemExit where it did not start, saying what it said."""
     where = ["--fleet", "--data-dir", data_dir, "--discover-seconds", "0"] if fleet else ["--precision", "f32"]
     server = subprocess.Popen([str(BIN / "deskfleet"), "serve", "--model", model, *where, "--listen", "127.0.0.1:0",
-                               "--model-name", "served"],
+                               "--model-name", "served", *options],
                               stderr=subprocess.PIPE, text=True, preexec_fn=_ends_with_parent)
     assert server.stderr is not None
     said = ""
@@ -94,9 +105,10 @@ def start_server(data_dir: str, model: str, fleet: bool = True) -> tuple[subproc
 
 
 @contextmanager
-def served(data_dir: str, model: str, fleet: bool = True) -> Iterator[tuple[subprocess.Popen[str], int]]:
+def served(data_dir: str, model: str, fleet: bool = True,
+           options: Sequence[str] = ()) -> Iterator[tuple[subprocess.Popen[str], int]]:
     """start_server's server and port; killed on the way out where it still runs."""
-    server, port = start_server(data_dir, model, fleet)
+    server, port = start_server(data_dir, model, fleet, options)
     try:
         yield server, port
     finally:

@@ -587,6 +587,58 @@ def test_a_pc_its_user_pauses_is_re_planned_around_and_the_server_takes_it_back_
     assert f"agent {victim[:12]} is available again" in fleet.log("controller")
 
 
+def test_a_pc_back_under_a_busy_server_is_taken_back_without_waiting_for_an_idle_moment(
+        fleet: Fleet, tiny_export: Path) -> None:
+    # `serve --fleet` took a PC back only at a moment no request ran: a server kept busy all day ran short of the PC
+    # its user paused and resumed for as long as it stayed busy. With --take-back-wait 0 it moves the streams running
+    # onto a chain that takes the PC back as soon as its look finds it; every reply is still the local one.
+    lengths = (150, 137, 123)  # the clients' requests never all end together: streams run all along
+    local = {}
+    for length in lengths:
+        argv = ["generate", "--model", str(tiny_export), "--prompt-ids", PROMPTS[0], "--max-new-tokens", str(length),
+                "--ignore-eos", "--precision", "f32", "--json"]
+        local[str(length)] = [json.loads(fleet.run(fleet.controller, str(BIN / "deskfleet"), *argv))["text"]]
+    assert len(_deployed_stages(fleet)) == AGENTS
+    victim = str(_deployed_stages(fleet)[-1]["agent_id"])
+    index = _agent_index(fleet, victim)
+    agent_cli = [str(BIN / "deskfleet-agent"), "--data-dir", str(fleet.agent_dir(index))]
+    session = subprocess.Popen(
+        fleet.controller.command(sys.executable, "-m", "tests.integration.fleet_busy_session",
+                                 str(fleet.controller_dir), str(tiny_export), PROMPTS[0], *map(str, lengths)),
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_environment(), text=True)
+    waited: AssertionError | None = None
+    try:
+        assert session.stdin is not None and session.stdout is not None
+        assert session.stdout.readline() == "serving\n"
+        try:
+            fleet.run(fleet.agents[index], *agent_cli, "pause")  # mid-reply: the streams go on over the PCs left
+            _wait_for("the busy server to re-plan around the paused PC",
+                      lambda: len(_deployed_stages(fleet)) == AGENTS - 1, timeout=60)
+            since = next(iter(json.loads((fleet.controller_dir / "deployments.json").read_text())["body"].values()))[
+                "replanned_at"]
+            fleet.run(fleet.agents[index], *agent_cli, "resume")
+            _wait_for("the resumed agent to call in", lambda: _called_in_since(fleet, victim, since), timeout=120)
+            _wait_for("the busy server to take the PC back", lambda: len(_deployed_stages(fleet)) == AGENTS,
+                      timeout=60)
+        except AssertionError as error:  # the server's report says why
+            waited = error
+        session.stdin.close()
+        end = json.loads(session.stdout.readline())
+        assert session.wait(timeout=60) == 0
+    finally:
+        if session.poll() is None:
+            session.kill()
+            session.wait()
+    assert waited is None, f"{waited}: {end}"
+    assert end["exit"] == 0 and end["failures"] == [], end
+    assert end["texts"] == local, end["texts"]  # every reply, moved or not, is the local one
+    health = end["health"]
+    assert health["chains_switched"] == 1 and health["chains_reopened"] == 0, health  # taken back while busy
+    assert health["stages"] == AGENTS and health["runs_failed"] == 0
+    assert re.search(rf"agent {victim[:12]} on desk-\d called in since the re-plan at .* UTC that left it out: "
+                     rf"re-planned in [0-9.]+ s over {AGENTS} agent\(s\)", end["stderr"]), end["stderr"]
+
+
 def test_a_pc_paused_and_resumed_while_no_run_drives_its_model_hosts_its_stage_again_at_the_next_run(
         fleet: Fleet, tiny_export: Path) -> None:
     # Paused over lunch while nobody ran the model, then resumed: the PC gave its stage up and called in, and the
