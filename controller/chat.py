@@ -598,7 +598,7 @@ def open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discove
             yield rejoined, failover
             return
         try:
-            chain = stack.enter_context(FleetPipeline.from_store(store, model))
+            chain = failover.opened = stack.enter_context(FleetPipeline.from_store(store, model))
         except ChainError as error:
             if error.agent_id is None:
                 raise  # not an agent's fault (e.g. never deployed): nothing to re-plan around

@@ -581,12 +581,13 @@ class Engine:
         self._on_result(result, arrived_at if isinstance(arrived_at, float) and arrived_at > 0 else collected_at)
 
     def switch_chain(self, open_new: ChainSwitch, why: str) -> None:
-        """Ask run() to move onto the chain `open_new` gives (a feed's call, on run()'s thread): before its next
-        step, run() collects every step in flight (their tokens count), then asks `open_new`; with a chain, every
-        unfinished stream resumes on it as after a failover (prefilled with its prompt and tokens so far; `why` is
-        what the failover record says), its micro-batches released on the old chain, which the caller closes; with
-        None, the run goes on on its chain, having lost only the overlap of the steps it let finish. A chain that
-        breaks meanwhile goes to run()'s `recover` as any break does."""
+        """Ask run() to move onto the chain `open_new` gives (a feed's call, on run()'s thread). Before its next
+        step, run() collects every step in flight (their tokens count), releases every micro-batch on the chain
+        (so that a re-plan `open_new` makes sees the memory they held) and queues every unfinished stream for a
+        prefill of its prompt and tokens so far, as after a failover; then asks `open_new`. With a chain, the streams
+        run on it (`why` is what the failover record says; the caller closes the old one); with None, on the chain
+        they ran on. Either way their tokens are those of an uninterrupted run. What `open_new` raises ends the run,
+        as any failure does; a chain that breaks meanwhile goes to run()'s `recover` as any break does."""
         self._switch = (open_new, why)
 
     def _switch_now(self) -> None:
@@ -596,16 +597,24 @@ class Engine:
         self._switch = None
         while self._in_flight:  # a flush step one of them starts is collected too
             self._collect_one()
+        resumed = self._requeue_started()
         chain = open_new()
-        if chain is None:
-            return
-        self._resume_on(chain, why, switched=True)
+        if chain is not None:
+            self.chain = chain
+            self.failovers.append(Failover(why, self._collected, resumed, switched=True))
 
-    def _resume_on(self, chain: StageChain, error: str, switched: bool = False) -> None:
+    def _resume_on(self, chain: StageChain, error: str) -> None:
         """Forget every micro-batch and queue every unfinished stream that had started for a prefill of its
-        prompt plus its tokens so far on `chain`; `error`: what broke the old one (or why the run moved).
+        prompt plus its tokens so far on `chain` (_requeue_started); `error`: what broke the old one."""
+        resumed = self._requeue_started()
+        self.chain = chain
+        self.failovers.append(Failover(error, self._collected, resumed))
 
-        The micro-batches are released on the old chain first: a chain that broke by timing out (the fleet's
+    def _requeue_started(self) -> int:
+        """Forget every micro-batch and queue every unfinished stream that had started for a prefill of its prompt
+        plus its tokens so far; how many were queued so.
+
+        The micro-batches are released on the chain first: a chain that broke by timing out (the fleet's
         step timeout: its links are open, the agents alive) still holds their KV state on every stage, for the
         agents' idle limit (10 minutes), beside what the resumed streams take on the same PCs. A chain whose
         link closed sends nothing (FleetPipeline.release), so this costs the common case nothing."""
@@ -628,8 +637,7 @@ class Engine:
                 resumed += 1
         self._cancelled.clear()
         self._unstarted = dict(sorted(self._unstarted.items()))  # arrival order
-        self.chain = chain
-        self.failovers.append(Failover(error, self._collected, resumed, switched))
+        return resumed
 
     def _abandon(self) -> None:
         """After run() stopped early: release every micro-batch this run opened on the chain and in the drafter

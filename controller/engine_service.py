@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from deskfleet.common.logprobs import TokenLogprob
@@ -122,6 +122,7 @@ class EngineService:
         self._reopening = False  # the feed ended the run to open the chain again (take_back said so)
         self._last_look = time.monotonic()  # when take_back was last asked
         self._back_since: float | None = None  # when take_back last said True, not acted on yet
+        self._reopen_at_idle = False  # a move while streams ran took no PC back: the next idle moment reopens
         self.take_back_busy_s = take_back_busy_s
         self.spec = spec
         self.draft = draft
@@ -238,7 +239,8 @@ class EngineService:
             try:
                 with self._open_chain() as opened:
                     self.chains_reopened += reopening
-                    self._back_since = None  # the opening took back what there was (the next look finds the rest)
+                    # the opening took back what there was (the next look finds the rest)
+                    self._back_since, self._reopen_at_idle = None, False
                     if first:
                         self._chain_open.set()
                         first = False
@@ -331,15 +333,29 @@ class EngineService:
                 self._back_since = now
             return
         if take_back is not None and now - self._back_since >= self.take_back_busy_s:
-            self._back_since = None
             log.info("streams have run for %.0f s since a PC could be taken back: they move onto a chain that "
-                     "takes it", now - self._last_look)
-            engine.switch_chain(lambda: self._switched(take_back), "a PC was taken back while streams ran")
+                     "takes it", now - self._back_since)
+            self._back_since = None
+            engine.switch_chain(lambda: self._switched(engine, take_back), "a PC was taken back while streams ran")
 
-    def _switched(self, take_back: ChainSwitch) -> StageChain | None:
-        """switch_chain's opener: the chain `take_back` makes, counted."""
-        chain = take_back()
-        self.chains_switched += chain is not None
+    def _switched(self, engine: Engine, take_back: ChainSwitch) -> StageChain | None:
+        """switch_chain's opener, once the steps in flight are collected: the streams they ended end now (not after
+        the re-plan), then the chain `take_back` makes, counted, with the engine's micro-batches set for its
+        stages. Where it makes none, or fails (its re-plan's failure is the run's own only where the old chain broke,
+        which that chain's next step says), the streams go on on the old chain, and the chain opens again at the
+        next idle moment, with a failover that has lost no PC yet."""
+        self._reap(engine)
+        try:
+            chain = take_back()
+        except Exception:
+            log.warning("the streams running could not move onto a chain taking a PC back; they go on where they "
+                        "ran", exc_info=True)
+            chain = None
+        if chain is None:
+            self._reopen_at_idle = True
+            return None
+        self.chains_switched += 1
+        engine.options = replace(engine.options, micro_batches=self.options(chain).micro_batches)
         return chain
 
     def _looked(self) -> bool:
@@ -363,7 +379,7 @@ class EngineService:
             with self._lock:
                 while not self._has_work():
                     look = self._last_look + TAKE_BACK_POLL_S - time.monotonic() if self._take_back else None
-                    if self._back_since is not None:
+                    if self._back_since is not None or self._reopen_at_idle:
                         look = 0.0  # a PC to take back was found while streams ran
                     waits = [wait for wait in (look, cache.seconds_to_expiry()) if wait is not None]
                     if not waits:
@@ -377,11 +393,11 @@ class EngineService:
             if (expiry := cache.seconds_to_expiry()) is not None and expiry <= 0:
                 cache.expire()  # on the engine's thread, as every release of its micro-batches
                 continue
-            if self._back_since is None:
+            if self._back_since is None and not self._reopen_at_idle:
                 self._last_look = time.monotonic()
                 if self._looked():
                     self._back_since = self._last_look
-            if self._back_since is not None:
+            if self._back_since is not None or self._reopen_at_idle:
                 with self._lock:  # work that came while it looked goes first: the PC is taken back after it
                     if not self._has_work():
                         return True

@@ -80,6 +80,9 @@ log = logging.getLogger(__name__)
 # How long a re-plan waits for another deploy from the data dir (an admin's `fleet deploy`, another run's failover)
 # to finish before it gives up: the run's chain is broken meanwhile, and what that deploy saves may be the way on.
 DEPLOY_LOCK_WAIT_S = 600.0
+# ... and how long a running server's take-back waits for it (its streams wait meanwhile): the next idle moment's
+# opening waits for the rest
+RUNNING_LOCK_WAIT_S = 5.0
 _LOCK_POLL_S = 0.25
 # What an agent's status says when it can take a stage now: a paused or unavailable PC that lost its stage is left to
 # the chain's failover
@@ -103,6 +106,7 @@ class FleetFailover:
     notify: Callable[[str], None] = log.warning  # told what broke and where the run goes on
     lost: set[str] = field(default_factory=set)  # agent ids that failed in this run
     chains: list[FleetPipeline] = field(default_factory=list)
+    opened: FleetPipeline | None = None  # the chain the run opened from the record (its opener's): closed once replaced
     run_start: int = 0  # how many of `chains` came before this run (a chat's reply): the budget is per run
     replans: list[dict[str, object]] = field(default_factory=list)  # what broke, and the chain made after it
     failed_replans: int = 0  # re-plans of this run that a PC failing meanwhile cut short: they count too
@@ -220,7 +224,7 @@ class FleetFailover:
         """The export the run started on (None: its folder held none then)."""
         return self._model_id
 
-    def rejoin(self) -> FleetPipeline | None:
+    def rejoin(self, running: bool = False) -> FleetPipeline | None:
         """At a run's start, before the deployed chain opens, take back the PCs that can serve the model again, by a
         re-plan with the deployment's settings, as a failover would, so that the run and the ones after it have them:
         - PCs of the admin's deploy that a run's re-plan left out and that have called in since
@@ -241,11 +245,19 @@ class FleetFailover:
         stages of the chain on record may be gone), a stage is known gone, or the deploy waited for did not finish,
         the run's first failover is not counted either.
 
-        A run that holds its chain (a busy `serve --fleet`: EngineService moves its streams onto the chain this gives)
-        may have lost the PC itself, in a failover when its user paused it: a PC lost in this run that has called in
-        since is forgiven first, as a failover's re-plan does (once a run), or the plan would leave it out."""
+        `running`: the run's chain is open and its streams wait (a busy `serve --fleet`: EngineService moves them onto
+        the chain this gives). The run may have lost the PC itself, in a failover when its user paused it: a PC lost in
+        this run that has called in since is forgiven first, as a failover's re-plan does (once a run); one still lost
+        is left to the next run's start (nothing is re-planned for it, nor noted as tried). A deploy under way is
+        waited for RUNNING_LOCK_WAIT_S at most (None then: the next idle moment's opening waits for it), a deployment
+        another deploy saved meanwhile is gone on on (the chain of the record would break on it), and the re-plan is
+        not counted against --max-failovers."""
         self._forgive_called_in()
         back = pcs_back(self.store, self.model_dir)
+        if back is not None and running and set(back.agents) <= self.lost:
+            log.info("%s called in since this run lost it, which forgave it once already: the next run's start takes "
+                     "it back", ", ".join(self._name(agent_id) for agent_id in back.agents))
+            back = None
         if back is not None:
             since = (f"since the re-plan at {utc_text(back.replanned_at)} that left "
                      f"{'it' if len(back.agents) == 1 else 'them'} out")
@@ -253,7 +265,8 @@ class FleetFailover:
                                     {"agents": list(back.agents), "replanned_at": back.replanned_at},
                                     still_wanted=lambda: pcs_back(self.store, self.model_dir) is not None,
                                     recheck=frozenset(back.left_out),
-                                    tried=lambda when: note_rejoin_tried(self.store, self.model_dir, when))
+                                    tried=lambda when: note_rejoin_tried(self.store, self.model_dir, when),
+                                    running=running)
             if chain is not None:
                 return chain
         # (a PC left out that was not taken back leaves the chain on record to open: its stages are asked about too)
@@ -270,7 +283,7 @@ class FleetFailover:
         return self._take_back(gone, said, {"agents": list(gone), "assigned_at": called_in.assigned_at},
                                still_wanted=lambda: self._saved_deployment() == known, recheck=frozenset(),
                                tried=lambda when: note_hosting_checked(self.store, self.model_dir, called_in),
-                               stage_gone=True)
+                               stage_gone=True, running=running)
 
     def _chain_of(self, report: DeployReport) -> FleetPipeline:
         """The chain of a deployment this run goes on on, watching the record for another one replacing it."""
@@ -286,14 +299,14 @@ class FleetFailover:
 
     def _take_back(self, agents: tuple[str, ...], said: str, entry: dict[str, object], still_wanted: Callable[[], bool],
                    recheck: frozenset[str], tried: Callable[[datetime.datetime], None],
-                   stage_gone: bool = False) -> FleetPipeline | None:
+                   stage_gone: bool = False, running: bool = False) -> FleetPipeline | None:
         """rejoin's re-plan for `agents` (of which the notes say: "NAMES {said}"), recorded in `rejoined` as `entry`;
         `still_wanted` is asked after waiting for a deploy under way (None is returned when it says no: that deploy did
         the work), `recheck` the PCs the survey dials with the short timeout besides `agents`, and `tried` notes a
         re-plan that failed (given when it began), so that the runs after wait for the PCs' next call-in. `stage_gone`:
         the chain on record is known to lack a stage of `agents`, so its first failover is free whatever happens here,
         other runs driving the model do not stop the re-plan, and a plan that leaves those PCs out is deployed all the
-        same (a PC left out is taken back only by a plan that places it)."""
+        same (a PC left out is taken back only by a plan that places it). `running`: as rejoin says."""
         started, tried_at = time.perf_counter(), utc_now()
         names = ", ".join(self._name(agent_id) for agent_id in agents)
         said = f"{names} {said}"
@@ -303,7 +316,7 @@ class FleetFailover:
             self.rejoined.append(entry)
 
         with contextlib.ExitStack() as held:
-            deadline = time.monotonic() + DEPLOY_LOCK_WAIT_S
+            deadline = time.monotonic() + (RUNNING_LOCK_WAIT_S if running else DEPLOY_LOCK_WAIT_S)
             waiting = False
             while True:
                 try:
@@ -320,8 +333,9 @@ class FleetFailover:
                         self.notify(f"{said}: the run waits for the deploy under way from {self.store.data_dir} "
                                     "(another run's, or a `fleet deploy`) to finish")
                     if time.monotonic() >= deadline:  # the chain it opens may still be replaced: not its fault
-                        self._credit = 1
-                        record(stages=[], problem=f"the deploy under way did not finish in {DEPLOY_LOCK_WAIT_S:.0f} s")
+                        self._credit = 1 if not running else self._credit  # (running: DeploymentReplaced is free)
+                        record(stages=[], problem="the deploy under way did not finish in "
+                               f"{RUNNING_LOCK_WAIT_S if running else DEPLOY_LOCK_WAIT_S:.0f} s")
                         return None
                     time.sleep(_LOCK_POLL_S)
                     if not still_wanted():  # taken back meanwhile, or deployed anew
@@ -350,10 +364,11 @@ class FleetFailover:
             finally:
                 self._rejoining = self._recheck_too = frozenset()
         self._known = report.stages
-        if self._adopted:  # another deploy saved one meanwhile: the run opens it, as it would have without a PC back
-            self._adopted = False
+        adopted, self._adopted = self._adopted, False
+        if adopted:  # another deploy saved one meanwhile: the run opens it, as it would have without a PC back
             log.debug("a deployment of %s was saved meanwhile: the run opens it", self.model_dir)
-            return None
+            if not running:
+                return None
         try:
             chain = self._chain_of(report)
         except ChainError as error:  # the new chain did not open: re-planned around, as a chain gone at the start is
@@ -362,19 +377,22 @@ class FleetFailover:
             self._credit = 1
             return self(error, opening=True)
         self._add_chain(chain)
-        self.run_start = len(self.chains)  # not a failure: the run's budget is whole
+        # not a failure: at a run's start its budget is whole; mid-run, what it spent stays spent
+        self.run_start = self.run_start + 1 if running else len(self.chains)
         record(stages=[[stage.agent_id, stage.layer_start, stage.layer_end] for stage in chain.stages])
-        self.notify(f"{said}: re-planned in {entry['seconds']:.1f} s over {chain.num_stages} agent(s): "
-                    f"{chain.describe()}")
+        how = "the run goes on on the deployment saved meanwhile (a `fleet deploy`, or another run's re-plan)" \
+            if adopted else f"re-planned in {entry['seconds']:.1f} s"
+        self.notify(f"{said}: {how} over {chain.num_stages} agent(s): {chain.describe()}")
         self.check_cache()
         return chain
 
     def _add_chain(self, chain: FleetPipeline) -> None:
-        """Own `chain`, the run's new one, and close those it made before the one `chain` replaces (the engine releases
-        its micro-batches on that one as it moves): a server that runs for months re-plans many times, and each
-        chain kept open held its links to the agents."""
+        """Own `chain`, the run's new one, and close those before the one `chain` replaces (the engine releases its
+        micro-batches on that one as it moves), the chain opened from the record too: a server that runs for months
+        re-plans many times, and each chain kept open held its links to the agents."""
         self.chains.append(chain)
-        for replaced in self.chains[:-2]:
+        for replaced in [*([self.opened] if self.opened is not None and len(self.chains) > 1 else []),
+                         *self.chains[:-2]]:
             replaced.close()
 
     def _spent(self) -> int:

@@ -295,7 +295,7 @@ def _fleet_opener(args: argparse.Namespace, decoding: DecodingOptions) -> ChainO
                               drafting=drafting) as (chain, failover):
             # a PC back while streams run is taken back by the re-plan a run's start makes (the failover closes the
             # chains it made, those it replaced too)
-            yield OpenedChain(chain, windowed(failover), failover.rejoin)
+            yield OpenedChain(chain, windowed(failover), lambda: failover.rejoin(running=True))
 
     return open_fleet
 

@@ -1,6 +1,7 @@
 """Engine.switch_chain: a feed moves a running engine onto another chain (a busy server taking back a PC). The steps
 in flight are collected first, nothing more goes to the old chain, and every stream's tokens equal an uninterrupted
-run (f32; greedy, drafted or sampled); where no chain is given the run goes on where it was, losing nothing."""
+run (f32; greedy, drafted or sampled); where no chain is given the run goes on where it was, its streams prefilled
+again there."""
 
 from __future__ import annotations
 

@@ -219,10 +219,14 @@ def test_a_re_plan_closes_the_chains_before_the_one_it_replaces(
 
     monkeypatch.setattr(fleet_failover, "FleetPipeline", ClosingChain)
     failover = FleetFailover(store, tiny_export, max_failovers=3, notify=lambda text: None)
+    failover.opened = ClosingChain()  # type: ignore[assignment]  # the chain opened from the record
     monkeypatch.setattr(failover, "_redeploy", redeploy)
-    for agent in "abc":
+    failover(ChainError("agent a: the link closed", "a" * 52))
+    assert not failover.opened.closed  # type: ignore[union-attr]  # the engine releases on it as it moves
+    for agent in "bc":
         failover(ChainError(f"agent {agent}: the link closed", agent * 52))
     # the newest runs; the one before it has its micro-batches released by the engine as it moves: both stay open
+    assert failover.opened.closed  # type: ignore[union-attr]
     assert [chain.closed for chain in failover.chains] == [True, False, False]  # type: ignore[attr-defined]
     failover.close()
     assert all(chain.closed for chain in failover.chains)  # type: ignore[attr-defined]

@@ -269,6 +269,56 @@ def test_a_deployment_another_run_saved_meanwhile_is_opened_as_it_is(store: Flee
     assert failover._known == (StagePlacement(C, "127.0.0.1:7433", 0, 4),)
 
 
+def test_a_running_server_goes_on_on_a_deployment_another_run_saved_meanwhile(
+        store: FleetStore, tiny_export: Path, b_is_back: list[dict[str, object]]) -> None:
+    # mid-run, None kept the streams on the old chain, which that deployment had replaced: its next step broke, and the
+    # failover then re-planned afresh instead of going on on the saved deployment (it was the run's "known" one)
+    notes: list[str] = []
+    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=notes.append)
+    saved = (StagePlacement(C, "127.0.0.1:7433", 0, 4),)
+    _save(store, tiny_export, saved, replan=True)  # another run's re-plan
+    _set_replanned_at(store, tiny_export, EARLY)
+    chain = failover.rejoin(running=True)
+    assert chain is not None and chain.stages == saved and failover.chains == [chain] and b_is_back == []
+    assert notes == ["agent bbbbbbbbbbbb on desk-b called in since the re-plan at 2026-12-01 08:00:00 UTC that left "
+                     "it out: the run goes on on the deployment saved meanwhile (a `fleet deploy`, or another run's "
+                     "re-plan) over 1 agent(s): cccc"]
+
+
+def test_a_running_servers_take_back_leaves_the_failovers_it_spent_spent(
+        store: FleetStore, tiny_export: Path, b_is_back: list[dict[str, object]]) -> None:
+    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=lambda text: None)
+    failover(fleet_failover.ChainError("agent cccccccccccc: the link closed", C))
+    assert failover._spent() == 1
+    _left_out_b_at(store, tiny_export, EARLY)  # the fixture's deploy placed B again: left out once more
+    assert failover.rejoin(running=True) is not None
+    assert failover._spent() == 1  # not a failure, nor a fresh budget
+
+
+def test_a_pc_the_running_server_lost_and_forgave_once_already_is_left_to_the_next_run(
+        store: FleetStore, tiny_export: Path, b_is_back: list[dict[str, object]]) -> None:
+    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=pytest.fail)
+    failover._lose(B)
+    failover._lost_at[B] = datetime.datetime.fromisoformat("2026-12-01T09:00:00+00:00")  # B called in at 09:30
+    failover._forgiven.add(B)  # it flapped before in this run
+    assert failover.rejoin(running=True) is None and b_is_back == []  # nothing surveyed, nothing deployed
+    assert pcs_back(store, tiny_export) is not None  # nor noted as tried: the next run's start takes it back
+    assert FleetFailover(store, tiny_export, max_failovers=2, notify=lambda text: None).rejoin() is not None
+
+
+def test_a_running_servers_take_back_waits_for_a_deploy_under_way_a_few_seconds_only(
+        store: FleetStore, tiny_export: Path, b_is_back: list[dict[str, object]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fleet_failover, "RUNNING_LOCK_WAIT_S", 0.2)  # (a run's start: DEPLOY_LOCK_WAIT_S, 600 s)
+    monkeypatch.setattr(fleet_failover, "_LOCK_POLL_S", 0.02)
+    failover = FleetFailover(store, tiny_export, max_failovers=0, notify=lambda text: None)
+    started = time.monotonic()
+    with store.deploying():  # another deploy under way
+        assert failover.rejoin(running=True) is None
+    assert time.monotonic() - started < 30 and b_is_back == []
+    assert failover._spent() == 0  # no credit: a deployment it saves breaks the chain as DeploymentReplaced, free
+
+
 def test_the_rejoined_entry_is_in_generates_json_over_the_fleet(store: FleetStore, tiny_export: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from deskfleet.controller import chat

@@ -271,8 +271,8 @@ def test_the_fleet_opener_gives_the_failover_and_its_take_back(store: FleetStore
             self.calls.append("recover")
             return "a re-planned chain"
 
-        def rejoin(self) -> str | None:
-            self.calls.append("rejoin")
+        def rejoin(self, running: bool = False) -> str | None:
+            self.calls.append(f"rejoin running={running}")
             return "a chain that took the PC back"
 
     failover = Failover()
@@ -290,7 +290,7 @@ def test_the_fleet_opener_gives_the_failover_and_its_take_back(store: FleetStore
         assert opened.chain == "the deployed chain" and opened.take_back is not None and opened.recover is not None
         assert opened.take_back() == "a chain that took the PC back"
         assert opened.recover(None) == "a re-planned chain"  # type: ignore[arg-type]
-    assert failover.calls == ["rejoin", "recover"] and len(opened_with) == 1
+    assert failover.calls == ["rejoin running=True", "recover"] and len(opened_with) == 1
 
 
 def test_a_port_in_use_is_said_before_anything_compiles(tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
