@@ -149,7 +149,7 @@ class StageExecutor:
             batch = _MicroBatch(Mirror(self.max_positions), self.stage.open_session())
         before = batch.mirror.fork()
         try:
-            payload, inputs = self._prepare(batch, message)
+            payload, inputs, copies_dropped = self._prepare(batch, message)
         except LedgerError as error:
             batch.mirror = before
             if created:
@@ -193,7 +193,8 @@ class StageExecutor:
         batch.steps += 1
         batch.last_step_id = message.step_id
         if output.hidden is not None:
-            return replace(message, input_ids=None, hidden_states=output.hidden, layer_start=self.stage.layers.stop)
+            return replace(message, input_ids=None, hidden_states=output.hidden, layer_start=self.stage.layers.stop,
+                           copies_dropped=copies_dropped)
         assert output.next_tokens is not None
         live = _live_positions(inputs.append, output.next_tokens.shape[1])
         outside = live & ((output.next_tokens < 0) | (output.next_tokens >= self.stage.vocab_size))
@@ -210,7 +211,7 @@ class StageExecutor:
         next_tokens, accepted = verify(inputs.append, argmax, logits, message.draft, message.sampling, every=scores)
         result = ForwardResult(micro_batch_id=message.micro_batch_id, step_id=message.step_id,
                                next_token_ids=next_tokens, accepted_counts=accepted,
-                               logits=output.logits if return_logits else None)
+                               logits=output.logits if return_logits else None, copies_dropped=copies_dropped)
         if asks_logprobs:
             assert message.logprobs is not None and output.logits is not None
             chosen, top_ids, top_logps = returned_logprobs(inputs.append, output.logits, message.draft, next_tokens,
@@ -240,11 +241,14 @@ class StageExecutor:
 
     # Private methods
 
-    def _prepare(self, batch: _MicroBatch, message: Forward) -> tuple[np.ndarray, StepInputs]:
+    def _prepare(self, batch: _MicroBatch, message: Forward) -> tuple[np.ndarray, StepInputs, bool]:
         """Replay the step's deltas on the batch (editing its KV state where they say) and check the step
-        against the result; returns the payload to feed and the call's inputs. LedgerError for a refusal,
-        raised before any KV state is edited: a step that admits or compacts is first rehearsed on a copy
-        of the mirror, and the micro-batches it admits are taken only after that."""
+        against the result; returns the payload to feed, the call's inputs, and whether the step's row copies
+        (CopyRow) were left out. LedgerError for a refusal, raised before any KV state is edited: a step that
+        admits or compacts is first rehearsed on a copy of the mirror, and the micro-batches it admits are taken
+        only after that. The copies are the driver's option (its prefix cache): a step the memory guard admits
+        only without them runs without them (as it does where a stage before this one left them out), rather than
+        being refused, which would cost the PC its place in the chain."""
         if message.step_id <= batch.last_step_id:
             raise LedgerError(f"micro-batch {message.micro_batch_id} step {message.step_id} came after step "
                               f"{batch.last_step_id}: a duplicate or out of order")
@@ -277,16 +281,29 @@ class StageExecutor:
             self._checked_step(message, replay_deltas(
                 rehearsed, message.slot_deltas,
                 copy=lambda delta, ordinal, live: copied_slots.append(int(live.sum()))))
+        copies_dropped = message.copies_dropped
         if isinstance(call, AppendSlots) and self.memory_guard is not None:
             # after the rehearsal, where there was one: an admitted row pads every row to its slots (8 rows of 100
             # slots admitting a 2,000-slot stream grow by 17,209 slots, where rows x (slots + new ones) said 109)
             growth = KvGrowth(rehearsed.rows, rehearsed.slots, batch.mirror.rows, batch.mirror.slots) \
                 if rehearsed is not None else \
                 KvGrowth(len(call.live_counts), batch.mirror.slots + call.count, batch.mirror.rows, batch.mirror.slots)
-            self.memory_guard.admit((growth.slot_count + sum(copied_slots)) * self.kv_bytes_per_slot * SLOT_GROWTH,
-                                    lambda: f"micro-batch {message.micro_batch_id} step {message.step_id} "
-                                            f"({growth.rows} rows x {growth.slots} slots"
-                                            + (f", {sum(copied_slots)} copied" if copied_slots else "") + ")")
+            copying = 0 if copies_dropped else sum(copied_slots)
+
+            def what(copied: int) -> str:
+                return (f"micro-batch {message.micro_batch_id} step {message.step_id} ({growth.rows} rows x "
+                        f"{growth.slots} slots" + (f", {copied} copied" if copied else "") + ")")
+
+            try:
+                self.memory_guard.admit((growth.slot_count + copying) * self.kv_bytes_per_slot * SLOT_GROWTH,
+                                        lambda: what(copying))
+            except KvMemoryRefused:
+                if not copying:
+                    raise
+                self.memory_guard.admit(growth.slot_count * self.kv_bytes_per_slot * SLOT_GROWTH, lambda: what(0))
+                log.info("micro-batch %d step %d runs without its %d row copies: this PC has no memory for them",
+                         message.micro_batch_id, message.step_id, len(message.copy_into))
+                copies_dropped = True
         keeps = message.keep_sources or (False,) * len(message.admit_from)
         sources = [self._batches[source] if keep else self._batches.pop(source)
                    for source, keep in zip(message.admit_from, keeps, strict=True)]
@@ -295,8 +312,9 @@ class StageExecutor:
             gather_rows=lambda rows: _edit_state(batch.session, lambda state: state[rows]),
             admit=lambda delta, ordinal: self._admit(batch, sources[ordinal], delta, keep=keeps[ordinal]),
             compact=lambda delta: _edit_state(batch.session, lambda state: _gather_slots(state, delta)),
-            copy=lambda delta, ordinal, live: self._copy(batch, delta, live, message.copy_into[ordinal]))
-        return self._checked_step(message, inputs), inputs
+            copy=(lambda delta, ordinal, live: None) if copies_dropped else
+            lambda delta, ordinal, live: self._copy(batch, delta, live, message.copy_into[ordinal]))
+        return self._checked_step(message, inputs), inputs, copies_dropped
 
     def _checked_step(self, message: Forward, inputs: StepInputs) -> np.ndarray:
         """Everything about the step that the mirror's inputs let us check; returns the payload to feed."""

@@ -33,8 +33,9 @@ from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, che
 # ErrorCode.DISK_FULL; 9: Forward.logprobs, ForwardResult.token_logprobs, top_logprob_ids and top_logprobs;
 # 10: Forward.scored_ids, ForwardResult.scored_logprobs, scored_top_ids and scored_top_logprobs; 11:
 # Forward.keep_sources (an admitted row's source micro-batch kept: a prefix cache's entry); 12: Forward.adjust
-# (presence and frequency penalties, logit bias), CopyRow and Forward.copy_into (a finished row's state kept)
-PROTOCOL_VERSION = 12
+# (presence and frequency penalties, logit bias), CopyRow and Forward.copy_into (a finished row's state kept); 13:
+# Forward.copies_dropped and ForwardResult.copies_dropped (a stage short of memory for a step's copies makes none)
+PROTOCOL_VERSION = 13
 MAX_STATUS_DETAIL = 500
 MAX_DEVICES = 32  # a StatusReport's devices
 _DEVICE_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,15}(\.[0-9]{1,3})?")  # as OpenVINO lists them: "CPU", "GPU.1"
@@ -614,6 +615,9 @@ class Forward:
     adjust: LogitsAdjust | None = None
     # the new micro-batch ids the CopyRow deltas copy their rows into, one per CopyRow, in order
     copy_into: tuple[int, ...] = ()
+    # a stage had no memory for the copies (they are the driver's option, for its prefix cache): it made none, and
+    # the stages after it make none either; the last stage says so in its result
+    copies_dropped: bool = False
 
     def __post_init__(self) -> None:
         _non_negative("micro_batch_id", self.micro_batch_id)
@@ -647,6 +651,7 @@ class Forward:
             _non_negative("copy_into", target)
         _require(len(set(self.copy_into)) == copies and self.micro_batch_id not in self.copy_into,
                  "copy_into repeats a micro-batch, or names the step's own")
+        _require(not self.copies_dropped or copies > 0, "copies_dropped on a step that copies no row")
         _require(not self.keep_sources or len(self.keep_sources) == len(self.admit_from),
                  f"{len(self.keep_sources)} keep_sources for {len(self.admit_from)} admitted sources")
         if self.logprobs is not None:
@@ -682,6 +687,8 @@ class ForwardResult:
     scored_logprobs: Tensor | None = None
     scored_top_ids: Tensor | None = None
     scored_top_logprobs: Tensor | None = None
+    # the step's Forward.copy_into were not made on every stage (Forward.copies_dropped): the driver frees them
+    copies_dropped: bool = False
 
     def __post_init__(self) -> None:
         _non_negative("micro_batch_id", self.micro_batch_id)

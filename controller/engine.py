@@ -965,10 +965,7 @@ class Engine:
         self._collected += 1
         now = time.perf_counter() - self._started
         if result.micro_batch_id in self._flushing:  # its rows' copies are made: they may be resumed now
-            for copy in flight.message.copy_into:
-                kept = self._cache_pending.pop(copy, None)
-                if kept is not None:
-                    self.prefix_cache.put(kept)
+            self._cache_copies(flight.message.copy_into, result.copies_dropped)
             del self._flushing[result.micro_batch_id]
             self.chain.release(result.micro_batch_id)
             return
@@ -1002,11 +999,24 @@ class Engine:
         if any(flight.drafts) and not flight.prefill and not flight.beside_prefill:
             self._record_cost(flight, arrived_at)
         # every stage has copied those rows now: the kept micro-batches may be resumed
-        for source in (*flight.message.admit_from, *flight.message.copy_into):
+        for source in flight.message.admit_from:
             kept = self._cache_pending.pop(source, None)
             if kept is not None:
                 self.prefix_cache.put(kept)
+        self._cache_copies(flight.message.copy_into, result.copies_dropped)
         self._retire(track, finished)
+
+    def _cache_copies(self, copies: tuple[int, ...], dropped: bool) -> None:
+        """A step's row copies (CopyRow) have been made: the prefix cache keeps them. Where a stage had no memory for
+        them (ForwardResult.copies_dropped), the stages before it made them and the rest did not: they are freed."""
+        for copy in copies:
+            kept = self._cache_pending.pop(copy, None)
+            if kept is None:
+                continue
+            if dropped:
+                kept.release()
+            else:
+                self.prefix_cache.put(kept)
 
     @staticmethod
     def _logprobs_of(result: ForwardResult, row: int, tokens: list[int], top: int | None) -> list[TokenLogprob] | None:

@@ -5,12 +5,14 @@ would have computed without the bad one."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from deskfleet.agent.kv_memory_guard import KvMemoryRefused
 from deskfleet.agent.stage import CompileSettings, LayerRange, Precision, Stage
 from deskfleet.agent.stage_executor import StageExecutor
 from deskfleet.common.kv_ledger import AppendSlots, LedgerError
@@ -148,6 +150,64 @@ def test_a_row_copied_out_holds_its_live_slots_alone_and_goes_on_as_a_micro_batc
     with pytest.raises(LedgerError, match="a row copied into micro-batch 5, which this stage holds already"):
         executor.run(host.step([[16]]))
     assert sorted(executor.micro_batch_ids()) == [1, 5]
+
+
+class CopyRefusingGuard:
+    """A KV memory guard with room for a step but not for its row copies (or, `room` False, not even the step)."""
+
+    def __init__(self, room: bool = True) -> None:
+        self.room = room
+        self.asked: list[str] = []
+
+    def admit(self, growth_bytes: int, what: Callable[[], str]) -> None:
+        self.asked.append(what())
+        if "copied" in what() or not self.room:
+            raise KvMemoryRefused(f"{what()}: no memory")
+
+
+def test_a_step_whose_row_copy_the_memory_guard_refuses_runs_without_it(whole: Stage) -> None:
+    """The copy is the driver's option (its prefix cache): the step runs, its tokens those of the step with nothing
+    copied, the copy is not made, and the result says so; where even the step has no room, it is refused whole."""
+    executor, host, newcomer = _host_and_newcomer(whole)
+    host.admit(1, 2, newcomer.next_position(1))
+    result(executor, host.step([[9], [10]]))
+    plain = copy.deepcopy(host)
+    expected = reference_logits(whole, [PROMPT, [9], [11]])
+    host.copy_row(1, 5)
+    host.drop({1})
+    executor.memory_guard, executor.kv_bytes_per_slot = CopyRefusingGuard(room=False), 1  # type: ignore[assignment]
+    with pytest.raises(KvMemoryRefused, match="no memory"):
+        executor.run(host.step([[11]]))
+    assert sorted(executor.micro_batch_ids()) == [1]  # nothing changed
+    guard = executor.memory_guard = CopyRefusingGuard()  # type: ignore[assignment]
+    host = copy.deepcopy(plain)
+    host.copy_row(1, 5)
+    host.drop({1})
+    output = result(executor, host.step([[11]]))
+    assert output.copies_dropped and sorted(executor.micro_batch_ids()) == [1]
+    assert guard.asked[0].endswith("copied)") and "copied" not in guard.asked[1]
+    assert output.logits is not None
+    np.testing.assert_allclose(output.logits, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_step_whose_copies_an_earlier_stage_dropped_makes_none(tiny_export: Path, second_half: Stage) -> None:
+    manifest = load_manifest(tiny_export)
+    layers = manifest.spec.num_layers
+    first_half = Stage(tiny_export, manifest, LayerRange(0, layers // 2, layers),
+                       CompileSettings(precision=Precision.F32))
+    first, second = StageExecutor(first_half, 256), StageExecutor(second_half, 256)
+    host = BatchTrack(1, 256)
+    host.add_row(0)
+    host.add_row(1)
+    second.run(first.run(host.step([PROMPT, PROMPT])))  # type: ignore[arg-type]
+    host.copy_row(1, 5)
+    host.drop({1})
+    first.memory_guard, first.kv_bytes_per_slot = CopyRefusingGuard(), 1  # type: ignore[assignment]
+    relayed = first.run(host.step([[9]]))
+    assert isinstance(relayed, Forward) and relayed.copies_dropped and relayed.copy_into == (5,)
+    output = second.run(relayed)
+    assert isinstance(output, ForwardResult) and output.copies_dropped
+    assert first.micro_batch_ids() == second.micro_batch_ids() == [1]
 
 
 def test_a_refused_first_step_leaves_no_micro_batch_behind(whole: Stage) -> None:

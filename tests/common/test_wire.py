@@ -556,6 +556,14 @@ def test_copied_rows_round_trip_with_their_new_micro_batches() -> None:
         forward(rows=1, slot_deltas=deltas)
     with pytest.raises(ProtocolError, match="copy_into repeats a micro-batch, or names the step's own"):
         forward(rows=1, slot_deltas=deltas, copy_into=(7,))
+    # a stage short of memory for the copies made none: so do the stages after it, and the result says so
+    dropped = forward(rows=1, slot_deltas=deltas, copy_into=(12,), copies_dropped=True)
+    assert decode(encode(dropped)).copies_dropped and not decoded.copies_dropped
+    with pytest.raises(ProtocolError, match="copies_dropped on a step that copies no row"):
+        forward(rows=1, copies_dropped=True)
+    result = ForwardResult(7, 3, (5,), None, None, copies_dropped=True)
+    assert decode(encode(result)).copies_dropped  # type: ignore[union-attr]
+    assert not decode(encode(ForwardResult(7, 3, (5,), None, None))).copies_dropped  # type: ignore[union-attr]
 
 
 def test_sampling_rows_must_match_the_stream_count() -> None:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
 
 import deskfleet.controller.lookup_first as lookup_first
+from deskfleet.agent.kv_memory_guard import KvMemoryRefused
 from deskfleet.agent.stage import CompileSettings, Precision
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.speculative import SamplingParams
@@ -287,6 +288,49 @@ def test_a_stream_that_ends_beside_others_leaves_its_prompt_and_reply_for_the_ne
     assert results[ids[1]].tokens == reply
     for stream_id, request in zip(ids, (long_runner, turn, follow_up), strict=True):
         assert results[stream_id].tokens == _fresh(target, request, stages)
+
+
+class CopyRefusingGuard:
+    """A KV memory guard with room for every step but not for its row copies."""
+
+    def __init__(self) -> None:
+        self.refused: list[str] = []
+
+    def admit(self, growth_bytes: int, what: Callable[[], str]) -> None:
+        if "copied" in what():
+            self.refused.append(what())
+            raise KvMemoryRefused(f"{what()} would grow this PC's KV cache past its floor")
+
+
+@pytest.mark.parametrize("short_stage", [0, 1])
+def test_a_stage_short_of_memory_for_a_rows_copy_runs_the_step_without_it_and_the_next_turn_feeds_its_prompt(
+        target: Path, short_stage: int) -> None:
+    """The copy is the prefix cache's option: the stage refused the whole step (OUT_OF_MEMORY: the PC left out of the
+    chain by a re-plan). Now the step runs without it on that stage and the ones after it; the stages before it,
+    which made it, free it; the next turn is fed what no entry holds, with the tokens of a fresh run."""
+    vocab = load_manifest(target).spec.vocab_size
+    long_runner = StreamRequest(_tokens(1, 12, vocab), max_new_tokens=50, ignore_eos=True)
+    turn = StreamRequest(_tokens(2, 30, vocab), max_new_tokens=8, ignore_eos=True, arrival_step=2)
+    reply = _fresh(target, turn, 1)
+    follow_up = StreamRequest(turn.prompt_ids + reply + _tokens(3, 6, vocab), max_new_tokens=8, ignore_eos=True,
+                              arrival_step=24)
+    guard = CopyRefusingGuard()
+    with LocalPipeline(target, 2, F32) as pipeline:
+        executor = pipeline._executors[short_stage]
+        executor.memory_guard, executor.kv_bytes_per_slot = guard, 1  # type: ignore[assignment]
+        chain = MessageChain(pipeline)
+        engine = Engine(chain, load_manifest(target).spec, None,
+                        EngineOptions(micro_batches=1, prefix_cache_tokens=CACHE))
+        ids = [engine.add(request) for request in (long_runner, turn, follow_up)]
+        results = engine.run()
+        copied = [message.copy_into[0] for message in chain.messages if message.copy_into]
+    assert len(guard.refused) == len(copied) == 2  # the turn's row, then the follow-up's: neither made everywhere
+    assert all(copy in chain.released for copy in copied)  # freed where they were made
+    assert pipeline.micro_batches == (0, 0) and engine.failovers == []
+    # the turn's prompt, kept as it was admitted (no copy), not its reply: the follow-up feeds the rest
+    assert results[ids[2]].reused_tokens == len(turn.prompt_ids)
+    for stream_id, request in zip(ids, (long_runner, turn, follow_up), strict=True):
+        assert results[stream_id].tokens == _fresh(target, request, 2)
 
 
 def test_a_cancel_that_empties_a_micro_batch_before_its_copy_stepped_drops_the_copy_and_the_next_turn_runs(
