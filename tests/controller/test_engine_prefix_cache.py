@@ -207,8 +207,9 @@ def test_an_entry_the_draft_model_still_holds_is_not_taken_by_a_drafted_stream(
         assert results[stream_id].tokens == _fresh(target, request, 1)
 
 
+@pytest.mark.parametrize("stages", [1, 2])
 def test_rows_that_end_together_are_copied_out_by_one_more_step_and_serve_the_next_turns_at_once(
-        target: Path) -> None:
+        target: Path, stages: int) -> None:
     """Every row of a micro-batch ends at once: one more step (one row fed its last token, its result dropped)
     copies each row out (a state of them all would hold every row), then the micro-batch goes. The next turns, sent
     the moment the replies end, wait that step for the copies rather than feed their prompts whole."""
@@ -218,19 +219,20 @@ def test_rows_that_end_together_are_copied_out_by_one_more_step_and_serve_the_ne
     replies = [_fresh(target, request, 1) for request in first]
     later = [StreamRequest(prompt + reply + [5, 6], max_new_tokens=4, ignore_eos=True, arrival_step=6)
              for prompt, reply in zip(prompts, replies, strict=True)]
-    with LocalPipeline(target, 1, F32) as pipeline:
+    with LocalPipeline(target, stages, F32) as pipeline:
         chain = MessageChain(pipeline)
-        engine = Engine(chain, load_manifest(target).spec, None, EngineOptions(prefix_cache_tokens=CACHE))
+        engine = Engine(chain, load_manifest(target).spec, None,
+                        EngineOptions(micro_batches=1, prefix_cache_tokens=CACHE))
         ids = [engine.add(request) for request in first + later]
         results = engine.run()
-    assert pipeline.micro_batches == (0,)
+    assert pipeline.micro_batches == (0,) * stages
     flush = [message for message in chain.messages if len(message.copy_into) == 3]
     assert len(flush) == 1 and len(flush[0].stream_ids) == 1 and flush[0].position_ids.shape == (1, 1)
     assert flush[0].micro_batch_id in chain.released
     for stream_id, prompt, reply in zip(ids[3:], prompts, replies, strict=True):
         assert results[stream_id].reused_tokens == len(prompt) + len(reply) - 1
     for stream_id, request in zip(ids, first + later, strict=True):
-        assert results[stream_id].tokens == _fresh(target, request, 1)
+        assert results[stream_id].tokens == _fresh(target, request, stages)
 
 
 def test_an_idle_server_frees_its_entries_as_they_pass_their_age(target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
