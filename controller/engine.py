@@ -1009,6 +1009,8 @@ class Engine:
     def _cache_copies(self, copies: tuple[int, ...], dropped: bool) -> None:
         """A step's row copies (CopyRow) have been made: the prefix cache keeps them. Where a stage had no memory for
         them (ForwardResult.copies_dropped), the stages before it made them and the rest did not: they are freed."""
+        if dropped and copies:
+            log.info("a stage had no memory for %d row copies of the prefix cache: they are not kept", len(copies))
         for copy in copies:
             kept = self._cache_pending.pop(copy, None)
             if kept is None:

@@ -190,6 +190,23 @@ def test_a_step_whose_row_copy_the_memory_guard_refuses_runs_without_it(whole: S
     np.testing.assert_allclose(output.logits, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_the_real_guard_lets_the_step_without_its_copies_through_by_their_bytes(whole: Stage) -> None:
+    """The KV memory guard itself, counting bytes: 5 MiB above its floor, a step that grows nothing but copies a row of
+    a few slots at 1 MiB a slot (2 MiB counted each: the plugin doubles a full cache) is let through without it."""
+    from deskfleet.agent.kv_memory_guard import KvMemoryGuard
+
+    mib = 1 << 20
+    executor, host, newcomer = _host_and_newcomer(whole)
+    host.admit(1, 2, newcomer.next_position(1))
+    result(executor, host.step([[9], [10]]))
+    host.copy_row(1, 5)
+    host.drop({1})
+    executor.memory_guard = KvMemoryGuard(lambda: (69 * mib, 1024 * mib), floor_bytes=64 * mib)
+    executor.kv_bytes_per_slot = mib
+    output = result(executor, host.step([[11]]))
+    assert output.copies_dropped and sorted(executor.micro_batch_ids()) == [1]
+
+
 def test_a_step_whose_copies_an_earlier_stage_dropped_makes_none(tiny_export: Path, second_half: Stage) -> None:
     manifest = load_manifest(tiny_export)
     layers = manifest.spec.num_layers

@@ -38,15 +38,21 @@ CACHE = 4096
 
 
 class MessageChain(ReleaseRecordingChain):
-    """ReleaseRecordingChain that also keeps every step it was given."""
+    """ReleaseRecordingChain that also keeps every step it was given, and the order of steps and releases."""
 
     def __init__(self, pipeline: LocalPipeline) -> None:
         super().__init__(pipeline)
         self.messages: list[Forward] = []
+        self.events: list[tuple[str, int]] = []  # ("submit" | "release", micro-batch id)
 
     def submit(self, message: Forward) -> None:
         super().submit(message)
         self.messages.append(message)
+        self.events.append(("submit", message.micro_batch_id))
+
+    def release(self, batch_id: int) -> None:
+        self.events.append(("release", batch_id))
+        super().release(batch_id)
 
 
 def _tokens(seed: int, length: int, vocab: int) -> list[int]:
@@ -207,19 +213,24 @@ def test_an_entry_the_draft_model_still_holds_is_not_taken_by_a_drafted_stream(
         assert results[stream_id].tokens == _fresh(target, request, 1)
 
 
-@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize(("stages", "short_stage"), [(1, None), (2, None), (1, 0), (2, 0), (2, 1)])
 def test_rows_that_end_together_are_copied_out_by_one_more_step_and_serve_the_next_turns_at_once(
-        target: Path, stages: int) -> None:
+        target: Path, stages: int, short_stage: int | None) -> None:
     """Every row of a micro-batch ends at once: one more step (one row fed its last token, its result dropped)
     copies each row out (a state of them all would hold every row), then the micro-batch goes. The next turns, sent
-    the moment the replies end, wait that step for the copies rather than feed their prompts whole."""
+    the moment the replies end, wait that step for the copies rather than feed their prompts whole. A stage short of
+    memory for the copies (`short_stage`) runs the flush without them: they are freed, and the next turns fed whole."""
     vocab = load_manifest(target).spec.vocab_size
     prompts = [_tokens(40 + index, 30, vocab) for index in range(3)]
     first = [StreamRequest(prompt, max_new_tokens=6, ignore_eos=True) for prompt in prompts]
     replies = [_fresh(target, request, 1) for request in first]
     later = [StreamRequest(prompt + reply + [5, 6], max_new_tokens=4, ignore_eos=True, arrival_step=6)
              for prompt, reply in zip(prompts, replies, strict=True)]
+    guard = CopyRefusingGuard()
     with LocalPipeline(target, stages, F32) as pipeline:
+        if short_stage is not None:
+            executor = pipeline._executors[short_stage]
+            executor.memory_guard, executor.kv_bytes_per_slot = guard, 1  # type: ignore[assignment]
         chain = MessageChain(pipeline)
         engine = Engine(chain, load_manifest(target).spec, None,
                         EngineOptions(micro_batches=1, prefix_cache_tokens=CACHE))
@@ -227,10 +238,20 @@ def test_rows_that_end_together_are_copied_out_by_one_more_step_and_serve_the_ne
         results = engine.run()
     assert pipeline.micro_batches == (0,) * stages
     flush = [message for message in chain.messages if len(message.copy_into) == 3]
-    assert len(flush) == 1 and len(flush[0].stream_ids) == 1 and flush[0].position_ids.shape == (1, 1)
+    # the next turns, fed whole where the copies were dropped, end together in turn and are flushed likewise
+    assert len(flush) == (1 if short_stage is None else 2)
+    assert len(guard.refused) == (0 if short_stage is None else 2)  # each flush's copies: none made everywhere
+    assert len(flush[0].stream_ids) == 1 and flush[0].position_ids.shape == (1, 1)
     assert flush[0].micro_batch_id in chain.released
+    if short_stage is not None:
+        # freed as the flush's result came, before the next turns' first steps (not at the run's end)
+        released_by = chain.events.index(("release", flush[0].copy_into[-1]))
+        assert released_by < next(at for at, (kind, batch) in enumerate(chain.events)
+                                  if kind == "submit" and batch not in (flush[0].micro_batch_id,)
+                                  and at > chain.events.index(("submit", flush[0].micro_batch_id)))
     for stream_id, prompt, reply in zip(ids[3:], prompts, replies, strict=True):
-        assert results[stream_id].reused_tokens == len(prompt) + len(reply) - 1
+        reused = len(prompt) + len(reply) - 1 if short_stage is None else 0
+        assert results[stream_id].reused_tokens == reused
     for stream_id, request in zip(ids, first + later, strict=True):
         assert results[stream_id].tokens == _fresh(target, request, stages)
 
