@@ -282,17 +282,24 @@ def test_an_idle_server_frees_its_entries_as_they_pass_their_age(target: Path, m
         assert held == (1,) and opened[0].micro_batches == (0,)
 
 
-@pytest.mark.parametrize("stages", [1, 2])
-def test_a_stream_that_ends_beside_others_leaves_its_prompt_and_reply_for_the_next_turn(
-        target: Path, stages: int) -> None:
-    """Its row is copied out of the running micro-batch (CopyRow) by that micro-batch's next step: the next turn,
-    which repeats the prompt and the reply, is fed only what follows them, and is admitted into the batch in turn."""
+def _turn_beside_a_long_runner(target: Path) -> tuple[StreamRequest, StreamRequest, list[int], StreamRequest]:
+    """A long stream, a turn that arrives while it runs and ends beside it, the turn's reply, and its next turn (the
+    prompt, the reply and more), arriving once the turn ended."""
     vocab = load_manifest(target).spec.vocab_size
     long_runner = StreamRequest(_tokens(1, 12, vocab), max_new_tokens=50, ignore_eos=True)
     turn = StreamRequest(_tokens(2, 30, vocab), max_new_tokens=8, ignore_eos=True, arrival_step=2)
     reply = _fresh(target, turn, 1)
     follow_up = StreamRequest(turn.prompt_ids + reply + _tokens(3, 6, vocab), max_new_tokens=8, ignore_eos=True,
                               arrival_step=24)
+    return long_runner, turn, reply, follow_up
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_stream_that_ends_beside_others_leaves_its_prompt_and_reply_for_the_next_turn(
+        target: Path, stages: int) -> None:
+    """Its row is copied out of the running micro-batch (CopyRow) by that micro-batch's next step: the next turn,
+    which repeats the prompt and the reply, is fed only what follows them, and is admitted into the batch in turn."""
+    long_runner, turn, reply, follow_up = _turn_beside_a_long_runner(target)
     with LocalPipeline(target, stages, F32) as pipeline:
         chain = MessageChain(pipeline)
         engine = Engine(chain, load_manifest(target).spec, None,
@@ -331,12 +338,7 @@ def test_a_stage_short_of_memory_for_a_rows_copy_runs_the_step_without_it_and_th
     """The copy is the prefix cache's option: the stage refused the whole step (OUT_OF_MEMORY: the PC left out of the
     chain by a re-plan). Now the step runs without it on that stage and the ones after it; the stages before it,
     which made it, free it; the next turn is fed what no entry holds, with the tokens of a fresh run."""
-    vocab = load_manifest(target).spec.vocab_size
-    long_runner = StreamRequest(_tokens(1, 12, vocab), max_new_tokens=50, ignore_eos=True)
-    turn = StreamRequest(_tokens(2, 30, vocab), max_new_tokens=8, ignore_eos=True, arrival_step=2)
-    reply = _fresh(target, turn, 1)
-    follow_up = StreamRequest(turn.prompt_ids + reply + _tokens(3, 6, vocab), max_new_tokens=8, ignore_eos=True,
-                              arrival_step=24)
+    long_runner, turn, _, follow_up = _turn_beside_a_long_runner(target)
     guard = CopyRefusingGuard()
     with LocalPipeline(target, 2, F32) as pipeline:
         executor = pipeline._executors[short_stage]
