@@ -274,7 +274,7 @@ def test_a_sampled_draft_outside_the_vocabulary_is_refused_before_the_call(whole
     np.testing.assert_array_equal(again.logits, reference_logits(whole, [PROMPT, [9]]))
 
 
-def test_a_row_with_no_live_slot_is_no_fault(first_half: Stage, second_half: Stage) -> None:
+def test_a_row_with_no_live_slot_is_no_fault(whole: Stage, first_half: Stage, second_half: Stage) -> None:
     """A row that feeds nothing and holds no slot yet attends to nothing: in `fast` precision its positions
     can come out NaN (seen with a 1.1B model) and its argmax past the vocabulary. That is not a bad input:
     the next stage takes the hidden states and the last stage's result ignores the row."""
