@@ -74,6 +74,9 @@ RESUME_MIN_SHARED = 0.5
 # A prefix cache's entry is given up this long after it was kept: a fleet's agents free a micro-batch idle for
 # MICRO_BATCH_IDLE_S, and a step on a freed one fails
 PREFIX_CACHE_MAX_AGE_S = MICRO_BATCH_IDLE_S / 2
+# After a stage had no memory for a step's row copies (ForwardResult.copies_dropped), rows that end are not copied out
+# for this long: each copy made before the stage short of memory would be thrown away again
+COPY_BACKOFF_S = 60.0
 # A state taken from the prefix cache is compacted to its live slots, whatever their number: its row is then copied
 # into a running micro-batch as its first live slots (AdmitRow)
 _PACKED = CompactionPolicy(min_dead_slots=1, min_dead_fraction=0.0)
@@ -338,6 +341,7 @@ class Engine:
         self._on_token: TokenCallback | None = None
         self.failovers: list[Failover] = []
         self._switch: tuple[ChainSwitch, str] | None = None  # a move onto another chain asked for (switch_chain)
+        self._copies_paused_until = -math.inf  # rows are not copied out before then (COPY_BACKOFF_S)
         self.timings = EngineTimings()
         self._driver_busy = _DriverBusy()
         self._eos = frozenset(spec.eos_token_ids)
@@ -1010,7 +1014,9 @@ class Engine:
         """A step's row copies (CopyRow) have been made: the prefix cache keeps them. Where a stage had no memory for
         them (ForwardResult.copies_dropped), the stages before it made them and the rest did not: they are freed."""
         if dropped and copies:
-            log.info("a stage had no memory for %d row copies of the prefix cache: they are not kept", len(copies))
+            log.info("a stage had no memory for %d row copies of the prefix cache: they are not kept, and no row is "
+                     "copied out for %.0f s", len(copies), COPY_BACKOFF_S)
+            self._copies_paused_until = time.monotonic() + COPY_BACKOFF_S
         for copy in copies:
             kept = self._cache_pending.pop(copy, None)
             if kept is None:
@@ -1144,6 +1150,8 @@ class Engine:
         where the copy is queued."""
         if not self._keeps_end(track, stream) or stream.confirmed_count - 1 > self.prefix_cache.capacity_tokens:
             return False  # (a state larger than the whole cache would be released as soon as it was made)
+        if time.monotonic() < self._copies_paused_until:  # a stage had no memory for the last ones
+            return False
         fed = stream.confirmed[:-1]
         track.reject(stream.stream_id, track.next_position(stream.stream_id) - len(fed))
         copy_id = self._new_batch_id()

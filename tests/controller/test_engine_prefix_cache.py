@@ -215,11 +215,12 @@ def test_an_entry_the_draft_model_still_holds_is_not_taken_by_a_drafted_stream(
 
 @pytest.mark.parametrize(("stages", "short_stage"), [(1, None), (2, None), (1, 0), (2, 0), (2, 1)])
 def test_rows_that_end_together_are_copied_out_by_one_more_step_and_serve_the_next_turns_at_once(
-        target: Path, stages: int, short_stage: int | None) -> None:
+        target: Path, monkeypatch: pytest.MonkeyPatch, stages: int, short_stage: int | None) -> None:
     """Every row of a micro-batch ends at once: one more step (one row fed its last token, its result dropped)
     copies each row out (a state of them all would hold every row), then the micro-batch goes. The next turns, sent
     the moment the replies end, wait that step for the copies rather than feed their prompts whole. A stage short of
     memory for the copies (`short_stage`) runs the flush without them: they are freed, and the next turns fed whole."""
+    monkeypatch.setattr(engine_module, "COPY_BACKOFF_S", 0.0)  # the next turns' rows are copied out again
     vocab = load_manifest(target).spec.vocab_size
     prompts = [_tokens(40 + index, 30, vocab) for index in range(3)]
     first = [StreamRequest(prompt, max_new_tokens=6, ignore_eos=True) for prompt in prompts]
@@ -332,12 +333,14 @@ class CopyRefusingGuard:
             raise KvMemoryRefused(f"{what()} would grow this PC's KV cache past its floor")
 
 
-@pytest.mark.parametrize("short_stage", [0, 1])
+@pytest.mark.parametrize(("short_stage", "backoff_s"), [(0, 0.0), (1, 0.0), (1, 600.0)])
 def test_a_stage_short_of_memory_for_a_rows_copy_runs_the_step_without_it_and_the_next_turn_feeds_its_prompt(
-        target: Path, short_stage: int) -> None:
+        target: Path, monkeypatch: pytest.MonkeyPatch, short_stage: int, backoff_s: float) -> None:
     """The copy is the prefix cache's option: the stage refused the whole step (OUT_OF_MEMORY: the PC left out of the
     chain by a re-plan). Now the step runs without it on that stage and the ones after it; the stages before it,
-    which made it, free it; the next turn is fed what no entry holds, with the tokens of a fresh run."""
+    which made it, free it; the next turn is fed what no entry holds, with the tokens of a fresh run. For
+    COPY_BACKOFF_S after, no row is copied out (the stages before would copy for nothing)."""
+    monkeypatch.setattr(engine_module, "COPY_BACKOFF_S", backoff_s)
     long_runner, turn, _, follow_up = _turn_beside_a_long_runner(target)
     guard = CopyRefusingGuard()
     with LocalPipeline(target, 2, F32) as pipeline:
@@ -349,7 +352,8 @@ def test_a_stage_short_of_memory_for_a_rows_copy_runs_the_step_without_it_and_th
         ids = [engine.add(request) for request in (long_runner, turn, follow_up)]
         results = engine.run()
         copied = [message.copy_into[0] for message in chain.messages if message.copy_into]
-    assert len(guard.refused) == len(copied) == 2  # the turn's row, then the follow-up's: neither made everywhere
+    # the turn's row, then (once the backoff passed) the follow-up's: neither made everywhere
+    assert len(guard.refused) == len(copied) == (2 if backoff_s == 0 else 1)
     assert all(copy in chain.released for copy in copied)  # freed where they were made
     assert pipeline.micro_batches == (0, 0) and engine.failovers == []
     # the turn's prompt, kept as it was admitted (no copy), not its reply: the follow-up feeds the rest
