@@ -110,15 +110,18 @@ class _Inbox:
 class EngineService:
     def __init__(self, open_chain: ChainOpener, spec: ModelSpec, draft: Drafter | None, options: OptionsFor,
                  max_streams: int = 64, take_back: Callable[[], bool] | None = None,
-                 take_back_busy_s: float = TAKE_BACK_BUSY_S) -> None:
+                 take_back_busy_s: float = TAKE_BACK_BUSY_S,
+                 take_back_while_busy: Callable[[], bool] | None = None) -> None:
         """`take_back`: asked every TAKE_BACK_POLL_S; where it says True, the service opens the chain again at its
         next idle moment (a fleet's opening takes back a PC that a re-plan left out: open_fleet_chain), or, where
         streams run for `take_back_busy_s` meanwhile, moves them onto the chain its opener's take_back makes. None:
-        the chain stays as it opened."""
+        the chain stays as it opened. `take_back_while_busy`: the check asked while streams run instead (one that
+        never waits on the network: TakeBackLook.left_out_back); None: `take_back`."""
         if max_streams < 1:
             raise ValueError(f"max_streams must be at least 1, got {max_streams}")
         self._open_chain = open_chain
         self._take_back = take_back
+        self._take_back_while_busy = take_back_while_busy or take_back
         self._reopening = False  # the feed ended the run to open the chain again (take_back said so)
         self._last_look = time.monotonic()  # when take_back was last asked
         self._back_since: float | None = None  # when take_back last said True, not acted on yet
@@ -329,7 +332,7 @@ class EngineService:
             if now - self._last_look < TAKE_BACK_POLL_S:
                 return
             self._last_look = now
-            if self._looked():
+            if self._looked(self._take_back_while_busy):
                 self._back_since = now
             return
         if take_back is not None and now - self._back_since >= self.take_back_busy_s:
@@ -358,11 +361,13 @@ class EngineService:
         engine.options = replace(engine.options, micro_batches=self.options(chain).micro_batches)
         return chain
 
-    def _looked(self) -> bool:
-        """What the take-back check says; False where it failed (a file being written: the next poll asks again)."""
+    def _looked(self, look: Callable[[], bool] | None = None) -> bool:
+        """What the take-back check (or `look`) says; False where it failed (a file being written: the next poll asks
+        again)."""
         try:
-            assert self._take_back is not None
-            return self._take_back()
+            look = look or self._take_back
+            assert look is not None
+            return look()
         except Exception:
             log.debug("the look for a PC to take back failed", exc_info=True)
             return False

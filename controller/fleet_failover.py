@@ -751,7 +751,9 @@ class TakeBackLook:
     Each call-in is acted on once: where the opening did not take the PC back (its re-plan left it out or failed,
     which the record notes; a deploy lock that could not be opened, which it does not), the run waits for the PC's
     next call-in instead of opening its chain again at every look. A few small files read a look, and a dial only
-    after a call-in of a PC of the chain."""
+    after a call-in of a PC of the chain. `left_out_back` is the look for a run whose streams are running: the first
+    kind only, with no dial (a stage gone from the chain fails its next step within moments, and the failover
+    re-plans), so that no step waits on the network."""
 
     def __init__(self, store: FleetStore, model_dir: Path) -> None:
         self.store = store
@@ -763,13 +765,20 @@ class TakeBackLook:
     def __call__(self) -> bool:
         if self.store.deploy_under_way():
             return False
-        left_out = self._left_out_back()
-        if left_out is not None and self._first_time(left_out):
+        if self.left_out_back():
             return True
         called_in = placed_pcs_called_in(self.store, self.model_dir)
         if called_in is None or not self._first_time(("placed", called_in)):
             return False
         return bool(stages_gone(self.store, self.model_dir, self._model_id, called_in))
+
+    def left_out_back(self) -> bool:
+        """Whether a PC a re-plan left out has called in since, no other run drives the model and no deploy is under
+        way, not acted on before (it is now); files read only."""
+        if self.store.deploy_under_way():
+            return False
+        left_out = self._left_out_back()
+        return left_out is not None and self._first_time(left_out)
 
     def _left_out_back(self) -> tuple[object, ...] | None:
         back = pcs_back(self.store, self.model_dir)

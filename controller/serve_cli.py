@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from .engine import ChainBroken, EngineOptions, Recover, StageChain
     from .engine_service import ChainOpener
-    from .fleet_failover import FleetFailover
+    from .fleet_failover import FleetFailover, TakeBackLook
     from .openai_api import OpenAiApi
 
 log = logging.getLogger(__name__)
@@ -206,10 +206,10 @@ def _serve_command(args: argparse.Namespace) -> int:
 
     opener = _fleet_opener(args, decoding) if args.fleet else _local_opener(args.model, stages, target, manifest)
     name = args.model_name or args.model.resolve().name
-    service = EngineService(opener, manifest.spec, draft, options_for, max_streams=args.max_streams,
-                            take_back=_take_back_look(args) if args.fleet else None,
+    look = _take_back_look(args) if args.fleet else None
+    service = EngineService(opener, manifest.spec, draft, options_for, max_streams=args.max_streams, take_back=look,
                             take_back_busy_s=TAKE_BACK_BUSY_S if args.take_back_wait is None
-                            else args.take_back_wait)
+                            else args.take_back_wait, take_back_while_busy=look.left_out_back if look else None)
     # a keyless server on loopback answers its own names only (a web page could reach it through another)
     hosts = frozenset({"127.0.0.1", "localhost", "::1", host}) if api_key is None and is_loopback(host) else None
     try:
@@ -300,7 +300,7 @@ def _fleet_opener(args: argparse.Namespace, decoding: DecodingOptions) -> ChainO
     return open_fleet
 
 
-def _take_back_look(args: argparse.Namespace) -> Callable[[], bool]:
+def _take_back_look(args: argparse.Namespace) -> TakeBackLook:
     from .fleet_failover import TakeBackLook
 
     return TakeBackLook(controller_store(args.data_dir), args.model)

@@ -453,6 +453,32 @@ def test_a_busy_service_moves_its_streams_onto_a_chain_that_takes_the_pc_back(
         assert later.wait().result.tokens == _solo(target, PROMPTS[2], 12)  # type: ignore[union-attr]
 
 
+def test_a_busy_service_asks_its_busy_look_while_streams_run_and_its_whole_look_when_idle(
+        target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the whole look may dial a PC (TakeBackLook's stages_gone): asked between two steps, every stream waited on it
+    monkeypatch.setattr(engine_service, "TAKE_BACK_POLL_S", 0.05)
+    asked: dict[str, list[bool]] = {"whole": [], "busy": []}
+
+    def whole() -> bool:
+        asked["whole"].append(bool(service._by_stream))
+        return False
+
+    def busy() -> bool:
+        asked["busy"].append(bool(service._by_stream))
+        return False
+
+    slow = _wrapped(target, 2, lambda pipeline: BreakingChain(pipeline, delay=0.01))[0]  # 60 tokens outlast polls
+    service = EngineService(slow, load_manifest(target).spec, None,
+                            lambda chain: EngineOptions(max_rows=3, micro_batches=2), take_back=whole,
+                            take_back_while_busy=busy)
+    with service:
+        _wait_until(lambda: len(asked["whole"]) >= 2, "two idle looks")
+        sink = Sink(first_tokens=3)
+        service.submit(StreamRequest(PROMPTS[0], max_new_tokens=60, ignore_eos=True), sink)
+        assert sink.wait().result is not None
+    assert asked["busy"] and all(asked["busy"]) and not any(asked["whole"])
+
+
 def test_a_pc_found_while_busy_is_taken_back_at_the_next_idle_moment_before_the_busy_limit(
         target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine_service, "TAKE_BACK_POLL_S", 0.05)  # the busy limit stays a minute

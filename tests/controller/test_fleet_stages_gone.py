@@ -271,6 +271,8 @@ def test_a_run_holding_its_chain_opens_it_again_once_for_a_pc_of_the_chain_that_
     with store.deploying():
         assert not look()  # a deploy under way: the opening would wait for it while requests queue
     assert fleet["surveys"] == []
+    # while streams run, the look dials no one (their next step finds the stage gone): no step waits on a dial
+    assert not look.left_out_back() and fleet["surveys"] == []
     assert look()
     assert fleet["surveys"][0].only == {B}  # type: ignore[index]
     assert not look()  # acted on: the next look waits for B's next call-in
