@@ -45,7 +45,6 @@ from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement, cached_speed
 from deskfleet.agent.stage import openvino_devices
 from deskfleet.common import pki
-from deskfleet.common.availability import CALL_IN_SETTLE_S
 from deskfleet.common.console import stopping_signals
 from deskfleet.common.devices import device_targets
 from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord
@@ -292,17 +291,9 @@ class AgentService:
         await _periodically(lambda: AVAILABILITY_CHECK_S, "check whether this PC is available again",
                             self.call_in_if_available_again)
 
-    async def call_in_if_available_again(self, now: float | None = None,
-                                         clocks: tuple[float, float] | None = None) -> bool:
+    async def call_in_if_available_again(self, now: float | None = None) -> bool:
         """One look (AVAILABILITY_CHECK_S); True when it called in: its Register sent again on the registration
-        link. Without a live link the next registration says it, as every registration does. `clocks`: the wall and
-        monotonic clocks now (time.time(), time.monotonic()), whose gap since the last look tells a PC that was
-        asleep or frozen (CallInWatch.away_for): it calls in once available for CALL_IN_SETTLE_S, as after a pause."""
-        away = self.core.call_in.away_for(*(clocks or (time.time(), time.monotonic())))
-        if away is not None:
-            log.info("this PC was away for %.0f s (asleep, or the agent frozen): it tells the controller once it has "
-                     "been available %.0f s (a run that timed out on it may have re-planned without it)", away,
-                     CALL_IN_SETTLE_S)
+        link. Without a live link the next registration says it, as every registration does."""
         mark = self.core.call_in.mark()
         available = await self.core.takes_stages_now()
         if not self.core.call_in.update(available, time.monotonic() if now is None else now, mark):

@@ -23,9 +23,6 @@ RELEASE_REASONS = (UnavailableReason.ON_BATTERY, UnavailableReason.TOO_HOT)
 CLEAR_ENDS_SPELL_S = 10.0  # that long within the limits ends a spell of crossing them (StageReleaseWatch)
 CALL_IN_MIN_INTERVAL_S = 60.0  # an agent tells the controller it is available again at most this often
 CALL_IN_SETTLE_S = 20.0  # and only once it has been available this long (CallInWatch)
-# Two of an agent's availability looks (10 s apart) further apart than this, by the wall clock or the monotonic one:
-# the agent was away meanwhile (the PC asleep, its lid closed; the process frozen), which no look saw (CallInWatch)
-AWAY_GAP_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -197,7 +194,6 @@ class CallInWatch:
         self._was_available: bool | None = None  # None: no look yet (the registration said the rest)
         self._last: float | None = None  # when the agent last called in (or registered)
         self._spells = 0  # went_away() calls: a look that began before one is no evidence of availability
-        self._looked: tuple[float, float] | None = None  # (wall, monotonic) clocks at the last look (away_for)
 
     def registered(self, now: float) -> None:
         """The agent registered at `now`: that tells the controller all a call-in would."""
@@ -208,22 +204,6 @@ class CallInWatch:
         was paused or unavailable): a pause ended within seconds is a spell too, once a plan may have left it out."""
         self._was_available, self._available_since = False, None
         self._spells += 1
-
-    def away_for(self, wall: float, monotonic: float) -> float | None:
-        """Taken at each look with the wall clock (time.time) and the monotonic one: the seconds since the last look
-        where they pass AWAY_GAP_S, a spell of its own (went_away), else None. A PC asleep (its lid closed) or an
-        agent frozen saw nothing of the fleet meanwhile: a chain it served may have timed out on it and re-planned
-        without it, and with a registration link that outlived the sleep nothing else would tell the controller it
-        is back. On Linux the monotonic clock stops while the PC sleeps: the wall clock tells that one (a wall
-        clock set forward reads as a gap too, which costs one call-in)."""
-        last, self._looked = self._looked, (wall, monotonic)
-        if last is None:
-            return None
-        gap = max(wall - last[0], monotonic - last[1])
-        if gap < AWAY_GAP_S:
-            return None
-        self.went_away()
-        return gap
 
     def mark(self) -> int:
         """Taken as a look begins (before its sensor read): update() counts a look that a spell overtook as not

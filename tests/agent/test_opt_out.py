@@ -221,24 +221,6 @@ def test_a_resumed_pc_calls_in_on_its_registration_link(desk: tuple[AgentCore, P
     assert link.sent == [Register(core.agent_id, ("10.0.0.7:7431",), None)]
 
 
-def test_a_pc_that_was_asleep_calls_in_on_its_registration_link_once_available(desk: tuple[AgentCore, Path]) -> None:
-    # Its lid closed for ten minutes: a chain it served timed out on it and re-planned without it, and its
-    # registration link outlived the sleep, so nothing told the controller it was back
-    core, _ = desk
-    link = RegistrationLink()
-    service = registered_service(core, link)
-
-    async def looks() -> list[bool]:
-        return [await service.call_in_if_available_again(now=100.0, clocks=(5000.0, 100.0)),
-                await service.call_in_if_available_again(now=110.0, clocks=(5600.0, 110.0)),  # woke up
-                await service.call_in_if_available_again(now=110.0 + CALL_IN_SETTLE_S,
-                                                         clocks=(5600.0 + CALL_IN_SETTLE_S, 110.0 + CALL_IN_SETTLE_S)),
-                await service.call_in_if_available_again(now=140.0, clocks=(5630.0, 140.0))]  # said once
-
-    assert asyncio.run(looks()) == [False, False, True, False]
-    assert link.sent == [Register(core.agent_id, ("10.0.0.7:7431",), None)]
-
-
 def test_a_pc_hosting_a_stage_does_not_call_in_when_its_own_inference_crosses_the_limits(
         desk: tuple[AgentCore, Path], tiny_export: Path) -> None:
     core, _ = desk

@@ -9,7 +9,6 @@ import pytest
 
 from deskfleet.common.agent_state import AgentState, UnavailableReason
 from deskfleet.common.availability import (
-    AWAY_GAP_S,
     CALL_IN_MIN_INTERVAL_S,
     CALL_IN_SETTLE_S,
     GIB,
@@ -234,22 +233,3 @@ def test_a_spell_the_fleet_saw_between_two_looks_counts_and_a_look_it_overtook_i
     watch.went_away()
     assert not watch.update(True, 300.0, mark)
     assert not watch.update(True, 310.0) and watch.update(True, 310.0 + settle)
-
-
-def test_a_pc_that_was_asleep_or_frozen_between_two_looks_calls_in_once_available_again() -> None:
-    """Its lid closed (Linux's monotonic clock stops while the PC sleeps: the wall clock tells) or its agent frozen
-    (both clocks run on): a chain that timed out on it may have re-planned without it, and a registration link that
-    outlived the sleep said nothing. A gap between looks is a spell: it calls in once available CALL_IN_SETTLE_S."""
-    settle = CALL_IN_SETTLE_S
-    for monotonic_after in (110.0, 700.0):  # asleep (the monotonic clock stopped), or frozen (it ran on)
-        watch = CallInWatch()
-        watch.registered(-1000.0)
-        assert watch.away_for(5000.0, 100.0) is None and not watch.update(True, 100.0)  # the first look
-        assert watch.away_for(5600.0, monotonic_after) == 600.0
-        assert not watch.update(True, monotonic_after) and watch.update(True, monotonic_after + settle)
-    # looks 10 s apart, or late by less than AWAY_GAP_S: nothing to say
-    watch = CallInWatch()
-    watch.registered(-1000.0)
-    for at in (0.0, 10.0, 20.0, 20.0 + AWAY_GAP_S - 1):
-        assert watch.away_for(at, at) is None
-        assert not watch.update(True, at)
