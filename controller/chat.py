@@ -376,7 +376,8 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                                          seed=options.base_seed + replies, stop_token_ids=end_of_turn,
                                          keep_kv=options.reuse_kv, resume=resume,
                                          presence_penalty=options.presence_penalty,
-                                         frequency_penalty=options.frequency_penalty))
+                                         frequency_penalty=options.frequency_penalty,
+                                         logit_bias=options.logit_bias))
             except (GenerationError, NotUtf8Error, ChatTemplateError) as error:
                 # ChatTemplateError: the template refused this conversation (its raise_exception) or rendered
                 # it too long; the conversation before this message may still be fine to go on with.

@@ -16,7 +16,7 @@ from typing import Any
 
 from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.arguments import path_argument
-from deskfleet.common.logits_adjust import MAX_PENALTY
+from deskfleet.common.logits_adjust import MAX_BIAS, MAX_BIASED_TOKENS, MAX_PENALTY
 from deskfleet.common.model_spec import ModelSpec
 from deskfleet.common.speculative import MAX_K, SamplingParams
 
@@ -46,6 +46,7 @@ class DecodingOptions:
     # the API's penalties, -2 to 2: off the logit of each token generated so far (times its count, for frequency)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, what is added to its logit), as the API's logit_bias
     settings: CompileSettings = field(default_factory=CompileSettings)
     seed_drawn: bool = field(default=False, init=False, compare=False)  # `seed` was drawn, not given
 
@@ -97,6 +98,12 @@ class DecodingOptions:
                               ("--frequency-penalty", self.frequency_penalty)):
             if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails this too
                 raise ValueError(f"{option} must be from {-MAX_PENALTY:g} to {MAX_PENALTY:g}, got {value}")
+        if len(self.logit_bias) > MAX_BIASED_TOKENS:
+            raise ValueError(f"--logit-bias takes at most {MAX_BIASED_TOKENS} tokens, got {len(self.logit_bias)}")
+        biased = [token for token, _ in self.logit_bias]
+        if len(set(biased)) != len(biased):
+            repeated = sorted({token for token in biased if biased.count(token) > 1})
+            raise ValueError(f"--logit-bias gives token {repeated[0]} more than once: give each token one bias")
 
     @property
     def base_seed(self) -> int:
@@ -141,7 +148,30 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
                         help="take F times its count off the logit of every token the reply has generated so far "
                              f"(-{MAX_PENALTY:g} to {MAX_PENALTY:g}, default 0), as the API's frequency_penalty")
+    parser.add_argument("--logit-bias", type=logit_bias_entry, action="append", default=None, metavar="TOKEN=BIAS",
+                        help=f"add BIAS ({-MAX_BIAS:g} to {MAX_BIAS:g}) to token id TOKEN's logit before it is picked "
+                             f"or sampled, as the API's logit_bias (repeat it, at most {MAX_BIASED_TOKENS} tokens; "
+                             "-100 bans a token, 100 all but forces it)")
     add_prefill_option(parser)
+
+
+def logit_bias_entry(text: str) -> tuple[int, float]:
+    """argparse type: `TOKEN=BIAS`, a token id and a bias of -MAX_BIAS to MAX_BIAS (the vocabulary is checked once the
+    model is known)."""
+    token, equals, bias = text.partition("=")
+    if not equals:
+        raise argparse.ArgumentTypeError(f"expected TOKEN=BIAS (a token id, then what to add to its logit), got "
+                                         f"{text!r}")
+    try:
+        token_id, value = int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN=BIAS with a whole token id and a number, got {text!r}") \
+            from None
+    if token_id < 0:
+        raise argparse.ArgumentTypeError(f"a token id is 0 or more, got {token_id}")
+    if not -MAX_BIAS <= value <= MAX_BIAS:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"a bias must be from {-MAX_BIAS:g} to {MAX_BIAS:g}, got {bias}")
+    return token_id, value
 
 
 def add_drafting_options(parser: argparse.ArgumentParser) -> None:
@@ -182,7 +212,8 @@ def decoding_arguments(args: argparse.Namespace, settings: CompileSettings) -> d
     return {"draft": args.draft, "prompt_lookup": args.prompt_lookup, "k": args.k, "k_max": args.k_max,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
             "prefill_chunk": args.prefill_chunk, "presence_penalty": args.presence_penalty,
-            "frequency_penalty": args.frequency_penalty, "settings": settings}
+            "frequency_penalty": args.frequency_penalty, "logit_bias": tuple(args.logit_bias or ()),
+            "settings": settings}
 
 
 def random_seed() -> int:

@@ -201,7 +201,8 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
                                          ignore_eos=options.ignore_eos, stop_token_ids=stop, sampling=sampling,
                                          seed=options.base_seed + index, logprobs=options.logprobs,
                                          presence_penalty=options.presence_penalty,
-                                         frequency_penalty=options.frequency_penalty))
+                                         frequency_penalty=options.frequency_penalty,
+                                         logit_bias=options.logit_bias))
             started = time.perf_counter()
             try:
                 results = engine.run(on_token=printer.push if printer else None, recover=recover)

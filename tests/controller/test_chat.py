@@ -580,6 +580,19 @@ def test_the_chat_command_takes_json(tiny_export: Path, tmp_path: Path, monkeypa
     assert json.loads(line)["reply_tokens"] == 3
 
 
+def test_the_chat_command_takes_a_logit_bias(tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    model = _chat_model(tmp_path, tiny_export)
+    tokenizer = ModelTokenizer(model)
+    forced = tokenizer.encode(" x", add_special_tokens=False)[-1]  # a plain token, no end of turn
+    assert forced not in tokenizer.end_of_turn_ids()
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--model", str(model), "--max-new-tokens", "3", "--precision", "f32", "--json",
+                 "--logit-bias", f"{forced}=100"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert json.loads(line)["reply"] == tokenizer.decode([forced] * 3)
+
+
 def test_a_bom_before_the_first_message_is_not_sent(tmp_path: Path, tiny_export: Path) -> None:
     # a messages file saved with a BOM (Windows' Notepad) sent it as 3 tokens of the first message
     model = _chat_model(tmp_path, tiny_export)

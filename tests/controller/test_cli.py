@@ -706,3 +706,33 @@ def test_generate_takes_the_apis_penalties(tiny_export: Path, capsys: pytest.Cap
     assert tokens != run_streams(tiny_export, [request])[0]
     code, _, err = run(capsys, *argv, "--frequency-penalty", "3")
     assert code == 2 and "--frequency-penalty must be from -2 to 2, got 3.0" in err
+
+
+def test_generate_takes_a_logit_bias(tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--logit-bias TOKEN=BIAS, as the API's logit_bias: 100 all but forces a token, -100 bans one, and the tokens equal
+    the engine's with the same bias; malformed entries, a repeated token and one past the vocabulary are refused by
+    name."""
+    from deskfleet.controller.engine import StreamRequest
+
+    from .test_engine import run_streams
+
+    argv = ["generate", "--model", str(tiny_export), "--prompt-ids", "1,5,6", "--max-new-tokens", "12", "--ignore-eos",
+            "--precision", "f32", "--json"]
+    code, out, _ = run(capsys, *argv, "--logit-bias", "7=100")
+    assert code == 0 and json.loads(out)["streams"][0]["tokens"] == [7] * 12
+    plain = run_streams(tiny_export, [StreamRequest([1, 5, 6], max_new_tokens=12, ignore_eos=True)])[0]
+    banned = plain[0]
+    code, out, _ = run(capsys, *argv, "--logit-bias", f"{banned}=-100", "--logit-bias", "9=2.5")
+    tokens = json.loads(out)["streams"][0]["tokens"]
+    assert code == 0 and banned not in tokens
+    assert tokens == run_streams(tiny_export, [StreamRequest([1, 5, 6], max_new_tokens=12, ignore_eos=True,
+                                                             logit_bias=((banned, -100.0), (9, 2.5)))])[0]
+    for bad, says in ((["7"], "expected TOKEN=BIAS"), (["x=1"], "a whole token id and a number"),
+                      (["7=101"], "a bias must be from -100 to 100, got 101"), (["-1=5"], "a token id is 0 or more"),
+                      (["7=1", "7=2"], "--logit-bias gives token 7 more than once"),
+                      (["1000000=1"], "outside the vocabulary")):
+        try:
+            code, _, err = run(capsys, *argv, *[f"--logit-bias={entry}" for entry in bad])
+        except SystemExit as exited:  # argparse's type errors exit 2 themselves
+            code, err = int(exited.code or 0), capsys.readouterr().err
+        assert code == 2 and says in err, (bad, err)
