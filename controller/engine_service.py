@@ -32,7 +32,6 @@ from .engine import ChainSwitch, Engine, EngineOptions, Recover, StageChain, Str
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class OpenedChain:
     """What a chain opener gives: the chain, the failover that replaces it when it breaks (None: none), and what

@@ -23,7 +23,7 @@ from deskfleet.common.speculative import SamplingParams
 from deskfleet.common.wire import Forward
 from deskfleet.controller import engine as engine_module
 from deskfleet.controller.draft import Drafter, DraftModel
-from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
+from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest, StreamResult
 from deskfleet.controller.engine_service import EngineService, OpenedChain
 from deskfleet.controller.lookup_first import LookupFirstDraft
 from deskfleet.controller.pipeline import LocalPipeline
@@ -69,6 +69,17 @@ def _fresh(model: Path, request: StreamRequest, stages: int, drafter: Drafter | 
         return engine.run()[0].tokens
 
 
+def _run_cached(pipeline: LocalPipeline, requests: list[StreamRequest] | tuple[StreamRequest, ...],
+                drafter: Drafter | None = None) -> tuple[MessageChain, Engine, list[int], dict[int, StreamResult]]:
+    """`requests` run on `pipeline` through a MessageChain, one micro-batch, with a prefix cache: the chain, the
+    engine, the streams' ids, and their results."""
+    chain = MessageChain(pipeline)
+    engine = Engine(chain, pipeline.manifest.spec, drafter,
+                    EngineOptions(micro_batches=1, prefix_cache_tokens=CACHE))
+    ids = [engine.add(request) for request in requests]
+    return chain, engine, ids, engine.run()
+
+
 def _drafter(drafting: str | None, draft_model: Path) -> Drafter | None:
     if drafting == "lookup":
         return PromptLookupDraft(min_ngram=1)
@@ -87,11 +98,8 @@ def test_a_prompt_admitted_into_a_running_batch_serves_a_later_prompt_that_begin
                           seed=7, arrival_step=16)
     with ExitStack() as stack:
         pipeline = stack.enter_context(LocalPipeline(target, stages, F32))
-        chain = MessageChain(pipeline)
-        engine = Engine(chain, load_manifest(target).spec, _drafter(drafting, other_draft),
-                        EngineOptions(micro_batches=1, prefix_cache_tokens=CACHE))
-        ids = [engine.add(request) for request in (long_runner, first, later)]
-        results = engine.run()
+        chain, engine, ids, results = _run_cached(pipeline, (long_runner, first, later),
+                                                  _drafter(drafting, other_draft))
     assert pipeline.micro_batches == (0,) * stages  # the run released what its cache kept (read once closed)
     # the first prompt was admitted into the running micro-batch and kept; the later one started from it, fed only
     # what follows, and was admitted in turn
@@ -123,11 +131,7 @@ def test_a_prompt_that_parts_from_an_entry_inside_it_is_rolled_back_compacted_an
     first = StreamRequest(shared, max_new_tokens=6, ignore_eos=True, arrival_step=2)
     later = StreamRequest(shared[:24] + _tokens(3, 12, vocab), max_new_tokens=8, ignore_eos=True, arrival_step=16)
     with LocalPipeline(target, stages, F32) as pipeline:
-        chain = MessageChain(pipeline)
-        engine = Engine(chain, load_manifest(target).spec, None,
-                        EngineOptions(micro_batches=1, prefix_cache_tokens=CACHE))
-        ids = [engine.add(request) for request in (long_runner, first, later)]
-        results = engine.run()
+        chain, _, ids, results = _run_cached(pipeline, (long_runner, first, later))
     assert results[ids[2]].reused_tokens == 24
     resumed = [message for message in chain.messages if message.stream_ids == (ids[2],)]
     assert [type(delta).__name__ for delta in resumed[0].slot_deltas] == ["InvalidateSlots", "Compact", "AppendSlots"]
@@ -232,11 +236,7 @@ def test_rows_that_end_together_are_copied_out_by_one_more_step_and_serve_the_ne
         if short_stage is not None:
             executor = pipeline._executors[short_stage]
             executor.memory_guard, executor.kv_bytes_per_slot = guard, 1  # type: ignore[assignment]
-        chain = MessageChain(pipeline)
-        engine = Engine(chain, load_manifest(target).spec, None,
-                        EngineOptions(micro_batches=1, prefix_cache_tokens=CACHE))
-        ids = [engine.add(request) for request in first + later]
-        results = engine.run()
+        chain, _, ids, results = _run_cached(pipeline, first + later)
     assert pipeline.micro_batches == (0,) * stages
     flush = [message for message in chain.messages if len(message.copy_into) == 3]
     # the next turns, fed whole where the copies were dropped, end together in turn and are flushed likewise
@@ -302,11 +302,7 @@ def test_a_stream_that_ends_beside_others_leaves_its_prompt_and_reply_for_the_ne
     which repeats the prompt and the reply, is fed only what follows them, and is admitted into the batch in turn."""
     long_runner, turn, reply, follow_up = _turn_beside_a_long_runner(target)
     with LocalPipeline(target, stages, F32) as pipeline:
-        chain = MessageChain(pipeline)
-        engine = Engine(chain, load_manifest(target).spec, None,
-                        EngineOptions(micro_batches=1, prefix_cache_tokens=CACHE))
-        ids = [engine.add(request) for request in (long_runner, turn, follow_up)]
-        results = engine.run()
+        chain, _, ids, results = _run_cached(pipeline, (long_runner, turn, follow_up))
     assert pipeline.micro_batches == (0,) * stages
     copies = [message for message in chain.messages if message.copy_into]
     assert len(copies) == 2  # the turn's row, then the follow-up's, each copied out as it ended beside the other
@@ -346,11 +342,7 @@ def test_a_stage_short_of_memory_for_a_rows_copy_runs_the_step_without_it_and_th
     with LocalPipeline(target, 2, F32) as pipeline:
         executor = pipeline._executors[short_stage]
         executor.memory_guard, executor.kv_bytes_per_slot = guard, 1  # type: ignore[assignment]
-        chain = MessageChain(pipeline)
-        engine = Engine(chain, load_manifest(target).spec, None,
-                        EngineOptions(micro_batches=1, prefix_cache_tokens=CACHE))
-        ids = [engine.add(request) for request in (long_runner, turn, follow_up)]
-        results = engine.run()
+        chain, engine, ids, results = _run_cached(pipeline, (long_runner, turn, follow_up))
         copied = [message.copy_into[0] for message in chain.messages if message.copy_into]
     # the turn's row, then (once the backoff passed) the follow-up's: neither made everywhere
     assert len(guard.refused) == len(copied) == (2 if backoff_s == 0 else 1)
