@@ -122,7 +122,8 @@ class EngineService:
         self._take_back = take_back
         self._take_back_while_busy = take_back_while_busy or take_back
         self._reopening = False  # the feed ended the run to open the chain again (take_back said so)
-        self._last_look = time.monotonic()  # when take_back was last asked
+        self._last_look = time.monotonic()  # when take_back (the whole look, at idle moments) was last asked
+        self._last_busy_look = self._last_look  # when take_back_while_busy was last asked (a whole look counts too)
         self._back_since: float | None = None  # when take_back last said True, not acted on yet
         self._reopen_at_idle = False  # a move while streams ran took no PC back: the next idle moment reopens
         self.take_back_busy_s = take_back_busy_s
@@ -328,9 +329,11 @@ class EngineService:
         step). An idle moment meanwhile opens the chain again instead (_idle_until_work)."""
         now = time.monotonic()
         if self._back_since is None:
-            if now - self._last_look < TAKE_BACK_POLL_S:
+            # a clock of its own: the busy look reads only files, and a server busy but for short gaps would
+            # otherwise never ask the whole look (which finds a PC of the chain that lost its stage)
+            if now - self._last_busy_look < TAKE_BACK_POLL_S:
                 return
-            self._last_look = now
+            self._last_busy_look = now
             if self._looked(self._take_back_while_busy):
                 self._back_since = now
             return
@@ -398,7 +401,7 @@ class EngineService:
                 cache.expire()  # on the engine's thread, as every release of its micro-batches
                 continue
             if self._back_since is None and not self._reopen_at_idle:
-                self._last_look = time.monotonic()
+                self._last_look = self._last_busy_look = time.monotonic()
                 if self._looked():
                     self._back_since = self._last_look
             if self._back_since is not None or self._reopen_at_idle:

@@ -589,3 +589,32 @@ def test_a_server_whose_requests_keep_coming_still_looks(target: Path, monkeypat
             sink.wait()
             time.sleep(0.05)
     assert len(looks) >= 2, looks  # none before: every idle spell started the 0.3 s anew
+
+
+def test_a_server_busy_but_for_short_gaps_still_asks_its_whole_look(target: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # the busy look (files only) restarted the whole look's clock: a server whose streams ran all along but for
+    # gaps of a few ms never asked the whole look, which alone finds a PC of its chain that lost its stage
+    monkeypatch.setattr(engine_service, "TAKE_BACK_POLL_S", 0.2)
+    asked: dict[str, int] = {"whole": 0, "busy": 0}
+
+    def look(kind: str) -> Callable[[], bool]:
+        def counted() -> bool:
+            asked[kind] += 1
+            return False
+        return counted
+
+    slow = _wrapped(target, 2, lambda pipeline: BreakingChain(pipeline, delay=0.01))[0]
+    service = EngineService(slow, load_manifest(target).spec, None,
+                            lambda chain: EngineOptions(max_rows=3, micro_batches=2), take_back=look("whole"),
+                            take_back_while_busy=look("busy"))
+    with service:
+        time.sleep(0.3)  # the first idle look
+        whole_before = asked["whole"]
+        started = time.monotonic()
+        while time.monotonic() - started < 2.0:  # each stream runs past a poll; the next comes at once
+            sink = Sink()
+            service.submit(StreamRequest(PROMPTS[0], max_new_tokens=30, ignore_eos=True), sink)
+            assert sink.wait().result is not None
+    assert asked["busy"] >= 2, asked
+    assert asked["whole"] - whole_before >= 2, asked
