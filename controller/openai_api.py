@@ -9,6 +9,7 @@ as `Authorization: Bearer KEY`.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hmac
 import json
 import logging
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from deskfleet.common.logprobs import TokenLogprob
 from deskfleet.common.model_spec import ModelSpec
@@ -39,6 +41,7 @@ from .openai_requests import (
     parse_chat,
     parse_completion,
 )
+from .stop_sequences import StopMatcher
 from .text_printer import TextPrinter
 from .tokenizer import ModelTokenizer, NotUtf8Error
 
@@ -46,6 +49,9 @@ log = logging.getLogger(__name__)
 _Token = tuple[int, "TokenLogprob | None"]  # a token from the engine's thread, and its log-probabilities where asked
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body: a long conversation's text, far from the model's context in bytes
+# What a 429 (every stream the server takes is running or waiting) tells a client to wait before it asks again
+# (Retry-After: the OpenAI clients honour it): a reply of the demo model takes about that, a real model's longer
+BUSY_RETRY_AFTER_S = 1
 # A prompt's characters a token of the model's context at most: more cannot fit (tokens are rarely under one
 # character), and tokenizing a few MB holds the event loop, every client's stream with it, for seconds
 MAX_CHARS_PER_TOKEN = 32
@@ -62,21 +68,25 @@ class _Prepared:
 
 class ReplyText:
     """A reply's text as its tokens arrive, cut at the first stop sequence: what each new token adds that can be
-    sent (the last characters that could begin a stop sequence are held back until the text goes on past them)."""
+    sent. Text that begins a stop sequence and may yet complete it is held back until the text goes on past it,
+    with the tokens it came from: what is sent is the text of whole tokens (`released_tokens` of them), so that a
+    streamed chunk's log-probabilities are those of the tokens whose text it carries."""
 
     def __init__(self, tokenizer: ModelTokenizer, stops: tuple[str, ...]) -> None:
-        self._stops = stops
-        self._hold = max((len(stop) for stop in stops), default=1) - 1
+        self._stops = StopMatcher(stops)
         self._text: list[str] = []
         self._length = 0
         self._joined = ""
         self._sent = 0
+        self._token_ends: list[int] = []  # the text's length once each token pushed had been printed
+        self.released_tokens = 0  # the tokens pushed whose text has all been sent
         self.stopped = False  # a stop sequence was met: nothing more is sent
         self._printer = TextPrinter(tokenizer, cast(Any, self), show_controls=False)
 
     def write(self, text: str) -> None:  # TextPrinter's output
         self._text.append(text)
         self._length += len(text)
+        self._stops.feed(text)
 
     def flush(self) -> None:
         pass
@@ -90,6 +100,7 @@ class ReplyText:
         if self.stopped:
             return ""
         self._printer.push(0, token)
+        self._token_ends.append(self._length)
         return self._release(final=False)
 
     def finish(self) -> str:
@@ -106,13 +117,14 @@ class ReplyText:
 
     def _release(self, final: bool) -> str:
         text = self._full()
-        start = max(0, self._sent - self._hold)
-        found = [at for at in (text.find(stop, start) for stop in self._stops) if at >= 0]
-        if found:
-            end = min(found)
-            self.stopped = True
-        else:
-            end = len(text) if final else max(self._sent, len(text) - self._hold)
+        if self._stops.found is not None:
+            end, self.stopped = self._stops.found, True
+            self.released_tokens = len(self._token_ends)
+        elif final:
+            end, self.released_tokens = len(text), len(self._token_ends)
+        else:  # whole tokens, up to the text that may begin a stop sequence
+            self.released_tokens = bisect.bisect_right(self._token_ends, len(text) - self._stops.pending)
+            end = self._token_ends[self.released_tokens - 1] if self.released_tokens else 0
         piece, self._sent = text[self._sent:end], max(self._sent, end)
         return piece
 
@@ -177,6 +189,7 @@ class OpenAiApi:
         return self._api_key is not None
 
     def app(self) -> web.Application:
+        logging.getLogger("aiohttp.server").addFilter(_MALFORMED_REQUESTS)  # once: a filter is added once
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_BODY_BYTES)
         app.add_routes([web.get("/v1/models", self._models), web.get("/v1/models/{model:.+}", self._model),
                         web.post("/v1/completions", self._completions),
@@ -190,7 +203,8 @@ class OpenAiApi:
         try:
             return cast(web.StreamResponse, await handler(request))
         except ApiError as error:
-            return web.json_response(error.body(), status=error.status)
+            headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else None
+            return web.json_response(error.body(), status=error.status, headers=headers)
         except web.HTTPException as error:  # aiohttp's own: unknown path, wrong method, body too large
             if error.status < 400:
                 raise
@@ -202,7 +216,8 @@ class OpenAiApi:
         if self._hosts is not None and _host_name(request.host) not in self._hosts:
             raise ApiError(403, f"the Host {request.host[:100]!r} is not this server's: a request through another name "
                                 "(a web page's, by DNS rebinding) is refused", kind="permission_error")
-        if request.method == "POST" and request.content_type != "application/json":
+        if request.method == "POST" and request.content_type != "application/json" and \
+                request.match_info.http_exception is None:  # an unknown path or method is answered 404 / 405
             # a web page can POST text/plain or a form to any address without asking first; JSON it cannot
             raise ApiError(415, f"the request body must be JSON, sent as Content-Type: application/json (got "
                                 f"{request.content_type!r})")
@@ -381,7 +396,7 @@ class OpenAiApi:
         try:
             tickets = self.service.submit_all([(choice.request, choice.bridge) for choice in choices])
         except ServiceBusy as error:
-            raise ApiError(429, str(error), kind="server_busy") from None
+            raise ApiError(429, str(error), kind="server_busy", retry_after_s=BUSY_RETRY_AFTER_S) from None
         except ServiceClosed as error:
             raise ApiError(503, str(error), kind="server_error") from None
         for choice, ticket in zip(choices, tickets, strict=True):
@@ -389,15 +404,14 @@ class OpenAiApi:
         return choices
 
     async def _gather(self, choice: _Choice) -> tuple[StreamEnd, int]:
-        tokens = 0
+        """The choice's end, and its reply's tokens."""
         while True:
             for event in await choice.bridge.take():
                 if isinstance(event, StreamEnd):
                     if event.error is not None:
                         raise ApiError(503, f"the generation failed: {event.error}", kind="server_error")
                     choice.reply.finish()
-                    return event, tokens
-                tokens += not choice.hidden
+                    return event, choice.tokens
                 choice.take(event)
                 if choice.reply.stopped:
                     self.service.cancel(choice.ticket)  # a stop sequence: the rest is not wanted
@@ -417,28 +431,27 @@ class OpenAiApi:
             elif choice.echoed:  # an echo's prompt first (with logprobs an echo is answered whole)
                 await self._event(response, self._chunk(ident, created, chat, choice.echoed, index=choice.index,
                                                         logprobs=self._logprobs(choice, chat, [])))
-        arrived: asyncio.Queue[tuple[_Choice, str, int, list[TokenLogprob], StreamEnd | None]] = asyncio.Queue()
+        arrived: asyncio.Queue[tuple[_Choice, str, dict[str, Any] | None, StreamEnd | None]] = asyncio.Queue()
 
         async def pump(choice: _Choice) -> None:
             try:
-                async for piece, count, logprobs, end in self._pieces(choice):
-                    arrived.put_nowait((choice, piece, count, logprobs, end))
+                async for piece, (first, entries), end in self._pieces(choice):
+                    logprobs = self._logprobs(choice, chat, entries, first)
+                    arrived.put_nowait((choice, piece, logprobs, end))
             except Exception as error:  # the reply ends with it, not waits for a choice that will say nothing more
                 log.exception("choice %d of %s failed", choice.index, ident)
-                arrived.put_nowait((choice, "", 0, [], StreamEnd(None, f"{type(error).__name__}: {error}")))
+                arrived.put_nowait((choice, "", None, StreamEnd(None, f"{type(error).__name__}: {error}")))
 
         pumps = [asyncio.create_task(pump(choice)) for choice in choices]
         finished: set[int] = set()  # the choices whose stream has ended
         reused: dict[int, int] = {}  # by choice: prompt tokens its stream took from the prefix cache
         try:
-            tokens = 0
             while len(finished) < len(choices):
-                choice, piece, count, logprobs, end = await arrived.get()
+                choice, piece, logprobs, end = await arrived.get()
                 if end is None:
-                    tokens += count
-                    if piece or logprobs:
+                    if piece or _has_entries(logprobs):
                         await self._event(response, self._chunk(ident, created, chat, piece, index=choice.index,
-                                                                logprobs=self._logprobs(choice, chat, logprobs)))
+                                                                logprobs=logprobs))
                     continue
                 finished.add(choice.index)
                 reused[choice.index] = end.result.reused_tokens if end.result is not None else 0
@@ -447,16 +460,17 @@ class OpenAiApi:
                                                          kind="server_error").body())
                     break
                 none = self._logprobs(choice, chat, [])  # a chunk of no tokens: empty where asked, not null
-                if piece:
+                if piece or _has_entries(logprobs):
                     await self._event(response, self._chunk(ident, created, chat, piece, index=choice.index,
-                                                            logprobs=none))
+                                                            logprobs=logprobs))
                 await self._event(response, self._chunk(ident, created, chat, None, _finish(choice, end),
                                                         index=choice.index, logprobs=none))
             else:
                 if decoding.include_usage:
                     await self._event(response, {"id": ident, "object": self._chunk_kind(chat), "created": created,
                                                  "model": self.model_name, "choices": [],
-                                                 "usage": _usage(prompt_tokens, tokens,
+                                                 "usage": _usage(prompt_tokens,
+                                                                 sum(choice.tokens for choice in choices),
                                                                  _cached_tokens(choices, reused))})
         finally:
             for task in pumps:
@@ -468,24 +482,22 @@ class OpenAiApi:
         await response.write_eof()
         return response
 
-    async def _pieces(self, choice: _Choice) -> AsyncIterator[tuple[str, int, list[TokenLogprob], StreamEnd | None]]:
-        """(text to send, tokens, their log-probabilities where asked, None) for the tokens that came together, then
-        (the text held back, 0, [], the end)."""
+    async def _pieces(self, choice: _Choice) -> AsyncIterator[tuple[str, tuple[int, list[TokenLogprob]],
+                                                                  StreamEnd | None]]:
+        """(text to send, the log-probabilities of the tokens whose text it ends with (release_logprobs), None) for
+        the tokens that came together, then (the text held back, its tokens' log-probabilities, the end)."""
         while True:
             pieces: list[str] = []
-            count = 0
-            taken = len(choice.logprobs)
             for event in await choice.bridge.take():
                 if isinstance(event, StreamEnd):
-                    if count:
-                        yield "".join(pieces), count, choice.logprobs[taken:], None
-                    yield (choice.reply.finish() if event.error is None else ""), 0, [], event
+                    if pieces:
+                        yield "".join(pieces), choice.release_logprobs(), None
+                    yield (choice.reply.finish() if event.error is None else ""), choice.release_logprobs(), event
                     return
-                count += not choice.hidden
                 pieces.append(choice.take(event))
                 if choice.reply.stopped:
                     self.service.cancel(choice.ticket)
-            yield "".join(pieces), count, choice.logprobs[taken:], None
+            yield "".join(pieces), choice.release_logprobs(), None
 
     @staticmethod
     async def _event(response: web.StreamResponse, body: dict[str, Any]) -> None:
@@ -504,22 +516,21 @@ class OpenAiApi:
                 "choices": [choice]}
 
     def _logprobs(self, choice: _Choice, chat: bool, entries: list[TokenLogprob],
-                  streamed: bool = True) -> dict[str, Any] | None:
-        """The API's `logprobs` of a choice's tokens `entries` (None where its request did not ask): a streamed
-        chunk's, whose completion text_offset goes on from the choice's earlier chunks, or (streamed=False) the
-        whole reply's."""
+                  first: int = 0) -> dict[str, Any] | None:
+        """The API's `logprobs` of a choice's tokens `entries`, choice.logprobs[first:] (None where its request did
+        not ask): a streamed chunk's, whose completion text_offset goes on from the choice's earlier chunks, or the
+        whole reply's (first 0)."""
         if choice.request.logprobs is None:
             return None
         if chat:
             return chat_logprobs(entries, self._token_text)
-        first = len(choice.logprobs) - len(entries) if streamed else 0
         tokens = [entry.token for entry in choice.logprobs]
         return completion_logprobs(entries, self._token_text, self._decoded_lengths(tokens, first, len(entries)))
 
     def _completion_logprobs(self, choice: _Choice, end: StreamEnd) -> dict[str, Any] | None:
         """A whole completion's `logprobs`; with an echo, the prompt's tokens first (the first has no log-probability:
         nothing comes before it), then the generated ones, offsets counted in the echoed text."""
-        shown = self._logprobs(choice, False, choice.logprobs, streamed=False)
+        shown = self._logprobs(choice, False, choice.logprobs)
         if shown is None or not choice.request.prompt_logprobs:
             return shown
         prompt = choice.request.prompt_ids
@@ -555,7 +566,7 @@ class OpenAiApi:
         for choice, end, _ in ended:
             if chat:
                 choices.append({"index": choice.index, "message": {"role": "assistant", "content": choice.reply.text},
-                                "logprobs": self._logprobs(choice, chat, choice.logprobs, streamed=False),
+                                "logprobs": self._logprobs(choice, chat, choice.logprobs),
                                 "finish_reason": _finish(choice, end)})
             else:
                 choices.append({"index": choice.index, "text": choice.echoed + choice.reply.text,
@@ -567,6 +578,23 @@ class OpenAiApi:
                     [choice for choice, _, _ in ended],
                     {choice.index: end.result.reused_tokens if end.result is not None else 0
                      for choice, end, _ in ended}))}
+
+
+class _MalformedRequestLog(logging.Filter):
+    """aiohttp answers a request it cannot parse (a duplicate Host header, a bad request line) 400 and logs it at
+    ERROR with a traceback: any client could fill the server's log with them. Such a record becomes one line at
+    WARNING naming the fault."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError) and (error.code or 400) < 500:
+            record.msg, record.args = f"{record.getMessage()}: refused ({error.code} {error.message})", ()
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_MALFORMED_REQUESTS = _MalformedRequestLog()
 
 
 @dataclass
@@ -584,16 +612,31 @@ class _Choice:
     prompt_text: str | None = None  # an echo's prompt as sent, where it was text (None: token ids)
     hidden: bool = False  # an echo of max_tokens 0: the one token made is not shown
     logprobs: list[TokenLogprob] = field(default_factory=list)  # its tokens', where the request asked
+    # the reply's tokens: those made up to the one that completed a stop sequence (usage.completion_tokens: the
+    # tokens a drafted round or a step in flight made past it are not the reply's, and how many there are is timing)
+    tokens: int = 0
+    _kept: list[int] = field(default_factory=list)  # len(logprobs) once each token had been pushed to the reply
+    _logprobs_sent: int = 0  # the entries of logprobs released so far (release_logprobs)
 
     def take(self, event: _Token) -> str:
-        """A token that arrived: its log-probabilities kept (up to the token that completes a stop sequence, and not
-        for a token that ends the text unseen), its text given to the reply; the text it adds."""
+        """A token that arrived: counted, its log-probabilities kept (up to the token that completes a stop sequence,
+        and not for a token that ends the text unseen), its text given to the reply; the text it adds."""
         token, logprob = event
-        if self.hidden:
+        if self.hidden or self.reply.stopped:
             return ""
-        if logprob is not None and not self.reply.stopped and token not in self.ends:
+        self.tokens += 1
+        if logprob is not None and token not in self.ends:
             self.logprobs.append(logprob)
+        self._kept.append(len(self.logprobs))
         return self.reply.push(token)
+
+    def release_logprobs(self) -> tuple[int, list[TokenLogprob]]:
+        """The entries of the tokens whose text the reply has sent since the last call, and the index of the first:
+        a streamed chunk's, which go with the text it carries (text held back for a stop sequence holds its
+        tokens' entries)."""
+        released = self._kept[self.reply.released_tokens - 1] if self.reply.released_tokens else 0
+        first, self._logprobs_sent = self._logprobs_sent, max(self._logprobs_sent, released)
+        return first, self.logprobs[first:self._logprobs_sent]
 
 
 def unseen_ends(spec: ModelSpec, decoding: Decoding, stop_ids: frozenset[int]) -> frozenset[int]:
@@ -611,6 +654,11 @@ def _finish(choice: _Choice, end: StreamEnd) -> str:
     if choice.hidden:
         return "length"
     return "stop" if choice.reply.stopped or (end.result is not None and end.result.stopped_by_eos) else "length"
+
+
+def _has_entries(logprobs: dict[str, Any] | None) -> bool:
+    """Whether a chunk's `logprobs` (chat's or a completion's) name a token."""
+    return bool(logprobs and (logprobs.get("content") or logprobs.get("tokens")))
 
 
 def _host_name(host: str) -> str:

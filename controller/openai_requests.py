@@ -45,9 +45,11 @@ class ApiError(Exception):
     """A request the server refuses, as the API's error body: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None) -> None:
+                 code: str | None = None, retry_after_s: int | None = None) -> None:
+        """`retry_after_s`: sent as the Retry-After header (a client's wait before it asks again)."""
         super().__init__(message)
         self.status = status
+        self.retry_after_s = retry_after_s
         self.message = message
         self.param = param
         self.kind = kind
@@ -236,13 +238,13 @@ def _decoding(fields: dict[str, Any], max_tokens: object, max_name: str) -> Deco
         raise ApiError(400, f"{max_name} must be a whole number of at least 1", max_name)
     temperature = _number(fields, "temperature", 1.0, 0.0, MAX_API_TEMPERATURE)
     top_p = _number(fields, "top_p", 1.0, 0.0, 1.0)
-    if top_p <= 0:
-        raise ApiError(400, "top_p must be above 0 and at most 1", "top_p")
     top_k = fields.get("top_k", 0)
     if top_k is None:
         top_k = 0
     if not _is_int(top_k) or top_k < 0:
         raise ApiError(400, "top_k must be a whole number, 0 (all) or more", "top_k")
+    if top_p == 0:  # the API takes 0: the smallest set of tokens whose probability passes 0, the most likely one
+        top_p, top_k = 1.0, 1
     seed = fields.get("seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
         raise ApiError(400, f"seed must be a whole number from 0 to {MAX_SEED}", "seed")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -185,6 +186,17 @@ def test_sampling_with_a_seed_is_reproducible(served: tuple[str, EngineService])
     assert first == second
     other = post(f"{url}/v1/completions", {**request, "seed": 8})[1]["choices"][0]["text"]
     assert other != first
+
+
+def test_a_top_p_of_0_samples_the_most_likely_token_as_the_api_takes_it(served: tuple[str, EngineService],
+                                                                         tiny_export: Path) -> None:
+    url, _ = served
+    tokenizer = ModelTokenizer(tiny_export)
+    expected = tokenizer.decode(greedy(tiny_export, tokenizer.encode("def add(a, b):"), 12))
+    for seed in (1, 2):
+        status, body = post(f"{url}/v1/completions", {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 12,
+                                                      "temperature": 1.5, "top_p": 0, "seed": seed})
+        assert status == 200 and body["choices"][0]["text"] == expected, body
 
 
 def test_several_choices_are_streams_of_one_prompt_each_as_a_request_alone(served: tuple[str, EngineService],
@@ -383,6 +395,30 @@ def test_a_web_page_cannot_drive_a_keyless_server(tiny_export: Path) -> None:
             assert response.status == 200
         with urllib.request.urlopen(f"{url}/v1/models/org/model-1", timeout=30) as response:  # an id with a slash
             assert json.loads(response.read())["id"] == "org/model-1"
+        # a wrong path or method is named as such, not as a body that is not JSON (415 misled a client)
+        for path, code in (("/v1/nothing", 404), ("/health", 405), ("/v1/models", 405)):
+            request = urllib.request.Request(f"{url}{path}", b"", {"Content-Type": "text/plain"})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=30)
+            assert refused.value.code == code, path
+
+
+def test_a_request_aiohttp_cannot_parse_is_logged_in_one_line_without_a_traceback(
+        served: tuple[str, EngineService], caplog: pytest.LogCaptureFixture) -> None:
+    # any client could fill the server's log with aiohttp's tracebacks (a duplicate Host header)
+    url, _ = served
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as client:
+        client.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil\r\n\r\n")
+        answer = client.recv(4096)
+    assert answer.split(b"\r\n")[0].endswith(b" 400 Bad Request")
+    deadline = time.monotonic() + 10
+    while not [record for record in caplog.records if record.name == "aiohttp.server"]:
+        assert time.monotonic() < deadline, "aiohttp logged nothing"
+        time.sleep(0.02)
+    logged = [record for record in caplog.records if record.name == "aiohttp.server"]
+    assert all(record.levelname == "WARNING" and record.exc_info is None for record in logged), logged
+    assert "refused (400" in logged[0].getMessage() and "Host" in logged[0].getMessage()
 
 
 def test_an_api_key_is_required_once_set(tiny_export: Path) -> None:
@@ -429,8 +465,13 @@ def long_stream(url: str, service: EngineService,
 def test_a_client_that_goes_away_has_its_stream_cancelled_and_a_full_server_says_429(tiny_export: Path) -> None:
     with serving(tiny_export, max_streams=1, opener=slow(tiny_export)) as (url, service):
         connection, _ = long_stream(url, service)
-        status, answer = post(f"{url}/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
-        assert status == 429 and "--max-streams 1" in answer["error"]["message"]
+        request = urllib.request.Request(f"{url}/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": "x", "max_tokens": 2}).encode(), {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        answer = json.loads(refused.value.read())
+        assert refused.value.code == 429 and "--max-streams 1" in answer["error"]["message"]
+        assert refused.value.headers["Retry-After"] == "1"  # the OpenAI clients wait that long and ask again
         assert service.live_streams == 1
         connection.close()  # the client goes away mid-reply
         deadline = time.monotonic() + 30

@@ -1,0 +1,122 @@
+"""A streamed reply with stop sequences: only text that may begin one is held back, each chunk carries whole tokens'
+text with those tokens' log-probabilities, and usage counts the reply's tokens up to the stop."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any, cast
+
+from deskfleet.common.logprobs import TokenLogprob
+from deskfleet.controller.engine import StreamRequest
+from deskfleet.controller.engine_service import StreamEnd
+from deskfleet.controller.openai_api import OpenAiApi, ReplyText, _Choice
+from deskfleet.controller.tokenizer import ModelTokenizer
+
+WORDS = ["alpha", " beta", " gamma", " delta", " epsilon", " zeta"]  # a token each: a token's text spans characters
+TEXT = "".join(WORDS)
+
+
+class _WordTokenizer:
+    """A tokenizer whose token i is WORDS[i] (what TextPrinter asks of one)."""
+
+    @staticmethod
+    def decode(tokens: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(WORDS[token] for token in tokens)
+
+    @staticmethod
+    def encode(text: str, add_special_tokens: bool = False) -> list[int]:
+        assert text == TEXT
+        return list(range(len(WORDS)))
+
+
+def _tokenizer() -> ModelTokenizer:
+    return cast(ModelTokenizer, _WordTokenizer())
+
+
+class _Bridge:
+    """The events a stream's sink got, handed over in the batches given."""
+
+    def __init__(self, batches: list[list[Any]]) -> None:
+        self._batches = batches
+
+    async def take(self) -> list[Any]:
+        return self._batches.pop(0)
+
+
+def _tokens(tokenizer: ModelTokenizer) -> list[int]:
+    return tokenizer.encode(TEXT, add_special_tokens=False)
+
+
+def _choice(tokenizer: ModelTokenizer, stops: tuple[str, ...], batches: list[list[Any]]) -> _Choice:
+    return _Choice(0, StreamRequest([1], logprobs=0), _Bridge(batches), ReplyText(tokenizer, stops))  # type: ignore[arg-type]
+
+
+def _api(cancelled: list[int]) -> Any:
+    return SimpleNamespace(service=SimpleNamespace(cancel=cancelled.append))
+
+
+def _streamed(tokenizer: ModelTokenizer, stops: tuple[str, ...], batch: int = 1) -> list[tuple[str, list[int]]]:
+    """(text, the tokens of its log-probabilities) of each piece a stream of TEXT's tokens, `batch` a hand-over,
+    makes."""
+    ids = _tokens(tokenizer)
+    events: list[Any] = [(token, TokenLogprob(token, -0.5)) for token in ids]
+    batches = [events[at:at + batch] for at in range(0, len(events), batch)] + [[StreamEnd(None)]]
+    choice = _choice(tokenizer, stops, batches)
+
+    async def run() -> list[tuple[str, list[int]]]:
+        return [(piece, [entry.token for entry in entries])
+                async for piece, (_, entries), _ in OpenAiApi._pieces(_api([]), choice)]
+
+    return asyncio.run(run())
+
+
+def test_a_stop_that_never_comes_holds_nothing_back() -> None:
+    # a 20-character stop held back the last 19 characters of the stream all along, cutting chunks mid-token
+    tokenizer = _tokenizer()
+    assert _streamed(tokenizer, ("Z" * 20,)) == _streamed(tokenizer, ())
+    pieces = _streamed(tokenizer, ("Z" * 20,))
+    assert all(len(tokens) == 1 for _, tokens in pieces[:-1])  # a chunk a token, each with its own entry
+
+
+def test_text_that_may_begin_a_stop_waits_with_its_tokens_and_chunks_carry_their_tokens_entries() -> None:
+    tokenizer = _tokenizer()
+    ids = _tokens(tokenizer)
+    stop = "gamma dX"  # begins at " gamma", and the text goes past it at "delta"
+    pieces = _streamed(tokenizer, (stop,))
+    assert "".join(piece for piece, _ in pieces) == tokenizer.decode(ids)
+    shown: list[int] = []
+    sent = ""
+    for piece, tokens in pieces:  # each piece is the text of the tokens whose entries it carries
+        shown += tokens
+        sent += piece
+        assert tokenizer.decode(shown) == sent
+    assert shown == ids
+    held = [piece for piece, tokens in pieces if len(tokens) > 1]
+    assert held and all("gamma" in piece for piece in held)  # only the text that began the stop waited
+
+
+def test_a_stop_met_ends_the_text_before_it_and_its_entries_with_the_token_that_completed_it() -> None:
+    tokenizer = _tokenizer()
+    ids = _tokens(tokenizer)
+    pieces = _streamed(tokenizer, ("a de",))
+    text = "".join(piece for piece, _ in pieces)
+    assert text == TEXT[:TEXT.find("a de")]
+    entries = [token for _, tokens in pieces for token in tokens]
+    completing = next(at for at in range(len(ids)) if "a de" in tokenizer.decode(ids[:at + 1]))
+    assert entries == ids[:completing + 1]
+
+
+def test_usage_counts_the_tokens_up_to_the_stop_not_those_made_past_it() -> None:
+    # a drafted round or a step in flight made tokens past the stop before the stream was cancelled: all counted,
+    # 17 for a reply of 3, and a different count for the same greedy request
+    tokenizer = _tokenizer()
+    ids = _tokens(tokenizer)
+    completing = next(at for at in range(len(ids)) if "beta" in tokenizer.decode(ids[:at + 1]))
+    events: list[Any] = [(token, TokenLogprob(token, -0.5)) for token in ids]
+    cancelled: list[int] = []
+    choice = _choice(tokenizer, ("beta",), [events, [StreamEnd(None)]])  # every token handed over at once
+    _, tokens = asyncio.run(OpenAiApi._gather(_api(cancelled), choice))
+    assert tokens == completing + 1 == choice.tokens < len(ids)
+    assert [entry.token for entry in choice.logprobs] == ids[:completing + 1]
+    assert choice.reply.text == TEXT[:TEXT.find("beta")] and cancelled
