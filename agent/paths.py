@@ -21,7 +21,7 @@ import logging
 import math
 import os
 import stat
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ import platformdirs
 from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.availability import GIB, AvailabilityPolicy
 from deskfleet.common.devices import device_targets
-from deskfleet.common.wire import ProtocolError, parse_address
+from deskfleet.common.wire import ProtocolError, parse_address, with_default_port
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +159,8 @@ class AgentSettings:
         if settings.speed_gb_per_s is not None and not 0 < settings.speed_gb_per_s < MAX_SPEED_GB_PER_S:
             raise SettingsError(f"{source}: speed_gb_per_s must be positive and below {MAX_SPEED_GB_PER_S:g}, "
                                 f"got {settings.speed_gb_per_s}")
+        if isinstance(settings.listen_address, str):  # a host alone takes the agent's usual port, as `--listen` does
+            settings = replace(settings, listen_address=with_default_port(settings.listen_address, DEFAULT_AGENT_PORT))
         _check_address(settings.listen_address, source)
         try:
             device_targets(settings.device)

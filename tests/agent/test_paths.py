@@ -87,7 +87,8 @@ def test_missing_file_gives_defaults_and_round_trip(tmp_path: Path) -> None:
     ('{"format_version": 1, "device": 7}', "'device' must be a string in quotes, got 7"),
     ('{"format_version": 1, "paused": "é"}', "'paused' must be true or false, got \"é\""),
     ('{"format_version": 1, "cache_limit_bytes": 0}', "cache_limit_bytes must be positive"),
-    ('{"format_version": 1, "listen_address": "nowhere"}', "listen_address"),
+    ('{"format_version": 1, "listen_address": "nowhere:port"}', "listen_address"),
+    ('{"format_version": 1, "listen_address": " "}', "listen_address"),
     ('{"format_version": 1, "thresholds": {"min_battery_percent": 150}}', "min_battery_percent"),
     ('{"format_version": 1, "thresholds": {"max_temperature_c": "hot"}}', "thresholds.*max_temperature_c"),
     ('{"format_version": true}', "format_version True"),
@@ -100,6 +101,16 @@ def test_bad_files_are_rejected_by_name_and_kept(tmp_path: Path, body: str, mess
         load_settings(path)
     assert str(path) in str(caught.value)
     assert path.read_text() == body
+
+
+@pytest.mark.parametrize(("given", "taken"), [("127.0.0.1", "127.0.0.1:7431"), ("[::1]", "[::1]:7431"),
+                                             ("pc-7", "pc-7:7431"), ("10.0.0.5:9000", "10.0.0.5:9000")])
+def test_a_listen_address_of_a_host_alone_takes_the_agents_usual_port_as_listen_does(tmp_path: Path, given: str,
+                                                                                     taken: str) -> None:
+    # `--listen 127.0.0.1` was taken, the same in the settings refused as "not host:port"
+    path = tmp_path / "settings.json"
+    path.write_text(json.dumps({"format_version": 1, "listen_address": given}))
+    assert load_settings(path).listen_address == taken
 
 
 def test_a_size_written_with_an_exponent_is_a_whole_number(tmp_path: Path) -> None:
