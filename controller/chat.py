@@ -278,6 +278,7 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
 
     system = [ChatMessage("system", options.system)] if options.system else []
     check_room(tokenizer, system, options.max_new_tokens, manifest.spec.max_context)
+    options.check_model(manifest.spec)
     end_of_turn = tokenizer.end_of_turn_ids()  # a reply ends there, whatever the generation config lists
     settings = options.target_settings()
     # a draft that cannot draft for the target is refused now, before anything compiles

@@ -22,6 +22,7 @@ from deskfleet.common.speculative import MAX_K, SamplingParams
 
 from .draft import Drafter, open_drafter, target_settings
 from .engine import DEFAULT_PREFILL_CHUNK, EngineOptions
+from .generation import GenerationError
 
 DEFAULT_K_MAX = 8
 # The largest temperature a step carries (the wire's SamplingInfo refuses more); checked here, by the option's
@@ -104,6 +105,14 @@ class DecodingOptions:
         if len(set(biased)) != len(biased):
             repeated = sorted({token for token in biased if biased.count(token) > 1})
             raise ValueError(f"--logit-bias gives token {repeated[0]} more than once: give each token one bias")
+
+    def check_model(self, spec: ModelSpec) -> None:
+        """What the options ask of the model it runs: a --logit-bias token outside its vocabulary is refused before
+        anything compiles (chat refused every message instead, and exited 0)."""
+        outside = [token for token, _ in self.logit_bias if token >= spec.vocab_size]
+        if outside:
+            raise GenerationError(f"--logit-bias token {outside[0]} is outside the model's vocabulary (ids 0 to "
+                                  f"{spec.vocab_size - 1})")
 
     @property
     def base_seed(self) -> int:

@@ -173,6 +173,7 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
     tokenizer = ModelTokenizer(options.model)
     prompts = encode_prompts(options, tokenizer)
     stop = tokenizer.end_of_turn_ids() if options.chat else frozenset()  # --chat: the reply's turn ends there
+    options.check_model(manifest.spec)
     for what, prompt in prompts:  # before the stages compile, and naming the prompt among several
         try:
             if options.prompt_ids is None:  # the tokenizer's ids: one outside the vocabulary is the export's fault

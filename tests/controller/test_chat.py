@@ -591,6 +591,13 @@ def test_the_chat_command_takes_a_logit_bias(tiny_export: Path, tmp_path: Path, 
                  "--logit-bias", f"{forced}=100"]) == 0
     (line,) = capsys.readouterr().out.splitlines()
     assert json.loads(line)["reply"] == tokenizer.decode([forced] * 3)
+    # one outside the vocabulary is refused at the start (each message was refused, and the chat exited 0)
+    vocab = load_manifest(model).spec.vocab_size
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\nagain\n"))
+    assert main(["chat", "--model", str(model), "--max-new-tokens", "3", "--precision", "f32", "--json",
+                 "--logit-bias", f"{vocab}=5"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and f"--logit-bias token {vocab} is outside the model's vocabulary" in captured.err
 
 
 def test_a_bom_before_the_first_message_is_not_sent(tmp_path: Path, tiny_export: Path) -> None:

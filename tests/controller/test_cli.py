@@ -730,7 +730,7 @@ def test_generate_takes_a_logit_bias(tiny_export: Path, capsys: pytest.CaptureFi
     for bad, says in ((["7"], "expected TOKEN=BIAS"), (["x=1"], "a whole token id and a number"),
                       (["7=101"], "a bias must be from -100 to 100, got 101"), (["-1=5"], "a token id is 0 or more"),
                       (["7=1", "7=2"], "--logit-bias gives token 7 more than once"),
-                      (["1000000=1"], "outside the vocabulary")):
+                      (["1000000=1"], "--logit-bias token 1000000 is outside the model's vocabulary")):
         try:
             code, _, err = run(capsys, *argv, *[f"--logit-bias={entry}" for entry in bad])
         except SystemExit as exited:  # argparse's type errors exit 2 themselves
