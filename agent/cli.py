@@ -11,7 +11,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from deskfleet.common.arguments import describe_commands, path_argument, verbose_anywhere
 from deskfleet.common.console import (
@@ -40,21 +40,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 class AgentParser(argparse.ArgumentParser):
     """argparse's, but an option no parser of the agent knows is named before any other error: `--data_dir D` read D
-    as the command ("argument COMMAND: invalid choice: 'D'"), and the typo went unnamed."""
+    as the command ("argument COMMAND: invalid choice: 'D'"), and the typo went unnamed. A command's parser (`root`
+    set) names one given anywhere on the line, before the command too, with the command's own usage."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._arguments: list[str] = []  # what the last parse_known_args was given
+        self.root: AgentParser | None = None  # a command's: the parser of the whole line
 
     def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                          namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
         self._arguments = list(sys.argv[1:] if args is None else args)
-        return super().parse_known_args(self._arguments, namespace)
+        parsed, unknown = super().parse_known_args(self._arguments, namespace)
+        if unknown and self.root is not None:  # said by the command, with its usage, not the top-level's
+            self.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return parsed, unknown
 
     def error(self, message: str) -> NoReturn:
-        known = _options(self)
+        whole = self.root or self
+        known = _options(whole)
         unknown, value_next = [], False
-        for argument in self._arguments:
+        for argument in whole._arguments:
             if argument == "--":  # what follows is no option
                 break
             if value_next:  # the value of the option before (`--hostname --x`: argparse's own error says it)
@@ -101,14 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="address to accept fleet links on (default: listen_address in the settings file, "
                              f"agent-settings.json in the settings folder, else 0.0.0.0:{DEFAULT_AGENT_PORT}: every "
                              "interface; the agent announces itself over mDNS unless it listens on loopback)")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # prog: each command's usage and errors begin `deskfleet-agent join`, not the top-level usage line
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", prog="deskfleet-agent")
     join = commands.add_parser("join", help="enroll this PC with a join token from the fleet's admin",
                                description="Enroll this PC with a join token from the fleet's admin (`deskfleet "
                                            "fleet token`), then start it with `deskfleet-agent --headless`.",
                                allow_abbrev=False)
     join.add_argument("token", help="the token printed by `deskfleet fleet token`; - reads it from standard "
                                     "input (a token on the command line shows in the process list and history)")
-    join.add_argument("--data-dir", type=path_argument, default=argparse.SUPPRESS, metavar="DIR",
+    join.add_argument("--data-dir", type=path_argument, default=None, dest="command_data_dir", metavar="DIR",
                       help="the agent's data dir (default: the platform's folders), as `--headless` will be given")
     join.add_argument("--hostname", type=_hostname_argument, default=None,
                       help="name to show the admin (default: this PC's)")
@@ -116,8 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  "up within seconds; the generation goes on without it)"),
                        ("resume", "end a pause: the next plan may use this PC again")):
         command = commands.add_parser(name, help=text, allow_abbrev=False)
-        command.add_argument("--data-dir", type=path_argument, default=argparse.SUPPRESS, metavar="DIR",
+        command.add_argument("--data-dir", type=path_argument, default=None, dest="command_data_dir", metavar="DIR",
                              help="the agent's data dir, as given to `join` and `--headless`")
+    for command in commands.choices.values():
+        cast(AgentParser, command).root = parser
     describe_commands(parser)
     verbose_anywhere(parser)
     return parser
@@ -137,6 +146,7 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
         return 130
     parser = build_parser()
     args = parser.parse_args(argv)
+    _settle_command_options(parser, args)
     restore_default_signals()  # SIGTERM / SIGHUP: the launcher's while the modules loaded, the agent's from here
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -167,6 +177,26 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
         print(f"deskfleet-agent: error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _settle_command_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A command takes --data-dir before it or after it, not two different ones (the second won, unsaid: `pause`
+    could pause another agent than the one meant); --headless and --listen run the agent, which a command does not
+    (they were ignored)."""
+    if args.command is None:
+        return
+    given = [option for option, on in (("--headless", args.headless), ("--listen", args.listen is not None)) if on]
+    if given:
+        run = "they run" if len(given) > 1 else "it runs"
+        parser.error(f"{' and '.join(given)} with the {args.command} command: {run} the agent, which "
+                     f"`{args.command}` does not; give the command alone, and start the agent with "
+                     "`deskfleet-agent --headless` after it")
+    command_dir = args.command_data_dir
+    if command_dir is not None and args.data_dir is not None and command_dir.resolve() != args.data_dir.resolve():
+        parser.error(f"--data-dir {args.data_dir} before {args.command} and --data-dir {command_dir} after it name two "
+                     "folders: give the agent's data dir once")
+    if command_dir is not None:
+        args.data_dir = command_dir
 
 
 def _join(args: argparse.Namespace) -> int:

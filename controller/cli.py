@@ -132,6 +132,8 @@ class CommandParser(argparse.ArgumentParser):
         if self.missing_extra is not None:
             self.exit(2, f"deskfleet: error: {self.missing_extra}\n")
         arguments = list(sys.argv[1:] if args is None else args)
+        if not self._relaxed and (before := self._unknown_before_command(arguments)):
+            self.error(_unrecognized(before))  # the command would say only that its own --model is missing
         outer, self._parsing = self._parsing, arguments
         try:
             parsed, unknown = super().parse_known_args(arguments, namespace)
@@ -149,6 +151,27 @@ class CommandParser(argparse.ArgumentParser):
             if unknown:
                 message = _unrecognized(unknown)
         super().error(message)
+
+    def _unknown_before_command(self, arguments: list[str]) -> list[str]:
+        """The options before the command's name (`deskfleet --verb generate`) that this parser does not know; none
+        where it has no commands."""
+        commands = next((action.choices for action in self._actions
+                         if isinstance(action, argparse._SubParsersAction)), None)
+        if not commands:
+            return []
+        takes_value = {option: action.nargs != 0 for action in self._actions for option in action.option_strings}
+        unknown, value_next = [], False
+        for argument in arguments:
+            if value_next:
+                value_next = False
+                continue
+            if argument == "--" or argument in commands:
+                break
+            name = argument.split("=", 1)[0]
+            if argument.startswith("-") and name not in takes_value:
+                unknown.append(argument)
+            value_next = takes_value.get(name, False) and "=" not in argument
+        return unknown
 
     def _unknown_arguments(self, arguments: list[str]) -> list[str]:
         """The arguments among `arguments` that this parser does not know, found by parsing them again with

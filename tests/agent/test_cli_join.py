@@ -166,3 +166,47 @@ def test_an_options_missing_value_is_not_called_an_unknown_option(capsys: pytest
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["join", "dfj1.x", "--hostname", "--x"])
     assert "argument --hostname: expected one argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "prefix", "says"), [
+    (["join"], "deskfleet-agent join: error:", "the following arguments are required: token"),
+    (["pause", "--bogus"], "deskfleet-agent pause: error:", "unrecognized arguments: --bogus"),
+    (["join", "dfj1.x", "--bogus"], "deskfleet-agent join: error:", "unrecognized arguments: --bogus"),
+    (["--bogus", "join"], "deskfleet-agent join: error:", "unrecognized arguments: --bogus"),  # not the missing token
+])
+def test_a_commands_errors_come_with_its_own_usage(argv: list[str], prefix: str, says: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # the usage line was the top-level one with " join" after it, and errors after the command the top-level's
+    with pytest.raises(SystemExit) as exit_code:
+        cli.build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_code.value.code == 2 and f"{prefix} {says}\n" in err, err
+    assert err.startswith(f"usage: {prefix.split(':')[0]} [-h]"), err
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--headless", "--listen", "127.0.0.1:1", "join", "dfj1.x"], "--headless and --listen with the join command"),
+    (["--listen", "127.0.0.1:1", "pause"], "--listen with the pause command"),
+])
+def test_options_that_run_the_agent_are_refused_with_a_command(argv: list[str], says: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    # they were ignored: the join said "joined", and no agent ran on the address given
+    with pytest.raises(SystemExit) as exit_code:
+        cli.main(argv)
+    assert exit_code.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_two_different_data_dirs_are_refused_and_one_given_twice_is_taken(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    # `--data-dir A pause --data-dir B` paused B, unsaid
+    first, second = tmp_path / "a", tmp_path / "b"
+    with pytest.raises(SystemExit) as exit_code:
+        cli.main(["--data-dir", str(first), "pause", "--data-dir", str(second)])
+    err = capsys.readouterr().err
+    assert exit_code.value.code == 2
+    assert f"--data-dir {first} before pause and --data-dir {second} after it name two folders" in err
+    assert not first.exists() and not second.exists()
+    assert cli.main(["--data-dir", str(first), "pause", "--data-dir", str(tmp_path / "x" / ".." / "a")]) == 2
+    assert "this agent has not joined a fleet" in capsys.readouterr().err  # the one folder, read
+    assert cli.main(["pause", "--data-dir", str(second)]) == 2
+    assert f"{second / 'state' / 'membership.json'} is missing" in capsys.readouterr().err

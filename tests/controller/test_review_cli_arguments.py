@@ -27,6 +27,17 @@ def test_an_unknown_option_is_reported_before_a_missing_required_one(capsys: pyt
     assert "deskfleet chat: error: unrecognized arguments: --modle T" in err
 
 
+def test_an_unknown_option_before_the_command_is_reported_before_the_commands_missing_one(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # `deskfleet --verb generate` said only "the following arguments are required: --model"
+    err = parse_error(capsys, "--verb", "generate")
+    assert "deskfleet: error: unrecognized arguments: --verb" in err and "required" not in err
+    err = parse_error(capsys, "fleet", "--bogus", "ls")
+    assert "deskfleet fleet: error: unrecognized arguments: --bogus" in err
+    err = parse_error(capsys, "-v", "generate")  # a known one still lets the command say what it lacks
+    assert "deskfleet generate: error: the following arguments are required: --model" in err
+
+
 def test_an_unknown_option_is_reported_with_the_commands_usage(capsys: pytest.CaptureFixture[str]) -> None:
     err = parse_error(capsys, "generate", "--model", "T", "--prompt", "hi", "--max_new_tokens", "5")
     assert err.startswith("usage: deskfleet generate ")
