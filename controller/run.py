@@ -66,8 +66,11 @@ def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[
     prompts = options.prompts or []
     texts = list(zip(_option_labels("--prompt", len(prompts)), prompts, strict=True))
     for index, path in enumerate(options.prompts_files):
-        if path in options.prompts_files[:index]:  # standard input twice read nothing the second time
-            raise GenerationError(f"--prompts-file {path} is given twice: give each file once")
+        # standard input twice read nothing the second time; a file twice, by two names, ran every prompt twice
+        earlier = next((before for before in options.prompts_files[:index] if _same_file(before, path)), None)
+        if earlier is not None:
+            named = f"--prompts-file {path}" if earlier == path else f"--prompts-file {earlier} and {path}"
+            raise GenerationError(f"{named} {'is' if earlier == path else 'are'} given twice: give each file once")
     for path in options.prompts_files:
         lines = read_numbered_prompts(path)
         if not lines:
@@ -86,6 +89,17 @@ def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[
         return [(what, tokenizer.encode(text, add_special_tokens=False))
                 for (what, _), text in zip(texts, rendered, strict=True)]
     return [(what, tokenizer.encode(text)) for what, text in texts]
+
+
+def _same_file(first: Path, second: Path) -> bool:
+    """Whether two --prompts-file paths name one file (standard input, `-`, only itself; a missing file, by its
+    resolved path: reading it names it)."""
+    if STDIN_PATH in (str(first), str(second)):
+        return str(first) == str(second)
+    try:
+        return first.samefile(second)
+    except OSError:
+        return first.resolve() == second.resolve()
 
 
 def read_prompts_file(path: Path, option: str = "--prompts-file") -> list[str]:

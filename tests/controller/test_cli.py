@@ -580,6 +580,12 @@ def test_a_prompts_file_given_twice_or_standard_input_closed_is_refused(
     code, _, err = run(capsys, "generate", "--model", str(tiny_export), "--prompts-file", str(path), "--prompts-file",
                        str(path))
     assert code == 2 and f"--prompts-file {path} is given twice" in err
+    link = tmp_path / "link.txt"
+    link.symlink_to(path)
+    for other in (tmp_path / "x" / ".." / "a.txt", link):  # one file by two names ran every prompt twice
+        code, _, err = run(capsys, "generate", "--model", str(tiny_export), "--prompts-file", str(path),
+                           "--prompts-file", str(other))
+        assert code == 2 and f"--prompts-file {path} and {other} are given twice: give each file once" in err
     monkeypatch.setattr(sys, "stdin", None)  # started with `<&-`: an AttributeError's traceback
     code, _, err = run(capsys, "generate", "--model", str(tiny_export), "--prompts-file", "-")
     assert code == 2 and "--prompts-file -: standard input is closed" in err and "Traceback" not in err
