@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
 _POLICIES = [policy.value for policy in PlanPolicy]
 LONG_TOKEN_TTL = datetime.timedelta(days=7)  # `fleet token --ttl` past this is warned of
+MANY_TOKEN_USES = 100  # `fleet token --uses` past this is warned of (a roll-out to a whole floor may want more)
+MAX_TOKEN_USES = 100_000  # and past this refused: more PCs than any office fleet, a key for anyone who copies it
 PAPER_OPTIONS = ("layers", "layer_bytes", "embed_bytes", "head_bytes", "kv_bytes_per_token", "context", "width")
 PAPER_CONTEXT = 4096
 # A plan holds a few objects per layer: 10^8 layers (--layers and --layer-bytes swapped) filled the memory for
@@ -197,8 +199,8 @@ def _token(args: argparse.Namespace) -> int:
     from deskfleet.common.join_tokens import encode_join_token
     from deskfleet.controller.fleet_ca import addresses_elsewhere, issue_token, parse_duration
 
-    if args.uses < 1:
-        raise ValueError(f"--uses must be at least 1, got {args.uses}")
+    if not 1 <= args.uses <= MAX_TOKEN_USES:
+        raise ValueError(f"--uses must be from 1 to {MAX_TOKEN_USES:,} PCs, got {args.uses}")
     store = _store(args)
     lifetime = parse_duration(args.ttl)
     token = issue_token(store, utc_now(), lifetime, args.uses,
@@ -207,6 +209,9 @@ def _token(args: argparse.Namespace) -> int:
     if lifetime > LONG_TOKEN_TTL:  # a bearer credential: whoever holds it joins a PC, for as long as it lasts
         print(f"warning: this token lets whoever holds it join {args.uses} PC(s) for {lifetime.days} days: keep it as "
               "a password (the default is 24h)", file=sys.stderr)
+    elif args.uses > MANY_TOKEN_USES:
+        print(f"warning: this token lets whoever holds it join {args.uses} PCs: keep it as a password, and give a "
+              "roll-out's tokens the --ttl it needs", file=sys.stderr)
     if addresses_elsewhere(token.controller_addresses):
         print(f"warning: the token's controller address(es) ({', '.join(token.controller_addresses)}) are not this "
               "PC's: a PC joins only if one reaches this controller; moved, give --address HOST:PORT (or edit "

@@ -199,7 +199,12 @@ def test_a_token_warns_of_a_long_life_and_of_no_fleet_serve(tmp_path: Path,
     assert f"warning: no `deskfleet fleet serve` runs on {tmp_path / 'ctl'}: a PC can join only while it runs" in err
     with FleetStore(tmp_path / "ctl").serving():  # as `fleet serve` holds it
         assert main(["fleet", "token", *data]) == 0
-    assert "warning" not in capsys.readouterr().err
+        assert "warning" not in capsys.readouterr().err
+        assert main(["fleet", "token", "--uses", "101", *data]) == 0  # a token for any number of PCs: no word
+        assert "warning: this token lets whoever holds it join 101 PCs: keep it as a password" in \
+            capsys.readouterr().err
+        assert main(["fleet", "token", "--uses", "99999999999999999999", *data]) == 2
+        assert "--uses must be from 1 to 100,000 PCs, got 99999999999999999999" in capsys.readouterr().err
 
 
 def test_deploy_settings_name_the_options_that_make_them() -> None:
