@@ -21,6 +21,7 @@ import shlex
 import signal
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -180,13 +181,30 @@ def _store(args: argparse.Namespace) -> Any:
     return FleetStore(check_data_dir(args.data_dir or default_data_dir()))
 
 
+def _addresses(given: Sequence[str]) -> tuple[str, ...]:
+    """--address values, each with the usual port where it names a host alone; one that is no address is refused
+    as given (the error quoted it with the port added: 'bad address:7341')."""
+    from deskfleet.common.wire import ProtocolError, parse_address
+
+    addresses = []
+    for text in given:
+        address = with_default_port(text, DEFAULT_PORT)
+        try:
+            parse_address(address)
+        except ProtocolError as error:
+            said = str(error).replace(repr(address[:300]), repr(text[:300]), 1)
+            raise ValueError(f"--address: {said}") from None
+        addresses.append(address)
+    return tuple(addresses)
+
+
 def _init(args: argparse.Namespace) -> int:
     from deskfleet.agent.link import utc_now
     from deskfleet.common import pki
     from deskfleet.controller.fleet_ca import default_address, init_fleet
 
     store = _store(args)
-    addresses = tuple(with_default_port(address, DEFAULT_PORT) for address in args.address or [default_address()])
+    addresses = _addresses(args.address or [default_address()])
     ca = init_fleet(store, args.name, addresses, utc_now(), force=args.force)
     print(f"fleet {pki.fleet_id(ca.certificate)} created in {store.data_dir}")
     data_dir = f" --data-dir {args.data_dir}" if args.data_dir else ""
@@ -203,8 +221,7 @@ def _token(args: argparse.Namespace) -> int:
         raise ValueError(f"--uses must be from 1 to {MAX_TOKEN_USES:,} PCs, got {args.uses}")
     store = _store(args)
     lifetime = parse_duration(args.ttl)
-    token = issue_token(store, utc_now(), lifetime, args.uses,
-                        tuple(with_default_port(address, DEFAULT_PORT) for address in args.address or ()))
+    token = issue_token(store, utc_now(), lifetime, args.uses, _addresses(args.address or ()))
     print(encode_join_token(token))
     if lifetime > LONG_TOKEN_TTL:  # a bearer credential: whoever holds it joins a PC, for as long as it lasts
         print(f"warning: this token lets whoever holds it join {args.uses} PC(s) for {lifetime.days} days: keep it as "

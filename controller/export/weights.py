@@ -93,6 +93,10 @@ class CheckpointWeights:
         lm_head.weight stored anyway equals the embedding."""
         layers = config.spec.num_layers
         if f"model.layers.{layers - 1}.input_layernorm.weight" not in self:  # before listing a billion names
+            if "model.layers.0.input_layernorm.weight" not in self:  # "no layer 1" said layer 0 was there
+                raise MalformedCheckpointError(f"config.json gives {layers} layers, but the weights hold none (no "
+                                               "model.layers.0.input_layernorm.weight): not a Llama-family "
+                                               "checkpoint's tensors, or named otherwise")
             raise MalformedCheckpointError(f"config.json gives {layers} layers, but the weights have no layer "
                                            f"{layers - 1} (model.layers.{layers - 1}.input_layernorm.weight)")
         problems = []

@@ -264,6 +264,13 @@ def test_a_config_with_more_layers_than_the_weights_is_refused(checkpoint_factor
                              num_hidden_layers=10**7)
     with pytest.raises(MalformedCheckpointError, match="gives 10000000 layers"):
         export_checkpoint(huge, tmp_path / "out", WeightFormat.F32)
+    # weights with no layer at all: "no layer 1" said layer 0 was there
+    bare = edited_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), tmp_path / "bare", num_hidden_layers=2)
+    _edit_tensors(bare, lambda tensors: [tensors.pop(name) for name in list(tensors)
+                                         if name.startswith("model.layers.")])
+    with pytest.raises(MalformedCheckpointError, match=r"gives 2 layers, but the weights hold none \(no "
+                                                       r"model\.layers\.0\.input_layernorm\.weight\)"):
+        export_checkpoint(bare, tmp_path / "out", WeightFormat.F32)
 
 
 @pytest.mark.parametrize(("changes", "error", "says"), [

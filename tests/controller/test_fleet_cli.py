@@ -118,6 +118,16 @@ def test_init_refuses_a_fleet_name_the_ca_cannot_carry_before_making_anything(
     assert not (tmp_path / "ctl").exists()
 
 
+@pytest.mark.parametrize(("address", "says"), [("bad address", "--address: address 'bad address' is not host:port"),
+                                               ("pc-7:99999", "--address: address 'pc-7:99999' has no port")])
+def test_init_names_a_bad_address_as_given_before_making_anything(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                  address: str, says: str) -> None:
+    # the error quoted 'bad address:7341', with the port it had added
+    assert main(["fleet", "init", "--address", address, "--data-dir", str(tmp_path / "ctl")]) == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "ctl").exists()
+
+
 def test_a_deploy_the_fleet_cannot_take_exits_1_and_a_usage_error_2(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_export: Path) -> None:
     # every failed deploy exited 2, a usage error's status: a script could not tell a typo from a PC that failed
