@@ -13,7 +13,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, cast
 
-from deskfleet.common.arguments import describe_commands, path_argument, verbose_anywhere
+from deskfleet.common.arguments import (
+    describe_commands,
+    option_arity,
+    path_argument,
+    unknown_options,
+    verbose_anywhere,
+)
 from deskfleet.common.console import (
     WatchedStream,
     flush_stdout,
@@ -40,8 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 class AgentParser(argparse.ArgumentParser):
     """argparse's, but an option no parser of the agent knows is named before any other error: `--data_dir D` read D
-    as the command ("argument COMMAND: invalid choice: 'D'"), and the typo went unnamed. A command's parser (`root`
-    set) names one given anywhere on the line, before the command too, with the command's own usage."""
+    as the command ("argument COMMAND: invalid choice: 'D'"), and the typo went unnamed. One before the command is
+    named by the top-level parser, with its usage; one after it by the command's parser (`root` set), with the
+    command's own, also where the command lacks an argument besides."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -51,6 +58,11 @@ class AgentParser(argparse.ArgumentParser):
     def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                          namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
         self._arguments = list(sys.argv[1:] if args is None else args)
+        if self.root is None:  # one before the command is the top-level's, said with its usage (as `deskfleet` does)
+            commands = next(action.choices for action in self._actions
+                            if isinstance(action, argparse._SubParsersAction))
+            if before := unknown_options(self._arguments, option_arity(self), commands):
+                self.error(f"unrecognized arguments: {' '.join(before)}")
         parsed, unknown = super().parse_known_args(self._arguments, namespace)
         if unknown and self.root is not None:  # said by the command, with its usage, not the top-level's
             self.error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -58,26 +70,14 @@ class AgentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         whole = self.root or self
-        known = _options(whole)
-        unknown, value_next = [], False
-        for argument in whole._arguments:
-            if argument == "--":  # what follows is no option
-                break
-            if value_next:  # the value of the option before (`--hostname --x`: argparse's own error says it)
-                value_next = False
-                continue
-            name = argument.split("=", 1)[0]
-            if argument.startswith("--") and name not in known:
-                unknown.append(argument)
-            value_next = known.get(name, False) and "=" not in argument
+        unknown = unknown_options(whole._arguments, _options(whole))
         super().error(f"unrecognized arguments: {' '.join(unknown)}" if unknown else message)
 
 
 def _options(parser: argparse.ArgumentParser) -> dict[str, bool]:
     """Every option `parser` and its commands take, and whether it takes a value."""
-    options: dict[str, bool] = {}
+    options = option_arity(parser)
     for action in parser._actions:
-        options.update(dict.fromkeys(action.option_strings, action.nargs != 0))
         if isinstance(action, argparse._SubParsersAction):
             for command in action.choices.values():
                 options.update(_options(command))

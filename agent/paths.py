@@ -159,9 +159,8 @@ class AgentSettings:
         if settings.speed_gb_per_s is not None and not 0 < settings.speed_gb_per_s < MAX_SPEED_GB_PER_S:
             raise SettingsError(f"{source}: speed_gb_per_s must be positive and below {MAX_SPEED_GB_PER_S:g}, "
                                 f"got {settings.speed_gb_per_s}")
-        if isinstance(settings.listen_address, str):  # a host alone takes the agent's usual port, as `--listen` does
-            settings = replace(settings, listen_address=with_default_port(settings.listen_address, DEFAULT_AGENT_PORT))
-        _check_address(settings.listen_address, source)
+        _check_address(settings.listen_address, source)  # a host alone takes the agent's usual port, as --listen does
+        settings = replace(settings, listen_address=with_default_port(settings.listen_address, DEFAULT_AGENT_PORT))
         try:
             device_targets(settings.device)
         except ValueError as error:
@@ -261,6 +260,6 @@ def _refuse_repeated_fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _check_address(address: str, source: str) -> None:
     try:
-        parse_address(address)
+        parse_address(address, default_port=DEFAULT_AGENT_PORT)
     except ProtocolError as error:
         raise SettingsError(f"{source}: listen_address: {error}") from error

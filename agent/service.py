@@ -108,8 +108,8 @@ class AgentService:
         # every interface where the user meant one
         self.listen = self.settings.listen_address if options.listen is None else \
             with_default_port(options.listen, DEFAULT_AGENT_PORT)  # `--listen 10.0.0.5`: the agent's usual port
-        try:
-            parse_address(self.listen)
+        try:  # named as given, not with the port added
+            parse_address(self.listen if options.listen is None else options.listen, default_port=DEFAULT_AGENT_PORT)
         except ProtocolError as error:
             raise ProtocolError(f"--listen: {error}" if options.listen is not None else str(error)) from None
         self.core = AgentCore(self.files, self.settings,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Container, Mapping, Sequence
 from pathlib import Path
 
 MAX_BROWSE_S = 600.0  # the longest mDNS browse a --discover-seconds asks for
@@ -16,6 +16,35 @@ def path_argument(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty (an unset variable?): give a path; . names the current folder")
     return Path(text)
+
+
+def option_arity(parser: argparse.ArgumentParser) -> dict[str, bool]:
+    """Every option string of `parser` itself (not its commands'), and whether it takes a value."""
+    return {option: action.nargs != 0 for action in parser._actions for option in action.option_strings}
+
+
+def unknown_options(arguments: Sequence[str], known: Mapping[str, bool],
+                    commands: Container[str] = frozenset()) -> list[str]:
+    """The options among `arguments` that `known` (option -> whether it takes a value) does not hold, up to `--` or
+    the first of `commands`. The value after a known option that takes one is skipped (`--hostname --x`: a missing
+    value, which argparse names); a cluster of short flags (`-vv`) is known where each of its letters is a flag;
+    `-` alone (standard input) is no option."""
+    unknown: list[str] = []
+    value_next = False
+    for argument in arguments:
+        if value_next:
+            value_next = False
+            continue
+        if argument == "--" or argument in commands:
+            break
+        if not argument.startswith("-") or argument == "-":
+            continue
+        name = argument.split("=", 1)[0]
+        if name in known:
+            value_next = known[name] and "=" not in argument
+        elif argument.startswith("--") or not all(known.get(f"-{letter}") is False for letter in argument[1:]):
+            unknown.append(argument)
+    return unknown
 
 
 STDIN_PATH = "-"  # a prompts file of this name is standard input (`... | deskfleet generate --prompts-file -`)

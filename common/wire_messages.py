@@ -72,13 +72,15 @@ def is_sha256_hex(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and _SHA256.fullmatch(value) is not None
 
 
-def parse_address(text: str, any_port: bool = False) -> tuple[str, int]:
+def parse_address(text: str, any_port: bool = False, default_port: int | None = None) -> tuple[str, int]:
     """Split "host:port" (IPv6 hosts in brackets) into (host, port); ProtocolError if malformed.
 
-    `any_port`: an address to listen on, where port 0 asks for any free port."""
-    host, separator, port_text = text.rpartition(":")
+    `any_port`: an address to listen on, where port 0 asks for any free port. `default_port`: a host alone takes it
+    (with_default_port); an error names the text as given, not with the port added."""
+    address = text if default_port is None else with_default_port(text, default_port)
+    host, separator, port_text = address.rpartition(":")
     if not separator or _HOST.fullmatch(host) is None:
-        raise ProtocolError(f"address {text[:300]!r} is not host:port{_bracket_hint(text)}")
+        raise ProtocolError(f"address {text[:300]!r} is not host:port{_bracket_hint(address)}")
     lowest = 0 if any_port else 1
     port = _port_number(port_text)
     if port is None or not lowest <= port < 65536:

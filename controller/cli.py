@@ -13,7 +13,14 @@ from contextlib import suppress
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from deskfleet.agent.allocator import run_on_jemalloc
-from deskfleet.common.arguments import describe_commands, path_argument, prompts_file_argument, verbose_anywhere
+from deskfleet.common.arguments import (
+    describe_commands,
+    option_arity,
+    path_argument,
+    prompts_file_argument,
+    unknown_options,
+    verbose_anywhere,
+)
 from deskfleet.common.console import (
     WatchedStream,
     ctrl_c_held,
@@ -157,21 +164,7 @@ class CommandParser(argparse.ArgumentParser):
         where it has no commands."""
         commands = next((action.choices for action in self._actions
                          if isinstance(action, argparse._SubParsersAction)), None)
-        if not commands:
-            return []
-        takes_value = {option: action.nargs != 0 for action in self._actions for option in action.option_strings}
-        unknown, value_next = [], False
-        for argument in arguments:
-            if value_next:
-                value_next = False
-                continue
-            if argument == "--" or argument in commands:
-                break
-            name = argument.split("=", 1)[0]
-            if argument.startswith("-") and name not in takes_value:
-                unknown.append(argument)
-            value_next = takes_value.get(name, False) and "=" not in argument
-        return unknown
+        return unknown_options(arguments, option_arity(self), commands) if commands else []
 
     def _unknown_arguments(self, arguments: list[str]) -> list[str]:
         """The arguments among `arguments` that this parser does not know, found by parsing them again with

@@ -186,16 +186,12 @@ def _addresses(given: Sequence[str]) -> tuple[str, ...]:
     as given (the error quoted it with the port added: 'bad address:7341')."""
     from deskfleet.common.wire import ProtocolError, parse_address
 
-    addresses = []
     for text in given:
-        address = with_default_port(text, DEFAULT_PORT)
         try:
-            parse_address(address)
+            parse_address(text, default_port=DEFAULT_PORT)
         except ProtocolError as error:
-            said = str(error).replace(repr(address[:300]), repr(text[:300]), 1)
-            raise ValueError(f"--address: {said}") from None
-        addresses.append(address)
-    return tuple(addresses)
+            raise ValueError(f"--address: {error}") from None
+    return tuple(with_default_port(text, DEFAULT_PORT) for text in given)
 
 
 def _init(args: argparse.Namespace) -> int:
@@ -263,7 +259,7 @@ def _remove(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
-    from deskfleet.common.wire import parse_address
+    from deskfleet.common.wire import ProtocolError, parse_address
     from deskfleet.controller.fleet_ca import addresses_elsewhere, fleet_addresses
     from deskfleet.controller.fleet_server import FleetServer
 
@@ -277,6 +273,11 @@ def _serve(args: argparse.Namespace) -> int:
             "joining with a new token dials them; `deskfleet fleet token --address HOST:PORT` gives the new one",
             ", ".join(addresses), store.data_dir / "fleet.json")
     port = parse_address(addresses[0])[1] if addresses else DEFAULT_PORT  # where the agents are told to come
+    if args.listen is not None:
+        try:  # named as given, not with the port added (FleetServer's own check would)
+            parse_address(args.listen, any_port=True, default_port=port)
+        except ProtocolError as error:
+            raise ValueError(f"--listen: {error}") from None
     listen = f"0.0.0.0:{port}" if args.listen is None else with_default_port(args.listen, port)
     server = FleetServer(store, listen)
 

@@ -41,7 +41,7 @@ from .openai_requests import (
     parse_chat,
     parse_completion,
 )
-from .stop_sequences import StopMatcher
+from .stop_sequences import StopMatcher, StopSequences
 from .text_printer import TextPrinter
 from .tokenizer import ModelTokenizer, NotUtf8Error
 
@@ -72,21 +72,22 @@ class ReplyText:
     with the tokens it came from: what is sent is the text of whole tokens (`released_tokens` of them), so that a
     streamed chunk's log-probabilities are those of the tokens whose text it carries."""
 
-    def __init__(self, tokenizer: ModelTokenizer, stops: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: ModelTokenizer, stops: StopSequences | tuple[str, ...]) -> None:
         self._stops = StopMatcher(stops)
         self._text: list[str] = []
         self._length = 0
         self._joined = ""
         self._sent = 0
-        self._token_ends: list[int] = []  # the text's length once each token pushed had been printed
+        self._token_ends: list[int] = []  # the text's length once each token's text had been written
         self.released_tokens = 0  # the tokens pushed whose text has all been sent
         self.stopped = False  # a stop sequence was met: nothing more is sent
         self._printer = TextPrinter(tokenizer, cast(Any, self), show_controls=False)
 
-    def write(self, text: str) -> None:  # TextPrinter's output
+    def write(self, text: str) -> None:  # TextPrinter's output: the text of every token up to written_tokens
         self._text.append(text)
         self._length += len(text)
         self._stops.feed(text)
+        self._token_ends += [self._length] * (self._printer.written_tokens - len(self._token_ends))
 
     def flush(self) -> None:
         pass
@@ -100,7 +101,6 @@ class ReplyText:
         if self.stopped:
             return ""
         self._printer.push(0, token)
-        self._token_ends.append(self._length)
         return self._release(final=False)
 
     def finish(self) -> str:
@@ -117,12 +117,12 @@ class ReplyText:
 
     def _release(self, final: bool) -> str:
         text = self._full()
-        if self._stops.found is not None:
+        if self._stops.found is not None:  # every token pushed: the one that completed it among them
             end, self.stopped = self._stops.found, True
-            self.released_tokens = len(self._token_ends)
+            self.released_tokens = len(self._printer.tokens)
         elif final:
-            end, self.released_tokens = len(text), len(self._token_ends)
-        else:  # whole tokens, up to the text that may begin a stop sequence
+            end, self.released_tokens = len(text), len(self._printer.tokens)
+        else:  # whole tokens whose text is written, up to the text that may begin a stop sequence
             self.released_tokens = bisect.bisect_right(self._token_ends, len(text) - self._stops.pending)
             end = self._token_ends[self.released_tokens - 1] if self.released_tokens else 0
         piece, self._sent = text[self._sent:end], max(self._sent, end)
@@ -375,6 +375,7 @@ class OpenAiApi:
         sampling = SamplingParams(temperature=decoding.temperature, top_k=decoding.top_k if decoding.temperature else 0,
                                   top_p=decoding.top_p if decoding.temperature else 1.0)
         loop = asyncio.get_running_loop()
+        stops = StopSequences(decoding.stop)  # once: every choice's matcher shares its tables
         choices: list[_Choice] = []
         for prepared in prompts:
             for index in range(decoding.n):
@@ -389,7 +390,7 @@ class OpenAiApi:
                 ends = unseen_ends(self.spec, decoding, prepared.stop_ids)
                 echoed = (prepared.prompt_text if prepared.prompt_text is not None
                           else self.tokenizer.decode(prepared.prompt_ids)) if decoding.echo else ""
-                choices.append(_Choice(len(choices), request, _Bridge(loop), ReplyText(self.tokenizer, decoding.stop),
+                choices.append(_Choice(len(choices), request, _Bridge(loop), ReplyText(self.tokenizer, stops),
                                        prompt_index=len(choices) // decoding.n,
                                        ends=ends, echoed=echoed, prompt_text=prepared.prompt_text if decoding.echo
                                        else None, hidden=prepared.max_tokens == 0))
@@ -582,15 +583,16 @@ class OpenAiApi:
 
 class _MalformedRequestLog(logging.Filter):
     """aiohttp answers a request it cannot parse (a duplicate Host header, a bad request line) 400 and logs it at
-    ERROR with a traceback: any client could fill the server's log with them. Such a record becomes one line at
-    WARNING naming the fault."""
+    ERROR with a traceback: any client could fill the server's log with them. Such a record becomes one line naming
+    the fault, at WARNING at most (aiohttp says TLS bytes on the port at DEBUG: they stay there)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         if isinstance(error, HttpProcessingError) and (error.code or 400) < 500:
             record.msg, record.args = f"{record.getMessage()}: refused ({error.code} {error.message})", ()
             record.exc_info = record.exc_text = None
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.levelno = min(record.levelno, logging.WARNING)
+            record.levelname = logging.getLevelName(record.levelno)
         return True
 
 

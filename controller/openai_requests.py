@@ -18,6 +18,9 @@ from .tokenizer import ChatMessage
 
 DEFAULT_COMPLETION_TOKENS = 16  # the API's default max_tokens for /v1/completions
 MAX_STOPS = 4  # the API takes up to 4 stop sequences
+# A stop sequence's characters at most: far more than any stop anyone writes, and a 4 MB body's stops of a million
+# characters each cost seconds of the event loop (every stream's) to make their matchers
+MAX_STOP_CHARS = 1000
 MAX_API_TEMPERATURE = 2.0  # the API's range is 0 to 2
 MAX_SEED = 2**63 - 1
 MAX_CHOICES = 16  # a request's `n`: each choice is a stream of its own, batched with the others
@@ -306,6 +309,8 @@ def _stops(value: object) -> tuple[str, ...]:
     if not isinstance(stops, list) or not 1 <= len(stops) <= MAX_STOPS or \
             not all(isinstance(stop, str) and stop for stop in stops):
         raise ApiError(400, f"stop must be a non-empty string or a list of 1 to {MAX_STOPS} of them", "stop")
+    if any(len(stop) > MAX_STOP_CHARS for stop in stops):
+        raise ApiError(400, f"a stop sequence must be at most {MAX_STOP_CHARS:,} characters", "stop")
     return tuple(stops)
 
 

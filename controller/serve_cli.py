@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from deskfleet.common import event_loop
 from deskfleet.common.arguments import path_argument, seconds_up_to
 from deskfleet.common.console import stopping_signals
-from deskfleet.common.wire import parse_address, with_default_port
+from deskfleet.common.wire import ProtocolError, parse_address
 
 from .chat import add_fleet_option, check_fleet_options, controller_store, fleet_max_failovers, open_fleet_chain
 from .decoding_options import (
@@ -180,7 +180,10 @@ def _serve_command(args: argparse.Namespace) -> int:
     if args.take_back_wait is not None and not args.fleet:
         raise ValueError("--take-back-wait without --fleet: local stages have no PC to take back; give --fleet or "
                          "leave out --take-back-wait")
-    host, port = parse_address(with_default_port(args.listen, DEFAULT_PORT), any_port=True)
+    try:
+        host, port = parse_address(args.listen, any_port=True, default_port=DEFAULT_PORT)
+    except ProtocolError as error:
+        raise ValueError(f"--listen: {error}") from None
     api_key = read_api_key(args.api_key_file)
     if api_key is None and not is_loopback(host) and not args.no_api_key:
         raise ValueError(f"--listen {args.listen} reaches beyond this PC, and no API key is set: give --api-key-file "

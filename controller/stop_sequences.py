@@ -24,15 +24,24 @@ def _failure(stop: str) -> list[int]:
     return table
 
 
-class StopMatcher:
-    """Fed a text piece by piece: `found`, where the first stop sequence met begins (None: none yet), and
-    `pending`, the characters at the text's end that begin a stop sequence and may yet complete it."""
+class StopSequences:
+    """A request's stop sequences and their automata's tables, made once for all its choices (StopMatcher)."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         if any(not stop for stop in stops):
             raise ValueError("a stop sequence must not be empty")
-        self._stops = tuple(stops)
-        self._tables = [_failure(stop) for stop in self._stops]
+        self.stops = tuple(stops)
+        self.tables = tuple(_failure(stop) for stop in self.stops)
+
+
+class StopMatcher:
+    """Fed a text piece by piece: `found`, where the first stop sequence met begins (None: none yet), and
+    `pending`, the characters at the text's end that begin a stop sequence and may yet complete it."""
+
+    def __init__(self, stops: StopSequences | Sequence[str]) -> None:
+        sequences = stops if isinstance(stops, StopSequences) else StopSequences(stops)
+        self._stops = sequences.stops
+        self._tables = sequences.tables
         self._states = [0] * len(self._stops)
         self.fed = 0  # characters fed
         self.found: int | None = None

@@ -57,6 +57,11 @@ class TextPrinter:
         self._window_start = 0  # the first token of the window decoded each time
         self._written_until = 0  # tokens before this one are written
 
+    @property
+    def written_tokens(self) -> int:
+        """How many of the tokens pushed have had their text written (one ending inside a character waits)."""
+        return self._written_until
+
     def push(self, stream_id: int, token: int) -> None:
         self.tokens.append(token)
         self._write(final=False)

@@ -172,16 +172,23 @@ def test_an_options_missing_value_is_not_called_an_unknown_option(capsys: pytest
     (["join"], "deskfleet-agent join: error:", "the following arguments are required: token"),
     (["pause", "--bogus"], "deskfleet-agent pause: error:", "unrecognized arguments: --bogus"),
     (["join", "dfj1.x", "--bogus"], "deskfleet-agent join: error:", "unrecognized arguments: --bogus"),
-    (["--bogus", "join"], "deskfleet-agent join: error:", "unrecognized arguments: --bogus"),  # not the missing token
+    (["--bogus", "join"], "deskfleet-agent:", "error: unrecognized arguments: --bogus"),  # not the missing token
+    (["--bogus", "join", "dfj1.x"], "deskfleet-agent:", "error: unrecognized arguments: --bogus"),
+    (["join", "--bogus"], "deskfleet-agent join: error:", "unrecognized arguments: --bogus"),
 ])
-def test_a_commands_errors_come_with_its_own_usage(argv: list[str], prefix: str, says: str,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_error_comes_with_the_usage_of_what_it_was_given_to(argv: list[str], prefix: str, says: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
     # the usage line was the top-level one with " join" after it, and errors after the command the top-level's
     with pytest.raises(SystemExit) as exit_code:
         cli.build_parser().parse_args(argv)
     err = capsys.readouterr().err
     assert exit_code.value.code == 2 and f"{prefix} {says}\n" in err, err
     assert err.startswith(f"usage: {prefix.split(':')[0]} [-h]"), err
+
+
+def test_a_cluster_of_short_flags_is_taken() -> None:
+    # the scan for unknown options took `-vv` for one
+    assert cli.build_parser().parse_args(["-vv", "pause"]).command == "pause"
 
 
 @pytest.mark.parametrize(("argv", "says"), [

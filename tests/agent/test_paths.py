@@ -89,6 +89,7 @@ def test_missing_file_gives_defaults_and_round_trip(tmp_path: Path) -> None:
     ('{"format_version": 1, "cache_limit_bytes": 0}', "cache_limit_bytes must be positive"),
     ('{"format_version": 1, "listen_address": "nowhere:port"}', "listen_address"),
     ('{"format_version": 1, "listen_address": " "}', "listen_address"),
+    ('{"format_version": 1, "listen_address": "bad host"}', "listen_address: address 'bad host' is not host:port"),
     ('{"format_version": 1, "thresholds": {"min_battery_percent": 150}}', "min_battery_percent"),
     ('{"format_version": 1, "thresholds": {"max_temperature_c": "hot"}}', "thresholds.*max_temperature_c"),
     ('{"format_version": true}', "format_version True"),

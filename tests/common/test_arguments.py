@@ -15,6 +15,7 @@ from deskfleet.common.arguments import (
     path_argument,
     prompts_file_argument,
     seconds_up_to,
+    unknown_options,
 )
 
 
@@ -48,3 +49,17 @@ def test_only_a_bare_dash_is_standard_input_as_a_prompts_file(tmp_path: Path, mo
     assert prompts_file_argument("prompts.txt") == Path("prompts.txt")
     with pytest.raises(argparse.ArgumentTypeError, match="is empty"):
         prompts_file_argument("")
+
+
+KNOWN = {"-v": False, "--verbose": False, "-h": False, "--data-dir": True, "-o": True}
+
+
+@pytest.mark.parametrize(("arguments", "unknown"), [
+    (["--data_dir", "D", "join"], ["--data_dir"]),
+    (["-vv", "--verbose", "join", "--bogus"], []),  # a cluster of flags; the scan ends at the command
+    (["-vx"], ["-vx"]), (["-o", "--x"], []),  # -o takes the next argument, whatever it looks like
+    (["--data-dir=--x", "--y"], ["--y"]), (["-", "--", "--after"], []),  # `-` is standard input; -- ends options
+    (["-vo"], ["-vo"]),  # a letter that takes a value is no flag of a cluster
+])
+def test_unknown_options_are_named_as_argparse_would_take_the_rest(arguments: list[str], unknown: list[str]) -> None:
+    assert unknown_options(arguments, KNOWN, {"join"}) == unknown

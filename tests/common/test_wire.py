@@ -608,6 +608,17 @@ def test_addresses_need_a_port_and_port_zero_only_to_listen() -> None:
             wire.parse_address(text)
 
 
+def test_a_host_alone_takes_the_default_port_and_an_error_names_the_text_as_given() -> None:
+    assert wire.parse_address("pc-7", default_port=7431) == ("pc-7", 7431)
+    assert wire.parse_address("[::1]", default_port=7431) == ("::1", 7431)
+    assert wire.parse_address("pc-7:80", default_port=7431) == ("pc-7", 80)
+    # the error quoted 'bad host:7431', a port the user never wrote
+    with pytest.raises(ProtocolError, match=r"^address 'bad host' is not host:port$"):
+        wire.parse_address("bad host", default_port=7431)
+    with pytest.raises(ProtocolError, match=r"^address 'pc-7:99999' has no port between 1 and 65535$"):
+        wire.parse_address("pc-7:99999", default_port=7431)
+
+
 def test_the_most_known_removals_a_message_carries_fit_the_frames_the_controllers_port_reads() -> None:
     from deskfleet.agent.link import ENROLLMENT_MAX_FRAME_BYTES
 

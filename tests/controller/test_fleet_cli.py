@@ -128,6 +128,14 @@ def test_init_names_a_bad_address_as_given_before_making_anything(tmp_path: Path
     assert not (tmp_path / "ctl").exists()
 
 
+def test_fleet_serve_names_a_bad_listen_address_as_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = ["--data-dir", str(tmp_path / "ctl")]
+    assert main(["fleet", "init", "--address", "127.0.0.1:7341", *data]) == 0
+    capsys.readouterr()
+    assert main(["fleet", "serve", "--listen", "bad host", *data]) == 2
+    assert "--listen: address 'bad host' is not host:port" in capsys.readouterr().err  # not 'bad host:7341'
+
+
 def test_a_deploy_the_fleet_cannot_take_exits_1_and_a_usage_error_2(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_export: Path) -> None:
     # every failed deploy exited 2, a usage error's status: a script could not tell a typo from a PC that failed

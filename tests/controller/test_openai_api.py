@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -292,6 +293,7 @@ def test_several_prompts_each_get_their_choices_in_order_each_as_a_request_alone
     ({"model": MODEL, "prompt": []}, 400, "prompt must be a non-empty string, a non-empty list of token ids, or"),
     ({"model": MODEL, "prompt": "x", "temperature": 3}, 400, "temperature must be a number from 0 to 2"),
     ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "list of 1 to 4"),
+    ({"model": MODEL, "prompt": "x", "stop": ["a", "x" * 1001]}, 400, "a stop sequence must be at most 1,000"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "only with stream"),
     ("[" * 100_000 + "]" * 100_000, 400, "not JSON that can be read"),
     ('{"model": "tiny", "prompt": "x", "max_tokens": ' + "9" * 5000 + "}", 400, "not JSON that can be read"),
@@ -419,6 +421,26 @@ def test_a_request_aiohttp_cannot_parse_is_logged_in_one_line_without_a_tracebac
     logged = [record for record in caplog.records if record.name == "aiohttp.server"]
     assert all(record.levelname == "WARNING" and record.exc_info is None for record in logged), logged
     assert "refused (400" in logged[0].getMessage() and "Host" in logged[0].getMessage()
+
+
+def test_the_malformed_request_filter_lowers_a_record_to_a_warning_at_most() -> None:
+    from aiohttp.http_exceptions import BadHttpMessage, BadHttpMethod
+
+    from deskfleet.controller.openai_api import _MALFORMED_REQUESTS
+
+    def record(level: int, error: BaseException) -> logging.LogRecord:
+        made = logging.LogRecord("aiohttp.server", level, __file__, 1, "Error handling request from %s",
+                                 ("127.0.0.1",), (type(error), error, None))
+        assert _MALFORMED_REQUESTS.filter(made)
+        return made
+
+    loud = record(logging.ERROR, BadHttpMessage("Duplicate 'Host' header found."))
+    assert (loud.levelname, loud.exc_info) == ("WARNING", None)
+    assert loud.getMessage() == "Error handling request from 127.0.0.1: refused (400 Duplicate 'Host' header found.)"
+    quiet = record(logging.DEBUG, BadHttpMethod("\x16\x03"))  # aiohttp's own choice for TLS bytes: kept
+    assert quiet.levelname == "DEBUG" and quiet.exc_info is None
+    other = record(logging.ERROR, RuntimeError("a bug"))  # not a client's fault: its traceback stays
+    assert other.levelname == "ERROR" and other.exc_info is not None
 
 
 def test_an_api_key_is_required_once_set(tiny_export: Path) -> None:

@@ -120,3 +120,33 @@ def test_usage_counts_the_tokens_up_to_the_stop_not_those_made_past_it() -> None
     assert tokens == completing + 1 == choice.tokens < len(ids)
     assert [entry.token for entry in choice.logprobs] == ids[:completing + 1]
     assert choice.reply.text == TEXT[:TEXT.find("beta")] and cancelled
+
+
+class _ByteTokenizer:
+    """A tokenizer whose tokens are bytes: `é` (c3 a9) is two tokens, the first of which decodes to U+FFFD alone."""
+
+    PIECES = (b"ab", b"\xc3", b"\xa9", b"cd")
+
+    @classmethod
+    def decode(cls, tokens: list[int], skip_special_tokens: bool = True) -> str:
+        return b"".join(cls.PIECES[token] for token in tokens).decode("utf-8", errors="replace")
+
+
+def _pieces_of(tokenizer: Any, tokens: list[int], stops: tuple[str, ...]) -> list[tuple[str, list[int]]]:
+    events: list[Any] = [(token, TokenLogprob(token, -0.5)) for token in tokens]
+    choice = _choice(cast(ModelTokenizer, tokenizer), stops, [[event] for event in events] + [[StreamEnd(None)]])
+
+    async def run() -> list[tuple[str, list[int]]]:
+        return [(piece, [entry.token for entry in entries])
+                async for piece, (_, entries), _ in OpenAiApi._pieces(_api([]), choice)]
+
+    return asyncio.run(run())
+
+
+def test_a_tokens_entry_waits_for_its_text_when_it_ends_inside_a_character() -> None:
+    # the first byte of "é" was released (its entry sent) in a chunk of no text, before its character was written
+    pieces = _pieces_of(_ByteTokenizer, [0, 1, 2, 3], ())
+    assert [piece for piece in pieces if piece != ("", [])] == [("ab", [0]), ("é", [1, 2]), ("cd", [3])]
+    # and with a stop that "é" begins, the entries of both its bytes wait with it
+    pieces = _pieces_of(_ByteTokenizer, [0, 1, 2, 3], ("é!",))
+    assert [piece for piece in pieces if piece != ("", [])] == [("ab", [0]), ("écd", [1, 2, 3])]

@@ -34,8 +34,9 @@ def test_an_unknown_option_before_the_command_is_reported_before_the_commands_mi
     assert "deskfleet: error: unrecognized arguments: --verb" in err and "required" not in err
     err = parse_error(capsys, "fleet", "--bogus", "ls")
     assert "deskfleet fleet: error: unrecognized arguments: --bogus" in err
-    err = parse_error(capsys, "-v", "generate")  # a known one still lets the command say what it lacks
-    assert "deskfleet generate: error: the following arguments are required: --model" in err
+    for verbose in ("-v", "-vv"):  # a known one (and a cluster of them) lets the command say what it lacks
+        err = parse_error(capsys, verbose, "generate")
+        assert "deskfleet generate: error: the following arguments are required: --model" in err
 
 
 def test_an_unknown_option_is_reported_with_the_commands_usage(capsys: pytest.CaptureFixture[str]) -> None:

@@ -113,7 +113,8 @@ def test_is_loopback() -> None:
 @pytest.mark.parametrize(("argv", "says"), [
     (["--listen", "0.0.0.0:8000"], "reaches beyond this PC, and no API key is set"),
     (["--listen", "10.1.2.3"], "reaches beyond this PC, and no API key is set"),
-    (["--listen", "nonsense:port"], "has no port"),
+    (["--listen", "nonsense:port"], "--listen: address 'nonsense:port' has no port"),
+    (["--listen", "bad host"], "--listen: address 'bad host' is not host:port"),  # not 'bad host:8000'
     (["--stages", "2", "--fleet"], "--stages 2 with --fleet"),
     (["--data-dir", "/tmp/x"], "--data-dir without --fleet"),
     (["--take-back-wait", "5"], "--take-back-wait without --fleet"),
