@@ -205,6 +205,11 @@ class StreamResult:
 @dataclass(frozen=True)
 class EngineOptions:
     max_rows: int = 8  # streams per micro-batch
+    # A micro-batch's rows at most while streams prefilled ahead (_admission_room) wait for a row, every
+    # micro-batch being full: such a stream joins one past max_rows rather than stall after its first token for as
+    # long as the running replies take (a server's 9th to 12th request on 8 rows: nothing for 5 s). 0: max_rows
+    # (generate's: its baselines run streams one at a time with max_rows 1)
+    rows_when_waiting: int = 0
     micro_batches: int = 1  # in flight at once; the number of stages keeps every stage busy
     k_min: int = 1
     k_max: int = 8
@@ -219,6 +224,9 @@ class EngineOptions:
         if self.max_rows < 1 or self.micro_batches < 1:
             raise ValueError(f"max_rows and micro_batches must be at least 1, got {self.max_rows} and "
                              f"{self.micro_batches}")
+        if self.rows_when_waiting and self.rows_when_waiting < self.max_rows:
+            raise ValueError(f"rows_when_waiting must be 0 (max_rows) or at least max_rows ({self.max_rows}), got "
+                             f"{self.rows_when_waiting}")
         if not 1 <= self.k_min <= self.k_max <= MAX_K:
             raise ValueError(f"need 1 <= k_min <= k_max <= {MAX_K}, got {self.k_min} and {self.k_max}")
         if self.fixed_k is not None and not 0 <= self.fixed_k <= MAX_K:
@@ -865,12 +873,17 @@ class Engine:
                 self.draft.merge(target.micro_batch_id, stream.stream_id, batch_id)
 
     def _pick_target(self) -> BatchTrack | None:
-        open_tracks = [track for track in self._tracks.values() if track.rows < self.options.max_rows
-                       and not any(self._streams[stream_id].keeps_own_batch or stream_id in self._draft_unfed
-                                   for stream_id in track.stream_ids)]
+        """The running micro-batch a prefilled stream joins: the one of fewest rows under max_rows, else, every one
+        full, under rows_when_waiting; None: start another micro-batch, or wait for a row."""
         if len(self._tracks) < self.options.micro_batches:
             return None  # better: start another micro-batch to keep the stages busy
-        return min(open_tracks, key=lambda track: track.rows, default=None)
+        for limit in (self.options.max_rows, self.options.rows_when_waiting):
+            open_tracks = [track for track in self._tracks.values() if track.rows < limit
+                           and not any(self._streams[stream_id].keeps_own_batch or stream_id in self._draft_unfed
+                                       for stream_id in track.stream_ids)]
+            if open_tracks:
+                return min(open_tracks, key=lambda track: track.rows)
+        return None
 
     def _launch_idle(self) -> None:
         for track in self._tracks.values():

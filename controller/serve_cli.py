@@ -86,7 +86,8 @@ def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     serve.add_argument("--max-streams", type=positive_int, default=DEFAULT_MAX_STREAMS,
                        help="requests running or waiting at once; more are answered 429 (default "
                             f"{DEFAULT_MAX_STREAMS})")
-    serve.add_argument("--max-rows", type=positive_int, default=8, help="streams per micro-batch (default 8)")
+    serve.add_argument("--max-rows", type=positive_int, default=8,
+                       help="streams per micro-batch (default 8; up to twice that while more requests wait)")
     serve.add_argument("--prefix-cache-tokens", type=non_negative_int, default=DEFAULT_PREFIX_CACHE_TOKENS,
                        metavar="N",
                        help="prompt tokens whose KV state stays on the stages for later requests that begin with the "
@@ -204,8 +205,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     stages = args.stages or 1
 
     def options_for(chain: StageChain) -> EngineOptions:
-        return decoding.engine_options(getattr(chain, "num_stages", stages), max_rows=args.max_rows,
-                                       prefix_cache_tokens=args.prefix_cache_tokens)
+        return serve_engine_options(decoding, getattr(chain, "num_stages", stages), args)
 
     opener = _fleet_opener(args, decoding) if args.fleet else _local_opener(args.model, stages, target, manifest)
     name = args.model_name or args.model.resolve().name
@@ -272,6 +272,13 @@ async def _listen(api: OpenAiApi, host: str, port: int, where: str, tls: ssl.SSL
             loop.remove_signal_handler(signum)
         await asyncio.to_thread(api.service.close)  # the streams running end: their handlers answer and return
         await runner.cleanup()
+
+
+def serve_engine_options(decoding: DecodingOptions, stages: int, args: argparse.Namespace) -> EngineOptions:
+    """The engine's options for a chain of `stages`: requests prefilled ahead (as many again as the rows) join a
+    running micro-batch past --max-rows rather than wait for a row after their first token."""
+    return decoding.engine_options(stages, max_rows=args.max_rows, rows_when_waiting=2 * args.max_rows,
+                                   prefix_cache_tokens=args.prefix_cache_tokens)
 
 
 def _local_opener(model: Path, stages: int, settings: CompileSettings, manifest: Manifest) -> ChainOpener:

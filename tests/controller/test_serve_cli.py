@@ -21,7 +21,7 @@ import pytest
 
 from deskfleet.controller.cli import main
 from deskfleet.controller.fleet_store import FleetStore
-from deskfleet.controller.serve_cli import API_KEY_ENV, is_loopback, read_api_key, server_tls
+from deskfleet.controller.serve_cli import API_KEY_ENV, is_loopback, read_api_key, serve_engine_options, server_tls
 from tests.fake_clock import FakeClock
 
 
@@ -304,3 +304,14 @@ def test_a_port_in_use_is_said_before_anything_compiles(tiny_export: Path, capsy
         assert main(["serve", "--model", str(tiny_export), "--listen", f"127.0.0.1:{port}"]) == 2
     said = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in said and "opening" not in said
+
+
+def test_a_servers_requests_prefilled_ahead_may_join_a_full_micro_batch() -> None:
+    # past --max-rows, requests got their first token and then waited for a running reply's end
+    from deskfleet.controller.cli import build_parser
+    from deskfleet.controller.decoding_options import DecodingOptions
+
+    args = build_parser().parse_args(["serve", "--model", "M", "--max-rows", "6", "--prefix-cache-tokens", "100"])
+    options = serve_engine_options(DecodingOptions(), 2, args)
+    assert (options.max_rows, options.rows_when_waiting, options.micro_batches) == (6, 12, 2)
+    assert options.prefix_cache_tokens == 100
