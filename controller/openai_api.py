@@ -13,6 +13,7 @@ import bisect
 import hmac
 import json
 import logging
+import math
 import secrets
 import threading
 import time
@@ -349,9 +350,9 @@ class OpenAiApi:
                         gathering = [group.create_task(self._gather(choice)) for choice in choices]
                 except* ApiError as errors:  # a choice's generation failed: the others are cancelled below
                     raise errors.exceptions[0] from None
-                response = web.json_response(self._whole(ident, chat, [(choice, *task.result()) for choice, task
-                                                                       in zip(choices, gathering, strict=True)],
-                                                         prompt_tokens))
+                ended_choices = [(choice, *task.result()) for choice, task in zip(choices, gathering, strict=True)]
+                response = web.json_response(self._whole(ident, chat, _best(ended_choices, decoding.n), prompt_tokens,
+                                                         sum(tokens for _, _, tokens in ended_choices)))
             ended = True
             return response
         except ConnectionResetError:  # the client went away while its reply was written: nothing more reaches it
@@ -362,28 +363,34 @@ class OpenAiApi:
                     self.service.cancel(choice.ticket)
 
     def _submit(self, prompts: list[_Prepared]) -> list[_Choice]:
-        """A stream for each of the `n` choices of each prompt (choice j of a prompt samples with the seed + j, as a
-        request alone with that seed would; indexes run prompt by prompt, as the API's), queued all or none: ApiError
-        400 for more choices than the server ever takes, 429 or 503 where it takes none now."""
+        """A stream for each of the `n` choices of each prompt, or each of its `best_of` candidates where they sample
+        (greedy ones would all be the same text: n of them are made), choice j of a prompt sampling with the seed +
+        j, as a request alone with that seed would; indexes run prompt by prompt, as the API's. Queued all or none:
+        ApiError 400 for more than the server ever takes, 429 or 503 where it takes none now."""
         decoding = prompts[0].decoding
-        total = len(prompts) * decoding.n
+        per_prompt = decoding.best_of if decoding.temperature else decoding.n
+        total = len(prompts) * per_prompt
         if total > self.service.max_streams:
-            asked = f"n={decoding.n} choices" if len(prompts) == 1 else \
-                f"{len(prompts)} prompts of n={decoding.n} choices each"
+            what = f"best_of={per_prompt} candidates" if per_prompt > decoding.n else f"n={decoding.n} choices"
+            asked = what if len(prompts) == 1 else f"{len(prompts)} prompts of {what} each"
             raise ApiError(400, f"{asked} are more streams than this server takes at once (--max-streams "
-                                f"{self.service.max_streams})", "n" if len(prompts) == 1 else "prompt")
+                                f"{self.service.max_streams})", "prompt" if len(prompts) > 1 else
+                           "best_of" if per_prompt > decoding.n else "n")
+        # candidates are ranked by their tokens' log-probabilities, which the last stage then returns for each
+        ranked = per_prompt > decoding.n
         sampling = SamplingParams(temperature=decoding.temperature, top_k=decoding.top_k if decoding.temperature else 0,
                                   top_p=decoding.top_p if decoding.temperature else 1.0)
         loop = asyncio.get_running_loop()
         stops = StopSequences(decoding.stop)  # once: every choice's matcher shares its tables
         choices: list[_Choice] = []
         for prepared in prompts:
-            for index in range(decoding.n):
+            for index in range(per_prompt):
                 seed = (decoding.seed + index) % (MAX_SEED + 1) if decoding.seed is not None else \
                     (random_seed() if decoding.temperature else 0)
                 request = StreamRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=max(1, prepared.max_tokens),
                                         ignore_eos=decoding.ignore_eos, stop_token_ids=prepared.stop_ids,
-                                        sampling=sampling, seed=seed, logprobs=decoding.logprobs,
+                                        sampling=sampling, seed=seed,
+                                        logprobs=(decoding.logprobs or 0) if ranked else decoding.logprobs,
                                         presence_penalty=decoding.presence_penalty,
                                         frequency_penalty=decoding.frequency_penalty, logit_bias=decoding.logit_bias,
                                         prompt_logprobs=decoding.echo and decoding.logprobs is not None)
@@ -391,7 +398,8 @@ class OpenAiApi:
                 echoed = (prepared.prompt_text if prepared.prompt_text is not None
                           else self.tokenizer.decode(prepared.prompt_ids)) if decoding.echo else ""
                 choices.append(_Choice(len(choices), request, _Bridge(loop), ReplyText(self.tokenizer, stops),
-                                       prompt_index=len(choices) // decoding.n,
+                                       prompt_index=len(choices) // per_prompt,
+                                       show_logprobs=decoding.logprobs is not None,
                                        ends=ends, echoed=echoed, prompt_text=prepared.prompt_text if decoding.echo
                                        else None, hidden=prepared.max_tokens == 0))
         try:
@@ -521,7 +529,7 @@ class OpenAiApi:
         """The API's `logprobs` of a choice's tokens `entries`, choice.logprobs[first:] (None where its request did
         not ask): a streamed chunk's, whose completion text_offset goes on from the choice's earlier chunks, or the
         whole reply's (first 0)."""
-        if choice.request.logprobs is None:
+        if not choice.show_logprobs:
             return None
         if chat:
             return chat_logprobs(entries, self._token_text)
@@ -562,7 +570,9 @@ class OpenAiApi:
         return "chat.completion.chunk" if chat else "text_completion"
 
     def _whole(self, ident: str, chat: bool, ended: list[tuple[_Choice, StreamEnd, int]],
-               prompt_tokens: int) -> dict[str, Any]:
+               prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """The whole reply of the choices `ended`; `completion_tokens`: every stream's, best_of's candidates left out
+        too (they were generated, as OpenAI counts them)."""
         choices: list[dict[str, Any]] = []
         for choice, end, _ in ended:
             if chat:
@@ -575,7 +585,7 @@ class OpenAiApi:
                                 "finish_reason": _finish(choice, end)})
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
-                "usage": _usage(prompt_tokens, sum(tokens for _, _, tokens in ended), _cached_tokens(
+                "usage": _usage(prompt_tokens, completion_tokens, _cached_tokens(
                     [choice for choice, _, _ in ended],
                     {choice.index: end.result.reused_tokens if end.result is not None else 0
                      for choice, end, _ in ended}))}
@@ -613,6 +623,7 @@ class _Choice:
     echoed: str = ""  # an echo's prompt text, which its text begins with
     prompt_text: str | None = None  # an echo's prompt as sent, where it was text (None: token ids)
     hidden: bool = False  # an echo of max_tokens 0: the one token made is not shown
+    show_logprobs: bool = False  # the request asked for them (best_of's ranking asks the stages for them besides)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # its tokens', where the request asked
     # the reply's tokens: those made up to the one that completed a stop sequence (usage.completion_tokens: the
     # tokens a drafted round or a step in flight made past it are not the reply's, and how many there are is timing)
@@ -648,6 +659,30 @@ def unseen_ends(spec: ModelSpec, decoding: Decoding, stop_ids: frozenset[int]) -
     if decoding.ignore_eos or decoding.echo:
         return frozenset()
     return frozenset(spec.eos_token_ids) | stop_ids
+
+
+def _best(ended: list[tuple[_Choice, StreamEnd, int]], n: int) -> list[tuple[_Choice, StreamEnd, int]]:
+    """Of each prompt's candidates (best_of), the `n` whose tokens have the highest mean log-probability (the API's
+    "highest log probability per token"; a tie: the lower index), numbered again prompt by prompt. Where there are
+    only n a prompt (n choices, or greedy ones), all, as they are."""
+    by_prompt: dict[int, list[tuple[_Choice, StreamEnd, int]]] = {}
+    for item in ended:
+        by_prompt.setdefault(item[0].prompt_index, []).append(item)
+    if all(len(items) <= n for items in by_prompt.values()):
+        return ended
+    chosen: list[tuple[_Choice, StreamEnd, int]] = []
+    for prompt_index in sorted(by_prompt):
+        ranked = sorted(by_prompt[prompt_index], key=lambda item: (-_mean_logprob(item[0]), item[0].index))[:n]
+        for rank, (choice, end, tokens) in enumerate(ranked):
+            choice.index = prompt_index * n + rank
+            chosen.append((choice, end, tokens))
+    return chosen
+
+
+def _mean_logprob(choice: _Choice) -> float:
+    """The mean log-probability of a candidate's tokens; -inf for one with none (a reply that ended at once)."""
+    values = [entry.logprob for entry in choice.logprobs]
+    return sum(values) / len(values) if values else -math.inf
 
 
 def _finish(choice: _Choice, end: StreamEnd) -> str:

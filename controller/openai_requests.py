@@ -29,7 +29,7 @@ MAX_PROMPTS = 64  # a completion request's prompts (each with its `n` choices)
 # Fields each request may carry that change nothing here when at these values (the API's defaults): any other
 # value asks for what deskfleet does not do, and is refused naming the field.
 _NEUTRAL: dict[str, tuple[object, ...]] = {
-    "best_of": (1, None), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, False, True), "functions": (None, []), "function_call": (None, "none")}
 _IGNORED = {"user", "metadata", "store", "service_tier"}  # about the caller, not the text: taken and unused
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
@@ -80,6 +80,8 @@ class Decoding:
     # a completion's echo: its text (and, with logprobs, its log-probabilities) begins with the prompt's; max_tokens
     # may then be 0 (the prompt scored, nothing generated)
     echo: bool = False
+    # a completion's candidates a prompt (n at least): the n of the highest log-probability a token are returned
+    best_of: int = 1
     presence_penalty: float = 0.0  # -2 to 2, as the API's: off the logit of each token generated so far
     frequency_penalty: float = 0.0  # -2 to 2: off the logit of each token generated, times its count
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100 to 100) added to its logit
@@ -119,7 +121,16 @@ def parse_completion(body: object, model_name: str) -> CompletionRequest:
     if echo and logprobs is not None and decoding.stream:
         raise ApiError(400, "echo with logprobs is answered whole: send it with stream false (the prompt's "
                             "log-probabilities come once it is fed)", "echo")
-    return CompletionRequest(prompts, replace(decoding, logprobs=logprobs, echo=echo,
+    best_of = fields.get("best_of")
+    best_of = decoding.n if best_of is None else best_of
+    if not _is_int(best_of) or not decoding.n <= best_of <= MAX_CHOICES:
+        raise ApiError(400, f"best_of must be a whole number from n ({decoding.n}) to {MAX_CHOICES}", "best_of")
+    if best_of > decoding.n and decoding.stream:
+        raise ApiError(400, "best_of above n is answered whole: send it with stream false (the best are known once "
+                            "every candidate has ended)", "best_of")
+    if best_of > decoding.n and scores_only:
+        raise ApiError(400, "best_of above n with max_tokens 0 generates nothing to choose from", "best_of")
+    return CompletionRequest(prompts, replace(decoding, logprobs=logprobs, echo=echo, best_of=best_of,
                                               max_tokens=0 if scores_only else decoding.max_tokens))
 
 
@@ -161,7 +172,7 @@ def _object(body: object, allowed: set[str]) -> dict[str, Any]:
     for name, neutral in _NEUTRAL.items():
         if name in body and not any(body[name] == value and type(body[name]) is type(value) for value in neutral):
             raise ApiError(400, f"{name}={body[name]!r} is not supported by deskfleet (it generates without "
-                                "best_of, suffix or tools)", name)
+                                "suffix or tools)", name)
     return body
 
 

@@ -271,7 +271,11 @@ def test_several_prompts_each_get_their_choices_in_order_each_as_a_request_alone
     ({"model": MODEL, "prompt": "x", "n": 17}, 400, "n must be a whole number from 1 to 16"),
     ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n must be a whole number from 1 to 16"),
     ({"model": MODEL, "prompt": "x", "n": True}, 400, "n must be a whole number from 1 to 16"),
-    ({"model": MODEL, "prompt": "x", "best_of": 2}, 400, "best_of=2 is not supported"),
+    ({"model": MODEL, "prompt": "x", "best_of": 1, "n": 2}, 400, "best_of must be a whole number from n (2) to 16"),
+    ({"model": MODEL, "prompt": "x", "best_of": 17}, 400, "best_of must be a whole number from n (1) to 16"),
+    ({"model": MODEL, "prompt": "x", "best_of": 2.5}, 400, "best_of must be a whole number"),
+    ({"model": MODEL, "prompt": "x", "best_of": 2, "stream": True}, 400, "best_of above n is answered whole"),
+    ({"model": MODEL, "prompt": "x", "best_of": 2, "suffix": "y"}, 400, "suffix='y' is not supported"),
     ({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty must be a number from -2 to 2"),
     ({"model": MODEL, "prompt": "x", "frequency_penalty": "1"}, 400, "frequency_penalty must be a number from -2"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias key 'a' is not a token id"),
@@ -584,3 +588,51 @@ def test_streams_running_when_the_server_stops_end_with_an_error_their_clients_g
         rest = response.read().decode()
         connection.close()
     assert '"error"' in rest and "the server stopped" in rest and rest.rstrip().endswith("data: [DONE]")
+
+
+def test_best_of_returns_the_candidates_of_the_highest_log_probability_a_token(
+        served: tuple[str, EngineService]) -> None:
+    url, _ = served
+    request = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 1.2, "ignore_eos": True}
+    for seed in range(40, 60):  # a seed whose best candidates are not its first ones: the ranking must reorder
+        # candidate j samples with seed + j, as a request alone with that seed: its text and its tokens' figures
+        alone = []
+        for j in range(4):
+            status, body = post(f"{url}/v1/completions", {**request, "seed": seed + j, "logprobs": 0})
+            assert status == 200, body
+            figures = body["choices"][0]["logprobs"]["token_logprobs"]
+            alone.append((sum(figures) / len(figures), j, body["choices"][0]["text"]))
+        ranked = sorted(alone, key=lambda item: (-item[0], item[1]))
+        if [j for _, j, _ in ranked[:2]] != [0, 1]:
+            break
+    expected = [text for _, _, text in ranked[:2]]
+    request["seed"] = seed
+    status, body = post(f"{url}/v1/completions", {**request, "best_of": 4, "n": 2})
+    assert status == 200, body
+    assert [choice["index"] for choice in body["choices"]] == [0, 1]
+    assert [choice["text"] for choice in body["choices"]] == expected
+    assert all(choice["logprobs"] is None for choice in body["choices"])  # ranked by them, not asked for
+    assert body["usage"]["completion_tokens"] == 4 * 8  # every candidate was generated
+    status, body = post(f"{url}/v1/completions", {**request, "best_of": 4, "logprobs": 1})
+    assert status == 200 and [choice["text"] for choice in body["choices"]] == expected[:1]
+    assert len(body["choices"][0]["logprobs"]["tokens"]) == 8
+
+
+def test_best_of_with_greedy_decoding_makes_n_choices_only(served: tuple[str, EngineService],
+                                                           tiny_export: Path) -> None:
+    url, _ = served
+    tokenizer = ModelTokenizer(tiny_export)
+    expected = tokenizer.decode(greedy(tiny_export, tokenizer.encode("def add(a, b):"), 6))
+    status, body = post(f"{url}/v1/completions", {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 6,
+                                                  "temperature": 0, "best_of": 5, "ignore_eos": True})
+    assert status == 200 and [choice["text"] for choice in body["choices"]] == [expected]
+    assert body["usage"]["completion_tokens"] == 6  # the 4 others would be the same text
+
+
+def test_best_of_past_what_the_server_takes_is_named(tiny_export: Path) -> None:
+    with serving(tiny_export, max_streams=4) as (url, _):
+        status, body = post(f"{url}/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                      "temperature": 1, "best_of": 5})
+    assert status == 400 and body["error"]["param"] == "best_of"
+    assert "best_of=5 candidates are more streams than this server takes at once (--max-streams 4)" in \
+        body["error"]["message"]
