@@ -551,6 +551,12 @@ class Engine:
         stream = self._streams[stream_id]
         return stream.logprobs[-1] if stream.request.logprobs is not None and stream.logprobs else None
 
+    def prompt_logprobs(self, stream_id: int) -> tuple[TokenLogprob, ...] | None:
+        """The log-probabilities of the stream's prompt tokens after the first, as far as they are fed (all of them
+        once its first token came); None where its request did not ask."""
+        stream = self._streams[stream_id]
+        return tuple(stream.prompt_logprobs) if stream.request.prompt_logprobs else None
+
     @staticmethod
     def _result_of(stream: _Stream) -> StreamResult:
         return StreamResult(stream.stream_id, list(stream.tokens), len(stream.request.prompt_ids), stream.first_token_s,

@@ -82,6 +82,9 @@ class StreamEnd:
 
 
 class StreamSink(Protocol):
+    """Where a stream's tokens and end go. A sink with a `prompt_scored(entries)` method is also given, before the
+    first token, the prompt's log-probabilities where the request asked (StreamRequest.prompt_logprobs)."""
+
     def token(self, token: int, logprob: TokenLogprob | None) -> None:
         """A generated token, and its log-probabilities where the request asked (StreamRequest.logprobs)."""
 
@@ -96,6 +99,7 @@ class _Ticket:
     stream_id: int | None = None  # once the engine took it
     cancel_asked: bool = False
     ended: bool = False
+    tokens_told: int = 0  # tokens handed to the sink
 
 
 @dataclass
@@ -417,6 +421,11 @@ class EngineService:
         ticket = self._by_stream.get(stream_id)
         if ticket is not None:
             try:
+                if not ticket.tokens_told and ticket.request.prompt_logprobs:  # the prompt is fed: all are scored
+                    scored = getattr(ticket.sink, "prompt_scored", None)
+                    if scored is not None:
+                        scored(engine.prompt_logprobs(stream_id) or ())
+                ticket.tokens_told += 1
                 ticket.sink.token(token, engine.latest_logprob(stream_id))
             except Exception:  # a sink's fault must not stop the other streams
                 log.exception("a stream's sink failed on a token")

@@ -49,6 +49,16 @@ from .tokenizer import ModelTokenizer, NotUtf8Error
 log = logging.getLogger(__name__)
 _Token = tuple[int, "TokenLogprob | None"]  # a token from the engine's thread, and its log-probabilities where asked
 
+
+@dataclass(frozen=True)
+class _PromptScores:
+    """The prompt's log-probabilities (its tokens after the first), handed over before its stream's first token."""
+
+    entries: tuple[TokenLogprob, ...]
+
+
+_Event = _Token | _PromptScores | StreamEnd
+
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body: a long conversation's text, far from the model's context in bytes
 # What a 429 (every stream the server takes is running or waiting) tells a client to wait before it asks again
 # (Retry-After: the OpenAI clients honour it): a reply of the demo model takes about that, a real model's longer
@@ -138,16 +148,19 @@ class _Bridge:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._lock = threading.Lock()
-        self._pending: list[_Token | StreamEnd] = []
+        self._pending: list[_Event] = []
         self._ready = asyncio.Event()
 
     def token(self, token: int, logprob: TokenLogprob | None) -> None:
         self._put((token, logprob))
 
+    def prompt_scored(self, entries: tuple[TokenLogprob, ...]) -> None:
+        self._put(_PromptScores(entries))
+
     def end(self, end: StreamEnd) -> None:
         self._put(end)
 
-    async def take(self) -> list[_Token | StreamEnd]:
+    async def take(self) -> list[_Event]:
         """Every token (and the end) that came since the last take; at least one."""
         while True:
             await self._ready.wait()
@@ -157,7 +170,7 @@ class _Bridge:
             if events:
                 return events
 
-    def _put(self, event: _Token | StreamEnd) -> None:
+    def _put(self, event: _Event) -> None:
         with self._lock:
             self._pending.append(event)
             if len(self._pending) > 1:  # the wake-up of the first is on its way
@@ -368,7 +381,7 @@ class OpenAiApi:
         j, as a request alone with that seed would; indexes run prompt by prompt, as the API's. Queued all or none:
         ApiError 400 for more than the server ever takes, 429 or 503 where it takes none now."""
         decoding = prompts[0].decoding
-        per_prompt = decoding.best_of if decoding.temperature else decoding.n
+        per_prompt = max(decoding.best_of, decoding.n) if decoding.temperature else decoding.n  # a chat's best_of: 1
         total = len(prompts) * per_prompt
         if total > self.service.max_streams:
             what = f"best_of={per_prompt} candidates" if per_prompt > decoding.n else f"n={decoding.n} choices"
@@ -421,6 +434,8 @@ class OpenAiApi:
                         raise ApiError(503, f"the generation failed: {event.error}", kind="server_error")
                     choice.reply.finish()
                     return event, choice.tokens
+                if isinstance(event, _PromptScores):  # the whole reply takes them from its end's result
+                    continue
                 choice.take(event)
                 if choice.reply.stopped:
                     self.service.cancel(choice.ticket)  # a stop sequence: the rest is not wanted
@@ -437,15 +452,15 @@ class OpenAiApi:
             if chat:
                 await self._event(response, self._chunk(ident, created, chat, {"role": "assistant", "content": ""},
                                                         index=choice.index))
-            elif choice.echoed:  # an echo's prompt first (with logprobs an echo is answered whole)
+            elif choice.echoed and not choice.request.prompt_logprobs:  # an echo's prompt first (with its
+                # log-probabilities, once they come: _pieces)
                 await self._event(response, self._chunk(ident, created, chat, choice.echoed, index=choice.index,
                                                         logprobs=self._logprobs(choice, chat, [])))
         arrived: asyncio.Queue[tuple[_Choice, str, dict[str, Any] | None, StreamEnd | None]] = asyncio.Queue()
 
         async def pump(choice: _Choice) -> None:
             try:
-                async for piece, (first, entries), end in self._pieces(choice):
-                    logprobs = self._logprobs(choice, chat, entries, first)
+                async for piece, logprobs, end in self._pieces(choice, chat):
                     arrived.put_nowait((choice, piece, logprobs, end))
             except Exception as error:  # the reply ends with it, not waits for a choice that will say nothing more
                 log.exception("choice %d of %s failed", choice.index, ident)
@@ -491,22 +506,33 @@ class OpenAiApi:
         await response.write_eof()
         return response
 
-    async def _pieces(self, choice: _Choice) -> AsyncIterator[tuple[str, tuple[int, list[TokenLogprob]],
-                                                                  StreamEnd | None]]:
-        """(text to send, the log-probabilities of the tokens whose text it ends with (release_logprobs), None) for
-        the tokens that came together, then (the text held back, its tokens' log-probabilities, the end)."""
+    async def _pieces(self, choice: _Choice, chat: bool) -> AsyncIterator[tuple[str, dict[str, Any] | None,
+                                                                               StreamEnd | None]]:
+        """(text to send, the `logprobs` of the tokens whose text it ends with (release_logprobs), None) for the
+        tokens that came together, then (the text held back, its tokens' `logprobs`, the end). An echo with
+        log-probabilities begins with its prompt's text and theirs, once the prompt is fed."""
         while True:
             pieces: list[str] = []
             for event in await choice.bridge.take():
+                if isinstance(event, _PromptScores):
+                    yield choice.echoed, self._prompt_logprobs(choice, list(event.entries)), None
+                    continue
                 if isinstance(event, StreamEnd):
                     if pieces:
-                        yield "".join(pieces), choice.release_logprobs(), None
-                    yield (choice.reply.finish() if event.error is None else ""), choice.release_logprobs(), event
+                        yield "".join(pieces), self._released_logprobs(choice, chat), None
+                    text = choice.reply.finish() if event.error is None else ""
+                    yield text, self._released_logprobs(choice, chat), event
                     return
                 pieces.append(choice.take(event))
                 if choice.reply.stopped:
                     self.service.cancel(choice.ticket)
-            yield "".join(pieces), choice.release_logprobs(), None
+            yield "".join(pieces), self._released_logprobs(choice, chat), None
+
+    def _released_logprobs(self, choice: _Choice, chat: bool) -> dict[str, Any] | None:
+        """The `logprobs` of a streamed chunk: those of the tokens whose text the reply sent since the last chunk
+        (_Choice.release_logprobs), offsets counted after an echo's prompt text."""
+        first, entries = choice.release_logprobs()
+        return self._logprobs(choice, chat, entries, first, shift=len(choice.echoed))
 
     @staticmethod
     async def _event(response: web.StreamResponse, body: dict[str, Any]) -> None:
@@ -524,37 +550,43 @@ class OpenAiApi:
         return {"id": ident, "object": self._chunk_kind(chat), "created": created, "model": self.model_name,
                 "choices": [choice]}
 
-    def _logprobs(self, choice: _Choice, chat: bool, entries: list[TokenLogprob],
-                  first: int = 0) -> dict[str, Any] | None:
+    def _logprobs(self, choice: _Choice, chat: bool, entries: list[TokenLogprob], first: int = 0,
+                  shift: int = 0) -> dict[str, Any] | None:
         """The API's `logprobs` of a choice's tokens `entries`, choice.logprobs[first:] (None where its request did
         not ask): a streamed chunk's, whose completion text_offset goes on from the choice's earlier chunks, or the
-        whole reply's (first 0)."""
+        whole reply's (first 0); a completion's offsets `shift`ed (an echo's prompt text comes before)."""
         if not choice.show_logprobs:
             return None
         if chat:
             return chat_logprobs(entries, self._token_text)
         tokens = [entry.token for entry in choice.logprobs]
-        return completion_logprobs(entries, self._token_text, self._decoded_lengths(tokens, first, len(entries)))
+        return completion_logprobs(entries, self._token_text,
+                                   [shift + at for at in self._decoded_lengths(tokens, first, len(entries))])
 
     def _completion_logprobs(self, choice: _Choice, end: StreamEnd) -> dict[str, Any] | None:
-        """A whole completion's `logprobs`; with an echo, the prompt's tokens first (the first has no log-probability:
-        nothing comes before it), then the generated ones, offsets counted in the echoed text."""
-        shown = self._logprobs(choice, False, choice.logprobs)
-        if shown is None or not choice.request.prompt_logprobs:
-            return shown
+        """A whole completion's `logprobs`; with an echo, the prompt's (_prompt_logprobs), then the generated tokens',
+        offsets counted after the echoed text."""
+        if not choice.show_logprobs or not choice.request.prompt_logprobs:
+            return self._logprobs(choice, False, choice.logprobs)
+        head = self._prompt_logprobs(choice, list(end.result.prompt_logprobs or ()) if end.result is not None else [])
+        shown = self._logprobs(choice, False, choice.logprobs, shift=len(choice.echoed))
+        assert head is not None and shown is not None
+        return {key: [*head[key], *shown[key]] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+    def _prompt_logprobs(self, choice: _Choice, scored: list[TokenLogprob]) -> dict[str, Any] | None:
+        """An echo's prompt tokens' `logprobs`, the first with none (nothing comes before it), the others' `scored`;
+        offsets in the echoed text."""
+        if not choice.show_logprobs:
+            return None
         prompt = choice.request.prompt_ids
-        scored = list(end.result.prompt_logprobs or ()) if end.result is not None else []
         # a prompt sent as text: where its tokenizer put each token in it; as token ids: what the ids before decode to
         starts = self.tokenizer.token_starts(choice.prompt_text) if choice.prompt_text is not None else []
         if len(starts) != len(prompt):
             starts = self._decoded_lengths(prompt, 0, len(prompt))
         head = completion_logprobs(scored, self._token_text, starts[1:])
-        first = self._token_text(prompt[0])
-        return {"tokens": [first, *head["tokens"], *shown["tokens"]],
-                "token_logprobs": [None, *head["token_logprobs"], *shown["token_logprobs"]],
-                "top_logprobs": [None, *head["top_logprobs"], *shown["top_logprobs"]],
-                "text_offset": [starts[0], *head["text_offset"],
-                                *(len(choice.echoed) + at for at in shown["text_offset"])]}
+        return {"tokens": [self._token_text(prompt[0]), *head["tokens"]],
+                "token_logprobs": [None, *head["token_logprobs"]], "top_logprobs": [None, *head["top_logprobs"]],
+                "text_offset": [starts[0], *head["text_offset"]]}
 
     def _decoded_lengths(self, tokens: list[int], first: int, count: int) -> list[int]:
         """Where the text of each of tokens first..first+count starts in the text they make: the length of the text

@@ -118,9 +118,6 @@ def parse_completion(body: object, model_name: str) -> CompletionRequest:
     scores_only = echo and max_tokens == 0 and _is_int(max_tokens)  # the prompt scored, nothing generated
     decoding = _decoding(fields, 1 if scores_only else DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens,
                          "max_tokens")
-    if echo and logprobs is not None and decoding.stream:
-        raise ApiError(400, "echo with logprobs is answered whole: send it with stream false (the prompt's "
-                            "log-probabilities come once it is fed)", "echo")
     best_of = fields.get("best_of")
     best_of = decoding.n if best_of is None else best_of
     if not _is_int(best_of) or not decoding.n <= best_of <= MAX_CHOICES:

@@ -547,10 +547,10 @@ def test_a_choice_whose_reply_fails_ends_the_stream_with_its_error_not_a_hang(ti
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     pieces = OpenAiApi._pieces
 
-    async def failing(self: OpenAiApi, choice: Any) -> AsyncIterator[Any]:
+    async def failing(self: OpenAiApi, choice: Any, chat: bool) -> AsyncIterator[Any]:
         if choice.index == 1:
             raise RuntimeError("boom")
-        async for item in pieces(self, choice):
+        async for item in pieces(self, choice, chat):
             yield item
 
     monkeypatch.setattr(OpenAiApi, "_pieces", failing)

@@ -141,8 +141,6 @@ def test_a_value_the_model_rules_out_is_shown_as_openai_shows_it() -> None:
 @pytest.mark.parametrize(("path", "body", "says"), [
     ("completions", {"prompt": "x", "logprobs": 21}, "logprobs must be null or a whole number from 0 to 20"),
     ("completions", {"prompt": "x", "logprobs": True}, "logprobs must be null or a whole number from 0 to 20"),
-    ("completions", {"prompt": "x", "logprobs": 2, "echo": True, "stream": True}, "echo with logprobs is answered "
-                                                                                  "whole"),
     ("completions", {"prompt": "x", "echo": "yes"}, "echo must be true or false"),
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens must be a whole number of at least 1"),
     ("chat/completions", {"logprobs": 1}, "logprobs must be true or false"),
@@ -241,6 +239,25 @@ def test_an_echo_begins_the_text_and_logprobs_with_the_prompts(served: tuple[str
                                              "echo": True})
     chunks = [item["choices"][0]["text"] for item in found[:-1] if item["choices"]]
     assert chunks[0] == prompt and "".join(chunks) == echoed["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("max_tokens", [6, 0])
+def test_an_echo_with_logprobs_streams_what_the_whole_reply_gives(served: tuple[str, EngineService],
+                                                                  max_tokens: int) -> None:
+    # it was refused ("answered whole"): the prompt's figures come once it is fed, before the first token
+    url, _ = served
+    request = {"model": MODEL, "prompt": "import os\n", "max_tokens": max_tokens, "temperature": 0, "logprobs": 2,
+               "echo": True}
+    status, whole = post(f"{url}/v1/completions", request)
+    assert status == 200, whole
+    found = [item for item in events(f"{url}/v1/completions", request)[:-1] if item["choices"]]
+    texts = [item["choices"][0]["text"] for item in found]
+    assert texts[0] == "import os\n" and "".join(texts) == whole["choices"][0]["text"]  # the prompt's chunk first
+    expected = whole["choices"][0]["logprobs"]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        streamed = [value for item in found for value in (item["choices"][0]["logprobs"] or {}).get(key, [])]
+        assert streamed == expected[key], key
+    assert found[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
 
 
 def test_an_echo_keeps_the_entry_of_a_token_that_ends_the_text(tiny_export: Path) -> None:

@@ -49,24 +49,37 @@ def _tokens(tokenizer: ModelTokenizer) -> list[int]:
 
 
 def _choice(tokenizer: ModelTokenizer, stops: tuple[str, ...], batches: list[list[Any]]) -> _Choice:
-    return _Choice(0, StreamRequest([1], logprobs=0), _Bridge(batches), ReplyText(tokenizer, stops))  # type: ignore[arg-type]
+    return _Choice(0, StreamRequest([1], logprobs=0), _Bridge(batches), ReplyText(tokenizer, stops),  # type: ignore[arg-type]
+                   show_logprobs=True)
 
 
-def _api(cancelled: list[int]) -> Any:
-    return SimpleNamespace(service=SimpleNamespace(cancel=cancelled.append))
+def _api(cancelled: list[int], tokenizer: Any = None) -> OpenAiApi:
+    """An OpenAiApi with what _pieces and _gather use: the service's cancel, and the tokenizer."""
+    api = OpenAiApi.__new__(OpenAiApi)
+    api.service = SimpleNamespace(cancel=cancelled.append)  # type: ignore[assignment]
+    api.tokenizer = tokenizer
+    return api
+
+
+def _event(token: int) -> Any:
+    """A token as the engine hands it over, with a log-probability that names it (see _chunk_tokens)."""
+    return token, TokenLogprob(token, -(token + 1.0))
+
+
+def _chunk_tokens(logprobs: dict[str, Any]) -> list[int]:
+    return [int(-value - 1) for value in logprobs["token_logprobs"]]
 
 
 def _streamed(tokenizer: ModelTokenizer, stops: tuple[str, ...], batch: int = 1) -> list[tuple[str, list[int]]]:
     """(text, the tokens of its log-probabilities) of each piece a stream of TEXT's tokens, `batch` a hand-over,
     makes."""
-    ids = _tokens(tokenizer)
-    events: list[Any] = [(token, TokenLogprob(token, -0.5)) for token in ids]
+    events = [_event(token) for token in _tokens(tokenizer)]
     batches = [events[at:at + batch] for at in range(0, len(events), batch)] + [[StreamEnd(None)]]
     choice = _choice(tokenizer, stops, batches)
 
     async def run() -> list[tuple[str, list[int]]]:
-        return [(piece, [entry.token for entry in entries])
-                async for piece, (_, entries), _ in OpenAiApi._pieces(_api([]), choice)]
+        return [(piece, _chunk_tokens(logprobs))
+                async for piece, logprobs, _ in _api([], tokenizer)._pieces(choice, chat=False)]
 
     return asyncio.run(run())
 
@@ -113,10 +126,10 @@ def test_usage_counts_the_tokens_up_to_the_stop_not_those_made_past_it() -> None
     tokenizer = _tokenizer()
     ids = _tokens(tokenizer)
     completing = next(at for at in range(len(ids)) if "beta" in tokenizer.decode(ids[:at + 1]))
-    events: list[Any] = [(token, TokenLogprob(token, -0.5)) for token in ids]
+    events = [_event(token) for token in ids]
     cancelled: list[int] = []
     choice = _choice(tokenizer, ("beta",), [events, [StreamEnd(None)]])  # every token handed over at once
-    _, tokens = asyncio.run(OpenAiApi._gather(_api(cancelled), choice))
+    _, tokens = asyncio.run(_api(cancelled, tokenizer)._gather(choice))
     assert tokens == completing + 1 == choice.tokens < len(ids)
     assert [entry.token for entry in choice.logprobs] == ids[:completing + 1]
     assert choice.reply.text == TEXT[:TEXT.find("beta")] and cancelled
@@ -133,12 +146,12 @@ class _ByteTokenizer:
 
 
 def _pieces_of(tokenizer: Any, tokens: list[int], stops: tuple[str, ...]) -> list[tuple[str, list[int]]]:
-    events: list[Any] = [(token, TokenLogprob(token, -0.5)) for token in tokens]
-    choice = _choice(cast(ModelTokenizer, tokenizer), stops, [[event] for event in events] + [[StreamEnd(None)]])
+    batches = [[_event(token)] for token in tokens] + [[StreamEnd(None)]]
+    choice = _choice(cast(ModelTokenizer, tokenizer), stops, batches)
 
     async def run() -> list[tuple[str, list[int]]]:
-        return [(piece, [entry.token for entry in entries])
-                async for piece, (_, entries), _ in OpenAiApi._pieces(_api([]), choice)]
+        return [(piece, _chunk_tokens(logprobs))
+                async for piece, logprobs, _ in _api([], tokenizer)._pieces(choice, chat=False)]
 
     return asyncio.run(run())
 
