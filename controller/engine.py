@@ -207,8 +207,9 @@ class EngineOptions:
     max_rows: int = 8  # streams per micro-batch
     # A micro-batch's rows at most while streams prefilled ahead (_admission_room) wait for a row, every
     # micro-batch being full: such a stream joins one past max_rows rather than stall after its first token for as
-    # long as the running replies take (a server's 9th to 12th request on 8 rows: nothing for 5 s). 0: max_rows
-    # (generate's: its baselines run streams one at a time with max_rows 1)
+    # long as the running replies take (a server's 9th to 12th request on 8 rows: nothing for 4 s). It holds the
+    # micro-batch's positions, not its own: more KV memory than waiting. 0: max_rows (generate's: its baselines run
+    # streams one at a time with max_rows 1); at most twice max_rows, as many as are prefilled ahead
     rows_when_waiting: int = 0
     micro_batches: int = 1  # in flight at once; the number of stages keeps every stage busy
     k_min: int = 1
@@ -224,9 +225,9 @@ class EngineOptions:
         if self.max_rows < 1 or self.micro_batches < 1:
             raise ValueError(f"max_rows and micro_batches must be at least 1, got {self.max_rows} and "
                              f"{self.micro_batches}")
-        if self.rows_when_waiting and self.rows_when_waiting < self.max_rows:
-            raise ValueError(f"rows_when_waiting must be 0 (max_rows) or at least max_rows ({self.max_rows}), got "
-                             f"{self.rows_when_waiting}")
+        if self.rows_when_waiting and not self.max_rows <= self.rows_when_waiting <= 2 * self.max_rows:
+            raise ValueError(f"rows_when_waiting must be 0 (max_rows) or from max_rows ({self.max_rows}) to twice it "
+                             f"(as many streams as are prefilled ahead: _admission_room), got {self.rows_when_waiting}")
         if not 1 <= self.k_min <= self.k_max <= MAX_K:
             raise ValueError(f"need 1 <= k_min <= k_max <= {MAX_K}, got {self.k_min} and {self.k_max}")
         if self.fixed_k is not None and not 0 <= self.fixed_k <= MAX_K:
@@ -824,7 +825,9 @@ class Engine:
         so newcomers trickling in one a step ran 8-row batches of equal streams 2.5x slower). The others wait
         unprefilled, in arrival order: a prefill holds its KV state (and a session) on every stage until its
         stream runs, and runs ahead of the running micro-batches' next steps (800 queued prompts were all
-        prefilled before any stream's first token, each holding its cache on every stage until it ran)."""
+        prefilled before any stream's first token, each holding its cache on every stage until it ran). With
+        options.rows_when_waiting (serve's), those prefilled ahead join a full micro-batch instead of waiting for a
+        row (_pick_target), up to it."""
         started = sum(track.rows for track in self._tracks.values()) + \
             sum(track.rows for track in self._prefills.values())
         return 2 * self.options.max_rows * self.options.micro_batches - started

@@ -420,14 +420,16 @@ class EngineService:
     def _on_token(self, engine: Engine, stream_id: int, token: int) -> None:
         ticket = self._by_stream.get(stream_id)
         if ticket is not None:
+            scored = getattr(ticket.sink, "prompt_scored", None)
+            if not ticket.tokens_told and ticket.request.prompt_logprobs and scored is not None:
+                try:  # the prompt is fed: every token of it is scored
+                    scored(engine.prompt_logprobs(stream_id) or ())
+                except Exception:  # a sink's fault must not stop the other streams, nor lose this one its token
+                    log.exception("a stream's sink failed on its prompt's log-probabilities")
+            ticket.tokens_told += 1
             try:
-                if not ticket.tokens_told and ticket.request.prompt_logprobs:  # the prompt is fed: all are scored
-                    scored = getattr(ticket.sink, "prompt_scored", None)
-                    if scored is not None:
-                        scored(engine.prompt_logprobs(stream_id) or ())
-                ticket.tokens_told += 1
                 ticket.sink.token(token, engine.latest_logprob(stream_id))
-            except Exception:  # a sink's fault must not stop the other streams
+            except Exception:
                 log.exception("a stream's sink failed on a token")
 
     def _reap(self, engine: Engine) -> None:

@@ -381,7 +381,7 @@ class OpenAiApi:
         j, as a request alone with that seed would; indexes run prompt by prompt, as the API's. Queued all or none:
         ApiError 400 for more than the server ever takes, 429 or 503 where it takes none now."""
         decoding = prompts[0].decoding
-        per_prompt = max(decoding.best_of, decoding.n) if decoding.temperature else decoding.n  # a chat's best_of: 1
+        per_prompt = decoding.best_of if decoding.temperature else decoding.n
         total = len(prompts) * per_prompt
         if total > self.service.max_streams:
             what = f"best_of={per_prompt} candidates" if per_prompt > decoding.n else f"n={decoding.n} choices"
@@ -660,6 +660,10 @@ class _Choice:
     # the reply's tokens: those made up to the one that completed a stop sequence (usage.completion_tokens: the
     # tokens a drafted round or a step in flight made past it are not the reply's, and how many there are is timing)
     tokens: int = 0
+    # the log-probability of each of the reply's tokens, an end's (EOS, a stop token) too, where the stream was given
+    # them: what best_of ranks candidates by, whatever the reply shows (echo keeps an end's entry, a reply without
+    # one drops it)
+    scores: list[float] = field(default_factory=list)
     _kept: list[int] = field(default_factory=list)  # len(logprobs) once each token had been pushed to the reply
     _logprobs_sent: int = 0  # the entries of logprobs released so far (release_logprobs)
 
@@ -670,8 +674,10 @@ class _Choice:
         if self.hidden or self.reply.stopped:
             return ""
         self.tokens += 1
-        if logprob is not None and token not in self.ends:
-            self.logprobs.append(logprob)
+        if logprob is not None:
+            self.scores.append(logprob.logprob)
+            if token not in self.ends:
+                self.logprobs.append(logprob)
         self._kept.append(len(self.logprobs))
         return self.reply.push(token)
 
@@ -712,9 +718,9 @@ def _best(ended: list[tuple[_Choice, StreamEnd, int]], n: int) -> list[tuple[_Ch
 
 
 def _mean_logprob(choice: _Choice) -> float:
-    """The mean log-probability of a candidate's tokens; -inf for one with none (a reply that ended at once)."""
-    values = [entry.logprob for entry in choice.logprobs]
-    return sum(values) / len(values) if values else -math.inf
+    """The mean log-probability of a candidate's tokens, the one that ended it (EOS, a stop token) included; -inf for
+    one with none (a failed stream)."""
+    return sum(choice.scores) / len(choice.scores) if choice.scores else -math.inf
 
 
 def _finish(choice: _Choice, end: StreamEnd) -> str:

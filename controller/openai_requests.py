@@ -1,6 +1,6 @@
 """The OpenAI API's completion and chat-completion requests, read and checked: pure code, no I/O.
 
-Every field the API defines is either honoured or, where deskfleet cannot do what it asks (best_of, tools),
+Every field the API defines is either honoured or, where deskfleet cannot do what it asks (suffix, tools),
 refused naming the field; a field the API does not define is refused too, so a
 client's typo is not silently ignored. A refusal is an ApiError, which the server sends as the API's error body.
 """
@@ -80,7 +80,8 @@ class Decoding:
     # a completion's echo: its text (and, with logprobs, its log-probabilities) begins with the prompt's; max_tokens
     # may then be 0 (the prompt scored, nothing generated)
     echo: bool = False
-    # a completion's candidates a prompt (n at least): the n of the highest log-probability a token are returned
+    # the candidates a prompt, n or (a completion's best_of) more: the n of the highest log-probability a token are
+    # returned
     best_of: int = 1
     presence_penalty: float = 0.0  # -2 to 2, as the API's: off the logit of each token generated so far
     frequency_penalty: float = 0.0  # -2 to 2: off the logit of each token generated, times its count
@@ -281,7 +282,7 @@ def _decoding(fields: dict[str, Any], max_tokens: object, max_name: str) -> Deco
         raise ApiError(400, f"n must be a whole number from 1 to {MAX_CHOICES}", "n")
     return Decoding(max_tokens if max_tokens is not None else None, temperature,  # type: ignore[arg-type]
                     top_p, top_k, seed, _stops(fields.get("stop")), stream,
-                    bool(options and options.get("include_usage")), ignore_eos, n,
+                    bool(options and options.get("include_usage")), ignore_eos, n, best_of=n,
                     presence_penalty=_number(fields, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
                     frequency_penalty=_number(fields, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
                     logit_bias=_logit_bias(fields.get("logit_bias")))

@@ -87,7 +87,12 @@ def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
                        help="requests running or waiting at once; more are answered 429 (default "
                             f"{DEFAULT_MAX_STREAMS})")
     serve.add_argument("--max-rows", type=positive_int, default=8,
-                       help="streams per micro-batch (default 8; up to twice that while more requests wait)")
+                       help="streams per micro-batch (default 8; more while requests wait: --rows-when-busy)")
+    serve.add_argument("--rows-when-busy", type=positive_int, default=None, metavar="N",
+                       help="a micro-batch's rows at most while more requests wait, from --max-rows to twice it "
+                            "(default twice: every request prefilled goes on at once; --max-rows's value: they wait "
+                            "for a row after their first token, holding less KV memory, as each row of a micro-batch "
+                            "holds as many positions as its longest)")
     serve.add_argument("--prefix-cache-tokens", type=non_negative_int, default=DEFAULT_PREFIX_CACHE_TOKENS,
                        metavar="N",
                        help="prompt tokens whose KV state stays on the stages for later requests that begin with the "
@@ -178,6 +183,10 @@ def _serve_command(args: argparse.Namespace) -> int:
     from .tokenizer import ModelTokenizer
 
     check_fleet_options(args)
+    if args.rows_when_busy is not None and not args.max_rows <= args.rows_when_busy <= 2 * args.max_rows:
+        raise ValueError(f"--rows-when-busy must be from --max-rows ({args.max_rows}) to twice it "
+                         f"({2 * args.max_rows}), got {args.rows_when_busy}: no more requests than that are "
+                         "prefilled ahead")
     if args.take_back_wait is not None and not args.fleet:
         raise ValueError("--take-back-wait without --fleet: local stages have no PC to take back; give --fleet or "
                          "leave out --take-back-wait")
@@ -276,8 +285,10 @@ async def _listen(api: OpenAiApi, host: str, port: int, where: str, tls: ssl.SSL
 
 def serve_engine_options(decoding: DecodingOptions, stages: int, args: argparse.Namespace) -> EngineOptions:
     """The engine's options for a chain of `stages`: requests prefilled ahead (as many again as the rows) join a
-    running micro-batch past --max-rows rather than wait for a row after their first token."""
-    return decoding.engine_options(stages, max_rows=args.max_rows, rows_when_waiting=2 * args.max_rows,
+    running micro-batch past --max-rows, up to --rows-when-busy (default twice it), rather than wait for a row after
+    their first token."""
+    busy = 2 * args.max_rows if args.rows_when_busy is None else args.rows_when_busy
+    return decoding.engine_options(stages, max_rows=args.max_rows, rows_when_waiting=busy,
                                    prefix_cache_tokens=args.prefix_cache_tokens)
 
 

@@ -51,6 +51,9 @@ def test_streams_prefilled_ahead_run_at_once_past_max_rows_and_give_their_solo_t
         assert waited >= NEW_TOKENS, order
 
 
-def test_rows_when_waiting_below_max_rows_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"rows_when_waiting must be 0 \(max_rows\) or at least max_rows \(4\)"):
-        EngineOptions(max_rows=4, rows_when_waiting=3)
+@pytest.mark.parametrize("rows_when_waiting", [3, 9])
+def test_rows_when_waiting_outside_max_rows_to_twice_it_is_refused(rows_when_waiting: int) -> None:
+    # above twice max_rows it was taken and never reached: no more streams than that are prefilled ahead
+    with pytest.raises(ValueError, match=r"rows_when_waiting must be 0 \(max_rows\) or from max_rows \(4\) to "
+                                         r"twice it"):
+        EngineOptions(max_rows=4, rows_when_waiting=rows_when_waiting)

@@ -605,6 +605,8 @@ def test_best_of_returns_the_candidates_of_the_highest_log_probability_a_token(
         ranked = sorted(alone, key=lambda item: (-item[0], item[1]))
         if [j for _, j, _ in ranked[:2]] != [0, 1]:
             break
+    else:
+        pytest.fail("no seed reorders the candidates: the test would not tell a ranking from the first n")
     expected = [text for _, _, text in ranked[:2]]
     request["seed"] = seed
     status, body = post(f"{url}/v1/completions", {**request, "best_of": 4, "n": 2})
@@ -636,3 +638,34 @@ def test_best_of_past_what_the_server_takes_is_named(tiny_export: Path) -> None:
     assert status == 400 and body["error"]["param"] == "best_of"
     assert "best_of=5 candidates are more streams than this server takes at once (--max-streams 4)" in \
         body["error"]["message"]
+
+
+def test_best_of_ranks_a_candidate_by_its_tokens_with_the_one_that_ended_it_whatever_echo_says(
+        served: tuple[str, EngineService], tiny_export: Path) -> None:
+    # the ranking read the entries shown: a reply ended by EOS lost the EOS's figure (and one of EOS alone ranked
+    # last whatever its figure), while an echo, which shows it, kept it: echo changed which candidate came back
+    url, _ = served
+    eos = load_manifest(tiny_export).spec.eos_token_ids[0]
+    tokenizer = ModelTokenizer(tiny_export)
+    prompts = ["def add(a, b):", "import os"]
+    request = {"model": MODEL, "max_tokens": 4, "temperature": 1.0, "logit_bias": {str(eos): 3}, "seed": 9}
+    best = []
+    ended_by_eos = 0
+    for prompt in prompts:
+        skip = len(tokenizer.encode(prompt))  # an echo's entries: the prompt's, then the reply's, EOS included
+        alone = []
+        for j in range(4):
+            status, body = post(f"{url}/v1/completions", {**request, "prompt": prompt, "seed": 9 + j, "echo": True,
+                                                          "logprobs": 0})
+            assert status == 200, body
+            figures = body["choices"][0]["logprobs"]["token_logprobs"][skip:]
+            ended_by_eos += body["choices"][0]["finish_reason"] == "stop"
+            alone.append((sum(figures) / len(figures), j, body["choices"][0]["text"].removeprefix(prompt)))
+        best.append(sorted(alone, key=lambda item: (-item[0], item[1]))[0][2])
+    assert ended_by_eos >= 2  # the case at hand: candidates that EOS ended
+    for echo in (False, True):
+        status, body = post(f"{url}/v1/completions", {**request, "prompt": prompts, "best_of": 4, "echo": echo})
+        assert status == 200, body
+        assert [choice["index"] for choice in body["choices"]] == [0, 1]  # numbered again, prompt by prompt
+        assert [choice["text"] for choice in body["choices"]] == [(prompt if echo else "") + text
+                                                                  for prompt, text in zip(prompts, best, strict=True)]

@@ -119,6 +119,8 @@ def test_is_loopback() -> None:
     (["--data-dir", "/tmp/x"], "--data-dir without --fleet"),
     (["--take-back-wait", "5"], "--take-back-wait without --fleet"),
     (["--k", "3"], "--k needs --draft or --prompt-lookup"),
+    (["--max-rows", "4", "--rows-when-busy", "9"], "--rows-when-busy must be from --max-rows (4) to twice it (8)"),
+    (["--max-rows", "4", "--rows-when-busy", "3"], "--rows-when-busy must be from --max-rows (4) to twice it (8)"),
 ])
 def test_serve_refuses_before_anything_compiles(tiny_export: Path, argv: list[str], says: str,
                                                capsys: pytest.CaptureFixture[str],
@@ -315,3 +317,5 @@ def test_a_servers_requests_prefilled_ahead_may_join_a_full_micro_batch() -> Non
     options = serve_engine_options(DecodingOptions(), 2, args)
     assert (options.max_rows, options.rows_when_waiting, options.micro_batches) == (6, 12, 2)
     assert options.prefix_cache_tokens == 100
+    args = build_parser().parse_args(["serve", "--model", "M", "--max-rows", "6", "--rows-when-busy", "6"])
+    assert serve_engine_options(DecodingOptions(), 1, args).rows_when_waiting == 6  # they wait for a row
