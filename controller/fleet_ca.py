@@ -219,8 +219,8 @@ def remove_agent(store: FleetStore, name: str) -> str:
     """Revoke the agent named by id, id prefix or hostname; return its agent id."""
     store.require_initialised()
     with store.locked():
-        agent_id = store.resolve_agent(name)
         revoked = set(_read_revoked(store))
+        agent_id = store.resolve_agent(name, removed=revoked)
         revoked.add(agent_id)
         store.write("revoked", sorted(revoked))
     return agent_id

@@ -23,7 +23,7 @@ import logging
 import os
 import shlex
 import socket
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TypeVar
@@ -330,13 +330,17 @@ class FleetStore:
         self.write("agents", {agent_id: {**asdict(entry), "addresses": list(entry.addresses)}
                               for agent_id, entry in sorted(entries.items())})
 
-    def resolve_agent(self, name: str) -> str:
-        """An agent id from a full id, a unique id prefix (>= MIN_ID_PREFIX characters) or a unique hostname."""
+    def resolve_agent(self, name: str, removed: Container[str] = ()) -> str:
+        """An agent id from a full id, a unique id prefix (>= MIN_ID_PREFIX characters) or a unique hostname. Of
+        several matches, the ids in `removed` are left out where others remain: a PC removed and joined again as a
+        new agent keeps its hostname, and its old id stays in the roster."""
         roster = self.roster()
         if name in roster:
             return name
         matches = {agent_id for agent_id, entry in roster.items()
                    if (len(name) >= MIN_ID_PREFIX and agent_id.startswith(name.lower())) or entry.hostname == name}
+        if len(matches) > 1 and (live := {agent_id for agent_id in matches if agent_id not in removed}):
+            matches = live
         if len(matches) == 1:
             return matches.pop()
         if matches:

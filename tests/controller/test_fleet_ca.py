@@ -325,6 +325,18 @@ def test_a_name_that_matches_several_agents_lists_them(store: FleetStore) -> Non
         store.resolve_agent("desk")
 
 
+def test_a_pc_removed_and_joined_again_is_removed_by_its_hostname(store: FleetStore) -> None:
+    # `fleet remove pc6` after pc6 joined again as a new agent: "'pc6' matches 2 agents", the removed one among them
+    old, new = "vm" + "a" * 50, "vm" + "b" * 50
+    store.save_roster({agent_id: RosterEntry(agent_id, "pc6", utc_now().isoformat()) for agent_id in (old, new)})
+    store.write("revoked", [old])
+    assert remove_agent(store, "pc6") == new
+    assert sorted(store.read("revoked", [])) == sorted([old, new])
+    store.write("revoked", [])
+    with pytest.raises(FleetStoreError, match="'pc6' matches 2 agents"):  # both live: which, the admin says
+        remove_agent(store, "pc6")
+
+
 def test_a_client_without_a_certificate_may_send_only_small_frames_and_only_so_many_at_once(
         store: FleetStore, tmp_path: Path) -> None:
     # Anyone on the LAN can open the enrollment side: at the fleet's frame limit, three such clients made the
