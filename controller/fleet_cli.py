@@ -603,7 +603,7 @@ def _deploy(args: argparse.Namespace) -> int:
         found = await survey(store, _survey_options(args))
         try:
             return await deploy(store, args.model, found, policy_options(args.policy, args.streams, args.hop_ms),
-                                Precision(args.precision), args.device, progress, kv_cache=args.kv_cache)
+                                Precision(args.precision), args.device, progress, kv_cache=args.kv_cache, verify=True)
         finally:
             await found.close()
 

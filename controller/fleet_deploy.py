@@ -40,6 +40,7 @@ from deskfleet.common.model_spec import (
     check_sizes,
     load_manifest,
     model_file,
+    verify_files,
 )
 from deskfleet.common.planner import (
     NOT_ASKED,
@@ -322,7 +323,7 @@ async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: Pla
                  progress: Progress | None = None, exclude: frozenset[str] = frozenset(),
                  kv_cache: str | None = None, lock_held: bool = False,
                  replanned_at: datetime.datetime | None = None,
-                 placing: frozenset[str] = frozenset()) -> tuple[Plan, DeployReport]:
+                 placing: frozenset[str] = frozenset(), verify: bool = False) -> tuple[Plan, DeployReport]:
     """Plan over the surveyed agents (less those in `exclude`), push what each lacks, assign the stages.
     DeployError on failure, also at once when another deploy from this data dir is running (`lock_held`: the
     caller holds the store's deploy lock already, as a failover does while it weighs the saved deployment).
@@ -332,7 +333,8 @@ async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: Pla
     them called in since (pcs_back; a PC that registered while the re-plan pushed its shards answered its survey, or
     did not, and is counted back). `placing`: deploy only a plan that places at least one of these agents, else
     NotPlaced with nothing sent (a run's start that would re-plan for a PC that is back, when the plan leaves it
-    out)."""
+    out). `verify`: hash every file of the export first (an admin's deploy; a run's re-plan does not wait on it).
+    """
     try:
         check_deploy_settings(precision, kv_cache)
     except ValueError as error:
@@ -344,15 +346,20 @@ async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: Pla
         except FleetStoreError as error:  # another deploy from this data dir (a failover's too) is running
             raise DeployError(str(error), failed_run=True) from None
         return await _deploy_locked(store, model_dir, found, options, precision, device, progress, exclude, kv_cache,
-                                    replanned_at, placing)
+                                    replanned_at, placing, verify)
 
 
 async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, options: PlanOptions,
                          precision: Precision, device: str, progress: Progress | None, exclude: frozenset[str],
-                         kv_cache: str | None, replanned_at: datetime.datetime | None, placing: frozenset[str]
-                         ) -> tuple[Plan, DeployReport]:
+                         kv_cache: str | None, replanned_at: datetime.datetime | None, placing: frozenset[str],
+                         verify: bool = False) -> tuple[Plan, DeployReport]:
     manifest = load_manifest(model_dir)
     check_sizes(model_dir, manifest)  # a lost or cut file, before a plan: not only where a PC lacks it
+    if verify:  # a damaged file every PC held already deployed fine, and failed the first re-plan that sent it
+        try:
+            await asyncio.to_thread(verify_files, model_dir, manifest)  # the links' keepalives go on meanwhile
+        except ManifestError as error:
+            raise DeployError(str(error)) from None
     model_id = model_id_of(model_dir)
     _deployments(store)  # a damaged file is named now, not after every byte was sent
     result = plan_survey(footprint_of(manifest, device, precision, kv_cache), found, replace(options, device=device),

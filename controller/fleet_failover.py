@@ -804,6 +804,8 @@ def _remedy(lost: bool, reasons: frozenset[ExclusionReason], said: str = "") -> 
     blame that left no one out, a link marked broken, may still leave no chain: the reason names what). `said`:
     the break's error and the deploy's, whose command to resume a PC (a lost PC's own word that its user paused it,
     or the planner's, when no PC could take work) is not repeated."""
+    if "export the model again" in said:  # the export's own file is damaged (fleet_deploy): no PC mends that
+        return "export the model again, and deploy it (`deskfleet fleet deploy --model` the new export)"
     steps = []
     if ExclusionReason.PAUSED in reasons or (lost and RESUME_COMMAND in said):  # the latter: lost as its user paused it
         how = "as above" if RESUME_COMMAND in said else f"{RESUME_COMMAND} on it"

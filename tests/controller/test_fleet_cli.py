@@ -146,6 +146,13 @@ def test_a_deploy_the_fleet_cannot_take_exits_1_and_a_usage_error_2(
     assert "no agents in the fleet" in capsys.readouterr().err
     assert main(["fleet", "deploy", "--model", str(tmp_path), *data]) == 2  # not an export
     assert "manifest.json" in capsys.readouterr().err
+    import shutil
+
+    damaged = shutil.copytree(tiny_export, tmp_path / "damaged")
+    layer = damaged / "layer_001.bin"
+    layer.write_bytes(bytes(reversed(layer.read_bytes())))
+    assert main(["fleet", "deploy", "--model", str(damaged), *data]) == 2  # the export's fault: every file hashed
+    assert f"{layer} is corrupted" in capsys.readouterr().err
 
 
 def test_a_deploy_stopped_by_ctrl_c_says_what_it_left(

@@ -323,6 +323,10 @@ def test_a_pc_that_fails_the_new_chain_as_it_opens_is_left_out_too(
     # a fault that is no PC's (a damaged export): no second re-plan, the remedy as before
     (3, DeployError("layer_001.bin is damaged"), r"no new chain without the lost agent\(s\): layer_001.bin is "
                                                   r"damaged \(what to do"),
+    # the export's own file: no PC mends it, the remedy says so (it said "bring the lost PC back")
+    (3, DeployError("layer_001.bin is damaged: its bytes hash to 8e0f…; export the model again"),
+     r"\(what to do: export the model again, and deploy it \(`deskfleet fleet deploy --model` the new export\), "
+     r"then run this again\)"),
 ])
 def test_a_re_plan_cut_short_without_budget_or_by_no_pc_ends_the_run(
         store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch, budget: int, failure: Exception,
