@@ -1008,6 +1008,12 @@ async def _expect(link: Link, kind: type[_M], timeout: float) -> _M:
         except TimeoutError:
             raise DeployError(f"agent {link.peer.agent_id[:12]} sent no {kind.__name__} in {timeout:.0f} s",
                               agents=frozenset({link.peer.agent_id})) from None
+        if isinstance(message, Error) and message.micro_batch_id is not None:
+            # a step's error of a chain through this PC (its next hop lost mid-run), sent here as the link that spoke
+            # last: no answer to this deploy. Taken for one, it left the healthy PC out of the re-plan too
+            log.info("agent %s: ignoring an error about micro-batch %d during the deploy: %s", link.peer.agent_id[:12],
+                     message.micro_batch_id, message.message)
+            continue
         if isinstance(message, Error):
             # BAD_MESSAGE: what was sent is at fault (an export whose files contradict its manifest), not the PC
             failed = frozenset() if message.code is ErrorCode.BAD_MESSAGE else frozenset({link.peer.agent_id})

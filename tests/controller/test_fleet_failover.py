@@ -379,6 +379,31 @@ def test_a_deploy_that_a_pc_fails_names_that_pc_for_the_failover() -> None:
     assert refused_export.value.agents == frozenset()
 
 
+def test_a_step_error_of_an_old_chain_that_comes_during_a_deploy_is_no_refusal_of_it() -> None:
+    # a PC whose next hop froze mid-run reports its lost link on the link that spoke last, the re-plan's: taken for
+    # a refusal of the re-plan's assignment, the healthy PC was left out of the new chain too
+    import asyncio
+
+    from deskfleet.common.wire import Error as ErrorMessage
+    from deskfleet.common.wire import ErrorCode, StageReady, StageRef
+    from deskfleet.controller import fleet_deploy
+
+    ready = StageReady(StageRef("m@1", 0, 2))
+
+    class Replies:
+        peer, address = SimpleNamespace(agent_id="p" * 52), "10.0.0.9:7431"
+
+        def __init__(self) -> None:
+            self.left = [ErrorMessage(ErrorCode.INTERNAL, "agent pppp: next hop agent ffff at 10.0.0.8:7431 is "
+                                      "unreachable: the link to it died with steps in flight", micro_batch_id=3,
+                                      agent_id="f" * 52), ready]
+
+        async def receive(self) -> object:
+            return self.left.pop(0)
+
+    assert asyncio.run(fleet_deploy._expect(Replies(), StageReady, 1.0)) is ready  # type: ignore[arg-type]
+
+
 def test_a_re_plan_cut_short_weighs_the_blame_once(store: FleetStore, tiny_export: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # A reports its next hop B unreachable, B answers and hosts its stage (kept, once a run), and the first
