@@ -145,6 +145,7 @@ class EngineService:
         self._chain_open = threading.Event()
         self._open_error: BaseException | None = None
         self.runs_failed = 0  # runs that failed past what their chain could mend (the chain was opened again)
+        self.last_failure: str | None = None  # why the last run failed or the chain did not open; None once it opens
         self.streams_cancelled = 0  # streams that ended cancelled (their client went away, a stop sequence met)
         self.chains_reopened = 0  # times an idle service opened its chain again to take a PC back (take_back)
         self.chains_switched = 0  # times running streams moved onto a chain that took a PC back (take_back)
@@ -245,6 +246,7 @@ class EngineService:
             self._fed = False
             try:
                 with self._open_chain() as opened:
+                    self.last_failure = None
                     self.chains_reopened += reopening
                     # the opening took back what there was (the next look finds the rest)
                     self._back_since, self._reopen_at_idle = None, False
@@ -261,6 +263,7 @@ class EngineService:
                     self._chain_open.set()
                     return
                 self.runs_failed += 1
+                self.last_failure = str(error)
                 if self._fed:
                     log.warning("a run failed; its streams end with the error, and the chain opens again for the "
                                 "next request: %s", error)

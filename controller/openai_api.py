@@ -256,11 +256,18 @@ class OpenAiApi:
         return web.json_response(self._model_object())
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "model": self.model_name, "live_streams": self.service.live_streams,
-                                  "streams_cancelled": self.service.streams_cancelled,
-                                  "runs_failed": self.service.runs_failed, "stages": self.service.chain_stages,
-                                  "chains_reopened": self.service.chains_reopened,
-                                  "chains_switched": self.service.chains_switched})
+        """200 with status "ok" while a chain is open; else 503, "opening" (the chain opens: at start, or taking a
+        PC back) or "unavailable" (the last run failed, or its chain did not open: `error` says why; the next
+        request opens it again). It said "ok" with no chain to serve on, which monitoring could not tell."""
+        stages, failure = self.service.chain_stages, self.service.last_failure
+        status = "ok" if stages is not None else "opening" if failure is None else "unavailable"
+        body = {"status": status, "model": self.model_name, "live_streams": self.service.live_streams,
+                "streams_cancelled": self.service.streams_cancelled, "runs_failed": self.service.runs_failed,
+                "stages": stages, "chains_reopened": self.service.chains_reopened,
+                "chains_switched": self.service.chains_switched}
+        if failure is not None and stages is None:
+            body["error"] = failure
+        return web.json_response(body, status=200 if stages is not None else 503)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         parsed = parse_completion(await self._json(request), self.model_name)

@@ -669,3 +669,43 @@ def test_best_of_ranks_a_candidate_by_its_tokens_with_the_one_that_ended_it_what
         assert [choice["index"] for choice in body["choices"]] == [0, 1]  # numbered again, prompt by prompt
         assert [choice["text"] for choice in body["choices"]] == [(prompt if echo else "") + text
                                                                   for prompt, text in zip(prompts, best, strict=True)]
+
+
+def test_health_says_unavailable_and_why_while_no_chain_is_open(tiny_export: Path) -> None:
+    # it said "ok" with every PC gone and every request answered 503: monitoring could not tell
+    from deskfleet.controller.engine_service import OpenedChain
+    from deskfleet.controller.pipeline import LocalPipeline
+
+    from .test_engine import F32
+
+    manifest = load_manifest(tiny_export)
+    chains: list[BreakingChain] = []
+
+    @contextmanager
+    def flaky() -> Iterator[OpenedChain]:
+        if chains:
+            raise RuntimeError("no PC answers")
+        with LocalPipeline(tiny_export, 1, F32, manifest) as pipeline:
+            chains.append(BreakingChain(pipeline))
+            yield OpenedChain(chains[-1])
+
+    def health(url: str) -> tuple[int, dict[str, Any]]:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=30) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    with serving(tiny_export, opener=flaky) as (url, service):
+        code, body = health(url)
+        assert (code, body["status"], body["stages"]) == (200, "ok", 1) and "error" not in body
+        chains[0].breaks.set()
+        request = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
+        assert post(f"{url}/v1/completions", request)[0] == 503  # the run failed
+        _wait_until_idle(service)
+        code, body = health(url)
+        assert (code, body["status"], body["stages"]) == (503, "unavailable", None)
+        assert "a stage went away" in body["error"] and body["runs_failed"] == 1
+        assert post(f"{url}/v1/completions", request)[0] == 503  # the chain does not open again
+        code, body = health(url)
+        assert (code, body["status"]) == (503, "unavailable") and body["error"] == "no PC answers"
