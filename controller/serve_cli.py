@@ -183,6 +183,10 @@ def _serve_command(args: argparse.Namespace) -> int:
     from .tokenizer import ModelTokenizer
 
     check_fleet_options(args)
+    if args.fleet:  # a model never deployed is the command's fault, exit 2 as generate --fleet's, before listening
+        from .fleet_deploy import load_deployment
+
+        load_deployment(controller_store(args.data_dir), args.model)
     if args.rows_when_busy is not None and not args.max_rows <= args.rows_when_busy <= 2 * args.max_rows:
         raise ValueError(f"--rows-when-busy must be from --max-rows ({args.max_rows}) to twice it "
                          f"({2 * args.max_rows}), got {args.rows_when_busy}: no more requests than that are "

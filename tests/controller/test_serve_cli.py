@@ -319,3 +319,13 @@ def test_a_servers_requests_prefilled_ahead_may_join_a_full_micro_batch() -> Non
     assert options.prefix_cache_tokens == 100
     args = build_parser().parse_args(["serve", "--model", "M", "--max-rows", "6", "--rows-when-busy", "6"])
     assert serve_engine_options(DecodingOptions(), 1, args).rows_when_waiting == 6  # they wait for a row
+
+
+def test_serve_fleet_of_a_model_never_deployed_exits_2_before_listening(store: FleetStore, tiny_export: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    # it listened, failed to open the chain and exited 1, where generate --fleet and chat --fleet exit 2
+    code = main(["serve", "--fleet", "--data-dir", str(store.data_dir), "--model", str(tiny_export), "--listen",
+                 "127.0.0.1:0"])
+    captured = capsys.readouterr()
+    assert code == 2 and "has not been deployed: run `deskfleet fleet deploy" in captured.err
+    assert "opening" not in captured.err  # refused before it listened and began to open the chain
