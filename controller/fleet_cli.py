@@ -355,7 +355,8 @@ def _ls(args: argparse.Namespace) -> int:
                         "the agent")
     notes = _left_out_notes(store, agents)
     if args.json:  # the list stays a list of agents: the controller's and the CA's dates go to stderr
-        print_whole(json.dumps([_agent_json(agent, undeployed) for agent in agents], indent=2))
+        print_whole(json.dumps([_agent_json(agent, undeployed) for agent in sorted(agents, key=_listing_order)],
+                               indent=2))
         for line in _upgrade_advice(agents) + notes + warnings:
             print(line, file=sys.stderr)
         return 0
@@ -438,18 +439,19 @@ def _upgrade_advice(agents: list[Any]) -> list[str]:
     return lines
 
 
-def _print_agents(agents: list[Any], undeployed: dict[str, list[Any]] | None = None) -> None:
-    """The table, grouped by state (serving first, unreachable last) and by hostname within each, then a line
-    that counts each state: with 300 PCs in agent-id order, finding one PC, or seeing how many were off,
-    meant reading every row."""
-    def order(agent: Any) -> tuple[int, bool, str, str]:
-        state = _state(agent)
-        rank = _STATES_IN_ORDER.index(state) if state in _STATES_IN_ORDER else len(_STATES_IN_ORDER)
-        return rank, agent.hostname == "?", agent.hostname.lower(), agent.agent_id or agent.address
+def _listing_order(agent: Any) -> tuple[int, bool, str, str]:
+    """`fleet ls`'s order, of its table and its --json alike: by state (serving first, unreachable last), then by
+    hostname: with 300 PCs in agent-id order, finding one PC, or seeing how many were off, meant reading every row."""
+    state = _state(agent)
+    rank = _STATES_IN_ORDER.index(state) if state in _STATES_IN_ORDER else len(_STATES_IN_ORDER)
+    return rank, agent.hostname == "?", agent.hostname.lower(), agent.agent_id or agent.address
 
+
+def _print_agents(agents: list[Any], undeployed: dict[str, list[Any]] | None = None) -> None:
+    """The table (_listing_order), then a line that counts each state."""
     print(f"{'agent':<14} {'host':<16} {'address':<22} {'state':<12} {'free':>8} {'version':<10} {'found by':<20} "
           "stages")
-    for agent in sorted(agents, key=order):
+    for agent in sorted(agents, key=_listing_order):
         report = agent.report
         state = _state(agent)
         # GiB, as the limits beside it say theirs ("8.0 GiB free of 16.0"): "8.6G" next to them read as more

@@ -42,3 +42,32 @@ def test_a_paused_row_says_who_paused_it(capsys: pytest.CaptureFixture[str]) -> 
     paused.report.detail = "paused by its user, until `deskfleet-agent resume`"  # no limit crossed: no reasons
     _print_agents([paused])
     assert capsys.readouterr().out.splitlines()[1].endswith("(paused by its user, until `deskfleet-agent resume`)")
+
+
+def test_the_json_lists_the_agents_in_the_tables_order(tmp_path: object, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    # the docs said `--json` keeps the table's order; it kept the survey's
+    import json
+    from pathlib import Path
+
+    from deskfleet.controller import fleet_survey
+    from deskfleet.controller.cli import main
+
+    agents = [agent("c" * 52, "desk-b", None), agent("a" * 52, "desk-c", AgentState.SERVING),
+              agent("b" * 52, "desk-a", AgentState.PAUSED), agent("d" * 52, "desk-a", AgentState.SERVING)]
+    for row in agents:
+        row.certificate_expires, row.report = None, row.report and SimpleNamespace(
+            **vars(row.report), devices=(), last_error=None)
+
+    async def survey(*args: object, **kwargs: object) -> SimpleNamespace:
+        async def close() -> None:
+            pass
+        return SimpleNamespace(agents=agents, close=close)
+
+    monkeypatch.setattr(fleet_survey, "survey", survey)
+    data = ["--data-dir", str(Path(str(tmp_path)) / "ctl")]
+    assert main(["fleet", "init", "--address", "127.0.0.1:1", *data]) == 0
+    capsys.readouterr()
+    assert main(["fleet", "ls", "--discover-seconds", "0", "--json", *data]) == 0
+    listed = [(row["state"], row["hostname"]) for row in json.loads(capsys.readouterr().out)]
+    assert listed == [("serving", "desk-a"), ("serving", "desk-c"), ("paused", "desk-a"), (None, "desk-b")]
