@@ -320,7 +320,7 @@ def _survey_options(args: argparse.Namespace) -> Any:
 
 def _ls(args: argparse.Namespace) -> int:
     from deskfleet.agent.link import utc_now
-    from deskfleet.controller.fleet_deploy import DeployError, undeployed_stages
+    from deskfleet.controller.fleet_deploy import DeployError, undeployed_stages, unhosted_stages
     from deskfleet.controller.fleet_survey import NEVER_REGISTERED, expiry_warnings, survey
 
     store = _store(args)
@@ -340,11 +340,13 @@ def _ls(args: argparse.Namespace) -> int:
             if not agents or any(agent.problem == NEVER_REGISTERED for agent in agents) else ""
         warnings.append(f"warning: no `deskfleet fleet serve` runs on {store.data_dir}: agents cannot register with "
                         f"the controller{never}, nor new PCs join; start it")
+    hosted = {agent.agent_id: agent.report.stages for agent in agents
+              if agent.agent_id is not None and agent.report is not None}
     try:
-        undeployed = undeployed_stages(store, {agent.agent_id: agent.report.stages for agent in agents
-                                               if agent.agent_id is not None and agent.report is not None})
+        undeployed = undeployed_stages(store, hosted)
+        unhosted = unhosted_stages(store, hosted)
     except (DeployError, FleetStoreError) as error:  # the list stands without the deployments
-        undeployed = {}
+        undeployed, unhosted = {}, {}
         warnings.append(f"warning: {error}")
     if undeployed:
         warnings.append(f"warning: {sum(map(len, undeployed.values()))} stage(s) marked 'not deployed' are held by "
@@ -353,7 +355,15 @@ def _ls(args: argparse.Namespace) -> int:
                         "not finish could not reach the PC to release it): nothing runs on "
                         "them; the next `deskfleet fleet deploy` of their model releases them, as does restarting "
                         "the agent")
-    notes = _left_out_notes(store, agents)
+    hostnames = {**store.hostnames(), **{agent.agent_id: agent.hostname for agent in agents
+                                         if agent.agent_id is not None and agent.hostname != "?"}}
+    notes = _left_out_notes(store, agents) + [
+        f"note: {model_id} has {len(stages)} deployed stage(s) that the PC it was assigned to no longer hosts ("
+        + ", ".join(f"[{stage.layer_start}:{stage.layer_end}] on {agent_label(stage.agent_id, hostnames)}"
+                    for stage in stages)
+        + "; restarted, or paused and resumed, since): the next run on the model gives them back at its start, a "
+          "running `serve --fleet` at a moment with no request"
+        for model_id, stages in unhosted.items()]
     if args.json:  # the list stays a list of agents: the controller's and the CA's dates go to stderr
         print_whole(json.dumps([_agent_json(agent, undeployed) for agent in sorted(agents, key=_listing_order)],
                                indent=2))

@@ -523,6 +523,25 @@ def undeployed_stages(store: FleetStore, hosted: dict[str, Sequence[StageRef]]) 
                           and (agent_id, ref.model_id, ref.layer_start, ref.layer_end) not in placed])}
 
 
+def unhosted_stages(store: FleetStore, hosted: dict[str, Sequence[StageRef]]) -> dict[str, list[StagePlacement]]:
+    """By model id, the stages deployments.json places on a PC that answered (`hosted`: what each agent that
+    answered hosts, by agent id) but does not host them now: it restarted, or its user paused and resumed it, since
+    the stage was assigned. A PC that did not answer is not counted (the list says it is unreachable). The next run
+    on the model gives such stages back at its start. Damaged records are passed over; DeployError for a damaged
+    file."""
+    lost: dict[str, list[StagePlacement]] = {}
+    for model_id, record in sorted(_deployments(store).items()):
+        try:
+            stages = _placements_of(record.get("stages") if isinstance(record, dict) else None)
+        except ValueError:
+            continue
+        gone = [stage for stage in stages if stage.agent_id in hosted
+                and StageRef(model_id, stage.layer_start, stage.layer_end) not in hosted[stage.agent_id]]
+        if gone:
+            lost[model_id] = gone
+    return lost
+
+
 def load_deployment(store: FleetStore, model_dir: Path) -> tuple[StagePlacement, ...]:
     """The stages saved by the last deploy of this model; DeployError if it was never deployed."""
     record = _deployment_record(store, model_dir)

@@ -71,3 +71,39 @@ def test_the_json_lists_the_agents_in_the_tables_order(tmp_path: object, monkeyp
     assert main(["fleet", "ls", "--discover-seconds", "0", "--json", *data]) == 0
     listed = [(row["state"], row["hostname"]) for row in json.loads(capsys.readouterr().out)]
     assert listed == [("serving", "desk-a"), ("serving", "desk-c"), ("paused", "desk-a"), (None, "desk-b")]
+
+
+def test_a_deployed_stage_its_pc_no_longer_hosts_is_noted(tmp_path: object, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    # every agent restarted: each listed no stage, and nothing said the deployed model ran on none of them
+    from pathlib import Path
+
+    from deskfleet.common.wire import StageRef
+    from deskfleet.controller import fleet_survey
+    from deskfleet.controller.cli import main
+    from deskfleet.controller.fleet_store import FleetStore
+
+    kept, restarted, off = agent("a" * 52, "desk-a", AgentState.SERVING), \
+        agent("b" * 52, "desk-b", AgentState.AVAILABLE), agent("c" * 52, "desk-c", None)
+    kept.report.stages = (StageRef("m@1", 0, 2),)
+    agents = [kept, restarted, off]
+    for row in agents:
+        row.certificate_expires = None
+
+    async def survey(*args: object, **kwargs: object) -> SimpleNamespace:
+        async def close() -> None:
+            pass
+        return SimpleNamespace(agents=agents, close=close)
+
+    monkeypatch.setattr(fleet_survey, "survey", survey)
+    data = ["--data-dir", str(Path(str(tmp_path)) / "ctl")]
+    assert main(["fleet", "init", "--address", "127.0.0.1:1", *data]) == 0
+    FleetStore(Path(str(tmp_path)) / "ctl").write("deployments", {"m@1": {"stages": [
+        {"agent_id": row.agent_id, "address": "10.0.0.1:7431", "layer_start": start, "layer_end": start + 2}
+        for row, start in ((kept, 0), (restarted, 2), (off, 4))]}})
+    capsys.readouterr()
+    assert main(["fleet", "ls", "--discover-seconds", "0", *data]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: m@1")]
+    assert len(notes) == 1 and "has 1 deployed stage(s) that the PC it was assigned to no longer hosts ([2:4] on " \
+        in notes[0] and "desk-b" in notes[0]  # not the one that hosts its stage, nor the one that did not answer
+    assert "the next run on the model gives them back" in notes[0]
