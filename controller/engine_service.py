@@ -146,6 +146,9 @@ class EngineService:
         self._open_error: BaseException | None = None
         self.runs_failed = 0  # runs that failed past what their chain could mend (the chain was opened again)
         self.last_failure: str | None = None  # why the last run failed or the chain did not open; None once it opens
+        # "opening" (the chain opens: at start, or again), "ok" (a chain is open), "unavailable" (the last run failed,
+        # or its chain did not open: last_failure says why; the next request opens it again)
+        self.state = "opening"
         self.streams_cancelled = 0  # streams that ended cancelled (their client went away, a stop sequence met)
         self.chains_reopened = 0  # times an idle service opened its chain again to take a PC back (take_back)
         self.chains_switched = 0  # times running streams moved onto a chain that took a PC back (take_back)
@@ -244,9 +247,10 @@ class EngineService:
             if not first and not reopening and not self._wait_for_work():
                 return
             self._fed = False
+            self.state = "opening"
             try:
                 with self._open_chain() as opened:
-                    self.last_failure = None
+                    self.last_failure, self.state = None, "ok"
                     self.chains_reopened += reopening
                     # the opening took back what there was (the next look finds the rest)
                     self._back_since, self._reopen_at_idle = None, False
@@ -263,7 +267,7 @@ class EngineService:
                     self._chain_open.set()
                     return
                 self.runs_failed += 1
-                self.last_failure = str(error)
+                self.last_failure, self.state = str(error), "unavailable"
                 if self._fed:
                     log.warning("a run failed; its streams end with the error, and the chain opens again for the "
                                 "next request: %s", error)
@@ -279,6 +283,9 @@ class EngineService:
             engine.run(on_token=lambda stream_id, token: self._on_token(engine, stream_id, token),
                        recover=opened.recover, feed=lambda idle: self._feed(engine, idle, opened.take_back))
             self._reap(engine)
+        except Exception as error:  # said at once: the chain's close, which may take seconds, comes after
+            self.last_failure, self.state = str(error), "unavailable"
+            raise
         finally:
             self._engine = None
 

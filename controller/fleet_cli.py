@@ -342,9 +342,12 @@ def _ls(args: argparse.Namespace) -> int:
                         f"the controller{never}, nor new PCs join; start it")
     hosted = {agent.agent_id: agent.report.stages for agent in agents
               if agent.agent_id is not None and agent.report is not None}
+    by_id = {agent.agent_id: agent for agent in agents if agent.agent_id is not None}
     try:
         undeployed = undeployed_stages(store, hosted)
-        unhosted = unhosted_stages(store, hosted)
+        # of PCs that can take work: a paused or unavailable one gave its stage up, which its state says
+        unhosted = unhosted_stages(store, {agent_id: stages for agent_id, stages in hosted.items()
+                                           if _state(by_id[agent_id]) in ("serving", "available")})
     except (DeployError, FleetStoreError) as error:  # the list stands without the deployments
         undeployed, unhosted = {}, {}
         warnings.append(f"warning: {error}")
@@ -361,8 +364,9 @@ def _ls(args: argparse.Namespace) -> int:
         f"note: {model_id} has {len(stages)} deployed stage(s) that the PC it was assigned to no longer hosts ("
         + ", ".join(f"[{stage.layer_start}:{stage.layer_end}] on {agent_label(stage.agent_id, hostnames)}"
                     for stage in stages)
-        + "; restarted, or paused and resumed, since): the next run on the model gives them back at its start, a "
-          "running `serve --fleet` at a moment with no request"
+        + "; restarted, or paused and resumed, since): a run on the model that starts after such a PC called in "
+          "(a restarted agent does as it starts, a resumed one within a minute) gives its stage back, a running "
+          "`serve --fleet` at a moment with no request; `deskfleet fleet deploy` of the model does in any case"
         for model_id, stages in unhosted.items()]
     if args.json:  # the list stays a list of agents: the controller's and the CA's dates go to stderr
         print_whole(json.dumps([_agent_json(agent, undeployed) for agent in sorted(agents, key=_listing_order)],
@@ -598,7 +602,14 @@ def _plan(args: argparse.Namespace) -> int:
 def _deploy(args: argparse.Namespace) -> int:
     from deskfleet.common.planner import render_plan
     from deskfleet.common.wire import Precision
-    from deskfleet.controller.fleet_deploy import DeployError, deploy, load_deploy_settings, policy_options
+    from deskfleet.controller.fleet_deploy import (
+        VERIFY_NOTE_BYTES,
+        DeployError,
+        deploy,
+        load_deploy_settings,
+        policy_options,
+        verify_export,
+    )
     from deskfleet.controller.fleet_survey import survey
 
     store = _store(args)
@@ -615,9 +626,15 @@ def _deploy(args: argparse.Namespace) -> int:
         found = await survey(store, _survey_options(args))
         try:
             return await deploy(store, args.model, found, policy_options(args.policy, args.streams, args.hop_ms),
-                                Precision(args.precision), args.device, progress, kv_cache=args.kv_cache, verify=True)
+                                Precision(args.precision), args.device, progress, kv_cache=args.kv_cache)
         finally:
             await found.close()
+
+    # every file of the export hashed, before the survey and the deploy lock (a run's failover waits on the lock):
+    # a file damaged there that every PC already held deployed fine, and failed the first re-plan that sent it
+    verify_export(args.model, lambda files, size: print(
+        f"checking the export: {files} file(s), {size / 1e9:.1f} GB ...", file=sys.stderr, flush=True)
+        if size >= VERIFY_NOTE_BYTES else None)
 
     try:
         result, report = event_loop.run(run())

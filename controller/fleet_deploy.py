@@ -323,7 +323,7 @@ async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: Pla
                  progress: Progress | None = None, exclude: frozenset[str] = frozenset(),
                  kv_cache: str | None = None, lock_held: bool = False,
                  replanned_at: datetime.datetime | None = None,
-                 placing: frozenset[str] = frozenset(), verify: bool = False) -> tuple[Plan, DeployReport]:
+                 placing: frozenset[str] = frozenset()) -> tuple[Plan, DeployReport]:
     """Plan over the surveyed agents (less those in `exclude`), push what each lacks, assign the stages.
     DeployError on failure, also at once when another deploy from this data dir is running (`lock_held`: the
     caller holds the store's deploy lock already, as a failover does while it weighs the saved deployment).
@@ -333,8 +333,7 @@ async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: Pla
     them called in since (pcs_back; a PC that registered while the re-plan pushed its shards answered its survey, or
     did not, and is counted back). `placing`: deploy only a plan that places at least one of these agents, else
     NotPlaced with nothing sent (a run's start that would re-plan for a PC that is back, when the plan leaves it
-    out). `verify`: hash every file of the export first (an admin's deploy; a run's re-plan does not wait on it).
-    """
+    out)."""
     try:
         check_deploy_settings(precision, kv_cache)
     except ValueError as error:
@@ -346,20 +345,15 @@ async def deploy(store: FleetStore, model_dir: Path, found: Survey, options: Pla
         except FleetStoreError as error:  # another deploy from this data dir (a failover's too) is running
             raise DeployError(str(error), failed_run=True) from None
         return await _deploy_locked(store, model_dir, found, options, precision, device, progress, exclude, kv_cache,
-                                    replanned_at, placing, verify)
+                                    replanned_at, placing)
 
 
 async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, options: PlanOptions,
                          precision: Precision, device: str, progress: Progress | None, exclude: frozenset[str],
-                         kv_cache: str | None, replanned_at: datetime.datetime | None, placing: frozenset[str],
-                         verify: bool = False) -> tuple[Plan, DeployReport]:
+                         kv_cache: str | None, replanned_at: datetime.datetime | None, placing: frozenset[str]
+                         ) -> tuple[Plan, DeployReport]:
     manifest = load_manifest(model_dir)
     check_sizes(model_dir, manifest)  # a lost or cut file, before a plan: not only where a PC lacks it
-    if verify:  # a damaged file every PC held already deployed fine, and failed the first re-plan that sent it
-        try:
-            await asyncio.to_thread(verify_files, model_dir, manifest)  # the links' keepalives go on meanwhile
-        except ManifestError as error:
-            raise DeployError(str(error)) from None
     model_id = model_id_of(model_dir)
     _deployments(store)  # a damaged file is named now, not after every byte was sent
     result = plan_survey(footprint_of(manifest, device, precision, kv_cache), found, replace(options, device=device),
@@ -521,6 +515,22 @@ def undeployed_stages(store: FleetStore, hosted: dict[str, Sequence[StageRef]]) 
     return {agent_id: stale for agent_id, refs in hosted.items()
             if (stale := [ref for ref in refs if ref.model_id not in unknown
                           and (agent_id, ref.model_id, ref.layer_start, ref.layer_end) not in placed])}
+
+
+# An export this large is said to be checked (verify_export) before its hashing begins: a 40 GB model's takes a while
+VERIFY_NOTE_BYTES = 2_000_000_000
+
+
+def verify_export(model_dir: Path, starting: Callable[[int, int], None] | None = None) -> None:
+    """Hash every file of the export against its manifest (an admin's deploy: a run's re-plan hashes only what it
+    sends); `starting(files, bytes)` is told first. DeployError naming a damaged or missing file (or manifest)."""
+    try:
+        manifest = load_manifest(model_dir)
+        if starting is not None:
+            starting(len(manifest.files), sum(entry.size for entry in manifest.files.values()))
+        verify_files(model_dir, manifest)
+    except ManifestError as error:
+        raise DeployError(str(error)) from None
 
 
 def unhosted_stages(store: FleetStore, hosted: dict[str, Sequence[StageRef]]) -> dict[str, list[StagePlacement]]:
@@ -1020,10 +1030,12 @@ async def _push(link: Link, model_dir: Path, entry: ManifestEntry, offset: int, 
 
 
 async def _expect(link: Link, kind: type[_M], timeout: float) -> _M:
-    """The next message of `kind`; an Error from the agent becomes DeployError."""
+    """The next message of `kind` within `timeout` (messages of other kinds, and other chains' step errors, count
+    against it); an Error from the agent becomes DeployError."""
+    deadline = asyncio.get_running_loop().time() + timeout
     while True:
         try:
-            message = await asyncio.wait_for(link.receive(), timeout)
+            message = await asyncio.wait_for(link.receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
         except TimeoutError:
             raise DeployError(f"agent {link.peer.agent_id[:12]} sent no {kind.__name__} in {timeout:.0f} s",
                               agents=frozenset({link.peer.agent_id})) from None

@@ -798,13 +798,18 @@ class TakeBackLook:
         return True
 
 
+# How the deploy names a file of the export damaged since it was made (fleet_deploy._open_export_file,
+# model_spec.verify_files): a failover's remedy then is to export the model again, not to mend a PC
+DAMAGED_EXPORT = (" is damaged: its bytes hash to ", " is corrupted: sha256 ")
+
+
 def _remedy(lost: bool, reasons: frozenset[ExclusionReason], said: str = "") -> str:
     """What a user can do when a failover found no new chain: first for the PCs the plan left out that could
     take work again (a paused one was not lost: bringing it back is not the step), then for the lost ones (a
     blame that left no one out, a link marked broken, may still leave no chain: the reason names what). `said`:
     the break's error and the deploy's, whose command to resume a PC (a lost PC's own word that its user paused it,
     or the planner's, when no PC could take work) is not repeated."""
-    if "export the model again" in said:  # the export's own file is damaged (fleet_deploy): no PC mends that
+    if any(damaged in said for damaged in DAMAGED_EXPORT):  # the export's own file (fleet_deploy): no PC mends that
         return "export the model again, and deploy it (`deskfleet fleet deploy --model` the new export)"
     steps = []
     if ExclusionReason.PAUSED in reasons or (lost and RESUME_COMMAND in said):  # the latter: lost as its user paused it

@@ -339,7 +339,11 @@ class FleetStore:
             return name
         matches = {agent_id for agent_id, entry in roster.items()
                    if (len(name) >= MIN_ID_PREFIX and agent_id.startswith(name.lower())) or entry.hostname == name}
-        if len(matches) > 1 and (live := {agent_id for agent_id in matches if agent_id not in removed}):
+        if len(matches) > 1 and all(roster[agent_id].hostname == name for agent_id in matches):  # one name, not
+            # an id prefix (which could then pick an unrelated PC for a removal, which is for good)
+            live = {agent_id for agent_id in matches if agent_id not in removed}
+            if not live:  # every one removed: removing it again says so
+                return sorted(matches)[0]
             matches = live
         if len(matches) == 1:
             return matches.pop()

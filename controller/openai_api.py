@@ -236,10 +236,7 @@ class OpenAiApi:
             raise ApiError(415, f"the request body must be JSON, sent as Content-Type: application/json (got "
                                 f"{request.content_type!r})")
         if self._api_key is not None and request.path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "")
-            scheme, _, key = given.partition(" ")
-            if scheme.lower() != "bearer" or \
-                    not hmac.compare_digest(key.strip().encode("utf-8", "surrogateescape"), self._api_key):
+            if not self._keyed(request):
                 raise ApiError(401, "a valid API key is required: Authorization: Bearer KEY",
                                kind="authentication_error", code="invalid_api_key")
         return cast(web.StreamResponse, await handler(request))
@@ -256,18 +253,27 @@ class OpenAiApi:
         return web.json_response(self._model_object())
 
     async def _health(self, request: web.Request) -> web.Response:
-        """200 with status "ok" while a chain is open; else 503, "opening" (the chain opens: at start, or taking a
-        PC back) or "unavailable" (the last run failed, or its chain did not open: `error` says why; the next
-        request opens it again). It said "ok" with no chain to serve on, which monitoring could not tell."""
-        stages, failure = self.service.chain_stages, self.service.last_failure
-        status = "ok" if stages is not None else "opening" if failure is None else "unavailable"
-        body = {"status": status, "model": self.model_name, "live_streams": self.service.live_streams,
-                "streams_cancelled": self.service.streams_cancelled, "runs_failed": self.service.runs_failed,
-                "stages": stages, "chains_reopened": self.service.chains_reopened,
-                "chains_switched": self.service.chains_switched}
-        if failure is not None and stages is None:
-            body["error"] = failure
-        return web.json_response(body, status=200 if stages is not None else 503)
+        """Always 200 while the server runs (a liveness probe's answer: a 503 after a failed run kept a balancer's
+        traffic, and with it the request that opens the chain again, away for good). `status` is the service's:
+        "ok" (a chain is open), "opening" or "unavailable" (the last run failed or its chain did not open; the next
+        request opens it again), with `error`, why, for a client that may use the API: it names PCs, addresses and
+        paths. It said "ok" with no chain to serve on, which monitoring could not tell."""
+        body: dict[str, Any] = {
+            "status": self.service.state, "model": self.model_name, "live_streams": self.service.live_streams,
+            "streams_cancelled": self.service.streams_cancelled, "runs_failed": self.service.runs_failed,
+            "stages": self.service.chain_stages, "chains_reopened": self.service.chains_reopened,
+            "chains_switched": self.service.chains_switched}
+        if self.service.state == "unavailable" and self.service.last_failure is not None and self._keyed(request):
+            body["error"] = self.service.last_failure
+        return web.json_response(body)
+
+    def _keyed(self, request: web.Request) -> bool:
+        """Whether the request carries this server's API key, or the server has none."""
+        if self._api_key is None:
+            return True
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode("utf-8", "surrogateescape"),
+                                                                  self._api_key)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         parsed = parse_completion(await self._json(request), self.model_name)

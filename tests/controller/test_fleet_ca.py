@@ -332,9 +332,16 @@ def test_a_pc_removed_and_joined_again_is_removed_by_its_hostname(store: FleetSt
     store.write("revoked", [old])
     assert remove_agent(store, "pc6") == new
     assert sorted(store.read("revoked", [])) == sorted([old, new])
+    assert remove_agent(store, "pc6") in (old, new)  # both removed: removing it again changes nothing
     store.write("revoked", [])
     with pytest.raises(FleetStoreError, match="'pc6' matches 2 agents"):  # both live: which, the admin says
         remove_agent(store, "pc6")
+    # an id prefix that matches a removed agent and a live one of another name is not narrowed to the live one
+    store.save_roster({old: RosterEntry(old, "pc-a", utc_now().isoformat()),
+                       "vmaacc" + "c" * 46: RosterEntry("vmaacc" + "c" * 46, "pc-b", utc_now().isoformat())})
+    store.write("revoked", [old])
+    with pytest.raises(FleetStoreError, match="'vmaa' matches 2 agents"):
+        remove_agent(store, "vmaa")
 
 
 def test_a_client_without_a_certificate_may_send_only_small_frames_and_only_so_many_at_once(

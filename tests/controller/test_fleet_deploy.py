@@ -31,6 +31,7 @@ from deskfleet.controller.fleet_deploy import (
     load_deploy_settings,
     load_deployment,
     undeployed_stages,
+    verify_export,
 )
 from deskfleet.controller.fleet_failover import FleetFailover
 from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
@@ -320,14 +321,18 @@ def test_a_damaged_file_in_the_export_is_named(tmp_path: Path, tiny_export: Path
             with pytest.raises(DeployError, match=r"layer_003\.bin is a symbolic link"):
                 await deploy(store, damaged, found, PlanOptions(), Precision.F32, kv_cache="f32")
             assert not any((tmp_path / "cache" / "blobs").glob(hashlib.sha256(outside.read_bytes()).hexdigest()))
-            # damaged after the PC got every file: the admin's deploy (verify) hashes them all and names it, where
-            # it sent nothing and said "deployed", and the first re-plan that sent the file failed mid-run
+            # damaged after the PC got every file: the admin's deploy (verify_export first) hashes them all and names
+            # it, where it sent nothing and said "deployed", and the first re-plan that sent the file failed mid-run
             (damaged / "layer_003.bin").unlink()
             (damaged / "layer_003.bin").write_bytes(outside.read_bytes())
-            await deploy(store, damaged, found, PlanOptions(), Precision.F32, kv_cache="f32", verify=True)
+            verify_export(damaged)
+            await deploy(store, damaged, found, PlanOptions(), Precision.F32, kv_cache="f32")
             layer.write_bytes(bytes(reversed(layer.read_bytes())))
+            told: list[tuple[int, int]] = []
             with pytest.raises(DeployError, match=r"layer_002\.bin is corrupted: .* export the model again"):
-                await deploy(store, damaged, found, PlanOptions(), Precision.F32, kv_cache="f32", verify=True)
+                verify_export(damaged, lambda files, size: told.append((files, size)))
+            assert told and told[0][1] == sum(path.stat().st_size for path in damaged.iterdir()
+                                              if path.name != "manifest.json")
             _, report = await deploy(store, damaged, found, PlanOptions(), Precision.F32, kv_cache="f32")
             assert sum(report.bytes_sent.values()) == 0  # a re-plan hashes only what it sends: the PC holds it all
         finally:

@@ -403,6 +403,14 @@ def test_a_step_error_of_an_old_chain_that_comes_during_a_deploy_is_no_refusal_o
 
     assert asyncio.run(fleet_deploy._expect(Replies(), StageReady, 1.0)) is ready  # type: ignore[arg-type]
 
+    class Endless(Replies):  # stale errors that keep coming: the wait is still bounded by its timeout
+        async def receive(self) -> object:
+            await asyncio.sleep(0.01)
+            return self.left[0]
+
+    with pytest.raises(DeployError, match="sent no StageReady"):
+        asyncio.run(fleet_deploy._expect(Endless(), StageReady, 0.2))  # type: ignore[arg-type]
+
 
 def test_a_re_plan_cut_short_weighs_the_blame_once(store: FleetStore, tiny_export: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:

@@ -671,8 +671,10 @@ def test_best_of_ranks_a_candidate_by_its_tokens_with_the_one_that_ended_it_what
                                                                   for prompt, text in zip(prompts, best, strict=True)]
 
 
-def test_health_says_unavailable_and_why_while_no_chain_is_open(tiny_export: Path) -> None:
-    # it said "ok" with every PC gone and every request answered 503: monitoring could not tell
+@pytest.mark.parametrize("api_key", [None, "s3cret"])
+def test_health_says_unavailable_and_why_while_no_chain_is_open(tiny_export: Path, api_key: str | None) -> None:
+    # it said "ok" with every PC gone and every request answered 503: monitoring could not tell. It stays 200 (a
+    # liveness probe's answer), and says why only to a client that may use the API (the error names PCs, paths)
     from deskfleet.controller.engine_service import OpenedChain
     from deskfleet.controller.pipeline import LocalPipeline
 
@@ -689,23 +691,24 @@ def test_health_says_unavailable_and_why_while_no_chain_is_open(tiny_export: Pat
             chains.append(BreakingChain(pipeline))
             yield OpenedChain(chains[-1])
 
-    def health(url: str) -> tuple[int, dict[str, Any]]:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=30) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as error:
-            return error.code, json.loads(error.read())
+    def health(url: str, key: str | None = None) -> dict[str, Any]:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        with urllib.request.urlopen(urllib.request.Request(f"{url}/health", headers=headers), timeout=30) as response:
+            assert response.status == 200
+            return dict(json.loads(response.read()))
 
-    with serving(tiny_export, opener=flaky) as (url, service):
-        code, body = health(url)
-        assert (code, body["status"], body["stages"]) == (200, "ok", 1) and "error" not in body
+    with serving(tiny_export, opener=flaky, api_key=api_key) as (url, service):
+        body = health(url)
+        assert (body["status"], body["stages"]) == ("ok", 1) and "error" not in body
         chains[0].breaks.set()
         request = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
-        assert post(f"{url}/v1/completions", request)[0] == 503  # the run failed
+        assert post(f"{url}/v1/completions", request, key=api_key)[0] == 503  # the run failed
         _wait_until_idle(service)
-        code, body = health(url)
-        assert (code, body["status"], body["stages"]) == (503, "unavailable", None)
+        body = health(url, api_key)
+        assert (body["status"], body["stages"]) == ("unavailable", None)
         assert "a stage went away" in body["error"] and body["runs_failed"] == 1
-        assert post(f"{url}/v1/completions", request)[0] == 503  # the chain does not open again
-        code, body = health(url)
-        assert (code, body["status"]) == (503, "unavailable") and body["error"] == "no PC answers"
+        assert post(f"{url}/v1/completions", request, key=api_key)[0] == 503  # the chain does not open again
+        body = health(url, api_key)
+        assert body["status"] == "unavailable" and body["error"] == "no PC answers"
+        if api_key is not None:  # without the key: the status, not the error
+            assert health(url)["status"] == "unavailable" and "error" not in health(url)

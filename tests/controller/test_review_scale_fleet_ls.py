@@ -85,8 +85,9 @@ def test_a_deployed_stage_its_pc_no_longer_hosts_is_noted(tmp_path: object, monk
 
     kept, restarted, off = agent("a" * 52, "desk-a", AgentState.SERVING), \
         agent("b" * 52, "desk-b", AgentState.AVAILABLE), agent("c" * 52, "desk-c", None)
+    paused = agent("e" * 52, "desk-e", AgentState.PAUSED)  # gave its stage up: its state says so, no note
     kept.report.stages = (StageRef("m@1", 0, 2),)
-    agents = [kept, restarted, off]
+    agents = [kept, restarted, off, paused]
     for row in agents:
         row.certificate_expires = None
 
@@ -100,10 +101,10 @@ def test_a_deployed_stage_its_pc_no_longer_hosts_is_noted(tmp_path: object, monk
     assert main(["fleet", "init", "--address", "127.0.0.1:1", *data]) == 0
     FleetStore(Path(str(tmp_path)) / "ctl").write("deployments", {"m@1": {"stages": [
         {"agent_id": row.agent_id, "address": "10.0.0.1:7431", "layer_start": start, "layer_end": start + 2}
-        for row, start in ((kept, 0), (restarted, 2), (off, 4))]}})
+        for row, start in ((kept, 0), (restarted, 2), (off, 4), (paused, 6))]}})
     capsys.readouterr()
     assert main(["fleet", "ls", "--discover-seconds", "0", *data]) == 0
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: m@1")]
     assert len(notes) == 1 and "has 1 deployed stage(s) that the PC it was assigned to no longer hosts ([2:4] on " \
         in notes[0] and "desk-b" in notes[0]  # not the one that hosts its stage, nor the one that did not answer
-    assert "the next run on the model gives them back" in notes[0]
+    assert "a run on the model that starts after such a PC called in" in notes[0] and "desk-e" not in notes[0]
