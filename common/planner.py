@@ -982,7 +982,7 @@ def _short_id(agent_id: str) -> str:
 
 
 def _host(hostname: str) -> str:
-    """The hostname column: at most 16 characters, "-" when unknown (as `fleet ls` has it)."""
+    """The hostname column: at most 16 characters, "-" when unknown (`fleet ls` shows the whole name)."""
     return hostname[:16] if hostname else "-"
 
 

@@ -30,6 +30,7 @@ from deskfleet.common.arguments import browse_seconds, path_argument
 from deskfleet.common.console import print_whole, stopping_signals
 from deskfleet.common.devices import device_targets
 from deskfleet.common.planner import PlanPolicy
+from deskfleet.common.text_table import format_table
 from deskfleet.common.wire import PROTOCOL_VERSION, with_default_port
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.bench.interruption import say_stopped, signal_name, signals_unwind
@@ -462,12 +463,11 @@ def _listing_order(agent: Any) -> tuple[int, bool, str, str]:
 
 
 def _print_agents(agents: list[Any], undeployed: dict[str, list[Any]] | None = None) -> None:
-    """The table (_listing_order), then a line that counts each state."""
-    print(f"{'agent':<14} {'host':<16} {'address':<22} {'state':<12} {'free':>8} {'version':<10} {'found by':<20} "
-          "stages")
+    """The table (_listing_order), then a line that counts each state. Each column is as wide as its longest
+    cell: fixed widths let an IPv6 address or a long hostname push the rest of its row out of line."""
+    rows = [("agent", "host", "address", "state", "free", "version", "found by", "stages")]
     for agent in sorted(agents, key=_listing_order):
         report = agent.report
-        state = _state(agent)
         # GiB, as the limits beside it say theirs ("8.0 GiB free of 16.0"): "8.6G" next to them read as more
         free = f"{report.free_memory_bytes / 2 ** 30:.1f}GiB" if report else "-"
         stale = (undeployed or {}).get(agent.agent_id, [])
@@ -478,8 +478,10 @@ def _print_agents(agents: list[Any], undeployed: dict[str, list[Any]] | None = N
             if report and (report.reasons or report.detail) else ""
         notes = " ".join(part for part in (stages, why) if part) or agent.problem or "-"
         version = getattr(agent, "version", None) or "-"  # what its Hello said: the PCs not upgraded yet show
-        print(f"{(agent.agent_id or '?')[:12]:<14} {agent.hostname[:16]:<16} {agent.address:<22} {state:<12} "
-              f"{free:>8} {version:<10} {','.join(agent.sources):<20} {notes}")
+        rows.append(((agent.agent_id or "?")[:12], agent.hostname, agent.address, _state(agent), free, version,
+                     ",".join(agent.sources), notes))
+    for line in format_table(rows, right_aligned={4}):
+        print(line)
     counts = Counter(_state(agent) for agent in agents)
     states = sorted(counts, key=lambda state: (state not in _STATES_IN_ORDER,
                                                _STATES_IN_ORDER.index(state) if state in _STATES_IN_ORDER else 0))

@@ -108,3 +108,27 @@ def test_a_deployed_stage_its_pc_no_longer_hosts_is_noted(tmp_path: object, monk
     assert len(notes) == 1 and "has 1 deployed stage(s) that the PC it was assigned to no longer hosts ([2:4] on " \
         in notes[0] and "desk-b" in notes[0]  # not the one that hosts its stage, nor the one that did not answer
     assert "a run on the model that starts after such a PC called in" in notes[0] and "desk-e" not in notes[0]
+
+
+def test_the_columns_line_up_past_a_long_address_or_hostname(capsys: pytest.CaptureFixture[str]) -> None:
+    # fixed widths: an IPv6 address (over 22 characters) pushed the rest of its row right, and a hostname was cut
+    # to 16 characters, so the name that `fleet remove` takes was not on the screen
+    wide = agent("a" * 52, "経理部-desk-0123456789", None)
+    wide.address = "[fd00:1234:5678:9abc::42]:7431"
+    rows = [wide, agent("b" * 52, "desk-1", AgentState.AVAILABLE), agent("c" * 52, "d", AgentState.SERVING)]
+    _print_agents(rows)
+    lines = capsys.readouterr().out.splitlines()[:4]
+    assert "経理部-desk-0123456789" in lines[3]
+    for header, cells in (("address", ["10.0.0.1:7431", "10.0.0.1:7431", wide.address]),
+                          ("state", ["serving", "available", "unreachable"]),
+                          ("version", ["-", "-", "-"]), ("stages", ["-", "-", "cannot reach"])):
+        start = lines[0].index(header)
+        assert [on_screen(line)[start:start + len(cell)] for line, cell in zip(lines[1:], cells, strict=True)] \
+            == cells, header
+
+
+def on_screen(line: str) -> str:
+    """The line as a terminal draws it, a wide character followed by a filler, so an index is a column."""
+    from deskfleet.common.text_table import display_width
+
+    return "".join(char + "\0" * (display_width(char) - 1) for char in line)
