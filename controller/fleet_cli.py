@@ -361,7 +361,7 @@ def _ls(args: argparse.Namespace) -> int:
                         "the agent")
     hostnames = {**store.hostnames(), **{agent.agent_id: agent.hostname for agent in agents
                                          if agent.agent_id is not None and agent.hostname != "?"}}
-    notes = _left_out_notes(store, agents) + [
+    notes = _left_out_notes(store, agents, unhosted, hostnames) + [
         f"note: {model_id} has {len(stages)} deployed stage(s) that the PC it was assigned to no longer hosts ("
         + ", ".join(f"[{stage.layer_start}:{stage.layer_end}] on {agent_label(stage.agent_id, hostnames)}"
                     for stage in stages)
@@ -384,15 +384,17 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _left_out_notes(store: FleetStore, agents: list[Any]) -> list[str]:
+def _left_out_notes(store: FleetStore, agents: list[Any], unhosted: dict[str, list[Any]],
+                     hostnames: dict[str, str]) -> list[str]:
     """A line for each model whose deployment a run's re-plan saved without PCs of its admin's deploy: which, how
     each is now, and what takes it back (the next run on the model, for one that called in since; else a deploy).
-    Such a model ran on fewer PCs than deployed with nothing in the list to say so."""
+    Such a model ran on fewer PCs than deployed with nothing in the list to say so. `unhosted`: the deployed stages
+    (by model) that their PC no longer hosts, which the count of PCs it runs on leaves out; `hostnames`: the roster's,
+    with those of the agents that answered."""
     from deskfleet.controller.fleet_deploy import left_out_by_replans, utc_text
     from deskfleet.controller.fleet_runs import others_driving
 
     found = {agent.agent_id: agent for agent in agents if agent.agent_id is not None}
-    hostnames = store.hostnames()
     lines = []
     for record in left_out_by_replans(store):
         driving = others_driving(store, record.model_id)
@@ -411,13 +413,18 @@ def _left_out_notes(store: FleetStore, agents: list[Any]) -> list[str]:
             else:
                 called_in = ""
             pcs.append(f"{agent_label(agent_id, hostnames)} ({state}{called_in})")
-        placed = len(record.deployed) - len(record.left_out)
+        # a PC of the deployment that restarted since hosts nothing until taken back: it is not one the model runs on
+        idle = list(dict.fromkeys(stage.agent_id for stage in unhosted.get(record.model_id, ())))
+        placed = len(set(record.deployed) - set(record.left_out) - set(idle))
         # a re-plan may have moved stages to PCs the deploy did not place: "runs on 0 of the 1 PCs" said nothing of them
-        elsewhere = f", and on {', '.join(agent_label(agent_id, hostnames) for agent_id in record.added)}, which " \
-            "it did not" if record.added else ""
+        added = [agent_id for agent_id in record.added if agent_id not in idle]
+        elsewhere = f", and on {', '.join(agent_label(agent_id, hostnames) for agent_id in added)}, which " \
+            "it did not" if added else ""
+        restarted = f" (not on {', '.join(agent_label(agent_id, hostnames) for agent_id in idle)}, placed but no " \
+            "longer hosting its stage: see the note below)" if idle else ""
         lines.append(f"note: {record.model_id} runs on {placed} of the {len(record.deployed)} PCs its `fleet deploy` "
-                     f"placed{elsewhere}: a run's re-plan at {utc_text(record.replanned_at)} went on without "
-                     f"{', '.join(pcs)}; `deskfleet fleet deploy --model {shlex.quote(record.model_dir)}"
+                     f"placed{elsewhere}{restarted}: a run's re-plan at {utc_text(record.replanned_at)} went on "
+                     f"without {', '.join(pcs)}; `deskfleet fleet deploy --model {shlex.quote(record.model_dir)}"
                      f"{store.data_dir_option}{record.deploy_options}` plans over every PC that answers")
     return lines
 

@@ -18,7 +18,7 @@ from deskfleet.agent.link import utc_now
 from deskfleet.common import event_loop
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.planner import PlanOptions
-from deskfleet.common.wire import Precision, StatusReport
+from deskfleet.common.wire import Precision, StageRef, StatusReport
 from deskfleet.controller import fleet_deploy, fleet_failover
 from deskfleet.controller.fleet_deploy import (
     DeployReport,
@@ -371,12 +371,19 @@ def test_fleet_ls_says_which_pcs_a_re_plan_left_out_and_what_takes_them_back(
     _set_replanned_at(store, tiny_export, EARLY)
     _registered(store, B, LATE)
 
+    hosting = [True]
+
     async def survey(*args: object) -> Survey:
-        return _fleet_of((A, AgentState.SERVING), (B, AgentState.AVAILABLE))
+        found = _fleet_of((A, AgentState.SERVING), (B, AgentState.AVAILABLE))
+        if hosting[0]:  # A hosts the stage the re-plan gave it
+            found.agents[0] = replace(found.agents[0], report=replace(
+                found.agents[0].report, stages=(StageRef(model_id_of(tiny_export), 0, 4),)))
+        return found
 
     monkeypatch.setattr(fleet_survey, "survey", survey)
     assert main(["fleet", "ls", "--data-dir", str(store.data_dir), "--discover-seconds", "0"]) == 0
     out = capsys.readouterr().out
+    assert "no longer hosts" not in out, out
     assert (f"note: {model_id_of(tiny_export)} runs on 1 of the 2 PCs its `fleet deploy` placed: a run's re-plan at "
             "2026-12-01 08:00:00 UTC went on without agent bbbbbbbbbbbb on desk-b (available, called in since: the "
             "next run on the model takes it back if it can take work); `deskfleet fleet deploy --model "
@@ -388,6 +395,14 @@ def test_fleet_ls_says_which_pcs_a_re_plan_left_out_and_what_takes_them_back(
     assert ("(available, called in since: the run that drives the model now, if it is the only one and a `serve "
             "--fleet` (when idle) or a chat (before its next message), else the first run that starts while none does "
             "(2 run(s) drive it now) takes it back if it can take work)") in capsys.readouterr().out
+    hosting[0] = False  # A restarted since: it runs nothing, and the model on none of its PCs
+    assert main(["fleet", "ls", "--data-dir", str(store.data_dir), "--discover-seconds", "0"]) == 0
+    out = capsys.readouterr().out
+    assert (f"note: {model_id_of(tiny_export)} runs on 0 of the 2 PCs its `fleet deploy` placed (not on agent "
+            "aaaaaaaaaaaa on desk-a, placed but no longer hosting its stage: see the note below): a run's re-plan at "
+            ) in out, out
+    assert f"note: {model_id_of(tiny_export)} has 1 deployed stage(s) that the PC it was assigned to no longer " \
+           "hosts ([0:4] on agent aaaaaaaaaaaa on desk-a;" in out, out
     _registered(store, B, "2026-12-01T07:00:00+00:00")  # back, but it has not called in since: a deploy takes it
     assert main(["fleet", "ls", "--data-dir", str(store.data_dir), "--discover-seconds", "0", "--json"]) == 0
     err = capsys.readouterr().err
@@ -588,7 +603,10 @@ def test_fleet_ls_names_the_pcs_a_re_plan_moved_stages_to(store: FleetStore, tin
     _registered(store, C, EARLY)
 
     async def survey(*args: object) -> Survey:
-        return _fleet_of((C, AgentState.SERVING))
+        found = _fleet_of((C, AgentState.SERVING))
+        found.agents[0] = replace(found.agents[0], report=replace(
+            found.agents[0].report, stages=(StageRef(model_id_of(tiny_export), 0, 4),)))  # C hosts its stage
+        return found
 
     monkeypatch.setattr(fleet_survey, "survey", survey)
     assert main(["fleet", "ls", "--data-dir", str(store.data_dir), "--discover-seconds", "0"]) == 0
