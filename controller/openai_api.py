@@ -408,9 +408,15 @@ class OpenAiApi:
                                   top_p=decoding.top_p if decoding.temperature else 1.0)
         loop = asyncio.get_running_loop()
         stops = StopSequences(decoding.stop)  # once: every choice's matcher shares its tables
+        echo_scores = decoding.echo and decoding.logprobs is not None
         choices: list[_Choice] = []
         for prepared in prompts:
+            scorer: _Choice | None = None
             for index in range(per_prompt):
+                # A whole reply's choices of one prompt show the same prompt figures: the first scores the prompt,
+                # the others take its (a scored prompt is fed whole, past the prefix cache, every position's logits
+                # returned). Streamed, each choice's chunks begin with them: each scores its own.
+                scores = echo_scores and (scorer is None or decoding.stream)
                 seed = (decoding.seed + index) % (MAX_SEED + 1) if decoding.seed is not None else \
                     (random_seed() if decoding.temperature else 0)
                 request = StreamRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=max(1, prepared.max_tokens),
@@ -419,7 +425,7 @@ class OpenAiApi:
                                         logprobs=(decoding.logprobs or 0) if ranked else decoding.logprobs,
                                         presence_penalty=decoding.presence_penalty,
                                         frequency_penalty=decoding.frequency_penalty, logit_bias=decoding.logit_bias,
-                                        prompt_logprobs=decoding.echo and decoding.logprobs is not None)
+                                        prompt_logprobs=scores)
                 ends = unseen_ends(self.spec, decoding, prepared.stop_ids)
                 echoed = (prepared.prompt_text if prepared.prompt_text is not None
                           else self.tokenizer.decode(prepared.prompt_ids)) if decoding.echo else ""
@@ -427,7 +433,9 @@ class OpenAiApi:
                                        prompt_index=len(choices) // per_prompt,
                                        show_logprobs=decoding.logprobs is not None,
                                        ends=ends, echoed=echoed, prompt_text=prepared.prompt_text if decoding.echo
-                                       else None, hidden=prepared.max_tokens == 0))
+                                       else None, hidden=prepared.max_tokens == 0, echo_scores=echo_scores,
+                                       scorer=None if scores else scorer))
+                scorer = scorer or choices[-1]
         try:
             tickets = self.service.submit_all([(choice.request, choice.bridge) for choice in choices])
         except ServiceBusy as error:
@@ -446,6 +454,8 @@ class OpenAiApi:
                     if event.error is not None:
                         raise ApiError(503, f"the generation failed: {event.error}", kind="server_error")
                     choice.reply.finish()
+                    if choice.request.prompt_logprobs and event.result is not None:
+                        choice.prompt_scores = event.result.prompt_logprobs or ()
                     return event, choice.tokens
                 if isinstance(event, _PromptScores):  # the whole reply takes them from its end's result
                     continue
@@ -576,12 +586,12 @@ class OpenAiApi:
         return completion_logprobs(entries, self._token_text,
                                    [shift + at for at in self._decoded_lengths(tokens, first, len(entries))])
 
-    def _completion_logprobs(self, choice: _Choice, end: StreamEnd) -> dict[str, Any] | None:
+    def _completion_logprobs(self, choice: _Choice) -> dict[str, Any] | None:
         """A whole completion's `logprobs`; with an echo, the prompt's (_prompt_logprobs), then the generated tokens',
         offsets counted after the echoed text."""
-        if not choice.show_logprobs or not choice.request.prompt_logprobs:
+        if not choice.show_logprobs or not choice.echo_scores:
             return self._logprobs(choice, False, choice.logprobs)
-        head = self._prompt_logprobs(choice, list(end.result.prompt_logprobs or ()) if end.result is not None else [])
+        head = self._prompt_logprobs(choice, list((choice.scorer or choice).prompt_scores))
         shown = self._logprobs(choice, False, choice.logprobs, shift=len(choice.echoed))
         assert head is not None and shown is not None
         return {key: [*head[key], *shown[key]] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
@@ -626,7 +636,7 @@ class OpenAiApi:
                                 "finish_reason": _finish(choice, end)})
             else:
                 choices.append({"index": choice.index, "text": choice.echoed + choice.reply.text,
-                                "logprobs": self._completion_logprobs(choice, end),
+                                "logprobs": self._completion_logprobs(choice),
                                 "finish_reason": _finish(choice, end)})
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
@@ -669,6 +679,10 @@ class _Choice:
     prompt_text: str | None = None  # an echo's prompt as sent, where it was text (None: token ids)
     hidden: bool = False  # an echo of max_tokens 0: the one token made is not shown
     show_logprobs: bool = False  # the request asked for them (best_of's ranking asks the stages for them besides)
+    echo_scores: bool = False  # an echo with log-probabilities: the reply shows the prompt tokens' too
+    # the choice of the same prompt whose stream scores the prompt for this one (a whole reply's); None: its own
+    scorer: _Choice | None = None
+    prompt_scores: tuple[TokenLogprob, ...] = ()  # the prompt's figures, once its stream scored the prompt and ended
     logprobs: list[TokenLogprob] = field(default_factory=list)  # its tokens', where the request asked
     # the reply's tokens: those made up to the one that completed a stop sequence (usage.completion_tokens: the
     # tokens a drafted round or a step in flight made past it are not the reply's, and how many there are is timing)

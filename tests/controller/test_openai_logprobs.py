@@ -288,3 +288,42 @@ def test_an_echoed_text_prompts_offsets_are_where_its_tokens_are_in_it(served: t
     starts = logprobs["text_offset"][: len(ids)]
     assert text[starts[ids.index(2)]:].startswith("</s>there")
     assert text[starts[ids.index(2) + 1]:].startswith("there")
+
+
+@pytest.mark.parametrize("extra", [{"best_of": 3}, {"n": 3}])
+def test_a_whole_replys_candidates_share_one_scoring_of_their_prompt(served: tuple[str, EngineService],
+                                                                    tiny_export: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    extra: dict[str, int]) -> None:
+    # each candidate scored the prompt: fed whole past the prefix cache, every position's logits returned, best_of
+    # times over for figures that are the same for all of them
+    url, service = served
+    tokenizer = ModelTokenizer(tiny_export)
+    asked: list[bool] = []
+    submit_all = service.submit_all
+
+    def spy(requests: list[tuple[StreamRequest, object]]) -> list[int]:
+        asked.extend(request.prompt_logprobs for request, _ in requests)
+        return submit_all(requests)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(service, "submit_all", spy)
+    prompts = ["import os\n", "def add(a, b):"]
+    request = {"model": MODEL, "max_tokens": 3, "temperature": 1.0, "seed": 4, "logprobs": 1, "echo": True}
+    status, body = post(f"{url}/v1/completions", {**request, "prompt": prompts, **extra})
+    assert status == 200, body
+    assert asked == [True, False, False] * 2  # one scoring a prompt
+    assert len(body["choices"]) == (2 if "best_of" in extra else 6)
+    for number, prompt in enumerate(prompts):
+        status, alone = post(f"{url}/v1/completions", {**request, "prompt": prompt})
+        assert status == 200, alone
+        head = len(tokenizer.encode(prompt))
+        expected = {key: alone["choices"][0]["logprobs"][key][:head]
+                    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        assert expected["token_logprobs"][0] is None and len(expected["token_logprobs"]) == head
+        for choice in body["choices"][number * (len(body["choices"]) // 2):][:len(body["choices"]) // 2]:
+            assert choice["text"].startswith(prompt)
+            assert {key: choice["logprobs"][key][:head] for key in expected} == expected
+    asked.clear()
+    streamed = events(f"{url}/v1/completions", {**request, "prompt": prompts[0], "n": 2, "stream": True})
+    assert asked == [True, True]  # streamed, each choice's chunks begin with the prompt's figures: each scores
+    assert len([item for item in streamed[:-1] if item["choices"] and item["choices"][0]["text"] == prompts[0]]) == 2
