@@ -377,8 +377,10 @@ class OpenAiApi:
                 except* ApiError as errors:  # a choice's generation failed: the others are cancelled below
                     raise errors.exceptions[0] from None
                 ended_choices = [(choice, *task.result()) for choice, task in zip(choices, gathering, strict=True)]
+                cached = _cached_tokens(choices, {choice.index: end.result.reused_tokens if end.result is not None
+                                                  else 0 for choice, end, _ in ended_choices})  # before _best renumbers
                 response = web.json_response(self._whole(ident, chat, _best(ended_choices, decoding.n), prompt_tokens,
-                                                         sum(tokens for _, _, tokens in ended_choices)))
+                                                         sum(tokens for _, _, tokens in ended_choices), cached))
             ended = True
             return response
         except ConnectionResetError:  # the client went away while its reply was written: nothing more reaches it
@@ -625,9 +627,10 @@ class OpenAiApi:
         return "chat.completion.chunk" if chat else "text_completion"
 
     def _whole(self, ident: str, chat: bool, ended: list[tuple[_Choice, StreamEnd, int]],
-               prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        """The whole reply of the choices `ended`; `completion_tokens`: every stream's, best_of's candidates left out
-        too (they were generated, as OpenAI counts them)."""
+               prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+        """The whole reply of the choices `ended`; `completion_tokens` and `cached_tokens`: every stream's, best_of's
+        candidates left out too (they were generated, as OpenAI counts them; which candidate won says nothing of the
+        prompt tokens the prefix cache gave)."""
         choices: list[dict[str, Any]] = []
         for choice, end, _ in ended:
             if chat:
@@ -640,10 +643,7 @@ class OpenAiApi:
                                 "finish_reason": _finish(choice, end)})
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
-                "usage": _usage(prompt_tokens, completion_tokens, _cached_tokens(
-                    [choice for choice, _, _ in ended],
-                    {choice.index: end.result.reused_tokens if end.result is not None else 0
-                     for choice, end, _ in ended}))}
+                "usage": _usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 class _MalformedRequestLog(logging.Filter):

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from deskfleet.controller.engine import EngineOptions, StreamRequest
 from deskfleet.controller.tokenizer import ChatMessage, ModelTokenizer
 
@@ -51,3 +53,24 @@ def test_a_chats_next_turn_takes_the_last_turns_state_and_says_so_in_its_usage(t
             reply["choices"][0]["message"]["content"]
         assert found[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == len(tokenizer.encode_chat(second)) - 1
         assert service.live_streams == 0
+
+
+def test_best_ofs_cached_tokens_count_every_candidate_whichever_wins(tiny_export: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # only the returned candidates were counted: with echo and logprobs the first candidate scores the prompt, fed
+    # whole past the cache, so the same request said 0 or the whole prefix by which candidate ranked best
+    from deskfleet.controller import openai_api
+
+    def first_n(ended: list[Any], n: int) -> list[Any]:
+        return ended[:n]  # the prompt's scorer wins
+
+    monkeypatch.setattr(openai_api, "_best", first_n)
+    prompt = "def add(a, b):\n    return a + b\n" * 4
+    request = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 1.0, "seed": 3}
+    with serving(tiny_export, options=EngineOptions(max_rows=4, micro_batches=1, prefix_cache_tokens=4096)) as (
+            url, _):
+        status, reply = post(f"{url}/v1/completions", request)  # leaves the prompt's state in the cache
+        assert status == 200, reply
+        status, reply = post(f"{url}/v1/completions", {**request, "best_of": 3, "echo": True, "logprobs": 0})
+        assert status == 200, reply
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, reply["usage"]
