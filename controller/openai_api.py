@@ -453,13 +453,13 @@ class OpenAiApi:
         while True:
             for event in await choice.bridge.take():
                 if isinstance(event, StreamEnd):
+                    event = _settled(choice, event)
                     if event.error is not None:
                         raise ApiError(503, f"the generation failed: {event.error}", kind="server_error")
                     choice.reply.finish()
-                    if choice.request.prompt_logprobs and event.result is not None:
-                        choice.prompt_scores = event.result.prompt_logprobs or ()
                     return event, choice.tokens
-                if isinstance(event, _PromptScores):  # the whole reply takes them from its end's result
+                if isinstance(event, _PromptScores):  # kept for the choices of its prompt (the scorer's siblings)
+                    choice.prompt_scores = event.entries
                     continue
                 choice.take(event)
                 if choice.reply.stopped:
@@ -543,6 +543,7 @@ class OpenAiApi:
                     yield choice.echoed, self._prompt_logprobs(choice, list(event.entries)), None
                     continue
                 if isinstance(event, StreamEnd):
+                    event = _settled(choice, event)
                     if pieces:
                         yield "".join(pieces), self._released_logprobs(choice, chat), None
                     text = choice.reply.finish() if event.error is None else ""
@@ -682,7 +683,7 @@ class _Choice:
     echo_scores: bool = False  # an echo with log-probabilities: the reply shows the prompt tokens' too
     # the choice of the same prompt whose stream scores the prompt for this one (a whole reply's); None: its own
     scorer: _Choice | None = None
-    prompt_scores: tuple[TokenLogprob, ...] = ()  # the prompt's figures, once its stream scored the prompt and ended
+    prompt_scores: tuple[TokenLogprob, ...] = ()  # the prompt's figures, once its stream scored the prompt
     logprobs: list[TokenLogprob] = field(default_factory=list)  # its tokens', where the request asked
     # the reply's tokens: those made up to the one that completed a stop sequence (usage.completion_tokens: the
     # tokens a drafted round or a step in flight made past it are not the reply's, and how many there are is timing)
@@ -748,6 +749,15 @@ def _mean_logprob(choice: _Choice) -> float:
     """The mean log-probability of a candidate's tokens, the one that ended it (EOS, a stop token) included; -inf for
     one with none (a failed stream)."""
     return sum(choice.scores) / len(choice.scores) if choice.scores else -math.inf
+
+
+def _settled(choice: _Choice, end: StreamEnd) -> StreamEnd:
+    """A stream's end as its choice takes it: a choice whose stop sequence had ended its text takes a failure that
+    came before its cancel was reaped (the run failed within that feed) as its normal end, with no result: its reply
+    was whole, and failing the request for it threw away every choice's."""
+    if end.error is not None and choice.reply.stopped:
+        return StreamEnd(None, cancelled=True)
+    return end
 
 
 def _finish(choice: _Choice, end: StreamEnd) -> str:

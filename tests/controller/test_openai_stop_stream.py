@@ -7,10 +7,13 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any, cast
 
+import pytest
+
 from deskfleet.common.logprobs import TokenLogprob
 from deskfleet.controller.engine import StreamRequest
 from deskfleet.controller.engine_service import StreamEnd
 from deskfleet.controller.openai_api import OpenAiApi, ReplyText, _Choice
+from deskfleet.controller.openai_requests import ApiError
 from deskfleet.controller.tokenizer import ModelTokenizer
 
 WORDS = ["alpha", " beta", " gamma", " delta", " epsilon", " zeta"]  # a token each: a token's text spans characters
@@ -163,3 +166,27 @@ def test_a_tokens_entry_waits_for_its_text_when_it_ends_inside_a_character() -> 
     # and with a stop that "é" begins, the entries of both its bytes wait with it
     pieces = _pieces_of(_ByteTokenizer, [0, 1, 2, 3], ("é!",))
     assert [piece for piece in pieces if piece != ("", [])] == [("ab", [0]), ("écd", [1, 2, 3])]
+
+
+def test_a_failure_after_a_stop_ended_the_text_is_the_choices_normal_end() -> None:
+    # the run failed within the feed that reaped the stop's cancel: the stream ended with the error, and the whole
+    # request was answered 503 (a streamed one cut its other choices off), its complete text thrown away
+    tokenizer = _tokenizer()
+    events = [_event(token) for token in _tokens(tokenizer)]
+    failed = StreamEnd(None, "the run failed: a PC went away")
+    choice = _choice(tokenizer, ("beta",), [events, [failed]])
+    end, _ = asyncio.run(_api([], tokenizer)._gather(choice))
+    assert end.error is None and choice.reply.text == TEXT[:TEXT.find("beta")]
+    choice = _choice(tokenizer, ("beta",), [events, [failed]])
+
+    async def streamed() -> list[tuple[str, StreamEnd | None]]:
+        return [(piece, end) async for piece, _, end in _api([], tokenizer)._pieces(choice, chat=False)]
+
+    pieces = asyncio.run(streamed())
+    assert "".join(piece for piece, _ in pieces) == TEXT[:TEXT.find("beta")]
+    last = pieces[-1][1]
+    assert last is not None and last.error is None
+    # a choice whose text did not end fails as before
+    choice = _choice(tokenizer, (), [events[:2], [failed]])
+    with pytest.raises(ApiError, match="the generation failed: the run failed: a PC went away"):
+        asyncio.run(_api([], tokenizer)._gather(choice))
