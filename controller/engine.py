@@ -883,15 +883,23 @@ class Engine:
 
     def _pick_target(self) -> BatchTrack | None:
         """The running micro-batch a prefilled stream joins: the one of fewest rows under max_rows, else, every one
-        full, under rows_when_waiting; None: start another micro-batch, or wait for a row."""
+        full, under rows_when_waiting (a micro-batch that keeps its own rows, a kept chat's, takes no one); None:
+        start another micro-batch, or wait for a row."""
         if len(self._tracks) < self.options.micro_batches:
             return None  # better: start another micro-batch to keep the stages busy
+        joinable = [track for track in self._tracks.values()
+                    if not any(self._streams[stream_id].keeps_own_batch for stream_id in track.stream_ids)]
+        # a micro-batch whose drafter still lacks part of a row's prompt takes no one until it has caught up (a few
+        # steps): one under max_rows is waited for, not passed over for a full one grown past it
+        settling = {track.micro_batch_id for track in joinable
+                    if any(stream_id in self._draft_unfed for stream_id in track.stream_ids)}
         for limit in (self.options.max_rows, self.options.rows_when_waiting):
-            open_tracks = [track for track in self._tracks.values() if track.rows < limit
-                           and not any(self._streams[stream_id].keeps_own_batch or stream_id in self._draft_unfed
-                                       for stream_id in track.stream_ids)]
-            if open_tracks:
-                return min(open_tracks, key=lambda track: track.rows)
+            under = [track for track in joinable if track.rows < limit]
+            ready = [track for track in under if track.micro_batch_id not in settling]
+            if ready:
+                return min(ready, key=lambda track: track.rows)
+            if under:
+                return None  # wait for one to settle
         return None
 
     def _launch_idle(self) -> None:

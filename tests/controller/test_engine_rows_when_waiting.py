@@ -57,3 +57,27 @@ def test_rows_when_waiting_outside_max_rows_to_twice_it_is_refused(rows_when_wai
     with pytest.raises(ValueError, match=r"rows_when_waiting must be 0 \(max_rows\) or from max_rows \(4\) to "
                                          r"twice it"):
         EngineOptions(max_rows=4, rows_when_waiting=rows_when_waiting)
+
+
+def test_a_micro_batch_under_max_rows_whose_drafter_catches_up_is_waited_for_not_passed_over() -> None:
+    # the micro-batch with a free row held a stream whose drafter still lacked part of its prompt, so the newcomer
+    # joined a full one past max_rows, though the free row would take it within a few steps
+    from types import SimpleNamespace
+
+    engine = Engine.__new__(Engine)
+    engine.options = EngineOptions(max_rows=2, micro_batches=2, rows_when_waiting=4)
+    engine._streams = {stream_id: SimpleNamespace(keeps_own_batch=stream_id == 9) for stream_id in range(10)}
+    full = SimpleNamespace(micro_batch_id=100, rows=2, stream_ids=[0, 1])
+    free = SimpleNamespace(micro_batch_id=101, rows=1, stream_ids=[2])
+    engine._tracks = {100: full, 101: free}
+    engine._draft_unfed = {}
+    assert engine._pick_target() is free
+    engine._draft_unfed = {2: [5, 6]}
+    assert engine._pick_target() is None  # wait for it to settle
+    free.rows, free.stream_ids = 2, [2, 3]  # both full now: the wider limit, on the one that takes rows now
+    assert engine._pick_target() is full
+    engine._draft_unfed = {}
+    full.rows, full.stream_ids = 4, [0, 1, 4, 5]
+    assert engine._pick_target() is free
+    free.stream_ids = [2, 9]  # a kept chat's micro-batch takes no one
+    assert engine._pick_target() is None
