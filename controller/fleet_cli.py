@@ -30,12 +30,12 @@ from deskfleet.common.arguments import browse_seconds, path_argument
 from deskfleet.common.console import print_whole, stopping_signals
 from deskfleet.common.devices import device_targets
 from deskfleet.common.planner import PlanPolicy
-from deskfleet.common.text_table import format_table
 from deskfleet.common.wire import PROTOCOL_VERSION, with_default_port
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.bench.interruption import say_stopped, signal_name, signals_unwind
 from deskfleet.controller.decoding_options import byte_count, parse_token_ids, positive_int
 from deskfleet.controller.fleet_store import DEFAULT_PORT, MIN_ID_PREFIX, FleetStore, FleetStoreError, agent_label
+from deskfleet.controller.text_table import format_table
 
 if TYPE_CHECKING:
     from deskfleet.controller.fleet_deploy import DeploySettings

@@ -129,6 +129,6 @@ def test_the_columns_line_up_past_a_long_address_or_hostname(capsys: pytest.Capt
 
 def on_screen(line: str) -> str:
     """The line as a terminal draws it, a wide character followed by a filler, so an index is a column."""
-    from deskfleet.common.text_table import display_width
+    from deskfleet.controller.text_table import display_width
 
     return "".join(char + "\0" * (display_width(char) - 1) for char in line)

@@ -1,11 +1,11 @@
-"""common/text_table: columns as wide as their widest cell, in terminal columns (a Japanese hostname's characters
+"""controller/text_table: columns as wide as their widest cell, in terminal columns (a Japanese hostname's characters
 take two each), right-aligned where asked, no trailing spaces."""
 
 from __future__ import annotations
 
 import pytest
 
-from deskfleet.common.text_table import display_width, format_table
+from deskfleet.controller.text_table import display_width, format_table
 
 
 @pytest.mark.parametrize(("text", "width"), [
@@ -14,6 +14,10 @@ from deskfleet.common.text_table import display_width, format_table
     ("ｶﾅ", 2),  # half-width katakana: narrow
     ("e\u0301", 1),  # e + a combining acute accent
     ("a\u200bb", 2),  # a zero-width space (Cf) between
+    ("\U0001f469\u200d\U0001f4bb", 2),  # woman + ZWJ + laptop: one emoji
+    ("\u1100\u1161", 2),  # conjoining Hangul jamo: one syllable
+    ("\u263a\ufe0f", 2),  # a smiley with VS16: drawn as an emoji
+    ("a\x1bb", 2),  # a control character counts none
 ])
 def test_display_width(text: str, width: int) -> None:
     assert display_width(text) == width

@@ -2,23 +2,21 @@
 
 Fixed column widths put a row out of line wherever a cell outgrew its column (an IPv6 address, a long
 hostname), and counting characters does it for an East Asian wide character, which a terminal draws two
-columns wide (a Japanese hostname)."""
+columns wide (a Japanese hostname), or an emoji sequence joined by ZWJ, which it draws as one. The widths are
+wcwidth's, which follows the Unicode tables terminals draw by."""
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Collection, Sequence
+
+import wcwidth
 
 
 def display_width(text: str) -> int:
-    """How many terminal columns `text` takes: 2 for a wide or full-width character (East Asian Width W or F),
-    0 for a combining mark or a zero-width format character, 1 for any other."""
-    width = 0
-    for char in text:
-        if unicodedata.combining(char) or unicodedata.category(char) in ("Mn", "Me", "Cf"):
-            continue
-        width += 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
-    return width
+    """How many terminal columns `text` takes (wcwidth.wcswidth); a character a terminal does not print (a control
+    character, which the hostnames shown have none of: fleet_ca.printable_hostname) counts 0."""
+    width = wcwidth.wcswidth(text)
+    return width if width >= 0 else sum(max(wcwidth.wcwidth(char), 0) for char in text)
 
 
 def format_table(rows: Sequence[Sequence[str]], right_aligned: Collection[int] = ()) -> list[str]:
