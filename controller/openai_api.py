@@ -44,6 +44,7 @@ from .openai_requests import (
 )
 from .stop_sequences import StopMatcher, StopSequences
 from .text_printer import TextPrinter
+from .token_bytes import token_text
 from .tokenizer import ModelTokenizer, NotUtf8Error
 
 log = logging.getLogger(__name__)
@@ -584,9 +585,9 @@ class OpenAiApi:
         if not choice.show_logprobs:
             return None
         if chat:
-            return chat_logprobs(entries, self._token_text)
+            return chat_logprobs(entries, self.tokenizer.token_bytes)
         tokens = [entry.token for entry in choice.logprobs]
-        return completion_logprobs(entries, self._token_text,
+        return completion_logprobs(entries, self.tokenizer.token_bytes,
                                    [shift + at for at in self._decoded_lengths(tokens, first, len(entries))])
 
     def _completion_logprobs(self, choice: _Choice) -> dict[str, Any] | None:
@@ -609,8 +610,8 @@ class OpenAiApi:
         starts = self.tokenizer.token_starts(choice.prompt_text) if choice.prompt_text is not None else []
         if len(starts) != len(prompt):
             starts = self._decoded_lengths(prompt, 0, len(prompt))
-        head = completion_logprobs(scored, self._token_text, starts[1:])
-        return {"tokens": [self._token_text(prompt[0]), *head["tokens"]],
+        head = completion_logprobs(scored, self.tokenizer.token_bytes, starts[1:])
+        return {"tokens": [token_text(self.tokenizer.token_bytes(prompt[0])), *head["tokens"]],
                 "token_logprobs": [None, *head["token_logprobs"]], "top_logprobs": [None, *head["top_logprobs"]],
                 "text_offset": [starts[0], *head["text_offset"]]}
 
@@ -619,9 +620,6 @@ class OpenAiApi:
         the tokens before it decode to together (a token's text alone, counted, goes astray where a character spans
         tokens or a tokenizer drops a word's leading space)."""
         return [len(self.tokenizer.decode(tokens[:at])) for at in range(first, first + count)]
-
-    def _token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     @staticmethod
     def _chunk_kind(chat: bool) -> str:

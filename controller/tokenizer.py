@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from deskfleet.common.json_file import JsonFileError, read_json_object
 from deskfleet.common.model_spec import incomplete_export, load_manifest, model_file, verify_files
 
 from .chat_template import ChatTemplateError, ChatTemplateRefusal, TemplateRenderer, render_isolated
+from .token_bytes import TokenBytes
 
 __all__ = ["ChatMessage", "ChatTemplateError", "ModelTokenizer", "NotUtf8Error", "RenderedChat", "check_utf8"]
 
@@ -77,6 +79,11 @@ class ModelTokenizer:
                                 key=len, reverse=True)
         self._special_text = re.compile("|".join(map(re.escape, self._specials))) if self._specials else None
         self._text_tokenizer: Tokenizer | None = None  # special tokens' text encoded as text (_as_text)
+        decoder = self._tokenizer.decoder
+        self.token_bytes = TokenBytes(json.loads(decoder.__getstate__()) if decoder is not None else None,
+                                      self._tokenizer.id_to_token,
+                                      lambda token: self.decode([token], skip_special_tokens=False),
+                                      {token_id: token.content for token_id, token in added.items()})
         config_path = model_dir / "tokenizer_config.json"
         config = read_json_object(config_path) if config_path.is_file() else {}
         self.bos_token = _token_text(config.get("bos_token"))

@@ -18,6 +18,7 @@ from deskfleet.controller.openai_api import OpenAiApi, ReplyText, _Choice, unsee
 from deskfleet.controller.openai_logprobs import UNLIKELY, chat_logprobs, completion_logprobs
 from deskfleet.controller.openai_requests import parse_completion
 from deskfleet.controller.pipeline import LocalPipeline
+from deskfleet.controller.token_bytes import token_text
 from deskfleet.controller.tokenizer import ChatMessage, ModelTokenizer
 
 from .test_engine import F32
@@ -48,7 +49,7 @@ def test_a_completions_logprobs_are_the_engines_whole_and_streamed(served: tuple
     prompt = "def add(a, b):"
     tokens, expected = engine_logprobs(tiny_export, StreamRequest(tokenizer.encode(prompt), max_new_tokens=12,
                                                                   logprobs=3))
-    text_of = [tokenizer.decode([token], skip_special_tokens=False) for token in tokens]
+    text_of = [token_text(tokenizer.token_bytes(token)) for token in tokens]
     request = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 3}
     status, body = post(f"{url}/v1/completions", request)
     assert status == 200, body
@@ -60,7 +61,7 @@ def test_a_completions_logprobs_are_the_engines_whole_and_streamed(served: tuple
     assert logprobs["text_offset"][-1] <= len(body["choices"][0]["text"])
     for top, entry, text in zip(logprobs["top_logprobs"], expected, text_of, strict=True):
         # the 3 most likely and the chosen one (greedy: the most likely, so 3 in all), by text
-        shown = {tokenizer.decode([token], skip_special_tokens=False): value for token, value in entry.top}
+        shown = {token_text(tokenizer.token_bytes(token)): value for token, value in entry.top}
         assert top == pytest.approx({**shown, text: entry.logprob}, abs=1e-5)
         assert text in top and max(top.values()) == pytest.approx(top[text])
     # streamed: the chunks' logprobs add up to the whole reply's, the offsets going on from chunk to chunk
@@ -88,11 +89,11 @@ def test_a_chats_logprobs_and_top_logprobs_are_the_engines_whole_and_streamed(se
     assert body["choices"][0]["logprobs"]["refusal"] is None
     assert len(content) == len(tokens)
     for shown, token, entry in zip(content, tokens, expected, strict=True):
-        text = tokenizer.decode([token], skip_special_tokens=False)
-        assert shown["token"] == text and shown["bytes"] == list(text.encode())
+        text = token_text(tokenizer.token_bytes(token))
+        assert shown["token"] == text and shown["bytes"] == list(tokenizer.token_bytes(token))
         assert shown["logprob"] == pytest.approx(entry.logprob, abs=1e-5)
         assert [alternative["token"] for alternative in shown["top_logprobs"]] == \
-            [tokenizer.decode([token], skip_special_tokens=False) for token, _ in entry.top]
+            [token_text(tokenizer.token_bytes(token)) for token, _ in entry.top]
         assert [alternative["logprob"] for alternative in shown["top_logprobs"]] == \
             pytest.approx([value for _, value in entry.top], abs=1e-5)
     streamed: list[dict[str, Any]] = [entry for item in events(f"{url}/v1/chat/completions", request)[:-1]
@@ -131,9 +132,9 @@ def test_a_token_that_ends_the_text_unseen_gets_no_entry(tiny_export: Path) -> N
 
 def test_a_value_the_model_rules_out_is_shown_as_openai_shows_it() -> None:
     entries = [TokenLogprob(3, float("-inf"), ((4, -0.1), (5, float("nan"))))]
-    chat = chat_logprobs(entries, str)
+    chat = chat_logprobs(entries, lambda token: str(token).encode())
     assert chat["content"][0]["logprob"] == UNLIKELY and chat["content"][0]["top_logprobs"][1]["logprob"] == UNLIKELY
-    completion = completion_logprobs(entries, str, [0])
+    completion = completion_logprobs(entries, lambda token: str(token).encode(), [0])
     assert completion["token_logprobs"] == [UNLIKELY] and completion["top_logprobs"] == [{"4": -0.1, "5": UNLIKELY,
                                                                                            "3": UNLIKELY}]
 
@@ -210,7 +211,7 @@ def test_an_echo_of_max_tokens_0_scores_the_prompt_as_evaluation_harnesses_ask(s
         assert choice["text"] == (prompt if isinstance(sent, str) else tokenizer.decode(ids))
         assert choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 0
         logprobs = choice["logprobs"]
-        assert logprobs["tokens"] == [tokenizer.decode([token], skip_special_tokens=False) for token in ids]
+        assert logprobs["tokens"] == [token_text(tokenizer.token_bytes(token)) for token in ids]
         assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
         assert logprobs["token_logprobs"][1:] == pytest.approx([entry.logprob for entry in scored], abs=1e-5)
         assert logprobs["text_offset"] == [len(tokenizer.decode(ids[:at])) for at in range(len(ids))]
@@ -327,3 +328,39 @@ def test_a_whole_replys_candidates_share_one_scoring_of_their_prompt(served: tup
     streamed = events(f"{url}/v1/completions", {**request, "prompt": prompts[0], "n": 2, "stream": True})
     assert asked == [True, True]  # streamed, each choice's chunks begin with the prompt's figures: each scores
     assert len([item for item in streamed[:-1] if item["choices"] and item["choices"][0]["text"] == prompts[0]]) == 2
+
+
+def test_tokens_holding_part_of_a_character_show_their_own_bytes_and_top_map_keeps_each(
+        served: tuple[str, EngineService], tiny_export: Path) -> None:
+    # every such token showed U+FFFD with U+FFFD's bytes [239, 191, 189], and in a completion's top_logprobs map,
+    # keyed by text, the least likely U+FFFD overwrote the most likely one's figure
+    url, _ = served
+    tokenizer = ModelTokenizer(tiny_export)
+    partial = [token for token in range(tokenizer.vocab_size) if len(tokenizer.token_bytes(token)) == 1
+               and tokenizer.token_bytes(token)[0] >= 0x80][:4]
+    assert len(partial) == 4
+    forced = tokenizer.token_bytes(partial[0])
+    for stream in (False, True):
+        request = {"model": MODEL, "messages": [{"role": "user", "content": "Ünïcödé"}], "max_tokens": 3,
+                   "temperature": 0, "logprobs": True, "top_logprobs": 2, "logit_bias": {str(partial[0]): 100},
+                   "stream": stream}
+        if stream:
+            content = [entry for item in events(f"{url}/v1/chat/completions", request)[:-1] if item["choices"]
+                       for entry in (item["choices"][0].get("logprobs") or {}).get("content", [])]
+        else:
+            status, body = post(f"{url}/v1/chat/completions", request)
+            assert status == 200, body
+            content = body["choices"][0]["logprobs"]["content"]
+        assert len(content) == 3
+        for entry in content:
+            assert entry["bytes"] == list(forced) and entry["token"] == f"\\x{forced[0]:02x}"
+            for alternative in entry["top_logprobs"]:
+                assert bytes(alternative["bytes"]).decode("utf-8", "backslashreplace") == alternative["token"]
+    # the figures are the model's own (the bias only chooses): a position whose most likely are such tokens
+    entries = [TokenLogprob(partial[3], -3.07, tuple((token, -0.07 - rank) for rank, token in enumerate(partial)))]
+    top = completion_logprobs(entries, tokenizer.token_bytes, [0])["top_logprobs"][0]
+    assert top == {token_text(tokenizer.token_bytes(token)): -0.07 - rank for rank, token in enumerate(partial)}
+    assert len(set(top)) == 4 and top[token_text(tokenizer.token_bytes(partial[3]))] == -3.07
+    # two tokens of one text (an added token's text is a plain token's too): the higher figure shows
+    same = completion_logprobs([TokenLogprob(1, -4.0, ((2, -1.0), (1, -4.0)))], lambda token: b"x", [0])
+    assert same["top_logprobs"] == [{"x": -1.0}]

@@ -32,6 +32,10 @@ class _WordTokenizer:
         assert text == TEXT
         return list(range(len(WORDS)))
 
+    @staticmethod
+    def token_bytes(token: int) -> bytes:
+        return WORDS[token].encode()
+
 
 def _tokenizer() -> ModelTokenizer:
     return cast(ModelTokenizer, _WordTokenizer())
@@ -146,6 +150,10 @@ class _ByteTokenizer:
     @classmethod
     def decode(cls, tokens: list[int], skip_special_tokens: bool = True) -> str:
         return b"".join(cls.PIECES[token] for token in tokens).decode("utf-8", errors="replace")
+
+    @classmethod
+    def token_bytes(cls, token: int) -> bytes:
+        return cls.PIECES[token]
 
 
 def _pieces_of(tokenizer: Any, tokens: list[int], stops: tuple[str, ...]) -> list[tuple[str, list[int]]]:
