@@ -474,14 +474,21 @@ class OpenAiApi:
                                                "X-Accel-Buffering": "no"})
         await response.prepare(request)
         created = int(time.time())
+
+        def chunk(piece: str | dict[str, str] | None, finish: str | None = None, index: int = 0,
+                  logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+            # with include_usage every chunk but the last carries "usage": null, as OpenAI's
+            return self._chunk(ident, created, chat, piece, finish, index, logprobs, decoding.include_usage)
+
         for choice in choices:
             if chat:
-                await self._event(response, self._chunk(ident, created, chat, {"role": "assistant", "content": ""},
-                                                        index=choice.index))
+                # with logprobs asked, empty lists: a chunk of no tokens carries them, never null
+                await self._event(response, chunk({"role": "assistant", "content": ""}, index=choice.index,
+                                                  logprobs=self._logprobs(choice, chat, [])))
             elif choice.echoed and not choice.request.prompt_logprobs:  # an echo's prompt first (with its
                 # log-probabilities, once they come: _pieces)
-                await self._event(response, self._chunk(ident, created, chat, choice.echoed, index=choice.index,
-                                                        logprobs=self._logprobs(choice, chat, [])))
+                await self._event(response, chunk(choice.echoed, index=choice.index,
+                                                  logprobs=self._logprobs(choice, chat, [])))
         arrived: asyncio.Queue[tuple[_Choice, str, dict[str, Any] | None, StreamEnd | None]] = asyncio.Queue()
 
         async def pump(choice: _Choice) -> None:
@@ -500,8 +507,7 @@ class OpenAiApi:
                 choice, piece, logprobs, end = await arrived.get()
                 if end is None:
                     if piece or _has_entries(logprobs):
-                        await self._event(response, self._chunk(ident, created, chat, piece, index=choice.index,
-                                                                logprobs=logprobs))
+                        await self._event(response, chunk(piece, index=choice.index, logprobs=logprobs))
                     continue
                 finished.add(choice.index)
                 reused[choice.index] = end.result.reused_tokens if end.result is not None else 0
@@ -511,10 +517,8 @@ class OpenAiApi:
                     break
                 none = self._logprobs(choice, chat, [])  # a chunk of no tokens: empty where asked, not null
                 if piece or _has_entries(logprobs):
-                    await self._event(response, self._chunk(ident, created, chat, piece, index=choice.index,
-                                                            logprobs=logprobs))
-                await self._event(response, self._chunk(ident, created, chat, None, _finish(choice, end),
-                                                        index=choice.index, logprobs=none))
+                    await self._event(response, chunk(piece, index=choice.index, logprobs=logprobs))
+                await self._event(response, chunk(None, _finish(choice, end), index=choice.index, logprobs=none))
             else:
                 if decoding.include_usage:
                     await self._event(response, {"id": ident, "object": self._chunk_kind(chat), "created": created,
@@ -566,16 +570,20 @@ class OpenAiApi:
         await response.write(b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n")
 
     def _chunk(self, ident: str, created: int, chat: bool, piece: str | dict[str, str] | None,
-               finish: str | None = None, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+               finish: str | None = None, index: int = 0, logprobs: dict[str, Any] | None = None,
+               null_usage: bool = False) -> dict[str, Any]:
+        """A streamed chunk of one choice, in OpenAI's shape: `logprobs` null where the request asked for none (a chat
+        chunk's too), and `usage` null where `null_usage` (stream_options.include_usage: the usage comes last)."""
         if chat:
             delta: dict[str, str] = piece if isinstance(piece, dict) else ({"content": piece} if piece else {})
-            choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
-            if logprobs is not None:
-                choice["logprobs"] = logprobs
+            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": piece or "", "logprobs": logprobs, "finish_reason": finish}
-        return {"id": ident, "object": self._chunk_kind(chat), "created": created, "model": self.model_name,
+        body = {"id": ident, "object": self._chunk_kind(chat), "created": created, "model": self.model_name,
                 "choices": [choice]}
+        if null_usage:
+            body["usage"] = None
+        return body
 
     def _logprobs(self, choice: _Choice, chat: bool, entries: list[TokenLogprob], first: int = 0,
                   shift: int = 0) -> dict[str, Any] | None:

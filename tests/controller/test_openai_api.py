@@ -133,6 +133,7 @@ def test_completions_give_what_the_engine_gives_alone_whole_streamed_and_concurr
     assert [chunk["choices"][0]["finish_reason"] for chunk in chunks][-1] in ("stop", "length")
     assert all(chunk["choices"][0]["finish_reason"] is None for chunk in chunks[:-1])
     assert found[-2]["choices"] == [] and found[-2]["usage"]["prompt_tokens"] == len(tokenizer.encode(prompts[2]))
+    assert all("usage" in item and item["usage"] is None for item in found[:-2])  # OpenAI's: null before the last
     assert service.live_streams == 0
 
 

@@ -96,9 +96,12 @@ def test_a_chats_logprobs_and_top_logprobs_are_the_engines_whole_and_streamed(se
             [token_text(tokenizer.token_bytes(token)) for token, _ in entry.top]
         assert [alternative["logprob"] for alternative in shown["top_logprobs"]] == \
             pytest.approx([value for _, value in entry.top], abs=1e-5)
-    streamed: list[dict[str, Any]] = [entry for item in events(f"{url}/v1/chat/completions", request)[:-1]
-                                      for entry in (item["choices"][0].get("logprobs") or {}).get("content", [])]
+    found = events(f"{url}/v1/chat/completions", request)[:-1]
+    streamed: list[dict[str, Any]] = [entry for item in found for entry in item["choices"][0]["logprobs"]["content"]]
     assert streamed == content
+    # every chunk carries them, the role's first one too: empty lists where no token came, never null
+    assert found[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert found[0]["choices"][0]["logprobs"] == {"content": [], "refusal": None}
 
 
 def test_no_logprobs_unless_asked(served: tuple[str, EngineService]) -> None:
@@ -111,7 +114,8 @@ def test_no_logprobs_unless_asked(served: tuple[str, EngineService]) -> None:
     assert status == 200 and body["choices"][0]["logprobs"] is None
     found = events(f"{url}/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                                   "max_tokens": 3})
-    assert all("logprobs" not in item["choices"][0] for item in found[:-1] if item["choices"])
+    # as OpenAI's chunks: "logprobs": null on each, and no "usage" without include_usage
+    assert all(item["choices"][0]["logprobs"] is None and "usage" not in item for item in found[:-1])
 
 
 def test_a_completions_logprobs_false_asks_for_none(served: tuple[str, EngineService]) -> None:
