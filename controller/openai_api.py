@@ -310,6 +310,9 @@ class OpenAiApi:
                 ids = self.tokenizer.encode(prompt)
             except (NotUtf8Error, ValueError) as error:
                 raise ApiError(400, f"{where}: {error}", "prompt") from None
+            if not ids:  # an empty prompt where the tokenizer adds no BOS: nothing to begin from
+                raise ApiError(400, f"{where} is empty, and this model's tokenizer adds no token to begin a text "
+                                    "with: give some text", "prompt")
         else:
             ids = list(prompt)
             bad = [token for token in ids if not 0 <= token < self.spec.vocab_size]

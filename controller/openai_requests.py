@@ -189,21 +189,19 @@ def _prompts(value: object) -> tuple[str | tuple[int, ...], ...]:
     if isinstance(value, str) or (isinstance(value, list) and value and all(_is_int(token) for token in value)):
         return (_prompt(value, "prompt"),)
     if not isinstance(value, list) or not value:
-        raise ApiError(400, "prompt must be a non-empty string, a non-empty list of token ids, or a list of such "
-                            "prompts", "prompt")
+        raise ApiError(400, "prompt must be a string, a non-empty list of token ids, or a list of such prompts",
+                       "prompt")
     if len(value) > MAX_PROMPTS:
         raise ApiError(400, f"prompt lists {len(value)} prompts: at most {MAX_PROMPTS} a request", "prompt")
     return tuple(_prompt(item, f"prompt[{index}]") for index, item in enumerate(value))
 
 
 def _prompt(value: object, where: str) -> str | tuple[int, ...]:
-    if isinstance(value, str):
-        if not value:
-            raise ApiError(400, f"{where} is empty", "prompt")
+    if isinstance(value, str):  # "" too, as OpenAI takes it: the text begins at the tokenizer's BOS
         return value
     if isinstance(value, list) and value and all(_is_int(token) for token in value):
         return tuple(value)
-    raise ApiError(400, f"{where} must be a non-empty string or a non-empty list of token ids", "prompt")
+    raise ApiError(400, f"{where} must be a string or a non-empty list of token ids", "prompt")
 
 
 def _messages(value: object) -> tuple[ChatMessage, ...]:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from deskfleet.common.model_spec import load_manifest
 from deskfleet.controller.engine import EngineOptions, StreamRequest
 from deskfleet.controller.engine_service import ChainOpener, EngineService
 from deskfleet.controller.openai_api import OpenAiApi, ReplyText
+from deskfleet.controller.openai_requests import ApiError, parse_completion
 from deskfleet.controller.tokenizer import ChatMessage, ModelTokenizer
 
 from .test_engine import run_streams
@@ -291,11 +293,11 @@ def test_several_prompts_each_get_their_choices_in_order_each_as_a_request_alone
     ({"prompt": "x"}, 400, "model is required"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 10**6}, 400, "exceed the model's context"),
     ({"model": MODEL, "prompt": [1, 2, 10**7]}, 400, "outside the model's vocabulary"),
-    ({"model": MODEL, "prompt": ["a", ""]}, 400, "prompt[1] is empty"),
+    ({"model": MODEL, "prompt": ["a", []]}, 400, "prompt[1] must be a string or a non-empty list of token ids"),
     ({"model": MODEL, "prompt": ["a"] * 65}, 400, "prompt lists 65 prompts: at most 64 a request"),
-    ({"model": MODEL, "prompt": [[1, 2], "x", 5]}, 400, "prompt[2] must be a non-empty string or a non-empty list"),
+    ({"model": MODEL, "prompt": [[1, 2], "x", 5]}, 400, "prompt[2] must be a string or a non-empty list of token"),
     ({"model": MODEL, "prompt": [[1, 2], [3, 10**7]]}, 400, "prompt[1]: token id 10000000 is outside the model's"),
-    ({"model": MODEL, "prompt": []}, 400, "prompt must be a non-empty string, a non-empty list of token ids, or"),
+    ({"model": MODEL, "prompt": []}, 400, "prompt must be a string, a non-empty list of token ids, or a list of"),
     ({"model": MODEL, "prompt": "x", "temperature": 3}, 400, "temperature must be a number from 0 to 2"),
     ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "list of 1 to 4"),
     ({"model": MODEL, "prompt": "x", "stop": ["a", "x" * 1001]}, 400, "a stop sequence must be at most 1,000"),
@@ -713,3 +715,23 @@ def test_health_says_unavailable_and_why_while_no_chain_is_open(tiny_export: Pat
         assert body["status"] == "unavailable" and body["error"] == "no PC answers"
         if api_key is not None:  # without the key: the status, not the error
             assert health(url)["status"] == "unavailable" and "error" not in health(url)
+
+
+def test_an_empty_prompt_begins_at_the_tokenizers_bos(served: tuple[str, EngineService], tiny_export: Path) -> None:
+    # it was refused ("prompt is empty"), where OpenAI takes it
+    url, _ = served
+    tokenizer = ModelTokenizer(tiny_export)
+    begin = tokenizer.encode("")
+    assert begin, "the tokenizer adds no BOS: the test proves nothing"
+    tokens = run_streams(tiny_export, [StreamRequest(begin, max_new_tokens=5)])[0]
+    for prompt in ("", ["", "x"]):
+        status, body = post(f"{url}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 5,
+                                                      "temperature": 0, "ignore_eos": True})
+        assert status == 200, body
+        assert body["choices"][0]["text"] == tokenizer.decode(tokens)
+    # a tokenizer that adds nothing leaves nothing to begin from: named
+    api = OpenAiApi.__new__(OpenAiApi)
+    api.tokenizer = SimpleNamespace(encode=lambda text: [])  # type: ignore[assignment]
+    api.spec = load_manifest(tiny_export).spec
+    with pytest.raises(ApiError, match=r"prompt\[1\] is empty, and this model's tokenizer adds no token to begin"):
+        api._prepare_prompt("", parse_completion({"model": MODEL, "prompt": ""}, MODEL).decoding, "prompt[1]")
