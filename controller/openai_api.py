@@ -228,9 +228,13 @@ class OpenAiApi:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if self._hosts is not None and _host_name(request.host) not in self._hosts:
-            raise ApiError(403, f"the Host {request.host[:100]!r} is not this server's: a request through another name "
-                                "(a web page's, by DNS rebinding) is refused", kind="permission_error")
+        # the header itself: aiohttp's request.host stands in the socket's own address where there is none
+        host = request.headers.get("Host")
+        if self._hosts is not None and (host is None or _host_name(host) not in self._hosts):
+            named = "no Host header: a request must name" if host is None else \
+                f"the Host {host[:100]!r} is not this server's: a request must name"
+            raise ApiError(403, f"{named} one of {', '.join(sorted(self._hosts))} (a request through another name, a "
+                                "web page's by DNS rebinding, is refused)", kind="permission_error")
         if request.method == "POST" and request.content_type != "application/json" and \
                 request.match_info.http_exception is None:  # an unknown path or method is answered 404 / 405
             # a web page can POST text/plain or a form to any address without asking first; JSON it cannot

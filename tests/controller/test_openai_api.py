@@ -393,6 +393,15 @@ def test_a_web_page_cannot_drive_a_keyless_server(tiny_export: Path) -> None:
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request, timeout=30)
         assert refused.value.code == 403 and "DNS rebinding" in json.loads(refused.value.read())["error"]["message"]
+        # no Host header at all (HTTP/1.0): aiohttp stood the socket's address in for it, and it was answered
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=30) as raw:
+            raw.sendall(b"GET /v1/models HTTP/1.0\r\n\r\n")
+            answer = b""
+            while chunk := raw.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.0 403") and b"no Host header: a request must name one of 127.0.0.1, ::1, " \
+            b"localhost" in answer, answer[:300]
         request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json",
                                                                         "Host": "LocalHost"})
         with urllib.request.urlopen(request, timeout=30) as response:
