@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, NoReturn, cast
 
 from deskfleet.common.arguments import (
+    KeepsDashDashValues,
     describe_commands,
     option_arity,
     path_argument,
@@ -44,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(argv, stdout)
 
 
-class AgentParser(argparse.ArgumentParser):
+class AgentParser(KeepsDashDashValues):
     """argparse's, but an option no parser of the agent knows is named before any other error: `--data_dir D` read D
     as the command ("argument COMMAND: invalid choice: 'D'"), and the typo went unnamed. One before the command is
     named by the top-level parser, with its usage; one after it by the command's parser (`root` set), with the

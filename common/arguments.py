@@ -5,9 +5,24 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Container, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 MAX_BROWSE_S = 600.0  # the longest mDNS browse a --discover-seconds asks for
 FAILOVER_BROWSE_S = 1.0  # a re-plan's mDNS browse for the PCs left, unless --discover-seconds says otherwise
+
+
+class KeepsDashDashValues(argparse.ArgumentParser):
+    """An ArgumentParser that takes `--` as the value of an option given with `=` (`--prompt=--`, an SQL comment).
+    Python 3.11's argparse removes a `--` from every action's values, and an option then got an empty list for its
+    value: `--model=--` raised a TypeError with a traceback instead of naming the folder, `--prompt=--` was said to
+    be empty. Only an option can receive `--` that way (`--prompt --` leaves it no value, which argparse names), so
+    positionals keep argparse's handling."""
+
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
+        if action.option_strings and action.nargs not in (argparse.PARSER, argparse.REMAINDER) \
+                and "--" in arg_strings:
+            arg_strings = ["--", *arg_strings]  # the one argparse removes
+        return super()._get_values(action, arg_strings)
 
 
 def path_argument(text: str) -> Path:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from deskfleet.agent.allocator import run_on_jemalloc
 from deskfleet.common.arguments import (
+    KeepsDashDashValues,
     describe_commands,
     option_arity,
     path_argument,
@@ -118,7 +119,7 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{text} (default {shown.replace('%', '%%')})".lstrip()
 
 
-class CommandParser(argparse.ArgumentParser):
+class CommandParser(KeepsDashDashValues):
     """The parser of `deskfleet` and, through add_subparsers, of each of its commands.
 
     Unlike argparse's own, it takes no abbreviation of an option (`--weight` is not `--weights`), and a

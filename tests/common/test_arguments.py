@@ -63,3 +63,28 @@ KNOWN = {"-v": False, "--verbose": False, "-h": False, "--data-dir": True, "-o":
 ])
 def test_unknown_options_are_named_as_argparse_would_take_the_rest(arguments: list[str], unknown: list[str]) -> None:
     assert unknown_options(arguments, KNOWN, {"join"}) == unknown
+
+
+def test_dash_dash_is_an_options_value_given_with_equals() -> None:
+    # Python 3.11's argparse removed it from every action's values: the option got [] (a TypeError deep in the
+    # command, or "the prompt is empty" for the prompt `--`)
+    from deskfleet.common.arguments import KeepsDashDashValues
+
+    parser = KeepsDashDashValues(prog="p")
+    parser.add_argument("--prompt", action="append")
+    parser.add_argument("--model", type=Path)
+    parser.add_argument("--stops", nargs="*")
+    parser.add_argument("words", nargs="*")
+    parsed = parser.parse_args(["--prompt=--", "--prompt", "x", "--model=--", "--stops=--", "a", "--", "-z"])
+    assert parsed.prompt == ["--", "x"] and parsed.model == Path("--") and parsed.stops == ["--"]
+    assert parsed.words == ["a", "-z"]  # a positional's `--` still ends the options
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "--"])  # `--` after the option leaves it no value: argparse says so
+
+
+def test_both_command_lines_take_dash_dash_as_a_value() -> None:
+    from deskfleet.agent.cli import AgentParser
+    from deskfleet.common.arguments import KeepsDashDashValues
+    from deskfleet.controller.cli import CommandParser
+
+    assert issubclass(CommandParser, KeepsDashDashValues) and issubclass(AgentParser, KeepsDashDashValues)
