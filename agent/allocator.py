@@ -42,7 +42,7 @@ from pathlib import Path
 
 from deskfleet.agent.huge_pages import read_maps
 from deskfleet.common.devices import device_kind
-from deskfleet.common.launch import block_across_exec, restore_default_signals, unblock_stopping_signals
+from deskfleet.common.launch import block_across_exec, restore_default_signals, unblock_held_signals
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +80,13 @@ def run_on_jemalloc(device: str) -> None:
     before anything is printed or started: the process image is replaced (same PID and command line)."""
     environment = jemalloc_environment(device)
     if environment is None:  # on jemalloc already (re-executed), or not wanted
-        unblock_stopping_signals()  # blocked across the re-exec: a main() without the launcher takes them from here
+        unblock_held_signals()  # blocked across the re-exec: a main() without the launcher takes them from here
         return
     log.debug("re-executing on %s", environment[PRELOADED_VAR])
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:  # None when the shell closed it (`>&-`): nothing to flush
             stream.flush()
-    block_across_exec()  # a SIGTERM while the new interpreter starts is then said by its launcher
+    block_across_exec()  # a SIGTERM or Ctrl-C while the new interpreter starts is then taken by its launcher
     try:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
     finally:  # reached only when the exec failed

@@ -37,29 +37,45 @@ def restore_default_signals() -> None:
     called from elsewhere, or called again), and take them out of the blocked set (see block_across_exec)."""
     while _installed:
         signal.signal(_installed.pop(), signal.SIG_DFL)
-    unblock_stopping_signals()
+    unblock_held_signals()
 
 
 def block_across_exec() -> None:
-    """Block SIGTERM and SIGHUP before this process re-executes itself (agent/allocator.py, onto jemalloc): the
-    blocked set and what is pending survive the exec, and the new process's launcher takes them out of it once its
-    handlers are in, so that one that came while the new interpreter started is said, not the default's silent end
-    (a process started otherwise, such as `bench fleet`'s simulated PCs, takes them out where run_on_jemalloc
-    returns: left blocked, their SIGTERM was ignored and each PC's stop waited 10 s for a SIGKILL)."""
+    """Block SIGTERM, SIGHUP and SIGINT before this process re-executes itself (agent/allocator.py, onto jemalloc):
+    the blocked set and what is pending survive the exec, and the new process's launcher takes them out of it once
+    its handlers are in, so that one that came while the new interpreter started is said, not the default's silent
+    end, and a Ctrl-C is the 130 of one while the modules load, not Python's "Fatal Python error: init_import_site"
+    (exit 1) of one while the interpreter imports its site module. A process started otherwise, such as `bench
+    fleet`'s simulated PCs, takes them out where run_on_jemalloc returns: left blocked, their SIGTERM was ignored
+    and each PC's stop waited 10 s for a SIGKILL."""
     if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_BLOCK, _stopping())
+        signal.pthread_sigmask(signal.SIG_BLOCK, _held_across_exec())
 
 
 def _run(module: str, program: str) -> int:
-    _stop_while_loading(program)
     try:
+        _stop_while_loading(program)  # a Ctrl-C held across a re-exec arrives as it unblocks it
         main: Callable[[], int] = importlib.import_module(module).main
     except BaseException as error:
         restore_default_signals()
-        if isinstance(error, KeyboardInterrupt):
+        if interrupted(error):
             return INTERRUPTED_EXIT
         raise
     return main()  # which calls restore_default_signals once its arguments are read
+
+
+def interrupted(error: BaseException) -> bool:
+    """Whether `error` is a Ctrl-C's KeyboardInterrupt or was raised because of one: OpenVINO's package turns one
+    that lands in its import into `ImportError: initialization failed`, its cause the KeyboardInterrupt (that ended
+    a Ctrl-C with a 30-line traceback and exit 1)."""
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        if isinstance(link, KeyboardInterrupt):
+            return True
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return False
 
 
 def _stop_while_loading(program: str) -> None:
@@ -79,13 +95,18 @@ def _stop_while_loading(program: str) -> None:
         if signal.getsignal(signum) is signal.SIG_DFL:
             signal.signal(signum, stop)
             _installed.append(signum)
-    unblock_stopping_signals()
+    unblock_held_signals()
 
 
 def _stopping() -> list[int]:
     return [signum for name in ("SIGTERM", "SIGHUP") if (signum := getattr(signal, name, None)) is not None]
 
 
-def unblock_stopping_signals() -> None:
+def _held_across_exec() -> list[int]:
+    return [*_stopping(), signal.SIGINT]
+
+
+def unblock_held_signals() -> None:
+    """Take the signals block_across_exec held out of the blocked set: one that came meanwhile is delivered now."""
     if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _stopping())
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _held_across_exec())

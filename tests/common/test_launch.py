@@ -90,3 +90,48 @@ def test_a_sigterm_as_the_process_re_executes_itself_is_said_by_the_new_one() ->
             f"os.execv(sys.executable, [sys.executable, '-c', {after!r}])\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert (run.returncode, run.stderr) == (143, "deskfleet: stopped by SIGTERM\n")
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no signal masks on Windows")
+def test_a_ctrl_c_as_the_process_re_executes_itself_is_the_new_ones_quiet_130() -> None:
+    # a Ctrl-C while the new interpreter imported its site module was Python's "Fatal Python error:
+    # init_import_site" and exit 1: it is held across the exec, and arrives where the launcher takes it
+    after = _IMPORT_THEN.format(during="pass")
+    code = ("import os, signal, sys\nfrom deskfleet.common import launch\nlaunch.block_across_exec()\n"
+            "os.kill(os.getpid(), signal.SIGINT)  # pending, across the exec\n"
+            f"os.execv(sys.executable, [sys.executable, '-c', {after!r}])\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (run.returncode, run.stderr) == (130, "")
+
+
+def test_a_ctrl_c_that_a_library_wraps_in_its_import_error_exits_130(monkeypatch: pytest.MonkeyPatch) -> None:
+    # OpenVINO's package turns a KeyboardInterrupt in its import into `ImportError: initialization failed`: a
+    # 30-line traceback and exit 1
+    def wrapped(name: str) -> types.ModuleType:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as error:
+            raise ImportError("initialization failed") from error
+
+    monkeypatch.setattr(importlib, "import_module", wrapped)
+    assert launch.deskfleet() == 130
+
+    def broken(name: str) -> types.ModuleType:
+        raise ImportError("no module named openvino")
+
+    monkeypatch.setattr(importlib, "import_module", broken)
+    with pytest.raises(ImportError, match="no module named openvino"):
+        launch.deskfleet()
+
+
+def test_interrupted_follows_causes_and_contexts_and_ends_on_a_cycle() -> None:
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("while stopping")  # noqa: B904 (the context is the point)
+    except RuntimeError as error:
+        assert launch.interrupted(error)
+    first, second = ValueError("a"), ValueError("b")
+    first.__context__, second.__context__ = second, first
+    assert not launch.interrupted(first)
