@@ -58,24 +58,24 @@ def _run(module: str, program: str) -> int:
         main: Callable[[], int] = importlib.import_module(module).main
     except BaseException as error:
         restore_default_signals()
-        if interrupted(error):
+        if interruption(error) is not None:
             return INTERRUPTED_EXIT
         raise
     return main()  # which calls restore_default_signals once its arguments are read
 
 
-def interrupted(error: BaseException) -> bool:
-    """Whether `error` is a Ctrl-C's KeyboardInterrupt or was raised because of one: OpenVINO's package turns one
-    that lands in its import into `ImportError: initialization failed`, its cause the KeyboardInterrupt (that ended
-    a Ctrl-C with a 30-line traceback and exit 1)."""
+def interruption(error: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C's KeyboardInterrupt that `error` is, or was raised because of (its causes and contexts); None where
+    there is none. OpenVINO's package turns one that lands in its import into `ImportError: initialization failed`,
+    its cause the KeyboardInterrupt (that ended a Ctrl-C with a 30-line traceback and exit 1)."""
     seen: set[int] = set()
     link: BaseException | None = error
     while link is not None and id(link) not in seen:
         if isinstance(link, KeyboardInterrupt):
-            return True
+            return link
         seen.add(id(link))
         link = link.__cause__ or link.__context__
-    return False
+    return None
 
 
 def _stop_while_loading(program: str) -> None:

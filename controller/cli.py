@@ -32,7 +32,7 @@ from deskfleet.common.console import (
     tolerate_unencodable,
     watched_stdout,
 )
-from deskfleet.common.launch import restore_default_signals
+from deskfleet.common.launch import interruption, restore_default_signals
 from deskfleet.common.logprobs import MAX_TOP_LOGPROBS
 from deskfleet.common.model_spec import MAX_SPEC_VALUE, ManifestError, WeightFormat
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
@@ -401,6 +401,10 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
             raise
         print(f"deskfleet: error: {missing}", file=sys.stderr)
         return 2
+    except ImportError as error:  # OpenVINO's, of a Ctrl-C that landed in its import
+        if interruption(error) is None:
+            raise
+        return 130
     args = parser.parse_args(argv)
     restore_default_signals()  # SIGTERM / SIGHUP: the launcher's while the modules loaded, each command's from here
     if sys.stdout is None:  # started with standard output closed (`>&-`): every command's text or JSON goes there
@@ -425,6 +429,11 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
             raise missing from error
     except KeyboardInterrupt as stopped:  # Ctrl-C: 130; SIGTERM / SIGHUP where a command unwinds on them: 143 / 129
         return exit_status(stopped)
+    except ImportError as error:  # a module a command imports as it runs (OpenVINO) wrapped a Ctrl-C in its own
+        wrapped = interruption(error)
+        if wrapped is None:
+            raise
+        return exit_status(wrapped)
     except BrokenPipeError:  # the reader of our output left (e.g. `| head`): stop quietly, as `yes | head` does
         silence_stdout()
         return BROKEN_PIPE_EXIT

@@ -124,14 +124,14 @@ def test_a_ctrl_c_that_a_library_wraps_in_its_import_error_exits_130(monkeypatch
         launch.deskfleet()
 
 
-def test_interrupted_follows_causes_and_contexts_and_ends_on_a_cycle() -> None:
+def test_the_interruption_is_found_through_causes_and_contexts_and_a_cycle_ends_the_search() -> None:
     try:
         try:
             raise KeyboardInterrupt
         except KeyboardInterrupt:
             raise RuntimeError("while stopping")  # noqa: B904 (the context is the point)
     except RuntimeError as error:
-        assert launch.interrupted(error)
+        assert isinstance(launch.interruption(error), KeyboardInterrupt)
     first, second = ValueError("a"), ValueError("b")
     first.__context__, second.__context__ = second, first
-    assert not launch.interrupted(first)
+    assert launch.interruption(first) is None

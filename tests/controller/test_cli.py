@@ -742,3 +742,31 @@ def test_generate_takes_a_logit_bias(tiny_export: Path, capsys: pytest.CaptureFi
         except SystemExit as exited:  # argparse's type errors exit 2 themselves
             code, err = int(exited.code or 0), capsys.readouterr().err
         assert code == 2 and says in err, (bad, err)
+
+
+def _wrapped_ctrl_c(*args: object) -> Any:
+    """What OpenVINO's package raises when a Ctrl-C lands in its import."""
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as error:
+        raise ImportError("initialization failed") from error
+
+
+def test_a_ctrl_c_that_an_import_wraps_ends_the_command_with_130(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    # it ended with a 30-line traceback and exit 1, whether it landed as the commands' modules loaded or as a
+    # command imported OpenVINO
+    from deskfleet.controller import cli
+
+    monkeypatch.setattr(cli, "check_extras", _wrapped_ctrl_c)
+    assert main(["generate", "--model", "m", "--prompt", "x"]) == 130
+    monkeypatch.setattr(cli, "build_parser", _wrapped_ctrl_c)
+    assert main(["generate", "--model", "m", "--prompt", "x"]) == 130
+    assert capsys.readouterr().err == ""
+
+    def broken(*args: object) -> Any:
+        raise ImportError("libopenvino.so: cannot open shared object file")
+
+    monkeypatch.setattr(cli, "build_parser", broken)
+    with pytest.raises(ImportError, match="cannot open shared object file"):  # any other stays what it is
+        main(["generate", "--model", "m", "--prompt", "x"])
