@@ -29,7 +29,7 @@ from deskfleet.common.console import (
     tolerate_unencodable,
     watched_stdout,
 )
-from deskfleet.common.launch import restore_default_signals
+from deskfleet.common.launch import interruption, restore_default_signals
 
 log = logging.getLogger("deskfleet.agent")
 # What only a controller's data dir holds (controller/fleet_store.py): an agent joined into one mixed the two
@@ -165,6 +165,10 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
             return _headless(args)
         parser.error("give a command (join, pause, resume) or --headless (the tray is not part of this build)")
     except KeyboardInterrupt:
+        return 130
+    except ImportError as error:  # OpenVINO's, of a Ctrl-C that landed in its import as the agent started
+        if interruption(error) is None:
+            raise
         return 130
     except (EnrollmentError, SettingsError, JoinTokenError, PkiError, ProtocolError, EventLoopError,
             OSError, ValueError) as error:
