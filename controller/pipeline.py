@@ -127,9 +127,13 @@ class LocalPipeline:
         self._workers = [] if self._inline else [
             _StageWorker(index, executor, self._queues[index], self._queues[index + 1])
             for index, executor in enumerate(executors)]
-        for worker in self._workers:
-            worker.start()
         self._closed = False
+        try:
+            for worker in self._workers:
+                worker.start()
+        except BaseException:  # a Ctrl-C as Thread.start waits for its thread to run: stop those started
+            self.close()
+            raise
 
     @property
     def num_stages(self) -> int:
@@ -205,16 +209,34 @@ class LocalPipeline:
         self._ids.renumber()
 
     def close(self) -> None:
+        """Stop the stage workers and wait for them. A worker left running holds its stage, and a compiled model
+        still alive as the interpreter exits is torn down by the CPU plugin's threads with "terminate called without
+        an active exception" (exit 134): a second Ctrl-C during the join (`timeout -s INT` sends one to the process
+        and one to its group) abandoned the workers of an 8-stage run so. So the join goes on through a Ctrl-C
+        (a worker ends once its step is done), and the Ctrl-C is raised after it."""
         if self._closed:
             return
         self._closed = True
         if self._inline is None:
             self._queues[0].put(_STOP)
+        interrupted: KeyboardInterrupt | None = None
         for worker in self._workers:
-            worker.join()
+            while worker.ident is not None and worker.is_alive():
+                try:
+                    worker.join()
+                except KeyboardInterrupt as error:
+                    interrupted = interrupted or error
+        if interrupted is not None:
+            raise interrupted
 
     def __enter__(self) -> LocalPipeline:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
+        try:
+            self.close()
+        except KeyboardInterrupt:
+            if exc is None:
+                raise
+            # a second Ctrl-C as the stages stop: the run's own exception goes on (a first Ctrl-C's carries what
+            # the streams had made)

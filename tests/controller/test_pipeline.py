@@ -95,3 +95,46 @@ def test_a_micro_batch_released_with_a_step_in_flight_drops_its_result(tiny_expo
         assert (result.micro_batch_id, result.step_id, result.next_token_ids) == (1, 0, expected)
         pipeline.release(1)
     assert pipeline.micro_batches == (0,) * stages
+
+
+def test_a_ctrl_c_during_close_still_stops_every_stage_worker(tiny_export: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # a second Ctrl-C while close() joined the workers (`timeout -s INT` sends two) left the rest running, their
+    # compiled stages alive at the interpreter's exit: "terminate called without an active exception", exit 134
+    pipeline = LocalPipeline(tiny_export, 3, F32)
+    workers = list(pipeline._workers)
+    join = threading.Thread.join
+    calls: list[str] = []
+
+    def interrupted_once(self: threading.Thread, timeout: float | None = None) -> None:
+        calls.append(self.name)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        join(self, timeout)
+
+    monkeypatch.setattr(threading.Thread, "join", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.close()
+    assert not any(worker.is_alive() for worker in workers) and len(calls) == 4  # the first joined again
+    # leaving a `with` through another exception: that exception goes on, not the second Ctrl-C
+    calls.clear()
+    with pytest.raises(ValueError, match="the run's own"):
+        with LocalPipeline(tiny_export, 2, F32):
+            raise ValueError("the run's own")
+    assert len(calls) == 3
+
+
+def test_a_ctrl_c_as_the_workers_start_stops_those_started(tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    start = threading.Thread.start
+    started: list[threading.Thread] = []
+
+    def interrupted_third(self: threading.Thread) -> None:
+        if len(started) == 2:
+            raise KeyboardInterrupt
+        start(self)
+        started.append(self)
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted_third)
+    with pytest.raises(KeyboardInterrupt):
+        LocalPipeline(tiny_export, 3, F32)
+    assert len(started) == 2 and not any(worker.is_alive() for worker in started)
