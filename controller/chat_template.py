@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from typing import IO, Any
 
 RENDER_TIMEOUT_S = 10.0
@@ -40,7 +41,12 @@ RENDER_BATCH_CHARS = 64_000_000
 
 
 class ChatTemplateError(ValueError):
-    """The model has no usable chat template, or the template failed or refused the conversation."""
+    """The model has no usable chat template, or the template failed or refused the conversation. `conversation`:
+    which of the conversations a render was given it failed on (from 0), where it failed on one."""
+
+    def __init__(self, message: str, conversation: int | None = None) -> None:
+        super().__init__(message)
+        self.conversation = conversation
 
 
 class ChatTemplateRefusal(ChatTemplateError):
@@ -50,7 +56,7 @@ class ChatTemplateRefusal(ChatTemplateError):
 
 def render_isolated(template: str, conversations: list[dict[str, Any]]) -> list[str]:
     """Each conversation's `template.render(**conversation)`, rendered in child processes (one per batch)."""
-    return [text for batch in _batches(conversations) for text in _render_in_child(template, batch)]
+    return _render_batches(conversations, lambda batch: _render_in_child(template, batch))
 
 
 class TemplateRenderer:
@@ -76,7 +82,7 @@ class TemplateRenderer:
 
     def render(self, template: str, conversations: list[dict[str, Any]]) -> list[str]:
         """Each conversation's `template.render(**conversation)`, as render_isolated gives it."""
-        return [text for batch in _batches(conversations) for text in self._render_batch(template, batch)]
+        return _render_batches(conversations, lambda batch: self._render_batch(template, batch))
 
     def close(self) -> None:
         child, self._child = self._child, None
@@ -167,6 +173,20 @@ def _read_answers(stdout: IO[str] | None, answers: queue.Queue[str | None]) -> N
     answers.put(None)
 
 
+def _render_batches(conversations: list[dict[str, Any]],
+                    render: Callable[[list[dict[str, Any]]], list[str]]) -> list[str]:
+    """`render` of each batch (_batches), in order; an error's `conversation` counted in all of them."""
+    texts: list[str] = []
+    for batch in _batches(conversations):
+        try:
+            texts += render(batch)
+        except ChatTemplateError as error:
+            if error.conversation is not None:
+                error.conversation += len(texts)
+            raise
+    return texts
+
+
 def _batches(conversations: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """`conversations` in order, in batches of at most RENDER_BATCH_CONVERSATIONS and RENDER_BATCH_CHARS of
     message text (a conversation longer than that alone is a batch of its own)."""
@@ -202,8 +222,10 @@ def _render_in_child(template: str, conversations: list[dict[str, Any]]) -> list
 
 
 def _error_of(answer: dict[str, Any]) -> ChatTemplateError:
-    """The error a child's answer carries, a refusal as such."""
-    return (ChatTemplateRefusal if answer.get("refused") else ChatTemplateError)(str(answer["error"]))
+    """The error a child's answer carries, a refusal as such, with the conversation it failed on."""
+    conversation = answer.get("conversation")
+    return (ChatTemplateRefusal if answer.get("refused") else ChatTemplateError)(
+        str(answer["error"]), conversation if isinstance(conversation, int) else None)
 
 
 # The child's side
@@ -220,24 +242,27 @@ def _render_all(template: str, conversations: list[dict[str, Any]]) -> list[str]
 
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     environment.globals["raise_exception"] = raise_exception
-    texts = []
+    texts: list[str] = []
+    compiled = None
     try:
         compiled = environment.from_string(template)
-        for conversation in conversations:
+        for conversation in conversations:  # an error below names this one: len(texts)
             chunks, length = [], 0
             for chunk in compiled.generate(**conversation):
                 length += len(chunk)
                 if length > MAX_RENDERED_CHARS:
-                    raise ChatTemplateError(f"the chat template renders more than {MAX_RENDERED_CHARS} characters")
+                    raise ChatTemplateError(f"the chat template renders more than {MAX_RENDERED_CHARS} characters",
+                                            len(texts))
                 chunks.append(chunk)
             texts.append("".join(chunks))
     except TemplateRaised as error:  # the template's own refusal, e.g. roles that do not alternate
-        raise ChatTemplateRefusal(f"the chat template refused the conversation: {error}") from None
+        raise ChatTemplateRefusal(f"the chat template refused the conversation: {error}", len(texts)) from None
     except (TemplateError, ArithmeticError, TypeError, ValueError, LookupError, AttributeError,
             RecursionError) as error:  # a MemoryError goes up to main(): the cap, said as such
         if isinstance(error, ChatTemplateError):
             raise
-        raise ChatTemplateError(f"the chat template failed: {type(error).__name__}: {error}") from None
+        failed_on = len(texts) if compiled is not None else None  # one that does not compile fails on none
+        raise ChatTemplateError(f"the chat template failed: {type(error).__name__}: {error}", failed_on) from None
     return texts
 
 
@@ -267,7 +292,8 @@ def _answer(request_text: str) -> dict[str, Any]:
     try:
         return {"texts": _render_all(request["template"], request["conversations"])}
     except ChatTemplateError as error:
-        return {"error": str(error), "refused": isinstance(error, ChatTemplateRefusal)}
+        return {"error": str(error), "refused": isinstance(error, ChatTemplateRefusal),
+                "conversation": error.conversation}
     except MemoryError:  # the child ends after answering: what the failed allocations left is not to be trusted
         return {"error": f"the chat template needed more than {RENDER_MEMORY_BYTES >> 30} GiB to render", "ended": True}
 

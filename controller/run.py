@@ -59,7 +59,7 @@ class GenerateOptions(DecodingOptions):
 def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[tuple[str, list[int]]]:
     """Each prompt's token ids, with the label that an error about it starts with: "--prompt", "--prompt #2"
     (the second of several), "line 37 of --prompts-file F" or "--prompt-ids #1"."""
-    from .tokenizer import ChatMessage, check_utf8
+    from .tokenizer import ChatMessage, ChatTemplateError, check_utf8
 
     if options.prompt_ids is not None:
         return list(zip(_option_labels("--prompt-ids", len(options.prompt_ids)), options.prompt_ids, strict=True))
@@ -85,7 +85,12 @@ def encode_prompts(options: GenerateOptions, tokenizer: ModelTokenizer) -> list[
     if options.chat:
         tokenizer.require_chat_template(f"--chat: {options.model} has no chat template; leave out --chat to give "
                                         "it the prompts as written")
-        rendered = tokenizer.render_chats([[ChatMessage("user", text)] for _, text in texts])  # one child process
+        try:
+            rendered = tokenizer.render_chats([[ChatMessage("user", text)] for _, text in texts])  # one child process
+        except ChatTemplateError as error:  # of 10,000 lines, which one the template refused
+            if error.conversation is None:
+                raise
+            raise type(error)(f"{texts[error.conversation][0]}: {error}") from None
         return [(what, tokenizer.encode(text, add_special_tokens=False))
                 for (what, _), text in zip(texts, rendered, strict=True)]
     return [(what, tokenizer.encode(text)) for what, text in texts]

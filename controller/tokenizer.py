@@ -164,7 +164,7 @@ class ModelTokenizer:
         except ChatTemplateRefusal:  # the template's words about the conversation: no file to fix
             raise
         except ChatTemplateError as error:  # which file to fix: "TemplateSyntaxError: ..." alone named none
-            raise ChatTemplateError(f"{self._template_source}: {error}") from None
+            raise ChatTemplateError(f"{self._template_source}: {error}", error.conversation) from None
         return [self._restored(text, base) for text in texts]
 
     def end_of_turn_ids(self) -> frozenset[int]:

@@ -881,3 +881,37 @@ def test_a_chain_that_does_not_open_again_for_a_pc_back_costs_one_message_not_th
     assert "reply" in replies[0] and "reply" in replies[2] and "reply" in replies[3]
     assert replies[1]["error"].startswith("the chain could not be opened again (agent b: cannot reach")
     assert len(opened) == 3  # the message after the failed reopening opened it again
+
+
+def test_generate_chat_names_the_prompt_the_template_refused(tmp_path: Path, tiny_export: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # "the chat template refused the conversation: no bad words", and which of 10,000 lines it was left to guess
+    model = _chat_model(tmp_path, tiny_export)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if 'bad' in m.content %}{{ raise_exception('no bad words') }}{% endif %}"
+        "{% endfor %}" + CHAT_TEMPLATE)
+    common = ["generate", "--model", str(model), "--chat", "--max-new-tokens", "1"]
+    assert main([*common, "--prompt", "ok", "--prompt", "ok2", "--prompt", "bad"]) == 2
+    assert "deskfleet: error: --prompt #3: the chat template refused the conversation: no bad words" in \
+        capsys.readouterr().err
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("fine\n\nalso fine\nbad one\n")
+    assert main([*common, "--prompts-file", str(prompts)]) == 2
+    assert f"deskfleet: error: line 4 of --prompts-file {prompts}: the chat template refused" in capsys.readouterr().err
+
+
+def test_a_render_error_names_its_conversation_across_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deskfleet.controller import chat_template
+    from deskfleet.controller.chat_template import ChatTemplateRefusal, render_isolated
+
+    monkeypatch.setattr(chat_template, "RENDER_BATCH_CONVERSATIONS", 2)  # 5 conversations: 3 child processes
+    template = ("{% if messages[0].content == 'no' %}{{ raise_exception('refused') }}{% endif %}"
+                "{{ messages[0].content }}")
+    conversations = [{"messages": [{"role": "user", "content": text}]} for text in ("a", "b", "c", "no", "e")]
+    with pytest.raises(ChatTemplateRefusal) as refused:
+        render_isolated(template, conversations)
+    assert refused.value.conversation == 3
+    with pytest.raises(chat_template.ChatTemplateError) as failed:
+        render_isolated("{% for %}", conversations)  # one that does not compile fails on none
+    assert failed.value.conversation is None
+    assert render_isolated(template, conversations[:3]) == ["a", "b", "c"]
