@@ -24,6 +24,7 @@ from deskfleet.common.arguments import (
 from deskfleet.common.console import (
     WatchedStream,
     flush_stdout,
+    forgiving_stderr,
     open_missing_stderr,
     silence_stdout,
     tolerate_unencodable,
@@ -41,7 +42,7 @@ CONTROLLER_FILES = ("fleet.json", "ca-key.pem")
 def main(argv: Sequence[str] | None = None) -> int:
     open_missing_stderr()
     tolerate_unencodable(sys.stdout, sys.stderr)  # hostnames and paths on a Windows code page
-    with watched_stdout() as stdout:
+    with forgiving_stderr(), watched_stdout() as stdout:
         return _main(argv, stdout)
 
 

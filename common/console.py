@@ -38,6 +38,49 @@ def open_missing_stderr() -> None:
         sys.stderr = open(os.devnull, "w", encoding="utf-8")  # for the rest of the process
 
 
+class ForgivingStream:
+    """Standard error for a command: a write or flush it cannot make (a full disk, `2>/dev/full`, a log file on a
+    share that went away) is dropped, not raised. A note or a progress line that failed so turned a finished run
+    into exit 1 (`generate`'s closing line), and ended a scripted chat after its first reply (the note that a reply
+    was cut); whoever sent standard error where it cannot be written gets what a closed one gives (see
+    open_missing_stderr): the result, and the exit status. Everything else is the wrapped stream's."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError:
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError:
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+@contextmanager
+def forgiving_stderr() -> Iterator[None]:
+    """sys.stderr as a ForgivingStream for the block (after open_missing_stderr and tolerate_unencodable), then
+    as it was."""
+    original = sys.stderr
+    if original is None or isinstance(original, ForgivingStream):
+        yield
+        return
+    forgiving = ForgivingStream(original)
+    sys.stderr = cast(TextIO, forgiving)
+    try:
+        yield
+    finally:
+        if sys.stderr is forgiving:
+            sys.stderr = original
+
+
 class WatchedStream:
     """A text stream that remembers the last OSError its write or flush raised (and raises it on), so that a
     command's error handler can tell "standard output refused the result" (a full disk, `> /dev/full`) from

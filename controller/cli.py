@@ -26,6 +26,7 @@ from deskfleet.common.console import (
     WatchedStream,
     ctrl_c_held,
     flush_stdout,
+    forgiving_stderr,
     open_missing_stderr,
     print_whole,
     silence_stdout,
@@ -98,7 +99,7 @@ def log_format(with_times: bool) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     open_missing_stderr()
     tolerate_unencodable(sys.stdout, sys.stderr)  # a reply or a table on a Windows code page
-    with watched_stdout() as stdout:
+    with forgiving_stderr(), watched_stdout() as stdout:
         return _main(argv, stdout)
 
 

@@ -134,3 +134,49 @@ def test_a_service_stops_on_sighup_unless_nohup_ignores_it() -> None:
         assert stopping_signals() == [signal.SIGINT, signal.SIGTERM]
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+class _FullDisk(io.StringIO):
+    """A stream on a full disk (`2>/dev/full`): every write and flush fails."""
+
+    def write(self, text: str) -> int:
+        raise OSError(28, "No space left on device")
+
+    def flush(self) -> None:
+        raise OSError(28, "No space left on device")
+
+
+def test_standard_error_that_cannot_be_written_drops_the_text_and_the_command_goes_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # generate's closing line to `2>/dev/full` turned a finished run into exit 1, and chat's note that a reply was
+    # cut ended a scripted chat after its first reply
+    import sys
+
+    from deskfleet.common.console import ForgivingStream, forgiving_stderr
+
+    full = _FullDisk()
+    monkeypatch.setattr(sys, "stderr", full)
+    with forgiving_stderr():
+        assert isinstance(sys.stderr, ForgivingStream)
+        print("[3 tokens, 250 tok/s]", file=sys.stderr)  # raises nothing
+        sys.stderr.flush()
+        with forgiving_stderr():  # nested: not wrapped twice
+            assert sys.stderr.stream is full  # type: ignore[attr-defined]
+    assert sys.stderr is full
+    with pytest.raises(OSError):
+        print("x", file=sys.stderr)  # outside the block, the stream as it was
+
+
+def test_both_command_lines_forgive_their_standard_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from deskfleet.agent.cli import main as agent_main
+    from deskfleet.controller.cli import main
+
+    monkeypatch.setattr(sys, "stderr", _FullDisk())
+    # errors said to a full disk: the status still tells, and no OSError is raised saying them
+    assert main(["generate", "--model", "/nonexistent/deskfleet-test", "--prompt", "x"]) == 2
+    assert agent_main(["pause", "--data-dir", "/nonexistent/deskfleet-test"]) == 2
+    with pytest.raises(SystemExit) as usage:
+        main(["generate"])  # argparse's usage and error, then its exit
+    assert usage.value.code == 2
