@@ -470,6 +470,14 @@ def _add_fleet_bench_command(benches: argparse._SubParsersAction[argparse.Argume
     add_fleet_bench_command(benches)
 
 
+def _drafting_figures(report: dict[str, object]) -> str:
+    """The closing line's words on drafting: the mean accepted, or that no round drafted; none without a drafter."""
+    if "mean_accepted" not in report:
+        return ""
+    mean = report["mean_accepted"]
+    return f", mean accepted {mean:.2f}" if isinstance(mean, float) else ", no drafted round"
+
+
 def _end_interrupted_line(interrupted: KeyboardInterrupt, as_json: bool) -> None:
     """End the line a Ctrl-C left: the streamed text's (mid-line), as a finished run does, and the terminal's, where
     it echoed ^C, so that the shell's prompt starts on its own. --json has written nothing to stdout, where nothing
@@ -664,7 +672,7 @@ def _generate(args: argparse.Namespace) -> int:
         # one stream's speed is its decoding's, after the first token: none to show for a 1-token run (null)
         print(f"[{tokens} token{'' if tokens == 1 else 's'}" + (f", {tok_s:.1f} tok/s" if tok_s else "")
               + f", {report['stages']} stage(s)"
-              + (f", mean accepted {report['mean_accepted']:.2f}" if "mean_accepted" in report else "")
+              + _drafting_figures(report)
               + (f", seed {report['seed']}" if "seed" in report else "") + "]",
               file=sys.stderr)
     return 0

@@ -303,7 +303,9 @@ def _report(engine: Engine, tokenizer: ModelTokenizer, results: dict[int, Stream
     streams: list[dict[str, object]] = [
         {"label": label, "tokens": result.tokens, "text": tokenizer.decode(result.tokens),
          "tok_s": _rounded(result.decode_tok_s), "prompt_tokens": result.prompt_tokens,
-         "first_token_s": round(result.first_token_s, 4), "stopped_by_eos": result.stopped_by_eos}
+         # null for a stream a Ctrl-C stopped before its first token: 0.0 read as a token at once
+         "first_token_s": round(result.first_token_s, 4) if result.tokens else None,
+         "stopped_by_eos": result.stopped_by_eos}
         for label, result in zip(labels, results.values(), strict=True)]
     for stream, result in zip(streams, results.values(), strict=True):
         if result.logprobs is not None:  # --logprobs: one entry a token, the alternatives most likely first
@@ -337,9 +339,11 @@ def _add_run_figures(report: dict[str, object], engine: Engine, options: Generat
     if recovered:
         report["failovers"] = [asdict(failover) for failover in engine.failovers]
     if drafted:
-        report["accepted_histogram"] = {str(k): v for k, v in engine.accepted_histogram().items()}
-        report["mean_accepted"] = round(engine.mean_accepted(), 4)
-        report["mean_k"] = round(engine.mean_k(), 4)
+        histogram = engine.accepted_histogram()
+        report["accepted_histogram"] = {str(k): v for k, v in histogram.items()}
+        # means over no drafted round (a 1-token run, a Ctrl-C before any) are null: 0.0 read as nothing accepted
+        report["mean_accepted"] = round(engine.mean_accepted(), 4) if histogram else None
+        report["mean_k"] = round(engine.mean_k(), 4) if histogram else None
 
 
 def _unescape(match: re.Match[str]) -> str:

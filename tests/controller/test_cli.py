@@ -123,6 +123,32 @@ def test_generate_with_prompt_lookup_reports_its_rounds(tiny_export: Path,
     assert 1.0 <= report["mean_k"] <= 3.0  # lookup proposes up to K (3) tokens a round, never none in a round
 
 
+def test_a_drafter_with_no_drafted_round_reports_no_means(tiny_export: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    # "mean_accepted": 0.0 and "mean accepted 0.00" read as a drafter whose every token was rejected
+    argv = ["generate", "--model", str(tiny_export), "--prompt-ids", "1,5,6", "--max-new-tokens", "1",
+            "--prompt-lookup"]
+    code, out, _ = run(capsys, *argv, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["accepted_histogram"] == {}
+    assert report["mean_accepted"] is None and report["mean_k"] is None
+    code, _, err = run(capsys, *argv)
+    assert code == 0 and err.rstrip().endswith("no drafted round]") and "mean accepted" not in err
+
+
+def test_a_stream_stopped_before_its_first_token_has_no_first_token_time() -> None:
+    from types import SimpleNamespace
+
+    from deskfleet.controller.engine import StreamResult
+    from deskfleet.controller.run import _report
+
+    results = {0: StreamResult(0, [5, 6], 3, 0.25, 0.5, False), 1: StreamResult(1, [], 3, 0.0, 0.0, False)}
+    tokenizer = SimpleNamespace(decode=lambda tokens: "x" * len(tokens))
+    engine = SimpleNamespace(chain=None)
+    report = _report(engine, tokenizer, results, 1.0, 1, None, False, ["a", "b"])  # type: ignore[arg-type]
+    assert [stream["first_token_s"] for stream in report["streams"]] == [0.25, None]  # type: ignore[index]
+
+
 def test_draft_and_prompt_lookup_together_copy_first(tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # The model drafts for itself where the context has no match: every round is accepted in full or
     # copied, and the tokens are the plain ones.
