@@ -198,7 +198,9 @@ class TokenLedger:
         self._records.append(IssuedSecret(_digest(secret), expires_at, uses))
 
     def redeem(self, secret: bytes, now: datetime.datetime, agent_id: str) -> None:
-        """Spend one use of `secret` for `agent_id`, or raise TokenRejected (the ledger is then unchanged)."""
+        """Spend one use of `secret` for `agent_id`, or raise TokenRejected (the ledger is then unchanged). An agent
+        that joined with it already (the same key: a rollout script run again, a join again for another hostname)
+        spends none: `--uses` counts PCs, and a 10-use token run twice on one PC let only 8 others join."""
         digest = _digest(secret)
         match = -1
         for index, record in enumerate(self._records):  # no early exit: constant work per record
@@ -209,6 +211,8 @@ class TokenLedger:
         record = self._records[match]
         if now >= record.expires_at:
             raise TokenRejected(Rejection.EXPIRED)
+        if record.redeemed_by is not None and agent_id in record.redeemed_by:
+            return
         if record.uses_left < 1:
             raise TokenRejected(Rejection.USED_UP)
         redeemed_by = None if record.redeemed_by is None else (*record.redeemed_by, agent_id)

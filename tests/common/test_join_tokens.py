@@ -97,11 +97,15 @@ def test_ledger_spends_uses_and_honours_expiry() -> None:
     ledger.issue(other, NOW + datetime.timedelta(minutes=1))
     assert all(SECRET.hex() not in repr(record) for record in ledger.records)
     ledger.redeem(SECRET, NOW, AGENT)
+    ledger.redeem(SECRET, NOW, AGENT)  # the same PC again (a script run twice): no use spent
+    assert ledger.records[0].uses_left == 1
     ledger.redeem(SECRET, NOW, OTHER_AGENT)
     assert ledger.records[0].redeemed_by == (AGENT, OTHER_AGENT)
     with pytest.raises(jt.TokenRejected) as used_up:
-        ledger.redeem(SECRET, NOW, AGENT)
+        ledger.redeem(SECRET, NOW, "c" * 52)
     assert used_up.value.reason is jt.Rejection.USED_UP
+    ledger.redeem(SECRET, NOW, OTHER_AGENT)  # one of its PCs joining again, after the last use: taken, as before it
+    assert ledger.records[0].uses_left == 0
     with pytest.raises(jt.TokenRejected) as unknown:
         ledger.redeem(b"\x02" * 32, NOW, AGENT)
     assert unknown.value.reason is jt.Rejection.UNKNOWN
