@@ -331,20 +331,26 @@ class FleetStore:
                               for agent_id, entry in sorted(entries.items())})
 
     def resolve_agent(self, name: str, removed: Container[str] = ()) -> str:
-        """An agent id from a full id, a unique id prefix (>= MIN_ID_PREFIX characters) or a unique hostname. Of
-        several matches, the ids in `removed` are left out where others remain: a PC removed and joined again as a
-        new agent keeps its hostname, and its old id stays in the roster."""
+        """An agent id from a full id, a unique id prefix (>= MIN_ID_PREFIX characters) or a unique hostname. A
+        hostname that only agents in `removed` have gives one of them (removing it again says so). One that a
+        removed agent and a live one share is refused, naming the live one's id: a PC removed and joined again keeps
+        its name, but so does the other of two PCs that shared one, and which it is the roster cannot tell (taking
+        the live one removed the second PC, for good, when the first was removed again by name)."""
         roster = self.roster()
         if name in roster:
             return name
         matches = {agent_id for agent_id, entry in roster.items()
                    if (len(name) >= MIN_ID_PREFIX and agent_id.startswith(name.lower())) or entry.hostname == name}
         if len(matches) > 1 and all(roster[agent_id].hostname == name for agent_id in matches):  # one name, not
-            # an id prefix (which could then pick an unrelated PC for a removal, which is for good)
-            live = {agent_id for agent_id in matches if agent_id not in removed}
+            # an id prefix (which could then pick an unrelated PC)
+            live = sorted(agent_id for agent_id in matches if agent_id not in removed)
             if not live:  # every one removed: removing it again says so
                 return sorted(matches)[0]
-            matches = live
+            if len(live) == 1:
+                gone = ", ".join(agent_id[:12] for agent_id in sorted(matches) if agent_id not in live)
+                raise FleetStoreError(f"{name!r} names agent {live[0][:12]}, and also {gone}, removed already: give "
+                                      f"the id (`{live[0]}`) to say which is meant (a PC that joined again keeps "
+                                      "its name, and so does another PC of the same name)")
         if len(matches) == 1:
             return matches.pop()
         if matches:

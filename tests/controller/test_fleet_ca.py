@@ -325,12 +325,17 @@ def test_a_name_that_matches_several_agents_lists_them(store: FleetStore) -> Non
         store.resolve_agent("desk")
 
 
-def test_a_pc_removed_and_joined_again_is_removed_by_its_hostname(store: FleetStore) -> None:
-    # `fleet remove pc6` after pc6 joined again as a new agent: "'pc6' matches 2 agents", the removed one among them
+def test_a_name_a_removed_agent_shares_with_a_live_one_is_refused_naming_the_live_ones_id(store: FleetStore) -> None:
+    # it said "'pc6' matches 2 agents", the removed one among them; then (stop 53) it took the live one, which
+    # removed for good the other of two PCs that had shared the name when the first was removed again by name
     old, new = "vm" + "a" * 50, "vm" + "b" * 50
     store.save_roster({agent_id: RosterEntry(agent_id, "pc6", utc_now().isoformat()) for agent_id in (old, new)})
     store.write("revoked", [old])
-    assert remove_agent(store, "pc6") == new
+    with pytest.raises(FleetStoreError, match=rf"'pc6' names agent {new[:12]}, and also {old[:12]}, removed already: "
+                                              rf"give the id \(`{new}`\)"):
+        remove_agent(store, "pc6")
+    assert store.read("revoked", []) == [old]  # nothing removed
+    assert remove_agent(store, new) == new
     assert sorted(store.read("revoked", [])) == sorted([old, new])
     assert remove_agent(store, "pc6") in (old, new)  # both removed: removing it again changes nothing
     store.write("revoked", [])
