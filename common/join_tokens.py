@@ -38,6 +38,8 @@ _CHECKSUM_BYTES = 4
 _MAX_ADDRESSES = 8
 _BASE64URL = re.compile(r"[A-Za-z0-9_-]*")
 
+KEEP_ENDED_TOKENS = datetime.timedelta(days=30)  # how long the ledger keeps a token past its expiry
+
 
 class JoinTokenError(ValueError):
     """The token text cannot be used; the message says what is wrong with it."""
@@ -240,8 +242,10 @@ class TokenLedger:
         return removed
 
     def prune(self, now: datetime.datetime) -> int:
-        """Drop expired and used-up records; return how many were dropped."""
-        kept = [r for r in self._records if now < r.expires_at and r.uses_left > 0]
+        """Drop the records that expired more than KEEP_ENDED_TOKENS ago, used up or not; return how many were
+        dropped. Until then a join with one is refused as expired or used up, which `fleet serve`'s log says: a
+        token dropped as soon as it ended (at the next `fleet token`) was refused as unknown, as if mistyped."""
+        kept = [r for r in self._records if now < r.expires_at + KEEP_ENDED_TOKENS]
         dropped = len(self._records) - len(kept)
         self._records = kept
         return dropped

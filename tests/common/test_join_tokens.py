@@ -114,7 +114,14 @@ def test_ledger_spends_uses_and_honours_expiry() -> None:
         ledger.redeem(other, NOW + datetime.timedelta(minutes=1), AGENT)
     assert expired.value.reason is jt.Rejection.EXPIRED and ledger.records == before
     restored = jt.TokenLedger(ledger.records)
-    assert restored.prune(NOW + datetime.timedelta(minutes=5)) == 2 and restored.records == ()
+    # ended tokens stay a while, so that a join with one is refused as what it is (expired, used up), not unknown
+    assert restored.prune(NOW + datetime.timedelta(minutes=5)) == 0 and len(restored.records) == 2
+    with pytest.raises(jt.TokenRejected) as ended:
+        restored.redeem(other, NOW + datetime.timedelta(minutes=5), AGENT)
+    assert ended.value.reason is jt.Rejection.EXPIRED
+    later = NOW + datetime.timedelta(minutes=1) + jt.KEEP_ENDED_TOKENS
+    assert restored.prune(later) == 1 and len(restored.records) == 1  # the 1-minute one, 30 days past its expiry
+    assert restored.prune(NOW + datetime.timedelta(hours=1) + jt.KEEP_ENDED_TOKENS) == 1 and restored.records == ()
     assert ledger.revoke(other) and not ledger.revoke(other)
     with pytest.raises(ValueError, match="uses"):
         ledger.issue(SECRET, NOW, uses=0)
