@@ -82,26 +82,19 @@ def test_an_ignored_sighup_stays_ignored_and_the_command_runs_with_the_default_h
 
 
 @pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no signal masks on Windows")
-def test_a_sigterm_as_the_process_re_executes_itself_is_said_by_the_new_one() -> None:
-    # a run re-executes itself onto jemalloc: a SIGTERM while the new interpreter started ended it without a word
+@pytest.mark.parametrize(("signum", "status", "said"), [(signal.SIGTERM, 143, "deskfleet: stopped by SIGTERM\n"),
+                                                        (signal.SIGINT, 130, "")])
+def test_a_signal_as_the_process_re_executes_itself_is_taken_by_the_new_one(signum: int, status: int,
+                                                                            said: str) -> None:
+    # a run re-executes itself onto jemalloc: a SIGTERM while the new interpreter started ended it without a word,
+    # and a Ctrl-C while it imported its site module was Python's "Fatal Python error: init_import_site", exit 1;
+    # both are held across the exec, and arrive where the new one's launcher takes them
     after = _IMPORT_THEN.format(during="pass")
     code = ("import os, signal, sys\nfrom deskfleet.common import launch\nlaunch.block_across_exec()\n"
-            "os.kill(os.getpid(), signal.SIGTERM)  # pending, across the exec\n"
+            f"os.kill(os.getpid(), {int(signum)})  # pending, across the exec\n"
             f"os.execv(sys.executable, [sys.executable, '-c', {after!r}])\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert (run.returncode, run.stderr) == (143, "deskfleet: stopped by SIGTERM\n")
-
-
-@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no signal masks on Windows")
-def test_a_ctrl_c_as_the_process_re_executes_itself_is_the_new_ones_quiet_130() -> None:
-    # a Ctrl-C while the new interpreter imported its site module was Python's "Fatal Python error:
-    # init_import_site" and exit 1: it is held across the exec, and arrives where the launcher takes it
-    after = _IMPORT_THEN.format(during="pass")
-    code = ("import os, signal, sys\nfrom deskfleet.common import launch\nlaunch.block_across_exec()\n"
-            "os.kill(os.getpid(), signal.SIGINT)  # pending, across the exec\n"
-            f"os.execv(sys.executable, [sys.executable, '-c', {after!r}])\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert (run.returncode, run.stderr) == (130, "")
+    assert (run.returncode, run.stderr) == (status, said)
 
 
 def test_a_ctrl_c_that_a_library_wraps_in_its_import_error_exits_130(monkeypatch: pytest.MonkeyPatch) -> None:
