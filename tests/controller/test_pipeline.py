@@ -115,13 +115,14 @@ def test_a_ctrl_c_during_close_still_stops_every_stage_worker(tiny_export: Path,
     monkeypatch.setattr(threading.Thread, "join", interrupted_once)
     with pytest.raises(KeyboardInterrupt):
         pipeline.close()
-    assert not any(worker.is_alive() for worker in workers) and len(calls) == 4  # the first joined again
+    # the interrupted join was made again (those after it find their worker ended already, or wait for it)
+    assert calls[:2] == ["stage-0", "stage-0"] and not any(worker.is_alive() for worker in workers)
     # leaving a `with` through another exception: that exception goes on, not the second Ctrl-C
     calls.clear()
     with pytest.raises(ValueError, match="the run's own"):
         with LocalPipeline(tiny_export, 2, F32):
             raise ValueError("the run's own")
-    assert len(calls) == 3
+    assert calls[:2] == ["stage-0", "stage-0"]
 
 
 def test_a_ctrl_c_as_the_workers_start_stops_those_started(tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
