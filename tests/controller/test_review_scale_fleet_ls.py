@@ -48,9 +48,7 @@ def test_the_json_lists_the_agents_in_the_tables_order(tmp_path: object, monkeyp
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     # the docs said `--json` keeps the table's order; it kept the survey's
     import json
-    from pathlib import Path
 
-    from deskfleet.controller import fleet_survey
     from deskfleet.controller.cli import main
 
     agents = [agent("c" * 52, "desk-b", None), agent("a" * 52, "desk-c", AgentState.SERVING),
@@ -59,14 +57,7 @@ def test_the_json_lists_the_agents_in_the_tables_order(tmp_path: object, monkeyp
         row.certificate_expires, row.report = None, row.report and SimpleNamespace(
             **vars(row.report), devices=(), last_error=None)
 
-    async def survey(*args: object, **kwargs: object) -> SimpleNamespace:
-        async def close() -> None:
-            pass
-        return SimpleNamespace(agents=agents, close=close)
-
-    monkeypatch.setattr(fleet_survey, "survey", survey)
-    data = ["--data-dir", str(Path(str(tmp_path)) / "ctl")]
-    assert main(["fleet", "init", "--address", "127.0.0.1:1", *data]) == 0
+    data = _initialised_with_survey(tmp_path, monkeypatch, agents)
     capsys.readouterr()
     assert main(["fleet", "ls", "--discover-seconds", "0", "--json", *data]) == 0
     listed = [(row["state"], row["hostname"]) for row in json.loads(capsys.readouterr().out)]
@@ -79,7 +70,6 @@ def test_a_deployed_stage_its_pc_no_longer_hosts_is_noted(tmp_path: object, monk
     from pathlib import Path
 
     from deskfleet.common.wire import StageRef
-    from deskfleet.controller import fleet_survey
     from deskfleet.controller.cli import main
     from deskfleet.controller.fleet_store import FleetStore
 
@@ -91,14 +81,7 @@ def test_a_deployed_stage_its_pc_no_longer_hosts_is_noted(tmp_path: object, monk
     for row in agents:
         row.certificate_expires = None
 
-    async def survey(*args: object, **kwargs: object) -> SimpleNamespace:
-        async def close() -> None:
-            pass
-        return SimpleNamespace(agents=agents, close=close)
-
-    monkeypatch.setattr(fleet_survey, "survey", survey)
-    data = ["--data-dir", str(Path(str(tmp_path)) / "ctl")]
-    assert main(["fleet", "init", "--address", "127.0.0.1:1", *data]) == 0
+    data = _initialised_with_survey(tmp_path, monkeypatch, agents)
     FleetStore(Path(str(tmp_path)) / "ctl").write("deployments", {"m@1": {"stages": [
         {"agent_id": row.agent_id, "address": "10.0.0.1:7431", "layer_start": start, "layer_end": start + 2}
         for row, start in ((kept, 0), (restarted, 2), (off, 4), (paused, 6))]}})
@@ -132,3 +115,22 @@ def on_screen(line: str) -> str:
     from deskfleet.controller.text_table import display_width
 
     return "".join(char + "\0" * (display_width(char) - 1) for char in line)
+
+
+def _initialised_with_survey(tmp_path: object, monkeypatch: pytest.MonkeyPatch,
+                             agents: list[SimpleNamespace]) -> list[str]:
+    """A controller data dir made by `fleet init` under tmp_path, whose survey finds `agents`; its --data-dir."""
+    from pathlib import Path
+
+    from deskfleet.controller import fleet_survey
+    from deskfleet.controller.cli import main
+
+    async def survey(*args: object, **kwargs: object) -> SimpleNamespace:
+        async def close() -> None:
+            pass
+        return SimpleNamespace(agents=agents, close=close)
+
+    monkeypatch.setattr(fleet_survey, "survey", survey)
+    data = ["--data-dir", str(Path(str(tmp_path)) / "ctl")]
+    assert main(["fleet", "init", "--address", "127.0.0.1:1", *data]) == 0
+    return data
