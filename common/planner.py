@@ -61,7 +61,8 @@ class ModelFootprint:
     kv_growth: the memory a KV cache may hold per byte of the tokens in it (a cache grown by doubling: 2).
     prefill_bytes_per_token: the scratch a stage keeps after a prefill, per token of that call (rows x tokens);
     first_prefill_bytes_per_token: the same for the first stage (fed token ids, not hidden states); None: as others.
-    kv_precision: the KV cache's precision where known ("u8", "f32"...), shown by render_plan; never planned on.
+    kv_precision: the KV cache's precision where known ("u8", "f32"...), shown by the plan's
+        text (controller/plan_text); never planned on.
     """
 
     name: str
@@ -332,66 +333,16 @@ def left_out_text(result: Plan, shown: int = RENDER_CROWD) -> str:
     return "" if not parts else "left out: " + "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
-def render_plan(result: Plan) -> str:
-    """The plan as text for `deskfleet fleet plan` and the controller window. Agents are shown as `fleet ls`
-    shows them (the id's first 12 characters and the hostname), layers as the half-open [start:stop] that
-    `fleet ls` and the chain's messages use."""
-    model = result.model
-    lines = [f"Model {model.name}: {model.num_layers} layers, "
-             f"{_gb(sum(model.layer_bytes) + model.embed_bytes + model.head_bytes)} of weights, "
-             f"context {model.context} (policy: {result.policy.value.replace('_', ' ')})"]
-    if result.feasible:
-        lines.append(f"{len(result.stages)} stage(s):")
-        scratch = sorted({stage.prefill_bytes for stage in result.stages})
-        if model.resident_factor != 1.0 or model.kv_growth != 1.0 or model.kv_precision or any(scratch):
-            held = (f"the weights x{model.resident_factor:g} as held"
-                    if model.resident_factor != 1.0 else "the weights")
-            prefill = (f" + prefill scratch {' / '.join(_gb(size) for size in scratch)} ({model.context} tokens "
-                       f"x {result.streams} stream(s))" if any(scratch) else "")
-            lines.append(f"  (total: {held} + KV{_kv_how(model)}{prefill} + runtime)")
-        lines.append(f"  {'#':>2}  {'agent':<14} {'host':<16} {'layers':<9} {'extras':<11} {'weights':>9} "
-                     f"{'KV':>9} {'total':>9} {'usable':>9} {'rel.time':>9}")
-        slowest = max(stage.relative_time for stage in result.stages)
-        for index, stage in enumerate(result.stages):
-            parts = (("embed", stage.has_embed), ("head", stage.has_head))
-            extras = "+".join(name for name, on in parts if on)
-            layers = f"[{stage.first_layer}:{stage.stop_layer}]"
-            lines.append(f"  {index:>2}  {_short_id(stage.agent_id):<14} {_host(stage.hostname):<16} {layers:<9} "
-                         f"{extras or '-':<11} "
-                         f"{_gb(stage.weight_bytes):>9} {_gb(stage.kv_bytes):>9} "
-                         f"{_gb(stage.memory_bytes):>9} {_gb(stage.usable_bytes):>9} "
-                         f"{_share_of_slowest(stage.relative_time, slowest):>9.2f}")
-    else:
-        lines.append("Infeasible:")
-        lines.extend(f"  - {problem}" for problem in result.problems)
-        if result.usable:
-            shown = ", ".join(f"{_short_id(agent)} {_gb(size)}" for agent, size in result.usable[:RENDER_USABLE])
-            rest = result.usable[RENDER_USABLE:]
-            if rest:
-                shown += f", and {len(rest)} more ({_gb(sum(size for _, size in rest))} in all)"
-            lines.append("Usable: " + shown)
-    if result.exclusions:
-        lines.append("Left out:")
-        # An office's PCs are left out in crowds for one reason (300 idle PCs that a plan does not need, a model
-        # whose layer fits none of them): a crowd shows its first few, then a count.
-        for reason in dict.fromkeys(e.reason for e in result.exclusions):
-            crowd = [e for e in result.exclusions if e.reason is reason]
-            listed = crowd if len(crowd) <= RENDER_CROWD else crowd[:RENDER_CROWD_SHOWN]
-            lines.extend(f"  {_short_id(e.agent_id):<14} {_host(e.hostname):<16} {e.message}" for e in listed)
-            if len(listed) < len(crowd):
-                lines.append(f"  and {len(crowd) - len(listed)} more agents left out as "
-                             f"{reason.value.replace('_', ' ')} (`--json` lists each and why)")
-    return "\n".join(lines)
-
-
-# Private functions
-
-
-def _gb(size: float) -> str:
+def in_gb(size: float) -> str:
     return f"{size / GB:.2f} GB"
 
 
-def _kv_how(model: ModelFootprint) -> str:
+def short_agent_id(agent_id: str) -> str:
+    """An agent id's first 12 characters, as `fleet ls` shows it (a --peer address that did not answer: whole)."""
+    return agent_id[:12] if is_agent_id(agent_id) else agent_id
+
+
+def kv_cache_note(model: ModelFootprint) -> str:
     """How the KV figures count the cache, where not as plain tokens' bytes of an unnamed precision."""
     parts = [model.kv_precision] if model.kv_precision else []
     if model.kv_growth != 1.0:
@@ -399,17 +350,20 @@ def _kv_how(model: ModelFootprint) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def _held(factor: float) -> str:
-    """How a stage's memory counts its weights, where not as their files' bytes."""
-    return "" if factor == 1.0 else f" held x{factor:g}"
-
-
-def _share_of_slowest(time: float, slowest: float) -> float:
+def share_of_slowest(time: float, slowest: float) -> float:
     """A stage's time over the slowest stage's; a plan whose stages take no time (a model of zero bytes on
     paper) or overflow (a speed near 0) has no ratio to show: 1 for the slowest, 0 for the others."""
     if 0.0 < slowest < math.inf:
         return time / slowest
     return 1.0 if time == slowest else 0.0
+
+
+# Private functions
+
+
+def _held(factor: float) -> str:
+    """How a stage's memory counts its weights, where not as their files' bytes."""
+    return "" if factor == 1.0 else f" held x{factor:g}"
 
 
 def _smallest_stage_bytes(model: ModelFootprint, options: PlanOptions) -> int:
@@ -455,11 +409,11 @@ def _screen(agent: AgentCandidate, options: PlanOptions, smallest: int, model: M
     usable = usable_bytes(agent, options)
     if usable < smallest and not agent.hosted:  # a hosted range is counted back (see AgentCandidate.hosted)
         return Exclusion(agent.agent_id, ExclusionReason.TOO_LITTLE_MEMORY,
-                         f"too little memory: {_gb(agent.free_memory_bytes)} free, "
-                         f"{_gb(usable)} usable after the safety margin, "
+                         f"too little memory: {in_gb(agent.free_memory_bytes)} free, "
+                         f"{in_gb(usable)} usable after the safety margin, "
                          f"the smallest stage (one layer{_held(model.resident_factor)} + KV + "
                          f"{_runtime_parts(model, options)}) needs "
-                         f"{_gb(smallest)}")
+                         f"{in_gb(smallest)}")
     return None
 
 
@@ -898,9 +852,9 @@ def _not_needed(agent: AgentCandidate, stages: list[Stage], options: PlanOptions
         message = f"not needed: {len(stages)} agent(s) hold the model (--policy all_by_speed splits it over more)"
     else:
         slowest = max(stage.relative_time for stage in stages)
-        hop = (f" by more than a hop costs ({_share_of_slowest(_hop(options), slowest):.2f} of the slowest stage; "
+        hop = (f" by more than a hop costs ({share_of_slowest(_hop(options), slowest):.2f} of the slowest stage; "
                "--hop-ms 0 counts hops as free)" if _hop(options) else "")
-        message = (f"not used: with speed {agent.speed:.3g} GB/s and {_gb(usable_bytes(agent, options))} usable, "
+        message = (f"not used: with speed {agent.speed:.3g} GB/s and {in_gb(usable_bytes(agent, options))} usable, "
                    f"a share of the layers would not shorten the slowest stage{hop}")
     return Exclusion(agent.agent_id, ExclusionReason.NOT_NEEDED, message, agent.hostname)
 
@@ -961,31 +915,22 @@ def _diagnose(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentC
     if have < need:
         scratch = model.prefill_scratch_bytes(options.streams)
         first = model.prefill_scratch_bytes(options.streams, first=True)
-        per_stage = "" if not (scratch or first) else f"prefill scratch {_gb(scratch)} + " if scratch == first else \
-            f"prefill scratch {_gb(first)} on the first stage, {_gb(scratch)} on each other + "
-        return (f"memory short by {_gb(need - have)}: the model needs {_gb(need)} "
-                f"({_gb(weights)} weights{_held(model.resident_factor)} + {_gb(kv_total)} KV{_kv_how(model)} for "
+        per_stage = "" if not (scratch or first) else f"prefill scratch {in_gb(scratch)} + " if scratch == first else \
+            f"prefill scratch {in_gb(first)} on the first stage, {in_gb(scratch)} on each other + "
+        return (f"memory short by {in_gb(need - have)}: the model needs {in_gb(need)} "
+                f"({in_gb(weights)} weights{_held(model.resident_factor)} + {in_gb(kv_total)} "
+                f"KV{kv_cache_note(model)} for "
                 f"{options.streams} stream(s) at context "
-                f"{model.context} + {per_stage}runtime {_gb(options.stage_overhead_bytes)} per stage) and the "
-                f"{len(eligible)} usable agent(s) have {_gb(have)} after safety margins{silent}",)
+                f"{model.context} + {per_stage}runtime {in_gb(options.stage_overhead_bytes)} per stage) and the "
+                f"{len(eligible)} usable agent(s) have {in_gb(have)} after safety margins{silent}",)
     bounded = "" if len(eligible) <= EVERY_CHAIN_UP_TO else (
         f" (of {len(eligible)} agents, beyond the order by speed only chains that differ from it in their first "
         f"and last agent were tried, at most {options.max_reordered_splits}: another order may fit)")
-    return (f"the {len(eligible)} usable agent(s) have {_gb(have)} for {_gb(need)} in all, but no split into "
+    return (f"the {len(eligible)} usable agent(s) have {in_gb(have)} for {in_gb(need)} in all, but no split into "
             "contiguous layer ranges fits each agent (the embed/head or the largest layers do not fit "
             f"beside their neighbours){bounded}; free memory on the largest agents would help{silent}",)
 
 
-def _short_id(agent_id: str) -> str:
-    """An agent id's first 12 characters, as `fleet ls` shows it (a --peer address that did not answer: whole)."""
-    return agent_id[:12] if is_agent_id(agent_id) else agent_id
-
-
-def _host(hostname: str) -> str:
-    """The hostname column: at most 16 characters, "-" when unknown (`fleet ls` shows the whole name)."""
-    return hostname[:16] if hostname else "-"
-
-
 def _label(agent_id: str, hostname: str) -> str:
     """An agent as `fleet ls` shows it: its id's first 12 characters, and its hostname where known."""
-    return f"{_short_id(agent_id)} ({hostname})" if hostname and hostname != "?" else _short_id(agent_id)
+    return f"{short_agent_id(agent_id)} ({hostname})" if hostname and hostname != "?" else short_agent_id(agent_id)

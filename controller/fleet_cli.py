@@ -558,7 +558,7 @@ def _paper_layers(text: str) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from deskfleet.common.agent_state import AgentState
     from deskfleet.common.model_spec import load_manifest
-    from deskfleet.common.planner import AgentCandidate, plan, render_plan
+    from deskfleet.common.planner import AgentCandidate, plan
     from deskfleet.common.wire import Precision
     from deskfleet.controller.fleet_deploy import (
         check_deploy_settings,
@@ -569,6 +569,7 @@ def _plan(args: argparse.Namespace) -> int:
         policy_options,
     )
     from deskfleet.controller.fleet_survey import survey
+    from deskfleet.controller.plan_text import render_plan
 
     check_deploy_settings(Precision(args.precision), args.kv_cache)  # what deploy would refuse
     on_paper = [f"--{name.replace('_', '-')}" for name in PAPER_OPTIONS if getattr(args, name) is not None]
@@ -609,7 +610,6 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _deploy(args: argparse.Namespace) -> int:
-    from deskfleet.common.planner import render_plan
     from deskfleet.common.wire import Precision
     from deskfleet.controller.fleet_deploy import (
         VERIFY_NOTE_BYTES,
@@ -620,6 +620,7 @@ def _deploy(args: argparse.Namespace) -> int:
         verify_export,
     )
     from deskfleet.controller.fleet_survey import survey
+    from deskfleet.controller.plan_text import render_plan
 
     store = _store(args)
     before = _deployed_settings(store, args.model)

@@ -19,9 +19,9 @@ from deskfleet.common.planner import (
     PlanPolicy,
     left_out_text,
     plan,
-    render_plan,
     usable_bytes,
 )
+from deskfleet.controller.plan_text import render_plan
 
 NO_MARGIN = PlanOptions(margin_fraction=0.0, margin_min_bytes=0, stage_overhead_bytes=0)
 # free hops: these tests check the split of the slowest stage alone (test_review_planner_hops.py adds the hops)

@@ -26,9 +26,9 @@ from deskfleet.common.planner import (
     PlanOptions,
     PlanPolicy,
     plan,
-    render_plan,
     usable_bytes,
 )
+from deskfleet.controller.plan_text import render_plan
 from tests.common.test_planner import ALL, NO_MARGIN, check_well_formed
 
 MODEL = ModelFootprint.uniform("m", 40, 250_000_000, 500_000_000, 500_000_000, 1024, 1024)  # 11 GB of weights
@@ -87,7 +87,7 @@ def test_two_pcs_that_cannot_dial_each_other_make_a_one_pc_plan_and_say_why(opti
     assert "agent a (desk-a) cannot dial agent b (desk-b), agent b (desk-b) cannot dial agent a (desk-a)" in \
         left_out.message
     text = render_plan(result)
-    assert "Left out:" in text and "desk-b           broken link: agent a (desk-a) cannot dial agent b" in text
+    assert "Left out:" in text and "desk-b  broken link: agent a (desk-a) cannot dial agent b" in text
 
 
 def test_of_two_equal_pcs_that_cannot_dial_each_other_the_faster_is_kept() -> None:

@@ -12,7 +12,8 @@ runtime were counted back: neither PC could keep its own stage (the plan was inf
 from __future__ import annotations
 
 from deskfleet.common.agent_state import AgentState
-from deskfleet.common.planner import AgentCandidate, ModelFootprint, PlanOptions, PlanPolicy, plan, render_plan
+from deskfleet.common.planner import AgentCandidate, ModelFootprint, PlanOptions, PlanPolicy, plan
+from deskfleet.controller.plan_text import render_plan
 
 LAYER, EMBED = 115_595_018, 128_256 * 4096
 MODEL = ModelFootprint("l8b", (LAYER,) * 32, EMBED, EMBED, 2 * 8 * (128 + 8), 8192, resident_factor=1.3,

@@ -19,8 +19,8 @@ from deskfleet.common.planner import (
     PlanOptions,
     PlanPolicy,
     plan,
-    render_plan,
 )
+from deskfleet.controller.plan_text import render_plan
 
 NO_MARGIN = PlanOptions(margin_fraction=0.0, margin_min_bytes=0, stage_overhead_bytes=0)
 
@@ -34,7 +34,7 @@ def test_a_plan_whose_stages_take_no_time_renders() -> None:
     paper = ModelFootprint.uniform("paper", 3, 0, 0, 0, 0, 1)
     result = plan(paper, [available("a", GB)], NO_MARGIN)
     assert result.feasible and result.stages[0].relative_time == 0.0
-    assert "a              -                [0:3]     embed+head" in render_plan(result)
+    assert "a      -     [0:3]   embed+head" in render_plan(result)
     assert render_plan(result).splitlines()[-1].endswith("1.00")
 
 

@@ -12,7 +12,8 @@ import dataclasses
 import pytest
 
 from deskfleet.common.agent_state import AgentState
-from deskfleet.common.planner import AgentCandidate, ExclusionReason, ModelFootprint, PlanOptions, plan, render_plan
+from deskfleet.common.planner import AgentCandidate, ExclusionReason, ModelFootprint, PlanOptions, plan
+from deskfleet.controller.plan_text import render_plan
 
 MB = 1_000_000
 BARE = PlanOptions(margin_fraction=0.0, margin_min_bytes=0, stage_overhead_bytes=0)

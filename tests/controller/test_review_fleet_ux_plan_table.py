@@ -15,10 +15,11 @@ from deskfleet.agent.link import start_server, utc_now
 from deskfleet.agent.paths import AgentSettings, Thresholds
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common.agent_state import AgentState
-from deskfleet.common.planner import AgentCandidate, ModelFootprint, plan, render_plan
+from deskfleet.common.planner import AgentCandidate, ModelFootprint, plan
 from deskfleet.controller.cli import main
 from deskfleet.controller.fleet_ca import init_fleet, load_ca
 from deskfleet.controller.fleet_store import FleetStore, RosterEntry
+from deskfleet.controller.plan_text import render_plan
 from tests.agent.test_core import FakeMonitor
 from tests.fleet_pki import make_member
 from tests.ports import free_port
@@ -36,9 +37,9 @@ def test_render_plan_shows_short_ids_hostnames_and_half_open_ranges() -> None:
               AgentCandidate(ids[2], AgentState.PAUSED, 8 * 10**9, 2.0, hostname="pc-paused")]
     text = render_plan(plan(model, agents))
     assert ids[0] not in text and ids[1] not in text and ids[2] not in text
-    assert re.search(r"^\s+0  aaaaaaaaaaaa   pc-fast\s+\[0:8\]\s+embed\+head ", text, re.M), text
-    assert re.search(r"^  cccccccccccc   pc-paused\s+paused \(by its user or in its settings\)$", text, re.M), text
-    assert re.search(r"^  bbbbbbbbbbbb   -\s+not needed", text, re.M), text
+    assert re.search(r"^\s+0  aaaaaaaaaaaa  pc-fast\s+\[0:8\]\s+embed\+head ", text, re.M), text
+    assert re.search(r"^  cccccccccccc  pc-paused\s+paused \(by its user or in its settings\)$", text, re.M), text
+    assert re.search(r"^  bbbbbbbbbbbb  -\s+not needed", text, re.M), text
     assert not re.search(r"\b\d+-\d+\b", text), text
 
 
@@ -80,7 +81,7 @@ def test_plan_and_deploy_tables_match_ls(tmp_path: Path, tiny_export: Path,
     for command in ("plan", "deploy"):
         text = outputs[command]
         assert not any(agent_id in text for agent_id in ids), text  # no 52-character ids breaking the columns
-        stages = re.findall(r"^\s+\d+  (\S{12})   (pc-\d)\s+\[(\d+):(\d+)\] ", text, re.M)
+        stages = re.findall(r"^\s+\d+  (\S{12})  (pc-\d)\s+\[(\d+):(\d+)\] ", text, re.M)
         assert stages and stages[0][2] == "0" and stages[-1][3] == "4", text
         assert not re.search(r"\b\d+-\d+\b", text.split("\n", 1)[1]), text  # no inclusive ranges
         if command == "deploy":  # what `fleet ls` lists for each agent is what deploy printed

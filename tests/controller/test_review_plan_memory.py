@@ -15,7 +15,8 @@ import pytest
 
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.model_spec import load_manifest
-from deskfleet.common.planner import AgentCandidate, ExclusionReason, ModelFootprint, PlanOptions, plan, render_plan
+from deskfleet.common.planner import AgentCandidate, ExclusionReason, ModelFootprint, PlanOptions, plan
+from deskfleet.controller.plan_text import render_plan
 
 MB = 1_000_000
 
