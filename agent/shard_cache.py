@@ -231,12 +231,20 @@ class ShardCache:
         return held + len(data)
 
     def receive(self, chunk: ShardChunk) -> int:
-        """`begin` (if needed) then `write` one wire chunk; returns the bytes now held."""
+        """`begin` (if needed) then `write` one wire chunk; returns the bytes now held. A chunk that would begin the
+        shard (none of it held, or held at another size) must start at offset 0; one that does not is refused
+        before `begin`, which evicts to make room and reserves the shard's whole size: a refused chunk changes
+        nothing (before, one out of order evicted other shards and left an empty partial counted at full size)."""
         with self._lock:
             if self.has(chunk.sha256):
                 return chunk.total_size
             part = self._find_partial(chunk.sha256)
             if part is None or _partial_size(part) != chunk.total_size:
+                if chunk.offset != 0:
+                    held = "none of it is held" if part is None else \
+                        f"the {_partial_size(part)}-byte shard held so far is another size than {chunk.total_size}"
+                    raise ShardCacheError(f"shard {chunk.sha256[:12]}…: chunk at offset {chunk.offset} is out of "
+                                          f"order; {held}, send from 0")
                 self.begin(chunk.sha256, chunk.total_size)
             return self.write(chunk.sha256, chunk.offset, chunk.data)
 

@@ -81,6 +81,24 @@ def test_size_change_restarts_the_partial(tmp_path: Path) -> None:
     assert cache.receive(ShardChunk(sha, 0, 80, b"y" * 10)) == 10
 
 
+def test_a_chunk_that_would_begin_a_shard_past_offset_0_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    # beginning the 800-byte shard would evict the one held: a chunk at offset 5 is refused before that
+    cache = ShardCache(tmp_path, 1000, FakeClock(1_000_000.0, tick=1.0))
+    held, held_sha = blob(6, 400)
+    fill(cache, held, held_sha)
+    before = cache.usage()
+    _, sha = blob(7, 800)
+    with pytest.raises(ShardCacheError, match="chunk at offset 5 is out of order; none of it is held, send from 0"):
+        cache.receive(ShardChunk(sha, 5, 800, b"z" * 10))
+    assert cache.has(held_sha) and cache.partial_offset(sha) is None and cache.usage() == before
+    # a shard held so far at another size: refused the same, and its partial kept
+    cache.begin(sha, 500)
+    cache.write(sha, 0, b"y" * 50)
+    with pytest.raises(ShardCacheError, match="the 500-byte shard held so far is another size than 800, send from 0"):
+        cache.receive(ShardChunk(sha, 50, 800, b"z" * 10))
+    assert cache.partial_offset(sha) == 50 and cache.has(held_sha)
+
+
 def test_lru_eviction_skips_pinned_and_recently_used(tmp_path: Path) -> None:
     cache = ShardCache(tmp_path, 3000, FakeClock(1_000_000.0, tick=1.0))
     shards = [blob(10 + index, 1000) for index in range(3)]
