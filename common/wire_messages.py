@@ -41,6 +41,9 @@ MAX_DEVICES = 32  # a StatusReport's devices
 _DEVICE_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,15}(\.[0-9]{1,3})?")  # as OpenVINO lists them: "CPU", "GPU.1"
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# what wire_text escapes: C0 controls but the newline and the tab, DEL, C1 controls, and the bidirectional
+# overrides and isolates (which make a terminal show text in another order than it reads)
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 # A removal on the wire: the removed agent's id (52 ASCII characters), then the CA's signature of its removal
 # (common/pki.py's sign_removal, 64 bytes). Bytes, not JSON: the codec's 256 KB header held ~1,400 of them as hex.
 AGENT_ID_CHARS = 52
@@ -140,14 +143,17 @@ def _non_negative(name: str, value: int) -> None:
 
 
 def wire_text(text: str) -> str:
-    """`text` as UTF-8 can carry it: a lone surrogate (os.fsdecode of a file name that is not UTF-8, which an
-    exception's message may quote) becomes its backslash escape. Free text that a peer reports (an Error's
-    message, a status's last error) passes through here, so that encode never refuses the frame for it."""
+    """`text` as UTF-8 can carry it and a terminal shows it: a lone surrogate (os.fsdecode of a file name that is
+    not UTF-8, which an exception's message may quote) becomes its backslash escape, and so does a control
+    character other than a newline or a tab (an ESC that would run a terminal escape where the controller prints
+    the text, a carriage return that would overwrite its line). Free text that a peer reports (an Error's message,
+    a status's last error and detail) passes through here, on encode and on decode, so a frame is never refused
+    for it and no enrolled PC sends the admin's terminal an escape."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return _CONTROL.sub(lambda match: match[0].encode("unicode_escape").decode("ascii"), text)
 
 
 def _sha256(name: str, value: str) -> None:
@@ -466,6 +472,7 @@ class StatusReport:
         check_devices(self.devices)
         if self.last_error is not None:
             object.__setattr__(self, "last_error", wire_text(self.last_error))
+        object.__setattr__(self, "detail", wire_text(self.detail))
         _non_negative("free_memory_bytes", self.free_memory_bytes)
         _require(len(self.detail) <= MAX_STATUS_DETAIL, f"detail longer than {MAX_STATUS_DETAIL} characters")
         _require(self.weight_gb_per_s is None or 0.0 < self.weight_gb_per_s < 1e5,

@@ -175,9 +175,23 @@ def test_reported_text_with_a_lone_surrogate_travels_escaped_and_other_text_is_r
     assert isinstance(error, Error) and error.message == "cannot read /var/cache/caf\\udce9.bin"
     status = decode(encode(StatusReport(AgentState.AVAILABLE, 1, 0.5, None, None, None, None, (), name)))
     assert isinstance(status, StatusReport) and status.last_error == "/var/cache/caf\\udce9.bin"
-    with pytest.raises(ProtocolError, match=r"StatusReport.detail holds a lone surrogate"):
-        encode(StatusReport(AgentState.AVAILABLE, 1, 0.5, None, None, None, None, (), None, detail=name))
+    status = decode(encode(StatusReport(AgentState.AVAILABLE, 1, 0.5, None, None, None, None, (), None, detail=name)))
+    assert isinstance(status, StatusReport) and status.detail == "/var/cache/caf\\udce9.bin"
     assert same_message(decode(encode(Error(ErrorCode.INTERNAL, "café 𝄞"))), Error(ErrorCode.INTERNAL, "café 𝄞"))
+
+
+def test_reported_text_reaches_the_controller_with_its_terminal_controls_escaped() -> None:
+    # an enrolled PC's Error or status text is printed on the admin's terminal: an ESC there ran an escape, a
+    # carriage return overwrote the line, a right-to-left override showed it backwards; newlines and tabs stay
+    said = "stage failed\x1b[2J\r\u202eevil\x9b\nline two\tcolumn"
+    shown = "stage failed\\x1b[2J\\r\\u202eevil\\x9b\nline two\tcolumn"
+    header = {"type": "Error", "fields": {"code": "internal", "message": said, "micro_batch_id": None,
+                                          "agent_id": None}, "tensors": []}
+    error = decode(raw_frame(header))  # as a peer that skipped encode's escaping sends it
+    assert isinstance(error, Error) and error.message == shown
+    status = decode(encode(StatusReport(AgentState.AVAILABLE, 1, 0.5, None, None, None, None, (), said,
+                                        detail="60 C\x1b[31m")))
+    assert isinstance(status, StatusReport) and status.last_error == shown and status.detail == "60 C\\x1b[31m"
 
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from deskfleet.controller.text_table import display_width, format_table
+from deskfleet.controller.text_table import display_width, format_table, terminal_safe
 
 
 @pytest.mark.parametrize(("text", "width"), [
@@ -50,3 +50,14 @@ def test_a_row_of_the_wrong_length_is_named() -> None:
     with pytest.raises(ValueError, match="row 2 has 1 cells, the header 2"):
         format_table([("a", "b"), ("1", "2"), ("3",)])
     assert format_table([]) == []
+
+
+def test_a_cell_a_pc_fills_can_neither_forge_a_row_nor_send_the_terminal_an_escape() -> None:
+    # a model id and a status a PC reports: a newline forged a second row, an ESC ran an escape, a right-to-left
+    # override showed the text backwards; a ZWJ emoji sequence is drawn as one and stays
+    rows = [("agent", "notes"), ("a", "m[0:2]\n deadbeefdead  ceo-laptop  serving\x1b[2J\u202egnivres\u2028x"),
+            ("b", "\U0001f469\u200d\U0001f4bb ok")]
+    lines = format_table(rows)
+    assert lines == ["agent  notes", "a      m[0:2]? deadbeefdead  ceo-laptop  serving?[2J?gnivres?x",
+                     "b      \U0001f469\u200d\U0001f4bb ok"]
+    assert terminal_safe("tab\there\r") == "tab?here?"
