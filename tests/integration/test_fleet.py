@@ -70,6 +70,8 @@ class Fleet:
     controller_address: str
     agent_addresses: list[str]
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    join_outputs: list[str] = field(default_factory=list)
+    deployed: bool = False
 
     @property
     def controller_dir(self) -> Path:
@@ -182,7 +184,8 @@ def _running(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def fleet(network: tuple[Node, list[Node]], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def controller_only(network: tuple[Node, list[Node]], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """The fleet made and its controller serving, no agent joined yet."""
     controller, agents = network
     namespaced = controller.namespace is not None
     work = tmp_path_factory.mktemp("fleet")
@@ -211,38 +214,62 @@ def _ls(fleet: Fleet, discover_seconds: float = 0.0) -> list[dict[str, object]]:
     return json.loads(fleet.deskfleet("fleet", "ls", "--json", "--discover-seconds", str(discover_seconds)))
 
 
-# Tests, in order
-
-def test_agents_join_and_are_discovered(fleet: Fleet) -> None:
+@pytest.fixture(scope="module")
+def joined_fleet(controller_only: Fleet) -> Fleet:
+    """The fleet with its agents joined, started and answering (what the first test checks)."""
+    fleet = controller_only
     _wait_for("the controller to listen", lambda: "controller listening" in fleet.log("controller"))
     token = fleet.deskfleet("fleet", "token", "--uses", str(AGENTS), "--ttl", "10m").strip()
     for index, node in enumerate(fleet.agents):
         data_dir = fleet.agent_dir(index)
-        out = fleet.run(node, str(BIN / "deskfleet-agent"), "join", token, "--data-dir", str(data_dir),
-                        "--hostname", f"desk-{index}")
-        assert "joined fleet" in out
-        assert (data_dir / "state" / "agent-key.pem").stat().st_mode & 0o077 == 0
+        fleet.join_outputs.append(fleet.run(node, str(BIN / "deskfleet-agent"), "join", token, "--data-dir",
+                                            str(data_dir), "--hostname", f"desk-{index}"))
         (data_dir / "settings").mkdir(exist_ok=True)
         (data_dir / "settings" / "agent-settings.json").write_text(json.dumps(RELAXED_SETTINGS))
         fleet.start(node.name, node, str(BIN / "deskfleet-agent"), "--headless", "--data-dir", str(data_dir),
                     "--listen", fleet.agent_addresses[index])
-    assert (fleet.controller_dir / "ca-key.pem").stat().st_mode & 0o077 == 0
 
     def all_reachable() -> bool:
         return sum(agent["state"] == "available" for agent in _ls(fleet)) == AGENTS
 
     _wait_for("3 registered agents to answer", all_reachable, timeout=60)
+    return fleet
+
+
+DEPLOY_ARGS = ("fleet", "deploy", "--policy", "all_by_speed", "--hop-ms", "0", "--precision", "f32", "--json",
+               "--discover-seconds", "0")  # hops free: the tiny model's token computes in less than a hop
+
+
+@pytest.fixture(scope="module")
+def fleet(joined_fleet: Fleet, tiny_export: Path) -> Fleet:
+    """The fleet with the tiny model deployed over all 3 agents: the deploy test's, or its own where that test did
+    not run first (a test picked with -k)."""
+    if not joined_fleet.deployed:
+        joined_fleet.deskfleet(*DEPLOY_ARGS, "--model", str(tiny_export))
+        joined_fleet.deployed = True
+    return joined_fleet
+
+
+# Tests, in order. Those up to the stranger test need only the deployment (`fleet`), so each runs alone too
+# (-k); those after take up the fleet as the ones before them left it (a PC dropped out, removed, stopped).
+
+def test_agents_join_and_are_discovered(joined_fleet: Fleet) -> None:
+    fleet = joined_fleet
+    assert len(fleet.join_outputs) == AGENTS and all("joined fleet" in out for out in fleet.join_outputs)
+    for index in range(AGENTS):
+        assert (fleet.agent_dir(index) / "state" / "agent-key.pem").stat().st_mode & 0o077 == 0
+    assert (fleet.controller_dir / "ca-key.pem").stat().st_mode & 0o077 == 0
     if fleet.controller.namespace is not None:  # a real bridge carries multicast: mDNS finds them too
         agents = _ls(fleet, discover_seconds=4.0)
         assert sum("mdns" in agent["sources"] for agent in agents) == AGENTS, agents
     assert sorted(agent["address"] for agent in _ls(fleet)) == sorted(fleet.agent_addresses)
 
 
-def test_deploy_pushes_then_a_second_deploy_sends_nothing(fleet: Fleet, tiny_export: Path) -> None:
-    # hops free: the tiny model's token computes in less than a hop, and these tests need a chain of 3 PCs
-    args = ("fleet", "deploy", "--model", str(tiny_export), "--policy", "all_by_speed", "--hop-ms", "0",
-            "--precision", "f32", "--json", "--discover-seconds", "0")
+def test_deploy_pushes_then_a_second_deploy_sends_nothing(joined_fleet: Fleet, tiny_export: Path) -> None:
+    fleet = joined_fleet
+    args = (*DEPLOY_ARGS, "--model", str(tiny_export))
     first = json.loads(fleet.deskfleet(*args))
+    fleet.deployed = True
     assert len(first["stages"]) == AGENTS
     assert all(sent > 0 for sent in first["bytes_sent"].values())
     assert first["stages"][0][2] == 0 and first["stages"][-1][3] == 4
