@@ -67,6 +67,7 @@ from deskfleet.common.availability import (
 from deskfleet.common.json_file import JsonFileError, read_json_object
 from deskfleet.common.kv_cache_size import kv_cache_bytes_per_token_per_layer, kv_cache_precision
 from deskfleet.common.kv_ledger import Compact, LedgerError
+from deskfleet.common.log_limit import LogEvery
 from deskfleet.common.model_spec import MANIFEST_NAME, ExportMismatchError, Manifest, ManifestError, ModelSpec
 from deskfleet.common.wire import (
     MAX_KNOWN_REMOVALS,
@@ -118,6 +119,9 @@ HOP_SEND_TIMEOUT_S = 30.0
 # step dialled it anew (two 10 s dials each), so the new chain's step waited behind the old chain's for minutes
 # before its Error reached the driver.
 HOP_RETRY_AFTER_S = 3.0
+# A step from an agent that failed or was refused is a warning at most this often per sending PC and error code
+# (a debug line between); the driver hears each one
+CHAIN_FAULT_LOG_EVERY_S = 60.0
 
 
 class CommandError(Exception):
@@ -205,6 +209,7 @@ class AgentCore:
         self._assigned_by: dict[StageRef, Link] = {}
         self._assigned_over: dict[Link, set[StageRef]] = {}
         self._refusals_logged: set[tuple[str, str]] = set()  # (peer, what) refused and logged since the last assign
+        self._chain_faults_said = LogEvery()  # (peer, error code): a step from an agent that failed or was refused
 
     # Public methods
 
@@ -254,11 +259,20 @@ class AgentCore:
                     chain_step = message if isinstance(message, Forward | ReleaseMicroBatch) else None
                     refused = link.peer.role is Role.AGENT and chain_step is None and not isinstance(message, Error)
                     said = (link.peer.agent_id, type(message).__name__)
-                    if not (refused and said in self._refusals_logged):  # a PC refused so again and again is logged
-                        self._note_error(f"{type(message).__name__} from {link.describe()}: {error}")  # once: a
-                    if refused:  # walk's rogue PC wrote 1,344 lines in 24 s
-                        self._refusals_logged.add(said)
                     code = error.code if isinstance(error, CommandError) else ErrorCode.INTERNAL
+                    text = f"{type(message).__name__} from {link.describe()}: {error}"
+                    if refused:  # a PC refused so again and again is logged once: walk's rogue PC wrote 1,344 lines
+                        if said not in self._refusals_logged:  # in 24 s
+                            self._note_error(text)
+                        self._refusals_logged.add(said)
+                    elif link.peer.role is Role.AGENT and chain_step is not None:
+                        # a step an agent sent is answered (down the chain) each time, and logged as a warning once
+                        # a minute per PC and fault: any enrolled PC's Forwards to a PC hosting no stage wrote a
+                        # warning each, here and in `fleet serve`'s log
+                        due = self._chain_faults_said.due((link.peer.agent_id, code), CHAIN_FAULT_LOG_EVERY_S)
+                        self._note_error(text, logging.WARNING if due else logging.DEBUG)
+                    else:
+                        self._note_error(text)
                     reply = Error(code, f"agent {self.agent_id[:12]}: {error}",
                                   micro_batch_id=chain_step.micro_batch_id if chain_step is not None else None,
                                   agent_id=error.agent_id if isinstance(error, CommandError) else None)
@@ -1028,9 +1042,9 @@ class AgentCore:
         self._note_error(f"dropped {what}{of}: no link to a controller is open to take it (the run it belonged to has "
                          "ended or moved on, e.g. while this PC did not answer); nothing to do")
 
-    def _note_error(self, text: str) -> None:
+    def _note_error(self, text: str, level: int = logging.WARNING) -> None:
         self.last_error = text[:500]
-        log.warning("%s", text)
+        log.log(level, "%s", text)
 
 
 def _cache_limit_refusal(error: CacheFull) -> CommandError:

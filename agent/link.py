@@ -109,6 +109,10 @@ class LinkVersionError(LinkError):
         self.peer_agent_id = peer_agent_id
 
 
+class HelloMismatch(LinkError):
+    """The peer's Hello named another agent id or role than its certificate proves: a member posing as another."""
+
+
 class LinkRefused(LinkError):
     """The peer answered the upgrade with an HTTP error: `status` (403: this member was removed)."""
 
@@ -315,7 +319,8 @@ async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, po
         try:
             await _exchange_hello(link, own, expect_first=True)
         except LinkError as error:
-            # an office of PCs not upgraded yet, each retrying every 30 s, wrote a warning a PC a retry
+            # an office of PCs not upgraded yet, each retrying every 30 s, wrote a warning a PC a retry; a member
+            # posing as another is a kind of its own (HelloMismatch), so a timeout of the same PC does not hide it
             warn = hello_failures_said.due((peer.agent_id, type(error).__name__), HELLO_FAILURE_LOG_EVERY_S)
             log.log(logging.WARNING if warn else logging.DEBUG, "dropped %s before hello: %s%s", link.address, error,
                     f" (said again every {HELLO_FAILURE_LOG_EVERY_S / 60:.0f} minutes at most)" if warn else "")
@@ -452,8 +457,8 @@ async def _hello(link: Link, own: pki.PeerIdentity, expect_first: bool) -> None:
     link.peer_software = software[:40] if software.isprintable() else None  # shown in `fleet ls`'s table
     if message.agent_id != link.peer.agent_id or message.role is not link.peer.role:
         await link.refuse(ErrorCode.UNAUTHORIZED, "Hello does not match the certificate")
-        raise LinkError(f"{link.address} said Hello as {message.role.value} {message.agent_id[:12]}, but its "
-                        f"certificate is {link.peer.role.value} {link.peer.agent_id[:12]}")
+        raise HelloMismatch(f"{link.address} said Hello as {message.role.value} {message.agent_id[:12]}, but its "
+                            f"certificate is {link.peer.role.value} {link.peer.agent_id[:12]}")
     if expect_first:
         await link.send(ours)
 

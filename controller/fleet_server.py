@@ -33,6 +33,7 @@ from deskfleet.agent.link import Link, LinkError, start_server, utc_now
 from deskfleet.common import pki
 from deskfleet.common.availability import CALL_IN_MIN_INTERVAL_S
 from deskfleet.common.discovery_record import ControllerRecord
+from deskfleet.common.log_limit import LogEvery
 from deskfleet.common.wire import Error, ErrorCode, KnownRemovals, Register, Role, parse_address
 from deskfleet.controller.fleet_ca import Revocations, serve_enrollment, spend_token_again, take_known_removals
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry
@@ -46,6 +47,7 @@ REGISTER_TIMEOUT_S = 10.0
 # that register within a second or two of a restart wrote (and fsynced) the whole roster once each, 28 MB in all,
 # on the event loop that their handshakes waited for.
 ROSTER_BATCH_S = 0.05
+REPORT_LOG_EVERY_S = 60.0  # an agent's report of one kind of failure is a warning at most this often
 ANNOUNCE_REFRESH_S = 10.0  # how often the addresses announced over mDNS are compared with the PC's (as agents do)
 
 
@@ -77,6 +79,9 @@ class FleetServer:
         self._live_at: dict[str, tuple[str, ...]] = {}  # agent id -> the listen addresses its live link registered
         self._heard_at: dict[str, float] = {}  # agent id -> when it last registered or called in (time.monotonic)
         self._shared_identities = SharedIdentityWatch()  # two PCs of one identity taking turns (a cloned disk)
+        # (agent id, error code): a stage's failure an agent reported; (agent id, message type): a first message that
+        # was not the agent's own Register
+        self._reports_said = LogEvery()
         self._joins_counted: set[tuple[str, str]] = set()  # (agent id, token sha256) checked against tokens.json
         self.bound_port: int | None = None
         self._on_change = on_change
@@ -166,6 +171,12 @@ class FleetServer:
             await link.close()
             return
         if not isinstance(message, Register) or message.agent_id != link.peer.agent_id:
+            # a Register naming another agent is a member posing as it: a warning once a minute per member and kind
+            what = (f"a Register as agent {message.agent_id[:12]}" if isinstance(message, Register) else
+                    type(message).__name__)
+            due = self._reports_said.due((link.peer.agent_id, type(message).__name__), REPORT_LOG_EVERY_S)
+            log.log(logging.WARNING if due else logging.DEBUG, "refused agent %s at %s: its first message was %s, "
+                    "not its own Register", link.peer.agent_id[:12], link.address, what)
             await link.refuse(ErrorCode.BAD_MESSAGE, "an agent's first message after Hello is its own Register")
             return
         agent_id = link.peer.agent_id
@@ -251,7 +262,12 @@ class FleetServer:
                 await self._called_in(link, message)
             elif isinstance(message, Error):  # a stage's failure with no driver connected to hear it
                 text = "".join(char if char.isprintable() else "?" for char in message.message[:500])  # no forged lines
-                log.warning("agent %s reports: %s: %s", link.peer.agent_id[:12], message.code.value, text)
+                # once a minute per agent and code (a debug line between): any enrolled PC's Forwards to a PC hosting
+                # no stage made it report each, a warning a Forward
+                due = self._reports_said.due((link.peer.agent_id, message.code), REPORT_LOG_EVERY_S)
+                log.log(logging.WARNING if due else logging.DEBUG, "agent %s reports: %s: %s%s",
+                        link.peer.agent_id[:12], message.code.value, text,
+                        " (said once a minute at most)" if due else "")
             else:
                 log.debug("agent %s said %s on its registration link", link.peer.agent_id[:12], type(message).__name__)
 

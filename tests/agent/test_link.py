@@ -17,8 +17,9 @@ from websockets.frames import Close, CloseCode
 from deskfleet.agent import link as link_module
 from deskfleet.agent.link import Link, LinkError, LinkRefused, open_link, start_server, utc_now, why_closed
 from deskfleet.common import pki
-from deskfleet.common.wire import Error, ErrorCode, Role, StatusRequest, decode, encode
+from deskfleet.common.wire import PROTOCOL_VERSION, Error, ErrorCode, Hello, Role, StatusRequest, decode, encode
 from tests.fleet_pki import make_ca, make_member
+from tests.log_records import records_of
 
 
 def run(coroutine: Coroutine[object, object, None]) -> None:
@@ -253,6 +254,33 @@ def test_a_peer_that_never_says_hello_is_dropped(tmp_path: Path, monkeypatch: py
             assert not server.connections and not seen
 
     run(scenario())
+
+
+def test_a_member_posing_as_another_is_a_warning_though_its_silence_was_just_said(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the warnings of a member dropped at Hello were keyed by the exception's type, LinkError for both: a timeout
+    # of the PC hid its Hello as another agent at debug level for 10 minutes
+    monkeypatch.setattr(link_module, "HELLO_TIMEOUT_S", 0.3)
+
+    async def scenario() -> None:
+        server, port, seen, ca = await _serve(tmp_path)
+        async with server:
+            files = make_member(ca, tmp_path / "client", "client")
+            options = {"ssl": files.client_context(pin_agent_id=False), "server_hostname": "127.0.0.1"}
+            silent = await connect(f"wss://127.0.0.1:{port}/", **options)
+            await asyncio.wait_for(silent.wait_closed(), timeout=5.0)
+            async with connect(f"wss://127.0.0.1:{port}/", **options) as posing:
+                other = make_member(ca, tmp_path / "other", "other").own_identity()
+                await posing.send(encode(Hello(PROTOCOL_VERSION, other.agent_id, "0.1", Role.AGENT)))
+                await posing.wait_closed()
+            assert not seen
+
+    with records_of("deskfleet.agent.link", logging.DEBUG) as logged:
+        run(scenario())
+    dropped = [(record.levelno, record.getMessage()) for record in logged.records
+               if "before hello" in record.getMessage()]
+    assert [level for level, _ in dropped] == [logging.WARNING, logging.WARNING], dropped
+    assert "said no Hello" in dropped[0][1] and "said Hello as agent" in dropped[1][1]
 
 
 LONG_AGO = utc_now() - datetime.timedelta(days=10)  # a certificate made then for a day ran out 9 days ago

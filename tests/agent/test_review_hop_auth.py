@@ -51,6 +51,7 @@ from deskfleet.common.wire import (
 from deskfleet.controller.batch_track import BatchTrack
 from tests.agent.test_core import FakeMonitor
 from tests.fleet_pki import FAR_FUTURE, make_ca, make_member
+from tests.log_records import records_of
 
 PREVIOUS = "b" * 52  # the agent hosting the stage before: the rightful previous hop
 STRANGER = "s" * 52  # another enrolled PC, in no chain with this one
@@ -269,6 +270,23 @@ def test_an_agent_hosting_no_stage_relays_no_error(tmp_path: Path) -> None:
     link = FakeLink(Role.AGENT, STRANGER, [Error(ErrorCode.INTERNAL, "gone", agent_id=PREVIOUS)])
     asyncio.run(core.serve_link(cast(Link, link)))
     assert driver.sent == [] and link.refused is not None and "hosts no stage" in link.refused
+
+
+def test_steps_an_agent_sends_a_pc_hosting_no_stage_are_each_answered_and_logged_once_a_minute(
+        tmp_path: Path) -> None:
+    # any enrolled PC could send Forwards to a PC hosting no stage as fast as it liked: each wrote a warning here
+    core = make_core(tmp_path, "agent")
+    driver = FakeLink(Role.CONTROLLER, "c" * 52)
+    core._controller_links.append(cast(Link, driver))
+    link = FakeLink(Role.AGENT, STRANGER, [hidden_step(micro_batch_id) for micro_batch_id in range(5)])
+    with records_of("deskfleet.agent.core", logging.DEBUG) as logged:
+        asyncio.run(core.serve_link(cast(Link, link)))
+    assert link.refused is None
+    assert [(error.code, error.micro_batch_id) for error in driver.sent if isinstance(error, Error)] == \
+        [(ErrorCode.NOT_ASSIGNED, micro_batch_id) for micro_batch_id in range(5)]  # the driver hears each
+    lines = [record for record in logged.records if "hosts no stage" in record.getMessage()]
+    assert [record.levelno for record in lines] == [logging.WARNING] + [logging.DEBUG] * 4
+    assert core.last_error is not None and "hosts no stage" in core.last_error
 
 
 @pytest.mark.parametrize("sender", [STRANGER, PREVIOUS])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import cast
@@ -247,7 +248,7 @@ def test_an_id_in_the_controllers_list_that_is_no_agent_id_is_named_with_the_fil
         Revocations(store)()
 
 
-def test_an_error_an_agent_sends_fleet_serve_is_logged_on_one_printable_line(
+def test_an_error_an_agent_sends_fleet_serve_is_logged_on_one_printable_line_once_a_minute_a_kind(
         store: FleetStore, tmp_path: Path) -> None:
     # A stage's failure with no driver connected goes to `fleet serve`, which read nothing after Register.
     async def scenario() -> None:
@@ -257,12 +258,48 @@ def test_an_error_an_agent_sends_fleet_serve_is_logged_on_one_printable_line(
         link = await open_link(address, agent_tls_files(tmp_path / "agent"), expected_agent_id=membership.controller_id)
         await link.send(Register(membership.agent_id, ("127.0.0.1:7431",)))
         await link.receive()  # the controller's list
-        await link.send(Error(ErrorCode.INTERNAL, "stage 1 failed\nINFO forged line"))
-        await wait_until("the error logged", lambda: any("reports" in message for message in logged.messages()))
+        for _ in range(3):  # any enrolled PC can send these as fast as it likes: a warning once a minute a kind
+            await link.send(Error(ErrorCode.INTERNAL, "stage 1 failed\nINFO forged line"))
+        await link.send(Error(ErrorCode.NOT_ASSIGNED, "this agent hosts no stage"))
+        await wait_until("the errors logged", lambda: sum("reports" in message for message in logged.messages()) == 4)
         await link.close()
         await stopped(server, running)
 
-    with records_of("deskfleet.controller") as logged:
+    with records_of("deskfleet.controller", logging.DEBUG) as logged:
         asyncio.run(scenario())
-    (line,) = [message for message in logged.messages() if "reports" in message]
-    assert line.endswith("reports: internal: stage 1 failed?INFO forged line")
+    lines = [(record.levelno, record.getMessage()) for record in logged.records if "reports" in record.getMessage()]
+    said = " (said once a minute at most)"
+    assert [level for level, _ in lines] == [logging.WARNING, logging.DEBUG, logging.DEBUG, logging.WARNING]
+    assert lines[0][1].endswith(f"reports: internal: stage 1 failed?INFO forged line{said}")
+    assert lines[1][1].endswith("reports: internal: stage 1 failed?INFO forged line")
+    assert lines[3][1].endswith(f"reports: not_assigned: this agent hosts no stage{said}")
+
+
+def test_a_member_whose_first_message_is_not_its_own_register_is_refused_and_named(
+        store: FleetStore, tmp_path: Path) -> None:
+    # fleet serve refused it without a word: a member posing as another PC left no trace
+    posing = new_agent_id()
+
+    async def scenario() -> None:
+        server, running = await serving(store, free_address())
+        address = f"{LOOPBACK}:{server.bound_port}"
+        membership = await join(token_for(store, address), tmp_path / "agent", "pc-1")
+        files = agent_tls_files(tmp_path / "agent")
+        for first in (Register(posing, ("127.0.0.1:7431",)), Register(posing, ("127.0.0.1:7431",)),
+                      Error(ErrorCode.INTERNAL, "not a Register")):
+            link = await open_link(address, files, expected_agent_id=membership.controller_id)
+            await link.send(first)
+            refusal = await link.receive()
+            assert isinstance(refusal, Error) and "its own Register" in refusal.message
+            with contextlib.suppress(LinkError):
+                await link.receive()
+        await stopped(server, running)
+        assert membership.agent_id not in server.live
+
+    with records_of("deskfleet.controller", logging.DEBUG) as logged:
+        asyncio.run(scenario())
+    lines = [(record.levelno, record.getMessage()) for record in logged.records if "not its own Register" in
+             record.getMessage()]
+    assert [level for level, _ in lines] == [logging.WARNING, logging.DEBUG, logging.WARNING], lines
+    assert f"its first message was a Register as agent {posing[:12]}, not its own" in lines[0][1]
+    assert "its first message was Error" in lines[2][1]
