@@ -213,6 +213,14 @@ class AgentCore:
 
     # Public methods
 
+    def takes_large_frames(self, peer: pki.PeerIdentity) -> bool:
+        """Whether a link from `peer` may carry frames past link.SMALL_FRAME_BYTES (start_server's `large_frames`):
+        the controller's (shards, a first stage's prompts) and a hosted stage's previous hop's (hidden states).
+        Another enrolled PC's steps are refused whatever their size, so it sends nothing large that is read."""
+        return peer.role is Role.CONTROLLER or any(
+            peer.role is Role.AGENT and hosted.assignment.previous_agent_id == peer.agent_id
+            for hosted in self.stages.values())
+
     def revocations(self) -> pki.RevocationSet:
         """The removed agents the controller told us about (a `link.RevocationSource`)."""
         return self._revoked
@@ -231,6 +239,8 @@ class AgentCore:
             self._controller_links.append(link)
             if registration:
                 self._registration_links.add(link)
+        if not registration and self.takes_large_frames(link.peer):  # a stage assigned since its Hello was read
+            link.take_large_frames()
         self._links.add(link)
         try:
             while True:
@@ -598,6 +608,7 @@ class AgentCore:
                 self.stages[message.stage] = replace(hosted, assignment=message)  # new neighbours at most
                 self._refusals_logged.clear()
                 self._unreachable_hops.clear()  # a re-plan's chain dials its next hop afresh
+                self._widen_links_of(message.previous_agent_id)
                 return StageReady(message.stage)
             manifest, names = self._check_assignment(message)
             # A rebuild of a hosted stage pins and materializes under a key of its own, so that a failure
@@ -640,8 +651,17 @@ class AgentCore:
             self._released_because = None
             self._refusals_logged.clear()
             self._unreachable_hops.clear()
+            self._widen_links_of(message.previous_agent_id)
             log.info("hosting %s", key)
             return StageReady(message.stage)
+
+    def _widen_links_of(self, previous_agent_id: str | None) -> None:
+        """Let the links already open from a stage's new previous hop carry its hidden states (takes_large_frames):
+        a re-plan may make a PC that had a link open to this one, read at small frames, its previous hop."""
+        for link in self._links:
+            if previous_agent_id is not None and link.peer.role is Role.AGENT and \
+                    link.peer.agent_id == previous_agent_id:
+                link.take_large_frames()
 
     def _check_assignment(self, message: AssignStage) -> tuple[Manifest, list[str]]:
         """The model manifest (itself a shard) and the file names to materialize; all must be cached."""

@@ -6,7 +6,9 @@ Used by both sides (the controller installs the agent package). The rules every 
   certificate and refuses a revoked agent with HTTP 403 (revocation is not in the certificate);
 - the first message each way is Hello, and its agent id must be the one the certificate proves;
   nothing else is read before it, so nothing a stranger sends reaches a stage;
-- one websocket message = one wire frame (binary); max_size equals the codec's frame limit;
+- one websocket message = one wire frame (binary); frames up to the codec's limit, but a listening side reads at
+  most SMALL_FRAME_BYTES of a member's until its Hello checked out, and of a member it has no large frames to
+  take from after it (start_server's `large_frames`);
 - websocket pings keep the link alive and close it within PING_INTERVAL_S + PING_TIMEOUT_S +
   CLOSE_TIMEOUT_S (17 s) when the peer disappears: after a missed pong, websockets sends a close frame
   and waits CLOSE_TIMEOUT_S for the answer a stopped peer never gives (measured: 17.0 s on a SIGSTOPped
@@ -71,6 +73,10 @@ HELLO_TIMEOUT_S = OPEN_TIMEOUT_S  # a peer that opened a websocket but says no H
 # MAX_JOINS_PER_HOST from one address: one host holding every slot open (the controller's JoinRequest wait,
 # fleet_ca.JOIN_REQUEST_TIMEOUT_S, ended each after 30 s, and it opened another) blocked every join of the fleet.
 ENROLLMENT_MAX_FRAME_BYTES = 64 * 1024
+# What a listening side reads of a member's frames until its Hello checked out, and after it from a member that
+# `start_server`'s `large_frames` does not name: a Hello is a few hundred bytes. At the codec's limit (320 MB) a
+# member's unfinished message held that much of the agent's memory per link, on as many links as it opened.
+SMALL_FRAME_BYTES = 64 * 1024
 MAX_CONCURRENT_JOINS = 16
 MAX_JOINS_PER_HOST = 4
 REFUSAL_LOG_EVERY_S = 60.0  # a join refused as one too many is logged once this often per host
@@ -218,6 +224,11 @@ class Link:
         self.address = address
         self.peer_software: str | None = None  # the deskfleet version its Hello named
 
+    def take_large_frames(self) -> None:
+        """Read frames up to the codec's limit on this link from now on: a listening side's link reads at most
+        SMALL_FRAME_BYTES until it is told so (`start_server`'s `large_frames`, or later: a stage assigned)."""
+        self.connection.protocol.max_message_size = DEFAULT_LIMITS.max_frame_bytes
+
     # Public methods
 
     async def send(self, message: Message) -> None:
@@ -267,8 +278,14 @@ class Link:
 
 async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, port: int, files: TlsFiles,
                        revocations: RevocationSource = no_revocations,
-                       enrollment: Callable[[ServerConnection], Awaitable[None]] | None = None) -> Server:
+                       enrollment: Callable[[ServerConnection], Awaitable[None]] | None = None,
+                       large_frames: Callable[[pki.PeerIdentity], bool] = lambda peer: False) -> Server:
     """Listen for fleet members. `handler` gets each link after its Hello and must return when done.
+
+    Every connection reads frames of at most SMALL_FRAME_BYTES until its Hello checked out; then a member that
+    `large_frames` names (an agent's controller, a hosted stage's previous hop) reads up to the codec's limit,
+    before this side's Hello goes out, so that nothing the peer sends after it meets the small limit. Another
+    member's link stays small; `Link.take_large_frames` widens it later.
 
     `enrollment` (the controller only): a client that presents NO certificate is handed, raw, to this
     handler, which must speak only the join exchange; a client presenting a certificate that does not
@@ -317,7 +334,7 @@ async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, po
         peer = peer_identity(connection, ca_certificate, revocations())
         link = Link(connection, peer, _remote(connection))
         try:
-            await _exchange_hello(link, own, expect_first=True)
+            await _exchange_hello(link, own, expect_first=True, large_frames=large_frames)
         except LinkError as error:
             # an office of PCs not upgraded yet, each retrying every 30 s, wrote a warning a PC a retry; a member
             # posing as another is a kind of its own (HelloMismatch), so a timeout of the same PC does not hide it
@@ -328,7 +345,7 @@ async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, po
         await handler(link)
 
     return await serve(on_connection, host, port, ssl=context, process_request=check_peer,
-                       **_server_websocket_options(takes_enrollment=enrollment is not None))
+                       **_server_websocket_options())
 
 
 def peer_identity(connection: Connection, ca_certificate: x509.Certificate,
@@ -401,29 +418,32 @@ def websocket_options() -> WebsocketOptions:
                             ping_timeout=PING_TIMEOUT_S, close_timeout=CLOSE_TIMEOUT_S, compression=None)
 
 
-def _server_websocket_options(takes_enrollment: bool) -> WebsocketOptions:
-    """A port that takes enrollment limits frames from the connection's first byte: websockets parses a frame
-    sent right behind the upgrade request before process_request sees the client, so a limit lowered there
-    let a stranger's pipelined frame of up to the codec's limit (320 MB) into memory. Its members send only
-    Hello and Register, which the controller reads; nothing else it would ever read could wait in memory."""
+def _server_websocket_options() -> WebsocketOptions:
+    """A listening side limits frames to SMALL_FRAME_BYTES from the connection's first byte: websockets parses a
+    frame sent right behind the upgrade request before process_request sees the client, so a limit lowered there
+    let a stranger's pipelined frame of up to the codec's limit (320 MB) into memory. A member's link reads more
+    once its Hello checked out and `start_server`'s `large_frames` names it (enrollment's clients never do, nor
+    `fleet serve`'s members, which send only Hello and Register)."""
     options = websocket_options()
-    if takes_enrollment:
-        options["max_size"] = ENROLLMENT_MAX_FRAME_BYTES
+    options["max_size"] = SMALL_FRAME_BYTES
     return options
 
 
-async def _exchange_hello(link: Link, own: pki.PeerIdentity, expect_first: bool) -> None:
+async def _exchange_hello(link: Link, own: pki.PeerIdentity, expect_first: bool,
+                          large_frames: Callable[[pki.PeerIdentity], bool] | None = None) -> None:
     """Server: read the peer's Hello, then answer; client: send ours, then read theirs. A peer that stays
-    silent is dropped after HELLO_TIMEOUT_S (its websocket pongs alone would keep the link open)."""
+    silent is dropped after HELLO_TIMEOUT_S (its websocket pongs alone would keep the link open). The server
+    widens the link's frames for a peer `large_frames` names before it answers."""
     try:
         async with asyncio.timeout(HELLO_TIMEOUT_S):
-            await _hello(link, own, expect_first)
+            await _hello(link, own, expect_first, large_frames)
     except TimeoutError:
         await link.close()
         raise LinkError(f"{link.address} said no Hello within {HELLO_TIMEOUT_S:.0f} s") from None
 
 
-async def _hello(link: Link, own: pki.PeerIdentity, expect_first: bool) -> None:
+async def _hello(link: Link, own: pki.PeerIdentity, expect_first: bool,
+                 large_frames: Callable[[pki.PeerIdentity], bool] | None) -> None:
     ours = Hello(PROTOCOL_VERSION, own.agent_id, SOFTWARE_VERSION, own.role)
     if not expect_first:
         await link.send(ours)
@@ -460,6 +480,8 @@ async def _hello(link: Link, own: pki.PeerIdentity, expect_first: bool) -> None:
         raise HelloMismatch(f"{link.address} said Hello as {message.role.value} {message.agent_id[:12]}, but its "
                             f"certificate is {link.peer.role.value} {link.peer.agent_id[:12]}")
     if expect_first:
+        if large_frames is not None and large_frames(link.peer):
+            link.take_large_frames()
         await link.send(ours)
 
 

@@ -151,7 +151,8 @@ class AgentService:
             self._prepare_cache()
             try:
                 server = await start_server(self.core.serve_link, host, port, self.files,
-                                            revocations=self.core.revocations)
+                                            revocations=self.core.revocations,
+                                            large_frames=self.core.takes_large_frames)
             except OSError as error:
                 raise OSError(f"cannot listen on {self.listen} (--listen, or listen_address in "
                               f"{self.paths.settings_file}): {error.strerror or error}") from None

@@ -67,7 +67,8 @@ async def serve(files: TlsFiles, listen: str, cache_dir: Path, threads: int, por
                 loop.call_soon_threadsafe(stop.set)
 
         _call_at_stdin_eof(stop_soon)
-    server = await start_server(core.serve_link, host, port, files, revocations=core.revocations)
+    server = await start_server(core.serve_link, host, port, files, revocations=core.revocations,
+                                large_frames=core.takes_large_frames)
     port = int(next(iter(server.sockets)).getsockname()[1])
     if port_file is not None:
         write_atomic(port_file, f"{port}\n".encode())

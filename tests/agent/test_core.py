@@ -63,6 +63,10 @@ class FakeMonitor:
 class FakeLink:
     def __init__(self, role: Role) -> None:
         self.peer = pki.PeerIdentity("a" * 52, role, "0" * 64, FAR_FUTURE)
+        self.large_frames = False  # whether the core let it carry frames past link.SMALL_FRAME_BYTES
+
+    def take_large_frames(self) -> None:
+        self.large_frames = True
 
     async def send(self, message: Message) -> None:
         pass

@@ -67,6 +67,10 @@ class FakeLink:
         self.incoming = list(incoming or [])
         self.sent: list[Message] = []
         self.refused: str | None = None
+        self.large_frames = False  # whether the core let it carry frames past link.SMALL_FRAME_BYTES
+
+    def take_large_frames(self) -> None:
+        self.large_frames = True
 
     def describe(self) -> str:
         return f"{self.peer.role.value} {self.peer.agent_id[:12]}"

@@ -1,5 +1,5 @@
-"""Security review: how many bytes a client can make the controller's port (the one that takes enrollment)
-hold. Loopback only."""
+"""Security review: how many bytes a client can make the controller's port (the one that takes enrollment) and an
+agent's port hold. Loopback only."""
 
 from __future__ import annotations
 
@@ -9,13 +9,19 @@ import os
 import ssl
 import struct
 from pathlib import Path
+from typing import cast
 
 from websockets.asyncio.server import Server, ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from deskfleet.agent.link import ENROLLMENT_MAX_FRAME_BYTES, Link, open_link, start_server
+from deskfleet.agent.core import AgentCore, HostedStage
+from deskfleet.agent.link import ENROLLMENT_MAX_FRAME_BYTES, SMALL_FRAME_BYTES, Link, open_link, start_server
+from deskfleet.agent.paths import AgentSettings, Thresholds
+from deskfleet.agent.shard_cache import ShardCache
+from deskfleet.agent.stage_executor import StageExecutor
 from deskfleet.common import pki
-from deskfleet.common.wire import StatusRequest, encode
+from deskfleet.common.wire import AssignStage, Precision, Role, StageRef, StatusRequest, encode
+from tests.agent.test_core import FakeMonitor
 from tests.fleet_pki import make_ca, make_member
 
 MB = 1 << 20
@@ -98,3 +104,84 @@ def test_a_member_cannot_make_the_controller_port_hold_frames_it_never_reads(tmp
 
     asyncio.run(scenario())
 
+
+
+# The agent's port: a member's frames are small until its Hello checked out, and stay small but for the controller
+# and a hosted stage's previous hop (an exploratory test held ~300 MB of an agent's memory per link with a message
+# it never finished, on as many links as it opened).
+
+PREVIOUS_HOP = "p" * 52
+
+
+async def _agent_port(tmp_path: Path) -> tuple[Server, int, pki.FleetCa, AgentCore]:
+    ca = make_ca(tmp_path / "ca")
+    files = make_member(ca, tmp_path / "agent", "agent")
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    core = AgentCore(files, settings, ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor())
+    server = await start_server(core.serve_link, "127.0.0.1", 0, files, revocations=core.revocations,
+                                large_frames=core.takes_large_frames)
+    return server, server.sockets[0].getsockname()[1], ca, core
+
+
+async def _sends_whole(link: Link, size: int) -> bool:
+    """Whether a frame of `size` bytes (a StatusRequest padded with junk) got through: the agent answers it
+    (a malformed message, so an Error) where it read it, and closes with 1009 where it was too big."""
+    try:
+        await link.connection.send(encode(StatusRequest()) + b"\0" * size)
+        await asyncio.wait_for(link.connection.recv(), 5)
+        return True
+    except ConnectionClosed:
+        assert link.connection.close_code == 1009  # message too big
+        return False
+
+
+def test_a_member_that_feeds_no_stage_here_sends_only_small_frames_and_the_controller_large_ones(
+        tmp_path: Path) -> None:
+    async def scenario() -> None:
+        server, port, ca, _ = await _agent_port(tmp_path)
+        async with server:
+            address = f"127.0.0.1:{port}"
+            other = make_member(ca, tmp_path / "other", "other")
+            assert await _sends_whole(await open_link(address, other), SMALL_FRAME_BYTES // 2)
+            assert not await _sends_whole(await open_link(address, other), 4 * MB)
+            controller = make_member(ca, tmp_path / "controller", "controller", Role.CONTROLLER)
+            assert await _sends_whole(await open_link(address, controller), 4 * MB)
+
+    asyncio.run(scenario())
+
+
+def test_the_previous_hops_link_opened_before_its_stage_was_assigned_takes_large_frames_after(
+        tmp_path: Path) -> None:
+    async def scenario() -> None:
+        server, port, ca, core = await _agent_port(tmp_path)
+        async with server:
+            previous = make_member(ca, tmp_path / "previous", "previous")
+            early = await open_link(f"127.0.0.1:{port}", previous)
+            for _ in range(50):  # the link's Hello answered: wait for the agent to serve it
+                if core._links:
+                    break
+                await asyncio.sleep(0.02)
+            hop = previous.own_identity().agent_id
+            # a re-plan makes that PC this one's previous hop: the stage's assignment widens its open link
+            assignment = AssignStage(StageRef("m@1", 1, 2), False, True, "CPU", Precision.F32, None, (), None, hop)
+            core.stages[assignment.stage] = HostedStage(assignment, cast(StageExecutor, None), asyncio.Lock(), "m-1-2")
+            core._widen_links_of(hop)
+            assert await _sends_whole(early, 4 * MB)
+            assert await _sends_whole(await open_link(f"127.0.0.1:{port}", previous), 4 * MB)  # and a new one
+
+    asyncio.run(scenario())
+
+
+def test_a_member_cannot_send_the_agent_a_big_frame_before_its_hello(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        server, port, ca, _ = await _agent_port(tmp_path)
+        async with server:
+            member = make_member(ca, tmp_path / "member", "member")
+            _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=member.client_context(pin_agent_id=False),
+                                                      server_hostname="127.0.0.1")
+            writer.write(_upgrade_request() + _binary_frame_header(CLAIMED_FRAME_BYTES))
+            sent = await _bytes_accepted(writer, CLAIMED_FRAME_BYTES)
+            writer.close()
+        assert sent < CLAIMED_FRAME_BYTES // 4, f"the agent read {sent // MB} MB of a frame before a Hello"
+
+    asyncio.run(scenario())

@@ -291,6 +291,17 @@ def test_chain_generates_the_local_tokens(fleet: Fleet, tiny_export: Path) -> No
     assert remote == local
 
 
+def test_a_long_prompts_hidden_states_cross_the_chain(fleet: Fleet, tiny_export: Path) -> None:
+    # 400 tokens x 64 wide in f32: each stage's step to the next is a 100 KB frame, past what an agent reads of a
+    # PC that is not its stage's previous hop (link.SMALL_FRAME_BYTES)
+    prompt = ",".join(str(3 + (index * 7) % 500) for index in range(400))
+    argv = ("--model", str(tiny_export), "--prompt-ids", prompt, "--max-new-tokens", "4", "--ignore-eos", "--json")
+    remote = json.loads(fleet.deskfleet("fleet", "generate", *argv))["tokens"]
+    local = json.loads(subprocess.run([str(BIN / "deskfleet"), "generate", *argv, "--precision", "f32"],
+                                      capture_output=True, check=True, cwd=REPO, env=_environment()).stdout)["tokens"]
+    assert remote == local and len(remote) == 4
+
+
 PROMPTS = ("1,17,42,99,5", "7,3,250", "200,201,202,203,204,205,206,207,208")
 _LOCAL: dict[tuple[str, ...], list[list[int]]] = {}
 
