@@ -200,6 +200,20 @@ def load_settings(path: Path) -> AgentSettings:
     return AgentSettings.from_json(text, source=f"settings file {path}")
 
 
+def misnamed_settings_files(settings_dir: Path) -> list[Path]:
+    """The files beside the settings file that look meant to be it (`agent_settings.json`, `Agent-Settings.json`,
+    `agent-settings.json.txt` as Notepad saves it): the agent reads none of them, so an admin's settings there
+    silently did not apply (the default listen address, no pause). [] where the folder cannot be read."""
+    try:
+        entries = [entry for entry in settings_dir.iterdir() if entry.name != SETTINGS_FILE]
+    except OSError:
+        return []
+    def looks_meant(name: str) -> bool:
+        folded = name.casefold().replace("_", "-").replace(" ", "-")
+        return ("setting" in folded and folded.endswith((".json", ".txt", ".jsn", ".js"))) or folded == "agent-settings"
+    return sorted(entry for entry in entries if looks_meant(entry.name))
+
+
 def save_settings(path: Path, settings: AgentSettings) -> None:
     """Write `settings` to `path` atomically: a temp file in the same dir, fsynced, renamed over."""
     path.parent.mkdir(parents=True, exist_ok=True)

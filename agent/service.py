@@ -40,7 +40,13 @@ from deskfleet.agent.enroll import (
 )
 from deskfleet.agent.link import Link, LinkError, LinkRefused, open_link, start_server, utc_now
 from deskfleet.agent.monitor import HostMonitor, SystemMonitor
-from deskfleet.agent.paths import DEFAULT_AGENT_PORT, AgentPaths, AgentSettings, load_settings
+from deskfleet.agent.paths import (
+    DEFAULT_AGENT_PORT,
+    AgentPaths,
+    AgentSettings,
+    load_settings,
+    misnamed_settings_files,
+)
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement, cached_speed
 from deskfleet.agent.stage import openvino_devices
@@ -148,6 +154,7 @@ class AgentService:
     async def run(self) -> None:
         host, port = parse_address(self.listen)
         with self._data_dir_lock():
+            self._log_settings()  # before it listens: a misnamed file's listen_address did not apply
             self._prepare_cache()
             try:
                 server = await start_server(self.core.serve_link, host, port, self.files,
@@ -191,6 +198,17 @@ class AgentService:
             log.log(logging.ERROR if expired else logging.WARNING, "%s", text)
 
     # Private methods
+
+    def _log_settings(self) -> None:
+        """Say which settings the agent runs on: the file read, or that there is none (the defaults), and warn of
+        a file beside it that looks meant to be it (a misnamed file applied nothing, and said nothing)."""
+        if self.paths.settings_file.is_file():
+            log.info("settings: %s", self.paths.settings_file)
+        else:
+            log.info("settings: the defaults (no %s)", self.paths.settings_file)
+        for misnamed in misnamed_settings_files(self.paths.settings_dir):
+            log.warning("%s is not read: the agent reads its settings from %s alone (rename it, and restart the "
+                        "agent)", misnamed, self.paths.settings_file)
 
     def _log_pause(self) -> None:
         """Say so in the log when this PC starts paused: it is never planned, and nothing else would tell an

@@ -23,7 +23,7 @@ def started_log(service: service_module.AgentService, caplog: pytest.LogCaptureF
     with caplog.at_level(logging.INFO, logger="deskfleet"):
         asyncio.run(briefly())
     return [record.getMessage() for record in caplog.records
-            if record.name == service_module.log.name and "paused" in record.getMessage()]
+            if record.name == service_module.log.name and record.getMessage().startswith("this PC is paused")]
 
 
 def test_an_agent_started_paused_by_its_user_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
