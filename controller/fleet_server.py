@@ -36,7 +36,7 @@ from deskfleet.common.discovery_record import ControllerRecord
 from deskfleet.common.log_limit import LogEvery
 from deskfleet.common.wire import Error, ErrorCode, KnownRemovals, Register, Role, parse_address
 from deskfleet.controller.fleet_ca import Revocations, serve_enrollment, spend_token_again, take_known_removals
-from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry
+from deskfleet.controller.fleet_store import UNKNOWN_HOSTNAME, FleetStore, FleetStoreError, RosterEntry
 from deskfleet.controller.shared_identity import SharedIdentityWatch
 
 log = logging.getLogger(__name__)
@@ -339,7 +339,7 @@ class FleetServer:
                                 "older backup made before it joined, or the file was lost; it is listed from now on "
                                 "with host '?' (join it again to name it)", agent_id[:12],
                                 self.store.data_dir / "agents.json")
-                    entry = RosterEntry(agent_id, "?", came_at)
+                    entry = RosterEntry(agent_id, UNKNOWN_HOSTNAME, came_at)
                 roster[agent_id] = replace(entry, addresses=addresses, registered_at=came_at)
             self.store.save_roster(roster)
 

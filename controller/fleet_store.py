@@ -58,6 +58,9 @@ DEPLOY_LOCK = ".deploy.lock"
 SERVE_LOCK = ".serve.lock"
 DEFAULT_PORT = 7341
 MIN_ID_PREFIX = 4  # characters of an agent id that `fleet remove` takes as a prefix of it
+# The hostname of an agent the roster never saw join (one that joined a controller restored from an older backup
+# since): shown, never matched as a name (`fleet remove '?'` removed such a PC for good)
+UNKNOWN_HOSTNAME = "?"
 # What `fleet init` writes (deployments.json comes later); .lock, .deploy.lock and .serve.lock are not: commands
 # make them.
 PEM_FILES = ("ca.pem", "ca-key.pem", "controller.pem", "controller-key.pem")
@@ -339,6 +342,9 @@ class FleetStore:
         roster = self.roster()
         if name in roster:
             return name
+        if name == UNKNOWN_HOSTNAME:
+            raise FleetStoreError(f"{name!r} is how `fleet ls` shows a PC whose hostname this controller never learnt "
+                                  "(it joined a controller restored from an older backup): give its agent id")
         matches = {agent_id for agent_id, entry in roster.items()
                    if (len(name) >= MIN_ID_PREFIX and agent_id.startswith(name.lower())) or entry.hostname == name}
         if len(matches) > 1 and all(roster[agent_id].hostname == name for agent_id in matches):  # one name, not

@@ -30,7 +30,7 @@ from deskfleet.controller.fleet_ca import (
     remove_agent,
 )
 from deskfleet.controller.fleet_server import FleetServer
-from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry
+from deskfleet.controller.fleet_store import UNKNOWN_HOSTNAME, FleetStore, FleetStoreError, RosterEntry
 from tests.ports import free_port
 
 
@@ -638,3 +638,14 @@ def test_a_join_refused_while_the_controller_is_busy_tries_again(store: FleetSto
             await connection.close()
 
     with_server(store, scenario)
+
+
+def test_the_hostname_shown_for_a_pc_the_roster_never_saw_join_names_no_pc(store: FleetStore) -> None:
+    # an agent that joined a controller restored from an older backup is listed as host '?': `fleet remove '?'`
+    # removed it, for good
+    unknown = "vm" + "c" * 50
+    store.save_roster({unknown: RosterEntry(unknown, UNKNOWN_HOSTNAME, utc_now().isoformat())})
+    with pytest.raises(FleetStoreError, match=r"'\?' is how `fleet ls` shows a PC whose hostname this controller "
+                                              r"never learnt .*: give its agent id"):
+        remove_agent(store, "?")
+    assert not store.read("revoked", []) and store.resolve_agent(unknown[:10]) == unknown
