@@ -20,7 +20,7 @@ from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 from deskfleet.agent.advertise import interface_addresses, ip_version_of
 from deskfleet.common.discovery_record import CONTROLLER_SERVICE_TYPE, ControllerRecord, RecordError
-from deskfleet.common.wire import ProtocolError, parse_address
+from deskfleet.common.wire import is_loopback_address
 
 log = logging.getLogger(__name__)
 
@@ -34,19 +34,8 @@ def interfaces_to_search(listen: str, controller_addresses: Sequence[str]) -> li
     reach it), or when every address it knows its controller by is loopback (a `fleet serve` on this PC that
     listens there announces nothing): before, such an agent sent its mDNS queries out of every interface of the
     PC, onto the LAN, each time its controller was down."""
-    def loopback(address: str) -> bool:
-        try:
-            host, _ = parse_address(address)
-        except ProtocolError:
-            return False
-        if host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(host).is_loopback
-        except ValueError:  # a host name: it may resolve anywhere
-            return False
-
-    if loopback(listen) or (controller_addresses and all(loopback(address) for address in controller_addresses)):
+    if is_loopback_address(listen) or (controller_addresses and all(is_loopback_address(address)
+                                                                     for address in controller_addresses)):
         return []
     return interface_addresses()
 

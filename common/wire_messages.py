@@ -91,6 +91,21 @@ def parse_address(text: str, any_port: bool = False, default_port: int | None = 
     return host.strip("[]"), port
 
 
+def is_loopback_address(address: str) -> bool:
+    """Whether host:port `address` names this host's loopback ("localhost", 127.0.0.0/8, ::1); False for a host
+    name (it may resolve anywhere) and for text that is no address."""
+    try:
+        host, _ = parse_address(address)
+    except ProtocolError:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def with_default_port(text: str, port: int) -> str:
     """`text` with `port` added where it names a host alone ("10.0.0.5", "pc-7", "[fe80::1]"): `--listen 10.0.0.5`
     was refused as "not host:port", the port being the one the command would pick anyway. Anything else is returned

@@ -22,10 +22,10 @@ from typing import NamedTuple
 from deskfleet.agent.advertise import interface_addresses
 from deskfleet.agent.link import OPEN_TIMEOUT_S, Link, LinkError, LinkVersionError, TlsFiles, open_link
 from deskfleet.common import pki
-from deskfleet.common.wire import Error, KnownRemovals, StatusReport, StatusRequest
+from deskfleet.common.wire import Error, KnownRemovals, StatusReport, StatusRequest, is_loopback_address
 from deskfleet.controller.discovery import RESOLVE_TIMEOUT_MS, Discovery, ManualPeers, ZeroconfDiscovery
-from deskfleet.controller.fleet_ca import Revocations, take_known_removals
-from deskfleet.controller.fleet_store import FleetStore
+from deskfleet.controller.fleet_ca import Revocations, fleet_addresses, take_known_removals
+from deskfleet.controller.fleet_store import FleetStore, FleetStoreError
 from deskfleet.controller.registry import DiscoverySource, Registry, Sighting
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
                 registry.observe(Sighting(agent_id, member.addresses, DiscoverySource.REGISTRATION))
     sources: list[Discovery] = [ManualPeers(registry, options.peers)]
     interfaces = interface_addresses()
-    if options.discover_seconds > 0 and interfaces:
+    if options.discover_seconds > 0 and interfaces and not _loopback_fleet(store):
         fleet = pki.fleet_id(store.tls_files.ca_certificate())
         # A resolve waits at most half the browse: a record that never resolves cannot outlast it.
         resolve_timeout_ms = min(RESOLVE_TIMEOUT_MS, max(1, int(options.discover_seconds * 500)))
@@ -205,6 +205,17 @@ def dials_at_once() -> int:
     if soft == resource.RLIM_INFINITY:
         return MAX_DIALS_AT_ONCE
     return max(16, min(MAX_DIALS_AT_ONCE, soft // 4))
+
+
+def _loopback_fleet(store: FleetStore) -> bool:
+    """Whether agents reach this controller at loopback addresses alone (`fleet init --address 127.0.0.1:PORT`): every
+    agent of such a fleet runs on this PC and registers, so an mDNS browse finds none, and it sent its queries out
+    of every interface of the PC, onto the LAN."""
+    try:
+        addresses = fleet_addresses(store)
+    except FleetStoreError:
+        return False
+    return bool(addresses) and all(is_loopback_address(address) for address in addresses)
 
 
 def survey_targets(registry: Registry, enrolled: set[str], revoked: pki.RevocationSet

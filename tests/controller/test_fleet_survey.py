@@ -42,7 +42,7 @@ def test_every_address_is_tried_and_a_fake_announcement_hides_no_agent(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fleet_survey, "interface_addresses", lambda: [LOOPBACK])
     store = FleetStore(tmp_path / "controller")
-    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    init_fleet(store, "test", ("controller-pc:7341",), utc_now())  # a loopback fleet browses no mDNS
     fleet = pki.fleet_id(store.tls_files.ca_certificate())
     files = make_member(load_ca(store), tmp_path / "agent", "agent")
     settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
@@ -89,7 +89,7 @@ def test_a_stale_registered_address_that_never_answers_does_not_delay_the_live_o
     from deskfleet.controller.registry import DiscoverySource, Sighting
 
     store = FleetStore(tmp_path / "controller")
-    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    init_fleet(store, "test", ("controller-pc:7341",), utc_now())  # a loopback fleet browses no mDNS
     files = make_member(load_ca(store), tmp_path / "agent", "agent")
     settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
     core = AgentCore(files, settings, ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor())
@@ -325,3 +325,31 @@ def test_a_survey_of_some_pcs_dials_only_those(tmp_path: Path, monkeypatch: pyte
     dialled.clear()
     assert sorted(map(str, asyncio.run(scenario(SurveyOptions(discover_seconds=0))))) == sorted([asked, other, silent])
     assert sorted(dialled) == ["10.0.0.41:7431", "10.0.0.42:7431"]
+
+
+@pytest.mark.parametrize(("addresses", "browsed"), [(("127.0.0.1:7341",), False),
+                                                    (("[::1]:7341", "localhost:7341"), False),
+                                                    (("127.0.0.1:7341", "controller-pc:7341"), True)])
+def test_a_fleet_whose_controller_is_reached_at_loopback_alone_browses_no_mdns(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, addresses: tuple[str, ...], browsed: bool) -> None:
+    # its agents all run on this PC and register; a browse sent its queries out of every interface, onto the LAN
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", addresses, utc_now())
+    started: list[object] = []
+
+    class Browser:  # stands in for the mDNS browser
+        def __init__(self, *args: object) -> None:
+            started.append(self)
+
+        async def run(self) -> None:
+            await asyncio.Event().wait()
+
+    monkeypatch.setattr(fleet_survey, "ZeroconfDiscovery", Browser)
+    monkeypatch.setattr(fleet_survey, "interface_addresses", lambda: ["192.0.2.7"])  # never used: Browser is fake
+
+    async def scenario() -> None:
+        found = await survey(store, SurveyOptions(discover_seconds=0.1))
+        await found.close()
+
+    asyncio.run(scenario())
+    assert bool(started) is browsed
