@@ -11,7 +11,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from deskfleet.common.arguments import (
     KeepsDashDashValues,
@@ -31,6 +31,9 @@ from deskfleet.common.console import (
     watched_stdout,
 )
 from deskfleet.common.launch import interruption, restore_default_signals
+
+if TYPE_CHECKING:
+    from deskfleet.agent.paths import AgentPaths
 
 log = logging.getLogger("deskfleet.agent")
 # What only a controller's data dir holds (controller/fleet_store.py): an agent joined into one mixed the two
@@ -243,7 +246,24 @@ def _join(args: argparse.Namespace) -> int:
         print(f"this PC left fleet {before.fleet_id} (its stages and removals there no longer apply)")
     print(f"joined fleet {membership.fleet_id} as agent {membership.agent_id}")
     print(f"start it with: deskfleet-agent --headless{_data_dir_flag(args.data_dir)}")
+    for problem in _settings_problems(paths):  # said now, not at the start a service manager then gives up on
+        print(f"but first: {problem}", file=sys.stderr)
     return 0
+
+
+def _settings_problems(paths: AgentPaths) -> list[str]:
+    """What in the settings folder would stop the agent starting or be ignored by it: the settings file refused (a
+    typo in a field), and files beside it that look meant to be it."""
+    from deskfleet.agent.paths import SettingsError, load_settings, misnamed_settings_files
+
+    problems = []
+    try:
+        load_settings(paths.settings_file)
+    except SettingsError as error:
+        problems.append(f"the agent will not start with its settings as they are: {error}")
+    problems.extend(f"{misnamed} is not read: the agent reads its settings from {paths.settings_file} alone (rename "
+                    "it)" for misnamed in misnamed_settings_files(paths.settings_dir))
+    return problems
 
 
 def _pause(args: argparse.Namespace, paused: bool) -> int:

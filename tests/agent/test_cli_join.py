@@ -217,3 +217,31 @@ def test_two_different_data_dirs_are_refused_and_one_given_twice_is_taken(tmp_pa
     assert "this agent has not joined a fleet" in capsys.readouterr().err  # the one folder, read
     assert cli.main(["pause", "--data-dir", str(second)]) == 2
     assert f"{second / 'state' / 'membership.json'} is missing" in capsys.readouterr().err
+
+
+def test_a_join_says_where_the_settings_would_stop_the_agent_or_go_unread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # a join with a typo in the settings file said "start it with ...", and the start then exited 2, which the
+    # shipped systemd unit does not restart
+    async def joined(token_text: str, state_dir: Path, hostname: str | None = None) -> enroll.Membership:
+        membership = enroll.Membership("b" * 16, "agent-1", "d" * 52, ("127.0.0.1:2",))
+        membership.save(state_dir)
+        return membership
+
+    monkeypatch.setattr(enroll, "join", joined)
+    (tmp_path / "state").mkdir()
+    settings = tmp_path / "settings"
+    settings.mkdir()
+    (settings / "agent-settings.json").write_text('{"listen_adress": "127.0.0.1:7431"}')
+    (settings / "agent_settings.json").write_text("{}")
+    assert cli.main(["--data-dir", str(tmp_path), "join", _token("127.0.0.1:2")]) == 0
+    said = capsys.readouterr()
+    assert "joined fleet" in said.out
+    assert "but first: the agent will not start with its settings as they are: " in said.err
+    assert "listen_adress" in said.err
+    assert f"but first: {settings / 'agent_settings.json'} is not read: the agent reads its settings from " \
+           f"{settings / 'agent-settings.json'} alone (rename it)" in said.err
+    (settings / "agent-settings.json").write_text("{}")
+    (settings / "agent_settings.json").unlink()
+    assert cli.main(["--data-dir", str(tmp_path), "join", _token("127.0.0.1:2")]) == 0
+    assert "but first" not in capsys.readouterr().err

@@ -639,3 +639,12 @@ def test_a_host_without_its_port_takes_the_default_one(given: str, taken: str) -
     from deskfleet.common.wire import with_default_port
 
     assert with_default_port(given, 7431) == taken
+
+
+@pytest.mark.parametrize(("address", "loopback"), [
+    ("127.0.0.1:7341", True), ("127.8.9.10:1", True), ("[::1]:7341", True), ("localhost:7341", True),
+    ("10.0.0.5:7341", False), ("[fe80::1]:7341", False), ("controller-pc:7341", False),  # a name may resolve anywhere
+    ("127.0.0.1", False), ("not an address", False),  # no port: no address
+])
+def test_loopback_addresses_are_told_apart(address: str, loopback: bool) -> None:
+    assert wire.is_loopback_address(address) is loopback
