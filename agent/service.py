@@ -55,6 +55,7 @@ from deskfleet.common.console import stopping_signals
 from deskfleet.common.devices import device_targets
 from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord
 from deskfleet.common.file_lock import pid_lock
+from deskfleet.common.open_files import log_open_files_limit, raise_open_files_limit
 from deskfleet.common.version import software_version
 from deskfleet.common.wire import ProtocolError, Register, parse_address, with_default_port
 
@@ -155,6 +156,7 @@ class AgentService:
         host, port = parse_address(self.listen)
         with self._data_dir_lock():
             self._log_settings()  # before it listens: a misnamed file's listen_address did not apply
+            log_open_files_limit(raise_open_files_limit())
             self._prepare_cache()
             try:
                 server = await start_server(self.core.serve_link, host, port, self.files,

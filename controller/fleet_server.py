@@ -34,6 +34,7 @@ from deskfleet.common import pki
 from deskfleet.common.availability import CALL_IN_MIN_INTERVAL_S
 from deskfleet.common.discovery_record import ControllerRecord
 from deskfleet.common.log_limit import LogEvery
+from deskfleet.common.open_files import log_open_files_limit, raise_open_files_limit
 from deskfleet.common.wire import Error, ErrorCode, KnownRemovals, Register, Role, parse_address
 from deskfleet.controller.fleet_ca import Revocations, serve_enrollment, spend_token_again, take_known_removals
 from deskfleet.controller.fleet_store import UNKNOWN_HOSTNAME, FleetStore, FleetStoreError, RosterEntry
@@ -107,6 +108,7 @@ class FleetServer:
 
     async def _run(self) -> None:
         host, port = parse_address(self.listen)
+        log_open_files_limit(raise_open_files_limit())
         try:
             server = await start_server(self._serve_agent, host, port, self.store.tls_files,
                                         revocations=self.revocations, enrollment=self._enroll)

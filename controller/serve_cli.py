@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from deskfleet.common import event_loop
 from deskfleet.common.arguments import path_argument, seconds_up_to
 from deskfleet.common.console import stopping_signals
+from deskfleet.common.open_files import log_open_files_limit, raise_open_files_limit
 from deskfleet.common.wire import ProtocolError, parse_address
 
 from .chat import add_fleet_option, check_fleet_options, controller_store, fleet_max_failovers, open_fleet_chain
@@ -247,6 +248,7 @@ async def _listen(api: OpenAiApi, host: str, port: int, where: str, tls: ssl.SSL
     `tls`: serve HTTPS with it (server_tls)."""
     from aiohttp import web
 
+    log_open_files_limit(raise_open_files_limit())  # each client's connection takes one
     runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     loop = asyncio.get_running_loop()
