@@ -88,6 +88,9 @@ class ShardCache:
         self.limit_bytes = limit_bytes
         self._clock = clock
         self._pins: dict[str, frozenset[str]] = {}
+        # what each deploy in progress reserved (owner -> sha256 -> size): a stage's shards not yet begun take no
+        # disk, but the room they need is promised to that deploy, so another deploy's reservation counts it
+        self._reserved: dict[str, dict[str, int]] = {}
         self._lock = threading.RLock()  # see the module's docstring: eviction against builds in worker threads
         self._building: set[str] = set()  # view staging folders being filled: eviction leaves them alone
         self._hold_ids = itertools.count(1)
@@ -119,16 +122,19 @@ class ShardCache:
         other unpinned shard: a stage too big for the cache is refused whole, not after evicting its own
         first files and other models' shards."""
         with self._lock:
-            missing = sum(size for sha256, size in sizes.items()
-                          if not self.has(sha256) and self._find_partial(sha256) is None)
+            missing = self._not_begun(sizes)
+            promised = self._not_begun({sha256: size for other, reserved in self._reserved.items() if other != owner
+                                        for sha256, size in reserved.items() if sha256 not in sizes})
             self.pin(owner, sizes)
             try:
-                self._refuse_if_eviction_cannot_fit(missing, "of a stage")
+                self._refuse_if_eviction_cannot_fit(missing + promised, "of a stage")
             except CacheFull:
                 self.unpin(owner)
+                others = f", and {promised} more bytes promised to other deploys in progress" if promised else ""
                 raise CacheFull(f"the stage's {len(sizes)} files need {missing} bytes more, which the cache cannot "
                                 f"hold (its limit is {self.limit_bytes} bytes, {self.usage().pinned_bytes} of them "
-                                f"pinned by {_HOLDERS}): nothing was evicted") from None
+                                f"pinned by {_HOLDERS}{others}): nothing was evicted") from None
+            self._reserved[owner] = dict(sizes)
 
     def drop_corrupted(self, sha256s: Iterable[str]) -> list[str]:
         """Re-hash the named blobs (the disk may have changed them since they were verified) and delete those
@@ -161,14 +167,20 @@ class ShardCache:
     def _usage(self) -> CacheUsage:
         pinned = self._pinned()
         blobs = [(entry.name, entry.stat().st_size) for entry in os.scandir(self._blobs)]
-        partials = [_reserved_bytes(Path(entry.path)) for entry in os.scandir(self._partials)]
+        # a partial shard holds its whole declared size (_reserved_bytes), pinned while its deploy runs
+        partials = [(entry.name[:64], _reserved_bytes(Path(entry.path))) for entry in os.scandir(self._partials)]
         return CacheUsage(
-            used_bytes=sum(size for _, size in blobs) + sum(partials) + self._view_copy_bytes(),
+            used_bytes=sum(size for _, size in blobs) + sum(size for _, size in partials) + self._view_copy_bytes(),
             limit_bytes=self.limit_bytes,
             shard_count=len(blobs),
             partial_count=len(partials),
-            pinned_bytes=sum(size for name, size in blobs if name in pinned),
+            pinned_bytes=sum(size for name, size in (*blobs, *partials) if name in pinned),
         )
+
+    def _not_begun(self, sizes: Mapping[str, int]) -> int:
+        """The bytes of the shards in `sizes` (sha256 -> size) neither held nor begun (call with the lock held)."""
+        return sum(size for sha256, size in sizes.items()
+                   if not self.has(sha256) and self._find_partial(sha256) is None)
 
     # Public methods: receiving
 
@@ -295,14 +307,17 @@ class ShardCache:
     # Public methods: using
 
     def pin(self, owner: str, sha256s: Iterable[str]) -> None:
-        """Protect these shards from eviction for `owner` (e.g. a stage id), replacing owner's pins."""
+        """Protect these shards from eviction for `owner` (e.g. a stage id), replacing owner's pins (and any room
+        `reserve` promised it)."""
         pinned = frozenset(_checked_sha(sha256) for sha256 in sha256s)
         with self._lock:
             self._pins[owner] = pinned
+            self._reserved.pop(owner, None)
 
     def unpin(self, owner: str) -> None:
         with self._lock:
             self._pins.pop(owner, None)
+            self._reserved.pop(owner, None)
 
     def materialize(self, view_name: str, files: Mapping[str, str], manifest: Manifest | None = None) -> Path:
         """A folder named `view_name` holding `files` (file name -> sha256), for agent/stage.py.

@@ -226,3 +226,22 @@ def test_a_stage_too_big_for_the_cache_is_refused_whole_before_anything_is_evict
         fill(cache, data, sha)
     assert all(cache.has(sha) for _, sha in fitting) and not cache.has(other_sha)
     cache.unpin("deploy")
+
+
+def test_two_deploys_reservations_count_each_others_and_pinned_partials_count_as_pinned(tmp_path: Path) -> None:
+    # two deploys of 400 bytes each into a 600-byte cache were both accepted, and the second refused only at its
+    # first chunk, saying "0 pinned" beside the first deploy's partial shard
+    cache = ShardCache(tmp_path, 600, FakeClock(1_000_000.0, tick=1.0))
+    first, first_sha = blob(1, 400)
+    second, second_sha = blob(2, 400)
+    cache.reserve("deploy-1", {first_sha: len(first)})
+    with pytest.raises(CacheFull, match=r"need 400 bytes more.*and 400 more bytes promised to other deploys in "
+                                        r"progress\): nothing was evicted"):
+        cache.reserve("deploy-2", {second_sha: len(second)})
+    cache.receive(ShardChunk(first_sha, 0, len(first), first[:10]))
+    assert cache.usage().pinned_bytes == 400  # the partial, at its whole size
+    cache.unpin("deploy-1")  # that deploy ended (its partial stays, unpinned, to resume from)
+    assert cache.usage().pinned_bytes == 0
+    cache.reserve("deploy-2", {second_sha: len(second)})  # room now: the first's partial may be evicted
+    fill(cache, second, second_sha)
+    assert cache.has(second_sha)
