@@ -68,7 +68,7 @@ def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> C
         raise FileNotFoundError(f"{model_dir} has no config.json: it is not a Hugging Face checkpoint folder")
     raw = _read_json_object(config_path)
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
+    if not isinstance(model_type, str) or model_type not in SUPPORTED_ARCHITECTURES:  # a list is unhashable
         raise UnsupportedModelError(
             f"config field model_type={model_type!r} is not supported "
             f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
@@ -239,6 +239,9 @@ def _eos_token_ids(model_dir: Path, raw: dict[str, object]) -> tuple[int, ...]:
     ids: list[int] = []
     generation_path = model_dir / "generation_config.json"
     sources: list[object] = [raw.get("eos_token_id")]
+    # a half-copied Hugging Face cache holds a broken link there: skipped, it lost a chat model's end-of-turn id
+    if (found := not_a_file(generation_path)) is not None:
+        raise FileNotFoundError(f"{generation_path} {found}")
     if generation_path.is_file():
         sources.insert(0, _read_json_object(generation_path).get("eos_token_id"))
     for source in sources:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from deskfleet.common.console import ctrl_c_held
 from deskfleet.common.json_file import JsonFileError, read_json_object
 
 from .hf_config import CheckpointConfig, not_a_file
@@ -148,7 +149,10 @@ class CheckpointWeights:
         tensor holding NaN or infinite values (see _check_finite)."""
         shard = self._shard(name)
         try:
-            tensor = take(self._handles[shard])
+            # a Ctrl-C landing inside safetensors' read, as torch builds the tensor, came out as a ValueError that
+            # called the checkpoint damaged: it is held until the read is done, then stops the export as elsewhere
+            with ctrl_c_held():
+                tensor = take(self._handles[shard])
         except Exception as error:  # safetensors raises its own SafetensorError for a cut or corrupt file
             raise MalformedCheckpointError(f"tensor {name!r} of {shard} cannot be read: {error}") from None
         tensor = tensor.to(torch.float32)
@@ -237,7 +241,8 @@ def _read_weight_map(index_path: Path) -> dict[str, str]:
 
 def _open_shard(path: Path) -> Any:  # a safetensors safe_open handle
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing (named by the checkpoint's {INDEX_NAME})")
+        found = not_a_file(path) or "is missing"
+        raise FileNotFoundError(f"{path} {found} (named by the checkpoint's {INDEX_NAME})")
     try:
         return safe_open(str(path), framework="pt")
     except Exception as error:  # SafetensorError for a cut, empty or non-safetensors file

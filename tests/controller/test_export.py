@@ -32,6 +32,8 @@ def edited_checkpoint(source: Path, tmp_path: Path, **changes: object) -> Path:
 
 @pytest.mark.parametrize(("changes", "field"), [
     ({"model_type": "gpt2"}, "model_type"),
+    ({"model_type": ["llama"]}, r"model_type=\['llama'\] is not supported"),  # a TypeError traceback before
+    ({"model_type": {"name": "llama"}}, r"model_type=\{'name': 'llama'\} is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type"),
 ])
@@ -477,14 +479,15 @@ def test_a_rope_table_that_is_not_finite_is_refused(checkpoint_factory: Callable
         rope_tables(config)
 
 
-@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "generation_config.json"])
 @pytest.mark.parametrize("kind", ["broken link", "folder"])
 def test_a_checkpoint_file_that_is_a_broken_link_or_a_folder_is_named_as_such(
         checkpoint_factory: Callable[..., Path], tmp_path: Path, name: str, kind: str) -> None:
     # "has no model.safetensors" beside an `ls` that lists it (a half-copied Hugging Face cache holds links)
+    # generation_config.json was skipped without a word: a chat model lost its end-of-turn token id
     checkpoint = tmp_path / "checkpoint"
     shutil.copytree(checkpoint_factory("tiny", num_hidden_layers=4), checkpoint)
-    (checkpoint / name).unlink()
+    (checkpoint / name).unlink(missing_ok=True)
     if kind == "folder":
         (checkpoint / name).mkdir()
         says = rf"{checkpoint / name} is a folder, not a file$"
@@ -565,3 +568,26 @@ def test_int4_compression_compiles_nothing(checkpoint_factory: Callable[..., Pat
                                         intermediate_size=256), tmp_path / "out", WeightFormat.INT4)
     assert compiled == []
     assert "NNCF_DISABLE_OPTIMIZED_COMPRESSION" not in os.environ  # set for the compression only
+
+
+@pytest.mark.parametrize("kind", ["broken link", "folder"])
+def test_a_shard_that_is_a_broken_link_or_a_folder_is_named_as_such_not_as_missing(
+        checkpoint_factory: Callable[..., Path], tmp_path: Path, kind: str) -> None:
+    from safetensors.numpy import load_file
+
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(checkpoint_factory("tiny", num_hidden_layers=4), checkpoint)
+    shard = "model-00002-of-00002.safetensors"
+    (checkpoint / "model.safetensors").rename(checkpoint / "model-00001-of-00002.safetensors")
+    tensors = list(load_file(checkpoint / "model-00001-of-00002.safetensors"))
+    weight_map = {name: "model-00001-of-00002.safetensors" for name in tensors}
+    weight_map[tensors[-1]] = shard
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    if kind == "folder":
+        (checkpoint / shard).mkdir()
+        says = rf"{checkpoint / shard} is a folder, not a file \(named by the checkpoint's"
+    else:
+        (checkpoint / shard).symlink_to(tmp_path / "blobs" / "c3d4")
+        says = rf"{checkpoint / shard} is a broken link \(to {tmp_path / 'blobs' / 'c3d4'}\)"
+    with pytest.raises(FileNotFoundError, match=says):
+        export_checkpoint(checkpoint, tmp_path / "out", WeightFormat.F32)

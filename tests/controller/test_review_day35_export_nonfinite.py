@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,18 @@ def test_a_failed_export_removes_the_folders_it_made_above_its_output(clean: Pat
             export_checkpoint(checkpoint, out, WeightFormat.F32)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint", "kept"]
     assert list((tmp_path / "kept").iterdir()) == []  # a folder that was there stays
+
+
+def test_a_ctrl_c_inside_a_tensor_read_stops_the_export_and_calls_no_checkpoint_damaged(clean: Path) -> None:
+    # safetensors builds the tensor through torch, which turned a KeyboardInterrupt landing there into a ValueError
+    # ("could not determine the shape of object type 'torch.storage.UntypedStorage'"): the export said the
+    # checkpoint was damaged (exit 2) instead of "export stopped by Ctrl-C" (130)
+    def read_as_torch_does(handle: object) -> torch.Tensor:
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from None
+        return torch.ones(2)
+
+    with CheckpointWeights(clean) as weights, pytest.raises(KeyboardInterrupt):
+        weights._read(DOWN, read_as_torch_does)
