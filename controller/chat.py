@@ -121,7 +121,8 @@ def add_chat_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     chat.add_argument("--stages", type=positive_int, default=None,
                       help="in-process pipeline stages (default 1; local only)")
     chat.add_argument("--system", default=None, help="system prompt")
-    chat.add_argument("--max-new-tokens", type=positive_int, default=256, help="a reply's limit (default 256)")
+    chat.add_argument("--max-new-tokens", "--new-tokens", dest="max_new_tokens", type=positive_int, default=256,
+                      help="a reply's limit (default 256; --new-tokens too)")
     chat.add_argument("--json", action="store_true",
                       help="one JSON object per line a message gets (its reply, or why it was not sent) on stdout, "
                            "for scripts: replies of several lines cannot be told apart in plain text")

@@ -235,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-ids", action="append", help="comma-separated token ids, e.g. 1,2,3; repeatable")
     generate.add_argument("--chat", action="store_true",
                           help="wrap each text prompt in the model's chat template (not with --prompt-ids)")
-    generate.add_argument("--max-new-tokens", type=positive_int, default=64, help="each stream's limit (default 64)")
+    generate.add_argument("--max-new-tokens", "--new-tokens", dest="max_new_tokens", type=positive_int, default=64,
+                          help="each stream's limit (default 64; --new-tokens, as the benches name it, too)")
     generate.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     add_decoding_options(generate)
     generate.add_argument("--max-rows", type=positive_int, default=8, help="streams per micro-batch (default 8)")

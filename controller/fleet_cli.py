@@ -144,8 +144,8 @@ def add_fleet_commands(subparsers: Any) -> None:
             parser.add_argument("--model", type=path_argument, required=True, help="export folder")
         if name == "generate":
             parser.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
-            parser.add_argument("--max-new-tokens", type=positive_int, default=16,
-                                help="tokens to generate (default 16)")
+            parser.add_argument("--max-new-tokens", "--new-tokens", dest="max_new_tokens", type=positive_int,
+                                default=16, help="tokens to generate (default 16; --new-tokens too)")
             parser.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
         if name == "plan":
             _add_paper_model(parser)

@@ -98,7 +98,7 @@ def test_fleet_generate_refuses_no_new_tokens_naming_the_option(tmp_path: Path,
     # it blamed the prompt: "--prompt-ids 1: max_new_tokens must be at least 1, got 0"
     with pytest.raises(SystemExit):
         main(["fleet", "generate", "--model", str(tmp_path), "--prompt-ids", "1", "--max-new-tokens", "0"])
-    assert "argument --max-new-tokens: must be 1 or more, got 0" in capsys.readouterr().err
+    assert "argument --max-new-tokens/--new-tokens: must be 1 or more, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["plan", "deploy"])

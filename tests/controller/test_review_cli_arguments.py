@@ -54,7 +54,7 @@ def test_other_errors_are_unchanged(capsys: pytest.CaptureFixture[str]) -> None:
     err = parse_error(capsys, "generate", "--model", "T")
     assert "one of the arguments --prompt --prompts-file --prompt-ids is required" in err
     err = parse_error(capsys, "generate", "--model", "T", "--prompt", "hi", "--max-new-tokens", "x")
-    assert "argument --max-new-tokens: expected a whole number" in err
+    assert "argument --max-new-tokens/--new-tokens: expected a whole number" in err
     err = parse_error(capsys, "generat")
     assert "invalid choice: 'generat'" in err
 
