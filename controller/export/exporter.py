@@ -144,6 +144,17 @@ def export_checkpoint(model_dir: Path, out_dir: Path, weight_format: WeightForma
     return manifest
 
 
+def model_name_of(model_dir: Path) -> str:
+    """The model's name for its manifest (and so its deployments' model id): the checkpoint folder's name, or the
+    model's where the folder is a Hugging Face cache snapshot (models--ORG--NAME/snapshots/COMMIT), whose own name
+    is a commit hash (exported as "0123456789abcdef...", a fleet's model listed by it)."""
+    resolved = model_dir.resolve()
+    repository = resolved.parent.parent.name
+    if resolved.parent.name == "snapshots" and repository.startswith("models--") and repository.count("--") >= 2:
+        return repository.rsplit("--", 1)[1]
+    return resolved.name
+
+
 # Private methods
 
 def _not_a_checkpoint_folder(model_dir: Path) -> str:
@@ -214,7 +225,7 @@ def _export_into(model_dir: Path, staging: Path, config: CheckpointConfig, weigh
     files = {path.name: FileEntry(sha256=sha256_of(path), size=path.stat().st_size)
              for path in sorted(staging.iterdir()) if path.name != MANIFEST_NAME}
     manifest = Manifest(
-        model_name=model_dir.resolve().name,
+        model_name=model_name_of(model_dir),
         spec=spec,
         weight_format=weight_format,
         files=files,

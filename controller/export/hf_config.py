@@ -54,6 +54,16 @@ def _rope_type(hf_config: object) -> str:
     return str(rope_type)
 
 
+# rope types whose table depends on the sequence length, which a stage's precomputed table cannot follow
+LENGTH_DEPENDENT_ROPE_TYPES = {"dynamic", "longrope", "su"}
+
+
+def _rope_key(raw: dict[str, object]) -> str:
+    """The config.json key that holds the RoPE parameters as the file writes it: `rope_parameters` (transformers 5)
+    or `rope_scaling` (earlier), for an error that names what the admin sees in the file."""
+    return "rope_parameters" if isinstance(raw.get("rope_parameters"), dict) else "rope_scaling"
+
+
 def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> CheckpointConfig:
     """Load config.json (and generation_config.json for eos ids) and validate it for export.
 
@@ -99,11 +109,12 @@ def read_checkpoint_config(model_dir: Path, max_context: int | None = None) -> C
         raise UnsupportedModelError(f"config field hidden_act={hidden_act!r} is not supported (only 'silu')")
     rope_type = _rope_type(hf_config)
     if rope_type not in STATIC_ROPE_TYPES:
+        why = "; its table depends on the sequence length" if rope_type in LENGTH_DEPENDENT_ROPE_TYPES else ""
         raise UnsupportedModelError(
-            f"config field rope_scaling.rope_type={rope_type!r} is not supported "
-            f"(supported: {', '.join(sorted(STATIC_ROPE_TYPES))}; its table depends on the sequence length)")
+            f"config field {_rope_key(raw)}.rope_type={rope_type!r} is not supported "
+            f"(supported: {', '.join(sorted(STATIC_ROPE_TYPES))}{why})")
 
-    _check_rope_and_norm(hf_config, rope_type)
+    _check_rope_and_norm(hf_config, rope_type, _rope_key(raw))
 
     config_max = int(getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_CONTEXT_CAP))
     if max_context is None and "max_position_embeddings" not in raw:  # transformers filled in its own default
@@ -211,7 +222,7 @@ def rope_theta(hf_config: object) -> object:
     return getattr(hf_config, "rope_theta", None)
 
 
-def _check_rope_and_norm(hf_config: object, rope_type: str) -> None:
+def _check_rope_and_norm(hf_config: object, rope_type: str, rope_key: str = "rope_scaling") -> None:
     """UnsupportedModelError naming the field where rope_theta, a rope scaling factor or rms_norm_eps is a value no
     model has: an export went through with them and its RoPE table or norms were NaN (rope_theta 0: 63,488 of the
     table's 65,536 values), so every generate step failed on logits that were not finite."""
@@ -219,12 +230,13 @@ def _check_rope_and_norm(hf_config: object, rope_type: str) -> None:
     checks: list[tuple[str, object, float]] = [("rope_theta", rope_theta(hf_config), 0.0),
                                                ("rms_norm_eps", getattr(hf_config, "rms_norm_eps", None), 0.0)]
     if rope_type != "default" and isinstance(parameters, dict):
-        checks.append(("rope_scaling.factor", parameters.get("factor"), 1.0))
+        checks.append((f"{rope_key}.factor", parameters.get("factor"), 1.0))
     for name, value, low in checks:
         if value is None and name == "rope_theta":
             continue  # transformers' default applies
-        number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
-        if not (math.isfinite(number) and (number >= low if low else number > 0)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):  # "2" was told it "must be at least 1"
+            raise UnsupportedModelError(f"config field {name}={value!r} must be a number")
+        if not (math.isfinite(value) and (value >= low if low else value > 0)):
             bound = f"at least {low:g}" if low else "a finite number above 0"
             raise UnsupportedModelError(f"config field {name}={value!r} must be {bound}")
 

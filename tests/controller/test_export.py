@@ -289,7 +289,11 @@ def test_a_config_with_more_layers_than_the_weights_is_refused(checkpoint_factor
     ({"rope_theta": 0, "rope_parameters": {"rope_type": "default", "rope_theta": 0}}, UnsupportedModelError,
      "rope_theta=0 must be a finite number above 0"),
     ({"rope_parameters": {"rope_type": "linear", "factor": 0.5, "rope_theta": 10000.0}}, UnsupportedModelError,
-     "rope_scaling.factor=0.5 must be at least 1"),
+     "rope_parameters.factor=0.5 must be at least 1"),  # the key the file uses (transformers 5's), not rope_scaling
+    ({"rope_parameters": {"rope_type": "linear", "factor": "2", "rope_theta": 10000.0}}, UnsupportedModelError,
+     "rope_parameters.factor='2' must be a number"),  # it was told it "must be at least 1"
+    ({"rope_parameters": {"rope_type": "bogus", "rope_theta": 10000.0}}, UnsupportedModelError,
+     r"rope_parameters.rope_type='bogus' is not supported \(supported: default, linear, llama3, yarn\)$"),
     ({"max_position_embeddings": 0}, UnsupportedModelError, "max_position_embeddings=0 must be at least 2"),
     # 1 exported a model no prompt could be answered by ("shorten the prompt to at most 0 tokens")
     ({"max_position_embeddings": 1}, UnsupportedModelError, "max_position_embeddings=1 must be at least 2"),
@@ -591,3 +595,18 @@ def test_a_shard_that_is_a_broken_link_or_a_folder_is_named_as_such_not_as_missi
         says = rf"{checkpoint / shard} is a broken link \(to {tmp_path / 'blobs' / 'c3d4'}\)"
     with pytest.raises(FileNotFoundError, match=says):
         export_checkpoint(checkpoint, tmp_path / "out", WeightFormat.F32)
+
+
+def test_a_hugging_face_cache_snapshot_is_named_after_its_model_not_its_commit(tmp_path: Path) -> None:
+    # exported as "0123456789abcdef...", which became the fleet's model id
+    from deskfleet.controller.export.exporter import model_name_of
+
+    snapshot = tmp_path / "hub" / "models--meta-llama--Llama-3.1-8B" / "snapshots" / "0123456789abcdef0123"
+    snapshot.mkdir(parents=True)
+    assert model_name_of(snapshot) == "Llama-3.1-8B"
+    plain = tmp_path / "checkpoints" / "my-model"
+    plain.mkdir(parents=True)
+    assert model_name_of(plain) == "my-model"
+    odd = tmp_path / "snapshots" / "abc"  # a folder called snapshots, not in a cache's layout
+    odd.mkdir(parents=True)
+    assert model_name_of(odd) == "abc"
