@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import jinja2
 import openvino as ov
 import torch
 
@@ -478,6 +479,21 @@ def _warn_dropped_chat_templates(model_dir: Path, names: list[str]) -> None:
                     "`generate --chat` and `chat` render) and leaves out %s", model_dir, dropped)
 
 
+def _warn_unparsable_chat_template(model_dir: Path, template: object) -> None:
+    """Warn where the chat template kept is no Jinja template at all (a syntax error): it exported without a word,
+    and only `generate --chat`, `chat` or a chat request to `serve` failed on it, later. The export goes on: plain
+    completion does not use the template."""
+    if not isinstance(template, str):
+        return
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as error:
+        log.warning("the chat template of %s is not a valid Jinja template (%s, line %s): `generate --chat`, `chat` "
+                    "and chat requests to `serve` will refuse it; fix chat_template.jinja (or the chat_template of "
+                    "tokenizer_config.json) and export again, or use plain completion", model_dir, error.message,
+                    error.lineno)
+
+
 def _one_line(error: BaseException) -> str:
     """An error's message on one line (transformers' span several, with blank ones between)."""
     return " ".join(str(error).split())
@@ -493,6 +509,7 @@ def _save_tokenizer(model_dir: Path, tokenizer: PreTrainedTokenizerBase, staging
         # `generate --chat`, later, said so ("has no chat template").
         _warn_dropped_chat_templates(model_dir, [str(name) for name in templates])
         tokenizer.chat_template = templates.get("default")
+    _warn_unparsable_chat_template(model_dir, tokenizer.chat_template)
     before = {path.name for path in staging.iterdir()}
     try:
         tokenizer.save_pretrained(staging)

@@ -80,3 +80,19 @@ def test_named_chat_templates_without_a_default_one_are_named_in_a_warning(
     assert warned.startswith(f'the tokenizer of {checkpoint} has named chat templates (tool_use, rag) but none named '
                              '"default", the only one an export keeps: the export has no chat template'), warned
     assert not ModelTokenizer(export).chat_template
+
+
+def test_a_chat_template_that_is_no_jinja_template_is_warned_of_at_export(
+        checkpoint_factory: Callable[..., Path], tmp_path: Path) -> None:
+    # it exported without a word; only `generate --chat`, later, failed with TemplateSyntaxError
+    from tests.log_records import records_of
+
+    checkpoint = tmp_path / "broken-template"
+    shutil.copytree(checkpoint_factory("review-named-templates", num_hidden_layers=1), checkpoint)
+    (checkpoint / "chat_template.jinja").write_text("{% for %}{{ message }}", encoding="utf-8")
+    with records_of("deskfleet.controller.export", logging.WARNING) as logged:
+        export_checkpoint(checkpoint, tmp_path / "export", WeightFormat.F32)
+    (warned,) = [message for message in logged.messages() if "chat template" in message]
+    assert warned.startswith(f"the chat template of {checkpoint} is not a valid Jinja template (")
+    assert "line 1): `generate --chat`, `chat` and chat requests to `serve` will refuse it" in warned
+    assert (tmp_path / "export" / "manifest.json").is_file()  # plain completion still works: exported
