@@ -321,7 +321,7 @@ def remove_stale_folders(out_dir: Path) -> None:
         if _process_alive(pid):
             continue
         if kind == "deleting":  # an old export whose replacement was in place, its deletion cut short
-            shutil.rmtree(entry, ignore_errors=True)
+            _delete_old_export(entry)
         elif kind == "old":
             # Never removed here, not even once an export is in place at out_dir: the warning a run printed when
             # it found the folder told the user it was theirs to move back or remove, and a later --overwrite
@@ -350,7 +350,24 @@ def _discard(retired: Path, out_dir: Path) -> None:
             os.rename(retired, deleting)
         except OSError:  # a folder of that name left by an earlier run of this PID: delete in place
             deleting = retired
-        shutil.rmtree(deleting, ignore_errors=True)
+        _delete_old_export(deleting)
+
+
+def _delete_old_export(folder: Path) -> None:
+    """Delete an old export an --overwrite replaced; where some of it cannot be deleted (an immutable file, one a
+    running `serve` holds open on Windows), warn naming the folder, what it still holds and why, once a run: it was
+    left without a word, and each later export tried again as silently."""
+    failures: list[tuple[str, BaseException]] = []
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(folder, onexc=lambda _function, path, error: failures.append((path, error)))
+    else:  # 3.11 has onerror alone (deprecated from 3.12)
+        shutil.rmtree(folder, onerror=lambda _function, path, info: failures.append((path, info[1])))
+    if failures and folder.exists():
+        held = sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+        path, error = failures[0]
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+        log.warning("could not delete all of the replaced export %s (%d bytes left; %s: %s): remove it yourself; "
+                    "each export to the folder tries again", folder, held, path, reason)
 
 
 def _check_replaceable(folder: Path, shown: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import shutil
 import signal
@@ -487,3 +488,29 @@ def test_an_export_to_a_folder_another_export_is_writing_is_refused_at_once(
             writer.kill()
             writer.wait()
     assert names(tmp_path) == [f".out.partial-{pid}"]
+
+
+def test_an_old_export_that_cannot_all_be_deleted_is_warned_of_naming_what_is_left(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # an immutable file (or one a running serve holds open on Windows) left the whole old export, without a word,
+    # and each later export tried again as silently
+    from tests.log_records import records_of
+
+    old = tmp_path / ".out.deleting-123"
+    old.mkdir()
+    (old / "layer_0.bin").write_bytes(b"x" * 10)
+    (old / "stuck.bin").write_bytes(b"y" * 7)
+    unlink = os.unlink
+
+    def refusing(path: object, *args: object, **kwargs: object) -> None:
+        if str(path).endswith("stuck.bin"):
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        unlink(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "unlink", refusing)
+    with records_of("deskfleet.controller.export", logging.WARNING) as logged:
+        output_folder._delete_old_export(old)
+    (warned,) = logged.messages()
+    assert warned.startswith(f"could not delete all of the replaced export {old} (7 bytes left; ")
+    assert "stuck.bin: Operation not permitted): remove it yourself" in warned
+    assert sorted(path.name for path in old.iterdir()) == ["stuck.bin"]
