@@ -293,7 +293,9 @@ def _pause(args: argparse.Namespace, paused: bool) -> int:
     try:
         admin_paused = load_settings(paths.settings_file).paused
     except SettingsError as error:  # the employee's resume stands; the admin's file is theirs to fix
-        print(f"resumed; but the agent will not start with its settings as they are: {error}")
+        # an agent running now keeps the settings it started with: the file stops only its next start
+        print(f"resumed; but the agent's settings file is refused as it is now (a running agent keeps the settings "
+              f"it started with; it will not start again until this is fixed): {error}")
         return 0
     if admin_paused:
         print(f"resumed, but {paths.settings_file} says paused: true, so this PC stays out until its admin "
