@@ -203,6 +203,7 @@ class AgentCore:
         # when to tell the controller this PC can take stages again (the service says it on its registration link)
         self.call_in = CallInWatch()
         self._released_because: str | None = None  # why the stages were given up, until the next assignment
+        self._released_for_good = False  # given up as this PC was removed from the fleet: the reason never passes
         # the controller link whose AssignStage made or last confirmed each hosted stage, and the stages each open
         # controller link assigned: a ReleaseStage that undoes a link's own assignment after another link assigned
         # the stage again is stale (_superseded_release)
@@ -463,9 +464,12 @@ class AgentCore:
             return ()
         return await self.give_up_stages(because)
 
-    async def give_up_stages(self, because: str) -> tuple[StageRef, ...]:
+    async def give_up_stages(self, because: str, for_good: bool = False) -> tuple[StageRef, ...]:
         """Release every hosted stage (a step under way finishes first), say why in the error the next step gets
-        and in `last_error`; returns what was released."""
+        and in `last_error`; returns what was released. `for_good` (this PC was removed from the fleet): the reason
+        never passes, so every later step hears it (it passed at once, no limit being crossed, and the driver read
+        "this agent hosts no stage")."""
+        self._released_for_good = self._released_for_good or for_good
         released = tuple(self.stages)
         for ref in released:
             hosted = self.stages.get(ref)
@@ -713,7 +717,8 @@ class AgentCore:
 
     async def _forward(self, link: Link, message: Forward) -> None:
         fed = self._fed_by(link, message)
-        if not self.stages and self._released_because is not None and not await self.unavailable_now():
+        if not self.stages and self._released_because is not None and not self._released_for_good and \
+                not await self.unavailable_now():
             # it gave its stages up, and the reason has passed (resumed, plugged in again): the refusal below
             # blames no one, so the driver's re-plan may give this PC a stage again
             self._released_because = None

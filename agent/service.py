@@ -371,7 +371,7 @@ class AgentService:
                     elif error.status == HTTPStatus.FORBIDDEN and not told_removed:  # said once, not every retry
                         told_removed = removed = True
                         # its stages too: no PC of the fleet takes its links any more, and they held the memory
-                        released = await self.core.give_up_stages("this PC was removed from the fleet")
+                        released = await self.core.give_up_stages("this PC was removed from the fleet", for_good=True)
                         note_removed(self.paths.state_dir, utc_now().isoformat(timespec="seconds"))
                         log.error("the controller refuses this PC (%s): it was removed from the fleet and serves no "
                                   "one (%d stage(s) released; asking again every %.0f minutes); to serve again, "

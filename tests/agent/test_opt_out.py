@@ -101,6 +101,19 @@ def test_a_paused_pc_gives_its_stage_up_at_once_refuses_work_and_serves_again_on
     assert _host_tiny_stage(core, tiny_export).stage in core.stages
 
 
+def test_a_pc_removed_from_the_fleet_says_so_to_every_later_step(desk: tuple[AgentCore, Path],
+                                                                  tiny_export: Path) -> None:
+    # its stages given up, the reason passed at once (no limit was crossed) and the driver read "this agent hosts
+    # no stage", which named no removal and blamed no one
+    core, _ = desk
+    assignment = _host_tiny_stage(core, tiny_export)
+    asyncio.run(core.give_up_stages("this PC was removed from the fleet", for_good=True))
+    for _ in range(2):
+        with pytest.raises(CommandError, match=r"gave its stages up: this PC was removed from the fleet") as refused:
+            handle(core, Role.AGENT, replace(_one_step(), model_id=assignment.stage.model_id))
+        assert refused.value.code is ErrorCode.NOT_ASSIGNED and refused.value.agent_id == core.agent_id
+
+
 def joined(data_dir: Path) -> Path:
     state = data_dir / "state"
     state.mkdir(parents=True)

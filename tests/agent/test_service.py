@@ -213,7 +213,8 @@ def test_a_removed_pc_is_told_once_what_happened_and_how_to_serve_again(monkeypa
 
     given_up: list[str] = []
 
-    async def give_up_stages(because: str) -> tuple[str, ...]:
+    async def give_up_stages(because: str, for_good: bool = False) -> tuple[str, ...]:
+        assert for_good  # a removal's reason never passes
         given_up.append(because)
         return ("target[0:8]",)
 
