@@ -30,7 +30,7 @@ from deskfleet.common.arguments import browse_seconds, path_argument
 from deskfleet.common.console import print_whole, stopping_signals
 from deskfleet.common.devices import device_targets
 from deskfleet.common.planner import PlanPolicy
-from deskfleet.common.wire import PROTOCOL_VERSION, with_default_port
+from deskfleet.common.wire import PROTOCOL_VERSION, is_loopback_address, with_default_port
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.bench.interruption import say_stopped, signal_name, signals_unwind
 from deskfleet.controller.decoding_options import byte_count, parse_token_ids, positive_int
@@ -102,7 +102,7 @@ def add_fleet_commands(subparsers: Any) -> None:
                     "while it runs, and it announces the controller over mDNS unless it listens on loopback.")
     serve.add_argument("--listen", default=None, metavar="HOST:PORT",
                        help="where to listen (default: every interface, 0.0.0.0, at the port of the first init "
-                            "address)")
+                            "address; a fleet whose init addresses are all loopback: the first of them)")
     serve.set_defaults(handler=_serve, log_times=True)  # it runs for days: each log line says when
 
     for name, help_text, handler in (("ls", "list agents, states and stages", _ls),
@@ -257,6 +257,15 @@ def _remove(args: argparse.Namespace) -> int:
     return 0
 
 
+def _default_listen(addresses: tuple[str, ...], port: int) -> str:
+    """Where `fleet serve` listens without --listen: every interface at the agents' port, or, where agents are told
+    to reach it at loopback addresses alone (`fleet init --address 127.0.0.1:PORT`: every agent on this PC), the
+    first of those, so that a fleet kept on one PC opens no port to the LAN."""
+    if addresses and all(is_loopback_address(address) for address in addresses):
+        return addresses[0]
+    return f"0.0.0.0:{port}"
+
+
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -279,7 +288,7 @@ def _serve(args: argparse.Namespace) -> int:
             parse_address(args.listen, any_port=True, default_port=port)
         except ProtocolError as error:
             raise ValueError(f"--listen: {error}") from None
-    listen = f"0.0.0.0:{port}" if args.listen is None else with_default_port(args.listen, port)
+    listen = _default_listen(addresses, port) if args.listen is None else with_default_port(args.listen, port)
     server = FleetServer(store, listen)
 
     async def run() -> None:

@@ -258,3 +258,16 @@ def test_a_token_for_addresses_that_are_not_this_pcs_is_warned_of(tmp_path: Path
             "one reaches this controller; moved, give --address HOST:PORT") in capsys.readouterr().err
     assert main(["fleet", "token", "--address", "127.0.0.1:7341", *data]) == 0
     assert "are not this PC's" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("addresses", "listen"), [
+    (("127.0.0.1:7400",), "127.0.0.1:7400"), (("[::1]:7401", "localhost:7401"), "[::1]:7401"),
+    (("10.0.0.5:7402",), "0.0.0.0:7402"), (("127.0.0.1:7403", "controller-pc:7403"), "0.0.0.0:7403"),
+])
+def test_fleet_serve_listens_on_loopback_alone_for_a_fleet_kept_on_this_pc(addresses: tuple[str, ...],
+                                                                          listen: str) -> None:
+    # after `fleet init --address 127.0.0.1:PORT` it listened on every interface: a port opened to the LAN that no
+    # agent of such a fleet (all on this PC) uses
+    from deskfleet.controller.fleet_cli import _default_listen
+
+    assert _default_listen(addresses, int(addresses[0].rsplit(":", 1)[1])) == listen
