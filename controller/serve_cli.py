@@ -8,6 +8,7 @@ import ipaddress
 import logging
 import math
 import os
+import signal
 import ssl
 import stat
 import sys
@@ -253,10 +254,16 @@ async def _listen(api: OpenAiApi, host: str, port: int, where: str, tls: ssl.SSL
     await runner.setup()
     loop = asyncio.get_running_loop()
     stopped = asyncio.Event()
+    stopped_by: list[int] = []
     handled = []
+
+    def stop(signum: int) -> None:
+        stopped_by.append(signum)
+        stopped.set()
+
     for signum in stopping_signals():
         try:
-            loop.add_signal_handler(signum, stopped.set)
+            loop.add_signal_handler(signum, stop, signum)
             handled.append(signum)
         except (NotImplementedError, RuntimeError):
             pass
@@ -281,7 +288,11 @@ async def _listen(api: OpenAiApi, host: str, port: int, where: str, tls: ssl.SSL
         print(f"deskfleet: serving {api.model_name} at {scheme}://{shown}:{bound}/v1 ({key}); Ctrl-C stops",
               file=sys.stderr, flush=True)
         await stopped.wait()
-        log.info("serve stopping: %d stream(s) running", api.service.live_streams)
+        # said as its start was (a service manager's SIGTERM ended it without a word, exit 0)
+        running = api.service.live_streams
+        print(f"deskfleet: stopped by {signal.Signals(stopped_by[0]).name}"
+              + (f"; {running} stream(s) running end with an error their clients get" if running else ""),
+              file=sys.stderr, flush=True)
     finally:
         for signum in handled:
             loop.remove_signal_handler(signum)

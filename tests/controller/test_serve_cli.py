@@ -184,6 +184,7 @@ def test_serve_runs_answers_as_generate_does_and_stops_on_sigterm(tiny_export: P
         assert text == json.loads(generated.stdout)["text"]
         server.send_signal(signal.SIGTERM)
         assert server.wait(60) == 0
+        assert server.stderr is not None and "deskfleet: stopped by SIGTERM" in server.stderr.read()  # it said nothing
 
 
 @pytest.mark.slow
