@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -194,6 +195,7 @@ def move_into_place(model_dir: Path, staging: Path, out_dir: Path, overwrite: bo
                 f"{staging}: move what is at {out_dir} out of the way and move the export into place yourself, "
                 "or remove it") from None
         raise FinishedExportKept(f"{error}{kept}") from None
+    _keep_folder_attributes(out_dir, staging)
     retired = set_aside_folder(out_dir) if overwrite and os.path.lexists(out_dir) else None
     try:
         if retired is not None:
@@ -338,6 +340,22 @@ def remove_stale_folders(out_dir: Path) -> None:
 
 
 # Private methods
+
+def _keep_folder_attributes(out_dir: Path, staging: Path) -> None:
+    """Give the export the mode (setgid included) and group of the folder it replaces, an empty one or an old
+    export: a folder set up for a team (drwxrws--- for its group) became the exporting user's drwxr-xr-x. Best
+    effort: a group this user is not in, or a file system without modes, keeps the staging folder's own."""
+    try:
+        status = os.stat(out_dir, follow_symlinks=False)
+    except OSError:
+        return
+    if not stat.S_ISDIR(status.st_mode):
+        return
+    with contextlib.suppress(OSError, AttributeError):  # os.chown: not on Windows
+        os.chown(staging, -1, status.st_gid)
+    with contextlib.suppress(OSError):
+        os.chmod(staging, stat.S_IMODE(status.st_mode))
+
 
 def _discard(retired: Path, out_dir: Path) -> None:
     """Delete the old export this export moved aside, now that its own is in place: first renamed to a name that

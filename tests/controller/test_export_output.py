@@ -514,3 +514,17 @@ def test_an_old_export_that_cannot_all_be_deleted_is_warned_of_naming_what_is_le
     assert warned.startswith(f"could not delete all of the replaced export {old} (7 bytes left; ")
     assert "stuck.bin: Operation not permitted): remove it yourself" in warned
     assert sorted(path.name for path in old.iterdir()) == ["stuck.bin"]
+
+
+def test_an_export_into_an_empty_folder_keeps_the_folders_mode_and_group(
+        checkpoint_factory: Callable[..., Path], tmp_path: Path) -> None:
+    # a folder set up for a team (drwxrws---, its group) became the exporting user's drwxr-xr-x
+    out = tmp_path / "shared"
+    out.mkdir()
+    group = next((gid for gid in os.getgroups() if gid != os.stat(out).st_gid), os.stat(out).st_gid)
+    os.chown(out, -1, group)
+    out.chmod(0o2770)
+    export_checkpoint(checkpoint_factory("tiny", num_hidden_layers=4), out, WeightFormat.F32)
+    status = os.stat(out)
+    assert (status.st_mode & 0o7777, status.st_gid) == (0o2770, group)
+    assert (out / "manifest.json").is_file()
