@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -415,6 +416,13 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
         return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format=log_format(getattr(args, "log_times", False)))
+    try:
+        os.getcwd()
+    except FileNotFoundError:  # `export -o . --overwrite` replaced the folder the shell is in: the next command
+        # died importing torch ("Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so"), or called `.` no export
+        print("deskfleet: error: the working directory no longer exists (an export with --overwrite replaced it, "
+              "or it was removed): cd into it again (cd \"$PWD\") and run the command again", file=sys.stderr)
+        return 2
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         try:

@@ -101,3 +101,20 @@ def test_export_to_an_empty_output_is_refused_and_the_current_folder_kept(
     with pytest.raises(SystemExit):
         agent_main(["--data-dir", "", "pause"])
     assert "is empty (an unset variable?)" in capsys.readouterr().err
+
+
+def test_a_working_directory_that_no_longer_exists_is_named_before_anything_runs(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # after `export -o . --overwrite` the shell sat in the replaced folder: the next export died importing torch
+    # ("Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so"), and `generate --model .` called `.` no export
+    import os
+
+    from deskfleet.controller.cli import main
+
+    def gone() -> str:
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(os, "getcwd", gone)
+    assert main(["generate", "--model", ".", "--prompt", "hi"]) == 2
+    assert "the working directory no longer exists (an export with --overwrite replaced it, or it was removed): " \
+           "cd into it again" in capsys.readouterr().err
