@@ -62,6 +62,11 @@ JOIN_TIMEOUT_S = 20.0
 JOIN_BUSY_WAIT_S = 60.0  # how long a join tries again while the controller is busy with other joins
 
 
+# what the controller's refusal of a removed agent tells it to do (controller/fleet_ca.py), which `join` completes
+# with this PC's key path
+REMOVED_KEY_ADVICE = "delete agent-key.pem in the agent's state folder"
+
+
 class EnrollmentError(RuntimeError):
     """Joining failed; the message says at which step and why."""
 
@@ -232,7 +237,9 @@ async def join(token_text: str, state_dir: Path, hostname: str | None = None) ->
         try:
             membership = await _join_when_free(address, token, key, hostname, files)
         except (EnrollmentError, TimeoutError) as error:
-            problems.append(f"{address}: {str(error) or f'no answer within {JOIN_TIMEOUT_S:.0f} s'}")
+            # the controller cannot know where this PC keeps its key: the path is this side's to give
+            said = str(error).replace(REMOVED_KEY_ADVICE, f"delete {files.key_path}")
+            problems.append(f"{address}: {said or f'no answer within {JOIN_TIMEOUT_S:.0f} s'}")
             if len(token.controller_addresses) > 1:  # the next address is tried; the error lists them all at the end
                 log.warning("join via %s failed: %s", address, error)
             continue

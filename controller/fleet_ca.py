@@ -25,6 +25,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
+from deskfleet.agent.enroll import REMOVED_KEY_ADVICE
 from deskfleet.agent.link import utc_now
 from deskfleet.common import join_tokens, pki
 from deskfleet.common.log_limit import LogEvery
@@ -437,8 +438,7 @@ def _sign_join(store: FleetStore, request: JoinRequest, now: datetime.datetime) 
     with store.locked():
         if pki.RevocationSet(frozenset(_read_revoked(store))).is_revoked(agent_id):
             raise pki.PkiError(f"agent {agent_id[:12]} was removed from the fleet: a PC can join again only as a new "
-                               "agent, with a new key (delete agent-key.pem in the agent's state folder, then join "
-                               "with a new token)")
+                               f"agent, with a new key ({REMOVED_KEY_ADVICE}, then join with a new token)")
         roster = store.roster()  # before redeeming: a damaged roster costs no token use
         ledger = _load_ledger(store, for_join=True)
         ledger.redeem(secret, now, agent_id)
