@@ -971,6 +971,8 @@ class AgentCore:
                 return
             except LinkError as error:
                 self._next_hops.pop(hop.agent_id, None)
+                if attempt and error.too_big:  # it answered, refusing the step: blame no one
+                    raise CommandError(ErrorCode.NOT_ASSIGNED, _refused_as_too_big(hop)) from None
                 if attempt:  # the Error that answers it starts with this agent's id
                     text = f"next hop agent {hop.agent_id[:12]} at {hop.address} is unreachable: {error}"
                     self._unreachable_hops[hop.agent_id] = (time.monotonic(), text)
@@ -1012,16 +1014,25 @@ class AgentCore:
         it died under them (its keepalive went unanswered: a firewall that cut it mid-run, a PC gone): the steps sent
         on it are lost. Before, a link whose last steps had fitted in the send buffer died without a word, the run
         waited out its 120 s step timeout and re-planned onto the same chain, and only a second re-plan found the
-        link. The driver weighs the blame (the controller reaching both PCs marks the link broken)."""
+        link. The driver weighs the blame (the controller reaching both PCs marks the link broken). A link the next
+        hop closed as a step was too large for it (LinkError.too_big) is a refusal, told as one, blaming no one: it
+        read as the hop lost, and a healthy PC or link was left out of the re-plan."""
+        if error.too_big:
+            text = f"agent {self.agent_id[:12]}: {_refused_as_too_big(hop)}"
+            await self._report_hop_steps(hop, Error(ErrorCode.NOT_ASSIGNED, text))
+            return
         text = (f"agent {self.agent_id[:12]}: next hop agent {hop.agent_id[:12]} at {hop.address} is unreachable: "
                 f"the link to it died with steps in flight ({error})")
+        await self._report_hop_steps(hop, Error(ErrorCode.INTERNAL, text, agent_id=hop.agent_id))
+
+    async def _report_hop_steps(self, hop: NextHop, error: Error) -> None:
+        """`error`, for each micro-batch this agent's stages hold whose steps go to `hop`, to its driver."""
         for hosted in list(self.stages.values()):
             next_hop = hosted.assignment.next_hop
             if next_hop is None or next_hop.agent_id != hop.agent_id:
                 continue
             for micro_batch_id in hosted.executor.micro_batch_ids():
-                await self._tell_controller(Error(ErrorCode.INTERNAL, text, micro_batch_id=micro_batch_id,
-                                                  agent_id=hop.agent_id))
+                await self._tell_controller(replace(error, micro_batch_id=micro_batch_id))
 
     async def _tell_controller(self, message: Message) -> None:
         """Send a ForwardResult, or an Error travelling down the chain, back to its driver.
@@ -1111,6 +1122,14 @@ def _builds_the_same_stage(hosted: AssignStage, wanted: AssignStage) -> bool:
     return files(hosted) == files(wanted) and all(getattr(hosted, field.name) == getattr(wanted, field.name)
                                                   for field in fields(AssignStage)
                                                   if field.name not in ("next_hop", "previous_agent_id", "manifest"))
+
+
+def _refused_as_too_big(hop: NextHop) -> str:
+    """Why a next hop closed this agent's link as a step was too large (websocket 1009): it reads large steps only
+    from the previous hop of a stage it hosts, and hosts none fed by this agent, which no PC is at fault for."""
+    return (f"next hop agent {hop.agent_id[:12]} at {hop.address} refused this stage's step as too large: it reads "
+            "large steps only from the previous hop of a stage it hosts, and hosts none fed by this agent (not "
+            "assigned this chain yet, restarted, or re-planned)")
 
 
 def _is_previous_hop(link: Link, assignment: AssignStage) -> bool:

@@ -94,12 +94,16 @@ RevocationSource = Callable[[], pki.RevocationSet]
 class LinkError(ConnectionError):
     """The link failed or was refused; the message names the peer and the reason. `closed_because`: where an open
     link closed, why, in words (why_closed), for a message that names the peer already; `closed_normally`: the peer
-    closed it as done (1000 OK, 1001 going away), as a driver does at the end of every run."""
+    closed it as done (1000 OK, 1001 going away), as a driver does at the end of every run; `too_big`: the peer
+    closed it as a frame we sent was larger than it reads from us (1009: SMALL_FRAME_BYTES, as we feed none of its
+    stages), a refusal, not a link that failed."""
 
-    def __init__(self, message: str, closed_because: str | None = None, closed_normally: bool = False) -> None:
+    def __init__(self, message: str, closed_because: str | None = None, closed_normally: bool = False,
+                 too_big: bool = False) -> None:
         super().__init__(message)
         self.closed_because = closed_because
         self.closed_normally = closed_normally
+        self.too_big = too_big
 
 
 class LinkVersionError(LinkError):
@@ -178,7 +182,9 @@ class TlsFiles:
 def _closed(link: Link, error: ConnectionClosed) -> LinkError:
     why = why_closed(error)
     normally = error.rcvd is not None and error.rcvd.code in (CloseCode.NORMAL_CLOSURE, CloseCode.GOING_AWAY)
-    return LinkError(f"link to {link.describe()} closed: {why}", closed_because=why, closed_normally=normally)
+    too_big = error.rcvd is not None and error.rcvd.code == CloseCode.MESSAGE_TOO_BIG
+    return LinkError(f"link to {link.describe()} closed: {why}", closed_because=why, closed_normally=normally,
+                     too_big=too_big)
 
 
 def utc_now() -> datetime.datetime:
@@ -345,7 +351,7 @@ async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, po
         await handler(link)
 
     return await serve(on_connection, host, port, ssl=context, process_request=check_peer,
-                       **_server_websocket_options())
+                       **_server_websocket_options(takes_enrollment=enrollment is not None))
 
 
 def peer_identity(connection: Connection, ca_certificate: x509.Certificate,
@@ -418,14 +424,15 @@ def websocket_options() -> WebsocketOptions:
                             ping_timeout=PING_TIMEOUT_S, close_timeout=CLOSE_TIMEOUT_S, compression=None)
 
 
-def _server_websocket_options() -> WebsocketOptions:
+def _server_websocket_options(takes_enrollment: bool) -> WebsocketOptions:
     """A listening side limits frames to SMALL_FRAME_BYTES from the connection's first byte: websockets parses a
     frame sent right behind the upgrade request before process_request sees the client, so a limit lowered there
     let a stranger's pipelined frame of up to the codec's limit (320 MB) into memory. A member's link reads more
     once its Hello checked out and `start_server`'s `large_frames` names it (enrollment's clients never do, nor
-    `fleet serve`'s members, which send only Hello and Register)."""
+    `fleet serve`'s members, which send only Hello, Register and the removals they keep: a port that takes enrollment
+    reads ENROLLMENT_MAX_FRAME_BYTES from all)."""
     options = websocket_options()
-    options["max_size"] = SMALL_FRAME_BYTES
+    options["max_size"] = ENROLLMENT_MAX_FRAME_BYTES if takes_enrollment else SMALL_FRAME_BYTES
     return options
 
 

@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import cast
 
@@ -456,3 +457,16 @@ def test_a_next_hop_link_that_dies_under_steps_is_reported_to_their_drivers(tmp_
     assert all("next hop agent nnnnnnnnnnnn at 10.0.0.9:7431 is unreachable: the link to it died with steps in "
                "flight" in error.message for error in driver.sent)  # type: ignore[attr-defined]
     assert NEXT not in core._next_hops  # the next step dials it anew
+
+
+def test_an_assignment_lets_its_previous_hops_open_links_carry_hidden_states(tmp_path: Path,
+                                                                              tiny_export: Path) -> None:
+    # a link opened before the stage that it feeds was assigned reads small frames (link.SMALL_FRAME_BYTES): the
+    # assignment, built or only given new neighbours, widens the links of its previous hop and of no other PC
+    core = make_core(tmp_path, "agent")
+    early, other = FakeLink(Role.AGENT, PREVIOUS), FakeLink(Role.AGENT, STRANGER)
+    core._links.update({cast(Link, early), cast(Link, other)})
+    assignment = host(core, tiny_export, 2, 4, PREVIOUS)  # built
+    assert early.large_frames and not other.large_frames
+    assert isinstance(command(core, replace(assignment, previous_agent_id=STRANGER)), StageReady)  # new neighbours
+    assert other.large_frames

@@ -11,6 +11,7 @@ import struct
 from pathlib import Path
 from typing import cast
 
+import numpy as np
 from websockets.asyncio.server import Server, ServerConnection
 from websockets.exceptions import ConnectionClosed
 
@@ -20,7 +21,20 @@ from deskfleet.agent.paths import AgentSettings, Thresholds
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.stage_executor import StageExecutor
 from deskfleet.common import pki
-from deskfleet.common.wire import AssignStage, Precision, Role, StageRef, StatusRequest, encode
+from deskfleet.common.kv_ledger import AppendSlots
+from deskfleet.common.wire import (
+    AssignStage,
+    Error,
+    ErrorCode,
+    Forward,
+    Message,
+    NextHop,
+    Precision,
+    Role,
+    StageRef,
+    StatusRequest,
+    encode,
+)
 from tests.agent.test_core import FakeMonitor
 from tests.fleet_pki import make_ca, make_member
 
@@ -185,3 +199,49 @@ def test_a_member_cannot_send_the_agent_a_big_frame_before_its_hello(tmp_path: P
         assert sent < CLAIMED_FRAME_BYTES // 4, f"the agent read {sent // MB} MB of a frame before a Hello"
 
     asyncio.run(scenario())
+
+
+class _MicroBatches:
+    """A stage executor that holds micro-batch 7, and nothing else (only its ids are asked)."""
+
+    def micro_batch_ids(self) -> list[int]:
+        return [7]
+
+
+def test_a_step_too_large_for_a_next_hop_that_feeds_on_another_pc_is_a_refusal_blaming_no_one(
+        tmp_path: Path) -> None:
+    # the next hop reads large frames only from its stages' previous hops and closes a link with 1009 at one; the
+    # sender read that as the hop lost ("unreachable", blamed), and the driver's re-plan left a healthy PC or link out
+    async def scenario() -> list[Error]:
+        ca = make_ca(tmp_path / "ca")
+        sender_files, hop_files = make_member(ca, tmp_path / "a", "a"), make_member(ca, tmp_path / "b", "b")
+        settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+        sender = AgentCore(sender_files, settings, ShardCache(tmp_path / "a-cache", 1 << 30), FakeMonitor())
+        next_hop = AgentCore(hop_files, settings, ShardCache(tmp_path / "b-cache", 1 << 30), FakeMonitor())
+        server = await start_server(next_hop.serve_link, "127.0.0.1", 0, hop_files, revocations=next_hop.revocations,
+                                    large_frames=next_hop.takes_large_frames)
+        told: list[Error] = []
+
+        async def tell(message: Message) -> None:
+            told.append(cast(Error, message))
+
+        sender._tell_controller = tell  # type: ignore[method-assign]
+        hop = NextHop(f"127.0.0.1:{server.sockets[0].getsockname()[1]}", next_hop.agent_id)
+        assignment = AssignStage(StageRef("m@1", 0, 1), True, False, "CPU", Precision.F32, hop, (), None, None)
+        sender.stages[assignment.stage] = HostedStage(assignment, cast(StageExecutor, _MicroBatches()),
+                                                      asyncio.Lock(), "m-0-1")
+        step = Forward(7, 0, (0,), (AppendSlots(1, (1,), (0,)),), np.zeros(1, np.int64), np.zeros((1, 400), np.int64),
+                       None, np.ones((1, 400, 64), np.float32), None, layer_start=1, model_id="m@1")  # 100 KB
+        async with server:
+            await sender._send_next(hop, step)
+            for _ in range(100):
+                if told:
+                    break
+                await asyncio.sleep(0.02)
+            await sender.close()
+        return told
+
+    told = asyncio.run(scenario())
+    assert [(error.code, error.micro_batch_id, error.agent_id) for error in told] == [(ErrorCode.NOT_ASSIGNED, 7, None)]
+    assert "refused this stage's step as too large: it reads large steps only from the previous hop of a stage it " \
+           "hosts" in told[0].message
