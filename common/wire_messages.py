@@ -487,9 +487,10 @@ class StatusReport:
         check_devices(self.devices)
         if self.last_error is not None:
             object.__setattr__(self, "last_error", wire_text(self.last_error))
-        object.__setattr__(self, "detail", wire_text(self.detail))
-        _non_negative("free_memory_bytes", self.free_memory_bytes)
         _require(len(self.detail) <= MAX_STATUS_DETAIL, f"detail longer than {MAX_STATUS_DETAIL} characters")
+        # escaped, then cut: an escape grows a character to 4, and a detail cut to the limit before it was refused
+        object.__setattr__(self, "detail", wire_text(self.detail)[:MAX_STATUS_DETAIL])
+        _non_negative("free_memory_bytes", self.free_memory_bytes)
         _require(self.weight_gb_per_s is None or 0.0 < self.weight_gb_per_s < 1e5,
                  f"weight_gb_per_s {self.weight_gb_per_s} is not a plausible speed")
         _fraction("cpu_load", self.cpu_load)

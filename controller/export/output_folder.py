@@ -381,11 +381,21 @@ def _delete_old_export(folder: Path) -> None:
     else:  # 3.11 has onerror alone (deprecated from 3.12)
         shutil.rmtree(folder, onerror=lambda _function, path, info: failures.append((path, info[1])))
     if failures and folder.exists():
-        held = sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
         path, error = failures[0]
         reason = error.strerror if isinstance(error, OSError) and error.strerror else error
-        log.warning("could not delete all of the replaced export %s (%d bytes left; %s: %s): remove it yourself; "
-                    "each export to the folder tries again", folder, held, path, reason)
+        log.warning("could not delete all of the replaced export %s (%s left; %s: %s): remove it yourself; "
+                    "each export to the folder tries again", folder, _bytes_left(folder), path, reason)
+
+
+def _bytes_left(folder: Path) -> str:
+    """What the files left in `folder` hold, for a warning: a folder that could not be deleted may not be readable
+    either (a subfolder that cannot be entered), and the warning must not fail for it."""
+    held = 0
+    for root, _, names in os.walk(folder):  # errors while walking are skipped: what could be read is counted
+        for name in names:
+            with contextlib.suppress(OSError):
+                held += os.lstat(os.path.join(root, name)).st_size
+    return f"{held} bytes"
 
 
 def _check_replaceable(folder: Path, shown: Path) -> None:

@@ -192,6 +192,10 @@ def test_reported_text_reaches_the_controller_with_its_terminal_controls_escaped
     status = decode(encode(StatusReport(AgentState.AVAILABLE, 1, 0.5, None, None, None, None, (), said,
                                         detail="60 C\x1b[31m")))
     assert isinstance(status, StatusReport) and status.last_error == shown and status.detail == "60 C\\x1b[31m"
+    # a detail cut to the limit before it was escaped grew past it, and every status request failed
+    full = StatusReport(AgentState.AVAILABLE, 1, 0.5, None, None, None, None, (), None,
+                        detail=("cache /srv/c\x1bche: disk full; " + "x" * 500)[:500])
+    assert full.detail.startswith("cache /srv/c\\x1bche") and len(full.detail) == 500
 
 
 
