@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.arguments import FAILOVER_BROWSE_S, browse_seconds, path_argument
-from deskfleet.common.console import print_whole
+from deskfleet.common.console import ignore_further_ctrl_c, print_whole
 from deskfleet.common.model_spec import Manifest, load_manifest
 from deskfleet.common.speculative import AdaptiveK
 from deskfleet.common.wire import MICRO_BATCH_IDLE_S
@@ -309,6 +309,7 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
             try:
                 line = lines.readline()
             except KeyboardInterrupt:  # Ctrl-C at the prompt leaves the chat
+                ignore_further_ctrl_c()  # a second one in the chain's closing printed a traceback
                 _end_prompt_line(prompt_out)
                 raise
             except OSError as error:  # EIO: the terminal went away (a closed window or SSH session, no SIGHUP)
@@ -323,14 +324,17 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
             line = line.removeprefix("\ufeff")
             if not line or line.strip().replace("\0", "") in ("/quit", "/exit"):  # UTF-16's "/quit" too
                 break
-            text = line.strip()
-            if not text:
+            # the message as typed but for its line ending: a pasted line of code keeps its indentation (it was
+            # stripped, "    return x" sent as "return x"); blank lines and commands are told apart by what is left
+            text = line.rstrip("\r\n")
+            command = text.strip()
+            if not command:
                 continue
-            if text == "/reset":
+            if command == "/reset":
                 turns = []
                 continue
-            if re.fullmatch(r"/[A-Za-z]+", text):  # a mistyped command (/rest) would go to the model as a message
-                unknown = f"{text} is no command (/reset, /quit, /exit): not sent; the conversation is unchanged"
+            if re.fullmatch(r"/[A-Za-z]+", command):  # a mistyped command (/rest) would go to the model as a message
+                unknown = f"{command} is no command (/reset, /quit, /exit): not sent; the conversation is unchanged"
                 _note(notes, f"[{unknown}]")
                 _write_json(out, as_json, {"error": unknown})
                 continue
@@ -425,6 +429,17 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
             with suppress(*((OSError, ValueError) if ending is not None else ())):  # a hung-up terminal (SIGHUP)
                 printer.finish()
             result = engine.results()[0]
+            if interrupted and ending is None and not printer.text:
+                # nothing of the reply was shown: the message is cancelled, as a Ctrl-C before the reply begins is
+                # (kept, it went to the model with an empty reply and took its share of the context)
+                if not as_json:
+                    with suppress(OSError, ValueError):
+                        out.write("\n")
+                        out.flush()
+                unsent = "interrupted before the reply began: not sent; the conversation is unchanged"
+                _note(notes, f"[{unsent}]")
+                _write_json(out, as_json, {"error": unsent})
+                continue
             if as_json:
                 stopped = "interrupted" if interrupted else "end" if result.stopped_by_eos else "max_new_tokens"
                 _write_json(out, True, {"reply": printer.text, "stopped": stopped, "reply_tokens": len(result.tokens),
@@ -669,7 +684,9 @@ def _chat_command(args: argparse.Namespace) -> int:
                           max_new_tokens=args.max_new_tokens, reuse_kv=args.reuse_kv,
                           **decoding_arguments(args, compile_settings(args)))
     if isinstance(sys.stdin, io.TextIOWrapper):  # a line that is not UTF-8 reaches run_chat, which refuses it alone
-        sys.stdin.reconfigure(errors="surrogateescape")
+        # read as UTF-8 whatever the locale: under LC_ALL=C valid UTF-8 was refused as not UTF-8, and a Windows
+        # code page read it as other characters, sent as such
+        sys.stdin.reconfigure(encoding="utf-8", errors="surrogateescape")
     interactive = sys.stdin.isatty()
     try:
         # SIGTERM and SIGHUP (a closed terminal) end the chat as Ctrl-C at its prompt does: the reply under way

@@ -915,3 +915,44 @@ def test_a_render_error_names_its_conversation_across_batches(monkeypatch: pytes
         render_isolated("{% for %}", conversations)  # one that does not compile fails on none
     assert failed.value.conversation is None
     assert render_isolated(template, conversations[:3]) == ["a", "b", "c"]
+
+
+def test_ctrl_c_before_the_first_reply_token_cancels_that_message(tmp_path: Path, tiny_export: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # a Ctrl-C while the chain prefilled kept the message with an empty reply: the model saw both next turn, and
+    # they took context, where the docs say a Ctrl-C before the reply begins cancels the message
+    model = _chat_model(tmp_path, tiny_export)
+    settings = CompileSettings(precision=Precision.F32)
+    options = ChatOptions(model=model, max_new_tokens=6, settings=settings)
+
+    class CtrlC(BreakingChain):
+        def collect(self, timeout: float | None = None) -> Any:
+            if self.collected == self.break_at:
+                self.break_at = None
+                raise KeyboardInterrupt
+            return super().collect(timeout)
+
+    @contextmanager
+    def interrupted_chain(chat_options: ChatOptions, chain_settings: CompileSettings) -> Iterator[tuple[CtrlC, None]]:
+        with LocalPipeline(model, 2, settings) as pipeline:
+            yield CtrlC(pipeline, 0), None  # at the first collect: no token shown yet
+
+    seen = _record_sent_conversations(monkeypatch)
+    monkeypatch.setattr(chat, "_open_chain", interrupted_chain)
+    out, notes = io.StringIO(), io.StringIO()
+    assert run_chat(options, io.StringIO("hello there\nagain, please\n"), out, notes=notes, as_json=True) == 1
+    said = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert said[0] == {"error": "interrupted before the reply began: not sent; the conversation is unchanged"}
+    assert notes_but_cuts(notes).startswith("[interrupted before the reply began: not sent; the conversation is "
+                                            "unchanged]\n")
+    assert seen[-1] == [ChatMessage("user", "again, please")]  # the cancelled message is not in the conversation
+
+
+def test_a_message_keeps_its_indentation_and_loses_only_its_line_ending(tmp_path: Path, tiny_export: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # a pasted line of code was stripped: "    return x" went to the model as "return x"
+    model = _chat_model(tmp_path, tiny_export)
+    options = ChatOptions(model=model, max_new_tokens=2, settings=CompileSettings(precision=Precision.F32))
+    seen = _record_sent_conversations(monkeypatch)
+    assert run_chat(options, io.StringIO("    return x\r\n  \n /reset \n"), io.StringIO(), notes=io.StringIO()) == 1
+    assert seen == [[ChatMessage("user", "    return x")]]  # the blank line skipped, the spaced /reset a command
