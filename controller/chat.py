@@ -529,9 +529,13 @@ def _fit_prompt(tokenizer: ModelTokenizer, system: list[ChatMessage], turns: lis
     rendered = _render(tokenizer, system, turns, message, sampled)
     alone = tokenizer.encode(rendered[drops[-1]], add_special_tokens=False)
     if len(alone) > room:
+        # how much to cut, of the message: "makes a prompt of 1052 tokens" read as the message's own size where a
+        # long --system prompt took most of it
+        with_system = " with the --system prompt" if system else ""
         raise GenerationError(
-            f"this message alone makes a prompt of {len(alone)} tokens; with --max-new-tokens {max_new_tokens} "
-            f"the model's context of {max_context} tokens leaves room for {room}")
+            f"this message alone{with_system} makes a prompt of {len(alone)} tokens; with --max-new-tokens "
+            f"{max_new_tokens} the model's context of {max_context} tokens leaves room for {room}: shorten it by "
+            f"{len(alone) - room} tokens or more")
     found, prompt = drops[-1], alone
     for dropped in sampled[:-1]:  # encoded one by one: usually the whole conversation fits, the first
         candidate = tokenizer.encode(rendered[dropped], add_special_tokens=False)

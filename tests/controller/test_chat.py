@@ -357,6 +357,11 @@ def test_fitting_a_long_conversation_takes_at_most_two_render_calls() -> None:
             if not fits:
                 with pytest.raises(GenerationError, match="this message alone makes a prompt"):
                     chat._fit_prompt(tokenizer, [], turns, message, 1, room + 1)  # type: ignore[arg-type]
+                system = [ChatMessage("system", "s" * 5)]  # a long --system prompt is named as part of it
+                with pytest.raises(GenerationError, match="this message alone with the --system prompt makes a "
+                                                          r"prompt of \d+ tokens; .*: shorten it by \d+ tokens"):
+                    chat._fit_prompt(CharTokenizer(), system, turns, message, 1,  # type: ignore[arg-type]
+                                     room + 1)
             else:
                 assert chat._fit_prompt(tokenizer, [], turns, message, 1, room + 1) == fits[0]  # type: ignore[arg-type]
             assert len(tokenizer.calls) <= 2
@@ -436,7 +441,7 @@ def test_a_message_that_cannot_be_sent_keeps_the_conversation(tmp_path: Path, ti
     assert out.getvalue() == plain.getvalue()
     assert notes_but_cuts(notes).splitlines() == [
         "[this message alone makes a prompt of 632 tokens; with --max-new-tokens 6 the model's context of 512 "
-        "tokens leaves room for 506: not sent; the conversation is unchanged]",
+        "tokens leaves room for 506: shorten it by 126 tokens or more: not sent; the conversation is unchanged]",
         "[this message is not valid UTF-8 text (byte 0xff at character 1): not sent; the conversation is unchanged]"]
 
 
@@ -567,8 +572,8 @@ def test_as_json_every_message_sent_gets_one_line_with_its_reply_or_why_not(tmp_
                            "dropped_exchanges"}
     assert first["dropped_exchanges"] == second["dropped_exchanges"] == 0
     assert refused == {"error": "this message alone makes a prompt of 632 tokens; with --max-new-tokens 6 the "
-                                "model's context of 512 tokens leaves room for 506: not sent; the conversation is "
-                                "unchanged"}
+                                "model's context of 512 tokens leaves room for 506: shorten it by 126 tokens or more: "
+                                "not sent; the conversation is unchanged"}
 
 
 def test_the_chat_command_takes_json(tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
