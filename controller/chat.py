@@ -274,6 +274,7 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
               prompt_out: TextIO | None, notes: TextIO | None, on_reply: Callable[[ReplyStats], None] | None,
               chain: StageChain | None, as_json: bool, ctrl_c_ends_chat: bool) -> int:
     """run_chat's conversation, once the tokenizer renders in a child kept for the chat."""
+    from .chat_template import MAX_RENDERED_CHARS
     from .text_printer import TextPrinter
     from .tokenizer import ChatMessage, ChatTemplateError, NotUtf8Error, check_utf8
 
@@ -366,6 +367,9 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 engine_options = options.engine_options(micro_batches)
             try:
                 check_utf8(text, "this message")
+                if len(text) > MAX_RENDERED_CHARS:  # the render's cap, said of the message, not of the template file
+                    raise GenerationError(f"this message is {len(text):,} characters, more than the "
+                                          f"{MAX_RENDERED_CHARS:,} a chat template may render")
                 if "\0" in text:  # UTF-16 input read as UTF-8: a NUL between every character, sent as such
                     raise NotUtf8Error("this message holds NUL characters (UTF-16 input?): send UTF-8 text")
                 started = time.perf_counter()

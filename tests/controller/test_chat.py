@@ -458,14 +458,18 @@ def test_a_message_the_chat_template_refuses_keeps_the_conversation(tmp_path: Pa
     plain = io.StringIO()
     run_chat(options, io.StringIO("hello there\nagain, please\n"), plain, notes=io.StringIO())
     out, notes = io.StringIO(), io.StringIO()
-    lines = io.StringIO(f"hello there\nboom\n{'x' * MAX_RENDERED_CHARS}\nagain, please\n")
+    lines = io.StringIO(f"hello there\nboom\n{'x' * MAX_RENDERED_CHARS}\n{'y' * (MAX_RENDERED_CHARS + 1)}\n"
+                        "again, please\n")
     assert run_chat(options, lines, out, notes=notes) == 2
     assert out.getvalue() == plain.getvalue()
     assert notes_but_cuts(notes).splitlines() == [
         "[the chat template refused the conversation: this template refuses boom: not sent; the conversation is "
         "unchanged]",
         f"[{model / 'chat_template.jinja'}: the chat template renders more than {MAX_RENDERED_CHARS} characters: not "
-        "sent; the conversation is unchanged]"]
+        "sent; the conversation is unchanged]",
+        # a message past the cap by itself is named as the message, not as the template file's fault
+        f"[this message is {MAX_RENDERED_CHARS + 1:,} characters, more than the {MAX_RENDERED_CHARS:,} a chat "
+        "template may render: not sent; the conversation is unchanged]"]
 
 
 def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(tmp_path: Path, tiny_export: Path,
