@@ -98,6 +98,12 @@ def is_loopback_address(address: str) -> bool:
         host, _ = parse_address(address)
     except ProtocolError:
         return False
+    return is_loopback_host(host)
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` ("localhost", an IP address without brackets) is this host's loopback; False for another
+    host name (it may resolve anywhere)."""
     if host == "localhost":
         return True
     try:

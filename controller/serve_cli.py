@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import math
 import os
@@ -22,7 +21,7 @@ from deskfleet.common import event_loop
 from deskfleet.common.arguments import path_argument, seconds_up_to
 from deskfleet.common.console import stopping_signals
 from deskfleet.common.open_files import log_open_files_limit, raise_open_files_limit
-from deskfleet.common.wire import ProtocolError, parse_address
+from deskfleet.common.wire import ProtocolError, is_loopback_host, parse_address
 
 from .chat import add_fleet_option, check_fleet_options, controller_store, fleet_max_failovers, open_fleet_chain
 from .decoding_options import (
@@ -167,15 +166,6 @@ def _check_private(option: str, path: Path) -> None:
         raise ValueError(f"{option} {path}: others can read it (mode {stat.S_IMODE(mode):o}): `chmod 600 {path}` first")
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _serve_command(args: argparse.Namespace) -> int:
     from deskfleet.common.model_spec import load_manifest
 
@@ -201,13 +191,13 @@ def _serve_command(args: argparse.Namespace) -> int:
     except ProtocolError as error:
         raise ValueError(f"--listen: {error}") from None
     api_key = read_api_key(args.api_key_file)
-    if api_key is None and not is_loopback(host) and not args.no_api_key:
+    if api_key is None and not is_loopback_host(host) and not args.no_api_key:
         raise ValueError(f"--listen {args.listen} reaches beyond this PC, and no API key is set: give --api-key-file "
                          f"(or ${API_KEY_ENV}), or --no-api-key to let anyone who reaches the port use the model")
     if api_key is not None and args.no_api_key:
         raise ValueError("--no-api-key with an API key given (--api-key-file or $DESKFLEET_API_KEY): leave one out")
     tls = server_tls(args.tls_cert, args.tls_key)
-    if tls is None and not is_loopback(host):
+    if tls is None and not is_loopback_host(host):
         print(f"deskfleet: note: --listen {args.listen} serves plain HTTP: the API key and every prompt and reply "
               "cross the network readable by anyone on the way; give --tls-cert and --tls-key for HTTPS",
               file=sys.stderr)
@@ -229,7 +219,7 @@ def _serve_command(args: argparse.Namespace) -> int:
                             take_back_busy_s=TAKE_BACK_BUSY_S if args.take_back_wait is None
                             else args.take_back_wait, take_back_while_busy=look.left_out_back if look else None)
     # a keyless server on loopback answers its own names only (a web page could reach it through another)
-    hosts = frozenset({"127.0.0.1", "localhost", "::1", host}) if api_key is None and is_loopback(host) else None
+    hosts = frozenset({"127.0.0.1", "localhost", "::1", host}) if api_key is None and is_loopback_host(host) else None
     try:
         with TemplateRenderer() as renderer:
             tokenizer.renderer = renderer

@@ -472,6 +472,16 @@ def test_a_message_the_chat_template_refuses_keeps_the_conversation(tmp_path: Pa
         "template may render: not sent; the conversation is unchanged]"]
 
 
+class CtrlCChain(BreakingChain):
+    """A local pipeline where Ctrl-C lands at its `break_at`-th collect (once)."""
+
+    def collect(self, timeout: float | None = None) -> Any:
+        if self.collected == self.break_at:
+            self.break_at = None
+            raise KeyboardInterrupt
+        return super().collect(timeout)
+
+
 def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(tmp_path: Path, tiny_export: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     # Ctrl-C while the first reply streams (a 2-stage chain: steps in flight): the reply stops, a note says
@@ -482,18 +492,12 @@ def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(tmp_path: Path, tiny_export
     options = ChatOptions(model=model, max_new_tokens=12, settings=settings)
     pipelines: list[LocalPipeline] = []
 
-    class CtrlC(BreakingChain):
-        def collect(self, timeout: float | None = None) -> Any:
-            if self.collected == self.break_at:
-                self.break_at = None
-                raise KeyboardInterrupt
-            return super().collect(timeout)
-
     @contextmanager
-    def interrupted_chain(chat_options: ChatOptions, chain_settings: CompileSettings) -> Iterator[tuple[CtrlC, None]]:
+    def interrupted_chain(chat_options: ChatOptions,
+                          chain_settings: CompileSettings) -> Iterator[tuple[CtrlCChain, None]]:
         with LocalPipeline(model, 2, settings) as pipeline:
             pipelines.append(pipeline)
-            yield CtrlC(pipeline, 5), None
+            yield CtrlCChain(pipeline, 5), None
 
     seen = _record_sent_conversations(monkeypatch)
     monkeypatch.setattr(chat, "_open_chain", interrupted_chain)
@@ -934,17 +938,11 @@ def test_ctrl_c_before_the_first_reply_token_cancels_that_message(tmp_path: Path
     settings = CompileSettings(precision=Precision.F32)
     options = ChatOptions(model=model, max_new_tokens=6, settings=settings)
 
-    class CtrlC(BreakingChain):
-        def collect(self, timeout: float | None = None) -> Any:
-            if self.collected == self.break_at:
-                self.break_at = None
-                raise KeyboardInterrupt
-            return super().collect(timeout)
-
     @contextmanager
-    def interrupted_chain(chat_options: ChatOptions, chain_settings: CompileSettings) -> Iterator[tuple[CtrlC, None]]:
+    def interrupted_chain(chat_options: ChatOptions,
+                          chain_settings: CompileSettings) -> Iterator[tuple[CtrlCChain, None]]:
         with LocalPipeline(model, 2, settings) as pipeline:
-            yield CtrlC(pipeline, 0), None  # at the first collect: no token shown yet
+            yield CtrlCChain(pipeline, 0), None  # at the first collect: no token shown yet
 
     seen = _record_sent_conversations(monkeypatch)
     monkeypatch.setattr(chat, "_open_chain", interrupted_chain)

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from deskfleet.common.wire import is_loopback_host
 from deskfleet.controller.cli import main
 from deskfleet.controller.fleet_store import FleetStore
-from deskfleet.controller.serve_cli import API_KEY_ENV, is_loopback, read_api_key, serve_engine_options, server_tls
+from deskfleet.controller.serve_cli import API_KEY_ENV, read_api_key, serve_engine_options, server_tls
 from tests.fake_clock import FakeClock
 
 
@@ -105,9 +106,10 @@ def test_server_tls_is_made_of_a_certificate_and_its_key_and_refuses_what_is_wro
         server_tls(locked_cert, locked_key)
 
 
-def test_is_loopback() -> None:
-    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and is_loopback("127.9.9.9")
-    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5") and not is_loopback("pc-7")
+def test_is_loopback_host() -> None:
+    assert is_loopback_host("127.0.0.1") and is_loopback_host("::1") and is_loopback_host("localhost")
+    assert is_loopback_host("127.9.9.9")
+    assert not is_loopback_host("0.0.0.0") and not is_loopback_host("10.0.0.5") and not is_loopback_host("pc-7")
 
 
 @pytest.mark.parametrize(("argv", "says"), [
