@@ -156,25 +156,6 @@ def stopping_signals() -> list[int]:
     return signals
 
 
-_command_owns_process = False  # set by a CLI run from its own command line (not a test calling its main)
-
-
-def own_process_signals() -> None:
-    """Say that this process runs one command from its command line, which may ignore SIGINT once it is ending
-    (ignore_further_ctrl_c); a test that calls a CLI's main() in its own process does not say so."""
-    global _command_owns_process
-    _command_owns_process = True
-
-
-def ignore_further_ctrl_c() -> None:
-    """Ignore SIGINT from now on, once a Ctrl-C has ended the command: a second one, pressed within a fraction of a
-    second as people do, landed in the closing of its stages or in the interpreter's exit and printed a traceback
-    ("Exception ignored in ... KeyboardInterrupt"). Only in a process that runs one command from its command line
-    (own_process_signals), and on its main thread (only it may set handlers)."""
-    if _command_owns_process and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 @contextmanager
 def ctrl_c_held() -> Iterator[None]:
     """Hold a Ctrl-C (SIGINT) that arrives during the block until the block is done, then deliver it to whatever

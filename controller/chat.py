@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from deskfleet.agent.stage import CompileSettings
 from deskfleet.common.arguments import FAILOVER_BROWSE_S, browse_seconds, path_argument
-from deskfleet.common.console import ignore_further_ctrl_c, print_whole
+from deskfleet.common.console import print_whole
 from deskfleet.common.model_spec import Manifest, load_manifest
 from deskfleet.common.speculative import AdaptiveK
 from deskfleet.common.wire import MICRO_BATCH_IDLE_S
@@ -310,7 +310,6 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
             try:
                 line = lines.readline()
             except KeyboardInterrupt:  # Ctrl-C at the prompt leaves the chat
-                ignore_further_ctrl_c()  # a second one in the chain's closing printed a traceback
                 _end_prompt_line(prompt_out)
                 raise
             except OSError as error:  # EIO: the terminal went away (a closed window or SSH session, no SIGHUP)

@@ -28,9 +28,7 @@ from deskfleet.common.console import (
     ctrl_c_held,
     flush_stdout,
     forgiving_stderr,
-    ignore_further_ctrl_c,
     open_missing_stderr,
-    own_process_signals,
     print_whole,
     silence_stdout,
     tolerate_unencodable,
@@ -412,8 +410,6 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
         return 130
     args = parser.parse_args(argv)
     restore_default_signals()  # SIGTERM / SIGHUP: the launcher's while the modules loaded, each command's from here
-    if argv is None:  # this process's own command line: its signals are the command's (ignore_further_ctrl_c)
-        own_process_signals()
     if sys.stdout is None:  # started with standard output closed (`>&-`): every command's text or JSON goes there
         print("deskfleet: error: standard output is closed, and every command writes its result there: run it "
               "with standard output open (to discard it: > /dev/null)", file=sys.stderr)
@@ -442,7 +438,6 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
                 raise
             raise missing from error
     except KeyboardInterrupt as stopped:  # Ctrl-C: 130; SIGTERM / SIGHUP where a command unwinds on them: 143 / 129
-        ignore_further_ctrl_c()  # the command ended: one more landing in the interpreter's exit printed a traceback
         return exit_status(stopped)
     except ImportError as error:  # a module a command imports as it runs (OpenVINO) wrapped a Ctrl-C in its own
         wrapped = interruption(error)

@@ -181,22 +181,3 @@ def test_both_command_lines_forgive_their_standard_error(monkeypatch: pytest.Mon
         main(["generate"])  # argparse's usage and error, then its exit
     assert usage.value.code == 2
 
-
-def test_a_command_ended_by_ctrl_c_ignores_a_second_one_only_in_its_own_process(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # a second Ctrl-C a fraction of a second after the first landed in the stages' closing or the interpreter's
-    # exit and printed a traceback; a test calling a CLI's main() in pytest's process must keep its Ctrl-C
-    import signal
-
-    from deskfleet.common import console
-
-    before = signal.getsignal(signal.SIGINT)
-    try:
-        monkeypatch.setattr(console, "_command_owns_process", False)
-        console.ignore_further_ctrl_c()
-        assert signal.getsignal(signal.SIGINT) is before
-        console.own_process_signals()
-        console.ignore_further_ctrl_c()
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGINT, before)
