@@ -1,7 +1,7 @@
 """Review: a Ctrl-C between the moment the chat's next turn hands the kept KV state to its engine (Engine.add) and
 the moment the engine's run() takes it.
 
-- Ctrl-C as run() starts, before it took the kept micro-batch: the reply is interrupted and the chat goes on (an
+- Ctrl-C as run() starts, before it took the kept micro-batch: the message is cancelled and the chat goes on (an
   earlier build took the state in add(), so a Ctrl-C there left the chat holding a state it no longer owned, and
   the next message died on "resumed or released already"); the state is freed, not left on the stages.
 - Ctrl-C after add() (here in the fleet failover's start_run(), inside the reply's try) but before run(): the chat
@@ -55,11 +55,12 @@ def test_ctrl_c_as_the_run_starts_before_it_took_the_kept_state_does_not_end_the
     stats: list[ReplyStats] = []
     notes = io.StringIO()
     options = ChatOptions(model=model, max_new_tokens=8, settings=F32)
-    # the second reply is interrupted before its first token; the third message is answered
+    # the second reply is interrupted before its first token, so that message is cancelled (not sent, no reply);
+    # the third message is answered
     replies = run_chat(options, io.StringIO(LINES), io.StringIO(), notes=notes, on_reply=stats.append)
-    assert "[interrupted:" in notes.getvalue() and replies == 3
+    assert "[interrupted before the reply began: not sent" in notes.getvalue() and replies == 2
     assert held == [(1,)]
-    assert stats[2].reused_tokens == 0  # its state was freed with the interrupted turn, not resumed
+    assert stats[1].reused_tokens == 0  # the state was freed with the interrupted turn, not resumed
     assert pipelines[0].micro_batches == (0,)
 
 
@@ -90,7 +91,8 @@ def test_ctrl_c_after_add_before_the_run_leaves_no_kv_state_on_the_stages(
     stats: list[ReplyStats] = []
     notes = io.StringIO()
     options = ChatOptions(model=model, max_new_tokens=8, settings=F32)
-    assert run_chat(options, io.StringIO(LINES), io.StringIO(), notes=notes, on_reply=stats.append) == 3
-    assert "[interrupted:" in notes.getvalue()
+    # interrupted before its first token: that message is cancelled (not sent, no reply)
+    assert run_chat(options, io.StringIO(LINES), io.StringIO(), notes=notes, on_reply=stats.append) == 2
+    assert "[interrupted before the reply began: not sent" in notes.getvalue()
     # the chat released the last reply's state when it ended: the stages hold nothing (the interrupted turn's too)
     assert pipelines[0].micro_batches == (0,)
