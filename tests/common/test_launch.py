@@ -3,10 +3,12 @@ and SIGHUP with one line and 143 / 129."""
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import signal
 import subprocess
 import sys
+import time
 import types
 from collections.abc import Iterator
 
@@ -17,9 +19,13 @@ from deskfleet.common import launch
 
 @pytest.fixture(autouse=True)
 def _default_signals_after() -> Iterator[None]:
-    """A main() faked here does not give SIGTERM and SIGHUP their default handling back, as a command's does."""
+    """A main() faked here does not give SIGTERM and SIGHUP their default handling back, as a command's does; and
+    a command that returned leaves SIGINT to the interpreter's exit, which is pytest's process here."""
+    ctrl_c = signal.getsignal(signal.SIGINT)
     yield
     launch.restore_default_signals()
+    signal.signal(signal.SIGINT, ctrl_c)
+    atexit.unregister(launch.ignore_ctrl_c)
 
 
 def test_a_ctrl_c_while_the_command_imports_exits_130(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,3 +134,52 @@ def test_the_interruption_is_found_through_causes_and_contexts_and_a_cycle_ends_
     first, second = ValueError("a"), ValueError("b")
     first.__context__, second.__context__ = second, first
     assert launch.interruption(first) is None
+
+
+_RETURN_THEN = """
+import atexit, gc, importlib, os, signal, sys, threading, time, types
+from deskfleet.common import launch
+
+def main():
+    {during}
+    return 7
+
+importlib.import_module = lambda name: types.SimpleNamespace(main=main)
+sys.exit(launch.deskfleet())
+"""
+
+
+def _exit_of(during: str) -> subprocess.CompletedProcess[str]:
+    code = _RETURN_THEN.format(during=during.replace("\n", "\n    "))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_a_second_ctrl_c_as_the_interpreter_exits_is_ignored() -> None:
+    # a double Ctrl-C: the second landed in the exit's join of the threads, and Python printed "Exception ignored
+    # in: <module 'threading'> ... KeyboardInterrupt"; or in the C++ destructors, and the process died of SIGINT
+    run = _exit_of("threading.Thread(target=lambda: (time.sleep(0.2), os.kill(os.getpid(), signal.SIGINT),"
+                   " time.sleep(0.2))).start()  # joined as the interpreter exits\n"
+                   "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.2)))")
+    assert (run.returncode, run.stderr) == (7, "")
+
+
+def test_a_ctrl_c_long_after_the_command_returned_ends_an_exit_that_waits() -> None:
+    # someone pressing Ctrl-C at an exit that seems stuck (a thread that does not end) is not ignored
+    started = time.monotonic()
+    run = _exit_of("threading.Thread(target=lambda: (time.sleep(launch.FURTHER_CTRL_C_IGNORED_S + 0.3),"
+                   " print('pressed', flush=True), os.kill(os.getpid(), signal.SIGINT), time.sleep(30))).start()")
+    assert (run.returncode, run.stdout, run.stderr) == (launch.INTERRUPTED_EXIT, "pressed\n", "")
+    assert time.monotonic() - started < 20
+
+
+def test_what_the_command_left_in_reference_cycles_is_freed_before_the_interpreter_finalizes() -> None:
+    # a Ctrl-C's traceback holds the stopped run's frames, and its compiled models, in cycles: freed as the
+    # interpreter finalized, they aborted it ("terminate called without an active exception") now and then
+    run = _exit_of("class Held:\n"
+                   "    def __del__(self):\n"
+                   "        print('finalizing' if sys.is_finalizing() else 'freed', flush=True)\n"
+                   "held = Held()\n"
+                   "held.cycle = held\n"
+                   "gc.disable()  # as if no collection came before the exit\n"
+                   "del held")
+    assert (run.returncode, run.stdout, run.stderr) == (7, "freed\n", "")
