@@ -69,6 +69,7 @@ from deskfleet.common.kv_cache_size import kv_cache_bytes_per_token_per_layer, k
 from deskfleet.common.kv_ledger import Compact, LedgerError
 from deskfleet.common.log_limit import LogEvery
 from deskfleet.common.model_spec import MANIFEST_NAME, ExportMismatchError, Manifest, ManifestError, ModelSpec
+from deskfleet.common.prefill_scratch import layer_width, prefill_scratch_per_token
 from deskfleet.common.wire import (
     MAX_KNOWN_REMOVALS,
     MICRO_BATCH_IDLE_S,
@@ -650,7 +651,9 @@ class AgentCore:
             for other in [ref for ref in self.stages if ref.model_id == message.stage.model_id]:
                 self._release(other)  # a re-plan of the same model replaces what this agent held
             executor = StageExecutor(stage, manifest.spec.max_context, self.kv_memory,
-                                     kv_bytes_per_slot(message, manifest.spec))
+                                     kv_bytes_per_slot(message, manifest.spec),
+                                     prefill_scratch_per_token(message.device, layer_width(manifest.spec),
+                                                               first=message.is_first))
             self.stages[message.stage] = HostedStage(message, executor, asyncio.Lock(), key)
             self._released_because = None
             self._refusals_logged.clear()

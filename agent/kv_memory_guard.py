@@ -102,10 +102,10 @@ class KvMemoryGuard:
                 self._headroom = free - floor
                 if growth_bytes > self._headroom:
                     raise KvMemoryRefused(
-                        f"{what()} would grow this PC's KV cache by up to {growth_bytes / MIB:,.0f} MiB with "
-                        f"{free / MIB:,.0f} MiB of the {total / MIB:,.0f} MiB it may use available, leaving less "
-                        f"than the {floor / MIB:,.0f} MiB this agent keeps free: run fewer or shorter streams "
-                        "(generate --max-rows, fewer prompts, a smaller --max-new-tokens; serve --max-rows and "
-                        "--rows-when-busy), or deploy over more "
-                        "PCs or PCs with more memory")
+                        f"{what()} would grow this PC's KV cache and call buffers by up to "
+                        f"{growth_bytes / MIB:,.0f} MiB with {free / MIB:,.0f} MiB of the {total / MIB:,.0f} MiB "
+                        f"it may use available, leaving less than the {floor / MIB:,.0f} MiB this agent keeps free: "
+                        "run fewer or shorter streams (generate --max-rows, fewer prompts, a smaller "
+                        "--max-new-tokens; serve --max-rows and --rows-when-busy), or deploy over more PCs or PCs "
+                        "with more memory")
             self._headroom -= growth_bytes

@@ -489,6 +489,10 @@ class StageSession:
         self._stage = weakref.ref(stage)
         self.is_first = stage.layers.is_first
         self.request = stage.compiled.create_infer_request()
+        # rows x tokens of this request's largest call: the plugin keeps that call's buffers until the request is
+        # destroyed (a reset or a recycle frees nothing; see Stage.recycle), and an agent's memory guard counts
+        # only a call larger than this (common/prefill_scratch.py)
+        self.largest_call_tokens = 0
         self._empty_states: dict[str, np.ndarray] | None = None  # the state after reset(), see there
         # Input and output tensors over numpy buffers of our own, written and read in place every call: after
         # a decode step has streamed the weights through the caches, every call into the bindings misses
@@ -531,6 +535,7 @@ class StageSession:
         self.request.start_async()
         self.request.wait()
         self._empty_states = None
+        self.largest_call_tokens = max(self.largest_call_tokens, position_ids.size)
         if self._next_tokens is None:
             return StageOutput(hidden=self.request.get_tensor(TensorNames.STAGE_HIDDEN_OUT).data.copy())
         logits = self.request.get_tensor(TensorNames.LOGITS).data.copy() if want_logits else None

@@ -113,13 +113,16 @@ class StageExecutor:
     """One stage's micro-batches. Not thread-safe: one worker calls run() and release()."""
 
     def __init__(self, stage: Stage, max_positions: int, memory_guard: KvMemoryGuard | None = None,
-                 kv_bytes_per_slot: int = 0) -> None:
+                 kv_bytes_per_slot: int = 0, scratch_bytes_per_token: int = 0) -> None:
         """`memory_guard` (an agent's): asked before a step grows the KV cache, at `kv_bytes_per_slot` (one row's
-        token in every layer of the stage) a slot; a step it refuses raises KvMemoryRefused and changes nothing."""
+        token in every layer of the stage) a slot, or makes a call larger than any its micro-batch's request ran,
+        at `scratch_bytes_per_token` a token of the call more (common/prefill_scratch.py); a step it refuses
+        raises KvMemoryRefused and changes nothing."""
         self.stage = stage
         self.max_positions = max_positions
         self.memory_guard = memory_guard
         self.kv_bytes_per_slot = kv_bytes_per_slot
+        self.scratch_bytes_per_token = scratch_bytes_per_token
         self._batches: dict[int, _MicroBatch] = {}
 
     @property
@@ -289,18 +292,24 @@ class StageExecutor:
                 if rehearsed is not None else \
                 KvGrowth(len(call.live_counts), batch.mirror.slots + call.count, batch.mirror.rows, batch.mirror.slots)
             copying = 0 if copies_dropped else sum(copied_slots)
+            # the CPU plugin keeps a request's largest call's buffers: 16 prompts of 1,024 tokens in one call grew
+            # the demo target's agent by 640 MiB, where their KV cache was counted at 256
+            call_tokens = message.position_ids.size
+            scratch = max(0, call_tokens - batch.session.largest_call_tokens) * self.scratch_bytes_per_token
 
             def what(copied: int) -> str:
                 return (f"micro-batch {message.micro_batch_id} step {message.step_id} ({growth.rows} rows x "
-                        f"{growth.slots} slots" + (f", {copied} copied" if copied else "") + ")")
+                        f"{growth.slots} slots" + (f", {copied} copied" if copied else "") +
+                        (f"; a call of {call_tokens} tokens" if scratch else "") + ")")
 
             try:
-                self.memory_guard.admit((growth.slot_count + copying) * self.kv_bytes_per_slot * SLOT_GROWTH,
-                                        lambda: what(copying))
+                self.memory_guard.admit((growth.slot_count + copying) * self.kv_bytes_per_slot * SLOT_GROWTH +
+                                        scratch, lambda: what(copying))
             except KvMemoryRefused:
                 if not copying:
                     raise
-                self.memory_guard.admit(growth.slot_count * self.kv_bytes_per_slot * SLOT_GROWTH, lambda: what(0))
+                self.memory_guard.admit(growth.slot_count * self.kv_bytes_per_slot * SLOT_GROWTH + scratch,
+                                        lambda: what(0))
                 log.info("micro-batch %d step %d runs without its %d row copies: this PC has no memory for them",
                          message.micro_batch_id, message.step_id, len(message.copy_into))
                 copies_dropped = True

@@ -55,6 +55,7 @@ from deskfleet.common.planner import (
     left_out_text,
     plan,
 )
+from deskfleet.common.prefill_scratch import layer_width, prefill_scratch_per_token
 from deskfleet.common.wire import (
     AssignStage,
     Error,
@@ -183,7 +184,7 @@ def footprint_of(manifest: Manifest, device: str = "CPU", precision: Precision =
                  kv_cache: str | None = None) -> ModelFootprint:
     """The planner's view of an export deployed with `precision` and `kv_cache` (as `deploy` takes them): its
     bytes, on a CPU the head's work priced by parameters, and its KV cache and prefill scratch as the stages
-    will hold them (see kv_cache_precision, kv_cache_bytes_per_token_per_layer, KV_GROWTH, PREFILL_SCRATCH).
+    will hold them (see kv_cache_precision, kv_cache_bytes_per_token_per_layer, KV_GROWTH, common/prefill_scratch).
 
     On the CPU plugin a decode step's time follows the parameters multiplied (unpacking INT4 weights, not
     reading them, sets the pace), and the INT8 head costs about what its parameters would at the layers'
@@ -200,7 +201,7 @@ def footprint_of(manifest: Manifest, device: str = "CPU", precision: Precision =
         bytes_per_parameter = sum(manifest.layer_bytes) / (spec.num_layers * spec.layer_parameters)
         head_work = spec.head_parameters * bytes_per_parameter
     kv = kv_cache_precision(precision, device, kv_cache)
-    growth, scratch, first_scratch = _held_beside_weights(device, kv, spec.hidden_size + spec.intermediate_size)
+    growth, scratch, first_scratch = _held_beside_weights(device, kv, layer_width(spec))
     return ModelFootprint(manifest.model_name, manifest.layer_bytes, manifest.embed_bytes, manifest.head_bytes,
                           kv_cache_bytes_per_token_per_layer(manifest.spec, kv), spec.max_context, head_work,
                           resident_factor(device), growth, scratch, kv or "the device's own, counted as f32",
@@ -228,7 +229,7 @@ def _held_beside_weights(device: str, kv: str | None, width: int) -> tuple[float
     if device_kind(device) != "CPU":
         return 1.0, 0, 0
     growth = KV_GROWTH_F32 if kv == "f32" else KV_GROWTH
-    return growth, math.ceil(PREFILL_SCRATCH * width), math.ceil(PREFILL_SCRATCH_FIRST * width)
+    return growth, prefill_scratch_per_token(device, width), prefill_scratch_per_token(device, width, first=True)
 
 
 # The CPU plugin grows a KV cache by reallocating it at twice the tokens it must hold whenever it is full
@@ -238,15 +239,6 @@ def _held_beside_weights(device: str, kv: str | None, width: int) -> tuple[float
 # 14.2 MB with 1 row (2.49x), 133.5 MB for 56.6 MB with 4 rows (2.36x). f16 / bf16 not measured: as u8.
 KV_GROWTH_F32 = 2.0
 KV_GROWTH = 2.5
-# The scratch a CPU stage keeps after a prefill (the plugin keeps the buffers of its largest call), per token
-# of the call and per unit of hidden_size + intermediate_size, at its peak during the call, less the KV cache.
-# Measured (one thread; two the same): a stage fed hidden states, 170M (1024 + 2816) layers [4:8) after 2048
-# tokens 335 MB (42.6 bytes), [8:12) with the head 318 MB (40.5), 1024 tokens 163 MB (41.4); 1.1B-shaped
-# (2048 + 8192) layers [4:12), 1024 tokens 439 MB (41.8). The first stage (fed token ids): 170M [0:4) 258 MB
-# (32.8), the whole 170M 242 MB (30.8), the whole 330M as the 170M (it does not grow with the layers), the whole
-# 1.1B 315 MB (30.0), the demo target (384 + 1024) 48 MB (33.1). 4 rows of 512 tokens took what 1 of 2048 did.
-PREFILL_SCRATCH = 44.0
-PREFILL_SCRATCH_FIRST = 34.0
 
 
 CPU_RESIDENT_FACTOR = 1.3

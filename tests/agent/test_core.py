@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +26,7 @@ from deskfleet.common.agent_state import AgentState
 from deskfleet.common.availability import MonitorReading
 from deskfleet.common.kv_ledger import AdmitRow, AppendSlots, Compact
 from deskfleet.common.model_spec import MANIFEST_NAME, load_manifest
+from deskfleet.common.prefill_scratch import PREFILL_SCRATCH_FIRST
 from deskfleet.common.wire import (
     MAX_KNOWN_REMOVALS,
     AssignStage,
@@ -693,6 +695,9 @@ def test_a_step_the_pcs_memory_has_no_room_for_is_refused_blaming_this_pc_and_ch
     # a slot of the whole model in its u8 cache: every layer's keys and values, head_dim bytes and a scale and zero
     assert core.stages[assignment.stage].executor.kv_bytes_per_slot == spec.num_layers * 2 * spec.num_kv_heads * (
         spec.head_dim + 8)
+    # and a token of a call larger than any its request ran, what the CPU plugin keeps of a first stage's call
+    assert core.stages[assignment.stage].executor.scratch_bytes_per_token == math.ceil(
+        PREFILL_SCRATCH_FIRST * (spec.hidden_size + spec.intermediate_size))
     free = [8 << 30]
     guard = core.kv_memory
     assert isinstance(guard, KvMemoryGuard)
@@ -732,7 +737,8 @@ def test_a_step_the_pcs_memory_has_no_room_for_is_refused_blaming_this_pc_and_ch
     assert prompt_refused == plain and decode_refused == plain
     assert isinstance(refusal, Error) and refusal.code is ErrorCode.OUT_OF_MEMORY and refusal.micro_batch_id == 2
     assert refusal.agent_id == core.agent_id  # the re-plan leaves this PC out
-    assert "micro-batch 2 step 0 (1 rows x 3 slots) would grow this PC's KV cache by up to" in refusal.message
+    assert ("micro-batch 2 step 0 (1 rows x 3 slots; a call of 3 tokens) would grow this PC's KV cache and call "
+            "buffers by up to") in refusal.message
 
 
 def test_a_stage_the_agent_lets_go_of_is_freed_at_once(core: AgentCore, tiny_export: Path) -> None:

@@ -45,9 +45,9 @@ def test_steps_within_the_last_reading_are_let_grow_without_reading_again() -> N
         guard.admit(60 * MIB, lambda: "micro-batch 7 step 3 (4 rows x 900 slots)")  # 48 MiB left above the floor
     assert memory.reads == 3  # read afresh before refusing: the estimates since the last reading may overstate
     assert str(refused.value).startswith("micro-batch 7 step 3 (4 rows x 900 slots) would grow this PC's KV cache "
-                                         "by up to 60 MiB with 560 MiB of the 16,384 MiB it may use available, leaving "
-                                         "less than the 512 MiB this agent keeps free: run fewer or shorter "
-                                         "streams")
+                                         "and call buffers by up to 60 MiB with 560 MiB of the 16,384 MiB it "
+                                         "may use available, leaving less than the 512 MiB this agent keeps "
+                                         "free: run fewer or shorter streams")
     guard.admit(0, lambda: "a step that grows nothing")  # nothing asked of the memory
     assert memory.reads == 3
 

@@ -388,6 +388,31 @@ def test_the_memory_guard_is_asked_for_the_padding_an_admitted_row_brings(whole:
     assert guard.asked == [8 * SLOT_GROWTH, 40 * SLOT_GROWTH, (3 * 41 - 2 * 4) * SLOT_GROWTH]
 
 
+def test_the_memory_guard_is_asked_for_the_buffers_of_a_call_larger_than_its_request_ran(tiny_export: Path) -> None:
+    # the CPU plugin keeps the buffers of a request's largest call: 16 prompts of 1,024 tokens in one call grew the
+    # demo target's agent by 640 MiB where their KV cache alone was counted (256 MiB)
+    manifest = load_manifest(tiny_export)
+    layers = manifest.spec.num_layers
+    stage = Stage(tiny_export, manifest, LayerRange(0, layers, layers), CompileSettings(precision=Precision.F32))
+    guard = RecordingGuard()
+    executor = StageExecutor(stage, 256, guard, scratch_bytes_per_token=1000)  # type: ignore[arg-type]
+    host = BatchTrack(1, 256)
+    host.add_row(0)
+    host.add_row(1)
+    result(executor, host.step([PROMPT, PROMPT]))  # 2 rows x 4 tokens, on the request the warm-up call's 1 left
+    result(executor, host.step([[9], [10]]))  # smaller: its buffers are there
+    result(executor, host.step([list(range(20, 30)), list(range(30, 40))]))  # 20 tokens: 12 more than before
+    executor.release(1)  # its request goes back to the stage, buffers and all
+    again = BatchTrack(2, 256)
+    again.add_row(0)
+    result(executor, again.step([list(range(3, 18))]))  # 15 tokens on that request: within its largest call
+    result(executor, again.step([[4]]))
+    other = BatchTrack(3, 256)  # a second micro-batch at once: a request of its own, new
+    other.add_row(0)
+    result(executor, other.step([list(range(3, 9))]))
+    assert guard.asked == [7000, 0, 12000, 0, 0, 6000]
+
+
 @pytest.mark.parametrize(("scored", "says"), [
     ([[6, 7, 8, -1], [4, -1, -1, 9]], "scored tokens at positions the call does not feed"),  # row 1 feeds 2
     ([[6, 7, 8, 10**6], [-1, -1, -1, -1]], "scored tokens outside the vocabulary"),

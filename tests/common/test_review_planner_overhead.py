@@ -1,7 +1,7 @@
 """A stage's runtime reserve must be what a stage holds beyond the terms the plan counts on their own (weights as
 held, KV cache, prefill scratch), or every stage of a plan reserves memory nobody uses and a PC that holds a stage
 is called too small. The 256 MiB it was also stood for a prefill's activations, which the footprint's
-prefill_bytes_per_token now reserves (controller/fleet_deploy.py, PREFILL_SCRATCH).
+prefill_bytes_per_token now reserves (common/prefill_scratch.py, PREFILL_SCRATCH).
 
 Measured (CPU plugin, 2-core EPYC, fresh process per stage, default `fast` settings): resident anonymous memory
 after compiling, the warm-up call and 16 decode tokens, less the stage's weight files, 19.7 / 47.6 / 29.3 MB for
