@@ -662,6 +662,14 @@ class AgentCore:
             log.info("hosting %s", key)
             return StageReady(message.stage)
 
+    def _narrow_links_of(self, previous_agent_id: str | None) -> None:
+        """Read small frames again on the links of a released stage's previous hop, unless it feeds another stage
+        here: it was left able to make this agent hold a frame of up to 320 MB for as long as its link stayed open."""
+        for link in self._links:
+            if previous_agent_id is not None and link.peer.role is Role.AGENT and \
+                    link.peer.agent_id == previous_agent_id and not self.takes_large_frames(link.peer):
+                link.take_small_frames()
+
     def _widen_links_of(self, previous_agent_id: str | None) -> None:
         """Let the links already open from a stage's new previous hop carry its hidden states (takes_large_frames):
         a re-plan may make a PC that had a link open to this one, read at small frames, its previous hop."""
@@ -714,6 +722,7 @@ class AgentCore:
         if hosted is not None:
             self.cache.unpin(hosted.cache_key)
             self.cache.remove_view(hosted.cache_key)
+            self._narrow_links_of(hosted.assignment.previous_agent_id)
             log.info("released %s", hosted.cache_key)
 
     # Private methods: forwarding

@@ -235,6 +235,11 @@ class Link:
         SMALL_FRAME_BYTES until it is told so (`start_server`'s `large_frames`, or later: a stage assigned)."""
         self.connection.protocol.max_message_size = DEFAULT_LIMITS.max_frame_bytes
 
+    def take_small_frames(self) -> None:
+        """Read frames of at most SMALL_FRAME_BYTES again (a stage released: its previous hop sends nothing large),
+        from the next frame's start; a frame being read goes on under the limit it began with."""
+        self.connection.protocol.max_message_size = SMALL_FRAME_BYTES
+
     # Public methods
 
     async def send(self, message: Message) -> None:

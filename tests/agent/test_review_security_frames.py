@@ -180,8 +180,40 @@ def test_the_previous_hops_link_opened_before_its_stage_was_assigned_takes_large
             assignment = AssignStage(StageRef("m@1", 1, 2), False, True, "CPU", Precision.F32, None, (), None, hop)
             core.stages[assignment.stage] = HostedStage(assignment, cast(StageExecutor, None), asyncio.Lock(), "m-1-2")
             core._widen_links_of(hop)
+            kept = await open_link(f"127.0.0.1:{port}", previous)  # a link that stays open; each send closes one
+            for _ in range(50):
+                if len(core._links) == 2:
+                    break
+                await asyncio.sleep(0.02)
             assert await _sends_whole(early, 4 * MB)
             assert await _sends_whole(await open_link(f"127.0.0.1:{port}", previous), 4 * MB)  # and a new one
+            # the stage released (a re-plan, a redeploy): that PC sends nothing large here any more, and its open
+            # link stayed able to make the agent hold a frame of up to 320 MB
+            core._release(assignment.stage)
+            assert not await _sends_whole(kept, 4 * MB)
+
+    asyncio.run(scenario())
+
+
+def test_a_released_stages_previous_hop_keeps_large_frames_where_it_feeds_another_stage_here(
+        tmp_path: Path) -> None:
+    async def scenario() -> None:
+        server, port, ca, core = await _agent_port(tmp_path)
+        async with server:
+            previous = make_member(ca, tmp_path / "previous", "previous")
+            hop = previous.own_identity().agent_id
+            stages = [AssignStage(StageRef(model, 1, 2), False, True, "CPU", Precision.F32, None, (), None, hop)
+                      for model in ("m@1", "n@1")]
+            for assignment in stages:  # two models deployed over the same two PCs
+                core.stages[assignment.stage] = HostedStage(assignment, cast(StageExecutor, None), asyncio.Lock(),
+                                                            assignment.stage.model_id)
+            link = await open_link(f"127.0.0.1:{port}", previous)
+            for _ in range(50):
+                if core._links:
+                    break
+                await asyncio.sleep(0.02)
+            core._release(stages[0].stage)
+            assert await _sends_whole(link, 4 * MB)
 
     asyncio.run(scenario())
 
