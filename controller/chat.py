@@ -51,6 +51,7 @@ from .decoding_options import (
 from .engine import Engine, KeptKV, StageChain, StreamRequest
 from .generation import GenerationError, check_tokenized
 from .run import GenerateOptions, GenerationInterrupted, GenerationStopped, run_generate
+from .terminal_lines import PROMPT, TerminalLines, terminal_lines
 
 if TYPE_CHECKING:
     # .tokenizer and .text_printer are imported where used: the tokenizers package comes with the controller
@@ -200,10 +201,11 @@ def generate_on_fleet(options: GenerateOptions, data_dir: Path | None, stream_te
     return report
 
 
-def run_chat(options: ChatOptions, lines: TextIO, out: TextIO, prompt_out: TextIO | None = None,
+def run_chat(options: ChatOptions, lines: TextIO | TerminalLines, out: TextIO, prompt_out: TextIO | None = None,
              notes: TextIO | None = None, on_reply: Callable[[ReplyStats], None] | None = None,
              chain: StageChain | None = None, as_json: bool = False, ctrl_c_ends_chat: bool = False) -> int:
-    """Converse until `lines` ends or says /quit; returns the number of replies given.
+    """Converse until `lines` ends or says /quit; returns the number of replies given. `prompt_out` shows the
+    `you> ` prompt, where `lines` (a TerminalLines) does not show it itself.
 
     `as_json`: instead of streaming each reply's text, write one JSON object a line for every message sent:
     {"reply", "stopped" ("end", "max_new_tokens" or "interrupted"), "reply_tokens", "prompt_tokens",
@@ -270,7 +272,8 @@ def check_room(tokenizer: ModelTokenizer, system: list[ChatMessage], max_new_tok
         f"message in the model's context of {max_context} tokens ({remedy})")
 
 
-def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifest, lines: TextIO, out: TextIO,
+def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifest, lines: TextIO | TerminalLines,
+              out: TextIO,
               prompt_out: TextIO | None, notes: TextIO | None, on_reply: Callable[[ReplyStats], None] | None,
               chain: StageChain | None, as_json: bool, ctrl_c_ends_chat: bool) -> int:
     """run_chat's conversation, once the tokenizer renders in a child kept for the chat."""
@@ -304,8 +307,8 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
             _note(notes, f"[sampling with seed {options.seed}, drawn at random: --seed {options.seed} gives these "
                          "replies again]")
         while True:
-            if prompt_out is not None:
-                prompt_out.write("you> ")
+            if prompt_out is not None and not isinstance(lines, TerminalLines):
+                prompt_out.write(PROMPT)
                 prompt_out.flush()
             try:
                 line = lines.readline()
@@ -695,12 +698,16 @@ def _chat_command(args: argparse.Namespace) -> int:
         # code page read it as other characters, sent as such
         sys.stdin.reconfigure(encoding="utf-8", errors="surrogateescape")
     interactive = sys.stdin.isatty()
+    lines: TextIO | TerminalLines = sys.stdin
+    prompt_out = sys.stderr if interactive else None  # a terminal's prompt, kept out of redirected replies
+    edited = terminal_lines(interactive, sys.stdout.isatty())
+    if edited is not None:  # line editing and history: the prompt goes where input() shows it, the terminal
+        lines, prompt_out = edited, sys.stdout
     try:
         # SIGTERM and SIGHUP (a closed terminal) end the chat as Ctrl-C at its prompt does: the reply under way
         # stopped, its micro-batches freed and the chain's links closed (they ended the process on the spot)
         with signals_unwind(ctrl_c=False):
-            run_chat(options, sys.stdin, sys.stdout, prompt_out=sys.stderr if interactive else None,
-                     as_json=args.json)
+            run_chat(options, lines, sys.stdout, prompt_out=prompt_out, as_json=args.json)
     except BenchTerminated as stopped:
         say_stopped(f"deskfleet: chat stopped by {signal_name(stopped)}")
         raise
