@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Container, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,15 @@ def path_argument(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty (an unset variable?): give a path; . names the current folder")
     return Path(text)
+
+
+def program_argument(text: str) -> Path:
+    """argparse type: a program, as a shell takes one: a name alone is looked up on PATH, and one with a folder part
+    (`./python3`, `venv/bin/python`) is that file, made absolute. Path("./python3") is Path("python3"), which a
+    lookup on PATH then found elsewhere: `--genai-python ./python3` ran the first python3 on PATH without a word."""
+    path = path_argument(text)
+    named_alone = os.sep not in text and (os.altsep is None or os.altsep not in text)
+    return path if named_alone else path.absolute()
 
 
 def option_arity(parser: argparse.ArgumentParser) -> dict[str, bool]:

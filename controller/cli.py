@@ -19,6 +19,7 @@ from deskfleet.common.arguments import (
     describe_commands,
     option_arity,
     path_argument,
+    program_argument,
     prompts_file_argument,
     unknown_options,
     verbose_anywhere,
@@ -259,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--model", type=path_argument, required=True, help="export folder (deskfleet)")
     parity.add_argument("--genai-model", type=path_argument, default=None,
                         help="the same checkpoint exported by optimum-intel (omit to skip GenAI)")
-    parity.add_argument("--genai-python", type=path_argument, default=None,
+    parity.add_argument("--genai-python", type=program_argument, default=None,
                         help="python of a venv with openvino-genai (it pins other versions)")
     parity.add_argument("--prompt-tokens", type=positive_int, default=32, help="random prompt length")
     parity.add_argument("--new-tokens", "--max-new-tokens", dest="new_tokens", type=positive_int, default=64,
@@ -315,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     streams.add_argument("--model", type=path_argument, required=True, help="export folder (deskfleet)")
     streams.add_argument("--genai-model", type=path_argument, default=None,
                          help="the same checkpoint exported by optimum-intel (omit to skip GenAI)")
-    streams.add_argument("--genai-python", type=path_argument, default=None, help="python of the GenAI venv")
+    streams.add_argument("--genai-python", type=program_argument, default=None, help="python of the GenAI venv")
     streams.add_argument("--users", type=positive_int, nargs="+", default=[1, 2, 4, 8],
                          help="user counts to compare")
     streams.add_argument("--prompt-tokens", type=positive_int, default=32, help="each user's random prompt length")

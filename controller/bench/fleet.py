@@ -47,7 +47,7 @@ from deskfleet.agent.link import TlsFiles, utc_now
 from deskfleet.agent.stage import CompileSettings, export_weight_group_size
 from deskfleet.agent.stage import Precision as StagePrecision
 from deskfleet.common import event_loop, pki
-from deskfleet.common.arguments import path_argument
+from deskfleet.common.arguments import path_argument, program_argument
 from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.planner import PlanOptions, PlanPolicy
@@ -909,7 +909,7 @@ def add_fleet_bench_command(benches: Any) -> None:
     parser.add_argument("--wan-bandwidth-mbit", type=float, default=None, help="per-link bandwidth on WAN rows")
     parser.add_argument("--genai-model", type=path_argument, default=None,
                         help="--model's checkpoint exported by optimum-intel: adds GenAI continuous-batching rows")
-    parser.add_argument("--genai-python", type=path_argument, default=None, help="the GenAI venv's python")
+    parser.add_argument("--genai-python", type=program_argument, default=None, help="the GenAI venv's python")
     parser.add_argument("--no-wan", dest="wan", action="store_false",
                         help="leave out the WAN rows (their naive pipeline, ~3 tok/s over 100 ms hops, takes longest)")
     parser.add_argument("--drafters", nargs="+", choices=list(DRAFTERS), default=[],

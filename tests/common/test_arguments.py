@@ -13,6 +13,7 @@ from deskfleet.common.arguments import (
     STDIN_PATH,
     browse_seconds,
     path_argument,
+    program_argument,
     prompts_file_argument,
     seconds_up_to,
     unknown_options,
@@ -24,6 +25,18 @@ def test_a_path_is_taken_as_given_and_an_empty_one_is_refused() -> None:
     for empty in ("", "  "):
         with pytest.raises(argparse.ArgumentTypeError, match=r"is empty \(an unset variable\?\)"):
             path_argument(empty)
+
+
+def test_a_program_with_a_folder_part_is_that_file_and_a_name_alone_is_looked_up(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Path("./python3") is Path("python3"): `--genai-python ./python3` ran the first python3 on PATH instead
+    monkeypatch.chdir(tmp_path)
+    assert program_argument("./python3") == tmp_path / "python3"
+    assert program_argument("venv/bin/python") == tmp_path / "venv/bin/python"
+    assert program_argument("/usr/bin/python3") == Path("/usr/bin/python3")
+    assert program_argument("python3") == Path("python3")  # for a lookup on PATH, as a shell does
+    with pytest.raises(argparse.ArgumentTypeError, match="is empty"):
+        program_argument("")
 
 
 def test_a_browse_is_0_to_600_seconds_and_nothing_else() -> None:
