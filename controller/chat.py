@@ -287,7 +287,7 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
     end_of_turn = tokenizer.end_of_turn_ids()  # a reply ends there, whatever the generation config lists
     settings = options.target_settings()
     # a draft that cannot draft for the target is refused now, before anything compiles
-    draft = options.open_drafter(settings, manifest.spec, over_fleet=options.fleet_dir is not None)
+    draft = options.open_drafter(settings, options.model, over_fleet=options.fleet_dir is not None)
     sampling = options.sampling()
     turns: list[ChatMessage] = []  # user and assistant messages, alternating
     replies = 0

@@ -126,10 +126,10 @@ class DecodingOptions:
         """The settings to compile the target (and the draft model) with: those for drafting when it drafts."""
         return target_settings(self.settings, self.draft, self.prompt_lookup)
 
-    def open_drafter(self, settings: CompileSettings, target: ModelSpec | None = None,
+    def open_drafter(self, settings: CompileSettings, target: Path | None = None,
                      over_fleet: bool = False) -> Drafter | None:
-        """The drafter asked for; with `target`, a draft model that cannot draft for it is refused before
-        it compiles; `over_fleet`: the target runs on a chain of PCs."""
+        """The drafter asked for; with `target` (its export folder), a draft model that cannot draft for it is
+        refused before it compiles; `over_fleet`: the target runs on a chain of PCs."""
         return open_drafter(self.draft, self.prompt_lookup, settings, target, over_fleet=over_fleet)
 
     def engine_options(self, micro_batches: int, **more: Any) -> EngineOptions:

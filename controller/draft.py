@@ -23,7 +23,7 @@ import numpy.typing as npt
 from deskfleet.agent.stage import CompileSettings, LayerRange, Stage
 from deskfleet.agent.stage_executor import StageExecutor
 from deskfleet.common.kv_ledger import CompactionPolicy
-from deskfleet.common.model_spec import ManifestError, ModelSpec, load_manifest
+from deskfleet.common.model_spec import Manifest, ManifestError, ModelSpec, load_manifest
 from deskfleet.common.speculative import DEFAULT_PRIOR_ACCEPTANCE, SamplingParams, sample, sampling_probs
 from deskfleet.common.wire import ForwardResult
 
@@ -58,6 +58,40 @@ def check_draft_spec(draft: ModelSpec, target: ModelSpec) -> None:
         raise ValueError(f"the draft's context ({draft.max_context} positions) is shorter than the "
                          f"target's ({target.max_context}): a stream would outgrow the draft mid-generation; "
                          f"export the draft with --max-context {target.max_context}")
+
+
+def check_draft_for(draft_dir: Path, draft: Manifest, target_dir: Path, target: Manifest) -> None:
+    """ValueError unless the draft export in `draft_dir` can draft for the target export in `target_dir`: their
+    specs (check_draft_spec) and their tokenizers (check_draft_tokenizer)."""
+    check_draft_spec(draft.spec, target.spec)
+    check_draft_tokenizer(draft_dir, draft, target_dir, target)
+
+
+def check_draft_tokenizer(draft_dir: Path, draft: Manifest, target_dir: Path, target: Manifest) -> None:
+    """ValueError where the draft's tokenizer gives token ids to other tokens than the target's does: a draft of
+    another tokenizer of the same vocabulary size passed check_draft_spec, and drafted text the target never
+    accepted (mean accepted 0.0), slower than no drafting, without a word. Two exports of one tokenizer have the
+    same tokenizer.json (its sha256 in the manifests); where the files differ, their vocabularies (added tokens
+    too) are compared. An export without a tokenizer.json is not checked."""
+    name = "tokenizer.json"
+    if name not in draft.files or name not in target.files or draft.files[name].sha256 == target.files[name].sha256:
+        return
+    from tokenizers import Tokenizer
+
+    def ids_to_tokens(folder: Path) -> dict[int, str]:
+        vocabulary = Tokenizer.from_file(str(folder / name)).get_vocab(with_added_tokens=True)
+        return {token_id: token for token, token_id in vocabulary.items()}
+
+    drafts, targets = ids_to_tokens(draft_dir), ids_to_tokens(target_dir)
+    differing = sorted(token_id for token_id in drafts.keys() | targets.keys()
+                       if drafts.get(token_id) != targets.get(token_id))
+    if not differing:
+        return
+    first = differing[0]
+    raise ValueError(f"the draft's tokenizer is not the target's: {len(differing):,} of the target's "
+                     f"{len(targets):,} token ids name other tokens (id {first}: {drafts.get(first)!r} in the draft, "
+                     f"{targets.get(first)!r} in the target), so the target would accept none of its proposals; "
+                     "give a draft model exported with the target's tokenizer")
 
 
 def _warn_if_not_smaller(draft: ModelSpec, target: ModelSpec) -> None:
@@ -270,23 +304,24 @@ def target_settings(settings: CompileSettings, draft: Path | None, prompt_lookup
 
 
 def open_drafter(draft: Path | None, prompt_lookup: bool, settings: CompileSettings | None = None,
-                 target: ModelSpec | None = None, over_fleet: bool = False) -> Drafter | None:
+                 target: Path | None = None, over_fleet: bool = False) -> Drafter | None:
     """The drafter a command asked for: a draft model's export folder, prompt lookup, both (prompt lookup
     first, the draft model where the context has no match: controller/lookup_first.py), or none.
 
-    With `target`, a draft model that cannot draft for it is refused (ValueError) from its manifest, before
-    it compiles. `over_fleet`: the target runs on a chain of PCs, where prompt lookup alone also proposes from a
-    1-token match (controller/prompt_lookup.py says why); prompt lookup first keeps its own minimum (2) there:
-    a row with no longer match gets the draft model's proposal, not a 1-token guess (chosen, not measured over
-    a fleet)."""
+    With `target` (the target's export folder), a draft model that cannot draft for it is refused (ValueError)
+    from the manifests and tokenizers, before it compiles. `over_fleet`: the target runs on a chain of PCs, where
+    prompt lookup alone also proposes from a 1-token match (controller/prompt_lookup.py says why); prompt lookup
+    first keeps its own minimum (2) there: a row with no longer match gets the draft model's proposal, not a 1-token
+    guess (chosen, not measured over a fleet)."""
     if draft is not None:
         try:  # named as the draft's: with --model beside it, the folder alone may not say which one is wrong
             manifest = load_manifest(Path(draft))
         except ManifestError as error:
             raise ManifestError(f"--draft: {error}") from None
         if target is not None:
-            check_draft_spec(manifest.spec, target)
-            _warn_if_not_smaller(manifest.spec, target)
+            target_manifest = load_manifest(target)
+            check_draft_for(Path(draft), manifest, target, target_manifest)
+            _warn_if_not_smaller(manifest.spec, target_manifest.spec)
     if prompt_lookup:
         from .prompt_lookup import DEFAULT_MIN_NGRAM, FLEET_MIN_NGRAM, PromptLookupDraft
 

@@ -204,7 +204,7 @@ def run_generate(options: GenerateOptions, stream_text: bool = False, chain: Sta
         split_layers(manifest.spec.num_layers, options.stages)
     sampling = options.sampling()
     settings = options.target_settings()
-    draft = options.open_drafter(settings, manifest.spec, over_fleet=chain is not None)
+    draft = options.open_drafter(settings, options.model, over_fleet=chain is not None)
     stages = chain_stages or options.stages
     engine_options = options.engine_options(options.micro_batches or stages, max_rows=options.max_rows)
     printer = TextPrinter(tokenizer, sys.stdout) if stream_text and len(prompts) == 1 else None

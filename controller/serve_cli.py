@@ -206,7 +206,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     decoding = DecodingOptions(draft=args.draft, prompt_lookup=args.prompt_lookup, k=args.k, k_max=args.k_max,
                                prefill_chunk=args.prefill_chunk, settings=compile_settings(args))
     target = decoding.target_settings()
-    draft = decoding.open_drafter(target, manifest.spec, over_fleet=args.fleet)
+    draft = decoding.open_drafter(target, args.model, over_fleet=args.fleet)
     stages = args.stages or 1
 
     def options_for(chain: StageChain) -> EngineOptions:

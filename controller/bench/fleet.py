@@ -62,7 +62,7 @@ from deskfleet.controller.bench.rounds import round_order
 from deskfleet.controller.bench.runner_process import stop_processes
 from deskfleet.controller.bench.speculative import DEFAULT_EVAL_DIR, heldout_code_prompts
 from deskfleet.controller.bench.streams import GenAIUsers
-from deskfleet.controller.draft import Drafter, check_draft_spec, open_drafter
+from deskfleet.controller.draft import Drafter, check_draft_for, open_drafter
 from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
 from deskfleet.controller.fleet_ca import init_fleet, load_ca
 from deskfleet.controller.fleet_deploy import StagePlacement, deploy, model_id_of
@@ -366,7 +366,8 @@ def check_inputs(options: FleetBenchOptions) -> None:
                              f"the context of --demo-target {options.demo_target} ({target.max_context} tokens)")
         if options.demo_draft is not None:
             try:
-                check_draft_spec(load_manifest(options.demo_draft).spec, target)
+                check_draft_for(options.demo_draft, load_manifest(options.demo_draft), options.demo_target,
+                                load_manifest(options.demo_target))
             except ValueError as error:
                 raise ValueError(f"--demo-draft {options.demo_draft} cannot draft for --demo-target "
                                  f"{options.demo_target}: {error}") from None

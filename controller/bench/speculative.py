@@ -321,7 +321,7 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
     than there are is refused, naming how many there are.
 
     `draft` None: only the prompt-lookup variants (then `lookup` must be on)."""
-    from deskfleet.controller.draft import DraftModel
+    from deskfleet.controller.draft import DraftModel, check_draft_for
     from deskfleet.controller.engine import Engine, EngineOptions, StreamRequest
     from deskfleet.controller.lookup_first import LookupFirstDraft
     from deskfleet.controller.pipeline import LocalPipeline
@@ -346,6 +346,11 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
     settings = (settings or CompileSettings()).for_drafting()  # what `generate --draft` compiles
     manifest = load_manifest(target)
     spec = manifest.spec
+    if draft is not None:  # a draft of another tokenizer was timed, accepting nothing, without a word
+        try:
+            check_draft_for(Path(draft), load_manifest(Path(draft)), target, manifest)
+        except ValueError as error:
+            raise ValueError(f"--draft {draft} cannot draft for --model {target}: {error}") from None
     widths = sorted({1, *(k + 1 for k in ks), k_max + 1})  # what target_call_costs times, after the rounds
     if context_needed(widths) > spec.max_context:
         raise ValueError(f"timing the target's calls at widths {widths} (--k values + 1, --k-max + 1) takes "
@@ -366,6 +371,10 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
     if not prompt_ids:
         raise ValueError("no prompts")
     longest = max(len(ids) for ids in prompt_ids)
+    if longest >= spec.max_context:  # no --new-tokens fits: it was told to give a negative one
+        which = next(index for index, ids in enumerate(prompt_ids, 1) if len(ids) == longest)
+        raise ValueError(f"prompt {which} of the {source} alone takes {longest} tokens, the model's context is "
+                         f"{spec.max_context}: give shorter prompts")
     if longest + new_tokens > spec.max_context:
         raise ValueError(f"--new-tokens {new_tokens}: with the longest prompt's {longest} tokens that exceeds the "
                          f"model's context of {spec.max_context} tokens (give --new-tokens "

@@ -126,13 +126,10 @@ def test_a_draft_model_no_smaller_than_the_target_is_warned_of(target: Path, oth
     # `--draft` given the target itself, or the two swapped, ran slower than plain decoding without a word
     import logging
 
-    from deskfleet.common.model_spec import load_manifest
-
-    spec = load_manifest(target).spec
     with caplog.at_level(logging.WARNING, logger="deskfleet"):
-        open_drafter(other_draft, False, target=spec)
+        open_drafter(other_draft, False, target=target)
         assert not any("not smaller" in record.getMessage() for record in caplog.records)
-        open_drafter(target, False, target=spec)
+        open_drafter(target, False, target=target)
     assert any(record.getMessage().startswith("--draft is not smaller than the target (") and "--prompt-lookup" in
                record.getMessage() for record in caplog.records)
 
