@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    help="tokens generated per prompt")
     speculative.add_argument("--rounds", type=positive_int, default=3, help=ROUNDS_HELP)
     _add_compile_options(speculative)
-    speculative.set_defaults(handler=_bench_speculative)
+    speculative.set_defaults(handler=_bench_speculative, extras=("controller",))  # tokenizers
     streams = benches.add_parser("streams", help="1..N users on one core: deskfleet vs GenAI continuous batching")
     streams.add_argument("--model", type=path_argument, required=True, help="export folder (deskfleet)")
     streams.add_argument("--genai-model", type=path_argument, default=None,
@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--rounds", type=positive_int, default=3, help=ROUNDS_HELP)
     serve.add_argument("--stages", type=positive_int, default=1, help="in-process pipeline stages (default 1)")
     _add_compile_options(serve)
-    serve.set_defaults(handler=_bench_serve)
+    serve.set_defaults(handler=_bench_serve, extras=("controller",))  # tokenizers, aiohttp
     admission = benches.add_parser("admission", help="a long prompt arriving mid-run: what it stalls, chunked or not")
     admission.add_argument("--model", type=path_argument, required=True, help="export folder")
     admission.add_argument("--prompt-tokens", type=positive_int, default=1024, help="the newcomer's prompt")
@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat_bench.add_argument("--stages", type=positive_int, default=1, help="in-process pipeline stages")
     chat_bench.add_argument("--rounds", type=positive_int, default=3, help=ROUNDS_HELP)
     _add_compile_options(chat_bench)
-    chat_bench.set_defaults(handler=_bench_chat)
+    chat_bench.set_defaults(handler=_bench_chat, extras=("controller",))  # tokenizers, jinja2
     _add_fleet_bench_command(benches)
     for bench_parser in benches.choices.values():
         bench_parser.formatter_class = DefaultsHelpFormatter

@@ -926,7 +926,8 @@ def add_fleet_bench_command(benches: Any) -> None:
     parser.add_argument("--json-out", type=path_argument, default=None,
                         help="also write the JSON here (checked before the bench runs; written whole or not at all)")
     parser.add_argument("--markdown-out", type=path_argument, default=None, help="also write the markdown table here")
-    parser.set_defaults(handler=_bench_command, runs_models=True)  # the draft model, on this process's CPU
+    # the draft model, on this process's CPU; the demo prompts' tokenizer
+    parser.set_defaults(handler=_bench_command, runs_models=True, extras=("controller",))
 
 
 def _bench_command(args: Any) -> int:

@@ -60,6 +60,20 @@ def test_jinja2_alone_missing_is_the_controller_extra_too() -> None:
     assert '"deskfleet[controller]"' in result.stderr and "jinja2" in result.stderr
 
 
+@pytest.mark.parametrize(("missing", "argv"), [
+    (("jinja2",), ["bench", "chat", "--model", "no-such-export"]),
+    (("tokenizers",), ["bench", "speculative", "--model", "no-such-export"]),
+    (("aiohttp",), ["bench", "serve", "--model", "no-such-export"]),
+])
+def test_the_benches_that_need_the_controller_extra_name_it_before_they_run(missing: tuple[str, ...],
+                                                                          argv: list[str]) -> None:
+    # `bench chat` without jinja2 called the model's chat template broken ("failed while rendering")
+    result = run_without(missing, *argv)
+    assert result.returncode == 2
+    assert '"deskfleet[controller]"' in result.stderr and missing[0] in result.stderr
+    assert "no-such-export" not in result.stderr  # named before the model folder is looked at
+
+
 def test_aiohttp_alone_missing_is_the_controller_extra_too() -> None:
     # what `deskfleet serve` listens with
     result = run_without(("aiohttp",), "serve", "--model", "no-such-export")
