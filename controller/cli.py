@@ -39,6 +39,7 @@ from deskfleet.common.launch import interruption, restore_default_signals
 from deskfleet.common.logprobs import MAX_TOP_LOGPROBS
 from deskfleet.common.model_spec import MAX_SPEC_VALUE, ManifestError, WeightFormat
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
+from deskfleet.controller.bench.arguments import MAX_BENCH_USERS
 from deskfleet.controller.bench.interruption import (
     BenchTerminated,
     exit_status,
@@ -52,6 +53,7 @@ from deskfleet.controller.decoding_options import (
     MAX_THREADS,
     add_decoding_options,
     compile_settings,
+    count_up_to,
     decoding_arguments,
     draft_count,
     non_negative_int,
@@ -317,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     streams.add_argument("--genai-model", type=path_argument, default=None,
                          help="the same checkpoint exported by optimum-intel (omit to skip GenAI)")
     streams.add_argument("--genai-python", type=program_argument, default=None, help="python of the GenAI venv")
-    streams.add_argument("--users", type=positive_int, nargs="+", default=[1, 2, 4, 8],
+    streams.add_argument("--users", type=count_up_to(MAX_BENCH_USERS), nargs="+", default=[1, 2, 4, 8],
                          help="user counts to compare")
     streams.add_argument("--prompt-tokens", type=positive_int, default=32, help="each user's random prompt length")
     streams.add_argument("--new-tokens", "--max-new-tokens", dest="new_tokens", type=positive_int, default=64,
@@ -330,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     streams.set_defaults(handler=_bench_streams)
     serve = benches.add_parser("serve", help="what the OpenAI-compatible API costs over the engine, 1..N users")
     serve.add_argument("--model", type=path_argument, required=True, help="export folder")
-    serve.add_argument("--users", type=positive_int, nargs="+", default=[1, 4, 8], help="user counts to compare")
+    serve.add_argument("--users", type=count_up_to(MAX_BENCH_USERS), nargs="+", default=[1, 4, 8],
+                       help="user counts to compare")
     serve.add_argument("--prompt-tokens", type=positive_int, default=32, help="each user's random prompt length")
     serve.add_argument("--new-tokens", "--max-new-tokens", dest="new_tokens", type=positive_int, default=64,
                        help="tokens each user generates")
@@ -344,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     admission.add_argument("--chunks", type=non_negative_int, nargs="+", default=None,
                            help="prefill chunk sizes to compare (0: the whole prompt in one call; default: those of "
                                 "0 64 256 under --prompt-tokens)")
-    admission.add_argument("--running", type=positive_int, default=2, help="streams decoding when it arrives")
+    admission.add_argument("--running", type=count_up_to(MAX_BENCH_USERS), default=2,
+                           help="streams decoding when it arrives")
     admission.add_argument("--new-tokens", "--max-new-tokens", dest="new_tokens", type=positive_int, default=96,
                                  help="tokens each running stream makes")
     admission.add_argument("--rounds", type=positive_int, default=3, help=ROUNDS_HELP)

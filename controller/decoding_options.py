@@ -240,6 +240,14 @@ def positive_int(text: str) -> int:
     return _whole_number(text, minimum=1)
 
 
+def count_up_to(maximum: int) -> Callable[[str], int]:
+    """argparse type: a whole number from 1 to `maximum`."""
+    def parse(text: str) -> int:
+        return _whole_number(text, 1, maximum)
+
+    return parse
+
+
 def draft_count(minimum: int) -> Callable[[str], int]:
     """argparse type: a number of draft tokens a round, from `minimum` to MAX_K."""
     def parse(text: str) -> int:

@@ -15,6 +15,12 @@ from deskfleet.common.atomic_file import cannot_make_file_in, regular_file_targe
 GENAI_IMPORT_TIMEOUT_S = 120.0  # openvino and its GenAI library load in 1-3 s; a cold disk takes longer
 
 
+# Users (streams) a one-PC bench runs at once, at most: `bench serve --users 100000` grew its API clients' process to
+# 360 MB in 27 s and never ended, `bench admission --running 100000` asked for ~9 GB of KV cache; a PC's engine
+# runs 8 rows a micro-batch by default
+MAX_BENCH_USERS = 256
+
+
 def check_at_least(minimum: int, **options: int) -> None:
     """ValueError naming the first option below `minimum`; keyword names are the options' (new_tokens is
     --new-tokens)."""

@@ -59,6 +59,15 @@ def test_other_errors_are_unchanged(capsys: pytest.CaptureFixture[str]) -> None:
     assert "invalid choice: 'generat'" in err
 
 
+@pytest.mark.parametrize("argv", [["bench", "serve", "--model", "T", "--users", "1", "100000"],
+                                  ["bench", "streams", "--model", "T", "--users", "257"],
+                                  ["bench", "admission", "--model", "T", "--running", "100000"]])
+def test_a_bench_of_more_users_than_one_pc_serves_is_refused(capsys: pytest.CaptureFixture[str],
+                                                            argv: list[str]) -> None:
+    # `bench serve --users 100000` grew its clients' process to 360 MB in 27 s and never ended
+    assert "must be at most 256, got" in parse_error(capsys, *argv)
+
+
 @pytest.mark.parametrize(("argv", "abbreviation"), [
     (["export", "checkpoint", "-o", "out", "--weight", "int4"], "--weight"),
     (["generate", "--model", "T", "--prompt", "hi", "--max-new-token", "5"], "--max-new-token"),
