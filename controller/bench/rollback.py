@@ -177,11 +177,17 @@ def run_rollback_bench(model: Path, contexts: Sequence[int] = (256, 1024, 2048),
         raise ValueError("--contexts: give at least one context length")
     check_each_at_least(1, "--contexts", contexts)
     check_each_at_least(1, "--dead-slots", dead_slots)  # 0 dead slots is the live stream: nothing to compare
-    if dead_slots and max(dead_slots) > min(contexts):  # the dead slots are the prompt's tokens fed again
+    check_at_least(1, rejected=rejected, rounds=rounds)
+    if rejected > min(contexts):  # the trim slices them off the live stream's slots
+        raise ValueError(f"--rejected {rejected} is more than the shortest of --contexts ({min(contexts)}): a "
+                         "rollback rejects at most the slots there are")
+    # the verdict counts the dead slots one rollback leaves: timed whether or not --dead-slots named them (the
+    # verdict left their cost out, as 0, where it did not)
+    dead_slots = sorted({*dead_slots, rejected})
+    if max(dead_slots) > min(contexts):  # the dead slots are the prompt's tokens fed again
         raise ValueError(f"--dead-slots {max(dead_slots)} is more than the shortest of --contexts "
                          f"({min(contexts)}): dead slots per row can be at most the context (give --dead-slots "
                          f"{min(contexts)} or less)")
-    check_at_least(1, rejected=rejected, rounds=rounds)
     model = Path(model)
     settings = settings or CompileSettings()
     manifest = load_manifest(model)
