@@ -47,9 +47,11 @@ def run_chat_bench(model: Path, turns: int = 8, reply_tokens: int = 64, rounds: 
     if messages is None:
         messages = heldout_code_prompts(DEFAULT_EVAL_DIR, turns, option="--turns")
     lines = [" ".join(message.split()) for message in messages[:turns]]
-    if len(lines) < turns or not all(lines):
-        raise ValueError(f"--turns {turns} needs {turns} non-empty message{'s' if turns > 1 else ''}, got "
-                         f"{len(lines)} ({sum(1 for line in lines if line)} non-empty)")
+    needs = f"--turns {turns} needs {turns} non-empty message{'s' if turns > 1 else ''}"
+    if len(lines) < turns:
+        raise ValueError(f"{needs}, got {len(lines)}")
+    if not all(lines):
+        raise ValueError(f"{needs}: message {lines.index('') + 1} is empty")
     from ..tokenizer import ModelTokenizer
 
     tokenizer = ModelTokenizer(model)
