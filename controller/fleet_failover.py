@@ -321,6 +321,8 @@ class FleetFailover:
             while True:
                 try:
                     held.enter_context(self.store.deploying())
+                    if waiting and not still_wanted():  # the deploy waited for ended after the last look: it did the
+                        return None  # work (on a loaded machine this run then re-planned again, or noted it tried)
                     break
                 except OSError as error:  # its lock file cannot be opened: no deploy can run, nor this re-plan
                     self._credit = 1 if stage_gone else self._credit

@@ -572,7 +572,7 @@ def test_copies_start_together_and_their_wall_spans_first_start_to_last_end(monk
     class FakeEngine:
         def __init__(self, *args: object) -> None:
             self.k_policy = SimpleNamespace(k=0)
-            self.timings = EngineTimings(wait_seconds=0.1)  # half of its run's wall
+            self.timings = EngineTimings()
 
         def add(self, request: object) -> None:
             pass
@@ -583,6 +583,8 @@ def test_copies_start_together_and_their_wall_spans_first_start_to_last_end(monk
                 time.sleep(0.02)
                 on_token(0, 1)
             runs.append((started, time.perf_counter()))
+            # half of its run's wall, as measured: 10 sleeps of 20 ms took 0.28 s on a loaded machine
+            self.timings = EngineTimings(wait_seconds=(runs[-1][1] - started) / 2)
             return {0: SimpleNamespace(tokens=[1] * 10)}
 
     fleet = _fake_fleet(monkeypatch, FakeEngine)

@@ -590,6 +590,34 @@ def test_a_run_beside_another_runs_start_that_takes_a_pc_back_waits_for_it(
     assert failover._spent() == 0 and load_deployment(store, tiny_export) == ADMINS
 
 
+def test_a_deploy_waited_for_that_ends_right_after_the_last_look_is_not_done_again(
+        store: FleetStore, tiny_export: Path, b_is_back: list[dict[str, object]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the other run's deploy saved and let go of the lock between this run's look (B still wanted) and its next try
+    # of the lock: it took the lock and went on as if nobody had taken B back (a loaded CI machine hit it)
+    monkeypatch.setattr(fleet_failover, "others_driving", lambda store, model_id: 1)
+    monkeypatch.setattr(fleet_failover, "_LOCK_POLL_S", 0.0)
+    other_deploy = contextlib.ExitStack()
+    other_deploy.enter_context(store.deploying())  # the other run is taking B back right now
+    looks = 0
+    real_pcs_back = fleet_failover.pcs_back
+
+    def pcs_back(*args: object) -> object:
+        nonlocal looks
+        looks += 1
+        back = real_pcs_back(*args)  # type: ignore[arg-type]
+        if looks == 2:  # rejoin's own look, then the first look after waiting: B is still wanted, and right after
+            _save(store, tiny_export, ADMINS, replan=True)  # B is placed again
+            other_deploy.close()
+        return back
+
+    monkeypatch.setattr(fleet_failover, "pcs_back", pcs_back)
+    failover = FleetFailover(store, tiny_export, max_failovers=0, notify=lambda note: None)
+    assert failover.rejoin() is None
+    assert looks == 3 and b_is_back == [] and failover.rejoined == []
+    assert failover._spent() == 0 and load_deployment(store, tiny_export) == ADMINS
+
+
 def test_fleet_ls_names_the_pcs_a_re_plan_moved_stages_to(store: FleetStore, tiny_export: Path,
                                                            monkeypatch: pytest.MonkeyPatch,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
