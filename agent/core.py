@@ -185,6 +185,7 @@ class AgentCore:
         # (link, shard) whose chunk was refused: the chunks already on their way after it are dropped unanswered
         self._refused_streams: set[tuple[Link, str]] = set()
         self._links: set[Link] = set()  # every link being served
+        self._memory_releases: set[asyncio.Task[None]] = set()  # released stages waiting for their step to end
         # every removal the controllers told of, kept across restarts (a restarted agent refuses them even while
         # the controller is out of reach), with the CA's signature of each (none for a list saved before
         # signatures), given back to a controller that lacks them (a data dir restored from an older backup)
@@ -723,7 +724,33 @@ class AgentCore:
             self.cache.unpin(hosted.cache_key)
             self.cache.remove_view(hosted.cache_key)
             self._narrow_links_of(hosted.assignment.previous_agent_id)
+            self._free_stage_memory(hosted)
             log.info("released %s", hosted.cache_key)
+
+    def _free_stage_memory(self, hosted: HostedStage) -> None:
+        """Have the plugin free a released stage's call buffers (Stage.release_memory), once no step of it runs: now,
+        or after the step a worker thread runs for it (which holds its lock)."""
+        if not isinstance(hosted.executor, StageExecutor):  # a stage entered by hand (tests)
+            return
+        stage = hosted.executor.stage
+
+        def release() -> None:
+            try:
+                stage.release_memory()
+            except Exception:  # kept, not lost: the memory stays with the process, as it did before
+                log.warning("could not free the call buffers of released %s", hosted.cache_key, exc_info=True)
+
+        if not hosted.lock.locked():
+            release()
+            return
+
+        async def after_its_step() -> None:
+            async with hosted.lock:
+                release()
+
+        task = asyncio.get_running_loop().create_task(after_its_step())
+        self._memory_releases.add(task)  # held until done: the loop keeps only a weak reference
+        task.add_done_callback(self._memory_releases.discard)
 
     # Private methods: forwarding
 

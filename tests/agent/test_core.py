@@ -767,6 +767,41 @@ def test_a_stage_the_agent_lets_go_of_is_freed_at_once(core: AgentCore, tiny_exp
             gc.enable()
 
 
+def test_a_released_stage_has_the_plugin_free_its_call_buffers_once_no_step_runs(
+        core: AgentCore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # the CPU plugin did not free a request's buffers with the compiled model: an agent whose stage a failover moved
+    # kept each released stage's largest call (+40 MB a cycle on the demo target; 630 MB over a soak's 4 failovers)
+    from deskfleet.agent.stage import Stage
+
+    freed: list[tuple[int, int]] = []
+    monkeypatch.setattr(Stage, "release_memory", lambda stage: freed.append((stage.layers.start, stage.layers.stop)))
+    first = _host_tiny_stage(core, tiny_export)
+    _host_tiny_stage(core, tiny_export, layers=2)  # re-planned: the whole model's stage is let go
+    assert freed == [(0, 4)]
+
+    async def released_while_a_step_runs() -> list[tuple[int, int]]:
+        hosted = core.stages[StageRef("tiny@1", 0, 2)]
+        async with hosted.lock:  # a prompt's step in a worker thread
+            core._release(hosted.assignment.stage)
+            await asyncio.sleep(0)
+            during = list(freed)
+        await asyncio.sleep(0.05)
+        assert during == [(0, 4)]  # not while the step ran: the plugin refuses then
+        return freed
+
+    assert asyncio.run(released_while_a_step_runs()) == [(0, 4), (0, 2)]
+
+    def refused(stage: Stage) -> None:
+        raise RuntimeError("infer requests are running")
+
+    monkeypatch.setattr(Stage, "release_memory", refused)
+    _host_tiny_stage(core, tiny_export)
+    with caplog.at_level(logging.WARNING, logger="deskfleet.agent.core"):
+        core._release(first.stage)
+    assert first.stage not in core.stages  # released all the same: only the memory stays with the process
+    assert "could not free the call buffers of released" in caplog.text
+
+
 @pytest.mark.parametrize("normally", [True, False])
 def test_a_driver_link_closed_at_the_end_of_its_run_is_not_logged_at_info(
         core: AgentCore, caplog: pytest.LogCaptureFixture, normally: bool) -> None:
