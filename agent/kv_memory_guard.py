@@ -103,9 +103,14 @@ class KvMemoryGuard:
                 if growth_bytes > self._headroom:
                     raise KvMemoryRefused(
                         f"{what()} would grow this PC's KV cache and call buffers by up to "
-                        f"{growth_bytes / MIB:,.0f} MiB with {free / MIB:,.0f} MiB of the {total / MIB:,.0f} MiB "
+                        f"{_mib(growth_bytes)} with {free / MIB:,.0f} MiB of the {total / MIB:,.0f} MiB "
                         f"it may use available, leaving less than the {floor / MIB:,.0f} MiB this agent keeps free: "
                         "run fewer or shorter streams (generate --max-rows, fewer prompts, a smaller "
                         "--max-new-tokens; serve --max-rows and --rows-when-busy), or deploy over more PCs or PCs "
                         "with more memory")
             self._headroom -= growth_bytes
+
+
+def _mib(size: int) -> str:
+    """A size in MiB, or in KiB below one (a refused step of a few KiB read "by up to 0 MiB")."""
+    return f"{size / MIB:,.0f} MiB" if size >= MIB else f"{max(1, round(size / 1024))} KiB"

@@ -97,3 +97,10 @@ def test_an_agent_capped_to_little_memory_keeps_an_eighth_of_it_free_not_512_mib
     with pytest.raises(KvMemoryRefused, match="with 186 MiB of the 640 MiB it may use available, leaving less than "
                                               "the 80 MiB this agent keeps free"):
         guard.admit(200 * MIB, lambda: "a step")
+
+
+def test_a_refused_growth_below_a_mib_is_said_in_kib() -> None:
+    # a step of a few KiB, refused on a PC at its floor, read "would grow ... by up to 0 MiB"
+    guard = KvMemoryGuard(lambda: (512 * MIB, 16384 * MIB))
+    with pytest.raises(KvMemoryRefused, match=r"by up to 12 KiB with 512 MiB"):
+        guard.admit(12 * 1024, lambda: "micro-batch 1 step 9 (1 rows x 300 slots)")
