@@ -123,6 +123,11 @@ HOP_RETRY_AFTER_S = 3.0
 # A step from an agent that failed or was refused is a warning at most this often per sending PC and error code
 # (a debug line between); the driver hears each one
 CHAIN_FAULT_LOG_EVERY_S = 60.0
+# A status waits this long for the agent's first speed probe, then answers without a speed (an unmeasured PC plans as
+# the slowest one measured), and the next status has it: a survey gives up on a status after 5 s
+# (controller/fleet_survey.STATUS_TIMEOUT_S), and the probe took 29 s on a loaded PC, which `fleet plan` then
+# listed as unreachable.
+SPEED_PROBE_WAIT_S = 3.0
 
 
 class CommandError(Exception):
@@ -166,6 +171,7 @@ class AgentCore:
         self.files = files
         self._speed_probe = speed_probe  # run once, off the event loop, at the first status request
         self._speed: SpeedMeasurement | None = None
+        self._speed_measuring: asyncio.Future[SpeedMeasurement] | None = None  # the probe, running
         self._device_probe = device_probe  # the devices OpenVINO finds: asked once, like the speed
         self._devices: tuple[str, ...] = ()
         self._device_probe_lock = asyncio.Lock()
@@ -405,8 +411,12 @@ class AgentCore:
         parts = (f"paused {self.paused_by()}" if policy.paused else "", self.cache_health.note(), snapshot.detail)
         snapshot = replace(snapshot, detail="; ".join(part for part in parts if part))
         if self._speed is None and self._speed_probe is not None:
+            if self._speed_measuring is None:
+                self._speed_measuring = asyncio.ensure_future(asyncio.to_thread(self._speed_probe))
             try:
-                self._speed = await asyncio.to_thread(self._speed_probe)
+                self._speed = await asyncio.wait_for(asyncio.shield(self._speed_measuring), SPEED_PROBE_WAIT_S)
+            except TimeoutError:  # still measuring: this status goes without a speed, the next one has it
+                pass
             except (RuntimeError, OSError) as error:  # an unusable device: report no speed, say why
                 self._speed_probe = None
                 self._note_error(f"speed probe failed: {error}")

@@ -345,6 +345,35 @@ def test_status_carries_the_measured_speed_and_probes_once(core: AgentCore) -> N
     assert probes == [1]
 
 
+def test_a_status_waits_for_a_slow_speed_probe_only_so_long_and_the_next_has_the_speed(
+        core: AgentCore, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the first status waited for the whole probe (29 s on a loaded PC), and a survey, which gives up after 5 s,
+    # listed the PC as unreachable
+    from deskfleet.agent.speed_probe import SpeedMeasurement
+
+    monkeypatch.setattr(core_module, "SPEED_PROBE_WAIT_S", 0.05)
+    measured = threading.Event()
+    probes: list[int] = []
+
+    def probe() -> SpeedMeasurement:
+        probes.append(1)
+        measured.wait(10)
+        return SpeedMeasurement("CPU", "test", 21.5, 0.003)
+
+    core._speed_probe = probe
+
+    async def two_statuses() -> tuple[Message | None, Message | None]:
+        first = await core.handle(cast(Link, FakeLink(Role.CONTROLLER)), StatusRequest())
+        measured.set()
+        await asyncio.sleep(0.05)
+        return first, await core.handle(cast(Link, FakeLink(Role.CONTROLLER)), StatusRequest())
+
+    first, second = asyncio.run(two_statuses())
+    assert isinstance(first, StatusReport) and first.weight_gb_per_s is None
+    assert isinstance(second, StatusReport) and second.weight_gb_per_s == 21.5
+    assert probes == [1]  # one probe, waited on by both
+
+
 def test_a_failing_speed_probe_reports_no_speed_and_says_why(core: AgentCore) -> None:
     def probe() -> object:
         raise RuntimeError("GPU device not found")
