@@ -6,8 +6,10 @@ a plain stream, and an arrow key's escape codes went to the model as part of the
 the chat only, never written to a file: messages may hold what an employee would not want left on disk.
 
 Several lines make one message two ways: a line that ends with a backslash goes on on the next (the prompt
-becomes `...> `), and a paste of several lines is one message where the terminal brackets pastes (GNU readline
-8.1 and later do by default). Tab inserts a tab, for code, instead of completing file names.
+becomes `...> `), and a paste of several lines is one message with GNU readline 8.1 or later, whose bracketed paste
+is turned on here (CPython turns it off), on a terminal that brackets pastes (most do). Tab inserts a tab, for code,
+instead of completing file names. History holds the lines as typed: a message of several lines is recalled a line
+at a time.
 
 Only where standard input and output are both a terminal: input() uses readline only then. Windows has no
 readline module; its console edits a line itself.
@@ -61,15 +63,18 @@ def terminal_lines(stdin_is_tty: bool, stdout_is_tty: bool) -> TerminalLines | N
         readline = importlib.import_module("readline")
     except ImportError:  # Windows, or a Python built without it
         return None
-    _insert_tabs(readline)
+    _bind(readline)
     return TerminalLines()
 
 
-def _insert_tabs(readline: ModuleType) -> None:
+def _bind(readline: ModuleType) -> None:
     """Bind Tab to insert a tab (indented code) instead of completing file names, in GNU readline's syntax or
-    libedit's."""
+    libedit's; with GNU readline, turn bracketed paste back on: CPython (3.10 and later) turns it off as its readline
+    module loads, and a paste of 20 lines went out as 20 messages (a pasted `/quit` line left the chat)."""
     libedit = getattr(readline, "backend", None) == "editline" or "libedit" in (readline.__doc__ or "")
-    try:
-        readline.parse_and_bind("bind ^I ed-insert" if libedit else "tab: tab-insert")
-    except Exception:  # an unknown binding leaves Tab completing: said at debug, the chat is fine without it
-        log.debug("could not bind Tab to insert a tab", exc_info=True)
+    bindings = ["bind ^I ed-insert"] if libedit else ["tab: tab-insert", "set enable-bracketed-paste on"]
+    for binding in bindings:
+        try:
+            readline.parse_and_bind(binding)
+        except Exception:  # an unknown binding leaves readline as it was: said at debug, the chat works without it
+            log.debug("readline refused %r", binding, exc_info=True)

@@ -48,7 +48,7 @@ def test_a_backslash_at_a_lines_end_goes_on_on_the_next_line(monkeypatch: pytest
     lines = TerminalLines()
     assert lines.readline() == "def f(x):\n    return x\n\n"
     assert prompts == [PROMPT, CONTINUATION_PROMPT, CONTINUATION_PROMPT]
-    assert lines.readline() == "a path C:\\\\\n"  # two backslashes: one meant, no continuation
+    assert lines.readline() == "a path C:\\\\\n"  # two backslashes: sent as typed, no continuation
     assert lines.readline() == "half\n"  # Ctrl-D in a continuation sends what was typed
     assert lines.readline() == ""
 
@@ -128,6 +128,17 @@ def test_a_message_of_several_lines_is_one_message(terminal: _Terminal) -> None:
     terminal.type(b"/reset\\\r")  # continued: no longer a command on its own line
     terminal.wait_for(CONTINUATION_PROMPT.encode())
     terminal.type(b"/quit\r")  # "/reset\n/quit" is one message, sent to the model: the chat goes on
+    terminal.wait_for(PROMPT.encode(), times=2)
+    terminal.type(b"/quit\r")
+    assert terminal.process.wait(timeout=60) == 0
+
+
+def test_a_bracketed_paste_of_several_lines_is_one_message(terminal: _Terminal) -> None:
+    # CPython turns readline's bracketed paste off: a paste of 20 lines went out as 20 messages, and a pasted
+    # "/quit" line left the chat
+    terminal.wait_for(PROMPT.encode())
+    assert b"\x1b[?2004h" in terminal.seen  # the terminal is asked to bracket pastes
+    terminal.type(b"\x1b[200~/reset\r/quit\x1b[201~\r")  # one message of two lines: no command
     terminal.wait_for(PROMPT.encode(), times=2)
     terminal.type(b"/quit\r")
     assert terminal.process.wait(timeout=60) == 0
