@@ -420,6 +420,9 @@ class AgentCore:
             except (RuntimeError, OSError) as error:  # an unusable device: report no speed, say why
                 self._speed_probe = None
                 self._note_error(f"speed probe failed: {error}")
+            except Exception as error:  # anything else (short of memory a moment): the next status measures again
+                self._speed_measuring = None
+                self._note_error(f"speed probe failed, to be tried again: {error!r}")
         speed = self._speed.weight_gb_per_s if self._speed is not None else None
         # a plan that asked now leaves it out (a stage's own inference crossing the limits leaves it where it is)
         if snapshot.state is AgentState.PAUSED or (snapshot.state is AgentState.UNAVAILABLE and not self.stages):
@@ -624,6 +627,8 @@ class AgentCore:
                 self.stages[message.stage] = replace(hosted, assignment=message)  # new neighbours at most
                 self._refusals_logged.clear()
                 self._unreachable_hops.clear()  # a re-plan's chain dials its next hop afresh
+                if hosted.assignment.previous_agent_id != message.previous_agent_id:
+                    self._narrow_links_of(hosted.assignment.previous_agent_id)  # the hop before it moved
                 self._widen_links_of(message.previous_agent_id)
                 return StageReady(message.stage)
             manifest, names = self._check_assignment(message)
@@ -738,8 +743,8 @@ class AgentCore:
             log.info("released %s", hosted.cache_key)
 
     def _free_stage_memory(self, hosted: HostedStage) -> None:
-        """Have the plugin free a released stage's call buffers (Stage.release_memory), once no step of it runs: now,
-        or after the step a worker thread runs for it (which holds its lock)."""
+        """Have the plugin free a released stage's call buffers (Stage.release_memory) once no step of it runs or waits
+        to: after the steps that hold or wait for its lock."""
         if not isinstance(hosted.executor, StageExecutor):  # a stage entered by hand (tests)
             return
         stage = hosted.executor.stage
@@ -750,15 +755,17 @@ class AgentCore:
             except Exception:  # kept, not lost: the memory stays with the process, as it did before
                 log.warning("could not free the call buffers of released %s", hosted.cache_key, exc_info=True)
 
-        if not hosted.lock.locked():
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # called outside the agent's loop (tests): no step can run
             release()
             return
 
-        async def after_its_step() -> None:
-            async with hosted.lock:
+        async def after_its_step() -> None:  # the lock's waiters go first in, first out: after every queued step
+            async with hosted.lock:  # (a lock just let go is not locked() while its next waiter has yet to run)
                 release()
 
-        task = asyncio.get_running_loop().create_task(after_its_step())
+        task = loop.create_task(after_its_step())
         self._memory_releases.add(task)  # held until done: the loop keeps only a weak reference
         task.add_done_callback(self._memory_releases.discard)
 

@@ -292,8 +292,10 @@ class StageExecutor:
                 if rehearsed is not None else \
                 KvGrowth(len(call.live_counts), batch.mirror.slots + call.count, batch.mirror.rows, batch.mirror.slots)
             copying = 0 if copies_dropped else sum(copied_slots)
-            # the CPU plugin keeps a request's largest call's buffers: 16 prompts of 1,024 tokens in one call grew
-            # the demo target's agent by 640 MiB, where their KV cache was counted at 256
+            # the CPU plugin keeps a request's largest call's buffers: 16 prompts of 1,000 tokens in one call grew
+            # the demo target's stage by 722 MiB, where its u8 KV cache was counted at 70 (now 801 in all). A step
+            # whose micro-batch adopts an admitted row's session runs on that session: counted against this one
+            # (the call after an admission is about a token a row)
             call_tokens = message.position_ids.size
             scratch = max(0, call_tokens - batch.session.largest_call_tokens) * self.scratch_bytes_per_token
 

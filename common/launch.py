@@ -95,11 +95,11 @@ def _exit_quietly_on_ctrl_c() -> None:
     exception", exit -6). Measured on `generate --stages 4` with three SIGINTs 3 ms apart: 8 of 21 runs ended so,
     2 of 24 with this, both aborts: a stage's compiled model was still held then, by nothing gc.get_referrers sees.
 
-    - One within FURTHER_CTRL_C_IGNORED_S of main()'s return is ignored, so the exit finishes (atexit handlers stop
-      child processes and remove temporary folders); a later one, from someone waiting on an exit that seems stuck,
-      ends the process at once with 130.
-    - From the atexit handlers on, SIGINT is ignored: Python puts a handler of its own back to the default before
-      the C++ libraries' destructors run, and one arriving there killed the process.
+    - One within FURTHER_CTRL_C_IGNORED_S of main()'s return is ignored, so the exit finishes (the standard
+      library's atexit work: logging's flush, multiprocessing's children, temporary folders); a later one, from
+      someone waiting on threads that do not end, ends the process at once with 130.
+    - From the atexit handlers on, SIGINT is ignored, a stuck handler or destructor too: Python puts a handler of its
+      own back to the default before the C++ libraries' destructors run, and one arriving there killed the process.
     - The caller then collects the garbage: a Ctrl-C's traceback holds the frames of the run it stopped, and with
       them the compiled models, in reference cycles that were otherwise freed only as the interpreter finalized.
 

@@ -321,7 +321,8 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 raise InputGone(f"standard input could not be read ({error.strerror or error}): the terminal or pipe "
                                 "the messages came from is gone; the chat ended there") from error
             if not line.endswith("\n"):  # Ctrl-D: the cursor stayed on the prompt's line
-                _end_prompt_line(prompt_out)
+                with suppress(OSError):  # readline reads a terminal that went away (EIO) as the end of input
+                    _end_prompt_line(prompt_out)
             # a file saved by a Windows editor starts with a BOM, as --prompts-file may, and two joined by `cat a b`
             # have one at the start of a later line too
             line = line.removeprefix("\ufeff")

@@ -321,8 +321,6 @@ class FleetFailover:
             while True:
                 try:
                     held.enter_context(self.store.deploying())
-                    if waiting and not still_wanted():  # the deploy waited for ended after the last look: it did the
-                        return None  # work (on a loaded machine this run then re-planned again, or noted it tried)
                     break
                 except OSError as error:  # its lock file cannot be opened: no deploy can run, nor this re-plan
                     self._credit = 1 if stage_gone else self._credit
@@ -342,6 +340,8 @@ class FleetFailover:
                     time.sleep(_LOCK_POLL_S)
                     if not still_wanted():  # taken back meanwhile, or deployed anew
                         return None
+            if waiting and not still_wanted():  # the deploy waited for ended after the last look: it did the work
+                return None  # (on a loaded machine this run went on, and noted a re-plan of its own)
             busy = others_driving(self.store, self._model_id) if self._model_id is not None and not stage_gone else 0
             if busy:  # a re-plan now would replace the stages under their streams: a run that starts alone does it
                 record(stages=[], problem=f"{busy} other run(s) drive the model")

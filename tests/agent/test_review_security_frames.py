@@ -8,6 +8,7 @@ import base64
 import os
 import ssl
 import struct
+from dataclasses import replace
 from pathlib import Path
 from typing import cast
 
@@ -190,6 +191,27 @@ def test_the_previous_hops_link_opened_before_its_stage_was_assigned_takes_large
             # the stage released (a re-plan, a redeploy): that PC sends nothing large here any more, and its open
             # link stayed able to make the agent hold a frame of up to 320 MB
             core._release(assignment.stage)
+            assert not await _sends_whole(kept, 4 * MB)
+
+    asyncio.run(scenario())
+
+
+def test_a_re_plan_that_moves_only_the_hop_before_a_stage_narrows_the_old_hops_links(tmp_path: Path) -> None:
+    # the stage stays (the same build, new neighbours): the PC that fed it no longer does, and kept large frames
+    async def scenario() -> None:
+        server, port, ca, core = await _agent_port(tmp_path)
+        async with server:
+            previous = make_member(ca, tmp_path / "previous", "previous")
+            hop = previous.own_identity().agent_id
+            assignment = AssignStage(StageRef("m@1", 1, 2), False, True, "CPU", Precision.F32, None, (), None, hop)
+            core.stages[assignment.stage] = HostedStage(assignment, cast(StageExecutor, None), asyncio.Lock(), "m-1-2")
+            kept = await open_link(f"127.0.0.1:{port}", previous)
+            for _ in range(50):
+                if core._links:
+                    break
+                await asyncio.sleep(0.02)
+            await core._assign(replace(assignment, previous_agent_id="q" * 52))
+            assert core.stages[assignment.stage].assignment.previous_agent_id == "q" * 52
             assert not await _sends_whole(kept, 4 * MB)
 
     asyncio.run(scenario())

@@ -389,8 +389,8 @@ def test_the_memory_guard_is_asked_for_the_padding_an_admitted_row_brings(whole:
 
 
 def test_the_memory_guard_is_asked_for_the_buffers_of_a_call_larger_than_its_request_ran(tiny_export: Path) -> None:
-    # the CPU plugin keeps the buffers of a request's largest call: 16 prompts of 1,024 tokens in one call grew the
-    # demo target's agent by 640 MiB where their KV cache alone was counted (256 MiB)
+    # the CPU plugin keeps the buffers of a request's largest call: 16 prompts of 1,000 tokens in one call grew the
+    # demo target's stage by 722 MiB where its u8 KV cache alone was counted (70 MiB)
     manifest = load_manifest(tiny_export)
     layers = manifest.spec.num_layers
     stage = Stage(tiny_export, manifest, LayerRange(0, layers, layers), CompileSettings(precision=Precision.F32))
