@@ -70,6 +70,9 @@ class FakeLink:
     def take_large_frames(self) -> None:
         self.large_frames = True
 
+    def take_small_frames(self) -> None:
+        self.large_frames = False
+
     async def send(self, message: Message) -> None:
         pass
 

@@ -73,6 +73,9 @@ class FakeLink:
     def take_large_frames(self) -> None:
         self.large_frames = True
 
+    def take_small_frames(self) -> None:
+        self.large_frames = False
+
     def describe(self) -> str:
         return f"{self.peer.role.value} {self.peer.agent_id[:12]}"
 
@@ -469,4 +472,4 @@ def test_an_assignment_lets_its_previous_hops_open_links_carry_hidden_states(tmp
     assignment = host(core, tiny_export, 2, 4, PREVIOUS)  # built
     assert early.large_frames and not other.large_frames
     assert isinstance(command(core, replace(assignment, previous_agent_id=STRANGER)), StageReady)  # new neighbours
-    assert other.large_frames
+    assert other.large_frames and not early.large_frames  # the hop before it moved: the old one's link narrowed
