@@ -138,6 +138,14 @@ async def _agent_port(tmp_path: Path) -> tuple[Server, int, pki.FleetCa, AgentCo
     return server, server.sockets[0].getsockname()[1], ca, core
 
 
+async def _served(core: AgentCore, links: int) -> None:
+    """Wait (1 s at most) until the agent serves `links` links: a link's Hello is answered before it is served."""
+    for _ in range(50):
+        if len(core._links) >= links:
+            return
+        await asyncio.sleep(0.02)
+
+
 async def _sends_whole(link: Link, size: int) -> bool:
     """Whether a frame of `size` bytes (a StatusRequest padded with junk) got through: the agent answers it
     (a malformed message, so an Error) where it read it, and closes with 1009 where it was too big."""
@@ -172,20 +180,14 @@ def test_the_previous_hops_link_opened_before_its_stage_was_assigned_takes_large
         async with server:
             previous = make_member(ca, tmp_path / "previous", "previous")
             early = await open_link(f"127.0.0.1:{port}", previous)
-            for _ in range(50):  # the link's Hello answered: wait for the agent to serve it
-                if core._links:
-                    break
-                await asyncio.sleep(0.02)
+            await _served(core, 1)
             hop = previous.own_identity().agent_id
             # a re-plan makes that PC this one's previous hop: the stage's assignment widens its open link
             assignment = AssignStage(StageRef("m@1", 1, 2), False, True, "CPU", Precision.F32, None, (), None, hop)
             core.stages[assignment.stage] = HostedStage(assignment, cast(StageExecutor, None), asyncio.Lock(), "m-1-2")
             core._widen_links_of(hop)
             kept = await open_link(f"127.0.0.1:{port}", previous)  # a link that stays open; each send closes one
-            for _ in range(50):
-                if len(core._links) == 2:
-                    break
-                await asyncio.sleep(0.02)
+            await _served(core, 2)
             assert await _sends_whole(early, 4 * MB)
             assert await _sends_whole(await open_link(f"127.0.0.1:{port}", previous), 4 * MB)  # and a new one
             # the stage released (a re-plan, a redeploy): that PC sends nothing large here any more, and its open
@@ -206,10 +208,7 @@ def test_a_re_plan_that_moves_only_the_hop_before_a_stage_narrows_the_old_hops_l
             assignment = AssignStage(StageRef("m@1", 1, 2), False, True, "CPU", Precision.F32, None, (), None, hop)
             core.stages[assignment.stage] = HostedStage(assignment, cast(StageExecutor, None), asyncio.Lock(), "m-1-2")
             kept = await open_link(f"127.0.0.1:{port}", previous)
-            for _ in range(50):
-                if core._links:
-                    break
-                await asyncio.sleep(0.02)
+            await _served(core, 1)
             await core._assign(replace(assignment, previous_agent_id="q" * 52))
             assert core.stages[assignment.stage].assignment.previous_agent_id == "q" * 52
             assert not await _sends_whole(kept, 4 * MB)
@@ -230,10 +229,7 @@ def test_a_released_stages_previous_hop_keeps_large_frames_where_it_feeds_anothe
                 core.stages[assignment.stage] = HostedStage(assignment, cast(StageExecutor, None), asyncio.Lock(),
                                                             assignment.stage.model_id)
             link = await open_link(f"127.0.0.1:{port}", previous)
-            for _ in range(50):
-                if core._links:
-                    break
-                await asyncio.sleep(0.02)
+            await _served(core, 1)
             core._release(stages[0].stage)
             assert await _sends_whole(link, 4 * MB)
 
