@@ -7,12 +7,23 @@ of every step: a 1.1B INT4 stage decoded 1-4% faster on the 2-core development V
 in 4 alternating processes each; 1.021x and 1.008x in two `bench parity --huge-pages-ablation` runs).
 
 The CPU plugin repacks the weights lazily, at the first inference (after compile_model only ~90 of the
-~450 MB exist), so the caller warms the model up first and then collapses every anonymous region that
-appeared since a snapshot taken before the compile: madvise(MADV_HUGEPAGE) so the region keeps huge
-pages, then MADV_COLLAPSE (Linux 6.1+) to move what is already there into them now instead of waiting for
-khugepaged. Older kernels keep the MADV_HUGEPAGE hint alone; a region the kernel refuses (EINVAL: a guard
-page, a special mapping) is skipped. Memory of other threads that happens to appear meanwhile is
-collapsed too, which changes nothing but its page size.
+~450 MB exist), so the caller warms the model up first and then collapses the new anonymous memory: MADV_COLLAPSE
+(Linux 6.1+) moves what is there into huge pages now. Only the 2 MB ranges that are nearly all in memory already
+(7/8 of their 4 KB pages, read from /proc/self/pagemap) are collapsed, in the regions that appeared since a
+snapshot taken before the compile. A collapse fills its whole 2 MB with memory, and most new ranges are not
+weights: of the 80 MB of new ranges after loading the demo target, 6 ranges held weights (3 whole, 3 at 320-448
+pages in memory), 29 none, and 5 held 1-6 pages (the allocator's reserve, the plugin's small buffers), which the
+collapse turned into 2 MB each. A region the kernel refuses (EINVAL: a guard page, a special mapping) is skipped.
+
+The ranges are not marked MADV_HUGEPAGE. A marked range keeps asking for huge pages after the stage is gone:
+the allocator hands its freed pages out again, a fault there takes a whole 2 MB page, and khugepaged (its
+max_ptes_none is 511 by default) fills any 2 MB range with one page in use. An agent in-process, on jemalloc,
+assigned the demo target, fed a 900-token prompt and released 6 times, 20 s apart: 78 -> 123 MB, then 135 MB
+after 150 s idle, with every new range marked and collapsed; 62 -> 79 MB and 75 idle as it is now; 61 -> 79 and
+76 with huge pages off. In a 2-PC soak, the PC that took over its peer's layers at each failover had held 164 MB
+of huge pages against a fresh agent's 60. A kernel before 6.1 has no
+MADV_COLLAPSE: there the ranges are marked (khugepaged collapses them in its own time), and the stage takes
+the mark back when it is released (`take_back_hints`).
 
 DESKFLEET_HUGE_PAGES=0 turns it off (it costs about 1 s per 450 MB at load: the copy into huge pages).
 """
@@ -22,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import math
 import os
 import sys
 import time
@@ -29,12 +41,18 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 ENV_VAR = "DESKFLEET_HUGE_PAGES"
 HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KB base pages) PMD size
 MADV_HUGEPAGE = 14
+MADV_NOHUGEPAGE = 15
 MADV_COLLAPSE = 25
+MIN_PRESENT = 7 / 8  # of a huge page's base pages in memory already, for it to be collapsed
+BASE_PAGE = 4096
+PAGEMAP = Path("/proc/self/pagemap")  # 8 bytes a base page; bit 63: present (readable without privileges)
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 PROC_MAPS = Path("/proc/self/maps")  # read with read_maps(): it names mapped files in their bytes
 
@@ -47,6 +65,7 @@ class CollapseReport:
     bytes: int
     collapsed: bool  # MADV_COLLAPSE worked (else only the MADV_HUGEPAGE hint was given)
     seconds: float
+    hinted: tuple[Region, ...] = ()  # the ranges marked MADV_HUGEPAGE (a kernel before 6.1): take_back_hints
 
 
 def enabled(environ: Mapping[str, str] | None = None, platform: str | None = None,
@@ -88,6 +107,29 @@ def huge_page_ranges(regions: Iterable[Region], page: int = HUGE_PAGE) -> list[R
     return ranges
 
 
+def populated_huge_pages(ranges: Iterable[Region], read_pagemap: Callable[[int, int], bytes],
+                         page: int = HUGE_PAGE, base_page: int = BASE_PAGE,
+                         min_present: float = MIN_PRESENT) -> list[Region]:
+    """The huge pages of `ranges` (huge_page_ranges) with at least `min_present` of their base pages in memory,
+    adjacent ones merged. `read_pagemap(offset, size)` reads the pagemap: 8 little-endian bytes a base page."""
+    per_page = page // base_page
+    needed = math.ceil(per_page * min_present)
+    dense: list[Region] = []
+    for low, high in ranges:
+        count = (high - low) // page
+        entries = np.frombuffer(read_pagemap(low // base_page * 8, count * per_page * 8), dtype="<u8")
+        if entries.size != count * per_page:
+            raise OSError(f"the pagemap gave {entries.size} entries for {count * per_page} pages")
+        present = (entries >> np.uint64(63)).reshape(count, per_page).sum(axis=1)
+        for index in np.flatnonzero(present >= needed).tolist():
+            start = low + index * page
+            if dense and dense[-1][1] == start:
+                dense[-1] = (dense[-1][0], start + page)
+            else:
+                dense.append((start, start + page))
+    return dense
+
+
 def read_maps(path: Path) -> str:
     """A /proc/PID/maps file as text. The paths of mapped files are bytes, not always UTF-8: a model's weights
     mapped from a folder named in Latin-1 made reading it as UTF-8 fail, and with it every stage's load."""
@@ -113,27 +155,48 @@ def collapse_new_regions(before: set[Region] | None) -> CollapseReport | None:
         ranges = huge_page_ranges(anonymous_regions(read_maps(PROC_MAPS)) - before)
     except OSError:
         return None
+    try:
+        with PAGEMAP.open("rb", buffering=0) as pagemap:
+            ranges = populated_huge_pages(ranges, lambda offset, size: os.pread(pagemap.fileno(), size, offset))
+    except OSError as error:  # no pagemap (a hardened kernel): every new range, as before it was read
+        log.debug("no page map (%s): collapsing every new range", error)
     madvise = _madvise()
     if madvise is None:
         return None
+    collapse = _collapse_supported()
     advised = 0
     total = 0
-    collapsed = True
+    hinted: list[Region] = []
     for low, high in ranges:
-        if madvise(low, high - low, MADV_HUGEPAGE) != 0:
-            continue  # EINVAL: not a mapping THP can back (it changed under us, or is special)
+        if collapse:
+            if madvise(low, high - low, MADV_COLLAPSE) != 0:
+                code = ctypes.get_errno()
+                if code == errno.EINVAL:
+                    continue  # not a mapping THP can back (it changed under us, or is special)
+                if code not in {errno.EAGAIN, errno.ENOMEM}:  # those: some of its pages stayed small
+                    log.debug("MADV_COLLAPSE failed: %s", os.strerror(code))
+        elif madvise(low, high - low, MADV_HUGEPAGE) != 0:
+            continue  # EINVAL, as above
+        else:
+            hinted.append((low, high))
         advised += 1
         total += high - low
-        if collapsed and madvise(low, high - low, MADV_COLLAPSE) != 0:
-            code = ctypes.get_errno()
-            if code == errno.EINVAL and not _collapse_supported():
-                collapsed = False  # a kernel before 6.1: khugepaged will collapse them in its own time
-            elif code not in {errno.EINVAL, errno.EAGAIN, errno.ENOMEM}:
-                log.debug("MADV_COLLAPSE failed: %s", os.strerror(code))
-    report = CollapseReport(advised, total, collapsed and advised > 0, time.perf_counter() - started)
+    report = CollapseReport(advised, total, collapse and advised > 0, time.perf_counter() - started, tuple(hinted))
     log.info("huge pages for %d MB of new model memory in %d ranges (%s) in %.2f s", total >> 20, advised,
              "collapsed now" if report.collapsed else "hinted", report.seconds)
     return report
+
+
+def take_back_hints(report: CollapseReport | None) -> None:
+    """Unmark the ranges a kernel before 6.1 was only hinted for (see the module's docstring), once the memory
+    in them is being freed. A range unmapped since is skipped (ENOMEM)."""
+    if report is None or not report.hinted:
+        return
+    madvise = _madvise()
+    if madvise is None:
+        return
+    for low, high in report.hinted:
+        madvise(low, high - low, MADV_NOHUGEPAGE)
 
 
 # Private functions

@@ -398,6 +398,7 @@ class Stage:
         self.hidden_size = manifest.spec.hidden_size
         self.vocab_size = manifest.spec.vocab_size
         self._idle_sessions: list[StageSession] = []  # recycled, KV state dropped (see recycle)
+        self._huge_pages: huge_pages.CollapseReport | None = None  # what backed this stage's memory with them
         self.settings = settings = settings or CompileSettings()
         core = openvino_core()
         on_cpu = device_kind(settings.device) == "CPU"
@@ -438,7 +439,7 @@ class Stage:
                 self.warm_up()
             log.debug("layers [%d:%d]: weights %s", layers.start, layers.stop,
                       "mapped (repacked by the plugin)" if self.weights_mapped else "read into memory")
-            huge_pages.collapse_new_regions(memory_before)
+            self._huge_pages = huge_pages.collapse_new_regions(memory_before)
 
     def release_memory(self) -> None:
         """Give back what the plugin holds of this stage's calls, once the stage is let go and before it is dropped.
@@ -448,7 +449,10 @@ class Stage:
         one 900-token prompt and released, 5 times over, grew by 40 MB a cycle (4 MB without the prompt), and in a
         2-PC soak the PC that took over its peer's layers at each of 4 failovers kept 630 MB more than a fresh
         agent. CompiledModel.release_memory frees them (the same cycles: 5 MB each; a thread and its stack the
-        plugin keeps). No call of this stage may run meanwhile (the plugin refuses): the agent waits for its step."""
+        plugin keeps). No call of this stage may run meanwhile (the plugin refuses): the agent waits for its step.
+        Ranges only hinted for huge pages (a kernel before 6.1) are unmarked first, so that the freed memory does not
+        fill up with them again (see huge_pages)."""
+        huge_pages.take_back_hints(self._huge_pages)
         self._idle_sessions.clear()
         self.compiled.release_memory()
 

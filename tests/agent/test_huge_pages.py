@@ -6,7 +6,9 @@ import ctypes
 import mmap
 import os
 import shutil
+import struct
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from deskfleet.agent.stage import CompileSettings, LayerRange, Stage
 from deskfleet.common.model_spec import load_manifest
 
 MB = 1 << 20
+HUGE = huge_pages.HUGE_PAGE
 
 MAPS = """\
 55d4c1a00000-55d4c1a21000 r--p 00000000 fe:00 1234   /usr/bin/python3.11
@@ -53,6 +56,32 @@ def test_huge_page_ranges_keep_only_whole_aligned_pages() -> None:
 def test_enabled_on_linux_with_thp_unless_turned_off(environ: dict[str, str], platform: str, mode: str,
                                                      expected: bool) -> None:
     assert huge_pages.enabled(environ, platform, mode) is expected
+
+
+def _fake_pagemap(present_per_huge_page: dict[int, int], base: int = 0) -> Callable[[int, int], bytes]:
+    """A pagemap reader: huge page i (counted from `base`) has its first present_per_huge_page[i] pages in memory."""
+    def read(offset: int, size: int) -> bytes:
+        entries = []
+        for page_number in range(offset // 8, (offset + size) // 8):
+            huge, index = divmod(page_number * huge_pages.BASE_PAGE - base, huge_pages.HUGE_PAGE)
+            present = index // huge_pages.BASE_PAGE < present_per_huge_page.get(huge, 0)
+            entries.append((1 << 63 if present else 0) | 12345)  # the rest of an entry: pfn bits, ignored
+        return b"".join(entry.to_bytes(8, "little") for entry in entries)
+    return read
+
+
+def test_only_huge_pages_nearly_all_in_memory_are_picked_and_runs_merge() -> None:
+    base = 7 * HUGE
+    ranges = [(base, base + 5 * HUGE), (base + 6 * HUGE, base + 7 * HUGE)]
+    read = _fake_pagemap({0: 512, 1: 448, 2: 447, 3: 1, 4: 512, 6: 500}, base)  # 448 = 7/8 of 512
+    assert huge_pages.populated_huge_pages(ranges, read) == [
+        (base, base + 2 * HUGE), (base + 4 * HUGE, base + 5 * HUGE), (base + 6 * HUGE, base + 7 * HUGE)]
+    assert huge_pages.populated_huge_pages([], read) == []
+
+
+def test_a_short_pagemap_read_is_an_error() -> None:
+    with pytest.raises(OSError, match="gave 0 entries for 512"):
+        huge_pages.populated_huge_pages([(0, HUGE)], lambda offset, size: b"")
 
 
 def test_disabled_means_no_snapshot_and_nothing_collapsed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,6 +126,113 @@ def test_new_memory_is_backed_by_huge_pages(monkeypatch: pytest.MonkeyPatch) -> 
     assert buffer[:] == b"\x01" * size  # the contents survive the move into huge pages
     del view
     buffer.close()
+
+
+def _pages_in_memory(start: int, size: int) -> int:
+    """How many 4 KB pages of [start, start + size) are in memory (/proc/self/pagemap's bit 63)."""
+    with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+        data = os.pread(pagemap.fileno(), size // 4096 * 8, start // 4096 * 8)
+    return sum(entry >> 63 for (entry,) in struct.iter_unpack("<Q", data))
+
+
+def _vm_flags(start: int, size: int) -> set[str]:
+    """The VmFlags of the mappings that overlap [start, start + size) (hg: MADV_HUGEPAGE, nh: MADV_NOHUGEPAGE)."""
+    flags: set[str] = set()
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 5 and "-" in fields[0] and ":" not in fields[0]:
+            low, high = (int(value, 16) for value in fields[0].split("-"))
+            inside = low < start + size and start < high
+        elif inside and fields[0] == "VmFlags:":
+            flags.update(fields[1:])
+    return flags
+
+
+def _touched_mapping(size: int) -> tuple[mmap.mmap, int]:
+    """A fresh private anonymous mapping, written page by page (not numpy: it asks for huge pages itself)."""
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer.write(b"\x01" * size)
+    view = ctypes.c_char.from_buffer(buffer)
+    address = ctypes.addressof(view)
+    del view
+    return buffer, address
+
+
+needs_thp = pytest.mark.skipif(sys.platform != "linux" or not huge_pages.enabled(environ={}),
+                               reason="needs Linux with transparent huge pages not set to never")
+
+
+@needs_thp
+def test_collapsed_memory_is_not_marked_for_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Marked MADV_HUGEPAGE, a range would fill up with huge pages again once the stage freed it (khugepaged)."""
+    monkeypatch.delenv(huge_pages.ENV_VAR, raising=False)
+    if not huge_pages._collapse_supported():
+        pytest.skip(f"MADV_COLLAPSE is not available on {os.uname().release} (hinted only)")
+    before = huge_pages.snapshot()
+    buffer, address = _touched_mapping(16 * MB)
+    report = huge_pages.collapse_new_regions(before)
+    assert report is not None and report.collapsed and report.hinted == ()
+    assert _anon_huge_kb(address, 16 * MB) >= 14 * 1024
+    assert "hg" not in _vm_flags(address, 16 * MB)
+    huge_pages.take_back_hints(report)  # nothing was hinted: nothing changes
+    assert "nh" not in _vm_flags(address, 16 * MB)
+    buffer.close()
+
+
+@needs_thp
+def test_sparse_new_memory_is_left_in_small_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collapse fills its whole 2 MB: a range with a page or two in use (the allocator's reserve, small buffers)
+    would grow by up to 2 MB. Half a mapping written page by page, the other half one page in each 2 MB."""
+    monkeypatch.delenv(huge_pages.ENV_VAR, raising=False)
+    if not huge_pages._collapse_supported():
+        pytest.skip(f"MADV_COLLAPSE is not available on {os.uname().release} (hinted only)")
+    before = huge_pages.snapshot()
+    buffer = mmap.mmap(-1, 18 * MB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = ctypes.c_char.from_buffer(buffer)
+    address = ctypes.addressof(view)
+    del view
+    offset = -address % HUGE  # the first whole huge page
+    buffer[offset:offset + 8 * MB] = b"\x01" * (8 * MB)
+    for sparse in range(offset + 8 * MB, 18 * MB - HUGE + 1, HUGE):  # every other whole huge page of it
+        buffer[sparse] = 1
+    sparse_pages = range(address + offset + 8 * MB, address + 18 * MB - HUGE + 1, HUGE)
+    huge_before = _anon_huge_kb(address, 18 * MB)
+    report = huge_pages.collapse_new_regions(before)
+    assert report is not None and report.collapsed
+    assert _anon_huge_kb(address, 18 * MB) - huge_before >= 8 * 1024  # the written half (neighbours may add)
+    assert [_pages_in_memory(start, HUGE) for start in sparse_pages] == [1] * len(sparse_pages)  # not filled
+    assert buffer[offset + 8 * MB] == 1 and buffer[offset:offset + 8 * MB] == b"\x01" * (8 * MB)
+    buffer.close()
+
+
+@needs_thp
+def test_a_kernel_without_collapse_gets_hints_that_the_release_takes_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(huge_pages.ENV_VAR, raising=False)
+    monkeypatch.setattr(huge_pages, "_collapse_supported", lambda: False)
+    before = huge_pages.snapshot()
+    buffer, address = _touched_mapping(16 * MB)
+    report = huge_pages.collapse_new_regions(before)
+    assert report is not None and not report.collapsed
+    assert any(low <= address + 2 * MB and address + 14 * MB <= high for low, high in report.hinted)
+    assert "hg" in _vm_flags(address, 16 * MB)
+    huge_pages.take_back_hints(report)
+    flags = _vm_flags(address, 16 * MB)
+    assert "hg" not in flags and "nh" in flags
+    buffer.close()
+    huge_pages.take_back_hints(report)  # the ranges are gone now: skipped without a word
+
+
+def test_releasing_a_stage_takes_its_hints_back(tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    report = huge_pages.CollapseReport(1, 2 * MB, False, 0.0, ((4 * MB, 6 * MB),))
+    monkeypatch.setattr(huge_pages, "collapse_new_regions", lambda before: report)
+    taken_back: list[object] = []
+    monkeypatch.setattr(huge_pages, "take_back_hints", taken_back.append)
+    manifest = load_manifest(tiny_export)
+    stage = Stage(tiny_export, manifest, LayerRange(0, 1, manifest.spec.num_layers), CompileSettings())
+    assert taken_back == []
+    stage.release_memory()
+    assert taken_back == [report]
 
 
 @pytest.mark.parametrize(("repacked", "expected"), [
