@@ -82,6 +82,27 @@ def check_output_file(option: str, path: Path | None) -> None:
         raise FileNotFoundError(f"{option} {path}: the folder {parent} does not exist")
     if (why := cannot_make_file_in(parent)) is not None:
         raise ValueError(f"{option} {path}: no file can be made in the folder {parent} ({why})")
+    if (stream := _standard_stream_at(target)) is not None:
+        raise ValueError(f"{option} {path} is this command's {stream}, which the report would replace (a file is "
+                         f"written whole, under a new name, then renamed over the old): give a file of its own")
+
+
+def _standard_stream_at(path: Path) -> str | None:
+    """"standard output" or "standard error" where `path` is the file that stream writes to (`/proc/self/fd/1`, or
+    the file the shell redirected it to): the JSON report on stdout went to the old file, which the rename
+    unlinked, and was lost. None otherwise (a terminal or a pipe is never a regular file's target)."""
+    try:
+        written = os.stat(path)
+    except OSError:
+        return None  # not made yet: no stream writes there
+    for descriptor, name in ((1, "standard output"), (2, "standard error")):
+        try:
+            stream = os.fstat(descriptor)
+        except OSError:  # closed
+            continue
+        if (stream.st_dev, stream.st_ino) == (written.st_dev, written.st_ino):
+            return name
+    return None
 
 
 def check_output_files(**paths: Path | None) -> None:

@@ -339,6 +339,32 @@ def test_an_output_no_file_can_be_made_at_or_two_outputs_at_one_file_are_refused
     assert "no file can be made in the folder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("descriptor", "stream"), [(1, "standard output"), (2, "standard error")])
+def test_an_output_at_the_file_the_commands_own_output_goes_to_is_refused_before_the_bench_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], descriptor: int,
+        stream: str) -> None:
+    """`bench fleet > r.json --markdown-out /proc/self/fd/1`: the table was renamed over the file the JSON had gone
+    to, and the JSON was lost. The descriptor is pointed at a file of the test's own (capsys reads what main says)."""
+    import os
+
+    monkeypatch.setattr(fleet_module, "run_fleet_bench", never_run)
+    redirected = tmp_path / "out.txt"
+    saved = os.dup(descriptor)
+    try:
+        with redirected.open("wb") as file:
+            os.dup2(file.fileno(), descriptor)
+        statuses = [main(["bench", "fleet", "--model", "m", "--markdown-out", target])
+                    for target in (f"/proc/self/fd/{descriptor}", str(redirected))]
+    finally:
+        os.dup2(saved, descriptor)
+        os.close(saved)
+    said = capsys.readouterr().err
+    assert statuses == [2, 2]
+    assert f"--markdown-out /proc/self/fd/{descriptor} is this command's {stream}" in said
+    assert f"--markdown-out {redirected} is this command's {stream}" in said
+    assert redirected.read_bytes() == b""  # nothing replaced it
+
+
 def test_the_report_is_printed_first_and_a_failed_write_leaves_the_old_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(fleet_module, "run_fleet_bench", lambda options, progress: FAKE_REPORT)
