@@ -144,6 +144,10 @@ def main():
     {during}
     return 7
 
+def returned():  # main() has returned: the launcher's handler of a further Ctrl-C is in (a thread's clock starts here)
+    while getattr(signal.getsignal(signal.SIGINT), "__name__", "") != "further_ctrl_c":
+        time.sleep(0.005)
+
 importlib.import_module = lambda name: types.SimpleNamespace(main=main)
 sys.exit(launch.deskfleet())
 """
@@ -158,7 +162,7 @@ def test_a_second_ctrl_c_as_the_interpreter_exits_is_ignored() -> None:
     # a double Ctrl-C: the second landed in the exit's join of the threads, and Python printed "Exception ignored
     # in: <module 'threading'> ... KeyboardInterrupt"; or in the C++ destructors, and the process died of SIGINT
     # the atexit handler's comes past the second a press is ignored for: SIGINT is ignored from the atexit handlers on
-    run = _exit_of("threading.Thread(target=lambda: (time.sleep(0.2), os.kill(os.getpid(), signal.SIGINT),"
+    run = _exit_of("threading.Thread(target=lambda: (returned(), time.sleep(0.2), os.kill(os.getpid(), signal.SIGINT),"
                    " time.sleep(0.2))).start()  # joined as the interpreter exits\n"
                    "atexit.register(lambda: (time.sleep(launch.FURTHER_CTRL_C_IGNORED_S + 0.2),"
                    " os.kill(os.getpid(), signal.SIGINT), time.sleep(0.2)))")
@@ -168,7 +172,7 @@ def test_a_second_ctrl_c_as_the_interpreter_exits_is_ignored() -> None:
 def test_a_ctrl_c_long_after_the_command_returned_ends_an_exit_that_waits() -> None:
     # someone pressing Ctrl-C at an exit that seems stuck (a thread that does not end) is not ignored
     started = time.monotonic()
-    run = _exit_of("threading.Thread(target=lambda: (time.sleep(launch.FURTHER_CTRL_C_IGNORED_S + 0.3),"
+    run = _exit_of("threading.Thread(target=lambda: (returned(), time.sleep(launch.FURTHER_CTRL_C_IGNORED_S + 0.3),"
                    " print('pressed', flush=True), os.kill(os.getpid(), signal.SIGINT), time.sleep(30))).start()")
     assert (run.returncode, run.stdout, run.stderr) == (launch.INTERRUPTED_EXIT, "pressed\n", "")
     assert time.monotonic() - started < 20
