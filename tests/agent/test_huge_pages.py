@@ -90,19 +90,23 @@ def test_disabled_means_no_snapshot_and_nothing_collapsed(monkeypatch: pytest.Mo
     assert huge_pages.collapse_new_regions(None) is None
 
 
-def _anon_huge_kb(start: int, size: int) -> int:
-    """AnonHugePages of the mappings that overlap [start, start + size), from /proc/self/smaps (advising
-    part of a mapping splits it, so the buffer may span several)."""
-    total = 0
+def _smaps_fields(start: int, size: int, field: str) -> list[list[str]]:
+    """The values of `field` (e.g. "AnonHugePages:") of each mapping that overlaps [start, start + size), from
+    /proc/self/smaps (advising part of a mapping splits it, so a buffer may span several)."""
+    values = []
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         fields = line.split()
         if len(fields) >= 5 and "-" in fields[0] and ":" not in fields[0]:
             low, high = (int(value, 16) for value in fields[0].split("-"))
             inside = low < start + size and start < high
-        elif inside and fields[0] == "AnonHugePages:":
-            total += int(fields[1])
-    return total
+        elif inside and fields[0] == field:
+            values.append(fields[1:])
+    return values
+
+
+def _anon_huge_kb(start: int, size: int) -> int:
+    return sum(int(value[0]) for value in _smaps_fields(start, size, "AnonHugePages:"))
 
 
 @pytest.mark.skipif(sys.platform != "linux" or not huge_pages.enabled(environ={}),
@@ -137,16 +141,7 @@ def _pages_in_memory(start: int, size: int) -> int:
 
 def _vm_flags(start: int, size: int) -> set[str]:
     """The VmFlags of the mappings that overlap [start, start + size) (hg: MADV_HUGEPAGE, nh: MADV_NOHUGEPAGE)."""
-    flags: set[str] = set()
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        fields = line.split()
-        if len(fields) >= 5 and "-" in fields[0] and ":" not in fields[0]:
-            low, high = (int(value, 16) for value in fields[0].split("-"))
-            inside = low < start + size and start < high
-        elif inside and fields[0] == "VmFlags:":
-            flags.update(fields[1:])
-    return flags
+    return {flag for flags in _smaps_fields(start, size, "VmFlags:") for flag in flags}
 
 
 def _touched_mapping(size: int) -> tuple[mmap.mmap, int]:
