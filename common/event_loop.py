@@ -57,21 +57,18 @@ def loop_factory(environ: Mapping[str, str] | None = None) -> LoopFactory | None
 def run(main: Coroutine[Any, Any, T]) -> T:
     """asyncio.run(main) on the chosen loop (main is closed unrun if no loop can be chosen)."""
     try:
-        factory = loop_factory()
-    except EventLoopError:
-        main.close()
-        raise
-    runner = asyncio.Runner(loop_factory=factory)
-    try:
-        result = runner.run(main)
-    except KeyboardInterrupt:  # Ctrl-C, or a bench's SIGTERM (a KeyboardInterrupt): it must reach the caller
-        _close(runner, interrupted=True)
-        raise
-    except BaseException:
-        _close(runner, interrupted=False)
-        raise
+        runner = asyncio.Runner(loop_factory=loop_factory())
+        try:
+            result = runner.run(main)
+        except KeyboardInterrupt:  # Ctrl-C, or a bench's SIGTERM (a KeyboardInterrupt): it must reach the caller
+            _close(runner, interrupted=True)
+            raise
+        except BaseException:
+            _close(runner, interrupted=False)
+            raise
     finally:
-        # a no-op once it ran; one that a signal (Ctrl-C, a bench's SIGTERM) stopped before it started would
+        # a no-op once it ran; one that a signal (Ctrl-C, a bench's SIGTERM) stopped before it started (also while
+        # the loop was chosen or the runner made: a fresh-clone CI run's SIGTERM while `bench fleet` deployed) would
         # print "coroutine ... was never awaited" after the command's last line
         main.close()
     _close(runner, interrupted=False)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import signal
 import sys
 import threading
@@ -166,6 +167,24 @@ def say_stopped(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def close_unstarted_coroutines(error: BaseException) -> None:
+    """Close the coroutines that the frames `error` unwound hold and that never started. Python runs a signal's
+    handler as a function begins, so a signal can stop `event_loop.run(run())` between making the coroutine and the
+    first line of the function that runs it: freed unrun, it printed "coroutine '_Fleet.deploy.<locals>.run' was
+    never awaited" after the bench's one-line message (a fresh-clone CI run, SIGTERM while deploying)."""
+    link: BaseException | None = error
+    seen: set[int] = set()
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        trace = link.__traceback__
+        while trace is not None:
+            for value in trace.tb_frame.f_locals.values():
+                if inspect.iscoroutine(value) and inspect.getcoroutinestate(value) == inspect.CORO_CREATED:
+                    value.close()
+            trace = trace.tb_next
+        link = link.__cause__ or link.__context__
+
+
 def run_bench(name: str, run: Callable[[], _Report], print_report: Callable[[_Report], None],
               then: Callable[[_Report], None] | None = None, then_what: Callable[[], str] | None = None,
               cleaned_up: str = "") -> int:
@@ -183,6 +202,7 @@ def run_bench(name: str, run: Callable[[], _Report], print_report: Callable[[_Re
             if then is not None:
                 then(report)
     except KeyboardInterrupt as stopped:
+        close_unstarted_coroutines(stopped)
         if not printed:
             how_far = f": no report{cleaned_up}"
         else:

@@ -62,6 +62,28 @@ def test_run_closes_a_coroutine_a_signal_stopped_before_it_started(monkeypatch: 
     assert coroutine.cr_frame is None
 
 
+@pytest.mark.parametrize("where", ["loop_factory", "Runner"])
+def test_run_closes_a_coroutine_a_signal_stopped_while_its_loop_was_being_made(monkeypatch: pytest.MonkeyPatch,
+                                                                              where: str) -> None:
+    # a fresh-clone CI run: `bench fleet` stopped by SIGTERM while deploying printed "coroutine '_Fleet.deploy.
+    # <locals>.run' was never awaited" after its one-line message (the signal came before the runner ran)
+    def interrupted(*args: object, **kwargs: object) -> object:
+        raise KeyboardInterrupt
+
+    if where == "Runner":
+        monkeypatch.setattr(event_loop.asyncio, "Runner", interrupted)
+    else:
+        monkeypatch.setattr(event_loop, "loop_factory", interrupted)
+
+    async def never() -> None:
+        raise AssertionError("must not run")
+
+    coroutine = never()
+    with pytest.raises(KeyboardInterrupt):
+        event_loop.run(coroutine)
+    assert coroutine.cr_frame is None
+
+
 def test_an_interrupt_stays_an_interrupt_when_its_loop_cannot_be_closed(monkeypatch: pytest.MonkeyPatch) -> None:
     # uvloop interrupted by a signal handler's KeyboardInterrupt once stayed marked running: the runner's close then
     # raised "Cannot close a running event loop" over the interrupt (`bench fleet` stopped mid-deploy exited 2, not 130)

@@ -3,11 +3,14 @@ says so in one line, prints no report and exits 130 / 143 / 129."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
 import sys
 import time
+import warnings
+from collections.abc import Coroutine
 from pathlib import Path
 
 import pytest
@@ -34,6 +37,33 @@ def test_a_stopped_bench_says_so_and_exits_with_the_signals_status(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == f"deskfleet: bench speculative stopped by {name}: no report\n"
+
+
+def test_a_coroutine_a_signal_stopped_before_it_ran_is_closed_quietly(monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    # Python runs a signal's handler as a function begins: SIGTERM while `bench fleet` deployed stopped
+    # `event_loop.run(run())` at its first line, and "coroutine ... was never awaited" came after the bench's message
+    made: list[Coroutine[object, object, None]] = []
+
+    async def deploy() -> None:
+        raise AssertionError("must not run")
+
+    def runs(main: Coroutine[object, object, None]) -> None:  # stopped as it begins
+        raise BenchTerminated(signal.SIGTERM)
+
+    def bench(*args: object, **kwargs: object) -> object:
+        made.append(deploy())
+        runs(made[-1])
+        return {}
+
+    monkeypatch.setattr(speculative, "run_speculative_bench", bench)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert cli.main(["bench", "speculative", "--model", "m"]) == 143
+        made.clear()
+        gc.collect()
+    assert [str(warning.message) for warning in said] == []
+    assert capsys.readouterr().err == "deskfleet: bench speculative stopped by SIGTERM: no report\n"
 
 
 @pytest.mark.slow
