@@ -19,6 +19,7 @@ state older than half the agents' idle limit is not resumed (the agents may have
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import logging
@@ -409,20 +410,22 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                 _write_json(out, as_json, {"error": "interrupted before the reply began: not sent; the conversation "
                                                     "is unchanged"})
                 continue
-            if dropped:
-                exchanges = "exchange" if dropped == 2 else f"{dropped // 2} exchanges"
-                _note(notes, f"[the conversation outgrew the model's context of {manifest.spec.max_context} "
-                             f"tokens: dropped its oldest {exchanges}]")
             # as JSON, the text is gathered and written whole, unchanged, with the reply's figures
             printer = TextPrinter(tokenizer, io.StringIO(), show_controls=False) if as_json \
                 else TextPrinter(tokenizer, out)
+            on_token: Callable[[int, int], None] = printer.push
+            if dropped:  # said as the reply begins: a Ctrl-C before it cancels the message, and drops nothing
+                exchanges = "exchange" if dropped == 2 else f"{dropped // 2} exchanges"
+                on_token = _first_saying(printer.push, functools.partial(
+                    _note, notes, f"[the conversation outgrew the model's context of {manifest.spec.max_context} "
+                                  f"tokens: dropped its oldest {exchanges}]"))
             interrupted = False
             ending: BenchTerminated | None = None  # SIGTERM / SIGHUP: the chat ends once this reply is written out
             try:
                 if failover is not None:
                     failover.start_run()
                 run_started = time.perf_counter()
-                engine.run(on_token=printer.push, recover=failover)
+                engine.run(on_token=on_token, recover=failover)
             except KeyboardInterrupt as stopping:  # Ctrl-C stops this reply (its batches freed), not the chat
                 if ctrl_c_ends_chat and not isinstance(stopping, BenchTerminated):
                     raise
@@ -542,7 +545,7 @@ def _fit_prompt(tokenizer: ModelTokenizer, system: list[ChatMessage], turns: lis
         raise GenerationError(
             f"this message alone{with_system} makes a prompt of {len(alone)} tokens; with --max-new-tokens "
             f"{max_new_tokens} the model's context of {max_context} tokens leaves room for {room}: shorten it by "
-            f"{len(alone) - room} tokens or more")
+            f"{len(alone) - room} token{'s' if len(alone) - room != 1 else ''} or more")
     found, prompt = drops[-1], alone
     for dropped in sampled[:-1]:  # encoded one by one: usually the whole conversation fits, the first
         candidate = tokenizer.encode(rendered[dropped], add_special_tokens=False)
@@ -579,6 +582,20 @@ def _write_json(out: TextIO, as_json: bool, body: dict[str, object]) -> None:
     """One line of `chat --json` (nothing without it), flushed: a script reads it before sending the next message."""
     if as_json:
         print_whole(json.dumps(body), file=out)
+
+
+def _first_saying(push: Callable[[int, int], None], say: Callable[[], None]) -> Callable[[int, int], None]:
+    """`push` (an engine's on_token), after `say` once, at the first token."""
+    said = False
+
+    def first_saying(stream_id: int, token: int) -> None:
+        nonlocal said
+        if not said:
+            said = True
+            say()
+        push(stream_id, token)
+
+    return first_saying
 
 
 def _note(notes: TextIO | None, text: str) -> None:

@@ -64,8 +64,9 @@ MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body: a long conversation's text, 
 # What a 429 (every stream the server takes is running or waiting) tells a client to wait before it asks again
 # (Retry-After: the OpenAI clients honour it): a reply of the demo model takes about that, a real model's longer
 BUSY_RETRY_AFTER_S = 1
-# A prompt's characters a token of the model's context at most: more cannot fit (tokens are rarely under one
-# character), and tokenizing a few MB holds the event loop, every client's stream with it, for seconds
+# A prompt's characters a token of the model's context at most, unless the model has longer tokens
+# (ModelTokenizer.longest_token_chars: the demo's has one of 64 '#'): more cannot fit, and tokenizing a few MB holds
+# the event loop, every client's stream with it, for seconds. With 32 alone, 38,400 '#'s (601 tokens) were refused.
 MAX_CHARS_PER_TOKEN = 32
 
 
@@ -340,9 +341,11 @@ class OpenAiApi:
         return self._prepared(ids, parsed.decoding, self._end_of_turn, "messages")
 
     def _check_length(self, chars: int, param: str, where: str | None = None) -> None:
-        if chars > MAX_CHARS_PER_TOKEN * self.spec.max_context:
+        longest = self.tokenizer.longest_token_chars
+        if chars > max(MAX_CHARS_PER_TOKEN, longest) * self.spec.max_context:
             raise ApiError(400, f"{where or param}: {chars} characters cannot fit the model's context of "
-                                f"{self.spec.max_context} tokens", param, code="context_length_exceeded")
+                                f"{self.spec.max_context} tokens (its longest token is {longest} characters)", param,
+                           code="context_length_exceeded")
 
     def _prepared(self, ids: list[int], decoding: Decoding, stop_ids: frozenset[int], param: str,
                   where: str | None = None) -> _Prepared:
@@ -350,9 +353,11 @@ class OpenAiApi:
         which = f"{where}: " if where is not None and where != param else ""
         room = self.spec.max_context - len(ids)
         if room < 1:
+            scoring = decoding.max_tokens == 0  # an echo of max_tokens 0 makes one token, unshown (_Choice.hidden)
             raise ApiError(400, f"{which}the prompt is {len(ids)} tokens: the model's context is "
-                                f"{self.spec.max_context}, which leaves no room for a reply", param,
-                           code="context_length_exceeded")
+                                f"{self.spec.max_context}, which leaves no room for " +
+                                ("the one token that scoring it makes (also with max_tokens 0)" if scoring
+                                 else "a reply"), param, code="context_length_exceeded")
         max_tokens = decoding.max_tokens if decoding.max_tokens is not None else room
         if max_tokens > room:  # said in the API's words: check_request names the CLI's --max-new-tokens
             raise ApiError(400, f"{which}{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the model's "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -114,6 +115,12 @@ class ModelTokenizer:
     @property
     def vocab_size(self) -> int:
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """At most how many characters of text one token stands for: its vocabulary entry's length, an upper bound
+        (a byte-level entry holds a character per byte; a SentencePiece or WordPiece one its text and a marker)."""
+        return max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, the text of special tokens in it (e.g. "</s>") as those tokens, as transformers

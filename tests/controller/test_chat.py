@@ -323,6 +323,42 @@ def test_a_long_chat_drops_its_oldest_exchanges_and_answers(tmp_path: Path, tiny
     assert [json.loads(line)["dropped_exchanges"] for line in out.getvalue().splitlines()] == [0, 0, 0, 3]
 
 
+def test_a_message_cancelled_before_its_reply_began_does_not_say_it_dropped_exchanges(
+        tmp_path: Path, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # "[... outgrew the model's context ...: dropped its oldest exchange]" then "[interrupted before the reply began:
+    # not sent; the conversation is unchanged]": the drop is said as the reply begins, so a cancel says only the latter
+    model = _chat_model(tmp_path, tiny_export)
+    settings = CompileSettings(precision=Precision.F32)
+    options = ChatOptions(model=model, max_new_tokens=4, settings=settings)
+    chains: list[CtrlCChain] = []
+    armed: list[bool] = []
+    fit_prompt = chat._fit_prompt
+
+    def arming_fit(*args: Any, **kwargs: Any) -> tuple[list[int], int]:
+        prompt, dropped = fit_prompt(*args, **kwargs)
+        if dropped and not armed:  # the third message: Ctrl-C at its first collect
+            armed.append(True)
+            chains[0].break_at = chains[0].collected
+        return prompt, dropped
+
+    @contextmanager
+    def interruptible_chain(chat_options: ChatOptions,
+                            chain_settings: CompileSettings) -> Iterator[tuple[CtrlCChain, None]]:
+        with LocalPipeline(model, 2, settings) as pipeline:
+            chains.append(CtrlCChain(pipeline, None))
+            yield chains[0], None
+
+    monkeypatch.setattr(chat, "_fit_prompt", arming_fit)
+    monkeypatch.setattr(chat, "_open_chain", interruptible_chain)
+    out, notes = io.StringIO(), io.StringIO()
+    turns = "".join(f"{letter * 150}\n" for letter in "abcd")
+    assert run_chat(options, io.StringIO(turns), out, notes=notes) == 3
+    said = notes_but_cuts(notes)
+    # the third message cancelled, saying nothing of a drop; the fourth drops the oldest exchange, and says so
+    assert said == ("[interrupted before the reply began: not sent; the conversation is unchanged]\n"
+                    "[the conversation outgrew the model's context of 512 tokens: dropped its oldest exchange]\n"), said
+
+
 class CharTokenizer:
     """A conversation renders as its messages, a token per character; it counts the render calls (each a
     child process in ModelTokenizer) and the conversations they render."""
@@ -366,6 +402,15 @@ def test_fitting_a_long_conversation_takes_at_most_two_render_calls() -> None:
                 assert chat._fit_prompt(tokenizer, [], turns, message, 1, room + 1) == fits[0]  # type: ignore[arg-type]
             assert len(tokenizer.calls) <= 2
             assert sum(tokenizer.calls) <= 2 * math.isqrt(exchanges + 1) + 3
+
+
+@pytest.mark.parametrize(("over", "says"), [(1, "shorten it by 1 token or more"),
+                                            (2, "shorten it by 2 tokens or more")])
+def test_how_much_to_shorten_a_message_is_said_in_tokens(over: int, says: str) -> None:
+    message = ChatMessage("user", "m" * 20)
+    alone = len(CharTokenizer().render_chats([[message]])[0])
+    with pytest.raises(GenerationError, match=f"{says}$"):  # a room of alone - over, with 1 token of reply
+        chat._fit_prompt(CharTokenizer(), [], [], message, 1, alone - over + 1)  # type: ignore[arg-type]
 
 
 def test_each_turn_of_a_chat_past_its_context_renders_in_at_most_two_requests(

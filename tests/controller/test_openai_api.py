@@ -14,9 +14,10 @@ import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from aiohttp import web
@@ -313,6 +314,35 @@ def test_a_bad_request_gets_the_apis_error_naming_what_is_wrong(served: tuple[st
     assert got == status and says in answer["error"]["message"], answer
     assert set(answer["error"]) == {"message", "type", "param", "code"}
     assert service.live_streams == 0
+
+
+def test_the_prompt_size_cap_allows_the_models_longest_tokens(tiny_export: Path) -> None:
+    """The cap on a prompt's characters (checked before tokenizing) was 32 a token of context: the demo model has a
+    token of 64 '#'s, and 38,400 of them (601 tokens) were refused as unable to fit its 1,024."""
+    tokenizer = ModelTokenizer(Path(__file__).resolve().parents[2] / "assets" / "models" / "target")
+    assert tokenizer.longest_token_chars == 64 == len(tokenizer.decode(tokenizer.encode("#" * 64)[-1:]))
+    context = 1024
+    api = OpenAiApi(cast(EngineService, None), tokenizer, replace(load_manifest(tiny_export).spec, max_context=context),
+                    MODEL)
+    api._check_length(38_400, "prompt")
+    assert len(tokenizer.encode("#" * 38_400)) == 601 <= context
+    api._check_length(64 * context, "prompt")
+    with pytest.raises(ApiError, match=r"prompt: 65537 characters cannot fit the model's context of 1024 tokens "
+                                       r"\(its longest token is 64 characters\)"):
+        api._check_length(64 * context + 1, "prompt")
+
+
+def test_a_prompt_that_fills_the_context_is_refused_in_words_that_fit_what_was_asked(
+        served: tuple[str, EngineService], tiny_export: Path) -> None:
+    # a scoring request (echo, max_tokens 0) was told its prompt "leaves no room for a reply", which it had not asked
+    url, _ = served
+    context = load_manifest(tiny_export).spec.max_context
+    for extra, says in [({}, "which leaves no room for a reply"),
+                        ({"echo": True, "logprobs": 1, "max_tokens": 0},
+                         "which leaves no room for the one token that scoring it makes (also with max_tokens 0)")]:
+        status, answer = post(f"{url}/v1/completions", {"model": MODEL, "prompt": [5] * context, **extra})
+        assert status == 400 and answer["error"]["message"] == (
+            f"the prompt is {context} tokens: the model's context is {context}, {says}"), answer
 
 
 def test_chat_errors(served: tuple[str, EngineService]) -> None:
@@ -740,7 +770,7 @@ def test_an_empty_prompt_begins_at_the_tokenizers_bos(served: tuple[str, EngineS
         assert body["choices"][0]["text"] == tokenizer.decode(tokens)
     # a tokenizer that adds nothing leaves nothing to begin from: named
     api = OpenAiApi.__new__(OpenAiApi)
-    api.tokenizer = SimpleNamespace(encode=lambda text: [])  # type: ignore[assignment]
+    api.tokenizer = SimpleNamespace(encode=lambda text: [], longest_token_chars=1)  # type: ignore[assignment]
     api.spec = load_manifest(tiny_export).spec
     with pytest.raises(ApiError, match=r"prompt\[1\] is empty, and this model's tokenizer adds no token to begin"):
         api._prepare_prompt("", parse_completion({"model": MODEL, "prompt": ""}, MODEL).decoding, "prompt[1]")
