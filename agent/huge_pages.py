@@ -21,9 +21,15 @@ max_ptes_none is 511 by default) fills any 2 MB range with one page in use. An a
 assigned the demo target, fed a 900-token prompt and released 6 times, 20 s apart: 78 -> 123 MB, then 135 MB
 after 150 s idle, with every new range marked and collapsed; 62 -> 79 MB and 75 idle as it is now; 61 -> 79 and
 76 with huge pages off. In a 2-PC soak, the PC that took over its peer's layers at each failover had held 164 MB
-of huge pages against a fresh agent's 60. A kernel before 6.1 has no
-MADV_COLLAPSE: there the ranges are marked (khugepaged collapses them in its own time), and the stage takes
-the mark back when it is released (`take_back_hints`).
+of huge pages against a fresh agent's 60. A kernel without MADV_COLLAPSE
+(before 6.1, unless backported; asked of the kernel, not read from its version): with THP in `madvise` mode the
+ranges are marked (khugepaged collapses them in its own time) and the stage takes the mark back when it is
+released (`take_back_hints`: MADV_NOHUGEPAGE, which in that mode leaves them as unmarked memory is); in `always`
+mode nothing is done, as the kernel gives huge pages unasked.
+
+Only the ranges that hold this process's own pages count (pagemap's present and exclusive bits): memory that was
+only read maps the shared zero page, which a collapse would turn into 2 MB of real memory. Where the pagemap
+cannot be read, nothing is collapsed.
 
 DESKFLEET_HUGE_PAGES=0 turns it off (it costs about 1 s per 450 MB at load: the copy into huge pages).
 """
@@ -34,6 +40,7 @@ import ctypes
 import errno
 import logging
 import math
+import mmap
 import os
 import sys
 import time
@@ -51,9 +58,13 @@ MADV_HUGEPAGE = 14
 MADV_NOHUGEPAGE = 15
 MADV_COLLAPSE = 25
 MIN_PRESENT = 7 / 8  # of a huge page's base pages in memory already, for it to be collapsed
-BASE_PAGE = 4096
-PAGEMAP = Path("/proc/self/pagemap")  # 8 bytes a base page; bit 63: present (readable without privileges)
+BASE_PAGE = 4096  # the only base page size this module works with (enabled() checks it)
+PAGEMAP = Path("/proc/self/pagemap")  # 8 bytes a base page, in the machine's byte order (readable unprivileged)
+PAGEMAP_PRESENT = 1 << 63
+PAGEMAP_EXCLUSIVE = 1 << 56  # mapped by this process alone: not the shared zero page of memory only read
+PAGEMAP_CHUNK = 256  # huge pages' entries read at a time (1 MB)
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+THP_PMD_SIZE = Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size")
 PROC_MAPS = Path("/proc/self/maps")  # read with read_maps(): it names mapped files in their bytes
 
 Region = tuple[int, int]  # [start, end) addresses
@@ -65,23 +76,27 @@ class CollapseReport:
     bytes: int
     collapsed: bool  # MADV_COLLAPSE worked (else only the MADV_HUGEPAGE hint was given)
     seconds: float
-    hinted: tuple[Region, ...] = ()  # the ranges marked MADV_HUGEPAGE (a kernel before 6.1): take_back_hints
+    hinted: tuple[Region, ...] = ()  # the ranges marked MADV_HUGEPAGE (no MADV_COLLAPSE): take_back_hints
 
 
 def enabled(environ: Mapping[str, str] | None = None, platform: str | None = None,
-            thp_mode: str | None = None) -> bool:
-    """Whether to back new model memory with huge pages: Linux, THP not `never`, not turned off."""
+            thp_mode: str | None = None, page_sizes: tuple[int, int] | None = None) -> bool:
+    """Whether to back new model memory with huge pages: Linux with 4 KB base pages and 2 MB huge ones (an arm64
+    kernel of 16 or 64 KB pages has huge pages of 32 or 512 MB: not these ranges), THP not `never`, not turned
+    off. `page_sizes`: (base, huge), read from the system when None."""
     environ = os.environ if environ is None else environ
     if environ.get(ENV_VAR, "1").strip().lower() in {"0", "no", "off", "false"}:
         return False
     if (platform or sys.platform) != "linux":
         return False
-    if thp_mode is None:
-        try:
+    try:
+        if thp_mode is None:
             thp_mode = THP_ENABLED.read_text()
-        except OSError:
-            return False
-    return "[never]" not in thp_mode
+        if page_sizes is None:
+            page_sizes = (mmap.PAGESIZE, int(THP_PMD_SIZE.read_text()))
+    except (OSError, ValueError):
+        return False
+    return "[never]" not in thp_mode and page_sizes == (BASE_PAGE, HUGE_PAGE)
 
 
 def anonymous_regions(maps_text: str) -> set[Region]:
@@ -108,25 +123,38 @@ def huge_page_ranges(regions: Iterable[Region], page: int = HUGE_PAGE) -> list[R
 
 
 def populated_huge_pages(ranges: Iterable[Region], read_pagemap: Callable[[int, int], bytes],
-                         page: int = HUGE_PAGE, base_page: int = BASE_PAGE,
                          min_present: float = MIN_PRESENT) -> list[Region]:
-    """The huge pages of `ranges` (huge_page_ranges) with at least `min_present` of their base pages in memory,
-    adjacent ones merged. `read_pagemap(offset, size)` reads the pagemap: 8 little-endian bytes a base page."""
-    per_page = page // base_page
+    """The huge pages of `ranges` (huge_page_ranges) with at least `min_present` of their base pages in memory and
+    this process's own (written: memory only read maps the shared zero page, which a collapse would make real),
+    adjacent ones merged within a range (a merged call that one region refuses would leave its neighbour out too).
+    `read_pagemap(offset, size)` reads the pagemap. Where it cannot give a range's entries, the rest of that range
+    is left out."""
+    per_page = HUGE_PAGE // BASE_PAGE
     needed = math.ceil(per_page * min_present)
+    wanted = np.uint64(PAGEMAP_PRESENT | PAGEMAP_EXCLUSIVE)
     dense: list[Region] = []
     for low, high in ranges:
-        count = (high - low) // page
-        entries = np.frombuffer(read_pagemap(low // base_page * 8, count * per_page * 8), dtype="<u8")
-        if entries.size != count * per_page:
-            raise OSError(f"the pagemap gave {entries.size} entries for {count * per_page} pages")
-        present = (entries >> np.uint64(63)).reshape(count, per_page).sum(axis=1)
-        for index in np.flatnonzero(present >= needed).tolist():
-            start = low + index * page
-            if dense and dense[-1][1] == start:
-                dense[-1] = (dense[-1][0], start + page)
-            else:
-                dense.append((start, start + page))
+        merging = False
+        for chunk in range(low, high, PAGEMAP_CHUNK * HUGE_PAGE):
+            count = min(PAGEMAP_CHUNK, (high - chunk) // HUGE_PAGE)
+            try:
+                data = read_pagemap(chunk // BASE_PAGE * 8, count * per_page * 8)
+            except OSError as error:
+                log.debug("the page map of %#x-%#x cannot be read (%s): left in small pages", chunk, high, error)
+                break
+            if len(data) != count * per_page * 8:
+                log.debug("the page map gave %d of %d bytes for %#x-%#x: left in small pages", len(data),
+                          count * per_page * 8, chunk, high)
+                break
+            entries = np.frombuffer(data, dtype=np.uint64).reshape(count, per_page)
+            present = ((entries & wanted) == wanted).sum(axis=1)
+            for index, dense_enough in enumerate((present >= needed).tolist()):
+                start = chunk + index * HUGE_PAGE
+                if dense_enough and merging:
+                    dense[-1] = (dense[-1][0], start + HUGE_PAGE)
+                elif dense_enough:
+                    dense.append((start, start + HUGE_PAGE))
+                merging = dense_enough
     return dense
 
 
@@ -158,38 +186,37 @@ def collapse_new_regions(before: set[Region] | None) -> CollapseReport | None:
     try:
         with PAGEMAP.open("rb", buffering=0) as pagemap:
             ranges = populated_huge_pages(ranges, lambda offset, size: os.pread(pagemap.fileno(), size, offset))
-    except OSError as error:  # no pagemap (a hardened kernel): every new range, as before it was read
-        log.debug("no page map (%s): collapsing every new range", error)
+    except OSError as error:  # no page map: which ranges hold the weights is not known, and a guess costs memory
+        log.info("huge pages not used: /proc/self/pagemap cannot be read (%s)", error)
+        return None
     madvise = _madvise()
     if madvise is None:
         return None
-    collapse = _collapse_supported()
+    collapse = _collapse_supported(madvise)
+    if not collapse and "[madvise]" not in _thp_mode():
+        return None  # `always`: the kernel gives huge pages without a hint (and a hint's take-back would forbid them)
     advised = 0
     total = 0
     hinted: list[Region] = []
     for low, high in ranges:
-        if collapse:
-            if madvise(low, high - low, MADV_COLLAPSE) != 0:
-                code = ctypes.get_errno()
-                if code == errno.EINVAL:
-                    continue  # not a mapping THP can back (it changed under us, or is special)
-                if code not in {errno.EAGAIN, errno.ENOMEM}:  # those: some of its pages stayed small
-                    log.debug("MADV_COLLAPSE failed: %s", os.strerror(code))
-        elif madvise(low, high - low, MADV_HUGEPAGE) != 0:
-            continue  # EINVAL, as above
-        else:
+        if madvise(low, high - low, MADV_COLLAPSE if collapse else MADV_HUGEPAGE) != 0:
+            code = ctypes.get_errno()  # EINVAL: not a mapping THP can back (changed under us, or special); EAGAIN,
+            if code not in {errno.EINVAL, errno.EAGAIN, errno.ENOMEM}:  # ENOMEM: no huge page free, or unmapped
+                log.debug("madvise on %#x-%#x failed: %s", low, high, os.strerror(code))
+            continue
+        if not collapse:
             hinted.append((low, high))
         advised += 1
         total += high - low
     report = CollapseReport(advised, total, collapse and advised > 0, time.perf_counter() - started, tuple(hinted))
     log.info("huge pages for %d MB of new model memory in %d ranges (%s) in %.2f s", total >> 20, advised,
-             "collapsed now" if report.collapsed else "hinted", report.seconds)
+             "collapsed now" if collapse else "hinted", report.seconds)
     return report
 
 
 def take_back_hints(report: CollapseReport | None) -> None:
-    """Unmark the ranges a kernel before 6.1 was only hinted for (see the module's docstring), once the memory
-    in them is being freed. A range unmapped since is skipped (ENOMEM)."""
+    """Unmark the ranges a kernel without MADV_COLLAPSE was only hinted for, in `madvise` mode (see the module's
+    docstring), once the memory in them is being freed. A range unmapped since is skipped (ENOMEM)."""
     if report is None or not report.hinted:
         return
     madvise = _madvise()
@@ -213,11 +240,14 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     return madvise
 
 
-def _collapse_supported() -> bool:
-    """MADV_COLLAPSE exists from Linux 6.1 on."""
-    release = os.uname().release.split("-")[0].split(".")
+def _collapse_supported(madvise: Callable[[int, int, int], int]) -> bool:
+    """Whether the kernel knows MADV_COLLAPSE (Linux 6.1+, or a backport): asked of an empty range, it says EINVAL
+    for an advice it does not know and nothing else."""
+    return madvise(0, 0, MADV_COLLAPSE) == 0
+
+
+def _thp_mode() -> str:
     try:
-        major, minor = int(release[0]), int(release[1])
-    except (IndexError, ValueError):
-        return False
-    return (major, minor) >= (6, 1)
+        return THP_ENABLED.read_text()
+    except OSError:
+        return ""

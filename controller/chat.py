@@ -439,9 +439,11 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
             with suppress(*((OSError, ValueError) if ending is not None else ())):  # a hung-up terminal (SIGHUP)
                 printer.finish()
             result = engine.results()[0]
-            if interrupted and ending is None and not printer.text:
-                # nothing of the reply was shown: the message is cancelled, as a Ctrl-C before the reply begins is
-                # (kept, it went to the model with an empty reply and took its share of the context)
+            if interrupted and ending is None and not result.tokens:
+                # no token of the reply came: the message is cancelled, as a Ctrl-C before the reply begins is (kept,
+                # it went to the model with an empty reply and took its share of the context). Counted in tokens, not
+                # in text shown, as the note of dropped exchanges is said at the first token (one that is part of a
+                # character shows nothing yet: cancelled, the note would have been followed by "unchanged")
                 if not as_json:
                     with suppress(OSError, ValueError):
                         out.write("\n")

@@ -55,33 +55,72 @@ def test_huge_page_ranges_keep_only_whole_aligned_pages() -> None:
 ])
 def test_enabled_on_linux_with_thp_unless_turned_off(environ: dict[str, str], platform: str, mode: str,
                                                      expected: bool) -> None:
-    assert huge_pages.enabled(environ, platform, mode) is expected
+    assert huge_pages.enabled(environ, platform, mode, (4096, 2 << 20)) is expected
 
 
-def _fake_pagemap(present_per_huge_page: dict[int, int], base: int = 0) -> Callable[[int, int], bytes]:
-    """A pagemap reader: huge page i (counted from `base`) has its first present_per_huge_page[i] pages in memory."""
+@pytest.mark.parametrize("page_sizes", [(16384, 32 << 20), (65536, 512 << 20)])
+def test_not_enabled_where_pages_are_not_4_kb_and_2_mb(page_sizes: tuple[int, int]) -> None:
+    # an arm64 kernel of 16 or 64 KB pages: the pagemap offsets and the 2 MB ranges would be wrong
+    assert not huge_pages.enabled({}, "linux", "always [madvise] never\n", page_sizes)
+
+
+def _fake_pagemap(present_per_huge_page: dict[int, int], base: int = 0, shared: frozenset[int] = frozenset(),
+                  unreadable: frozenset[int] = frozenset()) -> Callable[[int, int], bytes]:
+    """A pagemap reader: huge page i (counted from `base`) has its first present_per_huge_page[i] pages in memory, its
+    own (exclusive) but for the huge pages in `shared` (the zero page of memory only read); a read over a huge page
+    of `unreadable` fails."""
     def read(offset: int, size: int) -> bytes:
+        first, last = ((byte // 8 * huge_pages.BASE_PAGE - base) // huge_pages.HUGE_PAGE
+                       for byte in (offset, offset + size - 8))
+        if unreadable & set(range(first, last + 1)):
+            raise OSError(5, "Input/output error")
         entries = []
         for page_number in range(offset // 8, (offset + size) // 8):
             huge, index = divmod(page_number * huge_pages.BASE_PAGE - base, huge_pages.HUGE_PAGE)
             present = index // huge_pages.BASE_PAGE < present_per_huge_page.get(huge, 0)
-            entries.append((1 << 63 if present else 0) | 12345)  # the rest of an entry: pfn bits, ignored
-        return b"".join(entry.to_bytes(8, "little") for entry in entries)
+            flags = (huge_pages.PAGEMAP_PRESENT | (0 if huge in shared else huge_pages.PAGEMAP_EXCLUSIVE)) \
+                if present else 0
+            entries.append(flags | 12345)  # the rest of an entry: pfn bits, ignored
+        return b"".join(entry.to_bytes(8, sys.byteorder) for entry in entries)
     return read
 
 
-def test_only_huge_pages_nearly_all_in_memory_are_picked_and_runs_merge() -> None:
+def test_only_huge_pages_nearly_all_in_memory_are_picked_and_runs_merge_within_a_range() -> None:
     base = 7 * HUGE
-    ranges = [(base, base + 5 * HUGE), (base + 6 * HUGE, base + 7 * HUGE)]
-    read = _fake_pagemap({0: 512, 1: 448, 2: 447, 3: 1, 4: 512, 6: 500}, base)  # 448 = 7/8 of 512
+    ranges = [(base, base + 5 * HUGE), (base + 5 * HUGE, base + 6 * HUGE), (base + 7 * HUGE, base + 8 * HUGE)]
+    read = _fake_pagemap({0: 512, 1: 448, 2: 447, 3: 1, 4: 512, 5: 512, 7: 500}, base)  # 448 = 7/8 of 512
+    # 4 and 5 are adjacent but of two regions: one madvise call over both stops at the first that refuses it
     assert huge_pages.populated_huge_pages(ranges, read) == [
-        (base, base + 2 * HUGE), (base + 4 * HUGE, base + 5 * HUGE), (base + 6 * HUGE, base + 7 * HUGE)]
+        (base, base + 2 * HUGE), (base + 4 * HUGE, base + 5 * HUGE), (base + 5 * HUGE, base + 6 * HUGE),
+        (base + 7 * HUGE, base + 8 * HUGE)]
     assert huge_pages.populated_huge_pages([], read) == []
 
 
-def test_a_short_pagemap_read_is_an_error() -> None:
-    with pytest.raises(OSError, match="gave 0 entries for 512"):
-        huge_pages.populated_huge_pages([(0, HUGE)], lambda offset, size: b"")
+def test_memory_only_read_is_not_picked() -> None:
+    # pages only read map the shared zero page: present, not exclusive; a collapse would make 2 MB of real memory
+    read = _fake_pagemap({0: 512, 1: 512}, shared=frozenset({1}))
+    assert huge_pages.populated_huge_pages([(0, 2 * HUGE)], read) == [(0, HUGE)]
+
+
+def test_a_range_whose_pagemap_cannot_be_read_is_left_out_and_the_others_kept() -> None:
+    read = _fake_pagemap({0: 512, 1: 512, 4: 512}, unreadable=frozenset({1}))
+    assert huge_pages.populated_huge_pages([(0, 2 * HUGE), (4 * HUGE, 5 * HUGE)], read) == [(4 * HUGE, 5 * HUGE)]
+    short = huge_pages.populated_huge_pages([(0, HUGE), (4 * HUGE, 5 * HUGE)],
+                                            lambda offset, size: _fake_pagemap({0: 512, 4: 512})(offset, size)[:-8])
+    assert short == []  # a read that gives less than asked counts for nothing
+
+
+def test_a_long_range_is_read_a_chunk_at_a_time() -> None:
+    reads: list[int] = []
+    whole = _fake_pagemap(dict.fromkeys(range(600), 512))
+
+    def read(offset: int, size: int) -> bytes:
+        reads.append(size)
+        return whole(offset, size)
+
+    assert huge_pages.populated_huge_pages([(0, 600 * HUGE)], read) == [(0, 600 * HUGE)]
+    per_huge_page = huge_pages.HUGE_PAGE // huge_pages.BASE_PAGE * 8
+    assert reads == [256 * per_huge_page, 256 * per_huge_page, 88 * per_huge_page]
 
 
 def test_disabled_means_no_snapshot_and_nothing_collapsed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,6 +152,8 @@ def _anon_huge_kb(start: int, size: int) -> int:
                     reason="needs Linux with transparent huge pages not set to never")
 def test_new_memory_is_backed_by_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(huge_pages.ENV_VAR, raising=False)
+    if not _collapse_supported():
+        pytest.skip(f"MADV_COLLAPSE is not available on {os.uname().release} (hinted only)")
     before = huge_pages.snapshot()
     assert before is not None
     # A fresh private anonymous mapping, touched page by page (not numpy: it asks for huge pages itself)
@@ -123,9 +164,7 @@ def test_new_memory_is_backed_by_huge_pages(monkeypatch: pytest.MonkeyPatch) -> 
     address = ctypes.addressof(view)
     assert _anon_huge_kb(address, size) == 0 or "[always]" in huge_pages.THP_ENABLED.read_text()
     report = huge_pages.collapse_new_regions(before)
-    assert report is not None and report.bytes >= 60 * MB
-    if not report.collapsed:
-        pytest.skip(f"MADV_COLLAPSE is not available on {os.uname().release} (hinted only)")
+    assert report is not None and report.bytes >= 60 * MB and report.collapsed
     assert _anon_huge_kb(address, size) >= 60 * 1024
     assert buffer[:] == b"\x01" * size  # the contents survive the move into huge pages
     del view
@@ -154,6 +193,11 @@ def _touched_mapping(size: int) -> tuple[mmap.mmap, int]:
     return buffer, address
 
 
+def _collapse_supported() -> bool:
+    madvise = huge_pages._madvise()
+    return madvise is not None and huge_pages._collapse_supported(madvise)
+
+
 needs_thp = pytest.mark.skipif(sys.platform != "linux" or not huge_pages.enabled(environ={}),
                                reason="needs Linux with transparent huge pages not set to never")
 
@@ -162,7 +206,7 @@ needs_thp = pytest.mark.skipif(sys.platform != "linux" or not huge_pages.enabled
 def test_collapsed_memory_is_not_marked_for_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
     """Marked MADV_HUGEPAGE, a range would fill up with huge pages again once the stage freed it (khugepaged)."""
     monkeypatch.delenv(huge_pages.ENV_VAR, raising=False)
-    if not huge_pages._collapse_supported():
+    if not _collapse_supported():
         pytest.skip(f"MADV_COLLAPSE is not available on {os.uname().release} (hinted only)")
     before = huge_pages.snapshot()
     buffer, address = _touched_mapping(16 * MB)
@@ -180,7 +224,9 @@ def test_sparse_new_memory_is_left_in_small_pages(monkeypatch: pytest.MonkeyPatc
     """A collapse fills its whole 2 MB: a range with a page or two in use (the allocator's reserve, small buffers)
     would grow by up to 2 MB. Half a mapping written page by page, the other half one page in each 2 MB."""
     monkeypatch.delenv(huge_pages.ENV_VAR, raising=False)
-    if not huge_pages._collapse_supported():
+    if "[madvise]" not in huge_pages.THP_ENABLED.read_text():
+        pytest.skip("THP is not in madvise mode: a page written faults in a whole huge page")
+    if not _collapse_supported():
         pytest.skip(f"MADV_COLLAPSE is not available on {os.uname().release} (hinted only)")
     before = huge_pages.snapshot()
     buffer = mmap.mmap(-1, 18 * MB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -204,7 +250,8 @@ def test_sparse_new_memory_is_left_in_small_pages(monkeypatch: pytest.MonkeyPatc
 @needs_thp
 def test_a_kernel_without_collapse_gets_hints_that_the_release_takes_back(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(huge_pages.ENV_VAR, raising=False)
-    monkeypatch.setattr(huge_pages, "_collapse_supported", lambda: False)
+    monkeypatch.setattr(huge_pages, "_collapse_supported", lambda madvise: False)
+    monkeypatch.setattr(huge_pages, "_thp_mode", lambda: "always [madvise] never\n")
     before = huge_pages.snapshot()
     buffer, address = _touched_mapping(16 * MB)
     report = huge_pages.collapse_new_regions(before)
@@ -216,6 +263,25 @@ def test_a_kernel_without_collapse_gets_hints_that_the_release_takes_back(monkey
     assert "hg" not in flags and "nh" in flags
     buffer.close()
     huge_pages.take_back_hints(report)  # the ranges are gone now: skipped without a word
+
+
+@needs_thp
+def test_a_kernel_without_collapse_in_always_mode_is_left_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    # THP `always` gives huge pages unasked, and taking a hint back (MADV_NOHUGEPAGE) would forbid them there
+    monkeypatch.delenv(huge_pages.ENV_VAR, raising=False)
+    monkeypatch.setattr(huge_pages, "_collapse_supported", lambda madvise: False)
+    monkeypatch.setattr(huge_pages, "_thp_mode", lambda: "[always] madvise never\n")
+    before = huge_pages.snapshot()
+    buffer, address = _touched_mapping(16 * MB)
+    assert huge_pages.collapse_new_regions(before) is None
+    assert not {"hg", "nh"} & _vm_flags(address, 16 * MB)
+    buffer.close()
+
+
+def test_without_a_pagemap_nothing_is_collapsed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(huge_pages, "PAGEMAP", tmp_path / "no-pagemap")
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: pytest.fail("nothing may be advised"))
+    assert huge_pages.collapse_new_regions(set()) is None
 
 
 def test_releasing_a_stage_takes_its_hints_back(tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:

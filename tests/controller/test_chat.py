@@ -7,7 +7,7 @@ import json
 import math
 import random
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -357,6 +357,27 @@ def test_a_message_cancelled_before_its_reply_began_does_not_say_it_dropped_exch
     # the third message cancelled, saying nothing of a drop; the fourth drops the oldest exchange, and says so
     assert said == ("[interrupted before the reply began: not sent; the conversation is unchanged]\n"
                     "[the conversation outgrew the model's context of 512 tokens: dropped its oldest exchange]\n"), said
+
+
+def test_a_ctrl_c_after_the_first_token_before_it_showed_text_keeps_the_message(
+        tmp_path: Path, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the note of dropped exchanges is said at the first token; a token that shows no text yet (part of a character)
+    # and a Ctrl-C then cancelled the message by the text shown, and the note was followed by "...unchanged"
+    first_saying = chat._first_saying
+
+    def interrupted_at_the_first_token(push: Callable[[int, int], None],
+                                       say: Callable[[], None]) -> Callable[[int, int], None]:
+        def push_nothing_shown(stream_id: int, token: int) -> None:
+            raise KeyboardInterrupt
+        return first_saying(push_nothing_shown, say)
+
+    monkeypatch.setattr(chat, "_first_saying", interrupted_at_the_first_token)
+    options = ChatOptions(model=_chat_model(tmp_path, tiny_export), max_new_tokens=4,
+                          settings=CompileSettings(precision=Precision.F32))
+    out, notes = io.StringIO(), io.StringIO()
+    run_chat(options, io.StringIO("".join(f"{letter * 150}\n" for letter in "abc")), out, notes=notes)
+    said = notes_but_cuts(notes)
+    assert "dropped its oldest exchange" in said and "unchanged" not in said, said
 
 
 class CharTokenizer:

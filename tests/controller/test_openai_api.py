@@ -328,7 +328,7 @@ def test_the_prompt_size_cap_allows_the_models_longest_tokens(tiny_export: Path)
     assert len(tokenizer.encode("#" * 38_400)) == 601 <= context
     api._check_length(64 * context, "prompt")
     with pytest.raises(ApiError, match=r"prompt: 65537 characters cannot fit the model's context of 1024 tokens "
-                                       r"\(its longest token is 64 characters\)"):
+                                       r"\(more than 64 characters a token, its longest token's length\)"):
         api._check_length(64 * context + 1, "prompt")
 
 
@@ -770,7 +770,8 @@ def test_an_empty_prompt_begins_at_the_tokenizers_bos(served: tuple[str, EngineS
         assert body["choices"][0]["text"] == tokenizer.decode(tokens)
     # a tokenizer that adds nothing leaves nothing to begin from: named
     api = OpenAiApi.__new__(OpenAiApi)
-    api.tokenizer = SimpleNamespace(encode=lambda text: [], longest_token_chars=1)  # type: ignore[assignment]
+    api.tokenizer = SimpleNamespace(encode=lambda text: [])  # type: ignore[assignment]
     api.spec = load_manifest(tiny_export).spec
+    api._max_chars_per_token = 32
     with pytest.raises(ApiError, match=r"prompt\[1\] is empty, and this model's tokenizer adds no token to begin"):
         api._prepare_prompt("", parse_completion({"model": MODEL, "prompt": ""}, MODEL).decoding, "prompt[1]")
