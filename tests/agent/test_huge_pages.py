@@ -247,14 +247,20 @@ def test_sparse_new_memory_is_left_in_small_pages(monkeypatch: pytest.MonkeyPatc
     buffer.close()
 
 
-@needs_thp
-def test_a_kernel_without_collapse_gets_hints_that_the_release_takes_back(monkeypatch: pytest.MonkeyPatch) -> None:
+def _collapse_without_madv_collapse(monkeypatch: pytest.MonkeyPatch, thp_mode: str
+                                    ) -> tuple[huge_pages.CollapseReport | None, mmap.mmap, int]:
+    """collapse_new_regions over a new 16 MB mapping as a kernel without MADV_COLLAPSE, THP in `thp_mode`, runs it."""
     monkeypatch.delenv(huge_pages.ENV_VAR, raising=False)
     monkeypatch.setattr(huge_pages, "_collapse_supported", lambda madvise: False)
-    monkeypatch.setattr(huge_pages, "_thp_mode", lambda: "always [madvise] never\n")
+    monkeypatch.setattr(huge_pages, "_thp_mode", lambda: thp_mode)
     before = huge_pages.snapshot()
     buffer, address = _touched_mapping(16 * MB)
-    report = huge_pages.collapse_new_regions(before)
+    return huge_pages.collapse_new_regions(before), buffer, address
+
+
+@needs_thp
+def test_a_kernel_without_collapse_gets_hints_that_the_release_takes_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    report, buffer, address = _collapse_without_madv_collapse(monkeypatch, "always [madvise] never\n")
     assert report is not None and not report.collapsed
     assert any(low <= address + 2 * MB and address + 14 * MB <= high for low, high in report.hinted)
     assert "hg" in _vm_flags(address, 16 * MB)
@@ -268,12 +274,8 @@ def test_a_kernel_without_collapse_gets_hints_that_the_release_takes_back(monkey
 @needs_thp
 def test_a_kernel_without_collapse_in_always_mode_is_left_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     # THP `always` gives huge pages unasked, and taking a hint back (MADV_NOHUGEPAGE) would forbid them there
-    monkeypatch.delenv(huge_pages.ENV_VAR, raising=False)
-    monkeypatch.setattr(huge_pages, "_collapse_supported", lambda madvise: False)
-    monkeypatch.setattr(huge_pages, "_thp_mode", lambda: "[always] madvise never\n")
-    before = huge_pages.snapshot()
-    buffer, address = _touched_mapping(16 * MB)
-    assert huge_pages.collapse_new_regions(before) is None
+    report, buffer, address = _collapse_without_madv_collapse(monkeypatch, "[always] madvise never\n")
+    assert report is None
     assert not {"hg", "nh"} & _vm_flags(address, 16 * MB)
     buffer.close()
 

@@ -44,36 +44,23 @@ def test_run_closes_the_coroutine_it_cannot_run(monkeypatch: pytest.MonkeyPatch)
     assert coroutine.cr_frame is None  # closed: no "never awaited" warning at exit
 
 
-def test_run_closes_a_coroutine_a_signal_stopped_before_it_started(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("where", ["Runner.run", "Runner", "loop_factory"])
+def test_run_closes_a_coroutine_a_signal_stopped_before_it_started(monkeypatch: pytest.MonkeyPatch,
+                                                                   where: str) -> None:
     # `bench fleet` stopped by SIGINT as its deploy began printed "coroutine ... was never awaited" after its
-    # one-line message
+    # one-line message; and a fresh-clone CI run's SIGTERM while it deployed, before the runner ran (the loop being
+    # chosen or the runner made)
+    def interrupted(*args: object, **kwargs: object) -> object:
+        raise KeyboardInterrupt
+
     class InterruptedRunner(asyncio.Runner):
         def run(self, coro: object, **kwargs: object) -> object:  # type: ignore[override]
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(event_loop.asyncio, "Runner", InterruptedRunner)
-
-    async def never() -> None:
-        raise AssertionError("must not run")
-
-    coroutine = never()
-    with pytest.raises(KeyboardInterrupt):
-        event_loop.run(coroutine)
-    assert coroutine.cr_frame is None
-
-
-@pytest.mark.parametrize("where", ["loop_factory", "Runner"])
-def test_run_closes_a_coroutine_a_signal_stopped_while_its_loop_was_being_made(monkeypatch: pytest.MonkeyPatch,
-                                                                              where: str) -> None:
-    # a fresh-clone CI run: `bench fleet` stopped by SIGTERM while deploying printed "coroutine '_Fleet.deploy.
-    # <locals>.run' was never awaited" after its one-line message (the signal came before the runner ran)
-    def interrupted(*args: object, **kwargs: object) -> object:
-        raise KeyboardInterrupt
-
-    if where == "Runner":
-        monkeypatch.setattr(event_loop.asyncio, "Runner", interrupted)
-    else:
+    if where == "loop_factory":
         monkeypatch.setattr(event_loop, "loop_factory", interrupted)
+    else:
+        monkeypatch.setattr(event_loop.asyncio, "Runner", InterruptedRunner if where == "Runner.run" else interrupted)
 
     async def never() -> None:
         raise AssertionError("must not run")
