@@ -450,8 +450,8 @@ class Stage:
         2-PC soak the PC that took over its peer's layers at each of 4 failovers kept 630 MB more than a fresh
         agent. CompiledModel.release_memory frees them (the same cycles: 5 MB each; a thread and its stack the
         plugin keeps). No call of this stage may run meanwhile (the plugin refuses): the agent waits for its step.
-        Ranges only hinted for huge pages (a kernel before 6.1) are unmarked first, so that the freed memory does not
-        fill up with them again (see huge_pages)."""
+        Ranges only hinted for huge pages (a kernel without MADV_COLLAPSE) are unmarked first, so that the freed
+        memory does not fill up with them again (see huge_pages)."""
         huge_pages.take_back_hints(self._huge_pages)
         self._idle_sessions.clear()
         self.compiled.release_memory()
