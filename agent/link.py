@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import ipaddress
 import logging
 import re
 import ssl
@@ -40,6 +39,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.frames import CloseCode
 from websockets.http11 import Request, Response
 
+from deskfleet.agent.tls_gate import TlsGate, address_text, host_key
 from deskfleet.common import pki, tls
 from deskfleet.common.log_limit import LogEvery
 from deskfleet.common.version import software_version
@@ -355,8 +355,10 @@ async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, po
             return
         await handler(link)
 
-    return await serve(on_connection, host, port, ssl=context, process_request=check_peer,
-                       **_server_websocket_options(takes_enrollment=enrollment is not None))
+    # TLS per connection (tls_gate): a refusal names its peer, and one host cannot hold connections without limit
+    gate = TlsGate(context, handshake_timeout_s=OPEN_TIMEOUT_S, shutdown_timeout_s=CLOSE_TIMEOUT_S)
+    return await serve(on_connection, host, port, create_connection=gate.connection_class(),
+                       process_request=check_peer, **_server_websocket_options(takes_enrollment=enrollment is not None))
 
 
 def peer_identity(connection: Connection, ca_certificate: x509.Certificate,
@@ -527,28 +529,12 @@ _VERSION_REFUSAL = re.compile(r"\b(?:agent|controller) speaks protocol (?P<proto
 
 
 def _remote_host(connection: Connection) -> str:
-    """Who the peer is, for the per-host join limit: its IPv4 address (an IPv4-mapped IPv6 one as IPv4), the /64 of
-    an IPv6 one (a host on an IPv6 LAN can take any address of its /64), or "?" when unknown."""
-    address = connection.remote_address
-    if not address:
-        return "?"
-    try:
-        ip = ipaddress.ip_address(str(address[0]).split("%", 1)[0])  # without a zone: fe80::1%eth0
-    except ValueError:
-        return str(address[0])
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
-    return str(ip)
+    """Who the peer is, for the per-host join limit (tls_gate.host_key)."""
+    return host_key(connection.remote_address)
 
 
 def _remote(connection: Connection) -> str:
-    address = connection.remote_address
-    if not address:
-        return "?"
-    host, port = address[0], address[1]
-    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return address_text(connection.remote_address)
 
 
 def _uri_host(host: str) -> str:

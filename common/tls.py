@@ -14,13 +14,11 @@ client with HTTP 403 carrying that text.
 from __future__ import annotations
 
 import datetime
-import logging
 import ssl
 from pathlib import Path
 
 from cryptography import x509
 
-from deskfleet.common.log_limit import LogEvery
 from deskfleet.common.pki import (
     PeerIdentity,
     RevocationSet,
@@ -31,9 +29,7 @@ from deskfleet.common.pki import (
 
 # OpenSSL's X509_V_FLAG_NO_CHECK_TIME, which the ssl module does not name
 _NO_CHECK_TIME = 0x200000
-REFUSAL_LOG_INTERVAL_S = 60.0  # a refusal of one kind is a warning at most this often; a debug line between
 
-log = logging.getLogger(__name__)
 # What OpenSSL's reason for a refused handshake means to an admin reading the log
 _REFUSALS = {
     "PEER_DID_NOT_RETURN_A_CERTIFICATE": "a TLS client without a certificate",
@@ -44,31 +40,18 @@ _REFUSALS = {
     "UNSUPPORTED_PROTOCOL": "a TLS version older than 1.3",
     "NO_SHARED_CIPHER": "no cipher in common",
 }
-_refusals_said = LogEvery()
-
-
-class RefusalLoggingSSLObject(ssl.SSLObject):
-    """The TLS state of a listening context's connection: a handshake it refuses is logged, saying why. The event
-    loop's TLS layer (asyncio's and uvloop's) drops a failed handshake before the server sees a connection, and
-    logs it only in asyncio's debug mode: a stranger knocking at a fleet port left no trace. The peer's address is
-    not known at this layer; a kind of refusal is a warning once a minute (REFUSAL_LOG_INTERVAL_S), so a flood of
-    strangers cannot flood the log."""
-
-    def do_handshake(self) -> None:
-        try:
-            super().do_handshake()
-        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
-            raise
-        except (ssl.SSLEOFError, ssl.SSLZeroReturnError):  # the peer hung up (a port scan): nothing was refused
-            raise
-        except ssl.SSLError as error:
-            reason = str(error.reason or type(error).__name__)
-            said = _REFUSALS.get(reason, f"{reason} ({error})")
-            level = logging.WARNING if _refusals_said.due(reason, REFUSAL_LOG_INTERVAL_S) else logging.DEBUG
-            log.log(level, "refused a connection: %s (only this fleet's members connect)", said)
-            raise
 
 # Public functions
+
+def refusal(error: BaseException) -> str | None:
+    """What a listening side's failed handshake means to an admin reading its log (`_REFUSALS`, else OpenSSL's
+    reason and text), or None when nothing was refused: the peer hung up or the connection broke (a port scan, a
+    client of another fleet that distrusts our certificate first)."""
+    if not isinstance(error, ssl.SSLError) or isinstance(error, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
+        return None
+    reason = str(error.reason or type(error).__name__)
+    return _REFUSALS.get(reason, f"{reason} ({error})")
+
 
 def server_context(*, ca_path: Path, cert_path: Path, key_path: Path) -> ssl.SSLContext:
     """Context for a listening agent or controller: refuses any client without a fleet certificate."""
@@ -77,7 +60,6 @@ def server_context(*, ca_path: Path, cert_path: Path, key_path: Path) -> ssl.SSL
     context.verify_flags |= _NO_CHECK_TIME  # dates: peer_identity, with a message that names them
     context.load_verify_locations(cafile=str(ca_path))
     context.load_cert_chain(certfile=str(cert_path), keyfile=str(key_path))
-    context.sslobject_class = RefusalLoggingSSLObject
     return context
 
 

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
+import contextlib
 import datetime
-import logging
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,48 +159,46 @@ def test_enrollment_pins_the_ca_from_the_token(fleet: dict[str, Member]) -> None
         pki.verify_enrollment_peer(fake_der, ca_pem, fingerprint, NOW)
 
 
-def test_a_refused_handshake_is_logged_saying_why_at_most_once_a_minute_a_kind(
-        fleet: dict[str, Member], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the event loop's TLS layer drops a failed handshake without a word: strangers at a fleet port left no trace
-    from deskfleet.common.log_limit import LogEvery
-    from tests.fake_clock import FakeClock
+def server_side_error(client_context: ssl.SSLContext, server_context: ssl.SSLContext,
+                      server_hostname: str | None) -> ssl.SSLError:
+    """The error the server side of a handshake over memory BIOs raises (the client side may fail too)."""
+    to_server, to_client = ssl.MemoryBIO(), ssl.MemoryBIO()
+    client_side = client_context.wrap_bio(to_client, to_server, server_hostname=server_hostname)
+    server_side = server_context.wrap_bio(to_server, to_client, server_side=True)
+    for _ in range(20):
+        with contextlib.suppress(ssl.SSLError):  # want read/write, or the client's own refusal of the server
+            client_side.do_handshake()
+        try:
+            server_side.do_handshake()
+            client_side.write(b"c")
+            server_side.read(1)  # a TLS 1.3 server checks the client's certificate here at the latest
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            continue
+        except ssl.SSLError as error:
+            return error
+    raise AssertionError("the server took the handshake")
 
-    clock = FakeClock(1000.0)
-    monkeypatch.setattr(tls, "_refusals_said", LogEvery(clock))
+
+def test_a_refused_handshake_is_told_as_what_it_means_to_an_admin(fleet: dict[str, Member]) -> None:
     agent, stranger = fleet["agent"], fleet["stranger"]
     bare = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     bare.load_verify_locations(cafile=str(agent.ca_path))
     impostor = tls.client_context(ca_path=agent.ca_path, cert_path=stranger.cert_path, key_path=stranger.key_path)
-    caplog.set_level(logging.DEBUG, logger="deskfleet.common.tls")
-
-    def refusals() -> list[tuple[int, str]]:
-        found = [(record.levelno, record.getMessage()) for record in caplog.records
-                 if record.name == "deskfleet.common.tls"]
-        caplog.clear()
-        return found
-
-    for context in (bare, bare):
-        with pytest.raises(ssl.SSLError):
-            handshake(context, server(agent), agent.agent_id)
-    assert refusals() == [
-        (logging.WARNING, "refused a connection: a TLS client without a certificate (only this fleet's members "
-                          "connect)"),
-        (logging.DEBUG, "refused a connection: a TLS client without a certificate (only this fleet's members "
-                        "connect)")]
-    with pytest.raises(ssl.SSLError):  # another kind: a warning of its own
-        handshake(impostor, server(agent), agent.agent_id)
-    assert refusals() == [(logging.WARNING, "refused a connection: a certificate this fleet's CA did not sign (only "
-                                            "this fleet's members connect)")]
-    clock.now += tls.REFUSAL_LOG_INTERVAL_S + 1
-    with pytest.raises(ssl.SSLError):
-        handshake(bare, server(agent), agent.agent_id)
-    assert [level for level, _ in refusals()] == [logging.WARNING]
+    assert tls.refusal(server_side_error(bare, server(agent), agent.agent_id)) == \
+        "a TLS client without a certificate"
+    assert tls.refusal(server_side_error(impostor, server(agent), agent.agent_id)) == \
+        "a certificate this fleet's CA did not sign"
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     plain = server(agent).wrap_bio(incoming, outgoing, server_side=True)
     incoming.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-    with pytest.raises(ssl.SSLError):
+    with pytest.raises(ssl.SSLError) as raised:
         plain.do_handshake()
-    assert refusals() == [(logging.WARNING, "refused a connection: plain HTTP, not TLS (only this fleet's members "
-                                            "connect)")]
-    handshake(client(fleet["controller"]), server(agent), agent.agent_id)  # a member: nothing said
-    assert refusals() == []
+    assert tls.refusal(raised.value) == "plain HTTP, not TLS"
+    unknown = ssl.SSLError(1, "[SSL: SOMETHING_NEW] something new")
+    unknown.reason = "SOMETHING_NEW"
+    assert tls.refusal(unknown) == "SOMETHING_NEW ([SSL: SOMETHING_NEW] something new)"
+    # a peer that hung up, or a connection that broke, refused nothing (a port scan)
+    for nothing_refused in (ssl.SSLEOFError(8, "EOF"), ssl.SSLZeroReturnError(6, "closed"), ConnectionResetError(),
+                            TimeoutError(), OSError("broken")):
+        assert tls.refusal(nothing_refused) is None
+
