@@ -209,6 +209,7 @@ class OpenAiApi:
     def app(self) -> web.Application:
         logging.getLogger("aiohttp.server").addFilter(_MALFORMED_REQUESTS)  # once: a filter is added once
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_BODY_BYTES)
+        app.on_response_prepare.append(_name_the_request)
         app.add_routes([web.get("/v1/models", self._models), web.get("/v1/models/{model:.+}", self._model),
                         web.post("/v1/completions", self._completions),
                         web.post("/v1/chat/completions", self._chat_completions), web.get("/health", self._health)])
@@ -257,7 +258,7 @@ class OpenAiApi:
     async def _model(self, request: web.Request) -> web.Response:
         if request.match_info["model"] != self.model_name:
             raise ApiError(404, f"the model {request.match_info['model']!r} does not exist here: this server runs "
-                                f"{self.model_name!r}", "model", kind="not_found_error", code="model_not_found")
+                                f"{self.model_name!r}", "model", code="model_not_found")  # the API's type
         return web.json_response(self._model_object())
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -363,8 +364,9 @@ class OpenAiApi:
                                  else "a reply"), param, code="context_length_exceeded")
         max_tokens = decoding.max_tokens if decoding.max_tokens is not None else room
         if max_tokens > room:  # said in the API's words: check_request names the CLI's --max-new-tokens
-            raise ApiError(400, f"{which}{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the model's "
-                                f"context of {self.spec.max_context}: ask for at most {room}", "max_tokens",
+            field = decoding.max_tokens_field
+            raise ApiError(400, f"{which}{len(ids)} prompt tokens + {field} {max_tokens} exceed the model's "
+                                f"context of {self.spec.max_context}: ask for at most {room}", field,
                            code="context_length_exceeded")
         try:
             check_request(self.spec, ids, max(1, max_tokens))  # 0: an echo that makes one token and shows none
@@ -746,6 +748,11 @@ def unseen_ends(spec: ModelSpec, decoding: Decoding, stop_ids: frozenset[int]) -
     if decoding.ignore_eos or decoding.echo:
         return frozenset()
     return frozenset(spec.eos_token_ids) | stop_ids
+
+
+async def _name_the_request(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer carries an x-request-id, as the API's do: the OpenAI SDKs show it (`_request_id`) for a report."""
+    response.headers.setdefault("x-request-id", f"req_{secrets.token_hex(16)}")
 
 
 def _best(ended: list[tuple[_Choice, StreamEnd, int]], n: int) -> list[tuple[_Choice, StreamEnd, int]]:

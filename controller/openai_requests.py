@@ -14,7 +14,7 @@ from typing import Any, TypeGuard
 from deskfleet.common.logits_adjust import MAX_BIAS, MAX_BIASED_TOKENS, MAX_PENALTY
 from deskfleet.common.logprobs import MAX_TOP_LOGPROBS
 
-from .tokenizer import ChatMessage
+from .tokenizer import ChatMessage, NotUtf8Error, check_utf8
 
 DEFAULT_COMPLETION_TOKENS = 16  # the API's default max_tokens for /v1/completions
 MAX_STOPS = 4  # the API takes up to 4 stop sequences
@@ -26,21 +26,35 @@ MAX_SEED = 2**63 - 1
 MAX_CHOICES = 16  # a request's `n`: each choice is a stream of its own, batched with the others
 MAX_PROMPTS = 64  # a completion request's prompts (each with its `n` choices)
 
+_NO_TOOLS = "deskfleet does no tool or function calling"
+_TEXT_ONLY = "deskfleet generates text only"
 # Fields each request may carry that change nothing here when at these values (the API's defaults): any other
-# value asks for what deskfleet does not do, and is refused naming the field.
-_NEUTRAL: dict[str, tuple[object, ...]] = {
-    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, False, True), "functions": (None, []), "function_call": (None, "none")}
-_IGNORED = {"user", "metadata", "store", "service_tier"}  # about the caller, not the text: taken and unused
+# value asks for what deskfleet does not do, and is refused naming the field and why.
+_NEUTRAL: dict[str, tuple[tuple[object, ...], str]] = {
+    "suffix": ((None, ""), "deskfleet completes text after the prompt only"),
+    "tools": ((None, []), _NO_TOOLS), "tool_choice": ((None, "none"), _NO_TOOLS),
+    "parallel_tool_calls": ((None, False, True), _NO_TOOLS), "functions": ((None, []), _NO_TOOLS),
+    "function_call": ((None, "none"), _NO_TOOLS),
+    "modalities": ((None, ["text"]), _TEXT_ONLY), "audio": ((None,), _TEXT_ONLY),
+    "reasoning_effort": ((None,), "deskfleet's models take no reasoning effort"),
+    "verbosity": ((None,), "deskfleet's models take no verbosity setting"),
+    "prediction": ((None,), "deskfleet takes no predicted output"),
+    "web_search_options": ((None,), "deskfleet does no web search")}
+# about the caller, not the text (metadata, routing and caching hints, abuse tracking): taken and unused
+_IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+            "prompt_cache_retention"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
            "ignore_eos"}
 _COMPLETION_FIELDS = _COMMON | {"prompt", "n", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
                                 "echo", "best_of", "suffix"} | _IGNORED
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "n", "presence_penalty", "frequency_penalty",
                           "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "parallel_tool_calls",
-                          "functions", "function_call", "response_format"} | _IGNORED
-# a message's fields that clients send as placeholders (null or empty) for what deskfleet does not do
-_EMPTY_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "function_call", "refusal", "audio")
+                          "functions", "function_call", "response_format", "modalities", "audio", "reasoning_effort",
+                          "verbosity", "prediction", "web_search_options"} | _IGNORED
+# a message's fields that clients send as placeholders (null or empty) for what deskfleet does not do (the SDK's
+# ChatCompletionMessage.model_dump() of a reply carries each, null, as a follow-up's history)
+_EMPTY_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "function_call", "refusal", "audio", "annotations")
+_STREAM_OPTIONS = {"include_usage", "include_obfuscation"}  # obfuscation: no padding is sent, whatever is asked
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -86,6 +100,7 @@ class Decoding:
     presence_penalty: float = 0.0  # -2 to 2, as the API's: off the logit of each token generated so far
     frequency_penalty: float = 0.0  # -2 to 2: off the logit of each token generated, times its count
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100 to 100) added to its logit
+    max_tokens_field: str = "max_tokens"  # the request's name for max_tokens (a chat's max_completion_tokens too)
 
 
 @dataclass(frozen=True)
@@ -167,10 +182,12 @@ def _object(body: object, allowed: set[str]) -> dict[str, Any]:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise ApiError(400, f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
-    for name, neutral in _NEUTRAL.items():
-        if name in body and not any(body[name] == value and type(body[name]) is type(value) for value in neutral):
-            raise ApiError(400, f"{name}={body[name]!r} is not supported by deskfleet (it generates without "
-                                "suffix or tools)", name)
+    for name, (neutral, why) in _NEUTRAL.items():
+        if name in allowed and name in body and \
+                not any(body[name] == value and type(body[name]) is type(value) for value in neutral):
+            said = repr(body[name])
+            said = said if len(said) <= 60 else f"{said[:57]}..."  # 20 KB of tools were said back whole
+            raise ApiError(400, f"{name}={said} is not supported: {why}", name)
     return body
 
 
@@ -218,13 +235,18 @@ def _messages(value: object) -> tuple[ChatMessage, ...]:
                            f"{where}.{unknown[0]}")
         for name in _EMPTY_MESSAGE_FIELDS:
             if message.get(name) not in (None, [], ""):
-                raise ApiError(400, f"{where}.{name} is not supported by deskfleet (no tools, function calls or "
-                                    "audio): leave it out, or null", f"{where}.{name}")
+                raise ApiError(400, f"{where}.{name} is not supported by deskfleet (no tools, function calls, "
+                                    "audio or annotations): leave it out, or null", f"{where}.{name}")
         role = message.get("role")
         if role not in _ROLES:
             raise ApiError(400, f"{where}.role must be one of {', '.join(sorted(_ROLES))}, got {role!r} (tools are "
                                 "not supported)", f"{where}.role")
-        messages.append(ChatMessage(_ROLES[role], _content(message.get("content"), f"{where}.content")))
+        content = _content(message.get("content"), f"{where}.content")
+        try:  # named here, in the message's own characters: the template's rendering counted in its whole text
+            check_utf8(content, f"{where}.content")
+        except NotUtf8Error as error:
+            raise ApiError(400, str(error), f"{where}.content") from None
+        messages.append(ChatMessage(_ROLES[role], content))
     return tuple(messages)
 
 
@@ -256,18 +278,20 @@ def _decoding(fields: dict[str, Any], max_tokens: object, max_name: str) -> Deco
     if top_p == 0:  # the API takes 0: the smallest set of tokens whose probability passes 0, the most likely one
         top_p, top_k = 1.0, 1
     seed = fields.get("seed")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
-        raise ApiError(400, f"seed must be a whole number from 0 to {MAX_SEED}", "seed")
+    if seed is not None and (not _is_int(seed) or not -MAX_SEED - 1 <= seed <= MAX_SEED):
+        raise ApiError(400, f"seed must be a whole number from {-MAX_SEED - 1} to {MAX_SEED}", "seed")
+    if seed is not None and seed < 0:  # the API's seed is any int64: a negative one counts modulo 2**63
+        seed %= MAX_SEED + 1
     stream = fields.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", "stream")
     options = fields.get("stream_options")
-    if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}
-                                or not isinstance(options.get("include_usage", False), bool)):
-        raise ApiError(400, "stream_options takes only include_usage (true or false), and only with stream",
-                       "stream_options")
+    if options is not None and (not stream or not isinstance(options, dict) or set(options) - _STREAM_OPTIONS
+                                or not all(isinstance(options.get(name, False), bool) for name in _STREAM_OPTIONS)):
+        raise ApiError(400, "stream_options takes only include_usage and include_obfuscation (true or false), and "
+                            "only with stream", "stream_options")
     ignore_eos = fields.get("ignore_eos", False)
     if ignore_eos is None:
         ignore_eos = False
@@ -283,7 +307,7 @@ def _decoding(fields: dict[str, Any], max_tokens: object, max_name: str) -> Deco
                     bool(options and options.get("include_usage")), ignore_eos, n, best_of=n,
                     presence_penalty=_number(fields, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
                     frequency_penalty=_number(fields, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
-                    logit_bias=_logit_bias(fields.get("logit_bias")))
+                    logit_bias=_logit_bias(fields.get("logit_bias")), max_tokens_field=max_name)
 
 
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
@@ -313,9 +337,9 @@ def _stops(value: object) -> tuple[str, ...]:
     if value is None:
         return ()
     stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not 1 <= len(stops) <= MAX_STOPS or \
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or \
             not all(isinstance(stop, str) and stop for stop in stops):
-        raise ApiError(400, f"stop must be a non-empty string or a list of 1 to {MAX_STOPS} of them", "stop")
+        raise ApiError(400, f"stop must be a non-empty string or a list of up to {MAX_STOPS} of them", "stop")
     if any(len(stop) > MAX_STOP_CHARS for stop in stops):
         raise ApiError(400, f"a stop sequence must be at most {MAX_STOP_CHARS:,} characters", "stop")
     return tuple(stops)

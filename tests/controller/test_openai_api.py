@@ -300,7 +300,7 @@ def test_several_prompts_each_get_their_choices_in_order_each_as_a_request_alone
     ({"model": MODEL, "prompt": [[1, 2], [3, 10**7]]}, 400, "prompt[1]: token id 10000000 is outside the model's"),
     ({"model": MODEL, "prompt": []}, 400, "prompt must be a string, a non-empty list of token ids, or a list of"),
     ({"model": MODEL, "prompt": "x", "temperature": 3}, 400, "temperature must be a number from 0 to 2"),
-    ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "list of 1 to 4"),
+    ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "list of up to 4"),
     ({"model": MODEL, "prompt": "x", "stop": ["a", "x" * 1001]}, 400, "a stop sequence must be at most 1,000"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "only with stream"),
     ("[" * 100_000 + "]" * 100_000, 400, "not JSON that can be read"),
@@ -373,6 +373,64 @@ def test_chat_errors(served: tuple[str, EngineService]) -> None:
     status, answer = post(f"{url}/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                                         "response_format": {"type": "json_object"}})
     assert status == 400 and answer["error"]["param"] == "response_format"
+
+
+def test_what_the_openai_sdk_sends_is_taken_as_the_api_takes_it(served: tuple[str, EngineService]) -> None:
+    """From an exploratory test with the official openai package: each of these was refused with a 400, or named
+    the wrong field."""
+    url, _ = served
+    chat = f"{url}/v1/chat/completions"
+    hello = [{"role": "user", "content": "hi"}]
+    # a follow-up that replays the reply as the SDK's ChatCompletionMessage.model_dump() gives it
+    reply = {"role": "assistant", "content": "y", "refusal": None, "annotations": None, "audio": None,
+             "function_call": None, "tool_calls": None}
+    status, answer = post(chat, {"model": MODEL, "max_tokens": 2, "messages": [*hello, reply, *hello]})
+    assert status == 200, answer
+    # caller metadata the SDK offers as arguments, and the API's defaults as clients send them: taken
+    status, answer = post(chat, {"model": MODEL, "max_tokens": 2, "messages": hello, "safety_identifier": "u1",
+                                 "prompt_cache_key": "k", "modalities": ["text"], "stop": []})
+    assert status == 200, answer
+    found = events(chat, {"model": MODEL, "max_tokens": 2, "messages": hello,
+                          "stream_options": {"include_usage": True, "include_obfuscation": False}})
+    assert found[-1] == "[DONE]" and found[-2]["usage"]["completion_tokens"] == 2
+    # the API's seed is any int64: a negative one counts modulo 2**63
+    sampled = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 12, "temperature": 1.0}
+    texts = [post(f"{url}/v1/completions", {**sampled, "seed": seed})[1]["choices"][0]["text"]
+             for seed in (-1, 2**63 - 1)]
+    assert texts[0] == texts[1]
+    status, answer = post(f"{url}/v1/completions", {**sampled, "seed": -2**63 - 1})
+    assert status == 400 and answer["error"]["param"] == "seed"
+    # an over-long max_completion_tokens is named as it was sent
+    status, answer = post(chat, {"model": MODEL, "messages": hello, "max_completion_tokens": 10**6})
+    assert status == 400 and answer["error"]["param"] == "max_completion_tokens" and \
+        "+ max_completion_tokens 1000000 exceed the model's context" in answer["error"]["message"], answer
+    # what deskfleet does not do is refused naming the field and why, and says back at most a line of the value
+    for field, value, why in [("modalities", ["text", "audio"], "deskfleet generates text only"),
+                              ("reasoning_effort", "low", "deskfleet's models take no reasoning effort"),
+                              ("tools", [{"type": "function", "function": {"name": "f" * 20_000}}],
+                               "deskfleet does no tool or function calling")]:
+        status, answer = post(chat, {"model": MODEL, "messages": hello, field: value})
+        message = answer["error"]["message"]
+        assert status == 400 and answer["error"]["param"] == field and message.endswith(f" is not supported: {why}") \
+            and len(message) < 150, answer
+    # a lone surrogate (JSON's "\\ud800") is named where it is, in the message's own characters
+    status, answer = post(chat, {"model": MODEL, "messages": [*hello, {"role": "user", "content": "ab\ud800"}]})
+    assert status == 400 and answer["error"]["param"] == "messages[1].content" and answer["error"]["message"] == \
+        "messages[1].content is not valid UTF-8 text (character '\\ud800' at character 2)", answer
+    # a model that is not here: the same error whichever route asks
+    status, answer = post(chat, {"model": "gpt-4", "messages": hello})
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(f"{url}/v1/models/gpt-4", timeout=30)
+    retrieved = json.loads(missing.value.read())["error"]
+    assert status == missing.value.code == 404
+    assert (retrieved["type"], retrieved["code"]) == (answer["error"]["type"], answer["error"]["code"]) == \
+        ("invalid_request_error", "model_not_found")
+    # every answer names itself for a report, as the API's do
+    assert missing.value.headers["x-request-id"].startswith("req_")
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
+        first = response.headers["x-request-id"]
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
+        assert response.headers["x-request-id"] != first
 
 
 def test_models_health_and_unknown_paths(served: tuple[str, EngineService]) -> None:
