@@ -279,6 +279,7 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
               chain: StageChain | None, as_json: bool, ctrl_c_ends_chat: bool) -> int:
     """run_chat's conversation, once the tokenizer renders in a child kept for the chat."""
     from .chat_template import MAX_RENDERED_CHARS
+    from .fleet_failover import FailoverError
     from .text_printer import TextPrinter
     from .tokenizer import ChatMessage, ChatTemplateError, NotUtf8Error, check_utf8
 
@@ -431,6 +432,22 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                     raise
                 interrupted = True
                 ending = stopping if isinstance(stopping, BenchTerminated) else None
+            except FailoverError as error:
+                # the chain broke past what re-planning mends (PCs gone, --max-failovers spent): this reply fails, not
+                # the chat (it ended with a usage error's status 2, the reply's JSON line unwritten)
+                kept.hold(None)
+                with suppress(OSError, ValueError):
+                    printer.finish()
+                    if not as_json:
+                        out.write("\n")
+                        out.flush()
+                failed = (f"the reply failed: {error}; what it made is dropped and the conversation is unchanged; the "
+                          "next message opens the chain again, re-planning over the PCs that answer")
+                _note(notes, f"[{failed}]")
+                _write_json(out, as_json, {"error": failed, "reply": printer.text})
+                chain_held.close()  # the broken chain's links and stages go now
+                closed = True
+                continue
             if engine.failovers:
                 chain = engine.chain  # the next turns run on the chain this one ended on
             # adaptive K goes on with the same drafter and chain; a failover's new chain has costs of its own

@@ -20,8 +20,9 @@ from deskfleet.common.model_spec import load_manifest
 from deskfleet.controller import chat, decoding_options
 from deskfleet.controller.chat import ChatOptions, run_chat
 from deskfleet.controller.cli import main
-from deskfleet.controller.engine import ChainBroken, StreamRequest
+from deskfleet.controller.engine import ChainBroken, Engine, StreamRequest
 from deskfleet.controller.export.random_checkpoint import CHAT_TEMPLATE
+from deskfleet.controller.fleet_failover import FailoverError
 from deskfleet.controller.fleet_pipeline import ChainError
 from deskfleet.controller.generation import GenerationError
 from deskfleet.controller.pipeline import LocalPipeline
@@ -918,6 +919,59 @@ def test_a_fleet_chat_takes_a_pc_back_between_replies(tmp_path: Path, tiny_expor
              io.StringIO("hello\nagain\nand again\n"), local, as_json=True)
     assert [reply["reply"] for reply in replies] == [json.loads(line)["reply"]
                                                      for line in local.getvalue().splitlines()]
+
+
+def test_a_reply_whose_chain_broke_past_re_planning_fails_alone_and_the_next_opens_the_chain_again(
+        tmp_path: Path, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # From an exploratory test: a kill -9 under --max-failovers 0 ended the chat with a usage error's status 2, the
+    # reply's JSON line unwritten and the conversation lost
+    model = _chat_model(tmp_path, tiny_export)
+    opened: list[int] = []
+    runs: list[int] = []
+
+    class Failover:
+        replans: ClassVar[list[dict[str, object]]] = []
+        rejoined: ClassVar[list[dict[str, object]]] = []
+
+        def start_run(self) -> None:
+            pass
+
+    @contextmanager
+    def fleet_chain(options: ChatOptions, settings: CompileSettings) -> Iterator[tuple[LocalPipeline, object]]:
+        opened.append(1)
+        with LocalPipeline(model, 1, settings) as pipeline:
+            yield pipeline, Failover()
+
+    class BreaksOnTheSecondReply(Engine):
+        def run(self, on_token: Any = None, recover: Any = None, feed: Any = None) -> Any:
+            runs.append(1)
+            if len(runs) != 2:
+                return super().run(on_token=on_token, recover=recover, feed=feed)
+
+            def breaking(stream_id: int, token: int) -> None:
+                on_token(stream_id, token)
+                raise FailoverError("agent b: the link closed (gave up: 0 re-plan(s) already in this run, "
+                                    "--max-failovers 0)")
+            return super().run(on_token=breaking, recover=recover, feed=feed)
+
+    monkeypatch.setattr(chat, "_open_chain", fleet_chain)
+    monkeypatch.setattr(chat, "_take_back_look", lambda options: None)
+    monkeypatch.setattr(chat, "Engine", BreaksOnTheSecondReply)
+    options = ChatOptions(model=model, max_new_tokens=4, reuse_kv=True, fleet_dir=tmp_path / "fleet",
+                          settings=CompileSettings(precision=Precision.F32))
+    out = io.StringIO()
+    assert run_chat(options, io.StringIO("hello\nagain\nand again\n"), out, as_json=True) == 2
+    replies = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert len(replies) == 3 and "reply" in replies[0] and "reply" in replies[2]
+    assert replies[1]["error"].startswith("the reply failed: agent b: the link closed (gave up: 0 re-plan(s)") and \
+        replies[1]["error"].endswith("the next message opens the chain again, re-planning over the PCs that answer")
+    assert len(opened) == 2  # the broken chain closed, and the third message opened another
+    # the conversation went on as if the failed message had not been sent
+    local = io.StringIO()
+    run_chat(ChatOptions(model=model, max_new_tokens=4, settings=CompileSettings(precision=Precision.F32)),
+             io.StringIO("hello\nand again\n"), local, as_json=True)
+    assert [replies[0]["reply"], replies[2]["reply"]] == [json.loads(line)["reply"]
+                                                          for line in local.getvalue().splitlines()]
 
 
 def test_a_chain_that_does_not_open_again_for_a_pc_back_costs_one_message_not_the_chat(
