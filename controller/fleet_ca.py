@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import ipaddress
 import logging
 import re
 import socket
@@ -143,9 +144,16 @@ def addresses_elsewhere(addresses: tuple[str, ...]) -> bool:
             found = {str(info[4][0]).split("%", 1)[0] for info in socket.getaddrinfo(host, None)}
         except OSError:
             continue  # a name that does not resolve here: not this PC's, as far as can be told
-        if found & here:
+        if found & here or any(_is_loopback(ip) for ip in found):  # 127.0.0.58 is this PC's, as 127.0.0.1 is
             return False
     return True
+
+
+def _is_loopback(ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(ip).is_loopback
+    except ValueError:
+        return False
 
 
 def default_address() -> str:

@@ -396,7 +396,8 @@ class FleetPipeline:
                 self._results.put((time.perf_counter(), message))
             elif isinstance(message, Error):
                 if message.micro_batch_id is not None and not self._ids.is_awaited(message.micro_batch_id):
-                    # another run's: an agent dropped from this chain that woke up and relayed its old steps
+                    # a step given up: this run's on the chain a failover left (a surviving stage relaying the break
+                    # after the re-plan), or another run's (an agent dropped from its chain that woke up)
                     self._drop_stray_error(index, message)
                     continue
                 blamed, ignored = self._accepted_blame(index, message)
@@ -416,9 +417,9 @@ class FleetPipeline:
         count = self._stray_errors.get(index, 0)
         self._stray_errors[index] = count + 1
         if count == 0:
-            log.warning("%s: dropped an error about wire micro-batch %d, which has no step in flight here (another "
-                        "run's; any more such are counted): %s", self._stage_at(index), error.micro_batch_id,
-                        error.message)
+            log.warning("%s: dropped an error about wire micro-batch %d, which has no step in flight here (a step "
+                        "given up: on the chain before a re-plan, or another run's; any more such are counted): %s",
+                        self._stage_at(index), error.micro_batch_id, error.message)
         elif now - self._stray_logged_at.get(index, 0.0) >= STRAY_ERROR_LOG_S:
             log.warning("%s: %d errors about micro-batches with no step in flight here dropped so far, the latest "
                         "about wire micro-batch %d: %s", self._stage_at(index), count + 1, error.micro_batch_id,
