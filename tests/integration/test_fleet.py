@@ -434,7 +434,7 @@ def test_strangers_are_refused_and_reach_no_stage(fleet: Fleet, tiny_export: Pat
     # the poisoned Forward each stranger sent would have set the stage's last error had it arrived
     assert "micro-batch 999" not in fleet.log("agent0")
     # and the agent says it refused them, and from where (the event loop's TLS server dropped them without a word);
-    # the stranger of another CA distrusts the agent's certificate first and hangs up, which is no refusal of the agent's
+    # the stranger of another CA distrusts the agent's certificate first and hangs up: no refusal of the agent's
     assert re.search(r"refused a connection from [0-9.]+:\d+: plain HTTP, not TLS", fleet.log("agent0"))
     assert re.search(r"refused a connection from [0-9.]+:\d+: a TLS client without a certificate",
                      fleet.log("agent0"))
