@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import ipaddress
 import logging
 import re
 import socket
@@ -43,6 +42,7 @@ from deskfleet.common.wire import (
     decode,
     encode,
     is_agent_id,
+    is_loopback_host,
     is_sha256_hex,
     parse_address,
 )
@@ -144,16 +144,10 @@ def addresses_elsewhere(addresses: tuple[str, ...]) -> bool:
             found = {str(info[4][0]).split("%", 1)[0] for info in socket.getaddrinfo(host, None)}
         except OSError:
             continue  # a name that does not resolve here: not this PC's, as far as can be told
-        if found & here or any(_is_loopback(ip) for ip in found):  # 127.0.0.58 is this PC's, as 127.0.0.1 is
+        if found & here or any(is_loopback_host(ip) for ip in found):  # 127.0.0.58 is this PC's, as 127.0.0.1 is
             return False
     return True
 
-
-def _is_loopback(ip: str) -> bool:
-    try:
-        return ipaddress.ip_address(ip).is_loopback
-    except ValueError:
-        return False
 
 
 def default_address() -> str:
