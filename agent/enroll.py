@@ -300,6 +300,12 @@ async def _join_at(address: str, token: join_tokens.JoinToken, key: ec.EllipticC
         connection = await connect(f"wss://{uri_host}:{port}/", ssl=tls.enrollment_client_context(),
                                    server_hostname=host,
                                    **(websocket_options() | {"max_size": ENROLLMENT_MAX_FRAME_BYTES}))
+    except (ConnectionResetError, ConnectionAbortedError, ssl.SSLEOFError) as error:
+        # accepted, then dropped before TLS: `fleet serve` turns an address away while 64 of its connections are
+        # opening (agent/tls_gate.py), a PC behind a shared address among them; tried again as a busy controller
+        raise ControllerBusy(f"the controller dropped the connection as it opened ({type(error).__name__}: it turns "
+                             "an address away while 64 of its connections are opening; or no deskfleet controller "
+                             "listens there)") from None
     except (OSError, InvalidHandshake, ssl.SSLError) as error:
         # a join is answered by `fleet serve`: with it stopped, "Connection refused" named nothing to start
         raise EnrollmentError(f"cannot reach the controller: {str(error) or type(error).__name__} (is `deskfleet "

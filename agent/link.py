@@ -529,8 +529,8 @@ _VERSION_REFUSAL = re.compile(r"\b(?:agent|controller) speaks protocol (?P<proto
 
 
 def _remote_host(connection: Connection) -> str:
-    """Who the peer is, for the per-host join limit (tls_gate.host_key)."""
-    return host_key(connection.remote_address)
+    """Who the peer is, for the per-host join limit: an IPv6 one by its /64 (tls_gate.host_key)."""
+    return host_key(connection.remote_address, ipv6_prefix=64)
 
 
 def _remote(connection: Connection) -> str:

@@ -4,8 +4,8 @@ The event loop's TLS server (asyncio's, uvloop's) drops a refused handshake befo
 connection, so a refusal could not name the peer, and one host could hold any number of connections in their
 handshakes (10 s each) until the process ran out of files. Here the server listens on plain TCP and each accepted
 connection is:
-- counted against its host (an IPv4 address, an IPv6 one's /64) until its websocket is open, or it closes; past
-  MAX_OPENING_PER_HOST it is dropped at once;
+- counted against its host's address until its websocket is open, or it closes; past MAX_OPENING_PER_HOST of one
+  address, or MAX_OPENING of all, it is dropped at once;
 - taken through TLS with `loop.start_tls`; a refusal is logged naming the peer's address and why
   (`tls.refusal`), a kind of refusal as a warning at most once a minute, a debug line between;
 - handed to websockets only once its handshake succeeded.
@@ -33,16 +33,22 @@ log = logging.getLogger(__name__)
 
 # A member opens a handful of links to a port at once (the controller's run, survey and server, the previous
 # hops of the stages it hosts), each through its handshakes in milliseconds; every test fleet shares one
-# loopback host. A host holding more than this many connections that are not open yet is refused more.
+# loopback address. An address holding more than this many connections that are not open yet is refused more.
+# An IPv6 peer counts by its address, not its /64 as a join does: on an IPv6 LAN the /64 is every PC of the segment
+# (fe80::/64 every link-local one), so one stranger would have blocked every member's links.
 MAX_OPENING_PER_HOST = 64
+# And all hosts together: a host can take any address of its IPv6 /64, and each connection in its handshake holds
+# ~90 KB of TLS state (uvloop; asyncio's loop ~256 KB), which the open-files limit alone bounded at ~6 GB.
+MAX_OPENING = 1024
 REFUSAL_LOG_EVERY_S = 60.0  # a kind of refusal, or one host's connections refused as too many, is a warning
 # at most this often, a debug line between
 
 
-def host_key(address: object) -> str:
-    """Who a peer is, for a per-host limit: its IPv4 address (an IPv4-mapped IPv6 one as IPv4), the /64 of an IPv6
-    one (a host on an IPv6 LAN can take any address of its /64), or "?" when unknown. `address` is a socket's
-    peer name, as `get_extra_info("peername")` gives it."""
+def host_key(address: object, ipv6_prefix: int = 128) -> str:
+    """Who a peer is, for a per-host limit: its IPv4 address (an IPv4-mapped IPv6 one as IPv4), an IPv6 one's network
+    of `ipv6_prefix` bits (128: the address itself; a join counts by /64, as a host on an IPv6 LAN can take any
+    address of its /64), or "?" when unknown. `address` is a socket's peer name, as `get_extra_info("peername")`
+    gives it."""
     if not isinstance(address, (tuple, list)) or not address:
         return "?"
     try:
@@ -52,7 +58,8 @@ def host_key(address: object) -> str:
     if isinstance(ip, ipaddress.IPv6Address):
         if ip.ipv4_mapped is not None:
             return str(ip.ipv4_mapped)
-        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+        if ipv6_prefix < 128:
+            return str(ipaddress.ip_network(f"{ip}/{ipv6_prefix}", strict=False))
     return str(ip)
 
 
@@ -74,10 +81,11 @@ class TlsGate:
         self.handshake_timeout_s = handshake_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
         self.max_opening_per_host = MAX_OPENING_PER_HOST if max_opening_per_host is None else max_opening_per_host
+        self.max_opening = MAX_OPENING
         self.opening: Counter[str] = Counter()  # by host_key: connections accepted whose websocket is not open yet
         self.handshakes: set[asyncio.Task[None]] = set()  # TLS handshakes running (held against the collector)
         self.refusals_said = LogEvery()  # by kind of refusal
-        self.busy_said = LogEvery()  # by host: a connection refused as one too many
+        self.busy_said = LogEvery()  # by host (None: all of them): a connection refused as one too many
 
     def connection_class(self) -> type[ServerConnection]:
         """The websockets connection class (serve's `create_connection`) whose connections go through this gate."""
@@ -89,11 +97,17 @@ class TlsGate:
         return GatedConnection
 
     def admit(self, host: str, address: str) -> bool:
-        """Count a new connection against its host; False (said once a minute a host) when the host has too many."""
+        """Count a new connection against its host; False (said once a minute a host) when the host, or all of them
+        together, have too many."""
         if self.opening[host] >= self.max_opening_per_host:
             level = logging.WARNING if self.busy_said.due(host, REFUSAL_LOG_EVERY_S) else logging.DEBUG
             log.log(level, "refused a connection from %s: %d connections of %s are opening already (said once a "
                     "minute a host)", address, self.opening[host], host)
+            return False
+        if self.opening.total() >= self.max_opening:
+            level = logging.WARNING if self.busy_said.due(None, REFUSAL_LOG_EVERY_S) else logging.DEBUG
+            log.log(level, "refused a connection from %s: %d connections are opening already, from %d hosts (said "
+                    "once a minute)", address, self.opening.total(), len(self.opening))
             return False
         self.opening[host] += 1
         return True
@@ -138,6 +152,7 @@ class GatedServerConnection(ServerConnection):
         super().__init__(*args, **kwargs)
         self._opening_host: str | None = None  # the host this connection counts against, while it does
         self._raw: list[bytes] | None = []  # what came before start_tls took the transport over; None once it has
+        self._raw_bytes = 0
         self._held: list[bytes] | None = []  # what came after the handshake, before websockets took over; None then
         self._held_eof = False
         self._lost = False
@@ -158,6 +173,14 @@ class GatedServerConnection(ServerConnection):
         task.add_done_callback(self._gate.handshakes.discard)
 
     async def _start_tls(self, transport: asyncio.Transport, address: str) -> None:
+        if self._lost or transport.is_closing():
+            # gone before TLS began (uvloop read its EOF: a port scan's connect and close). start_tls on a closing
+            # transport "succeeded" there and armed the handshake's timer, which kept the TLS state (~90 KB) for its
+            # 10 s, outside the per-host cap: 3,000 connect-and-close held 92 MB
+            log.debug("a connection from %s closed before its TLS handshake began", address)
+            transport.abort()
+            self._release()
+            return
         transport.pause_reading()
         self.loop.call_soon(self._hand_raw_over, transport)  # before start_tls's own callbacks: see the class's doc
         started = self.loop.time()
@@ -192,7 +215,9 @@ class GatedServerConnection(ServerConnection):
     def _hand_raw_over(self, transport: asyncio.Transport) -> None:
         """Give what the client sent before start_tls began to the TLS protocol start_tls put in place."""
         raw, self._raw = self._raw or [], None
-        tls_protocol = transport.get_protocol()
+        tls_protocol: object = transport.get_protocol()
+        if tls_protocol is None:  # the transport closed meanwhile: start_tls says so
+            return
         if tls_protocol is self:  # start_tls did not take the transport over at once: these bytes have nowhere to go
             if not transport.is_closing():
                 log.error("dropped a connection: the event loop's start_tls did not take the transport over when it "
@@ -213,7 +238,8 @@ class GatedServerConnection(ServerConnection):
     def data_received(self, data: bytes) -> None:
         if self._raw is not None:  # before TLS (uvloop): kept for the TLS protocol
             self._raw.append(data)
-            if sum(map(len, self._raw)) > self.MAX_RAW_BYTES:
+            self._raw_bytes += len(data)
+            if self._raw_bytes > self.MAX_RAW_BYTES:
                 self._lost = True
                 if self._tcp is not None:
                     self._tcp.abort()
@@ -224,7 +250,10 @@ class GatedServerConnection(ServerConnection):
         super().data_received(data)
 
     def eof_received(self) -> None:
-        if self._held is not None:  # before websockets took over; before TLS, the transport closes itself
+        if self._raw is not None:  # before TLS (uvloop): the transport closes itself, and TLS is not begun
+            self._lost = True
+            return
+        if self._held is not None:  # after the handshake, before websockets took over: passed on in order
             self._held_eof = True
             return
         super().eof_received()

@@ -37,6 +37,8 @@ _REFUSALS = {
     "TLSV1_ALERT_UNKNOWN_CA": "a client that does not trust this fleet's CA",
     "HTTP_REQUEST": "plain HTTP, not TLS",
     "WRONG_VERSION_NUMBER": "not TLS (plain text or another protocol)",
+    "UNKNOWN_PROTOCOL": "not TLS (plain text or another protocol)",
+    "PACKET_LENGTH_TOO_LONG": "not TLS (plain text or another protocol)",
     "UNSUPPORTED_PROTOCOL": "a TLS version older than 1.3",
     "NO_SHARED_CIPHER": "no cipher in common",
 }

@@ -149,7 +149,6 @@ def addresses_elsewhere(addresses: tuple[str, ...]) -> bool:
     return True
 
 
-
 def default_address() -> str:
     """This machine's address on the network that reaches the default route, with the default port."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:

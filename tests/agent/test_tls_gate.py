@@ -5,6 +5,7 @@ byte is lost or reordered on the way from TCP through TLS to websockets."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import socket
 import ssl
@@ -159,6 +160,45 @@ def test_one_host_holds_at_most_its_share_of_connections_not_open_yet(
     run(scenario())
 
 
+def test_all_hosts_together_hold_at_most_max_opening_connections_not_open_yet(
+        tmp_path: Path, run: Callable[[Coroutine[object, object, None]], None],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a host can take any address of its IPv6 /64: each address within its share, they held TLS state without bound
+    monkeypatch.setattr(tls_gate, "MAX_OPENING", 3)
+    members = Members(tmp_path)
+
+    async def scenario() -> None:
+        server, port = await members.serve()
+        async with server:
+            silent = [await _silent(port, f"127.0.0.{10 + index}") for index in range(3)]
+            await asyncio.sleep(0.2)
+            with records_of("deskfleet.agent.tls_gate") as records:
+                reader, writer = await _silent(port, "127.0.0.20")
+                assert await _closed_by_the_server(reader, 5)
+                writer.close()
+            [line] = records.messages()
+            assert line.startswith("refused a connection from 127.0.0.20:") and \
+                line.endswith(": 3 connections are opening already, from 3 hosts (said once a minute)")
+            for _reader, writer in silent:
+                writer.close()
+            await asyncio.sleep(0.3)
+            await _talk(members.controller, port)
+
+    run(scenario())
+
+
+def test_a_host_is_its_address_and_a_joins_host_an_ipv6_ones_64() -> None:
+    # on an IPv6 LAN the /64 is every PC of the segment: the opening connections count by address, so that one
+    # stranger cannot block every member's links; a join (certificate-less, 4 at a time a host) counts by /64
+    assert tls_gate.host_key(("2001:db8:10:20::7", 5, 0, 0)) == "2001:db8:10:20::7"
+    assert tls_gate.host_key(("2001:db8:10:20::7", 5, 0, 0), ipv6_prefix=64) == "2001:db8:10:20::/64"
+    assert tls_gate.host_key(("fe80::1%eth0", 5, 0, 2)) == "fe80::1"
+    assert tls_gate.host_key(("::ffff:10.0.0.5", 5, 0, 0), ipv6_prefix=64) == "10.0.0.5"
+    assert tls_gate.host_key(("10.0.0.5", 5)) == "10.0.0.5"
+    assert tls_gate.host_key(None) == "?" and tls_gate.address_text(None) == "?"
+    assert tls_gate.address_text(("2001:db8::7", 5, 0, 0)) == "[2001:db8::7]:5"
+
+
 async def _open_from(source: str, files: TlsFiles, port: int) -> Link:
     """A member's link from another loopback address, as another host (open_link dials from the default one)."""
     from websockets.asyncio.client import connect
@@ -191,6 +231,59 @@ def test_a_connection_silent_in_its_handshake_is_dropped_and_frees_its_share(
             assert records.messages() == [
                 f"dropped a connection from 127.0.0.1:{source}: no TLS handshake within 0.5 s"]
             await _talk(members.controller, port)  # the host's one share is free again
+
+    run(scenario())
+
+
+def test_connections_that_close_before_their_handshake_leave_no_tls_state_behind(
+        tmp_path: Path, run: Callable[[Coroutine[object, object, None]], None]) -> None:
+    # from a review: on uvloop the EOF of a connect-and-close (a port scan) came before TLS began, and start_tls on
+    # the closing transport armed its handshake's timer, which kept ~90 KB of TLS state for 10 s, outside the cap
+    members = Members(tmp_path)
+
+    def scan(port: int) -> None:
+        for _ in range(200):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+    def tls_states() -> int:
+        gc.collect()
+        return sum(1 for item in gc.get_objects() if isinstance(item, ssl.SSLObject))
+
+    async def scenario() -> None:
+        server, port = await members.serve()
+        async with server:
+            before = tls_states()
+            await asyncio.to_thread(scan, port)
+            await asyncio.sleep(0.5)
+            assert tls_states() - before <= 2  # one or two still closing, not one in three of 200
+            await _talk(members.controller, port)
+
+    run(scenario())
+
+
+def test_more_bytes_before_tls_than_a_client_hello_holds_drop_the_connection_cleanly(
+        tmp_path: Path, run: Callable[[Coroutine[object, object, None]], None],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the cap on what uvloop reads before TLS began aborted the connection, and the hand-over then met a transport
+    # with no protocol: an AttributeError traceback in the loop's log
+    cap = tls_gate.GatedServerConnection.MAX_RAW_BYTES
+    monkeypatch.setattr(tls_gate.GatedServerConnection, "MAX_RAW_BYTES", 100)
+    members = Members(tmp_path)
+    failures: list[dict[str, object]] = []
+
+    async def scenario() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: failures.append(context))
+        server, port = await members.serve()
+        async with server:
+            for _ in range(5):
+                reader, writer = await _silent(port)
+                writer.write(b"\x16\x03\x01" + b"x" * 8192)
+                assert await _closed_by_the_server(reader, 5)
+                writer.close()
+            await asyncio.sleep(0.2)
+            monkeypatch.setattr(tls_gate.GatedServerConnection, "MAX_RAW_BYTES", cap)  # a member's hello is 1-2 KB
+            await _talk(members.controller, port)
+        assert failures == []
 
     run(scenario())
 

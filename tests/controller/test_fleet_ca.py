@@ -641,6 +641,39 @@ def test_a_join_refused_while_the_controller_is_busy_tries_again(store: FleetSto
     with_server(store, scenario)
 
 
+def test_a_join_dropped_as_its_address_holds_too_many_opening_connections_tries_again(
+        store: FleetStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # from an exploratory test: the port's gate drops a connection before TLS while its address has too many
+    # opening (a flood from a PC behind the same address), and the join failed at once as "cannot reach"
+    from deskfleet.agent import enroll, tls_gate
+
+    monkeypatch.setattr(tls_gate, "MAX_OPENING_PER_HOST", 2)
+
+    async def scenario(server: FleetServer, address: str) -> None:
+        host, port = address.rsplit(":", 1)
+        held = [await asyncio.open_connection(host, int(port)) for _ in range(2)]  # silent: their handshakes wait
+
+        async def free_them() -> None:
+            await asyncio.sleep(1.0)
+            for _reader, writer in held:
+                writer.close()
+
+        freeing = asyncio.create_task(free_them())
+        membership = await join(token_for(store, address), tmp_path / "agent", "pc-1")  # tried again, joined
+        await freeing
+        assert store.roster()[membership.agent_id].hostname == "pc-1"
+        held = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+        monkeypatch.setattr(enroll, "JOIN_BUSY_WAIT_S", 1.5)
+        with pytest.raises(EnrollmentError, match=r"the controller dropped the connection as it opened \(\w+: it "
+                                                  r"turns an address away while 64 of its connections are opening; "
+                                                  r"or no deskfleet controller listens there\), for 2 s: join again"):
+            await join(token_for(store, address), tmp_path / "other", "pc-2")
+        for _reader, writer in held:
+            writer.close()
+
+    with_server(store, scenario)
+
+
 def test_the_hostname_shown_for_a_pc_the_roster_never_saw_join_names_no_pc(store: FleetStore) -> None:
     # an agent that joined a controller restored from an older backup is listed as host '?': `fleet remove '?'`
     # removed it, for good
