@@ -442,9 +442,12 @@ def _converse(options: ChatOptions, tokenizer: ModelTokenizer, manifest: Manifes
                         out.write("\n")
                         out.flush()
                 failed = (f"the reply failed: {error}; what it made is dropped and the conversation is unchanged; the "
-                          "next message opens the chain again, re-planning over the PCs that answer")
+                          "next message opens the chain again, re-planning over the PCs that answer where "
+                          "--max-failovers allows (with 0, only once the lost PCs are back)")
                 _note(notes, f"[{failed}]")
-                _write_json(out, as_json, {"error": failed, "reply": printer.text})
+                _write_json(out, as_json, {"error": failed, "reply": printer.text, "failovers": len(engine.failovers),
+                                           **({"replans": failover.replans[replans_told:]} if failover is not None
+                                              else {})})
                 chain_held.close()  # the broken chain's links and stages go now
                 closed = True
                 continue

@@ -37,7 +37,7 @@ _NEUTRAL: dict[str, tuple[tuple[object, ...], str]] = {
     "function_call": ((None, "none"), _NO_TOOLS),
     "modalities": ((None, ["text"]), _TEXT_ONLY), "audio": ((None,), _TEXT_ONLY),
     "reasoning_effort": ((None,), "deskfleet's models take no reasoning effort"),
-    "verbosity": ((None,), "deskfleet's models take no verbosity setting"),
+    "verbosity": ((None, "medium"), "deskfleet's models take no verbosity setting"),
     "prediction": ((None,), "deskfleet takes no predicted output"),
     "web_search_options": ((None,), "deskfleet does no web search")}
 # about the caller, not the text (metadata, routing and caching hints, abuse tracking): taken and unused

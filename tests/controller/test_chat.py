@@ -964,7 +964,9 @@ def test_a_reply_whose_chain_broke_past_re_planning_fails_alone_and_the_next_ope
     replies = [json.loads(line) for line in out.getvalue().splitlines()]
     assert len(replies) == 3 and "reply" in replies[0] and "reply" in replies[2]
     assert replies[1]["error"].startswith("the reply failed: agent b: the link closed (gave up: 0 re-plan(s)") and \
-        replies[1]["error"].endswith("the next message opens the chain again, re-planning over the PCs that answer")
+        replies[1]["error"].endswith("the next message opens the chain again, re-planning over the PCs that answer "
+                                     "where --max-failovers allows (with 0, only once the lost PCs are back)")
+    assert replies[1]["failovers"] == 0 and replies[1]["replans"] == []  # as a reply's line lists them
     assert len(opened) == 2  # the broken chain closed, and the third message opened another
     # the conversation went on as if the failed message had not been sent
     local = io.StringIO()

@@ -388,7 +388,7 @@ def test_what_the_openai_sdk_sends_is_taken_as_the_api_takes_it(served: tuple[st
     assert status == 200, answer
     # caller metadata the SDK offers as arguments, and the API's defaults as clients send them: taken
     status, answer = post(chat, {"model": MODEL, "max_tokens": 2, "messages": hello, "safety_identifier": "u1",
-                                 "prompt_cache_key": "k", "modalities": ["text"], "stop": []})
+                                 "prompt_cache_key": "k", "modalities": ["text"], "verbosity": "medium", "stop": []})
     assert status == 200, answer
     found = events(chat, {"model": MODEL, "max_tokens": 2, "messages": hello,
                           "stream_options": {"include_usage": True, "include_obfuscation": False}})
