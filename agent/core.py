@@ -120,6 +120,9 @@ HOP_SEND_TIMEOUT_S = 30.0
 # step dialled it anew (two 10 s dials each), so the new chain's step waited behind the old chain's for minutes
 # before its Error reached the driver.
 HOP_RETRY_AFTER_S = 3.0
+# How long a stopping agent waits for its next hops' watchers once their links are closed (each ends at once as its
+# link closes; the link's close handshake takes up to its close timeout) before it cancels them
+HOP_WATCHERS_CLOSE_S = 5.0
 # A step from an agent that failed or was refused is a warning at most this often per sending PC and error code
 # (a debug line between); the driver hears each one
 CHAIN_FAULT_LOG_EVERY_S = 60.0
@@ -538,7 +541,13 @@ class AgentCore:
         links, self._next_hops = list(self._next_hops.values()), {}
         for link in links:
             await link.close()
-        await asyncio.gather(*self._hop_watchers, return_exceptions=True)  # each ends as its link closes
+        # each ends as its link closes; one whose link is still open (a bug) must not hold the agent's stop for good
+        _, left = await asyncio.wait(self._hop_watchers, timeout=HOP_WATCHERS_CLOSE_S) if self._hop_watchers \
+            else (set(), set())
+        for watcher in left:
+            log.warning("a next hop's link was still open as the agent stopped: its watcher is cancelled")
+            watcher.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
 
     async def _unless_closing(self, work: Awaitable[_T], timeout: float | None) -> _T:
         """`work`, or TimeoutError after `timeout` (None: none), or LinkError as soon as close() begins: a stopping
@@ -1026,7 +1035,15 @@ class AgentCore:
                 self._unreachable_hops.pop(hop.agent_id, None)
                 return
             except LinkError as error:
+                if link is not None and self._next_hops.get(hop.agent_id) is link:
+                    # closed as it is given up: its watcher reads it until it closes, and close() waits for every
+                    # watcher. Dropped from the map alone, a link alive under a step that the agent's stopping cut
+                    # short stayed open, and the agent hung at its stop for good (2-3 of 5 SIGINTs mid-run)
+                    await self._drop_hop_link(hop, link)
                 self._next_hops.pop(hop.agent_id, None)
+                if self._closing.is_set():  # this PC is going, not its next hop: the re-plan leaves this one out
+                    raise CommandError(ErrorCode.INTERNAL, f"agent {self.agent_id[:12]} dropped the step: this agent "
+                                       "is stopping", agent_id=self.agent_id) from None
                 if attempt and error.too_big:  # it answered, refusing the step: blame no one
                     raise CommandError(ErrorCode.NOT_ASSIGNED, _refused_as_too_big(hop)) from None
                 if attempt:  # the Error that answers it starts with this agent's id

@@ -433,6 +433,72 @@ def test_a_stopping_agent_gives_up_a_step_stuck_dialling_its_next_hop(tmp_path: 
     assert asyncio.run(scenario()) < 2
 
 
+def test_a_next_hop_link_a_stopping_agent_cut_a_step_short_on_is_closed_and_the_stop_ends(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # From an exploratory test: an agent stopped mid-run hung for good (2-3 of 5 SIGINTs, either loop). The step's
+    # send, cut short by the stop, dropped its link from the map without closing it; close() closed only the map's
+    # links, and waited on the watcher that read the open one (its peer answered the pings).
+    from deskfleet.agent import core as core_module
+
+    class LiveLink(FakeLink):
+        def __init__(self, role: Role, agent_id: str) -> None:
+            super().__init__(role, agent_id)
+            self.gone = asyncio.Event()
+
+        async def receive(self) -> Message:
+            await self.gone.wait()  # a live peer says nothing back until the link closes
+            raise LinkError("closed")
+
+        async def send(self, message: Message) -> None:
+            await asyncio.Event().wait()  # a large step still going out as the stop begins
+
+        async def close(self) -> None:
+            self.gone.set()
+
+    opened: list[LiveLink] = []
+
+    async def dial(address: str, *args: object, **kwargs: object) -> LiveLink:
+        opened.append(LiveLink(Role.AGENT, NEXT))
+        return opened[-1]
+
+    monkeypatch.setattr(core_module, "open_link", dial)
+    monkeypatch.setattr(core_module, "HOP_WATCHERS_CLOSE_S", 30.0)  # the stop must end by the link's closing
+    core = make_core(tmp_path, "agent")
+
+    async def scenario() -> float:
+        step = asyncio.create_task(core._send_next(NextHop("10.0.0.9:7431", NEXT), ReleaseMicroBatch(7)))
+        await asyncio.sleep(0.1)
+        core.begin_closing()  # as the service stops: the step gives up before close() runs
+        with pytest.raises(CommandError, match="this agent is stopping") as refused:
+            await asyncio.wait_for(step, 5)
+        assert refused.value.agent_id == core.agent_id  # this PC is going: its healthy next hop was blamed
+        began = time.monotonic()
+        await asyncio.wait_for(core.close(), 10)
+        return time.monotonic() - began
+
+    assert asyncio.run(scenario()) < 2
+    assert len(opened) == 1 and opened[0].gone.is_set()
+
+
+def test_a_next_hop_watcher_that_outlives_its_links_close_does_not_hold_the_agents_stop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deskfleet.agent import core as core_module
+
+    monkeypatch.setattr(core_module, "HOP_WATCHERS_CLOSE_S", 0.2)
+    core = make_core(tmp_path, "agent")
+
+    async def scenario() -> None:
+        watcher = asyncio.create_task(asyncio.Event().wait())  # a link some bug left open
+        core._hop_watchers.add(watcher)
+        with records_of("deskfleet.agent.core", logging.WARNING) as records:
+            await asyncio.wait_for(core.close(), 5)
+        assert watcher.cancelled()
+        assert records.messages() == ["a next hop's link was still open as the agent stopped: its watcher is "
+                                      "cancelled"]
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("closed_here", [False, True])
 def test_a_next_hop_link_that_dies_under_steps_is_reported_to_their_drivers(tmp_path: Path,
                                                                               closed_here: bool) -> None:
