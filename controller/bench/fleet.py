@@ -759,7 +759,8 @@ class _Fleet:
         """Start one simulated PC's process, logging to NAME.log, and record it in `processes`; it ends when this
         process does (its stdin: a pipe that the kernel closes however this process ends, even by SIGKILL)."""
         files = TlsFiles.in_folder(self.work / name, "agent")
-        _issue(ca, files, name)
+        with signals_held():  # a signal's exception raised inside cryptography's code came back as a bad signature
+            _issue(ca, files, name)
         # the child has its own copy of the log file; a signal in Popen would leave a child no Popen names
         with (self.work / f"{name}.log").open("wb") as log_file, signals_held():
             self.processes[name] = subprocess.Popen(

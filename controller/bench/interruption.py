@@ -111,6 +111,17 @@ def signals_unwind(ctrl_c: bool = True) -> Iterator[None]:
         yield
         if unwinding.received is not None and not unwinding.raised:  # scheduled on a loop that stopped first
             unwinding.raise_received()
+    except Exception as error:
+        if unwinding.received is None:
+            raise
+        # the signal's exception was lost where it was raised, in a library's code, and came back as that code's
+        # failure (bench fleet, SIGTERM as it signed a PC's certificate: "certificate request signature is invalid",
+        # exit 2): the signal is what stops it
+        try:
+            unwinding.raise_received()
+        except KeyboardInterrupt as stopped:
+            raise stopped from error
+        raise
     finally:
         _unwinding = None
         for signum, handler in previous.items():

@@ -39,6 +39,22 @@ def test_a_stopped_bench_says_so_and_exits_with_the_signals_status(
     assert captured.err == f"deskfleet: bench speculative stopped by {name}: no report\n"
 
 
+def test_a_signal_whose_exception_a_library_lost_still_stops_the_bench() -> None:
+    # fresh-clone CI: SIGTERM as bench fleet signed a simulated PC's certificate came back from cryptography's code as
+    # "certificate request signature is invalid", and the bench exited 2 with that error instead of 143
+    from deskfleet.controller.bench.interruption import signals_unwind
+
+    with pytest.raises(BenchTerminated) as stopped, signals_unwind():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # the handler runs here, and its exception is lost
+        except BaseException:
+            pass
+        raise ValueError("certificate request signature is invalid")
+    assert stopped.value.signum == signal.SIGTERM
+    assert isinstance(stopped.value.__cause__, ValueError)
+
+
 def test_a_coroutine_a_signal_stopped_before_it_ran_is_closed_quietly(monkeypatch: pytest.MonkeyPatch,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     # Python runs a signal's handler as a function begins: SIGTERM while `bench fleet` deployed stopped
