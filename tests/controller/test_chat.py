@@ -115,6 +115,15 @@ class _Failover:
         self.runs_started += 1
 
 
+class _NoReplans:
+    """A fleet chain's failover that made no re-plan and took no PC back."""
+    replans: ClassVar[list[dict[str, object]]] = []
+    rejoined: ClassVar[list[dict[str, object]]] = []
+
+    def start_run(self) -> None:
+        pass
+
+
 def _chain_that_fails_over(monkeypatch: pytest.MonkeyPatch, model: Path, settings: CompileSettings) -> _Failover:
     """The chat's chain: 2 local stages that break at the 4th step, then a 1-stage one for good."""
     failover = _Failover()
@@ -929,18 +938,11 @@ def test_a_reply_whose_chain_broke_past_re_planning_fails_alone_and_the_next_ope
     opened: list[int] = []
     runs: list[int] = []
 
-    class Failover:
-        replans: ClassVar[list[dict[str, object]]] = []
-        rejoined: ClassVar[list[dict[str, object]]] = []
-
-        def start_run(self) -> None:
-            pass
-
     @contextmanager
     def fleet_chain(options: ChatOptions, settings: CompileSettings) -> Iterator[tuple[LocalPipeline, object]]:
         opened.append(1)
         with LocalPipeline(model, 1, settings) as pipeline:
-            yield pipeline, Failover()
+            yield pipeline, _NoReplans()
 
     class BreaksOnTheSecondReply(Engine):
         def run(self, on_token: Any = None, recover: Any = None, feed: Any = None) -> Any:
@@ -983,20 +985,13 @@ def test_a_chain_that_does_not_open_again_for_a_pc_back_costs_one_message_not_th
     model = _chat_model(tmp_path, tiny_export)
     opened: list[int] = []
 
-    class Failover:
-        replans: ClassVar[list[dict[str, object]]] = []
-        rejoined: ClassVar[list[dict[str, object]]] = []
-
-        def start_run(self) -> None:
-            pass
-
     @contextmanager
     def fleet_chain(options: ChatOptions, settings: CompileSettings) -> Iterator[tuple[LocalPipeline, object]]:
         opened.append(1)
         if len(opened) == 2:
             raise ChainError("agent b: cannot reach 127.0.0.1:7432", "b" * 52)
         with LocalPipeline(model, 1, settings) as pipeline:
-            yield pipeline, Failover()
+            yield pipeline, _NoReplans()
 
     looks = iter([False, True, OSError("agents.json is being written"), False])
 
