@@ -45,6 +45,7 @@ NAMESPACE_PREFIX = "df-test-"
 LINK_PREFIX = "dft"
 BRIDGE = f"{LINK_PREFIX}{RUN_TAG}br"
 AGENTS = 3
+ASYNCIO_AGENT = "agent1"  # runs on the standard asyncio loop (Fleet.start), the others on uvloop
 # The agents share one host, so a measured speed would be noise: pin one for the planner.
 RELAXED_SETTINGS = {"format_version": 1, "speed_gb_per_s": 10.0, "thresholds": {
     "require_ac_power": False, "min_battery_percent": None, "max_temperature_c": None,
@@ -93,8 +94,11 @@ class Fleet:
 
     def start(self, key: str, node: Node, *argv: str) -> None:
         log = (self.work / f"{key}.log").open("wb")
+        # one agent on Python's standard loop, as every Windows PC runs (uvloop has no Windows build): every test of
+        # the module drives a chain through it
+        loop = {"DESKFLEET_EVENT_LOOP": "asyncio"} if key == ASYNCIO_AGENT else {}
         self.processes[key] = subprocess.Popen(node.command(*argv), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                               env=_environment())
+                                               env={**_environment(), **loop})
 
     def log(self, key: str) -> str:
         return (self.work / f"{key}.log").read_text(errors="replace")
@@ -289,6 +293,15 @@ def test_chain_generates_the_local_tokens(fleet: Fleet, tiny_export: Path) -> No
          "--max-new-tokens", "8", "--ignore-eos", "--precision", "f32", "--json"],
         capture_output=True, check=True, cwd=REPO, env=_environment()).stdout)["tokens"]
     assert remote == local
+
+
+def test_one_agent_of_the_chain_runs_on_the_standard_asyncio_loop(fleet: Fleet) -> None:
+    # CI's fleet ran uvloop alone, and Windows PCs (no uvloop build) run asyncio's loop: ASYNCIO_AGENT does, and hosts
+    # a stage of every chain this module drives (each agent serves one: test_deploy_pushes_then_a_second_deploy_...)
+    def uvloop_mapped(key: str) -> bool:
+        return "uvloop" in Path(f"/proc/{fleet.processes[key].pid}/maps").read_text()
+
+    assert not uvloop_mapped(ASYNCIO_AGENT) and uvloop_mapped("agent0")
 
 
 def test_a_long_prompts_hidden_states_cross_the_chain(fleet: Fleet, tiny_export: Path) -> None:
