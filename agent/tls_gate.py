@@ -75,12 +75,11 @@ class TlsGate:
     """One listening port's TLS: its context, the count of each host's connections that are not open yet, and
     what it has logged. `connection_class()` is the websockets connection that uses it."""
 
-    def __init__(self, context: ssl.SSLContext, handshake_timeout_s: float, shutdown_timeout_s: float,
-                 max_opening_per_host: int | None = None) -> None:
+    def __init__(self, context: ssl.SSLContext, handshake_timeout_s: float, shutdown_timeout_s: float) -> None:
         self.context = context
         self.handshake_timeout_s = handshake_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
-        self.max_opening_per_host = MAX_OPENING_PER_HOST if max_opening_per_host is None else max_opening_per_host
+        self.max_opening_per_host = MAX_OPENING_PER_HOST  # read as the port opens (tests lower them)
         self.max_opening = MAX_OPENING
         self.opening: Counter[str] = Counter()  # by host_key: connections accepted whose websocket is not open yet
         self.handshakes: set[asyncio.Task[None]] = set()  # TLS handshakes running (held against the collector)
