@@ -16,6 +16,8 @@ import os
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
+from deskfleet.common.stop_signal import Stopped, StopSignal
+
 ENV_VAR = "DESKFLEET_EVENT_LOOP"
 CHOICES = ("auto", "uvloop", "asyncio")
 
@@ -54,12 +56,15 @@ def loop_factory(environ: Mapping[str, str] | None = None) -> LoopFactory | None
     return factory
 
 
-def run(main: Coroutine[Any, Any, T]) -> T:
-    """asyncio.run(main) on the chosen loop (main is closed unrun if no loop can be chosen)."""
+def run(main: Coroutine[Any, Any, T], stop: StopSignal | None = None) -> T:
+    """asyncio.run(main) on the chosen loop (main is closed unrun if no loop can be chosen). `stop`: where it is set,
+    before or while main runs (from another thread), main's task is cancelled, as a Ctrl-C cancels it, and Stopped
+    is raised once main has unwound."""
+    runs = main if stop is None else _stoppable(main, stop)
     try:
         runner = asyncio.Runner(loop_factory=loop_factory())
         try:
-            result = runner.run(main)
+            result = runner.run(runs)
         except KeyboardInterrupt:  # Ctrl-C, or a bench's SIGTERM (a KeyboardInterrupt): it must reach the caller
             _close(runner, interrupted=True)
             raise
@@ -70,9 +75,35 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         # a no-op once it ran; one that a signal (Ctrl-C, a bench's SIGTERM) stopped before it started (also while
         # the loop was chosen or the runner made: a fresh-clone CI run's SIGTERM while `bench fleet` deployed) would
         # print "coroutine ... was never awaited" after the command's last line
+        runs.close()
         main.close()
     _close(runner, interrupted=False)
     return result
+
+
+async def _stoppable(main: Coroutine[Any, Any, T], stop: StopSignal) -> T:
+    """main, its task cancelled where `stop` is set; Stopped then."""
+    if stop.is_set():
+        main.close()
+        raise Stopped("the work was not begun: stopping")
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+
+    def cancel() -> None:  # on the thread that set the signal
+        try:
+            loop.call_soon_threadsafe(task.cancel)
+        except RuntimeError:  # the loop closed meanwhile: main is over
+            pass
+
+    with stop.calling(cancel):
+        try:
+            return await main
+        except asyncio.CancelledError:
+            if not stop.is_set():
+                raise
+            task.uncancel()
+            raise Stopped("the work was cut short: stopping") from None
 
 
 def _close(runner: asyncio.Runner, interrupted: bool) -> None:

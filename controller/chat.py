@@ -57,6 +57,8 @@ from .terminal_lines import PROMPT, TerminalLines, terminal_lines
 if TYPE_CHECKING:
     # .tokenizer and .text_printer are imported where used: the tokenizers package comes with the controller
     # extra only, and `deskfleet --help` (which builds the chat command's parser here) must work without it.
+    from deskfleet.common.stop_signal import StopSignal
+
     from .fleet_failover import FleetFailover
     from .fleet_pipeline import FleetPipeline
     from .fleet_store import FleetStore
@@ -640,12 +642,13 @@ def controller_store(data_dir: Path | None) -> FleetStore:
 
 @contextmanager
 def open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discover_seconds: float | None = None,
-                      peers: tuple[str, ...] = (), drafting: bool = False
+                      peers: tuple[str, ...] = (), drafting: bool = False, stop: StopSignal | None = None
                       ) -> Iterator[tuple[FleetPipeline, FleetFailover]]:
     """The deployed chain of `model` and the failover that replaces it when a PC drops out, its re-plans browsing
     mDNS for `discover_seconds` (None: FAILOVER_BROWSE_S) and dialling `peers` too. A PC that is already gone
     when the chain opens counts as the first failover. `drafting`: the run will verify drafts (warned of when the
-    deployment's KV cache makes that inexact, and again when a re-plan goes on on one that does)."""
+    deployment's KV cache makes that inexact, and again when a re-plan goes on on one that does). `stop` (a server's,
+    set as it stops from another thread): the opening, its re-plans and its chains' steps give up with Stopped."""
     from .fleet_failover import FleetFailover
     from .fleet_pipeline import ChainError, FleetPipeline
     from .fleet_runs import driving
@@ -655,7 +658,7 @@ def open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discove
     with ExitStack() as stack:
         options = SurveyOptions(peers=peers, discover_seconds=browse)
         failover = stack.enter_context(FleetFailover(store, model, max_failovers, survey_options=options,
-                                                     drafting=drafting))
+                                                     drafting=drafting, stop=stop))
         failover.check_cache()
         if failover.model_id is not None:  # none: no export there, which opening the chain says
             # counted while the chain is open: a run's start does not re-plan under another's streams (rejoin)
@@ -666,7 +669,7 @@ def open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discove
             yield rejoined, failover
             return
         try:
-            chain = failover.opened = stack.enter_context(FleetPipeline.from_store(store, model))
+            chain = failover.opened = stack.enter_context(FleetPipeline.from_store(store, model, stop=stop))
         except ChainError as error:
             if error.agent_id is None:
                 raise  # not an agent's fault (e.g. never deployed): nothing to re-plan around

@@ -25,6 +25,7 @@ from typing import Protocol
 
 from deskfleet.common.logprobs import TokenLogprob
 from deskfleet.common.model_spec import ModelSpec
+from deskfleet.common.stop_signal import Stopped, StopSignal
 
 from .draft import Drafter
 from .engine import ChainSwitch, Engine, EngineOptions, Recover, StageChain, StreamRequest, StreamResult
@@ -114,15 +115,18 @@ class EngineService:
     def __init__(self, open_chain: ChainOpener, spec: ModelSpec, draft: Drafter | None, options: OptionsFor,
                  max_streams: int = 64, take_back: Callable[[], bool] | None = None,
                  take_back_busy_s: float = TAKE_BACK_BUSY_S,
-                 take_back_while_busy: Callable[[], bool] | None = None) -> None:
+                 take_back_while_busy: Callable[[], bool] | None = None, stop: StopSignal | None = None) -> None:
         """`take_back`: asked every TAKE_BACK_POLL_S; where it says True, the service opens the chain again at its
         next idle moment (a fleet's opening takes back a PC that a re-plan left out: open_fleet_chain), or, where
         streams run for `take_back_busy_s` meanwhile, moves them onto the chain its opener's take_back makes. None:
         the chain stays as it opened. `take_back_while_busy`: the check asked while streams run instead (one that
-        never waits on the network: TakeBackLook.left_out_back); None: `take_back`."""
+        never waits on the network: TakeBackLook.left_out_back); None: `take_back`. `stop`: set by close(), and given
+        to the opener's chain and failover (a fleet's), so that a re-plan under way or a step waiting for a stalled PC
+        gives up as the service closes, rather than hold its close for up to 30 s and then be left half done."""
         if max_streams < 1:
             raise ValueError(f"max_streams must be at least 1, got {max_streams}")
         self._open_chain = open_chain
+        self._stop = stop
         self._take_back = take_back
         self._take_back_while_busy = take_back_while_busy or take_back
         self._reopening = False  # the feed ended the run to open the chain again (take_back said so)
@@ -169,6 +173,8 @@ class EngineService:
             raise ServiceClosed(f"the chain did not open in {timeout:g} s")
         if self._open_error is not None:
             self.close()
+            if isinstance(self._open_error, Stopped):
+                raise ServiceClosed("the server stopped while the chain opened") from self._open_error
             raise ServiceClosed(f"the chain could not be opened: {self._open_error}") from self._open_error
 
     def submit(self, request: StreamRequest, sink: StreamSink) -> int:
@@ -225,6 +231,8 @@ class EngineService:
         with self._lock:
             self._closing = True
             self._lock.notify_all()
+        if self._stop is not None:
+            self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self._end_all("the server stopped")
@@ -262,6 +270,8 @@ class EngineService:
                     return  # the feed ended the run: closing
                 log.info("no stream runs and the chain can take a PC back: it opens again")
             except Exception as error:  # a run's failure ends its streams, not the server
+                if isinstance(error, Stopped) and not first:  # close() cut the run or the opening short
+                    return
                 if first:
                     self._open_error = error
                     self._chain_open.set()
@@ -366,6 +376,8 @@ class EngineService:
         self._reap(engine)
         try:
             chain = take_back()
+        except Stopped:  # close() cut the re-plan short: the run ends at the next step
+            return None
         except Exception:
             log.warning("the streams running could not move onto a chain taking a PC back; they go on where they "
                         "ran", exc_info=True)

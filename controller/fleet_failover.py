@@ -48,6 +48,7 @@ from deskfleet.common.agent_state import AgentState
 from deskfleet.common.arguments import FAILOVER_BROWSE_S
 from deskfleet.common.model_spec import ManifestError
 from deskfleet.common.planner import RESUME_COMMAND, ExclusionReason, Plan
+from deskfleet.common.stop_signal import Stopped, StopSignal
 from deskfleet.common.wire import StageRef
 from deskfleet.controller.engine import ChainBroken
 from deskfleet.controller.fleet_ca import Revocations
@@ -115,6 +116,9 @@ class FleetFailover:
     # controller); every re-plan of the run keeps their ends apart
     broken_links: set[tuple[str, str]] = field(default_factory=set)
     drafting: bool = False  # the run verifies drafts: told when a deployment it goes on on keeps an inexact cache
+    # a server's stop (set as it stops, from another thread): a re-plan under way and the chains made give up at once,
+    # raising Stopped, as a Ctrl-C gives them up in a command's main thread
+    stop: StopSignal | None = None
     hostnames: dict[str, str] = field(default_factory=dict, init=False)  # the roster's (read at each re-plan)
     _blame: ChainError | None = field(default=None, repr=False)  # the blame the re-plan under way checks
     _left_out: str | None = field(default=None, repr=False)  # whom that check left out
@@ -194,7 +198,7 @@ class FleetFailover:
                 chain = self._replan(error, agent_id, cut_short)
                 if chain is not None:
                     break
-        except KeyboardInterrupt:  # Ctrl-C mid-re-plan: the report still says what broke, and whom it lost
+        except (KeyboardInterrupt, Stopped):  # Ctrl-C mid-re-plan: the report still says what broke, and whom it lost
             record(None)
             raise
         finally:
@@ -273,7 +277,7 @@ class FleetFailover:
         called_in = placed_pcs_called_in(self.store, self.model_dir)
         if called_in is None or self._model_id is None:
             return None
-        gone = stages_gone(self.store, self.model_dir, self._model_id, called_in)
+        gone = stages_gone(self.store, self.model_dir, self._model_id, called_in, self.stop)
         if not gone:  # none gone (asked about once), or they could not be asked: the chain's first step tells
             return None
         at = f" at {utc_text(called_in.assigned_at)}" if called_in.assigned_at is not None else ""
@@ -289,7 +293,7 @@ class FleetFailover:
         """The chain of a deployment this run goes on on, watching the record for another one replacing it."""
         return FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store), model_id=report.model_id,
                              hostnames=self.hostnames,
-                             replaced=DeploymentWatch(self.store, self.model_dir, report.stages))
+                             replaced=DeploymentWatch(self.store, self.model_dir, report.stages), stop=self.stop)
 
     def _saved_deployment(self) -> tuple[StagePlacement, ...] | None:
         try:
@@ -337,7 +341,7 @@ class FleetFailover:
                         record(stages=[], problem="the deploy under way did not finish in "
                                f"{RUNNING_LOCK_WAIT_S if running else DEPLOY_LOCK_WAIT_S:.0f} s")
                         return None
-                    time.sleep(_LOCK_POLL_S)
+                    self._pause(_LOCK_POLL_S)
                     if not still_wanted():  # taken back meanwhile, or deployed anew
                         return None
             if waiting and not still_wanted():  # the deploy waited for ended after the last look: it did the work
@@ -351,8 +355,8 @@ class FleetFailover:
             self._rejoining, self._must_place = frozenset(agents), not stage_gone
             self._recheck_too = recheck  # the admin's PCs still gone: the short timeout too
             try:
-                report = event_loop.run(self._redeploy(lock_held=True))
-            except KeyboardInterrupt:
+                report = event_loop.run(self._redeploy(lock_held=True), stop=self.stop)
+            except (KeyboardInterrupt, Stopped):
                 record(stages=[], interrupted=True)
                 raise
             except (DeployError, ChainError, FailoverError, ManifestError, OSError, FleetStoreError,
@@ -387,6 +391,13 @@ class FleetFailover:
         self.notify(f"{said}: {how} over {chain.num_stages} agent(s): {chain.describe()}")
         self.check_cache()
         return chain
+
+    def _pause(self, seconds: float) -> None:
+        """time.sleep(seconds), cut short by the stop with Stopped."""
+        if self.stop is None:
+            time.sleep(seconds)
+        elif self.stop.wait(seconds):
+            self.stop.check("the re-plan")
 
     def _add_chain(self, chain: FleetPipeline) -> None:
         """Own `chain`, the run's new one, and close those before the one `chain` replaces (the engine releases its
@@ -469,7 +480,7 @@ class FleetFailover:
             # the first attempt took a deployment saved meanwhile (it surveyed nothing: this attempt weighs it)
             self._verdict = self._blame_verdict
         try:
-            report = event_loop.run(self._redeploy())
+            report = event_loop.run(self._redeploy(), stop=self.stop)
             chain = self._chain_of(report)
             self._known = report.stages
             return chain
@@ -708,14 +719,14 @@ class FleetFailover:
         log.warning("%s", self._verdict)
 
 
-def stages_gone(store: FleetStore, model_dir: Path, model_id: str,
-                called_in: CalledInSinceAssigned) -> tuple[str, ...] | None:
+def stages_gone(store: FleetStore, model_dir: Path, model_id: str, called_in: CalledInSinceAssigned,
+                stop: StopSignal | None = None) -> tuple[str, ...] | None:
     """Of the PCs of `called_in` (fleet_deploy.placed_pcs_called_in), those that answer now, able to take stages,
     without their stage of it; None where they could not be asked. Only they are dialled, with the short timeout,
     no mDNS browse: a PC that does not answer, or is paused again, is left to the chain's failover. Where none is
     gone, the ask is noted (note_hosting_checked): those call-ins are not asked about again. Where one is, it is not
-    (a run that starts while the stage is re-planned for asks too). Never raises: the ask is a help to a run that
-    would start without it."""
+    (a run that starts while the stage is re-planned for asks too). Raises only Stopped (where `stop` is set): the
+    ask is a help to a run that would start without it."""
     agents = frozenset(stage.agent_id for stage in called_in.stages)
     options = SurveyOptions(discover_seconds=0.0, only=agents, recheck=agents)
 
@@ -726,7 +737,9 @@ def stages_gone(store: FleetStore, model_dir: Path, model_id: str,
         return answered
 
     try:
-        answered = {agent.agent_id: agent.report for agent in event_loop.run(ask())}
+        answered = {agent.agent_id: agent.report for agent in event_loop.run(ask(), stop=stop)}
+    except Stopped:
+        raise
     except Exception as error:
         log.warning("could not ask the PCs that called in since their stage was assigned whether they still host it: "
                     "%s (the chain's first step tells)", error, exc_info=log.isEnabledFor(logging.DEBUG))

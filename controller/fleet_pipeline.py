@@ -35,6 +35,7 @@ from pathlib import Path
 
 from deskfleet.agent.link import Link, LinkError, RevocationSource, TlsFiles, no_revocations, open_link
 from deskfleet.common import event_loop
+from deskfleet.common.stop_signal import Stopped, StopSignal
 from deskfleet.common.wire import Error, ErrorCode, Forward, ForwardResult, ReleaseMicroBatch, ResultsHere
 from deskfleet.controller.chain_ids import ChainIds
 from deskfleet.controller.engine import ChainBroken
@@ -129,14 +130,15 @@ class FleetPipeline:
     the hostname it enrolled with: FleetStore.hostnames) names the PCs in errors and in describe(). `replaced`
     (fleet_deploy.DeploymentWatch) says whether the deployment on record no longer places these stages: submit()
     and a collect() that waits then fail the chain at once, blaming no one, and the run's failover goes on on the new
-    deployment.
+    deployment. `stop` (a server's, set as it stops): the opening and a collect() that waits give up at once
+    with Stopped.
     """
 
     def __init__(self, stages: Sequence[StagePlacement], files: TlsFiles,
                  revocations: RevocationSource = no_revocations, addresses: Sequence[str] | None = None,
                  step_timeout_s: float = STEP_TIMEOUT_S, return_logits: bool = False, model_id: str = "",
-                 hostnames: Mapping[str, str] | None = None, replaced: Callable[[], bool] | None = None
-                 ) -> None:
+                 hostnames: Mapping[str, str] | None = None, replaced: Callable[[], bool] | None = None,
+                 stop: StopSignal | None = None) -> None:
         if not stages:
             raise ChainError("the deployment has no stages")
         self.stages = tuple(stages)
@@ -150,11 +152,12 @@ class FleetPipeline:
         self.model_id = model_id
         self.hostnames = dict(hostnames or {})
         self.replaced = replaced
+        self._stop = stop
         self._first_id = secrets.randbelow(_REGIONS) * _REGION_IDS  # this driver's range of wire ids
         bases = itertools.count(secrets.randbelow(_REGION_BASES))
         self._ids = ChainIds(_ID_SPAN, lambda: self._first_id + next(bases) % _REGION_BASES * _ID_SPAN)
         # results with the perf_counter time they reached this process (the network thread's receipt)
-        self._results: queue.Queue[tuple[float, ForwardResult] | ChainError] = queue.Queue()
+        self._results: queue.Queue[tuple[float, ForwardResult] | ChainError | Stopped] = queue.Queue()
         self.last_arrival_s = 0.0  # when the result collect() returned last reached this process
         self._failure: ChainError | None = None
         self._ready = threading.Event()
@@ -165,20 +168,36 @@ class FleetPipeline:
         self._stray_errors: dict[int, int] = {}
         self._stray_logged_at: dict[int, float] = {}
         self._thread = threading.Thread(target=self._thread_main, name="fleet-chain", daemon=True)
+        # a stop wakes a collect() that waits (or the opening): it is handed over as a result
+        self._stop_wakes = contextlib.ExitStack()
+        if stop is not None:
+            self._stop_wakes.enter_context(stop.calling(lambda: self._results.put(Stopped("the chain was stopped"))))
         try:
             # start() inside: a Ctrl-C that comes once the thread runs but before the wait (a busy machine) must
             # give the opening up too, or the links the thread opens after it stay up
             self._thread.start()
-            opened = self._ready.wait(OPEN_TIMEOUT_S + 5.0)
-        except BaseException:  # Ctrl-C while the links open (a chat goes on to its next message)
+            opened = self._wait_opened(OPEN_TIMEOUT_S + 5.0, stop)
+        except BaseException:  # Ctrl-C while the links open (a chat goes on to its next message), a stop
             self._give_up_opening()
+            self._stop_wakes.close()
             raise
         if not opened:
+            self._stop_wakes.close()
             self._give_up_opening()
             raise ChainError(f"the chain did not open within {OPEN_TIMEOUT_S:.0f} s")
         if self._failure is not None:
+            self._stop_wakes.close()
             self._thread.join()
             raise self._failure
+
+    def _wait_opened(self, timeout: float, stop: StopSignal | None) -> bool:
+        """Wait for the network thread to open the links (or fail); Stopped where `stop` is set meanwhile."""
+        if stop is None:
+            return self._ready.wait(timeout)
+        with stop.calling(self._ready.set):
+            opened = self._ready.wait(timeout)
+        stop.check("opening the chain")
+        return opened
 
     @classmethod
     def from_store(cls, store: FleetStore, model_dir: Path, **options: object) -> FleetPipeline:
@@ -212,6 +231,8 @@ class FleetPipeline:
         A result this driver has no step in flight for (a run stopped early, a duplicate) is logged and
         dropped, never handed to the engine."""
         self._check_open()  # closed: no result can come, so none is awaited (nor an agent blamed)
+        if self._stop is not None:
+            self._stop.check("a step of the chain")
         wait = (self.step_timeout_s + STEP_TIMEOUT_S_PER_TOKEN * self._ids.largest_step_in_flight
                 if timeout is None else timeout)
         deadline = time.monotonic() + wait
@@ -227,6 +248,8 @@ class FleetPipeline:
                                  f"{self.describe()}: an agent may be stuck") from None
             if isinstance(entry, ChainError):
                 self._failure = entry
+                raise entry
+            if isinstance(entry, Stopped):
                 raise entry
             arrived, item = entry
             if (result := self._ids.receive(item)) is not None:
@@ -260,6 +283,7 @@ class FleetPipeline:
         if self._closed:
             return
         self._closed = True
+        self._stop_wakes.close()
         self._results.put(ChainError("the chain is closed"))  # wakes a collect() waiting in another thread
         if self._thread.is_alive():
             # the network thread may end between the check and the post (a link closed, failing the chain): the

@@ -13,7 +13,7 @@ import stat
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +21,7 @@ from deskfleet.common import event_loop
 from deskfleet.common.arguments import path_argument, seconds_up_to
 from deskfleet.common.console import stopping_signals
 from deskfleet.common.open_files import log_open_files_limit, raise_open_files_limit
+from deskfleet.common.stop_signal import StopSignal
 from deskfleet.common.wire import ProtocolError, is_loopback_host, parse_address
 
 from .chat import add_fleet_option, check_fleet_options, controller_store, fleet_max_failovers, open_fleet_chain
@@ -32,7 +33,7 @@ from .decoding_options import (
     non_negative_int,
     positive_int,
 )
-from .engine_service import TAKE_BACK_BUSY_S
+from .engine_service import TAKE_BACK_BUSY_S, ServiceClosed
 
 if TYPE_CHECKING:
     from deskfleet.agent.stage import CompileSettings
@@ -170,7 +171,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     from deskfleet.common.model_spec import load_manifest
 
     from .chat_template import TemplateRenderer
-    from .engine_service import EngineService, ServiceClosed
+    from .engine_service import EngineService
     from .openai_api import OpenAiApi
     from .tokenizer import ModelTokenizer
 
@@ -212,12 +213,14 @@ def _serve_command(args: argparse.Namespace) -> int:
     def options_for(chain: StageChain) -> EngineOptions:
         return serve_engine_options(decoding, getattr(chain, "num_stages", stages), args)
 
-    opener = _fleet_opener(args, decoding) if args.fleet else _local_opener(args.model, stages, target, manifest)
+    stop = StopSignal()  # set as the service closes: a fleet's re-plan or step under way gives up
+    opener = _fleet_opener(args, decoding, stop) if args.fleet else _local_opener(args.model, stages, target, manifest)
     name = args.model_name or args.model.resolve().name
     look = _take_back_look(args) if args.fleet else None
     service = EngineService(opener, manifest.spec, draft, options_for, max_streams=args.max_streams, take_back=look,
                             take_back_busy_s=TAKE_BACK_BUSY_S if args.take_back_wait is None
-                            else args.take_back_wait, take_back_while_busy=look.left_out_back if look else None)
+                            else args.take_back_wait, take_back_while_busy=look.left_out_back if look else None,
+                            stop=stop)
     # a keyless server on loopback answers its own names only (a web page could reach it through another)
     hosts = frozenset({"127.0.0.1", "localhost", "::1", host}) if api_key is None and is_loopback_host(host) else None
     try:
@@ -266,8 +269,12 @@ async def _listen(api: OpenAiApi, host: str, port: int, where: str, tls: ssl.SSL
         starting = asyncio.ensure_future(asyncio.to_thread(api.service.start))
         waiting = asyncio.ensure_future(stopped.wait())
         await asyncio.wait([starting, waiting], return_when=asyncio.FIRST_COMPLETED)
-        if not starting.done():  # stopped while the stages compile: that cannot be cut short
-            await starting
+        if not starting.done():  # stopped while the chain opens: a fleet's gives up at once (local stages compile on)
+            print(f"deskfleet: stopped by {signal.Signals(stopped_by[0]).name} while the chain opened", file=sys.stderr,
+                  flush=True)
+            await asyncio.to_thread(api.service.close)
+            with suppress(ServiceClosed):
+                await starting
             return
         waiting.cancel()
         starting.result()  # ServiceClosed: the chain did not open
@@ -311,7 +318,7 @@ def _local_opener(model: Path, stages: int, settings: CompileSettings, manifest:
     return open_local
 
 
-def _fleet_opener(args: argparse.Namespace, decoding: DecodingOptions) -> ChainOpener:
+def _fleet_opener(args: argparse.Namespace, decoding: DecodingOptions, stop: StopSignal) -> ChainOpener:
     from .engine_service import OpenedChain
 
     store = controller_store(args.data_dir)
@@ -320,7 +327,7 @@ def _fleet_opener(args: argparse.Namespace, decoding: DecodingOptions) -> ChainO
     @contextmanager
     def open_fleet() -> Iterator[OpenedChain]:
         with open_fleet_chain(store, args.model, fleet_max_failovers(args), args.discover_seconds,
-                              drafting=drafting) as (chain, failover):
+                              drafting=drafting, stop=stop) as (chain, failover):
             # a PC back while streams run is taken back by the re-plan a run's start makes (the failover closes the
             # chains it made, those it replaced too)
             yield OpenedChain(chain, windowed(failover), lambda: failover.rejoin(running=True))

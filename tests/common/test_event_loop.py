@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
+import threading
+import time
 from typing import Any
 
 import pytest
 
 from deskfleet.common import event_loop
 from deskfleet.common.event_loop import ENV_VAR, EventLoopError, chosen_loop
+from deskfleet.common.stop_signal import Stopped, StopSignal
 
 
 @pytest.mark.parametrize(("setting", "installed", "expected"), [
@@ -209,3 +213,59 @@ def test_a_run_refused_before_it_began_raises_its_own_error() -> None:
         assert coroutine.cr_frame is None  # closed: no "never awaited" warning
 
     asyncio.run(inner())
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_stop_from_another_thread_cancels_the_run_and_lets_its_clean_up_run(
+        monkeypatch: pytest.MonkeyPatch, loop: str) -> None:
+    # serve --fleet's close waited 30 s for a re-plan on the engine's thread, then left with the deploy half done
+    if loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+        pytest.skip("uvloop is not installed here")
+    monkeypatch.setenv(ENV_VAR, loop)
+    stop = StopSignal()
+    cleaned: list[str] = []
+
+    async def deploy() -> str:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.01)  # a deploy's own clean-up awaits too (it tells the PCs to release)
+            cleaned.append("released")
+            raise
+        return "deployed"
+
+    threading.Timer(0.2, stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(Stopped):
+        event_loop.run(deploy(), stop=stop)
+    assert time.monotonic() - started < 5 and cleaned == ["released"]
+
+
+def test_a_run_given_a_stop_set_already_is_not_begun_and_leaves_no_coroutine_unawaited(
+        recwarn: pytest.WarningsRecorder) -> None:
+    stop = StopSignal()
+    stop.set()
+    begun: list[bool] = []
+
+    async def work() -> None:
+        begun.append(True)
+
+    with pytest.raises(Stopped):
+        event_loop.run(work(), stop=stop)
+    gc.collect()
+    assert begun == [] and not [w for w in recwarn if "never awaited" in str(w.message)]
+
+
+def test_a_run_whose_stop_is_not_set_returns_its_result_and_a_cancel_of_its_own_stays_one() -> None:
+    stop = StopSignal()
+
+    async def answer() -> int:
+        return 42
+
+    assert event_loop.run(answer(), stop=stop) == 42
+
+    async def cancelled_inside() -> None:
+        raise asyncio.CancelledError
+
+    with pytest.raises(asyncio.CancelledError):
+        event_loop.run(cancelled_inside(), stop=stop)

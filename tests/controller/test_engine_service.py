@@ -3,6 +3,7 @@ costs only its own streams."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,6 +15,7 @@ import pytest
 
 from deskfleet.common.logprobs import TokenLogprob
 from deskfleet.common.model_spec import load_manifest
+from deskfleet.common.stop_signal import Stopped, StopSignal
 from deskfleet.controller import engine_service
 from deskfleet.controller.engine import ChainBroken, EngineOptions, StreamRequest
 from deskfleet.controller.engine_service import (
@@ -618,3 +620,76 @@ def test_a_server_busy_but_for_short_gaps_still_asks_its_whole_look(target: Path
             assert sink.wait().result is not None
     assert asked["busy"] >= 2, asked
     assert asked["whole"] - whole_before >= 2, asked
+
+
+class StallingChain:
+    """A local chain whose collect(), once `stall` is set, waits as a step to a stalled PC does, until the service's
+    stop wakes it with Stopped (as FleetPipeline's collect does)."""
+
+    def __init__(self, pipeline: LocalPipeline, stop: StopSignal) -> None:
+        self._pipeline = pipeline
+        self._stop = stop
+        self.stall = threading.Event()
+        self.stalled = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipeline, name)
+
+    def collect(self, timeout: float | None = None) -> Any:
+        if self.stall.is_set():
+            self.stalled.set()
+            if not self._stop.wait(WAIT_S):
+                raise ChainBroken("no result (the test's stall outlasted its wait)")
+            raise Stopped("the chain was stopped")
+        return self._pipeline.collect(timeout)
+
+
+def test_a_close_cuts_short_a_step_waiting_for_a_stalled_pc_and_logs_no_failure(
+        target: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # serve --fleet's SIGTERM waited for the engine's thread 30 s, twice, while a step waited for a stalled PC
+    stop = StopSignal()
+    opener, chains = _wrapped(target, 2, lambda pipeline: StallingChain(pipeline, stop))
+    service = EngineService(opener, load_manifest(target).spec, None,
+                            lambda chain: EngineOptions(max_rows=3, micro_batches=2), stop=stop)
+    service.start()
+    sink = Sink(first_tokens=2)
+    service.submit(StreamRequest(PROMPTS[0], max_new_tokens=400, ignore_eos=True), sink)
+    assert sink.got_tokens.wait(WAIT_S)
+    chains[0].stall.set()
+    assert chains[0].stalled.wait(WAIT_S)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger=engine_service.__name__):
+        service.close()
+    assert time.monotonic() - started < 5 and stop.is_set()
+    end = sink.wait()
+    assert end.error == "the server stopped"
+    assert not [record for record in caplog.records if record.name == engine_service.__name__]
+    assert service.runs_failed == 0
+
+
+def test_a_close_cuts_short_an_opening_that_waits_for_a_re_plan(target: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # a take-back's re-plan at an idle moment (a survey, a deploy waiting for a PC to compile) held the close
+    monkeypatch.setattr(engine_service, "TAKE_BACK_POLL_S", 0.05)
+    stop = StopSignal()
+    manifest = load_manifest(target)
+    openings: list[str] = []
+
+    @contextmanager
+    def open_chain() -> Iterator[OpenedChain]:
+        if openings:  # the re-opening's re-plan, which waits on a PC
+            openings.append("re-plan")
+            stop.wait(WAIT_S)
+            stop.check("the re-plan")
+        openings.append("opened")
+        with LocalPipeline(target, 2, F32, manifest) as pipeline:
+            yield OpenedChain(pipeline)
+
+    service = EngineService(open_chain, manifest.spec, None, lambda chain: EngineOptions(max_rows=3),
+                            take_back=lambda: True, stop=stop)
+    service.start()
+    _wait_until(lambda: "re-plan" in openings, "the idle moment's re-opening")
+    started = time.monotonic()
+    service.close()
+    assert time.monotonic() - started < 5 and openings == ["opened", "re-plan"]
+    assert service.runs_failed == 0

@@ -17,6 +17,7 @@ from deskfleet.agent.link import utc_now
 from deskfleet.common import event_loop
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.planner import SEE_LEFT_OUT, ExclusionReason, PlanPolicy
+from deskfleet.common.stop_signal import Stopped, StopSignal
 from deskfleet.common.wire import Precision, StatusReport
 from deskfleet.controller import fleet_deploy, fleet_failover, fleet_pipeline
 from deskfleet.controller.chat import add_fleet_option
@@ -548,6 +549,21 @@ def test_a_re_plan_stopped_by_ctrl_c_is_still_in_the_runs_report(
     (record,) = failover.replans
     assert record["interrupted"] is True and record["lost_agent"] == A and record["stages"] == []
     assert record["error"] == "agent a: the link closed"
+
+
+def test_a_stop_cuts_short_a_re_plan_waiting_for_another_deploy_and_the_report_says_so(
+        store: FleetStore, tiny_export: Path) -> None:
+    # a closing serve --fleet waited for its engine's re-plan (here DEPLOY_LOCK_WAIT_S, 600 s) for the 30 s close
+    # timeout, twice, then left with the re-plan running
+    stop = StopSignal()
+    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=lambda text: None, stop=stop)
+    threading.Timer(0.3, stop.set).start()
+    started = time.monotonic()
+    with store.deploying(), pytest.raises(Stopped):
+        failover(ChainError("agent a: the link closed", A))
+    assert time.monotonic() - started < 5
+    (record,) = failover.replans
+    assert record["interrupted"] is True and record["lost_agent"] == A
 
 
 def test_a_chain_that_could_not_open_is_not_said_to_have_broken(

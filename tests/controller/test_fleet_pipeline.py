@@ -9,12 +9,14 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from deskfleet.agent.link import Link, LinkError, start_server
 from deskfleet.common.kv_ledger import AppendSlots
+from deskfleet.common.stop_signal import Stopped, StopSignal
 from deskfleet.common.wire import Error, ErrorCode, Forward, ForwardResult, Message, ResultsHere, Role
 from deskfleet.controller import fleet_pipeline
 from deskfleet.controller.fleet_deploy import StagePlacement
@@ -27,8 +29,9 @@ SEEN: list[Message] = []  # what the scripted agent of the test running received
 
 
 @pytest.fixture
-def scripted_chain(tmp_path: Path) -> Iterator[Callable[[Reply], FleetPipeline]]:
-    """A one-stage chain whose agent answers every Forward with `reply`; the server runs in a thread."""
+def scripted_chain(tmp_path: Path) -> Iterator[Callable[..., FleetPipeline]]:
+    """A one-stage chain whose agent answers every Forward with `reply` (and the chain's other options); the server
+    runs in a thread."""
     ca = make_ca(tmp_path / "ca")
     agent_files = make_member(ca, tmp_path / "agent", "agent")
     driver_files = make_member(ca, tmp_path / "driver", "driver", Role.CONTROLLER)
@@ -36,7 +39,7 @@ def scripted_chain(tmp_path: Path) -> Iterator[Callable[[Reply], FleetPipeline]]
     stop = threading.Event()
     SEEN.clear()
 
-    def open_chain(reply: Reply) -> FleetPipeline:
+    def open_chain(reply: Reply, **options: Any) -> FleetPipeline:
         started = threading.Event()
         ports: list[int] = []
 
@@ -60,7 +63,7 @@ def scripted_chain(tmp_path: Path) -> Iterator[Callable[[Reply], FleetPipeline]]
         threading.Thread(target=asyncio.run, args=(serve(),), daemon=True).start()
         assert started.wait(10)
         placement = StagePlacement(agent_files.own_identity().agent_id, f"127.0.0.1:{ports[0]}", 0, 4)
-        chain = FleetPipeline([placement], driver_files, step_timeout_s=5)
+        chain = FleetPipeline([placement], driver_files, step_timeout_s=5, **options)
         chains.append(chain)
         return chain
 
@@ -235,6 +238,36 @@ def test_a_closed_chain_wakes_a_waiting_collect_and_refuses_the_next_at_once(
     assert [str(error) for error in outcome] == ["the chain is closed"]  # not "an agent may be stuck"
     with pytest.raises(ChainError, match="the chain is closed"):
         chain.collect()
+
+
+def test_a_stop_wakes_a_waiting_collect_with_stopped_and_the_next_collect_is_refused_at_once(
+        scripted_chain: Callable[..., FleetPipeline]) -> None:
+    # serve --fleet's close waited for a step to a stalled PC (the step timeout), then 30 s more were cut short
+    async def never(link: Link, message: Forward) -> None:
+        pass
+
+    stop = StopSignal()
+    chain = scripted_chain(never, stop=stop)
+    chain.submit(one_step())
+    threading.Timer(0.2, stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(Stopped):
+        chain.collect()
+    assert time.monotonic() - started < 3  # step_timeout_s=5
+    with pytest.raises(Stopped):
+        chain.collect()
+
+
+def test_a_chain_opened_under_a_stop_set_already_gives_up_its_opening(
+        scripted_chain: Callable[..., FleetPipeline]) -> None:
+    stop = StopSignal()
+    stop.set()
+
+    async def never(link: Link, message: Forward) -> None:
+        pass
+
+    with pytest.raises(Stopped, match="opening the chain"):
+        scripted_chain(never, stop=stop)
 
 
 # A prompt is one step: its wait grows with the tokens it feeds. With a fixed 120 s, a long prompt (or a failover's

@@ -5,6 +5,7 @@ integration fleet)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 import threading
@@ -18,6 +19,7 @@ from deskfleet.agent.link import utc_now
 from deskfleet.common import event_loop
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.planner import PlanOptions
+from deskfleet.common.stop_signal import Stopped, StopSignal
 from deskfleet.common.wire import Precision, StageRef, StatusReport
 from deskfleet.controller import fleet_deploy, fleet_failover
 from deskfleet.controller.fleet_deploy import (
@@ -543,6 +545,38 @@ def test_a_ctrl_c_during_the_re_plan_for_a_pc_back_is_in_the_report(store: Fleet
     failover = FleetFailover(store, tiny_export, max_failovers=2, notify=pytest.fail)
     with pytest.raises(KeyboardInterrupt):
         failover.rejoin()
+    assert failover.rejoined[0]["interrupted"] is True and failover.rejoined[0]["stages"] == []
+
+
+def test_a_stop_cuts_short_a_take_backs_wait_for_a_deploy_under_way(
+        store: FleetStore, tiny_export: Path, b_is_back: list[dict[str, object]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a closing serve --fleet waited on its engine's thread for the take-back's wait (and the 30 s close timeout)
+    monkeypatch.setattr(fleet_failover, "_LOCK_POLL_S", 0.5)
+    stop = StopSignal()
+    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=lambda text: None, stop=stop)
+    threading.Timer(0.2, stop.set).start()
+    started = time.monotonic()
+    with store.deploying(), pytest.raises(Stopped):  # another deploy under way: DEPLOY_LOCK_WAIT_S, 600 s
+        failover.rejoin()
+    assert time.monotonic() - started < 5 and b_is_back == []
+
+
+def test_a_stop_during_the_re_plan_for_a_pc_back_is_in_the_report(store: FleetStore, tiny_export: Path,
+                                                                  b_is_back: list[dict[str, object]],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    stop = StopSignal()
+
+    async def stalled(*args: object, **kwargs: object) -> None:
+        stop.set()  # as the server's close, from its thread
+        await asyncio.sleep(30)  # a PC that does not answer its dial
+
+    monkeypatch.setattr(fleet_failover, "survey", stalled)
+    failover = FleetFailover(store, tiny_export, max_failovers=2, notify=pytest.fail, stop=stop)
+    started = time.monotonic()
+    with pytest.raises(Stopped):
+        failover.rejoin()
+    assert time.monotonic() - started < 5
     assert failover.rejoined[0]["interrupted"] is True and failover.rejoined[0]["stages"] == []
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from deskfleet.common.stop_signal import StopSignal
 from deskfleet.common.wire import is_loopback_host
 from deskfleet.controller.cli import main
 from deskfleet.controller.fleet_store import FleetStore
@@ -287,12 +288,14 @@ def test_the_fleet_opener_gives_the_failover_and_its_take_back(store: FleetStore
     @contextmanager
     def open_fleet_chain(*args: object, **kwargs: object) -> Iterator[tuple[str, Failover]]:
         opened_with.append(args)
+        assert kwargs["stop"] is stop  # the server's close gives its re-plans up
         yield "the deployed chain", failover
 
     monkeypatch.setattr(serve_cli, "open_fleet_chain", open_fleet_chain)
     args = argparse.Namespace(data_dir=store.data_dir, model=tmp_path / "model", max_failovers=None,
                               discover_seconds=None)
-    with serve_cli._fleet_opener(args, DecodingOptions())() as opened:
+    stop = StopSignal()
+    with serve_cli._fleet_opener(args, DecodingOptions(), stop)() as opened:
         assert opened.chain == "the deployed chain" and opened.take_back is not None and opened.recover is not None
         assert opened.take_back() == "a chain that took the PC back"
         assert opened.recover(None) == "a re-planned chain"  # type: ignore[arg-type]

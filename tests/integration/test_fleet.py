@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -783,6 +784,39 @@ def test_a_pc_paused_and_resumed_under_an_idle_server_has_its_stage_back_before_
                      rf"agent\(s\)", end["stderr"]), end["stderr"]
     assert "the chain broke" not in end["stderr"], end["stderr"]  # no request spent a failover on it
     assert victim in {stage["agent_id"] for stage in _deployed_stages(fleet)}
+
+
+def test_a_server_stopped_while_a_step_waits_for_a_stalled_pc_exits_at_once(fleet: Fleet, tiny_export: Path) -> None:
+    # SIGTERM while a PC of the chain was stalled (SIGSTOP: a frozen laptop): the engine's thread waited for the step
+    # (until the link's pings gave up, 17 s), then re-planned around the PC (a survey, a deploy), while the server's
+    # close waited 30 s for it, twice; it now gives the step and any re-plan up as it stops
+    assert len(_deployed_stages(fleet)) == AGENTS
+    victim = str(_deployed_stages(fleet)[-1]["agent_id"])
+    agent = fleet.processes[fleet.agents[_agent_index(fleet, victim)].name]
+    session = subprocess.Popen(
+        fleet.controller.command(sys.executable, "-m", "tests.integration.fleet_stop_stalled",
+                                 str(fleet.controller_dir), str(tiny_export), PROMPTS[0], "490"),
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_environment(), text=True)
+    assert session.stdin is not None and session.stdout is not None
+    try:
+        assert session.stdout.readline() == "streaming\n"
+        agent.send_signal(signal.SIGSTOP)
+        session.stdin.write("stalled\n")
+        session.stdin.flush()
+        end = json.loads(session.stdout.readline())
+    finally:
+        agent.send_signal(signal.SIGCONT)
+        if session.poll() is None:
+            session.kill()
+        session.wait()
+    assert end["exit"] == 0 and end["stream"] == "error", end  # stopped mid-stream, its client told
+    assert end["seconds"] < 10, end
+    assert "Traceback" not in end["stderr"] and "a run failed" not in end["stderr"], end["stderr"]
+
+    def all_answer() -> bool:
+        return sum(agent["state"] in ("available", "serving") for agent in _ls(fleet)) == AGENTS
+
+    _wait_for("every agent to answer", all_answer, timeout=60)
 
 
 def test_removed_agent_is_dropped_and_refused(fleet: Fleet) -> None:
