@@ -18,6 +18,7 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -38,9 +39,11 @@ from .openai_requests import (
     MAX_SEED,
     ApiError,
     ChatRequest,
+    CompletionRequest,
     Decoding,
     parse_chat,
     parse_completion,
+    shown,
 )
 from .stop_sequences import StopMatcher, StopSequences
 from .text_printer import TextPrinter
@@ -61,6 +64,17 @@ class _PromptScores:
 _Event = _Token | _PromptScores | StreamEnd
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body: a long conversation's text, far from the model's context in bytes
+# A request body that has not all come within this is refused (408): one that stopped midway held its connection for
+# good (`deskfleet serve` sets aiohttp's keepalive_timeout for connections that send no request, or half a header)
+BODY_TIMEOUT_S = 60.0
+# A streamed reply whose client reads none of it for this long is given up, its streams cancelled and its connection
+# closed: a client that stopped reading held its whole reply in the server's memory (13 MB for n 16 x 1,000 tokens
+# with 20 logprobs each) until it went away
+WRITE_TIMEOUT_S = 60.0
+# A connection that sends no request (or half a header) for this long is closed, as an idle keep-alive one is
+# (aiohttp's default is 3,630 s: 200 silent sockets, which need no API key, took every file handle a lowered limit
+# left); clients keep idle connections 5 s (httpx's default), so their reuse is kept
+KEEPALIVE_S = 15.0
 # What a 429 (every stream the server takes is running or waiting) tells a client to wait before it asks again
 # (Retry-After: the OpenAI clients honour it): a reply of the demo model takes about that, a real model's longer
 BUSY_RETRY_AFTER_S = 1
@@ -206,6 +220,13 @@ class OpenAiApi:
     def has_api_key(self) -> bool:
         return self._api_key is not None
 
+    def runner(self) -> web.AppRunner:
+        """The aiohttp runner of app() that `deskfleet serve` listens with: a client that goes away cancels its
+        request's handler (its streams), a connection that sends no request for KEEPALIVE_S is closed, and a stop
+        waits at most 5 s for replies still being written."""
+        return web.AppRunner(self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+                             keepalive_timeout=KEEPALIVE_S)
+
     def app(self) -> web.Application:
         logging.getLogger("aiohttp.server").addFilter(_MALFORMED_REQUESTS)  # once: a filter is added once
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_BODY_BYTES)
@@ -228,7 +249,15 @@ class OpenAiApi:
             if error.status < 400:
                 raise
             kind = "not_found_error" if error.status == 404 else "invalid_request_error"
-            return web.json_response(ApiError(error.status, error.reason, kind=kind).body(), status=error.status)
+            message, headers = error.reason, None
+            if isinstance(error, web.HTTPMethodNotAllowed):  # the Allow header RFC 9110 asks for, kept
+                allowed = ", ".join(sorted(error.allowed_methods))
+                message = f"{request.method} is not allowed on {request.path}: use {allowed}"
+                headers = {"Allow": allowed}
+            elif isinstance(error, web.HTTPRequestEntityTooLarge):
+                message = f"the request body is larger than this server takes ({MAX_BODY_BYTES // 2**20} MiB)"
+            return web.json_response(ApiError(error.status, message, kind=kind).body(), status=error.status,
+                                     headers=headers)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -257,7 +286,7 @@ class OpenAiApi:
 
     async def _model(self, request: web.Request) -> web.Response:
         if request.match_info["model"] != self.model_name:
-            raise ApiError(404, f"the model {request.match_info['model']!r} does not exist here: this server runs "
+            raise ApiError(404, f"the model {shown(request.match_info['model'])} does not exist here: this server runs "
                                 f"{self.model_name!r}", "model", code="model_not_found")  # the API's type
         return web.json_response(self._model_object())
 
@@ -286,8 +315,9 @@ class OpenAiApi:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         parsed = parse_completion(await self._json(request), self.model_name)
-        prepared = [self._prepare_prompt(prompt, parsed.decoding, "prompt" if len(parsed.prompts) == 1 else
-                                         f"prompt[{index}]") for index, prompt in enumerate(parsed.prompts)]
+        self._check_streams(parsed.decoding, len(parsed.prompts))  # before tokenizing prompts that cannot run
+        # in a worker thread: 64 prompts of 64,000 characters held the event loop (every stream) for 3.3 s
+        prepared = await asyncio.to_thread(self._prepare_prompts, parsed)
         return await self._respond(request, prepared, chat=False)
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -304,10 +334,24 @@ class OpenAiApi:
     @staticmethod
     async def _json(request: web.Request) -> object:
         try:
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                body = await request.read()
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not all come within {BODY_TIMEOUT_S:.0f} s") from None
+        except web.RequestPayloadError as error:  # e.g. a Content-Encoding its bytes are not (a 500 before)
+            raise ApiError(400, f"the request body cannot be read: {str(error)[:200]}") from None
+        try:
             # UTF-8 whatever charset the header names (JSON is UTF-8; an unknown one was a 500, latin-1 garbled text)
-            return json.loads((await request.read()).decode("utf-8"))
+            return json.loads(body.decode("utf-8"))
         except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, a number past int's digits, too deep
-            raise ApiError(400, f"the request body is not JSON that can be read: {str(error)[:200]}") from None
+            said = "a number in it has more digits than any field takes" if "integer string conversion" in str(error) \
+                else str(error)[:200]  # (not Python's advice to raise its limit)
+            raise ApiError(400, f"the request body is not JSON that can be read: {said}") from None
+
+    def _prepare_prompts(self, parsed: CompletionRequest) -> list[_Prepared]:
+        """Every prompt of a completion request, encoded and checked (in a worker thread)."""
+        return [self._prepare_prompt(prompt, parsed.decoding, "prompt" if len(parsed.prompts) == 1 else
+                                     f"prompt[{index}]") for index, prompt in enumerate(parsed.prompts)]
 
     def _prepare_prompt(self, prompt: str | tuple[int, ...], decoding: Decoding, where: str) -> _Prepared:
         """One prompt of a completion request, encoded and checked against the context (`where`: how the errors
@@ -401,7 +445,11 @@ class OpenAiApi:
                                                          sum(tokens for _, _, tokens in ended_choices), cached))
             ended = True
             return response
-        except ConnectionResetError:  # the client went away while its reply was written: nothing more reaches it
+        except ConnectionResetError as error:  # the client went away while its reply was written (or stopped reading)
+            if isinstance(error, ClientStalled):
+                log.info("%s: its streams are cancelled and its connection closed", error)
+            if request.transport is not None:  # one that stopped reading: its connection goes, and its buffers
+                request.transport.abort()
             return web.Response(status=499)
         finally:
             if not ended:  # the client went away (the handler was cancelled), writing to it failed, or a choice failed
@@ -414,14 +462,7 @@ class OpenAiApi:
         j, as a request alone with that seed would; indexes run prompt by prompt, as the API's. Queued all or none:
         ApiError 400 for more than the server ever takes, 429 or 503 where it takes none now."""
         decoding = prompts[0].decoding
-        per_prompt = decoding.best_of if decoding.temperature else decoding.n
-        total = len(prompts) * per_prompt
-        if total > self.service.max_streams:
-            what = f"best_of={per_prompt} candidates" if per_prompt > decoding.n else f"n={decoding.n} choices"
-            asked = what if len(prompts) == 1 else f"{len(prompts)} prompts of {what} each"
-            raise ApiError(400, f"{asked} are more streams than this server takes at once (--max-streams "
-                                f"{self.service.max_streams})", "prompt" if len(prompts) > 1 else
-                           "best_of" if per_prompt > decoding.n else "n")
+        per_prompt = self._check_streams(decoding, len(prompts))
         # candidates are ranked by their tokens' log-probabilities, which the last stage then returns for each
         ranked = per_prompt > decoding.n
         sampling = SamplingParams(temperature=decoding.temperature, top_k=decoding.top_k if decoding.temperature else 0,
@@ -465,6 +506,18 @@ class OpenAiApi:
         for choice, ticket in zip(choices, tickets, strict=True):
             choice.ticket = ticket
         return choices
+
+    def _check_streams(self, decoding: Decoding, prompts: int) -> int:
+        """The streams each of `prompts` prompts takes (its `n` choices, or its `best_of` candidates where they sample);
+        ApiError 400 where all of them are more than the server ever takes at once."""
+        per_prompt = decoding.best_of if decoding.temperature else decoding.n
+        if prompts * per_prompt > self.service.max_streams:
+            what = f"best_of={per_prompt} candidates" if per_prompt > decoding.n else f"n={decoding.n} choices"
+            asked = what if prompts == 1 else f"{prompts} prompts of {what} each"
+            raise ApiError(400, f"{asked} are more streams than this server takes at once (--max-streams "
+                                f"{self.service.max_streams})", "prompt" if prompts > 1 else
+                           "best_of" if per_prompt > decoding.n else "n")
+        return per_prompt
 
     async def _gather(self, choice: _Choice) -> tuple[StreamEnd, int]:
         """The choice's end, and its reply's tokens."""
@@ -549,8 +602,9 @@ class OpenAiApi:
             for choice in choices:  # a failed choice ends the reply: the others are not wanted
                 if choice.index not in finished:
                     self.service.cancel(choice.ticket)
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        await _write(response, b"data: [DONE]\n\n")
+        async with _client_reads():
+            await response.write_eof()
         return response
 
     async def _pieces(self, choice: _Choice, chat: bool) -> AsyncIterator[tuple[str, dict[str, Any] | None,
@@ -584,7 +638,7 @@ class OpenAiApi:
 
     @staticmethod
     async def _event(response: web.StreamResponse, body: dict[str, Any]) -> None:
-        await response.write(b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n")
+        await _write(response, b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n")
 
     def _chunk(self, ident: str, created: int, chat: bool, piece: str | dict[str, str] | None,
                finish: str | None = None, index: int = 0, logprobs: dict[str, Any] | None = None,
@@ -748,6 +802,25 @@ def unseen_ends(spec: ModelSpec, decoding: Decoding, stop_ids: frozenset[int]) -
     if decoding.ignore_eos or decoding.echo:
         return frozenset()
     return frozenset(spec.eos_token_ids) | stop_ids
+
+
+class ClientStalled(ConnectionResetError):
+    """A streamed reply's client read none of it for WRITE_TIMEOUT_S."""
+
+
+@asynccontextmanager
+async def _client_reads() -> AsyncIterator[None]:
+    """A write to a client, given up (ClientStalled) where it reads nothing for WRITE_TIMEOUT_S."""
+    try:
+        async with asyncio.timeout(WRITE_TIMEOUT_S):
+            yield
+    except TimeoutError:
+        raise ClientStalled(f"the client read nothing of its reply for {WRITE_TIMEOUT_S:.0f} s") from None
+
+
+async def _write(response: web.StreamResponse, data: bytes) -> None:
+    async with _client_reads():
+        await response.write(data)
 
 
 async def _name_the_request(request: web.Request, response: web.StreamResponse) -> None:

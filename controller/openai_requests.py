@@ -40,9 +40,12 @@ _NEUTRAL: dict[str, tuple[tuple[object, ...], str]] = {
     "verbosity": ((None, "medium"), "deskfleet's models take no verbosity setting"),
     "prediction": ((None,), "deskfleet takes no predicted output"),
     "web_search_options": ((None,), "deskfleet does no web search")}
-# about the caller, not the text (metadata, routing and caching hints, abuse tracking): taken and unused
-_IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
-            "prompt_cache_retention"}
+# about the caller, not the text (metadata, routing and caching hints, abuse tracking): taken, checked as the API
+# checks them, and unused
+_CALLER_STRINGS = {"user", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention"}
+_IGNORED = {*_CALLER_STRINGS, "metadata", "store"}
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # the API's limits on `metadata`
+SHOWN_CHARS = 60  # a client's value said back in an error at most this long (a 3 MB field name came back twice)
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
            "ignore_eos"}
 _COMPLETION_FIELDS = _COMMON | {"prompt", "n", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
@@ -176,19 +179,54 @@ def _chat_logprobs(fields: dict[str, Any]) -> int | None:
     return (top or 0) if asked else None
 
 
+def shown(value: object) -> str:
+    """repr(value) cut to SHOWN_CHARS: how an error says back what a client sent."""
+    if isinstance(value, str) and len(value) > SHOWN_CHARS:  # not the repr of 3 MB to cut
+        return f"{value[:SHOWN_CHARS - 5]!r}..."
+    said = repr(value)
+    return said if len(said) <= SHOWN_CHARS else f"{said[:SHOWN_CHARS - 3]}..."
+
+
+def _cut(name: str) -> str:
+    """A client's name (a field's) cut to SHOWN_CHARS."""
+    return name if len(name) <= SHOWN_CHARS else f"{name[:SHOWN_CHARS - 3]}..."
+
+
+def _listed(names: list[str], most: int = 8) -> str:
+    """Names a client sent, each cut, at most `most` of them."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(_cut(name) for name in names[:most]) + more
+
+
 def _object(body: object, allowed: set[str]) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise ApiError(400, f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+        raise ApiError(400, f"unrecognized request argument(s): {_listed(unknown)}", _cut(unknown[0]))
     for name, (neutral, why) in _NEUTRAL.items():
         if name in allowed and name in body and \
                 not any(body[name] == value and type(body[name]) is type(value) for value in neutral):
-            said = repr(body[name])
-            said = said if len(said) <= 60 else f"{said[:57]}..."  # 20 KB of tools were said back whole
-            raise ApiError(400, f"{name}={said} is not supported: {why}", name)
+            raise ApiError(400, f"{name}={shown(body[name])} is not supported: {why}", name)
+    _check_caller_fields(body)
     return body
+
+
+def _check_caller_fields(body: dict[str, Any]) -> None:
+    """The fields about the caller, unused here, typed as the API types them (a client's bug is not hidden)."""
+    for name in _CALLER_STRINGS:
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise ApiError(400, f"{name} must be a string", name)
+    if body.get("store") is not None and not isinstance(body["store"], bool):
+        raise ApiError(400, "store must be true or false", "store")
+    metadata = body.get("metadata")
+    if metadata is not None and (
+            not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS
+            or not all(len(key) <= MAX_METADATA_KEY for key in metadata)
+            or not all(isinstance(value, str) and len(value) <= MAX_METADATA_VALUE for value in metadata.values())):
+        raise ApiError(400, f"metadata must be an object of at most {MAX_METADATA_PAIRS} keys of up to "
+                            f"{MAX_METADATA_KEY} characters, each to a string of up to {MAX_METADATA_VALUE}",
+                       "metadata")
 
 
 def _check_model(fields: dict[str, Any], model_name: str) -> None:
@@ -196,7 +234,7 @@ def _check_model(fields: dict[str, Any], model_name: str) -> None:
     if not isinstance(model, str) or not model:
         raise ApiError(400, "model is required: the name GET /v1/models lists", "model")
     if model != model_name:
-        raise ApiError(404, f"the model {model!r} does not exist here: this server runs {model_name!r}", "model",
+        raise ApiError(404, f"the model {shown(model)} does not exist here: this server runs {model_name!r}", "model",
                        code="model_not_found")
 
 
@@ -231,16 +269,17 @@ def _messages(value: object) -> tuple[ChatMessage, ...]:
             raise ApiError(400, f"{where} must be an object with a role and a content", where)
         unknown = sorted(set(message) - {"role", "content", "name"} - set(_EMPTY_MESSAGE_FIELDS))
         if unknown:
-            raise ApiError(400, f"{where}: unrecognized field(s) {', '.join(map(str, unknown))}",
-                           f"{where}.{unknown[0]}")
+            raise ApiError(400, f"{where}: unrecognized field(s) {_listed(unknown)}", f"{where}.{_cut(unknown[0])}")
+        if message.get("name") is not None and not isinstance(message["name"], str):
+            raise ApiError(400, f"{where}.name must be a string", f"{where}.name")
         for name in _EMPTY_MESSAGE_FIELDS:
             if message.get(name) not in (None, [], ""):
                 raise ApiError(400, f"{where}.{name} is not supported by deskfleet (no tools, function calls, "
                                     "audio or annotations): leave it out, or null", f"{where}.{name}")
         role = message.get("role")
-        if role not in _ROLES:
-            raise ApiError(400, f"{where}.role must be one of {', '.join(sorted(_ROLES))}, got {role!r} (tools are "
-                                "not supported)", f"{where}.role")
+        if not isinstance(role, str) or role not in _ROLES:  # a list or an object was a 500 (unhashable)
+            raise ApiError(400, f"{where}.role must be one of {', '.join(sorted(_ROLES))}, got {shown(role)} (tools "
+                                "are not supported)", f"{where}.role")
         content = _content(message.get("content"), f"{where}.content")
         try:  # named here, in the message's own characters: the template's rendering counted in its whole text
             check_utf8(content, f"{where}.content")
@@ -266,7 +305,7 @@ def _content(value: object, where: str) -> str:
 
 
 def _decoding(fields: dict[str, Any], max_tokens: object, max_name: str) -> Decoding:
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):  # type: ignore[operator]
+    if max_tokens is not None and (not _is_int(max_tokens) or not 1 <= max_tokens <= MAX_SEED):  # type: ignore[operator]
         raise ApiError(400, f"{max_name} must be a whole number of at least 1", max_name)
     temperature = _number(fields, "temperature", 1.0, 0.0, MAX_API_TEMPERATURE)
     top_p = _number(fields, "top_p", 1.0, 0.0, 1.0)

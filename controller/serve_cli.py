@@ -243,7 +243,7 @@ async def _listen(api: OpenAiApi, host: str, port: int, where: str, tls: ssl.SSL
     from aiohttp import web
 
     log_open_files_limit(raise_open_files_limit())  # each client's connection takes one
-    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    runner = api.runner()
     await runner.setup()
     loop = asyncio.get_running_loop()
     stopped = asyncio.Event()

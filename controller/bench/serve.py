@@ -193,7 +193,7 @@ class _Server:
     async def _run(self) -> None:
         from aiohttp import web
 
-        runner = web.AppRunner(self.api.app(), handler_cancellation=True, access_log=None)
+        runner = self.api.runner()  # as `deskfleet serve` runs it
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         self._port = runner.addresses[0][1]

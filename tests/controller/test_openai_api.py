@@ -52,7 +52,7 @@ def serving(model: Path, api_key: str | None = None, max_streams: int = 64, open
     state: dict[str, Any] = {}
 
     async def run() -> None:
-        runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+        runner = api.runner()
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -304,7 +304,14 @@ def test_several_prompts_each_get_their_choices_in_order_each_as_a_request_alone
     ({"model": MODEL, "prompt": "x", "stop": ["a", "x" * 1001]}, 400, "a stop sequence must be at most 1,000"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "only with stream"),
     ("[" * 100_000 + "]" * 100_000, 400, "not JSON that can be read"),
-    ('{"model": "tiny", "prompt": "x", "max_tokens": ' + "9" * 5000 + "}", 400, "not JSON that can be read"),
+    ('{"model": "tiny", "prompt": "x", "max_tokens": ' + "9" * 5000 + "}", 400,
+     "not JSON that can be read: a number in it has more digits than any field takes"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 2**63}, 400, "max_tokens must be a whole number of at least 1"),
+    ({"model": MODEL, "prompt": "x", "user": 5}, 400, "user must be a string"),
+    ({"model": MODEL, "prompt": "x", "store": "yes"}, 400, "store must be true or false"),
+    ({"model": MODEL, "prompt": "x", "metadata": {"k": 1}}, 400, "metadata must be an object of at most 16 keys"),
+    ({"model": MODEL, "prompt": "x", "metadata": {str(i): "v" for i in range(17)}}, 400, "metadata must be"),
+    ({"model": MODEL, "prompt": "x", "metadata": {"k" * 65: "v"}}, 400, "metadata must be"),
     ({"model": MODEL, "prompt": "x" * 10**6}, 400, "characters cannot fit the model's context"),
 ])
 def test_a_bad_request_gets_the_apis_error_naming_what_is_wrong(served: tuple[str, EngineService], body: object,
@@ -314,6 +321,38 @@ def test_a_bad_request_gets_the_apis_error_naming_what_is_wrong(served: tuple[st
     assert got == status and says in answer["error"]["message"], answer
     assert set(answer["error"]) == {"message", "type", "param", "code"}
     assert service.live_streams == 0
+
+
+@pytest.mark.parametrize(("body", "says", "param"), [
+    # a role that is a list or an object was a 500 (unhashable), its traceback logged at ERROR
+    ({"messages": [{"role": ["user"], "content": "hi"}]}, "messages[0].role must be one of", "messages[0].role"),
+    ({"messages": [{"role": {}, "content": "hi"}]}, "messages[0].role must be one of", "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "hi", "name": 5}]}, "messages[0].name must be a string",
+     "messages[0].name"),
+    ({"messages": [{"role": "r" * 10**6, "content": "hi"}]}, "got 'rrrr", "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "hi", "x" * 10**6: 1}]}, "unrecognized field(s) xxx",
+     "messages[0]." + "x" * 57 + "..."),
+    ({"messages": [{"role": "user", "content": "hi"}], "y" * 10**6: 1}, "unrecognized request argument(s): yyy",
+     "y" * 57 + "..."),
+    ({"messages": [{"role": "user", "content": "hi"}], **{f"f{i:02}": 1 for i in range(20)}},
+     "f00, f01, f02, f03, f04, f05, f06, f07 and 12 more", "f00"),
+])
+def test_a_bad_chat_request_is_refused_naming_the_field_and_saying_back_60_characters_at_most(
+        served: tuple[str, EngineService], body: dict[str, Any], says: str, param: str) -> None:
+    # a 3 MB field name, model or role came back whole, twice (message and param): a 6 MB answer
+    url, _ = served
+    got, answer = post(f"{url}/v1/chat/completions", {"model": MODEL, **body})
+    assert got == 400 and says in answer["error"]["message"] and answer["error"]["param"] == param, answer
+    assert len(answer["error"]["message"]) < 300
+
+
+def test_a_model_name_that_does_not_exist_is_said_back_60_characters_at_most(served: tuple[str, EngineService]) -> None:
+    url, _ = served
+    got, answer = post(f"{url}/v1/completions", {"model": "m" * 10**6, "prompt": "x"})
+    assert got == 404 and answer["error"]["message"].startswith("the model 'mmmm") and len(str(answer)) < 400
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{url}/v1/models/{'m' * 7000}", timeout=30)
+    assert refused.value.code == 404 and len(refused.value.read()) < 400
 
 
 def test_the_prompt_size_cap_allows_the_models_longest_tokens(tiny_export: Path) -> None:

@@ -1,0 +1,148 @@
+"""`deskfleet serve`'s API against clients that misbehave at the HTTP level (found by a fuzzer): bodies that cannot be
+decoded or never finish, connections that send nothing, a streamed reply nobody reads, a wrong method, a body too
+large, and a request whose prompts cannot all run."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from deskfleet.controller import openai_api
+from deskfleet.controller.engine_service import EngineService
+from deskfleet.controller.openai_api import MAX_BODY_BYTES, OpenAiApi
+
+from .test_openai_api import MODEL, post, serving
+
+
+@pytest.fixture
+def quick_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(openai_api, "BODY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(openai_api, "WRITE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(openai_api, "KEEPALIVE_S", 0.5)
+
+
+@pytest.fixture
+def server(tiny_export: Path, quick_timeouts: None) -> Iterator[tuple[str, EngineService]]:
+    with serving(tiny_export) as served:
+        yield served
+
+
+def _address(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+def _answer(raw: socket.socket) -> bytes:
+    answer = b""
+    while chunk := raw.recv(65536):
+        answer += chunk
+    return answer
+
+
+def test_a_body_that_does_not_decode_under_its_content_encoding_is_a_400(server: tuple[str, EngineService]) -> None:
+    # aiohttp's RequestPayloadError went unanswered: a plain-text 500, logged twice at ERROR
+    url, _ = server
+    body = json.dumps({"model": MODEL, "prompt": "a", "max_tokens": 1}).encode()
+    for encoding in ("gzip", "deflate"):
+        request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json",
+                                                                        "Content-Encoding": encoding})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 400, encoding
+        assert "the request body cannot be read" in json.loads(refused.value.read())["error"]["message"]
+    request = urllib.request.Request(f"{url}/v1/completions", gzip.compress(body),  # a real gzip body is read
+                                     {"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
+
+
+def test_a_body_that_stops_midway_is_refused_408_once_its_time_is_up(server: tuple[str, EngineService]) -> None:
+    # Content-Length 100 and one byte sent: the connection was held with no timeout at all
+    url, _ = server
+    with socket.create_connection(_address(url), timeout=30) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 100\r\n\r\n{")
+        started = time.monotonic()
+        answer = raw.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 408") and b"did not all come within" in answer, answer[:300]
+    assert time.monotonic() - started < 10
+
+
+def test_a_connection_that_sends_no_request_is_closed(server: tuple[str, EngineService]) -> None:
+    # aiohttp's default kept it 3,630 s: 200 such sockets took every file handle a lowered limit left
+    url, _ = server
+    for first in (b"", b"GET /v1/models HTTP/1.1\r\nHo"):  # nothing, or half a header
+        with socket.create_connection(_address(url), timeout=30) as raw:
+            raw.sendall(first)
+            started = time.monotonic()
+            assert raw.recv(65536) == b""  # closed by the server
+            assert time.monotonic() - started < 10
+
+
+def test_a_streamed_reply_nobody_reads_is_given_up_and_its_streams_cancelled(
+        server: tuple[str, EngineService]) -> None:
+    # the reply waited, whole, in the server's memory for as long as the client kept its socket open
+    url, service = server
+    body = json.dumps({"model": MODEL, "prompt": "def f(x):", "max_tokens": 400, "n": 16, "logprobs": 20,
+                       "ignore_eos": True, "stream": True}).encode()
+    with socket.socket() as raw:
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window stays small
+        raw.settimeout(30)
+        raw.connect(_address(url))
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        cancelled = service.streams_cancelled
+        deadline = time.monotonic() + 120
+        while service.live_streams or service.streams_cancelled == cancelled:  # not one byte read meanwhile
+            assert time.monotonic() < deadline, "the stalled reply was not given up"
+            time.sleep(0.1)
+        assert service.streams_cancelled - cancelled >= 1
+        raw.settimeout(10)
+        with pytest.raises(OSError):  # its connection was dropped: what the kernel held, then a reset or the end
+            while raw.recv(1 << 20):
+                pass
+            raise ConnectionResetError("closed")
+    assert post(f"{url}/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})[0] == 200
+
+
+def test_a_wrong_method_names_the_right_one_and_sends_allow(server: tuple[str, EngineService]) -> None:
+    url, _ = server
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{url}/v1/completions", timeout=30)
+    assert refused.value.code == 405 and refused.value.headers["Allow"] == "POST"
+    assert json.loads(refused.value.read())["error"]["message"] == "GET is not allowed on /v1/completions: use POST"
+
+
+def test_a_body_too_large_is_refused_saying_the_limit(server: tuple[str, EngineService]) -> None:
+    url, _ = server
+    got, answer = post(f"{url}/v1/completions", "{" + " " * MAX_BODY_BYTES + "}")
+    assert got == 413 and answer["error"]["message"] == "the request body is larger than this server takes (4 MiB)"
+
+
+def test_completion_prompts_are_tokenized_off_the_event_loop_and_not_at_all_when_they_cannot_all_run(
+        server: tuple[str, EngineService], monkeypatch: pytest.MonkeyPatch) -> None:
+    # 64 prompts of 64,000 characters were tokenized on the event loop (3.3 s of every stream's), then refused
+    url, _ = server
+    threads: list[str] = []
+    prepare = OpenAiApi._prepare_prompts
+
+    def recorded(api: OpenAiApi, parsed: object) -> object:
+        threads.append(threading.current_thread().name)
+        return prepare(api, parsed)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(OpenAiApi, "_prepare_prompts", recorded)
+    got, _ = post(f"{url}/v1/completions", {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 1})
+    assert got == 200 and len(threads) == 1 and "asyncio" in threads[0]  # a worker of asyncio.to_thread
+    got, answer = post(f"{url}/v1/completions", {"model": MODEL, "prompt": ["#" * 1000] * 64, "n": 2,
+                                                 "max_tokens": 1})
+    assert got == 400 and "64 prompts of n=2 choices each are more streams" in answer["error"]["message"]
+    assert len(threads) == 1  # refused before any was tokenized
