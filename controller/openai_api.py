@@ -443,6 +443,9 @@ class OpenAiApi:
                                                   else 0 for choice, end, _ in ended_choices})  # before _best renumbers
                 response = web.json_response(self._whole(ident, chat, _best(ended_choices, decoding.n), prompt_tokens,
                                                          sum(tokens for _, _, tokens in ended_choices), cached))
+                async with _client_reads():  # written here, bounded as a streamed reply is (aiohttp's write is not)
+                    await response.prepare(request)
+                    await response.write_eof()
             ended = True
             return response
         except ConnectionResetError as error:  # the client went away while its reply was written (or stopped reading)
