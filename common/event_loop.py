@@ -104,6 +104,10 @@ async def _stoppable(main: Coroutine[Any, Any, T], stop: StopSignal) -> T:
                 raise
             task.uncancel()
             raise Stopped("the work was cut short: stopping") from None
+        except Exception as error:  # what the cancel became on its way out (a TaskGroup's child failing with it)
+            if not stop.is_set():
+                raise
+            raise Stopped("the work was cut short: stopping") from error
 
 
 def _close(runner: asyncio.Runner, interrupted: bool) -> None:

@@ -10,9 +10,12 @@ own clean-up runs, as at a Ctrl-C), and calls whatever else registered to be wok
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+log = logging.getLogger(__name__)
 
 
 class Stopped(Exception):
@@ -29,14 +32,18 @@ class StopSignal:
         self._next_key = 0
 
     def set(self) -> None:
-        """Stop: call every registered callback (on this thread), once."""
+        """Stop: call every registered callback (on this thread), once; one that fails is logged, and the others
+        are called all the same."""
         with self._lock:
             if self._set.is_set():
                 return
             self._set.set()
             callbacks, self._callbacks = list(self._callbacks.values()), {}
         for callback in callbacks:
-            callback()
+            try:
+                callback()
+            except Exception:
+                log.exception("a stop's callback failed")
 
     def is_set(self) -> bool:
         return self._set.is_set()
@@ -53,8 +60,9 @@ class StopSignal:
     @contextmanager
     def calling(self, callback: Callable[[], None]) -> Iterator[None]:
         """Have set() call `callback` while the block runs; at once where the signal is set already. The callback
-        runs on the thread that sets the signal, so it must only hand work over (a queue's put, a loop's
-        call_soon_threadsafe) and not raise."""
+        runs on the thread that sets the signal, after set() let its lock go (a callback may take locks of its own),
+        so a stop that races the block's end may call it just after the block: it must only hand work over (a queue's
+        put, a loop's call_soon_threadsafe, which a closed loop refuses) and stay harmless then."""
         with self._lock:
             already = self._set.is_set()
             key = self._next_key

@@ -770,9 +770,11 @@ class TakeBackLook:
     kind only, with no dial (a stage gone from the chain fails its next step within moments, and the failover
     re-plans), so that no step waits on the network."""
 
-    def __init__(self, store: FleetStore, model_dir: Path) -> None:
+    def __init__(self, store: FleetStore, model_dir: Path, stop: StopSignal | None = None) -> None:
+        """`stop` (a server's): its dial of a PC gives up with Stopped as the server stops."""
         self.store = store
         self.model_dir = model_dir
+        self.stop = stop
         self._model_id = model_id_of(model_dir)
         # the evidence of each call-in acted on (which PCs, since when, their call-ins), oldest first
         self._acted_on: dict[tuple[object, ...], None] = {}
@@ -785,7 +787,7 @@ class TakeBackLook:
         called_in = placed_pcs_called_in(self.store, self.model_dir)
         if called_in is None or not self._first_time(("placed", called_in)):
             return False
-        return bool(stages_gone(self.store, self.model_dir, self._model_id, called_in))
+        return bool(stages_gone(self.store, self.model_dir, self._model_id, called_in, self.stop))
 
     def left_out_back(self) -> bool:
         """Whether a PC a re-plan left out has called in since, no other run drives the model and no deploy is under

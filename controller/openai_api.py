@@ -244,7 +244,10 @@ class OpenAiApi:
             return cast(web.StreamResponse, await handler(request))
         except ApiError as error:
             headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else None
-            return web.json_response(error.body(), status=error.status, headers=headers)
+            response = web.json_response(error.body(), status=error.status, headers=headers)
+            if error.closes:
+                response.force_close()
+            return response
         except web.HTTPException as error:  # aiohttp's own: unknown path, wrong method, body too large
             if error.status < 400:
                 raise
@@ -256,8 +259,11 @@ class OpenAiApi:
                 headers = {"Allow": allowed}
             elif isinstance(error, web.HTTPRequestEntityTooLarge):
                 message = f"the request body is larger than this server takes ({MAX_BODY_BYTES // 2**20} MiB)"
-            return web.json_response(ApiError(error.status, message, kind=kind).body(), status=error.status,
-                                     headers=headers)
+            response = web.json_response(ApiError(error.status, message, kind=kind).body(), status=error.status,
+                                         headers=headers)
+            if isinstance(error, web.HTTPRequestEntityTooLarge):  # the rest of the body is no request
+                response.force_close()
+            return response
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -337,9 +343,10 @@ class OpenAiApi:
             async with asyncio.timeout(BODY_TIMEOUT_S):
                 body = await request.read()
         except TimeoutError:
-            raise ApiError(408, f"the request body did not all come within {BODY_TIMEOUT_S:.0f} s") from None
+            raise ApiError(408, f"the request body did not all come within {BODY_TIMEOUT_S:g} s",
+                           closes=True) from None
         except web.RequestPayloadError as error:  # e.g. a Content-Encoding its bytes are not (a 500 before)
-            raise ApiError(400, f"the request body cannot be read: {str(error)[:200]}") from None
+            raise ApiError(400, f"the request body cannot be read: {str(error)[:200]}", closes=True) from None
         try:
             # UTF-8 whatever charset the header names (JSON is UTF-8; an unknown one was a 500, latin-1 garbled text)
             return json.loads(body.decode("utf-8"))

@@ -65,11 +65,13 @@ class ApiError(Exception):
     """A request the server refuses, as the API's error body: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None, retry_after_s: int | None = None) -> None:
-        """`retry_after_s`: sent as the Retry-After header (a client's wait before it asks again)."""
+                 code: str | None = None, retry_after_s: int | None = None, closes: bool = False) -> None:
+        """`retry_after_s`: sent as the Retry-After header (a client's wait before it asks again). `closes`: the
+        connection closes after the answer (its request's body was not all read: what follows it is no request)."""
         super().__init__(message)
         self.status = status
         self.retry_after_s = retry_after_s
+        self.closes = closes
         self.message = message
         self.param = param
         self.kind = kind

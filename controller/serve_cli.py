@@ -216,7 +216,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     stop = StopSignal()  # set as the service closes: a fleet's re-plan or step under way gives up
     opener = _fleet_opener(args, decoding, stop) if args.fleet else _local_opener(args.model, stages, target, manifest)
     name = args.model_name or args.model.resolve().name
-    look = _take_back_look(args) if args.fleet else None
+    look = _take_back_look(args, stop) if args.fleet else None
     service = EngineService(opener, manifest.spec, draft, options_for, max_streams=args.max_streams, take_back=look,
                             take_back_busy_s=TAKE_BACK_BUSY_S if args.take_back_wait is None
                             else args.take_back_wait, take_back_while_busy=look.left_out_back if look else None,
@@ -335,10 +335,10 @@ def _fleet_opener(args: argparse.Namespace, decoding: DecodingOptions, stop: Sto
     return open_fleet
 
 
-def _take_back_look(args: argparse.Namespace) -> TakeBackLook:
+def _take_back_look(args: argparse.Namespace, stop: StopSignal) -> TakeBackLook:
     from .fleet_failover import TakeBackLook
 
-    return TakeBackLook(controller_store(args.data_dir), args.model)
+    return TakeBackLook(controller_store(args.data_dir), args.model, stop)
 
 
 def windowed(failover: FleetFailover, window_s: float = FAILOVER_WINDOW_S,

@@ -224,9 +224,11 @@ def test_a_stop_from_another_thread_cancels_the_run_and_lets_its_clean_up_run(
     monkeypatch.setenv(ENV_VAR, loop)
     stop = StopSignal()
     cleaned: list[str] = []
+    waiting = threading.Event()
 
     async def deploy() -> str:
         try:
+            waiting.set()
             await asyncio.sleep(30)
         except asyncio.CancelledError:
             await asyncio.sleep(0.01)  # a deploy's own clean-up awaits too (it tells the PCs to release)
@@ -234,11 +236,28 @@ def test_a_stop_from_another_thread_cancels_the_run_and_lets_its_clean_up_run(
             raise
         return "deployed"
 
-    threading.Timer(0.2, stop.set).start()
+    threading.Thread(target=lambda: waiting.wait(30) and stop.set()).start()  # once it waits, as a re-plan does
     started = time.monotonic()
     with pytest.raises(Stopped):
         event_loop.run(deploy(), stop=stop)
     assert time.monotonic() - started < 5 and cleaned == ["released"]
+
+
+def test_a_cancel_that_a_stop_caused_and_the_work_turned_into_another_error_is_still_a_stop() -> None:
+    # a TaskGroup whose child fails as the cancel comes raises the child's error: a re-plan then noted a PC as
+    # tried and failed, and counted a failed re-plan, at a server's stop
+    stop = StopSignal()
+
+    async def deploy() -> None:
+        try:
+            stop.set()
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            raise ValueError("a PC failed meanwhile") from None
+
+    with pytest.raises(Stopped) as stopped:
+        event_loop.run(deploy(), stop=stop)
+    assert isinstance(stopped.value.__cause__, ValueError)
 
 
 def test_a_run_given_a_stop_set_already_is_not_begun_and_leaves_no_coroutine_unawaited(

@@ -45,3 +45,15 @@ def test_check_raises_only_once_stopped() -> None:
     stop.set()
     with pytest.raises(Stopped, match="the re-plan was cut short: stopping"):
         stop.check("the re-plan")
+
+
+def test_a_callback_that_fails_is_logged_and_the_others_are_called(caplog: pytest.LogCaptureFixture) -> None:
+    stop = StopSignal()
+    called: list[str] = []
+
+    def fails() -> None:
+        raise RuntimeError("the loop closed")
+
+    with stop.calling(fails), stop.calling(lambda: called.append("second")):
+        stop.set()
+    assert called == ["second"] and "a stop's callback failed" in caplog.text

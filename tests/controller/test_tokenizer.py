@@ -130,3 +130,37 @@ def test_an_exports_tokenizer_files_are_checked_against_its_manifest(tiny_export
     (model / "tokenizer_config.json").write_text(config)
     (model / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")  # a template's fix: allowed
     assert ModelTokenizer(model).chat_template == "{{ messages[0]['content'] }}"
+
+
+def test_a_long_text_is_encoded_without_holding_the_other_threads(tiny_export: Path) -> None:
+    # tokenizers' encode held the GIL for a whole text: `serve` tokenizes completion prompts in a worker thread, and a
+    # 266,000-character prompt still held its event loop, every client's stream, 0.2 s
+    import asyncio
+    import time
+
+    tokenizer = ModelTokenizer(tiny_export)
+    text = "def f(x):\n    return x + 1  # a comment\n" * 8000
+
+    async def widest_gap() -> tuple[float, float]:
+        widest, done = 0.0, False
+
+        async def tick() -> None:
+            nonlocal widest
+            last = time.perf_counter()
+            while not done:
+                await asyncio.sleep(0.001)
+                now = time.perf_counter()
+                widest, last = max(widest, now - last), now
+
+        ticking = asyncio.create_task(tick())
+        await asyncio.sleep(0.02)
+        started = time.perf_counter()
+        ids = await asyncio.to_thread(tokenizer.encode, text)
+        took = time.perf_counter() - started
+        done = True
+        await ticking
+        assert len(ids) > 10_000
+        return took, widest
+
+    took, widest = asyncio.run(widest_gap())
+    assert widest < took / 2, (took, widest)
