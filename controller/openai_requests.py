@@ -307,8 +307,11 @@ def _content(value: object, where: str) -> str:
 
 
 def _decoding(fields: dict[str, Any], max_tokens: object, max_name: str) -> Decoding:
-    if max_tokens is not None and (not _is_int(max_tokens) or not 1 <= max_tokens <= MAX_SEED):  # type: ignore[operator]
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):  # type: ignore[operator]
         raise ApiError(400, f"{max_name} must be a whole number of at least 1", max_name)
+    if max_tokens is not None and max_tokens > MAX_SEED:  # type: ignore[operator]
+        raise ApiError(400, f"{max_name} must be at most {MAX_SEED}, far past any model's context", max_name,
+                       code="context_length_exceeded")
     temperature = _number(fields, "temperature", 1.0, 0.0, MAX_API_TEMPERATURE)
     top_p = _number(fields, "top_p", 1.0, 0.0, 1.0)
     top_k = fields.get("top_k", 0)
