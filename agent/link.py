@@ -77,6 +77,9 @@ ENROLLMENT_MAX_FRAME_BYTES = 64 * 1024
 # `start_server`'s `large_frames` does not name: a Hello is a few hundred bytes. At the codec's limit (320 MB) a
 # member's unfinished message held that much of the agent's memory per link, on as many links as it opened.
 SMALL_FRAME_BYTES = 64 * 1024
+# The largest frame a link that only reads a member's replies takes (a survey's StatusReport, a deploy's ShardHave
+# and StageReady: a few KB): a member answered a survey's StatusRequest with 300 MB, and `fleet ls` held it
+REPLY_MAX_FRAME_BYTES = 1024 * 1024
 MAX_CONCURRENT_JOINS = 16
 MAX_JOINS_PER_HOST = 4
 REFUSAL_LOG_EVERY_S = 60.0  # a join refused as one too many is logged once this often per host
@@ -374,8 +377,11 @@ def peer_identity(connection: Connection, ca_certificate: x509.Certificate,
 # Public functions: connecting
 
 async def open_link(address: str, files: TlsFiles, expected_agent_id: str | None = None,
-                    revocations: RevocationSource = no_revocations, open_timeout: float = OPEN_TIMEOUT_S) -> Link:
-    """Connect to a fleet member at host:port and exchange Hello.
+                    revocations: RevocationSource = no_revocations, open_timeout: float = OPEN_TIMEOUT_S,
+                    max_frame_bytes: int | None = None) -> Link:
+    """Connect to a fleet member at host:port and exchange Hello. `max_frame_bytes`: the largest frame the link
+    takes from the peer (None: the codec's limit, 320 MB: a stage's results); a link that only reads replies (a
+    survey's, a deploy's) says less, or any member could make the dialling side hold that much a link.
 
     With `expected_agent_id` the TLS handshake itself pins the peer (its certificate must name that
     agent id); without it (a manual --peer) any fleet certificate is accepted and read afterwards.
@@ -385,15 +391,20 @@ async def open_link(address: str, files: TlsFiles, expected_agent_id: str | None
     host, port = parse_address(address)
     context = files.client_context(pin_agent_id=expected_agent_id is not None)
     uri = f"wss://{_uri_host(host)}:{port}/"
+    options = websocket_options()
+    if max_frame_bytes is not None:
+        options["max_size"] = max_frame_bytes
     try:
         connection = await connect(uri, ssl=context, server_hostname=expected_agent_id or host,
-                                   open_timeout=open_timeout, **websocket_options())
+                                   open_timeout=open_timeout, **options)
     except InvalidStatus as error:
         raise LinkRefused(f"{address} refused the link: HTTP {error.response.status_code} "
                           f"{error.response.body.decode('utf-8', 'replace').strip()}",
                           error.response.status_code) from None
     except (OSError, TimeoutError, InvalidHandshake, ssl.SSLError) as error:
         raise LinkError(f"cannot reach {address}: {_connect_failure(error)}") from None
+    except ValueError as error:  # the resolver's refusal of a name (UnicodeError): one address, not the caller's run
+        raise LinkError(f"cannot reach {address}: {str(error)[:200]}") from None
     try:
         peer = peer_identity(connection, files.ca_certificate(), revocations())
     except pki.PkiError as error:  # the peer is told why (an expired certificate: whose, since when, the fix)
@@ -541,11 +552,18 @@ def _uri_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+_X509_HOSTNAME_MISMATCH = 62  # OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH: a certificate of the CA, for another name
+
+
 def _connect_failure(error: BaseException) -> str:
     """Why a link could not open, never blank: a listener that drops the connection mid-handshake (not a fleet
     member: another service on the port) raised ConnectionResetError with no text, and `fleet ls` said only
     "cannot reach ADDRESS: "."""
     text = str(error) or type(error).__name__
+    if isinstance(error, ssl.SSLCertVerificationError) and error.verify_code == _X509_HOSTNAME_MISMATCH:
+        # signed by the fleet CA, for another agent id: the address is another member's now (DHCP gave it away)
+        return f"{text}: the PC listening there is another member of this fleet, not the agent dialled (its " \
+               "address moved to another PC?); the agent is found again where it registers next, or over mDNS"
     if isinstance(error, ssl.SSLCertVerificationError):  # an agent of a fleet made anew retried with this alone
         return f"{text}: its certificate is not signed by this PC's fleet CA: it belongs to another fleet, or the " \
                "fleet was made anew (`deskfleet fleet init --force`), after which every PC must join again with a " \

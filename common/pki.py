@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature, encode_dss_signature
@@ -200,11 +200,17 @@ def check_csr(csr: x509.CertificateSigningRequest) -> str:
 
     The controller calls this before redeeming a join secret, so a bad request costs no token use.
     """
-    if not csr.is_signature_valid:
-        raise PkiError("certificate request signature is invalid")
-    key = csr.public_key()
+    try:
+        # both parse the key first: an unknown curve or key algorithm raised ValueError / UnsupportedAlgorithm out of
+        # a stranger's join (a traceback logged at ERROR a try, no token needed)
+        key = csr.public_key()
+        valid = csr.is_signature_valid
+    except (ValueError, UnsupportedAlgorithm) as error:
+        raise PkiError(f"certificate request key cannot be read: {str(error)[:100]}") from None
     if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP256R1):
         raise PkiError("certificate request key must be ECDSA P-256")
+    if not valid:
+        raise PkiError("certificate request signature is invalid")
     return agent_id_for_key(key)
 
 

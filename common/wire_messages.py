@@ -84,6 +84,9 @@ def parse_address(text: str, any_port: bool = False, default_port: int | None = 
     host, separator, port_text = address.rpartition(":")
     if not separator or _HOST.fullmatch(host) is None:
         raise ProtocolError(f"address {text[:300]!r} is not host:port{_bracket_hint(address)}")
+    if not _dialable(host):
+        raise ProtocolError(f"address {text[:300]!r} names no host that can be dialled (an IPv4 address, an IPv6 "
+                            "address in brackets, or a name of dot-separated labels of 1 to 63 characters)")
     lowest = 0 if any_port else 1
     port = _port_number(port_text)
     if port is None or not lowest <= port < 65536:
@@ -130,6 +133,16 @@ def _bracket_hint(text: str) -> str:
     if _is_ipv6(text):
         forms.append(f"[{text}]:PORT")
     return f" (an IPv6 host goes in brackets: {' or '.join(forms)})"[:300] if forms else ""
+
+
+def _dialable(host: str) -> bool:
+    """Whether `host` (as _HOST matched it) can be dialled: a bracketed IPv6 address, an IPv4 address, or a DNS name
+    whose labels are 1-63 characters. An enrolled agent that registered "[..]" or "a..b" made every survey (`fleet
+    ls`, `plan`, `deploy`, a run's re-plan) fail on the resolver's error, for as long as the roster kept it."""
+    if host.startswith("["):
+        return _is_ipv6(host[1:-1])
+    name = host[:-1] if host.endswith(".") else host  # a fully qualified name's trailing dot
+    return all(0 < len(label) <= 63 for label in name.split("."))
 
 
 def _is_ipv6(text: str) -> bool:

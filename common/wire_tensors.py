@@ -27,12 +27,22 @@ WIRE_DTYPES: dict[str, np.dtype[np.generic]] = {
 MAX_RANK = 4
 
 
+PROTOCOL_ERROR_MAX_CHARS = 500  # a ProtocolError's text at most: it quotes what a peer sent
+
+
 class ProtocolError(ValueError):
     """A frame or message broke the protocol; the message names the field and what was wrong.
 
     The receiver must drop the message (and usually answer Error(BAD_MESSAGE) and close); nothing in
-    a frame that raised this has been acted on.
+    a frame that raised this has been acted on. The text is cut to PROTOCOL_ERROR_MAX_CHARS: it quotes what the
+    peer sent (field names, types), and a stranger's join with a field name of 60,000 characters wrote that much
+    to the controller's log a try.
     """
+
+    def __init__(self, message: str = "") -> None:
+        if len(message) > PROTOCOL_ERROR_MAX_CHARS:
+            message = f"{message[:PROTOCOL_ERROR_MAX_CHARS - 3]}..."
+        super().__init__(message)
 
 
 # Public functions

@@ -374,6 +374,7 @@ class Revocations:
 
 JOIN_END_LOG_EVERY_S = 60.0  # a join the joining PC ended, saying why, is a warning once this often a host
 _join_ends_said = LogEvery()  # by host
+_join_refusals_said = LogEvery()  # by (host, kind of refusal)
 
 
 async def serve_enrollment(connection: ServerConnection, store: FleetStore) -> None:
@@ -410,11 +411,11 @@ async def _join_exchange(connection: ServerConnection, store: FleetStore) -> Non
         await connection.send(encode(response))
         await connection.close()
     except (ProtocolError, pki.PkiError, join_tokens.JoinTokenError) as error:
-        log.warning("join from %s refused: %s", remote, error)
+        _log_refusal(remote, error)
         await _refuse(connection, ErrorCode.JOIN_REFUSED if not isinstance(error, ProtocolError)
                       else ErrorCode.BAD_MESSAGE, str(error))
     except join_tokens.TokenRejected as error:
-        log.warning("join from %s refused: %s", remote, error)
+        _log_refusal(remote, error)
         await _refuse(connection, ErrorCode.JOIN_REFUSED, "the join token is unknown, expired or used up: ask the "
                       "fleet's admin for a new one (`deskfleet fleet token`)")
     except FleetStoreError as error:
@@ -429,6 +430,15 @@ async def _join_exchange(connection: ServerConnection, store: FleetStore) -> Non
             log.log(level, "join from %s ended by the joining PC: %s", remote, reason)
         else:
             log.info("join client %s went away", remote)
+
+
+def _log_refusal(remote: object, error: Exception) -> None:
+    """A refused join: a warning once a minute a host and kind of refusal, a debug line between (a stranger needs no
+    token to be refused: 200 tries wrote 200 warnings in 1.6 s)."""
+    host = str(remote[0]) if isinstance(remote, tuple) and remote else str(remote)
+    due = _join_refusals_said.due((host, type(error).__name__), JOIN_END_LOG_EVERY_S)
+    log.log(logging.WARNING if due else logging.DEBUG, "join from %s refused: %s%s", remote, error,
+            " (said once a minute a host at most)" if due else "")
 
 
 def _sign_join(store: FleetStore, request: JoinRequest, now: datetime.datetime) -> JoinResponse:

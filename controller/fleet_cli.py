@@ -374,7 +374,8 @@ def _ls(args: argparse.Namespace) -> int:
         f"note: {model_id} has {len(stages)} deployed stage(s) that the PC it was assigned to no longer hosts ("
         + ", ".join(f"[{stage.layer_start}:{stage.layer_end}] on {agent_label(stage.agent_id, hostnames)}"
                     for stage in stages)
-        + "; restarted, or paused and resumed, since): a run on the model that starts after such a PC called in "
+        + "; restarted, or paused and resumed, since, or given a stage by a re-plan stopped midway, which it released"
+          "): a run on the model that starts after such a PC called in "
           "(a restarted agent does as it starts, a resumed one within a minute) gives its stage back, a running "
           "`serve --fleet` at a moment with no request; `deskfleet fleet deploy` of the model does in any case"
         for model_id, stages in unhosted.items()]

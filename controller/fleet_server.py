@@ -183,10 +183,14 @@ class FleetServer:
             return
         agent_id = link.peer.agent_id
         try:
-            self.revocations()
+            removed = self.revocations().is_revoked(agent_id)
         except pki.PkiError as error:  # the list vanished since the handshake: refused like a new link
             log.error("refused agent %s: %s", agent_id[:12], error)
             await link.refuse(ErrorCode.INTERNAL, "the controller cannot read its list of removed agents")
+            return
+        if removed:  # since its handshake: its Register was recorded, and its link lived till the watcher looked
+            log.warning("refused agent %s at %s: it was removed from the fleet", agent_id[:12], link.address)
+            await link.refuse(ErrorCode.UNAUTHORIZED, "this agent was removed from the fleet")
             return
         try:
             await self._record(agent_id, message.listen_addresses)

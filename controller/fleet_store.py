@@ -461,8 +461,30 @@ def _roster_entry(path: Path, agent_id: object, entry: object) -> RosterEntry:
     registered_at = entry.get("registered_at")
     if registered_at is not None and not isinstance(registered_at, str):
         raise malformed(f"registered_at must be a string or null, not {registered_at!r:.60}")
-    addresses = checked_addresses(entry.get("addresses", []), f"{path}: agent {agent_id[:12]}'s")
+    addresses = _dialable_addresses(entry.get("addresses", []), f"{path}: agent {agent_id[:12]}'s")
     return RosterEntry(agent_id, entry["hostname"], entry["enrolled_at"], addresses, registered_at)
+
+
+_dropped_said: set[tuple[str, str]] = set()  # (where, address): a roster address left out, warned of once
+
+
+def _dialable_addresses(value: object, where: str) -> tuple[str, ...]:
+    """A roster entry's addresses, those that cannot be dialled left out with a warning (once a process): an agent
+    registers only addresses parse_address takes, but a roster written before it checked as strictly may hold one,
+    which failed every survey; the agent's next registration writes its addresses anew."""
+    if not isinstance(value, list) or not all(isinstance(address, str) for address in value):
+        raise FleetStoreError(f"{where} addresses must be a list of host:port strings, not {value!r:.60}")
+    kept = []
+    for address in value:
+        try:
+            parse_address(address)
+        except ProtocolError as error:
+            if (where, address) not in _dropped_said:
+                _dropped_said.add((where, address))
+                log.warning("%s address left out: %s", where, error)
+            continue
+        kept.append(address)
+    return tuple(kept)
 
 
 def checked_addresses(value: object, where: str) -> tuple[str, ...]:

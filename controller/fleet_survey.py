@@ -20,7 +20,15 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from deskfleet.agent.advertise import interface_addresses
-from deskfleet.agent.link import OPEN_TIMEOUT_S, Link, LinkError, LinkVersionError, TlsFiles, open_link
+from deskfleet.agent.link import (
+    OPEN_TIMEOUT_S,
+    REPLY_MAX_FRAME_BYTES,
+    Link,
+    LinkError,
+    LinkVersionError,
+    TlsFiles,
+    open_link,
+)
 from deskfleet.common import pki
 from deskfleet.common.wire import Error, KnownRemovals, StatusReport, StatusRequest, is_loopback_address
 from deskfleet.controller.discovery import RESOLVE_TIMEOUT_MS, Discovery, ManualPeers, ZeroconfDiscovery
@@ -302,8 +310,9 @@ async def _ask(store: FleetStore, revocations: Revocations, agent_id: str | None
     its status."""
     try:
         async with dials:
+            # replies only (a status; a deploy's ShardHave and StageReady): a member cannot make it hold 320 MB
             link = await open_link(address, store.tls_files, expected_agent_id=agent_id, revocations=revocations,
-                                   open_timeout=open_timeout)
+                                   open_timeout=open_timeout, max_frame_bytes=REPLY_MAX_FRAME_BYTES)
     except LinkVersionError as error:  # listed with the version it runs, and which side to upgrade
         if versions is not None:
             versions[address] = PeerVersion(error.peer_software, error.peer_protocol, error.peer_agent_id)

@@ -108,6 +108,44 @@ def test_a_foreign_certificate_fails_the_handshake(tmp_path: Path) -> None:
     run(scenario())
 
 
+def test_another_member_at_the_address_dialled_is_named_as_such_not_as_another_fleet(tmp_path: Path) -> None:
+    # DHCP gave a PC's old address to another member: `fleet ls` said the PC belonged to another fleet
+    async def scenario() -> None:
+        server, port, _, ca = await _serve(tmp_path)
+        async with server:
+            client = make_member(ca, tmp_path / "client", "client", Role.CONTROLLER)
+            elsewhere = make_member(ca, tmp_path / "elsewhere", "elsewhere").own_identity().agent_id
+            with pytest.raises(LinkError, match="the PC listening there is another member of this fleet, not the "
+                                                "agent dialled") as refused:
+                await open_link(f"127.0.0.1:{port}", client, expected_agent_id=elsewhere)
+            assert "another fleet" not in str(refused.value)
+
+    run(scenario())
+
+
+def test_a_link_that_reads_replies_only_refuses_a_frame_past_its_limit(tmp_path: Path) -> None:
+    # a member answered a survey's StatusRequest with 300 MB, and `fleet ls` held it (675 MB against 88)
+    async def scenario() -> None:
+        ca = make_ca(tmp_path / "ca")
+        server_files = make_member(ca, tmp_path / "server", "server")
+
+        async def flood(link: Link) -> None:
+            await link.receive()
+            await link.connection.send(b"\0" * 3_000_000)
+            await asyncio.sleep(5)
+
+        server = await start_server(flood, "127.0.0.1", 0, server_files)
+        async with server:
+            port = server.sockets[0].getsockname()[1]
+            client = make_member(ca, tmp_path / "client", "client", Role.CONTROLLER)
+            link = await open_link(f"127.0.0.1:{port}", client, max_frame_bytes=1 << 20)
+            await link.send(StatusRequest())
+            with pytest.raises(LinkError):
+                await link.receive()
+
+    run(scenario())
+
+
 def test_a_listener_that_drops_the_handshake_is_named_not_left_blank(tmp_path: Path) -> None:
     # another service on the port, reading and closing: `fleet ls` said "cannot reach 127.0.0.1:PORT: " and no more
     async def scenario() -> None:

@@ -83,6 +83,21 @@ def test_csr_checks(ca: pki.FleetCa) -> None:
         pki.load_certificate_der(b"\x30\x03junk")
 
 
+@pytest.mark.parametrize(("found", "replaced"), [
+    ("2a8648ce3d030107", "2a8648ce3d030101"),  # P-256's curve OID made secp192r1's: an unknown curve
+    ("2a8648ce3d0201", "2a8648ce3d0209"),  # the EC key algorithm's OID made another's: an unknown key type
+])
+def test_a_csr_whose_key_cannot_be_read_is_refused_as_such(found: str, replaced: str) -> None:
+    # a stranger's join with such a CSR raised ValueError or UnsupportedAlgorithm: a traceback logged at ERROR a try
+    key = ec.generate_private_key(ec.SECP256R1())
+    csr = x509.CertificateSigningRequestBuilder().subject_name(x509.Name([])).sign(key, hashes.SHA256())
+    der = csr.public_bytes(serialization.Encoding.DER)
+    assert bytes.fromhex(found) in der
+    broken = x509.load_der_x509_csr(der.replace(bytes.fromhex(found), bytes.fromhex(replaced)))
+    with pytest.raises(pki.PkiError, match="certificate request key"):
+        pki.check_csr(broken)
+
+
 def test_enrollment_peer_pinning(ca: pki.FleetCa) -> None:
     _, controller = enroll(ca, Role.CONTROLLER)
     _, agent = enroll(ca)

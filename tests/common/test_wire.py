@@ -589,6 +589,15 @@ def test_tensor_fields_are_recognised_however_numpy_spells_ndarray() -> None:
     assert not _is_tensor(tuple[int, ...]) and not _is_tensor(int) and not _is_tensor(bytes)
 
 
+@pytest.mark.parametrize("address", ["[..]:19399", "a..b:1", "[::::::]:1", "[.1]:1", "x" * 64 + ".corp:1", ".:1"])
+def test_an_address_whose_host_cannot_be_dialled_is_refused(address: str) -> None:
+    # an enrolled agent registered "[..]:19399": every survey (fleet ls, plan, deploy, a re-plan) then failed on the
+    # resolver's UnicodeError or ValueError, for as long as the roster kept it
+    with pytest.raises(ProtocolError, match="names no host that can be dialled"):
+        wire.parse_address(address)
+    assert wire.parse_address("pc-7.corp.:7431") == ("pc-7.corp.", 7431)  # a fully qualified name's dot is taken
+
+
 def test_addresses_need_a_port_and_port_zero_only_to_listen() -> None:
     assert wire.parse_address("10.0.0.5:8765") == ("10.0.0.5", 8765)
     assert wire.parse_address("[::1]:0", any_port=True) == ("::1", 0)
@@ -648,3 +657,15 @@ def test_a_host_without_its_port_takes_the_default_one(given: str, taken: str) -
 ])
 def test_loopback_addresses_are_told_apart(address: str, loopback: bool) -> None:
     assert wire.is_loopback_address(address) is loopback
+
+
+def test_a_protocol_error_quotes_what_the_peer_sent_500_characters_at_most() -> None:
+    # a stranger's JoinRequest with a field name of 60,000 characters wrote that much to the controller's log a try
+    from deskfleet.common.wire_codec import _ALIGN, _PREFIX, MAGIC
+
+    header = json.dumps({"type": "JoinRequest", "fields": {"x" * 60_000: 1}, "tensors": []}).encode()
+    header += b" " * (-(_PREFIX.size + len(header)) % _ALIGN)
+    frame = _PREFIX.pack(MAGIC, PROTOCOL_VERSION, len(header)) + header
+    with pytest.raises(ProtocolError) as refused:
+        wire.decode(frame)
+    assert "unknown fields ['xxx" in str(refused.value) and len(str(refused.value)) <= 500

@@ -65,3 +65,26 @@ def test_a_registered_agent_that_calls_in_again_is_back_for_the_next_run(
         await link.close()
 
     with_server(store, scenario)
+
+
+def test_an_agent_removed_after_its_handshake_is_not_registered(store: FleetStore, tmp_path: Path) -> None:
+    # its Register 2 s after `fleet remove` was recorded (new addresses, a registered_at after the removal) and its
+    # link lived until the revocation watcher's next look
+    from deskfleet.agent.link import LinkError
+    from deskfleet.controller.fleet_ca import remove_agent
+
+    member = make_member(load_ca(store), tmp_path / "agent-d", "agent")
+    agent_id = member.own_identity().agent_id
+    store.save_roster({agent_id: RosterEntry(agent_id, "doomed", utc_now().isoformat())})
+
+    async def scenario(server: FleetServer, address: str) -> None:
+        link = await open_link(address, member, expected_agent_id=None)  # the handshake passed
+        await asyncio.to_thread(remove_agent, store, "doomed")
+        await link.send(Register(agent_id, ("127.0.0.1:7434",)))
+        with pytest.raises(LinkError):
+            while True:  # refused: an Error, then the close
+                await asyncio.wait_for(link.receive(), 10)
+        assert agent_id not in server.live
+
+    with_server(store, scenario)
+    assert store.roster().get(agent_id) is None or store.roster()[agent_id].addresses == ()

@@ -87,7 +87,7 @@ def _undeployed_fleet(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     monkeypatch.setattr(chat, "controller_store", lambda data_dir: object())
     monkeypatch.setattr(fleet_failover, "FleetFailover", _Failover)
 
-    def never_deployed(store: object, model: Path) -> object:
+    def never_deployed(store: object, model: Path, **options: object) -> object:
         raise ChainError(f"{model} is not deployed")
 
     monkeypatch.setattr(fleet_pipeline.FleetPipeline, "from_store", staticmethod(never_deployed))
