@@ -562,8 +562,8 @@ def _connect_failure(error: BaseException) -> str:
     text = str(error) or type(error).__name__
     if isinstance(error, ssl.SSLCertVerificationError) and error.verify_code == _X509_HOSTNAME_MISMATCH:
         # signed by the fleet CA, for another agent id: the address is another member's now (DHCP gave it away)
-        return f"{text}: the PC listening there is another member of this fleet, not the agent dialled (its " \
-               "address moved to another PC?); the agent is found again where it registers next, or over mDNS"
+        return f"{text}: the PC listening there is another member of this fleet, not the one dialled (the " \
+               "address moved to another PC?)"
     if isinstance(error, ssl.SSLCertVerificationError):  # an agent of a fleet made anew retried with this alone
         return f"{text}: its certificate is not signed by this PC's fleet CA: it belongs to another fleet, or the " \
                "fleet was made anew (`deskfleet fleet init --force`), after which every PC must join again with a " \

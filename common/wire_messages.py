@@ -139,8 +139,12 @@ def _dialable(host: str) -> bool:
     """Whether `host` (as _HOST matched it) can be dialled: a bracketed IPv6 address, an IPv4 address, or a DNS name
     whose labels are 1-63 characters. An enrolled agent that registered "[..]" or "a..b" made every survey (`fleet
     ls`, `plan`, `deploy`, a run's re-plan) fail on the resolver's error, for as long as the roster kept it."""
-    if host.startswith("["):
-        return _is_ipv6(host[1:-1])
+    if host.startswith("["):  # an IPv6 address, or an IPv4 one in brackets, as the pattern always took
+        try:
+            ipaddress.ip_address(host[1:-1])
+        except ValueError:
+            return False
+        return True
     name = host[:-1] if host.endswith(".") else host  # a fully qualified name's trailing dot
     return all(0 < len(label) <= 63 for label in name.split("."))
 

@@ -436,7 +436,7 @@ def _log_refusal(remote: object, error: Exception) -> None:
     """A refused join: a warning once a minute a host and kind of refusal, a debug line between (a stranger needs no
     token to be refused: 200 tries wrote 200 warnings in 1.6 s)."""
     host = str(remote[0]) if isinstance(remote, tuple) and remote else str(remote)
-    due = _join_refusals_said.due((host, type(error).__name__), JOIN_END_LOG_EVERY_S)
+    due = _join_refusals_said.due((host, str(error)), JOIN_END_LOG_EVERY_S)  # each reason (expired, used up) told
     log.log(logging.WARNING if due else logging.DEBUG, "join from %s refused: %s%s", remote, error,
             " (said once a minute a host at most)" if due else "")
 

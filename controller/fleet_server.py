@@ -336,9 +336,15 @@ class FleetServer:
                 recorded.set_result(None)
 
     def _save_addresses(self, unrecorded: dict[str, tuple[tuple[str, ...], str]]) -> None:
-        with self.store.locked():
+        with self.store.locked():  # the lock `fleet remove` takes: a removal is either seen here or comes after
             roster = self.store.roster()
+            try:
+                revoked: pki.RevocationSet | None = self.revocations()
+            except pki.PkiError:  # the watcher says so, and refuses new links meanwhile
+                revoked = None
             for agent_id, (addresses, came_at) in unrecorded.items():
+                if revoked is not None and revoked.is_revoked(agent_id):  # removed since it registered
+                    continue
                 entry = roster.get(agent_id)
                 if entry is None:  # its certificate is the fleet's: the roster lost it, or never had it
                     log.warning("agent %s registered, but %s does not list it: the data dir was restored from an "

@@ -116,7 +116,7 @@ def test_another_member_at_the_address_dialled_is_named_as_such_not_as_another_f
             client = make_member(ca, tmp_path / "client", "client", Role.CONTROLLER)
             elsewhere = make_member(ca, tmp_path / "elsewhere", "elsewhere").own_identity().agent_id
             with pytest.raises(LinkError, match="the PC listening there is another member of this fleet, not the "
-                                                "agent dialled") as refused:
+                                                "one dialled") as refused:
                 await open_link(f"127.0.0.1:{port}", client, expected_agent_id=elsewhere)
             assert "another fleet" not in str(refused.value)
 

@@ -596,6 +596,7 @@ def test_an_address_whose_host_cannot_be_dialled_is_refused(address: str) -> Non
     with pytest.raises(ProtocolError, match="names no host that can be dialled"):
         wire.parse_address(address)
     assert wire.parse_address("pc-7.corp.:7431") == ("pc-7.corp.", 7431)  # a fully qualified name's dot is taken
+    assert wire.parse_address("[10.0.0.5]:7341") == ("10.0.0.5", 7341)  # an IPv4 address in brackets, as before
 
 
 def test_addresses_need_a_port_and_port_zero_only_to_listen() -> None:
