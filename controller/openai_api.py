@@ -278,7 +278,7 @@ class OpenAiApi:
                 request.match_info.http_exception is None:  # an unknown path or method is answered 404 / 405
             # a web page can POST text/plain or a form to any address without asking first; JSON it cannot
             raise ApiError(415, f"the request body must be JSON, sent as Content-Type: application/json (got "
-                                f"{request.content_type!r})")
+                                f"{shown(request.content_type)})")
         if self._api_key is not None and request.path.startswith("/v1/"):
             if not self._keyed(request):
                 raise ApiError(401, "a valid API key is required: Authorization: Bearer KEY",
@@ -339,14 +339,7 @@ class OpenAiApi:
 
     @staticmethod
     async def _json(request: web.Request) -> object:
-        try:
-            async with asyncio.timeout(BODY_TIMEOUT_S):
-                body = await request.read()
-        except TimeoutError:
-            raise ApiError(408, f"the request body did not all come within {BODY_TIMEOUT_S:g} s",
-                           closes=True) from None
-        except web.RequestPayloadError as error:  # e.g. a Content-Encoding its bytes are not (a 500 before)
-            raise ApiError(400, f"the request body cannot be read: {str(error)[:200]}", closes=True) from None
+        body = await _read_body(request)
         try:
             # UTF-8 whatever charset the header names (JSON is UTF-8; an unknown one was a 500, latin-1 garbled text)
             return json.loads(body.decode("utf-8"))
@@ -448,11 +441,10 @@ class OpenAiApi:
                 ended_choices = [(choice, *task.result()) for choice, task in zip(choices, gathering, strict=True)]
                 cached = _cached_tokens(choices, {choice.index: end.result.reused_tokens if end.result is not None
                                                   else 0 for choice, end, _ in ended_choices})  # before _best renumbers
-                response = web.json_response(self._whole(ident, chat, _best(ended_choices, decoding.n), prompt_tokens,
-                                                         sum(tokens for _, _, tokens in ended_choices), cached))
-                async with _client_reads():  # written here, bounded as a streamed reply is (aiohttp's write is not)
-                    await response.prepare(request)
-                    await response.write_eof()
+                whole = web.json_response(self._whole(ident, chat, _best(ended_choices, decoding.n), prompt_tokens,
+                                                      sum(tokens for _, _, tokens in ended_choices), cached))
+                # sent here, bounded as a streamed reply is (aiohttp's own write is not)
+                response = await _write_whole(request, whole)
             ended = True
             return response
         except ConnectionResetError as error:  # the client went away while its reply was written (or stopped reading)
@@ -741,7 +733,13 @@ class _MalformedRequestLog(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, HttpProcessingError) and (error.code or 400) < 500:
+        if isinstance(error, web.RequestPayloadError):  # the rest of a body its Content-Encoding cannot decode,
+            # read by aiohttp after the 400 went (a traceback at ERROR a request, no key needed)
+            record.msg, record.args = f"{record.getMessage()}: a request body that cannot be read ({error})", ()
+            record.exc_info = record.exc_text = None
+            record.levelno = min(record.levelno, logging.WARNING)
+            record.levelname = logging.getLevelName(record.levelno)
+        elif isinstance(error, HttpProcessingError) and (error.code or 400) < 500:
             record.msg, record.args = f"{record.getMessage()}: refused ({error.code} {error.message})", ()
             record.exc_info = record.exc_text = None
             record.levelno = min(record.levelno, logging.WARNING)
@@ -812,6 +810,50 @@ def unseen_ends(spec: ModelSpec, decoding: Decoding, stop_ids: frozenset[int]) -
     if decoding.ignore_eos or decoding.echo:
         return frozenset()
     return frozenset(spec.eos_token_ids) | stop_ids
+
+
+async def _read_body(request: web.Request) -> bytes:
+    """The request's body, read as it comes: 408 where none of it comes for BODY_TIMEOUT_S (a client that stopped
+    midway held its connection with no limit; one that sends steadily, however slowly, is read on), 413 past
+    MAX_BODY_BYTES, 400 for bytes its Content-Encoding cannot decode (a 500 before)."""
+    parts: list[bytes] = []
+    size = 0
+    try:
+        while True:
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                part = await request.content.read(_READ_PART_BYTES)
+            if not part:
+                return b"".join(parts)
+            size += len(part)
+            if size > MAX_BODY_BYTES:
+                raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=size)
+            parts.append(part)
+    except TimeoutError:
+        raise ApiError(408, f"the request body stopped coming: nothing of it for {BODY_TIMEOUT_S:g} s",
+                       closes=True) from None
+    except web.RequestPayloadError as error:
+        raise ApiError(400, f"the request body cannot be read: {str(error)[:200]}", closes=True) from None
+
+
+async def _write_whole(request: web.Request, response: web.Response) -> web.StreamResponse:
+    """Send a whole reply here, a part at a time, each under _client_reads (aiohttp writes it in one go, with no
+    limit, after the handler): a client that reads none of it for WRITE_TIMEOUT_S is given up, one that reads
+    steadily however slowly is not (a 9 MB reply read at 32 KB/s was cut at 60 s when the limit was the whole's)."""
+    body = response.body
+    assert isinstance(body, bytes)
+    streamed = web.StreamResponse(status=response.status, headers=response.headers)
+    streamed.content_length = len(body)
+    async with _client_reads():
+        await streamed.prepare(request)
+    for start in range(0, len(body), _WRITE_PART_BYTES):
+        await _write(streamed, body[start:start + _WRITE_PART_BYTES])
+    async with _client_reads():
+        await streamed.write_eof()
+    return streamed
+
+
+_READ_PART_BYTES = 64 * 1024
+_WRITE_PART_BYTES = 64 * 1024
 
 
 class ClientStalled(ConnectionResetError):

@@ -28,6 +28,7 @@ from deskfleet.controller.engine_service import (
 )
 from deskfleet.controller.pipeline import LocalPipeline
 from deskfleet.controller.prompt_lookup import PromptLookupDraft
+from tests.log_records import records_of
 
 from .test_engine import F32, run_streams
 
@@ -644,8 +645,7 @@ class StallingChain:
         return self._pipeline.collect(timeout)
 
 
-def test_a_close_cuts_short_a_step_waiting_for_a_stalled_pc_and_logs_no_failure(
-        target: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_close_cuts_short_a_step_waiting_for_a_stalled_pc_and_logs_no_failure(target: Path) -> None:
     # serve --fleet's SIGTERM waited for the engine's thread 30 s, twice, while a step waited for a stalled PC
     stop = StopSignal()
     opener, chains = _wrapped(target, 2, lambda pipeline: StallingChain(pipeline, stop))
@@ -658,12 +658,12 @@ def test_a_close_cuts_short_a_step_waiting_for_a_stalled_pc_and_logs_no_failure(
     chains[0].stall.set()
     assert chains[0].stalled.wait(WAIT_S)
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger=engine_service.__name__):
+    with records_of(engine_service.__name__, logging.WARNING) as logged:
         service.close()
     assert time.monotonic() - started < 5 and stop.is_set()
     end = sink.wait()
     assert end.error == "the server stopped"
-    assert not [record for record in caplog.records if record.name == engine_service.__name__]
+    assert logged.messages() == []
     assert service.runs_failed == 0
 
 

@@ -4,6 +4,7 @@ large, and a request whose prompts cannot all run."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import re
@@ -90,13 +91,31 @@ def test_a_body_that_stops_midway_is_refused_408_once_its_time_is_up_and_its_con
                     b"Content-Length: 100\r\n\r\n{")
         started = time.monotonic()
         answer = raw.recv(65536)
-        assert answer.startswith(b"HTTP/1.1 408") and b"did not all come within" in answer, answer[:300]
+        assert answer.startswith(b"HTTP/1.1 408") and b"stopped coming: nothing of it for" in answer, answer[:300]
         assert b"Connection: close" in answer
         # what the client sends next is the rest of that body, no request: it is not answered, the connection goes
         raw.sendall(b"}" * 99 + b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         after, ended = _read_to_the_end(raw)
     assert after == b"" and ended == "closed", (after[:300], ended)
     assert time.monotonic() - started < 10
+
+
+def test_a_body_that_comes_slowly_but_steadily_is_read(server: tuple[str, EngineService],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # the limit is on a silence, not on the whole upload: a 4 MB body under ~70 KB/s was refused at 60 s
+    monkeypatch.setattr(openai_api, "BODY_TIMEOUT_S", 0.5)
+    url, _ = server
+    body = json.dumps({"model": MODEL, "prompt": "def f(x):", "max_tokens": 2}).encode()
+    parts = [body[start:start + 16] for start in range(0, len(body), 16)]
+    with socket.create_connection(_address(url), timeout=30) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        started = time.monotonic()
+        for part in parts:  # each 0.3 s after the last: the whole takes longer than the limit
+            time.sleep(0.3)
+            raw.sendall(part)
+        answer, _ = _read_to_the_end(raw)
+    assert time.monotonic() - started > 1.0 and answer.startswith(b"HTTP/1.1 200"), answer[:300]
 
 
 def test_a_connection_that_sends_no_request_is_closed(server: tuple[str, EngineService]) -> None:
@@ -149,6 +168,33 @@ def test_a_whole_reply_nobody_reads_is_given_up(server: tuple[str, EngineService
     head, _, reply = got.partition(b"\r\n\r\n")
     length = int(re.search(rb"Content-Length: (\d+)", head)[1])  # type: ignore[index]
     assert ended != "kept open" and len(reply) < length, (ended, len(reply), length)  # what the kernel held, cut
+
+
+def test_a_whole_reply_whose_parts_each_go_within_the_limit_is_not_cut(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the limit was on writing the whole reply: a 9 MB reply read steadily at 32 KB/s was cut at 60 s. Now each part
+    # must go within it (the kernel lets a writer on only once half its send buffer is free, so a part's wait is
+    # that half's time at the client's rate: 1.4 MB at 32 KB/s, 44 s). Here each part of five takes 0.3 s, against
+    # a limit of 0.5 s
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    monkeypatch.setattr(openai_api, "WRITE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(openai_api, "_WRITE_PART_BYTES", 10)
+    written: list[bytes] = []
+
+    async def slow_write(self: web.StreamResponse, data: bytes) -> None:
+        await asyncio.sleep(0.3)
+        written.append(bytes(data))
+
+    async def quick(self: web.StreamResponse, *args: object) -> None:
+        return None
+
+    monkeypatch.setattr(web.StreamResponse, "write", slow_write)
+    monkeypatch.setattr(web.StreamResponse, "prepare", quick)
+    monkeypatch.setattr(web.StreamResponse, "write_eof", quick)
+    whole = web.json_response({"text": "x" * 30})
+    asyncio.run(openai_api._write_whole(make_mocked_request("POST", "/v1/completions"), whole))
+    assert b"".join(written) == whole.body and len(written) == 5
 
 
 def test_a_wrong_method_names_the_right_one_and_sends_allow(server: tuple[str, EngineService]) -> None:
