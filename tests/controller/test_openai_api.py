@@ -583,6 +583,12 @@ def test_the_malformed_request_filter_lowers_a_record_to_a_warning_at_most() -> 
     assert quiet.levelname == "DEBUG" and quiet.exc_info is None
     other = record(logging.ERROR, RuntimeError("a bug"))  # not a client's fault: its traceback stays
     assert other.levelname == "ERROR" and other.exc_info is not None
+    # the rest of a body its Content-Encoding cannot decode, read by aiohttp after the 400 went: a traceback at ERROR
+    # a request before, any client's to send
+    undecodable = record(logging.ERROR, web.RequestPayloadError("Can not decode content-encoding: gzip"))
+    assert (undecodable.levelname, undecodable.exc_info) == ("WARNING", None)
+    assert undecodable.getMessage().endswith("a request body that cannot be read (Can not decode content-encoding: "
+                                             "gzip)")
 
 
 def test_an_api_key_is_required_once_set(tiny_export: Path) -> None:
