@@ -64,12 +64,12 @@ class _PromptScores:
 _Event = _Token | _PromptScores | StreamEnd
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body: a long conversation's text, far from the model's context in bytes
-# A request body that has not all come within this is refused (408): one that stopped midway held its connection for
-# good (`deskfleet serve` sets aiohttp's keepalive_timeout for connections that send no request, or half a header)
+# A request body none of which comes for this long is refused (408): one that stopped midway held its connection for
+# good (KEEPALIVE_S closes connections that send no request, or half a header)
 BODY_TIMEOUT_S = 60.0
-# A streamed reply whose client reads none of it for this long is given up, its streams cancelled and its connection
-# closed: a client that stopped reading held its whole reply in the server's memory (13 MB for n 16 x 1,000 tokens
-# with 20 logprobs each) until it went away
+# A reply, streamed or whole, whose client reads none of it for this long is given up, its streams cancelled and its
+# connection closed: a client that stopped reading held its whole reply in the server's memory (13 MB for n 16 x
+# 1,000 tokens with 20 logprobs each) until it went away
 WRITE_TIMEOUT_S = 60.0
 # A connection that sends no request (or half a header) for this long is closed, as an idle keep-alive one is
 # (aiohttp's default is 3,630 s: 200 silent sockets, which need no API key, took every file handle a lowered limit
@@ -252,16 +252,17 @@ class OpenAiApi:
             if error.status < 400:
                 raise
             kind = "not_found_error" if error.status == 404 else "invalid_request_error"
-            message, headers = error.reason, None
+            message, headers, closes = error.reason, None, False
             if isinstance(error, web.HTTPMethodNotAllowed):  # the Allow header RFC 9110 asks for, kept
                 allowed = ", ".join(sorted(error.allowed_methods))
                 message = f"{request.method} is not allowed on {request.path}: use {allowed}"
                 headers = {"Allow": allowed}
-            elif isinstance(error, web.HTTPRequestEntityTooLarge):
+            elif isinstance(error, web.HTTPRequestEntityTooLarge):  # the rest of the body is no request: closes
                 message = f"the request body is larger than this server takes ({MAX_BODY_BYTES // 2**20} MiB)"
+                closes = True
             response = web.json_response(ApiError(error.status, message, kind=kind).body(), status=error.status,
                                          headers=headers)
-            if isinstance(error, web.HTTPRequestEntityTooLarge):  # the rest of the body is no request
+            if closes:
                 response.force_close()
             return response
 
@@ -735,16 +736,18 @@ class _MalformedRequestLog(logging.Filter):
         error = record.exc_info[1] if record.exc_info else None
         if isinstance(error, web.RequestPayloadError):  # the rest of a body its Content-Encoding cannot decode,
             # read by aiohttp after the 400 went (a traceback at ERROR a request, no key needed)
-            record.msg, record.args = f"{record.getMessage()}: a request body that cannot be read ({error})", ()
-            record.exc_info = record.exc_text = None
-            record.levelno = min(record.levelno, logging.WARNING)
-            record.levelname = logging.getLevelName(record.levelno)
+            _one_line(record, f"a request body that cannot be read ({error})")
         elif isinstance(error, HttpProcessingError) and (error.code or 400) < 500:
-            record.msg, record.args = f"{record.getMessage()}: refused ({error.code} {error.message})", ()
-            record.exc_info = record.exc_text = None
-            record.levelno = min(record.levelno, logging.WARNING)
-            record.levelname = logging.getLevelName(record.levelno)
+            _one_line(record, f"refused ({error.code} {error.message})")
         return True
+
+
+def _one_line(record: logging.LogRecord, fault: str) -> None:
+    """`record` as one line naming the client's `fault`, with no traceback, at WARNING at most."""
+    record.msg, record.args = f"{record.getMessage()}: {fault}", ()
+    record.exc_info = record.exc_text = None
+    record.levelno = min(record.levelno, logging.WARNING)
+    record.levelname = logging.getLevelName(record.levelno)
 
 
 _MALFORMED_REQUESTS = _MalformedRequestLog()
@@ -857,7 +860,7 @@ _WRITE_PART_BYTES = 64 * 1024
 
 
 class ClientStalled(ConnectionResetError):
-    """A streamed reply's client read none of it for WRITE_TIMEOUT_S."""
+    """A reply's client read none of it for WRITE_TIMEOUT_S."""
 
 
 @asynccontextmanager
