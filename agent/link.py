@@ -568,6 +568,12 @@ def _connect_failure(error: BaseException) -> str:
         return f"{text}: its certificate is not signed by this PC's fleet CA: it belongs to another fleet, or the " \
                "fleet was made anew (`deskfleet fleet init --force`), after which every PC must join again with a " \
                "new token"
+    if isinstance(error, ConnectionRefusedError):  # the PC answered: it is on, but nothing listens at the port
+        return f"{text}: the PC is on but nothing listens at that port (the agent or `fleet serve` is not running, " \
+               "or listens at another port)"
+    if isinstance(error, TimeoutError):  # no answer at all: a TCP connect that was never answered reads the same
+        return f"{text}: no answer (the PC is off or asleep, a firewall drops the port, or what listens there is " \
+               "no deskfleet agent or controller)"
     if isinstance(error, (ConnectionResetError, ssl.SSLEOFError)):
         return f"{text}: it closed the connection while the link was opening (is a deskfleet agent or controller " \
                "listening there, or another service?)"

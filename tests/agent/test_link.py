@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import socket
 from collections.abc import Coroutine
 from pathlib import Path
 
@@ -160,6 +161,30 @@ def test_a_listener_that_drops_the_handshake_is_named_not_left_blank(tmp_path: P
             with pytest.raises(LinkError, match=rf"cannot reach 127\.0\.0\.1:{port}: \w+.* closed the connection "
                                                 "while the link was opening"):
                 await open_link(f"127.0.0.1:{port}", files)
+
+    run(scenario())
+
+
+def test_a_port_nothing_listens_at_is_told_from_a_pc_that_does_not_answer(tmp_path: Path) -> None:
+    # both said only "cannot reach ADDRESS: [Errno 111] Connect call failed" / "timed out during opening handshake"
+    async def scenario() -> None:
+        files = make_member(make_ca(tmp_path / "ca"), tmp_path / "controller", "controller")
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            free_port = closed.getsockname()[1]
+        with pytest.raises(LinkError, match=rf"cannot reach 127\.0\.0\.1:{free_port}: .*the PC is on but nothing "
+                                            "listens at that port"):
+            await open_link(f"127.0.0.1:{free_port}", files)
+
+        async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read()  # holds the connection until the client gives up
+
+        server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            with pytest.raises(LinkError, match=rf"cannot reach 127\.0\.0\.1:{port}: .*no answer \(the PC is off or "
+                                                "asleep"):
+                await open_link(f"127.0.0.1:{port}", files, open_timeout=0.3)
 
     run(scenario())
 
