@@ -35,7 +35,7 @@ from websockets.frames import CloseCode
 
 from deskfleet.agent.link import ENROLLMENT_MAX_FRAME_BYTES, SOFTWARE_VERSION, TlsFiles, utc_now, websocket_options
 from deskfleet.common import join_tokens, pki, tls
-from deskfleet.common.atomic_file import write_atomic
+from deskfleet.common.atomic_file import write_atomic, write_atomic_together
 from deskfleet.common.wire import (
     PROTOCOL_VERSION,
     Error,
@@ -89,11 +89,12 @@ class Membership:
     hostname: str | None = None
 
     def save(self, state_dir: Path) -> None:
+        write_atomic(state_dir / MEMBERSHIP_FILE, self.file_bytes())
+
+    def file_bytes(self) -> bytes:
+        """What save() writes."""
         body = {"format_version": MEMBERSHIP_FORMAT, **asdict(self)}
-        path = state_dir / MEMBERSHIP_FILE
-        temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        temporary.replace(path)
+        return (json.dumps(body, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
     @classmethod
     def load(cls, state_dir: Path, join_command: str = "deskfleet-agent join TOKEN") -> Membership:
@@ -235,7 +236,7 @@ async def join(token_text: str, state_dir: Path, hostname: str | None = None) ->
     problems: list[str] = []
     for address in token.controller_addresses:
         try:
-            membership = await _join_when_free(address, token, key, hostname, files)
+            joined = await _join_when_free(address, token, key, hostname)
         except (EnrollmentError, TimeoutError) as error:
             # the controller cannot know where this PC keeps its key: the path is this side's to give
             said = str(error).replace(REMOVED_KEY_ADVICE, f"delete {files.key_path}")
@@ -243,16 +244,44 @@ async def join(token_text: str, state_dir: Path, hostname: str | None = None) ->
             if len(token.controller_addresses) > 1:  # the next address is tried; the error lists them all at the end
                 log.warning("join via %s failed: %s", address, error)
             continue
-        membership.save(state_dir)
+        _save_joined(joined, files, state_dir)
         (state_dir / REMOVED_FILE).unlink(missing_ok=True)  # a member again (a removed PC joins with a new key)
-        return membership
+        return joined.membership
     raise EnrollmentError("could not join: " + "; ".join(problems))
 
 
 # Private functions
 
-async def _join_when_free(address: str, token: join_tokens.JoinToken, key: ec.EllipticCurvePrivateKey, hostname: str,
-                          files: TlsFiles) -> Membership:
+@dataclass(frozen=True)
+class _Joined:
+    """What a join brings back: the membership and the fleet's CA and this PC's certificate, as PEM."""
+
+    membership: Membership
+    ca_pem: bytes
+    certificate_pem: bytes
+
+
+def _save_joined(joined: _Joined, files: TlsFiles, state_dir: Path) -> None:
+    """The CA, the certificate and the membership written together (write_atomic_together): where one cannot be,
+    the PC keeps the fleet it was in, whole. They were written one by one, and a join into another fleet that met a
+    full disk at the membership left the new fleet's CA beside the old fleet's membership: the agent refused to
+    start, and the PC was in neither fleet."""
+    try:
+        write_atomic_together([(files.ca_path, joined.ca_pem), (files.cert_path, joined.certificate_pem),
+                               (state_dir / MEMBERSHIP_FILE, joined.membership.file_bytes())])
+    except OSError as error:
+        kept = "nothing of the new fleet was written" if not (state_dir / MEMBERSHIP_FILE).exists() else \
+            "this PC stays in the fleet it was in, as it was"
+        raise EnrollmentError(f"the controller enrolled this PC (agent {joined.membership.agent_id[:12]}), but its "
+                              f"credentials could not be written to {state_dir}: {error.strerror or error}; "
+                              f"{kept}. Make room there (or make it writable), then join again: a token of one use "
+                              "is spent, so ask the admin for a new one; this PC keeps its key and agent id") from None
+
+
+# Private functions
+
+async def _join_when_free(address: str, token: join_tokens.JoinToken, key: ec.EllipticCurvePrivateKey,
+                          hostname: str) -> _Joined:
     """_join_at, tried again while the controller says it is busy with other joins (it serves a few at a time: an
     office's PCs joined by one script at once were refused, each with exit 2), for up to JOIN_BUSY_WAIT_S, after a
     growing, jittered pause (so that the PCs refused together do not come back together)."""
@@ -260,7 +289,7 @@ async def _join_when_free(address: str, token: join_tokens.JoinToken, key: ec.El
     pause = 1.0
     while True:
         try:
-            return await asyncio.wait_for(_join_at(address, token, key, hostname, files), JOIN_TIMEOUT_S)
+            return await asyncio.wait_for(_join_at(address, token, key, hostname), JOIN_TIMEOUT_S)
         except ControllerBusy as busy:
             wait = random.uniform(pause, 2 * pause)
             if time.monotonic() + wait > deadline:
@@ -292,8 +321,8 @@ def _load_or_create_key(path: Path) -> ec.EllipticCurvePrivateKey:
     return key
 
 
-async def _join_at(address: str, token: join_tokens.JoinToken, key: ec.EllipticCurvePrivateKey, hostname: str,
-                   files: TlsFiles) -> Membership:
+async def _join_at(address: str, token: join_tokens.JoinToken, key: ec.EllipticCurvePrivateKey,
+                   hostname: str) -> _Joined:
     host, port = parse_address(address)
     uri_host = f"[{host}]" if ":" in host else host
     try:
@@ -337,10 +366,9 @@ async def _join_at(address: str, token: join_tokens.JoinToken, key: ec.EllipticC
     identity = pki.verify_certificate(certificate, ca_certificate, utc_now())
     if identity.agent_id != pki.agent_id_for_key(key.public_key()):
         raise EnrollmentError("the controller signed a certificate for another key")
-    files.ca_path.write_bytes(pki.certificate_pem(ca_certificate))
-    files.cert_path.write_bytes(pki.certificate_pem(certificate))
-    return Membership(pki.fleet_id(ca_certificate), identity.agent_id, controller_id, token.controller_addresses,
-                      join_tokens.secret_sha256(token.secret), hostname)
+    membership = Membership(pki.fleet_id(ca_certificate), identity.agent_id, controller_id,
+                            token.controller_addresses, join_tokens.secret_sha256(token.secret), hostname)
+    return _Joined(membership, pki.certificate_pem(ca_certificate), pki.certificate_pem(certificate))
 
 
 async def _receive(connection: ClientConnection) -> Message:

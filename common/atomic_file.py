@@ -7,6 +7,7 @@ import stat
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 # Windows refuses to rename onto a file that another process has open (Python opens files without
@@ -24,6 +25,32 @@ def write_atomic(path: Path, data: bytes) -> None:
     given a link, came apart from it). Anything else that is not a regular file (a FIFO, a device such as
     /dev/null, a folder) is refused with OSError and left as it is: the rename replaced it, and as root even
     /dev/full became a file."""
+    write_atomic_together([(path, data)])
+
+
+def write_atomic_together(files: Sequence[tuple[Path, bytes]]) -> None:
+    """Write several files as write_atomic does, each whole: every one is written and synced beside its target
+    before the first is renamed into place, so a full disk, a read-only folder or a refused path leaves every old
+    file as it was (an agent's join wrote its fleet's CA and certificate in place, then failed on the disk's last
+    byte at its membership: the PC kept another fleet's CA and no membership, and no fleet could use it). The
+    renames themselves come one after another: only a crash between them parts the files."""
+    staged: list[tuple[str, Path]] = []
+    try:
+        for path, data in files:
+            staged.append(_staged(path, data))
+        for temporary, target in staged:
+            _replace(temporary, target)
+    except BaseException:
+        for temporary, _ in staged:
+            Path(temporary).unlink(missing_ok=True)
+        raise
+    for folder in dict.fromkeys(target.parent for _, target in staged):
+        sync_folder(folder)
+
+
+def _staged(path: Path, data: bytes) -> tuple[str, Path]:
+    """`data` written and synced to a temporary sibling of where `path` is written (see write_atomic), with the
+    mode it will have; (the temporary file, its target)."""
     linked = path.is_symlink()
     path = regular_file_target(path)
     mode = stat.S_IMODE(path.stat().st_mode) if linked and path.exists() else None
@@ -36,11 +63,10 @@ def write_atomic(path: Path, data: bytes) -> None:
             os.fsync(stream.fileno())
         if mode is not None:
             os.chmod(temporary, mode)
-        _replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
-    sync_folder(path.parent)
+    return temporary, path
 
 
 def regular_file_target(path: Path) -> Path:
