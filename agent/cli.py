@@ -31,6 +31,7 @@ from deskfleet.common.console import (
     watched_stdout,
 )
 from deskfleet.common.launch import interruption, restore_default_signals
+from deskfleet.common.os_error_text import os_error_text
 
 if TYPE_CHECKING:
     from deskfleet.agent.paths import AgentPaths
@@ -183,7 +184,8 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
             print(f"deskfleet-agent: error: could not write to standard output ({error.strerror or error}); the "
                   f"{args.command} itself was done", file=sys.stderr)
             return 1
-        print(f"deskfleet-agent: error: {error}", file=sys.stderr)
+        said = os_error_text(error) if isinstance(error, OSError) else error
+        print(f"deskfleet-agent: error: {said}", file=sys.stderr)
         return 2
     return 0
 

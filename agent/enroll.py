@@ -107,6 +107,9 @@ class Membership:
             raise EnrollmentError(f"this agent has not joined a fleet ({path} is missing): run "
                                   f"`{join_command}` first, or, if this PC joined with --data-dir D, give the agent "
                                   "the same --data-dir D") from None
+        except PermissionError as error:  # the file is whole: "join the fleet again" was the wrong way out
+            raise EnrollmentError(f"cannot read {path} ({error.strerror}): run the agent as the user that joined "
+                                  "(who owns its data dir)") from None
         except (OSError, ValueError) as error:  # a damaged agent.pem said to join again; this said no fix
             raise EnrollmentError(f"{path} is unreadable ({error}): join the fleet again (`{join_command}`, with a "
                                   "new token from the admin); this PC keeps its key, and so its agent id") from None

@@ -62,7 +62,11 @@ class AgentPaths:
     def resolve(cls, data_dir: Path | None = None) -> AgentPaths:
         """The dirs under `data_dir` when given (the `--data-dir` option), else the platform's."""
         if data_dir is not None:
-            root = data_dir.expanduser().resolve()
+            try:
+                root = data_dir.expanduser().resolve()
+            except RuntimeError:  # Python 3.11's pathlib: a traceback at every command (3.13 raises OSError ELOOP)
+                raise SettingsError(f"the agent's data dir {data_dir} goes round a loop of symbolic links: give "
+                                    "--data-dir a folder") from None
             if root.exists() and not root.is_dir():  # every command said "[Errno 20] Not a directory" of a file in it
                 raise SettingsError(f"the agent's data dir {root} is a file, not a folder: give --data-dir a folder")
             return cls(root / "settings", root / "state", root / "cache")

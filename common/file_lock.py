@@ -80,7 +80,8 @@ def pid_lock(path: Path, refusal: Callable[[str], Exception]) -> Iterator[None]:
         # not through a link made meanwhile either; unbuffered: nothing is left to write (and fail) at close
         handle = open(path, "a+b", buffering=0, opener=_not_through_a_link)
     except OSError as error:
-        raise OSError(f"cannot open the lock file {path}: {error.strerror or error}") from None
+        # its errno kept: the command's error line adds the way out (common/os_error_text.py)
+        raise OSError(error.errno, f"cannot open the lock file {path}: {error.strerror or error}") from None
     with handle:
         if not try_lock_file(handle.fileno()):
             raise refusal(_holder(handle))

@@ -38,6 +38,7 @@ from deskfleet.common.console import (
 from deskfleet.common.launch import interruption, restore_default_signals
 from deskfleet.common.logprobs import MAX_TOP_LOGPROBS
 from deskfleet.common.model_spec import MAX_SPEC_VALUE, ManifestError, WeightFormat
+from deskfleet.common.os_error_text import os_error_text
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.bench.arguments import MAX_BENCH_USERS
 from deskfleet.controller.bench.interruption import (
@@ -455,11 +456,15 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
     except USER_ERRORS as error:
         if args.verbose:
             raise
-        print(f"deskfleet: error: {error}", file=sys.stderr)
+        print(f"deskfleet: error: {os_error_text(error) if isinstance(error, OSError) else error}", file=sys.stderr)
         return 2
     except OSError as error:  # after USER_ERRORS, which holds FileNotFoundError
-        if args.verbose or stdout is None or error is not stdout.failure:
+        if args.verbose:
             raise
+        if stdout is None or error is not stdout.failure:
+            # a read-only data dir, a full disk, a path too long: a traceback said nothing more, and no way out
+            print(f"deskfleet: error: {os_error_text(error)}", file=sys.stderr)
+            return 2
         silence_stdout()  # or the flush at exit fails again
         print(f"deskfleet: error: could not write the result to standard output: {error.strerror or error}",
               file=sys.stderr)

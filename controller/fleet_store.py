@@ -226,6 +226,9 @@ class FleetStore:
             document = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return default
+        except PermissionError as error:  # the file is whole: "restore it from a backup" was the wrong way out
+            raise FleetStoreError(f"cannot read {path} ({error.strerror}): run deskfleet as the user that owns the "
+                                  "data dir") from None
         except (OSError, ValueError) as error:
             raise FleetStoreError(f"{path} is unreadable or not JSON ({error}); {fix}") from None
         except RecursionError:

@@ -245,3 +245,22 @@ def test_a_join_says_where_the_settings_would_stop_the_agent_or_go_unread(
     (settings / "agent_settings.json").unlink()
     assert cli.main(["--data-dir", str(tmp_path), "join", _token("127.0.0.1:2")]) == 0
     assert "but first" not in capsys.readouterr().err
+
+
+def test_a_data_dir_that_loops_is_named_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    loop = tmp_path / "loop"
+    loop.symlink_to(tmp_path / "loop")
+    for command in (["--headless"], ["pause"], ["join", _token("127.0.0.1:1")]):
+        assert cli.main(["--data-dir", str(loop), *command]) == 2
+        assert f"the agent's data dir {loop} goes round a loop of symbolic links" in capsys.readouterr().err
+
+
+def test_a_state_folder_the_agent_cannot_write_says_the_way_out(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise OSError(30, "Read-only file system", str(tmp_path / "state"))
+
+    monkeypatch.setattr(cli, "_join", read_only)
+    assert cli.main(["--data-dir", str(tmp_path), "join", _token("127.0.0.1:1")]) == 2
+    assert capsys.readouterr().err == (f"deskfleet-agent: error: Read-only file system: {tmp_path / 'state'} (that "
+                                       "file system is mounted read-only: give a folder on a writable disk)\n")

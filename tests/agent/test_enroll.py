@@ -81,3 +81,17 @@ def test_damaged_credentials_are_named(tmp_path: Path) -> None:
         files.server_context()
     with pytest.raises(EnrollmentError, match=f"{files.key_path} is not a usable key .*delete it and join again"):
         enroll._load_or_create_key(files.key_path)
+
+
+def test_a_membership_this_user_may_not_read_says_whose_it_is_not_to_join_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # an agent or `pause` run by another user was told to join the fleet again, which would have spent a token
+    Membership("f" * 52, "a" * 52, "c" * 52, ("127.0.0.1:7341",)).save(tmp_path)
+
+    def denied(path: Path, *args: object, **kwargs: object) -> str:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    with pytest.raises(EnrollmentError, match=r"cannot read .*membership\.json \(Permission denied\): run the agent "
+                                              r"as the user that joined"):
+        Membership.load(tmp_path)

@@ -178,3 +178,15 @@ def test_a_damaged_file_says_what_removing_it_costs(store: FleetStore, name: str
     (store.data_dir / f"{name}.json").write_text('{"format": 1, "body": {')
     with pytest.raises(FleetStoreError, match=rf"{name}\.json is unreadable or not JSON \(.*\); {re.escape(fix)}"):
         store.read(name, {})
+
+
+def test_a_file_this_user_may_not_read_says_whose_it_is_not_to_restore_it(store: FleetStore,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # it said "fleet.json is unreadable or not JSON (Permission denied); fix it, or restore it from a backup"
+    def denied(path: Path, *args: object, **kwargs: object) -> str:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    with pytest.raises(FleetStoreError, match=re.escape(f"cannot read {store.data_dir / 'fleet.json'} (Permission "
+                                                        "denied): run deskfleet as the user that owns the data dir")):
+        store.read("fleet", None)

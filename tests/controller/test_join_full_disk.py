@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,18 @@ from deskfleet.controller.fleet_server import FleetServer
 from deskfleet.controller.fleet_store import FleetStore
 from tests.controller.test_fleet_ca import token_for, with_server
 
+_real_fsync = os.fsync
+
+
+def _full_at(name: str) -> Callable[[int], None]:
+    """An fsync that finds the disk full for a temporary file of `name` (write_atomic's `.NAME.XXXX.tmp`)."""
+    def fsync(descriptor: int) -> None:
+        if Path(os.readlink(f"/proc/self/fd/{descriptor}")).name.startswith(f".{name}."):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        _real_fsync(descriptor)
+
+    return fsync
+
 
 def test_a_join_that_cannot_write_its_membership_keeps_the_fleet_the_pc_was_in(
         store: FleetStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -38,14 +51,7 @@ def test_a_join_that_cannot_write_its_membership_keeps_the_fleet_the_pc_was_in(
     before = {path.name: path.read_bytes() for path in state.iterdir()}
     assert {"ca.pem", "agent.pem", MEMBERSHIP_FILE} <= set(before)
 
-    staged = atomic_file._staged
-
-    def disk_full_at_the_membership(path: Path, data: bytes) -> tuple[str, Path]:
-        if path.name == MEMBERSHIP_FILE:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        return staged(path, data)
-
-    monkeypatch.setattr(atomic_file, "_staged", disk_full_at_the_membership)
+    monkeypatch.setattr(atomic_file.os, "fsync", _full_at(MEMBERSHIP_FILE))
     other = FleetStore(tmp_path / "other-controller")
     init_fleet(other, "other", ("127.0.0.1:1",), utc_now())
 
@@ -65,14 +71,7 @@ def test_a_join_that_cannot_write_its_membership_keeps_the_fleet_the_pc_was_in(
 def test_a_first_join_that_cannot_write_leaves_only_the_key(store: FleetStore, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     state = tmp_path / "pc" / "state"
-    staged = atomic_file._staged
-
-    def disk_full_at_the_certificate(path: Path, data: bytes) -> tuple[str, Path]:
-        if path.name == "agent.pem":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        return staged(path, data)
-
-    monkeypatch.setattr(atomic_file, "_staged", disk_full_at_the_certificate)
+    monkeypatch.setattr(atomic_file.os, "fsync", _full_at("agent.pem"))
 
     async def joins(server: FleetServer, address: str) -> None:
         with pytest.raises(EnrollmentError, match="nothing of the new fleet was written"):
