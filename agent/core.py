@@ -605,12 +605,20 @@ class AgentCore:
             raise _cache_limit_refusal(error) from None
         except ShardCacheError as error:
             raise CommandError(ErrorCode.SHARD_MISMATCH, str(error)) from None
-        except OSError as error:  # the cache's disk full or not writable: what was received so far stays
-            self.cache_health.refused(error, chunk.total_size - chunk.offset)
+        except OSError as error:  # the cache's disk full or not writable
             what = (f"cannot store shard {chunk.sha256[:12]}… (bytes {chunk.offset} to "
                     f"{chunk.offset + len(chunk.data)} of {chunk.total_size})")
-            raise self._cache_refusal(error, what) or CommandError(
-                ErrorCode.INTERNAL, f"{what} in the shard cache {self.cache.root}: {error.strerror or error}") from None
+            refusal = self._cache_refusal(error, what) or CommandError(
+                ErrorCode.INTERNAL, f"{what} in the shard cache {self.cache.root}: {error.strerror or error}")
+            dropped = 0
+            if error.errno == errno.ENOSPC:  # another program filled the disk meanwhile: give the PC its bytes back
+                with contextlib.suppress(OSError):
+                    dropped = self.cache.drop_partial(chunk.sha256)
+            self.cache_health.refused(error, chunk.total_size - (0 if dropped else chunk.offset))
+            if dropped:
+                refusal = CommandError(refusal.code, f"{refusal}. The {dropped} bytes received of the shard were "
+                                                     "deleted, to give the disk back: the next deploy sends it whole")
+            raise refusal from None
 
     def _cache_refusal(self, error: OSError, what: str) -> CommandError | None:
         """The refusal of a write into the shard cache that its disk refused: full (DISK_FULL) or not writable,
@@ -1157,10 +1165,12 @@ class AgentCore:
 
 
 def _cache_limit_refusal(error: CacheFull) -> CommandError:
-    """The refusal of shards the shard cache's limit has no room for: a disk budget, so DISK_FULL (it was
+    """The refusal of shards the shard cache's limit, or its disk, has no room for: DISK_FULL (it was
     OUT_OF_MEMORY, which sent the admin looking at the PC's memory), with what the PC's owner can do."""
-    return CommandError(ErrorCode.DISK_FULL, f"{error}; raise cache_limit_bytes in the agent's settings (and restart "
-                                             "it), or pause this PC (`deskfleet-agent pause`) to deploy without it")
+    fix = "free space on that disk" if error.by_disk else \
+        "raise cache_limit_bytes in the agent's settings (and restart it)"
+    return CommandError(ErrorCode.DISK_FULL, f"{error}; {fix}, or pause this PC (`deskfleet-agent pause`) to deploy "
+                                             "without it")
 
 
 def kv_bytes_per_slot(assignment: AssignStage, spec: ModelSpec) -> int:

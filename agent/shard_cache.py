@@ -14,8 +14,9 @@ How the agent core drives it, for one shard the controller pushes:
     complete(sha256)         -> verifies the sha256 and publishes the blob (atomic rename)
 then `materialize(...)` for the stage's files and `pin(owner, ...)` while a stage uses them.
 
-Disk use is bounded by `limit_bytes`: before a shard is received, least recently used unpinned shards
-(and stale partial files) are evicted to make room; when pinned shards alone leave no room, CacheFull.
+Disk use is bounded by `limit_bytes`, and by the disk itself: the cache never leaves its disk with less than
+DISK_FLOOR_BYTES free (DISK_FLOOR_SHARE of a small disk). Before a shard is received, least recently used unpinned
+shards (and stale partial files) are evicted to make room; when pinned shards alone leave no room, CacheFull.
 Eviction never removes what is held: shards pinned by an owner, the shards a `materialize` or `complete` in
 progress is using (held for the call's duration), or a view folder being built. The agent calls
 `complete` and `materialize` in a worker thread (they hash or copy whole files) while chunks of another
@@ -53,6 +54,11 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
 _VIEW_INDEX = ".view.json"
 _HOLDERS = "hosted stages, deploys and stage builds in progress"
+# What the shard cache leaves free on its disk, whatever cache_limit_bytes allows (50 GiB by default): the PC is an
+# employee's. A deploy of a stage larger than the disk had free filled it to its last byte and left it full (the
+# shards received so far stayed), and every later plan chose the PC again.
+DISK_FLOOR_BYTES = 2 * 1024**3
+DISK_FLOOR_SHARE = 0.05  # of the disk's size, where that is less (a small disk, or a test's)
 
 
 class ShardCacheError(Exception):
@@ -64,7 +70,27 @@ class ShardMismatch(ShardCacheError):
 
 
 class CacheFull(ShardCacheError):
-    """Pinned or held shards leave no room for this one under the cache limit."""
+    """Pinned or held shards leave no room for this one under the cache limit, or under what its disk has free
+    (`by_disk`: the disk's floor, not cache_limit_bytes, bounded it)."""
+
+    def __init__(self, message: str, by_disk: bool = False) -> None:
+        super().__init__(message)
+        self.by_disk = by_disk
+
+
+@dataclass(frozen=True)
+class _Room:
+    """What the cache may hold now: `bytes`, and in words what bounds it (its limit, or its disk's free space)."""
+
+    bytes: int
+    bound: str
+    by_disk: bool
+
+
+def disk_space(folder: Path) -> tuple[int, int]:
+    """The size of the disk under `folder`, and the bytes it has free for this process."""
+    usage = shutil.disk_usage(folder)
+    return usage.total, usage.free
 
 
 @dataclass(frozen=True)
@@ -81,12 +107,15 @@ class CacheUsage:
 class ShardCache:
     """Content-addressed shard store in `root`. `clock` (wall seconds) orders the LRU; tests inject one."""
 
-    def __init__(self, root: Path, limit_bytes: int, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, root: Path, limit_bytes: int, clock: Callable[[], float] = time.time,
+                 disk: Callable[[Path], tuple[int, int]] = disk_space) -> None:
+        """`disk` (the disk's size and free bytes under a folder) is injectable for tests."""
         if limit_bytes <= 0:
             raise ValueError(f"cache limit must be positive, got {limit_bytes}")
         self.root = root
         self.limit_bytes = limit_bytes
         self._clock = clock
+        self._disk = disk
         self._pins: dict[str, frozenset[str]] = {}
         # what each deploy in progress reserved (owner -> sha256 -> size): a stage's shards not yet begun take no
         # disk, but the room they need is promised to that deploy, so another deploy's reservation counts it
@@ -126,14 +155,15 @@ class ShardCache:
             promised = self._not_begun({sha256: size for other, reserved in self._reserved.items() if other != owner
                                         for sha256, size in reserved.items() if sha256 not in sizes})
             self.pin(owner, sizes)
+            room = self._room()
             try:
-                self._refuse_if_eviction_cannot_fit(missing + promised, "of a stage")
+                self._refuse_if_eviction_cannot_fit(missing + promised, "the stage", room)
             except CacheFull:
                 self.unpin(owner)
                 others = f", and {promised} more bytes promised to other deploys in progress" if promised else ""
                 raise CacheFull(f"the stage's {len(sizes)} files need {missing} bytes more, which the cache cannot "
-                                f"hold (its limit is {self.limit_bytes} bytes, {self.usage().pinned_bytes} of them "
-                                f"pinned by {_HOLDERS}{others}): nothing was evicted") from None
+                                f"hold ({room.bound}; {self.usage().pinned_bytes} bytes are pinned by "
+                                f"{_HOLDERS}{others}): nothing was evicted", room.by_disk) from None
             self._reserved[owner] = dict(sizes)
 
     def drop_corrupted(self, sha256s: Iterable[str]) -> list[str]:
@@ -214,6 +244,17 @@ class ShardCache:
         self._touch(part)
         return offset
 
+    def drop_partial(self, sha256: str) -> int:
+        """Delete what was received of a shard (its disk filled as it came: the bytes are given back to the PC,
+        and the next deploy sends it from 0); returns the bytes dropped."""
+        with self._lock:
+            part = self._find_partial(_checked_sha(sha256))
+            if part is None:
+                return 0
+            held = part.stat().st_size
+            _delete(part, missing_ok=True)
+            return held
+
     def write(self, sha256: str, offset: int, data: bytes) -> int:
         """Append `data` at `offset` to a shard begun with `begin`; returns the bytes now held.
 
@@ -281,8 +322,10 @@ class ShardCache:
             with self._lock:
                 if digest != sha256:
                     part.unlink(missing_ok=True)
-                    raise ShardMismatch(f"shard {sha256[:12]}… arrived corrupted (its bytes hash to {digest[:12]}…);"
-                                        " it was discarded, send it again from offset 0")
+                    # what was received before a restart is part of it: the damage may be this PC's disk's
+                    raise ShardMismatch(f"shard {sha256[:12]}… as received does not match its sha256 (its bytes hash "
+                                        f"to {digest[:12]}…: damaged on the way, or on this PC's disk while it was "
+                                        "received); it was discarded, send it again from offset 0")
                 blob = self._blobs / sha256
                 os.replace(part, blob)
                 if sys.platform != "win32":  # there the read-only attribute refuses deleting it and its views' links
@@ -468,30 +511,55 @@ class ShardCache:
             logger.debug("cannot mark %s used: %s", path, error)
 
     def _make_room(self, needed: int, keep: str) -> None:
-        if self.usage().used_bytes + needed <= self.limit_bytes:
+        room = self._room()
+        if self.usage().used_bytes + needed <= room.bytes:
             return
         self.pin("\0receiving", (keep,))
         try:
-            self._refuse_if_eviction_cannot_fit(needed, keep)  # before evicting anything: refusing loses nothing
-            self.evict(self.limit_bytes - needed)
+            # before evicting anything: refusing loses nothing
+            self._refuse_if_eviction_cannot_fit(needed, f"shard {keep[:12]}…", room)
+            self.evict(room.bytes - needed)
         finally:
             self.unpin("\0receiving")
         usage = self._usage()
-        if usage.used_bytes + needed > self.limit_bytes:
-            raise CacheFull(f"shard {keep[:12]}… needs {needed} more bytes; the cache limit is {self.limit_bytes} "
-                            f"and {usage.used_bytes} are held ({usage.pinned_bytes} pinned by {_HOLDERS})")
+        if usage.used_bytes + needed > room.bytes:
+            raise CacheFull(f"shard {keep[:12]}… needs {needed} more bytes; {room.bound}, and {usage.used_bytes} are "
+                            f"held ({usage.pinned_bytes} pinned by {_HOLDERS})", room.by_disk)
 
-    def _refuse_if_eviction_cannot_fit(self, needed: int, keep: str) -> None:
+    def _room(self) -> _Room:
+        """What the cache may hold now: its limit, or less where its disk has less free than the limit leaves
+        room for (the cache's own files count as room: evicting them frees the disk). A disk whose space cannot
+        be read bounds nothing."""
+        limit = _Room(self.limit_bytes, f"the cache's limit is {self.limit_bytes} bytes (cache_limit_bytes)", False)
+        try:
+            size, free = self._disk(self.root)
+        except OSError as error:
+            logger.debug("cannot read the free space under the shard cache %s: %s", self.root, error)
+            return limit
+        floor = min(DISK_FLOOR_BYTES, int(size * DISK_FLOOR_SHARE))
+        on_disk = self._bytes_on_disk()
+        if on_disk + free - floor >= self.limit_bytes:
+            return limit
+        return _Room(max(on_disk + free - floor, 0), f"the disk under the cache ({self.root}) has {free} bytes free "
+                     f"and keeps {floor} of them for this PC's user", True)
+
+    def _bytes_on_disk(self) -> int:
+        """What the cache's files take on its disk now: its shards, the bytes received of partial ones (which
+        usage counts at their whole size), and the view files that are copies."""
+        return sum(entry.stat().st_size for entry in (*os.scandir(self._blobs), *os.scandir(self._partials))) + \
+            self._view_copy_bytes()
+
+    def _refuse_if_eviction_cannot_fit(self, needed: int, what: str, room: _Room) -> None:
         """CacheFull when even evicting every unpinned shard (and the view copies that would go with them)
         leaves too little; the copies in views of pinned shards or views being built stay, so they count."""
         pinned = self._pinned()
         evictable = sum(_reserved_bytes(entry) for entry in (*self._blobs.iterdir(), *self._partials.iterdir())
                         if entry.name[:64] not in pinned)
         usage = self._usage()
-        if usage.used_bytes - evictable - self._view_copy_bytes(pinned) + needed > self.limit_bytes:
-            raise CacheFull(f"shard {keep[:12]}… needs {needed} more bytes; the cache limit is {self.limit_bytes} "
-                            f"({usage.pinned_bytes} pinned by {_HOLDERS}), so even evicting every other shard "
-                            "would not make room: nothing was evicted")
+        if usage.used_bytes - evictable - self._view_copy_bytes(pinned) + needed > room.bytes:
+            raise CacheFull(f"{what} needs {needed} more bytes; {room.bound}, {usage.pinned_bytes} pinned by "
+                            f"{_HOLDERS}, so even evicting every other shard would not make room: nothing was "
+                            "evicted", room.by_disk)
 
     def _remove_views_using(self, evicted: set[str]) -> None:
         if not evicted:

@@ -938,7 +938,17 @@ async def _deploy_stage(link: Link, model_dir: Path, assignment: AssignStage, se
                 sent[agent_id] += await _push(link, model_dir, entry, offsets.get(entry.sha256, 0), progress)
                 files[agent_id] += 1
             await link.send(ShardQuery(tuple(by_sha)))
-            confirmed = await _expect(link, ShardHave, REPLY_TIMEOUT_S)
+            try:
+                confirmed = await _expect(link, ShardHave, REPLY_TIMEOUT_S)
+            except DeployError as error:
+                # a shard whose bytes did not hash to its sha256 (damaged on the way, or on the PC's disk: a partial
+                # file it resumed) was discarded: one more round sends it whole. The deploy failed, and the next
+                # one went through.
+                if error.code is not ErrorCode.SHARD_MISMATCH or attempt:
+                    raise
+                log.warning("agent %s: %s; sending it again", agent_id[:12], _name_shards(str(error), by_sha))
+                await _reply_past_mismatches(link)  # the confirming query's own answer, still to come
+                continue
             missing = sorted(by_sha[sha].file_name for sha in set(by_sha) - set(confirmed.complete))
             if missing:
                 raise DeployError(f"agent {agent_id[:12]} did not keep {', '.join(missing)}",
@@ -1019,6 +1029,17 @@ async def _push(link: Link, model_dir: Path, entry: ManifestEntry, offset: int, 
                 progress(link.peer.agent_id, entry.file_name, offset, entry.size)
     await link.send(ShardComplete(entry.sha256))
     return sent
+
+
+async def _reply_past_mismatches(link: Link) -> ShardHave:
+    """The next ShardHave, past the refusals of other shards that did not match their sha256 (each is sent
+    again)."""
+    while True:
+        try:
+            return await _expect(link, ShardHave, REPLY_TIMEOUT_S)
+        except DeployError as error:
+            if error.code is not ErrorCode.SHARD_MISMATCH:
+                raise
 
 
 async def _expect(link: Link, kind: type[_M], timeout: float) -> _M:

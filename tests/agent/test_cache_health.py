@@ -98,7 +98,7 @@ def test_the_agent_reports_a_shard_the_disk_could_not_take_in_its_status_detail(
                                     "received needed 0.01 MB more (free space there, or lower cache_limit_bytes)")
     monkeypatch.setattr(core.cache, "write", write)  # the next deploy's chunk goes through: the note goes
     disk.free = 0
-    handle(core, Role.CONTROLLER, ShardChunk(digest, 4000, len(data), data[4000:]))
+    handle(core, Role.CONTROLLER, ShardChunk(digest, 0, len(data), data))  # from 0: what arrived was given back
     assert _status(core).detail == ""
 
 

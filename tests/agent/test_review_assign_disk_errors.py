@@ -52,8 +52,9 @@ def test_a_disk_error_during_a_rebuild_leaves_the_hosted_stage_as_it_was(
     assert isinstance(handle(core, Role.CONTROLLER, replace(assignment, kv_cache="f32")), StageReady)
 
 
-def test_a_shard_that_the_disk_cannot_take_is_refused_naming_it_and_what_arrived_stays(
+def test_a_shard_that_the_disk_cannot_take_is_refused_naming_it_and_what_arrived_is_given_back(
         core: AgentCore, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    # what had arrived stayed, and kept the employee's disk full until the next deploy of that stage, if any
     data = bytes(range(256)) * 40
     digest = hashlib.sha256(data).hexdigest()
     handle(core, Role.CONTROLLER, ShardChunk(digest, 0, len(data), data[:4000]))
@@ -65,11 +66,13 @@ def test_a_shard_that_the_disk_cannot_take_is_refused_naming_it_and_what_arrived
     monkeypatch.setattr(core.cache, "write", disk_full)
     with pytest.raises(CommandError, match=rf"cannot store shard {digest[:12]}… \(bytes 4000 to 10240 of 10240\): "
                                            r"the disk of this PC's shard cache .* is full \(No space left on device\)"
-                                           r".*pause this PC") as refused:
+                                           r".*pause this PC.*\. The 4000 bytes received of the shard were "
+                                           "deleted, to give the disk back: the next deploy sends it whole") as refused:
         handle(core, Role.CONTROLLER, ShardChunk(digest, 4000, len(data), data[4000:]))
     assert refused.value.code is ErrorCode.DISK_FULL
-    monkeypatch.setattr(core.cache, "write", write)  # space freed: the deploy resumes where it stopped
-    handle(core, Role.CONTROLLER, ShardChunk(digest, 4000, len(data), data[4000:]))
+    assert core.cache.partial_offset(digest) is None and core.cache.usage().used_bytes == 0
+    monkeypatch.setattr(core.cache, "write", write)  # space freed: the next deploy sends it from the start
+    handle(core, Role.CONTROLLER, ShardChunk(digest, 0, len(data), data))
     handle(core, Role.CONTROLLER, ShardComplete(digest))
     assert core.cache.has(digest)
 
@@ -151,6 +154,22 @@ def test_the_chunks_after_a_refused_one_are_dropped_unanswered_until_the_stream_
     asyncio.run(deploy([*chunks[1:], ShardComplete(digest)]))
     assert link.sent == [ErrorCode.DISK_FULL]  # once, for the first chunk the disk refused
     assert not any("out of order" in record.getMessage() for record in caplog.records)
-    monkeypatch.setattr(core.cache, "write", write)  # space freed: the deploy's next round resumes where it stopped
-    asyncio.run(deploy([ShardQuery((digest,)), *chunks[1:], ShardComplete(digest)]))
-    assert core.cache.has(digest) and [type(reply) for reply in link.sent] == [ShardHave]
+    monkeypatch.setattr(core.cache, "write", write)  # space freed: the deploy's next round sends it from the start
+    asyncio.run(deploy([ShardQuery((digest,)), *chunks, ShardComplete(digest)]))  # (what arrived was given back)
+    assert core.cache.has(digest) and link.sent == [ShardHave((), ())]
+
+
+def test_a_stage_larger_than_the_disk_has_room_for_is_refused_before_a_byte_arrives(
+        core: AgentCore) -> None:  # noqa: F811
+    # it was received until the disk was full, and the fix said was to raise cache_limit_bytes
+    from deskfleet.common.wire import ShardQuery
+    from tests.agent.test_shard_cache import FakeDisk
+
+    core.cache._disk = FakeDisk(100_000_000, 6_000_000)  # 5 MB kept for the PC's user: 1 MB of room
+    digest = "ab" * 32
+    with pytest.raises(CommandError, match=r"the stage's 1 files need 2000000 bytes more, which the cache cannot hold "
+                                           r"\(the disk under the cache .* has 6000000 bytes free and keeps 5000000 of "
+                                           r"them for this PC's user; .*\): nothing was evicted; free space on that "
+                                           r"disk, or pause this PC") as refused:
+        handle(core, Role.CONTROLLER, ShardQuery((digest,), (2_000_000,)))
+    assert refused.value.code is ErrorCode.DISK_FULL and core.cache.usage().used_bytes == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,7 @@ def test_corrupted_shard_is_discarded(tmp_path: Path) -> None:
     data, sha = blob(3, 200)
     cache.begin(sha, 200)
     cache.write(sha, 0, bytes(200))
-    with pytest.raises(ShardMismatch, match="corrupted"):
+    with pytest.raises(ShardMismatch, match="as received does not match its sha256"):
         cache.complete(sha)
     assert not cache.has(sha) and cache.partial_offset(sha) is None
     fill(cache, data, sha)
@@ -245,3 +246,65 @@ def test_two_deploys_reservations_count_each_others_and_pinned_partials_count_as
     cache.reserve("deploy-2", {second_sha: len(second)})  # room now: the first's partial may be evicted
     fill(cache, second, second_sha)
     assert cache.has(second_sha)
+
+
+class FakeDisk:
+    """A disk of `size` bytes with `free` of them free besides what the cache's files take (they count as used)."""
+
+    def __init__(self, size: int, free: int) -> None:
+        self.size, self.free = size, free
+
+    def __call__(self, folder: Path) -> tuple[int, int]:
+        return self.size, self.free
+
+
+def test_the_cache_leaves_its_disk_a_floor_free_whatever_its_limit(tmp_path: Path) -> None:
+    # A deploy of a stage larger than the disk had free filled it to its last byte (cache_limit_bytes is 50 GiB by
+    # default), and left it full. A 100 kB disk keeps 5% (5 kB) for the PC's user: 3 kB free leaves no room.
+    disk = FakeDisk(100_000, 8_000)
+    cache = ShardCache(tmp_path, 50 * 2**30, FakeClock(1_000_000.0, tick=1.0), disk)
+    data, sha = blob(40, 2_000)
+    cache.reserve("deploy", {sha: 2_000})  # 8 kB free - 5 kB kept: 3 kB of room
+    fill(cache, data, sha)
+    cache.unpin("deploy")
+    disk.free = 6_000  # the 2 kB shard took its share of it
+    big, big_sha = blob(41, 4_000)
+    # its own shard counts as room (evicting it frees the disk): 2 + 6 - 5 = 3 kB, less than 4 kB
+    with pytest.raises(CacheFull, match=re.escape(f"the stage's 1 files need 4000 bytes more, which the cache cannot "
+                                                  f"hold (the disk under the cache ({tmp_path}) has 6000 bytes free "
+                                                  "and keeps 5000 of them for this PC's user; 0 bytes are pinned")
+                       ) as refused:
+        cache.reserve("deploy", {big_sha: 4_000})
+    assert refused.value.by_disk and cache.has(sha)  # nothing was evicted
+    with pytest.raises(CacheFull, match="has 6000 bytes free and keeps 5000"):
+        cache.begin(big_sha, 4_000)
+    assert cache.partial_offset(big_sha) is None and cache.has(sha)
+    disk.free = 7_000  # 2 + 7 - 5 = 4 kB: room, once the old shard is evicted
+    cache.reserve("deploy", {big_sha: 4_000})
+    fill(cache, big, big_sha)
+    assert cache.has(big_sha) and not cache.has(sha)
+
+
+def test_a_large_disk_keeps_two_gib_and_the_limit_bounds_first(tmp_path: Path) -> None:
+    disk = FakeDisk(10**12, 2 * 2**30 + 1_500)  # 5% of a TB is 50 GB: the floor is 2 GiB
+    cache = ShardCache(tmp_path, 1_000, FakeClock(1_000_000.0, tick=1.0), disk)
+    _, sha = blob(42, 1_200)
+    with pytest.raises(CacheFull, match=r"the cache's limit is 1000 bytes \(cache_limit_bytes\)") as refused:
+        cache.reserve("deploy", {sha: 1_200})  # the limit is the tighter bound
+    assert not refused.value.by_disk
+    cache = ShardCache(tmp_path, 50 * 2**30, FakeClock(1_000_000.0, tick=1.0), disk)
+    with pytest.raises(CacheFull, match="keeps 2147483648 of them") as refused:
+        cache.reserve("deploy", {blob(43, 1_600)[1]: 1_600})
+    assert refused.value.by_disk
+    cache.reserve("deploy", {sha: 1_200})
+
+
+def test_a_disk_whose_space_cannot_be_read_bounds_nothing(tmp_path: Path) -> None:
+    def unreadable(folder: Path) -> tuple[int, int]:
+        raise OSError(5, "Input/output error")
+
+    cache = ShardCache(tmp_path, 10_000, FakeClock(1_000_000.0, tick=1.0), unreadable)
+    data, sha = blob(44, 3_000)
+    cache.reserve("deploy", {sha: 3_000})
+    fill(cache, data, sha)
+    assert cache.has(sha)

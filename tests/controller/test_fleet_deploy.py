@@ -247,6 +247,41 @@ def test_a_shard_corrupted_in_an_agents_cache_is_sent_again_by_the_next_deploy(
     assert tokens == reference and resent == len(manifest_bytes)
 
 
+def test_a_shard_damaged_while_it_was_received_is_sent_again_by_the_same_deploy(
+        tmp_path: Path, tiny_export: Path) -> None:
+    # What a PC had received of a shard (a deploy stopped midway) was damaged on its disk; the next deploy resumed it,
+    # the whole did not hash to its sha256, and the deploy failed ("arrived corrupted"): only the one after went through
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    files = make_member(load_ca(store), tmp_path / "agent", "agent")
+    manifest = load_manifest(tiny_export)
+    layer = manifest.files["layer_001.bin"]
+    partial = tmp_path / "cache" / "partial"
+    partial.mkdir(parents=True)
+    received = (tiny_export / "layer_001.bin").read_bytes()[:layer.size // 2]
+    (partial / f"{layer.sha256}-{layer.size}.part").write_bytes(bytes(byte ^ 0x40 for byte in received))
+
+    async def deploy_once(cache: Path) -> tuple[int, list[int]]:
+        port = free_port()
+        core = AgentCore(files, settings, ShardCache(cache, 1 << 30), FakeMonitor())
+        server = await start_server(core.serve_link, "127.0.0.1", port, files)
+        found = await survey(store, SurveyOptions(peers=(f"127.0.0.1:{port}",), discover_seconds=0))
+        try:
+            _, report = await deploy(store, tiny_export, found, PlanOptions(), Precision.F32, kv_cache="f32")
+            tokens = await asyncio.to_thread(drive, store, tiny_export)
+        finally:
+            await found.close()
+            server.close()
+            await server.wait_closed()
+        return sum(report.bytes_sent.values()), tokens
+
+    whole, _ = asyncio.run(deploy_once(tmp_path / "clean-cache"))
+    sent, tokens = asyncio.run(deploy_once(tmp_path / "cache"))
+    assert sent == whole - len(received) + layer.size  # the rest of it, then all of it again
+    assert not list(partial.iterdir()) and tokens == local_tokens(tiny_export)
+
+
 def test_fleet_plan_uses_the_live_agents_and_says_why_each_other_one_was_left_out(
         tmp_path: Path, tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # `fleet plan --model` closed the survey's links before planning and so saw no agent at all; an agent
