@@ -96,7 +96,7 @@ class AgentRecord:
     @classmethod
     def from_txt(cls, properties: Mapping[bytes, bytes | None] | Mapping[str, str]) -> AgentRecord:
         """Parse TXT properties (zeroconf gives bytes -> bytes | None); RecordError when malformed."""
-        text = {_decode(key, "key"): _decode(value, str(key)) for key, value in properties.items()}
+        text = _txt_text(properties)
         for key in ("id", "fleet", "ver", "proto", "dev", "mem", "state"):
             _require(key in text, key, "is missing")
         _require(text["mem"].isdigit(), "mem", "is not a byte count")
@@ -144,7 +144,7 @@ class ControllerRecord:
     @classmethod
     def from_txt(cls, properties: Mapping[bytes, bytes | None] | Mapping[str, str]) -> ControllerRecord:
         """Parse TXT properties (hostile input: anyone on the LAN can announce); RecordError when malformed."""
-        text = {_decode(key, "key"): _decode(value, str(key)) for key, value in properties.items()}
+        text = _txt_text(properties)
         for key in ("id", "fleet", "proto"):
             _require(key in text, key, "is missing")
         _require(text["proto"].isdigit(), "proto", "is not a number")
@@ -199,9 +199,19 @@ def _require(condition: bool, key: str, problem: str) -> None:
         raise RecordError(f"TXT key {key!r} {problem}")
 
 
-def _decode(value: bytes | str | None, key: str) -> str:
-    if value is None:
-        raise RecordError(f"TXT key {key!r} has no value")
+def _txt_text(properties: Mapping[bytes, bytes | None] | Mapping[str, str]) -> dict[str, str]:
+    """TXT properties as text; a key with no value (a flag, which RFC 6763 6.4 allows, e.g. one a later version
+    adds) is left out, so a required one is "missing"; a key or value that is not ASCII is a RecordError naming
+    the key (as text: it said "b'mem'")."""
+    text = {}
+    for raw_key, value in properties.items():
+        key = _decode(raw_key, "key")
+        if value is not None:
+            text[key] = _decode(value, key)
+    return text
+
+
+def _decode(value: bytes | str, key: str) -> str:
     if isinstance(value, str):
         return value
     try:

@@ -1,6 +1,6 @@
 """How the controller finds agents: interchangeable sources feeding one Registry.
 
-- ZeroconfDiscovery: browses `_deskfleet._tcp.local.` on the given interfaces, keeps agents of our
+- ZeroconfDiscovery: browses `_deskfleet._tcp.local.` on the given interfaces, keeps the members of our
   fleet only.
 - RegistrationDiscovery: agents that called in with a Register message (multicast is often blocked).
 - ManualPeers: `--peer HOST:PORT` addresses, handed to the registry as dial targets.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol
 
 from zeroconf import IPVersion, ServiceStateChange, Zeroconf
@@ -43,23 +43,37 @@ class Discovery(Protocol):
 
 
 class ZeroconfDiscovery:
-    """mDNS browser bound to `interfaces` (IP addresses of this host); keeps agents of `fleet_id` only.
+    """mDNS browser bound to `interfaces` (IP addresses of this host); keeps agents of `fleet_id` only, and of
+    those only `members` where given (the fleet's roster: every member joined through this controller).
 
     Up to MAX_RESOLVING instances are resolved at once, each for at most `resolve_timeout_ms`, so an
     announcement that never resolves (or many) delays no other. An instance is resolved by one task at
     a time, for its newest change (changes that arrive meanwhile are folded into one), so a slow resolve
     cannot overwrite a later one. An announcement that does not make a valid agent record of our fleet
     (a bad TXT, an address with no usable port) is ignored with a warning.
+
+    What a hostile device on the LAN can announce must not hide a member (December 2026, a helper's rogue
+    responder): names of ids that are no member are not resolved at all, only counted (`strangers`: a flood of
+    them that never resolved held every resolver, and a member that had moved was missed), and goodbyes are not
+    taken (one forged for a member found by mDNS alone hid it every time, and one that came before its
+    announcement was resolved stopped the resolve): whether a PC is there is what dialling it says. Addresses no
+    peer can be at (loopback where the browse is on the LAN, unspecified, multicast, reserved such as the
+    broadcast address, and link-local, which needs a scope we cannot pin) are dropped: the controller dialled its
+    own loopback for an announcement.
     """
 
     def __init__(self, registry: Registry, fleet_id: str, interfaces: Sequence[str],
-                 resolve_timeout_ms: int = RESOLVE_TIMEOUT_MS) -> None:
+                 resolve_timeout_ms: int = RESOLVE_TIMEOUT_MS, members: Collection[str] | None = None) -> None:
         if not interfaces:
             raise ValueError("browse on at least one interface address")
         self._registry = registry
         self._fleet_id = fleet_id
         self._interfaces = list(interfaces)
         self._resolve_timeout_ms = resolve_timeout_ms
+        self._members = frozenset(members) if members is not None else None
+        # a browse on loopback (tests, one PC's fleet) finds its agents there; one on the LAN never does
+        self._loopback_ok = all(ipaddress.ip_address(address).is_loopback for address in interfaces)
+        self.strangers: set[str] = set()  # announced agent ids that are no member (not resolved)
         versions = {ipaddress.ip_address(address).version for address in interfaces}
         self._ip_version = {frozenset({4}): IPVersion.V4Only, frozenset({6}): IPVersion.V6Only}.get(
             frozenset(versions), IPVersion.All)
@@ -71,6 +85,15 @@ class ZeroconfDiscovery:
 
         def on_change(zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
             # zeroconf calls this on our loop: no thread hop, and nothing else runs in between
+            if state_change is ServiceStateChange.Removed:  # a goodbye: anyone can send one (see the class)
+                return
+            agent_id = agent_id_of_instance(name)
+            if agent_id is None:
+                logger.debug("ignoring mDNS instance %r: not an agent id", name)
+                return
+            if self._members is not None and agent_id not in self._members:
+                self.strangers.add(agent_id)
+                return
             if name not in latest and name not in busy:
                 ready.put_nowait(name)
             latest[name] = state_change
@@ -98,32 +121,29 @@ class ZeroconfDiscovery:
 
     async def _handle(self, zeroconf: AsyncZeroconf, name: str, change: ServiceStateChange) -> None:
         agent_id = agent_id_of_instance(name)
-        if agent_id is None:
-            logger.debug("ignoring mDNS instance %r: not an agent id", name)
-            return
-        if change is ServiceStateChange.Removed:
-            self._registry.withdraw(agent_id, DiscoverySource.MDNS)
-            return
+        assert agent_id is not None  # on_change queued only agents' names
         info = AsyncServiceInfo(SERVICE_TYPE, name)
         if not await info.async_request(zeroconf.zeroconf, self._resolve_timeout_ms) or info.port is None:
             logger.debug("mDNS instance %s… did not resolve", agent_id[:12])
             return
+        # said with a warning: the member named may not be the one that announced it
+        at = f" (announced at {', '.join(info.parsed_addresses())[:200] or 'no address'})"
         try:
             record = AgentRecord.from_txt(info.properties)
         except RecordError as error:
-            logger.warning("ignoring mDNS instance %s…: %s", agent_id[:12], error)
+            logger.warning("ignoring mDNS instance %s…%s: %s", agent_id[:12], at, error)
             return
         if record.agent_id != agent_id or record.fleet_id != self._fleet_id:
             logger.debug("ignoring mDNS instance %s…: another fleet or a mismatched id", agent_id[:12])
             return
         addresses = tuple(_host_port(address, info.port) for address in info.parsed_addresses()
-                          if not ipaddress.ip_address(address).is_link_local)  # needs a scope we cannot pin
+                          if _peer_address(address, self._loopback_ok))
         if not addresses:
             return
         try:
             sighting = Sighting(agent_id, addresses, DiscoverySource.MDNS, record)
         except ProtocolError as error:  # port 0, for one: anyone can announce anything
-            logger.warning("ignoring mDNS instance %s…: %s", agent_id[:12], error)
+            logger.warning("ignoring mDNS instance %s…%s: %s", agent_id[:12], at, error)
             return
         self._registry.observe(sighting)
 
@@ -165,6 +185,14 @@ class ManualPeers:
         """Hand the addresses to the registry as dial targets; the connection layer reports who answers."""
         self._registry.add_dial_targets(self.peers)
         await asyncio.Event().wait()
+
+
+def _peer_address(address: str, loopback_ok: bool) -> bool:
+    """Whether a peer of the browse can be at `address` (see ZeroconfDiscovery): loopback only for a browse on
+    loopback."""
+    ip = ipaddress.ip_address(address)
+    return not (ip.is_link_local or (ip.is_loopback and not loopback_ok) or ip.is_unspecified or ip.is_multicast
+                or ip.is_reserved)
 
 
 def _host_port(address: str, port: int) -> str:

@@ -122,14 +122,17 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
                 registry.observe(Sighting(agent_id, member.addresses, DiscoverySource.REGISTRATION))
     sources: list[Discovery] = [ManualPeers(registry, options.peers)]
     interfaces = interface_addresses()
+    browser: ZeroconfDiscovery | None = None
     if options.discover_seconds > 0 and interfaces and not _loopback_fleet(store):
         fleet = pki.fleet_id(store.tls_files.ca_certificate())
         # A resolve waits at most half the browse: a record that never resolves cannot outlast it.
         resolve_timeout_ms = min(RESOLVE_TIMEOUT_MS, max(1, int(options.discover_seconds * 500)))
-        sources.append(ZeroconfDiscovery(registry, fleet, interfaces, resolve_timeout_ms))
+        members = [agent_id for agent_id in roster if not revocations().is_revoked(agent_id)]
+        browser = ZeroconfDiscovery(registry, fleet, interfaces, resolve_timeout_ms, members)
+        sources.append(browser)
     await _run_for(sources, options.discover_seconds if len(sources) > 1 else 0.0)
 
-    targets = survey_targets(registry, set(roster), revocations())
+    targets = survey_targets(registry, set(roster), revocations(), len(browser.strangers) if browser else 0)
     if options.only is not None:
         targets = [target for target in targets if target[0] in options.only]
     dials = asyncio.Semaphore(dials_at_once())
@@ -226,15 +229,15 @@ def _loopback_fleet(store: FleetStore) -> bool:
     return bool(addresses) and all(is_loopback_address(address) for address in addresses)
 
 
-def survey_targets(registry: Registry, enrolled: set[str], revoked: pki.RevocationSet
+def survey_targets(registry: Registry, enrolled: set[str], revoked: pki.RevocationSet, strangers: int = 0
                    ) -> list[tuple[str | None, tuple[str, ...], tuple[str, ...]]]:
     """(agent id or None for a manual address, the addresses to dial, the sources' names) of every agent
     worth dialling. An agent id only mDNS announced and this controller never enrolled is left out: every
     member joined through it, and anyone on the LAN can announce ids by the thousand to make a survey dial
-    them all (and run out of file handles) before the real agents. Each agent is dialled at no more than
+    them all (and run out of file handles) before the real agents (the browser leaves them out before it
+    resolves them: `strangers` counts those, for the warning). Each agent is dialled at no more than
     MAX_ADDRESSES_PER_AGENT addresses, those its own registration gave first."""
     targets: list[tuple[str | None, tuple[str, ...], tuple[str, ...]]] = []
-    strangers = 0
     for entry in registry.entries():
         if revoked.is_revoked(entry.agent_id):
             continue

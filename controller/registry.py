@@ -113,18 +113,6 @@ class Registry:
         self._entries[agent_id] = replace(entry, last_seen=self._clock())
         return True
 
-    def withdraw(self, agent_id: str, source: DiscoverySource) -> None:
-        """A source says the agent left (mDNS goodbye); the entry goes when no source vouches for it."""
-        entry = self._entries.get(agent_id)
-        if entry is None:
-            return
-        sources = entry.sources - {source}
-        if sources:
-            self._entries[agent_id] = replace(entry, sources=sources)
-        else:
-            del self._entries[agent_id]
-            logger.info("agent %s… withdrawn by %s", agent_id[:12], source.value)
-
     def add_dial_targets(self, addresses: Iterable[str]) -> None:
         """Addresses ("host:port") the connection layer must dial to learn who is there (manual peers)."""
         for address in addresses:

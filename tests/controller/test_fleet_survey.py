@@ -99,6 +99,7 @@ def test_a_stale_registered_address_that_never_answers_does_not_delay_the_live_o
     class AnnouncesTheLiveAddress:  # stands in for the mDNS browser
         def __init__(self, registry: object, *args: object) -> None:
             self.registry = registry
+            self.strangers: set[str] = set()
 
         async def run(self) -> None:
             self.registry.observe(Sighting(core.agent_id, (live,), DiscoverySource.MDNS))  # type: ignore[attr-defined]
@@ -168,6 +169,8 @@ def test_announced_ids_never_enrolled_are_not_dialled_and_an_agent_gets_at_most_
     assert sources == ("mdns", "registration")
     assert by_id[None] == (("10.0.0.7:7431",), ("manual",))
     assert warned == ["ignored mDNS announcements of 299 agent id(s) this controller never enrolled"]
+    fleet_survey.survey_targets(registry, enrolled, pki.RevocationSet(), strangers=3)  # those the browser skipped
+    assert warned[1] == "ignored mDNS announcements of 302 agent id(s) this controller never enrolled"
 
 
 def test_no_more_than_256_links_are_being_opened_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -340,6 +343,7 @@ def test_a_fleet_whose_controller_is_reached_at_loopback_alone_browses_no_mdns(
     class Browser:  # stands in for the mDNS browser
         def __init__(self, *args: object) -> None:
             started.append(self)
+            self.strangers: set[str] = set()
 
         async def run(self) -> None:
             await asyncio.Event().wait()

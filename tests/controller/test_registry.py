@@ -66,18 +66,6 @@ def test_unrefreshed_entry_disappears_and_pings_keep_it() -> None:
     assert registry.get(A) is not None
 
 
-def test_withdraw_removes_only_when_no_source_vouches() -> None:
-    registry, _ = make()
-    registry.observe(Sighting(A, ("10.0.0.5:7431",), DiscoverySource.MDNS))
-    registry.observe(Sighting(A, ("10.0.0.5:7431",), DiscoverySource.REGISTRATION))
-    registry.withdraw(A, DiscoverySource.MDNS)
-    entry = registry.get(A)
-    assert entry is not None and entry.sources == {DiscoverySource.REGISTRATION}
-    registry.withdraw(A, DiscoverySource.REGISTRATION)
-    registry.withdraw(B, DiscoverySource.MDNS)  # unknown: ignored
-    assert registry.entries() == ()
-
-
 def test_dial_targets_are_manual_addresses_not_yet_identified() -> None:
     registry, clock = make(ttl=5.0)
     registry.add_dial_targets(["10.0.0.9:7431", "pc-12.corp:7431"])
