@@ -17,6 +17,7 @@ from deskfleet.common.arguments import (
     KeepsDashDashValues,
     describe_commands,
     option_arity,
+    option_text,
     path_argument,
     unknown_options,
     verbose_anywhere,
@@ -379,15 +380,9 @@ def _headless(args: argparse.Namespace) -> int:
 
 
 def _data_dir_flag(data_dir: Path | None) -> str:
-    """` --data-dir D` for a command line the user is told to run; quoted on Windows where D holds a space (a
-    folder under C:\\Users\\John Smith, C:\\Program Files), which cmd and PowerShell would split in two."""
-    if data_dir is None:
-        return ""
-    if sys.platform == "win32":
-        import subprocess
-
-        return f" --data-dir {subprocess.list2cmdline([str(data_dir)])}"
-    return f" --data-dir {data_dir}"
+    """` --data-dir D` for a command line the user is told to run, quoted for their shell (a folder under
+    C:\\Users\\John Smith, C:\\Program Files, or /srv/agent é: cmd, PowerShell and sh would split it in two)."""
+    return "" if data_dir is None else f" {option_text('--data-dir', str(data_dir))}"
 
 
 if __name__ == "__main__":

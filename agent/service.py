@@ -51,6 +51,7 @@ from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement, cached_speed
 from deskfleet.agent.stage import openvino_devices
 from deskfleet.common import pki
+from deskfleet.common.arguments import option_text
 from deskfleet.common.console import stopping_signals
 from deskfleet.common.devices import device_targets
 from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord
@@ -96,7 +97,8 @@ class AgentService:
     def __init__(self, options: AgentOptions, monitor: SystemMonitor | None = None) -> None:
         self.paths = AgentPaths.resolve(options.data_dir)
         self.settings: AgentSettings = load_settings(self.paths.settings_file)
-        join = "deskfleet-agent join TOKEN" + (f" --data-dir {options.data_dir}" if options.data_dir else "")
+        join = "deskfleet-agent join TOKEN" + (f" {option_text('--data-dir', str(options.data_dir))}"
+                                               if options.data_dir else "")
         self.join_command = join
         # before anything is made: a mistyped --data-dir is named, not filled with empty folders
         self.membership = Membership.load(self.paths.state_dir, join)

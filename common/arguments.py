@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable, Container, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,23 @@ class KeepsDashDashValues(argparse.ArgumentParser):
                 and "--" in arg_strings:
             arg_strings = ["--", *arg_strings]  # the one argparse removes
         return super()._get_values(action, arg_strings)
+
+
+def option_text(option: str, value: str, windows: bool | None = None) -> str:
+    """`option value` as a user can paste it into their shell (a command an error or a result tells them to run):
+    quoted where the value holds a space or a shell's special character, as cmd and PowerShell (`windows`) or a
+    POSIX shell take it, and joined with `=` where the value starts with a dash, which argparse would read as an
+    option (it said "`deskfleet fleet serve --data-dir /srv/with space`", split in two by the shell). `windows`:
+    this process's platform where None."""
+    if windows if windows is not None else sys.platform == "win32":
+        import subprocess  # list2cmdline: the quoting Windows programs' argument parsing undoes
+
+        quoted = subprocess.list2cmdline([value])
+    else:
+        import shlex
+
+        quoted = shlex.quote(value)
+    return f"{option}={quoted}" if value.startswith("-") else f"{option} {quoted}"
 
 
 def path_argument(text: str) -> Path:

@@ -204,8 +204,8 @@ def _init(args: argparse.Namespace) -> int:
     addresses = _addresses(args.address or [default_address()])
     ca = init_fleet(store, args.name, addresses, utc_now(), force=args.force)
     print(f"fleet {pki.fleet_id(ca.certificate)} created in {store.data_dir}")
-    data_dir = f" --data-dir {args.data_dir}" if args.data_dir else ""
-    print(f"agents will reach the controller at {', '.join(addresses)}; run `deskfleet fleet serve{data_dir}` there")
+    print(f"agents will reach the controller at {', '.join(addresses)}; run `deskfleet fleet "
+          f"serve{store.data_dir_option()}` there")
     return 0
 
 

@@ -21,7 +21,6 @@ import contextlib
 import json
 import logging
 import os
-import shlex
 import socket
 from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
@@ -37,6 +36,7 @@ from deskfleet.agent.enroll import MEMBERSHIP_FILE
 from deskfleet.agent.link import TlsFiles, utc_now
 from deskfleet.agent.paths import SETTINGS_FILE
 from deskfleet.common import pki
+from deskfleet.common.arguments import option_text
 from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.file_lock import lock_file, pid_lock, unlock_file
 from deskfleet.common.wire import ProtocolError, Role, is_agent_id, parse_address
@@ -142,7 +142,7 @@ class FleetStore:
             default = default_data_dir()
         except FleetStoreError:  # the variable set but empty: the option says where
             default = None
-        return "" if self.data_dir == default else f" --data-dir {shlex.quote(str(self.data_dir))}"
+        return "" if self.data_dir == default else f" {option_text('--data-dir', str(self.data_dir))}"
 
     @property
     def tls_files(self) -> TlsFiles:

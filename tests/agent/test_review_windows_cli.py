@@ -32,6 +32,9 @@ def test_an_unjoined_pause_names_the_quoted_join_command_on_windows(tmp_path: Pa
     assert f'`deskfleet-agent join TOKEN --data-dir "{data_dir}"` first' in capsys.readouterr().err
 
 
-def test_the_data_dir_is_printed_as_it_was_off_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_data_dir_is_quoted_for_a_posix_shell_off_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # it was printed bare: `deskfleet-agent --headless --data-dir /srv/John Smith` split in two by the shell
     monkeypatch.setattr(sys, "platform", "linux")
-    assert cli._data_dir_flag(Path("/srv/John Smith")) == " --data-dir /srv/John Smith"
+    assert cli._data_dir_flag(Path("/srv/John Smith")) == " --data-dir '/srv/John Smith'"
+    assert cli._data_dir_flag(Path("/srv/agent")) == " --data-dir /srv/agent"
+    assert cli._data_dir_flag(Path("-dash")) == " --data-dir=-dash"  # argparse reads `--data-dir -dash` as options

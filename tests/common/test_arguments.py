@@ -12,6 +12,7 @@ from deskfleet.common.arguments import (
     MAX_BROWSE_S,
     STDIN_PATH,
     browse_seconds,
+    option_text,
     path_argument,
     program_argument,
     prompts_file_argument,
@@ -101,3 +102,12 @@ def test_both_command_lines_take_dash_dash_as_a_value() -> None:
     from deskfleet.controller.cli import CommandParser
 
     assert issubclass(CommandParser, KeepsDashDashValues) and issubclass(AgentParser, KeepsDashDashValues)
+
+
+def test_an_option_a_user_is_told_to_run_is_quoted_for_their_shell() -> None:
+    assert option_text("--data-dir", "/srv/fleet", windows=False) == "--data-dir /srv/fleet"
+    assert option_text("--data-dir", "/srv/odd/with space é", windows=False) == "--data-dir '/srv/odd/with space é'"
+    assert option_text("--data-dir", "it's", windows=False) == """--data-dir 'it'"'"'s'"""
+    assert option_text("--data-dir", "-dash", windows=False) == "--data-dir=-dash"
+    assert option_text("--data-dir", r"C:\Users\John Smith", windows=True) == r'--data-dir "C:\Users\John Smith"'
+    assert option_text("--data-dir", r"D:\fleet", windows=True) == r"--data-dir D:\fleet"
