@@ -202,8 +202,15 @@ def check_credentials(files: TlsFiles, membership: Membership, join_command: str
     try:
         ca_certificate = files.ca_certificate()
         certificate = pki.load_certificate_pem(files.cert_path.read_bytes())
-    except (OSError, pki.PkiError) as error:
-        raise EnrollmentError(f"{error}") from None
+    except OSError as error:
+        raise EnrollmentError(f"cannot read {error.filename or 'a credential file'} ({error.strerror or error}): "
+                              f"{again}") from None
+    except pki.PkiError as error:
+        if str(files.ca_path) in str(error):  # TlsFiles named it, and what to do
+            raise EnrollmentError(str(error)) from None
+        # it said only "not a PEM certificate: Unable to load PEM file", naming no file
+        raise EnrollmentError(f"{files.cert_path} cannot be used ({error}): this PC's credentials are damaged; "
+                              f"{again}") from None
     if (ca_fleet := pki.fleet_id(ca_certificate)) != membership.fleet_id:
         raise EnrollmentError(f"{files.ca_path} is the CA of fleet {ca_fleet[:12]}, not of fleet "
                               f"{membership.fleet_id[:12]} this PC joined (its {MEMBERSHIP_FILE}): the state folder "

@@ -95,3 +95,17 @@ def test_a_membership_this_user_may_not_read_says_whose_it_is_not_to_join_again(
     with pytest.raises(EnrollmentError, match=r"cannot read .*membership\.json \(Permission denied\): run the agent "
                                               r"as the user that joined"):
         Membership.load(tmp_path)
+
+
+def test_a_damaged_certificate_is_named_with_what_to_do(tmp_path: Path) -> None:
+    from tests.fleet_pki import make_ca, make_member
+
+    files = make_member(make_ca(tmp_path / "ca"), tmp_path / "agent", "agent")
+    membership = Membership(pki.fleet_id(files.ca_certificate()), files.own_identity().agent_id, "c" * 52,
+                            ("127.0.0.1:7341",))
+    enroll.check_credentials(files, membership, "deskfleet-agent join TOKEN")
+    files.cert_path.write_text("garbage\n")
+    with pytest.raises(EnrollmentError, match=f"{files.cert_path} cannot be used .*: this PC's credentials are "
+                                              "damaged; join the fleet again with a new token from its admin: "
+                                              "`deskfleet-agent join TOKEN`"):
+        enroll.check_credentials(files, membership, "deskfleet-agent join TOKEN")
