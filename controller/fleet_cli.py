@@ -176,8 +176,8 @@ def _device_name(text: str) -> str:
 
 # Private methods: trust
 
-def _store(args: argparse.Namespace) -> Any:
-    from deskfleet.controller.fleet_store import FleetStore, check_data_dir, default_data_dir
+def _store(args: argparse.Namespace) -> FleetStore:
+    from deskfleet.controller.fleet_store import check_data_dir, default_data_dir
 
     return FleetStore(check_data_dir(args.data_dir or default_data_dir()))
 
@@ -205,7 +205,7 @@ def _init(args: argparse.Namespace) -> int:
     ca = init_fleet(store, args.name, addresses, utc_now(), force=args.force)
     print(f"fleet {pki.fleet_id(ca.certificate)} created in {store.data_dir}")
     print(f"agents will reach the controller at {', '.join(addresses)}; run `deskfleet fleet "
-          f"serve{store.data_dir_option()}` there")
+          f"serve{store.data_dir_option}` there")
     return 0
 
 

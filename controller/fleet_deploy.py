@@ -1100,9 +1100,12 @@ def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, s
                                                      "hop_cost": settings.hop_cost}}
         try:
             store.write("deployments", deployments)
-        except FleetStoreError as error:  # a full disk: the stages are assigned, and that must not read as "nothing"
-            raise DeployError(f"the stages are assigned, but the deployment could not be recorded: {error} (`fleet "
-                              "deploy` again sends nothing)", failed_run=True) from None
+        except FleetStoreError as error:  # a full disk. It said "the stages are assigned", but deploy() then
+            # released them (nothing runs on a deployment that is not on record)
+            raise DeployError(f"every stage was sent and assigned, but the deployment could not be recorded: {error}; "
+                              "the PCs were told to release the stages again. Make room for the data dir's files, "
+                              "then `fleet deploy` again: it sends nothing the PCs already hold", failed_run=True
+                              ) from None
 
 
 def policy_options(policy: str, streams: int = 1, hop_ms: float | None = None,

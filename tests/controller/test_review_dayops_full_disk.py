@@ -77,7 +77,7 @@ def test_init_after_the_disk_is_freed_works(tmp_path: Path, capsys: pytest.Captu
     assert pki.fleet_id(pki.load_certificate_pem(ca))
 
 
-def test_a_deployment_that_cannot_be_recorded_says_the_stages_are_assigned(
+def test_a_deployment_that_cannot_be_recorded_says_the_stages_are_released(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], full_disk: None) -> None:
     # the deploy's last step: an OSError traceback after every shard was sent and every stage assigned
     from deskfleet.controller.fleet_deploy import DeployError, DeployReport, DeploySettings, _save_deployment
@@ -86,5 +86,7 @@ def test_a_deployment_that_cannot_be_recorded_says_the_stages_are_assigned(
     report = DeployReport("m-123", (), {}, {})
     with pytest.raises(DeployError) as raised:
         _save_deployment(FleetStore(tmp_path / "ctl"), tmp_path / "model", report, DeploySettings())
-    assert "the stages are assigned, but the deployment could not be recorded: cannot write" in str(raised.value)
+    assert "every stage was sent and assigned, but the deployment could not be recorded: cannot write" in \
+        str(raised.value)
     assert "deployments.json: No space left on device" in str(raised.value)
+    assert "the PCs were told to release the stages again" in str(raised.value)  # deploy() does: it said "assigned"
