@@ -1102,10 +1102,15 @@ def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, s
             store.write("deployments", deployments)
         except FleetStoreError as error:  # a full disk. It said "the stages are assigned", but deploy() then
             # released them (nothing runs on a deployment that is not on record)
-            raise DeployError(f"every stage was sent and assigned, but the deployment could not be recorded: {error}; "
+            raise DeployError(f"every stage was sent and assigned, {UNRECORDED}: {error}; "
                               "the PCs were told to release the stages again. Make room for the data dir's files, "
                               "then `fleet deploy` again: it sends nothing the PCs already hold", failed_run=True
                               ) from None
+
+
+# How a deploy says its record could not be written (a full disk under the controller's data dir): a failover's
+# remedy then is to make room there, not to mend a PC
+UNRECORDED = "but the deployment could not be recorded"
 
 
 def policy_options(policy: str, streams: int = 1, hop_ms: float | None = None,

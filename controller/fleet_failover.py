@@ -53,6 +53,7 @@ from deskfleet.common.wire import StageRef
 from deskfleet.controller.engine import ChainBroken
 from deskfleet.controller.fleet_ca import Revocations
 from deskfleet.controller.fleet_deploy import (
+    UNRECORDED,
     CalledInSinceAssigned,
     DeployError,
     DeploymentWatch,
@@ -828,6 +829,9 @@ def _remedy(lost: bool, reasons: frozenset[ExclusionReason], said: str = "") -> 
     or the planner's, when no PC could take work) is not repeated."""
     if any(damaged in said for damaged in DAMAGED_EXPORT):  # the export's own file (fleet_deploy): no PC mends that
         return "export the model again, and deploy it (`deskfleet fleet deploy --model` the new export)"
+    if UNRECORDED in said:  # the controller's own disk: it said "bring the lost PC back, or join more PCs"
+        return "make room for the controller's data dir (the reason names the file), then run again: the re-plan " \
+               "sends nothing the PCs already hold"
     steps = []
     if ExclusionReason.PAUSED in reasons or (lost and RESUME_COMMAND in said):  # the latter: lost as its user paused it
         how = "as above" if RESUME_COMMAND in said else f"{RESUME_COMMAND} on it"

@@ -158,6 +158,9 @@ def test_the_remedy_names_the_resume_command_where_the_error_does_not() -> None:
         "resume a paused PC (as above; one its admin paused, `paused: true` in its settings, only there), bring the "
         "lost PC back, or join more PCs")
     assert fleet_failover._remedy(True, gone, "agent a: the link closed") == "bring the lost PC back, or join more PCs"
+    # the re-plan went through, and the controller's full disk refused its record: no PC mends that
+    said = f"every stage was sent and assigned, {fleet_failover.UNRECORDED}: cannot write /d/deployments.json"
+    assert fleet_failover._remedy(True, gone, said).startswith("make room for the controller's data dir")
 
 
 def test_deploy_settings_of_an_older_record_are_the_defaults_and_a_bad_one_is_refused(
