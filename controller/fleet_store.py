@@ -53,6 +53,7 @@ _FIXES = {
     "deployments": "fix it, or remove it and deploy the models again",
     "tokens": "fix it, or remove it: every join token issued so far is then void (issue new ones with "
               "`deskfleet fleet token`)",
+    "revoked": "how to mend it follows",  # fleet_ca._read_revoked says how (it said "restore it from a backup" twice)
 }
 DEPLOY_LOCK = ".deploy.lock"
 SERVE_LOCK = ".serve.lock"

@@ -190,3 +190,14 @@ def test_a_file_this_user_may_not_read_says_whose_it_is_not_to_restore_it(store:
     with pytest.raises(FleetStoreError, match=re.escape(f"cannot read {store.data_dir / 'fleet.json'} (Permission "
                                                         "denied): run deskfleet as the user that owns the data dir")):
         store.read("fleet", None)
+
+
+def test_a_damaged_removal_list_says_how_to_mend_it_once(store: FleetStore) -> None:
+    from deskfleet.controller.fleet_ca import Revocations
+
+    (store.data_dir / "revoked.json").write_text("{not json")
+    with pytest.raises(pki.PkiError) as refused:  # what a survey's or a server's look at it raises
+        Revocations(store)()
+    said = str(refused.value)
+    assert "revoked.json is damaged, and the list of agents removed from this fleet cannot be read" in said
+    assert said.lower().count("restore it from a backup") == 1, said  # it was said twice
