@@ -31,6 +31,9 @@ _PROMPT_ESCAPE = re.compile(r"\\(.)")
 # U+2028 and U+2029, which a prompt may hold (a form feed in code, a line separator in text): one line read
 # as several prompts.
 _LINE_END = re.compile(r"\r\n|\r|\n")
+# The largest prompts file read: far past any list of prompts a run could take (each fits the model's context), and
+# what /dev/zero given as one fills at once instead of the memory (it read without end, deaf to SIGTERM)
+MAX_PROMPTS_FILE_BYTES = 64 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,8 @@ def _looks_utf16(head: bytes) -> bool:
     """Whether text without a byte order mark is UTF-16: the start decodes as UTF-16 (either byte order) to text
     that is almost all printable characters. A NUL every other byte was the test before, and text outside ASCII
     (Cyrillic, Japanese) was then called a binary file."""
-    if head.count(0) < 0.1 * len(head) and _utf8_but_nuls(head):  # UTF-8 text with a stray NUL: a few bytes of it
+    # (UTF-16 of ASCII text is half NULs: a quarter is no UTF-16 text's; a tenth misread a short line with one NUL)
+    if head.count(0) < 0.25 * len(head) and _utf8_but_nuls(head):  # UTF-8 text with a stray NUL: a few bytes of it
         return False  # read as UTF-16 are printable CJK too, and it was told to "save the file as UTF-8"
     head = head[:len(head) - len(head) % 2]
     for encoding in ("utf-16-le", "utf-16-be"):
@@ -153,9 +157,16 @@ def read_numbered_prompts(path: Path, option: str = "--prompts-file") -> list[tu
     if str(path) == STDIN_PATH and sys.stdin is None:  # started with standard input closed (`<&-`)
         raise ValueError(f"{option} -: standard input is closed; give the prompts' file, or pipe them in")
     try:
-        data = sys.stdin.buffer.read() if str(path) == STDIN_PATH else Path(path).read_bytes()
+        if str(path) == STDIN_PATH:
+            data = sys.stdin.buffer.read(MAX_PROMPTS_FILE_BYTES + 1)
+        else:
+            with Path(path).open("rb") as stream:
+                data = stream.read(MAX_PROMPTS_FILE_BYTES + 1)
     except OSError as error:
         raise ValueError(f"{option} {path}: {error.strerror or error}") from None
+    if len(data) > MAX_PROMPTS_FILE_BYTES:
+        raise ValueError(f"{option} {path} holds more than {MAX_PROMPTS_FILE_BYTES // 1024**2} MiB: no list of prompts "
+                         "is that long (a device or another file given by mistake?)")
     # a NUL is no UTF-8 text's: UTF-16 (most text has one every other byte there) or a binary file; without
     # any, almost every byte string decodes as UTF-16 to printable CJK, so the test is only made where one is
     if data.startswith((b"\xff\xfe", b"\xfe\xff")) or (b"\x00" in data[:4096] and _looks_utf16(data[:4096])):

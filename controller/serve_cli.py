@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8000
 API_KEY_ENV = "DESKFLEET_API_KEY"
+MAX_KEY_FILE_BYTES = 64 * 1024  # an --api-key-file past this is no key file (the key is its first line)
 DEFAULT_MAX_STREAMS = 64
 # Prompt tokens whose KV state a server keeps for later requests that share their prefix: with an 8B model's KV
 # cache in u8 (64 KB a token over all its layers) 512 MB across the fleet's PCs
@@ -117,11 +118,16 @@ def read_api_key(path: Path | None, environ: dict[str, str] | os._Environ[str] =
     if path is None:
         key = environ.get(API_KEY_ENV, "").strip()
         return key or None
+    _check_regular("--api-key-file", path)  # /dev/zero was read without end, a FIFO waited for ever
+    _check_private("--api-key-file", path)  # before it is read: a key others may read is not taken
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as stream:
+            text = stream.read(MAX_KEY_FILE_BYTES + 1).decode("utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"--api-key-file {path}: cannot be read: {error}") from None
-    _check_private("--api-key-file", path)
+    if len(text) > MAX_KEY_FILE_BYTES:
+        raise ValueError(f"--api-key-file {path} holds more than {MAX_KEY_FILE_BYTES // 1024} KiB: no key is that "
+                         "long (another file given by mistake?)")
     key = text.strip().splitlines()[0].strip() if text.strip() else ""
     if not key:
         raise ValueError(f"--api-key-file {path} is empty: put the key on its first line")
@@ -139,6 +145,7 @@ def server_tls(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
         raise ValueError(f"{'--tls-cert' if key is None else '--tls-key'} without "
                          f"{'--tls-key' if key is None else '--tls-cert'}: HTTPS needs the certificate and its key")
     for option, path in (("--tls-cert", cert), ("--tls-key", key)):
+        _check_regular(option, path)
         try:
             with path.open("rb"):
                 pass
@@ -158,6 +165,18 @@ def server_tls(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
         raise ValueError(f"--tls-cert {cert} and --tls-key {key}: {error.reason or error} (a PEM certificate, then "
                          "its chain, and the private key it was made for)") from None
     return context
+
+
+def _check_regular(option: str, path: Path) -> None:
+    """ValueError where `path` (or what its link names) is missing or no regular file: a device, a FIFO, a folder.
+    `--api-key-file /dev/null` was told to `chmod 600 /dev/null` first, which as root breaks the system."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as error:
+        raise ValueError(f"{option} {path}: cannot be read: {error.strerror or error}") from None
+    if not stat.S_ISREG(mode):
+        what = "a folder" if stat.S_ISDIR(mode) else "a device, a FIFO or a socket"
+        raise ValueError(f"{option} {path} is {what}, not a file: give the file that holds it")
 
 
 def _check_private(option: str, path: Path) -> None:

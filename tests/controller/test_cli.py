@@ -286,6 +286,29 @@ def test_a_prompts_file_line_ends_only_at_a_newline(tmp_path: Path) -> None:
     assert read_prompts_file(path) == [inside, "next", "last"]
 
 
+def test_a_prompts_file_past_its_limit_is_refused_without_reading_on(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # /dev/zero as a prompts file filled the memory at 200 MB/s, deaf to SIGTERM
+    from deskfleet.controller import run
+
+    monkeypatch.setattr(run, "MAX_PROMPTS_FILE_BYTES", 1000)
+    with pytest.raises(ValueError, match=r"--prompts-file /dev/zero holds more than 0 MiB: no list of prompts is "
+                                         r"that long"):
+        run.read_prompts_file(Path("/dev/zero"))
+    path = tmp_path / "prompts.txt"
+    path.write_text("x\n" * 500)  # exactly the limit: read
+    assert len(run.read_prompts_file(path)) == 500
+
+
+def test_a_short_utf8_line_with_a_nul_is_not_called_utf16(tmp_path: Path) -> None:
+    from deskfleet.controller.run import read_prompts_file
+
+    path = tmp_path / "prompts.txt"
+    path.write_bytes(b"def\x00 f(\n")  # one NUL in ten bytes: it was told "is UTF-16 text, not UTF-8"
+    with pytest.raises(ValueError, match="holds NUL bytes at byte 3: it is not a text file"):
+        read_prompts_file(path)
+
+
 @pytest.mark.parametrize("content", [None, b"ok\n\xff\xfe\n"])
 def test_an_unreadable_prompts_file_is_named(tiny_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                              content: bytes | None) -> None:

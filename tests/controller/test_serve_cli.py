@@ -78,6 +78,28 @@ def test_read_api_key(tmp_path: Path) -> None:
     assert read_api_key(None, {}) is None
 
 
+def test_a_key_file_that_is_no_file_or_too_long_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    # /dev/zero was read without end (deaf to SIGTERM); /dev/null was told to `chmod 600 /dev/null` first
+    import os
+
+    for device in ("/dev/zero", "/dev/null"):
+        with pytest.raises(ValueError, match=f"--api-key-file {device} is a device, a FIFO or a socket, not a file"):
+            read_api_key(Path(device), {})
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="is a device, a FIFO or a socket"):  # it waited for a writer for ever
+        read_api_key(fifo, {})
+    with pytest.raises(ValueError, match="is a folder, not a file"):
+        read_api_key(tmp_path, {})
+    with pytest.raises(ValueError, match="is a device, a FIFO or a socket"):
+        server_tls(Path("/dev/zero"), tmp_path / "key.pem")
+    long = tmp_path / "long"
+    long.write_text("x" * (64 * 1024 + 1))
+    long.chmod(0o600)
+    with pytest.raises(ValueError, match="holds more than 64 KiB: no key is that long"):
+        read_api_key(long, {})
+
+
 def test_server_tls_is_made_of_a_certificate_and_its_key_and_refuses_what_is_wrong_naming_it(tmp_path: Path) -> None:
     cert, key = self_signed(tmp_path / "good")
     assert server_tls(None, None) is None  # plain HTTP
