@@ -59,6 +59,7 @@ def block_across_exec() -> None:
 
 
 def _run(module: str, program: str) -> int:
+    fill_closed_standard_fds()
     try:
         _stop_while_loading(program)  # a Ctrl-C held across a re-exec arrives as it unblocks it
         main: Callable[[], int] = importlib.import_module(module).main
@@ -71,6 +72,25 @@ def _run(module: str, program: str) -> int:
     _exit_quietly_on_ctrl_c()
     gc.collect()  # see _exit_quietly_on_ctrl_c
     return status
+
+
+def fill_closed_standard_fds() -> None:
+    """Open /dev/null at each of descriptors 0, 1 and 2 that the process started without (`<&-`, or a service
+    manager's), close-on-exec. Otherwise the next socket took descriptor 0, and libuv (uvloop) aborted as it closed it
+    ("uv__close: Assertion `fd > STDERR_FILENO' failed", exit 134): `serve`, `fleet serve` and the agent, started
+    with standard input closed, died so at their stop. Python's own sys.stdin/stdout/stderr stay None, as Python set
+    them at start-up (a command that must write says so, as before), and so does a re-executed process's: these
+    descriptors close at exec, and its launcher opens its own."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        opened = os.open(os.devnull, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        if opened != fd:  # the lowest free descriptor is this one, unless another thread opened one meanwhile
+            os.dup2(opened, fd, inheritable=False)
+            os.close(opened)
 
 
 def interruption(error: BaseException) -> KeyboardInterrupt | None:

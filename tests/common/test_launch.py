@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import os
 import signal
 import subprocess
 import sys
@@ -189,3 +190,30 @@ def test_what_the_command_left_in_reference_cycles_is_freed_before_the_interpret
                    "gc.disable()  # as if no collection came before the exit\n"
                    "del held")
     assert (run.returncode, run.stdout, run.stderr) == (7, "freed\n", "")
+
+
+def test_a_process_started_without_standard_input_gives_uvloop_no_descriptor_0() -> None:
+    # `serve`, `fleet serve` and the agent started with `<&-` aborted at their stop: a socket took descriptor 0,
+    # and libuv asserts that it never closes one of 0-2 (exit 134)
+    script = """
+import asyncio, fcntl, os, sys, uvloop
+from deskfleet.common.launch import fill_closed_standard_fds
+fill_closed_standard_fds()
+assert sys.stdin is None and fcntl.fcntl(0, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+async def main():
+    server = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)
+    server.close()
+    await server.wait_closed()
+uvloop.run(main())
+"""
+    started = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                             preexec_fn=lambda: os.close(0))
+    assert started.returncode == 0, started.stderr
+
+
+def test_a_command_started_without_standard_output_still_says_so_through_the_launcher() -> None:
+    closed = subprocess.run([sys.executable, "-c", "import sys; from deskfleet.common.launch import deskfleet; "
+                             "sys.exit(deskfleet())", "generate", "--model", "/tmp/deskfleet-no-such-export",
+                             "--prompt-ids", "1,2", "--json"],
+                            stderr=subprocess.PIPE, text=True, timeout=120, preexec_fn=lambda: os.close(1))
+    assert closed.returncode == 2 and "standard output is closed" in closed.stderr, closed.stderr
