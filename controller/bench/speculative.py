@@ -337,7 +337,8 @@ def run_speculative_bench(target: Path, draft: Path | None, ks: Sequence[int] = 
                          f"variant (always run)")
     if any(k > MAX_K for k in ks):
         raise ValueError(f"--k values must be at most {MAX_K}, got {list(ks)}")
-    check_at_least(1, k_max=k_max, new_tokens=new_tokens, rounds=rounds)
+    check_at_least(1, k_max=k_max, rounds=rounds)
+    check_at_least(2, new_tokens=new_tokens)  # decoding is timed from the second token: 1 divided by zero
     if num_prompts is not None:
         check_at_least(1, prompts=num_prompts)
     if k_max > MAX_K:

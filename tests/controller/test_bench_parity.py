@@ -184,7 +184,8 @@ def never_start(*args: object, **kwargs: object) -> None:
 @pytest.mark.parametrize(("arguments", "error", "message"), [
     ({"stage_counts": [2, 0]}, ValueError, "--stages 0: a stage count must be between 1 and the model's 4 layers"),
     ({"stage_counts": [100]}, ValueError, "--stages 100: .* the model's 4 layers"),
-    ({"new_tokens": 0}, ValueError, "--new-tokens must be 1 or more, got 0"),
+    ({"new_tokens": 0}, ValueError, "--new-tokens must be 2 or more, got 0"),
+    ({"new_tokens": 1}, ValueError, "--new-tokens must be 2 or more, got 1"),  # the runner failed, after the parse
     ({"prompt_tokens": 0}, ValueError, "--prompt-tokens must be 1 or more, got 0"),
     ({"rounds": 0}, ValueError, "--rounds must be 1 or more, got 0"),
     ({"genai_python": Path("/nonexistent/python")}, FileNotFoundError, "--genai-python /nonexistent/python"),

@@ -237,7 +237,8 @@ def test_a_bench_with_nothing_to_compare_is_refused(tmp_path: Path) -> None:
     ({"k_max": -1}, "--k-max must be 1 or more, got -1"),
     ({"k_max": 0}, "--k-max must be 1 or more, got 0"),
     ({"rounds": 0}, "--rounds must be 1 or more, got 0"),
-    ({"new_tokens": 0}, "--new-tokens must be 1 or more"),
+    ({"new_tokens": 0}, "--new-tokens must be 2 or more"),
+    ({"new_tokens": 1}, "--new-tokens must be 2 or more, got 1"),  # a ZeroDivisionError once every round had run
     ({"num_prompts": 0}, "--prompts must be 1 or more"),
     ({"ks": [2, 65]}, r"--k values must be at most 64, got \[2, 65\]"),
     ({"k_max": 10**9}, "--k-max must be at most 64, got 1000000000"),
