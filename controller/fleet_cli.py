@@ -30,7 +30,13 @@ from deskfleet.common.arguments import browse_seconds, path_argument
 from deskfleet.common.console import print_whole, stopping_signals
 from deskfleet.common.devices import device_targets
 from deskfleet.common.planner import PlanPolicy
-from deskfleet.common.wire import PROTOCOL_VERSION, is_loopback_address, with_default_port
+from deskfleet.common.wire import (
+    PROTOCOL_VERSION,
+    ProtocolError,
+    is_loopback_address,
+    parse_address,
+    with_default_port,
+)
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.bench.interruption import say_stopped, signal_name, signals_unwind
 from deskfleet.controller.decoding_options import byte_count, parse_token_ids, positive_int
@@ -112,7 +118,7 @@ def add_fleet_commands(subparsers: Any) -> None:
                                                   "text, sampling, drafting and chat, `deskfleet generate --fleet` "
                                                   "and `deskfleet chat --fleet`)", _generate)):
         parser = command(name, help_text)
-        parser.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+        parser.add_argument("--peer", action="append", default=[], metavar="HOST:PORT", type=_peer_argument,
                             help="also dial this agent address (repeatable)")
         parser.add_argument("--discover-seconds", type=browse_seconds, default=2.0,
                             help="how long to browse mDNS for agents on the LAN (default 2; 0: no multicast, the "
@@ -175,6 +181,16 @@ def _device_name(text: str) -> str:
 
 
 # Private methods: trust
+
+def _peer_argument(text: str) -> str:
+    """argparse type: an agent's address, host:port. Checked as the option is read: `fleet generate` dials its
+    --peer only when a PC drops out mid-run, so a typo passed unsaid until then."""
+    try:
+        parse_address(text)
+    except ProtocolError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
 
 def _store(args: argparse.Namespace) -> FleetStore:
     from deskfleet.controller.fleet_store import check_data_dir, default_data_dir

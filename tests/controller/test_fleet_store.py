@@ -201,3 +201,4 @@ def test_a_damaged_removal_list_says_how_to_mend_it_once(store: FleetStore) -> N
     said = str(refused.value)
     assert "revoked.json is damaged, and the list of agents removed from this fleet cannot be read" in said
     assert said.lower().count("restore it from a backup") == 1, said  # it was said twice
+

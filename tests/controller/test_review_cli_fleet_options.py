@@ -224,3 +224,13 @@ def test_fleet_generate_stopped_by_a_signal_from_elsewhere_says_which(
     assert main(["fleet", "generate", "--model", "m", "--prompt-ids", "1,2", "--discover-seconds", "0"]) == status
     captured = capsys.readouterr()
     assert captured.out == "5 6\n" and captured.err == said
+
+
+@pytest.mark.parametrize("command", ["ls", "plan", "deploy", "generate"])
+def test_a_peer_that_is_no_address_is_refused_as_the_option_is_read(command: str,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    # `fleet generate` dialled its --peer only for a re-plan: `--peer x:y` passed unsaid until a PC dropped out
+    with pytest.raises(SystemExit) as exit_code:
+        main(["fleet", command, "--peer", "x:y", "--model", "m", "--prompt-ids", "1"])
+    assert exit_code.value.code == 2
+    assert "argument --peer: address 'x:y' has no port between 1 and 65535" in capsys.readouterr().err
