@@ -84,7 +84,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
                             "and every prompt and reply cross the network encrypted")
     serve.add_argument("--tls-key", type=path_argument, default=None, metavar="FILE",
                        help="the certificate's private key (PEM, unencrypted, readable by this user only)")
-    serve.add_argument("--model-name", default=None,
+    serve.add_argument("--model-name", default=None, type=model_name_argument,
                        help="the model's id, which clients give as `model` (default: the export folder's name)")
     serve.add_argument("--max-streams", type=positive_int, default=DEFAULT_MAX_STREAMS,
                        help="requests running or waiting at once; more are answered 429 (default "
@@ -110,6 +110,22 @@ def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     add_prefill_option(serve)
     add_compile_options(serve)
     serve.set_defaults(handler=_serve_command, extras=("controller",), log_times=True)
+
+
+def model_name_argument(text: str) -> str:
+    """argparse type: a model id clients can give as `model`: not empty (an unset variable fell back to the folder's
+    name unsaid), no space at either end nor a control character anywhere, and text JSON can carry (bytes that are
+    not UTF-8 became an id no request could name)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (an unset variable?): give the id clients name the model by")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"{text!r:.60} holds bytes that are not UTF-8 text") from None
+    if text != text.strip() or not text.isprintable():
+        raise argparse.ArgumentTypeError(f"{text!r:.60} has a space at an end or a control character: no client "
+                                         "would name it so")
+    return text
 
 
 def read_api_key(path: Path | None, environ: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
@@ -234,7 +250,13 @@ def _serve_command(args: argparse.Namespace) -> int:
 
     stop = StopSignal()  # set as the service closes: a fleet's re-plan or step under way gives up
     opener = _fleet_opener(args, decoding, stop) if args.fleet else _local_opener(args.model, stages, target, manifest)
-    name = args.model_name or args.model.resolve().name
+    name = args.model_name
+    if name is None:
+        try:
+            name = model_name_argument(args.model.resolve().name)
+        except argparse.ArgumentTypeError as error:
+            raise ValueError(f"the export folder's name, the model's id by default, {error}: give --model-name"
+                             ) from None
     look = _take_back_look(args, stop) if args.fleet else None
     service = EngineService(opener, manifest.spec, draft, options_for, max_streams=args.max_streams, take_back=look,
                             take_back_busy_s=TAKE_BACK_BUSY_S if args.take_back_wait is None

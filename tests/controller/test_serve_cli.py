@@ -23,7 +23,13 @@ from deskfleet.common.stop_signal import StopSignal
 from deskfleet.common.wire import is_loopback_host
 from deskfleet.controller.cli import main
 from deskfleet.controller.fleet_store import FleetStore
-from deskfleet.controller.serve_cli import API_KEY_ENV, read_api_key, serve_engine_options, server_tls
+from deskfleet.controller.serve_cli import (
+    API_KEY_ENV,
+    model_name_argument,
+    read_api_key,
+    serve_engine_options,
+    server_tls,
+)
 from tests.fake_clock import FakeClock
 
 
@@ -357,3 +363,16 @@ def test_serve_fleet_of_a_model_never_deployed_exits_2_before_listening(store: F
     captured = capsys.readouterr()
     assert code == 2 and "has not been deployed: run `deskfleet fleet deploy" in captured.err
     assert "opening" not in captured.err  # refused before it listened and began to open the chain
+
+
+@pytest.mark.parametrize(("name", "said"), [("", "is empty"), ("  ", "is empty"), ("\udcff", "not UTF-8 text"),
+                                            (" demo", "a space at an end"), ("demo\n", "a space at an end"),
+                                            ("de\x07mo", "a control character")])
+def test_a_model_name_no_client_could_give_is_refused(name: str, said: str) -> None:
+    # "\udcff" (a byte that is not UTF-8) was listed by /v1/models, and no request could name it; "" fell back to
+    # the folder's name without a word
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError, match=said):
+        model_name_argument(name)
+    assert model_name_argument("deskfleet demo 15M") == "deskfleet demo 15M"
