@@ -22,6 +22,8 @@ _WAY_OUT = {
     errno.EMFILE: "this process has as many files open as its limit lets it (ulimit -n): raise the limit",
     errno.ENFILE: "the system has as many files open as it takes",
     errno.EIO: "the disk reported an input/output error: check it",
+    # what making a folder says where something else is in the way (a file, a link to nothing or round a loop)
+    errno.EEXIST: "something that is no folder is in its place (a file, or a link that leads nowhere)",
 }
 
 

@@ -246,7 +246,7 @@ def _token(args: argparse.Namespace) -> int:
         print(f"warning: the token's controller address(es) ({', '.join(token.controller_addresses)}) are not this "
               "PC's: a PC joins only if one reaches this controller; moved, give --address HOST:PORT (or edit "
               f"`addresses` in {store.data_dir / 'fleet.json'})", file=sys.stderr)
-    if not store.served():  # the join would fail with "cannot reach the controller" and no word of why
+    if store.served() is False:  # the join would fail with "cannot reach the controller" and no word of why
         print(f"warning: no `deskfleet fleet serve` runs on {store.data_dir}: a PC can join only while it runs; "
               "start it", file=sys.stderr)
     # `join -` first: a token on the command line shows in the PC's process list and shell history
@@ -361,7 +361,7 @@ def _ls(args: argparse.Namespace) -> int:
     # without `fleet serve` agents cannot register, nor new PCs join: said whatever the list shows (it was said only
     # where a PC was listed as never having called in, so an admin whose PCs all answered did not learn that the
     # next join would fail)
-    if not store.served():
+    if store.served() is False:
         never = " (a PC listed as never having called in may be running)" \
             if not agents or any(agent.problem == NEVER_REGISTERED for agent in agents) else ""
         warnings.append(f"warning: no `deskfleet fleet serve` runs on {store.data_dir}: agents cannot register with "

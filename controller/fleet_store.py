@@ -39,6 +39,7 @@ from deskfleet.common import pki
 from deskfleet.common.arguments import option_text
 from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.file_lock import lock_file, pid_lock, unlock_file
+from deskfleet.common.os_error_text import os_error_text
 from deskfleet.common.wire import ProtocolError, Role, is_agent_id, parse_address
 
 log = logging.getLogger(__name__)
@@ -263,8 +264,7 @@ class FleetStore:
             self.data_dir.mkdir(parents=True, exist_ok=True)
             handle = open(path, "a+b")  # closed below; the OSError of opening it is named
         except OSError as error:
-            raise FleetStoreError(f"cannot open the data dir's lock file {path}: {error.strerror or error} (a "
-                                  "read-only or full data dir? make it writable)") from None
+            raise FleetStoreError(f"cannot open the data dir's lock file: {os_error_text(error)}") from None
         with handle:
             lock_file(handle.fileno())
             try:
@@ -295,14 +295,19 @@ class FleetStore:
         return self._held(SERVE_LOCK, lambda pid: f"{self.data_dir} is served already by `deskfleet fleet serve` "
                                                   f"(pid {pid}): stop that one first, or serve another data dir")
 
-    def served(self) -> bool:
+    def served(self) -> bool | None:
         """Whether a `fleet serve` runs on this data dir, found by taking its serve lock for an instant (a serve
-        that starts in that instant is refused, naming this process: rare, and said)."""
+        that starts in that instant is refused, naming this process: rare, and said); None where the lock file
+        cannot be opened (a read-only data dir, a folder in its place): a warning's question, which failed `fleet ls`
+        there, and `fleet token` after it had printed a token its ledger holds."""
         try:
             with self._held(SERVE_LOCK, lambda pid: pid):
                 return False
         except FleetStoreError:
             return True
+        except OSError as error:
+            log.debug("cannot tell whether `fleet serve` runs on %s: %s", self.data_dir, error)
+            return None
 
     @contextlib.contextmanager
     def replacing(self) -> Iterator[None]:
@@ -422,6 +427,9 @@ class FleetStore:
     def _load(self, path: Path, parse: Callable[[bytes], _T]) -> _T:
         try:
             return parse(path.read_bytes())
+        except PermissionError as error:  # the file is whole: restoring it, or `init --force`, would lose the fleet
+            raise FleetStoreError(f"cannot read {path} ({_ROLES[path.name]}: {error.strerror}): run deskfleet as the "
+                                  "user that owns the data dir") from None
         except (OSError, pki.PkiError) as error:
             advice = _REISSUE if path.name == "controller.pem" else _RESTORE[path.name]
             raise FleetStoreError(f"{path} ({_ROLES[path.name]}) is unreadable or damaged ({error}); "

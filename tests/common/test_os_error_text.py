@@ -31,3 +31,9 @@ def test_an_error_of_our_own_words_is_kept_as_it_is() -> None:
 def test_an_errno_without_a_known_way_out_is_its_reason_and_path() -> None:
     error = OSError(errno.EBUSY, os.strerror(errno.EBUSY), "/mnt")
     assert os_error_text(error) == f"{os.strerror(errno.EBUSY)}: /mnt"
+
+
+def test_a_folder_that_cannot_be_made_for_something_in_its_place_says_so() -> None:
+    # an agent's cache that was a link round a loop said only "File exists: .../cache"
+    assert os_error_text(FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), "/d/cache")) == (
+        "File exists: /d/cache (something that is no folder is in its place (a file, or a link that leads nowhere))")

@@ -202,3 +202,15 @@ def test_a_damaged_removal_list_says_how_to_mend_it_once(store: FleetStore) -> N
     assert "revoked.json is damaged, and the list of agents removed from this fleet cannot be read" in said
     assert said.lower().count("restore it from a backup") == 1, said  # it was said twice
 
+
+
+def test_a_key_this_user_may_not_read_is_not_called_damaged(store: FleetStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    # "ca-key.pem (the fleet CA's key) is unreadable or damaged ([Errno 13] ...); restore it from a backup ... `fleet
+    # init --force` makes a new fleet": advice that loses a whole fleet over a file's owner
+    def denied(path: Path) -> bytes:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(Path, "read_bytes", denied)
+    with pytest.raises(FleetStoreError, match=r"cannot read .*ca\.pem \(.*: Permission denied\): run deskfleet as the "
+                                              r"user that owns the data dir"):
+        store.require_initialised()
