@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 from deskfleet.common.arguments import (
     KeepsDashDashValues,
     describe_commands,
+    name_argument,
     option_arity,
     option_text,
     path_argument,
@@ -313,11 +314,12 @@ def _pause(args: argparse.Namespace, paused: bool) -> int:
 
 
 def _hostname_argument(text: str) -> str:
-    """argparse type of --hostname: a name, not a blank (`--hostname "$NAME"` with NAME unset kept the old one)."""
+    """argparse type of --hostname: a name (name_argument); a blank one (`--hostname "$NAME"` with NAME unset) kept
+    the old one."""
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty or blank (an unset variable?): give the name, or leave out "
                                          "--hostname for this PC's own")
-    return text
+    return name_argument(text)
 
 
 def _refuse_controller_dir(data_dir: Path | None) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 MAX_BROWSE_S = 600.0  # the longest mDNS browse a --discover-seconds asks for
+NAME_MAX_CHARS = 64  # a name shown to people (name_argument): an X.509 common name's limit too
 FAILOVER_BROWSE_S = 1.0  # a re-plan's mDNS browse for the PCs left, unless --discover-seconds says otherwise
 
 
@@ -42,6 +43,23 @@ def option_text(option: str, value: str, windows: bool | None = None) -> str:
 
         quoted = shlex.quote(value)
     return f"{option}={quoted}" if value.startswith("-") else f"{option} {quoted}"
+
+
+def name_argument(text: str) -> str:
+    """argparse type of a name shown to people (a PC's --hostname, a fleet's --name): not blank (an unset variable),
+    UTF-8 text (bytes that are not became an error that named no option), one line of printable characters, at most
+    NAME_MAX_CHARS (a 300-character name widened `fleet ls` past any terminal)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty or blank (an unset variable?): give the name")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"{text!r:.60} holds bytes that are not UTF-8 text") from None
+    if not text.isprintable():
+        raise argparse.ArgumentTypeError(f"{text!r:.60} holds a control character (a line break?): give one line")
+    if len(text) > NAME_MAX_CHARS:
+        raise argparse.ArgumentTypeError(f"is {len(text)} characters long: give at most {NAME_MAX_CHARS}")
+    return text
 
 
 def path_argument(text: str) -> Path:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deskfleet.common import event_loop
-from deskfleet.common.arguments import browse_seconds, path_argument
+from deskfleet.common.arguments import browse_seconds, name_argument, path_argument
 from deskfleet.common.console import print_whole, stopping_signals
 from deskfleet.common.devices import device_targets
 from deskfleet.common.planner import PlanPolicy
@@ -79,7 +79,8 @@ def add_fleet_commands(subparsers: Any) -> None:
 
     init = command("init", "create the fleet CA and this controller's certificate",
                    "Then keep `fleet serve` running, and make a token for each PC with `fleet token`.")
-    init.add_argument("--name", default="deskfleet", help="fleet name in the CA certificate (default: deskfleet)")
+    init.add_argument("--name", default="deskfleet", type=name_argument,
+                      help="fleet name in the CA certificate (default: deskfleet)")
     init.add_argument("--address", action="append", default=None, metavar="HOST:PORT",
                       help="where agents reach this controller (repeatable; default: this PC's address, port "
                            "7341)")
