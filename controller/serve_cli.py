@@ -133,6 +133,10 @@ def read_api_key(path: Path | None, environ: dict[str, str] | os._Environ[str] =
     ValueError for a file that cannot be read, is empty, or others may read (the key would be theirs too)."""
     if path is None:
         key = environ.get(API_KEY_ENV, "").strip()
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:  # it failed later, saying only "'utf-8' codec can't encode character"
+            raise ValueError(f"${API_KEY_ENV} holds bytes that are not UTF-8 text: give a key of text") from None
         return key or None
     _check_regular("--api-key-file", path)  # /dev/zero was read without end, a FIFO waited for ever
     _check_private("--api-key-file", path)  # before it is read: a key others may read is not taken

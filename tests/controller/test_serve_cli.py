@@ -82,6 +82,8 @@ def test_read_api_key(tmp_path: Path) -> None:
     assert read_api_key(None, {API_KEY_ENV: " from-env "}) == "from-env"
     assert read_api_key(None, {API_KEY_ENV: "  "}) is None
     assert read_api_key(None, {}) is None
+    with pytest.raises(ValueError, match=r"\$DESKFLEET_API_KEY holds bytes that are not UTF-8 text"):
+        read_api_key(None, {API_KEY_ENV: "k\udcff"})
 
 
 def test_a_key_file_that_is_no_file_or_too_long_is_refused_before_it_is_read(tmp_path: Path) -> None:
