@@ -302,7 +302,7 @@ def _serve(args: argparse.Namespace) -> int:
     port = parse_address(addresses[0])[1] if addresses else DEFAULT_PORT  # where the agents are told to come
     if args.listen is not None:
         try:  # named as given, not with the port added (FleetServer's own check would)
-            parse_address(args.listen, any_port=True, default_port=port)
+            parse_address(args.listen, default_port=port)  # port 0: no agent could be told where it is
         except ProtocolError as error:
             raise ValueError(f"--listen: {error}") from None
     listen = _default_listen(addresses, port) if args.listen is None else with_default_port(args.listen, port)

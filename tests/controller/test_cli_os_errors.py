@@ -42,3 +42,4 @@ def test_a_path_too_long_is_named_with_the_limit(tmp_path: Path, capsys: pytest.
     assert main(["generate", "--model", str(model), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "File name too long" in err and "longer than its file system takes" in err, err
+

@@ -234,3 +234,13 @@ def test_a_peer_that_is_no_address_is_refused_as_the_option_is_read(command: str
         main(["fleet", command, "--peer", "x:y", "--model", "m", "--prompt-ids", "1"])
     assert exit_code.value.code == 2
     assert "argument --peer: address 'x:y' has no port between 1 and 65535" in capsys.readouterr().err
+
+
+def test_fleet_serve_at_port_0_is_refused_naming_the_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # it said "between 0 and 65535" for 65536, then, for 0, "has no port between 1 and 65535" without --listen
+    data = ["--data-dir", str(tmp_path / "ctl")]
+    assert main(["fleet", "init", "--address", "10.0.0.5:7341", *data]) == 0
+    capsys.readouterr()
+    for port in (0, 65536):
+        assert main(["fleet", "serve", "--listen", f"127.0.0.1:{port}", *data]) == 2
+        assert f"--listen: address '127.0.0.1:{port}' has no port between 1 and 65535" in capsys.readouterr().err
