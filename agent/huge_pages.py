@@ -53,6 +53,9 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 ENV_VAR = "DESKFLEET_HUGE_PAGES"
+_OFF = frozenset({"0", "no", "off", "false"})
+_ON = frozenset({"1", "yes", "on", "true"})
+_warned: set[str] = set()  # the unknown settings already warned of
 HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KB base pages) PMD size
 MADV_HUGEPAGE = 14
 MADV_NOHUGEPAGE = 15
@@ -85,8 +88,13 @@ def enabled(environ: Mapping[str, str] | None = None, platform: str | None = Non
     kernel of 16 or 64 KB pages has huge pages of 32 or 512 MB: not these ranges), THP not `never`, not turned
     off. `page_sizes`: (base, huge), read from the system when None."""
     environ = os.environ if environ is None else environ
-    if environ.get(ENV_VAR, "1").strip().lower() in {"0", "no", "off", "false"}:
+    setting = environ.get(ENV_VAR, "1").strip().lower()
+    if setting in _OFF:
         return False
+    if setting not in _ON and setting not in _warned:  # a typo of "off" was taken as on without a word
+        _warned.add(setting)
+        log.warning("%s=%s is neither on (1, yes, on, true) nor off (0, no, off, false): huge pages stay on",
+                    ENV_VAR, setting[:40])
     if (platform or sys.platform) != "linux":
         return False
     try:

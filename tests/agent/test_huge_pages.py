@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
 import shutil
@@ -350,3 +351,15 @@ def test_warm_up_leaves_sessions_untouched_for_first_middle_and_last_stages(tiny
         session = stage.open_session()
         stage.warm_up()
         assert all(state.shape[2] == 0 for state in session.query_state().values())
+
+
+def test_a_setting_that_is_neither_on_nor_off_is_said_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.log_records import records_of
+
+    monkeypatch.setattr(huge_pages, "_warned", set())
+    with records_of(huge_pages.log.name, logging.WARNING) as warned:
+        for _ in range(2):
+            huge_pages.enabled({huge_pages.ENV_VAR: "of"}, "linux", "always [madvise] never", (4096, 2 << 20))
+        huge_pages.enabled({huge_pages.ENV_VAR: "yes"}, "linux", "always [madvise] never", (4096, 2 << 20))
+    assert warned.messages() == [
+        "DESKFLEET_HUGE_PAGES=of is neither on (1, yes, on, true) nor off (0, no, off, false): huge pages stay on"]
