@@ -163,6 +163,13 @@ class StageOutput:
 
 # Public methods
 
+def openvino_reason(error: BaseException) -> str:
+    """The line of an OpenVINO exception that says what is wrong: its last, past "Exception from src/...cpp:117:"
+    and the "Check '...' failed at src/..." lines before it."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else type(error).__name__
+
+
 def build_stage_model(model_dir: Path, manifest: Manifest, layers: LayerRange, verify: bool = True,
                       map_weights: bool = False) -> ov.Model:
     """Fuse the IRs of `layers` into one stateful ov.Model. Verifies every file's sha256 first.
@@ -416,7 +423,12 @@ class Stage:
             weights = WEIGHTS_READ
         model = build_stage_model(model_dir, manifest, layers, map_weights=weights != WEIGHTS_READ)
         properties = settings.properties(weight_group_size(model))
-        self.compiled = core.compile_model(model, settings.device, properties)
+        try:
+            self.compiled = core.compile_model(model, settings.device, properties)
+        except RuntimeError as error:  # `--device CPU.0` said 3 lines of the plugin's source paths, no option
+            raise RuntimeError(f"OpenVINO could not compile layers [{layers.start}:{layers.stop}] on device "
+                               f"{settings.device!r}: {openvino_reason(error)} (this PC's devices: "
+                               f"{', '.join(core.available_devices) or 'none'})") from error
         log.info("compiled layers [%d:%d] on %s (%s)", layers.start, layers.stop, settings.device,
                  settings.precision.value)
         self.weights_mapped = weights != WEIGHTS_READ
