@@ -50,7 +50,7 @@ class ZeroconfDiscovery:
     announcement that never resolves (or many) delays no other. An instance is resolved by one task at
     a time, for its newest change (changes that arrive meanwhile are folded into one), so a slow resolve
     cannot overwrite a later one. An announcement that does not make a valid agent record of our fleet
-    (a bad TXT, an address with no usable port) is ignored with a warning.
+    (a bad TXT, an address with no usable port) is ignored with a warning, once a browse.
 
     What a hostile device on the LAN can announce must not hide a member (December 2026, a helper's rogue
     responder): names of ids that are no member are not resolved at all, only counted (`strangers`: a flood of
@@ -74,6 +74,7 @@ class ZeroconfDiscovery:
         # a browse on loopback (tests, one PC's fleet) finds its agents there; one on the LAN never does
         self._loopback_ok = all(ipaddress.ip_address(address).is_loopback for address in interfaces)
         self.strangers: set[str] = set()  # announced agent ids that are no member (not resolved)
+        self._warned: set[str] = set()  # members whose malformed announcement was said
         versions = {ipaddress.ip_address(address).version for address in interfaces}
         self._ip_version = {frozenset({4}): IPVersion.V4Only, frozenset({6}): IPVersion.V6Only}.get(
             frozenset(versions), IPVersion.All)
@@ -126,12 +127,10 @@ class ZeroconfDiscovery:
         if not await info.async_request(zeroconf.zeroconf, self._resolve_timeout_ms) or info.port is None:
             logger.debug("mDNS instance %s… did not resolve", agent_id[:12])
             return
-        # said with a warning: the member named may not be the one that announced it
-        at = f" (announced at {', '.join(info.parsed_addresses())[:200] or 'no address'})"
         try:
             record = AgentRecord.from_txt(info.properties)
         except RecordError as error:
-            logger.warning("ignoring mDNS instance %s…%s: %s", agent_id[:12], at, error)
+            self._warn_once(agent_id, error)
             return
         if record.agent_id != agent_id or record.fleet_id != self._fleet_id:
             logger.debug("ignoring mDNS instance %s…: another fleet or a mismatched id", agent_id[:12])
@@ -143,9 +142,19 @@ class ZeroconfDiscovery:
         try:
             sighting = Sighting(agent_id, addresses, DiscoverySource.MDNS, record)
         except ProtocolError as error:  # port 0, for one: anyone can announce anything
-            logger.warning("ignoring mDNS instance %s…%s: %s", agent_id[:12], at, error)
+            self._warn_once(agent_id, error)
             return
         self._registry.observe(sighting)
+
+    def _warn_once(self, agent_id: str, error: Exception) -> None:
+        """A member's announcement that makes no agent record, said once a browse. Where it came from is not said:
+        the addresses a resolve gives may be another sender's records than its TXT (a helper's rogue answered for a
+        member's name, and the warning named the member's own address)."""
+        if agent_id in self._warned:
+            return
+        self._warned.add(agent_id)
+        logger.warning("ignoring an mDNS announcement for agent %s… (anyone on the LAN can announce one): %s",
+                       agent_id[:12], error)
 
 
 class RegistrationDiscovery:

@@ -140,8 +140,8 @@ def test_an_announcement_with_port_0_is_ignored_with_a_warning(caplog: pytest.Lo
 
     with caplog.at_level(logging.WARNING, logger="deskfleet.controller.discovery"):
         asyncio.run(scenario())
-    assert f"ignoring mDNS instance {bad.agent_id[:12]}… (announced at 127.0.0.1): address '127.0.0.1:0' has no " \
-           "port" in caplog.text
+    assert f"ignoring an mDNS announcement for agent {bad.agent_id[:12]}… (anyone on the LAN can announce one): " \
+           "address '127.0.0.1:0' has no port" in caplog.text
 
 
 def test_announcements_that_never_resolve_delay_no_other() -> None:
