@@ -45,18 +45,26 @@ def option_text(option: str, value: str, windows: bool | None = None) -> str:
     return f"{option}={quoted}" if value.startswith("-") else f"{option} {quoted}"
 
 
-def name_argument(text: str) -> str:
-    """argparse type of a name shown to people (a PC's --hostname, a fleet's --name): not blank (an unset variable),
-    UTF-8 text (bytes that are not became an error that named no option), one line of printable characters, at most
-    NAME_MAX_CHARS (a 300-character name widened `fleet ls` past any terminal)."""
+def line_of_text(text: str, blank: str) -> str:
+    """`text`, checked as an argparse type checks one line a user gives for people or clients to read; `blank` the
+    error's words for an empty or blank one (an unset variable). Refused too: bytes that are not UTF-8 (they became
+    an error naming no option, or a model id no JSON request could carry), and a control character (a line break
+    went into a CA's name)."""
     if not text.strip():
-        raise argparse.ArgumentTypeError("is empty or blank (an unset variable?): give the name")
+        raise argparse.ArgumentTypeError(blank)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise argparse.ArgumentTypeError(f"{text!r:.60} holds bytes that are not UTF-8 text") from None
     if not text.isprintable():
         raise argparse.ArgumentTypeError(f"{text!r:.60} holds a control character (a line break?): give one line")
+    return text
+
+
+def name_argument(text: str) -> str:
+    """argparse type of a name shown to people (a PC's --hostname, a fleet's --name): line_of_text, at most
+    NAME_MAX_CHARS (a 300-character name widened `fleet ls` past any terminal)."""
+    line_of_text(text, "is empty or blank (an unset variable?): give the name")
     if len(text) > NAME_MAX_CHARS:
         raise argparse.ArgumentTypeError(f"is {len(text)} characters long: give at most {NAME_MAX_CHARS}")
     return text

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deskfleet.common import event_loop
-from deskfleet.common.arguments import path_argument, seconds_up_to
+from deskfleet.common.arguments import line_of_text, path_argument, seconds_up_to
 from deskfleet.common.console import stopping_signals
 from deskfleet.common.open_files import log_open_files_limit, raise_open_files_limit
 from deskfleet.common.stop_signal import StopSignal
@@ -113,18 +113,11 @@ def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
 
 
 def model_name_argument(text: str) -> str:
-    """argparse type: a model id clients can give as `model`: not empty (an unset variable fell back to the folder's
-    name unsaid), no space at either end nor a control character anywhere, and text JSON can carry (bytes that are
-    not UTF-8 became an id no request could name)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("is empty (an unset variable?): give the id clients name the model by")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise argparse.ArgumentTypeError(f"{text!r:.60} holds bytes that are not UTF-8 text") from None
-    if text != text.strip() or not text.isprintable():
-        raise argparse.ArgumentTypeError(f"{text!r:.60} has a space at an end or a control character: no client "
-                                         "would name it so")
+    """argparse type: a model id clients can give as `model`: line_of_text (empty, it fell back to the folder's name
+    unsaid), with no space at either end."""
+    line_of_text(text, "is empty (an unset variable?): give the id clients name the model by")
+    if text != text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r:.60} has a space at an end: no client would name it so")
     return text
 
 

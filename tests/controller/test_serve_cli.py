@@ -368,7 +368,7 @@ def test_serve_fleet_of_a_model_never_deployed_exits_2_before_listening(store: F
 
 
 @pytest.mark.parametrize(("name", "said"), [("", "is empty"), ("  ", "is empty"), ("\udcff", "not UTF-8 text"),
-                                            (" demo", "a space at an end"), ("demo\n", "a space at an end"),
+                                            (" demo", "a space at an end"), ("demo\n", "a control character"),
                                             ("de\x07mo", "a control character")])
 def test_a_model_name_no_client_could_give_is_refused(name: str, said: str) -> None:
     # "\udcff" (a byte that is not UTF-8) was listed by /v1/models, and no request could name it; "" fell back to
