@@ -16,7 +16,7 @@ from typing import Any, cast
 import pytest
 
 from deskfleet.agent.core import AgentCore
-from deskfleet.agent.link import start_server, utc_now
+from deskfleet.agent.link import TlsFiles, start_server, utc_now
 from deskfleet.agent.paths import AgentSettings, Thresholds
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common.model_spec import ManifestError, load_manifest
@@ -203,31 +203,43 @@ def local_tokens(model: Path) -> list[int]:
     return list(json.loads(local.stdout)["tokens"])
 
 
+def _one_pc_fleet(tmp_path: Path) -> tuple[FleetStore, TlsFiles]:
+    """A controller data dir with a fleet, and one member's credentials."""
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    return store, make_member(load_ca(store), tmp_path / "agent", "agent")
+
+
+async def _deploy_to_a_fresh_agent(store: FleetStore, files: TlsFiles, cache: Path, model: Path
+                                   ) -> tuple[int, list[int]]:
+    """Start an agent on `cache` (a restarted agent: its cache, nothing hosted), deploy `model` to it and drive the
+    chain; (bytes sent, the tokens)."""
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    port = free_port()
+    core = AgentCore(files, settings, ShardCache(cache, 1 << 30), FakeMonitor())
+    server = await start_server(core.serve_link, "127.0.0.1", port, files)
+    found = await survey(store, SurveyOptions(peers=(f"127.0.0.1:{port}",), discover_seconds=0))
+    try:
+        _, report = await deploy(store, model, found, PlanOptions(), Precision.F32, kv_cache="f32")
+        tokens = await asyncio.to_thread(drive, store, model)
+    finally:
+        await found.close()
+        server.close()
+        await server.wait_closed()
+    return sum(report.bytes_sent.values()), tokens
+
+
 def test_a_shard_corrupted_in_an_agents_cache_is_sent_again_by_the_next_deploy(
         tmp_path: Path, tiny_export: Path) -> None:
     # The cache verified a shard once, then the disk changed it: the stage build refused it on every deploy and
     # nothing was resent (the cache only checks that a blob exists). The agent now drops what fails the check
     # and the deploy sends it again.
-    store = FleetStore(tmp_path / "controller")
-    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
-    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
-    files = make_member(load_ca(store), tmp_path / "agent", "agent")
+    store, files = _one_pc_fleet(tmp_path)
     layer = load_manifest(tiny_export).files["layer_001.bin"]
     reference = local_tokens(tiny_export)
 
-    async def deploy_on_a_fresh_agent() -> tuple[int, list[int]]:  # a restarted agent: same cache, nothing hosted
-        port = free_port()
-        core = AgentCore(files, settings, ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor())
-        server = await start_server(core.serve_link, "127.0.0.1", port, files)
-        found = await survey(store, SurveyOptions(peers=(f"127.0.0.1:{port}",), discover_seconds=0))
-        try:
-            _, report = await deploy(store, tiny_export, found, PlanOptions(), Precision.F32, kv_cache="f32")
-        finally:
-            await found.close()
-        tokens = await asyncio.to_thread(drive, store, tiny_export)
-        server.close()
-        await server.wait_closed()
-        return sum(report.bytes_sent.values()), tokens
+    async def deploy_on_a_fresh_agent() -> tuple[int, list[int]]:
+        return await _deploy_to_a_fresh_agent(store, files, tmp_path / "cache", tiny_export)
 
     def damage(sha256: str) -> None:
         blob = tmp_path / "cache" / "blobs" / sha256
@@ -251,33 +263,15 @@ def test_a_shard_damaged_while_it_was_received_is_sent_again_by_the_same_deploy(
         tmp_path: Path, tiny_export: Path) -> None:
     # What a PC had received of a shard (a deploy stopped midway) was damaged on its disk; the next deploy resumed it,
     # the whole did not hash to its sha256, and the deploy failed ("arrived corrupted"): only the one after went through
-    store = FleetStore(tmp_path / "controller")
-    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
-    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
-    files = make_member(load_ca(store), tmp_path / "agent", "agent")
-    manifest = load_manifest(tiny_export)
-    layer = manifest.files["layer_001.bin"]
+    store, files = _one_pc_fleet(tmp_path)
+    layer = load_manifest(tiny_export).files["layer_001.bin"]
     partial = tmp_path / "cache" / "partial"
     partial.mkdir(parents=True)
     received = (tiny_export / "layer_001.bin").read_bytes()[:layer.size // 2]
     (partial / f"{layer.sha256}-{layer.size}.part").write_bytes(bytes(byte ^ 0x40 for byte in received))
 
-    async def deploy_once(cache: Path) -> tuple[int, list[int]]:
-        port = free_port()
-        core = AgentCore(files, settings, ShardCache(cache, 1 << 30), FakeMonitor())
-        server = await start_server(core.serve_link, "127.0.0.1", port, files)
-        found = await survey(store, SurveyOptions(peers=(f"127.0.0.1:{port}",), discover_seconds=0))
-        try:
-            _, report = await deploy(store, tiny_export, found, PlanOptions(), Precision.F32, kv_cache="f32")
-            tokens = await asyncio.to_thread(drive, store, tiny_export)
-        finally:
-            await found.close()
-            server.close()
-            await server.wait_closed()
-        return sum(report.bytes_sent.values()), tokens
-
-    whole, _ = asyncio.run(deploy_once(tmp_path / "clean-cache"))
-    sent, tokens = asyncio.run(deploy_once(tmp_path / "cache"))
+    whole, _ = asyncio.run(_deploy_to_a_fresh_agent(store, files, tmp_path / "clean-cache", tiny_export))
+    sent, tokens = asyncio.run(_deploy_to_a_fresh_agent(store, files, tmp_path / "cache", tiny_export))
     assert sent == whole - len(received) + layer.size  # the rest of it, then all of it again
     assert not list(partial.iterdir()) and tokens == local_tokens(tiny_export)
 
