@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 from deskfleet.common.arguments import (
     KeepsDashDashValues,
     describe_commands,
-    name_argument,
+    line_of_text,
     option_arity,
     option_text,
     path_argument,
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("deskfleet.agent")
 # What only a controller's data dir holds (controller/fleet_store.py): an agent joined into one mixed the two
 CONTROLLER_FILES = ("fleet.json", "ca-key.pem")
+HOSTNAME_MAX_CHARS = 64  # what X.509 lets a common name be, where the CSR carries it
 
 
 # Public methods
@@ -314,12 +315,14 @@ def _pause(args: argparse.Namespace, paused: bool) -> int:
 
 
 def _hostname_argument(text: str) -> str:
-    """argparse type of --hostname: a name (name_argument); a blank one (`--hostname "$NAME"` with NAME unset) kept
-    the old one."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("is empty or blank (an unset variable?): give the name, or leave out "
-                                         "--hostname for this PC's own")
-    return name_argument(text)
+    """argparse type of --hostname: one line of text (line_of_text; a blank one, `--hostname "$NAME"` with NAME
+    unset, kept the old one) of at most HOSTNAME_MAX_CHARS (a 300-character name widened `fleet ls` past any
+    terminal)."""
+    line_of_text(text, "is empty or blank (an unset variable?): give the name, or leave out --hostname for this PC's "
+                       "own")
+    if len(text) > HOSTNAME_MAX_CHARS:
+        raise argparse.ArgumentTypeError(f"is {len(text)} characters long: give at most {HOSTNAME_MAX_CHARS}")
+    return text
 
 
 def _refuse_controller_dir(data_dir: Path | None) -> None:

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 MAX_BROWSE_S = 600.0  # the longest mDNS browse a --discover-seconds asks for
-NAME_MAX_CHARS = 64  # a name shown to people (name_argument): an X.509 common name's limit too
 FAILOVER_BROWSE_S = 1.0  # a re-plan's mDNS browse for the PCs left, unless --discover-seconds says otherwise
 
 
@@ -58,15 +57,6 @@ def line_of_text(text: str, blank: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r:.60} holds bytes that are not UTF-8 text") from None
     if not text.isprintable():
         raise argparse.ArgumentTypeError(f"{text!r:.60} holds a control character (a line break?): give one line")
-    return text
-
-
-def name_argument(text: str) -> str:
-    """argparse type of a name shown to people (a PC's --hostname, a fleet's --name): line_of_text, at most
-    NAME_MAX_CHARS (a 300-character name widened `fleet ls` past any terminal)."""
-    line_of_text(text, "is empty or blank (an unset variable?): give the name")
-    if len(text) > NAME_MAX_CHARS:
-        raise argparse.ArgumentTypeError(f"is {len(text)} characters long: give at most {NAME_MAX_CHARS}")
     return text
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deskfleet.common import event_loop
-from deskfleet.common.arguments import browse_seconds, name_argument, path_argument
+from deskfleet.common.arguments import browse_seconds, line_of_text, path_argument
 from deskfleet.common.console import print_whole, stopping_signals
 from deskfleet.common.devices import device_targets
 from deskfleet.common.planner import PlanPolicy
@@ -79,7 +79,7 @@ def add_fleet_commands(subparsers: Any) -> None:
 
     init = command("init", "create the fleet CA and this controller's certificate",
                    "Then keep `fleet serve` running, and make a token for each PC with `fleet token`.")
-    init.add_argument("--name", default="deskfleet", type=name_argument,
+    init.add_argument("--name", default="deskfleet", type=_fleet_name_argument,
                       help="fleet name in the CA certificate (default: deskfleet)")
     init.add_argument("--address", action="append", default=None, metavar="HOST:PORT",
                       help="where agents reach this controller (repeatable; default: this PC's address, port "
@@ -182,6 +182,12 @@ def _device_name(text: str) -> str:
 
 
 # Private methods: trust
+
+def _fleet_name_argument(text: str) -> str:
+    """argparse type of `fleet init --name`: one line of text (a line break went into the CA's name; bytes that are
+    not UTF-8 failed naming no option); its length is the CA's to check (init_fleet)."""
+    return line_of_text(text, "is empty or blank (an unset variable?): give the fleet's name")
+
 
 def _peer_argument(text: str) -> str:
     """argparse type: an agent's address, host:port. Checked as the option is read: `fleet generate` dials its

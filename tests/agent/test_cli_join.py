@@ -264,3 +264,11 @@ def test_a_state_folder_the_agent_cannot_write_says_the_way_out(tmp_path: Path, 
     assert cli.main(["--data-dir", str(tmp_path), "join", _token("127.0.0.1:1")]) == 2
     assert capsys.readouterr().err == (f"deskfleet-agent: error: Read-only file system: {tmp_path / 'state'} (that "
                                        "file system is mounted read-only: give a folder on a writable disk)\n")
+
+
+def test_a_hostname_longer_than_a_certificate_carries_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # a 300-character name was taken, and widened `fleet ls` past any terminal
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["join", "dfj1.x", "--hostname", "h" * 65])
+    assert "argument --hostname: is 65 characters long: give at most 64" in capsys.readouterr().err
+    assert cli.build_parser().parse_args(["join", "dfj1.x", "--hostname", "h" * 64]).hostname == "h" * 64
