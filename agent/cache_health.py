@@ -10,19 +10,18 @@ can be written again), checked at each status, and once a write into the cache g
 from __future__ import annotations
 
 import errno
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from deskfleet.agent.shard_cache import ShardCache
+from deskfleet.agent.shard_cache import ShardCache, disk_space
 
 # errno values that mean the cache's folder cannot be written at all (as opposed to full)
 UNWRITABLE_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 def disk_free_bytes(folder: Path) -> int:
-    """Bytes the disk under `folder` has free for this process."""
-    return shutil.disk_usage(folder).free
+    """Bytes the disk under `folder` has free for this process (as the shard cache reads its disk)."""
+    return disk_space(folder)[1]
 
 
 class CacheHealth:
