@@ -207,6 +207,18 @@ class ShardCache:
             pinned_bytes=sum(size for name, size in (*blobs, *partials) if name in pinned),
         )
 
+    def room_for_new_bytes(self) -> int:
+        """The bytes of new shards the cache could take now: its room (its limit, or its disk's free space less
+        what it keeps for the PC's user) less what it holds that no eviction frees (the shards of hosted stages,
+        deploys and builds in progress) and what deploys in progress were promised and have not begun. The agent
+        reports it, so that a plan leaves out a PC whose disk has no room for a stage instead of sending it shards
+        it must refuse. Shards held but unpinned count as room: a stage that needs them keeps them, and evicting
+        them makes room for one that does not."""
+        with self._lock:
+            promised = self._not_begun({sha256: size for reserved in self._reserved.values()
+                                        for sha256, size in reserved.items()})
+            return max(0, self._room().bytes - self._held_past_eviction() - promised)
+
     def _not_begun(self, sizes: Mapping[str, int]) -> int:
         """The bytes of the shards in `sizes` (sha256 -> size) neither held nor begun (call with the lock held)."""
         return sum(size for sha256, size in sizes.items()
@@ -549,14 +561,18 @@ class ShardCache:
         return sum(entry.stat().st_size for entry in (*os.scandir(self._blobs), *os.scandir(self._partials))) + \
             self._view_copy_bytes()
 
-    def _refuse_if_eviction_cannot_fit(self, needed: int, what: str, room: _Room) -> None:
-        """CacheFull when even evicting every unpinned shard (and the view copies that would go with them)
-        leaves too little; the copies in views of pinned shards or views being built stay, so they count."""
+    def _held_past_eviction(self) -> int:
+        """What the cache would still hold after evicting every unpinned shard and the view copies that would go
+        with them: the copies in views of pinned shards or views being built stay, so they count."""
         pinned = self._pinned()
         evictable = sum(_reserved_bytes(entry) for entry in (*self._blobs.iterdir(), *self._partials.iterdir())
                         if entry.name[:64] not in pinned)
+        return self._usage().used_bytes - evictable - self._view_copy_bytes(pinned)
+
+    def _refuse_if_eviction_cannot_fit(self, needed: int, what: str, room: _Room) -> None:
+        """CacheFull when even evicting every unpinned shard leaves too little (_held_past_eviction)."""
         usage = self._usage()
-        if usage.used_bytes - evictable - self._view_copy_bytes(pinned) + needed > room.bytes:
+        if self._held_past_eviction() + needed > room.bytes:
             raise CacheFull(f"{what} needs {needed} more bytes; {room.bound}, {usage.pinned_bytes} pinned by "
                             f"{_HOLDERS}, so even evicting every other shard would not make room: nothing was "
                             "evicted", room.by_disk)

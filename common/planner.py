@@ -33,6 +33,7 @@ the engine sends a prompt in one call, and prompts that arrive together as one c
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections import Counter
@@ -52,6 +53,26 @@ ENDING_FAST = 3  # all_by_speed also tries the chain by speed with each of this 
 
 
 @dataclass(frozen=True)
+class ModelFiles:
+    """The bytes of the files a deploy sends, per export unit (its IR's .xml and .bin), and of those every stage
+    gets (the manifest, the RoPE table's IR): what a PC's shard cache must take for a stage."""
+
+    layers: tuple[int, ...]
+    embed: int
+    head: int
+    every_stage: int
+
+    def __post_init__(self) -> None:
+        if min((*self.layers, self.embed, self.head, self.every_stage), default=0) < 0:
+            raise ValueError("file bytes must be 0 or more")
+
+    @functools.cached_property
+    def layer_prefix(self) -> tuple[int, ...]:
+        """The layers' bytes summed: layers [start, stop) have layer_prefix[stop] - layer_prefix[start]."""
+        return (0, *itertools.accumulate(self.layers))
+
+
+@dataclass(frozen=True)
 class ModelFootprint:
     """Bytes a model needs, per export unit. `layer_bytes[i]` is decoder layer i's weights.
 
@@ -63,6 +84,7 @@ class ModelFootprint:
     first_prefill_bytes_per_token: the same for the first stage (fed token ids, not hidden states); None: as others.
     kv_precision: the KV cache's precision where known ("u8", "f32"...), shown by the plan's
         text (controller/plan_text); never planned on.
+    files: what a deploy sends (see ModelFiles); None: the weights stand for them (a model on paper).
     """
 
     name: str
@@ -77,6 +99,7 @@ class ModelFootprint:
     prefill_bytes_per_token: int = 0
     kv_precision: str = ""
     first_prefill_bytes_per_token: int | None = None
+    files: ModelFiles | None = None
 
     def __post_init__(self) -> None:
         if self.head_work is not None and not 0 <= self.head_work < math.inf:
@@ -97,6 +120,8 @@ class ModelFootprint:
                 raise ValueError(f"{what} must be 0 or more, got {size}")
         if self.context < 1:
             raise ValueError(f"the context must be at least 1 token, got {self.context}")
+        if self.files is not None and len(self.files.layers) != len(self.layer_bytes):
+            raise ValueError(f"the files name {len(self.files.layers)} layers, the model has {len(self.layer_bytes)}")
 
     @classmethod
     def uniform(cls, name: str, num_layers: int, layer_bytes: int, embed_bytes: int, head_bytes: int,
@@ -127,6 +152,11 @@ class ModelFootprint:
             per_token = self.first_prefill_bytes_per_token
         return per_token * self.context * streams
 
+    @functools.cached_property
+    def sent_files(self) -> ModelFiles:
+        """What a deploy sends: `files`, or the weights where they are not known."""
+        return self.files or ModelFiles(self.layer_bytes, self.embed_bytes, self.head_bytes, 0)
+
     def resident(self, weight_bytes: int) -> int:
         """The memory `weight_bytes` of weight files take once a stage holding them is loaded."""
         return math.ceil(weight_bytes * self.resident_factor)
@@ -148,6 +178,10 @@ class AgentCandidate:
     # runtime counted back (its KV cache must still fit), and a plan that keeps every hosted range is kept.
     hosted: tuple[tuple[int, int], ...] = ()
     devices: tuple[str, ...] = ()  # the devices OpenVINO finds on it ("CPU", "GPU.0", "NPU"); (): not reported
+    # The bytes of new shard files its shard cache can take (its limit, or its disk's free space less what the cache
+    # keeps for the PC's user, less what its hosted stages pin); a stage's files beyond the hosted ranges' must fit.
+    # None: not reported (an older agent, a PC typed in), not checked.
+    disk_room_bytes: int | None = None
 
 
 class PlanPolicy(str, Enum):
@@ -187,6 +221,10 @@ class PlanOptions:
     device: str | None = None
 
 
+# what bounds a shard cache's room, as an exclusion or a problem says it
+DISK_ROOM_BOUNDS = ("its cache_limit_bytes, or its disk's free space less what the cache keeps free for the PC's user, "
+                    "less the files of the stages it hosts")
+
 # how much of a long list the plan's text shows (`--json` has it all)
 RENDER_USABLE = 12  # agents listed on an infeasible plan's Usable line
 SEE_LEFT_OUT = " (see the agents left out)"  # a problem's pointer to the plan's list; an error that lists them drops it
@@ -201,6 +239,7 @@ class ExclusionReason(str, Enum):
     SERVING = "serving"
     SPEED_UNKNOWN = "speed_unknown"
     TOO_LITTLE_MEMORY = "too_little_memory"
+    TOO_LITTLE_DISK = "too_little_disk"  # its shard cache has no room for the smallest stage's files
     NOT_NEEDED = "not_needed"
     UNREACHABLE = "unreachable"  # found (roster, mDNS, --peer) but did not answer: never a candidate
     OTHER_PROTOCOL = "other_protocol"  # answered in another fleet protocol (one side is to upgrade): never a candidate
@@ -414,6 +453,11 @@ def _screen(agent: AgentCandidate, options: PlanOptions, smallest: int, model: M
                          f"the smallest stage (one layer{_held(model.resident_factor)} + KV + "
                          f"{_runtime_parts(model, options)}) needs "
                          f"{in_gb(smallest)}")
+    smallest_files = min(model.sent_files.layers) + model.sent_files.every_stage
+    if agent.disk_room_bytes is not None and agent.disk_room_bytes < smallest_files and not agent.hosted:
+        return Exclusion(agent.agent_id, ExclusionReason.TOO_LITTLE_DISK,
+                         f"too little disk: its shard cache can take {in_gb(agent.disk_room_bytes)} more "
+                         f"({DISK_ROOM_BOUNDS}), the smallest stage's files (one layer) are {in_gb(smallest_files)}")
     return None
 
 
@@ -802,10 +846,29 @@ def _ranges_from(model: ModelFootprint, prefix: list[int], agent: AgentCandidate
 def _fits(model: ModelFootprint, prefix: list[int], agent: AgentCandidate, start: int, stop: int,
           options: PlanOptions, usable: int, kv_per_layer: int, per_stage: tuple[int, int]) -> bool:
     """Whether `agent` (with `usable` bytes) holds layers [start, stop): their weights as held, their KV cache, a
-    stage's scratch and runtime (per_stage[True]: the first stage's), less what a range it hosts counts back."""
+    stage's scratch and runtime (per_stage[True]: the first stage's), less what a range it hosts counts back; and
+    whether its shard cache has room for the range's files that its hosted ranges do not hold already."""
+    if agent.disk_room_bytes is not None and \
+            _new_files(model, agent, start, stop) > agent.disk_room_bytes:
+        return False
     credit = _credit(model, prefix, agent, start, stop, options) if agent.hosted else 0
     return model.resident(_weights(model, prefix, start, stop)) + (stop - start) * kv_per_layer \
         + per_stage[start == 0] <= usable + credit
+
+
+def _new_files(model: ModelFootprint, agent: AgentCandidate, start: int, stop: int) -> int:
+    """The bytes of the files a stage of layers [start, stop) needs (ModelFootprint.sent_files) that `agent` must
+    receive: those of a unit (a layer, the embed, the head) one of its hosted stages holds, and those every stage
+    gets where it hosts one, are on its disk, pinned."""
+    files = model.sent_files
+    if not agent.hosted:
+        return files.layer_prefix[stop] - files.layer_prefix[start] + (files.embed if start == 0 else 0) + \
+            (files.head if stop == model.num_layers else 0) + files.every_stage
+    layers = {layer for first, end in agent.hosted for layer in range(first, end)}
+    embed = start == 0 and not any(first == 0 for first, _ in agent.hosted)
+    head = stop == model.num_layers and not any(end == model.num_layers for _, end in agent.hosted)
+    return sum(files.layers[layer] for layer in range(start, stop) if layer not in layers) + \
+        (files.embed if embed else 0) + (files.head if head else 0)
 
 
 def _credit(model: ModelFootprint, prefix: list[int], agent: AgentCandidate, start: int, stop: int,
@@ -923,12 +986,29 @@ def _diagnose(model: ModelFootprint, agents: list[AgentCandidate] | tuple[AgentC
                 f"{options.streams} stream(s) at context "
                 f"{model.context} + {per_stage}runtime {in_gb(options.stage_overhead_bytes)} per stage) and the "
                 f"{len(eligible)} usable agent(s) have {in_gb(have)} after safety margins{silent}",)
+    if any(agent.disk_room_bytes is not None for agent in eligible) and \
+            _search(model, [replace(agent, disk_room_bytes=None) for agent in eligible], options) is not None:
+        return (_short_of_disk(model, eligible) + silent,)
     bounded = "" if len(eligible) <= EVERY_CHAIN_UP_TO else (
         f" (of {len(eligible)} agents, beyond the order by speed only chains that differ from it in their first "
         f"and last agent were tried, at most {options.max_reordered_splits}: another order may fit)")
     return (f"the {len(eligible)} usable agent(s) have {in_gb(have)} for {in_gb(need)} in all, but no split into "
             "contiguous layer ranges fits each agent (the embed/head or the largest layers do not fit "
             f"beside their neighbours){bounded}; free memory on the largest agents would help{silent}",)
+
+
+def _short_of_disk(model: ModelFootprint, eligible: list[AgentCandidate]) -> str:
+    """The problem of a fleet whose memory holds the model but whose shard caches have no room for its files."""
+    rooms = sorted(eligible, key=lambda agent: -(agent.disk_room_bytes or 0))
+    listed = ", ".join(f"{_label(agent.agent_id, agent.hostname)} "
+                       f"{'not reported' if agent.disk_room_bytes is None else in_gb(agent.disk_room_bytes)}"
+                       for agent in rooms[:RENDER_USABLE])
+    more = f" and {len(rooms) - RENDER_USABLE} more" if len(rooms) > RENDER_USABLE else ""
+    sent = model.sent_files
+    files = sum(sent.layers) + sent.embed + sent.head + sent.every_stage
+    return (f"the {len(eligible)} usable agent(s) hold the model in memory, but no split's files ({in_gb(files)} in "
+            f"all) fit their shard caches, which can take {listed}{more} more (each: {DISK_ROOM_BOUNDS}): free "
+            "disk space on them, raise cache_limit_bytes where it bounds the room, or join more PCs")
 
 
 def _label(agent_id: str, hostname: str) -> str:

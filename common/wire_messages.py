@@ -34,8 +34,9 @@ from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, che
 # 10: Forward.scored_ids, ForwardResult.scored_logprobs, scored_top_ids and scored_top_logprobs; 11:
 # Forward.keep_sources (an admitted row's source micro-batch kept: a prefix cache's entry); 12: Forward.adjust
 # (presence and frequency penalties, logit bias), CopyRow and Forward.copy_into (a finished row's state kept); 13:
-# Forward.copies_dropped and ForwardResult.copies_dropped (a stage short of memory for a step's copies makes none)
-PROTOCOL_VERSION = 13
+# Forward.copies_dropped and ForwardResult.copies_dropped (a stage short of memory for a step's copies makes none);
+# 14: StatusReport.shard_room_bytes (a plan leaves out a PC whose shard cache has no room for a stage)
+PROTOCOL_VERSION = 14
 MAX_STATUS_DETAIL = 500
 MAX_DEVICES = 32  # a StatusReport's devices
 _DEVICE_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,15}(\.[0-9]{1,3})?")  # as OpenVINO lists them: "CPU", "GPU.1"
@@ -505,6 +506,9 @@ class StatusReport:
     # the devices OpenVINO finds on the PC ("CPU", "GPU.0", "NPU"): a plan for a device leaves out a PC without it
     # (it was refused only once every shard had been sent); (): not known yet
     devices: tuple[str, ...] = ()
+    # the bytes of new shards its shard cache could take now (agent/shard_cache.py room_for_new_bytes: its limit or
+    # its disk's free space less the disk's floor, less what its hosted stages pin); None: not known
+    shard_room_bytes: int | None = None
 
     def __post_init__(self) -> None:
         check_devices(self.devices)
@@ -514,6 +518,8 @@ class StatusReport:
         # escaped, then cut: an escape grows a character to 4, and a detail cut to the limit before it was refused
         object.__setattr__(self, "detail", wire_text(self.detail)[:MAX_STATUS_DETAIL])
         _non_negative("free_memory_bytes", self.free_memory_bytes)
+        if self.shard_room_bytes is not None:
+            _non_negative("shard_room_bytes", self.shard_room_bytes)
         _require(self.weight_gb_per_s is None or 0.0 < self.weight_gb_per_s < 1e5,
                  f"weight_gb_per_s {self.weight_gb_per_s} is not a plausible speed")
         _fraction("cpu_load", self.cpu_load)

@@ -505,11 +505,14 @@ def _listing_order(agent: Any) -> tuple[int, bool, str, str]:
 def _print_agents(agents: list[Any], undeployed: dict[str, list[Any]] | None = None) -> None:
     """The table (_listing_order), then a line that counts each state. Each column is as wide as its longest
     cell: fixed widths let an IPv6 address or a long hostname push the rest of its row out of line."""
-    rows = [("agent", "host", "address", "state", "free", "version", "found by", "stages")]
+    rows = [("agent", "host", "address", "state", "free", "disk", "version", "found by", "stages")]
     for agent in sorted(agents, key=_listing_order):
         report = agent.report
         # GiB, as the limits beside it say theirs ("8.0 GiB free of 16.0"): "8.6G" next to them read as more
         free = f"{report.free_memory_bytes / 2 ** 30:.1f}GiB" if report else "-"
+        # what its shard cache can take of a new stage's files (an older agent's: not reported)
+        disk = f"{report.shard_room_bytes / 2 ** 30:.1f}GiB" if report and report.shard_room_bytes is not None \
+            else "-"
         stale = (undeployed or {}).get(agent.agent_id, [])
         stages = ", ".join(f"{s.model_id}[{s.layer_start}:{s.layer_end}]{' (not deployed)' if s in stale else ''}"
                            for s in report.stages) if report else ""
@@ -518,9 +521,9 @@ def _print_agents(agents: list[Any], undeployed: dict[str, list[Any]] | None = N
             if report and (report.reasons or report.detail) else ""
         notes = " ".join(part for part in (stages, why) if part) or agent.problem or "-"
         version = getattr(agent, "version", None) or "-"  # what its Hello said: the PCs not upgraded yet show
-        rows.append(((agent.agent_id or "?")[:12], agent.hostname, agent.address, _state(agent), free, version,
+        rows.append(((agent.agent_id or "?")[:12], agent.hostname, agent.address, _state(agent), free, disk, version,
                      ",".join(agent.sources), notes))
-    for line in format_table(rows, right_aligned={4}):
+    for line in format_table(rows, right_aligned={4, 5}):
         print(line)
     counts = Counter(_state(agent) for agent in agents)
     states = sorted(counts, key=lambda state: (state not in _STATES_IN_ORDER,
@@ -546,6 +549,8 @@ def _agent_json(agent: Any, undeployed: dict[str, list[Any]] | None = None) -> d
             # the fleet protocol it speaks, where known: this controller's for one that answered
             "protocol": PROTOCOL_VERSION if report else getattr(agent, "other_protocol", None),
             "free_memory_bytes": report.free_memory_bytes if report else None,
+            # the bytes of new shard files its shard cache can take; null: not reported (an older agent)
+            "shard_room_bytes": report.shard_room_bytes if report else None,
             "reasons": [reason.value for reason in report.reasons] if report else [],
             "detail": report.detail if report else "",
             "devices": list(report.devices) if report else [],  # what OpenVINO finds there; []: not reported
@@ -590,7 +595,7 @@ def _paper_layers(text: str) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from deskfleet.common.agent_state import AgentState
-    from deskfleet.common.model_spec import load_manifest
+    from deskfleet.common.model_spec import MANIFEST_NAME, load_manifest
     from deskfleet.common.planner import AgentCandidate, plan
     from deskfleet.common.wire import Precision
     from deskfleet.controller.fleet_deploy import (
@@ -610,7 +615,8 @@ def _plan(args: argparse.Namespace) -> int:
         if on_paper:
             raise ValueError(f"{', '.join(on_paper)} describe a model on paper: leave them out with --model (its "
                              "export says what they would)")
-        footprint = footprint_of(load_manifest(args.model), args.device, Precision(args.precision), args.kv_cache)
+        footprint = footprint_of(load_manifest(args.model), args.device, Precision(args.precision), args.kv_cache,
+                                 (args.model / MANIFEST_NAME).stat().st_size)
     elif args.layers is not None and args.layer_bytes is not None:
         footprint = paper_footprint(args.layers, args.layer_bytes, args.embed_bytes or 0, args.head_bytes or 0,
                                     args.kv_bytes_per_token or 0, args.context or PAPER_CONTEXT, args.device,

@@ -48,6 +48,7 @@ from deskfleet.common.planner import (
     AgentCandidate,
     Exclusion,
     ExclusionReason,
+    ModelFiles,
     ModelFootprint,
     Plan,
     PlanOptions,
@@ -181,10 +182,12 @@ def model_id_of(model_dir: Path) -> str:
 
 
 def footprint_of(manifest: Manifest, device: str = "CPU", precision: Precision = Precision.DEVICE_DEFAULT,
-                 kv_cache: str | None = None) -> ModelFootprint:
+                 kv_cache: str | None = None, manifest_file_bytes: int = 0) -> ModelFootprint:
     """The planner's view of an export deployed with `precision` and `kv_cache` (as `deploy` takes them): its
     bytes, on a CPU the head's work priced by parameters, and its KV cache and prefill scratch as the stages
-    will hold them (see kv_cache_precision, kv_cache_bytes_per_token_per_layer, KV_GROWTH, common/prefill_scratch).
+    will hold them (see kv_cache_precision, kv_cache_bytes_per_token_per_layer, KV_GROWTH, common/prefill_scratch),
+    and the files a deploy sends (sent_files; `manifest_file_bytes`: the size of its manifest.json, which every
+    stage gets).
 
     On the CPU plugin a decode step's time follows the parameters multiplied (unpacking INT4 weights, not
     reading them, sets the pace), and the INT8 head costs about what its parameters would at the layers'
@@ -205,7 +208,16 @@ def footprint_of(manifest: Manifest, device: str = "CPU", precision: Precision =
     return ModelFootprint(manifest.model_name, manifest.layer_bytes, manifest.embed_bytes, manifest.head_bytes,
                           kv_cache_bytes_per_token_per_layer(manifest.spec, kv), spec.max_context, head_work,
                           resident_factor(device), growth, scratch, kv or "the device's own, counted as f32",
-                          first_scratch)
+                          first_scratch, sent_files(manifest, manifest_file_bytes))
+
+
+def sent_files(manifest: Manifest, manifest_file_bytes: int) -> ModelFiles:
+    """The bytes of the files a deploy sends a stage (_stage_entries), per unit and for every stage."""
+    def unit(stem: str) -> int:
+        return sum(manifest.files[name].size for name in manifest.ir_files(stem))
+
+    return ModelFiles(tuple(unit(manifest.layer_ir(layer)) for layer in range(manifest.spec.num_layers)),
+                      unit(manifest.EMBED_IR), unit(manifest.HEAD_IR), unit(manifest.ROPE_IR) + manifest_file_bytes)
 
 
 def paper_footprint(num_layers: int, layer_bytes: int, embed_bytes: int, head_bytes: int,
@@ -279,7 +291,7 @@ def candidates_of(agents: list[AgentView], model_id: str | None = None) -> list[
                                          agent.hostname,
                                          tuple((stage.layer_start, stage.layer_end) for stage in report.stages
                                                if model_id is not None and stage.model_id == model_id),
-                                         report.devices))
+                                         report.devices, report.shard_room_bytes))
     return candidates
 
 
@@ -348,8 +360,8 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
     check_sizes(model_dir, manifest)  # a lost or cut file, before a plan: not only where a PC lacks it
     model_id = model_id_of(model_dir)
     _deployments(store)  # a damaged file is named now, not after every byte was sent
-    result = plan_survey(footprint_of(manifest, device, precision, kv_cache), found, replace(options, device=device),
-                         exclude, model_id=model_id)
+    footprint = footprint_of(manifest, device, precision, kv_cache, (model_dir / MANIFEST_NAME).stat().st_size)
+    result = plan_survey(footprint, found, replace(options, device=device), exclude, model_id=model_id)
     if not result.feasible:
         answered = any(agent.agent_id not in exclude for agent in found.reachable())
         unreachable = any(e.reason in NOT_ASKED for e in result.exclusions)

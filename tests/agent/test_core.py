@@ -429,6 +429,16 @@ def test_status_carries_the_devices_openvino_finds_asked_once(core: AgentCore) -
     assert probes == [1]
 
 
+def test_status_carries_the_shard_caches_room_for_new_shards(core: AgentCore) -> None:
+    # a plan leaves out a PC whose shard cache has no room for a stage (StatusReport.shard_room_bytes)
+    report = handle(core, Role.CONTROLLER, StatusRequest())
+    assert isinstance(report, StatusReport)
+    assert report.shard_room_bytes == core.cache.room_for_new_bytes() > 0
+    core.cache.limit_bytes = 1000  # an admin's cache_limit_bytes of 1000 (the cache is empty)
+    report = handle(core, Role.CONTROLLER, StatusRequest())
+    assert isinstance(report, StatusReport) and report.shard_room_bytes == 1000
+
+
 def test_a_status_asked_while_the_devices_are_listed_waits_for_them(core: AgentCore) -> None:
     # at start the mDNS record and a survey ask at once: the second was reported as knowing no devices
     started, release = threading.Event(), threading.Event()

@@ -308,3 +308,30 @@ def test_a_disk_whose_space_cannot_be_read_bounds_nothing(tmp_path: Path) -> Non
     cache.reserve("deploy", {sha: 3_000})
     fill(cache, data, sha)
     assert cache.has(sha)
+
+
+def test_the_room_for_new_shards_counts_unpinned_shards_as_room_and_takes_off_pinned_and_promised(
+        tmp_path: Path) -> None:
+    # What the agent reports for a plan to leave out a PC without room (StatusReport.shard_room_bytes): a plan sent
+    # such a PC a stage, and the deploy failed whole at its start on that PC's refusal.
+    disk = FakeDisk(100_000, 20_000)  # keeps 5 kB: 15 kB of room beside the limit's 12 kB
+    cache = ShardCache(tmp_path, 12_000, FakeClock(1_000_000.0, tick=1.0), disk)
+    assert cache.room_for_new_bytes() == 12_000  # the limit bounds
+    data, sha = blob(45, 3_000)
+    cache.reserve("deploy", {sha: 3_000})
+    assert cache.room_for_new_bytes() == 9_000  # promised to the deploy, not begun
+    fill(cache, data, sha)
+    assert cache.room_for_new_bytes() == 9_000  # held and pinned: no eviction frees it
+    cache.unpin("deploy")
+    assert cache.room_for_new_bytes() == 12_000  # unpinned: evicting it makes room
+    cache.pin("stage", (sha,))
+    disk.free = 8_000  # another program filled the disk: 3 (its own) + 8 - 5 = 6 kB, 3 of them pinned
+    assert cache.room_for_new_bytes() == 3_000
+    disk.free = 1_000
+    assert cache.room_for_new_bytes() == 0  # never negative
+    # what it says is what reserve takes: 3 kB fits, 3 kB and a byte does not
+    disk.free = 8_000
+    cache.reserve("next", {blob(46, 3_000)[1]: 3_000})
+    cache.unpin("next")
+    with pytest.raises(CacheFull):
+        cache.reserve("next", {blob(47, 3_001)[1]: 3_001})

@@ -541,3 +541,52 @@ def test_a_deploy_that_does_not_finish_releases_the_stages_it_assigned(
     assert assigned and all(not core.stages for core in cores)
     with pytest.raises(DeployError, match="has not been deployed"):
         load_deployment(store, tiny_export)
+
+
+def test_a_pc_whose_shard_cache_has_no_room_is_left_out_of_the_plan_and_the_deploy_goes_on(
+        tmp_path: Path, tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A plan gave a stage to a PC whose disk had no room for its files: the deploy failed whole at its start on
+    # that PC's refusal, and a run's re-plan ended the run. The agent reports its shard cache's room
+    # (StatusReport.shard_room_bytes) and the plan leaves the PC out, saying so.
+    from deskfleet.controller.cli import main
+
+    data = tmp_path / "controller"
+    store = FleetStore(data)
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    ports = [free_port(), free_port()]
+    # below any stage's files: one layer's weights alone, without its .xml, the RoPE table and the manifest
+    smallest_layer = min(load_manifest(tiny_export).layer_bytes)
+
+    async def scenario() -> tuple[list[str], list[int]]:
+        servers, ids = [], []
+        for index, (port, limit) in enumerate(zip(ports, (1 << 30, smallest_layer - 1), strict=True)):
+            files = make_member(load_ca(store), tmp_path / f"agent{index}", "agent")
+            ids.append(files.own_identity().agent_id)
+            core = AgentCore(files, settings, ShardCache(tmp_path / f"cache{index}", limit), FakeMonitor(),
+                             device_probe=lambda: ("CPU",))
+            servers.append(await start_server(core.serve_link, "127.0.0.1", port, files))
+        peers = tuple(f"127.0.0.1:{port}" for port in ports)
+        found = await survey(store, SurveyOptions(peers=peers, discover_seconds=0))
+        try:
+            plan, report = await deploy(store, tiny_export, found, PlanOptions(policy=PlanPolicy.ALL_BY_SPEED,
+                                                                               hop_cost=0.0), Precision.F32,
+                                        kv_cache="f32")
+        finally:
+            await found.close()
+        left = {exclusion.agent_id: exclusion for exclusion in plan.exclusions}
+        assert [stage.agent_id for stage in report.stages] == [ids[0]]
+        assert left[ids[1]].reason.value == "too_little_disk"
+        listed = await asyncio.to_thread(main, ["fleet", "ls", "--json", *(f"--peer={peer}" for peer in peers),
+                                                "--discover-seconds", "0", "--data-dir", str(data)])
+        assert listed == 0
+        tokens = await asyncio.to_thread(drive, store, tiny_export)
+        for server in servers:
+            server.close()
+            await server.wait_closed()
+        return ids, tokens
+
+    ids, tokens = asyncio.run(scenario())
+    rooms = {entry["agent_id"]: entry["shard_room_bytes"] for entry in json.loads(capsys.readouterr().out)}
+    assert rooms[ids[1]] == smallest_layer - 1 and rooms[ids[0]] > 0
+    assert len(tokens) == 6

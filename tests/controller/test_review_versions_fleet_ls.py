@@ -96,9 +96,10 @@ def test_fleet_ls_shows_each_agent_s_version_and_whom_to_upgrade(
 
     _print_agents(found.agents)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[5] == "version"
+    assert lines[0].split()[5:7] == ["disk", "version"]
     rows = {row.split()[1]: row.split() for row in lines[1:4]}
-    assert rows["pc-old"][5] == installed and rows["pc-new"][5] == "0.2.0" and rows["pc-older"][5] == "0.1.0"
+    assert rows["pc-old"][6] == installed and rows["pc-new"][6] == "0.2.0" and rows["pc-older"][6] == "0.1.0"
+    assert rows["pc-old"][5].endswith("GiB") and rows["pc-new"][5] == rows["pc-older"][5] == "-"
     assert [rows[host][3] for host in ("pc-old", "pc-older", "pc-new")] == ["available", "outdated", "newer"]
     assert lines[4] == "3 agent(s): 1 available, 1 outdated, 1 newer"
     assert lines[5].startswith(f"1 PC(s) run a deskfleet of an older fleet protocol than this controller's "
@@ -116,12 +117,16 @@ def test_the_free_column_is_in_gib_as_the_limits_beside_it(capsys: pytest.Captur
 
     from deskfleet.common.agent_state import AgentState
 
-    report = SimpleNamespace(state=AgentState.AVAILABLE, free_memory_bytes=8 << 30, stages=(), reasons=(), detail="")
+    report = SimpleNamespace(state=AgentState.AVAILABLE, free_memory_bytes=8 << 30, stages=(), reasons=(), detail="",
+                             shard_room_bytes=3 << 29)
     agent = SimpleNamespace(agent_id="a" * 52, hostname="pc-ann", address="10.0.0.5:7341", report=report,
                             sources=("registered",), problem=None, version="1.0")
     _print_agents([agent])
     row = capsys.readouterr().out.splitlines()[1].split()
-    assert row[4] == "8.0GiB"
+    assert row[4:6] == ["8.0GiB", "1.5GiB"]  # free memory, and what its shard cache can take
+    _print_agents([SimpleNamespace(**{**vars(agent), "report": SimpleNamespace(**{**vars(report),
+                                                                                  "shard_room_bytes": None})})])
+    assert capsys.readouterr().out.splitlines()[1].split()[4:6] == ["8.0GiB", "-"]  # an older agent's: not reported
 
 
 def survey_an_older_agent(tmp_path: Path, roster: Callable[[str, str], RosterEntry],
