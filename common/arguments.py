@@ -27,6 +27,24 @@ class KeepsDashDashValues(argparse.ArgumentParser):
         return super()._get_values(action, arg_strings)
 
 
+def whole_number(text: str) -> int:
+    """argparse type: int(text), written as a user types a number: ASCII, no `_` (ValueError otherwise)."""
+    return int(_typed_number(text))
+
+
+def real_number(text: str) -> float:
+    """argparse type: float(text), written as a user types a number: ASCII, no `_` (ValueError otherwise)."""
+    return float(_typed_number(text))
+
+
+def _typed_number(text: str) -> str:
+    """`text`, where it holds no character a number is not typed with. Python's int and float take other scripts'
+    digits and a `_` between digits: `--seed ١` ran with seed 1, `--top-p 1_0` with 10.0, `--ttl ١d` a day."""
+    if not text.isascii() or "_" in text:
+        raise ValueError(f"{text!r} is not a number written with the digits 0-9")
+    return text
+
+
 def option_text(option: str, value: str, windows: bool | None = None) -> str:
     """`option value` as a user can paste it into their shell (a command an error or a result tells them to run):
     quoted where the value holds a space or a shell's special character, as cmd and PowerShell (`windows`) or a
@@ -120,7 +138,7 @@ def seconds_up_to(maximum: float) -> Callable[[str], float]:
     """argparse type: a number of seconds, 0 to `maximum` (NaN, infinity, negatives refused)."""
     def parse(text: str) -> float:
         try:
-            value = float(text)
+            value = real_number(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
         if not 0 <= value <= maximum:  # NaN fails this too

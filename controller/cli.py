@@ -23,6 +23,7 @@ from deskfleet.common.arguments import (
     prompts_file_argument,
     unknown_options,
     verbose_anywhere,
+    whole_number,
 )
 from deskfleet.common.console import (
     WatchedStream,
@@ -553,7 +554,7 @@ def _max_context(text: str) -> int:
     from deskfleet.controller.export.hf_config import MIN_MAX_CONTEXT
 
     try:
-        value = int(text)
+        value = whole_number(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if not MIN_MAX_CONTEXT <= value <= MAX_SPEC_VALUE:
@@ -565,7 +566,7 @@ def _max_context(text: str) -> int:
 def _logprobs_count(text: str) -> int:
     """argparse type: --logprobs N, the most likely tokens listed beside each generated one."""
     try:
-        value = int(text)
+        value = whole_number(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if not 0 <= value <= MAX_TOP_LOGPROBS:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from deskfleet.agent.stage import CompileSettings
-from deskfleet.common.arguments import path_argument
+from deskfleet.common.arguments import path_argument, real_number, whole_number
 from deskfleet.common.logits_adjust import MAX_BIAS, MAX_BIASED_TOKENS, MAX_PENALTY
 from deskfleet.common.model_spec import ModelSpec
 from deskfleet.common.speculative import MAX_K, SamplingParams
@@ -141,20 +141,20 @@ class DecodingOptions:
 def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     """generate's and chat's: drafting, sampling and the prefill chunk."""
     add_drafting_options(parser)
-    parser.add_argument("--temperature", type=float, default=0.0,
+    parser.add_argument("--temperature", type=real_number, default=0.0,
                         help=f"0 = greedy (the default); above 0 samples, at most {MAX_TEMPERATURE:g}")
-    parser.add_argument("--top-k", type=int, default=0,
+    parser.add_argument("--top-k", type=whole_number, default=0,
                         help="sample among the K likeliest tokens only (default 0: all); needs --temperature")
-    parser.add_argument("--top-p", type=float, default=1.0,
+    parser.add_argument("--top-p", type=real_number, default=1.0,
                         help="sample among the likeliest tokens whose probabilities add up to P, in (0, 1] (default "
                              "1: all); needs --temperature")
     parser.add_argument("--seed", type=non_negative_int, default=None,
                         help="stream (or reply) i samples with seed + i (default: one drawn at random, which "
                              "--json reports)")
-    parser.add_argument("--presence-penalty", type=float, default=0.0, metavar="P",
+    parser.add_argument("--presence-penalty", type=real_number, default=0.0, metavar="P",
                         help=f"take P off the logit of every token the reply has generated so far (-{MAX_PENALTY:g} "
                              f"to {MAX_PENALTY:g}, default 0), as the OpenAI API's presence_penalty")
-    parser.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+    parser.add_argument("--frequency-penalty", type=real_number, default=0.0, metavar="F",
                         help="take F times its count off the logit of every token the reply has generated so far "
                              f"(-{MAX_PENALTY:g} to {MAX_PENALTY:g}, default 0), as the API's frequency_penalty")
     parser.add_argument("--logit-bias", type=logit_bias_entry, action="append", default=None, metavar="TOKEN=BIAS",
@@ -280,7 +280,7 @@ def parse_token_ids(text: str) -> list[int]:
 def byte_count(text: str) -> int:
     """argparse type: a number of bytes, 0 or more, as a whole number or in float notation (4e9)."""
     try:
-        value = float(text)
+        value = real_number(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of bytes, got {text!r}") from None
     if not 0 <= value < 2**62:  # NaN and infinities fail this too
@@ -290,7 +290,7 @@ def byte_count(text: str) -> int:
 
 def _whole_number(text: str, minimum: int, maximum: int | None = None) -> int:
     try:
-        value = int(text)
+        value = whole_number(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < minimum:

@@ -55,7 +55,7 @@ JOIN_TIMEOUT_S = 30.0
 # then holds one of the few join slots (agent/link.py MAX_CONCURRENT_JOINS) for nothing.
 JOIN_REQUEST_TIMEOUT_S = 5.0
 HOSTNAME_MAX_CHARS = 200  # what the roster keeps of the hostname a joining agent gives
-_DURATION = re.compile(r"(\d+)([smhd])")
+_DURATION = re.compile(r"([0-9]+)([smhd])")  # not \d: it takes other scripts' digits ("١d" was a day)
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deskfleet.common import event_loop
-from deskfleet.common.arguments import browse_seconds, line_of_text, path_argument
+from deskfleet.common.arguments import browse_seconds, line_of_text, path_argument, real_number, whole_number
 from deskfleet.common.console import print_whole, stopping_signals
 from deskfleet.common.devices import device_targets
 from deskfleet.common.planner import PlanPolicy
@@ -92,7 +92,7 @@ def add_fleet_commands(subparsers: Any) -> None:
                     "it can join a PC while it lasts: keep it as a password. Joins need `fleet serve` running.")
     token.add_argument("--ttl", default="24h", help="validity: a number and s, m, h or d, or several (90s, 30m, "
                                                     "1h30m, 7d; default 24h)")
-    token.add_argument("--uses", type=int, default=1, help="how many agents may join with it (default 1)")
+    token.add_argument("--uses", type=whole_number, default=1, help="how many agents may join with it (default 1)")
     token.add_argument("--address", action="append", default=None, metavar="HOST:PORT",
                        help="controller address(es) to put in the token (default: those given to init)")
     token.set_defaults(handler=_token)
@@ -163,7 +163,7 @@ def add_fleet_commands(subparsers: Any) -> None:
 def _hop_ms(text: str) -> float:
     """argparse type: milliseconds a hop costs, 0 to 60000 (NaN, infinity, negatives refused)."""
     try:
-        value = float(text)
+        value = real_number(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected milliseconds, got {text!r}") from None
     if not 0 <= value <= 60_000:  # NaN fails this too

@@ -47,7 +47,7 @@ from deskfleet.agent.link import TlsFiles, utc_now
 from deskfleet.agent.stage import CompileSettings, export_weight_group_size
 from deskfleet.agent.stage import Precision as StagePrecision
 from deskfleet.common import event_loop, pki
-from deskfleet.common.arguments import path_argument, program_argument
+from deskfleet.common.arguments import path_argument, program_argument, real_number, whole_number
 from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.planner import PlanOptions, PlanPolicy
@@ -904,11 +904,11 @@ def add_fleet_bench_command(benches: Any) -> None:
                         help="untimed rounds before the timed ones")
     parser.add_argument("--threads-per-pc", type=positive_int, default=1,
                         help="inference threads of each simulated PC, each on a core of its own (default 1)")
-    parser.add_argument("--pcs", type=int, default=2, help="simulated PCs in the largest rows (2-4)")
+    parser.add_argument("--pcs", type=whole_number, default=2, help="simulated PCs in the largest rows (2-4)")
     parser.add_argument("--controller-cores", type=non_negative_int, default=0,
                         help="pin the controller to the first N cores and the PCs to the rest (0: not pinned)")
-    parser.add_argument("--wan-delay-ms", type=float, default=100.0, help="one-way delay per hop on WAN rows")
-    parser.add_argument("--wan-bandwidth-mbit", type=float, default=None, help="per-link bandwidth on WAN rows")
+    parser.add_argument("--wan-delay-ms", type=real_number, default=100.0, help="one-way delay per hop on WAN rows")
+    parser.add_argument("--wan-bandwidth-mbit", type=real_number, default=None, help="per-link bandwidth on WAN rows")
     parser.add_argument("--genai-model", type=path_argument, default=None,
                         help="--model's checkpoint exported by optimum-intel: adds GenAI continuous-batching rows")
     parser.add_argument("--genai-python", type=program_argument, default=None, help="the GenAI venv's python")

@@ -35,7 +35,7 @@ from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement
 from deskfleet.agent.stage import openvino_devices
 from deskfleet.common import event_loop
-from deskfleet.common.arguments import path_argument
+from deskfleet.common.arguments import path_argument, whole_number
 from deskfleet.common.atomic_file import write_atomic
 from deskfleet.common.wire import parse_address
 
@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--listen", required=True)
     parser.add_argument("--cores", required=True, help="comma-separated CPU numbers")
     parser.add_argument("--cache", type=path_argument, required=True)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=whole_number, default=1)
     parser.add_argument("--port-file", type=path_argument, default=None, help="write the listening port here")
     parser.add_argument("--stop-on-stdin-eof", action="store_true",
                         help="stop when stdin reaches its end (the bench that started it ended)")

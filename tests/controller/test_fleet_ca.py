@@ -181,7 +181,7 @@ def test_fleet_json_addresses_that_are_not_a_list_of_addresses_are_named(store: 
 def test_parse_duration() -> None:
     assert parse_duration("24h") == datetime.timedelta(hours=24)
     assert parse_duration("1d12h") == datetime.timedelta(hours=36)
-    for bad in ("", "24", "h", "0s", "3w"):
+    for bad in ("", "24", "h", "0s", "3w", "\u0661d", "1_0h"):  # "١d" (an Arabic-Indic 1) was read as a day
         with pytest.raises(ValueError):
             parse_duration(bad)
 

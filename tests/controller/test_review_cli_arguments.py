@@ -127,3 +127,36 @@ def test_a_working_directory_that_no_longer_exists_is_named_before_anything_runs
     assert main(["generate", "--model", ".", "--prompt", "hi"]) == 2
     assert "the working directory no longer exists (an export with --overwrite replaced it, or it was removed): " \
            "cd into it again" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ("generate", "--model", "T", "--prompt", "hi", "--seed", "\u0661"),  # an Arabic-Indic 1: ran with seed 1
+    ("generate", "--model", "T", "--prompt", "hi", "--top-p", "1_0"),  # ran with top-p 10.0
+    ("generate", "--model", "T", "--prompt", "hi", "--temperature", "\uff10.5"),  # a full-width 0
+    ("generate", "--model", "T", "--prompt", "hi", "--top-k", "4_0"),
+    ("generate", "--model", "T", "--prompt", "hi", "--max-new-tokens", "1_000"),
+    ("fleet", "plan", "--layers", "8_0", "--layer-bytes", "1e9", "--assume-agent", "16e9"),
+    ("fleet", "plan", "--layers", "8", "--layer-bytes", "1_000", "--assume-agent", "16e9"),
+    ("fleet", "plan", "--layers", "8", "--layer-bytes", "1e9", "--assume-agent", "16e9", "--hop-ms", "\u0661"),
+    ("fleet", "token", "--uses", "\u0663"),
+    ("fleet", "ls", "--discover-seconds", "1_0"),
+])
+def test_a_number_not_written_with_the_digits_0_to_9_is_refused(capsys: pytest.CaptureFixture[str],
+                                                                 argv: tuple[str, ...]) -> None:
+    # Python's int and float take other scripts' digits and underscores between digits: such a value ran as a
+    # number nobody typed
+    err = parse_error(capsys, *argv)
+    (bad,) = [value for value in argv if not value.isascii() or "_" in value]
+    assert "error: argument" in err and bad in err
+
+
+def test_numbers_typed_plainly_still_parse() -> None:
+    from deskfleet.common.arguments import real_number, whole_number
+
+    assert whole_number(" 42 ") == 42 and whole_number("-3") == -3  # int's own spaces and signs stay
+    assert real_number("1e9") == 1e9 and real_number(".5") == 0.5 and real_number("inf") == float("inf")
+    for bad in ("\u0661", "1_0", "\uff11", "\u00b2"):
+        with pytest.raises(ValueError, match="is not a number written with the digits 0-9"):
+            whole_number(bad)
+        with pytest.raises(ValueError, match="is not a number written with the digits 0-9"):
+            real_number(bad)
