@@ -138,7 +138,7 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
     dials = asyncio.Semaphore(dials_at_once())
     results = await asyncio.gather(*(_ask_at_any(store, revocations, target_id, addresses, dials,
                                                  RECHECK_OPEN_TIMEOUT_S if target_id in options.recheck
-                                                 else OPEN_TIMEOUT_S)
+                                                 else OPEN_TIMEOUT_S, _announced_only(registry, target_id))
                                      for target_id, addresses, _ in targets))
 
     found = Survey([], {})
@@ -267,15 +267,24 @@ async def _run_for(sources: list[Discovery], seconds: float) -> None:
         log.warning("mDNS browse failed: %s", errors.exceptions[0])
 
 
+def _announced_only(registry: Registry, agent_id: str | None) -> frozenset[str]:
+    """The addresses of `agent_id` that only an mDNS announcement gave (no registration, roster or --peer)."""
+    entry = registry.get(agent_id) if agent_id is not None else None
+    return frozenset(entry.addresses) - entry.authenticated if entry is not None else frozenset()
+
+
 async def _ask_at_any(store: FleetStore, revocations: Revocations, agent_id: str | None,
-                      addresses: tuple[str, ...], dials: asyncio.Semaphore, open_timeout: float = OPEN_TIMEOUT_S
+                      addresses: tuple[str, ...], dials: asyncio.Semaphore, open_timeout: float = OPEN_TIMEOUT_S,
+                      announced_only: frozenset[str] = frozenset()
                       ) -> tuple[str, Link | None, StatusReport | None, str | None, PeerVersion]:
     """Ask the agent at all of `addresses` at once: (the first address to answer, its link, its report,
     None, its version), or (the first address, None, None, every address's problem, its version) when none
     did. TLS pins the agent's id, so any answer is its own; asking in turn made a stale registered address (a
     PC that changed IP) cost the whole open timeout before its live mDNS address was tried. The version is
     (the deskfleet version the agent's Hello or its refusal of ours named, where one did; the fleet protocol it
-    speaks where that is not ours): `fleet ls` shows who is not upgraded."""
+    speaks where that is not ours): `fleet ls` shows who is not upgraded. A problem at one of `announced_only` (an
+    address only mDNS gave) says so: anyone on the LAN can announce one, and what answers there (another fleet's
+    PC, a rogue with a certificate of its own) says nothing of the member, whose advice it would otherwise carry."""
     versions: dict[str, PeerVersion] = {}  # address -> what the agent there said of its version
 
     async def ask(address: str) -> tuple[str, Link | None, StatusReport | None, str | None, PeerVersion]:
@@ -292,7 +301,9 @@ async def _ask_at_any(store: FleetStore, revocations: Revocations, agent_id: str
             if answer[3] is None:
                 winner = answer
                 break
-            problems[answer[0]] = str(answer[3])
+            problems[answer[0]] = str(answer[3]) if answer[0] not in announced_only else \
+                f"at {answer[0]}, an address only an mDNS announcement gave (anyone on the LAN can send one, so " \
+                f"what answers there may be no PC of this fleet): {answer[3]}"
             version = version if version != UNKNOWN_VERSION else answer[4]
     finally:
         for task in tasks:

@@ -357,3 +357,50 @@ def test_a_fleet_whose_controller_is_reached_at_loopback_alone_browses_no_mdns(
 
     asyncio.run(scenario())
     assert bool(started) is browsed
+
+
+def test_a_problem_at_an_address_only_mdns_gave_is_not_worded_as_the_members_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A rogue announced a switched-off member's id at an address where a TLS server of its own answers: the
+    # member was listed with the rogue's certificate error, and that error's advice to make the fleet anew.
+    from deskfleet.controller.registry import DiscoverySource, Sighting
+
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("controller-pc:7341",), utc_now())
+    member = make_member(load_ca(store), tmp_path / "member", "agent").own_identity().agent_id
+    other = FleetStore(tmp_path / "other")  # the rogue's own fleet
+    init_fleet(other, "rogue", ("rogue-pc:7341",), utc_now())
+    rogue_files = make_member(load_ca(other), tmp_path / "rogue", "agent")
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    rogue = AgentCore(rogue_files, settings, ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor())
+    rogue_port, off = free_port(), f"{LOOPBACK}:{free_port()}"
+    announced = f"{LOOPBACK}:{rogue_port}"
+    store.save_roster({member: RosterEntry(member, "pc-1", "2026-01-01T00:00:00+00:00", (off,))})
+
+    class Rogue:  # stands in for the mDNS browser, hearing the rogue's announcement of the member
+        def __init__(self, registry: object, *args: object) -> None:
+            self.registry = registry
+            self.strangers: set[str] = set()
+
+        async def run(self) -> None:
+            self.registry.observe(Sighting(member, (announced,), DiscoverySource.MDNS))  # type: ignore[attr-defined]
+            await asyncio.Event().wait()
+
+    monkeypatch.setattr(fleet_survey, "ZeroconfDiscovery", Rogue)
+    monkeypatch.setattr(fleet_survey, "interface_addresses", lambda: [LOOPBACK])
+
+    async def scenario() -> fleet_survey.Survey:
+        server = await start_server(rogue.serve_link, LOOPBACK, rogue_port, rogue_files)
+        found = await survey(store, SurveyOptions(discover_seconds=0.2))
+        await found.close()
+        server.close()
+        await server.wait_closed()
+        return found
+
+    [agent] = asyncio.run(scenario()).agents
+    assert agent.report is None and agent.problem is not None
+    registered, at_rogue = agent.problem.split("; ", 1)
+    assert f"cannot reach {off}" in registered and "mDNS" not in registered  # the member's own address: as before
+    assert at_rogue.startswith(f"at {announced}, an address only an mDNS announcement gave (anyone on the LAN can send "
+                               "one, so what answers there may be no PC of this fleet): ")
+    assert "certificate" in at_rogue
