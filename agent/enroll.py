@@ -143,6 +143,15 @@ def note_removed(state_dir: Path, when: str) -> None:
         log.warning("cannot note in %s that this PC was removed (%s)", state_dir, error.strerror or error)
 
 
+def forget_removed(state_dir: Path) -> None:
+    """The controller took this PC: it is no removed PC (see REMOVED_FILE); a failure is logged."""
+    try:
+        (state_dir / REMOVED_FILE).unlink(missing_ok=True)
+    except OSError as error:
+        log.warning("cannot delete %s (%s): `deskfleet-agent pause` may say this PC was removed", state_dir /
+                    REMOVED_FILE, error.strerror or error)
+
+
 def removed_seen(state_dir: Path) -> str | None:
     """When the running agent was last refused as removed (an ISO date), or None: not removed, as far as it saw."""
     try:
@@ -255,7 +264,7 @@ async def join(token_text: str, state_dir: Path, hostname: str | None = None) ->
                 log.warning("join via %s failed: %s", address, error)
             continue
         _save_joined(joined, files, state_dir)
-        (state_dir / REMOVED_FILE).unlink(missing_ok=True)  # a member again (a removed PC joins with a new key)
+        forget_removed(state_dir)  # a member again (a removed PC joins with a new key)
         return joined.membership
     raise EnrollmentError("could not join: " + "; ".join(problems))
 

@@ -127,11 +127,17 @@ class HelloMismatch(LinkError):
 
 
 class LinkRefused(LinkError):
-    """The peer answered the upgrade with an HTTP error: `status` (403: this member was removed)."""
+    """The peer answered the upgrade with an HTTP error: `status` (403: this member's certificate was refused: see
+    `removed`)."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+    @property
+    def removed(self) -> bool:
+        """The peer refused this member as removed from the fleet (not for a date: see pki.REMOVED_WORDS)."""
+        return self.status == HTTPStatus.FORBIDDEN and pki.REMOVED_WORDS in str(self)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from deskfleet.agent.enroll import (
     Membership,
     agent_tls_files,
     check_credentials,
+    forget_removed,
     note_removed,
     secure_state_dir,
 )
@@ -370,6 +371,8 @@ class AgentService:
                     if expired:  # not removed: the controller refuses a certificate (or a CA) that ran out
                         told_removed = True
                         log.error("the controller refuses this PC: %s", "; ".join(expired))
+                    elif error.status == HTTPStatus.FORBIDDEN and not error.removed:
+                        outage.failed(error)  # a date (a clock on either side), not a removal: tried again as usual
                     elif error.status == HTTPStatus.FORBIDDEN and not told_removed:  # said once, not every retry
                         told_removed = removed = True
                         # its stages too: no PC of the fleet takes its links any more, and they held the memory
@@ -387,6 +390,7 @@ class AgentService:
                     continue
                 told_removed = removed = False
                 answered = True
+                forget_removed(self.paths.state_dir)  # taken: not removed (a refusal it read as one was not)
                 started = time.monotonic()
                 await self._registered(link)
                 if time.monotonic() - started >= REGISTERED_STABLE_S:

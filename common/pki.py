@@ -45,6 +45,12 @@ RENEW_CA = ("make a new fleet with `deskfleet fleet init --force` on the control
             "(`deskfleet-agent join TOKEN`)")
 
 
+# How a refusal says that the peer was removed (RevocationSet.check): an agent refused with HTTP 403 reads itself as
+# removed only where the refusal says these words (a 403 for a clock that is wrong, on either side, said nothing of a
+# removal and made the agent give its stages up for good and refuse its user's pause)
+REMOVED_WORDS = "has been removed from the fleet"
+
+
 class PkiError(ValueError):
     """A certificate, request or key is not acceptable; the message says which check failed."""
 
@@ -92,7 +98,7 @@ class RevocationSet:
     def check(self, agent_id: str) -> None:
         """Raise PkiError if `agent_id` is revoked; the caller must then close the connection."""
         if agent_id in self.agent_ids:
-            raise PkiError(f"agent {agent_id} has been removed from the fleet")
+            raise PkiError(f"agent {agent_id} {REMOVED_WORDS}")
 
 
 # Public functions: removals signed by the CA
@@ -274,9 +280,10 @@ def verify_certificate(certificate: x509.Certificate, ca_certificate: x509.Certi
                                  f"{expiry_date(identity.not_valid_after)}: {advice}",
                                  identity.not_valid_after, is_ca=False)
     if now < certificate.not_valid_before_utc or now < ca_certificate.not_valid_before_utc:
-        raise PkiError(f"certificate is not valid at {now.isoformat()} (valid from "
-                       f"{max(certificate.not_valid_before_utc, ca_certificate.not_valid_before_utc).isoformat()}): "
-                       "is this PC's clock right?")
+        begins = max(certificate.not_valid_before_utc, ca_certificate.not_valid_before_utc)
+        raise PkiError(f"certificate is not valid before {begins.isoformat()} and the clock of the PC checking it "
+                       f"says {now.isoformat()}: set that PC's clock right (where it is right, the clock of the PC "
+                       "that issued the certificate was ahead then: join again once it is right)")
     if revoked is not None:
         revoked.check(identity.agent_id)
     return identity

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from deskfleet.agent import service as service_module
 from deskfleet.agent.link import LinkError, LinkVersionError
+from deskfleet.agent.paths import AgentPaths
 from deskfleet.agent.service import AgentService
 from deskfleet.common.availability import CallInWatch
 
@@ -36,7 +38,7 @@ class FakeCore:
         return None  # the controller went away at once
 
 
-def registering_service(outcomes: list[str], monkeypatch: pytest.MonkeyPatch) -> list[float]:
+def registering_service(outcomes: list[str], monkeypatch: pytest.MonkeyPatch, data_dir: Path) -> list[float]:
     """Run _register_forever against `outcomes` ("fail" or "ok", one per dial) until they run out; the sleeps."""
     sleeps: list[float] = []
     dials = iter(outcomes)
@@ -61,6 +63,7 @@ def registering_service(outcomes: list[str], monkeypatch: pytest.MonkeyPatch) ->
                                          fleet_id="0123456789abcdef", token_sha256=None)
     service.controller_search_interfaces = lambda: []  # no mDNS here: a moved controller is looked for in vain
     service.files = None  # type: ignore[assignment]
+    service.paths = AgentPaths.resolve(data_dir)
     service.listen = "0.0.0.0:7431"
     service.bound_port = 7431
     service.core = FakeCore()  # type: ignore[assignment]
@@ -72,11 +75,11 @@ def registering_service(outcomes: list[str], monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_a_controller_that_is_off_is_logged_once_per_outage_not_per_retry(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     # Every retry logged "cannot register with the controller" as a warning: a controller off over a weekend
     # filled an agent's log with two lines a minute, on every PC.
     caplog.set_level(logging.DEBUG, logger=service_module.log.name)
-    sleeps = registering_service(["ok"] + ["fail"] * 12 + ["ok"] + ["fail"] * 3 + ["ok"], monkeypatch)
+    sleeps = registering_service(["ok"] + ["fail"] * 12 + ["ok"] + ["fail"] * 3 + ["ok"], monkeypatch, tmp_path)
     warnings = [record.getMessage() for record in caplog.records
                 if record.levelno >= logging.WARNING and "cannot register" in record.getMessage()]
     assert len(warnings) == 2, warnings  # one per outage
@@ -94,11 +97,11 @@ def test_a_controller_that_is_off_is_logged_once_per_outage_not_per_retry(
 
 
 def test_a_controller_that_answers_again_but_refuses_this_pc_s_protocol_is_warned_of(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     # `fleet serve` restarted on an older release: the log said only "connection refused" (its first failure)
     # while the controller refused every attempt for minutes, the reason at debug level
     caplog.set_level(logging.DEBUG, logger=service_module.log.name)
-    registering_service(["ok"] + ["fail"] * 3 + ["version"] * 4 + ["fail"] * 2 + ["ok"], monkeypatch)
+    registering_service(["ok"] + ["fail"] * 3 + ["version"] * 4 + ["fail"] * 2 + ["ok"], monkeypatch, tmp_path)
     warnings = [record.getMessage() for record in caplog.records
                 if record.levelno >= logging.WARNING and "cannot register" in record.getMessage()]
     assert len(warnings) == 2, warnings  # the first failure, then the other reason (once each in an outage)
@@ -108,10 +111,10 @@ def test_a_controller_that_answers_again_but_refuses_this_pc_s_protocol_is_warne
 
 
 def test_attempts_alternating_between_two_reasons_are_warned_of_once_each(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     # a moved and upgraded controller: its old address refuses the connection, its new one the protocol, in turn
     caplog.set_level(logging.DEBUG, logger=service_module.log.name)
-    registering_service(["ok"] + ["fail", "version"] * 5 + ["ok"], monkeypatch)
+    registering_service(["ok"] + ["fail", "version"] * 5 + ["ok"], monkeypatch, tmp_path)
     warnings = [record.getMessage() for record in caplog.records
                 if record.levelno >= logging.WARNING and "cannot register" in record.getMessage()]
     assert len(warnings) == 2, warnings

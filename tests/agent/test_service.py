@@ -119,7 +119,7 @@ def test_a_listen_host_name_is_advertised_as_what_it_resolves_to(caplog: pytest.
     assert asyncio.run(advertised_addresses("no-such-host.invalid")) == []
 
 
-def test_a_registration_that_closes_at_once_backs_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_registration_that_closes_at_once_backs_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # The retry delay went back to 1 s after every link that opened, even one the controller closed at once.
     delays: list[float] = []
 
@@ -137,6 +137,9 @@ def test_a_registration_that_closes_at_once_backs_off(monkeypatch: pytest.Monkey
     service = AgentService.__new__(AgentService)
     service.membership = SimpleNamespace(controller_addresses=("127.0.0.1:1",), controller_id="c")  # type: ignore[assignment]
     service.files = None  # type: ignore[assignment]
+    from deskfleet.agent.paths import AgentPaths
+
+    service.paths = AgentPaths.resolve(tmp_path)
     monkeypatch.setattr(service_module, "open_link", opens)
     monkeypatch.setattr(service, "_registered", closed_at_once)
     monkeypatch.setattr(service_module.asyncio, "sleep", record)
@@ -240,6 +243,57 @@ def test_a_removed_pc_is_told_once_what_happened_and_how_to_serve_again(monkeypa
     assert given_up == ["this PC was removed from the fleet"] and "1 stage(s) released" in told[0]
     assert sleeps == [service_module.REMOVED_RETRY_S] * 4
     assert removed_seen(service.paths.state_dir) is not None  # for `resume`, which said the next plan may use it
+
+
+def test_a_refusal_for_a_clock_is_no_removal_and_a_registration_forgets_one(monkeypatch: pytest.MonkeyPatch,
+                                                                             tmp_path: Path) -> None:
+    # The controller's clock stepped back an hour and it refused this PC's certificate, issued half an hour before,
+    # as not valid yet (HTTP 403): the agent read every 403 as its removal, gave its stages up for good and wrote
+    # removed.json, and `deskfleet-agent pause` refused its user for good, though the next registration was taken.
+    from deskfleet.agent.enroll import note_removed, removed_seen
+    from deskfleet.agent.link import LinkRefused, TlsFiles
+    from deskfleet.agent.paths import AgentPaths
+
+    clock = LinkRefused("127.0.0.1:1 refused the link: HTTP 403 certificate is not valid before 2026-12-07T10:00:00 "
+                        "and the clock of the PC checking it says 2026-12-07T09:30:00: set that PC's clock right", 403)
+    attempts: list[int] = []
+
+    async def controller(*args: object, **kwargs: object) -> object:
+        attempts.append(1)
+        if len(attempts) <= 2:
+            raise clock
+        return SimpleNamespace()  # taken at the third
+
+    async def registered(link: object) -> None:
+        raise asyncio.CancelledError  # what the registration does after is not this test's
+
+    async def give_up_stages(because: str, for_good: bool = False) -> tuple[str, ...]:
+        raise AssertionError(f"stages given up: {because}")
+
+    sleeps: list[float] = []
+
+    async def record(delay: float) -> None:
+        sleeps.append(delay)
+
+    service = AgentService.__new__(AgentService)
+    service.membership = SimpleNamespace(controller_addresses=("127.0.0.1:1",), controller_id="c")  # type: ignore[assignment]
+    service.files = TlsFiles.in_folder(Path("/data/state"), "agent")  # nothing there: no expiry to blame
+    service.paths = AgentPaths.resolve(tmp_path)
+    service.paths.state_dir.mkdir(parents=True)
+    note_removed(service.paths.state_dir, "2026-12-01T00:00:00+00:00")  # an earlier run read a 403 so
+    service.core = SimpleNamespace(give_up_stages=give_up_stages)  # type: ignore[assignment]
+    service._registered = registered  # type: ignore[method-assign]
+    monkeypatch.setattr(service_module, "open_link", controller)
+    monkeypatch.setattr(service_module.asyncio, "sleep", record)
+    warned: list[str] = []
+    monkeypatch.setattr(service_module.log, "warning", lambda text, *args: warned.append(text % args))
+    monkeypatch.setattr(service_module.log, "error", lambda text, *args: pytest.fail(text % args))
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(service._register_forever())
+    assert len(attempts) == 3
+    assert sleeps == [service_module.RETRY_MIN_S, service_module.RETRY_MIN_S * 2]  # tried again as after an outage
+    assert len(warned) == 1 and "set that PC's clock right" in warned[0] and "removed" not in warned[0]
+    assert removed_seen(service.paths.state_dir) is None  # taken by the controller: no removed PC
 
 
 def test_a_background_check_that_raises_anything_does_not_stop_the_agent(monkeypatch: pytest.MonkeyPatch) -> None:
