@@ -240,8 +240,11 @@ def read_join_token(token_text: str) -> join_tokens.JoinToken:
         token = join_tokens.decode_join_token(token_text)
     except join_tokens.JoinTokenError as error:
         raise EnrollmentError(str(error)) from None
-    if token.is_expired(utc_now()):
-        raise EnrollmentError(f"the join token expired at {token.expires_at.isoformat()}: ask for a new one")
+    now = utc_now()
+    if token.is_expired(now):  # by this PC's clock, which may be the one that is wrong: it is said
+        raise EnrollmentError(f"the join token expired at {token.expires_at.isoformat(timespec='seconds')}, and this "
+                              f"PC's clock says {now.isoformat(timespec='seconds')}: ask for a new one (where this "
+                              "PC's clock is wrong, set it right: a new token would look expired too)")
     return token
 
 

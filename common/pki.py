@@ -160,6 +160,16 @@ def check_fleet_name(fleet_name: str) -> None:
                          f"certificate's organization name), got {len(fleet_name)}: {fleet_name[:40]!r}")
 
 
+def _days_after(now: datetime.datetime, days: int) -> datetime.datetime:
+    """`now` + `days`, or PkiError where that passes the year 9999 (`fleet init` raised an OverflowError's
+    traceback on a PC whose clock said 9990)."""
+    try:
+        return now + datetime.timedelta(days=days)
+    except OverflowError:
+        raise PkiError(f"a certificate valid {days} days from {now.date().isoformat()} would end past the year 9999: "
+                       "is this PC's clock right?") from None
+
+
 def create_fleet_ca(fleet_name: str, now: datetime.datetime, valid_days: int = 3650) -> FleetCa:
     """Make a new fleet CA (ECDSA P-256, self-signed, may sign leaf certificates only). ValueError for a name
     that is empty, blank or longer than X.509 lets an organization name be (64 characters)."""
@@ -173,7 +183,7 @@ def create_fleet_ca(fleet_name: str, now: datetime.datetime, valid_days: int = 3
         .subject_name(name).issuer_name(name).public_key(public)
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - _CLOCK_SKEW)
-        .not_valid_after(now + datetime.timedelta(days=valid_days))
+        .not_valid_after(_days_after(now, valid_days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False,
                                      key_encipherment=False, data_encipherment=False,
@@ -237,7 +247,7 @@ def sign_csr(ca: FleetCa, csr: x509.CertificateSigningRequest, now: datetime.dat
         .subject_name(subject).issuer_name(ca.certificate.subject).public_key(public)
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - _CLOCK_SKEW)
-        .not_valid_after(now + datetime.timedelta(days=valid_days))
+        .not_valid_after(_days_after(now, valid_days))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False,
                                      key_encipherment=False, data_encipherment=False,
@@ -269,15 +279,19 @@ def verify_certificate(certificate: x509.Certificate, ca_certificate: x509.Certi
         certificate.verify_directly_issued_by(ca_certificate)
     except (ValueError, TypeError, InvalidSignature):
         raise PkiError("certificate was not issued by this fleet's CA") from None
+    # a clock that runs ahead reads a certificate as expired: the date it goes by is said, where the advice (a new
+    # fleet, for the CA) would lose what a clock set right keeps
+    by_clock = (f" (by the clock of the PC checking it, which says {now.date().isoformat()}: where that clock is "
+                "wrong, set it right instead)")
     if now > ca_certificate.not_valid_after_utc:
         raise CertificateExpired(f"the fleet CA (fleet {fleet_id(ca_certificate)}) expired on "
-                                 f"{expiry_date(ca_certificate.not_valid_after_utc)}: {RENEW_CA}",
+                                 f"{expiry_date(ca_certificate.not_valid_after_utc)}: {RENEW_CA}{by_clock}",
                                  ca_certificate.not_valid_after_utc, is_ca=True)
     identity = certificate_identity(certificate)
     if now > identity.not_valid_after:
         advice = RENEW_CONTROLLER if identity.role is Role.CONTROLLER else RENEW_AGENT
         raise CertificateExpired(f"the certificate of {identity.role.value} {identity.agent_id[:12]} expired on "
-                                 f"{expiry_date(identity.not_valid_after)}: {advice}",
+                                 f"{expiry_date(identity.not_valid_after)}: {advice}{by_clock}",
                                  identity.not_valid_after, is_ca=False)
     if now < certificate.not_valid_before_utc or now < ca_certificate.not_valid_before_utc:
         begins = max(certificate.not_valid_before_utc, ca_certificate.not_valid_before_utc)

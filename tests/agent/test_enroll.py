@@ -109,3 +109,15 @@ def test_a_damaged_certificate_is_named_with_what_to_do(tmp_path: Path) -> None:
                                               "damaged; join the fleet again with a new token from its admin: "
                                               "`deskfleet-agent join TOKEN`"):
         enroll.check_credentials(files, membership, "deskfleet-agent join TOKEN")
+
+
+def test_a_token_expired_by_this_pcs_clock_says_what_the_clock_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A PC whose clock ran 2 h ahead refused every new 1-h token as expired, blaming the token alone
+    now = datetime.datetime(2026, 12, 7, 12, 0, tzinfo=datetime.UTC)
+    token = join_tokens.encode_join_token(join_tokens.JoinToken(("127.0.0.1:7341",), "0" * 64, join_tokens.new_secret(),
+                                                                now - datetime.timedelta(hours=1)))
+    monkeypatch.setattr(enroll, "utc_now", lambda: now)
+    with pytest.raises(EnrollmentError, match=r"^the join token expired at 2026-12-07T11:00:00\+00:00, and this PC's "
+                                              r"clock says 2026-12-07T12:00:00\+00:00: ask for a new one \(where this "
+                                              r"PC's clock is wrong, set it right"):
+        enroll.read_join_token(token)

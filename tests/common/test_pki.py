@@ -141,6 +141,10 @@ def test_an_expired_certificate_or_ca_is_named_with_its_day_and_the_fix(ca: pki.
     assert not expired.value.is_ca and expired.value.not_valid_after == NOW + datetime.timedelta(days=825)
     assert "certificate of controller" in str(expired.value) and "expired on 2028-06-03" in str(expired.value)
     assert "delete controller.pem" in str(expired.value)
+    # and the date the clock that judged it says: a controller's clock that ran ahead 830 days was told only to
+    # make its certificate again (and at 4,000 days to make the fleet anew)
+    assert str(expired.value).endswith(" (by the clock of the PC checking it, which says 2028-06-04: where that clock "
+                                       "is wrong, set it right instead)")
     short_ca = pki.create_fleet_ca("ACME office", NOW, valid_days=30)
     _, agent = enroll(short_ca)  # outlives its CA
     with pytest.raises(pki.CertificateExpired, match=r"fleet CA .* expired on 2026-03-31: .*fleet init --force") as old:
@@ -189,3 +193,10 @@ def test_a_fleet_name_x509_cannot_hold_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match=r"a fleet name must be 1 to 64 characters, not blank"):
         pki.create_fleet_ca(name, datetime.datetime.now(datetime.UTC))
     assert pki.create_fleet_ca("x" * 64, datetime.datetime.now(datetime.UTC)).certificate
+
+
+def test_a_clock_near_the_year_9999_is_named() -> None:
+    # `fleet init` on a PC whose clock said 9995 raised an OverflowError's traceback
+    with pytest.raises(pki.PkiError, match=r"valid 3650 days from 9995-01-01 would end past the year 9999: is this "
+                                           r"PC's clock right\?"):
+        pki.create_fleet_ca("test", datetime.datetime(9995, 1, 1, tzinfo=datetime.UTC))
