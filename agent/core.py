@@ -431,7 +431,7 @@ class AgentCore:
         if snapshot.state is AgentState.PAUSED or (snapshot.state is AgentState.UNAVAILABLE and not self.stages):
             self.call_in.went_away()
         return replace(snapshot.to_wire(), weight_gb_per_s=speed, devices=await self._reported_devices(),
-                       shard_room_bytes=self.cache.room_for_new_bytes())
+                       shard_room_bytes=self.cache.room_for_new_bytes(), clock_s=time.time())
 
     async def _reported_devices(self) -> tuple[str, ...]:
         """The devices OpenVINO finds, asked once (off the event loop); () when the probe failed or listed names

@@ -35,7 +35,8 @@ from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, che
 # Forward.keep_sources (an admitted row's source micro-batch kept: a prefix cache's entry); 12: Forward.adjust
 # (presence and frequency penalties, logit bias), CopyRow and Forward.copy_into (a finished row's state kept); 13:
 # Forward.copies_dropped and ForwardResult.copies_dropped (a stage short of memory for a step's copies makes none);
-# 14: StatusReport.shard_room_bytes (a plan leaves out a PC whose shard cache has no room for a stage)
+# 14: StatusReport.shard_room_bytes (a plan leaves out a PC whose shard cache has no room for a stage) and
+# StatusReport.clock_s (`fleet ls` warns of a PC whose clock is off the controller's)
 PROTOCOL_VERSION = 14
 MAX_STATUS_DETAIL = 500
 MAX_DEVICES = 32  # a StatusReport's devices
@@ -509,6 +510,9 @@ class StatusReport:
     # the bytes of new shards its shard cache could take now (agent/shard_cache.py room_for_new_bytes: its limit or
     # its disk's free space less the disk's floor, less what its hosted stages pin); None: not known
     shard_room_bytes: int | None = None
+    # the PC's wall clock as it made the report (seconds since the epoch): every PC judges certificates by its own, and
+    # one off the others' by minutes refuses their newest ones; None: not known
+    clock_s: float | None = None
 
     def __post_init__(self) -> None:
         check_devices(self.devices)
@@ -520,6 +524,8 @@ class StatusReport:
         _non_negative("free_memory_bytes", self.free_memory_bytes)
         if self.shard_room_bytes is not None:
             _non_negative("shard_room_bytes", self.shard_room_bytes)
+        _require(self.clock_s is None or 0.0 <= self.clock_s < 253402300800.0,  # before the year 10000
+                 f"clock_s {self.clock_s} is not a time since the epoch")
         _require(self.weight_gb_per_s is None or 0.0 < self.weight_gb_per_s < 1e5,
                  f"weight_gb_per_s {self.weight_gb_per_s} is not a plausible speed")
         _fraction("cpu_load", self.cpu_load)

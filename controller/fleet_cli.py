@@ -354,7 +354,7 @@ def _survey_options(args: argparse.Namespace) -> Any:
 def _ls(args: argparse.Namespace) -> int:
     from deskfleet.agent.link import utc_now
     from deskfleet.controller.fleet_deploy import DeployError, undeployed_stages, unhosted_stages
-    from deskfleet.controller.fleet_survey import NEVER_REGISTERED, expiry_warnings, survey
+    from deskfleet.controller.fleet_survey import NEVER_REGISTERED, clock_warnings, expiry_warnings, survey
 
     store = _store(args)
 
@@ -364,7 +364,9 @@ def _ls(args: argparse.Namespace) -> int:
         return found.agents
 
     agents = event_loop.run(run())
-    warnings = [f"warning: {line}" for line in expiry_warnings(agents, store.tls_files, utc_now())]
+    now = utc_now()
+    warnings = [f"warning: {line}" for line in (*expiry_warnings(agents, store.tls_files, now),
+                                                   *clock_warnings(agents, now.timestamp()))]
     # without `fleet serve` agents cannot register, nor new PCs join: said whatever the list shows (it was said only
     # where a PC was listed as never having called in, so an admin whose PCs all answered did not learn that the
     # next join would fail)
@@ -551,6 +553,8 @@ def _agent_json(agent: Any, undeployed: dict[str, list[Any]] | None = None) -> d
             "free_memory_bytes": report.free_memory_bytes if report else None,
             # the bytes of new shard files its shard cache can take; null: not reported (an older agent)
             "shard_room_bytes": report.shard_room_bytes if report else None,
+            # its wall clock as it reported (seconds since the epoch); null: not reported (an older agent)
+            "clock_s": report.clock_s if report else None,
             "reasons": [reason.value for reason in report.reasons] if report else [],
             "detail": report.detail if report else "",
             "devices": list(report.devices) if report else [],  # what OpenVINO finds there; []: not reported

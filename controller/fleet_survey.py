@@ -205,6 +205,31 @@ def expiry_warnings(agents: list[AgentView], files: TlsFiles, now: datetime.date
     return lines
 
 
+# A PC whose clock is this far off the controller's is warned of: a certificate is valid from 5 minutes before it was
+# issued (pki._CLOCK_SKEW), so one behind by more refuses the certificates of PCs that joined within the difference,
+# and one ahead by more has its own refused by the others until then
+CLOCK_WARNING_S = 300.0
+
+
+def clock_warnings(agents: list[AgentView], now_s: float) -> list[str]:
+    """A line for every agent whose reported clock (StatusReport.clock_s) is CLOCK_WARNING_S or more off `now_s`,
+    the controller's clock as the list is shown (a survey takes seconds: minutes are what count)."""
+    lines = []
+    for agent in agents:
+        clock = agent.report.clock_s if agent.report is not None else None
+        if clock is None or agent.agent_id is None or abs(clock - now_s) < CLOCK_WARNING_S:
+            continue
+        off = abs(clock - now_s)
+        amount = f"{off / 86400:.1f} days" if off >= 86400 else f"{off / 3600:.1f} h" if off >= 3600 else \
+            f"{off / 60:.0f} min"
+        side = "behind" if clock < now_s else "ahead of"
+        lines.append(f"agent {agent.agent_id[:12]} ({agent.hostname})'s clock is {amount} {side} this controller's: "
+                     "every PC judges certificates by its own clock, so links between it and PCs that joined within "
+                     "that time (or the fleet, where it is ahead) are refused as not valid yet; set the wrong clock "
+                     "right (NTP)")
+    return lines
+
+
 def dials_at_once() -> int:
     """MAX_DIALS_AT_ONCE, or a quarter of this process's file handles where that is fewer (macOS gives a
     shell's processes 256), at least 16."""

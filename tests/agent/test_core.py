@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import cast
@@ -434,6 +435,7 @@ def test_status_carries_the_shard_caches_room_for_new_shards(core: AgentCore) ->
     report = handle(core, Role.CONTROLLER, StatusRequest())
     assert isinstance(report, StatusReport)
     assert report.shard_room_bytes == core.cache.room_for_new_bytes() > 0
+    assert report.clock_s is not None and abs(report.clock_s - time.time()) < 60  # its clock, for `fleet ls`
     core.cache.limit_bytes = 1000  # an admin's cache_limit_bytes of 1000 (the cache is empty)
     report = handle(core, Role.CONTROLLER, StatusRequest())
     assert isinstance(report, StatusReport) and report.shard_room_bytes == 1000

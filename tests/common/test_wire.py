@@ -94,7 +94,8 @@ def all_messages() -> list[wire.Message]:
         StatusReport(AgentState.SERVING, 8 << 30, 0.25, 80.0, False, 61.5, None, (STAGE,), None),
         StatusReport(AgentState.PAUSED, 0, 1.0, None, None, None, 0.5, (), "compile failed"),
         StatusReport(AgentState.AVAILABLE, 1, 0.0, None, None, None, None, (), None, devices=("CPU", "GPU.0", "NPU")),
-        StatusReport(AgentState.AVAILABLE, 1, 0.0, None, None, None, None, (), None, shard_room_bytes=50 << 30),
+        StatusReport(AgentState.AVAILABLE, 1, 0.0, None, None, None, None, (), None, shard_room_bytes=50 << 30,
+                     clock_s=1_800_000_000.25),
         AssignStage(STAGE, False, True, "GPU", Precision.F32, NextHop("[fe80::1]:7443", AGENT),
                     (ManifestEntry("layer_004.xml", SHA, 1234), ManifestEntry("layer_004.bin", SHA, 0)),
                     previous_agent_id=AGENT),
@@ -249,6 +250,8 @@ def test_same_message_tells_tensors_apart() -> None:
      "devices"),
     (lambda: StatusReport(AgentState.AVAILABLE, 1, 0.5, None, None, None, None, (), None, shard_room_bytes=-1),
      "shard_room_bytes must be >= 0"),
+    (lambda: StatusReport(AgentState.AVAILABLE, 1, 0.5, None, None, None, None, (), None, clock_s=-1.0), "clock_s"),
+    (lambda: StatusReport(AgentState.AVAILABLE, 1, 0.5, None, None, None, None, (), None, clock_s=1e12), "clock_s"),
     (lambda: StatusReport(AgentState.AVAILABLE, 1, 0.5, None, None, None, None, (), None, devices=("CPU",) * 33),
      "devices"),
 ])

@@ -102,3 +102,27 @@ def test_expiry_warnings_name_the_fleet_ca_and_fleet_init_force(tmp_path: Path) 
                         "nothing renews it; before then make a new fleet with `deskfleet fleet init --force` and join "
                         "every PC to it again with a new token")
     assert len(lines) == 2  # an agent no link reached shows no date
+
+
+def test_fleet_ls_warns_of_a_pc_whose_clock_is_minutes_off_the_controllers() -> None:
+    # A PC whose clock was an hour behind refused the certificates of the PCs that joined within that hour: `fleet
+    # ls` showed it available, and the first generation failed over twice and left it out for a "broken link"
+    from types import SimpleNamespace
+
+    from deskfleet.controller.fleet_survey import clock_warnings
+
+    now = 1_800_000_000.0
+
+    def pc(hostname: str, clock: float | None) -> AgentView:
+        return AgentView(hostname[-1] * 52, hostname, "10.0.0.1:7431", ("registration",),
+                         SimpleNamespace(clock_s=clock), None)  # type: ignore[arg-type]
+
+    agents = [pc("pc-a", now - 3_700), pc("pc-b", now + 2.5 * 86_400), pc("pc-c", now - 120), pc("pc-d", None),
+              pc("pc-e", now + 299)]
+    assert clock_warnings(agents, now) == [
+        "agent aaaaaaaaaaaa (pc-a)'s clock is 1.0 h behind this controller's: every PC judges certificates by its own "
+        "clock, so links between it and PCs that joined within that time (or the fleet, where it is ahead) are "
+        "refused as not valid yet; set the wrong clock right (NTP)",
+        "agent bbbbbbbbbbbb (pc-b)'s clock is 2.5 days ahead of this controller's: every PC judges certificates by its "
+        "own clock, so links between it and PCs that joined within that time (or the fleet, where it is ahead) are "
+        "refused as not valid yet; set the wrong clock right (NTP)"]

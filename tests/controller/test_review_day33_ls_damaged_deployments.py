@@ -21,7 +21,7 @@ AGENT = "a" * 52
 
 def _fake_survey(monkeypatch: pytest.MonkeyPatch) -> None:
     report = SimpleNamespace(state=AgentState.SERVING, free_memory_bytes=8 << 30,
-                             shard_room_bytes=None, reasons=(), detail="",
+                             shard_room_bytes=None, clock_s=None, reasons=(), detail="",
                              stages=(StageRef("m@1", 0, 4),), weight_gb_per_s=None)
     agent = SimpleNamespace(agent_id=AGENT, hostname="pc-bob", address="10.0.0.2:7431", sources=("registration",),
                             report=report, problem=None, certificate_expires=None, version="1")

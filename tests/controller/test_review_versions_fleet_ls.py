@@ -118,7 +118,7 @@ def test_the_free_column_is_in_gib_as_the_limits_beside_it(capsys: pytest.Captur
     from deskfleet.common.agent_state import AgentState
 
     report = SimpleNamespace(state=AgentState.AVAILABLE, free_memory_bytes=8 << 30, stages=(), reasons=(), detail="",
-                             shard_room_bytes=3 << 29)
+                             shard_room_bytes=3 << 29, clock_s=None)
     agent = SimpleNamespace(agent_id="a" * 52, hostname="pc-ann", address="10.0.0.5:7341", report=report,
                             sources=("registered",), problem=None, version="1.0")
     _print_agents([agent])
