@@ -280,9 +280,9 @@ def test_when_memory_is_tight_another_chain_order_fits() -> None:
     assert "no split into contiguous layer ranges" in plan(model, [fast, slow], budget).problems[0]
 
 
-def _brute_force_pace(model: ModelFootprint, agents: list[AgentCandidate], any_order: bool = False) -> float | None:
+def brute_force_pace(model: ModelFootprint, agents: list[AgentCandidate], any_order: bool = False) -> float | None:
     """The best slowest-stage time over every contiguous split, agents in the planner's chain order (fastest
-    first) or, any_order, in every order."""
+    first) or, any_order, in every order, each stage within its PC's free memory and shard-cache room."""
     ordered = sorted(agents, key=lambda a: (-a.speed, a.agent_id))
     best: float | None = None
     layers = model.num_layers
@@ -296,8 +296,9 @@ def _brute_force_pace(model: ModelFootprint, agents: list[AgentCandidate], any_o
                 times = []
                 for agent, (start, stop) in zip(subset, itertools.pairwise(bounds), strict=True):
                     weights = sum(model.layer_bytes[start:stop]) + (model.head_bytes if stop == layers else 0)
-                    memory = weights + (model.embed_bytes if start == 0 else 0)
-                    if memory > usable_bytes(agent, NO_MARGIN):
+                    memory = weights + (model.embed_bytes if start == 0 else 0)  # the files too, as weights stand
+                    if memory > usable_bytes(agent, NO_MARGIN) or \
+                            (agent.disk_room_bytes is not None and memory > agent.disk_room_bytes):
                         break
                     times.append(weights / agent.speed)
                 else:
@@ -322,7 +323,7 @@ def test_split_is_valid_and_as_fast_as_brute_force(layer_sizes: list[int], embed
     check_well_formed(result, agents, ALL)
     # The fastest split in any order: a small fleet's every order is tried, also where the order by speed fits (a
     # chain that ends on the fastest PC, which takes the head, can be faster)
-    expected = _brute_force_pace(model, agents, any_order=True)
+    expected = brute_force_pace(model, agents, any_order=True)
     if expected is None:
         assert not result.feasible
     else:

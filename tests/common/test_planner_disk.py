@@ -24,6 +24,7 @@ from deskfleet.common.planner import (
     PlanPolicy,
     plan,
 )
+from tests.common.test_planner import brute_force_pace
 
 NO_MARGIN = PlanOptions(margin_fraction=0.0, margin_min_bytes=0, stage_overhead_bytes=0)
 ALL = replace(NO_MARGIN, policy=PlanPolicy.ALL_BY_SPEED, hop_cost=0.0)
@@ -85,30 +86,6 @@ def test_a_pc_that_reports_no_room_is_not_checked() -> None:
     assert result.feasible and result.stages[0].agent_id == "old"
 
 
-def _brute_force_pace(model: ModelFootprint, agents: list[AgentCandidate]) -> float | None:
-    """The best slowest-stage time over every contiguous split in every order, each stage's memory and files
-    within its PC's free memory and room."""
-    best: float | None = None
-    layers = model.num_layers
-    for used in range(1, len(agents) + 1):
-        for subset in itertools.chain.from_iterable(itertools.permutations(chosen)
-                                                    for chosen in itertools.combinations(agents, used)):
-            for cuts in itertools.combinations(range(1, layers), used - 1):
-                bounds = (0, *cuts, layers)
-                times = []
-                for agent, (start, stop) in zip(subset, itertools.pairwise(bounds), strict=True):
-                    work = sum(model.layer_bytes[start:stop]) + (model.head_bytes if stop == layers else 0)
-                    files = work + (model.embed_bytes if start == 0 else 0)
-                    if files > agent.free_memory_bytes or \
-                            (agent.disk_room_bytes is not None and files > agent.disk_room_bytes):
-                        break
-                    times.append(work / agent.speed)
-                else:
-                    pace = max(times)
-                    best = pace if best is None else min(best, pace)
-    return best
-
-
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(
     layer_sizes=st.lists(st.integers(1, 5), min_size=1, max_size=6),
@@ -130,7 +107,7 @@ def test_every_stage_fits_its_pcs_room_and_the_split_is_the_fastest_that_does(
     named = [s.agent_id for s in result.stages] + [e.agent_id for e in result.exclusions] + \
         ([agent_id for agent_id, _ in result.usable] if not result.feasible else [])
     assert sorted(named) == sorted(by_id)  # each PC: used or explained, once
-    expected = _brute_force_pace(model, agents)
+    expected = brute_force_pace(model, agents, any_order=True)
     assert result.feasible == (expected is not None)
     if expected is not None:
         assert max(s.relative_time for s in result.stages) == expected
