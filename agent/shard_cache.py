@@ -123,6 +123,7 @@ class ShardCache:
         self._lock = threading.RLock()  # see the module's docstring: eviction against builds in worker threads
         self._building: set[str] = set()  # view staging folders being filled: eviction leaves them alone
         self._hold_ids = itertools.count(1)
+        self._last_mark: float | None = None  # the time _touch last marked a file used (see _newest_mark)
         for folder in (self._blobs, self._partials, self._views):
             folder.mkdir(parents=True, exist_ok=True)
 
@@ -516,11 +517,22 @@ class ShardCache:
         """Mark a file used now (eviction takes the least recently used first). Best effort: on a cache that cannot
         be written (a read-only disk) this failed first, with a bare errno; what must write there (a shard
         received, a stage's folder) is refused instead, naming the cache and its fix."""
-        now = self._clock()
+        # newer than every mark before, whatever the clock did: a clock stepped back an hour made the shard in use
+        # the oldest, and the next eviction took it instead of one unused for an hour (a clock that ran ahead and was
+        # set right, the other way round)
+        now = max(self._clock(), self._newest_mark() + 0.001)
+        self._last_mark = now
         try:
             os.utime(path, (now, now))
         except OSError as error:
             logger.debug("cannot mark %s used: %s", path, error)
+
+    def _newest_mark(self) -> float:
+        """The latest time a file was marked used: this process's last mark, or at first the newest file's."""
+        if self._last_mark is None:
+            self._last_mark = max((entry.stat().st_mtime for entry in (*os.scandir(self._blobs),
+                                                                        *os.scandir(self._partials))), default=0.0)
+        return self._last_mark
 
     def _make_room(self, needed: int, keep: str) -> None:
         room = self._room()

@@ -335,3 +335,34 @@ def test_the_room_for_new_shards_counts_unpinned_shards_as_room_and_takes_off_pi
     cache.unpin("next")
     with pytest.raises(CacheFull):
         cache.reserve("next", {blob(47, 3_001)[1]: 3_001})
+
+
+@pytest.mark.parametrize("step", [-3600.0, 86_400.0])
+def test_a_stepped_clock_leaves_the_least_recently_used_order_as_the_uses_were(tmp_path: Path, step: float) -> None:
+    # A clock stepped back an hour marked the shard used now older than one unused for an hour, and the next eviction
+    # took the shard in use (from an exploratory test of clocks); a clock that ran a day ahead, the other way round.
+    clock = FakeClock(1_000_000.0, tick=1.0)
+    cache = ShardCache(tmp_path, 3000, clock)
+    shards = [blob(30 + index, 1000) for index in range(3)]
+    for data, sha in shards:
+        fill(cache, data, sha)
+    if step > 0:
+        clock.now += step  # shard 0 used while the clock runs ahead...
+        cache.path(shards[0][1])
+        clock.now -= step  # ...then the clock is set right, and shard 1 used
+        cache.path(shards[1][1])
+    else:
+        cache.path(shards[1][1])  # shard 1 used, then the clock steps back, and shard 0 used
+        clock.now += step
+        cache.path(shards[0][1])
+    used_last = shards[1][1] if step > 0 else shards[0][1]
+    data, sha = blob(40, 1000)
+    fill(cache, data, sha)  # evicts one: shard 2, the least recently used, whatever the clock said
+    assert not cache.has(shards[2][1]) and cache.has(shards[0][1]) and cache.has(shards[1][1])
+    fill(cache, *blob(41, 1000))  # and next the one used first of the two
+    assert cache.has(used_last) and cache.has(sha)
+    # a cache opened again goes on from its newest file's mark
+    again = ShardCache(tmp_path, 3000, FakeClock(1_000_000.0 - 7200, tick=1.0))
+    again.path(used_last)
+    fill(again, *blob(42, 1000))
+    assert again.has(used_last)
