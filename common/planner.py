@@ -29,6 +29,8 @@ and where the plugin runs them in place, the part it repacks besides; controller
 times the model's `kv_growth` (the CPU plugin grows a cache by doubling it: up to 2x its tokens' bytes), the
 scratch its largest prefill leaves held (`prefill_bytes_per_token` for `streams` prompts of the whole context:
 the engine sends a prompt in one call, and prompts that arrive together as one call) and the runtime overhead.
+A stage's files (ModelFootprint.sent_files), less those its agent's hosted stages hold, must also fit the room its
+agent's shard cache reports (`disk_room_bytes`), where it reports one.
 """
 
 from __future__ import annotations
