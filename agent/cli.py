@@ -214,11 +214,10 @@ def _settle_command_options(parser: argparse.ArgumentParser, args: argparse.Name
 
 
 def _join(args: argparse.Namespace) -> int:
-    import contextlib
 
     from deskfleet.agent.enroll import EnrollmentError, Membership, join, read_join_token
     from deskfleet.agent.paths import AgentPaths
-    from deskfleet.agent.service import LOCK_FILE
+    from deskfleet.agent.service import JOIN_HOLDER, LOCK_FILE
     from deskfleet.common import event_loop
     from deskfleet.common.file_lock import pid_lock
 
@@ -231,11 +230,20 @@ def _join(args: argparse.Namespace) -> int:
     except EnrollmentError:
         before = None
     # While an agent runs on this data dir its state must not change under it (it went on in the old fleet's limbo);
-    # none can start meanwhile. A data dir that never joined has no state folder, and no agent.
-    held = pid_lock(paths.state_dir / LOCK_FILE, lambda pid: EnrollmentError(
-        f"an agent runs on {root} (pid {pid}): stop it, join, then start it again")) \
-        if paths.state_dir.is_dir() else contextlib.nullcontext()
-    with held:
+    # none can start meanwhile, nor another join: joins at once on a fresh data dir each made a key, each spent a use
+    # of the token, and left the last key beside another's certificate
+    def refusal(pid: str, holder: str) -> EnrollmentError:
+        if holder == JOIN_HOLDER:
+            return EnrollmentError(f"another `deskfleet-agent join` runs on {root} (pid {pid}): one join at a time; "
+                                   "let it finish")
+        return EnrollmentError(f"an agent runs on {root} (pid {pid}): stop it, join, then start it again")
+
+    try:
+        paths.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # as join makes it: it holds the key
+    except OSError as error:
+        raise OSError(error.errno, f"cannot make the state folder {paths.state_dir}: {error.strerror or error}") \
+            from None
+    with pid_lock(paths.state_dir / LOCK_FILE, refusal, JOIN_HOLDER):
         # the settings and cache folders only once joined: a failed join leaves only the state folder's key, which
         # a retry reuses (the same agent id, where the controller registered the first attempt but its answer was
         # lost)

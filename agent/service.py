@@ -69,7 +69,8 @@ RETRY_MAX_S = 30.0
 # 30 s, for as long as the PC ran): only a controller restored from a backup older than the removal lets it back in.
 REMOVED_RETRY_S = 3600.0
 REGISTERED_STABLE_S = 30.0  # a controller link that lasted this long resets the retry delay
-LOCK_FILE = "agent.lock"  # in the state folder: one agent per data dir
+LOCK_FILE = "agent.lock"  # in the state folder: one agent, or one join, per data dir
+AGENT_HOLDER, JOIN_HOLDER = "agent", "join"  # what holds it, written in it for the next comer's message
 REVOCATIONS_FILE = "revoked.json"  # in the state folder: the controller's last list of removed agents
 ADVERTISE_REFRESH_S = 10.0
 # While no address of the membership answers, `fleet serve`'s mDNS announcement is looked for at most this often
@@ -248,8 +249,14 @@ class AgentService:
         """Hold the state folder's lock while serving: a second agent on the same data dir (same identity,
         cache and state) refuses to start instead of taking turns with the first at the controller."""
         path = self.paths.state_dir / LOCK_FILE
-        with pid_lock(path, lambda pid: OSError(f"{self.paths.state_dir} is in use by another agent (pid {pid}): stop "
-                                                 "it, or give this one a --data-dir of its own")):
+        def refusal(pid: str, holder: str) -> OSError:
+            if holder == JOIN_HOLDER:
+                return OSError(f"a `deskfleet-agent join` runs on {self.paths.state_dir} (pid {pid}): start the agent "
+                               "once it has finished")
+            return OSError(f"{self.paths.state_dir} is in use by another agent (pid {pid}): stop it, or give this one "
+                           "a --data-dir of its own")
+
+        with pid_lock(path, refusal, AGENT_HOLDER):
             yield
 
     async def _advertise_forever(self, host: str) -> None:

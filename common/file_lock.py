@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -66,10 +67,11 @@ else:
 
 
 @contextlib.contextmanager
-def pid_lock(path: Path, refusal: Callable[[str], Exception]) -> Iterator[None]:
-    """Hold the lock on `path`'s first byte while the block runs, this process's pid written after it (for the
-    next comer's message); raise refusal(the holder's pid, or "unknown") at once when another process holds it.
-    One agent per data dir, one `fleet serve` or deploy per controller data dir.
+def pid_lock(path: Path, refusal: Callable[[str, str], Exception], holder: str = "") -> Iterator[None]:
+    """Hold the lock on `path`'s first byte while the block runs, this process's pid and `holder` (what holds it:
+    "fleet serve", "join"; one line, no secret) written after it for the next comer's message; raise
+    refusal(the holder's pid or "unknown", what holds it or "") at once when another process holds it. One agent
+    per data dir, one `fleet serve` or deploy per controller data dir.
 
     A lock file that cannot be opened (created on a full disk, say) is named in the OSError; a pid that cannot
     be written into it (the disk is full) is left out, logged: the lock holds all the same, and the next comer
@@ -84,11 +86,11 @@ def pid_lock(path: Path, refusal: Callable[[str], Exception]) -> Iterator[None]:
         raise OSError(error.errno, f"cannot open the lock file {path}: {error.strerror or error}") from None
     with handle:
         if not try_lock_file(handle.fileno()):
-            raise refusal(_holder(handle))
+            raise refusal(*_holder(handle))
         try:
             handle.seek(0)
             handle.truncate()
-            handle.write(f"\n{os.getpid()}".encode("ascii"))
+            handle.write(f"\n{os.getpid()} {holder}".rstrip().encode("utf-8"))
         except OSError as error:
             log.warning("cannot write this process's id into %s (%s): the lock holds without it", path,
                         error.strerror or error)
@@ -103,10 +105,22 @@ def _not_through_a_link(path: str, flags: int) -> int:
     return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o600)
 
 
-def _holder(handle: BinaryIO) -> str:
-    """The pid a lock holder wrote after the locked first byte, or "unknown"."""
-    try:
-        handle.seek(1)
-        return handle.read().decode("ascii", "replace").strip() or "unknown"
-    except OSError:
-        return "unknown"
+HOLDER_WAIT_S = 0.2  # how long a refused comer waits for a holder that has the lock to write who it is
+
+
+def _holder(handle: BinaryIO) -> tuple[str, str]:
+    """(the pid, what holds it) a lock holder wrote after the locked first byte; ("unknown", "") where it wrote
+    nothing. A holder that took the lock an instant ago writes a moment later: the file is read again for
+    HOLDER_WAIT_S (four `fleet serve` started at once: one was told "pid unknown")."""
+    deadline = time.monotonic() + HOLDER_WAIT_S
+    while True:
+        try:
+            handle.seek(1)
+            text = handle.read().decode("utf-8", "replace").strip()
+        except OSError:
+            text = ""
+        if text or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
+    pid, _, what = text.partition(" ")
+    return pid or "unknown", what

@@ -39,7 +39,7 @@ def driving(store: FleetStore, model_id: str) -> Iterator[None]:
         held.callback(_remove, path)  # after the lock is let go of: Windows removes no file that is open
         try:
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            held.enter_context(pid_lock(path, lambda pid: OSError(f"{path} is held by pid {pid}")))
+            held.enter_context(pid_lock(path, lambda pid, holder: OSError(f"{path} is held by pid {pid}")))
         except OSError as error:
             log.debug("this run is not counted among the runs driving %s: %s", model_id, error)
         yield

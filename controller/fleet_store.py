@@ -58,6 +58,9 @@ _FIXES = {
 }
 DEPLOY_LOCK = ".deploy.lock"
 SERVE_LOCK = ".serve.lock"
+# what holds a lock, written in it for the next comer's message (`fleet init --force` holds both: a deploy or serve it
+# refused was told a `fleet serve` or a deploy held them)
+SERVE_HOLDER, DEPLOY_HOLDER, REPLACE_HOLDER, LOOK_HOLDER = "fleet serve", "deploy", "fleet init --force", "look"
 DEFAULT_PORT = 7341
 MIN_ID_PREFIX = 4  # characters of an agent id that `fleet remove` takes as a prefix of it
 # The hostname of an agent the roster never saw join (one that joined a controller restored from an older backup
@@ -276,8 +279,9 @@ class FleetStore:
         """Hold the data dir's deploy lock for a whole deploy (a failover's too), or raise FleetStoreError naming
         the pid of the deploy that holds it. Two at once pushed the same shards to an agent in interleaved
         chunks, and both failed ("chunk at offset 0 is out of order")."""
-        return self._held(DEPLOY_LOCK, lambda pid: f"another deploy from {self.data_dir} is running (pid {pid}): "
-                                                   "let it finish, then deploy again")
+        return self._held(DEPLOY_LOCK, DEPLOY_HOLDER, lambda pid, holder: self._replacing_now(pid, holder, "deploy") or
+                          f"another deploy from {self.data_dir} is running (pid {pid}): let it finish, then deploy "
+                          "again")
 
     def deploy_under_way(self) -> bool:
         """Whether a deploy (an admin's, or a run's re-plan) holds the data dir's deploy lock now, found by taking it
@@ -292,8 +296,9 @@ class FleetStore:
         """Hold the data dir's serve lock while `fleet serve` runs, or raise FleetStoreError naming the pid of
         the serve that holds it. Two serves of one data dir (on two ports) both wrote the roster and told the
         agents of removals, each unaware of the other."""
-        return self._held(SERVE_LOCK, lambda pid: f"{self.data_dir} is served already by `deskfleet fleet serve` "
-                                                  f"(pid {pid}): stop that one first, or serve another data dir")
+        return self._held(SERVE_LOCK, SERVE_HOLDER, lambda pid, holder: self._replacing_now(pid, holder, "serve it") or
+                          f"{self.data_dir} is served already by `deskfleet fleet serve` (pid {pid}): stop that one "
+                          "first, or serve another data dir")
 
     def served(self) -> bool | None:
         """Whether a `fleet serve` runs on this data dir, found by taking its serve lock for an instant (a serve
@@ -301,7 +306,7 @@ class FleetStore:
         cannot be opened (a read-only data dir, a folder in its place): a warning's question, which failed `fleet ls`
         there, and `fleet token` after it had printed a token its ledger holds."""
         try:
-            with self._held(SERVE_LOCK, lambda pid: pid):
+            with self._held(SERVE_LOCK, LOOK_HOLDER, lambda pid, holder: pid):
                 return False
         except FleetStoreError:
             return True
@@ -313,11 +318,22 @@ class FleetStore:
     def replacing(self) -> Iterator[None]:
         """Hold the serve and deploy locks while `fleet init --force` replaces the fleet, or raise FleetStoreError
         naming the pid of the serve or deploy that runs on it (which would go on with the old CA and keys)."""
-        with self._held(SERVE_LOCK, lambda pid: f"{self.data_dir} is served by `deskfleet fleet serve` (pid {pid}): "
-                                                "stop it before replacing its fleet, then serve the new one"), \
-                self._held(DEPLOY_LOCK, lambda pid: f"a deploy from {self.data_dir} is running (pid {pid}): let it "
-                                                    "finish before replacing its fleet"):
+        with self._held(SERVE_LOCK, REPLACE_HOLDER, lambda pid, holder: self._replacing_now(pid, holder, "") or
+                        f"{self.data_dir} is served by `deskfleet fleet serve` (pid {pid}): stop it before replacing "
+                        "its fleet, then serve the new one"), \
+                self._held(DEPLOY_LOCK, REPLACE_HOLDER, lambda pid, holder: self._replacing_now(pid, holder, "") or
+                           f"a deploy from {self.data_dir} is running (pid {pid}): let it finish before replacing its "
+                           "fleet"):
             yield
+
+    def _replacing_now(self, pid: str, holder: str, then: str) -> str:
+        """The refusal where the lock's holder is a `fleet init --force` (`then`: what to do once it has finished;
+        "": another replacement, which has nothing to add); "" where it is not."""
+        if holder != REPLACE_HOLDER:
+            return ""
+        return (f"`deskfleet fleet init --force` is replacing the fleet of {self.data_dir} (pid {pid}): "
+                + (f"{then} once it has finished (every agent must join the new fleet)" if then else
+                   "one replacement at a time"))
 
     # Public methods: the roster
 
@@ -383,11 +399,12 @@ class FleetStore:
     # Private methods
 
     @contextlib.contextmanager
-    def _held(self, name: str, refusal: Callable[[str], str]) -> Iterator[None]:
-        """Hold the lock file `name` in the data dir, writing this process's pid after the locked first byte;
-        FleetStoreError(refusal(the holder's pid)) at once when another process holds it."""
+    def _held(self, name: str, holder: str, refusal: Callable[[str, str], str]) -> Iterator[None]:
+        """Hold the lock file `name` in the data dir, writing this process's pid and `holder` (what holds it) after
+        the locked first byte; FleetStoreError(refusal(the holder's pid, what holds it)) at once when another process
+        holds it."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        with pid_lock(self.data_dir / name, lambda pid: FleetStoreError(refusal(pid))):
+        with pid_lock(self.data_dir / name, lambda pid, other: FleetStoreError(refusal(pid, other)), holder):
             yield
 
     def _warn_if_others_can_read(self) -> None:

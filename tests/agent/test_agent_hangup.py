@@ -54,7 +54,7 @@ def test_sighup_stops_the_agent_cleanly(tmp_path: Path) -> None:
     text = log.read_text(errors="replace")
     assert " stopped" in text.splitlines()[-1], text
     with pid_lock(AgentPaths.resolve(tmp_path / "agent").state_dir / LOCK_FILE,
-                  lambda pid: AssertionError(f"the agent's lock is still held, by {pid}")):
+                  lambda pid, holder: AssertionError(f"the agent's lock is still held, by {pid}")):
         pass
 
 

@@ -56,7 +56,8 @@ def test_a_failed_join_makes_no_settings_or_cache_folder(tmp_path: Path, capsys:
     assert cli.main(["--data-dir", str(data), "join", _token(address)]) == 2
     assert f"could not join: {address}" in capsys.readouterr().err
     assert sorted(path.name for path in data.iterdir()) == ["state"]
-    assert [path.name for path in (data / "state").iterdir()] == ["agent-key.pem"]  # kept: a retry keeps its agent id
+    # the key kept (a retry keeps its agent id), and the lock that keeps one join (or agent) at a time on it
+    assert sorted(path.name for path in (data / "state").iterdir()) == ["agent-key.pem", "agent.lock"]
 
 
 def _token(address: str) -> str:
@@ -89,6 +90,25 @@ def test_a_join_while_the_agent_runs_is_refused_naming_its_pid(tmp_path: Path,
         assert cli.main(["--data-dir", str(tmp_path), "join", _token(f"127.0.0.1:{free_port()}")]) == 2
     assert f"an agent runs on {tmp_path} (pid {os.getpid()}): stop it, join, then start it again" in \
         capsys.readouterr().err
+
+
+def test_a_join_while_another_join_runs_on_the_data_dir_is_refused_as_such(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    # joins at once on a fresh data dir each made a key and spent a use of the token, and the last key was left beside
+    # another's certificate: the lock was taken only where the state folder was there already
+    from deskfleet.agent.service import JOIN_HOLDER, LOCK_FILE
+    from deskfleet.common.file_lock import pid_lock
+
+    fresh = tmp_path / "fresh"
+    assert cli.main(["--data-dir", str(fresh), "join", _token(f"127.0.0.1:{free_port()}")]) == 2  # nobody answers
+    assert (fresh / "state" / LOCK_FILE).is_file()  # the first try locked the data dir too
+    state = tmp_path / "other" / "state"
+    state.mkdir(parents=True, mode=0o700)  # as another join, holding the lock, has made it
+    with pid_lock(state / LOCK_FILE, RuntimeError, JOIN_HOLDER):
+        assert cli.main(["--data-dir", str(state.parent), "join", _token(f"127.0.0.1:{free_port()}")]) == 2
+    assert f"another `deskfleet-agent join` runs on {state.parent} (pid {os.getpid()}): one join at a time; let " \
+        "it finish" in capsys.readouterr().err
+    assert not (state / "agent-key.pem").exists()  # refused before a key was made
 
 
 def test_a_join_to_another_fleet_says_which_fleet_the_pc_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -35,21 +35,43 @@ def test_a_holder_that_wrote_into_the_file_still_shuts_a_newcomer_out(tmp_path: 
 
 def test_a_pid_lock_names_its_holder_to_the_next_comer_and_is_free_again_after(tmp_path: Path) -> None:
     path = tmp_path / "serve.lock"
-    refused: list[str] = []
+    refused: list[tuple[str, str]] = []
 
-    def refusal(pid: str) -> Exception:
-        refused.append(pid)
+    def refusal(pid: str, holder: str) -> Exception:
+        refused.append((pid, holder))
         return RuntimeError(f"held by {pid}")
 
-    with pid_lock(path, refusal):
+    with pid_lock(path, refusal, "fleet init --force"):
         with open(path, "a+") as other:  # another process's open, as far as the lock is concerned
             assert not try_lock_file(other.fileno())
         with pytest.raises(RuntimeError, match=f"held by {os.getpid()}"):
             with pid_lock(path, refusal):
                 pass
-    assert refused == [str(os.getpid())]
+    # and what holds it: six `fleet init --force` at once were told a `fleet serve` held the data dir
+    assert refused == [(str(os.getpid()), "fleet init --force")]
     with pid_lock(path, refusal):  # let go: taken at once
         pass
+
+
+def test_a_holder_that_has_not_written_yet_is_waited_for_an_instant(tmp_path: Path) -> None:
+    # four `fleet serve` at once: one read the lock file between its holder's truncate and write, "pid unknown"
+    import threading
+
+    path = tmp_path / "serve.lock"
+    with open(path, "a+b") as holder:
+        assert try_lock_file(holder.fileno())
+        late = threading.Timer(0.05, lambda: (holder.write(b"\n4242 fleet serve"), holder.flush()))
+        late.start()
+        with pytest.raises(RuntimeError, match=r"^4242 fleet serve$"):
+            with pid_lock(path, lambda pid, what: RuntimeError(f"{pid} {what}")):
+                pass
+        late.join()
+    with open(path, "a+b") as holder:  # one that never writes: said unknown, after the wait
+        holder.truncate(0)
+        assert try_lock_file(holder.fileno())
+        with pytest.raises(RuntimeError, match=r"^unknown $"):
+            with pid_lock(path, lambda pid, what: RuntimeError(f"{pid} {what}")):
+                pass
 
 
 @pytest.mark.skipif(os.name == "nt", reason="symbolic links need privileges on Windows")
@@ -60,6 +82,6 @@ def test_a_lock_file_that_is_a_link_is_refused_and_nothing_is_written_through_it
     lock = tmp_path / "agent.lock"
     lock.symlink_to(victim)
     with pytest.raises(OSError, match=rf"the lock file {lock} is a symbolic link \(to {victim}\): remove it"), \
-            pid_lock(lock, lambda pid: RuntimeError(pid)):
+            pid_lock(lock, lambda pid, holder: RuntimeError(pid)):
         pass
     assert victim.read_text() == "VICTIM-CONTENT"

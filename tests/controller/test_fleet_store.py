@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -214,3 +215,23 @@ def test_a_key_this_user_may_not_read_is_not_called_damaged(store: FleetStore, m
     with pytest.raises(FleetStoreError, match=r"cannot read .*ca\.pem \(.*: Permission denied\): run deskfleet as the "
                                               r"user that owns the data dir"):
         store.require_initialised()
+
+
+def test_a_lock_held_by_fleet_init_force_is_named_as_such(tmp_path: Path) -> None:
+    # six `fleet init --force` at once: those refused were told a `fleet serve` held the data dir
+    store = FleetStore(tmp_path / "controller")
+    with store.replacing():
+        with pytest.raises(FleetStoreError, match=r"`deskfleet fleet init --force` is replacing the fleet of .* \(pid "
+                                                  rf"{os.getpid()}\): serve it once it has finished"):
+            with store.serving():
+                pass
+        with pytest.raises(FleetStoreError, match=r"is replacing the fleet of .*: deploy once it has finished"):
+            with store.deploying():
+                pass
+        with pytest.raises(FleetStoreError, match=r"is replacing the fleet of .*: one replacement at a time"):
+            with store.replacing():
+                pass
+    with store.serving():  # and a serve is still named as one
+        with pytest.raises(FleetStoreError, match=rf"is served by `deskfleet fleet serve` \(pid {os.getpid()}\)"):
+            with store.replacing():
+                pass
