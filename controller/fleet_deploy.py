@@ -358,6 +358,8 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
                          ) -> tuple[Plan, DeployReport]:
     manifest = load_manifest(model_dir)
     check_sizes(model_dir, manifest)  # a lost or cut file, before a plan: not only where a PC lacks it
+    # a `fleet init --force` between the survey and the lock (which it holds while it replaces the fleet)
+    _check_same_fleet(store, found.fleet_id, "before anything was sent")
     model_id = model_id_of(model_dir)
     _deployments(store)  # a damaged file is named now, not after every byte was sent
     footprint = footprint_of(manifest, device, precision, kv_cache, (model_dir / MANIFEST_NAME).stat().st_size)
@@ -404,7 +406,7 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
                               agents=frozenset().union(*(error.agents for error in failed))) from None
         report = DeployReport(model_id, placements, sent, files)
         # a save that fails leaves the stages unrecorded too
-        _save_deployment(store, model_dir, report, settings, replanned_at, assigned_at)
+        _save_deployment(store, model_dir, report, settings, replanned_at, assigned_at, found.fleet_id)
     except BaseException:  # an agent failed, or Ctrl-C: the deployment on record stays, and so must its stages only
         await _release_unsaved(model_id, placements, before, found)
         raise
@@ -1079,12 +1081,37 @@ async def _expect(link: Link, kind: type[_M], timeout: float) -> _M:
             return message
 
 
+def _check_same_fleet(store: FleetStore, fleet_id: str | None, then: str) -> None:
+    """DeployError where the data dir's fleet is no longer `fleet_id` (None: not checked); `then`: what became of the
+    deploy's work."""
+    if fleet_id is not None and (now := pki.fleet_id(store.tls_files.ca_certificate())) != fleet_id:
+        raise DeployError(f"the fleet was made anew (`deskfleet fleet init --force`: fleet {now}, was {fleet_id}) "
+                          f"while this deploy ran, {then}; deploy once the PCs have joined the new fleet",
+                          failed_run=True)
+
+
+def _check_fleet_unchanged(store: FleetStore, report: DeployReport, fleet_id: str | None) -> None:
+    """DeployError where the data dir's fleet is no longer `fleet_id`, or a PC of `report` was removed."""
+    _check_same_fleet(store, fleet_id, f"{UNRECORDED}: the PCs were told to release the stages again")
+    removed = Revocations(store)()
+    gone = [stage.agent_id for stage in report.stages if removed.is_revoked(stage.agent_id)]
+    if gone:
+        raise DeployError(f"agent(s) {', '.join(agent_id[:12] for agent_id in gone)} were removed from the fleet "
+                          f"(`deskfleet fleet remove`) while this deploy ran, {UNRECORDED}: the PCs were told to "
+                          "release the stages again; deploy again, without them", agents=frozenset(gone),
+                          failed_run=True)
+
+
 def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, settings: DeploySettings,
-                     replanned_at: datetime.datetime | None = None, assigned_at: datetime.datetime | None = None
-                     ) -> None:
+                     replanned_at: datetime.datetime | None = None, assigned_at: datetime.datetime | None = None,
+                     fleet_id: str | None = None) -> None:
     """Save the model's deployment: `replanned_at` a run's re-plan's (whose survey began then), `assigned_at` when
-    its stages began to be assigned (None: now)."""
+    its stages began to be assigned (None: now). DeployError where, since the deploy's survey, the fleet was made
+    anew (`fleet_id`: the one it surveyed) or a PC of it removed: nothing is recorded (the caller releases the
+    stages). Before, the record of the old fleet's PCs went into the new fleet's data dir, and a removed PC's stage
+    into the deployment, each found by the next run."""
     with store.locked():
+        _check_fleet_unchanged(store, report, fleet_id)
         folder = str(model_dir.resolve())
         # The records of the exports this folder held before (exported again since): it holds this one now. They
         # go, and their ids are kept in `replaces`, for this deploy and the next ones to release their stages on

@@ -100,6 +100,9 @@ class Survey:
 
     agents: list[AgentView]
     links: dict[str, Link]
+    # the fleet (its CA's id) the links were checked against: a deploy records nothing over them once `fleet init
+    # --force` made another; None: not known (not checked)
+    fleet_id: str | None = None
 
     async def close(self) -> None:
         for link in self.links.values():
@@ -113,6 +116,7 @@ class Survey:
 async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
     """Discover, dial and ask every agent; never raises for an agent's fault."""
     store.require_initialised()
+    fleet = pki.fleet_id(store.tls_files.ca_certificate())
     revocations = Revocations(store)
     registry = Registry(ttl_s=3600.0)
     roster = store.roster()
@@ -124,7 +128,6 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
     interfaces = interface_addresses()
     browser: ZeroconfDiscovery | None = None
     if options.discover_seconds > 0 and interfaces and not _loopback_fleet(store):
-        fleet = pki.fleet_id(store.tls_files.ca_certificate())
         # A resolve waits at most half the browse: a record that never resolves cannot outlast it.
         resolve_timeout_ms = min(RESOLVE_TIMEOUT_MS, max(1, int(options.discover_seconds * 500)))
         members = [agent_id for agent_id in roster if not revocations().is_revoked(agent_id)]
@@ -141,7 +144,7 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
                                                  else OPEN_TIMEOUT_S, _announced_only(registry, target_id))
                                      for target_id, addresses, _ in targets))
 
-    found = Survey([], {})
+    found = Survey([], {}, fleet)
     listed_at: dict[str, int] = {}  # agent id -> its place in found.agents
     removed = revocations()  # with the removals agents gave back (a data dir restored from an older backup)
     for (target_id, _, source_names), (address, link, report, problem, peer) in zip(targets, results, strict=True):
