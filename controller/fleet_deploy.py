@@ -358,12 +358,12 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
                          ) -> tuple[Plan, DeployReport]:
     manifest = load_manifest(model_dir)
     check_sizes(model_dir, manifest)  # a lost or cut file, before a plan: not only where a PC lacks it
-    # a `fleet init --force` between the survey and the lock (which it holds while it replaces the fleet)
-    _check_same_fleet(store, found.fleet_id, "before anything was sent")
     model_id = model_id_of(model_dir)
     _deployments(store)  # a damaged file is named now, not after every byte was sent
     footprint = footprint_of(manifest, device, precision, kv_cache, (model_dir / MANIFEST_NAME).stat().st_size)
     result = plan_survey(footprint, found, replace(options, device=device), exclude, model_id=model_id)
+    # a `fleet init --force` between the survey and the lock (which it holds while it replaces the fleet)
+    _check_same_fleet(store, found.fleet_id, "before anything was sent")
     if not result.feasible:
         answered = any(agent.agent_id not in exclude for agent in found.reachable())
         unreachable = any(e.reason in NOT_ASKED for e in result.exclusions)

@@ -30,7 +30,10 @@ BARE = PlanOptions(margin_fraction=0.0, margin_min_bytes=0, stage_overhead_bytes
 def shaped_170m(manifest: Manifest) -> Manifest:
     spec = dataclasses.replace(manifest.spec, hidden_size=1024, intermediate_size=2816, num_heads=16, num_kv_heads=4,
                                head_dim=64, num_layers=12, max_context=2048)
-    return dataclasses.replace(manifest, spec=spec, layer_bytes=(5_864_748,) * 12)
+    last = manifest.layer_ir(manifest.spec.num_layers - 1)  # its files stand for the layers the export lacks
+    files = {**manifest.files, **{name.replace(last, manifest.layer_ir(layer)): manifest.files[name]
+                                  for layer in range(manifest.spec.num_layers, 12) for name in manifest.ir_files(last)}}
+    return dataclasses.replace(manifest, spec=spec, layer_bytes=(5_864_748,) * 12, files=files)
 
 
 def test_the_kv_precision_is_the_one_the_agents_compile() -> None:
