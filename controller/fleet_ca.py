@@ -92,24 +92,20 @@ def init_fleet(store: FleetStore, fleet_name: str, addresses: tuple[str, ...], n
         controller_key = pki.create_private_key()
         csr = pki.create_csr(controller_key, socket.gethostname())
         certificate = pki.sign_csr(ca, csr, now, role=Role.CONTROLLER)
-        written = [store.ca_key_path, files.key_path, files.ca_path, files.cert_path,
-                   *(store.data_dir / f"{name}.json" for name in ("fleet", "tokens", "revoked", "agents"))]
+        # written together (mode 0600, as every file): each staged whole before the first is renamed into place, so
+        # a full disk, a kill or a Ctrl-C leaves the old files (or none) as they were. Written one by one, a fleet
+        # killed halfway had a new CA key beside the old CA, which every command then said to restore from an agent
         try:
-            store.write_file(store.ca_key_path, _key_pem(ca.private_key))  # mode 0600, as every file
-            store.write_file(files.key_path, _key_pem(controller_key))
-            store.write_file(files.ca_path, pki.certificate_pem(ca.certificate))
-            store.write_file(files.cert_path, pki.certificate_pem(certificate))
-            store.write("fleet", {"name": fleet_name, "addresses": list(addresses)})
-            store.write("tokens", [])
-            store.write("revoked", [])
-            store.save_roster({})
-        except FleetStoreError as error:  # a full disk: half a fleet made the next init refuse it as "part of a fleet"
-            if not present:
-                for path in written:
-                    path.unlink(missing_ok=True)
+            store.write_files([(store.ca_key_path, _key_pem(ca.private_key)),
+                               (files.key_path, _key_pem(controller_key)),
+                               (files.ca_path, pki.certificate_pem(ca.certificate)),
+                               (files.cert_path, pki.certificate_pem(certificate)),
+                               store.document("fleet", {"name": fleet_name, "addresses": list(addresses)}),
+                               store.document("tokens", []), store.document("revoked", []),
+                               store.document("agents", {})])
+        except FleetStoreError as error:
             raise FleetStoreError(f"no fleet was created in {store.data_dir}: {error}" if not present else
-                                  f"the fleet in {store.data_dir} is half replaced: {error}; run `deskfleet fleet "
-                                  "init --force` again once it can be written") from None
+                                  f"the fleet in {store.data_dir} was not replaced: {error}") from None
     log.info("fleet %s initialised in %s", pki.fleet_id(ca.certificate), store.data_dir)
     return ca
 

@@ -1093,7 +1093,7 @@ def _check_same_fleet(store: FleetStore, fleet_id: str | None, then: str) -> Non
 def _check_fleet_unchanged(store: FleetStore, report: DeployReport, fleet_id: str | None) -> None:
     """DeployError where the data dir's fleet is no longer `fleet_id`, or a PC of `report` was removed."""
     _check_same_fleet(store, fleet_id, f"{UNRECORDED}: the PCs were told to release the stages again")
-    removed = Revocations(store)()
+    removed = Revocations(store)() if report.stages else pki.RevocationSet()
     gone = [stage.agent_id for stage in report.stages if removed.is_revoked(stage.agent_id)]
     if gone:
         raise DeployError(f"agent(s) {', '.join(agent_id[:12] for agent_id in gone)} were removed from the fleet "

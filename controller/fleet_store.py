@@ -37,7 +37,7 @@ from deskfleet.agent.link import TlsFiles, utc_now
 from deskfleet.agent.paths import SETTINGS_FILE
 from deskfleet.common import pki
 from deskfleet.common.arguments import option_text
-from deskfleet.common.atomic_file import write_atomic
+from deskfleet.common.atomic_file import write_atomic_together
 from deskfleet.common.file_lock import lock_file, pid_lock, unlock_file
 from deskfleet.common.os_error_text import os_error_text
 from deskfleet.common.wire import ProtocolError, Role, is_agent_id, parse_address
@@ -246,17 +246,26 @@ class FleetStore:
     def write(self, name: str, body: object) -> None:
         """Replace `name` atomically (a crash leaves the old file or the new one, never half); FleetStoreError
         naming the file when it cannot be written (a full disk, a read-only data dir): the old file is kept."""
-        path = self.data_dir / f"{name}.json"
+        self.write_files([self.document(name, body)])
+
+    def document(self, name: str, body: object) -> tuple[Path, bytes]:
+        """The file `write(name, body)` writes, and its bytes."""
         text = json.dumps({"format": STORE_FORMAT, "body": body}, indent=2, sort_keys=True)
-        self.write_file(path, text.encode("utf-8"))
+        return self.data_dir / f"{name}.json", text.encode("utf-8")
 
     def write_file(self, path: Path, data: bytes) -> None:
         """write_atomic, with an OSError (a full disk, a read-only data dir) as FleetStoreError naming `path`:
         it raised as a traceback from `fleet token`, `fleet remove` and `fleet deploy`."""
+        self.write_files([(path, data)])
+
+    def write_files(self, files: list[tuple[Path, bytes]]) -> None:
+        """Write `files` (path, bytes) together (write_atomic_together: each staged whole before the first is
+        renamed into place), FleetStoreError naming the data dir, or the one file, on an OSError: all are unchanged."""
         try:
-            write_atomic(path, data)
+            write_atomic_together(files)
         except OSError as error:
-            raise FleetStoreError(f"cannot write {path}: {error.strerror or error}; it is unchanged (free some "
+            what = files[0][0] if len(files) == 1 else f"the files of {self.data_dir}"
+            raise FleetStoreError(f"cannot write {what}: {error.strerror or error}; it is unchanged (free some "
                                   "disk space, or make the data dir writable, then run the command again)") from None
 
     @contextlib.contextmanager

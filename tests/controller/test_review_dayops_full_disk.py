@@ -90,3 +90,31 @@ def test_a_deployment_that_cannot_be_recorded_says_the_stages_are_released(
         str(raised.value)
     assert "deployments.json: No space left on device" in str(raised.value)
     assert "the PCs were told to release the stages again" in str(raised.value)  # deploy() does: it said "assigned"
+
+
+def test_an_init_force_that_fails_halfway_leaves_the_old_fleet_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # `fleet init --force` wrote its files one by one: killed (or out of disk) after the CA key, every command then
+    # said the CA did not match its key, "copy state/ca.pem from the data dir of any enrolled agent", which no agent
+    # could mend: the old key was gone. The files are staged first now, and none is replaced until all are.
+    data = ["--data-dir", str(tmp_path / "ctl")]
+    assert main(["fleet", "init", "--address", "10.0.0.5:7341", *data]) == 0
+    before = _contents(tmp_path / "ctl")
+    calls = []
+    real = atomic_file.os.fsync
+
+    def full_after_three(descriptor: int) -> None:
+        calls.append(descriptor)
+        if len(calls) > 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(descriptor)
+
+    monkeypatch.setattr(atomic_file.os, "fsync", full_after_three)
+    capsys.readouterr()
+    assert main(["fleet", "init", "--force", "--address", "10.0.0.6:7341", *data]) == 2
+    err = capsys.readouterr().err
+    assert f"the fleet in {tmp_path / 'ctl'} was not replaced: cannot write the files of" in err, err
+    monkeypatch.setattr(atomic_file.os, "fsync", real)
+    assert _contents(tmp_path / "ctl") == before
+    assert not [path.name for path in (tmp_path / "ctl").iterdir() if path.name.endswith(".tmp")]
+    assert main(["fleet", "ls", "--discover-seconds", "0", *data]) == 0  # the old fleet, whole
