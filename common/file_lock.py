@@ -86,7 +86,7 @@ def pid_lock(path: Path, refusal: Callable[[str, str], Exception], holder: str =
         raise OSError(error.errno, f"cannot open the lock file {path}: {error.strerror or error}") from None
     with handle:
         if not try_lock_file(handle.fileno()):
-            raise refusal(*_holder(handle))
+            raise refusal(*lock_holder(handle))
         try:
             handle.seek(0)
             handle.truncate()
@@ -108,7 +108,7 @@ def _not_through_a_link(path: str, flags: int) -> int:
 HOLDER_WAIT_S = 0.2  # how long a refused comer waits for a holder that has the lock to write who it is
 
 
-def _holder(handle: BinaryIO) -> tuple[str, str]:
+def lock_holder(handle: BinaryIO) -> tuple[str, str]:
     """(the pid, what holds it) a lock holder wrote after the locked first byte; ("unknown", "") where it wrote
     nothing. A holder that took the lock an instant ago writes a moment later: the file is read again for
     HOLDER_WAIT_S (four `fleet serve` started at once: one was told "pid unknown")."""

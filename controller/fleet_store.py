@@ -38,7 +38,7 @@ from deskfleet.agent.paths import SETTINGS_FILE
 from deskfleet.common import pki
 from deskfleet.common.arguments import option_text
 from deskfleet.common.atomic_file import write_atomic_together
-from deskfleet.common.file_lock import lock_file, pid_lock, unlock_file
+from deskfleet.common.file_lock import lock_file, lock_holder, pid_lock, try_lock_file, unlock_file
 from deskfleet.common.os_error_text import os_error_text
 from deskfleet.common.wire import ProtocolError, Role, is_agent_id, parse_address
 
@@ -278,8 +278,16 @@ class FleetStore:
         except OSError as error:
             raise FleetStoreError(f"cannot open the data dir's lock file: {os_error_text(error)}") from None
         with handle:
-            lock_file(handle.fileno())
+            if not try_lock_file(handle.fileno()):  # held a moment by another command, or by one that is stopped
+                log.warning("waiting for the data dir's lock %s, which another deskfleet command holds (pid %s)",
+                            path, lock_holder(handle)[0])
+                lock_file(handle.fileno())
             try:
+                with contextlib.suppress(OSError):  # for the next comer's message: the lock holds without it
+                    handle.seek(0)
+                    handle.truncate()
+                    handle.write(f"\n{os.getpid()}".encode("ascii"))
+                    handle.flush()
                 yield
             finally:
                 unlock_file(handle.fileno())

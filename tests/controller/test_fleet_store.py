@@ -235,3 +235,34 @@ def test_a_lock_held_by_fleet_init_force_is_named_as_such(tmp_path: Path) -> Non
         with pytest.raises(FleetStoreError, match=rf"is served by `deskfleet fleet serve` \(pid {os.getpid()}\)"):
             with store.replacing():
                 pass
+
+
+def test_a_command_waiting_for_the_data_dirs_lock_says_so_and_who_holds_it(tmp_path: Path) -> None:
+    # a command stopped (Ctrl-Z) while it held .lock made `fleet token` wait without a word
+    import threading
+
+    from deskfleet.common.file_lock import try_lock_file, unlock_file
+    from tests.log_records import records_of
+
+    store = FleetStore(tmp_path / "controller")
+    with store.locked():
+        pass
+    with open(store.data_dir / ".lock", "a+b") as other, records_of("deskfleet.controller.fleet_store") as logged:
+        assert try_lock_file(other.fileno())
+        other.truncate(0)  # as a holder writes its pid
+        other.write(b"\n4242")
+        other.flush()
+        entered = threading.Event()
+
+        def waiter() -> None:
+            with store.locked():
+                entered.set()
+
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        assert not entered.wait(0.5)  # it waits...
+        unlock_file(other.fileno())
+        assert entered.wait(10)  # ...until the holder lets go
+        thread.join()
+    assert logged.messages() == [f"waiting for the data dir's lock {store.data_dir / '.lock'}, which another "
+                                 "deskfleet command holds (pid 4242)"]
