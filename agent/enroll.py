@@ -269,7 +269,10 @@ async def join(token_text: str, state_dir: Path, hostname: str | None = None) ->
         _save_joined(joined, files, state_dir)
         forget_removed(state_dir)  # a member again (a removed PC joins with a new key)
         return joined.membership
-    raise EnrollmentError("could not join: " + "; ".join(problems))
+    now = utc_now()
+    expired = f" (the token expired at {token.expires_at.isoformat(timespec='seconds')}, while this join ran)" \
+        if token.is_expired(now) else ""  # the controller says "unknown, expired or used up": this side can tell
+    raise EnrollmentError("could not join: " + "; ".join(problems) + expired)
 
 
 # Private functions

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,20 @@ def test_a_token_expired_by_this_pcs_clock_says_what_the_clock_says(monkeypatch:
                                               r"clock says 2026-12-07T12:00:00\+00:00: ask for a new one \(where this "
                                               r"PC's clock is wrong, set it right"):
         enroll.read_join_token(token)
+
+
+def test_a_token_that_expired_while_the_join_ran_is_said_to_have(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # the controller refuses "unknown, expired or used up" (it tells a stranger no more); the PC knows the token's end
+    expires = (utc_now() + datetime.timedelta(seconds=30)).replace(microsecond=0)
+
+    async def refused(*args: object) -> Membership:
+        monkeypatch.setattr(enroll, "utc_now", lambda: expires + datetime.timedelta(seconds=1))  # it ran out meanwhile
+        raise EnrollmentError("join_refused: the join token is unknown, expired or used up: ask the admin for a new "
+                              "one")
+
+    monkeypatch.setattr(enroll, "_join_at", refused)
+    token = join_tokens.JoinToken(("127.0.0.1:17351",), "0" * 64, join_tokens.new_secret(), expires)
+    with pytest.raises(EnrollmentError, match=rf"used up: ask the admin for a new one \(the token expired at "
+                                              rf"{re.escape(expires.isoformat())}, while this join ran\)$"):
+        asyncio.run(join(join_tokens.encode_join_token(token), tmp_path / "state"))
