@@ -396,7 +396,7 @@ async def _deploy_locked(store: FleetStore, model_dir: Path, found: Survey, opti
     sent: dict[str, int] = {}
     files: dict[str, int] = {}
     before = _placed_before(store, model_dir)
-    assigned_at = utc_now()
+    assigned_at = store.stamp(utc_now())
     try:
         try:
             await _deploy_all(model_dir, manifest, model_id, placements, settings, found, sent, files, progress)

@@ -312,7 +312,7 @@ class FleetFailover:
         the chain on record is known to lack a stage of `agents`, so its first failover is free whatever happens here,
         other runs driving the model do not stop the re-plan, and a plan that leaves those PCs out is deployed all the
         same (a PC left out is taken back only by a plan that places it). `running`: as rejoin says."""
-        started, tried_at = time.perf_counter(), utc_now()
+        started, tried_at = time.perf_counter(), self.store.stamp(utc_now())
         names = ", ".join(self._name(agent_id) for agent_id in agents)
         said = f"{names} {said}"
 
@@ -431,7 +431,7 @@ class FleetFailover:
     def _lose(self, agent_id: str) -> None:
         """Leave `agent_id` out of this run's re-plans, from now until it calls in (or the run ends)."""
         if agent_id not in self.lost:
-            self._lost_at[agent_id] = utc_now()
+            self._lost_at[agent_id] = self.store.stamp(utc_now())
         self.lost.add(agent_id)
 
     def _forgive_called_in(self) -> None:
@@ -527,7 +527,8 @@ class FleetFailover:
             if adopted is not None:
                 return adopted
             settings = load_deploy_settings(self.store, self.model_dir)
-            surveyed_at = utc_now()  # a PC that registers after this is "back" for the runs after (pcs_back)
+            # a PC that registers after this is "back" for the runs after (pcs_back)
+            surveyed_at = self.store.stamp(utc_now())
             found = await survey(self.store, self._survey_options())
             try:
                 self._check_blame(found)

@@ -21,6 +21,7 @@ goes on.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -352,7 +353,9 @@ class FleetServer:
                                 "with host '?' (join it again to name it)", agent_id[:12],
                                 self.store.data_dir / "agents.json")
                     entry = RosterEntry(agent_id, UNKNOWN_HOSTNAME, came_at)
-                roster[agent_id] = replace(entry, addresses=addresses, registered_at=came_at)
+                # later than every time on record, whatever the clock did (FleetStore.stamp)
+                stamped = self.store.stamp(datetime.datetime.fromisoformat(came_at)).isoformat()
+                roster[agent_id] = replace(entry, addresses=addresses, registered_at=stamped)
             self.store.save_roster(roster)
 
     async def _watch_revocations(self) -> None:

@@ -18,6 +18,7 @@ file above. A missing controller.pem is issued again from the kept keys: its key
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import os
@@ -58,6 +59,8 @@ _FIXES = {
 }
 DEPLOY_LOCK = ".deploy.lock"
 SERVE_LOCK = ".serve.lock"
+# the times of agents.json and deployments.json records that runs compare with one another (see FleetStore.stamp)
+STAMPED_TIMES = ("registered_at", "replanned_at", "assigned_at", "rejoin_tried_at")
 # what holds a lock, written in it for the next comer's message (`fleet init --force` holds both: a deploy or serve it
 # refused was told a `fleet serve` or a deploy held them)
 SERVE_HOLDER, DEPLOY_HOLDER, REPLACE_HOLDER, LOOK_HOLDER = "fleet serve", "deploy", "fleet init --force", "look"
@@ -247,6 +250,32 @@ class FleetStore:
         """Replace `name` atomically (a crash leaves the old file or the new one, never half); FleetStoreError
         naming the file when it cannot be written (a full disk, a read-only data dir): the old file is kept."""
         self.write_files([self.document(name, body)])
+
+    def stamp(self, now: datetime.datetime) -> datetime.datetime:
+        """`now`, or a millisecond past the newest time on record (STAMPED_TIMES) where that is later: the times a
+        run compares (a PC's call-in against a re-plan, an assignment, a run's try to take it back) keep the order of
+        what happened whatever the clock did. A controller's clock stepped back 5 minutes recorded a PC's call-in
+        before the re-plan that had left it out, and no run took it back until it called in again (one that ran a
+        day ahead and was set right, the other way round). A file that cannot be read adds nothing."""
+        newest = now
+        try:
+            roster = self.read("agents", {})
+            deployments = self.read("deployments", {})
+        except FleetStoreError as error:
+            log.debug("stamped by the clock alone: %s", error)
+            return now
+        records = [*(roster.values() if isinstance(roster, dict) else ()),
+                   *(deployments.values() if isinstance(deployments, dict) else ())]
+        for record in records:
+            for field in STAMPED_TIMES:
+                text = record.get(field) if isinstance(record, dict) else None
+                try:
+                    when = datetime.datetime.fromisoformat(text) if isinstance(text, str) else None
+                except ValueError:
+                    continue
+                if when is not None and when.tzinfo is not None and when >= newest:
+                    newest = when + datetime.timedelta(milliseconds=1)
+        return newest
 
     def document(self, name: str, body: object) -> tuple[Path, bytes]:
         """The file `write(name, body)` writes, and its bytes."""

@@ -266,3 +266,34 @@ def test_a_command_waiting_for_the_data_dirs_lock_says_so_and_who_holds_it(tmp_p
         thread.join()
     assert logged.messages() == [f"waiting for the data dir's lock {store.data_dir / '.lock'}, which another "
                                  "deskfleet command holds (pid 4242)"]
+
+
+def test_a_stamp_is_later_than_every_time_on_record_whatever_the_clock_says(tmp_path: Path) -> None:
+    # a controller clock stepped back 5 minutes recorded a PC's call-in before the re-plan that had left it out: no
+    # run took it back until it called in again (from an exploratory test of clocks)
+    store = FleetStore(tmp_path / "controller")
+    noon = datetime.datetime(2026, 12, 7, 12, 0, tzinfo=datetime.UTC)
+    store.save_roster({"a" * 52: RosterEntry("a" * 52, "pc-1", noon.isoformat(), (), registered_at=noon.isoformat())})
+    replanned = noon + datetime.timedelta(minutes=5)
+    store.write("deployments", {"m@1": {"replanned_at": replanned.isoformat(), "assigned_at": "not a time",
+                                        "rejoin_tried_at": None}, "m@2": "damaged"})
+    assert store.stamp(noon - datetime.timedelta(hours=1)) == replanned + datetime.timedelta(milliseconds=1)
+    later = noon + datetime.timedelta(hours=1)
+    assert store.stamp(later) == later  # a clock past every record: itself
+    (store.data_dir / "agents.json").write_text("{")  # unreadable: the clock alone
+    assert store.stamp(noon) == noon
+
+
+def test_a_call_in_is_recorded_after_the_re_plan_that_came_before_it(tmp_path: Path) -> None:
+    from deskfleet.controller.fleet_deploy import called_in_since
+    from deskfleet.controller.fleet_server import FleetServer
+
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    agent_id = "b" * 52
+    replanned = utc_now()
+    store.save_roster({agent_id: RosterEntry(agent_id, "pc-2", replanned.isoformat(), ())})
+    store.write("deployments", {"m@1": {"replanned_at": replanned.isoformat()}})
+    stepped_back = replanned - datetime.timedelta(minutes=5)  # the clock as the PC called in, after the re-plan
+    FleetServer(store, "127.0.0.1:1")._save_addresses({agent_id: (("10.0.0.2:7431",), stepped_back.isoformat())})
+    assert called_in_since(store.roster()[agent_id], replanned)
