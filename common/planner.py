@@ -182,7 +182,7 @@ class AgentCandidate:
     devices: tuple[str, ...] = ()  # the devices OpenVINO finds on it ("CPU", "GPU.0", "NPU"); (): not reported
     # The bytes of new shard files its shard cache can take (its limit, or its disk's free space less what the cache
     # keeps for the PC's user, less what its hosted stages pin); a stage's files beyond the hosted ranges' must fit.
-    # None: not reported (an older agent, a PC typed in), not checked.
+    # None: not known (a PC typed in for `fleet plan --assume-agent`), not checked.
     disk_room_bytes: int | None = None
 
 

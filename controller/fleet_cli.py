@@ -512,7 +512,7 @@ def _print_agents(agents: list[Any], undeployed: dict[str, list[Any]] | None = N
         report = agent.report
         # GiB, as the limits beside it say theirs ("8.0 GiB free of 16.0"): "8.6G" next to them read as more
         free = f"{report.free_memory_bytes / 2 ** 30:.1f}GiB" if report else "-"
-        # what its shard cache can take of a new stage's files (an older agent's: not reported)
+        # what its shard cache can take of a new stage's files (the wire allows a report without it: not known)
         disk = f"{report.shard_room_bytes / 2 ** 30:.1f}GiB" if report and report.shard_room_bytes is not None \
             else "-"
         stale = (undeployed or {}).get(agent.agent_id, [])
@@ -551,9 +551,9 @@ def _agent_json(agent: Any, undeployed: dict[str, list[Any]] | None = None) -> d
             # the fleet protocol it speaks, where known: this controller's for one that answered
             "protocol": PROTOCOL_VERSION if report else getattr(agent, "other_protocol", None),
             "free_memory_bytes": report.free_memory_bytes if report else None,
-            # the bytes of new shard files its shard cache can take; null: not reported (an older agent)
+            # the bytes of new shard files its shard cache can take; null: not reported
             "shard_room_bytes": report.shard_room_bytes if report else None,
-            # its wall clock as it reported (seconds since the epoch); null: not reported (an older agent)
+            # its wall clock as it reported (seconds since the epoch); null: not reported
             "clock_s": report.clock_s if report else None,
             "reasons": [reason.value for reason in report.reasons] if report else [],
             "detail": report.detail if report else "",

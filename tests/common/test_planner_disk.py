@@ -81,7 +81,7 @@ def test_the_files_of_units_a_pc_hosts_need_no_room() -> None:
 
 
 def test_a_pc_that_reports_no_room_is_not_checked() -> None:
-    # an older agent (protocol 13) or a PC typed in for `fleet plan --assume`: None, planned on memory alone
+    # a PC typed in for `fleet plan --assume-agent`: None, planned on memory alone
     result = plan(toy(), [pc("old", 64)], ALL)
     assert result.feasible and result.stages[0].agent_id == "old"
 

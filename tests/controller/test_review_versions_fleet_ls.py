@@ -126,7 +126,7 @@ def test_the_free_column_is_in_gib_as_the_limits_beside_it(capsys: pytest.Captur
     assert row[4:6] == ["8.0GiB", "1.5GiB"]  # free memory, and what its shard cache can take
     _print_agents([SimpleNamespace(**{**vars(agent), "report": SimpleNamespace(**{**vars(report),
                                                                                   "shard_room_bytes": None})})])
-    assert capsys.readouterr().out.splitlines()[1].split()[4:6] == ["8.0GiB", "-"]  # an older agent's: not reported
+    assert capsys.readouterr().out.splitlines()[1].split()[4:6] == ["8.0GiB", "-"]  # not reported
 
 
 def survey_an_older_agent(tmp_path: Path, roster: Callable[[str, str], RosterEntry],
