@@ -154,7 +154,7 @@ def test_a_streamed_reply_nobody_reads_is_given_up_and_its_streams_cancelled(
 
 def test_a_whole_reply_nobody_reads_is_given_up(server: tuple[str, EngineService]) -> None:
     # aiohttp wrote a whole reply with no time limit: a client that read none of it held it in memory for good
-    url, _ = server
+    url, service = server
     body = json.dumps({"model": MODEL, "prompt": "def f(x):", "max_tokens": 400, "n": 16, "logprobs": 20,
                        "ignore_eos": True}).encode()
     with socket.socket() as raw:
@@ -163,7 +163,13 @@ def test_a_whole_reply_nobody_reads_is_given_up(server: tuple[str, EngineService
         raw.connect(_address(url))
         raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        time.sleep(8)  # the 16 x 400 tokens are made (a few seconds), then the write waits 1 s for the client
+        # the 16 x 400 tokens are made (a few seconds; on a loaded CI machine past the 8 s this test slept, and the
+        # reply, not given up yet, was read whole), then the write waits 1 s for the client
+        deadline = time.monotonic() + 120
+        time.sleep(0.5)
+        while service.live_streams and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(4)
         got, ended = _read_to_the_end(raw)
     head, _, reply = got.partition(b"\r\n\r\n")
     length = int(re.search(rb"Content-Length: (\d+)", head)[1])  # type: ignore[index]
