@@ -30,6 +30,7 @@ from zeroconf import IPVersion, NonUniqueNameException
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 from deskfleet.common.discovery_record import AgentRecord, ControllerRecord
+from deskfleet.common.wire import listens_everywhere
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ async def advertised_addresses(host: str) -> list[str]:
 
 async def addresses_to_advertise(host: str) -> tuple[list[str], str]:
     """(the addresses to announce for a listen host now, why there are none when there are none)."""
-    if host in ("0.0.0.0", "::", ""):
+    if listens_everywhere(host):
         return interface_addresses(), "this PC has no network address yet"
     try:
         return ([], f"listening on {host} only") if ipaddress.ip_address(host).is_loopback else ([host], "")

@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--listen", default=None, metavar="HOST:PORT",
                         help="address to accept fleet links on (default: listen_address in the settings file, "
                              f"agent-settings.json in the settings folder, else 0.0.0.0:{DEFAULT_AGENT_PORT}: every "
-                             "interface; the agent announces itself over mDNS unless it listens on loopback)")
+                             "interface, IPv4 and IPv6, as [::] is; the agent announces itself over mDNS unless it "
+                             "listens on loopback)")
     # prog: each command's usage and errors begin `deskfleet-agent join`, not the top-level usage line
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", prog="deskfleet-agent")
     join = commands.add_parser("join", help="enroll this PC with a join token from the fleet's admin",

@@ -22,15 +22,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import errno
 import logging
 import re
+import socket
 import ssl
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
-from typing import NoReturn, TypedDict
+from typing import Any, NoReturn, TypedDict
 
 from cryptography import x509
 from websockets.asyncio.client import ClientConnection, connect
@@ -54,6 +56,7 @@ from deskfleet.common.wire import (
     Role,
     decode,
     encode,
+    listens_everywhere,
     parse_address,
     peek_version,
 )
@@ -366,8 +369,34 @@ async def start_server(handler: Callable[[Link], Awaitable[None]], host: str, po
 
     # TLS per connection (tls_gate): a refusal names its peer, and one host cannot hold connections without limit
     gate = TlsGate(context, handshake_timeout_s=OPEN_TIMEOUT_S, shutdown_timeout_s=CLOSE_TIMEOUT_S)
-    return await serve(on_connection, host, port, create_connection=gate.connection_class(),
-                       process_request=check_peer, **_server_websocket_options(takes_enrollment=enrollment is not None))
+    sock = every_interface_socket(host, port)
+    where: dict[str, Any] = {"sock": sock} if sock is not None else {"host": host, "port": port}
+    return await serve(on_connection, create_connection=gate.connection_class(), process_request=check_peer,
+                       **where, **_server_websocket_options(takes_enrollment=enrollment is not None))
+
+
+def listen_text(host: str, port: int) -> str:
+    """Where a server listens, for its log: "every interface (IPv4 and IPv6) at port 7431", or host:port."""
+    if listens_everywhere(host):
+        return f"every interface ({'IPv4 and IPv6' if socket.has_dualstack_ipv6() else 'IPv4'}) at port {port}"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def every_interface_socket(host: str, port: int) -> socket.socket | None:
+    """For a host that means every interface, one socket of both IP families (IPv4 peers arrive as IPv4-mapped IPv6
+    addresses, which host_key and address_text read as IPv4), where the PC has IPv6; None: listen on `host` as given.
+    On 0.0.0.0 alone, an office's IPv6-only segment reached neither `fleet serve` (no PC could join) nor an agent,
+    which registered its IPv6 address where nothing listened; asyncio's own "every interface" binds a socket a family,
+    each at a port of its own where the port is 0."""
+    if not listens_everywhere(host) or not socket.has_dualstack_ipv6():
+        return None
+    try:
+        return socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    except OSError as error:
+        if error.errno == errno.EADDRINUSE:
+            raise
+        log.debug("listening on IPv4 alone: no IPv6 socket (%s)", error)  # IPv6 turned off on this PC
+        return None
 
 
 def peer_identity(connection: Connection, ca_certificate: x509.Certificate,

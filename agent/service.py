@@ -39,7 +39,15 @@ from deskfleet.agent.enroll import (
     note_removed,
     secure_state_dir,
 )
-from deskfleet.agent.link import Link, LinkError, LinkRefused, open_link, start_server, utc_now
+from deskfleet.agent.link import (
+    Link,
+    LinkError,
+    LinkRefused,
+    listen_text,
+    open_link,
+    start_server,
+    utc_now,
+)
 from deskfleet.agent.monitor import HostMonitor, SystemMonitor
 from deskfleet.agent.paths import (
     DEFAULT_AGENT_PORT,
@@ -59,7 +67,7 @@ from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord
 from deskfleet.common.file_lock import pid_lock
 from deskfleet.common.open_files import log_open_files_limit, raise_open_files_limit
 from deskfleet.common.version import software_version
-from deskfleet.common.wire import ProtocolError, Register, parse_address, with_default_port
+from deskfleet.common.wire import ProtocolError, Register, listens_everywhere, parse_address, with_default_port
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +178,7 @@ class AgentService:
                 raise OSError(f"cannot listen on {self.listen} (--listen, or listen_address in "
                               f"{self.paths.settings_file}): {error.strerror or error}") from None
             self.bound_port = server.sockets[0].getsockname()[1] if server.sockets else port
-            log.info("agent %s listening on %s:%d", self.core.agent_id[:12], host, self.bound_port)
+            log.info("agent %s listening on %s", self.core.agent_id[:12], listen_text(host, self.bound_port))
             self._log_pause()
             self._install_signal_handlers()
             self.check_certificates(utc_now())
@@ -270,7 +278,7 @@ class AgentService:
 
     async def _advertise(self, host: str) -> None:
         """This agent's record at the listen host's addresses, for as long as it serves (advertise.py's loop)."""
-        any_interface = host in ("0.0.0.0", "::", "")
+        any_interface = listens_everywhere(host)
         await advertise_while_serving(Announcement(
             port=lambda: self.bound_port, addresses=lambda: addresses_to_advertise(host), fixed=never_changes(host),
             record=self._current_record, refresh_s=lambda: ADVERTISE_REFRESH_S,
@@ -495,7 +503,7 @@ class AgentService:
     def _register_message(self, link: Link) -> Register:
         """This agent's Register on `link`: where it listens, as the controller reaches it."""
         host, _ = parse_address(self.listen)
-        if host in ("0.0.0.0", "::", ""):
+        if listens_everywhere(host):
             host = str(link.connection.transport.get_extra_info("sockname")[0])
         shown = f"[{host}]" if ":" in host else host
         return Register(self.core.agent_id, (f"{shown}:{self.bound_port}",), self.membership.token_sha256)

@@ -18,6 +18,7 @@ without limit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import ssl
@@ -68,6 +69,10 @@ def address_text(address: object) -> str:
     if not isinstance(address, (tuple, list)) or len(address) < 2:
         return "?"
     host, port = address[0], address[1]
+    with contextlib.suppress(ValueError):  # an IPv4 peer of a socket of both families: as IPv4
+        mapped = ipaddress.ip_address(str(host))
+        if isinstance(mapped, ipaddress.IPv6Address) and mapped.ipv4_mapped is not None:
+            host = str(mapped.ipv4_mapped)
     return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
 
 

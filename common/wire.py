@@ -53,6 +53,7 @@ from deskfleet.common.wire_messages import (
     is_loopback_address,
     is_loopback_host,
     is_sha256_hex,
+    listens_everywhere,
     parse_address,
     with_default_port,
 )
@@ -128,6 +129,7 @@ __all__ = [
     "is_loopback_address",
     "is_loopback_host",
     "is_sha256_hex",
+    "listens_everywhere",
     "parse_address",
     "peek_version",
     "same_message",

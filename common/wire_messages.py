@@ -106,6 +106,11 @@ def is_loopback_address(address: str) -> bool:
     return is_loopback_host(host)
 
 
+def listens_everywhere(host: str) -> bool:
+    """Whether a listen host means every interface ("0.0.0.0", "::"): of both IP families where the PC has IPv6."""
+    return host in ("0.0.0.0", "::", "")
+
+
 def is_loopback_host(host: str) -> bool:
     """Whether `host` ("localhost", an IP address without brackets) is this host's loopback; False for another
     host name (it may resolve anywhere)."""

@@ -108,7 +108,7 @@ def add_fleet_commands(subparsers: Any) -> None:
                     "It runs in the foreground until Ctrl-C, SIGTERM or SIGHUP; PCs join and agents register only "
                     "while it runs, and it announces the controller over mDNS unless it listens on loopback.")
     serve.add_argument("--listen", default=None, metavar="HOST:PORT",
-                       help="where to listen (default: every interface, 0.0.0.0, at the port of the first init "
+                       help="where to listen (default: every interface, IPv4 and IPv6, at the port of the first init "
                             "address; a fleet whose init addresses are all loopback: the first of them)")
     serve.set_defaults(handler=_serve, log_times=True)  # it runs for days: each log line says when
 

@@ -30,7 +30,7 @@ from dataclasses import replace
 from websockets.asyncio.server import ServerConnection
 
 from deskfleet.agent.advertise import Announcement, addresses_to_advertise, advertise_while_serving, never_changes
-from deskfleet.agent.link import Link, LinkError, start_server, utc_now
+from deskfleet.agent.link import Link, LinkError, listen_text, start_server, utc_now
 from deskfleet.common import pki
 from deskfleet.common.availability import CALL_IN_MIN_INTERVAL_S
 from deskfleet.common.discovery_record import ControllerRecord
@@ -117,7 +117,7 @@ class FleetServer:
             raise ListenError(f"cannot listen on {self.listen} (--listen, or the port of the address given to "
                               f"`fleet init`): {error.strerror or error}") from None
         self.bound_port = server.sockets[0].getsockname()[1] if server.sockets else port
-        log.info("controller listening on %s:%d", host, self.bound_port)
+        log.info("controller listening on %s", listen_text(host, self.bound_port))
         async with server, asyncio.TaskGroup() as tasks:
             watcher = tasks.create_task(self._watch_revocations(), name="revocations")
             announcer = tasks.create_task(self._announce_forever(), name="mdns")

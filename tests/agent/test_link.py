@@ -434,3 +434,37 @@ def test_a_link_the_peer_closed_as_done_is_told_apart_from_one_that_failed() -> 
     assert done.closed_normally and going.closed_normally
     assert not refused.closed_normally and not dropped.closed_normally
     assert str(done) == "link to controller cccccccccccc at 10.0.0.1:50000 closed: received 1000 (OK)"
+
+
+@pytest.mark.skipif(not socket.has_dualstack_ipv6(), reason="no IPv6 socket takes IPv4 too on this PC")
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_every_interface_is_both_ip_families_at_one_port(tmp_path: Path, host: str) -> None:
+    # on 0.0.0.0 alone, an office's IPv6-only segment reached neither `fleet serve` (no PC could join) nor an agent,
+    # which registered its IPv6 address where nothing listened (from an exploratory test of an IPv6-only LAN)
+    from deskfleet.agent.link import listen_text
+
+    async def scenario() -> None:
+        ca = make_ca(tmp_path / "ca")
+        server_files = make_member(ca, tmp_path / "server", "server")
+        peers: list[str] = []
+
+        async def handler(link: Link) -> None:
+            peers.append(link.address)
+
+        server = await start_server(handler, host, 0, server_files)
+        async with server:
+            port = server.sockets[0].getsockname()[1]
+            assert len(server.sockets) == 1  # one port for both, also where it was 0
+            files = make_member(ca, tmp_path / "client", "client")
+            for address in (f"127.0.0.1:{port}", f"[::1]:{port}"):
+                link = await open_link(address, files)
+                await link.close()
+            for _ in range(100):
+                if len(peers) == 2:
+                    break
+                await asyncio.sleep(0.02)
+        # an IPv4 peer is named as IPv4, not as the IPv4-mapped IPv6 address the socket gives
+        assert [peer.rsplit(":", 1)[0] for peer in peers] == ["127.0.0.1", "[::1]"]
+        assert listen_text(host, port) == f"every interface (IPv4 and IPv6) at port {port}"
+
+    run(scenario())
