@@ -60,7 +60,7 @@ async def advertised_addresses(host: str) -> list[str]:
 async def addresses_to_advertise(host: str) -> tuple[list[str], str]:
     """(the addresses to announce for a listen host now, why there are none when there are none)."""
     if listens_everywhere(host):
-        return interface_addresses(), "this PC has no network address yet"
+        return interface_addresses(), "this PC has no IPv4 network address yet (mDNS announces IPv4 addresses alone)"
     try:
         return ([], f"listening on {host} only") if ipaddress.ip_address(host).is_loopback else ([host], "")
     except ValueError:  # a host name
