@@ -208,13 +208,23 @@ def _store(args: argparse.Namespace) -> FleetStore:
 def _addresses(given: Sequence[str]) -> tuple[str, ...]:
     """--address values, each with the usual port where it names a host alone; one that is no address is refused
     as given (the error quoted it with the port added: 'bad address:7341')."""
+    import ipaddress
+
     from deskfleet.common.wire import ProtocolError, parse_address
 
     for text in given:
         try:
-            parse_address(text, default_port=DEFAULT_PORT)
+            host, _ = parse_address(text, default_port=DEFAULT_PORT)
         except ProtocolError as error:
             raise ValueError(f"--address: {error}") from None
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:  # a host name
+            continue
+        if ip.is_unspecified or ip.is_multicast or ip.is_reserved:  # taken, and put in every token, before
+            raise ValueError(f"--address {text}: {host} is no address a PC can reach the controller at (an "
+                             "unspecified, multicast or reserved address): give this PC's LAN address or host name "
+                             "(`fleet serve` listens on every interface by default)")
     return tuple(with_default_port(text, DEFAULT_PORT) for text in given)
 
 

@@ -63,3 +63,16 @@ def test_serve_with_v_logs_deskfleet_s_own_debug_lines(data_dir: Path, monkeypat
     assert main(["-v", *argv] if verbose else argv) == 0
     # with -v, the root's DEBUG (logging.basicConfig) governs; without, serve's INFO lines show over the WARNING
     assert seen == [logging.NOTSET if verbose else logging.INFO]
+
+
+@pytest.mark.parametrize("address", ["0.0.0.0:7341", "[::]:7341", "[ff02::1]:7341", "224.0.0.1:7341",
+                                     "255.255.255.255:7341"])
+def test_an_init_address_no_pc_can_reach_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    address: str) -> None:
+    # taken, and put in every token: each join then failed at an address nobody listens at (from an exploratory
+    # test of an IPv6-only LAN)
+    data = tmp_path / "controller"
+    assert main(["fleet", "init", "--address", address, "--data-dir", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert f"--address {address}: " in err and "is no address a PC can reach the controller at" in err
+    assert not (data / "ca.pem").exists()
