@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -222,6 +223,9 @@ class PlanOptions:
     # devices, its probe having failed, is not). None: not checked (a plan on paper).
     device: str | None = None
 
+
+# what a dial says where the dialling PC's own network is down: no route, no network (Linux, macOS, Windows)
+NETWORK_DOWN_WORDS = re.compile(r"\[(?:Errno|WinError) (?:51|65|101|113|10051|10065)\]")
 
 # what bounds a shard cache's room, as an exclusion or a problem says it
 DISK_ROOM_BOUNDS = ("its cache_limit_bytes, or its disk's free space less what the cache keeps free for the PC's user, "
@@ -948,7 +952,9 @@ def _not_asked_remedy(unreachable: Sequence[Exclusion]) -> str:
     """What to do about the agents found but not asked: start those that did not answer; upgrade deskfleet where one
     speaks another protocol (its message says on which side: it was told to start an agent that was running)."""
     steps = []
-    if any(e.reason is not ExclusionReason.OTHER_PROTOCOL for e in unreachable):
+    if unreachable and all(NETWORK_DOWN_WORDS.search(e.message) for e in unreachable):  # none has a route from here
+        steps.append("check this PC's own network: every PC is unreachable from it for want of a route or a network")
+    elif any(e.reason is not ExclusionReason.OTHER_PROTOCOL for e in unreachable):
         steps.append("start `deskfleet-agent --headless` on them")
     if any(e.reason is ExclusionReason.OTHER_PROTOCOL for e in unreachable):
         steps.append("upgrade deskfleet where one speaks another fleet protocol, as its message says")

@@ -75,7 +75,7 @@ from deskfleet.controller.fleet_deploy import (
 from deskfleet.controller.fleet_pipeline import ChainError, DeploymentReplaced, FleetPipeline
 from deskfleet.controller.fleet_runs import others_driving
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, agent_label
-from deskfleet.controller.fleet_survey import AgentView, Survey, SurveyOptions, survey
+from deskfleet.controller.fleet_survey import AgentView, Survey, SurveyOptions, survey, survey_through_outage
 
 log = logging.getLogger(__name__)
 
@@ -529,7 +529,7 @@ class FleetFailover:
             settings = load_deploy_settings(self.store, self.model_dir)
             # a PC that registers after this is "back" for the runs after (pcs_back)
             surveyed_at = self.store.stamp(utc_now())
-            found = await survey(self.store, self._survey_options())
+            found = await survey_through_outage(self.store, self._survey_options(), self.notify, surveyor=survey)
             try:
                 self._check_blame(found)
                 self._blame = None  # weighed once a break: a retry after another PC failed meanwhile does not

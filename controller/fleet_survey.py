@@ -16,6 +16,8 @@ import asyncio
 import contextlib
 import datetime
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -30,6 +32,7 @@ from deskfleet.agent.link import (
     open_link,
 )
 from deskfleet.common import pki
+from deskfleet.common.planner import NETWORK_DOWN_WORDS
 from deskfleet.common.wire import Error, KnownRemovals, StatusReport, StatusRequest, is_loopback_address
 from deskfleet.controller.discovery import RESOLVE_TIMEOUT_MS, Discovery, ManualPeers, ZeroconfDiscovery
 from deskfleet.controller.fleet_ca import Revocations, fleet_addresses, take_known_removals
@@ -255,6 +258,38 @@ def _loopback_fleet(store: FleetStore) -> bool:
     except FleetStoreError:
         return False
     return bool(addresses) and all(is_loopback_address(address) for address in addresses)
+
+
+NETWORK_DOWN_WAIT_S = 60.0  # how long a re-plan surveys again while no PC can be reached for this PC's network
+NETWORK_DOWN_RETRY_S = 5.0
+
+
+def network_down(found: Survey) -> bool:
+    """Whether no PC answered and every one dialled failed for want of a route or a network: this PC's own network is
+    the likely fault (its cable, its Wi-Fi), not the PCs."""
+    dialled = [agent for agent in found.agents if agent.address != NO_ADDRESS]
+    return bool(dialled) and not found.reachable() and \
+        all(agent.problem is not None and NETWORK_DOWN_WORDS.search(agent.problem) for agent in dialled)
+
+
+async def survey_through_outage(store: FleetStore, options: SurveyOptions, notify: Callable[[str], None],
+                                wait_s: float = NETWORK_DOWN_WAIT_S, retry_s: float = NETWORK_DOWN_RETRY_S,
+                                surveyor: Callable[[FleetStore, SurveyOptions], Awaitable[Survey]] | None = None
+                                ) -> Survey:
+    """`surveyor` (survey()), again every `retry_s` for up to `wait_s` while network_down: a controller whose network
+    dropped for 20 s ended its run at the first re-plan ("no reachable agents: ... start `deskfleet-agent` on them"),
+    with failovers to spare and every agent running; `notify` hears it once."""
+    surveyor = surveyor or survey
+    found = await surveyor(store, options)
+    deadline = time.monotonic() + wait_s
+    while network_down(found) and time.monotonic() < deadline:
+        if deadline - time.monotonic() >= wait_s - retry_s / 2:  # the first time
+            notify(f"no PC answers, each for want of a route or a network: this PC's network may be down; looking "
+                   f"again every {retry_s:.0f} s for up to {wait_s:.0f} s")
+        await found.close()
+        await asyncio.sleep(retry_s)
+        found = await surveyor(store, options)
+    return found
 
 
 def survey_targets(registry: Registry, enrolled: set[str], revoked: pki.RevocationSet, strangers: int = 0
