@@ -282,8 +282,10 @@ async def survey_through_outage(store: FleetStore, options: SurveyOptions, notif
     surveyor = surveyor or survey
     found = await surveyor(store, options)
     deadline = time.monotonic() + wait_s
+    told = False
     while network_down(found) and time.monotonic() < deadline:
-        if deadline - time.monotonic() >= wait_s - retry_s / 2:  # the first time
+        if not told:
+            told = True
             notify(f"no PC answers, each for want of a route or a network: this PC's network may be down; looking "
                    f"again every {retry_s:.0f} s for up to {wait_s:.0f} s")
         await found.close()
