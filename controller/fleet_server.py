@@ -343,6 +343,9 @@ class FleetServer:
                 revoked: pki.RevocationSet | None = self.revocations()
             except pki.PkiError:  # the watcher says so, and refuses new links meanwhile
                 revoked = None
+            # every call-in is recorded later than every time on record, whatever the clock did (FleetStore.stamp):
+            # the files are read once a batch (they do not change under the lock)
+            after = self.store.stamp(datetime.datetime.min.replace(tzinfo=datetime.UTC))
             for agent_id, (addresses, came_at) in unrecorded.items():
                 if revoked is not None and revoked.is_revoked(agent_id):  # removed since it registered
                     continue
@@ -353,8 +356,7 @@ class FleetServer:
                                 "with host '?' (join it again to name it)", agent_id[:12],
                                 self.store.data_dir / "agents.json")
                     entry = RosterEntry(agent_id, UNKNOWN_HOSTNAME, came_at)
-                # later than every time on record, whatever the clock did (FleetStore.stamp)
-                stamped = self.store.stamp(datetime.datetime.fromisoformat(came_at)).isoformat()
+                stamped = max(datetime.datetime.fromisoformat(came_at), after).isoformat()
                 roster[agent_id] = replace(entry, addresses=addresses, registered_at=stamped)
             self.store.save_roster(roster)
 
