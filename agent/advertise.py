@@ -17,6 +17,7 @@ keeps the record current and outlives what the LAN does to it (no multicast, a n
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import logging
 import socket
@@ -38,17 +39,32 @@ Record = TypeVar("Record", AgentRecord, ControllerRecord)
 
 
 def interface_addresses(include_loopback: bool = False) -> list[str]:
-    """This host's IPv4 addresses that mDNS can use (no link-local; loopback only if asked), sorted."""
-    found = set()
+    """This host's addresses that mDNS can use and announce: IPv4 and IPv6 (global and unique-local), no link-local
+    (a peer cannot dial one without its own interface's zone), loopback only if asked; IPv4 first, each family
+    sorted."""
+    found: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
     for addresses in psutil.net_if_addrs().values():
         for address in addresses:
-            if address.family != socket.AF_INET:
+            if address.family not in (socket.AF_INET, socket.AF_INET6):
                 continue
-            ip = ipaddress.IPv4Address(address.address)
-            if ip.is_link_local or (ip.is_loopback and not include_loopback):
+            try:  # Windows and macOS give an IPv6 link-local address with its zone ("fe80::1%12")
+                ip = ipaddress.ip_address(address.address.split("%", 1)[0])
+            except ValueError:
                 continue
-            found.add(str(ip))
-    return sorted(found, key=ipaddress.IPv4Address)
+            if ip.is_link_local or ip.is_multicast or ip.is_unspecified or (ip.is_loopback and not include_loopback):
+                continue
+            found.add(ip)
+    return [str(ip) for ip in sorted(found, key=lambda ip: (ip.version, ip))]
+
+
+def open_zeroconf(interfaces: Sequence[str]) -> AsyncZeroconf:
+    """Zeroconf's sockets on `interfaces` (IP addresses of this PC), and on them alone; OSError where one of them is
+    on no interface now (an address gone since it was read: zeroconf raises RuntimeError for an IPv6 one, whose
+    interface index it looks up) or mDNS cannot be set up there."""
+    try:
+        return AsyncZeroconf(interfaces=list(interfaces), ip_version=ip_version_of(interfaces))
+    except RuntimeError as error:  # "No adapter found for IP address ..."
+        raise OSError(errno.EADDRNOTAVAIL, str(error)) from None
 
 
 async def advertised_addresses(host: str) -> list[str]:
@@ -60,7 +76,7 @@ async def advertised_addresses(host: str) -> list[str]:
 async def addresses_to_advertise(host: str) -> tuple[list[str], str]:
     """(the addresses to announce for a listen host now, why there are none when there are none)."""
     if listens_everywhere(host):
-        return interface_addresses(), "this PC has no IPv4 network address yet (mDNS announces IPv4 addresses alone)"
+        return interface_addresses(), "this PC has no network address yet"
     try:
         return ([], f"listening on {host} only") if ipaddress.ip_address(host).is_loopback else ([host], "")
     except ValueError:  # a host name
@@ -112,7 +128,6 @@ class Advertiser(Generic[Record]):
         self._port = port
         self._addresses = [ip.packed for ip in parsed]
         self._interfaces = list(interfaces) if interfaces is not None else [str(ip) for ip in parsed]
-        self._ip_version = ip_version_of([str(ip) for ip in parsed])
         self._zeroconf: AsyncZeroconf | None = None
         self._info: AsyncServiceInfo | None = None
 
@@ -128,7 +143,7 @@ class Advertiser(Generic[Record]):
         closed (as they are when cancelled while probing)."""
         if self._zeroconf is not None:
             raise RuntimeError("advertiser already started")
-        self._zeroconf = zeroconf = AsyncZeroconf(interfaces=self._interfaces, ip_version=self._ip_version)
+        self._zeroconf = zeroconf = open_zeroconf(self._interfaces)
         self._info = self._service_info()
         try:
             await (await zeroconf.async_register_service(self._info))  # the inner task: probing done

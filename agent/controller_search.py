@@ -16,9 +16,9 @@ import ipaddress
 import logging
 from collections.abc import Sequence
 
-from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
+from zeroconf.asyncio import AsyncServiceInfo
 
-from deskfleet.agent.advertise import interface_addresses, ip_version_of
+from deskfleet.agent.advertise import interface_addresses, open_zeroconf
 from deskfleet.common.discovery_record import CONTROLLER_SERVICE_TYPE, ControllerRecord, RecordError
 from deskfleet.common.wire import is_loopback_address
 
@@ -48,7 +48,7 @@ async def find_controller(fleet_id: str, controller_id: str, interfaces: Sequenc
     if not interfaces:
         return []
     try:
-        zeroconf = AsyncZeroconf(interfaces=list(interfaces), ip_version=ip_version_of(interfaces))
+        zeroconf = open_zeroconf(interfaces)
     except OSError as error:
         log.info("cannot look for the controller over mDNS on %s: %s", ", ".join(interfaces), error)
         return []

@@ -19,9 +19,10 @@ import logging
 from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol
 
-from zeroconf import IPVersion, ServiceStateChange, Zeroconf
+from zeroconf import ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
+from deskfleet.agent.advertise import open_zeroconf
 from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord, RecordError, agent_id_of_instance
 from deskfleet.common.wire import ProtocolError, Register, parse_address
 from deskfleet.controller.registry import DiscoverySource, Registry, Sighting
@@ -75,9 +76,6 @@ class ZeroconfDiscovery:
         self._loopback_ok = all(ipaddress.ip_address(address).is_loopback for address in interfaces)
         self.strangers: set[str] = set()  # announced agent ids that are no member (not resolved)
         self._warned: set[str] = set()  # members whose malformed announcement was said
-        versions = {ipaddress.ip_address(address).version for address in interfaces}
-        self._ip_version = {frozenset({4}): IPVersion.V4Only, frozenset({6}): IPVersion.V6Only}.get(
-            frozenset(versions), IPVersion.All)
 
     async def run(self) -> None:
         latest: dict[str, ServiceStateChange] = {}  # each instance's newest change not yet handled
@@ -109,7 +107,7 @@ class ZeroconfDiscovery:
                 finally:
                     busy.discard(name)
 
-        zeroconf = AsyncZeroconf(interfaces=self._interfaces, ip_version=self._ip_version)
+        zeroconf = open_zeroconf(self._interfaces)
         browser = AsyncServiceBrowser(zeroconf.zeroconf, SERVICE_TYPE, handlers=[on_change])
         logger.info("browsing %s on %s", SERVICE_TYPE, self._interfaces)
         try:

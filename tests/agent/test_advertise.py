@@ -10,12 +10,13 @@ import asyncio
 import os
 import socket
 import threading
+from types import SimpleNamespace
 
 import psutil
 import pytest
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-from deskfleet.agent.advertise import Advertiser, interface_addresses
+from deskfleet.agent.advertise import Advertiser, interface_addresses, open_zeroconf
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.discovery_record import MEMORY_STEP_BYTES, SERVICE_TYPE, AgentRecord
 from tests.run_ids import run_random
@@ -46,6 +47,30 @@ def test_rejects_unspecified_addresses_and_bad_ports() -> None:
 def test_interface_addresses() -> None:
     assert LOOPBACK in interface_addresses(include_loopback=True)
     assert LOOPBACK not in interface_addresses()
+
+
+def test_interface_addresses_are_both_families_a_peer_can_dial(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before, IPv4 alone: on an IPv6-only LAN an agent announced nothing and `fleet ls` browsed nowhere.
+    def entry(family: int, address: str) -> SimpleNamespace:  # what the code reads of psutil's snicaddr
+        return SimpleNamespace(family=family, address=address)
+
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: {
+        "lo": [entry(socket.AF_INET, "127.0.0.1"), entry(socket.AF_INET6, "::1")],
+        "eth0": [entry(socket.AF_INET6, "fd61::12"), entry(socket.AF_INET, "192.168.7.23"),
+                 entry(socket.AF_INET6, "fe80::1%12"),  # link-local, with its zone as Windows gives it
+                 entry(socket.AF_INET, "169.254.3.4"), entry(socket.AF_INET6, "2001:db8::5"),
+                 entry(psutil.AF_LINK, "00:11:22:33:44:55")],
+        "wlan0": [entry(socket.AF_INET, "10.1.0.5"), entry(socket.AF_INET6, "fd61::3")]})
+    assert interface_addresses() == ["10.1.0.5", "192.168.7.23", "2001:db8::5", "fd61::3", "fd61::12"]
+    assert interface_addresses(include_loopback=True) == ["10.1.0.5", "127.0.0.1", "192.168.7.23", "::1",
+                                                          "2001:db8::5", "fd61::3", "fd61::12"]
+
+
+def test_mdns_on_an_address_no_interface_has_is_an_os_error_that_names_it() -> None:
+    # zeroconf looks up an IPv6 address's interface index and raised RuntimeError for one gone since it was read
+    # (a laptop's address changed): the advertising loop, which waits out an OSError, ended.
+    with pytest.raises(OSError, match="fd61::77"):
+        open_zeroconf(["fd61::77"])
 
 
 def test_update_only_on_a_real_change_before_start() -> None:

@@ -17,7 +17,7 @@ from typing import TypeVar
 import pytest
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-from deskfleet.agent import controller_search
+from deskfleet.agent import advertise
 from deskfleet.agent import link as link_module
 from deskfleet.agent import service as service_module
 from deskfleet.agent.advertise import Advertiser
@@ -103,7 +103,7 @@ def test_a_search_cancelled_midway_closes_its_mdns_sockets(monkeypatch: pytest.M
             super().__init__(*args, **kwargs)  # type: ignore[arg-type]
             opened.append(self)
 
-    monkeypatch.setattr(controller_search, "AsyncZeroconf", Recorded)
+    monkeypatch.setattr(advertise, "AsyncZeroconf", Recorded)  # what open_zeroconf makes
 
     async def scenario() -> None:
         search = asyncio.create_task(find_controller(FLEET, CONTROLLER, [LOOPBACK]))
