@@ -401,8 +401,8 @@ def _ls(args: argparse.Namespace) -> int:
                         "PCs that no deployment in deployments.json places them on (a failover re-planned without "
                         "the PC while it was unreachable, the model was exported again since, or a deploy that did "
                         "not finish could not reach the PC to release it): nothing runs on "
-                        "them; the next `deskfleet fleet deploy` of their model releases them, as does restarting "
-                        "the agent")
+                        "them; `deskfleet fleet serve` releases them when the PC registers again, as do the next "
+                        "`deskfleet fleet deploy` of their model and restarting the agent")
     hostnames = {**store.hostnames(), **{agent.agent_id: agent.hostname for agent in agents
                                          if agent.agent_id is not None and agent.hostname != "?"}}
     notes = _left_out_notes(store, agents, unhosted, hostnames) + [

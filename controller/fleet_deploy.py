@@ -1115,8 +1115,9 @@ def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, s
         folder = str(model_dir.resolve())
         # The records of the exports this folder held before (exported again since): it holds this one now. They
         # go, and their ids are kept in `replaces`, for this deploy and the next ones to release their stages on
-        # every PC they reach (a PC off now keeps its stage, marked "not deployed", until then). A copy of such an
-        # export in another folder is then no longer deployed: `fleet deploy` it to run it.
+        # every PC they reach (a PC off now keeps its stage, marked "not deployed", until then, or until `fleet serve`
+        # releases it when the PC registers again). A copy of such an export in another folder is then no longer
+        # deployed: `fleet deploy` it to run it.
         earlier = _deployments(store)
         old = earlier.get(report.model_id)
         replaced = [model_id for model_id, record in earlier.items()

@@ -12,6 +12,8 @@ REVOCATION_POLL_S, closes the removed agent's link at once and sends every other
 RevocationUpdate (also sent right after each registration), so agents refuse the removed one too. An agent
 answers a list that lacks removals it keeps (the data dir was restored from an older backup) with them,
 signed by the CA, on its registration link: they are added to revoked.json, and the watcher acts on them.
+At each registration and call-in it asks the agent for its status and tells it to release the stages that no
+deployment places on it (a run re-planned without it while it slept or was off its network).
 It also announces itself over mDNS (`_deskfleet-ctl._tcp.local.`, its fleet and controller id) at the addresses
 it listens on, announced again when they change: an agent whose join-token address stops answering looks there
 (agent/controller_search.py). Announcing is a help, not a duty: where multicast fails it is logged and serving
@@ -36,8 +38,20 @@ from deskfleet.common.availability import CALL_IN_MIN_INTERVAL_S
 from deskfleet.common.discovery_record import ControllerRecord
 from deskfleet.common.log_limit import LogEvery
 from deskfleet.common.open_files import log_open_files_limit, raise_open_files_limit
-from deskfleet.common.wire import Error, ErrorCode, KnownRemovals, Register, Role, parse_address
+from deskfleet.common.wire import (
+    Error,
+    ErrorCode,
+    KnownRemovals,
+    Register,
+    ReleaseStage,
+    Role,
+    StageRef,
+    StatusReport,
+    StatusRequest,
+    parse_address,
+)
 from deskfleet.controller.fleet_ca import Revocations, serve_enrollment, spend_token_again, take_known_removals
+from deskfleet.controller.fleet_deploy import DeployError, undeployed_stages
 from deskfleet.controller.fleet_store import UNKNOWN_HOSTNAME, FleetStore, FleetStoreError, RosterEntry
 from deskfleet.controller.shared_identity import SharedIdentityWatch
 
@@ -51,6 +65,7 @@ REGISTER_TIMEOUT_S = 10.0
 ROSTER_BATCH_S = 0.05
 REPORT_LOG_EVERY_S = 60.0  # an agent's report of one kind of failure is a warning at most this often
 ANNOUNCE_REFRESH_S = 10.0  # how often the addresses announced over mDNS are compared with the PC's (as agents do)
+DEPLOY_UNDER_WAY_RECHECK_S = 5.0  # how often a PC's stages are looked at again while a deploy holds the data dir
 
 
 class ListenError(RuntimeError):
@@ -94,6 +109,7 @@ class FleetServer:
         self._recorded: asyncio.Future[None] | None = None  # that write, done or failed
         self._next_write: asyncio.TimerHandle | None = None
         self._writes: set[asyncio.Task[None]] = set()  # roster writes under way (kept from the garbage collector)
+        self._tidying: dict[Link, asyncio.Task[None]] = {}  # a registration link -> its stages' release under way
 
     # Public methods
 
@@ -225,8 +241,12 @@ class FleetServer:
                 log.info("agent %s: %s", agent_id[:12], error)
             if message.token_sha256 is not None:
                 await self._count_join(agent_id, message.token_sha256)
+            await self._ask_status(link)
             await self._read_registration(link)
         finally:
+            tidying = self._tidying.pop(link, None)
+            if tidying is not None:
+                tidying.cancel()
             if self.live.get(agent_id) is link:
                 del self.live[agent_id]
                 self._live_at.pop(agent_id, None)
@@ -267,6 +287,12 @@ class FleetServer:
                 taking_removals = taken is not None
             elif isinstance(message, Register) and message.agent_id == link.peer.agent_id:
                 await self._called_in(link, message)
+            elif isinstance(message, StatusReport):  # the answer to _ask_status
+                earlier = self._tidying.pop(link, None)
+                if earlier is not None:
+                    earlier.cancel()
+                self._tidying[link] = asyncio.create_task(self._release_undeployed(link, message.stages),
+                                                          name="release-undeployed")
             elif isinstance(message, Error):  # a stage's failure with no driver connected to hear it
                 text = "".join(char if char.isprintable() else "?" for char in message.message[:500])  # no forged lines
                 # once a minute per agent and code (a debug line between): any enrolled PC's Forwards to a PC hosting
@@ -304,6 +330,51 @@ class FleetServer:
         log.info("agent %s is available again at %s", agent_id[:12], ", ".join(message.listen_addresses))
         if self.live.get(agent_id) is link:
             self._live_at[agent_id] = message.listen_addresses
+        await self._ask_status(link)
+
+    async def _ask_status(self, link: Link) -> None:
+        """Ask a PC that registered or called in for its status, whose stages _release_undeployed then looks at: a PC
+        back from sleep, or from a network it lost, may hold stages that a run re-planned away from it meanwhile."""
+        try:
+            await link.send(StatusRequest())
+        except LinkError as error:
+            log.debug("agent %s: %s", link.peer.agent_id[:12], error)
+
+    async def _release_undeployed(self, link: Link, stages: tuple[StageRef, ...]) -> None:
+        """Tell the PC of `link` to release each of `stages` that no deployment in deployments.json places on it. A
+        run that lost the PC (asleep, off its network) re-planned without it and could not tell it: it woke holding the
+        stage's memory and cache pins, with nothing to drive it, until the next deploy of that model or the agent's
+        restart (`fleet ls` listed it "not deployed"). While a deploy or a run's re-plan holds the data dir's deploy
+        lock it may be assigning these very stages, and what it saves decides: they are looked at again once it is
+        done. The lock is looked at and deployments.json read together, in one thread's call, just before the sends:
+        a deploy that takes the lock after that reaches the PC's link with its assignment only after a plan and a
+        shard query, by when the release sent here has long arrived (the agent acts on it first)."""
+        agent_id = link.peer.agent_id
+        if not stages:
+            return
+        while (stale := await asyncio.to_thread(self._undeployed_now, agent_id, stages)) is None:
+            await asyncio.sleep(DEPLOY_UNDER_WAY_RECHECK_S)
+        for stage in stale:
+            try:
+                await link.send(ReleaseStage(stage))
+            except LinkError as error:
+                log.info("agent %s keeps the stage %s[%d:%d] that no deployment places on it (cannot tell it to "
+                         "release it: %s)", agent_id[:12], stage.model_id, stage.layer_start, stage.layer_end, error)
+                return
+            log.info("agent %s released %s[%d:%d]: no deployment places it there (a run re-planned without this PC "
+                     "while it could not be reached)", agent_id[:12], stage.model_id, stage.layer_start,
+                     stage.layer_end)
+
+    def _undeployed_now(self, agent_id: str, stages: tuple[StageRef, ...]) -> list[StageRef] | None:
+        """Of `stages`, those no deployment places on `agent_id`; None while a deploy is under way, and none where
+        deployments.json cannot be read (logged: `fleet ls` says so too)."""
+        if self.store.deploy_under_way():
+            return None
+        try:
+            return undeployed_stages(self.store, {agent_id: stages}).get(agent_id, [])
+        except (DeployError, FleetStoreError, OSError) as error:
+            log.warning("cannot tell whether agent %s's stages are deployed: %s", agent_id[:12], error)
+            return []
 
     async def _record(self, agent_id: str, addresses: tuple[str, ...]) -> None:
         """Record in the roster where the agent listens; returns once agents.json says so, or raises what the

@@ -1,0 +1,118 @@
+"""`fleet serve` releases, at a PC's registration, the stages it holds that no deployment places on it.
+
+A run that lost a PC (asleep, off its network) re-planned without it and could not tell it; the PC woke holding the
+stage's memory and cache pins, driven by nothing, until the next deploy of that model or the agent's restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import cast
+
+import pytest
+
+from deskfleet.agent.core import HostedStage
+from deskfleet.agent.enroll import join
+from deskfleet.agent.paths import AgentPaths
+from deskfleet.agent.service import AgentOptions, AgentService
+from deskfleet.agent.stage_executor import StageExecutor
+from deskfleet.common.wire import AssignStage, Precision, StageRef
+from deskfleet.controller import fleet_server
+from deskfleet.controller.fleet_store import FleetStore
+from tests.agent.test_core import FakeMonitor
+from tests.controller.test_fleet_ca import token_for
+from tests.controller.test_fleet_restored_removals import serving, stopped, wait_until
+from tests.log_records import records_of
+from tests.ports import free_address
+
+DEPLOYED, LEFT_BEHIND, OF_NO_DEPLOYMENT = StageRef("m@1", 0, 2), StageRef("m@1", 2, 4), StageRef("gone@3", 0, 4)
+
+
+def _deploy_on_record(store: FleetStore, agent_id: str) -> None:
+    """deployments.json as a run's re-plan left it: m@1 on this PC's layers 0-2 and another PC's 2-4."""
+    stages = [{"agent_id": agent_id, "address": "127.0.0.1:7431", "layer_start": 0, "layer_end": 2},
+              {"agent_id": "b" * 52, "address": "127.0.0.1:7432", "layer_start": 2, "layer_end": 4}]
+    (store.data_dir / "deployments.json").write_text(json.dumps({"format": 1, "body": {"m@1": {"stages": stages}}}))
+
+
+def _hold(agent: AgentService, ref: StageRef) -> None:
+    """A stage the agent hosts (entered by hand: never run, its memory nothing to free)."""
+    first = ref.layer_start == 0
+    assignment = AssignStage(ref, first, False, "CPU", Precision.F32, None, (), None, None if first else "c" * 52)
+    agent.core.stages[ref] = HostedStage(assignment, cast(StageExecutor, None), asyncio.Lock(),
+                                         f"{ref.model_id}-{ref.layer_start}")
+
+
+@contextlib.asynccontextmanager
+async def registering_with(agent_dir: Path, stages: list[StageRef]) -> AsyncIterator[AgentService]:
+    """The agent of `agent_dir`, holding `stages`, registering with its controller while the block runs."""
+    agent = AgentService(AgentOptions(agent_dir, listen=free_address()), monitor=FakeMonitor())
+    agent.bound_port = 7431
+    for ref in stages:
+        _hold(agent, ref)
+    task = asyncio.create_task(agent._register_forever())
+    try:
+        yield agent
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await agent.core.close()
+
+
+@pytest.mark.usefixtures("no_controller_search")
+def test_a_pc_back_holding_stages_no_deployment_places_is_told_to_release_them(
+        store: FleetStore, tmp_path: Path) -> None:
+    address = free_address()
+
+    async def scenario() -> set[StageRef]:
+        server, running = await serving(store, address)
+        membership = await join(token_for(store, address), AgentPaths.resolve(tmp_path / "pc").state_dir, "pc")
+        _deploy_on_record(store, membership.agent_id)
+        async with registering_with(tmp_path / "pc", [DEPLOYED, LEFT_BEHIND, OF_NO_DEPLOYMENT]) as agent:
+            await wait_until("the stages no deployment places released", lambda: len(agent.core.stages) == 1)
+            await asyncio.sleep(0.3)  # nothing more goes
+            kept = set(agent.core.stages)
+        await stopped(server, running)
+        return kept
+
+    with records_of(fleet_server.log.name, logging.INFO) as said:
+        assert asyncio.run(scenario()) == {DEPLOYED}
+    released = sorted(message for message in said.messages() if "released" in message)
+    assert len(released) == 2 and "released gone@3[0:4]: no deployment places it there" in released[0], released
+    assert "released m@1[2:4]" in released[1], released
+
+
+@pytest.mark.usefixtures("no_controller_search")
+def test_stages_are_left_alone_while_a_deploy_is_under_way_and_looked_at_once_it_is_done(
+        store: FleetStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a deploy or a run's re-plan may be assigning the very stage: what it saves decides
+    monkeypatch.setattr(fleet_server, "DEPLOY_UNDER_WAY_RECHECK_S", 0.1)
+    address = free_address()
+
+    async def scenario() -> tuple[set[StageRef], set[StageRef]]:
+        server, running = await serving(store, address)
+        membership = await join(token_for(store, address), AgentPaths.resolve(tmp_path / "pc").state_dir, "pc")
+        _deploy_on_record(store, membership.agent_id)
+        async with registering_with(tmp_path / "pc", [DEPLOYED, LEFT_BEHIND, OF_NO_DEPLOYMENT]) as agent:
+            with store.deploying():  # as a deploy holds it
+                await wait_until("the agent registered", lambda: membership.agent_id in server.live)
+                await asyncio.sleep(1.0)
+                during = set(agent.core.stages)
+                # the deploy placed LEFT_BEHIND on this PC, and saved that before it let go of the lock
+                body = json.loads((store.data_dir / "deployments.json").read_text())
+                body["body"]["m@1"]["stages"][1]["agent_id"] = membership.agent_id
+                (store.data_dir / "deployments.json").write_text(json.dumps(body))
+            await wait_until("the stage no deployment places released", lambda: len(agent.core.stages) == 2)
+            after = set(agent.core.stages)
+        await stopped(server, running)
+        return during, after
+
+    during, after = asyncio.run(scenario())
+    assert during == {DEPLOYED, LEFT_BEHIND, OF_NO_DEPLOYMENT}
+    assert after == {DEPLOYED, LEFT_BEHIND}
