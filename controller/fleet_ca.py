@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import ipaddress
 import logging
 import re
 import socket
@@ -146,14 +147,27 @@ def addresses_elsewhere(addresses: tuple[str, ...]) -> bool:
 
 
 def default_address() -> str:
-    """This machine's address on the network that reaches the default route, with the default port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("192.0.2.1", 9))  # TEST-NET: no packet is sent for a UDP connect
-            host = probe.getsockname()[0]
-        except OSError:
-            host = "127.0.0.1"
-    return f"{host}:{DEFAULT_PORT}"
+    """This machine's address on the network that reaches the default route, with the default port: its IPv4
+    route's, else its IPv6 route's (an IPv6-only LAN: the IPv4 probe alone gave 127.0.0.1 there, in every token),
+    else loopback."""
+    for family, target in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):  # documentation nets
+        host = route_source(family, target)
+        if host is not None:
+            return f"[{host}]:{DEFAULT_PORT}" if family == socket.AF_INET6 else f"{host}:{DEFAULT_PORT}"
+    return f"127.0.0.1:{DEFAULT_PORT}"
+
+
+def route_source(family: socket.AddressFamily, target: str) -> str | None:
+    """The address this machine sends from to reach `target`; None where no route of that family reaches it or
+    the route's source is one no other PC can dial (loopback, link-local). A UDP connect sends no packet."""
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:  # no IPv6 on this PC: OSError here
+            probe.connect((target, 9))
+            host = str(probe.getsockname()[0]).split("%", 1)[0]
+    except OSError:
+        return None
+    ip = ipaddress.ip_address(host)
+    return None if ip.is_loopback or ip.is_link_local or ip.is_unspecified else host
 
 
 # Public functions: tokens and removal

@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import logging
 import re
+import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -20,7 +21,7 @@ from deskfleet.agent.enroll import EnrollmentError, Membership, agent_tls_files,
 from deskfleet.agent.link import LinkError, open_link, utc_now
 from deskfleet.common import join_tokens, pki, tls
 from deskfleet.common.wire import Register, RevocationUpdate
-from deskfleet.controller import fleet_server, fleet_store, fleet_survey
+from deskfleet.controller import fleet_ca, fleet_server, fleet_store, fleet_survey
 from deskfleet.controller.fleet_ca import (
     Revocations,
     init_fleet,
@@ -683,3 +684,19 @@ def test_the_hostname_shown_for_a_pc_the_roster_never_saw_join_names_no_pc(store
                                               r"never learnt .*: give its agent id"):
         remove_agent(store, "?")
     assert not store.read("revoked", []) and store.resolve_agent(unknown[:10]) == unknown
+
+
+@pytest.mark.parametrize(("routes", "expected"), [
+    ({socket.AF_INET: "10.1.0.5", socket.AF_INET6: "fd61::12"}, "10.1.0.5:7341"),  # dual stack: IPv4, as before
+    ({socket.AF_INET: None, socket.AF_INET6: "fd61::12"}, "[fd61::12]:7341"),  # IPv6 alone: gave 127.0.0.1
+    ({socket.AF_INET: None, socket.AF_INET6: None}, "127.0.0.1:7341"),  # no network yet
+])
+def test_the_default_address_is_the_routes_of_either_family(monkeypatch: pytest.MonkeyPatch,
+                                                            routes: dict[int, str | None], expected: str) -> None:
+    monkeypatch.setattr(fleet_ca, "route_source", lambda family, target: routes[family])
+    assert fleet_ca.default_address() == expected
+
+
+def test_a_route_from_this_pc_alone_is_no_address_to_give_out() -> None:
+    assert fleet_ca.route_source(socket.AF_INET, "127.0.0.1") is None  # loopback: no other PC dials it
+    assert fleet_ca.route_source(socket.AF_INET6, "::1") is None
