@@ -110,6 +110,7 @@ class FleetServer:
         self._next_write: asyncio.TimerHandle | None = None
         self._writes: set[asyncio.Task[None]] = set()  # roster writes under way (kept from the garbage collector)
         self._tidying: dict[Link, asyncio.Task[None]] = {}  # a registration link -> its stages' release under way
+        self._asked: set[Link] = set()  # registration links asked for a status that has not come yet
 
     # Public methods
 
@@ -247,6 +248,7 @@ class FleetServer:
             tidying = self._tidying.pop(link, None)
             if tidying is not None:
                 tidying.cancel()
+            self._asked.discard(link)
             if self.live.get(agent_id) is link:
                 del self.live[agent_id]
                 self._live_at.pop(agent_id, None)
@@ -287,7 +289,9 @@ class FleetServer:
                 taking_removals = taken is not None
             elif isinstance(message, Register) and message.agent_id == link.peer.agent_id:
                 await self._called_in(link, message)
-            elif isinstance(message, StatusReport):  # the answer to _ask_status
+            elif isinstance(message, StatusReport) and link in self._asked:  # the answer to _ask_status (one a
+                # member sends unasked is not: each would read deployments.json)
+                self._asked.discard(link)
                 earlier = self._tidying.pop(link, None)
                 if earlier is not None:
                     earlier.cancel()
@@ -335,6 +339,7 @@ class FleetServer:
     async def _ask_status(self, link: Link) -> None:
         """Ask a PC that registered or called in for its status, whose stages _release_undeployed then looks at: a PC
         back from sleep, or from a network it lost, may hold stages that a run re-planned away from it meanwhile."""
+        self._asked.add(link)
         try:
             await link.send(StatusRequest())
         except LinkError as error:
@@ -361,9 +366,9 @@ class FleetServer:
                 log.info("agent %s keeps the stage %s[%d:%d] that no deployment places on it (cannot tell it to "
                          "release it: %s)", agent_id[:12], stage.model_id, stage.layer_start, stage.layer_end, error)
                 return
-            log.info("agent %s released %s[%d:%d]: no deployment places it there (a run re-planned without this PC "
-                     "while it could not be reached)", agent_id[:12], stage.model_id, stage.layer_start,
-                     stage.layer_end)
+            log.info("agent %s released %s[%d:%d]: no deployment places it there (a run re-planned without this PC, "
+                     "or its model's folder was deployed again, while the PC could not be reached)", agent_id[:12],
+                     stage.model_id, stage.layer_start, stage.layer_end)
 
     def _undeployed_now(self, agent_id: str, stages: tuple[StageRef, ...]) -> list[StageRef] | None:
         """Of `stages`, those no deployment places on `agent_id`; None while a deploy is under way, and none where

@@ -12,17 +12,21 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import cast
 
 import pytest
 
 from deskfleet.agent.core import HostedStage
 from deskfleet.agent.enroll import join
+from deskfleet.agent.link import Link, LinkError
 from deskfleet.agent.paths import AgentPaths
 from deskfleet.agent.service import AgentOptions, AgentService
 from deskfleet.agent.stage_executor import StageExecutor
-from deskfleet.common.wire import AssignStage, Precision, StageRef
+from deskfleet.common.agent_state import AgentState
+from deskfleet.common.wire import AssignStage, Message, Precision, StageRef, StatusReport
 from deskfleet.controller import fleet_server
+from deskfleet.controller.fleet_server import FleetServer
 from deskfleet.controller.fleet_store import FleetStore
 from tests.agent.test_core import FakeMonitor
 from tests.controller.test_fleet_ca import token_for
@@ -116,3 +120,38 @@ def test_stages_are_left_alone_while_a_deploy_is_under_way_and_looked_at_once_it
     during, after = asyncio.run(scenario())
     assert during == {DEPLOYED, LEFT_BEHIND, OF_NO_DEPLOYMENT}
     assert after == {DEPLOYED, LEFT_BEHIND}
+
+
+class _Replying:
+    """A registration link that delivers `messages`, then closes."""
+
+    def __init__(self, messages: list[Message]) -> None:
+        self.peer = SimpleNamespace(agent_id="a" * 52)
+        self._messages = list(messages)
+
+    async def receive(self) -> Message:
+        if not self._messages:
+            raise LinkError("closed")
+        return self._messages.pop(0)
+
+    async def send(self, message: Message) -> None:
+        pass
+
+
+def test_a_status_report_no_one_asked_for_is_not_acted_on(store: FleetStore) -> None:
+    # each would read deployments.json: a member spamming reports on its registration link would cost the server that
+    server = FleetServer(store, free_address())
+    report = StatusReport(AgentState.AVAILABLE, 1 << 30, 0.1, None, None, None, None, (LEFT_BEHIND,), None)
+
+    async def tidied(ask: bool) -> bool:
+        link = cast(Link, _Replying([report]))
+        if ask:
+            await server._ask_status(link)
+        await server._read_registration(link)
+        tidying = server._tidying.pop(link, None)
+        if tidying is not None:
+            await tidying
+        return tidying is not None
+
+    assert asyncio.run(tidied(ask=False)) is False
+    assert asyncio.run(tidied(ask=True)) is True
