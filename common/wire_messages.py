@@ -85,7 +85,7 @@ def parse_address(text: str, any_port: bool = False, default_port: int | None = 
     address = text if default_port is None else with_default_port(text, default_port)
     host, separator, port_text = address.rpartition(":")
     if not separator or _HOST.fullmatch(host) is None:
-        raise ProtocolError(f"address {text[:300]!r} is not host:port{_bracket_hint(address)}")
+        raise ProtocolError(f"address {text[:300]!r} is not host:port{_bracket_hint(address) or _zone_hint(host)}")
     if not _dialable(host):
         raise ProtocolError(f"address {text[:300]!r} names no host that can be dialled (an IPv4 address, an IPv6 "
                             "address in brackets, or a name of dot-separated labels of 1 to 63 characters)")
@@ -140,6 +140,16 @@ def _bracket_hint(text: str) -> str:
     if _is_ipv6(text):
         forms.append(f"[{text}]:PORT")
     return f" (an IPv6 host goes in brackets: {' or '.join(forms)})"[:300] if forms else ""
+
+
+def _zone_hint(host: str) -> str:
+    """Why an IPv6 address with a zone ("[fe80::1%eth0]") is refused, or "": its zone names an interface of one PC,
+    which another PC's differs from, so it is no address to hand around."""
+    address, percent, zone = host.strip("[]").partition("%")
+    if not percent or not zone or not _is_ipv6(address):
+        return ""
+    return (f" (an IPv6 address with a zone, {'%' + zone[:40]!r}, names an interface of one PC: give a global or "
+            "unique-local IPv6 address, an IPv4 address or a host name, which every PC can dial)")
 
 
 def _dialable(host: str) -> bool:

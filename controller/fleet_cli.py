@@ -225,6 +225,10 @@ def _addresses(given: Sequence[str]) -> tuple[str, ...]:
             raise ValueError(f"--address {text}: {host} is no address a PC can reach the controller at (an "
                              "unspecified, multicast or reserved address): give this PC's LAN address or host name "
                              "(`fleet serve` listens on every interface by default)")
+        if ip.version == 6 and ip.is_link_local:  # a PC dials one only with a zone of its own interface (fe80::1%eth0)
+            raise ValueError(f"--address {text}: {host} is a link-local address, which other PCs can dial only "
+                             "through an interface of their own that they would have to name: give this PC's "
+                             "global or unique-local address, its IPv4 address or its host name")
     return tuple(with_default_port(text, DEFAULT_PORT) for text in given)
 
 

@@ -619,7 +619,12 @@ def test_addresses_need_a_port_and_port_zero_only_to_listen() -> None:
                        ("fe80::1", " (an IPv6 host goes in brackets: [fe80::1]:PORT)"),  # no port given
                        ("2001:db8::5:8765", " (an IPv6 host goes in brackets: [2001:db8::5]:8765 or "
                                             "[2001:db8::5:8765]:PORT)"),
-                       ("::", " (an IPv6 host goes in brackets: [::]:PORT)"), ("host:name:80", ""), ("a b:1", "")):
+                       ("::", " (an IPv6 host goes in brackets: [::]:PORT)"), ("host:name:80", ""), ("a b:1", ""),
+                       # a zone names one PC's interface: said why it is refused
+                       ("[fe80::1%eth0]:80", " (an IPv6 address with a zone, '%eth0', names an interface of one PC: "
+                                             "give a global or unique-local IPv6 address, an IPv4 address or a host "
+                                             "name, which every PC can dial)"),
+                       ("[fe80::1%]:80", ""), ("[pc%eth0]:80", "")):
         with pytest.raises(ProtocolError, match=f"^{re.escape(f'address {text!r} is not host:port{hint}')}$"):
             wire.parse_address(text)
 

@@ -76,3 +76,23 @@ def test_an_init_address_no_pc_can_reach_is_refused(tmp_path: Path, capsys: pyte
     err = capsys.readouterr().err
     assert f"--address {address}: " in err and "is no address a PC can reach the controller at" in err
     assert not (data / "ca.pem").exists()
+
+
+@pytest.mark.parametrize(("address", "said"), [
+    ("[fe80::1]:7341", "fe80::1 is a link-local address, which other PCs can dial only through an interface of their "
+                       "own"),
+    ("[fe80::1%eth0]:7341", "an IPv6 address with a zone, '%eth0', names an interface of one PC"),
+])
+def test_an_ipv6_link_local_init_address_is_refused_with_what_to_give(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], address: str, said: str) -> None:
+    # taken without its zone and put in every token, where no other PC could dial it; with its zone, refused as "not
+    # host:port" with no word of why (from an exploratory test of an IPv6-only LAN)
+    data = tmp_path / "controller"
+    assert main(["fleet", "init", "--address", address, "--data-dir", str(data)]) == 2
+    assert said in capsys.readouterr().err
+    assert not (data / "ca.pem").exists()
+
+
+def test_an_ipv4_link_local_init_address_is_taken(tmp_path: Path) -> None:
+    # a LAN without DHCP gives every PC a 169.254/16 address, which any PC on it dials without a zone
+    assert main(["fleet", "init", "--address", "169.254.7.9:7341", "--data-dir", str(tmp_path / "controller")]) == 0
