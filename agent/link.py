@@ -12,7 +12,10 @@ Used by both sides (the controller installs the agent package). The rules every 
 - websocket pings keep the link alive and close it within PING_INTERVAL_S + PING_TIMEOUT_S +
   CLOSE_TIMEOUT_S (17 s) when the peer disappears: after a missed pong, websockets sends a close frame
   and waits CLOSE_TIMEOUT_S for the answer a stopped peer never gives (measured: 17.0 s on a SIGSTOPped
-  agent); a killed peer's socket closes at once.
+  agent); a killed peer's socket closes at once;
+- TCP's retransmission back-off is capped at RETRANSMIT_BACKOFF_CAP_MS where the system takes it (Linux 6.15 and
+  later), so that a link whose cable or Wi-Fi dropped for less than the ping timeout carries on within a second of
+  coming back (`cap_retransmit_backoff`).
 
 This module is thin asyncio around the sans-I/O codec in common/wire.py.
 """
@@ -27,6 +30,7 @@ import logging
 import re
 import socket
 import ssl
+import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -68,6 +72,14 @@ PING_TIMEOUT_S = 10.0
 # A peer that does not answer our close frame within this is stalled (a stopped process): the TCP connection is
 # dropped then. websockets' default, 10 s, held Ctrl-C on a chain with a stalled PC for that long.
 CLOSE_TIMEOUT_S = 2.0
+# The longest wait between two resends of unacknowledged data. TCP doubles it from ~0.2 s at each resend, to 120 s:
+# after an 8 s drop of a PC's link, the resends came at 6.2 s (still down) and 12.6 s, and the 10 s keepalive ping
+# had timed out meanwhile, so a chain of PCs that were all fine failed over (measured, from an exploratory test of
+# link blips, 3-PC chains in network namespaces: 8 s blips of a PC's or the controller's link failed over in 3 of 4
+# runs before, in neither of 2 with the cap, each resuming within ~1 s of the link coming back; a PC cut off for good
+# was still found in ~12 s). It costs one resend a second while a link is down.
+RETRANSMIT_BACKOFF_CAP_MS = 1000
+_TCP_RTO_MAX_MS = 44  # <linux/tcp.h>, Linux 6.15 and later; Python's socket module does not name it yet
 OPEN_TIMEOUT_S = 10.0
 HELLO_TIMEOUT_S = OPEN_TIMEOUT_S  # a peer that opened a websocket but says no Hello is dropped after this
 # The join exchange's messages are a few KB (a CSR, a token, certificates): a client with no certificate
@@ -241,6 +253,7 @@ class Link:
         self.peer = peer
         self.address = address
         self.peer_software: str | None = None  # the deskfleet version its Hello named
+        cap_retransmit_backoff(connection)
 
     def take_large_frames(self) -> None:
         """Read frames up to the codec's limit on this link from now on: a listening side's link reads at most
@@ -295,6 +308,21 @@ class Link:
 
     def describe(self) -> str:
         return f"{self.peer.role.value} {self.peer.agent_id[:12]} at {self.address}"
+
+
+def cap_retransmit_backoff(connection: Connection) -> bool:
+    """Cap the TCP retransmission back-off of `connection`'s socket at RETRANSMIT_BACKOFF_CAP_MS; False where the
+    system has no such option (an older Linux refuses it; Windows and macOS have none: their own back-off stays) or
+    the socket is not at hand. Both event loops give the TCP socket beneath the TLS layer."""
+    sock = connection.transport.get_extra_info("socket") if connection.transport is not None else None
+    if sock is None or not sys.platform.startswith("linux"):
+        return False
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_RTO_MAX_MS, RETRANSMIT_BACKOFF_CAP_MS)
+    except OSError as error:
+        log.debug("TCP's retransmission back-off stays uncapped on this system: %s", error)
+        return False
+    return True
 
 
 # Public functions: serving

@@ -17,7 +17,7 @@ from websockets.frames import Close, CloseCode
 
 from deskfleet.agent import link as link_module
 from deskfleet.agent.link import Link, LinkError, LinkRefused, open_link, start_server, utc_now, why_closed
-from deskfleet.common import pki
+from deskfleet.common import event_loop, pki
 from deskfleet.common.wire import PROTOCOL_VERSION, Error, ErrorCode, Hello, Role, StatusRequest, decode, encode
 from tests.fleet_pki import make_ca, make_member
 from tests.log_records import records_of
@@ -468,3 +468,37 @@ def test_every_interface_is_both_ip_families_at_one_port(tmp_path: Path, host: s
         assert listen_text(host, port) == f"every interface (IPv4 and IPv6) at port {port}"
 
     run(scenario())
+
+
+def kernel_caps_retransmits() -> bool:
+    """Whether this system takes TCP_RTO_MAX_MS (Linux 6.15 and later)."""
+    with socket.socket() as probe:
+        try:
+            probe.setsockopt(socket.IPPROTO_TCP, link_module._TCP_RTO_MAX_MS, 1000)
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.skipif(not kernel_caps_retransmits(), reason="this system has no TCP_RTO_MAX_MS")
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_both_ends_of_a_link_cap_tcps_retransmission_back_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              loop: str) -> None:
+    # an 8 s drop of a PC's link outlasted the 10 s keepalive: TCP's resends came at 6.2 s and 12.6 s
+    monkeypatch.setenv("DESKFLEET_EVENT_LOOP", loop)
+
+    def cap(link: Link) -> int:
+        sock = link.connection.transport.get_extra_info("socket")
+        return int(sock.getsockopt(socket.IPPROTO_TCP, link_module._TCP_RTO_MAX_MS))
+
+    async def scenario() -> tuple[int, int]:
+        server, port, seen, ca = await _serve(tmp_path)
+        async with server:
+            link = await open_link(f"127.0.0.1:{port}", make_member(ca, tmp_path / "client", "client", Role.CONTROLLER))
+            await link.send(StatusRequest())
+            await link.receive()
+            caps = cap(link), cap(seen[0])
+            await link.close()
+            return caps
+
+    assert event_loop.run(scenario()) == (link_module.RETRANSMIT_BACKOFF_CAP_MS,) * 2
