@@ -120,6 +120,8 @@ HOP_SEND_TIMEOUT_S = 30.0
 # step dialled it anew (two 10 s dials each), so the new chain's step waited behind the old chain's for minutes
 # before its Error reached the driver.
 HOP_RETRY_AFTER_S = 3.0
+# How long a re-assigned stage's open link to its next hop gets to answer a ping before it is dropped and dialled anew
+NEXT_HOP_CHECK_S = 2.0
 # How long a stopping agent waits for its next hops' watchers once their links are closed (each ends at once as its
 # link closes; the link's close handshake takes up to its close timeout) before it cancels them
 HOP_WATCHERS_CLOSE_S = 5.0
@@ -645,6 +647,8 @@ class AgentCore:
                 self.stages[message.stage] = replace(hosted, assignment=message)  # new neighbours at most
                 self._refusals_logged.clear()
                 self._unreachable_hops.clear()  # a re-plan's chain dials its next hop afresh
+                if message.next_hop is not None:
+                    await self._check_next_hop_link(message.next_hop)
                 if hosted.assignment.previous_agent_id != message.previous_agent_id:
                     self._narrow_links_of(hosted.assignment.previous_agent_id)  # the hop before it moved
                 self._widen_links_of(message.previous_agent_id)
@@ -1059,6 +1063,19 @@ class AgentCore:
                     text = f"next hop agent {hop.agent_id[:12]} at {hop.address} is unreachable: {error}"
                     self._unreachable_hops[hop.agent_id] = (time.monotonic(), text)
                     raise CommandError(ErrorCode.INTERNAL, text, agent_id=hop.agent_id) from None
+
+    async def _check_next_hop_link(self, hop: NextHop) -> None:
+        """Drop the open link to `hop` unless it answers a ping within NEXT_HOP_CHECK_S, so that the next step dials it
+        afresh. A re-plan onto the same chain (a network drop broke it) kept the link opened before the drop, still
+        waiting out TCP's back-off: its keepalive closed it seconds into the new chain's run, a second failover that
+        left a healthy PC out (from an exploratory test of link blips)."""
+        link = self._next_hops.get(hop.agent_id)
+        if link is None or await link.answers_within(NEXT_HOP_CHECK_S):
+            return
+        if self._next_hops.get(hop.agent_id) is link:
+            log.info("dropped the link to next hop %s: it answered no ping within %.0f s; the next step dials it "
+                     "anew", link.describe(), NEXT_HOP_CHECK_S)
+            await self._drop_hop_link(hop, link)
 
     async def _drop_hop_link(self, hop: NextHop, link: Link) -> None:
         """Give up a next-hop link that stalled: a send cut mid-frame leaves it unusable, and a close handshake waits

@@ -255,6 +255,17 @@ class Link:
         self.peer_software: str | None = None  # the deskfleet version its Hello named
         cap_retransmit_backoff(connection)
 
+    async def answers_within(self, seconds: float) -> bool:
+        """Whether the peer answers a websocket ping within `seconds`: a link that outlived a network fault may still
+        be waiting out TCP's back-off, or lead to a peer gone that its keepalive has not found yet."""
+        try:
+            async with asyncio.timeout(seconds):
+                pong = await self.connection.ping()
+                await pong
+        except (TimeoutError, ConnectionClosed):
+            return False
+        return True
+
     def take_large_frames(self) -> None:
         """Read frames up to the codec's limit on this link from now on: a listening side's link reads at most
         SMALL_FRAME_BYTES until it is told so (`start_server`'s `large_frames`, or later: a stage assigned)."""

@@ -502,3 +502,15 @@ def test_both_ends_of_a_link_cap_tcps_retransmission_back_off(tmp_path: Path, mo
             return caps
 
     assert event_loop.run(scenario()) == (link_module.RETRANSMIT_BACKOFF_CAP_MS,) * 2
+
+
+def test_a_live_link_answers_a_ping_and_a_closed_one_does_not(tmp_path: Path) -> None:
+    async def scenario() -> tuple[bool, bool]:
+        server, port, _, ca = await _serve(tmp_path)
+        async with server:
+            link = await open_link(f"127.0.0.1:{port}", make_member(ca, tmp_path / "client", "client", Role.CONTROLLER))
+            live = await link.answers_within(2.0)
+            await link.close()
+            return live, await link.answers_within(2.0)
+
+    assert asyncio.run(scenario()) == (True, False)

@@ -16,6 +16,7 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import cast
 
 import numpy as np
@@ -539,3 +540,36 @@ def test_an_assignment_lets_its_previous_hops_open_links_carry_hidden_states(tmp
     assert early.large_frames and not other.large_frames
     assert isinstance(command(core, replace(assignment, previous_agent_id=STRANGER)), StageReady)  # new neighbours
     assert other.large_frames and not early.large_frames  # the hop before it moved: the old one's link narrowed
+
+
+class _HopLink:
+    """An open next-hop link that answers a ping, or does not (a link waiting out TCP's back-off after a drop)."""
+
+    def __init__(self, answers: bool) -> None:
+        self.answers = answers
+        self.pinged = self.closed = False
+        self.peer = SimpleNamespace(agent_id=NEXT)
+
+    async def answers_within(self, seconds: float) -> bool:
+        self.pinged = True
+        return self.answers
+
+    async def close(self) -> None:
+        self.closed = True
+
+    def describe(self) -> str:
+        return f"agent {NEXT[:12]}"
+
+
+@pytest.mark.parametrize("answers", [True, False])
+def test_a_stage_assigned_again_keeps_its_next_hop_link_only_if_it_answers_a_ping(tmp_path: Path,
+                                                                                   answers: bool) -> None:
+    # a re-plan onto the same chain kept the link opened before a network drop, still waiting out TCP's back-off:
+    # its keepalive closed it seconds into the new chain's run, a second failover (from an exploratory test of blips)
+    core = make_core(tmp_path, "agent")
+    assignment = fake_stage(core, "tiny@1", PREVIOUS, NEXT)
+    hop_link = _HopLink(answers)
+    core._next_hops[NEXT] = cast(Link, hop_link)
+    assert isinstance(command(core, assignment), StageReady)  # the re-plan's assignment: the same stage
+    assert hop_link.pinged
+    assert (core._next_hops.get(NEXT) is hop_link) is answers and hop_link.closed is not answers
