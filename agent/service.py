@@ -25,6 +25,7 @@ from deskfleet.agent.advertise import (
     Announcement,
     addresses_to_advertise,
     advertise_while_serving,
+    interface_addresses,
     never_changes,
 )
 from deskfleet.agent.controller_search import find_controller, interfaces_to_search
@@ -376,7 +377,9 @@ class AgentService:
         search_after = 0.0  # time.monotonic() of the next look for a moved controller over mDNS
         while True:
             answered = False  # whether the controller answered at an address this pass (a refusal too: it is there)
-            for address in self.membership.controller_addresses:
+            # those of a family this PC has none of fail at once, and said so as an outage at every start
+            addresses = self.membership.controller_addresses
+            for address in dialable_here(list(addresses)) or addresses:
                 try:
                     link = await open_link(address, self.files, expected_agent_id=self.membership.controller_id)
                 except LinkRefused as error:
@@ -434,8 +437,8 @@ class AgentService:
         got a new address, or its data dir moved to another PC). TLS pins the controller id, so a false
         announcement costs a failed dial, and all of them together at most link.OPEN_TIMEOUT_S."""
         membership = self.membership
-        found = await find_controller(membership.fleet_id, membership.controller_id,
-                                      self.controller_search_interfaces())
+        found = dialable_here(await find_controller(membership.fleet_id, membership.controller_id,
+                                                    self.controller_search_interfaces()))
         known = [address for address in found if address in membership.controller_addresses]
         link = await self._dial_first(known or found)
         if link is None or known:
@@ -508,6 +511,23 @@ class AgentService:
         shown = f"[{host}]" if ":" in host else host
         return Register(self.core.agent_id, (f"{shown}:{self.bound_port}",), self.membership.token_sha256)
 
+
+
+def dialable_here(addresses: list[str]) -> list[str]:
+    """Of `addresses` (host:port), those of an IP family this PC has an address of (host names kept: they may
+    resolve to either). A controller of both families whose IPv6 address moved was announced at its old IPv4
+    address and its new IPv6 one: an agent with IPv6 alone took the IPv4 one, a membership address, for the
+    controller not having moved, dialled it alone, and never registered again (from an exploratory test of a mixed
+    IPv4/IPv6 office)."""
+    families = {ipaddress.ip_address(address).version for address in interface_addresses(include_loopback=True)}
+
+    def family(address: str) -> int | None:
+        try:
+            return ipaddress.ip_address(parse_address(address)[0]).version
+        except (ValueError, ProtocolError):
+            return None
+
+    return [address for address in addresses if family(address) in (None, *families)]
 
 
 def addresses_after_move(found: str, saved: tuple[str, ...]) -> tuple[str, ...]:

@@ -279,3 +279,37 @@ def test_a_search_that_raises_does_not_end_registration(
 
     asyncio.run(scenario())
     assert failed_searches() >= 2
+
+
+def test_an_agent_of_one_ip_family_takes_the_announced_address_of_its_family(
+        joined: Joined, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A controller of both families whose IPv6 address moved is announced at its old IPv4 address, a membership
+    # address, and its new IPv6 one. An agent with IPv6 alone took the IPv4 one for the controller not having moved,
+    # dialled it alone, and never registered again (from an exploratory test of a mixed IPv4/IPv6 office).
+    monkeypatch.setattr(service_module, "interface_addresses", lambda include_loopback=False: ["::1"])
+    old = joined.membership.controller_addresses
+
+    async def run() -> str | None:
+        server = FleetServer(joined.store, f"[::1]:{free_port()}", announce_at=_nowhere)
+        running = asyncio.create_task(server.run())
+        while server.bound_port is None:
+            await asyncio.sleep(0.01)
+        try:
+            agent = _agent(joined, [old[0], f"[::1]:{server.bound_port}"], monkeypatch)
+            link = await agent._find_moved_controller()
+            if link is not None:
+                await link.close()
+            return None if link is None else link.address
+        finally:
+            server.stop()
+            await running
+
+    address = asyncio.run(run())
+    assert address is not None and address.startswith("[::1]:")
+    assert Membership.load(joined.state_dir).controller_addresses == (address, *old)
+
+
+def test_addresses_of_a_family_this_pc_has_none_of_are_not_dialled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(service_module, "interface_addresses", lambda include_loopback=False: ["10.1.0.5"])
+    assert service_module.dialable_here(["10.62.0.1:7341", "[fd62::99]:7341", "ctl.office.example:7341"]) == [
+        "10.62.0.1:7341", "ctl.office.example:7341"]
