@@ -523,6 +523,16 @@ def undeployed_stages(store: FleetStore, hosted: dict[str, Sequence[StageRef]]) 
                           and (agent_id, ref.model_id, ref.layer_start, ref.layer_end) not in placed])}
 
 
+def awaiting_take_back(store: FleetStore, agent_id: str) -> frozenset[str]:
+    """The models whose deployment a run re-planned without `agent_id`, a PC the admin's deploy placed: the next run
+    of each (or `serve --fleet`, at once where it runs) takes the PC back (pcs_back) and most often gives it the stage
+    it held, which it then keeps as built instead of loading and compiling it again. DeployError for a damaged file.
+    """
+    return frozenset(model_id for model_id, record in _deployments(store).items()
+                     if isinstance(record, dict) and record.get("replanned_at") is not None
+                     and agent_id in _deployed_agents(record) and agent_id not in _placed_agents(record))
+
+
 # An export this large is said to be checked (verify_export) before its hashing begins: a 40 GB model's takes a while
 VERIFY_NOTE_BYTES = 2_000_000_000
 

@@ -51,7 +51,7 @@ from deskfleet.common.wire import (
     parse_address,
 )
 from deskfleet.controller.fleet_ca import Revocations, serve_enrollment, spend_token_again, take_known_removals
-from deskfleet.controller.fleet_deploy import DeployError, undeployed_stages
+from deskfleet.controller.fleet_deploy import DeployError, awaiting_take_back, undeployed_stages
 from deskfleet.controller.fleet_store import UNKNOWN_HOSTNAME, FleetStore, FleetStoreError, RosterEntry
 from deskfleet.controller.shared_identity import SharedIdentityWatch
 
@@ -66,6 +66,9 @@ ROSTER_BATCH_S = 0.05
 REPORT_LOG_EVERY_S = 60.0  # an agent's report of one kind of failure is a warning at most this often
 ANNOUNCE_REFRESH_S = 10.0  # how often the addresses announced over mDNS are compared with the PC's (as agents do)
 DEPLOY_UNDER_WAY_RECHECK_S = 5.0  # how often a PC's stages are looked at again while a deploy holds the data dir
+# How long a PC that a run re-planned without keeps the stage it held of that model, for the next run to take it back
+# with (`serve --fleet` does within seconds): a release made that take-back load and compile the stage again
+TAKE_BACK_GRACE_S = 600.0
 
 
 class ListenError(RuntimeError):
@@ -349,37 +352,60 @@ class FleetServer:
         """Tell the PC of `link` to release each of `stages` that no deployment in deployments.json places on it. A
         run that lost the PC (asleep, off its network) re-planned without it and could not tell it: it woke holding the
         stage's memory and cache pins, with nothing to drive it, until the next deploy of that model or the agent's
-        restart (`fleet ls` listed it "not deployed"). While a deploy or a run's re-plan holds the data dir's deploy
-        lock it may be assigning these very stages, and what it saves decides: they are looked at again once it is
-        done. The lock is looked at and deployments.json read together, in one thread's call, just before the sends:
-        a deploy that takes the lock after that reaches the PC's link with its assignment only after a plan and a
-        shard query, by when the release sent here has long arrived (the agent acts on it first)."""
-        agent_id = link.peer.agent_id
-        if not stages:
-            return
-        while (stale := await asyncio.to_thread(self._undeployed_now, agent_id, stages)) is None:
-            await asyncio.sleep(DEPLOY_UNDER_WAY_RECHECK_S)
-        for stage in stale:
-            try:
-                await link.send(ReleaseStage(stage))
-            except LinkError as error:
-                log.info("agent %s keeps the stage %s[%d:%d] that no deployment places on it (cannot tell it to "
-                         "release it: %s)", agent_id[:12], stage.model_id, stage.layer_start, stage.layer_end, error)
-                return
-            log.info("agent %s released %s[%d:%d]: no deployment places it there (a run re-planned without this PC, "
-                     "or its model's folder was deployed again, while the PC could not be reached)", agent_id[:12],
-                     stage.model_id, stage.layer_start, stage.layer_end)
+        restart (`fleet ls` listed it "not deployed"). A stage of a model whose next run is to take the PC back
+        (awaiting_take_back) is kept TAKE_BACK_GRACE_S first, so that the take-back finds it built; released only if
+        no deployment places it by then.
 
-    def _undeployed_now(self, agent_id: str, stages: tuple[StageRef, ...]) -> list[StageRef] | None:
-        """Of `stages`, those no deployment places on `agent_id`; None while a deploy is under way, and none where
-        deployments.json cannot be read (logged: `fleet ls` says so too)."""
+        While a deploy or a run's re-plan holds the data dir's deploy lock it may be assigning these very stages, and
+        what it saves decides: they are looked at again once it is done. The lock is looked at and deployments.json
+        read together, in one thread's call, just before the sends: a deploy that takes the lock after that reaches
+        the PC's link with its assignment only after a plan and a shard query, by when the release sent here has long
+        arrived (the agent acts on it first)."""
+        agent_id = link.peer.agent_id
+        grace = True  # stages a run is to take this PC back with are kept, once
+        while stages:
+            waited = False
+            while (found := await asyncio.to_thread(self._undeployed_now, agent_id, stages, grace)) is None:
+                if not waited:
+                    waited = True
+                    log.info("agent %s's stages are looked at once the deploy under way from %s is done", agent_id[:12],
+                             self.store.data_dir)
+                await asyncio.sleep(DEPLOY_UNDER_WAY_RECHECK_S)
+            stale, kept = found
+            for stage in stale:
+                try:
+                    await link.send(ReleaseStage(stage))
+                except LinkError as error:
+                    log.info("agent %s keeps the stage %s[%d:%d] that no deployment places on it (cannot tell it to "
+                             "release it: %s)", agent_id[:12], stage.model_id, stage.layer_start, stage.layer_end,
+                             error)
+                    return
+                log.info("agent %s told to release %s[%d:%d]: no deployment places it there (a run re-planned "
+                         "without this PC, or its model's folder was deployed again, while the PC could not be "
+                         "reached)", agent_id[:12], stage.model_id, stage.layer_start, stage.layer_end)
+            if kept:
+                log.info("agent %s keeps %s for %.0f minutes: the next run of its model takes this PC back, and "
+                         "finds it built", agent_id[:12], ", ".join(f"{stage.model_id}[{stage.layer_start}:"
+                                                                    f"{stage.layer_end}]" for stage in kept),
+                         TAKE_BACK_GRACE_S / 60)
+                await asyncio.sleep(TAKE_BACK_GRACE_S)
+            stages, grace = kept, False
+
+    def _undeployed_now(self, agent_id: str, stages: tuple[StageRef, ...], grace: bool
+                        ) -> tuple[list[StageRef], tuple[StageRef, ...]] | None:
+        """Of `stages`, (those no deployment places on `agent_id`, those of them a run is to take it back with
+        (awaiting_take_back), kept where `grace`); None while a deploy is under way. Where deployments.json cannot be
+        read, none (logged: `fleet ls` says so too)."""
         if self.store.deploy_under_way():
             return None
         try:
-            return undeployed_stages(self.store, {agent_id: stages}).get(agent_id, [])
+            stale = undeployed_stages(self.store, {agent_id: stages}).get(agent_id, [])
+            pending = awaiting_take_back(self.store, agent_id) if stale and grace else frozenset()
         except (DeployError, FleetStoreError, OSError) as error:
             log.warning("cannot tell whether agent %s's stages are deployed: %s", agent_id[:12], error)
-            return []
+            return [], ()
+        return ([stage for stage in stale if stage.model_id not in pending],
+                tuple(stage for stage in stale if stage.model_id in pending))
 
     async def _record(self, agent_id: str, addresses: tuple[str, ...]) -> None:
         """Record in the roster where the agent listens; returns once agents.json says so, or raises what the
