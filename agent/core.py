@@ -120,6 +120,8 @@ HOP_SEND_TIMEOUT_S = 30.0
 # step dialled it anew (two 10 s dials each), so the new chain's step waited behind the old chain's for minutes
 # before its Error reached the driver.
 HOP_RETRY_AFTER_S = 3.0
+# How long a stage holding no micro-batch runs no step before the memory of its calls is given back (trim_idle_stages)
+STAGE_TRIM_IDLE_S = 60.0
 # How long a re-assigned stage's open link to its next hop gets to answer a ping before it is dropped and dialled anew
 NEXT_HOP_CHECK_S = 2.0
 # How long a stopping agent waits for its next hops' watchers once their links are closed (each ends at once as its
@@ -520,6 +522,22 @@ class AgentCore:
         if unused:
             log.debug("closed the links to %d former next hop(s)", len(unused))
         return unused
+
+    async def trim_idle_stages(self, min_idle_s: float = STAGE_TRIM_IDLE_S) -> int:
+        """Give back the call buffers of every hosted stage that holds no micro-batch and ran no step for
+        `min_idle_s` (StageExecutor.trim_if_idle), each under its lock, in a worker thread; returns how many."""
+        trimmed = 0
+        for hosted in list(self.stages.values()):
+            if not isinstance(hosted.executor, StageExecutor):  # a stage entered by hand (tests)
+                continue
+            async with hosted.lock:
+                if hosted.assignment.stage not in self.stages:  # released meanwhile
+                    continue
+                if await asyncio.to_thread(hosted.executor.trim_if_idle, min_idle_s):
+                    log.info("gave back the call buffers of %s, idle for %.0f s", _stage_key(hosted.assignment.stage),
+                             min_idle_s)
+                    trimmed += 1
+        return trimmed
 
     async def release_idle_micro_batches(self, max_idle_s: float = MICRO_BATCH_IDLE_S) -> int:
         """Free the KV state of micro-batches idle for `max_idle_s` on every hosted stage; returns how many.

@@ -316,6 +316,7 @@ class AgentService:
         async def sweep() -> None:
             await self.core.release_idle_micro_batches()
             await self.core.close_unused_next_hops()  # one a step re-opened while its stage was being released
+            await self.core.trim_idle_stages()
 
         await _periodically(lambda: IDLE_SWEEP_S, "free idle micro-batches", sweep)
 

@@ -468,6 +468,16 @@ class Stage:
         self._idle_sessions.clear()
         self.compiled.release_memory()
 
+    def trim_idle_memory(self) -> None:
+        """Give back the buffers of the calls this stage ran, while it keeps its weights and serves on: its idle
+        sessions go, and the plugin frees what it kept of their calls (release_memory). Only while no session of
+        this stage is open (the caller's check: it holds no micro-batch) and no call runs. The next micro-batch
+        opens a new request, 7-15 ms, and its first calls allocate again. Measured on the demo target, a whole-model
+        stage: after three micro-batches of 4 rows prefilled 700 tokens each, 572 MB of anonymous memory, 216 MB
+        once trimmed (389 with the idle sessions dropped alone), and the next call's logits unchanged."""
+        self._idle_sessions.clear()
+        self.compiled.release_memory()
+
     def warm_up(self) -> None:
         """One throwaway single-token call on a session of its own, then recycled (no KV state kept)."""
         session = self.open_session()
