@@ -149,11 +149,16 @@ def addresses_elsewhere(addresses: tuple[str, ...]) -> bool:
 def default_address() -> str:
     """This machine's address on the network that reaches the default route, with the default port: its IPv4
     route's, else its IPv6 route's (an IPv6-only LAN: the IPv4 probe alone gave 127.0.0.1 there, in every token),
-    else loopback."""
+    else, on a LAN with no default route, its first interface address (IPv4 first), else loopback."""
+    from deskfleet.agent.advertise import interface_addresses
+
     for family, target in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):  # documentation nets
         host = route_source(family, target)
         if host is not None:
             return f"[{host}]:{DEFAULT_PORT}" if family == socket.AF_INET6 else f"{host}:{DEFAULT_PORT}"
+    here = interface_addresses()
+    if here:
+        return f"[{here[0]}]:{DEFAULT_PORT}" if ":" in here[0] else f"{here[0]}:{DEFAULT_PORT}"
     return f"127.0.0.1:{DEFAULT_PORT}"
 
 
