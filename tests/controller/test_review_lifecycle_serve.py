@@ -12,7 +12,7 @@ import pytest
 
 from deskfleet.agent.enroll import agent_tls_files, join
 from deskfleet.agent.link import Link, LinkError, open_link
-from deskfleet.common.wire import Register, RevocationUpdate
+from deskfleet.common.wire import Register, RevocationUpdate, StatusRequest
 from deskfleet.controller.fleet_server import FleetServer
 from deskfleet.controller.fleet_store import FleetStore
 from tests.controller.test_fleet_ca import token_for, with_server
@@ -28,6 +28,7 @@ async def register(store: FleetStore, server: FleetServer, address: str, folder:
     agent_id = files.own_identity().agent_id
     await link.send(Register(agent_id, (listen,)))
     assert isinstance(await asyncio.wait_for(link.receive(), 5), RevocationUpdate)  # the server answered
+    assert isinstance(await asyncio.wait_for(link.receive(), 5), StatusRequest)  # for the stages it holds
     return agent_id, link
 
 
