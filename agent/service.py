@@ -515,20 +515,24 @@ class AgentService:
 
 
 def dialable_here(addresses: list[str]) -> list[str]:
-    """Of `addresses` (host:port), those of an IP family this PC has an address of (host names kept: they may
-    resolve to either). A controller of both families whose IPv6 address moved was announced at its old IPv4
-    address and its new IPv6 one: an agent with IPv6 alone took the IPv4 one, a membership address, for the
-    controller not having moved, dialled it alone, and never registered again (from an exploratory test of a mixed
-    IPv4/IPv6 office)."""
-    families = {ipaddress.ip_address(address).version for address in interface_addresses(include_loopback=True)}
+    """Of `addresses` (host:port), those of an IP family this PC has a LAN address of (loopback ones, and host names,
+    which may resolve to either, kept); all of them where it has no LAN address yet. A controller of both families
+    whose IPv6 address moved was announced at its old IPv4 address and its new IPv6 one: an agent with IPv6 alone
+    took the IPv4 one, a membership address, for the controller not having moved, dialled it alone, and never
+    registered again (from an exploratory test of a mixed IPv4/IPv6 office). The families are read from the LAN
+    addresses alone: loopback has both on nearly every PC."""
+    families = {ipaddress.ip_address(address).version for address in interface_addresses()}
+    if not families:
+        return addresses
 
-    def family(address: str) -> int | None:
+    def kept(address: str) -> bool:
         try:
-            return ipaddress.ip_address(parse_address(address)[0]).version
-        except (ValueError, ProtocolError):
-            return None
+            ip = ipaddress.ip_address(parse_address(address)[0])
+        except (ValueError, ProtocolError):  # a host name
+            return True
+        return ip.is_loopback or ip.version in families
 
-    return [address for address in addresses if family(address) in (None, *families)]
+    return [address for address in addresses if kept(address)]
 
 
 def addresses_after_move(found: str, saved: tuple[str, ...]) -> tuple[str, ...]:

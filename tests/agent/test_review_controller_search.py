@@ -11,9 +11,12 @@ import dataclasses
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
-from typing import TypeVar
+from types import SimpleNamespace
+from typing import Any, TypeVar
 
+import psutil
 import pytest
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
@@ -23,7 +26,7 @@ from deskfleet.agent import service as service_module
 from deskfleet.agent.advertise import Advertiser
 from deskfleet.agent.controller_search import find_controller
 from deskfleet.agent.enroll import Membership, join
-from deskfleet.agent.link import Link, LinkRefused, utc_now
+from deskfleet.agent.link import Link, LinkError, LinkRefused, utc_now
 from deskfleet.agent.paths import AgentPaths
 from deskfleet.agent.service import AgentOptions, AgentService
 from deskfleet.common.discovery_record import CONTROLLER_SERVICE_TYPE, ControllerRecord
@@ -286,8 +289,19 @@ def test_an_agent_of_one_ip_family_takes_the_announced_address_of_its_family(
     # A controller of both families whose IPv6 address moved is announced at its old IPv4 address, a membership
     # address, and its new IPv6 one. An agent with IPv6 alone took the IPv4 one for the controller not having moved,
     # dialled it alone, and never registered again (from an exploratory test of a mixed IPv4/IPv6 office).
-    monkeypatch.setattr(service_module, "interface_addresses", lambda include_loopback=False: ["::1"])
-    old = joined.membership.controller_addresses
+    old_ipv4 = "10.62.0.1:7341"
+    replace(joined.membership, controller_addresses=(old_ipv4,)).save(joined.state_dir)
+    monkeypatch.setattr(service_module, "interface_addresses", lambda: ["fd62::5"])  # this PC's LAN: IPv6 alone
+    dialled: list[str] = []
+    real_open_link = service_module.open_link
+
+    async def open_link_here(address: str, *args: Any, **kwargs: Any) -> Link:
+        dialled.append(address)
+        if not address.startswith("[::1]:"):  # nothing leaves this machine, whatever the code under test does
+            raise LinkError(f"cannot reach {address}: [Errno 101] Network is unreachable")
+        return await real_open_link(address, *args, **kwargs)
+
+    monkeypatch.setattr(service_module, "open_link", open_link_here)
 
     async def run() -> str | None:
         server = FleetServer(joined.store, f"[::1]:{free_port()}", announce_at=_nowhere)
@@ -295,7 +309,7 @@ def test_an_agent_of_one_ip_family_takes_the_announced_address_of_its_family(
         while server.bound_port is None:
             await asyncio.sleep(0.01)
         try:
-            agent = _agent(joined, [old[0], f"[::1]:{server.bound_port}"], monkeypatch)
+            agent = _agent(joined, [old_ipv4, f"[::1]:{server.bound_port}"], monkeypatch)
             link = await agent._find_moved_controller()
             if link is not None:
                 await link.close()
@@ -305,11 +319,19 @@ def test_an_agent_of_one_ip_family_takes_the_announced_address_of_its_family(
             await running
 
     address = asyncio.run(run())
-    assert address is not None and address.startswith("[::1]:")
-    assert Membership.load(joined.state_dir).controller_addresses == (address, *old)
+    assert address is not None and dialled == [address]  # the IPv4 address was not dialled at all
+    assert Membership.load(joined.state_dir).controller_addresses == (address, old_ipv4)
 
 
 def test_addresses_of_a_family_this_pc_has_none_of_are_not_dialled(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(service_module, "interface_addresses", lambda include_loopback=False: ["10.1.0.5"])
-    assert service_module.dialable_here(["10.62.0.1:7341", "[fd62::99]:7341", "ctl.office.example:7341"]) == [
-        "10.62.0.1:7341", "ctl.office.example:7341"]
+    # the families come from the LAN addresses: loopback has both on nearly every PC, and kept every address
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: {
+        "lo": [SimpleNamespace(family=socket.AF_INET, address="127.0.0.1"),
+               SimpleNamespace(family=socket.AF_INET6, address="::1")],
+        "eth0": [SimpleNamespace(family=socket.AF_INET, address="10.1.0.5"),
+                 SimpleNamespace(family=socket.AF_INET6, address="fe80::5%2")]})
+    assert service_module.dialable_here(["10.62.0.1:7341", "[fd62::99]:7341", "ctl.office.example:7341",
+                                         "[::1]:7341"]) == ["10.62.0.1:7341", "ctl.office.example:7341", "[::1]:7341"]
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: {"lo": [SimpleNamespace(family=socket.AF_INET,
+                                                                                 address="127.0.0.1")]})
+    assert service_module.dialable_here(["[fd62::99]:7341"]) == ["[fd62::99]:7341"]  # no LAN address yet: all
