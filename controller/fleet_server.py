@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -114,6 +115,9 @@ class FleetServer:
         self._writes: set[asyncio.Task[None]] = set()  # roster writes under way (kept from the garbage collector)
         self._tidying: dict[Link, asyncio.Task[None]] = {}  # a registration link -> its stages' release under way
         self._asked: set[Link] = set()  # registration links asked for a status that has not come yet
+        # one look at the deploy lock at a time: looks from this process's threads took it from each other, and half of
+        # 800 at once read as a deploy under way (flock holds per open file)
+        self._looking = threading.Lock()
 
     # Public methods
 
@@ -396,7 +400,9 @@ class FleetServer:
         """Of `stages`, (those no deployment places on `agent_id`, those of them a run is to take it back with
         (awaiting_take_back), kept where `grace`); None while a deploy is under way. Where deployments.json cannot be
         read, none (logged: `fleet ls` says so too)."""
-        if self.store.deploy_under_way():
+        with self._looking:
+            under_way = self.store.deploy_under_way()
+        if under_way:
             return None
         try:
             stale = undeployed_stages(self.store, {agent_id: stages}).get(agent_id, [])

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -64,6 +65,11 @@ STAMPED_TIMES = ("registered_at", "replanned_at", "assigned_at", "rejoin_tried_a
 # what holds a lock, written in it for the next comer's message (`fleet init --force` holds both: a deploy or serve it
 # refused was told a `fleet serve` or a deploy held them)
 SERVE_HOLDER, DEPLOY_HOLDER, REPLACE_HOLDER, LOOK_HOLDER = "fleet serve", "deploy", "fleet init --force", "look"
+LOOK_WAIT_S = 1.0  # how long a deploy waits out looks at its lock (each holds it for an instant)
+
+
+class _LookHolds(Exception):
+    """The deploy lock is held by a look at it (deploy_under_way), not by a deploy."""
 DEFAULT_PORT = 7341
 MIN_ID_PREFIX = 4  # characters of an agent id that `fleet remove` takes as a prefix of it
 # The hostname of an agent the roster never saw join (one that joined a controller restored from an older backup
@@ -321,22 +327,40 @@ class FleetStore:
             finally:
                 unlock_file(handle.fileno())
 
-    def deploying(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def deploying(self) -> Iterator[None]:
         """Hold the data dir's deploy lock for a whole deploy (a failover's too), or raise FleetStoreError naming
         the pid of the deploy that holds it. Two at once pushed the same shards to an agent in interleaved
-        chunks, and both failed ("chunk at offset 0 is out of order")."""
-        return self._held(DEPLOY_LOCK, DEPLOY_HOLDER, lambda pid, holder: self._replacing_now(pid, holder, "deploy") or
-                          f"another deploy from {self.data_dir} is running (pid {pid}): let it finish, then deploy "
-                          "again")
+        chunks, and both failed ("chunk at offset 0 is out of order"). A look at the lock (deploy_under_way, which
+        holds it for an instant) is waited out, up to LOOK_WAIT_S: it is no deploy."""
+        deadline = time.monotonic() + LOOK_WAIT_S
+        while True:
+            try:
+                self.data_dir.mkdir(parents=True, exist_ok=True)
+                with pid_lock(self.data_dir / DEPLOY_LOCK, self._deploy_refusal, DEPLOY_HOLDER):
+                    yield
+                return
+            except _LookHolds:
+                if time.monotonic() >= deadline:
+                    raise FleetStoreError(f"the deploy lock of {self.data_dir} was held by looks at it for "
+                                          f"{LOOK_WAIT_S:g} s: deploy again") from None
+                time.sleep(0.01)
 
     def deploy_under_way(self) -> bool:
         """Whether a deploy (an admin's, or a run's re-plan) holds the data dir's deploy lock now, found by taking it
-        for an instant, as served() does; True also where its lock file cannot be opened (no deploy can run)."""
+        for an instant, as served() does, as a look (a deploy that starts in that instant waits it out); True also
+        where its lock file cannot be opened (no deploy can run)."""
         try:
-            with self.deploying():
+            with self._held(DEPLOY_LOCK, LOOK_HOLDER, lambda pid, holder: pid):
                 return False
         except (FleetStoreError, OSError):
             return True
+
+    def _deploy_refusal(self, pid: str, holder: str) -> Exception:
+        if holder == LOOK_HOLDER:
+            return _LookHolds()
+        return FleetStoreError(self._replacing_now(pid, holder, "deploy") or f"another deploy from {self.data_dir} is "
+                               f"running (pid {pid}): let it finish, then deploy again")
 
     def serving(self) -> contextlib.AbstractContextManager[None]:
         """Hold the data dir's serve lock while `fleet serve` runs, or raise FleetStoreError naming the pid of

@@ -10,7 +10,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
@@ -25,7 +28,7 @@ from deskfleet.agent.service import AgentOptions, AgentService
 from deskfleet.agent.stage_executor import StageExecutor
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.wire import AssignStage, Message, Precision, StageRef, StatusReport
-from deskfleet.controller import fleet_server
+from deskfleet.controller import fleet_server, fleet_store
 from deskfleet.controller.fleet_server import FleetServer
 from deskfleet.controller.fleet_store import FleetStore
 from tests.agent.test_core import FakeMonitor
@@ -191,3 +194,28 @@ def test_a_stage_the_next_run_is_to_take_the_pc_back_with_is_kept_a_while(
     during, after = asyncio.run(scenario())
     assert during == {LEFT_BEHIND}
     assert after == ({LEFT_BEHIND} if taken_back else set())
+
+
+def test_a_deploy_waits_out_a_look_at_its_lock_and_looks_at_once_do_not_see_each_other(store: FleetStore) -> None:
+    # fleet serve looks at the deploy lock as each PC registers: a deploy that started in that instant was refused
+    # naming fleet serve's pid as another deploy's, and looks from its threads at once read as deploys (from a review:
+    # 393 of 800 from 16 threads)
+    looking = threading.Event()
+
+    def look_for(seconds: float) -> None:
+        with store._held(fleet_store.DEPLOY_LOCK, fleet_store.LOOK_HOLDER, lambda pid, holder: pid):
+            looking.set()
+            time.sleep(seconds)
+
+    looker = threading.Thread(target=look_for, args=(0.3,))
+    looker.start()
+    assert looking.wait(5)
+    with store.deploying():  # waited out the look: not refused
+        assert store.deploy_under_way()  # while a deploy holds it, looks say so
+    looker.join()
+    assert not store.deploy_under_way()
+
+    server = FleetServer(store, free_address())
+    with ThreadPoolExecutor(16) as pool:
+        found = list(pool.map(lambda _: server._undeployed_now("a" * 52, (LEFT_BEHIND,), True), range(400)))
+    assert None not in found  # no deploy ran: none of the looks saw one
