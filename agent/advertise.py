@@ -39,9 +39,9 @@ Record = TypeVar("Record", AgentRecord, ControllerRecord)
 
 
 def interface_addresses(include_loopback: bool = False) -> list[str]:
-    """This host's addresses that mDNS can use and announce: IPv4 and IPv6 (global and unique-local), no link-local
-    (a peer cannot dial one without its own interface's zone), loopback only if asked; IPv4 first, each family
-    sorted."""
+    """This host's addresses that mDNS can use and announce: IPv4 and IPv6, but no link-local one (an IPv6 one needs
+    the dialling PC's own zone; an IPv4 one, 169.254/16, is what a PC takes when DHCP fails), multicast or
+    unspecified, and loopback only if asked; IPv4 first, each family sorted."""
     found: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
     for addresses in psutil.net_if_addrs().values():
         for address in addresses:
@@ -76,7 +76,7 @@ async def advertised_addresses(host: str) -> list[str]:
 async def addresses_to_advertise(host: str) -> tuple[list[str], str]:
     """(the addresses to announce for a listen host now, why there are none when there are none)."""
     if listens_everywhere(host):
-        return interface_addresses(), "this PC has no network address yet"
+        return interface_addresses(), "this PC has no network address yet (link-local ones are not announced)"
     try:
         return ([], f"listening on {host} only") if ipaddress.ip_address(host).is_loopback else ([host], "")
     except ValueError:  # a host name

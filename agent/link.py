@@ -266,6 +266,11 @@ class Link:
             return False
         return True
 
+    def sending(self) -> bool:
+        """Whether data written to the link waits in its transport to be sent."""
+        transport = self.connection.transport
+        return transport is not None and transport.get_write_buffer_size() > 0
+
     def take_large_frames(self) -> None:
         """Read frames up to the codec's limit on this link from now on: a listening side's link reads at most
         SMALL_FRAME_BYTES until it is told so (`start_server`'s `large_frames`, or later: a stage assigned)."""

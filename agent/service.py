@@ -318,7 +318,7 @@ class AgentService:
             await self.core.close_unused_next_hops()  # one a step re-opened while its stage was being released
             await self.core.trim_idle_stages()
 
-        await _periodically(lambda: IDLE_SWEEP_S, "free idle micro-batches", sweep)
+        await _periodically(lambda: IDLE_SWEEP_S, "free idle micro-batches and idle stages' call buffers", sweep)
 
     async def _enforce_limits_forever(self) -> None:
         """Give the stages up when the PC has been on battery or too hot for too long (AgentCore.enforce_limits);

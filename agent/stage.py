@@ -465,8 +465,7 @@ class Stage:
         Ranges only hinted for huge pages (a kernel without MADV_COLLAPSE) are unmarked first, so that the freed
         memory does not fill up with them again (see huge_pages)."""
         huge_pages.take_back_hints(self._huge_pages)
-        self._idle_sessions.clear()
-        self.compiled.release_memory()
+        self.trim_idle_memory()
 
     def trim_idle_memory(self) -> None:
         """Give back the buffers of the calls this stage ran, while it keeps its weights and serves on: its idle

@@ -18,6 +18,7 @@ import ipaddress
 import logging
 import re
 import socket
+import sys
 from dataclasses import replace
 
 from cryptography import x509
@@ -162,11 +163,18 @@ def default_address() -> str:
     return f"127.0.0.1:{DEFAULT_PORT}"
 
 
+_IPV6_ADDR_PREFERENCES, _IPV6_PREFER_SRC_PUBLIC = 72, 0x0002  # <linux/in6.h>; Python's socket does not name them
+
+
 def route_source(family: socket.AddressFamily, target: str) -> str | None:
     """The address this machine sends from to reach `target`; None where no route of that family reaches it or
     the route's source is one no other PC can dial (loopback, link-local). A UDP connect sends no packet."""
     try:
         with socket.socket(family, socket.SOCK_DGRAM) as probe:  # no IPv6 on this PC: OSError here
+            if family == socket.AF_INET6 and sys.platform.startswith("linux"):
+                # a stable address, not a temporary (privacy) one, which goes within days (a token carries it)
+                with contextlib.suppress(OSError):
+                    probe.setsockopt(socket.IPPROTO_IPV6, _IPV6_ADDR_PREFERENCES, _IPV6_PREFER_SRC_PUBLIC)
             probe.connect((target, 9))
             host = str(probe.getsockname()[0]).split("%", 1)[0]
     except OSError:

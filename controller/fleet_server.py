@@ -72,6 +72,12 @@ DEPLOY_UNDER_WAY_RECHECK_S = 5.0  # how often a PC's stages are looked at again 
 TAKE_BACK_GRACE_S = 600.0
 
 
+def _log_failure(task: asyncio.Task[None]) -> None:
+    """Log what ended a background task other than its cancellation (it was seen only when the task was collected)."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.error("%s failed", task.get_name(), exc_info=error)
+
+
 class ListenError(RuntimeError):
     """The server cannot listen where it was told (the port is taken, the host does not resolve): named."""
 
@@ -114,7 +120,10 @@ class FleetServer:
         self._next_write: asyncio.TimerHandle | None = None
         self._writes: set[asyncio.Task[None]] = set()  # roster writes under way (kept from the garbage collector)
         self._tidying: dict[Link, asyncio.Task[None]] = {}  # a registration link -> its stages' release under way
-        self._asked: set[Link] = set()  # registration links asked for a status that has not come yet
+        self._asked: dict[Link, int] = {}  # registration links -> statuses asked for that have not come yet
+        # (agent id, stage) -> when a grace for a take-back began (time.monotonic): a PC that calls in again and again
+        # does not begin it anew each time
+        self._graced: dict[tuple[str, StageRef], float] = {}
         # one look at the deploy lock at a time: looks from this process's threads took it from each other, and half of
         # 800 at once read as a deploy under way (flock holds per open file)
         self._looking = threading.Lock()
@@ -255,7 +264,7 @@ class FleetServer:
             tidying = self._tidying.pop(link, None)
             if tidying is not None:
                 tidying.cancel()
-            self._asked.discard(link)
+            self._asked.pop(link, None)
             if self.live.get(agent_id) is link:
                 del self.live[agent_id]
                 self._live_at.pop(agent_id, None)
@@ -296,14 +305,15 @@ class FleetServer:
                 taking_removals = taken is not None
             elif isinstance(message, Register) and message.agent_id == link.peer.agent_id:
                 await self._called_in(link, message)
-            elif isinstance(message, StatusReport) and link in self._asked:  # the answer to _ask_status (one a
-                # member sends unasked is not: each would read deployments.json)
-                self._asked.discard(link)
+            elif isinstance(message, StatusReport) and self._asked.get(link):  # the answer to _ask_status (one
+                # a member sends unasked is not: each would read deployments.json)
+                self._asked[link] -= 1
                 earlier = self._tidying.pop(link, None)
                 if earlier is not None:
                     earlier.cancel()
-                self._tidying[link] = asyncio.create_task(self._release_undeployed(link, message.stages),
-                                                          name="release-undeployed")
+                task = asyncio.create_task(self._release_undeployed(link, message.stages), name="release-undeployed")
+                task.add_done_callback(_log_failure)
+                self._tidying[link] = task
             elif isinstance(message, Error):  # a stage's failure with no driver connected to hear it
                 text = "".join(char if char.isprintable() else "?" for char in message.message[:500])  # no forged lines
                 # once a minute per agent and code (a debug line between): any enrolled PC's Forwards to a PC hosting
@@ -346,7 +356,7 @@ class FleetServer:
     async def _ask_status(self, link: Link) -> None:
         """Ask a PC that registered or called in for its status, whose stages _release_undeployed then looks at: a PC
         back from sleep, or from a network it lost, may hold stages that a run re-planned away from it meanwhile."""
-        self._asked.add(link)
+        self._asked[link] = self._asked.get(link, 0) + 1
         try:
             await link.send(StatusRequest())
         except LinkError as error:
@@ -362,9 +372,11 @@ class FleetServer:
 
         While a deploy or a run's re-plan holds the data dir's deploy lock it may be assigning these very stages, and
         what it saves decides: they are looked at again once it is done. The lock is looked at and deployments.json
-        read together, in one thread's call, just before the sends: a deploy that takes the lock after that reaches
-        the PC's link with its assignment only after a plan and a shard query, by when the release sent here has long
-        arrived (the agent acts on it first)."""
+        read in one thread's call, just before the sends. A deploy or re-plan that takes the lock after that look
+        sends its assignment after planning (an admin's deploy also after surveying and a shard query), so the release
+        sent here arrives first in all but a narrow window: where a re-plan onto the same PCs, on links it holds open,
+        overtakes it, the agent releases a stage just confirmed, and that run's next step fails over. Not closed: the
+        agent cannot tell this release from a deploy's."""
         agent_id = link.peer.agent_id
         grace = True  # stages a run is to take this PC back with are kept, once
         while stages:
@@ -387,12 +399,16 @@ class FleetServer:
                 log.info("agent %s told to release %s[%d:%d]: no deployment places it there (a run re-planned "
                          "without this PC, or its model's folder was deployed again, while the PC could not be "
                          "reached)", agent_id[:12], stage.model_id, stage.layer_start, stage.layer_end)
+            for key in [key for key in self._graced if key[0] == agent_id and key[1] not in kept]:
+                del self._graced[key]  # placed again, or released
             if kept:
-                log.info("agent %s keeps %s for %.0f minutes: the next run of its model takes this PC back, and "
+                now = time.monotonic()
+                began = min(self._graced.setdefault((agent_id, stage), now) for stage in kept)
+                log.info("agent %s keeps %s for %.0f minutes more: the next run of its model takes this PC back, and "
                          "finds it built", agent_id[:12], ", ".join(f"{stage.model_id}[{stage.layer_start}:"
                                                                     f"{stage.layer_end}]" for stage in kept),
-                         TAKE_BACK_GRACE_S / 60)
-                await asyncio.sleep(TAKE_BACK_GRACE_S)
+                         max(0.0, began + TAKE_BACK_GRACE_S - now) / 60)
+                await asyncio.sleep(max(0.0, began + TAKE_BACK_GRACE_S - now))
             stages, grace = kept, False
 
     def _undeployed_now(self, agent_id: str, stages: tuple[StageRef, ...], grace: bool

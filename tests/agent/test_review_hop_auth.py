@@ -554,6 +554,9 @@ class _HopLink:
         self.pinged = True
         return self.answers
 
+    def sending(self) -> bool:
+        return False
+
     async def close(self) -> None:
         self.closed = True
 
@@ -573,3 +576,14 @@ def test_a_stage_assigned_again_keeps_its_next_hop_link_only_if_it_answers_a_pin
     assert isinstance(command(core, assignment), StageReady)  # the re-plan's assignment: the same stage
     assert hop_link.pinged
     assert (core._next_hops.get(NEXT) is hop_link) is answers and hop_link.closed is not answers
+
+
+def test_a_next_hop_link_still_sending_is_kept_unpinged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # another driver's hidden states in its buffer would queue the pong behind them: a healthy link was dropped
+    core = make_core(tmp_path, "agent")
+    assignment = fake_stage(core, "tiny@1", PREVIOUS, NEXT)
+    hop_link = _HopLink(answers=False)
+    monkeypatch.setattr(hop_link, "sending", lambda: True)
+    core._next_hops[NEXT] = cast(Link, hop_link)
+    assert isinstance(command(core, assignment), StageReady)
+    assert not hop_link.pinged and core._next_hops.get(NEXT) is hop_link

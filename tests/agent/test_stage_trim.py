@@ -36,7 +36,20 @@ def _generate(executor: StageExecutor, micro_batch_id: int) -> np.ndarray:
     return logits
 
 
-def test_a_stage_is_trimmed_once_idle_with_no_micro_batch_and_then_computes_as_before(stage: Stage) -> None:
+def test_a_stage_is_trimmed_once_idle_with_no_micro_batch_and_then_computes_as_before(
+        stage: Stage, monkeypatch: pytest.MonkeyPatch) -> None:
+    released: list[bool] = []
+    real = stage.compiled
+
+    class Spied:  # the plugin's release_memory is what gives the buffers back: it must be called
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+        def release_memory(self) -> None:
+            released.append(True)
+            real.release_memory()
+
+    monkeypatch.setattr(stage, "compiled", Spied())
     executor = StageExecutor(stage, 256)
     assert not executor.trim_if_idle(0.0)  # nothing ran since it was built
     before = _generate(executor, 1)
@@ -45,7 +58,7 @@ def test_a_stage_is_trimmed_once_idle_with_no_micro_batch_and_then_computes_as_b
     executor.release(1)
     assert stage._idle_sessions  # recycled: what keeps its buffers
     assert executor.trim_if_idle(0.0)
-    assert not stage._idle_sessions
+    assert not stage._idle_sessions and released == [True]
     assert not executor.trim_if_idle(0.0)  # once: nothing ran since
     np.testing.assert_array_equal(_generate(executor, 2), before)
     executor.release(2)
