@@ -107,9 +107,10 @@ def test_stages_are_left_alone_while_a_deploy_is_under_way_and_looked_at_once_it
         membership = await join(token_for(store, address), AgentPaths.resolve(tmp_path / "pc").state_dir, "pc")
         _deploy_on_record(store, membership.agent_id)
         async with registering_with(tmp_path / "pc", [DEPLOYED, LEFT_BEHIND, OF_NO_DEPLOYMENT]) as agent:
-            with store.deploying():  # as a deploy holds it
-                await wait_until("the agent registered", lambda: membership.agent_id in server.live)
-                await asyncio.sleep(1.0)
+            with store.deploying(), records_of(fleet_server.log.name, logging.INFO) as said:  # as a deploy holds it
+                await wait_until("fleet serve to wait for the deploy", lambda: any(
+                    "looked at once the deploy under way" in message for message in said.messages()))
+                await asyncio.sleep(0.3)  # a release would have been sent by now
                 during = set(agent.core.stages)
                 # the deploy placed LEFT_BEHIND on this PC, and saved that before it let go of the lock
                 body = json.loads((store.data_dir / "deployments.json").read_text())
