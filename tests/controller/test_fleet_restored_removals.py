@@ -93,11 +93,14 @@ async def stopped(server: FleetServer, running: asyncio.Task[None]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def registering(agent_dir: Path) -> AsyncIterator[AgentService]:
+async def registering(agent_dir: Path, prepare: Callable[[AgentService], None] | None = None
+                      ) -> AsyncIterator[AgentService]:
     """The agent of `agent_dir` registering with its controller (again after each closed link) while the block
-    runs; its own port is not opened (it says 7431)."""
+    runs; its own port is not opened (it says 7431). `prepare` is given the agent before it registers."""
     agent = AgentService(AgentOptions(agent_dir, listen=free_address()), monitor=FakeMonitor())
     agent.bound_port = 7431
+    if prepare is not None:
+        prepare(agent)
     task = asyncio.create_task(agent._register_forever())
     try:
         yield agent

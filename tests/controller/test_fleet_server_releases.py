@@ -7,13 +7,12 @@ stage's memory and cache pins, driven by nothing, until the next deploy of that 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
@@ -24,16 +23,15 @@ from deskfleet.agent.core import HostedStage
 from deskfleet.agent.enroll import join
 from deskfleet.agent.link import Link, LinkError
 from deskfleet.agent.paths import AgentPaths
-from deskfleet.agent.service import AgentOptions, AgentService
+from deskfleet.agent.service import AgentService
 from deskfleet.agent.stage_executor import StageExecutor
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.wire import AssignStage, Message, Precision, StageRef, StatusReport
 from deskfleet.controller import fleet_server, fleet_store
 from deskfleet.controller.fleet_server import FleetServer
 from deskfleet.controller.fleet_store import FleetStore
-from tests.agent.test_core import FakeMonitor
 from tests.controller.test_fleet_ca import token_for
-from tests.controller.test_fleet_restored_removals import serving, stopped, wait_until
+from tests.controller.test_fleet_restored_removals import registering, serving, stopped, wait_until
 from tests.log_records import records_of
 from tests.ports import free_address
 
@@ -55,21 +53,13 @@ def _hold(agent: AgentService, ref: StageRef) -> None:
                                          f"{ref.model_id}-{ref.layer_start}")
 
 
-@contextlib.asynccontextmanager
-async def registering_with(agent_dir: Path, stages: list[StageRef]) -> AsyncIterator[AgentService]:
+def registering_with(agent_dir: Path, stages: list[StageRef]) -> AbstractAsyncContextManager[AgentService]:
     """The agent of `agent_dir`, holding `stages`, registering with its controller while the block runs."""
-    agent = AgentService(AgentOptions(agent_dir, listen=free_address()), monitor=FakeMonitor())
-    agent.bound_port = 7431
-    for ref in stages:
-        _hold(agent, ref)
-    task = asyncio.create_task(agent._register_forever())
-    try:
-        yield agent
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await agent.core.close()
+    def hold_them(agent: AgentService) -> None:
+        for ref in stages:
+            _hold(agent, ref)
+
+    return registering(agent_dir, hold_them)
 
 
 @pytest.mark.usefixtures("no_controller_search")

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,13 +22,13 @@ import pytest
 from deskfleet.common.wire import Role
 from tests.agent.test_link import kernel_caps_retransmits
 from tests.fleet_pki import make_ca, make_member
-from tests.integration.test_fleet import LINK_PREFIX, NAMESPACE_PREFIX, RUN_TAG, _environment, _ip
+from tests.integration.netns import remove_network, start_in
+from tests.integration.test_fleet import LINK_PREFIX, NAMESPACE_PREFIX, RUN_TAG, _ip
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow,
               pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0 or shutil.which("ip") is None,
                                  reason="needs root and iproute2 for network namespaces")]
 
-REPO = Path(__file__).resolve().parents[2]
 # test_fleet.py's network uses indexes 0-3 and test_mdns_ipv6.py's 8-9 for the same run; its sweep of a killed
 # run's leftovers takes these too
 NAMESPACES = (f"{NAMESPACE_PREFIX}{os.getpid()}-a6", f"{NAMESPACE_PREFIX}{os.getpid()}-a7")
@@ -37,6 +36,7 @@ HOST_ENDS = (f"{LINK_PREFIX}{RUN_TAG}v6", f"{LINK_PREFIX}{RUN_TAG}v7")  # on the
 PC_ENDS = (f"{LINK_PREFIX}{RUN_TAG}p6", f"{LINK_PREFIX}{RUN_TAG}p7")  # in the namespaces
 BRIDGE = f"{LINK_PREFIX}{RUN_TAG}v9"  # named as the sweep's links are
 HOSTS = ("10.214.0.1", "10.214.0.2")
+NODE = "tests.integration.link_node"
 DROP_S = 8.0
 
 
@@ -63,16 +63,7 @@ def two_pcs() -> Iterator[None]:
 
 
 def _remove() -> None:
-    for namespace in NAMESPACES:
-        _ip("netns", "del", namespace, check=False)  # takes its veth end, and so the pair, with it
-    for name in (*HOST_ENDS, BRIDGE):
-        _ip("link", "del", name, check=False)
-
-
-def _node(namespace: str, *argv: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, "-m", "tests.integration.link_node",
-                             *argv], cwd=REPO, env=_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    remove_network(NAMESPACES, (*HOST_ENDS, BRIDGE))
 
 
 @pytest.mark.skipif(not kernel_caps_retransmits(), reason="this kernel has no TCP_RTO_MAX_MS (Linux 6.15 and later)")
@@ -81,11 +72,11 @@ def test_a_link_carries_on_within_two_seconds_of_an_8_s_network_drop(two_pcs: No
     make_member(ca, tmp_path, "serve")
     make_member(ca, tmp_path, "dial", Role.CONTROLLER)
     address = f"{HOSTS[0]}:7431"
-    server = _node(NAMESPACES[0], "serve", str(tmp_path), address)
+    server = start_in(NAMESPACES[0], NODE, "serve", str(tmp_path), address)
     dialer: subprocess.Popen[str] | None = None
     try:
         assert server.stdout is not None and server.stdout.readline().strip() == "listening", server.stderr
-        dialer = _node(NAMESPACES[1], "dial", str(tmp_path), address, str(DROP_S + 8))
+        dialer = start_in(NAMESPACES[1], NODE, "dial", str(tmp_path), address, str(DROP_S + 8))
         assert dialer.stdout is not None and dialer.stdout.readline().strip() == "open"
         time.sleep(1.5)
         down_at = time.time()

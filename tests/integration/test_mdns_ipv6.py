@@ -11,26 +11,25 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.integration.test_fleet import LINK_PREFIX, NAMESPACE_PREFIX, RUN_TAG, _environment, _ip
+from tests.integration.netns import remove_network, start_in
+from tests.integration.test_fleet import LINK_PREFIX, NAMESPACE_PREFIX, RUN_TAG, _ip
 from tests.run_ids import run_agent_id, run_fleet_id
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0 or shutil.which("ip") is None,
                                  reason="needs root and iproute2 for network namespaces")]
 
-REPO = Path(__file__).resolve().parents[2]
 # test_fleet.py's network uses indexes 0-3 for the same run: these stay clear of them, and its sweep of a killed
 # run's leftovers takes these too
 NAMESPACES = (f"{NAMESPACE_PREFIX}{os.getpid()}-a8", f"{NAMESPACE_PREFIX}{os.getpid()}-a9")
 LINKS = (f"{LINK_PREFIX}{RUN_TAG}v8", f"{LINK_PREFIX}{RUN_TAG}p8")
 HOSTS = ("fd6e:df::1", "fd6e:df::2")
+NODE = "tests.integration.mdns_node"
 
 
 @pytest.fixture
@@ -54,27 +53,19 @@ def ipv6_only_lan() -> Iterator[None]:
 
 
 def _remove() -> None:
-    for namespace in NAMESPACES:
-        _ip("netns", "del", namespace, check=False)  # takes its veth end, and so the pair, with it
-    _ip("link", "del", LINKS[0], check=False)
-
-
-def _node(namespace: str, *argv: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, "-m", "tests.integration.mdns_node",
-                             *argv], cwd=REPO, env=_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    remove_network(NAMESPACES, (LINKS[0],))
 
 
 def test_an_agent_and_a_moved_controller_are_found_over_mdns_on_a_lan_with_ipv6_alone(ipv6_only_lan: None) -> None:
     ids = (run_agent_id("ipv6 agent"), run_agent_id("ipv6 controller"), run_fleet_id("ipv6"))
-    announcer = _node(NAMESPACES[0], "announce", *ids, "12")
+    announcer = start_in(NAMESPACES[0], NODE, "announce", *ids, "12")
     try:
         assert announcer.stdout is not None
         announced = json.loads(announcer.stdout.readline() or "null")
         assert announced is not None, announcer.stderr.read() if announcer.stderr else ""
         assert announced["addresses"] == [HOSTS[0]]
         time.sleep(1.0)  # both names probed and announced
-        looker = _node(NAMESPACES[1], "look", *ids, "3")
+        looker = start_in(NAMESPACES[1], NODE, "look", *ids, "3")
         out, err = looker.communicate(timeout=60)
         assert looker.returncode == 0, err
         assert json.loads(out) == {"interfaces": [HOSTS[1]], "agent": [f"[{HOSTS[0]}]:7431"],
