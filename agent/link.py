@@ -74,10 +74,11 @@ PING_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 2.0
 # The longest wait between two resends of unacknowledged data. TCP doubles it from ~0.2 s at each resend, to 120 s:
 # after an 8 s drop of a PC's link, the resends came at 6.2 s (still down) and 12.6 s, and the 10 s keepalive ping
-# had timed out meanwhile, so a chain of PCs that were all fine failed over (measured, from an exploratory test of
-# link blips, 3-PC chains in network namespaces: 8 s blips of a PC's or the controller's link failed over in 3 of 4
-# runs before, in neither of 2 with the cap, each resuming within ~1 s of the link coming back; a PC cut off for good
-# was still found in ~12 s). It costs one resend a second while a link is down.
+# had timed out meanwhile, so a chain of PCs that were all fine failed over (measured side by side, 3-PC chains in
+# network namespaces, 700-token runs: 8 s drops of a PC's or the controller's link failed over in 12 of 17 runs
+# before, in none of 17 with the cap, each resuming within 0.2-1.0 s of the link coming back; a PC cut off for good
+# was found as before, 16-19 s from the cut to the warning). Drops longer than the keepalive's 10 s still fail over.
+# It costs one resend a second while a link is down.
 RETRANSMIT_BACKOFF_CAP_MS = 1000
 _TCP_RTO_MAX_MS = 44  # <linux/tcp.h>, Linux 6.15 and later; Python's socket module does not name it yet
 OPEN_TIMEOUT_S = 10.0
