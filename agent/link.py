@@ -60,6 +60,7 @@ from deskfleet.common.wire import (
     Role,
     decode,
     encode,
+    host_port,
     listens_everywhere,
     parse_address,
     peek_version,
@@ -424,7 +425,7 @@ def listen_text(host: str, port: int) -> str:
     """Where a server listens, for its log: "every interface (IPv4 and IPv6) at port 7431", or host:port."""
     if listens_everywhere(host):
         return f"every interface ({'IPv4 and IPv6' if socket.has_dualstack_ipv6() else 'IPv4'}) at port {port}"
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return host_port(host, port)
 
 
 def every_interface_socket(host: str, port: int) -> socket.socket | None:

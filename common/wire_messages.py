@@ -122,6 +122,11 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+def host_port(host: str, port: int) -> str:
+    """"host:port" as parse_address reads it: an IPv6 host in brackets ("[fd61::1]:7431")."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def with_default_port(text: str, port: int) -> str:
     """`text` with `port` added where it names a host alone ("10.0.0.5", "pc-7", "[fe80::1]"): `--listen 10.0.0.5`
     was refused as "not host:port", the port being the one the command would pick anyway. Anything else is returned

@@ -24,7 +24,7 @@ from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZerocon
 
 from deskfleet.agent.advertise import open_zeroconf
 from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord, RecordError, agent_id_of_instance
-from deskfleet.common.wire import ProtocolError, Register, parse_address
+from deskfleet.common.wire import ProtocolError, Register, host_port, parse_address
 from deskfleet.controller.registry import DiscoverySource, Registry, Sighting
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class ZeroconfDiscovery:
         if record.agent_id != agent_id or record.fleet_id != self._fleet_id:
             logger.debug("ignoring mDNS instance %s…: another fleet or a mismatched id", agent_id[:12])
             return
-        addresses = tuple(_host_port(address, info.port) for address in info.parsed_addresses()
+        addresses = tuple(host_port(address, info.port) for address in info.parsed_addresses()
                           if _peer_address(address, self._loopback_ok))
         if not addresses:
             return
@@ -202,5 +202,3 @@ def _peer_address(address: str, loopback_ok: bool) -> bool:
                 or ip.is_reserved)
 
 
-def _host_port(address: str, port: int) -> str:
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"

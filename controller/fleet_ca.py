@@ -43,6 +43,7 @@ from deskfleet.common.wire import (
     Role,
     decode,
     encode,
+    host_port,
     is_agent_id,
     is_loopback_host,
     is_sha256_hex,
@@ -156,10 +157,10 @@ def default_address() -> str:
     for family, target in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):  # documentation nets
         host = route_source(family, target)
         if host is not None:
-            return f"[{host}]:{DEFAULT_PORT}" if family == socket.AF_INET6 else f"{host}:{DEFAULT_PORT}"
+            return host_port(host, DEFAULT_PORT)
     here = interface_addresses()
     if here:
-        return f"[{here[0]}]:{DEFAULT_PORT}" if ":" in here[0] else f"{here[0]}:{DEFAULT_PORT}"
+        return host_port(here[0], DEFAULT_PORT)
     return f"127.0.0.1:{DEFAULT_PORT}"
 
 

@@ -681,3 +681,9 @@ def test_a_protocol_error_quotes_what_the_peer_sent_500_characters_at_most() -> 
     with pytest.raises(ProtocolError) as refused:
         wire.decode(frame)
     assert "unknown fields ['xxx" in str(refused.value) and len(str(refused.value)) <= 500
+
+
+def test_host_port_brackets_an_ipv6_host_as_parse_address_reads_it() -> None:
+    for host in ("10.0.0.5", "fd61::1", "pc-7.office.example", "::1"):
+        assert wire.parse_address(wire.host_port(host, 7431)) == (host, 7431)
+    assert wire.host_port("fd61::1", 7431) == "[fd61::1]:7431" and wire.host_port("10.0.0.5", 80) == "10.0.0.5:80"
