@@ -528,9 +528,10 @@ def awaiting_take_back(store: FleetStore, agent_id: str) -> frozenset[str]:
     of each (or `serve --fleet`, at once where it runs) takes the PC back (pcs_back) and most often gives it the stage
     it held, which it then keeps as built instead of loading and compiling it again. DeployError for a damaged file.
     """
+    roster, removed = store.roster(), pki.RevocationSet()  # a removed PC registers no more: none to leave out
     return frozenset(model_id for model_id, record in _deployments(store).items()
-                     if isinstance(record, dict) and record.get("replanned_at") is not None
-                     and agent_id in _deployed_agents(record) and agent_id not in _placed_agents(record))
+                     if (left := _left_out(model_id, record, roster, removed)) is not None
+                     and agent_id in left.left_out)
 
 
 # An export this large is said to be checked (verify_export) before its hashing begins: a 40 GB model's takes a while

@@ -336,8 +336,7 @@ class FleetStore:
         deadline = time.monotonic() + LOOK_WAIT_S
         while True:
             try:
-                self.data_dir.mkdir(parents=True, exist_ok=True)
-                with pid_lock(self.data_dir / DEPLOY_LOCK, self._deploy_refusal, DEPLOY_HOLDER):
+                with self._held(DEPLOY_LOCK, DEPLOY_HOLDER, self._deploy_refusal):
                     yield
                 return
             except _LookHolds:
@@ -356,11 +355,11 @@ class FleetStore:
         except (FleetStoreError, OSError):
             return True
 
-    def _deploy_refusal(self, pid: str, holder: str) -> Exception:
+    def _deploy_refusal(self, pid: str, holder: str) -> str | Exception:
         if holder == LOOK_HOLDER:
             return _LookHolds()
-        return FleetStoreError(self._replacing_now(pid, holder, "deploy") or f"another deploy from {self.data_dir} is "
-                               f"running (pid {pid}): let it finish, then deploy again")
+        return self._replacing_now(pid, holder, "deploy") or f"another deploy from {self.data_dir} is running (pid " \
+            f"{pid}): let it finish, then deploy again"
 
     def serving(self) -> contextlib.AbstractContextManager[None]:
         """Hold the data dir's serve lock while `fleet serve` runs, or raise FleetStoreError naming the pid of
@@ -469,12 +468,16 @@ class FleetStore:
     # Private methods
 
     @contextlib.contextmanager
-    def _held(self, name: str, holder: str, refusal: Callable[[str, str], str]) -> Iterator[None]:
+    def _held(self, name: str, holder: str, refusal: Callable[[str, str], str | Exception]) -> Iterator[None]:
         """Hold the lock file `name` in the data dir, writing this process's pid and `holder` (what holds it) after
         the locked first byte; FleetStoreError(refusal(the holder's pid, what holds it)) at once when another process
-        holds it."""
+        holds it (the refusal itself where it is an exception)."""
+        def refused(pid: str, other: str) -> Exception:
+            said = refusal(pid, other)
+            return said if isinstance(said, Exception) else FleetStoreError(said)
+
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        with pid_lock(self.data_dir / name, lambda pid, other: FleetStoreError(refusal(pid, other)), holder):
+        with pid_lock(self.data_dir / name, refused, holder):
             yield
 
     def _warn_if_others_can_read(self) -> None:
