@@ -32,7 +32,7 @@ import socket
 import ssl
 import sys
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
@@ -494,6 +494,52 @@ async def open_link(address: str, files: TlsFiles, expected_agent_id: str | None
     link = Link(connection, peer, address)
     await _exchange_hello(link, files.own_identity(), expect_first=False)
     return link
+
+
+async def open_first(addresses: Sequence[str], open_one: Callable[[str], Coroutine[Any, Any, Link]], stagger_s: float,
+                     failed: Callable[[str, LinkError], None] | None = None) -> Link:
+    """The link `open_one` opens at the first of `addresses` to answer. Each is dialled `stagger_s` after the one
+    before it, or as soon as that one fails (RFC 8305's race of a name's addresses): an address that answers costs
+    the ones after it nothing, and one black-holed costs `stagger_s`, not the open timeout. Dials still going once one
+    opens are cancelled, links they opened closed. `failed` hears each address that fails. Raises LinkError: the one
+    address's, or one naming every address's failure."""
+    if not addresses:
+        raise ValueError("no address to dial")
+    waiting = list(addresses)
+    dials: dict[asyncio.Task[Link], str] = {}
+    failures: list[LinkError] = []
+    link: Link | None = None
+    try:
+        while link is None and (waiting or dials):
+            if waiting:
+                address = waiting.pop(0)
+                dials[asyncio.create_task(open_one(address), name=f"dial {address}")] = address
+            done, _ = await asyncio.wait(dials, timeout=stagger_s if waiting else None,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for dial in done:
+                address = dials.pop(dial)
+                try:
+                    opened = dial.result()
+                except LinkError as error:
+                    failures.append(error)
+                    if failed is not None:
+                        failed(address, error)
+                    continue
+                if link is None:
+                    link = opened
+                else:
+                    await opened.close()
+    finally:
+        for dial in dials:
+            dial.cancel()
+        for result in await asyncio.gather(*dials, return_exceptions=True):
+            if isinstance(result, Link):
+                await result.close()
+    if link is not None:
+        return link
+    if len(failures) == 1:
+        raise failures[0]
+    raise LinkError("; ".join(str(error) for error in failures))
 
 
 # Private functions
