@@ -31,7 +31,7 @@ from zeroconf import IPVersion, NonUniqueNameException
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 from deskfleet.common.discovery_record import AgentRecord, ControllerRecord
-from deskfleet.common.wire import listens_everywhere
+from deskfleet.common.wire import ProtocolError, listens_everywhere, parse_address
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,27 @@ def interface_addresses(include_loopback: bool = False) -> list[str]:
                 continue
             found.add(ip)
     return [str(ip) for ip in sorted(found, key=lambda ip: (ip.version, ip))]
+
+
+def dialable_here(addresses: Sequence[str]) -> list[str]:
+    """Of `addresses` (host:port), those of an IP family this PC has a LAN address of (loopback ones, and host names,
+    which may resolve to either, kept); all of them where it has no LAN address yet. A controller of both families
+    whose IPv6 address moved was announced at its old IPv4 address and its new IPv6 one: an agent with IPv6 alone
+    took the IPv4 one, a membership address, for the controller not having moved, dialled it alone, and never
+    registered again (from an exploratory test of a mixed IPv4/IPv6 office). The families are read from the LAN
+    addresses alone: loopback has both on nearly every PC."""
+    families = {ipaddress.ip_address(address).version for address in interface_addresses()}
+    if not families:
+        return list(addresses)
+
+    def kept(address: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(parse_address(address)[0])
+        except (ValueError, ProtocolError):  # a host name
+            return True
+        return ip.is_loopback or ip.version in families
+
+    return [address for address in addresses if kept(address)]
 
 
 def open_zeroconf(interfaces: Sequence[str]) -> AsyncZeroconf:

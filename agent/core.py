@@ -42,9 +42,10 @@ from typing import TypeVar
 
 from cryptography import x509
 
+from deskfleet.agent.advertise import dialable_here
 from deskfleet.agent.cache_health import UNWRITABLE_ERRNOS, CacheHealth
 from deskfleet.agent.kv_memory_guard import KvMemoryGuard, KvMemoryRefused
-from deskfleet.agent.link import Link, LinkError, TlsFiles, open_link
+from deskfleet.agent.link import Link, LinkError, TlsFiles, open_first, open_link
 from deskfleet.agent.monitor import SystemMonitor, available_memory_reader
 from deskfleet.agent.opt_out import OPT_OUT_FILE, OptOutReader
 from deskfleet.agent.paths import AgentSettings
@@ -124,6 +125,9 @@ HOP_RETRY_AFTER_S = 3.0
 STAGE_TRIM_IDLE_S = 60.0
 # How long a re-assigned stage's open link to its next hop gets to answer a ping before it is dropped and dialled anew
 NEXT_HOP_CHECK_S = 2.0
+# A next hop of several addresses is dialled at the next one this long after the one before it stays silent (RFC
+# 8305 gives 250 ms between a name's addresses)
+NEXT_HOP_DIAL_STAGGER_S = 0.25
 # How long a stopping agent waits for its next hops' watchers once their links are closed (each ends at once as its
 # link closes; the link's close handshake takes up to its close timeout) before it cancels them
 HOP_WATCHERS_CLOSE_S = 5.0
@@ -1056,8 +1060,7 @@ class AgentCore:
                 if self._closing.is_set():
                     raise LinkError("this agent is stopping")
                 if link is None:
-                    link = await self._unless_closing(open_link(hop.address, self.files, expected_agent_id=hop.agent_id,
-                                                                revocations=self.revocations), None)
+                    link = await self._unless_closing(self._open_next_hop(hop), None)
                     self._next_hops[hop.agent_id] = link
                     watcher = asyncio.create_task(self._watch_next_hop(hop, link))
                     self._hop_watchers.add(watcher)
@@ -1084,9 +1087,24 @@ class AgentCore:
                 if attempt and error.too_big:  # it answered, refusing the step: blame no one
                     raise CommandError(ErrorCode.NOT_ASSIGNED, _refused_as_too_big(hop)) from None
                 if attempt:  # the Error that answers it starts with this agent's id
-                    text = f"next hop agent {hop.agent_id[:12]} at {hop.address} is unreachable: {error}"
+                    text = f"next hop agent {hop.agent_id[:12]} at {' or '.join(hop.addresses)} is unreachable: {error}"
                     self._unreachable_hops[hop.agent_id] = (time.monotonic(), text)
                     raise CommandError(ErrorCode.INTERNAL, text, agent_id=hop.agent_id) from None
+
+    async def _open_next_hop(self, hop: NextHop) -> Link:
+        """A link to `hop` at the first of its addresses to answer, of those of an IP family this PC has an address
+        of (every one where it has none of theirs), `hop.address` first, each NEXT_HOP_DIAL_STAGGER_S after the one
+        before it."""
+        addresses = dialable_here(hop.addresses)
+        try:
+            return await open_first(addresses or hop.addresses, lambda address: open_link(
+                address, self.files, expected_agent_id=hop.agent_id, revocations=self.revocations),
+                NEXT_HOP_DIAL_STAGGER_S)
+        except LinkError as error:
+            if addresses:
+                raise
+            raise LinkError(f"{error} (this PC has no address of their IP family: a PC of the other family, or "
+                            "one of both, must stand between them in the chain)") from None
 
     async def _check_next_hop_link(self, hop: NextHop) -> None:
         """Drop the open link to `hop` unless it answers a ping within NEXT_HOP_CHECK_S, so that the next step dials it

@@ -25,6 +25,7 @@ from deskfleet.agent.advertise import (
     Announcement,
     addresses_to_advertise,
     advertise_while_serving,
+    dialable_here,
     interface_addresses,
     never_changes,
 )
@@ -45,6 +46,7 @@ from deskfleet.agent.link import (
     LinkError,
     LinkRefused,
     listen_text,
+    open_first,
     open_link,
     start_server,
     utc_now,
@@ -68,7 +70,15 @@ from deskfleet.common.discovery_record import SERVICE_TYPE, AgentRecord
 from deskfleet.common.file_lock import pid_lock
 from deskfleet.common.open_files import log_open_files_limit, raise_open_files_limit
 from deskfleet.common.version import software_version
-from deskfleet.common.wire import ProtocolError, Register, listens_everywhere, parse_address, with_default_port
+from deskfleet.common.wire import (
+    MAX_LISTEN_ADDRESSES,
+    ProtocolError,
+    Register,
+    host_port,
+    listens_everywhere,
+    parse_address,
+    with_default_port,
+)
 
 log = logging.getLogger(__name__)
 
@@ -458,31 +468,17 @@ class AgentService:
     async def _dial_first(self, addresses: list[str]) -> Link | None:
         """A link to the controller at the first of `addresses` to answer, all dialed at once (a black-holed one
         costs no more than the others' time); None when none does. The others are cancelled or closed."""
-        dials = {asyncio.create_task(open_link(address, self.files, expected_agent_id=self.membership.controller_id),
-                                     name=f"dial {address}"): address for address in addresses}
-        pending = set(dials)
-        link: Link | None = None
+        if not addresses:
+            return None
+
+        def failed(address: str, error: LinkError) -> None:
+            log.info("the controller's mDNS announcement gives %s, which did not answer: %s", address, error)
+
         try:
-            while pending and link is None:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for dial in done:
-                    try:
-                        opened = dial.result()
-                    except LinkError as error:
-                        log.info("the controller's mDNS announcement gives %s, which did not answer: %s",
-                                 dials[dial], error)
-                        continue
-                    if link is None:
-                        link = opened
-                    else:
-                        await opened.close()
-            return link
-        finally:
-            for dial in pending:
-                dial.cancel()
-            for result in await asyncio.gather(*pending, return_exceptions=True):
-                if isinstance(result, Link):
-                    await result.close()
+            return await open_first(addresses, lambda address: open_link(
+                address, self.files, expected_agent_id=self.membership.controller_id), 0.0, failed)
+        except LinkError:  # each logged
+            return None
 
     async def _registered(self, link: Link) -> None:
         """Say where we listen, then serve the link like any controller link until it closes."""
@@ -505,34 +501,21 @@ class AgentService:
         outage.began()
 
     def _register_message(self, link: Link) -> Register:
-        """This agent's Register on `link`: where it listens, as the controller reaches it."""
+        """This agent's Register on `link`: where it listens, as the controller reaches it first, then (listening on
+        every interface) at its other LAN addresses, of both IP families: the controller gives them to the stage
+        before this PC's, which dials one of a family its own PC has (a PC of both families registered at its IPv6
+        address alone could never be dialled by an IPv4-only PC before it when mDNS did not reach the controller)."""
         host, _ = parse_address(self.listen)
-        if listens_everywhere(host):
-            host = str(link.connection.transport.get_extra_info("sockname")[0])
-        shown = f"[{host}]" if ":" in host else host
-        return Register(self.core.agent_id, (f"{shown}:{self.bound_port}",), self.membership.token_sha256)
+        port = self.bound_port
+        if port is None:
+            raise RuntimeError("an agent registers once it listens")
+        if not listens_everywhere(host):
+            return Register(self.core.agent_id, (host_port(host, port),), self.membership.token_sha256)
+        reached = host_port(str(link.connection.transport.get_extra_info("sockname")[0]), port)
+        others = (host_port(address, port) for address in interface_addresses())
+        addresses = tuple(dict.fromkeys((reached, *others)))[:MAX_LISTEN_ADDRESSES]
+        return Register(self.core.agent_id, addresses, self.membership.token_sha256)
 
-
-
-def dialable_here(addresses: list[str]) -> list[str]:
-    """Of `addresses` (host:port), those of an IP family this PC has a LAN address of (loopback ones, and host names,
-    which may resolve to either, kept); all of them where it has no LAN address yet. A controller of both families
-    whose IPv6 address moved was announced at its old IPv4 address and its new IPv6 one: an agent with IPv6 alone
-    took the IPv4 one, a membership address, for the controller not having moved, dialled it alone, and never
-    registered again (from an exploratory test of a mixed IPv4/IPv6 office). The families are read from the LAN
-    addresses alone: loopback has both on nearly every PC."""
-    families = {ipaddress.ip_address(address).version for address in interface_addresses()}
-    if not families:
-        return addresses
-
-    def kept(address: str) -> bool:
-        try:
-            ip = ipaddress.ip_address(parse_address(address)[0])
-        except (ValueError, ProtocolError):  # a host name
-            return True
-        return ip.is_loopback or ip.version in families
-
-    return [address for address in addresses if kept(address)]
 
 
 def addresses_after_move(found: str, saved: tuple[str, ...]) -> tuple[str, ...]:

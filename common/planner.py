@@ -216,8 +216,9 @@ class PlanOptions:
     # shortens the slowest stage by less is left out. 0: stages are free (the slowest stage alone decides).
     hop_cost: float = 1_000_000.0
     # Links known broken, as (from, to) agent ids: `from` cannot dial `to` (a firewall or a network fault between
-    # two desks), so no plan puts `from` directly before `to`; `to` before `from` is another link, dialled the other
-    # way. A failover adds one where a stage could not reach its next hop while the controller reaches both.
+    # two desks, or no IP family in common), so no plan puts `from` directly before `to`; `to` before `from` is
+    # another link, dialled the other way. A failover adds one where a stage could not reach its next hop while the
+    # controller reaches both; a plan over a survey, one between PCs whose addresses share no IP family.
     broken_links: frozenset[tuple[str, str]] = frozenset()
     # The device the stages will compile on: an agent whose OpenVINO lists none is left out (one that reports no
     # devices, its probe having failed, is not). None: not checked (a plan on paper).
@@ -934,7 +935,8 @@ def _cut_off(agent: AgentCandidate, eligible: list[AgentCandidate], options: Pla
     ends = [f"agent {names[source]} cannot dial agent {names[target]}"
             for source, target in sorted(options.broken_links) if agent.agent_id in (source, target)]
     return Exclusion(agent.agent_id, ExclusionReason.BROKEN_LINK,
-                     f"broken link: {', '.join(ends)} (a firewall or a network fault between them), "
+                     f"broken link: {', '.join(ends)} (a firewall or a network fault between them, or no IP family in "
+                     "common), "
                      "and no chain that keeps it, with no PC dialling one it cannot reach, does as well as one "
                      "without it", agent.hostname)
 
@@ -945,7 +947,8 @@ def _no_chain_apart(eligible: list[AgentCandidate], options: PlanOptions, unreac
     links = ", ".join(f"{names[source]} -> {names[target]}" for source, target in sorted(options.broken_links))
     silent = f", and {len(unreachable)} more found did not answer" if unreachable else ""
     return (f"the {len(eligible)} usable agent(s) hold the model only in chains where a PC dials one it cannot "
-            f"reach (broken links: {links}){silent}: mend the network between those PCs, or join more PCs")
+            f"reach (broken links: {links}){silent}: mend the network between those PCs (or give them addresses of "
+            "one IP family), or join more PCs")
 
 
 def _not_asked_remedy(unreachable: Sequence[Exclusion]) -> str:

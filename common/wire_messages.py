@@ -36,8 +36,9 @@ from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, che
 # (presence and frequency penalties, logit bias), CopyRow and Forward.copy_into (a finished row's state kept); 13:
 # Forward.copies_dropped and ForwardResult.copies_dropped (a stage short of memory for a step's copies makes none);
 # 14: StatusReport.shard_room_bytes (a plan leaves out a PC whose shard cache has no room for a stage) and
-# StatusReport.clock_s (`fleet ls` warns of a PC whose clock is off the controller's)
-PROTOCOL_VERSION = 14
+# StatusReport.clock_s (`fleet ls` warns of a PC whose clock is off the controller's); 15: NextHop.other_addresses (a
+# stage dials the next PC at an address of a family its own PC has)
+PROTOCOL_VERSION = 15
 MAX_STATUS_DETAIL = 500
 MAX_DEVICES = 32  # a StatusReport's devices
 _DEVICE_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,15}(\.[0-9]{1,3})?")  # as OpenVINO lists them: "CPU", "GPU.1"
@@ -120,6 +121,21 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def ip_families(addresses: Sequence[str]) -> frozenset[int] | None:
+    """The IP versions (4, 6) of host:port `addresses`; None where one is a host name or a loopback address, which
+    may be dialled over either family, or none is given."""
+    families = set()
+    for address in addresses:
+        try:
+            ip = ipaddress.ip_address(parse_address(address)[0])
+        except (ProtocolError, ValueError):  # a host name, or no address at all
+            return None
+        if ip.is_loopback:
+            return None
+        families.add(ip.version)
+    return frozenset(families) or None
 
 
 def host_port(host: str, port: int) -> str:
@@ -252,6 +268,7 @@ class Precision(str, Enum):
 
 
 MAX_LISTEN_ADDRESSES = 16  # a Register's addresses
+MAX_OTHER_ADDRESSES = MAX_LISTEN_ADDRESSES - 1  # a NextHop's other_addresses: with its address, a Register's worth
 # An agent frees a micro-batch no step has used for this long (its driver is gone); a driver that keeps one between
 # runs (a chat's KV state between turns) resumes it only well within this.
 MICRO_BATCH_IDLE_S = 600.0
@@ -309,14 +326,27 @@ class ManifestEntry:
 
 @dataclass(frozen=True)
 class NextHop:
-    """Where a stage sends its output: the address, and the agent id its certificate must carry."""
+    """Where a stage sends its output: the address the controller reached the next PC at, the agent id its certificate
+    must carry, and the next PC's other addresses (protocol 15). A stage dials those of an IP family its own PC has,
+    `address` first: a dual-stack PC reached over IPv6 was given to an IPv4-only PC before it at that address alone,
+    which it could never dial (from an exploratory test of a mixed IPv4/IPv6 office)."""
 
     address: str
     agent_id: str
+    other_addresses: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         parse_address(self.address)
         _require(is_agent_id(self.agent_id), "next hop agent_id is not an agent id")
+        _require(len(self.other_addresses) <= MAX_OTHER_ADDRESSES,
+                 f"next hop lists {len(self.other_addresses)} other addresses, more than {MAX_OTHER_ADDRESSES}")
+        for other in self.other_addresses:
+            parse_address(other)
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """`address`, then the other addresses, each once."""
+        return tuple(dict.fromkeys((self.address, *self.other_addresses)))
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ from deskfleet.common.planner import (
 )
 from deskfleet.common.prefill_scratch import layer_width, prefill_scratch_per_token
 from deskfleet.common.wire import (
+    MAX_OTHER_ADDRESSES,
     AssignStage,
     Error,
     ErrorCode,
@@ -78,7 +79,7 @@ from deskfleet.common.wire import (
 )
 from deskfleet.controller.fleet_ca import Revocations
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry, agent_label
-from deskfleet.controller.fleet_survey import NO_ADDRESS, AgentView, Survey
+from deskfleet.controller.fleet_survey import NO_ADDRESS, AgentView, Survey, links_of_no_shared_family
 
 log = logging.getLogger(__name__)
 
@@ -304,6 +305,7 @@ def plan_survey(footprint: ModelFootprint, found: Survey, options: PlanOptions,
     back and a deployed split that is still as good is kept."""
     agents = [agent for agent in found.reachable() if agent.agent_id not in exclude]
     answered = {agent.agent_id for agent in found.reachable()}
+    options = replace(options, broken_links=options.broken_links | links_of_no_shared_family(agents))
     unreachable = tuple(
         Exclusion(agent.agent_id or agent.address, ExclusionReason.OTHER_PROTOCOL,  # its problem says it all
                   agent.problem or f"speaks fleet protocol {agent.other_protocol}{_at(agent.address)}", agent.hostname)
@@ -424,7 +426,7 @@ async def _deploy_all(model_dir: Path, manifest: Manifest, model_id: str, placem
             next_hop = None
             if index + 1 < len(placements):
                 following = placements[index + 1]
-                next_hop = NextHop(following.address, following.agent_id)
+                next_hop = NextHop(following.address, following.agent_id, _other_addresses(found, following))
             # the stage takes steps only from the agent before it (the first stage: from the controller)
             previous_agent_id = placements[index - 1].agent_id if index else None
             assignment = AssignStage(StageRef(model_id, placement.layer_start, placement.layer_end),
@@ -432,6 +434,16 @@ async def _deploy_all(model_dir: Path, manifest: Manifest, model_id: str, placem
                                      settings.device, settings.precision, next_hop, entries, settings.kv_cache,
                                      previous_agent_id)
             tasks.create_task(_deploy_stage(link, model_dir, assignment, sent, files, progress))
+
+
+def _other_addresses(found: Survey, placement: StagePlacement) -> tuple[str, ...]:
+    """The addresses the survey knows of the PC of `placement` besides the one it answered at, as many as a NextHop
+    carries."""
+    for agent in found.agents:
+        if agent.agent_id == placement.agent_id:
+            others = (address for address in agent.other_addresses if address != placement.address)
+            return tuple(others)[:MAX_OTHER_ADDRESSES]
+    return ()
 
 
 def _placed_before(store: FleetStore, model_dir: Path) -> frozenset[tuple[str, int, int]]:

@@ -17,7 +17,7 @@ import contextlib
 import datetime
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -33,7 +33,14 @@ from deskfleet.agent.link import (
 )
 from deskfleet.common import pki
 from deskfleet.common.planner import NETWORK_DOWN_WORDS
-from deskfleet.common.wire import Error, KnownRemovals, StatusReport, StatusRequest, is_loopback_address
+from deskfleet.common.wire import (
+    Error,
+    KnownRemovals,
+    StatusReport,
+    StatusRequest,
+    ip_families,
+    is_loopback_address,
+)
 from deskfleet.controller.discovery import RESOLVE_TIMEOUT_MS, Discovery, ManualPeers, ZeroconfDiscovery
 from deskfleet.controller.fleet_ca import Revocations, fleet_addresses, take_known_removals
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError
@@ -83,6 +90,9 @@ class AgentView:
     certificate_expires: datetime.datetime | None = None  # the agent's certificate, as its link showed it
     version: str | None = None  # the deskfleet version its Hello named (also one that speaks another protocol)
     other_protocol: int | None = None  # the fleet protocol it speaks where that is not this controller's
+    # its other addresses known (its registration's, mDNS's): a deploy gives them to the stage before it, which
+    # dials one of a family its own PC has where `address` is not (NextHop.other_addresses)
+    other_addresses: tuple[str, ...] = ()
 
 
 class PeerVersion(NamedTuple):
@@ -150,7 +160,8 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
     found = Survey([], {}, fleet)
     listed_at: dict[str, int] = {}  # agent id -> its place in found.agents
     removed = revocations()  # with the removals agents gave back (a data dir restored from an older backup)
-    for (target_id, _, source_names), (address, link, report, problem, peer) in zip(targets, results, strict=True):
+    for (target_id, addresses, source_names), (address, link, report, problem, peer) in zip(targets, results,
+                                                                                          strict=True):
         # a PC of another protocol is known by the certificate its link showed before it closed: a --peer address
         # of a roster member was listed twice, once as "?"
         known_id = link.peer.agent_id if link is not None else target_id or peer.agent_id
@@ -171,7 +182,7 @@ async def survey(store: FleetStore, options: SurveyOptions) -> Survey:
         hostname = roster[known_id].hostname if known_id is not None and known_id in roster else "?"
         expires = link.peer.not_valid_after if link is not None else None
         view = AgentView(known_id, hostname, address, source_names, report, problem, expires, peer.software,
-                         peer.other_protocol)
+                         peer.other_protocol, tuple(other for other in addresses if other != address))
         if earlier is not None:
             found.agents[earlier] = view
         else:
@@ -234,6 +245,22 @@ def clock_warnings(agents: list[AgentView], now_s: float) -> list[str]:
                      "that time (or the fleet, where it is ahead) are refused as not valid yet; set the wrong clock "
                      "right (NTP)")
     return lines
+
+
+def links_of_no_shared_family(agents: Sequence[AgentView]) -> frozenset[tuple[str, str]]:
+    """(from, to) agent ids of the PCs that answered whose known addresses share no IP family: a stage on one cannot
+    dial a stage on the other (an IPv4-only PC and an IPv6-only one), both ways. A PC known at a host name or a
+    loopback address may be dialled over either family: none of its links is said broken. From an exploratory test
+    of a mixed IPv4/IPv6 office: the first run that put such PCs next to each other spent two failovers learning the
+    links, and every run that took one of them back did again."""
+    families = {}
+    for agent in agents:
+        if agent.agent_id is not None and agent.report is not None:
+            known = ip_families((agent.address, *agent.other_addresses))
+            if known is not None:
+                families[agent.agent_id] = known
+    return frozenset((source, target) for source, ours in families.items() for target, theirs in families.items()
+                     if not ours & theirs)
 
 
 def dials_at_once() -> int:

@@ -291,7 +291,7 @@ def test_an_agent_of_one_ip_family_takes_the_announced_address_of_its_family(
     # dialled it alone, and never registered again (from an exploratory test of a mixed IPv4/IPv6 office).
     old_ipv4 = "10.62.0.1:7341"
     replace(joined.membership, controller_addresses=(old_ipv4,)).save(joined.state_dir)
-    monkeypatch.setattr(service_module, "interface_addresses", lambda: ["fd62::5"])  # this PC's LAN: IPv6 alone
+    monkeypatch.setattr(advertise, "interface_addresses", lambda: ["fd62::5"])  # this PC's LAN: IPv6 alone
     dialled: list[str] = []
     real_open_link = service_module.open_link
 
@@ -330,8 +330,8 @@ def test_addresses_of_a_family_this_pc_has_none_of_are_not_dialled(monkeypatch: 
                SimpleNamespace(family=socket.AF_INET6, address="::1")],
         "eth0": [SimpleNamespace(family=socket.AF_INET, address="10.1.0.5"),
                  SimpleNamespace(family=socket.AF_INET6, address="fe80::5%2")]})
-    assert service_module.dialable_here(["10.62.0.1:7341", "[fd62::99]:7341", "ctl.office.example:7341",
+    assert advertise.dialable_here(["10.62.0.1:7341", "[fd62::99]:7341", "ctl.office.example:7341",
                                          "[::1]:7341"]) == ["10.62.0.1:7341", "ctl.office.example:7341", "[::1]:7341"]
     monkeypatch.setattr(psutil, "net_if_addrs", lambda: {"lo": [SimpleNamespace(family=socket.AF_INET,
                                                                                  address="127.0.0.1")]})
-    assert service_module.dialable_here(["[fd62::99]:7341"]) == ["[fd62::99]:7341"]  # no LAN address yet: all
+    assert advertise.dialable_here(["[fd62::99]:7341"]) == ["[fd62::99]:7341"]  # no LAN address yet: all

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from deskfleet.common import wire
 from deskfleet.common.wire import (
     MAX_KNOWN_REMOVALS,
+    MAX_OTHER_ADDRESSES,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     AdmitRow,
@@ -56,6 +57,7 @@ from deskfleet.common.wire import (
     check_tensor,
     decode,
     encode,
+    ip_families,
     same_message,
 )
 
@@ -100,6 +102,9 @@ def all_messages() -> list[wire.Message]:
                     (ManifestEntry("layer_004.xml", SHA, 1234), ManifestEntry("layer_004.bin", SHA, 0)),
                     previous_agent_id=AGENT),
         AssignStage(STAGE, True, False, "CPU", Precision.DEVICE_DEFAULT, None, ()),
+        AssignStage(STAGE, False, False, "CPU", Precision.F32,
+                    NextHop("10.0.0.9:7431", AGENT, ("[fd62::30]:7431", "desk-9.office.example:7431")), (),
+                    previous_agent_id=AGENT),
         AssignStage(STAGE, True, True, "CPU", Precision.DEVICE_DEFAULT, None, (), "f32"),
         StageReady(STAGE),
         ReleaseStage(STAGE),
@@ -242,6 +247,9 @@ def test_same_message_tells_tensors_apart() -> None:
     (lambda: NextHop("host", AGENT), "host:port"),
     (lambda: NextHop("host:0", AGENT), "port"),
     (lambda: NextHop("host:1", "X" * 52), "agent_id"),
+    (lambda: NextHop("host:1", AGENT, ("[fd62::30]",)), "host:port"),
+    (lambda: NextHop("host:1", AGENT, tuple(f"10.0.0.{n}:7431" for n in range(MAX_OTHER_ADDRESSES + 1))),
+     "16 other addresses, more than 15"),
     (lambda: Hello(1, "short", "0.1", Role.AGENT), "agent_id"),
     (lambda: ShardChunk(SHA, 10, 12, b"abc"), "total_size"),
     (lambda: StatusReport(AgentState.AVAILABLE, 1, 1.5, None, None, None, None, (), None), "cpu_load"),
@@ -687,3 +695,17 @@ def test_host_port_brackets_an_ipv6_host_as_parse_address_reads_it() -> None:
     for host in ("10.0.0.5", "fd61::1", "pc-7.office.example", "::1"):
         assert wire.parse_address(wire.host_port(host, 7431)) == (host, 7431)
     assert wire.host_port("fd61::1", 7431) == "[fd61::1]:7431" and wire.host_port("10.0.0.5", 80) == "10.0.0.5:80"
+
+
+def test_a_next_hops_addresses_start_with_the_one_the_controller_reached_each_once() -> None:
+    hop = NextHop("10.0.0.9:7431", AGENT, ("[fd62::30]:7431", "10.0.0.9:7431", "[fd62::31]:7431"))
+    assert hop.addresses == ("10.0.0.9:7431", "[fd62::30]:7431", "[fd62::31]:7431")
+    assert NextHop("10.0.0.9:7431", AGENT).addresses == ("10.0.0.9:7431",)
+
+
+def test_ip_families_of_addresses_and_none_where_one_may_be_either() -> None:
+    assert ip_families(["10.0.0.9:7431", "[fd62::30]:7431"]) == {4, 6}
+    assert ip_families(["[fd62::30]:7431", "[fd62::31]:7431"]) == {6}
+    assert ip_families(["10.0.0.9:7431", "desk-9.office.example:7431"]) is None  # a name resolves to either
+    assert ip_families(["127.0.0.1:7431"]) is None and ip_families(["[::1]:7431"]) is None
+    assert ip_families([]) is None and ip_families(["not an address"]) is None

@@ -142,7 +142,8 @@ def test_where_both_directions_broke_the_planner_leaves_one_out_and_the_verdict_
     verdict = str(replan["blame_check"])
     assert verdict.startswith(f"agent {B[:12]} (stage 0) reported its next hop agent {A[:12]} (stage 1) at fault")
     assert (f"; the new plan leaves agent {B[:12]} out (broken link: agent {A[:12]} cannot dial agent {B[:12]}, "
-            f"agent {B[:12]} cannot dial agent {A[:12]} (a firewall or a network fault between them), and no chain "
+            f"agent {B[:12]} cannot dial agent {A[:12]} (a firewall or a network fault between them, or no IP family "
+            "in common), and no chain "
             "that keeps it, with no PC dialling one it cannot reach, does as well as one without it)") in verdict
 
 

@@ -1,0 +1,112 @@
+"""A stage dials its next hop at an address of an IP family its own PC has (NextHop.other_addresses, protocol 15),
+and an agent registers every address it listens at, so that the controller knows them all.
+
+From an exploratory test of a mixed IPv4/IPv6 office: a dual-stack PC that answered the controller's survey over
+IPv6 was given to the IPv4-only PC before it in the chain at that IPv6 address alone, which it could never dial; the
+run failed over and left the healthy dual-stack PC out."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
+
+import psutil
+import pytest
+
+from deskfleet.agent import core as core_module
+from deskfleet.agent import service as service_module
+from deskfleet.agent.core import CommandError
+from deskfleet.agent.link import Link, LinkError
+from deskfleet.agent.service import AgentOptions, AgentService
+from deskfleet.common.wire import NextHop, ReleaseMicroBatch, Role
+from tests.agent.test_core import FakeMonitor
+from tests.agent.test_review_controller_search import Joined, joined  # noqa: F401 (the fixture)
+from tests.agent.test_review_hop_auth import NEXT, FakeLink, make_core
+
+DUAL_STACK_HOP = NextHop("[fd62::30]:7431", NEXT, ("10.62.0.30:7431", "[fd62::31]:7431"))
+
+
+def _pc_with(monkeypatch: pytest.MonkeyPatch, *lan: tuple[socket.AddressFamily, str]) -> None:
+    """This PC's interfaces: loopback of both families (as nearly every PC has), and `lan` on eth0."""
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: {
+        "lo": [SimpleNamespace(family=socket.AF_INET, address="127.0.0.1"),
+               SimpleNamespace(family=socket.AF_INET6, address="::1")],
+        "eth0": [SimpleNamespace(family=family, address=address) for family, address in lan]})
+
+
+def _dial_log(monkeypatch: pytest.MonkeyPatch, answering: set[str]) -> list[str]:
+    """open_link faked: the addresses dialled, in order; those in `answering` open a link to NEXT, the others are
+    refused."""
+    dialled: list[str] = []
+
+    async def dial(address: str, *args: object, **kwargs: object) -> Link:
+        dialled.append(address)
+        if address not in answering:
+            raise LinkError(f"cannot reach {address}: [Errno 101] Network is unreachable")
+        return FakeLink(Role.AGENT, NEXT)  # type: ignore[return-value]
+
+    monkeypatch.setattr(core_module, "open_link", dial)
+    return dialled
+
+
+def _send(tmp_path: Path, hop: NextHop) -> None:
+    core = make_core(tmp_path, "agent")
+
+    async def scenario() -> None:
+        try:
+            await core._send_next(hop, ReleaseMicroBatch(7))
+        finally:
+            await core.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_ipv4_only_pc_dials_a_dual_stack_next_hop_at_its_ipv4_address(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    _pc_with(monkeypatch, (socket.AF_INET, "10.62.0.10"), (socket.AF_INET6, "fe80::10%2"))  # link-local: no family
+    dialled = _dial_log(monkeypatch, {"10.62.0.30:7431"})
+    _send(tmp_path, DUAL_STACK_HOP)
+    assert dialled == ["10.62.0.30:7431"]  # its IPv6 addresses not even tried
+
+
+def test_a_dual_stack_pc_dials_the_address_the_controller_reached_first_then_the_others(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _pc_with(monkeypatch, (socket.AF_INET, "10.62.0.1"), (socket.AF_INET6, "fd62::1"))
+    dialled = _dial_log(monkeypatch, {"[fd62::31]:7431"})
+    _send(tmp_path, DUAL_STACK_HOP)
+    assert dialled == ["[fd62::30]:7431", "10.62.0.30:7431", "[fd62::31]:7431"]
+
+
+def test_a_next_hop_of_no_family_this_pc_has_is_still_dialled_and_the_error_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _pc_with(monkeypatch, (socket.AF_INET, "10.62.0.10"))
+    dialled = _dial_log(monkeypatch, set())
+    with pytest.raises(CommandError) as failed:
+        _send(tmp_path, NextHop("[fd62::20]:7431", NEXT, ("[fd62::21]:7431",)))
+    assert dialled == ["[fd62::20]:7431", "[fd62::21]:7431"] * 2  # the step's two attempts
+    text = str(failed.value)
+    assert text.startswith(f"next hop agent {NEXT[:12]} at [fd62::20]:7431 or [fd62::21]:7431 is unreachable: ")
+    assert "cannot reach [fd62::21]:7431" in text and "this PC has no address of their IP family" in text
+
+
+class _LinkFrom:
+    """A registration link as _register_message reads it: the local address this PC reached the controller from."""
+
+    def __init__(self, host: str) -> None:
+        self.connection = SimpleNamespace(transport=SimpleNamespace(get_extra_info=lambda key: (host, 40000)))
+
+
+def test_an_agent_on_every_interface_registers_every_address_the_one_the_controller_reached_first(
+        joined: Joined, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    # the controller's roster is where a deploy learns a PC's addresses when mDNS does not reach it (corporate Wi-Fi)
+    monkeypatch.setattr(service_module, "interface_addresses", lambda: ["10.62.0.30", "fd62::30", "fd62::31"])
+    everywhere = AgentService(AgentOptions(joined.data_dir, listen="0.0.0.0:7431"), monitor=FakeMonitor())
+    everywhere.bound_port = 7431
+    register = everywhere._register_message(cast(Link, _LinkFrom("fd62::30")))
+    assert register.listen_addresses == ("[fd62::30]:7431", "10.62.0.30:7431", "[fd62::31]:7431")
+    one = AgentService(AgentOptions(joined.data_dir, listen="10.62.0.30:7431"), monitor=FakeMonitor())
+    one.bound_port = 7431
+    assert one._register_message(cast(Link, _LinkFrom("10.62.0.30"))).listen_addresses == ("10.62.0.30:7431",)
