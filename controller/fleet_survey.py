@@ -52,6 +52,9 @@ STATUS_TIMEOUT_S = 5.0
 RECHECK_OPEN_TIMEOUT_S = 3.0  # SurveyOptions.recheck: a TLS handshake on a LAN takes milliseconds
 REFUSAL_READ_S = 1.0  # a link closed at once: how long to look for what the peer said before the close
 MAX_ADDRESSES_PER_AGENT = 16  # dialled per agent: those an authenticated source gave first
+# An agent's next address is dialled this long after the one before it stays silent (RFC 8305 gives 250 ms between a
+# name's addresses)
+SURVEY_DIAL_STAGGER_S = 0.25
 # Links being opened at a time, whatever the announcements claim. A dial to a PC that is off holds its place
 # for the whole open timeout (10 s): at 64, every 64 PCs that were off cost a survey another 10 s (150 of 300
 # asleep: 31 s). 256 dials an office in one round and stays well inside the 1024 file handles Linux gives a
@@ -365,38 +368,51 @@ def _announced_only(registry: Registry, agent_id: str | None) -> frozenset[str]:
     return frozenset(entry.addresses) - entry.authenticated if entry is not None else frozenset()
 
 
+# (the address asked, its link, its report, its problem, its version): what _ask_at_any makes of an agent
+_Answer = tuple[str, Link | None, StatusReport | None, str | None, PeerVersion]
+
+
 async def _ask_at_any(store: FleetStore, revocations: Revocations, agent_id: str | None,
                       addresses: tuple[str, ...], dials: asyncio.Semaphore, open_timeout: float = OPEN_TIMEOUT_S,
-                      announced_only: frozenset[str] = frozenset()
-                      ) -> tuple[str, Link | None, StatusReport | None, str | None, PeerVersion]:
-    """Ask the agent at all of `addresses` at once: (the first address to answer, its link, its report,
-    None, its version), or (the first address, None, None, every address's problem, its version) when none
-    did. TLS pins the agent's id, so any answer is its own; asking in turn made a stale registered address (a
-    PC that changed IP) cost the whole open timeout before its live mDNS address was tried. The version is
-    (the deskfleet version the agent's Hello or its refusal of ours named, where one did; the fleet protocol it
-    speaks where that is not ours): `fleet ls` shows who is not upgraded. A problem at one of `announced_only` (an
-    address only mDNS gave) says so: anyone on the LAN can announce one, and what answers there (another fleet's
-    PC, a rogue with a certificate of its own) says nothing of the member, whose advice it would otherwise carry."""
+                      announced_only: frozenset[str] = frozenset()) -> _Answer:
+    """Ask the agent at `addresses`, each SURVEY_DIAL_STAGGER_S after the one before it or as soon as that one fails
+    (RFC 8305's race): (the first address to answer, its link, its report, None, its version), or (the first
+    address, None, None, every address's problem, its version) when none did. TLS pins the agent's id, so any answer
+    is its own. Asking in turn made a stale registered address (a PC that changed IP) cost the whole open timeout
+    before its live mDNS address was tried; asking at all of them at once cost a PC of both IP families, which
+    registers 2-4 addresses, as many TLS handshakes at every survey, where the first (the address it reached the
+    controller from) nearly always answers. The version is (the deskfleet version the agent's Hello or its refusal
+    of ours named, where one did; the fleet protocol it speaks where that is not ours): `fleet ls` shows who is not
+    upgraded. A problem at one of `announced_only` (an address only mDNS gave) says so: anyone on the LAN can
+    announce one, and what answers there (another fleet's PC, a rogue with a certificate of its own) says nothing
+    of the member, whose advice it would otherwise carry."""
     versions: dict[str, PeerVersion] = {}  # address -> what the agent there said of its version
 
-    async def ask(address: str) -> tuple[str, Link | None, StatusReport | None, str | None, PeerVersion]:
+    async def ask(address: str) -> _Answer:
         link, report, problem = await _ask(store, revocations, agent_id, address, dials, versions, open_timeout)
         return address, link, report, problem, versions.get(address, UNKNOWN_VERSION)
 
-    tasks = [asyncio.ensure_future(ask(address)) for address in addresses]
+    waiting = list(addresses)
+    tasks: list[asyncio.Future[_Answer]] = []
+    running: set[asyncio.Future[_Answer]] = set()
     problems: dict[str, str] = {}
     version = UNKNOWN_VERSION
-    winner: tuple[str, Link | None, StatusReport | None, str | None, PeerVersion] | None = None
+    winner: _Answer | None = None
     try:
-        for next_answer in asyncio.as_completed(tasks):
-            answer = await next_answer
-            if answer[3] is None:
-                winner = answer
-                break
-            problems[answer[0]] = str(answer[3]) if answer[0] not in announced_only else \
-                f"at {answer[0]}, an address only an mDNS announcement gave (anyone on the LAN can send one, so " \
-                f"what answers there may be no PC of this fleet): {answer[3]}"
-            version = version if version != UNKNOWN_VERSION else answer[4]
+        while winner is None and (waiting or running):
+            if waiting:
+                tasks.append(asyncio.ensure_future(ask(waiting.pop(0))))
+                running.add(tasks[-1])
+            done, running = await asyncio.wait(running, timeout=SURVEY_DIAL_STAGGER_S if waiting else None,
+                                               return_when=asyncio.FIRST_COMPLETED)
+            for answer in (task.result() for task in tasks if task in done):
+                if answer[3] is None:
+                    winner = winner or answer
+                    continue
+                problems[answer[0]] = str(answer[3]) if answer[0] not in announced_only else \
+                    f"at {answer[0]}, an address only an mDNS announcement gave (anyone on the LAN can send one, so " \
+                    f"what answers there may be no PC of this fleet): {answer[3]}"
+                version = version if version != UNKNOWN_VERSION else answer[4]
     finally:
         for task in tasks:
             task.cancel()

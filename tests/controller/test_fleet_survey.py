@@ -404,3 +404,46 @@ def test_a_problem_at_an_address_only_mdns_gave_is_not_worded_as_the_members_own
     assert at_rogue.startswith(f"at {announced}, an address only an mDNS announcement gave (anyone on the LAN can send "
                                "one, so what answers there may be no PC of this fleet): ")
     assert "certificate" in at_rogue
+
+
+def test_a_pc_of_several_addresses_is_dialled_at_the_first_alone_when_it_answers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A PC of both IP families registers 2-4 addresses; dialled at all of them at once, it cost a TLS handshake at
+    # each, at every survey. The next address is dialled once the one before it failed, or stayed silent 250 ms.
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("controller-pc:7341",), utc_now())  # a loopback fleet browses no mDNS
+    files = make_member(load_ca(store), tmp_path / "agent", "agent")
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    core = AgentCore(files, settings, ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor())
+    ports = [free_port(), free_port()]
+    first, second = (f"{LOOPBACK}:{port}" for port in ports)
+    refused = f"{LOOPBACK}:{free_port()}"  # nothing listens: refused at once
+    dialled: list[str] = []
+    real_open_link = fleet_survey.open_link
+
+    async def counted(address: str, *args: object, **kwargs: object) -> object:
+        dialled.append(address)
+        return await real_open_link(address, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fleet_survey, "open_link", counted)
+
+    async def scenario(addresses: tuple[str, ...]) -> fleet_survey.AgentView:
+        store.save_roster({core.agent_id: RosterEntry(core.agent_id, "pc-1", "2026-01-01T00:00:00+00:00",
+                                                      addresses)})
+        servers = [await start_server(core.serve_link, LOOPBACK, port, files) for port in ports]
+        try:
+            found = await survey(store, SurveyOptions(discover_seconds=0))
+            await found.close()
+            return found.agents[0]
+        finally:
+            for server in servers:
+                server.close()
+                await server.wait_closed()
+
+    agent = asyncio.run(scenario((first, second)))
+    assert agent.report is not None and agent.address == first and agent.other_addresses == (second,)
+    assert dialled == [first]
+    dialled.clear()
+    agent = asyncio.run(scenario((refused, second, first)))
+    assert agent.report is not None and agent.address == second and agent.other_addresses == (refused, first)
+    assert dialled == [refused, second]  # the refused one failed: the next dialled at once, the third never
