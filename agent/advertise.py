@@ -31,7 +31,7 @@ from zeroconf import IPVersion, NonUniqueNameException
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 from deskfleet.common.discovery_record import AgentRecord, ControllerRecord
-from deskfleet.common.wire import ProtocolError, listens_everywhere, parse_address
+from deskfleet.common.wire import ip_families, listens_everywhere
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,11 @@ def interface_addresses(include_loopback: bool = False) -> list[str]:
     return [str(ip) for ip in sorted(found, key=lambda ip: (ip.version, ip))]
 
 
+def lan_families() -> tuple[int, ...]:
+    """The IP versions (4, 6) of this PC's LAN addresses (interface_addresses): the families it can dial over."""
+    return tuple(sorted({ipaddress.ip_address(address).version for address in interface_addresses()}))
+
+
 def dialable_here(addresses: Sequence[str]) -> list[str]:
     """Of `addresses` (host:port), those of an IP family this PC has a LAN address of (loopback ones, and host names,
     which may resolve to either, kept); all of them where it has no LAN address yet. A controller of both families
@@ -64,18 +69,10 @@ def dialable_here(addresses: Sequence[str]) -> list[str]:
     took the IPv4 one, a membership address, for the controller not having moved, dialled it alone, and never
     registered again (from an exploratory test of a mixed IPv4/IPv6 office). The families are read from the LAN
     addresses alone: loopback has both on nearly every PC."""
-    families = {ipaddress.ip_address(address).version for address in interface_addresses()}
+    families = set(lan_families())
     if not families:
         return list(addresses)
-
-    def kept(address: str) -> bool:
-        try:
-            ip = ipaddress.ip_address(parse_address(address)[0])
-        except (ValueError, ProtocolError):  # a host name
-            return True
-        return ip.is_loopback or ip.version in families
-
-    return [address for address in addresses if kept(address)]
+    return [address for address in addresses if (family := ip_families([address])) is None or family & families]
 
 
 def open_zeroconf(interfaces: Sequence[str]) -> AsyncZeroconf:

@@ -42,7 +42,7 @@ from typing import TypeVar
 
 from cryptography import x509
 
-from deskfleet.agent.advertise import dialable_here
+from deskfleet.agent.advertise import dialable_here, lan_families
 from deskfleet.agent.cache_health import UNWRITABLE_ERRNOS, CacheHealth
 from deskfleet.agent.kv_memory_guard import KvMemoryGuard, KvMemoryRefused
 from deskfleet.agent.link import Link, LinkError, TlsFiles, open_first, open_link
@@ -439,7 +439,8 @@ class AgentCore:
         if snapshot.state is AgentState.PAUSED or (snapshot.state is AgentState.UNAVAILABLE and not self.stages):
             self.call_in.went_away()
         return replace(snapshot.to_wire(), weight_gb_per_s=speed, devices=await self._reported_devices(),
-                       shard_room_bytes=self.cache.room_for_new_bytes(), clock_s=time.time())
+                       shard_room_bytes=self.cache.room_for_new_bytes(), clock_s=time.time(),
+                       ip_families=lan_families())
 
     async def _reported_devices(self) -> tuple[str, ...]:
         """The devices OpenVINO finds, asked once (off the event loop); () when the probe failed or listed names
@@ -1085,9 +1086,11 @@ class AgentCore:
                     raise CommandError(ErrorCode.INTERNAL, f"agent {self.agent_id[:12]} dropped the step: this agent "
                                        "is stopping", agent_id=self.agent_id) from None
                 if attempt and error.too_big:  # it answered, refusing the step: blame no one
-                    raise CommandError(ErrorCode.NOT_ASSIGNED, _refused_as_too_big(hop)) from None
+                    raise CommandError(ErrorCode.NOT_ASSIGNED, _refused_as_too_big(
+                        hop, link.address if link is not None else hop.address)) from None
                 if attempt:  # the Error that answers it starts with this agent's id
-                    text = f"next hop agent {hop.agent_id[:12]} at {' or '.join(hop.addresses)} is unreachable: {error}"
+                    dialled = " or ".join(dialable_here(hop.addresses) or hop.addresses)
+                    text = f"next hop agent {hop.agent_id[:12]} at {dialled} is unreachable: {error}"
                     self._unreachable_hops[hop.agent_id] = (time.monotonic(), text)
                     raise CommandError(ErrorCode.INTERNAL, text, agent_id=hop.agent_id) from None
 
@@ -1141,7 +1144,7 @@ class AgentCore:
                 if isinstance(message, Error):
                     await self._tell_controller(Error(
                         message.code, f"agent {self.agent_id[:12]}: next hop agent {hop.agent_id[:12]} at "
-                                      f"{hop.address} refused this stage's step: {message.message}",
+                                      f"{link.address} refused this stage's step: {message.message}",
                         micro_batch_id=message.micro_batch_id))
                 else:
                     log.debug("ignoring %s from next hop %s", type(message).__name__, link.describe())
@@ -1149,21 +1152,21 @@ class AgentCore:
             if self._closing.is_set() or self._next_hops.get(hop.agent_id) is not link:
                 return  # closed here: a stage released or re-planned, the agent stopping, or a send that said so
             self._next_hops.pop(hop.agent_id, None)  # the next step dials it anew
-            await self._report_lost_hop(hop, error)
+            await self._report_lost_hop(hop, link.address, error)
 
-    async def _report_lost_hop(self, hop: NextHop, error: LinkError) -> None:
-        """Tell the drivers of the micro-batches this agent's stages hold, whose steps went to `hop`, that the link to
-        it died under them (its keepalive went unanswered: a firewall that cut it mid-run, a PC gone): the steps sent
-        on it are lost. Before, a link whose last steps had fitted in the send buffer died without a word, the run
-        waited out its 120 s step timeout and re-planned onto the same chain, and only a second re-plan found the
-        link. The driver weighs the blame (the controller reaching both PCs marks the link broken). A link the next
-        hop closed as a step was too large for it (LinkError.too_big) is a refusal, told as one, blaming no one: it
-        read as the hop lost, and a healthy PC or link was left out of the re-plan."""
+    async def _report_lost_hop(self, hop: NextHop, address: str, error: LinkError) -> None:
+        """Tell the drivers of the micro-batches this agent's stages hold, whose steps went to `hop` (at `address`),
+        that the link to it died under them (its keepalive went unanswered: a firewall that cut it mid-run, a PC
+        gone): the steps sent on it are lost. Before, a link whose last steps had fitted in the send buffer died
+        without a word, the run waited out its 120 s step timeout and re-planned onto the same chain, and only a
+        second re-plan found the link. The driver weighs the blame (the controller reaching both PCs marks the link
+        broken). A link the next hop closed as a step was too large for it (LinkError.too_big) is a refusal, told as
+        one, blaming no one: it read as the hop lost, and a healthy PC or link was left out of the re-plan."""
         if error.too_big:
-            text = f"agent {self.agent_id[:12]}: {_refused_as_too_big(hop)}"
+            text = f"agent {self.agent_id[:12]}: {_refused_as_too_big(hop, address)}"
             await self._report_hop_steps(hop, Error(ErrorCode.NOT_ASSIGNED, text))
             return
-        text = (f"agent {self.agent_id[:12]}: next hop agent {hop.agent_id[:12]} at {hop.address} is unreachable: "
+        text = (f"agent {self.agent_id[:12]}: next hop agent {hop.agent_id[:12]} at {address} is unreachable: "
                 f"the link to it died with steps in flight ({error})")
         await self._report_hop_steps(hop, Error(ErrorCode.INTERNAL, text, agent_id=hop.agent_id))
 
@@ -1268,10 +1271,11 @@ def _builds_the_same_stage(hosted: AssignStage, wanted: AssignStage) -> bool:
                                                   if field.name not in ("next_hop", "previous_agent_id", "manifest"))
 
 
-def _refused_as_too_big(hop: NextHop) -> str:
-    """Why a next hop closed this agent's link as a step was too large (websocket 1009): it reads large steps only
-    from the previous hop of a stage it hosts, and hosts none fed by this agent, which no PC is at fault for."""
-    return (f"next hop agent {hop.agent_id[:12]} at {hop.address} refused this stage's step as too large: it reads "
+def _refused_as_too_big(hop: NextHop, address: str) -> str:
+    """Why a next hop closed this agent's link (open at `address`) as a step was too large (websocket 1009): it reads
+    large steps only from the previous hop of a stage it hosts, and hosts none fed by this agent, which no PC is at
+    fault for."""
+    return (f"next hop agent {hop.agent_id[:12]} at {address} refused this stage's step as too large: it reads "
             "large steps only from the previous hop of a stage it hosts, and hosts none fed by this agent (not "
             "assigned this chain yet, restarted, or re-planned)")
 

@@ -32,7 +32,7 @@ import socket
 import ssl
 import sys
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
@@ -445,6 +445,19 @@ def every_interface_socket(host: str, port: int) -> socket.socket | None:
         return None
 
 
+def listening_families(sockets: Iterable[socket.socket]) -> frozenset[int]:
+    """The IP versions (4, 6) a server's `sockets` take connections over: a dual-stack IPv6 socket both."""
+    families = set()
+    for listener in sockets:
+        if listener.family == socket.AF_INET:
+            families.add(4)
+        elif listener.family == socket.AF_INET6:
+            families.add(6)
+            if not listener.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY):
+                families.add(4)
+    return frozenset(families)
+
+
 def peer_identity(connection: Connection, ca_certificate: x509.Certificate,
                   revoked: pki.RevocationSet) -> pki.PeerIdentity:
     """The verified identity of the TLS peer of `connection`; PkiError if absent, foreign or revoked."""
@@ -487,12 +500,16 @@ async def open_link(address: str, files: TlsFiles, expected_agent_id: str | None
     except ValueError as error:  # the resolver's refusal of a name (UnicodeError): one address, not the caller's run
         raise LinkError(f"cannot reach {address}: {str(error)[:200]}") from None
     try:
-        peer = peer_identity(connection, files.ca_certificate(), revocations())
-    except pki.PkiError as error:  # the peer is told why (an expired certificate: whose, since when, the fix)
-        await connection.close(1008, _close_reason(f"unauthorized: {error}"))
-        raise LinkError(f"{address} is not an acceptable fleet member: {error}") from None
-    link = Link(connection, peer, address)
-    await _exchange_hello(link, files.own_identity(), expect_first=False)
+        try:
+            peer = peer_identity(connection, files.ca_certificate(), revocations())
+        except pki.PkiError as error:  # the peer is told why (an expired certificate: whose, since when, the fix)
+            await connection.close(1008, _close_reason(f"unauthorized: {error}"))
+            raise LinkError(f"{address} is not an acceptable fleet member: {error}") from None
+        link = Link(connection, peer, address)
+        await _exchange_hello(link, files.own_identity(), expect_first=False)
+    except BaseException:  # refused, or cancelled in its Hello (a race of a PC's addresses lost): nothing keeps it
+        connection.transport.abort()
+        raise
     return link
 
 
@@ -529,6 +546,11 @@ async def open_first(addresses: Sequence[str], open_one: Callable[[str], Corouti
                     link = opened
                 else:
                     await opened.close()
+    except BaseException:  # cancelled, or a dial raised what no dial should: the link that won goes too
+        if link is not None:
+            with contextlib.suppress(Exception):
+                await link.close()
+        raise
     finally:
         for dial in dials:
             dial.cancel()

@@ -46,6 +46,7 @@ from deskfleet.agent.link import (
     LinkError,
     LinkRefused,
     listen_text,
+    listening_families,
     open_first,
     open_link,
     start_server,
@@ -71,10 +72,10 @@ from deskfleet.common.file_lock import pid_lock
 from deskfleet.common.open_files import log_open_files_limit, raise_open_files_limit
 from deskfleet.common.version import software_version
 from deskfleet.common.wire import (
-    MAX_LISTEN_ADDRESSES,
     ProtocolError,
     Register,
     host_port,
+    is_loopback_host,
     listens_everywhere,
     parse_address,
     with_default_port,
@@ -96,6 +97,8 @@ ADVERTISE_REFRESH_S = 10.0
 # (each look takes up to controller_search.SEARCH_S); a controller found there is saved first in membership.json.
 CONTROLLER_SEARCH_INTERVAL_S = 30.0
 SAVED_CONTROLLER_ADDRESSES = 4  # addresses membership.json keeps (host names always): see addresses_after_move
+# A Register lists, after the address the agent reached the controller from, this many of its other IP family's
+REGISTERED_OTHER_FAMILY_ADDRESSES = 3
 IDLE_SWEEP_S = 60.0  # how often micro-batches left behind by a vanished driver are looked for
 LIMITS_CHECK_S = 2.0  # how often a serving agent reads its sensors against the employee's limits
 # how often the agent looks whether it is available again after a spell of not being (CallInWatch): a pause ended
@@ -148,6 +151,7 @@ class AgentService:
                               revocations_file=self.paths.state_dir / REVOCATIONS_FILE,
                               opt_out_dir=self.paths.state_dir, device_probe=openvino_devices)
         self.bound_port: int | None = None
+        self.listen_families: frozenset[int] = frozenset({4, 6})  # of the sockets it listens on (listening_families)
         # the interfaces to look for a moved controller on (mDNS); tests give loopback's
         self.controller_search_interfaces: Callable[[], list[str]] = lambda: interfaces_to_search(
             self.listen, self.membership.controller_addresses)
@@ -189,6 +193,7 @@ class AgentService:
                 raise OSError(f"cannot listen on {self.listen} (--listen, or listen_address in "
                               f"{self.paths.settings_file}): {error.strerror or error}") from None
             self.bound_port = server.sockets[0].getsockname()[1] if server.sockets else port
+            self.listen_families = listening_families(server.sockets)
             log.info("agent %s listening on %s", self.core.agent_id[:12], listen_text(host, self.bound_port))
             self._log_pause()
             self._install_signal_handlers()
@@ -511,9 +516,17 @@ class AgentService:
             raise RuntimeError("an agent registers once it listens")
         if not listens_everywhere(host):
             return Register(self.core.agent_id, (host_port(host, port),), self.membership.token_sha256)
-        reached = host_port(str(link.connection.transport.get_extra_info("sockname")[0]), port)
-        others = (host_port(address, port) for address in interface_addresses())
-        addresses = tuple(dict.fromkeys((reached, *others)))[:MAX_LISTEN_ADDRESSES]
+        reached_from = str(link.connection.transport.get_extra_info("sockname")[0])
+        reached = host_port(reached_from, port)
+        if is_loopback_host(reached_from):  # a fleet on one PC: its LAN addresses go stale as a laptop moves
+            return Register(self.core.agent_id, (reached,), self.membership.token_sha256)
+        # the other family's: the reached one's stands for its own family, where a PC's other addresses of it are
+        # mostly virtual adapters' (a container bridge, a VM host-only network) that no other PC reaches
+        reached_ip = ipaddress.ip_address(reached_from)
+        family = 4 if isinstance(reached_ip, ipaddress.IPv6Address) and reached_ip.ipv4_mapped else reached_ip.version
+        others = [host_port(address, port) for address in interface_addresses()
+                  if ipaddress.ip_address(address).version in self.listen_families - {family}]
+        addresses = (reached, *others[:REGISTERED_OTHER_FAMILY_ADDRESSES])
         return Register(self.core.agent_id, addresses, self.membership.token_sha256)
 
 

@@ -37,7 +37,7 @@ from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, che
 # Forward.copies_dropped and ForwardResult.copies_dropped (a stage short of memory for a step's copies makes none);
 # 14: StatusReport.shard_room_bytes (a plan leaves out a PC whose shard cache has no room for a stage) and
 # StatusReport.clock_s (`fleet ls` warns of a PC whose clock is off the controller's); 15: NextHop.other_addresses (a
-# stage dials the next PC at an address of a family its own PC has)
+# stage dials the next PC at an address of a family its own PC has) and StatusReport.ip_families
 PROTOCOL_VERSION = 15
 MAX_STATUS_DETAIL = 500
 MAX_DEVICES = 32  # a StatusReport's devices
@@ -132,6 +132,8 @@ def ip_families(addresses: Sequence[str]) -> frozenset[int] | None:
             ip = ipaddress.ip_address(parse_address(address)[0])
         except (ProtocolError, ValueError):  # a host name, or no address at all
             return None
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:  # [::ffff:10.0.0.1] is IPv4
+            ip = ip.ipv4_mapped
         if ip.is_loopback:
             return None
         families.add(ip.version)
@@ -563,9 +565,14 @@ class StatusReport:
     # the PC's wall clock as it made the report (seconds since the epoch): every PC judges certificates by its own, and
     # one off the others' by minutes refuses their newest ones; None: not known
     clock_s: float | None = None
+    # the IP versions (4, 6) of the PC's LAN addresses: the families it can dial a next hop over (protocol 15: a plan
+    # never puts it directly before a PC known at addresses of none of them); (): not known
+    ip_families: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_devices(self.devices)
+        _require(len(set(self.ip_families)) == len(self.ip_families) and set(self.ip_families) <= {4, 6},
+                 f"ip_families {self.ip_families[:4]} are not distinct IP versions (4, 6)")
         if self.last_error is not None:
             object.__setattr__(self, "last_error", wire_text(self.last_error))
         _require(len(self.detail) <= MAX_STATUS_DETAIL, f"detail longer than {MAX_STATUS_DETAIL} characters")

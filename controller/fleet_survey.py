@@ -251,19 +251,19 @@ def clock_warnings(agents: list[AgentView], now_s: float) -> list[str]:
 
 
 def links_of_no_shared_family(agents: Sequence[AgentView]) -> frozenset[tuple[str, str]]:
-    """(from, to) agent ids of the PCs that answered whose known addresses share no IP family: a stage on one cannot
-    dial a stage on the other (an IPv4-only PC and an IPv6-only one), both ways. A PC known at a host name or a
-    loopback address may be dialled over either family: none of its links is said broken. From an exploratory test
-    of a mixed IPv4/IPv6 office: the first run that put such PCs next to each other spent two failovers learning the
-    links, and every run that took one of them back did again."""
-    families = {}
-    for agent in agents:
-        if agent.agent_id is not None and agent.report is not None:
-            known = ip_families((agent.address, *agent.other_addresses))
-            if known is not None:
-                families[agent.agent_id] = known
-    return frozenset((source, target) for source, ours in families.items() for target, theirs in families.items()
-                     if not ours & theirs)
+    """(from, to) agent ids of the PCs that answered where `from` has a LAN address of no IP family `to` is known at
+    (its StatusReport.ip_families against the addresses the survey knows of `to`): a stage on `from` could not dial a
+    stage on `to` (an IPv4-only PC before one known at IPv6 addresses alone). A PC that reported no families, or is
+    known at a host name or a loopback address (dialled over either family), constrains nothing. From an exploratory
+    test of a mixed IPv4/IPv6 office: the first run that put such PCs next to each other spent two failovers learning
+    the links, and every run that took one of them back did again."""
+    dials_over = {agent.agent_id: frozenset(agent.report.ip_families) for agent in agents
+                  if agent.agent_id is not None and agent.report is not None and agent.report.ip_families}
+    known_at = {agent.agent_id: families for agent in agents
+                if agent.agent_id is not None and agent.report is not None
+                and (families := ip_families((agent.address, *agent.other_addresses))) is not None}
+    return frozenset((source, target) for source, ours in dials_over.items() for target, theirs in known_at.items()
+                     if source != target and not ours & theirs)
 
 
 def dials_at_once() -> int:
@@ -465,6 +465,10 @@ async def _ask(store: FleetStore, revocations: Revocations, agent_id: str | None
         with contextlib.suppress(LinkError):
             await link.close()
         return None, None, f"no status from {address}: {str(error) or 'timed out'}"
+    except BaseException:  # cancelled: another address of the agent answered first (left open, it leaked)
+        with contextlib.suppress(Exception):
+            await link.close()
+        raise
 
 
 async def _refusal_of(link: Link) -> str | None:

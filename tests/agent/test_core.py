@@ -733,7 +733,8 @@ def test_a_refusal_by_the_next_hop_reaches_the_drivers_at_once(core: AgentCore,
 
     next_hop = NextHopLink(Role.AGENT, [refusal])
 
-    async def open_link(*args: object, **kwargs: object) -> Link:
+    async def open_link(address: str, *args: object, **kwargs: object) -> Link:
+        next_hop.address = address
         return cast(Link, next_hop)
 
     monkeypatch.setattr(core_module, "open_link", open_link)

@@ -19,7 +19,7 @@ import pytest
 from deskfleet.agent import core as core_module
 from deskfleet.agent import service as service_module
 from deskfleet.agent.core import CommandError
-from deskfleet.agent.link import Link, LinkError
+from deskfleet.agent.link import Link, LinkError, listening_families
 from deskfleet.agent.service import AgentOptions, AgentService
 from deskfleet.common.wire import NextHop, ReleaseMicroBatch, Role
 from tests.agent.test_core import FakeMonitor
@@ -99,14 +99,43 @@ class _LinkFrom:
         self.connection = SimpleNamespace(transport=SimpleNamespace(get_extra_info=lambda key: (host, 40000)))
 
 
-def test_an_agent_on_every_interface_registers_every_address_the_one_the_controller_reached_first(
+def test_an_agent_on_every_interface_registers_the_address_the_controller_reached_then_its_other_familys(
         joined: Joined, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     # the controller's roster is where a deploy learns a PC's addresses when mDNS does not reach it (corporate Wi-Fi)
-    monkeypatch.setattr(service_module, "interface_addresses", lambda: ["10.62.0.30", "fd62::30", "fd62::31"])
+    monkeypatch.setattr(service_module, "interface_addresses",
+                        lambda: ["10.62.0.30", "172.17.0.1", "fd62::30", "fd62::31"])  # 172.17.0.1: a container bridge
     everywhere = AgentService(AgentOptions(joined.data_dir, listen="0.0.0.0:7431"), monitor=FakeMonitor())
     everywhere.bound_port = 7431
-    register = everywhere._register_message(cast(Link, _LinkFrom("fd62::30")))
-    assert register.listen_addresses == ("[fd62::30]:7431", "10.62.0.30:7431", "[fd62::31]:7431")
+
+    def registered(reached_from: str) -> tuple[str, ...]:
+        return everywhere._register_message(cast(Link, _LinkFrom(reached_from))).listen_addresses
+
+    assert registered("fd62::30") == ("[fd62::30]:7431", "10.62.0.30:7431", "172.17.0.1:7431")
+    assert registered("10.62.0.30") == ("10.62.0.30:7431", "[fd62::30]:7431", "[fd62::31]:7431")
+    assert registered("127.0.0.1") == ("127.0.0.1:7431",)  # a fleet on one PC: no LAN address to go stale
+    everywhere.listen_families = frozenset({4})  # no IPv6 socket (IPv6 turned off): none of its IPv6 addresses
+    assert registered("10.62.0.30") == ("10.62.0.30:7431",)
     one = AgentService(AgentOptions(joined.data_dir, listen="10.62.0.30:7431"), monitor=FakeMonitor())
     one.bound_port = 7431
     assert one._register_message(cast(Link, _LinkFrom("10.62.0.30"))).listen_addresses == ("10.62.0.30:7431",)
+
+
+def test_an_agent_reports_the_ip_families_of_its_lan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _pc_with(monkeypatch, (socket.AF_INET, "10.62.0.10"), (socket.AF_INET6, "fe80::10%2"))
+    core = make_core(tmp_path, "agent")
+
+    async def status() -> tuple[int, ...]:
+        try:
+            return (await core.status()).ip_families
+        finally:
+            await core.close()
+
+    assert asyncio.run(status()) == (4,)  # link-local and loopback count for nothing
+
+
+def test_a_server_listening_on_both_families_says_so() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as ipv4:
+        assert listening_families([ipv4]) == {4}
+    if socket.has_dualstack_ipv6():
+        with socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True) as both:
+            assert listening_families([both]) == {4, 6}

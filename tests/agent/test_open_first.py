@@ -148,3 +148,27 @@ def test_a_race_cancelled_cancels_its_dials_and_closes_what_they_opened() -> Non
 
     asyncio.run(run())
     assert sorted(dials.cancelled) == ["a:1", "b:1"]
+
+
+def test_a_dial_that_raises_what_no_dial_should_closes_the_link_that_won() -> None:
+    opened: list[FakeLink] = []
+
+    async def run() -> None:
+        gate = asyncio.Event()
+
+        async def open_one(address: str) -> Link:
+            await gate.wait()  # both end in the same turn of the loop: one opens, one raises
+            if address == "b:1":
+                raise OSError("damaged credentials")
+            link = FakeLink(address)
+            opened.append(link)
+            return cast(Link, link)
+
+        race = asyncio.create_task(open_first(["a:1", "b:1"], open_one, 0.0))
+        await asyncio.sleep(0.01)
+        gate.set()
+        with pytest.raises(OSError, match="damaged credentials"):
+            await race
+
+    asyncio.run(run())
+    assert [link.closed for link in opened] == [True]

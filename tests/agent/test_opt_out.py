@@ -209,7 +209,8 @@ def registered_service(core: AgentCore, link: RegistrationLink | None) -> AgentS
     service = AgentService.__new__(AgentService)
     service.core = core
     service.membership = SimpleNamespace(token_sha256=None)  # type: ignore[assignment]
-    service.listen, service.bound_port = "10.0.0.7:7431", 7431
+    service.listen, service.bound_port = "0.0.0.0:7431", 7431
+    service.listen_families = frozenset({4})  # listening on IPv4 alone: it registers the address it reached from
     service._registration = link  # type: ignore[assignment]
     core.call_in.registered(0.0)
     return service

@@ -64,6 +64,7 @@ def test_a_paused_middle_stage_tells_the_driver_not_fleet_serve(desk: tuple[Agen
         registration = OpenLink([RevocationUpdate(b"")], hang_up)  # fleet serve answers a registration
         service = AgentService.__new__(AgentService)
         service.core, service.listen, service.bound_port = core, "0.0.0.0:7431", 7431
+        service.listen_families = frozenset({4})  # listening on IPv4 alone: it registers the address it reached from
         service.membership = SimpleNamespace(token_sha256=None)  # type: ignore[assignment]
         service._outage = SimpleNamespace(failed=lambda error: None, ended=lambda: "",  # type: ignore[assignment]
                                           began=lambda: None)

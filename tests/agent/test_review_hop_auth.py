@@ -517,6 +517,7 @@ def test_a_next_hop_link_that_dies_under_steps_is_reported_to_their_drivers(tmp_
     driver = FakeLink(Role.CONTROLLER, "c" * 52)
     core._controller_links.append(cast(Link, driver))
     dead = FakeLink(Role.AGENT, NEXT)  # its receive fails at once: the link closed
+    dead.address = "10.0.0.9:7431"  # where it was opened
     if not closed_here:
         core._next_hops[NEXT] = cast(Link, dead)
     asyncio.run(core._watch_next_hop(assignment.next_hop, cast(Link, dead)))  # type: ignore[arg-type]

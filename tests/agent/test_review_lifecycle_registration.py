@@ -65,6 +65,7 @@ def registering_service(outcomes: list[str], monkeypatch: pytest.MonkeyPatch, da
     service.files = None  # type: ignore[assignment]
     service.paths = AgentPaths.resolve(data_dir)
     service.listen = "0.0.0.0:7431"
+    service.listen_families = frozenset({4})  # listening on IPv4 alone: it registers the address it reached from
     service.bound_port = 7431
     service.core = FakeCore()  # type: ignore[assignment]
     monkeypatch.setattr(service_module, "open_link", dial)

@@ -98,6 +98,7 @@ def all_messages() -> list[wire.Message]:
         StatusReport(AgentState.AVAILABLE, 1, 0.0, None, None, None, None, (), None, devices=("CPU", "GPU.0", "NPU")),
         StatusReport(AgentState.AVAILABLE, 1, 0.0, None, None, None, None, (), None, shard_room_bytes=50 << 30,
                      clock_s=1_800_000_000.25),
+        StatusReport(AgentState.AVAILABLE, 1, 0.0, None, None, None, None, (), None, ip_families=(4, 6)),
         AssignStage(STAGE, False, True, "GPU", Precision.F32, NextHop("[fe80::1]:7443", AGENT),
                     (ManifestEntry("layer_004.xml", SHA, 1234), ManifestEntry("layer_004.bin", SHA, 0)),
                     previous_agent_id=AGENT),
@@ -248,6 +249,10 @@ def test_same_message_tells_tensors_apart() -> None:
     (lambda: NextHop("host:0", AGENT), "port"),
     (lambda: NextHop("host:1", "X" * 52), "agent_id"),
     (lambda: NextHop("host:1", AGENT, ("[fd62::30]",)), "host:port"),
+    (lambda: StatusReport(AgentState.AVAILABLE, 1, 0.5, None, None, None, None, (), None, ip_families=(4, 4)),
+     "ip_families"),
+    (lambda: StatusReport(AgentState.AVAILABLE, 1, 0.5, None, None, None, None, (), None, ip_families=(5,)),
+     "ip_families"),
     (lambda: NextHop("host:1", AGENT, tuple(f"10.0.0.{n}:7431" for n in range(MAX_OTHER_ADDRESSES + 1))),
      "16 other addresses, more than 15"),
     (lambda: Hello(1, "short", "0.1", Role.AGENT), "agent_id"),
@@ -709,3 +714,4 @@ def test_ip_families_of_addresses_and_none_where_one_may_be_either() -> None:
     assert ip_families(["10.0.0.9:7431", "desk-9.office.example:7431"]) is None  # a name resolves to either
     assert ip_families(["127.0.0.1:7431"]) is None and ip_families(["[::1]:7431"]) is None
     assert ip_families([]) is None and ip_families(["not an address"]) is None
+    assert ip_families(["[::ffff:10.0.0.9]:7431"]) == {4} and ip_families(["[::ffff:127.0.0.1]:7431"]) is None

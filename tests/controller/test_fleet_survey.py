@@ -274,6 +274,40 @@ def test_an_agent_that_never_answers_the_status_request_is_said_to_have_timed_ou
     assert (link, report, problem) == (None, None, "no status from 10.0.0.9:7431: timed out")
 
 
+def test_a_status_request_cancelled_as_another_address_answered_closes_its_link(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the losing addresses' links of a PC that answered at two were left open, on both PCs, at every survey
+    closed: list[bool] = []
+
+    class SlowLink:
+        async def send(self, message: object) -> None:
+            pass
+
+        async def receive(self) -> object:
+            await asyncio.sleep(10)
+
+        async def close(self) -> None:
+            closed.append(True)
+
+    async def opened(*args: object, **kwargs: object) -> SlowLink:
+        return SlowLink()
+
+    monkeypatch.setattr(fleet_survey, "open_link", opened)
+    revocations = cast(Revocations, NobodyRemoved())
+    store = cast(FleetStore, SimpleNamespace(tls_files=None))
+
+    async def scenario() -> None:
+        asking = asyncio.create_task(fleet_survey._ask(store, revocations, None, "10.0.0.9:7431",
+                                                       asyncio.Semaphore(1)))
+        await asyncio.sleep(0.05)
+        asking.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asking
+
+    asyncio.run(scenario())
+    assert closed == [True]
+
+
 def test_a_pc_the_run_just_lost_is_dialled_with_the_short_timeout(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     # a frozen PC cost a failover the whole open timeout twice: the chain's, then the re-plan's survey's

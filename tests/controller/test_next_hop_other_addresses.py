@@ -21,7 +21,7 @@ from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.planner import ModelFootprint, PlanOptions, PlanPolicy
-from deskfleet.common.wire import NextHop, Precision, StatusReport
+from deskfleet.common.wire import NextHop, Precision, StatusReport, ip_families
 from deskfleet.controller.engine import Engine, StreamRequest
 from deskfleet.controller.fleet_ca import init_fleet, load_ca
 from deskfleet.controller.fleet_deploy import DeploySettings, StagePlacement, _deploy_all, model_id_of, plan_survey
@@ -94,8 +94,12 @@ def test_a_stage_reaches_its_next_hop_at_another_of_its_addresses_and_the_tokens
 V4, V6, DUAL = "4" * 52, "6" * 52, "d" * 52
 
 
-def _pc(agent_id: str, speed: float, *addresses: str) -> AgentView:
-    report = StatusReport(AgentState.AVAILABLE, 8 << 30, 0.1, None, None, None, None, (), None, weight_gb_per_s=speed)
+def _pc(agent_id: str, speed: float, *addresses: str, dials_over: tuple[int, ...] | None = None) -> AgentView:
+    """A PC that answered the survey at the first of `addresses`; it dials over `dials_over` (its LAN's families),
+    by default those of its addresses."""
+    families = dials_over if dials_over is not None else tuple(sorted(ip_families(addresses) or ()))
+    report = StatusReport(AgentState.AVAILABLE, 8 << 30, 0.1, None, None, None, None, (), None, weight_gb_per_s=speed,
+                          ip_families=families)
     return AgentView(agent_id, f"desk-{agent_id[0]}", addresses[0], ("registration",), report, None,
                      other_addresses=addresses[1:])
 
@@ -115,6 +119,13 @@ def test_pcs_whose_addresses_share_no_ip_family_are_said_not_to_reach_each_other
     assert links_of_no_shared_family([agents[0], _pc(V6, 1, "[::1]:7431")]) == frozenset()
     silent = AgentView(V6, "desk-6", "[fd62::20]:7431", ("registration",), None, "cannot reach [fd62::20]:7431")
     assert links_of_no_shared_family([agents[0], silent]) == frozenset()
+    # a PC of both families known at one IPv6 address (it listens there alone, or was given as --peer) dials an
+    # IPv4-only PC, which cannot dial it back; a PC that reported no families (an older agent) constrains nothing
+    one_address = _pc(DUAL, 1, "[fd62::30]:7431", dials_over=(4, 6))
+    assert links_of_no_shared_family([agents[0], one_address]) == {(V4, DUAL)}
+    assert links_of_no_shared_family([agents[0], _pc(V6, 1, "[fd62::20]:7431", dials_over=())]) == {(V4, V6)}
+    # an IPv4-mapped IPv6 address is an IPv4 one
+    assert links_of_no_shared_family([agents[0], _pc(V6, 1, "[::ffff:10.62.0.20]:7431")]) == frozenset()
 
 
 def test_a_plan_puts_the_dual_stack_pc_between_an_ipv4_only_and_an_ipv6_only_one() -> None:
@@ -135,3 +146,6 @@ def test_a_plan_puts_the_dual_stack_pc_between_an_ipv4_only_and_an_ipv6_only_one
     alone = plan_survey(big, _surveyed(mixed[:2]), options)
     assert not alone.feasible
     assert "(or give them addresses of one IP family)" in " ".join(alone.problems), alone.problems
+    # one direction broken is a chain the other way round
+    known_at_one = [_pc(V4, 10, "10.62.0.10:7431"), _pc(DUAL, 8, "[fd62::30]:7431", dials_over=(4, 6))]
+    assert [stage.agent_id for stage in plan_survey(big, _surveyed(known_at_one), options).stages] == [DUAL, V4]
