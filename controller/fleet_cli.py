@@ -558,6 +558,10 @@ def _print_agents(agents: list[Any], undeployed: dict[str, list[Any]] | None = N
 def _agent_json(agent: Any, undeployed: dict[str, list[Any]] | None = None) -> dict[str, Any]:
     report = agent.report
     return {"agent_id": agent.agent_id, "hostname": agent.hostname, "address": agent.address,
+            # its other addresses known (registration, mDNS), given to the stage before it with `address`
+            "other_addresses": list(getattr(agent, "other_addresses", ())),
+            # the IP versions of its LAN addresses, which it dials over; []: not reported
+            "ip_families": list(report.ip_families) if report else [],
             "sources": list(agent.sources), "problem": agent.problem,
             "version": getattr(agent, "version", None),  # the deskfleet version its Hello named; null: none
             # null: it did not answer; "outdated" / "newer": it speaks another fleet protocol (see "protocol")

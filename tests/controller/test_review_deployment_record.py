@@ -116,7 +116,7 @@ def test_stages_no_deployment_places_on_their_pc_are_found(store: FleetStore) ->
 
 def test_fleet_ls_marks_them(capsys: pytest.CaptureFixture[str]) -> None:
     report = SimpleNamespace(state=AgentState.SERVING, free_memory_bytes=8 << 30,
-                             shard_room_bytes=None, clock_s=None, reasons=(), detail="",
+                             shard_room_bytes=None, clock_s=None, reasons=(), detail="", ip_families=(4,),
                              devices=("CPU",), last_error=None, stages=(StageRef("m@1", 0, 6), StageRef("m@1", 6, 8)))
     agent = SimpleNamespace(agent_id=AGENT, hostname="pc-bob", address="10.0.0.2:7431", sources=("registration",),
                             report=report, problem=None, certificate_expires=None)

@@ -116,6 +116,9 @@ def test_a_pc_of_both_families_stands_between_an_ipv4_and_an_ipv6_pc_and_the_run
         _wait_for("the PC of both to answer over IPv6",
                   lambda: any(agent["address"] == both and agent["state"] == "available" for agent in _ls(fleet)),
                   timeout=60)
+        listed = {agent["hostname"]: agent for agent in _ls(fleet)}
+        assert [listed[f"desk-{index}"]["ip_families"] for index in range(3)] == [[4], [6], [4, 6]]
+        assert f"{IPV4[3]}:{AGENT_PORT}" in listed["desk-2"]["other_addresses"]  # registered, for the PC before it
 
         deployed = json.loads(fleet.deskfleet(*DEPLOY_ARGS, "--model", str(tiny_export)))
         addresses = [stage[1] for stage in deployed["stages"]]
