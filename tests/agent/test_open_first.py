@@ -85,14 +85,18 @@ def test_a_slow_first_address_loses_to_a_quicker_second() -> None:
     assert link.address == "[fd62::30]:7431" and dials.cancelled == ["10.0.0.9:7431"]
 
 
-def test_a_second_link_opened_in_the_same_instant_is_closed() -> None:
+def _race_ending_in_one_turn(raising: str | None = None) -> tuple[asyncio.Task[Link], list[FakeLink]]:
+    """open_first over a:1 and b:1, all dialled at once, both dials ending in the same turn of the loop: each opens a
+    link, but `raising`, which raises OSError. (the finished race, the links opened)"""
     opened: list[FakeLink] = []
 
-    async def run() -> Link:
+    async def run() -> asyncio.Task[Link]:
         gate = asyncio.Event()
 
         async def open_one(address: str) -> Link:
-            await gate.wait()  # both answer in the same turn of the loop
+            await gate.wait()
+            if address == raising:
+                raise OSError("damaged credentials")
             link = FakeLink(address)
             opened.append(link)
             return cast(Link, link)
@@ -100,9 +104,15 @@ def test_a_second_link_opened_in_the_same_instant_is_closed() -> None:
         race = asyncio.create_task(open_first(["a:1", "b:1"], open_one, 0.0))
         await asyncio.sleep(0.01)
         gate.set()
-        return await race
+        await asyncio.wait([race])
+        return race
 
-    link = asyncio.run(run())
+    return asyncio.run(run()), opened
+
+
+def test_a_second_link_opened_in_the_same_instant_is_closed() -> None:
+    race, opened = _race_ending_in_one_turn()
+    link = race.result()
     assert len(opened) == 2 and [each.closed for each in opened if each is not link] == [True]
     assert not cast(FakeLink, link).closed
 
@@ -151,24 +161,7 @@ def test_a_race_cancelled_cancels_its_dials_and_closes_what_they_opened() -> Non
 
 
 def test_a_dial_that_raises_what_no_dial_should_closes_the_link_that_won() -> None:
-    opened: list[FakeLink] = []
-
-    async def run() -> None:
-        gate = asyncio.Event()
-
-        async def open_one(address: str) -> Link:
-            await gate.wait()  # both end in the same turn of the loop: one opens, one raises
-            if address == "b:1":
-                raise OSError("damaged credentials")
-            link = FakeLink(address)
-            opened.append(link)
-            return cast(Link, link)
-
-        race = asyncio.create_task(open_first(["a:1", "b:1"], open_one, 0.0))
-        await asyncio.sleep(0.01)
-        gate.set()
-        with pytest.raises(OSError, match="damaged credentials"):
-            await race
-
-    asyncio.run(run())
+    race, opened = _race_ending_in_one_turn(raising="b:1")
+    with pytest.raises(OSError, match="damaged credentials"):
+        race.result()
     assert [link.closed for link in opened] == [True]

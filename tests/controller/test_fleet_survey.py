@@ -16,7 +16,7 @@ import pytest
 
 from deskfleet.agent.advertise import Advertiser
 from deskfleet.agent.core import AgentCore
-from deskfleet.agent.link import start_server, utc_now
+from deskfleet.agent.link import TlsFiles, start_server, utc_now
 from deskfleet.agent.paths import AgentSettings, Thresholds
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common import pki
@@ -36,6 +36,16 @@ from tests.run_ids import run_random
 LOOPBACK = "127.0.0.1"
 
 
+
+
+def _one_agent(tmp_path: Path) -> tuple[FleetStore, TlsFiles, AgentCore]:
+    """A fleet whose controller is reached at a host name (a loopback fleet browses no mDNS), and one member's
+    credentials and agent core (not listening yet)."""
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("controller-pc:7341",), utc_now())
+    files = make_member(load_ca(store), tmp_path / "agent", "agent")
+    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
+    return store, files, AgentCore(files, settings, ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor())
 
 
 def test_every_address_is_tried_and_a_fake_announcement_hides_no_agent(
@@ -88,11 +98,7 @@ def test_a_stale_registered_address_that_never_answers_does_not_delay_the_live_o
 
     from deskfleet.controller.registry import DiscoverySource, Sighting
 
-    store = FleetStore(tmp_path / "controller")
-    init_fleet(store, "test", ("controller-pc:7341",), utc_now())  # a loopback fleet browses no mDNS
-    files = make_member(load_ca(store), tmp_path / "agent", "agent")
-    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
-    core = AgentCore(files, settings, ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor())
+    store, files, core = _one_agent(tmp_path)
     port = free_port()
     live = f"{LOOPBACK}:{port}"
 
@@ -444,11 +450,7 @@ def test_a_pc_of_several_addresses_is_dialled_at_the_first_alone_when_it_answers
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A PC of both IP families registers 2-4 addresses; dialled at all of them at once, it cost a TLS handshake at
     # each, at every survey. The next address is dialled once the one before it failed, or stayed silent 250 ms.
-    store = FleetStore(tmp_path / "controller")
-    init_fleet(store, "test", ("controller-pc:7341",), utc_now())  # a loopback fleet browses no mDNS
-    files = make_member(load_ca(store), tmp_path / "agent", "agent")
-    settings = AgentSettings(thresholds=Thresholds(require_ac_power=False, min_free_memory_bytes=None))
-    core = AgentCore(files, settings, ShardCache(tmp_path / "cache", 1 << 30), FakeMonitor())
+    store, files, core = _one_agent(tmp_path)
     ports = [free_port(), free_port()]
     first, second = (f"{LOOPBACK}:{port}" for port in ports)
     refused = f"{LOOPBACK}:{free_port()}"  # nothing listens: refused at once
