@@ -555,7 +555,7 @@ async def open_first(addresses: Sequence[str], open_one: Callable[[str], Corouti
         for dial in dials:
             dial.cancel()
         for result in await asyncio.gather(*dials, return_exceptions=True):
-            if isinstance(result, Link):
+            if not isinstance(result, BaseException):  # opened as the race ended: nobody takes it
                 await result.close()
     if link is not None:
         return link

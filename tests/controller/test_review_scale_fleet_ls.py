@@ -15,7 +15,7 @@ from deskfleet.controller.fleet_cli import _print_agents
 
 def agent(agent_id: str, hostname: str, state: AgentState | None) -> SimpleNamespace:
     report = SimpleNamespace(state=state, free_memory_bytes=8 << 30,
-                             shard_room_bytes=None, clock_s=None, stages=(), reasons=(), detail="") \
+                             shard_room_bytes=None, clock_s=None, stages=(), reasons=(), detail="", ip_families=()) \
         if state is not None else None
     return SimpleNamespace(agent_id=agent_id, hostname=hostname, address="10.0.0.1:7431", sources=("registration",),
                            report=report, problem=None if state else "cannot reach 10.0.0.1:7431: timed out")
