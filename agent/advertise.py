@@ -17,10 +17,12 @@ keeps the record current and outlives what the LAN does to it (no multicast, a n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import ipaddress
 import logging
 import socket
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -31,7 +33,7 @@ from zeroconf import IPVersion, NonUniqueNameException
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 from deskfleet.common.discovery_record import AgentRecord, ControllerRecord
-from deskfleet.common.wire import ip_families, listens_everywhere
+from deskfleet.common.wire import ProtocolError, ip_families, listens_everywhere, parse_address
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +59,60 @@ def interface_addresses(include_loopback: bool = False) -> list[str]:
     return [str(ip) for ip in sorted(found, key=lambda ip: (ip.version, ip))]
 
 
-def lan_families() -> tuple[int, ...]:
-    """The IP versions (4, 6) of this PC's LAN addresses (interface_addresses): the families it can dial over."""
-    return tuple(sorted({ipaddress.ip_address(address).version for address in interface_addresses()}))
+# Per IP version, a socket family and an address of a documentation network: a route to it is the default route
+DEFAULT_ROUTE_PROBES = {4: (socket.AF_INET, "192.0.2.1"), 6: (socket.AF_INET6, "2001:db8::1")}
+
+
+_IPV6_ADDR_PREFERENCES, _IPV6_PREFER_SRC_PUBLIC = 72, 0x0002  # <linux/in6.h>; Python's socket does not name them
+
+
+def route_source(family: socket.AddressFamily, target: str) -> str | None:
+    """The address this machine sends from to reach `target`; None where no route of that family reaches it or
+    the route's source is one no other PC can dial (loopback, link-local). A UDP connect sends no packet."""
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:  # no IPv6 on this PC: OSError here
+            if family == socket.AF_INET6 and sys.platform.startswith("linux"):
+                # a stable address, not a temporary (privacy) one, which goes within days (a token carries it)
+                with contextlib.suppress(OSError):
+                    probe.setsockopt(socket.IPPROTO_IPV6, _IPV6_ADDR_PREFERENCES, _IPV6_PREFER_SRC_PUBLIC)
+            probe.connect((target, 9))
+            host = str(probe.getsockname()[0]).split("%", 1)[0]
+    except OSError:
+        return None
+    ip = ipaddress.ip_address(host)
+    return None if ip.is_loopback or ip.is_link_local or ip.is_unspecified else host
+
+
+def lan_sources(toward: Sequence[str] = ()) -> dict[int, str]:
+    """This PC's address of each IP version (4, 6) that reaches beyond it: the one it sends from towards the first of
+    `toward` (host:port: the controller's addresses) of that version it has a route to, else towards the version's
+    default route; a version that reaches neither is left out, as is an address not among interface_addresses().
+    A container's or a VM's adapter (172.17.0.1, 192.168.56.1) routes nowhere past this PC: a PC whose LAN had IPv6
+    alone counted as one of both families for its container bridge, and the plan put an IPv4-only PC before it
+    (from an exploratory test of a dual-stack office). A UDP connect sends no packet."""
+    here = set(interface_addresses())
+    found: dict[int, str] = {}
+    for version, (family, default_route) in DEFAULT_ROUTE_PROBES.items():
+        hosts = [host for host in _ip_hosts(toward) if ipaddress.ip_address(host).version == version]
+        for target in (*hosts, default_route):
+            source = route_source(family, target)
+            if source is not None and source in here:
+                found[version] = source
+                break
+    return found
+
+
+def _ip_hosts(addresses: Sequence[str]) -> list[str]:
+    """The IP hosts of host:port `addresses` (host names and malformed ones left out)."""
+    hosts = []
+    for address in addresses:
+        try:
+            host = parse_address(address)[0]
+            ipaddress.ip_address(host)
+        except (ProtocolError, ValueError):
+            continue
+        hosts.append(host)
+    return hosts
 
 
 def dialable_here(addresses: Sequence[str]) -> list[str]:
@@ -69,7 +122,7 @@ def dialable_here(addresses: Sequence[str]) -> list[str]:
     took the IPv4 one, a membership address, for the controller not having moved, dialled it alone, and never
     registered again (from an exploratory test of a mixed IPv4/IPv6 office). The families are read from the LAN
     addresses alone: loopback has both on nearly every PC."""
-    families = set(lan_families())
+    families = {ipaddress.ip_address(address).version for address in interface_addresses()}
     if not families:
         return list(addresses)
     return [address for address in addresses if (family := ip_families([address])) is None or family & families]

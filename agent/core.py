@@ -42,7 +42,7 @@ from typing import TypeVar
 
 from cryptography import x509
 
-from deskfleet.agent.advertise import dialable_here, lan_families
+from deskfleet.agent.advertise import dialable_here, lan_sources
 from deskfleet.agent.cache_health import UNWRITABLE_ERRNOS, CacheHealth
 from deskfleet.agent.kv_memory_guard import KvMemoryGuard, KvMemoryRefused
 from deskfleet.agent.link import Link, LinkError, TlsFiles, open_first, open_link
@@ -210,6 +210,9 @@ class AgentCore:
         self._revoked, self._removal_signatures, self._revocations_unknown = _load_revocations(
             revocations_file, files.ca_certificate())
         self._next_hops: dict[str, Link] = {}
+        # the IP versions this PC reaches other PCs over (StatusReport.ip_families): the service's looks towards the
+        # controller's addresses first (advertise.lan_sources)
+        self.dial_families: Callable[[], tuple[int, ...]] = lambda: tuple(sorted(lan_sources()))
         self._closing = asyncio.Event()  # close() began: no next hop is dialled or waited on any more
         # next hops found unreachable: agent id -> (time.monotonic(), the error said), not dialled again for a while
         self._unreachable_hops: dict[str, tuple[float, str]] = {}
@@ -440,7 +443,7 @@ class AgentCore:
             self.call_in.went_away()
         return replace(snapshot.to_wire(), weight_gb_per_s=speed, devices=await self._reported_devices(),
                        shard_room_bytes=self.cache.room_for_new_bytes(), clock_s=time.time(),
-                       ip_families=lan_families())
+                       ip_families=self.dial_families())
 
     async def _reported_devices(self) -> tuple[str, ...]:
         """The devices OpenVINO finds, asked once (off the event loop); () when the probe failed or listed names

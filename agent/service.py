@@ -26,7 +26,7 @@ from deskfleet.agent.advertise import (
     addresses_to_advertise,
     advertise_while_serving,
     dialable_here,
-    interface_addresses,
+    lan_sources,
     never_changes,
 )
 from deskfleet.agent.controller_search import find_controller, interfaces_to_search
@@ -97,8 +97,6 @@ ADVERTISE_REFRESH_S = 10.0
 # (each look takes up to controller_search.SEARCH_S); a controller found there is saved first in membership.json.
 CONTROLLER_SEARCH_INTERVAL_S = 30.0
 SAVED_CONTROLLER_ADDRESSES = 4  # addresses membership.json keeps (host names always): see addresses_after_move
-# A Register lists, after the address the agent reached the controller from, this many of its other IP family's
-REGISTERED_OTHER_FAMILY_ADDRESSES = 3
 IDLE_SWEEP_S = 60.0  # how often micro-batches left behind by a vanished driver are looked for
 LIMITS_CHECK_S = 2.0  # how often a serving agent reads its sensors against the employee's limits
 # how often the agent looks whether it is available again after a spell of not being (CallInWatch): a pause ended
@@ -150,6 +148,7 @@ class AgentService:
                               monitor or HostMonitor(), speed_probe=self._speed,
                               revocations_file=self.paths.state_dir / REVOCATIONS_FILE,
                               opt_out_dir=self.paths.state_dir, device_probe=openvino_devices)
+        self.core.dial_families = lambda: tuple(sorted(lan_sources(self.membership.controller_addresses)))
         self.bound_port: int | None = None
         self.listen_families: frozenset[int] = frozenset({4, 6})  # of the sockets it listens on (listening_families)
         # the interfaces to look for a moved controller on (mDNS); tests give loopback's
@@ -520,14 +519,15 @@ class AgentService:
         reached = host_port(reached_from, port)
         if is_loopback_host(reached_from):  # a fleet on one PC: its LAN addresses go stale as a laptop moves
             return Register(self.core.agent_id, (reached,), self.membership.token_sha256)
-        # the other family's: the reached one's stands for its own family, where a PC's other addresses of it are
-        # mostly virtual adapters' (a container bridge, a VM host-only network) that no other PC reaches
+        # the other family's address that routes towards the controller (or the default route): the reached one
+        # stands for its own family, and the PC's other addresses are mostly virtual adapters' (a container bridge,
+        # a VM host-only network) or temporary ones, which crowded out its LAN address (from an exploratory test)
         reached_ip = ipaddress.ip_address(reached_from)
         family = 4 if isinstance(reached_ip, ipaddress.IPv6Address) and reached_ip.ipv4_mapped else reached_ip.version
-        others = [host_port(address, port) for address in interface_addresses()
-                  if ipaddress.ip_address(address).version in self.listen_families - {family}]
-        addresses = (reached, *others[:REGISTERED_OTHER_FAMILY_ADDRESSES])
-        return Register(self.core.agent_id, addresses, self.membership.token_sha256)
+        other_families = sorted(self.listen_families - {family})
+        sources = lan_sources(self.membership.controller_addresses) if other_families else {}
+        others = [host_port(sources[other], port) for other in other_families if other in sources]
+        return Register(self.core.agent_id, (reached, *others), self.membership.token_sha256)
 
 
 

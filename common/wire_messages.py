@@ -565,7 +565,7 @@ class StatusReport:
     # the PC's wall clock as it made the report (seconds since the epoch): every PC judges certificates by its own, and
     # one off the others' by minutes refuses their newest ones; None: not known
     clock_s: float | None = None
-    # the IP versions (4, 6) of the PC's LAN addresses: the families it can dial a next hop over (protocol 15: a plan
+    # the IP versions (4, 6) the PC has an address of that routes past it: the families it dials a next hop over (a plan
     # never puts it directly before a PC known at addresses of none of them); (): not known
     ip_families: tuple[int, ...] = ()
 

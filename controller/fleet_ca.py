@@ -14,11 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import ipaddress
 import logging
 import re
 import socket
-import sys
 from dataclasses import replace
 
 from cryptography import x509
@@ -27,6 +25,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
+from deskfleet.agent.advertise import DEFAULT_ROUTE_PROBES, route_source
 from deskfleet.agent.enroll import REMOVED_KEY_ADVICE
 from deskfleet.agent.link import utc_now
 from deskfleet.common import join_tokens, pki
@@ -154,7 +153,7 @@ def default_address() -> str:
     else, on a LAN with no default route, its first interface address (IPv4 first), else loopback."""
     from deskfleet.agent.advertise import interface_addresses
 
-    for family, target in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):  # documentation nets
+    for family, target in DEFAULT_ROUTE_PROBES.values():
         host = route_source(family, target)
         if host is not None:
             return host_port(host, DEFAULT_PORT)
@@ -162,26 +161,6 @@ def default_address() -> str:
     if here:
         return host_port(here[0], DEFAULT_PORT)
     return f"127.0.0.1:{DEFAULT_PORT}"
-
-
-_IPV6_ADDR_PREFERENCES, _IPV6_PREFER_SRC_PUBLIC = 72, 0x0002  # <linux/in6.h>; Python's socket does not name them
-
-
-def route_source(family: socket.AddressFamily, target: str) -> str | None:
-    """The address this machine sends from to reach `target`; None where no route of that family reaches it or
-    the route's source is one no other PC can dial (loopback, link-local). A UDP connect sends no packet."""
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:  # no IPv6 on this PC: OSError here
-            if family == socket.AF_INET6 and sys.platform.startswith("linux"):
-                # a stable address, not a temporary (privacy) one, which goes within days (a token carries it)
-                with contextlib.suppress(OSError):
-                    probe.setsockopt(socket.IPPROTO_IPV6, _IPV6_ADDR_PREFERENCES, _IPV6_PREFER_SRC_PUBLIC)
-            probe.connect((target, 9))
-            host = str(probe.getsockname()[0]).split("%", 1)[0]
-    except OSError:
-        return None
-    ip = ipaddress.ip_address(host)
-    return None if ip.is_loopback or ip.is_link_local or ip.is_unspecified else host
 
 
 # Public functions: tokens and removal

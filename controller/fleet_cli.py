@@ -560,7 +560,7 @@ def _agent_json(agent: Any, undeployed: dict[str, list[Any]] | None = None) -> d
     return {"agent_id": agent.agent_id, "hostname": agent.hostname, "address": agent.address,
             # its other addresses known (registration, mDNS), given to the stage before it with `address`
             "other_addresses": list(getattr(agent, "other_addresses", ())),
-            # the IP versions of its LAN addresses, which it dials over; []: not reported
+            # the IP versions it routes past itself over, which it dials over; []: not reported
             "ip_families": list(report.ip_families) if report else [],
             "sources": list(agent.sources), "problem": agent.problem,
             "version": getattr(agent, "version", None),  # the deskfleet version its Hello named; null: none

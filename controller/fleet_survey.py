@@ -251,7 +251,7 @@ def clock_warnings(agents: list[AgentView], now_s: float) -> list[str]:
 
 
 def links_of_no_shared_family(agents: Sequence[AgentView]) -> frozenset[tuple[str, str]]:
-    """(from, to) agent ids of the PCs that answered where `from` has a LAN address of no IP family `to` is known at
+    """(from, to) agent ids of the PCs that answered where `from` reaches other PCs over no IP family `to` is known at
     (its StatusReport.ip_families against the addresses the survey knows of `to`): a stage on `from` could not dial a
     stage on `to` (an IPv4-only PC before one known at IPv6 addresses alone). A PC that reported no families, or is
     known at a host name or a loopback address (dialled over either family), constrains nothing. From an exploratory

@@ -16,6 +16,7 @@ from typing import cast
 import psutil
 import pytest
 
+from deskfleet.agent import advertise
 from deskfleet.agent import core as core_module
 from deskfleet.agent import service as service_module
 from deskfleet.agent.core import CommandError
@@ -101,18 +102,30 @@ class _LinkFrom:
 
 def test_an_agent_on_every_interface_registers_the_address_the_controller_reached_then_its_other_familys(
         joined: Joined, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    # the controller's roster is where a deploy learns a PC's addresses when mDNS does not reach it (corporate Wi-Fi)
-    monkeypatch.setattr(service_module, "interface_addresses",
-                        lambda: ["10.62.0.30", "172.17.0.1", "fd62::30", "fd62::31"])  # 172.17.0.1: a container bridge
+    # the controller's roster is where a deploy learns a PC's addresses when mDNS does not reach it (corporate Wi-Fi);
+    # of the other family, the address that routes towards the controller, not container or VM adapters' (an
+    # exploratory test's PC registered 3 of those and not its LAN address)
+    routed = {4: "10.62.0.30", 6: "fd62::30"}
+    toward: list[tuple[str, ...]] = []
+
+    def sources(controller: tuple[str, ...]) -> dict[int, str]:
+        toward.append(controller)
+        return routed
+
+    monkeypatch.setattr(service_module, "lan_sources", sources)
     everywhere = AgentService(AgentOptions(joined.data_dir, listen="0.0.0.0:7431"), monitor=FakeMonitor())
     everywhere.bound_port = 7431
 
     def registered(reached_from: str) -> tuple[str, ...]:
         return everywhere._register_message(cast(Link, _LinkFrom(reached_from))).listen_addresses
 
-    assert registered("fd62::30") == ("[fd62::30]:7431", "10.62.0.30:7431", "172.17.0.1:7431")
-    assert registered("10.62.0.30") == ("10.62.0.30:7431", "[fd62::30]:7431", "[fd62::31]:7431")
+    assert registered("fd62::31") == ("[fd62::31]:7431", "10.62.0.30:7431")
+    assert registered("10.62.0.30") == ("10.62.0.30:7431", "[fd62::30]:7431")
+    assert toward[0] == joined.membership.controller_addresses  # routes looked up towards the controller
     assert registered("127.0.0.1") == ("127.0.0.1:7431",)  # a fleet on one PC: no LAN address to go stale
+    del routed[6]  # no IPv6 route past this PC (a ULA on a container bridge alone)
+    assert registered("10.62.0.30") == ("10.62.0.30:7431",)
+    routed[6] = "fd62::30"
     everywhere.listen_families = frozenset({4})  # no IPv6 socket (IPv6 turned off): none of its IPv6 addresses
     assert registered("10.62.0.30") == ("10.62.0.30:7431",)
     one = AgentService(AgentOptions(joined.data_dir, listen="10.62.0.30:7431"), monitor=FakeMonitor())
@@ -120,9 +133,26 @@ def test_an_agent_on_every_interface_registers_the_address_the_controller_reache
     assert one._register_message(cast(Link, _LinkFrom("10.62.0.30"))).listen_addresses == ("10.62.0.30:7431",)
 
 
-def test_an_agent_reports_the_ip_families_of_its_lan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _pc_with(monkeypatch, (socket.AF_INET, "10.62.0.10"), (socket.AF_INET6, "fe80::10%2"))
+def test_the_families_a_pc_reports_are_those_it_routes_past_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A PC whose LAN had IPv6 alone counted as one of both families for its container bridge (172.17.0.1), and the
+    # plan put an IPv4-only PC before it (from an exploratory test of a dual-stack office)
+    routes: dict[str, str | None] = {}
+    monkeypatch.setattr(advertise, "route_source", lambda family, target: routes.get(target))
+    monkeypatch.setattr(advertise, "interface_addresses", lambda: ["10.64.0.11", "100.64.0.5", "172.17.0.1",
+                                                                  "fd64::15"])
+    routes.update({"fd64::1": "fd64::15"})  # its LAN: IPv6 alone; the bridge routes to no other PC
+    assert advertise.lan_sources(("10.64.0.1:7341", "[fd64::1]:7341")) == {6: "fd64::15"}
+    # towards the controller first: a VPN's default route gives another source than the LAN's
+    routes.update({"10.64.0.1": "10.64.0.11", "192.0.2.1": "100.64.0.5"})
+    assert advertise.lan_sources(("10.64.0.1:7341", "[fd64::1]:7341")) == {4: "10.64.0.11", 6: "fd64::15"}
+    assert advertise.lan_sources(("ctl.office.example:7341",)) == {4: "100.64.0.5"}  # a name: the default route
+    routes["192.0.2.1"] = "192.0.2.99"  # a source that is no interface address of this PC: not taken
+    assert advertise.lan_sources() == {}
+
+
+def test_an_agent_reports_the_ip_families_it_dials_over(tmp_path: Path) -> None:
     core = make_core(tmp_path, "agent")
+    core.dial_families = lambda: (4,)
 
     async def status() -> tuple[int, ...]:
         try:
@@ -130,7 +160,7 @@ def test_an_agent_reports_the_ip_families_of_its_lan(tmp_path: Path, monkeypatch
         finally:
             await core.close()
 
-    assert asyncio.run(status()) == (4,)  # link-local and loopback count for nothing
+    assert asyncio.run(status()) == (4,)
 
 
 def test_a_server_listening_on_both_families_says_so() -> None:
