@@ -27,9 +27,11 @@ from deskfleet.controller.fleet_ca import init_fleet, load_ca
 from deskfleet.controller.fleet_deploy import (
     DeployError,
     DeploySettings,
+    StagePlacement,
     deploy,
     load_deploy_settings,
     load_deployment,
+    model_id_of,
     undeployed_stages,
     verify_export,
 )
@@ -194,6 +196,14 @@ def test_an_agent_hosting_two_models_runs_each_step_on_its_models_stage(
                                 "f32", "--json"], capture_output=True, check=True)
         assert tokens[model] == json.loads(local.stdout)["tokens"]
     assert tokens[tiny_export] != tokens[other]
+
+
+def chain_tokens(store: FleetStore, model: Path, placements: tuple[StagePlacement, ...]) -> list[int]:
+    """local_tokens' prompt generated over the chain of `placements` (deployed from `store`'s data dir)."""
+    with FleetPipeline(placements, store.tls_files, model_id=model_id_of(model)) as chain:
+        engine = Engine(chain, load_manifest(model).spec)
+        engine.add(StreamRequest([1, 7, 9, 3], max_new_tokens=6, ignore_eos=True))
+        return engine.run()[0].tokens
 
 
 def local_tokens(model: Path) -> list[int]:

@@ -255,23 +255,37 @@ def test_a_member_whose_agent_never_called_in_is_listed_as_such(tmp_path: Path) 
     assert found.agents[0].problem == fleet_survey.NEVER_REGISTERED and found.agents[0].sources == ("roster",)
 
 
+class SilentLink:
+    """A link that opened and never answers the status request; it counts its closes."""
+
+    closes = 0
+
+    async def send(self, message: object) -> None:
+        pass
+
+    async def receive(self) -> object:
+        await asyncio.sleep(10)
+
+    async def close(self) -> None:
+        self.closes += 1
+
+
+def _opens_silent_links(monkeypatch: pytest.MonkeyPatch) -> list[SilentLink]:
+    """open_link faked: each dial opens a SilentLink; the list of those opened."""
+    opened: list[SilentLink] = []
+
+    async def silent(*args: object, **kwargs: object) -> SilentLink:
+        opened.append(SilentLink())
+        return opened[-1]
+
+    monkeypatch.setattr(fleet_survey, "open_link", silent)
+    return opened
+
+
 def test_an_agent_that_never_answers_the_status_request_is_said_to_have_timed_out(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # The problem read "no status from ADDRESS: " (a TimeoutError's text is empty, the exception itself truthy)
-    class SilentLink:
-        async def send(self, message: object) -> None:
-            pass
-
-        async def receive(self) -> object:
-            await asyncio.sleep(10)
-
-        async def close(self) -> None:
-            pass
-
-    async def opened(*args: object, **kwargs: object) -> SilentLink:
-        return SilentLink()
-
-    monkeypatch.setattr(fleet_survey, "open_link", opened)
+    _opens_silent_links(monkeypatch)
     monkeypatch.setattr(fleet_survey, "STATUS_TIMEOUT_S", 0.01)
     revocations = cast(Revocations, NobodyRemoved())
     store = cast(FleetStore, SimpleNamespace(tls_files=None))
@@ -283,22 +297,7 @@ def test_an_agent_that_never_answers_the_status_request_is_said_to_have_timed_ou
 def test_a_status_request_cancelled_as_another_address_answered_closes_its_link(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # the losing addresses' links of a PC that answered at two were left open, on both PCs, at every survey
-    closed: list[bool] = []
-
-    class SlowLink:
-        async def send(self, message: object) -> None:
-            pass
-
-        async def receive(self) -> object:
-            await asyncio.sleep(10)
-
-        async def close(self) -> None:
-            closed.append(True)
-
-    async def opened(*args: object, **kwargs: object) -> SlowLink:
-        return SlowLink()
-
-    monkeypatch.setattr(fleet_survey, "open_link", opened)
+    opened = _opens_silent_links(monkeypatch)
     revocations = cast(Revocations, NobodyRemoved())
     store = cast(FleetStore, SimpleNamespace(tls_files=None))
 
@@ -311,7 +310,7 @@ def test_a_status_request_cancelled_as_another_address_answered_closes_its_link(
             await asking
 
     asyncio.run(scenario())
-    assert closed == [True]
+    assert [link.closes for link in opened] == [1]
 
 
 def test_a_pc_the_run_just_lost_is_dialled_with_the_short_timeout(tmp_path: Path,

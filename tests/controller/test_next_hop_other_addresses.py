@@ -22,14 +22,12 @@ from deskfleet.common.agent_state import AgentState
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.planner import ModelFootprint, PlanOptions, PlanPolicy
 from deskfleet.common.wire import NextHop, Precision, StatusReport, ip_families
-from deskfleet.controller.engine import Engine, StreamRequest
 from deskfleet.controller.fleet_ca import init_fleet, load_ca
 from deskfleet.controller.fleet_deploy import DeploySettings, StagePlacement, _deploy_all, model_id_of, plan_survey
-from deskfleet.controller.fleet_pipeline import FleetPipeline
 from deskfleet.controller.fleet_store import FleetStore, RosterEntry
 from deskfleet.controller.fleet_survey import AgentView, Survey, SurveyOptions, links_of_no_shared_family, survey
 from tests.agent.test_core import FakeMonitor
-from tests.controller.test_fleet_deploy import local_tokens
+from tests.controller.test_fleet_deploy import chain_tokens, local_tokens
 from tests.fleet_pki import make_member
 from tests.ports import free_port
 
@@ -51,12 +49,6 @@ def test_a_stage_reaches_its_next_hop_at_another_of_its_addresses_and_the_tokens
                        for index, (agent_id, addresses) in enumerate(zip(ids, [
                            (f"127.0.0.1:{ports[0]}",), (silent, f"127.0.0.1:{ports[1]}")], strict=True))})
 
-    def generate(placements: tuple[StagePlacement, ...]) -> list[int]:
-        with FleetPipeline(placements, store.tls_files, model_id=model_id) as chain:
-            engine = Engine(chain, manifest.spec)
-            engine.add(StreamRequest([1, 7, 9, 3], max_new_tokens=6, ignore_eos=True))
-            return engine.run()[0].tokens
-
     async def scenario() -> tuple[NextHop | None, list[int]]:
         cores = [AgentCore(files[index], settings, ShardCache(tmp_path / f"cache{index}", 1 << 30), FakeMonitor())
                  for index in range(2)]
@@ -76,7 +68,7 @@ def test_a_stage_reaches_its_next_hop_at_another_of_its_addresses_and_the_tokens
                               DeploySettings(precision=Precision.F32, kv_cache="f32"), found, {}, {}, None)
             next_hop = next(iter(cores[0].stages.values())).assignment.next_hop
             # the driver reaches the second PC where the survey did; the first PC is left the silent address first
-            return next_hop, await asyncio.to_thread(generate, (placements[0], replace(
+            return next_hop, await asyncio.to_thread(chain_tokens, store, tiny_export, (placements[0], replace(
                 placements[1], address=f"127.0.0.1:{ports[1]}")))
         finally:
             await found.close()

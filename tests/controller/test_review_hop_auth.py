@@ -23,14 +23,13 @@ from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common.kv_ledger import AppendSlots
 from deskfleet.common.model_spec import load_manifest
 from deskfleet.common.wire import Error, ErrorCode, Forward, Precision, Role
-from deskfleet.controller.engine import Engine, StreamRequest
 from deskfleet.controller.fleet_ca import init_fleet, load_ca
 from deskfleet.controller.fleet_deploy import DeploySettings, StagePlacement, _deploy_all, model_id_of
 from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
 from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.fleet_survey import SurveyOptions, survey
 from tests.agent.test_core import FakeMonitor
-from tests.controller.test_fleet_deploy import local_tokens
+from tests.controller.test_fleet_deploy import chain_tokens, local_tokens
 from tests.controller.test_fleet_pipeline import one_step
 from tests.fleet_pki import make_ca, make_member
 from tests.ports import free_port
@@ -134,12 +133,6 @@ def test_chains_of_1_to_4_pcs_give_the_local_tokens_while_a_stranger_poses_as_a_
     stranger = stranger_files.own_identity().agent_id
     ports = [free_port() for _ in range(4)]
 
-    def generate(placements: tuple[StagePlacement, ...]) -> list[int]:
-        with FleetPipeline(placements, store.tls_files, model_id=model_id) as chain:
-            engine = Engine(chain, manifest.spec)
-            engine.add(StreamRequest([1, 7, 9, 3], max_new_tokens=6, ignore_eos=True))
-            return engine.run()[0].tokens
-
     async def pose_as_previous_hop(placements: tuple[StagePlacement, ...]) -> list[str]:
         """The stranger sends stage 1 a step, then an Error blaming stage 0, each on a link of its own; what it
         is answered on each."""
@@ -190,7 +183,7 @@ def test_chains_of_1_to_4_pcs_give_the_local_tokens_while_a_stranger_poses_as_a_
                     for answer in answers:
                         assert answer.startswith("unauthorized: "), answers
                         assert f"agent {stranger[:12]}" in answer and f"from agent {ids[0][:12]}" in answer
-                tokens[count] = await asyncio.to_thread(generate, placements)
+                tokens[count] = await asyncio.to_thread(chain_tokens, store, tiny_export, placements)
         finally:
             await found.close()
             for server in servers:
