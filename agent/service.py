@@ -72,6 +72,7 @@ from deskfleet.common.file_lock import pid_lock
 from deskfleet.common.open_files import log_open_files_limit, raise_open_files_limit
 from deskfleet.common.version import software_version
 from deskfleet.common.wire import (
+    AddressesChanged,
     ProtocolError,
     Register,
     host_port,
@@ -102,6 +103,9 @@ LIMITS_CHECK_S = 2.0  # how often a serving agent reads its sensors against the 
 # how often the agent looks whether it is available again after a spell of not being (CallInWatch): a pause ended
 # is seen without a sensor read, the rest with one more monitor read each time (the mDNS refresh makes the other)
 AVAILABILITY_CHECK_S = 10.0
+# how often a registered agent looks whether the addresses it would register now differ from those it registered
+# (a rotated IPv6 address, its other family's address renewed), and tells the controller (AddressesChanged)
+ADDRESS_CHECK_S = 30.0
 CERTIFICATE_CHECK_S = 86400.0  # how often (after start) the certificate and the CA are checked for their end
 
 
@@ -156,6 +160,7 @@ class AgentService:
             self.listen, self.membership.controller_addresses)
         self._outage = _Outage()  # registration attempts failing since the controller link was lost
         self._registration: Link | None = None  # the live link to `fleet serve`, once registered on it
+        self._told_addresses: tuple[str, ...] = ()  # the listen addresses `fleet serve` last heard on that link
         self._stopping = asyncio.Event()
 
     def _prepare_cache(self) -> None:
@@ -205,6 +210,7 @@ class AgentService:
                     tasks.create_task(self._sweep_idle_forever(), name="sweep-idle")
                     tasks.create_task(self._enforce_limits_forever(), name="enforce-limits")
                     tasks.create_task(self._call_in_when_available_forever(), name="call-in")
+                    tasks.create_task(self._tell_address_changes_forever(), name="address-changes")
                     await self._stopping.wait()
                     self.core.begin_closing()  # before the server waits for its links' handlers: one may be dialling
                     raise _Stop
@@ -356,15 +362,43 @@ class AgentService:
         link = self._registration
         if link is None:
             return False
+        message = self._register_message(link)
         try:
-            await link.send(self._register_message(link))
+            await link.send(message)
         except LinkError as error:  # the registration loop hears of the link's end and registers again
             log.info("cannot tell the controller this PC is available again: %s", error)
             return False
+        self._told_addresses = message.listen_addresses
         # said also where a re-plan placed it again meanwhile: the runs of another model, or another run of this one
         # (whose re-plan a PC it lost is kept out of until it calls in), may still have it left out
         log.info("available again: told the controller at %s (the runs that left this PC out may take it back)",
                  link.address)
+        return True
+
+    async def _tell_address_changes_forever(self) -> None:
+        await _periodically(lambda: ADDRESS_CHECK_S, "look whether this PC's addresses changed",
+                            self.tell_address_change)
+
+    async def tell_address_change(self) -> bool:
+        """One look (ADDRESS_CHECK_S): where the addresses this agent would register now differ from those it
+        registered on its live registration link, it says them (AddressesChanged), and True. A rotated IPv6 address,
+        or its other family's renewed, stayed in the roster until the link dropped (the address the controller
+        reached it at keeps the link up), and a stage before it of that family alone was given the stale one. Without
+        a live link the next registration says them."""
+        link = self._registration
+        if link is None:
+            return False
+        addresses = self._register_message(link).listen_addresses
+        if addresses == self._told_addresses:
+            return False
+        try:
+            await link.send(AddressesChanged(addresses))
+        except LinkError as error:  # the registration loop hears of the link's end and registers again
+            log.info("cannot tell the controller this PC's addresses changed: %s", error)
+            return False
+        log.info("this PC's addresses changed: told the controller at %s it is now at %s (was %s)", link.address,
+                 ", ".join(addresses), ", ".join(self._told_addresses))
+        self._told_addresses = addresses
         return True
 
     async def _current_record(self) -> AgentRecord | None:
@@ -496,7 +530,7 @@ class AgentService:
         log.info("registered with the controller at %s as %s%s", link.address, message.listen_addresses[0],
                  outage.ended())
         self.core.call_in.registered(time.monotonic())
-        self._registration = link
+        self._registration, self._told_addresses = link, message.listen_addresses
         try:
             await self.core.serve_link(link, registration=True)
         finally:

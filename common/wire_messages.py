@@ -37,8 +37,9 @@ from deskfleet.common.wire_tensors import ProtocolError, Tensor, TensorSpec, che
 # Forward.copies_dropped and ForwardResult.copies_dropped (a stage short of memory for a step's copies makes none);
 # 14: StatusReport.shard_room_bytes (a plan leaves out a PC whose shard cache has no room for a stage) and
 # StatusReport.clock_s (`fleet ls` warns of a PC whose clock is off the controller's); 15: NextHop.other_addresses (a
-# stage dials the next PC at an address of a family its own PC has) and StatusReport.ip_families
-PROTOCOL_VERSION = 15
+# stage dials the next PC at an address of a family its own PC has) and StatusReport.ip_families; 16:
+# AddressesChanged (an agent's addresses changed while its registration link stayed up)
+PROTOCOL_VERSION = 16
 MAX_STATUS_DETAIL = 500
 MAX_DEVICES = 32  # a StatusReport's devices
 _DEVICE_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,15}(\.[0-9]{1,3})?")  # as OpenVINO lists them: "CPU", "GPU.1"
@@ -979,15 +980,32 @@ class Register:
             parse_address(address)
 
 
+@dataclass(frozen=True)
+class AddressesChanged:
+    """A registered agent tells the controller, on its registration link, that the addresses its Register listed
+    changed (a rotated IPv6 address, a new one of its other family): the roster's, which surveys dial and deploys
+    give the stage before it, are replaced. Unlike a Register on that link (a call-in: the PC can take stages
+    again), it says nothing of the PC's availability."""
+
+    listen_addresses: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        _require(len(self.listen_addresses) > 0, "addresses changed must list at least one address")
+        _require(len(self.listen_addresses) <= MAX_LISTEN_ADDRESSES,
+                 f"addresses changed lists {len(self.listen_addresses)} addresses, more than {MAX_LISTEN_ADDRESSES}")
+        for address in self.listen_addresses:
+            parse_address(address)
+
+
 Message = (Hello | Error | StatusRequest | StatusReport | AssignStage | StageReady | ReleaseStage
            | ShardQuery | ShardHave | ShardChunk | ShardComplete | Forward | ForwardResult
            | JoinOffer | JoinRequest | JoinResponse | Register | ReleaseMicroBatch | ResultsHere
-           | RevocationUpdate | KnownRemovals)
+           | RevocationUpdate | KnownRemovals | AddressesChanged)
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     Hello, Error, StatusRequest, StatusReport, AssignStage, StageReady, ReleaseStage, ShardQuery,
     ShardHave, ShardChunk, ShardComplete, Forward, ForwardResult, JoinOffer, JoinRequest, JoinResponse,
-    Register, ReleaseMicroBatch, ResultsHere, RevocationUpdate, KnownRemovals,
+    Register, ReleaseMicroBatch, ResultsHere, RevocationUpdate, KnownRemovals, AddressesChanged,
 )
 
 __all__ = [
@@ -996,6 +1014,7 @@ __all__ = [
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
     "REMOVAL_SIGNATURE_BYTES",
+    "AddressesChanged",
     "AgentState",
     "AssignStage",
     "DraftInfo",

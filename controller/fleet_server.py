@@ -4,7 +4,8 @@ One TLS 1.3 port (the address in the join tokens):
 - a client WITHOUT a certificate gets only the join exchange (controller/fleet_ca.serve_enrollment);
 - a client WITH a fleet certificate is checked against the revocation set right after the handshake,
   says Hello, then Register(listen addresses): the roster records where it listens, and the link stays
-  open (websocket pings) so the controller knows it is alive;
+  open (websocket pings) so the controller knows it is alive; on it the agent calls in again (a Register: it can take
+  stages again) and says when its addresses change (AddressesChanged: the roster's are replaced, no call-in);
 - a certificate from another CA fails the TLS handshake; a revoked agent gets HTTP 403.
 One serve runs per data dir: it holds the data dir's serve lock (a second one refuses, naming the first's pid).
 `fleet remove` (another process) rewrites revoked.json; the watcher here notices within
@@ -40,6 +41,7 @@ from deskfleet.common.discovery_record import ControllerRecord
 from deskfleet.common.log_limit import LogEvery
 from deskfleet.common.open_files import log_open_files_limit, raise_open_files_limit
 from deskfleet.common.wire import (
+    AddressesChanged,
     Error,
     ErrorCode,
     KnownRemovals,
@@ -64,6 +66,8 @@ REGISTER_TIMEOUT_S = 10.0
 # that register within a second or two of a restart wrote (and fsynced) the whole roster once each, 28 MB in all,
 # on the event loop that their handshakes waited for.
 ROSTER_BATCH_S = 0.05
+# an agent's AddressesChanged heard at most this often (agents look every service.ADDRESS_CHECK_S, 30 s)
+ADDRESSES_CHANGED_MIN_INTERVAL_S = 15.0
 REPORT_LOG_EVERY_S = 60.0  # an agent's report of one kind of failure is a warning at most this often
 ANNOUNCE_REFRESH_S = 10.0  # how often the addresses announced over mDNS are compared with the PC's (as agents do)
 DEPLOY_UNDER_WAY_RECHECK_S = 5.0  # how often a PC's stages are looked at again while a deploy holds the data dir
@@ -105,6 +109,7 @@ class FleetServer:
         self.live: dict[str, Link] = {}  # agent id -> its registration link
         self._live_at: dict[str, tuple[str, ...]] = {}  # agent id -> the listen addresses its live link registered
         self._heard_at: dict[str, float] = {}  # agent id -> when it last registered or called in (time.monotonic)
+        self._addresses_heard_at: dict[str, float] = {}  # agent id -> its last AddressesChanged heard (monotonic)
         self._shared_identities = SharedIdentityWatch()  # two PCs of one identity taking turns (a cloned disk)
         # (agent id, error code): a stage's failure an agent reported; (agent id, message type): a first message that
         # was not the agent's own Register
@@ -115,7 +120,8 @@ class FleetServer:
         self._stopping = asyncio.Event()
         # agent id -> (addresses, when they came), for the next write of the roster: `registered_at` is the arrival,
         # not the write, which a data dir's lock held elsewhere can delay past a run's loss of that PC
-        self._unrecorded: dict[str, tuple[tuple[str, ...], str]] = {}
+        # agent id -> (its addresses, when it registered or called in; None: its addresses changed alone)
+        self._unrecorded: dict[str, tuple[tuple[str, ...], str | None]] = {}
         self._recorded: asyncio.Future[None] | None = None  # that write, done or failed
         self._next_write: asyncio.TimerHandle | None = None
         self._writes: set[asyncio.Task[None]] = set()  # roster writes under way (kept from the garbage collector)
@@ -305,6 +311,8 @@ class FleetServer:
                 taking_removals = taken is not None
             elif isinstance(message, Register) and message.agent_id == link.peer.agent_id:
                 await self._called_in(link, message)
+            elif isinstance(message, AddressesChanged):
+                await self._addresses_changed(link, message)
             elif isinstance(message, StatusReport) and self._asked.get(link):  # the answer to _ask_status (one
                 # a member sends unasked is not: each would read deployments.json)
                 self._asked[link] -= 1
@@ -352,6 +360,39 @@ class FleetServer:
         if self.live.get(agent_id) is link:
             self._live_at[agent_id] = message.listen_addresses
         await self._ask_status(link)
+
+    async def _addresses_changed(self, link: Link, message: AddressesChanged) -> None:
+        """A registered agent's addresses changed while its link stayed up (a rotated IPv6 address, its other
+        family's address renewed): the roster's are replaced, which the next survey dials and the next deploy gives
+        the stage before it. Not a call-in: `registered_at` stays, so no run takes the PC back for it. An agent
+        looks at most every ADDRESS_CHECK_S and says only a change; one that says more than one within
+        ADDRESSES_CHANGED_MIN_INTERVAL_S (a member spamming its link: each would rewrite agents.json) is not heard."""
+        agent_id = link.peer.agent_id
+        if self.live.get(agent_id) is not link:  # a link another registration took over: that one's addresses stand
+            return
+        now = time.monotonic()
+        if now - self._addresses_heard_at.get(agent_id, -ADDRESSES_CHANGED_MIN_INTERVAL_S) \
+                < ADDRESSES_CHANGED_MIN_INTERVAL_S:
+            log.debug("agent %s's addresses changed again within %.0f s: not heard", agent_id[:12],
+                      ADDRESSES_CHANGED_MIN_INTERVAL_S)
+            return
+        try:
+            if self.revocations().is_revoked(agent_id):  # the watcher drops its link at its next look
+                return
+        except pki.PkiError:
+            return
+        self._addresses_heard_at[agent_id] = now
+        try:
+            await self._record(agent_id, message.listen_addresses, registered=False)
+        except (OSError, FleetStoreError) as error:
+            log.error("cannot record in %s that agent %s is now at %s: %s", self.store.data_dir / "agents.json",
+                      agent_id[:12], ", ".join(message.listen_addresses),
+                      error.strerror or error if isinstance(error, OSError) else error)
+            return
+        log.info("agent %s's addresses changed: now at %s (was %s)", agent_id[:12],
+                 ", ".join(message.listen_addresses), ", ".join(self._live_at.get(agent_id, ())) or "none")
+        if self.live.get(agent_id) is link:
+            self._live_at[agent_id] = message.listen_addresses
 
     async def _ask_status(self, link: Link) -> None:
         """Ask a PC that registered or called in for its status, whose stages _release_undeployed then looks at: a PC
@@ -429,10 +470,14 @@ class FleetServer:
         return ([stage for stage in stale if stage.model_id not in pending],
                 tuple(stage for stage in stale if stage.model_id in pending))
 
-    async def _record(self, agent_id: str, addresses: tuple[str, ...]) -> None:
-        """Record in the roster where the agent listens; returns once agents.json says so, or raises what the
-        write raised (OSError, FleetStoreError). The registrations of ROSTER_BATCH_S share one write."""
-        self._unrecorded[agent_id] = (addresses, utc_now().isoformat())
+    async def _record(self, agent_id: str, addresses: tuple[str, ...], registered: bool = True) -> None:
+        """Record in the roster where the agent listens, and, where it `registered` (or called in), when
+        (`registered_at`, which the runs read as the PC able to take stages again); returns once agents.json says
+        so, or raises what the write raised (OSError, FleetStoreError). The registrations of ROSTER_BATCH_S share
+        one write: an address change in the same batch as the agent's registration keeps the registration's time."""
+        pending = self._unrecorded.get(agent_id)
+        came_at = utc_now().isoformat() if registered else None if pending is None else pending[1]
+        self._unrecorded[agent_id] = (addresses, came_at)
         if self._recorded is None:
             loop = asyncio.get_running_loop()
             self._recorded = loop.create_future()
@@ -460,7 +505,7 @@ class FleetServer:
             if recorded is not None:
                 recorded.set_result(None)
 
-    def _save_addresses(self, unrecorded: dict[str, tuple[tuple[str, ...], str]]) -> None:
+    def _save_addresses(self, unrecorded: dict[str, tuple[tuple[str, ...], str | None]]) -> None:
         with self.store.locked():  # the lock `fleet remove` takes: a removal is either seen here or comes after
             roster = self.store.roster()
             try:
@@ -479,7 +524,11 @@ class FleetServer:
                                 "older backup made before it joined, or the file was lost; it is listed from now on "
                                 "with host '?' (join it again to name it)", agent_id[:12],
                                 self.store.data_dir / "agents.json")
+                    came_at = came_at or utc_now().isoformat()  # its link is live: as good as registered now
                     entry = RosterEntry(agent_id, UNKNOWN_HOSTNAME, came_at)
+                if came_at is None:  # its addresses changed: no call-in, so no run takes it back for this
+                    roster[agent_id] = replace(entry, addresses=addresses)
+                    continue
                 stamped = max(datetime.datetime.fromisoformat(came_at), after).isoformat()
                 roster[agent_id] = replace(entry, addresses=addresses, registered_at=stamped)
             self.store.save_roster(roster)

@@ -22,7 +22,7 @@ from deskfleet.agent import service as service_module
 from deskfleet.agent.core import CommandError
 from deskfleet.agent.link import Link, LinkError, listening_families
 from deskfleet.agent.service import AgentOptions, AgentService
-from deskfleet.common.wire import NextHop, ReleaseMicroBatch, Role
+from deskfleet.common.wire import AddressesChanged, NextHop, Register, ReleaseMicroBatch, Role
 from tests.agent.test_core import FakeMonitor
 from tests.agent.test_review_controller_search import Joined, joined  # noqa: F401 (the fixture)
 from tests.agent.test_review_hop_auth import NEXT, FakeLink, make_core
@@ -131,6 +131,53 @@ def test_an_agent_on_every_interface_registers_the_address_the_controller_reache
     one = AgentService(AgentOptions(joined.data_dir, listen="10.62.0.30:7431"), monitor=FakeMonitor())
     one.bound_port = 7431
     assert one._register_message(cast(Link, _LinkFrom("10.62.0.30"))).listen_addresses == ("10.62.0.30:7431",)
+
+
+class _RegistrationLink(_LinkFrom):
+    """The live registration link: what the agent sent on it; a send raises `failing` where set."""
+
+    def __init__(self, host: str) -> None:
+        super().__init__(host)
+        self.address = "10.62.0.1:7341"
+        self.sent: list[object] = []
+        self.failing: LinkError | None = None
+
+    async def send(self, message: object) -> None:
+        if self.failing is not None:
+            raise self.failing
+        self.sent.append(message)
+
+
+def test_an_agent_whose_addresses_change_while_its_link_stays_up_tells_the_controller(
+        joined: Joined, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    # From stop 63's dual-stack office: a rotated IPv6 address (or a renewed IPv4 lease of the family the controller
+    # did not reach it over) stayed in the roster until the registration link dropped, and an IPv6-only stage before
+    # the PC was given the stale one: the run failed over
+    routed = {4: "10.62.0.30", 6: "fd62::30"}
+    monkeypatch.setattr(service_module, "lan_sources", lambda controller: dict(routed))
+    agent = AgentService(AgentOptions(joined.data_dir, listen="0.0.0.0:7431"), monitor=FakeMonitor())
+    agent.bound_port = 7431
+    link = _RegistrationLink("10.62.0.30")
+
+    async def scenario() -> list[bool]:
+        looks = [await agent.tell_address_change()]  # not registered: nothing to tell, nowhere to tell it
+        agent._registration = cast(Link, link)
+        agent._told_addresses = agent._register_message(cast(Link, link)).listen_addresses  # as _registered does
+        looks.append(await agent.tell_address_change())  # unchanged: nothing sent
+        routed[6] = "fd62::3a"  # the IPv6 address rotated
+        link.failing = LinkError("the controller link closed")
+        looks.append(await agent.tell_address_change())  # the link just died: said at the next registration
+        link.failing = None
+        looks.append(await agent.tell_address_change())
+        looks.append(await agent.tell_address_change())  # told once
+        del routed[6]  # IPv6 gone from the LAN: the roster must not keep the address
+        looks.append(await agent.tell_address_change())
+        return looks
+
+    assert asyncio.run(scenario()) == [False, False, False, True, False, True]
+    assert link.sent == [AddressesChanged(("10.62.0.30:7431", "[fd62::3a]:7431")),
+                         AddressesChanged(("10.62.0.30:7431",))]
+    assert not any(isinstance(message, Register) for message in link.sent)  # a call-in takes a PC back: not this
 
 
 def test_the_families_a_pc_reports_are_those_it_routes_past_itself(monkeypatch: pytest.MonkeyPatch) -> None:

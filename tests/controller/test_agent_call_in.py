@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from deskfleet.agent.link import open_link, utc_now
-from deskfleet.common.wire import Register, RevocationUpdate
+from deskfleet.common.wire import AddressesChanged, Register, RevocationUpdate
 from deskfleet.controller import fleet_server
 from deskfleet.controller.fleet_ca import load_ca
 from deskfleet.controller.fleet_deploy import pcs_back
@@ -88,3 +88,63 @@ def test_an_agent_removed_after_its_handshake_is_not_registered(store: FleetStor
 
     with_server(store, scenario)
     assert store.roster().get(agent_id) is None or store.roster()[agent_id].addresses == ()
+
+
+def test_an_agent_whose_addresses_changed_is_recorded_there_and_not_taken_for_a_call_in(
+        store: FleetStore, tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A rotated IPv6 address stayed in the roster until the PC's registration link dropped, and the stage before the
+    # PC was given it (stop 63's dual-stack office). AddressesChanged replaces the roster's addresses; a Register would
+    # have too, but as a call-in, which takes the PC back into runs that left it out
+    monkeypatch.setattr(fleet_server, "ADDRESSES_CHANGED_MIN_INTERVAL_S", 2.0)
+    member = make_member(load_ca(store), tmp_path / "agent-b", "agent")
+    b = member.own_identity().agent_id
+    store.save_roster({agent_id: RosterEntry(agent_id, f"desk-{agent_id[0]}", utc_now().isoformat())
+                       for agent_id in (ADMINS[0].agent_id, b)})
+
+    async def recorded_at(addresses: tuple[str, ...], within: float) -> bool:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if store.roster()[b].addresses == addresses:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def scenario(server: FleetServer, address: str) -> None:
+        link = await open_link(address, member, expected_agent_id=None)
+        registered = ("10.62.0.30:7431", "[fd62::30]:7431")
+        await link.send(Register(b, registered))
+        assert isinstance(await asyncio.wait_for(link.receive(), 10), RevocationUpdate)
+        assert await recorded_at(registered, 10.0)
+        registered_at = store.roster()[b].registered_at
+        _left_out_b_at(store, tiny_export, utc_now().isoformat(), left_out=b)  # a run's re-plan went on without B
+        rotated = ("10.62.0.30:7431", "[fd62::3a]:7431")
+        await link.send(AddressesChanged(rotated))
+        assert await recorded_at(rotated, 10.0)
+        assert store.roster()[b].registered_at == registered_at  # no call-in
+        assert pcs_back(store, tiny_export) is None  # so no run takes B back for it
+        assert server._live_at[b] == rotated
+        await link.send(AddressesChanged(("10.62.0.30:7431",)))  # again within 2 s: a member spamming agents.json
+        assert not await recorded_at(("10.62.0.30:7431",), 1.0)
+        await asyncio.sleep(1.1)
+        await link.send(AddressesChanged(("10.62.0.30:7431",)))
+        assert await recorded_at(("10.62.0.30:7431",), 10.0)
+        assert server.live[b] is not None  # the link stays up
+        await link.close()
+
+    with_server(store, scenario)
+
+
+def test_a_registration_and_an_address_change_written_together_keep_the_registrations_time(
+        store: FleetStore, tmp_path: Path) -> None:
+    # two links of one agent (one taking over the other) can land both in one batched write of agents.json
+    member = make_member(load_ca(store), tmp_path / "agent-b", "agent")
+    b = member.own_identity().agent_id
+    store.save_roster({b: RosterEntry(b, "desk-b", "2026-01-01T00:00:00+00:00")})
+
+    async def scenario(server: FleetServer, address: str) -> None:
+        await asyncio.gather(server._record(b, ("10.62.0.30:7431",)),
+                             server._record(b, ("10.62.0.31:7431",), registered=False))
+
+    with_server(store, scenario)
+    entry = store.roster()[b]
+    assert entry.addresses == ("10.62.0.31:7431",) and entry.registered_at is not None

@@ -28,7 +28,7 @@ PORT = 7431
 async def announce(agent_id: str, controller_id: str, fleet_id: str, seconds: float) -> None:
     addresses, why_none = await addresses_to_advertise("0.0.0.0")
     print(json.dumps({"addresses": addresses, "why_none": why_none}), flush=True)
-    agent = AgentRecord(agent_id, fleet_id, "0.15.0", ("CPU",), 1 << 30, AgentState.AVAILABLE)
+    agent = AgentRecord(agent_id, fleet_id, "0.16.0", ("CPU",), 1 << 30, AgentState.AVAILABLE)
     async with Advertiser(agent, PORT, addresses), Advertiser(ControllerRecord(controller_id, fleet_id), PORT + 1,
                                                               addresses):
         await asyncio.sleep(seconds)

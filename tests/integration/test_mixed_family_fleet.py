@@ -7,6 +7,9 @@ PC the PC of both at the IPv6 address the controller had reached it at; each run
 links, and ended on fewer PCs. Now each agent reports the IP families it dials over, registers its other family's
 addresses, and a stage is given all of its next hop's addresses: the chain puts the PC of both between the other two,
 and the run goes through without a failover, giving the local tokens.
+
+Then (protocol 16): the PC of both rotates its IPv6 address while its registration link runs over IPv4; it says so,
+and the controller, its IPv4 route to that PC gone, finds it at the new address and runs through it.
 """
 
 from __future__ import annotations
@@ -87,8 +90,9 @@ def _remove() -> None:
     remove_network(NAMESPACES, (*HOST_ENDS, BRIDGE))
 
 
-def test_a_pc_of_both_families_stands_between_an_ipv4_and_an_ipv6_pc_and_the_run_goes_through(
-        mixed_office: None, tmp_path: Path, tiny_export: Path) -> None:
+def _start_office(tmp_path: Path) -> Fleet:
+    """The controller serving, and the 3 PCs joined, started and answering, each listening on every interface of
+    the families it has (the default); the agents' logs are agent1 (IPv4 alone), agent2 (IPv6 alone), agent3 (both)."""
     controller = Node("controller", NAMESPACES[0], IPV4[0])
     agents = [Node(f"agent{index}", namespace, IPV4[index] or IPV6[index] or "")
               for index, namespace in enumerate(NAMESPACES) if index]
@@ -106,10 +110,31 @@ def test_a_pc_of_both_families_stands_between_an_ipv4_and_an_ipv6_pc_and_the_run
                       f"desk-{index}")
             (data_dir / "settings").mkdir(exist_ok=True)
             (data_dir / "settings" / "agent-settings.json").write_text(json.dumps(RELAXED_SETTINGS))
-            # the default listen: every interface, of the families the PC has
             fleet.start(node.name, node, str(BIN / "deskfleet-agent"), "--headless", "--data-dir", str(data_dir))
         _wait_for("3 registered agents to answer",
                   lambda: sum(agent["state"] == "available" for agent in _ls(fleet)) == 3, timeout=60)
+    except BaseException:
+        fleet.stop_all()
+        raise
+    return fleet
+
+
+def _runs_through_without_failover(fleet: Fleet, model: Path) -> None:
+    """A run on every PC of the plan just deployed: no failover, and the tokens of a local f32 run."""
+    prompt = ("--prompt-ids", "1,17,42,99,5", "--max-new-tokens", "8", "--ignore-eos", "--json")
+    remote = json.loads(fleet.deskfleet("generate", "--fleet", "--model", str(model), *prompt,
+                                        "--discover-seconds", "0"))
+    local = json.loads(subprocess.run([str(BIN / "deskfleet"), "generate", "--model", str(model), *prompt,
+                                       "--precision", "f32"], capture_output=True, check=True, cwd=REPO,
+                                      env=_environment()).stdout)
+    assert not remote.get("failovers") and remote["stages"] == 3, remote.get("failovers")
+    assert remote["tokens"] == local["tokens"]
+
+
+def test_a_pc_of_both_families_stands_between_an_ipv4_and_an_ipv6_pc_and_the_run_goes_through(
+        mixed_office: None, tmp_path: Path, tiny_export: Path) -> None:
+    fleet = _start_office(tmp_path)
+    try:
         # the controller loses its IPv4 route to the PC of both: it reaches that PC over IPv6 alone
         _ip("-n", NAMESPACES[0], "route", "add", "unreachable", f"{IPV4[3]}/32")
         both = f"[{IPV6[3]}]:{AGENT_PORT}"
@@ -124,13 +149,38 @@ def test_a_pc_of_both_families_stands_between_an_ipv4_and_an_ipv6_pc_and_the_run
         addresses = [stage[1] for stage in deployed["stages"]]
         assert addresses[1] == both and sorted(addresses[::2]) == sorted([f"{IPV4[1]}:{AGENT_PORT}",
                                                                           f"[{IPV6[2]}]:{AGENT_PORT}"]), addresses
-        prompt = ("--prompt-ids", "1,17,42,99,5", "--max-new-tokens", "8", "--ignore-eos", "--json")
-        remote = json.loads(fleet.deskfleet("generate", "--fleet", "--model", str(tiny_export), *prompt,
-                                            "--discover-seconds", "0"))
-        local = json.loads(subprocess.run([str(BIN / "deskfleet"), "generate", "--model", str(tiny_export), *prompt,
-                                           "--precision", "f32"], capture_output=True, check=True, cwd=REPO,
-                                          env=_environment()).stdout)
-        assert not remote.get("failovers") and remote["stages"] == 3, remote.get("failovers")
-        assert remote["tokens"] == local["tokens"]
+        _runs_through_without_failover(fleet, tiny_export)
+    finally:
+        fleet.stop_all()
+
+
+def test_a_pc_whose_ipv6_address_rotates_while_registered_over_ipv4_is_found_at_the_new_one(
+        mixed_office: None, tmp_path: Path, tiny_export: Path) -> None:
+    # Before (protocol 15): the roster kept the rotated address until the PC's registration link dropped, which an
+    # IPv6 change does not do where the link runs over IPv4; a controller or a stage before the PC that reach it over
+    # IPv6 alone dialled the stale address. The agent now says the change (AddressesChanged, within 30 s).
+    fleet = _start_office(tmp_path)
+    rotated = "fd6e:cf::23"
+    try:
+        listed = {agent["hostname"]: agent for agent in _ls(fleet)}
+        assert listed["desk-2"]["address"] == f"{IPV4[3]}:{AGENT_PORT}"  # registered over IPv4 (the first address)
+        assert listed["desk-2"]["other_addresses"] == [f"[{IPV6[3]}]:{AGENT_PORT}"]
+        pc_end = f"{LINK_PREFIX}{RUN_TAG}p{INDEXES[3]}"
+        _ip("-n", NAMESPACES[3], "addr", "add", f"{rotated}/64", "dev", pc_end, "nodad")
+        _ip("-n", NAMESPACES[3], "addr", "del", f"{IPV6[3]}/64", "dev", pc_end)
+        _wait_for("the roster to list the rotated address", lambda: next(
+            agent for agent in _ls(fleet) if agent["hostname"] == "desk-2")["other_addresses"] == [
+            f"[{rotated}]:{AGENT_PORT}"], timeout=60)
+        assert "this PC's addresses changed" in fleet.log("agent3")
+        said = fleet.log("controller")
+        assert "addresses changed: now at" in said and "is available again" not in said  # no call-in
+        assert said.count("registered at") == 3  # the link stayed up: no registration again
+        # the controller loses its IPv4 route to the PC: the rotated address is where it reaches it now
+        _ip("-n", NAMESPACES[0], "route", "add", "unreachable", f"{IPV4[3]}/32")
+        listed = {agent["hostname"]: agent for agent in _ls(fleet)}
+        assert (listed["desk-2"]["address"], listed["desk-2"]["state"]) == (f"[{rotated}]:{AGENT_PORT}", "available")
+        deployed = json.loads(fleet.deskfleet(*DEPLOY_ARGS, "--model", str(tiny_export)))
+        assert [stage[1] for stage in deployed["stages"]][1] == f"[{rotated}]:{AGENT_PORT}", deployed["stages"]
+        _runs_through_without_failover(fleet, tiny_export)
     finally:
         fleet.stop_all()
