@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from deskfleet.agent.advertise import DEFAULT_ROUTE_PROBES, route_source
+from deskfleet.agent.advertise import DEFAULT_ROUTE_PROBES, interface_addresses, route_source
 from deskfleet.agent.enroll import REMOVED_KEY_ADVICE
 from deskfleet.agent.link import utc_now
 from deskfleet.common import join_tokens, pki
@@ -151,8 +151,6 @@ def default_address() -> str:
     """This machine's address on the network that reaches the default route, with the default port: its IPv4
     route's, else its IPv6 route's (an IPv6-only LAN: the IPv4 probe alone gave 127.0.0.1 there, in every token),
     else, on a LAN with no default route, its first interface address (IPv4 first), else loopback."""
-    from deskfleet.agent.advertise import interface_addresses
-
     for family, target in DEFAULT_ROUTE_PROBES.values():
         host = route_source(family, target)
         if host is not None:

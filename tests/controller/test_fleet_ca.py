@@ -17,7 +17,6 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from deskfleet.agent import advertise
 from deskfleet.agent.enroll import EnrollmentError, Membership, agent_tls_files, join, note_removed, removed_seen
 from deskfleet.agent.link import LinkError, open_link, utc_now
 from deskfleet.common import join_tokens, pki, tls
@@ -695,7 +694,7 @@ def test_the_hostname_shown_for_a_pc_the_roster_never_saw_join_names_no_pc(store
 def test_the_default_address_is_the_routes_of_either_family(monkeypatch: pytest.MonkeyPatch,
                                                             routes: dict[int, str | None], expected: str) -> None:
     monkeypatch.setattr(fleet_ca, "route_source", lambda family, target: routes[family])
-    monkeypatch.setattr(advertise, "interface_addresses", lambda: [])
+    monkeypatch.setattr(fleet_ca, "interface_addresses", lambda: [])
     assert fleet_ca.default_address() == expected
 
 
@@ -705,7 +704,7 @@ def test_on_a_lan_with_no_default_route_the_default_address_is_an_interfaces(
         monkeypatch: pytest.MonkeyPatch, here: list[str], expected: str) -> None:
     # it was 127.0.0.1, put in every token without a word (from an exploratory test of a mixed IPv4/IPv6 office)
     monkeypatch.setattr(fleet_ca, "route_source", lambda family, target: None)
-    monkeypatch.setattr(advertise, "interface_addresses", lambda: here)
+    monkeypatch.setattr(fleet_ca, "interface_addresses", lambda: here)
     assert fleet_ca.default_address() == expected
 
 
