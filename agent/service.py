@@ -396,7 +396,7 @@ class AgentService:
         except LinkError as error:  # the registration loop hears of the link's end and registers again
             log.info("cannot tell the controller this PC's addresses changed: %s", error)
             return False
-        log.info("this PC's addresses changed: told the controller at %s it is now at %s (was %s)", link.address,
+        log.info("this PC's addresses changed: sent them to the controller at %s: now %s (was %s)", link.address,
                  ", ".join(addresses), ", ".join(self._told_addresses))
         self._told_addresses = addresses
         return True

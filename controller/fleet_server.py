@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -66,7 +67,8 @@ REGISTER_TIMEOUT_S = 10.0
 # that register within a second or two of a restart wrote (and fsynced) the whole roster once each, 28 MB in all,
 # on the event loop that their handshakes waited for.
 ROSTER_BATCH_S = 0.05
-# an agent's AddressesChanged heard at most this often (agents look every service.ADDRESS_CHECK_S, 30 s)
+# an agent's AddressesChanged written at most this often, the newest once the time is up (agents look every
+# service.ADDRESS_CHECK_S, 30 s)
 ADDRESSES_CHANGED_MIN_INTERVAL_S = 15.0
 REPORT_LOG_EVERY_S = 60.0  # an agent's report of one kind of failure is a warning at most this often
 ANNOUNCE_REFRESH_S = 10.0  # how often the addresses announced over mDNS are compared with the PC's (as agents do)
@@ -109,7 +111,10 @@ class FleetServer:
         self.live: dict[str, Link] = {}  # agent id -> its registration link
         self._live_at: dict[str, tuple[str, ...]] = {}  # agent id -> the listen addresses its live link registered
         self._heard_at: dict[str, float] = {}  # agent id -> when it last registered or called in (time.monotonic)
-        self._addresses_heard_at: dict[str, float] = {}  # agent id -> its last AddressesChanged heard (monotonic)
+        self._addresses_heard_at: dict[str, float] = {}  # agent id -> its last AddressesChanged written (monotonic)
+        self._registering: dict[str, Link] = {}  # agent id -> the link whose Register is being recorded
+        self._changed_addresses: dict[Link, tuple[str, ...]] = {}  # a registration link -> its change to write
+        self._readdressing: dict[Link, asyncio.Task[None]] = {}  # a registration link -> the writer of its changes
         self._shared_identities = SharedIdentityWatch()  # two PCs of one identity taking turns (a cloned disk)
         # (agent id, error code): a stage's failure an agent reported; (agent id, message type): a first message that
         # was not the agent's own Register
@@ -232,6 +237,7 @@ class FleetServer:
             log.warning("refused agent %s at %s: it was removed from the fleet", agent_id[:12], link.address)
             await link.refuse(ErrorCode.UNAUTHORIZED, "this agent was removed from the fleet")
             return
+        self._registering[agent_id] = link  # its earlier link, live meanwhile, no longer speaks for it
         try:
             await self._record(agent_id, message.listen_addresses)
         except (OSError, FleetStoreError) as error:  # a full disk, a damaged roster: the agent is no less alive
@@ -239,6 +245,9 @@ class FleetServer:
                       "address it registered before and by mDNS", agent_id[:12], ", ".join(message.listen_addresses),
                       self.store.data_dir / "agents.json",
                       error.strerror or error if isinstance(error, OSError) else error)
+        finally:
+            if self._registering.get(agent_id) is link:
+                del self._registering[agent_id]
         previous = self.live.get(agent_id)
         self.live[agent_id] = link
         if previous is not None and previous is not link:
@@ -267,9 +276,10 @@ class FleetServer:
             await self._ask_status(link)
             await self._read_registration(link)
         finally:
-            tidying = self._tidying.pop(link, None)
-            if tidying is not None:
-                tidying.cancel()
+            for task in (self._tidying.pop(link, None), self._readdressing.pop(link, None)):
+                if task is not None:
+                    task.cancel()
+            self._changed_addresses.pop(link, None)
             self._asked.pop(link, None)
             if self.live.get(agent_id) is link:
                 del self.live[agent_id]
@@ -312,7 +322,7 @@ class FleetServer:
             elif isinstance(message, Register) and message.agent_id == link.peer.agent_id:
                 await self._called_in(link, message)
             elif isinstance(message, AddressesChanged):
-                await self._addresses_changed(link, message)
+                self._addresses_changed(link, message)
             elif isinstance(message, StatusReport) and self._asked.get(link):  # the answer to _ask_status (one
                 # a member sends unasked is not: each would read deployments.json)
                 self._asked[link] -= 1
@@ -344,6 +354,8 @@ class FleetServer:
         if now - self._heard_at.get(agent_id, -CALL_IN_MIN_INTERVAL_S) < CALL_IN_MIN_INTERVAL_S / 2:
             log.debug("agent %s called in again within %.0f s: not heard", agent_id[:12], CALL_IN_MIN_INTERVAL_S / 2)
             return
+        if not self._speaks_for(agent_id, link):  # a registration of a new link is recorded: its addresses stand
+            return
         try:
             if self.revocations().is_revoked(agent_id):  # the watcher drops its link at its next look
                 return
@@ -361,38 +373,61 @@ class FleetServer:
             self._live_at[agent_id] = message.listen_addresses
         await self._ask_status(link)
 
-    async def _addresses_changed(self, link: Link, message: AddressesChanged) -> None:
+    def _speaks_for(self, agent_id: str, link: Link) -> bool:
+        """Whether `link` is `agent_id`'s live registration link, with no registration of a newer one being recorded:
+        a call-in or an address change on a link that another is taking over (the PC registered again while its old
+        link lingered, or a clone of its disk did) would write that link's addresses over the newer registration's."""
+        return self.live.get(agent_id) is link and self._registering.get(agent_id, link) is link
+
+    def _addresses_changed(self, link: Link, message: AddressesChanged) -> None:
         """A registered agent's addresses changed while its link stayed up (a rotated IPv6 address, its other
-        family's address renewed): the roster's are replaced, which the next survey dials and the next deploy gives
-        the stage before it. Not a call-in: `registered_at` stays, so no run takes the PC back for it. An agent
-        looks at most every ADDRESS_CHECK_S and says only a change; one that says more than one within
-        ADDRESSES_CHANGED_MIN_INTERVAL_S (a member spamming its link: each would rewrite agents.json) is not heard."""
+        family's address renewed): the roster's are replaced (_write_changed_addresses), which the next survey dials
+        and the next deploy gives the stage before it. The newest change of a link is written, at most once every
+        ADDRESSES_CHANGED_MIN_INTERVAL_S (a member spamming its link would rewrite agents.json at each): one that
+        comes sooner waits, as the agent says each change once. Written beside the link's reading, which a call-in
+        waiting for the data dir's lock holds up."""
+        self._changed_addresses[link] = message.listen_addresses
+        if link not in self._readdressing:
+            task = asyncio.create_task(self._write_changed_addresses(link), name="write-changed-addresses")
+            task.add_done_callback(_log_failure)
+            self._readdressing[link] = task
+
+    async def _write_changed_addresses(self, link: Link) -> None:
+        """Write `link`'s changed addresses (_addresses_changed) until none is left to write. Not a call-in:
+        `registered_at` stays, so no run takes the PC back for it. A change a failed write lost is said again by
+        the agent's next registration; meanwhile surveys find the PC at its other addresses and by mDNS."""
         agent_id = link.peer.agent_id
-        if self.live.get(agent_id) is not link:  # a link another registration took over: that one's addresses stand
-            return
-        now = time.monotonic()
-        if now - self._addresses_heard_at.get(agent_id, -ADDRESSES_CHANGED_MIN_INTERVAL_S) \
-                < ADDRESSES_CHANGED_MIN_INTERVAL_S:
-            log.debug("agent %s's addresses changed again within %.0f s: not heard", agent_id[:12],
-                      ADDRESSES_CHANGED_MIN_INTERVAL_S)
-            return
         try:
-            if self.revocations().is_revoked(agent_id):  # the watcher drops its link at its next look
-                return
-        except pki.PkiError:
-            return
-        self._addresses_heard_at[agent_id] = now
-        try:
-            await self._record(agent_id, message.listen_addresses, registered=False)
-        except (OSError, FleetStoreError) as error:
-            log.error("cannot record in %s that agent %s is now at %s: %s", self.store.data_dir / "agents.json",
-                      agent_id[:12], ", ".join(message.listen_addresses),
-                      error.strerror or error if isinstance(error, OSError) else error)
-            return
-        log.info("agent %s's addresses changed: now at %s (was %s)", agent_id[:12],
-                 ", ".join(message.listen_addresses), ", ".join(self._live_at.get(agent_id, ())) or "none")
-        if self.live.get(agent_id) is link:
-            self._live_at[agent_id] = message.listen_addresses
+            while link in self._changed_addresses:
+                wait = self._addresses_heard_at.get(agent_id, -math.inf) + ADDRESSES_CHANGED_MIN_INTERVAL_S \
+                    - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                addresses = self._changed_addresses.pop(link)
+                was = self._live_at.get(agent_id, ())
+                if not self._speaks_for(agent_id, link) or addresses == was:
+                    continue
+                try:
+                    if self.revocations().is_revoked(agent_id):  # the watcher drops its link at its next look
+                        return
+                except pki.PkiError:
+                    return
+                self._addresses_heard_at[agent_id] = time.monotonic()
+                try:
+                    await self._record(agent_id, addresses, registered=False)
+                except (OSError, FleetStoreError) as error:
+                    log.error("cannot record in %s that agent %s is now at %s: %s; surveys find it at its other "
+                              "addresses and by mDNS until it registers again", self.store.data_dir / "agents.json",
+                              agent_id[:12], ", ".join(addresses),
+                              error.strerror or error if isinstance(error, OSError) else error)
+                    continue
+                log.info("agent %s's addresses changed: now at %s (was %s)", agent_id[:12], ", ".join(addresses),
+                         ", ".join(was) or "none")
+                if self._speaks_for(agent_id, link):
+                    self._live_at[agent_id] = addresses
+        finally:
+            if self._readdressing.get(link) is asyncio.current_task():
+                del self._readdressing[link]
 
     async def _ask_status(self, link: Link) -> None:
         """Ask a PC that registered or called in for its status, whose stages _release_undeployed then looks at: a PC
@@ -520,12 +555,12 @@ class FleetServer:
                     continue
                 entry = roster.get(agent_id)
                 if entry is None:  # its certificate is the fleet's: the roster lost it, or never had it
-                    log.warning("agent %s registered, but %s does not list it: the data dir was restored from an "
-                                "older backup made before it joined, or the file was lost; it is listed from now on "
-                                "with host '?' (join it again to name it)", agent_id[:12],
+                    log.warning("agent %s %s, but %s does not list it: the data dir was restored from an older backup "
+                                "made before it joined, or the file was lost; it is listed from now on with host '?' "
+                                "(join it again to name it)", agent_id[:12],
+                                "registered" if came_at is not None else "said its addresses changed",
                                 self.store.data_dir / "agents.json")
-                    came_at = came_at or utc_now().isoformat()  # its link is live: as good as registered now
-                    entry = RosterEntry(agent_id, UNKNOWN_HOSTNAME, came_at)
+                    entry = RosterEntry(agent_id, UNKNOWN_HOSTNAME, came_at or utc_now().isoformat())
                 if came_at is None:  # its addresses changed: no call-in, so no run takes it back for this
                     roster[agent_id] = replace(entry, addresses=addresses)
                     continue

@@ -158,26 +158,31 @@ def test_an_agent_whose_addresses_change_while_its_link_stays_up_tells_the_contr
     agent = AgentService(AgentOptions(joined.data_dir, listen="0.0.0.0:7431"), monitor=FakeMonitor())
     agent.bound_port = 7431
     link = _RegistrationLink("10.62.0.30")
+    looks: list[bool] = []
 
-    async def scenario() -> list[bool]:
-        looks = [await agent.tell_address_change()]  # not registered: nothing to tell, nowhere to tell it
-        agent._registration = cast(Link, link)
-        agent._told_addresses = agent._register_message(cast(Link, link)).listen_addresses  # as _registered does
-        looks.append(await agent.tell_address_change())  # unchanged: nothing sent
+    async def registered(served: Link, registration: bool = False) -> None:  # core.serve_link: the link's lifetime
+        looks.append(await agent.tell_address_change())  # what it registered: nothing more to say
         routed[6] = "fd62::3a"  # the IPv6 address rotated
         link.failing = LinkError("the controller link closed")
         looks.append(await agent.tell_address_change())  # the link just died: said at the next registration
         link.failing = None
         looks.append(await agent.tell_address_change())
-        looks.append(await agent.tell_address_change())  # told once
+        looks.append(await agent.tell_address_change())  # said once
         del routed[6]  # IPv6 gone from the LAN: the roster must not keep the address
         looks.append(await agent.tell_address_change())
-        return looks
 
-    assert asyncio.run(scenario()) == [False, False, False, True, False, True]
-    assert link.sent == [AddressesChanged(("10.62.0.30:7431", "[fd62::3a]:7431")),
+    async def scenario() -> None:
+        looks.append(await agent.tell_address_change())  # not registered: nothing to tell, nowhere to tell it
+        await agent._registered(cast(Link, link))
+
+    monkeypatch.setattr(agent.core, "serve_link", registered)
+    asyncio.run(scenario())
+    assert looks == [False, False, False, True, False, True]
+    assert link.sent == [Register(agent.core.agent_id, ("10.62.0.30:7431", "[fd62::30]:7431"),
+                                  joined.membership.token_sha256),
+                         AddressesChanged(("10.62.0.30:7431", "[fd62::3a]:7431")),
                          AddressesChanged(("10.62.0.30:7431",))]
-    assert not any(isinstance(message, Register) for message in link.sent)  # a call-in takes a PC back: not this
+    assert agent._registration is None  # the link closed: the next registration says the addresses
 
 
 def test_the_families_a_pc_reports_are_those_it_routes_past_itself(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -212,6 +212,7 @@ def registered_service(core: AgentCore, link: RegistrationLink | None) -> AgentS
     service.listen, service.bound_port = "0.0.0.0:7431", 7431
     service.listen_families = frozenset({4})  # listening on IPv4 alone: it registers the address it reached from
     service._registration = link  # type: ignore[assignment]
+    service._told_addresses = ()
     core.call_in.registered(0.0)
     return service
 
@@ -235,6 +236,7 @@ def test_a_resumed_pc_calls_in_on_its_registration_link(desk: tuple[AgentCore, P
 
     assert asyncio.run(looks()) == [False, False, False, True, False]
     assert link.sent == [Register(core.agent_id, ("10.0.0.7:7431",), None)]
+    assert not asyncio.run(service.tell_address_change())  # the call-in said its addresses: no AddressesChanged after
 
 
 def test_a_pc_hosting_a_stage_does_not_call_in_when_its_own_inference_crosses_the_limits(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,21 @@ def test_an_agent_removed_after_its_handshake_is_not_registered(store: FleetStor
     assert store.roster().get(agent_id) is None or store.roster()[agent_id].addresses == ()
 
 
+def _recorded_at(store: FleetStore, agent_id: str, addresses: tuple[str, ...]) -> Callable[[float], Awaitable[bool]]:
+    """Whether the roster lists `agent_id` at `addresses` within a time (fleet serve writes it in batches, in a
+    thread)."""
+    async def recorded(within: float) -> bool:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            entry = store.roster().get(agent_id)
+            if entry is not None and entry.addresses == addresses:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    return recorded
+
+
 def test_an_agent_whose_addresses_changed_is_recorded_there_and_not_taken_for_a_call_in(
         store: FleetStore, tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A rotated IPv6 address stayed in the roster until the PC's registration link dropped, and the stage before the
@@ -101,42 +117,68 @@ def test_an_agent_whose_addresses_changed_is_recorded_there_and_not_taken_for_a_
     store.save_roster({agent_id: RosterEntry(agent_id, f"desk-{agent_id[0]}", utc_now().isoformat())
                        for agent_id in (ADMINS[0].agent_id, b)})
 
-    async def recorded_at(addresses: tuple[str, ...], within: float) -> bool:
-        deadline = time.monotonic() + within
-        while time.monotonic() < deadline:
-            if store.roster()[b].addresses == addresses:
-                return True
-            await asyncio.sleep(0.05)
-        return False
-
     async def scenario(server: FleetServer, address: str) -> None:
         link = await open_link(address, member, expected_agent_id=None)
         registered = ("10.62.0.30:7431", "[fd62::30]:7431")
         await link.send(Register(b, registered))
         assert isinstance(await asyncio.wait_for(link.receive(), 10), RevocationUpdate)
-        assert await recorded_at(registered, 10.0)
+        assert await _recorded_at(store, b, registered)(10.0)
         registered_at = store.roster()[b].registered_at
         _left_out_b_at(store, tiny_export, utc_now().isoformat(), left_out=b)  # a run's re-plan went on without B
         rotated = ("10.62.0.30:7431", "[fd62::3a]:7431")
         await link.send(AddressesChanged(rotated))
-        assert await recorded_at(rotated, 10.0)
+        written = time.monotonic()
+        assert await _recorded_at(store, b, rotated)(10.0)
         assert store.roster()[b].registered_at == registered_at  # no call-in
         assert pcs_back(store, tiny_export) is None  # so no run takes B back for it
         assert server._live_at[b] == rotated
-        await link.send(AddressesChanged(("10.62.0.30:7431",)))  # again within 2 s: a member spamming agents.json
-        assert not await recorded_at(("10.62.0.30:7431",), 1.0)
-        await asyncio.sleep(1.1)
-        await link.send(AddressesChanged(("10.62.0.30:7431",)))
-        assert await recorded_at(("10.62.0.30:7431",), 10.0)
-        assert server.live[b] is not None  # the link stays up
+        # two more changes within 2 s (a member spamming agents.json, or changes a held-up link read at once): the
+        # newest is written once the 2 s are up, not dropped (the agent says each change once)
+        await link.send(AddressesChanged(("10.62.0.30:7431", "[fd62::3b]:7431")))
+        newest = ("10.62.0.30:7431",)
+        await link.send(AddressesChanged(newest))
+        assert not await _recorded_at(store, b, newest)(max(0.0, written + 1.5 - time.monotonic()))
+        assert await _recorded_at(store, b, newest)(10.0)
+        assert time.monotonic() - written >= 1.9
+        assert server.live.get(b) is not None  # the link stays up
         await link.close()
+
+    with_server(store, scenario)
+
+
+def test_the_old_link_of_an_agent_registering_again_does_not_write_its_addresses_over_the_new_ones(
+        store: FleetStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # From a review: while a new link's registration waited for its batched write, the old link (the PC registered
+    # again while the controller still held its dying link, or a clone of its disk) was still the live one, and its
+    # address change was written after the registration, keeping the registration's time: the roster listed the old
+    # link's addresses, `fleet serve` the new one's
+    monkeypatch.setattr(fleet_server, "ROSTER_BATCH_S", 1.0)
+    monkeypatch.setattr(fleet_server, "CALL_IN_MIN_INTERVAL_S", 0.2)  # the old link's call-in comes late enough
+    member = make_member(load_ca(store), tmp_path / "agent-b", "agent")
+    b = member.own_identity().agent_id
+    store.save_roster({b: RosterEntry(b, "desk-b", utc_now().isoformat())})
+
+    async def scenario(server: FleetServer, address: str) -> None:
+        old = await open_link(address, member, expected_agent_id=None)
+        await old.send(Register(b, ("10.0.0.1:7431",)))
+        assert isinstance(await asyncio.wait_for(old.receive(), 10), RevocationUpdate)
+        new = await open_link(address, member, expected_agent_id=None)
+        registered = ("10.0.0.2:7431", "[fd00::2]:7431")
+        await new.send(Register(b, registered))
+        await asyncio.sleep(0.3)  # the new registration waits for its write; the old link is live meanwhile
+        await old.send(AddressesChanged(("10.0.0.1:7431", "[fd00::1]:7431")))
+        await old.send(Register(b, ("10.0.0.1:7431",)))  # nor is a call-in on it heard
+        assert isinstance(await asyncio.wait_for(new.receive(), 10), RevocationUpdate)
+        await asyncio.sleep(1.5)  # any write the old link's messages made has landed
+        assert store.roster()[b].addresses == registered and server._live_at[b] == registered
+        await new.close()
 
     with_server(store, scenario)
 
 
 def test_a_registration_and_an_address_change_written_together_keep_the_registrations_time(
         store: FleetStore, tmp_path: Path) -> None:
-    # two links of one agent (one taking over the other) can land both in one batched write of agents.json
+    # one batched write of agents.json takes both: the registration's time is the call-in, whatever came after it
     member = make_member(load_ca(store), tmp_path / "agent-b", "agent")
     b = member.own_identity().agent_id
     store.save_roster({b: RosterEntry(b, "desk-b", "2026-01-01T00:00:00+00:00")})
@@ -148,3 +190,15 @@ def test_a_registration_and_an_address_change_written_together_keep_the_registra
     with_server(store, scenario)
     entry = store.roster()[b]
     assert entry.addresses == ("10.62.0.31:7431",) and entry.registered_at is not None
+
+
+def test_an_address_change_of_an_agent_the_roster_lost_lists_it_without_a_call_in(
+        store: FleetStore, tmp_path: Path) -> None:
+    b = make_member(load_ca(store), tmp_path / "agent-b", "agent").own_identity().agent_id
+
+    async def scenario(server: FleetServer, address: str) -> None:
+        await server._record(b, ("10.62.0.31:7431",), registered=False)
+
+    with_server(store, scenario)
+    entry = store.roster()[b]
+    assert (entry.hostname, entry.addresses, entry.registered_at) == ("?", ("10.62.0.31:7431",), None)
