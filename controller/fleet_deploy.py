@@ -802,6 +802,25 @@ def left_out_by_replans(store: FleetStore) -> list[LeftOut]:
     return [left_out for left_out in found if left_out is not None]
 
 
+def addresses_changed_since_assigned(store: FleetStore, model_dir: Path, stages: Sequence[StagePlacement],
+                                     agent_id: str) -> str | None:
+    """When the roster says `agent_id`'s addresses changed (its `addresses_at`: an AddressesChanged, or a registration
+    at other addresses) after the deployment on record, where it places `stages`, assigned them (`assigned_at`): the
+    stage before that PC was given addresses it may no longer have. None where they did not, or where either file
+    cannot tell (a record of other stages: another run's re-plan or an admin's deploy saved since)."""
+    try:
+        record = _deployment_record(store, model_dir)
+        if record is None or _placements_of(record.get("stages")) != tuple(stages):
+            return None
+        entry = store.roster().get(agent_id)
+        if entry is None or entry.addresses_at is None:
+            return None
+        changed = entry.addresses_at
+        return changed if _utc_time(changed) > _utc_time(record.get("assigned_at")) else None  # type: ignore[arg-type]
+    except (DeployError, FleetStoreError, OSError, ManifestError, ValueError, TypeError):
+        return None
+
+
 def called_in_since(entry: RosterEntry | None, moment: datetime.datetime) -> bool:
     """Whether the roster says the agent registered, or called in, after `moment`; False for none on record or a
     time that cannot be read."""

@@ -60,6 +60,7 @@ from deskfleet.controller.fleet_deploy import (
     DeployReport,
     NotPlaced,
     StagePlacement,
+    addresses_changed_since_assigned,
     called_in_since,
     deploy,
     inexact_cache_note,
@@ -648,7 +649,10 @@ class FleetFailover:
           link between the two or the reporter itself is at fault: the link is marked broken for the run and
           both are kept, the reporter never directly before the accused in a re-plan (where no chain over both
           does as well, the planner leaves one of them out: _planned_apart says which and why); a reporter that
-          already could not reach another PC in this run is itself at fault and is left out instead. An earlier
+          already could not reach another PC in this run is itself at fault and is left out instead; where the
+          accused's addresses changed since the stages were assigned (the roster's `addresses_at`), the reporter was
+          given ones it may no longer have: both are kept, no link is marked broken, and the re-plan gives the
+          reporter the new ones (before, the link was marked broken, and the re-plan moved stages apart). An earlier
           stage's blame was relayed, and which stage made it cannot be told: nobody is left out for it;
         - the accused answers but no longer hosts its stage (it restarted), or the controller saw its link close
           and it answers now: it is kept (re-planned, it is given its stage again).
@@ -679,7 +683,20 @@ class FleetFailover:
             # network, or a member's false word), and a link marked broken at each failover would only move it before
             # another PC until --max-failovers ended the run
             earlier = sorted(target for source, target in self.broken_links if source == reporter and target != accused)
-            if reporter_at is not None and accused_at == reporter_at + 1 and earlier:
+            next_hop = reporter_at is not None and accused_at == reporter_at + 1
+            # the next hop's addresses changed since the stages were assigned (a rotated IPv6 address, a new DHCP
+            # lease): the reporter was given ones the PC may no longer have, and no link between them is at fault
+            moved_at = addresses_changed_since_assigned(self.store, self.model_dir, error.stages, accused) \
+                if next_hop else None
+            if moved_at is not None:
+                self._left_out = None
+                self._verdict = (f"{self._name(reporter)} (stage {reporter_at}) could not reach its next hop "
+                                 f"{self._name(accused)} (stage {accused_at}), which answers the controller and still "
+                                 f"hosts its stage; {self._name(accused)}'s addresses changed at "
+                                 f"{utc_text(moved_at)}, after the stages were assigned, so the addresses "
+                                 f"{self._name(reporter)} was given for it may be gone: both are kept, no link is "
+                                 "marked broken, and the re-plan gives it the new ones")
+            elif next_hop and earlier:
                 self._lose(reporter)
                 self._left_out = reporter
                 self._verdict = (f"{self._name(reporter)} (stage {reporter_at}) reported its next hop "
@@ -688,7 +705,7 @@ class FleetFailover:
                                  f"{', '.join(self._name(target) for target in earlier)} either earlier in this run: "
                                  f"{self._name(reporter)} itself is at fault, so it is left out of the next plan and "
                                  f"{self._name(accused)} is kept")
-            elif reporter_at is not None and accused_at == reporter_at + 1:
+            elif next_hop:
                 self.broken_links.add((reporter, accused))
                 self._apart = (reporter, accused)
                 self._left_out = None
