@@ -802,6 +802,60 @@ def left_out_by_replans(store: FleetStore) -> list[LeftOut]:
     return [left_out for left_out in found if left_out is not None]
 
 
+@dataclass(frozen=True)
+class ReaddressedSinceAssigned:
+    """PCs of a deployment on record whose addresses changed since its stages were assigned (placed_pcs_readdressed)."""
+
+    agents: tuple[str, ...]
+    assigned_at: str | None  # ISO 8601 UTC: when the deploy began assigning them; None: a record older than that
+    changes: tuple[str, ...]  # each PC's change (the roster's addresses_at), in the order of `agents`
+
+
+def placed_pcs_readdressed(store: FleetStore, model_dir: Path) -> ReaddressedSinceAssigned | None:
+    """The PCs of the model's deployment on record whose addresses changed since the deploy (or re-plan) that saved it
+    began assigning its stages (the roster's `addresses_at`: a new DHCP lease, a rotated IPv6 address), each with a
+    change no run's re-plan has tried and failed on yet (note_readdress_tried). The chain on record gives the stage
+    before each, and the driver, addresses it may no longer have: its first step would fail over, after a dial of a
+    gone address timed out. The roster, no dial. None when there are none, or the record or roster cannot be read."""
+    try:
+        record = _deployment_record(store, model_dir)
+        if record is None:
+            return None
+        stages = _placements_of(record.get("stages"))
+        roster = store.roster()
+    except (DeployError, FleetStoreError, OSError, ManifestError, ValueError):
+        return None
+    assigned_at, since = record.get("assigned_at"), datetime.datetime.min.replace(tzinfo=datetime.UTC)
+    try:
+        since = _utc_time(assigned_at)  # type: ignore[arg-type]
+    except (ValueError, TypeError):  # absent or damaged: every change on record counts, once
+        assigned_at = None
+    tried = _readdress_tried(record)
+    changed = [(agent_id, entry.addresses_at) for agent_id in dict.fromkeys(stage.agent_id for stage in stages)
+               if (entry := roster.get(agent_id)) is not None and entry.addresses_at is not None
+               and _after(entry.addresses_at, since) and tried.get(agent_id) != entry.addresses_at]
+    if not changed:
+        return None
+    return ReaddressedSinceAssigned(tuple(agent_id for agent_id, _ in changed), assigned_at,
+                                    tuple(change for _, change in changed))
+
+
+def note_readdress_tried(store: FleetStore, model_dir: Path, readdressed: ReaddressedSinceAssigned) -> None:
+    """Record in the model's deployment that a run's re-plan for the PCs of `readdressed` failed (`readdress_tried`:
+    each PC's change tried), so that placed_pcs_readdressed names a PC again only once its addresses change again, not
+    at every run's start (its chain's first step says what is wrong). Best effort, as note_hosting_checked."""
+    with contextlib.suppress(DeployError, FleetStoreError, OSError, ManifestError):
+        with store.locked():
+            deployments = _deployments(store)
+            record = deployments.get(model_id_of(model_dir))
+            if not isinstance(record, dict) or (readdressed.assigned_at is not None
+                                                and record.get("assigned_at") != readdressed.assigned_at):
+                return
+            record["readdress_tried"] = {**_readdress_tried(record),
+                                         **dict(zip(readdressed.agents, readdressed.changes, strict=True))}
+            store.write("deployments", deployments)
+
+
 def addresses_changed_since_assigned(store: FleetStore, model_dir: Path, stages: Sequence[StagePlacement],
                                      agent_id: str) -> str | None:
     """When the roster says `agent_id`'s addresses changed (its `addresses_at`: an AddressesChanged, or a registration
@@ -813,12 +867,12 @@ def addresses_changed_since_assigned(store: FleetStore, model_dir: Path, stages:
         if record is None or _placements_of(record.get("stages")) != tuple(stages):
             return None
         entry = store.roster().get(agent_id)
-        if entry is None or entry.addresses_at is None:
-            return None
-        changed = entry.addresses_at
-        return changed if _utc_time(changed) > _utc_time(record.get("assigned_at")) else None  # type: ignore[arg-type]
+        since = _utc_time(record.get("assigned_at"))  # type: ignore[arg-type]
     except (DeployError, FleetStoreError, OSError, ManifestError, ValueError, TypeError):
         return None
+    if entry is None or entry.addresses_at is None or not _after(entry.addresses_at, since):
+        return None
+    return entry.addresses_at
 
 
 def called_in_since(entry: RosterEntry | None, moment: datetime.datetime) -> bool:
@@ -842,6 +896,24 @@ def utc_text(iso: str) -> str:
 
 
 # Private functions
+
+def _readdress_tried(record: dict[str, Any]) -> dict[str, str]:
+    """A record's `readdress_tried` (agent id -> the address change a run's re-plan failed on); {} for none or a
+    damaged one."""
+    tried = record.get("readdress_tried")
+    if not isinstance(tried, dict):
+        return {}
+    return {agent_id: change for agent_id, change in tried.items()
+            if isinstance(agent_id, str) and isinstance(change, str)}
+
+
+def _after(text: str, moment: datetime.datetime) -> bool:
+    """Whether the stored time `text` is after `moment`; False for one that cannot be read."""
+    try:
+        return _utc_time(text) > moment
+    except ValueError:
+        return False
+
 
 def _hosting_checked(record: dict[str, Any]) -> dict[str, str]:
     """A record's `hosting_checked` (agent id -> the call-in a run asked it about); {} for none or a damaged one."""

@@ -68,9 +68,11 @@ from deskfleet.controller.fleet_deploy import (
     load_deployment,
     model_id_of,
     note_hosting_checked,
+    note_readdress_tried,
     note_rejoin_tried,
     pcs_back,
     placed_pcs_called_in,
+    placed_pcs_readdressed,
     utc_text,
 )
 from deskfleet.controller.fleet_pipeline import ChainError, DeploymentReplaced, FleetPipeline
@@ -237,7 +239,12 @@ class FleetFailover:
           (fleet_deploy.pcs_back: restarted, back on the network, resumed by their user);
         - PCs of the deployed chain that called in since their stage was assigned and, asked, no longer host it
           (stages_gone: restarted, or paused and resumed while no run drove the model). The chain learnt that only at
-          its first step, and spent a failover on it (with --max-failovers 0 the run failed).
+          its first step, and spent a failover on it (with --max-failovers 0 the run failed);
+        - PCs of the deployed chain whose addresses changed since their stages were assigned (placed_pcs_readdressed:
+          a new DHCP lease, a rotated IPv6 address), while no chain of this run is open (`running` False): the chain on
+          record gives the stage before each, and the driver, the old ones. Its first step failed over after a dial
+          of the gone address timed out (13 s of an 8-token run in an exploratory test); the re-plan assigns the same
+          stages again with the new addresses, compiling nothing.
         Returns the new chain, or None to open the deployment on record.
 
         The data dir's deploy lock is taken first and held through the re-plan: a deploy under way (another run's
@@ -277,18 +284,28 @@ class FleetFailover:
                 return chain
         # (a PC left out that was not taken back leaves the chain on record to open: its stages are asked about too)
         called_in = placed_pcs_called_in(self.store, self.model_dir)
-        if called_in is None or self._model_id is None:
-            return None
-        gone = stages_gone(self.store, self.model_dir, self._model_id, called_in, self.stop)
-        if not gone:  # none gone (asked about once), or they could not be asked: the chain's first step tells
-            return None
-        at = f" at {utc_text(called_in.assigned_at)}" if called_in.assigned_at is not None else ""
-        said = (f"no longer hosts its stage (it called in since the stage was assigned{at})" if len(gone) == 1 else
-                f"no longer host their stages (they called in since the stages were assigned{at})")
         known = self._known
-        return self._take_back(gone, said, {"agents": list(gone), "assigned_at": called_in.assigned_at},
+        if called_in is not None and self._model_id is not None:
+            gone = stages_gone(self.store, self.model_dir, self._model_id, called_in, self.stop)
+            if gone:  # (none gone, asked about once, or they could not be asked: the chain's first step tells)
+                at = f" at {utc_text(called_in.assigned_at)}" if called_in.assigned_at is not None else ""
+                said = (f"no longer hosts its stage (it called in since the stage was assigned{at})" if len(gone) == 1
+                        else f"no longer host their stages (they called in since the stages were assigned{at})")
+                return self._take_back(gone, said, {"agents": list(gone), "assigned_at": called_in.assigned_at},
+                                       still_wanted=lambda: self._saved_deployment() == known, recheck=frozenset(),
+                                       tried=lambda when: note_hosting_checked(self.store, self.model_dir, called_in),
+                                       stage_gone=True, running=running)
+        readdressed = placed_pcs_readdressed(self.store, self.model_dir)
+        if readdressed is None or running:  # (a running chain's links are open: its next break re-plans, if any)
+            return None
+        at = f" at {utc_text(readdressed.assigned_at)}" if readdressed.assigned_at is not None else ""
+        said = (f"{'has' if len(readdressed.agents) == 1 else 'have'} other addresses than when the stages were "
+                f"assigned{at} (the chain on record gives the PC before it, and the driver, the old ones)")
+        return self._take_back(readdressed.agents, said, {"agents": list(readdressed.agents),
+                                                          "assigned_at": readdressed.assigned_at,
+                                                          "readdressed": list(readdressed.changes)},
                                still_wanted=lambda: self._saved_deployment() == known, recheck=frozenset(),
-                               tried=lambda when: note_hosting_checked(self.store, self.model_dir, called_in),
+                               tried=lambda when: note_readdress_tried(self.store, self.model_dir, readdressed),
                                stage_gone=True, running=running)
 
     def _chain_of(self, report: DeployReport) -> FleetPipeline:
@@ -781,13 +798,16 @@ class TakeBackLook:
       and, asked (stages_gone: that PC alone is dialled), no longer hosts it: restarted, or paused and resumed while
       the run was idle. The opening re-plans for it (FleetFailover.rejoin) before a request's first step spends a
       failover on it. A PC that still hosts its stage (its link came back, `fleet serve` restarted) costs the run
-      nothing: a chat reopened for it would feed its whole conversation again.
-    Each call-in is acted on once: where the opening did not take the PC back (its re-plan left it out or failed,
-    which the record notes; a deploy lock that could not be opened, which it does not), the run waits for the PC's
-    next call-in instead of opening its chain again at every look. A few small files read a look, and a dial only
-    after a call-in of a PC of the chain. `left_out_back` is the look for a run whose streams are running: the first
-    kind only, with no dial (a stage gone from the chain fails its next step within moments, and the failover
-    re-plans), so that no step waits on the network."""
+      nothing: a chat reopened for it would feed its whole conversation again;
+    - a PC of the deployed chain whose addresses changed since its stage was assigned
+      (fleet_deploy.placed_pcs_readdressed): the opening re-plans, giving the stage before it its new ones, before a
+      request's first step fails over on a dial of a gone address.
+    Each call-in, and each change, is acted on once: where the opening did not take the PC back (its re-plan left it
+    out or failed, which the record notes; a deploy lock that could not be opened, which it does not), the run waits
+    for the PC's next call-in (or change) instead of opening its chain again at every look. A few small files read a
+    look, and a dial only after a call-in of a PC of the chain. `left_out_back` is the look for a run whose streams are
+    running: the first kind only, with no dial (a stage gone from the chain fails its next step within moments, and
+    the failover re-plans), so that no step waits on the network."""
 
     def __init__(self, store: FleetStore, model_dir: Path, stop: StopSignal | None = None) -> None:
         """`stop` (a server's): its dial of a PC gives up with Stopped as the server stops."""
@@ -804,9 +824,11 @@ class TakeBackLook:
         if self.left_out_back():
             return True
         called_in = placed_pcs_called_in(self.store, self.model_dir)
-        if called_in is None or not self._first_time(("placed", called_in)):
-            return False
-        return bool(stages_gone(self.store, self.model_dir, self._model_id, called_in, self.stop))
+        if called_in is not None and self._first_time(("placed", called_in)) \
+                and stages_gone(self.store, self.model_dir, self._model_id, called_in, self.stop):
+            return True
+        readdressed = placed_pcs_readdressed(self.store, self.model_dir)
+        return readdressed is not None and self._first_time(("readdressed", readdressed))
 
     def left_out_back(self) -> bool:
         """Whether a PC a re-plan left out has called in since, no other run drives the model and no deploy is under
