@@ -804,19 +804,22 @@ def left_out_by_replans(store: FleetStore) -> list[LeftOut]:
 
 @dataclass(frozen=True)
 class ReaddressedSinceAssigned:
-    """PCs of a deployment on record whose addresses changed since its stages were assigned (placed_pcs_readdressed)."""
+    """PCs of a deployment on record that no longer list addresses they listed when it was saved
+    (placed_pcs_readdressed)."""
 
     agents: tuple[str, ...]
-    assigned_at: str | None  # ISO 8601 UTC: when the deploy began assigning them; None: a record older than that
-    changes: tuple[str, ...]  # each PC's change (the roster's addresses_at), in the order of `agents`
+    assigned_at: str | None  # ISO 8601 UTC: when the deploy began assigning the stages
+    gone: tuple[tuple[str, ...], ...]  # each PC's addresses it no longer lists, in the order of `agents`
+    now_at: tuple[tuple[str, ...], ...]  # each PC's addresses on the roster now
 
 
 def placed_pcs_readdressed(store: FleetStore, model_dir: Path) -> ReaddressedSinceAssigned | None:
-    """The PCs of the model's deployment on record whose addresses changed since the deploy (or re-plan) that saved it
-    began assigning its stages (the roster's `addresses_at`: a new DHCP lease, a rotated IPv6 address), each with a
-    change no run's re-plan has tried and failed on yet (note_readdress_tried). The chain on record gives the stage
-    before each, and the driver, addresses it may no longer have: its first step would fail over, after a dial of a
-    gone address timed out. The roster, no dial. None when there are none, or the record or roster cannot be read."""
+    """The PCs of the model's deployment on record that no longer list, on the roster, an address they listed when it
+    was saved (its `roster_addresses`: a new DHCP lease, a rotated IPv6 address), each at a set of addresses no run's
+    re-plan has tried and failed on yet (note_readdress_tried). The chain on record gave the stage before each, and the
+    driver, the gone address: its first step would fail over, after a dial of it timed out. An address added, a first
+    registration, or a new order is no change. The files alone, no dial; None when there are none, or the record (one
+    saved before deskfleet kept `roster_addresses` too) or the roster cannot tell."""
     try:
         record = _deployment_record(store, model_dir)
         if record is None:
@@ -825,54 +828,49 @@ def placed_pcs_readdressed(store: FleetStore, model_dir: Path) -> ReaddressedSin
         roster = store.roster()
     except (DeployError, FleetStoreError, OSError, ManifestError, ValueError):
         return None
-    assigned_at, since = record.get("assigned_at"), datetime.datetime.min.replace(tzinfo=datetime.UTC)
-    try:
-        since = _utc_time(assigned_at)  # type: ignore[arg-type]
-    except (ValueError, TypeError):  # absent or damaged: every change on record counts, once
-        assigned_at = None
     tried = _readdress_tried(record)
-    changed = [(agent_id, entry.addresses_at) for agent_id in dict.fromkeys(stage.agent_id for stage in stages)
-               if (entry := roster.get(agent_id)) is not None and entry.addresses_at is not None
-               and _after(entry.addresses_at, since) and tried.get(agent_id) != entry.addresses_at]
+    changed = [(agent_id, gone, entry.addresses) for agent_id in dict.fromkeys(stage.agent_id for stage in stages)
+               if (entry := roster.get(agent_id)) is not None
+               and (gone := _addresses_gone(record, agent_id, entry.addresses))
+               and tried.get(agent_id) != tuple(sorted(entry.addresses))]
     if not changed:
         return None
-    return ReaddressedSinceAssigned(tuple(agent_id for agent_id, _ in changed), assigned_at,
-                                    tuple(change for _, change in changed))
+    assigned_at = record.get("assigned_at")
+    return ReaddressedSinceAssigned(tuple(agent_id for agent_id, _, _ in changed),
+                                    assigned_at if isinstance(assigned_at, str) else None,
+                                    tuple(gone for _, gone, _ in changed), tuple(now for _, _, now in changed))
 
 
 def note_readdress_tried(store: FleetStore, model_dir: Path, readdressed: ReaddressedSinceAssigned) -> None:
     """Record in the model's deployment that a run's re-plan for the PCs of `readdressed` failed (`readdress_tried`:
-    each PC's change tried), so that placed_pcs_readdressed names a PC again only once its addresses change again, not
-    at every run's start (its chain's first step says what is wrong). Best effort, as note_hosting_checked."""
+    each PC's addresses then), so that placed_pcs_readdressed names a PC again only once its addresses change again,
+    not at every run's start (its chain's first step says what is wrong). Best effort, as note_hosting_checked."""
     with contextlib.suppress(DeployError, FleetStoreError, OSError, ManifestError):
         with store.locked():
             deployments = _deployments(store)
             record = deployments.get(model_id_of(model_dir))
-            if not isinstance(record, dict) or (readdressed.assigned_at is not None
-                                                and record.get("assigned_at") != readdressed.assigned_at):
+            if not isinstance(record, dict) or record.get("assigned_at") != readdressed.assigned_at:
                 return
-            record["readdress_tried"] = {**_readdress_tried(record),
-                                         **dict(zip(readdressed.agents, readdressed.changes, strict=True))}
+            tried = {**_readdress_tried(record), **dict(zip(readdressed.agents, (
+                tuple(sorted(now)) for now in readdressed.now_at), strict=True))}
+            record["readdress_tried"] = {agent_id: list(addresses) for agent_id, addresses in tried.items()}
             store.write("deployments", deployments)
 
 
-def addresses_changed_since_assigned(store: FleetStore, model_dir: Path, stages: Sequence[StagePlacement],
-                                     agent_id: str) -> str | None:
-    """When the roster says `agent_id`'s addresses changed (its `addresses_at`: an AddressesChanged, or a registration
-    at other addresses) after the deployment on record, where it places `stages`, assigned them (`assigned_at`): the
-    stage before that PC was given addresses it may no longer have. None where they did not, or where either file
-    cannot tell (a record of other stages: another run's re-plan or an admin's deploy saved since)."""
+def addresses_gone_since_saved(store: FleetStore, model_dir: Path, stages: Sequence[StagePlacement],
+                               agent_id: str) -> tuple[str, ...]:
+    """The addresses `agent_id` listed on the roster when the deployment on record, where it places `stages`, was
+    saved, and no longer lists (placed_pcs_readdressed): the stage before that PC was given them. () where none
+    went, or where the files cannot tell (a record of other stages: another run's re-plan or an admin's deploy saved
+    since)."""
     try:
         record = _deployment_record(store, model_dir)
         if record is None or _placements_of(record.get("stages")) != tuple(stages):
-            return None
+            return ()
         entry = store.roster().get(agent_id)
-        since = _utc_time(record.get("assigned_at"))  # type: ignore[arg-type]
-    except (DeployError, FleetStoreError, OSError, ManifestError, ValueError, TypeError):
-        return None
-    if entry is None or entry.addresses_at is None or not _after(entry.addresses_at, since):
-        return None
-    return entry.addresses_at
+    except (DeployError, FleetStoreError, OSError, ManifestError, ValueError):
+        return ()
+    return () if entry is None else _addresses_gone(record, agent_id, entry.addresses)
 
 
 def called_in_since(entry: RosterEntry | None, moment: datetime.datetime) -> bool:
@@ -897,22 +895,25 @@ def utc_text(iso: str) -> str:
 
 # Private functions
 
-def _readdress_tried(record: dict[str, Any]) -> dict[str, str]:
-    """A record's `readdress_tried` (agent id -> the address change a run's re-plan failed on); {} for none or a
+def _readdress_tried(record: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """A record's `readdress_tried` (agent id -> the addresses, sorted, a run's re-plan failed on); {} for none or a
     damaged one."""
     tried = record.get("readdress_tried")
     if not isinstance(tried, dict):
         return {}
-    return {agent_id: change for agent_id, change in tried.items()
-            if isinstance(agent_id, str) and isinstance(change, str)}
+    return {agent_id: tuple(addresses) for agent_id, addresses in tried.items()
+            if isinstance(agent_id, str) and isinstance(addresses, list)
+            and all(isinstance(address, str) for address in addresses)}
 
 
-def _after(text: str, moment: datetime.datetime) -> bool:
-    """Whether the stored time `text` is after `moment`; False for one that cannot be read."""
-    try:
-        return _utc_time(text) > moment
-    except ValueError:
-        return False
+def _addresses_gone(record: dict[str, Any], agent_id: str, now: tuple[str, ...]) -> tuple[str, ...]:
+    """Of the addresses `agent_id` listed on the roster when `record` was saved (`roster_addresses`), those it no
+    longer lists (`now`); () for a record that kept none (saved before deskfleet kept them) or a damaged one."""
+    kept = record.get("roster_addresses")
+    then = kept.get(agent_id) if isinstance(kept, dict) else None
+    if not isinstance(then, list) or not all(isinstance(address, str) for address in then):
+        return ()
+    return tuple(address for address in then if address not in now)
 
 
 def _hosting_checked(record: dict[str, Any]) -> dict[str, str]:
@@ -1246,6 +1247,15 @@ def _save_deployment(store: FleetStore, model_dir: Path, report: DeployReport, s
         extra: dict[str, object] = {"replanned_at": replanned_at.isoformat()} if replanned_at is not None else {}
         # when its stages were assigned: a PC of it that calls in after may have lost its stage (placed_pcs_called_in)
         extra["assigned_at"] = (assigned_at or utc_now()).isoformat()
+        # where its PCs registered: one that no longer lists an address gave the stage before it a gone one
+        # (placed_pcs_readdressed). Read now, not at the survey: a change in between goes unseen (the chain's first
+        # step then fails over as before)
+        try:
+            roster = store.roster()
+            extra["roster_addresses"] = {agent_id: list(roster[agent_id].addresses) for agent_id in placed
+                                         if agent_id in roster}
+        except FleetStoreError as error:  # a damaged roster: runs cannot tell a change, as before deskfleet kept them
+            log.warning("the deployment keeps no roster addresses: %s", error)
         deployments[report.model_id] = {"model_dir": folder, "replaces": replaces, "deployed_agents": admins, **extra,
                                         "stages": [asdict(stage) for stage in report.stages],
                                         "settings": {"policy": settings.policy.value, "streams": settings.streams,

@@ -60,7 +60,7 @@ from deskfleet.controller.fleet_deploy import (
     DeployReport,
     NotPlaced,
     StagePlacement,
-    addresses_changed_since_assigned,
+    addresses_gone_since_saved,
     called_in_since,
     deploy,
     inexact_cache_note,
@@ -240,11 +240,12 @@ class FleetFailover:
         - PCs of the deployed chain that called in since their stage was assigned and, asked, no longer host it
           (stages_gone: restarted, or paused and resumed while no run drove the model). The chain learnt that only at
           its first step, and spent a failover on it (with --max-failovers 0 the run failed);
-        - PCs of the deployed chain whose addresses changed since their stages were assigned (placed_pcs_readdressed:
-          a new DHCP lease, a rotated IPv6 address), while no chain of this run is open (`running` False): the chain on
-          record gives the stage before each, and the driver, the old ones. Its first step failed over after a dial
-          of the gone address timed out (13 s of an 8-token run in an exploratory test); the re-plan assigns the same
-          stages again with the new addresses, compiling nothing.
+        - PCs of the deployed chain that no longer register an address they did when it was saved
+          (placed_pcs_readdressed: a new DHCP lease, a rotated IPv6 address), while no chain of this run is open
+          (`running` False) and no other run drives the model: the chain on record gives the stage before each, and
+          the driver, the gone address. Its first step failed over after a dial of it timed out (13 s of an 8-token
+          run in an exploratory test); the re-plan usually assigns the same stages again, with the new addresses,
+          compiling nothing.
         Returns the new chain, or None to open the deployment on record.
 
         The data dir's deploy lock is taken first and held through the re-plan: a deploy under way (another run's
@@ -298,15 +299,16 @@ class FleetFailover:
         readdressed = placed_pcs_readdressed(self.store, self.model_dir)
         if readdressed is None or running:  # (a running chain's links are open: its next break re-plans, if any)
             return None
-        at = f" at {utc_text(readdressed.assigned_at)}" if readdressed.assigned_at is not None else ""
-        said = (f"{'has' if len(readdressed.agents) == 1 else 'have'} other addresses than when the stages were "
-                f"assigned{at} (the chain on record gives the PC before it, and the driver, the old ones)")
+        addresses_gone = sorted({address for addresses in readdressed.gone for address in addresses})
+        one = len(readdressed.agents) == 1
+        said = (f"{'no longer registers' if one else 'no longer register'} {', '.join(addresses_gone)}, given to the "
+                f"PC before {'it' if one else 'them'} and to the driver by the chain on record")
         return self._take_back(readdressed.agents, said, {"agents": list(readdressed.agents),
                                                           "assigned_at": readdressed.assigned_at,
-                                                          "readdressed": list(readdressed.changes)},
+                                                          "addresses_gone": addresses_gone},
                                still_wanted=lambda: self._saved_deployment() == known, recheck=frozenset(),
                                tried=lambda when: note_readdress_tried(self.store, self.model_dir, readdressed),
-                               stage_gone=True, running=running)
+                               stage_gone=True, under_others=False, running=running)
 
     def _chain_of(self, report: DeployReport) -> FleetPipeline:
         """The chain of a deployment this run goes on on, watching the record for another one replacing it."""
@@ -322,14 +324,17 @@ class FleetFailover:
 
     def _take_back(self, agents: tuple[str, ...], said: str, entry: dict[str, object], still_wanted: Callable[[], bool],
                    recheck: frozenset[str], tried: Callable[[datetime.datetime], None],
-                   stage_gone: bool = False, running: bool = False) -> FleetPipeline | None:
+                   stage_gone: bool = False, under_others: bool | None = None,
+                   running: bool = False) -> FleetPipeline | None:
         """rejoin's re-plan for `agents` (of which the notes say: "NAMES {said}"), recorded in `rejoined` as `entry`;
         `still_wanted` is asked after waiting for a deploy under way (None is returned when it says no: that deploy did
         the work), `recheck` the PCs the survey dials with the short timeout besides `agents`, and `tried` notes a
         re-plan that failed (given when it began), so that the runs after wait for the PCs' next call-in. `stage_gone`:
         the chain on record is known to lack a stage of `agents`, so its first failover is free whatever happens here,
         other runs driving the model do not stop the re-plan, and a plan that leaves those PCs out is deployed all the
-        same (a PC left out is taken back only by a plan that places it). `running`: as rejoin says."""
+        same (a PC left out is taken back only by a plan that places it). `under_others` (default: `stage_gone`):
+        whether it re-plans while other runs drive the model, replacing the chain under their streams. `running`: as
+        rejoin says."""
         started, tried_at = time.perf_counter(), self.store.stamp(utc_now())
         names = ", ".join(self._name(agent_id) for agent_id in agents)
         said = f"{names} {said}"
@@ -365,7 +370,9 @@ class FleetFailover:
                         return None
             if waiting and not still_wanted():  # the deploy waited for ended after the last look: it did the work
                 return None  # (on a loaded machine this run went on, and noted a re-plan of its own)
-            busy = others_driving(self.store, self._model_id) if self._model_id is not None and not stage_gone else 0
+            if under_others is None:
+                under_others = stage_gone
+            busy = others_driving(self.store, self._model_id) if self._model_id is not None and not under_others else 0
             if busy:  # a re-plan now would replace the stages under their streams: a run that starts alone does it
                 record(stages=[], problem=f"{busy} other run(s) drive the model")
                 self.notify(f"{said}: it is taken back by a run that starts while no other drives the model ({busy} "
@@ -667,8 +674,8 @@ class FleetFailover:
           both are kept, the reporter never directly before the accused in a re-plan (where no chain over both
           does as well, the planner leaves one of them out: _planned_apart says which and why); a reporter that
           already could not reach another PC in this run is itself at fault and is left out instead; where the
-          accused's addresses changed since the stages were assigned (the roster's `addresses_at`), the reporter was
-          given ones it may no longer have: both are kept, no link is marked broken, and the re-plan gives the
+          accused no longer registers an address it did when the chain was saved (the record's `roster_addresses`),
+          the reporter was given that gone one: both are kept, no link is marked broken, and the re-plan gives the
           reporter the new ones (before, the link was marked broken, and the re-plan moved stages apart). An earlier
           stage's blame was relayed, and which stage made it cannot be told: nobody is left out for it;
         - the accused answers but no longer hosts its stage (it restarted), or the controller saw its link close
@@ -701,18 +708,16 @@ class FleetFailover:
             # another PC until --max-failovers ended the run
             earlier = sorted(target for source, target in self.broken_links if source == reporter and target != accused)
             next_hop = reporter_at is not None and accused_at == reporter_at + 1
-            # the next hop's addresses changed since the stages were assigned (a rotated IPv6 address, a new DHCP
-            # lease): the reporter was given ones the PC may no longer have, and no link between them is at fault
-            moved_at = addresses_changed_since_assigned(self.store, self.model_dir, error.stages, accused) \
-                if next_hop else None
-            if moved_at is not None:
+            # the next hop no longer registers an address it did when the chain was saved (a rotated IPv6 address, a
+            # new DHCP lease): the reporter was given a gone one, and no link between them is at fault
+            gone = addresses_gone_since_saved(self.store, self.model_dir, error.stages, accused) if next_hop else ()
+            if gone:
                 self._left_out = None
                 self._verdict = (f"{self._name(reporter)} (stage {reporter_at}) could not reach its next hop "
                                  f"{self._name(accused)} (stage {accused_at}), which answers the controller and still "
-                                 f"hosts its stage; {self._name(accused)}'s addresses changed at "
-                                 f"{utc_text(moved_at)}, after the stages were assigned, so the addresses "
-                                 f"{self._name(reporter)} was given for it may be gone: both are kept, no link is "
-                                 "marked broken, and the re-plan gives it the new ones")
+                                 f"hosts its stage; {self._name(accused)} no longer registers {', '.join(gone)}, "
+                                 f"which it did when the chain was deployed, and {self._name(reporter)} was given: "
+                                 "both are kept, no link is marked broken, and the re-plan gives it the new addresses")
             elif next_hop and earlier:
                 self._lose(reporter)
                 self._left_out = reporter
@@ -799,9 +804,9 @@ class TakeBackLook:
       the run was idle. The opening re-plans for it (FleetFailover.rejoin) before a request's first step spends a
       failover on it. A PC that still hosts its stage (its link came back, `fleet serve` restarted) costs the run
       nothing: a chat reopened for it would feed its whole conversation again;
-    - a PC of the deployed chain whose addresses changed since its stage was assigned
-      (fleet_deploy.placed_pcs_readdressed): the opening re-plans, giving the stage before it its new ones, before a
-      request's first step fails over on a dial of a gone address.
+    - a PC of the deployed chain that no longer registers an address it did when the deployment was saved
+      (fleet_deploy.placed_pcs_readdressed): the opening re-plans, giving the stage before it the new ones, before a
+      request's first step fails over on a dial of the gone address.
     Each call-in, and each change, is acted on once: where the opening did not take the PC back (its re-plan left it
     out or failed, which the record notes; a deploy lock that could not be opened, which it does not), the run waits
     for the PC's next call-in (or change) instead of opening its chain again at every look. A few small files read a

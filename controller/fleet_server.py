@@ -561,16 +561,11 @@ class FleetServer:
                                 "registered" if came_at is not None else "said its addresses changed",
                                 self.store.data_dir / "agents.json")
                     entry = RosterEntry(agent_id, UNKNOWN_HOSTNAME, came_at or utc_now().isoformat())
-                stamped = max(datetime.datetime.fromisoformat(came_at) if came_at is not None else utc_now(),
-                              after).isoformat()
-                # a stage before it assigned earlier was given the old ones (its failover's blame check reads this)
-                moved = set(addresses) != set(entry.addresses)
-                addresses_at = stamped if moved else entry.addresses_at
                 if came_at is None:  # its addresses changed: no call-in, so no run takes it back for this
-                    roster[agent_id] = replace(entry, addresses=addresses, addresses_at=addresses_at)
-                else:
-                    roster[agent_id] = replace(entry, addresses=addresses, registered_at=stamped,
-                                               addresses_at=addresses_at)
+                    roster[agent_id] = replace(entry, addresses=addresses)
+                    continue
+                stamped = max(datetime.datetime.fromisoformat(came_at), after).isoformat()
+                roster[agent_id] = replace(entry, addresses=addresses, registered_at=stamped)
             self.store.save_roster(roster)
 
     async def _watch_revocations(self) -> None:

@@ -61,7 +61,7 @@ _FIXES = {
 DEPLOY_LOCK = ".deploy.lock"
 SERVE_LOCK = ".serve.lock"
 # the times of agents.json and deployments.json records that runs compare with one another (see FleetStore.stamp)
-STAMPED_TIMES = ("registered_at", "replanned_at", "assigned_at", "rejoin_tried_at", "addresses_at")
+STAMPED_TIMES = ("registered_at", "replanned_at", "assigned_at", "rejoin_tried_at")
 # what holds a lock, written in it for the next comer's message (`fleet init --force` holds both: a deploy or serve it
 # refused was told a `fleet serve` or a deploy held them)
 SERVE_HOLDER, DEPLOY_HOLDER, REPLACE_HOLDER, LOOK_HOLDER = "fleet serve", "deploy", "fleet init --force", "look"
@@ -104,11 +104,8 @@ class RosterEntry:
     agent_id: str
     hostname: str
     enrolled_at: str  # ISO 8601 UTC
-    addresses: tuple[str, ...] = ()  # where it last said it listens (Register, AddressesChanged)
-    registered_at: str | None = None  # its last registration or call-in
-    # when `addresses` last changed (a registration at others, AddressesChanged): a stage before it assigned earlier
-    # was given the old ones (fleet_deploy.addresses_changed_since_assigned)
-    addresses_at: str | None = None
+    addresses: tuple[str, ...] = ()  # where it last said it listens (Register)
+    registered_at: str | None = None
 
 
 def agent_label(agent_id: str, hostnames: Mapping[str, str]) -> str:
@@ -563,12 +560,11 @@ def _roster_entry(path: Path, agent_id: object, entry: object) -> RosterEntry:
             raise malformed(f"{name} must be a string, not {entry.get(name)!r:.60}")
     if entry["agent_id"] != agent_id:
         raise malformed(f"agent_id {entry['agent_id']!r:.60} differs from the id it is filed under")
-    for name in ("registered_at", "addresses_at"):
-        if entry.get(name) is not None and not isinstance(entry.get(name), str):
-            raise malformed(f"{name} must be a string or null, not {entry.get(name)!r:.60}")
+    registered_at = entry.get("registered_at")
+    if registered_at is not None and not isinstance(registered_at, str):
+        raise malformed(f"registered_at must be a string or null, not {registered_at!r:.60}")
     addresses = _dialable_addresses(entry.get("addresses", []), f"{path}: agent {agent_id[:12]}'s")
-    return RosterEntry(agent_id, entry["hostname"], entry["enrolled_at"], addresses, entry.get("registered_at"),
-                       entry.get("addresses_at"))
+    return RosterEntry(agent_id, entry["hostname"], entry["enrolled_at"], addresses, registered_at)
 
 
 _dropped_said: set[tuple[str, str]] = set()  # (where, address): a roster address left out, warned of once

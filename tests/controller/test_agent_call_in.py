@@ -58,10 +58,8 @@ def test_a_registered_agent_that_calls_in_again_is_back_for_the_next_run(
         # another agent's id on B's link is not B calling in
         await link.send(Register(other.own_identity().agent_id, ("127.0.0.1:7433",)))
         assert not await heard(0.5)
-        placed_at = store.roster()[b].addresses_at
         await link.send(Register(b, ("127.0.0.1:7432",)))  # resumed: it calls in on the same link
         assert await heard(30.0)
-        assert store.roster()[b].addresses_at == placed_at is not None  # at the addresses it registered: no change
         back = pcs_back(store, tiny_export)
         assert back is not None and back.agents == (b,)
         assert server.live[b] is not None  # the link stays up
@@ -132,8 +130,6 @@ def test_an_agent_whose_addresses_changed_is_recorded_there_and_not_taken_for_a_
         written = time.monotonic()
         assert await _recorded_at(store, b, rotated)(10.0)
         assert store.roster()[b].registered_at == registered_at  # no call-in
-        changed_at = store.roster()[b].addresses_at  # but a change, for the blame check of a chain assigned before
-        assert changed_at is not None and registered_at is not None and changed_at > registered_at
         assert pcs_back(store, tiny_export) is None  # so no run takes B back for it
         assert server._live_at[b] == rotated
         # two more changes within 2 s (a member spamming agents.json, or changes a held-up link read at once): the
@@ -144,11 +140,6 @@ def test_an_agent_whose_addresses_changed_is_recorded_there_and_not_taken_for_a_
         assert not await _recorded_at(store, b, newest)(max(0.0, written + 1.5 - time.monotonic()))
         assert await _recorded_at(store, b, newest)(10.0)
         assert time.monotonic() - written >= 1.9
-        changed_at = store.roster()[b].addresses_at
-        await asyncio.sleep(2.1)
-        await link.send(AddressesChanged(("10.62.0.30:7431",)))  # the same ones again: nothing changed
-        await asyncio.sleep(0.5)
-        assert store.roster()[b].addresses_at == changed_at
         assert server.live.get(b) is not None  # the link stays up
         await link.close()
 

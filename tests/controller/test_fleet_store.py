@@ -31,7 +31,6 @@ def entry_fields(agent_id: str) -> dict[str, object]:
     ("hostname", 5, "hostname must be a string"),
     ("enrolled_at", None, "enrolled_at must be a string"),
     ("registered_at", 3, "registered_at must be a string or null"),
-    ("addresses_at", [], "addresses_at must be a string or null"),
     ("addresses", "127.0.0.1:7431", "addresses must be a list"),
     ("addresses", [1], "addresses must be a list"),
     ("agent_id", 7, "agent_id must be a string"),
