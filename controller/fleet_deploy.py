@@ -746,14 +746,10 @@ def placed_pcs_called_in(store: FleetStore, model_dir: Path) -> CalledInSinceAss
     hosts none, a paused one gives its stages up), which the chain would learn only at its first step. The roster's
     `registered_at`, no dial. None when there are none, or the record or roster cannot be read (the chain's opening
     says what is wrong). A record saved before deskfleet kept `assigned_at` counts every call-in on record, once."""
-    try:
-        record = _deployment_record(store, model_dir)
-        if record is None:
-            return None
-        stages = _placements_of(record.get("stages"))
-        roster = store.roster()
-    except (DeployError, FleetStoreError, OSError, ManifestError, ValueError):
+    placed = _placed_on_record(store, model_dir)
+    if placed is None:
         return None
+    record, stages, roster = placed
     assigned_at, since = record.get("assigned_at"), datetime.datetime.min.replace(tzinfo=datetime.UTC)
     try:
         since = _utc_time(assigned_at)  # type: ignore[arg-type]
@@ -820,14 +816,10 @@ def placed_pcs_readdressed(store: FleetStore, model_dir: Path) -> ReaddressedSin
     driver, the gone address: its first step would fail over, after a dial of it timed out. An address added, a first
     registration, or a new order is no change. The files alone, no dial; None when there are none, or the record (one
     saved before deskfleet kept `roster_addresses` too) or the roster cannot tell."""
-    try:
-        record = _deployment_record(store, model_dir)
-        if record is None:
-            return None
-        stages = _placements_of(record.get("stages"))
-        roster = store.roster()
-    except (DeployError, FleetStoreError, OSError, ManifestError, ValueError):
+    placed = _placed_on_record(store, model_dir)
+    if placed is None:
         return None
+    record, stages, roster = placed
     tried = _readdress_tried(record)
     changed = [(agent_id, gone, entry.addresses) for agent_id in dict.fromkeys(stage.agent_id for stage in stages)
                if (entry := roster.get(agent_id)) is not None
@@ -894,6 +886,19 @@ def utc_text(iso: str) -> str:
 
 
 # Private functions
+
+def _placed_on_record(store: FleetStore, model_dir: Path
+                      ) -> tuple[dict[str, Any], tuple[StagePlacement, ...], dict[str, RosterEntry]] | None:
+    """The model's deployment record, its stages and the roster; None where it has none, or either file cannot be
+    read."""
+    try:
+        record = _deployment_record(store, model_dir)
+        if record is None:
+            return None
+        return record, _placements_of(record.get("stages")), store.roster()
+    except (DeployError, FleetStoreError, OSError, ManifestError, ValueError):
+        return None
+
 
 def _readdress_tried(record: dict[str, Any]) -> dict[str, tuple[str, ...]]:
     """A record's `readdress_tried` (agent id -> the addresses, sorted, a run's re-plan failed on); {} for none or a

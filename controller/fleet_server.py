@@ -354,12 +354,7 @@ class FleetServer:
         if now - self._heard_at.get(agent_id, -CALL_IN_MIN_INTERVAL_S) < CALL_IN_MIN_INTERVAL_S / 2:
             log.debug("agent %s called in again within %.0f s: not heard", agent_id[:12], CALL_IN_MIN_INTERVAL_S / 2)
             return
-        if not self._speaks_for(agent_id, link):  # a registration of a new link is recorded: its addresses stand
-            return
-        try:
-            if self.revocations().is_revoked(agent_id):  # the watcher drops its link at its next look
-                return
-        except pki.PkiError:
+        if not self._speaks_for(agent_id, link) or self._removed(agent_id):  # (a newer link's addresses stand)
             return
         self._heard_at[agent_id] = now
         try:
@@ -372,6 +367,14 @@ class FleetServer:
         if self.live.get(agent_id) is link:
             self._live_at[agent_id] = message.listen_addresses
         await self._ask_status(link)
+
+    def _removed(self, agent_id: str) -> bool:
+        """Whether `agent_id` was removed from the fleet (the revocation watcher drops its link at its next look), or
+        the list of removed agents cannot be read (the watcher says so): nothing it says is recorded then."""
+        try:
+            return self.revocations().is_revoked(agent_id)
+        except pki.PkiError:
+            return True
 
     def _speaks_for(self, agent_id: str, link: Link) -> bool:
         """Whether `link` is `agent_id`'s live registration link, with no registration of a newer one being recorded:
@@ -407,10 +410,7 @@ class FleetServer:
                 was = self._live_at.get(agent_id, ())
                 if not self._speaks_for(agent_id, link) or addresses == was:
                     continue
-                try:
-                    if self.revocations().is_revoked(agent_id):  # the watcher drops its link at its next look
-                        return
-                except pki.PkiError:
+                if self._removed(agent_id):
                     return
                 self._addresses_heard_at[agent_id] = time.monotonic()
                 try:
