@@ -83,6 +83,25 @@ def route_source(family: socket.AddressFamily, target: str) -> str | None:
     return None if ip.is_loopback or ip.is_link_local or ip.is_unspecified else host
 
 
+def stable_source(reached_from: str, toward: str) -> str:
+    """The address to register for `reached_from`, this PC's end of a link to `toward`: on IPv6, the stable address of
+    the same /64 where the kernel took a temporary (privacy) one for the link, which goes within days (the default on
+    Windows and desktop Linux; an exploratory test's agent registered one, and the roster followed each rotation);
+    `reached_from` itself otherwise. Linux tells the stable one when asked for a public source (route_source); other
+    systems give the temporary one again, which is kept."""
+    try:
+        ip = ipaddress.ip_address(reached_from)
+        if ip.version != 6 or ip.ipv4_mapped is not None or ip.is_loopback or ip.is_link_local:
+            return reached_from
+        prefix = ipaddress.ip_network(f"{reached_from}/64", strict=False)
+    except ValueError:  # a scoped address ("fe80::1%eth0"), which no other PC dials anyway
+        return reached_from
+    stable = route_source(socket.AF_INET6, toward)
+    if stable is None or stable == reached_from or stable not in interface_addresses():
+        return reached_from
+    return stable if ipaddress.ip_address(stable) in prefix else reached_from
+
+
 def lan_sources(toward: Sequence[str] = ()) -> dict[int, str]:
     """This PC's address of each IP version (4, 6) that reaches beyond it: the one it sends from towards the first of
     `toward` (host:port: the controller's addresses) of that version it has a route to, else towards the version's

@@ -28,6 +28,7 @@ from deskfleet.agent.advertise import (
     dialable_here,
     lan_sources,
     never_changes,
+    stable_source,
 )
 from deskfleet.agent.controller_search import find_controller, interfaces_to_search
 from deskfleet.agent.core import AgentCore
@@ -549,7 +550,9 @@ class AgentService:
             raise RuntimeError("an agent registers once it listens")
         if not listens_everywhere(host):
             return Register(self.core.agent_id, (host_port(host, port),), self.membership.token_sha256)
-        reached_from = str(link.connection.transport.get_extra_info("sockname")[0])
+        transport = link.connection.transport
+        reached_from = stable_source(str(transport.get_extra_info("sockname")[0]),
+                                     str(transport.get_extra_info("peername")[0]))
         reached = host_port(reached_from, port)
         if is_loopback_host(reached_from):  # a fleet on one PC: its LAN addresses go stale as a laptop moves
             return Register(self.core.agent_id, (reached,), self.membership.token_sha256)

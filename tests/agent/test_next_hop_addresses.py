@@ -28,6 +28,7 @@ from tests.agent.test_review_controller_search import Joined, joined  # noqa: F4
 from tests.agent.test_review_hop_auth import NEXT, FakeLink, make_core
 
 DUAL_STACK_HOP = NextHop("[fd62::30]:7431", NEXT, ("10.62.0.30:7431", "[fd62::31]:7431"))
+TEMPORARY = "fd62::5743:5ce7:2415:b4a3"  # a privacy address of the PC's /64, which the kernel picks for its links
 
 
 def _pc_with(monkeypatch: pytest.MonkeyPatch, *lan: tuple[socket.AddressFamily, str]) -> None:
@@ -120,6 +121,9 @@ def test_an_agent_on_every_interface_registers_the_address_the_controller_reache
         return everywhere._register_message(cast(Link, _LinkFrom(reached_from))).listen_addresses
 
     assert registered("fd62::31") == ("[fd62::31]:7431", "10.62.0.30:7431")
+    monkeypatch.setattr(service_module, "stable_source", lambda reached, toward: "fd62::30" if reached == TEMPORARY
+                        else reached)
+    assert registered(TEMPORARY) == ("[fd62::30]:7431", "10.62.0.30:7431")  # its stable address, not the link's
     assert registered("10.62.0.30") == ("10.62.0.30:7431", "[fd62::30]:7431")
     assert toward[0] == joined.membership.controller_addresses  # routes looked up towards the controller
     assert registered("127.0.0.1") == ("127.0.0.1:7431",)  # a fleet on one PC: no LAN address to go stale
@@ -183,6 +187,27 @@ def test_an_agent_whose_addresses_change_while_its_link_stays_up_tells_the_contr
                          AddressesChanged(("10.62.0.30:7431", "[fd62::3a]:7431")),
                          AddressesChanged(("10.62.0.30:7431",))]
     assert agent._registration is None  # the link closed: the next registration says the addresses
+
+
+def test_an_agent_that_reached_the_controller_from_a_temporary_ipv6_address_registers_its_stable_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # An exploratory test's PC (use_tempaddr=2, as Windows and desktop Linux run) registered the temporary address
+    # its registration link came from: it rotates daily and goes within days, and the roster followed each rotation
+    routes: dict[str, str | None] = {"fd62::1": "fd62::30"}  # Linux's public source towards the controller
+    monkeypatch.setattr(advertise, "route_source", lambda family, target: routes.get(target))
+    monkeypatch.setattr(advertise, "interface_addresses", lambda: ["10.62.0.30", "fd62::30", TEMPORARY,
+                                                                  "fd63::30"])
+    assert advertise.stable_source(TEMPORARY, "fd62::1") == "fd62::30"
+    assert advertise.stable_source("fd62::30", "fd62::1") == "fd62::30"
+    assert advertise.stable_source("10.62.0.30", "10.62.0.1") == "10.62.0.30"  # IPv4: as the link reached
+    assert advertise.stable_source("::ffff:10.62.0.30", "fd62::1") == "::ffff:10.62.0.30"
+    assert advertise.stable_source("fe80::1%eth0", "fd62::1") == "fe80::1%eth0"
+    routes["fd62::1"] = "fd63::30"  # another prefix (another interface, a VPN): not the link's, kept as it was
+    assert advertise.stable_source(TEMPORARY, "fd62::1") == TEMPORARY
+    routes["fd62::1"] = "fd62::99"  # not an address of this PC's
+    assert advertise.stable_source(TEMPORARY, "fd62::1") == TEMPORARY
+    routes["fd62::1"] = None  # another system than Linux, or no route: the temporary one, as before
+    assert advertise.stable_source(TEMPORARY, "fd62::1") == TEMPORARY
 
 
 def test_the_families_a_pc_reports_are_those_it_routes_past_itself(monkeypatch: pytest.MonkeyPatch) -> None:
