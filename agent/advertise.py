@@ -121,6 +121,33 @@ def lan_sources(toward: Sequence[str] = ()) -> dict[int, str]:
     return found
 
 
+class RoutedSources:
+    """lan_sources() looked up again at each call (`look`), keeping an address whose route alone went: one of a
+    version the look no longer finds a source of (no route to the controller's address, nor a default one) stays
+    for as long as the PC still has it on an interface. An exploratory test's ULA-only office (no IPv6 default
+    route) read a flapping route to the controller's IPv6 address as the address's loss: the roster dropped the
+    PC's working IPv6 address for 30 s, and a deploy meanwhile took it for an IPv4-only PC. A source of another
+    address replaces it (renumbered), and an address gone from the interfaces goes."""
+
+    def __init__(self, look: Callable[[], dict[int, str]]) -> None:
+        self._look = look
+        self._last: dict[int, str] = {}
+        self._kept: set[int] = set()  # the versions whose last address is kept for want of a route (logged once)
+
+    def __call__(self) -> dict[int, str]:
+        found = self._look()
+        unrouted = {version: address for version, address in self._last.items() if version not in found}
+        here = set(interface_addresses()) if unrouted else set()
+        kept = {version: address for version, address in unrouted.items() if address in here}
+        for version in kept.keys() - self._kept:
+            logger.info("no IPv%d route past this PC now (none to the controller, no default one); %s is still on "
+                        "its interfaces, and is kept", version, kept[version])
+        self._kept = set(kept)
+        found.update(kept)
+        self._last = dict(found)
+        return found
+
+
 def _ip_hosts(addresses: Sequence[str]) -> list[str]:
     """The IP hosts of host:port `addresses` (host names and malformed ones left out)."""
     hosts = []

@@ -23,6 +23,7 @@ from pathlib import Path
 from deskfleet.agent.advertise import (
     Advertiser,
     Announcement,
+    RoutedSources,
     addresses_to_advertise,
     advertise_while_serving,
     dialable_here,
@@ -153,7 +154,9 @@ class AgentService:
                               monitor or HostMonitor(), speed_probe=self._speed,
                               revocations_file=self.paths.state_dir / REVOCATIONS_FILE,
                               opt_out_dir=self.paths.state_dir, device_probe=openvino_devices)
-        self.core.dial_families = lambda: tuple(sorted(lan_sources(self.membership.controller_addresses)))
+        # this PC's address of each IP version that routes past it, towards the controller first
+        self._lan_sources = RoutedSources(lambda: lan_sources(self.membership.controller_addresses))
+        self.core.dial_families = lambda: tuple(sorted(self._lan_sources()))
         self.bound_port: int | None = None
         self.listen_families: frozenset[int] = frozenset({4, 6})  # of the sockets it listens on (listening_families)
         # the interfaces to look for a moved controller on (mDNS); tests give loopback's
@@ -562,7 +565,7 @@ class AgentService:
         reached_ip = ipaddress.ip_address(reached_from)
         family = 4 if isinstance(reached_ip, ipaddress.IPv6Address) and reached_ip.ipv4_mapped else reached_ip.version
         other_families = sorted(self.listen_families - {family})
-        sources = lan_sources(self.membership.controller_addresses) if other_families else {}
+        sources = self._lan_sources() if other_families else {}
         others = [host_port(sources[other], port) for other in other_families if other in sources]
         return Register(self.core.agent_id, (reached, *others), self.membership.token_sha256)
 

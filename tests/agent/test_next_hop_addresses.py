@@ -158,22 +158,31 @@ def test_an_agent_whose_addresses_change_while_its_link_stays_up_tells_the_contr
     # did not reach it over) stayed in the roster until the registration link dropped, and an IPv6-only stage before
     # the PC was given the stale one: the run failed over
     routed = {4: "10.62.0.30", 6: "fd62::30"}
+    here = ["10.62.0.30", "fd62::30"]  # the PC's interface addresses
     monkeypatch.setattr(service_module, "lan_sources", lambda controller: dict(routed))
+    monkeypatch.setattr(advertise, "interface_addresses", lambda: list(here))
     agent = AgentService(AgentOptions(joined.data_dir, listen="0.0.0.0:7431"), monitor=FakeMonitor())
     agent.bound_port = 7431
     link = _RegistrationLink("10.62.0.30")
     looks: list[bool] = []
+    families: list[tuple[int, ...]] = []
 
     async def registered(served: Link, registration: bool = False) -> None:  # core.serve_link: the link's lifetime
         looks.append(await agent.tell_address_change())  # what it registered: nothing more to say
-        routed[6] = "fd62::3a"  # the IPv6 address rotated
+        routed[6] = here[1] = "fd62::3a"  # the IPv6 address rotated
         link.failing = LinkError("the controller link closed")
         looks.append(await agent.tell_address_change())  # the link just died: said at the next registration
         link.failing = None
         looks.append(await agent.tell_address_change())
         looks.append(await agent.tell_address_change())  # said once
-        del routed[6]  # IPv6 gone from the LAN: the roster must not keep the address
+        # the route to the controller's IPv6 address went (and no default one), the address still on its interface:
+        # a flapping route was read as the address's loss, and the roster dropped it for 30 s (exploratory test)
+        del routed[6]
         looks.append(await agent.tell_address_change())
+        families.append(agent.core.dial_families())
+        del here[1]  # IPv6 gone from the LAN: the roster must not keep the address
+        looks.append(await agent.tell_address_change())
+        families.append(agent.core.dial_families())
 
     async def scenario() -> None:
         looks.append(await agent.tell_address_change())  # not registered: nothing to tell, nowhere to tell it
@@ -181,7 +190,8 @@ def test_an_agent_whose_addresses_change_while_its_link_stays_up_tells_the_contr
 
     monkeypatch.setattr(agent.core, "serve_link", registered)
     asyncio.run(scenario())
-    assert looks == [False, False, False, True, False, True]
+    assert looks == [False, False, False, True, False, False, True]
+    assert families == [(4, 6), (4,)]  # the families it reports dialling over follow the same addresses
     assert link.sent == [Register(agent.core.agent_id, ("10.62.0.30:7431", "[fd62::30]:7431"),
                                   joined.membership.token_sha256),
                          AddressesChanged(("10.62.0.30:7431", "[fd62::3a]:7431")),
@@ -225,6 +235,28 @@ def test_the_families_a_pc_reports_are_those_it_routes_past_itself(monkeypatch: 
     assert advertise.lan_sources(("ctl.office.example:7341",)) == {4: "100.64.0.5"}  # a name: the default route
     routes["192.0.2.1"] = "192.0.2.99"  # a source that is no interface address of this PC: not taken
     assert advertise.lan_sources() == {}
+
+
+def test_an_address_whose_route_alone_went_is_kept_while_the_pc_still_has_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # An exploratory test's ULA-only office (no IPv6 default route): a flapping route to the controller's IPv6
+    # address read as the address's loss, and the roster dropped the PC's working IPv6 address for 30 s
+    routed = {4: "10.62.0.30", 6: "fd62::30"}
+    here = ["10.62.0.30", "fd62::30", "fd62::31"]
+    monkeypatch.setattr(advertise, "interface_addresses", lambda: list(here))
+    sources = advertise.RoutedSources(lambda: dict(routed))
+    assert sources() == {4: "10.62.0.30", 6: "fd62::30"}
+    del routed[6]
+    assert sources() == sources() == {4: "10.62.0.30", 6: "fd62::30"}  # no route: the address is still here
+    routed[6] = "fd62::31"  # a route again, from another address (renumbered meanwhile): that one
+    assert sources() == {4: "10.62.0.30", 6: "fd62::31"}
+    del routed[6], here[2]  # no route, and the address gone from the interfaces: gone
+    assert sources() == {4: "10.62.0.30"}
+    here.append("fd62::31")  # back on the interface, still no route: nothing to keep any more
+    assert sources() == {4: "10.62.0.30"}
+    routed.clear()
+    assert sources() == {4: "10.62.0.30"}  # IPv4's route gone too: its address is still here
+    assert advertise.RoutedSources(lambda: {})() == {}  # nothing looked up before: nothing to keep
 
 
 def test_an_agent_reports_the_ip_families_it_dials_over(tmp_path: Path) -> None:
