@@ -214,7 +214,13 @@ class FleetServer:
         try:
             message = await asyncio.wait_for(link.receive(), REGISTER_TIMEOUT_S)
         except (LinkError, TimeoutError) as error:
-            log.info("agent %s did not register: %s", link.peer.agent_id[:12], str(error) or "timed out")
+            if isinstance(error, LinkError) and error.closed_normally:
+                # an agent dials the controller's addresses at once and closes, unused, the links that lost the race:
+                # after each restart of fleet serve one line said that a live agent "did not register" (exploratory)
+                log.debug("agent %s closed a link unused (another of its dials reached this controller first)",
+                          link.peer.agent_id[:12])
+            else:
+                log.info("agent %s did not register: %s", link.peer.agent_id[:12], str(error) or "timed out")
             await link.close()
             return
         if not isinstance(message, Register) or message.agent_id != link.peer.agent_id:
