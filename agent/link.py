@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import datetime
 import errno
+import ipaddress
 import logging
 import re
 import socket
@@ -45,6 +46,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.frames import CloseCode
 from websockets.http11 import Request, Response
 
+from deskfleet.agent.advertise import interface_addresses
 from deskfleet.agent.tls_gate import TlsGate, address_text, host_key
 from deskfleet.common import pki, tls
 from deskfleet.common.log_limit import LogEvery
@@ -207,10 +209,32 @@ class TlsFiles:
 
 def _closed(link: Link, error: ConnectionClosed) -> LinkError:
     why = why_closed(error)
+    gone = _own_address_gone(link) if error.rcvd is None else None  # a peer's close frame came: it closed, not us
+    if gone is not None:
+        # this PC's own address went (a renewed lease, a rotated IPv6 address, its network left): the keepalive's
+        # words blamed the peer, which an exploratory test's office found answering at its address all along
+        why = f"this PC no longer has {gone}, the address the link ran from: its address changed, or it left " \
+              f"the network [{error}]"
     normally = error.rcvd is not None and error.rcvd.code in (CloseCode.NORMAL_CLOSURE, CloseCode.GOING_AWAY)
     too_big = error.rcvd is not None and error.rcvd.code == CloseCode.MESSAGE_TOO_BIG
     return LinkError(f"link to {link.describe()} closed: {why}", closed_because=why, closed_normally=normally,
                      too_big=too_big)
+
+
+def _own_address_gone(link: Link) -> str | None:
+    """The address this end of `link` ran from, where this PC no longer has it on any interface; None where it has
+    it still, or the address cannot be told (a link-local one, which interface_addresses leaves out)."""
+    if link.local_host is None:
+        return None
+    try:
+        ip = ipaddress.ip_address(link.local_host.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_link_local or ip.is_unspecified:
+        return None
+    return None if str(ip) in interface_addresses(include_loopback=True) else str(ip)
 
 
 def utc_now() -> datetime.datetime:
@@ -255,6 +279,8 @@ class Link:
         self.peer = peer
         self.address = address
         self.peer_software: str | None = None  # the deskfleet version its Hello named
+        sockname = connection.transport.get_extra_info("sockname")  # a closed TLS transport no longer tells it
+        self.local_host: str | None = str(sockname[0]) if isinstance(sockname, tuple) and sockname else None
         cap_retransmit_backoff(connection)
 
     async def answers_within(self, seconds: float) -> bool:
