@@ -174,10 +174,33 @@ def dialable_here(addresses: Sequence[str]) -> list[str]:
     return [address for address in addresses if (family := ip_families([address])) is None or family & families]
 
 
+class _GoneAddressSocketLog(logging.Filter):
+    """zeroconf warns, with the error's traceback, of a socket whose send failed ("Error with socket 18
+    (('10.231.0.13', 5353))): [Errno 101] Network is unreachable"): at each change of a PC's addresses, that of the
+    address it just lost (an exploratory test), whose socket the next announcement replaces. Such a record becomes one
+    line at INFO saying so; any other failure stays as zeroconf says it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, OSError) and error.errno in _ADDRESS_GONE_ERRNOS and \
+                str(record.msg).startswith("Error with socket"):
+            record.msg, record.args = f"{record.getMessage()}: this PC lost that address, or its route (mDNS " \
+                                      "sends again at its next announcement)", ()
+            record.exc_info = record.exc_text = None
+            record.levelno = min(record.levelno, logging.INFO)  # zeroconf says a repeat at DEBUG
+            record.levelname = logging.getLevelName(record.levelno)
+        return True
+
+
+_ADDRESS_GONE_ERRNOS = frozenset({errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL})
+_GONE_ADDRESS_SOCKETS = _GoneAddressSocketLog()
+
+
 def open_zeroconf(interfaces: Sequence[str]) -> AsyncZeroconf:
     """Zeroconf's sockets on `interfaces` (IP addresses of this PC), and on them alone; OSError where one of them is
     on no interface now (an address gone since it was read: zeroconf raises RuntimeError for an IPv6 one, whose
     interface index it looks up) or mDNS cannot be set up there."""
+    logging.getLogger("zeroconf").addFilter(_GONE_ADDRESS_SOCKETS)  # once: a filter is added once
     try:
         return AsyncZeroconf(interfaces=list(interfaces), ip_version=ip_version_of(interfaces))
     except RuntimeError as error:  # "No adapter found for IP address ..."

@@ -7,6 +7,8 @@ IP_MULTICAST_IF to 127.0.0.1, and Linux delivers looped-back multicast to the gr
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 import os
 import socket
 import threading
@@ -19,6 +21,7 @@ from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 from deskfleet.agent.advertise import Advertiser, interface_addresses, open_zeroconf
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.discovery_record import MEMORY_STEP_BYTES, SERVICE_TYPE, AgentRecord
+from tests.log_records import records_of
 from tests.run_ids import run_random
 
 LOOPBACK = "127.0.0.1"
@@ -71,6 +74,26 @@ def test_mdns_on_an_address_no_interface_has_is_an_os_error_that_names_it() -> N
     # (a laptop's address changed): the advertising loop, which waits out an OSError, ended.
     with pytest.raises(OSError, match="fd61::77"):
         open_zeroconf(["fd61::77"])
+
+
+def test_a_socket_of_an_address_this_pc_lost_is_one_line_at_info_not_a_warning_with_its_error() -> None:
+    # at each change of a PC's addresses zeroconf warned, with the error, of the lost address's socket (an
+    # exploratory test): "Error with socket 18 (('10.231.0.13', 5353))): [Errno 101] Network is unreachable"
+    from zeroconf._logger import QuietLogger
+
+    with pytest.raises(OSError):
+        open_zeroconf(["fd61::77"])  # sets zeroconf's log up, whether or not mDNS can start
+    with records_of("zeroconf", logging.DEBUG) as records:
+        lost = OSError(errno.ENETUNREACH, "Network is unreachable")
+        QuietLogger.log_exception_once(lost, "Error with socket 18 (('10.231.0.13', 5353))): %s", lost)
+        other = OSError(errno.EPERM, "Operation not permitted")  # anything else: as zeroconf says it
+        QuietLogger.log_exception_once(other, "Error with socket 19 (('10.231.0.14', 5353))): %s", other)
+    said = [(record.levelno, record.getMessage(), record.exc_info is not None) for record in records.records]
+    assert said == [(logging.INFO, "Error with socket 18 (('10.231.0.13', 5353))): [Errno 101] Network is "
+                                   "unreachable: this PC lost that address, or its route (mDNS sends again at its "
+                                   "next announcement)", False),
+                    (logging.WARNING, "Error with socket 19 (('10.231.0.14', 5353))): [Errno 1] Operation not "
+                                      "permitted", True)]
 
 
 def test_update_only_on_a_real_change_before_start() -> None:
