@@ -23,6 +23,7 @@ import ipaddress
 import logging
 import socket
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -124,28 +125,46 @@ def lan_sources(toward: Sequence[str] = ()) -> dict[int, str]:
 class RoutedSources:
     """lan_sources() looked up again at each call (`look`), keeping an address whose route alone went: one of a
     version the look no longer finds a source of (no route to the controller's address, nor a default one) stays
-    for as long as the PC still has it on an interface. An exploratory test's ULA-only office (no IPv6 default
-    route) read a flapping route to the controller's IPv6 address as the address's loss: the roster dropped the
-    PC's working IPv6 address for 30 s, and a deploy meanwhile took it for an IPv4-only PC. A source of another
-    address replaces it (renumbered), and an address gone from the interfaces goes."""
+    while the PC still has it on an interface that is up, for at most KEEP_UNROUTED_S. An exploratory test's ULA-only
+    office (no IPv6 default route) read a flapping route to the controller's IPv6 address as the address's loss: the
+    roster dropped the PC's working IPv6 address for 30 s, and a deploy meanwhile took it for an IPv4-only PC. A
+    source of another address replaces it (renumbered); an address gone from the interfaces, or whose interface went
+    down (Linux keeps IPv4 addresses on a downed interface), goes, as does one unrouted for longer than the limit
+    (an IPv6 router gone quiet leaves its SLAAC addresses for days)."""
 
-    def __init__(self, look: Callable[[], dict[int, str]]) -> None:
-        self._look = look
+    def __init__(self, look: Callable[[], dict[int, str]], clock: Callable[[], float] = time.monotonic) -> None:
+        self._look, self._clock = look, clock
         self._last: dict[int, str] = {}
-        self._kept: set[int] = set()  # the versions whose last address is kept for want of a route (logged once)
+        self._unrouted_since: dict[int, float] = {}  # the versions kept for want of a route, since when (logged once)
 
     def __call__(self) -> dict[int, str]:
         found = self._look()
-        unrouted = {version: address for version, address in self._last.items() if version not in found}
-        here = set(interface_addresses()) if unrouted else set()
-        kept = {version: address for version, address in unrouted.items() if address in here}
-        for version in kept.keys() - self._kept:
+        now = self._clock()
+        kept = {version: address for version, address in self._last.items() if version not in found
+                and now - self._unrouted_since.get(version, now) < KEEP_UNROUTED_S and on_an_up_interface(address)}
+        for version in kept.keys() - self._unrouted_since.keys():
             logger.info("no IPv%d route past this PC now (none to the controller, no default one); %s is still on "
-                        "its interfaces, and is kept", version, kept[version])
-        self._kept = set(kept)
+                        "an interface that is up, and is kept for up to %.0f s", version, kept[version],
+                        KEEP_UNROUTED_S)
+        self._unrouted_since = {version: self._unrouted_since.get(version, now) for version in kept}
         found.update(kept)
         self._last = dict(found)
         return found
+
+
+KEEP_UNROUTED_S = 300.0  # how long RoutedSources keeps an address whose route went
+
+
+def on_an_up_interface(address: str) -> bool:
+    """Whether `address` is on an interface of this PC that is up (psutil's `isup`: the running flag, the carrier, on
+    Linux; the operational status on Windows)."""
+    try:
+        stats = psutil.net_if_stats()
+        return any(entry.address.split("%", 1)[0] == address and name in stats and stats[name].isup
+                   for name, entries in psutil.net_if_addrs().items() for entry in entries
+                   if entry.family in (socket.AF_INET, socket.AF_INET6))
+    except OSError:  # the interfaces cannot be read: nothing is kept that may be gone
+        return False
 
 
 def _ip_hosts(addresses: Sequence[str]) -> list[str]:

@@ -160,7 +160,7 @@ def test_an_agent_whose_addresses_change_while_its_link_stays_up_tells_the_contr
     routed = {4: "10.62.0.30", 6: "fd62::30"}
     here = ["10.62.0.30", "fd62::30"]  # the PC's interface addresses
     monkeypatch.setattr(service_module, "lan_sources", lambda controller: dict(routed))
-    monkeypatch.setattr(advertise, "interface_addresses", lambda: list(here))
+    monkeypatch.setattr(advertise, "on_an_up_interface", lambda address: address in here)
     agent = AgentService(AgentOptions(joined.data_dir, listen="0.0.0.0:7431"), monitor=FakeMonitor())
     agent.bound_port = 7431
     link = _RegistrationLink("10.62.0.30")
@@ -242,21 +242,46 @@ def test_an_address_whose_route_alone_went_is_kept_while_the_pc_still_has_it(
     # An exploratory test's ULA-only office (no IPv6 default route): a flapping route to the controller's IPv6
     # address read as the address's loss, and the roster dropped the PC's working IPv6 address for 30 s
     routed = {4: "10.62.0.30", 6: "fd62::30"}
-    here = ["10.62.0.30", "fd62::30", "fd62::31"]
-    monkeypatch.setattr(advertise, "interface_addresses", lambda: list(here))
-    sources = advertise.RoutedSources(lambda: dict(routed))
+    here = ["10.62.0.30", "fd62::30", "fd62::31"]  # on an interface that is up
+    monkeypatch.setattr(advertise, "on_an_up_interface", lambda address: address in here)
+    now = [0.0]
+    sources = advertise.RoutedSources(lambda: dict(routed), lambda: now[0])
     assert sources() == {4: "10.62.0.30", 6: "fd62::30"}
     del routed[6]
     assert sources() == sources() == {4: "10.62.0.30", 6: "fd62::30"}  # no route: the address is still here
     routed[6] = "fd62::31"  # a route again, from another address (renumbered meanwhile): that one
     assert sources() == {4: "10.62.0.30", 6: "fd62::31"}
-    del routed[6], here[2]  # no route, and the address gone from the interfaces: gone
+    del routed[6], here[2]  # no route, and the address gone from the interfaces (or its interface down): gone
     assert sources() == {4: "10.62.0.30"}
     here.append("fd62::31")  # back on the interface, still no route: nothing to keep any more
     assert sources() == {4: "10.62.0.30"}
     routed.clear()
     assert sources() == {4: "10.62.0.30"}  # IPv4's route gone too: its address is still here
+    now[0] = advertise.KEEP_UNROUTED_S - 1.0
+    assert sources() == {4: "10.62.0.30"}
+    # kept for so long only: an IPv6 router gone quiet leaves its addresses for days (from a review)
+    now[0] = advertise.KEEP_UNROUTED_S
+    assert sources() == {}
+    routed[4] = "10.62.0.30"
+    assert sources() == {4: "10.62.0.30"}
     assert advertise.RoutedSources(lambda: {})() == {}  # nothing looked up before: nothing to keep
+
+
+def test_an_address_on_an_interface_that_went_down_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Linux keeps IPv4 addresses on a downed interface (from a review: a docked PC's Ethernet unplugged, its IPv4
+    # address registered on for good)
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: {
+        "eth0": [SimpleNamespace(family=socket.AF_INET, address="10.62.0.30"),
+                 SimpleNamespace(family=psutil.AF_LINK, address="00:11:22:33:44:55")],
+        "wlan0": [SimpleNamespace(family=socket.AF_INET6, address="fd63::30"),
+                  SimpleNamespace(family=socket.AF_INET6, address="fe80::1%wlan0")]})
+    up = {"eth0": True, "wlan0": True}
+    monkeypatch.setattr(psutil, "net_if_stats", lambda: {name: SimpleNamespace(isup=state)
+                                                         for name, state in up.items()})
+    assert advertise.on_an_up_interface("10.62.0.30") and advertise.on_an_up_interface("fe80::1")
+    assert not advertise.on_an_up_interface("10.62.0.31")
+    up["eth0"] = False
+    assert not advertise.on_an_up_interface("10.62.0.30") and advertise.on_an_up_interface("fd63::30")
 
 
 def test_an_agent_reports_the_ip_families_it_dials_over(tmp_path: Path) -> None:
