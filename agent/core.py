@@ -1164,10 +1164,17 @@ class AgentCore:
         without a word, the run waited out its 120 s step timeout and re-planned onto the same chain, and only a
         second re-plan found the link. The driver weighs the blame (the controller reaching both PCs marks the link
         broken). A link the next hop closed as a step was too large for it (LinkError.too_big) is a refusal, told as
-        one, blaming no one: it read as the hop lost, and a healthy PC or link was left out of the re-plan."""
+        one, blaming no one: it read as the hop lost, and a healthy PC or link was left out of the re-plan. So is a
+        link that died as this PC lost the address it ran from (LinkError.own_address_gone: a renewed lease)."""
         if error.too_big:
             text = f"agent {self.agent_id[:12]}: {_refused_as_too_big(hop, address)}"
             await self._report_hop_steps(hop, Error(ErrorCode.NOT_ASSIGNED, text))
+            return
+        if error.own_address_gone is not None:  # this PC's own address went: blamed its healthy next hop
+            text = (f"agent {self.agent_id[:12]}: the link to its next hop agent {hop.agent_id[:12]} at {address} "
+                    f"died with steps in flight as this PC lost its address {error.own_address_gone} (its address "
+                    "changed, or it left the network): no PC is blamed")
+            await self._report_hop_steps(hop, Error(ErrorCode.INTERNAL, text))
             return
         text = (f"agent {self.agent_id[:12]}: next hop agent {hop.agent_id[:12]} at {address} is unreachable: "
                 f"the link to it died with steps in flight ({error})")

@@ -46,7 +46,6 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.frames import CloseCode
 from websockets.http11 import Request, Response
 
-from deskfleet.agent.advertise import interface_addresses
 from deskfleet.agent.tls_gate import TlsGate, address_text, host_key
 from deskfleet.common import pki, tls
 from deskfleet.common.log_limit import LogEvery
@@ -121,11 +120,13 @@ class LinkError(ConnectionError):
     stages), a refusal, not a link that failed."""
 
     def __init__(self, message: str, closed_because: str | None = None, closed_normally: bool = False,
-                 too_big: bool = False) -> None:
+                 too_big: bool = False, own_address_gone: str | None = None) -> None:
         super().__init__(message)
         self.closed_because = closed_because
         self.closed_normally = closed_normally
         self.too_big = too_big
+        # the address this end of the link ran from, where the link died as this PC lost it: no peer is at fault
+        self.own_address_gone = own_address_gone
 
 
 class LinkVersionError(LinkError):
@@ -213,17 +214,18 @@ def _closed(link: Link, error: ConnectionClosed) -> LinkError:
     if gone is not None:
         # this PC's own address went (a renewed lease, a rotated IPv6 address, its network left): the keepalive's
         # words blamed the peer, which an exploratory test's office found answering at its address all along
-        why = f"this PC no longer has {gone}, the address the link ran from: its address changed, or it left " \
-              f"the network [{error}]"
+        why = f"this side of the link lost its address {gone} (this PC's address changed, or it left the " \
+              f"network) [{error}]"
     normally = error.rcvd is not None and error.rcvd.code in (CloseCode.NORMAL_CLOSURE, CloseCode.GOING_AWAY)
     too_big = error.rcvd is not None and error.rcvd.code == CloseCode.MESSAGE_TOO_BIG
     return LinkError(f"link to {link.describe()} closed: {why}", closed_because=why, closed_normally=normally,
-                     too_big=too_big)
+                     too_big=too_big, own_address_gone=gone)
 
 
 def _own_address_gone(link: Link) -> str | None:
-    """The address this end of `link` ran from, where this PC no longer has it on any interface; None where it has
-    it still, or the address cannot be told (a link-local one, which interface_addresses leaves out)."""
+    """The address this end of `link` ran from, where this PC no longer has it (a socket can no longer be bound to
+    it); None where it has it still, or it cannot be told (loopback, which never goes: all of 127/8 is this PC's
+    though no interface lists 127.0.0.2; a link-local one, whose zone is not kept)."""
     if link.local_host is None:
         return None
     try:
@@ -232,9 +234,22 @@ def _own_address_gone(link: Link) -> str | None:
         return None
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
-    if ip.is_link_local or ip.is_unspecified:
+    if ip.is_loopback or ip.is_link_local or ip.is_unspecified:
         return None
-    return None if str(ip) in interface_addresses(include_loopback=True) else str(ip)
+    return str(ip) if not is_local_address(str(ip)) else None
+
+
+def is_local_address(host: str) -> bool:
+    """Whether `host` (an IP address) is this PC's: a socket can be bound to it. An address routed to this PC but
+    listed by no interface (a local route) counts; where binding fails for another reason than the address, it
+    counts too (nothing is said to be gone that may not be)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((host, 0))
+    except OSError as error:
+        return error.errno != errno.EADDRNOTAVAIL
+    return True
 
 
 def utc_now() -> datetime.datetime:

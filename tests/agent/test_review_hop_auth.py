@@ -500,9 +500,9 @@ def test_a_next_hop_watcher_that_outlives_its_links_close_does_not_hold_the_agen
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("closed_here", [False, True])
-def test_a_next_hop_link_that_dies_under_steps_is_reported_to_their_drivers(tmp_path: Path,
-                                                                              closed_here: bool) -> None:
+@pytest.mark.parametrize(("closed_here", "own_address_gone"), [(False, False), (True, False), (False, True)])
+def test_a_next_hop_link_that_dies_under_steps_is_reported_to_their_drivers(tmp_path: Path, closed_here: bool,
+                                                                              own_address_gone: bool) -> None:
     # A firewall cut the hop mid-run; the steps had fitted in the send buffer, so no send failed: the link died by
     # its keepalive without a word, the run waited out its 120 s step timeout, re-planned onto the same chain, and
     # only a second re-plan found the link (netns walk: 143 s to go on).
@@ -518,11 +518,21 @@ def test_a_next_hop_link_that_dies_under_steps_is_reported_to_their_drivers(tmp_
     core._controller_links.append(cast(Link, driver))
     dead = FakeLink(Role.AGENT, NEXT)  # its receive fails at once: the link closed
     dead.address = "10.0.0.9:7431"  # where it was opened
+    if own_address_gone:  # this PC's address went under the link (a renewed lease): its next hop was blamed
+        async def receive() -> Message:
+            raise LinkError("closed", own_address_gone="10.0.0.4")
+
+        dead.receive = receive  # type: ignore[method-assign]
     if not closed_here:
         core._next_hops[NEXT] = cast(Link, dead)
     asyncio.run(core._watch_next_hop(assignment.next_hop, cast(Link, dead)))  # type: ignore[arg-type]
     if closed_here:  # a stage released or re-planned: this agent closed it, nobody is told
         assert driver.sent == []
+        return
+    if own_address_gone:
+        assert [(error.micro_batch_id, error.agent_id) for error in driver.sent] == [(3, None), (4, None)]  # type: ignore[attr-defined]
+        assert all("died with steps in flight as this PC lost its address 10.0.0.4" in error.message
+                   for error in driver.sent)  # type: ignore[attr-defined]
         return
     assert [(error.micro_batch_id, error.agent_id) for error in driver.sent] == [(3, NEXT), (4, NEXT)]  # type: ignore[attr-defined]
     assert all("next hop agent nnnnnnnnnnnn at 10.0.0.9:7431 is unreachable: the link to it died with steps in "
