@@ -653,12 +653,13 @@ def open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discove
     from .fleet_pipeline import ChainError, FleetPipeline
     from .fleet_runs import driving
     from .fleet_survey import SurveyOptions
+    from .own_network import shared_watch
 
     browse = FAILOVER_BROWSE_S if discover_seconds is None else discover_seconds
     with ExitStack() as stack:
         options = SurveyOptions(peers=peers, discover_seconds=browse)
         failover = stack.enter_context(FleetFailover(store, model, max_failovers, survey_options=options,
-                                                     drafting=drafting, stop=stop))
+                                                     drafting=drafting, stop=stop, own_network=shared_watch()))
         failover.check_cache()
         if failover.model_id is not None:  # none: no export there, which opening the chain says
             # counted while the chain is open: a run's start does not re-plan under another's streams (rejoin)

@@ -22,7 +22,9 @@ reporter itself, is at fault) and keeps both, planned apart (PlanOptions.broken_
 directly before the accused; where no chain over both does as well, the planner leaves one out and says why),
 and a relayed one, whose maker cannot be told, leaves no one out. A PC the controller saw fail
 itself (its link closed) that answers the survey (restarted, or a moment's network fault) is kept once per
-run. A stage's blame of itself (it gave its stages up) is taken at its word.
+run, unless the controller's own network failed under that link (own_network: the interface that carried it lost its
+link or its address as the link died): then no PC is blamed, and the re-plan spends no failover. A stage's blame of
+itself (it gave its stages up) is taken at its word.
 
 At a run's start, `rejoin` takes back PCs that a run's re-plan left out and that have called in since (restarted, or
 back on the network), by a re-plan of the same kind, unless other runs drive the model (their stages would be replaced
@@ -79,6 +81,7 @@ from deskfleet.controller.fleet_pipeline import ChainError, DeploymentReplaced, 
 from deskfleet.controller.fleet_runs import others_driving
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, agent_label
 from deskfleet.controller.fleet_survey import AgentView, Survey, SurveyOptions, survey, survey_through_outage
+from deskfleet.controller.own_network import OwnNetworkWatch
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,12 @@ _LOCK_POLL_S = 0.25
 # the chain's failover
 _CAN_TAKE_STAGES = frozenset({AgentState.AVAILABLE, AgentState.SERVING})
 _ACTED_ON_KEPT = 64  # call-ins a take-back look remembers acting on (a server runs for months)
+# How long before a link's death a fault of this PC's own network explains it: a link dies within its keepalive's
+# ping interval and timeout, and its close's wait, of a drop (agent/link.py: 5 + 10 + 2 s)
+OWN_FAULT_LEAD_S = 20.0
+# Re-plans a run makes for this PC's own network for free; after that they spend --max-failovers as any other
+# (a network that drops as often as that is one to mend, and a run must not re-plan without end on it)
+OWN_NETWORK_FREE_REPLANS = 10
 
 
 class FailoverError(RuntimeError):
@@ -123,6 +132,9 @@ class FleetFailover:
     # a server's stop (set as it stops, from another thread): a re-plan under way and the chains made give up at once,
     # raising Stopped, as a Ctrl-C gives them up in a command's main thread
     stop: StopSignal | None = None
+    # this PC's own network, asked whether it failed under a link the controller saw die (own_network.shared_watch);
+    # None: every such death is taken for its PC's
+    own_network: OwnNetworkWatch | None = None
     hostnames: dict[str, str] = field(default_factory=dict, init=False)  # the roster's (read at each re-plan)
     _blame: ChainError | None = field(default=None, repr=False)  # the blame the re-plan under way checks
     _left_out: str | None = field(default=None, repr=False)  # whom that check left out
@@ -153,6 +165,8 @@ class FleetFailover:
     # forgiven once in this run already: a PC whose link flaps re-registers after every loss, and forgiven each time
     # it would spend a re-plan of --max-failovers at every other break
     _forgiven: set[str] = field(default_factory=set, init=False, repr=False)
+    _own_fault: str | None = field(default=None, init=False, repr=False)  # the break's, in words (_own_network_fault)
+    _own_network_replans: int = field(default=0, init=False, repr=False)  # this run's, of OWN_NETWORK_FREE_REPLANS
 
     def __post_init__(self) -> None:
         self.hostnames = self.store.hostnames()
@@ -177,9 +191,14 @@ class FleetFailover:
         agent_id = error.agent_id if isinstance(error, ChainError) else None
         if isinstance(error, DeploymentReplaced):  # no PC failed: the new deployment is gone on on for free
             self._credit += 1
+        self._own_fault = self._own_network_fault(error)
+        if self._own_fault is not None and self._own_network_replans < OWN_NETWORK_FREE_REPLANS:
+            self._own_network_replans += 1
+            self._credit += 1
+        blamed = agent_id if self._own_fault is None else None
         self._forgive_called_in()
-        if agent_id is not None:
-            self._lose(agent_id)
+        if blamed is not None:
+            self._lose(blamed)
         started = time.perf_counter()
         cut_short: list[str] = []  # what failed each re-plan of this break that another PC's failure cut short
 
@@ -190,7 +209,8 @@ class FleetFailover:
                 "blame_check": self._verdict, "seconds": seconds, "cut_short": cut_short,
                 "stages": [[stage.agent_id, stage.layer_start, stage.layer_end] for stage in chain.stages]
                 if chain is not None else [],
-                "adopted": self._adopted and chain is not None, "interrupted": chain is None})
+                "adopted": self._adopted and chain is not None, "interrupted": chain is None,
+                "own_network": self._own_fault})
             return seconds
 
         try:
@@ -199,7 +219,7 @@ class FleetFailover:
                 if replans >= self.max_failovers:
                     raise FailoverError(f"{error} (gave up: {replans} re-plan(s) already in this run, "
                                         f"--max-failovers {self.max_failovers})") from error
-                chain = self._replan(error, agent_id, cut_short)
+                chain = self._replan(error, blamed, cut_short)
                 if chain is not None:
                     break
         except (KeyboardInterrupt, Stopped):  # Ctrl-C mid-re-plan: the report still says what broke, and whom it lost
@@ -452,6 +472,7 @@ class FleetFailover:
         self._forgiven.clear()
         self.kept.clear()
         self.broken_links.clear()
+        self._own_network_replans = 0
 
     def _lose(self, agent_id: str) -> None:
         """Leave `agent_id` out of this run's re-plans, from now until it calls in (or the run ends)."""
@@ -501,7 +522,7 @@ class FleetFailover:
         by the first attempt only: weighed again, a blamed PC kept the first time read as blamed twice."""
         if not cut_short:
             self._blame = error if isinstance(error, ChainError) and agent_id is not None else None
-            self._left_out, self._verdict, self._apart, self._blame_verdict = agent_id, None, None, None
+            self._left_out, self._verdict, self._apart, self._blame_verdict = agent_id, self._own_fault, None, None
         else:  # what the first survey made of the blame, without what its plan added (_planned_apart); none when
             # the first attempt took a deployment saved meanwhile (it surveyed nothing: this attempt weighs it)
             self._verdict = self._blame_verdict
@@ -609,6 +630,26 @@ class FleetFailover:
         self._adopted = True
         model_id = self._model_id if self._model_id is not None else model_id_of(self.model_dir)  # checked at start
         return DeployReport(model_id, saved, {}, {})
+
+    def _own_network_fault(self, error: ChainBroken) -> str | None:
+        """Where the controller's own link to a stage died (the controller's observation, not an agent's word) while
+        the interface that carried it lost its link or the address it ran from: what happened, in words; else None.
+        A drop of the controller's own network named the stage whose link died first, and the failover kept it once
+        a run: a second drop in the run left that healthy PC out (an exploratory test's laptop controller)."""
+        if not isinstance(error, ChainError) or error.agent_id is None or error.local_host is None:
+            return None
+        if error.own_address_gone is not None:
+            what = f"this PC lost its address {error.own_address_gone}, which the link ran from"
+        else:
+            fault = None if self.own_network is None else \
+                self.own_network.fault_under(error.local_host, error.failed_at - OWN_FAULT_LEAD_S, error.failed_at)
+            if fault is None:
+                return None
+            what = fault.describe(error.failed_at)
+        free = "the re-plan spends no failover" if self._own_network_replans < OWN_NETWORK_FREE_REPLANS else \
+            f"the re-plan spends a failover ({OWN_NETWORK_FREE_REPLANS} such re-plans in this run were free)"
+        return (f"the link to {self._name(error.agent_id)} died as this PC's own network failed under it ({what}): "
+                f"no PC is blamed, and {free}")
 
     def _name(self, agent_id: str) -> str:
         return agent_label(agent_id, self.hostnames)

@@ -67,14 +67,22 @@ class ChainError(ChainBroken):
     stage's link carried the Error that named `agent_id` (it blamed itself, its next hop, or relayed an earlier
     stage's blame); None for what the controller saw itself (a link closed, a dial failed). `stages`: the chain
     that broke, where known. The failover checks an agent's word before it leaves a PC out
-    (controller/fleet_failover.py, FleetFailover._check_blame)."""
+    (controller/fleet_failover.py, FleetFailover._check_blame). `local_host`: where the controller's own link to
+    `agent_id` died, the address its end ran from (Link.local_host), which the failover asks whether this PC's own
+    network failed under it (own_network), and `own_address_gone` that address where this PC no longer had it as the
+    link died (LinkError.own_address_gone); `failed_at`: time.monotonic() as the error was made."""
 
     def __init__(self, message: str, agent_id: str | None = None, reported_by: str | None = None,
-                 stages: Sequence[StagePlacement] = ()) -> None:
+                 stages: Sequence[StagePlacement] = (), local_host: str | None = None,
+                 own_address_gone: str | None = None) -> None:
         super().__init__(message)
         self.agent_id = agent_id
         self.reported_by = reported_by if agent_id is not None else None
         self.stages = tuple(stages)
+        observed = agent_id is not None and reported_by is None  # the controller's own link, not an agent's word
+        self.local_host = local_host if observed else None
+        self.own_address_gone = own_address_gone if observed else None
+        self.failed_at = time.monotonic()
 
 
 class DeploymentReplaced(ChainError):
@@ -408,14 +416,15 @@ class FleetPipeline:
             try:
                 await first.send(item)
             except LinkError as error:
-                raise self._stage_error(0, _link_failure(error)) from None
+                raise self._stage_error(0, _link_failure(error), first.local_host, error.own_address_gone) from None
 
     async def _receive(self, index: int, link: Link) -> None:
         while True:
             try:
                 message = await link.receive()
             except LinkError as error:
-                raise self._stage_error(index, _link_failure(error)) from None
+                raise self._stage_error(index, _link_failure(error), link.local_host,
+                                        error.own_address_gone) from None
             if isinstance(message, ForwardResult):
                 self._results.put((time.perf_counter(), message))
             elif isinstance(message, Error):
@@ -483,8 +492,11 @@ class FleetPipeline:
         return (f"stage {index} [{stage.layer_start}:{stage.layer_end}] on "
                 f"{agent_label(stage.agent_id, self.hostnames)} at {self.addresses[index]}")
 
-    def _stage_error(self, index: int, text: str) -> ChainError:
+    def _stage_error(self, index: int, text: str, local_host: str | None = None,
+                     own_address_gone: str | None = None) -> ChainError:
+        """Stage `index` failed (`text` says how); where its link died, `local_host` is the address this end of it
+        ran from, and `own_address_gone` that address where this PC had lost it (LinkError's)."""
         stage = self.stages[index]
         return ChainError(f"{agent_label(stage.agent_id, self.hostnames)} (stage {index}, layers [{stage.layer_start}:"
                           f"{stage.layer_end}]) at {self.addresses[index]}: {text}", stage.agent_id,
-                          stages=self.stages)
+                          stages=self.stages, local_host=local_host, own_address_gone=own_address_gone)

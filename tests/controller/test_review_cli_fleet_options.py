@@ -103,7 +103,7 @@ def test_a_re_plan_browses_mdns_as_long_as_discover_seconds_says(tmp_path: Path,
     seen: list[tuple[float, tuple[str, ...]]] = []
 
     def failover(store: Any, model: Path, max_failovers: int, survey_options: Any, drafting: bool,
-                 stop: Any = None) -> Any:
+                 stop: Any = None, own_network: Any = None) -> Any:
         seen.append((survey_options.discover_seconds, survey_options.peers))
         raise RuntimeError("stop here")
 

@@ -1,0 +1,203 @@
+"""A drop of the controller's own network is not a PC's failure (controller/own_network.py, and the failover's use
+of it): the driver's link to a stage died as the interface that carried it lost its link, and the failover kept that
+healthy PC once a run, so a second drop in the run left it out (from an exploratory test's laptop controller)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from deskfleet.controller import own_network
+from deskfleet.controller.fleet_pipeline import ChainError
+from deskfleet.controller.fleet_store import FleetStore
+from deskfleet.controller.own_network import NetworkFault, OwnNetworkWatch
+from tests.controller.test_review_blame import CHAIN, A, B, C, scripted_failover
+
+HERE = "10.0.0.100"  # the controller's address on eth0
+
+
+class _Interfaces:
+    """This PC's interfaces as psutil gives them, changed by the test; `clock` the watch's time."""
+
+    def __init__(self) -> None:
+        self.up = {"lo": True, "eth0": True, "wlan0": True}
+        self.addresses = {"lo": ["127.0.0.1"], "eth0": [HERE, "fd00::100"], "wlan0": ["10.1.0.7"]}
+        self.now = 100.0
+        self.failing: OSError | None = None
+
+    def stats(self) -> dict[str, SimpleNamespace]:
+        if self.failing is not None:
+            raise self.failing
+        return {name: SimpleNamespace(isup=up) for name, up in self.up.items()}
+
+    def found(self) -> dict[str, list[SimpleNamespace]]:
+        return {name: [SimpleNamespace(family=socket.AF_INET6 if ":" in address else socket.AF_INET,
+                                       address=address) for address in addresses]
+                for name, addresses in self.addresses.items()}
+
+    def watch(self) -> OwnNetworkWatch:
+        return OwnNetworkWatch(self.stats, self.found, lambda: self.now)
+
+
+def test_the_watch_tells_a_fault_of_the_interface_a_link_ran_from_within_the_time_asked() -> None:
+    pc = _Interfaces()
+    watch = pc.watch()
+    watch.sample()
+    pc.now, pc.up["eth0"] = 110.0, False  # the cable pulled
+    watch.sample()
+    assert watch.fault_under(HERE, 105.0, 112.0) == NetworkFault("eth0", None, 110.0, None)  # not back yet
+    pc.now, pc.up["eth0"] = 124.0, True
+    watch.sample()
+    fault = NetworkFault("eth0", None, 110.0, 124.0)
+    assert watch.fault_under(HERE, 105.0, 130.0) == fault
+    assert watch.fault_under("::ffff:10.0.0.100", 105.0, 130.0) == fault  # as an IPv6 socket names an IPv4 peer
+    assert watch.fault_under("fd00::100", 105.0, 130.0) == fault  # the interface's other address: the same link
+    assert fault.describe(130.0) == "this PC's network interface eth0 lost its link 20 s ago (back after 14 s)"
+    assert watch.fault_under(HERE, 125.0, 140.0) is None  # over before the time asked
+    assert watch.fault_under(HERE, 90.0, 105.0) is None  # began after it
+    assert watch.fault_under("10.1.0.7", 105.0, 130.0) is None  # another interface's link
+    assert watch.fault_under("127.0.0.1", 105.0, 130.0) is None
+    assert watch.fault_under("10.9.9.9", 105.0, 130.0) is None  # an address this PC never had: nothing known
+    assert watch.fault_under("ctl.example", 105.0, 130.0) is None
+
+
+def test_the_watch_tells_an_address_the_pc_lost_and_forgets_faults_after_a_while() -> None:
+    pc = _Interfaces()
+    watch = pc.watch()
+    watch.sample()
+    pc.now = 200.0
+    pc.addresses["wlan0"] = ["10.1.0.8"]  # a new lease: the old address gone, the link up all along
+    watch.sample()
+    pc.now = 201.0
+    watch.sample()
+    lost = NetworkFault("wlan0", "10.1.0.7", 200.0, None)
+    assert watch.fault_under("10.1.0.7", 190.0, 201.0) == lost
+    assert watch.fault_under("10.1.0.8", 190.0, 201.0) is None  # the new address's links lost nothing
+    assert lost.describe(230.0) == "this PC's network interface wlan0 lost its address 10.1.0.7 30 s ago " \
+                                   "(not back yet)"
+    pc.now, pc.up["eth0"] = 210.0, False
+    watch.sample()
+    pc.now, pc.up["eth0"] = 215.0, True
+    watch.sample()
+    pc.now = 215.0 + own_network.KEEP_S + 1.0  # long past: neither is kept
+    watch.sample()
+    assert watch.fault_under(HERE, 0.0, pc.now) is None
+    assert watch.fault_under("10.1.0.7", 0.0, pc.now) is None  # the address itself forgotten
+
+
+def test_a_watch_that_cannot_read_the_interfaces_says_so_once_and_knows_no_fault(
+        caplog: pytest.LogCaptureFixture) -> None:
+    pc = _Interfaces()
+    watch = pc.watch()
+    watch.sample()
+    pc.failing = PermissionError(13, "Permission denied")
+    pc.up["eth0"] = False
+    for now in (110.0, 111.0):
+        pc.now = now
+        watch.sample()
+    assert watch.fault_under(HERE, 100.0, 120.0) is None
+    said = [record.getMessage() for record in caplog.records if record.name == own_network.__name__]
+    assert len(said) == 1 and "cannot read this PC's network interfaces" in said[0]
+
+
+def test_the_shared_watch_is_one_running_watch() -> None:
+    watch = own_network.shared_watch()
+    assert own_network.shared_watch() is watch and watch._thread is not None and watch._thread.is_alive()
+
+
+def _dropped(agent_id: str) -> ChainError:
+    """The controller's own link to `agent_id`'s stage died (its observation: no agent's word)."""
+    return ChainError(f"agent {agent_id[:3]} (stage 1): its link closed: the peer answered no keepalive ping",
+                      agent_id, stages=CHAIN, local_host=HERE)
+
+
+@pytest.mark.parametrize("own_network_failed", [True, False])
+def test_a_link_that_died_as_the_controllers_own_network_dropped_blames_no_pc(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch, own_network_failed: bool) -> None:
+    # a laptop controller's Wi-Fi dropped twice in one run for longer than the links ride out: the first drop's
+    # failover kept B (blamed once), the second left the healthy B out
+    failover, excluded = scripted_failover(store, tiny_export, monkeypatch, {A: True, B: True, C: True})
+    pc = _Interfaces()
+    failover.own_network = watch = pc.watch()
+    failover.max_failovers = 2
+    for _drop in range(2):
+        if own_network_failed:
+            pc.now, pc.up["eth0"] = pc.now + 30.0, False
+            watch.sample()
+            pc.now, pc.up["eth0"] = pc.now + 12.0, True
+            watch.sample()
+        pc.now += 3.0
+        error = _dropped(B)
+        error.failed_at = pc.now
+        failover(error)
+    if not own_network_failed:  # as before: kept once, then left out (the clock has no fault to show)
+        assert excluded == [frozenset(), frozenset({B})]
+        return
+    assert excluded == [frozenset(), frozenset()]  # B placed by both re-plans
+    assert failover.lost == set() and failover.kept == set()
+    assert failover._spent() == 0  # no failover spent: a PC that fails next is still re-planned around
+    record = failover.replans[-1]
+    assert record["blamed_agent"] == B and record["lost_agent"] is None
+    assert record["own_network"] == record["blame_check"] == (
+        f"the link to agent {B[:12]} died as this PC's own network failed under it (this PC's network interface "
+        "eth0 lost its link 15 s ago (back after 12 s)): no PC is blamed, and the re-plan spends no failover")
+
+
+def test_a_link_that_died_as_the_controller_lost_the_address_it_ran_from_blames_no_pc(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the link told it (LinkError.own_address_gone): no watch needed, nor the interface's link lost
+    failover, excluded = scripted_failover(store, tiny_export, monkeypatch, {A: True, B: True, C: True})
+    for _ in range(2):
+        failover(ChainError(f"agent {B[:3]} (stage 1): its link closed", B, stages=CHAIN, local_host=HERE,
+                            own_address_gone=HERE))
+    assert excluded == [frozenset(), frozenset()] and failover.kept == set() and failover._spent() == 0
+    assert failover.replans[-1]["own_network"] == (
+        f"the link to agent {B[:12]} died as this PC's own network failed under it (this PC lost its address "
+        f"{HERE}, which the link ran from): no PC is blamed, and the re-plan spends no failover")
+
+
+def test_own_network_re_plans_are_free_only_so_many_times_a_run(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("deskfleet.controller.fleet_failover.OWN_NETWORK_FREE_REPLANS", 1)
+    failover, _excluded = scripted_failover(store, tiny_export, monkeypatch, {A: True, B: True, C: True})
+    pc = _Interfaces()
+    failover.own_network = watch = pc.watch()
+    failover.max_failovers = 1
+    pc.up["eth0"] = False  # down, and not back: every death is its
+    watch.sample()
+    for _ in range(2):
+        pc.now += 5.0
+        error = _dropped(B)
+        error.failed_at = pc.now
+        failover(error)
+    assert failover._spent() == 1 and failover.lost == set()
+    assert "spends a failover (1 such re-plans in this run were free)" in str(failover.replans[-1]["own_network"])
+    error = _dropped(B)
+    error.failed_at = pc.now
+    with pytest.raises(Exception, match="--max-failovers 1"):
+        failover(error)
+    failover.start_run()  # a chat's next reply: free again
+    failover.max_failovers = 2
+    failover(error)
+    assert failover._spent() == 0
+
+
+def test_an_agents_word_and_a_link_of_no_known_address_are_weighed_as_before(
+        store: FleetStore, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    failover, _excluded = scripted_failover(store, tiny_export, monkeypatch, {A: True, B: True, C: True})
+    pc = _Interfaces()
+    failover.own_network = watch = pc.watch()
+    pc.up["eth0"] = False
+    watch.sample()
+    # an agent's word carries no end of the controller's (its link is the agent's to its next hop)
+    said = ChainError("internal from the chain: next hop unreachable", B, A, CHAIN, local_host=HERE)
+    assert said.local_host is None
+    failover(said)
+    assert failover.replans[-1]["own_network"] is None
+    unknown = ChainError("agent bbb: its link closed", C, stages=CHAIN, local_host="10.9.9.9")
+    unknown.failed_at = pc.now
+    failover(unknown)
+    assert failover.replans[-1]["own_network"] is None and failover.kept >= {C}
