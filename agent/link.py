@@ -74,6 +74,7 @@ PING_TIMEOUT_S = 10.0
 # A peer that does not answer our close frame within this is stalled (a stopped process): the TCP connection is
 # dropped then. websockets' default, 10 s, held Ctrl-C on a chain with a stalled PC for that long.
 CLOSE_TIMEOUT_S = 2.0
+CANCELLED_CLOSE_S = 0.5  # how long a dial cancelled in its Hello waits for its close to be answered
 # The longest wait between two resends of unacknowledged data. TCP doubles it from ~0.2 s at each resend, to 120 s:
 # after an 8 s drop of a PC's link, the resends came at 6.2 s (still down) and 12.6 s, and the 10 s keepalive ping
 # had timed out meanwhile, so a chain of PCs that were all fine failed over (measured side by side, 3-PC chains in
@@ -548,7 +549,15 @@ async def open_link(address: str, files: TlsFiles, expected_agent_id: str | None
             raise LinkError(f"{address} is not an acceptable fleet member: {error}") from None
         link = Link(connection, peer, address)
         await _exchange_hello(link, files.own_identity(), expect_first=False)
-    except BaseException:  # refused, or cancelled in its Hello (a race of a PC's addresses lost): nothing keeps it
+    except asyncio.CancelledError:  # cancelled in its Hello (a race of a PC's addresses lost): said with a close
+        # frame, briefly waited for. Aborted, the link read on the other side as one that failed: `fleet serve`
+        # said after each of its restarts that a live agent "did not register" (from an exploratory test)
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(connection.close(CloseCode.GOING_AWAY, "given up as it opened"),
+                                   CANCELLED_CLOSE_S)
+        connection.transport.abort()
+        raise
+    except BaseException:  # refused: nothing keeps it
         connection.transport.abort()
         raise
     return link

@@ -217,8 +217,8 @@ class FleetServer:
             if isinstance(error, LinkError) and error.closed_normally:
                 # an agent dials the controller's addresses at once and closes, unused, the links that lost the race:
                 # after each restart of fleet serve one line said that a live agent "did not register" (exploratory)
-                log.debug("agent %s closed a link unused (another of its dials reached this controller first)",
-                          link.peer.agent_id[:12])
+                log.debug("agent %s closed a link before registering on it (another of its dials answered first, or "
+                          "it was stopping)", link.peer.agent_id[:12])
             else:
                 log.info("agent %s did not register: %s", link.peer.agent_id[:12], str(error) or "timed out")
             await link.close()

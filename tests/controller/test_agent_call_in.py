@@ -8,15 +8,18 @@ tests/agent/test_opt_out.py; the whole run in the integration fleet."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from deskfleet.agent.link import open_link, utc_now
-from deskfleet.common.wire import AddressesChanged, Register, RevocationUpdate
+from deskfleet.agent import link as link_module
+from deskfleet.agent.link import Link, open_link, utc_now
+from deskfleet.common.wire import AddressesChanged, Register, RevocationUpdate, Role
 from deskfleet.controller import fleet_server
 from deskfleet.controller.fleet_ca import load_ca
 from deskfleet.controller.fleet_deploy import pcs_back
@@ -102,9 +105,27 @@ def test_an_agent_closing_a_spare_link_unused_is_not_said_to_have_failed_to_regi
     member = make_member(load_ca(store), tmp_path / "agent-s", "agent")
     agent_id = member.own_identity().agent_id
 
+    real_hello = link_module._hello
+    hello_done = asyncio.Event()
+
+    async def hello_then_cancelled(link: Link, *args: Any) -> None:  # the dial loses the race once both Hellos are in
+        await real_hello(link, *args)
+        if link.peer.role is Role.CONTROLLER:
+            hello_done.set()
+            await asyncio.Event().wait()
+
     async def scenario(server: FleetServer, address: str) -> None:
-        spare = await open_link(address, member, expected_agent_id=None)
+        spare = await open_link(address, member, expected_agent_id=None)  # opened, then closed unused
         await spare.close()
+        await asyncio.sleep(0.2)
+        monkeypatch.setattr(link_module, "_hello", hello_then_cancelled)
+        dial = asyncio.create_task(open_link(address, member, expected_agent_id=None))
+        await hello_done.wait()
+        dial.cancel()  # as open_first cancels the dials still going once one opened
+        with contextlib.suppress(asyncio.CancelledError):
+            await dial
+        monkeypatch.setattr(link_module, "_hello", real_hello)
+        await asyncio.sleep(0.2)
         silent = await open_link(address, member, expected_agent_id=None)  # opens, then says nothing
         await asyncio.sleep(1.5)
         await silent.close()
@@ -113,9 +134,9 @@ def test_an_agent_closing_a_spare_link_unused_is_not_said_to_have_failed_to_regi
         with_server(store, scenario)
     said = [(record.levelno, record.getMessage()) for record in records.records
             if record.getMessage().startswith(f"agent {agent_id[:12]}")]
-    assert said == [(logging.DEBUG, f"agent {agent_id[:12]} closed a link unused (another of its dials reached "
-                                    "this controller first)"),
-                    (logging.INFO, f"agent {agent_id[:12]} did not register: timed out")]
+    unused = (logging.DEBUG, f"agent {agent_id[:12]} closed a link before registering on it (another of its dials "
+                             "answered first, or it was stopping)")
+    assert said == [unused, unused, (logging.INFO, f"agent {agent_id[:12]} did not register: timed out")]
 
 
 def _recorded_at(store: FleetStore, agent_id: str, addresses: tuple[str, ...]) -> Callable[[float], Awaitable[bool]]:
