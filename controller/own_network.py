@@ -42,7 +42,7 @@ class NetworkFault:
         what = f"lost its address {self.address}" if self.address is not None else "lost its link"
         ago = f"{max(0.0, now - self.began):.0f} s ago"
         back = "not back yet" if self.ended is None else f"back after {max(0.0, self.ended - self.began):.0f} s"
-        return f"this PC's network interface {self.interface} {what} {ago} ({back})"
+        return f"this PC's network interface {self.interface} {what} {ago}, {back}"
 
 
 def _plain_ip(host: str) -> str | None:

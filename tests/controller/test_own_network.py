@@ -55,7 +55,7 @@ def test_the_watch_tells_a_fault_of_the_interface_a_link_ran_from_within_the_tim
     assert watch.fault_under(HERE, 105.0, 130.0) == fault
     assert watch.fault_under("::ffff:10.0.0.100", 105.0, 130.0) == fault  # as an IPv6 socket names an IPv4 peer
     assert watch.fault_under("fd00::100", 105.0, 130.0) == fault  # the interface's other address: the same link
-    assert fault.describe(130.0) == "this PC's network interface eth0 lost its link 20 s ago (back after 14 s)"
+    assert fault.describe(130.0) == "this PC's network interface eth0 lost its link 20 s ago, back after 14 s"
     assert watch.fault_under(HERE, 125.0, 140.0) is None  # over before the time asked
     assert watch.fault_under(HERE, 90.0, 105.0) is None  # began after it
     assert watch.fault_under("10.1.0.7", 105.0, 130.0) is None  # another interface's link
@@ -76,8 +76,8 @@ def test_the_watch_tells_an_address_the_pc_lost_and_forgets_faults_after_a_while
     lost = NetworkFault("wlan0", "10.1.0.7", 200.0, None)
     assert watch.fault_under("10.1.0.7", 190.0, 201.0) == lost
     assert watch.fault_under("10.1.0.8", 190.0, 201.0) is None  # the new address's links lost nothing
-    assert lost.describe(230.0) == "this PC's network interface wlan0 lost its address 10.1.0.7 30 s ago " \
-                                   "(not back yet)"
+    assert lost.describe(230.0) == "this PC's network interface wlan0 lost its address 10.1.0.7 30 s ago, " \
+                                   "not back yet"
     pc.now, pc.up["eth0"] = 210.0, False
     watch.sample()
     pc.now, pc.up["eth0"] = 215.0, True
@@ -143,7 +143,7 @@ def test_a_link_that_died_as_the_controllers_own_network_dropped_blames_no_pc(
     assert record["blamed_agent"] == B and record["lost_agent"] is None
     assert record["own_network"] == record["blame_check"] == (
         f"the link to agent {B[:12]} died as this PC's own network failed under it (this PC's network interface "
-        "eth0 lost its link 15 s ago (back after 12 s)): no PC is blamed, and the re-plan spends no failover")
+        "eth0 lost its link 15 s ago, back after 12 s): no PC is blamed, and the re-plan spends no failover")
 
 
 def test_a_link_that_died_as_the_controller_lost_the_address_it_ran_from_blames_no_pc(
