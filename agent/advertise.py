@@ -160,8 +160,10 @@ def on_an_up_interface(address: str) -> bool:
     Linux; the operational status on Windows)."""
     try:
         stats = psutil.net_if_stats()
-        return any(entry.address.split("%", 1)[0] == address and name in stats and stats[name].isup
-                   for name, entries in psutil.net_if_addrs().items() for entry in entries
+        # a labelled IPv4 address (`label eth0:1`) is listed under its label, its interface's stats under eth0
+        return any(entry.address.split("%", 1)[0] == address and (state := stats.get(label.split(":", 1)[0]))
+                   is not None and state.isup
+                   for label, entries in psutil.net_if_addrs().items() for entry in entries
                    if entry.family in (socket.AF_INET, socket.AF_INET6))
     except OSError:  # the interfaces cannot be read: nothing is kept that may be gone
         return False

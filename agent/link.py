@@ -121,13 +121,14 @@ class LinkError(ConnectionError):
     stages), a refusal, not a link that failed."""
 
     def __init__(self, message: str, closed_because: str | None = None, closed_normally: bool = False,
-                 too_big: bool = False, own_address_gone: str | None = None) -> None:
+                 too_big: bool = False, own_address_gone: str | None = None, peer_closed: bool = False) -> None:
         super().__init__(message)
         self.closed_because = closed_because
         self.closed_normally = closed_normally
         self.too_big = too_big
         # the address this end of the link ran from, where the link died as this PC lost it: no peer is at fault
         self.own_address_gone = own_address_gone
+        self.peer_closed = peer_closed  # the peer's close frame came (it closed the link: no network dropped it)
 
 
 class LinkVersionError(LinkError):
@@ -220,7 +221,7 @@ def _closed(link: Link, error: ConnectionClosed) -> LinkError:
     normally = error.rcvd is not None and error.rcvd.code in (CloseCode.NORMAL_CLOSURE, CloseCode.GOING_AWAY)
     too_big = error.rcvd is not None and error.rcvd.code == CloseCode.MESSAGE_TOO_BIG
     return LinkError(f"link to {link.describe()} closed: {why}", closed_because=why, closed_normally=normally,
-                     too_big=too_big, own_address_gone=gone)
+                     too_big=too_big, own_address_gone=gone, peer_closed=error.rcvd is not None)
 
 
 def _own_address_gone(link: Link) -> str | None:

@@ -670,7 +670,8 @@ def open_fleet_chain(store: FleetStore, model: Path, max_failovers: int, discove
             yield rejoined, failover
             return
         try:
-            chain = failover.opened = stack.enter_context(FleetPipeline.from_store(store, model, stop=stop))
+            chain = failover.opened = stack.enter_context(FleetPipeline.from_store(
+                store, model, stop=stop, own_network=failover.own_network))
         except ChainError as error:
             if error.agent_id is None:
                 raise  # not an agent's fault (e.g. never deployed): nothing to re-plan around

@@ -96,9 +96,6 @@ _LOCK_POLL_S = 0.25
 # the chain's failover
 _CAN_TAKE_STAGES = frozenset({AgentState.AVAILABLE, AgentState.SERVING})
 _ACTED_ON_KEPT = 64  # call-ins a take-back look remembers acting on (a server runs for months)
-# How long before a link's death a fault of this PC's own network explains it: a link dies within its keepalive's
-# ping interval and timeout, and its close's wait, of a drop (agent/link.py: 5 + 10 + 2 s)
-OWN_FAULT_LEAD_S = 20.0
 # Re-plans a run makes for this PC's own network for free; after that they spend --max-failovers as any other
 # (a network that drops as often as that is one to mend, and a run must not re-plan without end on it)
 OWN_NETWORK_FREE_REPLANS = 10
@@ -132,8 +129,8 @@ class FleetFailover:
     # a server's stop (set as it stops, from another thread): a re-plan under way and the chains made give up at once,
     # raising Stopped, as a Ctrl-C gives them up in a command's main thread
     stop: StopSignal | None = None
-    # this PC's own network, asked whether it failed under a link the controller saw die (own_network.shared_watch);
-    # None: every such death is taken for its PC's
+    # this PC's own network, which the chains this failover opens ask whether it failed under a link of theirs that
+    # died (own_network.shared_watch; ChainError.own_fault); None: every such death is taken for its PC's
     own_network: OwnNetworkWatch | None = None
     hostnames: dict[str, str] = field(default_factory=dict, init=False)  # the roster's (read at each re-plan)
     _blame: ChainError | None = field(default=None, repr=False)  # the blame the re-plan under way checks
@@ -193,8 +190,7 @@ class FleetFailover:
             self._credit += 1
         self._own_fault = self._own_network_fault(error)
         if self._own_fault is not None and self._own_network_replans < OWN_NETWORK_FREE_REPLANS:
-            self._own_network_replans += 1
-            self._credit += 1
+            self._own_network_replans += 1  # not of _credit, which a take-back's failure sets
         blamed = agent_id if self._own_fault is None else None
         self._forgive_called_in()
         if blamed is not None:
@@ -334,7 +330,8 @@ class FleetFailover:
         """The chain of a deployment this run goes on on, watching the record for another one replacing it."""
         return FleetPipeline(report.stages, self.store.tls_files, Revocations(self.store), model_id=report.model_id,
                              hostnames=self.hostnames,
-                             replaced=DeploymentWatch(self.store, self.model_dir, report.stages), stop=self.stop)
+                             replaced=DeploymentWatch(self.store, self.model_dir, report.stages), stop=self.stop,
+                             own_network=self.own_network)
 
     def _saved_deployment(self) -> tuple[StagePlacement, ...] | None:
         try:
@@ -457,7 +454,7 @@ class FleetFailover:
     def _spent(self) -> int:
         """The re-plans this run has spent of --max-failovers; -1 while the credit for a re-plan that rejoin's failure
         may cause is unspent (with --max-failovers 0 too, that re-plan is made)."""
-        return len(self.chains) - self.run_start + self.failed_replans - self._credit
+        return len(self.chains) - self.run_start + self.failed_replans - self._credit - self._own_network_replans
 
     def start_run(self) -> None:
         """A new run on the same chain (a chat's next reply): it gets the whole --max-failovers budget again, and
@@ -633,23 +630,16 @@ class FleetFailover:
 
     def _own_network_fault(self, error: ChainBroken) -> str | None:
         """Where the controller's own link to a stage died (the controller's observation, not an agent's word) while
-        the interface that carried it lost its link or the address it ran from: what happened, in words; else None.
+        the interface that carried it lost its link or the address it ran from (ChainError.own_fault, which the chain
+        asked as the link died): what happened, in words; else None.
         A drop of the controller's own network named the stage whose link died first, and the failover kept it once
         a run: a second drop in the run left that healthy PC out (an exploratory test's laptop controller)."""
-        if not isinstance(error, ChainError) or error.agent_id is None or error.local_host is None:
+        if not isinstance(error, ChainError) or error.agent_id is None or error.own_fault is None:
             return None
-        if error.own_address_gone is not None:
-            what = f"this PC lost its address {error.own_address_gone}, which the link ran from"
-        else:
-            fault = None if self.own_network is None else \
-                self.own_network.fault_under(error.local_host, error.failed_at - OWN_FAULT_LEAD_S, error.failed_at)
-            if fault is None:
-                return None
-            what = fault.describe(error.failed_at)
         free = "the re-plan spends no failover" if self._own_network_replans < OWN_NETWORK_FREE_REPLANS else \
             f"the re-plan spends a failover ({OWN_NETWORK_FREE_REPLANS} such re-plans in this run were free)"
-        return (f"the link to {self._name(error.agent_id)} died as this PC's own network failed under it ({what}): "
-                f"no PC is blamed, and {free}")
+        return (f"the link to {self._name(error.agent_id)} died as this PC's own network failed under it "
+                f"({error.own_fault}): no PC is blamed, and {free}")
 
     def _name(self, agent_id: str) -> str:
         return agent_label(agent_id, self.hostnames)

@@ -47,6 +47,7 @@ from deskfleet.controller.fleet_deploy import (
     model_id_of,
 )
 from deskfleet.controller.fleet_store import FleetStore, agent_label
+from deskfleet.controller.own_network import OwnNetworkWatch
 
 log = logging.getLogger(__name__)
 
@@ -67,22 +68,17 @@ class ChainError(ChainBroken):
     stage's link carried the Error that named `agent_id` (it blamed itself, its next hop, or relayed an earlier
     stage's blame); None for what the controller saw itself (a link closed, a dial failed). `stages`: the chain
     that broke, where known. The failover checks an agent's word before it leaves a PC out
-    (controller/fleet_failover.py, FleetFailover._check_blame). `local_host`: where the controller's own link to
-    `agent_id` died, the address its end ran from (Link.local_host), which the failover asks whether this PC's own
-    network failed under it (own_network), and `own_address_gone` that address where this PC no longer had it as the
-    link died (LinkError.own_address_gone); `failed_at`: time.monotonic() as the error was made."""
+    (controller/fleet_failover.py, FleetFailover._check_blame). `own_fault`: where the controller's own link to
+    `agent_id` died as this PC's own network failed under it (the address it ran from lost, or its interface's link:
+    FleetPipeline's own_network, asked as it died), that fault in words: no PC is to blame."""
 
     def __init__(self, message: str, agent_id: str | None = None, reported_by: str | None = None,
-                 stages: Sequence[StagePlacement] = (), local_host: str | None = None,
-                 own_address_gone: str | None = None) -> None:
+                 stages: Sequence[StagePlacement] = (), own_fault: str | None = None) -> None:
         super().__init__(message)
         self.agent_id = agent_id
         self.reported_by = reported_by if agent_id is not None else None
         self.stages = tuple(stages)
-        observed = agent_id is not None and reported_by is None  # the controller's own link, not an agent's word
-        self.local_host = local_host if observed else None
-        self.own_address_gone = own_address_gone if observed else None
-        self.failed_at = time.monotonic()
+        self.own_fault = own_fault if agent_id is not None and reported_by is None else None
 
 
 class DeploymentReplaced(ChainError):
@@ -139,14 +135,15 @@ class FleetPipeline:
     (fleet_deploy.DeploymentWatch) says whether the deployment on record no longer places these stages: submit()
     and a collect() that waits then fail the chain at once, blaming no one, and the run's failover goes on on the new
     deployment. `stop` (a server's, set as it stops): the opening and a collect() that waits give up at once
-    with Stopped.
+    with Stopped. `own_network` (own_network.shared_watch()): asked, as a stage's link dies, whether this PC's own
+    network failed under it (ChainError.own_fault).
     """
 
     def __init__(self, stages: Sequence[StagePlacement], files: TlsFiles,
                  revocations: RevocationSource = no_revocations, addresses: Sequence[str] | None = None,
                  step_timeout_s: float = STEP_TIMEOUT_S, return_logits: bool = False, model_id: str = "",
                  hostnames: Mapping[str, str] | None = None, replaced: Callable[[], bool] | None = None,
-                 stop: StopSignal | None = None) -> None:
+                 stop: StopSignal | None = None, own_network: OwnNetworkWatch | None = None) -> None:
         if not stages:
             raise ChainError("the deployment has no stages")
         self.stages = tuple(stages)
@@ -161,6 +158,7 @@ class FleetPipeline:
         self.hostnames = dict(hostnames or {})
         self.replaced = replaced
         self._stop = stop
+        self.own_network = own_network
         self._first_id = secrets.randbelow(_REGIONS) * _REGION_IDS  # this driver's range of wire ids
         bases = itertools.count(secrets.randbelow(_REGION_BASES))
         self._ids = ChainIds(_ID_SPAN, lambda: self._first_id + next(bases) % _REGION_BASES * _ID_SPAN)
@@ -416,15 +414,14 @@ class FleetPipeline:
             try:
                 await first.send(item)
             except LinkError as error:
-                raise self._stage_error(0, _link_failure(error), first.local_host, error.own_address_gone) from None
+                raise self._stage_error(0, _link_failure(error), first, error) from None
 
     async def _receive(self, index: int, link: Link) -> None:
         while True:
             try:
                 message = await link.receive()
             except LinkError as error:
-                raise self._stage_error(index, _link_failure(error), link.local_host,
-                                        error.own_address_gone) from None
+                raise self._stage_error(index, _link_failure(error), link, error) from None
             if isinstance(message, ForwardResult):
                 self._results.put((time.perf_counter(), message))
             elif isinstance(message, Error):
@@ -492,11 +489,24 @@ class FleetPipeline:
         return (f"stage {index} [{stage.layer_start}:{stage.layer_end}] on "
                 f"{agent_label(stage.agent_id, self.hostnames)} at {self.addresses[index]}")
 
-    def _stage_error(self, index: int, text: str, local_host: str | None = None,
-                     own_address_gone: str | None = None) -> ChainError:
-        """Stage `index` failed (`text` says how); where its link died, `local_host` is the address this end of it
-        ran from, and `own_address_gone` that address where this PC had lost it (LinkError's)."""
+    def _stage_error(self, index: int, text: str, link: Link | None = None, error: LinkError | None = None
+                     ) -> ChainError:
+        """Stage `index` failed (`text` says how); where `link`, this end of its link, died of `error`, whether
+        this PC's own network failed under it is asked now: the watch forgets faults after a while, and an idle
+        server's chain may be found broken long after."""
         stage = self.stages[index]
         return ChainError(f"{agent_label(stage.agent_id, self.hostnames)} (stage {index}, layers [{stage.layer_start}:"
                           f"{stage.layer_end}]) at {self.addresses[index]}: {text}", stage.agent_id,
-                          stages=self.stages, local_host=local_host, own_address_gone=own_address_gone)
+                          stages=self.stages, own_fault=self._own_fault(link, error))
+
+    def _own_fault(self, link: Link | None, error: LinkError | None) -> str | None:
+        """The fault of this PC's own network that `link` died of (`error`), in words, or None: the address it ran
+        from lost (the link says so), or, where no close frame came from the peer (a peer that closed, or crashed
+        and reset it, is no network's fault), its interface's link or address lost just before (own_network)."""
+        if link is None or error is None or error.peer_closed:
+            return None
+        if error.own_address_gone is not None:
+            return f"this PC lost its address {error.own_address_gone}, which the link ran from"
+        if self.own_network is None or link.local_host is None:
+            return None
+        return self.own_network.explains_link_death(link.local_host, time.monotonic())

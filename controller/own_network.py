@@ -26,6 +26,12 @@ log = logging.getLogger(__name__)
 
 SAMPLE_S = 0.5  # how often the watch looks: shorter faults than this are ridden out by every link anyway
 KEEP_S = 300.0  # how long a fault, and an address no longer seen, is remembered
+# How long before a link's death a fault of this PC's own network explains it: a link dies within its keepalive's
+# ping interval and timeout, and its close's wait, of a drop (agent/link.py: 5 + 10 + 2 s)
+FAULT_LEAD_S = 20.0
+# A fault over before the link died explains it only where it lasted this long: links ride out shorter drops (their
+# resends), and a Wi-Fi's roaming blip 19 s before a PC crashed excused the crash (from a review)
+MIN_FAULT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -98,38 +104,56 @@ class OwnNetworkWatch:
         now = self._clock()
         present: set[str] = set()
         with self._lock:
-            for interface, entries in found.items():
+            for label, entries in found.items():
+                # psutil lists a labelled IPv4 address (`ip addr add ... label eth0:1`) under its label, and its
+                # interface's stats under the interface's name: the label read as an interface always down (review)
+                interface = label.split(":", 1)[0]
                 for entry in entries:
                     if entry.family not in (socket.AF_INET, socket.AF_INET6):
                         continue
                     address = _plain_ip(str(entry.address))
-                    if address is not None:
+                    # no link runs from a link-local address (every container's veth has one: they came and went)
+                    if address is not None and not ipaddress.ip_address(address).is_link_local:
                         present.add(address)
                         self._where[address] = (interface, now)
             for address, (interface, seen) in list(self._where.items()):
                 if address not in present and now - seen > KEEP_S:
                     del self._where[address]
+                    self._open.pop((interface, address), None)
                     continue
                 self._track((interface, address), address not in present, now)
-            for interface in {interface for interface, _ in self._where.values()}:
+            known = {interface for interface, _ in self._where.values()}
+            for interface in known:
                 state = stats.get(interface)
-                self._track((interface, None), state is None or not state.isup, now)
+                if state is not None:  # not listed: not known (an interface gone shows as its addresses lost)
+                    self._track((interface, None), not state.isup, now)
+            for key in [key for key in self._open if key[1] is None and key[0] not in known]:
+                del self._open[key]
             self._faults = [fault for fault in self._faults if fault.ended is not None and now - fault.ended <= KEEP_S]
 
     def fault_under(self, local_host: str, since: float, until: float) -> NetworkFault | None:
         """The first fault between `since` and `until` (time.monotonic()) of the interface that carries `local_host`
-        (a link's own end: Link.local_host), or of that address itself; None where there was none, or where this
-        watch never saw that address on an interface (loopback included: it never fails)."""
+        (a link's own end: Link.local_host), or of that address itself, that could have broken a link: still on at
+        `until`, or lasting MIN_FAULT_S at least; None where there was none, or where this watch never saw that
+        address on an interface (loopback included: it never fails)."""
         address = _plain_ip(local_host)
         with self._lock:
             where = self._where.get(address) if address is not None else None
             if where is None:
                 return None
             interface = where[0]
-            faults = [*self._faults, *(NetworkFault(key[0], key[1], began, None) for key, began in self._open.items())]
+            faults = [*self._faults, *(NetworkFault(key[0], key[1], began, None) for key, began in self._open.items()
+                                       if key[0] == interface)]
         under = [fault for fault in faults if fault.interface == interface and fault.address in (None, address)
-                 and fault.began <= until and (fault.ended is None or fault.ended >= since)]
+                 and fault.began <= until and (fault.ended is None or fault.ended >= since)
+                 and (fault.ended is None or fault.ended >= until or fault.ended - fault.began >= MIN_FAULT_S)]
         return min(under, key=lambda fault: fault.began, default=None)
+
+    def explains_link_death(self, local_host: str, died_at: float) -> str | None:
+        """In words, the fault of this PC's own network that explains the death of a link whose end ran from
+        `local_host` at `died_at` (time.monotonic()), one within FAULT_LEAD_S before it; None where none does."""
+        fault = self.fault_under(local_host, died_at - FAULT_LEAD_S, died_at)
+        return None if fault is None else fault.describe(died_at)
 
     def _track(self, key: tuple[str, str | None], faulty: bool, now: float) -> None:
         began = self._open.get(key)

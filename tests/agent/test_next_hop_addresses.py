@@ -274,14 +274,16 @@ def test_an_address_on_an_interface_that_went_down_is_not_kept(monkeypatch: pyte
         "eth0": [SimpleNamespace(family=socket.AF_INET, address="10.62.0.30"),
                  SimpleNamespace(family=psutil.AF_LINK, address="00:11:22:33:44:55")],
         "wlan0": [SimpleNamespace(family=socket.AF_INET6, address="fd63::30"),
-                  SimpleNamespace(family=socket.AF_INET6, address="fe80::1%wlan0")]})
+                  SimpleNamespace(family=socket.AF_INET6, address="fe80::1%wlan0")],
+        "eth0:1": [SimpleNamespace(family=socket.AF_INET, address="10.62.0.31")]})  # a labelled address: on eth0
     up = {"eth0": True, "wlan0": True}
     monkeypatch.setattr(psutil, "net_if_stats", lambda: {name: SimpleNamespace(isup=state)
                                                          for name, state in up.items()})
     assert advertise.on_an_up_interface("10.62.0.30") and advertise.on_an_up_interface("fe80::1")
-    assert not advertise.on_an_up_interface("10.62.0.31")
+    assert advertise.on_an_up_interface("10.62.0.31") and not advertise.on_an_up_interface("10.62.0.32")
     up["eth0"] = False
     assert not advertise.on_an_up_interface("10.62.0.30") and advertise.on_an_up_interface("fd63::30")
+    assert not advertise.on_an_up_interface("10.62.0.31")
 
 
 def test_an_agent_reports_the_ip_families_it_dials_over(tmp_path: Path) -> None:
