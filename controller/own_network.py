@@ -5,8 +5,9 @@ A fleet run's driver sees a stage's link die and names that stage; where the con
 longer than the links ride out (~10 s), every PC of the chain was healthy. The failover kept the named PC once a run,
 so a second such drop in one run left a healthy PC out (an exploratory test's laptop controller). A watch samples
 this PC's interfaces (psutil: `isup` is the running flag, the carrier, on Linux; the operational status on Windows)
-and tells the failover whether the link's own end failed while the link died. A drop upstream of this PC (a switch
-between it and the office) leaves no trace here and is still taken for the stage's.
+and tells the chain, as a link of its dies, whether the link's own end failed just before (FleetPipeline._own_fault,
+ChainError.own_fault, which the failover reads). A drop upstream of this PC (a switch between it and the office, or
+under a VPN interface that stays up) leaves no trace here and is still taken for the stage's.
 """
 
 from __future__ import annotations
