@@ -80,6 +80,7 @@ from deskfleet.common.wire import (
 from deskfleet.controller.fleet_ca import Revocations
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, RosterEntry, agent_label
 from deskfleet.controller.fleet_survey import NO_ADDRESS, AgentView, Survey, links_of_no_shared_family
+from deskfleet.controller.own_network import LinkDeath
 
 log = logging.getLogger(__name__)
 
@@ -100,18 +101,22 @@ class DeployError(RuntimeError):
     """The deployment cannot go on; the message names the agent and the step. `code`: the agent's refusal;
     `agents`: the ids of the PCs whose failure it was (a link lost, no answer, a refusal), none where the fault
     is not a PC's (a damaged export, a plan that does not fit); `exclusion_reasons`: why the plan left PCs out, where no
-    plan could be made (a failover's remedy depends on it: a paused PC is resumed, not brought back).
+    plan could be made (a failover's remedy depends on it: a paused PC is resumed, not brought back); `death`: where
+    the failure was a link's to that PC dying, how (own_network.LinkDeath: the failover asks whether this PC's own
+    network failed under it).
     `failed_run`: the run failed (a PC, a plan the PCs cannot hold, another deploy running, the record not
     written), not what the user gave (an export, the controller's files): `fleet deploy` exits 1 for the one, 2 for
     the other, as `generate` does. A PC's failure (`agents`) is always a failed run."""
 
     def __init__(self, message: str, code: ErrorCode | None = None, agents: frozenset[str] = frozenset(),
-                 exclusion_reasons: frozenset[ExclusionReason] = frozenset(), failed_run: bool = False) -> None:
+                 exclusion_reasons: frozenset[ExclusionReason] = frozenset(), failed_run: bool = False,
+                 death: LinkDeath | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.agents = agents
         self.exclusion_reasons = exclusion_reasons
         self.failed_run = failed_run or bool(agents)
+        self.death = death
 
 
 class NotPlaced(DeployError):
@@ -1098,7 +1103,8 @@ async def _deploy_stage(link: Link, model_dir: Path, assignment: AssignStage, se
                     raise
                 log.warning("agent %s: %s; sending what it dropped again", agent_id[:12], error)
     except LinkError as error:
-        raise DeployError(f"agent {agent_id[:12]} at {link.address}: {error}", agents=frozenset({agent_id})) from None
+        raise DeployError(f"agent {agent_id[:12]} at {link.address}: {error}", agents=frozenset({agent_id}),
+                          death=LinkDeath.of(link, error)) from None
     except DeployError as error:
         named = _name_shards(str(error), by_sha)
         if named == str(error):

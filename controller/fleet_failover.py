@@ -81,7 +81,7 @@ from deskfleet.controller.fleet_pipeline import ChainError, DeploymentReplaced, 
 from deskfleet.controller.fleet_runs import others_driving
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError, agent_label
 from deskfleet.controller.fleet_survey import AgentView, Survey, SurveyOptions, survey, survey_through_outage
-from deskfleet.controller.own_network import OwnNetworkWatch
+from deskfleet.controller.own_network import OwnNetworkWatch, explain
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class FleetFailover:
         def record(chain: FleetPipeline | None) -> float:
             seconds = round(time.perf_counter() - started, 3)
             self.replans.append({
-                "error": str(error), "lost_agent": self._left_out, "blamed_agent": agent_id,
+                "error": str(error), "lost_agent": self._left_out, "blamed_agent": blamed,
                 "blame_check": self._verdict, "seconds": seconds, "cut_short": cut_short,
                 "stages": [[stage.agent_id, stage.layer_start, stage.layer_end] for stage in chain.stages]
                 if chain is not None else [],
@@ -531,6 +531,23 @@ class FleetFailover:
         except (DeployError, ChainError) as failure:
             failed = failure.agents if isinstance(failure, DeployError) else \
                 frozenset({failure.agent_id} if failure.agent_id is not None else ())
+            own = explain(self.own_network, failure.death) if isinstance(failure, DeployError) else failure.own_fault
+            if failed - self.lost and own is not None:
+                # this PC's own network failed under the re-plan (a laptop's Wi-Fi dropped again as it deployed):
+                # no PC is lost for it; healthy PCs were, and a run ended on one PC (from an exploratory test)
+                free = self._own_network_replans < OWN_NETWORK_FREE_REPLANS
+                self.failed_replans += 1
+                self._own_network_replans += free
+                cut_short.append(str(failure))
+                replans = self._spent()
+                if replans < self.max_failovers:
+                    self.notify(f"{self._broke} ({error}); while re-planning, {failure}; that link died as this PC's "
+                                f"own network failed under it ({own}): no PC is blamed, and the re-plan is made "
+                                f"again{'' if free else ', spending a failover'}")
+                    return None
+                raise FailoverError(f"{error}; while re-planning, {failure}, as this PC's own network failed under "
+                                    f"it ({own}) (gave up: {replans} re-plan(s) already in this run, --max-failovers "
+                                    f"{self.max_failovers})") from error
             if failed - self.lost:  # a PC failed while the chain was made: re-planned without it, budget allowing
                 for agent_id in failed:
                     self._lose(agent_id)
@@ -636,8 +653,8 @@ class FleetFailover:
         a run: a second drop in the run left that healthy PC out (an exploratory test's laptop controller)."""
         if not isinstance(error, ChainError) or error.agent_id is None or error.own_fault is None:
             return None
-        free = "the re-plan spends no failover" if self._own_network_replans < OWN_NETWORK_FREE_REPLANS else \
-            f"the re-plan spends a failover ({OWN_NETWORK_FREE_REPLANS} such re-plans in this run were free)"
+        free = "no failover is spent on it" if self._own_network_replans < OWN_NETWORK_FREE_REPLANS else \
+            f"a failover is spent on it ({OWN_NETWORK_FREE_REPLANS} such breaks in this run were free)"
         return (f"the link to {self._name(error.agent_id)} died as this PC's own network failed under it "
                 f"({error.own_fault}): no PC is blamed, and {free}")
 

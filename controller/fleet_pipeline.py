@@ -47,7 +47,7 @@ from deskfleet.controller.fleet_deploy import (
     model_id_of,
 )
 from deskfleet.controller.fleet_store import FleetStore, agent_label
-from deskfleet.controller.own_network import OwnNetworkWatch
+from deskfleet.controller.own_network import LinkDeath, OwnNetworkWatch, explain
 
 log = logging.getLogger(__name__)
 
@@ -500,13 +500,5 @@ class FleetPipeline:
                           stages=self.stages, own_fault=self._own_fault(link, error))
 
     def _own_fault(self, link: Link | None, error: LinkError | None) -> str | None:
-        """The fault of this PC's own network that `link` died of (`error`), in words, or None: the address it ran
-        from lost (the link says so), or, where no close frame came from the peer (a peer that closed, or crashed
-        and reset it, is no network's fault), its interface's link or address lost just before (own_network)."""
-        if link is None or error is None or error.peer_closed:
-            return None
-        if error.own_address_gone is not None:
-            return f"this PC lost its address {error.own_address_gone}, which the link ran from"
-        if self.own_network is None or link.local_host is None:
-            return None
-        return self.own_network.explains_link_death(link.local_host, time.monotonic())
+        """The fault of this PC's own network that `link` died of (`error`), in words, or None (own_network.explain)."""
+        return None if link is None or error is None else explain(self.own_network, LinkDeath.of(link, error))

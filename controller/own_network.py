@@ -23,15 +23,17 @@ from typing import Any
 
 import psutil
 
+from deskfleet.agent.link import Link, LinkError
+
 log = logging.getLogger(__name__)
 
 SAMPLE_S = 0.5  # how often the watch looks: shorter faults than this are ridden out by every link anyway
 KEEP_S = 300.0  # how long a fault, and an address no longer seen, is remembered
-# How long before a link's death a fault of this PC's own network explains it: a link dies within its keepalive's
-# ping interval and timeout, and its close's wait, of a drop (agent/link.py: 5 + 10 + 2 s)
-FAULT_LEAD_S = 20.0
-# A fault over before the link died explains it only where it lasted this long: links ride out shorter drops (their
-# resends), and a Wi-Fi's roaming blip 19 s before a PC crashed excused the crash (from a review)
+# A fault over before a link died explains its death only where it ended this little before (a link dies of its
+# keepalive while its network is down, and closes within CLOSE_TIMEOUT_S, 2 s, and a sample) and lasted this long:
+# links ride out shorter drops (their resends), and a drop they rode out, or a Wi-Fi's roaming blip, excused a PC that
+# crashed 15-20 s later (from a review and an exploratory test)
+ENDED_GRACE_S = 3.0
 MIN_FAULT_S = 3.0
 
 
@@ -50,6 +52,32 @@ class NetworkFault:
         ago = f"{max(0.0, now - self.began):.0f} s ago"
         back = "not back yet" if self.ended is None else f"back after {max(0.0, self.ended - self.began):.0f} s"
         return f"this PC's network interface {self.interface} {what} {ago}, {back}"
+
+
+@dataclass(frozen=True)
+class LinkDeath:
+    """How a link of this PC's died, kept where it died (a chain's step, a deploy) for the failover to weigh against
+    this PC's own network: `local_host` the address its end ran from, `own_address_gone` that address where this PC
+    had lost it, `peer_closed` whether the peer's close frame came, `at` when (time.monotonic())."""
+
+    local_host: str | None
+    own_address_gone: str | None
+    peer_closed: bool
+    at: float
+
+    @classmethod
+    def of(cls, link: Link, error: LinkError) -> LinkDeath:
+        return cls(link.local_host, error.own_address_gone, error.peer_closed, time.monotonic())
+
+
+def explain(watch: OwnNetworkWatch | None, death: LinkDeath | None) -> str | None:
+    """OwnNetworkWatch.explains, where there is a watch (without one, only the address the link told it lost)."""
+    if death is None:
+        return None
+    if watch is None:
+        return None if death.peer_closed or death.own_address_gone is None else \
+            f"this PC lost its address {death.own_address_gone}, which the link ran from"
+    return watch.explains(death)
 
 
 def _plain_ip(host: str) -> str | None:
@@ -132,10 +160,11 @@ class OwnNetworkWatch:
                 del self._open[key]
             self._faults = [fault for fault in self._faults if fault.ended is not None and now - fault.ended <= KEEP_S]
 
-    def fault_under(self, local_host: str, since: float, until: float) -> NetworkFault | None:
-        """The first fault between `since` and `until` (time.monotonic()) of the interface that carries `local_host`
-        (a link's own end: Link.local_host), or of that address itself, that could have broken a link: still on at
-        `until`, or lasting MIN_FAULT_S at least; None where there was none, or where this watch never saw that
+    def fault_under(self, local_host: str, died_at: float) -> NetworkFault | None:
+        """The fault of this PC's own network that explains the death at `died_at` (time.monotonic()) of a link
+        whose end ran from `local_host` (Link.local_host): one of the interface that carries that address, or of the
+        address itself, begun by then and still on then, or over within ENDED_GRACE_S before it after MIN_FAULT_S at
+        least (the one still on, else the latest over); None where none is, or where this watch never saw that
         address on an interface (loopback included: it never fails)."""
         address = _plain_ip(local_host)
         with self._lock:
@@ -146,15 +175,21 @@ class OwnNetworkWatch:
             faults = [*self._faults, *(NetworkFault(key[0], key[1], began, None) for key, began in self._open.items()
                                        if key[0] == interface)]
         under = [fault for fault in faults if fault.interface == interface and fault.address in (None, address)
-                 and fault.began <= until and (fault.ended is None or fault.ended >= since)
-                 and (fault.ended is None or fault.ended >= until or fault.ended - fault.began >= MIN_FAULT_S)]
-        return min(under, key=lambda fault: fault.began, default=None)
+                 and fault.began <= died_at and (fault.ended is None or fault.ended >= died_at or (
+                     fault.ended >= died_at - ENDED_GRACE_S and fault.ended - fault.began >= MIN_FAULT_S))]
+        return max(under, key=lambda fault: (fault.ended is None or fault.ended >= died_at, fault.ended or 0.0,
+                                             fault.began), default=None)
 
-    def explains_link_death(self, local_host: str, died_at: float) -> str | None:
-        """In words, the fault of this PC's own network that explains the death of a link whose end ran from
-        `local_host` at `died_at` (time.monotonic()), one within FAULT_LEAD_S before it; None where none does."""
-        fault = self.fault_under(local_host, died_at - FAULT_LEAD_S, died_at)
-        return None if fault is None else fault.describe(died_at)
+    def explains(self, death: LinkDeath) -> str | None:
+        """In words, the fault of this PC's own network that `death` came of, or None: the address the link ran
+        from lost (the link told it), or, where no close frame came from the peer (a peer that closed, or crashed
+        and reset it, is no network's fault), a fault of its interface as it died (fault_under)."""
+        if death.peer_closed:
+            return None
+        if death.own_address_gone is not None:
+            return f"this PC lost its address {death.own_address_gone}, which the link ran from"
+        fault = None if death.local_host is None else self.fault_under(death.local_host, death.at)
+        return None if fault is None else fault.describe(death.at)
 
     def _track(self, key: tuple[str, str | None], faulty: bool, now: float) -> None:
         began = self._open.get(key)

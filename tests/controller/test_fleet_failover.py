@@ -355,6 +355,7 @@ def test_a_deploy_that_a_pc_fails_names_that_pc_for_the_failover() -> None:
     class FakeLink:
         def __init__(self, agent_id: str, receive: Exception | object) -> None:
             self.peer, self.address, self._receive = SimpleNamespace(agent_id=agent_id), "10.0.0.9:7431", receive
+            self.local_host = "10.0.0.1"
 
         async def send(self, message: object) -> None:
             raise LinkError("the link closed")
