@@ -452,8 +452,9 @@ class FleetFailover:
             replaced.close()
 
     def _spent(self) -> int:
-        """The re-plans this run has spent of --max-failovers; -1 while the credit for a re-plan that rejoin's failure
-        may cause is unspent (with --max-failovers 0 too, that re-plan is made)."""
+        """The re-plans this run has spent of --max-failovers, less those this PC's own network made it (free up to
+        OWN_NETWORK_FREE_REPLANS); -1 while the credit for a re-plan that rejoin's failure may cause is unspent (with
+        --max-failovers 0 too, that re-plan is made)."""
         return len(self.chains) - self.run_start + self.failed_replans - self._credit - self._own_network_replans
 
     def start_run(self) -> None:
