@@ -71,13 +71,15 @@ class LinkDeath:
 
 
 def explain(watch: OwnNetworkWatch | None, death: LinkDeath | None) -> str | None:
-    """OwnNetworkWatch.explains, where there is a watch (without one, only the address the link told it lost)."""
-    if death is None:
+    """In words, the fault of this PC's own network that `death` came of, or None: the address the link ran from lost
+    (the link told it), or, where no close frame came from the peer (a peer that closed, or crashed and reset it, is
+    no network's fault), a fault of its interface as it died (`watch`'s fault_under; without a watch, none)."""
+    if death is None or death.peer_closed:
         return None
-    if watch is None:
-        return None if death.peer_closed or death.own_address_gone is None else \
-            f"this PC lost its address {death.own_address_gone}, which the link ran from"
-    return watch.explains(death)
+    if death.own_address_gone is not None:
+        return f"this PC lost its address {death.own_address_gone}, which the link ran from"
+    fault = None if watch is None or death.local_host is None else watch.fault_under(death.local_host, death.at)
+    return None if fault is None else fault.describe(death.at)
 
 
 def _plain_ip(host: str) -> str | None:
@@ -179,17 +181,6 @@ class OwnNetworkWatch:
                      fault.ended >= died_at - ENDED_GRACE_S and fault.ended - fault.began >= MIN_FAULT_S))]
         return max(under, key=lambda fault: (fault.ended is None or fault.ended >= died_at, fault.ended or 0.0,
                                              fault.began), default=None)
-
-    def explains(self, death: LinkDeath) -> str | None:
-        """In words, the fault of this PC's own network that `death` came of, or None: the address the link ran
-        from lost (the link told it), or, where no close frame came from the peer (a peer that closed, or crashed
-        and reset it, is no network's fault), a fault of its interface as it died (fault_under)."""
-        if death.peer_closed:
-            return None
-        if death.own_address_gone is not None:
-            return f"this PC lost its address {death.own_address_gone}, which the link ran from"
-        fault = None if death.local_host is None else self.fault_under(death.local_host, death.at)
-        return None if fault is None else fault.describe(death.at)
 
     def _track(self, key: tuple[str, str | None], faulty: bool, now: float) -> None:
         began = self._open.get(key)

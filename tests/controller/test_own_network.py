@@ -108,19 +108,21 @@ def test_a_blip_shorter_than_links_ride_out_or_long_over_explains_no_link_death(
     watch.sample()
     pc.now, pc.up["eth0"] = 110.5, True
     watch.sample()
-    assert watch.explains(_death(111.0)) is None
+    assert own_network.explain(watch, _death(111.0)) is None
     pc.now, pc.up["eth0"] = 120.0, False
     watch.sample()
     pc.now, pc.up["eth0"] = 125.0, True
     watch.sample()
-    assert watch.explains(_death(140.0)) is None
+    assert own_network.explain(watch, _death(140.0)) is None
     pc.now, pc.up["eth0"] = 150.0, False  # still down as the link dies: however short so far, it counts
     watch.sample()
-    assert watch.explains(_death(150.2)) == "this PC's network interface eth0 lost its link 0 s ago, not back yet"
+    assert own_network.explain(watch, _death(150.2)) == "this PC's network interface eth0 lost its link 0 s ago, " \
+                                                       "not back yet"
     # the peer's close frame came: the peer closed it, whatever this PC's network did
-    assert watch.explains(_death(150.2, peer_closed=True)) is None
-    assert watch.explains(_death(150.2, gone=HERE)) == f"this PC lost its address {HERE}, which the link ran from"
-    assert own_network.explain(None, _death(150.2, gone=HERE)) == watch.explains(_death(150.2, gone=HERE))
+    assert own_network.explain(watch, _death(150.2, peer_closed=True)) is None
+    gone = f"this PC lost its address {HERE}, which the link ran from"
+    assert own_network.explain(watch, _death(150.2, gone=HERE)) == gone  # the link told it: no watch needed
+    assert own_network.explain(None, _death(150.2, gone=HERE)) == gone
     assert own_network.explain(None, _death(150.2)) is None and own_network.explain(watch, None) is None
 
 
