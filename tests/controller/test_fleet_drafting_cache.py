@@ -62,9 +62,10 @@ def test_an_unreadable_deployment_is_left_to_opening_the_chain(
 class _Failover:
     checked: ClassVar[list[bool]] = []  # the drafting flag of every cache check
 
-    def __init__(self, *args: object, drafting: bool = False, **kwargs: object) -> None:
+    def __init__(self, *args: object, drafting: bool = False, own_network: object = None, **kwargs: object) -> None:
         self.drafting = drafting
         self.model_id: str | None = None  # the run is not counted among those driving the model
+        self.own_network = own_network
 
     def check_cache(self) -> None:
         _Failover.checked.append(self.drafting)

@@ -4,6 +4,7 @@ healthy PC once a run, so a second drop in the run left it out (from an explorat
 
 from __future__ import annotations
 
+import logging
 import socket
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ from deskfleet.controller.fleet_pipeline import ChainError, FleetPipeline
 from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.own_network import LinkDeath, NetworkFault, OwnNetworkWatch
 from tests.controller.test_review_blame import CHAIN, A, B, C, scripted_failover
+from tests.log_records import records_of
 
 HERE = "10.0.0.100"  # the controller's address on eth0
 
@@ -147,19 +149,20 @@ def test_a_labelled_address_is_watched_on_its_interface_and_link_local_ones_not_
     assert watch._open == {} and set(watch._where) == {"127.0.0.1", "10.1.0.7"}
 
 
-def test_a_watch_that_cannot_read_the_interfaces_says_so_once_and_knows_no_fault(
-        caplog: pytest.LogCaptureFixture) -> None:
+def test_a_watch_that_cannot_read_the_interfaces_says_so_once_and_knows_no_fault() -> None:
     pc = _Interfaces()
     watch = pc.watch()
     watch.sample()
     pc.failing = PermissionError(13, "Permission denied")
     pc.up["eth0"] = False
-    for now in (110.0, 111.0):
-        pc.now = now
-        watch.sample()
+    with records_of(own_network.__name__, logging.WARNING) as records:
+        for now in (110.0, 111.0):
+            pc.now = now
+            watch.sample()
     assert watch.fault_under(HERE, 120.0) is None
-    said = [record.getMessage() for record in caplog.records if record.name == own_network.__name__]
-    assert len(said) == 1 and "cannot read this PC's network interfaces" in said[0]
+    said = [text for text in records.messages() if "Permission denied" in text]  # the process's own watch aside
+    assert said == ["cannot read this PC's network interfaces ([Errno 13] Permission denied): a dropped network of "
+                    "its own is not told from a PC's failure until they can be read"]
 
 
 def test_the_shared_watch_is_one_running_watch() -> None:
