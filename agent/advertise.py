@@ -34,6 +34,7 @@ from zeroconf import IPVersion, NonUniqueNameException
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 from deskfleet.common.discovery_record import AgentRecord, ControllerRecord
+from deskfleet.common.log_limit import as_one_line
 from deskfleet.common.wire import ProtocolError, ip_families, listens_everywhere, parse_address
 
 logger = logging.getLogger(__name__)
@@ -205,11 +206,9 @@ class _GoneAddressSocketLog(logging.Filter):
         error = record.exc_info[1] if record.exc_info else None
         if isinstance(error, OSError) and error.errno in _ADDRESS_GONE_ERRNOS and \
                 str(record.msg).startswith("Error with socket"):
-            record.msg, record.args = f"{record.getMessage()}: this PC lost that address, or its route (mDNS " \
-                                      "sends again at its next announcement)", ()
-            record.exc_info = record.exc_text = None
-            record.levelno = min(record.levelno, logging.INFO)  # zeroconf says a repeat at DEBUG
-            record.levelname = logging.getLevelName(record.levelno)
+            # zeroconf says a repeat at DEBUG, which stays
+            as_one_line(record, "this PC lost that address, or its route (mDNS sends again at its next announcement)",
+                        logging.INFO)
         return True
 
 

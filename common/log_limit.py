@@ -1,11 +1,13 @@
 """Rate-limited log lines: a line that many peers repeat (a host reopening refused joins, PCs not upgraded yet
-retrying every 30 s) is a warning once a while for each of them, and a debug line between.
+retrying every 30 s) is a warning once a while for each of them, and a debug line between; and a library's record
+made one line (as_one_line), where its traceback told nothing an admin acts on.
 
 Pure code, its clock injectable for tests.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Hashable
 
@@ -30,3 +32,12 @@ class LogEvery:
             self._said.clear()
         self._said[key] = now
         return True
+
+
+def as_one_line(record: logging.LogRecord, added: str, max_level: int) -> None:
+    """`record` (a logging filter's) as one line, its message then `added`, with no traceback, at `max_level` at most
+    (a lower level stays)."""
+    record.msg, record.args = f"{record.getMessage()}: {added}", ()
+    record.exc_info = record.exc_text = None
+    record.levelno = min(record.levelno, max_level)
+    record.levelname = logging.getLevelName(record.levelno)

@@ -25,6 +25,7 @@ from typing import Any, cast
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from deskfleet.common.log_limit import as_one_line
 from deskfleet.common.logprobs import TokenLogprob
 from deskfleet.common.model_spec import ModelSpec
 from deskfleet.common.speculative import SamplingParams
@@ -736,18 +737,10 @@ class _MalformedRequestLog(logging.Filter):
         error = record.exc_info[1] if record.exc_info else None
         if isinstance(error, web.RequestPayloadError):  # the rest of a body its Content-Encoding cannot decode,
             # read by aiohttp after the 400 went (a traceback at ERROR a request, no key needed)
-            _one_line(record, f"a request body that cannot be read ({error})")
+            as_one_line(record, f"a request body that cannot be read ({error})", logging.WARNING)
         elif isinstance(error, HttpProcessingError) and (error.code or 400) < 500:
-            _one_line(record, f"refused ({error.code} {error.message})")
+            as_one_line(record, f"refused ({error.code} {error.message})", logging.WARNING)
         return True
-
-
-def _one_line(record: logging.LogRecord, fault: str) -> None:
-    """`record` as one line naming the client's `fault`, with no traceback, at WARNING at most."""
-    record.msg, record.args = f"{record.getMessage()}: {fault}", ()
-    record.exc_info = record.exc_text = None
-    record.levelno = min(record.levelno, logging.WARNING)
-    record.levelname = logging.getLevelName(record.levelno)
 
 
 _MALFORMED_REQUESTS = _MalformedRequestLog()
