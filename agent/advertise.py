@@ -161,13 +161,18 @@ def on_an_up_interface(address: str) -> bool:
     Linux; the operational status on Windows)."""
     try:
         stats = psutil.net_if_stats()
-        # a labelled IPv4 address (`label eth0:1`) is listed under its label, its interface's stats under eth0
-        return any(entry.address.split("%", 1)[0] == address and (state := stats.get(label.split(":", 1)[0]))
+        return any(entry.address.split("%", 1)[0] == address and (state := stats.get(interface_of(label)))
                    is not None and state.isup
                    for label, entries in psutil.net_if_addrs().items() for entry in entries
                    if entry.family in (socket.AF_INET, socket.AF_INET6))
     except OSError:  # the interfaces cannot be read: nothing is kept that may be gone
         return False
+
+
+def interface_of(label: str) -> str:
+    """The interface that psutil's net_if_addrs() key `label` is on: a labelled IPv4 address (`ip addr add ... label
+    eth0:1`) is listed under its label, its interface's stats (net_if_stats()) under eth0 (from a review)."""
+    return label.split(":", 1)[0]
 
 
 def _ip_hosts(addresses: Sequence[str]) -> list[str]:

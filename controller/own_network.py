@@ -23,6 +23,7 @@ from typing import Any
 
 import psutil
 
+from deskfleet.agent.advertise import interface_of
 from deskfleet.agent.link import Link, LinkError
 
 log = logging.getLogger(__name__)
@@ -136,9 +137,7 @@ class OwnNetworkWatch:
         present: set[str] = set()
         with self._lock:
             for label, entries in found.items():
-                # psutil lists a labelled IPv4 address (`ip addr add ... label eth0:1`) under its label, and its
-                # interface's stats under the interface's name: the label read as an interface always down (review)
-                interface = label.split(":", 1)[0]
+                interface = interface_of(label)  # a label read as an interface always down (from a review)
                 for entry in entries:
                     if entry.family not in (socket.AF_INET, socket.AF_INET6):
                         continue
