@@ -17,15 +17,26 @@ from pathlib import Path
 REPLACE_RETRY_S = 2.0
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
     """Write `path` whole or not at all, mode 0600 (tempfile's default); the old file stays on failure.
+
+    `durable=False` leaves out the syncs to disk: for a file rewritten every few seconds that only shows what is
+    now (the agent's status for its tray), which a power cut may lose, but which must not wake the disk each time.
 
     A symbolic link is written through: its target is replaced, keeping the target's mode, and the link stays
     (the rename replaced the link with a file, and a file an admin had linked to a managed copy, or `--json-out`
     given a link, came apart from it). Anything else that is not a regular file (a FIFO, a device such as
     /dev/null, a folder) is refused with OSError and left as it is: the rename replaced it, and as root even
     /dev/full became a file."""
-    write_atomic_together([(path, data)])
+    if durable:
+        write_atomic_together([(path, data)])
+        return
+    temporary, target = _staged(path, data, durable=False)
+    try:
+        _replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
 
 
 def write_atomic_together(files: Sequence[tuple[Path, bytes]]) -> None:
@@ -48,9 +59,9 @@ def write_atomic_together(files: Sequence[tuple[Path, bytes]]) -> None:
         sync_folder(folder)
 
 
-def _staged(path: Path, data: bytes) -> tuple[str, Path]:
-    """`data` written and synced to a temporary sibling of where `path` is written (see write_atomic), with the
-    mode it will have; (the temporary file, its target)."""
+def _staged(path: Path, data: bytes, durable: bool = True) -> tuple[str, Path]:
+    """`data` written and synced (unless not `durable`) to a temporary sibling of where `path` is written (see
+    write_atomic), with the mode it will have; (the temporary file, its target)."""
     linked = path.is_symlink()
     path = regular_file_target(path)
     mode = stat.S_IMODE(path.stat().st_mode) if linked and path.exists() else None
@@ -60,7 +71,8 @@ def _staged(path: Path, data: bytes) -> tuple[str, Path]:
         with os.fdopen(descriptor, "wb") as stream:
             stream.write(data)
             stream.flush()
-            os.fsync(stream.fileno())
+            if durable:
+                os.fsync(stream.fileno())
         if mode is not None:
             os.chmod(temporary, mode)
     except BaseException:

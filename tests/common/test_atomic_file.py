@@ -48,6 +48,27 @@ def test_the_folder_is_synced_after_the_rename_so_the_new_name_survives_a_power_
     assert len(synced) == 2 and synced[-1] in (str(tmp_path), "?")  # the file's data, then the folder's entry
 
 
+def test_a_write_that_need_not_last_syncs_nothing_and_still_appears_whole(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # the agent's status for its tray is rewritten every few seconds: a sync each time kept a laptop's disk awake
+    synced: list[int] = []
+    monkeypatch.setattr(atomic_file.os, "fsync", synced.append)
+    target = tmp_path / "status.json"
+    target.write_bytes(b"old")
+    write_atomic(target, b"new", durable=False)
+    assert target.read_bytes() == b"new" and synced == []
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]
+
+    def refused(source: str, target: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(atomic_file.os, "replace", refused)
+    with pytest.raises(OSError, match="No space"):
+        write_atomic(target, b"newer", durable=False)
+    assert target.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["status.json"]
+
+
 def test_a_folder_that_cannot_be_synced_does_not_fail_the_write(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     real_fsync = os.fsync
