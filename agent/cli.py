@@ -282,10 +282,11 @@ def _settings_problems(paths: AgentPaths) -> list[str]:
 
 def _pause(args: argparse.Namespace, paused: bool) -> int:
     """The employee's opt-out (agent/opt_out.py): the running agent reads it within a few seconds."""
-    from deskfleet.agent.enroll import Membership, agent_tls_files, removed_seen
+    from deskfleet.agent.enroll import Membership, agent_tls_files
     from deskfleet.agent.link import utc_now
     from deskfleet.agent.opt_out import read_opt_out, write_opt_out
     from deskfleet.agent.paths import AgentPaths, SettingsError, load_settings
+    from deskfleet.agent.standing import removed_seen
 
     paths = AgentPaths.resolve(args.data_dir)
     # the agent's own data dir, not a mistyped one: a pause nobody reads must not look like one that works

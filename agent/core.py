@@ -54,7 +54,7 @@ from deskfleet.agent.speed_probe import SpeedMeasurement
 from deskfleet.agent.stage import CompileSettings, LayerRange, Stage
 from deskfleet.agent.stage import Precision as StagePrecision
 from deskfleet.agent.stage_executor import StageExecutor
-from deskfleet.agent.status import make_status
+from deskfleet.agent.status import AgentStatus, PauseSource, make_status
 from deskfleet.common import pki
 from deskfleet.common.agent_state import AgentState
 from deskfleet.common.atomic_file import write_atomic
@@ -415,7 +415,8 @@ class AgentCore:
             return None
         raise CommandError(ErrorCode.BAD_MESSAGE, f"an agent does not act on {type(message).__name__}")
 
-    async def status(self) -> StatusReport:
+    async def local_status(self) -> AgentStatus:
+        """This PC's status now, as the tray shows it (status_file.py) and `status` reports it."""
         reading = await self._read_monitor()
         policy = self.policy()
         snapshot = make_status(reading, policy, tuple(self.stages), self.cache.usage(), self.last_error, time.time())
@@ -423,7 +424,10 @@ class AgentCore:
         # refused the shard cache's writes, then the limits' numbers (the wire keeps MAX_STATUS_DETAIL characters:
         # what is cut is the end, and the numbers are what the reasons also say)
         parts = (f"paused {self.paused_by()}" if policy.paused else "", self.cache_health.note(), snapshot.detail)
-        snapshot = replace(snapshot, detail="; ".join(part for part in parts if part))
+        return replace(snapshot, detail="; ".join(part for part in parts if part))
+
+    async def status(self) -> StatusReport:
+        snapshot = await self.local_status()
         if self._speed is None and self._speed_probe is not None:
             if self._speed_measuring is None:
                 self._speed_measuring = asyncio.ensure_future(asyncio.to_thread(self._speed_probe))
@@ -887,10 +891,21 @@ class AgentCore:
             return False
         return bool(self.stages) or not await self.unavailable_now()
 
-    def paused_by(self) -> str:
+    def pause_source(self) -> PauseSource | None:
+        """Who keeps this PC out of the fleet now; None when nobody does."""
         if self.settings.paused:
+            return PauseSource.SETTINGS
+        opt_out = self._opt_out.read()
+        if opt_out.problem is not None:  # not the employee's wish: the admin must see the file is bad
+            return PauseSource.UNREADABLE_OPT_OUT
+        return PauseSource.USER if opt_out.paused else None
+
+    def paused_by(self) -> str:
+        """Who paused this PC, in words (for a PC that is paused)."""
+        source = self.pause_source()
+        if source is PauseSource.SETTINGS:
             return "in its settings (paused: true)"
-        if self._opt_out.read().problem is not None:  # not the employee's wish: the admin must see the file is bad
+        if source is PauseSource.UNREADABLE_OPT_OUT:
             return (f"as its {OPT_OUT_FILE} cannot be read (this agent's log says why; "
                     "`deskfleet-agent resume` or `pause` writes it anew)")
         return "by its user, until `deskfleet-agent resume`"

@@ -34,6 +34,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from websockets.frames import CloseCode
 
 from deskfleet.agent.link import ENROLLMENT_MAX_FRAME_BYTES, SOFTWARE_VERSION, TlsFiles, utc_now, websocket_options
+from deskfleet.agent.standing import MEMBERSHIP_FILE, forget_removed
 from deskfleet.common import join_tokens, pki, tls
 from deskfleet.common.atomic_file import write_atomic, write_atomic_together
 from deskfleet.common.wire import (
@@ -53,10 +54,6 @@ from deskfleet.common.wire import (
 
 log = logging.getLogger(__name__)
 
-MEMBERSHIP_FILE = "membership.json"
-# in the state folder: written when the controller refused this PC as removed (agent/service.py), read by `pause`
-# and `resume` (which said "the next plan may use this PC again" of a PC the fleet refuses), gone at the next join
-REMOVED_FILE = "removed.json"
 MEMBERSHIP_FORMAT = 1
 JOIN_TIMEOUT_S = 20.0
 JOIN_BUSY_WAIT_S = 60.0  # how long a join tries again while the controller is busy with other joins
@@ -133,32 +130,6 @@ class Membership:
             why = f"it has no {error.args[0]!r:.60}" if isinstance(error, KeyError) else str(error)
             raise EnrollmentError(f"{path} is malformed ({why}): join the fleet again (`{join_command}`, with a new "
                                   "token from the admin); this PC keeps its key, and so its agent id") from None
-
-
-def note_removed(state_dir: Path, when: str) -> None:
-    """Keep that the controller refused this PC as removed from the fleet (see REMOVED_FILE); a failure is logged."""
-    try:
-        write_atomic(state_dir / REMOVED_FILE, json.dumps({"removed_seen": when}).encode("utf-8"))
-    except OSError as error:
-        log.warning("cannot note in %s that this PC was removed (%s)", state_dir, error.strerror or error)
-
-
-def forget_removed(state_dir: Path) -> None:
-    """The controller took this PC: it is no removed PC (see REMOVED_FILE); a failure is logged."""
-    try:
-        (state_dir / REMOVED_FILE).unlink(missing_ok=True)
-    except OSError as error:
-        log.warning("cannot delete %s (%s): `deskfleet-agent pause` may say this PC was removed", state_dir /
-                    REMOVED_FILE, error.strerror or error)
-
-
-def removed_seen(state_dir: Path) -> str | None:
-    """When the running agent was last refused as removed (an ISO date), or None: not removed, as far as it saw."""
-    try:
-        seen = json.loads((state_dir / REMOVED_FILE).read_text(encoding="utf-8")).get("removed_seen")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return seen if isinstance(seen, str) else "an earlier run"
 
 
 def agent_tls_files(state_dir: Path) -> TlsFiles:

@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import ipaddress
 import logging
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -34,13 +35,10 @@ from deskfleet.agent.advertise import (
 from deskfleet.agent.controller_search import find_controller, interfaces_to_search
 from deskfleet.agent.core import AgentCore
 from deskfleet.agent.enroll import (
-    MEMBERSHIP_FILE,
     EnrollmentError,
     Membership,
     agent_tls_files,
     check_credentials,
-    forget_removed,
-    note_removed,
     secure_state_dir,
 )
 from deskfleet.agent.link import (
@@ -65,6 +63,13 @@ from deskfleet.agent.paths import (
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.agent.speed_probe import SpeedMeasurement, cached_speed
 from deskfleet.agent.stage import openvino_devices
+from deskfleet.agent.standing import MEMBERSHIP_FILE, forget_removed, note_removed
+from deskfleet.agent.status_file import (
+    STATUS_PUBLISH_S,
+    PublishedStatus,
+    this_process_started_at,
+    write_status_file,
+)
 from deskfleet.common import pki
 from deskfleet.common.arguments import option_text
 from deskfleet.common.console import stopping_signals
@@ -166,6 +171,8 @@ class AgentService:
         self._registration: Link | None = None  # the live link to `fleet serve`, once registered on it
         self._told_addresses: tuple[str, ...] = ()  # the listen addresses `fleet serve` last heard on that link
         self._stopping = asyncio.Event()
+        self._started_at = this_process_started_at()  # the tray tells this process from a later one of its pid
+        self._status_unwritten: str | None = None  # why the last status write for the tray failed
 
     def _prepare_cache(self) -> None:
         """Tidy the shard cache (a lowered cache limit, and views of the last run's stages), and warn when it cannot
@@ -215,6 +222,7 @@ class AgentService:
                     tasks.create_task(self._enforce_limits_forever(), name="enforce-limits")
                     tasks.create_task(self._call_in_when_available_forever(), name="call-in")
                     tasks.create_task(self._tell_address_changes_forever(), name="address-changes")
+                    tasks.create_task(self._publish_status_forever(), name="publish-status")
                     await self._stopping.wait()
                     self.core.begin_closing()  # before the server waits for its links' handlers: one may be dialling
                     raise _Stop
@@ -348,6 +356,31 @@ class AgentService:
         """Give the stages up when the PC has been on battery or too hot for too long (AgentCore.enforce_limits);
         a sensor read that fails is logged and read again at the next check."""
         await _periodically(lambda: LIMITS_CHECK_S, "check the PC against its limits", self.core.enforce_limits)
+
+    async def _publish_status_forever(self) -> None:
+        """Write this PC's status for the tray (status_file.py) at once, then every STATUS_PUBLISH_S."""
+        while True:
+            await self.publish_status()
+            await asyncio.sleep(STATUS_PUBLISH_S)
+
+    async def publish_status(self) -> bool:
+        """One write of the status file; False when it failed. A failure (a full disk, a sensor) is a warning the
+        first time, and of each new kind; the write that works again says so."""
+        try:
+            published = PublishedStatus(await self.core.local_status(), self.core.agent_id, os.getpid(),
+                                        self._started_at, self.core.pause_source(), self._registration is not None)
+            write_status_file(self.paths.state_dir, published)
+        except (OSError, ValueError) as error:
+            problem = str(error)
+            if problem != self._status_unwritten:
+                log.warning("cannot write this PC's status for its tray (%s): the tray shows the last one written, "
+                            "and the agent goes on serving", problem)
+            self._status_unwritten = problem
+            return False
+        if self._status_unwritten is not None:
+            log.info("this PC's status is written for its tray again")
+            self._status_unwritten = None
+        return True
 
     async def _call_in_when_available_forever(self) -> None:
         """Tell the controller when this PC can take stages again (CallInWatch): a pause its user ended, a PC

@@ -8,6 +8,7 @@ gives the controller's StatusReport; `to_dict()`/`from_dict()` carry it to a tra
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from enum import Enum
 from typing import Any
 
 from deskfleet.agent.shard_cache import CacheUsage
@@ -16,6 +17,14 @@ from deskfleet.common.availability import AvailabilityPolicy, MonitorReading, Te
 from deskfleet.common.version import software_version
 from deskfleet.common.wire import StageRef, StatusReport
 from deskfleet.common.wire_messages import MAX_STATUS_DETAIL
+
+
+class PauseSource(str, Enum):
+    """Who keeps a paused PC out of the fleet."""
+
+    USER = "user"  # the employee: `deskfleet-agent pause`, or the tray's toggle (agent/opt_out.py)
+    SETTINGS = "settings"  # the admin: `"paused": true` in the agent's settings file
+    UNREADABLE_OPT_OUT = "unreadable_opt_out"  # an opt-out file that cannot be read counts as paused
 
 
 @dataclass(frozen=True)

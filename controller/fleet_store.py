@@ -34,9 +34,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from deskfleet.agent.enroll import MEMBERSHIP_FILE
 from deskfleet.agent.link import TlsFiles, utc_now
 from deskfleet.agent.paths import SETTINGS_FILE
+from deskfleet.agent.standing import MEMBERSHIP_FILE
 from deskfleet.common import pki
 from deskfleet.common.arguments import option_text
 from deskfleet.common.atomic_file import write_atomic_together

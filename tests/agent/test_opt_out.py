@@ -192,7 +192,8 @@ def test_pause_and_resume_of_a_removed_pc_say_it_was_removed(tmp_path: Path, cap
                                                              command: str) -> None:
     # `resume` on a removed PC said "resumed: the next plan ... may use this PC again"; the fleet refuses it
     from deskfleet.agent import cli
-    from deskfleet.agent.enroll import Membership, note_removed
+    from deskfleet.agent.enroll import Membership
+    from deskfleet.agent.standing import note_removed
 
     state = tmp_path / "state"
     state.mkdir()

@@ -221,8 +221,8 @@ def test_a_removed_pc_is_told_once_what_happened_and_how_to_serve_again(monkeypa
         given_up.append(because)
         return ("target[0:8]",)
 
-    from deskfleet.agent.enroll import removed_seen
     from deskfleet.agent.paths import AgentPaths
+    from deskfleet.agent.standing import removed_seen
 
     service = AgentService.__new__(AgentService)
     service.membership = SimpleNamespace(controller_addresses=("127.0.0.1:1",), controller_id="c")  # type: ignore[assignment]
@@ -250,9 +250,9 @@ def test_a_refusal_for_a_clock_is_no_removal_and_a_registration_forgets_one(monk
     # The controller's clock stepped back an hour and it refused this PC's certificate, issued half an hour before,
     # as not valid yet (HTTP 403): the agent read every 403 as its removal, gave its stages up for good and wrote
     # removed.json, and `deskfleet-agent pause` refused its user for good, though the next registration was taken.
-    from deskfleet.agent.enroll import note_removed, removed_seen
     from deskfleet.agent.link import LinkRefused, TlsFiles
     from deskfleet.agent.paths import AgentPaths
+    from deskfleet.agent.standing import note_removed, removed_seen
 
     clock = LinkRefused("127.0.0.1:1 refused the link: HTTP 403 certificate is not valid before 2026-12-07T10:00:00 "
                         "and the clock of the PC checking it says 2026-12-07T09:30:00: set that PC's clock right", 403)

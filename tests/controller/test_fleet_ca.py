@@ -17,8 +17,9 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from deskfleet.agent.enroll import EnrollmentError, Membership, agent_tls_files, join, note_removed, removed_seen
+from deskfleet.agent.enroll import EnrollmentError, Membership, agent_tls_files, join
 from deskfleet.agent.link import LinkError, open_link, utc_now
+from deskfleet.agent.standing import note_removed, removed_seen
 from deskfleet.common import join_tokens, pki, tls
 from deskfleet.common.wire import Register, RevocationUpdate
 from deskfleet.controller import fleet_ca, fleet_server, fleet_store, fleet_survey
