@@ -1,7 +1,9 @@
-"""`deskfleet-agent`: join a fleet, or run the agent core headless. Parsing and dispatch only.
+"""`deskfleet-agent`: join a fleet, run the agent core headless, or show it in the tray. Parsing and dispatch only.
 
     deskfleet-agent join TOKEN|- [--data-dir D]
     deskfleet-agent --headless [--data-dir D] [--listen HOST:PORT]
+    deskfleet-agent tray [--data-dir D]
+    deskfleet-agent pause|resume [--data-dir D]
 """
 
 from __future__ import annotations
@@ -102,12 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="The deskfleet agent of this PC: it hosts a stage of a model when the fleet's controller asks. "
                     "Once: `deskfleet-agent join -` (the token from `deskfleet fleet token` on standard input); then "
                     "run it with `deskfleet-agent --headless` (it runs in the foreground until Ctrl-C, SIGTERM or "
-                    "SIGHUP). Its user can `pause` it (and `resume`) at any time.",
+                    "SIGHUP), and `deskfleet-agent tray` in the user's desktop session shows it. Its user can "
+                    "`pause` it (and `resume`) at any time, from the tray or a terminal.",
         usage="deskfleet-agent [-h] [-v] [--data-dir DIR] (--headless [--listen HOST:PORT] | COMMAND ...)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
     parser.add_argument("--headless", action="store_true",
-                        help="run the agent (in the foreground, logging to standard error: the tray is not part of "
-                             "this build)")
+                        help="run the agent (in the foreground, logging to standard error; `deskfleet-agent tray` "
+                             "shows it in the desktop's tray)")
     parser.add_argument("--data-dir", type=path_argument, default=None, metavar="DIR",
                         help="keep settings, state (key, certificate) and shard cache under DIR (DIR/settings, "
                              "DIR/state, DIR/cache; default: the platform's config, state and cache folders); give "
@@ -135,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=text, allow_abbrev=False)
         command.add_argument("--data-dir", type=path_argument, default=None, dest="command_data_dir", metavar="DIR",
                              help="the agent's data dir, as given to `join` and `--headless`")
+    tray = commands.add_parser("tray", help="show this PC's agent in the desktop's system tray, with the pause "
+                                            "toggle (the agent runs on its own: quitting the tray leaves it running)",
+                               allow_abbrev=False)
+    tray.add_argument("--data-dir", type=path_argument, default=None, dest="command_data_dir", metavar="DIR",
+                      help="the agent's data dir, as given to `join` and `--headless`")
     for command in commands.choices.values():
         cast(AgentParser, command).root = parser
     describe_commands(parser)
@@ -164,6 +172,8 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
         logging.getLogger("websockets").setLevel(logging.WARNING)  # lines per `fleet ls`, per PC, for days
     try:
         _refuse_controller_dir(args.data_dir)
+        if args.command == "tray":
+            return _tray(args)
         if args.command in ("join", "pause", "resume"):
             status = _join(args) if args.command == "join" else _pause(args, paused=args.command == "pause")
             flush_stdout()  # inside the handlers below: a message still in the buffer meets a full disk here
@@ -172,7 +182,7 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
             if argv is None:  # this process's own command line: it may re-execute on jemalloc
                 _run_on_jemalloc(args)
             return _headless(args)
-        parser.error("give a command (join, pause, resume) or --headless (the tray is not part of this build)")
+        parser.error("give a command (join, tray, pause, resume) or --headless")
     except KeyboardInterrupt:
         return 130
     except ImportError as error:  # OpenVINO's, of a Ctrl-C that landed in its import as the agent started
@@ -392,6 +402,16 @@ def _headless(args: argparse.Namespace) -> int:
 
     event_loop.run(run())
     return 0
+
+
+def _tray(args: argparse.Namespace) -> int:
+    from deskfleet.agent.tray import TrayError, run_tray
+
+    try:
+        return run_tray(args.data_dir)
+    except TrayError as error:
+        print(f"deskfleet-agent: error: {error}", file=sys.stderr)
+        return 2
 
 
 def _data_dir_flag(data_dir: Path | None) -> str:

@@ -455,6 +455,30 @@ def test_strangers_are_refused_and_reach_no_stage(fleet: Fleet, tiny_export: Pat
     test_chain_generates_the_local_tokens(fleet, tiny_export)
 
 
+def test_each_agent_publishes_for_its_tray_what_it_serves(fleet: Fleet) -> None:
+    # the tray in the employee's session reads what the agent process (a service) writes in its state folder
+    from deskfleet.agent.paths import AgentPaths
+    from deskfleet.agent.status_file import publisher_running, read_status_file
+    from deskfleet.agent.tray import look
+    from deskfleet.agent.tray_view import tray_view
+
+    deployed = {str(stage["agent_id"]) for stage in _deployed_stages(fleet)}
+    for index in range(AGENTS):
+        state = fleet.agent_dir(index) / "state"
+        agent_id = json.loads((state / "membership.json").read_text())["agent_id"]
+
+        def published_serving(state: Path = state, agent_id: str = agent_id) -> bool:
+            published = read_status_file(state)
+            return published is not None and published.controller_connected and \
+                (published.status.state.value == "serving") == (agent_id in deployed)
+
+        _wait_for(f"agent {index} to publish its status", published_serving, timeout=30)
+        published = read_status_file(state)
+        assert published is not None and published.agent_id == agent_id and publisher_running(published)
+        view = tray_view(look(AgentPaths.resolve(fleet.agent_dir(index))))
+        assert view.headline.startswith("serving the fleet: layers ") == (agent_id in deployed), view
+
+
 def _agent_index(fleet: Fleet, agent_id: str) -> int:
     return next(i for i in range(AGENTS) if json.loads(
         (fleet.agent_dir(i) / "state" / "membership.json").read_text())["agent_id"] == agent_id)
