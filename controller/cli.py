@@ -65,6 +65,7 @@ from deskfleet.controller.decoding_options import (
 )
 from deskfleet.controller.fleet_cli import add_fleet_commands
 from deskfleet.controller.serve_cli import add_serve_command
+from deskfleet.controller.window_cli import add_window_command
 
 if TYPE_CHECKING:
     from deskfleet.controller.run import GenerationInterrupted
@@ -257,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(handler=_generate, extras=("controller",))
     add_chat_command(commands, _add_compile_options)
     add_serve_command(commands, _add_compile_options)
+    add_window_command(commands)
 
     bench = commands.add_parser("bench", help="benchmarks that print JSON")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")

@@ -1,0 +1,264 @@
+"""`deskfleet window`: a chat window on a `deskfleet serve` (local stages or the fleet), for the office's users.
+
+A thin view: the conversation is controller/conversation.py's, the HTTP client controller/chat_client.py's; this
+draws them, and runs each request on a thread of its own so that the window never waits on the network. The
+reply streams in as it is generated; Stop ends it (the server stops generating it), New conversation starts over.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal
+from PySide6.QtGui import QKeyEvent, QTextCursor
+from PySide6.QtWidgets import (
+    QApplication,
+    QHBoxLayout,
+    QLabel,
+    QMainWindow,
+    QPlainTextEdit,
+    QPushButton,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
+)
+
+from deskfleet.controller.chat_client import ChatClient, ChatClientError, ReplySettings, ReplyStream
+from deskfleet.controller.conversation import Conversation
+
+WINDOW_TITLE = "deskfleet chat"
+
+
+@dataclass(frozen=True)
+class WindowOptions:
+    model: str | None = None  # None: the first the server lists
+    system: str | None = None
+    settings: ReplySettings = field(default_factory=ReplySettings)
+
+
+class _Reply:
+    """One reply's request, as the window and its thread share it: Stop may come before the stream is open."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.stream: ReplyStream | None = None
+        self.stopped = threading.Event()
+        self._lock = threading.Lock()
+
+    def opened(self, stream: ReplyStream) -> None:
+        with self._lock:
+            self.stream = stream
+            if self.stopped.is_set():
+                stream.cancel()
+
+    def stop(self) -> None:
+        with self._lock:
+            self.stopped.set()
+            if self.stream is not None:
+                self.stream.cancel()
+
+
+class _Bridge(QObject):
+    """Carries what a request's thread learns to the window's thread (Qt queues signals across threads)."""
+
+    models = Signal(list)
+    models_failed = Signal(str)
+    piece = Signal(int, str)  # (reply number, text)
+    ended = Signal(int, object)  # (reply number, finish_reason or None)
+    failed = Signal(int, str)
+
+
+class ChatWindow(QMainWindow):
+    def __init__(self, client: ChatClient, options: WindowOptions) -> None:
+        super().__init__()
+        self.client = client
+        self.options = options
+        self.conversation = Conversation(options.system)
+        self.model: str | None = None
+        self._reply: _Reply | None = None  # the reply coming in
+        self._reply_number = 0  # pieces of a reply given up (a new conversation) are not taken for the next one's
+        self._bridge = _Bridge()
+        self._bridge.models.connect(self._models_found)
+        self._bridge.models_failed.connect(self._models_failed)
+        self._bridge.piece.connect(self._piece)
+        self._bridge.ended.connect(self._ended)
+        self._bridge.failed.connect(self._failed)
+
+        self.setWindowTitle(WINDOW_TITLE)
+        self.resize(760, 620)
+        self.transcript = QTextBrowser()
+        self.transcript.setOpenLinks(False)  # a link in a reply opens nothing
+        self.input = QPlainTextEdit()
+        self.input.setPlaceholderText("Write a message (Enter sends it, Shift+Enter starts a new line)")
+        self.input.setMaximumHeight(110)
+        self.input.installEventFilter(self)
+        self.send = QPushButton("Send")
+        self.send.clicked.connect(self.send_or_stop)
+        self.new = QPushButton("New conversation")
+        self.new.clicked.connect(self.new_conversation)
+        self.server = QLabel(f"{client.base_url}: asking for its models...")
+        self.server.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.server, 1)
+        buttons.addWidget(self.new)
+        buttons.addWidget(self.send)
+        layout = QVBoxLayout()
+        layout.addWidget(self.transcript, 1)
+        layout.addWidget(self.input)
+        layout.addLayout(buttons)
+        central = QWidget()
+        central.setLayout(layout)
+        self.setCentralWidget(central)
+        self._show_state()
+        self.find_models()
+
+    # What the user does
+
+    def find_models(self) -> None:
+        """Ask the server which models it serves (again after a failure: the Send button does)."""
+        self.server.setText(f"{self.client.base_url}: asking for its models...")
+        _in_thread(self.client.models, self._bridge.models.emit, self._bridge.models_failed.emit)
+
+    def send_or_stop(self) -> None:
+        if self.conversation.replying:
+            self.stop()
+            return
+        if self.model is None:
+            self.find_models()
+            return
+        text = self.input.toPlainText()
+        if not text.strip():
+            return
+        self.input.clear()
+        messages = self.conversation.ask(text)
+        self._reply_number += 1
+        number, model = self._reply_number, self.model
+        self._reply = asked = _Reply(number)
+
+        def reply() -> None:
+            stream = self.client.open_reply(model, messages, self.options.settings)
+            asked.opened(stream)
+            for piece in stream:
+                self._bridge.piece.emit(number, piece)
+            self._bridge.ended.emit(number, stream.end.finish_reason if stream.end else None)
+
+        _in_thread(reply, lambda _: None, lambda error: self._bridge.failed.emit(number, error))
+        self._show_state()
+
+    def stop(self) -> None:
+        """End the reply coming in: its thread then says it ended (finish None), with what came so far."""
+        if self._reply is not None:
+            self._reply.stop()
+
+    def new_conversation(self) -> None:
+        if self.conversation.replying:
+            self.stop()
+            self._reply_number += 1  # what the stopped reply still sends is not this conversation's
+            self.conversation.failed("Stopped for a new conversation")
+        self.conversation.reset()
+        self._reply = None
+        self._show_state()
+        self.input.setFocus()
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:  # Qt's name
+        """Enter sends; Shift+Enter is a new line in the message."""
+        if watched is self.input and event.type() == QEvent.Type.KeyPress:
+            assert isinstance(event, QKeyEvent)
+            plain = event.modifiers() in (Qt.KeyboardModifier.NoModifier, Qt.KeyboardModifier.KeypadModifier)
+            if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and plain:
+                if not self.conversation.replying:
+                    self.send_or_stop()
+                return True
+        return super().eventFilter(watched, event)
+
+    # What the threads report
+
+    def _models_found(self, models: list[str]) -> None:
+        wanted = self.options.model
+        if not models or (wanted is not None and wanted not in models):
+            served = ", ".join(models) or "none"
+            self._models_failed(f"{self.client.base_url} serves no model {wanted or ''} (it serves: {served})")
+            return
+        self.model = wanted or models[0]
+        self.server.setText(f"{self.model} at {self.client.base_url}")
+        self._show_state()
+
+    def _models_failed(self, error: str) -> None:
+        self.model = None
+        self.server.setText(f"{error}. Send asks again.")
+        self._show_state()
+
+    def _piece(self, number: int, piece: str) -> None:
+        if number == self._reply_number and self.conversation.replying:
+            self.conversation.add(piece)
+            self._show_transcript()
+
+    def _ended(self, number: int, finish_reason: str | None) -> None:
+        if number == self._reply_number and self.conversation.replying:
+            self.conversation.finished(finish_reason)
+            self._reply = None
+            self._show_state()
+
+    def _failed(self, number: int, error: str) -> None:
+        if number == self._reply_number and self.conversation.replying:
+            message = self.conversation.failed(error)
+            self._reply = None
+            if not self.input.toPlainText().strip():
+                self.input.setPlainText(message)  # to send again as it was
+            self._show_state()
+
+    # Drawing
+
+    def _show_state(self) -> None:
+        replying = self.conversation.replying
+        self.send.setText("Stop" if replying else "Send")
+        self.send.setEnabled(True)
+        self.new.setEnabled(bool(self.conversation.turns) or replying)
+        self._show_transcript()
+
+    def _show_transcript(self) -> None:
+        bar = self.transcript.verticalScrollBar()
+        following = bar.value() >= bar.maximum() - 4  # a user reading further up is not pulled down
+        self.transcript.setHtml(self.conversation.html())
+        if following:
+            self.transcript.moveCursor(QTextCursor.MoveOperation.End)
+            bar.setValue(bar.maximum())
+
+
+def _in_thread(work: Callable[[], object], done: Callable[[object], None], failed: Callable[[str], None]) -> None:
+    """Run `work` on a daemon thread; `done` with its result, or `failed` with the ChatClientError's words."""
+
+    def run() -> None:
+        try:
+            result = work()
+        except ChatClientError as error:
+            failed(str(error))
+            return
+        except Exception as error:  # a bug here must not pass in silence, nor leave the window waiting
+            failed(f"{type(error).__name__}: {error}")
+            return
+        done(result)
+
+    threading.Thread(target=run, daemon=True, name="deskfleet-window-request").start()
+
+
+def run_window(client: ChatClient, options: WindowOptions) -> int:
+    """Show the window until it is closed, or a signal stops it (exit 0)."""
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    assert isinstance(app, QApplication)
+    app.setApplicationName("deskfleet")
+    window = ChatWindow(client, options)
+    window.show()
+    for signum in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if signum is not None:
+            signal.signal(signum, lambda *_: QApplication.quit())
+    wake = QTimer()  # Python runs a signal's handler only when it runs: wake it twice a second
+    wake.timeout.connect(lambda: None)
+    wake.start(500)
+    app.exec()
+    window.stop()
+    return 0
