@@ -65,6 +65,10 @@ _FDINFO_DRIVERS = ("i915", "xe")
 # handles, and the agent reads its monitor every 2 s while it hosts a stage: 5% of a core, for a GPU that PC
 # did not even have.
 FDINFO_RESCAN_S = 30.0
+# psutil measures the processor's load since its previous call: a reading taken right after another (the tray's
+# status and the call-in check, both every few seconds, fall together) measured over milliseconds, and said 0% of a
+# PC 54% busy. Within this long of the last sample, a reading gives that sample's load again.
+MIN_CPU_WINDOW_S = 1.0
 
 
 class SystemMonitor(Protocol):
@@ -125,6 +129,8 @@ class HostMonitor:
     _fdinfo: DrmFdinfoSampler | None = field(default=None, init=False)
     _gpu_counters: PdhSampler | None = field(default=None, init=False)
     _failed: set[str] = field(default_factory=set, init=False)  # probes whose failure was logged
+    _cpu_load: float = field(default=0.0, init=False)  # the last sample, taken at _cpu_sampled_at (self.clock)
+    _cpu_sampled_at: float = field(default=-math.inf, init=False)  # the first reading samples (since the prime)
 
     def __post_init__(self) -> None:
         self._probe("cpu load", self.probes.cpu_load, 0.0)  # psutil measures load since the previous call: prime it
@@ -140,8 +146,10 @@ class HostMonitor:
         percent, on_ac = self._probe("battery", self._battery_probe(), None) or (None, None)
         if percent is not None:
             percent = min(100.0, max(0.0, percent)) if math.isfinite(percent) else None
+        if (now := self.clock()) - self._cpu_sampled_at >= MIN_CPU_WINDOW_S:
+            self._cpu_load, self._cpu_sampled_at = self._probe("cpu load", self.probes.cpu_load, 0.0), now
         return MonitorReading(
-            cpu_load=self._probe("cpu load", self.probes.cpu_load, 0.0),
+            cpu_load=self._cpu_load,
             memory_free_bytes=free,
             memory_total_bytes=total,
             battery_percent=percent,

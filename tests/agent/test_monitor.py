@@ -187,3 +187,19 @@ def test_the_kv_memory_guard_reads_the_memory_probe_alone_and_unknown_is_none(tm
 
     assert available_memory_reader(Fake(5, 10))() == (5, 10)
     assert available_memory_reader(Fake(0, 0))() is None
+
+
+def test_a_reading_right_after_another_gives_its_load_again(tmp_path: Path) -> None:
+    # psutil measures the load since its previous call: the tray's status read 2 ms after the call-in check's
+    # measured over those 2 ms, and said 0% of a PC 54% busy
+    loads = iter([0.0, 0.54, 0.0, 0.31])  # the prime, then what psutil would say at each call
+    clock = FakeClock(100.0)
+    monitor = HostMonitor(sysfs_root=tmp_path, proc_root=tmp_path, platform="linux", clock=clock,
+                          probes=HostProbes(cpu_load=lambda: next(loads), memory=lambda: (3, 10), battery=lambda: None))
+    assert monitor.read().cpu_load == 0.54
+    clock.now += 0.002
+    assert monitor.read().cpu_load == 0.54  # not psutil's 0.0 over 2 ms
+    clock.now += 1.0
+    assert monitor.read().cpu_load == 0.0
+    clock.now += 5.0
+    assert monitor.read().cpu_load == 0.31
