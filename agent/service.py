@@ -65,8 +65,9 @@ from deskfleet.agent.speed_probe import SpeedMeasurement, cached_speed
 from deskfleet.agent.stage import openvino_devices
 from deskfleet.agent.standing import MEMBERSHIP_FILE, forget_removed, note_removed
 from deskfleet.agent.status_file import (
-    STATUS_PUBLISH_S,
+    STATUS_CHECK_S,
     PublishedStatus,
+    shows_a_change,
     this_process_started_at,
     write_status_file,
 )
@@ -172,7 +173,9 @@ class AgentService:
         self._told_addresses: tuple[str, ...] = ()  # the listen addresses `fleet serve` last heard on that link
         self._stopping = asyncio.Event()
         self._started_at = this_process_started_at()  # the tray tells this process from a later one of its pid
-        self._status_unwritten: str | None = None  # why the last status write for the tray failed
+        self._status_written: PublishedStatus | None = None  # the status last written for the tray
+        # the kind of failure (type, errno) of the last status write for the tray, None when it worked
+        self._status_unwritten: tuple[type, int | None] | None = None
 
     def _prepare_cache(self) -> None:
         """Tidy the shard cache (a lowered cache limit, and views of the last run's stages), and warn when it cannot
@@ -358,25 +361,30 @@ class AgentService:
         await _periodically(lambda: LIMITS_CHECK_S, "check the PC against its limits", self.core.enforce_limits)
 
     async def _publish_status_forever(self) -> None:
-        """Write this PC's status for the tray (status_file.py) at once, then every STATUS_PUBLISH_S."""
-        while True:
-            await self.publish_status()
-            await asyncio.sleep(STATUS_PUBLISH_S)
+        """Keep this PC's status for the tray (status_file.py) written: at once, then looked at every STATUS_CHECK_S,
+        written when what the tray shows changed or HEARTBEAT_S passed."""
+        await _periodically(lambda: STATUS_CHECK_S, "write this PC's status for its tray", self.publish_status,
+                            at_once=True)
 
     async def publish_status(self) -> bool:
-        """One write of the status file; False when it failed. A failure (a full disk, a sensor) is a warning the
-        first time, and of each new kind; the write that works again says so."""
-        try:
-            published = PublishedStatus(await self.core.local_status(), self.core.agent_id, os.getpid(),
-                                        self._started_at, self.core.pause_source(), self._registration is not None)
-            write_status_file(self.paths.state_dir, published)
+        """One look at the status for the tray, written where it shows a change; False when the write failed. A
+        failed write (a full or read-only disk) is a warning the first time, and for each new kind of failure; the
+        write that works again says so. Anything else a look raises is _periodically's to log."""
+        published = PublishedStatus(await self.core.local_status(), self.core.agent_id, os.getpid(), self._started_at,
+                                    self.core.pause_source(), self._registration is not None,
+                                    self.core.policy().release_stages_after_s)
+        if not shows_a_change(self._status_written, published):
+            return True
+        try:  # in a thread: on Windows a rename onto a file the tray is reading waits for it (atomic_file)
+            await asyncio.to_thread(write_status_file, self.paths.state_dir, published)
         except (OSError, ValueError) as error:
-            problem = str(error)
-            if problem != self._status_unwritten:
+            kind = (type(error), getattr(error, "errno", None))  # the message names a temporary file's random name
+            if kind != self._status_unwritten:
                 log.warning("cannot write this PC's status for its tray (%s): the tray shows the last one written, "
-                            "and the agent goes on serving", problem)
-            self._status_unwritten = problem
+                            "and the agent goes on serving", error)
+            self._status_unwritten = kind
             return False
+        self._status_written = published
         if self._status_unwritten is not None:
             log.info("this PC's status is written for its tray again")
             self._status_unwritten = None
@@ -626,14 +634,18 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-async def _periodically(interval: Callable[[], float], what: str, step: Callable[[], Awaitable[object]]) -> None:
-    """`step()` every `interval()` seconds for as long as the agent runs. A step that fails is logged and run
-    again at the next interval: a sensor that could not be read (OSError, ValueError) as a warning, anything
-    else with its traceback the first time a failure of that kind occurs. A background check that raised ended
-    the agent's TaskGroup, and with it the agent, for what one reading or one micro-batch got wrong."""
+async def _periodically(interval: Callable[[], float], what: str, step: Callable[[], Awaitable[object]],
+                        at_once: bool = False) -> None:
+    """`step()` every `interval()` seconds (first at once where `at_once`) for as long as the agent runs. A step
+    that fails is logged and run again at the next interval: a sensor that could not be read (OSError, ValueError)
+    as a warning, anything else with its traceback the first time a failure of that kind occurs. A background check
+    that raised ended the agent's TaskGroup, and with it the agent, for what one reading or one micro-batch got
+    wrong."""
     seen: set[type[BaseException]] = set()
     while True:
-        await asyncio.sleep(interval())
+        if not at_once:
+            await asyncio.sleep(interval())
+        at_once = False
         try:
             await step()
         except (OSError, ValueError) as error:

@@ -18,17 +18,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from PySide6.QtCore import QObject, QPointF, QRectF, Qt, QTimer
-from PySide6.QtGui import QAction, QColor, QIcon, QPainter, QPen, QPixmap
+from PySide6.QtGui import QAction, QColor, QCursor, QIcon, QPainter, QPen, QPixmap
 from PySide6.QtWidgets import QApplication, QMenu, QSystemTrayIcon
 
 from deskfleet.agent.opt_out import OptOut, read_opt_out, write_opt_out
 from deskfleet.agent.paths import AgentPaths
 from deskfleet.agent.standing import joined, removed_seen
 from deskfleet.agent.status_file import StatusFileError, publisher_running, read_status_file
-from deskfleet.agent.tray_view import TrayFacts, TrayIcon, TrayView, tray_view
+from deskfleet.agent.tray_view import TOGGLE_TEXT, ToggleView, TrayFacts, TrayIcon, TrayView, tray_view
 from deskfleet.common.file_lock import pid_lock
 
-REFRESH_MS = 2000  # how often the tray looks at the files (the agent writes its status every 5 s)
+REFRESH_MS = 2000  # how often the tray looks at the files (the agent looks at its status every 5 s)
 TRAY_WAIT_S = 60.0  # how long a tray started with the session waits for the desktop's tray area to appear
 TRAY_LOCK_FILE = "tray.lock"  # in the state folder: one tray per data dir
 ICON_PIXELS = 64
@@ -50,10 +50,10 @@ def look(paths: AgentPaths, now: float | None = None) -> TrayFacts:
         published = read_status_file(state) if member else None
     except StatusFileError as error:
         problem = str(error)
+    now = time.time() if now is None else now
     return TrayFacts(joined=member, removed_seen=removed_seen(state) if member else None, opt_out=opt_out,
                      published=published, status_problem=problem,
-                     running=published is not None and publisher_running(published),
-                     now=time.time() if now is None else now)
+                     running=published is not None and publisher_running(published, now), now=now)
 
 
 def icon_for(kind: TrayIcon) -> QIcon:
@@ -124,8 +124,12 @@ class AgentTray(QObject):
         self.timer.start()
 
     def refresh(self) -> TrayView:
-        """Look at the files again and show what they say."""
-        view = tray_view(look(self.paths))
+        """Look at the files again and show what they say (what went wrong looking, where that fails)."""
+        try:
+            view = tray_view(look(self.paths))
+        except Exception as error:  # a slot that raised left the menu as it was, every 2 s, with no word of why
+            view = TrayView(TrayIcon.PROBLEM, "cannot show the agent's status",
+                            (f"{type(error).__name__}: {error}",), ToggleView(TOGGLE_TEXT, False, enabled=False))
         self.show(view)
         return view
 
@@ -134,15 +138,16 @@ class AgentTray(QObject):
         self.icon.setIcon(self.icons[view.icon])
         self.icon.setToolTip(view.tooltip)
         self.headline.setText(view.headline[:1].upper() + view.headline[1:])
-        while len(self.lines) < len(view.lines):
+        while len(self.lines) < len(view.lines):  # kept once made, hidden when not needed: no churn of actions
             action = QAction(self.menu)
             action.setEnabled(False)
             self.menu.insertAction(self._lines_end, action)
             self.lines.append(action)
-        while len(self.lines) > len(view.lines):
-            self.menu.removeAction(self.lines.pop())
-        for action, text in zip(self.lines, view.lines, strict=True):
-            action.setText(text.replace("&", "&&"))  # a path or an error with "&" is no keyboard accelerator
+        for index, action in enumerate(self.lines):
+            shown = index < len(view.lines)
+            if shown:
+                action.setText(view.lines[index].replace("&", "&&"))  # a path with "&" is no keyboard accelerator
+            action.setVisible(shown)
         with _quiet(self.toggle):  # showing the state is not the employee toggling it
             self.toggle.setText(view.toggle.text)
             self.toggle.setChecked(view.toggle.checked)
@@ -164,7 +169,8 @@ class AgentTray(QObject):
         only."""
         if reason is QSystemTrayIcon.ActivationReason.Trigger:
             self.refresh()
-            self.menu.popup(self.icon.geometry().center())
+            area = self.icon.geometry()  # empty on a D-Bus tray (KDE, GNOME's AppIndicator, Wayland): the pointer's
+            self.menu.popup(area.center() if area.isValid() else QCursor.pos())
 
 
 def run_tray(data_dir: Path | None) -> int:

@@ -14,15 +14,14 @@ from enum import Enum
 
 from deskfleet.agent.opt_out import OptOut
 from deskfleet.agent.status import AgentStatus, PauseSource
-from deskfleet.agent.status_file import STATUS_PUBLISH_S, PublishedStatus
+from deskfleet.agent.status_file import STALE_AFTER_S, PublishedStatus
 from deskfleet.common.agent_state import AgentState
+from deskfleet.common.availability import RELEASE_REASONS
 from deskfleet.common.wire import StageRef
 
 GB = 1 << 30  # as Windows' Task Manager and Explorer count a "GB": what the employee compares it with
 TOOLTIP_CHARS = 120  # Windows cuts a tray icon's tooltip at 127 characters
 ERROR_CHARS = 160  # of the agent's last error, in the menu
-# a status older than this, from an agent that still runs, is said to be old (its process is stuck, or the PC slept)
-STALE_AFTER_S = 4 * STATUS_PUBLISH_S
 TOGGLE_TEXT = "Pause deskfleet on this PC"
 
 
@@ -124,13 +123,22 @@ def _state_of(published: PublishedStatus, opt_out: OptOut) -> tuple[TrayIcon, st
         return TrayIcon.PAUSED, "paused by you: this PC serves no model", ()
     why = ", ".join(reason.describe() for reason in status.reasons) or "over its limits"
     numbers = f" ({status.detail})" if status.detail else ""
-    if status.stages:  # serving; past its limits a while yet (unplugged, hot), the agent keeps its part until then
-        over = (f"Now {why}{numbers}: this PC gives its part up if that lasts.",) \
-            if status.state is AgentState.UNAVAILABLE else ()
+    if status.stages:  # serving, over its limits or not: the agent keeps its part while it can
+        over = (_over_limits_line(published, why, numbers),) if status.state is AgentState.UNAVAILABLE else ()
         return TrayIcon.SERVING, "serving the fleet: " + _stages_text(status.stages), over
     if status.state is AgentState.UNAVAILABLE:
         return TrayIcon.UNAVAILABLE, f"not available to the fleet now: {why}", (numbers.strip(),) if numbers else ()
     return TrayIcon.AVAILABLE, "available to the fleet", ("No model is hosted here now.",)
+
+
+def _over_limits_line(published: PublishedStatus, why: str, numbers: str) -> str:
+    """What a serving PC over its limits does about it: on battery or too hot for `releases_after_s`, the agent
+    gives its part up (common/availability.StageReleaseWatch); over the others (memory, the user's own work), or
+    with no release set, it keeps it."""
+    releases = published.releases_after_s
+    if releases is not None and any(reason in RELEASE_REASONS for reason in published.status.reasons):
+        return f"Now {why}{numbers}: this PC gives its part up if that lasts {_duration(releases)}."
+    return f"Now {why}{numbers}: this PC keeps its part meanwhile."
 
 
 def _stages_text(stages: tuple[StageRef, ...]) -> str:

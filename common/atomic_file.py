@@ -20,8 +20,9 @@ REPLACE_RETRY_S = 2.0
 def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
     """Write `path` whole or not at all, mode 0600 (tempfile's default); the old file stays on failure.
 
-    `durable=False` leaves out the syncs to disk: for a file rewritten every few seconds that only shows what is
-    now (the agent's status for its tray), which a power cut may lose, but which must not wake the disk each time.
+    `durable=False` leaves out the syncs to disk: for a file that only shows what is now (the agent's status for its
+    tray), which a power cut may lose. (It still reaches the disk soon: ext4 commits a renamed file's data with its
+    journal, every 5 s; status_file.py writes it only when it changed.)
 
     A symbolic link is written through: its target is replaced, keeping the target's mode, and the link stays
     (the rename replaced the link with a file, and a file an admin had linked to a managed copy, or `--json-out`

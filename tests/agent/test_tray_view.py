@@ -33,8 +33,10 @@ def status(reading: MonitorReading = DESKTOP, stages: tuple[StageRef, ...] = (),
 
 
 def facts(agent: AgentStatus | None = None, opt_out: OptOut = NOT_PAUSED, paused_by: PauseSource | None = None,
-          connected: bool = True, running: bool = True, **changes: object) -> TrayFacts:
-    published = None if agent is None else PublishedStatus(agent, "a" * 52, 4242, NOW - 600, paused_by, connected)
+          connected: bool = True, running: bool = True, releases_after_s: float | None = 30.0,
+          **changes: object) -> TrayFacts:
+    published = None if agent is None else PublishedStatus(agent, "a" * 52, 4242, NOW - 600, paused_by, connected,
+                                                           releases_after_s)
     base = TrayFacts(joined=True, removed_seen=None, opt_out=opt_out, published=published, status_problem=None,
                      running=running, now=NOW)
     return replace(base, **changes)  # type: ignore[arg-type]
@@ -64,7 +66,17 @@ def test_a_serving_laptop_unplugged_keeps_its_part_a_while_and_says_so() -> None
     agent = status(LAPTOP, stages=(STAGE,))  # the agent gives the stage up after release_stages_after_s
     view = tray_view(facts(agent))
     assert view.icon is TrayIcon.SERVING and view.headline.startswith("serving the fleet: layers 0-3")
-    assert view.lines[0] == f"Now on battery ({agent.detail}): this PC gives its part up if that lasts."
+    assert view.lines[0] == f"Now on battery ({agent.detail}): this PC gives its part up if that lasts 30 s."
+    never = tray_view(facts(agent, releases_after_s=None))  # the admin's release_stages_after_s: null
+    assert never.lines[0] == f"Now on battery ({agent.detail}): this PC keeps its part meanwhile."
+
+
+def test_a_serving_pc_short_of_memory_keeps_its_part() -> None:
+    # only on battery and too hot give a stage up; the stage's own inference often takes a PC under the memory floor
+    agent = status(replace(DESKTOP, memory_free_bytes=GIB), stages=(STAGE,))
+    view = tray_view(facts(agent))
+    assert view.icon is TrayIcon.SERVING
+    assert view.lines[0] == f"Now low memory ({agent.detail}): this PC keeps its part meanwhile."
 
 
 def test_an_unavailable_pc_says_which_limits_and_their_numbers() -> None:

@@ -3,8 +3,10 @@ model, and the window itself on Qt's offscreen platform, driven as a user would:
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -162,6 +164,21 @@ def test_the_window_sends_on_enter_and_shows_the_reply_as_it_comes(app: QApplica
     assert window.send.text() == "Send" and window.new.isEnabled()
     window.new.click()
     assert window.conversation.turns == [] and window.transcript.toPlainText().strip() == ""
+
+
+def test_a_long_reply_keeps_pythons_none_alive(app: QApplication) -> None:
+    # PySide6 6.12.0 dropped a reference to None at each Qt call returning nothing (see pyproject.toml): each piece
+    # of a reply redraws the transcript, and a long chat aborted Python 3.11 ("deallocating None")
+    window = ChatWindow(ChatClient(f"http://127.0.0.1:{free_port()}/v1"), WindowOptions())
+    window.conversation.ask("hello")
+    window._reply_number = 1
+    gc.collect()
+    before = sys.getrefcount(None)
+    for _ in range(300):
+        window._piece(1, "word ")
+    window._ended(1, "length")
+    gc.collect()  # what cycles hold is not what Qt lost
+    assert abs(sys.getrefcount(None) - before) < 100, "Qt calls are losing references to None"
 
 
 def test_stop_keeps_what_came_and_a_dead_server_gives_the_message_back(app: QApplication, tiny_export: Path) -> None:

@@ -474,7 +474,8 @@ def test_each_agent_publishes_for_its_tray_what_it_serves(fleet: Fleet) -> None:
 
         _wait_for(f"agent {index} to publish its status", published_serving, timeout=30)
         published = read_status_file(state)
-        assert published is not None and published.agent_id == agent_id and publisher_running(published)
+        assert published is not None and published.agent_id == agent_id and \
+            publisher_running(published, time.time())
         view = tray_view(look(AgentPaths.resolve(fleet.agent_dir(index))))
         assert view.headline.startswith("serving the fleet: layers ") == (agent_id in deployed), view
 
