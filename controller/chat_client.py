@@ -1,6 +1,6 @@
 """A client of `deskfleet serve`'s OpenAI-compatible API for the chat window (controller/chat_window.py): the
-models it serves, and a chat reply streamed as server-sent events, which another thread may cancel. Standard library
-HTTP only, no Qt: the window runs it on a thread of its own.
+models it serves, and a chat reply streamed as server-sent events, which another thread may cancel at any moment,
+also before the server has answered. Standard library HTTP only, no Qt: the window runs it on a thread of its own.
 """
 
 from __future__ import annotations
@@ -21,15 +21,21 @@ CONNECT_TIMEOUT_S = 10.0
 # between two chunks of a reply: a fleet's first token may wait for a re-plan (a minute or more); Stop ends it sooner
 READ_TIMEOUT_S = 300.0
 MAX_ERROR_BODY_BYTES = 64 * 1024
+CONTEXT_FULL = "context_length_exceeded"  # the API's error code for a conversation past the model's context
 
 
 class ChatClientError(Exception):
-    """The server could not be asked, or refused; the message names the server and what to do."""
+    """The server could not be asked, or refused; the message names the server and what to do, `code` the API's
+    error code where it gave one."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
 class ReplySettings:
-    max_tokens: int | None = None  # None: the rest of the model's context, as the API takes it
+    max_tokens: int | None = 256  # as `deskfleet chat`'s; None: the rest of the model's context
     temperature: float = 0.7
     seed: int | None = None
 
@@ -59,14 +65,20 @@ class ChatClient:
         self._parsed = parsed
         self._path = parsed.path.rstrip("/")
         self._api_key = api_key
-        self._tls = ssl.create_default_context(cafile=str(ca_file) if ca_file else None) \
-            if parsed.scheme == "https" else None
+        self._ca_file = ca_file
+        self._tls: ssl.SSLContext | None = None
+        if parsed.scheme == "https":
+            try:
+                self._tls = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+            except (OSError, ssl.SSLError) as error:
+                raise ValueError(f"--ca-file {ca_file}: {getattr(error, 'strerror', None) or error}: give a "
+                                 "certificate in PEM") from None
 
     def models(self) -> list[str]:
         """The ids of the models the server serves (`GET /v1/models`)."""
-        connection = self._connect()
+        connection = self.connection()
         try:
-            response = self._request(connection, "GET", "/models", None)
+            response = self.request(connection, "GET", "/models", None)
             try:
                 body = json.loads(response.read(MAX_ERROR_BODY_BYTES))
                 return [str(model["id"]) for model in body["data"]]
@@ -76,70 +88,105 @@ class ChatClient:
         finally:
             connection.close()
 
-    def open_reply(self, model: str, messages: list[dict[str, str]], settings: ReplySettings) -> ReplyStream:
-        """Ask for the assistant's next message in `messages`, streamed; ChatClientError when it is refused."""
+    def reply(self, model: str, messages: list[dict[str, str]], settings: ReplySettings) -> ReplyStream:
+        """The assistant's next message in `messages`, to be streamed: nothing is sent before its `open()`."""
         body: dict[str, Any] = {"model": model, "messages": messages, "stream": True,
                                 "temperature": settings.temperature, "stream_options": {"include_usage": True}}
         if settings.max_tokens is not None:
             body["max_tokens"] = settings.max_tokens
         if settings.seed is not None:
             body["seed"] = settings.seed
-        connection = self._connect()
-        try:
-            response = self._request(connection, "POST", "/chat/completions", json.dumps(body).encode("utf-8"))
-        except BaseException:
-            connection.close()
-            raise
-        return ReplyStream(connection, response, self.base_url)
+        return ReplyStream(self, json.dumps(body).encode("utf-8"))
 
-    def _connect(self) -> http.client.HTTPConnection:
+    def connection(self) -> http.client.HTTPConnection:
+        """A connection to the server, not yet made."""
         host, port = self._parsed.hostname or "", self._parsed.port
         if self._tls is not None:
             return http.client.HTTPSConnection(host, port, timeout=CONNECT_TIMEOUT_S, context=self._tls)
         return http.client.HTTPConnection(host, port, timeout=CONNECT_TIMEOUT_S)
 
-    def _request(self, connection: http.client.HTTPConnection, method: str, path: str,
-                 body: bytes | None) -> http.client.HTTPResponse:
-        headers = {"Accept": "application/json, text/event-stream"}
+    def request(self, connection: http.client.HTTPConnection, method: str, path: str,
+                body: bytes | None) -> http.client.HTTPResponse:
+        """Send a request on `connection` (made now where it is not yet) and take the answer's head; ChatClientError
+        when nothing answers or the answer is not 200."""
+        headers: dict[str, str | bytes] = {"Accept": "application/json, text/event-stream"}
         if body is not None:
             headers["Content-Type"] = "application/json"
-        if self._api_key:
-            headers["Authorization"] = f"Bearer {self._api_key}"
+        if self._api_key:  # UTF-8, as `serve` compares it (http.client would send a str as Latin-1)
+            headers["Authorization"] = b"Bearer " + self._api_key.encode("utf-8")
         url = f"{self.base_url}{path}"
         try:
-            connection.request(method, self._path + path, body, headers)
+            if connection.sock is None:
+                connection.connect()
             if connection.sock is not None:
                 connection.sock.settimeout(READ_TIMEOUT_S)
+            connection.request(method, self._path + path, body, headers)
             response = connection.getresponse()
-        except ssl.SSLError as error:
-            raise ChatClientError(f"{url}: the TLS handshake failed ({error.reason or error}); a server with a "
-                                  "certificate of its own needs --ca-file") from None
-        except ConnectionRefusedError:
-            raise ChatClientError(f"nothing answers at {self.base_url} (connection refused): start `deskfleet serve` "
-                                  "there, or give the window its --url") from None
         except (OSError, http.client.HTTPException) as error:
-            raise ChatClientError(f"{url}: {getattr(error, 'strerror', None) or error or type(error).__name__}") \
-                from None
+            raise self.failure(url, error) from None
         if response.status == 200:
             return response
-        raise ChatClientError(_refusal(url, response))
+        raise _refusal(url, response, path)
+
+    def failure(self, url: str, error: OSError | http.client.HTTPException) -> ChatClientError:
+        """Why `url` could not be asked, in words, with what to do."""
+        if isinstance(error, ssl.SSLCertVerificationError):
+            trust = f"is --ca-file {self._ca_file} the certificate it serves (or its CA's)?" if self._ca_file else \
+                "a server with a certificate of its own needs --ca-file"
+            return ChatClientError(f"{url}: its certificate is not trusted ({error.verify_message}): {trust}")
+        if isinstance(error, ssl.SSLError):
+            plain = " (a plain http:// server? give --url http://...)" if error.reason == "WRONG_VERSION_NUMBER" else ""
+            return ChatClientError(f"{url}: the TLS handshake failed ({error.reason or error}){plain}")
+        if isinstance(error, ConnectionRefusedError):
+            return ChatClientError(f"nothing answers at {self.base_url} (connection refused): start `deskfleet serve` "
+                                   "there, or give the window its --url")
+        return ChatClientError(f"{url}: {_said(error)}")
 
 
 class ReplyStream:
-    """One streamed reply: iterate for its text as it comes; `cancel()` (from any thread) ends it, and the server
+    """One streamed reply: `open()` asks for it, iterating gives its text as it comes; `cancel()`, from any thread at
+    any moment (before `open()`, while it waits for the server's answer, during the reply), ends it, and the server
     stops generating it; `end` says how it ended once the iteration is over."""
 
-    def __init__(self, connection: http.client.HTTPConnection, response: http.client.HTTPResponse,
-                 base_url: str) -> None:
-        self._connection = connection
-        self._response = response
-        self._base_url = base_url
+    def __init__(self, client: ChatClient, body: bytes) -> None:
+        self._client = client
+        self._body = body
+        self._connection = client.connection()
+        self._response: http.client.HTTPResponse | None = None
         self._cancelled = threading.Event()
+        self._lock = threading.Lock()
         self.end: ReplyEnd | None = None
 
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def open(self) -> None:
+        """Send the request and take the answer's head: ChatClientError where it is refused (`code` the API's),
+        nothing where the stream was cancelled meanwhile (the iteration then ends at once)."""
+        try:
+            with self._lock:
+                if self.cancelled:
+                    return
+            self._connection.connect()  # made here, not in request(): cancel() can now shut it
+            if self.cancelled:
+                return
+            self._response = self._client.request(self._connection, "POST", "/chat/completions", self._body)
+        except ChatClientError:
+            self._connection.close()
+            if self.cancelled:  # the shut socket's error: the user's Stop, not the server's refusal
+                return
+            raise
+        except OSError as error:  # in connect(): refused, unreachable, a TLS handshake
+            self._connection.close()
+            if self.cancelled:
+                return
+            raise self._client.failure(f"{self._client.base_url}/chat/completions", error) from None
+
     def cancel(self) -> None:
-        self._cancelled.set()
-        sock = self._connection.sock
+        with self._lock:
+            self._cancelled.set()
+            sock = self._connection.sock
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)  # wakes the thread reading it; the server sees the client go
@@ -149,16 +196,19 @@ class ReplyStream:
     def __iter__(self) -> Iterator[str]:
         finish: str | None = None
         tokens: int | None = None
+        done = False
         try:
             for data in self._events():
                 if data == "[DONE]":
+                    done = True
                     break
                 try:
                     event = json.loads(data)
                 except ValueError:
-                    raise ChatClientError(f"{self._base_url} sent a chunk that is not JSON: {data[:80]!r}") from None
+                    raise ChatClientError(f"{self._client.base_url} sent a chunk that is not JSON: {data[:80]!r}") \
+                        from None
                 if not isinstance(event, dict):
-                    raise ChatClientError(f"{self._base_url} sent a chunk that is no object: {data[:80]!r}")
+                    raise ChatClientError(f"{self._client.base_url} sent a chunk that is no object: {data[:80]!r}")
                 if "error" in event:  # a reply that failed on the way (the fleet lost a PC past what re-planning mends)
                     raise ChatClientError(f"the server's reply failed: {_error_text(event)}")
                 if isinstance(event.get("usage"), dict):
@@ -169,18 +219,22 @@ class ReplyStream:
                         yield piece
                     finish = choice.get("finish_reason") or finish
         except (OSError, http.client.HTTPException) as error:
-            if not self._cancelled.is_set():
-                raise ChatClientError(f"the connection to {self._base_url} broke during the reply "
-                                      f"({getattr(error, 'strerror', None) or error or type(error).__name__})") \
-                    from None
+            if not self.cancelled:
+                raise ChatClientError(f"the connection to {self._client.base_url} broke during the reply "
+                                      f"({_said(error)})") from None
         finally:
             self._connection.close()
-        self.end = ReplyEnd(None if self._cancelled.is_set() else finish, tokens)
+        if not done and not self.cancelled:  # http.client reads a cut chunked body as its end, without a word
+            raise ChatClientError(f"the connection to {self._client.base_url} broke during the reply (it ended "
+                                  "before the reply did: the server stopped?)")
+        self.end = ReplyEnd(None if self.cancelled else finish, tokens)
 
     def _events(self) -> Iterator[str]:
         """The `data` of each server-sent event, lines of one event joined."""
+        if self._response is None:  # cancelled before it was asked
+            return
         lines: list[str] = []
-        while not self._cancelled.is_set():
+        while not self.cancelled:
             raw = self._response.readline()
             if not raw:
                 break
@@ -190,21 +244,26 @@ class ReplyStream:
             elif not line and lines:
                 yield "\n".join(lines)
                 lines = []
-        if lines and not self._cancelled.is_set():
+        if lines and not self.cancelled:
             yield "\n".join(lines)
 
 
-def _refusal(url: str, response: http.client.HTTPResponse) -> str:
-    """What a server's non-200 answer says, in words."""
+def _refusal(url: str, response: http.client.HTTPResponse, path: str) -> ChatClientError:
+    """A server's non-200 answer, in words, with its error code."""
+    code = None
     try:
         body = json.loads(response.read(MAX_ERROR_BODY_BYTES))
         said = _error_text(body) if isinstance(body, dict) else ""
+        error = body.get("error") if isinstance(body, dict) else None
+        code = error.get("code") if isinstance(error, dict) and isinstance(error.get("code"), str) else None
     except (OSError, ValueError, http.client.HTTPException):
         said = ""
     said = said or response.reason or "no reason given"
     if response.status == 401:
-        return f"{url} wants an API key ({said}): give the window the server's --api-key-file"
-    return f"{url} answered {response.status}: {said}"
+        return ChatClientError(f"{url} wants an API key ({said}): give the window the server's --api-key-file", code)
+    if response.status == 404 and path == "/models":
+        return ChatClientError(f"{url} answered 404 ({said}): is --url the API's root, ending in /v1?", code)
+    return ChatClientError(f"{url} answered {response.status}: {said}", code)
 
 
 def _error_text(body: dict[str, Any]) -> str:
@@ -212,3 +271,7 @@ def _error_text(body: dict[str, Any]) -> str:
     if isinstance(error, dict):
         return str(error.get("message") or error)
     return str(error or "")
+
+
+def _said(error: BaseException) -> str:
+    return getattr(error, "strerror", None) or str(error) or type(error).__name__

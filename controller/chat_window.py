@@ -27,7 +27,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from deskfleet.controller.chat_client import ChatClient, ChatClientError, ReplySettings, ReplyStream
+from deskfleet.controller.chat_client import CONTEXT_FULL, ChatClient, ChatClientError, ReplySettings, ReplyStream
 from deskfleet.controller.conversation import Conversation
 
 WINDOW_TITLE = "deskfleet chat"
@@ -41,25 +41,26 @@ class WindowOptions:
 
 
 class _Reply:
-    """One reply's request, as the window and its thread share it: Stop may come before the stream is open."""
+    """One reply's requests (a conversation past the context is asked again without its oldest exchange), as the
+    window and its thread share them: Stop ends the one under way, whatever it is doing."""
 
     def __init__(self, number: int) -> None:
         self.number = number
-        self.stream: ReplyStream | None = None
-        self.stopped = threading.Event()
+        self._stream: ReplyStream | None = None
+        self._stopped = False
         self._lock = threading.Lock()
 
-    def opened(self, stream: ReplyStream) -> None:
+    def attach(self, stream: ReplyStream) -> None:
         with self._lock:
-            self.stream = stream
-            if self.stopped.is_set():
+            self._stream = stream
+            if self._stopped:
                 stream.cancel()
 
     def stop(self) -> None:
         with self._lock:
-            self.stopped.set()
-            if self.stream is not None:
-                self.stream.cancel()
+            self._stopped = True
+            if self._stream is not None:
+                self._stream.cancel()
 
 
 class _Bridge(QObject):
@@ -68,7 +69,7 @@ class _Bridge(QObject):
     models = Signal(list)
     models_failed = Signal(str)
     piece = Signal(int, str)  # (reply number, text)
-    ended = Signal(int, object)  # (reply number, finish_reason or None)
+    ended = Signal(int, object, int)  # (reply number, finish_reason or None, oldest exchanges left out)
     failed = Signal(int, str)
 
 
@@ -134,17 +135,25 @@ class ChatWindow(QMainWindow):
         if not text.strip():
             return
         self.input.clear()
-        messages = self.conversation.ask(text)
+        candidates = self.conversation.ask(text)
         self._reply_number += 1
         number, model = self._reply_number, self.model
         self._reply = asked = _Reply(number)
 
         def reply() -> None:
-            stream = self.client.open_reply(model, messages, self.options.settings)
-            asked.opened(stream)
+            for left_out, messages in enumerate(candidates):  # the whole conversation first, then without the oldest
+                stream = self.client.reply(model, messages, self.options.settings)
+                asked.attach(stream)
+                try:
+                    stream.open()
+                except ChatClientError as error:
+                    if error.code == CONTEXT_FULL and left_out + 1 < len(candidates):
+                        continue
+                    raise
+                break
             for piece in stream:
                 self._bridge.piece.emit(number, piece)
-            self._bridge.ended.emit(number, stream.end.finish_reason if stream.end else None)
+            self._bridge.ended.emit(number, stream.end.finish_reason if stream.end else None, left_out)
 
         _in_thread(reply, lambda _: None, lambda error: self._bridge.failed.emit(number, error))
         self._show_state()
@@ -195,12 +204,14 @@ class ChatWindow(QMainWindow):
     def _piece(self, number: int, piece: str) -> None:
         if number == self._reply_number and self.conversation.replying:
             self.conversation.add(piece)
-            self._show_transcript()
+            self._append(piece)
 
-    def _ended(self, number: int, finish_reason: str | None) -> None:
+    def _ended(self, number: int, finish_reason: str | None, left_out: int) -> None:
         if number == self._reply_number and self.conversation.replying:
-            self.conversation.finished(finish_reason)
+            message = self.conversation.finished(finish_reason, left_out)
             self._reply = None
+            if message is not None and not self.input.toPlainText().strip():
+                self.input.setPlainText(message)  # stopped before the reply began: to send again
             self._show_state()
 
     def _failed(self, number: int, error: str) -> None:
@@ -221,12 +232,28 @@ class ChatWindow(QMainWindow):
         self._show_transcript()
 
     def _show_transcript(self) -> None:
+        """Draw the whole transcript (as a turn begins or ends): where the reader was, or at its end when they were
+        following it."""
         bar = self.transcript.verticalScrollBar()
-        following = bar.value() >= bar.maximum() - 4  # a user reading further up is not pulled down
-        self.transcript.setHtml(self.conversation.html())
+        following, kept = self._following(), bar.value()
+        self.transcript.setHtml(self.conversation.finished_html())
+        bar.setValue(bar.maximum() if following else kept)
+
+    def _append(self, piece: str) -> None:
+        """Add a piece of the reply to the transcript's end, as plain text (drawing it all again at every piece cost
+        27 ms a piece at 200 turns, and took the reader's place and selection)."""
+        following = self._following()
+        end = QTextCursor(self.transcript.document())
+        end.movePosition(QTextCursor.MoveOperation.End)
+        end.insertText(piece)
         if following:
-            self.transcript.moveCursor(QTextCursor.MoveOperation.End)
+            bar = self.transcript.verticalScrollBar()
             bar.setValue(bar.maximum())
+
+    def _following(self) -> bool:
+        """Whether the reader is at the transcript's end (one scrolled up to read is not pulled down)."""
+        bar = self.transcript.verticalScrollBar()
+        return bar.value() >= bar.maximum() - 4
 
 
 def _in_thread(work: Callable[[], object], done: Callable[[object], None], failed: Callable[[str], None]) -> None:
@@ -234,14 +261,19 @@ def _in_thread(work: Callable[[], object], done: Callable[[object], None], faile
 
     def run() -> None:
         try:
-            result = work()
-        except ChatClientError as error:
-            failed(str(error))
-            return
-        except Exception as error:  # a bug here must not pass in silence, nor leave the window waiting
-            failed(f"{type(error).__name__}: {error}")
-            return
-        done(result)
+            try:
+                result = work()
+            except ChatClientError as error:
+                failed(str(error))
+                return
+            except Exception as error:  # a bug here must not pass in silence, nor leave the window waiting
+                failed(f"{type(error).__name__}: {error}")
+                return
+            done(result)
+        except RuntimeError as error:  # "... already deleted", "Signal source has been deleted": the window was
+            # closed meanwhile, and there is no one to tell
+            if "deleted" not in str(error):
+                raise
 
     threading.Thread(target=run, daemon=True, name="deskfleet-window-request").start()
 

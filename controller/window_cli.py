@@ -7,7 +7,7 @@ import math
 
 from deskfleet.common.arguments import line_of_text, path_argument, real_number
 
-from .chat_client import DEFAULT_URL
+from .chat_client import DEFAULT_URL, ReplySettings
 from .decoding_options import MAX_TEMPERATURE, non_negative_int, positive_int
 
 
@@ -28,8 +28,8 @@ def add_window_command(subparsers: argparse._SubParsersAction[argparse.ArgumentP
     window.add_argument("--model", type=_line, default=None,
                         help="the model to chat with, as the server names it (default: the first it serves)")
     window.add_argument("--system", type=_line, default=None, help="a system message that begins the conversation")
-    window.add_argument("--max-tokens", type=positive_int, default=None,
-                        help="the longest a reply may be, in tokens (default: what the model's context leaves)")
+    window.add_argument("--max-tokens", type=positive_int, default=ReplySettings().max_tokens,
+                        help="the longest a reply may be, in tokens (default %(default)s, as `deskfleet chat`'s)")
     window.add_argument("--temperature", type=_temperature, default=0.7,
                         help="sampling temperature (0: greedy; default 0.7)")
     window.add_argument("--seed", type=non_negative_int, default=None,
@@ -38,7 +38,7 @@ def add_window_command(subparsers: argparse._SubParsersAction[argparse.ArgumentP
 
 
 def _window_command(args: argparse.Namespace) -> int:
-    from .chat_client import ChatClient, ReplySettings
+    from .chat_client import ChatClient
     from .chat_window import WindowOptions, run_window
     from .serve_cli import read_api_key
 
