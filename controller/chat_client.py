@@ -88,6 +88,22 @@ class ChatClient:
         finally:
             connection.close()
 
+    def health(self) -> dict[str, Any] | None:
+        """What the server's `GET /health` says (its chain's status and stages), beside the API's root; None where
+        the API's root does not end in /v1, so that there is no telling where /health is."""
+        if not self._path.endswith("/v1"):
+            return None
+        connection = self.connection()
+        try:
+            response = self.request(connection, "GET", "/health", None, root=self._path.removesuffix("/v1"))
+            try:
+                body = json.loads(response.read(MAX_ERROR_BODY_BYTES))
+            except ValueError as error:
+                raise ChatClientError(f"{self.base_url}: its /health is not JSON ({error})") from None
+            return body if isinstance(body, dict) else None
+        finally:
+            connection.close()
+
     def reply(self, model: str, messages: list[dict[str, str]], settings: ReplySettings) -> ReplyStream:
         """The assistant's next message in `messages`, to be streamed: nothing is sent before its `open()`."""
         body: dict[str, Any] = {"model": model, "messages": messages, "stream": True,
@@ -106,9 +122,9 @@ class ChatClient:
         return http.client.HTTPConnection(host, port, timeout=CONNECT_TIMEOUT_S)
 
     def request(self, connection: http.client.HTTPConnection, method: str, path: str,
-                body: bytes | None) -> http.client.HTTPResponse:
-        """Send a request on `connection` (made now where it is not yet) and take the answer's head; ChatClientError
-        when nothing answers or the answer is not 200."""
+                body: bytes | None, root: str | None = None) -> http.client.HTTPResponse:
+        """Send a request for `path` under the API's root (`root`: another) on `connection` (made now where it is
+        not yet) and take the answer's head; ChatClientError when nothing answers or the answer is not 200."""
         headers: dict[str, str | bytes] = {"Accept": "application/json, text/event-stream"}
         if body is not None:
             headers["Content-Type"] = "application/json"
@@ -120,7 +136,7 @@ class ChatClient:
                 connection.connect()
             if connection.sock is not None:
                 connection.sock.settimeout(READ_TIMEOUT_S)
-            connection.request(method, self._path + path, body, headers)
+            connection.request(method, (self._path if root is None else root) + path, body, headers)
             response = connection.getresponse()
         except (OSError, http.client.HTTPException) as error:
             raise self.failure(url, error) from None

@@ -31,6 +31,7 @@ from deskfleet.controller.chat_client import CONTEXT_FULL, ChatClient, ChatClien
 from deskfleet.controller.conversation import Conversation
 
 WINDOW_TITLE = "deskfleet chat"
+HEALTH_EVERY_MS = 10_000  # how often the window asks the server whether its chain can run the model
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class _Bridge(QObject):
 
     models = Signal(list)
     models_failed = Signal(str)
+    health = Signal(object)  # the server's /health, or None
     piece = Signal(int, str)  # (reply number, text)
     ended = Signal(int, object, int)  # (reply number, finish_reason or None, oldest exchanges left out)
     failed = Signal(int, str)
@@ -85,6 +87,11 @@ class ChatWindow(QMainWindow):
         self._bridge = _Bridge()
         self._bridge.models.connect(self._models_found)
         self._bridge.models_failed.connect(self._models_failed)
+        self._bridge.health.connect(self._health_found)
+        self._health: str = ""  # what the server's /health last said, in words
+        self._health_timer = QTimer(self)
+        self._health_timer.setInterval(HEALTH_EVERY_MS)
+        self._health_timer.timeout.connect(self.ask_health)
         self._bridge.piece.connect(self._piece)
         self._bridge.ended.connect(self._ended)
         self._bridge.failed.connect(self._failed)
@@ -193,13 +200,38 @@ class ChatWindow(QMainWindow):
             self._models_failed(f"{self.client.base_url} serves no model {wanted or ''} (it serves: {served})")
             return
         self.model = wanted or models[0]
-        self.server.setText(f"{self.model} at {self.client.base_url}")
+        self._show_server()
         self._show_state()
+        self.ask_health()
+        self._health_timer.start()
 
     def _models_failed(self, error: str) -> None:
         self.model = None
+        self._health_timer.stop()
         self.server.setText(f"{error}. Send asks again.")
         self._show_state()
+
+    def ask_health(self) -> None:
+        """Ask the server whether its chain can run the model (its failures are the requests' to tell)."""
+        _in_thread(self.client.health, self._bridge.health.emit, lambda error: self._bridge.health.emit(None))
+
+    def _health_found(self, health: dict[str, object] | None) -> None:
+        status = health.get("status") if health else None
+        if status == "ok":
+            stages = health.get("stages") if health else None
+            self._health = f"ready on {stages} stage(s)" if isinstance(stages, int) else "ready"
+        elif status == "opening":
+            self._health = "opening its chain (the first reply waits for it)"
+        elif status == "unavailable":
+            error = health.get("error") if health else None
+            self._health = "cannot run the model now" + (f": {error}" if error else "; the next message tries again")
+        else:
+            self._health = ""
+        if self.model is not None:
+            self._show_server()
+
+    def _show_server(self) -> None:
+        self.server.setText(f"{self.model} at {self.client.base_url}" + (f", {self._health}" if self._health else ""))
 
     def _piece(self, number: int, piece: str) -> None:
         if number == self._reply_number and self.conversation.replying:

@@ -232,7 +232,11 @@ def test_the_window_sends_on_enter_and_shows_the_reply_as_it_comes(app: QApplica
     url, _ = served
     window = ChatWindow(ChatClient(f"{url}/v1"), WindowOptions(settings=GREEDY))
     wait_for("the model's name", lambda: window.model == MODEL)
-    assert window.server.text() == f"{MODEL} at {url}/v1"
+    # the server's /health, beside the API's root: its chain of 2 local stages is open once a request ran
+    wait_for("the server's health", lambda: window.server.text().startswith(f"{MODEL} at {url}/v1, "))
+    whole_reply(url, [{"role": "user", "content": "hello"}])
+    window.ask_health()
+    wait_for("the chain's stages", lambda: window.server.text() == f"{MODEL} at {url}/v1, ready on 2 stage(s)")
     window.input.setPlainText("Say something.")
     window.input.moveCursor(QTextCursor.MoveOperation.End)
     press_enter(window, Qt.KeyboardModifier.ShiftModifier)  # a new line, not a send
@@ -360,3 +364,19 @@ def test_a_reader_scrolled_up_stays_where_they_read_while_the_reply_comes(app: Q
     window._ended(1, "stop", 0)
     assert bar.value() == reading  # drawn again as the reply ended: still where they read
     assert window.conversation.turns[-1].text == "first words " + "more words\n" * 50
+
+
+def test_the_window_says_what_the_servers_health_says(app: QApplication) -> None:
+    window = ChatWindow(ChatClient(f"http://127.0.0.1:{free_port()}/v1"), WindowOptions())
+    window.model = MODEL
+    said = {"status": "unavailable", "error": "the chain could not be opened: agent 3f2a1b0c9d8e did not answer"}
+    window._health_found(said)
+    assert window.server.text().endswith(", cannot run the model now: the chain could not be opened: agent "
+                                         "3f2a1b0c9d8e did not answer")
+    window._health_found({"status": "unavailable"})  # a server with a key tells the error only to who gives it
+    assert window.server.text().endswith(", cannot run the model now; the next message tries again")
+    window._health_found({"status": "opening", "stages": None})
+    assert window.server.text().endswith(", opening its chain (the first reply waits for it)")
+    window._health_found(None)  # no answer: the requests say why
+    assert window.server.text() == f"{MODEL} at http://127.0.0.1:{window.client._parsed.port}/v1"
+    assert ChatClient("http://127.0.0.1:1/some/root").health() is None  # where /health is cannot be told
