@@ -128,8 +128,12 @@ class AgentTray(QObject):
         try:
             view = tray_view(look(self.paths))
         except Exception as error:  # a slot that raised left the menu as it was, every 2 s, with no word of why
-            view = TrayView(TrayIcon.PROBLEM, "cannot show the agent's status",
-                            (f"{type(error).__name__}: {error}",), ToggleView(TOGGLE_TEXT, False, enabled=False))
+            try:  # the pause works whatever the status says
+                toggle = ToggleView(TOGGLE_TEXT, read_opt_out(self.paths.state_dir).paused, enabled=True)
+            except Exception:
+                toggle = ToggleView(TOGGLE_TEXT, False, enabled=False)
+            view = TrayView(TrayIcon.PROBLEM, "cannot show the agent's status", (f"{type(error).__name__}: {error}",),
+                            toggle)
         self.show(view)
         return view
 

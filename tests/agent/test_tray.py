@@ -176,6 +176,8 @@ def test_a_status_the_view_cannot_show_is_named_not_left_frozen(app: QApplicatio
     view = tray.refresh()
     assert view.icon is TrayIcon.PROBLEM and menu_texts(tray)[:2] == [
         "Cannot show the agent's status", "TypeError: unsupported operand type(s) for *: 'NoneType' and 'int'"]
+    tray.toggle.trigger()  # the employee can still pause the PC
+    assert read_opt_out(paths.state_dir).paused and tray.toggle.isChecked() and tray.toggle.isEnabled()
 
 
 def test_each_state_has_its_own_icon(app: QApplication) -> None:
