@@ -31,6 +31,9 @@ STATUS_CHECK_S = 5.0  # how often the running agent looks whether the tray would
 HEARTBEAT_S = 60.0
 STALE_AFTER_S = 2 * HEARTBEAT_S + STATUS_CHECK_S  # a status older than this, from a running agent, is said to be old
 GIB = 1 << 30
+# How far a reading moves before the tray is told of it, in the order of _readings: load, free memory, battery,
+# hottest sensor, iGPU, the cache's size (the menu shows them rounded; between, it may be this far behind)
+READING_STEPS = (0.05, 0.25 * GIB, 2.0, 3.0, 0.05, 0.25 * GIB)
 # how far apart the agent's recorded start and the start the OS gives for its pid may be (both come from the OS's
 # process table, rounded differently) and still be the same process
 SAME_PROCESS_START_S = 1.0
@@ -117,11 +120,6 @@ def shows_a_change(before: PublishedStatus | None, now: PublishedStatus) -> bool
     # a sensor appearing or going is in _exact: here both readings are numbers, or both None
     return any(a is not None and b is not None and abs(a - b) >= step
                for a, b, step in zip(_readings(before), _readings(now), READING_STEPS, strict=True))
-
-
-# How far a reading moves before the tray is told of it, in the order of _readings: load, free memory, battery,
-# hottest sensor, iGPU, the cache's size (the menu shows them rounded; between, it may be this far behind)
-READING_STEPS = (0.05, 0.25 * GIB, 2.0, 3.0, 0.05, 0.25 * GIB)
 
 
 def _exact(published: PublishedStatus) -> tuple[object, ...]:
