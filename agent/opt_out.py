@@ -1,6 +1,6 @@
 """The employee's opt-out: whether the person at this PC has paused it for the fleet.
 
-`deskfleet-agent pause` and `resume` (and the tray's toggle, when there is one) write `opt_out.json` in the
+`deskfleet-agent pause` and `resume` (and the tray's toggle, agent/tray.py) write `opt_out.json` in the
 agent's state folder; the running agent reads it at every status request and every limits check (a couple of
 seconds), so the employee needs no rights over the agent's process or the admin's settings file. A paused PC
 reports `paused`, is never planned, refuses assignments, and gives up what it hosts at once.
