@@ -4,16 +4,20 @@
     deskfleet-agent --headless [--data-dir D] [--listen HOST:PORT]
     deskfleet-agent tray [--data-dir D]
     deskfleet-agent pause|resume [--data-dir D]
+    deskfleet-agent autostart enable|disable|status [--data-dir D]
+    deskfleet-agent --log-file FILE ...   (what a process with no console says: autostart's on Windows)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO, cast
 
 from deskfleet.common.arguments import (
     KeepsDashDashValues,
@@ -26,6 +30,7 @@ from deskfleet.common.arguments import (
     verbose_anywhere,
 )
 from deskfleet.common.console import (
+    ForgivingStream,
     WatchedStream,
     flush_stdout,
     forgiving_stderr,
@@ -44,6 +49,9 @@ log = logging.getLogger("deskfleet.agent")
 # What only a controller's data dir holds (controller/fleet_store.py): an agent joined into one mixed the two
 CONTROLLER_FILES = ("fleet.json", "ca-key.pem")
 HOSTNAME_MAX_CHARS = 64  # what X.509 lets a common name be, where the CSR carries it
+AUTOSTART_OFF_EXIT = 3  # `autostart status` where the agent or the tray does not start from here (as `systemctl
+# is-active` says "inactive"): 1 and 2 are failures
+LOG_ROLL_BYTES = 10 << 20  # --log-file: past this at start, the file is kept as FILE.1 and a new one begun
 
 
 # Public methods
@@ -120,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
                              f"agent-settings.json in the settings folder, else 0.0.0.0:{DEFAULT_AGENT_PORT}: every "
                              "interface, IPv4 and IPv6, as [::] is; the agent announces itself over mDNS unless it "
                              "listens on loopback)")
+    parser.add_argument("--log-file", type=path_argument, default=None, metavar="FILE",
+                        help="append the log, and every error, to FILE instead of standard error (kept as FILE.1 "
+                             f"once past {LOG_ROLL_BYTES >> 20} MB at a start); for a PC's agent started with no "
+                             "console, as autostart starts it on Windows")
     # prog: each command's usage and errors begin `deskfleet-agent join`, not the top-level usage line
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", prog="deskfleet-agent")
     join = commands.add_parser("join", help="enroll this PC with a join token from the fleet's admin",
@@ -143,6 +155,16 @@ def build_parser() -> argparse.ArgumentParser:
                                allow_abbrev=False)
     tray.add_argument("--data-dir", type=path_argument, default=None, dest="command_data_dir", metavar="DIR",
                       help="the agent's data dir, as given to `join` and `--headless`")
+    autostart = commands.add_parser(
+        "autostart", allow_abbrev=False,
+        help="start this PC's agent and its tray with the user's session, from this install (Linux: a systemd "
+             "user service and an autostart entry; Windows: two logon tasks), or stop doing so",
+        description="enable: start the agent now and at every login, and the tray with the desktop session, from the "
+                    "Python this command runs in; disable: stop the agent and take both away; status: say what "
+                    "starts (exit 0 when both start from this install and data dir, 3 when not).")
+    autostart.add_argument("action", choices=("enable", "disable", "status"), help="enable, disable or status")
+    autostart.add_argument("--data-dir", type=path_argument, default=None, dest="command_data_dir", metavar="DIR",
+                           help="the agent's data dir, as given to `join`")
     for command in commands.choices.values():
         cast(AgentParser, command).root = parser
     describe_commands(parser)
@@ -154,26 +176,49 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
     try:  # numpy and asyncio come with these: a Ctrl-C meanwhile ends the command as it does later
-        from deskfleet.agent.enroll import EnrollmentError
-        from deskfleet.agent.paths import SettingsError
-        from deskfleet.common.event_loop import EventLoopError
-        from deskfleet.common.join_tokens import JoinTokenError
-        from deskfleet.common.pki import PkiError
-        from deskfleet.common.wire import ProtocolError
+        errors = _command_errors()
     except KeyboardInterrupt:
         return 130
     parser = build_parser()
     args = parser.parse_args(argv)
     _settle_command_options(parser, args)
     restore_default_signals()  # SIGTERM / SIGHUP: the launcher's while the modules loaded, the agent's from here
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not args.verbose:  # websockets says "connection open" and "connection closed" at info for every link: three
-        logging.getLogger("websockets").setLevel(logging.WARNING)  # lines per `fleet ls`, per PC, for days
+    try:
+        log = _open_log_file(args.log_file)
+    except OSError as error:
+        print(f"deskfleet-agent: error: cannot write the log file {args.log_file}: {os_error_text(error)}",
+              file=sys.stderr)
+        return 2
+    with _standard_error_to(log):
+        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if not args.verbose:  # websockets says "connection open" and "connection closed" at info for every link:
+            logging.getLogger("websockets").setLevel(logging.WARNING)  # three lines per `fleet ls`, per PC, for days
+        return _run(parser, args, argv, stdout, errors)
+
+
+def _command_errors() -> tuple[type[Exception], ...]:
+    """What a command ends with in one line, exit 2 (_run)."""
+    from deskfleet.agent.autostart import AutostartError
+    from deskfleet.agent.enroll import EnrollmentError
+    from deskfleet.agent.paths import SettingsError
+    from deskfleet.common.event_loop import EventLoopError
+    from deskfleet.common.join_tokens import JoinTokenError
+    from deskfleet.common.pki import PkiError
+    from deskfleet.common.wire import ProtocolError
+
+    return (EnrollmentError, SettingsError, JoinTokenError, PkiError, ProtocolError, EventLoopError, AutostartError,
+            OSError, ValueError)
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None,
+         stdout: WatchedStream | None, errors: tuple[type[Exception], ...]) -> int:
     try:
         _refuse_controller_dir(args.data_dir)
         if args.command == "tray":
             return _tray(args)
+        if args.command == "autostart":
+            return _autostart(args)
         if args.command in ("join", "pause", "resume"):
             status = _join(args) if args.command == "join" else _pause(args, paused=args.command == "pause")
             flush_stdout()  # inside the handlers below: a message still in the buffer meets a full disk here
@@ -182,15 +227,14 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
             if argv is None:  # this process's own command line: it may re-execute on jemalloc
                 _run_on_jemalloc(args)
             return _headless(args)
-        parser.error("give a command (join, tray, pause, resume) or --headless")
+        parser.error("give a command (join, tray, pause, resume, autostart) or --headless")
     except KeyboardInterrupt:
         return 130
     except ImportError as error:  # OpenVINO's, of a Ctrl-C that landed in its import as the agent started
         if interruption(error) is None:
             raise
         return 130
-    except (EnrollmentError, SettingsError, JoinTokenError, PkiError, ProtocolError, EventLoopError,
-            OSError, ValueError) as error:
+    except errors as error:
         if args.verbose:
             raise
         if stdout is not None and error is stdout.failure:  # every command writes there once it has done its work
@@ -202,6 +246,34 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
         print(f"deskfleet-agent: error: {said}", file=sys.stderr)
         return 2
     return 0
+
+
+def _open_log_file(path: Path | None) -> TextIO | None:
+    """`--log-file`, opened to append (None: no such option). A file past LOG_ROLL_BYTES is first renamed to
+    FILE.1, replacing the one before: at start only, as Windows refuses to rename a file that a process holds open."""
+    if path is None:
+        return None
+    with contextlib.suppress(FileNotFoundError):
+        if path.stat().st_size > LOG_ROLL_BYTES:
+            os.replace(path, path.with_name(path.name + ".1"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "a", encoding="utf-8", errors="backslashreplace", buffering=1)  # a line at a time
+
+
+@contextlib.contextmanager
+def _standard_error_to(log: TextIO | None) -> Iterator[None]:
+    """Standard error, so the log, the errors said and a traceback, written to `log` for the block (None: left as it
+    is). What runs with no console (pythonw.exe, autostart's tasks on Windows) has nowhere else to say them."""
+    if log is None:
+        yield
+        return
+    original = sys.stderr
+    sys.stderr = cast(TextIO, ForgivingStream(log))  # a full disk loses log lines, not the agent
+    try:
+        yield
+    finally:
+        sys.stderr = original
+        log.close()
 
 
 def _settle_command_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -412,6 +484,28 @@ def _tray(args: argparse.Namespace) -> int:
     except TrayError as error:
         print(f"deskfleet-agent: error: {error}", file=sys.stderr)
         return 2
+
+
+def _autostart(args: argparse.Namespace) -> int:
+    from deskfleet.agent.autostart import AutostartError, AutostartTarget, autostart_for_this_pc
+    from deskfleet.agent.paths import AgentPaths
+    from deskfleet.agent.standing import joined
+
+    paths = AgentPaths.resolve(args.data_dir)
+    if args.action == "enable" and not joined(paths.state_dir):
+        raise AutostartError(f"this PC has not joined a fleet with this data dir ({paths.state_dir} holds no "
+                             f"membership): `deskfleet-agent join -{_data_dir_flag(args.data_dir)}` first, as the "
+                             "agent that autostart starts refuses to run before")
+    autostart = autostart_for_this_pc(AutostartTarget.this_install(args.data_dir), paths.state_dir)
+    if args.action == "status":
+        report = autostart.status()
+        print("\n".join(report.lines))
+        flush_stdout()
+        return 0 if report.enabled else AUTOSTART_OFF_EXIT
+    lines = autostart.enable() if args.action == "enable" else autostart.disable()
+    print("\n".join(lines))
+    flush_stdout()
+    return 0
 
 
 def _data_dir_flag(data_dir: Path | None) -> str:
