@@ -186,37 +186,37 @@ class LinuxAutostart:
         return lines
 
     def status(self) -> AutostartReport:
-        unit = self._ours(self.unit_file, refuse=False)
-        entry = self._ours(self.entry_file, refuse=False)
-        lines = []
+        lines: list[str] = []
+        unit_wanted = self._file_status(lines, "agent", self.unit_file, systemd_unit(self.target.agent()), "ExecStart",
+                                        "at login")
         agent_on = False
-        if unit is None:
-            lines.append(f"agent: does not start at login ({self.unit_file} is not there)")
-        elif not written_here(unit):
-            lines.append(f"agent: {self.unit_file} was not written by `{MARK}`: it is the admin's")
-        else:
+        if unit_wanted is not None:
             enabled = self._systemctl_word("is-enabled", SERVICE)
             active = self._systemctl_word("is-active", SERVICE)
-            lines.append(f"agent: systemd user service {SERVICE}: {enabled}, {active} ({self.unit_file})")
+            lines.append(f"  systemd user service {SERVICE}: {enabled}, {active}")
             if active == "failed":
                 lines.append(f"  its log says why: journalctl --user -u {SERVICE}")
-            agent_on = enabled == "enabled"
-            if unit != systemd_unit(self.target.agent()):
-                agent_on = False
-                lines.append(f"  it runs another install or data dir: {_key(unit, 'ExecStart')}; `{MARK} enable` "
-                             "points it at this one")
-        tray_on = False
-        if entry is None:
-            lines.append(f"tray: does not start with the desktop session ({self.entry_file} is not there)")
-        elif not written_here(entry):
-            lines.append(f"tray: {self.entry_file} was not written by `{MARK}`: it is the admin's")
-        else:
-            lines.append(f"tray: starts with the desktop session ({self.entry_file})")
-            tray_on = entry == desktop_entry(self.target.tray())
-            if not tray_on:
-                lines.append(f"  it runs another install or data dir: {_key(entry, 'Exec')}; `{MARK} enable` "
-                             "points it at this one")
-        return AutostartReport(agent_on and tray_on, lines)
+            agent_on = unit_wanted and enabled == "enabled"
+        tray_on = self._file_status(lines, "tray", self.entry_file, desktop_entry(self.target.tray()), "Exec",
+                                    "with the desktop session")
+        return AutostartReport(agent_on and tray_on is True, lines)
+
+    def _file_status(self, lines: list[str], name: str, path: Path, wanted: str, command_key: str,
+                     when: str) -> bool | None:
+        """Say how the unit or the entry stands: None where there is none of `enable`'s, else whether it is the one
+        `enable` would write now (this install, this data dir)."""
+        text = self._ours(path, refuse=False)
+        if text is None:
+            lines.append(f"{name}: does not start {when} ({path} is not there)")
+            return None
+        if not written_here(text):
+            lines.append(f"{name}: {path} was not written by `{MARK}`: it is the admin's")
+            return None
+        lines.append(f"{name}: starts {when} ({path})")
+        if text != wanted:
+            lines.append(f"  it runs another install or data dir: {_key(text, command_key)}; `{MARK} enable` points "
+                         "it at this one")
+        return text == wanted
 
     def _ours(self, path: Path, refuse: bool = True) -> str | None:
         """The file's text (None where there is none); AutostartError where this command did not write it."""
