@@ -29,6 +29,9 @@ COMMAND_TIMEOUT_S = 60.0
 # idle PC (OpenVINO's import), more on a busy one; one that fails at once is told by its service manager before that
 AGENT_START_WAIT_S = 60.0
 AGENT_START_POLL_S = 0.25
+# -P: the folder it starts in is not put first on the module path; `-m` would put it there, and a clone of this repo at
+# ~/deskfleet (a namespace package: no __init__.py) would run instead of the installed deskfleet
+SAFE_MODULE_RUN = ("-P", "-m", "deskfleet.agent")
 
 Runner = Callable[[Sequence[str]], "subprocess.CompletedProcess[bytes]"]  # output kept as bytes: see output_text
 
@@ -74,7 +77,7 @@ class AutostartTarget:
 
     def _launch(self, program: Path | None, log_file: Path | None, command: tuple[str, ...]) -> Launch:
         logging = () if log_file is None else ("--log-file", str(log_file))
-        return Launch(program or self.python, ("-m", "deskfleet.agent", *logging, *command))
+        return Launch(program or self.python, (*SAFE_MODULE_RUN, *logging, *command))
 
     def _data_dir_option(self) -> tuple[str, ...]:
         return () if self.data_dir is None else ("--data-dir", str(self.data_dir))
@@ -144,7 +147,7 @@ def windows_user(environment: Mapping[str, str]) -> str:
 def check_launch(target: AutostartTarget, run: Runner) -> None:
     """Refuse a Python that cannot run deskfleet outside this shell (one that imports it only thanks to the shell's
     PYTHONPATH, or a venv since deleted): the session would start nothing, and say so nowhere the user looks."""
-    argv = [str(target.python), "-m", "deskfleet.agent", "--help"]
+    argv = [str(target.python), *SAFE_MODULE_RUN, "--help"]
     try:
         done = run(argv)
     except OSError as error:
@@ -197,11 +200,13 @@ def agent_running_pid(state_dir: Path) -> int | None:
     return published.pid if published is not None and publisher_running(published, time.time()) else None
 
 
-def wait_for_agent(state_dir: Path, gave_up: Callable[[], bool], timeout: float = AGENT_START_WAIT_S) -> int | None:
-    """The pid of the agent once it runs on this data dir; None where `gave_up()` (its service manager says it ended)
-    or `timeout` passed first."""
+def wait_for_agent(state_dir: Path, gave_up: Callable[[], bool], other_than: int | None = None,
+                   timeout: float = AGENT_START_WAIT_S) -> int | None:
+    """The pid of the agent once it runs on this data dir (one other than `other_than`, an agent being stopped); None
+    where `gave_up()` (called at every look: the agent ended, as its service manager or its log says) or `timeout`
+    passed first."""
     deadline = time.monotonic() + timeout
-    while (pid := agent_running_pid(state_dir)) is None:
+    while (pid := agent_running_pid(state_dir)) is None or pid == other_than:
         if gave_up() or time.monotonic() >= deadline:
             return None
         time.sleep(AGENT_START_POLL_S)

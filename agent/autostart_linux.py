@@ -35,6 +35,7 @@ UNSAFE_PROGRAM_CHARACTERS = set("'\"\\")  # systemd's string_is_safe(), for Exec
 # what the Desktop Entry spec reserves in an Exec argument: such an argument is quoted
 DESKTOP_RESERVED = set(" \t\n\"'\\><~|&;$*?#()`")
 DESKTOP_ESCAPED_IN_QUOTES = set('"`$\\')
+MISREAD_BY_GENERATOR = set("%$\\")  # see desktop_entry
 
 UNIT_BODY = """\
 [Unit]
@@ -76,7 +77,16 @@ def systemd_unit(launch: Launch) -> str:
 
 
 def desktop_entry(launch: Launch) -> str:
-    """The XDG autostart entry that runs `launch` (the tray) when the desktop session starts."""
+    """The XDG autostart entry that runs `launch` (the tray) when the desktop session starts. AutostartError for a
+    word with `%`, `$` or `\\`: GNOME and KDE on systemd start autostart entries through
+    systemd-xdg-autostart-generator, which (systemd 252) reads none of them as the Desktop Entry spec says: `%%`
+    stays two characters (the program is not found), a backslash is lost, and `\\$` reaches the unit as an escape
+    systemd does not know."""
+    misread = [word for word in launch.argv if MISREAD_BY_GENERATOR.intersection(word)]
+    if misread:
+        raise AutostartError(f"the tray's command holds {misread[0]!r}, whose %, $ or \\ the desktop's autostart "
+                             "(systemd-xdg-autostart-generator) misreads: install deskfleet and keep its data dir in "
+                             "folders whose names have none")
     return (f"# Written by `{MARK} enable`; `{MARK} disable` removes it, and edits are lost at the\n"
             "# next enable.\n"
             + ENTRY_BODY.format(exec_line=" ".join(desktop_word(word) for word in launch.argv)))
@@ -196,7 +206,7 @@ class LinuxAutostart:
             lines.append(f"  systemd user service {SERVICE}: {enabled}, {active}")
             if active == "failed":
                 lines.append(f"  its log says why: journalctl --user -u {SERVICE}")
-            agent_on = unit_wanted and enabled == "enabled"
+            agent_on = unit_wanted and enabled == "enabled" and active == "active"
         tray_on = self._file_status(lines, "tray", self.entry_file, desktop_entry(self.target.tray()), "Exec",
                                     "with the desktop session")
         return AutostartReport(agent_on and tray_on is True, lines)

@@ -21,14 +21,15 @@ Nothing here has run on Windows yet: the tests check the XML against these rules
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import re
 import subprocess
 import tempfile
+import time
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import psutil
 
 from deskfleet.agent.autostart import (
     MARK,
@@ -45,6 +46,7 @@ from deskfleet.agent.autostart import (
 )
 
 TASK_NAMESPACE = "http://schemas.microsoft.com/windows/2004/02/mit/task"
+MADE_HERE = re.compile(re.escape(f"({MARK} ") + r"([0-9a-f]{16})\)$")  # the end of the description `enable` writes
 AGENT_TASK = "\\deskfleet-agent"
 TRAY_TASK = "\\deskfleet-tray"
 AGENT_LOG = "agent.log"
@@ -52,7 +54,7 @@ TRAY_LOG = "tray.log"
 AGENT_RETRY = "PT5M"  # how soon a crashed agent is started again
 AGENT_PRIORITY = 7  # BELOW_NORMAL_PRIORITY_CLASS: Microsoft's for background work; the PC is its user's first
 TRAY_PRIORITY = 6  # NORMAL: an interactive program's
-END_WAIT_S = 10.0  # for an agent that schtasks /End stopped to be gone
+RUN_AGAIN_S = 2.0  # after /End: how often /Run is sent again until the new agent runs
 NO_SCHTASKS = "schtasks is not on this PC's PATH (it is in C:\\Windows\\System32)"
 
 
@@ -66,8 +68,22 @@ class TaskAction:
 
     @property
     def made_here(self) -> bool:
-        """Whether `enable` made the task: its description ends naming it."""
-        return self.description.endswith(f"({MARK})")
+        """Whether `enable` made the task: its description ends naming it, with its command line's digest."""
+        return MADE_HERE.search(self.description) is not None
+
+    def runs(self, launch: Launch) -> bool:
+        """Whether the task runs `launch`, as the digest `enable` put in its description tells: what schtasks prints of
+        the command itself is in the console's code page, which may lack a character of its path (Łukasz in cp437)."""
+        found = MADE_HERE.search(self.description)
+        return found is not None and found.group(1) == launch_digest(launch)
+
+
+def launch_digest(launch: Launch) -> str:
+    return hashlib.sha256("\0".join(launch.argv).encode("utf-8")).hexdigest()[:16]
+
+
+def task_description(what: str, launch: Launch) -> str:
+    return f"{what} ({MARK} {launch_digest(launch)})"
 
 
 def task_xml(description: str, launch: Launch, user: str, priority: int, retry: str | None,
@@ -147,27 +163,37 @@ class WindowsAutostart:
         self._ours(TRAY_TASK)
         check_launch(self.target, self.run)
         home = Path.home()
-        self._create(AGENT_TASK, task_xml(f"deskfleet agent: hosts model stages for the office's fleet ({MARK})",
-                                          agent, self.user, AGENT_PRIORITY, AGENT_RETRY, home))
-        self._create(TRAY_TASK, task_xml(f"deskfleet tray: this PC's agent and its pause toggle ({MARK})",
+        self._create(AGENT_TASK, task_xml(task_description("deskfleet agent: hosts model stages for the office's fleet",
+                                                           agent), agent, self.user, AGENT_PRIORITY, AGENT_RETRY, home))
+        self._create(TRAY_TASK, task_xml(task_description("deskfleet tray: this PC's agent and its pause toggle", tray),
                                          tray, self.user, TRAY_PRIORITY, None, home))
-        changed = agent_before is not None and (agent_before.command, agent_before.arguments) != \
-            (str(agent.program), subprocess.list2cmdline(agent.arguments))
-        if changed:  # the instance running now runs the old command line, and IgnoreNew would keep it
-            ending = agent_running_pid(self.state_dir)
-            self.run(["schtasks", "/End", "/TN", AGENT_TASK])  # a hard stop: Windows has no other for it
-            if ending is not None:
-                _wait_gone(ending)
+        changed = agent_before is not None and not agent_before.runs(agent)
         running = agent_running_pid(self.state_dir)
+        ending = running if changed else None
+        if changed:  # the instance running now runs the old command line, and IgnoreNew would keep it
+            self.run(["schtasks", "/End", "/TN", AGENT_TASK])  # a hard stop: Windows has no other for it
+        elif running is not None:
+            return self._enabled_lines(f"already running (pid {running}): the task starts it from your next logon")
+        log = self.state_dir / AGENT_LOG
+        log_start = log.stat().st_size if log.is_file() else 0
+        self._schtasks("/Run", "/TN", AGENT_TASK)
+        last_run = time.monotonic()
+
+        def ended() -> bool:
+            nonlocal last_run
+            if changed and time.monotonic() - last_run >= RUN_AGAIN_S:  # /End returns before the old one has ended,
+                self.run(["schtasks", "/Run", "/TN", AGENT_TASK])  # and a /Run meanwhile was ignored (IgnoreNew)
+                last_run = time.monotonic()
+            return _refusal_in(log, log_start) is not None
+
+        running = wait_for_agent(self.state_dir, ended, other_than=ending)
         if running is None:
-            self._schtasks("/Run", "/TN", AGENT_TASK)
-            running = wait_for_agent(self.state_dir, lambda: False)
-            if running is None:
-                raise AutostartError(f"autostart is set up, but the agent has not come up: its log says why: "
-                                     f"{self.state_dir / AGENT_LOG}")
-            started = f"running now (pid {running})"
-        else:
-            started = f"already running (pid {running}): the task starts it from your next logon"
+            said = _refusal_in(log, log_start)
+            raise AutostartError(f"autostart is set up, but the agent has not come up"
+                                 f"{f' ({said})' if said else ''}: its log says why: {log}")
+        return self._enabled_lines(f"running now (pid {running})")
+
+    def _enabled_lines(self, started: str) -> list[str]:
         return [f"The agent starts at your logon (task {AGENT_TASK}), and again within 5 minutes if it stops; "
                 f"{started}.",
                 f"Its log: {self.state_dir / AGENT_LOG}",
@@ -202,15 +228,16 @@ class WindowsAutostart:
             elif not action.made_here:
                 lines.append(f"{name}: task {task} was not made by `{MARK}`: it is the admin's")
                 enabled = False
-            elif (action.command, action.arguments) != (str(launch.program), subprocess.list2cmdline(launch.arguments)):
+            elif not action.runs(launch):
                 lines.append(f"{name}: starts at logon (task {task}), but runs another install or data dir: "
                              f"{action.command} {action.arguments}; `{MARK} enable` points it at this one")
                 enabled = False
             else:
                 lines.append(f"{name}: starts at logon (task {task})")
         running = agent_running_pid(self.state_dir)
-        lines.append(f"agent: running now (pid {running})" if running is not None else "agent: not running now")
-        return AutostartReport(enabled, lines)
+        lines.append(f"agent: running now (pid {running})" if running is not None else
+                     f"agent: not running now (its log: {self.state_dir / AGENT_LOG})")
+        return AutostartReport(enabled and running is not None, lines)
 
     def _windowless(self) -> Path:
         """pythonw.exe beside this install's python.exe (a venv's Scripts folder has both): no console window."""
@@ -251,10 +278,15 @@ class WindowsAutostart:
         if done.returncode != 0:
             raise AutostartError(f"`{' '.join(argv)}` failed: {said_by(done)}")
 
-def _wait_gone(pid: int) -> None:
-    """Until process `pid` has ended (schtasks /End returns before it has), or END_WAIT_S."""
-    with contextlib.suppress(psutil.Error):
-        psutil.Process(pid).wait(END_WAIT_S)
+def _refusal_in(log: Path, start: int) -> str | None:
+    """The agent's refusal to start (`deskfleet-agent: error: ...`) written to its log after `start`, if any."""
+    try:
+        with log.open("rb") as handle:
+            handle.seek(start)
+            written = handle.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    return next((line.strip() for line in written.splitlines() if line.startswith("deskfleet-agent: error:")), None)
 
 
 @contextlib.contextmanager

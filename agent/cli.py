@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO, cast
@@ -114,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "run it with `deskfleet-agent --headless` (it runs in the foreground until Ctrl-C, SIGTERM or "
                     "SIGHUP), and `deskfleet-agent tray` in the user's desktop session shows it. Its user can "
                     "`pause` it (and `resume`) at any time, from the tray or a terminal.",
-        usage="deskfleet-agent [-h] [-v] [--data-dir DIR] (--headless [--listen HOST:PORT] | COMMAND ...)")
+        usage="deskfleet-agent [-h] [-v] [--data-dir DIR] [--log-file FILE] "
+              "(--headless [--listen HOST:PORT] | COMMAND ...)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
     parser.add_argument("--headless", action="store_true",
                         help="run the agent (in the foreground, logging to standard error; `deskfleet-agent tray` "
@@ -129,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "interface, IPv4 and IPv6, as [::] is; the agent announces itself over mDNS unless it "
                              "listens on loopback)")
     parser.add_argument("--log-file", type=path_argument, default=None, metavar="FILE",
-                        help="append the log, and every error, to FILE instead of standard error (kept as FILE.1 "
+                        help="append the log, and every error, to FILE instead of standard error (given before "
+                             "the command; kept as FILE.1 "
                              f"once past {LOG_ROLL_BYTES >> 20} MB at a start); for a PC's agent started with no "
                              "console, as autostart starts it on Windows")
     # prog: each command's usage and errors begin `deskfleet-agent join`, not the top-level usage line
@@ -161,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
              "user service and an autostart entry; Windows: two logon tasks), or stop doing so",
         description="enable: start the agent now and at every login, and the tray with the desktop session, from the "
                     "Python this command runs in; disable: stop the agent and take both away; status: say what "
-                    "starts (exit 0 when both start from this install and data dir, 3 when not).")
+                    "starts (exit 0 when both start from this install and data dir and the agent runs, 3 when "
+                    "not).")
     autostart.add_argument("action", choices=("enable", "disable", "status"), help="enable, disable or status")
     autostart.add_argument("--data-dir", type=path_argument, default=None, dest="command_data_dir", metavar="DIR",
                            help="the agent's data dir, as given to `join`")
@@ -253,7 +257,7 @@ def _open_log_file(path: Path | None) -> TextIO | None:
     FILE.1, replacing the one before: at start only, as Windows refuses to rename a file that a process holds open."""
     if path is None:
         return None
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(OSError):  # not there yet; or held open (a log viewer, an antivirus): appended to then
         if path.stat().st_size > LOG_ROLL_BYTES:
             os.replace(path, path.with_name(path.name + ".1"))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -263,17 +267,45 @@ def _open_log_file(path: Path | None) -> TextIO | None:
 @contextlib.contextmanager
 def _standard_error_to(log: TextIO | None) -> Iterator[None]:
     """Standard error, so the log, the errors said and a traceback, written to `log` for the block (None: left as it
-    is). What runs with no console (pythonw.exe, autostart's tasks on Windows) has nowhere else to say them."""
+    is). What runs with no console (pythonw.exe, autostart's tasks on Windows) has nowhere else to say them. File
+    descriptor 2 goes there too (what OpenVINO's native code writes); a crash's traceback is written there before the
+    block ends, since Python prints it later, to the standard error put back by then; the log handlers made in the
+    block go with it."""
     if log is None:
         yield
         return
     original = sys.stderr
-    sys.stderr = cast(TextIO, ForgivingStream(log))  # a full disk loses log lines, not the agent
+    forgiving = ForgivingStream(log)  # a full disk loses log lines, not the agent
+    sys.stderr = cast(TextIO, forgiving)
+    saved_fd = _redirect_fd(2, log)
     try:
         yield
+    except Exception:
+        traceback.print_exc()
+        raise
     finally:
+        root = logging.getLogger()
+        for handler in list(root.handlers):
+            if isinstance(handler, logging.StreamHandler) and handler.stream is forgiving:
+                root.removeHandler(handler)
         sys.stderr = original
-        log.close()
+        if saved_fd is not None:
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+        with contextlib.suppress(OSError):  # a full disk: the last lines are lost, as the others were
+            log.close()
+
+
+def _redirect_fd(fd: int, log: TextIO) -> int | None:
+    """Point `fd` at `log`'s file; the descriptor to put back (None where `fd` was not open: pythonw.exe's)."""
+    try:
+        saved = os.dup(fd)
+    except OSError:
+        saved = None
+    with contextlib.suppress(OSError):
+        log.flush()
+        os.dup2(log.fileno(), fd)
+    return saved
 
 
 def _settle_command_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -267,11 +267,11 @@ def test_the_written_unit_and_entry_hold_the_shipped_ones_options_and_run_this_i
             options = {key: value for key, value in written[section].items() if (section, key) != command}
             assert options == {key: value for key, value in shipped[section].items() if (section, key) != command}
     program, *arguments = shlex.split(unit["Service"]["ExecStart"])
-    assert program == sys.executable and arguments[:2] == ["-m", "deskfleet.agent"]
-    parsed = build_parser().parse_args(arguments[2:])
+    assert program == sys.executable and arguments[:3] == ["-P", "-m", "deskfleet.agent"]
+    parsed = build_parser().parse_args(arguments[3:])
     assert parsed.headless and parsed.data_dir == (tmp_path / "agent").resolve()
     program, *arguments = shlex.split(entry["Desktop Entry"]["Exec"])
-    parsed = build_parser().parse_args(arguments[2:])
+    parsed = build_parser().parse_args(arguments[3:])
     assert program == sys.executable and parsed.command == "tray"
     assert parsed.command_data_dir == (tmp_path / "agent").resolve()
 
@@ -345,7 +345,7 @@ def test_an_agent_that_refuses_to_start_is_said_at_enable(
     assert f"journalctl --user -u {SERVICE}" in refused.stderr
     assert manager.exit_statuses == [2]  # the agent's refusal, which the unit does not restart
     status = autostart(environment, "status", "--data-dir", str(data_dir))
-    assert status.returncode == 0 and "enabled, failed" in status.stdout and "its log says why" in status.stdout
+    assert status.returncode == 3 and "enabled, failed" in status.stdout and "its log says why" in status.stdout
 
 
 # Refusals: each before anything is written or started
@@ -428,6 +428,32 @@ def test_a_python_that_cannot_run_deskfleet_on_its_own_is_refused(
     with pytest.raises(AutostartError, match=r"fails outside this shell .*No module named 'deskfleet'"):
         autostart_of.enable()
     assert not autostart_of.unit_file.exists()
+
+
+@pytest.mark.parametrize("folder", ["100%", "back\\slash", "$HOME"])
+def test_a_tray_command_that_the_desktops_autostart_misreads_is_refused(folder: str) -> None:
+    with pytest.raises(AutostartError, match="systemd-xdg-autostart-generator"):
+        desktop_entry(Launch(Path("/venv/bin/python"), ("-m", "deskfleet.agent", "tray", "--data-dir",
+                                                         f"/srv/{folder}")))
+
+
+GENERATOR = Path("/usr/lib/systemd/user-generators/systemd-xdg-autostart-generator")
+
+
+@pytest.mark.skipif(not GENERATOR.exists(), reason="needs systemd's xdg autostart generator")
+def test_gnome_and_kde_on_systemd_start_the_tray_as_written(tmp_path: Path) -> None:
+    """systemd-xdg-autostart-generator turns autostart entries into units: the one it makes runs the tray's words."""
+    data_dir = tmp_path / "John Smith's data (2)"
+    config = tmp_path / "config"
+    (config / "autostart").mkdir(parents=True)
+    (config / "autostart" / TRAY_ENTRY).write_text(desktop_entry(AutostartTarget.this_install(data_dir).tray()))
+    out = tmp_path / "generated"
+    out.mkdir()
+    environment = {**os.environ, "XDG_CONFIG_HOME": str(config), "XDG_CONFIG_DIRS": str(tmp_path / "none")}
+    subprocess.run([str(GENERATOR), str(out), str(out), str(out)], env=environment, check=True, capture_output=True)
+    unit = _ini(next(out.glob("app-deskfleet*")).read_text())
+    exec_start = unit["Service"]["ExecStart"]
+    assert exec_start == f':{sys.executable} -P -m deskfleet.agent tray --data-dir "{data_dir}"'  # `:` no variables
 
 
 def test_the_mark_is_on_the_first_line_of_what_is_written(tmp_path: Path) -> None:

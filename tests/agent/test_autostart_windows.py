@@ -8,6 +8,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ from deskfleet.agent.autostart_windows import (
     TRAY_TASK,
     WindowsAutostart,
     read_query_xml,
+    task_description,
     task_file_bytes,
     task_xml,
 )
@@ -33,6 +35,7 @@ from tests.agent.test_autostart_linux import joined_data_dir
 USER = "OFFICE-PC42\\zoë"
 NS = {"t": TASK_NAMESPACE}
 NOT_FOUND = b"ERROR: The system cannot find the file specified.\r\n"
+END_DELAY_S = 1.0  # how long after /End the stand-in's process is killed
 
 
 class FakeSchtasks:
@@ -69,9 +72,9 @@ class FakeSchtasks:
                 self.running[name] = subprocess.Popen([sys.executable, *shlex.split(arguments.text)],
                                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             return self._done(b"SUCCESS: Attempted to run the scheduled task.\r\n")
-        if verb == "/End":
+        if verb == "/End":  # returns before the process has ended, as schtasks does
             if name in self.running and self.running[name].poll() is None:
-                self.running.pop(name).send_signal(signal.SIGKILL)  # TerminateProcess
+                threading.Timer(END_DELAY_S, self.running[name].send_signal, (signal.SIGKILL,)).start()
             return self._done(b"SUCCESS: The scheduled task has been terminated.\r\n")
         if verb == "/Delete":
             del self.tasks[name]
@@ -209,7 +212,7 @@ def test_enable_runs_the_agent_now_and_disable_ends_it(tmp_path: Path, install: 
     assert schtasks.verbs() == [("/Create", AGENT_TASK), ("/Create", TRAY_TASK)] and agent.poll() is None
 
     windows.disable()
-    assert ("/End", AGENT_TASK) in schtasks.verbs() and agent.wait(10) == -signal.SIGKILL
+    assert ("/End", AGENT_TASK) in schtasks.verbs() and agent.wait(30) == -signal.SIGKILL
     assert schtasks.tasks == {} and not windows.status().enabled
 
 
@@ -220,11 +223,34 @@ def test_enable_on_another_data_dir_ends_the_old_agent_and_runs_the_new(tmp_path
     _windows(install, first, schtasks).enable()
     old = schtasks.running[AGENT_TASK]
     moved = _windows(install, second, schtasks)
-    assert "running now" in moved.enable()[0]
-    assert old.wait(10) == -signal.SIGKILL and schtasks.running[AGENT_TASK] is not old
+    assert "running now" in moved.enable()[0]  # /Run sent again until the old one had ended (IgnoreNew till then)
+    assert old.wait(30) == -signal.SIGKILL and schtasks.running[AGENT_TASK] is not old
+    assert schtasks.verbs().count(("/Run", AGENT_TASK)) >= 3
     assert moved.status().enabled
     stale = _windows(install, first, schtasks).status()
     assert not stale.enabled and any("runs another install or data dir" in line for line in stale.lines)
+
+
+@pytest.mark.slow
+def test_an_agent_that_refuses_to_start_is_said_at_enable_in_its_own_words(tmp_path: Path, install: Path,
+                                                                           schtasks: FakeSchtasks) -> None:
+    data_dir = joined_data_dir(tmp_path / "agent")
+    AgentPaths.resolve(data_dir).settings_file.write_text('{"format_version": 1, "device": 7}')
+    with pytest.raises(AutostartError, match=r"has not come up \(deskfleet-agent: error: .*device.*agent\.log"):
+        _windows(install, data_dir, schtasks).enable()
+    assert schtasks.running[AGENT_TASK].wait(30) == 2
+
+
+def test_a_task_whose_path_the_console_cannot_print_still_reads_as_this_install(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """schtasks prints the XML in the console's code page: Łukasz comes back as ?ukasz in cp437; the digest in the
+    description is what tells the task runs this install."""
+    monkeypatch.setattr(autostart_module, "_console_code_page", lambda: "cp437")
+    launch = Launch(Path("C:/Users/Łukasz/venv/Scripts/pythonw.exe"), ("-P", "-m", "deskfleet.agent", "--headless"))
+    xml = task_xml(task_description("agent", launch), launch, USER, 7, None, tmp_path)
+    action = read_query_xml(xml.encode("cp437", errors="replace"))
+    assert action.command.startswith("C:/Users/?ukasz") and action.made_here and action.runs(launch)
+    assert not action.runs(Launch(launch.program, ("-P", "-m", "deskfleet.agent", "tray")))
 
 
 def test_a_task_not_made_by_autostart_is_left_as_it_is(tmp_path: Path, install: Path,
@@ -276,3 +302,31 @@ def test_a_log_file_that_cannot_be_written_is_said(tmp_path: Path, capsys: pytes
     (tmp_path / "file").touch()
     assert cli.main(["--log-file", str(tmp_path / "file" / "agent.log"), "pause"]) == 2
     assert "cannot write the log file" in capsys.readouterr().err
+
+
+def test_a_crash_is_written_to_the_log_file_with_its_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python prints an uncaught exception's traceback after main() has put standard error back: under pythonw, to
+    nowhere. It is written to the log before."""
+    from deskfleet.agent import cli
+
+    def crash(*_: object, **__: object) -> int:
+        raise RuntimeError("a bug in pause")
+
+    monkeypatch.setattr(cli, "_pause", crash)
+    log = tmp_path / "agent.log"
+    with pytest.raises(RuntimeError):
+        cli.main(["--log-file", str(log), "pause", "--data-dir", str(tmp_path)])
+    text = log.read_text(encoding="utf-8")
+    assert "Traceback (most recent call last)" in text and "RuntimeError: a bug in pause" in text
+
+
+def test_a_log_that_cannot_be_rolled_over_is_appended_to(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A log viewer or an antivirus holding the old log open on Windows: the agent starts all the same."""
+    from deskfleet.agent import cli
+
+    log = tmp_path / "agent.log"
+    log.write_text("old line\n" * 20)
+    (tmp_path / "agent.log.1").mkdir()  # what cannot be replaced here, as a held file cannot there
+    monkeypatch.setattr(cli, "LOG_ROLL_BYTES", 100)
+    assert cli.main(["--log-file", str(log), "pause", "--data-dir", str(tmp_path / "never-joined")]) == 2
+    assert log.read_text().startswith("old line\n") and "deskfleet-agent: error:" in log.read_text()
