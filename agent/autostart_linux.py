@@ -150,6 +150,11 @@ class LinuxAutostart:
         self._ours(self.entry_file)
         check_launch(self.target, self.run)
         self._systemctl("show-environment")  # the user's manager answers: nothing is written where none runs
+        installed = self._systemctl("show", "--property=FragmentPath", "--value", SERVICE).strip()
+        # ~/.config/systemd/user comes before /etc/systemd/user: a unit written there would hide the admin's
+        if installed and Path(installed).resolve() != self.unit_file.resolve():
+            raise AutostartError(f"a {SERVICE} is installed already, at {installed} (the admin's?): autostart leaves "
+                                 f"it as it is; use it (`systemctl --user enable --now {SERVICE}`) or remove it")
         if (pid := agent_running_pid(self.state_dir)) is not None and pid != self._service_pid():
             raise AutostartError(f"an agent already runs on this data dir (pid {pid}), not as the service: stop it "
                                  f"(Ctrl-C where it runs, or `kill {pid}`) and enable again, or the service would "

@@ -152,10 +152,10 @@ class WindowsAutostart:
         self.run = run
 
     def agent_launch(self) -> Launch:
-        return self.target.agent(self._windowless(), self.state_dir / AGENT_LOG)
+        return _expanded_by_nothing(self.target.agent(self._windowless(), self.state_dir / AGENT_LOG))
 
     def tray_launch(self) -> Launch:
-        return self.target.tray(self._windowless(), self.state_dir / TRAY_LOG)
+        return _expanded_by_nothing(self.target.tray(self._windowless(), self.state_dir / TRAY_LOG))
 
     def enable(self) -> list[str]:
         agent, tray = self.agent_launch(), self.tray_launch()
@@ -277,6 +277,14 @@ class WindowsAutostart:
             raise AutostartError(NO_SCHTASKS) from None
         if done.returncode != 0:
             raise AutostartError(f"`{' '.join(argv)}` failed: {said_by(done)}")
+
+def _expanded_by_nothing(launch: Launch) -> Launch:
+    """`launch`, where no word holds `%`: Task Scheduler expands %NAME% in a task's command and arguments."""
+    if any("%" in word for word in launch.argv):
+        raise AutostartError(f"a task would read the % in {' '.join(launch.argv)} as an environment variable: install "
+                             "deskfleet and keep its data dir in folders whose names have none")
+    return launch
+
 
 def _refusal_in(log: Path, start: int) -> str | None:
     """The agent's refusal to start (`deskfleet-agent: error: ...`) written to its log after `start`, if any."""

@@ -82,8 +82,12 @@ if verb == "is-enabled":
 if verb == "is-active":
     print("active" if pid else state.get("ended", "inactive"))
     sys.exit(0 if pid else 3)
-if verb == "show":
+if verb == "show" and "--property=MainPID" in rest:
     print(pid)
+if verb == "show" and "--property=FragmentPath" in rest:  # where the unit systemd would load is
+    unit = Path(os.environ["XDG_CONFIG_HOME"]) / "systemd" / "user" / rest[-1]
+    elsewhere = folder / "fragment"
+    print(elsewhere.read_text() if elsewhere.exists() else unit if unit.exists() else "")
 '''
 
 
@@ -384,6 +388,17 @@ def test_a_unit_file_not_written_by_autostart_is_left_as_it_is(
     assert autostart_of.unit_file.read_bytes() == ASSET_UNIT.read_bytes()
     assert not autostart_of.entry_file.exists() and manager.calls() == []
     assert any("it is the admin's" in line for line in autostart_of.status().lines)
+
+
+def test_a_unit_the_admin_installed_elsewhere_is_not_hidden(
+        tmp_path: Path, session: tuple[dict[str, str], FakeUserManager]) -> None:
+    """~/.config/systemd/user comes before /etc/systemd/user: a unit written there would hide the admin's."""
+    _, manager = session
+    (manager.folder / "fragment").write_text("/etc/systemd/user/deskfleet-agent.service")
+    autostart_of = _linux(tmp_path, session, joined_data_dir(tmp_path / "agent"))
+    with pytest.raises(AutostartError, match=r"installed already, at /etc/systemd/user/deskfleet-agent\.service"):
+        autostart_of.enable()
+    assert not autostart_of.unit_file.exists() and not autostart_of.entry_file.exists()
 
 
 def test_nothing_is_written_where_the_user_manager_cannot_be_reached(

@@ -266,6 +266,13 @@ def test_a_task_not_made_by_autostart_is_left_as_it_is(tmp_path: Path, install: 
         windows.status().lines
 
 
+def test_a_percent_sign_that_task_scheduler_would_expand_is_refused(tmp_path: Path, install: Path,
+                                                                    schtasks: FakeSchtasks) -> None:
+    with pytest.raises(AutostartError, match="as an environment variable"):
+        _windows(install, joined_data_dir(tmp_path / "100%agent"), schtasks).enable()
+    assert schtasks.tasks == {}
+
+
 def test_an_install_without_pythonw_is_refused(tmp_path: Path, install: Path, schtasks: FakeSchtasks) -> None:
     (install / "pythonw.exe").unlink()
     with pytest.raises(AutostartError, match=r"pythonw\.exe is not there"):
