@@ -152,7 +152,7 @@ class LinuxAutostart:
         self._systemctl("show-environment")  # the user's manager answers: nothing is written where none runs
         installed = self._systemctl("show", "--property=FragmentPath", "--value", SERVICE).strip()
         # ~/.config/systemd/user comes before /etc/systemd/user: a unit written there would hide the admin's
-        if installed and Path(installed).resolve() != self.unit_file.resolve():
+        if installed and Path(installed).resolve() != self.unit_file.resolve() and Path(installed).exists():
             raise AutostartError(f"a {SERVICE} is installed already, at {installed} (the admin's?): autostart leaves "
                                  f"it as it is; use it (`systemctl --user enable --now {SERVICE}`) or remove it")
         if (pid := agent_running_pid(self.state_dir)) is not None and pid != self._service_pid():
@@ -201,9 +201,12 @@ class LinuxAutostart:
         return lines
 
     def status(self) -> AutostartReport:
+        try:
+            wanted_unit, wanted_entry = systemd_unit(self.target.agent()), desktop_entry(self.target.tray())
+        except AutostartError as error:  # what enable refuses: nothing can start this install and data dir
+            return AutostartReport(False, [f"autostart cannot start this install and data dir: {error}"])
         lines: list[str] = []
-        unit_wanted = self._file_status(lines, "agent", self.unit_file, systemd_unit(self.target.agent()), "ExecStart",
-                                        "at login")
+        unit_wanted = self._file_status(lines, "agent", self.unit_file, wanted_unit, "ExecStart", "at login")
         agent_on = False
         if unit_wanted is not None:
             enabled = self._systemctl_word("is-enabled", SERVICE)
@@ -212,8 +215,7 @@ class LinuxAutostart:
             if active == "failed":
                 lines.append(f"  its log says why: journalctl --user -u {SERVICE}")
             agent_on = unit_wanted and enabled == "enabled" and active == "active"
-        tray_on = self._file_status(lines, "tray", self.entry_file, desktop_entry(self.target.tray()), "Exec",
-                                    "with the desktop session")
+        tray_on = self._file_status(lines, "tray", self.entry_file, wanted_entry, "Exec", "with the desktop session")
         return AutostartReport(agent_on and tray_on is True, lines)
 
     def _file_status(self, lines: list[str], name: str, path: Path, wanted: str, command_key: str,

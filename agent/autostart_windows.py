@@ -72,10 +72,19 @@ class TaskAction:
         return MADE_HERE.search(self.description) is not None
 
     def runs(self, launch: Launch) -> bool:
-        """Whether the task runs `launch`, as the digest `enable` put in its description tells: what schtasks prints of
-        the command itself is in the console's code page, which may lack a character of its path (Łukasz in cp437)."""
+        """Whether the task runs `launch`: the digest `enable` put in its description says it wrote that, and the
+        command read back is it (an admin may have edited the task since). What schtasks prints is in the console's
+        code page, which may lack a letter of the path (Łukasz in cp437): such a letter, printed as ?, passes."""
         found = MADE_HERE.search(self.description)
-        return found is not None and found.group(1) == launch_digest(launch)
+        return found is not None and found.group(1) == launch_digest(launch) and \
+            _printed_as(self.command, str(launch.program)) and \
+            _printed_as(self.arguments, subprocess.list2cmdline(launch.arguments))
+
+
+def _printed_as(printed: str, text: str) -> bool:
+    """Whether `printed` is `text` as a console may print it: a non-ASCII letter it lacks replaced by ? (or U+FFFD)."""
+    return len(printed) == len(text) and all(shown == wanted or (shown in "?\ufffd" and not wanted.isascii())
+                                             for shown, wanted in zip(printed, text, strict=True))
 
 
 def launch_digest(launch: Launch) -> str:
@@ -218,9 +227,13 @@ class WindowsAutostart:
         return lines
 
     def status(self) -> AutostartReport:
+        try:
+            launches = (("agent", AGENT_TASK, self.agent_launch()), ("tray", TRAY_TASK, self.tray_launch()))
+        except AutostartError as error:  # what enable refuses: nothing can start this install and data dir
+            return AutostartReport(False, [f"autostart cannot start this install and data dir: {error}"])
         lines = []
         enabled = True
-        for name, task, launch in (("agent", AGENT_TASK, self.agent_launch()), ("tray", TRAY_TASK, self.tray_launch())):
+        for name, task, launch in launches:
             action = self._ours(task, refuse=False)
             if action is None:
                 lines.append(f"{name}: does not start at logon (no task {task})")
@@ -287,14 +300,23 @@ def _expanded_by_nothing(launch: Launch) -> Launch:
 
 
 def _refusal_in(log: Path, start: int) -> str | None:
-    """The agent's refusal to start (`deskfleet-agent: error: ...`) written to its log after `start`, if any."""
+    """How the agent ended, as written to its log after `start`: its refusal to start (`deskfleet-agent: error:
+    ...`) or a crash's traceback (its last line); None while it has written neither. A log shorter than `start` was
+    rolled over by the agent as it started (over LOG_ROLL_BYTES): it is read whole."""
     try:
         with log.open("rb") as handle:
-            handle.seek(start)
+            if handle.seek(0, 2) >= start:
+                handle.seek(start)
+            else:
+                handle.seek(0)
             written = handle.read().decode("utf-8", errors="replace")
     except OSError:
         return None
-    return next((line.strip() for line in written.splitlines() if line.startswith("deskfleet-agent: error:")), None)
+    lines = [line.strip() for line in written.splitlines() if line.strip()]
+    refusal = next((line for line in lines if line.startswith("deskfleet-agent: error:")), None)
+    if refusal is None and "Traceback (most recent call last):" in written:
+        return lines[-1]
+    return refusal
 
 
 @contextlib.contextmanager

@@ -193,12 +193,12 @@ def _main(argv: Sequence[str] | None, stdout: WatchedStream | None) -> int:
         print(f"deskfleet-agent: error: cannot write the log file {args.log_file}: {os_error_text(error)}",
               file=sys.stderr)
         return 2
-    with _standard_error_to(log):
+    with _standard_error_to(log) as descriptor:
         logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         if not args.verbose:  # websockets says "connection open" and "connection closed" at info for every link:
             logging.getLogger("websockets").setLevel(logging.WARNING)  # three lines per `fleet ls`, per PC, for days
-        return _run(parser, args, argv, stdout, errors)
+        return _run(parser, args, argv, stdout, errors, descriptor)
 
 
 def _command_errors() -> tuple[type[Exception], ...]:
@@ -216,7 +216,7 @@ def _command_errors() -> tuple[type[Exception], ...]:
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None,
-         stdout: WatchedStream | None, errors: tuple[type[Exception], ...]) -> int:
+         stdout: WatchedStream | None, errors: tuple[type[Exception], ...], descriptor: _ErrorDescriptor) -> int:
     try:
         _refuse_controller_dir(args.data_dir)
         if args.command == "tray":
@@ -229,7 +229,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequen
             return status
         if args.headless:
             if argv is None:  # this process's own command line: it may re-execute on jemalloc
-                _run_on_jemalloc(args)
+                with descriptor.given_back():  # the new process opens the log itself, or it would hold it twice
+                    _run_on_jemalloc(args)
             return _headless(args)
         parser.error("give a command (join, tray, pause, resume, autostart) or --headless")
     except KeyboardInterrupt:
@@ -264,22 +265,56 @@ def _open_log_file(path: Path | None) -> TextIO | None:
     return open(path, "a", encoding="utf-8", errors="backslashreplace", buffering=1)  # a line at a time
 
 
+class _ErrorDescriptor:
+    """File descriptor 2 pointed at a log file (what OpenVINO's native code writes goes there too), and back."""
+
+    def __init__(self, log: TextIO | None) -> None:
+        self.log = log
+        self.saved: int | None = None  # fd 2 as it was; None where it was not open (pythonw.exe's) or is not moved
+
+    def to_log(self) -> None:
+        if self.log is None:
+            return
+        with contextlib.suppress(OSError):
+            if sys.__stderr__ is not None:  # what it still buffers belongs where it was written
+                sys.__stderr__.flush()
+            self.saved = os.dup(2)
+        with contextlib.suppress(OSError):
+            self.log.flush()
+            os.dup2(self.log.fileno(), 2)
+
+    def back(self) -> None:
+        if self.saved is not None:
+            os.dup2(self.saved, 2)
+            os.close(self.saved)
+            self.saved = None
+
+    @contextlib.contextmanager
+    def given_back(self) -> Iterator[None]:
+        """fd 2 as it was for the block: a process re-executed in it (onto jemalloc) inherits that, not the log."""
+        self.back()
+        try:
+            yield
+        finally:
+            self.to_log()
+
+
 @contextlib.contextmanager
-def _standard_error_to(log: TextIO | None) -> Iterator[None]:
+def _standard_error_to(log: TextIO | None) -> Iterator[_ErrorDescriptor]:
     """Standard error, so the log, the errors said and a traceback, written to `log` for the block (None: left as it
     is). What runs with no console (pythonw.exe, autostart's tasks on Windows) has nowhere else to say them. File
-    descriptor 2 goes there too (what OpenVINO's native code writes); a crash's traceback is written there before the
-    block ends, since Python prints it later, to the standard error put back by then; the log handlers made in the
-    block go with it."""
+    descriptor 2 goes there too; a crash's traceback is written there before the block ends, since Python prints it
+    later, to the standard error put back by then; the log handlers made in the block go with it."""
+    descriptor = _ErrorDescriptor(log)
     if log is None:
-        yield
+        yield descriptor
         return
     original = sys.stderr
     forgiving = ForgivingStream(log)  # a full disk loses log lines, not the agent
     sys.stderr = cast(TextIO, forgiving)
-    saved_fd = _redirect_fd(2, log)
+    descriptor.to_log()
     try:
-        yield
+        yield descriptor
     except Exception:
         traceback.print_exc()
         raise
@@ -289,23 +324,9 @@ def _standard_error_to(log: TextIO | None) -> Iterator[None]:
             if isinstance(handler, logging.StreamHandler) and handler.stream is forgiving:
                 root.removeHandler(handler)
         sys.stderr = original
-        if saved_fd is not None:
-            os.dup2(saved_fd, 2)
-            os.close(saved_fd)
+        descriptor.back()
         with contextlib.suppress(OSError):  # a full disk: the last lines are lost, as the others were
             log.close()
-
-
-def _redirect_fd(fd: int, log: TextIO) -> int | None:
-    """Point `fd` at `log`'s file; the descriptor to put back (None where `fd` was not open: pythonw.exe's)."""
-    try:
-        saved = os.dup(fd)
-    except OSError:
-        saved = None
-    with contextlib.suppress(OSError):
-        log.flush()
-        os.dup2(log.fileno(), fd)
-    return saved
 
 
 def _settle_command_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

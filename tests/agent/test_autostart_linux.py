@@ -394,9 +394,12 @@ def test_a_unit_the_admin_installed_elsewhere_is_not_hidden(
         tmp_path: Path, session: tuple[dict[str, str], FakeUserManager]) -> None:
     """~/.config/systemd/user comes before /etc/systemd/user: a unit written there would hide the admin's."""
     _, manager = session
-    (manager.folder / "fragment").write_text("/etc/systemd/user/deskfleet-agent.service")
+    admins = tmp_path / "etc" / "systemd" / "user" / SERVICE  # /etc/systemd/user's, here
+    admins.parent.mkdir(parents=True)
+    shutil.copy(ASSET_UNIT, admins)
+    (manager.folder / "fragment").write_text(str(admins))
     autostart_of = _linux(tmp_path, session, joined_data_dir(tmp_path / "agent"))
-    with pytest.raises(AutostartError, match=r"installed already, at /etc/systemd/user/deskfleet-agent\.service"):
+    with pytest.raises(AutostartError, match=f"installed already, at {admins}"):
         autostart_of.enable()
     assert not autostart_of.unit_file.exists() and not autostart_of.entry_file.exists()
 
@@ -450,6 +453,13 @@ def test_a_tray_command_that_the_desktops_autostart_misreads_is_refused(folder: 
     with pytest.raises(AutostartError, match="systemd-xdg-autostart-generator"):
         desktop_entry(Launch(Path("/venv/bin/python"), ("-m", "deskfleet.agent", "tray", "--data-dir",
                                                          f"/srv/{folder}")))
+
+
+def test_status_says_why_an_install_cannot_be_started(tmp_path: Path,
+                                                   session: tuple[dict[str, str], FakeUserManager]) -> None:
+    environment, _ = session
+    status = autostart(environment, "status", "--data-dir", str(tmp_path / "$agent"))
+    assert status.returncode == 3 and "cannot start this install and data dir" in status.stdout
 
 
 GENERATOR = Path("/usr/lib/systemd/user-generators/systemd-xdg-autostart-generator")

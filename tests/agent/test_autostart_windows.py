@@ -252,6 +252,23 @@ def test_a_task_whose_path_the_console_cannot_print_still_reads_as_this_install(
     assert action.command.startswith("C:/Users/?ukasz") and action.made_here and action.runs(launch)
     assert not action.runs(Launch(launch.program, ("-P", "-m", "deskfleet.agent", "tray")))
 
+    edited = read_query_xml(xml.replace("Scripts/pythonw.exe", "Scripts/other.exe").encode("utf-8"))
+    assert edited.made_here and not edited.runs(launch)  # changed in Task Scheduler since: the digest is not enough
+
+
+def test_the_end_of_an_agent_is_read_from_the_log_it_wrote_after_the_run(tmp_path: Path) -> None:
+    from deskfleet.agent.autostart_windows import _refusal_in
+
+    log = tmp_path / "agent.log"
+    log.write_text("deskfleet-agent: error: an old refusal\n" + "x" * 500 + "\n")
+    start = log.stat().st_size
+    assert _refusal_in(log, start) is None
+    with log.open("a") as handle:
+        handle.write("12:00 INFO starting\nTraceback (most recent call last):\n  File x\nRuntimeError: a bug\n")
+    assert _refusal_in(log, start) == "RuntimeError: a bug"  # a crash ends the wait too, in its last line
+    log.write_text("deskfleet-agent: error: the settings file is refused\n")  # rolled over as the agent started
+    assert _refusal_in(log, start) == "deskfleet-agent: error: the settings file is refused"
+
 
 def test_a_task_not_made_by_autostart_is_left_as_it_is(tmp_path: Path, install: Path,
                                                        schtasks: FakeSchtasks) -> None:
@@ -273,67 +290,13 @@ def test_a_percent_sign_that_task_scheduler_would_expand_is_refused(tmp_path: Pa
     assert schtasks.tasks == {}
 
 
+def test_status_says_why_an_install_cannot_be_started(tmp_path: Path, install: Path, schtasks: FakeSchtasks) -> None:
+    report = _windows(install, tmp_path / "100%agent", schtasks).status()
+    assert not report.enabled and "as an environment variable" in report.lines[0]
+
+
 def test_an_install_without_pythonw_is_refused(tmp_path: Path, install: Path, schtasks: FakeSchtasks) -> None:
     (install / "pythonw.exe").unlink()
     with pytest.raises(AutostartError, match=r"pythonw\.exe is not there"):
         _windows(install, joined_data_dir(tmp_path / "agent"), schtasks).enable()
     assert schtasks.tasks == {}
-
-
-# --log-file, which the tasks give (pythonw.exe has no standard error)
-
-def test_the_log_file_gets_what_the_command_says_on_standard_error(tmp_path: Path) -> None:
-    log = tmp_path / "state" / "agent.log"
-    done = subprocess.run([sys.executable, "-m", "deskfleet.agent", "--log-file", str(log), "--headless",
-                           "--data-dir", str(tmp_path / "not-joined")], capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert done.returncode == 2 and done.stderr == ""
-    assert "deskfleet-agent: error:" in log.read_text(encoding="utf-8") and "join" in log.read_text(encoding="utf-8")
-
-
-def test_a_log_file_past_its_size_is_kept_as_dot_1_at_the_start(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    from deskfleet.agent import cli
-
-    log = tmp_path / "agent.log"
-    log.write_text("old line\n" * 20)
-    monkeypatch.setattr(cli, "LOG_ROLL_BYTES", 100)
-    assert cli.main(["--log-file", str(log), "pause", "--data-dir", str(tmp_path / "never-joined")]) == 2
-    assert (tmp_path / "agent.log.1").read_text() == "old line\n" * 20
-    assert "old line" not in log.read_text() and "deskfleet-agent: error:" in log.read_text()
-
-
-def test_a_log_file_that_cannot_be_written_is_said(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from deskfleet.agent import cli
-
-    (tmp_path / "file").touch()
-    assert cli.main(["--log-file", str(tmp_path / "file" / "agent.log"), "pause"]) == 2
-    assert "cannot write the log file" in capsys.readouterr().err
-
-
-def test_a_crash_is_written_to_the_log_file_with_its_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Python prints an uncaught exception's traceback after main() has put standard error back: under pythonw, to
-    nowhere. It is written to the log before."""
-    from deskfleet.agent import cli
-
-    def crash(*_: object, **__: object) -> int:
-        raise RuntimeError("a bug in pause")
-
-    monkeypatch.setattr(cli, "_pause", crash)
-    log = tmp_path / "agent.log"
-    with pytest.raises(RuntimeError):
-        cli.main(["--log-file", str(log), "pause", "--data-dir", str(tmp_path)])
-    text = log.read_text(encoding="utf-8")
-    assert "Traceback (most recent call last)" in text and "RuntimeError: a bug in pause" in text
-
-
-def test_a_log_that_cannot_be_rolled_over_is_appended_to(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A log viewer or an antivirus holding the old log open on Windows: the agent starts all the same."""
-    from deskfleet.agent import cli
-
-    log = tmp_path / "agent.log"
-    log.write_text("old line\n" * 20)
-    (tmp_path / "agent.log.1").mkdir()  # what cannot be replaced here, as a held file cannot there
-    monkeypatch.setattr(cli, "LOG_ROLL_BYTES", 100)
-    assert cli.main(["--log-file", str(log), "pause", "--data-dir", str(tmp_path / "never-joined")]) == 2
-    assert log.read_text().startswith("old line\n") and "deskfleet-agent: error:" in log.read_text()
