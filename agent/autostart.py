@@ -63,7 +63,7 @@ class AutostartTarget:
     def this_install(cls, data_dir: Path | None, python: str | None = None) -> AutostartTarget:
         """The install running this command. `data_dir` is made absolute: a login session starts in another folder."""
         interpreter = Path(python or sys.executable)
-        if not interpreter.is_absolute() or not str(interpreter).strip():
+        if not interpreter.is_absolute():  # an empty sys.executable reads as "."
             raise AutostartError(f"cannot tell which Python runs deskfleet (sys.executable is {str(interpreter)!r}): "
                                  "run `deskfleet-agent autostart` from the installed `deskfleet-agent` command")
         return cls(interpreter, None if data_dir is None else data_dir.expanduser().resolve())

@@ -26,6 +26,7 @@ from deskfleet.agent.autostart import (
     Launch,
     autostart_for_this_pc,
     config_home,
+    run_command,
 )
 from deskfleet.agent.autostart_linux import (
     SERVICE,
@@ -364,7 +365,6 @@ def test_enable_refuses_a_pc_that_has_not_joined(tmp_path: Path,
 
 def _linux(tmp_path: Path, session: tuple[dict[str, str], FakeUserManager], data_dir: Path) -> LinuxAutostart:
     environment, _ = session
-    from deskfleet.agent.autostart import run_command
 
     def run(argv: list[str] | tuple[str, ...]) -> subprocess.CompletedProcess[bytes]:
         if argv[0] == "systemctl":
