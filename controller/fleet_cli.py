@@ -5,6 +5,7 @@
     fleet remove AGENT                                   revoke an agent (id, id prefix of 4+ or hostname)
     fleet serve [--listen HOST:PORT]                     enrollment + registration endpoint (keep running)
     fleet ls                                             agents, states and stages
+    fleet window                                         the same in a window, kept up to date
     fleet plan --model DIR | --layers N --layer-bytes B  the split, and why agents were left out
     fleet deploy --model DIR                             push what each agent lacks, assign the stages
     fleet generate --model DIR --prompt-ids 1,2,3        greedy tokens through the deployed chain
@@ -17,10 +18,8 @@ import argparse
 import asyncio
 import datetime
 import json
-import shlex
 import signal
 import sys
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +30,6 @@ from deskfleet.common.console import print_whole, stopping_signals
 from deskfleet.common.devices import device_targets
 from deskfleet.common.planner import PlanPolicy
 from deskfleet.common.wire import (
-    PROTOCOL_VERSION,
     ProtocolError,
     is_loopback_address,
     parse_address,
@@ -40,7 +38,7 @@ from deskfleet.common.wire import (
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
 from deskfleet.controller.bench.interruption import say_stopped, signal_name, signals_unwind
 from deskfleet.controller.decoding_options import byte_count, parse_token_ids, positive_int
-from deskfleet.controller.fleet_store import DEFAULT_PORT, MIN_ID_PREFIX, FleetStore, FleetStoreError, agent_label
+from deskfleet.controller.fleet_store import DEFAULT_PORT, MIN_ID_PREFIX, FleetStore
 from deskfleet.controller.text_table import format_table
 
 if TYPE_CHECKING:
@@ -55,6 +53,10 @@ PAPER_CONTEXT = 4096
 # A plan holds a few objects per layer: 10^8 layers (--layers and --layer-bytes swapped) filled the memory for
 # minutes. The largest models have a few hundred.
 MAX_PAPER_LAYERS = 10_000
+DEFAULT_EVERY_S = 15.0  # `fleet window`: from one look at the fleet to the next
+# a survey of a large office takes seconds (dials to PCs that are off wait 10 s): more often than this only queues;
+# less often than an hour shows a fleet too old to act on
+MIN_EVERY_S, MAX_EVERY_S = 2.0, 3600.0
 
 
 # Public methods
@@ -119,11 +121,7 @@ def add_fleet_commands(subparsers: Any) -> None:
                                                   "text, sampling, drafting and chat, `deskfleet generate --fleet` "
                                                   "and `deskfleet chat --fleet`)", _generate)):
         parser = command(name, help_text)
-        parser.add_argument("--peer", action="append", default=[], metavar="HOST:PORT", type=_peer_argument,
-                            help="also dial this agent address (repeatable)")
-        parser.add_argument("--discover-seconds", type=browse_seconds, default=2.0,
-                            help="how long to browse mDNS for agents on the LAN (default 2; 0: no multicast, the "
-                                 "agents registered with `fleet serve` and --peer only)")
+        _add_survey_arguments(parser)
         parser.add_argument("--json", action="store_true", help="print JSON")
         parser.set_defaults(handler=handler)
         if name in ("plan", "deploy"):
@@ -157,8 +155,39 @@ def add_fleet_commands(subparsers: Any) -> None:
         if name == "plan":
             _add_paper_model(parser)
 
+    window = command("window", "a window that shows the fleet, kept up to date",
+                     "What `fleet ls` prints, for the admin to keep open on the controller PC: every PC with its "
+                     "state, CPU and iGPU load, temperature, power, free memory and stages, all a selected PC "
+                     "reported, and the notes and warnings. It looks again every --every seconds (Refresh: now), and "
+                     "changes nothing in the fleet.")
+    _add_survey_arguments(window)
+    window.add_argument("--every", type=_every_seconds, default=DEFAULT_EVERY_S, metavar="SECONDS",
+                        help=f"seconds from one look at the fleet to the next (default {DEFAULT_EVERY_S:g}; "
+                             f"{MIN_EVERY_S:g} to {MAX_EVERY_S:g})")
+    window.set_defaults(handler=_window)
+
+
+def _add_survey_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where a command looks for agents beside those registered with `fleet serve`."""
+    parser.add_argument("--peer", action="append", default=[], metavar="HOST:PORT", type=_peer_argument,
+                        help="also dial this agent address (repeatable)")
+    parser.add_argument("--discover-seconds", type=browse_seconds, default=2.0,
+                        help="how long to browse mDNS for agents on the LAN (default 2; 0: no multicast, the "
+                             "agents registered with `fleet serve` and --peer only)")
+
 
 # Private methods: options
+
+def _every_seconds(text: str) -> float:
+    """argparse type: `fleet window --every`, MIN_EVERY_S to MAX_EVERY_S seconds."""
+    try:
+        value = real_number(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not MIN_EVERY_S <= value <= MAX_EVERY_S:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be from {MIN_EVERY_S:g} to {MAX_EVERY_S:g} seconds, got {text}")
+    return value
+
 
 def _hop_ms(text: str) -> float:
     """argparse type: milliseconds a hop costs, 0 to 60000 (NaN, infinity, negatives refused)."""
@@ -366,223 +395,52 @@ def _survey_options(args: argparse.Namespace) -> Any:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from deskfleet.agent.link import utc_now
-    from deskfleet.controller.fleet_deploy import DeployError, undeployed_stages, unhosted_stages
-    from deskfleet.controller.fleet_survey import NEVER_REGISTERED, clock_warnings, expiry_warnings, survey
+    from deskfleet.controller.fleet_listing import agent_json, list_fleet
 
-    store = _store(args)
-
-    async def run() -> list[Any]:
-        found = await survey(store, _survey_options(args))
-        await found.close()
-        return found.agents
-
-    agents = event_loop.run(run())
-    now = utc_now()
-    warnings = [f"warning: {line}" for line in (*expiry_warnings(agents, store.tls_files, now),
-                                                   *clock_warnings(agents, now.timestamp()))]
-    # without `fleet serve` agents cannot register, nor new PCs join: said whatever the list shows (it was said only
-    # where a PC was listed as never having called in, so an admin whose PCs all answered did not learn that the
-    # next join would fail)
-    if store.served() is False:
-        never = " (a PC listed as never having called in may be running)" \
-            if not agents or any(agent.problem == NEVER_REGISTERED for agent in agents) else ""
-        warnings.append(f"warning: no `deskfleet fleet serve` runs on {store.data_dir}: agents cannot register with "
-                        f"the controller{never}, nor new PCs join; start it")
-    hosted = {agent.agent_id: agent.report.stages for agent in agents
-              if agent.agent_id is not None and agent.report is not None}
-    by_id = {agent.agent_id: agent for agent in agents if agent.agent_id is not None}
-    try:
-        undeployed = undeployed_stages(store, hosted)
-        # of PCs that can take work: a paused or unavailable one gave its stage up, which its state says
-        unhosted = unhosted_stages(store, {agent_id: stages for agent_id, stages in hosted.items()
-                                           if _state(by_id[agent_id]) in ("serving", "available")})
-    except (DeployError, FleetStoreError) as error:  # the list stands without the deployments
-        undeployed, unhosted = {}, {}
-        warnings.append(f"warning: {error}")
-    if undeployed:
-        warnings.append(f"warning: {sum(map(len, undeployed.values()))} stage(s) marked 'not deployed' are held by "
-                        "PCs that no deployment in deployments.json places them on (a failover re-planned without "
-                        "the PC while it was unreachable, the model was exported again since, or a deploy that did "
-                        "not finish could not reach the PC to release it): nothing runs on "
-                        "them; `deskfleet fleet serve` releases them when the PC registers again, as do the next "
-                        "`deskfleet fleet deploy` of their model and restarting the agent")
-    hostnames = {**store.hostnames(), **{agent.agent_id: agent.hostname for agent in agents
-                                         if agent.agent_id is not None and agent.hostname != "?"}}
-    notes = _left_out_notes(store, agents, unhosted, hostnames) + [
-        f"note: {model_id} has {len(stages)} deployed stage(s) that the PC it was assigned to no longer hosts ("
-        + ", ".join(f"[{stage.layer_start}:{stage.layer_end}] on {agent_label(stage.agent_id, hostnames)}"
-                    for stage in stages)
-        + "; restarted, or paused and resumed, since, or given a stage by a re-plan stopped midway, which it released"
-          "): a run on the model that starts after such a PC called in "
-          "(a restarted agent does as it starts, a resumed one within a minute) gives its stage back, a running "
-          "`serve --fleet` at a moment with no request; `deskfleet fleet deploy` of the model does in any case"
-        for model_id, stages in unhosted.items()]
+    listing = event_loop.run(list_fleet(_store(args), _survey_options(args)))
     if args.json:  # the list stays a list of agents: the controller's and the CA's dates go to stderr
-        print_whole(json.dumps([_agent_json(agent, undeployed) for agent in sorted(agents, key=_listing_order)],
-                               indent=2))
-        for line in _upgrade_advice(agents) + notes + warnings:
+        print_whole(json.dumps([agent_json(agent, listing.undeployed) for agent in listing.agents], indent=2))
+        for line in listing.advice + listing.notes + listing.warnings:
             print(line, file=sys.stderr)
         return 0
-    if not agents:
+    if not listing.agents:
         print("no agents found (is `deskfleet fleet serve` running, and have agents joined?)")
     else:
-        _print_agents(agents, undeployed)
-    for line in notes + warnings:
+        _print_agents(listing.agents, listing.undeployed)
+    for line in listing.notes + listing.warnings:
         print(line)
     return 0
 
 
-def _left_out_notes(store: FleetStore, agents: list[Any], unhosted: dict[str, list[Any]],
-                     hostnames: dict[str, str]) -> list[str]:
-    """A line for each model whose deployment a run's re-plan saved without PCs of its admin's deploy: which, how
-    each is now, and what takes it back (the next run on the model, for one that called in since; else a deploy).
-    Such a model ran on fewer PCs than deployed with nothing in the list to say so. `unhosted`: the deployed stages
-    (by model) that their PC no longer hosts, which the count of PCs it runs on leaves out; `hostnames`: the roster's,
-    with those of the agents that answered."""
-    from deskfleet.controller.fleet_deploy import left_out_by_replans, utc_text
-    from deskfleet.controller.fleet_runs import others_driving
 
-    found = {agent.agent_id: agent for agent in agents if agent.agent_id is not None}
-    lines = []
-    for record in left_out_by_replans(store):
-        driving = others_driving(store, record.model_id)
-        who = (f"the run that drives the model now, if it is the only one and a `serve --fleet` (when idle) or a chat "
-               f"(before its next message), else the first run that starts while none does ({driving} run(s) drive "
-               "it now)" if driving else "the next run on the model")
-        pcs = []
-        for agent_id in record.left_out:
-            agent = found.get(agent_id)
-            state = _state(agent) if agent is not None else "not found"
-            if agent_id in record.called_in:
-                called_in = f", called in since: {who} takes it back if it can take work"
-            elif state == "available":  # a PC its user resumed calls in once it has been available 20 s
-                called_in = ", not called in since: taken back if its agent calls in (one its user resumed does, " \
-                            "within a minute), else by the deploy below"
-            else:
-                called_in = ""
-            pcs.append(f"{agent_label(agent_id, hostnames)} ({state}{called_in})")
-        # a PC of the deployment that restarted since hosts nothing until taken back: it is not one the model runs on
-        idle = list(dict.fromkeys(stage.agent_id for stage in unhosted.get(record.model_id, ())))
-        placed = len(set(record.deployed) - set(record.left_out) - set(idle))
-        # a re-plan may have moved stages to PCs the deploy did not place: "runs on 0 of the 1 PCs" said nothing of them
-        added = [agent_id for agent_id in record.added if agent_id not in idle]
-        elsewhere = f", and on {', '.join(agent_label(agent_id, hostnames) for agent_id in added)}, which " \
-            "it did not" if added else ""
-        restarted = f" (not on {', '.join(agent_label(agent_id, hostnames) for agent_id in idle)}, placed but no " \
-            "longer hosting its stage: see the note below)" if idle else ""
-        lines.append(f"note: {record.model_id} runs on {placed} of the {len(record.deployed)} PCs its `fleet deploy` "
-                     f"placed{elsewhere}{restarted}: a run's re-plan at {utc_text(record.replanned_at)} went on "
-                     f"without {', '.join(pcs)}; `deskfleet fleet deploy --model {shlex.quote(record.model_dir)}"
-                     f"{store.data_dir_option}{record.deploy_options}` plans over every PC that answers")
-    return lines
+def _window(args: argparse.Namespace) -> int:
+    from deskfleet.controller.fleet_window import FleetWindowOptions, run_fleet_window
 
-
-_STATES_IN_ORDER = ("serving", "available", "paused", "unavailable", "outdated", "newer", "unreachable")
-
-
-def _state(agent: Any) -> str:
-    """Its report's state; "outdated" or "newer" for an agent that speaks an older or newer fleet protocol than this
-    controller (it takes no stage until one of the two is upgraded: it was listed "unreachable", as if it were off);
-    "unreachable" for one that did not answer."""
-    if agent.report:
-        return str(agent.report.state.value)
-    other = getattr(agent, "other_protocol", None)
-    if other is not None:
-        return "outdated" if other < PROTOCOL_VERSION else "newer"
-    return "unreachable"
-
-
-def _upgrade_advice(agents: list[Any]) -> list[str]:
-    """A line for the PCs of an older protocol and one for those of a newer, saying what to upgrade: a rollout
-    over hundreds of PCs has to know how many are left, and in which direction."""
-    lines = []
-    outdated = sum(1 for agent in agents if _state(agent) == "outdated")
-    newer = sum(1 for agent in agents if _state(agent) == "newer")
-    if outdated:
-        lines.append(f"{outdated} PC(s) run a deskfleet of an older fleet protocol than this controller's "
-                     f"({PROTOCOL_VERSION}): upgrade deskfleet on them (and restart their agent); they take no "
-                     "stage until then")
-    if newer:
-        lines.append(f"{newer} PC(s) run a deskfleet of a newer fleet protocol than this controller's "
-                     f"({PROTOCOL_VERSION}): upgrade deskfleet here (and restart `deskfleet fleet serve`); they "
-                     "take no stage until then")
-    return lines
-
-
-def _listing_order(agent: Any) -> tuple[int, bool, str, str]:
-    """`fleet ls`'s order, of its table and its --json alike: by state (serving first, unreachable last), then by
-    hostname: with 300 PCs in agent-id order, finding one PC, or seeing how many were off, meant reading every row."""
-    state = _state(agent)
-    rank = _STATES_IN_ORDER.index(state) if state in _STATES_IN_ORDER else len(_STATES_IN_ORDER)
-    return rank, agent.hostname == "?", agent.hostname.lower(), agent.agent_id or agent.address
+    store = _store(args)
+    store.require_initialised()  # said at once (exit 2), not in a window that stays empty
+    return run_fleet_window(store, FleetWindowOptions(_survey_options(args), args.every))
 
 
 def _print_agents(agents: list[Any], undeployed: dict[str, list[Any]] | None = None) -> None:
-    """The table (_listing_order), then a line that counts each state. Each column is as wide as its longest
+    """The table (in listing order), then a line that counts each state. Each column is as wide as its longest
     cell: fixed widths let an IPv6 address or a long hostname push the rest of its row out of line."""
-    rows = [("agent", "host", "address", "state", "free", "disk", "version", "found by", "stages")]
-    for agent in sorted(agents, key=_listing_order):
-        report = agent.report
-        # GiB, as the limits beside it say theirs ("8.0 GiB free of 16.0"): "8.6G" next to them read as more
-        free = f"{report.free_memory_bytes / 2 ** 30:.1f}GiB" if report else "-"
-        # what its shard cache can take of a new stage's files (the wire allows a report without it: not known)
-        disk = f"{report.shard_room_bytes / 2 ** 30:.1f}GiB" if report and report.shard_room_bytes is not None \
-            else "-"
-        stale = (undeployed or {}).get(agent.agent_id, [])
-        stages = ", ".join(f"{s.model_id}[{s.layer_start}:{s.layer_end}]{' (not deployed)' if s in stale else ''}"
-                           for s in report.stages) if report else ""
-        # an unavailable or paused agent's limits, with the numbers; a paused one's also who paused it
-        why = f"({report.detail or ', '.join(reason.value for reason in report.reasons)})" \
-            if report and (report.reasons or report.detail) else ""
-        notes = " ".join(part for part in (stages, why) if part) or agent.problem or "-"
-        version = getattr(agent, "version", None) or "-"  # what its Hello said: the PCs not upgraded yet show
-        rows.append(((agent.agent_id or "?")[:12], agent.hostname, agent.address, _state(agent), free, disk, version,
-                     ",".join(agent.sources), notes))
-    for line in format_table(rows, right_aligned={4, 5}):
+    from deskfleet.controller.fleet_listing import (
+        CELL_HEADINGS,
+        FleetListing,
+        agent_cells,
+        listing_order,
+        upgrade_advice,
+    )
+
+    ordered = sorted(agents, key=listing_order)
+    rows = [tuple(CELL_HEADINGS), *(tuple(agent_cells(agent, undeployed)) for agent in ordered)]
+    right = {CELL_HEADINGS.index(name) for name in ("free", "disk", "cpu", "igpu", "temp")}
+    for line in format_table(rows, right_aligned=right):
         print(line)
-    counts = Counter(_state(agent) for agent in agents)
-    states = sorted(counts, key=lambda state: (state not in _STATES_IN_ORDER,
-                                               _STATES_IN_ORDER.index(state) if state in _STATES_IN_ORDER else 0))
-    # "serving" is the agent's own word for hosting a stage; one whose every stage is marked (not deployed) runs
-    # nothing, which the count says rather than let it pass for a PC at work
-    idle = sum(1 for agent in agents if _state(agent) == "serving" and agent.report.stages
-               and all(stage in (undeployed or {}).get(agent.agent_id, []) for stage in agent.report.stages))
-    print(f"{len(agents)} agent(s): " + ", ".join(
-        f"{counts[state]} {state}" + (f" ({idle} of them holding only stages not deployed)"
-                                      if state == "serving" and idle else "") for state in states))
-    for line in _upgrade_advice(agents):
+    print(FleetListing(ordered, undeployed or {}).counts())
+    for line in upgrade_advice(agents):
         print(line)
 
-
-def _agent_json(agent: Any, undeployed: dict[str, list[Any]] | None = None) -> dict[str, Any]:
-    report = agent.report
-    return {"agent_id": agent.agent_id, "hostname": agent.hostname, "address": agent.address,
-            # its other addresses known (registration, mDNS), given to the stage before it with `address`
-            "other_addresses": list(getattr(agent, "other_addresses", ())),
-            # the IP versions it routes past itself over, which it dials over; []: not reported
-            "ip_families": list(report.ip_families) if report else [],
-            "sources": list(agent.sources), "problem": agent.problem,
-            "version": getattr(agent, "version", None),  # the deskfleet version its Hello named; null: none
-            # null: it did not answer; "outdated" / "newer": it speaks another fleet protocol (see "protocol")
-            "state": None if _state(agent) == "unreachable" else _state(agent),
-            # the fleet protocol it speaks, where known: this controller's for one that answered
-            "protocol": PROTOCOL_VERSION if report else getattr(agent, "other_protocol", None),
-            "free_memory_bytes": report.free_memory_bytes if report else None,
-            # the bytes of new shard files its shard cache can take; null: not reported
-            "shard_room_bytes": report.shard_room_bytes if report else None,
-            # its wall clock as it reported (seconds since the epoch); null: not reported
-            "clock_s": report.clock_s if report else None,
-            "reasons": [reason.value for reason in report.reasons] if report else [],
-            "detail": report.detail if report else "",
-            "devices": list(report.devices) if report else [],  # what OpenVINO finds there; []: not reported
-            "last_error": report.last_error if report else None,  # the agent's latest error (a failed probe, a stage)
-            "stages": [[s.model_id, s.layer_start, s.layer_end] for s in report.stages] if report else [],
-            # hosted, but placed there by no deployment (see undeployed_stages): the next deploy releases them
-            "stages_not_deployed": [[s.model_id, s.layer_start, s.layer_end]
-                                    for s in (undeployed or {}).get(agent.agent_id, [])],
-            # the agent's certificate as its link showed it (ISO 8601 UTC); null when no link opened
-            "certificate_expires": agent.certificate_expires.isoformat() if agent.certificate_expires else None}
 
 
 def _add_paper_model(parser: argparse.ArgumentParser) -> None:

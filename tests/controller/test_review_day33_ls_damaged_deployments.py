@@ -22,7 +22,8 @@ AGENT = "a" * 52
 def _fake_survey(monkeypatch: pytest.MonkeyPatch) -> None:
     report = SimpleNamespace(state=AgentState.SERVING, free_memory_bytes=8 << 30,
                              shard_room_bytes=None, clock_s=None, reasons=(), detail="",
-                             stages=(StageRef("m@1", 0, 4),), weight_gb_per_s=None)
+                             stages=(StageRef("m@1", 0, 4),), weight_gb_per_s=None, cpu_load=0.0, igpu_busy=None,
+                             temperature_c=None, battery_percent=None, on_ac_power=None)
     agent = SimpleNamespace(agent_id=AGENT, hostname="pc-bob", address="10.0.0.2:7431", sources=("registration",),
                             report=report, problem=None, certificate_expires=None, version="1")
 

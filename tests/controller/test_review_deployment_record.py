@@ -14,7 +14,7 @@ from deskfleet.common.agent_state import AgentState
 from deskfleet.common.model_spec import ManifestError
 from deskfleet.common.wire import StageRef
 from deskfleet.controller.cli import main
-from deskfleet.controller.fleet_cli import _agent_json, _print_agents
+from deskfleet.controller.fleet_cli import _print_agents
 from deskfleet.controller.fleet_deploy import (
     DeployError,
     StagePlacement,
@@ -22,6 +22,7 @@ from deskfleet.controller.fleet_deploy import (
     model_id_of,
     undeployed_stages,
 )
+from deskfleet.controller.fleet_listing import agent_json
 from deskfleet.controller.fleet_store import FleetStore
 
 AGENT = "a" * 52
@@ -115,7 +116,8 @@ def test_stages_no_deployment_places_on_their_pc_are_found(store: FleetStore) ->
 
 
 def test_fleet_ls_marks_them(capsys: pytest.CaptureFixture[str]) -> None:
-    report = SimpleNamespace(state=AgentState.SERVING, free_memory_bytes=8 << 30,
+    report = SimpleNamespace(state=AgentState.SERVING, free_memory_bytes=8 << 30, cpu_load=0.0, igpu_busy=None,
+                             temperature_c=None, battery_percent=None, on_ac_power=None, weight_gb_per_s=None,
                              shard_room_bytes=None, clock_s=None, reasons=(), detail="", ip_families=(4,),
                              devices=("CPU",), last_error=None, stages=(StageRef("m@1", 0, 6), StageRef("m@1", 6, 8)))
     agent = SimpleNamespace(agent_id=AGENT, hostname="pc-bob", address="10.0.0.2:7431", sources=("registration",),
@@ -128,8 +130,8 @@ def test_fleet_ls_marks_them(capsys: pytest.CaptureFixture[str]) -> None:
     _print_agents([agent], {AGENT: [StageRef("m@1", 0, 6), StageRef("m@1", 6, 8)]})
     assert capsys.readouterr().out.splitlines()[-1] == \
         "1 agent(s): 1 serving (1 of them holding only stages not deployed)"
-    assert _agent_json(agent, {AGENT: [StageRef("m@1", 6, 8)]})["stages_not_deployed"] == [["m@1", 6, 8]]
-    assert _agent_json(agent)["devices"] == ["CPU"]
+    assert agent_json(agent, {AGENT: [StageRef("m@1", 6, 8)]})["stages_not_deployed"] == [["m@1", 6, 8]]
+    assert agent_json(agent)["devices"] == ["CPU"]
 
 
 def test_a_folders_earlier_exports_are_released_where_the_next_deploys_reach_them(store: FleetStore,

@@ -14,7 +14,8 @@ from deskfleet.controller.fleet_cli import _print_agents
 
 
 def agent(agent_id: str, hostname: str, state: AgentState | None) -> SimpleNamespace:
-    report = SimpleNamespace(state=state, free_memory_bytes=8 << 30,
+    report = SimpleNamespace(state=state, free_memory_bytes=8 << 30, cpu_load=0.0, igpu_busy=None, temperature_c=None,
+                             battery_percent=None, on_ac_power=None, weight_gb_per_s=None,
                              shard_room_bytes=None, clock_s=None, stages=(), reasons=(), detail="", ip_families=()) \
         if state is not None else None
     return SimpleNamespace(agent_id=agent_id, hostname=hostname, address="10.0.0.1:7431", sources=("registration",),

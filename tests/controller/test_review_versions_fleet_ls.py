@@ -25,7 +25,8 @@ from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common.wire import PROTOCOL_VERSION, Hello, encode
 from deskfleet.controller import fleet_survey
 from deskfleet.controller.fleet_ca import init_fleet, load_ca
-from deskfleet.controller.fleet_cli import _agent_json, _print_agents
+from deskfleet.controller.fleet_cli import _print_agents
+from deskfleet.controller.fleet_listing import agent_json
 from deskfleet.controller.fleet_store import FleetStore, RosterEntry
 from deskfleet.controller.fleet_survey import SurveyOptions, survey
 from tests.agent.test_core import FakeMonitor
@@ -96,16 +97,18 @@ def test_fleet_ls_shows_each_agent_s_version_and_whom_to_upgrade(
 
     _print_agents(found.agents)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[5:7] == ["disk", "version"]
+    heading = lines[0].split()
+    disk, version = heading.index("disk"), heading.index("version")
     rows = {row.split()[1]: row.split() for row in lines[1:4]}
-    assert rows["pc-old"][6] == installed and rows["pc-new"][6] == "0.2.0" and rows["pc-older"][6] == "0.1.0"
-    assert rows["pc-old"][5].endswith("GiB") and rows["pc-new"][5] == rows["pc-older"][5] == "-"
+    assert rows["pc-old"][version] == installed and rows["pc-new"][version] == "0.2.0"
+    assert rows["pc-older"][version] == "0.1.0"
+    assert rows["pc-old"][disk].endswith("GiB") and rows["pc-new"][disk] == rows["pc-older"][disk] == "-"
     assert [rows[host][3] for host in ("pc-old", "pc-older", "pc-new")] == ["available", "outdated", "newer"]
     assert lines[4] == "3 agent(s): 1 available, 1 outdated, 1 newer"
     assert lines[5].startswith(f"1 PC(s) run a deskfleet of an older fleet protocol than this controller's "
                                f"({PROTOCOL_VERSION}): upgrade deskfleet on them")
     assert lines[6].startswith("1 PC(s) run a deskfleet of a newer fleet protocol than this controller's")
-    listed = {entry["hostname"]: entry for entry in json.loads(json.dumps([_agent_json(a) for a in found.agents]))}
+    listed = {entry["hostname"]: entry for entry in json.loads(json.dumps([agent_json(a) for a in found.agents]))}
     assert listed["pc-old"]["version"] == installed and listed["pc-new"]["version"] == "0.2.0"
     assert [(listed[host]["state"], listed[host]["protocol"]) for host in ("pc-old", "pc-older", "pc-new")] == [
         ("available", PROTOCOL_VERSION), ("outdated", PROTOCOL_VERSION - 1), ("newer", PROTOCOL_VERSION + 1)]
@@ -118,7 +121,8 @@ def test_the_free_column_is_in_gib_as_the_limits_beside_it(capsys: pytest.Captur
     from deskfleet.common.agent_state import AgentState
 
     report = SimpleNamespace(state=AgentState.AVAILABLE, free_memory_bytes=8 << 30, stages=(), reasons=(), detail="",
-                             shard_room_bytes=3 << 29, clock_s=None)
+                             shard_room_bytes=3 << 29, clock_s=None, cpu_load=0.0, igpu_busy=None,
+                             temperature_c=None, battery_percent=None, on_ac_power=None)
     agent = SimpleNamespace(agent_id="a" * 52, hostname="pc-ann", address="10.0.0.5:7341", report=report,
                             sources=("registered",), problem=None, version="1.0")
     _print_agents([agent])

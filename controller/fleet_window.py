@@ -1,0 +1,287 @@
+"""`deskfleet fleet window`: the fleet as its admin sees it on the controller PC, kept up to date.
+
+A thin view of controller/fleet_listing.py: every PC a survey finds (its state, CPU and iGPU load, temperature,
+power, free memory, the stages it holds or why it did not answer), the selected PC in full, and the notes and
+warnings `deskfleet fleet ls` prints. A survey runs on a thread of its own, so the window never waits on the
+network, and the next one starts `every` seconds after the last ended (Refresh starts one now). It changes nothing
+in the fleet: it reads the controller's data dir and asks the agents for their status, as `fleet ls` does.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from PySide6.QtCore import QObject, Qt, QTimer, Signal
+from PySide6.QtGui import QBrush, QCloseEvent, QColor
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QApplication,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QMainWindow,
+    QPlainTextEdit,
+    QPushButton,
+    QSplitter,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from deskfleet.common import event_loop
+from deskfleet.common.stop_signal import Stopped, StopSignal
+from deskfleet.controller.fleet_listing import AgentCells, FleetListing, agent_cells, agent_json
+from deskfleet.controller.fleet_store import FleetStore
+from deskfleet.controller.fleet_survey import SurveyOptions
+
+WINDOW_TITLE = "deskfleet fleet"
+# the table's columns, in its order: what an admin looks at first (host, state, load) left, and last the stages (or
+# why a PC did not answer), as wide as the window leaves; its id, addresses and sources are in the selected PC's pane
+COLUMNS: tuple[str, ...] = ("host", "state", "cpu", "igpu", "temperature", "power", "free", "disk", "version",
+                            "stages")
+HEADINGS = {"temperature": "temp", "free": "free memory", "disk": "shard room"}
+RIGHT_ALIGNED = frozenset({"cpu", "igpu", "temperature", "free", "disk"})
+# a state's colour: at work, ready, kept out by its user or limits, not to be had
+STATE_COLOURS = {"serving": "#2e7d32", "available": "#1565c0", "paused": "#6d6d6d", "unavailable": "#b26a00",
+                 "outdated": "#c62828", "newer": "#c62828", "unreachable": "#c62828"}
+
+
+@dataclass(frozen=True)
+class FleetWindowOptions:
+    survey: SurveyOptions
+    every_s: float  # from the end of a survey to the start of the next
+
+
+class _Bridge(QObject):
+    """Carries a survey's end from its thread to the window's (Qt queues signals across threads)."""
+
+    listed = Signal(object)  # a FleetListing
+    failed = Signal(str)
+
+
+class FleetWindow(QMainWindow):
+    def __init__(self, store: FleetStore, options: FleetWindowOptions) -> None:
+        super().__init__()
+        self.store = store
+        self.options = options
+        self.listing: FleetListing | None = None
+        self._surveying = False
+        self._stop = StopSignal()  # set as the window closes: a survey under way is cut short
+        self._bridge = _Bridge(self)  # deleted with the window: a survey that ends after it tells no one
+        self._bridge.listed.connect(self._listed)
+        self._bridge.failed.connect(self._failed)
+        self._next = QTimer(self)
+        self._next.setSingleShot(True)
+        self._next.setInterval(round(options.every_s * 1000))
+        self._next.timeout.connect(self.refresh)
+
+        self.setWindowTitle(f"{WINDOW_TITLE}: {store.data_dir}")
+        self.resize(1180, 640)
+        self.table = QTableWidget(0, len(COLUMNS))
+        self.table.setHorizontalHeaderLabels([HEADINGS.get(column, column) for column in COLUMNS])
+        self.table.verticalHeader().setVisible(False)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        # the stages: what the window leaves, cut where longer (its tooltip holds it whole)
+        header.setSectionResizeMode(COLUMNS.index("stages"), QHeaderView.ResizeMode.Stretch)
+        self.table.itemSelectionChanged.connect(self._show_selected)
+        self.details = QPlainTextEdit()
+        self.details.setReadOnly(True)
+        self.details.setPlaceholderText("Select a PC to see all it reported")
+        self.notes = QPlainTextEdit()
+        self.notes.setReadOnly(True)
+        self.notes.setPlaceholderText("Notes and warnings on the fleet show here")
+        self.summary = QLabel("Looking for the fleet's PCs...")
+        self.summary.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.refresh_button = QPushButton("Refresh")
+        self.refresh_button.clicked.connect(self.refresh)
+        below = QSplitter(Qt.Orientation.Horizontal)
+        below.addWidget(self.details)
+        below.addWidget(self.notes)
+        whole = QSplitter(Qt.Orientation.Vertical)
+        whole.addWidget(self.table)
+        whole.addWidget(below)
+        whole.setStretchFactor(0, 3)
+        whole.setStretchFactor(1, 1)
+        bar = QHBoxLayout()
+        bar.addWidget(self.summary, 1)
+        bar.addWidget(self.refresh_button)
+        layout = QVBoxLayout()
+        layout.addWidget(whole, 1)
+        layout.addLayout(bar)
+        central = QWidget()
+        central.setLayout(layout)
+        self.setCentralWidget(central)
+        self.refresh()
+
+    # What the admin does
+
+    def refresh(self) -> None:
+        """Survey the fleet now (nothing where one is under way: its end shows)."""
+        if self._surveying or self._stop.is_set():
+            return
+        self._surveying = True
+        self._next.stop()
+        self.refresh_button.setEnabled(False)
+        self.refresh_button.setText("Looking...")
+        store, options, stop = self.store, self.options.survey, self._stop
+
+        def listed() -> FleetListing:
+            from deskfleet.controller.fleet_listing import list_fleet
+
+            return event_loop.run(list_fleet(store, options), stop)
+
+        _in_thread(listed, self._bridge.listed.emit, self._bridge.failed.emit)
+
+    def closeEvent(self, event: QCloseEvent) -> None:  # Qt's name
+        self.stop()
+        super().closeEvent(event)
+
+    def stop(self) -> None:
+        """Cut a survey under way short, and start no other."""
+        self._stop.set()
+        self._next.stop()
+
+    # What the survey's thread reports
+
+    def _listed(self, listing: FleetListing) -> None:
+        self.listing = listing
+        self._show(listing)
+        self._surveyed()
+
+    def _failed(self, error: str) -> None:
+        """A survey that could not run (a data dir not initialised, or damaged): said, the last table kept."""
+        when = datetime.datetime.now().strftime("%H:%M:%S")
+        self.summary.setText(f"At {when} the fleet could not be listed: {error}")
+        self._surveyed()
+
+    def _surveyed(self) -> None:
+        self._surveying = False
+        self.refresh_button.setEnabled(True)
+        self.refresh_button.setText("Refresh")
+        if not self._stop.is_set():
+            self._next.start()
+
+    # Drawing
+
+    def _show(self, listing: FleetListing) -> None:
+        """The PCs, the one selected kept selected (by agent id, else address) while the rows are drawn again."""
+        chosen = self._selected_key()
+        self.table.blockSignals(True)
+        self.table.setSortingEnabled(False)
+        self.table.setRowCount(len(listing.agents))
+        for row, agent in enumerate(listing.agents):
+            cells = agent_cells(agent, listing.undeployed)
+            for column, name in enumerate(COLUMNS):
+                item = _cell(cells, name)
+                if name == "host":
+                    item.setData(Qt.ItemDataRole.UserRole, _key(agent))  # what keeps it selected (_selected_key)
+                self.table.setItem(row, column, item)
+        self.table.blockSignals(False)
+        keys = [_key(agent) for agent in listing.agents]
+        if chosen in keys:
+            self.table.selectRow(keys.index(chosen))
+        else:
+            self.table.clearSelection()
+        self._show_selected()
+        when = datetime.datetime.fromtimestamp(listing.taken_at).strftime("%H:%M:%S")
+        counts = listing.counts() if listing.agents else \
+            "no agents found (is `deskfleet fleet serve` running, and have agents joined?)"
+        self.summary.setText(f"{counts}. Looked at {when}; again every {self.options.every_s:g} s.")
+        self.notes.setPlainText("\n\n".join(listing.advice + listing.notes + listing.warnings))
+
+    def _selected_key(self) -> str | None:
+        rows = self.table.selectionModel().selectedRows()
+        if not rows or self.listing is None:
+            return None
+        item = self.table.item(rows[0].row(), COLUMNS.index("host"))
+        key = item.data(Qt.ItemDataRole.UserRole) if item is not None else None
+        return key if isinstance(key, str) else None
+
+    def _show_selected(self) -> None:
+        """The selected PC, all its report holds (as `fleet ls --json` gives it)."""
+        key = self._selected_key()
+        listing = self.listing
+        agent = next((agent for agent in listing.agents if _key(agent) == key), None) if listing and key else None
+        if agent is None:
+            self.details.setPlainText("")
+            return
+        whole = agent_json(agent, listing.undeployed if listing else None)
+        self.details.setPlainText("\n".join(f"{name}: {_value_text(value)}" for name, value in whole.items()))
+
+
+def _key(agent: object) -> str:
+    """What keeps a PC selected from one survey to the next: its agent id, else (a peer that did not answer) its
+    address."""
+    return str(getattr(agent, "agent_id", None) or getattr(agent, "address", ""))
+
+
+def _cell(cells: AgentCells, name: str) -> QTableWidgetItem:
+    text = getattr(cells, name)
+    item = QTableWidgetItem(text)
+    item.setToolTip(text)  # a long stages cell, cut at the window's edge, reads whole on hover
+    if name in RIGHT_ALIGNED:
+        item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+    if name == "state":
+        colour = STATE_COLOURS.get(text)
+        if colour is not None:
+            item.setForeground(QBrush(QColor(colour)))
+    return item
+
+
+def _value_text(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value) if value else "-"
+    return str(value)
+
+
+def _in_thread(work: Callable[[], FleetListing], done: Callable[[FleetListing], None],
+               failed: Callable[[str], None]) -> None:
+    """Run `work` on a daemon thread; `done` with its result, or `failed` with what went wrong. A survey cut short
+    by the window's close tells no one."""
+
+    def run() -> None:
+        try:
+            try:
+                result = work()
+            except Stopped:
+                return
+            except Exception as error:  # FleetStoreError (not initialised, damaged), or a bug: said, not swallowed
+                failed(str(error) or type(error).__name__)
+                return
+            done(result)
+        except RuntimeError as error:  # "Signal source has been deleted": the window was closed meanwhile
+            if "deleted" not in str(error):
+                raise
+
+    threading.Thread(target=run, daemon=True, name="deskfleet-fleet-survey").start()
+
+
+def run_fleet_window(store: FleetStore, options: FleetWindowOptions) -> int:
+    """Show the window until it is closed, or a signal stops it (exit 0)."""
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    assert isinstance(app, QApplication)
+    app.setApplicationName("deskfleet")
+    window = FleetWindow(store, options)
+    window.show()
+    for signum in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if signum is not None:
+            signal.signal(signum, lambda *_: QApplication.quit())
+    wake = QTimer()  # Python runs a signal's handler only when it runs: wake it twice a second
+    wake.timeout.connect(lambda: None)
+    wake.start(500)
+    app.exec()
+    window.stop()
+    return 0
