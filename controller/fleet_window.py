@@ -37,7 +37,14 @@ from PySide6.QtWidgets import (
 
 from deskfleet.common import event_loop
 from deskfleet.common.stop_signal import Stopped, StopSignal
-from deskfleet.controller.fleet_listing import AgentCells, FleetListing, agent_cells, agent_json
+from deskfleet.controller.fleet_deploy_dialog import DeployDialog
+from deskfleet.controller.fleet_listing import (
+    AgentCells,
+    FleetListing,
+    agent_cells,
+    agent_json,
+    list_fleet,
+)
 from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.fleet_survey import SurveyOptions
 
@@ -105,6 +112,9 @@ class FleetWindow(QMainWindow):
         self.summary.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.refresh_button = QPushButton("Refresh")
         self.refresh_button.clicked.connect(self.refresh)
+        self.deploy_button = QPushButton("Deploy a model...")
+        self.deploy_button.clicked.connect(self.open_deploy)
+        self.deploy_dialog: DeployDialog | None = None
         below = QSplitter(Qt.Orientation.Horizontal)
         below.addWidget(self.details)
         below.addWidget(self.notes)
@@ -115,6 +125,7 @@ class FleetWindow(QMainWindow):
         whole.setStretchFactor(1, 1)
         bar = QHBoxLayout()
         bar.addWidget(self.summary, 1)
+        bar.addWidget(self.deploy_button)
         bar.addWidget(self.refresh_button)
         layout = QVBoxLayout()
         layout.addWidget(whole, 1)
@@ -137,20 +148,29 @@ class FleetWindow(QMainWindow):
         store, options, stop = self.store, self.options.survey, self._stop
 
         def listed() -> FleetListing:
-            from deskfleet.controller.fleet_listing import list_fleet
-
             return event_loop.run(list_fleet(store, options), stop)
 
         _in_thread(listed, self._bridge.listed.emit, self._bridge.failed.emit)
+
+    def open_deploy(self) -> DeployDialog:
+        """The deploy dialog (one: shown again where it is open), whose deploy's end makes the window look again."""
+        if self.deploy_dialog is None:
+            self.deploy_dialog = DeployDialog(self.store.data_dir, self.options.survey, self)
+            self.deploy_dialog.deployed.connect(self.refresh)
+        self.deploy_dialog.show()
+        self.deploy_dialog.raise_()
+        return self.deploy_dialog
 
     def closeEvent(self, event: QCloseEvent) -> None:  # Qt's name
         self.stop()
         super().closeEvent(event)
 
     def stop(self) -> None:
-        """Cut a survey under way short, and start no other."""
+        """Cut a survey under way short and start no other; stop a plan or deploy under way and wait for its end."""
         self._stop.set()
         self._next.stop()
+        if self.deploy_dialog is not None:
+            self.deploy_dialog.stop_and_wait()
 
     # What the survey's thread reports
 

@@ -27,6 +27,7 @@ def test_the_wheel_holds_every_package_and_the_console_scripts(tmp_path: Path) -
     assert "deskfleet = deskfleet.common.launch:deskfleet" in entry_points
     assert "deskfleet-agent = deskfleet.common.launch:deskfleet_agent" in entry_points
     assert "deskfleet/agent/__main__.py" in names  # `python -P -m deskfleet.agent`: what autostart runs
+    assert "deskfleet/controller/__main__.py" in names  # `python -P -m deskfleet.controller`: the deploy dialog
 
 
 def test_the_release_names_the_fleet_protocol_it_speaks() -> None:

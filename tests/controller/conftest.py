@@ -1,17 +1,22 @@
 """Fixtures shared by the controller tests: the engine tests' models (built once per session by the checkpoint
-and export factories) and a fleet's controller data dir."""
+and export factories), a fleet's controller data dir, and the fleet window's office of real agents."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import shiboken6
+from PySide6.QtWidgets import QApplication
 
 from deskfleet.agent import service as agent_service
 from deskfleet.agent.link import utc_now
 from deskfleet.controller.fleet_ca import init_fleet
 from deskfleet.controller.fleet_store import FleetStore
+from deskfleet.controller.fleet_window import FleetWindow, FleetWindowOptions
+from tests.controller.fleet_office import Office, Opener
 
 
 @pytest.fixture
@@ -64,3 +69,35 @@ def no_controller_search(monkeypatch: pytest.MonkeyPatch) -> None:
         return []
 
     monkeypatch.setattr(agent_service, "find_controller", nowhere)
+
+
+# The fleet window's (tests/controller/fleet_office.py)
+
+@pytest.fixture(scope="module")
+def app() -> QApplication:
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # no display here: Qt's xcb plugin would abort the process
+    existing = QApplication.instance()
+    return existing if isinstance(existing, QApplication) else QApplication([])
+
+
+@pytest.fixture
+def open_window(app: QApplication) -> Iterator[Opener]:
+    """Opens fleet windows, each closed and deleted after the test: a window that a failed test's traceback keeps
+    would otherwise be deleted at the interpreter's exit, after the QApplication, which crashes the process."""
+    opened: list[FleetWindow] = []
+
+    def open_one(store: FleetStore, options: FleetWindowOptions) -> FleetWindow:
+        window = FleetWindow(store, options)
+        opened.append(window)
+        return window
+
+    yield open_one
+    for window in opened:
+        window.close()
+        shiboken6.delete(window)
+
+
+@pytest.fixture
+def office(tmp_path: Path) -> Iterator[Office]:
+    with Office(tmp_path) as running:
+        yield running
