@@ -1,9 +1,9 @@
 """A screenshot of `deskfleet fleet window` for docs/images/ (README, "Seeing the fleet"): a fleet made for it in a
 temporary folder, of five PCs on loopback. Four run a real agent (AgentCore on the real TLS link); as this machine has
 no temperature sensor or battery, their sensors are set here, a desktop's and three laptops'. The demo target is then
-deployed with `deskfleet fleet deploy --policy all_by_speed` over the three that may take work, which host
-its stages for real (the laptop on battery is kept out by its limits). The fifth PC is enrolled and
-off. Run from the repository root after `bash scripts/demo.sh`:
+deployed from the window's "Deploy a model" dialog (which runs `deskfleet fleet deploy`) with the all_by_speed policy,
+and the PCs it places host its stages for real (the laptop on battery is kept out by its limits). The fifth PC is
+enrolled and off. Both the dialog and the window are saved. Run from the repository root after `bash scripts/demo.sh`:
 
     xvfb-run -a -s "-screen 0 1280x800x24" .venv/bin/python docs/runs/fleet-window-screenshot.py docs/images
 """
@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from PySide6.QtWidgets import QApplication
@@ -26,7 +27,6 @@ from deskfleet.agent.paths import AgentSettings, Thresholds
 from deskfleet.agent.shard_cache import ShardCache
 from deskfleet.common import pki
 from deskfleet.common.availability import MonitorReading, TemperatureReading
-from deskfleet.controller.cli import main as deskfleet
 from deskfleet.controller.fleet_ca import init_fleet, load_ca
 from deskfleet.controller.fleet_store import FleetStore, RosterEntry
 from deskfleet.controller.fleet_survey import SurveyOptions
@@ -89,23 +89,31 @@ def main() -> None:
     store = FleetStore(root / "controller")
     init_fleet(store, "office", ("127.0.0.1:7341",), utc_now())
     serve_agents(store, root)
-    data = ["--data-dir", str(store.data_dir), "--discover-seconds", "0"]
-    assert deskfleet(["fleet", "deploy", "--model", "out/demo/target-int4", "--policy", "all_by_speed",
-                      "--hop-ms", "0", *data]) == 0
     app = QApplication([])
     window = FleetWindow(store, FleetWindowOptions(SurveyOptions(discover_seconds=0), every_s=15.0))
     window.resize(1240, 560)
     window.show()
-    deadline = time.monotonic() + 60
-    while window.listing is None and time.monotonic() < deadline:
-        app.processEvents()
-        time.sleep(0.02)
+    wait(app, lambda: window.listing is not None)
+    dialog = window.open_deploy()  # the deploy, as the admin makes it from the window
+    dialog.model.setText(str(Path("out/demo/target-int4").absolute()))
+    dialog.policy.setCurrentText("all_by_speed")
+    first = window.listing
+    dialog.start("deploy")
+    wait(app, lambda: dialog.process is None and window.listing is not first)
+    assert dialog.state.text() == "Deploy done", dialog.output.toPlainText()
+    dialog.grab().save(str(out / "fleet-deploy-dialog.png"))
+    dialog.close()
     window.table.selectRow(0)
-    for _ in range(20):
-        app.processEvents()
-        time.sleep(0.02)
+    wait(app, lambda: False, 0.4)
     window.grab().save(str(out / "fleet-window.png"))
     window.stop()
+
+
+def wait(app: QApplication, done: Callable[[], bool], seconds: float = 120.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        app.processEvents()
+        time.sleep(0.02)
 
 
 if __name__ == "__main__":
