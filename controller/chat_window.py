@@ -7,8 +7,6 @@ reply streams in as it is generated; Stop ends it (the server stops generating i
 
 from __future__ import annotations
 
-import signal
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,7 +14,6 @@ from dataclasses import dataclass, field
 from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal
 from PySide6.QtGui import QKeyEvent, QTextCursor
 from PySide6.QtWidgets import (
-    QApplication,
     QHBoxLayout,
     QLabel,
     QMainWindow,
@@ -29,6 +26,7 @@ from PySide6.QtWidgets import (
 
 from deskfleet.controller.chat_client import CONTEXT_FULL, ChatClient, ChatClientError, ReplySettings, ReplyStream
 from deskfleet.controller.conversation import Conversation
+from deskfleet.controller.qt_window import in_thread, run_until_closed
 
 WINDOW_TITLE = "deskfleet chat"
 HEALTH_EVERY_MS = 10_000  # how often the window asks the server whether its chain can run the model
@@ -129,7 +127,7 @@ class ChatWindow(QMainWindow):
     def find_models(self) -> None:
         """Ask the server which models it serves (again after a failure: the Send button does)."""
         self.server.setText(f"{self.client.base_url}: asking for its models...")
-        _in_thread(self.client.models, self._bridge.models.emit, self._bridge.models_failed.emit)
+        _request(self.client.models, self._bridge.models.emit, self._bridge.models_failed.emit)
 
     def send_or_stop(self) -> None:
         if self.conversation.replying:
@@ -162,7 +160,7 @@ class ChatWindow(QMainWindow):
                 self._bridge.piece.emit(number, piece)
             self._bridge.ended.emit(number, stream.end.finish_reason if stream.end else None, left_out)
 
-        _in_thread(reply, lambda _: None, lambda error: self._bridge.failed.emit(number, error))
+        _request(reply, lambda _: None, lambda error: self._bridge.failed.emit(number, error))
         self._show_state()
 
     def stop(self) -> None:
@@ -213,7 +211,7 @@ class ChatWindow(QMainWindow):
 
     def ask_health(self) -> None:
         """Ask the server whether its chain can run the model (its failures are the requests' to tell)."""
-        _in_thread(self.client.health, self._bridge.health.emit, lambda error: self._bridge.health.emit(None))
+        _request(self.client.health, self._bridge.health.emit, lambda error: self._bridge.health.emit(None))
 
     def _health_found(self, health: dict[str, object] | None) -> None:
         status = health.get("status") if health else None
@@ -288,41 +286,12 @@ class ChatWindow(QMainWindow):
         return bar.value() >= bar.maximum() - 4
 
 
-def _in_thread(work: Callable[[], object], done: Callable[[object], None], failed: Callable[[str], None]) -> None:
-    """Run `work` on a daemon thread; `done` with its result, or `failed` with the ChatClientError's words."""
-
-    def run() -> None:
-        try:
-            try:
-                result = work()
-            except ChatClientError as error:
-                failed(str(error))
-                return
-            except Exception as error:  # a bug here must not pass in silence, nor leave the window waiting
-                failed(f"{type(error).__name__}: {error}")
-                return
-            done(result)
-        except RuntimeError as error:  # "... already deleted", "Signal source has been deleted": the window was
-            # closed meanwhile, and there is no one to tell
-            if "deleted" not in str(error):
-                raise
-
-    threading.Thread(target=run, daemon=True, name="deskfleet-window-request").start()
-
-
 def run_window(client: ChatClient, options: WindowOptions) -> int:
     """Show the window until it is closed, or a signal stops it (exit 0)."""
-    app = QApplication.instance() or QApplication(sys.argv[:1])
-    assert isinstance(app, QApplication)
-    app.setApplicationName("deskfleet")
-    window = ChatWindow(client, options)
-    window.show()
-    for signum in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-        if signum is not None:
-            signal.signal(signum, lambda *_: QApplication.quit())
-    wake = QTimer()  # Python runs a signal's handler only when it runs: wake it twice a second
-    wake.timeout.connect(lambda: None)
-    wake.start(500)
-    app.exec()
-    window.stop()
+    run_until_closed(lambda: ChatWindow(client, options)).stop()
     return 0
+
+
+def _request(work: Callable[[], object], done: Callable[[object], None], failed: Callable[[str], None]) -> None:
+    """Run a request on a thread of its own: a ChatClientError is said in its own words."""
+    in_thread(work, done, failed, said_alone=(ChatClientError,), name="deskfleet-window-request")

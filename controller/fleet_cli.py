@@ -422,13 +422,14 @@ def _window(args: argparse.Namespace) -> int:
 
 
 def _print_agents(agents: list[Any], undeployed: dict[str, list[Any]] | None = None) -> None:
-    """The table (in listing order), then a line that counts each state. Each column is as wide as its longest
+    """The table (in listing order: a test gives them in any), then a line that counts each state, then the PCs to
+    upgrade. Each column is as wide as its longest
     cell: fixed widths let an IPv6 address or a long hostname push the rest of its row out of line."""
     from deskfleet.controller.fleet_listing import (
         CELL_HEADINGS,
-        FleetListing,
         agent_cells,
         listing_order,
+        state_counts,
         upgrade_advice,
     )
 
@@ -437,7 +438,7 @@ def _print_agents(agents: list[Any], undeployed: dict[str, list[Any]] | None = N
     right = {CELL_HEADINGS.index(name) for name in ("free", "disk", "cpu", "igpu", "temp")}
     for line in format_table(rows, right_aligned=right):
         print(line)
-    print(FleetListing(ordered, undeployed or {}).counts())
+    print(state_counts(ordered, undeployed))
     for line in upgrade_advice(agents):
         print(line)
 

@@ -40,20 +40,6 @@ class FleetListing:
     warnings: list[str] = field(default_factory=list)  # each begins "warning: "
     taken_at: float = 0.0  # when the survey ended (time.time())
 
-    def counts(self) -> str:
-        """"5 agent(s): 2 serving, 2 available, 1 unreachable": each state's count, in the listing's order.
-        "serving" is the agent's own word for hosting a stage; one whose every stage is marked (not deployed) runs
-        nothing, which the count says rather than let it pass for a PC at work."""
-        counts = Counter(agent_state(agent) for agent in self.agents)
-        states = sorted(counts, key=lambda state: (state not in STATES_IN_ORDER,
-                                                   STATES_IN_ORDER.index(state) if state in STATES_IN_ORDER else 0))
-        idle = sum(1 for agent in self.agents if agent_state(agent) == "serving" and agent.report is not None
-                   and agent.report.stages
-                   and all(stage in self.undeployed.get(agent.agent_id or "", []) for stage in agent.report.stages))
-        return f"{len(self.agents)} agent(s): " + ", ".join(
-            f"{counts[state]} {state}" + (f" ({idle} of them holding only stages not deployed)"
-                                          if state == "serving" and idle else "") for state in states)
-
 
 async def list_fleet(store: FleetStore, options: SurveyOptions) -> FleetListing:
     """Survey the fleet and say what an admin needs to know of it; never raises for an agent's fault (a store that
@@ -103,6 +89,22 @@ async def list_fleet(store: FleetStore, options: SurveyOptions) -> FleetListing:
           "`serve --fleet` at a moment with no request; `deskfleet fleet deploy` of the model does in any case"
         for model_id, stages in unhosted.items()]
     return FleetListing(agents, undeployed, upgrade_advice(agents), notes, warnings, time.time())
+
+
+def state_counts(agents: Sequence[Any], undeployed: dict[str, list[StageRef]] | None = None) -> str:
+    """"5 agent(s): 2 serving, 2 available, 1 unreachable": each state's count, in the listing's order.
+    "serving" is the agent's own word for hosting a stage; one whose every stage is marked (not deployed) runs
+    nothing, which the count says rather than let it pass for a PC at work."""
+    undeployed = undeployed or {}
+    counts = Counter(agent_state(agent) for agent in agents)
+    states = sorted(counts, key=lambda state: (state not in STATES_IN_ORDER,
+                                               STATES_IN_ORDER.index(state) if state in STATES_IN_ORDER else 0))
+    idle = sum(1 for agent in agents if agent_state(agent) == "serving" and agent.report is not None
+               and agent.report.stages
+               and all(stage in undeployed.get(agent.agent_id or "", []) for stage in agent.report.stages))
+    return f"{len(agents)} agent(s): " + ", ".join(
+        f"{counts[state]} {state}" + (f" ({idle} of them holding only stages not deployed)"
+                                      if state == "serving" and idle else "") for state in states)
 
 
 def agent_state(agent: Any) -> str:
@@ -188,6 +190,7 @@ def left_out_notes(store: FleetStore, agents: list[Any], unhosted: dict[str, lis
 
 
 def agent_json(agent: Any, undeployed: dict[str, list[Any]] | None = None) -> dict[str, Any]:
+    """One PC as `fleet ls --json` lists it (and the fleet window's pane shows it): all the survey learned of it."""
     report = agent.report
     return {"agent_id": agent.agent_id, "hostname": agent.hostname, "address": agent.address,
             # its other addresses known (registration, mDNS), given to the stage before it with `address`

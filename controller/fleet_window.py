@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import datetime
 import json
-import signal
-import sys
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from PySide6.QtCore import QObject, Qt, QTimer, Signal
 from PySide6.QtGui import QBrush, QCloseEvent, QColor
 from PySide6.QtWidgets import (
     QAbstractItemView,
-    QApplication,
     QHBoxLayout,
     QHeaderView,
     QLabel,
@@ -44,9 +39,12 @@ from deskfleet.controller.fleet_listing import (
     agent_cells,
     agent_json,
     list_fleet,
+    state_counts,
 )
-from deskfleet.controller.fleet_store import FleetStore
+from deskfleet.controller.fleet_store import FleetStore, FleetStoreError
 from deskfleet.controller.fleet_survey import SurveyOptions
+from deskfleet.controller.qt_window import in_thread, run_until_closed
+from deskfleet.controller.text_table import terminal_safe
 
 WINDOW_TITLE = "deskfleet fleet"
 # the table's columns, in its order: what an admin looks at first (host, state, load) left, and last the stages (or
@@ -150,7 +148,10 @@ class FleetWindow(QMainWindow):
         def listed() -> FleetListing:
             return event_loop.run(list_fleet(store, options), stop)
 
-        _in_thread(listed, self._bridge.listed.emit, self._bridge.failed.emit)
+        # a store's error is the whole story (a data dir damaged, not initialised); anything else is said with its
+        # type, and ends the look all the same (a look that ended in silence left the window "Looking..." for good)
+        in_thread(listed, self._bridge.listed.emit, self._bridge.failed.emit, said_alone=(FleetStoreError,),
+                  silent=(Stopped,), name="deskfleet-fleet-survey")
 
     def open_deploy(self) -> DeployDialog:
         """The deploy dialog (one: shown again where it is open), whose deploy's end makes the window look again."""
@@ -198,7 +199,9 @@ class FleetWindow(QMainWindow):
         """The PCs, the one selected kept selected (by agent id, else address) while the rows are drawn again."""
         chosen = self._selected_key()
         self.table.blockSignals(True)
-        self.table.setSortingEnabled(False)
+        # emptied, then filled: an item written over another in a column that fits its contents made Qt measure the
+        # whole column again, each time (300 PCs: 30 s a look, longer than the time between looks)
+        self.table.setRowCount(0)
         self.table.setRowCount(len(listing.agents))
         for row, agent in enumerate(listing.agents):
             cells = agent_cells(agent, listing.undeployed)
@@ -207,18 +210,17 @@ class FleetWindow(QMainWindow):
                 if name == "host":
                     item.setData(Qt.ItemDataRole.UserRole, _key(agent))  # what keeps it selected (_selected_key)
                 self.table.setItem(row, column, item)
-        self.table.blockSignals(False)
         keys = [_key(agent) for agent in listing.agents]
         if chosen in keys:
             self.table.selectRow(keys.index(chosen))
-        else:
-            self.table.clearSelection()
+        self.table.blockSignals(False)
         self._show_selected()
         when = datetime.datetime.fromtimestamp(listing.taken_at).strftime("%H:%M:%S")
-        counts = listing.counts() if listing.agents else \
+        counts = state_counts(listing.agents, listing.undeployed) if listing.agents else \
             "no agents found (is `deskfleet fleet serve` running, and have agents joined?)"
-        self.summary.setText(f"{counts}. Looked at {when}; again every {self.options.every_s:g} s.")
-        self.notes.setPlainText("\n\n".join(listing.advice + listing.notes + listing.warnings))
+        self.summary.setText(f"{counts}. Looked at {when}; again {self.options.every_s:g} s after each look ends.")
+        self.notes.setPlainText("\n\n".join(terminal_safe(line) for line in
+                                            listing.advice + listing.notes + listing.warnings))
 
     def _selected_key(self) -> str | None:
         rows = self.table.selectionModel().selectedRows()
@@ -237,7 +239,8 @@ class FleetWindow(QMainWindow):
             self.details.setPlainText("")
             return
         whole = agent_json(agent, listing.undeployed if listing else None)
-        self.details.setPlainText("\n".join(f"{name}: {_value_text(value)}" for name, value in whole.items()))
+        self.details.setPlainText("\n".join(f"{name}: {terminal_safe(_value_text(value))}"
+                                            for name, value in whole.items()))
 
 
 def _key(agent: object) -> str:
@@ -247,7 +250,9 @@ def _key(agent: object) -> str:
 
 
 def _cell(cells: AgentCells, name: str) -> QTableWidgetItem:
-    text = getattr(cells, name)
+    # a PC's words (its hostname, a status detail) may hold a newline or a bidirectional override: shown as `fleet ls`
+    # shows them, as '?', so that no PC can forge a line or reorder a cell
+    text = terminal_safe(getattr(cells, name))
     item = QTableWidgetItem(text)
     item.setToolTip(text)  # a long stages cell, cut at the window's edge, reads whole on hover
     if name in RIGHT_ALIGNED:
@@ -267,41 +272,7 @@ def _value_text(value: object) -> str:
     return str(value)
 
 
-def _in_thread(work: Callable[[], FleetListing], done: Callable[[FleetListing], None],
-               failed: Callable[[str], None]) -> None:
-    """Run `work` on a daemon thread; `done` with its result, or `failed` with what went wrong. A survey cut short
-    by the window's close tells no one."""
-
-    def run() -> None:
-        try:
-            try:
-                result = work()
-            except Stopped:
-                return
-            except Exception as error:  # FleetStoreError (not initialised, damaged), or a bug: said, not swallowed
-                failed(str(error) or type(error).__name__)
-                return
-            done(result)
-        except RuntimeError as error:  # "Signal source has been deleted": the window was closed meanwhile
-            if "deleted" not in str(error):
-                raise
-
-    threading.Thread(target=run, daemon=True, name="deskfleet-fleet-survey").start()
-
-
 def run_fleet_window(store: FleetStore, options: FleetWindowOptions) -> int:
     """Show the window until it is closed, or a signal stops it (exit 0)."""
-    app = QApplication.instance() or QApplication(sys.argv[:1])
-    assert isinstance(app, QApplication)
-    app.setApplicationName("deskfleet")
-    window = FleetWindow(store, options)
-    window.show()
-    for signum in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-        if signum is not None:
-            signal.signal(signum, lambda *_: QApplication.quit())
-    wake = QTimer()  # Python runs a signal's handler only when it runs: wake it twice a second
-    wake.timeout.connect(lambda: None)
-    wake.start(500)
-    app.exec()
-    window.stop()
+    run_until_closed(lambda: FleetWindow(store, options)).stop()
     return 0

