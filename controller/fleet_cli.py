@@ -36,7 +36,7 @@ from deskfleet.common.wire import (
     with_default_port,
 )
 from deskfleet.common.wire_messages import KV_CACHE_PRECISIONS
-from deskfleet.controller.bench.interruption import say_stopped, signal_name, signals_unwind
+from deskfleet.controller.bench.interruption import say_stopped, signal_name, signals_unwind, stopping_signal
 from deskfleet.controller.decoding_options import byte_count, parse_token_ids, positive_int
 from deskfleet.controller.fleet_store import DEFAULT_PORT, MIN_ID_PREFIX, FleetStore
 from deskfleet.controller.text_table import format_table
@@ -567,17 +567,22 @@ def _deploy(args: argparse.Namespace) -> int:
         if size >= VERIFY_NOTE_BYTES else None)
 
     try:
-        result, report = event_loop.run(run())
+        # SIGTERM and SIGHUP unwind it as Ctrl-C does (exit 143 / 129), releasing the stages it gave: their default
+        # ended the process on the spot, and a PC kept a stage no deployment records (the fleet window's Stop, a
+        # service manager's stop, a closed terminal)
+        with signals_unwind(ctrl_c=False):
+            result, report = event_loop.run(run())
     except DeployError as error:
         if not error.failed_run or args.verbose:  # what the user gave: a usage error's exit status 2
             raise
         print(f"deskfleet: error: {error}", file=sys.stderr)  # a PC failed it, or the PCs cannot hold the plan
         return 1
-    except KeyboardInterrupt:  # it ended with exit 130 and not a word: was anything lost, or half deployed?
-        print("deskfleet: deploy stopped by Ctrl-C: the files the PCs received stay in their caches, and the next "
-              "`deskfleet fleet deploy` sends only the rest; the model's deployment on record is the one before "
-              "(it is written once every stage is ready), and the PCs were asked to release the stages this deploy "
-              "gave them", file=sys.stderr)
+    except KeyboardInterrupt as stopped:  # it ended with exit 130 and not a word: was anything lost, or half deployed?
+        by = "Ctrl-C" if stopping_signal(stopped) == signal.SIGINT else signal_name(stopped)
+        say_stopped(f"deskfleet: deploy stopped by {by}: the files the PCs received stay in their caches, and the "
+                    "next `deskfleet fleet deploy` sends only the rest; the model's deployment on record is the one "
+                    "before (it is written once every stage is ready), and the PCs were asked to release the stages "
+                    "this deploy gave them")
         raise
     if args.json:
         print_whole(json.dumps({"model_id": report.model_id, "bytes_sent": report.bytes_sent,
