@@ -4,17 +4,19 @@ It runs the very commands an admin would type, as a child process of this instal
 deskfleet.controller fleet ...`), with the window's data dir and survey options, and shows what they print as they
 print it: the plan, each file sent, the stages made ready, or the error that stopped them. Nothing of the deploy is
 done here (its locks, checks and records stay the command's), so the window and the command line cannot differ.
-Stop sends the command SIGTERM, which a deploy unwinds as on Ctrl-C; on Windows it ends it hard (QProcess's
-terminate() there asks a program's windows to close, and a console program has none).
+Stop sends the command SIGTERM, which `fleet deploy` unwinds as on Ctrl-C (the PCs release the stages it gave them);
+on Windows it ends it hard (QProcess's terminate() there asks a program's windows to close, and a console program has
+none), and a PC keeps what it was given until the next deploy of the model or its agent's restart.
 """
 
 from __future__ import annotations
 
+import codecs
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from PySide6.QtCore import QProcess, Signal
+from PySide6.QtCore import QProcess, QProcessEnvironment, Signal
 from PySide6.QtGui import QCloseEvent, QFontDatabase, QTextCursor
 from PySide6.QtWidgets import (
     QComboBox,
@@ -31,9 +33,8 @@ from PySide6.QtWidgets import (
 )
 
 from deskfleet.common.planner import PlanPolicy
+from deskfleet.common.wire import Precision
 from deskfleet.controller.fleet_survey import SurveyOptions
-
-PRECISIONS = ("device_default", "f16", "f32")  # `fleet deploy --precision`'s choices
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class DeployRequest:
 
     model: Path
     policy: str = PlanPolicy.FEWEST_AGENTS.value
-    precision: str = "device_default"
+    precision: str = Precision.DEVICE_DEFAULT.value
     device: str = "CPU"
 
 
@@ -63,7 +64,7 @@ class DeployDialog(QDialog):
     """Choose a model folder and how to place it; Plan shows the split, Deploy pushes it; what the command prints
     shows below as it comes."""
 
-    deployed = Signal()  # a deploy ended (whatever its exit status: the fleet may have changed either way)
+    deploy_ended = Signal()  # whatever its exit status: the fleet may have changed either way
 
     def __init__(self, data_dir: Path, survey: SurveyOptions, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -71,8 +72,9 @@ class DeployDialog(QDialog):
         self.survey = survey
         self.process: QProcess | None = None
         self._action = ""
-        self._stopping = False  # Stop was pressed: the command's end is "stopped", whatever its exit status
+        self._stopping = False  # Stop was pressed
         self._close_when_ended = False
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")  # a character may come in two reads
         self.setWindowTitle("Deploy a model")
         self.resize(900, 560)
         self.model = QLineEdit()
@@ -85,7 +87,7 @@ class DeployDialog(QDialog):
         self.policy = QComboBox()
         self.policy.addItems([policy.value for policy in PlanPolicy])
         self.precision = QComboBox()
-        self.precision.addItems(PRECISIONS)
+        self.precision.addItems([precision.value for precision in Precision])
         self.device = QLineEdit("CPU")
         form = QFormLayout()
         form.addRow("Model folder", folder)
@@ -139,10 +141,17 @@ class DeployDialog(QDialog):
             return
         process = QProcess(self)
         process.setProcessChannelMode(QProcess.ProcessChannelMode.MergedChannels)
+        environment = QProcessEnvironment.systemEnvironment()
+        # UTF-8, whatever the console's code page (a Windows child writes to a pipe in the ANSI one), and each line as
+        # it is printed: a pipe's standard output is block-buffered, and showed the plan after the notes that follow it
+        environment.insert("PYTHONIOENCODING", "utf-8")
+        environment.insert("PYTHONUNBUFFERED", "1")
+        process.setProcessEnvironment(environment)
         process.readyReadStandardOutput.connect(self._read)
         process.finished.connect(self._finished)
         process.errorOccurred.connect(self._error)
         self.process, self._action = process, action
+        self._decoder.reset()
         self.output.clear()
         self.state.setText("Planning..." if action == "plan" else "Deploying...")
         process.start(sys.executable, fleet_command(action, request, self.data_dir, self.survey))
@@ -171,18 +180,34 @@ class DeployDialog(QDialog):
     def closeEvent(self, event: QCloseEvent) -> None:  # Qt's name
         """Closed while a command runs: it is stopped, and the dialog closes once it has ended (a deploy unwinds)."""
         if self.process is not None:
-            self._close_when_ended = True
-            self.stop()
+            self._stop_then_close()
             event.ignore()
             return
-        super().closeEvent(event)
+        super().closeEvent(event)  # QDialog's calls reject(), which hides it
+
+    def reject(self) -> None:  # Qt's name: Esc, which hid the dialog with no closeEvent and left the command running
+        if self.process is not None:
+            self._stop_then_close()
+            return
+        super().reject()
+
+    def _stop_then_close(self) -> None:
+        self._close_when_ended = True
+        self.stop()
 
     # What the command does
 
     def _read(self) -> None:
-        if self.process is None:
-            return
-        text = bytes(self.process.readAllStandardOutput().data()).decode("utf-8", "replace")
+        if self.process is not None:
+            self.take_output(bytes(self.process.readAllStandardOutput().data()))
+
+    def take_output(self, data: bytes, final: bool = False) -> None:
+        """Show what the command printed, as UTF-8 (a character split over two reads is decoded whole)."""
+        text = self._decoder.decode(data, final=final)
+        if text:
+            self._append(text)
+
+    def _append(self, text: str) -> None:
         end = QTextCursor(self.output.document())
         end.movePosition(QTextCursor.MoveOperation.End)
         end.insertText(text)
@@ -191,25 +216,21 @@ class DeployDialog(QDialog):
 
     def _finished(self, code: int, status: QProcess.ExitStatus) -> None:
         self._read()
-        action = self._action
-        if self._stopping or status == QProcess.ExitStatus.CrashExit:
-            said = f"{action} stopped" + ("" if self._stopping else f" (it crashed; exit status {code})")
-        else:
-            said = f"{action} done" if code == 0 else f"{action} failed (exit status {code}): its words are above"
-        self._ended(said)
-        if action == "deploy":
-            self.deployed.emit()
+        self.take_output(b"", final=True)
+        self._ended(ending(self._action, code, status == QProcess.ExitStatus.CrashExit, self._stopping))
+        if self._action == "deploy":
+            self.deploy_ended.emit()
 
     def _error(self, error: QProcess.ProcessError) -> None:
         if error == QProcess.ProcessError.FailedToStart:  # no finished() follows
-            self._ended(f"cannot start {sys.executable}: {self.process.errorString() if self.process else error}")
+            self._ended(f"Cannot start {sys.executable}: {self.process.errorString() if self.process else error}")
 
     def _ended(self, said: str) -> None:
         if self.process is not None:
             self.process.deleteLater()
         self.process = None
         self._stopping = False
-        self.state.setText(said[0].upper() + said[1:])
+        self.state.setText(said)
         self._show_buttons()
         if self._close_when_ended:
             self._close_when_ended = False
@@ -226,3 +247,19 @@ class DeployDialog(QDialog):
         self.plan_button.setEnabled(not running)
         self.deploy_button.setEnabled(not running)
         self.stop_button.setEnabled(running)
+
+
+def ending(action: str, code: int, crashed: bool, stop_asked: bool) -> str:
+    """How a command ended, in words: "Deploy done", "Plan failed (exit status 2): its words are above", "Deploy
+    stopped" (asked, and it ended as a stopped command does), "Deploy ended by a signal" (not asked: killed by the OS
+    for memory, or it crashed). `code`: its exit status, or where `crashed` the signal's number (Qt's)."""
+    stopped_statuses = (130, 143, 137)  # Ctrl-C, SIGTERM and SIGKILL as the shell reports them (128 + the signal)
+    if code == 0 and not crashed:
+        said = f"{action} done"  # it had ended before Stop came, or finished all the same
+    elif stop_asked and (crashed or code in stopped_statuses):  # Windows' kill() is a crash, to Qt
+        said = f"{action} stopped"
+    elif crashed:
+        said = f"{action} ended by a signal ({code}): killed (by the OS, for memory?) or crashed"
+    else:
+        said = f"{action} failed (exit status {code}): its words are above"
+    return said[0].upper() + said[1:]

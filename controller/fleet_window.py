@@ -78,6 +78,7 @@ class FleetWindow(QMainWindow):
         self.options = options
         self.listing: FleetListing | None = None
         self._surveying = False
+        self._again = False  # look again as soon as the look under way ends (look_again)
         self._stop = StopSignal()  # set as the window closes: a survey under way is cut short
         self._bridge = _Bridge(self)  # deleted with the window: a survey that ends after it tells no one
         self._bridge.listed.connect(self._listed)
@@ -153,11 +154,19 @@ class FleetWindow(QMainWindow):
         in_thread(listed, self._bridge.listed.emit, self._bridge.failed.emit, said_alone=(FleetStoreError,),
                   silent=(Stopped,), name="deskfleet-fleet-survey")
 
+    def look_again(self) -> None:
+        """Look at the fleet now, or as soon as the look under way ends: that one may have begun before what it
+        should show (a deploy's stages)."""
+        if self._surveying:
+            self._again = True
+        else:
+            self.refresh()
+
     def open_deploy(self) -> DeployDialog:
         """The deploy dialog (one: shown again where it is open), whose deploy's end makes the window look again."""
         if self.deploy_dialog is None:
             self.deploy_dialog = DeployDialog(self.store.data_dir, self.options.survey, self)
-            self.deploy_dialog.deployed.connect(self.refresh)
+            self.deploy_dialog.deploy_ended.connect(self.look_again)
         self.deploy_dialog.show()
         self.deploy_dialog.raise_()
         return self.deploy_dialog
@@ -190,7 +199,10 @@ class FleetWindow(QMainWindow):
         self._surveying = False
         self.refresh_button.setEnabled(True)
         self.refresh_button.setText("Refresh")
-        if not self._stop.is_set():
+        if self._again:
+            self._again = False
+            self.refresh()
+        elif not self._stop.is_set():
             self._next.start()
 
     # Drawing

@@ -29,16 +29,13 @@ def in_thread(work: Callable[[], T], done: Callable[[T], None], failed: Callable
     def run() -> None:
         try:
             try:
-                result = work()
+                done(work())  # a `done` that fails is told too (one that raised left the window waiting)
             except silent:
                 return
             except said_alone as error:
-                failed(str(error))
-                return
+                failed(str(error) or type(error).__name__)
             except BaseException as error:  # a CancelledError too: see the docstring
                 failed(f"{type(error).__name__}: {error}")
-                return
-            done(result)
         except RuntimeError as error:  # "... already deleted", "Signal source has been deleted": the window was
             # closed meanwhile, and there is no one to tell
             if "deleted" not in str(error):
@@ -54,9 +51,12 @@ def require_display(environ: dict[str, str] | None = None, platform: str = sys.p
     environ = dict(os.environ) if environ is None else environ
     if not (platform.startswith("linux") or "bsd" in platform):
         return
-    if environ.get("DISPLAY") or environ.get("WAYLAND_DISPLAY") or environ.get("QT_QPA_PLATFORM"):
+    chosen = environ.get("QT_QPA_PLATFORM", "").split(":")[0].strip().lower()
+    needs = {"xcb": ("DISPLAY",), "wayland": ("WAYLAND_DISPLAY",), "": ("DISPLAY", "WAYLAND_DISPLAY")}.get(chosen)
+    if needs is None or any(environ.get(name) for name in needs):  # another platform (offscreen, eglfs...): its own
         return
-    raise RuntimeError("no display to show the window on (DISPLAY and WAYLAND_DISPLAY are unset): run it in the "
+    platform_set = f" (QT_QPA_PLATFORM={environ['QT_QPA_PLATFORM']})" if chosen else ""
+    raise RuntimeError(f"no display to show the window on: {' and '.join(needs)} unset{platform_set}; run it in the "
                        "desktop session, or over `ssh -X`")
 
 

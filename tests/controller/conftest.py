@@ -16,7 +16,7 @@ from deskfleet.agent.link import utc_now
 from deskfleet.controller.fleet_ca import init_fleet
 from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.fleet_window import FleetWindow, FleetWindowOptions
-from tests.controller.fleet_office import Office, Opener
+from tests.controller.windows import Office, Opener
 
 
 @pytest.fixture
@@ -71,7 +71,7 @@ def no_controller_search(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(agent_service, "find_controller", nowhere)
 
 
-# The fleet window's (tests/controller/fleet_office.py)
+# The windows' (tests/controller/windows.py, test_chat_window.py, test_fleet_window.py)
 
 @pytest.fixture(scope="module")
 def app() -> QApplication:

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from deskfleet.controller.chat_client import CONTEXT_FULL, ChatClient, ChatClien
 from deskfleet.controller.chat_window import ChatWindow, WindowOptions
 from deskfleet.controller.conversation import Conversation
 from deskfleet.controller.engine_service import EngineService
+from tests.controller.windows import wait_for
 from tests.ports import free_port
 
 from .test_openai_api import MODEL, post, serving, slow
@@ -30,24 +30,9 @@ GREEDY = ReplySettings(max_tokens=12, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def app() -> Iterator[QApplication]:
-    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # no display here: Qt's xcb plugin would abort the process
-    existing = QApplication.instance()
-    yield existing if isinstance(existing, QApplication) else QApplication([])
-
-
-@pytest.fixture(scope="module")
 def served(tiny_export: Path) -> Iterator[tuple[str, EngineService]]:
     with serving(tiny_export) as server:
         yield server
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
-        QApplication.processEvents()
-        time.sleep(0.01)
 
 
 def whole_reply(url: str, messages: list[dict[str, str]], max_tokens: int = 12) -> str:

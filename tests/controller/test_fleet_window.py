@@ -27,8 +27,7 @@ from deskfleet.controller.fleet_listing import percent_text, power_text, tempera
 from deskfleet.controller.fleet_store import FleetStore
 from deskfleet.controller.fleet_survey import AgentView, SurveyOptions
 from deskfleet.controller.fleet_window import COLUMNS, STATE_COLOURS, FleetWindowOptions
-from deskfleet.controller.qt_window import require_display
-from tests.controller.fleet_office import (
+from tests.controller.windows import (
     DESKTOP,
     LAPTOP_UNPLUGGED,
     LOOK_ONCE,
@@ -270,13 +269,3 @@ def test_a_pcs_words_cannot_forge_a_line_or_reorder_a_cell(open_window: Opener, 
     assert list(table(window)) == ["pc-?evil"] and table(window)["pc-?evil"]["stages"] == "(paused?by: admin)"
     window.table.selectRow(0)
     assert "hostname: pc-?evil" in window.details.toPlainText() and "\u202e" not in window.details.toPlainText()
-
-
-def test_no_display_is_said_before_qt_would_abort() -> None:
-    with pytest.raises(RuntimeError, match="no display to show the window on"):
-        require_display({}, "linux")
-    require_display({"DISPLAY": ":0"}, "linux")
-    require_display({"WAYLAND_DISPLAY": "wayland-0"}, "linux")
-    require_display({"QT_QPA_PLATFORM": "offscreen"}, "linux")
-    require_display({}, "win32")  # Windows and macOS always have one
-    require_display({}, "darwin")

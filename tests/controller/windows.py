@@ -1,5 +1,6 @@
-"""A small office for the fleet window's tests: a controller's data dir and real agents (AgentCore on the real TLS
-link, on loopback) whose sensors the test sets, served from a thread of their own; and what reads the window."""
+"""What the window tests share: waiting on Qt's events, and for the fleet window a small office (a controller's data
+dir and real agents, AgentCore on the real TLS link on loopback, whose sensors the test sets, served from a thread of
+their own) and what reads its table."""
 
 from __future__ import annotations
 
@@ -86,6 +87,10 @@ class Office:
         self._thread.start()
         assert self._ready.wait(30)
         return self
+
+    def call_soon(self, callback: Callable[[], object]) -> None:
+        """Run `callback` on the agents' event loop (an asyncio object of theirs is not the test thread's to touch)."""
+        self._loop.call_soon_threadsafe(callback)
 
     def __exit__(self, *_: object) -> None:
         assert self._stop is not None
