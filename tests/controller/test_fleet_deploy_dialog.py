@@ -21,7 +21,8 @@ from deskfleet.agent.core import AgentCore
 from deskfleet.agent.link import utc_now
 from deskfleet.common.wire import AssignStage, StageReady
 from deskfleet.controller.fleet_ca import init_fleet
-from deskfleet.controller.fleet_deploy_dialog import DeployDialog, DeployRequest, ending, fleet_command
+from deskfleet.controller.fleet_child import child_arguments, ending
+from deskfleet.controller.fleet_deploy_dialog import DeployDialog, DeployRequest, fleet_command
 from deskfleet.controller.fleet_store import FleetStore, RosterEntry
 from deskfleet.controller.fleet_survey import SurveyOptions
 from tests.controller.windows import ENROLLED, LOOK_ONCE, Office, Opener, surveys, table, wait_for
@@ -30,16 +31,16 @@ COMMAND_S = 120.0  # a child Python that imports deskfleet, surveys and (deploy)
 
 
 def ended(dialog: DeployDialog) -> bool:
-    return dialog.process is None
+    return not dialog.child.running
 
 
 def test_the_commands_are_the_admins_own_with_the_windows_data_dir_and_survey(tmp_path: Path) -> None:
     request = DeployRequest(tmp_path / "model", "all_by_speed", "f32", "GPU")
-    assert fleet_command("deploy", request, tmp_path / "ctl", SurveyOptions(("10.0.0.9:7431",), 0.0)) == [
-        "-P", "-m", "deskfleet.controller", "fleet", "deploy", "--model", str(tmp_path / "model"),
-        "--policy", "all_by_speed", "--precision", "f32", "--device", "GPU", "--data-dir", str(tmp_path / "ctl"),
-        "--discover-seconds", "0", "--peer", "10.0.0.9:7431"]
-    assert fleet_command("plan", DeployRequest(tmp_path), tmp_path, SurveyOptions())[3:5] == ["fleet", "plan"]
+    assert child_arguments(fleet_command("deploy", request, tmp_path / "ctl", SurveyOptions(("10.0.0.9:7431",), 0.0))) \
+        == ["-P", "-m", "deskfleet.controller", "fleet", "deploy", "--model", str(tmp_path / "model"),
+            "--policy", "all_by_speed", "--precision", "f32", "--device", "GPU", "--data-dir", str(tmp_path / "ctl"),
+            "--discover-seconds", "0", "--peer", "10.0.0.9:7431"]
+    assert fleet_command("plan", DeployRequest(tmp_path), tmp_path, SurveyOptions())[0] == "plan"
     with pytest.raises(ValueError, match="no fleet command 'remove'"):
         fleet_command("remove", request, tmp_path, SurveyOptions())
 
@@ -47,10 +48,10 @@ def test_the_commands_are_the_admins_own_with_the_windows_data_dir_and_survey(tm
 def test_no_command_starts_without_a_model_folder(app: QApplication, tmp_path: Path) -> None:
     dialog = DeployDialog(tmp_path, SurveyOptions())
     dialog.start("plan")
-    assert dialog.process is None and dialog.state.text() == "Choose the model's folder first"
+    assert ended(dialog) and dialog.state.text() == "Choose the model's folder first"
     dialog.model.setText(str(tmp_path / "missing"))
     dialog.start("deploy")
-    assert dialog.process is None and dialog.state.text() == f"{tmp_path / 'missing'} is not a folder"
+    assert ended(dialog) and dialog.state.text() == f"{tmp_path / 'missing'} is not a folder"
 
 
 @pytest.mark.slow
@@ -103,7 +104,7 @@ def test_stop_closing_and_esc_end_a_command_under_way(app: QApplication, tmp_pat
         dialog.model.setText(str(tiny_export))
         dialog.show()
         dialog.start("plan")
-        process = dialog.process
+        process = dialog.child.process
         assert process is not None
         environment = process.processEnvironment()  # UTF-8 and each line as printed, whatever the console's
         assert (environment.value("PYTHONIOENCODING"), environment.value("PYTHONUNBUFFERED")) == ("utf-8", "1")
@@ -147,9 +148,9 @@ def test_a_deploy_stopped_midway_releases_the_stages_it_gave(office: Office, tin
 
     for core in office.cores.values():
         second_waits(core)
-    command = [sys.executable, *fleet_command("deploy", DeployRequest(tiny_export, "all_by_speed"),
-                                              office.store.data_dir, SurveyOptions(discover_seconds=0)),
-               "--hop-ms", "0"]
+    deploy = fleet_command("deploy", DeployRequest(tiny_export, "all_by_speed"), office.store.data_dir,
+                           SurveyOptions(discover_seconds=0))
+    command = [sys.executable, *child_arguments(deploy), "--hop-ms", "0"]
     said = tmp_path / "deploy.err"
     with said.open("w") as errors:  # a file, not a pipe nobody reads while it runs (its progress lines would fill it)
         child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors)
@@ -174,8 +175,8 @@ def test_a_deploy_stopped_midway_releases_the_stages_it_gave(office: Office, tin
 def test_a_character_split_over_two_reads_shows_whole(app: QApplication, tmp_path: Path) -> None:
     dialog = DeployDialog(tmp_path, SurveyOptions())
     for piece in "pc-été 61°C\n".encode()[:6], "pc-été 61°C\n".encode()[6:]:  # the é's two bytes, apart
-        dialog.take_output(piece)
-    dialog.take_output(b"\xe2\x80", final=True)  # a command cut off mid-character: said as such
+        dialog.child.take(piece)
+    dialog.child.take(b"\xe2\x80", final=True)  # a command cut off mid-character: said as such
     assert dialog.output.toPlainText() == "pc-été 61°C\n\ufffd"
 
 
