@@ -69,7 +69,8 @@ class FleetChild(QObject):
         environment.insert("PYTHONUNBUFFERED", "1")
         process.setProcessEnvironment(environment)
         process.readyReadStandardOutput.connect(self._read)
-        process.readyReadStandardError.connect(self._read)
+        if not self.merged:
+            process.readyReadStandardError.connect(self._read)
         process.finished.connect(self._finished)
         process.errorOccurred.connect(self._error)
         self.process, self.action, self._stop_asked = process, action, False
@@ -112,7 +113,8 @@ class FleetChild(QObject):
     def _read(self) -> None:
         if self.process is not None:
             self.take(bytes(self.process.readAllStandardOutput().data()), "out")
-            self.take(bytes(self.process.readAllStandardError().data()), "err")
+            if not self.merged:  # merged, standard error comes with the output (Qt warns of reading it apart)
+                self.take(bytes(self.process.readAllStandardError().data()), "err")
 
     def _finished(self, code: int, status: QProcess.ExitStatus) -> None:
         self._read()

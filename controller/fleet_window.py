@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from PySide6.QtCore import QObject, Qt, QTimer, Signal
@@ -21,6 +22,7 @@ from PySide6.QtWidgets import (
     QHeaderView,
     QLabel,
     QMainWindow,
+    QMessageBox,
     QPlainTextEdit,
     QPushButton,
     QSplitter,
@@ -32,6 +34,7 @@ from PySide6.QtWidgets import (
 
 from deskfleet.common import event_loop
 from deskfleet.common.stop_signal import Stopped, StopSignal
+from deskfleet.controller.fleet_child import FleetChild
 from deskfleet.controller.fleet_deploy_dialog import DeployDialog
 from deskfleet.controller.fleet_listing import (
     AgentCells,
@@ -42,7 +45,8 @@ from deskfleet.controller.fleet_listing import (
     state_counts,
 )
 from deskfleet.controller.fleet_store import FleetStore, FleetStoreError
-from deskfleet.controller.fleet_survey import SurveyOptions
+from deskfleet.controller.fleet_survey import AgentView, SurveyOptions
+from deskfleet.controller.fleet_token_dialog import TokenDialog
 from deskfleet.controller.qt_window import in_thread, run_until_closed
 from deskfleet.controller.text_table import terminal_safe
 
@@ -114,6 +118,16 @@ class FleetWindow(QMainWindow):
         self.deploy_button = QPushButton("Deploy a model...")
         self.deploy_button.clicked.connect(self.open_deploy)
         self.deploy_dialog: DeployDialog | None = None
+        self.token_button = QPushButton("Join token...")
+        self.token_button.clicked.connect(self.open_token)
+        self.token_dialog: TokenDialog | None = None
+        self.remove_button = QPushButton("Remove PC...")
+        self.remove_button.clicked.connect(self.remove_selected)
+        self.remover = FleetChild(merged=True, parent=self)
+        self.remover.output.connect(self._removal_said)
+        self.remover.ended.connect(self._removal_ended)
+        self._removal_words = ""
+        self.confirm: Callable[[str, str], bool] = self._ask  # a test answers for the admin
         below = QSplitter(Qt.Orientation.Horizontal)
         below.addWidget(self.details)
         below.addWidget(self.notes)
@@ -124,6 +138,8 @@ class FleetWindow(QMainWindow):
         whole.setStretchFactor(1, 1)
         bar = QHBoxLayout()
         bar.addWidget(self.summary, 1)
+        bar.addWidget(self.token_button)
+        bar.addWidget(self.remove_button)
         bar.addWidget(self.deploy_button)
         bar.addWidget(self.refresh_button)
         layout = QVBoxLayout()
@@ -132,6 +148,7 @@ class FleetWindow(QMainWindow):
         central = QWidget()
         central.setLayout(layout)
         self.setCentralWidget(central)
+        self._show_buttons()
         self.refresh()
 
     # What the admin does
@@ -171,6 +188,36 @@ class FleetWindow(QMainWindow):
         self.deploy_dialog.raise_()
         return self.deploy_dialog
 
+    def open_token(self) -> TokenDialog:
+        """The join token dialog (one: shown again where it is open)."""
+        if self.token_dialog is None:
+            self.token_dialog = TokenDialog(self.store.data_dir, self)
+        self.token_dialog.show()
+        self.token_dialog.raise_()
+        return self.token_dialog
+
+    def remove_selected(self) -> None:
+        """Remove the selected PC from the fleet (`fleet remove`), once the admin has said yes: its certificate is
+        revoked for good."""
+        agent = self.selected_agent()
+        if agent is None or agent.agent_id is None or self.remover.running:
+            return
+        if not self.confirm("Remove a PC from the fleet", f"Remove {agent.hostname} ({agent.agent_id[:12]}) from "
+                            "the fleet for good?\n\nIts certificate is revoked: every PC of the fleet refuses it "
+                            "from now on, and the stages it holds stop being used. It can join again only as a new "
+                            "agent, with a new key and a new join token."):
+            return
+        self._removal_words = ""
+        self.statusBar().showMessage(f"Removing {agent.hostname}...")
+        self.remover.start("removal", ["remove", agent.agent_id, "--data-dir", str(self.store.data_dir)])
+        self._show_buttons()
+
+    def selected_agent(self) -> AgentView | None:
+        key, listing = self._selected_key(), self.listing
+        if key is None or listing is None:
+            return None
+        return next((agent for agent in listing.agents if _key(agent) == key), None)
+
     def closeEvent(self, event: QCloseEvent) -> None:  # Qt's name
         self.stop()
         super().closeEvent(event)
@@ -181,6 +228,7 @@ class FleetWindow(QMainWindow):
         self._next.stop()
         if self.deploy_dialog is not None:
             self.deploy_dialog.stop_and_wait()
+        self.remover.stop_and_wait(5_000)  # a removal takes a moment, and is whole or not done
 
     # What the survey's thread reports
 
@@ -205,7 +253,26 @@ class FleetWindow(QMainWindow):
         elif not self._stop.is_set():
             self._next.start()
 
+    def _removal_said(self, text: str) -> None:
+        self._removal_words += text
+
+    def _removal_ended(self, said: str) -> None:
+        words = " ".join(self._removal_words.split())  # "removed agent ...: it is refused from now on", or the error
+        # in the status bar, which the next look leaves as it is (the summary line is the look's)
+        self.statusBar().showMessage(words if said == "Removal done" else f"{said}: {words}" if words else said)
+        self._show_buttons()
+        self.look_again()
+
+    def _ask(self, title: str, question: str) -> bool:
+        answer = QMessageBox.question(self, title, question, QMessageBox.StandardButton.Yes |
+                                      QMessageBox.StandardButton.Cancel, QMessageBox.StandardButton.Cancel)
+        return answer == QMessageBox.StandardButton.Yes
+
     # Drawing
+
+    def _show_buttons(self) -> None:
+        agent = self.selected_agent()
+        self.remove_button.setEnabled(agent is not None and agent.agent_id is not None and not self.remover.running)
 
     def _show(self, listing: FleetListing) -> None:
         """The PCs, the one selected kept selected (by agent id, else address) while the rows are drawn again."""
@@ -244,13 +311,12 @@ class FleetWindow(QMainWindow):
 
     def _show_selected(self) -> None:
         """The selected PC, all its report holds (as `fleet ls --json` gives it)."""
-        key = self._selected_key()
-        listing = self.listing
-        agent = next((agent for agent in listing.agents if _key(agent) == key), None) if listing and key else None
-        if agent is None:
+        self._show_buttons()
+        agent = self.selected_agent()
+        if agent is None or self.listing is None:
             self.details.setPlainText("")
             return
-        whole = agent_json(agent, listing.undeployed if listing else None)
+        whole = agent_json(agent, self.listing.undeployed)
         self.details.setPlainText("\n".join(f"{name}: {terminal_safe(_value_text(value))}"
                                             for name, value in whole.items()))
 
