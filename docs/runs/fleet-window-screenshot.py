@@ -99,7 +99,7 @@ def main() -> None:
     dialog.policy.setCurrentText("all_by_speed")
     first = window.listing
     dialog.start("deploy")
-    wait(app, lambda: dialog.process is None and window.listing is not first)
+    wait(app, lambda: not dialog.child.running and window.listing is not first)
     assert dialog.state.text() == "Deploy done", dialog.output.toPlainText()
     dialog.grab().save(str(out / "fleet-deploy-dialog.png"))
     dialog.close()
