@@ -176,6 +176,10 @@ def parse_duration(text: str) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+MAX_TOKEN_USES = 100_000  # a token's uses past this are refused: more PCs than any office fleet, a key for anyone
+# who copies it
+
+
 def issue_token(store: FleetStore, now: datetime.datetime, ttl: datetime.timedelta, uses: int,
                 addresses: tuple[str, ...] = ()) -> join_tokens.JoinToken:
     """A new join token, recorded in the ledger (which keeps only its secret's sha256)."""

@@ -20,7 +20,7 @@ def child_arguments(fleet_arguments: list[str]) -> list[str]:
 
 
 def ending(action: str, code: int, crashed: bool, stop_asked: bool) -> str:
-    """How a command ended, in words: "Deploy done", "Plan failed (exit status 2): its words are above", "Deploy
+    """How a command ended, in words: "Deploy done", "Plan failed (exit status 2)" (what it printed says why), "Deploy
     stopped" (asked, and it ended as a stopped command does), "Deploy ended by a signal" (not asked: killed by the OS
     for memory, or it crashed). `code`: its exit status, or where `crashed` the signal's number (Qt's)."""
     if code == 0 and not crashed:
@@ -30,7 +30,7 @@ def ending(action: str, code: int, crashed: bool, stop_asked: bool) -> str:
     elif crashed:
         said = f"{action} ended by a signal ({code}): killed (by the OS, for memory?) or crashed"
     else:
-        said = f"{action} failed (exit status {code}): its words are above"
+        said = f"{action} failed (exit status {code})"
     return said[0].upper() + said[1:]
 
 
@@ -100,6 +100,13 @@ class FleetChild(QObject):
         if not process.waitForFinished(timeout_ms):
             process.kill()
             process.waitForFinished(5_000)
+
+    def finish(self, timeout_ms: int = 30_000) -> None:
+        """Wait for the command to end by itself (one that must not be cut short: a removal); one that has not ended
+        within `timeout_ms` is stopped, then killed."""
+        process = self.process
+        if process is not None and not process.waitForFinished(timeout_ms):
+            self.stop_and_wait(5_000)
 
     def take(self, data: bytes, channel: str = "out", final: bool = False) -> None:
         """Give what the command printed on `channel` ("out", "err"), decoded as UTF-8: a character split over two

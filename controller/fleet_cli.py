@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 _POLICIES = [policy.value for policy in PlanPolicy]
 LONG_TOKEN_TTL = datetime.timedelta(days=7)  # `fleet token --ttl` past this is warned of
 MANY_TOKEN_USES = 100  # `fleet token --uses` past this is warned of (a roll-out to a whole floor may want more)
-MAX_TOKEN_USES = 100_000  # and past this refused: more PCs than any office fleet, a key for anyone who copies it
 PAPER_OPTIONS = ("layers", "layer_bytes", "embed_bytes", "head_bytes", "kv_bytes_per_token", "context", "width")
 PAPER_CONTEXT = 4096
 # A plan holds a few objects per layer: 10^8 layers (--layers and --layer-bytes swapped) filled the memory for
@@ -158,8 +157,9 @@ def add_fleet_commands(subparsers: Any) -> None:
     window = command("window", "a window that shows the fleet, kept up to date",
                      "What `fleet ls` prints, for the admin to keep open on the controller PC: every PC with its "
                      "state, CPU and iGPU load, temperature, power, free memory and stages, all a selected PC "
-                     "reported, and the notes and warnings. It looks again every --every seconds (Refresh: now), and "
-                     "changes nothing in the fleet.")
+                     "reported, and the notes and warnings. It looks again every --every seconds (Refresh: now). "
+                     "Its buttons run `fleet plan` and `fleet deploy` (Deploy a model), `fleet token` (Join token) "
+                     "and `fleet remove` (Remove PC, once you say yes) as you would type them.")
     _add_survey_arguments(window)
     window.add_argument("--every", type=_every_seconds, default=DEFAULT_EVERY_S, metavar="SECONDS",
                         help=f"seconds from one look at the fleet to the next (default {DEFAULT_EVERY_S:g}; "
@@ -278,7 +278,7 @@ def _init(args: argparse.Namespace) -> int:
 def _token(args: argparse.Namespace) -> int:
     from deskfleet.agent.link import utc_now
     from deskfleet.common.join_tokens import encode_join_token
-    from deskfleet.controller.fleet_ca import addresses_elsewhere, issue_token, parse_duration
+    from deskfleet.controller.fleet_ca import MAX_TOKEN_USES, addresses_elsewhere, issue_token, parse_duration
 
     if not 1 <= args.uses <= MAX_TOKEN_USES:
         raise ValueError(f"--uses must be from 1 to {MAX_TOKEN_USES:,} PCs, got {args.uses}")

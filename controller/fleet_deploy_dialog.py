@@ -182,7 +182,7 @@ class DeployDialog(QDialog):
         bar.setValue(bar.maximum())
 
     def _ended(self, said: str) -> None:
-        self.state.setText(said)
+        self.state.setText(f"{said}: its words are above" if " failed " in said else said)
         self._show_buttons()
         if self.child.action == "deploy":
             self.deploy_ended.emit()

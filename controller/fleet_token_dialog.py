@@ -9,9 +9,10 @@ file only its owner may read, for a rollout's `deskfleet-agent join - < token.tx
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
-from PySide6.QtGui import QCloseEvent, QGuiApplication
+from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QComboBox,
     QDialog,
@@ -27,10 +28,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from deskfleet.controller.fleet_ca import MAX_TOKEN_USES
 from deskfleet.controller.fleet_child import FleetChild
 
 LIFETIMES = ("1h", "24h", "7d")  # offered; any `fleet token --ttl` duration may be typed
-MAX_USES = 100_000  # `fleet token --uses`' own limit (it refuses more)
 
 
 def token_arguments(uses: int, lifetime: str, data_dir: Path) -> list[str]:
@@ -39,13 +40,21 @@ def token_arguments(uses: int, lifetime: str, data_dir: Path) -> list[str]:
 
 
 def write_secret(path: Path, text: str) -> None:
-    """`text` and a newline into `path`, a file only its owner may read (on POSIX; Windows gives a new file in the
-    user's folders their own access): it lets whoever reads it join PCs to the fleet."""
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w", encoding="utf-8") as file:
-        file.write(text + "\n")
-    if os.name == "posix":
-        os.chmod(path, 0o600)  # a file that was there keeps its mode through O_TRUNC
+    """`text` and a newline as the file `path`, readable by its owner alone from its first byte: it lets whoever reads
+    it join PCs to the fleet. Written to a new file beside it (made with mode 600, exclusively: no link followed), then
+    renamed over `path`: a file that was there is replaced, with the readers it had, and a symbolic link there is
+    replaced itself, its target untouched (a link to another file had that file overwritten and its mode changed).
+    On Windows the new file takes its folder's permissions: save it in your own folders."""
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            file.write(text + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
 
 
 class TokenDialog(QDialog):
@@ -60,7 +69,7 @@ class TokenDialog(QDialog):
         self.setWindowTitle("Join token")
         self.resize(760, 340)
         self.uses = QSpinBox()
-        self.uses.setRange(1, MAX_USES)
+        self.uses.setRange(1, MAX_TOKEN_USES)
         self.uses.setValue(1)
         self.lifetime = QComboBox()
         self.lifetime.setEditable(True)  # 90m, 3d, 1h30m...: the command says what it cannot read
@@ -109,7 +118,8 @@ class TokenDialog(QDialog):
     def copy(self) -> None:
         if self.token.text():
             QGuiApplication.clipboard().setText(self.token.text())
-            self.state.setText("Copied: paste it where only the PCs' rollout reads it")
+            self.state.setText("Copied: it stays on the clipboard until you copy something else; paste it where only "
+                               "the PCs' rollout reads it")
 
     def save(self, path: Path) -> None:
         try:
@@ -117,11 +127,18 @@ class TokenDialog(QDialog):
         except OSError as error:
             self.state.setText(f"Cannot save it to {path}: {error.strerror or error}")
             return
-        self.state.setText(f"Saved to {path} (only you may read it): on each PC, deskfleet-agent join - < {path.name}")
+        readers = "only you may read it" if os.name == "posix" else "with its folder's permissions"
+        self.state.setText(f"Saved to {path} ({readers}): on each PC, deskfleet-agent join - < {path.name}")
 
-    def closeEvent(self, event: QCloseEvent) -> None:  # Qt's name
-        self.child.stop_and_wait(5_000)  # making a token takes a moment: nothing to undo
-        super().closeEvent(event)
+    def done(self, result: int) -> None:  # Qt's name: every close (the window's, Esc, its title bar's) comes here
+        """Closed: a token under way is stopped (nothing to undo), and the token shown is forgotten, so that the
+        dialog opened again shows none."""
+        self.child.stop_and_wait(5_000)
+        self.token.clear()
+        self.notes.clear()
+        self.state.setText("")
+        self._show_buttons()
+        super().done(result)
 
     # What the command does
 
@@ -134,7 +151,8 @@ class TokenDialog(QDialog):
 
     def _ended(self, said: str) -> None:
         made = said == "Token done" and bool(self.token.text())
-        self.state.setText("Made: keep it as a password" if made else said)
+        self.state.setText("Made: keep it as a password" if made else
+                           f"{said}: its words are above" if said.startswith("Token failed") else said)
         if not made:
             self.token.clear()
         self._show_buttons()

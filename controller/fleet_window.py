@@ -1,10 +1,13 @@
-"""`deskfleet fleet window`: the fleet as its admin sees it on the controller PC, kept up to date.
+"""`deskfleet fleet window`: the fleet as its admin sees it on the controller PC, kept up to date, and the admin's
+commands on it.
 
 A thin view of controller/fleet_listing.py: every PC a survey finds (its state, CPU and iGPU load, temperature,
 power, free memory, the stages it holds or why it did not answer), the selected PC in full, and the notes and
 warnings `deskfleet fleet ls` prints. A survey runs on a thread of its own, so the window never waits on the
-network, and the next one starts `every` seconds after the last ended (Refresh starts one now). It changes nothing
-in the fleet: it reads the controller's data dir and asks the agents for their status, as `fleet ls` does.
+network, and the next one starts `every` seconds after the last ended (Refresh starts one now); looking changes
+nothing. The buttons run the commands an admin would type (controller/fleet_child.py): `fleet plan` and `fleet deploy`
+(controller/fleet_deploy_dialog.py), `fleet token` (controller/fleet_token_dialog.py) and `fleet remove`, once the
+admin says yes.
 """
 
 from __future__ import annotations
@@ -223,12 +226,15 @@ class FleetWindow(QMainWindow):
         super().closeEvent(event)
 
     def stop(self) -> None:
-        """Cut a survey under way short and start no other; stop a plan or deploy under way and wait for its end."""
+        """Cut a survey under way short and start no other; stop a plan, deploy or token under way and wait for its
+        end; let a removal under way finish."""
         self._stop.set()
         self._next.stop()
         if self.deploy_dialog is not None:
             self.deploy_dialog.stop_and_wait()
-        self.remover.stop_and_wait(5_000)  # a removal takes a moment, and is whole or not done
+        if self.token_dialog is not None:
+            self.token_dialog.close()  # a token under way stopped, the one shown forgotten
+        self.remover.finish()  # a removal the admin said yes to is let finish (it takes a moment)
 
     # What the survey's thread reports
 
@@ -260,6 +266,8 @@ class FleetWindow(QMainWindow):
         words = " ".join(self._removal_words.split())  # "removed agent ...: it is refused from now on", or the error
         # in the status bar, which the next look leaves as it is (the summary line is the look's)
         self.statusBar().showMessage(words if said == "Removal done" else f"{said}: {words}" if words else said)
+        if said == "Removal done":
+            self.table.clearSelection()  # the PC is gone: nothing to remove again until the look shows what is left
         self._show_buttons()
         self.look_again()
 

@@ -183,9 +183,9 @@ def test_a_character_split_over_two_reads_shows_whole(app: QApplication, tmp_pat
 def test_how_a_command_ended_in_words() -> None:
     assert ending("deploy", 0, False, False) == "Deploy done"
     assert ending("deploy", 0, False, True) == "Deploy done"  # it had finished before Stop came
-    assert ending("plan", 2, False, False) == "Plan failed (exit status 2): its words are above"
+    assert ending("plan", 2, False, False) == "Plan failed (exit status 2)"
     assert ending("deploy", 143, False, True) == ending("deploy", 15, True, True) == "Deploy stopped"
-    assert ending("deploy", 1, False, True) == "Deploy failed (exit status 1): its words are above"
+    assert ending("deploy", 1, False, True) == "Deploy failed (exit status 1)"
     assert ending("deploy", 9, True, False) == \
         "Deploy ended by a signal (9): killed (by the OS, for memory?) or crashed"
 

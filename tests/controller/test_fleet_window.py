@@ -25,14 +25,16 @@ from deskfleet.controller.cli import main
 from deskfleet.controller.fleet_ca import init_fleet
 from deskfleet.controller.fleet_listing import percent_text, power_text, temperature_text
 from deskfleet.controller.fleet_store import FleetStore
-from deskfleet.controller.fleet_survey import AgentView, SurveyOptions
+from deskfleet.controller.fleet_survey import SurveyOptions
 from deskfleet.controller.fleet_window import COLUMNS, STATE_COLOURS, FleetWindowOptions
 from tests.controller.windows import (
     DESKTOP,
     LAPTOP_UNPLUGGED,
     LOOK_ONCE,
+    FakeSurveys,
     Office,
     Opener,
+    pc,
     surveys,
     table,
     wait_for,
@@ -192,27 +194,6 @@ def test_fleet_window_refuses_a_data_dir_with_no_fleet_and_a_bad_every(tmp_path:
             main(["fleet", "window", "--every", every])
         assert exited.value.code == 2
         assert said in capsys.readouterr().err
-
-
-def pc(hostname: str, state: AgentState | None = AgentState.AVAILABLE) -> AgentView:
-    """A PC as a survey gives it: its report, or (state None) the reason it did not answer."""
-    report = None if state is None else StatusReport(state, 8 << 30, 0.5, None, None, 55.0, None, (), None)
-    return AgentView(hostname[-1] * 52, hostname, "10.0.0.1:7431", ("registration",), report,
-                     None if report else "cannot reach 10.0.0.1:7431: timed out")
-
-
-class FakeSurveys:
-    """Stands in for the survey: each look takes the next of `looks` (a list of PCs, or an error to raise)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, *looks: list[AgentView] | BaseException) -> None:
-        self.looks = list(looks)
-        monkeypatch.setattr(fleet_survey, "survey", self.survey)
-
-    async def survey(self, store: FleetStore, options: SurveyOptions) -> Any:
-        look = self.looks.pop(0)
-        if isinstance(look, BaseException):
-            raise look
-        return fleet_survey.Survey(look, {})
 
 
 @pytest.fixture

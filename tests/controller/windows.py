@@ -9,18 +9,23 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
 from PySide6.QtWidgets import QApplication
 
 from deskfleet.agent.core import AgentCore
 from deskfleet.agent.link import start_server, utc_now
 from deskfleet.agent.paths import AgentSettings, Thresholds
 from deskfleet.agent.shard_cache import ShardCache
+from deskfleet.common.agent_state import AgentState
 from deskfleet.common.availability import MonitorReading, TemperatureReading
+from deskfleet.common.wire import StatusReport
+from deskfleet.controller import fleet_survey
 from deskfleet.controller.fleet_ca import init_fleet, load_ca
 from deskfleet.controller.fleet_listing import FleetListing
 from deskfleet.controller.fleet_store import FleetStore, RosterEntry
-from deskfleet.controller.fleet_survey import SurveyOptions
+from deskfleet.controller.fleet_survey import AgentView, SurveyOptions
 from deskfleet.controller.fleet_window import COLUMNS, FleetWindow, FleetWindowOptions
 from tests.fleet_pki import make_member
 from tests.ports import free_port
@@ -119,3 +124,24 @@ def table(window: FleetWindow) -> dict[str, dict[str, str]]:
 def surveys(window: FleetWindow, after: FleetListing | None) -> Callable[[], bool]:
     """Whether a listing newer than `after` is shown, and the window ready to look again."""
     return lambda: window.listing is not after and window.refresh_button.isEnabled()
+
+
+def pc(hostname: str, state: AgentState | None = AgentState.AVAILABLE) -> AgentView:
+    """A PC as a survey gives it: its report, or (state None) the reason it did not answer."""
+    report = None if state is None else StatusReport(state, 8 << 30, 0.5, None, None, 55.0, None, (), None)
+    return AgentView(hostname[-1] * 52, hostname, "10.0.0.1:7431", ("registration",), report,
+                     None if report else "cannot reach 10.0.0.1:7431: timed out")
+
+
+class FakeSurveys:
+    """Stands in for the survey: each look takes the next of `looks` (a list of PCs, or an error to raise)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *looks: list[AgentView] | BaseException) -> None:
+        self.looks = list(looks)
+        monkeypatch.setattr(fleet_survey, "survey", self.survey)
+
+    async def survey(self, store: FleetStore, options: SurveyOptions) -> Any:
+        look = self.looks.pop(0)
+        if isinstance(look, BaseException):
+            raise look
+        return fleet_survey.Survey(look, {})
