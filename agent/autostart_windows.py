@@ -44,6 +44,7 @@ from deskfleet.agent.autostart import (
     said_by,
     wait_for_agent,
 )
+from deskfleet.agent.stop_request import stop_agent
 
 TASK_NAMESPACE = "http://schemas.microsoft.com/windows/2004/02/mit/task"
 MADE_HERE = re.compile(re.escape(f"({MARK} ") + r"([0-9a-f]{16})\)$")  # the end of the description `enable` writes
@@ -180,7 +181,7 @@ class WindowsAutostart:
         running = agent_running_pid(self.state_dir)
         ending = running if changed else None
         if changed:  # the instance running now runs the old command line, and IgnoreNew would keep it
-            self.run(["schtasks", "/End", "/TN", AGENT_TASK])  # a hard stop: Windows has no other for it
+            self._end_agent()
         elif running is not None:
             return self._enabled_lines(f"already running (pid {running}): the task starts it from your next logon")
         log = self.state_dir / AGENT_LOG
@@ -213,7 +214,7 @@ class WindowsAutostart:
         tray = self._ours(TRAY_TASK)
         lines = []
         if agent is not None:
-            self.run(["schtasks", "/End", "/TN", AGENT_TASK])  # fails harmlessly where it does not run
+            self._end_agent()
             self._schtasks("/Delete", "/TN", AGENT_TASK, "/F")
             lines.append(f"The agent is stopped and no longer starts at your logon (task {AGENT_TASK} deleted).")
         else:
@@ -251,6 +252,16 @@ class WindowsAutostart:
         lines.append(f"agent: running now (pid {running})" if running is not None else
                      f"agent: not running now (its log: {self.state_dir / AGENT_LOG})")
         return AutostartReport(enabled and running is not None, lines)
+
+    def _end_agent(self) -> None:
+        """Stop the agent running on this data dir as Ctrl-C would (stop_request.py: its stages given up, its links
+        closed), then end the task: `schtasks /End` alone ends the process on the spot, as it does one that did not
+        stop within STOP_WAIT_S, and one of another data dir (a task re-pointed from it), whose state folder this
+        install does not know."""
+        running = agent_running_pid(self.state_dir)
+        if running is not None:
+            stop_agent(self.state_dir, running)
+        self.run(["schtasks", "/End", "/TN", AGENT_TASK])  # fails harmlessly where it does not run
 
     def _windowless(self) -> Path:
         """pythonw.exe beside this install's python.exe (a venv's Scripts folder has both): no console window."""

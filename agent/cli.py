@@ -153,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=text, allow_abbrev=False)
         command.add_argument("--data-dir", type=path_argument, default=None, dest="command_data_dir", metavar="DIR",
                              help="the agent's data dir, as given to `join` and `--headless`")
+    stop = commands.add_parser("stop", allow_abbrev=False,
+                               help="stop the agent running on this data dir, as Ctrl-C would (its stages given up, "
+                                    "its links closed): also one with no console, started by autostart on Windows",
+                               description="Ask the agent running on this data dir to stop, and wait for it (up to "
+                                           "20 s). Autostart, where enabled, starts it again: at the next login, and "
+                                           "on Windows within 5 minutes; `autostart disable` stops it for good.")
+    stop.add_argument("--data-dir", type=path_argument, default=None, dest="command_data_dir", metavar="DIR",
+                      help="the agent's data dir, as given to `join` and `--headless`")
     tray = commands.add_parser("tray", help="show this PC's agent in the desktop's system tray, with the pause "
                                             "toggle (the agent runs on its own: quitting the tray leaves it running)",
                                allow_abbrev=False)
@@ -223,6 +231,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequen
             return _tray(args)
         if args.command == "autostart":
             return _autostart(args)
+        if args.command == "stop":
+            return _stop(args)
         if args.command in ("join", "pause", "resume"):
             status = _join(args) if args.command == "join" else _pause(args, paused=args.command == "pause")
             flush_stdout()  # inside the handlers below: a message still in the buffer meets a full disk here
@@ -232,7 +242,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequen
                 with descriptor.given_back():  # the new process opens the log itself, or it would hold it twice
                     _run_on_jemalloc(args)
             return _headless(args)
-        parser.error("give a command (join, tray, pause, resume, autostart) or --headless")
+        parser.error("give a command (join, tray, pause, resume, stop, autostart) or --headless")
     except KeyboardInterrupt:
         return 130
     except ImportError as error:  # OpenVINO's, of a Ctrl-C that landed in its import as the agent started
@@ -557,6 +567,27 @@ def _autostart(args: argparse.Namespace) -> int:
         return 0 if report.enabled else AUTOSTART_OFF_EXIT
     lines = autostart.enable() if args.action == "enable" else autostart.disable()
     print("\n".join(lines))
+    flush_stdout()
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    """`deskfleet-agent stop`: 0 once the agent has stopped (or where none ran), 1 where it did not within the wait."""
+    from deskfleet.agent.autostart import agent_running_pid
+    from deskfleet.agent.paths import AgentPaths
+    from deskfleet.agent.stop_request import STOP_WAIT_S, stop_agent
+
+    state_dir = AgentPaths.resolve(args.data_dir).state_dir
+    running = agent_running_pid(state_dir)
+    if running is None:
+        print(f"no agent runs on {state_dir}: nothing to stop")
+        return 0
+    if not stop_agent(state_dir, running):
+        print(f"deskfleet-agent: error: the agent (pid {running}) did not stop within {STOP_WAIT_S:g} s; its log says "
+              "what it is doing (end it with the system's own tools: Task Manager, or kill)", file=sys.stderr)
+        return 1
+    print(f"stopped the agent (pid {running}); autostart, where enabled, starts it again at the next login (on "
+          "Windows within 5 minutes): `deskfleet-agent autostart disable` stops it for good")
     flush_stdout()
     return 0
 

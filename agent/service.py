@@ -71,6 +71,7 @@ from deskfleet.agent.status_file import (
     this_process_started_at,
     write_status_file,
 )
+from deskfleet.agent.stop_request import STOP_CHECK_S, STOP_REQUEST_FILE, clear_stop_request, requested_pid
 from deskfleet.common import pki
 from deskfleet.common.arguments import option_text
 from deskfleet.common.console import stopping_signals
@@ -215,6 +216,8 @@ class AgentService:
             log.info("agent %s listening on %s", self.core.agent_id[:12], listen_text(host, self.bound_port))
             self._log_pause()
             self._install_signal_handlers()
+            if requested_pid(self.paths.state_dir) not in (None, os.getpid()):  # left for an agent that ran before
+                clear_stop_request(self.paths.state_dir)
             self.check_certificates(utc_now())
             try:
                 async with server, asyncio.TaskGroup() as tasks:
@@ -226,6 +229,7 @@ class AgentService:
                     tasks.create_task(self._call_in_when_available_forever(), name="call-in")
                     tasks.create_task(self._tell_address_changes_forever(), name="address-changes")
                     tasks.create_task(self._publish_status_forever(), name="publish-status")
+                    tasks.create_task(self._stop_when_asked_forever(), name="stop-when-asked")
                     await self._stopping.wait()
                     self.core.begin_closing()  # before the server waits for its links' handlers: one may be dialling
                     raise _Stop
@@ -388,6 +392,21 @@ class AgentService:
         if self._status_unwritten is not None:
             log.info("this PC's status is written for its tray again")
             self._status_unwritten = None
+        return True
+
+    async def _stop_when_asked_forever(self) -> None:
+        """Stop as on Ctrl-C once asked to through the state folder (stop_request.py: `deskfleet-agent stop`, and
+        Windows' autostart, which has no signal to send a process with no console)."""
+        await _periodically(lambda: STOP_CHECK_S, "look for a request to stop", self.stop_if_asked)
+
+    async def stop_if_asked(self) -> bool:
+        """Stop where a request for this process is in the state folder; whether it was."""
+        if requested_pid(self.paths.state_dir) != os.getpid():
+            return False
+        log.info("stopping: asked to through %s (`deskfleet-agent stop`, or autostart)",
+                 self.paths.state_dir / STOP_REQUEST_FILE)
+        clear_stop_request(self.paths.state_dir)
+        self.stop()
         return True
 
     async def _call_in_when_available_forever(self) -> None:

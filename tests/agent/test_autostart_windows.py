@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from deskfleet.agent import autostart as autostart_module
+from deskfleet.agent import autostart_windows
 from deskfleet.agent.autostart import MARK, AutostartError, AutostartTarget, Launch, windows_user
 from deskfleet.agent.autostart_windows import (
     AGENT_LOG,
@@ -212,8 +213,21 @@ def test_enable_runs_the_agent_now_and_disable_ends_it(tmp_path: Path, install: 
     assert schtasks.verbs() == [("/Create", AGENT_TASK), ("/Create", TRAY_TASK)] and agent.poll() is None
 
     windows.disable()
-    assert ("/End", AGENT_TASK) in schtasks.verbs() and agent.wait(30) == -signal.SIGKILL
+    # stopped as Ctrl-C would, through its state folder (a console-less process takes no signal on Windows): its own
+    # end, then /End, which finds nothing left to end
+    assert agent.wait(30) == 0 and "stopping: asked to through" in log.read_text(encoding="utf-8")
+    assert ("/End", AGENT_TASK) in schtasks.verbs()
     assert schtasks.tasks == {} and not windows.status().enabled
+
+
+def test_an_agent_that_does_not_stop_when_asked_is_ended(tmp_path: Path, install: Path, schtasks: FakeSchtasks,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    windows = _windows(install, joined_data_dir(tmp_path / "agent"), schtasks)
+    windows.enable()
+    agent = schtasks.running[AGENT_TASK]
+    monkeypatch.setattr(autostart_windows, "stop_agent", lambda state_dir, pid: False)  # hung, or too slow
+    windows.disable()
+    assert agent.wait(30) == -signal.SIGKILL  # /End, as Windows does it
 
 
 @pytest.mark.slow
@@ -224,6 +238,7 @@ def test_enable_on_another_data_dir_ends_the_old_agent_and_runs_the_new(tmp_path
     old = schtasks.running[AGENT_TASK]
     moved = _windows(install, second, schtasks)
     assert "running now" in moved.enable()[0]  # /Run sent again until the old one had ended (IgnoreNew till then)
+    # another data dir: the old agent's state folder is not this one's, so it cannot be asked to stop, and is ended
     assert old.wait(30) == -signal.SIGKILL and schtasks.running[AGENT_TASK] is not old
     assert schtasks.verbs().count(("/Run", AGENT_TASK)) >= 3
     assert moved.status().enabled
