@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import re
 import subprocess
 import tempfile
@@ -44,10 +45,13 @@ from deskfleet.agent.autostart import (
     said_by,
     wait_for_agent,
 )
-from deskfleet.agent.stop_request import stop_agent
+from deskfleet.agent.status_file import StatusFileError
+from deskfleet.agent.stop_request import running_agent, stop_agent
 
 TASK_NAMESPACE = "http://schemas.microsoft.com/windows/2004/02/mit/task"
 MADE_HERE = re.compile(re.escape(f"({MARK} ") + r"([0-9a-f]{16})\)$")  # the end of the description `enable` writes
+log = logging.getLogger(__name__)
+
 AGENT_TASK = "\\deskfleet-agent"
 TRAY_TASK = "\\deskfleet-tray"
 AGENT_LOG = "agent.log"
@@ -256,11 +260,15 @@ class WindowsAutostart:
     def _end_agent(self) -> None:
         """Stop the agent running on this data dir as Ctrl-C would (stop_request.py: its stages given up, its links
         closed), then end the task: `schtasks /End` alone ends the process on the spot, as it does one that did not
-        stop within STOP_WAIT_S, and one of another data dir (a task re-pointed from it), whose state folder this
-        install does not know."""
-        running = agent_running_pid(self.state_dir)
-        if running is not None:
-            stop_agent(self.state_dir, running)
+        take the request within STOP_WAIT_S (or took it, but had not ended STOPPING_GRACE_S later), one whose request
+        could not be written or status read, and one of another data dir (a task re-pointed from it), whose state
+        folder this install does not know."""
+        try:
+            running = running_agent(self.state_dir)
+            if running is not None:
+                stop_agent(self.state_dir, running)
+        except (OSError, StatusFileError) as error:  # the task is ended and deleted all the same
+            log.warning("cannot ask the agent to stop (%s): its task is ended", error)
         self.run(["schtasks", "/End", "/TN", AGENT_TASK])  # fails harmlessly where it does not run
 
     def _windowless(self) -> Path:

@@ -572,21 +572,33 @@ def _autostart(args: argparse.Namespace) -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    """`deskfleet-agent stop`: 0 once the agent has stopped (or where none ran), 1 where it did not within the wait."""
-    from deskfleet.agent.autostart import agent_running_pid
+    """`deskfleet-agent stop`: 0 once the agent has stopped (or where none ran), 1 where it did not within the wait;
+    a status file that cannot be read is an error (exit 2): whether an agent runs cannot be told."""
     from deskfleet.agent.paths import AgentPaths
-    from deskfleet.agent.stop_request import STOP_WAIT_S, stop_agent
+    from deskfleet.agent.status_file import StatusFileError
+    from deskfleet.agent.stop_request import STOP_WAIT_S, STOPPING_GRACE_S, Outcome, running_agent, stop_agent
 
     state_dir = AgentPaths.resolve(args.data_dir).state_dir
-    running = agent_running_pid(state_dir)
+    try:
+        running = running_agent(state_dir)
+    except StatusFileError as error:
+        raise OSError(f"cannot tell whether an agent runs on this data dir: {error} (run `stop` as the user the agent "
+                      "runs as)") from None
     if running is None:
         print(f"no agent runs on {state_dir}: nothing to stop")
         return 0
-    if not stop_agent(state_dir, running):
-        print(f"deskfleet-agent: error: the agent (pid {running}) did not stop within {STOP_WAIT_S:g} s; its log says "
-              "what it is doing (end it with the system's own tools: Task Manager, or kill)", file=sys.stderr)
+    outcome = stop_agent(state_dir, running)
+    if outcome is Outcome.NOT_TAKEN:
+        print(f"deskfleet-agent: error: the agent (pid {running.pid}) did not take the request to stop within "
+              f"{STOP_WAIT_S:g} s: its log says what it is doing (end it with the system's own tools: Task Manager, "
+              "or kill)", file=sys.stderr)
         return 1
-    print(f"stopped the agent (pid {running}); autostart, where enabled, starts it again at the next login (on "
+    if outcome is Outcome.STOPPING:
+        print(f"deskfleet-agent: error: the agent (pid {running.pid}) took the request, and is still stopping after "
+              f"{STOP_WAIT_S + STOPPING_GRACE_S:g} s (finishing a step, or a stage's compile): it ends by itself; its "
+              "log says what it is doing", file=sys.stderr)
+        return 1
+    print(f"stopped the agent (pid {running.pid}); autostart, where enabled, starts it again at the next login (on "
           "Windows within 5 minutes): `deskfleet-agent autostart disable` stops it for good")
     flush_stdout()
     return 0

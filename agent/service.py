@@ -71,7 +71,7 @@ from deskfleet.agent.status_file import (
     this_process_started_at,
     write_status_file,
 )
-from deskfleet.agent.stop_request import STOP_CHECK_S, STOP_REQUEST_FILE, clear_stop_request, requested_pid
+from deskfleet.agent.stop_request import STOP_CHECK_S, STOP_REQUEST_FILE, StopRequestWatch, clear_stop_request
 from deskfleet.common import pki
 from deskfleet.common.arguments import option_text
 from deskfleet.common.console import stopping_signals
@@ -174,6 +174,7 @@ class AgentService:
         self._told_addresses: tuple[str, ...] = ()  # the listen addresses `fleet serve` last heard on that link
         self._stopping = asyncio.Event()
         self._started_at = this_process_started_at()  # the tray tells this process from a later one of its pid
+        self._stop_watch = StopRequestWatch(self.paths.state_dir, os.getpid(), self._started_at)
         self._status_written: PublishedStatus | None = None  # the status last written for the tray
         # the kind of failure (type, errno) of the last status write for the tray, None when it worked
         self._status_unwritten: tuple[type, int | None] | None = None
@@ -216,7 +217,9 @@ class AgentService:
             log.info("agent %s listening on %s", self.core.agent_id[:12], listen_text(host, self.bound_port))
             self._log_pause()
             self._install_signal_handlers()
-            if requested_pid(self.paths.state_dir) not in (None, os.getpid()):  # left for an agent that ran before
+            # a request left behind is for an agent that ran before (no status file names this process yet, so no
+            # `stop` can have asked it): cleared, whatever pid it names
+            with contextlib.suppress(OSError):
                 clear_stop_request(self.paths.state_dir)
             self.check_certificates(utc_now())
             try:
@@ -401,7 +404,8 @@ class AgentService:
 
     async def stop_if_asked(self) -> bool:
         """Stop where a request for this process is in the state folder; whether it was."""
-        if requested_pid(self.paths.state_dir) != os.getpid():
+        # in a thread: on Windows a read of a file being renamed over waits for the rename (atomic_file)
+        if not await asyncio.to_thread(self._stop_watch.asked):
             return False
         log.info("stopping: asked to through %s (`deskfleet-agent stop`, or autostart)",
                  self.paths.state_dir / STOP_REQUEST_FILE)

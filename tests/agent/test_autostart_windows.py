@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from deskfleet.agent import autostart as autostart_module
-from deskfleet.agent import autostart_windows
+from deskfleet.agent import autostart_windows, stop_request
 from deskfleet.agent.autostart import MARK, AutostartError, AutostartTarget, Launch, windows_user
 from deskfleet.agent.autostart_windows import (
     AGENT_LOG,
@@ -220,14 +220,33 @@ def test_enable_runs_the_agent_now_and_disable_ends_it(tmp_path: Path, install: 
     assert schtasks.tasks == {} and not windows.status().enabled
 
 
+@pytest.mark.slow
 def test_an_agent_that_does_not_stop_when_asked_is_ended(tmp_path: Path, install: Path, schtasks: FakeSchtasks,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     windows = _windows(install, joined_data_dir(tmp_path / "agent"), schtasks)
     windows.enable()
     agent = schtasks.running[AGENT_TASK]
-    monkeypatch.setattr(autostart_windows, "stop_agent", lambda state_dir, pid: False)  # hung, or too slow
+    agent.send_signal(signal.SIGSTOP)  # hung: it never looks for the request
+    try:
+        real = stop_request.stop_agent
+        monkeypatch.setattr(autostart_windows, "stop_agent",
+                            lambda state_dir, running: real(state_dir, running, timeout=1.0, grace=0.0))
+        windows.disable()
+        assert agent.wait(30) == -signal.SIGKILL  # /End, as Windows does it
+        assert stop_request.read_stop_request(windows.state_dir) is None  # the request taken back
+    finally:
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGCONT)
+
+
+def test_disable_ends_and_deletes_the_tasks_where_no_request_can_be_written(
+        tmp_path: Path, install: Path, schtasks: FakeSchtasks) -> None:
+    windows = _windows(install, joined_data_dir(tmp_path / "agent"), schtasks)
+    windows.enable()
+    agent = schtasks.running[AGENT_TASK]
+    (windows.state_dir / stop_request.STOP_REQUEST_FILE).mkdir()  # no request can be written there
     windows.disable()
-    assert agent.wait(30) == -signal.SIGKILL  # /End, as Windows does it
+    assert agent.wait(30) == -signal.SIGKILL and schtasks.tasks == {}  # ended and deleted all the same
 
 
 @pytest.mark.slow
