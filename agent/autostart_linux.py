@@ -157,8 +157,8 @@ class LinuxAutostart:
                                  f"it as it is; use it (`systemctl --user enable --now {SERVICE}`) or remove it")
         if (pid := agent_running_pid(self.state_dir)) is not None and pid != self._service_pid():
             raise AutostartError(f"an agent already runs on this data dir (pid {pid}), not as the service: stop it "
-                                 f"(Ctrl-C where it runs, or `kill {pid}`) and enable again, or the service would "
-                                 "find its data dir taken")
+                                 "(`deskfleet-agent stop`, with the same --data-dir) and enable again, or the service "
+                                 "would find its data dir taken")
         for path, text in ((self.unit_file, unit), (self.entry_file, entry)):
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from PySide6.QtGui import QGuiApplication
+from PySide6.QtGui import QGuiApplication, QTextCursor
 from PySide6.QtWidgets import (
     QComboBox,
     QDialog,
@@ -147,6 +147,7 @@ class TokenDialog(QDialog):
         self.token.setText(self._printed.strip())
 
     def _said(self, text: str) -> None:
+        self.notes.moveCursor(QTextCursor.MoveOperation.End)  # at the end, wherever a click left the cursor
         self.notes.insertPlainText(text)
 
     def _ended(self, said: str) -> None:
