@@ -191,13 +191,14 @@ def output_text(output: bytes | None) -> str:
 def agent_running_pid(state_dir: Path) -> int | None:
     """The pid of the agent that runs on this data dir now, as its status file tells (None: none runs, or it cannot
     be told)."""
-    from deskfleet.agent.status_file import StatusFileError, publisher_running, read_status_file
+    from deskfleet.agent.status_file import StatusFileError
+    from deskfleet.agent.stop_request import running_agent
 
     try:
-        published = read_status_file(state_dir)
+        running = running_agent(state_dir)
     except StatusFileError:
         return None
-    return published.pid if published is not None and publisher_running(published, time.time()) else None
+    return running.pid if running is not None else None
 
 
 def wait_for_agent(state_dir: Path, gave_up: Callable[[], bool], other_than: int | None = None,
